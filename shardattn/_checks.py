@@ -1,0 +1,84 @@
+"""Argument validation shared by every public entry point.
+
+Every check raises ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, value,
+device or combination) whose message names the argument and what was expected, before any
+kernel runs. Checks never synchronise with a GPU unless their docstring says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+def check_tensor(
+    name: str,
+    value: object,
+    *,
+    dtypes: Iterable[torch.dtype] | None = None,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check that ``value`` is a tensor with the given dtype set, rank, shape and device.
+
+    ``shape`` entries of ``None`` match any size. Returns ``value`` typed as a tensor.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dtypes is not None:
+        allowed = tuple(dtypes)
+        if value.dtype not in allowed:
+            names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+            raise TypeError(f"{name} must have dtype in ({names}), got {str(value.dtype).replace('torch.', '')}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
+    if shape is not None:
+        if value.dim() != len(shape) or any(s is not None and s != v for s, v in zip(shape, value.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {list(value.shape)}")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} must be on {device}, got {value.device}")
+    return value
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors (``None`` skipped) live on one device; returns it."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if not devices:
+        raise ValueError("no tensor given")
+    first = next(iter(devices.values()))
+    for name, dev in devices.items():
+        if dev != first:
+            names = ", ".join(f"{n}={d}" for n, d in devices.items())
+            raise ValueError(f"all tensors must be on one device; {name} differs ({names})")
+    return first
+
+
+def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
+    """``value`` is an int (not a bool, not a float) and at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            import numpy as np
+
+            if isinstance(value, np.integer):
+                value = int(value)
+            else:
+                raise TypeError
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
+    """``value`` is one of ``choices``."""
+    options = tuple(choices)
+    if value not in options:
+        raise ValueError(f"{name} must be one of {options}, got {value!r}")
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32,)

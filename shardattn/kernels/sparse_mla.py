@@ -1,0 +1,172 @@
+"""Sparse MLA attention: every query token attends to its own top-k KV rows.
+
+After weight absorption a query token has ``H`` heads of ``D = 576`` dims (512 latent + 64
+rope); the KV cache holds one ``D``-dim row per token, whose first ``Dv = 512`` dims are the
+value::
+
+    out[t, h] = softmax(scale * q[t, h] . kv[rows[t]]^T) @ kv[rows[t], :Dv]
+
+``rows`` holds global KV row ids; ``-1`` or any value outside ``[0, R)`` is invalid, anywhere in
+a row; ``topk_length[t]`` (optional) truncates row ``t`` to its first entries. A row with no
+valid key gives ``(out = 0, lse = -inf)``. Attention sinks add one logit per head to the
+softmax denominator (``lse`` then includes the sink term; an empty row gives ``(0, sink)``).
+
+This module holds the public entry point, its validation and the fp32 torch reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+
+#: Bytes of fp32 gathered KV the reference materialises at once (bounds CPU memory).
+REFERENCE_CHUNK_BYTES = 256 << 20
+
+
+def join_q(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Accept ``q`` whole (``[T, H, D]``) or split into latent and rope views.
+
+    Args:
+        q: ``[T, H, D]`` or a tuple ``(q_latent [T, H, Dl], q_rope [T, H, Dr])``.
+    Returns:
+        ``[T, H, Dl + Dr]`` (the input itself when not split).
+    """
+    if isinstance(q, tuple | list):
+        if len(q) != 2:
+            raise ValueError(f"q as a tuple must be (q_latent, q_rope), got {len(q)} parts")
+        latent, rope = q
+        check_tensor("q_latent", latent, dtypes=FLOAT_DTYPES, ndim=3)
+        check_tensor("q_rope", rope, dtypes=(latent.dtype,), shape=(latent.shape[0], latent.shape[1], None))
+        return torch.cat([latent, rope], dim=-1)
+    return q
+
+
+def check_sparse_mla_inputs(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    v_dim: int,
+    topk_length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+) -> None:
+    """Validate :func:`sparse_mla_attention` arguments; raises before any kernel runs."""
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    t, h, d = q.shape
+    check_tensor("kv", kv, dtypes=(q.dtype,), shape=(None, d))
+    check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
+    if rows.shape[0] != t:
+        raise ValueError(f"rows must have one row per query token ({t}), got shape {list(rows.shape)}")
+    if not 0 < v_dim <= d:
+        raise ValueError(f"v_dim must be in (0, {d}], got {v_dim}")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
+    check_same_device(q=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
+
+
+def valid_mask(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None) -> torch.Tensor:
+    """``[T, K]`` bool: entry is a valid key (in ``[0, R)`` and within ``topk_length``)."""
+    valid = (rows >= 0) & (rows < num_kv_rows)
+    if topk_length is not None:
+        k = rows.shape[1]
+        valid &= torch.arange(k, device=rows.device)[None, :] < topk_length[:, None].to(torch.int64)
+    return valid
+
+
+def sparse_mla_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int = 512,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (or fp64) torch reference, chunked over tokens so memory stays bounded.
+
+    Args:
+        q: ``[T, H, D]``; kv: ``[R, D]``; rows: ``[T, K]`` int32 global rows.
+        scale: softmax scale. v_dim: value width (first ``v_dim`` dims of a KV row).
+        topk_length: ``[T]`` int32 or None. sinks: ``[H]`` fp32 or None.
+        compute_dtype: float32 or float64.
+    Returns:
+        ``(out [T, H, v_dim] in q.dtype, lse [T, H] fp32)``.
+    """
+    t, h, d = q.shape
+    k = rows.shape[1]
+    r = kv.shape[0]
+    out = torch.empty(t, h, v_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out, lse
+    valid = valid_mask(rows, r, topk_length)
+    bytes_per_token = max(1, k * d * torch.finfo(compute_dtype).bits // 8)
+    chunk = max(1, min(t, REFERENCE_CHUNK_BYTES // bytes_per_token))
+    sink = sinks.to(compute_dtype) if sinks is not None else None
+    for t0 in range(0, t, chunk):
+        t1 = min(t, t0 + chunk)
+        safe_rows = torch.where(valid[t0:t1], rows[t0:t1], torch.zeros_like(rows[t0:t1])).long()
+        keys = kv[safe_rows].to(compute_dtype)  # [c, K, D]
+        qc = q[t0:t1].to(compute_dtype)  # [c, H, D]
+        s = torch.einsum("chd,ckd->chk", qc, keys) * scale
+        s = s.masked_fill(~valid[t0:t1, None, :], -math.inf)
+        m = s.amax(dim=-1)  # [c, H]
+        if sink is not None:
+            m = torch.maximum(m, sink[None, :])
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(s - m_safe[..., None])
+        denom = p.sum(dim=-1)
+        if sink is not None:
+            denom = denom + torch.exp(sink[None, :] - m_safe)
+        o = torch.einsum("chk,ckd->chd", p, keys[..., :v_dim])
+        o = o / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None]
+        out[t0:t1] = o.to(q.dtype)
+        lse[t0:t1] = torch.where(denom > 0, m_safe + torch.log(denom), torch.full_like(m, -math.inf)).float()
+    return out, lse
+
+
+def sparse_mla_attention(
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int = 512,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA attention over per-token global KV rows.
+
+    Args:
+        q: ``[T, H, D]`` fp16/bf16/fp32 (``D = 576`` for DSA models), or
+            ``(q_latent [T, H, 512], q_rope [T, H, 64])``.
+        kv: ``[R, D]`` KV rows in q's dtype; the value is ``kv[:, :v_dim]``.
+        rows: ``[T, K]`` int32 global row ids; ``-1`` / out of range = invalid, anywhere.
+        scale: softmax scale (``D ** -0.5`` for DSA models).
+        v_dim: value width, 512 for DSA models.
+        topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
+        sinks: ``[H]`` fp32 per-head sink logits, optional.
+        return_lse: also return the LSE.
+    Returns:
+        ``out [T, H, v_dim]`` in q's dtype, and ``lse [T, H]`` fp32 natural log when
+        ``return_lse``; a row with no valid key is ``(0, -inf)``.
+
+    Example:
+        >>> q, kv = torch.randn(3, 2, 16), torch.randn(10, 16)
+        >>> rows = torch.tensor([[0, 1], [-1, 9], [-1, -1]], dtype=torch.int32)
+        >>> out, lse = sparse_mla_attention(q, kv, rows, scale=0.25, v_dim=8)
+        >>> tuple(out.shape), bool(lse[2].isneginf().all()), float(out[2].abs().sum())
+        ((3, 2, 8), True, 0.0)
+    """
+    q = join_q(q)
+    check_sparse_mla_inputs(q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+    out, lse = sparse_mla_reference(q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+    return (out, lse) if return_lse else out

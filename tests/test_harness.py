@@ -1,0 +1,72 @@
+"""The --nproc worker pool: results per rank, sub-worlds, failing ranks and hung collectives."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardattn.testing.pool import RankFailed, RankTimeout
+
+
+def _rank_and_sum(group: dist.ProcessGroup, offset: int) -> tuple[int, int, int]:
+    rank = dist.get_rank(group)
+    t = torch.tensor([rank + offset])
+    dist.all_reduce(t, group=group)
+    return rank, dist.get_world_size(group), int(t.item())
+
+
+def _fail_on_rank_one(group: dist.ProcessGroup) -> None:
+    if dist.get_rank(group) == 1:
+        raise ValueError("rank one says no")
+    dist.barrier(group=group)  # the others wait for the dead rank
+
+
+def _rank_zero_waits_forever(group: dist.ProcessGroup) -> None:
+    if dist.get_rank(group) == 0:
+        t = torch.zeros(1)
+        dist.recv(t, src=1, group=group)  # nobody sends
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"world{w}")
+def test_pool_runs_on_every_rank_of_a_sub_world(dist_pool, world_size: int) -> None:
+    results = dist_pool.run(_rank_and_sum, 10, world_size=world_size)
+    expected_sum = sum(r + 10 for r in range(world_size))
+    assert results == [(r, world_size, expected_sum) for r in range(world_size)]
+
+
+@pytest.mark.distributed
+def test_failing_rank_is_named_and_pool_recovers(dist_pool, nproc: int) -> None:
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 failed[\s\S]*ValueError: rank one says no"):
+        dist_pool.run(_fail_on_rank_one, world_size=2, timeout=60)
+    assert time.monotonic() - start < 30, "the other rank must not hang the call"
+    assert dist_pool.run(_rank_and_sum, 0, world_size=2) == [(0, 2, 1), (1, 2, 1)]
+
+
+@pytest.mark.distributed
+def test_hung_collective_times_out_and_pool_recovers(dist_pool, nproc: int) -> None:
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    with pytest.raises(RankTimeout, match=r"ranks \[0\] of 2 did not finish within 3 s"):
+        dist_pool.run(_rank_zero_waits_forever, world_size=2, timeout=3)
+    assert dist_pool.run(_rank_and_sum, 1, world_size=2)[0] == (0, 2, 3)
+
+
+@pytest.mark.distributed
+def test_body_runs_on_every_rank(group, nproc: int) -> None:
+    world = dist.get_world_size(group)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    assert world == nproc
+    assert t.item() == world
+
+
+def test_world_size_above_nproc_skips(dist_pool, nproc: int) -> None:
+    with pytest.raises(pytest.skip.Exception, match=f"needs {nproc + 1} ranks"):
+        dist_pool.run(_rank_and_sum, 0, world_size=nproc + 1)
