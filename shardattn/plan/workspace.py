@@ -1,0 +1,234 @@
+"""Per-rank workspace bounds: what the Runtime reserves once for a configuration.
+
+Every buffer a step of one mode needs is bounded here from the configuration alone, so the
+Runtime can reserve it at start-up and graph-visible buffers never move. Notation (per rank):
+
+* ``M`` max batched tokens of a step, ``W`` world size of the mode's group, ``H`` query heads of
+  the model, ``Hl = H / tp_size`` heads a rank holds under head tensor parallelism.
+* ``D`` head dim (576 for MLA), ``Dv`` value dim (512), ``K`` top-k, ``G`` queries per group.
+* ``N`` tokens the grouped kernel handles in one pass on a rank, ``Nmax`` the most tokens a
+  rank can hold in a step (``N`` plus the alignment slack of :func:`zigzag_split`, which may
+  put up to ``2G - 1`` tokens more than ``ceil(T / W)`` on one rank). A rank holding more than
+  ``N`` tokens runs the grouped kernel in passes of at most ``N`` over the same union buffer.
+
+Modes:
+
+* ``shardq``: tokens split over ``W`` (= TP) ranks, every rank runs all ``H`` heads;
+  ``N = ceil(ceil(M / W) / G) * G``.
+* ``headtp``: no token split; a rank runs all ``M`` tokens with ``H / W`` heads; ``N = M``.
+* ``pcp``: tokens split over ``W`` PCP ranks (``Hl`` heads each); the new KV rows are
+  all-gathered (``W * Nmax`` rows).
+* ``dcp-decode``: ``M`` decode query tokens; a rank gathers the ``Hl`` heads of its ``W`` DCP
+  peers (``W * Hl`` heads) and attends over its KV shard, then the collector merges.
+
+Union entries are int32 (24-bit row + 8 membership bits); a group of ``g <= G`` queries has room
+for ``g * K`` entries, so the union of ``N`` tokens needs ``N * K * 4`` bytes. Example (the
+contract): GLM-5, 65,536 batched tokens, TP4, ``G = 2``, top-k 2048: ``N = 16,384`` and the union
+is ``16,384 / 2`` groups ``* 4,096`` entries ``* 4 B = 134,217,728 B``.
+
+>>> from shardattn.plan.spec import get_preset
+>>> wb = workspace_bounds(get_preset("glm5"), max_batched_tokens=65536, world_size=4, mode="shardq")
+>>> wb.group_size, wb.rank_tokens, wb.union
+(2, 16384, 134217728)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardattn._checks import check_choice, check_int
+from shardattn.plan.routing import grouped_group_size
+from shardattn.plan.spec import DTYPE_BYTES, ModelSpec
+
+__all__ = ["WORKSPACE_ITEMS", "WORKSPACE_MODES", "WorkspaceBounds", "workspace_bounds"]
+
+WORKSPACE_MODES = ("shardq", "headtp", "pcp", "dcp-decode")
+WORKSPACE_ITEMS = (
+    "union",
+    "union_offsets",
+    "topk_rows",
+    "packed_q",
+    "out",
+    "lse",
+    "send",
+    "recv",
+    "split_partials",
+)
+_INDEX_BYTES = 4
+_F32 = 4
+
+
+@dataclass(frozen=True)
+class WorkspaceBounds:
+    """Itemised per-rank byte bounds of one configuration (see the module docstring).
+
+    Items (bytes; 0 where the mode has no such buffer):
+        union: grouped top-k union entries (int32), one pass of ``rank_tokens`` tokens.
+        union_offsets: per-group start and length of the union (int32).
+        topk_rows: top-k indices converted to KV rows / local positions (int32).
+        packed_q: query rows the kernel reads (all-to-all or all-gather output, or 0 if the
+            caller's query is used in place).
+        out: attention output of the rank's tokens and heads (out dtype).
+        lse: fp32 log-sum-exp of the rank's tokens and heads.
+        send: collective send buffers (all-to-all in / out, own KV rows).
+        recv: collective receive buffers (outputs back, gathered KV, gathered LSE, reduce-scatter).
+        split_partials: fp32 split-KV decode partials (out and LSE per split).
+    """
+
+    mode: str
+    world_size: int
+    group_size: int
+    rank_tokens: int
+    rank_tokens_max: int
+    heads: int
+    union: int
+    union_offsets: int
+    topk_rows: int
+    packed_q: int
+    out: int
+    lse: int
+    send: int
+    recv: int
+    split_partials: int
+    formulas: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def items(self) -> dict[str, int]:
+        """``{item: bytes}`` in the fixed order of ``WORKSPACE_ITEMS``."""
+        return {name: getattr(self, name) for name in WORKSPACE_ITEMS}
+
+    @property
+    def total(self) -> int:
+        return sum(self.items.values())
+
+    def table(self) -> list[dict[str, object]]:
+        """One row per item (``item``, ``bytes``, ``MiB``, ``formula``) and a ``total`` row."""
+        f = dict(self.formulas)
+        rows: list[dict[str, object]] = [
+            {"item": k, "bytes": v, "MiB": round(v / 2**20, 3), "formula": f.get(k, "")} for k, v in self.items.items()
+        ]
+        rows.append({"item": "total", "bytes": self.total, "MiB": round(self.total / 2**20, 3), "formula": ""})
+        return rows
+
+
+def _dtype_bytes(name: str, value: str | None, default: str) -> int:
+    value = default if value is None else value
+    check_choice(name, value, tuple(DTYPE_BYTES))
+    return DTYPE_BYTES[value]
+
+
+def workspace_bounds(
+    spec: ModelSpec,
+    *,
+    max_batched_tokens: int,
+    world_size: int,
+    mode: str,
+    tp_size: int = 1,
+    group_size: int | None = None,
+    topk: int | None = None,
+    num_kv_splits: int = 1,
+    q_dtype: str | None = None,
+    kv_dtype: str | None = None,
+    out_dtype: str | None = None,
+) -> WorkspaceBounds:
+    """Per-rank workspace bounds of ``spec`` for a step of ``mode``.
+
+    Args:
+        spec: the model (heads, dims, top-k, dtype).
+        max_batched_tokens: ``M``, the most new tokens in a step.
+        world_size: ``W``: TP size for ``shardq`` / ``headtp``, PCP or DCP size otherwise.
+        mode: one of ``WORKSPACE_MODES``.
+        tp_size: head tensor parallelism inside a PCP / DCP rank (``Hl = H / tp_size``).
+        group_size: ``G`` in (1, 2, 4, 8); default: ``128 / heads`` when that is 2, 4 or 8 (the
+            kernel's heads per rank in that mode), else 1; 1 for ``dcp-decode``.
+        topk: ``K``; default ``spec.topk`` (0 for dense GQA).
+        num_kv_splits: split-KV chunks of the decode kernel (``dcp-decode``); 1 = no split.
+        q_dtype, kv_dtype, out_dtype: dtype names; default ``spec.dtype``.
+
+    With ``group_size`` given, every item is non-decreasing in ``max_batched_tokens``, the
+    heads, dims, ``topk``, ``group_size``, ``num_kv_splits`` and the dtype sizes; in
+    ``world_size`` and ``tp_size`` every item is monotone (a per-rank share shrinks, a gathered
+    buffer grows) but the total of ``pcp`` / ``dcp-decode`` need not be. (With the default
+    ``group_size`` the heads also pick ``G``, which rounds ``N``.)
+    """
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
+    m = check_int("max_batched_tokens", max_batched_tokens, minimum=0)
+    w = check_int("world_size", world_size, minimum=1)
+    check_choice("mode", mode, WORKSPACE_MODES)
+    tp = check_int("tp_size", tp_size, minimum=1)
+    s = check_int("num_kv_splits", num_kv_splits, minimum=1)
+    k = spec.topk if topk is None else check_int("topk", topk, minimum=0)
+    bq = _dtype_bytes("q_dtype", q_dtype, spec.dtype)
+    bkv = _dtype_bytes("kv_dtype", kv_dtype, spec.dtype)
+    bo = _dtype_bytes("out_dtype", out_dtype, spec.dtype)
+    h, d, dv = spec.num_heads, spec.head_dim, spec.v_dim
+    if mode in ("shardq", "headtp"):
+        if h % w:
+            raise ValueError(f"num_heads ({h}) must be divisible by world_size ({w}) in mode {mode!r}")
+        kernel_heads = h if mode == "shardq" else h // w
+    else:
+        if h % tp:
+            raise ValueError(f"num_heads ({h}) must be divisible by tp_size ({tp})")
+        kernel_heads = h // tp if mode == "pcp" else w * (h // tp)
+    if group_size is None:
+        g = 1 if mode == "dcp-decode" else (grouped_group_size(kernel_heads) or 1)
+    else:
+        g = check_int("group_size", group_size, minimum=1)
+        check_choice("group_size", g, (1, 2, 4, 8))
+    slack = 0 if g == 1 else 2 * g - 1
+    item: dict[str, tuple[int, str]] = {}
+
+    if mode in ("headtp", "dcp-decode"):
+        n = n_max = m
+    else:
+        per_rank = -(-m // w)  # ceil(M / W)
+        n = -(-per_rank // g) * g  # rounded up to whole groups
+        n_max = n + slack
+    if mode != "dcp-decode" and k:
+        item["union"] = (n * k * _INDEX_BYTES, "N * K * 4 (N/G groups of G*K int32 entries)")
+        item["union_offsets"] = (2 * n * _INDEX_BYTES, "2 * N * 4 (start and length per group, room for G = 1)")
+    if k:
+        item["topk_rows"] = (n_max * k * _INDEX_BYTES, "Nmax * K * 4")
+    hl = h // w if mode in ("shardq", "headtp") else h // tp
+    if mode == "shardq":
+        item["packed_q"] = (n_max * h * d * bq, "Nmax * H * D * q_bytes (all-to-all in, output)")
+        item["out"] = (n_max * h * dv * bo, "Nmax * H * Dv * out_bytes")
+        item["lse"] = (n_max * h * _F32, "Nmax * H * 4")
+        item["send"] = (
+            w * n_max * hl * d * bq,
+            "W * Nmax * (H/W) * D * q_bytes (own heads, rank-major: all-to-all in; out is sent from `out`)",
+        )
+        item["recv"] = (w * n_max * hl * dv * bo, "W * Nmax * (H/W) * Dv * out_bytes (outputs back)")
+    elif mode == "headtp":
+        item["out"] = (m * hl * dv * bo, "M * (H/W) * Dv * out_bytes")
+        item["lse"] = (m * hl * _F32, "M * (H/W) * 4")
+    elif mode == "pcp":
+        gathered = m + w * (slack + 1) - 1  # >= W * Nmax for any step, and monotone in W
+        item["out"] = (n_max * hl * dv * bo, "Nmax * Hl * Dv * out_bytes")
+        item["lse"] = (n_max * hl * _F32, "Nmax * Hl * 4")
+        item["send"] = (n_max * d * bkv, "Nmax * D * kv_bytes (own new KV rows)")
+        item["recv"] = (gathered * d * bkv, "(M + W*(slack+1) - 1) * D * kv_bytes (all-gathered KV)")
+    else:  # dcp-decode
+        hc = w * hl
+        item["packed_q"] = (m * hc * d * bq, "M * W*Hl * D * q_bytes (all-gathered query heads)")
+        item["out"] = (m * hc * dv * _F32, "M * W*Hl * Dv * 4 (fp32 partial output over the shard)")
+        item["lse"] = (m * hc * _F32, "M * W*Hl * 4 (partial LSE)")
+        item["send"] = (m * hl * d * bq, "M * Hl * D * q_bytes (own query heads)")
+        item["recv"] = (
+            w * m * hc * _F32 + m * hl * dv * bo,
+            "W * M * W*Hl * 4 (gathered LSEs) + M * Hl * Dv * out_bytes (reduce-scatter output)",
+        )
+        if s > 1:
+            item["split_partials"] = (m * hc * s * (dv + 1) * _F32, "M * W*Hl * S * (Dv + 1) * 4")
+    values = {name: item.get(name, (0, ""))[0] for name in WORKSPACE_ITEMS}
+    return WorkspaceBounds(
+        mode=mode,
+        world_size=w,
+        group_size=g,
+        rank_tokens=n,
+        rank_tokens_max=n_max,
+        heads=kernel_heads,
+        formulas=tuple((name, f) for name, (_, f) in item.items()),
+        **values,
+    )

@@ -1,0 +1,136 @@
+"""Workspace bounds: the contract example, monotonicity in every input, coverage of real plans."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardattn.plan import (
+    WORKSPACE_ITEMS,
+    WORKSPACE_MODES,
+    get_preset,
+    pcp_plan,
+    workspace_bounds,
+    zigzag_split,
+)
+
+GLM5 = get_preset("glm5")
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
+
+
+def test_contract_union_example():
+    # 65,536 batched tokens, TP4, 2 queries per group, top-k 2048: 16,384 / 2 * 4,096 * 4 B
+    wb = workspace_bounds(GLM5, max_batched_tokens=65536, world_size=4, mode="shardq", group_size=2, topk=2048)
+    assert wb.union == 134_217_728 == 16_384 // 2 * 4_096 * 4
+    assert wb.rank_tokens == 16_384 and wb.group_size == 2
+    auto = workspace_bounds(GLM5, max_batched_tokens=65536, world_size=4, mode="shardq")
+    assert auto.union == wb.union and auto.group_size == 2
+
+
+def test_table_rows_and_total():
+    wb = workspace_bounds(GLM5, max_batched_tokens=8192, world_size=4, mode="shardq")
+    rows = wb.table()
+    assert [r["item"] for r in rows] == [*WORKSPACE_ITEMS, "total"]
+    assert rows[-1]["bytes"] == wb.total == sum(wb.items.values())
+    assert all(r["formula"] for r in rows[:-1] if r["bytes"])
+    # shardq moves queries and outputs: both sides of the all-to-all are itemised
+    assert wb.send > 0 and wb.recv > 0 and wb.packed_q > 0 and wb.split_partials == 0
+
+
+@pytest.mark.parametrize("mode", WORKSPACE_MODES)
+def test_every_mode_has_its_items(mode):
+    wb = workspace_bounds(GLM5, max_batched_tokens=4096, world_size=2, mode=mode, num_kv_splits=4)
+    assert wb.out > 0 and wb.lse > 0
+    assert (wb.union > 0) == (mode != "dcp-decode")
+    assert (wb.split_partials > 0) == (mode == "dcp-decode")
+    assert (wb.recv > 0) == (mode != "headtp")
+
+
+def test_headtp_groups_at_sixteen_heads():
+    wb = workspace_bounds(GLM5, max_batched_tokens=1000, world_size=4, mode="headtp")
+    assert wb.group_size == 8 and wb.heads == 16 and wb.rank_tokens == 1000
+
+
+@SETTINGS
+@given(
+    st.sampled_from(WORKSPACE_MODES),
+    st.sampled_from(["glm5", "deepseek-v32", "gqa-64-8"]),
+    st.integers(1, 70000),
+    st.sampled_from([1, 2, 4, 8]),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(0, 4096),
+    st.integers(1, 8),
+)
+def test_monotone_in_every_input(mode, preset, tokens, w, tp, g, topk, splits):
+    spec = get_preset(preset)
+    base = dict(max_batched_tokens=tokens, world_size=w, mode=mode, tp_size=tp, group_size=g, topk=topk)
+    base["num_kv_splits"] = splits
+
+    def items(spec_=spec, **kw):
+        return workspace_bounds(spec_, **{**base, **kw}).items
+
+    ref = items()
+    bigger = [
+        items(max_batched_tokens=tokens + 1),
+        items(max_batched_tokens=2 * tokens),
+        items(topk=topk + 1),
+        items(num_kv_splits=splits + 1),
+        items(q_dtype="float32", kv_dtype="float32", out_dtype="float32"),
+        items(spec_=dataclasses.replace(spec, head_dim=spec.head_dim + 16)),
+        items(spec_=dataclasses.replace(spec, v_dim=spec.v_dim + 16, head_dim=spec.head_dim + 16)),
+        items(spec_=dataclasses.replace(spec, num_heads=spec.num_heads * 2)),
+    ]
+    if g < 8:
+        bigger.append(items(group_size=g * 2))
+    for other in bigger:
+        assert all(other[k] >= ref[k] for k in WORKSPACE_ITEMS), (ref, other)
+    # world size and tp size: each item moves one way only over the whole range
+    for key, values in (("world_size", [1, 2, 4, 8]), ("tp_size", [1, 2, 4])):
+        series = [items(**{key: v}) for v in values]
+        for k in WORKSPACE_ITEMS:
+            seq = [s[k] for s in series]
+            assert seq == sorted(seq) or seq == sorted(seq, reverse=True), (key, k, seq)
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=8), st.sampled_from([2, 4, 8]), st.sampled_from([1, 2, 4]))
+def test_bounds_cover_real_plans(lens, w, g):
+    m = sum(lens)
+    wb = workspace_bounds(GLM5, max_batched_tokens=m, world_size=w, mode="shardq", group_size=g)
+    plan = zigzag_split(lens, w, align=g, min_tokens=0)
+    assert plan.padded_count <= wb.rank_tokens_max
+    assert plan.padded_count * GLM5.num_heads * GLM5.head_dim * 2 <= wb.packed_q
+    pwb = workspace_bounds(GLM5, max_batched_tokens=m, world_size=w, mode="pcp", group_size=g)
+    pplan = pcp_plan(lens, w, align=g)
+    assert pplan.gathered_rows * GLM5.head_dim * 2 <= pwb.recv
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (dict(mode="ring"), ValueError, "mode must be one of"),
+        (dict(world_size=0), ValueError, "world_size must be >= 1"),
+        (dict(world_size=3), ValueError, r"num_heads \(64\) must be divisible by world_size \(3\)"),
+        (dict(max_batched_tokens=-1), ValueError, "max_batched_tokens must be >= 0"),
+        (dict(group_size=3), ValueError, "group_size must be one of"),
+        (dict(topk=-1), ValueError, "topk must be >= 0"),
+        (dict(q_dtype="int4"), ValueError, "q_dtype must be one of"),
+        (dict(mode="pcp", tp_size=5), ValueError, r"divisible by tp_size \(5\)"),
+        (dict(num_kv_splits=0), ValueError, "num_kv_splits must be >= 1"),
+    ],
+    ids=["mode", "world-0", "heads-not-divisible", "tokens-negative", "group-3", "topk", "dtype", "tp", "splits"],
+)
+def test_bad_arguments_raise(kwargs, exc, match):
+    args = dict(max_batched_tokens=1024, world_size=4, mode="shardq")
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        workspace_bounds(GLM5, **args)
+
+
+def test_spec_must_be_a_model_spec():
+    with pytest.raises(TypeError, match="spec must be a ModelSpec"):
+        workspace_bounds("glm5", max_batched_tokens=1, world_size=1, mode="shardq")
