@@ -17,6 +17,12 @@ All ``-inf`` gives ``(0, -inf)``, never NaN. Derivation: each partial is
 Foreign kernels differ and are converted here, once, at the boundary:
 FlashInfer returns base-2 LSEs (:func:`lse_from_base2`); FlashMLA returns ``+inf`` for
 empty rows (:func:`lse_from_pos_inf_empty`).
+
+On CUDA tensors (or under ``TRITON_INTERPRET=1``) :func:`lse_merge` runs the Triton kernel
+``_lse_merge_kernel`` (one program per ``BLOCK_R`` rows of ``(t, h)``, two passes over the ``P``
+LSEs, one over the partial outputs); it is tested against :func:`lse_merge_reference`. The
+kernel is capture-safe: no host synchronisation, and no allocation when ``out=`` / ``lse_out=``
+are given.
 """
 
 from __future__ import annotations
@@ -26,6 +32,13 @@ import math
 import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from shardattn.kernels.registry import use_triton
+
+try:  # Triton is optional: without it every path runs the torch reference.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = None
 
 LN2 = math.log(2.0)
 
@@ -95,16 +108,24 @@ def check_merge_inputs(outs: torch.Tensor, lses: torch.Tensor) -> None:
         raise ValueError(f"outs must hold at least one partial, got shape {list(outs.shape)}")
 
 
-def lse_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lse_merge(
+    outs: torch.Tensor,
+    lses: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``P`` partial attention results by their LSEs.
 
     Args:
         outs: ``[P, T, H, D]`` partial outputs (fp16 / bf16 / fp32).
         lses: ``[P, T, H]`` fp32 natural-log LSEs; ``-inf`` marks an empty partial row.
             Convert foreign LSEs first (:func:`lse_from_base2`, :func:`lse_from_pos_inf_empty`).
+        out: optional ``[T, H, D]`` destination (any float dtype; a CUDA graph passes its own).
+        lse_out: optional ``[T, H]`` fp32 destination.
     Returns:
-        ``(out [T, H, D] in outs.dtype, lse [T, H] fp32)``; a row empty in every partial is
-        ``(0, -inf)``.
+        ``(out [T, H, D] in outs.dtype (or out's dtype), lse [T, H] fp32)``; a row empty in every
+        partial is ``(0, -inf)``. On CUDA tensors the Triton kernel runs, else the reference.
 
     Example:
         >>> outs, lses = torch.ones(2, 3, 4, 8), torch.zeros(2, 3, 4)
@@ -113,4 +134,125 @@ def lse_merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, tor
         ((3, 4, 8), (3, 4), 0.6931)
     """
     check_merge_inputs(outs, lses)
-    return lse_merge_reference(outs, lses)
+    _, t, h, d = outs.shape
+    if out is not None:
+        check_tensor("out", out, dtypes=FLOAT_DTYPES, shape=(t, h, d))
+    if lse_out is not None:
+        check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(t, h))
+    check_same_device(outs=outs, out=out, lse_out=lse_out)
+    if triton is None or not use_triton(outs):
+        ref_out, ref_lse = lse_merge_reference(outs, lses)
+        if out is None and lse_out is None:
+            return ref_out, ref_lse
+        out = ref_out if out is None else out.copy_(ref_out)
+        lse_out = ref_lse if lse_out is None else lse_out.copy_(ref_lse)
+        return out, lse_out
+    out = torch.empty(t, h, d, dtype=outs.dtype, device=outs.device) if out is None else out
+    lse_out = torch.empty(t, h, dtype=torch.float32, device=outs.device) if lse_out is None else lse_out
+    launch_lse_merge(outs, lses, out, lse_out)
+    return out, lse_out
+
+
+def launch_lse_merge(
+    outs: torch.Tensor,
+    lses: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    block_elems: int = 4096,
+    num_warps: int = 4,
+) -> None:
+    """Launch the Triton merge kernel on validated tensors (no checks, no allocation, no sync).
+
+    Args:
+        outs: ``[P, T, H, D]``; lses: ``[P, T, H]`` fp32; out: ``[T, H, D]``; lse: ``[T, H]`` fp32.
+        Any strides; ``D`` is read in one tile (``next_power_of_2(D)`` lanes).
+        block_elems, num_warps: tile size (rows x padded D) and warps of one program (tuning).
+    """
+    p, t, h, d = outs.shape
+    n_rows = t * h
+    if n_rows == 0:
+        return
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, min(64, block_elems // block_d))
+    grid = (triton.cdiv(n_rows, block_r),)
+    _lse_merge_kernel[grid](
+        outs,
+        lses,
+        out,
+        lse,
+        p,
+        h,
+        d,
+        n_rows,
+        outs.stride(0),
+        outs.stride(1),
+        outs.stride(2),
+        outs.stride(3),
+        lses.stride(0),
+        lses.stride(1),
+        lses.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _lse_merge_kernel(
+        Outs,
+        Lses,
+        Out,
+        Lse,
+        P,
+        H,
+        D,
+        n_rows,
+        stride_op,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_lp,
+        stride_lt,
+        stride_lh,
+        stride_yt,
+        stride_yh,
+        stride_yd,
+        stride_zt,
+        stride_zh,
+        BLOCK_R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """Merge rows ``[pid * BLOCK_R, ...)`` of the flattened ``(t, h)`` axis over ``P`` partials."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        offs_d = tl.arange(0, BLOCK_D)
+        rmask = rows < n_rows
+        t = (rows // H).to(tl.int64)
+        h = (rows % H).to(tl.int64)
+        lse_ptrs = Lses + t * stride_lt + h * stride_lh
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for i in range(P):
+            m = tl.maximum(m, tl.load(lse_ptrs + i * stride_lp, mask=rmask, other=float("-inf")))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        omask = rmask[:, None] & (offs_d[None, :] < D)
+        o_ptrs = Outs + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :] * stride_od
+        for i in range(P):
+            w = tl.exp(tl.load(lse_ptrs + i * stride_lp, mask=rmask, other=float("-inf")) - m_safe)
+            o = tl.load(o_ptrs + i * stride_op, mask=omask, other=0.0).to(tl.float32)
+            total += w
+            # an empty partial (w = 0) contributes nothing, even if its output holds garbage
+            acc += tl.where(w[:, None] > 0, w[:, None] * o, 0.0)
+        lse = tl.where(total > 0, m_safe + tl.log(total), float("-inf"))
+        res = acc / tl.where(total > 0, total, 1.0)[:, None]
+        y_ptrs = Out + t[:, None] * stride_yt + h[:, None] * stride_yh + offs_d[None, :] * stride_yd
+        tl.store(y_ptrs, res.to(Out.dtype.element_ty), mask=omask)
+        tl.store(Lse + t * stride_zt + h * stride_zh, lse, mask=rmask)

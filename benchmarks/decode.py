@@ -1,0 +1,266 @@
+"""Decode benchmarks (one GPU): GQA paged decode (Triton vs FlashInfer XQA), sparse-MLA decode,
+LSE merge, and a CUDA-graph-captured decode step vs eager. Prints a table, writes JSON.
+
+Baselines are measured in the same run: a device-to-device copy (bytes read + written) for the
+memory-bound kernels, FlashInfer XQA (when importable) for GQA decode.
+
+    python benchmarks/decode.py --json decode.json            # everything
+    python benchmarks/decode.py --only gqa,merge               # a subset
+    python benchmarks/decode.py --warm-xqa                     # JIT-compile the XQA variants only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from shardattn.kernels import flashinfer_xqa
+from shardattn.kernels.gqa_decode import gqa_paged_decode
+from shardattn.kernels.lse_merge import launch_lse_merge, lse_merge
+from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
+
+RESULTS: list[dict] = []
+
+
+def bench_ms(fn, warmup: int = 30, rep: int = 200) -> float:
+    """Median milliseconds of ``fn`` over CUDA events (after ``warmup`` ms of warm-up)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def graph_ms(fn) -> float:
+    """Median milliseconds of ``fn`` replayed from a CUDA graph (kernel time, no host overhead)."""
+    return bench_ms(graph_of(fn).replay)
+
+
+def graph_of(fn):
+    """Capture ``fn`` (already warmed up) into a CUDA graph; returns the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def record(section: str, name: str, ms: float, nbytes: float | None = None, **extra) -> dict:
+    row = {"section": section, "name": name, "us": ms * 1e3, **extra}
+    if nbytes is not None:
+        row["bytes"] = nbytes
+        row["TB/s"] = nbytes / (ms * 1e-3) / 1e12
+    RESULTS.append(row)
+    extras = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
+    tbs = f"{row['TB/s']:6.2f} TB/s" if nbytes is not None else " " * 11
+    print(f"{section:8s} {name:44s} {row['us']:9.1f} us {tbs} {extras}", flush=True)
+    return row
+
+
+def copy_bandwidth() -> float:
+    x = torch.randn(512 << 20, device="cuda", dtype=torch.float32)  # 2 GiB
+    y = torch.empty_like(x)
+    ms = bench_ms(lambda: y.copy_(x))
+    return record("copy", "device copy 2 GiB (read + write)", ms, 2 * x.numel() * 4)["TB/s"]
+
+
+def gqa_inputs(batch, ctx, q_len, hq=64, hkv=8, d=64, page=32, ragged=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages_per = -(-ctx // page)
+    num_pages = batch * pages_per
+    k = torch.randn(num_pages, page, hkv, d, device="cuda", generator=g).bfloat16()
+    v = torch.randn(num_pages, page, hkv, d, device="cuda", generator=g).bfloat16()
+    table = torch.randperm(num_pages, device="cuda", generator=g).view(batch, pages_per).int()
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    kw = {}
+    if ragged:
+        q_lens = torch.randint(1, q_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+        cu = torch.zeros(batch + 1, dtype=torch.int32)
+        cu[1:] = q_lens.cumsum(0)
+        kw = {"cu_q_lens": cu.cuda(), "max_q_len": q_len}
+        total = int(cu[-1])
+    else:
+        kw = {"q_len_per_req": q_len}
+        total = batch * q_len
+    q = torch.randn(total, hq, d, device="cuda", generator=g).bfloat16()
+    nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2  # K and V once, q in, out back
+    return (q, k, v, table, lens), kw, nbytes
+
+
+def bench_gqa(copy_tbs: float, sweep: bool = False) -> None:
+    for label, q_len, ragged in [
+        ("single token", 1, False),
+        ("uniform drafts 4", 4, False),
+        ("ragged drafts 1-4", 4, True),
+    ]:
+        args, kw, nbytes = gqa_inputs(64, 8192, q_len, ragged=ragged)
+        ref = None
+        times = {}
+        for backend in ("triton", "flashinfer"):
+            reason = flashinfer_xqa.unavailable_reason(args[0], args[1]) if backend == "flashinfer" else None
+            if reason is not None:
+                print(f"gqa      {label} on XQA skipped: {reason}", flush=True)
+                continue
+            out = gqa_paged_decode(*args, backend=backend, **kw)
+            if ref is None:
+                ref = out
+            else:
+                err = (out.float() - ref.float()).abs().max().item()
+                print(f"gqa      {label}: max |xqa - triton| = {err:.3g}", flush=True)
+            ms = graph_ms(lambda b=backend, a=args, k=kw: gqa_paged_decode(*a, backend=b, **k))
+            times[backend] = ms
+            record(
+                "gqa",
+                f"B64 L8192 64q/8kv d64 p32 {label} {backend}",
+                ms,
+                nbytes,
+                copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs,
+            )
+        if len(times) == 2:
+            RESULTS[-1]["triton_over_xqa_speed"] = times["flashinfer"] / times["triton"]
+            print(f"gqa      {label}: Triton speed / XQA speed = {times['flashinfer'] / times['triton']:.3f}")
+
+
+def bench_sparse(copy_tbs: float, sweep: bool = False) -> None:
+    r = 1 << 18  # KV rows (256K x 576 bf16 = 302 MB)
+    kv = torch.randn(r, 576, device="cuda").bfloat16()
+    for heads in (128, 16):
+        for batch in (1, 8, 32, 64, 128, 256):
+            q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+            rows = torch.stack([torch.randperm(r, device="cuda")[:2048] for _ in range(batch)]).int()
+            nbytes = batch * 2048 * 576 * 2 + q.numel() * 2 + batch * heads * (512 * 2 + 4) + rows.numel() * 4
+            for unique in (True, False):
+                ms = graph_ms(
+                    lambda q=q, rows=rows, u=unique: sparse_mla_decode(q, kv, rows, scale=576**-0.5, rows_unique=u)
+                )
+                record(
+                    "sparse",
+                    f"H{heads} B{batch} topk2048 {'rows_unique' if unique else 'dedup'}",
+                    ms,
+                    nbytes,
+                    copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs,
+                )
+
+    if not sweep:
+        return
+    # calibration of the split heuristic and tile sizes: fixed choices at a few shapes
+    for heads, batch in ((128, 8), (128, 64), (128, 256), (16, 8), (16, 64), (16, 256)):
+        q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+        rows = torch.stack([torch.randperm(r, device="cuda")[:2048] for _ in range(batch)]).int()
+        nbytes = batch * 2048 * 576 * 2
+        variants = [(s, bn, w) for s in (1, 2, 4, 8) for bn in (32, 64) for w in ((8,) if heads > 32 else (4, 8))]
+        for splits, bn, warps in variants:
+            if batch == 256 and splits > 1:
+                continue
+            ms = graph_ms(
+                lambda q=q, rows=rows, c={"BLOCK_N": bn, "num_warps": warps}, s=splits: sparse_mla_decode(
+                    q, kv, rows, scale=576**-0.5, rows_unique=True, num_splits=s, config=c
+                )
+            )
+            record("sweep", f"H{heads} B{batch} splits={splits} BLOCK_N={bn} warps={warps}", ms, nbytes)
+
+
+def bench_merge(copy_tbs: float, sweep: bool = False) -> None:
+    t, h, d = 4096, 16, 512
+    for p in (2, 4, 8):
+        outs = torch.randn(p, t, h, d, device="cuda").bfloat16()
+        lses = torch.randn(p, t, h, device="cuda")
+        out = torch.empty(t, h, d, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(t, h, device="cuda")
+        nbytes = outs.numel() * 2 + lses.numel() * 4 + out.numel() * 2 + lse.numel() * 4
+        ms = graph_ms(lambda a=outs, b=lses, c=out, d=lse: lse_merge(a, b, out=c, lse_out=d))
+        record("merge", f"P{p} T{t} H{h} D{d} bf16", ms, nbytes, copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs)
+        for elems, warps in ((2048, 4), (8192, 4), (8192, 8), (16384, 8)) if sweep else ():
+            ms = graph_ms(
+                lambda a=outs, b=lses, c=out, d=lse, e=elems, w=warps: launch_lse_merge(
+                    a, b, c, d, block_elems=e, num_warps=w
+                )
+            )
+            record(
+                "sweep",
+                f"merge P{p} block_elems={elems} warps={warps}",
+                ms,
+                nbytes,
+                copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs,
+            )
+
+
+def bench_graph() -> None:
+    cases = []
+    args, kw, _ = gqa_inputs(8, 1024, 1)
+    cases.append(
+        (
+            "gqa B8 L1024 triton (split + merge)",
+            lambda: gqa_paged_decode(*args, backend="triton", return_lse=True, **kw),
+        )
+    )
+    kv = torch.randn(1 << 16, 576, device="cuda").bfloat16()
+    q = torch.randn(1, 16, 576, device="cuda").bfloat16()
+    rows = torch.randperm(1 << 16, device="cuda")[:2048].int()[None]
+    cases.append(("sparse-MLA B1 H16 (dedup + kernel + merge)", lambda: sparse_mla_decode(q, kv, rows, scale=0.04)))
+    for name, fn in cases:
+        eager = bench_ms(fn)
+        g = graph_of(fn)
+        replay = bench_ms(g.replay)
+        record("graph", name + " eager", eager)
+        record("graph", name + " graph replay", replay, saving_us=(eager - replay) * 1e3)
+
+
+def warm_xqa() -> None:
+    """Compile the XQA variants the benchmark and the GPU tests use (JIT, once per machine)."""
+    t0 = time.time()
+    for q_len, ragged in ((1, False), (4, False), (4, True)):
+        args, kw, _ = gqa_inputs(2, 256, q_len, ragged=ragged)
+        reason = flashinfer_xqa.unavailable_reason(args[0], args[1])
+        if reason is not None:
+            print("XQA unavailable:", reason)
+            return
+        gqa_paged_decode(*args, backend="flashinfer", **kw)
+        torch.cuda.synchronize()
+        print(f"XQA q_len={q_len} ragged={ragged} ready after {time.time() - t0:.0f} s", flush=True)
+
+
+def save(path: str, copy_tbs: float) -> None:
+    with open(path, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "copy_TB/s": copy_tbs, "results": RESULTS}, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="decode.json")
+    parser.add_argument("--only", default="gqa,sparse,merge,graph")
+    parser.add_argument("--warm-xqa", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also time fixed tile/split variants")
+    args = parser.parse_args()
+    if args.warm_xqa:
+        warm_xqa()
+        return
+    torch.manual_seed(0)
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    copy_tbs = copy_bandwidth()
+    only = set(args.only.split(","))
+    for key, fn in (("merge", bench_merge), ("sparse", bench_sparse), ("gqa", bench_gqa)):
+        if key in only:
+            fn(copy_tbs, args.sweep)
+            save(args.json, copy_tbs)
+    if "graph" in only:
+        bench_graph()
+    save(args.json, copy_tbs)
+    print("\nsummary (us, TB/s, fraction of copy bandwidth):")
+    for row in RESULTS:
+        frac = f"{row['copy_frac']:.2f}" if "copy_frac" in row else ""
+        tbs = f"{row['TB/s']:.2f}" if "TB/s" in row else ""
+        print(f"  {row['section']:7s} {row['name']:48s} {row['us']:9.1f} {tbs:>6s} {frac:>5s}")
+    if not math.isfinite(copy_tbs):
+        raise SystemExit("copy bandwidth is not finite")
+
+
+if __name__ == "__main__":
+    main()

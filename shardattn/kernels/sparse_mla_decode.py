@@ -1,0 +1,346 @@
+"""Sparse-MLA decode: few query tokens, many heads, each token with its own top-k rows.
+
+Same contract as :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention` (and tested against
+its reference :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`)::
+
+    out[t, h] = softmax(scale * q[t, h] . kv[rows[t]]^T) @ kv[rows[t], :v_dim]
+
+Decode has one query token per request (or ``q_len`` tokens under speculative decoding: each
+draft token has its own top-k row, so it is simply another token). It is memory bound: the
+work is reading ``K`` rows of 576 dims per token. The Triton kernel ``_sparse_mla_decode_kernel``
+runs one program per (head block, token, split of the top-k row); head blocks of a token are the
+fastest grid axis so they read the same rows while those are in L2. Splits write fp32 partials
+and LSEs, merged by :func:`~shardattn.kernels.lse_merge.launch_lse_merge` (the merge math of
+:mod:`~shardattn.kernels.lse_merge`); one split writes the result directly.
+
+A row listed twice by one token is one key (the library-wide rule): by default the rows are
+first sorted and de-duplicated by :func:`~shardattn.kernels.union.build_union` (``G = 1``, one
+small sort kernel); ``rows_unique=True`` skips that when the caller guarantees unique rows (an
+indexer's top-k is), and duplicates would then count twice.
+
+LSE: fp32 natural log, includes the sink term; a row with no valid key gives ``(0, -inf)``
+(``(0, sink)`` with sinks), so a DCP rank with an empty local shard contributes the merge
+identity. Capture-safe: no host sync; the grid depends on shapes and ``num_splits`` only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from shardattn._checks import check_int, check_tensor
+from shardattn.kernels.lse_merge import launch_lse_merge
+from shardattn.kernels.registry import use_triton
+from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, join_q, sparse_mla_reference
+from shardattn.kernels.union import build_union
+
+try:  # Triton is optional: without it every path runs the torch reference.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = None
+
+__all__ = ["sparse_mla_decode", "sparse_mla_decode_config"]
+
+LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sparse_mla_decode_config(
+    num_tokens: int,
+    num_heads: int,
+    topk: int,
+    num_sms: int,
+    num_splits: int | None = None,
+    *,
+    head_dim: int = 576,
+    v_dim: int = 512,
+    elem_bytes: int = 2,
+) -> dict[str, int]:
+    """Tile sizes, split count and rows per split for a launch (host-side, shape-only).
+
+    Splitting a top-k row fills more SMs but writes and re-reads fp32 partials of
+    ``H * v_dim`` per token and split: at 128 heads that is 0.5 MB against 2.4 MB of KV rows,
+    so the split count minimises ``(kv bytes + splits * partial bytes) / busy fraction``, where
+    the busy fraction is ``min(1, programs * splits / slots)``, ``slots`` = the programs that
+    saturate memory bandwidth: one per SM for 64-head tiles, two for smaller ones (calibrated
+    on an H200 with fixed split counts: benchmarks/RESULTS.md, "Decode").
+
+    Returns:
+        ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps"}``.
+
+    Example:
+        >>> [sparse_mla_decode_config(t, 128, 2048, 132)["num_splits"] for t in (1, 8, 64)]
+        [32, 8, 1]
+    """
+    block_h = 64 if num_heads > 32 else max(16, 1 << max(0, (num_heads - 1).bit_length()))
+    block_n = 64
+    programs = max(1, num_tokens * -(-num_heads // block_h))
+    n_blocks = max(1, -(-topk // block_n))
+    if num_splits is None:
+        kv_bytes = num_tokens * topk * head_dim * elem_bytes
+        part_bytes = num_tokens * num_heads * (v_dim + 1) * 4 * 2
+        slots = num_sms * (1 if block_h >= 64 else 2)
+
+        def cost(s: int) -> float:
+            return (kv_bytes + (s > 1) * s * part_bytes) / min(1.0, programs * s / slots)
+
+        num_splits = min(range(1, min(n_blocks, 64) + 1), key=cost)
+    chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
+    return {
+        "BLOCK_H": block_h,
+        "BLOCK_N": block_n,
+        "num_splits": max(1, -(-max(topk, 1) // chunk)),
+        "chunk": chunk,
+        "num_warps": 8 if block_h >= 64 else 4,
+    }
+
+
+def sparse_mla_decode(
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int = 512,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    rows_unique: bool = False,
+    config: dict[str, int] | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse-MLA decode attention with split-KV and a merge; returns the LSE (DCP needs it).
+
+    Args:
+        q: ``[T, H, D]`` fp16/bf16/fp32 (``D = 576``: 512 latent + 64 rope), or
+            ``(q_latent, q_rope)``. T = decode tokens (requests x draft length).
+        kv: ``[R, D]`` KV rows in q's dtype; the value is ``kv[:, :v_dim]``.
+        rows: ``[T, K]`` int32 global rows; ``-1`` / out of range = invalid, anywhere.
+        scale: softmax scale. v_dim: value width (512).
+        topk_length: ``[T]`` int32 per-row count of leading entries to use, optional.
+        sinks: ``[H]`` fp32 sink logits, optional.
+        num_splits: splits of each top-k row (default: about two waves of programs).
+        rows_unique: the caller guarantees no row appears twice in a token's list (skips the
+            de-duplication sort on the Triton path; duplicates would then count twice).
+        config: launch-configuration overrides (keys of :func:`sparse_mla_decode_config`:
+            ``BLOCK_H``, ``BLOCK_N``, ``num_warps``; for tuning).
+        out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
+        workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
+            the split partials; with ``out``, ``lse_out`` and it, nothing is allocated.
+    Returns:
+        ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32 natural log)``; a row with no valid
+        key is ``(0, -inf)`` (``(0, sink)`` with sinks). CPU tensors run the reference.
+
+    Example:
+        >>> q, kv = torch.randn(2, 4, 24), torch.randn(9, 24)
+        >>> rows = torch.tensor([[0, 8, -1], [-1, -1, -1]], dtype=torch.int32)
+        >>> out, lse = sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=16)
+        >>> tuple(out.shape), bool(lse[1].isneginf().all())
+        ((2, 4, 16), True)
+    """
+    q = join_q(q)
+    check_sparse_mla_inputs(q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+    t, h, d = q.shape
+    if num_splits is not None:
+        check_int("num_splits", num_splits, minimum=1)
+    if out is not None:
+        check_tensor("out", out, dtypes=(q.dtype,), shape=(t, h, v_dim), device=q.device)
+    if lse_out is not None:
+        check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(t, h), device=q.device)
+    if triton is None or not use_triton(q):
+        ref_out, ref_lse = sparse_mla_reference(
+            q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
+        )
+        out = ref_out if out is None else out.copy_(ref_out)
+        lse_out = ref_lse if lse_out is None else lse_out.copy_(ref_lse)
+        return out, lse_out
+    out = torch.empty(t, h, v_dim, dtype=q.dtype, device=q.device) if out is None else out
+    lse_out = torch.empty(t, h, dtype=torch.float32, device=q.device) if lse_out is None else lse_out
+    if t == 0 or h == 0:
+        return out, lse_out
+    topk = rows.shape[1]
+    if not rows_unique and topk > 1:
+        rows, topk_length = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
+    num_sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+    cfg = sparse_mla_decode_config(
+        t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
+    )
+    if config:
+        unknown = set(config) - {"BLOCK_H", "BLOCK_N", "num_warps"}
+        if unknown:
+            raise ValueError(f"config keys must be among BLOCK_H, BLOCK_N, num_warps; got {sorted(unknown)}")
+        cfg = {**cfg, **config}
+        cfg["chunk"] = -(-cfg["chunk"] // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
+    splits = cfg["num_splits"]
+    if splits > 1:
+        need = splits * t * h * (v_dim + 1)
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != q.device:
+            raise ValueError(f"workspace must be a float32 tensor on {q.device} with >= {need} elements")
+        dst_out = workspace[: splits * t * h * v_dim].view(splits, t, h, v_dim)
+        dst_lse = workspace[splits * t * h * v_dim : need].view(splits, t, h)
+        s_os, s_ls = dst_out.stride(0), dst_lse.stride(0)
+    else:
+        dst_out, dst_lse, s_os, s_ls = out, lse_out, 0, 0
+    dr = d - v_dim
+    grid = (triton.cdiv(h, cfg["BLOCK_H"]), t, splits)
+    _sparse_mla_decode_kernel[grid](
+        q,
+        kv,
+        rows,
+        topk_length if topk_length is not None else rows,
+        sinks if sinks is not None else q,
+        dst_out,
+        dst_lse,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        kv.stride(0),
+        kv.stride(1),
+        rows.stride(0),
+        rows.stride(1),
+        dst_out.stride(-3),
+        dst_out.stride(-2),
+        dst_out.stride(-1),
+        s_os,
+        dst_lse.stride(-2),
+        dst_lse.stride(-1),
+        s_ls,
+        h,
+        kv.shape[0],
+        topk,
+        cfg["chunk"],
+        float(scale) * LOG2E,
+        DV=v_dim,
+        DR=dr,
+        BLOCK_DV=triton.next_power_of_2(v_dim),
+        BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))),
+        BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_N=cfg["BLOCK_N"],
+        HAS_TOPK_LEN=topk_length is not None,
+        HAS_SINKS=sinks is not None,
+        HAS_ROPE=dr > 0,
+        IEEE=q.dtype == torch.float32,
+        num_warps=cfg["num_warps"],
+        num_stages=2,
+    )
+    if splits > 1:
+        launch_lse_merge(dst_out, dst_lse, out, lse_out)
+    return out, lse_out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sparse_mla_decode_kernel(
+        Q,
+        KV,
+        Rows,
+        TopkLen,
+        Sinks,
+        Out,
+        Lse,
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        stride_kvr,
+        stride_kvd,
+        stride_rt,
+        stride_rk,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_os,
+        stride_lt,
+        stride_lh,
+        stride_ls,
+        H,
+        R,
+        K,
+        chunk,
+        qk_scale,
+        DV: tl.constexpr,
+        DR: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        BLOCK_DR: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HAS_TOPK_LEN: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
+        HAS_ROPE: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """One (head block, token, split): online softmax over rows ``[split*chunk, ...)`` of the top-k."""
+        tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
+        pid_h = tl.program_id(0)
+        tok = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
+        heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        offs_v = tl.arange(0, BLOCK_DV)
+        offs_r = tl.arange(0, BLOCK_DR)
+        vmask = offs_v < DV
+        rmask = offs_r < DR
+        q_base = Q + tok * stride_qt + heads[:, None] * stride_qh
+        q_nope = tl.load(q_base + offs_v[None, :] * stride_qd, mask=hmask[:, None] & vmask[None, :], other=0.0)
+        if HAS_ROPE:
+            q_pe = tl.load(q_base + (DV + offs_r[None, :]) * stride_qd, mask=hmask[:, None] & rmask[None, :], other=0.0)
+        k_len = K
+        if HAS_TOPK_LEN:
+            k_len = tl.minimum(tl.load(TopkLen + tok), K)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, k_len)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        if HAS_SINKS:
+            if split == 0:
+                m_i = tl.load(Sinks + heads, mask=hmask, other=0.0) * 1.4426950408889634
+                l_i = tl.zeros([BLOCK_H], tl.float32) + 1.0
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            nmask = offs_n < hi
+            r = tl.load(Rows + tok * stride_rt + offs_n * stride_rk, mask=nmask, other=-1)
+            valid = nmask & (r >= 0) & (r < R)
+            row_ptr = KV + tl.where(valid, r, 0).to(tl.int64)[:, None] * stride_kvr
+            k_nope = tl.load(row_ptr + offs_v[None, :] * stride_kvd, mask=valid[:, None] & vmask[None, :], other=0.0)
+            if IEEE:
+                s = tl.dot(q_nope, tl.trans(k_nope), input_precision="ieee")
+            else:
+                s = tl.dot(q_nope, tl.trans(k_nope))
+            if HAS_ROPE:
+                k_pe = tl.load(
+                    row_ptr + (DV + offs_r[None, :]) * stride_kvd, mask=valid[:, None] & rmask[None, :], other=0.0
+                )
+                if IEEE:
+                    s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+                else:
+                    s += tl.dot(q_pe, tl.trans(k_pe))
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                pv = tl.dot(p.to(k_nope.dtype), k_nope, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(k_nope.dtype), k_nope)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        has = l_i > 0
+        res = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        o_ptrs = Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
+        tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
+        tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)

@@ -1,0 +1,118 @@
+"""LSE merge: the reference against fp64 loops, the Triton kernel (interpreter and GPU) against the
+reference, empty partials (``-inf``) and all-empty rows, destinations given by the caller."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardattn.kernels.lse_merge import lse_merge, lse_merge_reference
+
+
+def make_partials(p, t, h, d, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    outs = torch.randn(p, t, h, d, generator=g).to(dtype)
+    lses = torch.randn(p, t, h, generator=g) * 3
+    empty = torch.rand(p, t, h, generator=g) < 0.3
+    lses[empty] = -math.inf
+    outs[empty] = 0  # an empty partial is (0, -inf)
+    lses[:, 0, 0] = -math.inf  # a row empty everywhere
+    outs[:, 0, 0] = 0
+    return outs.to(device), lses.to(device)
+
+
+def loop_merge(outs, lses):
+    p, t, h, d = outs.shape
+    out = torch.zeros(t, h, d, dtype=torch.float64)
+    lse = torch.full((t, h), -math.inf, dtype=torch.float64)
+    for i in range(t):
+        for j in range(h):
+            ls = [float(lses[k, i, j]) for k in range(p)]
+            if all(x == -math.inf for x in ls):
+                continue
+            m = max(ls)
+            z = sum(math.exp(x - m) for x in ls)
+            lse[i, j] = m + math.log(z)
+            for k in range(p):
+                out[i, j] += math.exp(ls[k] - lse[i, j]) * outs[k, i, j].double()
+    return out, lse
+
+
+def assert_merged(out, lse, ref_out, ref_lse, atol):
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin].double(), ref_lse[fin].double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double(), ref_out.double(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("p", [1, 2, 5])
+def test_reference_matches_fp64_loops(p):
+    outs, lses = make_partials(p, 3, 4, 8)
+    out, lse = lse_merge(outs, lses)  # CPU -> reference
+    ref_out, ref_lse = loop_merge(outs, lses)
+    assert_merged(out, lse, ref_out, ref_lse, atol=1e-5)
+    assert float(out[0, 0].abs().sum()) == 0.0 and math.isinf(float(lse[0, 0]))
+
+
+def test_given_destinations_are_filled_in_place():
+    outs, lses = make_partials(3, 2, 2, 8)
+    out = torch.full((2, 2, 8), float("nan"), dtype=torch.float16)
+    lse = torch.full((2, 2), float("nan"))
+    got_out, got_lse = lse_merge(outs, lses, out=out, lse_out=lse)
+    assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+    ref_out, _ = lse_merge_reference(outs, lses)
+    torch.testing.assert_close(out.float(), ref_out, atol=1e-3, rtol=0)
+    with pytest.raises(ValueError, match="out must have shape"):
+        lse_merge(outs, lses, out=torch.zeros(2, 2, 7))
+    with pytest.raises(TypeError, match="lse_out must have dtype"):
+        lse_merge(outs, lses, lse_out=torch.zeros(2, 2, dtype=torch.float64))
+
+
+def interpreted_cases(dtype_name: str) -> None:
+    dtype = getattr(torch, dtype_name)
+    atol = 2e-3 if dtype == torch.float16 else 1e-5
+    for p, t, h, d in [(1, 3, 2, 16), (2, 5, 3, 24), (8, 2, 4, 64)]:
+        outs, lses = make_partials(p, t, h, d, dtype)
+        out, lse = lse_merge(outs, lses)
+        ref_out, ref_lse = lse_merge_reference(outs, lses)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        assert_merged(out, lse, ref_out, ref_lse, atol)
+    # strided partials (a slice of a bigger buffer) and garbage in empty partials
+    outs, lses = make_partials(3, 4, 2, 16, dtype)
+    big = torch.full((3, 4, 2, 32), float("nan"), dtype=dtype)
+    big[..., :16] = outs
+    outs_garbage = big[..., :16].clone()
+    outs_garbage[torch.isneginf(lses)] = float("nan")
+    out, lse = lse_merge(big[..., :16], lses)
+    ref_out, ref_lse = lse_merge_reference(outs, lses)
+    assert_merged(out, lse, ref_out, ref_lse, atol)
+    out, _ = lse_merge(outs_garbage, lses)  # the kernel ignores empty partials' contents
+    assert_merged(out, lse, ref_out, ref_lse, atol)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype_name", ["float16", "float32"])
+def test_triton_kernel_matches_reference_under_interpreter(dtype_name):
+    pytest.importorskip("triton", reason="the Triton kernel needs triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    call = f"import {__name__} as m; m.interpreted_cases({dtype_name!r})"
+    proc = subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_triton_kernel_on_gpu(p, dtype):
+    outs, lses = make_partials(p, 257, 16, 512, dtype, device="cuda")
+    out = torch.full((257, 16, 512), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((257, 16), float("nan"), device="cuda")
+    lse_merge(outs, lses, out=out, lse_out=lse)
+    ref_out, ref_lse = lse_merge_reference(outs, lses)
+    assert_merged(out, lse, ref_out.float(), ref_lse, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -1,0 +1,142 @@
+"""Sparse-MLA decode: CPU dispatch to the reference, the Triton kernel (interpreter and GPU) against
+``sparse_mla_reference``, splits, sinks, empty rows, invalid indices anywhere, validation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardattn.kernels.sparse_mla import sparse_mla_reference
+from shardattn.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_config
+
+# (name, tokens, heads, dim, v_dim, kv rows, topk, topk_length?, sinks?, splits)
+CASES = [
+    ("one_token_per_request", 3, 16, 48, 32, 50, 40, False, False, None),
+    ("heads_not_a_tile_multiple", 3, 20, 48, 32, 50, 70, True, True, 3),
+    ("many_splits_sinks", 2, 16, 48, 32, 64, 130, False, True, 5),
+    ("drafts_with_topk_length", 4, 16, 32, 32, 30, 20, True, False, 2),
+]
+
+
+def make_inputs(t, h, d, r, k, with_len, with_sinks, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    kv = torch.randn(r, d, generator=g).to(dtype)
+    rows = torch.randint(0, r, (t, k), generator=g, dtype=torch.int32)
+    bad = torch.rand(t, k, generator=g) < 0.2  # invalid entries anywhere in a row
+    rows = torch.where(bad, torch.randint(-3, 0, (t, k), generator=g, dtype=torch.int32) * (1 - 2 * (t % 2)), rows)
+    rows[:, -1] = r + 7  # out of range at the tail
+    rows[0] = -1  # a row with no valid key
+    topk_length = torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32) if with_len else None
+    sinks = torch.randn(h, generator=g) * 2 if with_sinks else None
+    move = lambda x: None if x is None else x.to(device)
+    return move(q), move(kv), move(rows), move(topk_length), move(sinks)
+
+
+def assert_same_lse(lse, ref, atol):
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(lse[fin], ref[fin], atol=atol, rtol=0)
+
+
+def test_cpu_runs_the_reference_exactly():
+    q, kv, rows, tlen, sinks = make_inputs(3, 4, 24, 30, 12, True, True)
+    out, lse = sparse_mla_decode(q, kv, rows, scale=0.3, v_dim=16, topk_length=tlen, sinks=sinks)
+    ref_out, ref_lse = sparse_mla_reference(q, kv, rows, scale=0.3, v_dim=16, topk_length=tlen, sinks=sinks)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    # an empty row: out 0, lse = the sink (the sink is the only softmax term)
+    assert float(out[0].abs().sum()) == 0.0 and torch.equal(lse[0], sinks)
+
+
+def test_cpu_writes_into_given_buffers():
+    q, kv, rows, _, _ = make_inputs(2, 4, 24, 30, 12, False, False)
+    out, lse = torch.full((2, 4, 16), float("nan")), torch.full((2, 4), float("nan"))
+    got_out, got_lse = sparse_mla_decode(q, kv, rows, scale=0.3, v_dim=16, out=out, lse_out=lse)
+    assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+    assert not out.isnan().any() and torch.isneginf(lse[0]).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"rows": torch.zeros(3, 4, dtype=torch.int64)}, TypeError, "rows must have dtype"),
+        ({"rows": torch.zeros(2, 4, dtype=torch.int32)}, ValueError, "one row per query token"),
+        ({"num_splits": 0}, ValueError, "num_splits must be >= 1"),
+        ({"out": torch.zeros(3, 4, 8)}, ValueError, "out must have shape"),
+        ({"lse_out": torch.zeros(3, 4, dtype=torch.float64)}, TypeError, "lse_out must have dtype"),
+    ],
+    ids=["rows_dtype", "rows_tokens", "splits", "out_shape", "lse_dtype"],
+)
+def test_bad_input_is_refused_with_the_argument_named(kwargs, error, match):
+    q, kv, rows, _, _ = make_inputs(3, 4, 24, 30, 12, False, False)
+    args = {"rows": rows, **kwargs}
+    with pytest.raises(error, match=match):
+        sparse_mla_decode(q, kv, args.pop("rows"), scale=0.3, v_dim=16, **args)
+
+
+def test_config_splits_shrink_as_tokens_grow():
+    one = sparse_mla_decode_config(1, 128, 2048, 132)
+    many = sparse_mla_decode_config(256, 128, 2048, 132)
+    assert one["num_splits"] * one["chunk"] >= 2048 and one["num_splits"] > 1
+    assert many["num_splits"] == 1 and many["BLOCK_H"] == 64
+    assert sparse_mla_decode_config(8, 16, 2048, 132)["BLOCK_H"] == 16
+
+
+# ---- Triton interpreter (subprocess) ----
+
+
+def interpreted_cases(dtype_name: str) -> None:
+    dtype = getattr(torch, dtype_name)
+    atol = 2e-3 if dtype == torch.float16 else 1e-5
+    for name, t, h, d, dv, r, k, with_len, with_sinks, splits in CASES:
+        q, kv, rows, tlen, sinks = make_inputs(t, h, d, r, k, with_len, with_sinks, dtype)
+        out, lse = sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks, num_splits=splits)
+        ref_out, ref_lse = sparse_mla_reference(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks)
+        assert out.shape == ref_out.shape and out.dtype == q.dtype, name
+        torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0, msg=name)
+        assert_same_lse(lse, ref_lse, atol=1e-4)
+    # rows_unique=True skips the de-duplication; on unique rows the result is the same
+    g = torch.Generator().manual_seed(1)
+    q, kv = torch.randn(2, 16, 48, generator=g).to(dtype), torch.randn(90, 48, generator=g).to(dtype)
+    rows = torch.stack([torch.randperm(90, generator=g)[:70] for _ in range(2)]).int()
+    rows[1, 5:9] = -1
+    out, lse = sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, rows_unique=True, num_splits=2)
+    ref_out, ref_lse = sparse_mla_reference(q, kv, rows, scale=0.2, v_dim=32)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0)
+    assert_same_lse(lse, ref_lse, atol=1e-4)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype_name", ["float16", "float32"])
+def test_triton_kernel_matches_reference_under_interpreter(dtype_name):
+    pytest.importorskip("triton", reason="the Triton kernel needs triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    call = f"import {__name__} as m; m.interpreted_cases({dtype_name!r})"
+    proc = subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+# ---- GPU: real shapes, poisoned outputs ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_triton_kernel_on_gpu(heads, tokens, splits):
+    q, kv, rows, tlen, sinks = make_inputs(
+        tokens, heads, 576, 40000, 2048, True, tokens == 5, dtype=torch.bfloat16, device="cuda"
+    )
+    out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((tokens, heads), float("nan"), device="cuda")
+    sparse_mla_decode(
+        q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, num_splits=splits, out=out, lse_out=lse
+    )
+    ref_out, ref_lse = sparse_mla_reference(q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=0)
+    assert_same_lse(lse, ref_lse, atol=1e-3)
