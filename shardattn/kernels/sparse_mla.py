@@ -8,7 +8,8 @@ value::
 
 ``rows`` holds global KV row ids; ``-1`` or any value outside ``[0, R)`` is invalid, anywhere in
 a row; ``topk_length[t]`` (optional) truncates row ``t`` to its first entries. A row with no
-valid key gives ``(out = 0, lse = -inf)``. Attention sinks add one logit per head to the
+valid key gives ``(out = 0, lse = -inf)``. A row listed twice by one query is one key (later
+duplicates are ignored), on every path. Attention sinks add one logit per head to the
 softmax denominator (``lse`` then includes the sink term; an empty row gives ``(0, sink)``).
 
 This module holds the public entry point, its validation and the fp32 torch reference.
@@ -78,6 +79,25 @@ def valid_mask(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor |
     return valid
 
 
+def first_occurrences(rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[T, K]`` bool: ``valid`` with every later duplicate of a row within a token cleared.
+
+    >>> rows = torch.tensor([[4, 2, 4, -1, 2]], dtype=torch.int32)
+    >>> first_occurrences(rows, rows >= 0).tolist()
+    [[True, True, False, False, False]]
+    """
+    k = rows.shape[1]
+    if k < 2:
+        return valid
+    # invalid entries get distinct negative keys so they never pair with anything
+    keys = torch.where(valid, rows.long(), -1 - torch.arange(k, device=rows.device)[None, :])
+    ordered, order = keys.sort(dim=1, stable=True)
+    dup_sorted = torch.zeros_like(valid)
+    dup_sorted[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+    dup = torch.zeros_like(valid).scatter_(1, order, dup_sorted)
+    return valid & ~dup
+
+
 def sparse_mla_reference(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -106,7 +126,7 @@ def sparse_mla_reference(
     lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
     if t == 0:
         return out, lse
-    valid = valid_mask(rows, r, topk_length)
+    valid = first_occurrences(rows, valid_mask(rows, r, topk_length))
     bytes_per_token = max(1, k * d * torch.finfo(compute_dtype).bits // 8)
     chunk = max(1, min(t, REFERENCE_CHUNK_BYTES // bytes_per_token))
     sink = sinks.to(compute_dtype) if sinks is not None else None
@@ -145,11 +165,15 @@ def sparse_mla_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention over per-token global KV rows.
 
+    CUDA tensors run the per-query Triton kernel (:mod:`shardattn.kernels.sparse_mla_triton`)
+    when its shape limits allow; everything else runs the fp32 torch reference.
+
     Args:
         q: ``[T, H, D]`` fp16/bf16/fp32 (``D = 576`` for DSA models), or
             ``(q_latent [T, H, 512], q_rope [T, H, 64])``.
         kv: ``[R, D]`` KV rows in q's dtype; the value is ``kv[:, :v_dim]``.
-        rows: ``[T, K]`` int32 global row ids; ``-1`` / out of range = invalid, anywhere.
+        rows: ``[T, K]`` int32 global row ids; ``-1`` / out of range = invalid, anywhere;
+            a row listed twice by one query is one key.
         scale: softmax scale (``D ** -0.5`` for DSA models).
         v_dim: value width, 512 for DSA models.
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
@@ -168,5 +192,12 @@ def sparse_mla_attention(
     """
     q = join_q(q)
     check_sparse_mla_inputs(q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+    if q.is_cuda:
+        from shardattn.kernels.registry import use_triton
+        from shardattn.kernels.sparse_mla_triton import kernel_supports, sparse_mla_per_query
+
+        if use_triton(q, kv, rows) and kernel_supports(q, kv, v_dim) is None:
+            out, lse = sparse_mla_per_query(q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+            return (out, lse) if return_lse else out
     out, lse = sparse_mla_reference(q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
     return (out, lse) if return_lse else out

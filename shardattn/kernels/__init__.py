@@ -1,0 +1,1 @@
+"""shardattn.kernels"""

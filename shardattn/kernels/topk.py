@@ -1,0 +1,225 @@
+"""Top-k conversion: request-local token positions -> global KV rows, in one pass.
+
+An indexer gives every query token ``t`` up to ``K`` request-local token positions
+``topk_pos[t, k]``. The paged KV cache maps position ``p`` of request ``req`` to the global row::
+
+    row = block_table[req, p // block_size] * block_stride + p % block_size
+
+An entry is invalid (-> ``-1``) when ``p < 0``, ``k >= topk_length[t]``, ``p >= seq_lens[req]``,
+``req_ids[t]`` is outside ``[0, B)``, ``p // block_size`` is past the block table's width, the
+block-table entry is negative (unallocated), or the row does not fit int32.
+
+Decode context parallelism (``dcp = DcpShard(world N, interleave I, rank r)``): token ``p``
+lives on rank ``(p // I) % N`` at local position ``(p // (N * I)) * I + p % I``. Only the
+positions rank ``r`` owns are kept, converted through the rank's *local* block table (whose
+blocks hold local positions); the others are ``-1``. ``seq_lens`` are request lengths in global
+positions.
+
+The Triton kernel (one program per query token) and the torch reference return identical
+results (tested exactly).
+
+Example:
+    >>> pos = torch.tensor([[0, 5, -1, 9], [3, 4, 8, 2]], dtype=torch.int32)
+    >>> req = torch.tensor([0, 1], dtype=torch.int32)
+    >>> table = torch.tensor([[2, 0, 1], [1, 3, -1]], dtype=torch.int32)
+    >>> rows, counts = convert_topk(pos, req, table, block_size=4)
+    >>> rows.tolist(), counts.tolist()
+    ([[8, 1, -1, 5], [7, 12, -1, 6]], [3, 3])
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch reference still works
+    triton = None
+
+from shardattn._checks import INDEX_DTYPES, check_int, check_same_device, check_tensor
+from shardattn.kernels.registry import use_triton
+
+INT32_MAX = 2**31 - 1
+
+
+class DcpShard(NamedTuple):
+    """One rank's view of an interleaved DCP KV layout (``docs``: "DCP layout")."""
+
+    world: int
+    interleave: int
+    rank: int
+
+
+def _check_inputs(topk_pos, req_ids, block_table, block_size, block_stride, seq_lens, topk_length, dcp):
+    check_tensor("topk_pos", topk_pos, dtypes=INDEX_DTYPES, ndim=2)
+    t = topk_pos.shape[0]
+    check_tensor("req_ids", req_ids, dtypes=INDEX_DTYPES, shape=(t,))
+    check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
+    check_int("block_size", block_size, minimum=1)
+    check_int("block_stride", block_stride, minimum=1)
+    if seq_lens is not None:
+        check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(block_table.shape[0],))
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
+    if dcp is not None:
+        if not isinstance(dcp, tuple) or len(dcp) != 3:
+            raise TypeError(f"dcp must be DcpShard(world, interleave, rank), got {dcp!r}")
+        world, interleave, rank = (check_int(f"dcp.{n}", v) for n, v in zip(DcpShard._fields, dcp))
+        if world < 1 or interleave < 1 or not 0 <= rank < world:
+            raise ValueError(f"dcp must have world >= 1, interleave >= 1, 0 <= rank < world, got {tuple(dcp)}")
+    check_same_device(
+        topk_pos=topk_pos, req_ids=req_ids, block_table=block_table, seq_lens=seq_lens, topk_length=topk_length
+    )
+
+
+def convert_topk_reference(
+    topk_pos: torch.Tensor,
+    req_ids: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    block_size: int,
+    block_stride: int | None = None,
+    seq_lens: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    dcp: DcpShard | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`convert_topk` (int64 arithmetic, same outputs)."""
+    stride = block_size if block_stride is None else block_stride
+    t, k = topk_pos.shape
+    b, m = block_table.shape
+    pos = topk_pos.long()
+    req = req_ids.long()[:, None].expand(t, k)
+    valid = (pos >= 0) & (req >= 0) & (req < b)
+    if topk_length is not None:
+        valid &= torch.arange(k, device=pos.device)[None, :] < topk_length.long()[:, None]
+    req_safe = torch.where(valid, req, torch.zeros_like(req))
+    if seq_lens is not None:
+        valid &= pos < seq_lens.long()[req_safe] if b > 0 else torch.zeros_like(valid)
+    local = pos
+    if dcp is not None:
+        world, inter, rank = dcp
+        valid &= (pos // inter) % world == rank
+        local = (pos // (world * inter)) * inter + pos % inter
+    blk = local // block_size
+    valid &= blk < m
+    if b == 0 or m == 0:
+        valid &= False
+        entry = torch.zeros_like(pos)
+    else:
+        entry = block_table.long()[req_safe, torch.where(valid, blk, torch.zeros_like(blk))]
+    valid &= entry >= 0
+    row = entry * stride + local % block_size
+    valid &= row <= INT32_MAX
+    rows = torch.where(valid, row, torch.full_like(row, -1)).to(torch.int32)
+    return rows, valid.sum(dim=1, dtype=torch.int32)
+
+
+if triton is not None:
+    _RUNTIME_INTS = ["B", "M", "stride_table_b", "block_size", "block_stride", "dcp_world", "dcp_inter", "dcp_rank"]
+
+    @triton.jit(do_not_specialize=_RUNTIME_INTS)
+    def _convert_topk_kernel(
+        POS, REQ, TABLE, SEQ, TOPK_LEN, ROWS, COUNTS,
+        K, B, M,
+        stride_pos_t, stride_table_b, stride_rows_t,
+        block_size, block_stride, dcp_world, dcp_inter, dcp_rank,
+        HAS_SEQ: tl.constexpr, HAS_LEN: tl.constexpr, HAS_DCP: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        req = tl.load(REQ + t).to(tl.int64)
+        req_ok = (req >= 0) & (req < B)
+        req_safe = tl.where(req_ok, req, 0)
+        k_end = K
+        if HAS_LEN:
+            k_end = tl.minimum(tl.load(TOPK_LEN + t), K)
+        k_end = tl.where(req_ok, k_end, 0)  # a bad request id empties the row
+        seq = 0
+        if HAS_SEQ:
+            seq = tl.load(SEQ + req_safe, mask=req_ok, other=0).to(tl.int64)
+        count = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            in_k = offs < K
+            pos = tl.load(POS + t * stride_pos_t + offs, mask=in_k, other=-1).to(tl.int64)
+            valid = in_k & (pos >= 0) & (offs < k_end)
+            if HAS_SEQ:
+                valid &= pos < seq
+            local = pos
+            if HAS_DCP:
+                valid &= ((pos // dcp_inter) % dcp_world) == dcp_rank
+                local = (pos // (dcp_world * dcp_inter)) * dcp_inter + pos % dcp_inter
+            blk = local // block_size
+            valid &= blk < M
+            entry = tl.load(TABLE + req_safe * stride_table_b + blk, mask=valid, other=-1).to(tl.int64)
+            valid &= entry >= 0
+            row = entry * block_stride + local % block_size
+            valid &= row <= 2147483647
+            tl.store(ROWS + t * stride_rows_t + offs, tl.where(valid, row, -1).to(tl.int32), mask=in_k)
+            count += valid.to(tl.int32)
+        tl.store(COUNTS + t, tl.sum(count, axis=0))
+
+
+def convert_topk_kernel():
+    """The Triton conversion kernel (for warm-up and compile counting); needs Triton."""
+    return _convert_topk_kernel
+
+
+def convert_topk_config(topk: int, seq_lens: bool, topk_length: bool, dcp: bool) -> dict:
+    """Compile-time parameters of the conversion kernel for these flags (the warm-up key)."""
+    block_k = 1024 if topk > 512 else max(16, 1 << max(0, topk - 1).bit_length())
+    return {"HAS_SEQ": bool(seq_lens), "HAS_LEN": bool(topk_length), "HAS_DCP": bool(dcp), "BLOCK_K": block_k}
+
+
+def convert_topk(
+    topk_pos: torch.Tensor,
+    req_ids: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    block_size: int,
+    block_stride: int | None = None,
+    seq_lens: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    dcp: DcpShard | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Convert request-local top-k positions to global KV rows and count the valid ones.
+
+    Args:
+        topk_pos: ``[T, K]`` int32 request-local positions; ``-1`` (or any invalid value) anywhere.
+        req_ids: ``[T]`` int32 request of each query token.
+        block_table: ``[B, M]`` int32 block ids per request (the rank-local table under DCP).
+        block_size: tokens per block. block_stride: rows between blocks (default ``block_size``).
+        seq_lens: ``[B]`` int32 request lengths (global positions), optional.
+        topk_length: ``[T]`` int32 per-row count of leading entries to use, optional.
+        dcp: :class:`DcpShard` to keep only this rank's positions, optional.
+    Returns:
+        ``(rows [T, K] int32, counts [T] int32)``: global rows, ``-1`` where invalid, and the
+        number of valid entries per token.
+    """
+    stride = block_size if block_stride is None else block_stride
+    _check_inputs(topk_pos, req_ids, block_table, block_size, stride, seq_lens, topk_length, dcp)
+    if not use_triton(topk_pos, req_ids, block_table, seq_lens, topk_length):
+        return convert_topk_reference(
+            topk_pos, req_ids, block_table, block_size=block_size, block_stride=stride,
+            seq_lens=seq_lens, topk_length=topk_length, dcp=dcp,
+        )  # fmt: skip
+    t, k = topk_pos.shape
+    rows = torch.empty(t, k, dtype=torch.int32, device=topk_pos.device)
+    counts = torch.empty(t, dtype=torch.int32, device=topk_pos.device)
+    if t == 0:
+        return rows, counts
+    topk_pos = topk_pos if k == 0 or topk_pos.stride(1) == 1 else topk_pos.contiguous()
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    world, inter, rank = dcp if dcp is not None else (1, 1, 0)
+    cfg = convert_topk_config(k, seq_lens is not None, topk_length is not None, dcp is not None)
+    _convert_topk_kernel[(t,)](
+        topk_pos, req_ids, block_table, seq_lens if seq_lens is not None else counts,
+        topk_length if topk_length is not None else counts, rows, counts,
+        k, block_table.shape[0], block_table.shape[1],
+        topk_pos.stride(0), block_table.stride(0), rows.stride(0),
+        block_size, stride, world, inter, rank,
+        **cfg,
+    )  # fmt: skip
+    return rows, counts

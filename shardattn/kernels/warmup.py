@@ -1,0 +1,135 @@
+"""Warm-up of the sparse-prefill Triton kernels: every compile key the runtime can hit, up front.
+
+:func:`compile_keys` lists, for a :class:`PrefillSpec`, each kernel variant a step can launch:
+the top-k conversion, the union build and the attention kernel, on both sides of the routing
+threshold (grouped ``G > 1`` for KV caches below ``2**24 - 1`` rows, per-query ``G = 1`` above,
+which is also the explicit ``group_size=1`` path). :func:`warmup` compiles them all by running
+each launcher once on tiny inputs with the runtime's layouts; run-time sizes (token count, KV
+rows, block-table width) are not specialised by the kernels (``do_not_specialize``), so later
+calls of any size compile nothing. :func:`compiled_variants` counts what a kernel has compiled,
+for tests.
+
+Example:
+    >>> keys = compile_keys(PrefillSpec(heads=8, topk=2048))
+    >>> sorted({k.kernel for k in keys})
+    ['attention', 'convert_topk', 'union_compact', 'union_keys']
+    >>> sorted(k.params["G"] for k in keys if k.kernel == "attention")
+    [1, 8]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardattn.kernels.sparse_mla_grouped import default_group_size
+from shardattn.kernels.sparse_mla_triton import tile_config
+from shardattn.kernels.topk import convert_topk_config
+from shardattn.kernels.union import union_launch_config
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """What a runtime's sparse-prefill steps look like (one spec per layer shape).
+
+    Attributes:
+        heads: query heads per rank. topk: ``K``. dtype: q / KV dtype.
+        v_dim, rope_dim: head dims (512 + 64 for DSA models).
+        group_size: ``group_size`` the runtime passes (None = :func:`default_group_size`).
+        sinks: runtime calls pass sinks. topk_length: runtime calls pass ``topk_length``.
+        seq_lens, dcp: flags of the runtime's :func:`convert_topk` calls.
+    """
+
+    heads: int
+    topk: int
+    dtype: torch.dtype = torch.bfloat16
+    v_dim: int = 512
+    rope_dim: int = 64
+    group_size: int | None = None
+    sinks: bool = False
+    topk_length: bool = False
+    seq_lens: bool = True
+    dcp: bool = False
+
+
+@dataclass(frozen=True)
+class CompileKey:
+    """One kernel variant: the kernel's name and its compile-time parameters."""
+
+    kernel: str
+    params: dict = field(hash=False, compare=True)
+
+
+def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
+    """Every kernel variant a step with this spec can launch (grouped and per-query sides)."""
+    g = default_group_size(spec.heads) if spec.group_size is None else spec.group_size
+    keys = [CompileKey("convert_topk", convert_topk_config(spec.topk, spec.seq_lens, spec.topk_length, spec.dcp))]
+    for group in sorted({g, 1}):
+        cfg = union_launch_config(group, spec.topk)
+        keys.append(CompileKey("union_keys", {"G": group, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
+        keys.append(CompileKey("union_compact", {"G": group, "CHUNK": cfg["CHUNK"]}))
+        tile = tile_config(spec.heads, group)
+        keys.append(
+            CompileKey(
+                "attention",
+                {
+                    "G": group,
+                    "BLOCK_H": tile.block_h,
+                    "BLOCK_N": tile.block_n,
+                    "D_V": spec.v_dim,
+                    "D_R": spec.rope_dim,
+                    "HAS_SINK": spec.sinks,
+                    "num_warps": tile.num_warps,
+                    "num_stages": tile.num_stages,
+                    "dtype": spec.dtype,
+                },
+            )
+        )
+    return keys
+
+
+def compiled_variants(kernel) -> int:
+    """Number of compiled variants a Triton ``JITFunction`` holds (all devices)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(c) for c in getattr(kernel, "cache", {}).values())
+
+
+def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
+    """Compile every key of :func:`compile_keys` for each spec on ``device``.
+
+    Returns:
+        The number of kernel launches made (one per key).
+    """
+    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.kernels.topk import DcpShard, convert_topk
+
+    device = torch.device(device)
+    launches = 0
+    for spec in specs:
+        t, k = 16, spec.topk
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        pos = torch.randint(-1, 64, (t, k), generator=gen, dtype=torch.int32).to(device)
+        req = torch.zeros(t, dtype=torch.int32, device=device)
+        table = torch.arange(4, dtype=torch.int32, device=device)[None, :].contiguous()
+        convert_topk(
+            pos, req, table, block_size=16,
+            seq_lens=torch.full((1,), 64, dtype=torch.int32, device=device) if spec.seq_lens else None,
+            topk_length=torch.full((t,), k, dtype=torch.int32, device=device) if spec.topk_length else None,
+            dcp=DcpShard(1, 1, 0) if spec.dcp else None,
+        )  # fmt: skip
+        launches += 1
+        d = spec.v_dim + spec.rope_dim
+        q = torch.randn(t, spec.heads, d, generator=gen).to(device=device, dtype=spec.dtype)
+        kv = torch.randn(64, d, generator=gen).to(device=device, dtype=spec.dtype)
+        g = default_group_size(spec.heads) if spec.group_size is None else spec.group_size
+        for group in sorted({g, 1}):
+            sparse_mla_grouped_prefill(
+                q, kv, pos, scale=d**-0.5, v_dim=spec.v_dim, group_size=group,
+                topk_length=torch.full((t,), k, dtype=torch.int32, device=device) if spec.topk_length else None,
+                sinks=torch.zeros(spec.heads, device=device) if spec.sinks else None,
+            )  # fmt: skip
+            launches += 3
+    return launches

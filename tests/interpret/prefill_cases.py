@@ -1,0 +1,148 @@
+"""Sparse-prefill Triton kernels under the interpreter at tiny shapes, against the torch references.
+
+Run as ``TRITON_INTERPRET=1 python -m tests.interpret.prefill_cases`` (tests/test_sparse_mla_interpret.py
+does this in a subprocess). Prints one line per case and exits 1 on the first mismatch. fp16 (the
+interpreter mishandles bf16 dots) and one fp32 case; head dims ``D = 32 + 16``, ``Dv = 32``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+D_V, D = 32, 48
+FAILURES: list[str] = []
+
+
+def _report(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name} {detail}", flush=True)
+    if not ok:
+        FAILURES.append(name)
+
+
+def _union_equal(a, b) -> bool:
+    (ua, la), (ub, lb) = a, b
+    return torch.equal(la, lb) and all(torch.equal(ua[i, :n], ub[i, :n]) for i, n in enumerate(lb.tolist()))
+
+
+def topk_cases(gen: torch.Generator) -> None:
+    from shardattn.kernels.topk import DcpShard, convert_topk, convert_topk_reference
+
+    t, k, b, m, bs = 21, 37, 3, 9, 4
+    pos = torch.randint(-3, 40, (t, k), generator=gen, dtype=torch.int32)
+    req = torch.randint(-1, 4, (t,), generator=gen, dtype=torch.int32)  # -1 and 3: bad request ids
+    table = torch.randint(-1, 20, (b, m), generator=gen, dtype=torch.int32)
+    seq = torch.randint(0, 40, (b,), generator=gen, dtype=torch.int32)
+    length = torch.randint(0, k + 3, (t,), generator=gen, dtype=torch.int32)
+    variants = {
+        "plain": {},
+        "seq_lens": {"seq_lens": seq},
+        "topk_length+stride": {"topk_length": length, "block_stride": 7},
+        "dcp": {"seq_lens": seq, "topk_length": length, "dcp": DcpShard(3, 2, 1)},
+        "dcp_rank0_interleave1": {"dcp": DcpShard(2, 1, 0)},
+    }
+    for name, kw in variants.items():
+        got = convert_topk(pos, req, table, block_size=bs, **kw)
+        want = convert_topk_reference(pos, req, table, block_size=bs, **kw)
+        _report(f"topk[{name}]", torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+
+
+def union_cases(gen: torch.Generator) -> None:
+    from shardattn.kernels.union import build_union, build_union_reference
+
+    shapes = [(13, 20, 30), (5, 33, 7)]
+    for g in (1, 2, 4, 8):
+        for t, k, r in shapes:
+            rows = torch.randint(-3, r + 3, (t, k), generator=gen, dtype=torch.int32)
+            length = torch.randint(0, k + 3, (t,), generator=gen, dtype=torch.int32)
+            want = build_union_reference(rows, group_size=g, num_kv_rows=r, topk_length=length)
+            got = build_union(rows, group_size=g, num_kv_rows=r, topk_length=length)
+            _report(f"union[G={g},T={t},K={k}]", _union_equal(got, want))
+    # several compaction chunks (width > 2048), long duplicate runs across chunk edges
+    rows = torch.randint(-3, 40, (16, 300), generator=gen, dtype=torch.int32)
+    for g in (1, 8):
+        want = build_union_reference(rows, group_size=g, num_kv_rows=40)
+        _report(f"union[G={g},chunks]", _union_equal(build_union(rows, group_size=g, num_kv_rows=40), want))
+
+
+def _rows_with_edge_cases(gen: torch.Generator, t: int, k: int, r: int) -> torch.Tensor:
+    rows = torch.randint(0, r, (t, k), generator=gen, dtype=torch.int32)
+    rows[torch.rand(t, k, generator=gen) < 0.2] = -1  # invalid anywhere
+    rows[0, ::3] = r + 2  # out of range
+    rows[2] = -1  # empty row
+    rows[4, : k // 2] = rows[4, k // 2 : 2 * (k // 2)]  # duplicates within a row
+    rows[5] = rows[6]  # identical neighbours
+    rows[7] = torch.arange(k, dtype=torch.int32) % r  # (mostly) disjoint from its group
+    return rows
+
+
+def attention_cases(gen: torch.Generator) -> None:
+    from shardattn.kernels.sparse_mla import sparse_mla_reference
+    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.kernels.sparse_mla_triton import sparse_mla_per_query
+
+    combos = [(8, 8), (8, 1), (16, 4), (16, 2), (32, 2), (32, 8), (64, 1), (64, 2), (128, 1), (128, 4)]
+    t, k, r = 11, 24, 40  # 11 tokens: every G > 1 leaves a tail group
+    for heads, g in combos:
+        q = torch.randn(t, heads, D, generator=gen).half()
+        kv = torch.randn(r, D, generator=gen).half()
+        rows = _rows_with_edge_cases(gen, t, k, r)
+        sinks = torch.randn(heads, generator=gen) if heads == 16 else None
+        length = torch.randint(0, k + 1, (t,), generator=gen, dtype=torch.int32) if heads == 32 else None
+        out, lse = sparse_mla_grouped_prefill(
+            q, kv, rows, scale=0.2, v_dim=D_V, group_size=g, sinks=sinks, topk_length=length
+        )
+        ref_o, ref_l = sparse_mla_reference(
+            q.float(), kv.float(), rows, scale=0.2, v_dim=D_V, sinks=sinks, topk_length=length
+        )
+        err = ((out.float() - ref_o).norm() / ref_o.norm()).item()
+        fin = torch.isfinite(ref_l)
+        ok = err < 2e-3 and torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - ref_l[fin]).abs().max() < 1e-3
+        if sinks is None:
+            ok = ok and bool((out[2] == 0).all()) and bool(lse[2].isneginf().all())
+        _report(f"attention[H={heads},G={g}]", bool(ok), f"rel_err={err:.1e}")
+    # fp32 per-query path, and a group spanning two requests (rows from different requests)
+    q, kv = torch.randn(8, 8, D, generator=gen), torch.randn(r, D, generator=gen)
+    rows = _rows_with_edge_cases(gen, 8, k, r)
+    out, lse = sparse_mla_per_query(q, kv, rows, scale=0.2, v_dim=D_V, interpret=True)
+    ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=0.2, v_dim=D_V)
+    err = ((out - ref_o).norm() / ref_o.norm()).item()
+    _report("attention[fp32,per_query]", err < 1e-4, f"rel_err={err:.1e}")
+
+
+def spanning_requests_case(gen: torch.Generator) -> None:
+    from shardattn.kernels.sparse_mla import sparse_mla_reference
+    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.kernels.topk import convert_topk
+
+    # two requests of 5 and 4 tokens, 16-token block tables; groups of 4 straddle the boundary
+    pos = torch.randint(-1, 16, (9, 12), generator=gen, dtype=torch.int32)
+    req = torch.tensor([0] * 5 + [1] * 4, dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    rows, _ = convert_topk(pos, req, table, block_size=4)
+    q, kv = torch.randn(9, 16, D, generator=gen).half(), torch.randn(32, D, generator=gen).half()
+    out, lse = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=D_V, group_size=4)
+    ref_o, ref_l = sparse_mla_reference(q.float(), kv.float(), rows, scale=0.2, v_dim=D_V)
+    err = ((out.float() - ref_o).norm() / ref_o.norm()).item()
+    fin = torch.isfinite(ref_l)
+    ok = err < 2e-3 and torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - ref_l[fin]).abs().max() < 1e-3
+    _report("attention[groups spanning requests]", bool(ok), f"rel_err={err:.1e}")
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1 before running this module", file=sys.stderr)
+        return 2
+    gen = torch.Generator().manual_seed(int(os.environ.get("SHARDATTN_SEED", "0")))
+    topk_cases(gen)
+    union_cases(gen)
+    attention_cases(gen)
+    spanning_requests_case(gen)
+    print(f"{len(FAILURES)} failures: {FAILURES}", flush=True)
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Grouped prefill entry point on the CPU (reference path), routing, duplicates, warm-up key list."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardattn.kernels.sparse_mla import first_occurrences, sparse_mla_attention, sparse_mla_reference
+from shardattn.kernels.sparse_mla_grouped import (
+    choose_path,
+    default_group_size,
+    sparse_mla_grouped_prefill,
+    tile_group_size,
+)
+from shardattn.kernels.sparse_mla_triton import tile_config
+from shardattn.kernels.warmup import PrefillSpec, compile_keys
+
+
+def test_duplicate_rows_count_once_in_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(2, 3, 24, generator=gen), torch.randn(9, 24, generator=gen)
+    rows = torch.tensor([[1, 4, 1, 1, -1], [7, 7, 2, 9, 3]], dtype=torch.int32)
+    deduped = torch.tensor([[1, 4, -1, -1, -1], [7, -1, 2, -1, 3]], dtype=torch.int32)  # 9: out of range
+    a = sparse_mla_reference(q, kv, rows, scale=0.3, v_dim=16)
+    b = sparse_mla_reference(q, kv, deduped, scale=0.3, v_dim=16)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    first = first_occurrences(rows, rows >= 0).tolist()
+    assert first == [[True, True, False, False, False], [True, False, True, True, True]]
+
+
+def test_cpu_grouped_entry_equals_public_attention():
+    gen = torch.Generator().manual_seed(1)
+    q, kv = torch.randn(7, 8, 48, generator=gen), torch.randn(30, 48, generator=gen)
+    rows = torch.randint(-1, 33, (7, 10), generator=gen, dtype=torch.int32)
+    rows[2] = -1
+    sinks = torch.randn(8, generator=gen)
+    a = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, sinks=sinks)
+    b = sparse_mla_attention(q, kv, rows, scale=0.2, v_dim=32, sinks=sinks)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(a[1][2], sinks)  # empty row with sinks: (0, sink)
+    out = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, return_lse=False)
+    assert out.shape == (7, 8, 32)
+
+
+def test_group_sizes_and_routing_on_cpu():
+    assert [tile_group_size(h) for h in (1, 8, 16, 32, 64, 128)] == [8, 8, 4, 2, 1, 1]
+    assert [default_group_size(h) for h in (8, 16, 128)] == [8, 1, 1]
+    q, kv = torch.zeros(4, 8, 576), torch.zeros(10, 576)
+    path = choose_path(q, kv, v_dim=512)
+    assert path.backend == "reference" and "CPU" in path.reason
+
+
+def test_tiles_hold_at_most_64_rows_and_at_least_16():
+    for heads in (1, 2, 8, 16, 20, 32, 64, 128):
+        for g in (1, 2, 4, 8):
+            cfg = tile_config(heads, g)
+            assert 16 <= cfg.block_m <= 64 and cfg.block_h * -(-heads // cfg.block_h) >= heads
+
+
+def test_bad_group_size_raises():
+    q, kv, rows = torch.zeros(2, 8, 48), torch.zeros(4, 48), torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        sparse_mla_grouped_prefill(q, kv, rows, scale=1.0, v_dim=32, group_size=3)
+
+
+@pytest.mark.parametrize("heads", [8, 16, 64, 128], ids=lambda h: f"h{h}")
+def test_warmup_keys_cover_both_sides_of_the_routing_threshold(heads):
+    """The key list holds the grouped tile (G > 1, caches below 2**24 - 1 rows) and the per-query one."""
+    spec = PrefillSpec(heads=heads, topk=2048, sinks=True)
+    keys = compile_keys(spec)
+    attention = {(k.params["G"], k.params["BLOCK_H"], k.params["BLOCK_N"]) for k in keys if k.kernel == "attention"}
+    for g in {default_group_size(heads), 1}:
+        cfg = tile_config(heads, g)
+        assert (g, cfg.block_h, cfg.block_n) in attention
+    assert {k.params["G"] for k in keys if k.kernel == "union_keys"} == {default_group_size(heads), 1}
+    assert all(k.params["HAS_SINK"] for k in keys if k.kernel == "attention")

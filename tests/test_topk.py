@@ -1,0 +1,95 @@
+"""Top-k conversion (torch reference; the Triton kernel is compared with it in test_sparse_mla_interpret)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardattn.kernels.topk import DcpShard, convert_topk, convert_topk_reference
+
+
+def test_convert_known_rows_and_counts():
+    pos = torch.tensor([[0, 5, -1, 9, 12], [3, 4, 8, 2, 1]], dtype=torch.int32)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    table = torch.tensor([[2, 0, 1], [1, 3, -1]], dtype=torch.int32)
+    rows, counts = convert_topk(pos, req, table, block_size=4)
+    # 12 // 4 = 3 is past the table's width; request 1's block 2 is unallocated (-1)
+    assert rows.tolist() == [[8, 1, -1, 5, -1], [7, 12, -1, 6, 5]]
+    assert counts.tolist() == [3, 4]
+
+
+def test_seq_lens_topk_length_and_block_stride():
+    pos = torch.tensor([[0, 5, 6, 7]], dtype=torch.int32)
+    req = torch.zeros(1, dtype=torch.int32)
+    table = torch.tensor([[3, 1]], dtype=torch.int32)
+    rows, counts = convert_topk(
+        pos, req, table, block_size=4, block_stride=10,
+        seq_lens=torch.tensor([7], dtype=torch.int32), topk_length=torch.tensor([3], dtype=torch.int32),
+    )  # fmt: skip
+    assert rows.tolist() == [[30, 11, 12, -1]]  # 7 >= seq_len and index 3 >= topk_length
+    assert counts.tolist() == [3]
+
+
+def test_bad_request_id_empties_the_row():
+    pos = torch.tensor([[0, 1]], dtype=torch.int32)
+    rows, counts = convert_topk(pos, torch.tensor([5], dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
+                                block_size=4)  # fmt: skip
+    assert rows.tolist() == [[-1, -1]] and counts.tolist() == [0]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(world=st.integers(1, 4), inter=st.integers(1, 3), block=st.sampled_from([1, 2, 4]), seed=st.integers(0, 99))
+def test_dcp_ranks_partition_the_valid_positions(world, inter, block, seed):
+    """Every valid position is kept by exactly its owner rank, at the DCP layout's local index."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = 40
+    pos = torch.randint(-2, ctx, (6, 10), generator=gen, dtype=torch.int32)
+    req = torch.zeros(6, dtype=torch.int32)
+    blocks = -(-ctx // block) + 1
+    table = torch.arange(blocks, dtype=torch.int32)[None, :]  # identity: row == local position
+    owners = torch.zeros_like(pos)
+    for rank in range(world):
+        rows, counts = convert_topk(pos, req, table, block_size=block, dcp=DcpShard(world, inter, rank))
+        p = pos.long()
+        mine = (pos >= 0) & ((p // inter) % world == rank)
+        local = (p // (world * inter)) * inter + p % inter
+        assert torch.equal(rows, torch.where(mine, local, -1).to(torch.int32))
+        assert torch.equal(counts, mine.sum(1, dtype=torch.int32))
+        owners += mine.int()
+    assert torch.equal(owners, (pos >= 0).int())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"topk_pos": torch.zeros(2, 3)}, TypeError, "topk_pos must have dtype"),
+        ({"req_ids": torch.zeros(3, dtype=torch.int32)}, ValueError, "req_ids must have shape"),
+        ({"block_size": 0}, ValueError, "block_size must be >= 1"),
+        ({"dcp": DcpShard(2, 1, 2)}, ValueError, "dcp must have"),
+        ({"seq_lens": torch.zeros(5, dtype=torch.int32)}, ValueError, "seq_lens must have shape"),
+    ],
+    ids=["float-positions", "req-ids-shape", "block-size", "dcp-rank", "seq-lens-shape"],
+)
+def test_bad_inputs_raise_naming_the_argument(kwargs, error, match):
+    args = {
+        "topk_pos": torch.zeros(2, 3, dtype=torch.int32),
+        "req_ids": torch.zeros(2, dtype=torch.int32),
+        "block_table": torch.zeros(1, 4, dtype=torch.int32),
+        "block_size": 4,
+    }
+    args.update(kwargs)
+    pos, req, table = args.pop("topk_pos"), args.pop("req_ids"), args.pop("block_table")
+    with pytest.raises(error, match=match):
+        convert_topk(pos, req, table, **args)
+
+
+def test_reference_is_the_cpu_path():
+    gen = torch.Generator().manual_seed(3)
+    pos = torch.randint(-1, 30, (5, 7), generator=gen, dtype=torch.int32)
+    req = torch.randint(0, 2, (5,), generator=gen, dtype=torch.int32)
+    table = torch.randint(0, 9, (2, 8), generator=gen, dtype=torch.int32)
+    a = convert_topk(pos, req, table, block_size=4)
+    b = convert_topk_reference(pos, req, table, block_size=4)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -1,0 +1,64 @@
+"""Workload generator: calibrated neighbour overlap, causality, dumps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardattn.workload import Overlap, load_topk_dump, synthetic_topk, union_ratio
+
+
+def test_positions_are_causal_unique_and_padded():
+    pos = synthetic_topk(40, 16, start_position=5, seed=2)
+    assert pos.shape == (40, 16) and pos.dtype == torch.int32
+    for t, row in enumerate(pos.tolist()):
+        valid = [p for p in row if p >= 0]
+        assert len(valid) == min(16, 5 + t + 1) and len(set(valid)) == len(valid)
+        assert max(valid) <= 5 + t
+
+
+def test_dsa_preset_matches_published_neighbour_overlap():
+    pos = synthetic_topk(64, 2048, start_position=60000, overlap="dsa", seed=0)
+    r2, r8 = union_ratio(pos, 2), union_ratio(pos, 8)
+    assert 1.08 <= r2 <= 1.25 and 1.2 <= r8 <= 1.7, (r2, r8)
+
+
+def test_random_preset_is_the_worst_case_and_overlap_falls_with_position():
+    rand = synthetic_topk(16, 256, start_position=60000, overlap="random", seed=0)
+    assert union_ratio(rand, 8) > 7.0
+    early = union_ratio(synthetic_topk(32, 256, start_position=1000, seed=1), 8)
+    late = union_ratio(synthetic_topk(32, 256, start_position=30000, seed=1), 8)
+    assert early < late
+
+
+def test_union_ratio_definition():
+    rows = torch.tensor([[1, 2, 3, -1], [2, 3, 4, -1], [9, 9, 9, 9]], dtype=torch.int32)
+    assert union_ratio(rows, 2) == pytest.approx(4 / 3)  # the trailing partial group is left out
+    assert union_ratio(rows[:1], 2) != union_ratio(rows[:1], 2)  # nan: no full group
+
+
+def test_bad_overlap_raises():
+    with pytest.raises(ValueError, match="rho \\+ jitter <= 1"):
+        synthetic_topk(4, 4, start_position=10, overlap=Overlap(rho=0.9, drift=4, jitter=0.2))
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_load_topk_dump_round_trip(tmp_path, suffix):
+    topk = torch.tensor([[3, 1, -1], [0, 2, 5]], dtype=torch.int64)
+    valid = torch.tensor([2, 3], dtype=torch.int32)
+    path = tmp_path / f"dump{suffix}"
+    if suffix == ".pt":
+        torch.save({"topk": topk, "valid": valid}, path)
+    else:
+        st = pytest.importorskip("safetensors.torch")
+        st.save_file({"topk": topk, "valid": valid}, str(path))
+    got_topk, got_valid = load_topk_dump(path)
+    assert got_topk.dtype == torch.int32 and torch.equal(got_topk, topk.int()) and torch.equal(got_valid, valid)
+
+
+def test_load_topk_dump_rejects_other_files(tmp_path):
+    with pytest.raises(ValueError, match=r"must end in \.pt or \.safetensors"):
+        load_topk_dump(tmp_path / "x.npy")
+    torch.save({"rows": torch.zeros(1, 1)}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="must hold a dict with a 'topk' tensor"):
+        load_topk_dump(tmp_path / "bad.pt")
