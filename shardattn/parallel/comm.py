@@ -1,0 +1,397 @@
+"""The collectives the parallel steps use, over one ``ProcessGroup``, counted and checked.
+
+:class:`Comm` resolves the group's rank, size, backend and the device of its small tensors
+once; every step takes a ``ProcessGroup`` or a ``Comm`` (:meth:`Comm.wrap`). Each collective it
+issues is counted by kind in :attr:`Comm.counts`, so tests can assert, e.g., that a ShardQ
+prefill issues exactly two all-to-alls. Misuse (split sizes that do not add up, a tensor on the
+wrong device for the backend, shapes that do not divide) raises ``ValueError`` before anything
+is sent.
+
+Ranks that disagree (different plans, different shapes, a rank whose inputs failed validation)
+would otherwise enter mismatched collectives and hang or corrupt data. :meth:`Comm.check_agreement`
+all-gathers one ``int64`` fingerprint and an error flag per rank and raises the same clear
+``ValueError`` on every rank, naming the ranks that disagree, instead.
+
+Mixed-dtype payloads (a bf16 output and its fp32 LSE) travel in one collective as bytes:
+:func:`pack_rows` / :func:`unpack_rows`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "pack_rows", "packed_nbytes", "stable_fingerprint", "unpack_rows"]
+
+#: Collective kinds counted by :class:`Comm` (keys of :attr:`Comm.counts`).
+KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "agreement")
+
+# torch >= 2.13 renamed the tensor collectives (the old names warn); resolve once, read-only.
+_ALL_GATHER_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_MASK64 = (1 << 64) - 1
+_ALIGN = 16  # bytes; every packed segment starts at a multiple of this
+
+
+def stable_fingerprint(*parts: object) -> int:
+    """A 63-bit hash of scalars, strings, dtypes and shapes, equal in every process.
+
+    Python's ``hash`` of a string differs between processes; this does not.
+
+    >>> stable_fingerprint("q", (4, 2, 8), torch.bfloat16) == stable_fingerprint("q", (4, 2, 8), torch.bfloat16)
+    True
+    """
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(repr(p).encode())
+        h.update(b"\x00")
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+def _to_int64(value: int) -> int:
+    """Fold any Python int into the signed int64 range (two's complement of its low 64 bits)."""
+    v = int(value) & _MASK64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Lay the raw bytes of several tensors side by side, row by row, in one ``uint8`` buffer.
+
+    All tensors share their leading dim ``P`` (one row per destination rank, say); row ``p`` of
+    the result holds the bytes of ``tensors[0][p]``, then of ``tensors[1][p]``, ... Each segment
+    starts at a multiple of 16 bytes, so :func:`unpack_rows` views it back without a copy. This is
+    how a bf16 output and its fp32 LSE travel in a single collective.
+
+    Args:
+        tensors: ``[P, ...]`` each, any dtypes, one device.
+    Returns:
+        ``[P, nbytes]`` uint8 with ``nbytes = packed_nbytes(...)`` of the per-row shapes.
+
+    >>> buf = pack_rows([torch.ones(2, 3, dtype=torch.bfloat16), torch.zeros(2, 1)])
+    >>> a, b = unpack_rows(buf, [((3,), torch.bfloat16), ((1,), torch.float32)])
+    >>> tuple(buf.shape), a.dtype, a.tolist(), b.tolist()
+    ((2, 32), torch.bfloat16, [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], [[0.0], [0.0]])
+    """
+    if not tensors:
+        raise ValueError("pack_rows needs at least one tensor")
+    p, device = tensors[0].shape[0], tensors[0].device
+    for i, t in enumerate(tensors):
+        if t.dim() == 0 or t.shape[0] != p or t.device != device:
+            raise ValueError(
+                f"pack_rows: tensor {i} must have leading dim {p} on {device}, got {list(t.shape)} on {t.device}"
+            )
+    sizes = [(t[0].numel() if p else math.prod(t.shape[1:])) * t.element_size() for t in tensors]
+    buf = torch.empty((p, sum(_padded(s) for s in sizes)), dtype=torch.uint8, device=device)
+    off = 0
+    for t, n in zip(tensors, sizes):
+        if n and p:
+            buf[:, off : off + n].copy_(t.contiguous().view(p, -1).view(torch.uint8))
+        off += _padded(n)
+    return buf
+
+
+def packed_nbytes(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:
+    """Bytes per row :func:`pack_rows` uses for tensors whose rows have the given ``(shape, dtype)``."""
+    return sum(_padded(math.prod(shape) * _itemsize(dtype)) for shape, dtype in specs)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def unpack_rows(buf: torch.Tensor, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
+    """Inverse of :func:`pack_rows`: the tensors ``[P, *shape]`` of the given per-row specs.
+
+    Args:
+        buf: ``[P, nbytes]`` uint8, contiguous.
+        specs: ``(shape, dtype)`` of one row of each packed tensor, in packing order.
+    Returns:
+        one ``[P, *shape]`` tensor per spec (views of ``buf`` where the layout allows).
+    """
+    need = packed_nbytes(specs)
+    if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != need:
+        raise ValueError(f"buf must be a [P, {need}] uint8 tensor, got {buf.dtype} {list(buf.shape)}")
+    buf = buf.contiguous()
+    p = buf.shape[0]
+    out = []
+    off = 0
+    for shape, dtype in specs:
+        n = math.prod(shape) * _itemsize(dtype)
+        piece = buf[:, off : off + n]
+        if p and n:
+            out.append(piece.view(dtype).reshape(p, *shape))
+        else:
+            out.append(torch.empty((p, *shape), dtype=dtype, device=buf.device))
+        off += _padded(n)
+    return out
+
+
+class Comm:
+    """A ``ProcessGroup`` with its rank, size and backend resolved once, counting its collectives.
+
+    Args:
+        group: the process group the step runs over (ranks ``0 .. world_size - 1`` of it).
+        device: where small control tensors (fingerprints, counts) live; default ``cuda``'s
+            current device for NCCL, CPU otherwise.
+
+    Attributes:
+        rank, world_size, backend: of ``group``.
+        counts: ``Counter`` of collectives issued, by kind (``"all_to_all"``, ``"all_gather"``,
+            ``"reduce_scatter"``, ``"all_reduce"``, ``"agreement"``); :meth:`reset_counts`
+            clears it.
+
+    Example (every rank of ``group`` runs this)::
+
+        comm = Comm(group)
+        comm.check_agreement(plan.fingerprint(), "ShardQ plan")  # raises on every rank if they differ
+        x = comm.all_to_all(rows, send_splits=plan.counts.tolist(), recv_splits=[n_mine] * comm.world_size)
+        dict(comm.counts)                                        # {'agreement': 1, 'all_to_all': 1}
+    """
+
+    def __init__(self, group: dist.ProcessGroup, *, device: torch.device | str | None = None) -> None:
+        if isinstance(group, Comm):
+            raise TypeError("group is already a Comm; use Comm.wrap(group) to accept either")
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("this process is not a member of group")
+        self.group = group
+        self.rank = rank
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group)).lower()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
+        self.device = torch.device(device)
+        self.counts: Counter[str] = Counter()
+        self._reduce_scatter_ok: bool | None = None
+
+    @classmethod
+    def wrap(cls, group: dist.ProcessGroup | Comm) -> Comm:
+        """``group`` itself when it is a ``Comm`` (its counts keep accumulating), else a new one."""
+        return group if isinstance(group, Comm) else cls(group)
+
+    def reset_counts(self) -> None:
+        """Forget the collectives counted so far."""
+        self.counts.clear()
+
+    def __repr__(self) -> str:
+        return f"Comm(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
+
+    # -- checks ------------------------------------------------------------------------------
+    def _check_tensor(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if self.backend == "nccl" and x.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor for the nccl backend, got {x.device}")
+        return x.contiguous()
+
+    def _check_splits(self, name: str, splits: Sequence[int], total: int) -> list[int]:
+        sizes = [int(s) for s in splits]
+        if len(sizes) != self.world_size:
+            raise ValueError(f"{name} must have world_size={self.world_size} entries, got {len(sizes)}")
+        if any(s < 0 for s in sizes):
+            raise ValueError(f"{name} must be non-negative, got {sizes}")
+        if sum(sizes) != total:
+            raise ValueError(f"{name} must add up to {total} (dim 0 of the tensor), got {sizes} = {sum(sizes)}")
+        return sizes
+
+    # -- collectives -------------------------------------------------------------------------
+    def all_to_all(self, x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
+        """Send ``x[offset_j : offset_j + send_splits[j]]`` to rank ``j``; receive from every rank.
+
+        Args:
+            x: ``[sum(send_splits), ...]`` any dtype.
+            send_splits: ``[W]`` rows of ``x`` for each destination, in rank order.
+            recv_splits: ``[W]`` rows arriving from each source (``send_splits`` of the others).
+        Returns:
+            ``[sum(recv_splits), ...]``, sources in rank order.
+        """
+        x = self._check_tensor("x", x)
+        if x.dim() == 0:
+            raise ValueError("x must have at least one dimension")
+        send = self._check_splits("send_splits", send_splits, x.shape[0])
+        recv = [int(s) for s in recv_splits]
+        self._check_splits("recv_splits", recv, sum(recv))
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        self.counts["all_to_all"] += 1
+        if self.world_size == 1:
+            out.copy_(x)
+            return out
+        dist.all_to_all_single(out, x, recv, send, group=self.group)
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Gather an equal-shaped tensor from every rank.
+
+        Args:
+            x: ``[...]`` the same shape and dtype on every rank.
+        Returns:
+            ``[W, ...]``, ranks in order.
+        """
+        x = self._check_tensor("x", x)
+        self.counts["all_gather"] += 1
+        return self._all_gather(x)
+
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((self.world_size, *x.shape))
+        if self.world_size == 1:
+            out[0].copy_(x)
+            return out
+        _ALL_GATHER_TENSOR(out.view(-1), x.reshape(-1), group=self.group)
+        return out
+
+    def all_gather_uneven(self, x: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Gather tensors whose dim 0 differs by rank: padded to the largest, one all-gather.
+
+        Args:
+            x: ``[sizes[rank], ...]``; trailing dims and dtype equal on every rank.
+            sizes: ``[W]`` dim 0 of every rank's ``x`` (host ints, known to every rank).
+        Returns:
+            ``W`` tensors ``[sizes[j], ...]`` (views into one gathered buffer).
+        """
+        x = self._check_tensor("x", x)
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != self.world_size:
+            raise ValueError(f"sizes must have world_size={self.world_size} entries, got {len(sizes)}")
+        if x.dim() == 0 or x.shape[0] != sizes[self.rank]:
+            raise ValueError(f"x must have sizes[rank={self.rank}]={sizes[self.rank]} rows, got shape {list(x.shape)}")
+        pad = max(sizes) if sizes else 0
+        if x.shape[0] != pad:
+            padded = x.new_zeros((pad, *x.shape[1:]))
+            padded[: x.shape[0]] = x
+            x = padded
+        gathered = self.all_gather(x)
+        return [gathered[j, : sizes[j]] for j in range(self.world_size)]
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over ranks and keep this rank's slice of dim 0.
+
+        Falls back to an all-gather plus a local sum when the backend has no reduce-scatter
+        (counted then as ``"all_gather"``). The sum runs in ``x``'s dtype: pass fp32 for accuracy.
+
+        Args:
+            x: ``[W * n, ...]``, the same shape on every rank.
+        Returns:
+            ``[n, ...]``: rows ``rank * n : (rank + 1) * n`` of the sum.
+        """
+        x = self._check_tensor("x", x)
+        if x.dim() == 0 or x.shape[0] % self.world_size:
+            raise ValueError(f"x must have dim 0 divisible by world_size={self.world_size}, got {list(x.shape)}")
+        n = x.shape[0] // self.world_size
+        if self.world_size == 1:
+            self.counts["reduce_scatter"] += 1
+            return x.clone()
+        if self._reduce_scatter_ok is not False:
+            out = x.new_empty((n, *x.shape[1:]))
+            try:
+                _REDUCE_SCATTER_TENSOR(out.view(-1), x.view(-1), group=self.group)
+            except RuntimeError as e:  # raised before any data moves, identically on every rank
+                if "support" not in str(e).lower():
+                    raise
+                self._reduce_scatter_ok = False
+            else:
+                self._reduce_scatter_ok = True
+                self.counts["reduce_scatter"] += 1
+                return out
+        gathered = self.all_gather(x)
+        return gathered[:, self.rank * n : (self.rank + 1) * n].sum(dim=0)
+
+    @property
+    def has_reduce_scatter(self) -> bool | None:
+        """Whether the backend ran a reduce-scatter (``None`` until one was tried; NCCL: True)."""
+        return True if self.backend == "nccl" else self._reduce_scatter_ok
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of ``x`` over ranks (a new tensor; ``x`` is left alone)."""
+        x = self._check_tensor("x", x).clone()
+        self.counts["all_reduce"] += 1
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """All-gather a few host ints per rank (a small tensor, no pickling).
+
+        Args:
+            values: the same count of ints on every rank (each folded into int64).
+        Returns:
+            ``W`` lists of ints, ranks in order. Synchronises with the device (host values).
+        """
+        self.counts["all_gather"] += 1
+        return self._gather_ints(values)
+
+    def _gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        t = torch.tensor([_to_int64(v) for v in values], dtype=torch.int64, device=self.device)
+        return self._all_gather(t).tolist()
+
+    def check_agreement(self, fingerprint: int, what: str, *, error: BaseException | None = None) -> None:
+        """Raise the same ``ValueError`` on every rank unless all ranks hold the same fingerprint.
+
+        One all-gather of ``[fingerprint, failed]`` per rank (counted as ``"agreement"`` only, so
+        the data collectives of a step can be counted on their own). Call it on every rank before
+        a step's data collectives; pass the local validation error, if any, as ``error`` so ranks
+        whose inputs were fine fail too instead of waiting in a collective for the rank that
+        raised.
+
+        Args:
+            fingerprint: any Python int (folded to int64), e.g. ``plan.fingerprint()``.
+            what: what the fingerprint describes, for the message (``"ShardQ plan"``).
+            error: this rank's validation error; re-raised here after the exchange.
+        Raises:
+            the given ``error`` on its rank; ``ValueError`` naming the failing ranks on the
+            others, or naming the ranks whose fingerprint differs from the majority's.
+        """
+        self.counts["agreement"] += 1
+        rows = self._gather_ints([fingerprint, 1 if error is not None else 0])
+        failed = [r for r, (_, f) in enumerate(rows) if f]
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError(
+                f"{what}: rank(s) {failed} of {self.world_size} rejected their inputs (see the error on "
+                f"that rank); rank {self.rank} stops too instead of waiting for them in a collective"
+            )
+        values = [v for v, _ in rows]
+        tally = Counter(values)
+        if len(tally) == 1:
+            return
+        top = max(tally.values())
+        # majority value; on a tie, the one of the lowest rank among the tied values
+        majority = next(v for v in values if tally[v] == top)
+        bad = [r for r, v in enumerate(values) if v != majority]
+        good = [r for r, v in enumerate(values) if v == majority]
+        raise ValueError(
+            f"{what} differs across ranks: rank(s) {bad} disagree with rank(s) {good} "
+            f"(fingerprints {values}); every rank must pass the same {what}"
+        )
+
+    def agree_on(self, what: str, validate: Callable[[], int], *, check: bool = True) -> None:
+        """Validate this rank's inputs, then (with ``check``) make every rank agree on them.
+
+        ``validate()`` raises ``TypeError`` / ``ValueError`` for bad input and otherwise returns a
+        fingerprint of everything the step's collectives depend on (plan, shapes, dtypes). With
+        ``check`` the fingerprint and the error, if any, go through :meth:`check_agreement`, so a
+        rank with bad input, or with a different plan, makes *every* rank raise before any data
+        collective. Without ``check`` a local error is raised at once (other ranks may then wait
+        in the step's first collective until the group's timeout).
+        """
+        try:
+            fingerprint = validate()
+        except (TypeError, ValueError) as e:
+            if not check:
+                raise
+            self.check_agreement(0, what, error=e)
+            raise  # unreachable: check_agreement re-raises e
+        if check:
+            self.check_agreement(fingerprint, what)

@@ -1,0 +1,306 @@
+"""Decode context parallelism (DCP): the KV cache split over ranks, partials merged by LSE.
+
+Every request's KV tokens are spread over the ``N`` ranks of the DCP group by the
+:class:`~shardattn.plan.DCPLayout` (token ``t`` on rank ``(t // I) % N`` at local index
+``(t // (N*I)) * I + t % I``). A decode step::
+
+    rank r: q [T, H/N, D] (its heads)
+        -- all-gather -->  q [T, H, D]
+        -- local attention over its KV shard (indices translated to the rank's local rows) -->
+           partial out [T, H, Dv], lse [T, H]       (a row with no local key: (0, -inf))
+        -- collector (one all-to-all of packed out + lse, local LSE merge) -->
+           out [T, H/N, Dv], lse [T, H/N]
+
+Two kernels: sparse MLA (:func:`dcp_sparse_mla_decode`; each query's request-global top-k
+positions become local rows by :func:`~shardattn.kernels.topk.convert_topk` with the rank's
+:class:`~shardattn.kernels.topk.DcpShard`) and GQA over a paged cache (:func:`dcp_gqa_decode`;
+every query token gets its own causal *local* length,
+:meth:`~shardattn.plan.DCPLayout.causal_local_lens`, so uniform and ragged drafts are exact).
+
+Sinks are counted once: only rank 0 passes them to its local kernel. Rank 0 holds global token
+0, so its local row is non-empty whenever the global row is, and an empty global row stays
+``(0, -inf)`` for GQA (``(0, sink)`` for sparse MLA, as in the single-process kernel). Sliding
+windows are not supported under DCP (a global window is not a local one).
+
+Collectives per step: one all-gather (q) plus the collector's (one all-to-all with
+``scatter_heads=True``), plus one small agreement all-gather with ``check=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
+from shardattn.kernels.gqa_decode import gqa_paged_decode
+from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn.kernels.topk import DcpShard, convert_topk
+from shardattn.parallel.collector import collect_partials, resolve_strategy
+from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.plan.context import DCPLayout
+
+__all__ = ["dcp_gqa_decode", "dcp_sparse_mla_decode"]
+
+
+def _check_common(q: torch.Tensor, layout: DCPLayout, comm: Comm, sinks: torch.Tensor | None) -> None:
+    if not isinstance(layout, DCPLayout):
+        raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
+    if layout.world_size != comm.world_size:
+        raise ValueError(f"layout is for world_size={layout.world_size}, but the group has {comm.world_size} ranks")
+    check_tensor("q_heads_local", q, dtypes=FLOAT_DTYPES, ndim=3)
+    if q.shape[1] < 1:
+        raise ValueError(f"q_heads_local must hold at least one head, got shape {list(q.shape)}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(q.shape[1] * comm.world_size,))
+
+
+def _host_values(t: torch.Tensor | None) -> list[int] | None:
+    """Small host-side lists for the fingerprint (a device tensor costs a copy: only with ``check``)."""
+    return None if t is None else [int(x) for x in t.tolist()]
+
+
+def _gather_heads(q: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """``[T, H/N, D]`` on every rank -> ``[T, H, D]`` (rank r's heads at ``r*H/N``)."""
+    t, h, d = q.shape
+    return comm.all_gather(q).permute(1, 0, 2, 3).reshape(t, comm.world_size * h, d)
+
+
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, comm: Comm, scatter_heads: bool, strategy: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The collector, after the step's own agreement check (so no second one)."""
+    return collect_partials(out, lse, comm, scatter_heads=scatter_heads, strategy=strategy, check=False)
+
+
+def dcp_sparse_mla_decode(
+    q_heads_local: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_pos: torch.Tensor,
+    req_ids: torch.Tensor,
+    block_table: torch.Tensor,
+    layout: DCPLayout,
+    group: dist.ProcessGroup | Comm,
+    *,
+    block_size: int,
+    scale: float,
+    v_dim: int = 512,
+    seq_lens: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    scatter_heads: bool = True,
+    strategy: str = "auto",
+    attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sparse_mla_attention,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode with the KV cache split over the DCP group.
+
+    Args:
+        q_heads_local: ``[T, H/N, D]`` fp16/bf16/fp32, this rank's heads of the step's queries.
+        kv_cache: ``[R_local, D]`` this rank's KV rows (q's dtype); block ``b`` of the local block
+            table is rows ``b * block_size .. (b+1) * block_size``; the value is ``[:, :v_dim]``.
+        topk_pos: ``[T, K]`` int32 request-global token positions of each query's top-k
+            (``-1`` / negative / ``>= seq_lens`` = invalid, anywhere), identical on every rank.
+        req_ids: ``[T]`` int32 request of each query.
+        block_table: ``[B, M]`` int32 this rank's local block table (its blocks hold local
+            positions, :meth:`~shardattn.plan.DCPLayout.local_index`); ``-1`` = unallocated.
+        layout: the DCP layout; ``layout.world_size`` must be the group's size.
+        group: the DCP process group or a :class:`~shardattn.parallel.comm.Comm`.
+        block_size: tokens per block. scale: softmax scale. v_dim: value width.
+        seq_lens: ``[B]`` int32 global request lengths; positions at or past them are invalid.
+        topk_length: ``[T]`` int32 leading ``topk_pos`` entries to use, optional.
+        sinks: ``[H]`` fp32 sink logits (all heads), counted once (rank 0), optional.
+        scatter_heads: return this rank's heads (``[T, H/N, Dv]``); ``False``: all heads.
+        strategy: the collector's strategy (:func:`~shardattn.parallel.collector.collect_partials`).
+        attention: the local kernel, called like :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention`.
+        check: agree on shapes and layout first (one small all-gather, a host sync); bad input on
+            any rank then raises on every rank.
+    Returns:
+        ``(out [T, H/N or H, v_dim] in q's dtype, lse [T, H/N or H] fp32)``, equal to sparse MLA
+        over the whole (unsplit) cache; a query with no valid key is ``(0, -inf)``.
+
+    Example (every rank of a DCP group of ``N`` runs this)::
+
+        layout = DCPLayout(N, interleave=1)
+        out, lse = dcp_sparse_mla_decode(q_local, kv_local, topk_pos, req_ids, table_local, layout,
+                                         group, block_size=64, scale=576 ** -0.5, seq_lens=seq_lens)
+        # q_local [T, H/N, 576] -> out [T, H/N, 512], lse [T, H/N]
+    """
+    comm = Comm.wrap(group)
+
+    def validate() -> int:
+        q = q_heads_local
+        _check_common(q, layout, comm, sinks)
+        t, _, d = q.shape
+        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), shape=(None, d))
+        check_tensor("topk_pos", topk_pos, dtypes=INDEX_DTYPES, ndim=2)
+        if topk_pos.shape[0] != t:
+            raise ValueError(f"topk_pos must have one row per query ({t}), got shape {list(topk_pos.shape)}")
+        check_tensor("req_ids", req_ids, dtypes=INDEX_DTYPES, shape=(t,))
+        check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
+        b, m = block_table.shape
+        bs = check_int("block_size", block_size, minimum=1)
+        if not 0 < check_int("v_dim", v_dim) <= d:
+            raise ValueError(f"v_dim must be in (0, {d}], got {v_dim}")
+        if seq_lens is not None:
+            check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(b,))
+        if topk_length is not None:
+            check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
+        check_same_device(
+            q_heads_local=q, kv_cache=kv_cache, topk_pos=topk_pos, req_ids=req_ids, block_table=block_table,
+            seq_lens=seq_lens, topk_length=topk_length, sinks=sinks,
+        )  # fmt: skip
+        if block_table.device.type == "cpu" and block_table.numel():  # value checks that cost no sync
+            top = int(block_table.max())
+            if (top + 1) * bs > kv_cache.shape[0]:
+                raise ValueError(
+                    f"block_table points past kv_cache: block {top} needs rows up to {(top + 1) * bs}, "
+                    f"kv_cache has {kv_cache.shape[0]}"
+                )
+            if seq_lens is not None:
+                local = layout.local_seq_lens(seq_lens, comm.rank)
+                if b and int(local.max()) > m * bs:
+                    i = int(local.argmax())
+                    raise ValueError(
+                        f"seq_lens[{i}]={int(seq_lens[i])} puts {int(local[i])} tokens on rank {comm.rank}, "
+                        f"but its block_table holds {m} blocks of {bs}"
+                    )
+        resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
+        return stable_fingerprint(
+            "dcp_sparse_mla", layout, tuple(q.shape), q.dtype, v_dim, topk_pos.shape[1], b, sinks is not None,
+            scatter_heads, strategy, _host_values(seq_lens) if check else None,
+        )  # fmt: skip
+
+    comm.agree_on("DCP sparse MLA decode inputs", validate, check=check)
+    q_full = _gather_heads(q_heads_local, comm)
+    rows, _ = convert_topk(
+        topk_pos, req_ids, block_table, block_size=block_size, seq_lens=seq_lens, topk_length=topk_length,
+        dcp=DcpShard(layout.world_size, layout.interleave, comm.rank),
+    )  # fmt: skip
+    out, lse = attention(
+        q_full, kv_cache, rows, scale=scale, v_dim=v_dim, sinks=sinks if comm.rank == 0 else None, return_lse=True
+    )
+    return _merge(out, lse, comm, scatter_heads, strategy)
+
+
+def dcp_gqa_decode(
+    q_heads_local: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layout: DCPLayout,
+    group: dist.ProcessGroup | Comm,
+    *,
+    q_len_per_req: int | None = None,
+    cu_q_lens: torch.Tensor | None = None,
+    causal: bool = True,
+    sinks: torch.Tensor | None = None,
+    scale: float | None = None,
+    scatter_heads: bool = True,
+    strategy: str = "auto",
+    backend: str = "auto",
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA decode over a paged KV cache split over the DCP group (speculative drafts included).
+
+    Args:
+        q_heads_local: ``[total_q, Hq/N, D]`` fp16/bf16/fp32, this rank's query heads, requests'
+            queries packed in order.
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` this rank's paged cache (q's dtype),
+            holding its local tokens (:meth:`~shardattn.plan.DCPLayout.local_index`);
+            ``Hq % Hkv == 0``.
+        block_table: ``[B, max_pages]`` int32 this rank's local page table.
+        seq_lens: ``[B]`` int32 *global* keys per request, drafts included (0 = padding).
+        layout: the DCP layout; ``layout.world_size`` must be the group's size.
+        group: the DCP process group or a :class:`~shardattn.parallel.comm.Comm`.
+        q_len_per_req: uniform drafts per request (default 1); or
+        cu_q_lens: ``[B+1]`` int32 ragged query offsets (rows past ``cu_q_lens[-1]`` are padding).
+        causal: drafts see each other causally (query ``j`` of ``Q`` sees ``L - Q + j + 1`` keys).
+        sinks: ``[Hq]`` fp32 sink logits, counted once (rank 0), optional.
+        scale: softmax scale (default ``D ** -0.5``).
+        scatter_heads, strategy: the collector's output layout and strategy.
+        backend: the local kernel's backend (:func:`~shardattn.kernels.gqa_decode.gqa_paged_decode`).
+        check: agree on shapes, layout and lengths first (one small all-gather, a host sync).
+    Returns:
+        ``(out [total_q, Hq/N or Hq, D] in q's dtype, lse [total_q, Hq/N or Hq] fp32)``, equal to
+        :func:`~shardattn.kernels.gqa_decode.gqa_paged_decode` over the whole cache.
+
+    Example (every rank of a DCP group of ``N`` runs this)::
+
+        out, lse = dcp_gqa_decode(q_local, k_local, v_local, table_local, seq_lens, DCPLayout(N), group,
+                                  q_len_per_req=2)
+        # q_local [2B, Hq/N, D] -> out [2B, Hq/N, D], lse [2B, Hq/N]
+    """
+    comm = Comm.wrap(group)
+
+    def validate() -> int:
+        q = q_heads_local
+        _check_common(q, layout, comm, sinks)
+        t, h, d = q.shape
+        check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
+        pages, page, hkv, dk = k_cache.shape
+        check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
+        if dk != d:
+            raise ValueError(f"k_cache head dim must equal q's ({d}), got shape {list(k_cache.shape)}")
+        if hkv < 1 or (h * comm.world_size) % hkv:
+            raise ValueError(f"query heads ({h} x {comm.world_size} ranks) must be a multiple of KV heads ({hkv})")
+        check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
+        b, m = block_table.shape
+        check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(b,))
+        if q_len_per_req is not None and cu_q_lens is not None:
+            raise ValueError("give q_len_per_req (uniform drafts) or cu_q_lens (ragged drafts), not both")
+        if cu_q_lens is not None:
+            check_tensor("cu_q_lens", cu_q_lens, dtypes=INDEX_DTYPES, shape=(b + 1,))
+        else:
+            ql = 1 if q_len_per_req is None else check_int("q_len_per_req", q_len_per_req, minimum=1)
+            if t != b * ql:
+                raise ValueError(f"q_heads_local must have B * q_len_per_req = {b * ql} rows, got {t}")
+        check_same_device(
+            q_heads_local=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
+            cu_q_lens=cu_q_lens, sinks=sinks,
+        )  # fmt: skip
+        if seq_lens.device.type == "cpu" and b:  # value checks that cost no device sync
+            if int(seq_lens.min()) < 0:
+                raise ValueError("seq_lens must be >= 0")
+            local = layout.local_seq_lens(seq_lens, comm.rank)
+            if int(local.max()) > m * page:
+                i = int(local.argmax())
+                raise ValueError(
+                    f"seq_lens[{i}]={int(seq_lens[i])} puts {int(local[i])} tokens on rank {comm.rank}, "
+                    f"past its block_table's {m} pages of {page}"
+                )
+            if block_table.numel() and (int(block_table.max()) >= pages):
+                raise ValueError(f"block_table holds pages past k_cache's {pages}")
+            if cu_q_lens is not None:
+                cu = cu_q_lens.tolist()
+                if cu[0] != 0 or cu != sorted(cu) or cu[-1] > t:
+                    raise ValueError(f"cu_q_lens must start at 0, not decrease and end <= {t}, got {cu}")
+        resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
+        return stable_fingerprint(
+            "dcp_gqa", layout, tuple(q.shape), q.dtype, hkv, b, q_len_per_req, causal, sinks is not None,
+            scatter_heads, strategy, *((_host_values(seq_lens), _host_values(cu_q_lens)) if check else ()),
+        )  # fmt: skip
+
+    comm.agree_on("DCP GQA decode inputs", validate, check=check)
+    q_full = _gather_heads(q_heads_local, comm)
+    t, hq, d = q_full.shape
+    b = block_table.shape[0]
+    if b == 0 or t == 0:
+        out = q_full.new_zeros(t, hq, d)
+        lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q_full.device)
+        return _merge(out, lse, comm, scatter_heads, strategy)
+    cu = cu_q_lens
+    if cu is None:
+        ql = 1 if q_len_per_req is None else q_len_per_req
+        cu = torch.arange(b + 1, dtype=seq_lens.dtype, device=seq_lens.device) * ql
+    # every query becomes a one-token "request" with its own causal local length and its request's pages
+    local_lens = layout.causal_local_lens(seq_lens, cu, t, comm.rank, causal=causal).to(torch.int32)
+    tok = torch.arange(t, device=cu.device)
+    req = torch.searchsorted(cu[1:].to(torch.int64).contiguous(), tok, right=True).clamp(max=b - 1)
+    out, lse = gqa_paged_decode(
+        q_full, k_cache, v_cache, block_table.index_select(0, req), local_lens,
+        q_len_per_req=1, sinks=sinks if comm.rank == 0 else None, return_lse=True, scale=scale, backend=backend,
+    )  # fmt: skip
+    return _merge(out, lse, comm, scatter_heads, strategy)

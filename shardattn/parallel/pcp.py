@@ -1,0 +1,205 @@
+"""Prefill context parallelism (PCP) for sparse MLA: zigzag query tokens, all-gathered new KV.
+
+The step's new tokens are split over the ``W`` ranks of the PCP group by
+:func:`~shardattn.plan.pcp_plan` (zigzag, never gated). Each rank computed the queries and KV
+rows of its own tokens; a query may pick (top-k) any KV row of its request: the cached prefix,
+which every rank holds in its paged cache, or a new token, possibly computed by another rank::
+
+    rank r: q [T_r, H, D], kv_new [T_r, D] (its zigzag tokens), topk_pos [T_r, K]
+        -- all-gather of kv_new (padded to P rows) -->  gathered [W * P, D]
+           (new token g is gathered[plan.kv_row[g]]: the request's KV order, by the plan's map)
+        -- sparse attention over the gathered rows of new-token positions, and over the prefix
+           cache for prefix positions; the two partials merged by LSE (lse_merge) -->
+           out [T_r, H, Dv], lse [T_r, H]
+        -- optionally (gather_output=True) an all-gather of out + lse, restored to token order
+
+No causal mask is added: a query attends to the positions its top-k lists (the indexer picks
+only visible ones). Positions past a request's tokens, or negative, are invalid (as anywhere).
+
+Collectives: one all-gather (plus one with ``gather_output``), plus the agreement check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
+from shardattn.kernels.lse_merge import lse_merge
+from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn.kernels.topk import convert_topk
+from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
+from shardattn.plan.pcp import PCPPlan
+
+__all__ = ["pcp_prefill"]
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    kv_new: torch.Tensor,
+    topk_pos: torch.Tensor,
+    plan: PCPPlan,
+    comm: Comm,
+    v_dim: int,
+    kv_cache: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    block_size: int | None,
+    topk_length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    gather_output: bool,
+    check: bool,
+) -> int:
+    """Validate one rank's PCP inputs; returns the fingerprint the ranks must agree on."""
+    if not isinstance(plan, PCPPlan):
+        raise TypeError(f"plan must be a PCPPlan (from pcp_plan), got {type(plan).__name__}")
+    if plan.world_size != comm.world_size:
+        raise ValueError(f"plan is for world_size={plan.world_size}, but the group has {comm.world_size} ranks")
+    mine = int(plan.shard.counts[comm.rank])
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    t, h, d = q.shape
+    if t != mine:
+        raise ValueError(f"q must hold rank {comm.rank}'s {mine} tokens (plan), got {t}")
+    check_tensor("kv_new", kv_new, dtypes=(q.dtype,), shape=(t, d))
+    check_tensor("topk_pos", topk_pos, dtypes=INDEX_DTYPES, ndim=2)
+    if topk_pos.shape[0] != t:
+        raise ValueError(f"topk_pos must have one row per token ({t}), got shape {list(topk_pos.shape)}")
+    if not 0 < check_int("v_dim", v_dim) <= d:
+        raise ValueError(f"v_dim must be in (0, {d}], got {v_dim}")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
+    prefix = plan.shard.prefix_lens
+    has_prefix = bool((prefix > 0).any())
+    given = [x is not None for x in (kv_cache, block_table, block_size)]
+    if any(given) and not all(given):
+        raise ValueError("kv_cache, block_table and block_size go together (the cached prefix); give all or none")
+    if has_prefix and not all(given):
+        raise ValueError(
+            f"the plan has cached prefixes (prefix_lens={prefix.tolist()}): pass kv_cache, block_table and "
+            "block_size holding them"
+        )
+    if all(given):
+        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), shape=(None, d))
+        check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
+        bs = check_int("block_size", block_size, minimum=1)
+        n_req, m = block_table.shape
+        if n_req != plan.shard.num_requests:
+            raise ValueError(f"block_table must have one row per request ({plan.shard.num_requests}), got {n_req}")
+        if n_req and int(prefix.max()) > m * bs:
+            i = int(prefix.argmax())
+            raise ValueError(f"prefix_lens[{i}]={int(prefix[i])} is past block_table's {m} blocks of {bs}")
+        if block_table.device.type == "cpu" and block_table.numel():
+            top = int(block_table.max())
+            if (top + 1) * bs > kv_cache.shape[0]:
+                raise ValueError(
+                    f"block_table points past kv_cache: block {top} needs rows up to {(top + 1) * bs}, "
+                    f"kv_cache has {kv_cache.shape[0]}"
+                )
+    check_same_device(
+        q=q, kv_new=kv_new, topk_pos=topk_pos, kv_cache=kv_cache, block_table=block_table,
+        topk_length=topk_length, sinks=sinks,
+    )  # fmt: skip
+    return stable_fingerprint(
+        "pcp", plan.fingerprint() if check else None, h, d, q.dtype, v_dim, topk_pos.shape[1], sinks is not None,
+        gather_output, all(given),
+    )  # fmt: skip
+
+
+def pcp_prefill(
+    q: torch.Tensor,
+    kv_new: torch.Tensor,
+    topk_pos: torch.Tensor,
+    plan: PCPPlan,
+    group: dist.ProcessGroup | Comm,
+    *,
+    scale: float,
+    v_dim: int = 512,
+    kv_cache: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    block_size: int | None = None,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    gather_output: bool = False,
+    attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sparse_mla_attention,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA prefill over a zigzag token split, new KV rows all-gathered.
+
+    Every rank of ``group`` calls this with the same ``plan`` and the tensors of its own tokens
+    (``plan.shard.token_ids(rank)``, in that order).
+
+    Args:
+        q: ``[T_r, H, D]`` fp16/bf16/fp32 queries of this rank's tokens (all heads).
+        kv_new: ``[T_r, D]`` the KV rows of this rank's tokens (q's dtype).
+        topk_pos: ``[T_r, K]`` int32 request positions (cached prefix included) of each token's
+            top-k; negative / past the request's tokens = invalid, anywhere in a row.
+        plan: :func:`~shardattn.plan.pcp_plan` of the step (``world_size`` = the group's).
+        group: the PCP process group or a :class:`~shardattn.parallel.comm.Comm`.
+        scale: softmax scale. v_dim: value width (512 for DSA models).
+        kv_cache: ``[R, D]`` rows of the paged cache holding the cached prefixes (the same on
+            every rank), with ``block_table [num_requests, M]`` int32 and ``block_size``; needed
+            when the plan has ``prefix_lens > 0``.
+        topk_length: ``[T_r]`` int32 leading ``topk_pos`` entries to use, optional.
+        sinks: ``[H]`` fp32 sink logits, optional (counted once).
+        gather_output: also all-gather the outputs and return every token's, in token order.
+        attention: the local kernel, called like :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention`.
+        check: agree on the plan and shapes first (one small all-gather, a host sync).
+    Returns:
+        ``(out [T_r, H, v_dim] in q's dtype, lse [T_r, H] fp32)`` for this rank's tokens, or
+        ``[T, H, v_dim]`` / ``[T, H]`` in token order with ``gather_output``. A token with no valid
+        key is ``(0, -inf)`` (``(0, sink)`` with sinks).
+
+    Example (every rank of a PCP group of ``W`` runs this)::
+
+        plan = pcp_plan(seq_lens, W, prefix_lens=prefix_lens)
+        ids = plan.shard.token_ids(rank)                  # this rank's tokens
+        out, lse = pcp_prefill(q[ids], kv[ids], topk_pos[ids], plan, group, scale=576 ** -0.5,
+                               kv_cache=cache, block_table=table, block_size=64)
+        # q[ids] [T_r, H, 576] -> out [T_r, H, 512], lse [T_r, H]
+    """
+    comm = Comm.wrap(group)
+
+    def validate() -> int:
+        return _check_inputs(
+            q, kv_new, topk_pos, plan, comm, v_dim, kv_cache, block_table, block_size, topk_length, sinks,
+            gather_output, check,
+        )  # fmt: skip
+
+    comm.agree_on("PCP plan and inputs", validate, check=check)
+    dev = q.device
+    if plan.kv_row.device != dev:
+        plan = plan.to(dev)
+    w, rank = comm.world_size, comm.rank
+    t, h, d = q.shape
+    p = plan.shard.padded_count
+
+    # the new tokens' KV, rank-major, P rows per rank: new token g is gathered[plan.kv_row[g]]
+    padded = kv_new.new_zeros(p, d)
+    padded[:t] = kv_new
+    gathered = comm.all_gather(padded).view(w * p, d)
+
+    req = plan.shard.request_ids(rank)
+    rows = plan.gathered_rows_for(topk_pos, req)  # [T_r, K] int64, -1 for prefix / invalid
+    if topk_length is not None:
+        cols = torch.arange(rows.shape[1], device=dev)
+        rows = torch.where(cols[None, :] < topk_length[:, None].to(torch.int64), rows, torch.full_like(rows, -1))
+    out, lse = attention(q, gathered, rows.to(torch.int32), scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True)
+    if kv_cache is not None:
+        prefix_rows, _ = convert_topk(
+            topk_pos, req.to(torch.int32), block_table, block_size=block_size,
+            seq_lens=plan.shard.prefix_lens.to(torch.int32), topk_length=topk_length,
+        )  # fmt: skip
+        out_p, lse_p = attention(q, kv_cache, prefix_rows, scale=scale, v_dim=v_dim, return_lse=True)
+        out, lse = lse_merge(torch.stack([out, out_p]), torch.stack([lse, lse_p]))
+    if not gather_output:
+        return out, lse
+
+    specs = [((p, h, v_dim), out.dtype), ((p, h), torch.float32)]
+    mine_out, mine_lse = out.new_zeros(p, h, v_dim), lse.new_zeros(p, h)
+    mine_out[:t], mine_lse[:t] = out, lse
+    got = comm.all_gather(pack_rows([mine_out.unsqueeze(0), mine_lse.unsqueeze(0)])[0])
+    all_out, all_lse = unpack_rows(got, specs)  # [W, P, H, Dv], [W, P, H]
+    return all_out.reshape(w * p, h, v_dim)[plan.kv_row], all_lse.reshape(w * p, h)[plan.kv_row]

@@ -1,0 +1,99 @@
+"""Shared helpers of the parallel-step tests (tests/test_comm.py, test_collector.py, test_shardq.py, ...).
+
+Tolerances: a step's output is compared with an fp64 reference, and its error must stay within
+twice the error of the single-process low-precision reference (the same kernel on the same
+inputs in one process) against that fp64 reference, plus a small floor::
+
+    err(step vs fp64) <= 2 * err(reference vs fp64) + eps
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+WORLD_SIZES = [1, 2, 3, 4]
+WORLD_IDS = [f"world{w}" for w in WORLD_SIZES]
+
+
+def catch(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, str]:
+    """Run ``fn`` and return ``("ok", "")`` or ``(exception type name, message)``; for bad-input tests."""
+    try:
+        fn(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+    except Exception:  # anything else is a bug: report it whole
+        return "unexpected", traceback.format_exc()
+    return "ok", ""
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference over finite entries (both tensors must be -inf at the same places)."""
+    a, b = a.double(), b.double()
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    assert torch.equal(fa, fb), "finite / infinite entries differ"
+    assert torch.equal(a[~fa], b[~fb]), "infinite entries differ"
+    if not bool(fa.any()):
+        return 0.0
+    return float((a[fa] - b[fa]).abs().max())
+
+
+def assert_within_reference_error(
+    got: torch.Tensor,
+    ref64: torch.Tensor,
+    ref_lowp: torch.Tensor,
+    *,
+    what: str,
+    eps: float = 1e-5,
+    partial_max: float = 0.0,
+) -> None:
+    """``err(got vs fp64) <= 2 * err(low-precision reference vs fp64) + rounding of partials + eps``.
+
+    ``partial_max``: for steps that merge partial outputs rounded to ``got.dtype`` (DCP, the
+    collector), the largest magnitude a partial can have (the largest value-row entry: a partial is
+    a convex combination of value rows); rounding each partial adds at most half an ulp of it,
+    ``finfo(dtype).eps / 2 * partial_max``. LSEs are merged in fp32 and get no such term.
+    """
+    assert got.shape == ref64.shape == ref_lowp.shape, (what, got.shape, ref64.shape, ref_lowp.shape)
+    assert not bool(torch.isnan(got).any()), f"{what}: NaN in the step's output"
+    base = max_err(ref_lowp, ref64)
+    err = max_err(got, ref64)
+    finite = ref64[torch.isfinite(ref64)]
+    scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    rounding = torch.finfo(got.dtype).eps / 2 * partial_max if got.dtype.is_floating_point else 0.0
+    bound = 2 * base + rounding + eps * scale
+    assert err <= bound, (
+        f"{what}: error {err:.3g} > 2 * reference error {base:.3g} + partial rounding {rounding:.3g} "
+        f"+ {eps * scale:.3g}"
+    )
+
+
+def neg_inf_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(x, -math.inf)
+
+
+def paged(per_request: list[torch.Tensor], block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay out each request's rows ``[L_b, ...]`` in a paged cache with shuffled pages.
+
+    Returns ``(cache [num_pages, block_size, ...], block_table [B, M] int32)``; unused table
+    entries are ``-1``, and one spare page (never referenced) is always present.
+    """
+    trailing = per_request[0].shape[1:]
+    need = [-(-int(x.shape[0]) // block_size) for x in per_request]
+    total = sum(need) + 1
+    order = torch.randperm(total, generator=gen)
+    cache = torch.randn(total, block_size, *trailing, generator=gen).to(per_request[0].dtype)  # junk fill
+    table = torch.full((len(per_request), max([*need, 0]) + 1), -1, dtype=torch.int32)
+    next_page = 0
+    for b, rows in enumerate(per_request):
+        for j in range(need[b]):
+            page = int(order[next_page])
+            next_page += 1
+            table[b, j] = page
+            chunk = rows[j * block_size : (j + 1) * block_size]
+            cache[page, : chunk.shape[0]] = chunk
+    return cache, table

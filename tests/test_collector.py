@@ -1,0 +1,195 @@
+"""The collector: merged partials equal single-process attention, for every strategy and world size."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardattn.kernels.lse_merge import lse_merge
+from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
+from shardattn.parallel.collector import collect_partials, resolve_strategy
+from shardattn.parallel.comm import Comm
+from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_within_reference_error, catch
+
+STRATS = ["all_to_all", "all_gather", "reduce_scatter", "auto"]
+D, DV = 64, 48
+
+
+def _case(seed: int, world: int, t: int, heads_per_rank: int, k: int, dtype: torch.dtype) -> dict:
+    """q, kv, rows with invalid entries anywhere, and the owner rank of every KV row.
+
+    Token 0 has no valid key at all; token 1 (when present) has all its keys on the last rank,
+    so the other ranks own nothing for it. (A row is owned by one rank, as under DCP: a row
+    listed twice by one token is one key, on one rank.)
+    """
+    g = torch.Generator().manual_seed(seed)
+    h = heads_per_rank * world
+    r = 3 * k + 5
+    q = torch.randn(t, h, D, generator=g)
+    kv = torch.randn(r, D, generator=g)
+    rows = torch.randint(0, r, (t, k), generator=g, dtype=torch.int32)
+    bad = torch.rand(t, k, generator=g) < 0.25
+    junk = torch.tensor([-1, r, r + 7, -100], dtype=torch.int32)[torch.randint(0, 4, (t, k), generator=g)]
+    rows = torch.where(bad, junk, rows)
+    rows[0] = -1
+    row_owner = torch.randint(0, world, (r,), generator=g)
+    if t > 1:
+        last = torch.nonzero(row_owner == world - 1).flatten().to(torch.int32)
+        if last.numel():
+            rows[1] = torch.where(bad[1], junk[1], last[torch.randint(0, last.numel(), (k,), generator=g)])
+    owner = row_owner[rows.long().clamp(0, r - 1)]
+    return {"q": q.to(dtype), "kv": kv.to(dtype), "rows": rows, "owner": owner, "scale": D**-0.5}
+
+
+def _collect_all_strategies(group: dist.ProcessGroup, case: dict) -> dict:
+    comm = Comm(group)
+    mine = torch.where(case["owner"] == comm.rank, case["rows"], torch.full_like(case["rows"], -1))
+    out, lse = sparse_mla_attention(case["q"], case["kv"], mine, scale=case["scale"], v_dim=DV)
+    res = {"partial": (out, lse)}
+    for strategy in STRATS:
+        for scatter in (True, False):
+            if strategy == "all_to_all" and not scatter:
+                continue
+            comm.reset_counts()
+            res[strategy, scatter] = (*collect_partials(out, lse, comm, scatter_heads=scatter, strategy=strategy),)
+            res[strategy, scatter, "counts"] = dict(comm.counts)
+    return res
+
+
+EXPECTED_COUNTS = {
+    "all_to_all": {"all_to_all": 1},
+    "all_gather": {"all_gather": 1},
+    "reduce_scatter": {"all_gather": 1, "reduce_scatter": 1},
+}
+
+
+def _check_world(results: list, case: dict, world: int) -> None:
+    q, kv, rows = case["q"], case["kv"], case["rows"]
+    ref_out, ref_lse = sparse_mla_attention(q, kv, rows, scale=case["scale"], v_dim=DV)
+    out64, lse64 = sparse_mla_reference(
+        q.double(), kv.double(), rows, scale=case["scale"], v_dim=DV, compute_dtype=torch.float64
+    )
+    outs = torch.stack([res["partial"][0] for res in results])
+    lses = torch.stack([res["partial"][1] for res in results])
+    merged_out, merged_lse = lse_merge(outs, lses)
+    h = q.shape[1]
+    hs = h // world
+    vmax = float(kv[:, :DV].float().abs().max())
+    for r, res in enumerate(results):
+        for strategy in STRATS:
+            for scatter in (True, False):
+                if strategy == "all_to_all" and not scatter:
+                    continue
+                heads = slice(r * hs, (r + 1) * hs) if scatter else slice(0, h)
+                out, lse = res[strategy, scatter]
+                what = f"rank {r} {strategy} scatter_heads={scatter}"
+                assert out.shape == (q.shape[0], heads.stop - heads.start, DV), what
+                assert out.dtype == q.dtype and lse.dtype == torch.float32, what
+                assert bool(lse[0].isneginf().all()) and float(out[0].abs().sum()) == 0.0, what
+                assert_within_reference_error(
+                    out, out64[:, heads], ref_out[:, heads], what=what + " out", partial_max=vmax
+                )
+                assert_within_reference_error(lse, lse64[:, heads], ref_lse[:, heads], what=what + " lse")
+                if strategy != "reduce_scatter":  # the same merge on the same numbers: identical bits
+                    assert torch.equal(out, merged_out[:, heads]), what
+                    assert torch.equal(lse, merged_lse[:, heads]), what
+                used = resolve_strategy(strategy, "gloo", scatter_heads=scatter)
+                kinds = EXPECTED_COUNTS[used]
+                if used == "reduce_scatter" and not scatter:
+                    kinds = {"all_gather": 1, "all_reduce": 1}
+                expect = {**kinds, "agreement": 1} if world > 1 else {"agreement": 1}
+                assert res[strategy, scatter, "counts"] == expect, what
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=WORLD_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_collector_equals_single_process_attention(dist_pool, world_size: int, dtype: torch.dtype) -> None:
+    case = _case(seed=world_size, world=world_size, t=6, heads_per_rank=2, k=12, dtype=dtype)
+    results = dist_pool.run(_collect_all_strategies, case, world_size=world_size)
+    _check_world(results, case, world_size)
+
+
+@pytest.mark.distributed
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    world=st.integers(2, 4),
+    t=st.integers(1, 9),
+    heads_per_rank=st.integers(1, 3),
+    k=st.integers(1, 20),
+    seed=st.integers(0, 2**16),
+)
+def test_collector_drawn_shapes(dist_pool, nproc, world: int, t: int, heads_per_rank: int, k: int, seed: int) -> None:
+    world = min(world, nproc)  # the draw stays in the pool's ranks
+    case = _case(seed, world, t, heads_per_rank, k, torch.bfloat16)
+    results = dist_pool.run(_collect_all_strategies, case, world_size=world)
+    _check_world(results, case, world)
+
+
+def _empty_everywhere(group: dist.ProcessGroup) -> list:
+    w = dist.get_world_size(group)
+    out, lse = torch.zeros(3, 2 * w, 8), torch.full((3, 2 * w), -math.inf)
+    return [collect_partials(out, lse, group, strategy=s) for s in ("all_to_all", "all_gather", "reduce_scatter")]
+
+
+@pytest.mark.distributed
+def test_rows_empty_on_every_rank_merge_to_zero_and_neg_inf(dist_pool) -> None:
+    for per_rank in dist_pool.run(_empty_everywhere, world_size=3):
+        for out, lse in per_rank:
+            assert not bool(out.isnan().any())
+            assert bool((out == 0).all()) and bool(lse.isneginf().all())
+
+
+def _bad_inputs(group: dist.ProcessGroup, case: str) -> tuple[str, str]:
+    rank, w = dist.get_rank(group), dist.get_world_size(group)
+    t, h = 4, 2 * w
+    out, lse = torch.zeros(t, h, 8), torch.zeros(t, h)
+    if case == "heads-not-divisible":
+        out, lse = torch.zeros(t, h + 1, 8), torch.zeros(t, h + 1)
+    elif case == "lse-dtype-on-rank-1" and rank == 1:
+        lse = lse.half()
+    elif case == "tokens-differ-on-rank-2" and rank == 2:
+        out, lse = torch.zeros(t + 1, h, 8), torch.zeros(t + 1, h)
+    elif case == "all-to-all-without-scatter":
+        return catch(collect_partials, out, lse, group, scatter_heads=False, strategy="all_to_all")
+    return catch(collect_partials, out, lse, group)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("case", "expect"),
+    [
+        ("heads-not-divisible", ["ValueError: out has 7 heads, not divisible by world_size=3"] * 3),
+        (
+            "lse-dtype-on-rank-1",
+            [
+                "ValueError: collector input (out shape and dtype, scatter_heads, strategy): rank(s) [1] of 3 rejected",
+                "TypeError: lse must have dtype in (float32), got float16",
+                "ValueError: collector input (out shape and dtype, scatter_heads, strategy): rank(s) [1] of 3 rejected",
+            ],
+        ),
+        ("tokens-differ-on-rank-2", ["ValueError: collector input"] * 3),
+        ("all-to-all-without-scatter", ["ValueError: strategy='all_to_all' leaves each rank"] * 3),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_bad_input_raises_on_every_rank(dist_pool, case: str, expect: list) -> None:
+    results = dist_pool.run(_bad_inputs, case, world_size=3)
+    for r, ((kind, msg), want) in enumerate(zip(results, expect)):
+        assert f"{kind}: {msg}".startswith(want), f"rank {r}: {kind}: {msg}"
+    if case == "tokens-differ-on-rank-2":
+        assert all("rank(s) [2] disagree with rank(s) [0, 1]" in msg for _, msg in results)
+
+
+def test_resolve_strategy_picks_by_layout_and_backend() -> None:
+    assert resolve_strategy("auto", "nccl", scatter_heads=True) == "all_to_all"
+    assert resolve_strategy("auto", "gloo", scatter_heads=False) == "all_gather"
+    assert resolve_strategy("auto", "mpi", scatter_heads=True) == "all_gather"
+    assert resolve_strategy("reduce_scatter", "gloo", scatter_heads=False) == "reduce_scatter"
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        resolve_strategy("ring", "nccl", scatter_heads=True)

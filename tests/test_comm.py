@@ -1,0 +1,178 @@
+"""Comm: the counted collectives, uneven sizes, byte packing, and the agreement check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, stable_fingerprint, unpack_rows
+from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, catch
+
+
+def _split(src: int, dst: int) -> int:
+    return (src + 2 * dst) % 3  # rows rank src sends to rank dst; zeros included
+
+
+def _collectives(group: dist.ProcessGroup) -> dict:
+    comm = Comm(group)
+    r, w = comm.rank, comm.world_size
+    send = [_split(r, j) for j in range(w)]
+    recv = [_split(j, r) for j in range(w)]
+    x = torch.cat([torch.full((send[j], 2), 100.0 * r + j) for j in range(w)])
+    a2a = comm.all_to_all(x, send, recv)
+    sizes = [j + 1 for j in range(w)]
+    uneven = comm.all_gather_uneven(torch.full((r + 1, 3), float(r), dtype=torch.bfloat16), sizes)
+    rs_in = torch.arange(w * 2 * 3, dtype=torch.float32).view(w * 2, 3) * (r + 1)
+    rs = comm.reduce_scatter(rs_in)
+    ar = comm.all_reduce(torch.tensor([float(r)]))
+    ints = comm.gather_ints([r, -5, 2**64 - 1])
+    return {
+        "a2a": a2a,
+        "uneven": [u.float() for u in uneven],
+        "rs": rs,
+        "ar": float(ar),
+        "ints": ints,
+        "counts": dict(comm.counts),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=WORLD_IDS)
+def test_collectives_move_the_right_rows(dist_pool, world_size: int) -> None:
+    results = dist_pool.run(_collectives, world_size=world_size)
+    w = world_size
+    for r, res in enumerate(results):
+        expect = torch.cat([torch.full((_split(j, r), 2), 100.0 * j + r) for j in range(w)])
+        torch.testing.assert_close(res["a2a"], expect, rtol=0, atol=0)
+        assert [u.shape[0] for u in res["uneven"]] == [j + 1 for j in range(w)]
+        for j, u in enumerate(res["uneven"]):
+            assert bool((u == j).all())
+        total = sum(torch.arange(w * 6, dtype=torch.float32).view(w * 2, 3) * (j + 1) for j in range(w))
+        torch.testing.assert_close(res["rs"], total[2 * r : 2 * r + 2], rtol=0, atol=0)
+        assert res["ar"] == sum(range(w))
+        assert res["ints"] == [[j, -5, -1] for j in range(w)]  # 2**64 - 1 folds to int64 -1
+        assert res["counts"] == {
+            "all_to_all": 1,
+            "all_gather": 2,
+            "reduce_scatter": 1,
+            "all_reduce": 1,
+        }
+
+
+def _agreement(group: dist.ProcessGroup, values: list[int], failing: int | None) -> tuple[str, str]:
+    comm = Comm(group)
+    error = ValueError("my input is bad") if comm.rank == failing else None
+    return catch(comm.check_agreement, values[comm.rank], "test plan", error=error)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("values", "bad"),
+    [([7, 7, 7], []), ([7, 7, 9], [2]), ([9, 7, 7], [0]), ([1, 2, 2], [0]), ([2**63 + 5, 2**63 + 5, 3], [2])],
+    ids=["agree", "last-differs", "first-differs", "majority-wins", "big-ints"],
+)
+def test_check_agreement_names_the_disagreeing_rank_on_every_rank(dist_pool, values: list[int], bad: list) -> None:
+    results = dist_pool.run(_agreement, values, None, world_size=3)
+    if not bad:
+        assert results == [("ok", "")] * 3
+        return
+    for kind, msg in results:
+        assert kind == "ValueError"
+        assert f"test plan differs across ranks: rank(s) {bad} disagree" in msg
+
+
+@pytest.mark.distributed
+def test_check_agreement_spreads_one_ranks_input_error(dist_pool) -> None:
+    results = dist_pool.run(_agreement, [1, 1, 1], 1, world_size=3)
+    assert results[1] == ("ValueError", "my input is bad")
+    for r in (0, 2):
+        assert results[r][0] == "ValueError"
+        assert "rank(s) [1] of 3 rejected their inputs" in results[r][1]
+
+
+def _misuse(group: dist.ProcessGroup) -> list[tuple[str, str]]:
+    comm = Comm(group)
+    w = comm.world_size
+    x = torch.zeros(4, 2)
+    out = [
+        catch(comm.all_to_all, x, [4] + [0] * w, [0] * w),  # one split too many
+        catch(comm.all_to_all, x, [3] + [0] * (w - 1), [0] * w),  # does not add up to 4 rows
+        catch(comm.all_to_all, x, [-1, 5] + [0] * (w - 2), [0] * w),
+        catch(comm.reduce_scatter, torch.zeros(w * 2 + 1)),
+        catch(comm.all_gather_uneven, torch.zeros(3), [1] * w),
+        catch(Comm, "not a group"),
+        catch(Comm.wrap(comm).all_gather, "x"),
+    ]
+    assert not comm.counts, f"a refused collective must not be counted: {comm.counts}"
+    return out
+
+
+@pytest.mark.distributed
+def test_misuse_raises_before_communicating(dist_pool) -> None:
+    results = dist_pool.run(_misuse, world_size=2)
+    for per_rank in results:
+        kinds = [k for k, _ in per_rank]
+        assert kinds == ["ValueError"] * 5 + ["TypeError"] * 2
+        assert "send_splits must have world_size=2 entries" in per_rank[0][1]
+        assert "send_splits must add up to 4" in per_rank[1][1]
+        assert "non-negative" in per_rank[2][1]
+        assert "divisible by world_size=2" in per_rank[3][1]
+        assert "ProcessGroup" in per_rank[5][1]
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3], ids=lambda p: f"rows{p}")
+def test_pack_rows_round_trips_mixed_dtypes(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    a = torch.randn(rows, 3, 5, generator=g).to(torch.bfloat16)
+    b = torch.randn(rows, 3, generator=g)
+    c = torch.randint(-9, 9, (rows, 7), generator=g, dtype=torch.int32)
+    specs = [((3, 5), torch.bfloat16), ((3,), torch.float32), ((7,), torch.int32)]
+    buf = pack_rows([a, b, c])
+    assert buf.shape == (rows, packed_nbytes(specs)) and buf.dtype == torch.uint8
+    assert packed_nbytes(specs) % 16 == 0
+    for got, want in zip(unpack_rows(buf, specs), (a, b, c)):
+        assert got.dtype == want.dtype
+        assert torch.equal(got, want)
+
+
+def test_pack_rows_rejects_mismatched_leading_dims() -> None:
+    with pytest.raises(ValueError, match="leading dim 2"):
+        pack_rows([torch.zeros(2, 3), torch.zeros(3, 3)])
+    with pytest.raises(ValueError, match=r"must be a \[P, 16\] uint8 tensor"):
+        unpack_rows(torch.zeros(2, 8, dtype=torch.uint8), [((2,), torch.float32)])
+
+
+def test_stable_fingerprint_separates_parts() -> None:
+    assert stable_fingerprint("a", 1) == stable_fingerprint("a", 1)
+    assert stable_fingerprint("a", 1) != stable_fingerprint("a", 2)
+    assert stable_fingerprint("ab", "c") != stable_fingerprint("a", "bc")
+    assert 0 <= stable_fingerprint(torch.float16) < 2**63
+
+
+def _reduce_scatter_without_backend_support(group: dist.ProcessGroup) -> tuple:
+    import shardattn.parallel.comm as comm_module
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
+
+    real = comm_module._REDUCE_SCATTER_TENSOR
+    comm_module._REDUCE_SCATTER_TENSOR = unsupported
+    try:
+        comm = Comm(group)
+        x = torch.arange(comm.world_size * 4, dtype=torch.float32).view(-1, 2) + comm.rank
+        first = comm.reduce_scatter(x)
+        second = comm.reduce_scatter(x)  # remembered: no second attempt
+        return first, second, comm.has_reduce_scatter, dict(comm.counts)
+    finally:
+        comm_module._REDUCE_SCATTER_TENSOR = real
+
+
+@pytest.mark.distributed
+def test_reduce_scatter_falls_back_to_all_gather_when_the_backend_lacks_it(dist_pool) -> None:
+    results = dist_pool.run(_reduce_scatter_without_backend_support, world_size=2)
+    total = sum(torch.arange(8, dtype=torch.float32).view(-1, 2) + r for r in range(2))
+    for r, (first, second, supported, counts) in enumerate(results):
+        assert torch.equal(first, total[2 * r : 2 * r + 2]) and torch.equal(second, first)
+        assert supported is False
+        assert counts == {"all_gather": 2}

@@ -1,0 +1,387 @@
+"""DCP decode on 1-4 ranks equals the single-process kernel over the whole cache (sparse MLA and GQA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardattn.kernels.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference
+from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
+from shardattn.kernels.topk import convert_topk
+from shardattn.parallel.comm import Comm
+from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
+from shardattn.plan import DCPLayout
+from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_within_reference_error, catch, paged
+
+# ---------------------------------------------------------------------------------------- sparse MLA
+
+
+def _mla_case(
+    seed: int,
+    seq_lens: list[int],
+    q_per_req: list[int],
+    world: int,
+    interleave: int,
+    *,
+    heads_per_rank: int = 2,
+    k: int = 16,
+    d: int = 576,
+    dv: int = 512,
+    block_size: int = 4,
+    sinks: bool = False,
+    topk_length: bool = False,
+) -> dict:
+    """Global and per-rank paged caches of the same requests, and top-k positions with junk anywhere."""
+    g = torch.Generator().manual_seed(seed)
+    layout = DCPLayout(world, interleave)
+    req_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(q_per_req)).to(torch.int32)
+    t, h = req_ids.numel(), heads_per_rank * world
+    kv_req = [torch.randn(n, d, generator=g).bfloat16() for n in seq_lens]
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    hi = max(1, max(seq_lens, default=1))
+    pos = torch.randint(0, hi, (t, k), generator=g, dtype=torch.int32)
+    junk = torch.tensor([-1, -9, hi, hi + 50], dtype=torch.int32)[torch.randint(0, 4, (t, k), generator=g)]
+    pos = torch.where(torch.rand(t, k, generator=g) < 0.25, junk, pos)  # also positions >= seq_lens[req]
+    if t:
+        pos[torch.randint(0, t, (max(1, t // 4),), generator=g)] = -1  # queries with no valid key
+    cache, table = paged(kv_req, block_size, g)
+    local = []
+    for r in range(world):
+        owned = [x[layout.owned_positions(x.shape[0], r)] for x in kv_req]
+        c, tb = paged(owned, block_size, g)
+        local.append({"cache": c.flatten(0, 1), "table": tb})
+    return {
+        "q": (torch.randn(t, h, d, generator=g) * 0.5).bfloat16(),
+        "pos": pos,
+        "req_ids": req_ids,
+        "seq_lens": lens,
+        "cache": cache.flatten(0, 1),
+        "table": table,
+        "local": local,
+        "layout": layout,
+        "block_size": block_size,
+        "scale": d**-0.5,
+        "dv": dv,
+        "sinks": torch.randn(h, generator=g) if sinks else None,
+        "topk_length": torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32) if topk_length else None,
+    }
+
+
+def _run_mla(group: dist.ProcessGroup, case: dict, scatter_heads: bool = True) -> tuple:
+    comm = Comm(group)
+    h = case["q"].shape[1] // comm.world_size
+    mine = case["local"][comm.rank]
+    out, lse = dcp_sparse_mla_decode(
+        case["q"][:, comm.rank * h : (comm.rank + 1) * h],
+        mine["cache"],
+        case["pos"],
+        case["req_ids"],
+        mine["table"],
+        case["layout"],
+        comm,
+        block_size=case["block_size"],
+        scale=case["scale"],
+        v_dim=case["dv"],
+        seq_lens=case["seq_lens"],
+        topk_length=case["topk_length"],
+        sinks=case["sinks"],
+        scatter_heads=scatter_heads,
+    )
+    return out, lse, dict(comm.counts)
+
+
+def _check_mla(results: list, case: dict, world: int, scatter_heads: bool = True) -> None:
+    rows, _ = convert_topk(
+        case["pos"], case["req_ids"], case["table"], block_size=case["block_size"], seq_lens=case["seq_lens"],
+        topk_length=case["topk_length"],
+    )  # fmt: skip
+    q, kv = case["q"], case["cache"]
+    kw = dict(scale=case["scale"], v_dim=case["dv"], sinks=case["sinks"])
+    ref_out, ref_lse = sparse_mla_attention(q, kv, rows, **kw)
+    out64, lse64 = sparse_mla_reference(q.double(), kv.double(), rows, compute_dtype=torch.float64, **kw)
+    h = q.shape[1] // world if scatter_heads else q.shape[1]
+    vmax = float(kv[:, : case["dv"]].float().abs().max()) if kv.numel() else 0.0
+    for r, (out, lse, counts) in enumerate(results):
+        heads = slice(r * h, (r + 1) * h) if scatter_heads else slice(None)
+        what = f"rank {r} of {world}"
+        assert out.shape == (q.shape[0], h, case["dv"]) and out.dtype == q.dtype, what
+        assert_within_reference_error(
+            out, out64[:, heads], ref_out[:, heads], what=what + " out", partial_max=vmax if world > 1 else 0.0
+        )
+        assert_within_reference_error(lse, lse64[:, heads], ref_lse[:, heads], what=what + " lse")
+        merged = world > 1 and q.shape[0] > 0  # the collector moves nothing for one rank or no query
+        collector = ({"all_to_all": 1} if scatter_heads else {"all_gather": 1}) if merged else {}
+        gathers = collector.get("all_gather", 0) + 1
+        assert counts == {**collector, "all_gather": gathers, "agreement": 1}, what
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=WORLD_IDS)
+@pytest.mark.parametrize("interleave", [1, 3], ids=["interleave1", "interleave3"])
+def test_dcp_sparse_mla_equals_whole_cache(dist_pool, world_size: int, interleave: int) -> None:
+    case = _mla_case(world_size * 10 + interleave, [9, 0, 23, 2], [1, 1, 2, 1], world_size, interleave, sinks=True)
+    results = dist_pool.run(_run_mla, case, world_size=world_size)
+    _check_mla(results, case, world_size)
+
+
+@pytest.mark.distributed
+def test_dcp_sparse_mla_all_heads_and_topk_length(dist_pool) -> None:
+    case = _mla_case(3, [17, 5], [2, 1], 3, 2, d=64, dv=48, topk_length=True)
+    results = dist_pool.run(_run_mla, case, False, world_size=3)
+    _check_mla(results, case, 3, scatter_heads=False)
+
+
+@pytest.mark.distributed
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    world=st.integers(2, 4),
+    interleave=st.integers(1, 4),
+    reqs=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 2)), min_size=1, max_size=4),
+    k=st.integers(1, 24),
+    block_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_dcp_sparse_mla_drawn(dist_pool, nproc, world, interleave, reqs, k, block_size, seed) -> None:
+    world = min(world, nproc)  # the draw stays in the pool's ranks
+    lens, q_per = [n for n, _ in reqs], [q for _, q in reqs]
+    case = _mla_case(
+        seed, lens, q_per, world, interleave, k=k, d=64, dv=48, block_size=block_size,
+        sinks=seed % 2 == 0, topk_length=seed % 3 == 0,
+    )  # fmt: skip
+    results = dist_pool.run(_run_mla, case, world_size=world)
+    _check_mla(results, case, world)
+
+
+# ---------------------------------------------------------------------------------------- GQA
+
+
+def _gqa_case(
+    seed: int,
+    seq_lens: list[int],
+    q_lens: list[int],
+    world: int,
+    interleave: int,
+    *,
+    ragged: bool,
+    causal: bool = True,
+    sinks: bool = False,
+    pad_rows: int = 0,
+    hq_per_rank: int = 2,
+    hkv: int = 2,
+    d: int = 32,
+    page: int = 4,
+) -> dict:
+    """Requests with ``seq_lens`` keys (drafts included) and ``q_lens`` queries, global and per-rank caches."""
+    g = torch.Generator().manual_seed(seed)
+    layout = DCPLayout(world, interleave)
+    kv_req = [torch.randn(n, 2, hkv, d, generator=g).bfloat16() for n in seq_lens]  # [L, k|v, Hkv, D]
+    cache, table = paged(kv_req, page, g)
+    local = []
+    for r in range(world):
+        owned = [x[layout.owned_positions(x.shape[0], r)] for x in kv_req]
+        c, tb = paged(owned, page, g)
+        local.append({"k": c[:, :, 0].contiguous(), "v": c[:, :, 1].contiguous(), "table": tb})
+    total_q = sum(q_lens) + pad_rows
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return {
+        "q": (torch.randn(total_q, hq_per_rank * world, d, generator=g)).bfloat16(),
+        "k": cache[:, :, 0].contiguous(),
+        "v": cache[:, :, 1].contiguous(),
+        "table": table,
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "cu": cu,
+        "q_len": None if ragged else q_lens[0],
+        "ragged": ragged,
+        "causal": causal,
+        "local": local,
+        "layout": layout,
+        "sinks": torch.randn(hq_per_rank * world, generator=g) if sinks else None,
+        "scale": d**-0.5,
+    }
+
+
+def _run_gqa(group: dist.ProcessGroup, case: dict) -> tuple:
+    comm = Comm(group)
+    h = case["q"].shape[1] // comm.world_size
+    mine = case["local"][comm.rank]
+    out, lse = dcp_gqa_decode(
+        case["q"][:, comm.rank * h : (comm.rank + 1) * h],
+        mine["k"],
+        mine["v"],
+        mine["table"],
+        case["seq_lens"],
+        case["layout"],
+        comm,
+        q_len_per_req=case["q_len"],
+        cu_q_lens=case["cu"] if case["ragged"] else None,
+        causal=case["causal"],
+        sinks=case["sinks"],
+        scale=case["scale"],
+    )
+    return out, lse, dict(comm.counts)
+
+
+def _check_gqa(results: list, case: dict, world: int) -> None:
+    q, k, v, table, lens, cu = case["q"], case["k"], case["v"], case["table"], case["seq_lens"], case["cu"]
+    kw = dict(causal=case["causal"], sinks=case["sinks"], scale=case["scale"])
+    if case["ragged"]:
+        ref_out, ref_lse = gqa_paged_decode(
+            q, k, v, table, lens, cu_q_lens=cu, return_lse=True, backend="reference", **kw
+        )
+    else:
+        ref_out, ref_lse = gqa_paged_decode(
+            q, k, v, table, lens, q_len_per_req=case["q_len"], return_lse=True, backend="reference", **kw
+        )
+    out64, lse64 = gqa_paged_decode_reference(
+        q.double(), k.double(), v.double(), table, lens, cu, compute_dtype=torch.float64, **kw
+    )
+    h = q.shape[1] // world
+    vmax = float(v.float().abs().max()) if v.numel() else 0.0
+    for r, (out, lse, counts) in enumerate(results):
+        heads = slice(r * h, (r + 1) * h)
+        what = f"rank {r} of {world}"
+        assert out.shape == (q.shape[0], h, q.shape[2]) and out.dtype == q.dtype, what
+        assert_within_reference_error(
+            out, out64[:, heads], ref_out[:, heads], what=what + " out", partial_max=vmax if world > 1 else 0.0
+        )
+        assert_within_reference_error(lse, lse64[:, heads], ref_lse[:, heads], what=what + " lse")
+        merged = world > 1 and q.shape[0] > 0  # the collector moves nothing for one rank or no query
+        expect = {"all_gather": 1, "all_to_all": 1, "agreement": 1} if merged else {"all_gather": 1, "agreement": 1}
+        assert counts == expect, what
+
+
+GQA_CASES = {
+    "decode": dict(seq_lens=[13, 1, 30], q_lens=[1, 1, 1], ragged=False),
+    "uniform-drafts": dict(seq_lens=[13, 3, 30], q_lens=[3, 3, 3], ragged=False, sinks=True),
+    "uniform-drafts-noncausal": dict(seq_lens=[9, 26], q_lens=[2, 2], ragged=False, causal=False),
+    "ragged-drafts": dict(seq_lens=[0, 14, 2, 27], q_lens=[0, 2, 1, 4], ragged=True, pad_rows=2, sinks=True),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=WORLD_IDS)
+@pytest.mark.parametrize("name", list(GQA_CASES))
+def test_dcp_gqa_equals_whole_cache(dist_pool, world_size: int, name: str) -> None:
+    case = _gqa_case(world_size, world=world_size, interleave=2, **GQA_CASES[name])
+    results = dist_pool.run(_run_gqa, case, world_size=world_size)
+    _check_gqa(results, case, world_size)
+
+
+@pytest.mark.distributed
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    world=st.integers(2, 4),
+    interleave=st.integers(1, 5),
+    reqs=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 4)), min_size=1, max_size=4),
+    ragged=st.booleans(),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_dcp_gqa_drawn(dist_pool, nproc, world, interleave, reqs, ragged, causal, seed) -> None:
+    world = min(world, nproc)  # the draw stays in the pool's ranks
+    if ragged:
+        q_lens = [min(q, n) for n, q in reqs]  # drafts are counted in seq_lens
+        seq_lens = [n for n, _ in reqs]
+    else:
+        q = max(1, reqs[0][1])
+        q_lens = [q] * len(reqs)
+        seq_lens = [max(n, q) for n, _ in reqs]
+    case = _gqa_case(
+        seed, seq_lens, q_lens, world, interleave, ragged=ragged, causal=causal, sinks=seed % 2 == 0,
+        pad_rows=seed % 3 if ragged else 0, hkv=1 + seed % 2,
+    )  # fmt: skip
+    results = dist_pool.run(_run_gqa, case, world_size=world)
+    _check_gqa(results, case, world)
+
+
+# ---------------------------------------------------------------------------------------- bad input
+
+
+def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
+    rank, w = dist.get_rank(group), dist.get_world_size(group)
+    if problem.startswith("mla"):
+        case = _mla_case(1, [9, 4], [1, 1], w, 1, d=32, dv=16)
+        h = case["q"].shape[1] // w
+        q, mine, layout, lens = case["q"][:, rank * h : (rank + 1) * h], case["local"][rank], case["layout"], None
+        cache, table = mine["cache"], mine["table"]
+        lens = case["seq_lens"]
+        if problem == "mla-cache-dtype-on-rank-1" and rank == 1:
+            cache = cache.float()
+        elif problem == "mla-seq-lens-past-the-cache":
+            lens = lens + 100
+        elif problem == "mla-block-table-past-the-cache" and rank == 2:
+            table = table.clone()
+            table[0, 0] = 1000
+        elif problem == "mla-layout-world-size":
+            layout = DCPLayout(w + 1)
+        elif problem == "mla-seq-lens-on-rank-2" and rank == 2:
+            lens = lens.clone()
+            lens[0] -= 1
+        return catch(
+            dcp_sparse_mla_decode, q, cache, case["pos"], case["req_ids"], table, layout, group,
+            block_size=case["block_size"], scale=1.0, v_dim=16, seq_lens=lens,
+        )  # fmt: skip
+    case = _gqa_case(2, [9, 5], [2, 2], w, 1, ragged=False)
+    h = case["q"].shape[1] // w
+    q, mine, lens, q_len = case["q"][:, rank * h : (rank + 1) * h], case["local"][rank], case["seq_lens"], 2
+    if problem == "gqa-seq-lens-past-the-cache" and rank == 0:
+        lens = lens * 10
+    elif problem == "gqa-heads-on-rank-1" and rank == 1:
+        q = case["q"][:, :4]  # valid on its own (12 query heads over 2 KV heads), not with the others
+    elif problem == "gqa-q-len":
+        q_len = 3
+    return catch(
+        dcp_gqa_decode, q, mine["k"], mine["v"], mine["table"], lens, case["layout"], group, q_len_per_req=q_len
+    )
+
+
+def _rejected(what: str, ranks: str) -> str:
+    return f"ValueError: {what}: rank(s) {ranks} of 3 rejected their inputs"
+
+
+MLA = "DCP sparse MLA decode inputs"
+GQA = "DCP GQA decode inputs"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("problem", "expect"),
+    [
+        (
+            "mla-cache-dtype-on-rank-1",
+            [
+                _rejected(MLA, "[1]"),
+                "TypeError: kv_cache must have dtype in (bfloat16), got float32",
+                _rejected(MLA, "[1]"),
+            ],
+        ),
+        ("mla-seq-lens-past-the-cache", ["ValueError: seq_lens[0]=109 puts"] * 3),
+        (
+            "mla-block-table-past-the-cache",
+            [_rejected(MLA, "[2]")] * 2 + ["ValueError: block_table points past kv_cache"],
+        ),
+        ("mla-layout-world-size", ["ValueError: layout is for world_size=4, but the group has 3 ranks"] * 3),
+        ("mla-seq-lens-on-rank-2", [f"ValueError: {MLA} differs across ranks: rank(s) [2] disagree"] * 3),
+        ("gqa-seq-lens-past-the-cache", ["ValueError: seq_lens[0]=90 puts", *[_rejected(GQA, "[0]")] * 2]),
+        ("gqa-heads-on-rank-1", [f"ValueError: {GQA} differs across ranks: rank(s) [1] disagree"] * 3),
+        ("gqa-q-len", ["ValueError: q_heads_local must have B * q_len_per_req = 6 rows, got 4"] * 3),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_dcp_bad_input_raises_on_every_rank(dist_pool, problem: str, expect: list) -> None:
+    results = dist_pool.run(_bad, problem, world_size=3)
+    for r, ((kind, msg), want) in enumerate(zip(results, expect)):
+        assert f"{kind}: {msg}".startswith(want), f"rank {r}: {kind}: {msg}"
+
+
+@pytest.mark.distributed
+def test_dcp_empty_steps(dist_pool) -> None:
+    case = _gqa_case(4, [0, 0], [0, 0], 3, 1, ragged=True, pad_rows=2, sinks=True)  # only padding rows
+    _check_gqa(dist_pool.run(_run_gqa, case, world_size=3), case, 3)
+    case = _gqa_case(4, [3], [0], 3, 1, ragged=True)  # no query row at all
+    _check_gqa(dist_pool.run(_run_gqa, case, world_size=3), case, 3)
+    case = _mla_case(4, [0, 5], [0, 0], 3, 1, d=32, dv=16)  # no query
+    _check_mla(dist_pool.run(_run_mla, case, world_size=3), case, 3)

@@ -1,0 +1,201 @@
+"""ShardQ prefill on 1-4 ranks equals single-process sparse MLA over all heads and tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
+from shardattn.parallel.comm import Comm
+from shardattn.parallel.shardq import shardq_prefill
+from shardattn.plan import zigzag_split
+from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_within_reference_error, catch
+
+
+def _case(
+    seed: int,
+    seq_lens: list[int],
+    prefix_lens: list[int],
+    world: int,
+    heads_per_rank: int,
+    k: int,
+    *,
+    d: int = 576,
+    dv: int = 512,
+    sinks: bool = False,
+    topk_length: bool = False,
+) -> dict:
+    """A step's inputs: rows with invalid entries anywhere (-1, past the cache), empty rows."""
+    g = torch.Generator().manual_seed(seed)
+    t, h = sum(seq_lens), heads_per_rank * world
+    r = 2 * k + 3
+    rows = torch.randint(0, r, (t, k), generator=g, dtype=torch.int32)
+    junk = torch.tensor([-1, r, r + 100, -7], dtype=torch.int32)[torch.randint(0, 4, (t, k), generator=g)]
+    rows = torch.where(torch.rand(t, k, generator=g) < 0.3, junk, rows)
+    if t:
+        rows[torch.randint(0, t, (max(1, t // 5),), generator=g)] = -1  # tokens with no valid key
+    return {
+        "q": (torch.randn(t, h, d, generator=g) * 0.5).bfloat16(),
+        "kv": torch.randn(r, d, generator=g).bfloat16(),
+        "rows": rows,
+        "seq_lens": seq_lens,
+        "prefix_lens": prefix_lens,
+        "scale": d**-0.5,
+        "dv": dv,
+        "sinks": torch.randn(h, generator=g) if sinks else None,
+        "topk_length": torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32) if topk_length else None,
+    }
+
+
+def _run(group: dist.ProcessGroup, case: dict, min_tokens: int, align: int, check: bool = True) -> tuple:
+    comm = Comm(group)
+    w, rank = comm.world_size, comm.rank
+    plan = zigzag_split(case["seq_lens"], w, align=align, min_tokens=min_tokens, prefix_lens=case["prefix_lens"])
+    h = case["q"].shape[1] // w
+    out, lse = shardq_prefill(
+        case["q"][:, rank * h : (rank + 1) * h],
+        case["kv"],
+        case["rows"],
+        plan,
+        comm,
+        scale=case["scale"],
+        v_dim=case["dv"],
+        topk_length=case["topk_length"],
+        sinks=case["sinks"],
+        check=check,
+    )
+    return out, lse, dict(comm.counts), plan.sharded
+
+
+def _check(results: list, case: dict, world: int, *, check: bool = True) -> None:
+    q, kv, rows = case["q"], case["kv"], case["rows"]
+    kw = dict(scale=case["scale"], v_dim=case["dv"], topk_length=case["topk_length"], sinks=case["sinks"])
+    ref_out, ref_lse = sparse_mla_attention(q, kv, rows, **kw)
+    out64, lse64 = sparse_mla_reference(q.double(), kv.double(), rows, compute_dtype=torch.float64, **kw)
+    h = q.shape[1] // world
+    for r, (out, lse, counts, sharded) in enumerate(results):
+        heads = slice(r * h, (r + 1) * h)
+        what = f"rank {r} of {world} (sharded={sharded})"
+        assert out.shape == (q.shape[0], h, case["dv"]) and out.dtype == q.dtype, what
+        assert lse.shape == (q.shape[0], h) and lse.dtype == torch.float32, what
+        assert_within_reference_error(out, out64[:, heads], ref_out[:, heads], what=what + " out")
+        assert_within_reference_error(lse, lse64[:, heads], ref_lse[:, heads], what=what + " lse")
+        expect = {"all_to_all": 2} if sharded else {}
+        if check:
+            expect["agreement"] = 1
+        assert counts == expect, what
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=WORLD_IDS)
+@pytest.mark.parametrize(("sinks", "topk_length"), [(False, False), (True, True)], ids=["plain", "sinks+topk_length"])
+def test_shardq_equals_single_process(dist_pool, world_size: int, sinks: bool, topk_length: bool) -> None:
+    case = _case(world_size, [7, 13], [0, 4], world_size, 2, 24, sinks=sinks, topk_length=topk_length)
+    results = dist_pool.run(_run, case, 0, 1, world_size=world_size)
+    assert all(sharded for *_, sharded in results)
+    _check(results, case, world_size)
+
+
+@pytest.mark.distributed
+def test_shardq_below_min_tokens_runs_head_tp_without_collectives(dist_pool) -> None:
+    case = _case(5, [3, 6], [2, 0], 2, 2, 16, sinks=True)
+    results = dist_pool.run(_run, case, 10_000, 1, False, world_size=2)
+    assert not any(sharded for *_, sharded in results)
+    _check(results, case, 2, check=False)  # no collective at all, not even the agreement
+
+
+@pytest.mark.distributed
+def test_shardq_without_check_issues_exactly_two_all_to_alls(dist_pool) -> None:
+    case = _case(6, [9], [0], 3, 1, 8)
+    results = dist_pool.run(_run, case, 0, 2, False, world_size=3)
+    _check(results, case, 3, check=False)
+
+
+@pytest.mark.distributed
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    world=st.integers(1, 4),
+    seq_lens=st.lists(st.integers(0, 13), min_size=1, max_size=4),
+    prefix=st.lists(st.integers(0, 9), min_size=4, max_size=4),
+    heads_per_rank=st.integers(1, 2),
+    k=st.integers(1, 32),
+    align=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_shardq_drawn_batches(dist_pool, nproc, world, seq_lens, prefix, heads_per_rank, k, align, seed) -> None:
+    world = min(world, nproc)  # the draw stays in the pool's ranks
+    case = _case(seed, seq_lens, prefix[: len(seq_lens)], world, heads_per_rank, k, d=96, dv=64, sinks=seed % 2 == 0)
+    results = dist_pool.run(_run, case, 0, align, world_size=world)
+    _check(results, case, world)
+
+
+def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
+    rank, w = dist.get_rank(group), dist.get_world_size(group)
+    case = _case(1, [5, 4], [0, 0], w, 2, 8, d=32, dv=16)
+    plan = zigzag_split(case["seq_lens"], w, min_tokens=0)
+    q, kv, rows = case["q"][:, rank * 2 : rank * 2 + 2], case["kv"], case["rows"]
+    if problem == "kv-dtype-on-rank-1" and rank == 1:
+        kv = kv.float()
+    elif problem == "heads-on-rank-1" and rank == 1:
+        q = case["q"][:, :3]
+    elif problem == "plan-on-rank-2" and rank == 2:
+        plan = zigzag_split([4, 5], w, min_tokens=0)  # same token count, different split
+    elif problem == "plan-world-size":
+        plan = zigzag_split(case["seq_lens"], w + 1, min_tokens=0)
+    elif problem == "sinks-for-wrong-head-count":
+        return catch(shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16, sinks=torch.zeros(2 * w + 1))
+    elif problem == "rows-int64":
+        rows = rows.long()
+    return catch(shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16)
+
+
+REJECTED = "ValueError: ShardQ plan and inputs: rank(s) [1] of 3 rejected their inputs"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("problem", "expect"),
+    [
+        ("kv-dtype-on-rank-1", [REJECTED, "TypeError: kv must have dtype in (bfloat16), got float32", REJECTED]),
+        ("heads-on-rank-1", ["ValueError: ShardQ plan and inputs differs across ranks: rank(s) [1] disagree"] * 3),
+        ("plan-on-rank-2", ["ValueError: ShardQ plan and inputs differs across ranks: rank(s) [2] disagree"] * 3),
+        ("plan-world-size", ["ValueError: plan is for world_size=4, but the group has 3 ranks"] * 3),
+        ("sinks-for-wrong-head-count", ["ValueError: sinks must have shape [6], got [7]"] * 3),
+        ("rows-int64", ["TypeError: rows must have dtype in (int32), got int64"] * 3),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_shardq_bad_input_raises_on_every_rank(dist_pool, problem: str, expect: list) -> None:
+    results = dist_pool.run(_bad, problem, world_size=3)
+    for r, ((kind, msg), want) in enumerate(zip(results, expect)):
+        assert f"{kind}: {msg}".startswith(want), f"rank {r}: {kind}: {msg}"
+
+
+@pytest.mark.distributed
+def test_shardq_empty_step_and_ranks_that_own_nothing(dist_pool) -> None:
+    for seq_lens in ([0, 0], [1]):  # no token at all; one token, so all but one rank own nothing
+        case = _case(9, seq_lens, [0] * len(seq_lens), 3, 1, 4, d=32, dv=16)
+        results = dist_pool.run(_run, case, 0, 1, world_size=3)
+        _check(results, case, 3)
+
+
+def _with_and_without_lse(group: dist.ProcessGroup, case: dict) -> tuple:
+    comm = Comm(group)
+    plan = zigzag_split(case["seq_lens"], comm.world_size, min_tokens=0)
+    h = case["q"].shape[1] // comm.world_size
+    args = (case["q"][:, comm.rank * h : (comm.rank + 1) * h], case["kv"], case["rows"], plan, comm)
+    out, _ = shardq_prefill(*args, scale=case["scale"], v_dim=case["dv"])
+    comm.reset_counts()
+    only_out = shardq_prefill(*args, scale=case["scale"], v_dim=case["dv"], return_lse=False, check=False)
+    return out, only_out, dict(comm.counts)
+
+
+@pytest.mark.distributed
+def test_shardq_return_lse_false_gives_the_same_output(dist_pool) -> None:
+    case = _case(8, [10, 3], [0, 0], 2, 2, 8, d=32, dv=16)
+    for out, only_out, counts in dist_pool.run(_with_and_without_lse, case, world_size=2):
+        assert isinstance(only_out, torch.Tensor) and torch.equal(out, only_out)
+        assert counts == {"all_to_all": 2}
