@@ -17,6 +17,10 @@ from typing import Any
 import torch
 
 WORLD_SIZES = [1, 2, 3, 4]
+#: The multiple of the low-precision reference's error a step may reach. GPU tests raise it to 4:
+#: the Triton kernels round the softmax probabilities to bf16 before the P @ V product, a second
+#: bf16 rounding that the torch reference (fp32 probabilities) does not have.
+REFERENCE_ERROR_FACTOR = 2.0
 WORLD_IDS = [f"world{w}" for w in WORLD_SIZES]
 
 
@@ -65,9 +69,10 @@ def assert_within_reference_error(
     finite = ref64[torch.isfinite(ref64)]
     scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
     rounding = torch.finfo(got.dtype).eps / 2 * partial_max if got.dtype.is_floating_point else 0.0
-    bound = 2 * base + rounding + eps * scale
+    bound = REFERENCE_ERROR_FACTOR * base + rounding + eps * scale
     assert err <= bound, (
-        f"{what}: error {err:.3g} > 2 * reference error {base:.3g} + partial rounding {rounding:.3g} "
+        f"{what}: error {err:.3g} > {REFERENCE_ERROR_FACTOR:g} * reference error {base:.3g} "
+        f"+ partial rounding {rounding:.3g} "
         f"+ {eps * scale:.3g}"
     )
 

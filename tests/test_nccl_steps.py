@@ -1,0 +1,78 @@
+"""The parallel steps on GPUs with NCCL: the gloo tests' cases, moved to ``cuda:rank`` on each rank.
+
+Each rank moves its copy of the case's tensors to its GPU, runs the same step function as the
+CPU tests (so the Triton kernels and NCCL collectives run), and returns CPU tensors, which the
+CPU tests' checks compare with the fp64 and single-process references. Skips without 2 GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests import parallel_helpers, test_dcp, test_pcp, test_shardq
+
+WORLD = 2
+
+
+def _move(x: Any, device: torch.device) -> Any:
+    """``x`` with every tensor inside dicts, lists and tuples moved to ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: _move(v, device) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_move(v, device) for v in x)
+    return x
+
+
+def _on_gpu(group: dist.ProcessGroup, run: Callable[..., Any], case: dict, *args: Any) -> Any:
+    device = torch.device("cuda", torch.cuda.current_device())
+    result = run(group, _move(case, device), *args)
+    torch.cuda.synchronize(device)
+    return _move(result, torch.device("cpu"))
+
+
+@pytest.fixture
+def gpu_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parallel_helpers, "REFERENCE_ERROR_FACTOR", 4.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_shardq_prefill_on_nccl(dist_pool, gpu_tolerance) -> None:
+    case = test_shardq._case(11, [700, 333], [0, 64], WORLD, 8, 128, sinks=True)
+    results = dist_pool.run(_on_gpu, test_shardq._run, case, 0, 8, world_size=WORLD, backend="nccl")
+    assert all(sharded for *_, sharded in results)
+    test_shardq._check(results, case, WORLD)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_dcp_sparse_mla_decode_on_nccl(dist_pool, gpu_tolerance) -> None:
+    case = test_dcp._mla_case(
+        12, [90, 0, 230, 20], [1, 1, 2, 1], WORLD, 2, heads_per_rank=8, k=64, block_size=16, sinks=True
+    )
+    results = dist_pool.run(_on_gpu, test_dcp._run_mla, case, world_size=WORLD, backend="nccl")
+    test_dcp._check_mla(results, case, WORLD)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(test_dcp.GQA_CASES))
+def test_dcp_gqa_decode_on_nccl(dist_pool, gpu_tolerance, name: str) -> None:
+    case = test_dcp._gqa_case(13, world=WORLD, interleave=2, **test_dcp.GQA_CASES[name])
+    results = dist_pool.run(_on_gpu, test_dcp._run_gqa, case, world_size=WORLD, backend="nccl")
+    test_dcp._check_gqa(results, case, WORLD)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_pcp_prefill_on_nccl(dist_pool, gpu_tolerance) -> None:
+    case = test_pcp._case(14, [110, 20, 170], [50, 0, 90], heads=16, k=64, block_size=16, sinks=True)
+    results = dist_pool.run(_on_gpu, test_pcp._run, case, True, world_size=WORLD, backend="nccl")
+    test_pcp._check(results, case, WORLD, True)
