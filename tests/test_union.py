@@ -9,10 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardattn.kernels.union import (
+    GROUP_SIZES,
     MAX_PACKED_ROWS,
+    METHODS,
+    UNION_METHOD,
     build_union,
     build_union_reference,
     pack_entries,
+    union_launch_config,
     unpack_entries,
 )
 
@@ -108,11 +112,39 @@ def test_rows_past_24_bits_raise_for_groups_and_pass_for_one_query():
         ({"rows": torch.zeros(2, 2)}, TypeError, "rows must have dtype"),
         ({"topk_length": torch.zeros(3, dtype=torch.int32)}, ValueError, "topk_length must have shape"),
         ({"out": (torch.zeros(1, 3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))}, ValueError, "out"),
+        ({"method": "bitonic"}, ValueError, "method must be one of"),
+        ({"row_sort": "cub"}, ValueError, "row_sort must be one of"),
     ],
-    ids=["group-size", "float-rows", "length-shape", "out-shape"],
+    ids=["group-size", "float-rows", "length-shape", "out-shape", "method", "row-sort"],
 )
 def test_bad_inputs_raise(kwargs, error, match):
     args = {"rows": torch.zeros(2, 2, dtype=torch.int32), "group_size": 2, "num_kv_rows": 4}
     args.update(kwargs)
     with pytest.raises(error, match=match):
         build_union(args.pop("rows"), **args)
+
+
+@pytest.mark.parametrize("method", ["auto", "sort", "merge"])
+@pytest.mark.parametrize("row_sort", ["auto", "torch", "triton"])
+def test_every_builder_choice_gives_the_reference_on_cpu(method, row_sort):
+    # the Triton builders are compared with the reference under the interpreter
+    # (tests/interpret/prefill_cases.py) and on the GPU; on CPU every choice is the reference
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randint(-2, 40, (13, 9), generator=gen, dtype=torch.int32)
+    for g in GROUP_SIZES:
+        want = build_union_reference(rows, group_size=g, num_kv_rows=37)
+        got = build_union(rows, group_size=g, num_kv_rows=37, method=method, row_sort=row_sort)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_auto_method_table_covers_every_group_size():
+    assert set(UNION_METHOD) == set(GROUP_SIZES)
+    assert set(UNION_METHOD.values()) <= set(METHODS) - {"auto"}
+
+
+def test_merge_binary_search_steps_cover_each_level_width():
+    # level l merges lists of at most 2**l * K entries; a lower bound over n entries needs bit_length(n) steps
+    for g in GROUP_SIZES:
+        steps = union_launch_config(g, 2048)["MERGE_STEPS"]
+        assert len(steps) == g.bit_length() - 1
+        assert all(s >= (2048 << lvl).bit_length() for lvl, s in enumerate(steps))

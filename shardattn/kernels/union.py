@@ -19,13 +19,27 @@ Rules:
     * ``G > 1`` needs ``num_kv_rows <= 2**24 - 1``, else :func:`build_union` raises (route such
       steps to the per-query path, ``G = 1``); nothing is truncated.
 
-Triton path: a keys kernel writes ``row * 8 + j`` per entry, ``torch.sort`` sorts each group's
-``G * K`` keys, and a compaction kernel (one program per group) marks run ends and ORs each
-run's bits with prefix sums. The cost depends on ``G * K`` per group, never on the sequence
-length. (Sorting inside one Triton program with ``tl.sort`` measured 2.6x slower on an H200 at
-G = 8, K = 2048, and was dropped.) All ``G`` sort the whole group's keys: for ``G = 2`` this
-replaces "sort one list and look the other up", one code path for every ``G``. On the Triton
-path entries past ``lens[g]`` are left unspecified (the attention kernel never reads them).
+Triton paths (``method``; the cost depends on ``G * K`` per group, never on the sequence length):
+
+* ``"sort"``: a keys kernel writes ``row * 8 + j`` per entry (int32: ``row < 2**24`` so keys
+  stay below ``2**27``), ``torch.sort`` sorts each group's ``G * K`` keys, and a compaction
+  kernel (one program per group) marks run ends and ORs each run's bits with prefix sums.
+  With ``G = 1`` this is the per-query row sort (sorted, de-duplicated rows).
+* ``"merge"``: each query's rows are sorted and de-duplicated first (the ``G = 1`` build, one
+  ``K``-wide sort per query), then ``log2(G)`` merge levels join pairs of sorted unique lists:
+  every element finds itself in the partner list by a vectorised binary search, and its output
+  position is ``k + #(partner-only < x)`` (an element of the first list) or
+  ``#(first < x) + #(partner-only before it)`` (a partner-only element); a row in both lists
+  is written once with the OR of both bit sets. No sort wider than ``K``.
+* ``"auto"`` picks per ``G`` from :data:`UNION_METHOD` (measured on an H200,
+  benchmarks/RESULTS.md): ``"sort"`` for ``G <= 2`` (one 2K / 4K-wide ``torch.sort`` per
+  group is cheaper than the row sort plus a merge level), ``"merge"`` for ``G = 4 / 8``
+  (segments over 4096 keys fall to torch's segmented radix sort). Sorting inside one Triton
+  program with ``tl.sort`` measured 2.6x slower than ``torch.sort`` at G = 8 (whole group)
+  and 1.9x slower at G = 1 (one row).
+
+On the Triton path entries past ``lens[g]`` are left unspecified (the attention kernel never
+reads them).
 
 Example:
     >>> rows = torch.tensor([[5, 3, -1], [3, 9, 3], [7, 7, 2]], dtype=torch.int32)
@@ -40,6 +54,8 @@ Example:
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 try:
@@ -48,7 +64,7 @@ try:
 except ImportError:  # the torch reference still works
     triton = None
 
-from shardattn._checks import INDEX_DTYPES, check_int, check_same_device, check_tensor
+from shardattn._checks import INDEX_DTYPES, check_choice, check_int, check_same_device, check_tensor
 from shardattn.kernels.registry import use_triton
 
 #: Rows at or above this cannot be packed (24 bits, ``0xFFFFFF`` reserved so ``-1`` is no entry).
@@ -58,6 +74,16 @@ GROUP_SIZES = (1, 2, 4, 8)
 ROW_BITS = 24
 #: Largest row the G = 1 path accepts (int32 max is the sort sentinel).
 MAX_PLAIN_ROW = 2**31 - 2
+#: Triton builder per ``G`` for ``method="auto"``: the faster one measured on an H200 (T = 4K /
+#: 16K, K = 2048, DSA-like rows; benchmarks/RESULTS.md): merge 1.44-1.45x the sort at G = 4,
+#: 1.26-1.29x at G = 8, 0.81-0.83x at G = 2.
+UNION_METHOD = MappingProxyType({1: "sort", 2: "sort", 4: "merge", 8: "merge"})
+METHODS = ("auto", "sort", "merge")
+#: How each query's rows are sorted (``G = 1`` and the first merge level): ``torch.sort`` of
+#: ``[T, K]`` keys, or a ``tl.sort`` per query row in one Triton program (measured 1.9-2.0x
+#: slower than ``torch.sort`` on an H200 at K = 2048; kept as an option).
+ROW_SORTS = ("auto", "torch", "triton")
+ROW_SORT_AUTO = "torch"
 
 
 def num_groups(num_tokens: int, group_size: int) -> int:
@@ -200,16 +226,130 @@ if triton is not None:
             n += tl.sum(ends, axis=0)
         tl.store(LENS + g, n)
 
+    @triton.jit(do_not_specialize=["T", "max_row"])
+    def _row_sort_kernel(
+        ROWS, TOPK_LEN, KEYS,
+        T, K, max_row, stride_rows_t,
+        BLOCK_K: tl.constexpr, HAS_LEN: tl.constexpr,
+    ):  # fmt: skip
+        # one program per query: its valid rows sorted ascending, INT32_MAX (invalid) at the end
+        t = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK_K)
+        k_end = K
+        if HAS_LEN:
+            k_end = tl.minimum(k_end, tl.load(TOPK_LEN + t))
+        ok = c < k_end
+        row = tl.load(ROWS + t * stride_rows_t + c, mask=ok, other=-1)
+        ok = ok & (row >= 0) & (row <= max_row)
+        key = tl.sort(tl.where(ok, row, 2147483647))
+        tl.store(KEYS + t * K + c, key, mask=c < K)
+
+    @triton.jit
+    def _entry_key(e, PLAIN: tl.constexpr):
+        if PLAIN:
+            return e
+        return e & 0xFFFFFF
+
+    @triton.jit
+    def _lower_bound(base, n, x, STEPS: tl.constexpr, PLAIN: tl.constexpr):
+        # per lane: the first index in [0, n) whose row is >= x (n when none); STEPS >= bits of n
+        lo = tl.zeros_like(x)
+        cnt = tl.zeros_like(x) + n
+        for _ in tl.static_range(STEPS):
+            half = cnt // 2
+            mid = lo + half
+            v = _entry_key(tl.load(base + mid, mask=cnt > 0, other=0), PLAIN)
+            go = (cnt > 0) & (v < x)
+            lo = tl.where(go, mid + 1, lo)
+            cnt = tl.where(go, cnt - half - 1, half)
+        return lo
+
+    @triton.jit(do_not_specialize=["n_in"])
+    def _union_merge_kernel(
+        SRC, SRC_LEN, DST, DST_LEN,
+        n_in, stride_src, stride_dst,
+        PLAIN: tl.constexpr, G: tl.constexpr, STEPS: tl.constexpr, CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        # Program m merges the sorted unique lists A = 2m and B = 2m + 1 (lists past n_in are
+        # empty) into DST[m]. PLAIN: the inputs are plain rows of queries 2m, 2m + 1 (first level).
+        m = tl.program_id(0).to(tl.int64)
+        ia = 2 * m
+        ib = ia + 1
+        la = tl.load(SRC_LEN + ia, mask=ia < n_in, other=0)
+        lb = tl.load(SRC_LEN + ib, mask=ib < n_in, other=0)
+        a_ptr = SRC + ia * stride_src
+        b_ptr = SRC + ib * stride_src
+        dst = DST + m * stride_dst
+        common = tl.full([], 0, tl.int32)
+        for c0 in range(0, la, CHUNK):  # A's entries: position k + #(B-only < a_k)
+            i = c0 + tl.arange(0, CHUNK)
+            ok = i < la
+            e = tl.load(a_ptr + i, mask=ok, other=0)
+            x = _entry_key(e, PLAIN)
+            lo = _lower_bound(b_ptr, lb, x, STEPS, PLAIN)
+            hit = ok & (lo < lb)
+            f = tl.load(b_ptr + lo, mask=hit, other=0)
+            found = hit & (_entry_key(f, PLAIN) == x)
+            if PLAIN:
+                bits = tl.where(found, 3, 1) << (ia % G).to(tl.int32)
+            else:
+                bits = ((e >> 24) & 0xFF) | tl.where(found, (f >> 24) & 0xFF, 0)
+            fi = found.to(tl.int32)
+            before = common + tl.cumsum(fi, axis=0) - fi
+            tl.store(dst + (i + lo - before), x | (bits << 24), mask=ok)
+            common += tl.sum(fi, axis=0)
+        b_only = tl.full([], 0, tl.int32)
+        for c0 in range(0, lb, CHUNK):  # B-only entries: position #(A < b_k) + #(B-only before k)
+            i = c0 + tl.arange(0, CHUNK)
+            ok = i < lb
+            e = tl.load(b_ptr + i, mask=ok, other=0)
+            x = _entry_key(e, PLAIN)
+            lo = _lower_bound(a_ptr, la, x, STEPS, PLAIN)
+            hit = ok & (lo < la)
+            f = tl.load(a_ptr + lo, mask=hit, other=0)
+            new = ok & ((lo >= la) | (_entry_key(f, PLAIN) != x))
+            if PLAIN:
+                bits = tl.full([CHUNK], 1, tl.int32) << (ib % G).to(tl.int32)
+            else:
+                bits = (e >> 24) & 0xFF
+            ni = new.to(tl.int32)
+            before = b_only + tl.cumsum(ni, axis=0) - ni
+            tl.store(dst + (lo + before), x | (bits << 24), mask=new)
+            b_only += tl.sum(ni, axis=0)
+        tl.store(DST_LEN + m, la + b_only)
+
 
 def union_kernels() -> tuple:
-    """The Triton union kernels (keys, compact), for warm-up and compile counting."""
-    return _union_keys_kernel, _union_compact_kernel
+    """The Triton union kernels (keys, compact, row sort, merge), for warm-up and compile counting."""
+    return _union_keys_kernel, _union_compact_kernel, _row_sort_kernel, _union_merge_kernel
 
 
 def union_launch_config(group_size: int, topk: int) -> dict[str, int]:
-    """Constexprs of the union kernels for ``(G, K)`` (the warm-up key)."""
+    """Constexprs of the union kernels for ``(G, K)`` (the warm-up key).
+
+    ``BLOCK_K``/``CHUNK``: keys and compaction kernels; ``ROW_BLOCK``: the ``tl.sort`` row
+    kernel; ``MERGE_CHUNK`` and ``MERGE_STEPS`` (one binary-search step count per merge level,
+    ``bit_length`` of the level's input width ``2**level * K``).
+    """
     kp = max(16, 1 << max(0, topk - 1).bit_length())
-    return {"G": group_size, "BLOCK_K": min(kp, 1024), "CHUNK": min(group_size * kp, 2048)}
+    levels = max(0, group_size.bit_length() - 1)
+    return {
+        "G": group_size,
+        "BLOCK_K": min(kp, 1024),
+        "CHUNK": min(group_size * kp, 2048),
+        "ROW_BLOCK": kp,
+        "MERGE_CHUNK": min(kp, 1024),
+        "MERGE_STEPS": tuple((topk << lvl).bit_length() for lvl in range(levels)),
+    }
+
+
+def _resolve(group_size: int, method: str, row_sort: str) -> tuple[str, str]:
+    check_choice("method", method, METHODS)
+    check_choice("row_sort", row_sort, ROW_SORTS)
+    method = UNION_METHOD[group_size] if method == "auto" else method
+    if group_size == 1:
+        method = "sort"  # one query per group: the row sort is the whole build
+    return method, ROW_SORT_AUTO if row_sort == "auto" else row_sort
 
 
 def build_union(
@@ -219,6 +359,8 @@ def build_union(
     num_kv_rows: int,
     topk_length: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    method: str = "auto",
+    row_sort: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted union of each group's valid rows with membership bits (see the module docstring).
 
@@ -229,12 +371,17 @@ def build_union(
             when ``G > 1``.
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
         out: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``.
+        method: Triton builder, ``"auto"`` (:data:`UNION_METHOD`), ``"sort"`` or ``"merge"``
+            (same outputs; ignored by the torch reference and for ``G = 1``).
+        row_sort: per-query row sort of the ``G = 1`` build and the first merge level,
+            ``"auto"``, ``"torch"`` or ``"triton"`` (same outputs).
     Returns:
         ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``; on the Triton path the
         entries past ``lens[g]`` are unspecified (the reference fills them with ``-1``).
     """
 
     _check(rows, group_size, num_kv_rows, topk_length)
+    method, row_sort = _resolve(group_size, method, row_sort)
     t, k = rows.shape
     g_count = num_groups(t, group_size)
     if out is not None:
@@ -256,17 +403,61 @@ def build_union(
     if g_count == 0:
         return union, lens
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
-    max_row = min(num_kv_rows - 1, MAX_PLAIN_ROW)
-    lengths = topk_length if topk_length is not None else lens
     cfg = union_launch_config(group_size, k)
+    if group_size == 1:
+        _row_lists(rows, topk_length, num_kv_rows, row_sort, union, lens)
+        return union, lens
+    if method == "sort":
+        _sort_build(rows, topk_length, num_kv_rows, group_size, cfg, union, lens)
+        return union, lens
+    # per-query sorted unique rows, then log2(G) merge levels
+    src = torch.empty(t, k, dtype=torch.int32, device=rows.device)
+    src_len = torch.empty(t, dtype=torch.int32, device=rows.device)
+    _row_lists(rows, topk_length, num_kv_rows, row_sort, src, src_len)
+    for level, steps in enumerate(cfg["MERGE_STEPS"]):
+        n_in = src.shape[0]
+        last = level == len(cfg["MERGE_STEPS"]) - 1
+        if last:
+            dst, dst_len = union, lens
+        else:
+            n_out = -(-n_in // 2)
+            dst = torch.empty(n_out, 2 * src.shape[1], dtype=torch.int32, device=rows.device)
+            dst_len = torch.empty(n_out, dtype=torch.int32, device=rows.device)
+        _union_merge_kernel[(dst.shape[0],)](
+            src, src_len, dst, dst_len, n_in, src.stride(0), dst.stride(0),
+            PLAIN=level == 0, G=group_size, STEPS=steps, CHUNK=cfg["MERGE_CHUNK"],
+        )  # fmt: skip
+        src, src_len = dst, dst_len
+    return union, lens
+
+
+def _row_lists(rows, topk_length, num_kv_rows, row_sort, lists, lens):
+    """Write each query's sorted, de-duplicated valid rows into ``lists [T, K]``, ``lens [T]``."""
+    t, k = rows.shape
+    cfg = union_launch_config(1, k)
+    if row_sort == "torch":
+        _sort_build(rows, topk_length, num_kv_rows, 1, cfg, lists, lens)
+        return
+    keys = torch.empty(t, k, dtype=torch.int32, device=rows.device)
+    _row_sort_kernel[(t,)](
+        rows, topk_length if topk_length is not None else lens, keys,
+        t, k, min(num_kv_rows - 1, MAX_PLAIN_ROW), rows.stride(0),
+        BLOCK_K=cfg["ROW_BLOCK"], HAS_LEN=topk_length is not None,
+    )  # fmt: skip
+    _union_compact_kernel[(t,)](keys, lists, lens, k, keys.stride(0), lists.stride(0), G=1, CHUNK=cfg["CHUNK"])
+
+
+def _sort_build(rows, topk_length, num_kv_rows, group_size, cfg, union, lens):
+    """The ``"sort"`` builder: keys kernel, ``torch.sort`` of each group's keys, compaction."""
+    t, k = rows.shape
+    g_count = union.shape[0]
     keys = torch.empty(g_count * group_size, k, dtype=torch.int32, device=rows.device)
     _union_keys_kernel[(g_count * group_size, triton.cdiv(k, cfg["BLOCK_K"]))](
-        rows, lengths, keys, t, k, max_row, rows.stride(0),
-        G=group_size, BLOCK_K=cfg["BLOCK_K"], HAS_LEN=topk_length is not None,
+        rows, topk_length if topk_length is not None else lens, keys, t, k, min(num_kv_rows - 1, MAX_PLAIN_ROW),
+        rows.stride(0), G=group_size, BLOCK_K=cfg["BLOCK_K"], HAS_LEN=topk_length is not None,
     )  # fmt: skip
     ordered = torch.sort(keys.view(g_count, group_size * k), dim=1).values
     _union_compact_kernel[(g_count,)](
         ordered, union, lens, group_size * k, ordered.stride(0), union.stride(0),
         G=group_size, CHUNK=cfg["CHUNK"],
     )  # fmt: skip
-    return union, lens

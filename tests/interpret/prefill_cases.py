@@ -49,22 +49,55 @@ def topk_cases(gen: torch.Generator) -> None:
         _report(f"topk[{name}]", torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
 
 
-def union_cases(gen: torch.Generator) -> None:
-    from shardattn.kernels.union import build_union, build_union_reference
+UNION_VARIANTS = (("sort", "torch"), ("merge", "torch"), ("merge", "triton"), ("sort", "triton"))
 
-    shapes = [(13, 20, 30), (5, 33, 7)]
+
+def _union_special_rows(gen: torch.Generator, k: int, r: int) -> torch.Tensor:
+    """17 queries: an empty group (queries 0-7 at G <= 8), identical and disjoint lists, dupes, tail."""
+    rows = torch.randint(-3, r + 3, (17, k), generator=gen, dtype=torch.int32)
+    rows[:8] = -1  # every group of queries 0..7 is empty
+    rows[8] = rows[9] = rows[10] = rows[11]  # identical lists
+    rows[12] = torch.arange(k, dtype=torch.int32) % r  # disjoint-ish from query 13
+    rows[13] = (torch.arange(k, dtype=torch.int32) + k) % r
+    rows[14, : k // 2] = rows[14, k // 2 : 2 * (k // 2)]  # duplicates within a row
+    return rows
+
+
+def union_cases(gen: torch.Generator) -> None:
+    from shardattn.kernels.union import MAX_PACKED_ROWS, build_union, build_union_reference
+
+    def check(name, rows, g, r, length=None):
+        want = build_union_reference(rows, group_size=g, num_kv_rows=r, topk_length=length)
+        for method, row_sort in UNION_VARIANTS:
+            if (g == 1 and method == "merge") or (g > 1 and (method, row_sort) == ("sort", "triton")):
+                continue  # G = 1 is a row sort; with G > 1 the sort builder ignores row_sort
+            if row_sort == "triton" and name != "special":
+                continue  # tl.sort is slow under the interpreter: its edge cases are in "special"
+            got = build_union(rows, group_size=g, num_kv_rows=r, topk_length=length, method=method, row_sort=row_sort)
+            _report(f"union[G={g},{name},{method}/{row_sort}]", _union_equal(got, want))
+
     for g in (1, 2, 4, 8):
-        for t, k, r in shapes:
+        for t, k, r in [(13, 20, 30), (5, 33, 7)]:
             rows = torch.randint(-3, r + 3, (t, k), generator=gen, dtype=torch.int32)
             length = torch.randint(0, k + 3, (t,), generator=gen, dtype=torch.int32)
-            want = build_union_reference(rows, group_size=g, num_kv_rows=r, topk_length=length)
-            got = build_union(rows, group_size=g, num_kv_rows=r, topk_length=length)
-            _report(f"union[G={g},T={t},K={k}]", _union_equal(got, want))
+            check(f"T={t},K={k}", rows, g, r, length)
+        check("special", _union_special_rows(gen, 24, 60), g, 60)
+        # rows up to 2**24 - 2 (query 7's bit is the sign bit)
+        top = torch.randint(MAX_PACKED_ROWS - 40, MAX_PACKED_ROWS + 3, (11, 16), generator=gen, dtype=torch.int32)
+        top[:, 0] = MAX_PACKED_ROWS - 1
+        check("top_rows", top, g, MAX_PACKED_ROWS)
     # several compaction chunks (width > 2048), long duplicate runs across chunk edges
     rows = torch.randint(-3, 40, (16, 300), generator=gen, dtype=torch.int32)
     for g in (1, 8):
         want = build_union_reference(rows, group_size=g, num_kv_rows=40)
         _report(f"union[G={g},chunks]", _union_equal(build_union(rows, group_size=g, num_kv_rows=40), want))
+    # several merge chunks per list (K > 1024), a tail group, half the entries shared by neighbours
+    rows = torch.randint(-1, 3000, (9, 1030), generator=gen, dtype=torch.int32)
+    rows[1::2, :500] = rows[0:-1:2, :500]
+    for g in (2, 8):
+        want = build_union_reference(rows, group_size=g, num_kv_rows=3000)
+        got = build_union(rows, group_size=g, num_kv_rows=3000, method="merge", row_sort="torch")
+        _report(f"union[G={g},merge_chunks]", _union_equal(got, want))
 
 
 def _rows_with_edge_cases(gen: torch.Generator, t: int, k: int, r: int) -> torch.Tensor:
