@@ -39,10 +39,11 @@ import time
 import torch
 
 from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_grouped import default_group_size, tile_group_size
+from shardattn.kernels.sparse_mla_grouped import default_group_size
 from shardattn.kernels.sparse_mla_triton import attention_kernel, flops, launch_attention, tile_config
 from shardattn.kernels.topk import convert_topk, convert_topk_reference
 from shardattn.kernels.union import build_union, build_union_reference
+from shardattn.plan.routing import tile_group_size
 from shardattn.workload import synthetic_topk, union_ratio
 
 D_V, D_R, BLOCK = 512, 64, 64

@@ -80,16 +80,25 @@ def test_heads_per_rank_must_divide():
 
 
 @pytest.mark.parametrize(
-    ("heads", "g"), [(16, 8), (32, 4), (64, 2), (128, None), (8, None), (24, None), (48, None)], ids=str
+    ("heads", "g"), [(2, 8), (4, 8), (8, 8), (16, None), (32, None), (64, None), (128, None), (24, None)], ids=str
 )
 def test_group_size_from_heads(heads, g):
     assert grouped_group_size(heads) == g
     route = route_prefill(heads, num_tokens=4096, kv_rows=1 << 20)
     if g is None:
         assert (route.path, route.group_size) == ("per-query", 1)
-        assert "128 / heads is not one of 2, 4, 8" in route.reason
+        assert f"{heads} heads > 8: grouping is slower than the per-query kernel" in route.reason
     else:
         assert (route.path, route.group_size) == ("grouped", g)
+
+
+@pytest.mark.parametrize(("heads", "g"), [(16, 8), (32, 4), (64, 2), (128, None), (24, 4)], ids=str)
+def test_group_size_of_a_128_row_backend(heads, g):
+    # the founders' rule G = 128 / heads, for a backend whose grouping pays at every head count
+    # (heads are padded to a power of two: 24 heads take a 32-row slot)
+    assert grouped_group_size(heads, grouped_max_heads=128, tile_rows=128) == g
+    route = route_prefill(heads, num_tokens=4096, kv_rows=1 << 20, grouped_max_heads=128, tile_rows=128)
+    assert (route.path, route.group_size) == (("grouped", g) if g else ("per-query", 1))
 
 
 @pytest.mark.parametrize(
@@ -97,10 +106,10 @@ def test_group_size_from_heads(heads, g):
     [
         (dict(device_type="cpu"), "reference", "no GPU"),
         (dict(kv_rows=MAX_GROUPED_KV_ROWS), "per-query", "2^24 - 1"),
-        (dict(kv_rows=MAX_GROUPED_KV_ROWS - 1), "grouped", "2 queries per 128-row tile"),
+        (dict(kv_rows=MAX_GROUPED_KV_ROWS - 1), "grouped", "8 queries per 64-row tile"),
         (dict(num_tokens=1023), "per-query", "min_tokens=1024"),
-        (dict(num_tokens=100, min_tokens=0), "grouped", "2 queries"),
-        (dict(need_lse=True), "grouped", "2 queries"),
+        (dict(num_tokens=100, min_tokens=0), "grouped", "8 queries"),
+        (dict(need_lse=True), "grouped", "8 queries"),
         (dict(need_lse=True, grouped_supports_lse=False), "per-query", "LSE is needed"),
         (dict(device_type="cpu", kv_rows=1 << 30), "reference", "no GPU"),
     ],
@@ -118,9 +127,9 @@ def test_group_size_from_heads(heads, g):
 def test_route_prefill_fallbacks(kwargs, path, reason):
     args = dict(num_tokens=4096, kv_rows=1 << 20)
     args.update(kwargs)
-    route = route_prefill(64, **args)
+    route = route_prefill(8, **args)
     assert route.path == path and reason in route.reason
-    assert route.group_size == (2 if path == "grouped" else 1)
+    assert route.group_size == (8 if path == "grouped" else 1)
 
 
 @pytest.mark.parametrize(

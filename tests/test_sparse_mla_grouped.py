@@ -10,10 +10,10 @@ from shardattn.kernels.sparse_mla_grouped import (
     choose_path,
     default_group_size,
     sparse_mla_grouped_prefill,
-    tile_group_size,
 )
 from shardattn.kernels.sparse_mla_triton import tile_config
 from shardattn.kernels.warmup import PrefillSpec, compile_keys
+from shardattn.plan.routing import tile_group_size
 
 
 def test_duplicate_rows_count_once_in_the_reference():

@@ -8,12 +8,13 @@ query's rows through a membership bit: exact, not approximate.
 
 Path selection (:func:`choose_path`, one source of truth, also used by the warm-up):
 
-* ``group_size`` given: that ``G`` (:func:`tile_group_size` fills a 64-row tile: 8 heads -> 8,
+* ``group_size`` given: that ``G`` (:func:`shardattn.plan.routing.tile_group_size` fills a 64-row tile: 8 heads -> 8,
   16 -> 4, 32 -> 2, 64 and 128 -> 1; a 128-row Triton tile spills registers);
-* default (:func:`default_group_size`): grouped only up to 8 heads per rank. Measured on an
-  H200 (benchmarks/RESULTS.md, DSA-like top-k, T = 4K / 16K): at 8 heads the grouped step
-  (union build + kernel) is 1.27-1.31x faster than the per-query path, at 16 and 32 heads
-  0.84-0.86x (the union build, a ``torch.sort`` of ``G * K`` keys per group, costs 0.3-0.7 ms
+* default (:func:`default_group_size`): the planner's routing
+  (:func:`shardattn.plan.routing.grouped_group_size`, one source of truth): grouped only up to
+  8 heads per rank. Measured on an H200 (benchmarks/RESULTS.md, DSA-like top-k, T = 4K / 16K):
+  at 8 heads the grouped step (union build + kernel) is 1.39-1.44x faster than the per-query
+  path, at 16 heads 0.92-0.95x and at 32 heads 0.84-0.85x (the union build costs 0.3-0.55 ms
   per 4K tokens, and the per-query kernel is already helped by L2 hits between neighbours);
   with random top-k grouping is 0.4-0.5x;
 * the per-query path also when the KV cache has ``>= 2**24 - 1`` rows (24-bit packed rows)
@@ -38,6 +39,7 @@ from shardattn.kernels.sparse_mla_triton import (
     tile_config,
 )
 from shardattn.kernels.union import GROUP_SIZES, MAX_PACKED_ROWS, build_union
+from shardattn.plan.routing import grouped_group_size
 
 
 @dataclass(frozen=True)
@@ -50,27 +52,13 @@ class PrefillPath:
     reason: str
 
 
-#: Largest head count the default routing groups (measured: see the module docstring).
-GROUPED_MAX_HEADS = 8
-
-
-def tile_group_size(heads: int) -> int:
-    """``G`` that fills a 64-row tile: ``64 // next_pow2(heads)`` clipped to ``[1, 8]``.
-
-    >>> [tile_group_size(h) for h in (4, 8, 16, 32, 64, 128)]
-    [8, 8, 4, 2, 1, 1]
-    """
-    hp = 1 << max(0, heads - 1).bit_length()
-    return max(1, min(8, 64 // hp))
-
-
 def default_group_size(heads: int) -> int:
-    """``G`` the default routing uses: :func:`tile_group_size` up to 8 heads, else 1.
+    """``G`` the default routing uses: the planner's :func:`~shardattn.plan.routing.grouped_group_size`, else 1.
 
     >>> [default_group_size(h) for h in (4, 8, 16, 32, 64, 128)]
     [8, 8, 1, 1, 1, 1]
     """
-    return tile_group_size(heads) if heads <= GROUPED_MAX_HEADS else 1
+    return grouped_group_size(heads) or 1
 
 
 def choose_path(

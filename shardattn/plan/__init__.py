@@ -34,6 +34,7 @@ from shardattn.plan.pcp import PCPPlan, pcp_plan
 from shardattn.plan.routing import (
     DECODE_PATHS,
     GROUP_SIZES,
+    GROUPED_MAX_HEADS,
     MAX_GROUPED_KV_ROWS,
     PREFILL_PATHS,
     TILE_ROWS,
@@ -42,6 +43,7 @@ from shardattn.plan.routing import (
     grouped_group_size,
     route_decode,
     route_prefill,
+    tile_group_size,
 )
 from shardattn.plan.shard_plan import ShardPlan, token_cost
 from shardattn.plan.spec import DTYPE_BYTES, KINDS, PRESETS, ModelSpec, get_preset
@@ -61,6 +63,7 @@ __all__ = [
     "DECODE_PATHS",
     "DEFAULT_MIN_TOKENS",
     "DTYPE_BYTES",
+    "GROUPED_MAX_HEADS",
     "GROUP_SIZES",
     "KINDS",
     "MAX_GROUPED_KV_ROWS",
@@ -96,6 +99,7 @@ __all__ = [
     "pcp_plan",
     "route_decode",
     "route_prefill",
+    "tile_group_size",
     "token_cost",
     "workspace_bounds",
     "xqa_head_dim_supported",

@@ -1,16 +1,23 @@
 """Which kernel path a step takes, and why.
 
-Prefill (sparse MLA): the grouped path packs ``G = 128 / heads`` consecutive queries into one
-128-row tile and gathers the union of their top-k rows once; each union entry packs the KV row
-in 24 bits and one membership bit per query in the high 8 bits (so ``G <= 8`` and rows
+Prefill (sparse MLA): the grouped path packs ``G`` consecutive queries of ``heads`` heads into
+one 64-row tile and gathers the union of their top-k rows once; each union entry packs the KV
+row in 24 bits and one membership bit per query in the high 8 bits (so ``G <= 8`` and rows
 ``< 2^24 - 1``). Checks, in order (the first that applies decides):
 
 1. no GPU (device type other than ``cuda``)            -> ``reference``
 2. KV cache with ``2^24 - 1`` rows or more              -> ``per-query`` (rows do not fit 24 bits)
 3. fewer than ``min_tokens`` new tokens in the step     -> ``per-query``
 4. an LSE is needed and the grouped backend has none    -> ``per-query``
-5. ``128 / heads`` is not one of 2, 4, 8                -> ``per-query``
-6. otherwise                                            -> ``grouped`` with ``G = 128 / heads``
+5. more than ``grouped_max_heads`` heads                -> ``per-query``
+6. otherwise                                            -> ``grouped`` with ``G = 64 / heads``
+
+Why 64-row tiles and at most 8 heads (the founders' notes say ``G = 128 / heads``): that rule
+fits a 128-row tile of a hand-written kernel (FA4). The Triton kernel holds 64 rows per program
+(128 rows spill registers), and on an H200 (``benchmarks/RESULTS.md``, DSA-like top-k) grouping
+beats the per-query kernel only at 8 heads (1.39-1.44x); at 16 and 32 heads the union build plus
+the membership mask cost more than the shared gathers save (0.92-0.95x and 0.84-0.85x). A
+backend with cheaper grouping passes its own ``grouped_max_heads`` / ``tile_rows``.
 
 Decode: GQA picks FlashInfer XQA when it is installed, the GPU is SM90 / SM100 / SM120, the head
 dim passes :func:`xqa_head_dim_supported` (the same function the CUDA-graph policy uses), no
@@ -32,6 +39,7 @@ from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
 
 __all__ = [
     "DECODE_PATHS",
+    "GROUPED_MAX_HEADS",
     "GROUP_SIZES",
     "MAX_GROUPED_KV_ROWS",
     "PREFILL_PATHS",
@@ -41,10 +49,13 @@ __all__ = [
     "grouped_group_size",
     "route_decode",
     "route_prefill",
+    "tile_group_size",
 ]
 
-TILE_ROWS = 128
-"""Rows of one grouped tile: ``G`` queries times ``heads`` heads."""
+TILE_ROWS = 64
+"""Rows of one grouped tile of the Triton kernel: ``G`` queries times ``heads`` heads."""
+GROUPED_MAX_HEADS = 8
+"""Most heads per query for which grouping beats the per-query Triton kernel (measured, H200)."""
 GROUP_SIZES = (2, 4, 8)
 """Group sizes the membership byte allows (one bit per query, at most 8)."""
 MAX_GROUPED_KV_ROWS = 2**24 - 1
@@ -77,16 +88,34 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-def grouped_group_size(num_heads: int) -> int | None:
-    """``128 / num_heads`` when it is one of 2, 4, 8, else ``None``.
+def tile_group_size(num_heads: int, *, tile_rows: int = TILE_ROWS) -> int:
+    """Queries that fill a ``tile_rows`` tile: ``tile_rows // next_pow2(heads)`` clipped to ``[1, 8]``.
 
-    >>> [grouped_group_size(h) for h in (16, 32, 64, 128, 24)]
-    [8, 4, 2, None, None]
+    >>> [tile_group_size(h) for h in (4, 8, 16, 32, 64, 128)]
+    [8, 8, 4, 2, 1, 1]
+    >>> tile_group_size(16, tile_rows=128)
+    8
     """
     num_heads = check_int("num_heads", num_heads, minimum=1)
-    if TILE_ROWS % num_heads:
+    padded = 1 << (num_heads - 1).bit_length()
+    return max(1, min(max(GROUP_SIZES), tile_rows // padded))
+
+
+def grouped_group_size(
+    num_heads: int, *, grouped_max_heads: int = GROUPED_MAX_HEADS, tile_rows: int = TILE_ROWS
+) -> int | None:
+    """The ``G`` of the grouped path for ``num_heads`` heads, or ``None`` when it does not pay.
+
+    >>> [grouped_group_size(h) for h in (4, 8, 16, 64, 128)]
+    [8, 8, None, None, None]
+    >>> [grouped_group_size(h, grouped_max_heads=64, tile_rows=128) for h in (16, 32, 64, 128)]
+    [8, 4, 2, None]
+    """
+    num_heads = check_int("num_heads", num_heads, minimum=1)
+    check_int("grouped_max_heads", grouped_max_heads, minimum=0)
+    if num_heads > grouped_max_heads:
         return None
-    g = TILE_ROWS // num_heads
+    g = tile_group_size(num_heads, tile_rows=tile_rows)
     return g if g in GROUP_SIZES else None
 
 
@@ -99,6 +128,8 @@ def route_prefill(
     min_tokens: int = DEFAULT_MIN_TOKENS,
     need_lse: bool = False,
     grouped_supports_lse: bool = True,
+    grouped_max_heads: int = GROUPED_MAX_HEADS,
+    tile_rows: int = TILE_ROWS,
 ) -> Route:
     """Route a sparse MLA prefill step (checks in the module docstring).
 
@@ -111,10 +142,14 @@ def route_prefill(
         min_tokens: smaller steps take the per-query path.
         need_lse: a consumer needs the LSE (e.g. a merge across ranks).
         grouped_supports_lse: the grouped backend returns the LSE (ours does).
+        grouped_max_heads: most heads for which the grouped backend pays (see the module docstring).
+        tile_rows: rows of the grouped backend's tile.
 
-    >>> route_prefill(64, num_tokens=8192, kv_rows=1 << 20)
-    Route(path='grouped', group_size=2, reason='64 heads: 2 queries per 128-row tile')
-    >>> route_prefill(64, num_tokens=8192, kv_rows=1 << 24).path
+    >>> route_prefill(8, num_tokens=8192, kv_rows=1 << 20)
+    Route(path='grouped', group_size=8, reason='8 heads: 8 queries per 64-row tile')
+    >>> route_prefill(64, num_tokens=8192, kv_rows=1 << 20).reason
+    '64 heads > 8: grouping is slower than the per-query kernel there (measured)'
+    >>> route_prefill(8, num_tokens=8192, kv_rows=1 << 24).path
     'per-query'
     >>> route_prefill(16, num_tokens=8192, kv_rows=1000, device_type="cpu").path
     'reference'
@@ -134,10 +169,16 @@ def route_prefill(
         return Route("per-query", 1, f"{t} tokens < min_tokens={m}: step too small to group")
     if need_lse and not grouped_supports_lse:
         return Route("per-query", 1, "an LSE is needed and the grouped backend does not return one")
-    g = grouped_group_size(h)
+    g = grouped_group_size(h, grouped_max_heads=grouped_max_heads, tile_rows=tile_rows)
     if g is None:
-        return Route("per-query", 1, f"{h} heads: 128 / heads is not one of 2, 4, 8")
-    return Route("grouped", g, f"{h} heads: {g} queries per 128-row tile")
+        if h > grouped_max_heads:
+            return Route(
+                "per-query",
+                1,
+                f"{h} heads > {grouped_max_heads}: grouping is slower than the per-query kernel there (measured)",
+            )
+        return Route("per-query", 1, f"{h} heads: no group of 2, 4 or 8 queries fits a {tile_rows}-row tile")
+    return Route("grouped", g, f"{h} heads: {g} queries per {tile_rows}-row tile")
 
 
 def _sm(sm: object) -> int | None:

@@ -27,7 +27,7 @@ contract): GLM-5, 65,536 batched tokens, TP4, ``G = 2``, top-k 2048: ``N = 16,38
 is ``16,384 / 2`` groups ``* 4,096`` entries ``* 4 B = 134,217,728 B``.
 
 >>> from shardattn.plan.spec import get_preset
->>> wb = workspace_bounds(get_preset("glm5"), max_batched_tokens=65536, world_size=4, mode="shardq")
+>>> wb = workspace_bounds(get_preset("glm5"), max_batched_tokens=65536, world_size=4, mode="shardq", group_size=2)
 >>> wb.group_size, wb.rank_tokens, wb.union
 (2, 16384, 134217728)
 """
