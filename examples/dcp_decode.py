@@ -1,0 +1,116 @@
+"""Sparse-MLA decode with the KV cache split over 2 ranks (decode context parallelism), checked.
+
+Each rank stores only its DCP shard of every request's KV cache: token t lives on rank
+(t // I) % N at local index (t // (N*I)) * I + t % I. A decode step gathers the query heads,
+attends over the local shard, and merges the partial outputs by their log-sum-exp.
+
+    python examples/dcp_decode.py                       # spawns 2 CPU ranks (gloo)
+    torchrun --nproc-per-node 2 examples/dcp_decode.py  # one rank per GPU when there are GPUs
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardattn.kernels.sparse_mla import sparse_mla_reference
+from shardattn.kernels.topk import convert_topk
+from shardattn.parallel.runtime import Runtime
+
+CONTEXT, TOPK, INTERLEAVE = [300, 77, 1], 48, 4  # three decode requests, one new token each
+
+
+def main(group: dist.ProcessGroup) -> None:
+    """The step, on every rank of ``group`` (one GPU per rank when there are GPUs)."""
+    rank = dist.get_rank(group)
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    rt = Runtime(
+        "glm5",
+        group,
+        max_batched_tokens=64,
+        mode="dcp-decode",
+        device=device,
+        topk=TOPK,
+        dcp_interleave=INTERLEAVE,
+    )
+    spec, layout, page, h = rt.spec, rt.layout, rt.spec.page_size, rt.heads_per_rank
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)  # same "model state" on every rank
+
+    # the whole cache, as one process would hold it (contiguous pages per request)
+    pages = [-(-n // page) for n in CONTEXT]
+    first = torch.tensor([0, *pages]).cumsum(0)
+    table = torch.full((len(CONTEXT), max(pages)), -1, dtype=torch.int32)
+    for b, n in enumerate(pages):
+        table[b, :n] = torch.arange(first[b], first[b] + n)
+    table = table.to(device)
+    kv = torch.randn(int(first[-1]) * page, spec.head_dim, generator=gen, device=device).to(dtype)
+    seq_lens = torch.tensor(CONTEXT, dtype=torch.int32, device=device)
+
+    # this rank's shard: its tokens of each request, in local order, in its own pages
+    local_pages, local_rows = [], []
+    for b, n in enumerate(CONTEXT):
+        owned = layout.owned_positions(n, rank).to(device)  # global positions this rank holds
+        rows = table[b, owned // page].long() * page + owned % page
+        need = -(-owned.numel() // page)
+        shard = torch.zeros(need * page, spec.head_dim, dtype=dtype, device=device)
+        shard[: owned.numel()] = kv[rows]
+        local_pages.append(need)
+        local_rows.append(shard)
+    kv_local = torch.cat(local_rows)
+    start = torch.tensor([0, *local_pages]).cumsum(0)
+    table_local = torch.full((len(CONTEXT), max(max(local_pages), 1)), -1, dtype=torch.int32)
+    for b, n in enumerate(local_pages):
+        table_local[b, :n] = torch.arange(start[b], start[b] + n)
+    table_local = table_local.to(device)
+
+    # the indexer's top-k: request-global positions (identical on every rank)
+    req = torch.arange(len(CONTEXT), dtype=torch.int32, device=device)
+    topk_pos = (torch.rand(len(CONTEXT), TOPK, generator=gen, device=device) * seq_lens[:, None]).int()
+    q = torch.randn(len(CONTEXT), spec.num_heads, spec.head_dim, generator=gen, device=device).to(dtype)
+    q_local = q[:, rank * h : (rank + 1) * h].contiguous()
+
+    out, lse = rt.decode(q_local, kv_local, table_local, seq_lens, topk_pos=topk_pos, req_ids=req)
+
+    rows, _ = convert_topk(topk_pos, req, table, block_size=page, seq_lens=seq_lens)
+    ref, _ = sparse_mla_reference(q, kv, rows, scale=rt.scale, v_dim=spec.v_dim)
+    err = (out.float() - ref[:, rank * h : (rank + 1) * h].float()).abs().max().item()
+    print(
+        f"rank {rank}: holds {kv_local.shape[0]} of {kv.shape[0]} KV rows; out {tuple(out.shape)}, "
+        f"lse {tuple(lse.shape)} ({rt.decode_route.path}); max error vs one process {err:.2e}"
+    )
+    if err > (3e-2 if dtype == torch.bfloat16 else 1e-4):
+        raise SystemExit(f"rank {rank}: error {err} too large")
+
+
+def _spawned(rank: int, world: int, port: int) -> None:
+    nccl = torch.cuda.device_count() >= world  # one GPU per rank, else CPU ranks on gloo
+    if nccl:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        main(dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:  # under torchrun: one rank per GPU when there are enough, else CPU ranks
+        nccl = torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"])
+        if nccl:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if nccl else "gloo")
+        main(dist.group.WORLD)
+        dist.destroy_process_group()
+    else:
+        with socket.socket() as s:  # a free port for the rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_spawned, args=(2, port), nprocs=2)

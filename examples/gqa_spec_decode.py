@@ -1,0 +1,104 @@
+"""GQA speculative decode (64 query / 8 KV heads, head dim 64, attention sinks) under DCP on 2 ranks.
+
+Three requests verify ragged drafts of 1, 3 and 2 tokens in one step; every draft token sees
+the cache plus the drafts before it (causal). The KV cache is split over the ranks by the DCP
+layout; the outputs match one process running the whole cache.
+
+    python examples/gqa_spec_decode.py                       # spawns 2 CPU ranks (gloo)
+    torchrun --nproc-per-node 2 examples/gqa_spec_decode.py  # one rank per GPU when there are GPUs
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardattn.kernels.gqa_decode import gqa_paged_decode_reference
+from shardattn.parallel.runtime import Runtime
+
+DRAFTS, CACHED = [1, 3, 2], [40, 100, 7]  # query tokens and cached tokens per request
+
+
+def main(group: dist.ProcessGroup) -> None:
+    """The step, on every rank of ``group`` (one GPU per rank when there are GPUs)."""
+    rank = dist.get_rank(group)
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    rt = Runtime("gqa-64-8", group, max_batched_tokens=64, mode="dcp-decode", device=device)
+    spec, layout, page, h = rt.spec, rt.layout, rt.spec.page_size, rt.heads_per_rank
+    hkv, d = spec.num_kv_heads, spec.head_dim
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    seq = [c + q for c, q in zip(CACHED, DRAFTS)]  # KV tokens per request, drafts included
+    seq_lens = torch.tensor(seq, dtype=torch.int32, device=device)
+    cu_q_lens = torch.tensor([0, *DRAFTS], device=device).cumsum(0).int()
+    q = torch.randn(sum(DRAFTS), spec.num_heads, d, generator=gen, device=device).to(dtype)
+    sinks = torch.randn(spec.num_heads, generator=gen, device=device)
+    # the whole cache (one page run per request), then this rank's shard of it
+    pages = [-(-n // page) for n in seq]
+    k = torch.randn(sum(pages), page, hkv, d, generator=gen, device=device).to(dtype)
+    v = torch.randn(sum(pages), page, hkv, d, generator=gen, device=device).to(dtype)
+    first = [sum(pages[:b]) for b in range(len(seq))]
+    table = torch.full((len(seq), max(pages)), -1, dtype=torch.int32, device=device)
+    for b, n in enumerate(pages):
+        table[b, :n] = torch.arange(first[b], first[b] + n, dtype=torch.int32)
+
+    local_k, local_v, local_table, used = [], [], [], 0
+    for b, n in enumerate(seq):
+        owned = layout.owned_positions(n, rank).to(device)
+        src = (first[b] + owned // page, owned % page)
+        need = max(1, -(-owned.numel() // page))
+        kb = torch.zeros(need * page, hkv, d, dtype=dtype, device=device)
+        vb = torch.zeros_like(kb)
+        kb[: owned.numel()], vb[: owned.numel()] = k[src], v[src]
+        local_k.append(kb.view(need, page, hkv, d))
+        local_v.append(vb.view(need, page, hkv, d))
+        local_table.append(torch.arange(used, used + need, dtype=torch.int32))
+        used += need
+    table_local = torch.nn.utils.rnn.pad_sequence(local_table, batch_first=True, padding_value=-1).to(device)
+    caches = (torch.cat(local_k), torch.cat(local_v))
+
+    q_local = q[:, rank * h : (rank + 1) * h].contiguous()
+    out, lse = rt.decode(q_local, caches, table_local, seq_lens, cu_q_lens=cu_q_lens, sinks=sinks)
+
+    ref, _ = gqa_paged_decode_reference(q, k, v, table, seq_lens, cu_q_lens, sinks=sinks, scale=rt.scale)
+    err = (out.float() - ref[:, rank * h : (rank + 1) * h].float()).abs().max().item()
+    print(
+        f"rank {rank}: drafts {DRAFTS} -> out {tuple(out.shape)}, lse {tuple(lse.shape)} "
+        f"({rt.decode_route.path}); graphs: {rt.cudagraph_support('decode').name}; max error {err:.2e}"
+    )
+    if err > (3e-2 if dtype == torch.bfloat16 else 1e-4):
+        raise SystemExit(f"rank {rank}: error {err} too large")
+
+
+def _spawned(rank: int, world: int, port: int) -> None:
+    nccl = torch.cuda.device_count() >= world  # one GPU per rank, else CPU ranks on gloo
+    if nccl:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        main(dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:  # under torchrun: one rank per GPU when there are enough, else CPU ranks
+        nccl = torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"])
+        if nccl:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if nccl else "gloo")
+        main(dist.group.WORLD)
+        dist.destroy_process_group()
+    else:
+        with socket.socket() as s:  # a free port for the rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_spawned, args=(2, port), nprocs=2)

@@ -1,0 +1,93 @@
+"""ShardQ sparse-MLA prefill of a GLM-5-like layer on 2 ranks, checked against one process.
+
+Under tensor parallelism every rank holds H/W heads of every query token and the whole KV cache.
+The Runtime moves the queries to zigzag token shards (every head), runs the sparse attention,
+and moves the outputs back, so the caller keeps its head-sharded layout.
+
+    python examples/shardq_prefill.py                       # spawns 2 CPU ranks (gloo)
+    torchrun --nproc-per-node 2 examples/shardq_prefill.py  # one rank per GPU when there are GPUs
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardattn.kernels.sparse_mla import sparse_mla_reference
+from shardattn.kernels.topk import convert_topk
+from shardattn.parallel.runtime import Runtime
+
+SEQ_LENS, CACHED, TOPK, PAGE = [96, 64], [32, 0], 32, 64
+
+
+def main(group: dist.ProcessGroup) -> None:
+    """The step, on every rank of ``group`` (one GPU per rank when there are GPUs)."""
+    rank = dist.get_rank(group)
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    rt = Runtime(
+        "glm5", group, max_batched_tokens=256, mode="shardq", device=device, topk=TOPK, min_shard_tokens=64
+    )  # small demo step: shard anything from 64 tokens on
+    spec, h = rt.spec, rt.heads_per_rank
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)  # same inputs on every rank
+
+    # the paged KV cache (replicated under TP): request r's tokens live in blocks table[r]
+    kv_lens = [c + n for c, n in zip(CACHED, SEQ_LENS)]
+    table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device=device)
+    kv = torch.randn(3 * PAGE, spec.head_dim, generator=gen, device=device).to(dtype)
+    # every new token's top-k: request-local positions up to its own (-1 = none)
+    req = torch.repeat_interleave(torch.arange(len(SEQ_LENS), device=device), torch.tensor(SEQ_LENS, device=device))
+    pos = torch.cat([c + torch.arange(n, device=device) for c, n in zip(CACHED, SEQ_LENS)])
+    topk_pos = (torch.rand(len(pos), TOPK, generator=gen, device=device) * (pos[:, None] + 1)).int()
+    topk_pos[:, -4:] = -1  # a few invalid entries per row
+    rows, _ = convert_topk(
+        topk_pos, req.int(), table, block_size=PAGE, seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    )
+    q = torch.randn(len(pos), spec.num_heads, spec.head_dim, generator=gen, device=device).to(dtype)
+
+    q_local = q[:, rank * h : (rank + 1) * h].contiguous()  # this rank's heads, as TP gives them
+    out, lse = rt.prefill(q_local, kv, rows, seq_lens=SEQ_LENS, prefix_lens=CACHED)
+
+    ref_out, _ = sparse_mla_reference(q, kv, rows, scale=rt.scale, v_dim=spec.v_dim)
+    err = (out.float() - ref_out[:, rank * h : (rank + 1) * h].float()).abs().max().item()
+    plan = rt.plan_prefill(SEQ_LENS, CACHED)
+    print(
+        f"rank {rank}: q {tuple(q_local.shape)} -> out {tuple(out.shape)}, lse {tuple(lse.shape)}; "
+        f"ran {int(plan.token_plan.counts[rank])} tokens x {spec.num_heads} heads ({plan.route.path}); "
+        f"max error vs one process {err:.2e}"
+    )
+    if err > (3e-2 if dtype == torch.bfloat16 else 1e-4):
+        raise SystemExit(f"rank {rank}: error {err} too large")
+
+
+def _spawned(rank: int, world: int, port: int) -> None:
+    nccl = torch.cuda.device_count() >= world  # one GPU per rank, else CPU ranks on gloo
+    if nccl:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        main(dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:  # under torchrun: one rank per GPU when there are enough, else CPU ranks
+        nccl = torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"])
+        if nccl:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if nccl else "gloo")
+        main(dist.group.WORLD)
+        dist.destroy_process_group()
+    else:
+        with socket.socket() as s:  # a free port for the rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_spawned, args=(2, port), nprocs=2)

@@ -1,0 +1,207 @@
+"""Options of ``python -m shardattn.launch``: parsing, defaults per device, and validation.
+
+Every check here runs on every rank *before* the process group exists, on values that are the
+same on every rank (the command line and the world size), so a bad option or an impossible
+configuration stops every rank with the same message and nobody waits in a rendezvous. This
+module imports nothing heavy (no torch), so a bad option fails in a fraction of a second.
+
+:class:`LaunchError` carries the one line printed for the user and the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+#: Exit status for bad options and impossible configurations (argparse's convention).
+EXIT_USAGE = 2
+#: Exit status when a ``--check`` fails.
+EXIT_CHECK_FAILED = 3
+#: Exit status when a peer rank failed or timed out.
+EXIT_PEER_FAILED = 4
+#: Exit status a ``--fail-rank`` rank dies with.
+EXIT_INJECTED = 17
+
+MODES = ("shardq", "headtp", "pcp", "dcp-decode", "mixed")
+PREFILL_MODES = ("shardq", "headtp", "pcp")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+FAIL_POINTS = ("setup", "step")
+
+
+class LaunchError(Exception):
+    """A bad option or impossible configuration: ``str(err)`` is the one line shown to the user."""
+
+    def __init__(self, message: str, status: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Step sizes the launcher runs (after device defaults are applied).
+
+    Attributes:
+        tokens: new prefill tokens of the step, all requests together.
+        requests: requests of the step (prefill and decode).
+        cached: cached prefix length per request (prefill); decode context before the step's
+            query tokens.
+        topk: top-k entries per query token (sparse MLA).
+        q_lens: query tokens per decode request (1 = plain decode, more = speculative drafts).
+        reduced: ``True`` when these are the small CPU defaults rather than real model shapes.
+    """
+
+    tokens: int
+    requests: int
+    cached: tuple[int, ...]
+    topk: int
+    q_lens: tuple[int, ...]
+    reduced: bool
+
+
+@dataclass(frozen=True)
+class Options:
+    """Parsed options (see ``python -m shardattn.launch --help``). Sizes left ``None`` take device defaults."""
+
+    preset: str = "glm5"
+    mode: str | None = None
+    tokens: int | None = None
+    requests: int | None = None
+    cached: tuple[int, ...] | None = None
+    topk: int | None = None
+    overlap: str = "dsa"
+    topk_file: str | None = None
+    q_lens: tuple[int, ...] | None = None
+    causal: bool = True
+    interleave: int = 1
+    min_shard_tokens: int | None = None
+    iters: int | None = None
+    warmup: int = 1
+    check: bool | None = None
+    json: str | None = None
+    seed: int = 0
+    timeout: float = 120.0
+    device: str = "auto"
+    dtype: str = "auto"
+    progress: bool = True
+    fail_rank: int | None = None
+    fail_at: str = "step"
+
+    def replace(self, **changes: object) -> Options:
+        return dataclasses.replace(self, **changes)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors raise :class:`LaunchError` (one line) instead of printing usage."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise LaunchError(f"shardattn.launch: error: {message} (see --help)")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip() != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's argument parser."""
+    p = _Parser(
+        prog="python -m shardattn.launch",
+        description=(
+            "Run synthetic sharded-attention steps on every rank of a torchrun world and report per-rank "
+            "timings (one rank per GPU; gloo and the CPU path when no GPU is visible)."
+        ),
+        epilog="Example: torchrun --nproc-per-node 4 -m shardattn.launch --preset glm5 --mode shardq",
+    )
+    a = p.add_argument
+    a("--preset", default="glm5", help="model preset (glm5, deepseek-v32, a GQA preset; default glm5)")
+    a("--mode", choices=MODES, default=None, help="step to run (default: mixed for sparse MLA, dcp-decode for GQA)")
+    a("--tokens", type=int, default=None, help="new prefill tokens of the step (default: 256 CPU, 8192 GPU)")
+    a("--requests", type=int, default=None, help="requests of the step (default: 2 CPU, 4 GPU)")
+    a("--cached", type=_int_list, default=None, help="cached prefix length, one or one per request (L or L1,L2,..)")
+    a("--topk", type=int, default=None, help="top-k entries per query token (default: 64 CPU, the preset's on GPU)")
+    a(
+        "--overlap",
+        default="dsa",
+        help="neighbour overlap of the synthetic top-k: dsa, dsa_low, random, or a correlation in [0, 1] (default dsa)",
+    )
+    a("--topk-file", default=None, help="recorded top-k: a torch file with 'topk' [T, K] int32 positions")
+    a("--q-len", dest="q_lens", type=_int_list, default=None, help="decode query tokens per request (Q or Q1,..)")
+    a("--non-causal", dest="causal", action="store_false", help="speculative drafts see every KV token")
+    a("--interleave", type=int, default=1, help="DCP interleave size (KV tokens per rank block)")
+    a("--min-shard-tokens", type=int, default=None, help="ShardQ gate (default: 1 CPU, the planner's on GPU)")
+    a("--iters", type=int, default=None, help="timed iterations (default: 3 CPU, 20 GPU)")
+    a("--warmup", type=int, default=1, help="untimed iterations before timing (default 1)")
+    a("--check", dest="check", action="store_true", default=None, help="compare with the single-process reference")
+    a("--no-check", dest="check", action="store_false", help="skip the reference check (default on GPU)")
+    a("--json", default=None, metavar="PATH", help="also write the report as JSON to PATH (rank 0)")
+    a("--seed", type=int, default=0, help="seed of the synthetic inputs (default 0)")
+    a("--timeout", type=float, default=120.0, help="seconds before a silent peer counts as failed (default 120)")
+    a("--device", choices=DEVICES, default="auto", help="cuda when a GPU is visible, else cpu (default auto)")
+    a("--dtype", choices=DTYPES, default="auto", help="activation dtype (default: bf16 GPU, fp32 CPU)")
+    a("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    a("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # debug: this rank dies
+    a("--fail-at", choices=FAIL_POINTS, default="step", help=argparse.SUPPRESS)
+    return p
+
+
+def parse_options(argv: list[str] | None = None) -> Options:
+    """Parse the command line into :class:`Options` (raises :class:`LaunchError`, one line)."""
+    ns = build_parser().parse_args(argv)
+    opts = Options(**vars(ns))
+    _check_ranges(opts)
+    return opts
+
+
+def _check_ranges(o: Options) -> None:
+    def positive(name: str, value: int | float | None, minimum: float = 1) -> None:
+        if value is not None and value < minimum:
+            raise LaunchError(f"shardattn.launch: error: --{name} must be >= {minimum:g}, got {value}")
+
+    positive("tokens", o.tokens)
+    positive("requests", o.requests)
+    positive("topk", o.topk)
+    positive("iters", o.iters)
+    positive("warmup", o.warmup, 0)
+    positive("interleave", o.interleave)
+    positive("min-shard-tokens", o.min_shard_tokens)
+    positive("timeout", o.timeout, 1)
+    for name, values in (("cached", o.cached), ("q-len", o.q_lens)):
+        if values is not None and min(values) < (0 if name == "cached" else 1):
+            raise LaunchError(f"shardattn.launch: error: --{name} entries must be >= {0 if name == 'cached' else 1}")
+    if o.fail_rank is not None and o.fail_rank < 0:
+        raise LaunchError(f"shardattn.launch: error: --fail-rank must be >= 0, got {o.fail_rank}")
+
+
+def _per_request(name: str, values: tuple[int, ...], requests: int) -> tuple[int, ...]:
+    if len(values) == 1:
+        return values * requests
+    if len(values) != requests:
+        raise LaunchError(
+            f"shardattn.launch: error: --{name} takes one value or one per request ({requests}), got {len(values)}"
+        )
+    return values
+
+
+def resolve_shape(o: Options, *, on_gpu: bool, preset_topk: int, decode_only: bool) -> Shape:
+    """Fill unset sizes with the device's defaults (small on CPU, real shapes on GPU)."""
+    requests = o.requests if o.requests is not None else ((64 if decode_only else 4) if on_gpu else 2)
+    tokens = o.tokens if o.tokens is not None else (8192 if on_gpu else 256)
+    cached = o.cached if o.cached is not None else ((8192,) if on_gpu else (128,))
+    topk = o.topk if o.topk is not None else (preset_topk if on_gpu else 64)
+    q_lens = o.q_lens if o.q_lens is not None else (1,)
+    reduced = not on_gpu and (o.tokens is None or o.topk is None)
+    return Shape(
+        tokens=tokens,
+        requests=requests,
+        cached=_per_request("cached", cached, requests),
+        topk=topk,
+        q_lens=_per_request("q-len", q_lens, requests),
+        reduced=reduced,
+    )

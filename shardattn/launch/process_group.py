@@ -1,0 +1,138 @@
+"""Creating the launcher's process groups, with a timeout, and failing fast when a peer dies.
+
+``torchrun`` (or any launcher that sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR`` and ``MASTER_PORT``) starts one process per rank; :func:`init_groups` joins
+them into:
+
+* ``data``: the group the attention steps run over (NCCL with one GPU per rank, else gloo);
+* ``control``: a gloo group over the same ranks for small host-side messages: the agreement
+  check before each step's collectives, and the gathering of results and reports. A rank that
+  died closes its gloo connections, so its peers' next control message fails at once, and a
+  rank that hangs makes it fail after ``timeout_s``. Running the agreement on gloo before the
+  NCCL collectives means a dead peer is noticed on the host, where it can be reported, rather
+  than inside a GPU collective.
+
+Without ``RANK`` in the environment the launcher runs as a world of one (a hash store, no
+network).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistEnv", "LaunchGroups", "destroy_groups", "init_groups", "pick_device"]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Rank, world size and rendezvous address, as torchrun sets them in the environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+
+    @property
+    def launched(self) -> bool:
+        """``True`` under torchrun (or another launcher that sets ``RANK``)."""
+        return self.master_addr is not None
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> DistEnv:
+        """Read the torchrun variables; a world of one when they are absent.
+
+        >>> DistEnv.from_env({}).world_size
+        1
+        >>> DistEnv.from_env({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2",
+        ...                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}).rank
+        2
+        """
+        env = os.environ if environ is None else environ
+        if "RANK" not in env:
+            return cls(0, 1, 0, None, None)
+        try:
+            rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+            local = int(env.get("LOCAL_RANK", rank))
+            port = int(env["MASTER_PORT"])
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"incomplete torchrun environment: {e!r} (need RANK, WORLD_SIZE, MASTER_PORT)") from None
+        if not 0 <= rank < world:
+            raise ValueError(f"RANK must be in [0, WORLD_SIZE={world}), got {rank}")
+        return cls(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), port)
+
+
+def pick_device(choice: str, env: DistEnv) -> torch.device:
+    """The device of this rank: ``cuda:LOCAL_RANK`` when a GPU is asked for or visible, else CPU.
+
+    Raises:
+        ValueError: ``cuda`` was asked for without enough visible GPUs for one per local rank.
+    """
+    if choice == "cpu":
+        return torch.device("cpu")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "auto" and visible == 0:
+        return torch.device("cpu")
+    if env.local_rank >= visible:
+        raise ValueError(
+            f"--device {choice}: local rank {env.local_rank} needs GPU {env.local_rank}, but {visible} visible "
+            "(one rank per GPU; pass --device cpu to run on the CPU)"
+        )
+    return torch.device("cuda", env.local_rank)
+
+
+@dataclass
+class LaunchGroups:
+    """The process groups of one launcher process (see the module docstring)."""
+
+    env: DistEnv
+    device: torch.device
+    data: dist.ProcessGroup
+    control: dist.ProcessGroup
+    backend: str
+    timeout_s: float
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+
+def init_groups(env: DistEnv, device: torch.device, *, timeout_s: float) -> LaunchGroups:
+    """Join the world (rendezvous and every collective time out after ``timeout_s``).
+
+    The data group uses NCCL on CUDA devices and gloo on the CPU; the control group is always
+    gloo. Raises whatever the rendezvous raises when a peer never arrives within the timeout.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs: dict[str, object] = {"backend": backend, "timeout": timeout}
+    if env.launched:
+        kwargs.update(init_method="env://", rank=env.rank, world_size=env.world_size)
+    else:
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    if device.type == "cuda":
+        kwargs["device_id"] = device  # eager NCCL init: a bad GPU fails here, not mid-step
+    dist.init_process_group(**kwargs)  # type: ignore[arg-type]
+    data = dist.group.WORLD
+    if backend == "gloo":
+        control = data
+    else:  # host-side messages never wait behind GPU work, and a dead peer shows up here first
+        control = dist.new_group(list(range(env.world_size)), backend="gloo", timeout=timeout)
+    return LaunchGroups(env, device, data, control, backend, timeout_s)
+
+
+def destroy_groups() -> None:
+    """Leave the world (a no-op when it was never joined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,168 @@
+"""The launcher's report: one row per (rank, step), printed as a rich table and written as JSON.
+
+A row holds what one rank did in one kind of step: its query tokens, the union ratio of its
+grouped top-k rows (``|union of a group's rows| / mean |one query's rows|``, ``None`` when the
+path does not group), the kernel path and why the router took it, the step time (median and
+the 10th-90th percentile spread over the timed iterations), the throughput (effective TFLOP/s
+for prefill, on real heads and valid top-k entries only; bytes of KV read per second for
+decode) and, when checked, the largest error of the rows this rank computed against the
+single-process reference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["RankRow", "Report", "percentile", "render", "summarize_times", "write_json"]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile ``q`` in [0, 100] of ``values`` (non-empty).
+
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 50)
+    2.5
+    """
+    if not values:
+        raise ValueError("values must not be empty")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize_times(seconds: Sequence[float]) -> tuple[float, float, float]:
+    """``(median, p10, p90)`` of per-iteration times, in milliseconds.
+
+    >>> summarize_times([0.001, 0.002, 0.003])
+    (2.0, 1.2, 2.8)
+    """
+    ms = [s * 1e3 for s in seconds]
+    return statistics.median(ms), round(percentile(ms, 10), 6), round(percentile(ms, 90), 6)
+
+
+@dataclass
+class RankRow:
+    """What one rank did in one kind of step (see the module docstring)."""
+
+    rank: int
+    step: str
+    path: str
+    reason: str
+    tokens: int
+    time_ms: float
+    time_p10_ms: float
+    time_p90_ms: float
+    union_ratio: float | None = None
+    tflops: float | None = None
+    gbytes_per_s: float | None = None
+    error: float | None = None
+    tolerance: float | None = None
+
+    @property
+    def passed(self) -> bool | None:
+        """``None`` when not checked, else whether the error is within the tolerance (NaN fails)."""
+        if self.error is None or self.tolerance is None:
+            return None
+        return bool(self.error <= self.tolerance)  # NaN compares False
+
+
+@dataclass
+class Report:
+    """The whole run: configuration, rows and notes; ``passed`` is ``False`` when any check failed."""
+
+    config: dict[str, Any]
+    rows: list[RankRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def checked(self) -> bool:
+        return any(r.passed is not None for r in self.rows)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed is not False for r in self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        rows = []
+        for r in self.rows:
+            d = asdict(r)
+            d["passed"] = r.passed
+            rows.append({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()})
+        return {
+            "config": self.config,
+            "notes": self.notes,
+            "rows": rows,
+            "checked": self.checked,
+            "passed": self.passed,
+        }
+
+
+def _num(v: float | None, fmt: str) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and math.isnan(v):
+        return "nan"
+    return format(v, fmt)
+
+
+def render(report: Report, console: Any = None) -> None:
+    """Print the report as a rich table (with its notes and the check verdict) on ``console``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console(width=160) if not Console().is_terminal else Console()
+    cfg = report.config
+    title = " ".join(f"{k}={cfg[k]}" for k in ("preset", "mode", "world_size", "backend", "dtype") if k in cfg)
+    table = Table(title=f"shardattn.launch  {title}", title_justify="left", show_lines=False)
+    for name, justify in (
+        ("rank", "right"),
+        ("step", "left"),
+        ("tokens", "right"),
+        ("union", "right"),
+        ("path", "left"),
+        ("why", "left"),
+        ("median ms", "right"),
+        ("p10-p90 ms", "right"),
+        ("TFLOP/s", "right"),
+        ("GB/s", "right"),
+        ("max err", "right"),
+    ):
+        table.add_column(name, justify=justify, overflow="fold")
+    for r in report.rows:
+        err = _num(r.error, ".2e")
+        if r.passed is False:
+            err = f"[bold red]{err} > {r.tolerance:.0e}[/]"
+        elif r.passed:
+            err = f"[green]{err}[/]"
+        table.add_row(
+            str(r.rank),
+            r.step,
+            str(r.tokens),
+            _num(r.union_ratio, ".3f"),
+            r.path,
+            r.reason,
+            _num(r.time_ms, ".3f"),
+            f"{_num(r.time_p10_ms, '.3f')}-{_num(r.time_p90_ms, '.3f')}",
+            _num(r.tflops, ".3f"),
+            _num(r.gbytes_per_s, ".2f"),
+            err,
+        )
+    console.print(table)
+    for note in report.notes:
+        console.print(f"note: {note}", highlight=False)
+    if report.checked:
+        verdict = "[green]check passed[/]" if report.passed else "[bold red]check FAILED[/]"
+        console.print(f"{verdict} (against the single-process fp32 reference on rank 0)")
+
+
+def write_json(report: Report, path: str) -> None:
+    """Write :meth:`Report.to_dict` to ``path`` (NaN and inf become ``null``)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report.to_dict(), f, indent=1)
+        f.write("\n")

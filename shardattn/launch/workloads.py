@@ -1,0 +1,352 @@
+"""Synthetic steps for the launcher: the same global tensors on every rank, from one seed.
+
+Every rank builds the whole step (queries of all heads, the KV cache, the top-k) from the same
+seed on its own device, then takes its share: its head slice for tensor-parallel prefill, its
+DCP shard of the KV cache for decode. Rank 0 also keeps the global tensors to compute the
+single-process reference.
+
+Top-k (sparse MLA): query token ``t`` of request ``r`` at position ``p`` (cached prefix included)
+picks ``min(topk, p + 1)`` distinct request-local positions in ``[0, p]`` (non-causal decode
+drafts: in ``[0, L)``), neighbouring queries overlapping like a DSA indexer's
+(:func:`shardattn.workload.synthetic_topk`), or the positions come from a recorded dump
+(:func:`shardattn.workload.load_topk_dump`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shardattn.kernels.topk import DcpShard, convert_topk
+from shardattn.workload import PRESETS, Overlap, synthetic_topk
+
+__all__ = [
+    "BLOCK_SIZE",
+    "DecodeStep",
+    "GQADecodeStep",
+    "PrefillStep",
+    "build_decode",
+    "build_gqa_decode",
+    "build_prefill",
+    "overlap_model",
+    "request_topk",
+]
+
+#: Tokens per KV-cache block of the synthetic paged caches (default; the launcher passes the spec's).
+BLOCK_SIZE = 64
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def overlap_model(name_or_rho: str) -> str | Overlap:
+    """``--overlap``: a :data:`shardattn.workload.PRESETS` name, or a number in ``[0, 1]`` used as ``rho``.
+
+    >>> overlap_model("dsa"), overlap_model("0.5").rho
+    ('dsa', 0.5)
+    """
+    if name_or_rho in PRESETS:
+        return name_or_rho
+    try:
+        rho = float(name_or_rho)
+    except ValueError:
+        choices = sorted(PRESETS)
+        raise ValueError(f"overlap must be one of {choices} or a number in [0, 1], got {name_or_rho!r}") from None
+    if not 0.0 <= rho <= 1.0:
+        raise ValueError(f"overlap as a number must be in [0, 1], got {rho}")
+    return Overlap(rho=rho, drift=PRESETS["dsa"].drift)
+
+
+def request_topk(
+    starts: list[int],
+    counts: list[int],
+    topk: int,
+    *,
+    overlap: str | Overlap,
+    seed: int,
+    device: torch.device,
+    limits: list[int] | None = None,
+) -> torch.Tensor:
+    """Top-k positions of the query tokens of several requests, concatenated request by request.
+
+    Request ``r`` has ``counts[r]`` consecutive queries, the first at position ``starts[r]``;
+    each picks among the positions up to its own (causal). ``limits[r]`` (optional) further
+    invalidates positions ``>= limits[r]``. Seeded per request (``seed + r``).
+
+    Returns:
+        ``[sum(counts), topk]`` int32, ``-1`` padded.
+    """
+    parts = []
+    for r, (start, n) in enumerate(zip(starts, counts)):
+        pos = synthetic_topk(n, topk, start_position=start, overlap=overlap, seed=seed + r, device=device)
+        if limits is not None:
+            pos = torch.where(pos < limits[r], pos, torch.full_like(pos, -1))
+        parts.append(pos)
+    if not parts:
+        return torch.empty(0, topk, dtype=torch.int32, device=device)
+    return torch.cat(parts)
+
+
+def _paged(lengths: list[int], device: torch.device, gen: torch.Generator, block: int) -> tuple[torch.Tensor, int]:
+    """A block table ``[B, M]`` int32 whose blocks are a random permutation of all blocks."""
+    blocks = [math.ceil(n / block) for n in lengths]
+    total = sum(blocks)
+    perm = torch.randperm(total, generator=gen, device=device).to(torch.int32)
+    width = max(1, max(blocks, default=1))
+    table = torch.full((len(lengths), width), -1, dtype=torch.int32, device=device)
+    start = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = perm[start : start + n]
+        start += n
+    return table, total
+
+
+@dataclass
+class PrefillStep:
+    """One sparse-MLA prefill step, global (all heads, all tokens).
+
+    Attributes:
+        q: ``[T, H, D]``. kv: ``[R_kv, D]`` paged KV rows. rows: ``[T, K]`` int32 global rows.
+        positions: ``[T, K]`` int32 request-local top-k positions (``-1`` invalid).
+        req_ids: ``[T]`` int32. block_table: ``[B, M]`` int32. seq_lens: ``[B]`` new tokens;
+        prefix_lens: ``[B]`` cached tokens; topk_length: ``[T]`` int32 or None.
+    """
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    rows: torch.Tensor
+    positions: torch.Tensor
+    req_ids: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: list[int]
+    prefix_lens: list[int]
+    topk_length: torch.Tensor | None
+    topk: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q.shape[0])
+
+
+def _split_tokens(total: int, requests: int) -> list[int]:
+    base, extra = divmod(total, requests)
+    return [base + (1 if r < extra else 0) for r in range(requests)]
+
+
+def build_prefill(
+    *,
+    heads: int,
+    head_dim: int,
+    tokens: int,
+    requests: int,
+    cached: tuple[int, ...],
+    topk: int,
+    overlap: str | Overlap,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    recorded: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_size: int = BLOCK_SIZE,
+) -> PrefillStep:
+    """Build a prefill step (identical on every rank for the same arguments).
+
+    With ``recorded`` (``(topk [T, K], valid [T])`` from :func:`~shardattn.workload.load_topk_dump`)
+    the step is one request of ``T`` new tokens after ``cached[0]`` cached ones, with those
+    positions; ``tokens``, ``requests`` and ``topk`` are taken from it.
+    """
+    gen = _generator(device, seed)
+    if recorded is not None:
+        positions, valid = (t.to(device) for t in recorded)
+        tokens, topk = positions.shape
+        seq_lens, prefix_lens = [tokens], [cached[0]]
+        topk_length = valid
+        kv_lens = [max(prefix_lens[0] + tokens, int(positions.max()) + 1 if positions.numel() else 0)]
+    else:
+        seq_lens, prefix_lens = _split_tokens(tokens, requests), list(cached)
+        kv_lens = [c + n for c, n in zip(prefix_lens, seq_lens)]
+        topk_length = None
+        positions = request_topk(prefix_lens, seq_lens, topk, overlap=overlap, seed=seed + 1, device=device)
+    req = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), torch.tensor(seq_lens, device=device))
+    table, blocks = _paged(kv_lens, device, gen, block_size)
+    kv = (torch.randn(blocks * block_size, head_dim, generator=gen, device=device) * 0.5).to(dtype)
+    q = (torch.randn(tokens, heads, head_dim, generator=gen, device=device) * 0.5).to(dtype)
+    req32 = req.to(torch.int32)
+    rows, _ = convert_topk(
+        positions,
+        req32,
+        table,
+        block_size=block_size,
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+        topk_length=topk_length,
+    )
+    return PrefillStep(q, kv, rows, positions, req32, table, seq_lens, prefix_lens, topk_length, topk)
+
+
+@dataclass
+class DecodeStep:
+    """One sparse-MLA decode step (speculative drafts allowed), global, with this rank's DCP shard.
+
+    Attributes:
+        q: ``[T, H, D]`` (``T = sum(q_lens)``). kv: ``[R_kv, D]`` the global paged KV.
+        rows: ``[T, K]`` int32 global rows (for the reference). positions: ``[T, K]`` int32
+        request-global top-k positions. req_ids: ``[T]`` int32. block_table: ``[B, M]`` int32.
+        seq_lens: ``[B]`` int32 KV tokens per request, drafts included. q_lens: per request.
+        local_kv, local_table: this rank's DCP shard of the cache (local positions) and its
+        block table.
+    """
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    rows: torch.Tensor
+    positions: torch.Tensor
+    req_ids: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    q_lens: list[int]
+    local_kv: torch.Tensor
+    local_table: torch.Tensor
+    topk: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q.shape[0])
+
+
+def _dcp_local_cache(
+    kv: torch.Tensor, table: torch.Tensor, seq_lens: list[int], shard: DcpShard, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's DCP shard of a paged cache: ``(local_kv [R_local, D], local_table [B, M_local])``.
+
+    The rank's tokens of a request, in increasing position (= increasing local index), fill its
+    own fresh blocks.
+    """
+    dev = kv.device
+    world, inter, rank = shard
+    local_rows, tables, start = [], [], 0
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(n, device=dev)
+        owned = pos[(pos // inter) % world == rank]
+        glob = table[b, (owned // block).long()].long() * block + owned % block
+        nb = math.ceil(owned.numel() / block)
+        rows = torch.zeros(nb * block, kv.shape[1], dtype=kv.dtype, device=dev)
+        rows[: owned.numel()] = kv[glob]
+        local_rows.append(rows)
+        tables.append(torch.arange(start, start + nb, dtype=torch.int32, device=dev))
+        start += nb
+    width = max(1, max((t.numel() for t in tables), default=1))
+    local_table = torch.full((len(seq_lens), width), -1, dtype=torch.int32, device=dev)
+    for b, t in enumerate(tables):
+        local_table[b, : t.numel()] = t
+    local_kv = torch.cat(local_rows) if local_rows else kv.new_zeros(0, kv.shape[1])
+    return local_kv, local_table
+
+
+def build_decode(
+    *,
+    heads: int,
+    head_dim: int,
+    requests: int,
+    cached: tuple[int, ...],
+    q_lens: tuple[int, ...],
+    topk: int,
+    overlap: str | Overlap,
+    causal: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    shard: DcpShard,
+    block_size: int = BLOCK_SIZE,
+) -> DecodeStep:
+    """Build a sparse-MLA decode step: ``requests`` requests of ``cached + q_len`` KV tokens."""
+    gen = _generator(device, seed + 7)
+    q_list = list(q_lens)
+    seq_lens = [c + q for c, q in zip(cached, q_list)]
+    req = torch.repeat_interleave(torch.arange(requests, device=device), torch.tensor(q_list, device=device))
+    # causal: query j of a request of L tokens and Q queries sits at L - Q + j; non-causal: every
+    # query may pick any of the L tokens (drawn as if at the last position)
+    starts = [n - q for n, q in zip(seq_lens, q_list)] if causal else [n - 1 for n in seq_lens]
+    positions = request_topk(starts, q_list, topk, overlap=overlap, seed=seed + 8, device=device, limits=seq_lens)
+    table, blocks = _paged(seq_lens, device, gen, block_size)
+    kv = (torch.randn(blocks * block_size, head_dim, generator=gen, device=device) * 0.5).to(dtype)
+    q = (torch.randn(int(sum(q_list)), heads, head_dim, generator=gen, device=device) * 0.5).to(dtype)
+    req32 = req.to(torch.int32)
+    lens32 = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    rows, _ = convert_topk(positions, req32, table, block_size=block_size, seq_lens=lens32)
+    local_kv, local_table = _dcp_local_cache(kv, table, seq_lens, shard, block_size)
+    return DecodeStep(q, kv, rows, positions, req32, table, lens32, q_list, local_kv, local_table, topk)
+
+
+@dataclass
+class GQADecodeStep:
+    """One GQA decode step over a paged cache (speculative drafts, sinks), global and DCP-local.
+
+    Attributes:
+        q: ``[T, Hq, d]``. k_cache, v_cache: ``[pages, BLOCK_SIZE, Hkv, d]``. block_table:
+        ``[B, M]`` int32. seq_lens: ``[B]`` int32 (drafts included). cu_q_lens: ``[B+1]`` int32.
+        sinks: ``[Hq]`` fp32 or None. local_*: this rank's DCP shard (``local_seq_lens`` are the
+        local key counts; the drafts' causal limits come from the global lengths).
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_q_lens: torch.Tensor
+    sinks: torch.Tensor | None
+    local_k_cache: torch.Tensor
+    local_v_cache: torch.Tensor
+    local_block_table: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q.shape[0])
+
+
+def build_gqa_decode(
+    *,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    sinks: bool,
+    requests: int,
+    cached: tuple[int, ...],
+    q_lens: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    shard: DcpShard,
+    block_size: int = BLOCK_SIZE,
+) -> GQADecodeStep:
+    """Build a GQA decode step: ``requests`` requests of ``cached + q_len`` KV tokens."""
+    gen = _generator(device, seed + 11)
+    q_list = list(q_lens)
+    seq = [c + q for c, q in zip(cached, q_list)]
+    table, blocks = _paged(seq, device, gen, block_size)
+    k = (torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen, device=device) * 0.5).to(dtype)
+    v = (torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen, device=device) * 0.5).to(dtype)
+    q = (torch.randn(int(sum(q_list)), q_heads, head_dim, generator=gen, device=device) * 0.5).to(dtype)
+    s = torch.randn(q_heads, generator=gen, device=device).float() if sinks else None
+    flat_k = k.reshape(blocks * block_size, kv_heads * head_dim)
+    flat_v = v.reshape(blocks * block_size, kv_heads * head_dim)
+    local_k, local_table = _dcp_local_cache(flat_k, table, seq, shard, block_size)
+    local_v, _ = _dcp_local_cache(flat_v, table, seq, shard, block_size)
+    shape = (-1, block_size, kv_heads, head_dim)
+    cu = torch.tensor([0, *q_list], dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
+    return GQADecodeStep(
+        q,
+        k,
+        v,
+        table,
+        torch.tensor(seq, dtype=torch.int32, device=device),
+        cu,
+        s,
+        local_k.reshape(shape),
+        local_v.reshape(shape),
+        local_table,
+    )

@@ -1,0 +1,802 @@
+"""The Runtime: one model config on one process group, with its workspace, warm-up, routing and graph policy.
+
+An inference engine builds one :class:`Runtime` per attention shape and process group, once, at
+start-up, then calls it every step::
+
+    rt = Runtime("glm5", tp_group, max_batched_tokens=16384, mode="mixed", device="cuda:0")
+    out, lse = rt.prefill(q_local, kv, rows, seq_lens=new_tokens, prefix_lens=cached)        # ShardQ
+    out, lse = rt.decode(q_local, kv_shard, table_shard, seq_lens, topk_pos=pos, req_ids=req)  # DCP
+
+Construction does everything that must not happen mid-serving:
+
+* **workspace**: reserves, once, every item :func:`~shardattn.plan.workspace.workspace_bounds`
+  lists for the config (one ``uint8`` tensor per item, :attr:`Runtime.workspace`). Every step
+  recomputes its needs with the same function and raises :class:`WorkspaceExceededError`,
+  naming the item, when one does not fit, before any kernel runs;
+* **warm-up**: launches every kernel variant (:func:`~shardattn.kernels.warmup.compile_keys`)
+  the planner's routes can produce for this config (:attr:`Runtime.warmed_keys`), and one tiny
+  decode, so that no step compiles;
+* **graph policy**: :meth:`Runtime.cudagraph_support` is the planner's level for each step;
+  :meth:`Runtime.capture_decode` refuses a capture the level forbids with a ``ValueError``.
+
+Steps are routed by the planner (:func:`~shardattn.plan.routing.route_prefill` /
+:func:`~shardattn.plan.routing.route_decode`: path, group size, reason) and run by the mode's
+parallel step:
+
+==============  ============================================  =================================
+mode            prefill                                        decode
+==============  ============================================  =================================
+``shardq``      ShardQ (head-TP below the planner's gate)      head-TP
+``headtp``      head-TP                                        head-TP
+``pcp``         PCP (zigzag tokens, KV all-gather)             DCP
+``dcp-decode``  none (raises)                                  DCP
+``mixed``       ShardQ (head-TP below the planner's gate)      DCP
+==============  ============================================  =================================
+
+A Runtime keeps no global state: its group, buffers, routes and counters live on the object,
+so several Runtimes (different groups, different models) work side by side in one process.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardattn._checks import check_choice, check_int
+from shardattn.kernels.flashinfer_xqa import get_xqa
+from shardattn.kernels.gqa_decode import gqa_paged_decode
+from shardattn.kernels.registry import device_capability
+from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
+from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.kernels.topk import DcpShard, convert_topk
+from shardattn.kernels.warmup import CompileKey, PrefillSpec, compile_keys, warmup
+from shardattn.parallel.comm import Comm
+from shardattn.parallel.cudagraph import GraphInput, GraphRunner, check_capture_allowed
+from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
+from shardattn.parallel.pcp import pcp_prefill
+from shardattn.parallel.shardq import shardq_prefill
+from shardattn.plan.context import DCPLayout
+from shardattn.plan.cudagraph import CGSupport, explain_cudagraph_support
+from shardattn.plan.pcp import pcp_plan
+from shardattn.plan.routing import Route, grouped_group_size, route_decode, route_prefill
+from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn.plan.workspace import workspace_bounds
+from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS, ShardPlan, zigzag_split
+
+__all__ = ["DECODE_STEP", "MODES", "PREFILL_STEP", "PrefillPlan", "Runtime", "WorkspaceExceededError"]
+
+MODES = ("shardq", "headtp", "pcp", "dcp-decode", "mixed")
+#: The parallel step each mode's prefill / decode runs (``None``: the mode has no prefill).
+PREFILL_STEP: dict[str, str | None] = {
+    "shardq": "shardq",
+    "headtp": "headtp",
+    "pcp": "pcp",
+    "dcp-decode": None,
+    "mixed": "shardq",
+}
+DECODE_STEP: dict[str, str] = {
+    "shardq": "headtp",
+    "headtp": "headtp",
+    "pcp": "dcp",
+    "dcp-decode": "dcp",
+    "mixed": "dcp",
+}
+#: Decode route path -> ``backend`` argument of the GQA decode kernel.
+_GQA_BACKEND = {"triton": "triton", "flashinfer-xqa": "flashinfer", "reference": "reference"}
+
+
+def _sparse_decode_attention(
+    q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, *, return_lse: bool = True, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode` called like ``sparse_mla_attention``
+    (it always returns the LSE, which DCP needs)."""
+    return sparse_mla_decode(q, kv, rows, **kwargs)
+
+
+class WorkspaceExceededError(ValueError):
+    """A step needs more of a workspace item than the Runtime reserved for its config."""
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """How one prefill step runs: the step, the planner's route and the token split.
+
+    Attributes:
+        step: ``"shardq"``, ``"headtp"`` (also ShardQ steps below the gate) or ``"pcp"``.
+        route: the planner's :class:`~shardattn.plan.routing.Route` for this rank's kernel call.
+        shard: the token split (:class:`~shardattn.plan.zigzag.ShardPlan`, or a
+            :class:`~shardattn.plan.pcp.PCPPlan` under PCP); ``None`` for a head-TP mode.
+        num_tokens: new tokens of the step.
+    """
+
+    step: str
+    route: Route
+    shard: Any
+    num_tokens: int
+
+    @property
+    def token_plan(self) -> ShardPlan | None:
+        """The zigzag split (under PCP: the PCP plan's), or ``None``."""
+        return getattr(self.shard, "shard", self.shard)
+
+    def tokens_of(self, rank: int) -> torch.Tensor:
+        """``[n]`` int64 token ids (token order) whose queries ``rank``'s kernel runs."""
+        plan = self.token_plan
+        if plan is None or not plan.sharded:
+            return torch.arange(self.num_tokens)
+        return plan.token_ids(rank)
+
+
+class Runtime:
+    """Sharded attention for one model spec on one process group (see the module docstring).
+
+    Args:
+        spec: a :class:`~shardattn.plan.spec.ModelSpec` or a preset name (``"glm5"``,
+            ``"deepseek-v32"``, ``"gqa-64-8"``).
+        group: the process group of the steps (the tensor-parallel group: NCCL with one GPU per
+            rank, or gloo on the CPU).
+        max_batched_tokens: the most new tokens of one prefill step (all requests together).
+        mode: one of :data:`MODES`.
+        device: where the tensors live (default: the current CUDA device for NCCL, else CPU).
+        topk: top-k entries per query (default: the spec's).
+        max_kv_rows: the most KV-cache rows a prefill addresses (default ``max_batched_tokens * 16``);
+            routes and warm-up cover both sides of the grouped path's ``2**24 - 1`` row limit anyway.
+        max_decode_tokens: the most query tokens of one decode step (drafts included).
+        dcp_interleave: DCP interleave size (KV tokens per rank block).
+        min_shard_tokens: the ShardQ gate (default: the planner's, 1024 new tokens).
+        min_group_tokens: the grouped path's gate (default: the planner's, 1024 tokens per kernel call).
+        non_causal: speculative drafts attend non-causally (decode routing and graph policy).
+        decode_lse: :meth:`decode` returns the LSE (default). ``False`` lets a head-TP GQA decode
+            take a kernel without one (FlashInfer XQA, when the planner routes there); its
+            :meth:`decode` then returns ``(out, None)``. DCP always needs the LSE.
+        warmup: launch every kernel variant now (default True).
+
+    Raises:
+        ValueError / TypeError: heads not divisible by the world size, a mode without a step for
+            the spec (prefill for a GQA model), bad sizes.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec | str,
+        group: dist.ProcessGroup,
+        *,
+        max_batched_tokens: int,
+        mode: str,
+        device: torch.device | str | None = None,
+        topk: int | None = None,
+        max_kv_rows: int | None = None,
+        max_decode_tokens: int = 256,
+        dcp_interleave: int = 1,
+        min_shard_tokens: int | None = None,
+        min_group_tokens: int | None = None,
+        non_causal: bool = False,
+        decode_lse: bool = True,
+        warmup: bool = True,
+    ) -> None:
+        self.spec = get_preset(spec) if isinstance(spec, str) else spec
+        if not isinstance(self.spec, ModelSpec):
+            raise TypeError(f"spec must be a ModelSpec or a preset name, got {type(spec).__name__}")
+        check_choice("mode", mode, MODES)
+        self.mode = mode
+        self.max_batched_tokens = check_int("max_batched_tokens", max_batched_tokens, minimum=1)
+        self.max_decode_tokens = check_int("max_decode_tokens", max_decode_tokens, minimum=1)
+        interleave = check_int("dcp_interleave", dcp_interleave, minimum=1)
+        self.min_shard_tokens = DEFAULT_MIN_TOKENS if min_shard_tokens is None else min_shard_tokens
+        self.min_group_tokens = DEFAULT_MIN_TOKENS if min_group_tokens is None else min_group_tokens
+        check_int("min_shard_tokens", self.min_shard_tokens, minimum=0)
+        check_int("min_group_tokens", self.min_group_tokens, minimum=0)
+        if not isinstance(non_causal, bool):
+            raise TypeError(f"non_causal must be a bool, got {type(non_causal).__name__}")
+        self.non_causal = non_causal
+        if not isinstance(decode_lse, bool):
+            raise TypeError(f"decode_lse must be a bool, got {type(decode_lse).__name__}")
+        self.decode_lse = decode_lse
+        if self.spec.kind == "gqa" and PREFILL_STEP[mode] not in (None, "headtp"):
+            raise ValueError(
+                f"mode {mode!r} runs a sparse-MLA prefill, but the spec is a GQA model; "
+                "use mode 'dcp-decode' or 'headtp' (decode)"
+            )
+
+        self.comm = Comm(group)  # resolves rank, size and backend once; counts this Runtime's collectives
+        self.group = group
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.heads_per_rank = self.spec.heads_per_rank(self.world_size)  # raises when heads do not divide
+        self.layout = DCPLayout(self.world_size, interleave)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if self.comm.backend == "nccl" else "cpu"
+        self.device = torch.device(device)
+        if self.comm.backend == "nccl" and self.device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device for an nccl group, got {self.device}")
+        self.dtype: torch.dtype = getattr(torch, self.spec.dtype)
+        self.topk = self.spec.topk if topk is None else check_int("topk", topk, minimum=1)
+        rows = self.max_batched_tokens * 16 if max_kv_rows is None else max_kv_rows
+        self.max_kv_rows = check_int("max_kv_rows", rows, minimum=1)
+        self.scale = self.spec.head_dim**-0.5
+
+        self.bounds = self._reservation()
+        self.workspace: dict[str, torch.Tensor] = {
+            name: torch.empty(nbytes, dtype=torch.uint8, device=self.device) for name, nbytes in self.bounds.items()
+        }  # reserved once, never reallocated: {"prefill.union": ..., "decode.packed_q": ...}
+        self.warmed_keys: frozenset[CompileKey] = frozenset()
+        self.warmup_launches = 0
+        if warmup:
+            self.warmup()
+
+    # -- description ---------------------------------------------------------------------------
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes reserved for the workspace, all items together."""
+        return sum(int(t.numel()) for t in self.workspace.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"Runtime({self.spec.kind}, {self.spec.num_heads} heads, mode={self.mode!r}, rank {self.rank} of "
+            f"{self.world_size}, {self.comm.backend}, {self.device}, workspace {self.workspace_bytes} B)"
+        )
+
+    # -- workspace -----------------------------------------------------------------------------
+    def _cases(self, kind: str, step: str, tokens: int, topk: int) -> list[tuple[str, int, int, int]]:
+        """``(workspace mode, tokens, world_size, tp_size)`` of the planner's bounds for a step."""
+        w = self.world_size
+        if kind == "decode":
+            # DCP: the group is the TP group (each rank holds H/W heads, gathers all H);
+            # head-TP decode: no peers, H/W heads
+            return [("dcp-decode", tokens, w, w)] if step == "dcp" else [("dcp-decode", tokens, 1, w)]
+        if step == "pcp":
+            return [("pcp", tokens, w, 1)]
+        return [(step, tokens, w, 1)]
+
+    def workspace_needs(self, kind: str, step: str, tokens: int, topk: int) -> dict[str, int]:
+        """``{"<kind>.<item>": bytes}`` the planner bounds for one step of ``tokens`` tokens and top-k ``topk``."""
+        need: dict[str, int] = {}
+        k = topk if self.spec.kind == "sparse_mla" else 0
+        for ws_mode, m, w, tp in self._cases(kind, step, tokens, topk):
+            bounds = workspace_bounds(self.spec, max_batched_tokens=m, world_size=w, mode=ws_mode, tp_size=tp, topk=k)
+            for name, nbytes in bounds.items.items():
+                if nbytes:
+                    key = f"{kind}.{name}"
+                    need[key] = max(need.get(key, 0), int(nbytes))
+        return need
+
+    def _reservation(self) -> dict[str, int]:
+        """Itemwise maximum over every step this config can take, at its largest sizes."""
+        steps: list[tuple[str, str, int]] = []
+        prefill = PREFILL_STEP[self.mode] if self.spec.kind == "sparse_mla" else None
+        if prefill is not None:
+            steps.append(("prefill", prefill, self.max_batched_tokens))
+            if prefill == "shardq":  # steps below the gate run head-TP
+                below = min(self.max_batched_tokens, max(0, self.min_shard_tokens - 1))
+                if below:
+                    steps.append(("prefill", "headtp", below))
+        steps.append(("decode", DECODE_STEP[self.mode], self.max_decode_tokens))
+        total: dict[str, int] = {}
+        for kind, step, tokens in steps:
+            for key, nbytes in self.workspace_needs(kind, step, tokens, self.topk).items():
+                total[key] = max(total.get(key, 0), nbytes)
+        return total
+
+    def check_workspace(self, kind: str, step: str, *, tokens: int, topk: int | None = None) -> None:
+        """Raise :class:`WorkspaceExceededError` when a step needs more of an item than was reserved.
+
+        Args:
+            kind: ``"prefill"`` or ``"decode"``. step: the parallel step (``"shardq"``,
+                ``"headtp"``, ``"pcp"``, ``"dcp"``). tokens: the step's new / query tokens.
+            topk: the step's top-k width (default: the Runtime's).
+        """
+        limit = self.max_batched_tokens if kind == "prefill" else self.max_decode_tokens
+        if tokens > limit:
+            name = "max_batched_tokens" if kind == "prefill" else "max_decode_tokens"
+            raise WorkspaceExceededError(
+                f"a {kind} step of {tokens} tokens exceeds {name}={limit}, the size this Runtime reserved its "
+                "workspace for; split the step or build the Runtime larger"
+            )
+        k = self.topk if topk is None else topk
+        for key, nbytes in self.workspace_needs(kind, step, tokens, k).items():
+            have = int(self.workspace[key].numel()) if key in self.workspace else 0
+            if nbytes > have:
+                raise WorkspaceExceededError(
+                    f"workspace item {key!r} needs {nbytes} B for this {step} step ({tokens} tokens, top-k {k}), "
+                    f"but {have} B were reserved (max_batched_tokens={self.max_batched_tokens}, "
+                    f"max_decode_tokens={self.max_decode_tokens}, topk={self.topk})"
+                )
+
+    # -- routing -------------------------------------------------------------------------------
+    def _route(self, heads: int, tokens: int, kv_rows: int) -> Route:
+        return route_prefill(
+            heads, num_tokens=tokens, kv_rows=kv_rows, device_type=self.device, min_tokens=self.min_group_tokens
+        )
+
+    def plan_prefill(
+        self,
+        seq_lens: Sequence[int] | torch.Tensor,
+        prefix_lens: Sequence[int] | torch.Tensor | None = None,
+        *,
+        kv_rows: int | None = None,
+    ) -> PrefillPlan:
+        """Route a prefill step and split its tokens (host-side; the same on every rank).
+
+        Args:
+            seq_lens: ``[B]`` new tokens per request. prefix_lens: ``[B]`` cached tokens (default 0).
+            kv_rows: rows of the KV cache the step's top-k addresses (default ``max_kv_rows``).
+        Raises:
+            ValueError: the mode has no prefill; WorkspaceExceededError: the step is too large.
+        """
+        step = PREFILL_STEP[self.mode]
+        if step is None or self.spec.kind != "sparse_mla":
+            raise ValueError(f"mode {self.mode!r} with a {self.spec.kind} spec has no prefill step")
+        lens = [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+        tokens = sum(lens)
+        rows = self.max_kv_rows if kv_rows is None else check_int("kv_rows", kv_rows, minimum=0)
+        shard: Any = None
+        if step == "shardq":
+            shard = zigzag_split(
+                lens, self.world_size, min_tokens=self.min_shard_tokens, prefix_lens=prefix_lens, topk=self.topk
+            )
+            if not shard.sharded:
+                step = "headtp"
+        elif step == "pcp":
+            shard = pcp_plan(lens, self.world_size, prefix_lens=prefix_lens, topk=self.topk)
+        if step == "headtp":
+            route = self._route(self.heads_per_rank, tokens, rows)
+        else:  # ShardQ / PCP: this rank's kernel runs every head over its own tokens
+            plan = getattr(shard, "shard", shard)
+            route = self._route(self.spec.num_heads, int(plan.counts[self.rank]), rows)
+        self.check_workspace("prefill", step, tokens=tokens)
+        return PrefillPlan(step, route, shard, tokens)
+
+    def _decode_route(self) -> Route:
+        sm = None
+        if self.device.type == "cuda":
+            major, minor = device_capability(self.device.index or 0)
+            sm = major * 10 + minor
+        dcp = self.world_size if DECODE_STEP[self.mode] == "dcp" else 1
+        return route_decode(
+            self.spec,
+            device_type=self.device,
+            sm=sm,
+            dcp_size=dcp,
+            xqa_installed=self.device.type == "cuda" and get_xqa() is not None,
+            need_lse=self.decode_lse or dcp > 1 or DECODE_STEP[self.mode] == "dcp",
+            non_causal=self.non_causal,
+        )
+
+    @functools.cached_property
+    def decode_route(self) -> Route:
+        """The planner's route of this Runtime's decode steps (fixed per config)."""
+        return self._decode_route()
+
+    # -- CUDA-graph policy -----------------------------------------------------------------------
+    def explain_cudagraph_support(self, step: str = "decode") -> tuple[CGSupport, str]:
+        """The planner's CUDA-graph level for this Runtime's ``"decode"`` or ``"prefill"`` steps, with why."""
+        check_choice("step", step, ("decode", "prefill"))
+        if step == "decode":
+            kernel = self.decode_route.path
+            dcp = self.world_size if DECODE_STEP[self.mode] == "dcp" else 1
+            return explain_cudagraph_support(
+                "decode", kernel, head_dim=self.spec.head_dim, dcp_size=dcp, non_causal=self.non_causal
+            )
+        prefill = PREFILL_STEP[self.mode]
+        if prefill is None or self.spec.kind != "sparse_mla":
+            return CGSupport.NEVER, f"mode {self.mode!r} has no prefill step"
+        route = self._route(self.heads_per_rank, self.max_batched_tokens, self.max_kv_rows)
+        kernel = "reference" if route.path == "reference" else "triton"
+        cg_mode = {"shardq": "shardq", "pcp": "pcp", "headtp": "prefill"}[prefill]
+        return explain_cudagraph_support(cg_mode, kernel, head_dim=self.spec.head_dim)
+
+    def cudagraph_support(self, step: str = "decode") -> CGSupport:
+        """The planner's CUDA-graph level for this Runtime's ``"decode"`` or ``"prefill"`` steps."""
+        return self.explain_cudagraph_support(step)[0]
+
+    def check_capture(self, step: str = "decode", *, q_len_per_req: int = 1, ragged: bool = False) -> None:
+        """Raise ``ValueError`` when the policy forbids capturing such a step (the message names the level)."""
+        level, why = self.explain_cudagraph_support(step)
+        try:
+            check_capture_allowed(level, q_len_per_req=q_len_per_req, ragged=ragged)
+        except ValueError as e:
+            raise ValueError(f"Runtime(mode={self.mode!r}) {step}: {e} [{why}]") from None
+
+    def capture_decode(
+        self,
+        fn: Callable[..., Any],
+        inputs: Sequence[GraphInput],
+        *,
+        batch_sizes: Sequence[int],
+        q_len_per_req: int = 1,
+    ) -> GraphRunner:
+        """Capture a decode step at several padded batch sizes, when the policy allows it.
+
+        ``fn(**inputs)`` is typically a closure over this Runtime's :meth:`decode`.
+
+        Raises:
+            ValueError: the mode's CUDA-graph level forbids the capture (names the level and why).
+        """
+        self.check_capture("decode", q_len_per_req=q_len_per_req)
+        runner = GraphRunner(
+            fn,
+            inputs,
+            support=self.cudagraph_support("decode"),
+            batch_sizes=batch_sizes,
+            q_len_per_req=q_len_per_req,
+            device=self.device,
+        )
+        return runner.capture()
+
+    # -- warm-up -------------------------------------------------------------------------------
+    def prefill_specs(self) -> list[PrefillSpec]:
+        """Kernel shapes this Runtime's prefill routes can launch: every head count its steps run
+        (ShardQ / PCP: all heads; head-TP and ShardQ below its gate: ``H / W``), each with the
+        route's group size (grouped) and 1 (per-query: small steps, caches past ``2**24 - 1`` rows),
+        with and without ``topk_length``."""
+        step = PREFILL_STEP[self.mode]
+        if self.spec.kind != "sparse_mla" or step is None:
+            return []
+        heads = {self.heads_per_rank}
+        if step in ("shardq", "pcp"):
+            heads.add(self.spec.num_heads)
+        return [
+            PrefillSpec(
+                heads=h,
+                topk=self.topk,
+                dtype=self.dtype,
+                v_dim=self.spec.v_dim,
+                rope_dim=self.spec.head_dim - self.spec.v_dim,
+                group_size=grouped_group_size(h) or 1,
+                sinks=self.spec.has_sinks,
+                topk_length=with_len,
+            )
+            for h in sorted(heads)
+            for with_len in (False, True)
+        ]
+
+    def route_keys(self, route: Route, heads: int, *, topk_length: bool = False) -> set[CompileKey]:
+        """The kernel variants a prefill kernel call on ``route`` with ``heads`` heads launches."""
+        spec = PrefillSpec(
+            heads=heads,
+            topk=self.topk,
+            dtype=self.dtype,
+            v_dim=self.spec.v_dim,
+            rope_dim=self.spec.head_dim - self.spec.v_dim,
+            group_size=route.group_size,
+            sinks=self.spec.has_sinks,
+            topk_length=topk_length,
+        )
+        return {k for k in compile_keys(spec) if k.kernel == "convert_topk" or k.params.get("G") == route.group_size}
+
+    def warmup(self) -> int:
+        """Launch every kernel variant the routes can produce, and one tiny decode; returns the launches."""
+        specs = self.prefill_specs()
+        launches = warmup(self.device, *specs) if specs else 0
+        self.warmed_keys = frozenset(k for s in specs for k in compile_keys(s))
+        launches += self._warmup_decode()
+        self.warmup_launches = launches
+        return launches
+
+    def _warmup_decode(self) -> int:
+        """Run this Runtime's decode kernels locally (no collective) on tiny inputs, the way its steps call them.
+
+        Covers: top-k conversion with this mode's flags (DCP shard or not, with and without
+        ``topk_length``), the decode kernel at 1, 2 and ``max_decode_tokens`` query tokens (unsplit
+        and split-KV, so the LSE merge too), with and without sinks where a step may pass them
+        (under DCP only rank 0 does), and for GQA head-TP uniform and ragged drafts. The decode
+        kernels publish no compile-key list (unlike prefill), so this mirrors their call sites.
+        """
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        dcp = DECODE_STEP[self.mode] == "dcp"
+        d, page = self.spec.head_dim, self.spec.page_size
+        h = self.spec.num_heads if dcp else self.heads_per_rank
+        on_gpu = self.device.type == "cuda"
+        sizes = sorted({1, 2, self.max_decode_tokens}) if on_gpu else [2]  # nothing compiles on the CPU
+        dev, dt = self.device, self.dtype
+        launches = 0
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(dev, dt)
+
+        if self.spec.kind == "sparse_mla":
+            kv = randn(4 * page, d)
+            table = torch.arange(4, dtype=torch.int32, device=dev)[None, :]
+            seq = torch.tensor([4 * page], dtype=torch.int32, device=dev)
+            shard = DcpShard(self.world_size, self.layout.interleave, self.rank) if dcp else None
+            sink_options = (None, torch.zeros(h, device=dev)) if self.spec.has_sinks else (None,)
+            for t in sizes:
+                q = randn(t, h, d)
+                pos = torch.randint(-1, 4 * page, (t, self.topk), generator=gen, dtype=torch.int32).to(dev)
+                req = torch.zeros(t, dtype=torch.int32, device=dev)
+                for length in (None, torch.full((t,), max(1, self.topk // 2), dtype=torch.int32, device=dev)):
+                    rows, _ = convert_topk(
+                        pos, req, table, block_size=page, seq_lens=seq, topk_length=length, dcp=shard
+                    )
+                    launches += 1
+                for sinks in sink_options:
+                    sparse_mla_decode(q, kv, rows, scale=self.scale, v_dim=self.spec.v_dim, sinks=sinks)
+                    launches += 1
+            return launches
+        hkv = self.spec.num_kv_heads if dcp else max(1, self.spec.num_kv_heads // self.world_size)
+        k = randn(2, page, hkv, d)
+        lse = self.decode_lse or dcp
+        backend = _GQA_BACKEND[self.decode_route.path]
+        sink_options = (None, torch.zeros(h, device=dev)) if self.spec.has_sinks else (None,)
+        for t in sizes:
+            table = torch.zeros(t, 1, dtype=torch.int32, device=dev)
+            lens = torch.full((t,), min(page, 3), dtype=torch.int32, device=dev)
+            for sinks in sink_options:
+                q = randn(t, h, d)
+                gqa_paged_decode(q, k, k, table, lens, q_len_per_req=1, sinks=sinks, return_lse=lse, backend=backend)
+                launches += 1
+                if not dcp and t > 1:  # head-TP drafts: uniform pairs and a ragged batch
+                    pairs = torch.zeros(t // 2, 1, dtype=torch.int32, device=dev)
+                    qq = randn(t // 2 * 2, h, d)
+                    gqa_paged_decode(
+                        qq, k, k, pairs, lens[: t // 2], q_len_per_req=2, sinks=sinks, return_lse=lse, backend=backend
+                    )
+                    cu = torch.arange(t // 2 + 1, dtype=torch.int32, device=dev) * 2
+                    gqa_paged_decode(
+                        qq,
+                        k,
+                        k,
+                        pairs,
+                        lens[: t // 2],
+                        cu_q_lens=cu,
+                        max_q_len=2,
+                        sinks=sinks,
+                        return_lse=lse,
+                        backend=backend,
+                    )
+                    launches += 2
+        return launches
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        *,
+        route: Route,
+        scale: float,
+        v_dim: int,
+        topk_length: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        return_lse: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's prefill kernel call on ``route``: the union lives in the reserved workspace.
+
+        A rank holding more tokens than the union buffer covers (the zigzag slack) runs the grouped
+        kernel in passes over the same buffer (passes start at multiples of ``G``, so the groups are
+        those of one call). Signature of :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention`.
+        """
+        g, (t, k) = route.group_size, rows.shape
+        call = functools.partial(sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g)
+        if route.path == "reference" or t == 0 or k == 0:
+            return call(q, rows=rows, topk_length=topk_length, sinks=sinks)
+        union_ws, lens_ws = self.workspace["prefill.union"], self.workspace["prefill.union_offsets"]
+        per_pass = min(union_ws.numel() // (k * 4), lens_ws.numel() // 4 * g) // g * g
+        if per_pass < 1:
+            raise WorkspaceExceededError(
+                f"workspace item 'prefill.union' ({union_ws.numel()} B) cannot hold one group of {g} x top-k {k}"
+            )
+        outs, lses = [], []
+        for t0 in range(0, t, per_pass):
+            t1 = min(t, t0 + per_pass)
+            n_groups = -(-(t1 - t0) // g)
+            union = union_ws[: n_groups * g * k * 4].view(torch.int32).view(n_groups, g * k)
+            lens = lens_ws[: n_groups * 4].view(torch.int32)
+            length = None if topk_length is None else topk_length[t0:t1]
+            out, lse = call(q[t0:t1], rows=rows[t0:t1], topk_length=length, sinks=sinks, union=(union, lens))
+            outs.append(out)
+            lses.append(lse)
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return torch.cat(outs), torch.cat(lses)
+
+    def _local_heads(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.heads_per_rank
+        return x[self.rank * h : (self.rank + 1) * h]
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        rows: torch.Tensor,
+        *,
+        seq_lens: Sequence[int] | torch.Tensor | None = None,
+        prefix_lens: Sequence[int] | torch.Tensor | None = None,
+        plan: PrefillPlan | None = None,
+        topk_length: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        kv_cache: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+        check: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one sparse-MLA prefill step, routed by the planner.
+
+        Args:
+            q: ``[T, H/W, D]`` this rank's heads of every new token (ShardQ and head-TP modes);
+                PCP: ``[T_r, H, D]``, every head of the rank's tokens (``plan.tokens_of(rank)``).
+            kv: ``[R, D]`` the KV rows (replicated under TP); the value is ``kv[:, :v_dim]``.
+                PCP: ``[T_r, D]``, the KV rows of the rank's own new tokens.
+            rows: ``[T, K]`` int32 global KV rows of every token's top-k (``-1`` invalid, anywhere).
+                PCP: ``[T_r, K]`` int32 request positions (cached prefix included) of the rank's tokens.
+            kv_cache, block_table: PCP only: the paged cache holding the cached prefixes
+                (``[R, D]``, ``[B, M]`` int32, pages of ``spec.page_size``), when there are any.
+            seq_lens, prefix_lens: ``[B]`` new and cached tokens per request (unless ``plan``).
+            plan: a :meth:`plan_prefill` result (plan once per step, run it for every layer).
+            topk_length: ``[T]`` int32 leading ``rows`` entries to use, optional.
+            sinks: ``[H]`` fp32 sink logits of all heads, optional.
+            check: make the ranks agree on the plan and inputs first (one small all-gather and a
+                host sync; turn off inside CUDA graphs or when the caller already agreed).
+        Returns:
+            ``(out [T, H/W, v_dim] in q's dtype, lse [T, H/W] fp32)``, token order, this rank's heads.
+        Raises:
+            WorkspaceExceededError: the step is larger than the Runtime's workspace.
+        """
+        if plan is None:
+            if seq_lens is None:
+                raise ValueError("prefill needs seq_lens (new tokens per request) or a plan from plan_prefill")
+            rows_in_cache = int(kv.shape[0] if kv_cache is None else kv_cache.shape[0] + kv.shape[0] * self.world_size)
+            plan = self.plan_prefill(seq_lens, prefix_lens, kv_rows=rows_in_cache)
+        elif not isinstance(plan, PrefillPlan):
+            raise TypeError(f"plan must be a PrefillPlan from Runtime.plan_prefill, got {type(plan).__name__}")
+        self.check_workspace("prefill", plan.step, tokens=plan.num_tokens, topk=int(rows.shape[1]))
+        attention = functools.partial(self._attention, route=plan.route)
+        v = self.spec.v_dim
+        if plan.step == "pcp":
+            return pcp_prefill(
+                q,
+                kv,
+                rows,
+                plan.shard,
+                self.comm,
+                scale=self.scale,
+                v_dim=v,
+                kv_cache=kv_cache,
+                block_table=block_table,
+                block_size=self.spec.page_size if kv_cache is not None else None,
+                topk_length=topk_length,
+                sinks=sinks,
+                attention=attention,
+                check=check,
+            )
+        if plan.shard is None:  # a head-TP mode: nothing moves
+            return attention(
+                q,
+                kv,
+                rows,
+                scale=self.scale,
+                v_dim=v,
+                topk_length=topk_length,
+                sinks=None if sinks is None else self._local_heads(sinks),
+                return_lse=True,
+            )
+        return shardq_prefill(
+            q,
+            kv,
+            rows,
+            plan.shard,
+            self.comm,
+            scale=self.scale,
+            v_dim=v,
+            topk_length=topk_length,
+            sinks=sinks,
+            attention=attention,
+            check=check,
+        )
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        topk_pos: torch.Tensor | None = None,
+        req_ids: torch.Tensor | None = None,
+        topk_length: torch.Tensor | None = None,
+        q_len_per_req: int | None = None,
+        cu_q_lens: torch.Tensor | None = None,
+        max_q_len: int | None = None,
+        sinks: torch.Tensor | None = None,
+        check: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one decode step (DCP or head-TP, by mode), routed by the planner.
+
+        Args:
+            q: ``[T, H/W, D]`` this rank's heads of the step's query tokens (drafts included).
+            kv_cache: sparse MLA: ``[R, D]`` paged KV rows; GQA: ``(k_cache, v_cache)``, each
+                ``[pages, page_size, Hkv, D]``. Under DCP this rank's shard (local positions),
+                under head-TP the whole cache (GQA: the rank's KV heads).
+            block_table: ``[B, M]`` int32 page table of ``kv_cache`` (the rank's, under DCP).
+            seq_lens: ``[B]`` int32 global KV tokens per request, drafts included.
+            topk_pos, req_ids: sparse MLA only: ``[T, K]`` int32 request-global top-k positions
+                (``-1`` invalid) and ``[T]`` int32 request of each query.
+            topk_length: sparse MLA: ``[T]`` int32 leading entries of ``topk_pos`` to use, optional.
+            q_len_per_req / cu_q_lens: GQA: uniform drafts per request, or ``[B+1]`` ragged offsets.
+            max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts (needed under capture).
+            sinks: ``[H]`` fp32 sink logits of all heads, optional.
+            check: under DCP, make the ranks agree on the inputs first (a host sync: pass ``False``
+                inside a CUDA graph).
+        Returns:
+            ``(out [T, H/W, v_dim], lse [T, H/W] fp32)``: the rank's heads, merged over every shard
+            (``lse`` is ``None`` for a Runtime built with ``decode_lse=False``).
+        """
+        dcp = DECODE_STEP[self.mode] == "dcp"
+        k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.topk
+        self.check_workspace("decode", DECODE_STEP[self.mode], tokens=int(q.shape[0]), topk=k)
+        page = self.spec.page_size
+        if self.spec.kind == "sparse_mla":
+            if topk_pos is None or req_ids is None:
+                raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
+            if not isinstance(kv_cache, torch.Tensor):
+                raise TypeError("kv_cache of a sparse-MLA model must be one [R, D] tensor")
+            if dcp:
+                return dcp_sparse_mla_decode(
+                    q,
+                    kv_cache,
+                    topk_pos,
+                    req_ids,
+                    block_table,
+                    self.layout,
+                    self.comm,
+                    block_size=page,
+                    scale=self.scale,
+                    v_dim=self.spec.v_dim,
+                    seq_lens=seq_lens,
+                    topk_length=topk_length,
+                    sinks=sinks,
+                    attention=_sparse_decode_attention,
+                    check=check,
+                )
+            rows, _ = convert_topk(
+                topk_pos, req_ids, block_table, block_size=page, seq_lens=seq_lens, topk_length=topk_length
+            )
+            return sparse_mla_decode(
+                q,
+                kv_cache,
+                rows,
+                scale=self.scale,
+                v_dim=self.spec.v_dim,
+                sinks=None if sinks is None else self._local_heads(sinks),
+            )
+        if not (isinstance(kv_cache, tuple | list) and len(kv_cache) == 2):
+            raise TypeError("kv_cache of a GQA model must be a (k_cache, v_cache) pair")
+        k_cache, v_cache = kv_cache
+        backend = _GQA_BACKEND[self.decode_route.path]
+        if dcp:
+            return dcp_gqa_decode(
+                q,
+                k_cache,
+                v_cache,
+                block_table,
+                seq_lens,
+                self.layout,
+                self.comm,
+                q_len_per_req=q_len_per_req,
+                cu_q_lens=cu_q_lens,
+                causal=not self.non_causal,
+                sinks=sinks,
+                scale=self.scale,
+                backend=backend,
+                check=check,
+            )
+        result = gqa_paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            q_len_per_req=q_len_per_req,
+            cu_q_lens=cu_q_lens,
+            max_q_len=max_q_len,
+            causal=not self.non_causal,
+            sinks=None if sinks is None else self._local_heads(sinks),
+            return_lse=self.decode_lse,
+            scale=self.scale,
+            backend=backend,
+        )
+        return result if self.decode_lse else (result, None)

@@ -1,0 +1,281 @@
+"""Launcher pieces that run in one process: options, defaults, the report, the torchrun environment."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from rich.console import Console
+
+from shardattn.kernels.sparse_mla import valid_mask
+from shardattn.kernels.topk import DcpShard, convert_topk
+from shardattn.launch.cli import LaunchError, parse_options, resolve_shape
+from shardattn.launch.process_group import DistEnv, pick_device
+from shardattn.launch.report import RankRow, Report, percentile, render, summarize_times, write_json
+from shardattn.launch.runner import plan_run
+from shardattn.launch.workloads import BLOCK_SIZE, build_decode, build_prefill, overlap_model
+from shardattn.plan import dcp_owner
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--mode", "ring"], r"argument --mode: invalid choice: 'ring'"),
+        (["--tokens", "0"], r"--tokens must be >= 1, got 0"),
+        (["--tokens", "abc"], r"argument --tokens: invalid int value: 'abc'"),
+        (["--cached", "1,x"], r"expected comma-separated integers"),
+        (["--timeout", "0"], r"--timeout must be >= 1"),
+        (["--q-len", "0"], r"--q-len entries must be >= 1"),
+        (["--bogus"], r"unrecognized arguments: --bogus"),
+    ],
+    ids=[
+        "bad-mode",
+        "zero-tokens",
+        "non-int",
+        "bad-list",
+        "timeout",
+        "q-len",
+        "unknown",
+    ],
+)
+def test_bad_option_is_one_line(argv: list[str], match: str) -> None:
+    with pytest.raises(LaunchError, match=match) as info:
+        parse_options(argv)
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith("shardattn.launch: error: ")
+    assert info.value.status == 2
+
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("argv", "world", "match"),
+    [
+        (
+            [],
+            3,
+            r"preset glm5 has 64 query heads, which 3 ranks cannot split evenly .* run 1, 2, 4, 8, 16, 32, 64 ranks",
+        ),
+        (["--preset", "deepseek-v32"], 6, r"128 query heads, which 6 ranks cannot split evenly .* 32, 64, 128 ranks"),
+        (["--topk", "4096"], 2, r"--topk 4096 is larger than the KV cache of the longest request \(256 tokens\)"),
+        (["--mode", "dcp-decode", "--topk", "200", "--cached", "150"], 2, r"longest request \(151 tokens\)"),
+        (["--preset", "llama"], 2, r"unknown model preset 'llama'; known presets: deepseek-v32, glm5, gqa-64-8"),
+        (["--preset", "gqa-64-8", "--mode", "mixed"], 2, r"--mode mixed needs a sparse-MLA preset"),
+        (["--fail-rank", "2"], 2, r"--fail-rank 2 is not a rank of this world of 2"),
+        (["--tokens", "3", "--requests", "4"], 2, r"--tokens 3 gives some of the 4 requests no new token"),
+        (["--topk-file", "/nonexistent/x.pt"], 2, r"--topk-file /nonexistent/x.pt: no such file"),
+        (["--mode", "dcp-decode", "--topk-file", "x.pt"], 2, r"--topk-file holds prefill top-k"),
+        (["--overlap", "1.5"], 2, r"overlap as a number must be in \[0, 1\], got 1.5"),
+        (["--overlap", "lots"], 2, r"overlap must be one of \['dsa', 'dsa_low', 'random'\]"),
+    ],
+    ids=[
+        "heads-3",
+        "heads-6",
+        "topk-prefill",
+        "topk-decode",
+        "preset",
+        "gqa-mixed",
+        "fail-rank",
+        "tokens",
+        "topk-file",
+        "topk-file-decode",
+        "overlap-range",
+        "overlap-name",
+    ],
+)
+def test_impossible_configuration_is_one_line(argv: list[str], world: int, match: str) -> None:
+    with pytest.raises(LaunchError, match=match) as info:
+        plan_run(parse_options(argv), world, CPU)
+    assert "\n" not in str(info.value) and info.value.status == 2
+    assert str(info.value).startswith("shardattn.launch: error: ")
+
+
+def test_plan_run_defaults_on_cpu(tmp_path) -> None:
+    cfg = plan_run(parse_options([]), 4, CPU)
+    assert (cfg.mode, cfg.steps, cfg.check, cfg.iters, cfg.dtype) == (
+        "mixed",
+        ("prefill", "decode"),
+        True,
+        3,
+        torch.float32,
+    )
+    assert any("reduced step" in n for n in cfg.notes) and cfg.min_shard_tokens == 1
+    gqa = plan_run(parse_options(["--preset", "gqa-64-8"]), 2, CPU)
+    assert (gqa.mode, gqa.steps) == ("dcp-decode", ("decode",))
+    assert plan_run(parse_options(["--no-check", "--iters", "5"]), 2, CPU).check is False
+    assert cfg.fingerprint() == plan_run(parse_options([]), 4, CPU).fingerprint()
+    assert cfg.fingerprint() != plan_run(parse_options(["--seed", "1"]), 4, CPU).fingerprint()
+    # a recorded top-k sets the step's shape
+    torch.save({"topk": torch.tensor([[0, -1], [0, 1], [2, 1]], dtype=torch.int32)}, tmp_path / "t.pt")
+    rec = plan_run(parse_options(["--mode", "shardq", "--topk-file", str(tmp_path / "t.pt")]), 2, CPU)
+    assert (rec.shape.tokens, rec.shape.topk, rec.shape.requests) == (3, 2, 1)
+
+
+def test_defaults_are_small_on_cpu_and_real_on_gpu() -> None:
+    opts = parse_options([])
+    cpu = resolve_shape(opts, on_gpu=False, preset_topk=2048, decode_only=False)
+    gpu = resolve_shape(opts, on_gpu=True, preset_topk=2048, decode_only=False)
+    assert (cpu.tokens, cpu.topk, cpu.requests, cpu.reduced) == (256, 64, 2, True)
+    assert (gpu.tokens, gpu.topk, gpu.reduced) == (8192, 2048, False)
+    assert cpu.cached == (128, 128) and cpu.q_lens == (1, 1)
+    explicit = resolve_shape(
+        parse_options(["--tokens", "300", "--topk", "100"]), on_gpu=False, preset_topk=2048, decode_only=False
+    )
+    assert not explicit.reduced and explicit.tokens == 300
+
+
+def test_per_request_lists_must_match_requests() -> None:
+    opts = parse_options(["--requests", "3", "--cached", "1,2"])
+    with pytest.raises(LaunchError, match=r"--cached takes one value or one per request \(3\), got 2"):
+        resolve_shape(opts, on_gpu=False, preset_topk=2048, decode_only=False)
+    shape = resolve_shape(
+        parse_options(["--requests", "3", "--cached", "1,2,3"]), on_gpu=False, preset_topk=64, decode_only=False
+    )
+    assert shape.cached == (1, 2, 3)
+
+
+def test_torchrun_environment() -> None:
+    assert DistEnv.from_env({}) == DistEnv(0, 1, 0, None, None)
+    env = DistEnv.from_env(
+        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "123"}
+    )
+    assert (env.rank, env.world_size, env.local_rank, env.launched) == (1, 2, 1, True)
+    with pytest.raises(ValueError, match=r"RANK must be in \[0, WORLD_SIZE=2\), got 5"):
+        DistEnv.from_env({"RANK": "5", "WORLD_SIZE": "2", "MASTER_PORT": "1"})
+    assert pick_device("cpu", env) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert pick_device("auto", env) == torch.device("cpu")
+        with pytest.raises(ValueError, match=r"--device cuda: local rank 1 needs GPU 1, but 0 visible"):
+            pick_device("cuda", env)
+
+
+def test_percentiles_and_times() -> None:
+    assert percentile([3.0], 90) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 10) == pytest.approx(1.4)
+    med, p10, p90 = summarize_times([0.004, 0.001, 0.002, 0.003])
+    assert (med, p10, p90) == (2.5, pytest.approx(1.3), pytest.approx(3.7))
+    with pytest.raises(ValueError, match="values must not be empty"):
+        percentile([], 50)
+
+
+def _row(rank: int, error: float | None, tol: float | None = 1e-3) -> RankRow:
+    return RankRow(
+        rank,
+        "prefill",
+        "shardq/grouped",
+        "G = 2 for 64 heads",
+        128,
+        1.5,
+        1.2,
+        1.9,
+        union_ratio=1.15,
+        tflops=0.5,
+        error=error,
+        tolerance=tol,
+    )
+
+
+def test_report_verdict_table_and_json(tmp_path) -> None:
+    ok = Report({"preset": "glm5", "mode": "shardq", "world_size": 2}, [_row(0, 1e-6), _row(1, 2e-6)], ["reduced"])
+    bad = Report({"preset": "glm5"}, [_row(0, 1e-6), _row(1, 5e-2)])
+    nan = Report({"preset": "glm5"}, [_row(0, math.nan)])
+    unchecked = Report({"preset": "glm5"}, [_row(0, None, None)])
+    assert (ok.checked, ok.passed) == (True, True)
+    assert (bad.checked, bad.passed) == (True, False)
+    assert nan.passed is False, "a NaN error must fail the check"
+    assert (unchecked.checked, unchecked.passed) == (False, True)
+
+    console = Console(record=True, width=200)
+    render(bad, console)
+    text = console.export_text()
+    for needle in ("shardq/grouped", "G = 2 for 64 heads", "1.150", "5.00e-02 > 1e-03", "check FAILED"):
+        assert needle in text, needle
+
+    path = tmp_path / "r.json"
+    write_json(nan, str(path))
+    data = json.loads(path.read_text())
+    assert data["passed"] is False and data["rows"][0]["error"] is None and data["rows"][0]["passed"] is False
+
+
+def test_prefill_workload_rows_match_positions() -> None:
+    step = build_prefill(
+        heads=4,
+        head_dim=24,
+        tokens=40,
+        requests=3,
+        cached=(0, 5, 70),
+        topk=16,
+        overlap=overlap_model("dsa"),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        seed=3,
+    )
+    assert step.seq_lens == [14, 13, 13] and step.q.shape == (40, 4, 24)
+    valid = step.positions >= 0
+    assert torch.equal(valid, step.rows >= 0), "every valid position maps to a row"
+    assert torch.equal(valid_mask(step.rows, step.kv.shape[0], None), valid)
+    # a token at position p sees min(topk, p + 1) distinct positions, none past its own
+    pos_in_req = torch.cat([torch.arange(n) for n in step.seq_lens])
+    position = torch.tensor(step.prefix_lens).repeat_interleave(torch.tensor(step.seq_lens)) + pos_in_req
+    assert torch.equal(valid.sum(1), torch.clamp(position + 1, max=16))
+    assert bool((step.positions <= position[:, None]).all())
+    # rows follow the block table: row = table[req, p // B] * B + p % B
+    p = step.positions.long().clamp(min=0)
+    expect = step.block_table.long()[step.req_ids.long()[:, None], p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+    assert torch.equal(step.rows.long()[valid], expect[valid])
+    again = build_prefill(
+        heads=4,
+        head_dim=24,
+        tokens=40,
+        requests=3,
+        cached=(0, 5, 70),
+        topk=16,
+        overlap="dsa",
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        seed=3,
+    )
+    assert torch.equal(again.q, step.q) and torch.equal(again.rows, step.rows), "same seed, same step on every rank"
+
+
+@pytest.mark.parametrize("interleave", [1, 2, 64], ids=lambda i: f"I{i}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+def test_decode_workload_shards_cover_the_cache(interleave: int, causal: bool) -> None:
+    world = 3
+    steps = [
+        build_decode(
+            heads=2,
+            head_dim=24,
+            requests=3,
+            cached=(100, 300, 5),
+            q_lens=(1, 2, 3),
+            topk=32,
+            overlap="dsa",
+            causal=causal,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            seed=1,
+            shard=DcpShard(world, interleave, r),
+        )
+        for r in range(world)
+    ]
+    full = steps[0]
+    assert full.seq_lens.tolist() == [101, 302, 8] and full.q.shape[0] == 6
+    owned_total = 0
+    for r, s in enumerate(steps):
+        shard = DcpShard(world, interleave, r)
+        local_rows, _ = convert_topk(
+            s.positions, s.req_ids, s.local_table, block_size=BLOCK_SIZE, seq_lens=s.seq_lens, dcp=shard
+        )
+        own = (s.positions >= 0) & (dcp_owner(s.positions.long().clamp(min=0), world, interleave) == r)
+        assert torch.equal(own, local_rows >= 0)
+        assert torch.equal(s.local_kv[local_rows[own].long()], full.kv[full.rows[own].long()])
+        owned_total += int(own.sum())
+    assert owned_total == int((full.rows >= 0).sum()), "each valid key lives on exactly one rank"
+    # request 2 (5 cached + 3 drafts): causal draft j sees 5 + j + 1 tokens, non-causal all 8
+    last = full.positions[3:]
+    counts = (last >= 0).sum(1).tolist()
+    assert counts == ([6, 7, 8] if causal else [8, 8, 8])

@@ -1,0 +1,174 @@
+"""``python -m shardattn.launch`` end to end on the CPU: under torchrun, bad options, a rank that dies.
+
+Each test starts real rank processes (torchrun, or one process per rank with torchrun's
+environment, so every rank's exit status can be read).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardattn.testing.pool import free_port
+
+#: Wall-clock bound of one launcher run in these tests (CI: a 2-core box shared with other tests).
+RUN_LIMIT_S = 120
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    env.pop("RANK", None)
+    return {**env, **(extra or {})}
+
+
+def _torchrun(nproc: int, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "shardattn.launch",
+        *args,
+    ]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=RUN_LIMIT_S)
+    return proc, time.monotonic() - start
+
+
+def _ranks(
+    nproc: int, *args: str, timeout: float = RUN_LIMIT_S, rank_args: dict[int, list[str]] | None = None
+) -> tuple[list[tuple[int, str, str]], float]:
+    """One launcher process per rank, with torchrun's variables; ``[(status, stdout, stderr)]`` per rank.
+
+    ``rank_args`` adds options to some ranks only.
+    """
+    port = str(free_port())
+    procs = []
+    start = time.monotonic()
+    for r in range(nproc):
+        env = _env(
+            {
+                "RANK": str(r),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            }
+        )
+        extra = (rank_args or {}).get(r, [])
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "shardattn.launch", *args, *extra],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results, time.monotonic() - start
+
+
+def _quiet(stderr: str) -> list[str]:
+    """The launcher's own stderr lines (without torch's warnings)."""
+    return [line for line in stderr.splitlines() if line.strip() and "Warning" not in line and "warn(" not in line]
+
+
+@pytest.mark.distributed
+def test_main_job_four_ranks_prints_the_table_and_checks_itself(tmp_path) -> None:
+    path = tmp_path / "report.json"
+    proc, elapsed = _torchrun(4, "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for needle in (
+        "rank",
+        "union",
+        "median ms",
+        "TFLOP/s",
+        "max err",
+        "shardq/",
+        "dcp/",
+        "check passed",
+        "reduced step",
+    ):
+        assert needle in proc.stdout, f"{needle!r} missing from:\n{proc.stdout}"
+    report = json.loads(path.read_text())
+    assert report["config"]["world_size"] == 4 and report["config"]["check"] is True
+    assert report["checked"] and report["passed"]
+    rows = report["rows"]
+    assert sorted((r["rank"], r["step"]) for r in rows) == sorted(
+        (r, s) for r in range(4) for s in ("prefill", "decode")
+    )
+    assert all(r["passed"] and r["error"] is not None and r["error"] <= 1e-4 for r in rows)
+    prefill = [r for r in rows if r["step"] == "prefill"]
+    assert sum(r["tokens"] for r in prefill) == report["config"]["tokens"], "ShardQ splits the step's tokens"
+    assert all(r["time_ms"] > 0 and r["time_p10_ms"] <= r["time_ms"] <= r["time_p90_ms"] for r in rows)
+    assert elapsed < RUN_LIMIT_S
+
+
+@pytest.mark.distributed
+def test_gqa_speculative_decode_two_ranks(tmp_path) -> None:
+    path = tmp_path / "r.json"
+    proc, _ = _torchrun(2, "--preset", "gqa-64-8", "--q-len", "1,3", "--cached", "60,37", "--json", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(path.read_text())
+    assert report["config"]["mode"] == "dcp-decode" and report["passed"]
+    assert [(r["rank"], r["step"], r["tokens"]) for r in report["rows"]] == [(0, "decode", 4), (1, "decode", 4)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("nproc", "args", "message"),
+    [
+        (2, ["--mode", "ring"], "argument --mode: invalid choice: 'ring'"),
+        (3, [], "preset glm5 has 64 query heads, which 3 ranks cannot split evenly"),
+    ],
+    ids=["bad-option", "heads-not-divisible"],
+)
+def test_bad_configuration_one_line_and_every_rank_fails(nproc: int, args: list[str], message: str) -> None:
+    results, _ = _ranks(nproc, *args, timeout=60)
+    assert [status for status, _, _ in results] == [2] * nproc, results
+    lines = [line for _, _, err in results for line in _quiet(err)]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("shardattn.launch: error: ") and message in lines[0], lines[0]
+    assert all(out == "" for _, out, _ in results)
+
+
+@pytest.mark.distributed
+def test_ranks_started_with_different_options_all_stop() -> None:
+    results, _ = _ranks(2, "--mode", "shardq", "--iters", "1", rank_args={1: ["--seed", "7"]}, timeout=90)
+    assert [status for status, _, _ in results] == [2, 2], results
+    lines = [line for _, _, err in results for line in _quiet(err)]
+    assert len(lines) == 1 and "launcher options" in lines[0] and "differs across ranks" in lines[0], lines
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("fail_at", "timeout", "message"),
+    [("step", 30, "a peer rank failed or went silent"), ("setup", 8, "could not form the process group")],
+    ids=["dies-before-first-collective", "dies-before-rendezvous"],
+)
+def test_dead_rank_makes_the_others_exit_within_the_timeout(fail_at: str, timeout: int, message: str) -> None:
+    results, elapsed = _ranks(2, "--fail-rank", "1", "--fail-at", fail_at, "--timeout", str(timeout), timeout=90)
+    (status0, _, err0), (status1, _, _) = results
+    assert status1 == 17, "the injected failure"
+    assert status0 == 4, err0
+    assert message in err0
+    # start-up (imports on a busy 2-core box) plus at most the timeout
+    assert elapsed < timeout + 45, f"rank 0 took {elapsed:.0f} s to notice"

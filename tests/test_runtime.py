@@ -1,0 +1,458 @@
+"""The Runtime: routed prefill and decode against the single-process reference, workspace, warm-up, graph policy.
+
+Distributed tests run on the ``dist_pool`` ranks (gloo, CPU); small model specs keep them fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardattn.kernels.gqa_decode import gqa_paged_decode_reference
+from shardattn.kernels.sparse_mla import sparse_mla_reference
+from shardattn.kernels.topk import DcpShard
+from shardattn.launch.workloads import build_decode, build_gqa_decode, build_prefill
+from shardattn.parallel.runtime import MODES, Runtime, WorkspaceExceededError
+from shardattn.plan.cudagraph import CGSupport
+from shardattn.plan.routing import Route, route_prefill
+from shardattn.plan.spec import ModelSpec
+from shardattn.plan.workspace import workspace_bounds
+
+MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32")  # 8 heads, 48 = 32 latent + 16 rope
+GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 16, has_sinks=True, dtype="float32")
+CPU = torch.device("cpu")
+SEQ, CACHED = [23, 9, 30], (5, 0, 40)  # a step of three requests, one without a cached prefix
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    if not torch.equal(fa, fb):
+        return math.inf
+    return float((a[fa] - b[fa]).abs().max()) if bool(fa.any()) else 0.0
+
+
+def _prefill_step(seed: int = 0):
+    return build_prefill(
+        heads=MLA.num_heads,
+        head_dim=MLA.head_dim,
+        tokens=sum(SEQ),
+        requests=len(SEQ),
+        cached=CACHED,
+        topk=MLA.topk,
+        overlap="dsa",
+        dtype=torch.float32,
+        device=CPU,
+        seed=seed,
+        block_size=MLA.page_size,
+    )
+
+
+def _heads(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    h = x.shape[1] // world
+    return x[:, rank * h : (rank + 1) * h]
+
+
+# -- prefill ----------------------------------------------------------------------------------------
+def _prefill_body(group, mode: str, min_shard_tokens: int) -> dict:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rt = Runtime(MLA, group, max_batched_tokens=128, mode=mode, min_shard_tokens=min_shard_tokens)
+    step = _prefill_step()
+    plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+    rt.comm.reset_counts()
+    if plan.step == "pcp":
+        mine = plan.tokens_of(rank)
+        own = _token_rows(step).index_select(0, mine)
+        out, lse = rt.prefill(
+            step.q[mine], step.kv[own], step.positions[mine], plan=plan, kv_cache=step.kv, block_table=step.block_table
+        )
+        ref_out, ref_lse = sparse_mla_reference(step.q, step.kv, step.rows, scale=rt.scale, v_dim=MLA.v_dim)
+        ref_out, ref_lse = ref_out[mine], ref_lse[mine]
+    else:
+        out, lse = rt.prefill(
+            _heads(step.q, rank, world).contiguous(),
+            step.kv,
+            step.rows,
+            seq_lens=step.seq_lens,
+            prefix_lens=step.prefix_lens,
+        )
+        ref_out, ref_lse = sparse_mla_reference(step.q, step.kv, step.rows, scale=rt.scale, v_dim=MLA.v_dim)
+        ref_out, ref_lse = _heads(ref_out, rank, world), _heads(ref_lse, rank, world)
+    return {
+        "step": plan.step,
+        "route": plan.route.path,
+        "counts": dict(rt.comm.counts),
+        "err": max(_err(out, ref_out), _err(lse, ref_lse)),
+        "tokens": int(plan.tokens_of(rank).numel()),
+    }
+
+
+def _token_rows(step) -> torch.Tensor:
+    """``[T]`` KV-cache row of every new token (the key and value it computed)."""
+    starts = torch.tensor([0, *step.seq_lens]).cumsum(0)[:-1]
+    req = step.req_ids.long()
+    pos = torch.tensor(step.prefix_lens)[req] + torch.arange(len(req)) - starts[req]
+    return step.block_table.long()[req, pos // MLA.page_size] * MLA.page_size + pos % MLA.page_size
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4], ids=lambda w: f"world{w}")
+@pytest.mark.parametrize(
+    ("mode", "gate", "step", "collectives"),
+    [
+        ("shardq", 1, "shardq", {"all_to_all": 2, "agreement": 1}),
+        ("mixed", 1, "shardq", {"all_to_all": 2, "agreement": 1}),
+        ("shardq", 1024, "headtp", {"agreement": 1}),  # below the gate: head-TP, no data moves
+        ("headtp", 1, "headtp", {}),
+        ("pcp", 1, "pcp", {"all_gather": 1, "agreement": 1}),
+    ],
+    ids=["shardq", "mixed", "shardq-below-gate", "headtp", "pcp"],
+)
+def test_prefill_matches_single_process_reference(dist_pool, world_size, mode, gate, step, collectives) -> None:
+    results = dist_pool.run(_prefill_body, mode, gate, world_size=world_size)
+    for r, res in enumerate(results):
+        assert res["err"] <= 1e-5, (r, res)
+        assert res["step"] == step and res["route"] == "reference"
+        assert {k: v for k, v in res["counts"].items() if v} == collectives, res["counts"]
+    covered = sum(res["tokens"] for res in results)
+    assert covered == (sum(SEQ) if step in ("shardq", "pcp") else sum(SEQ) * world_size)
+
+
+# -- decode -----------------------------------------------------------------------------------------
+def _decode_body(group, mode: str, kind: str, q_lens: tuple[int, ...], interleave: int) -> float:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    spec = MLA if kind == "mla" else GQA
+    rt = Runtime(spec, group, max_batched_tokens=64, mode=mode, dcp_interleave=interleave)
+    dcp = mode in ("mixed", "dcp-decode")
+    shard = DcpShard(world, interleave, rank) if dcp else DcpShard(1, 1, 0)
+    cached = (37, 0, 70)[: len(q_lens)]
+    if kind == "mla":
+        s = build_decode(
+            heads=spec.num_heads,
+            head_dim=spec.head_dim,
+            requests=len(q_lens),
+            cached=cached,
+            q_lens=q_lens,
+            topk=spec.topk,
+            overlap="random",
+            causal=True,
+            dtype=torch.float32,
+            device=CPU,
+            seed=3,
+            shard=shard,
+            block_size=spec.page_size,
+        )
+        out, lse = rt.decode(
+            _heads(s.q, rank, world).contiguous(),
+            s.local_kv,
+            s.local_table,
+            s.seq_lens,
+            topk_pos=s.positions,
+            req_ids=s.req_ids,
+        )
+        ref = sparse_mla_reference(s.q, s.kv, s.rows, scale=rt.scale, v_dim=spec.v_dim)
+    else:
+        g = build_gqa_decode(
+            q_heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            sinks=True,
+            requests=len(q_lens),
+            cached=cached,
+            q_lens=q_lens,
+            dtype=torch.float32,
+            device=CPU,
+            seed=3,
+            shard=shard,
+            block_size=spec.page_size,
+        )
+        k, v, table = g.local_k_cache, g.local_v_cache, g.local_block_table
+        if not dcp:  # head-TP: each rank holds its KV heads of the whole cache
+            hkv = spec.num_kv_heads // world
+            k, v = (c[:, :, rank * hkv : (rank + 1) * hkv].contiguous() for c in (g.k_cache, g.v_cache))
+            table = g.block_table
+        out, lse = rt.decode(
+            _heads(g.q, rank, world).contiguous(), (k, v), table, g.seq_lens, cu_q_lens=g.cu_q_lens, sinks=g.sinks
+        )
+        ref = gqa_paged_decode_reference(
+            g.q, g.k_cache, g.v_cache, g.block_table, g.seq_lens, g.cu_q_lens, sinks=g.sinks, scale=rt.scale
+        )
+    return max(_err(out, _heads(ref[0], rank, world)), _err(lse, _heads(ref[1], rank, world)))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("mode", "kind", "q_lens", "interleave"),
+    [
+        ("mixed", "mla", (1, 1, 1), 1),
+        ("dcp-decode", "mla", (2, 1, 3), 16),  # speculative drafts, interleave of one page
+        ("shardq", "mla", (1, 1), 1),  # head-TP decode over the whole cache
+        ("dcp-decode", "gqa", (1, 3, 2), 1),  # ragged drafts with sinks
+        ("dcp-decode", "gqa", (2, 2, 2), 4),
+        ("headtp", "gqa", (1, 3, 2), 1),
+    ],
+    ids=["mla-dcp", "mla-dcp-drafts", "mla-headtp", "gqa-dcp-ragged", "gqa-dcp-uniform", "gqa-headtp"],
+)
+def test_decode_matches_single_process_reference(dist_pool, mode, kind, q_lens, interleave) -> None:
+    errors = dist_pool.run(_decode_body, mode, kind, q_lens, interleave, world_size=2)
+    assert max(errors) <= 1e-5, errors
+
+
+# -- two Runtimes, two groups, one process ------------------------------------------------------------
+def _two_runtimes_body(group) -> dict:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    other = dist.new_group(list(range(world)), use_local_synchronization=True)  # a second group, same ranks
+    a = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", min_shard_tokens=1)
+    b = Runtime(GQA, other, max_batched_tokens=64, mode="dcp-decode")
+    assert a.group is group and b.group is other
+    step = _prefill_step(seed=5)
+    g = build_gqa_decode(
+        q_heads=8,
+        kv_heads=2,
+        head_dim=16,
+        sinks=True,
+        requests=2,
+        cached=(30, 3),
+        q_lens=(1, 2),
+        dtype=torch.float32,
+        device=CPU,
+        seed=5,
+        shard=DcpShard(world, 1, rank),
+        block_size=16,
+    )
+    errs = []
+    ref_a = sparse_mla_reference(step.q, step.kv, step.rows, scale=a.scale, v_dim=MLA.v_dim)
+    ref_b = gqa_paged_decode_reference(
+        g.q, g.k_cache, g.v_cache, g.block_table, g.seq_lens, g.cu_q_lens, sinks=g.sinks, scale=b.scale
+    )
+    for _ in range(2):  # interleaved steps on the two groups
+        out_a, _ = a.prefill(
+            _heads(step.q, rank, world).contiguous(),
+            step.kv,
+            step.rows,
+            seq_lens=step.seq_lens,
+            prefix_lens=step.prefix_lens,
+        )
+        out_b, _ = b.decode(
+            _heads(g.q, rank, world).contiguous(),
+            (g.local_k_cache, g.local_v_cache),
+            g.local_block_table,
+            g.seq_lens,
+            cu_q_lens=g.cu_q_lens,
+            sinks=g.sinks,
+        )
+        errs.append(_err(out_a, _heads(ref_a[0], rank, world)))
+        errs.append(_err(out_b, _heads(ref_b[0], rank, world)))
+    return {"err": max(errs), "a": dict(a.comm.counts), "b": dict(b.comm.counts)}
+
+
+@pytest.mark.distributed
+def test_two_runtimes_on_two_groups_in_one_process(dist_pool) -> None:
+    for res in dist_pool.run(_two_runtimes_body, world_size=2):
+        assert res["err"] <= 1e-5, res
+        # each Runtime counts only its own collectives: 2 ShardQ steps / 2 DCP steps
+        assert res["a"] == {"all_to_all": 4, "agreement": 2}, res["a"]
+        assert res["b"]["agreement"] == 2 and res["b"]["all_gather"] >= 2 and "all_to_all" in res["b"], res["b"]
+
+
+# -- workspace ----------------------------------------------------------------------------------------
+def _workspace_body(group) -> dict:
+    world = dist.get_world_size(group)
+    rt = Runtime(MLA, group, max_batched_tokens=100, mode="headtp", max_decode_tokens=8, warmup=False)
+    reserved = {k: int(t.numel()) for k, t in rt.workspace.items()}
+    want_prefill = workspace_bounds(MLA, max_batched_tokens=100, world_size=world, mode="headtp", topk=MLA.topk)
+    want_decode = workspace_bounds(
+        MLA, max_batched_tokens=8, world_size=1, mode="dcp-decode", tp_size=world, topk=MLA.topk
+    )
+    dcp = Runtime(MLA, group, max_batched_tokens=100, mode="dcp-decode", max_decode_tokens=8, warmup=False)
+    want_dcp = workspace_bounds(
+        MLA, max_batched_tokens=8, world_size=world, mode="dcp-decode", tp_size=world, topk=MLA.topk
+    )
+    glm5 = Runtime("glm5", group, max_batched_tokens=16, mode="shardq", warmup=False)
+    step = _prefill_step()
+    q = _heads(step.q, dist.get_rank(group), world).contiguous()
+    errors = {}
+    for name, fn in {
+        "too-many-tokens": lambda: rt.prefill(q, step.kv, step.rows, seq_lens=[101], prefix_lens=[0]),
+        "wider-topk": lambda: rt.prefill(
+            q, step.kv, torch.cat([step.rows, step.rows], 1), seq_lens=step.seq_lens, prefix_lens=step.prefix_lens
+        ),
+        "decode-tokens": lambda: rt.check_workspace("decode", "headtp", tokens=9),
+    }.items():
+        try:
+            fn()
+            errors[name] = None
+        except WorkspaceExceededError as e:
+            errors[name] = str(e)
+    out, _ = rt.prefill(q, step.kv, step.rows, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens)  # still fine
+    return {
+        "reserved": reserved,
+        "prefill": {f"prefill.{k}": v for k, v in want_prefill.items.items() if v},
+        "decode": {f"decode.{k}": v for k, v in want_decode.items.items() if v},
+        "dcp": {k: int(t.numel()) for k, t in dcp.workspace.items() if k.startswith("decode.")},
+        "want_dcp": {f"decode.{k}": v for k, v in want_dcp.items.items() if v},
+        "contract": glm5.workspace_needs("prefill", "shardq", 65536, 2048)["prefill.union"] if world == 4 else None,
+        "errors": errors,
+        "out": tuple(out.shape),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4], ids=lambda w: f"world{w}")
+def test_workspace_is_the_planners_bound_and_is_enforced(dist_pool, world_size: int) -> None:
+    res = dist_pool.run(_workspace_body, world_size=world_size)[0]
+    assert res["reserved"] == {**res["prefill"], **res["decode"]}, "reserved exactly the planner's items"
+    assert res["dcp"] == res["want_dcp"]
+    if world_size == 4:  # the contract's example: 65,536 tokens, TP4, G = 2, top-k 2048
+        assert res["contract"] == 134_217_728
+    errors = res["errors"]
+    assert "101 tokens exceeds max_batched_tokens=100" in errors["too-many-tokens"]
+    assert "workspace item 'prefill." in errors["wider-topk"] and "top-k 32" in errors["wider-topk"]
+    assert "9 tokens exceeds max_decode_tokens=8" in errors["decode-tokens"]
+    assert res["out"] == (sum(SEQ), MLA.num_heads // world_size, MLA.v_dim)
+
+
+# -- warm-up ------------------------------------------------------------------------------------------
+def _warmup_body(group, mode: str) -> dict:
+    rt = Runtime("glm5", group, max_batched_tokens=8192, mode=mode, topk=64, warmup=True)
+    world = dist.get_world_size(group)
+    missing = []
+    # every route a step of this Runtime can take on a GPU: both sides of the grouping gate and of
+    # the 24-bit row limit, the ShardQ (all heads) and head-TP (H / W) kernels, with and without topk_length
+    for heads in sorted({64, 64 // world}):
+        for tokens in (1, 1023, 1024, 50_000):
+            for rows in (4096, 2**24 - 2, 2**24 - 1, 2**26):
+                route = route_prefill(heads, num_tokens=tokens, kv_rows=rows, device_type="cuda")
+                for with_len in (False, True):
+                    missing += [k for k in rt.route_keys(route, heads, topk_length=with_len) if k not in rt.warmed_keys]
+    return {"missing": [(k.kernel, k.params) for k in missing], "launches": rt.warmup_launches}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["shardq", "mixed", "pcp"])
+def test_warmup_covers_every_key_the_routes_can_produce(dist_pool, mode: str) -> None:
+    res = dist_pool.run(_warmup_body, mode, world_size=2)[0]
+    assert res["missing"] == []
+    assert res["launches"] > 0
+
+
+@pytest.mark.distributed
+def test_warmup_coverage_check_can_fail(dist_pool) -> None:
+    """A head-TP Runtime never warms the all-heads (ShardQ) kernels: the coverage check sees the gap."""
+    res = dist_pool.run(_warmup_body, "headtp", world_size=2)[0]
+    assert any(kernel == "attention" for kernel, _ in res["missing"])
+
+
+# -- CUDA-graph policy ---------------------------------------------------------------------------------
+def _policy_body(group) -> dict:
+    out: dict[str, str | None] = {}
+
+    def attempt(name: str, rt: Runtime, **kw) -> None:
+        try:
+            rt.check_capture(**kw)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+
+    dcp = Runtime(MLA, group, max_batched_tokens=32, mode="dcp-decode", warmup=False)
+    attempt("cpu-reference", dcp, q_len_per_req=1)
+    triton = Route("triton", 1, "as on a GPU")
+    dcp.__dict__["decode_route"] = triton  # the policy of the route a GPU would take
+    attempt("dcp-single-token", dcp, q_len_per_req=1)
+    attempt("dcp-drafts", dcp, q_len_per_req=2)
+    tp = Runtime(GQA, group, max_batched_tokens=32, mode="headtp", warmup=False)
+    tp.__dict__["decode_route"] = triton
+    attempt("headtp-drafts", tp, q_len_per_req=3)
+    attempt("headtp-ragged", tp, q_len_per_req=2, ragged=True)
+    shardq = Runtime(MLA, group, max_batched_tokens=32, mode="shardq", warmup=False)
+    attempt("shardq-prefill", shardq, step="prefill")
+    out["levels"] = f"{dcp.cudagraph_support().name} {tp.cudagraph_support().name}"
+    return out
+
+
+@pytest.mark.distributed
+def test_cudagraph_policy_refuses_forbidden_captures(dist_pool) -> None:
+    res = dist_pool.run(_policy_body, world_size=2)[0]
+    assert "NEVER" in res["cpu-reference"] and "torch reference" in res["cpu-reference"]
+    assert res["dcp-single-token"] is None
+    assert "q_len_per_req=2" in res["dcp-drafts"] and "UNIFORM_SINGLE_TOKEN_DECODE" in res["dcp-drafts"]
+    assert "dcp_size=2" in res["dcp-drafts"], "the message says why"
+    assert res["headtp-drafts"] is None
+    assert "ragged" in res["headtp-ragged"] and "ALWAYS is needed" in res["headtp-ragged"]
+    assert "prefill" in res["shardq-prefill"] and "NEVER" in res["shardq-prefill"]
+    assert res["levels"] == f"{CGSupport.UNIFORM_SINGLE_TOKEN_DECODE.name} {CGSupport.UNIFORM_BATCH.name}"
+
+
+# -- construction errors ---------------------------------------------------------------------------------
+def _bad_body(group) -> dict:
+    out = {}
+    cases = {
+        "heads": lambda: Runtime(dataclasses.replace(MLA, num_heads=6), group, max_batched_tokens=8, mode="shardq"),
+        "gqa-prefill": lambda: Runtime(GQA, group, max_batched_tokens=8, mode="shardq"),
+        "mode": lambda: Runtime(MLA, group, max_batched_tokens=8, mode="ring"),
+        "tokens": lambda: Runtime(MLA, group, max_batched_tokens=0, mode="shardq"),
+        "spec": lambda: Runtime(42, group, max_batched_tokens=8, mode="shardq"),
+        "no-prefill": lambda: Runtime(MLA, group, max_batched_tokens=8, mode="dcp-decode").plan_prefill([3]),
+    }
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except (TypeError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.distributed
+def test_bad_construction_raises_clear_errors(dist_pool) -> None:
+    res = dist_pool.run(_bad_body, world_size=4)[0]
+    assert "num_heads (6) must be divisible by tp_size (4)" in res["heads"]
+    assert "spec is a GQA model" in res["gqa-prefill"]
+    assert res["mode"].startswith("ValueError: mode must be one of") and "'ring'" in res["mode"]
+    assert "max_batched_tokens must be >= 1" in res["tokens"]
+    assert res["spec"].startswith("TypeError: spec must be a ModelSpec or a preset name")
+    assert "has no prefill step" in res["no-prefill"]
+
+
+def test_modes_are_the_launchers() -> None:
+    from shardattn.launch.cli import MODES as LAUNCH_MODES
+
+    assert MODES == LAUNCH_MODES
+
+
+def _no_lse_body(group) -> dict:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rt = Runtime(GQA, group, max_batched_tokens=32, mode="headtp", decode_lse=False)
+    g = build_gqa_decode(
+        q_heads=8,
+        kv_heads=2,
+        head_dim=16,
+        sinks=True,
+        requests=2,
+        cached=(20, 9),
+        q_lens=(1, 1),
+        dtype=torch.float32,
+        device=CPU,
+        seed=7,
+        shard=DcpShard(1, 1, 0),
+        block_size=16,
+    )
+    hkv = 2 // world
+    k, v = (c[:, :, rank * hkv : (rank + 1) * hkv].contiguous() for c in (g.k_cache, g.v_cache))
+    out, lse = rt.decode(
+        _heads(g.q, rank, world).contiguous(), (k, v), g.block_table, g.seq_lens, q_len_per_req=1, sinks=g.sinks
+    )
+    ref, _ = gqa_paged_decode_reference(
+        g.q, g.k_cache, g.v_cache, g.block_table, g.seq_lens, g.cu_q_lens, sinks=g.sinks, scale=rt.scale
+    )
+    return {"lse": lse, "err": _err(out, _heads(ref, rank, world))}
+
+
+@pytest.mark.distributed
+def test_headtp_decode_without_lse_returns_none(dist_pool) -> None:
+    for res in dist_pool.run(_no_lse_body, world_size=2):
+        assert res["lse"] is None and res["err"] <= 1e-5
