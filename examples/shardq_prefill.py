@@ -10,15 +10,12 @@ and moves the outputs back, so the caller keeps its head-sharded layout.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.topk import convert_topk
+from shardattn.launch.local import run_ranks
 from shardattn.parallel.runtime import Runtime
 
 SEQ_LENS, CACHED, TOPK, PAGE = [96, 64], [32, 0], 32, 64
@@ -65,29 +62,5 @@ def main(group: dist.ProcessGroup) -> None:
         raise SystemExit(f"rank {rank}: error {err} too large")
 
 
-def _spawned(rank: int, world: int, port: int) -> None:
-    nccl = torch.cuda.device_count() >= world  # one GPU per rank, else CPU ranks on gloo
-    if nccl:
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl" if nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        main(dist.group.WORLD)
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # under torchrun: one rank per GPU when there are enough, else CPU ranks
-        nccl = torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"])
-        if nccl:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if nccl else "gloo")
-        main(dist.group.WORLD)
-        dist.destroy_process_group()
-    else:
-        with socket.socket() as s:  # a free port for the rendezvous
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(2, port), nprocs=2)
+    run_ranks(main)  # torchrun's ranks, or 2 spawned ones (one GPU each when there are 2)

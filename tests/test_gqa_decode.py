@@ -4,15 +4,13 @@ GPU) against the reference, FlashInfer XQA against both when installed, and inpu
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from shardattn.kernels.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference
+from shardattn.testing.interpret import run_interpreted
 
 
 @dataclass(frozen=True)
@@ -256,18 +254,11 @@ def interpreted_cases(dtype_name: str) -> None:
             assert_lse_close(lse, ref_lse, atol=1e-4)
 
 
-def run_interpreted(function: str, *args: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    call = f"import {__name__} as m; m.{function}(*{list(args)!r})"
-    proc = subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-
-
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype_name", ["float16", "float32"])
 def test_triton_kernel_matches_reference_under_interpreter(dtype_name):
     pytest.importorskip("triton", reason="the Triton kernel needs triton")
-    run_interpreted("interpreted_cases", dtype_name)
+    run_interpreted(__name__, "interpreted_cases", dtype_name)
 
 
 # ---- GPU: real shapes, poisoned outputs, every backend ----

@@ -4,14 +4,12 @@ reference, empty partials (``-inf``) and all-empty rows, destinations given by t
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from shardattn.kernels.lse_merge import lse_merge, lse_merge_reference
+from shardattn.testing.interpret import run_interpreted
 
 
 def make_partials(p, t, h, d, dtype=torch.float32, device="cpu", seed=0):
@@ -100,10 +98,7 @@ def interpreted_cases(dtype_name: str) -> None:
 @pytest.mark.parametrize("dtype_name", ["float16", "float32"])
 def test_triton_kernel_matches_reference_under_interpreter(dtype_name):
     pytest.importorskip("triton", reason="the Triton kernel needs triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    call = f"import {__name__} as m; m.interpreted_cases({dtype_name!r})"
-    proc = subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_interpreted(__name__, "interpreted_cases", dtype_name)
 
 
 @pytest.mark.gpu

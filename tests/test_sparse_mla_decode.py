@@ -3,15 +3,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_config
+from shardattn.testing.interpret import run_interpreted
 
 # (name, tokens, heads, dim, v_dim, kv rows, topk, topk_length?, sinks?, splits)
 CASES = [
@@ -114,10 +111,7 @@ def interpreted_cases(dtype_name: str) -> None:
 @pytest.mark.parametrize("dtype_name", ["float16", "float32"])
 def test_triton_kernel_matches_reference_under_interpreter(dtype_name):
     pytest.importorskip("triton", reason="the Triton kernel needs triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    call = f"import {__name__} as m; m.interpreted_cases({dtype_name!r})"
-    proc = subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_interpreted(__name__, "interpreted_cases", dtype_name)
 
 
 # ---- GPU: real shapes, poisoned outputs ----

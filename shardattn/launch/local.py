@@ -1,0 +1,65 @@
+"""Run a function on every rank of a small local world: under ``torchrun``, or by spawning ranks.
+
+For scripts and examples: ``run_ranks(main)`` calls ``main(group)`` on each rank, with one GPU per
+rank (NCCL) when there are enough GPUs and CPU ranks (gloo) otherwise. Under ``torchrun`` the
+world is torchrun's; run directly, it spawns ``world_size`` processes that meet on a free
+loopback port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardattn.testing.pool import free_port
+
+#: Seconds a collective may wait for a peer before the rank fails.
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def _join(rank: int, world_size: int, init_method: str | None, timeout_s: float) -> str:
+    nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    if nccl:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    backend = "nccl" if nccl else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return backend
+
+
+def _spawned(rank: int, main: Callable[[dist.ProcessGroup], None], world_size: int, port: int, timeout_s: float):
+    _join(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s)
+    try:
+        main(dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(
+    main: Callable[[dist.ProcessGroup], None], *, world_size: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> None:
+    """Run ``main(group)`` on every rank (torchrun's world, else ``world_size`` spawned ranks).
+
+    Args:
+        main: a module-level function taking the world's ProcessGroup.
+        world_size: ranks to spawn when not under torchrun.
+        timeout_s: collective timeout; a rank whose peer died fails after it instead of hanging.
+    """
+    if "RANK" in os.environ:  # under torchrun
+        _join(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, timeout_s)
+        try:
+            main(dist.group.WORLD)
+        finally:
+            dist.destroy_process_group()
+        return
+    mp.spawn(_spawned, args=(main, world_size, free_port(), timeout_s), nprocs=world_size)
