@@ -38,6 +38,8 @@ from shardattn.kernels.union import build_union
 try:  # Triton is optional: without it every path runs the torch reference.
     import triton
     import triton.language as tl
+
+    from shardattn.kernels.online_softmax import online_softmax_finish, online_softmax_step
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
@@ -327,20 +329,14 @@ if triton is not None:
                 else:
                     s += tl.dot(q_pe, tl.trans(k_pe))
             s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
             if IEEE:
                 pv = tl.dot(p.to(k_nope.dtype), k_nope, input_precision="ieee")
             else:
                 pv = tl.dot(p.to(k_nope.dtype), k_nope)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        has = l_i > 0
-        res = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        res, lse = online_softmax_finish(acc, m_i, l_i)
         o_ptrs = Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
         tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
         tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)

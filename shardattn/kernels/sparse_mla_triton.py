@@ -30,6 +30,8 @@ from shardattn.kernels.union import build_union, num_groups
 try:
     import triton
     import triton.language as tl
+
+    from shardattn.kernels.online_softmax import online_softmax_finish, online_softmax_step
 except ImportError:  # the torch reference still works
     triton = None
 
@@ -134,11 +136,7 @@ if triton is not None:
             else:
                 member = (qj[:, None] >= 0) & n_ok[None, :]
             s = tl.where(member, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_sub[:, None])
-            alpha = tl.math.exp2(m_i - m_sub)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(k_nope.dtype), k_nope, acc, input_precision=PREC)
             m_i = m_new
@@ -150,9 +148,7 @@ if triton is not None:
             l_i = l_i * alpha + tl.math.exp2(sink - m_f)
             acc = acc * alpha[:, None]
             m_i = m_f
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        out = acc / l_safe[:, None]
-        lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        out, lse = online_softmax_finish(acc, m_i, l_i)
         o_ptr = OUT + t[:, None] * stride_ot + h[:, None] * stride_oh + dv[None, :]
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
         tl.store(LSE + t * stride_lt + h * stride_lh, lse, mask=row_ok)
