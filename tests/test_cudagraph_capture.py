@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from shardattn.plan.cudagraph import CGSupport
 
 from shardattn.parallel.cudagraph import GraphInput, GraphRunner, check_capture_allowed
+from shardattn.plan.cudagraph import CGSupport
 
 
 @pytest.mark.parametrize(

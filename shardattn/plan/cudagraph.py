@@ -9,8 +9,9 @@ Levels, weakest first: ``NEVER < UNIFORM_SINGLE_TOKEN_DECODE < UNIFORM_BATCH < A
 ===========  ==============  ===============================================================
 mode         kernel          level
 ===========  ==============  ===============================================================
-``decode``   triton          UNIFORM_BATCH (causal and non-causal drafts, uniform or ragged
-                             q_len padded to the graph batch)
+``decode``   triton          UNIFORM_BATCH (causal and non-causal drafts; every request
+                             of a captured batch has the same q_len, padded requests of
+                             length 0 included; ragged batches would need ALWAYS)
 ``decode``   flashinfer-xqa  UNIFORM_BATCH if :func:`xqa_head_dim_supported`, else
                              UNIFORM_SINGLE_TOKEN_DECODE (XQA is not selected then)
 ``decode``   trtllm-gen      UNIFORM_BATCH for causal drafts; non-causal drafts:
