@@ -125,8 +125,11 @@ def test_main_job_four_ranks_prints_the_table_and_checks_itself(tmp_path) -> Non
 @pytest.mark.distributed
 def test_gqa_speculative_decode_two_ranks(tmp_path) -> None:
     path = tmp_path / "r.json"
-    proc, _ = _torchrun(2, "--preset", "gqa-64-8", "--q-len", "1,3", "--cached", "60,37", "--json", str(path))
+    proc, _ = _torchrun(
+        2, "--preset", "gqa-64-8", "--q-len", "1,3", "--cached", "60,37", "--json", str(path), "--profile"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("profile of one decode step on rank 0") == 1, proc.stdout  # rank 0 only
     report = json.loads(path.read_text())
     assert report["config"]["mode"] == "dcp-decode" and report["passed"]
     assert [(r["rank"], r["step"], r["tokens"]) for r in report["rows"]] == [(0, "decode", 4), (1, "decode", 4)]

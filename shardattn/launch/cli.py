@@ -85,6 +85,7 @@ class Options:
     device: str = "auto"
     dtype: str = "auto"
     progress: bool = True
+    profile: bool = False
     fail_rank: int | None = None
     fail_at: str = "step"
 
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", choices=DEVICES, default="auto", help="cuda when a GPU is visible, else cpu (default auto)")
     a("--dtype", choices=DTYPES, default="auto", help="activation dtype (default: bf16 GPU, fp32 CPU)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    a("--profile", action="store_true", help="after timing, profile one more step per rank and print rank 0's top ops")
     a("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # debug: this rank dies
     a("--fail-at", choices=FAIL_POINTS, default="step", help=argparse.SUPPRESS)
     return p

@@ -463,6 +463,25 @@ def _time(prep: _Prepared, cfg: RunConfig, control: dist.ProcessGroup, progress:
     return times, result
 
 
+def _profile(prep: _Prepared, cfg: RunConfig, control: dist.ProcessGroup, rank: int) -> None:
+    """``--profile``: one more step under torch.profiler; rank 0 prints its busiest host ops.
+
+    Host-side calls (kernel launches, synchronisations, copies to the host) show where a step's
+    time goes when the device is not the bottleneck.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cfg.device.type == "cuda" else [])
+    dist.barrier(group=control)
+    _sync(cfg.device)
+    with profile(activities=activities) as prof:
+        prep.call(False)
+        _sync(cfg.device)
+    if rank == 0:
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+        print(f"profile of one {prep.step} step on rank 0 ({prep.path}):\n{table}", flush=True)
+
+
 def _error(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]) -> float:
     """Largest output error, and LSE error relative to ``max(1, |lse|)``; inf when -inf patterns differ.
 
@@ -532,6 +551,8 @@ def run(cfg: RunConfig, groups: LaunchGroups) -> int:
             if cfg.opts.fail_rank == rank and cfg.opts.fail_at == "step":
                 os._exit(EXIT_INJECTED)  # debug: die right before the step's first collective
             times, result = _time(prep, cfg, groups.control, progress)
+            if cfg.opts.profile:
+                _profile(prep, cfg, groups.control, rank)
             if cfg.check:
                 errors = _check(prep, result, rt, groups.control)
                 if errors is not None:
