@@ -70,6 +70,7 @@ CPU = torch.device("cpu")
         (["--mode", "dcp-decode", "--topk-file", "x.pt"], 2, r"--topk-file holds prefill top-k"),
         (["--overlap", "1.5"], 2, r"overlap as a number must be in \[0, 1\], got 1.5"),
         (["--overlap", "lots"], 2, r"overlap must be one of \['dsa', 'dsa_low', 'random'\]"),
+        (["--graph"], 2, r"--graph captures CUDA graphs and needs a GPU per rank"),
     ],
     ids=[
         "heads-3",
@@ -84,6 +85,7 @@ CPU = torch.device("cpu")
         "topk-file-decode",
         "overlap-range",
         "overlap-name",
+        "graph-needs-gpu",
     ],
 )
 def test_impossible_configuration_is_one_line(argv: list[str], world: int, match: str) -> None:

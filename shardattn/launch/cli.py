@@ -86,6 +86,7 @@ class Options:
     dtype: str = "auto"
     progress: bool = True
     profile: bool = False
+    graph: bool = False
     fail_rank: int | None = None
     fail_at: str = "step"
 
@@ -147,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", choices=DEVICES, default="auto", help="cuda when a GPU is visible, else cpu (default auto)")
     a("--dtype", choices=DTYPES, default="auto", help="activation dtype (default: bf16 GPU, fp32 CPU)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    a(
+        "--graph",
+        action="store_true",
+        help="GPU: also capture the decode step in a CUDA graph (where the policy allows) and time its replays",
+    )
     a("--profile", action="store_true", help="after timing, profile one more step per rank and print rank 0's top ops")
     a("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # debug: this rank dies
     a("--fail-at", choices=FAIL_POINTS, default="step", help=argparse.SUPPRESS)

@@ -175,6 +175,10 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
         dtype = torch.bfloat16 if on_gpu else torch.float32
     else:
         dtype = _DTYPES[opts.dtype]
+    if opts.graph and not on_gpu:
+        raise _fail("--graph captures CUDA graphs and needs a GPU per rank")
+    if opts.graph and "decode" not in steps:
+        raise _fail(f"--graph captures the decode step; mode {mode} has none")
     check = (not on_gpu) if opts.check is None else opts.check
     iters = opts.iters if opts.iters is not None else (20 if on_gpu else 3)
     min_shard = opts.min_shard_tokens if opts.min_shard_tokens is not None else (DEFAULT_MIN_TOKENS if on_gpu else 1)
@@ -463,6 +467,46 @@ def _time(prep: _Prepared, cfg: RunConfig, control: dist.ProcessGroup, progress:
     return times, result
 
 
+def _graph_row(
+    prep: _Prepared, cfg: RunConfig, rt: Runtime, control: dist.ProcessGroup, rank: int, eager: Any
+) -> dict[str, Any]:
+    """``--graph``: capture the decode step once (the Runtime's policy decides whether it may: a
+    forbidden capture raises its ValueError), time ``--iters`` replays like the eager step, and
+    require a replay to equal the eager output bitwise (so the eager step's check covers it)."""
+    from shardattn.parallel.cudagraph import DecodeGraph
+
+    q_lens = cfg.shape.q_lens
+    rt.check_capture("decode", q_len_per_req=max(q_lens), ragged=len(set(q_lens)) > 1)
+    dist.barrier(group=control)
+    graph = DecodeGraph(lambda: prep.call(False), {})  # the step's inputs are fixed tensors here
+    replayed = graph.replay()
+    _sync(cfg.device)
+    if not all(torch.equal(a, b) for a, b in zip(replayed, eager) if a is not None):
+        raise RuntimeError(f"rank {rank}: the CUDA graph replay of the decode step differs from the eager step")
+    times = []
+    for _ in range(cfg.iters):
+        dist.barrier(group=control)
+        _sync(cfg.device)
+        t0 = time.perf_counter()
+        graph.replay()
+        _sync(cfg.device)
+        times.append(time.perf_counter() - t0)
+    med, p10, p90 = summarize_times(times)
+    return {
+        "rank": rank,
+        "step": "decode",
+        "path": f"{prep.path} (graph)",
+        "reason": f"CUDA graph replay ({rt.cudagraph_support('decode').name}), bitwise equal to the eager step",
+        "tokens": prep.tokens,
+        "time_ms": med,
+        "time_p10_ms": p10,
+        "time_p90_ms": p90,
+        "union_ratio": prep.union,
+        "tflops": None,
+        "gbytes_per_s": prep.work / (med * 1e-3) / 1e9 if med > 0 else math.nan,
+    }
+
+
 def _profile(prep: _Prepared, cfg: RunConfig, control: dist.ProcessGroup, rank: int) -> None:
     """``--profile``: one more step under torch.profiler; rank 0 prints its busiest host ops.
 
@@ -574,6 +618,8 @@ def run(cfg: RunConfig, groups: LaunchGroups) -> int:
                     "gbytes_per_s": rate / 1e9 if kind == "decode" else None,
                 }
             )
+            if cfg.opts.graph and kind == "decode":  # after the eager row; its check applies (bitwise equal)
+                rows.append(_graph_row(prep, cfg, rt, groups.control, rank, result))
     finally:
         if progress is not None:
             progress.stop()
