@@ -36,7 +36,7 @@ import math
 import torch
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_int, check_same_device, check_tensor
-from shardattn.kernels.lse_merge import launch_lse_merge
+from shardattn.kernels.lse_merge import launch_lse_merge, split_partials, split_partials_numel
 from shardattn.kernels.registry import unsupported_reason, use_triton
 from shardattn.kernels.sparse_mla import sparse_mla_reference
 
@@ -190,9 +190,7 @@ def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_
 
 def gqa_decode_workspace_numel(total_q: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
     """fp32 elements the split-KV path needs (partial outputs and LSEs); 0 when not split."""
-    if num_splits <= 1:
-        return 0
-    return num_splits * total_q * num_q_heads * (head_dim + 1)
+    return split_partials_numel(num_splits, total_q, num_q_heads, head_dim)
 
 
 @functools.lru_cache(maxsize=16)
@@ -252,13 +250,7 @@ def _run_triton(
     num_splits = triton.cdiv(max(1, max_kv), chunk)
     ragged = cu_q_lens is not None
     if num_splits > 1:
-        need = gqa_decode_workspace_numel(total_q, hq, d, num_splits)
-        if workspace is None:
-            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
-        elif workspace.numel() < need or workspace.dtype != torch.float32 or workspace.device != q.device:
-            raise ValueError(f"workspace must be a float32 tensor on {q.device} with >= {need} elements")
-        part_out = workspace[: num_splits * total_q * hq * d].view(num_splits, total_q, hq, d)
-        part_lse = workspace[num_splits * total_q * hq * d : need].view(num_splits, total_q, hq)
+        part_out, part_lse = split_partials(workspace, num_splits, total_q, hq, d, q.device)
         if ragged:
             part_lse.fill_(-math.inf)  # rows of no request stay empty
         dst_out, dst_lse = part_out, part_lse

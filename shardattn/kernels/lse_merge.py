@@ -153,6 +153,38 @@ def lse_merge(
     return out, lse_out
 
 
+def split_partials_numel(num_splits: int, tokens: int, heads: int, dim: int) -> int:
+    """fp32 elements a split-KV kernel needs for its partial outputs and LSEs (0 when not split)."""
+    if num_splits <= 1:
+        return 0
+    return num_splits * tokens * heads * (dim + 1)
+
+
+def split_partials(
+    workspace: torch.Tensor | None, num_splits: int, tokens: int, heads: int, dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of ``workspace`` (allocated when ``None``) for a split-KV kernel's partial results.
+
+    Args:
+        workspace: fp32 buffer of at least :func:`split_partials_numel` elements on ``device``, or None.
+        num_splits, tokens, heads, dim: the partials' shape.
+    Returns:
+        ``(outs [num_splits, tokens, heads, dim], lses [num_splits, tokens, heads])`` fp32, to be
+        merged by :func:`launch_lse_merge`.
+    Raises:
+        ValueError: ``workspace`` is too small, not fp32 or on another device.
+    """
+    need = split_partials_numel(num_splits, tokens, heads, dim)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=device)
+    elif workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != device:
+        raise ValueError(f"workspace must be a float32 tensor on {device} with >= {need} elements")
+    n_out = num_splits * tokens * heads * dim
+    outs = workspace[:n_out].view(num_splits, tokens, heads, dim)
+    lses = workspace[n_out:need].view(num_splits, tokens, heads)
+    return outs, lses
+
+
 def launch_lse_merge(
     outs: torch.Tensor,
     lses: torch.Tensor,

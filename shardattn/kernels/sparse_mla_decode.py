@@ -30,7 +30,7 @@ import functools
 import torch
 
 from shardattn._checks import check_int, check_tensor
-from shardattn.kernels.lse_merge import launch_lse_merge
+from shardattn.kernels.lse_merge import launch_lse_merge, split_partials
 from shardattn.kernels.registry import use_triton
 from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, join_q, sparse_mla_reference
 from shardattn.kernels.union import build_union
@@ -184,13 +184,7 @@ def sparse_mla_decode(
         cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
     splits = cfg["num_splits"]
     if splits > 1:
-        need = splits * t * h * (v_dim + 1)
-        if workspace is None:
-            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
-        elif workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != q.device:
-            raise ValueError(f"workspace must be a float32 tensor on {q.device} with >= {need} elements")
-        dst_out = workspace[: splits * t * h * v_dim].view(splits, t, h, v_dim)
-        dst_lse = workspace[splits * t * h * v_dim : need].view(splits, t, h)
+        dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device)
         s_os, s_ls = dst_out.stride(0), dst_lse.stride(0)
     else:
         dst_out, dst_lse, s_os, s_ls = out, lse_out, 0, 0
