@@ -12,7 +12,7 @@ for tests.
 Example:
     >>> keys = compile_keys(PrefillSpec(heads=8, topk=2048))
     >>> sorted({k.kernel for k in keys})
-    ['attention', 'convert_topk', 'union_compact', 'union_keys']
+    ['attention', 'convert_topk', 'union_compact', 'union_keys', 'union_merge']
     >>> sorted(k.params["G"] for k in keys if k.kernel == "attention")
     [1, 8]
 """
@@ -26,7 +26,7 @@ import torch
 from shardattn.kernels.sparse_mla_grouped import default_group_size
 from shardattn.kernels.sparse_mla_triton import tile_config
 from shardattn.kernels.topk import convert_topk_config
-from shardattn.kernels.union import union_launch_config
+from shardattn.kernels.union import UNION_METHOD, union_launch_config
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,13 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
     keys = [CompileKey("convert_topk", convert_topk_config(spec.topk, spec.seq_lens, spec.topk_length, spec.dcp))]
     for group in sorted({g, 1}):
         cfg = union_launch_config(group, spec.topk)
-        keys.append(CompileKey("union_keys", {"G": group, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
-        keys.append(CompileKey("union_compact", {"G": group, "CHUNK": cfg["CHUNK"]}))
+        if group == 1 or UNION_METHOD[group] == "sort":
+            keys.append(CompileKey("union_keys", {"G": group, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
+            keys.append(CompileKey("union_compact", {"G": group, "CHUNK": cfg["CHUNK"]}))
+        else:  # "merge": the per-query row lists (the G = 1 keys above) and one merge per level
+            for level, steps in enumerate(cfg["MERGE_STEPS"]):
+                params = {"G": group, "PLAIN": level == 0, "STEPS": steps, "CHUNK": cfg["MERGE_CHUNK"]}
+                keys.append(CompileKey("union_merge", params))
         tile = tile_config(spec.heads, group)
         keys.append(
             CompileKey(
