@@ -53,11 +53,12 @@ from shardattn.kernels.gqa_decode import gqa_paged_decode
 from shardattn.kernels.registry import device_capability
 from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
 from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-from shardattn.kernels.topk import DcpShard, convert_topk
+from shardattn.kernels.topk import convert_topk
 from shardattn.kernels.warmup import CompileKey, PrefillSpec, compile_keys, warmup
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.cudagraph import GraphInput, GraphRunner, check_capture_allowed
 from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
+from shardattn.parallel.decode_warmup import GQA_BACKEND, warm_up_decode
 from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan.context import DCPLayout
@@ -86,8 +87,6 @@ DECODE_STEP: dict[str, str] = {
     "dcp-decode": "dcp",
     "mixed": "dcp",
 }
-#: Decode route path -> ``backend`` argument of the GQA decode kernel.
-_GQA_BACKEND = {"triton": "triton", "flashinfer-xqa": "flashinfer", "reference": "reference"}
 
 
 def _sparse_decode_attention(
@@ -230,6 +229,11 @@ class Runtime:
 
     # -- description ---------------------------------------------------------------------------
     @property
+    def decode_is_dcp(self) -> bool:
+        """Decode steps split the KV cache over the group (DCP) rather than the heads (head-TP)."""
+        return DECODE_STEP[self.mode] == "dcp"
+
+    @property
     def workspace_bytes(self) -> int:
         """Bytes reserved for the workspace, all items together."""
         return sum(int(t.numel()) for t in self.workspace.values())
@@ -355,14 +359,14 @@ class Runtime:
         if self.device.type == "cuda":
             major, minor = device_capability(self.device.index or 0)
             sm = major * 10 + minor
-        dcp = self.world_size if DECODE_STEP[self.mode] == "dcp" else 1
+        dcp = self.world_size if self.decode_is_dcp else 1
         return route_decode(
             self.spec,
             device_type=self.device,
             sm=sm,
             dcp_size=dcp,
             xqa_installed=self.device.type == "cuda" and get_xqa() is not None,
-            need_lse=self.decode_lse or dcp > 1 or DECODE_STEP[self.mode] == "dcp",
+            need_lse=self.decode_lse or dcp > 1 or self.decode_is_dcp,
             non_causal=self.non_causal,
         )
 
@@ -377,7 +381,7 @@ class Runtime:
         check_choice("step", step, ("decode", "prefill"))
         if step == "decode":
             kernel = self.decode_route.path
-            dcp = self.world_size if DECODE_STEP[self.mode] == "dcp" else 1
+            dcp = self.world_size if self.decode_is_dcp else 1
             return explain_cudagraph_support(
                 "decode", kernel, head_dim=self.spec.head_dim, dcp_size=dcp, non_causal=self.non_causal
             )
@@ -478,78 +482,8 @@ class Runtime:
         return launches
 
     def _warmup_decode(self) -> int:
-        """Run this Runtime's decode kernels locally (no collective) on tiny inputs, the way its steps call them.
-
-        Covers: top-k conversion with this mode's flags (DCP shard or not, with and without
-        ``topk_length``), the decode kernel at 1, 2 and ``max_decode_tokens`` query tokens (unsplit
-        and split-KV, so the LSE merge too), with and without sinks where a step may pass them
-        (under DCP only rank 0 does), and for GQA head-TP uniform and ragged drafts. The decode
-        kernels publish no compile-key list (unlike prefill), so this mirrors their call sites.
-        """
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        dcp = DECODE_STEP[self.mode] == "dcp"
-        d, page = self.spec.head_dim, self.spec.page_size
-        h = self.spec.num_heads if dcp else self.heads_per_rank
-        on_gpu = self.device.type == "cuda"
-        sizes = sorted({1, 2, self.max_decode_tokens}) if on_gpu else [2]  # nothing compiles on the CPU
-        dev, dt = self.device, self.dtype
-        launches = 0
-
-        def randn(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=gen).to(dev, dt)
-
-        if self.spec.kind == "sparse_mla":
-            kv = randn(4 * page, d)
-            table = torch.arange(4, dtype=torch.int32, device=dev)[None, :]
-            seq = torch.tensor([4 * page], dtype=torch.int32, device=dev)
-            shard = DcpShard(self.world_size, self.layout.interleave, self.rank) if dcp else None
-            sink_options = (None, torch.zeros(h, device=dev)) if self.spec.has_sinks else (None,)
-            for t in sizes:
-                q = randn(t, h, d)
-                pos = torch.randint(-1, 4 * page, (t, self.topk), generator=gen, dtype=torch.int32).to(dev)
-                req = torch.zeros(t, dtype=torch.int32, device=dev)
-                for length in (None, torch.full((t,), max(1, self.topk // 2), dtype=torch.int32, device=dev)):
-                    rows, _ = convert_topk(
-                        pos, req, table, block_size=page, seq_lens=seq, topk_length=length, dcp=shard
-                    )
-                    launches += 1
-                for sinks in sink_options:
-                    sparse_mla_decode(q, kv, rows, scale=self.scale, v_dim=self.spec.v_dim, sinks=sinks)
-                    launches += 1
-            return launches
-        hkv = self.spec.num_kv_heads if dcp else max(1, self.spec.num_kv_heads // self.world_size)
-        k = randn(2, page, hkv, d)
-        lse = self.decode_lse or dcp
-        backend = _GQA_BACKEND[self.decode_route.path]
-        sink_options = (None, torch.zeros(h, device=dev)) if self.spec.has_sinks else (None,)
-        for t in sizes:
-            table = torch.zeros(t, 1, dtype=torch.int32, device=dev)
-            lens = torch.full((t,), min(page, 3), dtype=torch.int32, device=dev)
-            for sinks in sink_options:
-                q = randn(t, h, d)
-                gqa_paged_decode(q, k, k, table, lens, q_len_per_req=1, sinks=sinks, return_lse=lse, backend=backend)
-                launches += 1
-                if not dcp and t > 1:  # head-TP drafts: uniform pairs and a ragged batch
-                    pairs = torch.zeros(t // 2, 1, dtype=torch.int32, device=dev)
-                    qq = randn(t // 2 * 2, h, d)
-                    gqa_paged_decode(
-                        qq, k, k, pairs, lens[: t // 2], q_len_per_req=2, sinks=sinks, return_lse=lse, backend=backend
-                    )
-                    cu = torch.arange(t // 2 + 1, dtype=torch.int32, device=dev) * 2
-                    gqa_paged_decode(
-                        qq,
-                        k,
-                        k,
-                        pairs,
-                        lens[: t // 2],
-                        cu_q_lens=cu,
-                        max_q_len=2,
-                        sinks=sinks,
-                        return_lse=lse,
-                        backend=backend,
-                    )
-                    launches += 2
-        return launches
+        """Run the decode kernels on tiny inputs (:func:`~shardattn.parallel.decode_warmup.warm_up_decode`)."""
+        return warm_up_decode(self)
 
     # -- steps ---------------------------------------------------------------------------------
     def _attention(
@@ -725,7 +659,7 @@ class Runtime:
             ``(out [T, H/W, v_dim], lse [T, H/W] fp32)``: the rank's heads, merged over every shard
             (``lse`` is ``None`` for a Runtime built with ``decode_lse=False``).
         """
-        dcp = DECODE_STEP[self.mode] == "dcp"
+        dcp = self.decode_is_dcp
         k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.topk
         self.check_workspace("decode", DECODE_STEP[self.mode], tokens=int(q.shape[0]), topk=k)
         page = self.spec.page_size
@@ -766,7 +700,7 @@ class Runtime:
         if not (isinstance(kv_cache, tuple | list) and len(kv_cache) == 2):
             raise TypeError("kv_cache of a GQA model must be a (k_cache, v_cache) pair")
         k_cache, v_cache = kv_cache
-        backend = _GQA_BACKEND[self.decode_route.path]
+        backend = GQA_BACKEND[self.decode_route.path]
         if dcp:
             return dcp_gqa_decode(
                 q,
