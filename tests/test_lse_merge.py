@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardattn.kernels.lse_merge import lse_merge, lse_merge_reference
 from shardattn.testing.interpret import run_interpreted
@@ -111,3 +113,32 @@ def test_triton_kernel_on_gpu(p, dtype):
     lse_merge(outs, lses, out=out, lse_out=lse)
     ref_out, ref_lse = lse_merge_reference(outs, lses)
     assert_merged(out, lse, ref_out.float(), ref_lse, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    parts=st.integers(2, 6),
+    split=st.integers(1, 5),
+    empty=st.lists(st.booleans(), min_size=6, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_merge_of_merges_equals_one_merge(parts: int, split: int, empty: list[bool], seed: int) -> None:
+    """Merging is associative: two partial merges merged again give the one-shot merge (the
+    collector relies on this when ranks merge their own partials first)."""
+    split = min(split, parts - 1)
+    g = torch.Generator().manual_seed(seed)
+    outs = torch.randn(parts, 5, 3, 8, generator=g, dtype=torch.float64)
+    lses = torch.randn(parts, 5, 3, generator=g, dtype=torch.float64) * 4
+    for i, e in enumerate(empty[:parts]):
+        if e:
+            lses[i] = -math.inf  # a partial with no key at all
+    lses[:, 0] = -math.inf  # a row empty in every partial
+    weights_lse = lses.float()
+    one_out, one_lse = lse_merge_reference(outs, weights_lse)
+    a_out, a_lse = lse_merge_reference(outs[:split], weights_lse[:split])
+    b_out, b_lse = lse_merge_reference(outs[split:], weights_lse[split:])
+    two_out, two_lse = lse_merge_reference(torch.stack([a_out, b_out]), torch.stack([a_lse, b_lse]))
+    assert not torch.isnan(two_out).any() and not torch.isnan(two_lse).any()
+    torch.testing.assert_close(two_out, one_out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(two_lse, one_lse, atol=1e-5, rtol=0)
+    assert bool((one_out[0] == 0).all()) and bool(torch.isneginf(one_lse[0]).all())
