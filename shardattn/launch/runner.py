@@ -45,7 +45,7 @@ from shardattn.launch.process_group import LaunchGroups
 from shardattn.launch.report import RankRow, Report, render, summarize_times, write_json
 from shardattn.launch.workloads import build_decode, build_gqa_decode, build_prefill, overlap_model
 from shardattn.parallel.comm import Comm, stable_fingerprint
-from shardattn.parallel.runtime import DECODE_STEP, Runtime
+from shardattn.parallel.runtime import Runtime
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
 from shardattn.workload import load_topk_dump, union_ratio
@@ -337,7 +337,7 @@ def _prepare_prefill(cfg: RunConfig, rt: Runtime) -> _Prepared:
 
 def _prepare_decode(cfg: RunConfig, rt: Runtime) -> _Prepared:
     s, spec = cfg.shape, cfg.spec
-    dcp = DECODE_STEP[cfg.mode] == "dcp"
+    dcp = rt.decode_is_dcp
     shard = DcpShard(rt.world_size if dcp else 1, rt.layout.interleave if dcp else 1, rt.rank if dcp else 0)
     elem = torch.finfo(cfg.dtype).bits // 8
     route = rt.decode_route
