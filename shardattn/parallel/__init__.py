@@ -11,7 +11,11 @@
   split over ranks, q heads all-gathered, partials merged by the collector.
 * :mod:`~shardattn.parallel.pcp`        :func:`pcp_prefill`: zigzag query tokens, new KV all-gathered.
 * :mod:`~shardattn.parallel.cudagraph`  CUDA-graph capture of decode steps.
-* :mod:`~shardattn.parallel.runtime`    :class:`Runtime`: workspace, warm-up, routing, graph policy.
+* :mod:`~shardattn.parallel.runtime`    :class:`Runtime`: workspace, warm-up, routing, graph policy;
+  its parts: :mod:`~shardattn.parallel.modes` (which step each mode runs),
+  :mod:`~shardattn.parallel.runtime_workspace` (reserved buffers and checks),
+  :mod:`~shardattn.parallel.prefill_attention` (the prefill kernel call over the union workspace),
+  :mod:`~shardattn.parallel.runtime_decode` (the decode step), :mod:`~shardattn.parallel.decode_warmup`.
 
 ``Runtime`` and the CUDA-graph helpers load on first use (they pull in every kernel).
 """
@@ -29,8 +33,8 @@ from shardattn.parallel.shardq import shardq_prefill
 _LAZY = {
     "Runtime": "shardattn.parallel.runtime",
     "PrefillPlan": "shardattn.parallel.runtime",
-    "WorkspaceExceededError": "shardattn.parallel.runtime",
-    "MODES": "shardattn.parallel.runtime",
+    "WorkspaceExceededError": "shardattn.parallel.runtime_workspace",
+    "MODES": "shardattn.parallel.modes",
     "DecodeGraph": "shardattn.parallel.cudagraph",
     "GraphInput": "shardattn.parallel.cudagraph",
     "GraphRunner": "shardattn.parallel.cudagraph",

@@ -21,17 +21,10 @@ Construction does everything that must not happen mid-serving:
 
 Steps are routed by the planner (:func:`~shardattn.plan.routing.route_prefill` /
 :func:`~shardattn.plan.routing.route_decode`: path, group size, reason) and run by the mode's
-parallel step:
-
-==============  ============================================  =================================
-mode            prefill                                        decode
-==============  ============================================  =================================
-``shardq``      ShardQ (head-TP below the planner's gate)      head-TP
-``headtp``      head-TP                                        head-TP
-``pcp``         PCP (zigzag tokens, KV all-gather)             DCP
-``dcp-decode``  none (raises)                                  DCP
-``mixed``       ShardQ (head-TP below the planner's gate)      DCP
-==============  ============================================  =================================
+parallel step (the table is in :mod:`shardattn.parallel.modes`). The workspace lives in
+:mod:`~shardattn.parallel.runtime_workspace`, the prefill kernel call over it in
+:mod:`~shardattn.parallel.prefill_attention`, the decode warm-up in
+:mod:`~shardattn.parallel.decode_warmup`.
 
 A Runtime keeps no global state: its group, buffers, routes and counters live on the object,
 so several Runtimes (different groups, different models) work side by side in one process.
@@ -49,56 +42,28 @@ import torch.distributed as dist
 
 from shardattn._checks import check_choice, check_int
 from shardattn.kernels.flashinfer_xqa import get_xqa
-from shardattn.kernels.gqa_decode import gqa_paged_decode
 from shardattn.kernels.registry import device_capability
-from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
-from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-from shardattn.kernels.topk import convert_topk
+from shardattn.kernels.topk import DcpShard
 from shardattn.kernels.warmup import CompileKey, PrefillSpec, compile_keys, warmup
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.cudagraph import GraphInput, GraphRunner, check_capture_allowed
-from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
-from shardattn.parallel.decode_warmup import GQA_BACKEND, warm_up_decode
+from shardattn.parallel.decode_warmup import warm_up_decode
+from shardattn.parallel.modes import DECODE_STEP, GQA_BACKEND, MODES, PREFILL_STEP
 from shardattn.parallel.pcp import pcp_prefill
+from shardattn.parallel.prefill_attention import workspace_prefill_attention
+from shardattn.parallel.runtime_decode import DecodeStep
+from shardattn.parallel.runtime_workspace import RuntimeWorkspace, WorkspaceExceededError
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.cudagraph import CGSupport, explain_cudagraph_support
 from shardattn.plan.pcp import pcp_plan
 from shardattn.plan.routing import Route, grouped_group_size, route_decode, route_prefill
 from shardattn.plan.spec import ModelSpec, get_preset
-from shardattn.plan.workspace import workspace_bounds
 from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS, ShardPlan, zigzag_split
 
 __all__ = ["DECODE_STEP", "MODES", "PREFILL_STEP", "PrefillPlan", "Runtime", "WorkspaceExceededError"]
 
-MODES = ("shardq", "headtp", "pcp", "dcp-decode", "mixed")
-#: The parallel step each mode's prefill / decode runs (``None``: the mode has no prefill).
-PREFILL_STEP: dict[str, str | None] = {
-    "shardq": "shardq",
-    "headtp": "headtp",
-    "pcp": "pcp",
-    "dcp-decode": None,
-    "mixed": "shardq",
-}
-DECODE_STEP: dict[str, str] = {
-    "shardq": "headtp",
-    "headtp": "headtp",
-    "pcp": "dcp",
-    "dcp-decode": "dcp",
-    "mixed": "dcp",
-}
-
-
-def _sparse_decode_attention(
-    q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, *, return_lse: bool = True, **kwargs: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode` called like ``sparse_mla_attention``
-    (it always returns the LSE, which DCP needs)."""
-    return sparse_mla_decode(q, kv, rows, **kwargs)
-
-
-class WorkspaceExceededError(ValueError):
-    """A step needs more of a workspace item than the Runtime reserved for its config."""
+_EMPTY_WS = torch.empty(0, dtype=torch.uint8)  # a route without a union (reference path) reads no workspace
 
 
 @dataclass(frozen=True)
@@ -218,10 +183,18 @@ class Runtime:
         self.max_kv_rows = check_int("max_kv_rows", rows, minimum=1)
         self.scale = self.spec.head_dim**-0.5
 
-        self.bounds = self._reservation()
-        self.workspace: dict[str, torch.Tensor] = {
-            name: torch.empty(nbytes, dtype=torch.uint8, device=self.device) for name, nbytes in self.bounds.items()
-        }  # reserved once, never reallocated: {"prefill.union": ..., "decode.packed_q": ...}
+        self.ws = RuntimeWorkspace(
+            self.spec,
+            mode,
+            self.world_size,
+            device=self.device,
+            max_batched_tokens=self.max_batched_tokens,
+            max_decode_tokens=self.max_decode_tokens,
+            min_shard_tokens=self.min_shard_tokens,
+            topk=self.topk,
+        )
+        self.bounds = self.ws.bounds
+        self.workspace = self.ws.buffers  # reserved once, never reallocated: {"prefill.union": ..., ...}
         self.warmed_keys: frozenset[CompileKey] = frozenset()
         self.warmup_launches = 0
         if warmup:
@@ -236,7 +209,7 @@ class Runtime:
     @property
     def workspace_bytes(self) -> int:
         """Bytes reserved for the workspace, all items together."""
-        return sum(int(t.numel()) for t in self.workspace.values())
+        return self.ws.nbytes
 
     def __repr__(self) -> str:
         return (
@@ -245,70 +218,14 @@ class Runtime:
         )
 
     # -- workspace -----------------------------------------------------------------------------
-    def _cases(self, kind: str, step: str, tokens: int, topk: int) -> list[tuple[str, int, int, int]]:
-        """``(workspace mode, tokens, world_size, tp_size)`` of the planner's bounds for a step."""
-        w = self.world_size
-        if kind == "decode":
-            # DCP: the group is the TP group (each rank holds H/W heads, gathers all H);
-            # head-TP decode: no peers, H/W heads
-            return [("dcp-decode", tokens, w, w)] if step == "dcp" else [("dcp-decode", tokens, 1, w)]
-        if step == "pcp":
-            return [("pcp", tokens, w, 1)]
-        return [(step, tokens, w, 1)]
-
     def workspace_needs(self, kind: str, step: str, tokens: int, topk: int) -> dict[str, int]:
-        """``{"<kind>.<item>": bytes}`` the planner bounds for one step of ``tokens`` tokens and top-k ``topk``."""
-        need: dict[str, int] = {}
-        k = topk if self.spec.kind == "sparse_mla" else 0
-        for ws_mode, m, w, tp in self._cases(kind, step, tokens, topk):
-            bounds = workspace_bounds(self.spec, max_batched_tokens=m, world_size=w, mode=ws_mode, tp_size=tp, topk=k)
-            for name, nbytes in bounds.items.items():
-                if nbytes:
-                    key = f"{kind}.{name}"
-                    need[key] = max(need.get(key, 0), int(nbytes))
-        return need
-
-    def _reservation(self) -> dict[str, int]:
-        """Itemwise maximum over every step this config can take, at its largest sizes."""
-        steps: list[tuple[str, str, int]] = []
-        prefill = PREFILL_STEP[self.mode] if self.spec.kind == "sparse_mla" else None
-        if prefill is not None:
-            steps.append(("prefill", prefill, self.max_batched_tokens))
-            if prefill == "shardq":  # steps below the gate run head-TP
-                below = min(self.max_batched_tokens, max(0, self.min_shard_tokens - 1))
-                if below:
-                    steps.append(("prefill", "headtp", below))
-        steps.append(("decode", DECODE_STEP[self.mode], self.max_decode_tokens))
-        total: dict[str, int] = {}
-        for kind, step, tokens in steps:
-            for key, nbytes in self.workspace_needs(kind, step, tokens, self.topk).items():
-                total[key] = max(total.get(key, 0), nbytes)
-        return total
+        """``{"<kind>.<item>": bytes}`` the planner bounds for one step (:meth:`RuntimeWorkspace.needs`)."""
+        return self.ws.needs(kind, step, tokens, topk)
 
     def check_workspace(self, kind: str, step: str, *, tokens: int, topk: int | None = None) -> None:
-        """Raise :class:`WorkspaceExceededError` when a step needs more of an item than was reserved.
-
-        Args:
-            kind: ``"prefill"`` or ``"decode"``. step: the parallel step (``"shardq"``,
-                ``"headtp"``, ``"pcp"``, ``"dcp"``). tokens: the step's new / query tokens.
-            topk: the step's top-k width (default: the Runtime's).
-        """
-        limit = self.max_batched_tokens if kind == "prefill" else self.max_decode_tokens
-        if tokens > limit:
-            name = "max_batched_tokens" if kind == "prefill" else "max_decode_tokens"
-            raise WorkspaceExceededError(
-                f"a {kind} step of {tokens} tokens exceeds {name}={limit}, the size this Runtime reserved its "
-                "workspace for; split the step or build the Runtime larger"
-            )
-        k = self.topk if topk is None else topk
-        for key, nbytes in self.workspace_needs(kind, step, tokens, k).items():
-            have = int(self.workspace[key].numel()) if key in self.workspace else 0
-            if nbytes > have:
-                raise WorkspaceExceededError(
-                    f"workspace item {key!r} needs {nbytes} B for this {step} step ({tokens} tokens, top-k {k}), "
-                    f"but {have} B were reserved (max_batched_tokens={self.max_batched_tokens}, "
-                    f"max_decode_tokens={self.max_decode_tokens}, topk={self.topk})"
-                )
+        """Raise :class:`WorkspaceExceededError` when a step needs more of an item than was reserved
+        (:meth:`RuntimeWorkspace.check`)."""
+        self.ws.check(kind, step, tokens=tokens, topk=topk)
 
     # -- routing -------------------------------------------------------------------------------
     def _route(self, heads: int, tokens: int, kv_rows: int) -> Route:
@@ -483,51 +400,36 @@ class Runtime:
 
     def _warmup_decode(self) -> int:
         """Run the decode kernels on tiny inputs (:func:`~shardattn.parallel.decode_warmup.warm_up_decode`)."""
-        return warm_up_decode(self)
+        dcp = self.decode_is_dcp
+        return warm_up_decode(
+            self.spec,
+            device=self.device,
+            dtype=self.dtype,
+            heads=self.spec.num_heads if dcp else self.heads_per_rank,
+            kv_heads=self.spec.num_kv_heads if dcp else max(1, self.spec.num_kv_heads // self.world_size),
+            topk=self.topk,
+            max_decode_tokens=self.max_decode_tokens,
+            scale=self.scale,
+            dcp=DcpShard(self.world_size, self.layout.interleave, self.rank) if dcp else None,
+            need_lse=self.decode_lse or dcp,
+            gqa_backend=GQA_BACKEND[self.decode_route.path],
+        )
 
     # -- steps ---------------------------------------------------------------------------------
     def _attention(
-        self,
-        q: torch.Tensor,
-        kv: torch.Tensor,
-        rows: torch.Tensor,
-        *,
-        route: Route,
-        scale: float,
-        v_dim: int,
-        topk_length: torch.Tensor | None = None,
-        sinks: torch.Tensor | None = None,
-        return_lse: bool = True,
+        self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, *, route: Route, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's prefill kernel call on ``route``: the union lives in the reserved workspace.
-
-        A rank holding more tokens than the union buffer covers (the zigzag slack) runs the grouped
-        kernel in passes over the same buffer (passes start at multiples of ``G``, so the groups are
-        those of one call). Signature of :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention`.
-        """
-        g, (t, k) = route.group_size, rows.shape
-        call = functools.partial(sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g)
-        if route.path == "reference" or t == 0 or k == 0:
-            return call(q, rows=rows, topk_length=topk_length, sinks=sinks)
-        union_ws, lens_ws = self.workspace["prefill.union"], self.workspace["prefill.union_offsets"]
-        per_pass = min(union_ws.numel() // (k * 4), lens_ws.numel() // 4 * g) // g * g
-        if per_pass < 1:
-            raise WorkspaceExceededError(
-                f"workspace item 'prefill.union' ({union_ws.numel()} B) cannot hold one group of {g} x top-k {k}"
-            )
-        outs, lses = [], []
-        for t0 in range(0, t, per_pass):
-            t1 = min(t, t0 + per_pass)
-            n_groups = -(-(t1 - t0) // g)
-            union = union_ws[: n_groups * g * k * 4].view(torch.int32).view(n_groups, g * k)
-            lens = lens_ws[: n_groups * 4].view(torch.int32)
-            length = None if topk_length is None else topk_length[t0:t1]
-            out, lse = call(q[t0:t1], rows=rows[t0:t1], topk_length=length, sinks=sinks, union=(union, lens))
-            outs.append(out)
-            lses.append(lse)
-        if len(outs) == 1:
-            return outs[0], lses[0]
-        return torch.cat(outs), torch.cat(lses)
+        """This rank's prefill kernel call on ``route``, its union in the reserved workspace
+        (:func:`~shardattn.parallel.prefill_attention.workspace_prefill_attention`)."""
+        return workspace_prefill_attention(
+            q,
+            kv,
+            rows,
+            route=route,
+            union_ws=self.workspace.get("prefill.union", _EMPTY_WS),
+            lens_ws=self.workspace.get("prefill.union_offsets", _EMPTY_WS),
+            **kwargs,
+        )
 
     def _local_heads(self, x: torch.Tensor) -> torch.Tensor:
         h = self.heads_per_rank
@@ -622,115 +524,29 @@ class Runtime:
             check=check,
         )
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        topk_pos: torch.Tensor | None = None,
-        req_ids: torch.Tensor | None = None,
-        topk_length: torch.Tensor | None = None,
-        q_len_per_req: int | None = None,
-        cu_q_lens: torch.Tensor | None = None,
-        max_q_len: int | None = None,
-        sinks: torch.Tensor | None = None,
-        check: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @functools.cached_property
+    def decode_step(self) -> DecodeStep:
+        """The decode step of this config (:class:`~shardattn.parallel.runtime_decode.DecodeStep`)."""
+        return DecodeStep(
+            spec=self.spec,
+            comm=self.comm,
+            layout=self.layout,
+            ws=self.ws,
+            dcp=self.decode_is_dcp,
+            route_path=self.decode_route.path,
+            heads_per_rank=self.heads_per_rank,
+            scale=self.scale,
+            decode_lse=self.decode_lse,
+            non_causal=self.non_causal,
+        )
+
+    def decode(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one decode step (DCP or head-TP, by mode), routed by the planner.
 
-        Args:
-            q: ``[T, H/W, D]`` this rank's heads of the step's query tokens (drafts included).
-            kv_cache: sparse MLA: ``[R, D]`` paged KV rows; GQA: ``(k_cache, v_cache)``, each
-                ``[pages, page_size, Hkv, D]``. Under DCP this rank's shard (local positions),
-                under head-TP the whole cache (GQA: the rank's KV heads).
-            block_table: ``[B, M]`` int32 page table of ``kv_cache`` (the rank's, under DCP).
-            seq_lens: ``[B]`` int32 global KV tokens per request, drafts included.
-            topk_pos, req_ids: sparse MLA only: ``[T, K]`` int32 request-global top-k positions
-                (``-1`` invalid) and ``[T]`` int32 request of each query.
-            topk_length: sparse MLA: ``[T]`` int32 leading entries of ``topk_pos`` to use, optional.
-            q_len_per_req / cu_q_lens: GQA: uniform drafts per request, or ``[B+1]`` ragged offsets.
-            max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts (needed under capture).
-            sinks: ``[H]`` fp32 sink logits of all heads, optional.
-            check: under DCP, make the ranks agree on the inputs first (a host sync: pass ``False``
-                inside a CUDA graph).
-        Returns:
-            ``(out [T, H/W, v_dim], lse [T, H/W] fp32)``: the rank's heads, merged over every shard
-            (``lse`` is ``None`` for a Runtime built with ``decode_lse=False``).
+        Arguments, shapes and return value: :meth:`DecodeStep.__call__
+        <shardattn.parallel.runtime_decode.DecodeStep.__call__>` (``q [T, H/W, D]``, the KV cache
+        or this rank's DCP shard, ``block_table``, ``seq_lens``; sparse MLA: ``topk_pos``,
+        ``req_ids``; GQA: ``q_len_per_req`` / ``cu_q_lens``). Returns ``(out [T, H/W, v_dim],
+        lse [T, H/W] fp32 or None)``.
         """
-        dcp = self.decode_is_dcp
-        k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.topk
-        self.check_workspace("decode", DECODE_STEP[self.mode], tokens=int(q.shape[0]), topk=k)
-        page = self.spec.page_size
-        if self.spec.kind == "sparse_mla":
-            if topk_pos is None or req_ids is None:
-                raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
-            if not isinstance(kv_cache, torch.Tensor):
-                raise TypeError("kv_cache of a sparse-MLA model must be one [R, D] tensor")
-            if dcp:
-                return dcp_sparse_mla_decode(
-                    q,
-                    kv_cache,
-                    topk_pos,
-                    req_ids,
-                    block_table,
-                    self.layout,
-                    self.comm,
-                    block_size=page,
-                    scale=self.scale,
-                    v_dim=self.spec.v_dim,
-                    seq_lens=seq_lens,
-                    topk_length=topk_length,
-                    sinks=sinks,
-                    attention=_sparse_decode_attention,
-                    check=check,
-                )
-            rows, _ = convert_topk(
-                topk_pos, req_ids, block_table, block_size=page, seq_lens=seq_lens, topk_length=topk_length
-            )
-            return sparse_mla_decode(
-                q,
-                kv_cache,
-                rows,
-                scale=self.scale,
-                v_dim=self.spec.v_dim,
-                sinks=None if sinks is None else self._local_heads(sinks),
-            )
-        if not (isinstance(kv_cache, tuple | list) and len(kv_cache) == 2):
-            raise TypeError("kv_cache of a GQA model must be a (k_cache, v_cache) pair")
-        k_cache, v_cache = kv_cache
-        backend = GQA_BACKEND[self.decode_route.path]
-        if dcp:
-            return dcp_gqa_decode(
-                q,
-                k_cache,
-                v_cache,
-                block_table,
-                seq_lens,
-                self.layout,
-                self.comm,
-                q_len_per_req=q_len_per_req,
-                cu_q_lens=cu_q_lens,
-                causal=not self.non_causal,
-                sinks=sinks,
-                scale=self.scale,
-                backend=backend,
-                check=check,
-            )
-        result = gqa_paged_decode(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            seq_lens,
-            q_len_per_req=q_len_per_req,
-            cu_q_lens=cu_q_lens,
-            max_q_len=max_q_len,
-            causal=not self.non_causal,
-            sinks=None if sinks is None else self._local_heads(sinks),
-            return_lse=self.decode_lse,
-            scale=self.scale,
-            backend=backend,
-        )
-        return result if self.decode_lse else (result, None)
+        return self.decode_step(*args, **kwargs)

@@ -1,0 +1,70 @@
+"""One rank's sparse prefill kernel call with its union in a reserved workspace.
+
+The grouped kernel needs a union buffer of ``ceil(T / G) * G * K`` int32 entries; the Runtime
+reserves the planner's bound for it once. A rank holding more tokens than that buffer covers
+(the zigzag slack) runs in passes over the same buffer; passes start at multiples of ``G``, so
+the groups are those of one call and the result is bit for bit that of one call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.parallel.runtime_workspace import WorkspaceExceededError
+from shardattn.plan.routing import Route
+
+__all__ = ["workspace_prefill_attention"]
+
+
+def workspace_prefill_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    route: Route,
+    union_ws: torch.Tensor,
+    lens_ws: torch.Tensor,
+    scale: float,
+    v_dim: int,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse-MLA prefill of ``q`` on ``route``, the union built into ``union_ws`` / ``lens_ws``.
+
+    Args:
+        q: ``[T, H, D]``; kv: ``[R, D]``; rows: ``[T, K]`` int32 global KV rows (``-1`` invalid).
+        route: the planner's route (path, group size ``G``).
+        union_ws / lens_ws: ``uint8`` workspace items ``prefill.union`` / ``prefill.union_offsets``.
+        scale, v_dim, topk_length, sinks: as :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention`.
+        return_lse: accepted for signature compatibility; the LSE is always returned.
+    Returns:
+        ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32)``.
+    Raises:
+        WorkspaceExceededError: the union buffer cannot hold one group.
+    """
+    g, (t, k) = route.group_size, rows.shape
+    call = functools.partial(sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g)
+    if route.path == "reference" or t == 0 or k == 0:
+        return call(q, rows=rows, topk_length=topk_length, sinks=sinks)
+    per_pass = min(union_ws.numel() // (k * 4), lens_ws.numel() // 4 * g) // g * g
+    if per_pass < 1:
+        raise WorkspaceExceededError(
+            f"workspace item 'prefill.union' ({union_ws.numel()} B) cannot hold one group of {g} x top-k {k}"
+        )
+    outs, lses = [], []
+    for t0 in range(0, t, per_pass):
+        t1 = min(t, t0 + per_pass)
+        n_groups = -(-(t1 - t0) // g)
+        union = union_ws[: n_groups * g * k * 4].view(torch.int32).view(n_groups, g * k)
+        lens = lens_ws[: n_groups * 4].view(torch.int32)
+        length = None if topk_length is None else topk_length[t0:t1]
+        out, lse = call(q[t0:t1], rows=rows[t0:t1], topk_length=length, sinks=sinks, union=(union, lens))
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses)

@@ -1,0 +1,174 @@
+"""The decode step of a Runtime: DCP or head-TP, sparse MLA or GQA, routed by the planner.
+
+:class:`DecodeStep` holds what a decode step needs of its Runtime's config (group, layout,
+route, workspace) and runs one step; :meth:`shardattn.parallel.runtime.Runtime.decode` calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardattn.kernels.gqa_decode import gqa_paged_decode
+from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
+from shardattn.kernels.topk import convert_topk
+from shardattn.parallel.comm import Comm
+from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
+from shardattn.parallel.modes import GQA_BACKEND
+from shardattn.parallel.runtime_workspace import RuntimeWorkspace
+from shardattn.plan.context import DCPLayout
+from shardattn.plan.spec import ModelSpec
+
+__all__ = ["DecodeStep"]
+
+
+def _sparse_decode_attention(
+    q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, *, return_lse: bool = True, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode` called like ``sparse_mla_attention``
+    (it always returns the LSE, which DCP needs)."""
+    return sparse_mla_decode(q, kv, rows, **kwargs)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One Runtime's decode step.
+
+    Attributes:
+        spec: the model. comm: the group's :class:`~shardattn.parallel.comm.Comm`.
+        layout: the DCP layout of the KV cache. ws: the Runtime's workspace (checked per step).
+        dcp: the KV cache is split over the group (else head-TP). route_path: the planner's decode
+            kernel path. heads_per_rank: ``H / W``. scale: softmax scale.
+        decode_lse: return the LSE (head-TP GQA may skip it). non_causal: drafts attend non-causally.
+    """
+
+    spec: ModelSpec
+    comm: Comm
+    layout: DCPLayout
+    ws: RuntimeWorkspace
+    dcp: bool
+    route_path: str
+    heads_per_rank: int
+    scale: float
+    decode_lse: bool
+    non_causal: bool
+
+    def local_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice ``[rank * H/W, (rank + 1) * H/W)`` of a per-head tensor."""
+        h = self.heads_per_rank
+        return x[self.comm.rank * h : (self.comm.rank + 1) * h]
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        topk_pos: torch.Tensor | None = None,
+        req_ids: torch.Tensor | None = None,
+        topk_length: torch.Tensor | None = None,
+        q_len_per_req: int | None = None,
+        cu_q_lens: torch.Tensor | None = None,
+        max_q_len: int | None = None,
+        sinks: torch.Tensor | None = None,
+        check: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one decode step (DCP or head-TP, by mode), routed by the planner.
+
+        Args:
+            q: ``[T, H/W, D]`` this rank's heads of the step's query tokens (drafts included).
+            kv_cache: sparse MLA: ``[R, D]`` paged KV rows; GQA: ``(k_cache, v_cache)``, each
+                ``[pages, page_size, Hkv, D]``. Under DCP this rank's shard (local positions),
+                under head-TP the whole cache (GQA: the rank's KV heads).
+            block_table: ``[B, M]`` int32 page table of ``kv_cache`` (the rank's, under DCP).
+            seq_lens: ``[B]`` int32 global KV tokens per request, drafts included.
+            topk_pos, req_ids: sparse MLA only: ``[T, K]`` int32 request-global top-k positions
+                (``-1`` invalid) and ``[T]`` int32 request of each query.
+            topk_length: sparse MLA: ``[T]`` int32 leading entries of ``topk_pos`` to use, optional.
+            q_len_per_req / cu_q_lens: GQA: uniform drafts per request, or ``[B+1]`` ragged offsets.
+            max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts (needed under capture).
+            sinks: ``[H]`` fp32 sink logits of all heads, optional.
+            check: under DCP, make the ranks agree on the inputs first (a host sync: pass ``False``
+                inside a CUDA graph).
+        Returns:
+            ``(out [T, H/W, v_dim], lse [T, H/W] fp32)``: the rank's heads, merged over every shard
+            (``lse`` is ``None`` when built with ``decode_lse=False``).
+        """
+        dcp = self.dcp
+        k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.ws.topk
+        self.ws.check("decode", "dcp" if dcp else "headtp", tokens=int(q.shape[0]), topk=k)
+        page = self.spec.page_size
+        if self.spec.kind == "sparse_mla":
+            if topk_pos is None or req_ids is None:
+                raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
+            if not isinstance(kv_cache, torch.Tensor):
+                raise TypeError("kv_cache of a sparse-MLA model must be one [R, D] tensor")
+            if dcp:
+                return dcp_sparse_mla_decode(
+                    q,
+                    kv_cache,
+                    topk_pos,
+                    req_ids,
+                    block_table,
+                    self.layout,
+                    self.comm,
+                    block_size=page,
+                    scale=self.scale,
+                    v_dim=self.spec.v_dim,
+                    seq_lens=seq_lens,
+                    topk_length=topk_length,
+                    sinks=sinks,
+                    attention=_sparse_decode_attention,
+                    check=check,
+                )
+            rows, _ = convert_topk(
+                topk_pos, req_ids, block_table, block_size=page, seq_lens=seq_lens, topk_length=topk_length
+            )
+            return sparse_mla_decode(
+                q,
+                kv_cache,
+                rows,
+                scale=self.scale,
+                v_dim=self.spec.v_dim,
+                sinks=None if sinks is None else self.local_heads(sinks),
+            )
+        if not (isinstance(kv_cache, tuple | list) and len(kv_cache) == 2):
+            raise TypeError("kv_cache of a GQA model must be a (k_cache, v_cache) pair")
+        k_cache, v_cache = kv_cache
+        backend = GQA_BACKEND[self.route_path]
+        if dcp:
+            return dcp_gqa_decode(
+                q,
+                k_cache,
+                v_cache,
+                block_table,
+                seq_lens,
+                self.layout,
+                self.comm,
+                q_len_per_req=q_len_per_req,
+                cu_q_lens=cu_q_lens,
+                causal=not self.non_causal,
+                sinks=sinks,
+                scale=self.scale,
+                backend=backend,
+                check=check,
+            )
+        result = gqa_paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            q_len_per_req=q_len_per_req,
+            cu_q_lens=cu_q_lens,
+            max_q_len=max_q_len,
+            causal=not self.non_causal,
+            sinks=None if sinks is None else self.local_heads(sinks),
+            return_lse=self.decode_lse,
+            scale=self.scale,
+            backend=backend,
+        )
+        return result if self.decode_lse else (result, None)
