@@ -57,13 +57,19 @@ from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.cudagraph import CGSupport, explain_cudagraph_support
 from shardattn.plan.pcp import pcp_plan
+from shardattn.plan.pipeline import MAX_CHUNKS
 from shardattn.plan.routing import Route, grouped_group_size, route_decode, route_prefill
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS, ShardPlan, zigzag_split
 
 __all__ = ["DECODE_STEP", "MODES", "PREFILL_STEP", "PrefillPlan", "Runtime", "WorkspaceExceededError"]
 
-_EMPTY_WS = torch.empty(0, dtype=torch.uint8)  # a route without a union (reference path) reads no workspace
+_EMPTY_WS = torch.empty(0, dtype=torch.uint8)
+_SHARDQ_BUFFERS = (
+    ("q", "packed_q"),
+    ("out", "out"),
+    ("lse", "lse"),
+)  # shardq_prefill key, workspace item  # a route without a union (reference path) reads no workspace
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,8 @@ class Runtime:
             take a kernel without one (FlashInfer XQA, when the planner routes there); its
             :meth:`decode` then returns ``(out, None)``. DCP always needs the LSE.
         warmup: launch every kernel variant now (default True).
+        prefill_chunks: pipeline depth of ShardQ steps (default: the planner's
+            :func:`~shardattn.plan.pipeline.choose_chunks` of each step; 1 = not pipelined).
 
     Raises:
         ValueError / TypeError: heads not divisible by the world size, a mode without a step for
@@ -142,6 +150,7 @@ class Runtime:
         non_causal: bool = False,
         decode_lse: bool = True,
         warmup: bool = True,
+        prefill_chunks: int | None = None,
     ) -> None:
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         if not isinstance(self.spec, ModelSpec):
@@ -161,6 +170,10 @@ class Runtime:
         if not isinstance(decode_lse, bool):
             raise TypeError(f"decode_lse must be a bool, got {type(decode_lse).__name__}")
         self.decode_lse = decode_lse
+        if prefill_chunks is not None:
+            if not 1 <= check_int("prefill_chunks", prefill_chunks, minimum=1) <= MAX_CHUNKS:
+                raise ValueError(f"prefill_chunks must be in [1, {MAX_CHUNKS}], got {prefill_chunks}")
+        self.prefill_chunks = prefill_chunks
         if self.spec.kind == "gqa" and PREFILL_STEP[mode] not in (None, "headtp"):
             raise ValueError(
                 f"mode {mode!r} runs a sparse-MLA prefill, but the spec is a GQA model; "
@@ -522,6 +535,13 @@ class Runtime:
             sinks=sinks,
             attention=attention,
             check=check,
+            chunks=self.prefill_chunks,
+            align=plan.route.group_size,
+            workspace={
+                k: self.workspace[f"prefill.{item}"]
+                for k, item in _SHARDQ_BUFFERS
+                if f"prefill.{item}" in self.workspace
+            },
         )
 
     @functools.cached_property
