@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from shardattn.kernels.lse_merge import lse_merge
 from shardattn.kernels.registry import triton_available
 from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.kernels.topk import convert_topk
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.pcp import pcp_prefill
@@ -92,7 +93,9 @@ def _case(seed: int, lens: list[int], world: int, heads_per_rank: int, k: int, e
     }
 
 
-def _chunked_runs(group: dist.ProcessGroup, case: dict, chunk_counts: list[int], align: int, workspace: bool):
+def _chunked_runs(
+    group: dist.ProcessGroup, case: dict, chunk_counts: list[int], align: int, workspace: bool, grouped: bool = False
+) -> list[tuple]:
     comm = Comm(group)
     w, rank = comm.world_size, comm.rank
     plan = zigzag_split(case["lens"], w, align=align, min_tokens=0)
@@ -102,16 +105,19 @@ def _chunked_runs(group: dist.ProcessGroup, case: dict, chunk_counts: list[int],
 
     def attention(*args, **kwargs):  # the kernel, recording where it reads q and writes out
         seen.extend([args[0].data_ptr(), kwargs["out"].data_ptr(), kwargs["lse"].data_ptr()])
+        if grouped:  # G = align queries per tile (the Triton grouped kernel on a GPU)
+            return sparse_mla_grouped_prefill(*args, group_size=align, **kwargs)
         return sparse_mla_attention(*args, **kwargs)
 
     ws = None
+    dev = q.device
     if workspace:
         n = int(plan.counts.max())
         pad = MAX_CHUNKS * 256
         ws = {
-            "q": torch.empty(n * w * h * D * 4 + pad, dtype=torch.uint8),
-            "out": torch.empty(n * w * h * DV * 4 + pad, dtype=torch.uint8),
-            "lse": torch.empty(n * w * h * 4 + pad, dtype=torch.uint8),
+            "q": torch.empty(n * w * h * D * 4 + pad, dtype=torch.uint8, device=dev),
+            "out": torch.empty(n * w * h * DV * 4 + pad, dtype=torch.uint8, device=dev),
+            "lse": torch.empty(n * w * h * 4 + pad, dtype=torch.uint8, device=dev),
         }
     results = []
     for c in chunk_counts:
@@ -160,6 +166,27 @@ def test_chunked_shardq_reads_and_writes_only_the_workspace(dist_pool) -> None:
         for out, lse, _, inside, launches in per_rank:
             assert inside is True and launches >= 1, rank
             assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1]), rank
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-query", "grouped-G2"])
+def test_chunked_shardq_on_nccl(dist_pool, grouped: bool) -> None:
+    from tests.test_nccl_steps import _on_gpu
+
+    case = _case(21, [700, 333, 90], 2, 8, 64, True)
+    counts = [1, 3, MAX_CHUNKS]
+    align = 2 if grouped else 1
+    results = dist_pool.run(_on_gpu, _chunked_runs, case, counts, align, True, grouped, world_size=2, backend="nccl")
+    want = dist_pool.run(_chunked_runs, case, [1], align, False, world_size=2)  # gloo, the torch reference
+    for rank, (per_rank, (ref,)) in enumerate(zip(results, want)):
+        out1, lse1, *_ = per_rank[0]
+        assert torch.isfinite(out1).all(), rank
+        err = float((out1 - ref[0]).norm() / ref[0].norm())
+        assert err < 1e-4, (rank, err)  # fp32 inputs: the Triton kernel's IEEE fp32 path
+        for c, (out, lse, comm_counts, inside, _) in zip(counts, per_rank):
+            assert inside is True and comm_counts == {"all_to_all": 2 * c}, (rank, c)
+            assert torch.equal(out, out1) and torch.equal(lse, lse1), (rank, c)
 
 
 def _runtime_steps(group: dist.ProcessGroup, case: dict, chunks: int | None) -> dict:
