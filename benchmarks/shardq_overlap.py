@@ -31,6 +31,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -78,11 +79,13 @@ def shardq_before(
     return out_tok, lse_tok
 
 
-def bench(fn: Callable[[], object], iters: int, warmup: int, device: torch.device) -> float:
-    """Median ms of ``fn`` over ``iters`` calls (each after a barrier), max over ranks."""
+def bench(fn: Callable[[], object], iters: int, warmup: int, device: torch.device) -> tuple[float, float]:
+    """Median ms of ``fn`` over ``iters`` calls (each after a barrier), max over ranks; also the
+    median host ms of the call (issue time; a step whose host time reaches its device time is host bound)."""
     for _ in range(warmup):
         fn()
-    times = []
+    times: list[float] = []
+    host: list[float] = []
     if device.type == "cpu":  # a dry run of the script (gloo): host clock
         for _ in range(iters):
             dist.barrier()
@@ -96,17 +99,61 @@ def bench(fn: Callable[[], object], iters: int, warmup: int, device: torch.devic
             dist.barrier()
             torch.cuda.synchronize(device)
             start.record()
+            h0 = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - h0) * 1e3)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-    t = torch.tensor([statistics.median(times)], device=device)
+    t = torch.tensor([statistics.median(times), statistics.median(host) if host else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return float(t[0]), float(t[1])
+
+
+def kernel_overlap(fn: Callable[[], object], device: torch.device) -> dict[str, float]:
+    """Profile one call: device ms of NCCL kernels, of other kernels, and of NCCL time that overlaps them."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
+    other = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
+
+    def union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        out: list[list[float]] = []
+        for a, b in sorted(iv):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return [(a, b) for a, b in out]
+
+    un, uo = union(nccl), union(other)
+    both = sum(max(0.0, min(b, d) - max(a, c)) for a, b in un for c, d in uo)
+    span = (max(b for _, b in kernels) - min(a for a, _ in kernels)) if kernels else 0.0
+    return {
+        "nccl_ms": sum(b - a for a, b in un) / 1e3,
+        "compute_ms": sum(b - a for a, b in uo) / 1e3,
+        "overlap_ms": both / 1e3,
+        "span_ms": span / 1e3,
+    }
 
 
 def run_config(
-    preset: str, tokens: int, args: argparse.Namespace, group: dist.ProcessGroup, device: torch.device
+    preset: str,
+    tokens: int,
+    args: argparse.Namespace,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    hp_group: dist.ProcessGroup | None = None,
 ) -> dict:
     spec = get_preset(preset)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -123,6 +170,8 @@ def run_config(
     rt = Runtime(spec, group, mode="shardq", **common)
     rt1 = Runtime(spec, group, mode="shardq", prefill_chunks=1, **common)
     rth = Runtime(spec, group, mode="headtp", **common)
+    by_chunks = {c: Runtime(spec, group, mode="shardq", prefill_chunks=c, **common) for c in args.chunks if c != 1}
+    rt_hp = None if hp_group is None else Runtime(spec, hp_group, mode="shardq", **common)
     rank, w, h = rt.rank, rt.world_size, rt.heads_per_rank
     plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=kv_rows)
     plan_h = rth.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=kv_rows)
@@ -157,9 +206,16 @@ def run_config(
         "comm": comm_only,
         "headtp": lambda: rth.prefill(q_local, step.kv, step.rows, plan=plan_h, check=False),
     }
+    for c, r in by_chunks.items():
+        fns[f"shardq_c{c}"] = functools.partial(r.prefill, q_local, step.kv, step.rows, plan=plan, check=False)
+    if rt_hp is not None:  # the same step over a group whose NCCL stream has high priority
+        fns["shardq_hp"] = functools.partial(rt_hp.prefill, q_local, step.kv, step.rows, plan=plan, check=False)
     # correctness in the same run: the same bits from every ShardQ variant; error vs head-TP
     outs = {k: fns[k]() for k in ("shardq", "shardq_c1", "before", "headtp")}
-    same = all(torch.equal(outs["shardq"][i], outs[k][i]) for k in ("shardq_c1", "before") for i in (0, 1))
+    for k in fns:
+        if k.startswith("shardq_") and k not in outs:
+            outs[k] = fns[k]()
+    same = all(torch.equal(outs["shardq"][i], outs[k][i]) for k in outs if k != "headtp" for i in (0, 1))
     ref = outs["headtp"][0].float()
     rel = float((outs["shardq"][0].float() - ref).norm() / ref.norm())
     finite = bool(torch.isfinite(outs["shardq"][0]).all())
@@ -173,7 +229,15 @@ def run_config(
             fns["shardq"]()
         torch.cuda.synchronize(device)
         new_segments = torch.cuda.memory_stats(device)["segment.all.allocated"] - seg0
-    times = {k: bench(f, args.iters, args.warmup, device) for k, f in fns.items()}
+    both = {k: bench(f, args.iters, args.warmup, device) for k, f in fns.items()}
+    times = {k: v[0] for k, v in both.items()}
+    host_ms = {k: v[1] for k, v in both.items()}
+    overlap = {}
+    if device.type == "cuda" and args.profile:
+        for k in ("shardq", "shardq_hp"):
+            if k in fns:
+                dist.barrier()
+                overlap[k] = kernel_overlap(fns[k], device)
     counts = [int(c) for c in plan.shard.counts.tolist()]
     from shardattn.plan.pipeline import choose_chunks
 
@@ -186,6 +250,7 @@ def run_config(
         "chunks": rt.prefill_chunks or choose_chunks(max(counts)),
         "route": plan.route.path,
         "ms": times,
+        "host_ms": host_ms,
         "step_over_kernel": times["shardq"] / times["kernel"],
         "before_over_kernel": times["before"] / times["kernel"],
         "headtp_over_shardq": times["headtp"] / times["shardq"],
@@ -193,6 +258,7 @@ def run_config(
         "rel_err_vs_headtp": rel,
         "finite": finite,
         "new_segments_3_steps": int(new_segments),
+        "profile_rank0": overlap,
     }
     return res
 
@@ -209,6 +275,9 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--topk", type=int, default=None, help="override the preset's top-k (CPU dry runs)")
     p.add_argument("--cpu", action="store_true", help="dry run on the CPU with gloo (tiny sizes)")
+    p.add_argument("--chunks", nargs="*", type=int, default=[], help="also time the step at these chunk counts")
+    p.add_argument("--high-priority", action="store_true", help="also time the step over a high-priority NCCL group")
+    p.add_argument("--profile", action="store_true", help="profile one step: NCCL time overlapping kernels")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.cpu:
@@ -220,15 +289,20 @@ def main() -> None:
         dist.init_process_group("nccl", device_id=device)
     group = dist.group.WORLD
     Comm(group)  # resolves once; fails early on a bad group
+    hp_group = None
+    if args.high_priority and not args.cpu:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+        hp_group = dist.new_group(list(range(dist.get_world_size())), backend="nccl", pg_options=opts)
     results = []
     for preset in args.presets:
         for tokens in args.tokens:
-            r = run_config(preset, tokens, args, group, device)
+            r = run_config(preset, tokens, args, group, device, hp_group)
             results.append(r)
             if dist.get_rank() == 0:
                 print(json.dumps(r), flush=True)
     if dist.get_rank() == 0:
-        cols = ("kernel", "shardq", "shardq_c1", "before", "comm", "headtp")
+        cols = [k for k in results[0]["ms"] if k != "before"] + ["before"]
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"\nShardQ on {name} x {dist.get_world_size()} (ms, median, max over ranks)")
         print(
