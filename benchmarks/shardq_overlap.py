@@ -10,8 +10,8 @@ CUDA events around each call after a barrier (median of ``--iters``, then the ma
 
 * ``kernel``: the rank's ShardQ kernel call alone (all heads of its tokens: union build + kernel),
   reading a contiguous q;
-* ``shardq``: :meth:`Runtime.prefill` pipelined (chunks chosen by the planner);
-* ``shardq_c1``: the same step with ``prefill_chunks=1`` (in place, not pipelined);
+* ``shardq``: :meth:`Runtime.prefill` pipelined (``prefill_chunks=None``: the planner's chunks);
+* ``shardq_c1``: the same step with ``prefill_chunks=1`` (in place, not pipelined; the default);
 * ``before``: the step as it was before the pipelining (two all-to-alls around index gathers,
   permute copies and byte packing), on the same kernel: the baseline;
 * ``comm``: the pipelined step with a kernel that does nothing (messages and launches only);
@@ -138,7 +138,8 @@ def kernel_overlap(fn: Callable[[], object], device: torch.device) -> dict[str, 
 
     un, uo = union(nccl), union(other)
     both = sum(max(0.0, min(b, d) - max(a, c)) for a, b in un for c, d in uo)
-    span = (max(b for _, b in kernels) - min(a for a, _ in kernels)) if kernels else 0.0
+    ends = [e["ts"] + e["dur"] for e in kernels]
+    span = (max(ends) - min(e["ts"] for e in kernels)) if kernels else 0.0
     return {
         "nccl_ms": sum(b - a for a, b in un) / 1e3,
         "compute_ms": sum(b - a for a, b in uo) / 1e3,
@@ -167,11 +168,11 @@ def run_config(
     )  # fmt: skip
     kv_rows = int(step.kv.shape[0])
     common = dict(max_batched_tokens=tokens, max_kv_rows=kv_rows, device=device, warmup=False)
-    rt = Runtime(spec, group, mode="shardq", **common)
+    rt = Runtime(spec, group, mode="shardq", prefill_chunks=None, **common)  # the planner's chunks
     rt1 = Runtime(spec, group, mode="shardq", prefill_chunks=1, **common)
     rth = Runtime(spec, group, mode="headtp", **common)
     by_chunks = {c: Runtime(spec, group, mode="shardq", prefill_chunks=c, **common) for c in args.chunks if c != 1}
-    rt_hp = None if hp_group is None else Runtime(spec, hp_group, mode="shardq", **common)
+    rt_hp = None if hp_group is None else Runtime(spec, hp_group, mode="shardq", prefill_chunks=None, **common)
     rank, w, h = rt.rank, rt.world_size, rt.heads_per_rank
     plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=kv_rows)
     plan_h = rth.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=kv_rows)

@@ -108,7 +108,7 @@ def shardq_prefill(
     return_lse: bool = True,
     attention: AttentionFn = sparse_mla_attention,
     check: bool = True,
-    chunks: int | None = None,
+    chunks: int | None = 1,
     align: int = 1,
     workspace: dict[str, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
@@ -138,8 +138,11 @@ def shardq_prefill(
             and ``lse`` (``[W, n, H/W, ...]``: the receive and send buffers, used in place).
         check: make the ranks agree on the plan and shapes first (one small all-gather, a host
             sync); bad input or a different plan on any rank then raises on every rank.
-        chunks: pipeline depth ``C`` (default :func:`~shardattn.plan.pipeline.choose_chunks` of
-            the largest rank share); every value gives the same result, bit for bit.
+        chunks: pipeline depth ``C``; ``None``: the planner's
+            :func:`~shardattn.plan.pipeline.choose_chunks` of the largest rank share. Every value
+            gives the same result, bit for bit. Default 1: on two H200s the pipelined step was
+            measured slower than the unpipelined in-place one (the exchanges barely overlapped
+            the kernels; benchmarks/RESULTS.md), so pipelining is opt-in until it pays.
         align: chunk boundaries are multiples of it (the kernel's group size ``G``).
         workspace: optional ``uint8`` buffers ``{"q", "out", "lse"}`` the receive / send buffers
             are carved from (the Runtime's ``prefill.packed_q`` / ``.out`` / ``.lse``); default:
