@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -296,3 +297,41 @@ def test_head_blocked_io_under_the_triton_interpreter() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.splitlines()[-1] == "0 failures"
+
+
+# -- Comm.exchange: the in-place all-to-all of contiguous pieces ---------------------------------
+def _exchange(group: dist.ProcessGroup) -> dict:
+    comm = Comm(group)
+    w, rank = comm.world_size, comm.rank
+    # rank a sends to rank b pieces of lengths (a + b) % 3 + k for k = 0, 1 (some empty), valued 100a + 10b + k
+    sends, recvs, got = [], [], []
+    for b in range(w):
+        for k in range(2):
+            n = (rank + b) % 3 + k - 1
+            sends.append((b, torch.full((max(n, 0), 2), 100.0 * rank + 10 * b + k)))
+    for a in range(w):
+        for k in range(2):
+            y = torch.full((max((a + rank) % 3 + k - 1, 0), 2), -1.0)
+            recvs.append((a, y))
+            got.append((a, k, y))
+    comm.exchange(sends, recvs, tag=3).wait()
+    ok = all(bool((y == 100.0 * a + 10 * rank + k).all()) for a, k, y in got)
+    bad_peer = catch_error(lambda: comm.exchange([(w, torch.zeros(1))], []))
+    lonely = catch_error(lambda: comm.exchange([(rank, torch.zeros(1))], []))
+    return {"ok": ok, "counts": dict(comm.counts), "bad_peer": bad_peer, "lonely": lonely}
+
+
+def catch_error(fn: Callable[[], object]) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 3], ids=["world1", "world3"])
+def test_exchange_moves_every_piece_to_its_slot(dist_pool, world_size: int) -> None:
+    for res in dist_pool.run(_exchange, world_size=world_size):
+        assert res["ok"] and res["counts"] == {"all_to_all": 1}, res
+        assert "is not a rank" in res["bad_peer"] and "this rank itself" in res["lonely"], res

@@ -265,7 +265,6 @@ class Comm:
         Returns:
             a :class:`Pending`; do not touch the tensors until it was waited for.
         """
-        self.counts["all_to_all"] += 1
         mine_out = [x for p, x in sends if p == self.rank]
         mine_in = [y for p, y in recvs if p == self.rank]
         if len(mine_out) != len(mine_in):
@@ -287,6 +286,8 @@ class Comm:
                 raise ValueError(
                     f"exchange: a piece to this rank is {list(x.shape)} {x.dtype}, its slot {list(y.shape)}"
                 )
+        self.counts["all_to_all"] += 1
+        for x, y in zip(mine_out, mine_in):
             y.copy_(x)
         return Pending(dist.batch_isend_irecv(ops) if ops else ())
 
