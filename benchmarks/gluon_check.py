@@ -34,7 +34,11 @@ from shardattn.kernels.sparse_mla_gluon import GluonConfig, launch_gluon_attenti
 from shardattn.kernels.sparse_mla_triton import flops, launch_attention, tile_config
 from shardattn.kernels.union import build_union
 
-VARIANTS = [GluonConfig(64, 2), GluonConfig(32, 3), GluonConfig(32, 4), GluonConfig(32, 2)]
+VARIANTS = [
+    GluonConfig(32, 4, "ws", (224, 56)),
+    GluonConfig(32, 4, "ws", (216, 72)),
+    GluonConfig(64, 2),
+]
 
 
 def edge_rows(rows: torch.Tensor, kv_rows: int, seed: int):
@@ -68,7 +72,7 @@ def check_variant(heads, cfg, q, kv, rows, length, sinks, scale) -> dict:
     empty = ~torch.isfinite(ref_l[:, 0])
     res = {
         "heads": heads,
-        "cfg": [cfg.block_n, cfg.stages],
+        "cfg": cfg.label,
         "sinks": sinks is not None,
         "all_written": bool(torch.isfinite(out).all()) and not bool(lse.isnan().any()),
         "out_rel_err": rel_err(out, ref_o),
@@ -99,7 +103,7 @@ def check_all(heads_list, kv_rows, topk, seed=0) -> list[dict]:
                 try:
                     r = check_variant(heads, cfg, q, kv, rows, length, s, scale)
                 except Exception as exc:  # report and keep checking the others
-                    r = {"heads": heads, "cfg": [cfg.block_n, cfg.stages], "ok": False, "error": repr(exc)[:400]}
+                    r = {"heads": heads, "cfg": cfg.label, "ok": False, "error": repr(exc)[:400]}
                 results.append(r)
                 print("   check:", json.dumps(r), flush=True)
         # the public entry point (routes to Gluon on sm_90), with topk_length and sinks
@@ -113,6 +117,23 @@ def check_all(heads_list, kv_rows, topk, seed=0) -> list[dict]:
             results.append(r)
             print("   check:", json.dumps(r), flush=True)
     return results
+
+
+def smoke() -> list[dict]:
+    """Tiny inputs (5 tokens, 100 keys, 64 heads) through every variant: a hang or crash shows fast."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    kv = torch.randn(500, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    q = torch.randn(5, 64, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    rows = torch.randint(-1, 500, (5, 100), device=dev, generator=gen, dtype=torch.int32)
+    rows[2] = -1
+    length = torch.tensor([100, 33, 100, 64, 1], dtype=torch.int32, device=dev)
+    out = []
+    for cfg in VARIANTS:
+        r = check_variant(64, cfg, q, kv, rows, length, None, (D_V + D_R) ** -0.5)
+        out.append(r)
+        print("   smoke:", json.dumps(r), flush=True)
+    return out
 
 
 def time_case(heads, tokens, kv_rows, topk, reps, flush, variants, seed=0) -> dict:
@@ -137,7 +158,7 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, variants, seed=0) -> di
     ref_out = out.clone()
     errs = {}
     for cfg in variants:
-        name = f"gluon_{cfg.block_n}x{cfg.stages}"
+        name = f"gluon_{cfg.label}"
         try:
             ms[name] = timed(
                 lambda cfg=cfg: launch_gluon_attention(
@@ -187,7 +208,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="all", help="'all' or 'best' (first variant only)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--time-budget", type=float, default=1e9)
+    ap.add_argument("--smoke", action="store_true", help="tiny check of every variant, then exit (0 = all ok)")
+    ap.add_argument("--skip", nargs="*", default=[], help="variant labels to leave out")
     args = ap.parse_args(argv)
+    VARIANTS[:] = [v for v in VARIANTS if v.label not in args.skip]
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
         return 2
@@ -195,6 +219,9 @@ def main(argv=None) -> int:
 
     print(torch.cuda.get_device_name(), f"torch {torch.__version__} triton {triton.__version__}", flush=True)
     start = time.time()
+    if args.smoke:
+        res = smoke()
+        return 0 if all(r["ok"] for r in res) else 1
     results = {"checks": check_all(args.check_heads, 65536, args.topk)}
     print(f"checks: {sum(r['ok'] for r in results['checks'])}/{len(results['checks'])} ok "
           f"({time.time() - start:.0f}s)", flush=True)  # fmt: skip
@@ -220,13 +247,13 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     print(f"\n{'H':>4} {'T':>6} | {'sort':>6} | {'triton':>7} {'TF/s':>5} | "
-          + " ".join(f"{v.block_n}x{v.stages}".rjust(13) for v in variants)
+          + " ".join(v.label.rjust(13) for v in variants)
           + f" | {'torch':>7} {'TF/s':>5} | {'x trit':>6} {'x torch':>7}")  # fmt: skip
     for r in results["times"]:
         ms, tf = r["ms"], r["tflops"]
         cells = []
         for v in variants:
-            k = f"gluon_{v.block_n}x{v.stages}"
+            k = f"gluon_{v.label}"
             cells.append(f"{ms[k]:>7.3f} {tf[k]:>5.0f}" if k in ms else f"{'-':>13}")
         print(f"{r['heads']:>4} {r['tokens']:>6} | {ms['sort']:>6.3f} | {ms['triton_kernel']:>7.3f} "
               f"{tf['triton_kernel']:>5.0f} | " + " ".join(cells)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardattn.kernels.sparse_mla_gluon_ws import WS_MAXNREG, WS_NUM_WARPS
 from shardattn.kernels.union import build_union
 
 try:
@@ -59,14 +60,28 @@ LOG2E = 1.4426950408889634
 BLOCK_H = 64
 NUM_WARPS = 8
 KINDS = ("prefill",)
+VARIANTS = ("pipelined", "ws")
 
 
 @dataclass(frozen=True)
 class GluonConfig:
-    """Compile-time shape of one Gluon prefill launch (part of the warm-up key)."""
+    """Compile-time shape of one Gluon prefill launch (part of the warm-up key).
+
+    ``variant``: ``"pipelined"`` (this module's kernel: 8 warps, ``stages``-deep ring) or ``"ws"``
+    (:mod:`shardattn.kernels.sparse_mla_gluon_ws`: producer + two consumer warpgroups, a fixed
+    4-slot ring; ``regs`` = registers of consumer WG1 and of the producer).
+    """
 
     block_n: int = 64
     stages: int = 2
+    variant: str = "pipelined"
+    regs: tuple[int, int] = (224, 56)
+
+    @property
+    def label(self) -> str:
+        if self.variant == "ws":
+            return f"ws{self.block_n}r{self.regs[0]}"
+        return f"p{self.block_n}x{self.stages}"
 
     @property
     def block_h(self) -> int:
@@ -74,7 +89,7 @@ class GluonConfig:
 
     @property
     def num_warps(self) -> int:
-        return NUM_WARPS
+        return NUM_WARPS if self.variant == "pipelined" else WS_NUM_WARPS
 
 
 def gluon_config(heads: int, d_v: int = 512, d_r: int = 64) -> GluonConfig:
@@ -291,6 +306,20 @@ def launch_gluon_attention(
     if t == 0 or h == 0:
         return out, lse
     grid = (t, triton.cdiv(h, BLOCK_H))
+    if cfg.variant == "ws":
+        from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
+
+        ws_kernel()[grid](
+            q, kv, union, lens, sinks if sinks is not None else lse, out, lse,
+            t, h,
+            q.stride(0), q.stride(1), kv.stride(0), union.stride(0),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            scale * LOG2E,
+            BLOCK_N=cfg.block_n, D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None,
+            WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1],
+            num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
+        )  # fmt: skip
+        return out, lse
     _sparse_mla_gluon_fwd[grid](
         q, kv, union, lens, sinks if sinks is not None else lse, out, lse,
         t, h,
@@ -393,12 +422,20 @@ def compile_kernel_for_sm90(
         "HAS_SINK": "constexpr",
     }  # fmt: skip
     constexprs = {"BLOCK_N": cfg.block_n, "STAGES": cfg.stages, "D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks}
+    fn, options = _sparse_mla_gluon_fwd, {"num_warps": NUM_WARPS}
+    if cfg.variant == "ws":
+        from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
+
+        del signature["STAGES"], constexprs["STAGES"]
+        signature.update(WG1_REGS="constexpr", LOAD_REGS="constexpr")
+        constexprs.update(WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1])
+        fn, options = ws_kernel(), {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
     # what the launcher's specialisation sees at run time: 16-byte aligned pointers and strides
     names = list(signature)
     aligned = [n for n in names if signature[n].startswith("*") or n.startswith("stride_")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = GluonASTSource(_sparse_mla_gluon_fwd, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+    src = GluonASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 __all__ = [
