@@ -35,8 +35,9 @@ from shardattn.kernels.sparse_mla_triton import flops, launch_attention, tile_co
 from shardattn.kernels.union import build_union
 
 VARIANTS = [
-    GluonConfig(32, 4, "ws", (224, 56)),
-    GluonConfig(32, 4, "ws", (216, 72)),
+    GluonConfig(32, 4, "ws", (224, 56), async_arrive=False),
+    GluonConfig(32, 4, "ws", (224, 56), async_arrive=True),
+    GluonConfig(32, 4, "ws", (224, 56), async_arrive=True, prefetch_qk=True),
     GluonConfig(64, 2),
 ]
 
@@ -210,8 +211,19 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=1e9)
     ap.add_argument("--smoke", action="store_true", help="tiny check of every variant, then exit (0 = all ok)")
     ap.add_argument("--skip", nargs="*", default=[], help="variant labels to leave out")
+    ap.add_argument("--smoke-log", default=None, help="keep only the variants this --smoke log shows ok")
     args = ap.parse_args(argv)
     VARIANTS[:] = [v for v in VARIANTS if v.label not in args.skip]
+    if args.smoke_log:
+        ok = set()
+        with open(args.smoke_log) as f:
+            for line in f:
+                if line.strip().startswith("smoke:"):
+                    r = json.loads(line.split("smoke:", 1)[1])
+                    if r["ok"]:
+                        ok.add(r["cfg"])
+        print("variants that passed the smoke test:", sorted(ok), flush=True)
+        VARIANTS[:] = [v for v in VARIANTS if v.label in ok]
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
         return 2

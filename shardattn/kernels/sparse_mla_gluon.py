@@ -18,8 +18,8 @@ two consumer warpgroups (8 warps). It walks the token's sorted, de-duplicated ro
 
 Outputs follow :func:`shardattn.kernels.sparse_mla.sparse_mla_attention`: ``out [T, H, Dv]`` in
 q's dtype, ``lse [T, H]`` fp32 natural log. Inputs: bf16/fp16 ``q [T, H, Dv + Dr]`` and
-``kv [R, Dv + Dr]`` with unit last stride, ``Dv`` a power of two in ``[32, 512]``, ``Dr`` a
-power of two ``>= 16`` (:func:`gluon_supports` says why a case does not run).
+``kv [R, Dv + Dr]`` with unit last stride, ``Dv = 512`` and ``Dr = 64`` (DSA models; other
+shapes take the Triton kernel: :func:`gluon_supports` says why a case does not run).
 
 :func:`compile_for_sm90` compiles a kernel variant ahead of time for sm_90 with no GPU and
 returns its PTX (CI runs it, so a Gluon API change fails there).
@@ -76,11 +76,15 @@ class GluonConfig:
     stages: int = 2
     variant: str = "pipelined"
     regs: tuple[int, int] = (224, 56)
+    async_arrive: bool = True
+    prefetch_qk: bool = False
 
     @property
     def label(self) -> str:
         if self.variant == "ws":
-            return f"ws{self.block_n}r{self.regs[0]}"
+            return (
+                f"ws{self.block_n}r{self.regs[0]}{'a' if self.async_arrive else 'w'}{'q' if self.prefetch_qk else ''}"
+            )
         return f"p{self.block_n}x{self.stages}"
 
     @property
@@ -93,19 +97,15 @@ class GluonConfig:
 
 
 def gluon_config(heads: int, d_v: int = 512, d_r: int = 64) -> GluonConfig:
-    """Tile of the Gluon prefill kernel: the deepest ring that fits 227 KB of shared memory.
+    """Tile of the Gluon prefill kernel for these shapes.
 
-    Shared memory: Q ``64 x (Dv + Dr)`` plus ``STAGES`` KV tiles of ``BLOCK_N x (Dv + Dr)`` bf16
-    plus ~16 KB of scratch (P exchange, reductions). DSA shapes: 64 rows x 2 stages (216 KB).
+    DSA shapes (``Dv = 512``, ``Dr = 64``): the warp-specialised kernel, ``BLOCK_N = 32``
+    (shared memory: Q 72 KB + a 4-slot ring of 36 KB + 8 KB of P buffers = 225 KB of 227 KB).
+    Smaller head dims fit the same kernel; ``heads`` does not change the tile (64 heads per
+    program, fewer pad it).
     """
-    del heads  # one 64-head tile per program at every head count
-    row = (d_v + d_r) * 2
-    budget = 227 * 1024 - 16 * 1024 - BLOCK_H * row
-    for block_n in (64, 32):
-        stages = min(4, budget // (block_n * row))
-        if stages >= 2:
-            return GluonConfig(block_n, stages)
-    return GluonConfig(16, 2)
+    del heads, d_v, d_r
+    return GluonConfig(32, 4, "ws", (224, 56), async_arrive=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -127,10 +127,8 @@ def gluon_supports(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> str | None:
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (the Gluon kernel takes bf16/fp16)"
     d_r = q.shape[-1] - v_dim
-    if v_dim < 32 or v_dim > 512 or v_dim & (v_dim - 1):
-        return f"v_dim = {v_dim} is not a power of two in [32, 512]"
-    if d_r < 16 or d_r & (d_r - 1):
-        return f"rope dim (D - v_dim) = {d_r} is not a power of two >= 16"
+    if (v_dim, d_r) != (512, 64):
+        return f"head dims {v_dim} + {d_r} (the Gluon kernel is built and checked for DSA's 512 + 64)"
     if q.stride(-1) != 1 or kv.stride(-1) != 1:
         return "q and kv need a unit last-dim stride"
     if (q.stride(0) * q.element_size()) % 16 or (q.stride(1) * q.element_size()) % 16:
@@ -316,8 +314,8 @@ def launch_gluon_attention(
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             scale * LOG2E,
             BLOCK_N=cfg.block_n, D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None,
-            WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1],
-            num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
+            WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1], ASYNC_ARRIVE=cfg.async_arrive,
+            PREFETCH_QK=cfg.prefetch_qk, num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
         )  # fmt: skip
         return out, lse
     _sparse_mla_gluon_fwd[grid](
@@ -427,8 +425,11 @@ def compile_kernel_for_sm90(
         from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
 
         del signature["STAGES"], constexprs["STAGES"]
-        signature.update(WG1_REGS="constexpr", LOAD_REGS="constexpr")
-        constexprs.update(WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1])
+        for name in ("WG1_REGS", "LOAD_REGS", "ASYNC_ARRIVE", "PREFETCH_QK"):
+            signature[name] = "constexpr"
+        constexprs.update(
+            WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1], ASYNC_ARRIVE=cfg.async_arrive, PREFETCH_QK=cfg.prefetch_qk
+        )
         fn, options = ws_kernel(), {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
     # what the launcher's specialisation sees at run time: 16-byte aligned pointers and strides
     names = list(signature)

@@ -28,6 +28,7 @@ try:
         fence_async_shared,
         mbarrier,
         warpgroup_mma,
+        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
 
@@ -60,40 +61,68 @@ if HAS_GLUON_WS:
         return gl.BlockedLayout([1, 8], [32 // tpc, tpc], [4, 1], [1, 0])
 
     @gluon.jit
-    def _ws_producer(args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr):
+    def _ws_rows(u_base, n_len, k, BLOCK_N: gl.constexpr, lay: gl.constexpr):
+        """Row ids of block ``k`` in the slice layout of ``lay`` (-1 past ``n_len``)."""
+        n = k * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
+        return gl.load(u_base + n, mask=n < n_len, other=-1)
+
+    @gluon.jit
+    def _ws_producer(args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, ASYNC_ARRIVE: gl.constexpr):
         (KV, u_base, n_len, stride_kvr, n_pairs, _q_nope, _q_rope, nope_ring, rope_ring, _p_bufs, _mx_bufs, _l_bufs,
          ready, free, _mx_ready, _p_ready, _l_ready, _qk_scale) = args  # fmt: skip
         lv: gl.constexpr = _gather4(D_V)
         lr: gl.constexpr = _gather4(D_R)
         dv = gl.arange(0, D_V, layout=gl.SliceLayout(0, lv))
         dr = gl.arange(0, D_R, layout=gl.SliceLayout(0, lr))
+        # row ids of the next block are loaded one block ahead (their latency hides behind a block)
+        rv = _ws_rows(u_base, n_len, 0, BLOCK_N, lv)
+        rr = _ws_rows(u_base, n_len, 0, BLOCK_N, lr)
         for k in range(2 * n_pairs):
             i = k // 2
             slot = k % 2 + 2 * (i % 2)
+            rv_next = _ws_rows(u_base, n_len, k + 1, BLOCK_N, lv)
+            rr_next = _ws_rows(u_base, n_len, k + 1, BLOCK_N, lr)
             mbarrier.wait(free.index(slot), ((i // 2) & 1) ^ 1)
-            n_v = k * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lv))
-            ok_v = n_v < n_len
-            row_v = gl.load(u_base + n_v, mask=ok_v, other=0).to(gl.int64)
-            _async_load(nope_ring.index(slot), KV + row_v[:, None] * stride_kvr + dv[None, :], mask=ok_v[:, None])
-            n_r = k * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lr))
-            ok_r = n_r < n_len
-            row_r = gl.load(u_base + n_r, mask=ok_r, other=0).to(gl.int64)
-            _async_load(rope_ring.index(slot), KV + row_r[:, None] * stride_kvr + D_V + dr[None, :], mask=ok_r[:, None])
-            cp.commit_group()
-            if k > 0:  # block k - 1 has landed: publish it (two blocks stay in flight)
-                cp.wait_group(1)
+            _async_load(
+                nope_ring.index(slot), KV + rv.to(gl.int64)[:, None] * stride_kvr + dv[None, :], mask=(rv >= 0)[:, None]
+            )
+            _async_load(
+                rope_ring.index(slot),
+                KV + rr.to(gl.int64)[:, None] * stride_kvr + D_V + dr[None, :],
+                mask=(rr >= 0)[:, None],
+            )
+            if ASYNC_ARRIVE:  # each thread's arrival fires when its copies land (ready counts 128)
+                cp.mbarrier_arrive(ready.index(slot), increment_count=False)
+            else:
+                cp.commit_group()
+                if k > 0:  # block k - 1 has landed: publish it (two blocks stay in flight)
+                    cp.wait_group(1)
+                    fence_async_shared()
+                    pk = k - 1
+                    mbarrier.arrive(ready.index(pk % 2 + 2 * ((pk // 2) % 2)), count=1)
+            rv = rv_next
+            rr = rr_next
+        if not ASYNC_ARRIVE:
+            if n_pairs > 0:
+                cp.wait_group(0)
                 fence_async_shared()
-                pk = k - 1
+                pk = 2 * n_pairs - 1
                 mbarrier.arrive(ready.index(pk % 2 + 2 * ((pk // 2) % 2)), count=1)
-        if n_pairs > 0:
-            cp.wait_group(0)
-            fence_async_shared()
-            pk = 2 * n_pairs - 1
-            mbarrier.arrive(ready.index(pk % 2 + 2 * ((pk // 2) % 2)), count=1)
 
     @gluon.jit
-    def _ws_consumer(args, W: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr):
-        """Consumer warpgroup ``W``: blocks ``2i + W``; returns ``(acc, m_i, l_i)`` (its value half)."""
+    def _ws_qk(q_nope, q_rope, nope_ring, rope_ring, ready, slot, phase, s_zero):
+        """Wait for ring slot ``slot`` and issue ``S = Q K^T`` on it (async; two wgmma groups)."""
+        mbarrier.wait(ready.index(slot), phase)
+        s = warpgroup_mma(q_nope, nope_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        return warpgroup_mma(q_rope, rope_ring.index(slot).permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _ws_consumer(args, W: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, PREFETCH_QK: gl.constexpr):
+        """Consumer warpgroup ``W``: blocks ``2i + W``; returns ``(acc, m_i, l_i)`` (its value half).
+
+        ``PREFETCH_QK``: issue the next pair's ``S`` before waiting for this pair's ``P V``, so the
+        tensor cores run it while this warpgroup hands its slots back.
+        """
         (_KV, _u_base, n_len, _stride_kvr, n_pairs, q_nope, q_rope, nope_ring, rope_ring, p_bufs, mx_bufs, l_bufs,
          ready, free, mx_ready, p_ready, l_ready, qk_scale) = args  # fmt: skip
         HALF: gl.constexpr = D_V // 2
@@ -111,16 +140,20 @@ if HAS_GLUON_WS:
         acc = gl.zeros([64, HALF], gl.float32, layout=mma_o)
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=mma_s)
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
+        s_next = warpgroup_mma_init(s_zero)  # the async-accumulator type, carried through the loop
+        if PREFETCH_QK:
+            if n_pairs > 0:
+                s_next = _ws_qk(q_nope, q_rope, nope_ring, rope_ring, ready, W, 0, s_zero)
         for i in range(n_pairs):
             par = i % 2
             own = W + 2 * par
             other = (1 - W) + 2 * par
-            ph_slot = (i // 2) & 1
             ph_pair = i & 1
-            mbarrier.wait(ready.index(own), ph_slot)
-            s = warpgroup_mma(q_nope, nope_ring.index(own).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_rope, rope_ring.index(own).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if PREFETCH_QK:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
+            else:
+                s = _ws_qk(q_nope, q_rope, nope_ring, rope_ring, ready, own, (i // 2) & 1, s_zero)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             s = gl.where(((2 * i + W) * BLOCK_N + cols < n_len)[None, :], s * qk_scale, float("-inf"))
             m_loc = gl.max(s, axis=1)
             mx_bufs.index(W).store(m_loc)
@@ -138,11 +171,19 @@ if HAS_GLUON_WS:
             mbarrier.arrive(p_ready.index(W), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
             v_own = nope_ring.index(own).slice(W * HALF, HALF, dim=1)
-            acc = warpgroup_mma(gl.convert_layout(pb, p_op), v_own, acc, is_async=True)
+            acc_o = warpgroup_mma(gl.convert_layout(pb, p_op), v_own, acc, is_async=True)
             mbarrier.wait(p_ready.index(1 - W), ph_pair)
             v_oth = nope_ring.index(other).slice(W * HALF, HALF, dim=1)
-            acc = warpgroup_mma(p_bufs.index(1 - W), v_oth, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc_t = warpgroup_mma(p_bufs.index(1 - W), v_oth, acc_o, is_async=True)
+            if PREFETCH_QK:
+                if i + 1 < n_pairs:  # next pair's S runs behind this P V; wait for the P V only
+                    nxt = W + 2 * ((i + 1) % 2)
+                    s_next = _ws_qk(q_nope, q_rope, nope_ring, rope_ring, ready, nxt, ((i + 1) // 2) & 1, s_zero)
+                    acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc_t,))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
             mbarrier.arrive(free.index(own), count=1)
             mbarrier.arrive(free.index(other), count=1)
         # combine the row sums of both warpgroups
@@ -180,24 +221,27 @@ if HAS_GLUON_WS:
     @gluon.jit
     def _ws_default(args, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N: gl.constexpr,
                 D_R: gl.constexpr,
-                    D_V: gl.constexpr, HAS_SINK: gl.constexpr):  # fmt: skip
-        acc, m_i, l_i = _ws_consumer(args, 0, BLOCK_N, D_V)
+                    D_V: gl.constexpr, HAS_SINK: gl.constexpr, ASYNC_ARRIVE: gl.constexpr,
+                PREFETCH_QK: gl.constexpr):  # fmt: skip
+        acc, m_i, l_i = _ws_consumer(args, 0, BLOCK_N, D_V, PREFETCH_QK)
         _ws_epilogue(acc, m_i, l_i, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh,
                      0, D_V, HAS_SINK)  # fmt: skip
 
     @gluon.jit
     def _ws_second(args, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N: gl.constexpr,
                 D_R: gl.constexpr,
-                   D_V: gl.constexpr, HAS_SINK: gl.constexpr):  # fmt: skip
-        acc, m_i, l_i = _ws_consumer(args, 1, BLOCK_N, D_V)
+                   D_V: gl.constexpr, HAS_SINK: gl.constexpr, ASYNC_ARRIVE: gl.constexpr,
+                PREFETCH_QK: gl.constexpr):  # fmt: skip
+        acc, m_i, l_i = _ws_consumer(args, 1, BLOCK_N, D_V, PREFETCH_QK)
         _ws_epilogue(acc, m_i, l_i, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh,
                      1, D_V, HAS_SINK)  # fmt: skip
 
     @gluon.jit
     def _ws_load(args, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N: gl.constexpr,
                 D_R: gl.constexpr,
-                 D_V: gl.constexpr, HAS_SINK: gl.constexpr):  # fmt: skip
-        _ws_producer(args, BLOCK_N, D_V, D_R)
+                 D_V: gl.constexpr, HAS_SINK: gl.constexpr, ASYNC_ARRIVE: gl.constexpr,
+                PREFETCH_QK: gl.constexpr):  # fmt: skip
+        _ws_producer(args, BLOCK_N, D_V, D_R, ASYNC_ARRIVE)
 
     @gluon.jit(do_not_specialize=["T"])
     def _sparse_mla_gluon_ws_fwd(
@@ -206,7 +250,7 @@ if HAS_GLUON_WS:
         stride_qt, stride_qh, stride_kvr, stride_ut, stride_ot, stride_oh, stride_lt, stride_lh,
         qk_scale,
         BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-        WG1_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+        WG1_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, ASYNC_ARRIVE: gl.constexpr, PREFETCH_QK: gl.constexpr,
     ):  # fmt: skip
         dtype: gl.constexpr = Q.dtype.element_ty
         t = gl.program_id(0).to(gl.int64)
@@ -226,7 +270,7 @@ if HAS_GLUON_WS:
         p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
         l_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
         for s in gl.static_range(4):
-            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(ready.index(s), count=128 if ASYNC_ARRIVE else 1)
             mbarrier.init(free.index(s), count=2)
         for w in gl.static_range(2):
             mbarrier.init(mx_ready.index(w), count=1)
@@ -258,11 +302,11 @@ if HAS_GLUON_WS:
         gl.warp_specialize(
             [
                 (_ws_default, (args, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh,
-                               BLOCK_N, D_R, D_V, HAS_SINK)),
+                               BLOCK_N, D_R, D_V, HAS_SINK, ASYNC_ARRIVE, PREFETCH_QK)),
                 (_ws_second, (args, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh,
-                              BLOCK_N, D_R, D_V, HAS_SINK)),
+                              BLOCK_N, D_R, D_V, HAS_SINK, ASYNC_ARRIVE, PREFETCH_QK)),
                 (_ws_load, (args, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh,
-                            BLOCK_N, D_R, D_V, HAS_SINK)),
+                            BLOCK_N, D_R, D_V, HAS_SINK, ASYNC_ARRIVE, PREFETCH_QK)),
             ],
             [4, 4],
             [WG1_REGS, LOAD_REGS],

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn.kernels.registry import interpreter_enabled, use_triton
+from shardattn.kernels.registry import interpreter_enabled, sparse_prefill_kernel, use_triton
 from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, join_q, sparse_mla_reference
 from shardattn.kernels.sparse_mla_triton import (
     TileConfig,
@@ -132,5 +132,10 @@ def sparse_mla_grouped_prefill(
     else:
         g = path.group_size
         u, lens = build_union(rows, group_size=g, num_kv_rows=kv.shape[0], topk_length=topk_length, out=union)
-        out, lse = launch_attention(q, kv, u, lens, scale=scale, v_dim=v_dim, config=path.tile, sinks=sinks)
+        if g == 1 and sparse_prefill_kernel(q, kv, v_dim)[0] == "gluon":  # sm_90: the Gluon per-query kernel
+            from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
+
+            out, lse = launch_gluon_attention(q, kv, u, lens, scale=scale, v_dim=v_dim, sinks=sinks)
+        else:
+            out, lse = launch_attention(q, kv, u, lens, scale=scale, v_dim=v_dim, config=path.tile, sinks=sinks)
     return (out, lse) if return_lse else out
