@@ -65,11 +65,11 @@ MAX_GROUPED_KV_ROWS = 2**24 - 1
 XQA_SM = (90, 100, 120)
 PREFILL_PATHS = ("grouped", "per-query", "reference")
 DECODE_PATHS = ("triton", "flashinfer-xqa", "reference")
-GLUON_MIN_HEADS = 33
+GLUON_MIN_HEADS = 32
 """Fewest heads per query at which the per-query Gluon kernel (sm_90) runs instead of the per-query
-Triton kernel. Its tile is 64 heads, so fewer pad it: measured on an H200 (benchmarks/RESULTS.md,
-DSA-like top-k, T = 4K / 16K) it is 1.44-1.5x faster at 64 and 128 heads and 0.65-0.69x at 8 and
-16; at 32 heads both kernels pad to 64 rows, Triton's per-query run there measured faster."""
+Triton kernel. Its tile is 64 heads, so fewer pad it. Measured on an H200 (benchmarks/RESULTS.md,
+DSA-like top-k, kernel only, T = 4K / 16K): Gluon / Triton speed 1.71 / 1.60x at 64 heads,
+1.63 / 1.60x at 128, 1.07 / 1.05x at 32, 0.77 / 0.76x at 16 and 0.81 / 0.81x at 8."""
 PREFILL_KERNELS = ("gluon", "triton", "reference")
 
 
@@ -277,7 +277,7 @@ def route_prefill_kernel(
     >>> route_prefill_kernel(128, sm=90).path
     'gluon'
     >>> route_prefill_kernel(8, sm=90).reason
-    '8 heads < 33: the per-query Triton kernel is faster there (measured)'
+    '8 heads < 32: the per-query Triton kernel is faster there (measured)'
     >>> route_prefill_kernel(128, sm=100).path
     'triton'
     """
