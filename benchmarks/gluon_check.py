@@ -35,9 +35,10 @@ from shardattn.kernels.sparse_mla_triton import flops, launch_attention, tile_co
 from shardattn.kernels.union import build_union
 
 VARIANTS = [
-    GluonConfig(32, 4, "ws", (224, 56), async_arrive=False),
     GluonConfig(32, 4, "ws", (224, 56), async_arrive=True),
-    GluonConfig(32, 4, "ws", (224, 56), async_arrive=True, prefetch_qk=True),
+    GluonConfig(32, 4, "ws", (224, 56), async_arrive=True, heads_fastest=True),
+    GluonConfig(32, 4, "ws", (232, 40), async_arrive=True),
+    GluonConfig(32, 4, "ws", (224, 56), async_arrive=False),
     GluonConfig(64, 2),
 ]
 

@@ -78,13 +78,14 @@ class GluonConfig:
     regs: tuple[int, int] = (224, 56)
     async_arrive: bool = True
     prefetch_qk: bool = False
+    heads_fastest: bool = False
 
     @property
     def label(self) -> str:
         if self.variant == "ws":
-            return (
-                f"ws{self.block_n}r{self.regs[0]}{'a' if self.async_arrive else 'w'}{'q' if self.prefetch_qk else ''}"
-            )
+            flags = "a" if self.async_arrive else "w"
+            flags += ("q" if self.prefetch_qk else "") + ("h" if self.heads_fastest else "")
+            return f"ws{self.block_n}r{self.regs[0]}{flags}"
         return f"p{self.block_n}x{self.stages}"
 
     @property
@@ -307,6 +308,8 @@ def launch_gluon_attention(
     if cfg.variant == "ws":
         from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
 
+        if cfg.heads_fastest:
+            grid = (t * triton.cdiv(h, BLOCK_H),)
         ws_kernel()[grid](
             q, kv, union, lens, sinks if sinks is not None else lse, out, lse,
             t, h,
@@ -315,7 +318,7 @@ def launch_gluon_attention(
             scale * LOG2E,
             BLOCK_N=cfg.block_n, D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None,
             WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1], ASYNC_ARRIVE=cfg.async_arrive,
-            PREFETCH_QK=cfg.prefetch_qk, num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
+            PREFETCH_QK=cfg.prefetch_qk, HEADS_FASTEST=cfg.heads_fastest, num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
         )  # fmt: skip
         return out, lse
     _sparse_mla_gluon_fwd[grid](
@@ -425,11 +428,12 @@ def compile_kernel_for_sm90(
         from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
 
         del signature["STAGES"], constexprs["STAGES"]
-        for name in ("WG1_REGS", "LOAD_REGS", "ASYNC_ARRIVE", "PREFETCH_QK"):
+        for name in ("WG1_REGS", "LOAD_REGS", "ASYNC_ARRIVE", "PREFETCH_QK", "HEADS_FASTEST"):
             signature[name] = "constexpr"
         constexprs.update(
-            WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1], ASYNC_ARRIVE=cfg.async_arrive, PREFETCH_QK=cfg.prefetch_qk
-        )
+            WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1], ASYNC_ARRIVE=cfg.async_arrive, PREFETCH_QK=cfg.prefetch_qk,
+            HEADS_FASTEST=cfg.heads_fastest,
+        )  # fmt: skip
         fn, options = ws_kernel(), {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
     # what the launcher's specialisation sees at run time: 16-byte aligned pointers and strides
     names = list(signature)

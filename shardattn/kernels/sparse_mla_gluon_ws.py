@@ -251,10 +251,17 @@ if HAS_GLUON_WS:
         qk_scale,
         BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
         WG1_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, ASYNC_ARRIVE: gl.constexpr, PREFETCH_QK: gl.constexpr,
+        HEADS_FASTEST: gl.constexpr,
     ):  # fmt: skip
         dtype: gl.constexpr = Q.dtype.element_ty
-        t = gl.program_id(0).to(gl.int64)
-        hb = gl.program_id(1)
+        if HEADS_FASTEST:  # 1-D grid, a query's head blocks adjacent: the second one finds its rows in L2
+            n_hb = gl.cdiv(H, 64)
+            pid = gl.program_id(0)
+            t = (pid // n_hb).to(gl.int64)
+            hb = pid % n_hb
+        else:
+            t = gl.program_id(0).to(gl.int64)
+            hb = gl.program_id(1)
         q_nope = gl.allocate_shared_memory(dtype, [64, D_V], _nvmma(D_V, 16))
         q_rope = gl.allocate_shared_memory(dtype, [64, D_R], _nvmma(D_R, 16))
         nope_ring = gl.allocate_shared_memory(dtype, [4, BLOCK_N, D_V], _nvmma(D_V, 16))
