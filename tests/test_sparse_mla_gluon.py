@@ -141,3 +141,15 @@ def test_public_entry_points_route_to_gluon_and_match(entry):
     fn = sparse_mla_attention if entry == "attention" else sparse_mla_grouped_prefill
     out, lse = fn(q, kv, rows, scale=(D_V + D_R) ** -0.5, v_dim=D_V, topk_length=length, sinks=sinks)
     _assert_close(out, lse, q, kv, rows, length, sinks)
+
+
+@needs_gluon
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128], ids=lambda h: f"h{h}")
+def test_warmup_lists_the_gluon_key_exactly_where_routing_sends_heads(heads):
+    from shardattn.kernels.warmup import PrefillSpec, compile_keys
+
+    keys = [k for k in compile_keys(PrefillSpec(heads=heads, topk=K, sinks=True)) if k.kernel == "gluon_attention"]
+    if heads >= GLUON_MIN_HEADS:
+        assert [k.params for k in keys] == [{"config": WS.label, "HAS_SINK": True, "dtype": torch.bfloat16}]
+    else:
+        assert keys == []

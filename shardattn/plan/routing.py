@@ -43,6 +43,7 @@ __all__ = [
     "GROUPED_MAX_HEADS",
     "GROUP_SIZES",
     "MAX_GROUPED_KV_ROWS",
+    "PREFILL_KERNELS",
     "PREFILL_PATHS",
     "TILE_ROWS",
     "XQA_SM",
