@@ -1,8 +1,12 @@
-"""Gluon (``triton.experimental.gluon``) sparse-MLA prefill kernel for Hopper (sm_90).
+"""Gluon (``triton.experimental.gluon``) sparse-MLA prefill for Hopper (sm_90): launch, AOT compile.
 
-The per-query path of :mod:`shardattn.kernels.sparse_mla_triton`, written one level lower: a
-program owns one query token and ``BLOCK_H = 64`` heads (128 heads: two programs per query) with
-two consumer warpgroups (8 warps). It walks the token's sorted, de-duplicated rows
+Two kernels serve the per-query path of :mod:`shardattn.kernels.sparse_mla_triton` one level
+lower. The routed one (:func:`gluon_config`) is the warp-specialised kernel of
+:mod:`shardattn.kernels.sparse_mla_gluon_ws` (1.6-1.7x the Triton kernel at 64 / 128 heads on an
+H200, benchmarks/RESULTS.md). This module holds the simpler 8-warp variant (``"pipelined"``, as
+fast as Triton; kept as the baseline the benchmark times), described here: a program owns one
+query token and ``BLOCK_H = 64`` heads (128 heads: two programs per query) with two consumer
+warpgroups (8 warps). It walks the token's sorted, de-duplicated rows
 (``union[t, :lens[t]]`` from :func:`shardattn.kernels.union.build_union` with ``G = 1``)
 ``BLOCK_N`` at a time:
 
