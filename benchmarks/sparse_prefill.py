@@ -11,7 +11,9 @@ the worst case), converted to global rows through a shuffled block table (block 
 CUDA-event medians over ``--reps`` runs with the L2 flushed (a 256 MiB write) before each run.
 Columns: union ratio at the grouped G, union build time and its share of the grouped step,
 grouped step (union + kernel), per-query path (row sort/dedupe + kernel), torch gather+bmm
-baseline, effective TFLOP/s ``2 * sum(valid topk) * heads * 1088 / time`` and speedups.
+baseline, effective TFLOP/s ``2 * sum(valid topk) * heads * 1088 / time`` and speedups. On an
+sm_90 GPU with Gluon, a ``gluon`` line under each row times the Gluon per-query path (same row
+sort + :mod:`shardattn.kernels.sparse_mla_gluon`) in the same run.
 
 ``--union-only`` times the union builders (``method`` sort / merge, ``row_sort`` torch / triton)
 per G against the ``"sort"`` builder in the same run, checks each exactly against the torch
@@ -39,6 +41,7 @@ import time
 import torch
 
 from shardattn.kernels.sparse_mla import sparse_mla_reference
+from shardattn.kernels.sparse_mla_gluon import gluon_config, gluon_supports, launch_gluon_attention
 from shardattn.kernels.sparse_mla_grouped import default_group_size
 from shardattn.kernels.sparse_mla_triton import attention_kernel, flops, launch_attention, tile_config
 from shardattn.kernels.topk import convert_topk, convert_topk_reference
@@ -116,12 +119,16 @@ def check_case(q, kv, rows, g, scale, seed) -> dict:
     ref_o, ref_lse = sparse_mla_reference(
         q[sample], kv, rows[sample], scale=scale, v_dim=D_V, topk_length=topk_length[sample]
     )
-    for name, group in (("grouped", g), ("per_query", 1)):
+    paths = (("grouped", g), ("per_query", 1)) + ((("gluon", 1),) if gluon_supports(q, kv, D_V) is None else ())
+    for name, group in paths:
         uu, ll = build_union(rows, group_size=group, num_kv_rows=kv.shape[0], topk_length=topk_length)
         out = torch.full((t, q.shape[1], D_V), float("nan"), dtype=q.dtype, device=q.device)
         lse = torch.full((t, q.shape[1]), float("nan"), dtype=torch.float32, device=q.device)
-        cfg = tile_config(q.shape[1], group)
-        launch_attention(q, kv, uu, ll, scale=scale, v_dim=D_V, config=cfg, out=out, lse=lse)
+        if name == "gluon":
+            launch_gluon_attention(q, kv, uu, ll, scale=scale, v_dim=D_V, out=out, lse=lse)
+        else:
+            cfg = tile_config(q.shape[1], group)
+            launch_attention(q, kv, uu, ll, scale=scale, v_dim=D_V, config=cfg, out=out, lse=lse)
         torch.cuda.synchronize()
         written = bool(torch.isfinite(out).all()) and not bool(lse.isnan().any())
         empty_ok = bool((out[5] == 0).all()) and bool(lse[5].isneginf().all())
@@ -230,6 +237,19 @@ def run_case(heads, tokens, kv_rows, topk, workload, reps, flush, check, seed=0)
     ms["perq_sort"] = timed(sort1_fn, flush, reps)
     ms["perq_kernel"] = timed(perq_kernel_fn, flush, reps)
     ms["per_query"] = timed(perq_fn, flush, reps)
+    if gluon_supports(q, kv, D_V) is None:  # the Gluon per-query path (sm_90): same row lists, same run
+        cfg_gl = gluon_config(heads)
+
+        def gluon_kernel_fn():
+            launch_gluon_attention(q, kv, u1, l1, scale=scale, v_dim=D_V, config=cfg_gl, out=out, lse=lse)
+
+        def gluon_fn():
+            sort1_fn()
+            gluon_kernel_fn()
+
+        ms["gluon_kernel"] = timed(gluon_kernel_fn, flush, reps)
+        ms["gluon"] = timed(gluon_fn, flush, reps)
+        res["gluon_config"] = cfg_gl.label
     ms["torch"] = timed(lambda: baseline_gather_bmm(q, kv, rows, scale), flush, max(3, reps // 5))
     res["ms"] = {k: round(v, 4) for k, v in ms.items()}
     res["valid_keys"] = valid_keys
@@ -237,6 +257,9 @@ def run_case(heads, tokens, kv_rows, topk, workload, reps, flush, check, seed=0)
     res["union_share"] = round(ms["union"] / ms["grouped"], 3)
     res["speedup_grouped_vs_per_query"] = round(ms["per_query"] / ms["grouped"], 2)
     res["speedup_grouped_vs_torch"] = round(ms["torch"] / ms["grouped"], 2)
+    if "gluon" in ms:
+        res["speedup_gluon_vs_per_query"] = round(ms["per_query"] / ms["gluon"], 2)
+        res["speedup_gluon_vs_torch"] = round(ms["torch"] / ms["gluon"], 2)
     # bytes the grouped kernel gathers (every head block reads its group's union once)
     gathered = float(lens.sum()) * (D_V + D_R) * 2 * math.ceil(heads / cfg_g.block_h)
     res["grouped_gather_TBps"] = round(gathered / (ms["grouped_kernel"] * 1e-3) / 1e12, 2)
@@ -477,6 +500,13 @@ def main(argv=None) -> int:
                     f"{r['speedup_grouped_vs_per_query']:>6.2f} {r['speedup_grouped_vs_torch']:>7.2f}",
                     flush=True,
                 )
+                if "gluon" in ms:
+                    print(
+                        f"   gluon ({r['gluon_config']}): {ms['gluon']:.3f} ms ({tf['gluon']:.0f} TF/s), kernel "
+                        f"{ms['gluon_kernel']:.3f} ms ({tf['gluon_kernel']:.0f}); x perq "
+                        f"{r['speedup_gluon_vs_per_query']:.2f}, x torch {r['speedup_gluon_vs_torch']:.2f}",
+                        flush=True,
+                    )
                 if args.check:
                     print("   check:", json.dumps({"convert_exact": r["convert_exact"], **r["check"]}), flush=True)
                 if args.out:

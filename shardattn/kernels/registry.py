@@ -64,3 +64,28 @@ def unsupported_reason(*tensors: torch.Tensor | None) -> str | None:
 def use_triton(*tensors: torch.Tensor | None) -> bool:
     """``True`` when the Triton kernels may run on these tensors."""
     return unsupported_reason(*tensors) is None
+
+
+def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> tuple[str, str]:
+    """``(name, reason)`` of the kernel that runs a per-query sparse-MLA prefill on these tensors.
+
+    ``"gluon"`` on sm_90 when Triton ships Gluon and the shape suits it (and the routing's
+    measured head-count crossover says it pays), else ``"triton"`` when the Triton kernel runs
+    these tensors, else ``"reference"`` (the fp32 torch path).
+    """
+    from shardattn.plan.routing import route_prefill_kernel
+
+    why = unsupported_reason(q, kv, None)
+    if why is None:
+        from shardattn.kernels.sparse_mla_triton import kernel_supports
+
+        why = kernel_supports(q, kv, v_dim)
+    if why is not None:
+        return "reference", why
+    if interpreter_enabled():
+        return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter"
+    from shardattn.kernels.sparse_mla_gluon import gluon_supports
+
+    sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    route = route_prefill_kernel(q.shape[1], device_type=q.device, sm=sm, gluon_missing=gluon_supports(q, kv, v_dim))
+    return route.path, route.reason

@@ -196,8 +196,11 @@ def sparse_mla_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention over per-token global KV rows.
 
-    CUDA tensors run the per-query Triton kernel (:mod:`shardattn.kernels.sparse_mla_triton`)
-    when its shape limits allow; everything else runs the fp32 torch reference.
+    CUDA tensors run the per-query Gluon kernel (:mod:`shardattn.kernels.sparse_mla_gluon`) on
+    sm_90 where it is faster, else the per-query Triton kernel
+    (:mod:`shardattn.kernels.sparse_mla_triton`) when its shape limits allow
+    (:func:`shardattn.kernels.registry.sparse_prefill_kernel` says which and why); everything
+    else runs the fp32 torch reference.
 
     Args:
         q: ``[T, H, D]`` fp16/bf16/fp32 (``D = 576`` for DSA models), or
@@ -228,7 +231,18 @@ def sparse_mla_attention(
     q3 = shape_stand_in(q)
     check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
     if q.is_cuda:
-        from shardattn.kernels.registry import use_triton
+        from shardattn.kernels.registry import sparse_prefill_kernel, use_triton
+
+        if sparse_prefill_kernel(q3, kv, v_dim)[0] == "gluon":
+            from shardattn.kernels.sparse_mla_gluon import sparse_mla_gluon
+
+            # the Gluon kernel takes plain [T, H, ...] tensors: head-blocked buffers are copied in and out
+            o, s = sparse_mla_gluon(
+                q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
+            )
+            out = o if out is None else store_heads(out, o)
+            lse = s if lse is None else store_heads(lse, s)
+            return (out, lse) if return_lse else out
         from shardattn.kernels.sparse_mla_triton import kernel_supports, sparse_mla_per_query
 
         if use_triton(q3, kv, rows) and kernel_supports(q3, kv, v_dim) is None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn.kernels.registry import interpreter_enabled, use_triton
+from shardattn.kernels.registry import interpreter_enabled, sparse_prefill_kernel, use_triton
 from shardattn.kernels.sparse_mla import (
     check_sparse_mla_inputs,
     join_q,
@@ -151,7 +151,25 @@ def sparse_mla_grouped_prefill(
     else:
         g = path.group_size
         u, lens = build_union(rows, group_size=g, num_kv_rows=kv.shape[0], topk_length=topk_length, out=union)
-        out, lse = launch_attention(
-            q, kv, u, lens, scale=scale, v_dim=v_dim, config=path.tile, sinks=sinks, out=out, lse=lse
-        )
+        if g == 1 and sparse_prefill_kernel(q3, kv, v_dim)[0] == "gluon":  # sm_90: the Gluon per-query kernel
+            from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
+
+            # the Gluon kernel takes plain [T, H, ...] tensors: head-blocked buffers are copied in and out
+            o, s = launch_gluon_attention(
+                q_heads_view(q),
+                kv,
+                u,
+                lens,
+                scale=scale,
+                v_dim=v_dim,
+                sinks=sinks,
+                out=out if out is not None and out.dim() == 3 else None,
+                lse=lse if lse is not None and lse.dim() == 2 else None,
+            )
+            out = o if out is None or o is out else store_heads(out, o)
+            lse = s if lse is None or s is lse else store_heads(lse, s)
+        else:
+            out, lse = launch_attention(
+                q, kv, u, lens, scale=scale, v_dim=v_dim, config=path.tile, sinks=sinks, out=out, lse=lse
+            )
     return (out, lse) if return_lse else out

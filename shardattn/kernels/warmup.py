@@ -3,7 +3,8 @@
 :func:`compile_keys` lists, for a :class:`PrefillSpec`, each kernel variant a step can launch:
 the top-k conversion, the union build and the attention kernel, on both sides of the routing
 threshold (grouped ``G > 1`` for KV caches below ``2**24 - 1`` rows, per-query ``G = 1`` above,
-which is also the explicit ``group_size=1`` path). :func:`warmup` compiles them all by running
+which is also the explicit ``group_size=1`` path; on sm_90 that side runs the Gluon kernel
+for the head counts the routing sends there, key ``gluon_attention``). :func:`warmup` compiles them all by running
 each launcher once on tiny inputs with the runtime's layouts; run-time sizes (token count, KV
 rows, block-table width) are not specialised by the kernels (``do_not_specialize``), so later
 calls of any size compile nothing. :func:`compiled_variants` counts what a kernel has compiled,
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardattn.kernels.sparse_mla_gluon import gluon_config
 from shardattn.kernels.sparse_mla_grouped import default_group_size
 from shardattn.kernels.sparse_mla_triton import tile_config
 from shardattn.kernels.topk import convert_topk_config
@@ -74,6 +76,11 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
             for level, steps in enumerate(cfg["MERGE_STEPS"]):
                 params = {"G": group, "PLAIN": level == 0, "STEPS": steps, "CHUNK": cfg["MERGE_CHUNK"]}
                 keys.append(CompileKey("union_merge", params))
+        if group == 1 and gluon_route(spec):
+            cfg = gluon_config(spec.heads, spec.v_dim, spec.rope_dim)
+            keys.append(
+                CompileKey("gluon_attention", {"config": cfg.label, "HAS_SINK": spec.sinks, "dtype": spec.dtype})
+            )
         tile = tile_config(spec.heads, group)
         keys.append(
             CompileKey(
@@ -92,6 +99,19 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
             )
         )
     return keys
+
+
+def gluon_route(spec: PrefillSpec) -> bool:
+    """``True`` when the per-query side of ``spec`` runs the Gluon kernel on an sm_90 GPU.
+
+    That is: this Triton ships Gluon, the head dims are DSA's and the routing's measured
+    crossover (:data:`shardattn.plan.routing.GLUON_MIN_HEADS`) sends this head count there.
+    """
+    from shardattn.kernels.sparse_mla_gluon import gluon_available
+    from shardattn.plan.routing import GLUON_MIN_HEADS
+
+    dims_ok = (spec.v_dim, spec.rope_dim) == (512, 64) and spec.dtype in (torch.bfloat16, torch.float16)
+    return gluon_available() is None and dims_ok and spec.heads >= GLUON_MIN_HEADS
 
 
 def compiled_variants(kernel) -> int:

@@ -39,9 +39,11 @@ from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
 
 __all__ = [
     "DECODE_PATHS",
+    "GLUON_MIN_HEADS",
     "GROUPED_MAX_HEADS",
     "GROUP_SIZES",
     "MAX_GROUPED_KV_ROWS",
+    "PREFILL_KERNELS",
     "PREFILL_PATHS",
     "TILE_ROWS",
     "XQA_SM",
@@ -49,6 +51,7 @@ __all__ = [
     "grouped_group_size",
     "route_decode",
     "route_prefill",
+    "route_prefill_kernel",
     "tile_group_size",
 ]
 
@@ -63,6 +66,12 @@ MAX_GROUPED_KV_ROWS = 2**24 - 1
 XQA_SM = (90, 100, 120)
 PREFILL_PATHS = ("grouped", "per-query", "reference")
 DECODE_PATHS = ("triton", "flashinfer-xqa", "reference")
+GLUON_MIN_HEADS = 32
+"""Fewest heads per query at which the per-query Gluon kernel (sm_90) runs instead of the per-query
+Triton kernel. Its tile is 64 heads, so fewer pad it. Measured on an H200 (benchmarks/RESULTS.md,
+DSA-like top-k, kernel only, T = 4K / 16K): Gluon / Triton speed 1.71 / 1.60x at 64 heads,
+1.63 / 1.60x at 128, 1.07 / 1.05x at 32, 0.77 / 0.76x at 16 and 0.81 / 0.81x at 8."""
+PREFILL_KERNELS = ("gluon", "triton", "reference")
 
 
 @dataclass(frozen=True)
@@ -247,3 +256,43 @@ def route_decode(
     else:
         return Route("flashinfer-xqa", 1, f"FlashInfer XQA on SM{sm_v}, head_dim {spec.head_dim}")
     return Route("triton", 1, f"{why}: Triton decode")
+
+
+def route_prefill_kernel(
+    num_heads: int,
+    *,
+    device_type: str | torch.device = "cuda",
+    sm: int | tuple[int, int] | None = None,
+    gluon_missing: str | None = None,
+    gluon_min_heads: int = GLUON_MIN_HEADS,
+) -> Route:
+    """Which kernel runs a per-query sparse-MLA prefill step: ``gluon``, ``triton`` or ``reference``.
+
+    Args:
+        num_heads: query heads per rank.
+        device_type: ``"cuda"``, ``"cpu"``, ... (or a ``torch.device``).
+        sm: compute capability, ``90`` or ``(9, 0)``; ``None`` = unknown (no Gluon).
+        gluon_missing: why the Gluon kernel cannot run here (None = it can: Triton has Gluon).
+        gluon_min_heads: fewest heads at which Gluon beats Triton (measured).
+
+    >>> route_prefill_kernel(128, sm=90).path
+    'gluon'
+    >>> route_prefill_kernel(8, sm=90).reason
+    '8 heads < 32: the per-query Triton kernel is faster there (measured)'
+    >>> route_prefill_kernel(128, sm=100).path
+    'triton'
+    """
+    h = check_int("num_heads", num_heads, minimum=1)
+    check_int("gluon_min_heads", gluon_min_heads, minimum=1)
+    sm_v = _sm(sm)
+    dev = _device_type(device_type)
+    if dev != "cuda":
+        return Route("reference", 1, f"no GPU (device type {dev!r}): torch reference")
+    if gluon_missing is not None:
+        return Route("triton", 1, f"{gluon_missing}: Triton kernel")
+    if sm_v is None or sm_v // 10 != 9:
+        return Route("triton", 1, f"SM{sm_v} is not SM90 (the Gluon kernel uses Hopper wgmma): Triton kernel")
+    if h < gluon_min_heads:
+        why = f"{h} heads < {gluon_min_heads}: the per-query Triton kernel is faster there (measured)"
+        return Route("triton", 1, why)
+    return Route("gluon", 1, f"SM90, {h} heads: Gluon warpgroup-MMA kernel")

@@ -1,0 +1,461 @@
+"""Gluon (``triton.experimental.gluon``) sparse-MLA prefill for Hopper (sm_90): launch, AOT compile.
+
+Two kernels serve the per-query path of :mod:`shardattn.kernels.sparse_mla_triton` one level
+lower. The routed one (:func:`gluon_config`) is the warp-specialised kernel of
+:mod:`shardattn.kernels.sparse_mla_gluon_ws` (1.6-1.7x the Triton kernel at 64 / 128 heads on an
+H200, benchmarks/RESULTS.md). This module holds the simpler 8-warp variant (``"pipelined"``, as
+fast as Triton; kept as the baseline the benchmark times), described here: a program owns one
+query token and ``BLOCK_H = 64`` heads (128 heads: two programs per query) with two consumer
+warpgroups (8 warps). It walks the token's sorted, de-duplicated rows
+(``union[t, :lens[t]]`` from :func:`shardattn.kernels.union.build_union` with ``G = 1``)
+``BLOCK_N`` at a time:
+
+* every KV row (``Dv + Dr`` bf16, 576 for DSA models) is gathered with ``cp.async`` into a
+  ``STAGES``-deep shared-memory ring (nope ``[BLOCK_N, Dv]`` and rope ``[BLOCK_N, Dr]`` parts,
+  128-byte swizzled), ``STAGES - 1`` tiles ahead of the tile being consumed;
+* ``S = Q K^T`` and ``O += P V`` run on ``wgmma`` (``warpgroup_mma``) with Q held in shared
+  memory for the whole loop; the two warpgroups split S by key columns and O by value columns
+  (``[64, 256]`` fp32 accumulators each, 128 registers), P passes between them through shared
+  memory;
+* the fp32 online softmax is the library's (base 2, ``(0, -inf)`` for an empty row, sinks
+  folded in after the loop), masked past ``lens[t]``.
+
+Outputs follow :func:`shardattn.kernels.sparse_mla.sparse_mla_attention`: ``out [T, H, Dv]`` in
+q's dtype, ``lse [T, H]`` fp32 natural log. Inputs: bf16/fp16 ``q [T, H, Dv + Dr]`` and
+``kv [R, Dv + Dr]`` with unit last stride, ``Dv = 512`` and ``Dr = 64`` (DSA models; other
+shapes take the Triton kernel: :func:`gluon_supports` says why a case does not run).
+
+:func:`compile_for_sm90` compiles a kernel variant ahead of time for sm_90 with no GPU and
+returns its PTX (CI runs it, so a Gluon API change fails there).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from shardattn.kernels.sparse_mla_gluon_ws import WS_MAXNREG, WS_NUM_WARPS
+from shardattn.kernels.union import build_union
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    # Triton 3.6 spells the CTA barrier ``thread_barrier``; later versions ``barrier``.
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # ... and the cp.async gather ``async_copy_global_to_shared``; later versions ``async_load``.
+    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    HAS_GLUON = True
+    _GLUON_IMPORT_ERROR = ""
+except Exception as exc:  # no Triton, or a Triton without Gluon / Hopper ops
+    HAS_GLUON = False
+    _GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+LOG2E = 1.4426950408889634
+BLOCK_H = 64
+NUM_WARPS = 8
+KINDS = ("prefill",)
+VARIANTS = ("pipelined", "ws")
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """Compile-time shape of one Gluon prefill launch (part of the warm-up key).
+
+    ``variant``: ``"pipelined"`` (this module's kernel: 8 warps, ``stages``-deep ring) or ``"ws"``
+    (:mod:`shardattn.kernels.sparse_mla_gluon_ws`: producer + two consumer warpgroups, a fixed
+    4-slot ring; ``regs`` = registers of consumer WG1 and of the producer).
+    """
+
+    block_n: int = 64
+    stages: int = 2
+    variant: str = "pipelined"
+    regs: tuple[int, int] = (224, 56)
+    async_arrive: bool = True
+    prefetch_qk: bool = False
+    heads_fastest: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.variant == "ws":
+            flags = "a" if self.async_arrive else "w"
+            flags += ("q" if self.prefetch_qk else "") + ("h" if self.heads_fastest else "")
+            return f"ws{self.block_n}r{self.regs[0]}{flags}"
+        return f"p{self.block_n}x{self.stages}"
+
+    @property
+    def block_h(self) -> int:
+        return BLOCK_H
+
+    @property
+    def num_warps(self) -> int:
+        return NUM_WARPS if self.variant == "pipelined" else WS_NUM_WARPS
+
+
+def gluon_config(heads: int, d_v: int = 512, d_r: int = 64) -> GluonConfig:
+    """Tile of the Gluon prefill kernel for these shapes.
+
+    DSA shapes (``Dv = 512``, ``Dr = 64``): the warp-specialised kernel, ``BLOCK_N = 32``
+    (shared memory: Q 72 KB + a 4-slot ring of 36 KB + 8 KB of P buffers = 225 KB of 227 KB).
+    Smaller head dims fit the same kernel; ``heads`` does not change the tile (64 heads per
+    program, fewer pad it).
+    """
+    del heads, d_v, d_r
+    return GluonConfig(32, 4, "ws", (224, 56), async_arrive=True)
+
+
+@functools.lru_cache(maxsize=1)
+def gluon_available() -> str | None:
+    """``None`` when Triton's Gluon with the Hopper ops imports, else why not (cached)."""
+    return None if HAS_GLUON else f"triton.experimental.gluon unavailable ({_GLUON_IMPORT_ERROR})"
+
+
+def gluon_supports(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> str | None:
+    """``None`` when the Gluon kernel runs these tensors, else the reason it does not."""
+    why = gluon_available()
+    if why is not None:
+        return why
+    if q.device.type != "cuda":
+        return f"tensor on {q.device} (the Gluon kernel needs CUDA)"
+    major = torch.cuda.get_device_capability(q.device)[0]
+    if major != 9:
+        return f"compute capability {major}.x (the Gluon kernel is written for sm_90 wgmma)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (the Gluon kernel takes bf16/fp16)"
+    d_r = q.shape[-1] - v_dim
+    if (v_dim, d_r) != (512, 64):
+        return f"head dims {v_dim} + {d_r} (the Gluon kernel is built and checked for DSA's 512 + 64)"
+    if q.stride(-1) != 1 or kv.stride(-1) != 1:
+        return "q and kv need a unit last-dim stride"
+    if (q.stride(0) * q.element_size()) % 16 or (q.stride(1) * q.element_size()) % 16:
+        return "q rows must be 16-byte aligned for cp.async"
+    if (kv.stride(0) * kv.element_size()) % 16 or q.data_ptr() % 16 or kv.data_ptr() % 16:
+        return "kv rows must be 16-byte aligned for cp.async"
+    return None
+
+
+if HAS_GLUON:
+
+    @gluon.constexpr_function
+    def _nvmma(inner: int, bitwidth: int):
+        """128-byte swizzled (or narrower for short rows) wgmma operand layout."""
+        width = min(128, inner * bitwidth // 8)
+        return gl.NVMMASharedLayout(swizzle_byte_width=width, element_bitwidth=bitwidth, rank=2)
+
+    @gluon.constexpr_function
+    def _gather_layout(inner: int):
+        """Blocked layout for ``[rows, inner]`` gathers: 16-byte vectors, a warp along one row."""
+        tpc = min(32, inner // 8)
+        return gl.BlockedLayout([1, 8], [32 // tpc, tpc], [NUM_WARPS, 1], [1, 0])
+
+    @gluon.jit
+    def _issue_tile(
+        KV, u_base, n_len, stride_kvr, j, nope_ring, rope_ring,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+    ):  # fmt: skip
+        """cp.async tile ``j`` of the row list into ring slot ``j % STAGES`` (zeros past ``n_len``)."""
+        lv: gl.constexpr = _gather_layout(D_V)
+        lr: gl.constexpr = _gather_layout(D_R)
+        slot = j % STAGES
+        n_v = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lv))
+        ok_v = n_v < n_len
+        row_v = gl.load(u_base + n_v, mask=ok_v, other=0).to(gl.int64)
+        dv = gl.arange(0, D_V, layout=gl.SliceLayout(0, lv))
+        _async_load(nope_ring.index(slot), KV + row_v[:, None] * stride_kvr + dv[None, :], mask=ok_v[:, None])
+        n_r = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lr))
+        ok_r = n_r < n_len
+        row_r = gl.load(u_base + n_r, mask=ok_r, other=0).to(gl.int64)
+        dr = gl.arange(0, D_R, layout=gl.SliceLayout(0, lr))
+        _async_load(rope_ring.index(slot), KV + row_r[:, None] * stride_kvr + D_V + dr[None, :], mask=ok_r[:, None])
+        cp.commit_group()
+
+    @gluon.jit(do_not_specialize=["T"])
+    def _sparse_mla_gluon_fwd(
+        Q, KV, UNION, LENS, SINKS, OUT, LSE,
+        T, H,
+        stride_qt, stride_qh, stride_kvr, stride_ut, stride_ot, stride_oh, stride_lt, stride_lh,
+        qk_scale,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
+    ):  # fmt: skip
+        BH: gl.constexpr = 64
+        dtype: gl.constexpr = Q.dtype.element_ty
+        t = gl.program_id(0).to(gl.int64)
+        hb = gl.program_id(1)
+
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+        )
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_V // 2, 16]
+        )
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+        lv: gl.constexpr = _gather_layout(D_V)
+        lr: gl.constexpr = _gather_layout(D_R)
+
+        q_nope = gl.allocate_shared_memory(dtype, [BH, D_V], _nvmma(D_V, 16))
+        q_rope = gl.allocate_shared_memory(dtype, [BH, D_R], _nvmma(D_R, 16))
+        nope_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], _nvmma(D_V, 16))
+        rope_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_R], _nvmma(D_R, 16))
+
+        # Q tile (rows past H zero-filled), its own cp.async group
+        h_v = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, lv))
+        dv = gl.arange(0, D_V, layout=gl.SliceLayout(0, lv))
+        q_v = Q + t * stride_qt + h_v[:, None].to(gl.int64) * stride_qh + dv[None, :]
+        _async_load(q_nope, q_v, mask=(h_v < H)[:, None])
+        h_r = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, lr))
+        dr = gl.arange(0, D_R, layout=gl.SliceLayout(0, lr))
+        q_r = Q + t * stride_qt + h_r[:, None].to(gl.int64) * stride_qh + D_V + dr[None, :]
+        _async_load(q_rope, q_r, mask=(h_r < H)[:, None])
+        cp.commit_group()
+
+        n_len = gl.load(LENS + t)
+        u_base = UNION + t * stride_ut
+        for j0 in gl.static_range(STAGES - 1):
+            _issue_tile(KV, u_base, n_len, stride_kvr, j0, nope_ring, rope_ring, BLOCK_N, STAGES, D_V, D_R)
+
+        m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
+        l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, mma_s))
+        acc = gl.zeros([BH, D_V], gl.float32, layout=mma_o)
+        s_zero = gl.zeros([BH, BLOCK_N], gl.float32, layout=mma_s)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
+        n_tiles = gl.cdiv(n_len, BLOCK_N)
+        for j in range(n_tiles):
+            # slot (j - 1) % STAGES was consumed last iteration: every warp is past its wgmma
+            _cta_barrier()
+            _issue_tile(KV, u_base, n_len, stride_kvr, j + STAGES - 1, nope_ring, rope_ring, BLOCK_N, STAGES, D_V, D_R)
+            cp.wait_group(STAGES - 1)
+            _cta_barrier()
+            fence_async_shared()
+            slot = j % STAGES
+            kn = nope_ring.index(slot)
+            kr = rope_ring.index(slot)
+            s = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s = gl.where((j * BLOCK_N + cols < n_len)[None, :], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))  # finite: a tile holds >= 1 valid key
+            p = gl.exp2(s - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+            pa = gl.convert_layout(p.to(dtype), p_op)
+            acc = warpgroup_mma(pa, kn, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        cp.wait_group(0)
+
+        h = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, mma_s))
+        if HAS_SINK:
+            sink = gl.load(SINKS + h, mask=h < H, other=0.0) * 1.4426950408889634
+            m_f = gl.maximum(m_i, sink)
+            alpha = gl.exp2(m_i - m_f)
+            l_i = l_i * alpha + gl.exp2(sink - m_f)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+            m_i = m_f
+        has = l_i > 0.0
+        l_safe = gl.where(has, l_i, 1.0)
+        lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        gl.store(LSE + t * stride_lt + h * stride_lh, lse, mask=h < H)
+        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, mma_o))[:, None]
+        h_o = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, mma_o))
+        d_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, mma_o))
+        o_ptr = OUT + t * stride_ot + h_o[:, None].to(gl.int64) * stride_oh + d_o[None, :]
+        gl.store(o_ptr, out.to(dtype), mask=(h_o < H)[:, None])
+
+
+def prefill_kernel():
+    """The Gluon prefill kernel (for warm-up, compile counting and reports); needs Gluon."""
+    return _sparse_mla_gluon_fwd
+
+
+def launch_gluon_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    union: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int,
+    config: GluonConfig | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the Gluon kernel on prepared per-query row lists (inputs already validated).
+
+    Args:
+        q: ``[T, H, D]`` bf16/fp16; kv: ``[R, D]``; union: ``[T, W]`` int32 sorted unique valid
+            rows per token (``G = 1`` union); lens: ``[T]`` int32 entries used per token.
+        config: :func:`gluon_config` when None.
+    Returns:
+        ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)``.
+    """
+    t, h, d = q.shape
+    cfg = config or gluon_config(h, v_dim, d - v_dim)
+    if out is None:
+        out = torch.empty(t, h, v_dim, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    if t == 0 or h == 0:
+        return out, lse
+    grid = (t, triton.cdiv(h, BLOCK_H))
+    if cfg.variant == "ws":
+        from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
+
+        if cfg.heads_fastest:
+            grid = (t * triton.cdiv(h, BLOCK_H),)
+        ws_kernel()[grid](
+            q, kv, union, lens, sinks if sinks is not None else lse, out, lse,
+            t, h,
+            q.stride(0), q.stride(1), kv.stride(0), union.stride(0),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            scale * LOG2E,
+            BLOCK_N=cfg.block_n, D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None,
+            WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1], ASYNC_ARRIVE=cfg.async_arrive,
+            PREFETCH_QK=cfg.prefetch_qk, HEADS_FASTEST=cfg.heads_fastest, num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
+        )  # fmt: skip
+        return out, lse
+    _sparse_mla_gluon_fwd[grid](
+        q, kv, union, lens, sinks if sinks is not None else lse, out, lse,
+        t, h,
+        q.stride(0), q.stride(1), kv.stride(0), union.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        scale * LOG2E,
+        BLOCK_N=cfg.block_n, STAGES=cfg.stages, D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out, lse
+
+
+def sparse_mla_gluon(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int = 512,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    config: GluonConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-query Gluon path: rows sorted and de-duplicated (``G = 1`` union), then attended.
+
+    Inputs must already be validated (the public entry is
+    :func:`shardattn.kernels.sparse_mla.sparse_mla_attention`).
+
+    Args:
+        q: ``[T, H, D]`` bf16/fp16; kv: ``[R, D]``; rows: ``[T, K]`` int32 global rows (-1 / out
+            of range invalid, anywhere); topk_length: ``[T]`` int32 or None; sinks: ``[H]`` fp32.
+    Returns:
+        ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)``.
+    """
+    union, lens = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
+    return launch_gluon_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, config=config, sinks=sinks)
+
+
+def compile_for_sm90(
+    kind: str,
+    heads: int,
+    group_size: int = 1,
+    *,
+    v_dim: int = 512,
+    rope_dim: int = 64,
+    sinks: bool = False,
+    dtype: str = "bf16",
+    config: GluonConfig | None = None,
+):
+    """Compile a Gluon kernel variant for sm_90 ahead of time (no GPU needed); returns its PTX.
+
+    Args:
+        kind: ``"prefill"`` (the only Gluon kernel so far).
+        heads: query heads per rank (the tile is 64 heads whatever this is).
+        group_size: queries per tile; only ``1`` (per-query) exists in Gluon so far.
+    Returns:
+        The PTX text of the compiled kernel.
+    Raises:
+        ValueError: an unknown ``kind`` or an unsupported ``group_size``.
+        RuntimeError: Gluon is not available in the installed Triton.
+    """
+    return compile_kernel_for_sm90(
+        kind, heads, group_size, v_dim=v_dim, rope_dim=rope_dim, sinks=sinks, dtype=dtype, config=config
+    ).asm["ptx"]
+
+
+def compile_kernel_for_sm90(
+    kind: str,
+    heads: int,
+    group_size: int = 1,
+    *,
+    v_dim: int = 512,
+    rope_dim: int = 64,
+    sinks: bool = False,
+    dtype: str = "bf16",
+    config: GluonConfig | None = None,
+):
+    """As :func:`compile_for_sm90`, returning Triton's compiled kernel (``asm``, ``metadata``)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if group_size != 1:
+        raise ValueError(f"group_size must be 1 (the Gluon grouped kernel is not written yet), got {group_size}")
+    if heads < 1:
+        raise ValueError(f"heads must be >= 1, got {heads}")
+    why = gluon_available()
+    if why is not None:
+        raise RuntimeError(why)
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = config or gluon_config(heads, v_dim, rope_dim)
+    ptr = f"*{dtype}"
+    signature = {
+        "Q": ptr, "KV": ptr, "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": ptr, "LSE": "*fp32",
+        "T": "i32", "H": "i32",
+        "stride_qt": "i32", "stride_qh": "i32", "stride_kvr": "i32", "stride_ut": "i32",
+        "stride_ot": "i32", "stride_oh": "i32", "stride_lt": "i32", "stride_lh": "i32",
+        "qk_scale": "fp32",
+        "BLOCK_N": "constexpr", "STAGES": "constexpr", "D_V": "constexpr", "D_R": "constexpr",
+        "HAS_SINK": "constexpr",
+    }  # fmt: skip
+    constexprs = {"BLOCK_N": cfg.block_n, "STAGES": cfg.stages, "D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks}
+    fn, options = _sparse_mla_gluon_fwd, {"num_warps": NUM_WARPS}
+    if cfg.variant == "ws":
+        from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
+
+        del signature["STAGES"], constexprs["STAGES"]
+        for name in ("WG1_REGS", "LOAD_REGS", "ASYNC_ARRIVE", "PREFETCH_QK", "HEADS_FASTEST"):
+            signature[name] = "constexpr"
+        constexprs.update(
+            WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1], ASYNC_ARRIVE=cfg.async_arrive, PREFETCH_QK=cfg.prefetch_qk,
+            HEADS_FASTEST=cfg.heads_fastest,
+        )  # fmt: skip
+        fn, options = ws_kernel(), {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
+    # what the launcher's specialisation sees at run time: 16-byte aligned pointers and strides
+    names = list(signature)
+    aligned = [n for n in names if signature[n].startswith("*") or n.startswith("stride_")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+__all__ = [
+    "BLOCK_H",
+    "GluonConfig",
+    "compile_for_sm90",
+    "compile_kernel_for_sm90",
+    "gluon_available",
+    "gluon_config",
+    "gluon_supports",
+    "launch_gluon_attention",
+    "prefill_kernel",
+    "sparse_mla_gluon",
+]

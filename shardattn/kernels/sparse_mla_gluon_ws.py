@@ -1,0 +1,325 @@
+"""Warp-specialised Gluon sparse-MLA prefill kernel for Hopper (sm_90), FlashMLA-style.
+
+One program owns one query token and 64 heads (128 heads: two programs per query). Three
+warpgroups (12 warps) share the work through shared memory and mbarriers:
+
+* **producer** (4 warps): gathers the token's KV rows (``union[t, :lens[t]]``, sorted unique,
+  from :func:`shardattn.kernels.union.build_union` with ``G = 1``) ``BLOCK_N`` at a time with
+  ``cp.async`` into a 4-slot ring (nope ``[BLOCK_N, Dv]`` + rope ``[BLOCK_N, Dr]`` per slot),
+  keeps two blocks in flight and marks each ready once its copies landed;
+* **consumer WG0 / WG1** (4 warps each): key blocks go in pairs, block ``2i`` to WG0 and
+  ``2i + 1`` to WG1. Each computes its full ``S = Q K^T`` (``[64, BLOCK_N]``, Q in shared
+  memory), the two exchange their row maxima (so both scale by the same running max), each
+  writes its ``P`` to shared memory and keeps ``O[:, half]`` (``[64, Dv / 2]`` fp32) for its half
+  of the value columns: ``O_w += P_own V_own[:, half_w] + P_other V_other[:, half_w]``.
+
+The online softmax is the library's (base 2, running max shared by both warpgroups, the row
+sums combined at the end, sinks folded in after the loop, ``(0, -inf)`` for an empty row).
+Shared memory (DSA shapes, ``BLOCK_N = 32``): Q 72 KB + 4 x 36 KB ring + 2 x 4 KB P buffers.
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    HAS_GLUON_WS = True
+except Exception:  # no Gluon: sparse_mla_gluon reports why
+    HAS_GLUON_WS = False
+
+#: Warps of the default partition (consumer WG0); the workers are consumer WG1 and the producer,
+#: 4 warps each. Registers per thread of the workers (``WG1_REGS``, ``LOAD_REGS``); the default
+#: partition gets what the kernel's ``maxnreg`` leaves.
+WS_NUM_WARPS = 4
+WS_MAXNREG = 168
+#: (WG1_REGS, LOAD_REGS): the fewest spills found in the compiled kernel (sm_90, Triton 3.6);
+#: the default partition gets ``3 * WS_MAXNREG - WG1_REGS - LOAD_REGS``.
+WS_REGS = (224, 56)
+
+if HAS_GLUON_WS:
+
+    @gluon.constexpr_function
+    def _nvmma(inner: int, bitwidth: int):
+        width = min(128, inner * bitwidth // 8)
+        return gl.NVMMASharedLayout(swizzle_byte_width=width, element_bitwidth=bitwidth, rank=2)
+
+    @gluon.constexpr_function
+    def _gather4(inner: int):
+        """``[rows, inner]`` gathers by 4 warps: 16-byte vectors, a warp along a row."""
+        tpc = min(32, inner // 8)
+        return gl.BlockedLayout([1, 8], [32 // tpc, tpc], [4, 1], [1, 0])
+
+    @gluon.jit
+    def _ws_rows(u_base, n_len, k, BLOCK_N: gl.constexpr, lay: gl.constexpr):
+        """Row ids of block ``k`` in the slice layout of ``lay`` (-1 past ``n_len``)."""
+        n = k * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
+        return gl.load(u_base + n, mask=n < n_len, other=-1)
+
+    @gluon.jit
+    def _ws_producer(args, BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, ASYNC_ARRIVE: gl.constexpr):
+        (KV, u_base, n_len, stride_kvr, n_pairs, _q_nope, _q_rope, nope_ring, rope_ring, _p_bufs, _mx_bufs, _l_bufs,
+         ready, free, _mx_ready, _p_ready, _l_ready, _qk_scale) = args  # fmt: skip
+        lv: gl.constexpr = _gather4(D_V)
+        lr: gl.constexpr = _gather4(D_R)
+        dv = gl.arange(0, D_V, layout=gl.SliceLayout(0, lv))
+        dr = gl.arange(0, D_R, layout=gl.SliceLayout(0, lr))
+        # row ids of the next block are loaded one block ahead (their latency hides behind a block)
+        rv = _ws_rows(u_base, n_len, 0, BLOCK_N, lv)
+        rr = _ws_rows(u_base, n_len, 0, BLOCK_N, lr)
+        for k in range(2 * n_pairs):
+            i = k // 2
+            slot = k % 2 + 2 * (i % 2)
+            rv_next = _ws_rows(u_base, n_len, k + 1, BLOCK_N, lv)
+            rr_next = _ws_rows(u_base, n_len, k + 1, BLOCK_N, lr)
+            mbarrier.wait(free.index(slot), ((i // 2) & 1) ^ 1)
+            _async_load(
+                nope_ring.index(slot), KV + rv.to(gl.int64)[:, None] * stride_kvr + dv[None, :], mask=(rv >= 0)[:, None]
+            )
+            _async_load(
+                rope_ring.index(slot),
+                KV + rr.to(gl.int64)[:, None] * stride_kvr + D_V + dr[None, :],
+                mask=(rr >= 0)[:, None],
+            )
+            if ASYNC_ARRIVE:  # each thread's arrival fires when its copies land (ready counts 128)
+                cp.mbarrier_arrive(ready.index(slot), increment_count=False)
+            else:
+                cp.commit_group()
+                if k > 0:  # block k - 1 has landed: publish it (two blocks stay in flight)
+                    cp.wait_group(1)
+                    fence_async_shared()
+                    pk = k - 1
+                    mbarrier.arrive(ready.index(pk % 2 + 2 * ((pk // 2) % 2)), count=1)
+            rv = rv_next
+            rr = rr_next
+        if not ASYNC_ARRIVE:
+            if n_pairs > 0:
+                cp.wait_group(0)
+                fence_async_shared()
+                pk = 2 * n_pairs - 1
+                mbarrier.arrive(ready.index(pk % 2 + 2 * ((pk // 2) % 2)), count=1)
+
+    @gluon.jit
+    def _ws_qk(q_nope, q_rope, nope_ring, rope_ring, ready, slot, phase, s_zero):
+        """Wait for ring slot ``slot`` and issue ``S = Q K^T`` on it (async; two wgmma groups)."""
+        mbarrier.wait(ready.index(slot), phase)
+        s = warpgroup_mma(q_nope, nope_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        return warpgroup_mma(q_rope, rope_ring.index(slot).permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _ws_consumer(args, W: gl.constexpr, BLOCK_N: gl.constexpr, D_V: gl.constexpr, PREFETCH_QK: gl.constexpr):
+        """Consumer warpgroup ``W``: blocks ``2i + W``; returns ``(acc, m_i, l_i)`` (its value half).
+
+        ``PREFETCH_QK``: issue the next pair's ``S`` before waiting for this pair's ``P V``, so the
+        tensor cores run it while this warpgroup hands its slots back.
+        """
+        (_KV, _u_base, n_len, _stride_kvr, n_pairs, q_nope, q_rope, nope_ring, rope_ring, p_bufs, mx_bufs, l_bufs,
+         ready, free, mx_ready, p_ready, l_ready, qk_scale) = args  # fmt: skip
+        HALF: gl.constexpr = D_V // 2
+        dtype: gl.constexpr = q_nope.dtype
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        )
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=row_l)
+        l_i = gl.zeros([64], gl.float32, layout=row_l)
+        acc = gl.zeros([64, HALF], gl.float32, layout=mma_o)
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=mma_s)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
+        s_next = warpgroup_mma_init(s_zero)  # the async-accumulator type, carried through the loop
+        if PREFETCH_QK:
+            if n_pairs > 0:
+                s_next = _ws_qk(q_nope, q_rope, nope_ring, rope_ring, ready, W, 0, s_zero)
+        for i in range(n_pairs):
+            par = i % 2
+            own = W + 2 * par
+            other = (1 - W) + 2 * par
+            ph_pair = i & 1
+            if PREFETCH_QK:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
+            else:
+                s = _ws_qk(q_nope, q_rope, nope_ring, rope_ring, ready, own, (i // 2) & 1, s_zero)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s = gl.where(((2 * i + W) * BLOCK_N + cols < n_len)[None, :], s * qk_scale, float("-inf"))
+            m_loc = gl.max(s, axis=1)
+            mx_bufs.index(W).store(m_loc)
+            mbarrier.arrive(mx_ready.index(W), count=1)
+            mbarrier.wait(mx_ready.index(1 - W), ph_pair)
+            m_oth = mx_bufs.index(1 - W).load(row_l)
+            m_new = gl.maximum(m_i, gl.maximum(m_loc, m_oth))  # finite: block 2i holds a valid key
+            p = gl.exp2(s - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            pb = p.to(dtype)
+            p_bufs.index(W).store(pb)
+            fence_async_shared()
+            mbarrier.arrive(p_ready.index(W), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+            v_own = nope_ring.index(own).slice(W * HALF, HALF, dim=1)
+            acc_o = warpgroup_mma(gl.convert_layout(pb, p_op), v_own, acc, is_async=True)
+            mbarrier.wait(p_ready.index(1 - W), ph_pair)
+            v_oth = nope_ring.index(other).slice(W * HALF, HALF, dim=1)
+            acc_t = warpgroup_mma(p_bufs.index(1 - W), v_oth, acc_o, is_async=True)
+            if PREFETCH_QK:
+                if i + 1 < n_pairs:  # next pair's S runs behind this P V; wait for the P V only
+                    nxt = W + 2 * ((i + 1) % 2)
+                    s_next = _ws_qk(q_nope, q_rope, nope_ring, rope_ring, ready, nxt, ((i + 1) // 2) & 1, s_zero)
+                    acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc_t,))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
+            mbarrier.arrive(free.index(own), count=1)
+            mbarrier.arrive(free.index(other), count=1)
+        # combine the row sums of both warpgroups
+        l_bufs.index(W).store(l_i)
+        mbarrier.arrive(l_ready.index(W), count=1)
+        mbarrier.wait(l_ready.index(1 - W), 0)
+        l_i = l_i + l_bufs.index(1 - W).load(row_l)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _ws_epilogue(acc, m_i, l_i, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh,
+                     W: gl.constexpr, D_V: gl.constexpr, HAS_SINK: gl.constexpr):  # fmt: skip
+        HALF: gl.constexpr = D_V // 2
+        row_l: gl.constexpr = m_i.type.layout
+        acc_l: gl.constexpr = acc.type.layout
+        h = hb * 64 + gl.arange(0, 64, layout=row_l)
+        if HAS_SINK:
+            sink = gl.load(SINKS + h, mask=h < H, other=0.0) * 1.4426950408889634
+            m_f = gl.maximum(m_i, sink)
+            alpha = gl.exp2(m_i - m_f)
+            l_i = l_i * alpha + gl.exp2(sink - m_f)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc_l))[:, None]
+            m_i = m_f
+        has = l_i > 0.0
+        l_safe = gl.where(has, l_i, 1.0)
+        if W == 0:
+            lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+            gl.store(LSE + t * stride_lt + h * stride_lh, lse, mask=h < H)
+        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc_l))[:, None]
+        h_o = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+        d_o = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_l))
+        o_ptr = OUT + t * stride_ot + h_o[:, None].to(gl.int64) * stride_oh + d_o[None, :]
+        gl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=(h_o < H)[:, None])
+
+    @gluon.jit
+    def _ws_default(args, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N: gl.constexpr,
+                D_R: gl.constexpr,
+                    D_V: gl.constexpr, HAS_SINK: gl.constexpr, ASYNC_ARRIVE: gl.constexpr,
+                PREFETCH_QK: gl.constexpr):  # fmt: skip
+        acc, m_i, l_i = _ws_consumer(args, 0, BLOCK_N, D_V, PREFETCH_QK)
+        _ws_epilogue(acc, m_i, l_i, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh,
+                     0, D_V, HAS_SINK)  # fmt: skip
+
+    @gluon.jit
+    def _ws_second(args, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N: gl.constexpr,
+                D_R: gl.constexpr,
+                   D_V: gl.constexpr, HAS_SINK: gl.constexpr, ASYNC_ARRIVE: gl.constexpr,
+                PREFETCH_QK: gl.constexpr):  # fmt: skip
+        acc, m_i, l_i = _ws_consumer(args, 1, BLOCK_N, D_V, PREFETCH_QK)
+        _ws_epilogue(acc, m_i, l_i, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh,
+                     1, D_V, HAS_SINK)  # fmt: skip
+
+    @gluon.jit
+    def _ws_load(args, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh, BLOCK_N: gl.constexpr,
+                D_R: gl.constexpr,
+                 D_V: gl.constexpr, HAS_SINK: gl.constexpr, ASYNC_ARRIVE: gl.constexpr,
+                PREFETCH_QK: gl.constexpr):  # fmt: skip
+        _ws_producer(args, BLOCK_N, D_V, D_R, ASYNC_ARRIVE)
+
+    @gluon.jit(do_not_specialize=["T"])
+    def _sparse_mla_gluon_ws_fwd(
+        Q, KV, UNION, LENS, SINKS, OUT, LSE,
+        T, H,
+        stride_qt, stride_qh, stride_kvr, stride_ut, stride_ot, stride_oh, stride_lt, stride_lh,
+        qk_scale,
+        BLOCK_N: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
+        WG1_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, ASYNC_ARRIVE: gl.constexpr, PREFETCH_QK: gl.constexpr,
+        HEADS_FASTEST: gl.constexpr,
+    ):  # fmt: skip
+        dtype: gl.constexpr = Q.dtype.element_ty
+        if HEADS_FASTEST:  # 1-D grid, a query's head blocks adjacent: the second one finds its rows in L2
+            n_hb = gl.cdiv(H, 64)
+            pid = gl.program_id(0)
+            t = (pid // n_hb).to(gl.int64)
+            hb = pid % n_hb
+        else:
+            t = gl.program_id(0).to(gl.int64)
+            hb = gl.program_id(1)
+        q_nope = gl.allocate_shared_memory(dtype, [64, D_V], _nvmma(D_V, 16))
+        q_rope = gl.allocate_shared_memory(dtype, [64, D_R], _nvmma(D_R, 16))
+        nope_ring = gl.allocate_shared_memory(dtype, [4, BLOCK_N, D_V], _nvmma(D_V, 16))
+        rope_ring = gl.allocate_shared_memory(dtype, [4, BLOCK_N, D_R], _nvmma(D_R, 16))
+        p_bufs = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N], _nvmma(BLOCK_N, 16))
+        vec_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        mx_bufs = gl.allocate_shared_memory(gl.float32, [2, 64], vec_l)
+        l_bufs = gl.allocate_shared_memory(gl.float32, [2, 64], vec_l)
+        bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+        ready = gl.allocate_shared_memory(gl.int64, [4, 1], bar_l)
+        free = gl.allocate_shared_memory(gl.int64, [4, 1], bar_l)
+        mx_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+        l_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+        for s in gl.static_range(4):
+            mbarrier.init(ready.index(s), count=128 if ASYNC_ARRIVE else 1)
+            mbarrier.init(free.index(s), count=2)
+        for w in gl.static_range(2):
+            mbarrier.init(mx_ready.index(w), count=1)
+            mbarrier.init(p_ready.index(w), count=1)
+            mbarrier.init(l_ready.index(w), count=1)
+
+        # Q (rows past H zero-filled) by the 4 warps of the parent region
+        lv: gl.constexpr = _gather4(D_V)
+        lr: gl.constexpr = _gather4(D_R)
+        h_v = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, lv))
+        dv = gl.arange(0, D_V, layout=gl.SliceLayout(0, lv))
+        _async_load(q_nope, Q + t * stride_qt + h_v[:, None].to(gl.int64) * stride_qh + dv[None, :],
+                    mask=(h_v < H)[:, None])  # fmt: skip
+        h_r = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, lr))
+        dr = gl.arange(0, D_R, layout=gl.SliceLayout(0, lr))
+        _async_load(q_rope, Q + t * stride_qt + h_r[:, None].to(gl.int64) * stride_qh + D_V + dr[None, :],
+                    mask=(h_r < H)[:, None])  # fmt: skip
+        cp.commit_group()
+        cp.wait_group(0)
+        fence_async_shared()
+        _cta_barrier()
+
+        n_len = gl.load(LENS + t)
+        n_pairs = gl.cdiv(gl.cdiv(n_len, BLOCK_N), 2)
+        u_base = UNION + t * stride_ut
+        args = (KV, u_base, n_len, stride_kvr, n_pairs, q_nope, q_rope, nope_ring, rope_ring, p_bufs, mx_bufs,
+                l_bufs, ready, free, mx_ready, p_ready, l_ready, qk_scale)  # fmt: skip
+        # the argument tuples are written out so their constexprs stay constexprs
+        gl.warp_specialize(
+            [
+                (_ws_default, (args, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh,
+                               BLOCK_N, D_R, D_V, HAS_SINK, ASYNC_ARRIVE, PREFETCH_QK)),
+                (_ws_second, (args, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh,
+                              BLOCK_N, D_R, D_V, HAS_SINK, ASYNC_ARRIVE, PREFETCH_QK)),
+                (_ws_load, (args, OUT, LSE, SINKS, t, hb, H, stride_ot, stride_oh, stride_lt, stride_lh,
+                            BLOCK_N, D_R, D_V, HAS_SINK, ASYNC_ARRIVE, PREFETCH_QK)),
+            ],
+            [4, 4],
+            [WG1_REGS, LOAD_REGS],
+        )  # fmt: skip
+
+
+def ws_kernel():
+    """The warp-specialised Gluon prefill kernel; needs Gluon."""
+    return _sparse_mla_gluon_ws_fwd

@@ -1,0 +1,155 @@
+"""The Gluon sparse-MLA prefill kernels: AOT compile for sm_90 (CPU, no GPU), routing, GPU checks.
+
+CPU tests compile each kernel variant for sm_90 with the installed Triton (so a Gluon API change
+fails CI) and skip cleanly when that Triton has no Gluon. GPU tests (marked ``gpu``; they skip
+without an sm_90 GPU) compare every variant with the fp32 reference at real shapes (D = 576,
+Dv = 512, bf16, K = 2048) on NaN-poisoned outputs, with invalid entries anywhere in a row, empty
+rows, duplicates, out-of-range rows, ``topk_length`` (short and zero), sinks and a tail tile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardattn.kernels.registry import sparse_prefill_kernel
+from shardattn.kernels.sparse_mla_gluon import (
+    GluonConfig,
+    compile_for_sm90,
+    compile_kernel_for_sm90,
+    gluon_available,
+    gluon_config,
+)
+from shardattn.plan.routing import GLUON_MIN_HEADS, route_prefill_kernel
+
+needs_gluon = pytest.mark.skipif(gluon_available() is not None, reason=str(gluon_available()))
+
+D_V, D_R, K = 512, 64, 2048
+WS = gluon_config(128)
+PIPELINED = GluonConfig(64, 2)
+
+
+@needs_gluon
+def test_compile_for_sm90_returns_ptx_with_wgmma_and_cp_async():
+    ptx = compile_for_sm90("prefill", 128)
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.cg.shared.global" in ptx
+    assert "setmaxnreg" in ptx  # warp-specialised: the partitions re-balance registers
+
+
+@needs_gluon
+def test_compile_pipelined_variant_with_sinks_fits_shared_memory():
+    kernel = compile_kernel_for_sm90("prefill", 64, config=PIPELINED, sinks=True)
+    assert "wgmma.mma_async" in kernel.asm["ptx"]
+    assert 0 < kernel.metadata.shared <= 232448  # sm_90's opt-in limit per block
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"kind": "decode", "heads": 128}, "kind must be"), ({"kind": "prefill", "heads": 16, "group_size": 8}, "group")],
+)
+def test_compile_rejects_what_is_not_written(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        compile_for_sm90(**kwargs)
+
+
+def test_routing_picks_gluon_on_sm90_only_where_measured_faster():
+    assert route_prefill_kernel(128, sm=90).path == "gluon"
+    assert route_prefill_kernel(GLUON_MIN_HEADS, sm=(9, 0)).path == "gluon"
+    assert route_prefill_kernel(GLUON_MIN_HEADS - 1, sm=90).path == "triton"
+    assert route_prefill_kernel(128, sm=100).path == "triton"
+    assert route_prefill_kernel(128, sm=None).path == "triton"
+    missing = route_prefill_kernel(128, sm=90, gluon_missing="no gluon here")
+    assert (missing.path, missing.reason) == ("triton", "no gluon here: Triton kernel")
+    assert route_prefill_kernel(128, device_type="cpu").path == "reference"
+
+
+def test_registry_on_cpu_tensors_is_the_reference():
+    q, kv = torch.zeros(2, 64, D_V + D_R), torch.zeros(4, D_V + D_R)
+    name, reason = sparse_prefill_kernel(q, kv, D_V)
+    assert name == "reference" and "cpu" in reason
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _case(heads: int, tokens: int = 131, kv_rows: int = 65536, seed: int = 0):
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    rows = torch.randint(0, kv_rows, (tokens, K), device=dev, generator=gen, dtype=torch.int32)
+    rows[torch.rand(rows.shape, device=dev, generator=gen) < 0.05] = -1  # invalid anywhere
+    rows[3] = -1  # empty row
+    rows[4, : K // 2] = rows[4, K // 2 :]  # every row twice
+    rows[5, -7:] = kv_rows + 3  # out of range
+    length = torch.full((tokens,), K, dtype=torch.int32, device=dev)
+    length[6], length[7], length[8], length[tokens - 1] = 100, 0, 1, 33  # short, zero, one, tail tile
+    q = torch.randn(tokens, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(heads, device=dev, generator=gen) * 2
+    return q, kv, rows, length, sinks
+
+
+def _assert_close(out, lse, q, kv, rows, length, sinks):
+    from shardattn.kernels.sparse_mla import sparse_mla_reference
+
+    ref_o, ref_l = sparse_mla_reference(
+        q, kv, rows, scale=(D_V + D_R) ** -0.5, v_dim=D_V, topk_length=length, sinks=sinks
+    )
+    assert torch.isfinite(out).all() and not lse.isnan().any()  # every element written
+    err = ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
+    assert err < 1e-2, err
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_l))
+    fin = torch.isfinite(ref_l)
+    assert (lse[fin] - ref_l[fin]).abs().max().item() < 1e-2
+    assert (out[3] == 0).all() and (out[7] == 0).all()  # empty rows: out = 0 (also with sinks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("config", [WS, PIPELINED], ids=lambda c: c.label)
+@pytest.mark.parametrize("heads", [16, 64, 128], ids=lambda h: f"h{h}")
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
+def test_gluon_variants_match_reference_at_real_shape(config, heads, with_sinks):
+    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
+    from shardattn.kernels.union import build_union
+
+    q, kv, rows, length, sinks = _case(heads, seed=heads)
+    sinks = sinks if with_sinks else None
+    union, lens = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=length)
+    out = torch.full((q.shape[0], heads, D_V), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[0], heads), float("nan"), device=q.device)
+    launch_gluon_attention(
+        q, kv, union, lens, scale=(D_V + D_R) ** -0.5, v_dim=D_V, config=config, sinks=sinks, out=out, lse=lse
+    )
+    torch.cuda.synchronize()
+    _assert_close(out, lse, q, kv, rows, length, sinks)
+    if sinks is None:
+        assert lse[3].isneginf().all() and lse[7].isneginf().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("entry", ["attention", "grouped_prefill"])
+def test_public_entry_points_route_to_gluon_and_match(entry):
+    from shardattn.kernels.sparse_mla import sparse_mla_attention
+    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+
+    q, kv, rows, length, sinks = _case(128, tokens=77, seed=7)
+    assert sparse_prefill_kernel(q, kv, D_V)[0] == "gluon"
+    fn = sparse_mla_attention if entry == "attention" else sparse_mla_grouped_prefill
+    out, lse = fn(q, kv, rows, scale=(D_V + D_R) ** -0.5, v_dim=D_V, topk_length=length, sinks=sinks)
+    _assert_close(out, lse, q, kv, rows, length, sinks)
+
+
+@needs_gluon
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128], ids=lambda h: f"h{h}")
+def test_warmup_lists_the_gluon_key_exactly_where_routing_sends_heads(heads):
+    from shardattn.kernels.warmup import PrefillSpec, compile_keys
+
+    keys = [k for k in compile_keys(PrefillSpec(heads=heads, topk=K, sinks=True)) if k.kernel == "gluon_attention"]
+    if heads >= GLUON_MIN_HEADS:
+        assert [k.params for k in keys] == [{"config": WS.label, "HAS_SINK": True, "dtype": torch.bfloat16}]
+    else:
+        assert keys == []
