@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from shardattn.kernels.registry import interpreter_enabled, use_triton
-from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, join_q, sparse_mla_reference
+from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, empty_kv_result, join_q, sparse_mla_reference
 from shardattn.kernels.sparse_mla_triton import (
     TileConfig,
     kernel_supports,
@@ -123,9 +123,12 @@ def sparse_mla_grouped_prefill(
         ((5, 2, 32), (5, 2))
     """
     q = join_q(q)
-    check_sparse_mla_inputs(q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+    check_sparse_mla_inputs(q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
     if group_size is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size!r}")
+    if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
+        out, lse = empty_kv_result(q, v_dim, sinks)
+        return (out, lse) if return_lse else out
     path = choose_path(q, kv, v_dim=v_dim, group_size=group_size)
     if path.backend == "reference":
         out, lse = sparse_mla_reference(q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks)

@@ -33,9 +33,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
+from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.kernels.gqa_decode import gqa_paged_decode
-from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.kernels.topk import DcpShard, convert_topk
 from shardattn.parallel.collector import collect_partials, resolve_strategy
 from shardattn.parallel.comm import Comm, stable_fingerprint
@@ -133,7 +133,9 @@ def dcp_sparse_mla_decode(
         q = q_heads_local
         _check_common(q, layout, comm, sinks)
         t, _, d = q.shape
-        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), shape=(None, d))
+        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
+        check_head_dim("q_heads_local", q, "kv_cache", kv_cache)
+        check_scale("scale", scale)
         check_tensor("topk_pos", topk_pos, dtypes=INDEX_DTYPES, ndim=2)
         if topk_pos.shape[0] != t:
             raise ValueError(f"topk_pos must have one row per query ({t}), got shape {list(topk_pos.shape)}")
@@ -243,7 +245,9 @@ def dcp_gqa_decode(
         pages, page, hkv, dk = k_cache.shape
         check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
         if dk != d:
-            raise ValueError(f"k_cache head dim must equal q's ({d}), got shape {list(k_cache.shape)}")
+            raise ValueError(f"q_heads_local must have last dim {dk} (k_cache's head dim), got {d}")
+        if scale is not None:
+            check_scale("scale", scale)
         if hkv < 1 or (h * comm.world_size) % hkv:
             raise ValueError(f"query heads ({h} x {comm.world_size} ranks) must be a multiple of KV heads ({hkv})")
         check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)

@@ -26,9 +26,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
+from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.kernels.lse_merge import lse_merge
-from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.kernels.topk import convert_topk
 from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
 from shardattn.plan.pcp import PCPPlan
@@ -49,6 +49,7 @@ def _check_inputs(
     topk_length: torch.Tensor | None,
     sinks: torch.Tensor | None,
     gather_output: bool,
+    scale: float,
     check: bool,
 ) -> int:
     """Validate one rank's PCP inputs; returns the fingerprint the ranks must agree on."""
@@ -61,7 +62,11 @@ def _check_inputs(
     t, h, d = q.shape
     if t != mine:
         raise ValueError(f"q must hold rank {comm.rank}'s {mine} tokens (plan), got {t}")
-    check_tensor("kv_new", kv_new, dtypes=(q.dtype,), shape=(t, d))
+    check_tensor("kv_new", kv_new, dtypes=(q.dtype,), ndim=2)
+    check_head_dim("q", q, "kv_new", kv_new)
+    if kv_new.shape[0] != t:
+        raise ValueError(f"kv_new must hold one row per token of q ({t}), got shape {list(kv_new.shape)}")
+    check_scale("scale", scale)
     check_tensor("topk_pos", topk_pos, dtypes=INDEX_DTYPES, ndim=2)
     if topk_pos.shape[0] != t:
         raise ValueError(f"topk_pos must have one row per token ({t}), got shape {list(topk_pos.shape)}")
@@ -82,7 +87,8 @@ def _check_inputs(
             "block_size holding them"
         )
     if all(given):
-        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), shape=(None, d))
+        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
+        check_head_dim("q", q, "kv_cache", kv_cache)
         check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
         bs = check_int("block_size", block_size, minimum=1)
         n_req, m = block_table.shape
@@ -165,7 +171,7 @@ def pcp_prefill(
     def validate() -> int:
         return _check_inputs(
             q, kv_new, topk_pos, plan, comm, v_dim, kv_cache, block_table, block_size, topk_length, sinks,
-            gather_output, check,
+            gather_output, scale, check,
         )  # fmt: skip
 
     comm.agree_on("PCP plan and inputs", validate, check=check)

@@ -25,8 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
-from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
+from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, stable_fingerprint, unpack_rows
 from shardattn.plan.zigzag import ShardPlan
 
@@ -44,6 +44,7 @@ def _check_inputs(
     v_dim: int,
     topk_length: torch.Tensor | None,
     sinks: torch.Tensor | None,
+    scale: float,
     check: bool,
 ) -> int:
     """Validate one rank's ShardQ inputs; returns the fingerprint the ranks must agree on."""
@@ -57,10 +58,12 @@ def _check_inputs(
         raise ValueError(f"q_heads_local must hold the step's {plan.num_tokens} tokens (plan), got {t}")
     if h < 1:
         raise ValueError(f"q_heads_local must hold at least one head, got shape {list(q.shape)}")
-    check_tensor("kv", kv, dtypes=(q.dtype,), shape=(None, d))
+    check_tensor("kv", kv, dtypes=(q.dtype,), ndim=2)
+    check_head_dim("q_heads_local", q, "kv", kv)
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
     if rows.shape[0] != t:
         raise ValueError(f"rows must have one row per token ({t}), got shape {list(rows.shape)}")
+    check_scale("scale", scale)
     check_int("v_dim", v_dim, minimum=1)
     if v_dim > d:
         raise ValueError(f"v_dim must be <= the head dim {d}, got {v_dim}")
@@ -132,7 +135,7 @@ def shardq_prefill(
     comm = Comm.wrap(group)
     comm.agree_on(
         "ShardQ plan and inputs",
-        lambda: _check_inputs(q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, check),
+        lambda: _check_inputs(q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, scale, check),
         check=check,
     )
     q = q_heads_local
