@@ -175,37 +175,38 @@ def pcp_prefill(
         )  # fmt: skip
 
     comm.agree_on("PCP plan and inputs", validate, check=check)
-    dev = q.device
-    if plan.kv_row.device != dev:
-        plan = plan.to(dev)
-    w, rank = comm.world_size, comm.rank
-    t, h, d = q.shape
-    p = plan.shard.padded_count
+    with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
+        dev = q.device
+        if plan.kv_row.device != dev:
+            plan = plan.to(dev)
+        w, rank = comm.world_size, comm.rank
+        t, h, d = q.shape
+        p = plan.shard.padded_count
 
-    # the new tokens' KV, rank-major, P rows per rank: new token g is gathered[plan.kv_row[g]]
-    padded = kv_new.new_zeros(p, d)
-    padded[:t] = kv_new
-    gathered = comm.all_gather(padded).view(w * p, d)
+        # the new tokens' KV, rank-major, P rows per rank: new token g is gathered[plan.kv_row[g]]
+        padded = kv_new.new_zeros(p, d)
+        padded[:t] = kv_new
+        gathered = comm.all_gather(padded).view(w * p, d)
 
-    req = plan.shard.request_ids(rank)
-    rows = plan.gathered_rows_for(topk_pos, req)  # [T_r, K] int64, -1 for prefix / invalid
-    if topk_length is not None:
-        cols = torch.arange(rows.shape[1], device=dev)
-        rows = torch.where(cols[None, :] < topk_length[:, None].to(torch.int64), rows, torch.full_like(rows, -1))
-    out, lse = attention(q, gathered, rows.to(torch.int32), scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True)
-    if kv_cache is not None:
-        prefix_rows, _ = convert_topk(
-            topk_pos, req.to(torch.int32), block_table, block_size=block_size,
-            seq_lens=plan.shard.prefix_lens.to(torch.int32), topk_length=topk_length,
-        )  # fmt: skip
-        out_p, lse_p = attention(q, kv_cache, prefix_rows, scale=scale, v_dim=v_dim, return_lse=True)
-        out, lse = lse_merge(torch.stack([out, out_p]), torch.stack([lse, lse_p]))
-    if not gather_output:
-        return out, lse
+        req = plan.shard.request_ids(rank)
+        rows = plan.gathered_rows_for(topk_pos, req)  # [T_r, K] int64, -1 for prefix / invalid
+        if topk_length is not None:
+            cols = torch.arange(rows.shape[1], device=dev)
+            rows = torch.where(cols[None, :] < topk_length[:, None].to(torch.int64), rows, torch.full_like(rows, -1))
+        out, lse = attention(q, gathered, rows.to(torch.int32), scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True)
+        if kv_cache is not None:
+            prefix_rows, _ = convert_topk(
+                topk_pos, req.to(torch.int32), block_table, block_size=block_size,
+                seq_lens=plan.shard.prefix_lens.to(torch.int32), topk_length=topk_length,
+            )  # fmt: skip
+            out_p, lse_p = attention(q, kv_cache, prefix_rows, scale=scale, v_dim=v_dim, return_lse=True)
+            out, lse = lse_merge(torch.stack([out, out_p]), torch.stack([lse, lse_p]))
+        if not gather_output:
+            return out, lse
 
-    specs = [((p, h, v_dim), out.dtype), ((p, h), torch.float32)]
-    mine_out, mine_lse = out.new_zeros(p, h, v_dim), lse.new_zeros(p, h)
-    mine_out[:t], mine_lse[:t] = out, lse
-    got = comm.all_gather(pack_rows([mine_out.unsqueeze(0), mine_lse.unsqueeze(0)])[0])
-    all_out, all_lse = unpack_rows(got, specs)  # [W, P, H, Dv], [W, P, H]
-    return all_out.reshape(w * p, h, v_dim)[plan.kv_row], all_lse.reshape(w * p, h)[plan.kv_row]
+        specs = [((p, h, v_dim), out.dtype), ((p, h), torch.float32)]
+        mine_out, mine_lse = out.new_zeros(p, h, v_dim), lse.new_zeros(p, h)
+        mine_out[:t], mine_lse[:t] = out, lse
+        got = comm.all_gather(pack_rows([mine_out.unsqueeze(0), mine_lse.unsqueeze(0)])[0])
+        all_out, all_lse = unpack_rows(got, specs)  # [W, P, H, Dv], [W, P, H]
+        return all_out.reshape(w * p, h, v_dim)[plan.kv_row], all_lse.reshape(w * p, h)[plan.kv_row]

@@ -138,54 +138,55 @@ def shardq_prefill(
         lambda: _check_inputs(q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, scale, check),
         check=check,
     )
-    q = q_heads_local
-    h, d = q.shape[1], q.shape[2]
-    w, rank = comm.world_size, comm.rank
-    if not plan.sharded:  # head-TP: all tokens, this rank's heads, nothing moves
-        local_sinks = None if sinks is None else sinks[rank * h : (rank + 1) * h]
+    with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
+        q = q_heads_local
+        h, d = q.shape[1], q.shape[2]
+        w, rank = comm.world_size, comm.rank
+        if not plan.sharded:  # head-TP: all tokens, this rank's heads, nothing moves
+            local_sinks = None if sinks is None else sinks[rank * h : (rank + 1) * h]
+            out, lse = attention(
+                q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=local_sinks, return_lse=True
+            )
+            return (out, lse) if return_lse else out
+
+        counts = [int(c) for c in plan.counts.tolist()]
+        mine = counts[rank]
+        dev = q.device
+        gather = plan.gather_index.to(dev, non_blocking=True)
+        ids = plan.token_ids(rank).to(dev, non_blocking=True)
+
+        # all-to-all #1: rank j receives its tokens' rows of this rank's heads
+        q_recv = comm.all_to_all(q.index_select(0, gather), counts, [mine] * w)  # [W * T_r, h, D]
+        q_tok = q_recv.view(w, mine, h, d).permute(1, 0, 2, 3).reshape(mine, w * h, d)  # [T_r, H, D]
+
         out, lse = attention(
-            q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=local_sinks, return_lse=True
+            q_tok,
+            kv,
+            rows.index_select(0, ids),
+            scale=scale,
+            v_dim=v_dim,
+            topk_length=None if topk_length is None else topk_length.index_select(0, ids),
+            sinks=sinks,
+            return_lse=True,
         )
-        return (out, lse) if return_lse else out
 
-    counts = [int(c) for c in plan.counts.tolist()]
-    mine = counts[rank]
-    dev = q.device
-    gather = plan.gather_index.to(dev, non_blocking=True)
-    ids = plan.token_ids(rank).to(dev, non_blocking=True)
+        # all-to-all #2: head slice j of this rank's tokens goes back to rank j, LSE in the same bytes
+        parts = [out.reshape(mine, w, h, v_dim).permute(1, 0, 2, 3)]
+        if return_lse:
+            parts.append(lse.reshape(mine, w, h).permute(1, 0, 2))
 
-    # all-to-all #1: rank j receives its tokens' rows of this rank's heads
-    q_recv = comm.all_to_all(q.index_select(0, gather), counts, [mine] * w)  # [W * T_r, h, D]
-    q_tok = q_recv.view(w, mine, h, d).permute(1, 0, 2, 3).reshape(mine, w * h, d)  # [T_r, H, D]
+        def specs(n: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+            s = [((n, h, v_dim), out.dtype)]
+            return [*s, ((n, h), torch.float32)] if return_lse else s
 
-    out, lse = attention(
-        q_tok,
-        kv,
-        rows.index_select(0, ids),
-        scale=scale,
-        v_dim=v_dim,
-        topk_length=None if topk_length is None else topk_length.index_select(0, ids),
-        sinks=sinks,
-        return_lse=True,
-    )
-
-    # all-to-all #2: head slice j of this rank's tokens goes back to rank j, LSE in the same bytes
-    parts = [out.reshape(mine, w, h, v_dim).permute(1, 0, 2, 3)]
-    if return_lse:
-        parts.append(lse.reshape(mine, w, h).permute(1, 0, 2))
-
-    def specs(n: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        s = [((n, h, v_dim), out.dtype)]
-        return [*s, ((n, h), torch.float32)] if return_lse else s
-
-    send = pack_rows(parts)  # [W, bytes of T_r tokens]
-    sizes = [int(send.shape[1])] * w
-    recv_sizes = [packed_nbytes(specs(c)) for c in counts]
-    recv = comm.all_to_all(send.view(-1), sizes, recv_sizes)
-    pieces = [unpack_rows(chunk.view(1, -1), specs(c)) for chunk, c in zip(recv.split(recv_sizes), counts)]
-    restore = plan.restore_index.to(dev, non_blocking=True)
-    out_tok = torch.cat([p[0][0] for p in pieces]).index_select(0, restore)  # [T, h, Dv]
-    if not return_lse:
-        return out_tok
-    lse_tok = torch.cat([p[1][0] for p in pieces]).index_select(0, restore)
-    return out_tok, lse_tok
+        send = pack_rows(parts)  # [W, bytes of T_r tokens]
+        sizes = [int(send.shape[1])] * w
+        recv_sizes = [packed_nbytes(specs(c)) for c in counts]
+        recv = comm.all_to_all(send.view(-1), sizes, recv_sizes)
+        pieces = [unpack_rows(chunk.view(1, -1), specs(c)) for chunk, c in zip(recv.split(recv_sizes), counts)]
+        restore = plan.restore_index.to(dev, non_blocking=True)
+        out_tok = torch.cat([p[0][0] for p in pieces]).index_select(0, restore)  # [T, h, Dv]
+        if not return_lse:
+            return out_tok
+        lse_tok = torch.cat([p[1][0] for p in pieces]).index_select(0, restore)
+        return out_tok, lse_tok
