@@ -79,6 +79,18 @@ def _group_store(group: dist.ProcessGroup) -> dist.Store | None:
         return None
 
 
+_PEER_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed", "reset by peer", "broken pipe", "abort")
+
+
+def _looks_like_peer_failure(error: BaseException) -> bool:
+    """A collective's error that a peer causes (it died, hung or left), rather than a local misuse."""
+    kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
+    if kinds and isinstance(error, kinds):
+        return True
+    text = str(error).lower()
+    return any(w in text for w in _PEER_FAILURE_WORDS)
+
+
 def stable_fingerprint(*parts: object) -> int:
     """A 63-bit hash of scalars, strings, dtypes and shapes, equal in every process.
 
@@ -349,6 +361,8 @@ class Comm:
                 _REDUCE_SCATTER_TENSOR(out.view(-1), x.view(-1), group=self.group)
             except RuntimeError as e:  # raised before any data moves, identically on every rank
                 if "support" not in str(e).lower():
+                    if not _looks_like_peer_failure(e):
+                        raise
                     raise self._peer_failed("reduce_scatter", e) from e
                 self._reduce_scatter_ok = False
             else:
@@ -377,6 +391,8 @@ class Comm:
         try:
             run()
         except RuntimeError as e:  # DistError and gloo / NCCL errors are RuntimeErrors
+            if not _looks_like_peer_failure(e):
+                raise  # a local misuse (dtype, layout) is this rank's error, not a peer's
             raise self._peer_failed(kind, e) from e
 
     def _store(self) -> dist.Store | None:
