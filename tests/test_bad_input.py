@@ -1382,3 +1382,42 @@ def test_lse_merge_pos_inf_is_empty_on_the_triton_kernel() -> None:
     if not triton_available():
         pytest.skip("triton is not installed")
     assert run_interpreted(__name__, "interpreted_pos_inf_merge", timeout=300).strip().endswith("ok")
+
+
+# -- regression tests of issue 11, as a user met them (also rows of the table above) --------------
+
+
+def _dsa_step(t: int = 2, d: int = 576) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = _gen(11)
+    return (
+        torch.randn(t, 4, d, generator=g),
+        torch.randn(9, 576, generator=g),
+        torch.tensor([[0, 5, -1], [8, 2, 2]], dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize("scale", [NAN, INF, -INF, 0.0, -0.05], ids=["nan", "inf", "-inf", "zero", "negative"])
+def test_issue11_scale_that_is_not_finite_and_positive_is_refused(scale: float) -> None:
+    q, kv, rows = _dsa_step()
+    with pytest.raises(ValueError, match=r"^scale must be a finite number > 0"):
+        mla_mod.sparse_mla_attention(q, kv, rows, scale=scale)
+
+
+def test_issue11_kv_cache_without_rows_gives_empty_rows_not_index_error() -> None:
+    q, _, rows = _dsa_step()
+    out, lse = mla_mod.sparse_mla_attention(q, torch.zeros(0, 576), rows, scale=576**-0.5)
+    assert out.shape == (2, 4, 512) and bool((out == 0).all()) and bool(lse.isneginf().all())
+
+
+def test_issue11_q_of_the_wrong_width_is_blamed_on_q() -> None:
+    q, kv, rows = _dsa_step(d=500)
+    with pytest.raises(ValueError, match=r"^q must have last dim 576 \(kv's row width\), got 500"):
+        mla_mod.sparse_mla_attention(q, kv, rows, scale=576**-0.5)
+
+
+def test_issue11_pos_inf_lse_merges_as_an_empty_partial() -> None:
+    outs, lses = _merge_inputs()
+    out, lse = merge_mod.lse_merge(outs, lses)
+    want_out, want_lse = _merge_without_inf()
+    assert not bool(out.isnan().any()) and not bool(lse.isnan().any())
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)

@@ -18,7 +18,10 @@ here turns that into :class:`PeerFailedError` naming the failing rank: a rank wh
 posts a one-line report to the group's store (:meth:`Comm.reporting_failures`), and a rank whose
 collective failed posts that it is alive, waits up to :data:`REPORT_GRACE_S` for its peers'
 reports, and names the ranks that raised, or, failing that, the ranks that did not report (they
-exited or hang).
+exited or hang). Survivors learn of the failure when the group's timeout expires (a rank that
+raised or hangs) or at once (a rank whose process exited closes its connections). Reports stay
+in the group's store: a group in which a step failed is not to be reused (its ranks are out of
+step anyway).
 
 Mixed-dtype payloads (a bf16 output and its fp32 LSE) travel in one collective as bytes:
 :func:`pack_rows` / :func:`unpack_rows`.
