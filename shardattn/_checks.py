@@ -7,6 +7,7 @@ kernel runs. Checks never synchronise with a GPU unless their docstring says so.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -71,6 +72,28 @@ def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_scale(name: str, value: object) -> float:
+    """``value`` is a real number, finite and > 0 (a softmax scale); returns it as a float.
+
+    NaN, an infinity, zero or a negative scale would give NaN or meaningless outputs silently.
+
+    >>> check_scale("scale", 576 ** -0.5) > 0
+    True
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        try:
+            import numpy as np
+
+            if not isinstance(value, np.floating | np.integer):
+                raise TypeError
+        except TypeError:
+            raise TypeError(f"{name} must be a float, got {type(value).__name__} ({value!r})") from None
+    scale = float(value)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {scale!r}")
+    return scale
 
 
 def check_choice(name: str, value: object, choices: Iterable[object]) -> None:

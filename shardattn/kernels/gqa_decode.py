@@ -35,7 +35,15 @@ import math
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_int, check_same_device, check_tensor
+from shardattn._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_choice,
+    check_int,
+    check_same_device,
+    check_scale,
+    check_tensor,
+)
 from shardattn.kernels.lse_merge import launch_lse_merge, split_partials, split_partials_numel
 from shardattn.kernels.registry import unsupported_reason, use_triton
 from shardattn.kernels.sparse_mla import sparse_mla_reference
@@ -131,7 +139,7 @@ def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_
     check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
     num_pages, page, hkv, dk = k_cache.shape
     if dk != d:
-        raise ValueError(f"k_cache head_dim must equal q's ({d}), got shape {list(k_cache.shape)}")
+        raise ValueError(f"q must have last dim {dk} (k_cache's head_dim), got {d} (q {list(q.shape)})")
     check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
     if hkv < 1 or hq % hkv != 0:
         raise ValueError(f"q heads ({hq}) must be a multiple of k_cache's KV heads ({hkv})")
@@ -374,7 +382,7 @@ def gqa_paged_decode(
     _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_q_lens, window_left, sinks)
     total_q, hq, d = q.shape
     batch = block_table.shape[0]
-    scale = d**-0.5 if scale is None else float(scale)
+    scale = d**-0.5 if scale is None else check_scale("scale", scale)
     if num_splits is not None:
         check_int("num_splits", num_splits, minimum=1)
     if out is not None:

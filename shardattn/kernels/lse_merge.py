@@ -14,9 +14,11 @@ All ``-inf`` gives ``(0, -inf)``, never NaN. Derivation: each partial is
 ``out_i = sum_j p_ij v_j / Z_i`` with ``Z_i = exp(lse_i)``; the full softmax has
 ``Z = sum_i Z_i`` and ``out = sum_i (Z_i / Z) out_i``.
 
-Foreign kernels differ and are converted here, once, at the boundary:
-FlashInfer returns base-2 LSEs (:func:`lse_from_base2`); FlashMLA returns ``+inf`` for
-empty rows (:func:`lse_from_pos_inf_empty`).
+Empty partials: ``-inf`` is this library's marker; ``+inf`` (FlashMLA's value for a row with no
+valid key) is read as empty too, by the reference and the Triton kernel alike, so a partial from
+such a kernel merges as the identity instead of turning the row into NaN. A NaN LSE is not a
+marker and propagates. Base-2 LSEs (FlashInfer's merge API) must be multiplied by ``ln 2`` by
+whoever brings them; no adapter here returns one (the XQA decode adapter returns no LSE).
 
 On CUDA tensors (or under ``TRITON_INTERPRET=1``) :func:`lse_merge` runs the Triton kernel
 ``_lse_merge_kernel`` (one program per ``BLOCK_R`` rows of ``(t, h)``, two passes over the ``P``
@@ -40,42 +42,28 @@ try:  # Triton is optional: without it every path runs the torch reference.
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
-LN2 = math.log(2.0)
 
+def empty_as_neg_inf(lses: torch.Tensor) -> torch.Tensor:
+    """fp32 ``lses`` with ``+inf`` (FlashMLA's empty row) mapped to ``-inf`` (this library's).
 
-def lse_from_base2(lse2: torch.Tensor) -> torch.Tensor:
-    """Convert a base-2 LSE (FlashInfer) to natural log. ``-inf`` stays ``-inf``.
-
-    Args:
-        lse2: ``[T, H]`` float, ``log2(sum exp2(s * log2 e))``.
-    Returns:
-        ``[T, H]`` fp32 natural-log LSE.
+    >>> empty_as_neg_inf(torch.tensor([1.0, float("inf"), float("-inf")])).tolist()
+    [1.0, -inf, -inf]
     """
-    return lse2.float() * LN2
-
-
-def lse_from_pos_inf_empty(lse: torch.Tensor) -> torch.Tensor:
-    """Map ``+inf`` (and NaN) empty-row markers of foreign kernels (FlashMLA) to ``-inf``.
-
-    Args:
-        lse: ``[T, H]`` float natural-log LSE whose empty rows are ``+inf`` or NaN.
-    Returns:
-        ``[T, H]`` fp32 LSE in this library's convention.
-    """
-    lse = lse.float()
-    return torch.where(torch.isposinf(lse) | torch.isnan(lse), torch.full_like(lse, -math.inf), lse)
+    lses = lses.float()
+    return torch.where(torch.isposinf(lses), torch.full_like(lses, -math.inf), lses)
 
 
 def merge_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The merge's per-partial weights and merged LSE.
 
     Args:
-        lses: ``[P, ...]`` fp32 LSEs.
+        lses: ``[P, ...]`` fp32 LSEs; ``-inf`` or ``+inf`` marks an empty partial (weight 0).
     Returns:
         ``(weights [P, ...] fp32, lse [...] fp32)`` with ``weights = exp(lse_i - lse)``;
-        all-``-inf`` positions give weights 0 and lse ``-inf``.
+        positions empty in every partial give weights 0 and lse ``-inf``. A NaN LSE is not an
+        empty marker: it propagates (NaN weights and lse), so a broken partial is seen.
     """
-    lses = lses.float()
+    lses = empty_as_neg_inf(lses)
     m = lses.amax(dim=0)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     scaled = torch.exp(lses - m_safe)
@@ -90,7 +78,7 @@ def lse_merge_reference(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.T
 
     Args:
         outs: ``[P, T, H, D]`` partial outputs (any float dtype).
-        lses: ``[P, T, H]`` fp32 natural-log LSEs, ``-inf`` for empty partial rows.
+        lses: ``[P, T, H]`` fp32 natural-log LSEs, ``-inf`` or ``+inf`` for empty partial rows.
     Returns:
         ``(out [T, H, D] in outs.dtype, lse [T, H] fp32)``.
     """
@@ -119,8 +107,8 @@ def lse_merge(
 
     Args:
         outs: ``[P, T, H, D]`` partial outputs (fp16 / bf16 / fp32).
-        lses: ``[P, T, H]`` fp32 natural-log LSEs; ``-inf`` marks an empty partial row.
-            Convert foreign LSEs first (:func:`lse_from_base2`, :func:`lse_from_pos_inf_empty`).
+        lses: ``[P, T, H]`` fp32 natural-log LSEs; ``-inf`` (or ``+inf``, FlashMLA's marker)
+            is an empty partial row, which contributes nothing whatever its ``outs`` hold.
         out: optional ``[T, H, D]`` destination (any float dtype; a CUDA graph passes its own).
         lse_out: optional ``[T, H]`` fp32 destination.
     Returns:
@@ -270,15 +258,18 @@ if triton is not None:
         h = (rows % H).to(tl.int64)
         lse_ptrs = Lses + t * stride_lt + h * stride_lh
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        # +inf (FlashMLA's empty row) is empty, like -inf: the reference's empty_as_neg_inf
         for i in range(P):
-            m = tl.maximum(m, tl.load(lse_ptrs + i * stride_lp, mask=rmask, other=float("-inf")))
+            li = tl.load(lse_ptrs + i * stride_lp, mask=rmask, other=float("-inf"))
+            m = tl.maximum(m, tl.where(li == float("inf"), float("-inf"), li))
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         total = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         omask = rmask[:, None] & (offs_d[None, :] < D)
         o_ptrs = Outs + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :] * stride_od
         for i in range(P):
-            w = tl.exp(tl.load(lse_ptrs + i * stride_lp, mask=rmask, other=float("-inf")) - m_safe)
+            li = tl.load(lse_ptrs + i * stride_lp, mask=rmask, other=float("-inf"))
+            w = tl.exp(tl.where(li == float("inf"), float("-inf"), li) - m_safe)
             o = tl.load(o_ptrs + i * stride_op, mask=omask, other=0.0).to(tl.float32)
             total += w
             # an empty partial (w = 0) contributes nothing, even if its output holds garbage

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_scale, check_tensor
 
 #: Bytes of fp32 gathered KV the reference materialises at once (bounds CPU memory).
 REFERENCE_CHUNK_BYTES = 256 << 20
@@ -82,11 +82,16 @@ def check_sparse_mla_inputs(
     v_dim: int,
     topk_length: torch.Tensor | None,
     sinks: torch.Tensor | None,
+    scale: object = None,
 ) -> None:
-    """Validate :func:`sparse_mla_attention` arguments; raises before any kernel runs."""
+    """Validate the arguments of every sparse-MLA entry (all backends); raises before any kernel runs.
+
+    ``scale`` is checked when given (finite, > 0); the public entries always give it.
+    """
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     t, h, d = q.shape
-    check_tensor("kv", kv, dtypes=(q.dtype,), shape=(None, d))
+    check_tensor("kv", kv, dtypes=(q.dtype,), ndim=2)
+    check_head_dim("q", q, "kv", kv)
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
     if rows.shape[0] != t:
         raise ValueError(f"rows must have one row per query token ({t}), got shape {list(rows.shape)}")
@@ -96,7 +101,36 @@ def check_sparse_mla_inputs(
         check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
     if sinks is not None:
         check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
+    if scale is not None:
+        check_scale("scale", scale)
     check_same_device(q=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
+
+
+def check_head_dim(q_name: str, q: torch.Tensor, kv_name: str, kv: torch.Tensor) -> None:
+    """``q [..., D]`` and ``kv [R, D]`` share ``D``; a mismatch blames the query (the per-call tensor)."""
+    if q.shape[-1] != kv.shape[-1]:
+        raise ValueError(
+            f"{q_name} must have last dim {kv.shape[-1]} ({kv_name}'s row width), got {q.shape[-1]} "
+            f"({q_name} {list(q.shape)}, {kv_name} {list(kv.shape)})"
+        )
+
+
+def empty_kv_result(q: torch.Tensor, v_dim: int, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result of sparse MLA over a KV cache with no rows: every row is empty.
+
+    Args:
+        q: ``[T, H, D]``; v_dim: value width; sinks: ``[H]`` fp32 or None.
+    Returns:
+        ``(out [T, H, v_dim] zeros in q's dtype, lse [T, H] fp32)``: ``-inf``, or the sink logit
+        with sinks (an empty row with a sink is ``(0, sink)``).
+    """
+    t, h, _ = q.shape
+    out = q.new_zeros(t, h, v_dim)
+    if sinks is None:
+        lse = torch.full((t, h), -math.inf, dtype=torch.float32, device=q.device)
+    else:
+        lse = sinks.float()[None, :].expand(t, h).clone()
+    return out, lse
 
 
 def valid_mask(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None) -> torch.Tensor:
@@ -156,6 +190,8 @@ def sparse_mla_reference(
     if t == 0:
         return out, lse
     valid = first_occurrences(rows, valid_mask(rows, r, topk_length))
+    if r == 0:  # no row is valid; gather from one zero row so the indexing below stays in range
+        kv = kv.new_zeros(1, d)
     bytes_per_token = max(1, k * d * torch.finfo(compute_dtype).bits // 8)
     chunk = max(1, min(t, REFERENCE_CHUNK_BYTES // bytes_per_token))
     sink = sinks.to(compute_dtype) if sinks is not None else None
@@ -208,7 +244,7 @@ def sparse_mla_attention(
         kv: ``[R, D]`` KV rows in q's dtype; the value is ``kv[:, :v_dim]``.
         rows: ``[T, K]`` int32 global row ids; ``-1`` / out of range = invalid, anywhere;
             a row listed twice by one query is one key.
-        scale: softmax scale (``D ** -0.5`` for DSA models).
+        scale: softmax scale (``D ** -0.5`` for DSA models), finite and > 0.
         v_dim: value width, 512 for DSA models.
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
         sinks: ``[H]`` fp32 per-head sink logits, optional.
@@ -218,7 +254,11 @@ def sparse_mla_attention(
             ``b * H/B + i`` at ``[b, t, i]``, e.g. an all-to-all buffer; see :func:`q_heads_view`).
     Returns:
         ``out [T, H, v_dim]`` in q's dtype, and ``lse [T, H]`` fp32 natural log when
-        ``return_lse`` (the given destinations when passed); a row with no valid key is ``(0, -inf)``.
+        ``return_lse`` (the given destinations when passed); a row with no valid key is ``(0, -inf)``
+        (so is every row when ``kv`` has no rows).
+    Raises:
+        TypeError / ValueError: naming the argument (dtype, shape, device, ``scale`` not finite
+            and > 0), before any kernel runs.
 
     Example:
         >>> q, kv = torch.randn(3, 2, 16), torch.randn(10, 16)
@@ -229,7 +269,12 @@ def sparse_mla_attention(
     """
     q = join_q(q)
     q3 = shape_stand_in(q)
-    check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+    check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
+    if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
+        o, s = empty_kv_result(q3, v_dim, sinks)
+        out = o if out is None else store_heads(out, o)
+        lse = s if lse is None else store_heads(lse, s)
+        return (out, lse) if return_lse else out
     if q.is_cuda:
         from shardattn.kernels.registry import sparse_prefill_kernel, use_triton
 

@@ -32,7 +32,7 @@ import torch
 from shardattn._checks import check_int, check_tensor
 from shardattn.kernels.lse_merge import launch_lse_merge, split_partials
 from shardattn.kernels.registry import use_triton
-from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, join_q, sparse_mla_reference
+from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, empty_kv_result, join_q, sparse_mla_reference
 from shardattn.kernels.union import build_union
 
 try:  # Triton is optional: without it every path runs the torch reference.
@@ -149,7 +149,7 @@ def sparse_mla_decode(
         ((2, 4, 16), True)
     """
     q = join_q(q)
-    check_sparse_mla_inputs(q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+    check_sparse_mla_inputs(q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
     t, h, d = q.shape
     if num_splits is not None:
         check_int("num_splits", num_splits, minimum=1)
@@ -157,10 +157,13 @@ def sparse_mla_decode(
         check_tensor("out", out, dtypes=(q.dtype,), shape=(t, h, v_dim), device=q.device)
     if lse_out is not None:
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(t, h), device=q.device)
-    if triton is None or not use_triton(q):
-        ref_out, ref_lse = sparse_mla_reference(
-            q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
-        )
+    if kv.shape[0] == 0 or triton is None or not use_triton(q):
+        if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
+            ref_out, ref_lse = empty_kv_result(q, v_dim, sinks)
+        else:
+            ref_out, ref_lse = sparse_mla_reference(
+                q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
+            )
         out = ref_out if out is None else out.copy_(ref_out)
         lse_out = ref_lse if lse_out is None else lse_out.copy_(ref_lse)
         return out, lse_out

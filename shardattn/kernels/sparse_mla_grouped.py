@@ -33,6 +33,7 @@ import torch
 from shardattn.kernels.registry import interpreter_enabled, sparse_prefill_kernel, use_triton
 from shardattn.kernels.sparse_mla import (
     check_sparse_mla_inputs,
+    empty_kv_result,
     join_q,
     q_heads_view,
     shape_stand_in,
@@ -138,9 +139,14 @@ def sparse_mla_grouped_prefill(
     """
     q = join_q(q)
     q3 = shape_stand_in(q)
-    check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+    check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
     if group_size is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size!r}")
+    if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
+        o, s = empty_kv_result(q3, v_dim, sinks)
+        out = o if out is None else store_heads(out, o)
+        lse = s if lse is None else store_heads(lse, s)
+        return (out, lse) if return_lse else out
     path = choose_path(q3, kv, v_dim=v_dim, group_size=group_size)
     if path.backend == "reference":
         o, s = sparse_mla_reference(

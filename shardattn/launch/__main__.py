@@ -28,7 +28,9 @@ def _is_peer_failure(err: BaseException) -> bool:
     """A collective failed because a peer died or timed out (rather than a bug on this rank)."""
     import torch.distributed as dist
 
-    kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
+    from shardattn.parallel.comm import PeerFailedError
+
+    kinds = tuple(k for k in (getattr(dist, "DistError", None), PeerFailedError) if k is not None)
     if kinds and isinstance(err, kinds):
         return True
     text = str(err).lower()

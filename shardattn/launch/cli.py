@@ -169,7 +169,11 @@ def parse_options(argv: list[str] | None = None) -> Options:
 
 def _check_ranges(o: Options) -> None:
     def positive(name: str, value: int | float | None, minimum: float = 1) -> None:
-        if value is not None and value < minimum:
+        if value is None:
+            return
+        if value != value or value == float("inf"):  # NaN; an infinite --timeout overflows the group's timedelta
+            raise LaunchError(f"shardattn.launch: error: --{name} must be a finite number >= {minimum:g}, got {value}")
+        if value < minimum:
             raise LaunchError(f"shardattn.launch: error: --{name} must be >= {minimum:g}, got {value}")
 
     positive("tokens", o.tokens)

@@ -112,7 +112,8 @@ def collect_partials(
         return stable_fingerprint("collect_partials", tuple(out.shape), out.dtype, scatter_heads, chosen)
 
     comm.agree_on("collector input (out shape and dtype, scatter_heads, strategy)", validate, check=check)
-    return _collect(out, lse, comm, chosen, scatter_heads)
+    with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
+        return _collect(out, lse, comm, chosen, scatter_heads)
 
 
 def _collect(

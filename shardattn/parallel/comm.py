@@ -12,21 +12,34 @@ would otherwise enter mismatched collectives and hang or corrupt data. :meth:`Co
 all-gathers one ``int64`` fingerprint and an error flag per rank and raises the same clear
 ``ValueError`` on every rank, naming the ranks that disagree, instead.
 
+A rank that fails *during* a step (its kernel raises, its process exits, it hangs) leaves the
+others waiting in a collective until the group's timeout or a closed connection. Each collective
+here turns that into :class:`PeerFailedError` naming the failing rank: a rank whose step raised
+posts a one-line report to the group's store (:meth:`Comm.reporting_failures`), and a rank whose
+collective failed posts that it is alive, waits up to :data:`REPORT_GRACE_S` for its peers'
+reports, and names the ranks that raised, or, failing that, the ranks that did not report (they
+exited or hang). Survivors learn of the failure when the group's timeout expires (a rank that
+raised or hangs) or at once (a rank whose process exited closes its connections). Reports stay
+in the group's store: a group in which a step failed is not to be reused (its ranks are out of
+step anyway).
+
 Mixed-dtype payloads (a bf16 output and its fp32 LSE) travel in one collective as bytes:
 :func:`pack_rows` / :func:`unpack_rows`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "Pending", "pack_rows", "packed_nbytes", "stable_fingerprint", "unpack_rows"]
+__all__ = ["Comm", "PeerFailedError", "Pending", "pack_rows", "packed_nbytes", "stable_fingerprint", "unpack_rows"]
 
 #: Collective kinds counted by :class:`Comm` (keys of :attr:`Comm.counts`).
 KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "agreement")
@@ -35,8 +48,50 @@ KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "agreement"
 _ALL_GATHER_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+#: Seconds a rank whose collective failed waits for its peers' failure reports before naming the
+#: silent ranks (a rank that raised has reported before its peers' collective even failed).
+REPORT_GRACE_S = 1.0
+_REPORT_KEY = "shardattn/failure/rank{}"
+_ALIVE = "alive"
+
 _MASK64 = (1 << 64) - 1
 _ALIGN = 16  # bytes; every packed segment starts at a multiple of this
+
+
+class PeerFailedError(RuntimeError):
+    """A collective failed because another rank raised, exited or hung; the message names the rank(s).
+
+    Attributes:
+        raised: ``{rank: "ExceptionType: message"}`` of the peers whose step raised.
+        silent: peers that did not report within :data:`REPORT_GRACE_S` (exited or hung).
+    """
+
+    def __init__(self, message: str, *, raised: dict[int, str], silent: list[int]) -> None:
+        super().__init__(message)
+        self.raised = raised
+        self.silent = silent
+
+
+def _group_store(group: dist.ProcessGroup) -> dist.Store | None:
+    """The store the group was built on (private torch API; ``None`` where unavailable)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_process_group_store
+
+        return _get_process_group_store(group)
+    except Exception:
+        return None
+
+
+_PEER_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed", "reset by peer", "broken pipe", "abort")
+
+
+def _looks_like_peer_failure(error: BaseException) -> bool:
+    """A collective's error that a peer causes (it died, hung or left), rather than a local misuse."""
+    kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
+    if kinds and isinstance(error, kinds):
+        return True
+    text = str(error).lower()
+    return any(w in text for w in _PEER_FAILURE_WORDS)
 
 
 def stable_fingerprint(*parts: object) -> int:
@@ -140,14 +195,22 @@ class Pending:
     """Collectives in flight: :meth:`wait` orders the current stream after them (NCCL: a device-side
     wait on the group's stream, no host synchronisation; gloo: the host waits)."""
 
-    def __init__(self, works: Sequence[dist.Work] = ()) -> None:
+    def __init__(self, works: Sequence[dist.Work] = (), *, comm: Comm | None = None, kind: str = "all_to_all") -> None:
         self._works = list(works)
+        self._comm, self._kind = comm, kind
 
     def wait(self) -> None:
-        """Make later work on the current stream see the results (idempotent)."""
+        """Make later work on the current stream see the results (idempotent).
+
+        Raises:
+            PeerFailedError: a peer died, hung or raised (as for the blocking collectives).
+        """
         works, self._works = self._works, []
         for w in works:
-            w.wait()
+            if self._comm is None:
+                w.wait()
+            else:
+                self._comm._collective(self._kind, w.wait)
 
 
 class Comm:
@@ -157,6 +220,8 @@ class Comm:
         group: the process group the step runs over (ranks ``0 .. world_size - 1`` of it).
         device: where small control tensors (fingerprints, counts) live; default ``cuda``'s
             current device for NCCL, CPU otherwise.
+        report_grace_s: seconds a rank whose collective failed waits for its peers' failure
+            reports (default :data:`REPORT_GRACE_S`).
 
     Attributes:
         rank, world_size, backend: of ``group``.
@@ -172,7 +237,13 @@ class Comm:
         dict(comm.counts)                                        # {'agreement': 1, 'all_to_all': 1}
     """
 
-    def __init__(self, group: dist.ProcessGroup, *, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        device: torch.device | str | None = None,
+        report_grace_s: float = REPORT_GRACE_S,
+    ) -> None:
         if isinstance(group, Comm):
             raise TypeError("group is already a Comm; use Comm.wrap(group) to accept either")
         if not isinstance(group, dist.ProcessGroup):
@@ -188,6 +259,9 @@ class Comm:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
         self.device = torch.device(device)
         self.counts: Counter[str] = Counter()
+        if not report_grace_s >= 0:
+            raise ValueError(f"report_grace_s must be >= 0, got {report_grace_s}")
+        self.report_grace_s = float(report_grace_s)
         self._reduce_scatter_ok: bool | None = None
 
     @classmethod
@@ -242,7 +316,7 @@ class Comm:
         if self.world_size == 1:
             out.copy_(x)
             return out
-        dist.all_to_all_single(out, x, recv, send, group=self.group)
+        self._collective("all_to_all", lambda: dist.all_to_all_single(out, x, recv, send, group=self.group))
         return out
 
     def exchange(
@@ -289,7 +363,11 @@ class Comm:
         self.counts["all_to_all"] += 1
         for x, y in zip(mine_out, mine_in):
             y.copy_(x)
-        return Pending(dist.batch_isend_irecv(ops) if ops else ())
+        if not ops:
+            return Pending()
+        works: list[dist.Work] = []
+        self._collective("all_to_all", lambda: works.extend(dist.batch_isend_irecv(ops)))
+        return Pending(works, comm=self, kind="all_to_all")
 
     def all_gather_async(self, x: torch.Tensor) -> tuple[torch.Tensor, Pending]:
         """:meth:`all_gather` started now, completed by the returned :class:`Pending`'s ``wait``.
@@ -303,8 +381,12 @@ class Comm:
         if self.world_size == 1:
             out[0].copy_(x)
             return out, Pending()
-        work = _ALL_GATHER_TENSOR(out.view(-1), x.reshape(-1), group=self.group, async_op=True)
-        return out, Pending([work])
+        works: list[dist.Work] = []
+        self._collective(
+            "all_gather",
+            lambda: works.append(_ALL_GATHER_TENSOR(out.view(-1), x.reshape(-1), group=self.group, async_op=True)),
+        )
+        return out, Pending(works, comm=self, kind="all_gather")
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Gather an equal-shaped tensor from every rank.
@@ -323,7 +405,7 @@ class Comm:
         if self.world_size == 1:
             out[0].copy_(x)
             return out
-        _ALL_GATHER_TENSOR(out.view(-1), x.reshape(-1), group=self.group)
+        self._collective("all_gather", lambda: _ALL_GATHER_TENSOR(out.view(-1), x.reshape(-1), group=self.group))
         return out
 
     def all_gather_uneven(self, x: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
@@ -373,7 +455,9 @@ class Comm:
                 _REDUCE_SCATTER_TENSOR(out.view(-1), x.view(-1), group=self.group)
             except RuntimeError as e:  # raised before any data moves, identically on every rank
                 if "support" not in str(e).lower():
-                    raise
+                    if not _looks_like_peer_failure(e):
+                        raise
+                    raise self._peer_failed("reduce_scatter", e) from e
                 self._reduce_scatter_ok = False
             else:
                 self._reduce_scatter_ok = True
@@ -392,8 +476,78 @@ class Comm:
         x = self._check_tensor("x", x).clone()
         self.counts["all_reduce"] += 1
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            self._collective("all_reduce", lambda: dist.all_reduce(x, group=self.group))
         return x
+
+    # -- rank failures -----------------------------------------------------------------------
+    def _collective(self, kind: str, run: Callable[[], object]) -> None:
+        """Run one collective; a failure (a peer died, hung or left) becomes :class:`PeerFailedError`."""
+        try:
+            run()
+        except RuntimeError as e:  # DistError and gloo / NCCL errors are RuntimeErrors
+            if not _looks_like_peer_failure(e):
+                raise  # a local misuse (dtype, layout) is this rank's error, not a peer's
+            raise self._peer_failed(kind, e) from e
+
+    def _store(self) -> dist.Store | None:
+        return _group_store(self.group)
+
+    def report_failure(self, error: BaseException) -> None:
+        """Tell the peers (through the group's store) that this rank's step raised ``error``.
+
+        Best effort and cheap (one store write); called by :meth:`reporting_failures`.
+        """
+        store = self._store()
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        with contextlib.suppress(Exception):
+            if store is not None:
+                store.set(_REPORT_KEY.format(self.rank), f"{type(error).__name__}: {first}")
+
+    @contextlib.contextmanager
+    def reporting_failures(self) -> Iterator[None]:
+        """Around a step's work after its agreement check: an exception is reported to the peers
+        (which are, or soon will be, waiting for this rank in a collective), then re-raised."""
+        try:
+            yield
+        except PeerFailedError:
+            raise
+        except Exception as e:
+            self.report_failure(e)
+            raise
+
+    def _peer_failed(self, kind: str, error: BaseException) -> PeerFailedError:
+        """Name the peers that made ``kind`` fail: those that reported raising, else the silent ones."""
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        store = self._store()
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        reports: dict[int, str] = {}
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set(_REPORT_KEY.format(self.rank), _ALIVE)
+            deadline = time.monotonic() + self.report_grace_s
+            while True:
+                for r in peers:
+                    if r not in reports:
+                        with contextlib.suppress(Exception):
+                            if store.check([_REPORT_KEY.format(r)]):
+                                reports[r] = store.get(_REPORT_KEY.format(r)).decode(errors="replace")
+                if len(reports) == len(peers) or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.02)
+        raised = {r: v for r, v in sorted(reports.items()) if v != _ALIVE}
+        silent = [r for r in peers if r not in reports] if store is not None else []
+        w = self.world_size
+        if raised:
+            who = "; ".join(f"rank {r} of {w} raised {v}" for r, v in raised.items())
+        elif silent:
+            who = f"rank(s) {silent} of {w} exited or hung (no report within {self.report_grace_s:g} s)"
+        else:
+            who = f"a peer of the {w} ranks failed (no report available)"
+        return PeerFailedError(
+            f"{kind} on rank {self.rank} failed because {who}; the collective said: {cause}",
+            raised=raised,
+            silent=silent,
+        )
 
     def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """All-gather a few host ints per rank (a small tensor, no pickling).
@@ -464,7 +618,8 @@ class Comm:
         try:
             fingerprint = validate()
         except (TypeError, ValueError) as e:
-            if not check:
+            if not check:  # the peers will wait in the step's first collective: tell them why
+                self.report_failure(e)
                 raise
             self.check_agreement(0, what, error=e)
             raise  # unreachable: check_agreement re-raises e

@@ -33,9 +33,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
+from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.kernels.gqa_decode import gqa_paged_decode
-from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.kernels.topk import DcpShard, convert_topk
 from shardattn.parallel.collector import collect_partials, resolve_strategy
 from shardattn.parallel.comm import Comm, stable_fingerprint
@@ -133,7 +133,9 @@ def dcp_sparse_mla_decode(
         q = q_heads_local
         _check_common(q, layout, comm, sinks)
         t, _, d = q.shape
-        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), shape=(None, d))
+        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
+        check_head_dim("q_heads_local", q, "kv_cache", kv_cache)
+        check_scale("scale", scale)
         check_tensor("topk_pos", topk_pos, dtypes=INDEX_DTYPES, ndim=2)
         if topk_pos.shape[0] != t:
             raise ValueError(f"topk_pos must have one row per query ({t}), got shape {list(topk_pos.shape)}")
@@ -173,15 +175,16 @@ def dcp_sparse_mla_decode(
         )  # fmt: skip
 
     comm.agree_on("DCP sparse MLA decode inputs", validate, check=check)
-    q_full = _gather_heads(q_heads_local, comm)
-    rows, _ = convert_topk(
-        topk_pos, req_ids, block_table, block_size=block_size, seq_lens=seq_lens, topk_length=topk_length,
-        dcp=DcpShard(layout.world_size, layout.interleave, comm.rank),
-    )  # fmt: skip
-    out, lse = attention(
-        q_full, kv_cache, rows, scale=scale, v_dim=v_dim, sinks=sinks if comm.rank == 0 else None, return_lse=True
-    )
-    return _merge(out, lse, comm, scatter_heads, strategy)
+    with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
+        q_full = _gather_heads(q_heads_local, comm)
+        rows, _ = convert_topk(
+            topk_pos, req_ids, block_table, block_size=block_size, seq_lens=seq_lens, topk_length=topk_length,
+            dcp=DcpShard(layout.world_size, layout.interleave, comm.rank),
+        )  # fmt: skip
+        out, lse = attention(
+            q_full, kv_cache, rows, scale=scale, v_dim=v_dim, sinks=sinks if comm.rank == 0 else None, return_lse=True
+        )
+        return _merge(out, lse, comm, scatter_heads, strategy)
 
 
 def dcp_gqa_decode(
@@ -243,7 +246,9 @@ def dcp_gqa_decode(
         pages, page, hkv, dk = k_cache.shape
         check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
         if dk != d:
-            raise ValueError(f"k_cache head dim must equal q's ({d}), got shape {list(k_cache.shape)}")
+            raise ValueError(f"q_heads_local must have last dim {dk} (k_cache's head dim), got {d}")
+        if scale is not None:
+            check_scale("scale", scale)
         if hkv < 1 or (h * comm.world_size) % hkv:
             raise ValueError(f"query heads ({h} x {comm.world_size} ranks) must be a multiple of KV heads ({hkv})")
         check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
@@ -284,23 +289,24 @@ def dcp_gqa_decode(
         )  # fmt: skip
 
     comm.agree_on("DCP GQA decode inputs", validate, check=check)
-    q_full = _gather_heads(q_heads_local, comm)
-    t, hq, d = q_full.shape
-    b = block_table.shape[0]
-    if b == 0 or t == 0:
-        out = q_full.new_zeros(t, hq, d)
-        lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q_full.device)
+    with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
+        q_full = _gather_heads(q_heads_local, comm)
+        t, hq, d = q_full.shape
+        b = block_table.shape[0]
+        if b == 0 or t == 0:
+            out = q_full.new_zeros(t, hq, d)
+            lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q_full.device)
+            return _merge(out, lse, comm, scatter_heads, strategy)
+        cu = cu_q_lens
+        if cu is None:
+            ql = 1 if q_len_per_req is None else q_len_per_req
+            cu = torch.arange(b + 1, dtype=seq_lens.dtype, device=seq_lens.device) * ql
+        # every query becomes a one-token "request" with its own causal local length and its request's pages
+        local_lens = layout.causal_local_lens(seq_lens, cu, t, comm.rank, causal=causal).to(torch.int32)
+        tok = torch.arange(t, device=cu.device)
+        req = torch.searchsorted(cu[1:].to(torch.int64).contiguous(), tok, right=True).clamp(max=b - 1)
+        out, lse = gqa_paged_decode(
+            q_full, k_cache, v_cache, block_table.index_select(0, req), local_lens,
+            q_len_per_req=1, sinks=sinks if comm.rank == 0 else None, return_lse=True, scale=scale, backend=backend,
+        )  # fmt: skip
         return _merge(out, lse, comm, scatter_heads, strategy)
-    cu = cu_q_lens
-    if cu is None:
-        ql = 1 if q_len_per_req is None else q_len_per_req
-        cu = torch.arange(b + 1, dtype=seq_lens.dtype, device=seq_lens.device) * ql
-    # every query becomes a one-token "request" with its own causal local length and its request's pages
-    local_lens = layout.causal_local_lens(seq_lens, cu, t, comm.rank, causal=causal).to(torch.int32)
-    tok = torch.arange(t, device=cu.device)
-    req = torch.searchsorted(cu[1:].to(torch.int64).contiguous(), tok, right=True).clamp(max=b - 1)
-    out, lse = gqa_paged_decode(
-        q_full, k_cache, v_cache, block_table.index_select(0, req), local_lens,
-        q_len_per_req=1, sinks=sinks if comm.rank == 0 else None, return_lse=True, scale=scale, backend=backend,
-    )  # fmt: skip
-    return _merge(out, lse, comm, scatter_heads, strategy)

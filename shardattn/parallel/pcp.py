@@ -28,9 +28,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
+from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.kernels.lse_merge import lse_merge
-from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.kernels.topk import convert_topk
 from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
 from shardattn.plan.pcp import PCPPlan
@@ -51,6 +51,7 @@ def _check_inputs(
     topk_length: torch.Tensor | None,
     sinks: torch.Tensor | None,
     gather_output: bool,
+    scale: float,
     check: bool,
 ) -> int:
     """Validate one rank's PCP inputs; returns the fingerprint the ranks must agree on."""
@@ -63,7 +64,11 @@ def _check_inputs(
     t, h, d = q.shape
     if t != mine:
         raise ValueError(f"q must hold rank {comm.rank}'s {mine} tokens (plan), got {t}")
-    check_tensor("kv_new", kv_new, dtypes=(q.dtype,), shape=(t, d))
+    check_tensor("kv_new", kv_new, dtypes=(q.dtype,), ndim=2)
+    check_head_dim("q", q, "kv_new", kv_new)
+    if kv_new.shape[0] != t:
+        raise ValueError(f"kv_new must hold one row per token of q ({t}), got shape {list(kv_new.shape)}")
+    check_scale("scale", scale)
     check_tensor("topk_pos", topk_pos, dtypes=INDEX_DTYPES, ndim=2)
     if topk_pos.shape[0] != t:
         raise ValueError(f"topk_pos must have one row per token ({t}), got shape {list(topk_pos.shape)}")
@@ -84,7 +89,8 @@ def _check_inputs(
             "block_size holding them"
         )
     if all(given):
-        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), shape=(None, d))
+        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
+        check_head_dim("q", q, "kv_cache", kv_cache)
         check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
         bs = check_int("block_size", block_size, minimum=1)
         n_req, m = block_table.shape
@@ -167,45 +173,46 @@ def pcp_prefill(
     def validate() -> int:
         return _check_inputs(
             q, kv_new, topk_pos, plan, comm, v_dim, kv_cache, block_table, block_size, topk_length, sinks,
-            gather_output, check,
+            gather_output, scale, check,
         )  # fmt: skip
 
     comm.agree_on("PCP plan and inputs", validate, check=check)
-    dev = q.device
-    if plan.kv_row.device != dev:
-        plan = plan.to(dev)
-    w, rank = comm.world_size, comm.rank
-    t, h, d = q.shape
-    p = plan.shard.padded_count
+    with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
+        dev = q.device
+        if plan.kv_row.device != dev:
+            plan = plan.to(dev)
+        w, rank = comm.world_size, comm.rank
+        t, h, d = q.shape
+        p = plan.shard.padded_count
 
-    # the new tokens' KV, rank-major, P rows per rank: new token g is gathered[plan.kv_row[g]];
-    # the all-gather runs while the cached prefix (already on every rank) is attended
-    padded = kv_new.new_zeros(p, d)
-    padded[:t] = kv_new
-    gathering, pending = comm.all_gather_async(padded)
+        # the new tokens' KV, rank-major, P rows per rank: new token g is gathered[plan.kv_row[g]];
+        # the all-gather runs while the cached prefix (already on every rank) is attended
+        padded = kv_new.new_zeros(p, d)
+        padded[:t] = kv_new
+        gathering, pending = comm.all_gather_async(padded)
 
-    req = plan.shard.request_ids(rank)
-    rows = plan.gathered_rows_for(topk_pos, req)  # [T_r, K] int64, -1 for prefix / invalid
-    if topk_length is not None:
-        cols = torch.arange(rows.shape[1], device=dev)
-        rows = torch.where(cols[None, :] < topk_length[:, None].to(torch.int64), rows, torch.full_like(rows, -1))
-    if kv_cache is not None:
-        prefix_rows, _ = convert_topk(
-            topk_pos, req.to(torch.int32), block_table, block_size=block_size,
-            seq_lens=plan.shard.prefix_lens.to(torch.int32), topk_length=topk_length,
-        )  # fmt: skip
-        out_p, lse_p = attention(q, kv_cache, prefix_rows, scale=scale, v_dim=v_dim, return_lse=True)
-    pending.wait()
-    gathered = gathering.view(w * p, d)
-    out, lse = attention(q, gathered, rows.to(torch.int32), scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True)
-    if kv_cache is not None:
-        out, lse = lse_merge(torch.stack([out, out_p]), torch.stack([lse, lse_p]))
-    if not gather_output:
-        return out, lse
+        req = plan.shard.request_ids(rank)
+        rows = plan.gathered_rows_for(topk_pos, req)  # [T_r, K] int64, -1 for prefix / invalid
+        if topk_length is not None:
+            cols = torch.arange(rows.shape[1], device=dev)
+            rows = torch.where(cols[None, :] < topk_length[:, None].to(torch.int64), rows, torch.full_like(rows, -1))
+        if kv_cache is not None:
+            prefix_rows, _ = convert_topk(
+                topk_pos, req.to(torch.int32), block_table, block_size=block_size,
+                seq_lens=plan.shard.prefix_lens.to(torch.int32), topk_length=topk_length,
+            )  # fmt: skip
+            out_p, lse_p = attention(q, kv_cache, prefix_rows, scale=scale, v_dim=v_dim, return_lse=True)
+        pending.wait()
+        gathered = gathering.view(w * p, d)
+        out, lse = attention(q, gathered, rows.to(torch.int32), scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True)
+        if kv_cache is not None:
+            out, lse = lse_merge(torch.stack([out, out_p]), torch.stack([lse, lse_p]))
+        if not gather_output:
+            return out, lse
 
-    specs = [((p, h, v_dim), out.dtype), ((p, h), torch.float32)]
-    mine_out, mine_lse = out.new_zeros(p, h, v_dim), lse.new_zeros(p, h)
-    mine_out[:t], mine_lse[:t] = out, lse
-    got = comm.all_gather(pack_rows([mine_out.unsqueeze(0), mine_lse.unsqueeze(0)])[0])
-    all_out, all_lse = unpack_rows(got, specs)  # [W, P, H, Dv], [W, P, H]
-    return all_out.reshape(w * p, h, v_dim)[plan.kv_row], all_lse.reshape(w * p, h)[plan.kv_row]
+        specs = [((p, h, v_dim), out.dtype), ((p, h), torch.float32)]
+        mine_out, mine_lse = out.new_zeros(p, h, v_dim), lse.new_zeros(p, h)
+        mine_out[:t], mine_lse[:t] = out, lse
+        got = comm.all_gather(pack_rows([mine_out.unsqueeze(0), mine_lse.unsqueeze(0)])[0])
+        all_out, all_lse = unpack_rows(got, specs)  # [W, P, H, Dv], [W, P, H]
+        return all_out.reshape(w * p, h, v_dim)[plan.kv_row], all_lse.reshape(w * p, h)[plan.kv_row]

@@ -38,8 +38,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
-from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
+from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.parallel.comm import Comm, stable_fingerprint
 from shardattn.plan.pipeline import CHUNK_ALIGN, PipelinePlan, choose_chunks, pipeline_plan
 from shardattn.plan.zigzag import ShardPlan
@@ -58,6 +58,7 @@ def _check_inputs(
     v_dim: int,
     topk_length: torch.Tensor | None,
     sinks: torch.Tensor | None,
+    scale: float,
     check: bool,
 ) -> int:
     """Validate one rank's ShardQ inputs; returns the fingerprint the ranks must agree on."""
@@ -71,7 +72,9 @@ def _check_inputs(
         raise ValueError(f"q_heads_local must hold the step's {plan.num_tokens} tokens (plan), got {t}")
     if h < 1:
         raise ValueError(f"q_heads_local must hold at least one head, got shape {list(q.shape)}")
-    check_tensor("kv", kv, dtypes=(q.dtype,), shape=(None, d))
+    check_tensor("kv", kv, dtypes=(q.dtype,), ndim=2)
+    check_head_dim("q_heads_local", q, "kv", kv)
+    check_scale("scale", scale)
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
     if rows.shape[0] != t:
         raise ValueError(f"rows must have one row per token ({t}), got shape {list(rows.shape)}")
@@ -163,24 +166,25 @@ def shardq_prefill(
     comm = Comm.wrap(group)
     comm.agree_on(
         "ShardQ plan and inputs",
-        lambda: _check_inputs(q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, check),
+        lambda: _check_inputs(q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, scale, check),
         check=check,
     )
-    q = q_heads_local
-    h, rank = q.shape[1], comm.rank
-    if not plan.sharded:  # head-TP: all tokens, this rank's heads, nothing moves
-        local_sinks = None if sinks is None else sinks[rank * h : (rank + 1) * h]
-        kw = {} if out is None and lse is None else {"out": out, "lse": lse}
-        out, lse = attention(
-            q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=local_sinks, return_lse=True, **kw
-        )
-        return (out, lse) if return_lse else out
+    with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
+        q = q_heads_local
+        h, rank = q.shape[1], comm.rank
+        if not plan.sharded:  # head-TP: all tokens, this rank's heads, nothing moves
+            local_sinks = None if sinks is None else sinks[rank * h : (rank + 1) * h]
+            kw = {} if out is None and lse is None else {"out": out, "lse": lse}
+            out, lse = attention(
+                q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=local_sinks, return_lse=True, **kw
+            )
+            return (out, lse) if return_lse else out
 
-    pipe = pipeline_plan(plan, chunks or choose_chunks(int(plan.counts.max())), align=align)
-    return _pipelined(
-        q, kv, rows, plan, pipe, comm, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks,
-        return_lse=return_lse, attention=attention, workspace=workspace, out=out, lse=lse,
-    )  # fmt: skip
+        pipe = pipeline_plan(plan, chunks or choose_chunks(int(plan.counts.max())), align=align)
+        return _pipelined(
+            q, kv, rows, plan, pipe, comm, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks,
+            return_lse=return_lse, attention=attention, workspace=workspace, out=out, lse=lse,
+        )  # fmt: skip
 
 
 def _carve(

@@ -127,7 +127,11 @@ class DistributedPool:
     def _start(self) -> None:
         import torch.multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
+        # forkserver with torch preloaded: a (re)start forks a process that imported torch once,
+        # instead of importing it again in every worker (seconds on a busy machine). The server
+        # starts before any worker and never initialises CUDA, so workers may still use GPUs.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
         self._tmpdir = tempfile.TemporaryDirectory(prefix="shardattn-pool-")
         init_file = os.path.join(self._tmpdir.name, "store")
         self._outbox = ctx.Queue()
@@ -183,7 +187,7 @@ class DistributedPool:
             if remaining <= 0:
                 break
             try:
-                rank, cid, status, value = self._outbox.get(timeout=min(remaining, 1.0))
+                rank, cid, status, value = self._outbox.get(timeout=min(remaining, 0.25))
             except queue.Empty:
                 dead = [r for r in ranks if r not in got and not self._procs[r].is_alive()]
                 for r in dead:

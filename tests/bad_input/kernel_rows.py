@@ -1,0 +1,438 @@
+"""Rows of the bad-input table for the kernel entry points (tests/test_bad_input.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shardattn.kernels import gqa_decode as gqa_mod
+from shardattn.kernels import lse_merge as merge_mod
+from shardattn.kernels import sparse_mla as mla_mod
+from shardattn.kernels import sparse_mla_decode as decode_mod
+from shardattn.kernels import sparse_mla_grouped as grouped_mod
+from shardattn.kernels import topk as topk_mod
+from shardattn.kernels import union as union_mod
+from tests.bad_input.table import (
+    INF,
+    META,
+    NAN,
+    Call,
+    Gives,
+    Raises,
+    Row,
+    _gen,
+    _merge_inputs,
+    _merge_without_inf,
+    _noncontig,
+    all_empty,
+    gqa,
+    mla,
+    same_as,
+    topk_inputs,
+)
+
+
+def _sparse(fn: Callable[..., Any], **over: Any) -> Callable[[Any], Call]:
+    """A sparse-MLA kernel call on :func:`mla` inputs with some arguments replaced."""
+
+    def build(_group: Any) -> Call:
+        x = mla()
+        kw = {"scale": 0.125, "v_dim": 32}
+        args = [x["q"], x["kv"], x["rows"]]
+        for name, value in over.items():
+            value = value(x) if callable(value) and name != "fn" else value
+            if name in ("q", "kv", "rows"):
+                args[("q", "kv", "rows").index(name)] = value
+            else:
+                kw[name] = value
+        return Call(fn, tuple(args), kw)
+
+    return build
+
+
+SPARSE_ENTRIES = [
+    ("sparse_mla_attention", mla_mod.sparse_mla_attention),
+    ("sparse_mla_grouped_prefill", grouped_mod.sparse_mla_grouped_prefill),
+    ("sparse_mla_decode", decode_mod.sparse_mla_decode),
+]
+
+
+def _sparse_rows() -> list[Row]:
+    rows: list[Row] = []
+    for name, fn in SPARSE_ENTRIES:
+        rows += [
+            Row(f"{name}-q-int", _sparse(fn, q=lambda x: x["q"].int()), Raises(TypeError, r"^q must have dtype")),
+            Row(f"{name}-q-2d", _sparse(fn, q=lambda x: x["q"][0]), Raises(ValueError, r"^q must have 3 dim")),
+            Row(
+                f"{name}-q-wrong-width",
+                _sparse(fn, q=lambda x: torch.randn(3, 2, 40)),
+                Raises(ValueError, r"^q must have last dim 48 \(kv's row width\), got 40"),
+            ),
+            Row(
+                f"{name}-kv-dtype", _sparse(fn, kv=lambda x: x["kv"].half()), Raises(TypeError, r"^kv must have dtype")
+            ),
+            Row(f"{name}-kv-3d", _sparse(fn, kv=lambda x: x["kv"][None]), Raises(ValueError, r"^kv must have 2 dim")),
+            Row(f"{name}-rows-int64", _sparse(fn, rows=lambda x: x["rows"].long()), Raises(TypeError, r"^rows must")),
+            Row(
+                f"{name}-rows-count",
+                _sparse(fn, rows=lambda x: x["rows"][:2]),
+                Raises(ValueError, r"^rows must have one row per query token"),
+            ),
+            Row(f"{name}-kv-on-meta", _sparse(fn, kv=lambda x: x["kv"].to(META)), Raises(ValueError, r"kv differs")),
+            Row(f"{name}-scale-nan", _sparse(fn, scale=NAN), Raises(ValueError, r"^scale must be a finite number > 0")),
+            Row(f"{name}-scale-inf", _sparse(fn, scale=INF), Raises(ValueError, r"^scale must be a finite")),
+            Row(f"{name}-scale-zero", _sparse(fn, scale=0.0), Raises(ValueError, r"^scale must be a finite")),
+            Row(f"{name}-scale-negative", _sparse(fn, scale=-0.1), Raises(ValueError, r"^scale must be a finite")),
+            Row(f"{name}-scale-str", _sparse(fn, scale="0.1"), Raises(TypeError, r"^scale must be a float")),
+            Row(f"{name}-v-dim-too-big", _sparse(fn, v_dim=49), Raises(ValueError, r"^v_dim must be in \(0, 48\]")),
+            Row(
+                f"{name}-topk-length-shape",
+                _sparse(fn, topk_length=torch.ones(2, dtype=torch.int32)),
+                Raises(ValueError, r"^topk_length must have shape \[3\]"),
+            ),
+            Row(
+                f"{name}-sinks-dtype",
+                _sparse(fn, sinks=torch.zeros(2, dtype=torch.float16)),
+                Raises(TypeError, r"^sinks must have dtype"),
+            ),
+            # defined results
+            Row(
+                f"{name}-kv-without-rows",
+                _sparse(fn, kv=lambda x: torch.randn(0, 48)),
+                Gives(all_empty(32)),
+            ),
+            Row(
+                f"{name}-rows-out-of-range",
+                _sparse(fn, rows=lambda x: torch.tensor([[10, 11, -1, 2**31 - 1]] * 3, dtype=torch.int32)),
+                Gives(all_empty(32)),
+            ),
+            Row(
+                f"{name}-topk-length-past-topk",
+                _sparse(fn, topk_length=torch.full((3,), 99, dtype=torch.int32)),
+                Gives(same_as(lambda fn=fn: fn(*(mla()[k] for k in ("q", "kv", "rows")), scale=0.125, v_dim=32))),
+            ),
+            Row(
+                f"{name}-q-non-contiguous",
+                _sparse(fn, q=lambda x: _noncontig(x["q"])),
+                Gives(same_as(lambda fn=fn: fn(*(mla()[k] for k in ("q", "kv", "rows")), scale=0.125, v_dim=32))),
+            ),
+            Row(
+                f"{name}-no-tokens",
+                _sparse(fn, q=lambda x: x["q"][:0], rows=lambda x: x["rows"][:0]),
+                Gives(lambda res: None if res[0].shape == (0, 2, 32) and res[1].shape == (0, 2) else "shape"),
+            ),
+        ]
+    rows += [
+        Row(
+            "sparse_mla_attention-dsa-q-500",  # issue 11: the message blamed kv
+            lambda _g: Call(
+                mla_mod.sparse_mla_attention,
+                (torch.randn(1, 1, 500), torch.randn(4, 576), torch.zeros(1, 1, dtype=torch.int32)),
+                {"scale": 576**-0.5},
+            ),
+            Raises(ValueError, r"^q must have last dim 576"),
+        ),
+        Row(
+            "sparse_mla_attention-q-tuple-of-3",
+            _sparse(mla_mod.sparse_mla_attention, q=lambda x: (x["q"], x["q"], x["q"])),
+            Raises(ValueError, r"^q as a tuple must be \(q_latent, q_rope\)"),
+        ),
+        Row(
+            "sparse_mla_attention-q-rope-dtype",
+            _sparse(mla_mod.sparse_mla_attention, q=lambda x: (x["q"][..., :32], x["q"][..., 32:].double())),
+            Raises(TypeError, r"^q_rope must have dtype"),
+        ),
+        Row(
+            "sparse_mla_grouped_prefill-group-size-3",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, group_size=3),
+            Raises(ValueError, r"^group_size must be one of"),
+        ),
+        Row(
+            "sparse_mla_decode-num-splits-0",
+            _sparse(decode_mod.sparse_mla_decode, num_splits=0),
+            Raises(ValueError, r"^num_splits must be >= 1"),
+        ),
+        Row(
+            "sparse_mla_decode-out-dtype",
+            _sparse(decode_mod.sparse_mla_decode, out=torch.zeros(3, 2, 32, dtype=torch.float16)),
+            Raises(TypeError, r"^out must have dtype"),
+        ),
+        Row(
+            "sparse_mla_decode-lse-out-shape",
+            _sparse(decode_mod.sparse_mla_decode, lse_out=torch.zeros(3, 3)),
+            Raises(ValueError, r"^lse_out must have shape \[3, 2\]"),
+        ),
+    ]
+    return rows
+
+
+def _gqa(**over: Any) -> Callable[[Any], Call]:
+    def build(_group: Any) -> Call:
+        x = gqa()
+        args = [x["q"], x["k"], x["v"], x["table"], x["lens"]]
+        names = ("q", "k_cache", "v_cache", "block_table", "seq_lens")
+        kw: dict[str, Any] = {"return_lse": True}
+        for name, value in over.items():
+            value = value(x) if callable(value) else value
+            if name in names:
+                args[names.index(name)] = value
+            else:
+                kw[name] = value
+        return Call(gqa_mod.gqa_paged_decode, tuple(args), kw)
+
+    return build
+
+
+def _gqa_rows() -> list[Row]:
+    n = "gqa_paged_decode"
+    return [
+        Row(
+            f"{n}-q-bf16-cache-fp32",
+            _gqa(q=lambda x: x["q"].bfloat16()),
+            Raises(TypeError, r"^k_cache must have dtype"),
+        ),
+        Row(f"{n}-q-wrong-width", _gqa(q=lambda x: x["q"][..., :8]), Raises(ValueError, r"^q must have last dim 16")),
+        Row(f"{n}-heads-not-multiple", _gqa(q=lambda x: x["q"][:, :3]), Raises(ValueError, r"q heads \(3\) must be")),
+        Row(f"{n}-v-cache-shape", _gqa(v_cache=lambda x: x["v"][:5]), Raises(ValueError, r"^v_cache must have shape")),
+        Row(f"{n}-table-int64", _gqa(block_table=lambda x: x["table"].long()), Raises(TypeError, r"^block_table must")),
+        Row(
+            f"{n}-seq-lens-negative",
+            _gqa(seq_lens=torch.tensor([-1, 5], dtype=torch.int32)),
+            Raises(ValueError, r"^seq_lens must be >= 0"),
+        ),
+        Row(
+            f"{n}-seq-lens-past-table",
+            _gqa(seq_lens=torch.tensor([13, 5], dtype=torch.int32)),
+            Raises(ValueError, r"^seq_lens must be <= max_pages"),
+        ),
+        Row(
+            f"{n}-page-out-of-range",
+            _gqa(block_table=torch.tensor([[0, 1, 6], [3, 4, 5]], dtype=torch.int32)),
+            Raises(ValueError, r"^block_table holds pages outside \[0, 6\) for requests \[0\]"),
+        ),
+        Row(f"{n}-scale-nan", _gqa(scale=NAN), Raises(ValueError, r"^scale must be a finite number > 0")),
+        Row(f"{n}-scale-negative", _gqa(scale=-1.0), Raises(ValueError, r"^scale must be a finite")),
+        Row(f"{n}-window-left--2", _gqa(window_left=-2), Raises(ValueError, r"^window_left must be >= -1")),
+        Row(f"{n}-q-len-0", _gqa(q_len_per_req=0), Raises(ValueError, r"^q_len_per_req must be >= 1")),
+        Row(f"{n}-q-rows-vs-batch", _gqa(q_len_per_req=2), Raises(ValueError, r"^q must have batch \* q_len_per_req")),
+        Row(f"{n}-backend", _gqa(backend="cuda"), Raises(ValueError, r"^backend must be one of")),
+        Row(
+            f"{n}-cu-q-lens-decreasing",
+            _gqa(cu_q_lens=torch.tensor([0, 2, 1], dtype=torch.int32)),
+            Raises(ValueError, r"^cu_q_lens must start at 0, not decrease"),
+        ),
+        Row(
+            f"{n}-both-q-lens",
+            _gqa(q_len_per_req=1, cu_q_lens=torch.tensor([0, 1, 2], dtype=torch.int32)),
+            Raises(ValueError, r"q_len_per_req .* or cu_q_lens .*, not both"),
+        ),
+        Row(f"{n}-sinks-shape", _gqa(sinks=torch.zeros(3)), Raises(ValueError, r"^sinks must have shape \[4\]")),
+        Row(
+            f"{n}-table-on-meta",
+            _gqa(block_table=lambda x: x["table"].to(META)),
+            Raises(ValueError, r"block_table differs"),
+        ),
+        Row(f"{n}-num-splits-0", _gqa(num_splits=0), Raises(ValueError, r"^num_splits must be >= 1")),
+        Row(
+            f"{n}-flashinfer-lse",
+            _gqa(backend="flashinfer"),
+            Raises(ValueError, r"backend='flashinfer' .* returns no LSE"),
+        ),
+        Row(
+            f"{n}-padded-requests",
+            _gqa(seq_lens=torch.zeros(2, dtype=torch.int32)),
+            Gives(all_empty(16)),
+        ),
+        Row(
+            f"{n}-cache-without-pages",
+            _gqa(
+                k_cache=lambda x: x["k"][:0],
+                v_cache=lambda x: x["v"][:0],
+                block_table=torch.zeros(2, 0, dtype=torch.int32),
+                seq_lens=torch.zeros(2, dtype=torch.int32),
+            ),
+            Gives(all_empty(16)),
+        ),
+    ]
+
+
+def _merge(**over: Any) -> Callable[[Any], Call]:
+    def build(_group: Any) -> Call:
+        g = _gen(2)
+        outs, lses = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 3, 4, generator=g)
+        args = [outs, lses]
+        kw: dict[str, Any] = {}
+        for name, value in over.items():
+            value = value(outs, lses) if callable(value) else value
+            if name in ("outs", "lses"):
+                args[("outs", "lses").index(name)] = value
+            else:
+                kw[name] = value
+        return Call(merge_mod.lse_merge, tuple(args), kw)
+
+    return build
+
+
+def _merge_rows() -> list[Row]:
+    n = "lse_merge"
+    return [
+        Row(f"{n}-outs-3d", _merge(outs=lambda o, lse: o[0]), Raises(ValueError, r"^outs must have 4 dim")),
+        Row(f"{n}-outs-int", _merge(outs=lambda o, lse: o.int()), Raises(TypeError, r"^outs must have dtype")),
+        Row(f"{n}-lses-fp16", _merge(lses=lambda o, lse: lse.half()), Raises(TypeError, r"^lses must have dtype")),
+        Row(
+            f"{n}-lses-shape",
+            _merge(lses=lambda o, lse: lse[:, :2]),
+            Raises(ValueError, r"^lses must have shape \[2, 3, 4\]"),
+        ),
+        Row(
+            f"{n}-no-partial",
+            _merge(outs=lambda o, lse: o[:0], lses=lambda o, lse: lse[:0]),
+            Raises(ValueError, r"^outs must hold at least one"),
+        ),
+        Row(f"{n}-lses-on-meta", _merge(lses=lambda o, lse: lse.to(META)), Raises(ValueError, r"lses differs")),
+        Row(
+            f"{n}-out-shape", _merge(out=torch.zeros(3, 4, 9)), Raises(ValueError, r"^out must have shape \[3, 4, 8\]")
+        ),
+        Row(
+            f"{n}-lse-out-dtype",
+            _merge(lse_out=torch.zeros(3, 4, dtype=torch.float64)),
+            Raises(TypeError, r"^lse_out must"),
+        ),
+        Row(
+            f"{n}-pos-inf-is-empty",  # issue 11: +inf (FlashMLA's empty row) gave NaN
+            lambda _g: Call(merge_mod.lse_merge, _merge_inputs()),
+            Gives(same_as(_merge_without_inf)),
+        ),
+        Row(
+            f"{n}-all-empty",
+            _merge(lses=lambda o, lse: torch.full_like(lse, -INF)),
+            Gives(all_empty()),
+        ),
+    ]
+
+
+def _topk(**over: Any) -> Callable[[Any], Call]:
+    def build(_group: Any) -> Call:
+        x = topk_inputs()
+        args = [x["pos"], x["req"], x["table"]]
+        names = ("topk_pos", "req_ids", "block_table")
+        kw: dict[str, Any] = {"block_size": 4}
+        for name, value in over.items():
+            value = value(x) if callable(value) else value
+            if name in names:
+                args[names.index(name)] = value
+            else:
+                kw[name] = value
+        return Call(topk_mod.convert_topk, tuple(args), kw)
+
+    return build
+
+
+def _rows_all_invalid(res: Any) -> str | None:
+    rows, counts = res
+    return None if bool((rows == -1).all()) and bool((counts == 0).all()) else f"rows {rows.tolist()}"
+
+
+def _topk_rows() -> list[Row]:
+    n = "convert_topk"
+    base = _topk()
+    return [
+        Row(
+            f"{n}-pos-int64", _topk(topk_pos=lambda x: x["pos"].long()), Raises(TypeError, r"^topk_pos must have dtype")
+        ),
+        Row(f"{n}-pos-1d", _topk(topk_pos=lambda x: x["pos"][0]), Raises(ValueError, r"^topk_pos must have 2 dim")),
+        Row(
+            f"{n}-req-ids-shape",
+            _topk(req_ids=lambda x: x["req"][:1]),
+            Raises(ValueError, r"^req_ids must have shape \[2\]"),
+        ),
+        Row(f"{n}-block-size-0", _topk(block_size=0), Raises(ValueError, r"^block_size must be >= 1")),
+        Row(f"{n}-block-size-float", _topk(block_size=4.0), Raises(TypeError, r"^block_size must be an int")),
+        Row(f"{n}-block-stride-0", _topk(block_stride=0), Raises(ValueError, r"^block_stride must be >= 1")),
+        Row(
+            f"{n}-seq-lens-shape",
+            _topk(seq_lens=torch.ones(3, dtype=torch.int32)),
+            Raises(ValueError, r"^seq_lens must have shape \[2\]"),
+        ),
+        Row(f"{n}-dcp-rank-past-world", _topk(dcp=topk_mod.DcpShard(2, 1, 2)), Raises(ValueError, r"^dcp must have")),
+        Row(f"{n}-dcp-not-a-shard", _topk(dcp=(2, 1)), Raises(TypeError, r"^dcp must be DcpShard")),
+        Row(
+            f"{n}-table-on-meta",
+            _topk(block_table=lambda x: x["table"].to(META)),
+            Raises(ValueError, r"block_table differs"),
+        ),
+        Row(
+            f"{n}-req-ids-out-of-range",
+            _topk(req_ids=torch.tensor([2, -1], dtype=torch.int32)),
+            Gives(_rows_all_invalid),
+        ),
+        Row(
+            f"{n}-table-without-blocks",
+            _topk(block_table=torch.zeros(2, 0, dtype=torch.int32)),
+            Gives(_rows_all_invalid),
+        ),
+        Row(f"{n}-no-requests", _topk(block_table=torch.zeros(0, 3, dtype=torch.int32)), Gives(_rows_all_invalid)),
+        Row(
+            f"{n}-topk-length-past-topk",
+            _topk(topk_length=torch.full((2,), 50, dtype=torch.int32)),
+            Gives(same_as(lambda: (lambda c: c.fn(*c.args, **c.kwargs))(base(None)))),
+        ),
+    ]
+
+
+def _union(**over: Any) -> Callable[[Any], Call]:
+    def build(_group: Any) -> Call:
+        kw: dict[str, Any] = {"group_size": 2, "num_kv_rows": 10}
+        rows = mla()["rows"]
+        for name, value in over.items():
+            if name == "rows":
+                rows = value(rows)
+            else:
+                kw[name] = value
+        return Call(union_mod.build_union, (rows,), kw)
+
+    return build
+
+
+def _union_rows() -> list[Row]:
+    n = "build_union"
+    return [
+        Row(f"{n}-rows-float", _union(rows=lambda r: r.float()), Raises(TypeError, r"^rows must have dtype")),
+        Row(f"{n}-group-size-3", _union(group_size=3), Raises(ValueError, r"^group_size must be one of")),
+        Row(f"{n}-num-kv-rows-negative", _union(num_kv_rows=-1), Raises(ValueError, r"^num_kv_rows must be >= 0")),
+        Row(f"{n}-num-kv-rows-past-24-bits", _union(num_kv_rows=2**24), Raises(ValueError, r"^num_kv_rows must be <=")),
+        Row(
+            f"{n}-topk-length-shape",
+            _union(topk_length=torch.ones(2, dtype=torch.int32)),
+            Raises(ValueError, r"^topk_length must have shape \[3\]"),
+        ),
+        Row(
+            f"{n}-kv-without-rows",
+            _union(num_kv_rows=0),
+            Gives(lambda res: None if bool((res[1] == 0).all()) else f"lens {res[1].tolist()}"),
+        ),
+    ]
+
+
+def _small_kernel_rows() -> list[Row]:
+    return [
+        Row(
+            "split_partials-workspace-too-small",
+            lambda _g: Call(merge_mod.split_partials, (torch.zeros(10), 2, 3, 4, 8, torch.device("cpu"))),
+            Raises(ValueError, r"^workspace must be a float32 tensor on cpu with >= 216 elements"),
+        ),
+        Row(
+            "split_partials-workspace-fp16",
+            lambda _g: Call(
+                merge_mod.split_partials, (torch.zeros(400, dtype=torch.half), 2, 3, 4, 8, torch.device("cpu"))
+            ),
+            Raises(ValueError, r"^workspace must be a float32"),
+        ),
+    ]
+
+
+def kernel_rows() -> list[Row]:
+    """Every kernel entry point's rows."""
+    return [*_sparse_rows(), *_gqa_rows(), *_merge_rows(), *_topk_rows(), *_union_rows(), *_small_kernel_rows()]

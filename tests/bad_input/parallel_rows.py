@@ -1,0 +1,388 @@
+"""Rows of the bad-input table for the parallel steps and the Runtime, run on a one-rank gloo group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shardattn import plan as P
+from tests.bad_input.table import INF, META, NAN, Call, Gives, Raises, Row, _gen, all_empty, gqa, mla, topk_inputs
+
+MLA_SPEC = P.ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32")
+GQA_SPEC = P.ModelSpec("gqa", 8, 2, 16, 16, 0, 4, dtype="float32")
+
+
+def _shardq(**over: Any) -> Callable[[Any], Call]:
+    def build(group: Any) -> Call:
+        from shardattn.parallel import Comm, shardq_prefill
+
+        comm = Comm(group)
+        x = mla(t=5)
+        args = {
+            "q_heads_local": x["q"],
+            "kv": x["kv"],
+            "rows": x["rows"],
+            "plan": P.zigzag_split([2, 3], 1, min_tokens=0),
+        }
+        kw: dict[str, Any] = {"scale": 0.125, "v_dim": 32}
+        for name, value in over.items():
+            value = value(x) if callable(value) else value
+            (args if name in args else kw)[name] = value
+        return Call(shardq_prefill, (*args.values(), comm), kw, comm)
+
+    return build
+
+
+def _dcp_mla(**over: Any) -> Callable[[Any], Call]:
+    def build(group: Any) -> Call:
+        from shardattn.parallel import Comm, dcp_sparse_mla_decode
+
+        comm = Comm(group)
+        x = topk_inputs()
+        q = torch.randn(2, 2, 48, generator=_gen(4))
+        kv = torch.randn(16, 48, generator=_gen(5))
+        names = ("q_heads_local", "kv_cache", "topk_pos", "req_ids", "block_table", "layout")
+        args = dict(zip(names, (q, kv, x["pos"], x["req"], x["table"], P.DCPLayout(1))))
+        kw: dict[str, Any] = {"block_size": 4, "scale": 0.125, "v_dim": 32}
+        for name, value in over.items():
+            value = value(args) if callable(value) else value
+            (args if name in args else kw)[name] = value
+        return Call(dcp_sparse_mla_decode, (*args.values(), comm), kw, comm)
+
+    return build
+
+
+def _dcp_gqa(**over: Any) -> Callable[[Any], Call]:
+    def build(group: Any) -> Call:
+        from shardattn.parallel import Comm, dcp_gqa_decode
+
+        comm = Comm(group)
+        x = gqa()
+        names = ("q_heads_local", "k_cache", "v_cache", "block_table", "seq_lens", "layout")
+        args = dict(zip(names, (x["q"], x["k"], x["v"], x["table"], x["lens"], P.DCPLayout(1))))
+        kw: dict[str, Any] = {}
+        for name, value in over.items():
+            value = value(args) if callable(value) else value
+            (args if name in args else kw)[name] = value
+        return Call(dcp_gqa_decode, (*args.values(), comm), kw, comm)
+
+    return build
+
+
+def _pcp(**over: Any) -> Callable[[Any], Call]:
+    def build(group: Any) -> Call:
+        from shardattn.parallel import Comm, pcp_prefill
+
+        comm = Comm(group)
+        g = _gen(6)
+        q, kv_new = torch.randn(5, 2, 48, generator=g), torch.randn(5, 48, generator=g)
+        pos = torch.randint(-1, 5, (5, 3), generator=g, dtype=torch.int32)
+        args = {"q": q, "kv_new": kv_new, "topk_pos": pos, "plan": P.pcp_plan([2, 3], 1)}
+        kw: dict[str, Any] = {"scale": 0.125, "v_dim": 32}
+        for name, value in over.items():
+            value = value(args) if callable(value) else value
+            (args if name in args else kw)[name] = value
+        return Call(pcp_prefill, (*args.values(), comm), kw, comm)
+
+    return build
+
+
+def _collect(**over: Any) -> Callable[[Any], Call]:
+    def build(group: Any) -> Call:
+        from shardattn.parallel import Comm, collect_partials
+
+        comm = Comm(group)
+        g = _gen(7)
+        args = {"out": torch.randn(3, 4, 8, generator=g), "lse": torch.randn(3, 4, generator=g)}
+        kw: dict[str, Any] = {}
+        for name, value in over.items():
+            value = value(args) if callable(value) else value
+            (args if name in args else kw)[name] = value
+        return Call(collect_partials, (args["out"], args["lse"], comm), kw, comm)
+
+    return build
+
+
+def _runtime_new(**over: Any) -> Callable[[Any], Call]:
+    def build(group: Any) -> Call:
+        from shardattn.parallel.runtime import Runtime
+
+        kw: dict[str, Any] = {"max_batched_tokens": 64, "mode": "shardq", "warmup": False, **over}
+        spec = kw.pop("spec", MLA_SPEC)
+        return Call(Runtime, (spec, group), kw)
+
+    return build
+
+
+def _runtime_step(step: str, spec: P.ModelSpec, mode: str, **over: Any) -> Callable[[Any], Call]:
+    def build(group: Any) -> Call:
+        from shardattn.parallel.runtime import Runtime
+
+        rt = Runtime(spec, group, max_batched_tokens=64, mode=mode, warmup=False)
+        rt.comm.reset_counts()
+        if step == "prefill":
+            x = mla(t=5, h=8, k=16)
+            args = {"q": x["q"], "kv": x["kv"], "rows": x["rows"]}
+            kw: dict[str, Any] = {"seq_lens": [2, 3]}
+        elif spec.kind == "sparse_mla":
+            x = topk_inputs()
+            args = {
+                "q": torch.randn(2, 8, 48, generator=_gen(8)),
+                "kv_cache": torch.randn(16, 48, generator=_gen(9)),
+                "block_table": x["table"],
+                "seq_lens": torch.tensor([10, 9], dtype=torch.int32),
+            }
+            kw = {"topk_pos": x["pos"], "req_ids": x["req"]}
+        else:
+            x = gqa(hq=8)
+            args = {"q": x["q"], "kv_cache": (x["k"], x["v"]), "block_table": x["table"], "seq_lens": x["lens"]}
+            kw = {}
+        for name, value in over.items():
+            value = value(args) if callable(value) else value
+            (args if name in args else kw)[name] = value
+        fn = rt.prefill if step == "prefill" else rt.decode
+        return Call(fn, tuple(args.values()), kw, rt.comm)
+
+    return build
+
+
+def parallel_rows() -> list[Row]:
+    """Rows of the parallel steps and the Runtime (``dist=True``: run on a one-rank gloo group)."""
+    two_rank_plan = P.zigzag_split([2, 3], 2, min_tokens=0)
+    rows = [
+        # ShardQ
+        (
+            "shardq_prefill-plan-for-2-ranks",
+            _shardq(plan=two_rank_plan),
+            Raises(ValueError, r"^plan is for world_size=2, but the group has 1 ranks"),
+        ),
+        ("shardq_prefill-plan-not-a-plan", _shardq(plan=[2, 3]), Raises(TypeError, r"^plan must be a ShardPlan")),
+        (
+            "shardq_prefill-q-wrong-width",
+            _shardq(q_heads_local=lambda x: torch.randn(5, 2, 40)),
+            Raises(ValueError, r"^q_heads_local must have last dim 48"),
+        ),
+        (
+            "shardq_prefill-q-tokens-vs-plan",
+            _shardq(q_heads_local=lambda x: x["q"][:4]),
+            Raises(ValueError, r"^q_heads_local must hold the step's 5 tokens"),
+        ),
+        (
+            "shardq_prefill-rows-int64",
+            _shardq(rows=lambda x: x["rows"].long()),
+            Raises(TypeError, r"^rows must have dtype"),
+        ),
+        ("shardq_prefill-kv-on-meta", _shardq(kv=lambda x: x["kv"].to(META)), Raises(ValueError, r"kv differs")),
+        ("shardq_prefill-scale-nan", _shardq(scale=NAN), Raises(ValueError, r"^scale must be a finite number > 0")),
+        ("shardq_prefill-scale-negative", _shardq(scale=-1.0), Raises(ValueError, r"^scale must be a finite")),
+        (
+            "shardq_prefill-sinks-count",
+            _shardq(sinks=torch.zeros(3)),
+            Raises(ValueError, r"^sinks must have shape \[2\]"),
+        ),
+        ("shardq_prefill-kv-without-rows", _shardq(kv=lambda x: x["kv"][:0]), Gives(all_empty(32))),
+        # DCP sparse MLA
+        (
+            "dcp_sparse_mla_decode-layout-for-2-ranks",
+            _dcp_mla(layout=P.DCPLayout(2)),
+            Raises(ValueError, r"^layout is for world_size=2, but the group has 1"),
+        ),
+        (
+            "dcp_sparse_mla_decode-layout-not-a-layout",
+            _dcp_mla(layout=2),
+            Raises(TypeError, r"^layout must be a DCPLayout"),
+        ),
+        (
+            "dcp_sparse_mla_decode-q-wrong-width",
+            _dcp_mla(q_heads_local=torch.randn(2, 2, 40)),
+            Raises(ValueError, r"^q_heads_local must have last dim 48"),
+        ),
+        ("dcp_sparse_mla_decode-scale-inf", _dcp_mla(scale=INF), Raises(ValueError, r"^scale must be a finite")),
+        ("dcp_sparse_mla_decode-block-size-0", _dcp_mla(block_size=0), Raises(ValueError, r"^block_size must be >= 1")),
+        (
+            "dcp_sparse_mla_decode-table-past-cache",
+            _dcp_mla(kv_cache=lambda a: a["kv_cache"][:8]),
+            Raises(ValueError, r"^block_table points past kv_cache"),
+        ),
+        (
+            "dcp_sparse_mla_decode-req-ids-on-meta",
+            _dcp_mla(req_ids=lambda a: a["req_ids"].to(META)),
+            Raises(ValueError, r"req_ids differs"),
+        ),
+        ("dcp_sparse_mla_decode-strategy", _dcp_mla(strategy="ring"), Raises(ValueError, r"^strategy must be one of")),
+        (
+            "dcp_sparse_mla_decode-kv-without-rows",
+            _dcp_mla(kv_cache=lambda a: a["kv_cache"][:0], block_table=torch.full((2, 3), -1, dtype=torch.int32)),
+            Gives(all_empty(32)),
+        ),
+        # DCP GQA
+        (
+            "dcp_gqa_decode-layout-for-2-ranks",
+            _dcp_gqa(layout=P.DCPLayout(2)),
+            Raises(ValueError, r"^layout is for world_size=2"),
+        ),
+        (
+            "dcp_gqa_decode-q-wrong-width",
+            _dcp_gqa(q_heads_local=torch.randn(2, 4, 8)),
+            Raises(ValueError, r"^q_heads_local must have last dim 16"),
+        ),
+        ("dcp_gqa_decode-scale-zero", _dcp_gqa(scale=0.0), Raises(ValueError, r"^scale must be a finite")),
+        (
+            "dcp_gqa_decode-seq-lens-negative",
+            _dcp_gqa(seq_lens=torch.tensor([-1, 3], dtype=torch.int32)),
+            Raises(ValueError, r"^seq_lens must be >= 0"),
+        ),
+        (
+            "dcp_gqa_decode-seq-lens-past-table",
+            _dcp_gqa(seq_lens=torch.tensor([40, 3], dtype=torch.int32)),
+            Raises(ValueError, r"^seq_lens\[0\]=40 puts 40 tokens on rank 0"),
+        ),
+        ("dcp_gqa_decode-q-len-0", _dcp_gqa(q_len_per_req=0), Raises(ValueError, r"^q_len_per_req must be >= 1")),
+        ("dcp_gqa_decode-padded-requests", _dcp_gqa(seq_lens=torch.zeros(2, dtype=torch.int32)), Gives(all_empty(16))),
+        # PCP
+        (
+            "pcp_prefill-plan-for-2-ranks",
+            _pcp(plan=P.pcp_plan([2, 3], 2)),
+            Raises(ValueError, r"^plan is for world_size=2"),
+        ),
+        ("pcp_prefill-q-wrong-width", _pcp(q=torch.randn(5, 2, 40)), Raises(ValueError, r"^q must have last dim 48")),
+        (
+            "pcp_prefill-kv-new-rows",
+            _pcp(kv_new=lambda a: a["kv_new"][:4]),
+            Raises(ValueError, r"^kv_new must hold one row per token"),
+        ),
+        ("pcp_prefill-scale-nan", _pcp(scale=NAN), Raises(ValueError, r"^scale must be a finite")),
+        (
+            "pcp_prefill-cache-without-table",
+            _pcp(kv_cache=torch.randn(8, 48)),
+            Raises(ValueError, r"^kv_cache, block_table and block_size go together"),
+        ),
+        (
+            "pcp_prefill-prefix-without-cache",
+            _pcp(plan=P.pcp_plan([2, 3], 1, prefix_lens=[4, 0])),
+            Raises(ValueError, r"cached prefixes .* pass kv_cache"),
+        ),
+        (
+            "pcp_prefill-cache-without-rows",
+            _pcp(
+                plan=P.pcp_plan([2, 3], 1, prefix_lens=[0, 0]),
+                kv_cache=torch.randn(0, 48),
+                block_table=torch.full((2, 1), -1, dtype=torch.int32),
+                block_size=4,
+                topk_pos=torch.full((5, 3), 7, dtype=torch.int32),  # every position past its request
+            ),
+            Gives(all_empty(32)),
+        ),
+        # collector
+        (
+            "collect_partials-lse-fp16",
+            _collect(lse=lambda a: a["lse"].half()),
+            Raises(TypeError, r"^lse must have dtype"),
+        ),
+        ("collect_partials-out-2d", _collect(out=lambda a: a["out"][0]), Raises(ValueError, r"^out must have 3 dim")),
+        ("collect_partials-lse-on-meta", _collect(lse=lambda a: a["lse"].to(META)), Raises(ValueError, r"lse differs")),
+        ("collect_partials-strategy", _collect(strategy="tree"), Raises(ValueError, r"^strategy must be one of")),
+        (
+            "collect_partials-all-to-all-all-heads",
+            _collect(strategy="all_to_all", scatter_heads=False),
+            Raises(ValueError, r"^strategy='all_to_all' leaves each rank with its head slice"),
+        ),
+        # Runtime
+        ("Runtime-mode", _runtime_new(mode="ring"), Raises(ValueError, r"^mode must be one of")),
+        ("Runtime-spec-int", _runtime_new(spec=3), Raises(TypeError, r"^spec must be a ModelSpec")),
+        (
+            "Runtime-spec-unknown-preset",
+            _runtime_new(spec="llama"),
+            Raises(ValueError, r"unknown model preset 'llama'"),
+        ),
+        (
+            "Runtime-max-batched-tokens-0",
+            _runtime_new(max_batched_tokens=0),
+            Raises(ValueError, r"^max_batched_tokens must be >= 1"),
+        ),
+        (
+            "Runtime-dcp-interleave-0",
+            _runtime_new(dcp_interleave=0),
+            Raises(ValueError, r"^dcp_interleave must be >= 1"),
+        ),
+        ("Runtime-non-causal-str", _runtime_new(non_causal="yes"), Raises(TypeError, r"^non_causal must be a bool")),
+        ("Runtime-topk-0", _runtime_new(topk=0), Raises(ValueError, r"^topk must be >= 1")),
+        (
+            "Runtime-gqa-shardq",
+            _runtime_new(spec=GQA_SPEC),
+            Raises(ValueError, r"mode 'shardq' runs a sparse-MLA prefill"),
+        ),
+        (
+            "Runtime.prefill-no-seq-lens",
+            _runtime_step("prefill", MLA_SPEC, "shardq", seq_lens=None),
+            Raises(ValueError, r"prefill needs seq_lens"),
+        ),
+        (
+            "Runtime.prefill-plan-not-a-plan",
+            _runtime_step("prefill", MLA_SPEC, "shardq", plan="x"),
+            Raises(TypeError, r"^plan must be a PrefillPlan"),
+        ),
+        (
+            "Runtime.prefill-rows-int64",
+            _runtime_step("prefill", MLA_SPEC, "shardq", rows=lambda a: a["rows"].long()),
+            Raises(TypeError, r"^rows must have dtype"),
+        ),
+        (
+            "Runtime.prefill-q-wrong-width",
+            _runtime_step("prefill", MLA_SPEC, "shardq", q=torch.randn(5, 8, 40)),
+            Raises(ValueError, r"^q(_heads_local)? must have last dim 48"),
+        ),
+        (
+            "Runtime.prefill-pcp-q-wrong-width",
+            _runtime_step("prefill", MLA_SPEC, "pcp", q=torch.randn(5, 8, 40), kv=torch.randn(5, 48)),
+            Raises(ValueError, r"^q must have last dim 48"),
+        ),
+        (
+            "Runtime.prefill-tokens-past-workspace",
+            _runtime_step("prefill", MLA_SPEC, "shardq", seq_lens=[40, 40]),
+            Raises(ValueError, r"workspace"),
+        ),
+        (
+            "Runtime.decode-no-topk",
+            _runtime_step("decode", MLA_SPEC, "headtp", topk_pos=None),
+            Raises(ValueError, r"sparse-MLA decode needs topk_pos"),
+        ),
+        (
+            "Runtime.decode-kv-pair-for-mla",
+            _runtime_step("decode", MLA_SPEC, "headtp", kv_cache=lambda a: (a["kv_cache"], a["kv_cache"])),
+            Raises(TypeError, r"^kv_cache of a sparse-MLA model"),
+        ),
+        (
+            "Runtime.decode-dcp-q-wrong-width",
+            _runtime_step("decode", MLA_SPEC, "mixed", q=torch.randn(2, 8, 40)),
+            Raises(ValueError, r"^q_heads_local must have last dim 48"),
+        ),
+        (
+            "Runtime.decode-dcp-table-int64",
+            _runtime_step("decode", MLA_SPEC, "mixed", block_table=lambda a: a["block_table"].long()),
+            Raises(TypeError, r"^block_table must have dtype"),
+        ),
+        (
+            "Runtime.decode-headtp-kv-without-rows",
+            _runtime_step("decode", MLA_SPEC, "headtp", kv_cache=torch.randn(0, 48)),
+            Gives(all_empty(32)),
+        ),
+        (
+            "Runtime.decode-gqa-kv-not-a-pair",
+            _runtime_step("decode", GQA_SPEC, "dcp-decode", kv_cache=lambda a: a["kv_cache"][0]),
+            Raises(TypeError, r"^kv_cache of a GQA model must be a \(k_cache, v_cache\) pair"),
+        ),
+        (
+            "Runtime.decode-gqa-seq-lens-negative",
+            _runtime_step("decode", GQA_SPEC, "dcp-decode", seq_lens=torch.tensor([-1, 3], dtype=torch.int32)),
+            Raises(ValueError, r"^seq_lens must be >= 0"),
+        ),
+        (
+            "Runtime.decode-gqa-headtp-q-len-0",
+            _runtime_step("decode", GQA_SPEC, "headtp", q_len_per_req=0),
+            Raises(ValueError, r"^q_len_per_req must be >= 1"),
+        ),
+    ]
+    return [Row(rid, build, expect, dist=True) for rid, build, expect in rows]

@@ -1,0 +1,249 @@
+"""Rows of the bad-input table for the planner (``shardattn.plan``; tests/test_bad_input.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardattn import plan as P
+from tests.bad_input.table import META, Call, Gives, Raises, Row
+
+
+def plan_rows() -> list[Row]:
+    """Rows of the planner's public functions and classes."""
+
+    def row(rid: str, fn: Callable[..., Any], args: tuple, kw: dict, expect: Raises | Gives) -> Row:
+        return Row(rid, lambda _g: Call(fn, args, kw), expect)
+
+    pos = torch.arange(6)
+    spec = P.get_preset("glm5")
+    return [
+        row(
+            "zigzag_split-seq-lens-negative",
+            P.zigzag_split,
+            ([3, -1], 2),
+            {},
+            Raises(ValueError, r"^seq_lens\[1\] must be >= 0"),
+        ),
+        row(
+            "zigzag_split-seq-lens-float",
+            P.zigzag_split,
+            ([3.0], 2),
+            {},
+            Raises(TypeError, r"^seq_lens\[0\] must be an int"),
+        ),
+        row(
+            "zigzag_split-seq-lens-2d",
+            P.zigzag_split,
+            (np.ones((2, 2), dtype=np.int64), 2),
+            {},
+            Raises(ValueError, r"^seq_lens must be 1-D"),
+        ),
+        row(
+            "zigzag_split-seq-lens-on-meta",
+            P.zigzag_split,
+            (torch.ones(2, dtype=torch.int64, device=META), 2),
+            {},
+            Raises(ValueError, r"^seq_lens must be a CPU tensor"),
+        ),
+        row("zigzag_split-world-size-0", P.zigzag_split, ([3], 0), {}, Raises(ValueError, r"^world_size must be >= 1")),
+        row("zigzag_split-align-0", P.zigzag_split, ([3], 2), {"align": 0}, Raises(ValueError, r"^align must be >= 1")),
+        row(
+            "zigzag_split-prefix-count",
+            P.zigzag_split,
+            ([3, 4], 2),
+            {"prefix_lens": [1]},
+            Raises(ValueError, r"^prefix_lens must have 2 entries"),
+        ),
+        row(
+            "zigzag_split-no-request",
+            P.zigzag_split,
+            ([], 2),
+            {"min_tokens": 0},
+            Gives(lambda plan: None if plan.num_tokens == 0 else "tokens"),
+        ),
+        row(
+            "cost_balanced_split-world-size-float",
+            P.cost_balanced_split,
+            ([3], 1.5),
+            {},
+            Raises(TypeError, r"^world_size must be an int"),
+        ),
+        row(
+            "zigzag_chunk_bounds-align-negative",
+            P.zigzag_chunk_bounds,
+            ([3], 2),
+            {"align": -1},
+            Raises(ValueError, r"^align must be >= 1"),
+        ),
+        row(
+            "balance_report-topk-0", P.balance_report, ([3], 2), {"topk": 0}, Raises(ValueError, r"^topk must be >= 1")
+        ),
+        row("pcp_plan-world-size-0", P.pcp_plan, ([3], 0), {}, Raises(ValueError, r"^world_size must be >= 1")),
+        row(
+            "pcp_plan-prefix-negative",
+            P.pcp_plan,
+            ([3], 2),
+            {"prefix_lens": [-2]},
+            Raises(ValueError, r"^prefix_lens\[0\] must be >= 0"),
+        ),
+        row("token_cost-topk-0", P.token_cost, (np.arange(3), 0), {}, Raises(ValueError, r"^topk must be >= 1")),
+        row(
+            "dcp_owner-positions-float",
+            P.dcp_owner,
+            (pos.float(), 2),
+            {},
+            Raises(TypeError, r"^positions must have dtype"),
+        ),
+        row("dcp_owner-world-size-0", P.dcp_owner, (pos, 0), {}, Raises(ValueError, r"world_size must be >= 1")),
+        row(
+            "dcp_local_index-interleave-0",
+            P.dcp_local_index,
+            (pos, 2, 0),
+            {},
+            Raises(ValueError, r"interleave must be >= 1"),
+        ),
+        row(
+            "dcp_global_index-rank-past-world", P.dcp_global_index, (pos, 2, 2), {}, Raises(ValueError, r"rank must be")
+        ),
+        row(
+            "dcp_local_seq_lens-seq-lens-float",
+            P.dcp_local_seq_lens,
+            (pos.float(), 0, 2),
+            {},
+            Raises(TypeError, r"^seq_lens must have dtype"),
+        ),
+        row(
+            "dcp_translate_topk-seq-lens-shape",
+            P.dcp_translate_topk,
+            (pos.view(2, 3), 0, 2),
+            {"seq_lens": torch.ones(3, dtype=torch.int64)},
+            Raises(ValueError, r"^seq_lens must have shape \[2\]"),
+        ),
+        row(
+            "dcp_translate_topk-seq-lens-on-meta",
+            P.dcp_translate_topk,
+            (pos.view(2, 3), 0, 2),
+            {"seq_lens": torch.ones(2, dtype=torch.int64, device=META)},
+            Raises(ValueError, r"seq_lens differs"),
+        ),
+        row(
+            "causal_token_seq_lens-qo-indptr-float",
+            P.causal_token_seq_lens,
+            (torch.tensor([3, 4]), torch.tensor([0.0, 1.0, 2.0]), 2),
+            {},
+            Raises(TypeError, r"^qo_indptr must have dtype"),
+        ),
+        row(
+            "dcp_causal_local_lens-rank-negative",
+            P.dcp_causal_local_lens,
+            (torch.tensor([3, 4]), torch.tensor([0, 1, 2]), 2, -1, 2),
+            {},
+            Raises(ValueError, r"rank must be"),
+        ),
+        row("DCPLayout-world-size-0", P.DCPLayout, (0,), {}, Raises(ValueError, r"world_size must be >= 1")),
+        row(
+            "ModelSpec-kind",
+            P.ModelSpec,
+            ("mla", 8, 1, 48, 32, 16, 16),
+            {},
+            Raises(ValueError, r"^kind must be one of"),
+        ),
+        row(
+            "ModelSpec-heads-float",
+            P.ModelSpec,
+            ("gqa", 8.0, 1, 48, 32, 0, 16),
+            {},
+            Raises(TypeError, r"^num_heads must be an int"),
+        ),
+        row(
+            "ModelSpec-v-dim-past-head-dim",
+            P.ModelSpec,
+            ("sparse_mla", 8, 1, 48, 64, 16, 16),
+            {},
+            Raises(ValueError, r"v_dim \(64\) must be <= head_dim"),
+        ),
+        row("get_preset-unknown", P.get_preset, ("llama",), {}, Raises(ValueError, r"unknown model preset 'llama'")),
+        row(
+            "route_prefill-heads-0",
+            P.route_prefill,
+            (0,),
+            {"num_tokens": 8, "kv_rows": 8},
+            Raises(ValueError, r"num_heads must be >= 1"),
+        ),
+        row(
+            "route_prefill-tokens-negative",
+            P.route_prefill,
+            (8,),
+            {"num_tokens": -1, "kv_rows": 8},
+            Raises(ValueError, r"num_tokens must be >= 0"),
+        ),
+        row("route_decode-spec-str", P.route_decode, ("glm5",), {}, Raises(TypeError, r"^spec must be a ModelSpec")),
+        row(
+            "route_decode-dcp-size-0",
+            P.route_decode,
+            (spec,),
+            {"dcp_size": 0},
+            Raises(ValueError, r"dcp_size must be >= 1"),
+        ),
+        row("tile_group_size-heads-0", P.tile_group_size, (0,), {}, Raises(ValueError, r"num_heads must be >= 1")),
+        row(
+            "grouped_group_size-heads-str",
+            P.grouped_group_size,
+            ("8",),
+            {},
+            Raises(TypeError, r"num_heads must be an int"),
+        ),
+        row(
+            "workspace_bounds-mode",
+            P.workspace_bounds,
+            (spec,),
+            {"max_batched_tokens": 8, "world_size": 2, "mode": "ring"},
+            Raises(ValueError, r"^mode must be one of"),
+        ),
+        row(
+            "workspace_bounds-tokens-negative",
+            P.workspace_bounds,
+            (spec,),
+            {"max_batched_tokens": -1, "world_size": 2, "mode": "shardq"},
+            Raises(ValueError, r"^max_batched_tokens must be >= 0"),
+        ),
+        row(
+            "cudagraph_support-mode",
+            P.cudagraph_support,
+            ("train", "triton"),
+            {"head_dim": 64},
+            Raises(ValueError, r"^mode must be one of"),
+        ),
+        row(
+            "explain_cudagraph_support-kernel",
+            P.explain_cudagraph_support,
+            ("decode", "cutlass"),
+            {"head_dim": 64},
+            Raises(ValueError, r"^kernel must be one of"),
+        ),
+        row(
+            "xqa_head_dim_supported-0",
+            P.xqa_head_dim_supported,
+            (0,),
+            {},
+            Raises(ValueError, r"^head_dim must be >= 1"),
+        ),
+        row(
+            "decode_query_lens-decreasing",
+            P.decode_query_lens,
+            ([0, 2, 1], 2),
+            {},
+            Raises(ValueError, r"^qo_indptr must be non-decreasing"),
+        ),
+        row(
+            "decode_query_lens-too-short",
+            P.decode_query_lens,
+            ([0, 2], 2),
+            {},
+            Raises(ValueError, r"^qo_indptr must have at least"),
+        ),
+    ]
