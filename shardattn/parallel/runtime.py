@@ -300,8 +300,9 @@ class Runtime:
             kernel = self.decode_route.path
             dcp = self.world_size if self.decode_is_dcp else 1
             return explain_cudagraph_support(
-                "decode", kernel, head_dim=self.spec.head_dim, dcp_size=dcp, non_causal=self.non_causal
-            )
+                "decode", kernel, head_dim=self.spec.head_dim, dcp_size=dcp, non_causal=self.non_causal,
+                host_meta=self.spec.kind == "gqa",  # the DCP GQA step takes host-planned metadata
+            )  # fmt: skip
         prefill = PREFILL_STEP[self.mode]
         if prefill is None or self.spec.kind != "sparse_mla":
             return CGSupport.NEVER, f"mode {self.mode!r} has no prefill step"
@@ -314,11 +315,13 @@ class Runtime:
         """The planner's CUDA-graph level for this Runtime's ``"decode"`` or ``"prefill"`` steps."""
         return self.explain_cudagraph_support(step)[0]
 
-    def check_capture(self, step: str = "decode", *, q_len_per_req: int = 1, ragged: bool = False) -> None:
+    def check_capture(
+        self, step: str = "decode", *, q_len_per_req: int = 1, ragged: bool = False, padded: bool = False
+    ) -> None:
         """Raise ``ValueError`` when the policy forbids capturing such a step (the message names the level)."""
         level, why = self.explain_cudagraph_support(step)
         try:
-            check_capture_allowed(level, q_len_per_req=q_len_per_req, ragged=ragged)
+            check_capture_allowed(level, q_len_per_req=q_len_per_req, ragged=ragged, padded=padded)
         except ValueError as e:
             raise ValueError(f"Runtime(mode={self.mode!r}) {step}: {e} [{why}]") from None
 
@@ -329,24 +332,34 @@ class Runtime:
         *,
         batch_sizes: Sequence[int],
         q_len_per_req: int = 1,
+        ragged: bool = False,
+        capture: bool = True,
     ) -> GraphRunner:
-        """Capture a decode step at several padded batch sizes, when the policy allows it.
+        """Capture a decode step at several padded batch sizes (buckets), when the policy allows it.
 
-        ``fn(**inputs)`` is typically a closure over this Runtime's :meth:`decode`.
+        ``fn(**inputs)`` is typically a closure over this Runtime's :meth:`decode`;
+        :class:`~shardattn.parallel.decode_graphs.DecodeGraphs` is the ready-made one for DCP GQA
+        (host-planned metadata, ragged drafts padded to ``q_len_per_req``).
 
+        Args:
+            ragged: steps may be ragged batches padded to ``q_len_per_req`` queries per request.
+            capture: capture now (default); ``False`` returns a runner that is never captured
+                (no policy check: it pads, validates and runs eagerly; on the CPU too).
         Raises:
             ValueError: the mode's CUDA-graph level forbids the capture (names the level and why).
         """
-        self.check_capture("decode", q_len_per_req=q_len_per_req)
+        if capture:
+            self.check_capture("decode", q_len_per_req=q_len_per_req, ragged=ragged, padded=True)
         runner = GraphRunner(
             fn,
             inputs,
-            support=self.cudagraph_support("decode"),
+            support=self.cudagraph_support("decode") if capture else None,
             batch_sizes=batch_sizes,
             q_len_per_req=q_len_per_req,
+            ragged=ragged,
             device=self.device,
         )
-        return runner.capture()
+        return runner.capture() if capture else runner
 
     # -- warm-up -------------------------------------------------------------------------------
     def prefill_specs(self) -> list[PrefillSpec]:

@@ -19,6 +19,7 @@ from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
 from shardattn.parallel.modes import GQA_BACKEND
 from shardattn.parallel.runtime_workspace import RuntimeWorkspace
 from shardattn.plan.context import DCPLayout
+from shardattn.plan.decode_batch import DecodeBatch, plan_decode_batch
 from shardattn.plan.spec import ModelSpec
 
 __all__ = ["DecodeStep"]
@@ -60,6 +61,31 @@ class DecodeStep:
         h = self.heads_per_rank
         return x[self.comm.rank * h : (self.comm.rank + 1) * h]
 
+    def plan(
+        self,
+        seq_lens: object,
+        qo_indptr: object | None = None,
+        *,
+        q_len: int | None = None,
+        padded_requests: int | None = None,
+        packed: bool | None = None,
+    ) -> DecodeBatch:
+        """Plan a batch on the host (:func:`~shardattn.plan.decode_batch.plan_decode_batch`) for this
+        rank's layout and causality: packed (eager) by default, in ``q_len`` slots (a graph
+        bucket) when ``q_len`` or ``padded_requests`` is given."""
+        if packed is None:
+            packed = q_len is None and padded_requests is None
+        return plan_decode_batch(
+            seq_lens,
+            qo_indptr,
+            layout=self.layout if self.dcp else None,
+            rank=self.comm.rank,
+            q_len=q_len,
+            padded_requests=padded_requests,
+            causal=not self.non_causal,
+            packed=packed,
+        )
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -74,6 +100,8 @@ class DecodeStep:
         cu_q_lens: torch.Tensor | None = None,
         max_q_len: int | None = None,
         sinks: torch.Tensor | None = None,
+        batch: DecodeBatch | None = None,
+        meta: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
         check: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one decode step (DCP or head-TP, by mode), routed by the planner.
@@ -91,6 +119,10 @@ class DecodeStep:
             q_len_per_req / cu_q_lens: GQA: uniform drafts per request, or ``[B+1]`` ragged offsets.
             max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts (needed under capture).
             sinks: ``[H]`` fp32 sink logits of all heads, optional.
+            batch: GQA under DCP: the host plan of this batch (:meth:`plan`); its metadata
+                reaches the device in one copy and replaces the step's index arithmetic.
+            meta: GQA under DCP: that metadata already on the device (``batch.to(device)``;
+                a graph's static input).
             check: under DCP, make the ranks agree on the inputs first (a host sync: pass ``False``
                 inside a CUDA graph).
         Returns:
@@ -140,6 +172,10 @@ class DecodeStep:
         k_cache, v_cache = kv_cache
         backend = GQA_BACKEND[self.route_path]
         if dcp:
+            if meta is None and batch is not None:
+                if not isinstance(batch, DecodeBatch):
+                    raise TypeError(f"batch must be a DecodeBatch from plan(), got {type(batch).__name__}")
+                meta = batch.to(q.device)
             return dcp_gqa_decode(
                 q,
                 k_cache,
@@ -154,6 +190,7 @@ class DecodeStep:
                 sinks=sinks,
                 scale=self.scale,
                 backend=backend,
+                meta=meta,
                 check=check,
             )
         result = gqa_paged_decode(
