@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import pytest
 import torch
@@ -143,7 +144,7 @@ def test_lean_step_equals_the_device_indexed_step(dist_pool, nproc, name, layout
 class _OpCounter(TorchDispatchMode):
     """Counts aten ops that compute or move data (views, allocations and metadata excluded)."""
 
-    FREE = {"view", "_unsafe_view", "permute", "reshape", "slice", "select", "expand", "alias", "t",
+    FREE: ClassVar[set[str]] = {"view", "_unsafe_view", "permute", "reshape", "slice", "select", "expand", "alias", "t",
             "as_strided", "empty", "new_empty", "empty_strided", "detach", "unsqueeze", "squeeze",
             "transpose", "split", "unbind", "lift_fresh", "_to_copy_noop"}  # fmt: skip
 

@@ -234,7 +234,8 @@ def workspace_bounds(
         item["send"] = (w * part, "W * (M * Hl * Dv * out_bytes + M * Hl * 4) (partials packed per destination)")
         item["recv"] = (
             w * part + m * hl * (dv * bo + _F32),
-            "W * (M * Hl * Dv * out_bytes + M * Hl * 4) (every rank's partial of my heads) + M * Hl * (Dv * out_bytes + 4) (merged)",
+            "W * (M * Hl * Dv * out_bytes + M * Hl * 4) (every rank's partial of my heads)"
+            " + M * Hl * (Dv * out_bytes + 4) (merged)",
         )
         if s > 1:
             item["split_partials"] = (m * hc * s * (dv + 1) * _F32, "M * W*Hl * S * (Dv + 1) * 4")
