@@ -10,8 +10,18 @@ draft token has its own top-k row, so it is simply another token). It is memory 
 work is reading ``K`` rows of 576 dims per token. The Triton kernel ``_sparse_mla_decode_kernel``
 runs one program per (head block, token, split of the top-k row); head blocks of a token are the
 fastest grid axis so they read the same rows while those are in L2. Splits write fp32 partials
-and LSEs, merged by :func:`~shardattn.kernels.lse_merge.launch_lse_merge` (the merge math of
-:mod:`~shardattn.kernels.lse_merge`); one split writes the result directly.
+and LSEs; one split writes the result directly.
+
+Merging the splits: small batches (at most :data:`FUSED_MERGE_MAX_SPLITS` splits, at most
+:data:`FUSED_MERGE_MAX_TOKENS` tokens) merge inside the same launch: each program stores its
+partial, then increments a per-(token, head block) counter (``atomic_add``, acquire-release
+at GPU scope, after a block barrier); the program that sees ``splits - 1`` is the last of its
+token's splits, so every other partial is visible to it, and it merges them (the math of
+:mod:`~shardattn.kernels.lse_merge`, fp32) and resets the counter to 0, leaving it ready for
+the next launch or graph replay. Larger batches launch
+:func:`~shardattn.kernels.lse_merge.launch_lse_merge` after the kernel (fewer partial bytes
+re-read by fewer programs). The torch reference is
+:func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 
 A row listed twice by one token is one key (the library-wide rule): by default the rows are
 first sorted and de-duplicated by :func:`~shardattn.kernels.union.build_union` (``G = 1``, one
@@ -43,9 +53,13 @@ try:  # Triton is optional: without it every path runs the torch reference.
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
-__all__ = ["sparse_mla_decode", "sparse_mla_decode_config"]
+__all__ = ["FUSED_MERGE_MAX_SPLITS", "FUSED_MERGE_MAX_TOKENS", "sparse_mla_decode", "sparse_mla_decode_config"]
 
 LOG2E = 1.4426950408889634
+#: The last split of a token merges the partials in the same launch up to this many splits ...
+FUSED_MERGE_MAX_SPLITS = 64
+#: ... and this many tokens (above, a separate merge kernel re-reads the partials in parallel).
+FUSED_MERGE_MAX_TOKENS = 16
 
 
 @functools.lru_cache(maxsize=16)
@@ -118,6 +132,8 @@ def sparse_mla_decode(
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    fused_merge: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA decode attention with split-KV and a merge; returns the LSE (DCP needs it).
 
@@ -137,6 +153,11 @@ def sparse_mla_decode(
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
             the split partials; with ``out``, ``lse_out`` and it, nothing is allocated.
+        counters: int32 buffer of at least ``T * ceil(H / BLOCK_H)`` zeros for the fused merge
+            (left zeroed on return: reuse it across calls and graph replays). Default: allocated
+            (zero-filled, one fill kernel more).
+        fused_merge: merge in the same launch (default: small batches, module docstring);
+            ``False`` always launches the separate merge kernel.
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32 natural log)``; a row with no valid
         key is ``(0, -inf)`` (``(0, sink)`` with sinks). CPU tensors run the reference.
@@ -183,11 +204,22 @@ def sparse_mla_decode(
         cfg["chunk"] = -(-cfg["chunk"] // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
         cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
     splits = cfg["num_splits"]
+    n_hblocks = triton.cdiv(h, cfg["BLOCK_H"])
+    if fused_merge is None:
+        fused_merge = splits <= FUSED_MERGE_MAX_SPLITS and t <= FUSED_MERGE_MAX_TOKENS
+    fused = splits > 1 and fused_merge
     if splits > 1:
         dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device)
         s_os, s_ls = dst_out.stride(0), dst_lse.stride(0)
     else:
         dst_out, dst_lse, s_os, s_ls = out, lse_out, 0, 0
+    if fused:
+        if counters is None:
+            counters = torch.zeros(t * n_hblocks, dtype=torch.int32, device=q.device)
+        elif counters.dtype != torch.int32 or counters.numel() < t * n_hblocks or counters.device != q.device:
+            raise ValueError(f"counters must be an int32 tensor on {q.device} with >= {t * n_hblocks} elements")
+    else:
+        counters = lse_out  # unused
     dr = d - v_dim
     grid = (triton.cdiv(h, cfg["BLOCK_H"]), t, splits)
     _sparse_mla_decode_kernel[grid](
@@ -198,6 +230,9 @@ def sparse_mla_decode(
         sinks if sinks is not None else q,
         dst_out,
         dst_lse,
+        out,
+        lse_out,
+        counters,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -212,6 +247,12 @@ def sparse_mla_decode(
         dst_lse.stride(-2),
         dst_lse.stride(-1),
         s_ls,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        lse_out.stride(0),
+        lse_out.stride(1),
+        splits,
         h,
         kv.shape[0],
         topk,
@@ -227,10 +268,11 @@ def sparse_mla_decode(
         HAS_SINKS=sinks is not None,
         HAS_ROPE=dr > 0,
         IEEE=q.dtype == torch.float32,
+        FUSED_MERGE=fused,
         num_warps=cfg["num_warps"],
         num_stages=2,
     )
-    if splits > 1:
+    if splits > 1 and not fused:
         launch_lse_merge(dst_out, dst_lse, out, lse_out)
     return out, lse_out
 
@@ -246,6 +288,9 @@ if triton is not None:
         Sinks,
         Out,
         Lse,
+        FinalOut,
+        FinalLse,
+        Counters,
         stride_qt,
         stride_qh,
         stride_qd,
@@ -260,6 +305,12 @@ if triton is not None:
         stride_lt,
         stride_lh,
         stride_ls,
+        stride_yt,
+        stride_yh,
+        stride_yd,
+        stride_zt,
+        stride_zh,
+        num_splits,
         H,
         R,
         K,
@@ -275,8 +326,10 @@ if triton is not None:
         HAS_SINKS: tl.constexpr,
         HAS_ROPE: tl.constexpr,
         IEEE: tl.constexpr,
+        FUSED_MERGE: tl.constexpr,
     ):
-        """One (head block, token, split): online softmax over rows ``[split*chunk, ...)`` of the top-k."""
+        """One (head block, token, split): online softmax over rows ``[split*chunk, ...)`` of the top-k;
+        with ``FUSED_MERGE`` the token's last split to finish merges every split's partial."""
         tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
         pid_h = tl.program_id(0)
         tok = tl.program_id(1).to(tl.int64)
@@ -334,3 +387,32 @@ if triton is not None:
         o_ptrs = Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
         tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
         tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)
+        if FUSED_MERGE:
+            tl.debug_barrier()  # every thread's partial is stored before the counter moves
+            counter = Counters + tok * tl.num_programs(0) + pid_h
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:  # the last split of this (token, head block): merge
+                l_ptrs = Lse + tok * stride_lt + heads * stride_lh
+                m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+                for i in range(num_splits):
+                    m = tl.maximum(
+                        m, tl.load(l_ptrs + i * stride_ls, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+                    )
+                m_safe = tl.where(m == float("-inf"), 0.0, m)
+                total = tl.zeros([BLOCK_H], tl.float32)
+                merged = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+                p_ptrs = Out + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
+                omask = hmask[:, None] & vmask[None, :]
+                for i in range(num_splits):
+                    w = tl.exp(
+                        tl.load(l_ptrs + i * stride_ls, mask=hmask, other=float("-inf"), cache_modifier=".cg") - m_safe
+                    )
+                    o = tl.load(p_ptrs + i * stride_os, mask=omask, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    total += w
+                    merged += tl.where(w[:, None] > 0, w[:, None] * o, 0.0)
+                lse_all = tl.where(total > 0, m_safe + tl.log(total), float("-inf"))
+                res_all = merged / tl.where(total > 0, total, 1.0)[:, None]
+                y_ptrs = FinalOut + tok * stride_yt + heads[:, None] * stride_yh + offs_v[None, :] * stride_yd
+                tl.store(y_ptrs, res_all.to(FinalOut.dtype.element_ty), mask=omask)
+                tl.store(FinalLse + tok * stride_zt + heads * stride_zh, lse_all, mask=hmask)
+                tl.store(counter, 0)  # ready for the next launch (or graph replay)
