@@ -39,7 +39,7 @@ def test_packed_plan_equals_the_device_computation(world, interleave, causal):
         layout = DCPLayout(world, interleave)
         cu = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
         for rank in range(world):
-            p = plan_decode_batch(seq_lens, cu, layout=layout, rank=rank, causal=causal, packed=True, pin=False)
+            p = plan_decode_batch(seq_lens, cu, layout=layout, rank=rank, causal=causal, packed=True)
             lens, req = _device_meta(seq_lens, q_lens, layout, rank, causal)
             assert p.meta.dtype == torch.int32 and p.meta.shape == (2, sum(q_lens))
             assert p.meta[0].tolist() == lens.tolist() and p.meta[1].tolist() == req.tolist()
@@ -51,7 +51,7 @@ def test_graph_layout_pads_ragged_requests_and_requests():
     layout = DCPLayout(2, 1)
     seq_lens, q_lens = [9, 5, 7], [1, 3, 2]
     cu = [0, 1, 4, 6]
-    p = plan_decode_batch(seq_lens, cu, layout=layout, rank=1, q_len=4, padded_requests=5, pin=False)
+    p = plan_decode_batch(seq_lens, cu, layout=layout, rank=1, q_len=4, padded_requests=5)
     assert (p.padded_requests, p.q_len, p.num_slots, p.num_tokens) == (5, 4, 20, 6)
     assert p.token_rows.tolist() == [0, 4, 5, 6, 8, 9]
     assert p.padding_queries == 14 and not p.identity_rows
@@ -72,7 +72,7 @@ def test_graph_layout_pads_ragged_requests_and_requests():
 
 
 def test_uniform_bucket_is_a_slice():
-    p = plan_decode_batch([5, 6], None, q_len=2, padded_requests=4, pin=False)
+    p = plan_decode_batch([5, 6], None, q_len=2, padded_requests=4)
     assert p.identity_rows and p.token_rows.tolist() == [0, 1, 2, 3]
     assert p.query_lens.num_padded == 2
     y = torch.arange(8.0)
@@ -91,7 +91,7 @@ def test_uniform_bucket_is_a_slice():
 )
 def test_plan_rejects_bad_lengths(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        plan_decode_batch(pin=False, **kwargs)
+        plan_decode_batch(**kwargs)
 
 
 def test_bucket_for():
@@ -107,7 +107,7 @@ def _run_lean(group: dist.ProcessGroup, case: dict, q_len: int | None, slots: in
     graph = q_len is not None
     plan = plan_decode_batch(
         case["seq_lens"], case["cu"], layout=case["layout"], rank=comm.rank, causal=case["causal"],
-        q_len=q_len, padded_requests=slots, packed=not graph, pin=False,
+        q_len=q_len, padded_requests=slots, packed=not graph,
     )  # fmt: skip
     table = mine["table"]
     if graph and slots > table.shape[0]:
@@ -172,7 +172,6 @@ def _count_launches(group: dist.ProcessGroup, case: dict) -> list[str]:
         rank=comm.rank,
         causal=case["causal"],
         packed=True,
-        pin=False,
     )
     meta = plan.to("cpu")
     counter = _OpCounter()

@@ -6,7 +6,7 @@ route, workspace) and runs one step; :meth:`shardattn.parallel.runtime.Runtime.d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
 from shardattn.kernels.topk import convert_topk
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
+from shardattn.parallel.host_staging import PinnedStaging
 from shardattn.parallel.modes import GQA_BACKEND
 from shardattn.parallel.runtime_workspace import RuntimeWorkspace
 from shardattn.plan.context import DCPLayout
@@ -43,6 +44,7 @@ class DecodeStep:
         dcp: the KV cache is split over the group (else head-TP). route_path: the planner's decode
             kernel path. heads_per_rank: ``H / W``. scale: softmax scale.
         decode_lse: return the LSE (head-TP GQA may skip it). non_causal: drafts attend non-causally.
+        staging: the reused pinned buffer a batch's metadata crosses to the device through.
     """
 
     spec: ModelSpec
@@ -55,6 +57,7 @@ class DecodeStep:
     scale: float
     decode_lse: bool
     non_causal: bool
+    staging: PinnedStaging = field(default_factory=PinnedStaging, compare=False, repr=False)
 
     def local_heads(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice ``[rank * H/W, (rank + 1) * H/W)`` of a per-head tensor."""
@@ -175,7 +178,7 @@ class DecodeStep:
             if meta is None and batch is not None:
                 if not isinstance(batch, DecodeBatch):
                     raise TypeError(f"batch must be a DecodeBatch from plan(), got {type(batch).__name__}")
-                meta = batch.to(q.device)
+                meta = self.staging.upload(batch.meta, q.device)
             return dcp_gqa_decode(
                 q,
                 k_cache,

@@ -2,8 +2,8 @@
 
 A decode step's per-query metadata (how many KV tokens of this rank each query sees, which
 request, hence which block-table row, it belongs to) depends only on host-known lengths, so the
-planner computes it once per batch, on the host, into one small int32 tensor (pinned when a GPU
-is there) that reaches the device in one transfer. The DCP decode step then issues no
+planner computes it once per batch, on the host (numpy), into one small int32 tensor that
+reaches the device in one transfer (staged through a reused pinned buffer). The DCP decode step then issues no
 index arithmetic of its own.
 
 The same plan lays a batch out for a captured graph: requests are padded up to a *bucket* of
@@ -29,6 +29,7 @@ Metadata (``meta [2, padded_requests * q_len]`` int32):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,7 @@ import torch
 
 from shardattn._checks import check_int
 from shardattn.plan._common import as_lengths
-from shardattn.plan.context import DCPLayout, causal_token_seq_lens, dcp_local_seq_lens
+from shardattn.plan.context import DCPLayout
 from shardattn.plan.cudagraph import DecodeQueryLens, decode_query_lens
 
 __all__ = ["DecodeBatch", "bucket_for", "plan_decode_batch"]
@@ -61,12 +62,11 @@ class DecodeBatch:
         num_requests: real requests ``B``. padded_requests: slots (``>= B``; a graph bucket).
         q_len: queries per slot (the longest request's, or the captured graph's).
         packed: real queries back to back (eager), not in ``q_len`` slots.
-        query_lens: the planner's analysis of the padded layout (:func:`decode_query_lens`):
-            ``num_padded`` requests of length 0, ``uniform`` when no query is padding.
+        slot_q_lens: ``[padded_requests]`` int64 real queries per request slot (0: padded).
         token_rows: ``[num_tokens]`` int64 row of every real query (request order) in the
             padded layout; rows not listed are padding and are never returned.
-        meta: ``[2, padded_requests * q_len]`` int32 (see the module docstring), pinned when
-            CUDA is available; :meth:`to` moves it in one copy.
+        meta: ``[2, padded_requests * q_len]`` int32 (see the module docstring); :meth:`to`
+            moves it in one copy.
         seq_lens: ``[padded_requests]`` int32 global KV lengths (0 for padded requests).
     """
 
@@ -74,10 +74,17 @@ class DecodeBatch:
     padded_requests: int
     q_len: int
     packed: bool
-    query_lens: DecodeQueryLens
+    slot_q_lens: np.ndarray
     token_rows: torch.Tensor
     meta: torch.Tensor
     seq_lens: torch.Tensor
+
+    @functools.cached_property
+    def query_lens(self) -> DecodeQueryLens:
+        """The planner's analysis of the padded layout (:func:`decode_query_lens`): ``num_padded``
+        requests of length 0, ``uniform`` when no request is short (computed on first use)."""
+        ptr = np.concatenate([[0], np.cumsum(self.slot_q_lens)])
+        return decode_query_lens(ptr, self.padded_requests)
 
     @property
     def num_tokens(self) -> int:
@@ -100,8 +107,9 @@ class DecodeBatch:
         return self.packed or self.q_len * self.num_requests == self.num_tokens
 
     def to(self, device: torch.device | str) -> torch.Tensor:
-        """``meta`` on ``device``: one (non-blocking, from pinned memory) host-to-device copy."""
-        return self.meta.to(device, non_blocking=True)
+        """``meta`` on ``device``: one host-to-device copy (non-blocking when ``meta`` is pinned;
+        the Runtime's step stages it through a reused pinned buffer instead)."""
+        return self.meta.to(device, non_blocking=self.meta.is_pinned())
 
     def pad_rows(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x [num_tokens, ...]`` (request order) placed in the padded layout ``[num_slots, ...]``
@@ -122,6 +130,20 @@ class DecodeBatch:
         return y.index_select(0, self.token_rows.to(y.device, non_blocking=True))
 
 
+def _lengths(name: str, values: object, count: int | None = None) -> np.ndarray:
+    """``values`` as int64 numpy: :func:`as_lengths`, with vectorised checks for lists and arrays."""
+    if isinstance(values, list | tuple | np.ndarray):
+        arr = np.asarray(values)
+        if arr.ndim == 1 and (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+            arr = arr.astype(np.int64, copy=False)
+            if count is not None and arr.shape[0] != count:
+                raise ValueError(f"{name} must have {count} entries, got {arr.shape[0]}")
+            if arr.size and int(arr.min()) < 0:
+                raise ValueError(f"{name} must be non-negative, got {arr.tolist()[:16]}")
+            return arr
+    return as_lengths(name, values, count=count)  # tensors, and the messages for bad entries
+
+
 def plan_decode_batch(
     seq_lens: object,
     qo_indptr: object | None = None,
@@ -132,9 +154,14 @@ def plan_decode_batch(
     padded_requests: int | None = None,
     causal: bool = True,
     packed: bool = False,
-    pin: bool | None = None,
+    pin: bool = False,
 ) -> DecodeBatch:
-    """Plan one decode batch on the host (no device work, no synchronisation).
+    """Plan one decode batch on the host (numpy; no device work, no synchronisation).
+
+    The lengths are those of :func:`~shardattn.plan.context.causal_token_seq_lens` and
+    :func:`~shardattn.plan.context.dcp_local_seq_lens` (tests compare them), computed here in
+    numpy: a step plans every batch on the host, so the plan costs tens of microseconds, not
+    a torch op per line.
 
     Args:
         seq_lens: ``[B]`` global KV tokens per request, drafts included (list, numpy or CPU tensor).
@@ -147,22 +174,23 @@ def plan_decode_batch(
         causal: drafts see each other causally (query ``j`` of ``n`` sees ``L - n + j + 1``).
         packed: lay the real queries back to back (an eager step: no padding rows, ``q_len``
             is the longest request's and ``token_rows`` the identity) instead of in slots.
-        pin: pin ``meta`` (default: when CUDA is available).
+        pin: pin ``meta`` (a fresh pinned allocation costs far more than the plan: the Runtime
+            stages ``meta`` through a reused pinned buffer instead).
     Raises:
         ValueError: lengths that do not fit (a request with more queries than ``q_len`` or than
             its KV tokens, ``padded_requests < B``, negative lengths).
 
-    >>> p = plan_decode_batch([9, 5, 7], [0, 1, 4, 6], q_len=4, padded_requests=4, pin=False)
+    >>> p = plan_decode_batch([9, 5, 7], [0, 1, 4, 6], q_len=4, padded_requests=4)
     >>> p.token_rows.tolist(), p.meta[0].tolist()[:12], p.query_lens.num_padded
     ([0, 4, 5, 6, 8, 9], [9, 0, 0, 0, 3, 4, 5, 0, 6, 7, 0, 0], 1)
     """
-    lens = as_lengths("seq_lens", seq_lens)
+    lens = _lengths("seq_lens", seq_lens)
     b = int(lens.shape[0])
     if qo_indptr is None:
         ql0 = 1 if q_len is None else check_int("q_len", q_len, minimum=1)
         ptr = np.arange(b + 1, dtype=np.int64) * ql0
     else:
-        ptr = as_lengths("qo_indptr", qo_indptr, count=b + 1)
+        ptr = _lengths("qo_indptr", qo_indptr, count=b + 1)
     n = np.diff(ptr)
     if (n < 0).any():
         raise ValueError(f"qo_indptr must be non-decreasing, got {ptr.tolist()}")
@@ -177,47 +205,44 @@ def plan_decode_batch(
     slots = b if padded_requests is None else check_int("padded_requests", padded_requests, minimum=0)
     if slots < b:
         raise ValueError(f"padded_requests={slots} is smaller than the batch ({b} requests)")
+    if layout is not None and not isinstance(layout, DCPLayout):
+        raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
     slot_n = np.zeros(slots, dtype=np.int64)
     slot_n[:b] = n
     slot_lens = np.zeros(slots, dtype=np.int64)
     slot_lens[:b] = lens
     total = int(n.sum())
+    owner_real = np.repeat(np.arange(b, dtype=np.int64), n)  # request of each real query
+    j_real = np.arange(total, dtype=np.int64) - ptr[:-1][owner_real] + ptr[0] if total else owner_real
     if packed:  # eager: real queries back to back, request order; padded requests have no rows
         ql = longest
         rows_np = np.arange(total, dtype=np.int64)
-        owner = np.repeat(np.arange(b, dtype=np.int64), n)
+        owner = owner_real
         num_rows = total
     else:  # graph: slot b holds rows [b*q_len, (b+1)*q_len), its queries first
-        j = np.arange(slots * ql, dtype=np.int64) % ql
+        rows_np = owner_real * ql + j_real
         owner = np.arange(slots * ql, dtype=np.int64) // ql
-        rows_np = np.flatnonzero(j < slot_n[owner])
         num_rows = slots * ql
-    # causal global lengths via the one implementation, then the rank's share
-    vis = causal_token_seq_lens(
-        torch.from_numpy(slot_lens), torch.from_numpy(np.concatenate([[0], np.cumsum(slot_n)])), total, causal=causal
-    )
-    rows = torch.from_numpy(rows_np)
-    glob = torch.zeros(num_rows, dtype=torch.int64)
-    glob[rows] = vis
-    if layout is None:
-        local = glob
-    else:
-        if not isinstance(layout, DCPLayout):
-            raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
-        local = dcp_local_seq_lens(glob, rank, layout.world_size, layout.interleave)
-    if pin is None:
-        pin = torch.cuda.is_available()
-    meta = torch.empty((2, num_rows), dtype=torch.int32, pin_memory=bool(pin))
-    meta[0] = local
-    meta[1] = torch.from_numpy(owner)
-    padded_ptr = np.concatenate([[0], np.cumsum(slot_n)])
+    # query j of n sees L - n + j + 1 global tokens (all L when non-causal) ...
+    seen = lens[owner_real] - (n[owner_real] - 1 - j_real) if causal else lens[owner_real]
+    seen = np.maximum(seen, 0)
+    # ... of which this rank holds (L // (N*I)) * I + clamp(L % (N*I) - rank * I, 0, I)
+    if layout is not None:
+        w, i = layout.world_size, layout.interleave
+        seen = (seen // (w * i)) * i + np.clip(seen % (w * i) - rank * i, 0, i)
+    meta_np = np.zeros((2, num_rows), dtype=np.int32)
+    meta_np[0, rows_np] = seen
+    meta_np[1] = owner
+    meta = torch.from_numpy(meta_np)
+    if pin:
+        meta = meta.pin_memory()
     return DecodeBatch(
         num_requests=b,
         padded_requests=slots,
         q_len=ql,
         packed=packed,
-        query_lens=decode_query_lens(padded_ptr, slots),
-        token_rows=rows,
+        slot_q_lens=slot_n,
+        token_rows=torch.from_numpy(rows_np),
         meta=meta,
         seq_lens=torch.from_numpy(slot_lens.astype(np.int32)),
     )
