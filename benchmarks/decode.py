@@ -185,7 +185,9 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
             out = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
             lse = torch.empty(batch, heads, device="cuda")
             ws = torch.empty(split_partials_numel(cfg["num_splits"], batch, heads, 512), device="cuda")
-            counters = torch.zeros(batch * -(-heads // cfg["BLOCK_H"]), dtype=torch.int32, device="cuda")
+            counters = torch.zeros(
+                batch * -(-heads // cfg["BLOCK_H"]) * cfg["num_splits"], dtype=torch.int32, device="cuda"
+            )
             times = {}
             for label, kw in (
                 ("one launch (fused merge, rows_unique)", dict(rows_unique=True, fused_merge=True)),

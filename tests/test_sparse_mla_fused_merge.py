@@ -35,12 +35,14 @@ def _check(out, lse, ref_out, ref_lse, atol, what):
     torch.testing.assert_close(lse[fin], ref_lse[fin].float(), atol=1e-4, rtol=0, msg=what)
 
 
-# (name, tokens, heads, head dim, value dim, kv rows, top-k, splits, topk_length, sinks)
+# (name, tokens, heads, head dim, value dim, kv rows, top-k, splits asked, topk_length, sinks);
+# a split covers whole 64-row blocks, so top-k sets how many splits really run (checked below)
 CASES = [
-    ("t1 h16 splits4", 1, 16, 48, 32, 90, 64, 4, False, False),
-    ("t3 h16 splits3 len sinks", 3, 16, 48, 32, 90, 70, 3, True, True),
-    ("t2 h40 (3 head blocks) splits2", 2, 40, 40, 32, 60, 50, 2, False, True),
-    ("t5 h16 splits7 (more splits than blocks)", 5, 16, 24, 16, 50, 40, 7, False, False),
+    ("t1 h16 4 splits", 1, 16, 48, 32, 300, 256, 4, False, False),
+    ("t3 h16 3 splits, topk_length, sinks", 3, 16, 48, 32, 300, 190, 3, True, True),
+    ("t2 h40 (3 head blocks) 2 splits", 2, 40, 40, 32, 200, 128, 2, False, True),
+    ("t2 h16 7 splits (not a power of 2)", 2, 16, 24, 16, 500, 448, 7, False, False),
+    ("t1 h16 5 splits, one row all invalid", 1, 16, 24, 16, 400, 320, 5, False, False),
 ]
 
 
@@ -49,9 +51,12 @@ def interpreted_fused_cases(dtype_name: str) -> None:
     atol = 2e-3 if dtype == torch.float16 else 1e-5
     for name, t, h, d, dv, r, k, splits, with_len, with_sinks in CASES:
         q, kv, rows, tlen, sinks = _inputs(t, h, d, r, k, dtype=dtype, with_len=with_len, with_sinks=with_sinks)
+        if "all invalid" in name:
+            rows[0, 64:] = -1  # every split but the first sees no key: (0, -inf) partials merge away
         ref_out, ref_lse = sparse_mla_reference(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks)
         cfg = sparse_mla_decode_config(t, h, k, 132, splits, head_dim=d, v_dim=dv)
-        counters = torch.zeros(t * -(-h // cfg["BLOCK_H"]), dtype=torch.int32)
+        assert cfg["num_splits"] == splits, (name, cfg)  # the tree really has this many leaves
+        counters = torch.zeros(t * -(-h // cfg["BLOCK_H"]) * cfg["num_splits"], dtype=torch.int32)
         for call in range(2):  # the counters come back zeroed: a second call reuses them
             out = torch.full((t, h, dv), float("nan"), dtype=dtype)
             lse = torch.full((t, h), float("nan"))
@@ -97,7 +102,7 @@ def test_fused_merge_on_gpu_is_exact_repeatable_and_resets_counters(heads, token
     ref_out, ref_lse = sparse_mla_reference(q.float(), kv.float(), rows, scale=576**-0.5, v_dim=512, sinks=sinks)
     cfg = sparse_mla_decode_config(tokens, heads, 2048, torch.cuda.get_device_properties(0).multi_processor_count)
     assert cfg["num_splits"] > 1  # the fused path is what runs
-    counters = torch.zeros(tokens * -(-heads // cfg["BLOCK_H"]), dtype=torch.int32, device="cuda")
+    counters = torch.zeros(tokens * -(-heads // cfg["BLOCK_H"]) * cfg["num_splits"], dtype=torch.int32, device="cuda")
     first = None
     for _ in range(20):  # concurrent programs: every launch must merge the same partials the same way
         out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")

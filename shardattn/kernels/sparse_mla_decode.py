@@ -13,12 +13,15 @@ fastest grid axis so they read the same rows while those are in L2. Splits write
 and LSEs; one split writes the result directly.
 
 Merging the splits: small batches (at most :data:`FUSED_MERGE_MAX_SPLITS` splits, at most
-:data:`FUSED_MERGE_MAX_TOKENS` tokens) merge inside the same launch: each program stores its
-partial, then increments a per-(token, head block) counter (``atomic_add``, acquire-release
-at GPU scope, after a block barrier); the program that sees ``splits - 1`` is the last of its
-token's splits, so every other partial is visible to it, and it merges them (the math of
-:mod:`~shardattn.kernels.lse_merge`, fp32) and resets the counter to 0, leaving it ready for
-the next launch or graph replay. Larger batches launch
+:data:`FUSED_MERGE_MAX_TOKENS` tokens) merge inside the same launch, up a binary tree over each
+(token, head block)'s splits: each program stores its partial and, at every tree node, bumps
+the node's counter (``atomic_add``, acquire-release at GPU scope, after a block barrier). The
+first of the two subtrees to arrive leaves; the second sees the first's result, merges the
+pair (the math of :mod:`~shardattn.kernels.lse_merge`, fp32, left subtree first so the result
+does not depend on arrival order) and climbs; the root writes the output. Each merge reads one
+partial, so the critical path is ``log2(splits)`` small merges (a flat merge by the last split
+would read every partial in one program: measured slower than the separate merge kernel). The
+merger resets each node's counter, so the counters are 0 again for the next launch or replay. Larger batches launch
 :func:`~shardattn.kernels.lse_merge.launch_lse_merge` after the kernel (fewer partial bytes
 re-read by fewer programs). The torch reference is
 :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
@@ -153,7 +156,7 @@ def sparse_mla_decode(
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
             the split partials; with ``out``, ``lse_out`` and it, nothing is allocated.
-        counters: int32 buffer of at least ``T * ceil(H / BLOCK_H)`` zeros for the fused merge
+        counters: int32 buffer of at least ``T * ceil(H / BLOCK_H) * num_splits`` zeros for the fused merge
             (left zeroed on return: reuse it across calls and graph replays). Default: allocated
             (zero-filled, one fill kernel more).
         fused_merge: merge in the same launch (default: small batches, module docstring);
@@ -214,10 +217,11 @@ def sparse_mla_decode(
     else:
         dst_out, dst_lse, s_os, s_ls = out, lse_out, 0, 0
     if fused:
+        need = t * n_hblocks * splits
         if counters is None:
-            counters = torch.zeros(t * n_hblocks, dtype=torch.int32, device=q.device)
-        elif counters.dtype != torch.int32 or counters.numel() < t * n_hblocks or counters.device != q.device:
-            raise ValueError(f"counters must be an int32 tensor on {q.device} with >= {t * n_hblocks} elements")
+            counters = torch.zeros(need, dtype=torch.int32, device=q.device)
+        elif counters.dtype != torch.int32 or counters.numel() < need or counters.device != q.device:
+            raise ValueError(f"counters must be an int32 tensor on {q.device} with >= {need} elements")
     else:
         counters = lse_out  # unused
     dr = d - v_dim
@@ -388,31 +392,54 @@ if triton is not None:
         tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
         tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)
         if FUSED_MERGE:
-            tl.debug_barrier()  # every thread's partial is stored before the counter moves
-            counter = Counters + tok * tl.num_programs(0) + pid_h
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:  # the last split of this (token, head block): merge
-                l_ptrs = Lse + tok * stride_lt + heads * stride_lh
-                m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-                for i in range(num_splits):
-                    m = tl.maximum(
-                        m, tl.load(l_ptrs + i * stride_ls, mask=hmask, other=float("-inf"), cache_modifier=".cg")
-                    )
-                m_safe = tl.where(m == float("-inf"), 0.0, m)
-                total = tl.zeros([BLOCK_H], tl.float32)
-                merged = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-                p_ptrs = Out + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
-                omask = hmask[:, None] & vmask[None, :]
-                for i in range(num_splits):
-                    w = tl.exp(
-                        tl.load(l_ptrs + i * stride_ls, mask=hmask, other=float("-inf"), cache_modifier=".cg") - m_safe
-                    )
-                    o = tl.load(p_ptrs + i * stride_os, mask=omask, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    total += w
-                    merged += tl.where(w[:, None] > 0, w[:, None] * o, 0.0)
-                lse_all = tl.where(total > 0, m_safe + tl.log(total), float("-inf"))
-                res_all = merged / tl.where(total > 0, total, 1.0)[:, None]
+            # binary merge tree over the splits: at node (level l, left child p, right child
+            # r = p + 2^l) the second of the two subtrees to finish merges the pair (left first,
+            # so the result does not depend on who arrives last) and climbs; the first one
+            # leaves. The root writes the output. Node counters are indexed by r (unique per
+            # node) and reset by the merger, so they are 0 again after every launch.
+            omask = hmask[:, None] & vmask[None, :]
+            p_base = Out + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
+            l_base = Lse + tok * stride_lt + heads * stride_lh
+            counters = Counters + (tok * tl.num_programs(0) + pid_h) * num_splits
+            cur_o = res
+            cur_l = lse
+            active = split >= 0  # a runtime flag (True)
+            width = 1
+            while width < num_splits:
+                if active:
+                    left = (split // (2 * width)) * (2 * width)
+                    right = left + width
+                    if right < num_splits:  # a sibling subtree exists: meet it at this node
+                        mine = split - split % width  # where this subtree's result lives
+                        if width > 1:  # level 0 stored it above
+                            tl.store(p_base + mine * stride_os, cur_o, mask=omask)
+                            tl.store(l_base + mine * stride_ls, cur_l, mask=hmask)
+                        tl.debug_barrier()  # the whole block's stores precede the counter
+                        arrived = tl.atomic_add(counters + right, 1, sem="acq_rel", scope="gpu")
+                        if arrived == 0:
+                            active = split < 0  # False: the sibling merges
+                        else:
+                            tl.store(counters + right, 0)
+                            other = right if mine == left else left
+                            o_o = tl.load(p_base + other * stride_os, mask=omask, other=0.0, cache_modifier=".cg")
+                            o_l = tl.load(
+                                l_base + other * stride_ls, mask=hmask, other=float("-inf"), cache_modifier=".cg"
+                            )
+                            if mine == left:
+                                la, oa, lb, ob = cur_l, cur_o, o_l, o_o
+                            else:
+                                la, oa, lb, ob = o_l, o_o, cur_l, cur_o
+                            m = tl.maximum(la, lb)
+                            m_safe = tl.where(m == float("-inf"), 0.0, m)
+                            wa = tl.exp(la - m_safe)
+                            wb = tl.exp(lb - m_safe)
+                            total = wa + wb
+                            acc2 = tl.where(wa[:, None] > 0, wa[:, None] * oa, 0.0)
+                            acc2 += tl.where(wb[:, None] > 0, wb[:, None] * ob, 0.0)
+                            cur_o = acc2 / tl.where(total > 0, total, 1.0)[:, None]
+                            cur_l = tl.where(total > 0, m_safe + tl.log(total), float("-inf"))
+                width *= 2
+            if active:  # the root: every split is merged
                 y_ptrs = FinalOut + tok * stride_yt + heads[:, None] * stride_yh + offs_v[None, :] * stride_yd
-                tl.store(y_ptrs, res_all.to(FinalOut.dtype.element_ty), mask=omask)
-                tl.store(FinalLse + tok * stride_zt + heads * stride_zh, lse_all, mask=hmask)
-                tl.store(counter, 0)  # ready for the next launch (or graph replay)
+                tl.store(y_ptrs, cur_o.to(FinalOut.dtype.element_ty), mask=omask)
+                tl.store(FinalLse + tok * stride_zt + heads * stride_zh, cur_l, mask=hmask)
