@@ -167,6 +167,8 @@ def dcp_sparse_mla_decode(
                         f"but its block_table holds {m} blocks of {bs}"
                     )
         resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
+        if not check:
+            return 0  # nothing to agree on: skip hashing on the step's hot path
         return stable_fingerprint(
             "dcp_sparse_mla", layout, tuple(q.shape), q.dtype, v_dim, topk_pos.shape[1], b, sinks is not None,
             scatter_heads, strategy, _host_values(seq_lens) if check else None,
@@ -290,6 +292,8 @@ def dcp_gqa_decode(
                 if cu[0] != 0 or cu != sorted(cu) or cu[-1] > t:
                     raise ValueError(f"cu_q_lens must start at 0, not decrease and end <= {t}, got {cu}")
         resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
+        if not check:
+            return 0  # nothing to agree on: skip hashing on the step's hot path
         return stable_fingerprint(
             "dcp_gqa", layout, tuple(q.shape), q.dtype, hkv, b, q_len_per_req, causal, sinks is not None,
             scatter_heads, strategy, meta is not None,
