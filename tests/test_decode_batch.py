@@ -215,3 +215,18 @@ def test_lean_step_issues_at_most_ten_launches(dist_pool, nproc):
         assert len(ops) <= 10, " ".join(ops)
         assert ops.count("copy_") <= 2 and "searchsorted" not in ops and "arange" not in ops
         assert ops.count("KERNEL gqa_decode") == 1 and ops.count("KERNEL lse_merge") == (1 if world > 1 else 0)
+
+
+# --------------------------------------------------------------------------- decode workspace
+def test_decode_workspace_is_what_the_step_exchanges():
+    from shardattn.plan.spec import get_preset
+    from shardattn.plan.workspace import workspace_bounds
+
+    spec = get_preset("glm5")  # 64 heads, D 576, Dv 512, bf16
+    wb = workspace_bounds(spec, max_batched_tokens=1024, world_size=8, mode="dcp-decode")
+    m, h, hl = 1024, 64, 8  # the DCP group is the TP group by default: a rank holds 64 / 8 heads
+    assert wb.out == m * h * 512 * 2  # bf16 partials over the shard, not fp32
+    part = m * hl * 512 * 2 + m * hl * 4  # one rank's heads of a partial (out + LSE)
+    assert wb.send == 8 * part and wb.recv == 8 * part + m * hl * (512 * 2 + 4)  # only the heads it returns
+    assert wb.total <= 0.5e9, wb.total  # was 1.85 GB: fp32 partials of 8 x 64 heads
+    assert wb.items == workspace_bounds(spec, max_batched_tokens=1024, world_size=8, mode="dcp-decode", tp_size=8).items

@@ -88,7 +88,8 @@ def test_bad_counters_are_refused():
         pytest.skip("the CPU path runs the torch reference (no counters)")
     q, kv, rows, _, _ = _inputs(2, 16, 576, 4096, 2048, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="counters must be an int32"):
-        sparse_mla_decode(q, kv, rows, scale=0.04, num_splits=8, counters=torch.zeros(1, dtype=torch.int32).cuda())
+        bad = torch.zeros(1, dtype=torch.int32).cuda()
+        sparse_mla_decode(q, kv, rows, scale=0.04, num_splits=8, fused_merge=True, counters=bad)
 
 
 @pytest.mark.gpu
@@ -107,8 +108,8 @@ def test_fused_merge_on_gpu_is_exact_repeatable_and_resets_counters(heads, token
     for _ in range(20):  # concurrent programs: every launch must merge the same partials the same way
         out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.full((tokens, heads), float("nan"), device="cuda")
-        sparse_mla_decode(q, kv, rows, scale=576**-0.5, sinks=sinks, rows_unique=True, counters=counters, out=out,
-                          lse_out=lse)  # fmt: skip
+        kw = dict(rows_unique=True, fused_merge=True, counters=counters, out=out, lse_out=lse)
+        sparse_mla_decode(q, kv, rows, scale=576**-0.5, sinks=sinks, **kw)
         if first is None:
             first = (out.clone(), lse.clone())
             _check(out, lse, ref_out, ref_lse, 2e-2, f"H{heads} T{tokens}")

@@ -21,7 +21,10 @@ pair (the math of :mod:`~shardattn.kernels.lse_merge`, fp32, left subtree first 
 does not depend on arrival order) and climbs; the root writes the output. Each merge reads one
 partial, so the critical path is ``log2(splits)`` small merges (a flat merge by the last split
 would read every partial in one program: measured slower than the separate merge kernel). The
-merger resets each node's counter, so the counters are 0 again for the next launch or replay. Larger batches launch
+merger resets each node's counter, so the counters are 0 again for the next launch or replay.
+It is opt-in (``fused_merge=True``): on an H200 it measured slower than the separate merge
+(16 heads, 1-8 tokens: 30-43 us against 26-34 us; 128 heads: 106-116 us against 32-44 us, where
+a 64-head block's fp32 partial no longer fits in registers), see benchmarks/RESULTS.md. Larger batches launch
 :func:`~shardattn.kernels.lse_merge.launch_lse_merge` after the kernel (fewer partial bytes
 re-read by fewer programs). The torch reference is
 :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
@@ -159,8 +162,9 @@ def sparse_mla_decode(
         counters: int32 buffer of at least ``T * ceil(H / BLOCK_H) * num_splits`` zeros for the fused merge
             (left zeroed on return: reuse it across calls and graph replays). Default: allocated
             (zero-filled, one fill kernel more).
-        fused_merge: merge in the same launch (default: small batches, module docstring);
-            ``False`` always launches the separate merge kernel.
+        fused_merge: merge in the same launch for small batches (module docstring). Default
+            ``False``: on an H200 the tree merge measured 30-43 us against 26-34 us for the
+            separate merge kernel at 16 heads, 1-8 tokens (benchmarks/RESULTS.md).
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32 natural log)``; a row with no valid
         key is ``(0, -inf)`` (``(0, sink)`` with sinks). CPU tensors run the reference.
@@ -208,9 +212,9 @@ def sparse_mla_decode(
         cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
     splits = cfg["num_splits"]
     n_hblocks = triton.cdiv(h, cfg["BLOCK_H"])
-    if fused_merge is None:
-        fused_merge = splits <= FUSED_MERGE_MAX_SPLITS and t <= FUSED_MERGE_MAX_TOKENS
-    fused = splits > 1 and fused_merge
+    if fused_merge is None:  # measured slower on an H200 so far (benchmarks/RESULTS.md): opt-in
+        fused_merge = False
+    fused = splits > 1 and fused_merge and splits <= FUSED_MERGE_MAX_SPLITS and t <= FUSED_MERGE_MAX_TOKENS
     if splits > 1:
         dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device)
         s_os, s_ls = dst_out.stride(0), dst_lse.stride(0)
