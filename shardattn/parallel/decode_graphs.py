@@ -17,8 +17,10 @@ than ``Q`` queries, runs the lean eager step (host-planned metadata, no padding)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from shardattn._checks import check_int
@@ -83,7 +85,11 @@ class DecodeGraphs:
         return out, lse
 
     def __call__(
-        self, q: torch.Tensor, block_table: torch.Tensor, seq_lens: object, qo_indptr: object | None = None
+        self,
+        q: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: Sequence[int] | np.ndarray | torch.Tensor,
+        qo_indptr: Sequence[int] | np.ndarray | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: ``q [T, H/W, D]`` (real queries, request order), ``block_table [B, max_pages]``
         int32 (this rank's), ``seq_lens [B]`` and ``qo_indptr [B+1]`` host lengths (``None``: one
@@ -117,7 +123,11 @@ class DecodeGraphs:
         return plan.real_rows(out), plan.real_rows(lse)
 
     def eager(
-        self, q: torch.Tensor, block_table: torch.Tensor, seq_lens: object, qo_indptr: object | None = None
+        self,
+        q: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: Sequence[int] | np.ndarray | torch.Tensor,
+        qo_indptr: Sequence[int] | np.ndarray | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same padded step run eagerly on the graphs' buffers (the replay's bitwise reference)."""
         graphs, self.runner.graphs = self.runner.graphs, {}
