@@ -3,7 +3,9 @@
 Pinning memory per step costs far more than the copy (a page-locking system call); copying
 from pageable memory makes the driver wait for the stream first. :class:`PinnedStaging` pins
 once, grows when needed, and before overwriting the buffer waits (an event) for the previous
-copy out of it, so the host can run ahead of the device by one step.
+copy out of it, so the host can run ahead of the device by one step. Not for graph capture: a
+captured copy re-reads its source at every replay (the step copies from the plan's own pinned
+tensor then).
 """
 
 from __future__ import annotations

@@ -123,7 +123,9 @@ class DecodeStep:
             max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts (needed under capture).
             sinks: ``[H]`` fp32 sink logits of all heads, optional.
             batch: GQA under DCP: the host plan of this batch (:meth:`plan`); its metadata
-                reaches the device in one copy and replaces the step's index arithmetic.
+                reaches the device in one copy (through the reused pinned buffer; under graph
+                capture, from the plan's own pinned copy, which the replays re-read) and replaces
+                the step's index arithmetic.
             meta: GQA under DCP: that metadata already on the device (``batch.to(device)``;
                 a graph's static input).
             check: under DCP, make the ranks agree on the inputs first (a host sync: pass ``False``
@@ -178,7 +180,11 @@ class DecodeStep:
             if meta is None and batch is not None:
                 if not isinstance(batch, DecodeBatch):
                     raise TypeError(f"batch must be a DecodeBatch from plan(), got {type(batch).__name__}")
-                meta = self.staging.upload(batch.meta, q.device)
+                if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                    # a captured copy re-reads its source at every replay: the plan's own pinned copy
+                    meta = batch.pinned_meta.to(q.device, non_blocking=True)
+                else:
+                    meta = self.staging.upload(batch.meta, q.device)
             return dcp_gqa_decode(
                 q,
                 k_cache,

@@ -106,6 +106,12 @@ class DecodeBatch:
         """Every real query sits at its own index (no padding inside or before the real rows)."""
         return self.packed or self.q_len * self.num_requests == self.num_tokens
 
+    @functools.cached_property
+    def pinned_meta(self) -> torch.Tensor:
+        """``meta`` in pinned memory, made once and kept with the plan (a graph captured with this
+        plan copies from it at every replay, so it must live as long as the plan)."""
+        return self.meta if self.meta.is_pinned() else self.meta.pin_memory()
+
     def to(self, device: torch.device | str) -> torch.Tensor:
         """``meta`` on ``device``: one host-to-device copy (non-blocking when ``meta`` is pinned;
         the Runtime's step stages it through a reused pinned buffer instead)."""
