@@ -21,7 +21,7 @@ import torch
 from shardattn.kernels import flashinfer_xqa
 from shardattn.kernels.gqa_decode import gqa_paged_decode
 from shardattn.kernels.lse_merge import launch_lse_merge, lse_merge
-from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
+from shardattn.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_config
 
 RESULTS: list[dict] = []
 
@@ -167,6 +167,60 @@ def bench_sparse(copy_tbs: float, sweep: bool = False) -> None:
             record("sweep", f"H{heads} B{batch} splits={splits} BLOCK_N={bn} warps={warps}", ms, nbytes)
 
 
+def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
+    """Small sparse-MLA decode batches (1-8 tokens, 16 / 128 heads): one launch (fused merge,
+    rows_unique) against the same run's separate-merge launches (today's path, with and
+    without the de-duplication sort). Graph replays, preallocated outputs and workspace."""
+    from shardattn.kernels.lse_merge import split_partials_numel
+
+    r = 1 << 18
+    kv = torch.randn(r, 576, device="cuda").bfloat16()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for heads, batch in ((16, 1), (16, 2), (16, 4), (16, 8), (128, 1), (128, 8)):
+        q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+        rows = torch.stack([torch.randperm(r, device="cuda")[:2048] for _ in range(batch)]).int()
+        nbytes = batch * 2048 * 576 * 2 + q.numel() * 2 + batch * heads * (512 * 2 + 4) + rows.numel() * 4
+        cfg = sparse_mla_decode_config(batch, heads, 2048, sms)
+        out = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(batch, heads, device="cuda")
+        ws = torch.empty(split_partials_numel(cfg["num_splits"], batch, heads, 512), device="cuda")
+        counters = torch.zeros(
+            batch * -(-heads // cfg["BLOCK_H"]) * cfg["num_splits"], dtype=torch.int32, device="cuda"
+        )
+        times = {}
+        first = None  # the fused result, compared with the separate merge's
+        for label, kw in (
+            ("one launch (fused merge, rows_unique)", dict(rows_unique=True, fused_merge=True)),
+            ("separate merge, rows_unique (today)", dict(rows_unique=True, fused_merge=False)),
+            ("separate merge, dedup sort (today's default)", dict(rows_unique=False, fused_merge=False)),
+        ):
+            args = dict(out=out, lse_out=lse, workspace=ws, counters=counters, **kw)
+
+            def fn(q=q, rows=rows, args=args):
+                return sparse_mla_decode(q, kv, rows, scale=576**-0.5, **args)
+
+            fn()
+            ref = out.clone()
+            if first is None:
+                first = ref
+            diff = (first.float() - ref.float()).abs().max().item()
+            ms = graph_ms(fn)
+            times[label] = ms
+            same = torch.equal(out, ref) and int(counters.abs().sum()) == 0  # replays agree, counters reset
+            record(
+                "sparse1",
+                f"H{heads} B{batch} splits={cfg['num_splits']} {label}",
+                ms,
+                nbytes,
+                copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs,
+                replay_equal=same,
+                max_abs_diff_fused_vs_separate=diff,
+            )
+        RESULTS[-3]["speedup_vs_today"] = (
+            times["separate merge, rows_unique (today)"] / times["one launch (fused merge, rows_unique)"]
+        )
+
+
 def bench_merge(copy_tbs: float, sweep: bool = False) -> None:
     t, h, d = 4096, 16, 512
     for p in (2, 4, 8):
@@ -246,7 +300,12 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     copy_tbs = copy_bandwidth()
     only = set(args.only.split(","))
-    for key, fn in (("merge", bench_merge), ("sparse", bench_sparse), ("gqa", bench_gqa)):
+    for key, fn in (
+        ("merge", bench_merge),
+        ("sparse", bench_sparse),
+        ("sparse-small", bench_sparse_small),
+        ("gqa", bench_gqa),
+    ):
         if key in only:
             fn(copy_tbs, args.sweep)
             save(args.json, copy_tbs)

@@ -47,8 +47,8 @@ def test_runner_refuses_a_forbidden_mode_before_touching_a_gpu():
         check_capture_allowed(3, q_len_per_req=1)
     with pytest.raises(ValueError, match="per must be one of"):
         GraphInput("q", (4,), torch.float16, per="head")
-    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
-        GraphRunner(lambda seq_lens: seq_lens, spec, support=CGSupport.ALWAYS, batch_sizes=[1], device="cpu")
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):  # a CPU runner pads, never captures
+        GraphRunner(lambda seq_lens: seq_lens, spec, support=CGSupport.ALWAYS, batch_sizes=[1], device="cpu").capture()
 
 
 def _gqa_runner(q_len, hq=64, hkv=8, d=64, page=32, max_pages=40, sizes=(1, 2, 4, 8), backend="triton"):

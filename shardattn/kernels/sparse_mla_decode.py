@@ -10,8 +10,24 @@ draft token has its own top-k row, so it is simply another token). It is memory 
 work is reading ``K`` rows of 576 dims per token. The Triton kernel ``_sparse_mla_decode_kernel``
 runs one program per (head block, token, split of the top-k row); head blocks of a token are the
 fastest grid axis so they read the same rows while those are in L2. Splits write fp32 partials
-and LSEs, merged by :func:`~shardattn.kernels.lse_merge.launch_lse_merge` (the merge math of
-:mod:`~shardattn.kernels.lse_merge`); one split writes the result directly.
+and LSEs; one split writes the result directly.
+
+Merging the splits: small batches (at most :data:`FUSED_MERGE_MAX_SPLITS` splits, at most
+:data:`FUSED_MERGE_MAX_TOKENS` tokens) merge inside the same launch, up a binary tree over each
+(token, head block)'s splits: each program stores its partial and, at every tree node, bumps
+the node's counter (``atomic_add``, acquire-release at GPU scope, after a block barrier). The
+first of the two subtrees to arrive leaves; the second sees the first's result, merges the
+pair (the math of :mod:`~shardattn.kernels.lse_merge`, fp32, left subtree first so the result
+does not depend on arrival order) and climbs; the root writes the output. Each merge reads one
+partial, so the critical path is ``log2(splits)`` small merges (a flat merge by the last split
+would read every partial in one program: measured slower than the separate merge kernel). The
+merger resets each node's counter, so the counters are 0 again for the next launch or replay.
+It is opt-in (``fused_merge=True``): on an H200 it measured slower than the separate merge
+(16 heads, 1-8 tokens: 30-43 us against 26-34 us; 128 heads: 106-116 us against 32-44 us, where
+a 64-head block's fp32 partial no longer fits in registers), see benchmarks/RESULTS.md. Larger batches launch
+:func:`~shardattn.kernels.lse_merge.launch_lse_merge` after the kernel (fewer partial bytes
+re-read by fewer programs). The torch reference is
+:func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 
 A row listed twice by one token is one key (the library-wide rule): by default the rows are
 first sorted and de-duplicated by :func:`~shardattn.kernels.union.build_union` (``G = 1``, one
@@ -43,9 +59,13 @@ try:  # Triton is optional: without it every path runs the torch reference.
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
-__all__ = ["sparse_mla_decode", "sparse_mla_decode_config"]
+__all__ = ["FUSED_MERGE_MAX_SPLITS", "FUSED_MERGE_MAX_TOKENS", "sparse_mla_decode", "sparse_mla_decode_config"]
 
 LOG2E = 1.4426950408889634
+#: The last split of a token merges the partials in the same launch up to this many splits ...
+FUSED_MERGE_MAX_SPLITS = 64
+#: ... and this many tokens (above, a separate merge kernel re-reads the partials in parallel).
+FUSED_MERGE_MAX_TOKENS = 16
 
 
 @functools.lru_cache(maxsize=16)
@@ -118,6 +138,8 @@ def sparse_mla_decode(
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    fused_merge: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA decode attention with split-KV and a merge; returns the LSE (DCP needs it).
 
@@ -137,6 +159,12 @@ def sparse_mla_decode(
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
             the split partials; with ``out``, ``lse_out`` and it, nothing is allocated.
+        counters: int32 buffer of at least ``T * ceil(H / BLOCK_H) * num_splits`` zeros for the fused merge
+            (left zeroed on return: reuse it across calls and graph replays). Default: allocated
+            (zero-filled, one fill kernel more).
+        fused_merge: merge in the same launch for small batches (module docstring). Default
+            ``False``: on an H200 the tree merge measured 30-43 us against 26-34 us for the
+            separate merge kernel at 16 heads, 1-8 tokens (benchmarks/RESULTS.md).
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32 natural log)``; a row with no valid
         key is ``(0, -inf)`` (``(0, sink)`` with sinks). CPU tensors run the reference.
@@ -186,11 +214,23 @@ def sparse_mla_decode(
         cfg["chunk"] = -(-cfg["chunk"] // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
         cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
     splits = cfg["num_splits"]
+    n_hblocks = triton.cdiv(h, cfg["BLOCK_H"])
+    if fused_merge is None:  # measured slower on an H200 so far (benchmarks/RESULTS.md): opt-in
+        fused_merge = False
+    fused = splits > 1 and fused_merge and splits <= FUSED_MERGE_MAX_SPLITS and t <= FUSED_MERGE_MAX_TOKENS
     if splits > 1:
         dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device)
         s_os, s_ls = dst_out.stride(0), dst_lse.stride(0)
     else:
         dst_out, dst_lse, s_os, s_ls = out, lse_out, 0, 0
+    if fused:
+        need = t * n_hblocks * splits
+        if counters is None:
+            counters = torch.zeros(need, dtype=torch.int32, device=q.device)
+        elif counters.dtype != torch.int32 or counters.numel() < need or counters.device != q.device:
+            raise ValueError(f"counters must be an int32 tensor on {q.device} with >= {need} elements")
+    else:
+        counters = lse_out  # unused
     dr = d - v_dim
     grid = (triton.cdiv(h, cfg["BLOCK_H"]), t, splits)
     _sparse_mla_decode_kernel[grid](
@@ -201,6 +241,9 @@ def sparse_mla_decode(
         sinks if sinks is not None else q,
         dst_out,
         dst_lse,
+        out,
+        lse_out,
+        counters,
         q.stride(0),
         q.stride(1),
         q.stride(2),
@@ -215,6 +258,12 @@ def sparse_mla_decode(
         dst_lse.stride(-2),
         dst_lse.stride(-1),
         s_ls,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        lse_out.stride(0),
+        lse_out.stride(1),
+        splits,
         h,
         kv.shape[0],
         topk,
@@ -230,10 +279,11 @@ def sparse_mla_decode(
         HAS_SINKS=sinks is not None,
         HAS_ROPE=dr > 0,
         IEEE=q.dtype == torch.float32,
+        FUSED_MERGE=fused,
         num_warps=cfg["num_warps"],
         num_stages=2,
     )
-    if splits > 1:
+    if splits > 1 and not fused:
         launch_lse_merge(dst_out, dst_lse, out, lse_out)
     return out, lse_out
 
@@ -249,6 +299,9 @@ if triton is not None:
         Sinks,
         Out,
         Lse,
+        FinalOut,
+        FinalLse,
+        Counters,
         stride_qt,
         stride_qh,
         stride_qd,
@@ -263,6 +316,12 @@ if triton is not None:
         stride_lt,
         stride_lh,
         stride_ls,
+        stride_yt,
+        stride_yh,
+        stride_yd,
+        stride_zt,
+        stride_zh,
+        num_splits,
         H,
         R,
         K,
@@ -278,8 +337,10 @@ if triton is not None:
         HAS_SINKS: tl.constexpr,
         HAS_ROPE: tl.constexpr,
         IEEE: tl.constexpr,
+        FUSED_MERGE: tl.constexpr,
     ):
-        """One (head block, token, split): online softmax over rows ``[split*chunk, ...)`` of the top-k."""
+        """One (head block, token, split): online softmax over rows ``[split*chunk, ...)`` of the top-k;
+        with ``FUSED_MERGE`` the token's last split to finish merges every split's partial."""
         tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
         pid_h = tl.program_id(0)
         tok = tl.program_id(1).to(tl.int64)
@@ -337,3 +398,55 @@ if triton is not None:
         o_ptrs = Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
         tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
         tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)
+        if FUSED_MERGE:
+            # binary merge tree over the splits: at node (level l, left child p, right child
+            # r = p + 2^l) the second of the two subtrees to finish merges the pair (left first,
+            # so the result does not depend on who arrives last) and climbs; the first one
+            # leaves. The root writes the output. Node counters are indexed by r (unique per
+            # node) and reset by the merger, so they are 0 again after every launch.
+            omask = hmask[:, None] & vmask[None, :]
+            p_base = Out + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
+            l_base = Lse + tok * stride_lt + heads * stride_lh
+            counters = Counters + (tok * tl.num_programs(0) + pid_h) * num_splits
+            cur_o = res
+            cur_l = lse
+            active = split >= 0  # a runtime flag (True)
+            width = 1
+            while width < num_splits:
+                if active:
+                    left = (split // (2 * width)) * (2 * width)
+                    right = left + width
+                    if right < num_splits:  # a sibling subtree exists: meet it at this node
+                        mine = split - split % width  # where this subtree's result lives
+                        if width > 1:  # level 0 stored it above
+                            tl.store(p_base + mine * stride_os, cur_o, mask=omask)
+                            tl.store(l_base + mine * stride_ls, cur_l, mask=hmask)
+                        tl.debug_barrier()  # the whole block's stores precede the counter
+                        arrived = tl.atomic_add(counters + right, 1, sem="acq_rel", scope="gpu")
+                        if arrived == 0:
+                            active = split < 0  # False: the sibling merges
+                        else:
+                            tl.store(counters + right, 0)
+                            other = right if mine == left else left
+                            o_o = tl.load(p_base + other * stride_os, mask=omask, other=0.0, cache_modifier=".cg")
+                            o_l = tl.load(
+                                l_base + other * stride_ls, mask=hmask, other=float("-inf"), cache_modifier=".cg"
+                            )
+                            if mine == left:
+                                la, oa, lb, ob = cur_l, cur_o, o_l, o_o
+                            else:
+                                la, oa, lb, ob = o_l, o_o, cur_l, cur_o
+                            m = tl.maximum(la, lb)
+                            m_safe = tl.where(m == float("-inf"), 0.0, m)
+                            wa = tl.exp(la - m_safe)
+                            wb = tl.exp(lb - m_safe)
+                            total = wa + wb
+                            acc2 = tl.where(wa[:, None] > 0, wa[:, None] * oa, 0.0)
+                            acc2 += tl.where(wb[:, None] > 0, wb[:, None] * ob, 0.0)
+                            cur_o = acc2 / tl.where(total > 0, total, 1.0)[:, None]
+                            cur_l = tl.where(total > 0, m_safe + tl.log(total), float("-inf"))
+                width *= 2
+            if active:  # the root: every split is merged
+                y_ptrs = FinalOut + tok * stride_yt + heads[:, None] * stride_yh + offs_v[None, :] * stride_yd
+                tl.store(y_ptrs, cur_o.to(FinalOut.dtype.element_ty), mask=omask)
+                tl.store(FinalLse + tok * stride_zt + heads * stride_zh, cur_l, mask=hmask)

@@ -401,6 +401,10 @@ def _prepare_decode(cfg: RunConfig, rt: Runtime) -> _Prepared:
         work += g.num_tokens * spec.num_heads * spec.head_dim * 2 * elem
         causal = cfg.opts.causal
 
+        # the host plan of the batch (DCP: per-query local lengths and block-table rows, one
+        # pinned tensor, one copy per step): the lean step, no device index arithmetic
+        batch = rt.decode_step.plan(g.seq_lens.tolist(), g.cu_q_lens.tolist()) if dcp else None
+
         def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
             return rt.decode(
                 q_local,
@@ -409,6 +413,7 @@ def _prepare_decode(cfg: RunConfig, rt: Runtime) -> _Prepared:
                 g.seq_lens,
                 cu_q_lens=g.cu_q_lens,
                 sinks=g.sinks,
+                batch=batch,
                 check=check,
             )
 
@@ -581,6 +586,11 @@ def run(cfg: RunConfig, groups: LaunchGroups) -> int:
         min_group_tokens=cfg.min_group_tokens,
         non_causal=not cfg.opts.causal,
     )
+    reserved = control.gather_ints([rt.workspace_bytes])
+    if rank == 0:
+        per_rank = ", ".join(f"rank {r}: {v[0] / 1e9:.3f} GB" for r, v in enumerate(reserved))
+        items = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(rt.bounds.items()) if v)
+        print(f"workspace reserved per rank ({cfg.mode}): {per_rank} [{items}]", flush=True)
     progress = None
     if rank == 0 and cfg.opts.progress and cfg.iters >= _PROGRESS_ITERS:
         from rich.progress import Progress

@@ -10,7 +10,10 @@
 * :mod:`~shardattn.parallel.dcp`        :func:`dcp_sparse_mla_decode`, :func:`dcp_gqa_decode`: KV
   split over ranks, q heads all-gathered, partials merged by the collector.
 * :mod:`~shardattn.parallel.pcp`        :func:`pcp_prefill`: zigzag query tokens, new KV all-gathered.
-* :mod:`~shardattn.parallel.cudagraph`  CUDA-graph capture of decode steps.
+* :mod:`~shardattn.parallel.cudagraph`  CUDA-graph capture of decode steps (buckets, one-copy loads).
+* :mod:`~shardattn.parallel.decode_graphs`  :class:`DecodeGraphs`: the DCP GQA step's graph buckets
+  (ragged drafts padded, real rows returned, eager above the buckets);
+  :mod:`~shardattn.parallel.host_staging` the reused pinned buffer of per-step metadata.
 * :mod:`~shardattn.parallel.runtime`    :class:`Runtime`: workspace, warm-up, routing, graph policy;
   its parts: :mod:`~shardattn.parallel.modes` (which step each mode runs),
   :mod:`~shardattn.parallel.runtime_workspace` (reserved buffers and checks),
@@ -39,6 +42,7 @@ _LAZY = {
     "GraphInput": "shardattn.parallel.cudagraph",
     "GraphRunner": "shardattn.parallel.cudagraph",
     "check_capture_allowed": "shardattn.parallel.cudagraph",
+    "DecodeGraphs": "shardattn.parallel.decode_graphs",
 }
 
 __all__ = [

@@ -109,6 +109,8 @@ def collect_partials(
         nonlocal chosen
         check_partials(out, lse, comm.world_size, scatter_heads=scatter_heads)
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
+        if not check:
+            return 0  # nothing to agree on
         return stable_fingerprint("collect_partials", tuple(out.shape), out.dtype, scatter_heads, chosen)
 
     comm.agree_on("collector input (out shape and dtype, scatter_heads, strategy)", validate, check=check)

@@ -150,7 +150,11 @@ def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     off = 0
     for t, n in zip(tensors, sizes):
         if n and p:
-            buf[:, off : off + n].copy_(t.contiguous().view(p, -1).view(torch.uint8))
+            dst = buf[:, off : off + n]
+            if t.dtype != torch.bool and n % t.element_size() == 0 and off % t.element_size() == 0:
+                dst.view(t.dtype).view(t.shape).copy_(t)  # one strided copy, straight from t's layout
+            else:
+                dst.copy_(t.contiguous().view(p, -1).view(torch.uint8))
         off += _padded(n)
     return buf
 

@@ -19,12 +19,22 @@ the same buffers, outside the graph) to the bit.
 
 Policy (:class:`~shardattn.plan.cudagraph.CGSupport`, decided by the planner): ``NEVER`` forbids
 capture; ``UNIFORM_SINGLE_TOKEN_DECODE`` (e.g. under DCP) allows ``q_len_per_req == 1`` only;
-``UNIFORM_BATCH`` allows uniform drafts; ragged batches need ``ALWAYS`` and are not captured by
-this runner. :func:`check_capture_allowed` raises a ``ValueError`` naming the level otherwise.
+``UNIFORM_BATCH`` allows uniform drafts, and ragged drafts padded to the graph's
+``q_len_per_req`` (:class:`~shardattn.plan.decode_batch.DecodeBatch` lays them out; padding
+queries see no key); unpadded ragged batches need ``ALWAYS``. :func:`check_capture_allowed`
+raises a ``ValueError`` naming the level otherwise.
+
+Inputs reach the static buffers in one copy: the buffers are views of one ``uint8`` arena;
+device inputs and the padding rows (copied from a template arena holding the pad values) go
+in one fused multi-tensor copy (``torch._foreach_copy_`` over byte views: one kernel), host
+inputs are staged in a pinned twin of the arena and cross in one host-to-device copy. A batch
+larger than the largest captured size runs eagerly on the caller's tensors, and
+:attr:`GraphRunner.last_route` says so.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,13 +48,17 @@ __all__ = ["DecodeGraph", "GraphInput", "GraphRunner", "check_capture_allowed"]
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 
-def check_capture_allowed(support: CGSupport, *, q_len_per_req: int, ragged: bool = False) -> None:
+def check_capture_allowed(
+    support: CGSupport, *, q_len_per_req: int, ragged: bool = False, padded: bool = False
+) -> None:
     """Raise ``ValueError`` when the policy level forbids capturing this kind of decode step.
 
     Args:
         support: the planner's level for this configuration.
         q_len_per_req: queries per request in the captured batch (1 = plain decode).
         ragged: requests have different query lengths.
+        padded: a ragged batch is padded to ``q_len_per_req`` queries per request (masked
+            padding queries): it is then a uniform batch and needs UNIFORM_BATCH only.
 
     Example:
         >>> check_capture_allowed(CGSupport.UNIFORM_BATCH, q_len_per_req=4)
@@ -56,8 +70,10 @@ def check_capture_allowed(support: CGSupport, *, q_len_per_req: int, ragged: boo
     if not isinstance(support, CGSupport):
         raise TypeError(f"support must be a CGSupport, got {type(support).__name__}")
     check_int("q_len_per_req", q_len_per_req, minimum=1)
-    if ragged:
-        kind, need = "a ragged batch", CGSupport.ALWAYS
+    if ragged and padded:
+        kind, need = f"a ragged batch padded to q_len_per_req={q_len_per_req}", CGSupport.UNIFORM_BATCH
+    elif ragged:
+        kind, need = "an unpadded ragged batch", CGSupport.ALWAYS
     elif q_len_per_req > 1:
         kind, need = f"a uniform batch with q_len_per_req={q_len_per_req}", CGSupport.UNIFORM_BATCH
     else:
@@ -130,6 +146,9 @@ class DecodeGraph:
         return self.outputs
 
 
+_ALIGN = 64  # bytes: every input's region of the arena starts on a 64-byte boundary
+
+
 class GraphRunner:
     """Captures a decode step at several padded batch sizes and replays the one that fits.
 
@@ -137,10 +156,13 @@ class GraphRunner:
         fn: the decode step, ``fn(**inputs) -> Tensor | tuple[Tensor, ...]``; its outputs' leading
             dimension is tokens or requests.
         inputs: the per-step inputs (:class:`GraphInput`).
-        support: the planner's CUDA-graph level for this configuration (checked here).
+        support: the planner's CUDA-graph level for this configuration (checked here); ``None``:
+            a runner that is never captured (it pads, validates and runs eagerly).
         batch_sizes: request counts to capture (each padded step uses the smallest that fits).
         q_len_per_req: uniform queries per request (1 = plain decode).
-        device: CUDA device of the buffers.
+        ragged: steps may be ragged batches padded to ``q_len_per_req`` (UNIFORM_BATCH).
+        device: device of the buffers (a CPU runner pads, validates and runs eagerly; only a
+            CUDA runner captures).
 
     Example (on a GPU)::
 
@@ -150,6 +172,7 @@ class GraphRunner:
                              support=CGSupport.UNIFORM_BATCH, batch_sizes=[1, 2, 4, 8],
                              q_len_per_req=4, device=torch.device("cuda")).capture()
         out = runner.run(3, q=q, block_table=bt, seq_lens=lens)   # replays the graph of 4
+        runner.last_route                                           # (4, "replay: 3 requests padded to 4")
     """
 
     def __init__(
@@ -157,12 +180,14 @@ class GraphRunner:
         fn: Callable[..., Outputs],
         inputs: Sequence[GraphInput],
         *,
-        support: CGSupport,
+        support: CGSupport | None,
         batch_sizes: Sequence[int],
         q_len_per_req: int = 1,
+        ragged: bool = False,
         device: torch.device | str = "cuda",
     ) -> None:
-        check_capture_allowed(support, q_len_per_req=q_len_per_req)
+        if support is not None:
+            check_capture_allowed(support, q_len_per_req=q_len_per_req, ragged=ragged, padded=True)
         sizes = sorted({check_int("batch_sizes[]", int(b), minimum=1) for b in batch_sizes})
         if not sizes:
             raise ValueError("batch_sizes must name at least one batch size")
@@ -170,19 +195,38 @@ class GraphRunner:
         if len(set(names)) != len(names):
             raise ValueError(f"inputs must have distinct names, got {names}")
         self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         self.fn, self.inputs, self.support = fn, tuple(inputs), support
-        self.batch_sizes, self.q_len_per_req = tuple(sizes), q_len_per_req
+        self.batch_sizes, self.q_len_per_req, self.ragged = tuple(sizes), q_len_per_req, ragged
         top = sizes[-1]
-        self.buffers = {
-            i.name: torch.full((self._rows(i, top), *i.row_shape), i.pad_value, dtype=i.dtype, device=self.device)
-            for i in self.inputs
-        }  # allocated once; every graph sees views of these
+        # one arena, one region per input (top-size rows), and a template holding the pad values
+        self._offsets: dict[str, int] = {}
+        self._row_bytes: dict[str, int] = {}
+        off = 0
+        for i in self.inputs:
+            row = math.prod(i.row_shape) * torch.empty((), dtype=i.dtype).element_size()
+            self._offsets[i.name], self._row_bytes[i.name] = off, row
+            off += -(-self._rows(i, top) * row // _ALIGN) * _ALIGN
+        self.arena = torch.empty(off, dtype=torch.uint8, device=self.device)
+        self.buffers = {i.name: self._region(self.arena, i, top) for i in self.inputs}  # never reallocated
+        for i in self.inputs:
+            self.buffers[i.name].fill_(i.pad_value)
+        self.pad_template = self.arena.clone()  # every row at its pad value
+        pin = self.device.type == "cuda"
+        self._staging = torch.empty(off, dtype=torch.uint8, pin_memory=pin)  # host inputs cross from here
+        self._staged = torch.cuda.Event() if pin else None  # the last copy out of the staging buffer
         self.graphs: dict[int, DecodeGraph] = {}
+        self.last_route: tuple[int | None, str] = (None, "no step yet")
 
     def _rows(self, spec: GraphInput, batch: int) -> int:
         return batch * self.q_len_per_req if spec.per == "token" else batch
+
+    def _region(self, arena: torch.Tensor, spec: GraphInput, batch: int) -> torch.Tensor:
+        off, n = self._offsets[spec.name], self._rows(spec, batch) * self._row_bytes[spec.name]
+        return arena[off : off + n].view(spec.dtype).view(self._rows(spec, batch), *spec.row_shape)
+
+    def _bytes(self, arena: torch.Tensor, spec: GraphInput, lo_rows: int, hi_rows: int) -> torch.Tensor:
+        off, row = self._offsets[spec.name], self._row_bytes[spec.name]
+        return arena[off + lo_rows * row : off + hi_rows * row]
 
     def views(self, batch: int) -> dict[str, torch.Tensor]:
         """The leading rows of the static buffers that a graph of ``batch`` requests sees."""
@@ -190,26 +234,33 @@ class GraphRunner:
 
     def capture(self, warmup: int = 2) -> GraphRunner:
         """Capture one graph per batch size, largest first, in one shared memory pool."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
+        if self.support is None:
+            raise ValueError("this runner was built without a CUDA-graph level (support=None): it runs eagerly only")
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.batch_sizes):
-            self._pad_from(0, b)
+            self.arena.copy_(self.pad_template)
             self.graphs[b] = DecodeGraph(self.fn, self.views(b), pool=pool, warmup=warmup)
         return self
 
-    def padded_size(self, batch: int) -> int:
-        """The smallest captured batch size ``>= batch``."""
+    def route(self, batch: int) -> tuple[int | None, str]:
+        """``(padded size, reason)``: the smallest captured size ``>= batch``, or ``None`` (eager)
+        with the reason when the batch is larger than every captured size."""
+        check_int("batch", batch, minimum=1)
         for b in self.batch_sizes:
             if b >= batch:
-                return b
-        raise ValueError(f"batch {batch} exceeds the largest captured batch size {self.batch_sizes[-1]}")
+                return b, f"replay: {batch} requests padded to the captured batch of {b}"
+        return None, f"eager: {batch} requests exceed the largest captured batch ({self.batch_sizes[-1]})"
 
-    def _pad_from(self, batch: int, padded: int) -> None:
-        for i in self.inputs:
-            self.buffers[i.name][self._rows(i, batch) : self._rows(i, padded)].fill_(i.pad_value)
+    def padded_size(self, batch: int) -> int:
+        """The smallest captured batch size ``>= batch``."""
+        padded, why = self.route(batch)
+        if padded is None:
+            raise ValueError(why)
+        return padded
 
-    def load(self, batch: int, **tensors: torch.Tensor) -> int:
-        """Copy a step's inputs into the static buffers and pad; returns the padded batch size."""
-        check_int("batch", batch, minimum=1)
+    def _check_inputs(self, batch: int, tensors: dict[str, torch.Tensor]) -> None:
         missing = {i.name for i in self.inputs} - set(tensors)
         extra = set(tensors) - {i.name for i in self.inputs}
         if missing or extra:
@@ -217,16 +268,52 @@ class GraphRunner:
                 f"run() takes exactly the inputs {[i.name for i in self.inputs]}; "
                 f"missing {sorted(missing)}, unexpected {sorted(extra)}"
             )
-        padded = self.padded_size(batch)
         for i in self.inputs:
             x = tensors[i.name]
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{i.name} must be a torch.Tensor, got {type(x).__name__}")
             want = (self._rows(i, batch), *i.row_shape)
             if tuple(x.shape) != want or x.dtype != i.dtype:
                 raise ValueError(
                     f"{i.name} must have shape {list(want)} and dtype {i.dtype}, got {list(x.shape)} {x.dtype}"
                 )
-            self.buffers[i.name][: want[0]].copy_(x, non_blocking=True)
-        self._pad_from(batch, padded)
+            if x.device.type not in ("cpu", self.device.type):
+                raise ValueError(f"{i.name} must be on the CPU or {self.device}, got {x.device}")
+
+    def load(self, batch: int, **tensors: torch.Tensor) -> int:
+        """Copy a step's inputs into the static buffers and pad; returns the padded batch size.
+
+        Host inputs are staged in pinned memory and cross in one copy; device inputs and every
+        padding row go in one fused copy (one kernel on a GPU).
+        """
+        check_int("batch", batch, minimum=1)
+        padded = self.padded_size(batch)
+        self._check_inputs(batch, tensors)
+        on_device = self.device.type != "cpu"
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        host = [i for i in self.inputs if on_device and tensors[i.name].device.type == "cpu"]
+        if host and self._staged is not None:
+            self._staged.synchronize()  # the previous step's copy has left the staging buffer
+        for i in self.inputs:
+            n, p = self._rows(i, batch), self._rows(i, padded)
+            raw = tensors[i.name].contiguous().view(-1).view(torch.uint8)
+            if i in host:
+                self._bytes(self._staging, i, 0, n).copy_(raw)
+            elif raw.numel():
+                dsts.append(self._bytes(self.arena, i, 0, n))
+                srcs.append(raw)
+            if p > n:
+                dsts.append(self._bytes(self.arena, i, n, p))
+                srcs.append(self._bytes(self.pad_template, i, n, p))
+        if host:  # one host-to-device copy spanning every host input (device inputs are rewritten after)
+            lo = min(self._offsets[i.name] for i in host)
+            hi = max(self._offsets[i.name] + self._rows(i, batch) * self._row_bytes[i.name] for i in host)
+            self.arena[lo:hi].copy_(self._staging[lo:hi], non_blocking=True)
+            if self._staged is not None:
+                self._staged.record()
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
         return padded
 
     def _cut(self, outputs: Outputs, batch: int, padded: int) -> Outputs:
@@ -242,14 +329,25 @@ class GraphRunner:
     def run(self, batch: int, **tensors: torch.Tensor) -> Outputs:
         """Copy inputs in, pad, replay the fitting graph; returns the real rows of its outputs.
 
-        The returned tensors are views of graph-owned memory, valid until the next :meth:`run`.
+        A batch larger than every captured size runs ``fn`` eagerly on ``tensors`` (no padding);
+        :attr:`last_route` holds ``(padded size or None, reason)``. The returned tensors of a
+        replay are views of graph-owned memory, valid until the next :meth:`run`.
         """
         if not self.graphs:
             raise RuntimeError("GraphRunner.run() before capture()")
-        padded = self.load(batch, **tensors)
+        padded, why = self.route(batch)
+        self.last_route = (padded, why)
+        if padded is None:
+            return self.fn(**tensors)
+        self.load(batch, **tensors)
         return self._cut(self.graphs[padded].replay(), batch, padded)
 
     def eager(self, batch: int, **tensors: torch.Tensor) -> Outputs:
-        """The same step run eagerly on the same padded buffers (the replay's bitwise reference)."""
-        padded = self.load(batch, **tensors)
+        """The same step run eagerly on the same padded buffers (the replay's bitwise reference);
+        above the largest captured size, on the caller's tensors."""
+        padded, why = self.route(batch)
+        self.last_route = (padded, why)
+        if padded is None:
+            return self.fn(**tensors)
+        self.load(batch, **tensors)
         return self._cut(self.fn(**self.views(padded)), batch, padded)

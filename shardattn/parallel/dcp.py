@@ -169,6 +169,8 @@ def dcp_sparse_mla_decode(
                         f"but its block_table holds {m} blocks of {bs}"
                     )
         resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
+        if not check:
+            return 0  # nothing to agree on: skip hashing on the step's hot path
         return stable_fingerprint(
             "dcp_sparse_mla", layout, tuple(q.shape), q.dtype, v_dim, topk_pos.shape[1], b, sinks is not None,
             scatter_heads, strategy, _host_values(seq_lens) if check else None,
@@ -204,6 +206,7 @@ def dcp_gqa_decode(
     scatter_heads: bool = True,
     strategy: str = "auto",
     backend: str = "auto",
+    meta: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GQA decode over a paged KV cache split over the DCP group (speculative drafts included).
@@ -225,6 +228,12 @@ def dcp_gqa_decode(
         scale: softmax scale (default ``D ** -0.5``).
         scatter_heads, strategy: the collector's output layout and strategy.
         backend: the local kernel's backend (:func:`~shardattn.kernels.gqa_decode.gqa_paged_decode`).
+        meta: ``[2, total_q]`` int32 on q's device, the host-planned metadata of this rank
+            (:meth:`~shardattn.plan.decode_batch.DecodeBatch.to`: each query's local KV length, 0
+            for padding, and its block-table row). It replaces the per-step index arithmetic
+            (the lean path: no torch op besides the kernels, the collectives and one gather of
+            block-table rows); ``q_len_per_req`` / ``cu_q_lens`` are then not needed. Also
+            a pair of ``[total_q]`` int32 tensors (two static graph inputs).
         check: agree on shapes, layout and lengths first (one small all-gather, a host sync).
     Returns:
         ``(out [total_q, Hq/N or Hq, D] in q's dtype, lse [total_q, Hq/N or Hq] fp32)``, equal to
@@ -256,7 +265,12 @@ def dcp_gqa_decode(
         check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(b,))
         if q_len_per_req is not None and cu_q_lens is not None:
             raise ValueError("give q_len_per_req (uniform drafts) or cu_q_lens (ragged drafts), not both")
-        if cu_q_lens is not None:
+        if isinstance(meta, tuple | list):
+            check_tensor("meta[0]", meta[0], dtypes=(torch.int32,), shape=(t,))
+            check_tensor("meta[1]", meta[1], dtypes=(torch.int32,), shape=(t,))
+        elif meta is not None:
+            check_tensor("meta", meta, dtypes=(torch.int32,), shape=(2, t))
+        elif cu_q_lens is not None:
             check_tensor("cu_q_lens", cu_q_lens, dtypes=INDEX_DTYPES, shape=(b + 1,))
         else:
             ql = 1 if q_len_per_req is None else check_int("q_len_per_req", q_len_per_req, minimum=1)
@@ -264,7 +278,7 @@ def dcp_gqa_decode(
                 raise ValueError(f"q_heads_local must have B * q_len_per_req = {b * ql} rows, got {t}")
         check_same_device(
             q_heads_local=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
-            cu_q_lens=cu_q_lens, sinks=sinks,
+            cu_q_lens=cu_q_lens, sinks=sinks, meta=meta if isinstance(meta, torch.Tensor) else None,
         )  # fmt: skip
         if seq_lens.device.type == "cpu" and b:  # value checks that cost no device sync
             if int(seq_lens.min()) < 0:
@@ -283,9 +297,12 @@ def dcp_gqa_decode(
                 if cu[0] != 0 or cu != sorted(cu) or cu[-1] > t:
                     raise ValueError(f"cu_q_lens must start at 0, not decrease and end <= {t}, got {cu}")
         resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
+        if not check:
+            return 0  # nothing to agree on: skip hashing on the step's hot path
         return stable_fingerprint(
             "dcp_gqa", layout, tuple(q.shape), q.dtype, hkv, b, q_len_per_req, causal, sinks is not None,
-            scatter_heads, strategy, *((_host_values(seq_lens), _host_values(cu_q_lens)) if check else ()),
+            scatter_heads, strategy, meta is not None,
+            *((_host_values(seq_lens), _host_values(cu_q_lens)) if check else ()),
         )  # fmt: skip
 
     comm.agree_on("DCP GQA decode inputs", validate, check=check)
@@ -297,14 +314,17 @@ def dcp_gqa_decode(
             out = q_full.new_zeros(t, hq, d)
             lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q_full.device)
             return _merge(out, lse, comm, scatter_heads, strategy)
-        cu = cu_q_lens
-        if cu is None:
-            ql = 1 if q_len_per_req is None else q_len_per_req
-            cu = torch.arange(b + 1, dtype=seq_lens.dtype, device=seq_lens.device) * ql
-        # every query becomes a one-token "request" with its own causal local length and its request's pages
-        local_lens = layout.causal_local_lens(seq_lens, cu, t, comm.rank, causal=causal).to(torch.int32)
-        tok = torch.arange(t, device=cu.device)
-        req = torch.searchsorted(cu[1:].to(torch.int64).contiguous(), tok, right=True).clamp(max=b - 1)
+        if meta is not None:  # planned on the host: no index arithmetic here
+            local_lens, req = meta[0], meta[1]
+        else:
+            cu = cu_q_lens
+            if cu is None:
+                ql = 1 if q_len_per_req is None else q_len_per_req
+                cu = torch.arange(b + 1, dtype=seq_lens.dtype, device=seq_lens.device) * ql
+            # every query becomes a one-token "request" with its own causal local length and its request's pages
+            local_lens = layout.causal_local_lens(seq_lens, cu, t, comm.rank, causal=causal).to(torch.int32)
+            tok = torch.arange(t, device=cu.device)
+            req = torch.searchsorted(cu[1:].to(torch.int64).contiguous(), tok, right=True).clamp(max=b - 1)
         out, lse = gqa_paged_decode(
             q_full, k_cache, v_cache, block_table.index_select(0, req), local_lens,
             q_len_per_req=1, sinks=sinks if comm.rank == 0 else None, return_lse=True, scale=scale, backend=backend,

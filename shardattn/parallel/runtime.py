@@ -17,7 +17,8 @@ Construction does everything that must not happen mid-serving:
   the planner's routes can produce for this config (:attr:`Runtime.warmed_keys`), and one tiny
   decode, so that no step compiles;
 * **graph policy**: :meth:`Runtime.cudagraph_support` is the planner's level for each step;
-  :meth:`Runtime.capture_decode` refuses a capture the level forbids with a ``ValueError``.
+  :meth:`Runtime.capture_decode` captures graph buckets and refuses a capture the level forbids
+  with a ``ValueError`` (:mod:`~shardattn.parallel.runtime_graphs`).
 
 Steps are routed by the planner (:func:`~shardattn.plan.routing.route_prefill` /
 :func:`~shardattn.plan.routing.route_decode`: path, group size, reason) and run by the mode's
@@ -33,7 +34,7 @@ so several Runtimes (different groups, different models) work side by side in on
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,15 +46,14 @@ from shardattn.kernels.registry import device_capability
 from shardattn.kernels.topk import DcpShard
 from shardattn.kernels.warmup import CompileKey, PrefillSpec, compile_keys, warmup
 from shardattn.parallel.comm import Comm
-from shardattn.parallel.cudagraph import GraphInput, GraphRunner, check_capture_allowed
 from shardattn.parallel.decode_warmup import warm_up_decode
 from shardattn.parallel.modes import DECODE_STEP, GQA_BACKEND, MODES, PREFILL_STEP
 from shardattn.parallel.prefill_attention import workspace_prefill_attention
 from shardattn.parallel.runtime_decode import DecodeStep
+from shardattn.parallel.runtime_graphs import RuntimeGraphs
 from shardattn.parallel.runtime_prefill import PrefillPlan, run_prefill_step, shardq_buffers
 from shardattn.parallel.runtime_workspace import RuntimeWorkspace, WorkspaceExceededError
 from shardattn.plan.context import DCPLayout
-from shardattn.plan.cudagraph import CGSupport, explain_cudagraph_support
 from shardattn.plan.pcp import pcp_plan
 from shardattn.plan.pipeline import MAX_CHUNKS
 from shardattn.plan.routing import Route, grouped_group_size, route_decode, route_prefill
@@ -62,15 +62,11 @@ from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS, zigzag_split
 
 __all__ = ["DECODE_STEP", "MODES", "PREFILL_STEP", "PrefillPlan", "Runtime", "WorkspaceExceededError"]
 
-_EMPTY_WS = torch.empty(0, dtype=torch.uint8)
-_SHARDQ_BUFFERS = (
-    ("q", "packed_q"),
-    ("out", "out"),
-    ("lse", "lse"),
-)  # shardq_prefill key, workspace item  # a route without a union (reference path) reads no workspace
+_EMPTY_WS = torch.empty(0, dtype=torch.uint8)  # a route without a union (reference path) reads no workspace
+_SHARDQ_BUFFERS = (("q", "packed_q"), ("out", "out"), ("lse", "lse"))  # shardq_prefill key, workspace item
 
 
-class Runtime:
+class Runtime(RuntimeGraphs):
     """Sharded attention for one model spec on one process group (see the module docstring).
 
     Args:
@@ -273,62 +269,6 @@ class Runtime:
     def decode_route(self) -> Route:
         """The planner's route of this Runtime's decode steps (fixed per config)."""
         return self._decode_route()
-
-    # -- CUDA-graph policy -----------------------------------------------------------------------
-    def explain_cudagraph_support(self, step: str = "decode") -> tuple[CGSupport, str]:
-        """The planner's CUDA-graph level for this Runtime's ``"decode"`` or ``"prefill"`` steps, with why."""
-        check_choice("step", step, ("decode", "prefill"))
-        if step == "decode":
-            kernel = self.decode_route.path
-            dcp = self.world_size if self.decode_is_dcp else 1
-            return explain_cudagraph_support(
-                "decode", kernel, head_dim=self.spec.head_dim, dcp_size=dcp, non_causal=self.non_causal
-            )
-        prefill = PREFILL_STEP[self.mode]
-        if prefill is None or self.spec.kind != "sparse_mla":
-            return CGSupport.NEVER, f"mode {self.mode!r} has no prefill step"
-        route = self._route(self.heads_per_rank, self.max_batched_tokens, self.max_kv_rows)
-        kernel = "reference" if route.path == "reference" else "triton"
-        cg_mode = {"shardq": "shardq", "pcp": "pcp", "headtp": "prefill"}[prefill]
-        return explain_cudagraph_support(cg_mode, kernel, head_dim=self.spec.head_dim)
-
-    def cudagraph_support(self, step: str = "decode") -> CGSupport:
-        """The planner's CUDA-graph level for this Runtime's ``"decode"`` or ``"prefill"`` steps."""
-        return self.explain_cudagraph_support(step)[0]
-
-    def check_capture(self, step: str = "decode", *, q_len_per_req: int = 1, ragged: bool = False) -> None:
-        """Raise ``ValueError`` when the policy forbids capturing such a step (the message names the level)."""
-        level, why = self.explain_cudagraph_support(step)
-        try:
-            check_capture_allowed(level, q_len_per_req=q_len_per_req, ragged=ragged)
-        except ValueError as e:
-            raise ValueError(f"Runtime(mode={self.mode!r}) {step}: {e} [{why}]") from None
-
-    def capture_decode(
-        self,
-        fn: Callable[..., Any],
-        inputs: Sequence[GraphInput],
-        *,
-        batch_sizes: Sequence[int],
-        q_len_per_req: int = 1,
-    ) -> GraphRunner:
-        """Capture a decode step at several padded batch sizes, when the policy allows it.
-
-        ``fn(**inputs)`` is typically a closure over this Runtime's :meth:`decode`.
-
-        Raises:
-            ValueError: the mode's CUDA-graph level forbids the capture (names the level and why).
-        """
-        self.check_capture("decode", q_len_per_req=q_len_per_req)
-        runner = GraphRunner(
-            fn,
-            inputs,
-            support=self.cudagraph_support("decode"),
-            batch_sizes=batch_sizes,
-            q_len_per_req=q_len_per_req,
-            device=self.device,
-        )
-        return runner.capture()
 
     # -- warm-up -------------------------------------------------------------------------------
     def prefill_specs(self) -> list[PrefillSpec]:

@@ -6,7 +6,7 @@ route, workspace) and runs one step; :meth:`shardattn.parallel.runtime.Runtime.d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,9 +16,11 @@ from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
 from shardattn.kernels.topk import convert_topk
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
+from shardattn.parallel.host_staging import PinnedStaging
 from shardattn.parallel.modes import GQA_BACKEND
 from shardattn.parallel.runtime_workspace import RuntimeWorkspace
 from shardattn.plan.context import DCPLayout
+from shardattn.plan.decode_batch import DecodeBatch, plan_decode_batch
 from shardattn.plan.spec import ModelSpec
 
 __all__ = ["DecodeStep"]
@@ -42,6 +44,7 @@ class DecodeStep:
         dcp: the KV cache is split over the group (else head-TP). route_path: the planner's decode
             kernel path. heads_per_rank: ``H / W``. scale: softmax scale.
         decode_lse: return the LSE (head-TP GQA may skip it). non_causal: drafts attend non-causally.
+        staging: the reused pinned buffer a batch's metadata crosses to the device through.
     """
 
     spec: ModelSpec
@@ -54,11 +57,37 @@ class DecodeStep:
     scale: float
     decode_lse: bool
     non_causal: bool
+    staging: PinnedStaging = field(default_factory=PinnedStaging, compare=False, repr=False)
 
     def local_heads(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice ``[rank * H/W, (rank + 1) * H/W)`` of a per-head tensor."""
         h = self.heads_per_rank
         return x[self.comm.rank * h : (self.comm.rank + 1) * h]
+
+    def plan(
+        self,
+        seq_lens: object,
+        qo_indptr: object | None = None,
+        *,
+        q_len: int | None = None,
+        padded_requests: int | None = None,
+        packed: bool | None = None,
+    ) -> DecodeBatch:
+        """Plan a batch on the host (:func:`~shardattn.plan.decode_batch.plan_decode_batch`) for this
+        rank's layout and causality: packed (eager) by default, in ``q_len`` slots (a graph
+        bucket) when ``q_len`` or ``padded_requests`` is given."""
+        if packed is None:
+            packed = q_len is None and padded_requests is None
+        return plan_decode_batch(
+            seq_lens,
+            qo_indptr,
+            layout=self.layout if self.dcp else None,
+            rank=self.comm.rank,
+            q_len=q_len,
+            padded_requests=padded_requests,
+            causal=not self.non_causal,
+            packed=packed,
+        )
 
     def __call__(
         self,
@@ -74,6 +103,8 @@ class DecodeStep:
         cu_q_lens: torch.Tensor | None = None,
         max_q_len: int | None = None,
         sinks: torch.Tensor | None = None,
+        batch: DecodeBatch | None = None,
+        meta: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
         check: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one decode step (DCP or head-TP, by mode), routed by the planner.
@@ -91,6 +122,12 @@ class DecodeStep:
             q_len_per_req / cu_q_lens: GQA: uniform drafts per request, or ``[B+1]`` ragged offsets.
             max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts (needed under capture).
             sinks: ``[H]`` fp32 sink logits of all heads, optional.
+            batch: GQA under DCP: the host plan of this batch (:meth:`plan`); its metadata
+                reaches the device in one copy (through the reused pinned buffer; under graph
+                capture, from the plan's own pinned copy, which the replays re-read) and replaces
+                the step's index arithmetic.
+            meta: GQA under DCP: that metadata already on the device (``batch.to(device)``;
+                a graph's static input).
             check: under DCP, make the ranks agree on the inputs first (a host sync: pass ``False``
                 inside a CUDA graph).
         Returns:
@@ -140,6 +177,14 @@ class DecodeStep:
         k_cache, v_cache = kv_cache
         backend = GQA_BACKEND[self.route_path]
         if dcp:
+            if meta is None and batch is not None:
+                if not isinstance(batch, DecodeBatch):
+                    raise TypeError(f"batch must be a DecodeBatch from plan(), got {type(batch).__name__}")
+                if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                    # a captured copy re-reads its source at every replay: the plan's own pinned copy
+                    meta = batch.pinned_meta.to(q.device, non_blocking=True)
+                else:
+                    meta = self.staging.upload(batch.meta, q.device)
             return dcp_gqa_decode(
                 q,
                 k_cache,
@@ -154,6 +199,7 @@ class DecodeStep:
                 sinks=sinks,
                 scale=self.scale,
                 backend=backend,
+                meta=meta,
                 check=check,
             )
         result = gqa_paged_decode(

@@ -48,6 +48,7 @@ class RuntimeWorkspace:
         self.spec, self.mode, self.world_size = spec, mode, world_size
         self.max_batched_tokens, self.max_decode_tokens = max_batched_tokens, max_decode_tokens
         self.min_shard_tokens, self.topk = min_shard_tokens, topk
+        self._needs: dict[tuple[str, str, int, int], dict[str, int]] = {}  # memo: every step asks
         self.bounds: dict[str, int] = self._reservation()
         self.buffers: dict[str, torch.Tensor] = {
             name: torch.empty(nbytes, dtype=torch.uint8, device=device) for name, nbytes in self.bounds.items()
@@ -70,7 +71,11 @@ class RuntimeWorkspace:
         return [(step, tokens, w, 1)]
 
     def needs(self, kind: str, step: str, tokens: int, topk: int) -> dict[str, int]:
-        """``{"<kind>.<item>": bytes}`` the planner bounds for one step of ``tokens`` tokens and top-k ``topk``."""
+        """``{"<kind>.<item>": bytes}`` the planner bounds for one step of ``tokens`` tokens and top-k ``topk``
+        (memoised: a serving loop asks for the same few sizes every step)."""
+        memo = (kind, step, tokens, topk)
+        if memo in self._needs:
+            return self._needs[memo]
         need: dict[str, int] = {}
         k = topk if self.spec.kind == "sparse_mla" else 0
         for ws_mode, m, w, tp in self._cases(kind, step, tokens):
@@ -79,6 +84,8 @@ class RuntimeWorkspace:
                 if nbytes:
                     key = f"{kind}.{name}"
                     need[key] = max(need.get(key, 0), int(nbytes))
+        if len(self._needs) < 4096:
+            self._needs[memo] = need
         return need
 
     def _reservation(self) -> dict[str, int]:

@@ -8,6 +8,8 @@
 * :mod:`~shardattn.plan.workspace` itemised per-rank workspace bounds.
 * :mod:`~shardattn.plan.routing`  which kernel path a step takes, and why.
 * :mod:`~shardattn.plan.cudagraph` CUDA-graph support levels; decode query-length analysis.
+* :mod:`~shardattn.plan.decode_batch` a decode batch's metadata (one int32 tensor) and its
+  graph-bucket padding.
 """
 
 from shardattn.plan.context import (
@@ -30,6 +32,7 @@ from shardattn.plan.cudagraph import (
     explain_cudagraph_support,
     xqa_head_dim_supported,
 )
+from shardattn.plan.decode_batch import DecodeBatch, bucket_for, plan_decode_batch
 from shardattn.plan.pcp import PCPPlan, pcp_plan
 from shardattn.plan.routing import (
     DECODE_PATHS,
@@ -76,6 +79,7 @@ __all__ = [
     "BalanceReport",
     "CGSupport",
     "DCPLayout",
+    "DecodeBatch",
     "DecodeQueryLens",
     "ModelSpec",
     "PCPPlan",
@@ -83,6 +87,7 @@ __all__ = [
     "ShardPlan",
     "WorkspaceBounds",
     "balance_report",
+    "bucket_for",
     "causal_token_seq_lens",
     "cost_balanced_split",
     "cudagraph_support",
@@ -97,6 +102,7 @@ __all__ = [
     "get_preset",
     "grouped_group_size",
     "pcp_plan",
+    "plan_decode_batch",
     "route_decode",
     "route_prefill",
     "tile_group_size",

@@ -23,8 +23,16 @@ mode         kernel          level
 any          reference       NEVER (torch reference: may allocate and synchronise)
 ===========  ==============  ===============================================================
 
-Then, with ``dcp_size > 1``, every level above UNIFORM_SINGLE_TOKEN_DECODE drops to it: the DCP
-collector and variable-length decode under DCP are only graph-safe for one token per request.
+Then, with ``dcp_size > 1``, every level above UNIFORM_SINGLE_TOKEN_DECODE drops to it, unless
+the step's per-query metadata is planned on the host (``host_meta=True``: the DCP GQA step with
+:func:`~shardattn.plan.decode_batch.plan_decode_batch`'s metadata as a static graph input): then
+the kernel's level stands.
+
+Ragged batches at UNIFORM_BATCH: a ragged batch (request ``b`` has ``n_b <= Q`` queries) padded to
+``Q`` queries per request (the padding queries see no key; :func:`decode_query_lens` of the
+padded layout counts the padded requests, :class:`~shardattn.plan.decode_batch.DecodeBatch` the
+padding queries) is a uniform batch, so it replays a UNIFORM_BATCH graph; unpadded ragged batches
+need ALWAYS.
 """
 
 from __future__ import annotations
@@ -82,6 +90,7 @@ def explain_cudagraph_support(
     head_dim: int,
     dcp_size: int = 1,
     non_causal: bool = False,
+    host_meta: bool = False,
 ) -> tuple[CGSupport, str]:
     """:func:`cudagraph_support` together with a readable reason."""
     check_choice("mode", mode, CG_MODES)
@@ -107,6 +116,8 @@ def explain_cudagraph_support(
     else:
         level = CGSupport.UNIFORM_BATCH
         why = f"{kernel} decode takes uniform and ragged query lengths" + (" (non-causal)" if non_causal else "")
+    if dcp_size > 1 and level > CGSupport.UNIFORM_SINGLE_TOKEN_DECODE and host_meta:
+        return level, why + f"; dcp_size={dcp_size} with host-planned per-query metadata (a static input)"
     if dcp_size > 1 and level > CGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
         return (
             CGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
@@ -122,6 +133,7 @@ def cudagraph_support(
     head_dim: int,
     dcp_size: int = 1,
     non_causal: bool = False,
+    host_meta: bool = False,
 ) -> CGSupport:
     """CUDA-graph level for a step of ``mode`` on ``kernel`` (table in the module docstring).
 
@@ -132,6 +144,8 @@ def cudagraph_support(
         head_dim: the model's head dim (checked with :func:`xqa_head_dim_supported` for XQA).
         dcp_size: decode context-parallel ranks; ``> 1`` caps the level at single-token decode.
         non_causal: drafts attend non-causally among themselves (speculative decode).
+        host_meta: under DCP, the step's per-query metadata is planned on the host and copied
+            into a static input (no device-side index arithmetic): the level is not capped.
 
     >>> cudagraph_support("decode", "flashinfer-xqa", head_dim=64).name
     'UNIFORM_BATCH'
@@ -139,10 +153,14 @@ def cudagraph_support(
     'UNIFORM_SINGLE_TOKEN_DECODE'
     >>> cudagraph_support("decode", "triton", head_dim=64, dcp_size=2).name
     'UNIFORM_SINGLE_TOKEN_DECODE'
+    >>> cudagraph_support("decode", "triton", head_dim=64, dcp_size=2, host_meta=True).name
+    'UNIFORM_BATCH'
     >>> cudagraph_support("pcp", "triton", head_dim=576).name
     'NEVER'
     """
-    return explain_cudagraph_support(mode, kernel, head_dim=head_dim, dcp_size=dcp_size, non_causal=non_causal)[0]
+    return explain_cudagraph_support(
+        mode, kernel, head_dim=head_dim, dcp_size=dcp_size, non_causal=non_causal, host_meta=host_meta
+    )[0]
 
 
 @dataclass(frozen=True, eq=False)

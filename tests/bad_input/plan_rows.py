@@ -21,6 +21,42 @@ def plan_rows() -> list[Row]:
     pos = torch.arange(6)
     spec = P.get_preset("glm5")
     return [
+        row("bucket_for-negative", P.bucket_for, (-1, (1, 2)), {}, Raises(ValueError, r"^num_requests must be >= 0")),
+        row(
+            "bucket_for-above-largest-runs-eager",
+            P.bucket_for,
+            (9, (1, 2, 4, 8)),
+            {},
+            Gives(lambda b: None if b is None else f"bucket {b} for a batch above every bucket"),
+        ),
+        row(
+            "plan_decode_batch-seq-lens-negative",
+            P.plan_decode_batch,
+            ([3, -1],),
+            {},
+            Raises(ValueError, r"^seq_lens must be non-negative"),
+        ),
+        row(
+            "plan_decode_batch-padded-below-batch",
+            P.plan_decode_batch,
+            ([3, 4],),
+            {"padded_requests": 1},
+            Raises(ValueError, r"^padded_requests=1 is smaller than the batch"),
+        ),
+        row(
+            "plan_decode_batch-drafts-past-q-len",
+            P.plan_decode_batch,
+            ([3, 4], [0, 1, 5]),
+            {"q_len": 2},
+            Raises(ValueError, r"more than q_len=2"),
+        ),
+        row(
+            "plan_decode_batch-layout-int",
+            P.plan_decode_batch,
+            ([3],),
+            {"layout": 3},
+            Raises(TypeError, r"^layout must be a DCPLayout"),
+        ),
         row(
             "zigzag_split-seq-lens-negative",
             P.zigzag_split,
