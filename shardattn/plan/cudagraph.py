@@ -106,7 +106,11 @@ def explain_cudagraph_support(
         why = "trtllm-gen has no non-causal speculative-decode path"
     else:
         level = CGSupport.UNIFORM_BATCH
-        why = f"{kernel} decode takes uniform and ragged query lengths" + (" (non-causal)" if non_causal else "")
+        why = (
+            f"{kernel} decode captures batches of one query length per request"
+            + (" (non-causal drafts)" if non_causal else "")
+            + "; ragged query lengths run eagerly"
+        )
     if dcp_size > 1 and level > CGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
         return (
             CGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
