@@ -34,6 +34,15 @@ def test_seq_lens_topk_length_and_block_stride():
     assert counts.tolist() == [3]
 
 
+def test_position_at_seq_len_is_invalid():
+    pos = torch.tensor([[3, 4, 5]], dtype=torch.int32)
+    rows, counts = convert_topk(
+        pos, torch.zeros(1, dtype=torch.int32), torch.tensor([[0, 1]], dtype=torch.int32), block_size=4,
+        seq_lens=torch.tensor([4], dtype=torch.int32),
+    )  # fmt: skip
+    assert rows.tolist() == [[3, -1, -1]] and counts.tolist() == [1]
+
+
 def test_bad_request_id_empties_the_row():
     pos = torch.tensor([[0, 1]], dtype=torch.int32)
     rows, counts = convert_topk(pos, torch.tensor([5], dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
@@ -89,10 +98,6 @@ def test_bad_inputs_raise_naming_the_argument(kwargs, error, match):
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
-    tokens=st.integers(0, 6),
-    k=st.integers(1, 9),
-    batch=st.integers(1, 3),
-    width=st.integers(0, 4),
     block=st.sampled_from([1, 2, 4]),
     stride=st.sampled_from([None, 5, 2**29]),
     use_seq=st.booleans(),
@@ -100,14 +105,20 @@ def test_bad_inputs_raise_naming_the_argument(kwargs, error, match):
     dcp=st.sampled_from([None, (2, 1, 0), (2, 1, 1), (3, 2, 2)]),
     seed=st.integers(0, 2**16),
 )
-def test_cpu_path_matches_the_loop_oracle(tokens, k, batch, width, block, stride, use_seq, use_len, dcp, seed):
+def test_cpu_path_matches_the_loop_oracle(block, stride, use_seq, use_len, dcp, seed):
     """Bad request ids, unallocated blocks, blocks past the table, seq_lens, topk_length, DCP shards,
     and rows past int32 (a huge block stride), against plain loops over the documented rule."""
     gen = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    tokens, k, batch, width = draw(3, 6), draw(4, 9), draw(1, 3), draw(1, 4)
     pos = torch.randint(-3, 4 * block + 3, (tokens, k), generator=gen, dtype=torch.int32)
     req = torch.randint(-1, batch + 1, (tokens,), generator=gen, dtype=torch.int32)
     table = torch.randint(-1, 9, (batch, width), generator=gen, dtype=torch.int32)
     seq = torch.randint(0, 4 * block + 2, (batch,), generator=gen, dtype=torch.int32) if use_seq else None
+    if seq is not None:  # the edges: a position at seq_lens[req] (invalid) and just below it
+        edge = seq[req.clamp(0, batch - 1).long()]
+        pos[:, 0] = edge
+        pos[:, -1] = edge - 1
     length = torch.randint(0, k + 2, (tokens,), generator=gen, dtype=torch.int32) if use_len else None
     kw = dict(block_size=block, block_stride=stride, seq_lens=seq, topk_length=length)
     shard = None if dcp is None else DcpShard(*dcp)
