@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
+from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
+from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
 from tests.oracle import sparse_mla_oracle
 
 
@@ -79,13 +82,15 @@ def test_reference_matches_oracle(t, h, d, r, k, dv_frac, invalid, dups, with_le
         torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=0)
 
 
-def test_split_q_latent_and_rope_equals_whole_q() -> None:
-    """The public entry accepts ``(q_latent, q_rope)``: the same attention as the joined ``q``."""
+@pytest.mark.parametrize("entry", ["attention", "grouped", "decode"])
+def test_split_q_latent_and_rope_equals_whole_q(entry: str) -> None:
+    """Every public entry accepts ``(q_latent, q_rope)``: the same attention as the joined ``q``."""
+    fn = {"attention": sparse_mla_attention, "grouped": sparse_mla_grouped_prefill, "decode": sparse_mla_decode}[entry]
     g = torch.Generator().manual_seed(4)
     q, kv = torch.randn(5, 3, 24, generator=g), torch.randn(11, 24, generator=g)
     rows = torch.randint(-1, 13, (5, 6), generator=g, dtype=torch.int32)
     want_out, want_lse = sparse_mla_oracle(q, kv, rows, scale=0.4, v_dim=16)
-    out, lse = sparse_mla_attention((q[..., :16], q[..., 16:]), kv, rows, scale=0.4, v_dim=16)
+    out, lse = fn((q[..., :16], q[..., 16:]), kv, rows, scale=0.4, v_dim=16)
     torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=0)
     fin = torch.isfinite(want_lse)
     assert torch.equal(fin, torch.isfinite(lse))
