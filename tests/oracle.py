@@ -32,20 +32,14 @@ def _keys_of(row: list[int], num_rows: int, length: int | None) -> list[int]:
     return keys
 
 
-def _softmax_row(
-    logits: list[float], values: torch.Tensor, sink: float | None, width: int
-) -> tuple[torch.Tensor, float]:
-    """``(sum_i p_i values[i], lse)`` in fp64 for one (token, head); ``values``: ``[n, width]``."""
+def _softmax(logits: list[float], sink: float | None) -> tuple[list[float], float]:
+    """``(p_i, lse)`` of one (token, head): ``p_i = exp(logit_i - lse)``, the sink in the denominator only."""
     terms = logits + ([sink] if sink is not None else [])
     if not terms:
-        return torch.zeros(width, dtype=torch.float64), -math.inf
+        return [], -math.inf
     m = max(terms)
-    z = sum(math.exp(x - m) for x in terms)
-    lse = m + math.log(z)
-    out = torch.zeros(width, dtype=torch.float64)
-    for x, v in zip(logits, values):
-        out += math.exp(x - lse) * v
-    return out, lse
+    lse = m + math.log(sum(math.exp(x - m) for x in terms))
+    return [math.exp(x - lse) for x in logits], lse
 
 
 def sparse_mla_oracle(
@@ -77,10 +71,16 @@ def sparse_mla_oracle(
     lse = torch.full((t_count, heads), -math.inf, dtype=torch.float64)
     for t, row in enumerate(rows.tolist()):
         keys = _keys_of(row, num_rows, None if lengths is None else lengths[t])
-        k_rows = kv64[keys] if keys else kv64.new_zeros(0, kv64.shape[1])
+        if not keys and sink is None:
+            continue  # (0, -inf)
+        k_rows = kv64[keys]  # [n, D]
+        dots = (q64[t] @ k_rows.T).tolist()  # [H][n]: q[t, h] . kv[row]
+        weights = []
         for h in range(heads):
-            logits = [scale * float(x) for x in k_rows @ q64[t, h]] if keys else []
-            out[t, h], lse[t, h] = _softmax_row(logits, k_rows[:, :v_dim], None if sink is None else sink[h], v_dim)
+            p, lse[t, h] = _softmax([scale * x for x in dots[h]], None if sink is None else sink[h])
+            weights.append(p)
+        if keys:
+            out[t] = torch.tensor(weights, dtype=torch.float64) @ k_rows[:, :v_dim]
     return out, lse
 
 
@@ -177,6 +177,7 @@ def gqa_oracle(
                 ks = [k64[table[b][t // page], t % page, g] for t in keys]
                 vs = [v64[table[b][t // page], t % page, g] for t in keys]
                 logits = [scale * float(q64[row, h] @ kt) for kt in ks]
-                values = torch.stack(vs) if vs else torch.zeros(0, d, dtype=torch.float64)
-                out[row, h], lse[row, h] = _softmax_row(logits, values, None if sink is None else sink[h], d)
+                p, lse[row, h] = _softmax(logits, None if sink is None else sink[h])
+                if keys:
+                    out[row, h] = torch.tensor(p, dtype=torch.float64) @ torch.stack(vs)
     return out, lse
