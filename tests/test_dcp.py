@@ -1,4 +1,5 @@
-"""DCP decode on 1-4 ranks equals the single-process kernel over the whole cache (sparse MLA and GQA)."""
+"""DCP decode on 1-4 ranks equals the single-process kernel over the whole cache (sparse MLA and GQA),
+checked against the independent fp64 oracles of tests/oracle.py."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference
-from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
-from shardattn.kernels.topk import convert_topk
+from shardattn.kernels.gqa_decode import gqa_paged_decode
+from shardattn.kernels.sparse_mla import sparse_mla_attention
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
 from shardattn.plan import DCPLayout
+from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
 from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_within_reference_error, catch, paged
 
 # ---------------------------------------------------------------------------------------- sparse MLA
@@ -94,14 +95,14 @@ def _run_mla(group: dist.ProcessGroup, case: dict, scatter_heads: bool = True) -
 
 
 def _check_mla(results: list, case: dict, world: int, scatter_heads: bool = True) -> None:
-    rows, _ = convert_topk(
+    rows = topk_rows_oracle(
         case["pos"], case["req_ids"], case["table"], block_size=case["block_size"], seq_lens=case["seq_lens"],
         topk_length=case["topk_length"],
     )  # fmt: skip
     q, kv = case["q"], case["cache"]
     kw = dict(scale=case["scale"], v_dim=case["dv"], sinks=case["sinks"])
     ref_out, ref_lse = sparse_mla_attention(q, kv, rows, **kw)
-    out64, lse64 = sparse_mla_reference(q.double(), kv.double(), rows, compute_dtype=torch.float64, **kw)
+    out64, lse64 = sparse_mla_oracle(q, kv, rows, **kw)
     h = q.shape[1] // world if scatter_heads else q.shape[1]
     vmax = float(kv[:, : case["dv"]].float().abs().max()) if kv.numel() else 0.0
     for r, (out, lse, counts) in enumerate(results):
@@ -235,9 +236,7 @@ def _check_gqa(results: list, case: dict, world: int) -> None:
         ref_out, ref_lse = gqa_paged_decode(
             q, k, v, table, lens, q_len_per_req=case["q_len"], return_lse=True, backend="reference", **kw
         )
-    out64, lse64 = gqa_paged_decode_reference(
-        q.double(), k.double(), v.double(), table, lens, cu, compute_dtype=torch.float64, **kw
-    )
+    out64, lse64 = gqa_oracle(q, k, v, table, lens, cu.tolist(), **kw)
     h = q.shape[1] // world
     vmax = float(v.float().abs().max()) if v.numel() else 0.0
     for r, (out, lse, counts) in enumerate(results):

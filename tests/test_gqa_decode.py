@@ -3,7 +3,6 @@ GPU) against the reference, FlashInfer XQA against both when installed, and inpu
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from shardattn.kernels.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference
 from shardattn.testing.interpret import run_interpreted
+from tests.oracle import gqa_oracle
 
 
 @dataclass(frozen=True)
@@ -75,38 +75,12 @@ def make_inputs(case: Case, dtype: torch.dtype = torch.float32, device: str = "c
 
 
 def loop_reference(q, k, v, table, lens, *, q_len_per_req, cu_q_lens, causal, window_left, sinks):
-    """Straightforward fp64 loops over requests, queries, heads and keys."""
-    total, hq, d = q.shape
-    page, hkv = k.shape[1], k.shape[2]
-    scale = d**-0.5
+    """Straightforward fp64 loops over requests, queries, heads and keys (tests/oracle.py)."""
     batch = table.shape[0]
     cu = cu_q_lens.tolist() if cu_q_lens is not None else [b * q_len_per_req for b in range(batch + 1)]
-    out = torch.zeros(total, hq, d, dtype=torch.float64)
-    lse = torch.full((total, hq), -math.inf, dtype=torch.float64)
-    for b in range(batch):
-        n_keys = int(lens[b])
-        n_q = cu[b + 1] - cu[b]
-        if n_keys == 0:
-            continue
-        for j in range(n_q):
-            p = n_keys - n_q + j
-            keys = [t for t in range(n_keys) if (t <= p or not causal) and (window_left < 0 or t >= p - window_left)]
-            for h in range(hq):
-                kvh = h // (hq // hkv)
-                qv = q[cu[b] + j, h].double()
-                logits = []
-                for t in keys:
-                    kt = k[int(table[b, t // page]), t % page, kvh].double()
-                    logits.append(scale * float(qv @ kt))
-                terms = logits + ([float(sinks[h])] if sinks is not None else [])
-                if not terms:
-                    continue
-                m = max(terms)
-                z = sum(math.exp(x - m) for x in terms)
-                lse[cu[b] + j, h] = m + math.log(z)
-                for t, x in zip(keys, logits):
-                    out[cu[b] + j, h] += math.exp(x - m) / z * v[int(table[b, t // page]), t % page, kvh].double()
-    return out, lse
+    return gqa_oracle(
+        q, k, v, table, lens, cu, scale=q.shape[-1] ** -0.5, causal=causal, window_left=window_left, sinks=sinks
+    )
 
 
 def assert_lse_close(lse, ref, atol):

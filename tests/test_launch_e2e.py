@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,9 @@ from shardattn.testing.pool import free_port
 
 #: Wall-clock bound of one launcher run in these tests (CI: a 2-core box shared with other tests).
 RUN_LIMIT_S = 120
+ROOT = Path(__file__).resolve().parents[1]
+#: The launcher run through test-only replacements (tests/launch_patched.py): argv prefix.
+PATCHED = ["-m", "tests.launch_patched"]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -43,11 +47,15 @@ def _torchrun(nproc: int, *args: str) -> tuple[subprocess.CompletedProcess, floa
 
 
 def _ranks(
-    nproc: int, *args: str, timeout: float = RUN_LIMIT_S, rank_args: dict[int, list[str]] | None = None
+    nproc: int,
+    *args: str,
+    timeout: float = RUN_LIMIT_S,
+    rank_args: dict[int, list[str]] | None = None,
+    entry: list[str] | None = None,
 ) -> tuple[list[tuple[int, str, str]], float]:
     """One launcher process per rank, with torchrun's variables; ``[(status, stdout, stderr)]`` per rank.
 
-    ``rank_args`` adds options to some ranks only.
+    ``rank_args`` adds options to some ranks only; ``entry`` replaces ``-m shardattn.launch``.
     """
     port = str(free_port())
     procs = []
@@ -66,8 +74,9 @@ def _ranks(
         extra = (rank_args or {}).get(r, [])
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "shardattn.launch", *args, *extra],
+                [sys.executable, *(entry or ["-m", "shardattn.launch"]), *args, *extra],
                 env=env,
+                cwd=ROOT,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -175,3 +184,37 @@ def test_dead_rank_makes_the_others_exit_within_the_timeout(fail_at: str, timeou
     assert message in err0
     # start-up (imports on a busy 2-core box) plus at most the timeout
     assert elapsed < timeout + 45, f"rank 0 took {elapsed:.0f} s to notice"
+
+
+@pytest.mark.distributed
+def test_failed_check_exits_with_status_3_on_every_rank(tmp_path) -> None:
+    """A prefill kernel whose output is off by 0.5 (tests/launch_patched.py) fails ``--check``."""
+    path = tmp_path / "r.json"
+    args = ["--mode", "shardq", "--tokens", "32", "--topk", "16", "--iters", "1", "--check", "--json", str(path)]
+    results, _ = _ranks(2, *args, entry=[*PATCHED, "corrupt-prefill"], timeout=90)
+    assert [status for status, _, _ in results] == [3, 3], results
+    assert "check FAILED" in results[0][1], results[0][1]
+    report = json.loads(path.read_text())
+    assert report["checked"] and report["passed"] is False
+    assert all(r["passed"] is False and 0.4 < r["error"] < 0.6 for r in report["rows"]), report["rows"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--mode", "mixed", "--tokens", "48", "--topk", "16", "--cached", "40,7", "--q-len", "1,2"],
+        ["--mode", "pcp", "--tokens", "40", "--topk", "16", "--cached", "24,0"],
+        ["--preset", "gqa-64-8", "--q-len", "1,3", "--cached", "30,9", "--non-causal"],
+    ],
+    ids=["mixed-shardq-dcp", "pcp", "gqa-noncausal-drafts"],
+)
+def test_check_against_the_independent_oracle(tmp_path, args: list[str]) -> None:
+    """``--check`` with the library references swapped for tests/oracle.py passes (and so measures the steps
+    against code they share nothing with)."""
+    path = tmp_path / "r.json"
+    results, _ = _ranks(2, *args, "--iters", "1", "--check", "--json", str(path), entry=[*PATCHED, "oracle"])
+    assert [status for status, _, _ in results] == [0, 0], results
+    report = json.loads(path.read_text())
+    assert report["checked"] and report["passed"], report["rows"]
+    assert all(r["error"] is not None and r["error"] <= 1e-4 for r in report["rows"]), report["rows"]

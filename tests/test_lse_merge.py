@@ -1,5 +1,5 @@
-"""LSE merge: the reference against fp64 loops, the Triton kernel (interpreter and GPU) against the
-reference, empty partials (``-inf``) and all-empty rows, destinations given by the caller."""
+"""LSE merge: the CPU path and the Triton kernel (interpreter) against fp64 loops, the kernel on the GPU
+against the reference, empty partials (``-inf``) and all-empty rows, destinations given by the caller."""
 
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ def test_given_destinations_are_filled_in_place():
     lse = torch.full((2, 2), float("nan"))
     got_out, got_lse = lse_merge(outs, lses, out=out, lse_out=lse)
     assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
-    ref_out, _ = lse_merge_reference(outs, lses)
-    torch.testing.assert_close(out.float(), ref_out, atol=1e-3, rtol=0)
+    ref_out, ref_lse = loop_merge(outs, lses)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-3, rtol=0)
+    assert_merged(out, lse, ref_out, ref_lse, atol=1e-3)
     with pytest.raises(ValueError, match="out must have shape"):
         lse_merge(outs, lses, out=torch.zeros(2, 2, 7))
     with pytest.raises(TypeError, match="lse_out must have dtype"):
@@ -80,7 +81,7 @@ def interpreted_cases(dtype_name: str) -> None:
     for p, t, h, d in [(1, 3, 2, 16), (2, 5, 3, 24), (8, 2, 4, 64)]:
         outs, lses = make_partials(p, t, h, d, dtype)
         out, lse = lse_merge(outs, lses)
-        ref_out, ref_lse = lse_merge_reference(outs, lses)
+        ref_out, ref_lse = loop_merge(outs, lses)
         assert out.dtype == dtype and lse.dtype == torch.float32
         assert_merged(out, lse, ref_out, ref_lse, atol)
     # strided partials (a slice of a bigger buffer) and garbage in empty partials
@@ -90,7 +91,7 @@ def interpreted_cases(dtype_name: str) -> None:
     outs_garbage = big[..., :16].clone()
     outs_garbage[torch.isneginf(lses)] = float("nan")
     out, lse = lse_merge(big[..., :16], lses)
-    ref_out, ref_lse = lse_merge_reference(outs, lses)
+    ref_out, ref_lse = loop_merge(outs, lses)
     assert_merged(out, lse, ref_out, ref_lse, atol)
     out, _ = lse_merge(outs_garbage, lses)  # the kernel ignores empty partials' contents
     assert_merged(out, lse, ref_out, ref_lse, atol)

@@ -40,6 +40,8 @@ def _on_gpu(group: dist.ProcessGroup, run: Callable[..., Any], case: dict, *args
 @pytest.fixture
 def gpu_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(parallel_helpers, "REFERENCE_ERROR_FACTOR", 4.0)
+    # the single-process reference on a GPU is the Triton kernel (bf16 probabilities): more ulps from the oracle
+    monkeypatch.setattr(parallel_helpers, "REFERENCE_ULPS", 8.0)
 
 
 @pytest.mark.gpu

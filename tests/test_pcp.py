@@ -1,4 +1,5 @@
-"""PCP prefill on 1-4 ranks equals single-process sparse MLA over each request's whole KV."""
+"""PCP prefill on 1-4 ranks equals single-process sparse MLA over each request's whole KV (checked
+against the independent fp64 oracle of tests/oracle.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
-from shardattn.kernels.topk import convert_topk
+from shardattn.kernels.sparse_mla import sparse_mla_attention
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.pcp import pcp_prefill
 from shardattn.plan import pcp_plan
+from tests.oracle import sparse_mla_oracle, topk_rows_oracle
 from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_within_reference_error, catch, paged
 
 
@@ -93,14 +94,14 @@ def _run(group: dist.ProcessGroup, case: dict, gather_output: bool = False, with
 
 
 def _check(results: list, case: dict, world: int, gather_output: bool = False) -> None:
-    rows, _ = convert_topk(
+    rows = topk_rows_oracle(
         case["pos"], case["req_ids"], case["table"], block_size=case["block_size"], seq_lens=case["full_lens"],
         topk_length=case["topk_length"],
     )  # fmt: skip
     q, kv = case["q"], case["cache"]
     kw = dict(scale=case["scale"], v_dim=case["dv"], sinks=case["sinks"])
     ref_out, ref_lse = sparse_mla_attention(q, kv, rows, **kw)
-    out64, lse64 = sparse_mla_reference(q.double(), kv.double(), rows, compute_dtype=torch.float64, **kw)
+    out64, lse64 = sparse_mla_oracle(q, kv, rows, **kw)
     # prefix and new keys are two partials merged in one process: one extra bf16 rounding
     vmax = float(kv[:, : case["dv"]].float().abs().max()) if kv.numel() else 0.0
     split = any(p > 0 for p in case["prefix_lens"])

@@ -248,6 +248,8 @@ def test_cudagraph_table(mode, kernel, kwargs, level):
     assert cudagraph_support(mode, kernel, **args) == level
     got, reason = explain_cudagraph_support(mode, kernel, **args)
     assert got == level and reason
+    if got == CGSupport.UNIFORM_BATCH:  # the reason must not promise what the level forbids
+        assert "ragged" not in reason or "eagerly" in reason, reason
 
 
 def test_dcp_never_raises_a_level():

@@ -1,4 +1,5 @@
-"""Zigzag and cost-balanced token splits: invariants, a loop reference, the gate, bad input."""
+"""Zigzag and cost-balanced token splits: invariants, an exhaustive-search oracle of the documented
+rule, the gate, bad input."""
 
 from __future__ import annotations
 
@@ -20,33 +21,69 @@ from shardattn.plan import (
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
 
 
-def _reference_zigzag(lens: list[int], w: int, align: int) -> list[list[int]]:
-    """The documented chunk rule, written as plain loops."""
-    ranks: list[list[int]] = [[] for _ in range(w)]
+def _extra_assignments(w: int, rem: int):
+    """Every way to give ``rem`` extra units to ``w`` ranks, at most 2 (one per chunk) each."""
+    if w == 0:
+        if rem == 0:
+            yield ()
+        return
+    for e in range(min(2, rem) + 1):
+        for rest in _extra_assignments(w - 1, rem - e):
+            yield (e, *rest)
+
+
+def _zigzag_oracle(lens: list[int], w: int, align: int) -> list[list[int]]:
+    """Token ids per rank, found by exhaustive search over the documented rule (module docstring of
+    shardattn.plan.zigzag), not by replaying the planner's loop.
+
+    Per request of ``n`` tokens, ``u = ceil(n / align)`` units: every chunk gets ``u // 2W`` units and
+    the ``u % 2W`` extras are dealt one at a time to the least-loaded eligible rank (a rank's tokens
+    so far in the step plus its base units of this request at their size, the short last unit
+    included; each extra dealt adds ``align``), ties to the lower rank. Dealing one at a time to
+    the smallest ``(load, rank)`` picks exactly the ``u % 2W`` smallest of the keys
+    ``(load_r + j * align, r)``, ``j`` in ``{0, 1}``: the search takes, over every assignment of
+    0, 1 or 2 extras per rank, the one whose sorted keys are smallest. A rank's first extra
+    lengthens chunk ``r``, its second chunk ``2W-1-r``; rank ``r`` owns chunks ``r`` and ``2W-1-r``.
+    """
+    slots = 2 * w
     load = [0] * w
+    ranks: list[list[int]] = [[] for _ in range(w)]
     start = 0
     for n in lens:
         units = -(-n // align)
-        base, rem = divmod(units, 2 * w)
-        sizes = [base] * (2 * w)
-        guess = [load[r] + 2 * base * align for r in range(w)]
-        if base:
-            guess[0] -= units * align - n
-        extras = [0] * w
-        for _ in range(rem):
-            r = min((guess[r], r) for r in range(w) if extras[r] < 2)[1]
-            sizes[r if extras[r] == 0 else 2 * w - 1 - r] += 1
-            extras[r] += 1
-            guess[r] += align
+        base, rem = divmod(units, slots)
+        # tokens of the base units of rank r: 2 * base full units; the request's last unit, short
+        # by units * align - n, closes chunk 2W-1 (rank 0's late chunk) whenever base > 0
+        before = [load[r] + 2 * base * align - (units * align - n if base and r == 0 else 0) for r in range(w)]
+        best = min(
+            _extra_assignments(w, rem),
+            key=lambda e: sorted((before[r] + j * align, r) for r in range(w) for j in range(e[r])),
+        )
+        sizes = [base] * slots
+        for r, e in enumerate(best):
+            if e >= 1:
+                sizes[r] += 1
+            if e == 2:
+                sizes[slots - 1 - r] += 1
         bounds = [0]
         for size in sizes:
             bounds.append(min(bounds[-1] + size * align, n))
         for r in range(w):
-            for c in (r, 2 * w - 1 - r):
+            for c in (r, slots - 1 - r):
                 ranks[r].extend(range(start + bounds[c], start + bounds[c + 1]))
                 load[r] += bounds[c + 1] - bounds[c]
         start += n
     return ranks
+
+
+def test_oracle_on_the_docstring_examples():
+    assert _zigzag_oracle([8], 2, 1) == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert _zigzag_oracle([5, 3], 2, 1) == [[0, 1, 4, 5], [2, 3, 6, 7]]  # request 1's extras: rank 1
+    assert _zigzag_oracle([10], 2, 4) == [[0, 1, 2, 3, 8, 9], [4, 5, 6, 7]]  # units 4, 4, 2
+    # a single request: extras to the early chunks of ranks 0, 1, ..., then to the late chunks
+    assert _zigzag_oracle([7], 3, 1) == [[0, 1, 6], [2, 5], [3, 4]]
+    assert _zigzag_oracle([8], 3, 1) == [[0, 1, 7], [2, 3, 6], [4, 5]]
+    assert _zigzag_oracle([1] * 9, 3, 1) == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]  # short requests spread
 
 
 steps = st.tuples(
@@ -90,12 +127,12 @@ def _check_permutation_maps(plan: ShardPlan) -> None:
 
 @SETTINGS
 @given(steps)
-def test_zigzag_invariants_match_loop_reference(step):
+def test_zigzag_invariants_match_the_search_oracle(step):
     lens, w, align, seed = step
     prefix = _prefix(lens, seed)
     plan = zigzag_split(lens, w, align=align, min_tokens=0, prefix_lens=prefix)
     assert plan.sharded and plan.strategy == "zigzag"
-    ref = _reference_zigzag(lens, w, align)
+    ref = _zigzag_oracle(lens, w, align)
     assert [plan.token_ids(r).tolist() for r in range(w)] == ref
     _check_permutation_maps(plan)
     # positions include the prefix

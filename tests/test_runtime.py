@@ -1,4 +1,5 @@
-"""The Runtime: routed prefill and decode against the single-process reference, workspace, warm-up, graph policy.
+"""The Runtime: routed prefill and decode against the independent fp64 oracle (tests/oracle.py), the
+multi-pass union loop, workspace, warm-up, graph policy.
 
 Distributed tests run on the ``dist_pool`` ranks (gloo, CPU); small model specs keep them fast.
 """
@@ -12,15 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.gqa_decode import gqa_paged_decode_reference
-from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.topk import DcpShard
 from shardattn.launch.workloads import build_decode, build_gqa_decode, build_prefill
-from shardattn.parallel.runtime import MODES, Runtime, WorkspaceExceededError
+from shardattn.parallel.runtime import MODES, PrefillPlan, Runtime, WorkspaceExceededError
 from shardattn.plan.cudagraph import CGSupport
 from shardattn.plan.routing import Route, route_prefill
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.workspace import workspace_bounds
+from shardattn.plan.zigzag import zigzag_split
+from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
 
 MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32")  # 8 heads, 48 = 32 latent + 16 rope
 GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 16, has_sinks=True, dtype="float32")
@@ -52,6 +53,22 @@ def _prefill_step(seed: int = 0):
     )
 
 
+def _mla_oracle(step, scale: float, kv_lens: list[int] | torch.Tensor, topk_length=None):
+    """The oracle on the step's rows, themselves converted from its top-k positions by the oracle."""
+    lens = torch.as_tensor(kv_lens, dtype=torch.int32)
+    rows = topk_rows_oracle(
+        step.positions, step.req_ids, step.block_table, block_size=MLA.page_size, seq_lens=lens, topk_length=topk_length
+    )
+    return sparse_mla_oracle(step.q, step.kv, rows, scale=scale, v_dim=MLA.v_dim, topk_length=topk_length)
+
+
+def _gqa_oracle(g, scale: float, causal: bool = True):
+    return gqa_oracle(
+        g.q, g.k_cache, g.v_cache, g.block_table, g.seq_lens, g.cu_q_lens.tolist(), sinks=g.sinks, scale=scale,
+        causal=causal,
+    )  # fmt: skip
+
+
 def _heads(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     h = x.shape[1] // world
     return x[:, rank * h : (rank + 1) * h]
@@ -70,7 +87,7 @@ def _prefill_body(group, mode: str, min_shard_tokens: int) -> dict:
         out, lse = rt.prefill(
             step.q[mine], step.kv[own], step.positions[mine], plan=plan, kv_cache=step.kv, block_table=step.block_table
         )
-        ref_out, ref_lse = sparse_mla_reference(step.q, step.kv, step.rows, scale=rt.scale, v_dim=MLA.v_dim)
+        ref_out, ref_lse = _mla_oracle(step, rt.scale, _kv_lens(step))
         ref_out, ref_lse = ref_out[mine], ref_lse[mine]
     else:
         out, lse = rt.prefill(
@@ -80,7 +97,7 @@ def _prefill_body(group, mode: str, min_shard_tokens: int) -> dict:
             seq_lens=step.seq_lens,
             prefix_lens=step.prefix_lens,
         )
-        ref_out, ref_lse = sparse_mla_reference(step.q, step.kv, step.rows, scale=rt.scale, v_dim=MLA.v_dim)
+        ref_out, ref_lse = _mla_oracle(step, rt.scale, _kv_lens(step))
         ref_out, ref_lse = _heads(ref_out, rank, world), _heads(ref_lse, rank, world)
     return {
         "step": plan.step,
@@ -89,6 +106,10 @@ def _prefill_body(group, mode: str, min_shard_tokens: int) -> dict:
         "err": max(_err(out, ref_out), _err(lse, ref_lse)),
         "tokens": int(plan.tokens_of(rank).numel()),
     }
+
+
+def _kv_lens(step) -> list[int]:
+    return [c + n for c, n in zip(step.prefix_lens, step.seq_lens)]
 
 
 def _token_rows(step) -> torch.Tensor:
@@ -123,10 +144,12 @@ def test_prefill_matches_single_process_reference(dist_pool, world_size, mode, g
 
 
 # -- decode -----------------------------------------------------------------------------------------
-def _decode_body(group, mode: str, kind: str, q_lens: tuple[int, ...], interleave: int) -> float:
+def _decode_body(
+    group, mode: str, kind: str, q_lens: tuple[int, ...], interleave: int, non_causal: bool = False
+) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     spec = MLA if kind == "mla" else GQA
-    rt = Runtime(spec, group, max_batched_tokens=64, mode=mode, dcp_interleave=interleave)
+    rt = Runtime(spec, group, max_batched_tokens=64, mode=mode, dcp_interleave=interleave, non_causal=non_causal)
     dcp = mode in ("mixed", "dcp-decode")
     shard = DcpShard(world, interleave, rank) if dcp else DcpShard(1, 1, 0)
     cached = (37, 0, 70)[: len(q_lens)]
@@ -139,7 +162,7 @@ def _decode_body(group, mode: str, kind: str, q_lens: tuple[int, ...], interleav
             q_lens=q_lens,
             topk=spec.topk,
             overlap="random",
-            causal=True,
+            causal=not non_causal,
             dtype=torch.float32,
             device=CPU,
             seed=3,
@@ -154,7 +177,8 @@ def _decode_body(group, mode: str, kind: str, q_lens: tuple[int, ...], interleav
             topk_pos=s.positions,
             req_ids=s.req_ids,
         )
-        ref = sparse_mla_reference(s.q, s.kv, s.rows, scale=rt.scale, v_dim=spec.v_dim)
+        ref = _mla_oracle(s, rt.scale, s.seq_lens)
+        other = ref  # sparse MLA: causality lives in the top-k positions
     else:
         g = build_gqa_decode(
             q_heads=spec.num_heads,
@@ -178,28 +202,104 @@ def _decode_body(group, mode: str, kind: str, q_lens: tuple[int, ...], interleav
         out, lse = rt.decode(
             _heads(g.q, rank, world).contiguous(), (k, v), table, g.seq_lens, cu_q_lens=g.cu_q_lens, sinks=g.sinks
         )
-        ref = gqa_paged_decode_reference(
-            g.q, g.k_cache, g.v_cache, g.block_table, g.seq_lens, g.cu_q_lens, sinks=g.sinks, scale=rt.scale
-        )
-    return max(_err(out, _heads(ref[0], rank, world)), _err(lse, _heads(ref[1], rank, world)))
+        ref = _gqa_oracle(g, rt.scale, causal=not non_causal)
+        other = _gqa_oracle(g, rt.scale, causal=non_causal)
+    return {
+        "err": max(_err(out, _heads(ref[0], rank, world)), _err(lse, _heads(ref[1], rank, world))),
+        "err_other_mask": _err(out, _heads(other[0], rank, world)),
+    }
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("mode", "kind", "q_lens", "interleave"),
+    ("mode", "kind", "q_lens", "interleave", "non_causal"),
     [
-        ("mixed", "mla", (1, 1, 1), 1),
-        ("dcp-decode", "mla", (2, 1, 3), 16),  # speculative drafts, interleave of one page
-        ("shardq", "mla", (1, 1), 1),  # head-TP decode over the whole cache
-        ("dcp-decode", "gqa", (1, 3, 2), 1),  # ragged drafts with sinks
-        ("dcp-decode", "gqa", (2, 2, 2), 4),
-        ("headtp", "gqa", (1, 3, 2), 1),
+        ("mixed", "mla", (1, 1, 1), 1, False),
+        ("dcp-decode", "mla", (2, 1, 3), 16, False),  # speculative drafts, interleave of one page
+        ("shardq", "mla", (1, 1), 1, False),  # head-TP decode over the whole cache
+        ("dcp-decode", "mla", (2, 1, 3), 2, True),  # non-causal drafts: any of the request's keys
+        ("dcp-decode", "gqa", (1, 3, 2), 1, False),  # ragged drafts with sinks
+        ("dcp-decode", "gqa", (2, 2, 2), 4, False),
+        ("headtp", "gqa", (1, 3, 2), 1, False),
+        ("dcp-decode", "gqa", (1, 3, 2), 2, True),
+        ("headtp", "gqa", (2, 2, 2), 1, True),
     ],
-    ids=["mla-dcp", "mla-dcp-drafts", "mla-headtp", "gqa-dcp-ragged", "gqa-dcp-uniform", "gqa-headtp"],
+    ids=[
+        "mla-dcp",
+        "mla-dcp-drafts",
+        "mla-headtp",
+        "mla-dcp-noncausal",
+        "gqa-dcp-ragged",
+        "gqa-dcp-uniform",
+        "gqa-headtp",
+        "gqa-dcp-noncausal",
+        "gqa-headtp-noncausal",
+    ],
 )
-def test_decode_matches_single_process_reference(dist_pool, mode, kind, q_lens, interleave) -> None:
-    errors = dist_pool.run(_decode_body, mode, kind, q_lens, interleave, world_size=2)
-    assert max(errors) <= 1e-5, errors
+def test_decode_matches_single_process_reference(dist_pool, mode, kind, q_lens, interleave, non_causal) -> None:
+    results = dist_pool.run(_decode_body, mode, kind, q_lens, interleave, non_causal, world_size=2)
+    assert max(res["err"] for res in results) <= 1e-5, results
+    if kind == "gqa" and max(q_lens) > 1:  # drafts: the other mask gives another answer
+        assert min(res["err_other_mask"] for res in results) > 1e-3, results
+
+
+# -- the multi-pass loop over the union workspace ------------------------------------------------------
+MULTIPASS_SEQ = [119, 9]  # with G = 8 over 2 ranks, zigzag puts 71 tokens on rank 0: N = 64 plus the slack
+
+
+def _multipass_body(group) -> dict:
+    """A ShardQ step whose zigzag slack leaves rank 0 more tokens than the union buffer covers.
+
+    The Runtime reserves the union of ``N = ceil(ceil(M / W) / G) * G`` tokens (``M = 128``,
+    ``W = 2``, ``G = 8``: 64); aligning the split to ``G`` puts ``64 + 7`` tokens on rank 0, which
+    then runs in two passes over the same buffer. On the CPU the planner routes to the torch
+    reference (which needs no union), so the step is given the grouped route a GPU would take.
+    """
+    import shardattn.parallel.prefill_attention as runtime_module
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rt = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", min_shard_tokens=1, warmup=False)
+    g, k, t = 8, MLA.topk, sum(MULTIPASS_SEQ)
+    split = zigzag_split(MULTIPASS_SEQ, world, align=g, min_tokens=0)
+    plan = PrefillPlan("shardq", Route("grouped", g, "as on a GPU"), split, t)
+    gen = torch.Generator().manual_seed(11)
+    q, kv = torch.randn(t, MLA.num_heads, MLA.head_dim, generator=gen), torch.randn(300, MLA.head_dim, generator=gen)
+    rows = torch.randint(-2, 310, (t, k), generator=gen, dtype=torch.int32)
+    length = torch.randint(0, k + 1, (t,), generator=gen, dtype=torch.int32)
+    sinks = torch.randn(MLA.num_heads, generator=gen)
+    union_ptr = rt.workspace["prefill.union"].data_ptr()
+    passes = []
+    real = runtime_module.sparse_mla_grouped_prefill
+
+    def spy(q, **kw):  # q: [T, H, D], or head-blocked [W, T, H/W, D] (the in-place ShardQ buffer)
+        union = kw["union"][0]
+        passes.append((int(q.shape[-3]), union.data_ptr() == union_ptr, tuple(union.shape), kw["group_size"]))
+        return real(q, **kw)
+
+    runtime_module.sparse_mla_grouped_prefill = spy
+    try:
+        out, lse = rt.prefill(_heads(q, rank, world).contiguous(), kv, rows, plan=plan, topk_length=length, sinks=sinks)
+    finally:
+        runtime_module.sparse_mla_grouped_prefill = real
+    ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=rt.scale, v_dim=MLA.v_dim, topk_length=length, sinks=sinks)
+    return {
+        "passes": passes,
+        "err": max(_err(out, _heads(ref_out, rank, world)), _err(lse, _heads(ref_lse, rank, world))),
+        "union_bytes": int(rt.workspace["prefill.union"].numel()),
+        "counts": split.counts.tolist(),
+    }
+
+
+@pytest.mark.distributed
+def test_prefill_runs_in_passes_when_a_rank_holds_more_than_the_union_buffer(dist_pool) -> None:
+    results = dist_pool.run(_multipass_body, world_size=2)
+    k = MLA.topk
+    assert results[0]["counts"] == [71, 57] and results[0]["union_bytes"] == 64 * k * 4
+    for rank, (res, want) in enumerate(zip(results, ([64, 7], [57]))):
+        assert [n for n, *_ in res["passes"]] == want, (rank, res["passes"])
+        assert all(same for _, same, _, _ in res["passes"]), "every pass reuses the reserved buffer"
+        assert all(shape == (-(-n // 8), 8 * k) and g == 8 for n, _, shape, g in res["passes"]), res["passes"]
+        assert res["err"] <= 1e-5, (rank, res["err"])
 
 
 # -- two Runtimes, two groups, one process ------------------------------------------------------------
@@ -227,10 +327,8 @@ def _two_runtimes_body(group) -> dict:
         block_size=16,
     )
     errs = []
-    ref_a = sparse_mla_reference(step.q, step.kv, step.rows, scale=a.scale, v_dim=MLA.v_dim)
-    ref_b = gqa_paged_decode_reference(
-        g.q, g.k_cache, g.v_cache, g.block_table, g.seq_lens, g.cu_q_lens, sinks=g.sinks, scale=b.scale
-    )
+    ref_a = _mla_oracle(step, a.scale, _kv_lens(step))
+    ref_b = _gqa_oracle(g, b.scale)
     for _ in range(2):  # interleaved steps on the two groups
         out_a, _ = a.prefill(
             _heads(step.q, rank, world).contiguous(),
@@ -450,9 +548,7 @@ def _no_lse_body(group) -> dict:
     out, lse = rt.decode(
         _heads(g.q, rank, world).contiguous(), (k, v), g.block_table, g.seq_lens, q_len_per_req=1, sinks=g.sinks
     )
-    ref, _ = gqa_paged_decode_reference(
-        g.q, g.k_cache, g.v_cache, g.block_table, g.seq_lens, g.cu_q_lens, sinks=g.sinks, scale=rt.scale
-    )
+    ref, _ = _gqa_oracle(g, rt.scale)
     return {"lse": lse, "err": _err(out, _heads(ref, rank, world))}
 
 

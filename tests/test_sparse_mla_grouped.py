@@ -1,11 +1,12 @@
-"""Grouped prefill entry point on the CPU (reference path), routing, duplicates, warm-up key list."""
+"""Grouped prefill entry point on the CPU (against the oracle of tests/oracle.py), routing, duplicates,
+warm-up key list."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardattn.kernels.sparse_mla import first_occurrences, sparse_mla_attention, sparse_mla_reference
+from shardattn.kernels.sparse_mla import first_occurrences, sparse_mla_reference
 from shardattn.kernels.sparse_mla_grouped import (
     choose_path,
     default_group_size,
@@ -15,6 +16,7 @@ from shardattn.kernels.sparse_mla_triton import tile_config
 from shardattn.kernels.union import UNION_METHOD
 from shardattn.kernels.warmup import PrefillSpec, compile_keys
 from shardattn.plan.routing import tile_group_size
+from tests.oracle import sparse_mla_oracle
 
 
 def test_duplicate_rows_count_once_in_the_reference():
@@ -23,22 +25,26 @@ def test_duplicate_rows_count_once_in_the_reference():
     rows = torch.tensor([[1, 4, 1, 1, -1], [7, 7, 2, 9, 3]], dtype=torch.int32)
     deduped = torch.tensor([[1, 4, -1, -1, -1], [7, -1, 2, -1, 3]], dtype=torch.int32)  # 9: out of range
     a = sparse_mla_reference(q, kv, rows, scale=0.3, v_dim=16)
-    b = sparse_mla_reference(q, kv, deduped, scale=0.3, v_dim=16)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    b = sparse_mla_oracle(q, kv, deduped, scale=0.3, v_dim=16)  # the oracle on hand-deduplicated rows
+    torch.testing.assert_close(a[0].double(), b[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a[1].double(), b[1], atol=1e-5, rtol=0)
     first = first_occurrences(rows, rows >= 0).tolist()
     assert first == [[True, True, False, False, False], [True, False, True, True, True]]
 
 
-def test_cpu_grouped_entry_equals_public_attention():
+def test_cpu_grouped_entry_matches_the_oracle():
     gen = torch.Generator().manual_seed(1)
     q, kv = torch.randn(7, 8, 48, generator=gen), torch.randn(30, 48, generator=gen)
     rows = torch.randint(-1, 33, (7, 10), generator=gen, dtype=torch.int32)
     rows[2] = -1
     sinks = torch.randn(8, generator=gen)
-    a = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, sinks=sinks)
-    b = sparse_mla_attention(q, kv, rows, scale=0.2, v_dim=32, sinks=sinks)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert torch.equal(a[1][2], sinks)  # empty row with sinks: (0, sink)
+    length = torch.tensor([10, 3, 10, 0, 7, 10, 1], dtype=torch.int32)
+    for g in (None, 1, 2, 4, 8):
+        a = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, sinks=sinks, topk_length=length, group_size=g)
+        b = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=32, sinks=sinks, topk_length=length)
+        torch.testing.assert_close(a[0].double(), b[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(a[1].double(), b[1], atol=1e-5, rtol=0)
+    assert float(a[0][2].abs().sum()) == 0.0 and torch.equal(a[1][2], sinks)  # empty row with sinks: (0, sink)
     out = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, return_lse=False)
     assert out.shape == (7, 8, 32)
 

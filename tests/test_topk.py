@@ -1,4 +1,5 @@
-"""Top-k conversion (torch reference; the Triton kernel is compared with it in test_sparse_mla_interpret)."""
+"""Top-k conversion (the CPU path against hand-derived rows and the plain-loop oracle of tests/oracle.py;
+the Triton kernel is compared with the torch reference in test_sparse_mla_interpret)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.topk import DcpShard, convert_topk, convert_topk_reference
+from shardattn.kernels.topk import DcpShard, convert_topk
+from tests.oracle import topk_rows_oracle
 
 
 def test_convert_known_rows_and_counts():
@@ -30,6 +32,15 @@ def test_seq_lens_topk_length_and_block_stride():
     )  # fmt: skip
     assert rows.tolist() == [[30, 11, 12, -1]]  # 7 >= seq_len and index 3 >= topk_length
     assert counts.tolist() == [3]
+
+
+def test_position_at_seq_len_is_invalid():
+    pos = torch.tensor([[3, 4, 5]], dtype=torch.int32)
+    rows, counts = convert_topk(
+        pos, torch.zeros(1, dtype=torch.int32), torch.tensor([[0, 1]], dtype=torch.int32), block_size=4,
+        seq_lens=torch.tensor([4], dtype=torch.int32),
+    )  # fmt: skip
+    assert rows.tolist() == [[3, -1, -1]] and counts.tolist() == [1]
 
 
 def test_bad_request_id_empties_the_row():
@@ -85,11 +96,33 @@ def test_bad_inputs_raise_naming_the_argument(kwargs, error, match):
         convert_topk(pos, req, table, **args)
 
 
-def test_reference_is_the_cpu_path():
-    gen = torch.Generator().manual_seed(3)
-    pos = torch.randint(-1, 30, (5, 7), generator=gen, dtype=torch.int32)
-    req = torch.randint(0, 2, (5,), generator=gen, dtype=torch.int32)
-    table = torch.randint(0, 9, (2, 8), generator=gen, dtype=torch.int32)
-    a = convert_topk(pos, req, table, block_size=4)
-    b = convert_topk_reference(pos, req, table, block_size=4)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    block=st.sampled_from([1, 2, 4]),
+    stride=st.sampled_from([None, 5, 2**29]),
+    use_seq=st.booleans(),
+    use_len=st.booleans(),
+    dcp=st.sampled_from([None, (2, 1, 0), (2, 1, 1), (3, 2, 2)]),
+    seed=st.integers(0, 2**16),
+)
+def test_cpu_path_matches_the_loop_oracle(block, stride, use_seq, use_len, dcp, seed):
+    """Bad request ids, unallocated blocks, blocks past the table, seq_lens, topk_length, DCP shards,
+    and rows past int32 (a huge block stride), against plain loops over the documented rule."""
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    tokens, k, batch, width = draw(3, 6), draw(4, 9), draw(1, 3), draw(1, 4)
+    pos = torch.randint(-3, 4 * block + 3, (tokens, k), generator=gen, dtype=torch.int32)
+    req = torch.randint(-1, batch + 1, (tokens,), generator=gen, dtype=torch.int32)
+    table = torch.randint(-1, 9, (batch, width), generator=gen, dtype=torch.int32)
+    seq = torch.randint(0, 4 * block + 2, (batch,), generator=gen, dtype=torch.int32) if use_seq else None
+    if seq is not None:  # the edges: a position at seq_lens[req] (invalid) and just below it
+        edge = seq[req.clamp(0, batch - 1).long()]
+        pos[:, 0] = edge
+        pos[:, -1] = edge - 1
+    length = torch.randint(0, k + 2, (tokens,), generator=gen, dtype=torch.int32) if use_len else None
+    kw = dict(block_size=block, block_stride=stride, seq_lens=seq, topk_length=length)
+    shard = None if dcp is None else DcpShard(*dcp)
+    rows, counts = convert_topk(pos, req, table, dcp=shard, **kw)
+    want = topk_rows_oracle(pos, req, table, dcp=dcp, **kw)
+    assert torch.equal(rows, want), (rows, want)
+    assert torch.equal(counts, (want >= 0).sum(dim=1, dtype=torch.int32))

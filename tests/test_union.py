@@ -126,15 +126,20 @@ def test_bad_inputs_raise(kwargs, error, match):
 
 @pytest.mark.parametrize("method", ["auto", "sort", "merge"])
 @pytest.mark.parametrize("row_sort", ["auto", "torch", "triton"])
-def test_every_builder_choice_gives_the_reference_on_cpu(method, row_sort):
+def test_every_builder_choice_matches_the_definition(method, row_sort):
     # the Triton builders are compared with the reference under the interpreter
-    # (tests/interpret/prefill_cases.py) and on the GPU; on CPU every choice is the reference
+    # (tests/interpret/prefill_cases.py) and on the GPU; on CPU every choice must give the definition
     gen = torch.Generator().manual_seed(3)
     rows = torch.randint(-2, 40, (13, 9), generator=gen, dtype=torch.int32)
+    length = torch.randint(0, 11, (13,), generator=gen, dtype=torch.int32)
     for g in GROUP_SIZES:
-        want = build_union_reference(rows, group_size=g, num_kv_rows=37)
-        got = build_union(rows, group_size=g, num_kv_rows=37, method=method, row_sort=row_sort)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        for topk_length in (None, length):
+            union, lens = build_union(
+                rows, group_size=g, num_kv_rows=37, topk_length=topk_length, method=method, row_sort=row_sort
+            )
+            assert union.shape == (-(-13 // g), g * 9)
+            want = _python_union(rows, g, 37, topk_length)
+            assert _decode(union, lens, g) == {q: (m if g > 1 else dict.fromkeys(m, 1)) for q, m in want.items()}
 
 
 def test_auto_method_table_covers_every_group_size():

@@ -115,7 +115,12 @@ def explain_cudagraph_support(
         why = "trtllm-gen has no non-causal speculative-decode path"
     else:
         level = CGSupport.UNIFORM_BATCH
-        why = f"{kernel} decode takes uniform and ragged query lengths" + (" (non-causal)" if non_causal else "")
+        why = (
+            f"{kernel} decode captures batches of one query length per request"
+            + (" (non-causal drafts)" if non_causal else "")
+            + "; a ragged batch is captured only padded to that length (masked padding queries), "
+            "unpadded it runs eagerly"
+        )
     if dcp_size > 1 and level > CGSupport.UNIFORM_SINGLE_TOKEN_DECODE and host_meta:
         return level, why + f"; dcp_size={dcp_size} with host-planned per-query metadata (a static input)"
     if dcp_size > 1 and level > CGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
