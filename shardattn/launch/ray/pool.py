@@ -1,0 +1,429 @@
+"""A servable pool of Ray actors: one rank each, resident KV caches, requests in, outputs out.
+
+:class:`RayRankPool` reserves a placement group of one bundle per rank (``STRICT_PACK`` by
+default: NCCL ranks share a host), starts rank ``r`` in bundle ``r``, joins the actors into one
+process group (gloo on CPU, NCCL with one GPU per actor) and, given a model spec, builds on every
+rank a :class:`~shardattn.parallel.runtime.Runtime` and that rank's shard of a paged KV cache,
+once, sized from ``max_requests`` and ``max_seq_len`` (the decode layout of the mode: DCP
+interleave under ``mixed`` / ``dcp-decode``, a replica under head-TP decode)::
+
+    pool = RayRankPool(2, spec, mode="mixed", max_requests=64, max_seq_len=8192,
+                       runtime_kwargs={"max_batched_tokens": 8192, "max_decode_tokens": 64})
+    outs = pool.prefill([PrefillRequest("a", kv=kv_a, q=q_a, topk=topk_a)])   # [n, H, Dv] each
+    outs = pool.decode([DecodeRequest("a", q=q_a1, topk=topk_a1, kv=kv_a1)])   # ShardQ / DCP
+    pool.free(["a"])
+
+Only the step's new tensors cross Ray's object store: the block table, lengths, new KV rows and
+top-k once for every rank (one ``ray.put``), and each rank's heads of the queries. Bad requests
+raise ``ValueError`` / ``TypeError`` before any rank runs (:mod:`~shardattn.launch.ray.requests`).
+A rank that dies, raises or does not answer within ``timeout_s`` makes the call raise one
+:class:`~shardattn.launch.ray.errors.RankFailedError`; the pool is then broken (every call raises
+that error) until :meth:`RayRankPool.restart`, which re-forms actors and group in the same
+placement group and returns the requests whose KV state was lost.
+
+Per-step calls are ordinary actor calls, not a compiled graph: see ``docs/ARCHITECTURE.md`` for
+the measurement behind that choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from shardattn.launch.ray.errors import RankFailedError, require_ray
+from shardattn.launch.ray.placement import bundle_options, reserve_bundles
+from shardattn.launch.ray.requests import DecodeRequest, PackedStep, PoolShapes, PrefillRequest, pack_step
+from shardattn.plan.context import DCPLayout
+from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
+from shardattn.plan.spec import ModelSpec, get_preset
+
+__all__ = ["RayRankPool"]
+
+_HEALTH_GROUP = "health"
+
+
+@functools.lru_cache(maxsize=4)
+def _actor_class(num_cpus: float, num_gpus: float) -> Any:
+    import ray
+
+    from shardattn.launch.ray.actor import RankActor
+
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, concurrency_groups={_HEALTH_GROUP: 1})(
+        RankActor
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a Ray error: the actor's exception, or how the actor died."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause if exc.cause is not None else exc
+        return f"raised {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
+    if isinstance(exc, ray.exceptions.ActorDiedError | ray.exceptions.RayActorError):
+        text = str(exc).strip().splitlines()
+        return "actor died (" + (text[0][:200] if text else type(exc).__name__) + ")"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class RayRankPool:
+    """``world_size`` Ray actors forming one process group, serving requests (module docstring).
+
+    Args:
+        world_size: ranks (actors).
+        spec: a :class:`~shardattn.plan.spec.ModelSpec` or preset name; ``None`` forms the group
+            only (:meth:`run` works, the request API does not).
+        mode: the Runtime's mode (``"mixed"``: ShardQ prefill, DCP decode; ``"dcp-decode"`` for
+            GQA; ``"shardq"`` / ``"headtp"``: head-TP decode over a replicated cache). ``"pcp"``
+            is not served (its prefill takes another cache layout).
+        max_requests, max_seq_len: requests holding KV at once, and tokens per request.
+        num_pages: KV pages per rank (default: ``max_requests`` requests of ``max_seq_len``).
+        runtime_kwargs: more :class:`~shardattn.parallel.runtime.Runtime` arguments
+            (``max_batched_tokens`` is required with a spec; ``max_decode_tokens``, ``topk``,
+            ``dcp_interleave``, ``min_shard_tokens``, ...).
+        memory_limit_bytes: refuse to build when a rank's workspace plus KV cache exceed it.
+        device: ``"cpu"`` (gloo), ``"cuda"`` (NCCL, one GPU per actor), ``"auto"`` (cuda when the
+            cluster has ``world_size`` GPUs).
+        timeout_s: limit of every call (and of the group's collectives).
+        placement_strategy: Ray placement strategy of the bundles (``"STRICT_PACK"``, ...).
+        placement_timeout_s: wait for the bundles this long (default ``timeout_s``).
+        num_cpus: CPUs per bundle. init_ray: start a local Ray when none is running.
+
+    Raises:
+        ImportError: Ray is missing (names the ``ray`` extra). ValueError / TypeError: bad sizes.
+        PlacementTimeoutError: the bundles were not reserved in time (names what is short).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        spec: ModelSpec | str | None = None,
+        *,
+        mode: str = "mixed",
+        max_requests: int = 8,
+        max_seq_len: int = 4096,
+        num_pages: int | None = None,
+        runtime_kwargs: dict[str, Any] | None = None,
+        memory_limit_bytes: int | None = None,
+        device: str = "auto",
+        timeout_s: float = 120.0,
+        placement_strategy: str = "STRICT_PACK",
+        placement_timeout_s: float | None = None,
+        num_cpus: float = 1.0,
+        init_ray: bool = True,
+    ) -> None:
+        require_ray()
+        import ray
+
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        self.world_size, self.timeout_s = world_size, float(timeout_s)
+        self._actors: list[Any] = []
+        self._pg: Any = None
+        self._broken: RankFailedError | None = None
+        self._owns_ray = False
+        self.spec = get_preset(spec) if isinstance(spec, str) else spec
+        self._runtime_kwargs = dict(runtime_kwargs or {})
+        self._runtime_kwargs.setdefault("mode", mode)
+        self.mode = self._runtime_kwargs["mode"]
+        self._memory_limit = memory_limit_bytes
+        if self.spec is not None:
+            self._plan_cache(max_requests, max_seq_len, num_pages)
+        if init_ray and not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+            self._owns_ray = True  # started here, so stopped by shutdown()
+        if device == "auto":
+            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= world_size else "cpu"
+        self.device = device
+        bundle = {"CPU": float(num_cpus), **({"GPU": 1.0} if device == "cuda" else {})}
+        try:
+            self._pg = reserve_bundles(
+                world_size,
+                bundle,
+                strategy=placement_strategy,
+                timeout_s=self.timeout_s if placement_timeout_s is None else placement_timeout_s,
+            )
+            self._cls = _actor_class(float(num_cpus), 1.0 if device == "cuda" else 0.0)
+            self._form()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- building ------------------------------------------------------------------------------
+    def _plan_cache(self, max_requests: int, max_seq_len: int, num_pages: int | None) -> None:
+        from shardattn.parallel.runtime import DECODE_STEP, MODES
+
+        spec = self.spec
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(f"spec must be a ModelSpec or a preset name, got {type(spec).__name__}")
+        if self.mode not in MODES or self.mode == "pcp":
+            raise ValueError(
+                f"mode must be one of {tuple(m for m in MODES if m != 'pcp')} for a pool, got {self.mode!r}"
+            )
+        if "max_batched_tokens" not in self._runtime_kwargs:
+            raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
+        dcp = DECODE_STEP[self.mode] == "dcp"
+        interleave = int(self._runtime_kwargs.get("dcp_interleave", 1))
+        layout = DCPLayout(self.world_size, interleave) if dcp else DCPLayout(1)
+        self.cache_config = KVCacheConfig(spec.page_size, layout, max_requests, max_seq_len, num_pages)
+        self.book = PagedKVBook(self.cache_config)
+        dtype = getattr(torch, spec.dtype)
+        if spec.kind == "sparse_mla":
+            rows: tuple = (((spec.head_dim,), dtype),)
+        else:
+            rows = (((spec.num_kv_heads, spec.head_dim), dtype), ((spec.num_kv_heads, spec.v_dim), dtype))
+        self.shapes = PoolShapes(
+            kind=spec.kind,
+            heads=spec.num_heads,
+            head_dim=spec.head_dim,
+            kv_rows=rows,
+            dtype=dtype,
+            topk=int(self._runtime_kwargs.get("topk") or spec.topk),
+            prefill_attention=spec.kind == "sparse_mla" and self.mode != "dcp-decode",
+            max_prefill_tokens=int(self._runtime_kwargs["max_batched_tokens"]),
+            max_decode_tokens=int(self._runtime_kwargs.get("max_decode_tokens", 256)),
+        )
+        self.heads_per_rank = spec.heads_per_rank(self.world_size)
+        row_bytes = sum(int(torch.Size(r).numel()) * torch.empty(0, dtype=d).element_size() for r, d in rows)
+        self._cache_spec = {
+            "rows": rows,
+            "num_pages": self.cache_config.num_pages,
+            "page_size": spec.page_size,
+            "layout": layout,
+            "bytes": self.cache_config.rows_per_rank * row_bytes,
+            "memory_limit_bytes": self._memory_limit,
+        }
+
+    def _form(self) -> None:
+        """Start the actors in their bundles, join the group, build Runtimes and caches."""
+        dev = "cuda:0" if self.device == "cuda" else "cpu"  # each actor sees only its own GPU
+        self._actors = [
+            self._cls.options(**bundle_options(self._pg, r)).remote(r, self.world_size, dev)
+            for r in range(self.world_size)
+        ]
+        host, port = self._call("start", [self._actors[0].address.remote()], ranks=[0])[0]
+        backends = self._call("join", [a.join.remote(host, port, self.timeout_s) for a in self._actors])
+        self.backend = backends[0]
+        self.built: list[dict[str, Any]] = []
+        if self.spec is not None:
+            kw = {k: v for k, v in self._runtime_kwargs.items()}
+            self.built = self._call("build", [a.build.remote(self.spec, kw, self._cache_spec) for a in self._actors])
+
+    # -- calls and faults ----------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if not self._actors:
+            raise RuntimeError("the pool is shut down")
+
+    def _fail(self, rank: int, cause: str, operation: str) -> RankFailedError:
+        import ray
+
+        err = RankFailedError(rank, cause, operation)
+        self._broken = err
+        for a in self._actors:  # survivors may wait in a collective for the dead rank: stop them too
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        return err
+
+    def _call(self, operation: str, refs: Sequence[Any], *, ranks: Sequence[int] | None = None) -> list[Any]:
+        """Wait for one call per rank; the first failure or the timeout raises :class:`RankFailedError`."""
+        import ray
+
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        pending = dict(zip(refs, ranks))
+        results: dict[int, Any] = {}
+        deadline = _now() + self.timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - _now()))
+            if not ready:
+                missing = sorted(pending.values())
+                raise self._fail(
+                    missing[0], f"ranks {missing} did not answer within {self.timeout_s:g} s (hung or dead)", operation
+                )
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+                    raise self._fail(rank, _describe(e), operation) from None
+        return [results[r] for r in ranks]
+
+    # -- the request API -----------------------------------------------------------------------
+    def _need_spec(self) -> None:
+        if self.spec is None:
+            raise RuntimeError("this pool was formed without a spec; pass spec= to serve requests")
+
+    def _run_step(self, kind: str, packed: PackedStep, return_lse: bool) -> list[Any]:
+        import ray
+
+        self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=kind == "prefill")
+        table = torch.tensor(self.book.table(packed.ids), dtype=torch.int32)
+        shared = ray.put(
+            {
+                "table": table,
+                "starts": packed.starts,
+                "counts": packed.counts,
+                "q_counts": packed.q_counts,
+                "kv": packed.kv,
+                "topk": packed.topk,
+                "return_lse": return_lse,
+            }
+        )
+        h = self.heads_per_rank
+        q = packed.q
+        qs = [None if q is None else q[:, r * h : (r + 1) * h].contiguous() for r in range(self.world_size)]
+        method = "prefill" if kind == "prefill" else "decode"
+        results = self._call(kind, [getattr(a, method).remote(shared, qs[r]) for r, a in enumerate(self._actors)])
+        if q is None:
+            return [None] * len(packed.ids)
+        out = torch.cat([o for o, _ in results], dim=1).split(packed.q_counts)
+        if not return_lse:
+            return list(out)
+        lse = torch.cat([s for _, s in results], dim=1).split(packed.q_counts)
+        return list(zip(out, lse))
+
+    def prefill(self, requests: Sequence[PrefillRequest], *, return_lse: bool = False) -> list[Any]:
+        """Write the requests' new KV rows into the ranks' caches and, with queries, attend.
+
+        Args:
+            requests: :class:`~shardattn.launch.ray.requests.PrefillRequest` each (new ids admit
+                requests; known ids continue a chunked prefill).
+            return_lse: also return each request's LSE.
+        Returns:
+            one entry per request: ``out [n, H, Dv]`` (q's dtype), or ``(out, lse [n, H] fp32)``,
+            or ``None`` for a request without queries.
+        Raises:
+            ValueError / TypeError: a bad request (before any rank runs; the pool stays usable).
+            RankFailedError: a rank failed; the pool is broken until :meth:`restart`.
+        """
+        self._check_usable()
+        self._need_spec()
+        packed = pack_step("prefill", requests, self.shapes, self.book)
+        return self._run_step("prefill", packed, return_lse)
+
+    def decode(self, requests: Sequence[DecodeRequest], *, return_lse: bool = False) -> list[Any]:
+        """One decode step of prefilled requests (DCP under ``mixed`` / ``dcp-decode``).
+
+        Returns one ``out [Q, H, Dv]`` (or ``(out, lse [Q, H])``) per request; raises as :meth:`prefill`.
+        """
+        self._check_usable()
+        self._need_spec()
+        packed = pack_step("decode", requests, self.shapes, self.book)
+        return self._run_step("decode", packed, return_lse)
+
+    def free(self, request_ids: Sequence[Hashable]) -> int:
+        """Release requests' pages (host bookkeeping; no rank runs). Returns the pages freed."""
+        self._check_usable()
+        self._need_spec()
+        return self.book.release(request_ids)
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def health(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """``{"state": "healthy" | "broken", "error", "free_pages", "requests", "ranks": [...]}``.
+
+        Each rank reports ``state`` (``ready``, ``dead``, ``unresponsive``, ...), ``rss_bytes``,
+        ``cache_bytes``, ``workspace_bytes`` (CUDA: allocated / reserved bytes), ``steps`` and
+        ``last_step_s``. Answers while a step runs; never raises for a dead rank.
+        """
+        import ray
+
+        wait = min(self.timeout_s, 10.0) if timeout_s is None else timeout_s
+        refs = [a.health.options(concurrency_group=_HEALTH_GROUP).remote() for a in self._actors]
+        ranks: list[dict[str, Any]] = []
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait) if refs else ([], [])
+        for r, ref in enumerate(refs):
+            if ref not in ready:
+                ranks.append({"rank": r, "state": "unresponsive", "cause": f"no answer within {wait:g} s"})
+                continue
+            try:
+                ranks.append(ray.get(ref))
+            except ray.exceptions.RayError as e:
+                ranks.append({"rank": r, "state": "dead", "cause": _describe(e)})
+        book = getattr(self, "book", None)
+        return {
+            "state": "broken" if self._broken is not None else "healthy",
+            "error": None if self._broken is None else str(self._broken),
+            "free_pages": None if book is None else book.free_pages,
+            "requests": None if book is None else len(book),
+            "ranks": ranks,
+        }
+
+    def restart(self) -> list[Hashable]:
+        """Stop every actor, start new ones in the same bundles, re-form the group and rebuild.
+
+        Returns the request ids whose KV state was lost (every request the pool held): the
+        caller re-prefills them. The pool is usable again afterwards.
+        """
+        import ray
+
+        for a in self._actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        self._actors = []
+        lost = self.book.request_ids if self.spec is not None else []
+        if self.spec is not None:
+            self.book.reset()
+        self._broken = None
+        self._form()
+        return lost
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``fn(group, *args, **kwargs)`` on every rank; the per-rank results, in rank order."""
+        self._check_usable()
+        return self._call("run", [a.run.remote(fn, args, kwargs) for a in self._actors])
+
+    def arm_fault(self, rank: int, kind: str = "exit", operation: str = "decode") -> None:
+        """Drill: make ``rank``'s next ``operation`` step fail (``kind``: ``"exit"`` or ``"raise"``)."""
+        self._check_usable()
+        self._call("arm_fault", [self._actors[rank].arm_fault.remote(kind, operation)], ranks=[rank])
+
+    def shutdown(self) -> None:
+        """Leave the group, stop the actors, free the bundles (and stop Ray when this pool started it)."""
+        import ray
+
+        actors, self._actors = self._actors, []
+        if actors and self._broken is None:
+            try:
+                ray.get([a.leave.remote() for a in actors], timeout=10)
+            except Exception:
+                pass
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._pg)
+            except Exception:
+                pass
+            self._pg = None
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+
+    def __enter__(self) -> RayRankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _now() -> float:
+    return time.monotonic()
