@@ -213,7 +213,11 @@ def test_ray_service_example_serves_a_stream(ray_instance) -> None:
     path = Path(__file__).resolve().parent.parent / "examples" / "ray_service.py"
     spec = importlib.util.spec_from_file_location("ray_service", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     stats = module.main(["--requests", "6", "--max-new-tokens", "4", "--check"])
     assert stats["requests"] == 6 and stats["decode_tokens"] > 0 and stats["max_error"] <= 1e-4
 
