@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from shardattn.launch.ray.wire import from_wire, to_wire
+
 __all__ = ["FAULT_KINDS", "RankActor"]
 
 #: Faults :meth:`RankActor.arm_fault` can inject (tests and drills): exit the process, or raise.
@@ -138,7 +140,7 @@ class RankActor:
         self.steps += 1
 
     def _result(self, out: torch.Tensor, lse: torch.Tensor | None, return_lse: bool) -> tuple[Any, Any]:
-        return out.cpu(), (lse.cpu() if return_lse and lse is not None else None)
+        return to_wire((out, lse if return_lse else None))
 
     def prefill(self, shared: dict[str, Any], q_local: torch.Tensor | None) -> tuple[Any, Any] | None:
         """Write the step's KV rows; with queries, run the Runtime's prefill over the requests' whole KV.
@@ -147,6 +149,7 @@ class RankActor:
         heads ``(out [T, H/W, Dv], lse [T, H/W] or None)``, token order.
         """
         t0 = self._begin()
+        shared, q_local = from_wire(shared), from_wire(q_local)
         table, starts, counts = shared["table"], shared["starts"], shared["counts"]
         self.cache.write(table, starts, counts, shared["kv"])
         self._maybe_fail("prefill")
@@ -183,6 +186,7 @@ class RankActor:
         ``q_local``: ``[T, H/W, D]``. Returns ``(out [T, H/W, Dv], lse [T, H/W] or None)``.
         """
         t0 = self._begin()
+        shared, q_local = from_wire(shared), from_wire(q_local)
         table, starts, counts, q_counts = shared["table"], shared["starts"], shared["counts"], shared["q_counts"]
         if shared["kv"]:
             self.cache.write(table, starts, counts, shared["kv"])

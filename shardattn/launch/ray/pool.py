@@ -14,7 +14,8 @@ interleave under ``mixed`` / ``dcp-decode``, a replica under head-TP decode)::
     pool.free(["a"])
 
 Only the step's new tensors cross Ray's object store: the block table, lengths, new KV rows and
-top-k once for every rank (one ``ray.put``), and each rank's heads of the queries. Bad requests
+top-k once for every rank (one ``ray.put``), and each rank's heads of the queries; they travel as
+NumPy arrays, which Ray reads out of shared memory without a copy (:mod:`~shardattn.launch.ray.wire`). Bad requests
 raise ``ValueError`` / ``TypeError`` before any rank runs (:mod:`~shardattn.launch.ray.requests`).
 A rank that dies, raises or does not answer within ``timeout_s`` makes the call raise one
 :class:`~shardattn.launch.ray.errors.RankFailedError`; the pool is then broken (every call raises
@@ -265,24 +266,29 @@ class RayRankPool:
     def _run_step(self, kind: str, packed: PackedStep, return_lse: bool) -> list[Any]:
         import ray
 
+        from shardattn.launch.ray.wire import from_wire, to_wire  # NumPy: a Ray dependency
+
         self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=kind == "prefill")
         table = torch.tensor(self.book.table(packed.ids), dtype=torch.int32)
         shared = ray.put(
-            {
-                "table": table,
-                "starts": packed.starts,
-                "counts": packed.counts,
-                "q_counts": packed.q_counts,
-                "kv": packed.kv,
-                "topk": packed.topk,
-                "return_lse": return_lse,
-            }
+            to_wire(
+                {
+                    "table": table,
+                    "starts": packed.starts,
+                    "counts": packed.counts,
+                    "q_counts": packed.q_counts,
+                    "kv": packed.kv,
+                    "topk": packed.topk,
+                    "return_lse": return_lse,
+                }
+            )
         )
         h = self.heads_per_rank
         q = packed.q
-        qs = [None if q is None else q[:, r * h : (r + 1) * h].contiguous() for r in range(self.world_size)]
+        qs = [None if q is None else to_wire(q[:, r * h : (r + 1) * h]) for r in range(self.world_size)]
         method = "prefill" if kind == "prefill" else "decode"
-        results = self._call(kind, [getattr(a, method).remote(shared, qs[r]) for r, a in enumerate(self._actors)])
+        refs = [getattr(a, method).remote(shared, qs[r]) for r, a in enumerate(self._actors)]
+        results = from_wire(self._call(kind, refs))
         if q is None:
             return [None] * len(packed.ids)
         out = torch.cat([o for o, _ in results], dim=1).split(packed.q_counts)
