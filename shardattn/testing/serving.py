@@ -118,22 +118,36 @@ class ServingMirror:
         del self.requests[request_id]
 
     # -- the reference -------------------------------------------------------------------------
-    def expected(self, request: PrefillRequest | DecodeRequest) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp64 ``(out [n, H, Dv], lse [n, H])`` of a request made by this mirror, after its step."""
+    def expected(
+        self, request: PrefillRequest | DecodeRequest, *, device: torch.device | str = "cpu", chunk: int = 64
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp64 ``(out [n, H, Dv], lse [n, H])`` of a request made by this mirror, after its step.
+
+        Computed on ``device``, ``chunk`` query tokens at a time (a sparse-MLA token gathers its
+        ``K`` rows once for all heads); returned on the CPU.
+        """
         s, req = self.spec, self.requests[request.id]
         q = request.q
         if q is None:
             raise ValueError("the request has no queries")
         n, h = int(q.shape[0]), s.num_heads
         length = req.length
+        dev = torch.device(device)
         if s.kind == "sparse_mla":
-            pos = request.topk.to(torch.int64)  # type: ignore[union-attr]
-            valid = (pos >= 0) & (pos < length)
-            rows = req.kv[0].double()[pos.clamp(0, length - 1)]  # [n, K, D]
-            k = rows[:, None].expand(n, h, *rows.shape[1:])
-            v = k[..., : s.v_dim]
-            mask = valid[:, None, :].expand(n, h, -1)
-            return attention_fp64(q, k, v, mask, self.scale)
+            kv = req.kv[0].to(dev)
+            pos_all = request.topk.to(dev, torch.int64)  # type: ignore[union-attr]
+            outs, lses = [], []
+            for t0 in range(0, n, chunk):
+                pos = pos_all[t0 : t0 + chunk]
+                valid = (pos >= 0) & (pos < length)
+                rows = kv[pos.clamp(0, length - 1)].double()  # [c, K, D]
+                logits = torch.bmm(q[t0 : t0 + chunk].to(dev).double(), rows.transpose(1, 2)) * self.scale
+                logits = logits.masked_fill(~valid[:, None, :], float("-inf"))  # [c, H, K]
+                lse = torch.logsumexp(logits, dim=-1)
+                p = torch.nan_to_num(torch.exp(logits - lse[..., None]), nan=0.0)
+                outs.append(torch.bmm(p, rows[..., : s.v_dim]).cpu())
+                lses.append(lse.cpu())
+            return torch.cat(outs), torch.cat(lses)
         group = h // s.num_kv_heads
         k = req.kv[0].double().repeat_interleave(group, dim=1).permute(1, 0, 2)  # [H, L, D]
         v = req.kv[1].double().repeat_interleave(group, dim=1).permute(1, 0, 2)

@@ -26,6 +26,7 @@ from shardattn.plan.kv_pages import PagedKVBook
 __all__ = ["DecodeRequest", "PackedStep", "PoolShapes", "PrefillRequest", "pack_step"]
 
 KV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -113,18 +114,17 @@ def _kv_parts(shapes: PoolShapes, kv: object, name: str, n: int | None) -> list[
     rows = parts[0].shape[0] if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0 else n
     for i, (part, (row, dtype)) in enumerate(zip(parts, shapes.kv_rows)):
         label = name if len(parts) == 1 else f"{name}[{i}]"
-        check_tensor(label, part, dtypes=(dtype,), shape=(rows if n is None else n, *row), device=torch.device("cpu"))
+        check_tensor(label, part, dtypes=(dtype,), shape=(rows if n is None else n, *row), device=_CPU)
     return parts
 
 
 def _check_q(shapes: PoolShapes, q: object, name: str) -> int:
-    check_tensor(name, q, dtypes=(shapes.dtype,), device=torch.device("cpu"))
-    check_tensor(name, q, shape=(None, shapes.heads, shapes.head_dim))
+    check_tensor(name, q, dtypes=(shapes.dtype,), shape=(None, shapes.heads, shapes.head_dim), device=_CPU)
     return int(q.shape[0])  # type: ignore[union-attr]
 
 
 def _check_topk(shapes: PoolShapes, topk: object, name: str, n: int) -> None:
-    check_tensor(name, topk, dtypes=(torch.int32,), shape=(n, shapes.topk), device=torch.device("cpu"))
+    check_tensor(name, topk, dtypes=(torch.int32,), shape=(n, shapes.topk), device=_CPU)
 
 
 def pack_step(
