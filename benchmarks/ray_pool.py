@@ -57,7 +57,11 @@ def torchrun_baseline(args: argparse.Namespace, out: Path) -> None:
         "--topk", str(args.topk or get_preset(args.preset).topk),
     ]  # fmt: skip
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.torchrun_timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.torchrun_timeout)
+    except subprocess.TimeoutExpired:
+        emit(out, {"part": "torchrun", "cmd": " ".join(cmd[1:]), "error": f"timed out after {args.torchrun_timeout} s"})
+        return
     rec: dict[str, Any] = {"part": "torchrun", "cmd": " ".join(cmd[1:]), "rc": proc.returncode}
     rec["wall_s"] = time.perf_counter() - t0
     if proc.returncode != 0 or not report.exists():
@@ -204,6 +208,20 @@ def transport(args: argparse.Namespace, out: Path) -> None:
         emit(out, rec)
 
 
+def service(args: argparse.Namespace, out: Path) -> None:
+    """``examples/ray_service.py`` on the GPUs (NCCL), with the preset's shapes."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "ray_service.py"
+    spec = importlib.util.spec_from_file_location("ray_service", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    argv = ["--preset", args.preset, "--ranks", str(args.ranks), "--device", args.device, "--requests", "32"]
+    argv += ["--prompt", "256", "1024", "--max-new-tokens", "16", "--arrival-ms", "5"]
+    emit(out, {"part": "service", "argv": argv, **module.main(argv)})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
@@ -216,7 +234,7 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run on gloo")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--torchrun-timeout", type=float, default=150)
-    p.add_argument("--only", default="torchrun,pool,transport")
+    p.add_argument("--only", default="torchrun,pool,transport,service")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -228,10 +246,12 @@ def main() -> None:
     gpus = args.ranks if args.device == "cuda" else 0
     ray.init(num_gpus=gpus, num_cpus=max(4, args.ranks + 2), include_dashboard=False, object_store_memory=4 << 30)
     try:
-        if "pool" in parts:
-            pool_run(args, out)
-        if "transport" in parts:
-            transport(args, out)
+        for name, fn in (("pool", pool_run), ("transport", transport), ("service", service)):
+            if name in parts:
+                try:
+                    fn(args, out)
+                except Exception as e:  # keep the other parts' results
+                    emit(out, {"part": name, "error": f"{type(e).__name__}: {e}"[:3000]})
     finally:
         ray.shutdown()
 
