@@ -22,8 +22,8 @@ A rank that dies, raises or does not answer within ``timeout_s`` makes the call 
 that error) until :meth:`RayRankPool.restart`, which re-forms actors and group in the same
 placement group and returns the requests whose KV state was lost.
 
-Per-step calls are ordinary actor calls, not a compiled graph: see ``docs/ARCHITECTURE.md`` for
-the measurement behind that choice.
+Per-step calls are ordinary actor calls, not a compiled graph (``ray.dag``): the measurement
+behind that choice is in ``benchmarks/RESULTS.md`` (``benchmarks/ray_pool.py`` times both).
 """
 
 from __future__ import annotations
