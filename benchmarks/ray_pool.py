@@ -4,11 +4,12 @@ One run does, in order (each result is printed and appended to ``--out``/ray_poo
 
 1. baseline: ``torchrun --nproc-per-node W -m shardattn.launch --preset P --mode dcp-decode``
    with ``--requests B --cached L`` (the same decode step, ranks started by torchrun);
-2. a ``W``-rank NCCL pool (``mode="mixed"``): a ShardQ prefill of two requests checked against
-   fp64 attention over the whole cache; ``B`` requests of ``L`` tokens written (KV only); one DCP
-   decode step of the ``B`` requests checked the same way;
-3. the decode step timed through the pool (driver clock, request objects in, outputs on the
-   driver's CPU), with no new KV row (the torchrun step's work) and with each token's KV row written;
+2. for each of ``--transports`` (``compiled``: decode steps through a Ray compiled graph;
+   ``calls``: actor calls), a ``W``-rank NCCL pool (``mode="mixed"``): a ShardQ prefill of two
+   requests checked against fp64 attention over the whole cache; ``B`` requests of ``L`` tokens
+   written (KV only); one DCP decode step of the ``B`` requests checked the same way;
+3. then that pool's decode step timed (driver clock: request objects in, outputs on the driver's
+   CPU), with no new KV row (the torchrun step's work) and with each token's KV row written;
 4. the per-step transport alone: plain actor calls against a compiled graph (``ray.dag``) with
    the same payload (CPU actors, no GPU work).
 
@@ -31,9 +32,10 @@ from typing import Any
 import torch
 
 from shardattn.launch.workloads import request_topk
-from shardattn.plan.spec import get_preset
+from shardattn.plan.spec import ModelSpec, get_preset
 
 TOLERANCE = 3e-2  # bf16, the launcher's check
+TINY = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4)
 
 
 def emit(out: Path, record: dict[str, Any]) -> None:
@@ -45,6 +47,12 @@ def emit(out: Path, record: dict[str, Any]) -> None:
 def summarize(times: list[float]) -> dict[str, float]:
     ts = sorted(t * 1e3 for t in times)
     return {"median_ms": statistics.median(ts), "p10_ms": ts[len(ts) // 10], "p90_ms": ts[(len(ts) * 9) // 10]}
+
+
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """The preset in bf16 (``tiny``: 8 heads of 48 dims, top-k 16, for CPU runs), top-k overridden by ``--topk``."""
+    spec = TINY if args.preset == "tiny" else get_preset(args.preset)
+    return dataclasses.replace(spec, dtype="bfloat16", topk=args.topk or spec.topk)
 
 
 def torchrun_baseline(args: argparse.Namespace, out: Path) -> None:
@@ -89,11 +97,15 @@ def check(outs: list[Any], requests: list[Any], mirror: Any, device: str) -> tup
 
 
 def pool_run(args: argparse.Namespace, out: Path) -> None:
+    for transport in args.transports.split(","):
+        pool_run_one(args, out, transport)
+
+
+def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
     from shardattn.launch.ray_pool import DecodeRequest, RayRankPool
     from shardattn.testing.serving import ServingMirror
 
-    spec = get_preset(args.preset)
-    spec = dataclasses.replace(spec, dtype="bfloat16", topk=args.topk or spec.topk)
+    spec = model_spec(args)
     dev = args.device
     t0 = time.perf_counter()
     pool = RayRankPool(
@@ -104,10 +116,20 @@ def pool_run(args: argparse.Namespace, out: Path) -> None:
         max_seq_len=args.context + 256,
         device=args.device,
         timeout_s=300,
+        transport=transport,
         runtime_kwargs={"max_batched_tokens": 4096, "max_decode_tokens": args.requests, "warmup": False},
         init_ray=False,
     )
-    emit(out, {"part": "pool_built", "s": time.perf_counter() - t0, "built": pool.built, "backend": pool.backend})
+    emit(
+        out,
+        {
+            "part": "pool_built",
+            "transport": transport,
+            "s": time.perf_counter() - t0,
+            "built": pool.built,
+            "backend": pool.backend,
+        },
+    )
     try:
         mirror = ServingMirror(spec, seed=0)
         # -- ShardQ prefill, checked
@@ -157,7 +179,8 @@ def pool_run(args: argparse.Namespace, out: Path) -> None:
                 if it >= 5:
                     times.append(time.perf_counter() - t1)
             actor_ms = [r["last_step_s"] * 1e3 for r in pool.health()["ranks"]]
-            emit(out, {"part": "pool_decode", "variant": label, "requests": args.requests, "context": lens[0],
+            emit(out, {"part": "pool_decode", "transport": transport, "variant": label, "requests": args.requests,
+                       "context": lens[0],
                        **summarize(times), "actor_last_step_ms": actor_ms})  # fmt: skip
     finally:
         pool.shutdown()
@@ -225,7 +248,7 @@ def service(args: argparse.Namespace, out: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--preset", default="glm5")
+    p.add_argument("--preset", default="glm5", help="a model preset, or tiny (CPU runs; no torchrun baseline)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--iters", type=int, default=50)
@@ -234,12 +257,13 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run on gloo")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--torchrun-timeout", type=float, default=150)
+    p.add_argument("--transports", default="compiled,calls", help="pool transports to run (compiled, calls)")
     p.add_argument("--only", default="torchrun,pool,transport,service")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = args.only.split(",")
-    if "torchrun" in parts:
+    if "torchrun" in parts and args.preset != "tiny":
         torchrun_baseline(args, out)
     import ray
 

@@ -121,9 +121,11 @@ def test_two_rank_pool_equals_fp64_attention(pool2) -> None:
 
 @needs_ray
 @pytest.mark.parametrize(
-    "spec,mode,interleave", [(MLA, "mixed", 2), (GQA, "dcp-decode", 1)], ids=["mla-mixed-I2", "gqa-dcp"]
+    "spec,mode,interleave,transport",
+    [(MLA, "mixed", 2, "compiled"), (GQA, "dcp-decode", 1, "calls")],
+    ids=["mla-mixed-I2-compiled", "gqa-dcp-calls"],
 )
-def test_four_rank_pool_equals_fp64_attention(ray_instance, spec, mode, interleave) -> None:
+def test_four_rank_pool_equals_fp64_attention(ray_instance, spec, mode, interleave, transport) -> None:
     from shardattn.testing.serving import ServingMirror
 
     with _pool(

@@ -107,7 +107,12 @@ class RankActor:
         )
         self.comm = Comm(self.group)  # the pool's own collectives (prefix gathers), counted apart from the Runtime's
         self.state = "ready"
-        return {"rank": self.rank, "workspace_bytes": self.runtime.workspace_bytes, "cache_bytes": self.cache.nbytes}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "workspace_bytes": self.runtime.workspace_bytes,
+            "cache_bytes": self.cache.nbytes,
+        }
 
     # -- steps ---------------------------------------------------------------------------------
     def arm_fault(self, kind: str, operation: str) -> None:
@@ -210,6 +215,11 @@ class RankActor:
         result = self._result(out, lse, shared["return_lse"])
         self._end(t0)
         return result
+
+    def step(self, payload: dict[str, Any]) -> tuple[Any, Any] | None:
+        """One step from a compiled graph: ``payload`` holds the kind, the shared part and every rank's queries."""
+        method = self.prefill if payload["kind"] == "prefill" else self.decode
+        return method(payload["shared"], payload["qs"][self.rank])
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """``fn(group, *args, **kwargs)`` on this rank."""

@@ -6,7 +6,14 @@ module import time.
 
 from __future__ import annotations
 
-__all__ = ["PlacementTimeoutError", "RankFailedError", "ray_unavailable_reason", "require_ray"]
+__all__ = [
+    "PlacementTimeoutError",
+    "RankFailedError",
+    "RankStepError",
+    "describe_ray_error",
+    "ray_unavailable_reason",
+    "require_ray",
+]
 
 
 class RankFailedError(RuntimeError):
@@ -23,6 +30,28 @@ class RankFailedError(RuntimeError):
     def __init__(self, rank: int, cause: str, operation: str) -> None:
         super().__init__(f"rank {rank} failed during {operation}: {cause} (the pool is broken; call restart())")
         self.rank, self.cause, self.operation = rank, cause, operation
+
+
+class RankStepError(Exception):
+    """Internal: one rank's part of a call failed (the pool turns it into :class:`RankFailedError`)."""
+
+    def __init__(self, rank: int, cause: str) -> None:
+        super().__init__(f"rank {rank}: {cause}")
+        self.rank, self.cause = rank, cause
+
+
+def describe_ray_error(exc: BaseException) -> str:
+    """One line for a Ray error: the actor's exception, or how the actor died."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause if exc.cause is not None else exc
+        text = str(cause).strip()
+        return f"raised {type(cause).__name__}: {text.splitlines()[-1] if text else ''}"
+    if isinstance(exc, ray.exceptions.RayActorError):
+        lines = str(exc).strip().splitlines()
+        return "actor died (" + (lines[0][:200] if lines else type(exc).__name__) + ")"
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
 class PlacementTimeoutError(TimeoutError):

@@ -22,8 +22,9 @@ A rank that dies, raises or does not answer within ``timeout_s`` makes the call 
 that error) until :meth:`RayRankPool.restart`, which re-forms actors and group in the same
 placement group and returns the requests whose KV state was lost.
 
-Per-step calls are ordinary actor calls, not a compiled graph (``ray.dag``): the measurement
-behind that choice is in ``benchmarks/RESULTS.md`` (``benchmarks/ray_pool.py`` times both).
+Decode steps go through a Ray compiled graph (``ray.dag``, :mod:`~shardattn.launch.ray.compiled`;
+``transport="calls"`` uses actor calls instead), which measured faster on the two-H200 host
+(``benchmarks/RESULTS.md``); prefill steps and every other call are actor calls.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from shardattn.launch.ray.errors import RankFailedError, require_ray
+from shardattn.launch.ray.errors import RankFailedError, RankStepError, describe_ray_error, require_ray
 from shardattn.launch.ray.placement import bundle_options, reserve_bundles
 from shardattn.launch.ray.requests import DecodeRequest, PackedStep, PoolShapes, PrefillRequest, pack_step
 from shardattn.plan.context import DCPLayout
@@ -56,19 +57,6 @@ def _actor_class(num_cpus: float, num_gpus: float) -> Any:
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, concurrency_groups={_HEALTH_GROUP: 1})(
         RankActor
     )
-
-
-def _describe(exc: BaseException) -> str:
-    """One line for a Ray error: the actor's exception, or how the actor died."""
-    import ray
-
-    if isinstance(exc, ray.exceptions.RayTaskError):
-        cause = exc.cause if exc.cause is not None else exc
-        return f"raised {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
-    if isinstance(exc, ray.exceptions.ActorDiedError | ray.exceptions.RayActorError):
-        text = str(exc).strip().splitlines()
-        return "actor died (" + (text[0][:200] if text else type(exc).__name__) + ")"
-    return f"{type(exc).__name__}: {exc}"
 
 
 class RayRankPool:
@@ -92,7 +80,11 @@ class RayRankPool:
         timeout_s: limit of every call (and of the group's collectives).
         placement_strategy: Ray placement strategy of the bundles (``"STRICT_PACK"``, ...).
         placement_timeout_s: wait for the bundles this long (default ``timeout_s``).
-        num_cpus: CPUs per bundle. init_ray: start a local Ray when none is running.
+        num_cpus: CPUs per bundle.
+        transport: how decode steps reach the ranks: ``"compiled"`` (a Ray compiled graph over
+            shared-memory channels sized from ``max_decode_tokens``) or ``"calls"`` (actor calls
+            and the object store, as prefill steps always go).
+        init_ray: start a local Ray when none is running.
 
     Raises:
         ImportError: Ray is missing (names the ``ray`` extra). ValueError / TypeError: bad sizes.
@@ -115,6 +107,7 @@ class RayRankPool:
         placement_strategy: str = "STRICT_PACK",
         placement_timeout_s: float | None = None,
         num_cpus: float = 1.0,
+        transport: str = "compiled",
         init_ray: bool = True,
     ) -> None:
         require_ray()
@@ -124,6 +117,10 @@ class RayRankPool:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        if transport not in ("compiled", "calls"):
+            raise ValueError(f"transport must be 'compiled' or 'calls', got {transport!r}")
+        self.transport = transport
+        self._compiled: Any = None
         self.world_size, self.timeout_s = world_size, float(timeout_s)
         self._actors: list[Any] = []
         self._pg: Any = None
@@ -215,6 +212,22 @@ class RayRankPool:
         if self.spec is not None:
             kw = {k: v for k, v in self._runtime_kwargs.items()}
             self.built = self._call("build", [a.build.remote(self.spec, kw, self._cache_spec) for a in self._actors])
+            if self.transport == "compiled":
+                from shardattn.launch.ray.compiled import CompiledSteps
+
+                pids = [b["pid"] for b in self.built]
+                self._compiled = CompiledSteps(self._actors, pids, self._channel_bytes())
+
+    def _channel_bytes(self) -> int:
+        """Room for the largest decode payload (all ranks' queries, top-k, new KV rows, block table) or result."""
+        sh, spec, t = self.shapes, self.spec, self.shapes.max_decode_tokens
+        elem = torch.empty(0, dtype=sh.dtype).element_size()
+        rows = sum(int(torch.Size(r).numel()) * torch.empty(0, dtype=d).element_size() for r, d in sh.kv_rows)
+        payload = t * (
+            sh.heads * sh.head_dim * elem + sh.topk * 4 + rows + self.cache_config.pages_per_request * 4 + 64
+        )
+        result = t * self.heads_per_rank * (spec.v_dim * elem + 4)
+        return 2 * max(payload, result) + (1 << 20)
 
     # -- calls and faults ----------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -233,7 +246,13 @@ class RayRankPool:
                 ray.kill(a, no_restart=True)
             except Exception:
                 pass
+        self._teardown_compiled()
         return err
+
+    def _teardown_compiled(self) -> None:
+        compiled, self._compiled = self._compiled, None
+        if compiled is not None:
+            compiled.teardown()
 
     def _call(self, operation: str, refs: Sequence[Any], *, ranks: Sequence[int] | None = None) -> list[Any]:
         """Wait for one call per rank; the first failure or the timeout raises :class:`RankFailedError`."""
@@ -255,7 +274,7 @@ class RayRankPool:
                 try:
                     results[rank] = ray.get(ref)
                 except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-                    raise self._fail(rank, _describe(e), operation) from None
+                    raise self._fail(rank, describe_ray_error(e), operation) from None
         return [results[r] for r in ranks]
 
     # -- the request API -----------------------------------------------------------------------
@@ -270,25 +289,29 @@ class RayRankPool:
 
         self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=kind == "prefill")
         table = torch.tensor(self.book.table(packed.ids), dtype=torch.int32)
-        shared = ray.put(
-            to_wire(
-                {
-                    "table": table,
-                    "starts": packed.starts,
-                    "counts": packed.counts,
-                    "q_counts": packed.q_counts,
-                    "kv": packed.kv,
-                    "topk": packed.topk,
-                    "return_lse": return_lse,
-                }
-            )
+        shared = to_wire(
+            {
+                "table": table,
+                "starts": packed.starts,
+                "counts": packed.counts,
+                "q_counts": packed.q_counts,
+                "kv": packed.kv,
+                "topk": packed.topk,
+                "return_lse": return_lse,
+            }
         )
         h = self.heads_per_rank
         q = packed.q
         qs = [None if q is None else to_wire(q[:, r * h : (r + 1) * h]) for r in range(self.world_size)]
-        method = "prefill" if kind == "prefill" else "decode"
-        refs = [getattr(a, method).remote(shared, qs[r]) for r, a in enumerate(self._actors)]
-        results = from_wire(self._call(kind, refs))
+        if kind == "decode" and self._compiled is not None:
+            try:
+                results = from_wire(self._compiled.run({"kind": kind, "shared": shared, "qs": qs}, self.timeout_s))
+            except RankStepError as e:
+                raise self._fail(e.rank, e.cause, kind) from None
+        else:
+            shared_ref = ray.put(shared)  # once for every rank
+            refs = [getattr(a, kind).remote(shared_ref, qs[r]) for r, a in enumerate(self._actors)]
+            results = from_wire(self._call(kind, refs))
         if q is None:
             return [None] * len(packed.ids)
         out = torch.cat([o for o, _ in results], dim=1).split(packed.q_counts)
@@ -356,7 +379,7 @@ class RayRankPool:
             try:
                 ranks.append(ray.get(ref))
             except ray.exceptions.RayError as e:
-                ranks.append({"rank": r, "state": "dead", "cause": _describe(e)})
+                ranks.append({"rank": r, "state": "dead", "cause": describe_ray_error(e)})
         book = getattr(self, "book", None)
         return {
             "state": "broken" if self._broken is not None else "healthy",
@@ -374,6 +397,7 @@ class RayRankPool:
         """
         import ray
 
+        self._teardown_compiled()
         for a in self._actors:
             try:
                 ray.kill(a, no_restart=True)
@@ -401,6 +425,7 @@ class RayRankPool:
         """Leave the group, stop the actors, free the bundles (and stop Ray when this pool started it)."""
         import ray
 
+        self._teardown_compiled()
         actors, self._actors = self._actors, []
         if actors and self._broken is None:
             try:
