@@ -35,6 +35,24 @@ def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) 
         RayRankPool(2)
 
 
+@needs_ray
+def test_bad_pool_configs_raise_before_any_actor_starts() -> None:
+    from shardattn.launch.ray_pool import RayRankPool
+
+    small = {"max_batched_tokens": 8}
+    cases = [
+        ({"spec": "gqa-64-8", "mode": "dcp-decode", "runtime_kwargs": small}, "does not pass attention sinks"),
+        ({"spec": MLA, "runtime_kwargs": small, "memory_limit_bytes": 1000}, "over memory_limit_bytes=1000"),
+        ({"spec": MLA, "mode": "pcp", "runtime_kwargs": small}, "mode must be one of"),
+        ({"spec": MLA}, "runtime_kwargs must give max_batched_tokens"),
+        ({"spec": MLA, "runtime_kwargs": small, "transport": "grpc"}, "transport must be 'compiled' or 'calls'"),
+        ({"spec": MLA, "runtime_kwargs": small, "device": "tpu"}, "device must be"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            RayRankPool(2, init_ray=False, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def ray_instance():
     if REASON is not None:
@@ -225,9 +243,17 @@ def test_ray_service_example_serves_a_stream(ray_instance) -> None:
 
 
 @needs_ray
-@pytest.mark.parametrize("kind", ["exit", "raise"])
-def test_failed_rank_breaks_the_pool_until_restart(pool2, kind: str) -> None:
-    """Runs last on pool2: a rank killed (or raising) mid-decode; later calls raise the same; restart recovers."""
+@pytest.mark.parametrize(
+    "kind,failed,cause",
+    [
+        ("exit", "rank 1", "actor died"),
+        ("raise", "rank 1", "RuntimeError: injected fault in decode on rank 1"),
+        ("hang", "rank 0", "ranks [0, 1] did not answer within 3 s"),  # the hung rank holds its peer in a collective
+    ],
+    ids=["exit", "raise", "hang"],
+)
+def test_failed_rank_breaks_the_pool_until_restart(pool2, kind: str, failed: str, cause: str) -> None:
+    """Runs last on pool2: a rank dies, raises or hangs mid-decode; later calls raise the same; restart recovers."""
     from shardattn.launch.ray_pool import RankFailedError
     from shardattn.testing.serving import ServingMirror
 
@@ -235,12 +261,15 @@ def test_failed_rank_breaks_the_pool_until_restart(pool2, kind: str) -> None:
     pool2.prefill([mirror.prefill_request("y", 11), mirror.prefill_request("z", 6)])
     pool2.arm_fault(1, kind, "decode")
     reqs = [mirror.decode_request("y"), mirror.decode_request("z")]
+    timeout = pool2.timeout_s
+    if kind == "hang":
+        pool2.timeout_s = 3.0
     t0 = time.monotonic()
-    with pytest.raises(RankFailedError, match="rank 1 failed during decode") as info:
+    with pytest.raises(RankFailedError, match=f"{failed} failed during decode") as info:
         pool2.decode(reqs)
-    assert time.monotonic() - t0 < TIMEOUT_S / 2
-    assert info.value.rank == 1
-    assert ("actor died" if kind == "exit" else "RuntimeError: injected fault") in info.value.cause
+    assert time.monotonic() - t0 < pool2.timeout_s + 5
+    pool2.timeout_s = timeout
+    assert info.value.rank == int(failed[-1]) and cause in info.value.cause
     for call in (lambda: pool2.decode(reqs), lambda: pool2.free(["y"]), lambda: pool2.run(dist.get_rank)):
         with pytest.raises(RankFailedError) as again:
             call()

@@ -23,8 +23,8 @@ from shardattn.launch.ray.wire import from_wire, to_wire
 
 __all__ = ["FAULT_KINDS", "RankActor"]
 
-#: Faults :meth:`RankActor.arm_fault` can inject (tests and drills): exit the process, or raise.
-FAULT_KINDS = ("exit", "raise")
+#: Faults :meth:`RankActor.arm_fault` can inject (tests and drills): exit the process, raise, or hang.
+FAULT_KINDS = ("exit", "raise", "hang")
 
 
 def _rss_bytes() -> int:
@@ -131,6 +131,8 @@ class RankActor:
         kind, self._fault = self._fault[0], None
         if kind == "exit":
             os._exit(17)
+        if kind == "hang":
+            time.sleep(24 * 3600)
         raise RuntimeError(f"injected fault in {operation} on rank {self.rank}")
 
     def _begin(self) -> float:

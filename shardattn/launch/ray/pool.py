@@ -164,6 +164,8 @@ class RayRankPool:
             raise ValueError(
                 f"mode must be one of {tuple(m for m in MODES if m != 'pcp')} for a pool, got {self.mode!r}"
             )
+        if spec.has_sinks:
+            raise ValueError(f"the pool does not pass attention sinks yet; {spec} has has_sinks=True")
         if "max_batched_tokens" not in self._runtime_kwargs:
             raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
         dcp = DECODE_STEP[self.mode] == "dcp"
@@ -197,6 +199,11 @@ class RayRankPool:
             "bytes": self.cache_config.rows_per_rank * row_bytes,
             "memory_limit_bytes": self._memory_limit,
         }
+        if self._memory_limit is not None and self._cache_spec["bytes"] > self._memory_limit:
+            raise ValueError(
+                f"the KV cache alone needs {self._cache_spec['bytes']} B per rank, over memory_limit_bytes="
+                f"{self._memory_limit}; lower max_requests, max_seq_len or num_pages"
+            )
 
     def _form(self) -> None:
         """Start the actors in their bundles, join the group, build Runtimes and caches."""
@@ -417,7 +424,7 @@ class RayRankPool:
         return self._call("run", [a.run.remote(fn, args, kwargs) for a in self._actors])
 
     def arm_fault(self, rank: int, kind: str = "exit", operation: str = "decode") -> None:
-        """Drill: make ``rank``'s next ``operation`` step fail (``kind``: ``"exit"`` or ``"raise"``)."""
+        """Drill: make ``rank``'s next ``operation`` step fail (``kind``: ``"exit"``, ``"raise"`` or ``"hang"``)."""
         self._check_usable()
         self._call("arm_fault", [self._actors[rank].arm_fault.remote(kind, operation)], ranks=[rank])
 
