@@ -4,6 +4,7 @@ raising rank gives one RankFailedError and restart() recovers. One Ray instance 
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import sys
 import time
@@ -265,8 +266,15 @@ def test_failed_rank_breaks_the_pool_until_restart(pool2, kind: str, failed: str
     if kind == "hang":
         pool2.timeout_s = 3.0
     t0 = time.monotonic()
-    with pytest.raises(RankFailedError, match=f"{failed} failed during decode") as info:
-        pool2.decode(reqs)
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        pending = ex.submit(pool2.decode, reqs)
+        if kind == "hang":  # health answers while a step is stuck
+            time.sleep(0.5)
+            ranks = pool2.health(timeout_s=2.0)["ranks"]
+            assert [r["state"] for r in ranks] == ["decode", "decode"] and not pending.done()
+            assert all(r["step_running_s"] > 0 for r in ranks)
+        with pytest.raises(RankFailedError, match=f"{failed} failed during decode") as info:
+            pending.result()
     assert time.monotonic() - t0 < pool2.timeout_s + 5
     pool2.timeout_s = timeout
     assert info.value.rank == int(failed[-1]) and cause in info.value.cause

@@ -49,6 +49,7 @@ class RankActor:
         self.steps = 0
         self.last_step_s: float | None = None
         self._fault: tuple[str, str] | None = None
+        self._step_t0 = 0.0
         torch.set_num_threads(1)
 
     # -- forming the group ---------------------------------------------------------------------
@@ -135,27 +136,30 @@ class RankActor:
             time.sleep(24 * 3600)
         raise RuntimeError(f"injected fault in {operation} on rank {self.rank}")
 
-    def _begin(self) -> float:
+    def _begin(self, operation: str) -> float:
         if self.runtime is None:
             raise RuntimeError("build() must run before a step")
-        return time.perf_counter()
+        self.state = operation  # health() shows a step in progress (or stuck) and since when
+        self._step_t0 = time.perf_counter()
+        return self._step_t0
 
     def _end(self, t0: float) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_step_s = time.perf_counter() - t0
         self.steps += 1
+        self.state = "ready"
 
     def _result(self, out: torch.Tensor, lse: torch.Tensor | None, return_lse: bool) -> tuple[Any, Any]:
         return to_wire((out, lse if return_lse else None))
 
-    def prefill(self, shared: dict[str, Any], q_local: torch.Tensor | None) -> tuple[Any, Any] | None:
+    def prefill(self, shared: dict[str, Any], q_local: Any) -> tuple[Any, Any] | None:
         """Write the step's KV rows; with queries, run the Runtime's prefill over the requests' whole KV.
 
         ``q_local``: ``[T, H/W, D]`` this rank's heads (``None``: only write). Returns this rank's
         heads ``(out [T, H/W, Dv], lse [T, H/W] or None)``, token order.
         """
-        t0 = self._begin()
+        t0 = self._begin("prefill")
         shared, q_local = from_wire(shared), from_wire(q_local)
         table, starts, counts = shared["table"], shared["starts"], shared["counts"]
         self.cache.write(table, starts, counts, shared["kv"])
@@ -187,12 +191,12 @@ class RankActor:
         self._end(t0)
         return result
 
-    def decode(self, shared: dict[str, Any], q_local: torch.Tensor) -> tuple[Any, Any]:
+    def decode(self, shared: dict[str, Any], q_local: Any) -> tuple[Any, Any]:
         """Write the query tokens' KV rows (when given), then one decode step (DCP or head-TP, by mode).
 
         ``q_local``: ``[T, H/W, D]``. Returns ``(out [T, H/W, Dv], lse [T, H/W] or None)``.
         """
-        t0 = self._begin()
+        t0 = self._begin("decode")
         shared, q_local = from_wire(shared), from_wire(q_local)
         table, starts, counts, q_counts = shared["table"], shared["starts"], shared["counts"], shared["q_counts"]
         if shared["kv"]:
@@ -238,6 +242,7 @@ class RankActor:
             "device": str(self.device),
             "steps": self.steps,
             "last_step_s": self.last_step_s,
+            "step_running_s": time.perf_counter() - self._step_t0 if self.state in ("prefill", "decode") else None,
             "rss_bytes": _rss_bytes(),
             "cache_bytes": self.cache.nbytes if self.cache is not None else 0,
             "workspace_bytes": self.runtime.workspace_bytes if self.runtime is not None else 0,

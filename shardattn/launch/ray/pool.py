@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -223,7 +224,15 @@ class RayRankPool:
                 from shardattn.launch.ray.compiled import CompiledSteps
 
                 pids = [b["pid"] for b in self.built]
-                self._compiled = CompiledSteps(self._actors, pids, self._channel_bytes())
+                try:
+                    self._compiled = CompiledSteps(self._actors, pids, self._channel_bytes())
+                except Exception as e:  # keep serving, loudly, on the transport that always works
+                    warnings.warn(
+                        f"Ray compiled graph unavailable ({type(e).__name__}: {e}); decode steps use actor calls",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    self.transport = "calls"
 
     def _channel_bytes(self) -> int:
         """Room for the largest decode payload (all ranks' queries, top-k, new KV rows, block table) or result."""
@@ -369,9 +378,10 @@ class RayRankPool:
     def health(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """``{"state": "healthy" | "broken", "error", "free_pages", "requests", "ranks": [...]}``.
 
-        Each rank reports ``state`` (``ready``, ``dead``, ``unresponsive``, ...), ``rss_bytes``,
-        ``cache_bytes``, ``workspace_bytes`` (CUDA: allocated / reserved bytes), ``steps`` and
-        ``last_step_s``. Answers while a step runs; never raises for a dead rank.
+        Each rank reports ``state`` (``ready``; ``prefill`` / ``decode`` while a step runs, with
+        ``step_running_s``; ``dead``, ``unresponsive``), ``rss_bytes``, ``cache_bytes``,
+        ``workspace_bytes`` (CUDA: allocated / reserved bytes), ``steps`` and ``last_step_s``.
+        Answers while a step runs (or is stuck); never raises for a dead rank.
         """
         import ray
 
