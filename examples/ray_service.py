@@ -8,8 +8,8 @@ decode step, step time) and tokens per second; ``--check`` also compares every o
 attention over the request's whole cache.
 
     python examples/ray_service.py                       # 2 CPU ranks (gloo), tiny model dims
-    python examples/ray_service.py --preset glm5 --ranks 2 --device cuda --requests 64 \\
-        --prompt 512 2048 --max-new-tokens 32             # GPUs (NCCL), GLM-5 attention shapes
+    python examples/ray_service.py --preset glm5 --ranks 2 --device cuda --requests 32 \\
+        --prompt 256 1024 --max-new-tokens 16             # GPUs (NCCL), GLM-5 attention shapes
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--arrival-ms", type=float, default=2.0, help="mean gap between arrivals")
     p.add_argument("--max-batch", type=int, default=64, help="decode requests per step")
+    p.add_argument("--transport", choices=("compiled", "calls"), default="compiled", help="how decode steps travel")
     p.add_argument("--check", action="store_true", help="compare every output with fp64 attention")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -206,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         max_requests=args.requests,
         max_seq_len=max_seq,
         device=args.device,
+        transport=args.transport,
         runtime_kwargs={
             "max_batched_tokens": prefill_tokens,
             "max_decode_tokens": args.max_batch,
