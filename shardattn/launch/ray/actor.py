@@ -169,7 +169,7 @@ class RankActor:
             return None
         lens = [s + n for s, n in zip(starts, counts)]
         if any(starts):  # chunked prefill: the cached prefix lives on every rank's shard
-            kv_full = torch.cat(self.cache.gather_full(table.to(self.device), lens, self.comm))
+            kv_full = torch.cat(self.cache.gather_full(table, lens, self.comm))
         else:
             kv_full = shared["kv"][0].to(self.device)
         topk = shared["topk"]

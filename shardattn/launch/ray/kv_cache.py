@@ -72,7 +72,7 @@ class RankKVCache:
         """The positions this rank owns (a mask over ``pos``) and their flat cache rows."""
         owned = self.layout.owner(pos) == self.rank if self.layout.world_size > 1 else torch.ones_like(pos, dtype=bool)
         local = self.layout.local_index(pos)
-        page = table.to(torch.int64)[req, torch.div(local, self.page_size, rounding_mode="floor")]
+        page = table.to("cpu", torch.int64)[req, torch.div(local, self.page_size, rounding_mode="floor")]
         return owned, page * self.page_size + local % self.page_size
 
     def write(
@@ -97,6 +97,8 @@ class RankKVCache:
 
     def gather_full(self, table: torch.Tensor, lens: Sequence[int], comm: Comm, i: int = 0) -> list[torch.Tensor]:
         """Tokens ``[0, lens[b])`` of every request ``b``, in global order, on every rank.
+
+        ``table``: ``[B, M]`` int32 block table of the requests (host; index math runs on the CPU).
 
         Under a split layout every rank sends its own rows (one uneven all-gather over ``comm``:
         every rank must call this with the same ``lens``); a replicated cache reads locally.
