@@ -140,16 +140,20 @@ def test_two_rank_pool_equals_fp64_attention(pool2) -> None:
 
 @needs_ray
 @pytest.mark.parametrize(
-    "spec,mode,interleave,transport",
-    [(MLA, "mixed", 2, "compiled"), (GQA, "dcp-decode", 1, "calls")],
-    ids=["mla-mixed-I2-compiled", "gqa-dcp-calls"],
+    "world,spec,mode,interleave,transport",
+    [
+        (4, MLA, "mixed", 2, "compiled"),
+        (4, GQA, "dcp-decode", 1, "calls"),
+        (2, MLA, "shardq", 1, "calls"),  # head-TP decode over a replicated cache
+    ],
+    ids=["4-mla-mixed-I2-compiled", "4-gqa-dcp-calls", "2-mla-headtp-calls"],
 )
-def test_four_rank_pool_equals_fp64_attention(ray_instance, spec, mode, interleave, transport) -> None:
+def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interleave, transport) -> None:
     from shardattn.testing.serving import ServingMirror
 
-    with _pool(
-        4, spec, mode=mode, max_requests=4, max_seq_len=48, runtime_kwargs={"dcp_interleave": interleave}
-    ) as pool:
+    kwargs = {"max_requests": 4, "max_seq_len": 48, "transport": transport}
+    with _pool(world, spec, mode=mode, runtime_kwargs={"dcp_interleave": interleave}, **kwargs) as pool:
+        assert pool.transport == transport and pool.cache_config.layout.world_size == (1 if mode == "shardq" else world)
         mirror = ServingMirror(spec, seed=2)
         if spec.kind == "sparse_mla":
             _serve_and_check(pool, mirror)
