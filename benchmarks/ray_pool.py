@@ -169,6 +169,7 @@ def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
             ("KV row written", True, 20),
         ):
             times = []
+            phases: dict[str, list[float]] = {}
             for it in range(5 + iters):
                 step = [
                     DecodeRequest(i, q=q[i], topk=topk[i : i + 1], kv=kv[i] if with_kv else None)
@@ -178,10 +179,14 @@ def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
                 pool.decode(step)
                 if it >= 5:
                     times.append(time.perf_counter() - t1)
+                    for k, v in pool.last_step.items():
+                        if k.endswith("_ms"):
+                            phases.setdefault(k, []).append(v)
             actor_ms = [r["last_step_s"] * 1e3 for r in pool.health()["ranks"]]
             emit(out, {"part": "pool_decode", "transport": transport, "variant": label, "requests": args.requests,
                        "context": lens[0],
-                       **summarize(times), "actor_last_step_ms": actor_ms})  # fmt: skip
+                       **summarize(times), "actor_last_step_ms": actor_ms,
+                       "driver_phases_median_ms": {k: statistics.median(v) for k, v in phases.items()}})  # fmt: skip
     finally:
         pool.shutdown()
 

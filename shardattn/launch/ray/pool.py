@@ -127,6 +127,8 @@ class RayRankPool:
         self._pg: Any = None
         self._broken: RankFailedError | None = None
         self._owns_ray = False
+        #: driver-side times of the last prefill / decode (``check_ms``, ``prepare_ms``, ``ranks_ms``, ``assemble_ms``)
+        self.last_step: dict[str, Any] = {}
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         self._runtime_kwargs = dict(runtime_kwargs or {})
         self._runtime_kwargs.setdefault("mode", mode)
@@ -298,11 +300,12 @@ class RayRankPool:
         if self.spec is None:
             raise RuntimeError("this pool was formed without a spec; pass spec= to serve requests")
 
-    def _run_step(self, kind: str, packed: PackedStep, return_lse: bool) -> list[Any]:
+    def _run_step(self, kind: str, packed: PackedStep, return_lse: bool, t_start: float) -> list[Any]:
         import ray
 
         from shardattn.launch.ray.wire import from_wire, to_wire  # NumPy: a Ray dependency
 
+        t_packed = time.perf_counter()
         self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=kind == "prefill")
         table = torch.tensor(self.book.table(packed.ids), dtype=torch.int32)
         shared = to_wire(
@@ -319,6 +322,7 @@ class RayRankPool:
         h = self.heads_per_rank
         q = packed.q
         qs = [None if q is None else to_wire(q[:, r * h : (r + 1) * h]) for r in range(self.world_size)]
+        t_sent = time.perf_counter()
         if kind == "decode" and self._compiled is not None:
             try:
                 results = from_wire(self._compiled.run({"kind": kind, "shared": shared, "qs": qs}, self.timeout_s))
@@ -328,13 +332,24 @@ class RayRankPool:
             shared_ref = ray.put(shared)  # once for every rank
             refs = [getattr(a, kind).remote(shared_ref, qs[r]) for r, a in enumerate(self._actors)]
             results = from_wire(self._call(kind, refs))
+        t_back = time.perf_counter()
         if q is None:
-            return [None] * len(packed.ids)
-        out = torch.cat([o for o, _ in results], dim=1).split(packed.q_counts)
-        if not return_lse:
-            return list(out)
-        lse = torch.cat([s for _, s in results], dim=1).split(packed.q_counts)
-        return list(zip(out, lse))
+            outputs: list[Any] = [None] * len(packed.ids)
+        else:
+            out = torch.cat([o for o, _ in results], dim=1).split(packed.q_counts)
+            if return_lse:
+                outputs = list(zip(out, torch.cat([s for _, s in results], dim=1).split(packed.q_counts)))
+            else:
+                outputs = list(out)
+        t_end = time.perf_counter()
+        self.last_step = {
+            "kind": kind,
+            "check_ms": (t_packed - t_start) * 1e3,  # validating and concatenating the requests
+            "prepare_ms": (t_sent - t_packed) * 1e3,  # pages, block table, per-rank query slices
+            "ranks_ms": (t_back - t_sent) * 1e3,  # transport both ways and the ranks' step
+            "assemble_ms": (t_end - t_back) * 1e3,  # outputs per request
+        }
+        return outputs
 
     def prefill(self, requests: Sequence[PrefillRequest], *, return_lse: bool = False) -> list[Any]:
         """Write the requests' new KV rows into the ranks' caches and, with queries, attend.
@@ -352,8 +367,9 @@ class RayRankPool:
         """
         self._check_usable()
         self._need_spec()
+        t0 = time.perf_counter()
         packed = pack_step("prefill", requests, self.shapes, self.book)
-        return self._run_step("prefill", packed, return_lse)
+        return self._run_step("prefill", packed, return_lse, t0)
 
     def decode(self, requests: Sequence[DecodeRequest], *, return_lse: bool = False) -> list[Any]:
         """One decode step of prefilled requests (DCP under ``mixed`` / ``dcp-decode``).
@@ -362,8 +378,9 @@ class RayRankPool:
         """
         self._check_usable()
         self._need_spec()
+        t0 = time.perf_counter()
         packed = pack_step("decode", requests, self.shapes, self.book)
-        return self._run_step("decode", packed, return_lse)
+        return self._run_step("decode", packed, return_lse, t0)
 
     def free(self, request_ids: Sequence[Hashable]) -> int:
         """Release requests' pages (host bookkeeping; no rank runs). Returns the pages freed."""
