@@ -254,9 +254,29 @@ class RayRankPool:
         if not self._actors:
             raise RuntimeError("the pool is shut down")
 
+    def _dead_ranks(self, wait_s: float) -> list[int]:
+        """Ranks whose actor is gone (asked through the health group, which answers during a step)."""
+        import ray
+
+        refs = [a.health.options(concurrency_group=_HEALTH_GROUP).remote() for a in self._actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        dead = []
+        for r, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    dead.append(r)
+        return dead
+
     def _fail(self, rank: int, cause: str, operation: str) -> RankFailedError:
         import ray
 
+        if not cause.startswith("actor died"):
+            # a rank whose collective broke because a peer died reports that as its own error
+            dead = self._dead_ranks(wait_s=min(2.0, self.timeout_s))
+            if dead and rank not in dead:
+                rank, cause = dead[0], f"actor died (then rank {rank}: {cause})"
         err = RankFailedError(rank, cause, operation)
         self._broken = err
         for a in self._actors:  # survivors may wait in a collective for the dead rank: stop them too
