@@ -24,7 +24,21 @@ from typing import Any
 
 from shardattn.launch.ray.errors import RankStepError, describe_ray_error
 
-__all__ = ["CompiledSteps"]
+__all__ = ["CompiledSteps", "channel_bytes"]
+
+
+def channel_bytes(shapes: Any, heads_per_rank: int, v_dim: int, cache: Any) -> int:
+    """Room for the largest decode payload (every rank's queries, top-k, new KV rows, block table)
+    or one rank's result, twice over, plus 1 MiB (``shapes``: a ``PoolShapes``; ``cache``: a ``KVCacheConfig``)."""
+    import torch
+
+    t = shapes.max_decode_tokens
+    elem = torch.empty(0, dtype=shapes.dtype).element_size()
+    rows = sum(int(torch.Size(r).numel()) * torch.empty(0, dtype=d).element_size() for r, d in shapes.kv_rows)
+    table = cache.pages_per_request * 4
+    payload = t * (shapes.heads * shapes.head_dim * elem + shapes.topk * 4 + rows + table + 64)
+    result = t * heads_per_rank * (v_dim * elem + 4)
+    return 2 * max(payload, result) + (1 << 20)
 
 
 class CompiledSteps:

@@ -39,7 +39,7 @@ import torch
 
 from shardattn.launch.ray.errors import RankFailedError, RankStepError, describe_ray_error, require_ray
 from shardattn.launch.ray.placement import bundle_options, reserve_bundles
-from shardattn.launch.ray.requests import DecodeRequest, PackedStep, PoolShapes, PrefillRequest, pack_step
+from shardattn.launch.ray.requests import DecodeRequest, PackedStep, PrefillRequest, pack_step, pool_shapes
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
 from shardattn.plan.spec import ModelSpec, get_preset
@@ -176,22 +176,8 @@ class RayRankPool:
         layout = DCPLayout(self.world_size, interleave) if dcp else DCPLayout(1)
         self.cache_config = KVCacheConfig(spec.page_size, layout, max_requests, max_seq_len, num_pages)
         self.book = PagedKVBook(self.cache_config)
-        dtype = getattr(torch, spec.dtype)
-        if spec.kind == "sparse_mla":
-            rows: tuple = (((spec.head_dim,), dtype),)
-        else:
-            rows = (((spec.num_kv_heads, spec.head_dim), dtype), ((spec.num_kv_heads, spec.v_dim), dtype))
-        self.shapes = PoolShapes(
-            kind=spec.kind,
-            heads=spec.num_heads,
-            head_dim=spec.head_dim,
-            kv_rows=rows,
-            dtype=dtype,
-            topk=int(self._runtime_kwargs.get("topk") or spec.topk),
-            prefill_attention=spec.kind == "sparse_mla" and self.mode != "dcp-decode",
-            max_prefill_tokens=int(self._runtime_kwargs["max_batched_tokens"]),
-            max_decode_tokens=int(self._runtime_kwargs.get("max_decode_tokens", 256)),
-        )
+        self.shapes = pool_shapes(spec, self.mode, self._runtime_kwargs)
+        rows = self.shapes.kv_rows
         self.heads_per_rank = spec.heads_per_rank(self.world_size)
         row_bytes = sum(int(torch.Size(r).numel()) * torch.empty(0, dtype=d).element_size() for r, d in rows)
         self._cache_spec = {
@@ -223,11 +209,12 @@ class RayRankPool:
             kw = {k: v for k, v in self._runtime_kwargs.items()}
             self.built = self._call("build", [a.build.remote(self.spec, kw, self._cache_spec) for a in self._actors])
             if self.transport == "compiled":
-                from shardattn.launch.ray.compiled import CompiledSteps
+                from shardattn.launch.ray.compiled import CompiledSteps, channel_bytes
 
                 pids = [b["pid"] for b in self.built]
                 try:
-                    self._compiled = CompiledSteps(self._actors, pids, self._channel_bytes())
+                    room = channel_bytes(self.shapes, self.heads_per_rank, self.spec.v_dim, self.cache_config)
+                    self._compiled = CompiledSteps(self._actors, pids, room)
                 except Exception as e:  # keep serving, loudly, on the transport that always works
                     warnings.warn(
                         f"Ray compiled graph unavailable ({type(e).__name__}: {e}); decode steps use actor calls",
@@ -235,17 +222,6 @@ class RayRankPool:
                         stacklevel=3,
                     )
                     self.transport = "calls"
-
-    def _channel_bytes(self) -> int:
-        """Room for the largest decode payload (all ranks' queries, top-k, new KV rows, block table) or result."""
-        sh, spec, t = self.shapes, self.spec, self.shapes.max_decode_tokens
-        elem = torch.empty(0, dtype=sh.dtype).element_size()
-        rows = sum(int(torch.Size(r).numel()) * torch.empty(0, dtype=d).element_size() for r, d in sh.kv_rows)
-        payload = t * (
-            sh.heads * sh.head_dim * elem + sh.topk * 4 + rows + self.cache_config.pages_per_request * 4 + 64
-        )
-        result = t * self.heads_per_rank * (spec.v_dim * elem + 4)
-        return 2 * max(payload, result) + (1 << 20)
 
     # -- calls and faults ----------------------------------------------------------------------
     def _check_usable(self) -> None:

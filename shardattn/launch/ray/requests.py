@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from shardattn._checks import check_tensor
 from shardattn.plan.kv_pages import PagedKVBook
+from shardattn.plan.spec import ModelSpec
 
-__all__ = ["DecodeRequest", "PackedStep", "PoolShapes", "PrefillRequest", "pack_step"]
+__all__ = ["DecodeRequest", "PackedStep", "PoolShapes", "PrefillRequest", "pack_step", "pool_shapes"]
 
 KV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 _CPU = torch.device("cpu")
@@ -79,6 +81,26 @@ class PoolShapes:
     prefill_attention: bool
     max_prefill_tokens: int
     max_decode_tokens: int
+
+
+def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> PoolShapes:
+    """What a pool of ``spec`` in ``mode`` accepts (``runtime_kwargs``: the Runtime's sizes and top-k)."""
+    dtype = getattr(torch, spec.dtype)
+    if spec.kind == "sparse_mla":
+        rows: tuple = (((spec.head_dim,), dtype),)
+    else:
+        rows = (((spec.num_kv_heads, spec.head_dim), dtype), ((spec.num_kv_heads, spec.v_dim), dtype))
+    return PoolShapes(
+        kind=spec.kind,
+        heads=spec.num_heads,
+        head_dim=spec.head_dim,
+        kv_rows=rows,
+        dtype=dtype,
+        topk=int(runtime_kwargs.get("topk") or spec.topk),
+        prefill_attention=spec.kind == "sparse_mla" and mode != "dcp-decode",
+        max_prefill_tokens=int(runtime_kwargs["max_batched_tokens"]),
+        max_decode_tokens=int(runtime_kwargs.get("max_decode_tokens", 256)),
+    )
 
 
 @dataclass
