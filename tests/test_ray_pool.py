@@ -1,49 +1,300 @@
-"""The Ray actor pool: N actors form one gloo group, run functions and Runtime steps (skips without Ray)."""
+"""The servable Ray pool on local Ray (gloo): outputs equal fp64 attention over the whole cache
+across prefill, chunked prefill, decode and free; bad requests leave it healthy; a killed or
+raising rank gives one RankFailedError and restart() recovers. One Ray instance per module."""
 
 from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.launch.ray_pool import RayRankPool, ray_unavailable_reason
-from shardattn.launch.workloads import build_prefill
+from shardattn.launch.ray.errors import ray_unavailable_reason, require_ray
 from shardattn.plan.spec import ModelSpec
 
 REASON = ray_unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"optional dependency missing: {REASON}")
+needs_ray = pytest.mark.skipif(REASON is not None, reason=f"optional dependency missing: {REASON}")
 
-MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32")
+MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4, dtype="float32")
+GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 4, dtype="float32")
+ATOL = 2e-5
+TIMEOUT_S = 60.0
 
 
-def test_pool_forms_a_group_and_runs_runtime_steps() -> None:
-    world = 2
-    with RayRankPool(world, device="cpu", timeout_s=120) as pool:
-        assert pool.backend == "gloo"
-        assert pool.run(dist.get_rank) == [0, 1]
-        assert pool.run(dist.get_world_size) == [world, world]
-        built = pool.build_runtime(MLA, max_batched_tokens=64, mode="shardq", min_shard_tokens=1)
-        assert [b["rank"] for b in built] == [0, 1] and all(b["workspace_bytes"] > 0 for b in built)
-        step = build_prefill(
-            heads=8,
-            head_dim=48,
-            tokens=40,
-            requests=2,
-            cached=(3, 20),
-            topk=16,
-            overlap="dsa",
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-            seed=0,
-            block_size=16,
-        )
-        h = MLA.num_heads // world
-        args = [(step.q[:, r * h : (r + 1) * h].contiguous(), step.kv, step.rows) for r in range(world)]
-        results = pool.step("prefill", args, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens)
-        ref, _ = sparse_mla_reference(step.q, step.kv, step.rows, scale=48**-0.5, v_dim=32)
-        for r, (out, lse) in enumerate(results):
-            assert out.shape == (40, h, 32) and lse.shape == (40, h)
-            assert torch.allclose(out, ref[:, r * h : (r + 1) * h], atol=1e-5, rtol=0)
-        with pytest.raises(ValueError, match="per_rank_args must have one tuple per rank"):
-            pool.step("prefill", args[:1])
+def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # "import ray" raises ImportError
+    with pytest.raises(ImportError, match=r"shardattn\[ray\]"):
+        require_ray()
+    from shardattn.launch.ray_pool import RayRankPool
+
+    with pytest.raises(ImportError, match="'ray' extra"):
+        RayRankPool(2)
+
+
+@needs_ray
+def test_bad_pool_configs_raise_before_any_actor_starts() -> None:
+    from shardattn.launch.ray_pool import RayRankPool
+
+    small = {"max_batched_tokens": 8}
+    cases = [
+        ({"spec": "gqa-64-8", "mode": "dcp-decode", "runtime_kwargs": small}, "does not pass attention sinks"),
+        ({"spec": MLA, "runtime_kwargs": small, "memory_limit_bytes": 1000}, "over memory_limit_bytes=1000"),
+        ({"spec": MLA, "mode": "pcp", "runtime_kwargs": small}, "mode must be one of"),
+        ({"spec": MLA}, "runtime_kwargs must give max_batched_tokens"),
+        ({"spec": MLA, "runtime_kwargs": small, "transport": "grpc"}, "transport must be 'compiled' or 'calls'"),
+        ({"spec": MLA, "runtime_kwargs": small, "device": "tpu"}, "device must be"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            RayRankPool(2, init_ray=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    if REASON is not None:
+        pytest.skip(REASON)
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _pool(world: int, spec: ModelSpec, **kwargs):
+    from shardattn.launch.ray_pool import RayRankPool
+
+    mode = kwargs.pop("mode", "mixed" if spec.kind == "sparse_mla" else "dcp-decode")
+    runtime = {"max_batched_tokens": 64, "max_decode_tokens": 16, "min_shard_tokens": 1, "warmup": False}
+    runtime.update(kwargs.pop("runtime_kwargs", {}))
+    return RayRankPool(
+        world, spec, mode=mode, device="cpu", timeout_s=TIMEOUT_S, runtime_kwargs=runtime, init_ray=False, **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def pool2(ray_instance):
+    with _pool(2, MLA, max_requests=4, max_seq_len=48, num_pages=16) as pool:
+        yield pool
+
+
+def _check(outs, requests, mirror) -> None:
+    assert len(outs) == len(requests)
+    for (out, lse), req in zip(outs, requests):
+        ref_out, ref_lse = mirror.expected(req)
+        assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+        assert torch.isfinite(out).all()
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))  # rows with no valid key: lse = -inf
+        assert torch.allclose(out.double(), ref_out, atol=ATOL, rtol=0), (out.double() - ref_out).abs().max()
+        fin = torch.isfinite(ref_lse)
+        assert torch.allclose(lse.double()[fin], ref_lse[fin], atol=ATOL, rtol=0)
+
+
+def _serve_and_check(pool, mirror) -> None:
+    """Prefill, chunked prefill, decode (drafts, with and without new KV), free and reuse of the pages."""
+    reqs = [mirror.prefill_request("a", 13), mirror.prefill_request("b", 7), mirror.prefill_request("c", 5)]
+    _check(pool.prefill(reqs, return_lse=True), reqs, mirror)
+    reqs = [mirror.prefill_request("c", 6)]  # the second chunk attends over the 5 cached tokens
+    _check(pool.prefill(reqs, return_lse=True), reqs, mirror)
+    for step in range(3):
+        reqs = [
+            mirror.decode_request("a"),
+            mirror.decode_request("b", 2 if step == 1 else 1),
+            mirror.decode_request("c"),
+        ]
+        _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+    reqs = [mirror.decode_request("a", append=False)]
+    _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+    pages = pool.book.free_pages
+    assert pool.free(["b"]) > 0 and pool.book.free_pages > pages
+    mirror.free("b")
+    reqs = [mirror.prefill_request("d", 17)]  # takes b's pages
+    _check(pool.prefill(reqs, return_lse=True), reqs, mirror)
+    reqs = [mirror.decode_request("a"), mirror.decode_request("d"), mirror.decode_request("c")]
+    _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+    outs = pool.decode([mirror.decode_request("d")])  # without return_lse: outputs only
+    assert outs[0].shape == (1, mirror.spec.num_heads, mirror.spec.v_dim)
+
+
+@needs_ray
+def test_pool_forms_a_group_in_a_placement_group(pool2) -> None:
+    assert pool2.backend == "gloo"
+    assert pool2.run(dist.get_rank) == [0, 1]
+    health = pool2.health()
+    assert health["state"] == "healthy" and [r["state"] for r in health["ranks"]] == ["ready", "ready"]
+    assert all(r["cache_bytes"] == 16 * 4 * 48 * 4 and r["rss_bytes"] > 0 for r in health["ranks"])
+
+
+@needs_ray
+def test_two_rank_pool_equals_fp64_attention(pool2) -> None:
+    from shardattn.testing.serving import ServingMirror
+
+    _serve_and_check(pool2, ServingMirror(MLA, seed=1))
+    pool2.free(list(pool2.book.request_ids))
+    assert all(r["last_step_s"] > 0 for r in pool2.health()["ranks"])
+
+
+@needs_ray
+@pytest.mark.parametrize(
+    "world,spec,mode,interleave,transport",
+    [
+        (4, MLA, "mixed", 2, "compiled"),
+        (4, GQA, "dcp-decode", 1, "calls"),
+        (2, MLA, "shardq", 1, "calls"),  # head-TP decode over a replicated cache
+    ],
+    ids=["4-mla-mixed-I2-compiled", "4-gqa-dcp-calls", "2-mla-headtp-calls"],
+)
+def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interleave, transport) -> None:
+    from shardattn.testing.serving import ServingMirror
+
+    kwargs = {"max_requests": 4, "max_seq_len": 48, "transport": transport}
+    with _pool(world, spec, mode=mode, runtime_kwargs={"dcp_interleave": interleave}, **kwargs) as pool:
+        assert pool.transport == transport and pool.cache_config.layout.world_size == (1 if mode == "shardq" else world)
+        mirror = ServingMirror(spec, seed=2)
+        if spec.kind == "sparse_mla":
+            _serve_and_check(pool, mirror)
+            return
+        reqs = [mirror.prefill_request(i, n, attend=False) for i, n in enumerate((9, 3, 14))]
+        assert pool.prefill(reqs) == [None, None, None]
+        reqs = [mirror.prefill_request(1, 4, attend=False)]
+        pool.prefill(reqs)
+        for q_lens in ((1, 1, 1), (2, 1, 3)):  # plain decode, then ragged drafts
+            reqs = [mirror.decode_request(i, q) for i, q in enumerate(q_lens)]
+            _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+
+
+@needs_ray
+def test_bad_requests_raise_before_any_rank_runs(pool2) -> None:
+    from shardattn.launch.ray_pool import DecodeRequest, PrefillRequest
+    from shardattn.testing.serving import ServingMirror
+
+    mirror = ServingMirror(MLA, seed=3)
+    good = mirror.prefill_request("x", 9)
+    _check(pool2.prefill([good], return_lse=True), [good], mirror)
+    steps_before = [r["steps"] for r in pool2.health()["ranks"]]
+    free_before = pool2.book.free_pages
+    q1 = mirror.decode_request("x", append=False).q
+    topk1 = torch.zeros(1, 16, dtype=torch.int32)
+    kv1 = torch.zeros(1, 48)
+    cases = [
+        (lambda: pool2.decode([DecodeRequest("nope", q=q1, topk=topk1)]), ValueError, "unknown request id 'nope'"),
+        (lambda: pool2.prefill([PrefillRequest("x", kv=torch.zeros(40, 48))]), ValueError, "exceed max_seq_len=48"),
+        (
+            lambda: pool2.prefill([PrefillRequest(i, kv=torch.zeros(40, 48)) for i in "pqr"]),
+            ValueError,
+            "out of KV pages",
+        ),
+        (
+            lambda: pool2.prefill([PrefillRequest(i, kv=torch.zeros(1, 48)) for i in "pqrs"]),
+            ValueError,
+            "over max_requests=4",
+        ),
+        (lambda: pool2.decode([DecodeRequest("x", q=q1.double(), topk=topk1)]), TypeError, "q must have dtype"),
+        (
+            lambda: pool2.decode([DecodeRequest("x", q=q1[:, :4], topk=topk1)]),
+            ValueError,
+            r"q must have shape \[\*, 8, 48\]",
+        ),
+        (lambda: pool2.decode([DecodeRequest("x", q=q1, topk=topk1.long())]), TypeError, "topk must have dtype"),
+        (lambda: pool2.decode([DecodeRequest("x", q=q1, topk=topk1[:, :8])]), ValueError, r"topk must have shape"),
+        (lambda: pool2.decode([DecodeRequest("x", q=q1, topk=None)]), ValueError, "needs topk"),
+        (lambda: pool2.decode([DecodeRequest("x", q=q1, topk=topk1, kv=kv1[:, :8])]), ValueError, "kv must have shape"),
+        (
+            lambda: pool2.decode([DecodeRequest("x", q=q1, topk=topk1), DecodeRequest("x", q=q1, topk=topk1)]),
+            ValueError,
+            "appears twice",
+        ),
+        (lambda: pool2.decode(DecodeRequest("x", q=q1, topk=topk1)), TypeError, "takes a list of DecodeRequest"),
+        (lambda: pool2.free(["x", "nope"]), ValueError, "unknown request id 'nope'"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    assert pool2.book.free_pages == free_before and list(pool2.book.request_ids) == ["x"]
+    health = pool2.health()
+    assert health["state"] == "healthy" and [r["steps"] for r in health["ranks"]] == steps_before
+    reqs = [mirror.decode_request("x")]  # still serving, with the request's KV intact
+    _check(pool2.decode(reqs, return_lse=True), reqs, mirror)
+    pool2.free(["x"])
+
+
+@needs_ray
+def test_placement_timeout_names_what_is_missing(ray_instance) -> None:
+    from shardattn.launch.ray.placement import reserve_bundles
+    from shardattn.launch.ray_pool import PlacementTimeoutError
+
+    with pytest.raises(PlacementTimeoutError, match=r"GPU: need 2, 0 free of 0"):
+        reserve_bundles(2, {"CPU": 1.0, "GPU": 1.0}, strategy="STRICT_PACK", timeout_s=1.0)
+    with pytest.raises(ValueError, match="placement strategy must be one of"):
+        reserve_bundles(2, {"CPU": 1.0}, strategy="TIGHT", timeout_s=1.0)
+
+
+@needs_ray
+def test_ray_service_example_serves_a_stream(ray_instance) -> None:
+    path = Path(__file__).resolve().parent.parent / "examples" / "ray_service.py"
+    spec = importlib.util.spec_from_file_location("ray_service", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    stats = module.main(["--requests", "6", "--max-new-tokens", "4", "--check"])
+    assert stats["requests"] == 6 and stats["decode_tokens"] > 0 and stats["max_error"] <= 1e-4
+
+
+@needs_ray
+@pytest.mark.parametrize(
+    "kind,failed,cause",
+    [
+        ("exit", "rank 1", "actor died"),
+        ("raise", "rank 1", "RuntimeError: injected fault in decode on rank 1"),
+        ("hang", "rank 0", "ranks [0, 1] did not answer within 5 s"),  # the hung rank holds its peer in a collective
+    ],
+    ids=["exit", "raise", "hang"],
+)
+def test_failed_rank_breaks_the_pool_until_restart(pool2, kind: str, failed: str, cause: str) -> None:
+    """Runs last on pool2: a rank dies, raises or hangs mid-decode; later calls raise the same; restart recovers."""
+    from shardattn.launch.ray_pool import RankFailedError
+    from shardattn.testing.serving import ServingMirror
+
+    mirror = ServingMirror(MLA, seed=4)
+    pool2.prefill([mirror.prefill_request("y", 11), mirror.prefill_request("z", 6)])
+    pool2.arm_fault(1, kind, "decode")
+    reqs = [mirror.decode_request("y"), mirror.decode_request("z")]
+    timeout = pool2.timeout_s
+    if kind == "hang":
+        pool2.timeout_s = 5.0
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        pending = ex.submit(pool2.decode, reqs)
+        if kind == "hang":  # health answers while a step is stuck
+            for _ in range(15):  # until both ranks are inside the step (a slow runner takes a moment)
+                ranks = pool2.health(timeout_s=1.0)["ranks"]
+                if [r["state"] for r in ranks] == ["decode", "decode"]:
+                    break
+                time.sleep(0.2)
+            assert [r["state"] for r in ranks] == ["decode", "decode"] and not pending.done()
+            assert all(r["step_running_s"] > 0 for r in ranks)
+        with pytest.raises(RankFailedError, match=f"{failed} failed during decode") as info:
+            pending.result()
+    assert time.monotonic() - t0 < pool2.timeout_s + 5
+    pool2.timeout_s = timeout
+    assert info.value.rank == int(failed[-1]) and cause in info.value.cause
+    for call in (lambda: pool2.decode(reqs), lambda: pool2.free(["y"]), lambda: pool2.run(dist.get_rank)):
+        with pytest.raises(RankFailedError) as again:
+            call()
+        assert again.value is info.value
+    assert pool2.health()["state"] == "broken"
+    assert pool2.restart() == ["y", "z"]
+    assert pool2.health()["state"] == "healthy" and len(pool2.book) == 0
+    mirror = ServingMirror(MLA, seed=5)
+    reqs = [mirror.prefill_request("y", 11)]
+    _check(pool2.prefill(reqs, return_lse=True), reqs, mirror)
+    reqs = [mirror.decode_request("y")]
+    _check(pool2.decode(reqs, return_lse=True), reqs, mirror)
+    pool2.free(["y"])

@@ -1,0 +1,234 @@
+"""A small asyncio attention service on the Ray pool: a stream of requests, batched per step.
+
+Requests arrive at random times with random prompt lengths; each is prefilled (ShardQ over the
+pool's ranks), then decodes one token per step (DCP over the ranks' KV shards) until it has its
+new tokens, and is freed. A scheduler batches whatever is waiting into one pool step: prefills
+first, then every waiting decode. Prints the latency percentiles (time to first output, time per
+decode step, step time) and tokens per second; ``--check`` also compares every output with fp64
+attention over the request's whole cache.
+
+    python examples/ray_service.py                       # 2 CPU ranks (gloo), tiny model dims
+    python examples/ray_service.py --preset glm5 --ranks 2 --device cuda --requests 32 \\
+        --prompt 256 1024 --max-new-tokens 16             # GPUs (NCCL), GLM-5 attention shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardattn.launch.ray_pool import RayRankPool
+from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn.testing.serving import ServingMirror
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
+    p.add_argument("--preset", default=None, help="model preset (default: tiny sparse-MLA dims below)")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=48)
+    p.add_argument("--v-dim", type=int, default=32)
+    p.add_argument("--topk", type=int, default=None, help="top-k (default: 16, or the preset's)")
+    p.add_argument("--page", type=int, default=4)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--prompt", type=int, nargs=2, default=(8, 40), metavar=("MIN", "MAX"))
+    p.add_argument("--max-new-tokens", type=int, default=6)
+    p.add_argument("--arrival-ms", type=float, default=2.0, help="mean gap between arrivals")
+    p.add_argument("--max-batch", type=int, default=64, help="decode requests per step")
+    p.add_argument("--transport", choices=("compiled", "calls"), default="compiled", help="how decode steps travel")
+    p.add_argument("--check", action="store_true", help="compare every output with fp64 attention")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def model(args: argparse.Namespace) -> ModelSpec:
+    if args.preset is not None:
+        spec = get_preset(args.preset)
+        spec = dataclasses.replace(spec, topk=args.topk or spec.topk)
+    else:
+        spec = ModelSpec("sparse_mla", args.heads, 1, args.head_dim, args.v_dim, args.topk or 16, args.page)
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    return dataclasses.replace(spec, dtype=dtype)
+
+
+@dataclasses.dataclass
+class _Job:
+    kind: str
+    request: Any
+    done: asyncio.Future
+
+
+class Service:
+    """Batches waiting prefills, else waiting decodes, into pool steps (one step at a time)."""
+
+    def __init__(self, pool: RayRankPool, max_batch: int, max_prefill_tokens: int) -> None:
+        self.pool, self.max_batch, self.max_prefill_tokens = pool, max_batch, max_prefill_tokens
+        self.waiting: list[_Job] = []
+        self.to_free: list[Any] = []
+        self.wake = asyncio.Event()
+        self.step_s: list[float] = []
+        self.closed = False
+
+    async def submit(self, kind: str, request: Any) -> Any:
+        job = _Job(kind, request, asyncio.get_running_loop().create_future())
+        self.waiting.append(job)
+        self.wake.set()
+        return await job.done
+
+    def free(self, request_id: Any) -> None:
+        self.to_free.append(request_id)
+        self.wake.set()
+
+    def _next_batch(self) -> list[_Job]:
+        prefills = [j for j in self.waiting if j.kind == "prefill"]
+        batch: list[_Job] = []
+        if prefills:
+            tokens = 0
+            for j in prefills:
+                n = int(j.request.q.shape[0])
+                if batch and tokens + n > self.max_prefill_tokens:
+                    break
+                batch.append(j)
+                tokens += n
+        else:
+            batch = self.waiting[: self.max_batch]
+        for j in batch:
+            self.waiting.remove(j)
+        return batch
+
+    async def run(self) -> None:
+        while not (self.closed and not self.waiting):
+            if self.to_free:  # between steps: the ledger never changes under a running step
+                self.pool.free(self.to_free)
+                self.to_free = []
+            if not self.waiting:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            batch = self._next_batch()
+            kind = batch[0].kind
+            t0 = time.perf_counter()
+            method = self.pool.prefill if kind == "prefill" else self.pool.decode
+            try:
+                outs = await asyncio.to_thread(method, [j.request for j in batch], return_lse=True)
+            except Exception as e:
+                for j in batch:
+                    j.done.set_exception(e)
+                continue
+            self.step_s.append(time.perf_counter() - t0)
+            for j, out in zip(batch, outs):
+                j.done.set_result(out)
+        if self.to_free:
+            self.pool.free(self.to_free)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(torch.tensor(values).quantile(q)) * 1e3 if values else float("nan")
+
+
+async def serve(args: argparse.Namespace, pool: RayRankPool, spec: ModelSpec) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    mirror = ServingMirror(spec, topk=pool.shapes.topk, seed=args.seed)
+    service = Service(pool, args.max_batch, pool.shapes.max_prefill_tokens)
+    ttft: list[float] = []
+    itl: list[float] = []
+    errors: list[float] = [0.0]
+    counts = {"prefill_tokens": 0, "decode_tokens": 0}
+
+    def check(request: Any, result: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if args.check:
+            ref, _ = mirror.expected(request)
+            errors.append(float((result[0].double() - ref).abs().max()))
+
+    async def client(i: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        n = rng.randint(*args.prompt)
+        t0 = time.perf_counter()
+        req = mirror.prefill_request(i, n)
+        check(req, await service.submit("prefill", req))
+        ttft.append(time.perf_counter() - t0)
+        counts["prefill_tokens"] += n
+        for _ in range(args.max_new_tokens):
+            t1 = time.perf_counter()
+            req = mirror.decode_request(i)
+            check(req, await service.submit("decode", req))
+            itl.append(time.perf_counter() - t1)
+            counts["decode_tokens"] += 1
+        service.free(i)
+        mirror.free(i)
+
+    delays = []
+    t = 0.0
+    for _ in range(args.requests):
+        t += rng.expovariate(1.0 / max(args.arrival_ms, 1e-6)) * 1e-3
+        delays.append(t)
+    runner = asyncio.create_task(service.run())
+    t_start = time.perf_counter()
+    await asyncio.gather(*(client(i, d) for i, d in enumerate(delays)))
+    wall = time.perf_counter() - t_start
+    service.closed = True
+    service.wake.set()
+    await runner
+    return {
+        "requests": args.requests,
+        "prefill_tokens": counts["prefill_tokens"],
+        "decode_tokens": counts["decode_tokens"],
+        "wall_s": wall,
+        "decode_tokens_per_s": counts["decode_tokens"] / wall,
+        "tokens_per_s": (counts["prefill_tokens"] + counts["decode_tokens"]) / wall,
+        "ttft_ms": {q: _pct(ttft, q / 100) for q in (50, 90, 99)},
+        "decode_token_ms": {q: _pct(itl, q / 100) for q in (50, 90, 99)},
+        "step_ms": {q: _pct(service.step_s, q / 100) for q in (50, 90, 99)},
+        "steps": len(service.step_s),
+        "max_error": max(errors) if args.check else None,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the service once; prints a summary and returns it."""
+    args = parse(argv)
+    spec = model(args)
+    max_seq = args.prompt[1] + args.max_new_tokens
+    prefill_tokens = max(args.prompt[1], 4 * (args.prompt[0] + args.prompt[1]) // 2)
+    pool = RayRankPool(
+        args.ranks,
+        spec,
+        mode="mixed",
+        max_requests=args.requests,
+        max_seq_len=max_seq,
+        device=args.device,
+        transport=args.transport,
+        runtime_kwargs={
+            "max_batched_tokens": prefill_tokens,
+            "max_decode_tokens": args.max_batch,
+            "topk": spec.topk,
+            "min_shard_tokens": 1,
+        },
+    )
+    try:
+        stats = asyncio.run(serve(args, pool, spec))
+    finally:
+        pool.shutdown()
+    pct = "ms (p50 / p90 / p99)"
+    head = f"{stats['requests']} requests on {args.ranks} ranks ({pool.backend})"
+    print(f"{head}, {stats['steps']} steps, {stats['wall_s']:.2f} s")
+    for key in ("ttft_ms", "decode_token_ms", "step_ms"):
+        print(f"  {key[:-3]:<13} " + " / ".join(f"{v:8.2f}" for v in stats[key].values()) + f" {pct}")
+    print(f"  tokens/s      {stats['tokens_per_s']:.1f} (decode {stats['decode_tokens_per_s']:.1f})")
+    if stats["max_error"] is not None:
+        print(f"  max |out - fp64 reference| {stats['max_error']:.2e}")
+    return stats
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""The body of one pool actor: one rank, its process group, its Runtime and its KV-cache shard.
+
+Ray turns :class:`RankActor` into an actor (:mod:`~shardattn.launch.ray.pool`); this module does
+not import Ray. Steps run one at a time; :meth:`RankActor.health` runs in its own concurrency
+group, so it answers while a step is running (or stuck in a collective).
+
+A step's arguments are the step's *new* tensors only: ``shared`` (one object for every rank:
+block table, lengths, new KV rows, top-k) and this rank's heads of the queries. Results come
+back on the CPU: this rank's heads of the outputs (and LSE).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shardattn.launch.ray.wire import from_wire, to_wire
+
+__all__ = ["FAULT_KINDS", "RankActor"]
+
+#: Faults :meth:`RankActor.arm_fault` can inject (tests and drills): exit the process, raise, or hang.
+FAULT_KINDS = ("exit", "raise", "hang")
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return -1
+
+
+class RankActor:
+    """Rank ``rank`` of a ``world_size`` pool on ``device`` (``"cpu"`` or ``"cuda:0"``, its only GPU)."""
+
+    def __init__(self, rank: int, world_size: int, device: str) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+        self.group: Any = None
+        self.runtime: Any = None
+        self.cache: Any = None
+        self.comm: Any = None
+        self.state = "starting"
+        self.steps = 0
+        self.last_step_s: float | None = None
+        self._fault: tuple[str, str] | None = None
+        self._step_t0 = 0.0
+        torch.set_num_threads(1)
+
+    # -- forming the group ---------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        """This actor's node address and a free TCP port on it (rank 0 hosts the rendezvous)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return host, int(s.getsockname()[1])
+
+    def join(self, host: str, port: int, timeout_s: float) -> str:
+        import datetime
+
+        import torch.distributed as dist
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            torch.cuda.set_device(self.device)
+            kwargs["device_id"] = self.device
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+        self.group = dist.group.WORLD
+        self.state = "joined"
+        return backend
+
+    def build(self, spec: Any, runtime_kwargs: dict[str, Any], cache: dict[str, Any]) -> dict[str, Any]:
+        """Build the Runtime, then the KV-cache shard (``cache``: pages, page size, layout, row shapes)."""
+        from shardattn.launch.ray.kv_cache import RankKVCache
+        from shardattn.parallel.comm import Comm
+        from shardattn.parallel.runtime import Runtime
+
+        self.runtime = Runtime(spec, self.group, device=self.device, **runtime_kwargs)
+        limit = cache.get("memory_limit_bytes")
+        need = self.runtime.workspace_bytes + cache["bytes"]
+        if limit is not None and need > limit:
+            raise ValueError(
+                f"rank {self.rank}: workspace {self.runtime.workspace_bytes} B + KV cache {cache['bytes']} B "
+                f"exceed memory_limit_bytes={limit}; lower max_requests, max_seq_len or num_pages"
+            )
+        self.cache = RankKVCache(
+            cache["rows"],
+            num_pages=cache["num_pages"],
+            page_size=cache["page_size"],
+            layout=cache["layout"],
+            rank=self.rank,
+            device=self.device,
+        )
+        self.comm = Comm(self.group)  # the pool's own collectives (prefix gathers), counted apart from the Runtime's
+        self.state = "ready"
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "workspace_bytes": self.runtime.workspace_bytes,
+            "cache_bytes": self.cache.nbytes,
+        }
+
+    # -- steps ---------------------------------------------------------------------------------
+    def arm_fault(self, kind: str, operation: str) -> None:
+        """Make the next ``operation`` step (``"prefill"`` / ``"decode"``) fail: ``kind`` in :data:`FAULT_KINDS`.
+
+        The fault strikes after the step has written its KV rows and before its first
+        collective, so the other ranks are left waiting in that collective.
+        """
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"kind must be one of {FAULT_KINDS}, got {kind!r}")
+        self._fault = (kind, operation)
+
+    def _maybe_fail(self, operation: str) -> None:
+        if self._fault is None or self._fault[1] != operation:
+            return
+        kind, self._fault = self._fault[0], None
+        if kind == "exit":
+            os._exit(17)
+        if kind == "hang":
+            time.sleep(24 * 3600)
+        raise RuntimeError(f"injected fault in {operation} on rank {self.rank}")
+
+    def _begin(self, operation: str) -> float:
+        if self.runtime is None:
+            raise RuntimeError("build() must run before a step")
+        self.state = operation  # health() shows a step in progress (or stuck) and since when
+        self._step_t0 = time.perf_counter()
+        return self._step_t0
+
+    def _end(self, t0: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_step_s = time.perf_counter() - t0
+        self.steps += 1
+        self.state = "ready"
+
+    def _result(self, out: torch.Tensor, lse: torch.Tensor | None, return_lse: bool) -> tuple[Any, Any]:
+        return to_wire((out, lse if return_lse else None))
+
+    def prefill(self, shared: dict[str, Any], q_local: Any) -> tuple[Any, Any] | None:
+        """Write the step's KV rows; with queries, run the Runtime's prefill over the requests' whole KV.
+
+        ``q_local``: ``[T, H/W, D]`` this rank's heads (``None``: only write). Returns this rank's
+        heads ``(out [T, H/W, Dv], lse [T, H/W] or None)``, token order.
+        """
+        t0 = self._begin("prefill")
+        shared, q_local = from_wire(shared), from_wire(q_local)
+        table, starts, counts = shared["table"], shared["starts"], shared["counts"]
+        self.cache.write(table, starts, counts, shared["kv"])
+        self._maybe_fail("prefill")
+        if q_local is None:
+            self._end(t0)
+            return None
+        lens = [s + n for s, n in zip(starts, counts)]
+        if any(starts):  # chunked prefill: the cached prefix lives on every rank's shard
+            kv_full = torch.cat(self.cache.gather_full(table, lens, self.comm))
+        else:
+            kv_full = shared["kv"][0].to(self.device)
+        topk = shared["topk"]
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        first = torch.cumsum(lens_t, 0) - lens_t
+        req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(counts))
+        pos = topk.to(torch.int64)
+        valid = (pos >= 0) & (pos < lens_t[req][:, None])
+        rows = torch.where(valid, first[req][:, None] + pos, -1).to(torch.int32)
+        out, lse = self.runtime.prefill(
+            q_local.to(self.device),
+            kv_full,
+            rows.to(self.device),
+            seq_lens=counts,
+            prefix_lens=starts,
+            check=False,
+        )
+        result = self._result(out, lse, shared["return_lse"])
+        self._end(t0)
+        return result
+
+    def decode(self, shared: dict[str, Any], q_local: Any) -> tuple[Any, Any]:
+        """Write the query tokens' KV rows (when given), then one decode step (DCP or head-TP, by mode).
+
+        ``q_local``: ``[T, H/W, D]``. Returns ``(out [T, H/W, Dv], lse [T, H/W] or None)``.
+        """
+        t0 = self._begin("decode")
+        shared, q_local = from_wire(shared), from_wire(q_local)
+        table, starts, counts, q_counts = shared["table"], shared["starts"], shared["counts"], shared["q_counts"]
+        if shared["kv"]:
+            self.cache.write(table, starts, counts, shared["kv"])
+        self._maybe_fail("decode")
+        dev = self.device
+        seq_lens = torch.tensor([s + n for s, n in zip(starts, counts)], dtype=torch.int32, device=dev)
+        table_d = table.to(dev)
+        q = q_local.to(dev)
+        if self.runtime.spec.kind == "sparse_mla":
+            req_ids = torch.repeat_interleave(
+                torch.arange(len(q_counts), dtype=torch.int32), torch.tensor(q_counts)
+            ).to(dev)
+            out, lse = self.runtime.decode(
+                q, self.cache.flat(0), table_d, seq_lens, topk_pos=shared["topk"].to(dev), req_ids=req_ids, check=False
+            )
+        else:
+            cu = torch.tensor([0, *torch.cumsum(torch.tensor(q_counts), 0).tolist()], dtype=torch.int32, device=dev)
+            out, lse = self.runtime.decode(
+                q, (self.cache.pages[0], self.cache.pages[1]), table_d, seq_lens, cu_q_lens=cu, check=False
+            )
+        result = self._result(out, lse, shared["return_lse"])
+        self._end(t0)
+        return result
+
+    def step(self, payload: dict[str, Any]) -> tuple[Any, Any] | None:
+        """One step from a compiled graph: ``payload`` holds the kind, the shared part and every rank's queries."""
+        method = self.prefill if payload["kind"] == "prefill" else self.decode
+        return method(payload["shared"], payload["qs"][self.rank])
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """``fn(group, *args, **kwargs)`` on this rank."""
+        return fn(self.group, *args, **kwargs)
+
+    # -- reporting and leaving -----------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """State, memory and last step time of this rank (answers even while a step runs)."""
+        report: dict[str, Any] = {
+            "rank": self.rank,
+            "state": self.state,
+            "pid": os.getpid(),
+            "node": socket.gethostname(),
+            "device": str(self.device),
+            "steps": self.steps,
+            "last_step_s": self.last_step_s,
+            "step_running_s": time.perf_counter() - self._step_t0 if self.state in ("prefill", "decode") else None,
+            "rss_bytes": _rss_bytes(),
+            "cache_bytes": self.cache.nbytes if self.cache is not None else 0,
+            "workspace_bytes": self.runtime.workspace_bytes if self.runtime is not None else 0,
+        }
+        if self.device.type == "cuda":
+            report["cuda_allocated_bytes"] = int(torch.cuda.memory_allocated(self.device))
+            report["cuda_reserved_bytes"] = int(torch.cuda.memory_reserved(self.device))
+        return report
+
+    def leave(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.state = "left"

@@ -1,0 +1,129 @@
+"""One rank's shard of a pool's paged KV cache: resident tensors, writes, and prefix gathers.
+
+The cache is allocated once (:class:`RankKVCache`), ``[num_pages, page_size, *row]`` per
+component: sparse MLA has one component, the latent row ``[D]``; GQA has two, K ``[Hkv, D]`` and
+V ``[Hkv, Dv]``. Which rank holds a token, and at which local index, is the planner's
+:class:`~shardattn.plan.DCPLayout` (a replicated cache uses ``DCPLayout(1)``: every rank holds
+every token at its global position). Page ids come from the driver's
+:class:`~shardattn.plan.kv_pages.PagedKVBook` and are the same on every rank, so one block table
+``[B, M]`` int32 (local positions) addresses every rank's shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from shardattn.parallel.comm import Comm
+from shardattn.plan.context import DCPLayout
+
+__all__ = ["RankKVCache", "request_positions"]
+
+
+def request_positions(starts: Sequence[int], counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pos [N], req [N])`` int64: positions ``starts[b] .. starts[b] + counts[b] - 1`` of every request ``b``.
+
+    >>> [t.tolist() for t in request_positions([5, 0], [2, 3])]
+    [[5, 6, 0, 1, 2], [0, 0, 1, 1, 1]]
+    """
+    counts_t = torch.tensor(list(counts), dtype=torch.int64)
+    req = torch.repeat_interleave(torch.arange(len(counts_t)), counts_t)
+    first = torch.cumsum(counts_t, 0) - counts_t  # offset of each request's first row
+    pos = torch.tensor(list(starts), dtype=torch.int64)[req] + torch.arange(int(counts_t.sum())) - first[req]
+    return pos, req
+
+
+class RankKVCache:
+    """Rank ``rank``'s pages of the KV cache (module docstring).
+
+    Args:
+        rows: the row shape and dtype of each component (``[((D,), bf16)]`` for sparse MLA).
+        num_pages, page_size: pages per rank and tokens per page.
+        layout: the token layout over the ranks; ``rank``: this rank; device: where pages live.
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[tuple[tuple[int, ...], torch.dtype]],
+        *,
+        num_pages: int,
+        page_size: int,
+        layout: DCPLayout,
+        rank: int,
+        device: torch.device,
+    ) -> None:
+        self.layout, self.rank, self.page_size = layout, rank, page_size
+        self.row_specs = [(tuple(shape), dtype) for shape, dtype in rows]
+        self.pages = [
+            torch.zeros(num_pages, page_size, *shape, dtype=dtype, device=device) for shape, dtype in self.row_specs
+        ]
+        self.device = device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.pages)
+
+    def flat(self, i: int = 0) -> torch.Tensor:
+        """Component ``i`` as ``[num_pages * page_size, *row]`` (page ``p`` is rows ``p*P .. (p+1)*P``)."""
+        return self.pages[i].view(-1, *self.row_specs[i][0])
+
+    def _slots(self, pos: torch.Tensor, req: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions this rank owns (a mask over ``pos``) and their flat cache rows."""
+        owned = self.layout.owner(pos) == self.rank if self.layout.world_size > 1 else torch.ones_like(pos, dtype=bool)
+        local = self.layout.local_index(pos)
+        page = table.to("cpu", torch.int64)[req, torch.div(local, self.page_size, rounding_mode="floor")]
+        return owned, page * self.page_size + local % self.page_size
+
+    def write(
+        self, table: torch.Tensor, starts: Sequence[int], counts: Sequence[int], rows: Sequence[torch.Tensor]
+    ) -> None:
+        """Store new rows: request ``b`` of the step gets ``counts[b]`` rows at positions from ``starts[b]``.
+
+        Args:
+            table: ``[B, M]`` int32 block table of the step's requests (on the host).
+            starts, counts: ``[B]`` host ints (cached tokens before the step, new tokens).
+            rows: per component ``[sum(counts), *row]``, request-major, token order.
+        """
+        pos, req = request_positions(starts, counts)
+        if pos.numel() == 0:
+            return
+        owned, flat_rows = self._slots(pos, req, table)
+        src_idx = owned.nonzero().squeeze(1)
+        dst = flat_rows[owned].to(self.device)
+        src_idx = src_idx.to(self.device)
+        for i, new in enumerate(rows):
+            self.flat(i).index_copy_(0, dst, new.to(self.device).index_select(0, src_idx))
+
+    def gather_full(self, table: torch.Tensor, lens: Sequence[int], comm: Comm, i: int = 0) -> list[torch.Tensor]:
+        """Tokens ``[0, lens[b])`` of every request ``b``, in global order, on every rank.
+
+        ``table``: ``[B, M]`` int32 block table of the requests (host; index math runs on the CPU).
+
+        Under a split layout every rank sends its own rows (one uneven all-gather over ``comm``:
+        every rank must call this with the same ``lens``); a replicated cache reads locally.
+
+        Returns:
+            ``B`` tensors ``[lens[b], *row]`` of component ``i``.
+        """
+        lay, w = self.layout, self.layout.world_size
+        out = [self.flat(i).new_empty((n, *self.row_specs[i][0])) for n in lens]
+        if w == 1:
+            pos, req = request_positions([0] * len(lens), lens)
+            _, flat_rows = self._slots(pos, req, table)
+            rows = self.flat(i).index_select(0, flat_rows.to(self.device))
+            return list(rows.split([int(n) for n in lens]))
+        mine = [lay.owned_positions(int(n), self.rank) for n in lens]
+        pos = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64)
+        req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor([len(m) for m in mine], dtype=torch.int64))
+        _, flat_rows = self._slots(pos, req, table)
+        local = self.flat(i).index_select(0, flat_rows.to(self.device))
+        sizes = [sum(lay.local_len(int(n), r) for n in lens) for r in range(w)]
+        parts = comm.all_gather_uneven(local, sizes)
+        for r, part in enumerate(parts):
+            start = 0
+            for b, n in enumerate(lens):
+                k = lay.local_len(int(n), r)
+                out[b][lay.owned_positions(int(n), r).to(self.device)] = part[start : start + k]
+                start += k
+        return out

@@ -1,0 +1,490 @@
+"""A servable pool of Ray actors: one rank each, resident KV caches, requests in, outputs out.
+
+:class:`RayRankPool` reserves a placement group of one bundle per rank (``STRICT_PACK`` by
+default: NCCL ranks share a host), starts rank ``r`` in bundle ``r``, joins the actors into one
+process group (gloo on CPU, NCCL with one GPU per actor) and, given a model spec, builds on every
+rank a :class:`~shardattn.parallel.runtime.Runtime` and that rank's shard of a paged KV cache,
+once, sized from ``max_requests`` and ``max_seq_len`` (the decode layout of the mode: DCP
+interleave under ``mixed`` / ``dcp-decode``, a replica under head-TP decode)::
+
+    pool = RayRankPool(2, spec, mode="mixed", max_requests=64, max_seq_len=8192,
+                       runtime_kwargs={"max_batched_tokens": 8192, "max_decode_tokens": 64})
+    outs = pool.prefill([PrefillRequest("a", kv=kv_a, q=q_a, topk=topk_a)])   # [n, H, Dv] each
+    outs = pool.decode([DecodeRequest("a", q=q_a1, topk=topk_a1, kv=kv_a1)])   # ShardQ / DCP
+    pool.free(["a"])
+
+Only the step's new tensors cross Ray's object store: the block table, lengths, new KV rows and
+top-k once for every rank (one ``ray.put``), and each rank's heads of the queries; they travel as
+NumPy arrays, which Ray reads out of shared memory without a copy (:mod:`~shardattn.launch.ray.wire`). Bad requests
+raise ``ValueError`` / ``TypeError`` before any rank runs (:mod:`~shardattn.launch.ray.requests`).
+A rank that dies, raises or does not answer within ``timeout_s`` makes the call raise one
+:class:`~shardattn.launch.ray.errors.RankFailedError`; the pool is then broken (every call raises
+that error) until :meth:`RayRankPool.restart`, which re-forms actors and group in the same
+placement group and returns the requests whose KV state was lost.
+
+Decode steps go through a Ray compiled graph (``ray.dag``, :mod:`~shardattn.launch.ray.compiled`;
+``transport="calls"`` uses actor calls instead), which measured faster on the two-H200 host
+(``benchmarks/RESULTS.md``); prefill steps and every other call are actor calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from shardattn.launch.ray.errors import RankFailedError, RankStepError, describe_ray_error, require_ray
+from shardattn.launch.ray.placement import bundle_options, reserve_bundles
+from shardattn.launch.ray.requests import DecodeRequest, PackedStep, PrefillRequest, pack_step, pool_shapes
+from shardattn.plan.context import DCPLayout
+from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
+from shardattn.plan.spec import ModelSpec, get_preset
+
+__all__ = ["RayRankPool"]
+
+_HEALTH_GROUP = "health"
+
+
+@functools.lru_cache(maxsize=4)
+def _actor_class(num_cpus: float, num_gpus: float) -> Any:
+    import ray
+
+    from shardattn.launch.ray.actor import RankActor
+
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, concurrency_groups={_HEALTH_GROUP: 1})(
+        RankActor
+    )
+
+
+class RayRankPool:
+    """``world_size`` Ray actors forming one process group, serving requests (module docstring).
+
+    Args:
+        world_size: ranks (actors).
+        spec: a :class:`~shardattn.plan.spec.ModelSpec` or preset name; ``None`` forms the group
+            only (:meth:`run` works, the request API does not).
+        mode: the Runtime's mode (``"mixed"``: ShardQ prefill, DCP decode; ``"dcp-decode"`` for
+            GQA; ``"shardq"`` / ``"headtp"``: head-TP decode over a replicated cache). ``"pcp"``
+            is not served (its prefill takes another cache layout).
+        max_requests, max_seq_len: requests holding KV at once, and tokens per request.
+        num_pages: KV pages per rank (default: ``max_requests`` requests of ``max_seq_len``).
+        runtime_kwargs: more :class:`~shardattn.parallel.runtime.Runtime` arguments
+            (``max_batched_tokens`` is required with a spec; ``max_decode_tokens``, ``topk``,
+            ``dcp_interleave``, ``min_shard_tokens``, ...).
+        memory_limit_bytes: refuse to build when a rank's workspace plus KV cache exceed it.
+        device: ``"cpu"`` (gloo), ``"cuda"`` (NCCL, one GPU per actor), ``"auto"`` (cuda when the
+            cluster has ``world_size`` GPUs).
+        timeout_s: limit of every call (and of the group's collectives).
+        placement_strategy: Ray placement strategy of the bundles (``"STRICT_PACK"``, ...).
+        placement_timeout_s: wait for the bundles this long (default ``timeout_s``).
+        num_cpus: CPUs per bundle.
+        transport: how decode steps reach the ranks: ``"compiled"`` (a Ray compiled graph over
+            shared-memory channels sized from ``max_decode_tokens``) or ``"calls"`` (actor calls
+            and the object store, as prefill steps always go).
+        init_ray: start a local Ray when none is running.
+
+    Raises:
+        ImportError: Ray is missing (names the ``ray`` extra). ValueError / TypeError: bad sizes.
+        PlacementTimeoutError: the bundles were not reserved in time (names what is short).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        spec: ModelSpec | str | None = None,
+        *,
+        mode: str = "mixed",
+        max_requests: int = 8,
+        max_seq_len: int = 4096,
+        num_pages: int | None = None,
+        runtime_kwargs: dict[str, Any] | None = None,
+        memory_limit_bytes: int | None = None,
+        device: str = "auto",
+        timeout_s: float = 120.0,
+        placement_strategy: str = "STRICT_PACK",
+        placement_timeout_s: float | None = None,
+        num_cpus: float = 1.0,
+        transport: str = "compiled",
+        init_ray: bool = True,
+    ) -> None:
+        require_ray()
+        import ray
+
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        if transport not in ("compiled", "calls"):
+            raise ValueError(f"transport must be 'compiled' or 'calls', got {transport!r}")
+        self.transport = transport
+        self._compiled: Any = None
+        self.world_size, self.timeout_s = world_size, float(timeout_s)
+        self._actors: list[Any] = []
+        self._pg: Any = None
+        self._broken: RankFailedError | None = None
+        self._owns_ray = False
+        #: driver-side times of the last prefill / decode (``check_ms``, ``prepare_ms``, ``ranks_ms``, ``assemble_ms``)
+        self.last_step: dict[str, Any] = {}
+        self.spec = get_preset(spec) if isinstance(spec, str) else spec
+        self._runtime_kwargs = dict(runtime_kwargs or {})
+        self._runtime_kwargs.setdefault("mode", mode)
+        self.mode = self._runtime_kwargs["mode"]
+        self._memory_limit = memory_limit_bytes
+        if self.spec is not None:
+            self._plan_cache(max_requests, max_seq_len, num_pages)
+        if init_ray and not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+            self._owns_ray = True  # started here, so stopped by shutdown()
+        if device == "auto":
+            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= world_size else "cpu"
+        self.device = device
+        bundle = {"CPU": float(num_cpus), **({"GPU": 1.0} if device == "cuda" else {})}
+        try:
+            self._pg = reserve_bundles(
+                world_size,
+                bundle,
+                strategy=placement_strategy,
+                timeout_s=self.timeout_s if placement_timeout_s is None else placement_timeout_s,
+            )
+            self._cls = _actor_class(float(num_cpus), 1.0 if device == "cuda" else 0.0)
+            self._form()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- building ------------------------------------------------------------------------------
+    def _plan_cache(self, max_requests: int, max_seq_len: int, num_pages: int | None) -> None:
+        from shardattn.parallel.runtime import DECODE_STEP, MODES
+
+        spec = self.spec
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(f"spec must be a ModelSpec or a preset name, got {type(spec).__name__}")
+        if self.mode not in MODES or self.mode == "pcp":
+            raise ValueError(
+                f"mode must be one of {tuple(m for m in MODES if m != 'pcp')} for a pool, got {self.mode!r}"
+            )
+        if spec.has_sinks:
+            raise ValueError(f"the pool does not pass attention sinks yet; {spec} has has_sinks=True")
+        if "max_batched_tokens" not in self._runtime_kwargs:
+            raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
+        dcp = DECODE_STEP[self.mode] == "dcp"
+        interleave = int(self._runtime_kwargs.get("dcp_interleave", 1))
+        layout = DCPLayout(self.world_size, interleave) if dcp else DCPLayout(1)
+        self.cache_config = KVCacheConfig(spec.page_size, layout, max_requests, max_seq_len, num_pages)
+        self.book = PagedKVBook(self.cache_config)
+        self.shapes = pool_shapes(spec, self.mode, self._runtime_kwargs)
+        rows = self.shapes.kv_rows
+        self.heads_per_rank = spec.heads_per_rank(self.world_size)
+        row_bytes = sum(int(torch.Size(r).numel()) * torch.empty(0, dtype=d).element_size() for r, d in rows)
+        self._cache_spec = {
+            "rows": rows,
+            "num_pages": self.cache_config.num_pages,
+            "page_size": spec.page_size,
+            "layout": layout,
+            "bytes": self.cache_config.rows_per_rank * row_bytes,
+            "memory_limit_bytes": self._memory_limit,
+        }
+        if self._memory_limit is not None and self._cache_spec["bytes"] > self._memory_limit:
+            raise ValueError(
+                f"the KV cache alone needs {self._cache_spec['bytes']} B per rank, over memory_limit_bytes="
+                f"{self._memory_limit}; lower max_requests, max_seq_len or num_pages"
+            )
+
+    def _form(self) -> None:
+        """Start the actors in their bundles, join the group, build Runtimes and caches."""
+        dev = "cuda:0" if self.device == "cuda" else "cpu"  # each actor sees only its own GPU
+        self._actors = [
+            self._cls.options(**bundle_options(self._pg, r)).remote(r, self.world_size, dev)
+            for r in range(self.world_size)
+        ]
+        host, port = self._call("start", [self._actors[0].address.remote()], ranks=[0])[0]
+        backends = self._call("join", [a.join.remote(host, port, self.timeout_s) for a in self._actors])
+        self.backend = backends[0]
+        self.built: list[dict[str, Any]] = []
+        if self.spec is not None:
+            kw = {k: v for k, v in self._runtime_kwargs.items()}
+            self.built = self._call("build", [a.build.remote(self.spec, kw, self._cache_spec) for a in self._actors])
+            if self.transport == "compiled":
+                from shardattn.launch.ray.compiled import CompiledSteps, channel_bytes
+
+                pids = [b["pid"] for b in self.built]
+                try:
+                    room = channel_bytes(self.shapes, self.heads_per_rank, self.spec.v_dim, self.cache_config)
+                    self._compiled = CompiledSteps(self._actors, pids, room)
+                except Exception as e:  # keep serving, loudly, on the transport that always works
+                    warnings.warn(
+                        f"Ray compiled graph unavailable ({type(e).__name__}: {e}); decode steps use actor calls",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    self.transport = "calls"
+
+    # -- calls and faults ----------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if not self._actors:
+            raise RuntimeError("the pool is shut down")
+
+    def _dead_ranks(self, wait_s: float) -> list[int]:
+        """Ranks whose actor is gone (asked through the health group, which answers during a step)."""
+        import ray
+
+        refs = [a.health.options(concurrency_group=_HEALTH_GROUP).remote() for a in self._actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        dead = []
+        for r, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    dead.append(r)
+        return dead
+
+    def _fail(self, rank: int, cause: str, operation: str) -> RankFailedError:
+        import ray
+
+        if not cause.startswith("actor died"):
+            # a rank whose collective broke because a peer died reports that as its own error
+            dead = self._dead_ranks(wait_s=min(2.0, self.timeout_s))
+            if dead and rank not in dead:
+                rank, cause = dead[0], f"actor died (then rank {rank}: {cause})"
+        err = RankFailedError(rank, cause, operation)
+        self._broken = err
+        for a in self._actors:  # survivors may wait in a collective for the dead rank: stop them too
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        self._teardown_compiled()
+        return err
+
+    def _teardown_compiled(self) -> None:
+        compiled, self._compiled = self._compiled, None
+        if compiled is not None:
+            compiled.teardown()
+
+    def _call(self, operation: str, refs: Sequence[Any], *, ranks: Sequence[int] | None = None) -> list[Any]:
+        """Wait for one call per rank; the first failure or the timeout raises :class:`RankFailedError`."""
+        import ray
+
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        pending = dict(zip(refs, ranks))
+        results: dict[int, Any] = {}
+        deadline = _now() + self.timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - _now()))
+            if not ready:
+                missing = sorted(pending.values())
+                raise self._fail(
+                    missing[0], f"ranks {missing} did not answer within {self.timeout_s:g} s (hung or dead)", operation
+                )
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+                    raise self._fail(rank, describe_ray_error(e), operation) from None
+        return [results[r] for r in ranks]
+
+    # -- the request API -----------------------------------------------------------------------
+    def _need_spec(self) -> None:
+        if self.spec is None:
+            raise RuntimeError("this pool was formed without a spec; pass spec= to serve requests")
+
+    def _run_step(self, kind: str, packed: PackedStep, return_lse: bool, t_start: float) -> list[Any]:
+        import ray
+
+        from shardattn.launch.ray.wire import from_wire, to_wire  # NumPy: a Ray dependency
+
+        t_packed = time.perf_counter()
+        self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=kind == "prefill")
+        table = torch.tensor(self.book.table(packed.ids), dtype=torch.int32)
+        shared = to_wire(
+            {
+                "table": table,
+                "starts": packed.starts,
+                "counts": packed.counts,
+                "q_counts": packed.q_counts,
+                "kv": packed.kv,
+                "topk": packed.topk,
+                "return_lse": return_lse,
+            }
+        )
+        h = self.heads_per_rank
+        q = packed.q
+        qs = [None if q is None else to_wire(q[:, r * h : (r + 1) * h]) for r in range(self.world_size)]
+        t_sent = time.perf_counter()
+        if kind == "decode" and self._compiled is not None:
+            try:
+                results = from_wire(self._compiled.run({"kind": kind, "shared": shared, "qs": qs}, self.timeout_s))
+            except RankStepError as e:
+                raise self._fail(e.rank, e.cause, kind) from None
+        else:
+            shared_ref = ray.put(shared)  # once for every rank
+            refs = [getattr(a, kind).remote(shared_ref, qs[r]) for r, a in enumerate(self._actors)]
+            results = from_wire(self._call(kind, refs))
+        t_back = time.perf_counter()
+        if q is None:
+            outputs: list[Any] = [None] * len(packed.ids)
+        else:
+            out = torch.cat([o for o, _ in results], dim=1).split(packed.q_counts)
+            if return_lse:
+                outputs = list(zip(out, torch.cat([s for _, s in results], dim=1).split(packed.q_counts)))
+            else:
+                outputs = list(out)
+        t_end = time.perf_counter()
+        self.last_step = {
+            "kind": kind,
+            "check_ms": (t_packed - t_start) * 1e3,  # validating and concatenating the requests
+            "prepare_ms": (t_sent - t_packed) * 1e3,  # pages, block table, per-rank query slices
+            "ranks_ms": (t_back - t_sent) * 1e3,  # transport both ways and the ranks' step
+            "assemble_ms": (t_end - t_back) * 1e3,  # outputs per request
+        }
+        return outputs
+
+    def prefill(self, requests: Sequence[PrefillRequest], *, return_lse: bool = False) -> list[Any]:
+        """Write the requests' new KV rows into the ranks' caches and, with queries, attend.
+
+        Args:
+            requests: :class:`~shardattn.launch.ray.requests.PrefillRequest` each (new ids admit
+                requests; known ids continue a chunked prefill).
+            return_lse: also return each request's LSE.
+        Returns:
+            one entry per request: ``out [n, H, Dv]`` (q's dtype), or ``(out, lse [n, H] fp32)``,
+            or ``None`` for a request without queries.
+        Raises:
+            ValueError / TypeError: a bad request (before any rank runs; the pool stays usable).
+            RankFailedError: a rank failed; the pool is broken until :meth:`restart`.
+        """
+        self._check_usable()
+        self._need_spec()
+        t0 = time.perf_counter()
+        packed = pack_step("prefill", requests, self.shapes, self.book)
+        return self._run_step("prefill", packed, return_lse, t0)
+
+    def decode(self, requests: Sequence[DecodeRequest], *, return_lse: bool = False) -> list[Any]:
+        """One decode step of prefilled requests (DCP under ``mixed`` / ``dcp-decode``).
+
+        Returns one ``out [Q, H, Dv]`` (or ``(out, lse [Q, H])``) per request; raises as :meth:`prefill`.
+        """
+        self._check_usable()
+        self._need_spec()
+        t0 = time.perf_counter()
+        packed = pack_step("decode", requests, self.shapes, self.book)
+        return self._run_step("decode", packed, return_lse, t0)
+
+    def free(self, request_ids: Sequence[Hashable]) -> int:
+        """Release requests' pages (host bookkeeping; no rank runs). Returns the pages freed."""
+        self._check_usable()
+        self._need_spec()
+        return self.book.release(request_ids)
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def health(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """``{"state": "healthy" | "broken", "error", "free_pages", "requests", "ranks": [...]}``.
+
+        Each rank reports ``state`` (``ready``; ``prefill`` / ``decode`` while a step runs, with
+        ``step_running_s``; ``dead``, ``unresponsive``), ``rss_bytes``, ``cache_bytes``,
+        ``workspace_bytes`` (CUDA: allocated / reserved bytes), ``steps`` and ``last_step_s``.
+        Answers while a step runs (or is stuck); never raises for a dead rank.
+        """
+        import ray
+
+        wait = min(self.timeout_s, 10.0) if timeout_s is None else timeout_s
+        refs = [a.health.options(concurrency_group=_HEALTH_GROUP).remote() for a in self._actors]
+        ranks: list[dict[str, Any]] = []
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait) if refs else ([], [])
+        for r, ref in enumerate(refs):
+            if ref not in ready:
+                ranks.append({"rank": r, "state": "unresponsive", "cause": f"no answer within {wait:g} s"})
+                continue
+            try:
+                ranks.append(ray.get(ref))
+            except ray.exceptions.RayError as e:
+                ranks.append({"rank": r, "state": "dead", "cause": describe_ray_error(e)})
+        book = getattr(self, "book", None)
+        return {
+            "state": "broken" if self._broken is not None else "healthy",
+            "error": None if self._broken is None else str(self._broken),
+            "free_pages": None if book is None else book.free_pages,
+            "requests": None if book is None else len(book),
+            "ranks": ranks,
+        }
+
+    def restart(self) -> list[Hashable]:
+        """Stop every actor, start new ones in the same bundles, re-form the group and rebuild.
+
+        Returns the request ids whose KV state was lost (every request the pool held): the
+        caller re-prefills them. The pool is usable again afterwards.
+        """
+        import ray
+
+        self._teardown_compiled()
+        for a in self._actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        self._actors = []
+        lost = self.book.request_ids if self.spec is not None else []
+        if self.spec is not None:
+            self.book.reset()
+        self._broken = None
+        self._form()
+        return lost
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``fn(group, *args, **kwargs)`` on every rank; the per-rank results, in rank order."""
+        self._check_usable()
+        return self._call("run", [a.run.remote(fn, args, kwargs) for a in self._actors])
+
+    def arm_fault(self, rank: int, kind: str = "exit", operation: str = "decode") -> None:
+        """Drill: make ``rank``'s next ``operation`` step fail (``kind``: ``"exit"``, ``"raise"`` or ``"hang"``)."""
+        self._check_usable()
+        self._call("arm_fault", [self._actors[rank].arm_fault.remote(kind, operation)], ranks=[rank])
+
+    def shutdown(self) -> None:
+        """Leave the group, stop the actors, free the bundles (and stop Ray when this pool started it)."""
+        import ray
+
+        self._teardown_compiled()
+        actors, self._actors = self._actors, []
+        if actors and self._broken is None:
+            try:
+                ray.get([a.leave.remote() for a in actors], timeout=10)
+            except Exception:
+                pass
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._pg)
+            except Exception:
+                pass
+            self._pg = None
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+
+    def __enter__(self) -> RayRankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _now() -> float:
+    return time.monotonic()

@@ -1,0 +1,240 @@
+"""Requests a pool step takes, and their validation on the driver before any rank runs.
+
+A step is a list of requests. Every tensor is on the CPU (the driver's side), the model's dtype
+for activations and KV, int32 for top-k positions:
+
+* :class:`PrefillRequest`: a request's new prompt tokens (a first chunk, or a later chunk of a
+  chunked prefill): their KV rows, and (with an attention step) their queries and top-k.
+* :class:`DecodeRequest`: new query tokens of a request already prefilled (``Q`` > 1: drafts),
+  their top-k (sparse MLA), and optionally their KV rows, written before the step attends.
+
+:func:`pack_step` checks a step against the pool's :class:`PoolShapes` and the KV ledger and
+concatenates it (request-major, token order); any problem is a ``ValueError`` / ``TypeError``
+naming the request and the argument, and nothing has changed yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardattn._checks import check_tensor
+from shardattn.plan.kv_pages import PagedKVBook
+from shardattn.plan.spec import ModelSpec
+
+__all__ = ["DecodeRequest", "PackedStep", "PoolShapes", "PrefillRequest", "pack_step", "pool_shapes"]
+
+KV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+_CPU = torch.device("cpu")
+
+
+@dataclass
+class PrefillRequest:
+    """New prompt tokens of one request (``n`` tokens).
+
+    Attributes:
+        id: any hashable; a new id admits the request, a known one extends it (chunked prefill).
+        kv: sparse MLA ``[n, D]`` latent rows; GQA ``(k [n, Hkv, D], v [n, Hkv, Dv])``.
+        q: ``[n, H, D]`` queries of every head, or ``None`` to only write the KV (required
+            ``None`` when the pool's mode has no prefill attention, e.g. GQA).
+        topk: ``[n, K]`` int32 request positions (cached prefix included; ``-1`` / out of
+            range = invalid, anywhere), with ``q`` on a sparse-MLA pool.
+    """
+
+    id: Hashable
+    kv: KV
+    q: torch.Tensor | None = None
+    topk: torch.Tensor | None = None
+
+
+@dataclass
+class DecodeRequest:
+    """New query tokens of a prefilled request (``Q`` tokens: 1, or more with drafts).
+
+    Attributes:
+        id: a request id the pool holds KV state for.
+        q: ``[Q, H, D]`` queries of every head.
+        topk: ``[Q, K]`` int32 request positions (sparse MLA; ``None`` for GQA).
+        kv: the ``Q`` tokens' own KV rows (as in :class:`PrefillRequest`), appended before the
+            step attends; ``None`` attends over the cache as it is.
+    """
+
+    id: Hashable
+    q: torch.Tensor
+    topk: torch.Tensor | None = None
+    kv: KV | None = None
+
+
+@dataclass(frozen=True)
+class PoolShapes:
+    """What the pool's steps accept (from its spec and Runtime sizes)."""
+
+    kind: str  # "sparse_mla" or "gqa"
+    heads: int
+    head_dim: int
+    kv_rows: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # row shape and dtype of each KV component
+    dtype: torch.dtype
+    topk: int
+    prefill_attention: bool
+    max_prefill_tokens: int
+    max_decode_tokens: int
+
+
+def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> PoolShapes:
+    """What a pool of ``spec`` in ``mode`` accepts (``runtime_kwargs``: the Runtime's sizes and top-k)."""
+    dtype = getattr(torch, spec.dtype)
+    if spec.kind == "sparse_mla":
+        rows: tuple = (((spec.head_dim,), dtype),)
+    else:
+        rows = (((spec.num_kv_heads, spec.head_dim), dtype), ((spec.num_kv_heads, spec.v_dim), dtype))
+    return PoolShapes(
+        kind=spec.kind,
+        heads=spec.num_heads,
+        head_dim=spec.head_dim,
+        kv_rows=rows,
+        dtype=dtype,
+        topk=int(runtime_kwargs.get("topk") or spec.topk),
+        prefill_attention=spec.kind == "sparse_mla" and mode != "dcp-decode",
+        max_prefill_tokens=int(runtime_kwargs["max_batched_tokens"]),
+        max_decode_tokens=int(runtime_kwargs.get("max_decode_tokens", 256)),
+    )
+
+
+@dataclass
+class PackedStep:
+    """A validated step, concatenated request-major.
+
+    Attributes:
+        ids: the requests. starts: ``[B]`` tokens cached before the step. counts: ``[B]`` new
+        tokens (KV rows written). q_counts: ``[B]`` query tokens. q: ``[T, H, D]`` or ``None``.
+        kv: per component ``[sum(counts), *row]`` (empty list when nothing is written).
+        topk: ``[T, K]`` int32 or ``None``.
+    """
+
+    ids: list[Hashable]
+    starts: list[int]
+    counts: list[int]
+    q_counts: list[int]
+    q: torch.Tensor | None
+    kv: list[torch.Tensor]
+    topk: torch.Tensor | None
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Tokens of each request after the step."""
+        return [s + n for s, n in zip(self.starts, self.counts)]
+
+
+def _kv_parts(shapes: PoolShapes, kv: object, name: str, n: int | None) -> list[torch.Tensor]:
+    parts = list(kv) if isinstance(kv, tuple | list) else [kv]
+    if len(parts) != len(shapes.kv_rows):
+        want = "one [n, D] tensor" if len(shapes.kv_rows) == 1 else "a (k, v) pair"
+        raise TypeError(f"{name} must be {want} for a {shapes.kind} pool, got {type(kv).__name__}")
+    rows = parts[0].shape[0] if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0 else n
+    for i, (part, (row, dtype)) in enumerate(zip(parts, shapes.kv_rows)):
+        label = name if len(parts) == 1 else f"{name}[{i}]"
+        check_tensor(label, part, dtypes=(dtype,), shape=(rows if n is None else n, *row), device=_CPU)
+    return parts
+
+
+def _check_q(shapes: PoolShapes, q: object, name: str) -> int:
+    check_tensor(name, q, dtypes=(shapes.dtype,), shape=(None, shapes.heads, shapes.head_dim), device=_CPU)
+    return int(q.shape[0])  # type: ignore[union-attr]
+
+
+def _check_topk(shapes: PoolShapes, topk: object, name: str, n: int) -> None:
+    check_tensor(name, topk, dtypes=(torch.int32,), shape=(n, shapes.topk), device=_CPU)
+
+
+def pack_step(
+    kind: str, requests: Sequence[PrefillRequest | DecodeRequest], shapes: PoolShapes, book: PagedKVBook
+) -> PackedStep:
+    """Validate a ``"prefill"`` or ``"decode"`` step and concatenate it; the ledger is not changed.
+
+    Raises:
+        TypeError / ValueError: naming the request and argument (wrong type, dtype, shape or
+            device; unknown id; over ``max_seq_len`` / ``max_requests``; out of pages; a step
+            larger than the Runtime's sizes).
+    """
+    cls = PrefillRequest if kind == "prefill" else DecodeRequest
+    if isinstance(requests, PrefillRequest | DecodeRequest) or not isinstance(requests, Sequence):
+        raise TypeError(f"{kind} takes a list of {cls.__name__}, got {type(requests).__name__}")
+    if not requests:
+        raise ValueError(f"{kind} needs at least one request")
+    ids, starts, counts, q_counts = [], [], [], []
+    qs: list[torch.Tensor] = []
+    kvs: list[list[torch.Tensor]] = []
+    topks: list[torch.Tensor] = []
+    for i, req in enumerate(requests):
+        if not isinstance(req, cls):
+            raise TypeError(f"requests[{i}] must be a {cls.__name__}, got {type(req).__name__}")
+        where = f"request {req.id!r}"
+        if kind == "prefill":
+            assert isinstance(req, PrefillRequest)
+            parts = _kv_parts(shapes, req.kv, f"{where}: kv", None)
+            n = int(parts[0].shape[0])
+            if n < 1:
+                raise ValueError(f"{where}: kv must hold at least one token")
+            if req.q is not None and not shapes.prefill_attention:
+                raise ValueError(f"{where}: q must be None: this pool's mode has no prefill attention (KV is written)")
+            if req.q is None and req.topk is not None:
+                raise ValueError(f"{where}: topk given without q")
+            if req.q is not None:
+                if _check_q(shapes, req.q, f"{where}: q") != n:
+                    raise ValueError(f"{where}: q must have one row per KV row ({n}), got {req.q.shape[0]}")
+                if shapes.kind == "sparse_mla":
+                    if req.topk is None:
+                        raise ValueError(f"{where}: a sparse-MLA prefill with q needs topk [n, K]")
+                    _check_topk(shapes, req.topk, f"{where}: topk", n)
+            q_n = n if req.q is not None else 0
+        else:
+            assert isinstance(req, DecodeRequest)
+            q_n = _check_q(shapes, req.q, f"{where}: q")
+            if q_n < 1:
+                raise ValueError(f"{where}: q must hold at least one query token")
+            parts = [] if req.kv is None else _kv_parts(shapes, req.kv, f"{where}: kv", q_n)
+            n = q_n if parts else 0
+            if shapes.kind == "sparse_mla":
+                if req.topk is None:
+                    raise ValueError(f"{where}: a sparse-MLA decode needs topk [Q, K]")
+                _check_topk(shapes, req.topk, f"{where}: topk", q_n)
+            elif req.topk is not None:
+                raise ValueError(f"{where}: topk must be None for a GQA pool")
+        ids.append(req.id)
+        counts.append(n)
+        q_counts.append(q_n)
+        if q_n:
+            qs.append(req.q)  # type: ignore[arg-type]
+            if req.topk is not None:
+                topks.append(req.topk)
+        kvs.append(parts)
+    if kind == "prefill" and sum(q_counts) > 0 and min(q_counts) == 0:
+        raise ValueError("a prefill step either attends for every request (q given) or for none")
+    has_kv = {bool(p) for p in kvs}
+    if len(has_kv) > 1:
+        raise ValueError("a decode step either writes KV for every request (kv given) or for none")
+    total_q = sum(q_counts)
+    limit = shapes.max_prefill_tokens if kind == "prefill" else shapes.max_decode_tokens
+    if total_q > limit:
+        name = "max_batched_tokens" if kind == "prefill" else "max_decode_tokens"
+        raise ValueError(f"the step has {total_q} query tokens, over the pool's {name}={limit}")
+    book.check_growth(list(zip(ids, counts)), new_ok=kind == "prefill")
+    for i in ids:
+        starts.append(book.seq_len(i) if i in book else 0)
+    if kind == "decode":
+        empty = [i for i, s, n in zip(ids, starts, counts) if s + n == 0]
+        if empty:
+            raise ValueError(f"decode of requests with no cached tokens: {empty!r}")
+    kv_cat = [torch.cat([p[c] for p in kvs]) for c in range(len(kvs[0]))] if kvs[0] else []
+    return PackedStep(
+        ids,
+        starts,
+        counts,
+        q_counts,
+        torch.cat(qs) if qs else None,
+        kv_cat,
+        torch.cat(topks) if topks else None,
+    )

@@ -1,0 +1,62 @@
+"""The pool's page ledger (host-only): sizes per DCP layout, step validation that changes nothing, reuse."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardattn.plan.context import DCPLayout
+from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
+
+
+@pytest.mark.parametrize(
+    "world,interleave,seq_len,pages",
+    [(1, 1, 17, 5), (2, 1, 17, 3), (2, 4, 17, 3), (4, 2, 17, 2), (4, 1, 3, 1), (2, 1, 0, 0)],
+    ids=["replica", "dcp2", "dcp2-I4", "dcp4-I2", "short", "empty"],
+)
+def test_pages_cover_rank_zero_share(world: int, interleave: int, seq_len: int, pages: int) -> None:
+    cfg = KVCacheConfig(page_size=4, layout=DCPLayout(world, interleave), max_requests=3, max_seq_len=32)
+    assert cfg.pages_for(seq_len) == pages
+    lay = cfg.layout
+    assert all(lay.local_len(seq_len, r) <= pages * 4 for r in range(world))  # every rank's share fits
+    assert cfg.num_pages == 3 * cfg.pages_for(32) and cfg.rows_per_rank == cfg.num_pages * 4
+
+
+def test_growth_is_checked_before_anything_changes() -> None:
+    book = PagedKVBook(KVCacheConfig(page_size=4, layout=DCPLayout(2), max_requests=2, max_seq_len=20, num_pages=4))
+    book.grow([("a", 9)])  # 5 local tokens on rank 0: 2 pages
+    assert book.pages("a") == [0, 1] and book.free_pages == 2
+    cases = [
+        ([("a", 12)], "21 tokens would exceed max_seq_len=20"),
+        ([("b", 1), ("c", 1)], "over max_requests=2"),
+        ([("b", 20)], "out of KV pages: the step needs 3, 2 of 4 are free"),
+        ([("a", 1), ("a", 1)], "appears twice"),
+    ]
+    book.grow([("a", 0)])
+    for growth, match in cases:
+        with pytest.raises(ValueError, match=match):
+            book.check_growth(growth)
+        with pytest.raises(ValueError, match=match):
+            book.grow(growth)
+        assert book.request_ids == ["a"] and book.free_pages == 2 and book.seq_len("a") == 9
+    with pytest.raises(ValueError, match="unknown request id 'z'"):
+        book.check_growth([("z", 1)], new_ok=False)
+    with pytest.raises(TypeError, match="must be hashable"):
+        book.check_growth([(["x"], 1)])
+
+
+def test_freed_pages_are_reused_and_tables_padded() -> None:
+    book = PagedKVBook(KVCacheConfig(page_size=2, layout=DCPLayout(1), max_requests=3, max_seq_len=8))
+    book.grow([("a", 3), ("b", 5)])
+    assert book.pages("a") == [0, 1] and book.pages("b") == [2, 3, 4]
+    assert book.table(["a", "b"]) == [[0, 1, -1], [2, 3, 4]]
+    assert book.table(["a"], width=4) == [[0, 1, -1, -1]]
+    with pytest.raises(ValueError, match="unknown request id 'c'"):
+        book.release(["a", "c"])  # nothing freed
+    assert book.free_pages == book.config.num_pages - 5
+    assert book.release(["a"]) == 2
+    book.grow([("c", 4)])
+    assert book.pages("c") == [0, 1]  # a's pages, lowest first
+    book.grow([("b", 1)])  # 6 tokens: still 3 pages
+    assert book.pages("b") == [2, 3, 4] and book.seq_len("b") == 6
+    book.reset()
+    assert len(book) == 0 and book.free_pages == book.config.num_pages
