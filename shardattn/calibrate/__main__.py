@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="where to write the table (JSON)")
     p.add_argument("--heads", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="kernel head counts")
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="kernel token counts")
+    p.add_argument("--all-groups", action="store_true", help="every group size that fits a tile, not just the largest")
     p.add_argument("--topk", type=int, default=2048, help="top-k of the kernel points (default 2048)")
     p.add_argument("--cached", type=int, default=8192, help="cached tokens per request (default 8192)")
     p.add_argument("--step-tokens", type=int, default=8192, help="tokens of the whole steps (default 8192)")
@@ -54,7 +55,7 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
     world = dist.get_world_size(group) if group is not None else 1
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    jobs = kernel_jobs(args.heads, args.tokens)
+    jobs = kernel_jobs(args.heads, args.tokens, all_groups=args.all_groups)
     mine = jobs[rank::world]
     n_steps = len(STEP_CONFIGS) if args.steps and world > 1 else 0
     bar, advance = _progress(args.progress and rank == 0, len(mine) + (8 if world > 1 else 0) + n_steps + 1)

@@ -28,13 +28,21 @@ __all__ = ["collective_rates", "fit_latency_bandwidth", "kernel_jobs", "measure_
 HEAD_DIM, V_DIM = 576, 512
 
 
-def kernel_jobs(heads: Sequence[int], tokens: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(heads, G, tokens)`` of every kernel point: every ``G`` that fits a tile at each head count.
+def kernel_jobs(heads: Sequence[int], tokens: Sequence[int], *, all_groups: bool = False) -> list[tuple[int, int, int]]:
+    """``(heads, G, tokens)`` of every kernel point: per-query and the ``G`` that fills a tile at each
+    head count (``all_groups``: every ``G`` that fits; the model scales the others from per-query).
 
     >>> kernel_jobs([8, 64], [4096])
-    [(8, 1, 4096), (8, 2, 4096), (8, 4, 4096), (8, 8, 4096), (64, 1, 4096)]
+    [(8, 1, 4096), (8, 8, 4096), (64, 1, 4096)]
+    >>> kernel_jobs([8], [4096], all_groups=True)
+    [(8, 1, 4096), (8, 2, 4096), (8, 4, 4096), (8, 8, 4096)]
     """
-    return [(h, g, t) for t in tokens for h in heads for g in candidate_group_sizes(h)]
+    jobs = []
+    for t in tokens:
+        for h in heads:
+            sizes = candidate_group_sizes(h)
+            jobs += [(h, g, t) for g in (sizes if all_groups else sorted({1, max(sizes)}))]
+    return jobs
 
 
 def measure_kernel_points(
