@@ -17,7 +17,6 @@ every rank before the process group exists. :func:`run` then, on every rank:
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +36,12 @@ from shardattn.launch.cli import (
 )
 from shardattn.launch.prepare import prepare_decode, prepare_prefill
 from shardattn.launch.process_group import LaunchGroups
-from shardattn.launch.report import RankRow, Report, render, summarize_times, write_json
-from shardattn.launch.timing import check_step, graph_row, profile_step, time_step
+from shardattn.launch.report import RankRow, Report, render, render_compare, write_json
+from shardattn.launch.timing import check_step, graph_row, profile_step, step_row, time_step
 from shardattn.launch.workloads import overlap_model
 from shardattn.parallel.comm import Comm, stable_fingerprint
 from shardattn.parallel.runtime import Runtime
+from shardattn.plan.cost import CostModel, load_calibration
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
 from shardattn.workload import load_topk_dump
@@ -90,6 +90,7 @@ class RunConfig:
         s = self.shape
         return {
             "preset": self.opts.preset,
+            "heads": self.spec.num_heads,
             "mode": self.mode,
             "world_size": self.world_size,
             "backend": "nccl" if self.device.type == "cuda" else "gloo",
@@ -106,6 +107,8 @@ class RunConfig:
             "warmup": self.opts.warmup,
             "seed": self.opts.seed,
             "check": self.check,
+            "compare": self.opts.compare,
+            "calibration": self.opts.calibration,
             "reduced_shape": s.reduced,
             "version": __version__,
         }
@@ -117,6 +120,11 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
         spec = get_preset(opts.preset)
     except ValueError as e:
         raise _fail(f"--preset: {e}") from None
+    if opts.heads is not None:
+        try:
+            spec = dataclasses.replace(spec, num_heads=opts.heads)
+        except ValueError as e:
+            raise _fail(f"--heads {opts.heads}: {e}") from None
     try:
         overlap_model(opts.overlap)
     except ValueError as e:
@@ -171,6 +179,11 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
         dtype = torch.bfloat16 if on_gpu else torch.float32
     else:
         dtype = _DTYPES[opts.dtype]
+    if opts.compare and (not mla or "prefill" not in steps or mode == "pcp"):
+        raise _fail(
+            "--compare runs the head-TP, ShardQ and routed prefill steps of a sparse-MLA preset; "
+            f"mode {mode} {'takes another input layout' if mode == 'pcp' else 'has no such prefill'}"
+        )
     if opts.graph and not on_gpu:
         raise _fail("--graph captures CUDA graphs and needs a GPU per rank")
     if opts.graph and "decode" not in steps:
@@ -233,19 +246,7 @@ def run(cfg: RunConfig, groups: LaunchGroups) -> int:
     except ValueError as e:  # the same verdict on every rank, before any data collective
         raise _fail(str(e)) from None
     rank = groups.rank
-    rt = Runtime(
-        cfg.spec if cfg.dtype == getattr(torch, cfg.spec.dtype) else _with_dtype(cfg.spec, cfg.dtype),
-        groups.data,
-        max_batched_tokens=max(cfg.shape.tokens, 1),
-        mode=cfg.mode,
-        device=cfg.device,
-        topk=cfg.shape.topk if cfg.spec.kind == "sparse_mla" else None,
-        max_decode_tokens=max(1, sum(cfg.shape.q_lens)),
-        dcp_interleave=cfg.opts.interleave,
-        min_shard_tokens=cfg.min_shard_tokens,
-        min_group_tokens=cfg.min_group_tokens,
-        non_causal=not cfg.opts.causal,
-    )
+    rt = _runtime(cfg, groups, cfg.mode, cfg.opts.calibration or "auto")
     progress = None
     if rank == 0 and cfg.opts.progress and cfg.iters >= _PROGRESS_ITERS:
         from rich.progress import Progress
@@ -253,38 +254,26 @@ def run(cfg: RunConfig, groups: LaunchGroups) -> int:
         progress = Progress(transient=True)
         progress.start()
     rows: list[dict[str, Any]] = []
-    all_errors: dict[str, list[float]] = {}
+    all_errors: dict[tuple[str, str | None], list[float]] = {}
     try:
         for kind in cfg.steps:
-            prep = prepare_prefill(cfg, rt) if kind == "prefill" else prepare_decode(cfg, rt)
-            if cfg.opts.fail_rank == rank and cfg.opts.fail_at == "step":
-                os._exit(EXIT_INJECTED)  # debug: die right before the step's first collective
-            times, result = time_step(prep, cfg, groups.control, progress)
-            if cfg.opts.profile:
-                profile_step(prep, cfg, groups.control, rank)
-            if cfg.check:
-                errors = check_step(prep, result, rt, groups.control)
-                if errors is not None:
-                    all_errors[kind] = errors
-            med, p10, p90 = summarize_times(times)
-            rate = prep.work / (med * 1e-3) if med > 0 else math.nan
-            rows.append(
-                {
-                    "rank": rank,
-                    "step": kind,
-                    "path": prep.path,
-                    "reason": prep.reason,
-                    "tokens": prep.tokens,
-                    "time_ms": med,
-                    "time_p10_ms": p10,
-                    "time_p90_ms": p90,
-                    "union_ratio": prep.union,
-                    "tflops": rate / 1e12 if kind == "prefill" else None,
-                    "gbytes_per_s": rate / 1e9 if kind == "decode" else None,
-                }
-            )
-            if cfg.opts.graph and kind == "decode":  # after the eager row; its check applies (bitwise equal)
-                rows.append(graph_row(prep, cfg, rt, groups.control, rank, result))
+            variants: list[tuple[str | None, Runtime]] = [(None, rt)]
+            if kind == "prefill" and cfg.opts.compare:
+                variants = [(label, _runtime(cfg, groups, m, cm)) for label, m, cm in compare_variants(cfg)]
+            for variant, vrt in variants:
+                prep = prepare_prefill(cfg, vrt) if kind == "prefill" else prepare_decode(cfg, vrt)
+                if cfg.opts.fail_rank == rank and cfg.opts.fail_at == "step":
+                    os._exit(EXIT_INJECTED)  # debug: die right before the step's first collective
+                times, result = time_step(prep, cfg, groups.control, progress)
+                if cfg.opts.profile:
+                    profile_step(prep, cfg, groups.control, rank)
+                if cfg.check:
+                    errors = check_step(prep, result, vrt, groups.control)
+                    if errors is not None:
+                        all_errors[(kind, variant)] = errors
+                rows.append(step_row(rank, kind, prep, times, variant=variant))
+                if cfg.opts.graph and kind == "decode":  # after the eager row; its check applies (bitwise equal)
+                    rows.append(graph_row(prep, cfg, vrt, groups.control, rank, result))
     finally:
         if progress is not None:
             progress.stop()
@@ -299,15 +288,46 @@ def run(cfg: RunConfig, groups: LaunchGroups) -> int:
                 for row in rank_rows:
                     if row["step"] != kind:
                         continue
-                    err = all_errors[kind][r] if kind in all_errors else None
+                    errs = all_errors.get((kind, row.get("variant")))
+                    err = errs[r] if errs is not None else None
                     report.rows.append(RankRow(**row, error=err, tolerance=tol if err is not None else None))
         render(report)
+        if cfg.opts.compare:
+            render_compare(report)
         if cfg.opts.json:
             write_json(report, cfg.opts.json)
         status = 0 if report.passed else EXIT_CHECK_FAILED
     verdict = [status]
     dist.broadcast_object_list(verdict, src=0, group=groups.control)
     return int(verdict[0])
+
+
+def _runtime(cfg: RunConfig, groups: LaunchGroups, mode: str, cost_model: Any) -> Runtime:
+    """The run's Runtime for ``mode`` on the data group (``cost_model``: the Runtime's argument)."""
+    return Runtime(
+        cfg.spec if cfg.dtype == getattr(torch, cfg.spec.dtype) else _with_dtype(cfg.spec, cfg.dtype),
+        groups.data,
+        max_batched_tokens=max(cfg.shape.tokens, 1),
+        mode=mode,
+        device=cfg.device,
+        topk=cfg.shape.topk if cfg.spec.kind == "sparse_mla" else None,
+        max_decode_tokens=max(1, sum(cfg.shape.q_lens)),
+        dcp_interleave=cfg.opts.interleave,
+        min_shard_tokens=cfg.min_shard_tokens,
+        min_group_tokens=cfg.min_group_tokens,
+        non_causal=not cfg.opts.causal,
+        cost_model=cost_model,
+    )
+
+
+def compare_variants(cfg: RunConfig) -> list[tuple[str, str, Any]]:
+    """``--compare``: ``(label, Runtime mode, cost_model)`` of head-TP, ShardQ (the gate only) and
+    the router (the calibration for the GPU; on the CPU the conservative default table, so the
+    choice logic runs there too)."""
+    routed: Any = cfg.opts.calibration or "auto"
+    if cfg.device.type != "cuda":
+        routed = CostModel(load_calibration(None, cfg.opts.calibration))
+    return [("head-TP", "headtp", None), ("ShardQ", "shardq", None), ("router", "shardq", routed)]
 
 
 def _with_dtype(spec: ModelSpec, dtype: torch.dtype) -> ModelSpec:

@@ -22,7 +22,7 @@ from shardattn.parallel.runtime import Runtime
 if TYPE_CHECKING:
     from shardattn.launch.runner import RunConfig
 
-__all__ = ["check_step", "graph_row", "profile_step", "sync", "time_step"]
+__all__ = ["check_step", "graph_row", "profile_step", "step_row", "sync", "time_step"]
 
 
 def sync(device: torch.device) -> None:
@@ -142,3 +142,23 @@ def check_step(prep: Prepared, result: tuple[torch.Tensor, torch.Tensor], rt: Ru
         raise RuntimeError("rank 0 has no reference to check against")
     ref_out, ref_lse = prep.reference()
     return [_error(got, (prep.part(ref_out, r), prep.part(ref_lse, r))) for r, got in enumerate(gathered)]
+
+
+def step_row(rank: int, kind: str, prep: Prepared, times: list[float], *, variant: str | None = None) -> dict[str, Any]:
+    """The report row (:class:`~shardattn.launch.report.RankRow` fields) of one timed step kind."""
+    med, p10, p90 = summarize_times(times)
+    rate = prep.work / (med * 1e-3) if med > 0 else math.nan
+    return {
+        "rank": rank,
+        "step": kind,
+        "path": prep.path,
+        "reason": prep.reason,
+        "tokens": prep.tokens,
+        "time_ms": med,
+        "time_p10_ms": p10,
+        "time_p90_ms": p90,
+        "union_ratio": prep.union,
+        "tflops": rate / 1e12 if kind == "prefill" else None,
+        "gbytes_per_s": rate / 1e9 if kind == "decode" else None,
+        "variant": variant,
+    }
