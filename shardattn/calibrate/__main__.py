@@ -20,7 +20,7 @@ from shardattn.plan.cost import CONSERVATIVE, Calibration, CostModel, StepOverhe
 from shardattn.plan.spec import get_preset
 
 #: Configurations whose whole steps fit the step overheads: (preset, heads); tokens: ``--step-tokens``.
-STEP_CONFIGS = (("glm5", None), ("glm5", 16))
+STEP_CONFIGS = (("glm5", None), ("glm5", 16), ("deepseek-v32", None), ("glm5", 32))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,7 +131,7 @@ def _fit_steps(
             rank_tokens=res["rank_tokens"],
         )
         p = raw.predict_step(shape, "shardq", 1)
-        sq.append((p.comm_ms + p.other_ms, ms["shardq"] - ms["kernel"]))
+        sq.append((p.comm_ms + p.other_ms, ms["kernel"], ms["shardq"] - ms["kernel"]))
         tp.append(ms["headtp"] - ms["kernel_headtp"])
         advance()
     steps = {
@@ -156,7 +156,11 @@ def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
     for c in cal.collectives:
         print(f"  {c.op} W={c.world_size}: {c.latency_ms * 1e3:.1f} us + bytes / {c.busbw_gbps:g} GB/s", flush=True)
     for name, s in cal.steps.items():
-        print(f"  {name} step: {s.fixed_ms:.3f} ms + {s.factor:.3f} x (collectives + copies)", flush=True)
+        print(
+            f"  {name} step: {s.fixed_ms:.3f} ms + {s.factor:.3f} x (collectives + copies, "
+            f"{s.hidden:.0%} of min(them, kernel) hidden)",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

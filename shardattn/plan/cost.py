@@ -16,13 +16,14 @@ each with the per-query kernel or the grouped kernel at a group size ``G`` that 
                                                from measured points; grouped slopes scale with the
                                                union ratio; heads between points interpolate
     + collectives(bytes, W)                    latency + bytes * (W - 1) / W / bus bandwidth
-    + overhead                                 fixed_ms + factor * (collectives + one read and one
-                                               write of the moved bytes at the copy rate)
+    + overhead                                 fixed_ms + factor * (X - hidden * min(X, kernel)),
+                                               X = collectives + one read and one write of the
+                                               moved bytes at the copy rate
 
-``fixed_ms`` and ``factor`` of each sharded step are fitted by ``python -m shardattn.calibrate``
-from whole steps measured on the machine (they hold the step's packing copies, and how much of
-the collectives the step hides behind its kernel), so the model follows the implementation it
-was calibrated with.
+``fixed_ms``, ``factor`` and ``hidden`` of each sharded step are fitted by ``python -m
+shardattn.calibrate`` from whole steps measured on the machine (they hold the step's packing
+copies and launches, and the share of its collectives a pipelined step hides behind its kernel),
+so the model follows the implementation it was calibrated with.
 
 The table is JSON (:meth:`Calibration.to_json`). :func:`load_calibration` takes a file, else the
 table shipped for the current GPU (``shardattn/plan/data``), else :data:`CONSERVATIVE` with a
@@ -117,10 +118,16 @@ class CollectiveRate:
 
 @dataclass(frozen=True)
 class StepOverhead:
-    """What a step costs beyond its kernel and collectives: ``fixed_ms + factor * (comm + copy)``."""
+    """What a step costs beyond its kernel: ``fixed_ms + factor * (X - hidden * min(X, kernel))``
+    with ``X`` = its collectives and copies (``hidden``: the share that overlaps the kernel)."""
 
     fixed_ms: float = 0.0
     factor: float = 1.0
+    hidden: float = 0.0
+
+    def ms(self, exposed: float, kernel_ms: float) -> float:
+        """The overhead of a step with ``exposed`` ms of collectives and copies and a ``kernel_ms`` kernel."""
+        return self.fixed_ms + self.factor * (exposed - self.hidden * min(exposed, kernel_ms))
 
 
 @dataclass(frozen=True)
@@ -191,7 +198,7 @@ class Calibration:
             if g not in _GROUPS or not u >= 1.0:
                 raise ValueError(f"bad union ratio {u} at G={g}")
         for name, s in self.steps.items():
-            if not (s.fixed_ms >= 0 and s.factor >= 0):
+            if not (s.fixed_ms >= 0 and s.factor >= 0 and 0 <= s.hidden <= 1):
                 raise ValueError(f"bad step overhead {name}: {s}")
 
 
@@ -449,7 +456,7 @@ class CostModel:
             moved = shape.tokens * shape.head_dim * e + shape.per_rank * h * (shape.v_dim * e + 4)
         copy_ms = 2 * moved / (self.calibration.copy_gbps * 1e9) * 1e3
         ov = self._overhead(step)
-        other = ov.fixed_ms + ov.factor * (comm + copy_ms) - comm
+        other = ov.ms(comm + copy_ms, k_ms) - comm
         return Prediction(step, kernel, g, k_ms + comm + other, k_ms, comm, other)
 
     def predict(
