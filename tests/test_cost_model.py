@@ -202,3 +202,41 @@ def test_runtime_takes_the_cost_models_choice(dist_pool, table, want) -> None:
         assert res["reason"].startswith("cost model (Test GPU): ") and "best rejected" in res["reason"]
         assert res["err"] <= 1e-5 and res["inf"], res
         assert res["counts"].get("all_to_all", 0) == (2 if want == "shardq" else 0)
+
+
+# -- calibration and step measurement on the CPU ---------------------------------------------------------
+def test_calibrate_command_writes_a_loadable_table(tmp_path) -> None:
+    from shardattn.calibrate.__main__ import main
+
+    out = tmp_path / "cpu.json"
+    argv = ["--out", str(out), "--heads", "8", "16", "--tokens", "32", "64", "--topk", "8", "--cached", "32"]
+    assert main([*argv, "--reps", "1", "--no-progress"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cal = load_calibration("cpu", out)
+    assert {(k.heads, k.group_size, k.tokens) for k in cal.kernels} == {
+        (h, g, t) for t in (32, 64) for h, g in ((8, 1), (8, 8), (16, 1), (16, 4))
+    }
+    assert all(k.ms > 0 and k.topk == 8 for k in cal.kernels)
+    assert choose_prefill(CostModel(cal), _shape(2)).best.ms > 0
+
+
+def _paths_body(group) -> dict:
+    from shardattn.calibrate.steps import measure_paths
+
+    model = CostModel(RT_SHARDQ_WINS)
+    return measure_paths(
+        group, MLA, tokens=64, requests=2, cached=16, device=torch.device("cpu"), model=model, reps=1, warmup=0,
+        min_shard_tokens=1, min_group_tokens=1,
+    )  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_measure_paths_times_every_path_with_its_prediction(dist_pool) -> None:
+    for res in dist_pool.run(_paths_body, world_size=2):
+        assert set(res["ms"]) == set(res["predicted_ms"]) == {"kernel", "kernel_headtp", "headtp", "shardq", "router"}
+        assert all(v > 0 for v in res["ms"].values())
+        assert res["path"]["headtp"].startswith("headtp/") and res["path"]["shardq"].startswith("shardq/")
+        assert res["path"]["router"].startswith("shardq/")  # the table makes ShardQ the faster
+        assert res["reason"]["router"].startswith("cost model (Test GPU)")
+        assert res["rank_tokens"] == 32
