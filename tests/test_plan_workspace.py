@@ -36,8 +36,8 @@ def test_table_rows_and_total():
     assert [r["item"] for r in rows] == [*WORKSPACE_ITEMS, "total"]
     assert rows[-1]["bytes"] == wb.total == sum(wb.items.values())
     assert all(r["formula"] for r in rows[:-1] if r["bytes"])
-    # shardq moves queries and outputs: both sides of the all-to-all are itemised
-    assert wb.send > 0 and wb.recv > 0 and wb.packed_q > 0 and wb.split_partials == 0
+    # shardq moves queries and outputs in place: its receive (packed_q) and send (out, lse) buffers
+    assert wb.packed_q > 0 and wb.out > 0 and wb.lse > 0 and wb.send == wb.recv == 0 and wb.split_partials == 0
 
 
 @pytest.mark.parametrize("mode", WORKSPACE_MODES)
@@ -46,7 +46,7 @@ def test_every_mode_has_its_items(mode):
     assert wb.out > 0 and wb.lse > 0
     assert (wb.union > 0) == (mode != "dcp-decode")
     assert (wb.split_partials > 0) == (mode == "dcp-decode")
-    assert (wb.recv > 0) == (mode != "headtp")
+    assert (wb.recv > 0) == (mode not in ("headtp", "shardq"))
 
 
 def test_headtp_groups_at_eight_heads():

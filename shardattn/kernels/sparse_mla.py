@@ -45,6 +45,35 @@ def join_q(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return q
 
 
+def q_heads_view(q: torch.Tensor) -> torch.Tensor:
+    """``q`` as ``[T, H, D]``: itself, or a head-blocked ``[B, T, H/B, D]`` merged (a copy unless ``B == 1``).
+
+    Head-blocked tensors (an all-to-all buffer read in place, see
+    :func:`~shardattn.kernels.sparse_mla_triton.launch_attention`) hold head ``b * H/B + i`` of
+    token ``t`` at ``[b, t, i]``.
+    """
+    return q.movedim(0, 1).flatten(1, 2) if q.dim() == 4 else q
+
+
+def shape_stand_in(q: torch.Tensor) -> torch.Tensor:
+    """A zero-copy ``[T, H, D]`` stand-in of a head-blocked ``q`` with its dtype, device and shape
+    (for validation and dispatch only: it does not hold q's values); ``q`` itself when 3-D."""
+    if q.dim() != 4:
+        return q
+    b, t, hb, d = q.shape
+    return q.as_strided((t, b * hb, d), (0, 0, 1))
+
+
+def store_heads(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Copy ``src [T, H, ...]`` into ``dst``, plain ``[T, H, ...]`` or head-blocked ``[B, T, H/B, ...]``."""
+    if dst.dim() == src.dim() + 1:
+        b = dst.shape[0]
+        dst.copy_(src.unflatten(1, (b, src.shape[1] // b)).movedim(1, 0))
+    else:
+        dst.copy_(src)
+    return dst
+
+
 def check_sparse_mla_inputs(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -162,6 +191,8 @@ def sparse_mla_attention(
     topk_length: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = True,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention over per-token global KV rows.
 
@@ -179,9 +210,12 @@ def sparse_mla_attention(
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
         sinks: ``[H]`` fp32 per-head sink logits, optional.
         return_lse: also return the LSE.
+        out / lse: optional destinations ``[T, H, v_dim]`` (q's dtype) / ``[T, H]`` fp32, written
+            in place; ``q``, ``out`` and ``lse`` may be head-blocked ``[B, T, H/B, ...]`` (head
+            ``b * H/B + i`` at ``[b, t, i]``, e.g. an all-to-all buffer; see :func:`q_heads_view`).
     Returns:
         ``out [T, H, v_dim]`` in q's dtype, and ``lse [T, H]`` fp32 natural log when
-        ``return_lse``; a row with no valid key is ``(0, -inf)``.
+        ``return_lse`` (the given destinations when passed); a row with no valid key is ``(0, -inf)``.
 
     Example:
         >>> q, kv = torch.randn(3, 2, 16), torch.randn(10, 16)
@@ -191,13 +225,20 @@ def sparse_mla_attention(
         ((3, 2, 8), True, 0.0)
     """
     q = join_q(q)
-    check_sparse_mla_inputs(q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+    q3 = shape_stand_in(q)
+    check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
     if q.is_cuda:
         from shardattn.kernels.registry import use_triton
         from shardattn.kernels.sparse_mla_triton import kernel_supports, sparse_mla_per_query
 
-        if use_triton(q, kv, rows) and kernel_supports(q, kv, v_dim) is None:
-            out, lse = sparse_mla_per_query(q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+        if use_triton(q3, kv, rows) and kernel_supports(q3, kv, v_dim) is None:
+            out, lse = sparse_mla_per_query(
+                q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse=lse
+            )
             return (out, lse) if return_lse else out
-    out, lse = sparse_mla_reference(q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+    o, s = sparse_mla_reference(
+        q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
+    )
+    out = o if out is None else store_heads(out, o)
+    lse = s if lse is None else store_heads(lse, s)
     return (out, lse) if return_lse else out

@@ -31,7 +31,14 @@ from dataclasses import dataclass
 import torch
 
 from shardattn.kernels.registry import interpreter_enabled, use_triton
-from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, join_q, sparse_mla_reference
+from shardattn.kernels.sparse_mla import (
+    check_sparse_mla_inputs,
+    join_q,
+    q_heads_view,
+    shape_stand_in,
+    sparse_mla_reference,
+    store_heads,
+)
 from shardattn.kernels.sparse_mla_triton import (
     TileConfig,
     kernel_supports,
@@ -94,6 +101,8 @@ def sparse_mla_grouped_prefill(
     group_size: int | None = None,
     return_lse: bool = True,
     union: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill with consecutive queries grouped into shared tiles.
 
@@ -111,9 +120,14 @@ def sparse_mla_grouped_prefill(
         return_lse: also return the LSE.
         union: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``
             workspace for the union build.
+        out / lse: optional destinations (``[T, H, v_dim]`` q's dtype / ``[T, H]`` fp32, any
+            strides, unit last-dim stride), written in place. ``q``, ``out`` and ``lse`` may also
+            be head-blocked, ``[B, T, H/B, ...]`` (head ``b * H/B + i`` at ``[b, t, i]``: an
+            all-to-all buffer read or written in place; see
+            :func:`~shardattn.kernels.sparse_mla_triton.launch_attention`).
     Returns:
-        ``out [T, H, v_dim]`` in q's dtype and ``lse [T, H]`` fp32 natural log; an empty row is
-        ``(0, -inf)`` (with sinks: ``(0, sink)``).
+        ``out [T, H, v_dim]`` in q's dtype and ``lse [T, H]`` fp32 natural log (the given
+        destinations when passed); an empty row is ``(0, -inf)`` (with sinks: ``(0, sink)``).
 
     Example:
         >>> q, kv = torch.randn(5, 2, 48), torch.randn(20, 48)
@@ -123,14 +137,21 @@ def sparse_mla_grouped_prefill(
         ((5, 2, 32), (5, 2))
     """
     q = join_q(q)
-    check_sparse_mla_inputs(q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+    q3 = shape_stand_in(q)
+    check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
     if group_size is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size!r}")
-    path = choose_path(q, kv, v_dim=v_dim, group_size=group_size)
+    path = choose_path(q3, kv, v_dim=v_dim, group_size=group_size)
     if path.backend == "reference":
-        out, lse = sparse_mla_reference(q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+        o, s = sparse_mla_reference(
+            q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
+        )
+        out = o if out is None else store_heads(out, o)
+        lse = s if lse is None else store_heads(lse, s)
     else:
         g = path.group_size
         u, lens = build_union(rows, group_size=g, num_kv_rows=kv.shape[0], topk_length=topk_length, out=union)
-        out, lse = launch_attention(q, kv, u, lens, scale=scale, v_dim=v_dim, config=path.tile, sinks=sinks)
+        out, lse = launch_attention(
+            q, kv, u, lens, scale=scale, v_dim=v_dim, config=path.tile, sinks=sinks, out=out, lse=lse
+        )
     return (out, lse) if return_lse else out

@@ -89,8 +89,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _sparse_mla_fwd_kernel(
         Q, KV, UNION, LENS, SINKS, OUT, LSE,
-        T, H,
+        T, H, HB,
         stride_qt, stride_qh, stride_kvr, stride_ug, stride_ot, stride_oh, stride_lt, stride_lh,
+        stride_qb, stride_ob, stride_lb,
         qk_scale,
         G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         D_V: tl.constexpr, D_R: tl.constexpr, HAS_SINK: tl.constexpr, IEEE: tl.constexpr,
@@ -106,9 +107,11 @@ if triton is not None:
         h = hb * BLOCK_H + m % BLOCK_H
         t = g * G + qj
         row_ok = (t < T) & (h < H)
+        hblk = h // HB  # head block (the source rank of a head-blocked q) and head within it
+        hin = h % HB
         dv = tl.arange(0, D_V)
         dr = tl.arange(0, D_R)
-        q_base = Q + t[:, None] * stride_qt + h[:, None] * stride_qh
+        q_base = Q + t[:, None] * stride_qt + hblk[:, None] * stride_qb + hin[:, None] * stride_qh
         q_nope = tl.load(q_base + dv[None, :], mask=row_ok[:, None], other=0.0)
         q_rope = tl.load(q_base + D_V + dr[None, :], mask=row_ok[:, None], other=0.0)
 
@@ -149,14 +152,30 @@ if triton is not None:
             acc = acc * alpha[:, None]
             m_i = m_f
         out, lse = online_softmax_finish(acc, m_i, l_i)
-        o_ptr = OUT + t[:, None] * stride_ot + h[:, None] * stride_oh + dv[None, :]
+        o_ptr = OUT + t[:, None] * stride_ot + hblk[:, None] * stride_ob + hin[:, None] * stride_oh + dv[None, :]
         tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE + t * stride_lt + h * stride_lh, lse, mask=row_ok)
+        tl.store(LSE + t * stride_lt + hblk * stride_lb + hin * stride_lh, lse, mask=row_ok)
 
 
 def attention_kernel():
     """The Triton attention kernel (for warm-up and compile counting); needs Triton."""
     return _sparse_mla_fwd_kernel
+
+
+def head_block_strides(x: torch.Tensor, blocked: bool, heads_per_block: int) -> tuple[int, int, int]:
+    """``(stride_block, stride_token, stride_head)`` of ``x``: head-blocked ``[B, T, H/B, ...]`` or
+    plain ``[T, H, ...]`` (whose block stride is ``heads_per_block`` head strides)."""
+    if blocked:
+        return x.stride(0), x.stride(1), x.stride(2)
+    return heads_per_block * x.stride(1), x.stride(0), x.stride(1)
+
+
+def heads_per_block(h: int, **blocked: torch.Tensor | None) -> int:
+    """Heads per block shared by the head-blocked tensors among ``blocked`` (``h`` when none is)."""
+    sizes = {name: x.shape[2] for name, x in blocked.items() if x is not None}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"head-blocked tensors must have the same heads per block, got {sizes}")
+    return next(iter(sizes.values()), h)
 
 
 def launch_attention(
@@ -174,25 +193,38 @@ def launch_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the attention kernel on prepared unions (inputs already validated).
 
+    ``q``, ``out`` and ``lse`` may each be *head-blocked*: ``[B, T, H/B, ...]`` holds head
+    ``b * H/B + i`` of token ``t`` at ``[b, t, i]`` (an all-to-all receive or send buffer, read or
+    written in place with strides); otherwise ``[T, H, ...]``. Any strides, unit last-dim stride.
+
     Args:
-        q: ``[T, H, D]``; kv: ``[R, D]``; union: ``[ceil(T/G), W]`` int32; lens: ``[ceil(T/G)]``.
+        q: ``[T, H, D]`` or ``[B, T, H/B, D]``; kv: ``[R, D]``; union: ``[ceil(T/G), W]`` int32;
+            lens: ``[ceil(T/G)]``.
         config: :func:`tile_config` for ``(H, G)``.
+        out / lse: optional destinations ``[T, H, v_dim]`` / ``[T, H]`` (or head-blocked
+            ``[B', T, H/B', v_dim]`` / ``[B', T, H/B']``), q's dtype / fp32.
     Returns:
-        ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)``.
+        ``(out, lse)``: the given destinations, or new ``[T, H, v_dim]`` q.dtype and ``[T, H]`` fp32.
     """
-    t, h, d = q.shape
+    t, d = q.shape[-3], q.shape[-1]
+    h = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
     if out is None:
         out = torch.empty(t, h, v_dim, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
     if t == 0 or h == 0:
         return out, lse
+    q_blk, o_blk, l_blk = q.dim() == 4, out.dim() == 4, lse.dim() == 3
+    hb = heads_per_block(h, q=q if q_blk else None, out=out if o_blk else None, lse=lse if l_blk else None)
+    qb, qt, qh = head_block_strides(q, q_blk, hb)
+    ob, ot, oh = head_block_strides(out, o_blk, hb)
+    lb, lt, lh = head_block_strides(lse, l_blk, hb)
     grid = (num_groups(t, config.group_size), triton.cdiv(h, config.block_h))
     _sparse_mla_fwd_kernel[grid](
         q, kv, union, lens, sinks if sinks is not None else lse, out, lse,
-        t, h,
-        q.stride(0), q.stride(1), kv.stride(0), union.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        t, h, hb,
+        qt, qh, kv.stride(0), union.stride(0), ot, oh, lt, lh,
+        qb, ob, lb,
         scale * LOG2E,
         G=config.group_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None, IEEE=q.dtype == torch.float32,
@@ -211,6 +243,8 @@ def sparse_mla_per_query(
     topk_length: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     interpret: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-query Triton path (``G = 1``): each query's rows sorted and de-duplicated, then attended.
 
@@ -220,12 +254,15 @@ def sparse_mla_per_query(
     Args:
         q: ``[T, H, D]``; kv: ``[R, D]``; rows: ``[T, K]`` int32 global rows (-1 / out of range
             invalid); topk_length: ``[T]`` int32 or None; sinks: ``[H]`` fp32 or None.
+        out / lse: optional destinations; ``q``, ``out``, ``lse`` may be head-blocked
+            (:func:`launch_attention`).
     Returns:
         ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)``.
     """
     union, lens = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
-    cfg = tile_config(q.shape[1], 1, interpret=interpret or interpreter_enabled())
-    return launch_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks)
+    heads = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
+    cfg = tile_config(heads, 1, interpret=interpret or interpreter_enabled())
+    return launch_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse)
 
 
 def flops(valid_keys: int, heads: int, d_qk: int = 576, d_v: int = 512) -> float:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "pack_rows", "packed_nbytes", "stable_fingerprint", "unpack_rows"]
+__all__ = ["Comm", "Pending", "pack_rows", "packed_nbytes", "stable_fingerprint", "unpack_rows"]
 
 #: Collective kinds counted by :class:`Comm` (keys of :attr:`Comm.counts`).
 KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "agreement")
@@ -136,6 +136,20 @@ def unpack_rows(buf: torch.Tensor, specs: Sequence[tuple[Sequence[int], torch.dt
     return out
 
 
+class Pending:
+    """Collectives in flight: :meth:`wait` orders the current stream after them (NCCL: a device-side
+    wait on the group's stream, no host synchronisation; gloo: the host waits)."""
+
+    def __init__(self, works: Sequence[dist.Work] = ()) -> None:
+        self._works = list(works)
+
+    def wait(self) -> None:
+        """Make later work on the current stream see the results (idempotent)."""
+        works, self._works = self._works, []
+        for w in works:
+            w.wait()
+
+
 class Comm:
     """A ``ProcessGroup`` with its rank, size and backend resolved once, counting its collectives.
 
@@ -230,6 +244,67 @@ class Comm:
             return out
         dist.all_to_all_single(out, x, recv, send, group=self.group)
         return out
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        *,
+        tag: int = 0,
+    ) -> Pending:
+        """An all-to-all of contiguous pieces, moved in place: ``sends[i] = (peer, x)`` goes to
+        ``peer``, ``recvs[i] = (peer, y)`` is filled from ``peer`` (counted as one ``"all_to_all"``).
+
+        The ``k``-th send of rank ``a`` to rank ``b`` fills the ``k``-th receive of ``b`` from ``a``
+        (same shape and dtype); pieces for this rank itself are copied locally, in order. Started
+        on the current stream's position, completed by :meth:`Pending.wait` (no host sync on NCCL).
+
+        Args:
+            sends / recvs: ``(peer, contiguous tensor)`` pairs, on the backend's device.
+            tag: distinguishes exchanges in flight at the same time (gloo matches by tag).
+        Returns:
+            a :class:`Pending`; do not touch the tensors until it was waited for.
+        """
+        mine_out = [x for p, x in sends if p == self.rank]
+        mine_in = [y for p, y in recvs if p == self.rank]
+        if len(mine_out) != len(mine_in):
+            raise ValueError(f"exchange: {len(mine_out)} pieces sent to this rank itself but {len(mine_in)} received")
+        ops = []
+        for kind, pairs in ((dist.isend, sends), (dist.irecv, recvs)):
+            seen: Counter[int] = Counter()
+            for peer, x in pairs:
+                if not 0 <= peer < self.world_size:
+                    raise ValueError(f"exchange: peer {peer} is not a rank of the group of {self.world_size}")
+                self._check_tensor("piece", x)
+                if not x.is_contiguous():
+                    raise ValueError("exchange: every piece must be contiguous (it is moved in place)")
+                if peer != self.rank and x.numel():
+                    ops.append(dist.P2POp(kind, x, peer, group=self.group, tag=(tag << 16) + seen[peer]))
+                seen[peer] += 1
+        for x, y in zip(mine_out, mine_in):
+            if x.shape != y.shape or x.dtype != y.dtype:
+                raise ValueError(
+                    f"exchange: a piece to this rank is {list(x.shape)} {x.dtype}, its slot {list(y.shape)}"
+                )
+        self.counts["all_to_all"] += 1
+        for x, y in zip(mine_out, mine_in):
+            y.copy_(x)
+        return Pending(dist.batch_isend_irecv(ops) if ops else ())
+
+    def all_gather_async(self, x: torch.Tensor) -> tuple[torch.Tensor, Pending]:
+        """:meth:`all_gather` started now, completed by the returned :class:`Pending`'s ``wait``.
+
+        Returns:
+            ``([W, ...] gathered, pending)``; read the first only after ``pending.wait()``.
+        """
+        x = self._check_tensor("x", x)
+        self.counts["all_gather"] += 1
+        out = x.new_empty((self.world_size, *x.shape))
+        if self.world_size == 1:
+            out[0].copy_(x)
+            return out, Pending()
+        work = _ALL_GATHER_TENSOR(out.view(-1), x.reshape(-1), group=self.group, async_op=True)
+        return out, Pending([work])
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Gather an equal-shaped tensor from every rank.

@@ -8,6 +8,8 @@ which every rank holds in its paged cache, or a new token, possibly computed by 
     rank r: q [T_r, H, D], kv_new [T_r, D] (its zigzag tokens), topk_pos [T_r, K]
         -- all-gather of kv_new (padded to P rows) -->  gathered [W * P, D]
            (new token g is gathered[plan.kv_row[g]]: the request's KV order, by the plan's map)
+           started asynchronously: the attention over the prefix cache (positions already on
+           every rank) runs while it is in flight (no host synchronisation on NCCL)
         -- sparse attention over the gathered rows of new-token positions, and over the prefix
            cache for prefix positions; the two partials merged by LSE (lse_merge) -->
            out [T_r, H, Dv], lse [T_r, H]
@@ -176,23 +178,27 @@ def pcp_prefill(
     t, h, d = q.shape
     p = plan.shard.padded_count
 
-    # the new tokens' KV, rank-major, P rows per rank: new token g is gathered[plan.kv_row[g]]
+    # the new tokens' KV, rank-major, P rows per rank: new token g is gathered[plan.kv_row[g]];
+    # the all-gather runs while the cached prefix (already on every rank) is attended
     padded = kv_new.new_zeros(p, d)
     padded[:t] = kv_new
-    gathered = comm.all_gather(padded).view(w * p, d)
+    gathering, pending = comm.all_gather_async(padded)
 
     req = plan.shard.request_ids(rank)
     rows = plan.gathered_rows_for(topk_pos, req)  # [T_r, K] int64, -1 for prefix / invalid
     if topk_length is not None:
         cols = torch.arange(rows.shape[1], device=dev)
         rows = torch.where(cols[None, :] < topk_length[:, None].to(torch.int64), rows, torch.full_like(rows, -1))
-    out, lse = attention(q, gathered, rows.to(torch.int32), scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True)
     if kv_cache is not None:
         prefix_rows, _ = convert_topk(
             topk_pos, req.to(torch.int32), block_table, block_size=block_size,
             seq_lens=plan.shard.prefix_lens.to(torch.int32), topk_length=topk_length,
         )  # fmt: skip
         out_p, lse_p = attention(q, kv_cache, prefix_rows, scale=scale, v_dim=v_dim, return_lse=True)
+    pending.wait()
+    gathered = gathering.view(w * p, d)
+    out, lse = attention(q, gathered, rows.to(torch.int32), scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True)
+    if kv_cache is not None:
         out, lse = lse_merge(torch.stack([out, out_p]), torch.stack([lse, lse_p]))
     if not gather_output:
         return out, lse

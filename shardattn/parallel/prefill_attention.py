@@ -9,6 +9,7 @@ the groups are those of one call and the result is bit for bit that of one call.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -32,6 +33,8 @@ def workspace_prefill_attention(
     topk_length: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = True,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA prefill of ``q`` on ``route``, the union built into ``union_ws`` / ``lens_ws``.
 
@@ -41,30 +44,61 @@ def workspace_prefill_attention(
         union_ws / lens_ws: ``uint8`` workspace items ``prefill.union`` / ``prefill.union_offsets``.
         scale, v_dim, topk_length, sinks: as :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention`.
         return_lse: accepted for signature compatibility; the LSE is always returned.
+        out / lse: optional destinations, written in place; ``q``, ``out`` and ``lse`` may be
+            head-blocked ``[B, T, H/B, ...]`` (an all-to-all buffer, read or written in place).
     Returns:
-        ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32)``.
+        ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32)`` (the given destinations when passed).
     Raises:
         WorkspaceExceededError: the union buffer cannot hold one group.
     """
     g, (t, k) = route.group_size, rows.shape
     call = functools.partial(sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g)
     if route.path == "reference" or t == 0 or k == 0:
-        return call(q, rows=rows, topk_length=topk_length, sinks=sinks)
+        return call(q, rows=rows, topk_length=topk_length, sinks=sinks, out=out, lse=lse)
     per_pass = min(union_ws.numel() // (k * 4), lens_ws.numel() // 4 * g) // g * g
     if per_pass < 1:
         raise WorkspaceExceededError(
             f"workspace item 'prefill.union' ({union_ws.numel()} B) cannot hold one group of {g} x top-k {k}"
         )
-    outs, lses = [], []
+    if t <= per_pass:
+        return _one_pass(call, q, rows, topk_length, sinks, union_ws, lens_ws, g, k, out, lse)
+    if out is None:
+        out = q.new_empty(t, _heads(q), v_dim)
+    if lse is None:
+        lse = torch.empty(t, _heads(q), dtype=torch.float32, device=q.device)
     for t0 in range(0, t, per_pass):
         t1 = min(t, t0 + per_pass)
-        n_groups = -(-(t1 - t0) // g)
-        union = union_ws[: n_groups * g * k * 4].view(torch.int32).view(n_groups, g * k)
-        lens = lens_ws[: n_groups * 4].view(torch.int32)
         length = None if topk_length is None else topk_length[t0:t1]
-        out, lse = call(q[t0:t1], rows=rows[t0:t1], topk_length=length, sinks=sinks, union=(union, lens))
-        outs.append(out)
-        lses.append(lse)
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    return torch.cat(outs), torch.cat(lses)
+        _one_pass(
+            call, _tokens(q, t0, t1, 3), rows[t0:t1], length, sinks, union_ws, lens_ws, g, k,
+            _tokens(out, t0, t1, 3), _tokens(lse, t0, t1, 2),
+        )  # fmt: skip
+    return out, lse
+
+
+def _heads(q: torch.Tensor) -> int:
+    return q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
+
+
+def _tokens(x: torch.Tensor, t0: int, t1: int, plain_dims: int) -> torch.Tensor:
+    """Tokens ``t0:t1`` of a plain (``plain_dims`` dims, tokens first) or head-blocked tensor (one more dim)."""
+    return x[:, t0:t1] if x.dim() > plain_dims else x[t0:t1]
+
+
+def _one_pass(
+    call: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    union_ws: torch.Tensor,
+    lens_ws: torch.Tensor,
+    g: int,
+    k: int,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n_groups = -(-rows.shape[0] // g)
+    union = union_ws[: n_groups * g * k * 4].view(torch.int32).view(n_groups, g * k)
+    lens = lens_ws[: n_groups * 4].view(torch.int32)
+    return call(q, rows=rows, topk_length=length, sinks=sinks, union=(union, lens), out=out, lse=lse)

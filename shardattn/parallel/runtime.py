@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,53 +48,28 @@ from shardattn.parallel.comm import Comm
 from shardattn.parallel.cudagraph import GraphInput, GraphRunner, check_capture_allowed
 from shardattn.parallel.decode_warmup import warm_up_decode
 from shardattn.parallel.modes import DECODE_STEP, GQA_BACKEND, MODES, PREFILL_STEP
-from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.prefill_attention import workspace_prefill_attention
 from shardattn.parallel.prefill_router import cost_route, resolve_cost_model
 from shardattn.parallel.runtime_decode import DecodeStep
+from shardattn.parallel.runtime_prefill import PrefillPlan, run_prefill_step, shardq_buffers
 from shardattn.parallel.runtime_workspace import RuntimeWorkspace, WorkspaceExceededError
-from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.cost import CostModel
 from shardattn.plan.cudagraph import CGSupport, explain_cudagraph_support
 from shardattn.plan.pcp import pcp_plan
+from shardattn.plan.pipeline import MAX_CHUNKS
 from shardattn.plan.routing import Route, grouped_group_size, route_decode, route_prefill
 from shardattn.plan.spec import ModelSpec, get_preset
-from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS, ShardPlan, zigzag_split
+from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS, zigzag_split
 
 __all__ = ["DECODE_STEP", "MODES", "PREFILL_STEP", "PrefillPlan", "Runtime", "WorkspaceExceededError"]
 
-_EMPTY_WS = torch.empty(0, dtype=torch.uint8)  # a route without a union (reference path) reads no workspace
-
-
-@dataclass(frozen=True)
-class PrefillPlan:
-    """How one prefill step runs: the step, the planner's route and the token split.
-
-    Attributes:
-        step: ``"shardq"``, ``"headtp"`` (also ShardQ steps below the gate) or ``"pcp"``.
-        route: the planner's :class:`~shardattn.plan.routing.Route` for this rank's kernel call.
-        shard: the token split (:class:`~shardattn.plan.zigzag.ShardPlan`, or a
-            :class:`~shardattn.plan.pcp.PCPPlan` under PCP); ``None`` for a head-TP mode.
-        num_tokens: new tokens of the step.
-    """
-
-    step: str
-    route: Route
-    shard: Any
-    num_tokens: int
-
-    @property
-    def token_plan(self) -> ShardPlan | None:
-        """The zigzag split (under PCP: the PCP plan's), or ``None``."""
-        return getattr(self.shard, "shard", self.shard)
-
-    def tokens_of(self, rank: int) -> torch.Tensor:
-        """``[n]`` int64 token ids (token order) whose queries ``rank``'s kernel runs."""
-        plan = self.token_plan
-        if plan is None or not plan.sharded:
-            return torch.arange(self.num_tokens)
-        return plan.token_ids(rank)
+_EMPTY_WS = torch.empty(0, dtype=torch.uint8)
+_SHARDQ_BUFFERS = (
+    ("q", "packed_q"),
+    ("out", "out"),
+    ("lse", "lse"),
+)  # shardq_prefill key, workspace item  # a route without a union (reference path) reads no workspace
 
 
 class Runtime:
@@ -125,6 +99,9 @@ class Runtime:
             and head-TP (:mod:`~shardattn.parallel.prefill_router`): a
             :class:`~shardattn.plan.cost.CostModel`, a calibration file, ``"auto"`` (default: the
             table shipped for the GPU; none on the CPU) or ``None`` (ShardQ whenever the gate passes).
+        prefill_chunks: pipeline depth of ShardQ steps: 1 (default) = not pipelined (in place,
+            the fastest measured on two H200s); ``None`` = the planner's
+            :func:`~shardattn.plan.pipeline.choose_chunks` of each step; up to ``MAX_CHUNKS``.
 
     Raises:
         ValueError / TypeError: heads not divisible by the world size, a mode without a step for
@@ -149,6 +126,7 @@ class Runtime:
         decode_lse: bool = True,
         warmup: bool = True,
         cost_model: CostModel | str | None = "auto",
+        prefill_chunks: int | None = 1,
     ) -> None:
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         if not isinstance(self.spec, ModelSpec):
@@ -168,6 +146,10 @@ class Runtime:
         if not isinstance(decode_lse, bool):
             raise TypeError(f"decode_lse must be a bool, got {type(decode_lse).__name__}")
         self.decode_lse = decode_lse
+        if prefill_chunks is not None:
+            if not 1 <= check_int("prefill_chunks", prefill_chunks, minimum=1) <= MAX_CHUNKS:
+                raise ValueError(f"prefill_chunks must be in [1, {MAX_CHUNKS}], got {prefill_chunks}")
+        self.prefill_chunks = prefill_chunks
         if self.spec.kind == "gqa" and PREFILL_STEP[mode] not in (None, "headtp"):
             raise ValueError(
                 f"mode {mode!r} runs a sparse-MLA prefill, but the spec is a GQA model; "
@@ -493,47 +475,23 @@ class Runtime:
         elif not isinstance(plan, PrefillPlan):
             raise TypeError(f"plan must be a PrefillPlan from Runtime.plan_prefill, got {type(plan).__name__}")
         self.check_workspace("prefill", plan.step, tokens=plan.num_tokens, topk=int(rows.shape[1]))
-        attention = functools.partial(self._attention, route=plan.route)
-        v = self.spec.v_dim
-        if plan.step == "pcp":
-            return pcp_prefill(
-                q,
-                kv,
-                rows,
-                plan.shard,
-                self.comm,
-                scale=self.scale,
-                v_dim=v,
-                kv_cache=kv_cache,
-                block_table=block_table,
-                block_size=self.spec.page_size if kv_cache is not None else None,
-                topk_length=topk_length,
-                sinks=sinks,
-                attention=attention,
-                check=check,
-            )
-        if plan.shard is None:  # a head-TP mode: nothing moves
-            return attention(
-                q,
-                kv,
-                rows,
-                scale=self.scale,
-                v_dim=v,
-                topk_length=topk_length,
-                sinks=None if sinks is None else self._local_heads(sinks),
-                return_lse=True,
-            )
-        return shardq_prefill(
+        return run_prefill_step(
+            plan,
             q,
             kv,
             rows,
-            plan.shard,
-            self.comm,
+            comm=self.comm,
+            spec=self.spec,
             scale=self.scale,
-            v_dim=v,
+            attention=functools.partial(self._attention, route=plan.route),
+            local_sinks=None if sinks is None else self._local_heads(sinks),
+            # the buffers are sized for the spec's dtype; other dtypes (fp32 on a CPU) allocate per step
+            shardq_workspace=shardq_buffers(self.workspace) if q.dtype == self.dtype else {},
+            chunks=self.prefill_chunks,
             topk_length=topk_length,
             sinks=sinks,
-            attention=attention,
+            kv_cache=kv_cache,
+            block_table=block_table,
             check=check,
         )
 

@@ -13,13 +13,26 @@ outputs back::
         -- all-to-all #2 (out and lse packed as bytes in one message) -->
            out [T, H/W, Dv], lse [T, H/W] in token order
 
-Exactly two all-to-alls per sharded step (plus, with ``check=True``, one small all-gather that
-makes the ranks agree on the plan and shapes first). A plan that is not sharded (fewer tokens
-than ``min_tokens``) runs head-TP locally with no collective at all.
+The step is pipelined (:mod:`shardattn.plan.pipeline`): each rank's tokens are cut into ``C``
+chunks; every chunk's query exchange starts at once, chunk ``c``'s kernel waits only for its own,
+and chunk ``c``'s output exchange starts right after its kernel, so the kernels run while later
+queries and earlier outputs are in flight. Ordering is by the process group's stream events
+(:class:`~shardattn.parallel.comm.Pending`): no host synchronisation inside the step. Nothing is
+packed or unpacked: queries go out as contiguous token runs of ``q_heads_local`` and land in a
+receive buffer ``[W, n_c, H/W, D]`` the kernel reads in place (head-blocked strides); the kernel
+writes ``out`` / ``lse`` into send buffers ``[W, n_c, H/W, ...]`` whose runs land directly at
+their token positions of the result. The only bytes moved besides the kernel's are the
+messages' own (the piece a rank keeps is one local copy, as inside any all-to-all).
+
+Exactly ``2 C`` exchanges (each counted as one ``"all_to_all"``) per sharded step (plus, with
+``check=True``, one small all-gather that makes the ranks agree on the plan and shapes first). A
+plan that is not sharded (fewer tokens than ``min_tokens``) runs head-TP locally with no
+collective at all.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -27,7 +40,8 @@ import torch.distributed as dist
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
 from shardattn.kernels.sparse_mla import sparse_mla_attention
-from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, stable_fingerprint, unpack_rows
+from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.plan.pipeline import CHUNK_ALIGN, PipelinePlan, choose_chunks, pipeline_plan
 from shardattn.plan.zigzag import ShardPlan
 
 __all__ = ["shardq_prefill"]
@@ -94,6 +108,11 @@ def shardq_prefill(
     return_lse: bool = True,
     attention: AttentionFn = sparse_mla_attention,
     check: bool = True,
+    chunks: int | None = 1,
+    align: int = 1,
+    workspace: dict[str, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill with queries moved from head shards to zigzag token shards and back.
 
@@ -114,9 +133,21 @@ def shardq_prefill(
         sinks: ``[H]`` fp32 per-head sink logits (all heads), optional.
         return_lse: also return the LSE (packed into the second all-to-all).
         attention: the local kernel, called like
-            :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention` with ``return_lse=True``.
+            :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention` with ``return_lse=True``
+            and ``out=``/``lse=`` destinations; sharded steps pass it head-blocked ``q``, ``out``
+            and ``lse`` (``[W, n, H/W, ...]``: the receive and send buffers, used in place).
         check: make the ranks agree on the plan and shapes first (one small all-gather, a host
             sync); bad input or a different plan on any rank then raises on every rank.
+        chunks: pipeline depth ``C``; ``None``: the planner's
+            :func:`~shardattn.plan.pipeline.choose_chunks` of the largest rank share. Every value
+            gives the same result, bit for bit. Default 1: on two H200s the pipelined step was
+            measured slower than the unpipelined in-place one (the exchanges barely overlapped
+            the kernels; benchmarks/RESULTS.md), so pipelining is opt-in until it pays.
+        align: chunk boundaries are multiples of it (the kernel's group size ``G``).
+        workspace: optional ``uint8`` buffers ``{"q", "out", "lse"}`` the receive / send buffers
+            are carved from (the Runtime's ``prefill.packed_q`` / ``.out`` / ``.lse``); default:
+            allocated per step.
+        out / lse: optional destinations ``[T, H/W, v_dim]`` / ``[T, H/W]`` (contiguous).
     Returns:
         ``out [T, H/W, v_dim]`` in q's dtype, token order, this rank's heads; and
         ``lse [T, H/W]`` fp32 natural log with ``return_lse``. A token with no valid row is
@@ -136,53 +167,101 @@ def shardq_prefill(
         check=check,
     )
     q = q_heads_local
-    h, d = q.shape[1], q.shape[2]
-    w, rank = comm.world_size, comm.rank
+    h, rank = q.shape[1], comm.rank
     if not plan.sharded:  # head-TP: all tokens, this rank's heads, nothing moves
         local_sinks = None if sinks is None else sinks[rank * h : (rank + 1) * h]
+        kw = {} if out is None and lse is None else {"out": out, "lse": lse}
         out, lse = attention(
-            q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=local_sinks, return_lse=True
+            q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=local_sinks, return_lse=True, **kw
         )
         return (out, lse) if return_lse else out
 
-    counts = [int(c) for c in plan.counts.tolist()]
-    mine = counts[rank]
+    pipe = pipeline_plan(plan, chunks or choose_chunks(int(plan.counts.max())), align=align)
+    return _pipelined(
+        q, kv, rows, plan, pipe, comm, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks,
+        return_lse=return_lse, attention=attention, workspace=workspace, out=out, lse=lse,
+    )  # fmt: skip
+
+
+def _carve(
+    buf: torch.Tensor | None, name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """Views ``[shape]`` of ``dtype`` laid one after another (256-byte aligned) in the uint8 ``buf``
+    (new tensors when ``buf`` is None)."""
+    if buf is None:
+        return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
+    size = torch.empty((), dtype=dtype).element_size()
+    views, off = [], 0
+    for s in shapes:
+        n = math.prod(s) * size
+        if off + n > buf.numel():
+            raise ValueError(
+                f"workspace[{name!r}] holds {buf.numel()} B, the pipelined step needs at least {off + n} B"
+            )
+        views.append(buf[off : off + n].view(dtype).view(s))
+        off += -(-n // CHUNK_ALIGN) * CHUNK_ALIGN
+    return views
+
+
+def _pipelined(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    plan: ShardPlan,
+    pipe: PipelinePlan,
+    comm: Comm,
+    *,
+    scale: float,
+    v_dim: int,
+    topk_length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    return_lse: bool,
+    attention: AttentionFn,
+    workspace: dict[str, torch.Tensor] | None,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The sharded step, chunk by chunk (module docstring): queries and outputs move in place."""
+    w, rank = comm.world_size, comm.rank
+    t, h, d = q.shape
     dev = q.device
-    gather = plan.gather_index.to(dev, non_blocking=True)
+    q_src = q.contiguous()
     ids = plan.token_ids(rank).to(dev, non_blocking=True)
+    rows_mine = rows.index_select(0, ids)
+    len_mine = None if topk_length is None else topk_length.index_select(0, ids)
+    if out is None:
+        out = q.new_empty(t, h, v_dim)
+    if lse is None and return_lse:
+        lse = torch.empty(t, h, dtype=torch.float32, device=dev)
+    ws = workspace or {}
+    n_c = [pipe.count(rank, c) for c in range(pipe.chunks)]
+    q_bufs = _carve(ws.get("q"), "q", [(w, n, h, d) for n in n_c], q.dtype, dev)
+    o_bufs = _carve(ws.get("out"), "out", [(w, n, h, v_dim) for n in n_c], q.dtype, dev)
+    l_bufs = _carve(ws.get("lse"), "lse", [(w, n, h) for n in n_c], torch.float32, dev)
 
-    # all-to-all #1: rank j receives its tokens' rows of this rank's heads
-    q_recv = comm.all_to_all(q.index_select(0, gather), counts, [mine] * w)  # [W * T_r, h, D]
-    q_tok = q_recv.view(w, mine, h, d).permute(1, 0, 2, 3).reshape(mine, w * h, d)  # [T_r, H, D]
-
-    out, lse = attention(
-        q_tok,
-        kv,
-        rows.index_select(0, ids),
-        scale=scale,
-        v_dim=v_dim,
-        topk_length=None if topk_length is None else topk_length.index_select(0, ids),
-        sinks=sinks,
-        return_lse=True,
-    )
-
-    # all-to-all #2: head slice j of this rank's tokens goes back to rank j, LSE in the same bytes
-    parts = [out.reshape(mine, w, h, v_dim).permute(1, 0, 2, 3)]
-    if return_lse:
-        parts.append(lse.reshape(mine, w, h).permute(1, 0, 2))
-
-    def specs(n: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        s = [((n, h, v_dim), out.dtype)]
-        return [*s, ((n, h), torch.float32)] if return_lse else s
-
-    send = pack_rows(parts)  # [W, bytes of T_r tokens]
-    sizes = [int(send.shape[1])] * w
-    recv_sizes = [packed_nbytes(specs(c)) for c in counts]
-    recv = comm.all_to_all(send.view(-1), sizes, recv_sizes)
-    pieces = [unpack_rows(chunk.view(1, -1), specs(c)) for chunk, c in zip(recv.split(recv_sizes), counts)]
-    restore = plan.restore_index.to(dev, non_blocking=True)
-    out_tok = torch.cat([p[0][0] for p in pieces]).index_select(0, restore)  # [T, h, Dv]
-    if not return_lse:
-        return out_tok
-    lse_tok = torch.cat([p[1][0] for p in pieces]).index_select(0, restore)
-    return out_tok, lse_tok
+    # every query exchange starts now (they only wait for q); chunk c's kernel waits for its own
+    q_moves = []
+    for c, q_recv in enumerate(q_bufs):
+        sends = [(j, q_src[s : s + n]) for j in range(w) for s, _, n in pipe.runs(j, c)]
+        recvs = [(i, q_recv[i, o : o + n]) for i in range(w) for _, o, n in pipe.runs(rank, c)]
+        q_moves.append(comm.exchange(sends, recvs, tag=2 * c))
+    out_moves = []
+    for c, (q_recv, o_send, l_send) in enumerate(zip(q_bufs, o_bufs, l_bufs)):
+        q_moves[c].wait()
+        b0, b1 = int(pipe.bounds[rank, c]), int(pipe.bounds[rank, c + 1])
+        if b1 > b0:  # reads q in place from the receive buffer, writes into the send buffers
+            attention(
+                q_recv, kv, rows_mine[b0:b1], scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True,
+                topk_length=None if len_mine is None else len_mine[b0:b1], out=o_send, lse=l_send,
+            )  # fmt: skip
+        sends, recvs = [], []
+        for j in range(w):
+            for _, o, n in pipe.runs(rank, c):
+                sends += [(j, o_send[j, o : o + n])] + ([(j, l_send[j, o : o + n])] if return_lse else [])
+        for i in range(w):
+            for s, _, n in pipe.runs(i, c):
+                recvs += [(i, out[s : s + n])] + ([(i, lse[s : s + n])] if return_lse else [])
+        out_moves.append(comm.exchange(sends, recvs, tag=2 * c + 1))
+    for m in out_moves:
+        m.wait()
+    return (out, lse) if return_lse else out

@@ -14,7 +14,8 @@ Runtime can reserve it at start-up and graph-visible buffers never move. Notatio
 Modes:
 
 * ``shardq``: tokens split over ``W`` (= TP) ranks, every rank runs all ``H`` heads;
-  ``N = ceil(ceil(M / W) / G) * G``.
+  ``N = ceil(ceil(M / W) / G) * G``. The step is pipelined in place (no ``send`` / ``recv``
+  items): ``packed_q`` receives the queries, ``out`` / ``lse`` are the output send buffers.
 * ``headtp``: no token split; a rank runs all ``M`` tokens with ``H / W`` heads; ``N = M``.
 * ``pcp``: tokens split over ``W`` PCP ranks (``Hl`` heads each); the new KV rows are
   all-gathered (``W * Nmax`` rows).
@@ -37,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardattn._checks import check_choice, check_int
+from shardattn.plan.pipeline import CHUNK_ALIGN, MAX_CHUNKS
 from shardattn.plan.routing import grouped_group_size
 from shardattn.plan.spec import DTYPE_BYTES, ModelSpec
 
@@ -192,14 +194,13 @@ def workspace_bounds(
         item["topk_rows"] = (n_max * k * _INDEX_BYTES, "Nmax * K * 4")
     hl = h // w if mode in ("shardq", "headtp") else h // tp
     if mode == "shardq":
-        item["packed_q"] = (n_max * h * d * bq, "Nmax * H * D * q_bytes (all-to-all in, output)")
-        item["out"] = (n_max * h * dv * bo, "Nmax * H * Dv * out_bytes")
-        item["lse"] = (n_max * h * _F32, "Nmax * H * 4")
-        item["send"] = (
-            w * n_max * hl * d * bq,
-            "W * Nmax * (H/W) * D * q_bytes (own heads, rank-major: all-to-all in; out is sent from `out`)",
-        )
-        item["recv"] = (w * n_max * hl * dv * bo, "W * Nmax * (H/W) * Dv * out_bytes (outputs back)")
+        # pipelined in place (parallel.shardq): queries are sent from the caller's tensor and outputs
+        # land in the result, so the only buffers are the chunks' receive (q) and send (out, lse)
+        # buffers, each chunk's starting on a CHUNK_ALIGN boundary
+        pad = MAX_CHUNKS * CHUNK_ALIGN
+        item["packed_q"] = (n_max * h * d * bq + pad, "Nmax * H * D * q_bytes + C*256 (query receive buffers)")
+        item["out"] = (n_max * h * dv * bo + pad, "Nmax * H * Dv * out_bytes + C*256 (output send buffers)")
+        item["lse"] = (n_max * h * _F32 + pad, "Nmax * H * 4 + C*256 (LSE send buffers)")
     elif mode == "headtp":
         item["out"] = (m * hl * dv * bo, "M * (H/W) * Dv * out_bytes")
         item["lse"] = (m * hl * _F32, "M * (H/W) * 4")

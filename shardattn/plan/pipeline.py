@@ -1,0 +1,124 @@
+"""Pipelined ShardQ: each rank's token share cut into chunks, and the runs each chunk moves.
+
+A pipelined ShardQ step (:func:`~shardattn.parallel.shardq.shardq_prefill`) exchanges queries and
+outputs chunk by chunk, so chunk ``c``'s kernel runs while the query exchange of a later chunk
+and the output exchange of chunk ``c - 1`` are in flight. Chunk ``c`` of rank ``r`` is the slice
+``bounds[r, c] : bounds[r, c + 1]`` of ``r``'s tokens in rank-major order
+(:meth:`~shardattn.plan.shard_plan.ShardPlan.token_ids`); every boundary but the last is a
+multiple of ``align`` (the kernel's group size ``G``), so the kernel's groups are those of the
+unchunked step and the result is bit for bit the same. A chunk may hold no token of some rank.
+
+Nothing is packed: the queries a rank sends and the outputs it receives are contiguous token
+runs of token-order tensors, moved in place by point-to-point messages. :meth:`PipelinePlan.runs`
+lists them (the same list on every rank, so sends and receives pair up)::
+
+    W = 2, one request of 8 tokens, zigzag: rank 0 holds t0 t1 t6 t7, rank 1 holds t2..t5
+    chunks = 2: rank 0 runs chunk 0 = [t0 t1], chunk 1 = [t6 t7]
+    runs(0, 0) = [(0, 0, 2)]  # token start 0, offset 0 in the chunk, 2 tokens
+    runs(1, 0) = [(6, 0, 2)]
+
+The number of chunks comes from the step's size (:func:`choose_chunks`): enough that the exposed
+first query exchange and last output exchange are short, few enough that each chunk still fills
+the GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardattn._checks import check_int
+from shardattn.plan.shard_plan import ShardPlan
+
+__all__ = ["CHUNK_ALIGN", "CHUNK_TOKENS", "MAX_CHUNKS", "PipelinePlan", "choose_chunks", "pipeline_plan"]
+
+#: Target tokens per rank per chunk (a 64- or 128-head kernel fills an H200 from ~1K tokens).
+CHUNK_TOKENS = 1024
+#: The most chunks a step is cut into (each costs two message groups and a few launches).
+MAX_CHUNKS = 8
+#: Bytes: each chunk's receive / send buffer starts at a multiple (aligned vector loads, and one
+#: kernel specialisation whatever the chunk sizes).
+CHUNK_ALIGN = 256
+
+
+def choose_chunks(rank_tokens: int, *, chunk_tokens: int = CHUNK_TOKENS, max_chunks: int = MAX_CHUNKS) -> int:
+    """Chunks for a step whose largest rank share is ``rank_tokens``: ``ceil(n / chunk_tokens)`` in ``[1, max]``.
+
+    >>> [choose_chunks(n) for n in (0, 500, 1024, 1025, 4096, 16384, 10**6)]
+    [1, 1, 1, 2, 4, 8, 8]
+    """
+    n = check_int("rank_tokens", rank_tokens, minimum=0)
+    per = check_int("chunk_tokens", chunk_tokens, minimum=1)
+    top = check_int("max_chunks", max_chunks, minimum=1)
+    return max(1, min(top, -(-n // per)))
+
+
+@dataclass(frozen=True, eq=False)
+class PipelinePlan:
+    """Chunk boundaries of every rank's share and the token runs each chunk moves.
+
+    Attributes:
+        world_size, chunks, align: ``W``, ``C`` and the boundary alignment.
+        bounds: ``[W, C + 1]`` int64 offsets into each rank's rank-major token list.
+    """
+
+    world_size: int
+    chunks: int
+    align: int
+    bounds: np.ndarray
+    _runs: tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]
+
+    def count(self, rank: int, chunk: int) -> int:
+        """Tokens of ``rank`` in ``chunk``."""
+        return int(self.bounds[rank, chunk + 1] - self.bounds[rank, chunk])
+
+    def counts(self, chunk: int) -> list[int]:
+        """``[W]`` tokens of every rank in ``chunk``."""
+        return [self.count(r, chunk) for r in range(self.world_size)]
+
+    def runs(self, rank: int, chunk: int) -> tuple[tuple[int, int, int], ...]:
+        """``(token_start, offset, length)`` of each contiguous token run of ``rank``'s ``chunk``:
+        tokens ``token_start .. token_start + length`` (token order) are rows ``offset ..`` of the chunk."""
+        return self._runs[chunk][rank]
+
+    def fingerprint(self) -> tuple[int, int, int, bytes]:
+        return (self.world_size, self.chunks, self.align, self.bounds.tobytes())
+
+
+def pipeline_plan(plan: ShardPlan, chunks: int, *, align: int = 1) -> PipelinePlan:
+    """Cut every rank's share of a sharded ``plan`` into ``chunks`` chunks (boundaries multiples of ``align``).
+
+    Args:
+        plan: a sharded :class:`~shardattn.plan.shard_plan.ShardPlan`.
+        chunks: ``C >= 1``. align: the kernel's group size ``G`` (boundaries keep its groups).
+    Returns:
+        the :class:`PipelinePlan`; ``chunks = 1`` is the unchunked step.
+
+    >>> from shardattn.plan.zigzag import zigzag_split
+    >>> pp = pipeline_plan(zigzag_split([8], 2, min_tokens=0), 2)
+    >>> pp.counts(0), pp.runs(0, 1), pp.runs(1, 0)
+    ([2, 2], ((6, 0, 2),), ((2, 0, 2),))
+    """
+    if not isinstance(plan, ShardPlan):
+        raise TypeError(f"plan must be a ShardPlan, got {type(plan).__name__}")
+    if not plan.sharded:
+        raise ValueError(f"plan must be sharded to be pipelined ({plan.reason})")
+    c = check_int("chunks", chunks, minimum=1)
+    a = check_int("align", align, minimum=1)
+    w = plan.world_size
+    bounds = np.zeros((w, c + 1), dtype=np.int64)
+    runs: list[list[tuple[tuple[int, int, int], ...]]] = [[] for _ in range(c)]
+    for r in range(w):
+        ids = plan.token_ids(r).numpy()
+        n = len(ids)
+        for i in range(1, c):
+            bounds[r, i] = min(n, (n * i // c) // a * a)
+        bounds[r, c] = n
+        bounds[r] = np.maximum.accumulate(bounds[r])
+        for i in range(c):
+            piece = ids[bounds[r, i] : bounds[r, i + 1]]
+            cuts = [0, *(np.flatnonzero(np.diff(piece) != 1) + 1).tolist(), len(piece)]
+            runs[i].append(tuple((int(piece[s]), int(s), int(e - s)) for s, e in itertools.pairwise(cuts) if e > s))
+    return PipelinePlan(w, c, a, bounds, tuple(tuple(x) for x in runs))

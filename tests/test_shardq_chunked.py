@@ -1,0 +1,337 @@
+"""Pipelined ShardQ (chunks, in-place exchanges) equals the unchunked step bit for bit; PCP overlap.
+
+The oracle here is the step itself with ``chunks=1`` (and, for PCP, the step written the way it
+was before the overlap: a blocking all-gather first): chunking and overlapping reorder work and
+messages but must not change a single bit in fp32. tests/test_shardq.py and tests/test_pcp.py
+compare the steps with independent references.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardattn.kernels.lse_merge import lse_merge
+from shardattn.kernels.registry import triton_available
+from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.kernels.topk import convert_topk
+from shardattn.parallel.comm import Comm
+from shardattn.parallel.pcp import pcp_prefill
+from shardattn.parallel.runtime import Runtime
+from shardattn.parallel.shardq import shardq_prefill
+from shardattn.plan import pcp_plan, zigzag_split
+from shardattn.plan.pipeline import CHUNK_TOKENS, MAX_CHUNKS, choose_chunks, pipeline_plan
+from shardattn.plan.spec import ModelSpec
+
+D, DV = 48, 32
+SETTINGS = settings(
+    max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+# -- the planner -------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    world=st.integers(1, 4),
+    chunks=st.integers(1, 9),
+    align=st.sampled_from([1, 2, 4, 8]),
+)
+def test_pipeline_plan_cuts_every_share_into_aligned_runs(lens, world, chunks, align) -> None:
+    plan = zigzag_split(lens, world, align=align, min_tokens=0)
+    if not plan.sharded:
+        with pytest.raises(ValueError, match="sharded"):
+            pipeline_plan(plan, chunks, align=align)
+        return
+    pp = pipeline_plan(plan, chunks, align=align)
+    for r in range(world):
+        ids = plan.token_ids(r).tolist()
+        b = pp.bounds[r]
+        assert b[0] == 0 and b[-1] == len(ids) and (np.diff(b) >= 0).all()
+        assert all(x % align == 0 for x in b[1:-1])  # the kernel's groups are the unchunked step's
+        for c in range(chunks):
+            piece = ids[b[c] : b[c + 1]]
+            expanded = [s + i for s, _, n in pp.runs(r, c) for i in range(n)]
+            offsets = [o + i for _, o, n in pp.runs(r, c) for i in range(n)]
+            assert expanded == piece and offsets == list(range(len(piece)))
+            assert pp.count(r, c) == len(piece)
+
+
+def test_choose_chunks_grows_with_the_step_and_stays_bounded() -> None:
+    got = [choose_chunks(n) for n in range(0, 20 * CHUNK_TOKENS, 97)]
+    assert got == sorted(got) and got[0] == 1 and got[-1] == MAX_CHUNKS
+    with pytest.raises(ValueError, match="rank_tokens"):
+        choose_chunks(-1)
+
+
+# -- ShardQ ------------------------------------------------------------------------------------
+def _case(seed: int, lens: list[int], world: int, heads_per_rank: int, k: int, extras: bool) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    t, h, r = sum(lens), heads_per_rank * world, 2 * k + 3
+    rows = torch.randint(0, r, (t, k), generator=g, dtype=torch.int32)
+    junk = torch.tensor([-1, r, r + 50], dtype=torch.int32)[torch.randint(0, 3, (t, k), generator=g)]
+    rows = torch.where(torch.rand(t, k, generator=g) < 0.3, junk, rows)
+    if t:
+        rows[torch.randint(0, t, (max(1, t // 5),), generator=g)] = -1  # tokens with no valid key
+    return {
+        "q": torch.randn(t, h, D, generator=g),
+        "kv": torch.randn(r, D, generator=g),
+        "rows": rows,
+        "lens": lens,
+        "sinks": torch.randn(h, generator=g) if extras else None,
+        "topk_length": torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32) if extras else None,
+    }
+
+
+def _chunked_runs(
+    group: dist.ProcessGroup, case: dict, chunk_counts: list[int], align: int, workspace: bool, grouped: bool = False
+) -> list[tuple]:
+    comm = Comm(group)
+    w, rank = comm.world_size, comm.rank
+    plan = zigzag_split(case["lens"], w, align=align, min_tokens=0)
+    h = case["q"].shape[1] // w
+    q = case["q"][:, rank * h : (rank + 1) * h]
+    seen: list[int] = []
+
+    def attention(*args, **kwargs):  # the kernel, recording where it reads q and writes out
+        seen.extend([args[0].data_ptr(), kwargs["out"].data_ptr(), kwargs["lse"].data_ptr()])
+        if grouped:  # G = align queries per tile (the Triton grouped kernel on a GPU)
+            return sparse_mla_grouped_prefill(*args, group_size=align, **kwargs)
+        return sparse_mla_attention(*args, **kwargs)
+
+    ws = None
+    dev = q.device
+    if workspace:
+        n = int(plan.counts.max())
+        pad = MAX_CHUNKS * 256
+        ws = {
+            "q": torch.empty(n * w * h * D * 4 + pad, dtype=torch.uint8, device=dev),
+            "out": torch.empty(n * w * h * DV * 4 + pad, dtype=torch.uint8, device=dev),
+            "lse": torch.empty(n * w * h * 4 + pad, dtype=torch.uint8, device=dev),
+        }
+    results = []
+    for c in chunk_counts:
+        comm.reset_counts()
+        seen.clear()
+        out, lse = shardq_prefill(
+            q, case["kv"], case["rows"], plan, comm, scale=D**-0.5, v_dim=DV, topk_length=case["topk_length"],
+            sinks=case["sinks"], attention=attention, chunks=c, align=align, workspace=ws, check=False,
+        )  # fmt: skip
+        inside = None
+        if ws is not None:  # every buffer the kernel touched lies in the workspace
+            spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in ws.values()]
+            inside = all(any(lo <= p < hi for lo, hi in spans) for p in seen)
+        launches = len(seen) // 3
+        results.append((out, lse, dict(comm.counts), inside, launches))
+    return results
+
+
+@pytest.mark.distributed
+@SETTINGS
+@given(
+    world=st.integers(1, 4),
+    lens=st.lists(st.integers(0, 23), min_size=1, max_size=4).filter(lambda v: sum(v) > 0),
+    align=st.sampled_from([1, 2]),
+    extras=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_shardq_equals_unchunked_bit_for_bit(dist_pool, world, lens, align, extras, seed) -> None:
+    case = _case(seed, lens, world, 2, 12, extras)
+    counts = [1, 2, 3, 5, MAX_CHUNKS]  # more chunks than a rank has tokens: empty chunks
+    results = dist_pool.run(_chunked_runs, case, counts, align, False, world_size=world)
+    for rank, per_rank in enumerate(results):
+        out1, lse1, *_ = per_rank[0]
+        assert torch.isfinite(out1).all(), rank
+        for c, (out, lse, comm_counts, _, _) in zip(counts, per_rank):
+            assert torch.equal(out, out1) and torch.equal(lse, lse1), (rank, c)
+            assert comm_counts == {"all_to_all": 2 * c}, (rank, c, comm_counts)
+
+
+@pytest.mark.distributed
+def test_chunked_shardq_reads_and_writes_only_the_workspace(dist_pool) -> None:
+    case = _case(3, [19, 6, 11], 3, 2, 10, True)
+    results = dist_pool.run(_chunked_runs, case, [1, 4], 1, True, world_size=3)
+    fresh = dist_pool.run(_chunked_runs, case, [4], 1, False, world_size=3)
+    for rank, (per_rank, (ref,)) in enumerate(zip(results, fresh)):
+        for out, lse, _, inside, launches in per_rank:
+            assert inside is True and launches >= 1, rank
+            assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1]), rank
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-query", "grouped-G2"])
+def test_chunked_shardq_on_nccl(dist_pool, grouped: bool) -> None:
+    from tests.test_nccl_steps import _on_gpu
+
+    case = _case(21, [700, 333, 90], 2, 8, 64, True)
+    counts = [1, 3, MAX_CHUNKS]
+    align = 2 if grouped else 1
+    results = dist_pool.run(_on_gpu, _chunked_runs, case, counts, align, True, grouped, world_size=2, backend="nccl")
+    want = dist_pool.run(_chunked_runs, case, [1], align, False, world_size=2)  # gloo, the torch reference
+    for rank, (per_rank, (ref,)) in enumerate(zip(results, want)):
+        out1, lse1, *_ = per_rank[0]
+        assert torch.isfinite(out1).all(), rank
+        err = float((out1 - ref[0]).norm() / ref[0].norm())
+        assert err < 1e-4, (rank, err)  # fp32 inputs: the Triton kernel's IEEE fp32 path
+        for c, (out, lse, comm_counts, inside, _) in zip(counts, per_rank):
+            assert inside is True and comm_counts == {"all_to_all": 2 * c}, (rank, c)
+            assert torch.equal(out, out1) and torch.equal(lse, lse1), (rank, c)
+
+
+def _runtime_steps(group: dist.ProcessGroup, case: dict, chunks: int | None) -> dict:
+    spec = ModelSpec("sparse_mla", case["q"].shape[1], 1, D, DV, 12, 16, dtype="float32")
+    rt = Runtime(
+        spec, group, max_batched_tokens=64, mode="shardq", min_shard_tokens=1, prefill_chunks=chunks, warmup=False
+    )
+    h, rank = rt.heads_per_rank, rt.rank
+    q = case["q"][:, rank * h : (rank + 1) * h]
+    buffers = {k: (v.data_ptr(), v.numel()) for k, v in rt.workspace.items()}
+    outs = []
+    for _ in range(2):
+        rt.comm.reset_counts()
+        outs.append(rt.prefill(q, case["kv"], case["rows"], seq_lens=case["lens"], check=False))
+    same_buffers = buffers == {k: (v.data_ptr(), v.numel()) for k, v in rt.workspace.items()}
+    return {
+        "out": outs[-1],
+        "same": same_buffers,
+        "counts": dict(rt.comm.counts),
+        "equal": torch.equal(*[o[0] for o in outs]),
+    }
+
+
+@pytest.mark.distributed
+def test_runtime_pipelined_prefill_equals_unpipelined(dist_pool) -> None:
+    case = _case(11, [30, 17], 2, 2, 12, False)
+    piped = dist_pool.run(_runtime_steps, case, 3, world_size=2)
+    plain = dist_pool.run(_runtime_steps, case, 1, world_size=2)
+    for rank, (a, b) in enumerate(zip(piped, plain)):
+        assert a["same"] and a["equal"] and a["counts"] == {"all_to_all": 6}, (rank, a["counts"])
+        assert b["counts"] == {"all_to_all": 2}, rank
+        assert torch.equal(a["out"][0], b["out"][0]) and torch.equal(a["out"][1], b["out"][1]), rank
+
+
+def test_runtime_rejects_a_pipeline_deeper_than_its_workspace() -> None:
+    # checked before the group is looked at
+    with pytest.raises(ValueError, match="prefill_chunks"):
+        Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_chunks=MAX_CHUNKS + 1, warmup=False)
+
+
+# -- PCP: the all-gather overlapped with the prefix attention equals the blocking order ---------
+def _pcp_both(group: dist.ProcessGroup, seed: int, lens: list[int], prefix: list[int]) -> tuple:
+    comm = Comm(group)
+    w, rank = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(seed)
+    page, k, h = 4, 10, 3
+    plan = pcp_plan(lens, w, prefix_lens=prefix)
+    b = len(lens)
+    pages = -(-max(prefix) // page) + 1
+    table = torch.randperm(b * pages, generator=g).to(torch.int32).view(b, pages)
+    cache = torch.randn(b * pages * page, D, generator=g)
+    t = sum(lens)
+    q_all, kv_all = torch.randn(t, h, D, generator=g), torch.randn(t, D, generator=g)
+    pos_all = torch.randint(-2, max(p + n for p, n in zip(prefix, lens)) + 2, (t, k), generator=g, dtype=torch.int32)
+    ids = plan.shard.token_ids(rank)
+    q, kv, pos = q_all[ids], kv_all[ids], pos_all[ids]
+    kw = dict(scale=D**-0.5, v_dim=DV)
+    got = pcp_prefill(q, kv, pos, plan, comm, kv_cache=cache, block_table=table, block_size=page, check=False, **kw)
+    # before the overlap: blocking all-gather, new-token attention, then the prefix, merged in that order
+    p = plan.shard.padded_count
+    padded = kv.new_zeros(p, D)
+    padded[: len(ids)] = kv
+    gathered = comm.all_gather(padded).view(w * p, D)
+    req = plan.shard.request_ids(rank)
+    rows = plan.gathered_rows_for(pos, req).to(torch.int32)
+    out, lse = sparse_mla_attention(q, gathered, rows, **kw)
+    prefix_rows, _ = convert_topk(
+        pos, req.to(torch.int32), table, block_size=page, seq_lens=plan.shard.prefix_lens.to(torch.int32)
+    )
+    out_p, lse_p = sparse_mla_attention(q, cache, prefix_rows, **kw)
+    want = lse_merge(torch.stack([out, out_p]), torch.stack([lse, lse_p]))
+    return got, want
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2, 3], ids=["world1", "world2", "world3"])
+def test_pcp_overlapped_all_gather_equals_blocking_order(dist_pool, world_size: int) -> None:
+    results = dist_pool.run(_pcp_both, 7 + world_size, [9, 14, 2], [5, 0, 11], world_size=world_size)
+    for rank, ((out, lse), (want_out, want_lse)) in enumerate(results):
+        assert torch.isfinite(out).all() and torch.equal(out, want_out) and torch.equal(lse, want_lse), rank
+
+
+# -- the kernel reads and writes head-blocked buffers in place ----------------------------------
+def test_head_blocked_io_equals_plain_on_the_reference_path() -> None:
+    g = torch.Generator().manual_seed(0)
+    b, t, hb, k, r = 3, 7, 2, 9, 20
+    q = torch.randn(b, t, hb, D, generator=g)
+    kv = torch.randn(r, D, generator=g)
+    rows = torch.randint(-1, r, (t, k), generator=g, dtype=torch.int32)
+    plain = q.movedim(0, 1).reshape(t, b * hb, D)
+    want_out, want_lse = sparse_mla_attention(plain, kv, rows, scale=0.2, v_dim=DV)
+    out, lse = torch.full((b, t, hb, DV), float("nan")), torch.full((b, t, hb), float("nan"))
+    got = sparse_mla_attention(q, kv, rows, scale=0.2, v_dim=DV, out=out, lse=lse)
+    assert got[0] is out and got[1] is lse
+    assert torch.equal(out.movedim(0, 1).reshape(t, b * hb, DV), want_out)
+    assert torch.equal(lse.movedim(0, 1).reshape(t, b * hb), want_lse)
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_head_blocked_io_under_the_triton_interpreter() -> None:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.interpret.head_blocked_cases"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.splitlines()[-1] == "0 failures"
+
+
+# -- Comm.exchange: the in-place all-to-all of contiguous pieces ---------------------------------
+def _exchange(group: dist.ProcessGroup) -> dict:
+    comm = Comm(group)
+    w, rank = comm.world_size, comm.rank
+    # rank a sends to rank b pieces of lengths (a + b) % 3 + k for k = 0, 1 (some empty), valued 100a + 10b + k
+    sends, recvs, got = [], [], []
+    for b in range(w):
+        for k in range(2):
+            n = (rank + b) % 3 + k - 1
+            sends.append((b, torch.full((max(n, 0), 2), 100.0 * rank + 10 * b + k)))
+    for a in range(w):
+        for k in range(2):
+            y = torch.full((max((a + rank) % 3 + k - 1, 0), 2), -1.0)
+            recvs.append((a, y))
+            got.append((a, k, y))
+    comm.exchange(sends, recvs, tag=3).wait()
+    ok = all(bool((y == 100.0 * a + 10 * rank + k).all()) for a, k, y in got)
+    bad_peer = catch_error(lambda: comm.exchange([(w, torch.zeros(1))], []))
+    lonely = catch_error(lambda: comm.exchange([(rank, torch.zeros(1))], []))
+    return {"ok": ok, "counts": dict(comm.counts), "bad_peer": bad_peer, "lonely": lonely}
+
+
+def catch_error(fn: Callable[[], object]) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 3], ids=["world1", "world3"])
+def test_exchange_moves_every_piece_to_its_slot(dist_pool, world_size: int) -> None:
+    for res in dist_pool.run(_exchange, world_size=world_size):
+        assert res["ok"] and res["counts"] == {"all_to_all": 1}, res
+        assert "is not a rank" in res["bad_peer"] and "this rank itself" in res["lonely"], res
