@@ -26,9 +26,16 @@ def main(group: dist.ProcessGroup) -> None:
     rank = dist.get_rank(group)
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    rt = Runtime(
-        "glm5", group, max_batched_tokens=256, mode="shardq", device=device, topk=TOPK, min_shard_tokens=64
-    )  # small demo step: shard anything from 64 tokens on
+    rt = Runtime(  # small demo step: shard anything from 64 tokens on, whatever the cost model would pick
+        "glm5",
+        group,
+        max_batched_tokens=256,
+        mode="shardq",
+        device=device,
+        topk=TOPK,
+        min_shard_tokens=64,
+        cost_model=None,
+    )
     spec, h = rt.spec, rt.heads_per_rank
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(0)  # same inputs on every rank

@@ -21,8 +21,15 @@ import sys
 import torch
 
 
+def _replace(module: object, name: str, fn: object) -> None:
+    """Replace ``module.name``; a name the module no longer has fails loudly (never a silent no-op)."""
+    if not hasattr(module, name):
+        raise AttributeError(f"{module.__name__} has no {name!r} to replace: update tests/launch_patched.py")
+    setattr(module, name, fn)
+
+
 def _oracle() -> None:
-    from shardattn.launch import runner, workloads
+    from shardattn.launch import prepare, workloads
     from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
 
     def sparse_mla_reference(q, kv, rows, *, scale, v_dim, **kw):
@@ -37,9 +44,9 @@ def _oracle() -> None:
         rows = topk_rows_oracle(topk_pos, req_ids, block_table, block_size=block_size, **kw).to(topk_pos.device)
         return rows, (rows >= 0).sum(dim=1, dtype=torch.int32)
 
-    runner.sparse_mla_reference = sparse_mla_reference
-    runner.gqa_paged_decode_reference = gqa_paged_decode_reference
-    workloads.convert_topk = convert_topk
+    _replace(prepare, "sparse_mla_reference", sparse_mla_reference)
+    _replace(prepare, "gqa_paged_decode_reference", gqa_paged_decode_reference)
+    _replace(workloads, "convert_topk", convert_topk)
 
 
 def _corrupt_prefill() -> None:
@@ -51,7 +58,7 @@ def _corrupt_prefill() -> None:
         out, lse = kernel(*args, **kw)
         return out.add_(0.5), lse  # in place: the step may have passed its own destination buffer
 
-    prefill_attention.sparse_mla_grouped_prefill = corrupted
+    _replace(prefill_attention, "sparse_mla_grouped_prefill", corrupted)
 
 
 PATCHES = {"oracle": _oracle, "corrupt-prefill": _corrupt_prefill}

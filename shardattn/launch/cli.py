@@ -65,6 +65,7 @@ class Options:
     """Parsed options (see ``python -m shardattn.launch --help``). Sizes left ``None`` take device defaults."""
 
     preset: str = "glm5"
+    heads: int | None = None
     mode: str | None = None
     tokens: int | None = None
     requests: int | None = None
@@ -87,6 +88,8 @@ class Options:
     progress: bool = True
     profile: bool = False
     graph: bool = False
+    compare: bool = False
+    calibration: str | None = None
     fail_rank: int | None = None
     fail_at: str = "step"
 
@@ -123,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a = p.add_argument
     a("--preset", default="glm5", help="model preset (glm5, deepseek-v32, a GQA preset; default glm5)")
+    a(
+        "--heads",
+        type=int,
+        default=None,
+        help="override the preset's query heads (e.g. 16 on 2 GPUs: the 8 heads per rank of GLM-5 at TP8)",
+    )
     a("--mode", choices=MODES, default=None, help="step to run (default: mixed for sparse MLA, dcp-decode for GQA)")
     a("--tokens", type=int, default=None, help="new prefill tokens of the step (default: 256 CPU, 8192 GPU)")
     a("--requests", type=int, default=None, help="requests of the step (default: 2 CPU, 4 GPU)")
@@ -153,6 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="GPU: also capture the decode step in a CUDA graph (where the policy allows) and time its replays",
     )
+    a(
+        "--compare",
+        action="store_true",
+        help="prefill: run head-TP, ShardQ and the router's choice in one run and print them side by side",
+    )
+    a(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="cost-model table for the router (default: the one shipped for the GPU; python -m shardattn.calibrate)",
+    )
     a("--profile", action="store_true", help="after timing, profile one more step per rank and print rank 0's top ops")
     a("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # debug: this rank dies
     a("--fail-at", choices=FAIL_POINTS, default="step", help=argparse.SUPPRESS)
@@ -176,6 +196,7 @@ def _check_ranges(o: Options) -> None:
         if value < minimum:
             raise LaunchError(f"shardattn.launch: error: --{name} must be >= {minimum:g}, got {value}")
 
+    positive("heads", o.heads)
     positive("tokens", o.tokens)
     positive("requests", o.requests)
     positive("topk", o.topk)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["RankRow", "Report", "percentile", "render", "summarize_times", "write_json"]
+__all__ = ["RankRow", "Report", "percentile", "render", "render_compare", "summarize_times", "write_json"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -62,6 +62,7 @@ class RankRow:
     gbytes_per_s: float | None = None
     error: float | None = None
     tolerance: float | None = None
+    variant: str | None = None  # --compare: "head-TP", "ShardQ" or "router"
 
     @property
     def passed(self) -> bool | None:
@@ -99,6 +100,7 @@ class Report:
             "rows": rows,
             "checked": self.checked,
             "passed": self.passed,
+            **({"compare": compare_table(self)} if any(r.variant for r in self.rows) else {}),
         }
 
 
@@ -142,7 +144,7 @@ def render(report: Report, console: Any = None) -> None:
             err = f"[green]{err}[/]"
         table.add_row(
             str(r.rank),
-            r.step,
+            r.step if r.variant is None else f"{r.step} ({r.variant})",
             str(r.tokens),
             _num(r.union_ratio, ".3f"),
             r.path,
@@ -159,6 +161,45 @@ def render(report: Report, console: Any = None) -> None:
     if report.checked:
         verdict = "[green]check passed[/]" if report.passed else "[bold red]check FAILED[/]"
         console.print(f"{verdict} (against the single-process fp32 reference on rank 0)")
+
+
+def compare_table(report: Report) -> list[dict[str, Any]]:
+    """``--compare``: one entry per variant, in run order: its path (rank 0's), the slowest rank's
+    median ms and head-TP's median over it (above 1: faster than head-TP, measured in the same run).
+
+    >>> rows = [RankRow(r, "prefill", p, "", 8, ms, ms, ms, variant=v)
+    ...         for v, p, ms in (("head-TP", "headtp/x", 4.0), ("router", "shardq/x", 2.0)) for r in (0, 1)]
+    >>> [(e["variant"], e["time_ms"], e["x_headtp"]) for e in compare_table(Report({}, rows))]
+    [('head-TP', 4.0, 1.0), ('router', 2.0, 2.0)]
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for r in report.rows:
+        if r.variant is None:
+            continue
+        e = out.setdefault(r.variant, {"variant": r.variant, "path": r.path, "reason": r.reason, "time_ms": 0.0})
+        e["time_ms"] = max(e["time_ms"], r.time_ms)
+        if r.rank == 0:
+            e["path"], e["reason"] = r.path, r.reason
+    base = out.get("head-TP", {}).get("time_ms")
+    for e in out.values():
+        e["x_headtp"] = base / e["time_ms"] if base and e["time_ms"] > 0 else None
+    return list(out.values())
+
+
+def render_compare(report: Report, console: Any = None) -> None:
+    """Print the ``--compare`` table (:func:`compare_table`) after the per-rank table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console(width=160) if not Console().is_terminal else Console()
+    table = Table(title="prefill paths side by side (slowest rank)", title_justify="left")
+    for name, justify in (("variant", "left"), ("path", "left"), ("median ms", "right"), ("x head-TP", "right")):
+        table.add_column(name, justify=justify)
+    table.add_column("why", overflow="fold")
+    for e in compare_table(report):
+        table.add_row(e["variant"], e["path"], f"{e['time_ms']:.3f}", _num(e["x_headtp"], ".2f"), e["reason"])
+    console.print(table)
 
 
 def write_json(report: Report, path: str) -> None:

@@ -49,11 +49,13 @@ from shardattn.parallel.comm import Comm
 from shardattn.parallel.decode_warmup import warm_up_decode
 from shardattn.parallel.modes import DECODE_STEP, GQA_BACKEND, MODES, PREFILL_STEP
 from shardattn.parallel.prefill_attention import workspace_prefill_attention
+from shardattn.parallel.prefill_router import cost_route, resolve_cost_model
 from shardattn.parallel.runtime_decode import DecodeStep
 from shardattn.parallel.runtime_graphs import RuntimeGraphs
 from shardattn.parallel.runtime_prefill import PrefillPlan, run_prefill_step, shardq_buffers
 from shardattn.parallel.runtime_workspace import RuntimeWorkspace, WorkspaceExceededError
 from shardattn.plan.context import DCPLayout
+from shardattn.plan.cost import CostModel
 from shardattn.plan.pcp import pcp_plan
 from shardattn.plan.pipeline import MAX_CHUNKS
 from shardattn.plan.routing import Route, grouped_group_size, route_decode, route_prefill
@@ -89,6 +91,10 @@ class Runtime(RuntimeGraphs):
             take a kernel without one (FlashInfer XQA, when the planner routes there); its
             :meth:`decode` then returns ``(out, None)``. DCP always needs the LSE.
         warmup: launch every kernel variant now (default True).
+        cost_model: how ``shardq`` / ``mixed`` steps above the ShardQ gate choose between ShardQ
+            and head-TP (:mod:`~shardattn.parallel.prefill_router`): a
+            :class:`~shardattn.plan.cost.CostModel`, a calibration file, ``"auto"`` (default: the
+            table shipped for the GPU; none on the CPU) or ``None`` (ShardQ whenever the gate passes).
         prefill_chunks: pipeline depth of ShardQ steps: 1 (default) = not pipelined (in place,
             the fastest measured on two H200s); ``None`` = the planner's
             :func:`~shardattn.plan.pipeline.choose_chunks` of each step; up to ``MAX_CHUNKS``.
@@ -115,6 +121,7 @@ class Runtime(RuntimeGraphs):
         non_causal: bool = False,
         decode_lse: bool = True,
         warmup: bool = True,
+        cost_model: CostModel | str | None = "auto",
         prefill_chunks: int | None = 1,
     ) -> None:
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
@@ -161,6 +168,7 @@ class Runtime(RuntimeGraphs):
         self.max_kv_rows = check_int("max_kv_rows", rows, minimum=1)
         self.scale = self.spec.head_dim**-0.5
 
+        self.cost_model = resolve_cost_model(cost_model, self.device) if PREFILL_STEP[mode] == "shardq" else None
         self.ws = RuntimeWorkspace(
             self.spec,
             mode,
@@ -170,6 +178,7 @@ class Runtime(RuntimeGraphs):
             max_decode_tokens=self.max_decode_tokens,
             min_shard_tokens=self.min_shard_tokens,
             topk=self.topk,
+            headtp_tokens=self.max_batched_tokens if self.cost_model is not None else None,
         )
         self.bounds = self.ws.bounds
         self.workspace = self.ws.buffers  # reserved once, never reallocated: {"prefill.union": ..., ...}
@@ -233,17 +242,21 @@ class Runtime(RuntimeGraphs):
         tokens = sum(lens)
         rows = self.max_kv_rows if kv_rows is None else check_int("kv_rows", kv_rows, minimum=0)
         shard: Any = None
+        route: Route | None = None
         if step == "shardq":
             shard = zigzag_split(
                 lens, self.world_size, min_tokens=self.min_shard_tokens, prefix_lens=prefix_lens, topk=self.topk
             )
             if not shard.sharded:
                 step = "headtp"
+            elif self.cost_model is not None:  # the fastest predicted of ShardQ and head-TP
+                step, route = cost_route(self, tokens=tokens, counts=shard.counts.tolist(), kv_rows=rows)
+                shard = shard if step == "shardq" else None
         elif step == "pcp":
             shard = pcp_plan(lens, self.world_size, prefix_lens=prefix_lens, topk=self.topk)
-        if step == "headtp":
+        if route is None and step == "headtp":
             route = self._route(self.heads_per_rank, tokens, rows)
-        else:  # ShardQ / PCP: this rank's kernel runs every head over its own tokens
+        elif route is None:  # ShardQ / PCP: this rank's kernel runs every head over its own tokens
             plan = getattr(shard, "shard", shard)
             route = self._route(self.spec.num_heads, int(plan.counts[self.rank]), rows)
         self.check_workspace("prefill", step, tokens=tokens)

@@ -31,6 +31,8 @@ class RuntimeWorkspace:
         max_batched_tokens / max_decode_tokens: the largest prefill / decode step.
         min_shard_tokens: the ShardQ gate (steps below it run head-TP and are reserved for too).
         topk: top-k entries per query.
+        headtp_tokens: under ``shardq``, the most tokens a head-TP step may have (default: the
+            steps below the gate; a cost-routed Runtime passes ``max_batched_tokens``).
     """
 
     def __init__(
@@ -44,11 +46,13 @@ class RuntimeWorkspace:
         max_decode_tokens: int,
         min_shard_tokens: int,
         topk: int,
+        headtp_tokens: int | None = None,
     ) -> None:
         self.spec, self.mode, self.world_size = spec, mode, world_size
         self.max_batched_tokens, self.max_decode_tokens = max_batched_tokens, max_decode_tokens
         self.min_shard_tokens, self.topk = min_shard_tokens, topk
         self._needs: dict[tuple[str, str, int, int], dict[str, int]] = {}  # memo: every step asks
+        self.headtp_tokens = headtp_tokens
         self.bounds: dict[str, int] = self._reservation()
         self.buffers: dict[str, torch.Tensor] = {
             name: torch.empty(nbytes, dtype=torch.uint8, device=device) for name, nbytes in self.bounds.items()
@@ -96,6 +100,7 @@ class RuntimeWorkspace:
             steps.append(("prefill", prefill, self.max_batched_tokens))
             if prefill == "shardq":  # steps below the gate run head-TP
                 below = min(self.max_batched_tokens, max(0, self.min_shard_tokens - 1))
+                below = below if self.headtp_tokens is None else max(below, self.headtp_tokens)
                 if below:
                     steps.append(("prefill", "headtp", below))
         steps.append(("decode", DECODE_STEP[self.mode], self.max_decode_tokens))

@@ -1,0 +1,263 @@
+"""Prefill paths side by side, measured and predicted: kernel alone, head-TP, ShardQ, the router's choice.
+
+Usage (one rank per GPU)::
+
+    torchrun --nproc-per-node 2 benchmarks/scaling.py --json scaling.json --png scaling.png
+    python benchmarks/scaling.py --predict-only --simulate 4 8 --a2a-gbps 282   # no GPU needed
+
+For each configuration (model, heads, new tokens; 4 requests with 8,192 cached tokens each,
+DSA-like top-k 2,048, bf16) every rank times, in one run (``shardattn.calibrate.steps``):
+the kernel alone as ShardQ runs it (all heads, the rank's zigzag tokens), the head-TP step,
+the ShardQ step (gate-only routing) and the step the cost-model router chooses; rank 0 prints
+each path's median (the slowest rank's), the cost model's prediction and its error, and the
+ratio to head-TP measured in the same run, and checks the targets: the router's path within 5 %
+of the fastest measured path, every prediction within 15 %.
+
+``--simulate W ...`` adds the same table predicted for ``W`` ranks from the calibration, with the
+all-to-all bus bandwidth ``--a2a-gbps`` (default: the calibration's two-rank rate) and latency
+``--a2a-latency-us``: the calibration holds only the world sizes it was measured at.
+
+The JSON holds every number; the PNG (matplotlib, imported only when asked) plots step time
+against tokens for each path, one panel per model, predictions dashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardattn.calibrate.steps import PATHS, measure_paths, with_heads
+from shardattn.launch.local import run_ranks
+from shardattn.plan.cost import CollectiveRate, CostModel, StepShape, choose_prefill, load_calibration
+from shardattn.plan.spec import ModelSpec, get_preset
+
+#: (label, preset, heads override, tokens): the configurations of issue 15's table and more.
+CONFIGS = (
+    ("glm5", "glm5", None, 8192),
+    ("deepseek-v32", "deepseek-v32", None, 8192),
+    ("16 heads", "glm5", 16, 8192),
+    ("32 heads", "glm5", 32, 8192),
+    ("16 heads", "glm5", 16, 32768),
+    ("glm5", "glm5", None, 32768),
+    ("deepseek-v32", "deepseek-v32", None, 32768),
+    ("32 heads", "glm5", 32, 32768),
+)
+ROUTER_SLACK, PREDICTION_TOLERANCE = 0.05, 0.15
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calibration", default=None, help="calibration table (default: the one shipped for the GPU)")
+    p.add_argument("--configs", type=int, nargs="+", default=None, help="indices into CONFIGS (default all)")
+    p.add_argument("--reps", type=int, default=7, help="timed steps per path (default 7)")
+    p.add_argument("--cached", type=int, default=8192, help="cached tokens per request (default 8192)")
+    p.add_argument("--tokens", type=int, default=None, help="override every configuration's tokens (smoke runs)")
+    p.add_argument("--topk", type=int, default=None, help="override the presets' top-k (smoke runs)")
+    p.add_argument("--json", default=None, help="write every number here (rank 0)")
+    p.add_argument("--png", default=None, help="plot step time against tokens here (rank 0, matplotlib)")
+    p.add_argument("--simulate", type=int, nargs="*", default=[], help="also predict for these world sizes")
+    p.add_argument("--a2a-gbps", type=float, default=None, help="all-to-all bus GB/s for --simulate")
+    p.add_argument("--a2a-latency-us", type=float, default=None, help="all-to-all latency for --simulate")
+    p.add_argument("--predict-only", action="store_true", help="no measurement: predictions only (any machine)")
+    return p
+
+
+def _configs(args: argparse.Namespace) -> list[tuple[str, str, int | None, int]]:
+    picked = [CONFIGS[i] for i in args.configs] if args.configs else list(CONFIGS)
+    return [(label, p, h, args.tokens or t) for label, p, h, t in picked]
+
+
+def _spec(args: argparse.Namespace, preset: str, heads: int | None, device: torch.device) -> ModelSpec:
+    spec = with_heads(get_preset(preset), heads)
+    if args.topk is not None:
+        spec = dataclasses.replace(spec, topk=args.topk)
+    return spec if device.type == "cuda" else dataclasses.replace(spec, dtype="float32")
+
+
+def _model(args: argparse.Namespace) -> CostModel:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return CostModel(load_calibration(gpu, args.calibration))
+
+
+# -- measurement --------------------------------------------------------------------------------------
+def measure(group: dist.ProcessGroup, args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """Every configuration on every rank; rank 0 returns the rows (the slowest rank's times)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    model = _model(args)
+    rows = []
+    for label, preset, heads, tokens in _configs(args):
+        spec = _spec(args, preset, heads, device)
+        res = measure_paths(
+            group, spec, tokens=tokens, requests=4, cached=args.cached, device=device, model=model, reps=args.reps
+        )
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, res, group=group)
+        if rank == 0:
+            ms = {k: max(r["ms"][k] for r in gathered) for k in res["ms"]}
+            rows.append(
+                {
+                    "label": label,
+                    "preset": preset,
+                    "heads": spec.num_heads,
+                    "tokens": tokens,
+                    "world_size": world,
+                    "ms": ms,
+                    "ms_per_rank": [r["ms"] for r in gathered],
+                    "predicted_ms": res["predicted_ms"],
+                    "path": res["path"],
+                    "router_reason": res["reason"].get("router", ""),
+                }
+            )
+            print(_line(rows[-1]), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows if rank == 0 else None
+
+
+def _line(row: dict[str, Any]) -> str:
+    ms, pred = row["ms"], row["predicted_ms"]
+    parts = [f"{k} {ms[k]:.2f} (pred {pred.get(k, float('nan')):.2f})" for k in PATHS if k in ms]
+    return f"{row['label']} T={row['tokens']}: " + ", ".join(parts) + f" | router: {row['path'].get('router')}"
+
+
+def verdicts(row: dict[str, Any]) -> dict[str, Any]:
+    """Router within 5 % of the fastest measured step; each prediction's relative error."""
+    ms, pred = row["ms"], row["predicted_ms"]
+    steps = {k: ms[k] for k in ("headtp", "shardq", "router") if k in ms}
+    fastest = min(steps.values())
+    errors = {k: (pred[k] - ms[k]) / ms[k] for k in ms if k in pred}
+    return {
+        "router_over_fastest": ms["router"] / fastest if "router" in ms else None,
+        "router_ok": "router" in ms and ms["router"] <= fastest * (1 + ROUTER_SLACK),
+        "prediction_error": errors,
+        "predictions_ok": all(abs(e) <= PREDICTION_TOLERANCE for e in errors.values()),
+    }
+
+
+def render(rows: list[dict[str, Any]]) -> None:
+    """The measured table (markdown, ready for RESULTS.md)."""
+    print(
+        "\n| model | T | kernel alone ms | head-TP ms | ShardQ ms (x head-TP) | ShardQ / kernel | router path "
+        "| router ms (x head-TP) | router / fastest | predicted ms (err %): kernel, head-TP, ShardQ, router |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        ms, pred, v = row["ms"], row["predicted_ms"], verdicts(row)
+        tp = ms["headtp"]
+        errs = ", ".join(
+            f"{pred[k]:.2f} ({100 * v['prediction_error'][k]:+.0f})"
+            for k in ("kernel", "headtp", "shardq", "router")
+            if k in pred
+        )
+        print(
+            f"| {row['label']} ({row['heads']} heads) | {row['tokens']} | {ms['kernel']:.2f} | {tp:.2f} "
+            f"| {ms['shardq']:.2f} ({tp / ms['shardq']:.2f}x) | {ms['shardq'] / ms['kernel']:.2f} "
+            f"| {row['path']['router']} | {ms['router']:.2f} ({tp / ms['router']:.2f}x) "
+            f"| {v['router_over_fastest']:.3f} | {errs} |"
+        )
+    ok_r = sum(verdicts(r)["router_ok"] for r in rows)
+    ok_p = sum(verdicts(r)["predictions_ok"] for r in rows)
+    print(f"\nrouter within {ROUTER_SLACK:.0%} of the fastest: {ok_r}/{len(rows)}; ", end="")
+    print(f"every prediction within {PREDICTION_TOLERANCE:.0%}: {ok_p}/{len(rows)}", flush=True)
+
+
+# -- prediction for other world sizes -------------------------------------------------------------------
+def simulate(args: argparse.Namespace, model: CostModel) -> list[dict[str, Any]]:
+    """The cost model's table at each ``--simulate`` world size (module docstring)."""
+    base = model.collective("all_to_all", 2)
+    gbps = args.a2a_gbps if args.a2a_gbps is not None else base.busbw_gbps
+    lat = args.a2a_latency_us / 1e3 if args.a2a_latency_us is not None else base.latency_ms
+    cal = model.calibration.gpu
+    source = "--a2a-gbps" if args.a2a_gbps is not None else f"the calibration's 2-rank all-to-all ({cal})"
+    out = []
+    print(f"\nsimulated: all-to-all {gbps:g} GB/s bus bandwidth, {lat * 1e3:.0f} us latency (from {source})")
+    print("| W | model | T | head-TP ms | ShardQ ms | router's path | predicted ms | x head-TP |")
+    print("|---|---|---|---|---|---|---|---|")
+    for w in args.simulate:
+        rate = CollectiveRate("all_to_all", w, lat, gbps)
+        sim = CostModel(model.calibration, collective_overrides={"all_to_all": rate})
+        for label, preset, heads, tokens in _configs(args):
+            spec = _spec(args, preset, heads, torch.device("cuda"))
+            if spec.num_heads % w:
+                continue
+            shape = StepShape(heads=spec.num_heads, world_size=w, tokens=tokens, topk=spec.topk)
+            choice = choose_prefill(sim, shape)
+            tp = min(p.ms for p in sim.predict(shape, steps=("headtp",)))
+            sq = min(p.ms for p in sim.predict(shape, steps=("shardq",)))
+            row = {"world_size": w, "label": label, "heads": spec.num_heads, "tokens": tokens, "headtp_ms": tp}
+            row |= {"shardq_ms": sq, "router_path": choice.best.name, "router_ms": choice.best.ms, "a2a_gbps": gbps}
+            out.append(row)
+            print(
+                f"| {w} | {label} ({spec.num_heads} heads, {spec.num_heads // w}/rank) | {tokens} | {tp:.2f} "
+                f"| {sq:.2f} | {choice.best.name} | {choice.best.ms:.2f} | {tp / choice.best.ms:.2f} |"
+            )
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Step time against tokens, one panel per model, one line per path (predictions dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.2 * len(labels), 3.6), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["tokens"])
+        xs = [r["tokens"] for r in mine]
+        for k, color in zip(("kernel", "headtp", "shardq", "router"), ("grey", "C0", "C1", "C2")):
+            ax.plot(xs, [r["ms"][k] for r in mine], "o-", color=color, label=f"{k} measured")
+            ax.plot(xs, [r["predicted_ms"][k] for r in mine], "x--", color=color, alpha=0.6, label=f"{k} predicted")
+        ax.set_title(f"{label} ({mine[0]['heads']} heads), W={mine[0]['world_size']}")
+        ax.set_xlabel("new tokens")
+        ax.set_ylabel("step ms")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+class _Entry:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def __call__(self, group: dist.ProcessGroup) -> None:
+        rows = measure(group, self.args)
+        if rows is None:
+            return
+        render(rows)
+        sims = simulate(self.args, _model(self.args)) if self.args.simulate else []
+        if self.args.json:
+            with open(self.args.json, "w") as f:
+                json.dump({"rows": [r | {"verdict": verdicts(r)} for r in rows], "simulated": sims}, f, indent=1)
+        if self.args.png:
+            plot(rows, self.args.png)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.predict_only:
+        sims = simulate(args, _model(args))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": [], "simulated": sims}, f, indent=1)
+        return 0
+    if "RANK" not in os.environ:
+        print("run under torchrun (one rank per GPU), or pass --predict-only", file=sys.stderr)
+        return 2
+    run_ranks(_Entry(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

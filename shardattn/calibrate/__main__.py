@@ -1,0 +1,188 @@
+"""``python -m shardattn.calibrate --out FILE``: measure a calibration table (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardattn.calibrate.fit import fit_step_overhead
+from shardattn.calibrate.kernels import collective_rates, kernel_jobs, measure_kernel_points
+from shardattn.calibrate.steps import measure_paths, with_heads
+from shardattn.calibrate.timing import copy_gbps
+from shardattn.plan.cost import CONSERVATIVE, Calibration, CostModel, StepOverhead, StepShape
+from shardattn.plan.spec import get_preset
+
+#: Configurations whose whole steps fit the step overheads: (preset, heads); tokens: ``--step-tokens``.
+STEP_CONFIGS = (("glm5", None), ("glm5", 16), ("deepseek-v32", None), ("glm5", 32))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m shardattn.calibrate", description=__doc__)
+    p.add_argument("--out", required=True, help="where to write the table (JSON)")
+    p.add_argument("--heads", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="kernel head counts")
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="kernel token counts")
+    p.add_argument("--all-groups", action="store_true", help="every group size that fits a tile, not just the largest")
+    p.add_argument("--topk", type=int, default=2048, help="top-k of the kernel points (default 2048)")
+    p.add_argument("--cached", type=int, default=8192, help="cached tokens per request (default 8192)")
+    p.add_argument("--step-tokens", type=int, default=8192, help="tokens of the whole steps (default 8192)")
+    p.add_argument("--reps", type=int, default=5, help="timed calls per point (default 5)")
+    p.add_argument("--no-steps", dest="steps", action="store_false", help="skip the whole-step overhead fit")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def _progress(enabled: bool, total: int) -> tuple[Any, Any]:
+    if not enabled:
+        return None, lambda: None
+    from rich.progress import Progress
+
+    bar = Progress(transient=True)
+    bar.start()
+    task = bar.add_task("calibrating", total=total)
+    return bar, lambda: bar.advance(task)
+
+
+def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Calibration | None:
+    """Measure on this rank; returns the table on rank 0 (``None`` elsewhere)."""
+    rank = dist.get_rank(group) if group is not None else 0
+    world = dist.get_world_size(group) if group is not None else 1
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    jobs = kernel_jobs(args.heads, args.tokens, all_groups=args.all_groups)
+    mine = jobs[rank::world]
+    n_steps = len(STEP_CONFIGS) if args.steps and world > 1 else 0
+    bar, advance = _progress(args.progress and rank == 0, len(mine) + (8 if world > 1 else 0) + n_steps + 1)
+    try:
+        points = measure_kernel_points(
+            mine, topk=args.topk, device=device, dtype=dtype, reps=args.reps, cached=args.cached, advance=advance
+        )
+        copy = copy_gbps(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 24))
+        advance()
+        colls = collective_rates(group, device=device, advance=advance) if world > 1 else []
+        if group is not None:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, points, group=group)
+            points = [p for part in gathered for p in part]
+        ratios: dict[int, list[float]] = {}
+        for p in points:
+            if p.group_size > 1:
+                ratios.setdefault(p.group_size, []).append(p.union_ratio)
+        cal = Calibration(
+            gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            kernels=tuple(sorted(points, key=lambda p: (p.group_size, p.heads, p.tokens))),
+            collectives=tuple(colls) or CONSERVATIVE.collectives,
+            copy_gbps=round(copy, 1),
+            union_ratio={g: round(sum(v) / len(v), 4) for g, v in ratios.items()} or dict(CONSERVATIVE.union_ratio),
+            steps={},
+            source=(
+                f"python -m shardattn.calibrate, {world} rank(s), {datetime.date.today().isoformat()}, "
+                f"torch {torch.__version__}" + ("" if colls else "; collectives: the conservative default")
+            ),
+        )
+        if n_steps:
+            cal = _fit_steps(cal, group, device, args, advance)
+    finally:
+        if bar is not None:
+            bar.stop()
+    return cal if rank == 0 else None
+
+
+def _fit_steps(
+    cal: Calibration, group: dist.ProcessGroup, device: torch.device, args: argparse.Namespace, advance: Any
+) -> Calibration:
+    """Time whole steps of :data:`STEP_CONFIGS` and fit each step's overhead beyond kernel and collectives."""
+    world = dist.get_world_size(group)
+    base = CostModel(cal)  # no step overheads yet: fixed 0 / factor 1 of the default
+    raw = CostModel(_with_steps(cal, {"headtp": StepOverhead(0.0, 1.0), "shardq": StepOverhead(0.0, 1.0)}))
+    sq, tp = [], []
+    tokens = args.step_tokens
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    for preset, heads in STEP_CONFIGS:
+        spec = dataclasses.replace(with_heads(get_preset(preset), heads), topk=args.topk, dtype=dtype)
+        res = measure_paths(
+            group,
+            spec,
+            tokens=tokens,
+            requests=4,
+            cached=args.cached,
+            device=device,
+            model=base,
+            reps=args.reps,
+            paths=("kernel", "kernel_headtp", "headtp", "shardq"),
+        )
+        allres: list[Any] = [None] * world
+        dist.all_gather_object(allres, res, group=group)
+        ms = {k: max(r["ms"][k] for r in allres) for k in res["ms"]}  # the slowest rank bounds a step
+        shape = StepShape(
+            heads=spec.num_heads,
+            world_size=world,
+            tokens=tokens,
+            topk=spec.topk,
+            head_dim=spec.head_dim,
+            v_dim=spec.v_dim,
+            dtype_bytes=spec.dtype_bytes,
+            rank_tokens=res["rank_tokens"],
+        )
+        p = raw.predict_step(shape, "shardq", 1)
+        sq.append((p.comm_ms + p.other_ms, ms["kernel"], ms["shardq"] - ms["kernel"]))
+        tp.append(ms["headtp"] - ms["kernel_headtp"])
+        advance()
+    steps = {
+        "shardq": fit_step_overhead(sq),
+        "headtp": StepOverhead(round(max(0.0, sorted(tp)[len(tp) // 2]), 6), 1.0),
+    }
+    steps["pcp"] = steps["shardq"]
+    return _with_steps(cal, steps)
+
+
+def _with_steps(cal: Calibration, steps: dict[str, StepOverhead]) -> Calibration:
+    return dataclasses.replace(cal, steps=steps)
+
+
+def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
+    cal = calibrate(args, group)
+    if cal is None:
+        return
+    with open(args.out, "w") as f:
+        f.write(cal.to_json() + "\n")
+    print(f"wrote {args.out}: {cal.gpu}, {len(cal.kernels)} kernel points, copy {cal.copy_gbps:g} GB/s", flush=True)
+    for c in cal.collectives:
+        print(f"  {c.op} W={c.world_size}: {c.latency_ms * 1e3:.1f} us + bytes / {c.busbw_gbps:g} GB/s", flush=True)
+    for name, s in cal.steps.items():
+        print(
+            f"  {name} step: {s.fixed_ms:.3f} ms + {s.factor:.3f} x (collectives + copies, "
+            f"{s.hidden:.0%} of min(them, kernel) hidden)",
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if "RANK" in os.environ:  # under torchrun: one rank per GPU
+        from shardattn.launch.local import run_ranks
+
+        run_ranks(_Entry(args))
+    else:
+        _main(None, args)
+    return 0
+
+
+class _Entry:
+    """A picklable ``main(group)`` for :func:`~shardattn.launch.local.run_ranks`."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def __call__(self, group: dist.ProcessGroup) -> None:
+        _main(group, self.args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Measure prefill kernel calls and collectives for a calibration table.
+
+Kernel points: one call of the sparse-MLA prefill as the steps make it (row sort or union build
+plus the kernel, :func:`~shardattn.kernels.sparse_mla_grouped.sparse_mla_grouped_prefill`) on
+the launcher's synthetic step (``requests`` requests with ``cached`` tokens each, DSA-like
+top-k), for each head count, each group size that fits the 64-row tile, and each token count.
+
+Collective rates: ``all_to_all`` and ``all_gather`` over a few sizes on the group, fitted to
+``latency + moved / bus bandwidth`` (``moved = bytes * (W - 1) / W``, NCCL's bus-bandwidth convention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardattn.calibrate.timing import median_ms
+from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.launch.workloads import build_prefill
+from shardattn.plan.cost import CollectiveRate, KernelPoint, candidate_group_sizes
+from shardattn.plan.routing import TILE_ROWS
+from shardattn.workload import union_ratio
+
+__all__ = ["collective_rates", "fit_latency_bandwidth", "kernel_jobs", "measure_kernel_points"]
+
+HEAD_DIM, V_DIM = 576, 512
+
+
+def kernel_jobs(heads: Sequence[int], tokens: Sequence[int], *, all_groups: bool = False) -> list[tuple[int, int, int]]:
+    """``(heads, G, tokens)`` of every kernel point: per-query and the ``G`` that fills a tile at each
+    head count (``all_groups``: every ``G`` that fits; the model scales the others from per-query).
+
+    >>> kernel_jobs([8, 64], [4096])
+    [(8, 1, 4096), (8, 8, 4096), (64, 1, 4096)]
+    >>> kernel_jobs([8], [4096], all_groups=True)
+    [(8, 1, 4096), (8, 2, 4096), (8, 4, 4096), (8, 8, 4096)]
+    """
+    jobs = []
+    for t in tokens:
+        for h in heads:
+            sizes = candidate_group_sizes(h)
+            jobs += [(h, g, t) for g in (sizes if all_groups else sorted({1, max(sizes)}))]
+    return jobs
+
+
+def measure_kernel_points(
+    jobs: Sequence[tuple[int, int, int]],
+    *,
+    topk: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int,
+    requests: int = 4,
+    cached: int = 8192,
+    seed: int = 0,
+    advance: Callable[[], None] = lambda: None,
+) -> list[KernelPoint]:
+    """Time each ``(heads, G, tokens)`` job (one synthetic step per token count, q per head count)."""
+    points = []
+    steps: dict[int, tuple[torch.Tensor, torch.Tensor, dict[int, float]]] = {}
+    for heads, g, tokens in jobs:
+        if tokens not in steps:
+            steps.clear()  # one token count's step at a time (memory)
+            step = build_prefill(
+                heads=1,
+                head_dim=HEAD_DIM,
+                tokens=tokens,
+                requests=requests,
+                cached=(cached,) * requests,
+                topk=topk,
+                overlap="dsa",
+                dtype=dtype,
+                device=device,
+                seed=seed,
+            )
+            steps[tokens] = (step.kv, step.rows, {})
+        kv, rows, ratios = steps[tokens]
+        if g > 1 and g not in ratios:  # on a sample of rows (the ratio is a property of the top-k)
+            ratios[g] = union_ratio(rows[: min(len(rows), 2048)], g)
+        q = torch.randn(tokens, heads, HEAD_DIM, device=device, dtype=torch.float32).mul_(0.5).to(dtype)
+        keys = int((rows >= 0).sum()) // max(1, tokens)
+
+        def call(q: torch.Tensor = q, kv: torch.Tensor = kv, rows: torch.Tensor = rows, g: int = g) -> None:
+            sparse_mla_grouped_prefill(q, kv, rows, scale=HEAD_DIM**-0.5, v_dim=V_DIM, group_size=g)
+
+        ms = median_ms(call, device=device, reps=reps, warmup=2)
+        points.append(KernelPoint(heads, TILE_ROWS, g, ratios.get(g, 1.0), tokens, keys, ms))
+        del q
+        advance()
+    return points
+
+
+def fit_latency_bandwidth(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(latency_ms, GB/s)`` of ``ms = latency + moved_bytes / rate`` by least squares over
+    ``(moved_bytes, ms)`` samples (latency clamped at 0).
+
+    >>> fit_latency_bandwidth([(1e9, 10.02), (2e9, 20.02)])
+    (0.02, 100.0)
+    """
+    n = len(samples)
+    xs, ys = [s[0] for s in samples], [s[1] for s in samples]
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else my / mx
+    lat = my - slope * mx
+    if lat < 0 or slope <= 0:
+        lat, slope = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return round(lat, 6), round(1.0 / slope / 1e6, 3)
+
+
+def collective_rates(
+    group: dist.ProcessGroup,
+    *,
+    device: torch.device,
+    sizes_mib: Sequence[int] = (4, 32, 128, 512),
+    reps: int = 5,
+    advance: Callable[[], None] = lambda: None,
+) -> list[CollectiveRate]:
+    """Fitted ``all_to_all`` and ``all_gather`` rates of ``group`` (``bytes`` = one rank's buffer)."""
+    w = dist.get_world_size(group)
+    out = []
+    for op in ("all_to_all", "all_gather"):
+        samples = []
+        for mib in sizes_mib:
+            n = mib << 20
+            n -= n % w
+            src = torch.empty(n if op == "all_to_all" else n // w, dtype=torch.uint8, device=device).random_(0, 255)
+            dst = torch.empty(n, dtype=torch.uint8, device=device)
+            if op == "all_to_all":
+
+                def call(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
+                    dist.all_to_all_single(dst, src, group=group)
+
+            else:
+
+                def call(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
+                    dist.all_gather_into_tensor(dst, src, group=group)
+
+            ms = median_ms(call, device=device, reps=reps, warmup=2, group=group)
+            samples.append((n * (w - 1) / w, ms))
+            advance()
+        lat, gbps = fit_latency_bandwidth(samples)
+        out.append(CollectiveRate(op, w, lat, gbps))
+    return out

@@ -1,0 +1,149 @@
+"""Measure whole prefill steps of every path in one run: kernel alone, head-TP, ShardQ, the router's.
+
+:func:`measure_paths` builds the launcher's synthetic step (the same on every rank, from one
+seed), then times on every rank, in this order and with the ranks starting each call together:
+
+* the kernel alone, as ShardQ runs it (all heads, this rank's zigzag tokens) and as head-TP runs
+  it (this rank's heads, every token);
+* the head-TP step (a ``headtp`` Runtime), the ShardQ step (a ``shardq`` Runtime routed by the
+  gate only) and the router's step (a ``mixed`` Runtime routed by the cost model);
+
+and returns the times with the cost model's prediction of each path. The calibration fits step
+overheads from these; ``benchmarks/scaling.py`` reports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardattn.calibrate.timing import median_ms
+from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.launch.workloads import build_prefill
+from shardattn.parallel.runtime import PrefillPlan, Runtime
+from shardattn.plan.cost import CostModel, StepShape
+from shardattn.plan.spec import ModelSpec
+
+__all__ = ["PATHS", "measure_paths", "path_name"]
+
+PATHS = ("kernel", "kernel_headtp", "headtp", "shardq", "router")
+
+
+def path_name(plan: PrefillPlan) -> str:
+    """``"<step>/<kernel>[ G=g]"`` of a plan (the cost model's names)."""
+    r = plan.route
+    return f"{plan.step}/{r.path}" + (f" G={r.group_size}" if r.group_size > 1 else "")
+
+
+def measure_paths(
+    group: dist.ProcessGroup,
+    spec: ModelSpec,
+    *,
+    tokens: int,
+    requests: int,
+    cached: int,
+    device: torch.device,
+    model: CostModel,
+    reps: int,
+    warmup: int = 2,
+    paths: tuple[str, ...] = PATHS,
+    min_shard_tokens: int = 1024,
+    min_group_tokens: int = 1024,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Time the ``paths`` of one configuration on this rank (module docstring).
+
+    Returns:
+        ``{"ms": {path: median ms}, "predicted_ms": {path: ms}, "path": {path: name},
+        "reason": {path: route reason}, "rank_tokens": int}``; collective steps are timed on
+        every rank together, so each rank's numbers are that rank's view of the same steps.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    dtype = getattr(torch, spec.dtype)
+    step = build_prefill(
+        heads=spec.num_heads,
+        head_dim=spec.head_dim,
+        tokens=tokens,
+        requests=requests,
+        cached=(cached,) * requests,
+        topk=spec.topk,
+        overlap="dsa",
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        block_size=spec.page_size,
+    )
+    h = spec.num_heads // world
+    q_local = step.q[:, rank * h : (rank + 1) * h].contiguous()
+    kv_rows = int(step.kv.shape[0])
+    common = dict(
+        max_batched_tokens=tokens,
+        device=device,
+        topk=spec.topk,
+        min_shard_tokens=min_shard_tokens,
+        min_group_tokens=min_group_tokens,
+        warmup=False,
+    )
+    runtimes = {
+        "headtp": lambda: Runtime(spec, group, mode="headtp", **common),
+        "shardq": lambda: Runtime(spec, group, mode="shardq", cost_model=None, **common),
+        "router": lambda: Runtime(spec, group, mode="mixed", cost_model=model, **common),
+    }
+    res: dict[str, Any] = {"ms": {}, "predicted_ms": {}, "path": {}, "reason": {}}
+    plans: dict[str, PrefillPlan] = {}
+    for name in ("shardq", "headtp", "router"):
+        if name == "router" and name not in paths:
+            continue
+        rt = runtimes[name]()
+        plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=kv_rows)
+        plans[name] = plan
+        if name in paths:
+            rt.prefill(q_local, step.kv, step.rows, plan=plan, check=True)  # ranks agree on the plan once
+
+            def call(rt: Runtime = rt, plan: PrefillPlan = plan) -> None:
+                rt.prefill(q_local, step.kv, step.rows, plan=plan, check=False)
+
+            res["ms"][name] = median_ms(call, device=device, reps=reps, warmup=warmup, group=group)
+            res["path"][name] = path_name(plan)
+            res["reason"][name] = plan.route.reason
+        del rt
+    sq = plans["shardq"]
+    ids = sq.tokens_of(rank).to(device)
+    res["rank_tokens"] = int(sq.token_plan.counts.max()) if sq.token_plan is not None else tokens
+    kernels = {
+        "kernel": (step.q[ids].contiguous() if sq.step == "shardq" else q_local, step.rows[ids], sq),
+        "kernel_headtp": (q_local, step.rows, plans["headtp"]),
+    }
+    for name, (q, rows, plan) in kernels.items():
+        if name not in paths:
+            continue
+
+        def kcall(q: torch.Tensor = q, rows: torch.Tensor = rows, g: int = plan.route.group_size) -> None:
+            sparse_mla_grouped_prefill(q, step.kv, rows, scale=spec.head_dim**-0.5, v_dim=spec.v_dim, group_size=g)
+
+        res["ms"][name] = median_ms(kcall, device=device, reps=reps, warmup=warmup)
+        res["path"][name] = f"kernel ({path_name(plan)})"
+    shape = StepShape(
+        heads=spec.num_heads,
+        world_size=world,
+        tokens=tokens,
+        topk=spec.topk,
+        head_dim=spec.head_dim,
+        v_dim=spec.v_dim,
+        dtype_bytes=spec.dtype_bytes,
+        rank_tokens=res["rank_tokens"],
+    )
+    for name, plan in (*plans.items(), ("kernel", sq), ("kernel_headtp", plans["headtp"])):
+        if name not in paths:
+            continue
+        p = model.predict_step(shape, plan.step, plan.route.group_size)
+        res["predicted_ms"][name] = p.kernel_ms if name.startswith("kernel") else p.ms
+    return res
+
+
+def with_heads(spec: ModelSpec, heads: int | None) -> ModelSpec:
+    """``spec`` with ``heads`` query heads (``None``: unchanged)."""
+    return spec if heads is None else dataclasses.replace(spec, num_heads=heads)

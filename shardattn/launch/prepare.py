@@ -1,0 +1,244 @@
+"""The launcher's synthetic steps, ready to time: the call, what the report says, how to check it.
+
+:func:`prepare_prefill` and :func:`prepare_decode` build one step kind for a Runtime from the run's
+configuration (the same global tensors on every rank, from one seed) and return a
+:class:`Prepared`: the call on this rank, its path and routing reason, its work (FLOPs or bytes),
+and, on rank 0, the single-process reference with the slice each rank returns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardattn.kernels.gqa_decode import gqa_paged_decode_reference
+from shardattn.kernels.sparse_mla import sparse_mla_reference, valid_mask
+from shardattn.kernels.sparse_mla_triton import flops
+from shardattn.kernels.topk import DcpShard, convert_topk
+from shardattn.launch.workloads import build_decode, build_gqa_decode, build_prefill, overlap_model
+from shardattn.parallel.runtime import Runtime
+from shardattn.workload import union_ratio
+
+if TYPE_CHECKING:
+    from shardattn.launch.runner import RunConfig
+
+__all__ = ["Prepared", "prepare_decode", "prepare_prefill"]
+
+
+def _token_rows(step: Any, page: int) -> torch.Tensor:
+    """``[T]`` int64 KV-cache row of every new token of a prefill step (its own key and value)."""
+    starts = torch.tensor([0, *step.seq_lens], device=step.q.device).cumsum(0)[:-1]
+    req = step.req_ids.long()
+    pos = torch.tensor(step.prefix_lens, device=step.q.device)[req] + torch.arange(len(req), device=req.device)
+    pos = pos - starts[req]
+    return step.block_table.long()[req, pos // page] * page + pos % page
+
+
+@dataclass
+class Prepared:
+    """A step ready to time: the call, what the report says about it, and how to check it."""
+
+    step: str
+    call: Callable[[bool], tuple[torch.Tensor, torch.Tensor]]  # call(check): one step on this rank
+    path: str
+    reason: str
+    tokens: int
+    union: float | None
+    work: float  # FLOPs (prefill) or bytes (decode) of one call on this rank
+    reference: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None  # rank 0 only: full (out, lse)
+    part: Callable[[torch.Tensor, int], torch.Tensor]  # (full reference tensor, rank) -> what that rank returns
+
+
+def _heads(rt: Runtime, x: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+    h, r = rt.heads_per_rank, rt.rank if rank is None else rank
+    return x[:, r * h : (r + 1) * h]
+
+
+def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
+    s, spec = cfg.shape, cfg.spec
+    step = build_prefill(
+        heads=spec.num_heads,
+        head_dim=spec.head_dim,
+        tokens=s.tokens,
+        requests=s.requests,
+        cached=s.cached,
+        topk=s.topk,
+        overlap=overlap_model(cfg.opts.overlap),
+        dtype=cfg.dtype,
+        device=cfg.device,
+        seed=cfg.opts.seed,
+        recorded=cfg.recorded,
+        block_size=spec.page_size,
+    )
+    plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+    mine = plan.tokens_of(rt.rank).to(cfg.device)
+    rows_mine = step.rows.index_select(0, mine)
+    length = None if step.topk_length is None else step.topk_length.index_select(0, mine)
+    keys = int(valid_mask(rows_mine, int(step.kv.shape[0]), length).sum())
+    heads = spec.num_heads if plan.step in ("shardq", "pcp") else rt.heads_per_rank
+    g = plan.route.group_size
+    ratio = union_ratio(rows_mine, g, length) if g > 1 else None
+    scale = rt.scale
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        return sparse_mla_reference(
+            step.q, step.kv, step.rows, scale=scale, v_dim=spec.v_dim, topk_length=step.topk_length
+        )
+
+    if plan.step == "pcp":  # every head of the rank's own tokens; their new KV rows; prefix from the cache
+        q_tok = step.q.index_select(0, mine).contiguous()
+        pos_mine = step.positions.index_select(0, mine)
+        own = _token_rows(step, spec.page_size).index_select(0, mine)
+        kv_new = step.kv.index_select(0, own).contiguous()
+        tokens_of = {r: plan.tokens_of(r).to(cfg.device) for r in range(rt.world_size)}
+
+        def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            return rt.prefill(
+                q_tok,
+                kv_new,
+                pos_mine,
+                plan=plan,
+                topk_length=length,
+                kv_cache=step.kv,
+                block_table=step.block_table,
+                check=check,
+            )
+
+        def part(full: torch.Tensor, r: int) -> torch.Tensor:
+            return full.index_select(0, tokens_of[r].to(full.device))
+
+    else:
+        q_local = _heads(rt, step.q).contiguous()
+
+        def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            return rt.prefill(q_local, step.kv, step.rows, plan=plan, topk_length=step.topk_length, check=check)
+
+        def part(full: torch.Tensor, r: int) -> torch.Tensor:
+            return _heads(rt, full, r)
+
+    path = f"{plan.step}/{plan.route.path}" + (f" G={g}" if g > 1 else "")
+    return Prepared(
+        "prefill",
+        call,
+        path,
+        plan.route.reason,
+        int(mine.numel()),
+        None if ratio is None or math.isnan(ratio) else ratio,
+        flops(keys, heads, spec.head_dim, spec.v_dim),
+        reference if rt.rank == 0 else None,
+        part,
+    )
+
+
+def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
+    s, spec = cfg.shape, cfg.spec
+    dcp = rt.decode_is_dcp
+    shard = DcpShard(rt.world_size if dcp else 1, rt.layout.interleave if dcp else 1, rt.rank if dcp else 0)
+    elem = torch.finfo(cfg.dtype).bits // 8
+    route = rt.decode_route
+    if spec.kind == "sparse_mla":
+        step = build_decode(
+            heads=spec.num_heads,
+            head_dim=spec.head_dim,
+            requests=s.requests,
+            cached=s.cached,
+            q_lens=s.q_lens,
+            topk=s.topk,
+            overlap=overlap_model(cfg.opts.overlap),
+            causal=cfg.opts.causal,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            seed=cfg.opts.seed,
+            shard=shard,
+            block_size=spec.page_size,
+        )
+        q_local = _heads(rt, step.q).contiguous()
+        local_rows, _ = convert_topk(
+            step.positions, step.req_ids, step.local_table, block_size=spec.page_size, seq_lens=step.seq_lens, dcp=shard
+        )
+        keys = int((local_rows >= 0).sum())
+        heads = spec.num_heads if dcp else rt.heads_per_rank
+        work = keys * spec.head_dim * elem + step.num_tokens * heads * (spec.head_dim + spec.v_dim) * elem
+
+        def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            return rt.decode(
+                q_local,
+                step.local_kv,
+                step.local_table,
+                step.seq_lens,
+                topk_pos=step.positions,
+                req_ids=step.req_ids,
+                check=check,
+            )
+
+        def reference() -> tuple[torch.Tensor, torch.Tensor]:
+            return sparse_mla_reference(step.q, step.kv, step.rows, scale=rt.scale, v_dim=spec.v_dim)
+
+        tokens = step.num_tokens
+    else:
+        g = build_gqa_decode(
+            q_heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            sinks=spec.has_sinks,
+            requests=s.requests,
+            cached=s.cached,
+            q_lens=s.q_lens,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            seed=cfg.opts.seed,
+            shard=shard,
+            block_size=spec.page_size,
+        )
+        q_local = _heads(rt, g.q).contiguous()
+        local_lens = rt.layout.local_seq_lens(g.seq_lens, rt.rank) if dcp else g.seq_lens
+        work = int(local_lens.sum()) * spec.num_kv_heads * spec.head_dim * 2 * elem
+        work += g.num_tokens * spec.num_heads * spec.head_dim * 2 * elem
+        causal = cfg.opts.causal
+
+        # the host plan of the batch (DCP: per-query local lengths and block-table rows, one
+        # pinned tensor, one copy per step): the lean step, no device index arithmetic
+        batch = rt.decode_step.plan(g.seq_lens.tolist(), g.cu_q_lens.tolist()) if dcp else None
+
+        def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            return rt.decode(
+                q_local,
+                (g.local_k_cache, g.local_v_cache),
+                g.local_block_table,
+                g.seq_lens,
+                cu_q_lens=g.cu_q_lens,
+                sinks=g.sinks,
+                batch=batch,
+                check=check,
+            )
+
+        def reference() -> tuple[torch.Tensor, torch.Tensor]:
+            return gqa_paged_decode_reference(
+                g.q,
+                g.k_cache,
+                g.v_cache,
+                g.block_table,
+                g.seq_lens,
+                g.cu_q_lens,
+                causal=causal,
+                sinks=g.sinks,
+                scale=rt.scale,
+            )
+
+        tokens = g.num_tokens
+    path = f"{'dcp' if dcp else 'headtp'}/{route.path}"
+    return Prepared(
+        "decode",
+        call,
+        path,
+        route.reason,
+        tokens,
+        None,
+        float(work),
+        reference if rt.rank == 0 else None,
+        lambda full, r: _heads(rt, full, r),
+    )

@@ -1,0 +1,319 @@
+"""A cost model of sparse-MLA prefill steps, from a calibration table: which path is fastest.
+
+A prefill step of ``T`` new tokens with ``H`` heads on ``W`` ranks can run as
+
+* **head-TP**: every rank runs its ``H / W`` heads over all ``T`` tokens, nothing moves;
+* **ShardQ**: two all-to-alls turn head shards into token shards, every rank runs all ``H``
+  heads over its ``~T / W`` zigzag tokens;
+* **PCP**: every rank runs all heads of its own tokens after an all-gather of the new KV
+  (its inputs are laid out differently, so only a ``pcp`` Runtime runs it; predicted here for
+  comparison);
+
+each with the per-query kernel or the grouped kernel at a group size ``G`` that fits the tile.
+:class:`CostModel` predicts each candidate's step time::
+
+    kernel(heads, G, tokens)                   fitted per (heads, tile, G) as a + b * tokens * topk
+                                               from measured points; grouped slopes scale with the
+                                               union ratio; heads between points interpolate
+    + collectives(bytes, W)                    latency + bytes * (W - 1) / W / bus bandwidth
+    + overhead                                 fixed_ms + factor * (X - hidden * min(X, kernel)),
+                                               X = collectives + one read and one write of the
+                                               moved bytes at the copy rate
+
+``fixed_ms``, ``factor`` and ``hidden`` of each sharded step are fitted by ``python -m
+shardattn.calibrate`` from whole steps measured on the machine (they hold the step's packing
+copies and launches, and the share of its collectives a pipelined step hides behind its kernel),
+so the model follows the implementation it was calibrated with.
+
+The table and its loading live in :mod:`shardattn.plan.calibration` (re-exported here):
+:func:`load_calibration` takes a file, else the table shipped for the current GPU, else
+:data:`CONSERVATIVE` with a :class:`CalibrationWarning` naming the command that measures one.
+This module is pure host code: no torch, no GPU, no process group; the measurements live in
+:mod:`shardattn.calibrate`.
+
+>>> model = CostModel(CONSERVATIVE)
+>>> shape = StepShape(heads=64, world_size=2, tokens=8192, topk=2048)
+>>> choice = choose_prefill(model, shape, min_shard_tokens=1024)
+>>> choice.best.name in {p.name for p in model.predict(shape)}
+True
+>>> choose_prefill(model, StepShape(heads=64, world_size=1, tokens=8192, topk=2048)).best.step
+'headtp'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from shardattn.plan.calibration import (
+    CALIBRATE_COMMAND,
+    CONSERVATIVE,
+    FORMAT_VERSION,
+    GROUPS,
+    TILE,
+    Calibration,
+    CalibrationWarning,
+    CollectiveRate,
+    KernelPoint,
+    StepOverhead,
+    load_calibration,
+    shipped_calibration,
+)
+
+__all__ = [
+    "CALIBRATE_COMMAND",
+    "CONSERVATIVE",
+    "FORMAT_VERSION",
+    "Calibration",
+    "CalibrationWarning",
+    "CollectiveRate",
+    "CostModel",
+    "KernelPoint",
+    "Prediction",
+    "RouteChoice",
+    "StepOverhead",
+    "StepShape",
+    "candidate_group_sizes",
+    "choose_prefill",
+    "load_calibration",
+    "shipped_calibration",
+]
+
+
+def candidate_group_sizes(heads: int, *, tile: int = TILE) -> tuple[int, ...]:
+    """Group sizes whose ``G`` queries of ``heads`` (padded to a power of two) fit one tile, 1 first.
+
+    >>> candidate_group_sizes(8), candidate_group_sizes(32), candidate_group_sizes(64)
+    ((1, 2, 4, 8), (1, 2), (1,))
+    """
+    padded = 1 << (max(1, heads) - 1).bit_length()
+    return (1, *(g for g in GROUPS if g * padded <= tile))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The sizes of one prefill step the model needs.
+
+    Attributes:
+        heads: query heads of the model (all ranks). world_size: ranks of the group.
+        tokens: new tokens of the step. topk: valid keys per query (mean).
+        head_dim / v_dim / dtype_bytes: q row width, output width, activation bytes.
+        rank_tokens: the most tokens a rank holds under ShardQ / PCP (default ``ceil(T / W)``).
+        union_ratio: ``{G: ratio}`` of the step's top-k, when known (default: the table's).
+    """
+
+    heads: int
+    world_size: int
+    tokens: int
+    topk: int
+    head_dim: int = 576
+    v_dim: int = 512
+    dtype_bytes: int = 2
+    rank_tokens: int | None = None
+    union_ratio: dict[int, float] | None = None
+
+    @property
+    def per_rank(self) -> int:
+        return self.rank_tokens if self.rank_tokens is not None else -(-self.tokens // self.world_size)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One candidate path and its predicted step time (ms), split into kernel, collectives and the rest."""
+
+    step: str
+    kernel: str
+    group_size: int
+    ms: float
+    kernel_ms: float
+    comm_ms: float
+    other_ms: float
+
+    @property
+    def name(self) -> str:
+        """``"<step>/<kernel>[ G=g]"``, e.g. ``"shardq/per-query"``, ``"headtp/grouped G=8"``."""
+        return f"{self.step}/{self.kernel}" + (f" G={self.group_size}" if self.group_size > 1 else "")
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    """The chosen prediction, the best rejected one (``None`` when nothing competed) and why."""
+
+    best: Prediction
+    rejected: Prediction | None
+    reason: str
+
+
+class CostModel:
+    """Predicts prefill step times from a :class:`Calibration` (module docstring).
+
+    Args:
+        calibration: the table. collective_overrides: ``{op: CollectiveRate}`` used for every
+            world size instead of the table's (``benchmarks/scaling.py --simulate`` sets the
+            all-to-all rate this way).
+    """
+
+    def __init__(
+        self, calibration: Calibration, *, collective_overrides: dict[str, CollectiveRate] | None = None
+    ) -> None:
+        if not isinstance(calibration, Calibration):
+            raise TypeError(f"calibration must be a Calibration, got {type(calibration).__name__}")
+        calibration.validate()
+        self.calibration = calibration
+        self.overrides = dict(collective_overrides or {})
+        self._fits: dict[tuple[int, int, int], tuple[float, float, float]] = {}
+        groups: dict[tuple[int, int, int], list[KernelPoint]] = {}
+        for k in calibration.kernels:
+            groups.setdefault((k.heads, k.tile, k.group_size), []).append(k)
+        for key, pts in groups.items():
+            self._fits[key] = _fit_line(pts)
+
+    def __repr__(self) -> str:
+        return f"CostModel({self.calibration.gpu!r}, {len(self.calibration.kernels)} kernel points)"
+
+    # -- parts -------------------------------------------------------------------------------
+    def kernel_ms(
+        self, heads: int, tokens: int, topk: int, *, group_size: int = 1, union_ratio: float | None = None
+    ) -> float:
+        """Predicted time of one kernel call (heads between calibrated counts interpolate linearly;
+        below the smallest, the smallest's time (tiles pad); above the largest, proportional)."""
+        if tokens <= 0 or topk <= 0:
+            return 0.0
+        g = group_size
+        tile = TILE
+        hs = sorted(h for (h, t, gg) in self._fits if gg == g and t == tile)
+        if not hs:  # this G was not calibrated: the per-query kernel scaled by union / G (optimistic)
+            u = union_ratio or self.calibration.union_ratio.get(g, float(g))
+            return self.kernel_ms(heads, tokens, topk) * u / g
+        work = tokens * topk
+
+        def at(h: int) -> float:
+            a, b, u_cal = self._fits[(h, tile, g)]
+            scale = 1.0 if g == 1 or union_ratio is None else union_ratio / u_cal
+            return a + b * work * scale
+
+        if heads <= hs[0]:
+            return at(hs[0])
+        if heads >= hs[-1]:
+            return at(hs[-1]) * heads / hs[-1]
+        hi = next(h for h in hs if h >= heads)
+        lo = max(h for h in hs if h <= heads)
+        if hi == lo:
+            return at(lo)
+        w = (heads - lo) / (hi - lo)
+        return at(lo) * (1 - w) + at(hi) * w
+
+    def collective(self, op: str, world_size: int) -> CollectiveRate:
+        """The rate of ``op`` at ``world_size`` (an override, the table's, or the nearest world size's)."""
+        if op in self.overrides:
+            return replace(self.overrides[op], world_size=world_size)
+        rates = [c for c in self.calibration.collectives if c.op == op]
+        if not rates:
+            rates = [c for c in CONSERVATIVE.collectives if c.op == op]
+        exact = [c for c in rates if c.world_size == world_size]
+        best = exact[0] if exact else min(rates, key=lambda c: abs(c.world_size - world_size))
+        return replace(best, world_size=world_size)
+
+    def collective_ms(self, op: str, nbytes: float, world_size: int) -> float:
+        return self.collective(op, world_size).ms(nbytes)
+
+    def _ratio(self, shape: StepShape, g: int) -> float | None:
+        if g == 1:
+            return None
+        if shape.union_ratio and g in shape.union_ratio:
+            return shape.union_ratio[g]
+        return self.calibration.union_ratio.get(g)
+
+    def _overhead(self, step: str) -> StepOverhead:
+        return self.calibration.steps.get(step, CONSERVATIVE.steps.get(step, StepOverhead()))
+
+    # -- steps -------------------------------------------------------------------------------
+    def predict_step(self, shape: StepShape, step: str, group_size: int = 1) -> Prediction:
+        """Predict one candidate: ``step`` in ``headtp`` / ``shardq`` / ``pcp`` with kernel group size ``G``."""
+        w, h, e = shape.world_size, shape.heads, shape.dtype_bytes
+        g = group_size
+        kernel = "per-query" if g == 1 else "grouped"
+        if step == "headtp" or w == 1:
+            k_ms = self.kernel_ms(h // w, shape.tokens, shape.topk, group_size=g, union_ratio=self._ratio(shape, g))
+            ov = self._overhead("headtp")
+            return Prediction("headtp", kernel, g, k_ms + ov.fixed_ms, k_ms, 0.0, ov.fixed_ms)
+        if step not in ("shardq", "pcp"):
+            raise ValueError(f"step must be 'headtp', 'shardq' or 'pcp', got {step!r}")
+        k_ms = self.kernel_ms(h, shape.per_rank, shape.topk, group_size=g, union_ratio=self._ratio(shape, g))
+        q_bytes = shape.tokens * (h // w) * shape.head_dim * e  # this rank's heads of every token
+        out_bytes = shape.tokens * (h // w) * (shape.v_dim * e + 4)  # output and fp32 LSE
+        if step == "shardq":
+            comm = self.collective_ms("all_to_all", q_bytes, w) + self.collective_ms("all_to_all", out_bytes, w)
+            moved = q_bytes + out_bytes
+        else:  # PCP: all-gather of the new tokens' KV rows; q and out stay on their rank
+            comm = self.collective_ms("all_gather", shape.tokens * shape.head_dim * e, w)
+            moved = shape.tokens * shape.head_dim * e + shape.per_rank * h * (shape.v_dim * e + 4)
+        copy_ms = 2 * moved / (self.calibration.copy_gbps * 1e9) * 1e3
+        ov = self._overhead(step)
+        other = ov.ms(comm + copy_ms, k_ms) - comm
+        return Prediction(step, kernel, g, k_ms + comm + other, k_ms, comm, other)
+
+    def predict(
+        self, shape: StepShape, *, steps: tuple[str, ...] = ("headtp", "shardq", "pcp"), grouping: bool = True
+    ) -> list[Prediction]:
+        """Every candidate of ``steps`` (per-query, and each grouped ``G`` that fits a tile), fastest first."""
+        out = []
+        for step in steps:
+            if step != "headtp" and shape.world_size == 1:
+                continue
+            heads = shape.heads if step != "headtp" else shape.heads // shape.world_size
+            sizes = candidate_group_sizes(heads) if grouping else (1,)
+            out += [self.predict_step(shape, step, g) for g in sizes]
+        return sorted(out, key=lambda p: p.ms)
+
+
+def choose_prefill(
+    model: CostModel,
+    shape: StepShape,
+    *,
+    min_shard_tokens: int = 1024,
+    steps: tuple[str, ...] = ("headtp", "shardq"),
+    allowed_groups: dict[str, tuple[int, ...]] | None = None,
+) -> RouteChoice:
+    """The fastest predicted path of a step, with the gates first: one rank, or fewer than
+    ``min_shard_tokens`` new tokens, is head-TP (nothing to shard). ``allowed_groups[step]``
+    limits the group sizes a step may take (default: every ``G`` that fits a tile).
+
+    The reason names the predicted ms of the chosen and of the best rejected path.
+    """
+    if shape.world_size == 1 or shape.tokens < min_shard_tokens:
+        why = "one rank" if shape.world_size == 1 else f"{shape.tokens} tokens < min_shard_tokens={min_shard_tokens}"
+        steps = ("headtp",)
+    else:
+        why = ""
+    preds = [
+        p
+        for p in model.predict(shape, steps=steps)
+        if allowed_groups is None or p.group_size in allowed_groups.get(p.step, (p.group_size,))
+    ]
+    if not preds:
+        preds = [model.predict_step(shape, steps[0], 1)]
+    best = preds[0]
+    rivals = [p for p in preds[1:] if p.step != best.step] or preds[1:]
+    rejected = rivals[0] if rivals else None
+    text = f"cost model ({model.calibration.gpu}): {best.name} {best.ms:.2f} ms predicted"
+    if rejected is not None:
+        text += f", best rejected {rejected.name} {rejected.ms:.2f} ms"
+    if why:
+        text += f" ({why}: head-TP)"
+    return RouteChoice(best, rejected, text)
+
+
+def _fit_line(points: list[KernelPoint]) -> tuple[float, float, float]:
+    """``(a, b, union_ratio)`` of ``ms = a + b * tokens * topk`` by least squares (``a >= 0``)."""
+    xs = [p.tokens * p.topk for p in points]
+    ys = [p.ms for p in points]
+    u = sum(p.union_ratio for p in points) / len(points)
+    if len(set(xs)) < 2:
+        return 0.0, sum(ys) / sum(xs), u
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    if a < 0 or b <= 0:  # keep the line through the origin rather than a negative intercept
+        return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), u
+    return a, b, u

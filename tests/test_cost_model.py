@@ -1,0 +1,242 @@
+"""The cost-model router: gates, the fastest predicted path, calibration files, and the Runtime's choice.
+
+The model is pure host code, so CI checks the choice logic with tables built here; the
+distributed test runs the routed step on gloo ranks against the single-process reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardattn.kernels.sparse_mla import sparse_mla_reference
+from shardattn.launch.workloads import build_prefill
+from shardattn.parallel.runtime import Runtime
+from shardattn.plan.cost import (
+    CONSERVATIVE,
+    Calibration,
+    CalibrationWarning,
+    CollectiveRate,
+    CostModel,
+    KernelPoint,
+    StepOverhead,
+    StepShape,
+    candidate_group_sizes,
+    choose_prefill,
+    load_calibration,
+    shipped_calibration,
+)
+from shardattn.plan.spec import ModelSpec
+
+MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32")
+
+
+def _table(*, a2a_gbps: float, small_heads_ms: float, eight_heads_ms: float = 1.0) -> Calibration:
+    """A table where a per-query call costs ``small_heads_ms`` per 1M (token x key) at <= 4 heads
+    and ``eight_heads_ms`` at 8 heads: tiny head counts waste the tile, so ShardQ pays when collectives are fast."""
+    pts = []
+    for heads, ms in ((1, small_heads_ms), (2, small_heads_ms), (4, small_heads_ms), (8, eight_heads_ms)):
+        pts += [KernelPoint(heads, 64, 1, 1.0, t, 1024, ms * t * 1024 / 2**20) for t in (1024, 4096)]
+    return Calibration(
+        gpu="Test GPU",
+        kernels=tuple(pts),
+        collectives=tuple(CollectiveRate("all_to_all", w, 0.01, a2a_gbps) for w in (2, 4)),
+        copy_gbps=4000.0,
+        union_ratio={2: 1.2, 4: 1.3, 8: 1.4},
+        steps={"shardq": StepOverhead(0.01, 1.0), "headtp": StepOverhead(0.0, 1.0)},
+        source="test",
+    )
+
+
+SHARDQ_WINS = _table(a2a_gbps=1000.0, small_heads_ms=1.0)  # 4 heads per rank cost what 8 heads cost
+HEADTP_WINS = _table(a2a_gbps=0.5, small_heads_ms=0.5)  # linear in heads, and a very slow link
+# the Runtime test's steps are tiny (64 tokens, top-k 16): kernel rates large enough to outweigh latency
+RT_SHARDQ_WINS = _table(a2a_gbps=1000.0, small_heads_ms=1e4, eight_heads_ms=1e4)
+
+
+def _shape(world: int, tokens: int = 4096) -> StepShape:
+    return StepShape(heads=8, world_size=world, tokens=tokens, topk=1024, head_dim=48, v_dim=32, dtype_bytes=4)
+
+
+# -- choice logic -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("table", [SHARDQ_WINS, HEADTP_WINS, CONSERVATIVE], ids=["shardq", "headtp", "default"])
+def test_router_picks_head_tp_on_one_rank(table) -> None:
+    choice = choose_prefill(CostModel(table), _shape(1), min_shard_tokens=1)
+    assert choice.best.step == "headtp"
+    assert "one rank" in choice.reason
+
+
+def test_router_picks_head_tp_below_the_gate() -> None:
+    choice = choose_prefill(CostModel(SHARDQ_WINS), _shape(2, tokens=1000), min_shard_tokens=1024)
+    assert choice.best.step == "headtp"
+    assert "1000 tokens < min_shard_tokens=1024" in choice.reason
+    above = choose_prefill(CostModel(SHARDQ_WINS), _shape(2, tokens=4096), min_shard_tokens=1024)
+    assert above.best.step == "shardq"
+
+
+@pytest.mark.parametrize(("table", "want"), [(SHARDQ_WINS, "shardq"), (HEADTP_WINS, "headtp")], ids=["fast", "slow"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_router_picks_the_fastest_predicted_path(table, want, world) -> None:
+    model = CostModel(table)
+    shape = _shape(world)
+    choice = choose_prefill(model, shape, min_shard_tokens=1)
+    preds = model.predict(shape, steps=("headtp", "shardq"))
+    assert choice.best == min(preds, key=lambda p: p.ms)
+    assert choice.best.step == want
+    other = min((p for p in preds if p.step != want), key=lambda p: p.ms)
+    assert choice.rejected == other and other.ms > choice.best.ms
+    assert f"{choice.best.ms:.2f} ms" in choice.reason and f"{other.ms:.2f} ms" in choice.reason
+
+
+def test_prediction_parts_add_up_and_scale() -> None:
+    model = CostModel(SHARDQ_WINS)
+    p = model.predict_step(_shape(2), "shardq")
+    assert math.isclose(p.ms, p.kernel_ms + p.comm_ms + p.other_ms)
+    assert p.kernel_ms == pytest.approx(model.kernel_ms(8, 2048, 1024))  # all heads, half the tokens
+    assert model.kernel_ms(8, 8192, 1024) == pytest.approx(2 * model.kernel_ms(8, 4096, 1024))  # linear in tokens
+    assert model.kernel_ms(6, 4096, 1024) == pytest.approx(0.5 * (model.kernel_ms(4, 4096, 1024) + 4.0))
+    slow = CostModel(SHARDQ_WINS, collective_overrides={"all_to_all": CollectiveRate("all_to_all", 2, 0.01, 1.0)})
+    assert slow.predict_step(_shape(2), "shardq").comm_ms > 100 * p.comm_ms
+
+
+def test_candidate_groups_fit_the_tile() -> None:
+    assert candidate_group_sizes(16) == (1, 2, 4)
+    assert candidate_group_sizes(128) == (1,)
+    model = CostModel(CONSERVATIVE)
+    names = {p.name for p in model.predict(StepShape(heads=16, world_size=2, tokens=8192, topk=2048))}
+    assert {"headtp/grouped G=8", "shardq/grouped G=4", "pcp/per-query"} <= names
+
+
+# -- calibration files ------------------------------------------------------------------------------
+def test_table_round_trips_through_json() -> None:
+    assert Calibration.from_json(SHARDQ_WINS.to_json()) == SHARDQ_WINS
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (None, "does not exist"),
+        ("{not json", "unusable"),
+        ('{"format": 1, "gpu": "Test GPU"}', "unusable"),
+        ("negative", "unusable"),
+        ("other-gpu", "measured on 'Other GPU'"),
+    ],
+    ids=["missing", "corrupt", "incomplete", "negative-rate", "other-gpu"],
+)
+def test_bad_calibration_file_warns_and_falls_back(tmp_path, content, match) -> None:
+    path = tmp_path / "cal.json"
+    if content == "negative":
+        bad = dataclasses.replace(SHARDQ_WINS, copy_gbps=-1.0)
+        path.write_text(bad.to_json())
+    elif content == "other-gpu":
+        path.write_text(dataclasses.replace(SHARDQ_WINS, gpu="Other GPU").to_json())
+    elif content is not None:
+        path.write_text(content)
+    with pytest.warns(CalibrationWarning, match=match) as record:
+        cal = load_calibration("Test GPU", path)
+    assert cal is CONSERVATIVE
+    assert "-m shardattn.calibrate --out FILE" in str(record[0].message)
+    assert choose_prefill(CostModel(cal), _shape(2)).best.ms > 0  # the default still answers
+
+
+def test_matching_file_is_used_without_warning(tmp_path) -> None:
+    path = tmp_path / "cal.json"
+    path.write_text(SHARDQ_WINS.to_json())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_calibration("test  gpu", path) == SHARDQ_WINS  # names compare case- and space-insensitively
+
+
+def test_unknown_gpu_warns_and_gets_the_default() -> None:
+    with pytest.warns(CalibrationWarning, match="no calibration table ships for GPU 'Imaginary GPU 9000'"):
+        assert load_calibration("Imaginary GPU 9000") is CONSERVATIVE
+
+
+def test_shipped_h200_table_loads() -> None:
+    cal = shipped_calibration("NVIDIA H200")
+    if cal is None:
+        pytest.skip("no H200 table shipped in this checkout")
+    assert not cal.conservative and any(c.op == "all_to_all" and c.world_size == 2 for c in cal.collectives)
+    CostModel(cal)  # validates
+
+
+# -- the Runtime's routed step ----------------------------------------------------------------------
+def _routed_body(group, table: Calibration) -> dict:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    seq, cached = [40, 24], (8, 0)
+    step = build_prefill(
+        heads=MLA.num_heads,
+        head_dim=MLA.head_dim,
+        tokens=sum(seq),
+        requests=2,
+        cached=cached,
+        topk=MLA.topk,
+        overlap="dsa",
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        seed=3,
+        block_size=MLA.page_size,
+    )
+    rt = Runtime(MLA, group, max_batched_tokens=64, mode="mixed", min_shard_tokens=1, cost_model=CostModel(table))
+    plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+    rt.comm.reset_counts()
+    h = MLA.num_heads // world
+    out, lse = rt.prefill(step.q[:, rank * h : (rank + 1) * h].contiguous(), step.kv, step.rows, plan=plan)
+    ref_out, ref_lse = sparse_mla_reference(step.q, step.kv, step.rows, scale=rt.scale, v_dim=MLA.v_dim)
+    err = float((out - ref_out[:, rank * h : (rank + 1) * h]).abs().max())
+    same_inf = torch.equal(torch.isinf(lse), torch.isinf(ref_lse[:, rank * h : (rank + 1) * h]))
+    return {"step": plan.step, "reason": plan.route.reason, "err": err, "inf": same_inf, "counts": dict(rt.comm.counts)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("table", "want"), [(RT_SHARDQ_WINS, "shardq"), (HEADTP_WINS, "headtp")], ids=["sq", "tp"])
+def test_runtime_takes_the_cost_models_choice(dist_pool, table, want) -> None:
+    results = dist_pool.run(_routed_body, table, world_size=2)
+    for res in results:
+        assert res["step"] == want, res
+        assert res["reason"].startswith("cost model (Test GPU): ") and "best rejected" in res["reason"]
+        assert res["err"] <= 1e-5 and res["inf"], res
+        assert res["counts"].get("all_to_all", 0) == (2 if want == "shardq" else 0)
+
+
+# -- calibration and step measurement on the CPU ---------------------------------------------------------
+def test_calibrate_command_writes_a_loadable_table(tmp_path) -> None:
+    from shardattn.calibrate.__main__ import main
+
+    out = tmp_path / "cpu.json"
+    argv = ["--out", str(out), "--heads", "8", "16", "--tokens", "32", "64", "--topk", "8", "--cached", "32"]
+    assert main([*argv, "--reps", "1", "--no-progress"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cal = load_calibration("cpu", out)
+    assert {(k.heads, k.group_size, k.tokens) for k in cal.kernels} == {
+        (h, g, t) for t in (32, 64) for h, g in ((8, 1), (8, 8), (16, 1), (16, 4))
+    }
+    assert all(k.ms > 0 and k.topk == 8 for k in cal.kernels)
+    assert choose_prefill(CostModel(cal), _shape(2)).best.ms > 0
+
+
+def _paths_body(group) -> dict:
+    from shardattn.calibrate.steps import measure_paths
+
+    model = CostModel(RT_SHARDQ_WINS)
+    return measure_paths(
+        group, MLA, tokens=64, requests=2, cached=16, device=torch.device("cpu"), model=model, reps=1, warmup=0,
+        min_shard_tokens=1, min_group_tokens=1,
+    )  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_measure_paths_times_every_path_with_its_prediction(dist_pool) -> None:
+    for res in dist_pool.run(_paths_body, world_size=2):
+        assert set(res["ms"]) == set(res["predicted_ms"]) == {"kernel", "kernel_headtp", "headtp", "shardq", "router"}
+        assert all(v > 0 for v in res["ms"].values())
+        assert res["path"]["headtp"].startswith("headtp/") and res["path"]["shardq"].startswith("shardq/")
+        assert res["path"]["router"].startswith("shardq/")  # the table makes ShardQ the faster
+        assert res["reason"]["router"].startswith("cost model (Test GPU)")
+        assert res["rank_tokens"] == 32
