@@ -78,3 +78,50 @@ def test_pcp_prefill_on_nccl(dist_pool, gpu_tolerance) -> None:
     case = test_pcp._case(14, [110, 20, 170], [50, 0, 90], heads=16, k=64, block_size=16, sinks=True)
     results = dist_pool.run(_on_gpu, test_pcp._run, case, True, world_size=WORLD, backend="nccl")
     test_pcp._check(results, case, WORLD, True)
+
+
+def _runtime_dsa_prefill(group: dist.ProcessGroup, case: dict, mode: str) -> dict:
+    """A bf16 Runtime prefill at DSA dims (576 / 512) with 32 heads per rank: head-TP runs 32 heads
+    per kernel call, ShardQ all 64 from its in-place (head-blocked) all-to-all buffers, so on sm_90
+    both take the Gluon kernel when it is there."""
+    from shardattn.kernels.registry import sparse_prefill_kernel
+    from shardattn.parallel.runtime import Runtime
+    from shardattn.plan.spec import ModelSpec
+
+    q, kv, rows = case["q"], case["kv"], case["rows"]
+    spec = ModelSpec("sparse_mla", q.shape[1], 1, 576, 512, rows.shape[1], 64, dtype="bfloat16")
+    rt = Runtime(
+        spec, group, max_batched_tokens=q.shape[0], mode=mode, min_shard_tokens=1, cost_model=None, warmup=False
+    )  # cost_model=None: the gate alone routes, so mode "shardq" runs ShardQ
+    h = rt.heads_per_rank
+    out, lse = rt.prefill(q[:, rt.rank * h : (rt.rank + 1) * h].contiguous(), kv, rows, seq_lens=case["lens"])
+    heads = spec.num_heads if mode == "shardq" else h
+    kernel = sparse_prefill_kernel(q[:, :heads], kv, 512)[0]
+    return {"out": out.float(), "lse": lse, "kernel": kernel, "step": rt.plan_prefill(case["lens"]).step}
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["shardq", "headtp"])
+def test_runtime_dsa_prefill_on_nccl_matches_the_fp32_reference(dist_pool, mode: str) -> None:
+    from shardattn.kernels.sparse_mla import sparse_mla_reference
+
+    gen = torch.Generator().manual_seed(23)
+    t, heads, k, r = 1300, 64, 256, 5000
+    q = torch.randn(t, heads, 576, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(r, 576, generator=gen).to(torch.bfloat16)
+    rows = torch.randint(-1, r + 40, (t, k), generator=gen, dtype=torch.int32)  # invalid and out of range anywhere
+    rows[7] = -1  # a row with no valid key
+    case = {"q": q, "kv": kv, "rows": rows, "lens": [700, 600]}
+    results = dist_pool.run(_on_gpu, _runtime_dsa_prefill, case, mode, world_size=WORLD, backend="nccl")
+    ref_out, ref_lse = sparse_mla_reference(q.float(), kv.float(), rows, scale=576**-0.5, v_dim=512)
+    for rank, res in enumerate(results):
+        assert res["step"] == mode, res["step"]
+        h = heads // WORLD
+        want_out, want_lse = ref_out[:, rank * h : (rank + 1) * h], ref_lse[:, rank * h : (rank + 1) * h]
+        assert torch.isfinite(res["out"]).all(), (rank, res["kernel"])
+        err = float((res["out"] - want_out).norm() / want_out.norm())
+        assert err < 1e-2, (rank, res["kernel"], err)  # bf16 inputs and probabilities
+        assert torch.equal(res["lse"][7].isneginf(), torch.ones(h, dtype=torch.bool)), "empty row: lse = -inf"
+        finite = want_lse.isfinite()
+        assert float((res["lse"][finite] - want_lse[finite]).abs().max()) < 2e-2, (rank, res["kernel"])
