@@ -72,6 +72,8 @@ def main() -> None:
 
     def record(name: str, t: tuple[float, float, float], **extra) -> None:
         rows.append({"rank": rank, "name": name, "ms": t[0], "p10": t[1], "p90": t[2], **extra})
+        if rank == 0:  # as it goes, so a run cut short still reports what it measured
+            print(f"rank 0 {name:52s} {t[0]:8.3f} ms ({t[1]:.3f}-{t[2]:.3f}) {extra}", flush=True)
 
     # -- single token: today's step, the lean step, graph buckets --------------------------------
     seq = [ctx] * b
@@ -177,18 +179,19 @@ def main() -> None:
     )  # fmt: skip
     record("launches of one lean eager step (kernels + copies)", (float(launches), 0.0, 0.0))
 
-    # -- where the lean eager step's host time goes (rank 0, cProfile of 20 steps) ---------------
-    if rank == 0:
-        import cProfile
-        import io
-        import pstats
+    # -- where the lean eager step's host time goes (cProfile of 20 steps; every rank runs them,
+    # the steps are collectives; rank 0 prints) ---------------------------------------------------
+    import cProfile
+    import io
+    import pstats
 
-        prof_host = cProfile.Profile()
-        prof_host.enable()
-        for _ in range(20):
-            lean()
-        torch.cuda.synchronize()
-        prof_host.disable()
+    prof_host = cProfile.Profile()
+    prof_host.enable()
+    for _ in range(20):
+        lean()
+    torch.cuda.synchronize()
+    prof_host.disable()
+    if rank == 0:
         buf = io.StringIO()
         pstats.Stats(prof_host, stream=buf).sort_stats("tottime").print_stats(14)
         print(buf.getvalue()[-3500:], flush=True)
