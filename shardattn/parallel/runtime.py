@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardattn._checks import check_choice, check_int
+from shardattn._checks import check_choice, check_int, check_tensor
 from shardattn.kernels.flashinfer_xqa import get_xqa
 from shardattn.kernels.registry import device_capability
 from shardattn.kernels.topk import DcpShard
@@ -407,6 +407,9 @@ class Runtime(RuntimeGraphs):
         Raises:
             WorkspaceExceededError: the step is larger than the Runtime's workspace.
         """
+        for name, value in (("q", q), ("kv", kv), ("rows", rows), ("kv_cache", kv_cache)):
+            if value is not None or name != "kv_cache":
+                check_tensor(name, value)  # a tensor at all (shapes and dtypes: the step's own checks)
         if plan is None:
             if seq_lens is None:
                 raise ValueError("prefill needs seq_lens (new tokens per request) or a plan from plan_prefill")

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from shardattn._checks import check_tensor
 from shardattn.kernels.gqa_decode import gqa_paged_decode
 from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
 from shardattn.kernels.topk import convert_topk
@@ -134,6 +135,7 @@ class DecodeStep:
             ``(out [T, H/W, v_dim], lse [T, H/W] fp32)``: the rank's heads, merged over every shard
             (``lse`` is ``None`` when built with ``decode_lse=False``).
         """
+        check_tensor("q", q)  # a tensor at all (shapes and dtypes: the step's own checks)
         dcp = self.dcp
         k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.ws.topk
         self.ws.check("decode", "dcp" if dcp else "headtp", tokens=int(q.shape[0]), topk=k)

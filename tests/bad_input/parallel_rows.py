@@ -315,6 +315,16 @@ def parallel_rows() -> list[Row]:
             Raises(ValueError, r"mode 'shardq' runs a sparse-MLA prefill"),
         ),
         (
+            "Runtime.prefill-q-a-list",
+            _runtime_step("prefill", MLA_SPEC, "shardq", q=[[0.0]]),
+            Raises(TypeError, r"^q must be a torch.Tensor"),
+        ),
+        (
+            "Runtime.decode-q-a-list",
+            _runtime_step("decode", MLA_SPEC, "mixed", q=[[0.0]]),
+            Raises(TypeError, r"^q must be a torch.Tensor"),
+        ),
+        (
             "Runtime.prefill-no-seq-lens",
             _runtime_step("prefill", MLA_SPEC, "shardq", seq_lens=None),
             Raises(ValueError, r"prefill needs seq_lens"),
