@@ -120,16 +120,7 @@ def _fit_steps(
         allres: list[Any] = [None] * world
         dist.all_gather_object(allres, res, group=group)
         ms = {k: max(r["ms"][k] for r in allres) for k in res["ms"]}  # the slowest rank bounds a step
-        shape = StepShape(
-            heads=spec.num_heads,
-            world_size=world,
-            tokens=tokens,
-            topk=spec.topk,
-            head_dim=spec.head_dim,
-            v_dim=spec.v_dim,
-            dtype_bytes=spec.dtype_bytes,
-            rank_tokens=res["rank_tokens"],
-        )
+        shape = StepShape.of(spec, world, tokens, rank_tokens=res["rank_tokens"])
         p = raw.predict_step(shape, "shardq", 1)
         sq.append((p.comm_ms + p.other_ms, ms["kernel"], ms["shardq"] - ms["kernel"]))
         tp.append(ms["headtp"] - ms["kernel_headtp"])

@@ -126,16 +126,7 @@ def measure_paths(
 
         res["ms"][name] = median_ms(kcall, device=device, reps=reps, warmup=warmup)
         res["path"][name] = f"kernel ({path_name(plan)})"
-    shape = StepShape(
-        heads=spec.num_heads,
-        world_size=world,
-        tokens=tokens,
-        topk=spec.topk,
-        head_dim=spec.head_dim,
-        v_dim=spec.v_dim,
-        dtype_bytes=spec.dtype_bytes,
-        rank_tokens=res["rank_tokens"],
-    )
+    shape = StepShape.of(spec, world, tokens, rank_tokens=res["rank_tokens"])
     for name, plan in (*plans.items(), ("kernel", sq), ("kernel_headtp", plans["headtp"])):
         if name not in paths:
             continue

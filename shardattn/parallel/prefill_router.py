@@ -65,16 +65,7 @@ def cost_route(rt: Any, *, tokens: int, counts: Any, kv_rows: int) -> tuple[str,
     device: torch.device = rt.device
     counts = [int(c) for c in counts]
     h_tp = spec.num_heads // rt.world_size
-    shape = StepShape(
-        heads=spec.num_heads,
-        world_size=rt.world_size,
-        tokens=tokens,
-        topk=rt.topk,
-        head_dim=spec.head_dim,
-        v_dim=spec.v_dim,
-        dtype_bytes=spec.dtype_bytes,
-        rank_tokens=max(counts),
-    )
+    shape = StepShape.of(spec, rt.world_size, tokens, topk=rt.topk, rank_tokens=max(counts))
     gate = rt.min_group_tokens
     allowed = {
         "headtp": _groups(h_tp, tokens, kv_rows, device, gate),

@@ -58,6 +58,7 @@ from shardattn.plan.calibration import (
     load_calibration,
     shipped_calibration,
 )
+from shardattn.plan.spec import ModelSpec
 
 __all__ = [
     "CALIBRATE_COMMAND",
@@ -114,6 +115,22 @@ class StepShape:
     @property
     def per_rank(self) -> int:
         return self.rank_tokens if self.rank_tokens is not None else -(-self.tokens // self.world_size)
+
+    @classmethod
+    def of(
+        cls, spec: ModelSpec, world_size: int, tokens: int, *, topk: int | None = None, rank_tokens: int | None = None
+    ) -> StepShape:
+        """The shape of a step of ``spec``'s model (its heads, dims and dtype; top-k default the spec's)."""
+        return cls(
+            heads=spec.num_heads,
+            world_size=world_size,
+            tokens=tokens,
+            topk=spec.topk if topk is None else topk,
+            head_dim=spec.head_dim,
+            v_dim=spec.v_dim,
+            dtype_bytes=spec.dtype_bytes,
+            rank_tokens=rank_tokens,
+        )
 
 
 @dataclass(frozen=True)
