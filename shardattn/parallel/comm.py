@@ -24,20 +24,28 @@ in the group's store: a group in which a step failed is not to be reused (its ra
 step anyway).
 
 Mixed-dtype payloads (a bf16 output and its fp32 LSE) travel in one collective as bytes:
-:func:`pack_rows` / :func:`unpack_rows`.
+:func:`~shardattn.parallel.packing.pack_rows` / :func:`~shardattn.parallel.packing.unpack_rows`
+(re-exported here). The failure reports live in :mod:`shardattn.parallel.peer_failures`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+
+from shardattn.parallel.packing import pack_rows, packed_nbytes, unpack_rows
+from shardattn.parallel.peer_failures import (
+    REPORT_GRACE_S,
+    PeerFailedError,
+    looks_like_peer_failure,
+    name_failed_peers,
+    report_failure,
+)
 
 __all__ = ["Comm", "PeerFailedError", "Pending", "pack_rows", "packed_nbytes", "stable_fingerprint", "unpack_rows"]
 
@@ -48,50 +56,7 @@ KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "agreement"
 _ALL_GATHER_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-#: Seconds a rank whose collective failed waits for its peers' failure reports before naming the
-#: silent ranks (a rank that raised has reported before its peers' collective even failed).
-REPORT_GRACE_S = 1.0
-_REPORT_KEY = "shardattn/failure/rank{}"
-_ALIVE = "alive"
-
 _MASK64 = (1 << 64) - 1
-_ALIGN = 16  # bytes; every packed segment starts at a multiple of this
-
-
-class PeerFailedError(RuntimeError):
-    """A collective failed because another rank raised, exited or hung; the message names the rank(s).
-
-    Attributes:
-        raised: ``{rank: "ExceptionType: message"}`` of the peers whose step raised.
-        silent: peers that did not report within :data:`REPORT_GRACE_S` (exited or hung).
-    """
-
-    def __init__(self, message: str, *, raised: dict[int, str], silent: list[int]) -> None:
-        super().__init__(message)
-        self.raised = raised
-        self.silent = silent
-
-
-def _group_store(group: dist.ProcessGroup) -> dist.Store | None:
-    """The store the group was built on (private torch API; ``None`` where unavailable)."""
-    try:
-        from torch.distributed.distributed_c10d import _get_process_group_store
-
-        return _get_process_group_store(group)
-    except Exception:
-        return None
-
-
-_PEER_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed", "reset by peer", "broken pipe", "abort")
-
-
-def _looks_like_peer_failure(error: BaseException) -> bool:
-    """A collective's error that a peer causes (it died, hung or left), rather than a local misuse."""
-    kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
-    if kinds and isinstance(error, kinds):
-        return True
-    text = str(error).lower()
-    return any(w in text for w in _PEER_FAILURE_WORDS)
 
 
 def stable_fingerprint(*parts: object) -> int:
@@ -113,86 +78,6 @@ def _to_int64(value: int) -> int:
     """Fold any Python int into the signed int64 range (two's complement of its low 64 bits)."""
     v = int(value) & _MASK64
     return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Lay the raw bytes of several tensors side by side, row by row, in one ``uint8`` buffer.
-
-    All tensors share their leading dim ``P`` (one row per destination rank, say); row ``p`` of
-    the result holds the bytes of ``tensors[0][p]``, then of ``tensors[1][p]``, ... Each segment
-    starts at a multiple of 16 bytes, so :func:`unpack_rows` views it back without a copy. This is
-    how a bf16 output and its fp32 LSE travel in a single collective.
-
-    Args:
-        tensors: ``[P, ...]`` each, any dtypes, one device.
-    Returns:
-        ``[P, nbytes]`` uint8 with ``nbytes = packed_nbytes(...)`` of the per-row shapes.
-
-    >>> buf = pack_rows([torch.ones(2, 3, dtype=torch.bfloat16), torch.zeros(2, 1)])
-    >>> a, b = unpack_rows(buf, [((3,), torch.bfloat16), ((1,), torch.float32)])
-    >>> tuple(buf.shape), a.dtype, a.tolist(), b.tolist()
-    ((2, 32), torch.bfloat16, [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], [[0.0], [0.0]])
-    """
-    if not tensors:
-        raise ValueError("pack_rows needs at least one tensor")
-    p, device = tensors[0].shape[0], tensors[0].device
-    for i, t in enumerate(tensors):
-        if t.dim() == 0 or t.shape[0] != p or t.device != device:
-            raise ValueError(
-                f"pack_rows: tensor {i} must have leading dim {p} on {device}, got {list(t.shape)} on {t.device}"
-            )
-    sizes = [(t[0].numel() if p else math.prod(t.shape[1:])) * t.element_size() for t in tensors]
-    buf = torch.empty((p, sum(_padded(s) for s in sizes)), dtype=torch.uint8, device=device)
-    off = 0
-    for t, n in zip(tensors, sizes):
-        if n and p:
-            dst = buf[:, off : off + n]
-            if t.dtype != torch.bool and n % t.element_size() == 0 and off % t.element_size() == 0:
-                dst.view(t.dtype).view(t.shape).copy_(t)  # one strided copy, straight from t's layout
-            else:
-                dst.copy_(t.contiguous().view(p, -1).view(torch.uint8))
-        off += _padded(n)
-    return buf
-
-
-def packed_nbytes(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:
-    """Bytes per row :func:`pack_rows` uses for tensors whose rows have the given ``(shape, dtype)``."""
-    return sum(_padded(math.prod(shape) * _itemsize(dtype)) for shape, dtype in specs)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def unpack_rows(buf: torch.Tensor, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
-    """Inverse of :func:`pack_rows`: the tensors ``[P, *shape]`` of the given per-row specs.
-
-    Args:
-        buf: ``[P, nbytes]`` uint8, contiguous.
-        specs: ``(shape, dtype)`` of one row of each packed tensor, in packing order.
-    Returns:
-        one ``[P, *shape]`` tensor per spec (views of ``buf`` where the layout allows).
-    """
-    need = packed_nbytes(specs)
-    if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != need:
-        raise ValueError(f"buf must be a [P, {need}] uint8 tensor, got {buf.dtype} {list(buf.shape)}")
-    buf = buf.contiguous()
-    p = buf.shape[0]
-    out = []
-    off = 0
-    for shape, dtype in specs:
-        n = math.prod(shape) * _itemsize(dtype)
-        piece = buf[:, off : off + n]
-        if p and n:
-            out.append(piece.view(dtype).reshape(p, *shape))
-        else:
-            out.append(torch.empty((p, *shape), dtype=dtype, device=buf.device))
-        off += _padded(n)
-    return out
 
 
 class Pending:
@@ -459,7 +344,7 @@ class Comm:
                 _REDUCE_SCATTER_TENSOR(out.view(-1), x.view(-1), group=self.group)
             except RuntimeError as e:  # raised before any data moves, identically on every rank
                 if "support" not in str(e).lower():
-                    if not _looks_like_peer_failure(e):
+                    if not looks_like_peer_failure(e):
                         raise
                     raise self._peer_failed("reduce_scatter", e) from e
                 self._reduce_scatter_ok = False
@@ -489,23 +374,16 @@ class Comm:
         try:
             run()
         except RuntimeError as e:  # DistError and gloo / NCCL errors are RuntimeErrors
-            if not _looks_like_peer_failure(e):
+            if not looks_like_peer_failure(e):
                 raise  # a local misuse (dtype, layout) is this rank's error, not a peer's
             raise self._peer_failed(kind, e) from e
-
-    def _store(self) -> dist.Store | None:
-        return _group_store(self.group)
 
     def report_failure(self, error: BaseException) -> None:
         """Tell the peers (through the group's store) that this rank's step raised ``error``.
 
         Best effort and cheap (one store write); called by :meth:`reporting_failures`.
         """
-        store = self._store()
-        first = (str(error).strip().splitlines() or [""])[0][:300]
-        with contextlib.suppress(Exception):
-            if store is not None:
-                store.set(_REPORT_KEY.format(self.rank), f"{type(error).__name__}: {first}")
+        report_failure(self.group, self.rank, error)
 
     @contextlib.contextmanager
     def reporting_failures(self) -> Iterator[None]:
@@ -520,38 +398,8 @@ class Comm:
             raise
 
     def _peer_failed(self, kind: str, error: BaseException) -> PeerFailedError:
-        """Name the peers that made ``kind`` fail: those that reported raising, else the silent ones."""
-        cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        store = self._store()
-        peers = [r for r in range(self.world_size) if r != self.rank]
-        reports: dict[int, str] = {}
-        if store is not None:
-            with contextlib.suppress(Exception):
-                store.set(_REPORT_KEY.format(self.rank), _ALIVE)
-            deadline = time.monotonic() + self.report_grace_s
-            while True:
-                for r in peers:
-                    if r not in reports:
-                        with contextlib.suppress(Exception):
-                            if store.check([_REPORT_KEY.format(r)]):
-                                reports[r] = store.get(_REPORT_KEY.format(r)).decode(errors="replace")
-                if len(reports) == len(peers) or time.monotonic() >= deadline:
-                    break
-                time.sleep(0.02)
-        raised = {r: v for r, v in sorted(reports.items()) if v != _ALIVE}
-        silent = [r for r in peers if r not in reports] if store is not None else []
-        w = self.world_size
-        if raised:
-            who = "; ".join(f"rank {r} of {w} raised {v}" for r, v in raised.items())
-        elif silent:
-            who = f"rank(s) {silent} of {w} exited or hung (no report within {self.report_grace_s:g} s)"
-        else:
-            who = f"a peer of the {w} ranks failed (no report available)"
-        return PeerFailedError(
-            f"{kind} on rank {self.rank} failed because {who}; the collective said: {cause}",
-            raised=raised,
-            silent=silent,
-        )
+        """Name the peers that made ``kind`` fail (:func:`~shardattn.parallel.peer_failures.name_failed_peers`)."""
+        return name_failed_peers(self.group, self.rank, self.world_size, kind, error, grace_s=self.report_grace_s)
 
     def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """All-gather a few host ints per rank (a small tensor, no pickling).

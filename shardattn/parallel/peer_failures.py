@@ -1,0 +1,102 @@
+"""How a rank learns which peer made its collective fail: one-line reports in the group's store.
+
+A rank whose step raised posts ``"ExceptionType: message"`` under its key (:func:`report_failure`);
+a rank whose collective failed posts that it is alive, waits up to :data:`REPORT_GRACE_S` for its
+peers' reports and names the ranks that raised or, failing that, the silent ones
+(:func:`name_failed_peers`). :class:`~shardattn.parallel.comm.Comm` calls both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch.distributed as dist
+
+__all__ = ["REPORT_GRACE_S", "PeerFailedError", "looks_like_peer_failure", "name_failed_peers", "report_failure"]
+
+#: Seconds a rank whose collective failed waits for its peers' failure reports before naming the
+#: silent ranks (a rank that raised has reported before its peers' collective even failed).
+REPORT_GRACE_S = 1.0
+_REPORT_KEY = "shardattn/failure/rank{}"
+_ALIVE = "alive"
+
+
+class PeerFailedError(RuntimeError):
+    """A collective failed because another rank raised, exited or hung; the message names the rank(s).
+
+    Attributes:
+        raised: ``{rank: "ExceptionType: message"}`` of the peers whose step raised.
+        silent: peers that did not report within :data:`REPORT_GRACE_S` (exited or hung).
+    """
+
+    def __init__(self, message: str, *, raised: dict[int, str], silent: list[int]) -> None:
+        super().__init__(message)
+        self.raised = raised
+        self.silent = silent
+
+
+def _group_store(group: dist.ProcessGroup) -> dist.Store | None:
+    """The store the group was built on (private torch API; ``None`` where unavailable)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_process_group_store
+
+        return _get_process_group_store(group)
+    except Exception:
+        return None
+
+
+_PEER_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed", "reset by peer", "broken pipe", "abort")
+
+
+def looks_like_peer_failure(error: BaseException) -> bool:
+    """A collective's error that a peer causes (it died, hung or left), rather than a local misuse."""
+    kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
+    if kinds and isinstance(error, kinds):
+        return True
+    text = str(error).lower()
+    return any(w in text for w in _PEER_FAILURE_WORDS)
+
+
+def report_failure(group: dist.ProcessGroup, rank: int, error: BaseException) -> None:
+    """Post ``rank``'s failure (``"ExceptionType: first line"``) to the group's store; best effort."""
+    store = _group_store(group)
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    with contextlib.suppress(Exception):
+        if store is not None:
+            store.set(_REPORT_KEY.format(rank), f"{type(error).__name__}: {first}")
+
+
+def name_failed_peers(
+    group: dist.ProcessGroup, rank: int, world_size: int, kind: str, error: BaseException, *, grace_s: float
+) -> PeerFailedError:
+    """The error for a ``kind`` collective on ``rank`` that failed with ``error``: names the peers
+    that reported raising, else those that did not report within ``grace_s`` seconds."""
+    cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    store = _group_store(group)
+    peers = [r for r in range(world_size) if r != rank]
+    reports: dict[int, str] = {}
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(_REPORT_KEY.format(rank), _ALIVE)
+        deadline = time.monotonic() + grace_s
+        while True:
+            for r in peers:
+                if r not in reports:
+                    with contextlib.suppress(Exception):
+                        if store.check([_REPORT_KEY.format(r)]):
+                            reports[r] = store.get(_REPORT_KEY.format(r)).decode(errors="replace")
+            if len(reports) == len(peers) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+    raised = {r: v for r, v in sorted(reports.items()) if v != _ALIVE}
+    silent = [r for r in peers if r not in reports] if store is not None else []
+    if raised:
+        who = "; ".join(f"rank {r} of {world_size} raised {v}" for r, v in raised.items())
+    elif silent:
+        who = f"rank(s) {silent} of {world_size} exited or hung (no report within {grace_s:g} s)"
+    else:
+        who = f"a peer of the {world_size} ranks failed (no report available)"
+    return PeerFailedError(
+        f"{kind} on rank {rank} failed because {who}; the collective said: {cause}", raised=raised, silent=silent
+    )
