@@ -39,7 +39,14 @@ import torch
 
 from shardattn.launch.ray.errors import RankFailedError, RankStepError, describe_ray_error, require_ray
 from shardattn.launch.ray.placement import bundle_options, reserve_bundles
-from shardattn.launch.ray.requests import DecodeRequest, PackedStep, PrefillRequest, pack_step, pool_shapes
+from shardattn.launch.ray.requests import (
+    DecodeRequest,
+    PackedStep,
+    PrefillRequest,
+    check_sinks,
+    pack_step,
+    pool_shapes,
+)
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
 from shardattn.plan.spec import ModelSpec, get_preset
@@ -102,6 +109,7 @@ class RayRankPool:
         max_seq_len: int = 4096,
         num_pages: int | None = None,
         runtime_kwargs: dict[str, Any] | None = None,
+        sinks: torch.Tensor | None = None,
         memory_limit_bytes: int | None = None,
         device: str = "auto",
         timeout_s: float = 120.0,
@@ -134,6 +142,7 @@ class RayRankPool:
         self._runtime_kwargs.setdefault("mode", mode)
         self.mode = self._runtime_kwargs["mode"]
         self._memory_limit = memory_limit_bytes
+        self._sinks = sinks
         if self.spec is not None:
             self._plan_cache(max_requests, max_seq_len, num_pages)
         if init_ray and not ray.is_initialized():
@@ -163,12 +172,13 @@ class RayRankPool:
         spec = self.spec
         if not isinstance(spec, ModelSpec):
             raise TypeError(f"spec must be a ModelSpec or a preset name, got {type(spec).__name__}")
-        if self.mode not in MODES or self.mode == "pcp":
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} for a pool, got {self.mode!r}")
+        if self.mode == "pcp" and spec.kind != "sparse_mla":
             raise ValueError(
-                f"mode must be one of {tuple(m for m in MODES if m != 'pcp')} for a pool, got {self.mode!r}"
+                f"mode 'pcp' serves sparse MLA only (PCP prefill); use 'dcp-decode' for a {spec.kind} spec"
             )
-        if spec.has_sinks:
-            raise ValueError(f"the pool does not pass attention sinks yet; {spec} has has_sinks=True")
+        self._sinks = check_sinks(self._sinks, spec)
         if "max_batched_tokens" not in self._runtime_kwargs:
             raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
         dcp = DECODE_STEP[self.mode] == "dcp"
@@ -207,7 +217,9 @@ class RayRankPool:
         self.built: list[dict[str, Any]] = []
         if self.spec is not None:
             kw = {k: v for k, v in self._runtime_kwargs.items()}
-            self.built = self._call("build", [a.build.remote(self.spec, kw, self._cache_spec) for a in self._actors])
+            self.built = self._call(
+                "build", [a.build.remote(self.spec, kw, self._cache_spec, self._sinks) for a in self._actors]
+            )
             if self.transport == "compiled":
                 from shardattn.launch.ray.compiled import CompiledSteps, channel_bytes
 
@@ -317,7 +329,11 @@ class RayRankPool:
         )
         h = self.heads_per_rank
         q = packed.q
-        qs = [None if q is None else to_wire(q[:, r * h : (r + 1) * h]) for r in range(self.world_size)]
+        token_ids = self._pcp_token_ids(packed) if kind == "prefill" and self.mode == "pcp" and q is not None else None
+        if token_ids is not None:  # PCP: every head of the rank's zigzag tokens
+            qs = [to_wire(q.index_select(0, ids)) for ids in token_ids]
+        else:  # the rank's heads of every token
+            qs = [None if q is None else to_wire(q[:, r * h : (r + 1) * h]) for r in range(self.world_size)]
         t_sent = time.perf_counter()
         if kind == "decode" and self._compiled is not None:
             try:
@@ -332,11 +348,9 @@ class RayRankPool:
         if q is None:
             outputs: list[Any] = [None] * len(packed.ids)
         else:
-            out = torch.cat([o for o, _ in results], dim=1).split(packed.q_counts)
-            if return_lse:
-                outputs = list(zip(out, torch.cat([s for _, s in results], dim=1).split(packed.q_counts)))
-            else:
-                outputs = list(out)
+            out, lse = self._assemble(results, token_ids, int(q.shape[0]), return_lse)
+            outs = out.split(packed.q_counts)
+            outputs = list(zip(outs, lse.split(packed.q_counts))) if return_lse else list(outs)
         t_end = time.perf_counter()
         self.last_step = {
             "kind": kind,
@@ -346,6 +360,40 @@ class RayRankPool:
             "assemble_ms": (t_end - t_back) * 1e3,  # outputs per request
         }
         return outputs
+
+    def _pcp_token_ids(self, packed: PackedStep) -> list[torch.Tensor]:
+        """The step's token ids (token order) each rank's PCP prefill runs: the plan every rank's
+        Runtime makes from the same lengths."""
+        from shardattn.plan.pcp import pcp_plan
+
+        plan = pcp_plan(packed.counts, self.world_size, prefix_lens=packed.starts, topk=self.shapes.topk)
+        return [plan.shard.token_ids(r) for r in range(self.world_size)]
+
+    def _assemble(
+        self, results: list[Any], token_ids: list[torch.Tensor] | None, tokens: int, return_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every rank's part -> ``(out [T, H, Dv], lse [T, H] or None)``, token order."""
+        if token_ids is None:  # each rank returned its heads of every token
+            out = torch.cat([o for o, _ in results], dim=1)
+            return out, torch.cat([s for _, s in results], dim=1) if return_lse else None
+        first = results[0][0]
+        out = first.new_empty(tokens, *first.shape[1:])
+        lse = torch.empty(tokens, first.shape[1], dtype=torch.float32) if return_lse else None
+        for ids, (o, s) in zip(token_ids, results):  # each rank returned every head of its tokens
+            out[ids] = o
+            if lse is not None:
+                lse[ids] = s
+        return out, lse
+
+    def set_sinks(self, sinks: torch.Tensor | None) -> None:
+        """Replace the attention sinks every rank holds (``[H]`` fp32, finite; ``None`` when the
+        spec has none); checked on the driver first, so a bad value changes nothing."""
+        self._check_usable()
+        self._need_spec()
+        assert self.spec is not None
+        checked = check_sinks(sinks, self.spec)
+        self._call("set_sinks", [a.set_sinks.remote(checked) for a in self._actors])
+        self._sinks = checked
 
     def prefill(self, requests: Sequence[PrefillRequest], *, return_lse: bool = False) -> list[Any]:
         """Write the requests' new KV rows into the ranks' caches and, with queries, attend.
