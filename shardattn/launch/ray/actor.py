@@ -5,8 +5,9 @@ not import Ray. Steps run one at a time; :meth:`RankActor.health` runs in its ow
 group, so it answers while a step is running (or stuck in a collective).
 
 A step's arguments are the step's *new* tensors only: ``shared`` (one object for every rank:
-block table, lengths, new KV rows, top-k) and this rank's heads of the queries. Results come
-back on the CPU: this rank's heads of the outputs (and LSE).
+block table, lengths, new KV rows, top-k) and this rank's heads of the queries (a PCP prefill:
+every head of this rank's zigzag tokens). Results come back on the CPU: this rank's heads of the
+outputs and LSE (a PCP prefill: its tokens'). The sinks (``[H]`` fp32, or none) stay resident.
 """
 
 from __future__ import annotations
@@ -167,8 +168,9 @@ class RankActor:
     def prefill(self, shared: dict[str, Any], q_local: Any) -> tuple[Any, Any] | None:
         """Write the step's KV rows; with queries, run the Runtime's prefill over the requests' whole KV.
 
-        ``q_local``: ``[T, H/W, D]`` this rank's heads (``None``: only write). Returns this rank's
-        heads ``(out [T, H/W, Dv], lse [T, H/W] or None)``, token order.
+        ``q_local``: ``[T, H/W, D]`` this rank's heads (``None``: only write); under ``pcp``
+        ``[T_r, H, D]`` every head of this rank's zigzag tokens. Returns ``(out, lse or None)``
+        of the same rows and heads (``[T, H/W, Dv]`` / ``[T_r, H, Dv]``), token order.
         """
         t0 = self._begin("prefill")
         shared, q_local = from_wire(shared), from_wire(q_local)

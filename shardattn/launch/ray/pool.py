@@ -5,7 +5,7 @@ default: NCCL ranks share a host), starts rank ``r`` in bundle ``r``, joins the 
 process group (gloo on CPU, NCCL with one GPU per actor) and, given a model spec, builds on every
 rank a :class:`~shardattn.parallel.runtime.Runtime` and that rank's shard of a paged KV cache,
 once, sized from ``max_requests`` and ``max_seq_len`` (the decode layout of the mode: DCP
-interleave under ``mixed`` / ``dcp-decode``, a replica under head-TP decode)::
+interleave under ``mixed`` / ``dcp-decode`` / ``pcp``, a replica under head-TP decode)::
 
     pool = RayRankPool(2, spec, mode="mixed", max_requests=64, max_seq_len=8192,
                        runtime_kwargs={"max_batched_tokens": 8192, "max_decode_tokens": 64})
@@ -13,8 +13,22 @@ interleave under ``mixed`` / ``dcp-decode``, a replica under head-TP decode)::
     outs = pool.decode([DecodeRequest("a", q=q_a1, topk=topk_a1, kv=kv_a1)])   # ShardQ / DCP
     pool.free(["a"])
 
+Attention sinks (a spec with ``has_sinks``: ``sinks=`` ``[H]`` fp32, one per query head of the
+whole model) are checked on the driver, held on every actor and passed to every step (DCP counts
+them on rank 0 only); :meth:`RayRankPool.set_sinks` replaces them.
+
+Under ``pcp`` (sparse MLA), a prefill step runs PCP: rank ``r`` gets every head of its zigzag
+tokens' queries (``pcp_plan(...).shard.token_ids(r)``, the driver reassembles token order) and
+passes those tokens' KV as PCP's new rows. The resident cache keeps *one* layout, the DCP
+interleave that decode reads: each rank writes the new tokens it owns under that layout (not its
+zigzag tokens). PCP reads a cached prefix from a paged cache the same on every rank, so a chunked
+prefill step all-gathers the requests' prefixes from the shards into a step-local paged copy
+(``sum(ceil(prefix / page_size)) * page_size`` rows of ``D`` per rank, freed after the step), as
+ShardQ's chunked prefill gathers its prefix; no replica of the whole cache is kept.
+
 Only the step's new tensors cross Ray's object store: the block table, lengths, new KV rows and
-top-k once for every rank (one ``ray.put``), and each rank's heads of the queries; they travel as
+top-k once for every rank (one ``ray.put``), and each rank's heads of the queries (PCP prefill:
+its tokens' queries); they travel as
 NumPy arrays, which Ray reads out of shared memory without a copy (:mod:`~shardattn.launch.ray.wire`). Bad requests
 raise ``ValueError`` / ``TypeError`` before any rank runs (:mod:`~shardattn.launch.ray.requests`).
 A rank that dies, raises or does not answer within ``timeout_s`` makes the call raise one
@@ -47,6 +61,7 @@ from shardattn.launch.ray.requests import (
     pack_step,
     pool_shapes,
 )
+from shardattn.launch.ray.split import assemble, pcp_token_ids, query_parts
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
 from shardattn.plan.spec import ModelSpec, get_preset
@@ -75,13 +90,14 @@ class RayRankPool:
         spec: a :class:`~shardattn.plan.spec.ModelSpec` or preset name; ``None`` forms the group
             only (:meth:`run` works, the request API does not).
         mode: the Runtime's mode (``"mixed"``: ShardQ prefill, DCP decode; ``"dcp-decode"`` for
-            GQA; ``"shardq"`` / ``"headtp"``: head-TP decode over a replicated cache). ``"pcp"``
-            is not served (its prefill takes another cache layout).
+            GQA; ``"shardq"`` / ``"headtp"``: head-TP decode over a replicated cache; ``"pcp"``:
+            PCP prefill, DCP decode, sparse MLA only; module docstring).
         max_requests, max_seq_len: requests holding KV at once, and tokens per request.
         num_pages: KV pages per rank (default: ``max_requests`` requests of ``max_seq_len``).
         runtime_kwargs: more :class:`~shardattn.parallel.runtime.Runtime` arguments
             (``max_batched_tokens`` is required with a spec; ``max_decode_tokens``, ``topk``,
             ``dcp_interleave``, ``min_shard_tokens``, ...).
+        sinks: ``[H]`` fp32 finite sink logits (CPU), required exactly when ``spec.has_sinks``.
         memory_limit_bytes: refuse to build when a rank's workspace plus KV cache exceed it.
         device: ``"cpu"`` (gloo), ``"cuda"`` (NCCL, one GPU per actor), ``"auto"`` (cuda when the
             cluster has ``world_size`` GPUs).
@@ -329,11 +345,13 @@ class RayRankPool:
         )
         h = self.heads_per_rank
         q = packed.q
-        token_ids = self._pcp_token_ids(packed) if kind == "prefill" and self.mode == "pcp" and q is not None else None
-        if token_ids is not None:  # PCP: every head of the rank's zigzag tokens
-            qs = [to_wire(q.index_select(0, ids)) for ids in token_ids]
-        else:  # the rank's heads of every token
-            qs = [None if q is None else to_wire(q[:, r * h : (r + 1) * h]) for r in range(self.world_size)]
+        token_ids = None
+        if kind == "prefill" and self.mode == "pcp" and q is not None:  # PCP: every head of the rank's tokens
+            token_ids = pcp_token_ids(packed.counts, packed.starts, self.world_size, self.shapes.topk)
+        if q is None:
+            qs: list[Any] = [None] * self.world_size
+        else:
+            qs = [to_wire(part) for part in query_parts(q, self.world_size, h, token_ids)]
         t_sent = time.perf_counter()
         if kind == "decode" and self._compiled is not None:
             try:
@@ -348,7 +366,7 @@ class RayRankPool:
         if q is None:
             outputs: list[Any] = [None] * len(packed.ids)
         else:
-            out, lse = self._assemble(results, token_ids, int(q.shape[0]), return_lse)
+            out, lse = assemble(results, token_ids, int(q.shape[0]), return_lse)
             outs = out.split(packed.q_counts)
             outputs = list(zip(outs, lse.split(packed.q_counts))) if return_lse else list(outs)
         t_end = time.perf_counter()
@@ -360,30 +378,6 @@ class RayRankPool:
             "assemble_ms": (t_end - t_back) * 1e3,  # outputs per request
         }
         return outputs
-
-    def _pcp_token_ids(self, packed: PackedStep) -> list[torch.Tensor]:
-        """The step's token ids (token order) each rank's PCP prefill runs: the plan every rank's
-        Runtime makes from the same lengths."""
-        from shardattn.plan.pcp import pcp_plan
-
-        plan = pcp_plan(packed.counts, self.world_size, prefix_lens=packed.starts, topk=self.shapes.topk)
-        return [plan.shard.token_ids(r) for r in range(self.world_size)]
-
-    def _assemble(
-        self, results: list[Any], token_ids: list[torch.Tensor] | None, tokens: int, return_lse: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every rank's part -> ``(out [T, H, Dv], lse [T, H] or None)``, token order."""
-        if token_ids is None:  # each rank returned its heads of every token
-            out = torch.cat([o for o, _ in results], dim=1)
-            return out, torch.cat([s for _, s in results], dim=1) if return_lse else None
-        first = results[0][0]
-        out = first.new_empty(tokens, *first.shape[1:])
-        lse = torch.empty(tokens, first.shape[1], dtype=torch.float32) if return_lse else None
-        for ids, (o, s) in zip(token_ids, results):  # each rank returned every head of its tokens
-            out[ids] = o
-            if lse is not None:
-                lse[ids] = s
-        return out, lse
 
     def set_sinks(self, sinks: torch.Tensor | None) -> None:
         """Replace the attention sinks every rank holds (``[H]`` fp32, finite; ``None`` when the
