@@ -233,7 +233,12 @@ def test_mla_pool_with_sinks_equals_fp64_attention(ray_instance, world, mode, in
     kwargs = {"max_requests": 4, "max_seq_len": 48, "transport": "calls", "sinks": sinks}
     with _pool(world, MLA_SINKS, mode=mode, runtime_kwargs={"dcp_interleave": interleave}, **kwargs) as pool:
         assert pool.cache_config.layout.world_size == world
-        _serve_and_check(pool, ServingMirror(MLA_SINKS, seed=8, sinks=sinks))
+        mirror = ServingMirror(MLA_SINKS, seed=8, sinks=sinks)
+        _serve_and_check(pool, mirror)
+        reqs = [mirror.prefill_request("d", 2)]  # a chunk of 2 tokens over a cached prefix: ranks without tokens
+        _check(pool.prefill(reqs, return_lse=True), reqs, mirror)
+        reqs = [mirror.decode_request("d")]
+        _check(pool.decode(reqs, return_lse=True), reqs, mirror)
 
 
 @needs_ray
