@@ -22,6 +22,9 @@ needs_ray = pytest.mark.skipif(REASON is not None, reason=f"optional dependency 
 
 MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4, dtype="float32")
 GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 4, dtype="float32")
+GQA_SINKS = ModelSpec("gqa", 8, 2, 16, 16, 0, 4, dtype="float32", has_sinks=True)  # gqa-64-8, tiny
+MLA_SINKS = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4, dtype="float32", has_sinks=True)
+NAN_SINKS = torch.tensor([0.0, 1.0, float("nan"), 0.0, 0.0, 0.0, 0.0, 0.0])
 ATOL = 2e-5
 TIMEOUT_S = 60.0
 
@@ -42,9 +45,13 @@ def test_bad_pool_configs_raise_before_any_actor_starts() -> None:
 
     small = {"max_batched_tokens": 8}
     cases = [
-        ({"spec": "gqa-64-8", "mode": "dcp-decode", "runtime_kwargs": small}, "does not pass attention sinks"),
+        ({"spec": "gqa-64-8", "mode": "dcp-decode", "runtime_kwargs": small}, r"sinks must be given \(\[64\] fp32\)"),
+        ({"spec": MLA, "runtime_kwargs": small, "sinks": torch.zeros(8)}, "sinks must be None"),
+        ({"spec": GQA_SINKS, "mode": "dcp-decode", "runtime_kwargs": small, "sinks": torch.zeros(4)}, "sinks must"),
+        ({"spec": GQA_SINKS, "mode": "dcp-decode", "runtime_kwargs": small, "sinks": NAN_SINKS}, "sinks must be fin"),
         ({"spec": MLA, "runtime_kwargs": small, "memory_limit_bytes": 1000}, "over memory_limit_bytes=1000"),
-        ({"spec": MLA, "mode": "pcp", "runtime_kwargs": small}, "mode must be one of"),
+        ({"spec": MLA, "mode": "pcp-decode", "runtime_kwargs": small}, "mode must be one of"),
+        ({"spec": GQA, "mode": "pcp", "runtime_kwargs": small}, "mode 'pcp' serves sparse MLA only"),
         ({"spec": MLA}, "runtime_kwargs must give max_batched_tokens"),
         ({"spec": MLA, "runtime_kwargs": small, "transport": "grpc"}, "transport must be 'compiled' or 'calls'"),
         ({"spec": MLA, "runtime_kwargs": small, "device": "tpu"}, "device must be"),
@@ -52,6 +59,8 @@ def test_bad_pool_configs_raise_before_any_actor_starts() -> None:
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
             RayRankPool(2, init_ray=False, **kwargs)
+    with pytest.raises(TypeError, match="sinks must have dtype"):
+        RayRankPool(2, GQA_SINKS, mode="dcp-decode", runtime_kwargs=small, sinks=torch.zeros(8).double())
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +174,71 @@ def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interl
         for q_lens in ((1, 1, 1), (2, 1, 3)):  # plain decode, then ragged drafts
             reqs = [mirror.decode_request(i, q) for i, q in enumerate(q_lens)]
             _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+
+
+def _sinks(seed: int) -> torch.Tensor:
+    return torch.randn(8, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+@needs_ray
+def test_gqa_pool_with_sinks_equals_fp64_attention(ray_instance) -> None:
+    """gqa-64-8's shape (GQA, sinks) at tiny dims: write-only prefill, decode, free, new sinks; bad
+    sinks raise on the driver and leave the pool serving."""
+    from shardattn.testing.serving import ServingMirror
+
+    sinks = _sinks(6)
+    with _pool(2, GQA_SINKS, max_requests=4, max_seq_len=48, sinks=sinks) as pool:
+        mirror = ServingMirror(GQA_SINKS, seed=6, sinks=sinks)
+        pool.prefill([mirror.prefill_request(i, n, attend=False) for i, n in enumerate((9, 3, 14))])
+        for q_lens in ((1, 1, 1), (2, 1, 3)):
+            reqs = [mirror.decode_request(i, q) for i, q in enumerate(q_lens)]
+            _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+        steps = [r["steps"] for r in pool.health()["ranks"]]
+        bad = [
+            (torch.zeros(4), ValueError, r"sinks must have shape \[8\]"),
+            (torch.zeros(8, dtype=torch.float16), TypeError, "sinks must have dtype"),
+            (NAN_SINKS, ValueError, r"sinks must be finite, got sinks\[2\]=nan"),
+            (torch.full((8,), float("inf")), ValueError, "sinks must be finite"),
+            (None, ValueError, "sinks must be given"),
+            ([0.0] * 8, TypeError, "sinks must be a torch.Tensor"),
+        ]
+        for value, exc, match in bad:
+            with pytest.raises(exc, match=match):
+                pool.set_sinks(value)
+        health = pool.health()
+        assert health["state"] == "healthy" and [r["steps"] for r in health["ranks"]] == steps
+        reqs = [mirror.decode_request(i) for i in range(3)]  # the old sinks still hold
+        _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+        assert pool.free([1]) > 0
+        mirror.free(1)
+        mirror.sinks = _sinks(7)
+        pool.set_sinks(mirror.sinks)
+        pool.prefill([mirror.prefill_request(3, 20, attend=False)])  # takes request 1's pages
+        reqs = [mirror.decode_request(i, q) for i, q in ((0, 1), (2, 2), (3, 1))]
+        _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+
+
+@needs_ray
+@pytest.mark.parametrize(
+    "world,mode,interleave",
+    [(4, "pcp", 2), (2, "mixed", 1)],
+    ids=["4-pcp-I2", "2-mixed"],
+)
+def test_mla_pool_with_sinks_equals_fp64_attention(ray_instance, world, mode, interleave) -> None:
+    """PCP prefill (zigzag tokens, the cached prefix gathered from the interleaved shards), chunked
+    prefill, DCP decode and free with sinks; and ShardQ prefill with sinks."""
+    from shardattn.testing.serving import ServingMirror
+
+    sinks = _sinks(8)
+    kwargs = {"max_requests": 4, "max_seq_len": 48, "transport": "calls", "sinks": sinks}
+    with _pool(world, MLA_SINKS, mode=mode, runtime_kwargs={"dcp_interleave": interleave}, **kwargs) as pool:
+        assert pool.cache_config.layout.world_size == world
+        mirror = ServingMirror(MLA_SINKS, seed=8, sinks=sinks)
+        _serve_and_check(pool, mirror)
+        reqs = [mirror.prefill_request("d", 2)]  # a chunk of 2 tokens over a cached prefix: ranks without tokens
+        _check(pool.prefill(reqs, return_lse=True), reqs, mirror)
+        reqs = [mirror.decode_request("d")]
+        _check(pool.decode(reqs, return_lse=True), reqs, mirror)
 
 
 @needs_ray

@@ -10,7 +10,9 @@ return in float64 straight from the definition (not through the library's kernel
 * GQA: causal over the request's cache (query ``j`` of ``Q`` sees ``L - Q + j + 1`` tokens),
   query head ``h`` reading KV head ``h // (H / Hkv)``.
 
-A row with no valid key is ``out = 0, lse = -inf``.
+With attention sinks (one fp32 logit ``s_h`` per query head, in the scaled-logit domain), the
+softmax denominator gains ``exp(s_h)`` (the numerator does not) and ``lse`` includes it. A row
+with no valid key is ``out = 0, lse = -inf`` (``lse = s_h`` with sinks), as the library's kernels.
 """
 
 from __future__ import annotations
@@ -23,22 +25,38 @@ import torch
 from shardattn.launch.ray.requests import DecodeRequest, PrefillRequest
 from shardattn.plan.spec import ModelSpec
 
-__all__ = ["ServingMirror", "attention_fp64"]
+__all__ = ["ServingMirror", "attention_fp64", "softmax_lse_fp64"]
+
+
+def softmax_lse_fp64(logits: torch.Tensor, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p [T, H, S], lse [T, H])`` fp64 of masked logits ``[T, H, S]`` (``-inf`` = masked).
+
+    ``sinks [H]`` add ``exp(sink)`` to each denominator only; a row with no key has ``p = 0`` and
+    ``lse = -inf`` (``sink`` with sinks).
+    """
+    logits = logits.double()
+    lse = torch.logsumexp(logits, dim=-1)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.double()[None, :].expand_as(lse))
+    p = torch.nan_to_num(torch.exp(logits - lse[..., None]), nan=0.0)
+    return p, lse
 
 
 def attention_fp64(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked softmax attention in fp64, rows with no key ``(0, -inf)``.
+    """Masked softmax attention in fp64, rows with no key ``(0, -inf)`` (``(0, sink)``).
 
-    ``q [T, H, D]``, ``k [T, H, S, D]``, ``v [T, H, S, Dv]``, ``mask [T, H, S]`` bool ->
-    ``(out [T, H, Dv], lse [T, H])`` fp64.
+    ``q [T, H, D]``, ``k [T, H, S, D]``, ``v [T, H, S, Dv]``, ``mask [T, H, S]`` bool, ``sinks [H]``
+    fp32 or ``None`` -> ``(out [T, H, Dv], lse [T, H])`` fp64.
     """
     s = torch.einsum("thd,thsd->ths", q.double(), k.double()) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.where(mask, torch.exp(s - lse[..., None].clamp(min=-1e300)), 0.0)
-    p = torch.nan_to_num(p, nan=0.0)
+    p, lse = softmax_lse_fp64(s.masked_fill(~mask, float("-inf")), sinks)
     return torch.einsum("ths,thsd->thd", p, v.double()), lse
 
 
@@ -56,10 +74,14 @@ class ServingMirror:
 
     Args:
         spec: the pool's model spec. topk: the pool's top-k width (sparse MLA). seed: the generator's.
+        sinks: ``[H]`` fp32 sink logits (the pool's), or ``None``.
     """
 
-    def __init__(self, spec: ModelSpec, *, topk: int | None = None, seed: int = 0) -> None:
+    def __init__(
+        self, spec: ModelSpec, *, topk: int | None = None, seed: int = 0, sinks: torch.Tensor | None = None
+    ) -> None:
         self.spec = spec
+        self.sinks = sinks
         self.topk = spec.topk if topk is None else topk
         self.dtype = getattr(torch, spec.dtype)
         self.gen = torch.Generator().manual_seed(seed)
@@ -143,8 +165,7 @@ class ServingMirror:
                 rows = kv[pos.clamp(0, length - 1)].double()  # [c, K, D]
                 logits = torch.bmm(q[t0 : t0 + chunk].to(dev).double(), rows.transpose(1, 2)) * self.scale
                 logits = logits.masked_fill(~valid[:, None, :], float("-inf"))  # [c, H, K]
-                lse = torch.logsumexp(logits, dim=-1)
-                p = torch.nan_to_num(torch.exp(logits - lse[..., None]), nan=0.0)
+                p, lse = softmax_lse_fp64(logits, None if self.sinks is None else self.sinks.to(dev))
                 outs.append(torch.bmm(p, rows[..., : s.v_dim]).cpu())
                 lses.append(lse.cpu())
             return torch.cat(outs), torch.cat(lses)
@@ -153,4 +174,6 @@ class ServingMirror:
         v = req.kv[1].double().repeat_interleave(group, dim=1).permute(1, 0, 2)
         visible = torch.arange(length)[None, :] < (length - n + torch.arange(n) + 1)[:, None]  # [n, L] causal
         mask = visible[:, None, :].expand(n, h, length)
-        return attention_fp64(q, k[None].expand(n, -1, -1, -1), v[None].expand(n, -1, -1, -1), mask, self.scale)
+        return attention_fp64(
+            q, k[None].expand(n, -1, -1, -1), v[None].expand(n, -1, -1, -1), mask, self.scale, self.sinks
+        )

@@ -5,8 +5,9 @@ not import Ray. Steps run one at a time; :meth:`RankActor.health` runs in its ow
 group, so it answers while a step is running (or stuck in a collective).
 
 A step's arguments are the step's *new* tensors only: ``shared`` (one object for every rank:
-block table, lengths, new KV rows, top-k) and this rank's heads of the queries. Results come
-back on the CPU: this rank's heads of the outputs (and LSE).
+block table, lengths, new KV rows, top-k) and this rank's heads of the queries (a PCP prefill:
+every head of this rank's zigzag tokens). Results come back on the CPU: this rank's heads of the
+outputs and LSE (a PCP prefill: its tokens'). The sinks (``[H]`` fp32, or none) stay resident.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class RankActor:
         self.runtime: Any = None
         self.cache: Any = None
         self.comm: Any = None
+        self.sinks: torch.Tensor | None = None
         self.state = "starting"
         self.steps = 0
         self.last_step_s: float | None = None
@@ -84,8 +86,13 @@ class RankActor:
         self.state = "joined"
         return backend
 
-    def build(self, spec: Any, runtime_kwargs: dict[str, Any], cache: dict[str, Any]) -> dict[str, Any]:
-        """Build the Runtime, then the KV-cache shard (``cache``: pages, page size, layout, row shapes)."""
+    def build(
+        self, spec: Any, runtime_kwargs: dict[str, Any], cache: dict[str, Any], sinks: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        """Build the Runtime, then the KV-cache shard (``cache``: pages, page size, layout, row shapes).
+
+        ``sinks``: ``[H]`` fp32 sink logits of every head (checked by the driver), held on the
+        device and passed to every step (under DCP the step counts them on rank 0 only)."""
         from shardattn.launch.ray.kv_cache import RankKVCache
         from shardattn.parallel.comm import Comm
         from shardattn.parallel.runtime import Runtime
@@ -106,6 +113,7 @@ class RankActor:
             rank=self.rank,
             device=self.device,
         )
+        self.set_sinks(sinks)
         self.comm = Comm(self.group)  # the pool's own collectives (prefix gathers), counted apart from the Runtime's
         self.state = "ready"
         return {
@@ -114,6 +122,10 @@ class RankActor:
             "workspace_bytes": self.runtime.workspace_bytes,
             "cache_bytes": self.cache.nbytes,
         }
+
+    def set_sinks(self, sinks: torch.Tensor | None) -> None:
+        """Hold ``sinks`` (``[H]`` fp32, or ``None``) on this rank's device for every later step."""
+        self.sinks = None if sinks is None else sinks.to(self.device, torch.float32).contiguous()
 
     # -- steps ---------------------------------------------------------------------------------
     def arm_fault(self, kind: str, operation: str) -> None:
@@ -156,8 +168,9 @@ class RankActor:
     def prefill(self, shared: dict[str, Any], q_local: Any) -> tuple[Any, Any] | None:
         """Write the step's KV rows; with queries, run the Runtime's prefill over the requests' whole KV.
 
-        ``q_local``: ``[T, H/W, D]`` this rank's heads (``None``: only write). Returns this rank's
-        heads ``(out [T, H/W, Dv], lse [T, H/W] or None)``, token order.
+        ``q_local``: ``[T, H/W, D]`` this rank's heads (``None``: only write); under ``pcp``
+        ``[T_r, H, D]`` every head of this rank's zigzag tokens. Returns ``(out, lse or None)``
+        of the same rows and heads (``[T, H/W, Dv]`` / ``[T_r, H, Dv]``), token order.
         """
         t0 = self._begin("prefill")
         shared, q_local = from_wire(shared), from_wire(q_local)
@@ -167,6 +180,10 @@ class RankActor:
         if q_local is None:
             self._end(t0)
             return None
+        if self.runtime.mode == "pcp":
+            result = self._prefill_pcp(shared, table, starts, counts, q_local)
+            self._end(t0)
+            return result
         lens = [s + n for s, n in zip(starts, counts)]
         if any(starts):  # chunked prefill: the cached prefix lives on every rank's shard
             kv_full = torch.cat(self.cache.gather_full(table, lens, self.comm))
@@ -185,11 +202,47 @@ class RankActor:
             rows.to(self.device),
             seq_lens=counts,
             prefix_lens=starts,
+            sinks=self.sinks,
             check=False,
         )
         result = self._result(out, lse, shared["return_lse"])
         self._end(t0)
         return result
+
+    def _prefill_pcp(
+        self, shared: dict[str, Any], table: torch.Tensor, starts: list[int], counts: list[int], q_local: torch.Tensor
+    ) -> tuple[Any, Any]:
+        """PCP prefill: every head of this rank's zigzag tokens (``q_local [T_r, H, D]``), their KV
+        rows all-gathered by the step; cached prefixes read from a step-local paged copy of the
+        prefix (gathered from the interleaved shards). Returns ``(out [T_r, H, Dv], lse [T_r, H])``."""
+        dev = self.device
+        plan = self.runtime.plan_prefill(counts, starts)
+        ids = plan.tokens_of(self.rank)
+        kv_new = shared["kv"][0].index_select(0, ids).to(dev)
+        topk = shared["topk"].index_select(0, ids).to(dev)
+        prefix: dict[str, Any] = {}
+        if any(starts):
+            prefix["kv_cache"], prefix["block_table"] = self._prefix_pages(table, starts)
+        out, lse = self.runtime.prefill(
+            q_local.to(dev), kv_new, topk, plan=plan, sinks=self.sinks, check=False, **prefix
+        )
+        return self._result(out, lse, shared["return_lse"])
+
+    def _prefix_pages(self, table: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached prefixes as PCP reads them: one paged ``[R, D]`` copy, the same on every rank
+        (an all-gather of the interleaved shards), with its ``[B, M]`` int32 block table."""
+        p = self.cache.page_size
+        prefixes = self.cache.gather_full(table, starts, self.comm)
+        pages = [-(-n // p) for n in starts]
+        width = max(1, max(pages))
+        rows = self.cache.flat(0).new_zeros(max(1, sum(pages)) * p, self.cache.row_specs[0][0][0])
+        block_table = torch.zeros(len(starts), width, dtype=torch.int32)
+        first = 0
+        for b, (n, k) in enumerate(zip(starts, pages)):
+            rows[first * p : first * p + n] = prefixes[b]
+            block_table[b, :k] = torch.arange(first, first + k, dtype=torch.int32)
+            first += k
+        return rows, block_table.to(self.device)
 
     def decode(self, shared: dict[str, Any], q_local: Any) -> tuple[Any, Any]:
         """Write the query tokens' KV rows (when given), then one decode step (DCP or head-TP, by mode).
@@ -211,12 +264,25 @@ class RankActor:
                 torch.arange(len(q_counts), dtype=torch.int32), torch.tensor(q_counts)
             ).to(dev)
             out, lse = self.runtime.decode(
-                q, self.cache.flat(0), table_d, seq_lens, topk_pos=shared["topk"].to(dev), req_ids=req_ids, check=False
+                q,
+                self.cache.flat(0),
+                table_d,
+                seq_lens,
+                topk_pos=shared["topk"].to(dev),
+                req_ids=req_ids,
+                sinks=self.sinks,
+                check=False,
             )
         else:
             cu = torch.tensor([0, *torch.cumsum(torch.tensor(q_counts), 0).tolist()], dtype=torch.int32, device=dev)
             out, lse = self.runtime.decode(
-                q, (self.cache.pages[0], self.cache.pages[1]), table_d, seq_lens, cu_q_lens=cu, check=False
+                q,
+                (self.cache.pages[0], self.cache.pages[1]),
+                table_d,
+                seq_lens,
+                cu_q_lens=cu,
+                sinks=self.sinks,
+                check=False,
             )
         result = self._result(out, lse, shared["return_lse"])
         self._end(t0)

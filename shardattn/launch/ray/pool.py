@@ -5,7 +5,7 @@ default: NCCL ranks share a host), starts rank ``r`` in bundle ``r``, joins the 
 process group (gloo on CPU, NCCL with one GPU per actor) and, given a model spec, builds on every
 rank a :class:`~shardattn.parallel.runtime.Runtime` and that rank's shard of a paged KV cache,
 once, sized from ``max_requests`` and ``max_seq_len`` (the decode layout of the mode: DCP
-interleave under ``mixed`` / ``dcp-decode``, a replica under head-TP decode)::
+interleave under ``mixed`` / ``dcp-decode`` / ``pcp``, a replica under head-TP decode)::
 
     pool = RayRankPool(2, spec, mode="mixed", max_requests=64, max_seq_len=8192,
                        runtime_kwargs={"max_batched_tokens": 8192, "max_decode_tokens": 64})
@@ -13,8 +13,22 @@ interleave under ``mixed`` / ``dcp-decode``, a replica under head-TP decode)::
     outs = pool.decode([DecodeRequest("a", q=q_a1, topk=topk_a1, kv=kv_a1)])   # ShardQ / DCP
     pool.free(["a"])
 
+Attention sinks (a spec with ``has_sinks``: ``sinks=`` ``[H]`` fp32, one per query head of the
+whole model) are checked on the driver, held on every actor and passed to every step (DCP counts
+them on rank 0 only); :meth:`RayRankPool.set_sinks` replaces them.
+
+Under ``pcp`` (sparse MLA), a prefill step runs PCP: rank ``r`` gets every head of its zigzag
+tokens' queries (``pcp_plan(...).shard.token_ids(r)``, the driver reassembles token order) and
+passes those tokens' KV as PCP's new rows. The resident cache keeps *one* layout, the DCP
+interleave that decode reads: each rank writes the new tokens it owns under that layout (not its
+zigzag tokens). PCP reads a cached prefix from a paged cache the same on every rank, so a chunked
+prefill step all-gathers the requests' prefixes from the shards into a step-local paged copy
+(``sum(ceil(prefix / page_size)) * page_size`` rows of ``D`` per rank, freed after the step), as
+ShardQ's chunked prefill gathers its prefix; no replica of the whole cache is kept.
+
 Only the step's new tensors cross Ray's object store: the block table, lengths, new KV rows and
-top-k once for every rank (one ``ray.put``), and each rank's heads of the queries; they travel as
+top-k once for every rank (one ``ray.put``), and each rank's heads of the queries (PCP prefill:
+its tokens' queries); they travel as
 NumPy arrays, which Ray reads out of shared memory without a copy (:mod:`~shardattn.launch.ray.wire`). Bad requests
 raise ``ValueError`` / ``TypeError`` before any rank runs (:mod:`~shardattn.launch.ray.requests`).
 A rank that dies, raises or does not answer within ``timeout_s`` makes the call raise one
@@ -39,7 +53,15 @@ import torch
 
 from shardattn.launch.ray.errors import RankFailedError, RankStepError, describe_ray_error, require_ray
 from shardattn.launch.ray.placement import bundle_options, reserve_bundles
-from shardattn.launch.ray.requests import DecodeRequest, PackedStep, PrefillRequest, pack_step, pool_shapes
+from shardattn.launch.ray.requests import (
+    DecodeRequest,
+    PackedStep,
+    PrefillRequest,
+    check_sinks,
+    pack_step,
+    pool_shapes,
+)
+from shardattn.launch.ray.split import assemble, pcp_token_ids, query_parts
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
 from shardattn.plan.spec import ModelSpec, get_preset
@@ -68,13 +90,14 @@ class RayRankPool:
         spec: a :class:`~shardattn.plan.spec.ModelSpec` or preset name; ``None`` forms the group
             only (:meth:`run` works, the request API does not).
         mode: the Runtime's mode (``"mixed"``: ShardQ prefill, DCP decode; ``"dcp-decode"`` for
-            GQA; ``"shardq"`` / ``"headtp"``: head-TP decode over a replicated cache). ``"pcp"``
-            is not served (its prefill takes another cache layout).
+            GQA; ``"shardq"`` / ``"headtp"``: head-TP decode over a replicated cache; ``"pcp"``:
+            PCP prefill, DCP decode, sparse MLA only; module docstring).
         max_requests, max_seq_len: requests holding KV at once, and tokens per request.
         num_pages: KV pages per rank (default: ``max_requests`` requests of ``max_seq_len``).
         runtime_kwargs: more :class:`~shardattn.parallel.runtime.Runtime` arguments
             (``max_batched_tokens`` is required with a spec; ``max_decode_tokens``, ``topk``,
             ``dcp_interleave``, ``min_shard_tokens``, ...).
+        sinks: ``[H]`` fp32 finite sink logits (CPU), required exactly when ``spec.has_sinks``.
         memory_limit_bytes: refuse to build when a rank's workspace plus KV cache exceed it.
         device: ``"cpu"`` (gloo), ``"cuda"`` (NCCL, one GPU per actor), ``"auto"`` (cuda when the
             cluster has ``world_size`` GPUs).
@@ -102,6 +125,7 @@ class RayRankPool:
         max_seq_len: int = 4096,
         num_pages: int | None = None,
         runtime_kwargs: dict[str, Any] | None = None,
+        sinks: torch.Tensor | None = None,
         memory_limit_bytes: int | None = None,
         device: str = "auto",
         timeout_s: float = 120.0,
@@ -134,6 +158,7 @@ class RayRankPool:
         self._runtime_kwargs.setdefault("mode", mode)
         self.mode = self._runtime_kwargs["mode"]
         self._memory_limit = memory_limit_bytes
+        self._sinks = sinks
         if self.spec is not None:
             self._plan_cache(max_requests, max_seq_len, num_pages)
         if init_ray and not ray.is_initialized():
@@ -163,12 +188,13 @@ class RayRankPool:
         spec = self.spec
         if not isinstance(spec, ModelSpec):
             raise TypeError(f"spec must be a ModelSpec or a preset name, got {type(spec).__name__}")
-        if self.mode not in MODES or self.mode == "pcp":
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} for a pool, got {self.mode!r}")
+        if self.mode == "pcp" and spec.kind != "sparse_mla":
             raise ValueError(
-                f"mode must be one of {tuple(m for m in MODES if m != 'pcp')} for a pool, got {self.mode!r}"
+                f"mode 'pcp' serves sparse MLA only (PCP prefill); use 'dcp-decode' for a {spec.kind} spec"
             )
-        if spec.has_sinks:
-            raise ValueError(f"the pool does not pass attention sinks yet; {spec} has has_sinks=True")
+        self._sinks = check_sinks(self._sinks, spec)
         if "max_batched_tokens" not in self._runtime_kwargs:
             raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
         dcp = DECODE_STEP[self.mode] == "dcp"
@@ -207,7 +233,9 @@ class RayRankPool:
         self.built: list[dict[str, Any]] = []
         if self.spec is not None:
             kw = {k: v for k, v in self._runtime_kwargs.items()}
-            self.built = self._call("build", [a.build.remote(self.spec, kw, self._cache_spec) for a in self._actors])
+            self.built = self._call(
+                "build", [a.build.remote(self.spec, kw, self._cache_spec, self._sinks) for a in self._actors]
+            )
             if self.transport == "compiled":
                 from shardattn.launch.ray.compiled import CompiledSteps, channel_bytes
 
@@ -317,7 +345,13 @@ class RayRankPool:
         )
         h = self.heads_per_rank
         q = packed.q
-        qs = [None if q is None else to_wire(q[:, r * h : (r + 1) * h]) for r in range(self.world_size)]
+        token_ids = None
+        if kind == "prefill" and self.mode == "pcp" and q is not None:  # PCP: every head of the rank's tokens
+            token_ids = pcp_token_ids(packed.counts, packed.starts, self.world_size, self.shapes.topk)
+        if q is None:
+            qs: list[Any] = [None] * self.world_size
+        else:
+            qs = [to_wire(part) for part in query_parts(q, self.world_size, h, token_ids)]
         t_sent = time.perf_counter()
         if kind == "decode" and self._compiled is not None:
             try:
@@ -332,11 +366,9 @@ class RayRankPool:
         if q is None:
             outputs: list[Any] = [None] * len(packed.ids)
         else:
-            out = torch.cat([o for o, _ in results], dim=1).split(packed.q_counts)
-            if return_lse:
-                outputs = list(zip(out, torch.cat([s for _, s in results], dim=1).split(packed.q_counts)))
-            else:
-                outputs = list(out)
+            out, lse = assemble(results, token_ids, int(q.shape[0]), return_lse)
+            outs = out.split(packed.q_counts)
+            outputs = list(zip(outs, lse.split(packed.q_counts))) if return_lse else list(outs)
         t_end = time.perf_counter()
         self.last_step = {
             "kind": kind,
@@ -346,6 +378,16 @@ class RayRankPool:
             "assemble_ms": (t_end - t_back) * 1e3,  # outputs per request
         }
         return outputs
+
+    def set_sinks(self, sinks: torch.Tensor | None) -> None:
+        """Replace the attention sinks every rank holds (``[H]`` fp32, finite; ``None`` when the
+        spec has none); checked on the driver first, so a bad value changes nothing."""
+        self._check_usable()
+        self._need_spec()
+        assert self.spec is not None
+        checked = check_sinks(sinks, self.spec)
+        self._call("set_sinks", [a.set_sinks.remote(checked) for a in self._actors])
+        self._sinks = checked
 
     def prefill(self, requests: Sequence[PrefillRequest], *, return_lse: bool = False) -> list[Any]:
         """Write the requests' new KV rows into the ranks' caches and, with queries, attend.

@@ -25,7 +25,7 @@ from shardattn._checks import check_tensor
 from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.plan.spec import ModelSpec
 
-__all__ = ["DecodeRequest", "PackedStep", "PoolShapes", "PrefillRequest", "pack_step", "pool_shapes"]
+__all__ = ["DecodeRequest", "PackedStep", "PoolShapes", "PrefillRequest", "check_sinks", "pack_step", "pool_shapes"]
 
 KV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 _CPU = torch.device("cpu")
@@ -101,6 +101,27 @@ def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> P
         max_prefill_tokens=int(runtime_kwargs["max_batched_tokens"]),
         max_decode_tokens=int(runtime_kwargs.get("max_decode_tokens", 256)),
     )
+
+
+def check_sinks(sinks: object, spec: ModelSpec) -> torch.Tensor | None:
+    """The pool's attention sinks, checked: ``[H]`` fp32 finite logits on the CPU (one per query
+    head of the whole model), given exactly when ``spec.has_sinks``; returned contiguous.
+
+    Raises:
+        TypeError / ValueError: naming ``sinks``.
+    """
+    if sinks is None:
+        if spec.has_sinks:
+            raise ValueError(f"sinks must be given ([{spec.num_heads}] fp32): the spec has has_sinks=True")
+        return None
+    if not spec.has_sinks:
+        raise ValueError("sinks must be None: the spec has has_sinks=False (its kernels are built without sinks)")
+    check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(spec.num_heads,), device=_CPU)
+    assert isinstance(sinks, torch.Tensor)
+    if not bool(torch.isfinite(sinks).all()):
+        bad = int((~torch.isfinite(sinks)).nonzero()[0, 0])
+        raise ValueError(f"sinks must be finite, got sinks[{bad}]={float(sinks[bad])}")
+    return sinks.contiguous()
 
 
 @dataclass
