@@ -98,14 +98,10 @@ class DecodeGraphs:
         step = self.rt.decode_step
         b = len(seq_lens) if not isinstance(seq_lens, torch.Tensor) else int(seq_lens.shape[0])
         padded, why = self.runner.route(b) if b else (None, "eager: an empty batch")
-        plan = None
-        if padded is not None:
-            try:
-                plan = step.plan(seq_lens, qo_indptr, q_len=self.q_len, padded_requests=b)
-            except ValueError as e:
-                if "more than q_len" not in str(e):
-                    raise
-                padded, why = None, f"eager: {e} (the graphs hold {self.q_len} queries per request)"
+        longest = int(np.diff(np.asarray(qo_indptr)).max()) if qo_indptr is not None and b else 1
+        if padded is not None and longest > self.q_len:
+            padded, why = None, f"eager: a request has {longest} queries, more than q_len={self.q_len} the graphs hold"
+        plan = None if padded is None else step.plan(seq_lens, qo_indptr, q_len=self.q_len, padded_requests=b)
         if plan is None:
             self.last_route = (None, why)
             batch = step.plan(seq_lens, qo_indptr)
