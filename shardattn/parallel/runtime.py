@@ -407,9 +407,9 @@ class Runtime(RuntimeGraphs):
         Raises:
             WorkspaceExceededError: the step is larger than the Runtime's workspace.
         """
-        for name, value in (("q", q), ("kv", kv), ("rows", rows), ("kv_cache", kv_cache)):
-            if value is not None or name != "kv_cache":
-                check_tensor(name, value)  # a tensor at all (shapes and dtypes: the step's own checks)
+        given = {"q": q, "kv": kv, "rows": rows, **({} if kv_cache is None else {"kv_cache": kv_cache})}
+        for name, value in given.items():
+            check_tensor(name, value)  # a tensor at all (shapes and dtypes: the step's own checks)
         if plan is None:
             if seq_lens is None:
                 raise ValueError("prefill needs seq_lens (new tokens per request) or a plan from plan_prefill")
