@@ -75,4 +75,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from shardattn.launch.__main__ import exit_now
+
+    exit_now(main(sys.argv[1:]))

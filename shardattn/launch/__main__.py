@@ -101,5 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+def exit_now(status: int) -> None:
+    """Leave the process with ``status`` once its output is flushed, skipping the interpreter's
+    teardown: the step's work and the ranks' agreed verdict are done by then, and on a loaded
+    host the C++ finalisers of torch's background threads (gloo, the profiler) have aborted a
+    finished rank ("terminate called without an active exception", exit -6), failing the run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
