@@ -20,7 +20,7 @@ from shardattn.kernels.sparse_mla_gluon import (
     gluon_available,
     gluon_config,
 )
-from shardattn.plan.routing import GLUON_MIN_HEADS, route_prefill_kernel
+from shardattn.plan.routing import GLUON_MIN_HEADS, gluon_grouped_group_size, route_prefill_kernel
 
 needs_gluon = pytest.mark.skipif(gluon_available() is not None, reason=str(gluon_available()))
 
@@ -45,9 +45,23 @@ def test_compile_pipelined_variant_with_sinks_fits_shared_memory():
     assert 0 < kernel.metadata.shared <= 232448  # sm_90's opt-in limit per block
 
 
+@needs_gluon
+@pytest.mark.parametrize(("heads", "group_size"), [(32, 2), (16, 4), (8, 8)])
+def test_compile_grouped_variant_for_sm90(heads, group_size):
+    kernel = compile_kernel_for_sm90("prefill", heads, group_size, sinks=True)
+    ptx = kernel.asm["ptx"]
+    assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
+    assert 0 < kernel.metadata.shared <= 232448
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"kind": "decode", "heads": 128}, "kind must be"), ({"kind": "prefill", "heads": 16, "group_size": 8}, "group")],
+    [
+        ({"kind": "decode", "heads": 128}, "kind must be"),
+        ({"kind": "prefill", "heads": 16, "group_size": 8}, "heads must be <= 8 for group_size=8"),
+        ({"kind": "prefill", "heads": 8, "group_size": 3}, "group_size must be one of"),
+        ({"kind": "prefill", "heads": 8, "group_size": 8, "config": PIPELINED}, "needs the 'ws' variant"),
+    ],
 )
 def test_compile_rejects_what_is_not_written(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -145,11 +159,71 @@ def test_public_entry_points_route_to_gluon_and_match(entry):
 
 @needs_gluon
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128], ids=lambda h: f"h{h}")
-def test_warmup_lists_the_gluon_key_exactly_where_routing_sends_heads(heads):
+def test_warmup_lists_the_gluon_keys_exactly_where_routing_sends_heads(heads):
     from shardattn.kernels.warmup import PrefillSpec, compile_keys
 
     keys = [k for k in compile_keys(PrefillSpec(heads=heads, topk=K, sinks=True)) if k.kernel == "gluon_attention"]
-    if heads >= GLUON_MIN_HEADS:
-        assert [k.params for k in keys] == [{"config": WS.label, "HAS_SINK": True, "dtype": torch.bfloat16}]
-    else:
-        assert keys == []
+    expect = []
+    g = gluon_grouped_group_size(heads)
+    if g is not None:  # the default step's grouped Gluon tile
+        expect.append({"config": WS.label, "G": g, "HAS_SINK": True, "dtype": torch.bfloat16})
+    if heads >= GLUON_MIN_HEADS:  # the per-query side
+        expect.append({"config": WS.label, "G": 1, "HAS_SINK": True, "dtype": torch.bfloat16})
+    assert sorted((k.params for k in keys), key=lambda p: p["G"]) == sorted(expect, key=lambda p: p["G"])
+
+
+def test_grouped_routing_follows_the_tile_and_the_measured_crossover():
+    assert [gluon_grouped_group_size(h) for h in (8, 16, 32, 64)] == [8, 4, 2, None]
+    for heads, g in ((8, 8), (16, 4), (32, 2)):
+        route = route_prefill_kernel(heads, sm=90, group_size=g)
+        assert (route.path, route.group_size) == ("gluon", g) and f"G = {g}" in route.reason
+        assert route_prefill_kernel(heads, sm=100, group_size=g).path == "triton"
+    assert route_prefill_kernel(16, sm=90, group_size=8).path == "triton"  # 128 rows: not the 64-row tile
+    assert route_prefill_kernel(8, sm=90, group_size=8, gluon_grouped_max_heads=4).path == "triton"
+    assert route_prefill_kernel(8, sm=90, group_size=8, gluon_missing="no gluon").path == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize(("heads", "group_size"), [(8, 8), (16, 4), (32, 2), (12, 4)], ids=lambda v: str(v))
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
+def test_grouped_gluon_matches_reference_at_real_shape(heads, group_size, with_sinks):
+    """Grouped tiles: a tail group (131 tokens), a whole group with no key, padded heads (12 of 16)."""
+    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
+    from shardattn.kernels.union import build_union
+
+    q, kv, rows, length, sinks = _case(heads, seed=100 + heads)
+    rows[16:24] = -1  # one whole group (G <= 8) without a key
+    sinks = sinks if with_sinks else None
+    union, lens = build_union(rows, group_size=group_size, num_kv_rows=kv.shape[0], topk_length=length)
+    out = torch.full((q.shape[0], heads, D_V), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[0], heads), float("nan"), device=q.device)
+    launch_gluon_attention(
+        q, kv, union, lens, scale=(D_V + D_R) ** -0.5, v_dim=D_V, sinks=sinks, out=out, lse=lse,
+        group_size=group_size,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    _assert_close(out, lse, q, kv, rows, length, sinks)
+    assert (out[16:24] == 0).all()
+    if sinks is None:
+        assert lse[16:24].isneginf().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize(("heads", "blocks", "entry"), [(64, 4, "attention"), (128, 8, "grouped"), (16, 2, "grouped")])
+def test_head_blocked_buffers_are_read_and_written_in_place(heads, blocks, entry):
+    """q, out and lse as ``[B, T, H/B, ...]`` (an all-to-all buffer): no copies, same result."""
+    from shardattn.kernels.sparse_mla import sparse_mla_attention
+    from shardattn.kernels.sparse_mla_grouped import choose_path, sparse_mla_grouped_prefill
+
+    q, kv, rows, length, sinks = _case(heads, tokens=93, seed=heads + blocks)
+    t, hb = q.shape[0], heads // blocks
+    q_blk = q.unflatten(1, (blocks, hb)).movedim(1, 0).contiguous()  # [B, T, H/B, D]
+    out = torch.full((blocks, t, hb, D_V), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((blocks, t, hb), float("nan"), device=q.device)
+    fn = sparse_mla_attention if entry == "attention" else sparse_mla_grouped_prefill
+    assert choose_path(q, kv, v_dim=D_V).backend == "gluon"
+    o, s = fn(q_blk, kv, rows, scale=(D_V + D_R) ** -0.5, v_dim=D_V, topk_length=length, sinks=sinks, out=out, lse=lse)
+    assert o is out and s is lse
+    _assert_close(out.movedim(0, 1).flatten(1, 2), lse.movedim(0, 1).flatten(1, 2), q, kv, rows, length, sinks)

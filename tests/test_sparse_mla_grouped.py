@@ -14,7 +14,7 @@ from shardattn.kernels.sparse_mla_grouped import (
 )
 from shardattn.kernels.sparse_mla_triton import tile_config
 from shardattn.kernels.union import UNION_METHOD
-from shardattn.kernels.warmup import PrefillSpec, compile_keys
+from shardattn.kernels.warmup import PrefillSpec, compile_keys, spec_group_sizes
 from shardattn.plan.routing import tile_group_size
 from tests.oracle import sparse_mla_oracle
 
@@ -79,10 +79,11 @@ def test_warmup_keys_cover_both_sides_of_the_routing_threshold(heads):
     for g in {default_group_size(heads), 1}:
         cfg = tile_config(heads, g)
         assert (g, cfg.block_h, cfg.block_n) in attention
-    g = default_group_size(heads)
-    sorted_groups = {1} | ({g} if UNION_METHOD[g] == "sort" else set())
+    groups = spec_group_sizes(spec)  # 1, the default G and, where Gluon is routed, its grouped G
+    assert {1, default_group_size(heads)} <= set(groups)
+    sorted_groups = {g for g in groups if UNION_METHOD[g] == "sort"}
     assert {k.params["G"] for k in keys if k.kernel == "union_keys"} == sorted_groups
     merges = [k.params for k in keys if k.kernel == "union_merge"]
-    levels = (g.bit_length() - 1) if UNION_METHOD[g] == "merge" else 0
-    assert [(m["G"], m["PLAIN"]) for m in merges] == [(g, level == 0) for level in range(levels)]
+    expect = [(g, level == 0) for g in groups if UNION_METHOD[g] == "merge" for level in range(g.bit_length() - 1)]
+    assert [(m["G"], m["PLAIN"]) for m in merges] == expect
     assert all(k.params["HAS_SINK"] for k in keys if k.kernel == "attention")

@@ -66,12 +66,13 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     return unsupported_reason(*tensors) is None
 
 
-def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> tuple[str, str]:
-    """``(name, reason)`` of the kernel that runs a per-query sparse-MLA prefill on these tensors.
+def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_size: int = 1) -> tuple[str, str]:
+    """``(name, reason)`` of the kernel that runs a sparse-MLA prefill of ``group_size`` queries
+    per tile (``1``: per-query) on these tensors.
 
     ``"gluon"`` on sm_90 when Triton ships Gluon and the shape suits it (and the routing's
-    measured head-count crossover says it pays), else ``"triton"`` when the Triton kernel runs
-    these tensors, else ``"reference"`` (the fp32 torch path).
+    measured crossovers say it pays: :func:`shardattn.plan.routing.route_prefill_kernel`), else
+    ``"triton"`` when the Triton kernel runs these tensors, else ``"reference"`` (the fp32 torch path).
     """
     from shardattn.plan.routing import route_prefill_kernel
 
@@ -87,5 +88,7 @@ def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> tupl
     from shardattn.kernels.sparse_mla_gluon import gluon_supports
 
     sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    route = route_prefill_kernel(q.shape[1], device_type=q.device, sm=sm, gluon_missing=gluon_supports(q, kv, v_dim))
+    route = route_prefill_kernel(
+        q.shape[1], device_type=q.device, sm=sm, gluon_missing=gluon_supports(q, kv, v_dim), group_size=group_size
+    )
     return route.path, route.reason

@@ -279,15 +279,14 @@ def sparse_mla_attention(
         from shardattn.kernels.registry import sparse_prefill_kernel, use_triton
 
         if sparse_prefill_kernel(q3, kv, v_dim)[0] == "gluon":
-            from shardattn.kernels.sparse_mla_gluon import sparse_mla_gluon
+            from shardattn.kernels.sparse_mla_gluon import gluon_supports, sparse_mla_gluon
 
-            # the Gluon kernel takes plain [T, H, ...] tensors: head-blocked buffers are copied in and out
-            o, s = sparse_mla_gluon(
-                q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
-            )
-            out = o if out is None else store_heads(out, o)
-            lse = s if lse is None else store_heads(lse, s)
-            return (out, lse) if return_lse else out
+            if gluon_supports(q, kv, v_dim) is None:  # q's own strides (head-blocked too) suit cp.async
+                # head-blocked q / out / lse are read and written in place through their strides
+                out, lse = sparse_mla_gluon(
+                    q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse=lse
+                )
+                return (out, lse) if return_lse else out
         from shardattn.kernels.sparse_mla_triton import kernel_supports, sparse_mla_per_query
 
         if use_triton(q3, kv, rows) and kernel_supports(q3, kv, v_dim) is None:

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn.kernels.sparse_mla_gluon_ws import WS_MAXNREG, WS_NUM_WARPS
-from shardattn.kernels.union import build_union
+from shardattn.kernels.sparse_mla_gluon_ws import NOT_SPECIALIZED, WS_MAXNREG, WS_NUM_WARPS
+from shardattn.kernels.sparse_mla_triton import head_block_strides, heads_per_block
+from shardattn.kernels.union import GROUP_SIZES, build_union, num_groups
 
 try:
     import triton
@@ -120,7 +121,11 @@ def gluon_available() -> str | None:
 
 
 def gluon_supports(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> str | None:
-    """``None`` when the Gluon kernel runs these tensors, else the reason it does not."""
+    """``None`` when the Gluon kernel runs these tensors, else the reason it does not.
+
+    ``q``: ``[T, H, D]`` or head-blocked ``[B, T, H/B, D]`` (every stride but the last is checked
+    for the 16-byte alignment cp.async needs); ``kv``: ``[R, D]``.
+    """
     why = gluon_available()
     if why is not None:
         return why
@@ -136,9 +141,9 @@ def gluon_supports(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> str | None:
         return f"head dims {v_dim} + {d_r} (the Gluon kernel is built and checked for DSA's 512 + 64)"
     if q.stride(-1) != 1 or kv.stride(-1) != 1:
         return "q and kv need a unit last-dim stride"
-    if (q.stride(0) * q.element_size()) % 16 or (q.stride(1) * q.element_size()) % 16:
+    if any((st * q.element_size()) % 16 for st in q.stride()[:-1]) or q.data_ptr() % 16:
         return "q rows must be 16-byte aligned for cp.async"
-    if (kv.stride(0) * kv.element_size()) % 16 or q.data_ptr() % 16 or kv.data_ptr() % 16:
+    if (kv.stride(0) * kv.element_size()) % 16 or kv.data_ptr() % 16:
         return "kv rows must be 16-byte aligned for cp.async"
     return None
 
@@ -178,11 +183,12 @@ if HAS_GLUON:
         _async_load(rope_ring.index(slot), KV + row_r[:, None] * stride_kvr + D_V + dr[None, :], mask=ok_r[:, None])
         cp.commit_group()
 
-    @gluon.jit(do_not_specialize=["T"])
+    @gluon.jit(do_not_specialize=NOT_SPECIALIZED)
     def _sparse_mla_gluon_fwd(
         Q, KV, UNION, LENS, SINKS, OUT, LSE,
-        T, H,
-        stride_qt, stride_qh, stride_kvr, stride_ut, stride_ot, stride_oh, stride_lt, stride_lh,
+        T, H, HB,
+        stride_qb, stride_qt, stride_qh, stride_kvr, stride_ut,
+        stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
         qk_scale,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
@@ -210,12 +216,12 @@ if HAS_GLUON:
         # Q tile (rows past H zero-filled), its own cp.async group
         h_v = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, lv))
         dv = gl.arange(0, D_V, layout=gl.SliceLayout(0, lv))
-        q_v = Q + t * stride_qt + h_v[:, None].to(gl.int64) * stride_qh + dv[None, :]
-        _async_load(q_nope, q_v, mask=(h_v < H)[:, None])
+        row_v = t * stride_qt + (h_v // HB).to(gl.int64) * stride_qb + (h_v % HB).to(gl.int64) * stride_qh
+        _async_load(q_nope, Q + row_v[:, None] + dv[None, :], mask=(h_v < H)[:, None])
         h_r = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, lr))
         dr = gl.arange(0, D_R, layout=gl.SliceLayout(0, lr))
-        q_r = Q + t * stride_qt + h_r[:, None].to(gl.int64) * stride_qh + D_V + dr[None, :]
-        _async_load(q_rope, q_r, mask=(h_r < H)[:, None])
+        row_r = t * stride_qt + (h_r // HB).to(gl.int64) * stride_qb + (h_r % HB).to(gl.int64) * stride_qh
+        _async_load(q_rope, Q + row_r[:, None] + D_V + dr[None, :], mask=(h_r < H)[:, None])
         cp.commit_group()
 
         n_len = gl.load(LENS + t)
@@ -265,11 +271,12 @@ if HAS_GLUON:
         has = l_i > 0.0
         l_safe = gl.where(has, l_i, 1.0)
         lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        gl.store(LSE + t * stride_lt + h * stride_lh, lse, mask=h < H)
+        gl.store(LSE + t * stride_lt + (h // HB).to(gl.int64) * stride_lb + (h % HB) * stride_lh, lse, mask=h < H)
         out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, mma_o))[:, None]
         h_o = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, mma_o))
         d_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, mma_o))
-        o_ptr = OUT + t * stride_ot + h_o[:, None].to(gl.int64) * stride_oh + d_o[None, :]
+        row_o = t * stride_ot + (h_o // HB).to(gl.int64) * stride_ob + (h_o % HB).to(gl.int64) * stride_oh
+        o_ptr = OUT + row_o[:, None] + d_o[None, :]
         gl.store(o_ptr, out.to(dtype), mask=(h_o < H)[:, None])
 
 
@@ -290,47 +297,59 @@ def launch_gluon_attention(
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    group_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the Gluon kernel on prepared per-query row lists (inputs already validated).
+    """Run the Gluon kernel on prepared unions (inputs already validated).
+
+    ``q``, ``out`` and ``lse`` may each be *head-blocked*: ``[B, T, H/B, ...]`` holds head
+    ``b * H/B + i`` of token ``t`` at ``[b, t, i]`` (an all-to-all receive or send buffer, read or
+    written in place); otherwise ``[T, H, ...]``. Any 16-byte aligned strides, unit last-dim stride.
 
     Args:
-        q: ``[T, H, D]`` bf16/fp16; kv: ``[R, D]``; union: ``[T, W]`` int32 sorted unique valid
-            rows per token (``G = 1`` union); lens: ``[T]`` int32 entries used per token.
-        config: :func:`gluon_config` when None.
+        q: ``[T, H, D]`` or ``[B, T, H/B, D]`` bf16/fp16; kv: ``[R, D]``.
+        union: ``[ceil(T/G), W]`` int32 from :func:`~shardattn.kernels.union.build_union` with
+            ``group_size``: sorted unique valid rows per token (``G = 1``) or packed entries with
+            one membership bit per query (``G > 1``); lens: ``[ceil(T/G)]`` int32 entries used.
+        config: :func:`gluon_config` when None (``G > 1`` needs the ``"ws"`` variant).
+        out / lse: optional destinations ``[T, H, v_dim]`` / ``[T, H]`` (or head-blocked), q's dtype / fp32.
+        group_size: ``G`` queries per 64-row tile (``1, 2, 4, 8``; ``G > 1`` needs ``H <= 64 / G``).
     Returns:
-        ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)``.
+        ``(out, lse)``: the given destinations, or new ``[T, H, v_dim]`` q.dtype and ``[T, H]`` fp32.
     """
-    t, h, d = q.shape
+    t, d = q.shape[-3], q.shape[-1]
+    h = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
     cfg = config or gluon_config(h, v_dim, d - v_dim)
+    if group_size > 1 and (cfg.variant != "ws" or h > BLOCK_H // group_size):
+        raise ValueError(f"group_size={group_size} needs the 'ws' variant and <= {BLOCK_H // group_size} heads")
     if out is None:
         out = torch.empty(t, h, v_dim, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
     if t == 0 or h == 0:
         return out, lse
-    grid = (t, triton.cdiv(h, BLOCK_H))
+    q_blk, o_blk, l_blk = q.dim() == 4, out.dim() == 4, lse.dim() == 3
+    hb = heads_per_block(h, q=q if q_blk else None, out=out if o_blk else None, lse=lse if l_blk else None)
+    strides = (
+        *head_block_strides(q, q_blk, hb), kv.stride(0), union.stride(0),
+        *head_block_strides(out, o_blk, hb), *head_block_strides(lse, l_blk, hb),
+    )  # fmt: skip
+    heads_per_tile = BLOCK_H // group_size
+    grid = (num_groups(t, group_size), triton.cdiv(h, heads_per_tile))
+    sink_arg = sinks if sinks is not None else lse
     if cfg.variant == "ws":
         from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
 
         if cfg.heads_fastest:
-            grid = (t * triton.cdiv(h, BLOCK_H),)
+            grid = (grid[0] * grid[1],)
         ws_kernel()[grid](
-            q, kv, union, lens, sinks if sinks is not None else lse, out, lse,
-            t, h,
-            q.stride(0), q.stride(1), kv.stride(0), union.stride(0),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            scale * LOG2E,
-            BLOCK_N=cfg.block_n, D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None,
+            q, kv, union, lens, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E,
+            G=group_size, BLOCK_N=cfg.block_n, D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None,
             WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1], ASYNC_ARRIVE=cfg.async_arrive,
             PREFETCH_QK=cfg.prefetch_qk, HEADS_FASTEST=cfg.heads_fastest, num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
         )  # fmt: skip
         return out, lse
     _sparse_mla_gluon_fwd[grid](
-        q, kv, union, lens, sinks if sinks is not None else lse, out, lse,
-        t, h,
-        q.stride(0), q.stride(1), kv.stride(0), union.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        scale * LOG2E,
+        q, kv, union, lens, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E,
         BLOCK_N=cfg.block_n, STAGES=cfg.stages, D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None,
         num_warps=NUM_WARPS,
     )  # fmt: skip
@@ -378,12 +397,14 @@ def compile_for_sm90(
 
     Args:
         kind: ``"prefill"`` (the only Gluon kernel so far).
-        heads: query heads per rank (the tile is 64 heads whatever this is).
-        group_size: queries per tile; only ``1`` (per-query) exists in Gluon so far.
+        heads: query heads per rank (the tile is 64 rows: ``64 / group_size`` heads of
+            ``group_size`` queries; at most that many heads when ``group_size > 1``).
+        group_size: queries per tile, ``1`` (per-query) or ``2 / 4 / 8`` (grouped: the union's
+            packed entries and membership masks; the ``"ws"`` variant only).
     Returns:
         The PTX text of the compiled kernel.
     Raises:
-        ValueError: an unknown ``kind`` or an unsupported ``group_size``.
+        ValueError: an unknown ``kind``, an unsupported ``group_size`` or too many heads for it.
         RuntimeError: Gluon is not available in the installed Triton.
     """
     return compile_kernel_for_sm90(
@@ -405,43 +426,51 @@ def compile_kernel_for_sm90(
     """As :func:`compile_for_sm90`, returning Triton's compiled kernel (``asm``, ``metadata``)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if group_size != 1:
-        raise ValueError(f"group_size must be 1 (the Gluon grouped kernel is not written yet), got {group_size}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     if heads < 1:
         raise ValueError(f"heads must be >= 1, got {heads}")
+    cfg = config or gluon_config(heads, v_dim, rope_dim)
+    if group_size > 1 and heads > BLOCK_H // group_size:
+        raise ValueError(f"heads must be <= {BLOCK_H // group_size} for group_size={group_size}, got {heads}")
+    if group_size > 1 and cfg.variant != "ws":
+        raise ValueError(f"group_size={group_size} needs the 'ws' variant, got {cfg.variant!r}")
     why = gluon_available()
     if why is not None:
         raise RuntimeError(why)
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = config or gluon_config(heads, v_dim, rope_dim)
     ptr = f"*{dtype}"
+    ws = cfg.variant == "ws"
     signature = {
         "Q": ptr, "KV": ptr, "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": ptr, "LSE": "*fp32",
-        "T": "i32", "H": "i32",
-        "stride_qt": "i32", "stride_qh": "i32", "stride_kvr": "i32", "stride_ut": "i32",
-        "stride_ot": "i32", "stride_oh": "i32", "stride_lt": "i32", "stride_lh": "i32",
+        "T": "i32", "H": "i32", "HB": "i32",
+        "stride_qb": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kvr": "i32",
+        "stride_ug" if ws else "stride_ut": "i32",
+        "stride_ob": "i32", "stride_ot": "i32", "stride_oh": "i32",
+        "stride_lb": "i32", "stride_lt": "i32", "stride_lh": "i32",
         "qk_scale": "fp32",
-        "BLOCK_N": "constexpr", "STAGES": "constexpr", "D_V": "constexpr", "D_R": "constexpr",
-        "HAS_SINK": "constexpr",
     }  # fmt: skip
-    constexprs = {"BLOCK_N": cfg.block_n, "STAGES": cfg.stages, "D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks}
-    fn, options = _sparse_mla_gluon_fwd, {"num_warps": NUM_WARPS}
-    if cfg.variant == "ws":
+    if ws:
         from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
 
-        del signature["STAGES"], constexprs["STAGES"]
-        for name in ("WG1_REGS", "LOAD_REGS", "ASYNC_ARRIVE", "PREFETCH_QK", "HEADS_FASTEST"):
-            signature[name] = "constexpr"
-        constexprs.update(
-            WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1], ASYNC_ARRIVE=cfg.async_arrive, PREFETCH_QK=cfg.prefetch_qk,
-            HEADS_FASTEST=cfg.heads_fastest,
-        )  # fmt: skip
+        constexprs = {
+            "G": group_size, "BLOCK_N": cfg.block_n, "D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks,
+            "WG1_REGS": cfg.regs[0], "LOAD_REGS": cfg.regs[1], "ASYNC_ARRIVE": cfg.async_arrive,
+            "PREFETCH_QK": cfg.prefetch_qk, "HEADS_FASTEST": cfg.heads_fastest,
+        }  # fmt: skip
         fn, options = ws_kernel(), {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
+    else:
+        constexprs = {"BLOCK_N": cfg.block_n, "STAGES": cfg.stages, "D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks}
+        fn, options = _sparse_mla_gluon_fwd, {"num_warps": NUM_WARPS}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
     # what the launcher's specialisation sees at run time: 16-byte aligned pointers and strides
+    # (except the arguments it never specialises)
     names = list(signature)
-    aligned = [n for n in names if signature[n].startswith("*") or n.startswith("stride_")]
+    aligned = [
+        n for n in names if (signature[n].startswith("*") or n.startswith("stride_")) and n not in NOT_SPECIALIZED
+    ]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

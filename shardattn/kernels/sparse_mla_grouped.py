@@ -17,6 +17,10 @@ Path selection (:func:`choose_path`, one source of truth, also used by the warm-
   path, at 16 heads 0.92-0.95x and at 32 heads 0.84-0.85x (the union build costs 0.3-0.55 ms
   per 4K tokens, and the per-query kernel is already helped by L2 hits between neighbours);
   with random top-k grouping is 0.4-0.5x;
+* on sm_90 with Gluon in Triton the tile runs the Gluon kernel where the routing's measured
+  crossovers send ``(heads, G)`` (:func:`shardattn.plan.routing.route_prefill_kernel`; backend
+  ``"gluon"``), and ``group_size=None`` takes the grouped Gluon kernel's ``G``
+  (:func:`shardattn.plan.routing.gluon_grouped_group_size`) where that kernel runs;
 * the per-query path also when the KV cache has ``>= 2**24 - 1`` rows (24-bit packed rows)
   or on explicit ``group_size=1``;
 * the torch reference on CPU tensors or shapes the kernel does not support.
@@ -40,6 +44,7 @@ from shardattn.kernels.sparse_mla import (
     sparse_mla_reference,
     store_heads,
 )
+from shardattn.kernels.sparse_mla_gluon import gluon_supports, launch_gluon_attention
 from shardattn.kernels.sparse_mla_triton import (
     TileConfig,
     kernel_supports,
@@ -47,14 +52,14 @@ from shardattn.kernels.sparse_mla_triton import (
     tile_config,
 )
 from shardattn.kernels.union import GROUP_SIZES, MAX_PACKED_ROWS, build_union
-from shardattn.plan.routing import grouped_group_size
+from shardattn.plan.routing import gluon_grouped_group_size, grouped_group_size
 
 
 @dataclass(frozen=True)
 class PrefillPath:
     """Which implementation a sparse prefill takes, and why."""
 
-    backend: str  # "triton" or "reference"
+    backend: str  # "gluon", "triton" or "reference"
     group_size: int
     tile: TileConfig | None
     reason: str
@@ -76,7 +81,14 @@ def choose_path(
     v_dim: int,
     group_size: int | None = None,
 ) -> PrefillPath:
-    """Decide the implementation for these inputs (no GPU synchronisation)."""
+    """Decide the implementation for these inputs (no GPU synchronisation).
+
+    ``backend``: ``"gluon"`` where :func:`~shardattn.kernels.registry.sparse_prefill_kernel` sends
+    ``(heads, G)`` (sm_90 with Gluon, the measured crossovers of :mod:`shardattn.plan.routing`),
+    else ``"triton"``, else ``"reference"``. With ``group_size=None`` on such a GPU, ``G`` follows
+    the grouped Gluon kernel's crossover (:func:`~shardattn.plan.routing.gluon_grouped_group_size`)
+    where that kernel runs, else :func:`default_group_size`.
+    """
     heads = q.shape[1]
     if not use_triton(q, kv):
         return PrefillPath("reference", 1, None, "no Triton for these tensors (CPU or not installed)")
@@ -85,9 +97,16 @@ def choose_path(
         return PrefillPath("reference", 1, None, why)
     g = default_group_size(heads) if group_size is None else group_size
     reason = f"G = {g} for {heads} heads"
+    if group_size is None and kv.shape[0] <= MAX_PACKED_ROWS:
+        g_gluon = gluon_grouped_group_size(heads)
+        if g_gluon is not None and sparse_prefill_kernel(q, kv, v_dim, g_gluon)[0] == "gluon":
+            g, reason = g_gluon, f"G = {g_gluon} for {heads} heads (grouped Gluon crossover)"
     if g > 1 and kv.shape[0] > MAX_PACKED_ROWS:
         g, reason = 1, f"KV cache of {kv.shape[0]} rows exceeds the 24-bit packed limit"
-    return PrefillPath("triton", g, tile_config(heads, g, interpret=interpreter_enabled()), reason)
+    kernel, why = sparse_prefill_kernel(q, kv, v_dim, g)
+    if kernel == "gluon":
+        return PrefillPath("gluon", g, None, f"{reason}; {why}")
+    return PrefillPath("triton", g, tile_config(heads, g, interpret=interpreter_enabled()), f"{reason}; {why}")
 
 
 def sparse_mla_grouped_prefill(
@@ -157,25 +176,14 @@ def sparse_mla_grouped_prefill(
     else:
         g = path.group_size
         u, lens = build_union(rows, group_size=g, num_kv_rows=kv.shape[0], topk_length=topk_length, out=union)
-        if g == 1 and sparse_prefill_kernel(q3, kv, v_dim)[0] == "gluon":  # sm_90: the Gluon per-query kernel
-            from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
-
-            # the Gluon kernel takes plain [T, H, ...] tensors: head-blocked buffers are copied in and out
-            o, s = launch_gluon_attention(
-                q_heads_view(q),
-                kv,
-                u,
-                lens,
-                scale=scale,
-                v_dim=v_dim,
-                sinks=sinks,
-                out=out if out is not None and out.dim() == 3 else None,
-                lse=lse if lse is not None and lse.dim() == 2 else None,
+        if path.backend == "gluon" and gluon_supports(q, kv, v_dim) is None:
+            # sm_90: the Gluon kernel (per-query or grouped); head-blocked q / out / lse are used in place
+            out, lse = launch_gluon_attention(
+                q, kv, u, lens, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse, group_size=g
             )
-            out = o if out is None or o is out else store_heads(out, o)
-            lse = s if lse is None or s is lse else store_heads(lse, s)
         else:
+            tile = path.tile or tile_config(q3.shape[1], g)  # q's own strides did not suit the Gluon kernel
             out, lse = launch_attention(
-                q, kv, u, lens, scale=scale, v_dim=v_dim, config=path.tile, sinks=sinks, out=out, lse=lse
+                q, kv, u, lens, scale=scale, v_dim=v_dim, config=tile, sinks=sinks, out=out, lse=lse
             )
     return (out, lse) if return_lse else out

@@ -3,8 +3,9 @@
 :func:`compile_keys` lists, for a :class:`PrefillSpec`, each kernel variant a step can launch:
 the top-k conversion, the union build and the attention kernel, on both sides of the routing
 threshold (grouped ``G > 1`` for KV caches below ``2**24 - 1`` rows, per-query ``G = 1`` above,
-which is also the explicit ``group_size=1`` path; on sm_90 that side runs the Gluon kernel
-for the head counts the routing sends there, key ``gluon_attention``). :func:`warmup` compiles them all by running
+which is also the explicit ``group_size=1`` path; on sm_90 either side runs the Gluon kernel
+for the ``(heads, G)`` the routing sends there, key ``gluon_attention``, and a default step takes
+the grouped Gluon kernel's ``G``). :func:`warmup` compiles them all by running
 each launcher once on tiny inputs with the runtime's layouts; run-time sizes (token count, KV
 rows, block-table width) are not specialised by the kernels (``do_not_specialize``), so later
 calls of any size compile nothing. :func:`compiled_variants` counts what a kernel has compiled,
@@ -12,7 +13,7 @@ for tests.
 
 Example:
     >>> keys = compile_keys(PrefillSpec(heads=8, topk=2048))
-    >>> sorted({k.kernel for k in keys})
+    >>> sorted({k.kernel for k in keys} - {"gluon_attention"})  # Gluon keys where Triton has Gluon
     ['attention', 'convert_topk', 'union_compact', 'union_keys', 'union_merge']
     >>> sorted(k.params["G"] for k in keys if k.kernel == "attention")
     [1, 8]
@@ -29,6 +30,7 @@ from shardattn.kernels.sparse_mla_grouped import default_group_size
 from shardattn.kernels.sparse_mla_triton import tile_config
 from shardattn.kernels.topk import convert_topk_config
 from shardattn.kernels.union import UNION_METHOD, union_launch_config
+from shardattn.plan.routing import gluon_grouped_group_size
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,20 @@ class CompileKey:
     params: dict = field(hash=False, compare=True)
 
 
+def spec_group_sizes(spec: PrefillSpec) -> list[int]:
+    """Group sizes a step with this spec can take: 1, the given or default ``G`` and, where the
+    grouped Gluon kernel is routed (:func:`gluon_route`), its ``G`` for ``group_size=None``."""
+    groups = {1, default_group_size(spec.heads) if spec.group_size is None else spec.group_size}
+    g_gluon = gluon_grouped_group_size(spec.heads)
+    if spec.group_size is None and g_gluon is not None and gluon_route(spec, g_gluon):
+        groups.add(g_gluon)
+    return sorted(groups)
+
+
 def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
     """Every kernel variant a step with this spec can launch (grouped and per-query sides)."""
-    g = default_group_size(spec.heads) if spec.group_size is None else spec.group_size
     keys = [CompileKey("convert_topk", convert_topk_config(spec.topk, spec.seq_lens, spec.topk_length, spec.dcp))]
-    for group in sorted({g, 1}):
+    for group in spec_group_sizes(spec):
         cfg = union_launch_config(group, spec.topk)
         if group == 1 or UNION_METHOD[group] == "sort":
             keys.append(CompileKey("union_keys", {"G": group, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
@@ -76,11 +87,10 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
             for level, steps in enumerate(cfg["MERGE_STEPS"]):
                 params = {"G": group, "PLAIN": level == 0, "STEPS": steps, "CHUNK": cfg["MERGE_CHUNK"]}
                 keys.append(CompileKey("union_merge", params))
-        if group == 1 and gluon_route(spec):
+        if gluon_route(spec, group):
             cfg = gluon_config(spec.heads, spec.v_dim, spec.rope_dim)
-            keys.append(
-                CompileKey("gluon_attention", {"config": cfg.label, "HAS_SINK": spec.sinks, "dtype": spec.dtype})
-            )
+            params = {"config": cfg.label, "G": group, "HAS_SINK": spec.sinks, "dtype": spec.dtype}
+            keys.append(CompileKey("gluon_attention", params))
         tile = tile_config(spec.heads, group)
         keys.append(
             CompileKey(
@@ -101,17 +111,19 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
     return keys
 
 
-def gluon_route(spec: PrefillSpec) -> bool:
-    """``True`` when the per-query side of ``spec`` runs the Gluon kernel on an sm_90 GPU.
+def gluon_route(spec: PrefillSpec, group_size: int = 1) -> bool:
+    """``True`` when ``spec``'s steps of ``group_size`` queries per tile run the Gluon kernel on an sm_90 GPU.
 
     That is: this Triton ships Gluon, the head dims are DSA's and the routing's measured
-    crossover (:data:`shardattn.plan.routing.GLUON_MIN_HEADS`) sends this head count there.
+    crossovers (:func:`shardattn.plan.routing.route_prefill_kernel`) send ``(heads, G)`` there.
     """
     from shardattn.kernels.sparse_mla_gluon import gluon_available
-    from shardattn.plan.routing import GLUON_MIN_HEADS
+    from shardattn.plan.routing import route_prefill_kernel
 
     dims_ok = (spec.v_dim, spec.rope_dim) == (512, 64) and spec.dtype in (torch.bfloat16, torch.float16)
-    return gluon_available() is None and dims_ok and spec.heads >= GLUON_MIN_HEADS
+    if gluon_available() is not None or not dims_ok:
+        return False
+    return route_prefill_kernel(spec.heads, sm=90, group_size=group_size).path == "gluon"
 
 
 def compiled_variants(kernel) -> int:
@@ -149,8 +161,7 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
         d = spec.v_dim + spec.rope_dim
         q = torch.randn(t, spec.heads, d, generator=gen).to(device=device, dtype=spec.dtype)
         kv = torch.randn(64, d, generator=gen).to(device=device, dtype=spec.dtype)
-        g = default_group_size(spec.heads) if spec.group_size is None else spec.group_size
-        for group in sorted({g, 1}):
+        for group in spec_group_sizes(spec):
             sparse_mla_grouped_prefill(
                 q, kv, pos, scale=d**-0.5, v_dim=spec.v_dim, group_size=group,
                 topk_length=torch.full((t,), k, dtype=torch.int32, device=device) if spec.topk_length else None,

@@ -39,6 +39,7 @@ from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
 
 __all__ = [
     "DECODE_PATHS",
+    "GLUON_GROUPED_MAX_HEADS",
     "GLUON_MIN_HEADS",
     "GROUPED_MAX_HEADS",
     "GROUP_SIZES",
@@ -48,6 +49,7 @@ __all__ = [
     "TILE_ROWS",
     "XQA_SM",
     "Route",
+    "gluon_grouped_group_size",
     "grouped_group_size",
     "route_decode",
     "route_prefill",
@@ -71,6 +73,11 @@ GLUON_MIN_HEADS = 32
 Triton kernel. Its tile is 64 heads, so fewer pad it. Measured on an H200 (benchmarks/RESULTS.md,
 DSA-like top-k, kernel only, T = 4K / 16K): Gluon / Triton speed 1.71 / 1.60x at 64 heads,
 1.63 / 1.60x at 128, 1.07 / 1.05x at 32, 0.77 / 0.76x at 16 and 0.81 / 0.81x at 8."""
+GLUON_GROUPED_MAX_HEADS = 32
+"""Most heads per query at which the grouped Gluon kernel (sm_90; ``G = 64 / heads`` queries share
+one 64-row tile and their union of top-k rows) runs: a grouped step on sm_90 with Gluon takes
+``G = gluon_grouped_group_size(heads)``. Measured on an H200 (benchmarks/RESULTS.md, section
+"Grouped Gluon prefill", DSA-like top-k, T = 4K, union build included)."""
 PREFILL_KERNELS = ("gluon", "triton", "reference")
 
 
@@ -126,6 +133,15 @@ def grouped_group_size(
         return None
     g = tile_group_size(num_heads, tile_rows=tile_rows)
     return g if g in GROUP_SIZES else None
+
+
+def gluon_grouped_group_size(num_heads: int, *, gluon_grouped_max_heads: int = GLUON_GROUPED_MAX_HEADS) -> int | None:
+    """``G`` of the grouped Gluon kernel (64-row tile) for ``num_heads``, or ``None`` where it does not pay.
+
+    >>> [gluon_grouped_group_size(h) for h in (4, 8, 16, 32, 64)]
+    [8, 8, 4, 2, None]
+    """
+    return grouped_group_size(num_heads, grouped_max_heads=gluon_grouped_max_heads, tile_rows=TILE_ROWS)
 
 
 def route_prefill(
@@ -265,15 +281,21 @@ def route_prefill_kernel(
     sm: int | tuple[int, int] | None = None,
     gluon_missing: str | None = None,
     gluon_min_heads: int = GLUON_MIN_HEADS,
+    group_size: int = 1,
+    gluon_grouped_max_heads: int = GLUON_GROUPED_MAX_HEADS,
 ) -> Route:
-    """Which kernel runs a per-query sparse-MLA prefill step: ``gluon``, ``triton`` or ``reference``.
+    """Which kernel runs a sparse-MLA prefill step of ``group_size`` queries per tile: ``gluon``,
+    ``triton`` or ``reference`` (the Route's ``group_size`` is the given one).
 
     Args:
         num_heads: query heads per rank.
         device_type: ``"cuda"``, ``"cpu"``, ... (or a ``torch.device``).
         sm: compute capability, ``90`` or ``(9, 0)``; ``None`` = unknown (no Gluon).
         gluon_missing: why the Gluon kernel cannot run here (None = it can: Triton has Gluon).
-        gluon_min_heads: fewest heads at which Gluon beats Triton (measured).
+        gluon_min_heads: fewest heads at which per-query Gluon beats per-query Triton (measured).
+        group_size: ``G``; ``1`` = per-query. ``G > 1`` runs the grouped Gluon kernel when its
+            64-row tile holds ``G * heads`` rows and ``heads <= gluon_grouped_max_heads``.
+        gluon_grouped_max_heads: most heads at which grouped Gluon beats the Triton paths (measured).
 
     >>> route_prefill_kernel(128, sm=90).path
     'gluon'
@@ -281,17 +303,31 @@ def route_prefill_kernel(
     '8 heads < 32: the per-query Triton kernel is faster there (measured)'
     >>> route_prefill_kernel(128, sm=100).path
     'triton'
+    >>> route_prefill_kernel(16, sm=90, group_size=4).reason
+    'SM90, 16 heads, G = 4: grouped Gluon warpgroup-MMA kernel (64-row tile)'
+    >>> route_prefill_kernel(16, sm=90, group_size=8).path
+    'triton'
     """
     h = check_int("num_heads", num_heads, minimum=1)
     check_int("gluon_min_heads", gluon_min_heads, minimum=1)
+    g = check_int("group_size", group_size, minimum=1)
+    check_int("gluon_grouped_max_heads", gluon_grouped_max_heads, minimum=0)
     sm_v = _sm(sm)
     dev = _device_type(device_type)
     if dev != "cuda":
-        return Route("reference", 1, f"no GPU (device type {dev!r}): torch reference")
+        return Route("reference", g, f"no GPU (device type {dev!r}): torch reference")
     if gluon_missing is not None:
-        return Route("triton", 1, f"{gluon_missing}: Triton kernel")
+        return Route("triton", g, f"{gluon_missing}: Triton kernel")
     if sm_v is None or sm_v // 10 != 9:
-        return Route("triton", 1, f"SM{sm_v} is not SM90 (the Gluon kernel uses Hopper wgmma): Triton kernel")
+        return Route("triton", g, f"SM{sm_v} is not SM90 (the Gluon kernel uses Hopper wgmma): Triton kernel")
+    if g > 1:
+        if g * h > TILE_ROWS:
+            why = f"{h} heads x G = {g} exceed the Gluon kernel's {TILE_ROWS}-row tile: Triton grouped kernel"
+            return Route("triton", g, why)
+        if h > gluon_grouped_max_heads:
+            why = f"{h} heads > {gluon_grouped_max_heads}: grouped Gluon does not pay there (measured)"
+            return Route("triton", g, why)
+        return Route("gluon", g, f"SM90, {h} heads, G = {g}: grouped Gluon warpgroup-MMA kernel ({TILE_ROWS}-row tile)")
     if h < gluon_min_heads:
         why = f"{h} heads < {gluon_min_heads}: the per-query Triton kernel is faster there (measured)"
         return Route("triton", 1, why)
