@@ -20,7 +20,12 @@ from shardattn.kernels.sparse_mla_gluon import (
     gluon_available,
     gluon_config,
 )
-from shardattn.plan.routing import GLUON_MIN_HEADS, gluon_grouped_group_size, route_prefill_kernel
+from shardattn.plan.routing import (
+    GLUON_GROUPED_MAX_HEADS,
+    GLUON_MIN_HEADS,
+    gluon_grouped_group_size,
+    route_prefill_kernel,
+)
 
 needs_gluon = pytest.mark.skipif(gluon_available() is not None, reason=str(gluon_available()))
 
@@ -77,6 +82,17 @@ def test_routing_picks_gluon_on_sm90_only_where_measured_faster():
     missing = route_prefill_kernel(128, sm=90, gluon_missing="no gluon here")
     assert (missing.path, missing.reason) == ("triton", "no gluon here: Triton kernel")
     assert route_prefill_kernel(128, device_type="cpu").path == "reference"
+
+
+def test_grouped_launch_rejects_more_heads_than_the_tile_holds():
+    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
+
+    q, kv = torch.zeros(4, 16, D_V + D_R, dtype=torch.bfloat16), torch.zeros(8, D_V + D_R, dtype=torch.bfloat16)
+    union, lens = torch.zeros(1, 8 * K, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="<= 8 heads"):
+        launch_gluon_attention(q, kv, union, lens, scale=0.1, v_dim=D_V, group_size=8)
+    with pytest.raises(ValueError, match="'ws' variant"):
+        launch_gluon_attention(q[:, :4], kv, union, lens, scale=0.1, v_dim=D_V, group_size=8, config=PIPELINED)
 
 
 def test_registry_on_cpu_tensors_is_the_reference():
@@ -173,14 +189,17 @@ def test_warmup_lists_the_gluon_keys_exactly_where_routing_sends_heads(heads):
 
 
 def test_grouped_routing_follows_the_tile_and_the_measured_crossover():
-    assert [gluon_grouped_group_size(h) for h in (8, 16, 32, 64)] == [8, 4, 2, None]
+    assert [gluon_grouped_group_size(h, gluon_grouped_max_heads=32) for h in (8, 16, 32, 64)] == [8, 4, 2, None]
     for heads, g in ((8, 8), (16, 4), (32, 2)):
-        route = route_prefill_kernel(heads, sm=90, group_size=g)
+        route = route_prefill_kernel(heads, sm=90, group_size=g, gluon_grouped_max_heads=32)
         assert (route.path, route.group_size) == ("gluon", g) and f"G = {g}" in route.reason
-        assert route_prefill_kernel(heads, sm=100, group_size=g).path == "triton"
-    assert route_prefill_kernel(16, sm=90, group_size=8).path == "triton"  # 128 rows: not the 64-row tile
-    assert route_prefill_kernel(8, sm=90, group_size=8, gluon_grouped_max_heads=4).path == "triton"
+        assert route_prefill_kernel(heads, sm=100, group_size=g, gluon_grouped_max_heads=32).path == "triton"
+        assert route_prefill_kernel(heads, sm=90, group_size=g, gluon_grouped_max_heads=heads // 2).path == "triton"
+    assert route_prefill_kernel(16, sm=90, group_size=8, gluon_grouped_max_heads=32).path == "triton"  # 128 rows
     assert route_prefill_kernel(8, sm=90, group_size=8, gluon_missing="no gluon").path == "triton"
+    if GLUON_GROUPED_MAX_HEADS == 0:  # not routed until measured
+        assert gluon_grouped_group_size(8) is None
+        assert "not routed" in route_prefill_kernel(8, sm=90, group_size=8).reason
 
 
 @pytest.mark.gpu
@@ -211,19 +230,31 @@ def test_grouped_gluon_matches_reference_at_real_shape(heads, group_size, with_s
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize(("heads", "blocks", "entry"), [(64, 4, "attention"), (128, 8, "grouped"), (16, 2, "grouped")])
+@pytest.mark.parametrize(("heads", "blocks", "entry"), [(64, 4, "attention"), (128, 8, "grouped"), (16, 2, "G4")])
 def test_head_blocked_buffers_are_read_and_written_in_place(heads, blocks, entry):
-    """q, out and lse as ``[B, T, H/B, ...]`` (an all-to-all buffer): no copies, same result."""
+    """q, out and lse as ``[B, T, H/B, ...]`` (an all-to-all buffer): no copies, same result.
+
+    64 / 128 heads through the public entries (routed to the per-query Gluon kernel), 16 heads
+    through the grouped Gluon kernel's launcher (``G = 4``)."""
     from shardattn.kernels.sparse_mla import sparse_mla_attention
+    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
     from shardattn.kernels.sparse_mla_grouped import choose_path, sparse_mla_grouped_prefill
+    from shardattn.kernels.union import build_union
 
     q, kv, rows, length, sinks = _case(heads, tokens=93, seed=heads + blocks)
-    t, hb = q.shape[0], heads // blocks
+    t, hb, scale = q.shape[0], heads // blocks, (D_V + D_R) ** -0.5
     q_blk = q.unflatten(1, (blocks, hb)).movedim(1, 0).contiguous()  # [B, T, H/B, D]
     out = torch.full((blocks, t, hb, D_V), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((blocks, t, hb), float("nan"), device=q.device)
-    fn = sparse_mla_attention if entry == "attention" else sparse_mla_grouped_prefill
-    assert choose_path(q, kv, v_dim=D_V).backend == "gluon"
-    o, s = fn(q_blk, kv, rows, scale=(D_V + D_R) ** -0.5, v_dim=D_V, topk_length=length, sinks=sinks, out=out, lse=lse)
+    if entry == "G4":
+        union, lens = build_union(rows, group_size=4, num_kv_rows=kv.shape[0], topk_length=length)
+        o, s = launch_gluon_attention(
+            q_blk, kv, union, lens, scale=scale, v_dim=D_V, sinks=sinks, out=out, lse=lse, group_size=4
+        )
+    else:
+        assert choose_path(q, kv, v_dim=D_V).backend == "gluon"
+        fn = sparse_mla_attention if entry == "attention" else sparse_mla_grouped_prefill
+        o, s = fn(q_blk, kv, rows, scale=scale, v_dim=D_V, topk_length=length, sinks=sinks, out=out, lse=lse)
+    torch.cuda.synchronize()
     assert o is out and s is lse
     _assert_close(out.movedim(0, 1).flatten(1, 2), lse.movedim(0, 1).flatten(1, 2), q, kv, rows, length, sinks)

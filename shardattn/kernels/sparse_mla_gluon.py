@@ -366,6 +366,8 @@ def sparse_mla_gluon(
     topk_length: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     config: GluonConfig | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-query Gluon path: rows sorted and de-duplicated (``G = 1`` union), then attended.
 
@@ -373,13 +375,17 @@ def sparse_mla_gluon(
     :func:`shardattn.kernels.sparse_mla.sparse_mla_attention`).
 
     Args:
-        q: ``[T, H, D]`` bf16/fp16; kv: ``[R, D]``; rows: ``[T, K]`` int32 global rows (-1 / out
-            of range invalid, anywhere); topk_length: ``[T]`` int32 or None; sinks: ``[H]`` fp32.
+        q: ``[T, H, D]`` bf16/fp16 (or head-blocked ``[B, T, H/B, D]``); kv: ``[R, D]``; rows:
+            ``[T, K]`` int32 global rows (-1 / out of range invalid, anywhere); topk_length:
+            ``[T]`` int32 or None; sinks: ``[H]`` fp32.
+        out / lse: optional destinations, plain or head-blocked (:func:`launch_gluon_attention`).
     Returns:
-        ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)``.
+        ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)`` (the given destinations when passed).
     """
     union, lens = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
-    return launch_gluon_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, config=config, sinks=sinks)
+    return launch_gluon_attention(
+        q, kv, union, lens, scale=scale, v_dim=v_dim, config=config, sinks=sinks, out=out, lse=lse
+    )
 
 
 def compile_for_sm90(

@@ -73,11 +73,13 @@ GLUON_MIN_HEADS = 32
 Triton kernel. Its tile is 64 heads, so fewer pad it. Measured on an H200 (benchmarks/RESULTS.md,
 DSA-like top-k, kernel only, T = 4K / 16K): Gluon / Triton speed 1.71 / 1.60x at 64 heads,
 1.63 / 1.60x at 128, 1.07 / 1.05x at 32, 0.77 / 0.76x at 16 and 0.81 / 0.81x at 8."""
-GLUON_GROUPED_MAX_HEADS = 32
+GLUON_GROUPED_MAX_HEADS = 0
 """Most heads per query at which the grouped Gluon kernel (sm_90; ``G = 64 / heads`` queries share
-one 64-row tile and their union of top-k rows) runs: a grouped step on sm_90 with Gluon takes
-``G = gluon_grouped_group_size(heads)``. Measured on an H200 (benchmarks/RESULTS.md, section
-"Grouped Gluon prefill", DSA-like top-k, T = 4K, union build included)."""
+one 64-row tile and their union of top-k rows) runs, and ``G = gluon_grouped_group_size(heads)``
+of a default grouped step. ``0``: not routed. The kernel matched the fp32 reference on an H200
+(benchmarks/RESULTS.md, section "Grouped Gluon prefill") but its speed against the Triton paths
+has not been measured yet, so no crossover is known; set this to the largest head count at which
+``benchmarks/gluon_check.py --grouped`` shows it faster (the kernel holds at most 32 heads)."""
 PREFILL_KERNELS = ("gluon", "triton", "reference")
 
 
@@ -136,9 +138,9 @@ def grouped_group_size(
 
 
 def gluon_grouped_group_size(num_heads: int, *, gluon_grouped_max_heads: int = GLUON_GROUPED_MAX_HEADS) -> int | None:
-    """``G`` of the grouped Gluon kernel (64-row tile) for ``num_heads``, or ``None`` where it does not pay.
+    """``G`` of the grouped Gluon kernel (64-row tile) for ``num_heads``, or ``None`` where it is not routed.
 
-    >>> [gluon_grouped_group_size(h) for h in (4, 8, 16, 32, 64)]
+    >>> [gluon_grouped_group_size(h, gluon_grouped_max_heads=32) for h in (4, 8, 16, 32, 64)]
     [8, 8, 4, 2, None]
     """
     return grouped_group_size(num_heads, grouped_max_heads=gluon_grouped_max_heads, tile_rows=TILE_ROWS)
@@ -295,7 +297,8 @@ def route_prefill_kernel(
         gluon_min_heads: fewest heads at which per-query Gluon beats per-query Triton (measured).
         group_size: ``G``; ``1`` = per-query. ``G > 1`` runs the grouped Gluon kernel when its
             64-row tile holds ``G * heads`` rows and ``heads <= gluon_grouped_max_heads``.
-        gluon_grouped_max_heads: most heads at which grouped Gluon beats the Triton paths (measured).
+        gluon_grouped_max_heads: most heads at which grouped Gluon beats the Triton paths (measured;
+            ``0``: grouped steps run the Triton kernel).
 
     >>> route_prefill_kernel(128, sm=90).path
     'gluon'
@@ -303,9 +306,9 @@ def route_prefill_kernel(
     '8 heads < 32: the per-query Triton kernel is faster there (measured)'
     >>> route_prefill_kernel(128, sm=100).path
     'triton'
-    >>> route_prefill_kernel(16, sm=90, group_size=4).reason
+    >>> route_prefill_kernel(16, sm=90, group_size=4, gluon_grouped_max_heads=32).reason
     'SM90, 16 heads, G = 4: grouped Gluon warpgroup-MMA kernel (64-row tile)'
-    >>> route_prefill_kernel(16, sm=90, group_size=8).path
+    >>> route_prefill_kernel(16, sm=90, group_size=8, gluon_grouped_max_heads=32).path
     'triton'
     """
     h = check_int("num_heads", num_heads, minimum=1)
@@ -324,6 +327,8 @@ def route_prefill_kernel(
         if g * h > TILE_ROWS:
             why = f"{h} heads x G = {g} exceed the Gluon kernel's {TILE_ROWS}-row tile: Triton grouped kernel"
             return Route("triton", g, why)
+        if gluon_grouped_max_heads == 0:
+            return Route("triton", g, "grouped Gluon kernel not routed (no measured crossover): Triton grouped kernel")
         if h > gluon_grouped_max_heads:
             why = f"{h} heads > {gluon_grouped_max_heads}: grouped Gluon does not pay there (measured)"
             return Route("triton", g, why)
