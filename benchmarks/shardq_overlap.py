@@ -110,8 +110,9 @@ def bench(fn: Callable[[], object], iters: int, warmup: int, device: torch.devic
     return float(t[0]), float(t[1])
 
 
-def kernel_overlap(fn: Callable[[], object], device: torch.device) -> dict[str, float]:
-    """Profile one call: device ms of NCCL kernels, of other kernels, and of NCCL time that overlaps them."""
+def kernel_overlap(fn: Callable[[], object], device: torch.device, trace: str | None = None) -> dict[str, float]:
+    """Profile one call: device ms of NCCL kernels, of other kernels, and of NCCL time that overlaps them
+    (``trace``: also save the Chrome trace there)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -122,7 +123,10 @@ def kernel_overlap(fn: Callable[[], object], device: torch.device) -> dict[str, 
         torch.cuda.synchronize(device)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text())["traceEvents"]
+        text = Path(f.name).read_text()
+    if trace:
+        Path(trace).write_text(text)
+    events = json.loads(text)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
     other = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
@@ -167,7 +171,8 @@ def run_config(
         seed=args.seed, block_size=spec.page_size,
     )  # fmt: skip
     kv_rows = int(step.kv.shape[0])
-    common = dict(max_batched_tokens=tokens, max_kv_rows=kv_rows, device=device, warmup=False)
+    # cost_model=None: the ShardQ Runtimes take ShardQ whatever the router would predict
+    common = dict(max_batched_tokens=tokens, max_kv_rows=kv_rows, device=device, warmup=False, cost_model=None)
     rt = Runtime(spec, group, mode="shardq", prefill_chunks=None, **common)  # the planner's chunks
     rt1 = Runtime(spec, group, mode="shardq", prefill_chunks=1, **common)
     rth = Runtime(spec, group, mode="headtp", **common)
@@ -235,10 +240,13 @@ def run_config(
     host_ms = {k: v[1] for k, v in both.items()}
     overlap = {}
     if device.type == "cuda" and args.profile:
-        for k in ("shardq", "shardq_hp"):
+        for k in ("shardq", "shardq_c1", "shardq_hp"):
             if k in fns:
                 dist.barrier()
-                overlap[k] = kernel_overlap(fns[k], device)
+                trace = None
+                if args.trace_dir and rank == 0:
+                    trace = str(Path(args.trace_dir) / f"trace_{preset}_{tokens}_{k}.json")
+                overlap[k] = kernel_overlap(fns[k], device, trace)
     counts = [int(c) for c in plan.shard.counts.tolist()]
     from shardattn.plan.pipeline import choose_chunks
 
@@ -279,6 +287,7 @@ def main() -> None:
     p.add_argument("--chunks", nargs="*", type=int, default=[], help="also time the step at these chunk counts")
     p.add_argument("--high-priority", action="store_true", help="also time the step over a high-priority NCCL group")
     p.add_argument("--profile", action="store_true", help="profile one step: NCCL time overlapping kernels")
+    p.add_argument("--trace-dir", default=None, help="with --profile: save rank 0's Chrome traces there")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.cpu:

@@ -103,12 +103,22 @@ def _chunked_runs(
     h = case["q"].shape[1] // w
     q = case["q"][:, rank * h : (rank + 1) * h]
     seen: list[int] = []
+    readies: list[int] = []
 
     def attention(*args, **kwargs):  # the kernel, recording where it reads q and writes out
         seen.extend([args[0].data_ptr(), kwargs["out"].data_ptr(), kwargs["lse"].data_ptr()])
+        wait, calls = kwargs.pop("q_ready"), []
+
+        def q_ready() -> None:  # the chunk's query exchange: the kernel must wait for it once
+            calls.append(1)
+            wait()
+
         if grouped:  # G = align queries per tile (the Triton grouped kernel on a GPU)
-            return sparse_mla_grouped_prefill(*args, group_size=align, **kwargs)
-        return sparse_mla_attention(*args, **kwargs)
+            res = sparse_mla_grouped_prefill(*args, group_size=align, q_ready=q_ready, **kwargs)
+        else:
+            res = sparse_mla_attention(*args, q_ready=q_ready, **kwargs)
+        readies.append(len(calls))
+        return res
 
     ws = None
     dev = q.device
@@ -124,6 +134,7 @@ def _chunked_runs(
     for c in chunk_counts:
         comm.reset_counts()
         seen.clear()
+        readies.clear()
         out, lse = shardq_prefill(
             q, case["kv"], case["rows"], plan, comm, scale=D**-0.5, v_dim=DV, topk_length=case["topk_length"],
             sinks=case["sinks"], attention=attention, chunks=c, align=align, workspace=ws, check=False,
@@ -133,6 +144,7 @@ def _chunked_runs(
             spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in ws.values()]
             inside = all(any(lo <= p < hi for lo, hi in spans) for p in seen)
         launches = len(seen) // 3
+        assert readies == [1] * launches, readies  # each kernel call waited for its queries once
         results.append((out, lse, dict(comm.counts), inside, launches))
     return results
 
