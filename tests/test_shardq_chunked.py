@@ -31,7 +31,7 @@ from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.runtime import Runtime
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan import pcp_plan, zigzag_split
-from shardattn.plan.pipeline import CHUNK_TOKENS, MAX_CHUNKS, choose_chunks, pipeline_plan
+from shardattn.plan.pipeline import AUTO_MAX_CHUNKS, CHUNK_WORK, MAX_CHUNKS, choose_chunks, pipeline_plan
 from shardattn.plan.spec import ModelSpec
 
 D, DV = 48, 32
@@ -69,10 +69,19 @@ def test_pipeline_plan_cuts_every_share_into_aligned_runs(lens, world, chunks, a
 
 
 def test_choose_chunks_grows_with_the_step_and_stays_bounded() -> None:
-    got = [choose_chunks(n) for n in range(0, 20 * CHUNK_TOKENS, 97)]
-    assert got == sorted(got) and got[0] == 1 and got[-1] == MAX_CHUNKS
+    per_token = 64 * 2048
+    got = [choose_chunks(n) for n in range(0, 20 * CHUNK_WORK // per_token, 97)]
+    assert got == sorted(got) and got[0] == 1 and got[-1] == AUTO_MAX_CHUNKS
+    # each chunk keeps at least CHUNK_WORK of work (the host issues a chunk faster than it runs)
+    for n in (CHUNK_WORK // per_token, 3 * CHUNK_WORK // per_token):
+        c = choose_chunks(n)
+        assert n * per_token // c >= CHUNK_WORK
+    assert choose_chunks(4096, heads=128) == 2 * choose_chunks(4096, heads=64)
+    assert choose_chunks(10**6, max_chunks=MAX_CHUNKS) == MAX_CHUNKS
     with pytest.raises(ValueError, match="rank_tokens"):
         choose_chunks(-1)
+    with pytest.raises(ValueError, match="heads"):
+        choose_chunks(10, heads=0)
 
 
 # -- ShardQ ------------------------------------------------------------------------------------

@@ -147,10 +147,9 @@ def shardq_prefill(
         check: make the ranks agree on the plan and shapes first (one small all-gather, a host
             sync); bad input or a different plan on any rank then raises on every rank.
         chunks: pipeline depth ``C``; ``None``: the planner's
-            :func:`~shardattn.plan.pipeline.choose_chunks` of the largest rank share. Every value
-            gives the same result, bit for bit. Default 1: on two H200s the pipelined step was
-            measured slower than the unpipelined in-place one (the exchanges barely overlapped
-            the kernels; benchmarks/RESULTS.md), so pipelining is opt-in until it pays.
+            :func:`~shardattn.plan.pipeline.choose_chunks` of the largest rank share's work. Every
+            value gives the same result, bit for bit. Default 1 (not pipelined); the Runtime passes
+            ``None``.
         align: chunk boundaries are multiples of it (the kernel's group size ``G``).
         workspace: optional ``uint8`` buffers ``{"q", "out", "lse"}`` the receive / send buffers
             are carved from (the Runtime's ``prefill.packed_q`` / ``.out`` / ``.lse``); default:
@@ -185,7 +184,9 @@ def shardq_prefill(
             )
             return (out, lse) if return_lse else out
 
-        pipe = pipeline_plan(plan, chunks or choose_chunks(int(plan.counts.max())), align=align)
+        if chunks is None:  # the planner's pick from the largest share's work
+            chunks = choose_chunks(int(plan.counts.max()), heads=h * comm.world_size, topk=max(1, rows.shape[1]))
+        pipe = pipeline_plan(plan, chunks, align=align)
         return _pipelined(
             q, kv, rows, plan, pipe, comm, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks,
             return_lse=return_lse, attention=attention, workspace=workspace, out=out, lse=lse,
