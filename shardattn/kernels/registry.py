@@ -109,5 +109,6 @@ def sparse_decode_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> tuple
     from shardattn.kernels.sparse_mla_gluon import gluon_supports
 
     sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    route = route_sparse_decode_kernel(q.shape[1], device_type=q.device, sm=sm, gluon_missing=gluon_supports(q, kv, v_dim))
+    missing = gluon_supports(q, kv, v_dim)
+    route = route_sparse_decode_kernel(q.shape[1], device_type=q.device, sm=sm, gluon_missing=missing)
     return route.path, route.reason

@@ -215,7 +215,8 @@ def sparse_mla_decode(
         if backend == "triton" or (kernel == "gluon" and triton_only):
             kernel = "triton"
     elif backend == "gluon":
-        raise ValueError("backend='gluon' cannot run here: " + ("kv has no rows" if kv.shape[0] == 0 else "no CUDA/Triton"))
+        why = "kv has no rows" if kv.shape[0] == 0 else "no CUDA tensors or no Triton"
+        raise ValueError(f"backend='gluon' cannot run here: {why}")
     if kernel == "reference":
         if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
             ref_out, ref_lse = empty_kv_result(q, v_dim, sinks)

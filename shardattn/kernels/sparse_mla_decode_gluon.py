@@ -104,7 +104,8 @@ def gluon_decode_plan(
     hb = -(-num_heads // HEAD_BLOCK)
 
     def shape(s: int) -> tuple[int, int]:
-        chunk = -(-(-(-k // s)) // SPLIT_ROWS) * SPLIT_ROWS
+        per_slice = -(-k // s)
+        chunk = -(-per_slice // SPLIT_ROWS) * SPLIT_ROWS
         return -(-k // chunk), chunk
 
     def fits(s: int) -> bool:
@@ -207,7 +208,7 @@ def split_rows(
     _split_rows_kernel[(t,)](
         rows, topk_length if topk_length is not None else rows, union, lens,
         t, k, num_kv_rows, rows.stride(0), rows.stride(1), chunk, num_splits,
-        BLOCK=block, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HAS_LEN=topk_length is not None,
+        BLOCK=block, BLOCK_S=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), HAS_LEN=topk_length is not None,
     )  # fmt: skip
     return union, lens
 

@@ -249,9 +249,8 @@ def route_decode(
     if dev != "cuda":
         return Route("reference", 1, f"no GPU (device type {dev!r}): torch reference")
     if spec.kind == "sparse_mla":
-        return Route(
-            "triton", 1, "sparse MLA decode: sparse decode kernel (returns the LSE; route_sparse_decode_kernel picks it)"
-        )
+        why = "sparse MLA decode: sparse decode kernel (returns the LSE; route_sparse_decode_kernel picks it)"
+        return Route("triton", 1, why)
     if not xqa_installed:
         why = "FlashInfer XQA is not installed"
     elif sm_v not in XQA_SM:
@@ -346,4 +345,5 @@ def route_sparse_decode_kernel(
     if h < gluon_min_heads:
         why = f"{h} heads < {gluon_min_heads}: the Triton split-KV decode kernel is faster there (measured)"
         return Route("triton", 1, why)
-    return Route("gluon", 1, f"SM90, {h} heads >= {gluon_min_heads}: Gluon warp-specialised kernel (row slices merged by LSE)")
+    why = f"SM90, {h} heads >= {gluon_min_heads}: Gluon warp-specialised kernel (row slices merged by LSE)"
+    return Route("gluon", 1, why)
