@@ -174,8 +174,9 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False) -> None:
     """Sparse-MLA decode, the Triton split-KV kernel against the Gluon kernel (sm_90) on the same
     inputs in the same run: heads 128 / 64 (batch 1-256) and 32 (the crossover), top-k 2048 unique random rows of
     262,144, D 576 / Dv 512, bf16, graph replays. Effective TFLOP/s = ``2 B K H (576 + 512)``
-    over the time. ``sweep`` also times the Gluon kernel alone with and without adjacent head
-    blocks (``heads_fastest``) at 128 heads."""
+    over the time. ``sweep`` also times the Gluon kernel alone at 128 heads with and without
+    adjacent head blocks (``heads_fastest``) on unsorted and sorted rows, and the Gluon path at
+    fixed slice counts (calibration of :func:`gluon_decode_plan`)."""
     from dataclasses import replace
 
     from shardattn.kernels.registry import sparse_decode_kernel
@@ -186,7 +187,7 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False) -> None:
     kv = torch.randn(r, 576, device="cuda").bfloat16()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = []
-    cases = [(h, b, True) for h in (128, 64) for b in (1, 8, 64, 128, 256)]
+    cases = [(h, b, True) for h in (128, 64) for b in (1, 8, 16, 32, 64, 128, 256)]
     cases += [(32, b, True) for b in (8, 64, 256)] + [(128, b, False) for b in (1, 256)]
     for heads, batch, unique in cases:
         q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
@@ -230,21 +231,34 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False) -> None:
         )
     if not sweep:
         return
-    for batch in (64, 128, 256):  # the kernel alone (one slice), query's head blocks adjacent or not
+    for batch in (128, 256):  # the kernel alone (one slice), query's head blocks adjacent or not
         q = torch.randn(batch, 128, 576, device="cuda").bfloat16()
         rows = torch.argsort(torch.rand(batch, r, device="cuda"), dim=1)[:, :k].int()
-        union, lens = split_rows(rows, num_kv_rows=r, num_splits=1, chunk=k)
         out = torch.empty(batch, 128, 512, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(batch, 128, device="cuda")
         flops = 2 * batch * k * 128 * (576 + 512)
-        for adjacent in (False, True):
-            cfg = replace(gluon_decode_config(128), heads_fastest=adjacent)
+        for order, rr in (("unsorted", rows), ("sorted", torch.sort(rows, dim=1).values)):
+            union, lens = split_rows(rr, num_kv_rows=r, num_splits=1, chunk=k)
+            for adjacent in (False, True):
+                cfg = replace(gluon_decode_config(128), heads_fastest=adjacent)
+                ms = graph_ms(
+                    lambda q=q, u=union, n=lens, c=cfg, o=out, s=lse: launch_gluon_attention(
+                        q, kv, u, n, scale=576**-0.5, v_dim=512, config=c, out=o, lse=s
+                    )
+                )
+                label = f"gluon kernel H128 B{batch} {order} rows {cfg.label}"
+                record("sweep", label, ms, tflops=flops / (ms * 1e-3) / 1e12)
+    for heads, batch, slices in ((64, 64, (1, 2, 4)), (64, 16, (2, 4, 8)), (128, 16, (2, 4, 8)), (128, 1, (8, 16, 32))):
+        q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+        rows = torch.argsort(torch.rand(batch, r, device="cuda"), dim=1)[:, :k].int()
+        flops = 2 * batch * k * heads * (576 + 512)
+        for s in slices:
             ms = graph_ms(
-                lambda q=q, u=union, n=lens, c=cfg, o=out, s=lse: launch_gluon_attention(
-                    q, kv, u, n, scale=576**-0.5, v_dim=512, config=c, out=o, lse=s
+                lambda q=q, rows=rows, s=s: sparse_mla_decode(
+                    q, kv, rows, scale=576**-0.5, rows_unique=True, backend="gluon", num_splits=s
                 )
             )
-            record("sweep", f"gluon kernel H128 B{batch} {cfg.label}", ms, tflops=flops / (ms * 1e-3) / 1e12)
+            record("sweep", f"gluon H{heads} B{batch} slices={s}", ms, tflops=flops / (ms * 1e-3) / 1e12)
 
 
 def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:

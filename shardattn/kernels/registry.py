@@ -95,9 +95,10 @@ def sparse_decode_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> tuple
     """``(name, reason)`` of the kernel that runs a sparse-MLA decode call on these tensors.
 
     ``"gluon"`` on sm_90 when Triton ships Gluon, the shape suits the kernel and the routing's
-    measured head-count crossover (:data:`shardattn.plan.routing.GLUON_DECODE_MIN_HEADS`) says
-    it pays; else ``"triton"`` (the split-KV kernel) when Triton runs these tensors; else
-    ``"reference"`` (the fp32 torch path).
+    measured crossovers (:data:`shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads and
+    :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_PROGRAMS` programs) say it pays; else
+    ``"triton"`` (the split-KV kernel) when Triton runs these tensors; else ``"reference"`` (the
+    fp32 torch path).
     """
     from shardattn.plan.routing import route_sparse_decode_kernel
 
@@ -110,5 +111,7 @@ def sparse_decode_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> tuple
 
     sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     missing = gluon_supports(q, kv, v_dim)
-    route = route_sparse_decode_kernel(q.shape[1], device_type=q.device, sm=sm, gluon_missing=missing)
+    route = route_sparse_decode_kernel(
+        q.shape[1], num_tokens=q.shape[0], device_type=q.device, sm=sm, gluon_missing=missing
+    )
     return route.path, route.reason

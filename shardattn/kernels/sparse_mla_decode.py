@@ -30,7 +30,8 @@ re-read by fewer programs). The torch reference is
 :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 
 Backends: on an sm_90 GPU with Triton's Gluon, at
-:data:`~shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads or more (DSA shapes, bf16/fp16),
+:data:`~shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads or more (DSA shapes, bf16/fp16) and
+batches of at least :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_PROGRAMS` whole-row programs,
 the call runs the warp-specialised Gluon kernel instead
 (:mod:`~shardattn.kernels.sparse_mla_decode_gluon`: one program per token x 64 heads over the
 whole row, or over row slices merged by LSE when that leaves SMs idle); same contract, same
@@ -175,7 +176,8 @@ def sparse_mla_decode(
             ``False``: on an H200 the tree merge measured 30-43 us against 26-34 us for the
             separate merge kernel at 16 heads, 1-8 tokens (benchmarks/RESULTS.md).
         backend: ``None`` (routed: :func:`~shardattn.kernels.registry.sparse_decode_kernel`),
-            ``"triton"`` or ``"gluon"`` (a ``ValueError`` where it cannot run). ``config``,
+            ``"triton"`` or ``"gluon"`` (forced, also below the routing's crossover; a
+            ``ValueError`` where the kernel cannot run these tensors). ``config``,
             ``fused_merge=True`` and ``counters`` are Triton options: with them the routed
             call runs Triton. On the Gluon path ``num_splits`` is the number of row slices and a
             ``workspace`` too small for the chosen slices makes it use fewer.
@@ -207,11 +209,13 @@ def sparse_mla_decode(
     kernel = "reference"
     if kv.shape[0] > 0 and triton is not None and use_triton(q):
         kernel, why = sparse_decode_kernel(q, kv, v_dim) if h > 0 else ("triton", "no heads")
-        if backend == "gluon" and kernel != "gluon":
+        if backend == "gluon":  # forced: wherever the kernel runs, whatever the measured crossover says
             from shardattn.kernels.sparse_mla_gluon import gluon_supports
 
-            why = gluon_supports(q, kv, v_dim) or why
-            raise ValueError(f"backend='gluon' cannot run here: {why}")
+            why = gluon_supports(q, kv, v_dim)
+            if why is not None:
+                raise ValueError(f"backend='gluon' cannot run here: {why}")
+            kernel = "gluon"
         if backend == "triton" or (kernel == "gluon" and triton_only):
             kernel = "triton"
     elif backend == "gluon":

@@ -42,6 +42,7 @@ from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
 __all__ = [
     "DECODE_PATHS",
     "GLUON_DECODE_MIN_HEADS",
+    "GLUON_DECODE_MIN_PROGRAMS",
     "GLUON_MIN_HEADS",
     "GROUPED_MAX_HEADS",
     "GROUP_SIZES",
@@ -80,6 +81,11 @@ GLUON_DECODE_MIN_HEADS = 64
 """Fewest heads per query at which sparse-MLA decode runs the Gluon kernel (sm_90) instead of the
 Triton split-KV kernel (its tile is 64 heads, so fewer pad it). Measured on an H200:
 benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel"."""
+GLUON_DECODE_MIN_PROGRAMS = 32
+"""Fewest whole-row Gluon programs (``tokens x ceil(heads / 64)``) at which sparse-MLA decode runs
+the Gluon kernel: smaller batches are latency bound (row slices, the merge and the row packing
+are launches of their own) and the Triton split-KV kernel is as fast there (measured on an H200:
+benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel")."""
 SPARSE_DECODE_KERNELS = ("gluon", "triton", "reference")
 
 
@@ -311,29 +317,37 @@ def route_prefill_kernel(
 def route_sparse_decode_kernel(
     num_heads: int,
     *,
+    num_tokens: int | None = None,
     device_type: str | torch.device = "cuda",
     sm: int | tuple[int, int] | None = None,
     gluon_missing: str | None = None,
     gluon_min_heads: int = GLUON_DECODE_MIN_HEADS,
+    gluon_min_programs: int = GLUON_DECODE_MIN_PROGRAMS,
 ) -> Route:
     """Which kernel runs a sparse-MLA decode call: ``gluon``, ``triton`` or ``reference``.
 
     Args:
         num_heads: query heads of the call (all heads under DCP, ``H / TP`` under head-TP).
+        num_tokens: query tokens of the call (requests x draft length); None = large enough.
         device_type: ``"cuda"``, ``"cpu"``, ... (or a ``torch.device``).
         sm: compute capability, ``90`` or ``(9, 0)``; ``None`` = unknown (no Gluon).
         gluon_missing: why the Gluon kernel cannot run these tensors (None = it can).
         gluon_min_heads: fewest heads at which the Gluon decode beats Triton (measured).
+        gluon_min_programs: fewest ``tokens x ceil(heads / 64)`` at which it does (measured).
 
     >>> route_sparse_decode_kernel(128, sm=90).reason
     'SM90, 128 heads >= 64: Gluon warp-specialised kernel (row slices merged by LSE)'
     >>> route_sparse_decode_kernel(16, sm=90).path
     'triton'
+    >>> route_sparse_decode_kernel(128, num_tokens=1, sm=90).path
+    'triton'
     >>> route_sparse_decode_kernel(128, device_type="cpu").path
     'reference'
     """
     h = check_int("num_heads", num_heads, minimum=1)
+    t = None if num_tokens is None else check_int("num_tokens", num_tokens, minimum=0)
     check_int("gluon_min_heads", gluon_min_heads, minimum=1)
+    check_int("gluon_min_programs", gluon_min_programs, minimum=0)
     sm_v = _sm(sm)
     dev = _device_type(device_type)
     if dev != "cuda":
@@ -344,6 +358,13 @@ def route_sparse_decode_kernel(
         return Route("triton", 1, f"SM{sm_v} is not SM90 (the Gluon kernel uses Hopper wgmma): Triton split-KV decode")
     if h < gluon_min_heads:
         why = f"{h} heads < {gluon_min_heads}: the Triton split-KV decode kernel is faster there (measured)"
+        return Route("triton", 1, why)
+    programs = None if t is None else t * -(-h // 64)
+    if programs is not None and programs < gluon_min_programs:
+        why = (
+            f"{t} tokens x {-(-h // 64)} head blocks < {gluon_min_programs} Gluon programs: latency bound, "
+            "the Triton split-KV decode kernel is as fast there (measured)"
+        )
         return Route("triton", 1, why)
     why = f"SM90, {h} heads >= {gluon_min_heads}: Gluon warp-specialised kernel (row slices merged by LSE)"
     return Route("gluon", 1, why)
