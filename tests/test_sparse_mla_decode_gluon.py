@@ -315,3 +315,31 @@ def test_gluon_decode_graph_capture_replays_bitwise(tokens):
         ref_o, ref_l = sparse_mla_reference(q2, kv, rows2, scale=SCALE, topk_length=len2, sinks=sinks)
         _check(got_o, got_l, ref_o, ref_l)
     assert math.isfinite(float(lse[tokens - 1, 0]))
+
+
+# ---- decode warm-up: every variant the size-dependent routing can reach (CPU, calls recorded) ----
+
+
+@pytest.mark.parametrize("routed", ["gluon", "triton"])
+def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeypatch, routed):
+    import shardattn.parallel.decode_warmup as dw
+    from shardattn.plan.spec import get_preset
+
+    calls = []
+
+    def record(q, kv, rows, **kw):
+        calls.append((q.shape[0], kw.get("backend"), kw.get("num_splits")))
+
+    monkeypatch.setattr(dw, "sparse_mla_decode", record)
+    monkeypatch.setattr(dw, "sparse_decode_kernel", lambda q, kv, v_dim: (routed, "test"))
+    monkeypatch.setattr(dw, "convert_topk", lambda pos, *a, **k: (pos, None))
+    monkeypatch.setattr(dw, "compiles_kernels", lambda device: True)  # as on a GPU, with CPU tensors
+    spec = get_preset("glm5")
+    dw.warm_up_decode(
+        spec, device=torch.device("cpu"), dtype=torch.bfloat16, heads=64, kv_heads=1, topk=64, max_decode_tokens=40,
+        scale=0.1, dcp=None, need_lse=True, gqa_backend="triton",
+    )  # fmt: skip
+    for t in (1, 2, 40):
+        assert (t, None, None) in calls and (t, "triton", None) in calls
+    gluon = {c for c in calls if c[1] == "gluon"}
+    assert gluon == ({(40, "gluon", 1), (40, "gluon", 2)} if routed == "gluon" else set())

@@ -77,15 +77,18 @@ Triton kernel. Its tile is 64 heads, so fewer pad it. Measured on an H200 (bench
 DSA-like top-k, kernel only, T = 4K / 16K): Gluon / Triton speed 1.71 / 1.60x at 64 heads,
 1.63 / 1.60x at 128, 1.07 / 1.05x at 32, 0.77 / 0.76x at 16 and 0.81 / 0.81x at 8."""
 PREFILL_KERNELS = ("gluon", "triton", "reference")
-GLUON_DECODE_MIN_HEADS = 64
+GLUON_DECODE_MIN_HEADS = 32
 """Fewest heads per query at which sparse-MLA decode runs the Gluon kernel (sm_90) instead of the
-Triton split-KV kernel (its tile is 64 heads, so fewer pad it). Measured on an H200:
-benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel"."""
+Triton split-KV kernel (its tile is 64 heads, so fewer pad it). Measured on an H200
+(benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel", top-k 2048, batch 64 / 256):
+Gluon / Triton speed 1.84 / 1.87x at 128 heads, 1.48 / 1.88x at 64, 1.40 / 1.31x at 32 (padded
+to 64); 16 heads not measured (4x padding; the Triton kernel has a 16-head tile)."""
 GLUON_DECODE_MIN_PROGRAMS = 32
 """Fewest whole-row Gluon programs (``tokens x ceil(heads / 64)``) at which sparse-MLA decode runs
 the Gluon kernel: smaller batches are latency bound (row slices, the merge and the row packing
-are launches of their own) and the Triton split-KV kernel is as fast there (measured on an H200:
-benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel")."""
+are launches of their own) and the Triton split-KV kernel is as fast there. Measured on an H200
+(benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel"), Gluon / Triton speed at
+16 / 32 programs: 0.94 / 1.21x at 128 heads (batch 8 / 16), 0.97 / 1.21x at 64 (batch 16 / 32)."""
 SPARSE_DECODE_KERNELS = ("gluon", "triton", "reference")
 
 
@@ -336,7 +339,7 @@ def route_sparse_decode_kernel(
         gluon_min_programs: fewest ``tokens x ceil(heads / 64)`` at which it does (measured).
 
     >>> route_sparse_decode_kernel(128, sm=90).reason
-    'SM90, 128 heads >= 64: Gluon warp-specialised kernel (row slices merged by LSE)'
+    'SM90, 128 heads >= 32: Gluon warp-specialised kernel (row slices merged by LSE)'
     >>> route_sparse_decode_kernel(16, sm=90).path
     'triton'
     >>> route_sparse_decode_kernel(128, num_tokens=1, sm=90).path
