@@ -6,6 +6,7 @@ memory-bound kernels, FlashInfer XQA (when importable) for GQA decode.
 
     python benchmarks/decode.py --json decode.json            # everything
     python benchmarks/decode.py --only gqa,merge               # a subset
+    python benchmarks/decode.py --only gluon --sweep           # sparse-MLA decode, Triton vs Gluon
     python benchmarks/decode.py --warm-xqa                     # JIT-compile the XQA variants only
 """
 
@@ -138,7 +139,9 @@ def bench_sparse(copy_tbs: float, sweep: bool = False) -> None:
             nbytes = batch * 2048 * 576 * 2 + q.numel() * 2 + batch * heads * (512 * 2 + 4) + rows.numel() * 4
             for unique in (True, False):
                 ms = graph_ms(
-                    lambda q=q, rows=rows, u=unique: sparse_mla_decode(q, kv, rows, scale=576**-0.5, rows_unique=u)
+                    lambda q=q, rows=rows, u=unique: sparse_mla_decode(
+                        q, kv, rows, scale=576**-0.5, rows_unique=u, backend="triton"
+                    )
                 )
                 record(
                     "sparse",
@@ -165,6 +168,97 @@ def bench_sparse(copy_tbs: float, sweep: bool = False) -> None:
                 )
             )
             record("sweep", f"H{heads} B{batch} splits={splits} BLOCK_N={bn} warps={warps}", ms, nbytes)
+
+
+def bench_sparse_gluon(copy_tbs: float, sweep: bool = False) -> None:
+    """Sparse-MLA decode, the Triton split-KV kernel against the Gluon kernel (sm_90) on the same
+    inputs in the same run: heads 128 / 64 (batch 1-256) and 32 (the crossover), top-k 2048 unique random rows of
+    262,144, D 576 / Dv 512, bf16, graph replays. Effective TFLOP/s = ``2 B K H (576 + 512)``
+    over the time. ``sweep`` also times the Gluon kernel alone at 128 heads with and without
+    adjacent head blocks (``heads_fastest``) on unsorted and sorted rows, and the Gluon path at
+    fixed slice counts (calibration of :func:`gluon_decode_plan`)."""
+    from dataclasses import replace
+
+    from shardattn.kernels.registry import sparse_decode_kernel
+    from shardattn.kernels.sparse_mla_decode_gluon import gluon_decode_config, gluon_decode_plan, split_rows
+    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
+
+    r, k = 1 << 18, 2048
+    kv = torch.randn(r, 576, device="cuda").bfloat16()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    table = []
+    cases = [(h, b, True) for h in (128, 64) for b in (1, 8, 16, 32, 64, 128, 256)]
+    cases += [(32, b, True) for b in (8, 64, 256)] + [(128, b, False) for b in (1, 256)]
+    for heads, batch, unique in cases:
+        q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+        rows = torch.argsort(torch.rand(batch, r, device="cuda"), dim=1)[:, :k].int()
+        nbytes = batch * k * 576 * 2 + q.numel() * 2 + batch * heads * (512 * 2 + 4) + rows.numel() * 4
+        flops = 2 * batch * k * heads * (576 + 512)
+        routed = sparse_decode_kernel(q, kv, 512)[0]
+        times, outs = {}, {}
+        for backend in ("triton", "gluon"):
+
+            def fn(q=q, rows=rows, b=backend, u=unique):
+                return sparse_mla_decode(q, kv, rows, scale=576**-0.5, rows_unique=u, backend=b)
+
+            outs[backend] = fn()[0].float()
+            ms = graph_ms(fn)
+            times[backend] = ms
+            record(
+                "gluon",
+                f"H{heads} B{batch} topk{k} {'rows_unique' if unique else 'dedup'} {backend}",
+                ms,
+                nbytes,
+                tflops=flops / (ms * 1e-3) / 1e12,
+                copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs,
+            )
+        diff = ((outs["gluon"] - outs["triton"]).norm() / outs["triton"].norm()).item()
+        splits = gluon_decode_plan(batch, heads, k, sms)["num_splits"]
+        ratio = times["triton"] / times["gluon"]
+        RESULTS[-1].update(gluon_over_triton_speed=ratio, rel_diff_vs_triton=diff, gluon_splits=splits, routed=routed)
+        table.append((heads, batch, unique, times["triton"], times["gluon"], flops, ratio, splits, routed, diff))
+    print("\nsparse-MLA decode, Triton vs Gluon (us; effective TFLOP/s):")
+    print(
+        "| heads | batch | rows | Triton us | Gluon us | Triton TF/s | Gluon TF/s | Gluon / Triton speed | slices "
+        "| routed | rel. diff |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for h, b, u, tt, tg, fl, ratio, s, routed, diff in table:
+        print(
+            f"| {h} | {b} | {'unique' if u else 'dedup'} | {tt * 1e3:.1f} | {tg * 1e3:.1f} | "
+            f"{fl / (tt * 1e-3) / 1e12:.0f} | {fl / (tg * 1e-3) / 1e12:.0f} | {ratio:.2f}x | {s} | {routed} "
+            f"| {diff:.1e} |"
+        )
+    if not sweep:
+        return
+    for batch in (128, 256):  # the kernel alone (one slice), query's head blocks adjacent or not
+        q = torch.randn(batch, 128, 576, device="cuda").bfloat16()
+        rows = torch.argsort(torch.rand(batch, r, device="cuda"), dim=1)[:, :k].int()
+        out = torch.empty(batch, 128, 512, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(batch, 128, device="cuda")
+        flops = 2 * batch * k * 128 * (576 + 512)
+        for order, rr in (("unsorted", rows), ("sorted", torch.sort(rows, dim=1).values)):
+            union, lens = split_rows(rr, num_kv_rows=r, num_splits=1, chunk=k)
+            for adjacent in (False, True):
+                cfg = replace(gluon_decode_config(128), heads_fastest=adjacent)
+                ms = graph_ms(
+                    lambda q=q, u=union, n=lens, c=cfg, o=out, s=lse: launch_gluon_attention(
+                        q, kv, u, n, scale=576**-0.5, v_dim=512, config=c, out=o, lse=s
+                    )
+                )
+                label = f"gluon kernel H128 B{batch} {order} rows {cfg.label}"
+                record("sweep", label, ms, tflops=flops / (ms * 1e-3) / 1e12)
+    for heads, batch, slices in ((64, 64, (1, 2, 4)), (64, 16, (2, 4, 8)), (128, 16, (2, 4, 8)), (128, 1, (8, 16, 32))):
+        q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+        rows = torch.argsort(torch.rand(batch, r, device="cuda"), dim=1)[:, :k].int()
+        flops = 2 * batch * k * heads * (576 + 512)
+        for s in slices:
+            ms = graph_ms(
+                lambda q=q, rows=rows, s=s: sparse_mla_decode(
+                    q, kv, rows, scale=576**-0.5, rows_unique=True, backend="gluon", num_splits=s
+                )
+            )
+            record("sweep", f"gluon H{heads} B{batch} slices={s}", ms, tflops=flops / (ms * 1e-3) / 1e12)
 
 
 def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
@@ -289,7 +383,7 @@ def save(path: str, copy_tbs: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="decode.json")
-    parser.add_argument("--only", default="gqa,sparse,merge,graph")
+    parser.add_argument("--only", default="gqa,sparse,gluon,merge,graph")
     parser.add_argument("--warm-xqa", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time fixed tile/split variants")
     args = parser.parse_args()
@@ -303,6 +397,7 @@ def main() -> None:
     for key, fn in (
         ("merge", bench_merge),
         ("sparse", bench_sparse),
+        ("gluon", bench_sparse_gluon),
         ("sparse-small", bench_sparse_small),
         ("gqa", bench_gqa),
     ):

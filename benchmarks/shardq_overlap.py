@@ -10,8 +10,10 @@ CUDA events around each call after a barrier (median of ``--iters``, then the ma
 
 * ``kernel``: the rank's ShardQ kernel call alone (all heads of its tokens: union build + kernel),
   reading a contiguous q;
-* ``shardq``: :meth:`Runtime.prefill` pipelined (``prefill_chunks=None``: the planner's chunks);
-* ``shardq_c1``: the same step with ``prefill_chunks=1`` (in place, not pipelined; the default);
+* ``shardq``: :meth:`Runtime.prefill` (``prefill_chunks=None``, the default: the planner's chunks);
+* ``shardq_c1``: the same step with ``prefill_chunks=1`` (not pipelined), ``shardq_cN`` with N;
+* ``shardq_normal_prio`` (``--normal-priority``): the default step over an NCCL group whose stream
+  has normal priority (the launchers' groups, and this script's, use a high-priority stream);
 * ``before``: the step as it was before the pipelining (two all-to-alls around index gathers,
   permute copies and byte packing), on the same kernel: the baseline;
 * ``comm``: the pipelined step with a kernel that does nothing (messages and launches only);
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardattn.launch.process_group import nccl_options
 from shardattn.launch.workloads import build_prefill
 from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, unpack_rows
 from shardattn.parallel.runtime import Runtime
@@ -110,8 +113,9 @@ def bench(fn: Callable[[], object], iters: int, warmup: int, device: torch.devic
     return float(t[0]), float(t[1])
 
 
-def kernel_overlap(fn: Callable[[], object], device: torch.device) -> dict[str, float]:
-    """Profile one call: device ms of NCCL kernels, of other kernels, and of NCCL time that overlaps them."""
+def kernel_overlap(fn: Callable[[], object], device: torch.device, trace: str | None = None) -> dict[str, float]:
+    """Profile one call: device ms of NCCL kernels, of other kernels, and of NCCL time that overlaps them
+    (``trace``: also save the Chrome trace there)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -122,7 +126,10 @@ def kernel_overlap(fn: Callable[[], object], device: torch.device) -> dict[str, 
         torch.cuda.synchronize(device)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text())["traceEvents"]
+        text = Path(f.name).read_text()
+    if trace:
+        Path(trace).write_text(text)
+    events = json.loads(text)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
     other = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
@@ -154,7 +161,7 @@ def run_config(
     args: argparse.Namespace,
     group: dist.ProcessGroup,
     device: torch.device,
-    hp_group: dist.ProcessGroup | None = None,
+    np_group: dist.ProcessGroup | None = None,
 ) -> dict:
     spec = get_preset(preset)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -167,12 +174,14 @@ def run_config(
         seed=args.seed, block_size=spec.page_size,
     )  # fmt: skip
     kv_rows = int(step.kv.shape[0])
-    common = dict(max_batched_tokens=tokens, max_kv_rows=kv_rows, device=device, warmup=False)
+    # cost_model=None: the ShardQ Runtimes take ShardQ whatever the router would predict
+    common = dict(max_batched_tokens=tokens, max_kv_rows=kv_rows, device=device, warmup=False, cost_model=None)
     rt = Runtime(spec, group, mode="shardq", prefill_chunks=None, **common)  # the planner's chunks
     rt1 = Runtime(spec, group, mode="shardq", prefill_chunks=1, **common)
     rth = Runtime(spec, group, mode="headtp", **common)
     by_chunks = {c: Runtime(spec, group, mode="shardq", prefill_chunks=c, **common) for c in args.chunks if c != 1}
-    rt_hp = None if hp_group is None else Runtime(spec, hp_group, mode="shardq", prefill_chunks=None, **common)
+    # the same step over a group whose NCCL stream has normal priority (the launchers' is high)
+    rt_np = None if np_group is None else Runtime(spec, np_group, mode="shardq", prefill_chunks=None, **common)
     rank, w, h = rt.rank, rt.world_size, rt.heads_per_rank
     plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=kv_rows)
     plan_h = rth.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=kv_rows)
@@ -209,8 +218,10 @@ def run_config(
     }
     for c, r in by_chunks.items():
         fns[f"shardq_c{c}"] = functools.partial(r.prefill, q_local, step.kv, step.rows, plan=plan, check=False)
-    if rt_hp is not None:  # the same step over a group whose NCCL stream has high priority
-        fns["shardq_hp"] = functools.partial(rt_hp.prefill, q_local, step.kv, step.rows, plan=plan, check=False)
+    if rt_np is not None:
+        fns["shardq_normal_prio"] = functools.partial(
+            rt_np.prefill, q_local, step.kv, step.rows, plan=plan, check=False
+        )
     # correctness in the same run: the same bits from every ShardQ variant; error vs head-TP
     outs = {k: fns[k]() for k in ("shardq", "shardq_c1", "before", "headtp")}
     for k in fns:
@@ -235,10 +246,13 @@ def run_config(
     host_ms = {k: v[1] for k, v in both.items()}
     overlap = {}
     if device.type == "cuda" and args.profile:
-        for k in ("shardq", "shardq_hp"):
+        for k in ("shardq", "shardq_c1", "shardq_normal_prio"):
             if k in fns:
                 dist.barrier()
-                overlap[k] = kernel_overlap(fns[k], device)
+                trace = None
+                if args.trace_dir and rank == 0:
+                    trace = str(Path(args.trace_dir) / f"trace_{preset}_{tokens}_{k}.json")
+                overlap[k] = kernel_overlap(fns[k], device, trace)
     counts = [int(c) for c in plan.shard.counts.tolist()]
     from shardattn.plan.pipeline import choose_chunks
 
@@ -248,7 +262,7 @@ def run_config(
         "heads": spec.num_heads,
         "world": w,
         "rank_tokens": counts,
-        "chunks": rt.prefill_chunks or choose_chunks(max(counts)),
+        "chunks": rt.prefill_chunks or choose_chunks(max(counts), heads=spec.num_heads, topk=spec.topk),
         "route": plan.route.path,
         "ms": times,
         "host_ms": host_ms,
@@ -277,8 +291,11 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=None, help="override the preset's top-k (CPU dry runs)")
     p.add_argument("--cpu", action="store_true", help="dry run on the CPU with gloo (tiny sizes)")
     p.add_argument("--chunks", nargs="*", type=int, default=[], help="also time the step at these chunk counts")
-    p.add_argument("--high-priority", action="store_true", help="also time the step over a high-priority NCCL group")
+    p.add_argument(
+        "--normal-priority", action="store_true", help="also time the step over an NCCL group of normal stream priority"
+    )
     p.add_argument("--profile", action="store_true", help="profile one step: NCCL time overlapping kernels")
+    p.add_argument("--trace-dir", default=None, help="with --profile: save rank 0's Chrome traces there")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.cpu:
@@ -287,18 +304,16 @@ def main() -> None:
     else:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, pg_options=nccl_options())  # as the launchers do
     group = dist.group.WORLD
     Comm(group)  # resolves once; fails early on a bad group
-    hp_group = None
-    if args.high_priority and not args.cpu:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.is_high_priority_stream = True
-        hp_group = dist.new_group(list(range(dist.get_world_size())), backend="nccl", pg_options=opts)
+    np_group = None
+    if args.normal_priority and not args.cpu:
+        np_group = dist.new_group(list(range(dist.get_world_size())), backend="nccl")
     results = []
     for preset in args.presets:
         for tokens in args.tokens:
-            r = run_config(preset, tokens, args, group, device, hp_group)
+            r = run_config(preset, tokens, args, group, device, np_group)
             results.append(r)
             if dist.get_rank() == 0:
                 print(json.dumps(r), flush=True)

@@ -31,7 +31,7 @@ from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.runtime import Runtime
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan import pcp_plan, zigzag_split
-from shardattn.plan.pipeline import CHUNK_TOKENS, MAX_CHUNKS, choose_chunks, pipeline_plan
+from shardattn.plan.pipeline import AUTO_MAX_CHUNKS, CHUNK_WORK, MAX_CHUNKS, choose_chunks, pipeline_plan
 from shardattn.plan.spec import ModelSpec
 
 D, DV = 48, 32
@@ -69,10 +69,19 @@ def test_pipeline_plan_cuts_every_share_into_aligned_runs(lens, world, chunks, a
 
 
 def test_choose_chunks_grows_with_the_step_and_stays_bounded() -> None:
-    got = [choose_chunks(n) for n in range(0, 20 * CHUNK_TOKENS, 97)]
-    assert got == sorted(got) and got[0] == 1 and got[-1] == MAX_CHUNKS
+    per_token = 64 * 2048
+    got = [choose_chunks(n) for n in range(0, 20 * CHUNK_WORK // per_token, 97)]
+    assert got == sorted(got) and got[0] == 1 and got[-1] == AUTO_MAX_CHUNKS
+    # each chunk keeps at least CHUNK_WORK of work (the host issues a chunk faster than it runs)
+    for n in (CHUNK_WORK // per_token, 3 * CHUNK_WORK // per_token):
+        c = choose_chunks(n)
+        assert n * per_token // c >= CHUNK_WORK
+    assert choose_chunks(4096, heads=128) == 2 * choose_chunks(4096, heads=64)
+    assert choose_chunks(10**6, max_chunks=MAX_CHUNKS) == MAX_CHUNKS
     with pytest.raises(ValueError, match="rank_tokens"):
         choose_chunks(-1)
+    with pytest.raises(ValueError, match="heads"):
+        choose_chunks(10, heads=0)
 
 
 # -- ShardQ ------------------------------------------------------------------------------------
@@ -103,12 +112,22 @@ def _chunked_runs(
     h = case["q"].shape[1] // w
     q = case["q"][:, rank * h : (rank + 1) * h]
     seen: list[int] = []
+    readies: list[int] = []
 
     def attention(*args, **kwargs):  # the kernel, recording where it reads q and writes out
         seen.extend([args[0].data_ptr(), kwargs["out"].data_ptr(), kwargs["lse"].data_ptr()])
+        wait, calls = kwargs.pop("q_ready"), []
+
+        def q_ready() -> None:  # the chunk's query exchange: the kernel must wait for it once
+            calls.append(1)
+            wait()
+
         if grouped:  # G = align queries per tile (the Triton grouped kernel on a GPU)
-            return sparse_mla_grouped_prefill(*args, group_size=align, **kwargs)
-        return sparse_mla_attention(*args, **kwargs)
+            res = sparse_mla_grouped_prefill(*args, group_size=align, q_ready=q_ready, **kwargs)
+        else:
+            res = sparse_mla_attention(*args, q_ready=q_ready, **kwargs)
+        readies.append(len(calls))
+        return res
 
     ws = None
     dev = q.device
@@ -124,6 +143,7 @@ def _chunked_runs(
     for c in chunk_counts:
         comm.reset_counts()
         seen.clear()
+        readies.clear()
         out, lse = shardq_prefill(
             q, case["kv"], case["rows"], plan, comm, scale=D**-0.5, v_dim=DV, topk_length=case["topk_length"],
             sinks=case["sinks"], attention=attention, chunks=c, align=align, workspace=ws, check=False,
@@ -133,6 +153,7 @@ def _chunked_runs(
             spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in ws.values()]
             inside = all(any(lo <= p < hi for lo, hi in spans) for p in seen)
         launches = len(seen) // 3
+        assert readies == [1] * launches, readies  # each kernel call waited for its queries once
         results.append((out, lse, dict(comm.counts), inside, launches))
     return results
 

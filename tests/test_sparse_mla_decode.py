@@ -131,8 +131,9 @@ def test_triton_kernel_on_gpu(heads, tokens, splits):
     out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((tokens, heads), float("nan"), device="cuda")
     sparse_mla_decode(
-        q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, num_splits=splits, out=out, lse_out=lse
-    )
+        q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, num_splits=splits, out=out, lse_out=lse,
+        backend="triton",
+    )  # fmt: skip
     ref_out, ref_lse = sparse_mla_reference(q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks)
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=0)

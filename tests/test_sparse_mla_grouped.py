@@ -87,3 +87,22 @@ def test_warmup_keys_cover_both_sides_of_the_routing_threshold(heads):
     expect = [(g, level == 0) for g in groups if UNION_METHOD[g] == "merge" for level in range(g.bit_length() - 1)]
     assert [(m["G"], m["PLAIN"]) for m in merges] == expect
     assert all(k.params["HAS_SINK"] for k in keys if k.kernel == "attention")
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_q_ready_runs_once_before_the_kernel_reads_q(group_size: int) -> None:
+    """``q_ready`` is the hook a sharded step passes so the union build overlaps q's exchange: it
+    runs exactly once, and q may be filled inside it (the kernel reads q only afterwards)."""
+    g = torch.Generator().manual_seed(5)
+    q, kv = torch.randn(6, 2, 48, generator=g), torch.randn(30, 48, generator=g)
+    rows = torch.randint(-1, 30, (6, 8), generator=g, dtype=torch.int32)
+    want = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, group_size=group_size)
+    late, calls = torch.full_like(q, float("nan")), []
+
+    def q_ready() -> None:
+        calls.append(1)
+        late.copy_(q)  # q arrives only now
+
+    got = sparse_mla_grouped_prefill(late, kv, rows, scale=0.2, v_dim=32, group_size=group_size, q_ready=q_ready)
+    assert calls == [1]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import os
 import sys
 from typing import Any
@@ -31,7 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-groups", action="store_true", help="every group size that fits a tile, not just the largest")
     p.add_argument("--topk", type=int, default=2048, help="top-k of the kernel points (default 2048)")
     p.add_argument("--cached", type=int, default=8192, help="cached tokens per request (default 8192)")
-    p.add_argument("--step-tokens", type=int, default=8192, help="tokens of the whole steps (default 8192)")
+    p.add_argument(
+        "--step-tokens",
+        type=int,
+        nargs="+",
+        default=[8192, 32768],
+        help="tokens of the whole steps (default 8192 32768: a small step, and one the planner pipelines)",
+    )
     p.add_argument("--reps", type=int, default=5, help="timed calls per point (default 5)")
     p.add_argument("--no-steps", dest="steps", action="store_false", help="skip the whole-step overhead fit")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -57,7 +64,7 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     jobs = kernel_jobs(args.heads, args.tokens, all_groups=args.all_groups)
     mine = jobs[rank::world]
-    n_steps = len(STEP_CONFIGS) if args.steps and world > 1 else 0
+    n_steps = len(STEP_CONFIGS) * len(args.step_tokens) if args.steps and world > 1 else 0
     bar, advance = _progress(args.progress and rank == 0, len(mine) + (8 if world > 1 else 0) + n_steps + 1)
     try:
         points = measure_kernel_points(
@@ -102,9 +109,8 @@ def _fit_steps(
     base = CostModel(cal)  # no step overheads yet: fixed 0 / factor 1 of the default
     raw = CostModel(_with_steps(cal, {"headtp": StepOverhead(0.0, 1.0), "shardq": StepOverhead(0.0, 1.0)}))
     sq, tp = [], []
-    tokens = args.step_tokens
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    for preset, heads in STEP_CONFIGS:
+    for (preset, heads), tokens in itertools.product(STEP_CONFIGS, args.step_tokens):
         spec = dataclasses.replace(with_heads(get_preset(preset), heads), topk=args.topk, dtype=dtype)
         res = measure_paths(
             group,

@@ -92,3 +92,29 @@ def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_s
         q.shape[1], device_type=q.device, sm=sm, gluon_missing=gluon_supports(q, kv, v_dim), group_size=group_size
     )
     return route.path, route.reason
+
+
+def sparse_decode_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> tuple[str, str]:
+    """``(name, reason)`` of the kernel that runs a sparse-MLA decode call on these tensors.
+
+    ``"gluon"`` on sm_90 when Triton ships Gluon, the shape suits the kernel and the routing's
+    measured crossovers (:data:`shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads and
+    :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_PROGRAMS` programs) say it pays; else
+    ``"triton"`` (the split-KV kernel) when Triton runs these tensors; else ``"reference"`` (the
+    fp32 torch path).
+    """
+    from shardattn.plan.routing import route_sparse_decode_kernel
+
+    why = unsupported_reason(q, kv, None)
+    if why is not None:
+        return "reference", why
+    if interpreter_enabled():
+        return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter"
+    from shardattn.kernels.sparse_mla_gluon import gluon_supports
+
+    sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    missing = gluon_supports(q, kv, v_dim)
+    route = route_sparse_decode_kernel(
+        q.shape[1], num_tokens=q.shape[0], device_type=q.device, sm=sm, gluon_missing=missing
+    )
+    return route.path, route.reason

@@ -18,6 +18,7 @@ This module holds the public entry point, its validation and the fp32 torch refe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -229,6 +230,7 @@ def sparse_mla_attention(
     return_lse: bool = True,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    q_ready: Callable[[], None] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention over per-token global KV rows.
 
@@ -252,6 +254,8 @@ def sparse_mla_attention(
         out / lse: optional destinations ``[T, H, v_dim]`` (q's dtype) / ``[T, H]`` fp32, written
             in place; ``q``, ``out`` and ``lse`` may be head-blocked ``[B, T, H/B, ...]`` (head
             ``b * H/B + i`` at ``[b, t, i]``, e.g. an all-to-all buffer; see :func:`q_heads_view`).
+        q_ready: optional callable run once before any kernel reads ``q`` (e.g. the wait of the
+            exchange that fills it); only ``q``'s shape is looked at before.
     Returns:
         ``out [T, H, v_dim]`` in q's dtype, and ``lse [T, H]`` fp32 natural log when
         ``return_lse`` (the given destinations when passed); a row with no valid key is ``(0, -inf)``
@@ -270,6 +274,8 @@ def sparse_mla_attention(
     q = join_q(q)
     q3 = shape_stand_in(q)
     check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
+    if q_ready is not None:
+        q_ready()
     if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
         o, s = empty_kv_result(q3, v_dim, sinks)
         out = o if out is None else store_heads(out, o)

@@ -29,6 +29,15 @@ a 64-head block's fp32 partial no longer fits in registers), see benchmarks/RESU
 re-read by fewer programs). The torch reference is
 :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 
+Backends: on an sm_90 GPU with Triton's Gluon, at
+:data:`~shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads or more (DSA shapes, bf16/fp16) and
+batches of at least :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_PROGRAMS` whole-row programs,
+the call runs the warp-specialised Gluon kernel instead
+(:mod:`~shardattn.kernels.sparse_mla_decode_gluon`: one program per token x 64 heads over the
+whole row, or over row slices merged by LSE when that leaves SMs idle); same contract, same
+outputs. :func:`~shardattn.kernels.registry.sparse_decode_kernel` says which runs and why;
+``backend=`` forces one.
+
 A row listed twice by one token is one key (the library-wide rule): by default the rows are
 first sorted and de-duplicated by :func:`~shardattn.kernels.union.build_union` (``G = 1``, one
 small sort kernel); ``rows_unique=True`` skips that when the caller guarantees unique rows (an
@@ -47,7 +56,7 @@ import torch
 
 from shardattn._checks import check_int, check_tensor
 from shardattn.kernels.lse_merge import launch_lse_merge, split_partials
-from shardattn.kernels.registry import use_triton
+from shardattn.kernels.registry import sparse_decode_kernel, use_triton
 from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, empty_kv_result, join_q, sparse_mla_reference
 from shardattn.kernels.union import build_union
 
@@ -140,6 +149,7 @@ def sparse_mla_decode(
     workspace: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     fused_merge: bool | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA decode attention with split-KV and a merge; returns the LSE (DCP needs it).
 
@@ -165,6 +175,12 @@ def sparse_mla_decode(
         fused_merge: merge in the same launch for small batches (module docstring). Default
             ``False``: on an H200 the tree merge measured 30-43 us against 26-34 us for the
             separate merge kernel at 16 heads, 1-8 tokens (benchmarks/RESULTS.md).
+        backend: ``None`` (routed: :func:`~shardattn.kernels.registry.sparse_decode_kernel`),
+            ``"triton"`` or ``"gluon"`` (forced, also below the routing's crossover; a
+            ``ValueError`` where the kernel cannot run these tensors). ``config``,
+            ``fused_merge=True`` and ``counters`` are Triton options: with them the routed
+            call runs Triton. On the Gluon path ``num_splits`` is the number of row slices and a
+            ``workspace`` too small for the chosen slices makes it use fewer.
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32 natural log)``; a row with no valid
         key is ``(0, -inf)`` (``(0, sink)`` with sinks). CPU tensors run the reference.
@@ -181,11 +197,31 @@ def sparse_mla_decode(
     t, h, d = q.shape
     if num_splits is not None:
         check_int("num_splits", num_splits, minimum=1)
+    if backend not in (None, "triton", "gluon"):
+        raise ValueError(f"backend must be None, 'triton' or 'gluon', got {backend!r}")
+    triton_only = config is not None or bool(fused_merge) or counters is not None
+    if backend == "gluon" and triton_only:
+        raise ValueError("backend='gluon' takes no config, fused_merge or counters (Triton options)")
     if out is not None:
         check_tensor("out", out, dtypes=(q.dtype,), shape=(t, h, v_dim), device=q.device)
     if lse_out is not None:
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(t, h), device=q.device)
-    if kv.shape[0] == 0 or triton is None or not use_triton(q):
+    kernel = "reference"
+    if kv.shape[0] > 0 and triton is not None and use_triton(q):
+        kernel, why = sparse_decode_kernel(q, kv, v_dim) if h > 0 else ("triton", "no heads")
+        if backend == "gluon":  # forced: wherever the kernel runs, whatever the measured crossover says
+            from shardattn.kernels.sparse_mla_gluon import gluon_supports
+
+            why = gluon_supports(q, kv, v_dim)
+            if why is not None:
+                raise ValueError(f"backend='gluon' cannot run here: {why}")
+            kernel = "gluon"
+        if backend == "triton" or (kernel == "gluon" and triton_only):
+            kernel = "triton"
+    elif backend == "gluon":
+        why = "kv has no rows" if kv.shape[0] == 0 else "no CUDA tensors or no Triton"
+        raise ValueError(f"backend='gluon' cannot run here: {why}")
+    if kernel == "reference":
         if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
             ref_out, ref_lse = empty_kv_result(q, v_dim, sinks)
         else:
@@ -199,10 +235,17 @@ def sparse_mla_decode(
     lse_out = torch.empty(t, h, dtype=torch.float32, device=q.device) if lse_out is None else lse_out
     if t == 0 or h == 0:
         return out, lse_out
+    num_sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+    if kernel == "gluon":
+        from shardattn.kernels.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+
+        return sparse_mla_decode_gluon(
+            q, kv, rows, scale=float(scale), v_dim=v_dim, out=out, lse_out=lse_out, num_sms=num_sms,
+            topk_length=topk_length, sinks=sinks, num_splits=num_splits, rows_unique=rows_unique, workspace=workspace,
+        )  # fmt: skip
     topk = rows.shape[1]
     if not rows_unique and topk > 1:
         rows, topk_length = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
-    num_sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
     cfg = sparse_mla_decode_config(
         t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
     )

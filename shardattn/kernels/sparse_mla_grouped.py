@@ -30,6 +30,7 @@ Duplicate rows within one query's list are one key on every path (the reference 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,7 @@ def sparse_mla_grouped_prefill(
     union: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    q_ready: Callable[[], None] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill with consecutive queries grouped into shared tiles.
 
@@ -145,6 +147,9 @@ def sparse_mla_grouped_prefill(
             be head-blocked, ``[B, T, H/B, ...]`` (head ``b * H/B + i`` at ``[b, t, i]``: an
             all-to-all buffer read or written in place; see
             :func:`~shardattn.kernels.sparse_mla_triton.launch_attention`).
+        q_ready: optional callable run once before any kernel reads ``q`` (e.g. the wait of the
+            exchange that fills it): the union build, which reads only ``rows``, is issued before
+            it and so overlaps whatever fills ``q``.
     Returns:
         ``out [T, H, v_dim]`` in q's dtype and ``lse [T, H]`` fp32 natural log (the given
         destinations when passed); an empty row is ``(0, -inf)`` (with sinks: ``(0, sink)``).
@@ -162,12 +167,16 @@ def sparse_mla_grouped_prefill(
     if group_size is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size!r}")
     if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
+        if q_ready is not None:
+            q_ready()
         o, s = empty_kv_result(q3, v_dim, sinks)
         out = o if out is None else store_heads(out, o)
         lse = s if lse is None else store_heads(lse, s)
         return (out, lse) if return_lse else out
     path = choose_path(q3, kv, v_dim=v_dim, group_size=group_size)
     if path.backend == "reference":
+        if q_ready is not None:
+            q_ready()
         o, s = sparse_mla_reference(
             q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
         )
@@ -176,6 +185,8 @@ def sparse_mla_grouped_prefill(
     else:
         g = path.group_size
         u, lens = build_union(rows, group_size=g, num_kv_rows=kv.shape[0], topk_length=topk_length, out=union)
+        if q_ready is not None:  # the union is built: now the kernels may wait for q
+            q_ready()
         if path.backend == "gluon" and gluon_supports(q, kv, v_dim) is None:
             # sm_90: the Gluon kernel (per-query or grouped); head-blocked q / out / lse are used in place
             out, lse = launch_gluon_attention(

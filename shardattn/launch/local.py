@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardattn.launch.process_group import nccl_options
 from shardattn.testing.pool import free_port
 
 #: Seconds a collective may wait for a peer before the rank fails.
@@ -33,6 +34,7 @@ def _join(rank: int, world_size: int, init_method: str | None, timeout_s: float)
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        pg_options=nccl_options() if nccl else None,
     )
     return backend
 

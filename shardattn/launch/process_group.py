@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "LaunchGroups", "destroy_groups", "init_groups", "pick_device"]
+__all__ = ["DistEnv", "LaunchGroups", "destroy_groups", "init_groups", "nccl_options", "pick_device"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,18 @@ class LaunchGroups:
         return self.env.world_size
 
 
+def nccl_options() -> object:
+    """Options of the launchers' NCCL groups: collectives on a high-priority stream.
+
+    A ShardQ step's exchanges run beside its attention kernels, whose programs fill every SM;
+    with a high-priority stream the block scheduler gives NCCL's blocks the next free SMs instead
+    of the kernel's next wave (measured on two H200s: benchmarks/RESULTS.md, "ShardQ overlap").
+    """
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = True
+    return opts
+
+
 def init_groups(env: DistEnv, device: torch.device, *, timeout_s: float) -> LaunchGroups:
     """Join the world (rendezvous and every collective time out after ``timeout_s``).
 
@@ -123,6 +135,7 @@ def init_groups(env: DistEnv, device: torch.device, *, timeout_s: float) -> Laun
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     if device.type == "cuda":
         kwargs["device_id"] = device  # eager NCCL init: a bad GPU fails here, not mid-step
+        kwargs["pg_options"] = nccl_options()
     dist.init_process_group(**kwargs)  # type: ignore[arg-type]
     data = dist.group.WORLD
     if backend == "gloo":

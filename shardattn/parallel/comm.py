@@ -250,13 +250,12 @@ class Comm:
                     f"exchange: a piece to this rank is {list(x.shape)} {x.dtype}, its slot {list(y.shape)}"
                 )
         self.counts["all_to_all"] += 1
+        works: list[dist.Work] = []
+        if ops:  # the messages first: NCCL's stream then need not wait for the local copies below
+            self._collective("all_to_all", lambda: works.extend(dist.batch_isend_irecv(ops)))
         for x, y in zip(mine_out, mine_in):
             y.copy_(x)
-        if not ops:
-            return Pending()
-        works: list[dist.Work] = []
-        self._collective("all_to_all", lambda: works.extend(dist.batch_isend_irecv(ops)))
-        return Pending(works, comm=self, kind="all_to_all")
+        return Pending(works, comm=self, kind="all_to_all") if works else Pending()
 
     def all_gather_async(self, x: torch.Tensor) -> tuple[torch.Tensor, Pending]:
         """:meth:`all_gather` started now, completed by the returned :class:`Pending`'s ``wait``.

@@ -10,9 +10,15 @@ from __future__ import annotations
 import torch
 
 from shardattn.kernels.gqa_decode import gqa_paged_decode
+from shardattn.kernels.registry import sparse_decode_kernel
 from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
 from shardattn.kernels.topk import DcpShard, convert_topk
 from shardattn.plan.spec import ModelSpec
+
+
+def compiles_kernels(device: torch.device) -> bool:
+    """``True`` when launches on ``device`` compile kernels (CUDA; on the CPU the references run)."""
+    return device.type == "cuda"
 
 
 def warm_up_decode(
@@ -43,10 +49,15 @@ def warm_up_decode(
     and split-KV, so the LSE merge too), with and without sinks where a step may pass them
     (under DCP only rank 0 does), and for GQA head-TP uniform and ragged drafts. The decode
     kernels publish no compile-key list (unlike prefill), so this mirrors their call sites.
+    Sparse MLA on sm_90 routes by batch size (Triton below the Gluon crossovers, Gluon above:
+    :func:`~shardattn.plan.routing.route_sparse_decode_kernel`), so the Triton kernel is also run
+    at every size (the variants a smaller batch than ``max_decode_tokens`` may need) and, where
+    ``max_decode_tokens`` reaches Gluon, the Gluon path once unsplit and once with two row slices
+    (its two kernel variants, written to ``out`` or to fp32 partials, and the merge).
     """
     gen = torch.Generator(device="cpu").manual_seed(0)
     d, page, h = spec.head_dim, spec.page_size, heads
-    sizes = sorted({1, 2, max_decode_tokens}) if device.type == "cuda" else [2]  # nothing compiles on the CPU
+    sizes = sorted({1, 2, max_decode_tokens}) if compiles_kernels(device) else [2]  # nothing compiles on the CPU
     dev, dt = device, dtype
     launches = 0
 
@@ -65,9 +76,18 @@ def warm_up_decode(
             for length in (None, torch.full((t,), max(1, topk // 2), dtype=torch.int32, device=dev)):
                 rows, _ = convert_topk(pos, req, table, block_size=page, seq_lens=seq, topk_length=length, dcp=dcp)
                 launches += 1
+            gluon = (
+                compiles_kernels(device) and t == max(sizes) and sparse_decode_kernel(q, kv, spec.v_dim)[0] == "gluon"
+            )
             for sinks in sink_options:
                 sparse_mla_decode(q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks)
-                launches += 1
+                sparse_mla_decode(q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton")
+                launches += 2
+                for splits in (1, 2) if gluon else ():
+                    sparse_mla_decode(
+                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="gluon", num_splits=splits
+                    )
+                    launches += 1
         return launches
     k = randn(2, page, kv_heads, d)
     lse, backend = need_lse, gqa_backend

@@ -35,6 +35,7 @@ def workspace_prefill_attention(
     return_lse: bool = True,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    q_ready: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA prefill of ``q`` on ``route``, the union built into ``union_ws`` / ``lens_ws``.
 
@@ -46,6 +47,9 @@ def workspace_prefill_attention(
         return_lse: accepted for signature compatibility; the LSE is always returned.
         out / lse: optional destinations, written in place; ``q``, ``out`` and ``lse`` may be
             head-blocked ``[B, T, H/B, ...]`` (an all-to-all buffer, read or written in place).
+        q_ready: optional callable run once before any kernel reads ``q`` (the first pass's union
+            build is issued before it; see
+            :func:`~shardattn.kernels.sparse_mla_grouped.sparse_mla_grouped_prefill`).
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32)`` (the given destinations when passed).
     Raises:
@@ -54,14 +58,14 @@ def workspace_prefill_attention(
     g, (t, k) = route.group_size, rows.shape
     call = functools.partial(sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g)
     if route.path == "reference" or t == 0 or k == 0:
-        return call(q, rows=rows, topk_length=topk_length, sinks=sinks, out=out, lse=lse)
+        return call(q, rows=rows, topk_length=topk_length, sinks=sinks, out=out, lse=lse, q_ready=q_ready)
     per_pass = min(union_ws.numel() // (k * 4), lens_ws.numel() // 4 * g) // g * g
     if per_pass < 1:
         raise WorkspaceExceededError(
             f"workspace item 'prefill.union' ({union_ws.numel()} B) cannot hold one group of {g} x top-k {k}"
         )
     if t <= per_pass:
-        return _one_pass(call, q, rows, topk_length, sinks, union_ws, lens_ws, g, k, out, lse)
+        return _one_pass(call, q, rows, topk_length, sinks, union_ws, lens_ws, g, k, out, lse, q_ready)
     if out is None:
         out = q.new_empty(t, _heads(q), v_dim)
     if lse is None:
@@ -71,7 +75,7 @@ def workspace_prefill_attention(
         length = None if topk_length is None else topk_length[t0:t1]
         _one_pass(
             call, _tokens(q, t0, t1, 3), rows[t0:t1], length, sinks, union_ws, lens_ws, g, k,
-            _tokens(out, t0, t1, 3), _tokens(lse, t0, t1, 2),
+            _tokens(out, t0, t1, 3), _tokens(lse, t0, t1, 2), q_ready if t0 == 0 else None,
         )  # fmt: skip
     return out, lse
 
@@ -97,8 +101,9 @@ def _one_pass(
     k: int,
     out: torch.Tensor | None,
     lse: torch.Tensor | None,
+    q_ready: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n_groups = -(-rows.shape[0] // g)
     union = union_ws[: n_groups * g * k * 4].view(torch.int32).view(n_groups, g * k)
     lens = lens_ws[: n_groups * 4].view(torch.int32)
-    return call(q, rows=rows, topk_length=length, sinks=sinks, union=(union, lens), out=out, lse=lse)
+    return call(q, rows=rows, topk_length=length, sinks=sinks, union=(union, lens), out=out, lse=lse, q_ready=q_ready)

@@ -95,9 +95,10 @@ class Runtime(RuntimeGraphs):
             and head-TP (:mod:`~shardattn.parallel.prefill_router`): a
             :class:`~shardattn.plan.cost.CostModel`, a calibration file, ``"auto"`` (default: the
             table shipped for the GPU; none on the CPU) or ``None`` (ShardQ whenever the gate passes).
-        prefill_chunks: pipeline depth of ShardQ steps: 1 (default) = not pipelined (in place,
-            the fastest measured on two H200s); ``None`` = the planner's
-            :func:`~shardattn.plan.pipeline.choose_chunks` of each step; up to ``MAX_CHUNKS``.
+        prefill_chunks: pipeline depth of ShardQ steps: ``None`` (default) = the planner's
+            :func:`~shardattn.plan.pipeline.choose_chunks` of each step (1 for small steps, up to
+            ``AUTO_MAX_CHUNKS`` for large ones); an int in ``[1, MAX_CHUNKS]`` forces it (1 = not
+            pipelined). Every value gives the same bits.
 
     Raises:
         ValueError / TypeError: heads not divisible by the world size, a mode without a step for
@@ -122,7 +123,7 @@ class Runtime(RuntimeGraphs):
         decode_lse: bool = True,
         warmup: bool = True,
         cost_model: CostModel | str | None = "auto",
-        prefill_chunks: int | None = 1,
+        prefill_chunks: int | None = None,
     ) -> None:
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         if not isinstance(self.spec, ModelSpec):

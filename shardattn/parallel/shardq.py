@@ -16,7 +16,10 @@ outputs back::
 The step is pipelined (:mod:`shardattn.plan.pipeline`): each rank's tokens are cut into ``C``
 chunks; every chunk's query exchange starts at once, chunk ``c``'s kernel waits only for its own,
 and chunk ``c``'s output exchange starts right after its kernel, so the kernels run while later
-queries and earlier outputs are in flight. Ordering is by the process group's stream events
+queries and earlier outputs are in flight. The kernel call gets the wait of its chunk's query
+exchange as ``q_ready`` and issues its row sort (union build, which reads only ``rows``) before
+it, so the sort overlaps the exchange; the query exchanges are issued before any other set-up, and
+each exchange issues its messages before its local copy. Ordering is by the process group's stream events
 (:class:`~shardattn.parallel.comm.Pending`): no host synchronisation inside the step. Nothing is
 packed or unpacked: queries go out as contiguous token runs of ``q_heads_local`` and land in a
 receive buffer ``[W, n_c, H/W, D]`` the kernel reads in place (head-blocked strides); the kernel
@@ -138,14 +141,15 @@ def shardq_prefill(
         attention: the local kernel, called like
             :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention` with ``return_lse=True``
             and ``out=``/``lse=`` destinations; sharded steps pass it head-blocked ``q``, ``out``
-            and ``lse`` (``[W, n, H/W, ...]``: the receive and send buffers, used in place).
+            and ``lse`` (``[W, n, H/W, ...]``: the receive and send buffers, used in place) and
+            ``q_ready=``, a callable it must run before it reads ``q`` (the wait of the chunk's
+            query exchange: work that needs only ``rows``, like the union build, goes before it).
         check: make the ranks agree on the plan and shapes first (one small all-gather, a host
             sync); bad input or a different plan on any rank then raises on every rank.
         chunks: pipeline depth ``C``; ``None``: the planner's
-            :func:`~shardattn.plan.pipeline.choose_chunks` of the largest rank share. Every value
-            gives the same result, bit for bit. Default 1: on two H200s the pipelined step was
-            measured slower than the unpipelined in-place one (the exchanges barely overlapped
-            the kernels; benchmarks/RESULTS.md), so pipelining is opt-in until it pays.
+            :func:`~shardattn.plan.pipeline.choose_chunks` of the largest rank share's work. Every
+            value gives the same result, bit for bit. Default 1 (not pipelined); the Runtime passes
+            ``None``.
         align: chunk boundaries are multiples of it (the kernel's group size ``G``).
         workspace: optional ``uint8`` buffers ``{"q", "out", "lse"}`` the receive / send buffers
             are carved from (the Runtime's ``prefill.packed_q`` / ``.out`` / ``.lse``); default:
@@ -180,7 +184,9 @@ def shardq_prefill(
             )
             return (out, lse) if return_lse else out
 
-        pipe = pipeline_plan(plan, chunks or choose_chunks(int(plan.counts.max())), align=align)
+        if chunks is None:  # the planner's pick from the largest share's work
+            chunks = choose_chunks(int(plan.counts.max()), heads=h * comm.world_size, topk=max(1, rows.shape[1]))
+        pipe = pipeline_plan(plan, chunks, align=align)
         return _pipelined(
             q, kv, rows, plan, pipe, comm, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks,
             return_lse=return_lse, attention=attention, workspace=workspace, out=out, lse=lse,
@@ -230,6 +236,15 @@ def _pipelined(
     t, h, d = q.shape
     dev = q.device
     q_src = q.contiguous()
+    ws = workspace or {}
+    n_c = [pipe.count(rank, c) for c in range(pipe.chunks)]
+    q_bufs = _carve(ws.get("q"), "q", [(w, n, h, d) for n in n_c], q.dtype, dev)
+    # every query exchange starts first (they only wait for q); the rest of the set-up overlaps them
+    q_moves = []
+    for c, q_recv in enumerate(q_bufs):
+        sends = [(j, q_src[s : s + n]) for j in range(w) for s, _, n in pipe.runs(j, c)]
+        recvs = [(i, q_recv[i, o : o + n]) for i in range(w) for _, o, n in pipe.runs(rank, c)]
+        q_moves.append(comm.exchange(sends, recvs, tag=2 * c))
     ids = plan.token_ids(rank).to(dev, non_blocking=True)
     rows_mine = rows.index_select(0, ids)
     len_mine = None if topk_length is None else topk_length.index_select(0, ids)
@@ -237,27 +252,20 @@ def _pipelined(
         out = q.new_empty(t, h, v_dim)
     if lse is None and return_lse:
         lse = torch.empty(t, h, dtype=torch.float32, device=dev)
-    ws = workspace or {}
-    n_c = [pipe.count(rank, c) for c in range(pipe.chunks)]
-    q_bufs = _carve(ws.get("q"), "q", [(w, n, h, d) for n in n_c], q.dtype, dev)
     o_bufs = _carve(ws.get("out"), "out", [(w, n, h, v_dim) for n in n_c], q.dtype, dev)
     l_bufs = _carve(ws.get("lse"), "lse", [(w, n, h) for n in n_c], torch.float32, dev)
 
-    # every query exchange starts now (they only wait for q); chunk c's kernel waits for its own
-    q_moves = []
-    for c, q_recv in enumerate(q_bufs):
-        sends = [(j, q_src[s : s + n]) for j in range(w) for s, _, n in pipe.runs(j, c)]
-        recvs = [(i, q_recv[i, o : o + n]) for i in range(w) for _, o, n in pipe.runs(rank, c)]
-        q_moves.append(comm.exchange(sends, recvs, tag=2 * c))
     out_moves = []
     for c, (q_recv, o_send, l_send) in enumerate(zip(q_bufs, o_bufs, l_bufs)):
-        q_moves[c].wait()
         b0, b1 = int(pipe.bounds[rank, c]), int(pipe.bounds[rank, c + 1])
-        if b1 > b0:  # reads q in place from the receive buffer, writes into the send buffers
+        if b1 > b0:  # reads q in place from the receive buffer, writes into the send buffers;
+            # its union build (rows only) is issued before it waits for chunk c's queries
             attention(
                 q_recv, kv, rows_mine[b0:b1], scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True,
                 topk_length=None if len_mine is None else len_mine[b0:b1], out=o_send, lse=l_send,
+                q_ready=q_moves[c].wait,
             )  # fmt: skip
+        q_moves[c].wait()  # idempotent; orders the buffer's reuse after its exchange in any case
         sends, recvs = [], []
         for j in range(w):
             for _, o, n in pipe.runs(rank, c):

@@ -17,9 +17,9 @@ lists them (the same list on every rank, so sends and receives pair up)::
     runs(0, 0) = [(0, 0, 2)]  # token start 0, offset 0 in the chunk, 2 tokens
     runs(1, 0) = [(6, 0, 2)]
 
-The number of chunks comes from the step's size (:func:`choose_chunks`): enough that the exposed
-first query exchange and last output exchange are short, few enough that each chunk still fills
-the GPU.
+The number of chunks comes from the step's work (:func:`choose_chunks`): enough that the exposed
+first query exchange and last output exchange are short, few enough that each chunk's kernel
+outlasts the host's time to issue the chunk.
 """
 
 from __future__ import annotations
@@ -32,27 +32,53 @@ import numpy as np
 from shardattn._checks import check_int
 from shardattn.plan.shard_plan import ShardPlan
 
-__all__ = ["CHUNK_ALIGN", "CHUNK_TOKENS", "MAX_CHUNKS", "PipelinePlan", "choose_chunks", "pipeline_plan"]
+__all__ = [
+    "AUTO_MAX_CHUNKS",
+    "CHUNK_ALIGN",
+    "CHUNK_WORK",
+    "MAX_CHUNKS",
+    "PipelinePlan",
+    "choose_chunks",
+    "pipeline_plan",
+]
 
-#: Target tokens per rank per chunk (a 64- or 128-head kernel fills an H200 from ~1K tokens).
-CHUNK_TOKENS = 1024
-#: The most chunks a step is cut into (each costs two message groups and a few launches).
+#: Work of one chunk (query tokens x heads x top-k keys) below which a chunk is not cut: about
+#: 2.5-3 ms of a per-query kernel on an H200 (4,096 tokens x 64 heads x top-k 2,048), so the
+#: host, which spends about 1-1.5 ms issuing one chunk (two exchanges and a kernel call), stays
+#: ahead of the GPU. Measured on two H200s (benchmarks/RESULTS.md, "ShardQ overlap"): glm5 at
+#: 8K tokens is fastest unchunked, deepseek-v32 at 8K with 2 chunks, both at 32K with 2-4.
+CHUNK_WORK = 4096 * 64 * 2048
+#: The most chunks the planner picks by itself (more measured no faster on two H200s).
+AUTO_MAX_CHUNKS = 4
+#: The most chunks a step can be cut into (each costs two message groups and a few launches).
 MAX_CHUNKS = 8
 #: Bytes: each chunk's receive / send buffer starts at a multiple (aligned vector loads, and one
 #: kernel specialisation whatever the chunk sizes).
 CHUNK_ALIGN = 256
 
 
-def choose_chunks(rank_tokens: int, *, chunk_tokens: int = CHUNK_TOKENS, max_chunks: int = MAX_CHUNKS) -> int:
-    """Chunks for a step whose largest rank share is ``rank_tokens``: ``ceil(n / chunk_tokens)`` in ``[1, max]``.
+def choose_chunks(
+    rank_tokens: int,
+    *,
+    heads: int = 64,
+    topk: int = 2048,
+    chunk_work: int = CHUNK_WORK,
+    max_chunks: int = AUTO_MAX_CHUNKS,
+) -> int:
+    """Chunks for a step whose largest rank share is ``rank_tokens`` tokens of ``heads`` heads
+    attending ``topk`` keys each: ``floor(work / chunk_work)`` in ``[1, max_chunks]``.
 
-    >>> [choose_chunks(n) for n in (0, 500, 1024, 1025, 4096, 16384, 10**6)]
-    [1, 1, 1, 2, 4, 8, 8]
+    >>> [choose_chunks(n) for n in (0, 4096, 8191, 8192, 16384, 10**6)]
+    [1, 1, 1, 2, 4, 4]
+    >>> choose_chunks(4096, heads=128), choose_chunks(16384, heads=16)
+    (2, 1)
     """
     n = check_int("rank_tokens", rank_tokens, minimum=0)
-    per = check_int("chunk_tokens", chunk_tokens, minimum=1)
+    h = check_int("heads", heads, minimum=1)
+    k = check_int("topk", topk, minimum=1)
+    per = check_int("chunk_work", chunk_work, minimum=1)
     top = check_int("max_chunks", max_chunks, minimum=1)
-    return max(1, min(top, -(-n // per)))
+    return max(1, min(top, n * h * k // per))
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,7 +23,9 @@ Decode: GQA picks FlashInfer XQA when it is installed, the GPU is SM90 / SM100 /
 dim passes :func:`xqa_head_dim_supported` (the same function the CUDA-graph policy uses), no
 LSE is needed (XQA returns none, so never under DCP) and, on SM100, drafts are causal;
 otherwise the Triton kernel. Sparse MLA decode runs the Triton sparse kernel (it returns the
-LSE, so it serves DCP). Without a GPU both take the torch ``reference``.
+LSE, so it serves DCP); :func:`route_sparse_decode_kernel` picks its kernel: the Gluon kernel on
+SM90 at :data:`GLUON_DECODE_MIN_HEADS` heads or more, else Triton. Without a GPU both take the
+torch ``reference``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
 
 __all__ = [
     "DECODE_PATHS",
+    "GLUON_DECODE_MIN_HEADS",
+    "GLUON_DECODE_MIN_PROGRAMS",
     "GLUON_GROUPED_MAX_HEADS",
     "GLUON_MIN_HEADS",
     "GROUPED_MAX_HEADS",
@@ -54,6 +58,7 @@ __all__ = [
     "route_decode",
     "route_prefill",
     "route_prefill_kernel",
+    "route_sparse_decode_kernel",
     "tile_group_size",
 ]
 
@@ -81,6 +86,19 @@ of a default grouped step. ``0``: not routed. The kernel matched the fp32 refere
 has not been measured yet, so no crossover is known; set this to the largest head count at which
 ``benchmarks/gluon_check.py --grouped`` shows it faster (the kernel holds at most 32 heads)."""
 PREFILL_KERNELS = ("gluon", "triton", "reference")
+GLUON_DECODE_MIN_HEADS = 32
+"""Fewest heads per query at which sparse-MLA decode runs the Gluon kernel (sm_90) instead of the
+Triton split-KV kernel (its tile is 64 heads, so fewer pad it). Measured on an H200
+(benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel", top-k 2048, batch 64 / 256):
+Gluon / Triton speed 1.84 / 1.87x at 128 heads, 1.48 / 1.88x at 64, 1.40 / 1.31x at 32 (padded
+to 64); 16 heads not measured (4x padding; the Triton kernel has a 16-head tile)."""
+GLUON_DECODE_MIN_PROGRAMS = 32
+"""Fewest whole-row Gluon programs (``tokens x ceil(heads / 64)``) at which sparse-MLA decode runs
+the Gluon kernel: smaller batches are latency bound (row slices, the merge and the row packing
+are launches of their own) and the Triton split-KV kernel is as fast there. Measured on an H200
+(benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel"), Gluon / Triton speed at
+16 / 32 programs: 0.94 / 1.21x at 128 heads (batch 8 / 16), 0.97 / 1.21x at 64 (batch 16 / 32)."""
+SPARSE_DECODE_KERNELS = ("gluon", "triton", "reference")
 
 
 @dataclass(frozen=True)
@@ -258,7 +276,8 @@ def route_decode(
     if dev != "cuda":
         return Route("reference", 1, f"no GPU (device type {dev!r}): torch reference")
     if spec.kind == "sparse_mla":
-        return Route("triton", 1, "sparse MLA decode: Triton sparse kernel (returns the LSE)")
+        why = "sparse MLA decode: sparse decode kernel (returns the LSE; route_sparse_decode_kernel picks it)"
+        return Route("triton", 1, why)
     if not xqa_installed:
         why = "FlashInfer XQA is not installed"
     elif sm_v not in XQA_SM:
@@ -337,3 +356,59 @@ def route_prefill_kernel(
         why = f"{h} heads < {gluon_min_heads}: the per-query Triton kernel is faster there (measured)"
         return Route("triton", 1, why)
     return Route("gluon", 1, f"SM90, {h} heads: Gluon warpgroup-MMA kernel")
+
+
+def route_sparse_decode_kernel(
+    num_heads: int,
+    *,
+    num_tokens: int | None = None,
+    device_type: str | torch.device = "cuda",
+    sm: int | tuple[int, int] | None = None,
+    gluon_missing: str | None = None,
+    gluon_min_heads: int = GLUON_DECODE_MIN_HEADS,
+    gluon_min_programs: int = GLUON_DECODE_MIN_PROGRAMS,
+) -> Route:
+    """Which kernel runs a sparse-MLA decode call: ``gluon``, ``triton`` or ``reference``.
+
+    Args:
+        num_heads: query heads of the call (all heads under DCP, ``H / TP`` under head-TP).
+        num_tokens: query tokens of the call (requests x draft length); None = large enough.
+        device_type: ``"cuda"``, ``"cpu"``, ... (or a ``torch.device``).
+        sm: compute capability, ``90`` or ``(9, 0)``; ``None`` = unknown (no Gluon).
+        gluon_missing: why the Gluon kernel cannot run these tensors (None = it can).
+        gluon_min_heads: fewest heads at which the Gluon decode beats Triton (measured).
+        gluon_min_programs: fewest ``tokens x ceil(heads / 64)`` at which it does (measured).
+
+    >>> route_sparse_decode_kernel(128, sm=90).reason
+    'SM90, 128 heads >= 32: Gluon warp-specialised kernel (row slices merged by LSE)'
+    >>> route_sparse_decode_kernel(16, sm=90).path
+    'triton'
+    >>> route_sparse_decode_kernel(128, num_tokens=1, sm=90).path
+    'triton'
+    >>> route_sparse_decode_kernel(128, device_type="cpu").path
+    'reference'
+    """
+    h = check_int("num_heads", num_heads, minimum=1)
+    t = None if num_tokens is None else check_int("num_tokens", num_tokens, minimum=0)
+    check_int("gluon_min_heads", gluon_min_heads, minimum=1)
+    check_int("gluon_min_programs", gluon_min_programs, minimum=0)
+    sm_v = _sm(sm)
+    dev = _device_type(device_type)
+    if dev != "cuda":
+        return Route("reference", 1, f"no GPU (device type {dev!r}): torch reference")
+    if gluon_missing is not None:
+        return Route("triton", 1, f"{gluon_missing}: Triton split-KV decode kernel")
+    if sm_v is None or sm_v // 10 != 9:
+        return Route("triton", 1, f"SM{sm_v} is not SM90 (the Gluon kernel uses Hopper wgmma): Triton split-KV decode")
+    if h < gluon_min_heads:
+        why = f"{h} heads < {gluon_min_heads}: the Triton split-KV decode kernel is faster there (measured)"
+        return Route("triton", 1, why)
+    programs = None if t is None else t * -(-h // 64)
+    if programs is not None and programs < gluon_min_programs:
+        why = (
+            f"{t} tokens x {-(-h // 64)} head blocks < {gluon_min_programs} Gluon programs: latency bound, "
+            "the Triton split-KV decode kernel is as fast there (measured)"
+        )
+        return Route("triton", 1, why)
+    why = f"SM90, {h} heads >= {gluon_min_heads}: Gluon warp-specialised kernel (row slices merged by LSE)"
+    return Route("gluon", 1, why)

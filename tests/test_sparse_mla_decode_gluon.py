@@ -1,0 +1,345 @@
+"""Sparse-MLA decode on the Gluon kernel: routing, row slicing, sinks and merge (CPU, with a torch
+stand-in for the kernel), the row-slicing Triton kernel (interpreter), and on an sm_90 GPU the
+routed path against the fp32 reference at real shapes (NaN-poisoned outputs, invalid rows
+anywhere, empty rows, ``topk_length``, sinks, drafts, duplicates per ``rows_unique``) and under
+CUDA-graph capture and replay."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardattn.kernels.lse_merge import split_partials_numel
+from shardattn.kernels.registry import sparse_decode_kernel
+from shardattn.kernels.sparse_mla import sparse_mla_reference
+from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
+from shardattn.kernels.sparse_mla_decode_gluon import (
+    SPLIT_ROWS,
+    gluon_decode_plan,
+    sparse_mla_decode_gluon,
+    split_rows,
+    split_rows_reference,
+)
+from shardattn.plan.routing import GLUON_DECODE_MIN_HEADS, GLUON_DECODE_MIN_PROGRAMS, route_sparse_decode_kernel
+from shardattn.testing.interpret import run_interpreted
+from tests.oracle import sparse_mla_oracle
+
+# ---- routing (CPU) ----
+
+
+def test_routing_sends_many_heads_on_sm90_to_gluon_and_says_why():
+    route = route_sparse_decode_kernel(128, sm=90)
+    assert route.path == "gluon" and "Gluon" in route.reason
+    assert route_sparse_decode_kernel(GLUON_DECODE_MIN_HEADS, sm=(9, 0)).path == "gluon"
+    low = route_sparse_decode_kernel(GLUON_DECODE_MIN_HEADS - 1, sm=90)
+    assert low.path == "triton" and "Triton" in low.reason and "measured" in low.reason
+    assert route_sparse_decode_kernel(128, sm=100).path == "triton"
+    assert route_sparse_decode_kernel(128, sm=None).path == "triton"
+    missing = route_sparse_decode_kernel(128, sm=90, gluon_missing="no gluon here")
+    assert missing.path == "triton" and missing.reason.startswith("no gluon here")
+    assert route_sparse_decode_kernel(128, device_type="cpu").path == "reference"
+    with pytest.raises(ValueError, match="num_heads"):
+        route_sparse_decode_kernel(0, sm=90)
+    # small batches are latency bound: Triton below the measured program count (tokens x head blocks)
+    n = GLUON_DECODE_MIN_PROGRAMS
+    assert route_sparse_decode_kernel(128, num_tokens=-(-n // 2), sm=90).path == "gluon"
+    small = route_sparse_decode_kernel(128, num_tokens=-(-n // 2) - 1, sm=90)
+    assert small.path == "triton" and "latency bound" in small.reason
+    assert route_sparse_decode_kernel(64, num_tokens=n, sm=90).path == "gluon"
+    assert route_sparse_decode_kernel(64, num_tokens=n - 1, sm=90).path == "triton"
+
+
+def test_registry_and_backend_argument_on_cpu():
+    q, kv = torch.zeros(2, 128, 576), torch.zeros(4, 576)
+    name, reason = sparse_decode_kernel(q, kv, 512)
+    assert name == "reference" and "cpu" in reason
+    rows = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="backend='gluon' cannot run here"):
+        sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon")
+    with pytest.raises(ValueError, match="backend must be"):
+        sparse_mla_decode(q, kv, rows, scale=0.1, backend="cuda")
+    with pytest.raises(ValueError, match="Triton options"):
+        sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon", fused_merge=True)
+    out, _ = sparse_mla_decode(q, kv, rows, scale=0.1, backend="triton")  # CPU: the reference still runs
+    assert out.shape == (2, 128, 512)
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+def test_plan_covers_the_row_and_fills_the_machine(heads):
+    previous = None
+    for tokens in (1, 2, 8, 64, 256):
+        plan = gluon_decode_plan(tokens, heads, 2048, 132)
+        s, chunk = plan["num_splits"], plan["chunk"]
+        assert s * chunk >= 2048 and (s - 1) * chunk < 2048 and chunk % SPLIT_ROWS == 0
+        if previous is not None:
+            assert s <= previous  # fewer slices as tokens grow
+        previous = s
+    assert gluon_decode_plan(1, heads, 2048, 132)["num_splits"] > 1
+    assert gluon_decode_plan(256, heads, 2048, 132)["num_splits"] == 1
+    # asked-for slices are honoured (rounded to whole blocks); a small workspace caps them
+    assert gluon_decode_plan(5, heads, 2048, 132, 7) == {"num_splits": 7, "chunk": 320}
+    cap = split_partials_numel(4, 8, heads, 512)
+    capped = gluon_decode_plan(8, heads, 2048, 132, 16, max_partial_elems=cap)
+    assert split_partials_numel(capped["num_splits"], 8, heads, 512) <= cap and capped["num_splits"] > 1
+    assert gluon_decode_plan(8, heads, 2048, 132, max_partial_elems=0)["num_splits"] == 1
+    assert gluon_decode_plan(3, heads, 0, 132)["num_splits"] == 1
+
+
+def test_split_rows_reference_packs_valid_rows_in_order():
+    rows = torch.tensor([[5, -1, 7, 9, 99, 2], [-1, -1, -1, -1, -1, -1], [1, 2, 3, 4, 5, 6]], dtype=torch.int32)
+    length = torch.tensor([6, 6, 3], dtype=torch.int32)
+    union, lens = split_rows_reference(rows, num_kv_rows=10, num_splits=3, chunk=2, topk_length=length)
+    # pseudo-query p = s * T + t
+    assert lens.tolist() == [2, 0, 2, 2, 0, 1, 0, 0, 0]
+    assert union[0].tolist() == [5, 7] and union[3].tolist() == [9, 2] and union[2].tolist() == [1, 2]
+    assert union[5, 0].item() == 3
+
+
+def _case(t, h, d, dv, r, k, seed, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    kv = torch.randn(r, d, generator=g).to(dtype)
+    rows = torch.randint(0, r, (t, k), generator=g, dtype=torch.int32)
+    rows[torch.rand(t, k, generator=g) < 0.2] = -1  # invalid anywhere
+    rows[:, 3] = r + 5  # out of range
+    rows[0] = -1  # a token with no valid key
+    length = torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32)
+    length[1] = 0
+    sinks = torch.randn(h, generator=g) * 2
+    return [x.to(device) for x in (q, kv, rows, length, sinks)]
+
+
+def _reference_attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse):
+    """A torch stand-in for the Gluon kernel: attends ``union[p, :lens[p]]``, every entry a key (as the
+    kernel does: it never de-duplicates), entries past ``lens[p]`` ignored."""
+    union = torch.where(torch.arange(union.shape[1])[None, :] < lens[:, None].long(), union, -1)
+    union, kv = _each_occurrence(union, kv)
+    o, s = sparse_mla_reference(q.contiguous(), kv, union, scale=scale, v_dim=v_dim, sinks=sinks)
+    out.copy_(o)
+    lse.copy_(s)
+
+
+def _each_occurrence(rows: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows', kv')`` where the ``i``-th repeat of a row in a token's list reads copy ``i`` of ``kv``:
+    each occurrence is then its own key, which is what ``rows_unique=True`` computes."""
+    r = kv.shape[0]
+    out = rows.clone()
+    copies = 1
+    for t in range(rows.shape[0]):
+        seen: dict[int, int] = {}
+        for j, v in enumerate(rows[t].tolist()):
+            if 0 <= v < r:
+                out[t, j] = v + seen.get(v, 0) * r
+                seen[v] = seen.get(v, 0) + 1
+                copies = max(copies, seen[v])
+            else:
+                out[t, j] = -1  # stays invalid against the larger cache
+    return out.to(rows.device), torch.cat([kv] * copies)
+
+
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
+@pytest.mark.parametrize("rows_unique", [False, True], ids=["dedup", "unique"])
+def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, rows_unique):
+    t, h, d, dv, r, k = 4, 8, 24, 16, 40, 200
+    q, kv, rows, length, sinks = _case(t, h, d, dv, r, k, seed=splits or 0)
+    rows[2, 100:150] = rows[2, 0:50]  # duplicates
+    sinks = sinks if with_sinks else None
+    out = torch.full((t, h, dv), float("nan"))
+    lse = torch.full((t, h), float("nan"))
+    sparse_mla_decode_gluon(
+        q, kv, rows, scale=0.3, v_dim=dv, out=out, lse_out=lse, num_sms=4, topk_length=length, sinks=sinks,
+        num_splits=splits, rows_unique=rows_unique, attend=_reference_attend,
+    )  # fmt: skip
+    if rows_unique:  # a duplicate counts twice
+        rows_e, kv_e = _each_occurrence(rows, kv)
+        ref_o, ref_l = sparse_mla_oracle(q, kv_e, rows_e, scale=0.3, v_dim=dv, topk_length=length, sinks=sinks)
+    else:
+        ref_o, ref_l = sparse_mla_oracle(q, kv, rows, scale=0.3, v_dim=dv, topk_length=length, sinks=sinks)
+    torch.testing.assert_close(out.double(), ref_o, atol=1e-5, rtol=0)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_l))
+    fin = torch.isfinite(ref_l)
+    torch.testing.assert_close(lse.double()[fin], ref_l[fin], atol=1e-5, rtol=0)
+    assert (out[0] == 0).all() and (out[1] == 0).all()  # empty tokens: 0, lse -inf (or the sink)
+    if with_sinks:
+        torch.testing.assert_close(lse[0], sinks)
+
+
+# ---- the row-slicing Triton kernel under the interpreter ----
+
+
+def interpreted_split_rows() -> None:
+    g = torch.Generator().manual_seed(3)
+    for t, k, s, chunk, with_len in ((3, 40, 1, 64, False), (5, 2500, 3, 896, True), (2, 130, 5, 64, True)):
+        rows = torch.randint(-2, 300, (t, k), generator=g, dtype=torch.int32)
+        rows[0] = -1
+        length = torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32) if with_len else None
+        union, lens = split_rows(rows, num_kv_rows=290, num_splits=s, chunk=chunk, topk_length=length)
+        ref_u, ref_n = split_rows_reference(rows, num_kv_rows=290, num_splits=s, chunk=chunk, topk_length=length)
+        assert torch.equal(lens, ref_n), (t, k, s)
+        keep = torch.arange(chunk)[None, :] < lens[:, None]
+        assert torch.equal(union[keep], ref_u[keep]), (t, k, s)
+
+
+@pytest.mark.interpret
+def test_split_rows_kernel_matches_reference_under_interpreter():
+    pytest.importorskip("triton", reason="the kernel needs triton")
+    run_interpreted(__name__, "interpreted_split_rows")
+
+
+# ---- GPU: the routed Gluon path at real shapes ----
+
+
+def _sm90_gluon() -> bool:
+    from shardattn.kernels.sparse_mla_gluon import gluon_available
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gluon_available() is None
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90_gluon(), reason="needs an sm_90 GPU and Triton's Gluon")
+SCALE = 576**-0.5
+
+
+def _gpu_case(tokens, heads, seed, r=50000, k=2048):
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    rows = torch.randint(0, r, (tokens, k), device=dev, generator=gen, dtype=torch.int32)
+    rows[torch.rand(rows.shape, device=dev, generator=gen) < 0.05] = -1  # invalid anywhere
+    rows[:, -3:] = r + 11  # out of range at the tail
+    length = torch.full((tokens,), k, dtype=torch.int32, device=dev)
+    if tokens > 2:
+        rows[tokens // 2] = -1  # an empty row
+        length[tokens - 1] = 33  # short
+        length[1] = 0  # zero
+    q = torch.randn(tokens, heads, 576, device=dev, generator=gen).bfloat16()
+    kv = torch.randn(r, 576, device=dev, generator=gen).bfloat16()
+    sinks = torch.randn(heads, device=dev, generator=gen) * 2
+    return q, kv, rows, length, sinks
+
+
+def _check(out, lse, ref_o, ref_l):
+    assert torch.isfinite(out).all() and not lse.isnan().any()  # every element written
+    err = ((out.float() - ref_o.float()).norm() / ref_o.float().norm().clamp_min(1e-6)).item()
+    assert err < 1e-2, err
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_l))
+    fin = torch.isfinite(ref_l)
+    assert (lse[fin] - ref_l[fin]).abs().max().item() < 1e-2
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    ("heads", "tokens", "with_sinks"),
+    [(128, 1, True), (128, 64, False), (128, 256, True), (64, 1, False), (64, 64, True), (64, 256, False)],
+)
+def test_gluon_decode_matches_reference(heads, tokens, with_sinks):
+    q, kv, rows, length, sinks = _gpu_case(tokens, heads, seed=heads + tokens)
+    sinks = sinks if with_sinks else None
+    rows[0, 1000:1100] = rows[0, 0:100]  # duplicates (one key each by default)
+    name, reason = sparse_decode_kernel(q, kv, 512)
+    assert (name == "gluon") == (tokens * heads // 64 >= GLUON_DECODE_MIN_PROGRAMS), reason
+    out = torch.full((tokens, heads, 512), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((tokens, heads), float("nan"), device=q.device)
+    backend = "gluon" if name != "gluon" else None  # small batches: forced (routed to Triton)
+    sparse_mla_decode(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks, out=out, lse_out=lse, backend=backend)
+    ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks)
+    _check(out, lse, ref_o, ref_l)
+    if tokens > 2:
+        assert (out[tokens // 2] == 0).all() and (out[1] == 0).all()
+    if sinks is not None and tokens > 2:  # an empty row's LSE is the sink
+        torch.testing.assert_close(lse[tokens // 2], sinks, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_drafts_unique_rows_duplicates_count_twice_like_triton():
+    """4 requests x 3 draft tokens (neighbouring drafts share most rows), forced slices, a small
+    workspace, ``rows_unique=True`` with a duplicate: Gluon == doubled-key reference == Triton."""
+    q, kv, rows, length, sinks = _gpu_case(12, 128, seed=5)
+    for d in range(1, 3):  # drafts of request i share 3/4 of the first draft's rows
+        rows[d::3, :1536] = rows[0::3, :1536]
+    rows[4, 500:520] = rows[4, 0:20]
+    ws = torch.full((split_partials_numel(3, 12, 128, 512),), float("nan"), device="cuda")
+    out = torch.full((12, 128, 512), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((12, 128), float("nan"), device="cuda")
+    sparse_mla_decode(
+        q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks, num_splits=5, rows_unique=True, out=out,
+        lse_out=lse, workspace=ws, backend="gluon",
+    )  # fmt: skip
+    rows_e, kv_e = _each_occurrence(rows.cpu(), kv)
+    ref_o, ref_l = sparse_mla_reference(q, kv_e, rows_e.cuda(), scale=SCALE, topk_length=length, sinks=sinks)
+    _check(out, lse, ref_o, ref_l)
+    tri_o, tri_l = sparse_mla_decode(
+        q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks, rows_unique=True, backend="triton"
+    )
+    assert ((out.float() - tri_o.float()).norm() / tri_o.float().norm()).item() < 1e-2
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(tri_l))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_gluon_decode_graph_capture_replays_bitwise(tokens):
+    q, kv, rows, length, sinks = _gpu_case(tokens, 128, seed=11)
+    s_q, s_rows, s_len = q.clone(), rows.clone(), length.clone()
+    out = torch.empty(tokens, 128, 512, dtype=q.dtype, device="cuda")
+    lse = torch.empty(tokens, 128, device="cuda")
+
+    backend = "gluon" if tokens == 1 else None  # one token: forced (routed to Triton); 64: routed to Gluon
+    assert tokens == 1 or sparse_decode_kernel(q, kv, 512)[0] == "gluon"
+
+    def step():
+        sparse_mla_decode(
+            s_q, kv, s_rows, scale=SCALE, topk_length=s_len, sinks=sinks, out=out, lse_out=lse, backend=backend
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in (21, 22):  # new inputs copied into the static buffers, outputs poisoned
+        q2, _, rows2, len2, _ = _gpu_case(tokens, 128, seed=seed)
+        s_q.copy_(q2), s_rows.copy_(rows2), s_len.copy_(len2)
+        out.fill_(float("nan")), lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        got_o, got_l = out.clone(), lse.clone()
+        eager_o, eager_l = sparse_mla_decode(q2, kv, rows2, scale=SCALE, topk_length=len2, sinks=sinks, backend=backend)
+        assert torch.equal(got_o, eager_o) and torch.equal(got_l, eager_l)
+        ref_o, ref_l = sparse_mla_reference(q2, kv, rows2, scale=SCALE, topk_length=len2, sinks=sinks)
+        _check(got_o, got_l, ref_o, ref_l)
+    assert math.isfinite(float(lse[tokens - 1, 0]))
+
+
+# ---- decode warm-up: every variant the size-dependent routing can reach (CPU, calls recorded) ----
+
+
+@pytest.mark.parametrize("routed", ["gluon", "triton"])
+def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeypatch, routed):
+    import shardattn.parallel.decode_warmup as dw
+    from shardattn.plan.spec import get_preset
+
+    calls = []
+
+    def record(q, kv, rows, **kw):
+        calls.append((q.shape[0], kw.get("backend"), kw.get("num_splits")))
+
+    monkeypatch.setattr(dw, "sparse_mla_decode", record)
+    monkeypatch.setattr(dw, "sparse_decode_kernel", lambda q, kv, v_dim: (routed, "test"))
+    monkeypatch.setattr(dw, "convert_topk", lambda pos, *a, **k: (pos, None))
+    monkeypatch.setattr(dw, "compiles_kernels", lambda device: True)  # as on a GPU, with CPU tensors
+    spec = get_preset("glm5")
+    dw.warm_up_decode(
+        spec, device=torch.device("cpu"), dtype=torch.bfloat16, heads=64, kv_heads=1, topk=64, max_decode_tokens=40,
+        scale=0.1, dcp=None, need_lse=True, gqa_backend="triton",
+    )  # fmt: skip
+    for t in (1, 2, 40):
+        assert (t, None, None) in calls and (t, "triton", None) in calls
+    gluon = {c for c in calls if c[1] == "gluon"}
+    assert gluon == ({(40, "gluon", 1), (40, "gluon", 2)} if routed == "gluon" else set())
