@@ -30,7 +30,7 @@ Metadata (``meta [2, padded_requests * q_len]`` int32):
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -68,6 +68,11 @@ class DecodeBatch:
         meta: ``[2, padded_requests * q_len]`` int32 (see the module docstring); :meth:`to`
             moves it in one copy.
         seq_lens: ``[padded_requests]`` int32 global KV lengths (0 for padded requests).
+        max_kv_len: the most KV tokens of this rank any query sees (``max(meta[0])``, 0 when
+            empty): the step checks it against the block table's width on the host.
+        on_device: ``{device: (meta[0], meta[1]) there}``, filled by the step that first moves
+            ``meta`` to a device; the steps of every later layer reuse that copy (no transfer, no
+            host work). Use a plan on the stream it was first used on.
     """
 
     num_requests: int
@@ -78,6 +83,8 @@ class DecodeBatch:
     token_rows: torch.Tensor
     meta: torch.Tensor
     seq_lens: torch.Tensor
+    max_kv_len: int = 0
+    on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
     def query_lens(self) -> DecodeQueryLens:
@@ -100,6 +107,12 @@ class DecodeBatch:
     def padding_queries(self) -> int:
         """Query rows that are padding."""
         return self.num_slots - self.num_tokens
+
+    @property
+    def rows_are_requests(self) -> bool:
+        """Query row ``s`` belongs to request ``s`` (``meta[1]`` is ``arange``): one query per
+        request slot, so the step reads the block table as it is, with no gather of its rows."""
+        return self.q_len == 1 and (not self.packed or self.num_tokens == self.num_requests)
 
     @property
     def identity_rows(self) -> bool:
@@ -239,6 +252,7 @@ def plan_decode_batch(
     meta_np = np.zeros((2, num_rows), dtype=np.int32)
     meta_np[0, rows_np] = seen
     meta_np[1] = owner
+    max_kv_len = int(seen.max()) if seen.size else 0
     meta = torch.from_numpy(meta_np)
     if pin:
         meta = meta.pin_memory()
@@ -251,4 +265,5 @@ def plan_decode_batch(
         token_rows=torch.from_numpy(rows_np),
         meta=meta,
         seq_lens=torch.from_numpy(slot_lens.astype(np.int32)),
+        max_kv_len=max_kv_len,
     )
