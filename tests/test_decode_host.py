@@ -1,0 +1,140 @@
+"""Host work of the eager DCP GQA decode step on a reused plan: no host-device synchronisation,
+the plan's device metadata reused, the block table read as it is for one query per request."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from shardattn.parallel.runtime import Runtime
+from shardattn.plan import DCPLayout
+from shardattn.plan import spec as P
+from shardattn.plan.decode_batch import plan_decode_batch
+
+SPEC = P.ModelSpec("gqa", 8, 2, 16, 16, 0, 4, has_sinks=True, dtype="float32")
+
+# Tensor methods that make the host wait for the stream when the tensor lives on a GPU.
+SYNCING = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero"}
+# Code that runs only on the CPU: value checks of CPU tensors (a GPU step skips them) and the
+# torch reference kernels (a GPU step launches Triton kernels instead).
+CPU_ONLY = {"_check_host_values", "gqa_paged_decode_reference", "lse_merge_reference", "merge_weights"}
+
+
+class HostReads(TorchFunctionMode):
+    """Records, by call site, the tensor methods of :data:`SYNCING` that shardattn code calls
+    outside :data:`CPU_ONLY` code, and every torch function called (by name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[str] = Counter()
+        self.called: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        self.called[name] += 1
+        if name in SYNCING:
+            frame = sys._getframe(1)
+            site = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {name}"
+            shardattn_code, cpu_only = "/shardattn/" in frame.f_code.co_filename, False
+            while frame is not None:
+                cpu_only |= frame.f_code.co_name in CPU_ONLY
+                frame = frame.f_back
+            if shardattn_code and not cpu_only:
+                self.reads[site] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs(rt: Runtime, q_lens: list[int], context: int, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    b, t = len(q_lens), sum(q_lens)
+    seq = [context + n for n in q_lens]
+    pages = -(-rt.layout.local_len(max(seq), 0) // SPEC.page_size)
+    k = torch.randn(b * pages, SPEC.page_size, SPEC.num_kv_heads, SPEC.head_dim, generator=g)
+    return {
+        "q": torch.randn(t, rt.heads_per_rank, SPEC.head_dim, generator=g),
+        "kv": (k, torch.randn(k.shape, generator=g)),
+        "table": torch.randperm(b * pages, generator=g).view(b, pages).int(),
+        "seq": seq,
+        "seq_t": torch.tensor(seq, dtype=torch.int32),
+        "cu": torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        "sinks": torch.randn(SPEC.num_heads, generator=g),
+    }
+
+
+def _reused_plan_steps(group: dist.ProcessGroup, q_lens: list[int]) -> dict[str, Any]:
+    rt = Runtime(SPEC, group, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=64)
+    x = _inputs(rt, q_lens, context=37, seed=5)
+    plan = rt.decode_step.plan(x["seq"], x["cu"].tolist())
+    args = (x["q"], x["kv"], x["table"], x["seq_t"])
+
+    def step(check: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return rt.decode(*args, batch=plan, sinks=x["sinks"], check=check)
+
+    first = step()  # moves the plan's metadata to the device (once per plan)
+    cached = plan.on_device[x["q"].device]
+    with HostReads() as steps:
+        again = [step() for _ in range(3)]
+    with HostReads() as checked:  # the control: check=True agrees through the host
+        step(check=True)
+    today = rt.decode(*args, cu_q_lens=x["cu"], sinks=x["sinks"], check=False)  # device-indexed step
+    return {
+        "reads": dict(steps.reads),
+        "gathers": steps.called["index_select"],
+        "checked_reads": sum(checked.reads.values()),
+        "same_metadata": plan.on_device[x["q"].device] is cached and len(plan.on_device) == 1,
+        "equal": all(torch.equal(a, b) for o in again for a, b in zip(o, first)),
+        "equal_to_today": all(torch.equal(a, b) for a, b in zip(first, today)),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("q_lens", [[1] * 5, [1, 3, 2, 4]], ids=["one-query-each", "ragged-drafts"])
+def test_reused_plan_step_issues_no_host_sync(dist_pool, nproc, q_lens):
+    """No tensor is read back on the host (each read would be a device sync on a GPU) in a step
+    on a reused plan, apart from CPU-only value checks and reference kernels; the control with
+    ``check=True`` (an agreement through the host) is caught by the same counter."""
+    world = min(nproc, 2)
+    for res in dist_pool.run(_reused_plan_steps, q_lens, world_size=world):
+        assert res["reads"] == {}, res["reads"]
+        assert res["checked_reads"] >= 1  # the counter sees a real host read
+        assert res["same_metadata"] and res["equal"] and res["equal_to_today"]
+        # one query per request: the block table is read as it is, no gather of its rows
+        assert res["gathers"] == (0 if max(q_lens) == 1 else 3)
+
+
+def test_plan_knows_when_rows_are_requests():
+    assert plan_decode_batch([5, 6, 7], packed=True).rows_are_requests
+    assert plan_decode_batch([5, 6, 7], padded_requests=4).rows_are_requests  # q_len 1 slots
+    assert not plan_decode_batch([5, 6, 7], [0, 1, 3, 4], packed=True).rows_are_requests
+    assert not plan_decode_batch([5, 6], None, q_len=2, padded_requests=4).rows_are_requests
+    p = plan_decode_batch([9, 33, 2], [0, 1, 3, 4], layout=DCPLayout(2, 1), rank=1, packed=True)
+    assert p.max_kv_len == int(p.meta[0].max()) == 16
+    assert plan_decode_batch([], packed=True).max_kv_len == 0
+
+
+def _bad_plan(group: dist.ProcessGroup, what: str) -> str:
+    rt = Runtime(SPEC, group, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=64)
+    x = _inputs(rt, [1, 1, 1], context=20, seed=3)
+    plan = rt.decode_step.plan(x["seq"] + [20] if what == "rows" else [s + 400 for s in x["seq"]])
+    try:
+        rt.decode(x["q"], x["kv"], x["table"], x["seq_t"], batch=plan, sinks=x["sinks"])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "what,match",
+    [("rows", r"^q must have the plan's 4 query rows"), ("lengths", r"^batch puts up to \d+ KV tokens")],
+)
+def test_plan_that_does_not_fit_the_inputs_raises_on_every_rank(dist_pool, nproc, what, match):
+    for msg in dist_pool.run(_bad_plan, what, world_size=min(nproc, 2)):
+        assert re.search(match, msg), msg
