@@ -29,17 +29,19 @@ CPU_ONLY = {"_check_host_values", "gqa_paged_decode_reference", "lse_merge_refer
 
 class HostReads(TorchFunctionMode):
     """Records, by call site, the tensor methods of :data:`SYNCING` that shardattn code calls
-    outside :data:`CPU_ONLY` code, and every torch function called (by name)."""
+    outside :data:`CPU_ONLY` code on tensors other than ``host`` (a plan's own tensors, which
+    live on the host by construction), and every torch function called (by name)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: tuple[torch.Tensor, ...] = ()) -> None:
         super().__init__()
         self.reads: Counter[str] = Counter()
         self.called: Counter[str] = Counter()
+        self.host = host
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         self.called[name] += 1
-        if name in SYNCING:
+        if name in SYNCING and not (args and any(args[0] is t for t in self.host)):
             frame = sys._getframe(1)
             site = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {name}"
             shardattn_code, cpu_only = "/shardattn/" in frame.f_code.co_filename, False
@@ -79,15 +81,16 @@ def _reused_plan_steps(group: dist.ProcessGroup, q_lens: list[int]) -> dict[str,
 
     first = step()  # moves the plan's metadata to the device (once per plan)
     cached = plan.on_device[x["q"].device]
-    with HostReads() as steps:
+    host = (plan.meta, plan.seq_lens, plan.token_rows)
+    with HostReads(host) as steps:
         again = [step() for _ in range(3)]
-    with HostReads() as checked:  # the control: check=True agrees through the host
+    with HostReads(host) as checked:  # the control: check=True agrees through the host
         step(check=True)
     today = rt.decode(*args, cu_q_lens=x["cu"], sinks=x["sinks"], check=False)  # device-indexed step
     return {
         "reads": dict(steps.reads),
         "gathers": steps.called["index_select"],
-        "checked_reads": sum(checked.reads.values()),
+        "checked_reads": dict(checked.reads),
         "same_metadata": plan.on_device[x["q"].device] is cached and len(plan.on_device) == 1,
         "equal": all(torch.equal(a, b) for o in again for a, b in zip(o, first)),
         "equal_to_today": all(torch.equal(a, b) for a, b in zip(first, today)),
@@ -99,11 +102,14 @@ def _reused_plan_steps(group: dist.ProcessGroup, q_lens: list[int]) -> dict[str,
 def test_reused_plan_step_issues_no_host_sync(dist_pool, nproc, q_lens):
     """No tensor is read back on the host (each read would be a device sync on a GPU) in a step
     on a reused plan, apart from CPU-only value checks and reference kernels; the control with
-    ``check=True`` (an agreement through the host) is caught by the same counter."""
+    ``check=True`` (an agreement through the host: its one read) is caught by the same counter."""
     world = min(nproc, 2)
     for res in dist_pool.run(_reused_plan_steps, q_lens, world_size=world):
         assert res["reads"] == {}, res["reads"]
-        assert res["checked_reads"] >= 1  # the counter sees a real host read
+        # the counter sees a real host read: check=True's agreement (one all-gather read on the host),
+        # and only that: the plan's host fingerprint stands for the lengths (none read back)
+        assert res["checked_reads"] and all(s.startswith("comm.py") for s in res["checked_reads"]), res
+        assert sum(res["checked_reads"].values()) == 1, res["checked_reads"]
         assert res["same_metadata"] and res["equal"] and res["equal_to_today"]
         # one query per request: the block table is read as it is, no gather of its rows
         assert res["gathers"] == (0 if max(q_lens) == 1 else 3)
@@ -138,3 +144,24 @@ def _bad_plan(group: dist.ProcessGroup, what: str) -> str:
 def test_plan_that_does_not_fit_the_inputs_raises_on_every_rank(dist_pool, nproc, what, match):
     for msg in dist_pool.run(_bad_plan, what, world_size=min(nproc, 2)):
         assert re.search(match, msg), msg
+
+
+def _plans_differ(group: dist.ProcessGroup) -> str:
+    rt = Runtime(SPEC, group, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=64)
+    x = _inputs(rt, [1, 1, 1], context=20, seed=3)
+    seq = [s + rt.rank for s in x["seq"]]  # same shapes, other lengths on rank 1
+    try:
+        rt.decode(x["q"], x["kv"], x["table"], x["seq_t"], batch=rt.decode_step.plan(seq), sinks=x["sinks"])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_check_agrees_on_the_plans_lengths(dist_pool, nproc):
+    """With ``check=True`` the ranks agree on the plan's host fingerprint of the lengths: plans of
+    other lengths (same shapes) raise on every rank, before any data collective."""
+    if nproc < 2:
+        pytest.skip("needs 2 ranks")
+    for msg in dist_pool.run(_plans_differ, world_size=2):
+        assert "differs across ranks" in msg, msg

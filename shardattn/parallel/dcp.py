@@ -214,8 +214,9 @@ def dcp_gqa_decode(
     scatter_heads: bool = True,
     strategy: str = "auto",
     backend: str = "auto",
-    meta: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    meta: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None] | None = None,
     check: bool = True,
+    lens_fingerprint: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GQA decode over a paged KV cache split over the DCP group (speculative drafts included).
 
@@ -247,6 +248,9 @@ def dcp_gqa_decode(
         check: agree on shapes, layout and lengths first (one small all-gather, a host sync).
             Either way the inputs are checked on this rank first; values (lengths, pages) only
             when they live on the CPU, where reading them costs no device synchronisation.
+        lens_fingerprint: with ``check``, a host fingerprint of the lengths (a plan's
+            :attr:`~shardattn.plan.decode_batch.DecodeBatch.fingerprint`), agreed on instead of
+            ``seq_lens`` / ``cu_q_lens`` read back from the device (which costs a sync of its own).
     Returns:
         ``(out [total_q, Hq/N or Hq, D] in q's dtype, lse [total_q, Hq/N or Hq] fp32)``, equal to
         :func:`~shardattn.kernels.gqa_decode.gqa_paged_decode` over the whole cache.
@@ -314,9 +318,10 @@ def dcp_gqa_decode(
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
         if not check:
             return 0  # nothing to agree on: skip hashing on the step's hot path
+        lens = (_host_values(seq_lens), _host_values(cu_q_lens)) if lens_fingerprint is None else (lens_fingerprint,)
         return stable_fingerprint(
             "dcp_gqa", layout, tuple(q.shape), q.dtype, hkv, b, q_len_per_req, causal, sinks is not None,
-            scatter_heads, strategy, meta is not None, _host_values(seq_lens), _host_values(cu_q_lens),
+            scatter_heads, strategy, meta is not None, *lens,
         )  # fmt: skip
 
     comm.agree_on("DCP GQA decode inputs", validate, check=check)

@@ -173,8 +173,10 @@ class DecodeStep:
                 as it is (no gather of its rows).
             meta: GQA under DCP: that metadata already on the device (``batch.to(device)``;
                 a graph's static input).
-            check: under DCP, make the ranks agree on the inputs first (a host sync: pass ``False``
-                inside a CUDA graph).
+            check: under DCP, make the ranks agree on the inputs first (one small all-gather
+                and a host sync; with ``batch``, on the plan's host fingerprint of the lengths,
+                not on lengths read back from the device). Pass ``False`` inside a CUDA graph and
+                on the steps of an engine's later layers.
         Returns:
             ``(out [T, H/W, v_dim], lse [T, H/W] fp32)``: the rank's heads, merged over every shard
             (``lse`` is ``None`` when built with ``decode_lse=False``).
@@ -223,7 +225,8 @@ class DecodeStep:
         k_cache, v_cache = kv_cache
         backend = GQA_BACKEND[self.route_path]
         if dcp:
-            if meta is None and batch is not None:
+            planned = meta is None and batch is not None
+            if planned:
                 meta = self._planned_meta(batch, q, block_table, check)
             return dcp_gqa_decode(
                 q,
@@ -241,6 +244,7 @@ class DecodeStep:
                 backend=backend,
                 meta=meta,
                 check=check,
+                lens_fingerprint=batch.fingerprint if planned and check else None,
             )
         result = gqa_paged_decode(
             q,

@@ -30,6 +30,7 @@ Metadata (``meta [2, padded_requests * q_len]`` int32):
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,6 +93,17 @@ class DecodeBatch:
         requests of length 0, ``uniform`` when no request is short (computed on first use)."""
         ptr = np.concatenate([[0], np.cumsum(self.slot_q_lens)])
         return decode_query_lens(ptr, self.padded_requests)
+
+    @functools.cached_property
+    def fingerprint(self) -> int:
+        """A 63-bit hash of the batch's global lengths and layout, equal on every rank that
+        planned the same batch (its per-rank metadata is not hashed): what ranks agree on
+        instead of reading the lengths back from the device."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(repr((self.num_requests, self.padded_requests, self.q_len, self.packed)).encode())
+        h.update(np.ascontiguousarray(self.seq_lens.numpy(), dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(self.slot_q_lens, dtype=np.int64).tobytes())
+        return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
     @property
     def num_tokens(self) -> int:
