@@ -165,3 +165,24 @@ def test_check_agrees_on_the_plans_lengths(dist_pool, nproc):
         pytest.skip("needs 2 ranks")
     for msg in dist_pool.run(_plans_differ, world_size=2):
         assert "differs across ranks" in msg, msg
+
+
+@pytest.mark.parametrize("world,interleave", [(1, 1), (2, 1), (3, 4)])
+def test_one_query_per_request_plan_equals_the_general_plan(world, interleave):
+    """Plain decode (no ``qo_indptr``) takes a shorter path; it must give the general path's plan."""
+    g = torch.Generator().manual_seed(world + interleave)
+    layout = DCPLayout(world, interleave)
+    for _ in range(6):
+        b = int(torch.randint(1, 9, (1,), generator=g))
+        seq = torch.randint(0, 70, (b,), generator=g).tolist()  # 0: a padded request
+        for rank in range(world):
+            for packed, slots, causal in ((True, None, True), (False, b + 3, True), (False, None, False)):
+                kw = dict(layout=layout, rank=rank, padded_requests=slots, packed=packed, causal=causal)
+                fast = plan_decode_batch(seq, **kw)
+                general = plan_decode_batch(seq, list(range(b + 1)), **kw)
+                for f in ("num_requests", "padded_requests", "q_len", "packed", "max_kv_len"):
+                    assert getattr(fast, f) == getattr(general, f), f
+                for f in ("token_rows", "meta", "seq_lens"):
+                    a, c = getattr(fast, f), getattr(general, f)
+                    assert a.dtype == c.dtype and torch.equal(a, c), f
+                assert fast.slot_q_lens.tolist() == general.slot_q_lens.tolist() and fast.rows_are_requests

@@ -217,6 +217,8 @@ def plan_decode_batch(
     """
     lens = _lengths("seq_lens", seq_lens)
     b = int(lens.shape[0])
+    if qo_indptr is None and b and (q_len is None or check_int("q_len", q_len, minimum=1) == 1):
+        return _one_query_each(lens, layout, rank, padded_requests, packed, pin)  # plain decode
     if qo_indptr is None:
         ql0 = 1 if q_len is None else check_int("q_len", q_len, minimum=1)
         ptr = np.arange(b + 1, dtype=np.int64) * ql0
@@ -259,8 +261,7 @@ def plan_decode_batch(
     seen = np.maximum(seen, 0)
     # ... of which this rank holds (L // (N*I)) * I + clamp(L % (N*I) - rank * I, 0, I)
     if layout is not None:
-        w, i = layout.world_size, layout.interleave
-        seen = (seen // (w * i)) * i + np.clip(seen % (w * i) - rank * i, 0, i)
+        seen = _local_lens(seen, layout, rank)
     meta_np = np.zeros((2, num_rows), dtype=np.int32)
     meta_np[0, rows_np] = seen
     meta_np[1] = owner
@@ -278,4 +279,53 @@ def plan_decode_batch(
         meta=meta,
         seq_lens=torch.from_numpy(slot_lens.astype(np.int32)),
         max_kv_len=max_kv_len,
+    )
+
+
+def _local_lens(seen: np.ndarray, layout: DCPLayout, rank: int) -> np.ndarray:
+    """Of ``seen`` global tokens, the rank holds ``(L // (N*I)) * I + clamp(L % (N*I) - rank * I, 0, I)``."""
+    w, i = layout.world_size, layout.interleave
+    rest = seen % (w * i) - rank * i
+    np.maximum(rest, 0, out=rest)
+    np.minimum(rest, i, out=rest)
+    return (seen // (w * i)) * i + rest
+
+
+def _one_query_each(
+    lens: np.ndarray,
+    layout: DCPLayout | None,
+    rank: int,
+    padded_requests: int | None,
+    packed: bool,
+    pin: bool,
+) -> DecodeBatch:
+    """:func:`plan_decode_batch` of one query per request (``B >= 1``), the plain decode step:
+    the same plan as the general path (tests compare them) in a few numpy calls. Query ``b``
+    sees all ``L_b`` tokens (causal or not) and reads block-table row ``b``."""
+    b = int(lens.shape[0])
+    slots = b if padded_requests is None else check_int("padded_requests", padded_requests, minimum=0)
+    if slots < b:
+        raise ValueError(f"padded_requests={slots} is smaller than the batch ({b} requests)")
+    if layout is not None and not isinstance(layout, DCPLayout):
+        raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
+    seen = lens if layout is None else _local_lens(lens, layout, rank)
+    rows = b if packed else slots
+    meta_np = np.zeros((2, rows), dtype=np.int32)
+    meta_np[0, :b] = seen
+    meta_np[1] = np.arange(rows, dtype=np.int32)
+    slot_n = np.zeros(slots, dtype=np.int64)
+    slot_n[:b] = 1
+    slot_lens = np.zeros(slots, dtype=np.int32)
+    slot_lens[:b] = lens
+    meta = torch.from_numpy(meta_np)
+    return DecodeBatch(
+        num_requests=b,
+        padded_requests=slots,
+        q_len=1,
+        packed=packed,
+        slot_q_lens=slot_n,
+        token_rows=torch.from_numpy(np.arange(b, dtype=np.int64)),
+        meta=meta.pin_memory() if pin else meta,
+        seq_lens=torch.from_numpy(slot_lens),
+        max_kv_len=int(seen.max()),
     )
