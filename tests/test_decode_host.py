@@ -186,3 +186,35 @@ def test_one_query_per_request_plan_equals_the_general_plan(world, interleave):
                     a, c = getattr(fast, f), getattr(general, f)
                     assert a.dtype == c.dtype and torch.equal(a, c), f
                 assert fast.slot_q_lens.tolist() == general.slot_q_lens.tolist() and fast.rows_are_requests
+
+
+def test_graph_load_stages_host_inputs_through_two_pinned_twins():
+    """The load of a graph bucket stages host inputs in a pinned twin of the arena (two, used in
+    turn) and copies them in one span, then pads. On the CPU the runner has no host inputs, so
+    the runner is told its device is elsewhere: every input then takes the staged path."""
+    from shardattn.parallel.cudagraph import GraphInput, GraphRunner
+    from shardattn.plan.cudagraph import CGSupport
+
+    inputs = [
+        GraphInput("q", (3,), torch.float32, per="token"),
+        GraphInput("block_table", (2,), torch.int32, pad_value=-1),
+        GraphInput("seq_lens", (), torch.int32),
+    ]
+    runner = GraphRunner(
+        lambda **k: k, inputs, support=CGSupport.UNIFORM_BATCH, batch_sizes=[2, 4], q_len_per_req=2, device="cpu"
+    )
+    runner.device = torch.device("meta")  # inputs on the CPU are host inputs now
+    g = torch.Generator().manual_seed(0)
+    for batch in (4, 3, 1, 3, 2, 1):  # larger, then smaller batches: padding rows must be restored
+        x = {
+            "q": torch.randn(2 * batch, 3, generator=g),
+            "block_table": torch.randint(0, 9, (batch, 2), generator=g, dtype=torch.int32),
+            "seq_lens": torch.randint(1, 9, (batch,), generator=g, dtype=torch.int32),
+        }
+        padded = runner.load(batch, **x)
+        got = runner.views(padded)
+        assert torch.equal(got["q"][: 2 * batch], x["q"]) and got["q"][2 * batch :].eq(0).all()
+        assert torch.equal(got["block_table"][:batch], x["block_table"]) and got["block_table"][batch:].eq(-1).all()
+        assert torch.equal(got["seq_lens"][:batch], x["seq_lens"]) and got["seq_lens"][batch:].eq(0).all()
+    assert len(runner._layouts) == 4  # the views of each (batch, bucket) were made once
+    assert all(host == ("q", "block_table", "seq_lens") for _, _, host in runner._layouts)  # all staged
