@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardattn.parallel.runtime import Runtime
 from shardattn.plan.spec import ModelSpec, get_preset
@@ -119,7 +120,8 @@ def _stub_reference_kernels() -> None:
 
 
 class _SyncCounter(TorchFunctionMode):
-    """Counts tensor methods that would synchronise a GPU stream, called from shardattn code."""
+    """Counts tensor methods that would synchronise a GPU stream, called from shardattn code, by
+    call site (value checks of CPU tensors among them: a GPU step skips those)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -133,6 +135,36 @@ class _SyncCounter(TorchFunctionMode):
             caller = sys._getframe(1).f_code.co_filename
             if f"{os.sep}shardattn{os.sep}" in caller:
                 self.calls[f"{name} ({os.path.basename(caller)}:{sys._getframe(1).f_lineno})"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# Functions whose torch work runs only for CPU tensors: argument checks whose value checks read
+# CPU tensors (on a GPU they check shapes only), the CPU reference kernels and their stand-ins.
+_CPU_ONLY = {
+    "validate",
+    "_check_inputs",
+    "_check_host_values",
+    "gqa_paged_decode_reference",
+    "lse_merge_reference",
+    "gqa_stub",
+    "merge_stub",
+}
+
+
+class _AtenOps(TorchDispatchMode):
+    """The aten ops a step dispatches (allocations, views, copies, collectives, kernels' torch
+    calls), outside :data:`_CPU_ONLY` code: what a GPU step runs through torch's dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_name not in _CPU_ONLY:
+            frame = frame.f_back
+        if frame is None:
+            self.ops[func.__name__.split(".")[0]] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -180,7 +212,12 @@ def _counts(fn: Callable, iters: int) -> dict[str, float]:
     with counter:
         for _ in range(iters):
             fn()
+    aten = _AtenOps()
+    with aten:
+        fn()
     return {
+        "aten_ops": sum(aten.ops.values()),
+        "aten_names": dict(aten.ops),
         "python_calls": calls / iters,
         "torch_calls": counter.torch_calls / iters,
         "syncs": sum(counter.calls.values()) / iters,
@@ -256,6 +293,7 @@ def main() -> None:
         rt.decode_step.plan(seq)
     plan_us = (time.thread_time_ns() - c0) / args.iters / 1e3
     counts = _counts(reused, 20)
+    counts_checked = _counts(checked, 5)
     _sync(device)
 
     prof = cProfile.Profile()
@@ -282,10 +320,15 @@ def main() -> None:
             )
             print(f"{('  ' if key not in ('wall', 'cpu', 'host') else '') + key:38s}{cells}")
         print(f"host plan alone (DecodeStep.plan), CPU time: {plan_us:.1f} us")
+        print(f"per reused-plan step, outside CPU-only code: {counts['aten_ops']} aten ops {counts['aten_names']}")
         print(
             f"per reused-plan step: {counts['python_calls']:.0f} Python function calls, "
             f"{counts['torch_calls']:.0f} calls into torch, {counts['syncs']:g} calls that would sync a GPU "
             f"stream {counts['sync_sites']}"
+        )
+        print(
+            f"per check=True step: {counts_checked['syncs']:g} calls that would sync a GPU stream "
+            f"{counts_checked['sync_sites']}"
         )
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.profile_top)
