@@ -218,3 +218,34 @@ def test_graph_load_stages_host_inputs_through_two_pinned_twins():
         assert torch.equal(got["seq_lens"][:batch], x["seq_lens"]) and got["seq_lens"][batch:].eq(0).all()
     assert len(runner._layouts) == 4  # the views of each (batch, bucket) were made once
     assert all(host == ("q", "block_table", "seq_lens") for _, _, host in runner._layouts)  # all staged
+
+
+def _no_sync_on_gpu(group: dist.ProcessGroup, q_lens: list[int]) -> bool:
+    device = torch.device("cuda", torch.cuda.current_device())
+    rt = Runtime(SPEC, group, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=64, device=device)
+    x = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in _inputs(rt, q_lens, 37, 5).items()}
+    x["kv"] = tuple(t.to(device) for t in x["kv"])
+    plan = rt.decode_step.plan(x["seq"], x["cu"].tolist())
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        return rt.decode(x["q"], x["kv"], x["table"], x["seq_t"], batch=plan, sinks=x["sinks"], check=False)
+
+    first = step()  # the plan's one copy to the device
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising torch call raises
+    try:
+        again = [step() for _ in range(3)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return all(torch.equal(a, b) for o in again for a, b in zip(o, first))
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.parametrize("q_lens", [[1] * 5, [1, 3, 2, 4]], ids=["one-query-each", "ragged-drafts"])
+def test_reused_plan_step_issues_no_sync_on_nccl(dist_pool, q_lens):
+    """On GPUs: torch's sync debug mode raises on any synchronising call inside the steps."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    assert all(dist_pool.run(_no_sync_on_gpu, q_lens, world_size=2, backend="nccl"))
