@@ -249,3 +249,70 @@ def test_reused_plan_step_issues_no_sync_on_nccl(dist_pool, q_lens):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     assert all(dist_pool.run(_no_sync_on_gpu, q_lens, world_size=2, backend="nccl"))
+
+
+def _interpreted_rank(rank: int, init: str) -> None:
+    """One of two gloo ranks under the Triton interpreter: the DCP GQA step on the Triton kernels
+    (local attention and merge) with a plan's metadata, as a GPU runs it, against the reference."""
+    from shardattn.kernels.registry import use_triton
+    from shardattn.parallel.comm import Comm
+    from shardattn.parallel.dcp import dcp_gqa_decode
+
+    assert use_triton(torch.zeros(1)), "the Triton interpreter is off"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        comm, layout = Comm(dist.group.WORLD), DCPLayout(2, 1)
+        for q_lens in ([1] * 5, [1, 3, 2, 4]):
+            x = _inputs_for(layout, rank, q_lens)
+            plan = plan_decode_batch(x["seq"], x["cu"].tolist(), layout=layout, rank=rank, packed=True)
+            args = (x["q"], *x["kv"], x["table"], x["seq_t"], layout, comm)
+            kw = dict(sinks=x["sinks"], scale=0.25, check=False)
+            lens, req = plan.meta[0], plan.meta[1]
+            got = dcp_gqa_decode(*args, meta=(lens, None if plan.rows_are_requests else req), backend="triton", **kw)
+            full = dcp_gqa_decode(*args, meta=plan.meta, backend="triton", **kw)
+            ref = dcp_gqa_decode(*args, cu_q_lens=x["cu"], backend="reference", **kw)
+            assert all(torch.equal(a, b) for a, b in zip(got, full)), q_lens
+            torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def _inputs_for(layout: DCPLayout, rank: int, q_lens: list[int]) -> dict[str, Any]:
+    """Inputs of one rank of a two-rank DCP step (the same global lengths and q on every rank)."""
+    g = torch.Generator().manual_seed(11)
+    b, t, page = len(q_lens), sum(q_lens), SPEC.page_size
+    seq = [29 + 7 * i + n for i, n in enumerate(q_lens)]
+    pages = -(-layout.local_len(max(seq), rank) // page)
+    k = torch.randn(b * pages + 1, page, SPEC.num_kv_heads, SPEC.head_dim, generator=g)
+    q = torch.randn(t, SPEC.num_heads, SPEC.head_dim, generator=g)
+    h = SPEC.num_heads // 2
+    return {
+        "q": q[:, rank * h : (rank + 1) * h].contiguous(),
+        "kv": (k, torch.randn(k.shape, generator=g)),
+        "table": torch.randperm(b * pages, generator=g).view(b, pages).int(),
+        "seq": seq,
+        "seq_t": torch.tensor(seq, dtype=torch.int32),
+        "cu": torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        "sinks": torch.randn(SPEC.num_heads, generator=g),
+    }
+
+
+def interpreted_dcp_step() -> None:
+    """Run in a subprocess with TRITON_INTERPRET=1: two spawned gloo ranks (:func:`_interpreted_rank`)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_interpreted_rank, args=(f"file://{d}/store",), nprocs=2, join=True)
+
+
+@pytest.mark.interpret
+def test_lean_step_on_triton_kernels_under_interpreter():
+    """The GPU's code path of the step on a plan (Triton attention and merge, block table read as
+    it is for one query per request) on two CPU ranks, under the Triton interpreter."""
+    pytest.importorskip("triton", reason="the Triton kernels need triton")
+    from shardattn.testing.interpret import run_interpreted
+
+    run_interpreted(__name__, "interpreted_dcp_step")
