@@ -3,22 +3,25 @@
     torchrun --nproc-per-node 2 benchmarks/decode_host.py                 # CPU, gloo
     torchrun --nproc-per-node 2 benchmarks/decode_host.py --device cuda   # GPUs, NCCL
 
-gqa-64-8 (64 q / 8 kv heads, d 64, page 32, sinks), ``--requests`` requests, the step on a reused
-host plan (``DecodeStep.plan`` once, the step ``--iters`` times, ``check=False``: how an engine runs
-every layer of one step), then with the plan made every step. A step's wall time on the host is
-split into
+gqa-64-8 (64 q / 8 kv heads, d 64, page 32, sinks; ``--tiny``: 4 / 2 heads of 16 dims, so that
+the CPU's copies cost nothing), ``--requests`` requests of ``--context`` tokens, the step on a
+reused host plan (``DecodeStep.plan`` once, the step ``--iters`` times, ``check=False``: how an
+engine runs every layer of one step), with a plan made every step, and with ``check=True``.
+Min and median per step of the wall time and of this thread's CPU time (what the host spends,
+whoever else shares the cores), the CPU time split into
 
-* ``kernels``: time inside the local attention and merge kernels. On the CPU these are the torch
-  references, real compute that a GPU runs asynchronously; on a GPU, the Triton launches' host
-  time;
-* ``collectives``: time inside the torch.distributed calls (blocking data movement under gloo;
-  on NCCL, the host side of an asynchronous call);
-* ``host``: the rest, i.e. the library's own Python and torch-op work per step: the overhead this
-  script exists to show. The largest self-times (cProfile) of that rest are printed too.
+* ``kernels``: inside the local attention and merge kernels. On the CPU the torch references are
+  replaced by stand-ins that only allocate their outputs (``--real-kernels`` keeps them): a GPU
+  runs them asynchronously; on a GPU, the Triton launches' host time;
+* ``collectives``: inside the torch.distributed calls (blocking data movement under gloo; on
+  NCCL, the host side of an asynchronous call);
+* ``host``: the rest, the library's own Python and torch-op work, by phase (the wrapped
+  functions of ``_PHASES``; ``value checks`` run for CPU tensors only).
 
-Also counted: calls that synchronise a GPU stream with the host when their tensor lives on a GPU
-(``item``, ``tolist``, ``bool()``, ``int()``, ``numpy``, ``cpu``, ``nonzero``, event and device
-synchronisation), per step, made by library code on a reused plan.
+Also printed, per reused-plan step: the aten ops dispatched outside CPU-only code (what a GPU
+step sends through torch's dispatcher), Python function calls, and the tensor methods called by
+library code that would synchronise a GPU stream (``item``, ``tolist``, ``bool()``, ``int()``,
+``numpy``, ``cpu``, ``nonzero``), by call site; then a cProfile of the reused-plan step.
 """
 
 from __future__ import annotations
