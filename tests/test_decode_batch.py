@@ -187,9 +187,9 @@ def _count_launches(group: dist.ProcessGroup, case: dict) -> list[str]:
 
         return wrapped
 
-    real_kernel, real_merge = dcp_mod.gqa_paged_decode, collector_mod.lse_merge
-    dcp_mod.gqa_paged_decode = as_one_launch("KERNEL gqa_decode", real_kernel)
-    collector_mod.lse_merge = as_one_launch("KERNEL lse_merge", real_merge)
+    real_kernel, real_merge = dcp_mod.run_gqa_paged_decode, collector_mod.run_lse_merge
+    dcp_mod.run_gqa_paged_decode = as_one_launch("KERNEL gqa_decode", real_kernel)
+    collector_mod.run_lse_merge = as_one_launch("KERNEL lse_merge", real_merge)
     # input validation reads CPU tensors' values (ops that never run for CUDA inputs): not counted
     real_agree = comm.agree_on
     comm.agree_on = lambda what, validate, check=True: as_one_launch("", real_agree)(what, validate, check=check)
@@ -201,7 +201,7 @@ def _count_launches(group: dist.ProcessGroup, case: dict) -> list[str]:
                 check=False,
             )  # fmt: skip
     finally:
-        dcp_mod.gqa_paged_decode, collector_mod.lse_merge = real_kernel, real_merge
+        dcp_mod.run_gqa_paged_decode, collector_mod.run_lse_merge = real_kernel, real_merge
     return [op for op in counter.ops if op]
 
 

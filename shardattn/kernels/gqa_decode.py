@@ -45,10 +45,16 @@ from shardattn._checks import (
 )
 from shardattn.kernels.gqa_decode_triton import HAVE_TRITON, run_triton
 from shardattn.kernels.lse_merge import split_partials_numel
-from shardattn.kernels.registry import unsupported_reason, use_triton
+from shardattn.kernels.registry import unsupported_reason
 from shardattn.kernels.sparse_mla import sparse_mla_reference
 
-__all__ = ["BACKENDS", "gqa_decode_workspace_numel", "gqa_paged_decode", "gqa_paged_decode_reference"]
+__all__ = [
+    "BACKENDS",
+    "gqa_decode_workspace_numel",
+    "gqa_paged_decode",
+    "gqa_paged_decode_reference",
+    "run_gqa_paged_decode",
+]
 
 BACKENDS = ("auto", "triton", "flashinfer", "reference")
 
@@ -185,6 +191,13 @@ def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_
                 raise ValueError(f"requests {short[:8]} have more queries than keys (seq_lens counts the drafts)")
 
 
+def _xqa():
+    """The FlashInfer XQA adapter (imported on first use: it imports the planner's policy)."""
+    from shardattn.kernels import flashinfer_xqa
+
+    return flashinfer_xqa
+
+
 def gqa_decode_workspace_numel(total_q: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
     """fp32 elements the split-KV path needs (partial outputs and LSEs); 0 when not split."""
     return split_partials_numel(num_splits, total_q, num_q_heads, head_dim)
@@ -249,7 +262,6 @@ def gqa_paged_decode(
     check_choice("backend", backend, BACKENDS)
     _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_q_lens, window_left, sinks)
     total_q, hq, d = q.shape
-    batch = block_table.shape[0]
     scale = d**-0.5 if scale is None else check_scale("scale", scale)
     if num_splits is not None:
         check_int("num_splits", num_splits, minimum=1)
@@ -257,28 +269,83 @@ def gqa_paged_decode(
         check_tensor("out", out, dtypes=(q.dtype,), shape=(total_q, hq, d), device=q.device)
     if lse_out is not None:
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(total_q, hq), device=q.device)
+    if cu_q_lens is not None and max_q_len is not None:
+        check_int("max_q_len", max_q_len, minimum=0)
+    return run_gqa_paged_decode(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        q_len_per_req=q_len_per_req,
+        cu_q_lens=cu_q_lens,
+        max_q_len=max_q_len,
+        causal=causal,
+        window_left=window_left,
+        sinks=sinks,
+        return_lse=return_lse,
+        scale=scale,
+        backend=backend,
+        num_splits=num_splits,
+        out=out,
+        lse_out=lse_out,
+        workspace=workspace,
+    )
+
+
+def run_gqa_paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    q_len_per_req: int | None,
+    cu_q_lens: torch.Tensor | None,
+    max_q_len: int | None,
+    causal: bool,
+    window_left: int,
+    sinks: torch.Tensor | None,
+    return_lse: bool,
+    scale: float,
+    backend: str,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gqa_paged_decode` on arguments already checked (by it, or by a parallel step that
+    validated its own inputs and built these from them): picks the backend and runs it, with no
+    argument checks. Raises ``ValueError`` only for a backend that cannot run here, before any
+    kernel. Arguments and return value: :func:`gqa_paged_decode` (``scale`` resolved to a float).
+    """
+    total_q, hq, _ = q.shape
+    batch = block_table.shape[0]
     ragged = cu_q_lens is not None
     q_len = 0 if ragged else (1 if q_len_per_req is None else q_len_per_req)
-    if ragged:
-        if max_q_len is None:
-            if q.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise ValueError("max_q_len is required with cu_q_lens under CUDA-graph capture (no host sync)")
-            max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max()) if batch > 0 else 0
-        check_int("max_q_len", max_q_len, minimum=0)
+    if ragged and max_q_len is None:
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ValueError("max_q_len is required with cu_q_lens under CUDA-graph capture (no host sync)")
+        max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max()) if batch > 0 else 0
     max_q = max_q_len if ragged else q_len
 
-    from shardattn.kernels import flashinfer_xqa  # local: the adapter imports the planner's policy
-
+    triton_ok = False
+    if backend in ("auto", "triton"):
+        reason = "triton is not installed" if not HAVE_TRITON else unsupported_reason(q)
+        triton_ok = reason is None
+        if backend == "triton" and not triton_ok:
+            raise ValueError(f"backend='triton' is unavailable: {reason}")
     if backend == "auto":  # Triton matched or beat XQA on the H200 (benchmarks/RESULTS.md, "Decode")
-        if HAVE_TRITON and use_triton(q):
+        if triton_ok:
             backend = "triton"
-        elif not return_lse and flashinfer_xqa.unavailable_reason(q, k_cache) is None:
+        elif not return_lse and _xqa().unavailable_reason(q, k_cache) is None:
             backend = "flashinfer"
         else:
             backend = "reference"
     if backend == "flashinfer":
         if return_lse:
             raise ValueError("backend='flashinfer' (XQA) returns no LSE; use backend='triton' with return_lse")
+        flashinfer_xqa = _xqa()
         reason = flashinfer_xqa.unavailable_reason(q, k_cache)
         if reason is not None:
             raise ValueError(f"backend='flashinfer' is unavailable: {reason}")
@@ -298,9 +365,6 @@ def gqa_paged_decode(
             out=out,
         )
     if backend == "triton":
-        reason = "triton is not installed" if not HAVE_TRITON else unsupported_reason(q)
-        if reason is not None:
-            raise ValueError(f"backend='triton' is unavailable: {reason}")
         out = torch.empty_like(q) if out is None else out
         lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device) if lse_out is None else lse_out
         if total_q > 0 and batch > 0:

@@ -128,6 +128,20 @@ def lse_merge(
     if lse_out is not None:
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(t, h))
     check_same_device(outs=outs, out=out, lse_out=lse_out)
+    return run_lse_merge(outs, lses, out=out, lse_out=lse_out)
+
+
+def run_lse_merge(
+    outs: torch.Tensor,
+    lses: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`lse_merge` on arguments already checked (by it, or by a step whose partials came
+    from this library's own kernels): the Triton kernel on CUDA tensors, else the reference; no
+    argument checks. Shapes and return value: :func:`lse_merge`."""
+    _, t, h, d = outs.shape
     if triton is None or not use_triton(outs):
         ref_out, ref_lse = lse_merge_reference(outs, lses)
         if out is None and lse_out is None:

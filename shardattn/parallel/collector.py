@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from shardattn._checks import FLOAT_DTYPES, check_choice, check_same_device, check_tensor
-from shardattn.kernels.lse_merge import lse_merge, merge_weights
+from shardattn.kernels.lse_merge import merge_weights, run_lse_merge
 from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
 
-__all__ = ["STRATEGIES", "collect_partials", "resolve_strategy"]
+__all__ = ["STRATEGIES", "collect_checked", "collect_partials", "resolve_strategy"]
 
 STRATEGIES = ("auto", "all_to_all", "all_gather", "reduce_scatter")
 _ALL_TO_ALL_BACKENDS = ("nccl", "gloo")
@@ -115,13 +115,15 @@ def collect_partials(
 
     comm.agree_on("collector input (out shape and dtype, scatter_heads, strategy)", validate, check=check)
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
-        return _collect(out, lse, comm, chosen, scatter_heads)
+        return collect_checked(out, lse, comm, chosen, scatter_heads)
 
 
-def _collect(
+def collect_checked(
     out: torch.Tensor, lse: torch.Tensor, comm: Comm, strategy: str, scatter_heads: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`collect_partials` after validation (``strategy`` already resolved)."""
+    """:func:`collect_partials` after validation: ``out`` / ``lse`` checked (or built by a step
+    from its own checked inputs), ``strategy`` resolved (:func:`resolve_strategy`), the ranks
+    agreed (or the caller skips agreement). No checks, no agreement: the step's hot path."""
     w, rank = comm.world_size, comm.rank
     t, h, dv = out.shape
     hs = h // w if scatter_heads else h
@@ -143,7 +145,7 @@ def _collect(
         got = comm.all_gather(buf)  # [W, nbytes]
         full_out, full_lse = unpack_rows(got, [((t, h, dv), out.dtype), ((t, h), torch.float32)])
         part_out, part_lse = full_out[:, :, h0 : h0 + hs], full_lse[:, :, h0 : h0 + hs]
-    return lse_merge(part_out, part_lse)
+    return run_lse_merge(part_out, part_lse)  # the partials were checked (or built) by the caller
 
 
 def _reduce_scatter(

@@ -30,10 +30,9 @@ Mixed-dtype payloads (a bf16 output and its fp32 LSE) travel in one collective a
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,6 +99,24 @@ class Pending:
                 w.wait()
             else:
                 self._comm._collective(self._kind, w.wait)
+
+
+class _ReportingFailures:
+    """:meth:`Comm.reporting_failures`: reports an exception (other than a peer's failure) to the
+    peers on the way out, then lets it propagate."""
+
+    __slots__ = ("_comm",)
+
+    def __init__(self, comm: Comm) -> None:
+        self._comm = comm
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> bool:
+        if error is not None and isinstance(error, Exception) and not isinstance(error, PeerFailedError):
+            self._comm.report_failure(error)
+        return False  # re-raise
 
 
 class Comm:
@@ -384,17 +401,11 @@ class Comm:
         """
         report_failure(self.group, self.rank, error)
 
-    @contextlib.contextmanager
-    def reporting_failures(self) -> Iterator[None]:
+    def reporting_failures(self) -> _ReportingFailures:
         """Around a step's work after its agreement check: an exception is reported to the peers
-        (which are, or soon will be, waiting for this rank in a collective), then re-raised."""
-        try:
-            yield
-        except PeerFailedError:
-            raise
-        except Exception as e:
-            self.report_failure(e)
-            raise
+        (which are, or soon will be, waiting for this rank in a collective), then re-raised.
+        (A plain context manager, not a generator: it sits on every step's hot path.)"""
+        return _ReportingFailures(self)
 
     def _peer_failed(self, kind: str, error: BaseException) -> PeerFailedError:
         """Name the peers that made ``kind`` fail (:func:`~shardattn.parallel.peer_failures.name_failed_peers`)."""

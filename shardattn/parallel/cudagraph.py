@@ -149,6 +149,22 @@ class DecodeGraph:
 _ALIGN = 64  # bytes: every input's region of the arena starts on a 64-byte boundary
 
 
+class _LoadLayout:
+    """The byte views one :meth:`GraphRunner.load` of a given batch size copies between:
+    ``staged`` (per host input, its region in each pinned twin), ``device_dst`` (per device
+    input, its region of the arena, or None when empty), the padding rows (``pad_dst`` from
+    ``pad_src``) and ``span`` (the arena range every host input lies in, and its twins)."""
+
+    __slots__ = ("device_dst", "pad_dst", "pad_src", "span", "staged")
+
+    def __init__(self) -> None:
+        self.staged: list[tuple[torch.Tensor, ...]] = []
+        self.device_dst: list[torch.Tensor | None] = []
+        self.pad_dst: list[torch.Tensor] = []
+        self.pad_src: list[torch.Tensor] = []
+        self.span: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+
+
 class GraphRunner:
     """Captures a decode step at several padded batch sizes and replays the one that fits.
 
@@ -212,8 +228,12 @@ class GraphRunner:
             self.buffers[i.name].fill_(i.pad_value)
         self.pad_template = self.arena.clone()  # every row at its pad value
         pin = self.device.type == "cuda"
-        self._staging = torch.empty(off, dtype=torch.uint8, pin_memory=pin)  # host inputs cross from here
-        self._staged = torch.cuda.Event() if pin else None  # the last copy out of the staging buffer
+        # host inputs cross from a pinned twin of the arena; two of them, used in turn, so that a
+        # step waits for the copy out of a twin only when it is two steps ahead of the device
+        self._staging = [torch.empty(off, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._staged = [torch.cuda.Event() if pin else None for _ in range(2)]  # the last copy out of each
+        self._turn = 0
+        self._layouts: dict[tuple[int, int, tuple[str, ...]], _LoadLayout] = {}  # views per batch, reused
         self.graphs: dict[int, DecodeGraph] = {}
         self.last_route: tuple[int | None, str] = (None, "no step yet")
 
@@ -280,38 +300,69 @@ class GraphRunner:
             if x.device.type not in ("cpu", self.device.type):
                 raise ValueError(f"{i.name} must be on the CPU or {self.device}, got {x.device}")
 
+    def _layout(self, batch: int, padded: int, host: tuple[str, ...]) -> _LoadLayout:
+        """The byte views a load of ``batch`` requests padded to ``padded`` copies between (the
+        buffers never move, so they are made once per batch size and host/device split)."""
+        key = (batch, padded, host)
+        found = self._layouts.get(key)
+        if found is not None:
+            return found
+        lay = _LoadLayout()
+        for i in self.inputs:
+            n, p = self._rows(i, batch), self._rows(i, padded)
+            if i.name in host:
+                lay.staged.append(tuple(self._bytes(t, i, 0, n) for t in self._staging))
+            else:
+                lay.device_dst.append(self._bytes(self.arena, i, 0, n) if n else None)
+            if p > n:
+                lay.pad_dst.append(self._bytes(self.arena, i, n, p))
+                lay.pad_src.append(self._bytes(self.pad_template, i, n, p))
+        if host:  # one host-to-device copy spanning every host input (device inputs are rewritten after)
+            lo = min(self._offsets[name] for name in host)
+            spec = {i.name: i for i in self.inputs}
+            hi = max(self._offsets[name] + self._rows(spec[name], batch) * self._row_bytes[name] for name in host)
+            lay.span = (self.arena[lo:hi], [t[lo:hi] for t in self._staging])
+        if len(self._layouts) < 1024:
+            self._layouts[key] = lay
+        return lay
+
     def load(self, batch: int, **tensors: torch.Tensor) -> int:
         """Copy a step's inputs into the static buffers and pad; returns the padded batch size.
 
         Host inputs are staged in pinned memory and cross in one copy; device inputs and every
-        padding row go in one fused copy (one kernel on a GPU).
+        padding row go in one fused copy (one kernel on a GPU). The views copied between are
+        made once per batch size; the pinned staging buffer alternates between two, so the host
+        waits for the device only when it runs two steps ahead.
         """
         check_int("batch", batch, minimum=1)
         padded = self.padded_size(batch)
         self._check_inputs(batch, tensors)
         on_device = self.device.type != "cpu"
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        host = [i for i in self.inputs if on_device and tensors[i.name].device.type == "cpu"]
-        if host and self._staged is not None:
-            self._staged.synchronize()  # the previous step's copy has left the staging buffer
+        host = tuple(i.name for i in self.inputs if on_device and tensors[i.name].device.type == "cpu")
+        lay = self._layout(batch, padded, host)
+        turn = self._turn
+        if host:
+            self._turn = 1 - turn
+            done = self._staged[turn]
+            if done is not None and not done.query():
+                done.synchronize()  # the copy out of this twin, two steps ago, is still reading it
+        dsts, srcs = list(lay.pad_dst), list(lay.pad_src)
+        staged, on_dev = iter(lay.staged), iter(lay.device_dst)
         for i in self.inputs:
-            n, p = self._rows(i, batch), self._rows(i, padded)
             raw = tensors[i.name].contiguous().view(-1).view(torch.uint8)
-            if i in host:
-                self._bytes(self._staging, i, 0, n).copy_(raw)
-            elif raw.numel():
-                dsts.append(self._bytes(self.arena, i, 0, n))
-                srcs.append(raw)
-            if p > n:
-                dsts.append(self._bytes(self.arena, i, n, p))
-                srcs.append(self._bytes(self.pad_template, i, n, p))
-        if host:  # one host-to-device copy spanning every host input (device inputs are rewritten after)
-            lo = min(self._offsets[i.name] for i in host)
-            hi = max(self._offsets[i.name] + self._rows(i, batch) * self._row_bytes[i.name] for i in host)
-            self.arena[lo:hi].copy_(self._staging[lo:hi], non_blocking=True)
-            if self._staged is not None:
-                self._staged.record()
+            if i.name in host:
+                next(staged)[turn].copy_(raw)
+            else:
+                dst = next(on_dev)
+                if dst is not None:
+                    dsts.append(dst)
+                    srcs.append(raw)
+        if lay.span is not None:
+            dst, src = lay.span
+            dst.copy_(src[turn], non_blocking=True)
+            done = self._staged[turn]
+            if done is not None:
+                done.record()
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         return padded

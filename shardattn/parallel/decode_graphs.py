@@ -105,8 +105,10 @@ class DecodeGraphs:
         if plan is None:
             self.last_route = (None, why)
             batch = step.plan(seq_lens, qo_indptr)
-            out, lse = self.rt.decode(q, self.kv_cache, block_table, batch.seq_lens.to(q.device), batch=batch,
-                                      sinks=self.sinks, check=False)  # fmt: skip
+            # an asynchronous copy (a blocking one waits for the stream): the plan's lengths leave
+            # pageable memory before the call returns
+            lens = batch.seq_lens.to(q.device, non_blocking=True)
+            out, lse = self.rt.decode(q, self.kv_cache, block_table, lens, batch=batch, sinks=self.sinks, check=False)
             assert lse is not None
             return out, lse
         self.last_route = (padded, why + (f"; {plan.padding_queries} padding queries" if plan.padding_queries else ""))

@@ -47,7 +47,7 @@ def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             raise ValueError(
                 f"pack_rows: tensor {i} must have leading dim {p} on {device}, got {list(t.shape)} on {t.device}"
             )
-    sizes = [(t[0].numel() if p else math.prod(t.shape[1:])) * t.element_size() for t in tensors]
+    sizes = [math.prod(t.shape[1:]) * t.element_size() for t in tensors]
     buf = torch.empty((p, sum(_padded(s) for s in sizes)), dtype=torch.uint8, device=device)
     off = 0
     for t, n in zip(tensors, sizes):
@@ -67,7 +67,7 @@ def packed_nbytes(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def unpack_rows(buf: torch.Tensor, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:

@@ -90,6 +90,48 @@ class DecodeStep:
             packed=packed,
         )
 
+    def _planned_meta(
+        self, batch: DecodeBatch, q: torch.Tensor, block_table: torch.Tensor, check: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(local_lens [T], req [T] or None)`` of a host plan on q's device, for the DCP GQA step.
+
+        The metadata crosses once per plan and device (through the reused pinned buffer) and is
+        kept with the plan, so the steps of every later layer reuse it: no copy, no host work.
+        Under graph capture it is copied from the plan's own pinned tensor instead (a captured
+        copy re-reads its source at every replay). ``req`` is ``None`` when query ``i`` belongs
+        to request ``i`` (the block table is then read as it is). The plan is checked against the
+        inputs on the host; a mismatch raises on every rank, like the step's own checks.
+        """
+        try:
+            if not isinstance(batch, DecodeBatch):
+                raise TypeError(f"batch must be a DecodeBatch from plan(), got {type(batch).__name__}")
+            if q.dim() != 3 or q.shape[0] != batch.num_slots:
+                raise ValueError(f"q must have the plan's {batch.num_slots} query rows, got shape {list(q.shape)}")
+            if isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
+                room = int(block_table.shape[1]) * self.spec.page_size
+                if batch.max_kv_len > room:
+                    raise ValueError(
+                        f"batch puts up to {batch.max_kv_len} KV tokens of a query on rank {self.comm.rank}, past its "
+                        f"block_table's {block_table.shape[1]} pages of {self.spec.page_size}"
+                    )
+        except (TypeError, ValueError) as e:  # the peers are about to check their inputs, or to wait for ours
+            if check:
+                self.comm.check_agreement(0, "DCP GQA decode inputs", error=e)  # re-raises e
+            self.comm.report_failure(e)
+            raise
+        device = q.device
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            meta = batch.pinned_meta.to(device, non_blocking=True)
+            lens, req = meta[0], meta[1]
+        else:
+            cached = batch.on_device.get(device)
+            if cached is None:
+                meta = self.staging.upload(batch.meta, device)
+                cached = batch.on_device[device] = meta[0], meta[1]
+            lens, req = cached
+        rows = block_table.shape[0] if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 else -1
+        return lens, None if batch.rows_are_requests and rows == batch.num_slots else req
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -124,13 +166,17 @@ class DecodeStep:
             max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts (needed under capture).
             sinks: ``[H]`` fp32 sink logits of all heads, optional.
             batch: GQA under DCP: the host plan of this batch (:meth:`plan`); its metadata
-                reaches the device in one copy (through the reused pinned buffer; under graph
-                capture, from the plan's own pinned copy, which the replays re-read) and replaces
-                the step's index arithmetic.
+                reaches the device in one copy per plan (through the reused pinned buffer; kept
+                with the plan, so the steps of later layers copy nothing; under graph capture,
+                from the plan's own pinned copy, which the replays re-read) and replaces the
+                step's index arithmetic. A plan of one query per request reads the block table
+                as it is (no gather of its rows).
             meta: GQA under DCP: that metadata already on the device (``batch.to(device)``;
                 a graph's static input).
-            check: under DCP, make the ranks agree on the inputs first (a host sync: pass ``False``
-                inside a CUDA graph).
+            check: under DCP, make the ranks agree on the inputs first (one small all-gather
+                and a host sync; with ``batch``, on the plan's host fingerprint of the lengths,
+                not on lengths read back from the device). Pass ``False`` inside a CUDA graph and
+                on the steps of an engine's later layers.
         Returns:
             ``(out [T, H/W, v_dim], lse [T, H/W] fp32)``: the rank's heads, merged over every shard
             (``lse`` is ``None`` when built with ``decode_lse=False``).
@@ -179,14 +225,9 @@ class DecodeStep:
         k_cache, v_cache = kv_cache
         backend = GQA_BACKEND[self.route_path]
         if dcp:
-            if meta is None and batch is not None:
-                if not isinstance(batch, DecodeBatch):
-                    raise TypeError(f"batch must be a DecodeBatch from plan(), got {type(batch).__name__}")
-                if q.is_cuda and torch.cuda.is_current_stream_capturing():
-                    # a captured copy re-reads its source at every replay: the plan's own pinned copy
-                    meta = batch.pinned_meta.to(q.device, non_blocking=True)
-                else:
-                    meta = self.staging.upload(batch.meta, q.device)
+            planned = meta is None and batch is not None
+            if planned:
+                meta = self._planned_meta(batch, q, block_table, check)
             return dcp_gqa_decode(
                 q,
                 k_cache,
@@ -203,6 +244,7 @@ class DecodeStep:
                 backend=backend,
                 meta=meta,
                 check=check,
+                lens_fingerprint=batch.fingerprint if planned and check else None,
             )
         result = gqa_paged_decode(
             q,

@@ -30,7 +30,8 @@ Metadata (``meta [2, padded_requests * q_len]`` int32):
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -68,6 +69,11 @@ class DecodeBatch:
         meta: ``[2, padded_requests * q_len]`` int32 (see the module docstring); :meth:`to`
             moves it in one copy.
         seq_lens: ``[padded_requests]`` int32 global KV lengths (0 for padded requests).
+        max_kv_len: the most KV tokens of this rank any query sees (``max(meta[0])``, 0 when
+            empty): the step checks it against the block table's width on the host.
+        on_device: ``{device: (meta[0], meta[1]) there}``, filled by the step that first moves
+            ``meta`` to a device; the steps of every later layer reuse that copy (no transfer, no
+            host work). Use a plan on the stream it was first used on.
     """
 
     num_requests: int
@@ -78,6 +84,8 @@ class DecodeBatch:
     token_rows: torch.Tensor
     meta: torch.Tensor
     seq_lens: torch.Tensor
+    max_kv_len: int = 0
+    on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
     def query_lens(self) -> DecodeQueryLens:
@@ -85,6 +93,17 @@ class DecodeBatch:
         requests of length 0, ``uniform`` when no request is short (computed on first use)."""
         ptr = np.concatenate([[0], np.cumsum(self.slot_q_lens)])
         return decode_query_lens(ptr, self.padded_requests)
+
+    @functools.cached_property
+    def fingerprint(self) -> int:
+        """A 63-bit hash of the batch's global lengths and layout, equal on every rank that
+        planned the same batch (its per-rank metadata is not hashed): what ranks agree on
+        instead of reading the lengths back from the device."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(repr((self.num_requests, self.padded_requests, self.q_len, self.packed)).encode())
+        h.update(np.ascontiguousarray(self.seq_lens.numpy(), dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(self.slot_q_lens, dtype=np.int64).tobytes())
+        return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +119,12 @@ class DecodeBatch:
     def padding_queries(self) -> int:
         """Query rows that are padding."""
         return self.num_slots - self.num_tokens
+
+    @property
+    def rows_are_requests(self) -> bool:
+        """Query row ``s`` belongs to request ``s`` (``meta[1]`` is ``arange``): one query per
+        request slot, so the step reads the block table as it is, with no gather of its rows."""
+        return self.q_len == 1 and (not self.packed or self.num_tokens == self.num_requests)
 
     @property
     def identity_rows(self) -> bool:
@@ -192,6 +217,8 @@ def plan_decode_batch(
     """
     lens = _lengths("seq_lens", seq_lens)
     b = int(lens.shape[0])
+    if qo_indptr is None and b and (q_len is None or check_int("q_len", q_len, minimum=1) == 1):
+        return _one_query_each(lens, layout, rank, padded_requests, packed, pin)  # plain decode
     if qo_indptr is None:
         ql0 = 1 if q_len is None else check_int("q_len", q_len, minimum=1)
         ptr = np.arange(b + 1, dtype=np.int64) * ql0
@@ -234,11 +261,11 @@ def plan_decode_batch(
     seen = np.maximum(seen, 0)
     # ... of which this rank holds (L // (N*I)) * I + clamp(L % (N*I) - rank * I, 0, I)
     if layout is not None:
-        w, i = layout.world_size, layout.interleave
-        seen = (seen // (w * i)) * i + np.clip(seen % (w * i) - rank * i, 0, i)
+        seen = _local_lens(seen, layout, rank)
     meta_np = np.zeros((2, num_rows), dtype=np.int32)
     meta_np[0, rows_np] = seen
     meta_np[1] = owner
+    max_kv_len = int(seen.max()) if seen.size else 0
     meta = torch.from_numpy(meta_np)
     if pin:
         meta = meta.pin_memory()
@@ -251,4 +278,54 @@ def plan_decode_batch(
         token_rows=torch.from_numpy(rows_np),
         meta=meta,
         seq_lens=torch.from_numpy(slot_lens.astype(np.int32)),
+        max_kv_len=max_kv_len,
+    )
+
+
+def _local_lens(seen: np.ndarray, layout: DCPLayout, rank: int) -> np.ndarray:
+    """Of ``seen`` global tokens, the rank holds ``(L // (N*I)) * I + clamp(L % (N*I) - rank * I, 0, I)``."""
+    w, i = layout.world_size, layout.interleave
+    rest = seen % (w * i) - rank * i
+    np.maximum(rest, 0, out=rest)
+    np.minimum(rest, i, out=rest)
+    return (seen // (w * i)) * i + rest
+
+
+def _one_query_each(
+    lens: np.ndarray,
+    layout: DCPLayout | None,
+    rank: int,
+    padded_requests: int | None,
+    packed: bool,
+    pin: bool,
+) -> DecodeBatch:
+    """:func:`plan_decode_batch` of one query per request (``B >= 1``), the plain decode step:
+    the same plan as the general path (tests compare them) in a few numpy calls. Query ``b``
+    sees all ``L_b`` tokens (causal or not) and reads block-table row ``b``."""
+    b = int(lens.shape[0])
+    slots = b if padded_requests is None else check_int("padded_requests", padded_requests, minimum=0)
+    if slots < b:
+        raise ValueError(f"padded_requests={slots} is smaller than the batch ({b} requests)")
+    if layout is not None and not isinstance(layout, DCPLayout):
+        raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
+    seen = lens if layout is None else _local_lens(lens, layout, rank)
+    rows = b if packed else slots
+    meta_np = np.zeros((2, rows), dtype=np.int32)
+    meta_np[0, :b] = seen
+    meta_np[1] = np.arange(rows, dtype=np.int32)
+    slot_n = np.zeros(slots, dtype=np.int64)
+    slot_n[:b] = 1
+    slot_lens = np.zeros(slots, dtype=np.int32)
+    slot_lens[:b] = lens
+    meta = torch.from_numpy(meta_np)
+    return DecodeBatch(
+        num_requests=b,
+        padded_requests=slots,
+        q_len=1,
+        packed=packed,
+        slot_q_lens=slot_n,
+        token_rows=torch.from_numpy(np.arange(b, dtype=np.int64)),
+        meta=meta.pin_memory() if pin else meta,
+        seq_lens=torch.from_numpy(slot_lens),
+        max_kv_len=int(seen.max()),
     )
