@@ -326,3 +326,20 @@ def test_decode_query_lens(indptr, num_decodes, uniform, q_len, lens, max_q, pad
 def test_decode_query_lens_bad_arguments(args, exc, match):
     with pytest.raises(exc, match=match):
         decode_query_lens(*args)
+
+
+def test_grouped_gluon_routes_up_to_its_measured_head_count() -> None:
+    """On sm_90 with Gluon, grouping pays up to GLUON_GROUPED_MAX_HEADS heads (64-row tile: G = 64 / heads);
+    elsewhere the Triton grouped kernel's limit holds."""
+    from shardattn.plan.routing import GLUON_GROUPED_MAX_HEADS, prefill_group_size, route_prefill
+
+    for heads in (8, 16, 32, 64, 128):
+        on = route_prefill(heads, num_tokens=8192, kv_rows=1 << 20, gluon=True)
+        off = route_prefill(heads, num_tokens=8192, kv_rows=1 << 20, gluon=False)
+        want = 64 // heads if heads <= GLUON_GROUPED_MAX_HEADS else None
+        assert (on.group_size if on.path == "grouped" else None) == want, on
+        assert prefill_group_size(heads, gluon=True) == want
+        assert off.path == ("grouped" if heads <= 8 else "per-query"), off
+    # below the token gate, or with too many KV rows, no grouping even with Gluon
+    assert route_prefill(16, num_tokens=100, kv_rows=1 << 20, gluon=True).path == "per-query"
+    assert route_prefill(16, num_tokens=8192, kv_rows=1 << 24, gluon=True).path == "per-query"

@@ -49,6 +49,15 @@ def is_sm90(device: torch.device) -> bool:
     return device_capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
 
 
+def gluon_runs_on(device: torch.device) -> bool:
+    """``True`` when the Gluon kernels run on ``device``: an sm_90 GPU and a Triton with Gluon."""
+    if not is_sm90(device) or not triton_available():
+        return False
+    from shardattn.kernels.sparse_mla_gluon import gluon_available
+
+    return gluon_available() is None
+
+
 def unsupported_reason(*tensors: torch.Tensor | None) -> str | None:
     """Why the Triton kernels cannot run on these tensors, or ``None`` when they can."""
     if not triton_available():

@@ -8,7 +8,7 @@ ms of the chosen and of the best rejected path. The choice depends only on value
 shares (total tokens, the largest rank share, the config), so every rank takes the same step.
 
 Kernel group sizes are limited to the variants the Runtime warms up (per-query, and the grouped
-``G`` of :func:`~shardattn.plan.routing.grouped_group_size` where there is one), so a routed step
+``G`` of :func:`~shardattn.plan.routing.prefill_group_size` where there is one), so a routed step
 never compiles.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from shardattn.plan.cost import CostModel, StepShape, choose_prefill, load_calibration
-from shardattn.plan.routing import MAX_GROUPED_KV_ROWS, Route, grouped_group_size
+from shardattn.plan.routing import MAX_GROUPED_KV_ROWS, Route, prefill_group_size
 from shardattn.plan.spec import ModelSpec
 
 __all__ = ["cost_route", "resolve_cost_model"]
@@ -44,9 +44,12 @@ def resolve_cost_model(cost_model: CostModel | str | Path | None, device: torch.
     return CostModel(load_calibration(gpu, cost_model))
 
 
-def _groups(heads: int, tokens: int, kv_rows: int, device: torch.device, min_group_tokens: int) -> tuple[int, ...]:
-    """Group sizes a kernel call may take: 1, and the warmed grouped ``G`` when grouping is possible."""
-    g = grouped_group_size(heads)
+def _groups(
+    heads: int, tokens: int, kv_rows: int, device: torch.device, min_group_tokens: int, gluon: bool = False
+) -> tuple[int, ...]:
+    """Group sizes a kernel call may take: 1, and the warmed grouped ``G`` when grouping is possible
+    (``gluon``: the grouped Gluon kernel's ``G``, sm_90)."""
+    g = prefill_group_size(heads, gluon=gluon)
     ok = device.type == "cuda" and kv_rows < MAX_GROUPED_KV_ROWS and tokens >= min_group_tokens
     return (1, g) if g is not None and ok else (1,)
 
@@ -68,8 +71,8 @@ def cost_route(rt: Any, *, tokens: int, counts: Any, kv_rows: int) -> tuple[str,
     shape = StepShape.of(spec, rt.world_size, tokens, topk=rt.topk, rank_tokens=max(counts))
     gate = rt.min_group_tokens
     allowed = {
-        "headtp": _groups(h_tp, tokens, kv_rows, device, gate),
-        "shardq": _groups(spec.num_heads, max(counts), kv_rows, device, gate),
+        "headtp": _groups(h_tp, tokens, kv_rows, device, gate, rt.gluon),
+        "shardq": _groups(spec.num_heads, max(counts), kv_rows, device, gate, rt.gluon),
     }
     choice = choose_prefill(model, shape, min_shard_tokens=rt.min_shard_tokens, allowed_groups=allowed)
     best = choice.best
@@ -78,6 +81,6 @@ def cost_route(rt: Any, *, tokens: int, counts: Any, kv_rows: int) -> tuple[str,
     mine = tokens if best.step == "headtp" else counts[rt.rank]
     heads = h_tp if best.step == "headtp" else spec.num_heads
     g = best.group_size
-    if g > 1 and g not in _groups(heads, mine, kv_rows, device, gate):
+    if g > 1 and g not in _groups(heads, mine, kv_rows, device, gate, rt.gluon):
         return best.step, Route("per-query", 1, f"{choice.reason}; {mine} tokens on this rank: per-query")
     return best.step, Route("grouped" if g > 1 else "per-query", g, choice.reason)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from shardattn._checks import check_choice, check_int, check_tensor
 from shardattn.kernels.flashinfer_xqa import get_xqa
-from shardattn.kernels.registry import device_capability
+from shardattn.kernels.registry import device_capability, gluon_runs_on
 from shardattn.kernels.topk import DcpShard
 from shardattn.kernels.warmup import CompileKey, PrefillSpec, compile_keys, warmup
 from shardattn.parallel.comm import Comm
@@ -58,7 +58,7 @@ from shardattn.plan.context import DCPLayout
 from shardattn.plan.cost import CostModel
 from shardattn.plan.pcp import pcp_plan
 from shardattn.plan.pipeline import MAX_CHUNKS
-from shardattn.plan.routing import Route, grouped_group_size, route_decode, route_prefill
+from shardattn.plan.routing import Route, prefill_group_size, route_decode, route_prefill
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS, zigzag_split
 
@@ -161,6 +161,7 @@ class Runtime(RuntimeGraphs):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self.comm.backend == "nccl" else "cpu"
         self.device = torch.device(device)
+        self.gluon = gluon_runs_on(self.device)  # grouped steps take the grouped Gluon kernel's G
         if self.comm.backend == "nccl" and self.device.type != "cuda":
             raise ValueError(f"device must be a CUDA device for an nccl group, got {self.device}")
         self.dtype: torch.dtype = getattr(torch, self.spec.dtype)
@@ -218,7 +219,12 @@ class Runtime(RuntimeGraphs):
     # -- routing -------------------------------------------------------------------------------
     def _route(self, heads: int, tokens: int, kv_rows: int) -> Route:
         return route_prefill(
-            heads, num_tokens=tokens, kv_rows=kv_rows, device_type=self.device, min_tokens=self.min_group_tokens
+            heads,
+            num_tokens=tokens,
+            kv_rows=kv_rows,
+            device_type=self.device,
+            min_tokens=self.min_group_tokens,
+            gluon=self.gluon,
         )
 
     def plan_prefill(
@@ -303,7 +309,7 @@ class Runtime(RuntimeGraphs):
                 dtype=self.dtype,
                 v_dim=self.spec.v_dim,
                 rope_dim=self.spec.head_dim - self.spec.v_dim,
-                group_size=grouped_group_size(h) or 1,
+                group_size=prefill_group_size(h, gluon=self.gluon) or 1,
                 sinks=self.spec.has_sinks,
                 topk_length=with_len,
             )

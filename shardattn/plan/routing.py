@@ -55,6 +55,7 @@ __all__ = [
     "Route",
     "gluon_grouped_group_size",
     "grouped_group_size",
+    "prefill_group_size",
     "route_decode",
     "route_prefill",
     "route_prefill_kernel",
@@ -78,13 +79,13 @@ GLUON_MIN_HEADS = 32
 Triton kernel. Its tile is 64 heads, so fewer pad it. Measured on an H200 (benchmarks/RESULTS.md,
 DSA-like top-k, kernel only, T = 4K / 16K): Gluon / Triton speed 1.71 / 1.60x at 64 heads,
 1.63 / 1.60x at 128, 1.07 / 1.05x at 32, 0.77 / 0.76x at 16 and 0.81 / 0.81x at 8."""
-GLUON_GROUPED_MAX_HEADS = 0
+GLUON_GROUPED_MAX_HEADS = 32
 """Most heads per query at which the grouped Gluon kernel (sm_90; ``G = 64 / heads`` queries share
 one 64-row tile and their union of top-k rows) runs, and ``G = gluon_grouped_group_size(heads)``
-of a default grouped step. ``0``: not routed. The kernel matched the fp32 reference on an H200
-(benchmarks/RESULTS.md, section "Grouped Gluon prefill") but its speed against the Triton paths
-has not been measured yet, so no crossover is known; set this to the largest head count at which
-``benchmarks/gluon_check.py --grouped`` shows it faster (the kernel holds at most 32 heads)."""
+of a default grouped step where it runs. Measured on an H200 (benchmarks/RESULTS.md, "Grouped
+Gluon prefill", DSA-like top-k, T = 4K, union build included): 1.34x the Triton grouped step at
+8 heads (G = 8), 1.46x at 16 (G = 4, against 1.01x for Triton grouped over per-query), 1.57x at
+32 (G = 2; 1.40x the per-query Gluon step). The kernel holds at most 32 heads."""
 PREFILL_KERNELS = ("gluon", "triton", "reference")
 GLUON_DECODE_MIN_HEADS = 32
 """Fewest heads per query at which sparse-MLA decode runs the Gluon kernel (sm_90) instead of the
@@ -164,6 +165,19 @@ def gluon_grouped_group_size(num_heads: int, *, gluon_grouped_max_heads: int = G
     return grouped_group_size(num_heads, grouped_max_heads=gluon_grouped_max_heads, tile_rows=TILE_ROWS)
 
 
+def prefill_group_size(num_heads: int, *, gluon: bool) -> int | None:
+    """``G`` of a default grouped step for ``num_heads`` heads: the grouped Gluon kernel's where it
+    runs (``gluon``: sm_90 with Gluon), else the Triton kernel's; ``None`` where grouping does not pay.
+
+    >>> [prefill_group_size(h, gluon=True) for h in (8, 16, 32, 64)]
+    [8, 4, 2, None]
+    >>> [prefill_group_size(h, gluon=False) for h in (8, 16, 32, 64)]
+    [8, None, None, None]
+    """
+    g = gluon_grouped_group_size(num_heads) if gluon else None
+    return g if g is not None else grouped_group_size(num_heads)
+
+
 def route_prefill(
     num_heads: int,
     *,
@@ -175,6 +189,7 @@ def route_prefill(
     grouped_supports_lse: bool = True,
     grouped_max_heads: int = GROUPED_MAX_HEADS,
     tile_rows: int = TILE_ROWS,
+    gluon: bool = False,
 ) -> Route:
     """Route a sparse MLA prefill step (checks in the module docstring).
 
@@ -189,6 +204,8 @@ def route_prefill(
         grouped_supports_lse: the grouped backend returns the LSE (ours does).
         grouped_max_heads: most heads for which the grouped backend pays (see the module docstring).
         tile_rows: rows of the grouped backend's tile.
+        gluon: the grouped Gluon kernel runs on this device (sm_90, Triton with Gluon): grouping
+            then pays up to :data:`GLUON_GROUPED_MAX_HEADS` heads (:func:`prefill_group_size`).
 
     >>> route_prefill(8, num_tokens=8192, kv_rows=1 << 20)
     Route(path='grouped', group_size=8, reason='8 heads: 8 queries per 64-row tile')
@@ -214,6 +231,9 @@ def route_prefill(
         return Route("per-query", 1, f"{t} tokens < min_tokens={m}: step too small to group")
     if need_lse and not grouped_supports_lse:
         return Route("per-query", 1, "an LSE is needed and the grouped backend does not return one")
+    g = gluon_grouped_group_size(h) if gluon else None
+    if g is not None:
+        return Route("grouped", g, f"{h} heads: {g} queries per {TILE_ROWS}-row tile (grouped Gluon kernel)")
     g = grouped_group_size(h, grouped_max_heads=grouped_max_heads, tile_rows=tile_rows)
     if g is None:
         if h > grouped_max_heads:
