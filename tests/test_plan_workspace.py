@@ -43,10 +43,13 @@ def test_table_rows_and_total():
 @pytest.mark.parametrize("mode", WORKSPACE_MODES)
 def test_every_mode_has_its_items(mode):
     wb = workspace_bounds(GLM5, max_batched_tokens=4096, world_size=2, mode=mode, num_kv_splits=4)
-    assert wb.out > 0 and wb.lse > 0
-    assert (wb.union > 0) == (mode != "dcp-decode")
-    assert (wb.split_partials > 0) == (mode == "dcp-decode")
-    assert (wb.recv > 0) == (mode not in ("headtp", "shardq"))
+    # head-TP steps write the caller's result directly: no output item of their own
+    assert (wb.out > 0) == (wb.lse > 0) == (mode not in ("headtp", "headtp-decode"))
+    assert (wb.union > 0) == (mode not in ("dcp-decode", "headtp-decode"))
+    assert (wb.topk_rows > 0) == (mode != "headtp")  # head-TP prefill reads the caller's rows
+    assert (wb.split_partials > 0) == (mode in ("dcp-decode", "headtp-decode"))
+    assert (wb.recv > 0) == (wb.send > 0) == (mode in ("pcp", "dcp-decode"))
+    assert (wb.packed_q > 0) == (mode in ("shardq", "dcp-decode"))
 
 
 def test_headtp_groups_at_eight_heads():

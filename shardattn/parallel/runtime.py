@@ -65,7 +65,6 @@ from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS, zigzag_split
 __all__ = ["DECODE_STEP", "MODES", "PREFILL_STEP", "PrefillPlan", "Runtime", "WorkspaceExceededError"]
 
 _EMPTY_WS = torch.empty(0, dtype=torch.uint8)  # a route without a union (reference path) reads no workspace
-_SHARDQ_BUFFERS = (("q", "packed_q"), ("out", "out"), ("lse", "lse"))  # shardq_prefill key, workspace item
 
 
 class Runtime(RuntimeGraphs):

@@ -1,10 +1,35 @@
 """The Runtime's workspace: the planner's byte bounds for every step a config can take, reserved once.
 
 :class:`RuntimeWorkspace` turns :func:`~shardattn.plan.workspace.workspace_bounds` into buffers:
-one ``uint8`` tensor per item, allocated at construction and never reallocated (graph-visible
-buffers never move). Every step recomputes its needs with the same planner function and
-:meth:`RuntimeWorkspace.check` raises :class:`WorkspaceExceededError`, naming the item, when one
-does not fit, before any kernel runs.
+one ``uint8`` arena allocated at construction and never reallocated (graph-visible buffers never
+move), viewed as one flat buffer per item. Every step recomputes its needs with the same planner
+function and :meth:`RuntimeWorkspace.check` raises :class:`WorkspaceExceededError`, naming the
+item, when one does not fit, before any kernel runs.
+
+**One arena for prefill and decode.** The ``prefill.*`` items are laid one after another from
+byte 0 of the arena, and so are the ``decode.*`` items: the two kinds share bytes, and the arena
+holds ``max(prefill items, decode items)``, not their sum. That is safe because:
+
+* a rank never runs a prefill and a decode step at the same time: a Runtime's steps are issued
+  one after another on one stream (a caller that runs them on two streams at once must not share
+  one Runtime between them), so stream order puts every write of a step after every read of the
+  step before it;
+* every shared item is scratch of one step: written before it is read within that step, and
+  never read after the step returns. Prefill: ``union`` / ``union_offsets`` (built, then read by
+  the kernel), ShardQ's ``topk_rows`` (the rank's rows of the top-k), ``packed_q`` (query
+  receive buffer), ``out`` / ``lse`` (output send buffers; the result lands in a new tensor).
+  Decode: ``packed_q`` (gathered queries and their head-major copy), ``topk_rows`` (converted
+  rows), ``out`` / ``lse`` (the local partial), ``send`` / ``recv`` (the collector's packed
+  all-to-all); the merged result is a new tensor;
+* a captured decode graph (:mod:`~shardattn.parallel.decode_graphs`) reads and writes these
+  decode items at fixed addresses, and a prefill between two replays overwrites them; each replay
+  writes them before reading them, so nothing of one replay is needed by the next. What a graph
+  needs to persist between replays is outside the arena: its static inputs (the
+  :class:`~shardattn.parallel.cudagraph.GraphRunner`'s buffers, reloaded every step, and the KV
+  cache), its outputs (the merge's results, in the graph's own memory pool, read by the caller
+  before the next step), and the fused-merge counters of the sparse-MLA decode kernel (allocated
+  and zeroed inside the captured step, so every replay zeroes them again; they are never given
+  an arena buffer).
 """
 
 from __future__ import annotations
@@ -16,6 +41,17 @@ from shardattn.plan.spec import ModelSpec
 from shardattn.plan.workspace import workspace_bounds
 
 __all__ = ["RuntimeWorkspace", "WorkspaceExceededError"]
+
+_ALIGN = 256  # bytes: every item starts at a multiple in the arena
+#: ``dcp_*_decode`` workspace key -> the Runtime's workspace item (``decode.<item>``).
+_DECODE_BUFFERS = (
+    ("q", "packed_q"),
+    ("rows", "topk_rows"),
+    ("out", "out"),
+    ("lse", "lse"),
+    ("send", "send"),
+    ("recv", "recv"),
+)
 
 
 class WorkspaceExceededError(ValueError):
@@ -49,19 +85,38 @@ class RuntimeWorkspace:
         headtp_tokens: int | None = None,
     ) -> None:
         self.spec, self.mode, self.world_size = spec, mode, world_size
+        self.dtype: torch.dtype = getattr(torch, spec.dtype)  # the dtype the bounds are sized for
         self.max_batched_tokens, self.max_decode_tokens = max_batched_tokens, max_decode_tokens
         self.min_shard_tokens, self.topk = min_shard_tokens, topk
         self._needs: dict[tuple[str, str, int, int], dict[str, int]] = {}  # memo: every step asks
         self.headtp_tokens = headtp_tokens
         self.bounds: dict[str, int] = self._reservation()
+        self.offsets: dict[str, int] = {}  # byte offset of every item in the arena
+        ends = {"prefill": 0, "decode": 0}
+        for name, nbytes in self.bounds.items():
+            kind = name.split(".", 1)[0]
+            self.offsets[name] = ends[kind]
+            ends[kind] += -(-nbytes // _ALIGN) * _ALIGN
+        self.arena = torch.empty(max(ends.values()), dtype=torch.uint8, device=device)
         self.buffers: dict[str, torch.Tensor] = {
-            name: torch.empty(nbytes, dtype=torch.uint8, device=device) for name, nbytes in self.bounds.items()
+            name: self.arena[self.offsets[name] : self.offsets[name] + nbytes] for name, nbytes in self.bounds.items()
         }
 
     @property
     def nbytes(self) -> int:
-        """Bytes reserved, all items together."""
-        return sum(int(t.numel()) for t in self.buffers.values())
+        """Bytes reserved: the arena (``max`` of the prefill and the decode items, each kind's summed)."""
+        return int(self.arena.numel())
+
+    def kind_bytes(self, kind: str) -> int:
+        """Bytes the items of ``kind`` (``"prefill"`` / ``"decode"``) take in the arena, alignment included."""
+        return sum(-(-n // _ALIGN) * _ALIGN for name, n in self.bounds.items() if name.startswith(f"{kind}."))
+
+    def decode_buffers(self) -> dict[str, torch.Tensor]:
+        """The decode step's buffers (the ``workspace`` keys of :mod:`~shardattn.parallel.dcp` ->
+        ``decode.<item>``): ``{"q", "rows", "out", "lse", "send", "recv"}``, those reserved."""
+        return {
+            key: self.buffers[f"decode.{item}"] for key, item in _DECODE_BUFFERS if f"decode.{item}" in self.buffers
+        }
 
     def _cases(self, kind: str, step: str, tokens: int) -> list[tuple[str, int, int, int]]:
         """``(workspace mode, tokens, world_size, tp_size)`` of the planner's bounds for a step."""
@@ -69,7 +124,7 @@ class RuntimeWorkspace:
         if kind == "decode":
             # DCP: the group is the TP group (each rank holds H/W heads, gathers all H);
             # head-TP decode: no peers, H/W heads
-            return [("dcp-decode", tokens, w, w)] if step == "dcp" else [("dcp-decode", tokens, 1, w)]
+            return [("dcp-decode", tokens, w, w)] if step == "dcp" else [("headtp-decode", tokens, w, 1)]
         if step == "pcp":
             return [("pcp", tokens, w, 1)]
         return [(step, tokens, w, 1)]
