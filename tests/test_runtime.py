@@ -410,7 +410,8 @@ def test_workspace_is_the_planners_bound_and_is_enforced(dist_pool, world_size: 
     assert res["reserved"] == {**res["prefill"], **res["decode"]}, "reserved exactly the planner's items"
     total, prefill, decode = res["arena"]  # one arena: prefill and decode items share bytes
     assert total == max(prefill, decode) and prefill >= sum(res["prefill"].values()) and decode > 0
-    assert res["dcp_arena"][0] == res["dcp_arena"][1] >= sum(res["want_dcp"].values())
+    # the DCP decode step's items share bytes where they are never live together (queries / send buffer)
+    assert res["dcp_arena"][0] == res["dcp_arena"][1] < sum(res["want_dcp"].values())
     assert res["dcp"] == res["want_dcp"]
     if world_size == 4:  # the contract's example: 65,536 tokens, TP4, G = 2, top-k 2048
         assert res["contract"] == 134_217_728

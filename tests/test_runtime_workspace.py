@@ -9,6 +9,8 @@ ranks, 16,384 batched and 1,024 decode tokens) is checked from the planner alone
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,6 +64,44 @@ def _overlaps(t: torch.Tensor, others: list[torch.Tensor]) -> bool:
     return any(o.data_ptr() < hi and lo < o.data_ptr() + o.numel() for o in others)
 
 
+def _spy_decode(rt: Runtime, q_all: torch.Tensor) -> dict:
+    """Record, on the next decode step, where the kernel reads q and rows and writes its partial, and
+    where the collector's all-to-all sends from and receives into (``True`` = inside the arena)."""
+    import shardattn.parallel.runtime_decode as runtime_decode
+
+    lo = rt.ws.arena.data_ptr()
+    hi = lo + rt.ws.arena.numel()
+    seen: dict = {}
+    kernel, all_to_all = runtime_decode._sparse_decode_attention, rt.comm.all_to_all
+
+    def in_arena(t: torch.Tensor) -> bool:
+        return lo <= t.data_ptr() < hi
+
+    def disjoint(*ts: torch.Tensor) -> bool:  # what one phase reads and writes never shares bytes
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in ts)
+        return all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+    def kernel_spy(q, kv, rows, **kw):
+        runtime_decode._sparse_decode_attention = kernel
+        seen["kernel"] = [in_arena(x) for x in (q, rows, kw["out"], kw["lse"])]
+        seen["kernel_disjoint"] = disjoint(q, rows, kw["out"], kw["lse"])
+        seen["partial"] = (kw["out"], kw["lse"])
+        seen["q_gathered"] = torch.equal(q, q_all)  # every rank's heads, head-major
+        return kernel(q, kv, rows, **kw)
+
+    def all_to_all_spy(x, send, recv, *, out=None):
+        del rt.comm.all_to_all
+        seen["all_to_all"] = [in_arena(x), out is not None and in_arena(out)]
+        # packing read the partial and wrote x; the exchange reads x and writes out
+        seen["pack_disjoint"] = disjoint(x, *seen.pop("partial"))
+        seen["exchange_disjoint"] = out is not None and disjoint(x, out)
+        return all_to_all(x, send, recv, out=out)
+
+    runtime_decode._sparse_decode_attention = kernel_spy
+    rt.comm.all_to_all = all_to_all_spy
+    return seen
+
+
 def _arena_body(group) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rt = Runtime(
@@ -87,10 +127,10 @@ def _arena_body(group) -> dict:
 
     ref = _mla_oracle(s, rt.scale, s.seq_lens)
     _poison(rt, 1)
+    seen = _spy_decode(rt, s.q)
     d1 = decode()
-    t, h, d = s.q.shape
-    head_major = ws["decode.packed_q"][t * h * d * 4 : 2 * t * h * d * 4].view(torch.float32).view(t, h, d)
-    res["decode_in_arena"] = torch.equal(head_major, s.q)  # the step gathered every head into the arena
+    packed_after_decode = ws["decode.packed_q"].clone()
+    res["decode_in_arena"] = seen  # every buffer the kernel and the collector touched, and q gathered there
     res["decode_err"] = max(_err(d1[0], _heads(ref[0], rank, world)), _err(d1[1], _heads(ref[1], rank, world)))
 
     # prefill between the two decode steps: ShardQ and head-TP, both on the grouped route (the
@@ -112,9 +152,7 @@ def _arena_body(group) -> dict:
             mine = step.rows.index_select(0, split.token_ids(rank))
             carved = ws["prefill.topk_rows"][: mine.numel() * 4].view(torch.int32).view(mine.shape)
             res["rows_in_arena"] = torch.equal(carved, mine)
-    res["prefill_overwrote_decode"] = not torch.equal(
-        ws["decode.packed_q"][t * h * d * 4 : 2 * t * h * d * 4].view(torch.float32).view(t, h, d), s.q
-    )
+    res["prefill_overwrote_decode"] = not torch.equal(ws["decode.packed_q"], packed_after_decode)
     d2 = decode()
     res["decode_same_bits"] = torch.equal(d1[0], d2[0]) and torch.equal(d1[1], d2[1])
 
@@ -141,7 +179,12 @@ def test_prefill_and_decode_share_the_arena_and_need_nothing_left_in_it(dist_poo
     for res in dist_pool.run(_arena_body, world_size=2):
         total, prefill, decode = res["arena"]
         assert total == max(prefill, decode) < prefill + decode and res["overlap"], res["arena"]
-        assert res["decode_in_arena"] and res["rows_in_arena"], res
+        seen = res["decode_in_arena"]
+        assert seen == {
+            "kernel": [True] * 4, "q_gathered": True, "all_to_all": [True, True],
+            "kernel_disjoint": True, "pack_disjoint": True, "exchange_disjoint": True,
+        }, seen  # fmt: skip
+        assert res["rows_in_arena"], res
         for key in ("decode_err", "shardq_err", "headtp_err"):
             assert res[key] <= 1e-5, (key, res[key])
         assert res["prefill_overwrote_decode"]  # the prefill really used the decode's bytes...

@@ -148,7 +148,7 @@ class DecodeStep:
         k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.ws.topk
         self.ws.check("decode", "dcp" if dcp else "headtp", tokens=int(q.shape[0]), topk=k)
         # the buffers are sized for the spec's dtype; other dtypes (fp32 on a CPU) allocate per step
-        buffers = self.ws.decode_buffers() if q.dtype == self.ws.dtype else {}
+        buffers = self.ws.decode_buffers("dcp" if dcp else "headtp") if q.dtype == self.ws.dtype else {}
         page = self.spec.page_size
         if self.spec.kind == "sparse_mla":
             if topk_pos is None or req_ids is None:

@@ -34,9 +34,13 @@ Modes:
 * ``headtp-decode``: ``M`` decode query tokens, ``H / W`` heads, no peers: the kernel writes the
   caller's result, so only the converted top-k rows (sparse MLA) are scratch.
 
-Prefill and decode steps never run at the same time on a rank, so a Runtime lays the items of
-both kinds over one arena of ``max(prefill total, decode total)`` bytes
-(:mod:`shardattn.parallel.runtime_workspace`).
+Steps never run at the same time on a rank, so a Runtime lays every step's items over one arena
+of the largest step's bytes (:mod:`shardattn.parallel.runtime_workspace`), and inside a step two
+items share bytes when they are never live at the same time (:data:`ITEM_LIFETIMES`,
+:func:`arena_offsets`). The DCP decode step: the queries (gathered, then copied head-major) are
+dead once the kernel has run, so the packed send buffer reuses their bytes; the converted rows
+are dead after the kernel too, and the partial after packing, so the receive buffer reuses
+theirs. ShardQ's unpipelined step holds all its items while the kernel runs: nothing to share.
 
 Union entries are int32 (24-bit row + 8 membership bits); a group of ``g <= G`` queries has room
 for ``g * K`` entries, so the union of ``N`` tokens needs ``N * K * 4`` bytes. Example (the
@@ -58,7 +62,15 @@ from shardattn.plan.pipeline import CHUNK_ALIGN, MAX_CHUNKS
 from shardattn.plan.routing import grouped_group_size
 from shardattn.plan.spec import DTYPE_BYTES, ModelSpec
 
-__all__ = ["WORKSPACE_ITEMS", "WORKSPACE_MODES", "WorkspaceBounds", "workspace_bounds"]
+__all__ = [
+    "ARENA_ALIGN",
+    "ITEM_LIFETIMES",
+    "WORKSPACE_ITEMS",
+    "WORKSPACE_MODES",
+    "WorkspaceBounds",
+    "arena_offsets",
+    "workspace_bounds",
+]
 
 WORKSPACE_MODES = ("shardq", "headtp", "pcp", "dcp-decode", "headtp-decode")
 WORKSPACE_ITEMS = (
@@ -74,6 +86,23 @@ WORKSPACE_ITEMS = (
 )
 _INDEX_BYTES = 4
 _F32 = 4
+#: Bytes: every item of an arena starts at a multiple.
+ARENA_ALIGN = 256
+#: ``{mode: {item: (first, last)}}``: the phases of a step in which an item is live (written or
+#: read), where items of the mode can share bytes; an item not listed is live for the whole step.
+#: ``dcp-decode`` (:mod:`shardattn.parallel.dcp`): 0 all-gather q, 1 head-major copy, 2 convert the
+#: top-k, 3 kernel (split partials merged inside it), 4 pack the partial, 5 all-to-all, 6 merge.
+ITEM_LIFETIMES: dict[str, dict[str, tuple[int, int]]] = {
+    "dcp-decode": {
+        "packed_q": (0, 3),
+        "topk_rows": (2, 3),
+        "out": (3, 4),
+        "lse": (3, 4),
+        "split_partials": (3, 3),
+        "send": (4, 5),
+        "recv": (5, 6),
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -128,6 +157,47 @@ class WorkspaceBounds:
         ]
         rows.append({"item": "total", "bytes": self.total, "MiB": round(self.total / 2**20, 3), "formula": ""})
         return rows
+
+
+def arena_offsets(
+    sizes: dict[str, int], lifetimes: dict[str, tuple[int, int]] | None = None, *, align: int = ARENA_ALIGN
+) -> tuple[dict[str, int], int]:
+    """Byte offsets of a step's items in one buffer, items live at the same time never overlapping.
+
+    First fit, largest item first: each item takes the lowest aligned offset where it overlaps no
+    item already placed whose lifetime meets its own.
+
+    Args:
+        sizes: ``{item: bytes}`` (items of 0 bytes are left out).
+        lifetimes: ``{item: (first, last)}`` phases (inclusive); an item not listed is live in
+            every phase. Default: all live together (items laid one after another).
+        align: every offset is a multiple.
+    Returns:
+        ``({item: offset}, bytes the buffer needs)``.
+
+    >>> arena_offsets({"a": 100, "b": 50, "c": 60}, {"a": (0, 1), "b": (2, 2), "c": (1, 2)}, align=1)
+    ({'a': 0, 'c': 100, 'b': 0}, 160)
+    """
+    check_int("align", align, minimum=1)
+    live = lifetimes or {}
+    everything = (-(2**62), 2**62)
+    order = sorted((k for k, n in sizes.items() if n), key=lambda k: (-sizes[k], k))
+    placed: list[tuple[str, int, int]] = []  # item, start, end (bytes)
+    offsets: dict[str, int] = {}
+    for item in order:
+        first, last = live.get(item, everything)
+        clash = [
+            (a, b)
+            for other, a, b in placed
+            if not (live.get(other, everything)[1] < first or last < live.get(other, everything)[0])
+        ]
+        n = -(-sizes[item] // align) * align
+        for start in sorted({0, *(b for _, b in clash)}):
+            if all(start + n <= a or b <= start for a, b in clash):
+                break
+        offsets[item] = start
+        placed.append((item, start, start + n))
+    return offsets, max((b for _, _, b in placed), default=0)
 
 
 def _pad16(nbytes: int) -> int:
