@@ -174,12 +174,23 @@ def arena_offsets(
         align: every offset is a multiple.
     Returns:
         ``({item: offset}, bytes the buffer needs)``.
+    Raises:
+        ValueError / TypeError: a negative or non-int size, a lifetime that is not ``first <= last``.
 
     >>> arena_offsets({"a": 100, "b": 50, "c": 60}, {"a": (0, 1), "b": (2, 2), "c": (1, 2)}, align=1)
     ({'a': 0, 'c': 100, 'b': 0}, 160)
     """
     check_int("align", align, minimum=1)
+    if not isinstance(sizes, dict):
+        raise TypeError(f"sizes must be a dict of item -> bytes, got {type(sizes).__name__}")
+    for item, n in sizes.items():
+        check_int(f"sizes[{item!r}]", n, minimum=0)
     live = lifetimes or {}
+    for item, span in live.items():
+        if not (isinstance(span, tuple) and len(span) == 2 and all(isinstance(x, int) for x in span)):
+            raise TypeError(f"lifetimes[{item!r}] must be a (first, last) pair of ints, got {span!r}")
+        if span[0] > span[1]:
+            raise ValueError(f"lifetimes[{item!r}] must have first <= last, got {span}")
     everything = (-(2**62), 2**62)
     order = sorted((k for k, n in sizes.items() if n), key=lambda k: (-sizes[k], k))
     placed: list[tuple[str, int, int]] = []  # item, start, end (bytes)
