@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, stable_fingerprint, unpack_rows
+from shardattn.parallel.packing import view_bytes
 from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, catch
 
 
@@ -141,6 +142,23 @@ def test_pack_rows_rejects_mismatched_leading_dims() -> None:
         pack_rows([torch.zeros(2, 3), torch.zeros(3, 3)])
     with pytest.raises(ValueError, match=r"must be a \[P, 16\] uint8 tensor"):
         unpack_rows(torch.zeros(2, 8, dtype=torch.uint8), [((2,), torch.float32)])
+
+
+def test_pack_rows_into_a_given_buffer_and_view_bytes() -> None:
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(2, 3, 5, generator=g).to(torch.bfloat16), torch.randn(2, 3, generator=g)
+    nbytes = packed_nbytes([((3, 5), torch.bfloat16), ((3,), torch.float32)])
+    arena = torch.randint(0, 256, (2 * nbytes + 8,), generator=g, dtype=torch.uint8)  # stale bytes
+    out = view_bytes(arena, (2, nbytes), torch.uint8, "send")
+    buf = pack_rows([a, b], out=out)
+    assert buf.data_ptr() == arena.data_ptr()
+    got = unpack_rows(buf, [((3, 5), torch.bfloat16), ((3,), torch.float32)])
+    assert torch.equal(got[0], a) and torch.equal(got[1], b)
+    with pytest.raises(ValueError, match=r"out must be a contiguous \[2, 48\] uint8"):
+        pack_rows([a, b], out=arena[:nbytes].view(1, nbytes))
+    with pytest.raises(ValueError, match=r"workspace\['send'\] must be a flat uint8 buffer of at least 200 B"):
+        view_bytes(arena, (2, 100), torch.uint8, "send")
+    assert view_bytes(None, (2, 3), torch.float32, "x") is None
 
 
 def test_stable_fingerprint_separates_parts() -> None:

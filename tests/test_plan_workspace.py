@@ -9,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardattn.plan import (
+    ITEM_LIFETIMES,
     WORKSPACE_ITEMS,
     WORKSPACE_MODES,
+    arena_offsets,
     get_preset,
     pcp_plan,
     workspace_bounds,
@@ -43,10 +45,13 @@ def test_table_rows_and_total():
 @pytest.mark.parametrize("mode", WORKSPACE_MODES)
 def test_every_mode_has_its_items(mode):
     wb = workspace_bounds(GLM5, max_batched_tokens=4096, world_size=2, mode=mode, num_kv_splits=4)
-    assert wb.out > 0 and wb.lse > 0
-    assert (wb.union > 0) == (mode != "dcp-decode")
-    assert (wb.split_partials > 0) == (mode == "dcp-decode")
-    assert (wb.recv > 0) == (mode not in ("headtp", "shardq"))
+    # head-TP steps write the caller's result directly: no output item of their own
+    assert (wb.out > 0) == (wb.lse > 0) == (mode not in ("headtp", "headtp-decode"))
+    assert (wb.union > 0) == (mode not in ("dcp-decode", "headtp-decode"))
+    assert (wb.topk_rows > 0) == (mode != "headtp")  # head-TP prefill reads the caller's rows
+    assert (wb.split_partials > 0) == (mode in ("dcp-decode", "headtp-decode"))
+    assert (wb.recv > 0) == (wb.send > 0) == (mode in ("pcp", "dcp-decode"))
+    assert (wb.packed_q > 0) == (mode in ("shardq", "dcp-decode"))
 
 
 def test_headtp_groups_at_eight_heads():
@@ -136,3 +141,39 @@ def test_bad_arguments_raise(kwargs, exc, match):
 def test_spec_must_be_a_model_spec():
     with pytest.raises(TypeError, match="spec must be a ModelSpec"):
         workspace_bounds("glm5", max_batched_tokens=1, world_size=1, mode="shardq")
+
+
+@SETTINGS
+@given(
+    st.dictionaries(
+        st.sampled_from(WORKSPACE_ITEMS),
+        st.tuples(st.integers(0, 5000), st.integers(0, 6), st.integers(0, 3)),
+        min_size=1,
+    ),
+    st.sampled_from([1, 16, 256]),
+)
+def test_arena_offsets_never_overlap_items_live_together(items, align):
+    sizes = {k: n for k, (n, _, _) in items.items()}
+    lifetimes = {k: (first, first + span) for k, (_, first, span) in items.items() if k != "union"}  # union: always
+    offsets, total = arena_offsets(sizes, lifetimes, align=align)
+    assert set(offsets) == {k for k, n in sizes.items() if n} and all(o % align == 0 for o in offsets.values())
+    assert total <= sum(-(-n // align) * align for n in sizes.values())
+    always = (-1, 99)
+    for a in offsets:
+        assert offsets[a] + sizes[a] <= total
+        for b in offsets:
+            la, lb = lifetimes.get(a, always), lifetimes.get(b, always)
+            if a < b and not (la[1] < lb[0] or lb[1] < la[0]):  # live in a common phase: disjoint bytes
+                assert offsets[a] + sizes[a] <= offsets[b] or offsets[b] + sizes[b] <= offsets[a], (a, b, offsets)
+    # without lifetimes, one after another: the sum
+    assert arena_offsets(sizes, align=align)[1] == sum(-(-n // align) * align for n in sizes.values())
+
+
+def test_dcp_decode_step_shares_bytes_where_its_items_are_never_live_together():
+    # GLM-5, W = 8, 1,024 decode tokens: the send buffer reuses the queries' bytes, the receive buffer
+    # the (dead) gathered queries as well; the partial and the rows need their own
+    wb = workspace_bounds(GLM5, max_batched_tokens=1024, world_size=8, mode="dcp-decode")
+    offsets, total = arena_offsets({k: v for k, v in wb.items.items() if v}, ITEM_LIFETIMES["dcp-decode"])
+    assert total == 226_754_560 < wb.total == 361_496_576
+    assert offsets["send"] < wb.packed_q and offsets["recv"] < wb.packed_q  # inside the queries' bytes
+    assert offsets["out"] >= wb.packed_q  # the kernel reads q while writing its partial

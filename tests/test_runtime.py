@@ -367,9 +367,7 @@ def _workspace_body(group) -> dict:
     rt = Runtime(MLA, group, max_batched_tokens=100, mode="headtp", max_decode_tokens=8, warmup=False)
     reserved = {k: int(t.numel()) for k, t in rt.workspace.items()}
     want_prefill = workspace_bounds(MLA, max_batched_tokens=100, world_size=world, mode="headtp", topk=MLA.topk)
-    want_decode = workspace_bounds(
-        MLA, max_batched_tokens=8, world_size=1, mode="dcp-decode", tp_size=world, topk=MLA.topk
-    )
+    want_decode = workspace_bounds(MLA, max_batched_tokens=8, world_size=world, mode="headtp-decode", topk=MLA.topk)
     dcp = Runtime(MLA, group, max_batched_tokens=100, mode="dcp-decode", max_decode_tokens=8, warmup=False)
     want_dcp = workspace_bounds(
         MLA, max_batched_tokens=8, world_size=world, mode="dcp-decode", tp_size=world, topk=MLA.topk
@@ -393,6 +391,8 @@ def _workspace_body(group) -> dict:
     out, _ = rt.prefill(q, step.kv, step.rows, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens)  # still fine
     return {
         "reserved": reserved,
+        "arena": (rt.workspace_bytes, rt.ws.kind_bytes("prefill"), rt.ws.kind_bytes("decode")),
+        "dcp_arena": (dcp.workspace_bytes, dcp.ws.kind_bytes("decode")),
         "prefill": {f"prefill.{k}": v for k, v in want_prefill.items.items() if v},
         "decode": {f"decode.{k}": v for k, v in want_decode.items.items() if v},
         "dcp": {k: int(t.numel()) for k, t in dcp.workspace.items() if k.startswith("decode.")},
@@ -408,6 +408,10 @@ def _workspace_body(group) -> dict:
 def test_workspace_is_the_planners_bound_and_is_enforced(dist_pool, world_size: int) -> None:
     res = dist_pool.run(_workspace_body, world_size=world_size)[0]
     assert res["reserved"] == {**res["prefill"], **res["decode"]}, "reserved exactly the planner's items"
+    total, prefill, decode = res["arena"]  # one arena: prefill and decode items share bytes
+    assert total == max(prefill, decode) and prefill >= sum(res["prefill"].values()) and decode > 0
+    # the DCP decode step's items share bytes where they are never live together (queries / send buffer)
+    assert res["dcp_arena"][0] == res["dcp_arena"][1] < sum(res["want_dcp"].values())
     assert res["dcp"] == res["want_dcp"]
     if world_size == 4:  # the contract's example: 65,536 tokens, TP4, G = 2, top-k 2048
         assert res["contract"] == 134_217_728

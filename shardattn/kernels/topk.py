@@ -183,6 +183,7 @@ def convert_topk(
     seq_lens: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
     dcp: DcpShard | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Convert request-local top-k positions to global KV rows and count the valid ones.
 
@@ -194,19 +195,23 @@ def convert_topk(
         seq_lens: ``[B]`` int32 request lengths (global positions), optional.
         topk_length: ``[T]`` int32 per-row count of leading entries to use, optional.
         dcp: :class:`DcpShard` to keep only this rank's positions, optional.
+        out: optional ``[T, K]`` int32 destination of ``rows`` (a reserved workspace buffer).
     Returns:
         ``(rows [T, K] int32, counts [T] int32)``: global rows, ``-1`` where invalid, and the
-        number of valid entries per token.
+        number of valid entries per token (``rows`` is ``out`` when given).
     """
     stride = block_size if block_stride is None else block_stride
     _check_inputs(topk_pos, req_ids, block_table, block_size, stride, seq_lens, topk_length, dcp)
+    t, k = topk_pos.shape
+    if out is not None:
+        check_tensor("out", out, dtypes=(torch.int32,), shape=(t, k), device=topk_pos.device)
     if not use_triton(topk_pos, req_ids, block_table, seq_lens, topk_length):
-        return convert_topk_reference(
+        rows, counts = convert_topk_reference(
             topk_pos, req_ids, block_table, block_size=block_size, block_stride=stride,
             seq_lens=seq_lens, topk_length=topk_length, dcp=dcp,
         )  # fmt: skip
-    t, k = topk_pos.shape
-    rows = torch.empty(t, k, dtype=torch.int32, device=topk_pos.device)
+        return (rows, counts) if out is None else (out.copy_(rows), counts)
+    rows = torch.empty(t, k, dtype=torch.int32, device=topk_pos.device) if out is None else out
     counts = torch.empty(t, dtype=torch.int32, device=topk_pos.device)
     if t == 0:
         return rows, counts

@@ -250,8 +250,12 @@ def run(cfg: RunConfig, groups: LaunchGroups) -> int:
     reserved = control.gather_ints([rt.workspace_bytes])
     if rank == 0:
         per_rank = ", ".join(f"rank {r}: {v[0] / 1e9:.3f} GB" for r, v in enumerate(reserved))
+        steps = ", ".join(f"{k} {s} {n / 1e6:.1f} MB" for (k, s), (_, n) in rt.ws.layouts.items())
         items = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(rt.bounds.items()) if v)
-        print(f"workspace reserved per rank ({cfg.mode}): {per_rank} [{items}]", flush=True)
+        print(
+            f"workspace reserved per rank ({cfg.mode}): {per_rank} (one arena, the largest of: {steps}) [{items}]",
+            flush=True,
+        )
     progress = None
     if rank == 0 and cfg.opts.progress and cfg.iters >= _PROGRESS_ITERS:
         from rich.progress import Progress

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from shardattn._checks import FLOAT_DTYPES, check_choice, check_same_device, check_tensor
 from shardattn.kernels.lse_merge import merge_weights, run_lse_merge
 from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
+from shardattn.parallel.packing import packed_nbytes, view_bytes
 
 __all__ = ["STRATEGIES", "collect_checked", "collect_partials", "resolve_strategy"]
 
@@ -79,6 +80,7 @@ def collect_partials(
     scatter_heads: bool = True,
     strategy: str = "auto",
     check: bool = True,
+    buffers: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge every rank's partial attention result; each rank gets its head slice (or all heads).
 
@@ -93,6 +95,10 @@ def collect_partials(
             docstring).
         check: first check that every rank passes the same shapes and dtype (one small
             all-gather, a host synchronisation); a mismatch raises ``ValueError`` on every rank.
+        buffers: optional flat ``uint8`` buffers ``{"send", "recv"}`` of at least
+            ``W * packed_nbytes`` bytes each: the ``"all_to_all"`` strategy packs into the first and
+            receives into the second instead of allocating (a Runtime's reserved workspace); other
+            strategies allocate.
     Returns:
         ``(out [T, H/W or H, Dv] in out's dtype, lse [T, H/W or H] fp32)``; rows empty on every
         rank are ``(0, -inf)``.
@@ -115,15 +121,22 @@ def collect_partials(
 
     comm.agree_on("collector input (out shape and dtype, scatter_heads, strategy)", validate, check=check)
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
-        return collect_checked(out, lse, comm, chosen, scatter_heads)
+        return collect_checked(out, lse, comm, chosen, scatter_heads, buffers)
 
 
 def collect_checked(
-    out: torch.Tensor, lse: torch.Tensor, comm: Comm, strategy: str, scatter_heads: bool
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    comm: Comm,
+    strategy: str,
+    scatter_heads: bool,
+    buffers: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`collect_partials` after validation: ``out`` / ``lse`` checked (or built by a step
     from its own checked inputs), ``strategy`` resolved (:func:`resolve_strategy`), the ranks
-    agreed (or the caller skips agreement). No checks, no agreement: the step's hot path."""
+    agreed (or the caller skips agreement). No checks, no agreement: the step's hot path.
+    ``buffers``: as :func:`collect_partials`'s (default: allocated per call)."""
+    buffers = buffers or {}
     w, rank = comm.world_size, comm.rank
     t, h, dv = out.shape
     hs = h // w if scatter_heads else h
@@ -137,8 +150,10 @@ def collect_checked(
         # row j = what rank j needs: its head slice of this rank's partial
         outs = out.reshape(t, w, hs, dv).permute(1, 0, 2, 3)
         lses = lse.reshape(t, w, hs).permute(1, 0, 2)
-        buf = pack_rows([outs, lses])
-        got = comm.all_to_all(buf, [1] * w, [1] * w)  # [W, nbytes]: every rank's partial, my heads
+        shape = (w, packed_nbytes(specs))
+        buf = pack_rows([outs, lses], out=view_bytes(buffers.get("send"), shape, torch.uint8, "send"))
+        recv = view_bytes(buffers.get("recv"), shape, torch.uint8, "recv")
+        got = comm.all_to_all(buf, [1] * w, [1] * w, out=recv)  # [W, nbytes]: every rank's partial, my heads
         part_out, part_lse = unpack_rows(got, specs)
     else:  # all_gather
         buf = pack_rows([out.unsqueeze(0), lse.unsqueeze(0)])[0]

@@ -73,6 +73,18 @@ def stable_fingerprint(*parts: object) -> int:
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
+def _destination(out: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``out`` checked to be a contiguous ``shape`` tensor of x's dtype and device, or a new one."""
+    if out is None:
+        return x.new_empty(shape)
+    if tuple(out.shape) != tuple(shape) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {list(shape)} {x.dtype} tensor on {x.device}, "
+            f"got {list(out.shape)} {out.dtype} on {out.device}"
+        )
+    return out
+
+
 def _to_int64(value: int) -> int:
     """Fold any Python int into the signed int64 range (two's complement of its low 64 bits)."""
     v = int(value) & _MASK64
@@ -201,15 +213,24 @@ class Comm:
         return sizes
 
     # -- collectives -------------------------------------------------------------------------
-    def all_to_all(self, x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Send ``x[offset_j : offset_j + send_splits[j]]`` to rank ``j``; receive from every rank.
 
         Args:
             x: ``[sum(send_splits), ...]`` any dtype.
             send_splits: ``[W]`` rows of ``x`` for each destination, in rank order.
             recv_splits: ``[W]`` rows arriving from each source (``send_splits`` of the others).
+            out: optional contiguous destination ``[sum(recv_splits), ...]`` of x's dtype (a
+                reserved workspace buffer); default: allocated.
         Returns:
-            ``[sum(recv_splits), ...]``, sources in rank order.
+            ``[sum(recv_splits), ...]``, sources in rank order (``out`` when given).
         """
         x = self._check_tensor("x", x)
         if x.dim() == 0:
@@ -217,7 +238,7 @@ class Comm:
         send = self._check_splits("send_splits", send_splits, x.shape[0])
         recv = [int(s) for s in recv_splits]
         self._check_splits("recv_splits", recv, sum(recv))
-        out = x.new_empty((sum(recv), *x.shape[1:]))
+        out = _destination(out, x, (sum(recv), *x.shape[1:]))
         self.counts["all_to_all"] += 1
         if self.world_size == 1:
             out.copy_(x)
@@ -293,20 +314,22 @@ class Comm:
         )
         return out, Pending(works, comm=self, kind="all_gather")
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather an equal-shaped tensor from every rank.
 
         Args:
             x: ``[...]`` the same shape and dtype on every rank.
+            out: optional contiguous destination ``[W, ...]`` of x's dtype (a reserved workspace
+                buffer); default: allocated.
         Returns:
-            ``[W, ...]``, ranks in order.
+            ``[W, ...]``, ranks in order (``out`` when given).
         """
         x = self._check_tensor("x", x)
         self.counts["all_gather"] += 1
-        return self._all_gather(x)
+        return self._all_gather(x, out)
 
-    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty((self.world_size, *x.shape))
+    def _all_gather(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = _destination(out, x, (self.world_size, *x.shape))
         if self.world_size == 1:
             out[0].copy_(x)
             return out

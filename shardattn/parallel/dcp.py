@@ -24,6 +24,15 @@ windows are not supported under DCP (a global window is not a local one).
 
 Collectives per step: one all-gather (q) plus the collector's (one all-to-all with
 ``scatter_heads=True``), plus one small agreement all-gather with ``check=True``.
+
+Buffers: with ``workspace`` (a Runtime's reserved ``decode.*`` items, flat ``uint8``) the step
+allocates none of its large intermediates: ``"q"`` holds the gathered queries ``[N, T, H/N, D]``
+and their head-major copy ``[T, H, D]`` one after the other, ``"rows"`` the converted top-k
+(sparse MLA), ``"out"`` / ``"lse"`` the local partial, ``"send"`` / ``"recv"`` the collector's
+packed all-to-all (:func:`~shardattn.parallel.collector.collect_partials`). Every one of them is
+written before it is read within the step, and nothing in them is needed after the step returns
+(the merged result is a new tensor), so the buffers may be shared with other steps that never run
+at the same time (the Runtime's arena, :mod:`~shardattn.parallel.runtime_workspace`).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.kernels.topk import DcpShard, convert_topk
 from shardattn.parallel.collector import collect_checked, collect_partials, resolve_strategy
 from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.parallel.packing import view_bytes
 from shardattn.plan.context import DCPLayout
 
 __all__ = ["dcp_gqa_decode", "dcp_sparse_mla_decode"]
@@ -69,17 +79,42 @@ def _host_values(t: torch.Tensor | None) -> list[int] | None:
     return None if t is None else [int(x) for x in t.tolist()]
 
 
-def _gather_heads(q: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """``[T, H/N, D]`` on every rank -> ``[T, H, D]`` (rank r's heads at ``r*H/N``)."""
+Workspace = dict[str, torch.Tensor]
+
+
+def _gather_heads(q: torch.Tensor, comm: Comm, ws: Workspace) -> torch.Tensor:
+    """``[T, H/N, D]`` on every rank -> ``[T, H, D]`` (rank r's heads at ``r*H/N``), in ``ws["q"]`` if given."""
     t, h, d = q.shape
-    return comm.all_gather(q).permute(1, 0, 2, 3).reshape(t, comm.world_size * h, d)
+    w = comm.world_size
+    buf = ws.get("q")
+    gathered = view_bytes(buf, (w, t, h, d), q.dtype, "q")
+    gathered = comm.all_gather(q, out=gathered).permute(1, 0, 2, 3)
+    if buf is None:
+        return gathered.reshape(t, w * h, d)
+    n = w * t * h * d * q.element_size()
+    full = view_bytes(buf[n:], (t, w, h, d), q.dtype, "q")
+    assert full is not None
+    return full.copy_(gathered).view(t, w * h, d)
+
+
+def _partial_buffers(ws: Workspace, q_full: torch.Tensor, v_dim: int) -> dict[str, torch.Tensor]:
+    """The local kernel's ``out=`` / ``lse=`` destinations in ``ws["out"]`` / ``ws["lse"]`` (none without)."""
+    if "out" not in ws or "lse" not in ws:
+        return {}
+    t, h, _ = q_full.shape
+    out = view_bytes(ws["out"], (t, h, v_dim), q_full.dtype, "out")
+    lse = view_bytes(ws["lse"], (t, h), torch.float32, "lse")
+    assert out is not None and lse is not None
+    return {"out": out, "lse": lse}
 
 
 def _merge(
-    out: torch.Tensor, lse: torch.Tensor, comm: Comm, scatter_heads: bool, strategy: str
+    out: torch.Tensor, lse: torch.Tensor, comm: Comm, scatter_heads: bool, strategy: str, ws: Workspace
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The collector, after the step's own agreement check (so no second one)."""
-    return collect_partials(out, lse, comm, scatter_heads=scatter_heads, strategy=strategy, check=False)
+    return collect_partials(
+        out, lse, comm, scatter_heads=scatter_heads, strategy=strategy, check=False, buffers=ws or None
+    )
 
 
 def dcp_sparse_mla_decode(
@@ -101,6 +136,7 @@ def dcp_sparse_mla_decode(
     strategy: str = "auto",
     attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sparse_mla_attention,
     check: bool = True,
+    workspace: Workspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode with the KV cache split over the DCP group.
 
@@ -121,9 +157,12 @@ def dcp_sparse_mla_decode(
         sinks: ``[H]`` fp32 sink logits (all heads), counted once (rank 0), optional.
         scatter_heads: return this rank's heads (``[T, H/N, Dv]``); ``False``: all heads.
         strategy: the collector's strategy (:func:`~shardattn.parallel.collector.collect_partials`).
-        attention: the local kernel, called like :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention`.
+        attention: the local kernel, called like :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention`
+            (with ``out=`` / ``lse=`` destinations when ``workspace`` is given).
         check: agree on shapes and layout first (one small all-gather, a host sync); bad input on
             any rank then raises on every rank.
+        workspace: optional flat ``uint8`` buffers ``{"q", "rows", "out", "lse", "send", "recv"}``
+            the intermediates live in (module docstring); default: allocated per step.
     Returns:
         ``(out [T, H/N or H, v_dim] in q's dtype, lse [T, H/N or H] fp32)``, equal to sparse MLA
         over the whole (unsplit) cache; a query with no valid key is ``(0, -inf)``.
@@ -186,15 +225,18 @@ def dcp_sparse_mla_decode(
 
     comm.agree_on("DCP sparse MLA decode inputs", validate, check=check)
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
-        q_full = _gather_heads(q_heads_local, comm)
+        ws = workspace or {}
+        q_full = _gather_heads(q_heads_local, comm, ws)
         rows, _ = convert_topk(
             topk_pos, req_ids, block_table, block_size=block_size, seq_lens=seq_lens, topk_length=topk_length,
             dcp=DcpShard(layout.world_size, layout.interleave, comm.rank),
+            out=view_bytes(ws.get("rows"), tuple(topk_pos.shape), torch.int32, "rows"),
         )  # fmt: skip
         out, lse = attention(
-            q_full, kv_cache, rows, scale=scale, v_dim=v_dim, sinks=sinks if comm.rank == 0 else None, return_lse=True
-        )
-        return _merge(out, lse, comm, scatter_heads, strategy)
+            q_full, kv_cache, rows, scale=scale, v_dim=v_dim, sinks=sinks if comm.rank == 0 else None, return_lse=True,
+            **_partial_buffers(ws, q_full, v_dim),
+        )  # fmt: skip
+        return _merge(out, lse, comm, scatter_heads, strategy, ws)
 
 
 def dcp_gqa_decode(
@@ -217,6 +259,7 @@ def dcp_gqa_decode(
     meta: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None] | None = None,
     check: bool = True,
     lens_fingerprint: int | None = None,
+    workspace: Workspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GQA decode over a paged KV cache split over the DCP group (speculative drafts included).
 
@@ -251,6 +294,8 @@ def dcp_gqa_decode(
         lens_fingerprint: with ``check``, a host fingerprint of the lengths (a plan's
             :attr:`~shardattn.plan.decode_batch.DecodeBatch.fingerprint`), agreed on instead of
             ``seq_lens`` / ``cu_q_lens`` read back from the device (which costs a sync of its own).
+        workspace: optional flat ``uint8`` buffers ``{"q", "out", "lse", "send", "recv"}`` the
+            intermediates live in (module docstring); default: allocated per step.
     Returns:
         ``(out [total_q, Hq/N or Hq, D] in q's dtype, lse [total_q, Hq/N or Hq] fp32)``, equal to
         :func:`~shardattn.kernels.gqa_decode.gqa_paged_decode` over the whole cache.
@@ -326,13 +371,14 @@ def dcp_gqa_decode(
 
     comm.agree_on("DCP GQA decode inputs", validate, check=check)
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
-        q_full = _gather_heads(q_heads_local, comm)
+        ws = workspace or {}
+        q_full = _gather_heads(q_heads_local, comm, ws)
         t, hq, d = q_full.shape
         b = block_table.shape[0]
         if b == 0 or t == 0:
             out = q_full.new_zeros(t, hq, d)
             lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q_full.device)
-            return collect_checked(out, lse, comm, chosen, scatter_heads)
+            return collect_checked(out, lse, comm, chosen, scatter_heads, ws or None)
         if meta is not None:  # planned on the host: no index arithmetic here
             local_lens, req = meta[0], meta[1]
         else:
@@ -345,13 +391,14 @@ def dcp_gqa_decode(
             tok = torch.arange(t, device=cu.device)
             req = torch.searchsorted(cu[1:].to(torch.int64).contiguous(), tok, right=True).clamp(max=b - 1)
         # checked above; the local kernel's arguments are built from checked inputs: no second check
+        dest = _partial_buffers(ws, q_full, d)
         out, lse = run_gqa_paged_decode(
             q_full, k_cache, v_cache, block_table if req is None else block_table.index_select(0, req), local_lens,
             q_len_per_req=1, cu_q_lens=None, max_q_len=None, causal=True, window_left=-1,
             sinks=sinks if comm.rank == 0 else None, return_lse=True, scale=d**-0.5 if scale is None else float(scale),
-            backend=backend,
+            backend=backend, out=dest.get("out"), lse_out=dest.get("lse"),
         )  # fmt: skip
-        return collect_checked(out, lse, comm, chosen, scatter_heads)
+        return collect_checked(out, lse, comm, chosen, scatter_heads, ws or None)
 
 
 def _check_host_values(

@@ -2,7 +2,8 @@
 
 :func:`pack_rows` lays the raw bytes of several tensors side by side, row by row, in one
 ``uint8`` buffer (each segment 16-byte aligned); :func:`unpack_rows` views them back;
-:func:`packed_nbytes` is the bytes of one packed row.
+:func:`packed_nbytes` is the bytes of one packed row; :func:`view_bytes` views a reserved ``uint8``
+workspace buffer as a typed tensor.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["pack_rows", "packed_nbytes", "unpack_rows"]
+__all__ = ["pack_rows", "packed_nbytes", "unpack_rows", "view_bytes"]
 
 _ALIGN = 16  # bytes; every packed segment starts at a multiple of this
 
@@ -21,7 +22,7 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def pack_rows(tensors: Sequence[torch.Tensor], *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Lay the raw bytes of several tensors side by side, row by row, in one ``uint8`` buffer.
 
     All tensors share their leading dim ``P`` (one row per destination rank, say); row ``p`` of
@@ -31,8 +32,10 @@ def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
     Args:
         tensors: ``[P, ...]`` each, any dtypes, one device.
+        out: optional contiguous ``[P, nbytes]`` uint8 destination (a reserved workspace buffer).
     Returns:
-        ``[P, nbytes]`` uint8 with ``nbytes = packed_nbytes(...)`` of the per-row shapes.
+        ``[P, nbytes]`` uint8 with ``nbytes = packed_nbytes(...)`` of the per-row shapes
+        (``out`` when given; the 16-byte padding between segments is left as it was).
 
     >>> buf = pack_rows([torch.ones(2, 3, dtype=torch.bfloat16), torch.zeros(2, 1)])
     >>> a, b = unpack_rows(buf, [((3,), torch.bfloat16), ((1,), torch.float32)])
@@ -48,7 +51,13 @@ def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
                 f"pack_rows: tensor {i} must have leading dim {p} on {device}, got {list(t.shape)} on {t.device}"
             )
     sizes = [math.prod(t.shape[1:]) * t.element_size() for t in tensors]
-    buf = torch.empty((p, sum(_padded(s) for s in sizes)), dtype=torch.uint8, device=device)
+    shape = (p, sum(_padded(s) for s in sizes))
+    if out is None:
+        buf = torch.empty(shape, dtype=torch.uint8, device=device)
+    elif tuple(out.shape) != shape or out.dtype != torch.uint8 or out.device != device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {list(shape)} uint8 tensor on {device}, got {list(out.shape)}")
+    else:
+        buf = out
     off = 0
     for t, n in zip(tensors, sizes):
         if n and p:
@@ -95,3 +104,25 @@ def unpack_rows(buf: torch.Tensor, specs: Sequence[tuple[Sequence[int], torch.dt
             out.append(torch.empty((p, *shape), dtype=dtype, device=buf.device))
         off += _padded(n)
     return out
+
+
+def view_bytes(buf: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, name: str) -> torch.Tensor | None:
+    """The first bytes of the ``uint8`` buffer ``buf`` viewed as a contiguous ``shape`` tensor of ``dtype``.
+
+    Args:
+        buf: a flat ``uint8`` workspace buffer (its start aligned for ``dtype``), or ``None``.
+        shape, dtype: the view. name: the buffer's name, for the error.
+    Returns:
+        the view, or ``None`` when ``buf`` is ``None`` (the caller then allocates).
+    Raises:
+        ValueError: ``buf`` holds fewer bytes than the view needs.
+
+    >>> view_bytes(torch.zeros(64, dtype=torch.uint8), (2, 3), torch.float32, "x").shape
+    torch.Size([2, 3])
+    """
+    if buf is None:
+        return None
+    n = math.prod(shape) * _itemsize(dtype)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < n:
+        raise ValueError(f"workspace[{name!r}] must be a flat uint8 buffer of at least {n} B, got {buf.numel()} B")
+    return buf[:n].view(dtype).view(tuple(shape))

@@ -9,8 +9,10 @@ start-up, then calls it every step::
 
 Construction does everything that must not happen mid-serving:
 
-* **workspace**: reserves, once, every item :func:`~shardattn.plan.workspace.workspace_bounds`
-  lists for the config (one ``uint8`` tensor per item, :attr:`Runtime.workspace`). Every step
+* **workspace**: reserves, once, one arena that every step's items (as
+  :func:`~shardattn.plan.workspace.workspace_bounds` lists them) are laid over: steps never run
+  at the same time, so it is as large as the largest step (:attr:`Runtime.workspace` views each
+  item; :mod:`~shardattn.parallel.runtime_workspace` says what is shared and why). Every step
   recomputes its needs with the same function and raises :class:`WorkspaceExceededError`,
   naming the item, when one does not fit, before any kernel runs;
 * **warm-up**: launches every kernel variant (:func:`~shardattn.kernels.warmup.compile_keys`)
@@ -65,7 +67,6 @@ from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS, zigzag_split
 __all__ = ["DECODE_STEP", "MODES", "PREFILL_STEP", "PrefillPlan", "Runtime", "WorkspaceExceededError"]
 
 _EMPTY_WS = torch.empty(0, dtype=torch.uint8)  # a route without a union (reference path) reads no workspace
-_SHARDQ_BUFFERS = (("q", "packed_q"), ("out", "out"), ("lse", "lse"))  # shardq_prefill key, workspace item
 
 
 class Runtime(RuntimeGraphs):
@@ -359,17 +360,18 @@ class Runtime(RuntimeGraphs):
 
     # -- steps ---------------------------------------------------------------------------------
     def _attention(
-        self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, *, route: Route, **kwargs: Any
+        self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, *, route: Route, step: str, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's prefill kernel call on ``route``, its union in the reserved workspace
+        """This rank's prefill kernel call on ``route``, its union in the workspace reserved for ``step``
         (:func:`~shardattn.parallel.prefill_attention.workspace_prefill_attention`)."""
+        views = self.ws.step_buffers("prefill", step)
         return workspace_prefill_attention(
             q,
             kv,
             rows,
             route=route,
-            union_ws=self.workspace.get("prefill.union", _EMPTY_WS),
-            lens_ws=self.workspace.get("prefill.union_offsets", _EMPTY_WS),
+            union_ws=views.get("prefill.union", _EMPTY_WS),
+            lens_ws=views.get("prefill.union_offsets", _EMPTY_WS),
             **kwargs,
         )
 
@@ -433,10 +435,12 @@ class Runtime(RuntimeGraphs):
             comm=self.comm,
             spec=self.spec,
             scale=self.scale,
-            attention=functools.partial(self._attention, route=plan.route),
+            attention=functools.partial(self._attention, route=plan.route, step=plan.step),
             local_sinks=None if sinks is None else self._local_heads(sinks),
             # the buffers are sized for the spec's dtype; other dtypes (fp32 on a CPU) allocate per step
-            shardq_workspace=shardq_buffers(self.workspace) if q.dtype == self.dtype else {},
+            shardq_workspace=shardq_buffers(self.ws.step_buffers("prefill", plan.step))
+            if q.dtype == self.dtype
+            else {},
             chunks=self.prefill_chunks,
             topk_length=topk_length,
             sinks=sinks,

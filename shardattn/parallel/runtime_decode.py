@@ -19,6 +19,7 @@ from shardattn.parallel.comm import Comm
 from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
 from shardattn.parallel.host_staging import PinnedStaging
 from shardattn.parallel.modes import GQA_BACKEND
+from shardattn.parallel.packing import view_bytes
 from shardattn.parallel.runtime_workspace import RuntimeWorkspace
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.decode_batch import DecodeBatch, plan_decode_batch
@@ -28,11 +29,17 @@ __all__ = ["DecodeStep"]
 
 
 def _sparse_decode_attention(
-    q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, *, return_lse: bool = True, **kwargs: Any
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    return_lse: bool = True,
+    lse: torch.Tensor | None = None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode` called like ``sparse_mla_attention``
-    (it always returns the LSE, which DCP needs)."""
-    return sparse_mla_decode(q, kv, rows, **kwargs)
+    (it always returns the LSE, which DCP needs; ``lse=`` is its ``lse_out=``)."""
+    return sparse_mla_decode(q, kv, rows, lse_out=lse, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,8 @@ class DecodeStep:
 
     Attributes:
         spec: the model. comm: the group's :class:`~shardattn.parallel.comm.Comm`.
-        layout: the DCP layout of the KV cache. ws: the Runtime's workspace (checked per step).
+        layout: the DCP layout of the KV cache. ws: the Runtime's workspace (checked per step;
+            its ``decode.*`` items hold the step's intermediates when q has the spec's dtype).
         dcp: the KV cache is split over the group (else head-TP). route_path: the planner's decode
             kernel path. heads_per_rank: ``H / W``. scale: softmax scale.
         decode_lse: return the LSE (head-TP GQA may skip it). non_causal: drafts attend non-causally.
@@ -185,6 +193,8 @@ class DecodeStep:
         dcp = self.dcp
         k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.ws.topk
         self.ws.check("decode", "dcp" if dcp else "headtp", tokens=int(q.shape[0]), topk=k)
+        # the buffers are sized for the spec's dtype; other dtypes (fp32 on a CPU) allocate per step
+        buffers = self.ws.decode_buffers("dcp" if dcp else "headtp") if q.dtype == self.ws.dtype else {}
         page = self.spec.page_size
         if self.spec.kind == "sparse_mla":
             if topk_pos is None or req_ids is None:
@@ -208,10 +218,15 @@ class DecodeStep:
                     sinks=sinks,
                     attention=_sparse_decode_attention,
                     check=check,
+                    workspace=buffers,
                 )
+            rows_ws = buffers.get("rows")
             rows, _ = convert_topk(
-                topk_pos, req_ids, block_table, block_size=page, seq_lens=seq_lens, topk_length=topk_length
-            )
+                topk_pos, req_ids, block_table, block_size=page, seq_lens=seq_lens, topk_length=topk_length,
+                out=None if rows_ws is None or topk_pos.dim() != 2 else view_bytes(
+                    rows_ws, tuple(topk_pos.shape), torch.int32, "rows"
+                ),
+            )  # fmt: skip
             return sparse_mla_decode(
                 q,
                 kv_cache,
@@ -245,6 +260,7 @@ class DecodeStep:
                 meta=meta,
                 check=check,
                 lens_fingerprint=batch.fingerprint if planned and check else None,
+                workspace=buffers,
             )
         result = gqa_paged_decode(
             q,

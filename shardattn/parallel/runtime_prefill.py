@@ -25,7 +25,7 @@ from shardattn.plan.zigzag import ShardPlan
 __all__ = ["PrefillPlan", "run_prefill_step", "shardq_buffers"]
 
 #: ``shardq_prefill`` workspace key -> the Runtime's workspace item (``prefill.<item>``).
-SHARDQ_BUFFERS = (("q", "packed_q"), ("out", "out"), ("lse", "lse"))
+SHARDQ_BUFFERS = (("q", "packed_q"), ("out", "out"), ("lse", "lse"), ("rows", "topk_rows"))
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class PrefillPlan:
 
 
 def shardq_buffers(workspace: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The ShardQ receive / send buffers among a Runtime's workspace items (``{"q", "out", "lse"}``)."""
+    """The ShardQ receive / send buffers and rank rows among a Runtime's workspace items
+    (``{"q", "out", "lse", "rows"}``)."""
     return {key: workspace[f"prefill.{item}"] for key, item in SHARDQ_BUFFERS if f"prefill.{item}" in workspace}
 
 

@@ -1,10 +1,37 @@
 """The Runtime's workspace: the planner's byte bounds for every step a config can take, reserved once.
 
 :class:`RuntimeWorkspace` turns :func:`~shardattn.plan.workspace.workspace_bounds` into buffers:
-one ``uint8`` tensor per item, allocated at construction and never reallocated (graph-visible
-buffers never move). Every step recomputes its needs with the same planner function and
-:meth:`RuntimeWorkspace.check` raises :class:`WorkspaceExceededError`, naming the item, when one
-does not fit, before any kernel runs.
+one ``uint8`` arena allocated at construction and never reallocated (graph-visible buffers never
+move), viewed as one flat buffer per item. Every step recomputes its needs with the same planner
+function and :meth:`RuntimeWorkspace.check` raises :class:`WorkspaceExceededError`, naming the
+item, when one does not fit, before any kernel runs.
+
+**One arena for every step.** Each step the config can take (the prefill step, head-TP steps
+below the ShardQ gate, the decode step) lays its items from byte 0 of one arena
+(:func:`~shardattn.plan.workspace.arena_offsets`; inside the DCP decode step, items never live
+at the same time share bytes too, :data:`~shardattn.plan.workspace.ITEM_LIFETIMES`). The arena
+holds the largest step, not the sum of all. That is safe because:
+
+* a rank never runs a prefill and a decode step at the same time: a Runtime's steps are issued
+  one after another on one stream (a caller that runs them on two streams at once must not share
+  one Runtime between them), so stream order puts every write of a step after every read of the
+  step before it;
+* every shared item is scratch of one step: written before it is read within that step, and
+  never read after the step returns. Prefill: ``union`` / ``union_offsets`` (built, then read by
+  the kernel), ShardQ's ``topk_rows`` (the rank's rows of the top-k), ``packed_q`` (query
+  receive buffer), ``out`` / ``lse`` (output send buffers; the result lands in a new tensor).
+  Decode: ``packed_q`` (gathered queries and their head-major copy), ``topk_rows`` (converted
+  rows), ``out`` / ``lse`` (the local partial), ``send`` / ``recv`` (the collector's packed
+  all-to-all); the merged result is a new tensor;
+* a captured decode graph (:mod:`~shardattn.parallel.decode_graphs`) reads and writes these
+  decode items at fixed addresses, and a prefill between two replays overwrites them; each replay
+  writes them before reading them, so nothing of one replay is needed by the next. What a graph
+  needs to persist between replays is outside the arena: its static inputs (the
+  :class:`~shardattn.parallel.cudagraph.GraphRunner`'s buffers, reloaded every step, and the KV
+  cache), its outputs (the merge's results, in the graph's own memory pool, read by the caller
+  before the next step), and the fused-merge counters of the sparse-MLA decode kernel (allocated
+  and zeroed inside the captured step, so every replay zeroes them again; they are never given
+  an arena buffer).
 """
 
 from __future__ import annotations
@@ -13,9 +40,19 @@ import torch
 
 from shardattn.parallel.modes import DECODE_STEP, PREFILL_STEP
 from shardattn.plan.spec import ModelSpec
-from shardattn.plan.workspace import workspace_bounds
+from shardattn.plan.workspace import ITEM_LIFETIMES, arena_offsets, workspace_bounds
 
 __all__ = ["RuntimeWorkspace", "WorkspaceExceededError"]
+
+#: ``dcp_*_decode`` workspace key -> the Runtime's workspace item (``decode.<item>``).
+_DECODE_BUFFERS = (
+    ("q", "packed_q"),
+    ("rows", "topk_rows"),
+    ("out", "out"),
+    ("lse", "lse"),
+    ("send", "send"),
+    ("recv", "recv"),
+)
 
 
 class WorkspaceExceededError(ValueError):
@@ -23,7 +60,8 @@ class WorkspaceExceededError(ValueError):
 
 
 class RuntimeWorkspace:
-    """Per-rank workspace of one Runtime config: ``{"<kind>.<item>": uint8 tensor}``.
+    """Per-rank workspace of one Runtime config: one ``uint8`` arena, viewed per step as
+    ``{"<kind>.<item>": uint8 tensor}`` (:meth:`step_buffers`).
 
     Args:
         spec: the model. mode: the Runtime's mode (:data:`~shardattn.parallel.modes.MODES`).
@@ -49,30 +87,70 @@ class RuntimeWorkspace:
         headtp_tokens: int | None = None,
     ) -> None:
         self.spec, self.mode, self.world_size = spec, mode, world_size
+        self.dtype: torch.dtype = getattr(torch, spec.dtype)  # the dtype the bounds are sized for
         self.max_batched_tokens, self.max_decode_tokens = max_batched_tokens, max_decode_tokens
         self.min_shard_tokens, self.topk = min_shard_tokens, topk
         self._needs: dict[tuple[str, str, int, int], dict[str, int]] = {}  # memo: every step asks
         self.headtp_tokens = headtp_tokens
-        self.bounds: dict[str, int] = self._reservation()
-        self.buffers: dict[str, torch.Tensor] = {
-            name: torch.empty(nbytes, dtype=torch.uint8, device=device) for name, nbytes in self.bounds.items()
+        #: ``{(kind, step): {"<kind>.<item>": bytes}}`` every step this config can take, at its largest
+        self.step_bounds: dict[tuple[str, str], dict[str, int]] = {}
+        for kind, step, tokens in self._steps():
+            need = self.needs(kind, step, tokens, self.topk)
+            mine = self.step_bounds.setdefault((kind, step), {})
+            for key, nbytes in need.items():
+                mine[key] = max(mine.get(key, 0), nbytes)
+        #: ``{"<kind>.<item>": bytes}``: the largest of each item over the steps (what is reported)
+        self.bounds: dict[str, int] = {}
+        for need in self.step_bounds.values():
+            for key, nbytes in need.items():
+                self.bounds[key] = max(self.bounds.get(key, 0), nbytes)
+        #: ``{(kind, step): ({"<kind>.<item>": byte offset}, bytes)}``: each step's items in the arena
+        self.layouts: dict[tuple[str, str], tuple[dict[str, int], int]] = {}
+        for (kind, step), need in self.step_bounds.items():
+            lifetimes = ITEM_LIFETIMES.get(self._case(kind, step, 0)[0], {})
+            offsets, size = arena_offsets(need, {f"{kind}.{k}": v for k, v in lifetimes.items()})
+            self.layouts[(kind, step)] = (offsets, size)
+        self.arena = torch.empty(
+            max((n for _, n in self.layouts.values()), default=0), dtype=torch.uint8, device=device
+        )
+        self.views: dict[tuple[str, str], dict[str, torch.Tensor]] = {
+            key: {name: self.arena[off : off + self.step_bounds[key][name]] for name, off in offsets.items()}
+            for key, (offsets, _) in self.layouts.items()
         }
+        #: ``{"<kind>.<item>": uint8 view}``: each item's view in the step where it is largest
+        self.buffers: dict[str, torch.Tensor] = {}
+        for views in self.views.values():
+            for name, view in views.items():
+                if name not in self.buffers or view.numel() > self.buffers[name].numel():
+                    self.buffers[name] = view
 
     @property
     def nbytes(self) -> int:
-        """Bytes reserved, all items together."""
-        return sum(int(t.numel()) for t in self.buffers.values())
+        """Bytes reserved: the arena, as large as the largest step's items (prefill and decode share it)."""
+        return int(self.arena.numel())
 
-    def _cases(self, kind: str, step: str, tokens: int) -> list[tuple[str, int, int, int]]:
+    def kind_bytes(self, kind: str) -> int:
+        """The arena bytes the largest step of ``kind`` (``"prefill"`` / ``"decode"``) lays its items over."""
+        return max((n for (k, _), (_, n) in self.layouts.items() if k == kind), default=0)
+
+    def step_buffers(self, kind: str, step: str) -> dict[str, torch.Tensor]:
+        """``{"<kind>.<item>": uint8 view}`` of one step's items (empty for a step this config never reserved)."""
+        return self.views.get((kind, step), {})
+
+    def decode_buffers(self, step: str) -> dict[str, torch.Tensor]:
+        """The decode step's buffers (the ``workspace`` keys of :mod:`~shardattn.parallel.dcp` ->
+        ``decode.<item>``): ``{"q", "rows", "out", "lse", "send", "recv"}``, those reserved."""
+        views = self.step_buffers("decode", step)
+        return {key: views[f"decode.{item}"] for key, item in _DECODE_BUFFERS if f"decode.{item}" in views}
+
+    def _case(self, kind: str, step: str, tokens: int) -> tuple[str, int, int, int]:
         """``(workspace mode, tokens, world_size, tp_size)`` of the planner's bounds for a step."""
         w = self.world_size
         if kind == "decode":
             # DCP: the group is the TP group (each rank holds H/W heads, gathers all H);
             # head-TP decode: no peers, H/W heads
-            return [("dcp-decode", tokens, w, w)] if step == "dcp" else [("dcp-decode", tokens, 1, w)]
-        if step == "pcp":
-            return [("pcp", tokens, w, 1)]
-        return [(step, tokens, w, 1)]
+            return ("dcp-decode", tokens, w, w) if step == "dcp" else ("headtp-decode", tokens, w, 1)
+        return (step, tokens, w, 1)
 
     def needs(self, kind: str, step: str, tokens: int, topk: int) -> dict[str, int]:
         """``{"<kind>.<item>": bytes}`` the planner bounds for one step of ``tokens`` tokens and top-k ``topk``
@@ -82,18 +160,17 @@ class RuntimeWorkspace:
             return self._needs[memo]
         need: dict[str, int] = {}
         k = topk if self.spec.kind == "sparse_mla" else 0
-        for ws_mode, m, w, tp in self._cases(kind, step, tokens):
-            bounds = workspace_bounds(self.spec, max_batched_tokens=m, world_size=w, mode=ws_mode, tp_size=tp, topk=k)
-            for name, nbytes in bounds.items.items():
-                if nbytes:
-                    key = f"{kind}.{name}"
-                    need[key] = max(need.get(key, 0), int(nbytes))
+        ws_mode, m, w, tp = self._case(kind, step, tokens)
+        bounds = workspace_bounds(self.spec, max_batched_tokens=m, world_size=w, mode=ws_mode, tp_size=tp, topk=k)
+        for name, nbytes in bounds.items.items():
+            if nbytes:
+                need[f"{kind}.{name}"] = int(nbytes)
         if len(self._needs) < 4096:
             self._needs[memo] = need
         return need
 
-    def _reservation(self) -> dict[str, int]:
-        """Itemwise maximum over every step this config can take, at its largest sizes."""
+    def _steps(self) -> list[tuple[str, str, int]]:
+        """``(kind, step, tokens)``: every step this config can take, at its largest."""
         steps: list[tuple[str, str, int]] = []
         prefill = PREFILL_STEP[self.mode] if self.spec.kind == "sparse_mla" else None
         if prefill is not None:
@@ -104,11 +181,7 @@ class RuntimeWorkspace:
                 if below:
                     steps.append(("prefill", "headtp", below))
         steps.append(("decode", DECODE_STEP[self.mode], self.max_decode_tokens))
-        total: dict[str, int] = {}
-        for kind, step, tokens in steps:
-            for key, nbytes in self.needs(kind, step, tokens, self.topk).items():
-                total[key] = max(total.get(key, 0), nbytes)
-        return total
+        return steps
 
     def check(self, kind: str, step: str, *, tokens: int, topk: int | None = None) -> None:
         """Raise :class:`WorkspaceExceededError` when a step needs more of an item than was reserved.
@@ -126,8 +199,9 @@ class RuntimeWorkspace:
                 "workspace for; split the step or build the Runtime larger"
             )
         k = self.topk if topk is None else topk
+        reserved = self.step_bounds.get((kind, step), {})
         for key, nbytes in self.needs(kind, step, tokens, k).items():
-            have = int(self.buffers[key].numel()) if key in self.buffers else 0
+            have = reserved.get(key, 0)
             if nbytes > have:
                 raise WorkspaceExceededError(
                     f"workspace item {key!r} needs {nbytes} B for this {step} step ({tokens} tokens, top-k {k}), "

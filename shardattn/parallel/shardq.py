@@ -44,6 +44,7 @@ import torch.distributed as dist
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.parallel.packing import view_bytes
 from shardattn.plan.pipeline import CHUNK_ALIGN, PipelinePlan, choose_chunks, pipeline_plan
 from shardattn.plan.zigzag import ShardPlan
 
@@ -151,9 +152,9 @@ def shardq_prefill(
             value gives the same result, bit for bit. Default 1 (not pipelined); the Runtime passes
             ``None``.
         align: chunk boundaries are multiples of it (the kernel's group size ``G``).
-        workspace: optional ``uint8`` buffers ``{"q", "out", "lse"}`` the receive / send buffers
-            are carved from (the Runtime's ``prefill.packed_q`` / ``.out`` / ``.lse``); default:
-            allocated per step.
+        workspace: optional ``uint8`` buffers ``{"q", "out", "lse", "rows"}`` the receive / send
+            buffers and the rank's rows of ``rows`` (int32) are carved from (the Runtime's
+            ``prefill.packed_q`` / ``.out`` / ``.lse`` / ``.topk_rows``); default: allocated per step.
         out / lse: optional destinations ``[T, H/W, v_dim]`` / ``[T, H/W]`` (contiguous).
     Returns:
         ``out [T, H/W, v_dim]`` in q's dtype, token order, this rank's heads; and
@@ -246,7 +247,12 @@ def _pipelined(
         recvs = [(i, q_recv[i, o : o + n]) for i in range(w) for _, o, n in pipe.runs(rank, c)]
         q_moves.append(comm.exchange(sends, recvs, tag=2 * c))
     ids = plan.token_ids(rank).to(dev, non_blocking=True)
-    rows_mine = rows.index_select(0, ids)
+    rows_buf = (
+        None
+        if rows.dtype != torch.int32
+        else view_bytes(ws.get("rows"), (ids.numel(), rows.shape[1]), rows.dtype, "rows")
+    )
+    rows_mine = rows.index_select(0, ids) if rows_buf is None else torch.index_select(rows, 0, ids, out=rows_buf)
     len_mine = None if topk_length is None else topk_length.index_select(0, ids)
     if out is None:
         out = q.new_empty(t, h, v_dim)

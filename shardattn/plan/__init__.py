@@ -50,7 +50,14 @@ from shardattn.plan.routing import (
 )
 from shardattn.plan.shard_plan import ShardPlan, token_cost
 from shardattn.plan.spec import DTYPE_BYTES, KINDS, PRESETS, ModelSpec, get_preset
-from shardattn.plan.workspace import WORKSPACE_ITEMS, WORKSPACE_MODES, WorkspaceBounds, workspace_bounds
+from shardattn.plan.workspace import (
+    ITEM_LIFETIMES,
+    WORKSPACE_ITEMS,
+    WORKSPACE_MODES,
+    WorkspaceBounds,
+    arena_offsets,
+    workspace_bounds,
+)
 from shardattn.plan.zigzag import (
     DEFAULT_MIN_TOKENS,
     BalanceReport,
@@ -68,6 +75,7 @@ __all__ = [
     "DTYPE_BYTES",
     "GROUPED_MAX_HEADS",
     "GROUP_SIZES",
+    "ITEM_LIFETIMES",
     "KINDS",
     "MAX_GROUPED_KV_ROWS",
     "PREFILL_PATHS",
@@ -86,6 +94,7 @@ __all__ = [
     "Route",
     "ShardPlan",
     "WorkspaceBounds",
+    "arena_offsets",
     "balance_report",
     "bucket_for",
     "causal_token_seq_lens",

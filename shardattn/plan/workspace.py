@@ -16,15 +16,31 @@ Modes:
 * ``shardq``: tokens split over ``W`` (= TP) ranks, every rank runs all ``H`` heads;
   ``N = ceil(ceil(M / W) / G) * G``. The step is pipelined in place (no ``send`` / ``recv``
   items): ``packed_q`` receives the queries, ``out`` / ``lse`` are the output send buffers.
-* ``headtp``: no token split; a rank runs all ``M`` tokens with ``H / W`` heads; ``N = M``.
+  ``topk_rows`` holds the rank's rows of the top-k (gathered from the step's ``[T, K]``).
+  Unpipelined (one chunk, the default) the four buffers are all live while the kernel runs (it
+  reads the queries, the rows and the union while writing the outputs), so none can share bytes
+  with another.
+* ``headtp``: no token split; a rank runs all ``M`` tokens with ``H / W`` heads; ``N = M``. The
+  kernel reads the caller's rows and writes the caller's result, so the union is all it takes.
 * ``pcp``: tokens split over ``W`` PCP ranks (``Hl`` heads each); the new KV rows are
-  all-gathered (``W * Nmax`` rows).
+  all-gathered (``W * Nmax`` rows). (The Runtime's PCP step takes only the union from the
+  workspace; the other items bound what it allocates per step.)
 * ``dcp-decode``: ``M`` decode query tokens; a rank gathers the ``Hl`` heads of its ``W`` DCP
   peers (``W * Hl`` heads) and attends over its KV shard, then the collector merges. Sized to
   what the step exchanges: partials in the output dtype (bf16), and each rank receives only the
-  ``Hl`` heads it returns (the all-to-all collector), not every rank's full partial in fp32.
-  GLM-5 at ``W = 8``, ``M = 1024``: 0.37 GB (was 1.85 GB when sized as fp32 partials of ``W * H``
-  heads).
+  ``Hl`` heads it returns (the all-to-all collector), not every rank's full partial in fp32. The
+  merged result is the caller's (a new tensor), not a workspace item. GLM-5 at ``W = 8``,
+  ``M = 1024``: 0.362 GB (1.85 GB when sized as fp32 partials of ``W * H`` heads).
+* ``headtp-decode``: ``M`` decode query tokens, ``H / W`` heads, no peers: the kernel writes the
+  caller's result, so only the converted top-k rows (sparse MLA) are scratch.
+
+Steps never run at the same time on a rank, so a Runtime lays every step's items over one arena
+of the largest step's bytes (:mod:`shardattn.parallel.runtime_workspace`), and inside a step two
+items share bytes when they are never live at the same time (:data:`ITEM_LIFETIMES`,
+:func:`arena_offsets`). The DCP decode step: the queries (gathered, then copied head-major) are
+dead once the kernel has run, so the packed send buffer reuses their bytes; the converted rows
+are dead after the kernel too, and the partial after packing, so the receive buffer reuses
+theirs. ShardQ's unpipelined step holds all its items while the kernel runs: nothing to share.
 
 Union entries are int32 (24-bit row + 8 membership bits); a group of ``g <= G`` queries has room
 for ``g * K`` entries, so the union of ``N`` tokens needs ``N * K * 4`` bytes. Example (the
@@ -46,9 +62,17 @@ from shardattn.plan.pipeline import CHUNK_ALIGN, MAX_CHUNKS
 from shardattn.plan.routing import grouped_group_size
 from shardattn.plan.spec import DTYPE_BYTES, ModelSpec
 
-__all__ = ["WORKSPACE_ITEMS", "WORKSPACE_MODES", "WorkspaceBounds", "workspace_bounds"]
+__all__ = [
+    "ARENA_ALIGN",
+    "ITEM_LIFETIMES",
+    "WORKSPACE_ITEMS",
+    "WORKSPACE_MODES",
+    "WorkspaceBounds",
+    "arena_offsets",
+    "workspace_bounds",
+]
 
-WORKSPACE_MODES = ("shardq", "headtp", "pcp", "dcp-decode")
+WORKSPACE_MODES = ("shardq", "headtp", "pcp", "dcp-decode", "headtp-decode")
 WORKSPACE_ITEMS = (
     "union",
     "union_offsets",
@@ -62,6 +86,23 @@ WORKSPACE_ITEMS = (
 )
 _INDEX_BYTES = 4
 _F32 = 4
+#: Bytes: every item of an arena starts at a multiple.
+ARENA_ALIGN = 256
+#: ``{mode: {item: (first, last)}}``: the phases of a step in which an item is live (written or
+#: read), where items of the mode can share bytes; an item not listed is live for the whole step.
+#: ``dcp-decode`` (:mod:`shardattn.parallel.dcp`): 0 all-gather q, 1 head-major copy, 2 convert the
+#: top-k, 3 kernel (split partials merged inside it), 4 pack the partial, 5 all-to-all, 6 merge.
+ITEM_LIFETIMES: dict[str, dict[str, tuple[int, int]]] = {
+    "dcp-decode": {
+        "packed_q": (0, 3),
+        "topk_rows": (2, 3),
+        "out": (3, 4),
+        "lse": (3, 4),
+        "split_partials": (3, 3),
+        "send": (4, 5),
+        "recv": (5, 6),
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -71,13 +112,14 @@ class WorkspaceBounds:
     Items (bytes; 0 where the mode has no such buffer):
         union: grouped top-k union entries (int32), one pass of ``rank_tokens`` tokens.
         union_offsets: per-group start and length of the union (int32).
-        topk_rows: top-k indices converted to KV rows / local positions (int32).
+        topk_rows: the rank's top-k indices, converted to KV rows / local positions (int32).
         packed_q: query rows the kernel reads (all-to-all or all-gather output, or 0 if the
             caller's query is used in place).
-        out: attention output of the rank's tokens and heads (out dtype).
-        lse: fp32 log-sum-exp of the rank's tokens and heads.
-        send: collective send buffers (all-to-all in / out, own KV rows).
-        recv: collective receive buffers (outputs back, gathered KV, gathered LSE, reduce-scatter).
+        out: the kernel's output before it moves (ShardQ send buffer, DCP partial; out dtype);
+            0 where the kernel writes the caller's result.
+        lse: its fp32 log-sum-exp.
+        send: collective send buffers (packed partials, own KV rows).
+        recv: collective receive buffers (every rank's partial of my heads, gathered KV).
         split_partials: fp32 split-KV decode partials (out and LSE per split).
     """
 
@@ -117,6 +159,58 @@ class WorkspaceBounds:
         return rows
 
 
+def arena_offsets(
+    sizes: dict[str, int], lifetimes: dict[str, tuple[int, int]] | None = None, *, align: int = ARENA_ALIGN
+) -> tuple[dict[str, int], int]:
+    """Byte offsets of a step's items in one buffer, items live at the same time never overlapping.
+
+    First fit, largest item first: each item takes the lowest aligned offset where it overlaps no
+    item already placed whose lifetime meets its own.
+
+    Args:
+        sizes: ``{item: bytes}`` (items of 0 bytes are left out).
+        lifetimes: ``{item: (first, last)}`` phases (inclusive); an item not listed is live in
+            every phase. Default: all live together (items laid one after another).
+        align: every offset is a multiple.
+    Returns:
+        ``({item: offset}, bytes the buffer needs)``.
+    Raises:
+        ValueError / TypeError: a negative or non-int size, a lifetime that is not ``first <= last``.
+
+    >>> arena_offsets({"a": 100, "b": 50, "c": 60}, {"a": (0, 1), "b": (2, 2), "c": (1, 2)}, align=1)
+    ({'a': 0, 'c': 100, 'b': 0}, 160)
+    """
+    check_int("align", align, minimum=1)
+    if not isinstance(sizes, dict):
+        raise TypeError(f"sizes must be a dict of item -> bytes, got {type(sizes).__name__}")
+    for item, n in sizes.items():
+        check_int(f"sizes[{item!r}]", n, minimum=0)
+    live = lifetimes or {}
+    for item, span in live.items():
+        if not (isinstance(span, tuple) and len(span) == 2 and all(isinstance(x, int) for x in span)):
+            raise TypeError(f"lifetimes[{item!r}] must be a (first, last) pair of ints, got {span!r}")
+        if span[0] > span[1]:
+            raise ValueError(f"lifetimes[{item!r}] must have first <= last, got {span}")
+    everything = (-(2**62), 2**62)
+    order = sorted((k for k, n in sizes.items() if n), key=lambda k: (-sizes[k], k))
+    placed: list[tuple[str, int, int]] = []  # item, start, end (bytes)
+    offsets: dict[str, int] = {}
+    for item in order:
+        first, last = live.get(item, everything)
+        clash = [
+            (a, b)
+            for other, a, b in placed
+            if not (live.get(other, everything)[1] < first or last < live.get(other, everything)[0])
+        ]
+        n = -(-sizes[item] // align) * align
+        for start in sorted({0, *(b for _, b in clash)}):
+            if all(start + n <= a or b <= start for a, b in clash):
+                break
+        offsets[item] = start
+        placed.append((item, start, start + n))
+    return offsets, max((b for _, _, b in placed), default=0)
+
+
 def _pad16(nbytes: int) -> int:
     """Bytes rounded up to the 16-byte segments the collector packs."""
     return -(-nbytes // 16) * 16
@@ -150,10 +244,11 @@ def workspace_bounds(
         world_size: ``W``: TP size for ``shardq`` / ``headtp``, PCP or DCP size otherwise.
         mode: one of ``WORKSPACE_MODES``.
         tp_size: head tensor parallelism (``Hl = H / tp_size`` heads a rank holds); default 1 for
-            ``pcp``, and ``world_size`` for ``dcp-decode`` (the DCP group is the TP group: a rank
+            ``pcp``, and ``world_size`` for ``dcp-decode`` (ignored by ``headtp-decode``, whose
+            ``world_size`` is the TP size) (the DCP group is the TP group: a rank
             holds ``H / W`` heads, gathers all ``H`` and gets its ``H / W`` back merged).
         group_size: ``G`` in (1, 2, 4, 8); default: ``128 / heads`` when that is 2, 4 or 8 (the
-            kernel's heads per rank in that mode), else 1; 1 for ``dcp-decode``.
+            kernel's heads per rank in that mode), else 1; 1 for the decode modes.
         topk: ``K``; default ``spec.topk`` (0 for dense GQA).
         num_kv_splits: split-KV chunks of the decode kernel (``dcp-decode``); 1 = no split.
         q_dtype, kv_dtype, out_dtype: dtype names; default ``spec.dtype``.
@@ -178,34 +273,36 @@ def workspace_bounds(
     bkv = _dtype_bytes("kv_dtype", kv_dtype, spec.dtype)
     bo = _dtype_bytes("out_dtype", out_dtype, spec.dtype)
     h, d, dv = spec.num_heads, spec.head_dim, spec.v_dim
-    if mode in ("shardq", "headtp"):
+    if mode in ("shardq", "headtp", "headtp-decode"):
         if h % w:
             raise ValueError(f"num_heads ({h}) must be divisible by world_size ({w}) in mode {mode!r}")
         kernel_heads = h if mode == "shardq" else h // w
+        tp = w
     else:
         if h % tp:
             raise ValueError(f"num_heads ({h}) must be divisible by tp_size ({tp})")
         kernel_heads = h // tp if mode == "pcp" else w * (h // tp)
+    decode = mode in ("dcp-decode", "headtp-decode")
     if group_size is None:
-        g = 1 if mode == "dcp-decode" else (grouped_group_size(kernel_heads) or 1)
+        g = 1 if decode else (grouped_group_size(kernel_heads) or 1)
     else:
         g = check_int("group_size", group_size, minimum=1)
         check_choice("group_size", g, (1, 2, 4, 8))
     slack = 0 if g == 1 else 2 * g - 1
     item: dict[str, tuple[int, str]] = {}
 
-    if mode in ("headtp", "dcp-decode"):
+    if mode == "headtp" or decode:
         n = n_max = m
     else:
         per_rank = -(-m // w)  # ceil(M / W)
         n = -(-per_rank // g) * g  # rounded up to whole groups
         n_max = n + slack
-    if mode != "dcp-decode" and k:
+    if not decode and k:
         item["union"] = (n * k * _INDEX_BYTES, "N * K * 4 (N/G groups of G*K int32 entries)")
         item["union_offsets"] = (2 * n * _INDEX_BYTES, "2 * N * 4 (start and length per group, room for G = 1)")
-    if k:
-        item["topk_rows"] = (n_max * k * _INDEX_BYTES, "Nmax * K * 4")
-    hl = h // w if mode in ("shardq", "headtp") else h // tp
+    if k and mode != "headtp":  # head-TP prefill reads the caller's rows
+        item["topk_rows"] = (n_max * k * _INDEX_BYTES, "Nmax * K * 4 (the rank's top-k rows, converted or gathered)")
+    hl = h // tp
     if mode == "shardq":
         # pipelined in place (parallel.shardq): queries are sent from the caller's tensor and outputs
         # land in the result, so the only buffers are the chunks' receive (q) and send (out, lse)
@@ -214,9 +311,9 @@ def workspace_bounds(
         item["packed_q"] = (n_max * h * d * bq + pad, "Nmax * H * D * q_bytes + C*256 (query receive buffers)")
         item["out"] = (n_max * h * dv * bo + pad, "Nmax * H * Dv * out_bytes + C*256 (output send buffers)")
         item["lse"] = (n_max * h * _F32 + pad, "Nmax * H * 4 + C*256 (LSE send buffers)")
-    elif mode == "headtp":
-        item["out"] = (m * hl * dv * bo, "M * (H/W) * Dv * out_bytes")
-        item["lse"] = (m * hl * _F32, "M * (H/W) * 4")
+    elif mode in ("headtp", "headtp-decode"):
+        if mode == "headtp-decode" and s > 1:
+            item["split_partials"] = (m * hl * s * (dv + 1) * _F32, "M * (H/W) * S * (Dv + 1) * 4")
     elif mode == "pcp":
         gathered = m + w * (slack + 1) - 1  # >= W * Nmax for any step, and monotone in W
         item["out"] = (n_max * hl * dv * bo, "Nmax * Hl * Dv * out_bytes")
@@ -233,11 +330,7 @@ def workspace_bounds(
         item["out"] = (m * hc * dv * bo, "M * W*Hl * Dv * out_bytes (the partial output over the shard)")
         item["lse"] = (m * hc * _F32, "M * W*Hl * 4 (partial LSE)")
         item["send"] = (w * part, "W * (M * Hl * Dv * out_bytes + M * Hl * 4) (partials packed per destination)")
-        item["recv"] = (
-            w * part + m * hl * (dv * bo + _F32),
-            "W * (M * Hl * Dv * out_bytes + M * Hl * 4) (every rank's partial of my heads)"
-            " + M * Hl * (Dv * out_bytes + 4) (merged)",
-        )
+        item["recv"] = (w * part, "W * (M * Hl * Dv * out_bytes + M * Hl * 4) (every rank's partial of my heads)")
         if s > 1:
             item["split_partials"] = (m * hc * s * (dv + 1) * _F32, "M * W*Hl * S * (Dv + 1) * 4")
     values = {name: item.get(name, (0, ""))[0] for name in WORKSPACE_ITEMS}

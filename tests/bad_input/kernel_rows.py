@@ -359,6 +359,16 @@ def _topk_rows() -> list[Row]:
         Row(f"{n}-dcp-rank-past-world", _topk(dcp=topk_mod.DcpShard(2, 1, 2)), Raises(ValueError, r"^dcp must have")),
         Row(f"{n}-dcp-not-a-shard", _topk(dcp=(2, 1)), Raises(TypeError, r"^dcp must be DcpShard")),
         Row(
+            f"{n}-out-shape",
+            _topk(out=lambda x: torch.empty(x["pos"].shape[0], x["pos"].shape[1] + 1, dtype=torch.int32)),
+            Raises(ValueError, r"^out must have shape"),
+        ),
+        Row(
+            f"{n}-out-int64",
+            _topk(out=lambda x: torch.empty(x["pos"].shape, dtype=torch.int64)),
+            Raises(TypeError, r"^out must have dtype"),
+        ),
+        Row(
             f"{n}-table-on-meta",
             _topk(block_table=lambda x: x["table"].to(META)),
             Raises(ValueError, r"block_table differs"),

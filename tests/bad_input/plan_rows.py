@@ -248,6 +248,20 @@ def plan_rows() -> list[Row]:
             Raises(ValueError, r"^max_batched_tokens must be >= 0"),
         ),
         row(
+            "arena_offsets-size-negative",
+            P.arena_offsets,
+            ({"out": -1},),
+            {},
+            Raises(ValueError, r"^sizes\['out'\] must be >= 0"),
+        ),
+        row(
+            "arena_offsets-lifetime-reversed",
+            P.arena_offsets,
+            ({"out": 8}, {"out": (3, 1)}),
+            {},
+            Raises(ValueError, r"^lifetimes\['out'\] must have first <= last"),
+        ),
+        row(
             "cudagraph_support-mode",
             P.cudagraph_support,
             ("train", "triton"),

@@ -1,0 +1,231 @@
+"""The Runtime's workspace arena: prefill and decode share its bytes, and no step depends on what
+another left there.
+
+Every step below runs on an arena first filled with random bytes (what a prefill, or another
+layer's decode, leaves behind), and must equal the fp64 oracle; a decode step run again after a
+prefill gives the same bits as before it. The reservation at the issue's config (GLM-5, eight
+ranks, 16,384 batched and 1,024 decode tokens) is checked from the planner alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardattn.kernels.topk import DcpShard
+from shardattn.launch.workloads import build_decode, build_gqa_decode
+from shardattn.parallel.decode_graphs import DecodeGraphs
+from shardattn.parallel.runtime import PrefillPlan, Runtime, WorkspaceExceededError
+from shardattn.parallel.runtime_workspace import RuntimeWorkspace
+from shardattn.plan.routing import Route
+from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn.plan.workspace import workspace_bounds
+from shardattn.plan.zigzag import zigzag_split
+from tests.test_runtime import MLA, _err, _heads, _kv_lens, _mla_oracle, _prefill_step
+
+CPU = torch.device("cpu")
+GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 16, dtype="float32")
+
+
+@pytest.mark.parametrize("cost_routed", [False, True], ids=["gate-only", "cost-routed"])
+def test_glm5_at_world_size_8_reserves_at_most_half_a_gigabyte(cost_routed: bool) -> None:
+    # a cost-routed Runtime (a GPU with a calibration table) may run head-TP steps up to the whole
+    # 16,384 tokens, whose union is the largest single item; the bytes come from the planner alone
+    ws = RuntimeWorkspace(
+        get_preset("glm5"), "mixed", 8, device=torch.device("meta"), max_batched_tokens=16384,
+        max_decode_tokens=1024, min_shard_tokens=1024, topk=2048, headtp_tokens=16384 if cost_routed else None,
+    )  # fmt: skip
+    prefill, decode = ws.kind_bytes("prefill"), ws.kind_bytes("decode")
+    assert ws.nbytes == max(prefill, decode) <= 0.5e9, (prefill, decode)
+    assert ws.nbytes < prefill + decode  # shared, not summed
+    dcp = workspace_bounds(get_preset("glm5"), max_batched_tokens=1024, world_size=8, mode="dcp-decode")
+    assert {k: v for k, v in ws.bounds.items() if k.startswith("decode.")} == {
+        f"decode.{k}": v for k, v in dcp.items.items() if v
+    }
+    shardq = workspace_bounds(get_preset("glm5"), max_batched_tokens=16384, world_size=8, mode="shardq")
+    for item in ("packed_q", "out", "lse", "topk_rows"):
+        assert ws.bounds[f"prefill.{item}"] == getattr(shardq, item)
+    headtp = workspace_bounds(get_preset("glm5"), max_batched_tokens=16384, world_size=8, mode="headtp")
+    assert ws.bounds["prefill.union"] == max(shardq.union, headtp.union if cost_routed else 0)
+
+
+def _poison(rt: Runtime, seed: int) -> None:
+    """Random bytes over the whole arena: NaNs, huge values and out-of-range rows alike."""
+    arena = rt.ws.arena
+    arena.copy_(torch.randint(0, 256, arena.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.uint8))
+
+
+def _overlaps(t: torch.Tensor, others: list[torch.Tensor]) -> bool:
+    """``t`` shares bytes with one of ``others``."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel()
+    return any(o.data_ptr() < hi and lo < o.data_ptr() + o.numel() for o in others)
+
+
+def _spy_decode(rt: Runtime, q_all: torch.Tensor) -> dict:
+    """Record, on the next decode step, where the kernel reads q and rows and writes its partial, and
+    where the collector's all-to-all sends from and receives into (``True`` = inside the arena)."""
+    import shardattn.parallel.runtime_decode as runtime_decode
+
+    lo = rt.ws.arena.data_ptr()
+    hi = lo + rt.ws.arena.numel()
+    seen: dict = {}
+    kernel, all_to_all = runtime_decode._sparse_decode_attention, rt.comm.all_to_all
+
+    def in_arena(t: torch.Tensor) -> bool:
+        return lo <= t.data_ptr() < hi
+
+    def disjoint(*ts: torch.Tensor) -> bool:  # what one phase reads and writes never shares bytes
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in ts)
+        return all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+    def kernel_spy(q, kv, rows, **kw):
+        runtime_decode._sparse_decode_attention = kernel
+        seen["kernel"] = [in_arena(x) for x in (q, rows, kw["out"], kw["lse"])]
+        seen["kernel_disjoint"] = disjoint(q, rows, kw["out"], kw["lse"])
+        seen["partial"] = (kw["out"], kw["lse"])
+        seen["q_gathered"] = torch.equal(q, q_all)  # every rank's heads, head-major
+        return kernel(q, kv, rows, **kw)
+
+    def all_to_all_spy(x, send, recv, *, out=None):
+        del rt.comm.all_to_all
+        seen["all_to_all"] = [in_arena(x), out is not None and in_arena(out)]
+        # packing read the partial and wrote x; the exchange reads x and writes out
+        seen["pack_disjoint"] = disjoint(x, *seen.pop("partial"))
+        seen["exchange_disjoint"] = out is not None and disjoint(x, out)
+        return all_to_all(x, send, recv, out=out)
+
+    runtime_decode._sparse_decode_attention = kernel_spy
+    rt.comm.all_to_all = all_to_all_spy
+    return seen
+
+
+def _arena_body(group) -> dict:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rt = Runtime(
+        MLA, group, max_batched_tokens=64, mode="mixed", min_shard_tokens=63, max_decode_tokens=8, warmup=False
+    )
+    ws = rt.workspace
+    res: dict = {
+        "arena": (rt.workspace_bytes, rt.ws.kind_bytes("prefill"), rt.ws.kind_bytes("decode")),
+        "overlap": _overlaps(ws["decode.packed_q"], [v for k, v in ws.items() if k.startswith("prefill.")]),
+    }
+    # decode: DCP over the rank's shard of the cache
+    s = build_decode(
+        heads=MLA.num_heads, head_dim=MLA.head_dim, requests=3, cached=(37, 0, 70), q_lens=(1, 2, 1), topk=MLA.topk,
+        overlap="random", causal=True, dtype=torch.float32, device=CPU, seed=3, shard=DcpShard(world, 1, rank),
+        block_size=MLA.page_size,
+    )  # fmt: skip
+    q_dec = _heads(s.q, rank, world).contiguous()
+
+    def decode() -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = rt.decode(q_dec, s.local_kv, s.local_table, s.seq_lens, topk_pos=s.positions, req_ids=s.req_ids)
+        assert lse is not None
+        return out, lse
+
+    ref = _mla_oracle(s, rt.scale, s.seq_lens)
+    _poison(rt, 1)
+    seen = _spy_decode(rt, s.q)
+    d1 = decode()
+    packed_after_decode = ws["decode.packed_q"].clone()
+    res["decode_in_arena"] = seen  # every buffer the kernel and the collector touched, and q gathered there
+    res["decode_err"] = max(_err(d1[0], _heads(ref[0], rank, world)), _err(d1[1], _heads(ref[1], rank, world)))
+
+    # prefill between the two decode steps: ShardQ and head-TP, both on the grouped route (the
+    # union in the arena), as a GPU runs them; the CPU runs the grouped path's torch form
+    step = _prefill_step()
+    q_pre = _heads(step.q, rank, world).contiguous()
+    ref_out, ref_lse = _mla_oracle(step, rt.scale, _kv_lens(step))
+    t_pre = sum(step.seq_lens)
+    split = zigzag_split(step.seq_lens, world, align=2, min_tokens=0, prefix_lens=step.prefix_lens)
+    plans = {
+        "shardq": PrefillPlan("shardq", Route("grouped", 2, "as on a GPU"), split, t_pre),
+        "headtp": PrefillPlan("headtp", Route("grouped", 2, "as on a GPU"), None, t_pre),
+    }
+    for seed, (name, plan) in enumerate(plans.items(), start=2):
+        _poison(rt, seed)
+        out, lse = rt.prefill(q_pre, step.kv, step.rows, plan=plan)
+        res[f"{name}_err"] = max(_err(out, _heads(ref_out, rank, world)), _err(lse, _heads(ref_lse, rank, world)))
+        if name == "shardq":  # the rank's rows were gathered into the arena
+            mine = step.rows.index_select(0, split.token_ids(rank))
+            carved = ws["prefill.topk_rows"][: mine.numel() * 4].view(torch.int32).view(mine.shape)
+            res["rows_in_arena"] = torch.equal(carved, mine)
+    res["prefill_overwrote_decode"] = not torch.equal(ws["decode.packed_q"], packed_after_decode)
+    d2 = decode()
+    res["decode_same_bits"] = torch.equal(d1[0], d2[0]) and torch.equal(d1[1], d2[1])
+
+    errors = {}
+    for name, fn in {
+        "decode-topk": lambda: rt.check_workspace("decode", "dcp", tokens=8, topk=MLA.topk + 1),
+        "decode-wide-rows": lambda: rt.decode(
+            q_dec, s.local_kv, s.local_table, s.seq_lens, topk_pos=torch.cat([s.positions] * 3, 1), req_ids=s.req_ids
+        ),
+    }.items():
+        try:
+            fn()
+            errors[name] = None
+        except WorkspaceExceededError as e:
+            errors[name] = str(e)
+    res["errors"] = errors
+    return res
+
+
+@pytest.mark.distributed
+def test_prefill_and_decode_share_the_arena_and_need_nothing_left_in_it(dist_pool, nproc: int) -> None:
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    for res in dist_pool.run(_arena_body, world_size=2):
+        total, prefill, decode = res["arena"]
+        assert total == max(prefill, decode) < prefill + decode and res["overlap"], res["arena"]
+        seen = res["decode_in_arena"]
+        assert seen == {
+            "kernel": [True] * 4, "q_gathered": True, "all_to_all": [True, True],
+            "kernel_disjoint": True, "pack_disjoint": True, "exchange_disjoint": True,
+        }, seen  # fmt: skip
+        assert res["rows_in_arena"], res
+        for key in ("decode_err", "shardq_err", "headtp_err"):
+            assert res[key] <= 1e-5, (key, res[key])
+        assert res["prefill_overwrote_decode"]  # the prefill really used the decode's bytes...
+        assert res["decode_same_bits"]  # ...and the decode after it is bit for bit the one before
+        errors = res["errors"]
+        assert "workspace item 'decode.topk_rows'" in errors["decode-topk"], errors
+        assert "workspace item 'decode.topk_rows'" in errors["decode-wide-rows"], errors
+
+
+def _graphs_body(group) -> dict:
+    """The DCP GQA graph-bucket step (eager on the CPU, on the graphs' static buffers) with the
+    arena scribbled over between two steps, as a prefill of another Runtime layer would."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rt = Runtime(GQA, group, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=16, warmup=False)
+    g = build_gqa_decode(
+        q_heads=GQA.num_heads, kv_heads=GQA.num_kv_heads, head_dim=GQA.head_dim, sinks=False, requests=3,
+        cached=(37, 0, 70), q_lens=(1, 2, 1), dtype=torch.float32, device=CPU, seed=5,
+        shard=DcpShard(world, 1, rank), block_size=GQA.page_size,
+    )  # fmt: skip
+    graphs = DecodeGraphs(
+        rt, (g.local_k_cache, g.local_v_cache), batch_sizes=[4], q_len=2,
+        max_pages=g.local_block_table.shape[1], capture=False,
+    )  # fmt: skip
+    q = _heads(g.q, rank, world).contiguous()
+    seq, cu = g.seq_lens.tolist(), g.cu_q_lens.tolist()
+    outs = []
+    for seed in (7, 8):
+        _poison(rt, seed)
+        outs.append(tuple(x.clone() for x in graphs(q, g.local_block_table, seq, cu)))
+    plain = rt.decode(q, (g.local_k_cache, g.local_v_cache), g.local_block_table, g.seq_lens, cu_q_lens=g.cu_q_lens)
+    return {
+        "route": graphs.last_route[0],
+        "same": all(torch.equal(a, b) for a, b in zip(*outs)),
+        "err": max(_err(outs[0][0], plain[0]), _err(outs[0][1], plain[1])),
+    }
+
+
+@pytest.mark.distributed
+def test_graph_bucket_step_needs_nothing_left_in_the_arena(dist_pool, nproc: int) -> None:
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    for res in dist_pool.run(_graphs_body, world_size=2):
+        assert res["route"] == 4 and res["same"], res
+        assert res["err"] <= 1e-5, res
