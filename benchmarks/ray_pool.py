@@ -4,9 +4,9 @@ One run does, in order (each result is printed and appended to ``--out``/ray_poo
 
 1. baseline: ``torchrun --nproc-per-node W -m shardattn.launch --preset P --mode dcp-decode``
    with ``--requests B --cached L`` (the same decode step, ranks started by torchrun);
-2. for each of ``--transports`` (``compiled``: decode steps through a Ray compiled graph;
-   ``calls``: actor calls), a ``W``-rank NCCL pool (``mode="mixed"``): a ShardQ prefill of two
-   requests checked against fp64 attention over the whole cache; ``B`` requests of ``L`` tokens
+2. for each of ``--transports`` (``shm``: decode steps through a shared-memory region,
+   page-locked on the GPU ranks; ``compiled``: a Ray compiled graph; ``calls``: actor calls), a
+   ``W``-rank NCCL pool (``mode="mixed"``): a ShardQ prefill of two requests checked against fp64 attention over the whole cache; ``B`` requests of ``L`` tokens
    written (KV only); one DCP decode step of the ``B`` requests checked the same way;
 3. then that pool's decode step timed (driver clock: request objects in, outputs on the driver's
    CPU), with no new KV row (the torchrun step's work) and with each token's KV row written;
@@ -125,6 +125,8 @@ def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
         {
             "part": "pool_built",
             "transport": transport,
+            "in_use": pool.transport,
+            "pinned": getattr(getattr(pool._decoder, "steps", None), "pinned", None),
             "s": time.perf_counter() - t0,
             "built": pool.built,
             "backend": pool.backend,
@@ -262,7 +264,7 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run on gloo")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--torchrun-timeout", type=float, default=150)
-    p.add_argument("--transports", default="compiled,calls", help="pool transports to run (compiled, calls)")
+    p.add_argument("--transports", "--transport", default="shm,compiled,calls", help="pool transports to run, in order")
     p.add_argument("--only", default="torchrun,pool,transport,service")
     args = p.parse_args()
     out = Path(args.out)

@@ -314,7 +314,9 @@ class RankActor:
 
     def _shm_step(self, step: dict[str, Any]) -> None:
         t0 = self._begin("decode")
-        out, lse = self._decode(step, step["q"])
+        h = step["q"].shape[1] // self.world_size  # the region holds every head; this rank's on its device
+        q = step["q"].to(self.device, non_blocking=True)[:, self.rank * h : (self.rank + 1) * h].contiguous()
+        out, lse = self._decode(step, q)
         step["out"].copy_(out, non_blocking=True)
         if step["lse"] is not None:
             step["lse"].copy_(lse, non_blocking=True)

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from shardattn.launch.ray.errors import RankFailedError, RankStepError, describe_ray_error, require_ray
+from shardattn.launch.ray.health import HEALTH_GROUP, rank_reports
 from shardattn.launch.ray.kv_cache import plan_rank_cache
 from shardattn.launch.ray.placement import bundle_options, reserve_bundles
 from shardattn.launch.ray.requests import (
@@ -70,8 +71,6 @@ from shardattn.plan.spec import ModelSpec, get_preset
 
 __all__ = ["RayRankPool"]
 
-_HEALTH_GROUP = "health"
-
 
 @functools.lru_cache(maxsize=4)
 def _actor_class(num_cpus: float, num_gpus: float) -> Any:
@@ -79,7 +78,7 @@ def _actor_class(num_cpus: float, num_gpus: float) -> Any:
 
     from shardattn.launch.ray.actor import RankActor
 
-    groups = {_HEALTH_GROUP: 1, SERVE_GROUP: 1}
+    groups = {HEALTH_GROUP: 1, SERVE_GROUP: 1}
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, concurrency_groups=groups)(RankActor)
 
 
@@ -251,27 +250,12 @@ class RayRankPool:
         if not self._actors:
             raise RuntimeError("the pool is shut down")
 
-    def _dead_ranks(self, wait_s: float) -> list[int]:
-        """Ranks whose actor is gone (asked through the health group, which answers during a step)."""
-        import ray
-
-        refs = [a.health.options(concurrency_group=_HEALTH_GROUP).remote() for a in self._actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
-        dead = []
-        for r, ref in enumerate(refs):
-            if ref in ready:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    dead.append(r)
-        return dead
-
     def _fail(self, rank: int, cause: str, operation: str) -> RankFailedError:
         import ray
 
         if not cause.startswith("actor died"):
             # a rank whose collective broke because a peer died reports that as its own error
-            dead = self._dead_ranks(wait_s=min(2.0, self.timeout_s))
+            dead = [h["rank"] for h in rank_reports(self._actors, min(2.0, self.timeout_s)) if h["state"] == "dead"]
             if dead and rank not in dead:
                 rank, cause = dead[0], f"actor died (then rank {rank}: {cause})"
         err = RankFailedError(rank, cause, operation)
@@ -343,7 +327,7 @@ class RayRankPool:
         t_sent = time.perf_counter()
         if kind == "decode" and self._decoder is not None:
             try:
-                results = self._decoder.run(step, qs, self.timeout_s)
+                results = self._decoder.run(step, q, qs, self.timeout_s)
             except RankStepError as e:
                 raise self._fail(e.rank, e.cause, kind) from None
         else:
@@ -405,7 +389,8 @@ class RayRankPool:
         self._check_usable()
         self._need_spec()
         t0 = time.perf_counter()
-        packed = pack_step("decode", requests, self.shapes, self.book)
+        into = self._decoder.inputs() if self.transport == "shm" and self._decoder is not None else None
+        packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: straight into the region
         return self._run_step("decode", packed, return_lse, t0)
 
     def free(self, request_ids: Sequence[Hashable]) -> int:
@@ -426,20 +411,8 @@ class RayRankPool:
         ``workspace_bytes`` (CUDA: allocated / reserved bytes), ``steps`` and ``last_step_s``.
         Answers while a step runs (or is stuck); never raises for a dead rank.
         """
-        import ray
-
         wait = min(self.timeout_s, 10.0) if timeout_s is None else timeout_s
-        refs = [a.health.options(concurrency_group=_HEALTH_GROUP).remote() for a in self._actors]
-        ranks: list[dict[str, Any]] = []
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait) if refs else ([], [])
-        for r, ref in enumerate(refs):
-            if ref not in ready:
-                ranks.append({"rank": r, "state": "unresponsive", "cause": f"no answer within {wait:g} s"})
-                continue
-            try:
-                ranks.append(ray.get(ref))
-            except ray.exceptions.RayError as e:
-                ranks.append({"rank": r, "state": "dead", "cause": describe_ray_error(e)})
+        ranks = rank_reports(self._actors, wait)
         book = getattr(self, "book", None)
         return {
             "state": "broken" if self._broken is not None else "healthy",

@@ -93,8 +93,8 @@ def decode_layout(
 
     >>> lay = decode_layout(2, max_tokens=4, max_requests=8, table_width=3, heads_per_rank=2,
     ...                     head_dim=8, v_dim=8, dtype=torch.float32, topk=5, kv_rows=[((8,), torch.float32)])
-    >>> lay.sections["q1"].shape, lay.sections["table"].shape, lay.size % mmap.PAGESIZE
-    ((4, 2, 8), (12,), 0)
+    >>> lay.sections["q"].shape, lay.sections["out1"].shape, lay.sections["table"].shape, lay.size % mmap.PAGESIZE
+    ((4, 4, 8), (4, 2, 8), (12,), 0)
     """
     t, b, h = int(max_tokens), min(int(max_requests), int(max_tokens)), int(heads_per_rank)
     sections: dict[str, Section] = {}
@@ -113,8 +113,8 @@ def decode_layout(
         add("topk", (t, int(topk)), torch.int32)
     for i, (row, dt) in enumerate(kv_rows):
         add(f"kv{i}", (t, *row), dt)
+    add("q", (t, world_size * h, int(head_dim)), dtype)  # every head: the driver writes it in one copy
     for r in range(world_size):
-        add(f"q{r}", (t, h, int(head_dim)), dtype)
         add(f"out{r}", (t, h, int(v_dim)), dtype)
         add(f"lse{r}", (t, h), torch.float32)
     size = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -183,7 +183,7 @@ class ShmRegion:
             "kv": kv,
             "topk": t["topk"][:n_q] if "topk" in t else None,
             "return_lse": return_lse,
-            "q": t[f"q{rank}"][:n_q],
+            "q": t["q"][:n_q],  # [T, H, D]: every head (the rank takes its own on its device)
             "out": t[f"out{rank}"][:n_q],
             "lse": t[f"lse{rank}"][:n_q] if return_lse else None,
         }
@@ -236,6 +236,11 @@ def region_path() -> str:
     return os.path.join(folder, f"shardattn-decode-{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
 
+def _put(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():  # not packed in place
+        dst.copy_(src)
+
+
 class ShmSteps:
     """The driver's side: the region, and the ranks' serve-loop calls (for liveness).
 
@@ -253,6 +258,11 @@ class ShmSteps:
     def serving(self, loops: Sequence[Any]) -> None:
         """The ranks' serve-loop ``ObjectRef``s, rank order (ready only when a loop ended)."""
         self._loops = list(loops)
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The region's input tensors a step may be packed into directly (``q [T, H, D]``,
+        ``topk [T, K]``, ``kv0`` / ``kv1 [T, *row]``; sized for the largest step)."""
+        return {k: v for k, v in self.region.tensors.items() if k in ("q", "topk") or k.startswith("kv")}
 
     def _ended_loops(self) -> RankStepError | None:
         """A rank whose serve loop ended (its actor died, or the loop returned), or ``None``."""
@@ -272,9 +282,10 @@ class ShmSteps:
                 return RankStepError(r, f"its serve loop ended ({how})")
         return None
 
-    def run(self, step: dict[str, Any], qs: Sequence[torch.Tensor], timeout_s: float) -> list[tuple[Any, Any]]:
+    def run(self, step: dict[str, Any], q: torch.Tensor, timeout_s: float) -> list[tuple[Any, Any]]:
         """One decode step: ``step`` (``table [B, w]`` int32, ``starts`` / ``counts`` / ``q_counts``
-        lists, ``kv`` list, ``topk [T, K]`` or ``None``, ``return_lse``), ``qs[r] [T, H/W, D]``.
+        lists, ``kv`` list, ``topk [T, K]`` or ``None``, ``return_lse``), ``q [T, H, D]``. Tensors
+        already packed into the region (:meth:`inputs`) are not copied again.
 
         Returns each rank's ``(out [T, H/W, Dv], lse [T, H/W] or None)``: views of the region,
         valid until the next step. Raises :class:`RankStepError` (a rank failed, or the timeout).
@@ -282,17 +293,16 @@ class ShmSteps:
         c, t = self.region.ctrl, self.region.tensors
         table = step["table"]
         b, width = int(table.shape[0]), int(table.shape[1])
-        n_q = int(qs[0].shape[0])
+        n_q = int(q.shape[0])
         n_kv = int(step["kv"][0].shape[0]) if step["kv"] else 0
         t["table"][: b * width].view(b, width).copy_(table)
         for name in ("starts", "counts", "q_counts"):
             t[name][:b].copy_(torch.tensor(step[name], dtype=torch.int64))
+        _put(t["q"][:n_q], q)
         if step["topk"] is not None:
-            t["topk"][:n_q].copy_(step["topk"])
+            _put(t["topk"][:n_q], step["topk"])
         for i, part in enumerate(step["kv"]):
-            t[f"kv{i}"][:n_kv].copy_(part)
-        for r, q in enumerate(qs):
-            t[f"q{r}"][:n_q].copy_(q)
+            _put(t[f"kv{i}"][:n_kv], part)
         c[NREQ], c[NQ], c[NKV], c[WIDTH], c[LSE], c[CMD] = b, n_q, n_kv, width, int(step["return_lse"]), DECODE
         self._seq += 1
         c[SEQ] = self._seq  # last: the ranks read the payload after they see it

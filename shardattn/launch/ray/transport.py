@@ -8,7 +8,9 @@
 * ``"calls"``: actor calls through the object store, as prefill steps and every other call go.
 
 :func:`start_decode_transport` returns the transport actually in use and an object with
-``run(step, qs, timeout_s) -> [(out, lse) of rank r]`` and ``teardown()``; ``None`` for calls.
+``run(step, q, qs, timeout_s) -> [(out, lse) of rank r]`` (``q [T, H, D]``, ``qs[r]`` its heads)
+and ``teardown()``; ``None`` for calls. The shared-memory runner also has ``inputs()``: the
+region's tensors a step is packed into (:func:`~shardattn.launch.ray.requests.pack_step`'s ``into``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class _CompiledDecode:
     def __init__(self, steps: Any) -> None:
         self.steps = steps
 
-    def run(self, step: dict[str, Any], qs: Sequence[Any], timeout_s: float) -> list[Any]:
+    def run(self, step: dict[str, Any], q: Any, qs: Sequence[Any], timeout_s: float) -> list[Any]:
         payload = {"kind": "decode", "shared": to_wire(step), "qs": [to_wire(q) for q in qs]}
         return from_wire(self.steps.run(payload, timeout_s))
 
@@ -64,8 +66,11 @@ class _ShmDecode:
     def __init__(self, steps: Any) -> None:
         self.steps = steps
 
-    def run(self, step: dict[str, Any], qs: Sequence[Any], timeout_s: float) -> list[Any]:
-        return self.steps.run(step, qs, timeout_s)
+    def inputs(self) -> dict[str, Any]:
+        return self.steps.inputs()
+
+    def run(self, step: dict[str, Any], q: Any, qs: Sequence[Any], timeout_s: float) -> list[Any]:
+        return self.steps.run(step, q, timeout_s)
 
     def teardown(self) -> None:
         try:
