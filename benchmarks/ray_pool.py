@@ -6,7 +6,8 @@ One run does, in order (each result is printed and appended to ``--out``/ray_poo
    with ``--requests B --cached L`` (the same decode step, ranks started by torchrun);
 2. for each of ``--transports`` (``shm``: decode steps through a shared-memory region,
    page-locked on the GPU ranks; ``compiled``: a Ray compiled graph; ``calls``: actor calls), a
-   ``W``-rank NCCL pool (``mode="mixed"``): a ShardQ prefill of two requests checked against fp64 attention over the whole cache; ``B`` requests of ``L`` tokens
+   ``W``-rank NCCL pool (``mode="mixed"``): a ShardQ prefill of two requests checked against
+   fp64 attention over the whole cache; ``B`` requests of ``L`` tokens
    written (KV only); one DCP decode step of the ``B`` requests checked the same way;
 3. then that pool's decode step timed (driver clock: request objects in, outputs on the driver's
    CPU), with no new KV row (the torchrun step's work) and with each token's KV row written;
