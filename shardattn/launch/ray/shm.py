@@ -33,6 +33,7 @@ import tempfile
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -149,8 +150,10 @@ class ShmRegion:
     def pin(self) -> bool:
         """Page-lock the mapping for CUDA (``cudaHostRegister``); False when the driver refuses."""
         base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
-        cudart = torch.cuda.cudart()
-        if int(cudart.cudaHostRegister(base, self.layout.size, 0)) != 0:
+        try:
+            if int(torch.cuda.cudart().cudaHostRegister(base, self.layout.size, 0)) != 0:
+                return False
+        except (AttributeError, RuntimeError, TypeError):  # no cudart binding: copies stay pageable
             return False
         self._pinned_ptr = base
         return True
@@ -236,6 +239,13 @@ def region_path() -> str:
     return os.path.join(folder, f"shardattn-decode-{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
 
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _put(dst: torch.Tensor, src: torch.Tensor) -> None:
     if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():  # not packed in place
         dst.copy_(src)
@@ -250,6 +260,7 @@ class ShmSteps:
 
     def __init__(self, layout: ShmLayout, spin_s: float = 0.0) -> None:
         self.region = ShmRegion(region_path(), layout, create=True)
+        self._unlink = weakref.finalize(self, _unlink, self.region.path)  # also when the pool is dropped
         self.path, self.world_size, self.spin_s = self.region.path, layout.world_size, float(spin_s)
         self._seq = 0
         self._loops: list[Any] = []
@@ -354,3 +365,4 @@ class ShmSteps:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.region.close(unlink=True)
+        self._unlink.detach()
