@@ -215,7 +215,7 @@ def serve(region: ShmRegion, rank: int, step: Callable[[dict[str, Any]], None], 
         if seq == seen:
             idle = time.perf_counter() - last
             if idle > spin_s:
-                time.sleep(20e-6 if idle < 0.05 else 200e-6)
+                time.sleep(20e-6 if idle < 0.05 else 200e-6 if idle < 1.0 else 1e-3)
             continue
         seen = seq
         if int(ctrl[CMD]) == STOP:
