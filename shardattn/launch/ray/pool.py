@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import numpy as np  # a Ray dependency
 import torch
 
 from shardattn.launch.ray.errors import RankFailedError, RankStepError, describe_ray_error, require_ray
@@ -308,7 +309,7 @@ class RayRankPool:
 
         t_packed = time.perf_counter()
         self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=kind == "prefill")
-        table = torch.tensor(self.book.table(packed.ids), dtype=torch.int32)
+        table = torch.from_numpy(np.array(self.book.table(packed.ids), dtype=np.int32))  # faster than from lists
         step = {
             "table": table,
             "starts": packed.starts,
