@@ -99,7 +99,10 @@ def check(outs: list[Any], requests: list[Any], mirror: Any, device: str) -> tup
 
 def pool_run(args: argparse.Namespace, out: Path) -> None:
     for transport in args.transports.split(","):
-        pool_run_one(args, out, transport)
+        try:
+            pool_run_one(args, out, transport)
+        except Exception as e:  # keep the other transports' results
+            emit(out, {"part": "pool", "transport": transport, "error": f"{type(e).__name__}: {e}"[:3000]})
 
 
 def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
