@@ -154,10 +154,10 @@ def test_two_rank_pool_equals_fp64_attention(pool2) -> None:
     "world,spec,mode,interleave,transport",
     [
         (4, MLA, "mixed", 2, "compiled"),
-        (4, GQA, "dcp-decode", 1, "calls"),
+        (4, GQA, "dcp-decode", 1, "shm"),
         (2, MLA, "shardq", 1, "calls"),  # head-TP decode over a replicated cache
     ],
-    ids=["4-mla-mixed-I2-compiled", "4-gqa-dcp-calls", "2-mla-headtp-calls"],
+    ids=["4-mla-mixed-I2-compiled", "4-gqa-dcp-shm", "2-mla-headtp-calls"],
 )
 def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interleave, transport) -> None:
     from shardattn.testing.serving import ServingMirror
