@@ -256,6 +256,23 @@ def service(args: argparse.Namespace, out: Path) -> None:
     emit(out, {"part": "service", "argv": argv, **module.main(argv)})
 
 
+def host_record() -> dict[str, Any]:
+    """What the driver runs on: cores it may use, its cgroup CPU limit, torch threads, GIL switch interval."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            cpu_max = f.read().strip()
+    except OSError:
+        cpu_max = None
+    return {
+        "part": "host",
+        "nproc": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "cgroup_cpu_max": cpu_max,
+        "torch_threads": torch.get_num_threads(),
+        "switch_interval_s": sys.getswitchinterval(),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
@@ -270,9 +287,13 @@ def main() -> None:
     p.add_argument("--torchrun-timeout", type=float, default=150)
     p.add_argument("--transports", "--transport", default="shm,compiled,calls", help="pool transports to run, in order")
     p.add_argument("--only", default="torchrun,pool,transport,service")
+    p.add_argument("--driver-threads", type=int, default=None, help="torch threads of the driver (default: torch's)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.driver_threads is not None:
+        torch.set_num_threads(args.driver_threads)
+    emit(out, host_record())
     parts = args.only.split(",")
     if "torchrun" in parts and args.preset != "tiny":
         torchrun_baseline(args, out)
