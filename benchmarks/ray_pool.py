@@ -4,9 +4,10 @@ One run does, in order (each result is printed and appended to ``--out``/ray_poo
 
 1. baseline: ``torchrun --nproc-per-node W -m shardattn.launch --preset P --mode dcp-decode``
    with ``--requests B --cached L`` (the same decode step, ranks started by torchrun);
-2. for each of ``--transports`` (``compiled``: decode steps through a Ray compiled graph;
-   ``calls``: actor calls), a ``W``-rank NCCL pool (``mode="mixed"``): a ShardQ prefill of two
-   requests checked against fp64 attention over the whole cache; ``B`` requests of ``L`` tokens
+2. for each of ``--transports`` (``shm``: decode steps through a shared-memory region,
+   page-locked on the GPU ranks; ``compiled``: a Ray compiled graph; ``calls``: actor calls), a
+   ``W``-rank NCCL pool (``mode="mixed"``): a ShardQ prefill of two requests checked against
+   fp64 attention over the whole cache; ``B`` requests of ``L`` tokens
    written (KV only); one DCP decode step of the ``B`` requests checked the same way;
 3. then that pool's decode step timed (driver clock: request objects in, outputs on the driver's
    CPU), with no new KV row (the torchrun step's work) and with each token's KV row written;
@@ -98,7 +99,10 @@ def check(outs: list[Any], requests: list[Any], mirror: Any, device: str) -> tup
 
 def pool_run(args: argparse.Namespace, out: Path) -> None:
     for transport in args.transports.split(","):
-        pool_run_one(args, out, transport)
+        try:
+            pool_run_one(args, out, transport)
+        except Exception as e:  # keep the other transports' results
+            emit(out, {"part": "pool", "transport": transport, "error": f"{type(e).__name__}: {e}"[:3000]})
 
 
 def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
@@ -125,6 +129,8 @@ def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
         {
             "part": "pool_built",
             "transport": transport,
+            "in_use": pool.transport,
+            "pinned": getattr(getattr(pool._decoder, "steps", None), "pinned", None),
             "s": time.perf_counter() - t0,
             "built": pool.built,
             "backend": pool.backend,
@@ -250,6 +256,23 @@ def service(args: argparse.Namespace, out: Path) -> None:
     emit(out, {"part": "service", "argv": argv, **module.main(argv)})
 
 
+def host_record() -> dict[str, Any]:
+    """What the driver runs on: cores it may use, its cgroup CPU limit, torch threads, GIL switch interval."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            cpu_max = f.read().strip()
+    except OSError:
+        cpu_max = None
+    return {
+        "part": "host",
+        "nproc": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "cgroup_cpu_max": cpu_max,
+        "torch_threads": torch.get_num_threads(),
+        "switch_interval_s": sys.getswitchinterval(),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
@@ -262,11 +285,15 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run on gloo")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--torchrun-timeout", type=float, default=150)
-    p.add_argument("--transports", default="compiled,calls", help="pool transports to run (compiled, calls)")
+    p.add_argument("--transports", "--transport", default="shm,compiled,calls", help="pool transports to run, in order")
     p.add_argument("--only", default="torchrun,pool,transport,service")
+    p.add_argument("--driver-threads", type=int, default=None, help="torch threads of the driver (default: torch's)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.driver_threads is not None:
+        torch.set_num_threads(args.driver_threads)
+    emit(out, host_record())
     parts = args.only.split(",")
     if "torchrun" in parts and args.preset != "tiny":
         torchrun_baseline(args, out)

@@ -45,7 +45,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--arrival-ms", type=float, default=2.0, help="mean gap between arrivals")
     p.add_argument("--max-batch", type=int, default=64, help="decode requests per step")
-    p.add_argument("--transport", choices=("compiled", "calls"), default="compiled", help="how decode steps travel")
+    p.add_argument("--transport", choices=("shm", "compiled", "calls"), default="shm", help="how decode steps travel")
     p.add_argument("--check", action="store_true", help="compare every output with fp64 attention")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)

@@ -4,6 +4,9 @@
 * :mod:`~shardattn.launch.ray.actor`      one rank: its Runtime, its KV-cache shard, its steps.
 * :mod:`~shardattn.launch.ray.kv_cache`   a rank's paged KV pages: writes and prefix gathers.
 * :mod:`~shardattn.launch.ray.requests`   :class:`PrefillRequest`, :class:`DecodeRequest`, validation.
+* :mod:`~shardattn.launch.ray.transport`  how decode steps reach the ranks (shm, compiled graph, calls).
+* :mod:`~shardattn.launch.ray.shm`        the shared-memory region of decode steps, its serve loop.
+* :mod:`~shardattn.launch.ray.health`     the ranks' health reports.
 * :mod:`~shardattn.launch.ray.placement`  the placement group (one bundle per rank).
 * :mod:`~shardattn.launch.ray.errors`     :class:`RankFailedError`, the Ray check.
 

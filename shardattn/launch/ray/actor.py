@@ -52,6 +52,7 @@ class RankActor:
         self.last_step_s: float | None = None
         self._fault: tuple[str, str] | None = None
         self._step_t0 = 0.0
+        self._shm: Any = None
         torch.set_num_threads(1)
 
     # -- forming the group ---------------------------------------------------------------------
@@ -116,9 +117,12 @@ class RankActor:
         self.set_sinks(sinks)
         self.comm = Comm(self.group)  # the pool's own collectives (prefix gathers), counted apart from the Runtime's
         self.state = "ready"
+        import ray
+
         return {
             "rank": self.rank,
             "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             "workspace_bytes": self.runtime.workspace_bytes,
             "cache_bytes": self.cache.nbytes,
         }
@@ -251,42 +255,72 @@ class RankActor:
         """
         t0 = self._begin("decode")
         shared, q_local = from_wire(shared), from_wire(q_local)
+        out, lse = self._decode(shared, q_local)
+        result = self._result(out, lse, shared["return_lse"])
+        self._end(t0)
+        return result
+
+    def _decode(self, shared: dict[str, Any], q_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step on this rank's device: ``(out [T, H/W, Dv], lse [T, H/W])``. Inputs on
+        the CPU are copied without blocking (page-locked ones asynchronously; :meth:`_end` syncs)."""
         table, starts, counts, q_counts = shared["table"], shared["starts"], shared["counts"], shared["q_counts"]
         if shared["kv"]:
             self.cache.write(table, starts, counts, shared["kv"])
         self._maybe_fail("decode")
         dev = self.device
         seq_lens = torch.tensor([s + n for s, n in zip(starts, counts)], dtype=torch.int32, device=dev)
-        table_d = table.to(dev)
-        q = q_local.to(dev)
+        table_d = table.to(dev, non_blocking=True)
+        q = q_local.to(dev, non_blocking=True)
         if self.runtime.spec.kind == "sparse_mla":
             req_ids = torch.repeat_interleave(
                 torch.arange(len(q_counts), dtype=torch.int32), torch.tensor(q_counts)
             ).to(dev)
-            out, lse = self.runtime.decode(
+            return self.runtime.decode(
                 q,
                 self.cache.flat(0),
                 table_d,
                 seq_lens,
-                topk_pos=shared["topk"].to(dev),
+                topk_pos=shared["topk"].to(dev, non_blocking=True),
                 req_ids=req_ids,
                 sinks=self.sinks,
                 check=False,
             )
-        else:
-            cu = torch.tensor([0, *torch.cumsum(torch.tensor(q_counts), 0).tolist()], dtype=torch.int32, device=dev)
-            out, lse = self.runtime.decode(
-                q,
-                (self.cache.pages[0], self.cache.pages[1]),
-                table_d,
-                seq_lens,
-                cu_q_lens=cu,
-                sinks=self.sinks,
-                check=False,
-            )
-        result = self._result(out, lse, shared["return_lse"])
-        self._end(t0)
-        return result
+        cu = torch.tensor([0, *torch.cumsum(torch.tensor(q_counts), 0).tolist()], dtype=torch.int32, device=dev)
+        return self.runtime.decode(
+            q,
+            (self.cache.pages[0], self.cache.pages[1]),
+            table_d,
+            seq_lens,
+            cu_q_lens=cu,
+            sinks=self.sinks,
+            check=False,
+        )
+
+    # -- decode steps through shared memory (:mod:`~shardattn.launch.ray.shm`) -------------------
+    def attach_shm(self, path: str, layout: Any) -> dict[str, Any]:
+        """Map the pool's shared-memory region; on a GPU, page-lock it. Returns ``{"pinned": bool}``."""
+        from shardattn.launch.ray.shm import ShmRegion
+
+        self._shm = ShmRegion(path, layout, create=False)
+        return {"pinned": self._shm.pin() if self.device.type == "cuda" else False}
+
+    def serve_shm(self, spin_s: float) -> str:
+        """The serve loop (its own concurrency group; runs until told to stop or a step raises)."""
+        from shardattn.launch.ray.shm import serve
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        return serve(self._shm, self.rank, self._shm_step, spin_s)
+
+    def _shm_step(self, step: dict[str, Any]) -> None:
+        t0 = self._begin("decode")
+        h = step["q"].shape[1] // self.world_size  # the region holds every head; this rank's on its device
+        q = step["q"].to(self.device, non_blocking=True)[:, self.rank * h : (self.rank + 1) * h].contiguous()
+        out, lse = self._decode(step, q)
+        step["out"].copy_(out, non_blocking=True)
+        if step["lse"] is not None:
+            step["lse"].copy_(lse, non_blocking=True)
+        self._end(t0)  # synchronizes: the outputs are in the region before the done counter moves
 
     def step(self, payload: dict[str, Any]) -> tuple[Any, Any] | None:
         """One step from a compiled graph: ``payload`` holds the kind, the shared part and every rank's queries."""

@@ -17,8 +17,46 @@ import torch
 
 from shardattn.parallel.comm import Comm
 from shardattn.plan.context import DCPLayout
+from shardattn.plan.kv_pages import KVCacheConfig
 
-__all__ = ["RankKVCache", "request_positions"]
+__all__ = ["RankKVCache", "plan_rank_cache", "request_positions"]
+
+
+def plan_rank_cache(
+    page_size: int,
+    rows: Sequence[tuple[tuple[int, ...], torch.dtype]],
+    dcp: bool,
+    world_size: int,
+    interleave: int,
+    max_requests: int,
+    max_seq_len: int,
+    num_pages: int | None,
+    memory_limit_bytes: int | None,
+) -> tuple[KVCacheConfig, dict]:
+    """The pool's cache plan: its :class:`~shardattn.plan.kv_pages.KVCacheConfig` (DCP interleave
+    over ``world_size`` ranks when ``dcp``, else a replica) and what each rank builds
+    (:class:`RankKVCache`'s arguments, its ``bytes``, the ``memory_limit_bytes``).
+
+    Raises:
+        ValueError: the cache alone exceeds ``memory_limit_bytes``.
+    """
+    layout = DCPLayout(world_size, interleave) if dcp else DCPLayout(1)
+    config = KVCacheConfig(page_size, layout, max_requests, max_seq_len, num_pages)
+    row_bytes = sum(int(torch.Size(r).numel()) * torch.empty(0, dtype=d).element_size() for r, d in rows)
+    spec = {
+        "rows": tuple(rows),
+        "num_pages": config.num_pages,
+        "page_size": page_size,
+        "layout": layout,
+        "bytes": config.rows_per_rank * row_bytes,
+        "memory_limit_bytes": memory_limit_bytes,
+    }
+    if memory_limit_bytes is not None and spec["bytes"] > memory_limit_bytes:
+        raise ValueError(
+            f"the KV cache alone needs {spec['bytes']} B per rank, over memory_limit_bytes="
+            f"{memory_limit_bytes}; lower max_requests, max_seq_len or num_pages"
+        )
+    return config, spec
 
 
 def request_positions(starts: Sequence[int], counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

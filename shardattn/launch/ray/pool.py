@@ -36,22 +36,26 @@ A rank that dies, raises or does not answer within ``timeout_s`` makes the call 
 that error) until :meth:`RayRankPool.restart`, which re-forms actors and group in the same
 placement group and returns the requests whose KV state was lost.
 
-Decode steps go through a Ray compiled graph (``ray.dag``, :mod:`~shardattn.launch.ray.compiled`;
-``transport="calls"`` uses actor calls instead), which measured faster on the two-H200 host
-(``benchmarks/RESULTS.md``); prefill steps and every other call are actor calls.
+Decode steps go through shared memory when every rank runs on the driver's node (the default
+``transport="shm"``: one region in ``/dev/shm`` that driver and ranks map, page-locked on GPU
+ranks, :mod:`~shardattn.launch.ray.shm`), else through a Ray compiled graph (``"compiled"``), or
+actor calls (``"calls"``); :mod:`~shardattn.launch.ray.transport` chooses and falls back with a
+warning. Prefill steps and every other call are actor calls.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import numpy as np  # a Ray dependency
 import torch
 
 from shardattn.launch.ray.errors import RankFailedError, RankStepError, describe_ray_error, require_ray
+from shardattn.launch.ray.health import HEALTH_GROUP, rank_reports
+from shardattn.launch.ray.kv_cache import plan_rank_cache
 from shardattn.launch.ray.placement import bundle_options, reserve_bundles
 from shardattn.launch.ray.requests import (
     DecodeRequest,
@@ -62,13 +66,11 @@ from shardattn.launch.ray.requests import (
     pool_shapes,
 )
 from shardattn.launch.ray.split import assemble, pcp_token_ids, query_parts
-from shardattn.plan.context import DCPLayout
-from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
+from shardattn.launch.ray.transport import SERVE_GROUP, TRANSPORTS, start_decode_transport
+from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.plan.spec import ModelSpec, get_preset
 
 __all__ = ["RayRankPool"]
-
-_HEALTH_GROUP = "health"
 
 
 @functools.lru_cache(maxsize=4)
@@ -77,9 +79,8 @@ def _actor_class(num_cpus: float, num_gpus: float) -> Any:
 
     from shardattn.launch.ray.actor import RankActor
 
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, concurrency_groups={_HEALTH_GROUP: 1})(
-        RankActor
-    )
+    groups = {HEALTH_GROUP: 1, SERVE_GROUP: 1}
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, concurrency_groups=groups)(RankActor)
 
 
 class RayRankPool:
@@ -105,9 +106,9 @@ class RayRankPool:
         placement_strategy: Ray placement strategy of the bundles (``"STRICT_PACK"``, ...).
         placement_timeout_s: wait for the bundles this long (default ``timeout_s``).
         num_cpus: CPUs per bundle.
-        transport: how decode steps reach the ranks: ``"compiled"`` (a Ray compiled graph over
-            shared-memory channels sized from ``max_decode_tokens``) or ``"calls"`` (actor calls
-            and the object store, as prefill steps always go).
+        transport: how decode steps reach the ranks: ``"shm"`` (a shared-memory region sized from
+            ``max_decode_tokens``; every rank on the driver's node, else ``"compiled"``),
+            ``"compiled"`` (a Ray compiled graph) or ``"calls"`` (actor calls, as prefill goes).
         init_ray: start a local Ray when none is running.
 
     Raises:
@@ -132,7 +133,7 @@ class RayRankPool:
         placement_strategy: str = "STRICT_PACK",
         placement_timeout_s: float | None = None,
         num_cpus: float = 1.0,
-        transport: str = "compiled",
+        transport: str = "shm",
         init_ray: bool = True,
     ) -> None:
         require_ray()
@@ -142,10 +143,10 @@ class RayRankPool:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-        if transport not in ("compiled", "calls"):
-            raise ValueError(f"transport must be 'compiled' or 'calls', got {transport!r}")
-        self.transport = transport
-        self._compiled: Any = None
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.transport = self._asked_transport = transport
+        self._decoder: Any = None  # the decode transport's runner (None: actor calls)
         self.world_size, self.timeout_s = world_size, float(timeout_s)
         self._actors: list[Any] = []
         self._pg: Any = None
@@ -197,28 +198,14 @@ class RayRankPool:
         self._sinks = check_sinks(self._sinks, spec)
         if "max_batched_tokens" not in self._runtime_kwargs:
             raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
-        dcp = DECODE_STEP[self.mode] == "dcp"
-        interleave = int(self._runtime_kwargs.get("dcp_interleave", 1))
-        layout = DCPLayout(self.world_size, interleave) if dcp else DCPLayout(1)
-        self.cache_config = KVCacheConfig(spec.page_size, layout, max_requests, max_seq_len, num_pages)
-        self.book = PagedKVBook(self.cache_config)
         self.shapes = pool_shapes(spec, self.mode, self._runtime_kwargs)
-        rows = self.shapes.kv_rows
+        self.cache_config, self._cache_spec = plan_rank_cache(
+            spec.page_size, self.shapes.kv_rows, DECODE_STEP[self.mode] == "dcp", self.world_size,
+            int(self._runtime_kwargs.get("dcp_interleave", 1)), max_requests, max_seq_len, num_pages,
+            self._memory_limit,
+        )  # fmt: skip
+        self.book = PagedKVBook(self.cache_config)
         self.heads_per_rank = spec.heads_per_rank(self.world_size)
-        row_bytes = sum(int(torch.Size(r).numel()) * torch.empty(0, dtype=d).element_size() for r, d in rows)
-        self._cache_spec = {
-            "rows": rows,
-            "num_pages": self.cache_config.num_pages,
-            "page_size": spec.page_size,
-            "layout": layout,
-            "bytes": self.cache_config.rows_per_rank * row_bytes,
-            "memory_limit_bytes": self._memory_limit,
-        }
-        if self._memory_limit is not None and self._cache_spec["bytes"] > self._memory_limit:
-            raise ValueError(
-                f"the KV cache alone needs {self._cache_spec['bytes']} B per rank, over memory_limit_bytes="
-                f"{self._memory_limit}; lower max_requests, max_seq_len or num_pages"
-            )
 
     def _form(self) -> None:
         """Start the actors in their bundles, join the group, build Runtimes and caches."""
@@ -236,20 +223,26 @@ class RayRankPool:
             self.built = self._call(
                 "build", [a.build.remote(self.spec, kw, self._cache_spec, self._sinks) for a in self._actors]
             )
-            if self.transport == "compiled":
-                from shardattn.launch.ray.compiled import CompiledSteps, channel_bytes
+            self._start_decode()
 
-                pids = [b["pid"] for b in self.built]
-                try:
-                    room = channel_bytes(self.shapes, self.heads_per_rank, self.spec.v_dim, self.cache_config)
-                    self._compiled = CompiledSteps(self._actors, pids, room)
-                except Exception as e:  # keep serving, loudly, on the transport that always works
-                    warnings.warn(
-                        f"Ray compiled graph unavailable ({type(e).__name__}: {e}); decode steps use actor calls",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-                    self.transport = "calls"
+    def _start_decode(self) -> None:
+        from shardattn.launch.ray.compiled import channel_bytes
+        from shardattn.launch.ray.shm import decode_layout
+
+        assert self.spec is not None
+        shapes, cfg, h, dv = self.shapes, self.cache_config, self.heads_per_rank, self.spec.v_dim
+        sizes = {"max_tokens": shapes.max_decode_tokens, "max_requests": cfg.max_requests, "heads_per_rank": h}
+        sizes.update(table_width=cfg.pages_per_request, head_dim=shapes.head_dim, v_dim=dv)
+        sizes.update(dtype=shapes.dtype, topk=shapes.topk if shapes.kind == "sparse_mla" else 0, kv_rows=shapes.kv_rows)
+        self.transport, self._decoder = start_decode_transport(
+            self._asked_transport,
+            self._actors,
+            self.built,
+            layout=lambda: decode_layout(self.world_size, **sizes),
+            channel_bytes=lambda: channel_bytes(shapes, h, dv, cfg),
+            call=self._call,
+            spin_s=0.005 if self.device == "cuda" else 0.0,  # CPU ranks need their cores for the step
+        )
 
     # -- calls and faults ----------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -258,27 +251,12 @@ class RayRankPool:
         if not self._actors:
             raise RuntimeError("the pool is shut down")
 
-    def _dead_ranks(self, wait_s: float) -> list[int]:
-        """Ranks whose actor is gone (asked through the health group, which answers during a step)."""
-        import ray
-
-        refs = [a.health.options(concurrency_group=_HEALTH_GROUP).remote() for a in self._actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
-        dead = []
-        for r, ref in enumerate(refs):
-            if ref in ready:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    dead.append(r)
-        return dead
-
     def _fail(self, rank: int, cause: str, operation: str) -> RankFailedError:
         import ray
 
         if not cause.startswith("actor died"):
             # a rank whose collective broke because a peer died reports that as its own error
-            dead = self._dead_ranks(wait_s=min(2.0, self.timeout_s))
+            dead = [h["rank"] for h in rank_reports(self._actors, min(2.0, self.timeout_s)) if h["state"] == "dead"]
             if dead and rank not in dead:
                 rank, cause = dead[0], f"actor died (then rank {rank}: {cause})"
         err = RankFailedError(rank, cause, operation)
@@ -288,13 +266,13 @@ class RayRankPool:
                 ray.kill(a, no_restart=True)
             except Exception:
                 pass
-        self._teardown_compiled()
+        self._teardown_decoder()
         return err
 
-    def _teardown_compiled(self) -> None:
-        compiled, self._compiled = self._compiled, None
-        if compiled is not None:
-            compiled.teardown()
+    def _teardown_decoder(self) -> None:
+        decoder, self._decoder = self._decoder, None
+        if decoder is not None:
+            decoder.teardown()
 
     def _call(self, operation: str, refs: Sequence[Any], *, ranks: Sequence[int] | None = None) -> list[Any]:
         """Wait for one call per rank; the first failure or the timeout raises :class:`RankFailedError`."""
@@ -331,36 +309,31 @@ class RayRankPool:
 
         t_packed = time.perf_counter()
         self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=kind == "prefill")
-        table = torch.tensor(self.book.table(packed.ids), dtype=torch.int32)
-        shared = to_wire(
-            {
-                "table": table,
-                "starts": packed.starts,
-                "counts": packed.counts,
-                "q_counts": packed.q_counts,
-                "kv": packed.kv,
-                "topk": packed.topk,
-                "return_lse": return_lse,
-            }
-        )
+        table = torch.from_numpy(np.array(self.book.table(packed.ids), dtype=np.int32))  # faster than from lists
+        step = {
+            "table": table,
+            "starts": packed.starts,
+            "counts": packed.counts,
+            "q_counts": packed.q_counts,
+            "kv": packed.kv,
+            "topk": packed.topk,
+            "return_lse": return_lse,
+        }
         h = self.heads_per_rank
         q = packed.q
         token_ids = None
         if kind == "prefill" and self.mode == "pcp" and q is not None:  # PCP: every head of the rank's tokens
             token_ids = pcp_token_ids(packed.counts, packed.starts, self.world_size, self.shapes.topk)
-        if q is None:
-            qs: list[Any] = [None] * self.world_size
-        else:
-            qs = [to_wire(part) for part in query_parts(q, self.world_size, h, token_ids)]
+        qs: list[Any] = [None] * self.world_size if q is None else query_parts(q, self.world_size, h, token_ids)
         t_sent = time.perf_counter()
-        if kind == "decode" and self._compiled is not None:
+        if kind == "decode" and self._decoder is not None:
             try:
-                results = from_wire(self._compiled.run({"kind": kind, "shared": shared, "qs": qs}, self.timeout_s))
+                results = self._decoder.run(step, q, qs, self.timeout_s)
             except RankStepError as e:
                 raise self._fail(e.rank, e.cause, kind) from None
         else:
-            shared_ref = ray.put(shared)  # once for every rank
-            refs = [getattr(a, kind).remote(shared_ref, qs[r]) for r, a in enumerate(self._actors)]
+            shared_ref = ray.put(to_wire(step))  # once for every rank
+            refs = [getattr(a, kind).remote(shared_ref, to_wire(qs[r])) for r, a in enumerate(self._actors)]
             results = from_wire(self._call(kind, refs))
         t_back = time.perf_counter()
         if q is None:
@@ -373,8 +346,8 @@ class RayRankPool:
         self.last_step = {
             "kind": kind,
             "check_ms": (t_packed - t_start) * 1e3,  # validating and concatenating the requests
-            "prepare_ms": (t_sent - t_packed) * 1e3,  # pages, block table, per-rank query slices
-            "ranks_ms": (t_back - t_sent) * 1e3,  # transport both ways and the ranks' step
+            "prepare_ms": (t_sent - t_packed) * 1e3,  # pages, block table, per-rank query views
+            "ranks_ms": (t_back - t_sent) * 1e3,  # copies into the transport, both ways, and the ranks' step
             "assemble_ms": (t_end - t_back) * 1e3,  # outputs per request
         }
         return outputs
@@ -417,7 +390,8 @@ class RayRankPool:
         self._check_usable()
         self._need_spec()
         t0 = time.perf_counter()
-        packed = pack_step("decode", requests, self.shapes, self.book)
+        into = self._decoder.inputs() if self.transport == "shm" and self._decoder is not None else None
+        packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: straight into the region
         return self._run_step("decode", packed, return_lse, t0)
 
     def free(self, request_ids: Sequence[Hashable]) -> int:
@@ -438,20 +412,8 @@ class RayRankPool:
         ``workspace_bytes`` (CUDA: allocated / reserved bytes), ``steps`` and ``last_step_s``.
         Answers while a step runs (or is stuck); never raises for a dead rank.
         """
-        import ray
-
         wait = min(self.timeout_s, 10.0) if timeout_s is None else timeout_s
-        refs = [a.health.options(concurrency_group=_HEALTH_GROUP).remote() for a in self._actors]
-        ranks: list[dict[str, Any]] = []
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait) if refs else ([], [])
-        for r, ref in enumerate(refs):
-            if ref not in ready:
-                ranks.append({"rank": r, "state": "unresponsive", "cause": f"no answer within {wait:g} s"})
-                continue
-            try:
-                ranks.append(ray.get(ref))
-            except ray.exceptions.RayError as e:
-                ranks.append({"rank": r, "state": "dead", "cause": describe_ray_error(e)})
+        ranks = rank_reports(self._actors, wait)
         book = getattr(self, "book", None)
         return {
             "state": "broken" if self._broken is not None else "healthy",
@@ -469,7 +431,7 @@ class RayRankPool:
         """
         import ray
 
-        self._teardown_compiled()
+        self._teardown_decoder()
         for a in self._actors:
             try:
                 ray.kill(a, no_restart=True)
@@ -497,7 +459,7 @@ class RayRankPool:
         """Leave the group, stop the actors, free the bundles (and stop Ray when this pool started it)."""
         import ray
 
-        self._teardown_compiled()
+        self._teardown_decoder()
         actors, self._actors = self._actors, []
         if actors and self._broken is None:
             try:

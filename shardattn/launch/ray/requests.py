@@ -171,9 +171,18 @@ def _check_topk(shapes: PoolShapes, topk: object, name: str, n: int) -> None:
 
 
 def pack_step(
-    kind: str, requests: Sequence[PrefillRequest | DecodeRequest], shapes: PoolShapes, book: PagedKVBook
+    kind: str,
+    requests: Sequence[PrefillRequest | DecodeRequest],
+    shapes: PoolShapes,
+    book: PagedKVBook,
+    *,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> PackedStep:
     """Validate a ``"prefill"`` or ``"decode"`` step and concatenate it; the ledger is not changed.
+
+    ``into``: buffers to concatenate into once the step is valid (``q [>= T, H, D]``, ``topk``,
+    ``kv0`` / ``kv1``, each at least the step's rows: a shared-memory region's inputs); the
+    packed tensors are then views of them.
 
     Raises:
         TypeError / ValueError: naming the request and argument (wrong type, dtype, shape or
@@ -249,13 +258,13 @@ def pack_step(
         empty = [i for i, s, n in zip(ids, starts, counts) if s + n == 0]
         if empty:
             raise ValueError(f"decode of requests with no cached tokens: {empty!r}")
-    kv_cat = [torch.cat([p[c] for p in kvs]) for c in range(len(kvs[0]))] if kvs[0] else []
+
+    def cat(parts: list[torch.Tensor], name: str) -> torch.Tensor:
+        if into is None or name not in into:
+            return torch.cat(parts)
+        return torch.cat(parts, out=into[name][: sum(int(p.shape[0]) for p in parts)])
+
+    kv_cat = [cat([p[c] for p in kvs], f"kv{c}") for c in range(len(kvs[0]))] if kvs[0] else []
     return PackedStep(
-        ids,
-        starts,
-        counts,
-        q_counts,
-        torch.cat(qs) if qs else None,
-        kv_cat,
-        torch.cat(topks) if topks else None,
+        ids, starts, counts, q_counts, cat(qs, "q") if qs else None, kv_cat, cat(topks, "topk") if topks else None
     )

@@ -1,0 +1,369 @@
+"""Decode steps through POSIX shared memory: one region that the driver and every rank actor map.
+
+Ray's transports copy a step's tensors through its object store or channels (11-17 ms for a
+64-token GLM-5 decode step on the two-H200 host, ``benchmarks/RESULTS.md``). When every rank
+actor runs on the driver's node, the pool instead maps one file in ``/dev/shm`` into all the
+processes at build time, sized by :func:`decode_layout` from ``max_decode_tokens``,
+``max_requests``, the block table's width and the heads per rank. GPU actors page-lock their
+mapping (``cudaHostRegister``), so their H2D copy of the queries and D2H copy of the outputs are
+asynchronous DMA from and to the region itself.
+
+The region opens with control lines of 8 int64 each (64 bytes): line 0 is the driver's (the step
+sequence number, the command, the step's sizes), line ``1 + r`` is rank ``r``'s (its done
+counter, an error flag, the error text's length); then one error-text slot per rank, then the
+step's tensors (block table, lengths, top-k, new KV rows; per rank its heads of the queries and
+of the outputs and LSE).
+
+A step (:meth:`ShmSteps.run`): the driver writes the inputs, then the sizes, then bumps the
+sequence number (one aligned 8-byte store; x86 keeps stores in order and loads in order, so a
+rank that sees the new number sees the payload). Each rank's serve loop (:func:`serve`, one
+long-running actor call) waits on the number, runs the step, writes its outputs, then its done
+counter. The driver waits on every done counter. Faults: a rank whose step raises writes the
+error text and its flag before its done counter and ends its loop; a rank that dies ends its
+loop's call, which the driver polls with ``ray.wait`` while it waits; a rank that does not answer
+within the timeout is named as missing. Each surfaces as one
+:class:`~shardattn.launch.ray.errors.RankStepError` naming the rank.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import time
+import uuid
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardattn.launch.ray.errors import RankStepError
+
+__all__ = ["ShmLayout", "ShmRegion", "ShmSteps", "decode_layout", "serve"]
+
+LINE = 8  # int64 per control line (64 bytes: one cache line each)
+SEQ, CMD, NREQ, NQ, NKV, WIDTH, LSE = range(7)  # the driver's line
+DONE, FAILED, ERRLEN = range(3)  # a rank's line
+DECODE, STOP = 1, 2
+ERR_BYTES = 4096
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Section:
+    """A tensor in the region: byte offset, shape (the largest step's) and dtype."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ShmLayout:
+    """Where everything lives in the region (the same on the driver and every rank)."""
+
+    world_size: int
+    sections: dict[str, Section]
+    size: int
+
+    @property
+    def errors_offset(self) -> int:
+        return (self.world_size + 1) * LINE * 8
+
+
+def decode_layout(
+    world_size: int,
+    *,
+    max_tokens: int,
+    max_requests: int,
+    table_width: int,
+    heads_per_rank: int,
+    head_dim: int,
+    v_dim: int,
+    dtype: torch.dtype,
+    topk: int,
+    kv_rows: Sequence[tuple[tuple[int, ...], torch.dtype]],
+) -> ShmLayout:
+    """The region of a pool's decode steps: ``max_tokens`` query (and new KV) tokens of at most
+    ``min(max_requests, max_tokens)`` requests; ``topk`` 0 for GQA; ``kv_rows`` each KV
+    component's row shape and dtype (sparse MLA ``[D]``; GQA ``[Hkv, D]``, ``[Hkv, Dv]``).
+
+    >>> lay = decode_layout(2, max_tokens=4, max_requests=8, table_width=3, heads_per_rank=2,
+    ...                     head_dim=8, v_dim=8, dtype=torch.float32, topk=5, kv_rows=[((8,), torch.float32)])
+    >>> lay.sections["q"].shape, lay.sections["out1"].shape, lay.sections["table"].shape, lay.size % mmap.PAGESIZE
+    ((4, 4, 8), (4, 2, 8), (12,), 0)
+    """
+    t, b, h = int(max_tokens), min(int(max_requests), int(max_tokens)), int(heads_per_rank)
+    sections: dict[str, Section] = {}
+    offset = (world_size + 1) * LINE * 8 + world_size * ERR_BYTES
+
+    def add(name: str, shape: tuple[int, ...], dt: torch.dtype) -> None:
+        nonlocal offset
+        offset = -(-offset // _ALIGN) * _ALIGN
+        sections[name] = Section(offset, shape, dt)
+        offset += int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
+
+    for name in ("starts", "counts", "q_counts"):
+        add(name, (b,), torch.int64)
+    add("table", (b * int(table_width),), torch.int32)  # [B, width] of the step, contiguous
+    if topk:
+        add("topk", (t, int(topk)), torch.int32)
+    for i, (row, dt) in enumerate(kv_rows):
+        add(f"kv{i}", (t, *row), dt)
+    add("q", (t, world_size * h, int(head_dim)), dtype)  # every head: the driver writes it in one copy
+    for r in range(world_size):
+        add(f"out{r}", (t, h, int(v_dim)), dtype)
+        add(f"lse{r}", (t, h), torch.float32)
+    size = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    return ShmLayout(world_size, sections, size)
+
+
+class ShmRegion:
+    """The region mapped into this process: ``ctrl`` (int64 control lines) and ``tensors``.
+
+    Args:
+        path: the file (``/dev/shm/...``). layout: :class:`ShmLayout`.
+        create: make the file (the driver; it fails if it exists) or open it (a rank).
+    """
+
+    def __init__(self, path: str, layout: ShmLayout, *, create: bool) -> None:
+        self.path, self.layout = path, layout
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, layout.size)
+            self._map = mmap.mmap(fd, layout.size)
+        finally:
+            os.close(fd)
+        self.ctrl = np.frombuffer(self._map, dtype=np.int64, count=(layout.world_size + 1) * LINE)
+        self.tensors = {
+            name: torch.frombuffer(self._map, dtype=s.dtype, count=int(np.prod(s.shape)), offset=s.offset).view(s.shape)
+            for name, s in layout.sections.items()
+        }
+        self._pinned_ptr: int | None = None
+
+    def pin(self) -> bool:
+        """Page-lock the mapping for CUDA (``cudaHostRegister``); False when the driver refuses."""
+        base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
+        try:
+            if int(torch.cuda.cudart().cudaHostRegister(base, self.layout.size, 0)) != 0:
+                return False
+        except (AttributeError, RuntimeError, TypeError):  # no cudart binding: copies stay pageable
+            return False
+        self._pinned_ptr = base
+        return True
+
+    def rank_line(self, rank: int) -> int:
+        return (rank + 1) * LINE
+
+    def write_error(self, rank: int, text: str) -> None:
+        data = text.encode("utf-8", "replace")[:ERR_BYTES]
+        start = self.layout.errors_offset + rank * ERR_BYTES
+        self._map[start : start + len(data)] = data
+        self.ctrl[self.rank_line(rank) + ERRLEN] = len(data)
+
+    def read_error(self, rank: int) -> str:
+        start = self.layout.errors_offset + rank * ERR_BYTES
+        n = int(self.ctrl[self.rank_line(rank) + ERRLEN])
+        return bytes(self._map[start : start + n]).decode("utf-8", "replace")
+
+    def step_views(self, rank: int) -> dict[str, Any]:
+        """The current step as rank ``rank`` reads it: its inputs and where its outputs go."""
+        c, t = self.ctrl, self.tensors
+        b, n_q, n_kv, width = int(c[NREQ]), int(c[NQ]), int(c[NKV]), int(c[WIDTH])
+        kv = [t[f"kv{i}"][:n_kv] for i in range(sum(1 for k in t if k.startswith("kv")))] if n_kv else []
+        return_lse = bool(c[LSE])
+        return {
+            "table": t["table"][: b * width].view(b, width),
+            "starts": t["starts"][:b].tolist(),
+            "counts": t["counts"][:b].tolist(),
+            "q_counts": t["q_counts"][:b].tolist(),
+            "kv": kv,
+            "topk": t["topk"][:n_q] if "topk" in t else None,
+            "return_lse": return_lse,
+            "q": t["q"][:n_q],  # [T, H, D]: every head (the rank takes its own on its device)
+            "out": t[f"out{rank}"][:n_q],
+            "lse": t[f"lse{rank}"][:n_q] if return_lse else None,
+        }
+
+    def close(self, *, unlink: bool = False) -> None:
+        """Unlink the file (the driver); the mapping goes with the last tensor viewing it."""
+        if self._pinned_ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
+            self._pinned_ptr = None
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def serve(region: ShmRegion, rank: int, step: Callable[[dict[str, Any]], None], spin_s: float) -> str:
+    """Rank ``rank``'s loop: wait for a new sequence number, run ``step(region.step_views(rank))``,
+    bump the done counter. Spins for ``spin_s`` after a step, then polls with sleeps of 5% of the
+    idle time (20 us to 1 ms). Returns
+    when told to stop, or after writing a step's exception (the error text, then the flag)."""
+    ctrl, line = region.ctrl, region.rank_line(rank)
+    seen = int(ctrl[SEQ])
+    last = time.perf_counter()
+    while True:
+        seq = int(ctrl[SEQ])
+        if seq == seen:
+            idle = time.perf_counter() - last
+            if idle > spin_s:
+                time.sleep(min(1e-3, max(20e-6, idle / 20)))  # answers late by 5% of the idle time at most
+            continue
+        seen = seq
+        if int(ctrl[CMD]) == STOP:
+            ctrl[line + DONE] = seq
+            return "stopped"
+        try:
+            step(region.step_views(rank))
+        except BaseException as e:  # the driver names this rank and the cause
+            text = str(e).strip()
+            region.write_error(rank, f"raised {type(e).__name__}: {text.splitlines()[-1] if text else ''}")
+            ctrl[line + FAILED] = 1
+            ctrl[line + DONE] = seq
+            return "failed"
+        ctrl[line + DONE] = seq
+        last = time.perf_counter()
+
+
+def region_path() -> str:
+    """A fresh file name in ``/dev/shm`` (or the temp folder where there is none)."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(folder, f"shardattn-decode-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _put(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():  # not packed in place
+        dst.copy_(src)
+
+
+class ShmSteps:
+    """The driver's side: the region, and the ranks' serve-loop calls (for liveness).
+
+    Args:
+        layout: :class:`ShmLayout`. spin_s: spin this long on the done counters before sleeping.
+    """
+
+    def __init__(self, layout: ShmLayout, spin_s: float = 0.0) -> None:
+        self.region = ShmRegion(region_path(), layout, create=True)
+        self._unlink = weakref.finalize(self, _unlink, self.region.path)  # also when the pool is dropped
+        self.path, self.world_size, self.spin_s = self.region.path, layout.world_size, float(spin_s)
+        self._seq = 0
+        self._loops: list[Any] = []
+        self.pinned: list[bool] = []  #: whether each rank page-locked its mapping (GPU ranks)
+
+    def serving(self, loops: Sequence[Any]) -> None:
+        """The ranks' serve-loop ``ObjectRef``s, rank order (ready only when a loop ended)."""
+        self._loops = list(loops)
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The region's input tensors a step may be packed into directly (``q [T, H, D]``,
+        ``topk [T, K]``, ``kv0`` / ``kv1 [T, *row]``; sized for the largest step)."""
+        return {k: v for k, v in self.region.tensors.items() if k in ("q", "topk") or k.startswith("kv")}
+
+    def _ended_loops(self) -> RankStepError | None:
+        """A rank whose serve loop ended (its actor died, or the loop returned), or ``None``."""
+        import ray
+
+        from shardattn.launch.ray.errors import describe_ray_error
+
+        ready, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0)
+        for r, ref in enumerate(self._loops):
+            if ref in ready:
+                try:
+                    how = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    return RankStepError(r, describe_ray_error(e))
+                if how == "failed":
+                    return RankStepError(r, self.region.read_error(r))
+                return RankStepError(r, f"its serve loop ended ({how})")
+        return None
+
+    def run(self, step: dict[str, Any], q: torch.Tensor, timeout_s: float) -> list[tuple[Any, Any]]:
+        """One decode step: ``step`` (``table [B, w]`` int32, ``starts`` / ``counts`` / ``q_counts``
+        lists, ``kv`` list, ``topk [T, K]`` or ``None``, ``return_lse``), ``q [T, H, D]``. Tensors
+        already packed into the region (:meth:`inputs`) are not copied again.
+
+        Returns each rank's ``(out [T, H/W, Dv], lse [T, H/W] or None)``: views of the region,
+        valid until the next step. Raises :class:`RankStepError` (a rank failed, or the timeout).
+        """
+        c, t = self.region.ctrl, self.region.tensors
+        table = step["table"]
+        b, width = int(table.shape[0]), int(table.shape[1])
+        n_q = int(q.shape[0])
+        n_kv = int(step["kv"][0].shape[0]) if step["kv"] else 0
+        t["table"][: b * width].view(b, width).copy_(table)
+        for name in ("starts", "counts", "q_counts"):
+            t[name][:b].copy_(torch.tensor(step[name], dtype=torch.int64))
+        _put(t["q"][:n_q], q)
+        if step["topk"] is not None:
+            _put(t["topk"][:n_q], step["topk"])
+        for i, part in enumerate(step["kv"]):
+            _put(t[f"kv{i}"][:n_kv], part)
+        c[NREQ], c[NQ], c[NKV], c[WIDTH], c[LSE], c[CMD] = b, n_q, n_kv, width, int(step["return_lse"]), DECODE
+        self._seq += 1
+        c[SEQ] = self._seq  # last: the ranks read the payload after they see it
+        self._wait(timeout_s)
+        lse = step["return_lse"]
+        return [(t[f"out{r}"][:n_q], t[f"lse{r}"][:n_q] if lse else None) for r in range(self.world_size)]
+
+    def _wait(self, timeout_s: float) -> None:
+        c, seq = self.region.ctrl, self._seq
+        lines = [self.region.rank_line(r) for r in range(self.world_size)]
+        t0 = time.perf_counter()
+        next_check = t0 + 0.02
+        while True:
+            pending = [r for r, ln in enumerate(lines) if int(c[ln + DONE]) != seq]
+            for r, ln in enumerate(lines):
+                if r not in pending and c[ln + FAILED]:
+                    raise RankStepError(r, self.region.read_error(r))
+            if not pending:
+                return
+            now = time.perf_counter()
+            if now - t0 > timeout_s:
+                raise RankStepError(pending[0], f"ranks {pending} did not answer within {timeout_s:g} s (hung or dead)")
+            if now >= next_check and self._loops:  # a dead rank never bumps its counter
+                next_check = now + 0.02
+                ended = self._ended_loops()
+                if ended is not None:
+                    raise ended
+            if now - t0 > self.spin_s:
+                time.sleep(min(2e-4, max(20e-6, (now - t0) / 20)))  # late by 5% of the wait at most
+
+    def stop(self, wait_s: float = 2.0) -> None:
+        """Tell the serve loops to return, and wait for them (best effort)."""
+        if not self._loops:
+            return
+        import ray
+
+        c = self.region.ctrl
+        c[CMD] = STOP
+        self._seq += 1
+        c[SEQ] = self._seq
+        try:
+            ray.wait(self._loops, num_returns=len(self._loops), timeout=wait_s)
+        except Exception:
+            pass
+        self._loops = []
+
+    def close(self) -> None:
+        """Unlink the region's file (the mappings go with their processes)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.region.close(unlink=True)
+        self._unlink.detach()

@@ -1,0 +1,133 @@
+"""How a pool's decode steps reach its rank actors, chosen once when the pool forms.
+
+* ``"shm"`` (the default): a shared-memory region mapped by the driver and every rank
+  (:mod:`~shardattn.launch.ray.shm`), page-locked on GPU ranks; each rank runs a serve loop.
+  Needs every rank on the driver's node; otherwise the pool warns and falls back to ``"compiled"``.
+* ``"compiled"``: a Ray compiled graph (:mod:`~shardattn.launch.ray.compiled`); falls back to
+  ``"calls"`` with a warning when Ray cannot compile it.
+* ``"calls"``: actor calls through the object store, as prefill steps and every other call go.
+
+:func:`start_decode_transport` returns the transport actually in use and an object with
+``run(step, q, qs, timeout_s) -> [(out, lse) of rank r]`` (``q [T, H, D]``, ``qs[r]`` its heads)
+and ``teardown()``; ``None`` for calls. The shared-memory runner also has ``inputs()``: the
+region's tensors a step is packed into (:func:`~shardattn.launch.ray.requests.pack_step`'s ``into``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from shardattn.launch.ray.wire import from_wire, to_wire
+
+__all__ = ["SERVE_GROUP", "TRANSPORTS", "check_local", "start_decode_transport"]
+
+TRANSPORTS = ("shm", "compiled", "calls")
+#: the actors' concurrency group of the shared-memory serve loop (other calls keep being served)
+SERVE_GROUP = "serve"
+
+
+class TransportUnavailable(RuntimeError):
+    """A transport cannot serve this pool (the message says why); the pool falls back."""
+
+
+def check_local(built: Sequence[dict[str, Any]], driver_node: str) -> None:
+    """Raise :class:`TransportUnavailable` naming the ranks whose actor is on another node.
+
+    >>> check_local([{"rank": 0, "node_id": "a"}, {"rank": 1, "node_id": "a"}], "a")
+    >>> check_local([{"rank": 0, "node_id": "a"}, {"rank": 1, "node_id": "b"}], "a")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    shardattn.launch.ray.transport.TransportUnavailable: ranks [1] run on another node than the driver; ...
+    """
+    remote = [b["rank"] for b in built if b.get("node_id") != driver_node]
+    if remote:
+        raise TransportUnavailable(f"ranks {remote} run on another node than the driver; shared memory needs one host")
+
+
+class _CompiledDecode:
+    """:class:`~shardattn.launch.ray.compiled.CompiledSteps` behind the ``run(step, qs)`` interface."""
+
+    def __init__(self, steps: Any) -> None:
+        self.steps = steps
+
+    def run(self, step: dict[str, Any], q: Any, qs: Sequence[Any], timeout_s: float) -> list[Any]:
+        payload = {"kind": "decode", "shared": to_wire(step), "qs": [to_wire(q) for q in qs]}
+        return from_wire(self.steps.run(payload, timeout_s))
+
+    def teardown(self) -> None:
+        self.steps.teardown()
+
+
+class _ShmDecode:
+    """:class:`~shardattn.launch.ray.shm.ShmSteps` and its serve loops."""
+
+    def __init__(self, steps: Any) -> None:
+        self.steps = steps
+
+    def inputs(self) -> dict[str, Any]:
+        return self.steps.inputs()
+
+    def run(self, step: dict[str, Any], q: Any, qs: Sequence[Any], timeout_s: float) -> list[Any]:
+        return self.steps.run(step, q, timeout_s)
+
+    def teardown(self) -> None:
+        try:
+            self.steps.stop()
+        finally:
+            self.steps.close()
+
+
+def _start_shm(
+    actors: Sequence[Any], built: Sequence[dict[str, Any]], layout: Any, call: Callable[..., list[Any]], spin_s: float
+) -> _ShmDecode:
+    import ray
+
+    from shardattn.launch.ray.shm import ShmSteps
+
+    check_local(built, ray.get_runtime_context().get_node_id())
+    try:
+        steps = ShmSteps(layout, spin_s=spin_s)
+    except OSError as e:
+        raise TransportUnavailable(f"cannot create the shared-memory region ({e})") from None
+    try:
+        attached = call("attach_shm", [a.attach_shm.remote(steps.path, layout) for a in actors])
+        steps.pinned = [bool(a["pinned"]) for a in attached]
+        loops = [a.serve_shm.options(concurrency_group=SERVE_GROUP).remote(spin_s) for a in actors]
+        steps.serving(loops)
+    except BaseException:
+        steps.close()
+        raise
+    return _ShmDecode(steps)
+
+
+def start_decode_transport(
+    transport: str,
+    actors: Sequence[Any],
+    built: Sequence[dict[str, Any]],
+    *,
+    layout: Callable[[], Any],
+    channel_bytes: Callable[[], int],
+    call: Callable[..., list[Any]],
+    spin_s: float,
+) -> tuple[str, Any]:
+    """``(transport in use, its runner or None for calls)``; falls back ``shm -> compiled -> calls``
+    with a ``RuntimeWarning`` naming the reason. ``layout`` / ``channel_bytes`` size the region /
+    the graph's channels; ``call(operation, refs)`` is the pool's fault-checked wait."""
+    if transport == "shm":
+        try:
+            return "shm", _start_shm(actors, built, layout(), call, spin_s)
+        except TransportUnavailable as e:
+            warnings.warn(f"shared-memory decode unavailable ({e}); decode steps use a Ray compiled graph",
+                          RuntimeWarning, stacklevel=4)  # fmt: skip
+            transport = "compiled"
+    if transport == "compiled":
+        from shardattn.launch.ray.compiled import CompiledSteps
+
+        try:
+            return "compiled", _CompiledDecode(CompiledSteps(actors, [b["pid"] for b in built], channel_bytes()))
+        except Exception as e:  # keep serving, loudly, on the transport that always works
+            warnings.warn(f"Ray compiled graph unavailable ({type(e).__name__}: {e}); decode steps use actor calls",
+                          RuntimeWarning, stacklevel=4)  # fmt: skip
+    return "calls", None
