@@ -401,3 +401,19 @@ def test_failed_rank_breaks_the_pool_until_restart(pool2, kind: str, failed: str
     reqs = [mirror.decode_request("y")]
     _check(pool2.decode(reqs, return_lse=True), reqs, mirror)
     pool2.free(["y"])
+
+
+def test_the_driver_side_of_a_step_runs_on_one_torch_thread_and_restores_the_count() -> None:
+    from shardattn.launch.ray.requests import one_host_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_host_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="inside"), one_host_thread():
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2  # restored on the error path too
+    finally:
+        torch.set_num_threads(before)

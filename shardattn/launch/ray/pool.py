@@ -62,6 +62,7 @@ from shardattn.launch.ray.requests import (
     PackedStep,
     PrefillRequest,
     check_sinks,
+    one_host_thread,
     pack_step,
     pool_shapes,
 )
@@ -379,8 +380,9 @@ class RayRankPool:
         self._check_usable()
         self._need_spec()
         t0 = time.perf_counter()
-        packed = pack_step("prefill", requests, self.shapes, self.book)
-        return self._run_step("prefill", packed, return_lse, t0)
+        with one_host_thread():
+            packed = pack_step("prefill", requests, self.shapes, self.book)
+            return self._run_step("prefill", packed, return_lse, t0)
 
     def decode(self, requests: Sequence[DecodeRequest], *, return_lse: bool = False) -> list[Any]:
         """One decode step of prefilled requests (DCP under ``mixed`` / ``dcp-decode``).
@@ -391,8 +393,9 @@ class RayRankPool:
         self._need_spec()
         t0 = time.perf_counter()
         into = self._decoder.inputs() if self.transport == "shm" and self._decoder is not None else None
-        packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: straight into the region
-        return self._run_step("decode", packed, return_lse, t0)
+        with one_host_thread():
+            packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: into the region
+            return self._run_step("decode", packed, return_lse, t0)
 
     def free(self, request_ids: Sequence[Hashable]) -> int:
         """Release requests' pages (host bookkeeping; no rank runs). Returns the pages freed."""

@@ -15,7 +15,8 @@ naming the request and the argument, and nothing has changed yet.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import contextlib
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,37 @@ from shardattn._checks import check_tensor
 from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.plan.spec import ModelSpec
 
-__all__ = ["DecodeRequest", "PackedStep", "PoolShapes", "PrefillRequest", "check_sinks", "pack_step", "pool_shapes"]
+__all__ = [
+    "DecodeRequest",
+    "PackedStep",
+    "PoolShapes",
+    "PrefillRequest",
+    "check_sinks",
+    "one_host_thread",
+    "pack_step",
+    "pool_shapes",
+]
+
+
+@contextlib.contextmanager
+def one_host_thread() -> Iterator[None]:
+    """Run the driver's side of a step on one torch CPU thread, then restore the caller's count.
+
+    The step's host work is small copies and checks; with torch's default of one thread per core
+    the driver's parallel regions contended with the rank actors' threads on the same host and
+    stalled the step by about 5 ms each (two H200s: a 64-request decode took 12.1 ms through the
+    pool, 5.0 ms with one driver thread; benchmarks/RESULTS.md, "Ray pool").
+    """
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
 
 KV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 _CPU = torch.device("cpu")
