@@ -58,7 +58,10 @@ def test_headtp_groups_at_eight_heads():
     wb = workspace_bounds(GLM5, max_batched_tokens=1000, world_size=8, mode="headtp")
     assert wb.group_size == 8 and wb.heads == 8 and wb.rank_tokens == 1000
     wb16 = workspace_bounds(GLM5, max_batched_tokens=1000, world_size=4, mode="headtp")
-    assert wb16.group_size == 1 and wb16.heads == 16  # routing: grouping does not pay at 16 heads
+    # the bound covers the largest G any device routes: the grouped Gluon kernel's G = 4 at 16 heads
+    assert wb16.group_size == 4 and wb16.heads == 16
+    wb64 = workspace_bounds(GLM5, max_batched_tokens=1000, world_size=1, mode="headtp")
+    assert wb64.group_size == 1 and wb64.heads == 64  # no kernel groups 64 heads
 
 
 @SETTINGS

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from shardattn._checks import check_choice, check_int
 from shardattn.plan.pipeline import CHUNK_ALIGN, MAX_CHUNKS
-from shardattn.plan.routing import grouped_group_size
+from shardattn.plan.routing import prefill_group_size
 from shardattn.plan.spec import DTYPE_BYTES, ModelSpec
 
 __all__ = [
@@ -284,7 +284,8 @@ def workspace_bounds(
         kernel_heads = h // tp if mode == "pcp" else w * (h // tp)
     decode = mode in ("dcp-decode", "headtp-decode")
     if group_size is None:
-        g = 1 if decode else (grouped_group_size(kernel_heads) or 1)
+        # the largest G a device may route (the grouped Gluon kernel's on sm_90), so any device fits
+        g = 1 if decode else (prefill_group_size(kernel_heads, gluon=True) or 1)
     else:
         g = check_int("group_size", group_size, minimum=1)
         check_choice("group_size", g, (1, 2, 4, 8))
