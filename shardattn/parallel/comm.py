@@ -41,6 +41,7 @@ from shardattn.parallel.packing import pack_rows, packed_nbytes, unpack_rows
 from shardattn.parallel.peer_failures import (
     REPORT_GRACE_S,
     PeerFailedError,
+    ReportingFailures,
     looks_like_peer_failure,
     name_failed_peers,
     report_failure,
@@ -111,24 +112,6 @@ class Pending:
                 w.wait()
             else:
                 self._comm._collective(self._kind, w.wait)
-
-
-class _ReportingFailures:
-    """:meth:`Comm.reporting_failures`: reports an exception (other than a peer's failure) to the
-    peers on the way out, then lets it propagate."""
-
-    __slots__ = ("_comm",)
-
-    def __init__(self, comm: Comm) -> None:
-        self._comm = comm
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> bool:
-        if error is not None and isinstance(error, Exception) and not isinstance(error, PeerFailedError):
-            self._comm.report_failure(error)
-        return False  # re-raise
 
 
 class Comm:
@@ -424,11 +407,11 @@ class Comm:
         """
         report_failure(self.group, self.rank, error)
 
-    def reporting_failures(self) -> _ReportingFailures:
+    def reporting_failures(self) -> ReportingFailures:
         """Around a step's work after its agreement check: an exception is reported to the peers
         (which are, or soon will be, waiting for this rank in a collective), then re-raised.
         (A plain context manager, not a generator: it sits on every step's hot path.)"""
-        return _ReportingFailures(self)
+        return ReportingFailures(self)
 
     def _peer_failed(self, kind: str, error: BaseException) -> PeerFailedError:
         """Name the peers that made ``kind`` fail (:func:`~shardattn.parallel.peer_failures.name_failed_peers`)."""

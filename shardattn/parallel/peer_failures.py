@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["REPORT_GRACE_S", "PeerFailedError", "looks_like_peer_failure", "name_failed_peers", "report_failure"]
+__all__ = [
+    "REPORT_GRACE_S",
+    "PeerFailedError",
+    "ReportingFailures",
+    "looks_like_peer_failure",
+    "name_failed_peers",
+    "report_failure",
+]
 
 #: Seconds a rank whose collective failed waits for its peers' failure reports before naming the
 #: silent ranks (a rank that raised has reported before its peers' collective even failed).
@@ -100,3 +108,21 @@ def name_failed_peers(
     return PeerFailedError(
         f"{kind} on rank {rank} failed because {who}; the collective said: {cause}", raised=raised, silent=silent
     )
+
+
+class ReportingFailures:
+    """:meth:`~shardattn.parallel.comm.Comm.reporting_failures`: reports an exception (other than a
+    peer's failure) to the peers on the way out (``comm.report_failure``), then lets it propagate."""
+
+    __slots__ = ("_comm",)
+
+    def __init__(self, comm: Any) -> None:
+        self._comm = comm
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> bool:
+        if error is not None and isinstance(error, Exception) and not isinstance(error, PeerFailedError):
+            self._comm.report_failure(error)
+        return False  # re-raise
