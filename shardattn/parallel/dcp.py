@@ -54,7 +54,7 @@ from shardattn._checks import (
 from shardattn.kernels.gqa_decode import BACKENDS, run_gqa_paged_decode
 from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.kernels.topk import DcpShard, convert_topk
-from shardattn.parallel.collector import collect_checked, collect_partials, resolve_strategy
+from shardattn.parallel.collector import collect_checked, resolve_strategy
 from shardattn.parallel.comm import Comm, stable_fingerprint
 from shardattn.parallel.packing import view_bytes
 from shardattn.plan.context import DCPLayout
@@ -106,15 +106,6 @@ def _partial_buffers(ws: Workspace, q_full: torch.Tensor, v_dim: int) -> dict[st
     lse = view_bytes(ws["lse"], (t, h), torch.float32, "lse")
     assert out is not None and lse is not None
     return {"out": out, "lse": lse}
-
-
-def _merge(
-    out: torch.Tensor, lse: torch.Tensor, comm: Comm, scatter_heads: bool, strategy: str, ws: Workspace
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The collector, after the step's own agreement check (so no second one)."""
-    return collect_partials(
-        out, lse, comm, scatter_heads=scatter_heads, strategy=strategy, check=False, buffers=ws or None
-    )
 
 
 def dcp_sparse_mla_decode(
@@ -175,8 +166,10 @@ def dcp_sparse_mla_decode(
         # q_local [T, H/N, 576] -> out [T, H/N, 512], lse [T, H/N]
     """
     comm = Comm.wrap(group)
+    chosen = ""  # the collector's strategy, resolved by validate()
 
     def validate() -> int:
+        nonlocal chosen
         q = q_heads_local
         _check_common(q, layout, comm, sinks)
         t, _, d = q.shape
@@ -215,7 +208,7 @@ def dcp_sparse_mla_decode(
                         f"seq_lens[{i}]={int(seq_lens[i])} puts {int(local[i])} tokens on rank {comm.rank}, "
                         f"but its block_table holds {m} blocks of {bs}"
                     )
-        resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
+        chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
         if not check:
             return 0  # nothing to agree on: skip hashing on the step's hot path
         return stable_fingerprint(
@@ -236,7 +229,8 @@ def dcp_sparse_mla_decode(
             q_full, kv_cache, rows, scale=scale, v_dim=v_dim, sinks=sinks if comm.rank == 0 else None, return_lse=True,
             **_partial_buffers(ws, q_full, v_dim),
         )  # fmt: skip
-        return _merge(out, lse, comm, scatter_heads, strategy, ws)
+        # checked above; out / lse come from the checked inputs: the collector runs unchecked
+        return collect_checked(out, lse, comm, chosen, scatter_heads, ws or None)
 
 
 def dcp_gqa_decode(
