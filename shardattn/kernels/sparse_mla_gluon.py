@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from shardattn.kernels.sparse_mla_gluon_ws import NOT_SPECIALIZED, WS_MAXNREG, WS_NUM_WARPS
-from shardattn.kernels.sparse_mla_triton import head_block_strides, heads_per_block
+from shardattn.kernels.sparse_mla_triton import launch_destinations, launch_strides
 from shardattn.kernels.union import GROUP_SIZES, build_union, num_groups
 
 try:
@@ -316,23 +316,16 @@ def launch_gluon_attention(
     Returns:
         ``(out, lse)``: the given destinations, or new ``[T, H, v_dim]`` q.dtype and ``[T, H]`` fp32.
     """
-    t, d = q.shape[-3], q.shape[-1]
+    d = q.shape[-1]
     h = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
     cfg = config or gluon_config(h, v_dim, d - v_dim)
     if group_size > 1 and (cfg.variant != "ws" or h > BLOCK_H // group_size):
         raise ValueError(f"group_size={group_size} needs the 'ws' variant and <= {BLOCK_H // group_size} heads")
-    if out is None:
-        out = torch.empty(t, h, v_dim, dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    t, h, out, lse = launch_destinations(q, v_dim, out, lse)
     if t == 0 or h == 0:
         return out, lse
-    q_blk, o_blk, l_blk = q.dim() == 4, out.dim() == 4, lse.dim() == 3
-    hb = heads_per_block(h, q=q if q_blk else None, out=out if o_blk else None, lse=lse if l_blk else None)
-    strides = (
-        *head_block_strides(q, q_blk, hb), kv.stride(0), union.stride(0),
-        *head_block_strides(out, o_blk, hb), *head_block_strides(lse, l_blk, hb),
-    )  # fmt: skip
+    hb, q_strides, out_strides, lse_strides = launch_strides(h, q, out, lse)
+    strides = (*q_strides, kv.stride(0), union.stride(0), *out_strides, *lse_strides)
     heads_per_tile = BLOCK_H // group_size
     grid = (num_groups(t, group_size), triton.cdiv(h, heads_per_tile))
     sink_arg = sinks if sinks is not None else lse

@@ -178,6 +178,35 @@ def heads_per_block(h: int, **blocked: torch.Tensor | None) -> int:
     return next(iter(sizes.values()), h)
 
 
+def launch_destinations(
+    q: torch.Tensor, v_dim: int, out: torch.Tensor | None, lse: torch.Tensor | None
+) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """``(T, H, out, lse)`` of an attention launch on ``q`` (plain ``[T, H, D]`` or head-blocked
+    ``[B, T, H/B, D]``): the given destinations, or new ``[T, H, v_dim]`` q.dtype / ``[T, H]`` fp32."""
+    t = q.shape[-3]
+    h = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
+    if out is None:
+        out = torch.empty(t, h, v_dim, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    return t, h, out, lse
+
+
+def launch_strides(
+    h: int, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> tuple[int, tuple[int, int, int], tuple[int, int, int], tuple[int, int, int]]:
+    """``(heads per block, q's, out's and lse's (block, token, head) strides)`` of a launch whose
+    ``q`` / ``out`` / ``lse`` may each be head-blocked (one more leading dim than plain)."""
+    q_blk, o_blk, l_blk = q.dim() == 4, out.dim() == 4, lse.dim() == 3
+    hb = heads_per_block(h, q=q if q_blk else None, out=out if o_blk else None, lse=lse if l_blk else None)
+    return (
+        hb,
+        head_block_strides(q, q_blk, hb),
+        head_block_strides(out, o_blk, hb),
+        head_block_strides(lse, l_blk, hb),
+    )
+
+
 def launch_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -206,19 +235,11 @@ def launch_attention(
     Returns:
         ``(out, lse)``: the given destinations, or new ``[T, H, v_dim]`` q.dtype and ``[T, H]`` fp32.
     """
-    t, d = q.shape[-3], q.shape[-1]
-    h = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
-    if out is None:
-        out = torch.empty(t, h, v_dim, dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    d = q.shape[-1]
+    t, h, out, lse = launch_destinations(q, v_dim, out, lse)
     if t == 0 or h == 0:
         return out, lse
-    q_blk, o_blk, l_blk = q.dim() == 4, out.dim() == 4, lse.dim() == 3
-    hb = heads_per_block(h, q=q if q_blk else None, out=out if o_blk else None, lse=lse if l_blk else None)
-    qb, qt, qh = head_block_strides(q, q_blk, hb)
-    ob, ot, oh = head_block_strides(out, o_blk, hb)
-    lb, lt, lh = head_block_strides(lse, l_blk, hb)
+    hb, (qb, qt, qh), (ob, ot, oh), (lb, lt, lh) = launch_strides(h, q, out, lse)
     grid = (num_groups(t, config.group_size), triton.cdiv(h, config.block_h))
     _sparse_mla_fwd_kernel[grid](
         q, kv, union, lens, sinks if sinks is not None else lse, out, lse,
