@@ -36,30 +36,26 @@ from dataclasses import dataclass
 
 import torch
 
+from shardattn.kernels.gluon_compat import GLUON_IMPORT_ERROR as _GLUON_IMPORT_ERROR
+from shardattn.kernels.gluon_compat import HAS_GLUON
 from shardattn.kernels.sparse_mla_gluon_ws import NOT_SPECIALIZED, WS_MAXNREG, WS_NUM_WARPS
 from shardattn.kernels.sparse_mla_triton import launch_destinations, launch_strides
 from shardattn.kernels.union import GROUP_SIZES, build_union, num_groups
 
-try:
+if HAS_GLUON:
     import triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import (
+
+    from shardattn.kernels.gluon_compat import async_load as _async_load
+    from shardattn.kernels.gluon_compat import (
+        cp,
         fence_async_shared,
+        gl,
+        gluon,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-
-    # Triton 3.6 spells the CTA barrier ``thread_barrier``; later versions ``barrier``.
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    # ... and the cp.async gather ``async_copy_global_to_shared``; later versions ``async_load``.
-    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-    HAS_GLUON = True
-    _GLUON_IMPORT_ERROR = ""
-except Exception as exc:  # no Triton, or a Triton without Gluon / Hopper ops
-    HAS_GLUON = False
-    _GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+    from shardattn.kernels.gluon_compat import cta_barrier as _cta_barrier
+    from shardattn.kernels.gluon_compat import nvmma_layout as _nvmma
 
 LOG2E = 1.4426950408889634
 BLOCK_H = 64
@@ -149,12 +145,6 @@ def gluon_supports(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> str | None:
 
 
 if HAS_GLUON:
-
-    @gluon.constexpr_function
-    def _nvmma(inner: int, bitwidth: int):
-        """128-byte swizzled (or narrower for short rows) wgmma operand layout."""
-        width = min(128, inner * bitwidth // 8)
-        return gl.NVMMASharedLayout(swizzle_byte_width=width, element_bitwidth=bitwidth, rank=2)
 
     @gluon.constexpr_function
     def _gather_layout(inner: int):

@@ -31,23 +31,22 @@ Shared memory (DSA shapes, ``BLOCK_N = 32``): Q 72 KB + 4 x 36 KB ring + 2 x 4 K
 
 from __future__ import annotations
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import (
+from shardattn.kernels.gluon_compat import HAS_GLUON as HAS_GLUON_WS
+
+if HAS_GLUON_WS:
+    from shardattn.kernels.gluon_compat import async_load as _async_load
+    from shardattn.kernels.gluon_compat import (
+        cp,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
     )
-
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-    HAS_GLUON_WS = True
-except Exception:  # no Gluon: sparse_mla_gluon reports why
-    HAS_GLUON_WS = False
+    from shardattn.kernels.gluon_compat import cta_barrier as _cta_barrier
+    from shardattn.kernels.gluon_compat import nvmma_layout as _nvmma
 
 #: Warps of the default partition (consumer WG0); the workers are consumer WG1 and the producer,
 #: 4 warps each. Registers per thread of the workers (``WG1_REGS``, ``LOAD_REGS``); the default
@@ -62,11 +61,6 @@ WS_REGS = (224, 56)
 NOT_SPECIALIZED = ["T", "HB", "stride_lb", "stride_lt"]
 
 if HAS_GLUON_WS:
-
-    @gluon.constexpr_function
-    def _nvmma(inner: int, bitwidth: int):
-        width = min(128, inner * bitwidth // 8)
-        return gl.NVMMASharedLayout(swizzle_byte_width=width, element_bitwidth=bitwidth, rank=2)
 
     @gluon.constexpr_function
     def _gather4(inner: int):

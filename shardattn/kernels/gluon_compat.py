@@ -1,0 +1,55 @@
+"""Triton's Gluon for the sm_90 sparse-MLA kernels, imported once.
+
+Both Gluon kernels (:mod:`~shardattn.kernels.sparse_mla_gluon`, :mod:`~shardattn.kernels.sparse_mla_gluon_ws`)
+take the Gluon modules, the Hopper ops, the spellings that changed between Triton 3.6 and 3.9, and
+the shared-memory operand layout from here. ``HAS_GLUON`` is ``False`` (and ``GLUON_IMPORT_ERROR``
+says why) without Triton, or with a Triton that lacks Gluon or its Hopper ops.
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+
+    # Triton 3.6 spells the CTA barrier ``thread_barrier``; later versions ``barrier``.
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # ... and the cp.async gather ``async_copy_global_to_shared``; later versions ``async_load``.
+    async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    HAS_GLUON = True
+    GLUON_IMPORT_ERROR = ""
+except Exception as exc:  # no Triton, or a Triton without Gluon / Hopper ops
+    HAS_GLUON = False
+    GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+__all__ = [
+    "GLUON_IMPORT_ERROR",
+    "HAS_GLUON",
+    "async_load",
+    "cp",
+    "cta_barrier",
+    "fence_async_shared",
+    "gl",
+    "gluon",
+    "mbarrier",
+    "nvmma_layout",
+    "warpgroup_mma",
+    "warpgroup_mma_init",
+    "warpgroup_mma_wait",
+]
+
+if HAS_GLUON:
+
+    @gluon.constexpr_function
+    def nvmma_layout(inner: int, bitwidth: int):
+        """128-byte swizzled (or narrower for short rows) wgmma operand layout of ``[rows, inner]``."""
+        width = min(128, inner * bitwidth // 8)
+        return gl.NVMMASharedLayout(swizzle_byte_width=width, element_bitwidth=bitwidth, rank=2)
