@@ -26,10 +26,13 @@ bits, the error against head-TP, and that warmed steps reserve no new device mem
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import functools
+import io
 import json
 import os
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -155,6 +158,32 @@ def kernel_overlap(fn: Callable[[], object], device: torch.device, trace: str | 
     }
 
 
+def host_profile(
+    fns: dict[str, Callable[[], object]], out_dir: str, name: str, rank: int, device: torch.device
+) -> None:
+    """cProfile of the host side of five calls of each path on rank 0 (every rank runs them), written
+    as ``host_<name>_<path>.txt`` (by own time, then by cumulative time) under ``out_dir``."""
+    for k, fn in fns.items():
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        prof = cProfile.Profile() if rank == 0 else None
+        if prof is not None:
+            prof.enable()
+        for _ in range(5):
+            fn()
+        if prof is not None:
+            prof.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(prof, stream=text)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(40)
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / f"host_{name}_{k}.txt").write_text(text.getvalue())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
 def run_config(
     preset: str,
     tokens: int,
@@ -193,10 +222,10 @@ def run_config(
     kw = dict(scale=rt.scale, v_dim=spec.v_dim)
 
     def kernel() -> tuple[torch.Tensor, torch.Tensor]:
-        return rt._attention(q_tok, step.kv, rows_mine, route=plan.route, return_lse=True, **kw)
+        return rt._attention(q_tok, step.kv, rows_mine, route=plan.route, step=plan.step, return_lse=True, **kw)
 
     def before() -> tuple[torch.Tensor, torch.Tensor]:
-        attention = functools.partial(rt._attention, route=plan.route)
+        attention = functools.partial(rt._attention, route=plan.route, step=plan.step)
         return shardq_before(q_local, step.kv, step.rows, plan.shard, rt.comm, attention, **kw)
 
     def comm_only() -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,6 +282,8 @@ def run_config(
                 if args.trace_dir and rank == 0:
                     trace = str(Path(args.trace_dir) / f"trace_{preset}_{tokens}_{k}.json")
                 overlap[k] = kernel_overlap(fns[k], device, trace)
+    if args.host_profile:
+        host_profile(fns, args.host_profile, f"{preset}_{tokens}", rank, device)
     counts = [int(c) for c in plan.shard.counts.tolist()]
     from shardattn.plan.pipeline import choose_chunks
 
@@ -296,6 +327,7 @@ def main() -> None:
     )
     p.add_argument("--profile", action="store_true", help="profile one step: NCCL time overlapping kernels")
     p.add_argument("--trace-dir", default=None, help="with --profile: save rank 0's Chrome traces there")
+    p.add_argument("--host-profile", default=None, help="write rank 0's cProfile of five calls of each path there")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.cpu:
