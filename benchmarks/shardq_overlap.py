@@ -116,9 +116,13 @@ def bench(fn: Callable[[], object], iters: int, warmup: int, device: torch.devic
     return float(t[0]), float(t[1])
 
 
-def kernel_overlap(fn: Callable[[], object], device: torch.device, trace: str | None = None) -> dict[str, float]:
-    """Profile one call: device ms of NCCL kernels, of other kernels, and of NCCL time that overlaps them
-    (``trace``: also save the Chrome trace there)."""
+def kernel_overlap(
+    fn: Callable[[], object], device: torch.device, trace: str | None = None, timeline: bool = False
+) -> dict[str, float]:
+    """Profile one call: device ms of NCCL kernels, of other kernels, and of NCCL time that overlaps them.
+
+    With ``timeline`` (every rank must pass the same: the calls are collective), also profile three
+    calls back to back with the host's side, saved as a Chrome trace to ``trace`` when given."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -127,11 +131,16 @@ def kernel_overlap(fn: Callable[[], object], device: torch.device, trace: str | 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(device)
+    if timeline:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as three_calls:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize(device)
+        if trace:
+            three_calls.export_chrome_trace(trace)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         text = Path(f.name).read_text()
-    if trace:
-        Path(trace).write_text(text)
     events = json.loads(text)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
@@ -275,13 +284,13 @@ def run_config(
     host_ms = {k: v[1] for k, v in both.items()}
     overlap = {}
     if device.type == "cuda" and args.profile:
-        for k in ("shardq", "shardq_c1", "shardq_normal_prio"):
-            if k in fns:
+        for k in fns:
+            if k.startswith("shardq") or k == "comm":
                 dist.barrier()
                 trace = None
                 if args.trace_dir and rank == 0:
                     trace = str(Path(args.trace_dir) / f"trace_{preset}_{tokens}_{k}.json")
-                overlap[k] = kernel_overlap(fns[k], device, trace)
+                overlap[k] = kernel_overlap(fns[k], device, trace, timeline=bool(args.trace_dir))
     if args.host_profile:
         host_profile(fns, args.host_profile, f"{preset}_{tokens}", rank, device)
     counts = [int(c) for c in plan.shard.counts.tolist()]

@@ -10,7 +10,7 @@ outputs back::
         -- all-to-all #1 -->  q [T_r, H, D] (its zigzag tokens, all heads)
         -- local sparse attention over the replicated KV, rows[tokens of r] -->
            out [T_r, H, Dv], lse [T_r, H]
-        -- all-to-all #2 (out and lse packed as bytes in one message) -->
+        -- all-to-all #2 (out and lse, one message each per peer) -->
            out [T, H/W, Dv], lse [T, H/W] in token order
 
 The step is pipelined (:mod:`shardattn.plan.pipeline`): each rank's tokens are cut into ``C``
@@ -20,12 +20,20 @@ queries and earlier outputs are in flight. The kernel call gets the wait of its 
 exchange as ``q_ready`` and issues its row sort (union build, which reads only ``rows``) before
 it, so the sort overlaps the exchange; the query exchanges are issued before any other set-up, and
 each exchange issues its messages before its local copy. Ordering is by the process group's stream events
-(:class:`~shardattn.parallel.comm.Pending`): no host synchronisation inside the step. Nothing is
-packed or unpacked: queries go out as contiguous token runs of ``q_heads_local`` and land in a
+(:class:`~shardattn.parallel.comm.Pending`): no host synchronisation inside the step.
+
+Messages: a zigzag share is two token runs per request. A chunked step sends each run as its own
+message, in place: queries go out as contiguous token runs of ``q_heads_local`` and land in a
 receive buffer ``[W, n_c, H/W, D]`` the kernel reads in place (head-blocked strides); the kernel
 writes ``out`` / ``lse`` into send buffers ``[W, n_c, H/W, ...]`` whose runs land directly at
-their token positions of the result. The only bytes moved besides the kernel's are the
-messages' own (the piece a rank keeps is one local copy, as inside any all-to-all).
+their token positions of the result. A message costs about 30 us of host time, which an
+unchunked step would pay before its device starts, so a one-chunk step
+(:attr:`~shardattn.plan.pipeline.PipelinePlan.one_message_per_peer`) sends one message per peer
+and direction instead: it gathers the tokens for peer ``j`` (one ``index_select``) into the
+output send buffer (free until the kernel, which waits for this exchange), sends its send
+buffers whole, receives the peers' outputs into the query receive buffer (read by then) and
+scatters them to their tokens (one ``index_copy_`` per peer) after the exchange; the price is one
+device copy of the bytes that cross. Both give the same bits.
 
 Exactly ``2 C`` exchanges (each counted as one ``"all_to_all"``) per sharded step (plus, with
 ``check=True``, one small all-gather that makes the ranks agree on the plan and shapes first). A
@@ -201,10 +209,9 @@ def _carve(
     (new tensors when ``buf`` is None)."""
     if buf is None:
         return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
-    size = torch.empty((), dtype=dtype).element_size()
     views, off = [], 0
     for s in shapes:
-        n = math.prod(s) * size
+        n = math.prod(s) * dtype.itemsize
         if off + n > buf.numel():
             raise ValueError(
                 f"workspace[{name!r}] holds {buf.numel()} B, the pipelined step needs at least {off + n} B"
@@ -212,6 +219,24 @@ def _carve(
         views.append(buf[off : off + n].view(dtype).view(s))
         off += -(-n // CHUNK_ALIGN) * CHUNK_ALIGN
     return views
+
+
+def _staging(
+    spare: torch.Tensor, parts: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device
+) -> list[torch.Tensor]:
+    """Views for ``parts`` (``(shape, dtype)``, 256-byte aligned) in the bytes of ``spare``, a buffer
+    the step does not use while the views live; new tensors when they do not fit (very uneven
+    chunks)."""
+    need, off = [], 0
+    for shape, dtype in parts:
+        need.append(off)
+        off += -(-math.prod(shape) * dtype.itemsize // CHUNK_ALIGN) * CHUNK_ALIGN
+    raw = spare.reshape(-1).view(torch.uint8)
+    if off > raw.numel():
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in parts]
+    return [
+        raw[o : o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape) for o, (shape, dtype) in zip(need, parts)
+    ]
 
 
 def _pipelined(
@@ -232,36 +257,54 @@ def _pipelined(
     out: torch.Tensor | None,
     lse: torch.Tensor | None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The sharded step, chunk by chunk (module docstring): queries and outputs move in place."""
+    """The sharded step, chunk by chunk (module docstring)."""
     w, rank = comm.world_size, comm.rank
     t, h, d = q.shape
     dev = q.device
     q_src = q.contiguous()
     ws = workspace or {}
     n_c = [pipe.count(rank, c) for c in range(pipe.chunks)]
+    gathered = pipe.one_message_per_peer
+    peers = [j for j in range(w) if j != rank]
+    # every rank's token ids (rank-major) on the device, once; ids(j, c): rank j's tokens of chunk c
+    all_ids = plan.gather_index.to(dev, non_blocking=True) if gathered else None
+    first = plan.rank_offsets.tolist()
+
+    def ids(j: int, c: int) -> torch.Tensor:
+        return all_ids[first[j] + int(pipe.bounds[j, c]) : first[j] + int(pipe.bounds[j, c + 1])]
+
     q_bufs = _carve(ws.get("q"), "q", [(w, n, h, d) for n in n_c], q.dtype, dev)
+    o_bufs = _carve(ws.get("out"), "out", [(w, n, h, v_dim) for n in n_c], q.dtype, dev)
+    l_bufs = _carve(ws.get("lse"), "lse", [(w, n, h) for n in n_c], torch.float32, dev)
     # every query exchange starts first (they only wait for q); the rest of the set-up overlaps them
     q_moves = []
-    for c, q_recv in enumerate(q_bufs):
-        sends = [(j, q_src[s : s + n]) for j in range(w) for s, _, n in pipe.runs(j, c)]
-        recvs = [(i, q_recv[i, o : o + n]) for i in range(w) for _, o, n in pipe.runs(rank, c)]
-        q_moves.append(comm.exchange(sends, recvs, tag=2 * c))
-    ids = plan.token_ids(rank).to(dev, non_blocking=True)
+    for c, (q_recv, o_send) in enumerate(zip(q_bufs, o_bufs)):
+        if gathered:  # into chunk c's output send buffer, free until chunk c's kernel (which waits for this)
+            staged = _staging(o_send, [((pipe.count(j, c), h, d), q.dtype) for j in peers], dev)
+            for j, buf in zip(peers, staged):
+                torch.index_select(q_src, 0, ids(j, c), out=buf)
+            q_moves.append(comm.exchange(list(zip(peers, staged)), [(i, q_recv[i]) for i in peers], tag=2 * c))
+            torch.index_select(q_src, 0, ids(rank, c), out=q_recv[rank])
+        else:  # contiguous token runs of q, straight into the receive buffer
+            sends = [(j, q_src[s : s + n]) for j in range(w) for s, _, n in pipe.runs(j, c)]
+            recvs = [(i, q_recv[i, o : o + n]) for i in range(w) for _, o, n in pipe.runs(rank, c)]
+            q_moves.append(comm.exchange(sends, recvs, tag=2 * c))
+    ids_mine = all_ids[first[rank] : first[rank + 1]] if gathered else plan.token_ids(rank).to(dev, non_blocking=True)
     rows_buf = (
         None
         if rows.dtype != torch.int32
-        else view_bytes(ws.get("rows"), (ids.numel(), rows.shape[1]), rows.dtype, "rows")
+        else view_bytes(ws.get("rows"), (ids_mine.numel(), rows.shape[1]), rows.dtype, "rows")
     )
-    rows_mine = rows.index_select(0, ids) if rows_buf is None else torch.index_select(rows, 0, ids, out=rows_buf)
-    len_mine = None if topk_length is None else topk_length.index_select(0, ids)
+    rows_mine = (
+        rows.index_select(0, ids_mine) if rows_buf is None else torch.index_select(rows, 0, ids_mine, out=rows_buf)
+    )
+    len_mine = None if topk_length is None else topk_length.index_select(0, ids_mine)
     if out is None:
         out = q.new_empty(t, h, v_dim)
     if lse is None and return_lse:
         lse = torch.empty(t, h, dtype=torch.float32, device=dev)
-    o_bufs = _carve(ws.get("out"), "out", [(w, n, h, v_dim) for n in n_c], q.dtype, dev)
-    l_bufs = _carve(ws.get("lse"), "lse", [(w, n, h) for n in n_c], torch.float32, dev)
 
-    out_moves = []
+    out_moves, landed = [], []
     for c, (q_recv, o_send, l_send) in enumerate(zip(q_bufs, o_bufs, l_bufs)):
         b0, b1 = int(pipe.bounds[rank, c]), int(pipe.bounds[rank, c + 1])
         if b1 > b0:  # reads q in place from the receive buffer, writes into the send buffers;
@@ -272,6 +315,17 @@ def _pipelined(
                 q_ready=q_moves[c].wait,
             )  # fmt: skip
         q_moves[c].wait()  # idempotent; orders the buffer's reuse after its exchange in any case
+        if gathered:  # whole send buffers out; the peers' outputs land in the (read) query receive buffer
+            parts = [((pipe.count(i, c), h, v_dim), q.dtype) for i in peers]
+            parts += [((pipe.count(i, c), h), torch.float32) for i in peers] if return_lse else []
+            recv = _staging(q_recv, parts, dev)
+            sends = [(j, o_send[j]) for j in peers] + ([(j, l_send[j]) for j in peers] if return_lse else [])
+            out_moves.append(comm.exchange(sends, list(zip(peers + peers, recv)), tag=2 * c + 1))
+            out.index_copy_(0, ids(rank, c), o_send[rank])
+            if return_lse:
+                lse.index_copy_(0, ids(rank, c), l_send[rank])
+            landed.append(recv)
+            continue
         sends, recvs = [], []
         for j in range(w):
             for _, o, n in pipe.runs(rank, c):
@@ -280,6 +334,10 @@ def _pipelined(
             for s, _, n in pipe.runs(i, c):
                 recvs += [(i, out[s : s + n])] + ([(i, lse[s : s + n])] if return_lse else [])
         out_moves.append(comm.exchange(sends, recvs, tag=2 * c + 1))
-    for m in out_moves:
-        m.wait()
+    for c, move in enumerate(out_moves):
+        move.wait()
+        for k, i in enumerate(peers if gathered else ()):  # scatter the landed outputs to their tokens
+            out.index_copy_(0, ids(i, c), landed[c][k])
+            if return_lse:
+                lse.index_copy_(0, ids(i, c), landed[c][len(peers) + k])
     return (out, lse) if return_lse else out

@@ -109,6 +109,18 @@ class PipelinePlan:
         tokens ``token_start .. token_start + length`` (token order) are rows ``offset ..`` of the chunk."""
         return self._runs[chunk][rank]
 
+    @property
+    def one_message_per_peer(self) -> bool:
+        """Whether the step gathers what it sends to a peer into one message (and scatters what it
+        receives) rather than sending each token run as its own message: when it is one chunk.
+
+        Measured on two H200s (benchmarks/RESULTS.md, "ShardQ: one message per peer"): a message
+        costs about 30 us of host time, which an unchunked step pays before its device starts
+        (glm5, 8K tokens: 4.79 -> 4.34 ms), while a chunked step issues later chunks' messages
+        behind earlier kernels and pays only the gather and scatter copies (glm5 32K: 14.3 -> 15.6).
+        """
+        return self.chunks == 1
+
     def fingerprint(self) -> tuple[int, int, int, bytes]:
         return (self.world_size, self.chunks, self.align, self.bounds.tobytes())
 
