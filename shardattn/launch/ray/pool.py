@@ -11,7 +11,15 @@ interleave under ``mixed`` / ``dcp-decode`` / ``pcp``, a replica under head-TP d
                        runtime_kwargs={"max_batched_tokens": 8192, "max_decode_tokens": 64})
     outs = pool.prefill([PrefillRequest("a", kv=kv_a, q=q_a, topk=topk_a)])   # [n, H, Dv] each
     outs = pool.decode([DecodeRequest("a", q=q_a1, topk=topk_a1, kv=kv_a1)])   # ShardQ / DCP
+    out, lse = pool.decode_batch(ids, q, topk, kv=kv, return_lse=True)   # the whole step's tensors
     pool.free(["a"])
+
+:meth:`RayRankPool.decode_batch` takes a decode step as whole-step tensors (``ids [B]`` int64,
+``q [T, H, D]``, ``topk [T, K]``, optional ``q_lens [B]`` and new KV rows) and returns
+``out [T, H, Dv]`` (and ``lse [T, H]``) as one tensor each: checked with array operations and
+packed with one copy per tensor, no Python work per request (``out.split(q_lens.tolist())``
+splits it per request). :meth:`RayRankPool.decode` checks request objects one by one, then runs
+the same step.
 
 Attention sinks (a spec with ``has_sinks``: ``sinks=`` ``[H]`` fp32, one per query head of the
 whole model) are checked on the driver, held on every actor and passed to every step (DCP counts
@@ -53,14 +61,17 @@ from typing import Any
 import numpy as np  # a Ray dependency
 import torch
 
+from shardattn._checks import check_tensor
 from shardattn.launch.ray.errors import RankFailedError, RankStepError, describe_ray_error, require_ray
 from shardattn.launch.ray.health import HEALTH_GROUP, rank_reports
 from shardattn.launch.ray.kv_cache import plan_rank_cache
 from shardattn.launch.ray.placement import bundle_options, reserve_bundles
 from shardattn.launch.ray.requests import (
+    BatchStep,
     DecodeRequest,
     PackedStep,
     PrefillRequest,
+    check_decode_batch,
     check_sinks,
     one_host_thread,
     pack_step,
@@ -303,13 +314,15 @@ class RayRankPool:
         if self.spec is None:
             raise RuntimeError("this pool was formed without a spec; pass spec= to serve requests")
 
-    def _run_step(self, kind: str, packed: PackedStep, return_lse: bool, t_start: float) -> list[Any]:
+    def _run_prefill(self, packed: PackedStep, return_lse: bool, t_start: float) -> list[Any]:
+        """A checked prefill step through actor calls (decode steps: :meth:`_decode_step`)."""
         import ray
 
         from shardattn.launch.ray.wire import from_wire, to_wire  # NumPy: a Ray dependency
 
         t_packed = time.perf_counter()
-        self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=kind == "prefill")
+        kind = "prefill"
+        self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=True)
         table = torch.from_numpy(np.array(self.book.table(packed.ids), dtype=np.int32))  # faster than from lists
         step = {
             "table": table,
@@ -323,19 +336,13 @@ class RayRankPool:
         h = self.heads_per_rank
         q = packed.q
         token_ids = None
-        if kind == "prefill" and self.mode == "pcp" and q is not None:  # PCP: every head of the rank's tokens
+        if self.mode == "pcp" and q is not None:  # PCP: every head of the rank's tokens
             token_ids = pcp_token_ids(packed.counts, packed.starts, self.world_size, self.shapes.topk)
         qs: list[Any] = [None] * self.world_size if q is None else query_parts(q, self.world_size, h, token_ids)
         t_sent = time.perf_counter()
-        if kind == "decode" and self._decoder is not None:
-            try:
-                results = self._decoder.run(step, q, qs, self.timeout_s)
-            except RankStepError as e:
-                raise self._fail(e.rank, e.cause, kind) from None
-        else:
-            shared_ref = ray.put(to_wire(step))  # once for every rank
-            refs = [getattr(a, kind).remote(shared_ref, to_wire(qs[r])) for r, a in enumerate(self._actors)]
-            results = from_wire(self._call(kind, refs))
+        shared_ref = ray.put(to_wire(step))  # once for every rank
+        refs = [a.prefill.remote(shared_ref, to_wire(qs[r])) for r, a in enumerate(self._actors)]
+        results = from_wire(self._call(kind, refs))
         t_back = time.perf_counter()
         if q is None:
             outputs: list[Any] = [None] * len(packed.ids)
@@ -382,10 +389,11 @@ class RayRankPool:
         t0 = time.perf_counter()
         with one_host_thread():
             packed = pack_step("prefill", requests, self.shapes, self.book)
-            return self._run_step("prefill", packed, return_lse, t0)
+            return self._run_prefill(packed, return_lse, t0)
 
     def decode(self, requests: Sequence[DecodeRequest], *, return_lse: bool = False) -> list[Any]:
-        """One decode step of prefilled requests (DCP under ``mixed`` / ``dcp-decode``).
+        """One decode step of prefilled requests (DCP under ``mixed`` / ``dcp-decode``), as request
+        objects: each is checked (errors name the request), then the step runs as :meth:`decode_batch`.
 
         Returns one ``out [Q, H, Dv]`` (or ``(out, lse [Q, H])``) per request; raises as :meth:`prefill`.
         """
@@ -395,7 +403,114 @@ class RayRankPool:
         into = self._decoder.inputs() if self.transport == "shm" and self._decoder is not None else None
         with one_host_thread():
             packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: into the region
-            return self._run_step("decode", packed, return_lse, t0)
+            i64 = np.int64
+            batch = BatchStep(
+                self.book.slots(packed.ids), np.array(packed.starts, dtype=i64), np.array(packed.counts, dtype=i64),
+                np.array(packed.q_counts, dtype=i64), packed.q, packed.topk, packed.kv,
+            )  # fmt: skip
+            out, lse = self._decode_step(batch, return_lse, t0, None)
+            t_split = time.perf_counter()
+            outs = out.split(packed.q_counts)
+            result = list(zip(outs, lse.split(packed.q_counts))) if lse is not None else list(outs)
+            self.last_step["assemble_ms"] += (time.perf_counter() - t_split) * 1e3
+            return result
+
+    def decode_batch(
+        self,
+        request_ids: Any,
+        q: torch.Tensor,
+        topk: torch.Tensor | None = None,
+        *,
+        q_lens: Any = None,
+        kv: Any = None,
+        return_lse: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step given as whole-step tensors (CPU): no Python work per request.
+
+        Args:
+            request_ids: ``[B]`` int64 tensor of distinct prefilled request ids (the pool's ids
+                being ints; looked up vectorised), or a sequence of any ids.
+            q: ``[T, H, D]`` the step's queries (the model's dtype), request-major.
+            topk: ``[T, K]`` int32 request positions (sparse MLA; ``-1`` / out of range invalid);
+                ``None`` for GQA.
+            q_lens: ``[B]`` int64 query tokens per request (default: one each, ``T == B``).
+            kv: the ``T`` tokens' KV rows (sparse MLA ``[T, D]``; GQA ``(k [T, Hkv, D], v [T,
+                Hkv, Dv])``), appended before the step attends; ``None``: attend over the cache.
+            return_lse: also return the LSE.
+            out: optional ``[T, H, Dv]`` destination (q's dtype, CPU, contiguous), reused across steps.
+        Returns:
+            ``(out [T, H, Dv], lse [T, H] fp32 or None)``, token order; request ``b``'s rows are
+            ``out.split(q_lens.tolist())[b]``.
+        Raises:
+            ValueError / TypeError: naming the argument (``request_ids[i]`` for an unknown or
+                repeated request, or one past ``max_seq_len``), before any rank runs; the pool
+                stays usable. RankFailedError: a rank failed; the pool is broken until :meth:`restart`.
+        """
+        self._check_usable()
+        self._need_spec()
+        t0 = time.perf_counter()
+        with one_host_thread():
+            batch = check_decode_batch(self.shapes, self.book, request_ids, q, topk, q_lens=q_lens, kv=kv)
+            if out is not None:
+                assert self.spec is not None
+                check_tensor("out", out, dtypes=(self.shapes.dtype,), device=torch.device("cpu"),
+                             shape=(batch.num_tokens, self.shapes.heads, self.spec.v_dim))  # fmt: skip
+                if not out.is_contiguous():
+                    raise ValueError("out must be contiguous")
+            return self._decode_step(batch, return_lse, t0, out)
+
+    def _decode_step(
+        self, batch: BatchStep, return_lse: bool, t_start: float, out: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Commit the checked step to the ledger, run it on the ranks, put the heads together."""
+        t_checked = time.perf_counter()
+        self.book.grow_slots(batch.slots, batch.counts)
+        table = self.book.table_rows(batch.slots)
+        t_sent = time.perf_counter()
+        timeline = None
+        if self.transport == "shm" and self._decoder is not None:
+            step = {"table": table, "starts": batch.starts, "counts": batch.counts, "q_lens": batch.q_lens,
+                    "q": batch.q, "topk": batch.topk, "kv": batch.kv, "return_lse": return_lse}  # fmt: skip
+            try:
+                out_w, lse_w = self._decoder.run_batch(step, self.timeout_s)
+            except RankStepError as e:
+                raise self._fail(e.rank, e.cause, "decode") from None
+            t_back = time.perf_counter()
+            timeline = self._decoder.timeline()
+            results: list[Any] = [(out_w[r], None if lse_w is None else lse_w[r]) for r in range(self.world_size)]
+        else:
+            import ray
+
+            from shardattn.launch.ray.wire import from_wire, to_wire
+
+            q = batch.q
+            assert q is not None
+            step = {"table": torch.from_numpy(table), "starts": batch.starts.tolist(), "counts": batch.counts.tolist()}
+            step.update(q_counts=batch.q_lens.tolist(), kv=batch.kv, topk=batch.topk, return_lse=return_lse)
+            qs = query_parts(q, self.world_size, self.heads_per_rank, None)
+            if self._decoder is not None:
+                try:
+                    results = self._decoder.run(step, q, qs, self.timeout_s)
+                except RankStepError as e:
+                    raise self._fail(e.rank, e.cause, "decode") from None
+            else:
+                shared_ref = ray.put(to_wire(step))
+                refs = [a.decode.remote(shared_ref, to_wire(qs[r])) for r, a in enumerate(self._actors)]
+                results = from_wire(self._call("decode", refs))
+            t_back = time.perf_counter()
+        full, lse = assemble(results, None, batch.num_tokens, return_lse, out=out)
+        t_end = time.perf_counter()
+        self.last_step = {
+            "kind": "decode",
+            "check_ms": (t_checked - t_start) * 1e3,  # validating (and packing) the step
+            "prepare_ms": (t_sent - t_checked) * 1e3,  # pages, block table
+            "ranks_ms": (t_back - t_sent) * 1e3,  # copies into the transport, both ways, and the ranks' step
+            "assemble_ms": (t_end - t_back) * 1e3,  # the heads put together (and split per request)
+        }
+        if timeline is not None:
+            self.last_step["timeline"] = timeline
+        return full, lse
 
     def free(self, request_ids: Sequence[Hashable]) -> int:
         """Release requests' pages (host bookkeeping; no rank runs). Returns the pages freed."""

@@ -69,8 +69,11 @@ class _ShmDecode:
     def inputs(self) -> dict[str, Any]:
         return self.steps.inputs()
 
-    def run(self, step: dict[str, Any], q: Any, qs: Sequence[Any], timeout_s: float) -> list[Any]:
-        return self.steps.run(step, q, timeout_s)
+    def run_batch(self, step: dict[str, Any], timeout_s: float) -> tuple[Any, Any]:
+        return self.steps.run(step, timeout_s)
+
+    def timeline(self) -> dict[str, Any]:
+        return self.steps.timeline()
 
     def teardown(self) -> None:
         try:
