@@ -191,12 +191,14 @@ def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
             ("decode", "no KV write (the torchrun step)", False, args.iters),
             ("decode_batch", "no KV write (the torchrun step)", False, args.iters),
             ("decode_batch out=", "no KV write (the torchrun step)", False, args.iters),
+            ("decode_batch 4 threads", "no KV write (the torchrun step)", False, args.iters),
             ("decode", "KV row written", True, 20),
             ("decode_batch", "KV row written", True, 20),
         ]
         for api, label, with_kv, iters in variants:
             times = []
             phases: dict[str, list[float]] = {}
+            pool.host_threads = 4 if api.endswith("4 threads") else 1  # the driver's copies on 4 torch threads
             for it in range(5 + iters):
                 if api == "decode":
                     step = [

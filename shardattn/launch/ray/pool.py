@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np  # a Ray dependency
 import torch
 
-from shardattn._checks import check_tensor
+from shardattn._checks import check_int, check_tensor
 from shardattn.launch.ray.errors import RankFailedError, RankStepError, describe_ray_error, require_ray
 from shardattn.launch.ray.health import HEALTH_GROUP, rank_reports
 from shardattn.launch.ray.kv_cache import plan_rank_cache
@@ -121,6 +121,8 @@ class RayRankPool:
         transport: how decode steps reach the ranks: ``"shm"`` (a shared-memory region sized from
             ``max_decode_tokens``; every rank on the driver's node, else ``"compiled"``),
             ``"compiled"`` (a Ray compiled graph) or ``"calls"`` (actor calls, as prefill goes).
+        host_threads: torch CPU threads of the driver's side of a step (its checks and copies;
+            default 1: more contended with the rank actors on one host, ``requests.one_host_thread``).
         init_ray: start a local Ray when none is running.
 
     Raises:
@@ -146,6 +148,7 @@ class RayRankPool:
         placement_timeout_s: float | None = None,
         num_cpus: float = 1.0,
         transport: str = "shm",
+        host_threads: int = 1,
         init_ray: bool = True,
     ) -> None:
         require_ray()
@@ -158,6 +161,7 @@ class RayRankPool:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = self._asked_transport = transport
+        self.host_threads = check_int("host_threads", host_threads, minimum=1)
         self._decoder: Any = None  # the decode transport's runner (None: actor calls)
         self.world_size, self.timeout_s = world_size, float(timeout_s)
         self._actors: list[Any] = []
@@ -387,7 +391,7 @@ class RayRankPool:
         self._check_usable()
         self._need_spec()
         t0 = time.perf_counter()
-        with one_host_thread():
+        with one_host_thread(self.host_threads):
             packed = pack_step("prefill", requests, self.shapes, self.book)
             return self._run_prefill(packed, return_lse, t0)
 
@@ -401,7 +405,7 @@ class RayRankPool:
         self._need_spec()
         t0 = time.perf_counter()
         into = self._decoder.inputs() if self.transport == "shm" and self._decoder is not None else None
-        with one_host_thread():
+        with one_host_thread(self.host_threads):
             packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: into the region
             i64 = np.int64
             batch = BatchStep(
@@ -450,7 +454,7 @@ class RayRankPool:
         self._check_usable()
         self._need_spec()
         t0 = time.perf_counter()
-        with one_host_thread():
+        with one_host_thread(self.host_threads):
             batch = check_decode_batch(self.shapes, self.book, request_ids, q, topk, q_lens=q_lens, kv=kv)
             if out is not None:
                 assert self.spec is not None

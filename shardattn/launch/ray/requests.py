@@ -45,8 +45,9 @@ __all__ = [
 
 
 @contextlib.contextmanager
-def one_host_thread() -> Iterator[None]:
-    """Run the driver's side of a step on one torch CPU thread, then restore the caller's count.
+def one_host_thread(threads: int = 1) -> Iterator[None]:
+    """Run the driver's side of a step on one torch CPU thread (or ``threads``), then restore the
+    caller's count.
 
     The step's host work is small copies and checks; with torch's default of one thread per core
     the driver's parallel regions contended with the rank actors' threads on the same host and
@@ -54,10 +55,10 @@ def one_host_thread() -> Iterator[None]:
     pool, 5.0 ms with one driver thread; benchmarks/RESULTS.md, "Ray pool").
     """
     n = torch.get_num_threads()
-    if n == 1:
+    if n == threads:
         yield
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         yield
     finally:
