@@ -187,18 +187,19 @@ def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
         ids = torch.arange(args.requests)
         q_flat, kv_flat = q.view(args.requests, spec.num_heads, spec.head_dim), kv.view(args.requests, spec.head_dim)
         reuse = torch.empty(args.requests, spec.num_heads, spec.v_dim, dtype=torch.bfloat16)
-        variants = [
-            ("decode", "no KV write (the torchrun step)", False, args.iters),
-            ("decode_batch", "no KV write (the torchrun step)", False, args.iters),
-            ("decode_batch out=", "no KV write (the torchrun step)", False, args.iters),
-            ("decode_batch 4 threads", "no KV write (the torchrun step)", False, args.iters),
-            ("decode", "KV row written", True, 20),
-            ("decode_batch", "KV row written", True, 20),
+        same = "no KV write (the torchrun step)"
+        variants = [  # API, what the step writes, iterations, the driver's torch threads during a step
+            ("decode", same, False, args.iters, 1),
+            ("decode_batch", same, False, args.iters, 1),
+            ("decode_batch out=", same, False, args.iters, 1),
+            ("decode_batch", same, False, args.iters, 4),
+            ("decode", "KV row written", True, 20, 1),
+            ("decode_batch", "KV row written", True, 20, 1),
         ]
-        for api, label, with_kv, iters in variants:
+        for api, label, with_kv, iters, threads in variants:
             times = []
             phases: dict[str, list[float]] = {}
-            pool.host_threads = 4 if api.endswith("4 threads") else 1  # the driver's copies on 4 torch threads
+            pool.host_threads = threads
             for it in range(5 + iters):
                 if api == "decode":
                     step = [
@@ -217,6 +218,7 @@ def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
                         phases.setdefault(k, []).append(v)
             actor_ms = [r["last_step_s"] * 1e3 for r in pool.health()["ranks"]]
             emit(out, {"part": "pool_decode", "transport": transport, "api": api, "variant": label,
+                       "driver_threads": threads,
                        "requests": args.requests, "context": lens[0], **summarize(times),
                        "actor_last_step_ms": actor_ms,
                        "phases_median_ms": {k: round(statistics.median(v), 4) for k, v in phases.items()}})  # fmt: skip

@@ -54,30 +54,23 @@ warning. Prefill steps and every other call are actor calls.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-import numpy as np  # a Ray dependency
 import torch
 
-from shardattn._checks import check_int, check_tensor
-from shardattn.launch.ray.errors import RankFailedError, RankStepError, describe_ray_error, require_ray
+from shardattn._checks import check_int
+from shardattn.launch.ray.errors import RankFailedError, describe_ray_error, require_ray
 from shardattn.launch.ray.health import HEALTH_GROUP, rank_reports
 from shardattn.launch.ray.kv_cache import plan_rank_cache
 from shardattn.launch.ray.placement import bundle_options, reserve_bundles
 from shardattn.launch.ray.requests import (
-    BatchStep,
-    DecodeRequest,
-    PackedStep,
-    PrefillRequest,
-    check_decode_batch,
     check_sinks,
-    one_host_thread,
-    pack_step,
     pool_shapes,
 )
-from shardattn.launch.ray.split import assemble, pcp_token_ids, query_parts
+from shardattn.launch.ray.steps import RequestSteps
 from shardattn.launch.ray.transport import SERVE_GROUP, TRANSPORTS, start_decode_transport
 from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.plan.spec import ModelSpec, get_preset
@@ -95,7 +88,7 @@ def _actor_class(num_cpus: float, num_gpus: float) -> Any:
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, concurrency_groups=groups)(RankActor)
 
 
-class RayRankPool:
+class RayRankPool(RequestSteps):
     """``world_size`` Ray actors forming one process group, serving requests (module docstring).
 
     Args:
@@ -121,8 +114,12 @@ class RayRankPool:
         transport: how decode steps reach the ranks: ``"shm"`` (a shared-memory region sized from
             ``max_decode_tokens``; every rank on the driver's node, else ``"compiled"``),
             ``"compiled"`` (a Ray compiled graph) or ``"calls"`` (actor calls, as prefill goes).
-        host_threads: torch CPU threads of the driver's side of a step (its checks and copies;
-            default 1: more contended with the rank actors on one host, ``requests.one_host_thread``).
+        host_threads: torch CPU threads of the driver's side of a step (its checks, and its copies
+            of the step's tensors into the transport and of the outputs out of it). Default: 4 on
+            a GPU pool whose host has 16 cores or more (two H200s, 64 requests: the copies took
+            0.23 + 0.16 ms on 4 threads, 0.58 + 0.38 ms on one; ``benchmarks/RESULTS.md``), else
+            1 (the CPU ranks need the cores; torch's default of a thread per core stalled steps,
+            :func:`~shardattn.launch.ray.requests.one_host_thread`).
         init_ray: start a local Ray when none is running.
 
     Raises:
@@ -148,7 +145,7 @@ class RayRankPool:
         placement_timeout_s: float | None = None,
         num_cpus: float = 1.0,
         transport: str = "shm",
-        host_threads: int = 1,
+        host_threads: int | None = None,
         init_ray: bool = True,
     ) -> None:
         require_ray()
@@ -161,7 +158,8 @@ class RayRankPool:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = self._asked_transport = transport
-        self.host_threads = check_int("host_threads", host_threads, minimum=1)
+        if host_threads is not None:
+            check_int("host_threads", host_threads, minimum=1)
         self._decoder: Any = None  # the decode transport's runner (None: actor calls)
         self.world_size, self.timeout_s = world_size, float(timeout_s)
         self._actors: list[Any] = []
@@ -184,6 +182,9 @@ class RayRankPool:
         if device == "auto":
             device = "cuda" if ray.cluster_resources().get("GPU", 0) >= world_size else "cpu"
         self.device = device
+        if host_threads is None:
+            host_threads = 4 if device == "cuda" and (os.cpu_count() or 1) >= 16 else 1
+        self.host_threads = host_threads
         bundle = {"CPU": float(num_cpus), **({"GPU": 1.0} if device == "cuda" else {})}
         try:
             self._pg = reserve_bundles(
@@ -313,56 +314,10 @@ class RayRankPool:
                     raise self._fail(rank, describe_ray_error(e), operation) from None
         return [results[r] for r in ranks]
 
-    # -- the request API -----------------------------------------------------------------------
+    # -- the request API (prefill, decode, decode_batch: :class:`~shardattn.launch.ray.steps.RequestSteps`)
     def _need_spec(self) -> None:
         if self.spec is None:
             raise RuntimeError("this pool was formed without a spec; pass spec= to serve requests")
-
-    def _run_prefill(self, packed: PackedStep, return_lse: bool, t_start: float) -> list[Any]:
-        """A checked prefill step through actor calls (decode steps: :meth:`_decode_step`)."""
-        import ray
-
-        from shardattn.launch.ray.wire import from_wire, to_wire  # NumPy: a Ray dependency
-
-        t_packed = time.perf_counter()
-        kind = "prefill"
-        self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=True)
-        table = torch.from_numpy(np.array(self.book.table(packed.ids), dtype=np.int32))  # faster than from lists
-        step = {
-            "table": table,
-            "starts": packed.starts,
-            "counts": packed.counts,
-            "q_counts": packed.q_counts,
-            "kv": packed.kv,
-            "topk": packed.topk,
-            "return_lse": return_lse,
-        }
-        h = self.heads_per_rank
-        q = packed.q
-        token_ids = None
-        if self.mode == "pcp" and q is not None:  # PCP: every head of the rank's tokens
-            token_ids = pcp_token_ids(packed.counts, packed.starts, self.world_size, self.shapes.topk)
-        qs: list[Any] = [None] * self.world_size if q is None else query_parts(q, self.world_size, h, token_ids)
-        t_sent = time.perf_counter()
-        shared_ref = ray.put(to_wire(step))  # once for every rank
-        refs = [a.prefill.remote(shared_ref, to_wire(qs[r])) for r, a in enumerate(self._actors)]
-        results = from_wire(self._call(kind, refs))
-        t_back = time.perf_counter()
-        if q is None:
-            outputs: list[Any] = [None] * len(packed.ids)
-        else:
-            out, lse = assemble(results, token_ids, int(q.shape[0]), return_lse)
-            outs = out.split(packed.q_counts)
-            outputs = list(zip(outs, lse.split(packed.q_counts))) if return_lse else list(outs)
-        t_end = time.perf_counter()
-        self.last_step = {
-            "kind": kind,
-            "check_ms": (t_packed - t_start) * 1e3,  # validating and concatenating the requests
-            "prepare_ms": (t_sent - t_packed) * 1e3,  # pages, block table, per-rank query views
-            "ranks_ms": (t_back - t_sent) * 1e3,  # copies into the transport, both ways, and the ranks' step
-            "assemble_ms": (t_end - t_back) * 1e3,  # outputs per request
-        }
-        return outputs
 
     def set_sinks(self, sinks: torch.Tensor | None) -> None:
         """Replace the attention sinks every rank holds (``[H]`` fp32, finite; ``None`` when the
@@ -373,148 +328,6 @@ class RayRankPool:
         checked = check_sinks(sinks, self.spec)
         self._call("set_sinks", [a.set_sinks.remote(checked) for a in self._actors])
         self._sinks = checked
-
-    def prefill(self, requests: Sequence[PrefillRequest], *, return_lse: bool = False) -> list[Any]:
-        """Write the requests' new KV rows into the ranks' caches and, with queries, attend.
-
-        Args:
-            requests: :class:`~shardattn.launch.ray.requests.PrefillRequest` each (new ids admit
-                requests; known ids continue a chunked prefill).
-            return_lse: also return each request's LSE.
-        Returns:
-            one entry per request: ``out [n, H, Dv]`` (q's dtype), or ``(out, lse [n, H] fp32)``,
-            or ``None`` for a request without queries.
-        Raises:
-            ValueError / TypeError: a bad request (before any rank runs; the pool stays usable).
-            RankFailedError: a rank failed; the pool is broken until :meth:`restart`.
-        """
-        self._check_usable()
-        self._need_spec()
-        t0 = time.perf_counter()
-        with one_host_thread(self.host_threads):
-            packed = pack_step("prefill", requests, self.shapes, self.book)
-            return self._run_prefill(packed, return_lse, t0)
-
-    def decode(self, requests: Sequence[DecodeRequest], *, return_lse: bool = False) -> list[Any]:
-        """One decode step of prefilled requests (DCP under ``mixed`` / ``dcp-decode``), as request
-        objects: each is checked (errors name the request), then the step runs as :meth:`decode_batch`.
-
-        Returns one ``out [Q, H, Dv]`` (or ``(out, lse [Q, H])``) per request; raises as :meth:`prefill`.
-        """
-        self._check_usable()
-        self._need_spec()
-        t0 = time.perf_counter()
-        into = self._decoder.inputs() if self.transport == "shm" and self._decoder is not None else None
-        with one_host_thread(self.host_threads):
-            packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: into the region
-            i64 = np.int64
-            batch = BatchStep(
-                self.book.slots(packed.ids), np.array(packed.starts, dtype=i64), np.array(packed.counts, dtype=i64),
-                np.array(packed.q_counts, dtype=i64), packed.q, packed.topk, packed.kv,
-            )  # fmt: skip
-            out, lse = self._decode_step(batch, return_lse, t0, None)
-            t_split = time.perf_counter()
-            outs = out.split(packed.q_counts)
-            result = list(zip(outs, lse.split(packed.q_counts))) if lse is not None else list(outs)
-            self.last_step["assemble_ms"] += (time.perf_counter() - t_split) * 1e3
-            return result
-
-    def decode_batch(
-        self,
-        request_ids: Any,
-        q: torch.Tensor,
-        topk: torch.Tensor | None = None,
-        *,
-        q_lens: Any = None,
-        kv: Any = None,
-        return_lse: bool = False,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decode step given as whole-step tensors (CPU): no Python work per request.
-
-        Args:
-            request_ids: ``[B]`` int64 tensor of distinct prefilled request ids (the pool's ids
-                being ints; looked up vectorised), or a sequence of any ids.
-            q: ``[T, H, D]`` the step's queries (the model's dtype), request-major.
-            topk: ``[T, K]`` int32 request positions (sparse MLA; ``-1`` / out of range invalid);
-                ``None`` for GQA.
-            q_lens: ``[B]`` int64 query tokens per request (default: one each, ``T == B``).
-            kv: the ``T`` tokens' KV rows (sparse MLA ``[T, D]``; GQA ``(k [T, Hkv, D], v [T,
-                Hkv, Dv])``), appended before the step attends; ``None``: attend over the cache.
-            return_lse: also return the LSE.
-            out: optional ``[T, H, Dv]`` destination (q's dtype, CPU, contiguous), reused across steps.
-        Returns:
-            ``(out [T, H, Dv], lse [T, H] fp32 or None)``, token order; request ``b``'s rows are
-            ``out.split(q_lens.tolist())[b]``.
-        Raises:
-            ValueError / TypeError: naming the argument (``request_ids[i]`` for an unknown or
-                repeated request, or one past ``max_seq_len``), before any rank runs; the pool
-                stays usable. RankFailedError: a rank failed; the pool is broken until :meth:`restart`.
-        """
-        self._check_usable()
-        self._need_spec()
-        t0 = time.perf_counter()
-        with one_host_thread(self.host_threads):
-            batch = check_decode_batch(self.shapes, self.book, request_ids, q, topk, q_lens=q_lens, kv=kv)
-            if out is not None:
-                assert self.spec is not None
-                check_tensor("out", out, dtypes=(self.shapes.dtype,), device=torch.device("cpu"),
-                             shape=(batch.num_tokens, self.shapes.heads, self.spec.v_dim))  # fmt: skip
-                if not out.is_contiguous():
-                    raise ValueError("out must be contiguous")
-            return self._decode_step(batch, return_lse, t0, out)
-
-    def _decode_step(
-        self, batch: BatchStep, return_lse: bool, t_start: float, out: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Commit the checked step to the ledger, run it on the ranks, put the heads together."""
-        t_checked = time.perf_counter()
-        self.book.grow_slots(batch.slots, batch.counts)
-        table = self.book.table_rows(batch.slots)
-        t_sent = time.perf_counter()
-        timeline = None
-        if self.transport == "shm" and self._decoder is not None:
-            step = {"table": table, "starts": batch.starts, "counts": batch.counts, "q_lens": batch.q_lens,
-                    "q": batch.q, "topk": batch.topk, "kv": batch.kv, "return_lse": return_lse}  # fmt: skip
-            try:
-                out_w, lse_w = self._decoder.run_batch(step, self.timeout_s)
-            except RankStepError as e:
-                raise self._fail(e.rank, e.cause, "decode") from None
-            t_back = time.perf_counter()
-            timeline = self._decoder.timeline()
-            results: list[Any] = [(out_w[r], None if lse_w is None else lse_w[r]) for r in range(self.world_size)]
-        else:
-            import ray
-
-            from shardattn.launch.ray.wire import from_wire, to_wire
-
-            q = batch.q
-            assert q is not None
-            step = {"table": torch.from_numpy(table), "starts": batch.starts.tolist(), "counts": batch.counts.tolist()}
-            step.update(q_counts=batch.q_lens.tolist(), kv=batch.kv, topk=batch.topk, return_lse=return_lse)
-            qs = query_parts(q, self.world_size, self.heads_per_rank, None)
-            if self._decoder is not None:
-                try:
-                    results = self._decoder.run(step, q, qs, self.timeout_s)
-                except RankStepError as e:
-                    raise self._fail(e.rank, e.cause, "decode") from None
-            else:
-                shared_ref = ray.put(to_wire(step))
-                refs = [a.decode.remote(shared_ref, to_wire(qs[r])) for r, a in enumerate(self._actors)]
-                results = from_wire(self._call("decode", refs))
-            t_back = time.perf_counter()
-        full, lse = assemble(results, None, batch.num_tokens, return_lse, out=out)
-        t_end = time.perf_counter()
-        self.last_step = {
-            "kind": "decode",
-            "check_ms": (t_checked - t_start) * 1e3,  # validating (and packing) the step
-            "prepare_ms": (t_sent - t_checked) * 1e3,  # pages, block table
-            "ranks_ms": (t_back - t_sent) * 1e3,  # copies into the transport, both ways, and the ranks' step
-            "assemble_ms": (t_end - t_back) * 1e3,  # the heads put together (and split per request)
-        }
-        if timeline is not None:
-            self.last_step["timeline"] = timeline
-        return full, lse
 
     def free(self, request_ids: Sequence[Hashable]) -> int:
         """Release requests' pages (host bookkeeping; no rank runs). Returns the pages freed."""
