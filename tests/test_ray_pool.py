@@ -528,6 +528,9 @@ def test_the_driver_side_of_a_step_runs_on_one_torch_thread_and_restores_the_cou
         with one_host_thread():
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
+        with one_host_thread(3):  # a GPU pool's host_threads
+            assert torch.get_num_threads() == 3
+        assert torch.get_num_threads() == 2
         with pytest.raises(RuntimeError, match="inside"), one_host_thread():
             raise RuntimeError("inside")
         assert torch.get_num_threads() == 2  # restored on the error path too
