@@ -326,6 +326,8 @@ def test_decode_batch_equals_decode_and_fp64_attention(pool2) -> None:
     out, lse = pool2.decode_batch([2, 0], q, topk, q_lens=lens, return_lse=True)  # ids as a list
     _check(list(zip(out.split(lens), lse.split(lens))), reqs, mirror)
     again = pool2.decode(reqs, return_lse=True)
+    strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, not contiguous
+    assert torch.equal(pool2.decode_batch(torch.tensor([2, 0]), strided, topk, q_lens=torch.tensor(lens))[0], out)
     assert all(torch.equal(a, b) and torch.equal(c, d) for (a, c), b, d in zip(again, out.split(lens), lse.split(lens)))
     assert pool2.free([1]) > 0
     mirror.free(1)

@@ -166,7 +166,8 @@ class RayRankPool(RequestSteps):
         self._pg: Any = None
         self._broken: RankFailedError | None = None
         self._owns_ray = False
-        #: driver-side times of the last prefill / decode (``check_ms``, ``prepare_ms``, ``ranks_ms``, ``assemble_ms``)
+        #: driver-side times of the last prefill / decode (``check_ms``, ``prepare_ms``, ``ranks_ms``, ``assemble_ms``;
+        #: a decode step under ``shm`` also its ``timeline`` on every rank, :meth:`ShmSteps.timeline`)
         self.last_step: dict[str, Any] = {}
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         self._runtime_kwargs = dict(runtime_kwargs or {})

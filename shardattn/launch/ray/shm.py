@@ -346,7 +346,7 @@ class ShmSteps:
             host["req_ids"][:n_q] = np.repeat(self._arange[:b], q_lens)
         q = step["q"]
         if q is not None:  # every rank's heads into its own block: one strided copy
-            t["q"][:, :n_q].copy_(q.view(n_q, self.world_size, -1, q.shape[-1]).transpose(0, 1))
+            t["q"][:, :n_q].copy_(q.reshape(n_q, self.world_size, -1, q.shape[-1]).transpose(0, 1))
         if step["topk"] is not None:
             _put(t["topk"][:n_q], step["topk"])
         for i, part in enumerate(step["kv"]):
