@@ -218,6 +218,16 @@ def test_gqa_pool_with_sinks_equals_fp64_attention(ray_instance) -> None:
         pool.prefill([mirror.prefill_request(3, 20, attend=False)])  # takes request 1's pages
         reqs = [mirror.decode_request(i, q) for i, q in ((0, 1), (2, 2), (3, 1))]
         _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+        reqs = [mirror.decode_request(i, q) for i, q in ((3, 2), (0, 1), (2, 3))]  # whole-step tensors, GQA
+        kv = tuple(torch.cat([r.kv[c] for r in reqs]) for c in range(2))
+        with pytest.raises(ValueError, match="topk must be None for a GQA pool"):
+            pool.decode_batch(
+                [3, 0, 2], torch.cat([r.q for r in reqs]), torch.zeros(6, 4, dtype=torch.int32), q_lens=[2, 1, 3]
+            )
+        out, lse = pool.decode_batch(
+            torch.tensor([3, 0, 2]), torch.cat([r.q for r in reqs]), q_lens=[2, 1, 3], kv=kv, return_lse=True
+        )
+        _check(list(zip(out.split([2, 1, 3]), lse.split([2, 1, 3]))), reqs, mirror)
 
 
 @needs_ray
