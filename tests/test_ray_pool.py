@@ -397,6 +397,7 @@ def test_bad_decode_batch_raises_naming_the_argument(pool2) -> None:
             r"request_ids\[0\]: request 6: 49 tokens would exceed max_seq_len=48",
         ),
         (lambda: pool2.decode_batch(ids, q, topk, q_lens=torch.tensor([1, 0])), ValueError, "q_lens must be >= 1"),
+        (lambda: pool2.decode_batch(ids, q, topk, q_lens=[1.0, 1.0]), TypeError, "q_lens must hold integers"),
         (
             lambda: pool2.decode_batch(ids, q, topk, q_lens=torch.tensor([1, 2])),
             ValueError,

@@ -396,7 +396,10 @@ def check_decode_batch(
         lens = np.ones(b, dtype=np.int64)
     else:
         lens_in = _index_array("q_lens", q_lens)
-        lens = np.asarray(lens_in, dtype=np.int64) if not isinstance(lens_in, np.ndarray) else lens_in
+        lens = np.asarray(lens_in) if not isinstance(lens_in, np.ndarray) else lens_in
+        if lens.dtype.kind not in "iu":
+            raise TypeError(f"q_lens must hold integers, got {lens.dtype}")
+        lens = lens.astype(np.int64, copy=False)
         if lens.shape != (b,):
             raise ValueError(f"q_lens must have shape [{b}] (one per request), got {list(lens.shape)}")
         if b and int(lens.min()) < 1:
