@@ -9,8 +9,12 @@ One run does, in order (each result is printed and appended to ``--out``/ray_poo
    ``W``-rank NCCL pool (``mode="mixed"``): a ShardQ prefill of two requests checked against
    fp64 attention over the whole cache; ``B`` requests of ``L`` tokens
    written (KV only); one DCP decode step of the ``B`` requests checked the same way;
-3. then that pool's decode step timed (driver clock: request objects in, outputs on the driver's
-   CPU), with no new KV row (the torchrun step's work) and with each token's KV row written;
+3. then that pool's decode step timed on the driver's clock, through both APIs: request objects
+   in, outputs per request out (``pool.decode``), and whole-step tensors in, one output tensor
+   out (``pool.decode_batch``; also with a reused ``out=``), with no new KV row (the torchrun
+   step's work) and with each token's KV row written; each with the pool's split of the step
+   (driver phases, and under ``shm`` each rank's timeline: when it saw the step, had its inputs
+   queued, its step queued, its outputs in the region; the driver's seeing them done);
 4. the per-step transport alone: plain actor calls against a compiled graph (``ray.dag``) with
    the same payload (CPU actors, no GPU work).
 
@@ -158,43 +162,85 @@ def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
             )
         emit(out, {"part": "kv_written", "requests": args.requests, "tokens_each": args.context,
                    "s": time.perf_counter() - t0})  # fmt: skip
-        # -- one DCP decode step, checked
+        # -- one DCP decode step, checked, through each API
         reqs = [mirror.decode_request(i) for i in range(args.requests)]
         outs = pool.decode(reqs, return_lse=True)
         e_out, e_lse = check(outs, reqs, mirror, dev)
-        emit(out, {"part": "check_decode", "requests": args.requests, "context": args.context + 1, "err_out": e_out,
-                   "err_lse_rel": e_lse, "tolerance": TOLERANCE, "passed": max(e_out, e_lse) <= TOLERANCE})  # fmt: skip
+        emit(out, {"part": "check_decode", "api": "decode", "requests": args.requests, "context": args.context + 1,
+                   "err_out": e_out, "err_lse_rel": e_lse, "tolerance": TOLERANCE,
+                   "passed": max(e_out, e_lse) <= TOLERANCE})  # fmt: skip
+        reqs = [mirror.decode_request(i) for i in range(args.requests)]
+        b_out, b_lse = pool.decode_batch(
+            torch.arange(args.requests), torch.cat([r.q for r in reqs]), torch.cat([r.topk for r in reqs]),
+            kv=torch.cat([r.kv for r in reqs]), return_lse=True,
+        )  # fmt: skip
+        e_out, e_lse = check(list(zip(b_out.split(1), b_lse.split(1))), reqs, mirror, dev)
+        emit(out, {"part": "check_decode", "api": "decode_batch", "requests": args.requests,
+                   "context": args.context + 2, "err_out": e_out, "err_lse_rel": e_lse, "tolerance": TOLERANCE,
+                   "passed": max(e_out, e_lse) <= TOLERANCE})  # fmt: skip
         # -- the decode step timed through the pool
         lens = [mirror.requests[i].length for i in range(args.requests)]
         topk = request_topk([n - 1 for n in lens], [1] * args.requests, spec.topk, overlap="dsa", seed=1,
                             device=torch.device("cpu"), limits=lens).to(torch.int32)  # fmt: skip
         q = (torch.randn(args.requests, 1, spec.num_heads, spec.head_dim) * 0.5).to(torch.bfloat16)
         kv = (torch.randn(args.requests, 1, spec.head_dim) * 0.5).to(torch.bfloat16)
-        for label, with_kv, iters in (
-            ("no KV write (the torchrun step)", False, args.iters),
-            ("KV row written", True, 20),
-        ):
+        ids = torch.arange(args.requests)
+        q_flat, kv_flat = q.view(args.requests, spec.num_heads, spec.head_dim), kv.view(args.requests, spec.head_dim)
+        reuse = torch.empty(args.requests, spec.num_heads, spec.v_dim, dtype=torch.bfloat16)
+        same = "no KV write (the torchrun step)"
+        variants = [  # API, what the step writes, iterations, the driver's torch threads during a step
+            ("decode", same, False, args.iters, 1),
+            ("decode_batch", same, False, args.iters, 1),
+            ("decode_batch out=", same, False, args.iters, 1),
+            ("decode_batch", same, False, args.iters, 4),
+            ("decode", "KV row written", True, 20, 1),
+            ("decode_batch", "KV row written", True, 20, 1),
+        ]
+        for api, label, with_kv, iters, threads in variants:
             times = []
             phases: dict[str, list[float]] = {}
+            pool.host_threads = threads
             for it in range(5 + iters):
-                step = [
-                    DecodeRequest(i, q=q[i], topk=topk[i : i + 1], kv=kv[i] if with_kv else None)
-                    for i in range(args.requests)
-                ]
-                t1 = time.perf_counter()
-                pool.decode(step)
+                if api == "decode":
+                    step = [
+                        DecodeRequest(i, q=q[i], topk=topk[i : i + 1], kv=kv[i] if with_kv else None)
+                        for i in range(args.requests)
+                    ]
+                    t1 = time.perf_counter()
+                    pool.decode(step)
+                else:
+                    t1 = time.perf_counter()
+                    pool.decode_batch(ids, q_flat, topk, kv=kv_flat if with_kv else None,
+                                      out=reuse if api.endswith("out=") else None)  # fmt: skip
                 if it >= 5:
                     times.append(time.perf_counter() - t1)
-                    for k, v in pool.last_step.items():
-                        if k.endswith("_ms"):
-                            phases.setdefault(k, []).append(v)
+                    for k, v in step_phases(pool.last_step).items():
+                        phases.setdefault(k, []).append(v)
             actor_ms = [r["last_step_s"] * 1e3 for r in pool.health()["ranks"]]
-            emit(out, {"part": "pool_decode", "transport": transport, "variant": label, "requests": args.requests,
-                       "context": lens[0],
-                       **summarize(times), "actor_last_step_ms": actor_ms,
-                       "driver_phases_median_ms": {k: statistics.median(v) for k, v in phases.items()}})  # fmt: skip
+            emit(out, {"part": "pool_decode", "transport": transport, "api": api, "variant": label,
+                       "driver_threads": threads,
+                       "requests": args.requests, "context": lens[0], **summarize(times),
+                       "actor_last_step_ms": actor_ms,
+                       "phases_median_ms": {k: round(statistics.median(v), 4) for k, v in phases.items()}})  # fmt: skip
     finally:
         pool.shutdown()
+
+
+def step_phases(last: dict[str, Any]) -> dict[str, float]:
+    """The pool's split of its last step (``RayRankPool.last_step``): the driver's phases, and
+    under ``shm`` each rank's timeline in ms from the driver's publishing the step (``seen``:
+    the rank saw it; ``inputs``: its H2D copies queued; ``queued``: its step and D2H queued;
+    ``synced``: outputs in the region; ``own``: synced - seen, the rank's step) and ``done``."""
+    out = {k: v for k, v in last.items() if k.endswith("_ms")}
+    tl = last.get("timeline")
+    if tl is not None:
+        for r, marks in enumerate(tl["ranks"]):
+            for k, v in marks.items():
+                out[f"rank{r}.{k}"] = v
+            out[f"rank{r}.own"] = marks["synced"] - marks["seen"]
+        out["done"] = tl["done"]
+        out["done_after_last_rank"] = tl["done"] - max(m["synced"] for m in tl["ranks"])
+    return out
 
 
 def transport(args: argparse.Namespace, out: Path) -> None:

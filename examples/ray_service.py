@@ -3,9 +3,11 @@
 Requests arrive at random times with random prompt lengths; each is prefilled (ShardQ over the
 pool's ranks), then decodes one token per step (DCP over the ranks' KV shards) until it has its
 new tokens, and is freed. A scheduler batches whatever is waiting into one pool step: prefills
-first, then every waiting decode. Prints the latency percentiles (time to first output, time per
-decode step, step time) and tokens per second; ``--check`` also compares every output with fp64
-attention over the request's whole cache.
+first, then every waiting decode (a decode step goes to the pool as whole-step tensors,
+``pool.decode_batch``: one concatenation per tensor in, one split per request out). Prints the
+latency percentiles (time to first output, time per decode step, step time) and tokens per
+second; ``--check`` also compares every output with fp64 attention over the request's whole
+cache.
 
     python examples/ray_service.py                       # 2 CPU ranks (gloo), tiny model dims
     python examples/ray_service.py --preset glm5 --ranks 2 --device cuda --requests 32 \\
@@ -106,6 +108,19 @@ class Service:
             self.waiting.remove(j)
         return batch
 
+    def _prefill(self, requests: list[Any]) -> list[Any]:
+        return self.pool.prefill(requests, return_lse=True)
+
+    def _decode(self, requests: list[Any]) -> list[Any]:
+        """One decode step through ``pool.decode_batch``: the requests' tensors concatenated once
+        each (ids, ``q [T, H, D]``, ``topk [T, K]``, new KV rows), the outputs split per request."""
+        lens = [int(r.q.shape[0]) for r in requests]
+        topk = None if requests[0].topk is None else torch.cat([r.topk for r in requests])
+        kv = None if requests[0].kv is None else torch.cat([r.kv for r in requests])
+        q = torch.cat([r.q for r in requests])
+        out, lse = self.pool.decode_batch([r.id for r in requests], q, topk, q_lens=lens, kv=kv, return_lse=True)
+        return list(zip(out.split(lens), lse.split(lens)))
+
     async def run(self) -> None:
         while not (self.closed and not self.waiting):
             if self.to_free:  # between steps: the ledger never changes under a running step
@@ -118,9 +133,9 @@ class Service:
             batch = self._next_batch()
             kind = batch[0].kind
             t0 = time.perf_counter()
-            method = self.pool.prefill if kind == "prefill" else self.pool.decode
+            method = self._prefill if kind == "prefill" else self._decode
             try:
-                outs = await asyncio.to_thread(method, [j.request for j in batch], return_lse=True)
+                outs = await asyncio.to_thread(method, [j.request for j in batch])
             except Exception as e:
                 for j in batch:
                     j.done.set_exception(e)

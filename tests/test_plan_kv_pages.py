@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from shardattn.plan.context import DCPLayout
@@ -60,3 +61,42 @@ def test_freed_pages_are_reused_and_tables_padded() -> None:
     assert book.pages("b") == [2, 3, 4] and book.seq_len("b") == 6
     book.reset()
     assert len(book) == 0 and book.free_pages == book.config.num_pages
+
+
+@pytest.mark.parametrize("world,interleave", [(1, 1), (2, 1), (2, 4), (4, 2)])
+def test_array_side_matches_the_per_request_side(world: int, interleave: int) -> None:
+    """A decode step through slots (vectorised lookup, checks, growth, table rows) leaves the
+    ledger as the per-request methods do, and names the offending request_ids[i]."""
+    cfg = KVCacheConfig(page_size=4, layout=DCPLayout(world, interleave), max_requests=4, max_seq_len=24)
+    books = [PagedKVBook(cfg), PagedKVBook(cfg)]
+    for book in books:
+        book.grow([(7, 3), (2, 9), ("s", 5)])
+    a, b = books
+    assert a.pages_for(np.array([0, 1, 17, 24])).tolist() == [cfg.pages_for(n) for n in (0, 1, 17, 24)]
+    for step in range(6):
+        slots = a.slots(np.array([2, 7]))
+        counts = np.array([1, 1 + step % 2])
+        assert a.check_slots(slots, counts) == b.check_growth([(2, 1), (7, 1 + step % 2)], new_ok=False)
+        a.grow_slots(slots, counts)
+        b.grow([(2, 1), (7, 1 + step % 2)], new_ok=False)
+        assert a.table_rows(slots).tolist() == b.table([2, 7]) and a.free_pages == b.free_pages
+        assert [a.seq_len(i) for i in (2, 7, "s")] == [b.seq_len(i) for i in (2, 7, "s")]
+    assert list(a.slots(["s", 7])) == [a.slots(["s"])[0], a.slots(np.array([7]))[0]]
+    cases = [
+        (lambda: a.slots(np.array([7, 3])), r"request_ids\[1\]: unknown request id 3"),
+        (lambda: a.slots(["s", "t"]), r"request_ids\[1\]: unknown request id 't'"),
+        (lambda: a.check_slots(a.slots(np.array([2, 7, 2])), 1), r"request_ids\[2\]: request 2 appears twice"),
+        (
+            lambda: a.check_slots(a.slots(np.array([7, 2])), np.array([1, 10])),
+            r"request_ids\[1\]: request 2: 25 tokens",
+        ),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    a.release([7])
+    with pytest.raises(ValueError, match=r"request_ids\[0\]: unknown request id 7"):
+        a.slots(np.array([7]))  # the integer index is rebuilt after a free
+    a.grow([(7, 1)])
+    assert a.seq_len(7) == 1 and len(a.pages(7)) == 1 and a.request_ids[-1] == 7
+    assert a.table_rows(a.slots(np.array([7])), width=3).tolist() == [[*a.pages(7), -1, -1]]

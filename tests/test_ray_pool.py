@@ -218,6 +218,16 @@ def test_gqa_pool_with_sinks_equals_fp64_attention(ray_instance) -> None:
         pool.prefill([mirror.prefill_request(3, 20, attend=False)])  # takes request 1's pages
         reqs = [mirror.decode_request(i, q) for i, q in ((0, 1), (2, 2), (3, 1))]
         _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+        reqs = [mirror.decode_request(i, q) for i, q in ((3, 2), (0, 1), (2, 3))]  # whole-step tensors, GQA
+        kv = tuple(torch.cat([r.kv[c] for r in reqs]) for c in range(2))
+        with pytest.raises(ValueError, match="topk must be None for a GQA pool"):
+            pool.decode_batch(
+                [3, 0, 2], torch.cat([r.q for r in reqs]), torch.zeros(6, 4, dtype=torch.int32), q_lens=[2, 1, 3]
+            )
+        out, lse = pool.decode_batch(
+            torch.tensor([3, 0, 2]), torch.cat([r.q for r in reqs]), q_lens=[2, 1, 3], kv=kv, return_lse=True
+        )
+        _check(list(zip(out.split([2, 1, 3]), lse.split([2, 1, 3]))), reqs, mirror)
 
 
 @needs_ray
@@ -296,6 +306,125 @@ def test_bad_requests_raise_before_any_rank_runs(pool2) -> None:
     reqs = [mirror.decode_request("x")]  # still serving, with the request's KV intact
     _check(pool2.decode(reqs, return_lse=True), reqs, mirror)
     pool2.free(["x"])
+
+
+def _batch(reqs):
+    """The whole-step tensors of request objects: ``q [T, H, D]``, ``topk [T, K]``, ``kv`` (or None), ``q_lens``."""
+    kv = None if reqs[0].kv is None else torch.cat([r.kv for r in reqs])
+    return torch.cat([r.q for r in reqs]), torch.cat([r.topk for r in reqs]), kv, [int(r.q.shape[0]) for r in reqs]
+
+
+@needs_ray
+def test_decode_batch_equals_decode_and_fp64_attention(pool2) -> None:
+    """Whole-step tensors in, one output tensor out: the reference across prefill, decode (drafts,
+    with and without new KV rows), free and reuse of the pages; the same step through
+    decode(requests) gives the same outputs bit for bit; ids as an int64 tensor or a list."""
+    from shardattn.testing.serving import ServingMirror
+
+    mirror = ServingMirror(MLA, seed=12)
+    reqs = [mirror.prefill_request(i, n) for i, n in enumerate((13, 7, 5))]
+    _check(pool2.prefill(reqs, return_lse=True), reqs, mirror)
+    for q_lens in ((1, 1, 1), (1, 2, 1), (3, 1, 2)):
+        reqs = [mirror.decode_request(i, n) for i, n in enumerate(q_lens)]
+        q, topk, kv, lens = _batch(reqs)
+        out, lse = pool2.decode_batch(torch.tensor([0, 1, 2]), q, topk, q_lens=torch.tensor(lens), kv=kv,
+                                      return_lse=True)  # fmt: skip
+        assert out.shape == (sum(lens), 8, 32) and lse.shape == (sum(lens), 8)
+        _check(list(zip(out.split(lens), lse.split(lens))), reqs, mirror)
+    reqs = [mirror.decode_request(i, n, append=False) for i, n in ((2, 1), (0, 2))]  # no new KV: repeatable
+    q, topk, _, lens = _batch(reqs)
+    out, lse = pool2.decode_batch([2, 0], q, topk, q_lens=lens, return_lse=True)  # ids as a list
+    _check(list(zip(out.split(lens), lse.split(lens))), reqs, mirror)
+    again = pool2.decode(reqs, return_lse=True)
+    strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, not contiguous
+    assert torch.equal(pool2.decode_batch(torch.tensor([2, 0]), strided, topk, q_lens=torch.tensor(lens))[0], out)
+    assert all(torch.equal(a, b) and torch.equal(c, d) for (a, c), b, d in zip(again, out.split(lens), lse.split(lens)))
+    assert pool2.free([1]) > 0
+    mirror.free(1)
+    reqs = [mirror.prefill_request(3, 17)]  # takes request 1's pages
+    _check(pool2.prefill(reqs, return_lse=True), reqs, mirror)
+    reqs = [mirror.decode_request(i) for i in (3, 0, 2)]
+    q, topk, kv, _ = _batch(reqs)
+    dest = torch.full((3, 8, 32), float("nan"))
+    out, lse = pool2.decode_batch(torch.tensor([3, 0, 2]), q, topk, kv=kv, out=dest)
+    assert out.data_ptr() == dest.data_ptr() and lse is None
+    ref = [mirror.expected(r)[0] for r in reqs]
+    assert torch.allclose(out.double(), torch.cat(ref), atol=ATOL, rtol=0)
+    assert pool2.last_step["kind"] == "decode" and len(pool2.last_step["timeline"]["ranks"]) == 2
+    pool2.free([0, 2, 3])
+
+
+@needs_ray
+def test_bad_decode_batch_raises_naming_the_argument(pool2) -> None:
+    """Bad whole-step tensors raise before any rank runs, naming the argument; the pool stays healthy."""
+    from shardattn.testing.serving import ServingMirror
+
+    mirror = ServingMirror(MLA, seed=13)
+    pool2.prefill([mirror.prefill_request(i, n, attend=False) for i, n in ((5, 9), (6, 47))])
+    steps_before = [r["steps"] for r in pool2.health()["ranks"]]
+    free_before, lens_before = pool2.book.free_pages, (pool2.book.seq_len(5), pool2.book.seq_len(6))
+    reqs = [mirror.decode_request(i, append=False) for i in (5, 6)]
+    q, topk, _, _ = _batch(reqs)
+    ids = torch.tensor([5, 6])
+    kv2 = torch.zeros(2, 48)
+    cases = [
+        (lambda: pool2.decode_batch(ids, q.double(), topk), TypeError, "q must have dtype"),
+        (lambda: pool2.decode_batch(ids, q[:, :4], topk), ValueError, r"q must have shape \[\*, 8, 48\]"),
+        (lambda: pool2.decode_batch(ids, q[:1], topk[:1]), ValueError, r"q must have one row per request \(2\)"),
+        (lambda: pool2.decode_batch(ids, q, topk.long()), TypeError, "topk must have dtype"),
+        (lambda: pool2.decode_batch(ids, q, topk[:, :8]), ValueError, "topk must have shape"),
+        (lambda: pool2.decode_batch(ids, q, None), ValueError, "topk must be given"),
+        (lambda: pool2.decode_batch(ids, q, topk, kv=kv2[:, :8]), ValueError, "kv must have shape"),
+        (lambda: pool2.decode_batch(ids.float(), q, topk), TypeError, "request_ids must have dtype"),
+        (lambda: pool2.decode_batch(ids[None], q, topk), ValueError, "request_ids must be 1-D"),
+        (lambda: pool2.decode_batch(ids[:0], q[:0], topk[:0]), ValueError, "request_ids must name at least one"),
+        (
+            lambda: pool2.decode_batch(torch.tensor([5, 99]), q, topk),
+            ValueError,
+            r"request_ids\[1\]: unknown request id 99",
+        ),
+        (lambda: pool2.decode_batch(["x", 5], q, topk), ValueError, r"request_ids\[0\]: unknown request id 'x'"),
+        (
+            lambda: pool2.decode_batch(torch.tensor([5, 5]), q, topk),
+            ValueError,
+            r"request_ids\[1\]: request 5 appears twice",
+        ),
+        (
+            lambda: pool2.decode_batch(
+                torch.tensor([6, 5]), q.repeat(2, 1, 1), topk.repeat(2, 1), q_lens=[2, 2], kv=torch.zeros(4, 48)
+            ),
+            ValueError,
+            r"request_ids\[0\]: request 6: 49 tokens would exceed max_seq_len=48",
+        ),
+        (lambda: pool2.decode_batch(ids, q, topk, q_lens=torch.tensor([1, 0])), ValueError, "q_lens must be >= 1"),
+        (lambda: pool2.decode_batch(ids, q, topk, q_lens=[1.0, 1.0]), TypeError, "q_lens must hold integers"),
+        (
+            lambda: pool2.decode_batch(ids, q, topk, q_lens=torch.tensor([1, 2])),
+            ValueError,
+            r"q must have sum\(q_lens\)=3 rows, got 2",
+        ),
+        (
+            lambda: pool2.decode_batch(ids, q, topk, q_lens=torch.tensor([2])),
+            ValueError,
+            r"q_lens must have shape \[2\]",
+        ),
+        (
+            lambda: pool2.decode_batch(ids, q.repeat(9, 1, 1), topk.repeat(9, 1), q_lens=[9, 9]),
+            ValueError,
+            "over the pool's max_decode_tokens=16",
+        ),
+        (lambda: pool2.decode_batch(ids, q, topk, out=torch.empty(2, 8, 16)), ValueError, "out must have shape"),
+        (lambda: pool2.decode_batch("ab", q, topk), TypeError, "request_ids must be"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    assert pool2.book.free_pages == free_before and (pool2.book.seq_len(5), pool2.book.seq_len(6)) == lens_before
+    health = pool2.health()
+    assert health["state"] == "healthy" and [r["steps"] for r in health["ranks"]] == steps_before
+    out, lse = pool2.decode_batch(ids, q, topk, return_lse=True)  # still serving, the KV intact
+    _check(list(zip(out.split(1), lse.split(1))), reqs, mirror)
+    pool2.free([5, 6])
 
 
 @needs_ray
@@ -411,6 +540,9 @@ def test_the_driver_side_of_a_step_runs_on_one_torch_thread_and_restores_the_cou
     try:
         with one_host_thread():
             assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with one_host_thread(3):  # a GPU pool's host_threads
+            assert torch.get_num_threads() == 3
         assert torch.get_num_threads() == 2
         with pytest.raises(RuntimeError, match="inside"), one_host_thread():
             raise RuntimeError("inside")

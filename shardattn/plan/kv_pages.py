@@ -26,7 +26,9 @@ ValueError: request 'b': 17 tokens would exceed max_seq_len=16
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import numpy as np
 
 from shardattn._checks import check_int
 from shardattn.plan.context import DCPLayout
@@ -78,14 +80,15 @@ class KVCacheConfig:
         return int(self.num_pages) * self.page_size
 
 
-@dataclass
-class _Entry:
-    seq_len: int = 0
-    pages: list[int] = field(default_factory=list)
-
-
 class PagedKVBook:
-    """The driver's ledger of a paged KV cache (see the module docstring). Host-only, no tensors."""
+    """The driver's ledger of a paged KV cache (see the module docstring). Host-only, no tensors.
+
+    Each request holds a *slot* (``0 .. max_requests - 1``) of three arrays: its cached tokens,
+    its pages, and its block-table row (``[max_requests, pages_per_request]`` int32, ``-1``
+    padded). The per-request methods (:meth:`check_growth`, :meth:`grow`, :meth:`table`) take ids;
+    a decode step of many requests uses the array ones (:meth:`slots`, :meth:`check_slots`,
+    :meth:`grow_slots`, :meth:`table_rows`), which do no Python work per request.
+    """
 
     def __init__(self, config: KVCacheConfig) -> None:
         if not isinstance(config, KVCacheConfig):
@@ -95,20 +98,30 @@ class PagedKVBook:
 
     def reset(self) -> None:
         """Forget every request (all pages free)."""
-        self._free = list(range(int(self.config.num_pages) - 1, -1, -1))  # pop() hands out page 0 first
-        self._requests: dict[Hashable, _Entry] = {}
+        cfg = self.config
+        self._free = list(range(int(cfg.num_pages) - 1, -1, -1))  # pop() hands out page 0 first
+        self._slot: dict[Hashable, int] = {}  # admission order
+        self._free_slots = list(range(cfg.max_requests - 1, -1, -1))
+        #: per slot: cached tokens, pages held, block-table row
+        self.lens = np.zeros(cfg.max_requests, dtype=np.int64)
+        self.npages = np.zeros(cfg.max_requests, dtype=np.int64)
+        self.block_table = np.full((cfg.max_requests, max(1, cfg.pages_per_request)), -1, dtype=np.int32)
+        self._int_index: tuple[np.ndarray, np.ndarray] | None = None  # sorted int ids and their slots
 
     # -- queries -------------------------------------------------------------------------------
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._requests
+        try:
+            return request_id in self._slot
+        except TypeError:
+            return False
 
     def __len__(self) -> int:
-        return len(self._requests)
+        return len(self._slot)
 
     @property
     def request_ids(self) -> list[Hashable]:
         """Requests holding KV state, in admission order."""
-        return list(self._requests)
+        return list(self._slot)
 
     @property
     def free_pages(self) -> int:
@@ -116,22 +129,114 @@ class PagedKVBook:
 
     def seq_len(self, request_id: Hashable) -> int:
         """Tokens cached for a request (``ValueError`` when unknown)."""
-        return self._entry(request_id).seq_len
+        return int(self.lens[self._slot_of(request_id)])
 
     def pages(self, request_id: Hashable) -> list[int]:
-        return list(self._entry(request_id).pages)
+        s = self._slot_of(request_id)
+        return self.block_table[s, : self.npages[s]].tolist()
 
-    def _entry(self, request_id: Hashable) -> _Entry:
+    def _slot_of(self, request_id: Hashable) -> int:
         try:
-            return self._requests[request_id]
+            return self._slot[request_id]
         except (KeyError, TypeError):
             raise ValueError(f"unknown request id {request_id!r} (never prefilled, or freed)") from None
 
     def table(self, request_ids: Sequence[Hashable], width: int | None = None) -> list[list[int]]:
         """Block-table rows of ``request_ids`` (padded with ``-1`` to ``width``, default the longest)."""
-        rows = [self._entry(r).pages for r in request_ids]
-        w = max((len(p) for p in rows), default=0) if width is None else width
-        return [p + [-1] * (w - len(p)) for p in rows]
+        slots = np.array([self._slot_of(r) for r in request_ids], dtype=np.int64)
+        return self.table_rows(slots, width).tolist()
+
+    def pages_for(self, seq_lens: np.ndarray) -> np.ndarray:
+        """:meth:`KVCacheConfig.pages_for` of an int64 array, elementwise."""
+        lay, cfg = self.config.layout, self.config
+        n, i = lay.world_size, lay.interleave
+        local = (seq_lens // (n * i)) * i + np.minimum(seq_lens % (n * i), i)  # rank 0's share
+        return -(-local // cfg.page_size)
+
+    # -- the array side (one decode step of many requests) --------------------------------------
+    def slots(self, request_ids: object, name: str = "request_ids") -> np.ndarray:
+        """``[B]`` int64 slots of known requests: an integer array (NumPy or a CPU tensor, looked up
+        vectorised) or a sequence of ids.
+
+        Raises:
+            ValueError: an unknown id (named as ``name[i]``). TypeError: not ids.
+        """
+        if isinstance(request_ids, np.ndarray) and request_ids.dtype.kind in "iu":
+            ids = request_ids.astype(np.int64, copy=False).reshape(-1)
+            keys, slots = self._int_ids()
+            pos = np.minimum(np.searchsorted(keys, ids), max(0, keys.size - 1))
+            found = keys[pos] == ids if keys.size else np.zeros(ids.shape, dtype=bool)
+            if not found.all():
+                b = int(np.argmin(found))
+                raise ValueError(f"{name}[{b}]: unknown request id {int(ids[b])} (never prefilled, or freed)")
+            return slots[pos]
+        if isinstance(request_ids, str | bytes) or not isinstance(request_ids, Sequence):
+            raise TypeError(f"{name} must be an integer array or a sequence of request ids, got "
+                            f"{type(request_ids).__name__}")  # fmt: skip
+        out = np.empty(len(request_ids), dtype=np.int64)
+        for b, r in enumerate(request_ids):
+            try:
+                out[b] = self._slot[r]
+            except (KeyError, TypeError):
+                raise ValueError(f"{name}[{b}]: unknown request id {r!r} (never prefilled, or freed)") from None
+        return out
+
+    def _int_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """The integer ids held, sorted, and their slots (rebuilt after admissions and frees)."""
+        if self._int_index is None:
+            ints = (int, np.integer)
+            items = [(k, s) for k, s in self._slot.items() if isinstance(k, ints) and not isinstance(k, bool)]
+            keys = np.array([k for k, _ in items], dtype=np.int64)
+            slots = np.array([s for _, s in items], dtype=np.int64)
+            order = np.argsort(keys, kind="stable")
+            self._int_index = keys[order], slots[order]
+        return self._int_index
+
+    def check_slots(self, slots: np.ndarray, counts: np.ndarray | int, name: str = "request_ids") -> int:
+        """Validate adding ``counts`` (``[B]`` or one int) tokens to known ``slots``; nothing changes.
+        Returns the pages the step would take.
+
+        Raises:
+            ValueError: a repeated slot, a request past ``max_seq_len``, not enough free pages
+                (requests named as ``name[i]``).
+        """
+        cfg = self.config
+        if np.unique(slots).size != slots.size:
+            order = np.argsort(slots, kind="stable")
+            dup = order[1:][slots[order][1:] == slots[order][:-1]][0]
+            raise ValueError(f"{name}[{int(dup)}]: request {self._id_of(int(slots[dup]))!r} appears twice in one step")
+        total = self.lens[slots] + counts
+        over = total > cfg.max_seq_len
+        if over.any():
+            b = int(np.argmax(over))
+            raise ValueError(f"{name}[{b}]: request {self._id_of(int(slots[b]))!r}: {int(total[b])} tokens would "
+                             f"exceed max_seq_len={cfg.max_seq_len}")  # fmt: skip
+        need = int((self.pages_for(total) - self.npages[slots]).sum())
+        if need > len(self._free):
+            raise ValueError(f"out of KV pages: the step needs {need}, {len(self._free)} of {cfg.num_pages} are free")
+        return need
+
+    def grow_slots(self, slots: np.ndarray, counts: np.ndarray | int) -> None:
+        """Commit a step of known requests validated by :meth:`check_slots`: only requests that
+        cross into a new page take one (a loop over those only)."""
+        self.lens[slots] += counts
+        want = self.pages_for(self.lens[slots])
+        for b in np.nonzero(want > self.npages[slots])[0].tolist():
+            s = int(slots[b])
+            while self.npages[s] < want[b]:
+                self.block_table[s, self.npages[s]] = self._free.pop()
+                self.npages[s] += 1
+
+    def table_rows(self, slots: np.ndarray, width: int | None = None) -> np.ndarray:
+        """``[B, width]`` int32 block-table rows of ``slots`` (default width: the most pages held)."""
+        w = int(self.npages[slots].max(initial=0)) if width is None else int(width)
+        rows = self.block_table[slots, : min(w, self.block_table.shape[1])]
+        if w > rows.shape[1]:
+            rows = np.concatenate([rows, np.full((rows.shape[0], w - rows.shape[1]), -1, dtype=np.int32)], axis=1)
+        return rows
+
+    def _id_of(self, slot: int) -> Hashable:
+        return next(k for k, s in self._slot.items() if s == slot)
 
     # -- changes -------------------------------------------------------------------------------
     def check_growth(self, growth: Iterable[tuple[Hashable, int]], *, new_ok: bool = True) -> int:
@@ -156,18 +261,21 @@ class PagedKVBook:
                 raise ValueError(f"request {request_id!r} appears twice in one step")
             seen.add(request_id)
             n = check_int(f"new tokens of request {request_id!r}", new_tokens, minimum=0)
-            entry = self._requests.get(request_id)
-            if entry is None:
+            slot = self._slot.get(request_id)
+            if slot is None:
                 if not new_ok:
                     raise ValueError(f"unknown request id {request_id!r} (never prefilled, or freed)")
-                entry, admitted = _Entry(), admitted + 1
-            total = entry.seq_len + n
+                admitted += 1
+                cached = held = 0
+            else:
+                cached, held = int(self.lens[slot]), int(self.npages[slot])
+            total = cached + n
             if total > cfg.max_seq_len:
                 raise ValueError(f"request {request_id!r}: {total} tokens would exceed max_seq_len={cfg.max_seq_len}")
-            need += cfg.pages_for(total) - len(entry.pages)
-        if len(self._requests) + admitted > cfg.max_requests:
+            need += cfg.pages_for(total) - held
+        if len(self._slot) + admitted > cfg.max_requests:
             raise ValueError(
-                f"{admitted} new requests would make {len(self._requests) + admitted} active, "
+                f"{admitted} new requests would make {len(self._slot) + admitted} active, "
                 f"over max_requests={cfg.max_requests}; free some first"
             )
         if need > len(self._free):
@@ -178,21 +286,31 @@ class PagedKVBook:
         """Commit a step validated by :meth:`check_growth` (which it runs again first)."""
         self.check_growth(growth, new_ok=new_ok)
         for request_id, n in growth:
-            entry = self._requests.setdefault(request_id, _Entry())
-            entry.seq_len += int(n)
-            while len(entry.pages) < self.config.pages_for(entry.seq_len):
-                entry.pages.append(self._free.pop())
+            slot = self._slot.get(request_id)
+            if slot is None:
+                slot = self._slot[request_id] = self._free_slots.pop()
+                self._int_index = None
+            self.lens[slot] += int(n)
+            want = self.config.pages_for(int(self.lens[slot]))
+            while self.npages[slot] < want:
+                self.block_table[slot, self.npages[slot]] = self._free.pop()
+                self.npages[slot] += 1
 
     def release(self, request_ids: Iterable[Hashable]) -> int:
         """Free requests' pages (``ValueError`` naming an unknown id; then nothing is freed). Returns pages freed."""
         ids = list(request_ids)
         for r in ids:
-            self._entry(r)
+            self._slot_of(r)
         if len(set(ids)) != len(ids):
             raise ValueError(f"request ids to free must be distinct, got {ids!r}")
         freed = 0
         for r in ids:
-            entry = self._requests.pop(r)
-            self._free.extend(reversed(entry.pages))
-            freed += len(entry.pages)
+            slot = self._slot.pop(r)
+            n = int(self.npages[slot])
+            self._free.extend(reversed(self.block_table[slot, :n].tolist()))
+            self.block_table[slot, :n] = -1
+            self.lens[slot] = self.npages[slot] = 0
+            self._free_slots.append(slot)
+            freed += n
+        self._int_index = None
         return freed

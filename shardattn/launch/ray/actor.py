@@ -275,26 +275,30 @@ class RankActor:
             req_ids = torch.repeat_interleave(
                 torch.arange(len(q_counts), dtype=torch.int32), torch.tensor(q_counts)
             ).to(dev)
-            return self.runtime.decode(
-                q,
-                self.cache.flat(0),
-                table_d,
-                seq_lens,
-                topk_pos=shared["topk"].to(dev, non_blocking=True),
-                req_ids=req_ids,
-                sinks=self.sinks,
-                check=False,
-            )
+            topk = shared["topk"].to(dev, non_blocking=True)
+            return self._run_decode(q, table_d, seq_lens, topk=topk, req_ids=req_ids)
         cu = torch.tensor([0, *torch.cumsum(torch.tensor(q_counts), 0).tolist()], dtype=torch.int32, device=dev)
-        return self.runtime.decode(
-            q,
-            (self.cache.pages[0], self.cache.pages[1]),
-            table_d,
-            seq_lens,
-            cu_q_lens=cu,
-            sinks=self.sinks,
-            check=False,
-        )
+        return self._run_decode(q, table_d, seq_lens, cu_q=cu)
+
+    def _run_decode(
+        self,
+        q: torch.Tensor,
+        table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        topk: torch.Tensor | None = None,
+        req_ids: torch.Tensor | None = None,
+        cu_q: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Runtime's decode over this rank's cache shard, every input on the device: ``q [T,
+        H/W, D]``, ``table [B, M]`` / ``seq_lens [B]`` int32; sparse MLA ``topk [T, K]`` /
+        ``req_ids [T]`` int32; GQA ``cu_q [B + 1]`` int32. Unchecked (the driver checked)."""
+        if self.runtime.spec.kind == "sparse_mla":
+            return self.runtime.decode(
+                q, self.cache.flat(0), table, seq_lens, topk_pos=topk, req_ids=req_ids, sinks=self.sinks, check=False
+            )
+        kv = (self.cache.pages[0], self.cache.pages[1])
+        return self.runtime.decode(q, kv, table, seq_lens, cu_q_lens=cu_q, sinks=self.sinks, check=False)
 
     # -- decode steps through shared memory (:mod:`~shardattn.launch.ray.shm`) -------------------
     def attach_shm(self, path: str, layout: Any) -> dict[str, Any]:
@@ -313,14 +317,34 @@ class RankActor:
         return serve(self._shm, self.rank, self._shm_step, spin_s)
 
     def _shm_step(self, step: dict[str, Any]) -> None:
+        """One decode step out of the region (:meth:`~shardattn.launch.ray.shm.ShmRegion.step_views`):
+        every input is a page-locked view (GPU ranks), so each reaches the device in one
+        asynchronous copy (this rank's heads of q only: the region is rank-major), the step runs
+        unchecked, its heads of the outputs go back asynchronously, then one sync. Marks the times
+        of the inputs queued, the step queued and the outputs in place (the driver's timeline)."""
+        from shardattn.launch.ray.shm import T_INPUTS, T_QUEUED, T_SYNCED
+
         t0 = self._begin("decode")
-        h = step["q"].shape[1] // self.world_size  # the region holds every head; this rank's on its device
-        q = step["q"].to(self.device, non_blocking=True)[:, self.rank * h : (self.rank + 1) * h].contiguous()
-        out, lse = self._decode(step, q)
+        region, dev = self._shm, self.device
+        if len(step["kv"]):
+            self.cache.write(step["table"], step["starts"].tolist(), step["counts"].tolist(), step["kv"])
+        self._maybe_fail("decode")
+        q = step["q"].to(dev, non_blocking=True)
+        table = step["table"].to(dev, non_blocking=True)
+        seq_lens = step["seq_lens"].to(dev, non_blocking=True)
+        if self.runtime.spec.kind == "sparse_mla":
+            kw = {"topk": step["topk"], "req_ids": step["req_ids"]}
+            kw = {k: v.to(dev, non_blocking=True) for k, v in kw.items()}
+        else:
+            kw = {"cu_q": step["cu_q"].to(dev, non_blocking=True)}
+        region.mark(self.rank, T_INPUTS)
+        out, lse = self._run_decode(q, table, seq_lens, **kw)
         step["out"].copy_(out, non_blocking=True)
         if step["lse"] is not None:
             step["lse"].copy_(lse, non_blocking=True)
+        region.mark(self.rank, T_QUEUED)
         self._end(t0)  # synchronizes: the outputs are in the region before the done counter moves
+        region.mark(self.rank, T_SYNCED)
 
     def step(self, payload: dict[str, Any]) -> tuple[Any, Any] | None:
         """One step from a compiled graph: ``payload`` holds the kind, the shared part and every rank's queries."""

@@ -11,7 +11,15 @@ interleave under ``mixed`` / ``dcp-decode`` / ``pcp``, a replica under head-TP d
                        runtime_kwargs={"max_batched_tokens": 8192, "max_decode_tokens": 64})
     outs = pool.prefill([PrefillRequest("a", kv=kv_a, q=q_a, topk=topk_a)])   # [n, H, Dv] each
     outs = pool.decode([DecodeRequest("a", q=q_a1, topk=topk_a1, kv=kv_a1)])   # ShardQ / DCP
+    out, lse = pool.decode_batch(ids, q, topk, kv=kv, return_lse=True)   # the whole step's tensors
     pool.free(["a"])
+
+:meth:`RayRankPool.decode_batch` takes a decode step as whole-step tensors (``ids [B]`` int64,
+``q [T, H, D]``, ``topk [T, K]``, optional ``q_lens [B]`` and new KV rows) and returns
+``out [T, H, Dv]`` (and ``lse [T, H]``) as one tensor each: checked with array operations and
+packed with one copy per tensor, no Python work per request (``out.split(q_lens.tolist())``
+splits it per request). :meth:`RayRankPool.decode` checks request objects one by one, then runs
+the same step.
 
 Attention sinks (a spec with ``has_sinks``: ``sinks=`` ``[H]`` fp32, one per query head of the
 whole model) are checked on the driver, held on every actor and passed to every step (DCP counts
@@ -46,27 +54,23 @@ warning. Prefill steps and every other call are actor calls.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-import numpy as np  # a Ray dependency
 import torch
 
-from shardattn.launch.ray.errors import RankFailedError, RankStepError, describe_ray_error, require_ray
+from shardattn._checks import check_int
+from shardattn.launch.ray.errors import RankFailedError, describe_ray_error, require_ray
 from shardattn.launch.ray.health import HEALTH_GROUP, rank_reports
 from shardattn.launch.ray.kv_cache import plan_rank_cache
 from shardattn.launch.ray.placement import bundle_options, reserve_bundles
 from shardattn.launch.ray.requests import (
-    DecodeRequest,
-    PackedStep,
-    PrefillRequest,
     check_sinks,
-    one_host_thread,
-    pack_step,
     pool_shapes,
 )
-from shardattn.launch.ray.split import assemble, pcp_token_ids, query_parts
+from shardattn.launch.ray.steps import RequestSteps
 from shardattn.launch.ray.transport import SERVE_GROUP, TRANSPORTS, start_decode_transport
 from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.plan.spec import ModelSpec, get_preset
@@ -84,7 +88,7 @@ def _actor_class(num_cpus: float, num_gpus: float) -> Any:
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, concurrency_groups=groups)(RankActor)
 
 
-class RayRankPool:
+class RayRankPool(RequestSteps):
     """``world_size`` Ray actors forming one process group, serving requests (module docstring).
 
     Args:
@@ -110,6 +114,12 @@ class RayRankPool:
         transport: how decode steps reach the ranks: ``"shm"`` (a shared-memory region sized from
             ``max_decode_tokens``; every rank on the driver's node, else ``"compiled"``),
             ``"compiled"`` (a Ray compiled graph) or ``"calls"`` (actor calls, as prefill goes).
+        host_threads: torch CPU threads of the driver's side of a step (its checks, and its copies
+            of the step's tensors into the transport and of the outputs out of it). Default: 4 on
+            a GPU pool whose host has 16 cores or more (two H200s, 64 requests: the copies took
+            0.23 + 0.16 ms on 4 threads, 0.58 + 0.38 ms on one; ``benchmarks/RESULTS.md``), else
+            1 (the CPU ranks need the cores; torch's default of a thread per core stalled steps,
+            :func:`~shardattn.launch.ray.requests.one_host_thread`).
         init_ray: start a local Ray when none is running.
 
     Raises:
@@ -135,6 +145,7 @@ class RayRankPool:
         placement_timeout_s: float | None = None,
         num_cpus: float = 1.0,
         transport: str = "shm",
+        host_threads: int | None = None,
         init_ray: bool = True,
     ) -> None:
         require_ray()
@@ -147,13 +158,16 @@ class RayRankPool:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = self._asked_transport = transport
+        if host_threads is not None:
+            check_int("host_threads", host_threads, minimum=1)
         self._decoder: Any = None  # the decode transport's runner (None: actor calls)
         self.world_size, self.timeout_s = world_size, float(timeout_s)
         self._actors: list[Any] = []
         self._pg: Any = None
         self._broken: RankFailedError | None = None
         self._owns_ray = False
-        #: driver-side times of the last prefill / decode (``check_ms``, ``prepare_ms``, ``ranks_ms``, ``assemble_ms``)
+        #: driver-side times of the last prefill / decode (``check_ms``, ``prepare_ms``, ``ranks_ms``, ``assemble_ms``;
+        #: a decode step under ``shm`` also its ``timeline`` on every rank, :meth:`ShmSteps.timeline`)
         self.last_step: dict[str, Any] = {}
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         self._runtime_kwargs = dict(runtime_kwargs or {})
@@ -169,6 +183,9 @@ class RayRankPool:
         if device == "auto":
             device = "cuda" if ray.cluster_resources().get("GPU", 0) >= world_size else "cpu"
         self.device = device
+        if host_threads is None:
+            host_threads = 4 if device == "cuda" and (os.cpu_count() or 1) >= 16 else 1
+        self.host_threads = host_threads
         bundle = {"CPU": float(num_cpus), **({"GPU": 1.0} if device == "cuda" else {})}
         try:
             self._pg = reserve_bundles(
@@ -298,60 +315,10 @@ class RayRankPool:
                     raise self._fail(rank, describe_ray_error(e), operation) from None
         return [results[r] for r in ranks]
 
-    # -- the request API -----------------------------------------------------------------------
+    # -- the request API (prefill, decode, decode_batch: :class:`~shardattn.launch.ray.steps.RequestSteps`)
     def _need_spec(self) -> None:
         if self.spec is None:
             raise RuntimeError("this pool was formed without a spec; pass spec= to serve requests")
-
-    def _run_step(self, kind: str, packed: PackedStep, return_lse: bool, t_start: float) -> list[Any]:
-        import ray
-
-        from shardattn.launch.ray.wire import from_wire, to_wire  # NumPy: a Ray dependency
-
-        t_packed = time.perf_counter()
-        self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=kind == "prefill")
-        table = torch.from_numpy(np.array(self.book.table(packed.ids), dtype=np.int32))  # faster than from lists
-        step = {
-            "table": table,
-            "starts": packed.starts,
-            "counts": packed.counts,
-            "q_counts": packed.q_counts,
-            "kv": packed.kv,
-            "topk": packed.topk,
-            "return_lse": return_lse,
-        }
-        h = self.heads_per_rank
-        q = packed.q
-        token_ids = None
-        if kind == "prefill" and self.mode == "pcp" and q is not None:  # PCP: every head of the rank's tokens
-            token_ids = pcp_token_ids(packed.counts, packed.starts, self.world_size, self.shapes.topk)
-        qs: list[Any] = [None] * self.world_size if q is None else query_parts(q, self.world_size, h, token_ids)
-        t_sent = time.perf_counter()
-        if kind == "decode" and self._decoder is not None:
-            try:
-                results = self._decoder.run(step, q, qs, self.timeout_s)
-            except RankStepError as e:
-                raise self._fail(e.rank, e.cause, kind) from None
-        else:
-            shared_ref = ray.put(to_wire(step))  # once for every rank
-            refs = [getattr(a, kind).remote(shared_ref, to_wire(qs[r])) for r, a in enumerate(self._actors)]
-            results = from_wire(self._call(kind, refs))
-        t_back = time.perf_counter()
-        if q is None:
-            outputs: list[Any] = [None] * len(packed.ids)
-        else:
-            out, lse = assemble(results, token_ids, int(q.shape[0]), return_lse)
-            outs = out.split(packed.q_counts)
-            outputs = list(zip(outs, lse.split(packed.q_counts))) if return_lse else list(outs)
-        t_end = time.perf_counter()
-        self.last_step = {
-            "kind": kind,
-            "check_ms": (t_packed - t_start) * 1e3,  # validating and concatenating the requests
-            "prepare_ms": (t_sent - t_packed) * 1e3,  # pages, block table, per-rank query views
-            "ranks_ms": (t_back - t_sent) * 1e3,  # copies into the transport, both ways, and the ranks' step
-            "assemble_ms": (t_end - t_back) * 1e3,  # outputs per request
-        }
-        return outputs
 
     def set_sinks(self, sinks: torch.Tensor | None) -> None:
         """Replace the attention sinks every rank holds (``[H]`` fp32, finite; ``None`` when the
@@ -362,40 +329,6 @@ class RayRankPool:
         checked = check_sinks(sinks, self.spec)
         self._call("set_sinks", [a.set_sinks.remote(checked) for a in self._actors])
         self._sinks = checked
-
-    def prefill(self, requests: Sequence[PrefillRequest], *, return_lse: bool = False) -> list[Any]:
-        """Write the requests' new KV rows into the ranks' caches and, with queries, attend.
-
-        Args:
-            requests: :class:`~shardattn.launch.ray.requests.PrefillRequest` each (new ids admit
-                requests; known ids continue a chunked prefill).
-            return_lse: also return each request's LSE.
-        Returns:
-            one entry per request: ``out [n, H, Dv]`` (q's dtype), or ``(out, lse [n, H] fp32)``,
-            or ``None`` for a request without queries.
-        Raises:
-            ValueError / TypeError: a bad request (before any rank runs; the pool stays usable).
-            RankFailedError: a rank failed; the pool is broken until :meth:`restart`.
-        """
-        self._check_usable()
-        self._need_spec()
-        t0 = time.perf_counter()
-        with one_host_thread():
-            packed = pack_step("prefill", requests, self.shapes, self.book)
-            return self._run_step("prefill", packed, return_lse, t0)
-
-    def decode(self, requests: Sequence[DecodeRequest], *, return_lse: bool = False) -> list[Any]:
-        """One decode step of prefilled requests (DCP under ``mixed`` / ``dcp-decode``).
-
-        Returns one ``out [Q, H, Dv]`` (or ``(out, lse [Q, H])``) per request; raises as :meth:`prefill`.
-        """
-        self._check_usable()
-        self._need_spec()
-        t0 = time.perf_counter()
-        into = self._decoder.inputs() if self.transport == "shm" and self._decoder is not None else None
-        with one_host_thread():
-            packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: into the region
-            return self._run_step("decode", packed, return_lse, t0)
 
     def free(self, request_ids: Sequence[Hashable]) -> int:
         """Release requests' pages (host bookkeeping; no rank runs). Returns the pages freed."""

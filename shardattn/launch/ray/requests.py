@@ -7,6 +7,9 @@ for activations and KV, int32 for top-k positions:
   chunked prefill): their KV rows, and (with an attention step) their queries and top-k.
 * :class:`DecodeRequest`: new query tokens of a request already prefilled (``Q`` > 1: drafts),
   their top-k (sparse MLA), and optionally their KV rows, written before the step attends.
+* a whole decode step as tensors (:func:`check_decode_batch`, the pool's ``decode_batch``):
+  ``q [T, H, D]``, ``topk [T, K]``, the requests' ids and query lengths; checked with array
+  operations, no Python work per request.
 
 :func:`pack_step` checks a step against the pool's :class:`PoolShapes` and the KV ledger and
 concatenates it (request-major, token order); any problem is a ``ValueError`` / ``TypeError``
@@ -20,6 +23,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from shardattn._checks import check_tensor
@@ -27,10 +31,12 @@ from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.plan.spec import ModelSpec
 
 __all__ = [
+    "BatchStep",
     "DecodeRequest",
     "PackedStep",
     "PoolShapes",
     "PrefillRequest",
+    "check_decode_batch",
     "check_sinks",
     "one_host_thread",
     "pack_step",
@@ -39,8 +45,9 @@ __all__ = [
 
 
 @contextlib.contextmanager
-def one_host_thread() -> Iterator[None]:
-    """Run the driver's side of a step on one torch CPU thread, then restore the caller's count.
+def one_host_thread(threads: int = 1) -> Iterator[None]:
+    """Run the driver's side of a step on one torch CPU thread (or ``threads``), then restore the
+    caller's count.
 
     The step's host work is small copies and checks; with torch's default of one thread per core
     the driver's parallel regions contended with the rank actors' threads on the same host and
@@ -48,10 +55,10 @@ def one_host_thread() -> Iterator[None]:
     pool, 5.0 ms with one driver thread; benchmarks/RESULTS.md, "Ray pool").
     """
     n = torch.get_num_threads()
-    if n == 1:
+    if n == threads:
         yield
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         yield
     finally:
@@ -163,7 +170,8 @@ class PackedStep:
         ids: the requests. starts: ``[B]`` tokens cached before the step. counts: ``[B]`` new
         tokens (KV rows written). q_counts: ``[B]`` query tokens. q: ``[T, H, D]`` or ``None``.
         kv: per component ``[sum(counts), *row]`` (empty list when nothing is written).
-        topk: ``[T, K]`` int32 or ``None``.
+        topk: ``[T, K]`` int32 or ``None``. q_in_region: ``q`` was packed into the caller's
+        rank-major buffer (``into["q"]``, ``[W, T, H/W, D]``) and is ``None`` here.
     """
 
     ids: list[Hashable]
@@ -173,6 +181,7 @@ class PackedStep:
     q: torch.Tensor | None
     kv: list[torch.Tensor]
     topk: torch.Tensor | None
+    q_in_region: bool = False
 
     @property
     def seq_lens(self) -> list[int]:
@@ -211,9 +220,10 @@ def pack_step(
 ) -> PackedStep:
     """Validate a ``"prefill"`` or ``"decode"`` step and concatenate it; the ledger is not changed.
 
-    ``into``: buffers to concatenate into once the step is valid (``q [>= T, H, D]``, ``topk``,
-    ``kv0`` / ``kv1``, each at least the step's rows: a shared-memory region's inputs); the
-    packed tensors are then views of them.
+    ``into``: buffers to concatenate into once the step is valid (``q [W, >= T, H/W, D]``
+    rank-major, ``topk``, ``kv0`` / ``kv1``, each at least the step's rows: a shared-memory
+    region's inputs); the packed tensors are then views of them (``q``: ``None``, with
+    ``q_in_region``).
 
     Raises:
         TypeError / ValueError: naming the request and argument (wrong type, dtype, shape or
@@ -296,6 +306,116 @@ def pack_step(
         return torch.cat(parts, out=into[name][: sum(int(p.shape[0]) for p in parts)])
 
     kv_cat = [cat([p[c] for p in kvs], f"kv{c}") for c in range(len(kvs[0]))] if kvs[0] else []
-    return PackedStep(
-        ids, starts, counts, q_counts, cat(qs, "q") if qs else None, kv_cat, cat(topks, "topk") if topks else None
-    )
+    topk_cat = cat(topks, "topk") if topks else None
+    dst = None if into is None or not qs else into.get("q")
+    if dst is None:
+        return PackedStep(ids, starts, counts, q_counts, cat(qs, "q") if qs else None, kv_cat, topk_cat)
+    h, n = int(dst.shape[2]), sum(q_counts)
+    for r in range(int(dst.shape[0])):  # rank r's heads of every request, into its block
+        torch.cat([p[:, r * h : (r + 1) * h] for p in qs], out=dst[r, :n])
+    return PackedStep(ids, starts, counts, q_counts, None, kv_cat, topk_cat, q_in_region=True)
+
+
+@dataclass
+class BatchStep:
+    """A validated decode step of whole-step tensors (:func:`check_decode_batch`).
+
+    Attributes:
+        slots: ``[B]`` int64 the requests' slots in the ledger. starts: ``[B]`` int64 cached
+        tokens before the step. counts: ``[B]`` int64 KV rows the step writes (``q_lens`` or 0).
+        q_lens: ``[B]`` int64 query tokens. q: ``[T, H, D]`` (``None``: packed into the
+        transport already). topk: ``[T, K]`` int32 or ``None``. kv: per component ``[T, *row]``
+        (empty: nothing written).
+    """
+
+    slots: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+    q_lens: np.ndarray
+    q: torch.Tensor | None
+    topk: torch.Tensor | None
+    kv: list[torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q_lens.sum())
+
+
+def _index_array(name: str, value: object) -> np.ndarray | Sequence[Hashable]:
+    """A 1-D integer tensor / array as int64 NumPy (CPU only); another sequence as it is."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got {value.device}")
+        if value.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must have dtype int64 or int32, got {value.dtype}")
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {list(value.shape)}")
+        return value.numpy().astype(np.int64, copy=False)
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu" or value.ndim != 1:
+            raise TypeError(f"{name} must be a 1-D integer array, got {value.dtype} of shape {list(value.shape)}")
+        return value.astype(np.int64, copy=False)
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a 1-D int64 tensor or a sequence, got {type(value).__name__}")
+    return value
+
+
+def check_decode_batch(
+    shapes: PoolShapes,
+    book: PagedKVBook,
+    request_ids: object,
+    q: object,
+    topk: object = None,
+    *,
+    q_lens: object = None,
+    kv: object = None,
+) -> BatchStep:
+    """Validate a decode step given as whole-step tensors; nothing changes. Array checks only.
+
+    Args:
+        request_ids: ``[B]`` int64 (or int32) tensor of distinct prefilled request ids, or a
+            sequence of ids (any hashables; looked up one by one).
+        q: ``[T, H, D]`` queries, request-major (request ``b``'s ``q_lens[b]`` tokens in order).
+        topk: ``[T, K]`` int32 request positions (sparse MLA); ``None`` for GQA.
+        q_lens: ``[B]`` query tokens per request (default: one each, ``T == B``).
+        kv: the ``T`` tokens' own KV rows (``[T, D]``; GQA ``(k [T, Hkv, D], v [T, Hkv, Dv])``),
+            appended before the step attends; ``None`` attends over the cache as it is.
+    Raises:
+        TypeError / ValueError: naming the argument (and ``request_ids[i]`` for a request:
+            unknown, repeated, over ``max_seq_len``), or out of pages.
+    """
+    ids = _index_array("request_ids", request_ids)
+    b = len(ids)
+    if b == 0:
+        raise ValueError("request_ids must name at least one request")
+    t = _check_q(shapes, q, "q")
+    assert isinstance(q, torch.Tensor)
+    if q_lens is None:
+        if t != b:
+            raise ValueError(f"q must have one row per request ({b}) without q_lens, got {t}; pass q_lens for drafts")
+        lens = np.ones(b, dtype=np.int64)
+    else:
+        lens_in = _index_array("q_lens", q_lens)
+        lens = np.asarray(lens_in) if not isinstance(lens_in, np.ndarray) else lens_in
+        if lens.dtype.kind not in "iu":
+            raise TypeError(f"q_lens must hold integers, got {lens.dtype}")
+        lens = lens.astype(np.int64, copy=False)
+        if lens.shape != (b,):
+            raise ValueError(f"q_lens must have shape [{b}] (one per request), got {list(lens.shape)}")
+        if b and int(lens.min()) < 1:
+            raise ValueError(f"q_lens must be >= 1, got q_lens[{int(lens.argmin())}]={int(lens.min())}")
+        if int(lens.sum()) != t:
+            raise ValueError(f"q must have sum(q_lens)={int(lens.sum())} rows, got {t}")
+    if t > shapes.max_decode_tokens:
+        raise ValueError(f"q has {t} query tokens, over the pool's max_decode_tokens={shapes.max_decode_tokens}")
+    if shapes.kind == "sparse_mla":
+        if topk is None:
+            raise ValueError("topk must be given ([T, K] int32) for a sparse-MLA pool")
+        _check_topk(shapes, topk, "topk", t)
+    elif topk is not None:
+        raise ValueError("topk must be None for a GQA pool")
+    parts = [] if kv is None else _kv_parts(shapes, kv, "kv", t)
+    slots = book.slots(ids)
+    counts = lens if parts else np.zeros(b, dtype=np.int64)
+    book.check_slots(slots, counts)
+    return BatchStep(slots, book.lens[slots], counts, lens, q, topk, parts)  # type: ignore[arg-type]

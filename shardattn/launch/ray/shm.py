@@ -9,16 +9,21 @@ mapping (``cudaHostRegister``), so their H2D copy of the queries and D2H copy of
 asynchronous DMA from and to the region itself.
 
 The region opens with control lines of 8 int64 each (64 bytes): line 0 is the driver's (the step
-sequence number, the command, the step's sizes), line ``1 + r`` is rank ``r``'s (its done
-counter, an error flag, the error text's length); then one error-text slot per rank, then the
-step's tensors (block table, lengths, top-k, new KV rows; per rank its heads of the queries and
-of the outputs and LSE).
+sequence number, the command, the step's sizes, the time it published the step), line ``1 + r``
+is rank ``r``'s (its done counter, an error flag, the error text's length, and the times it saw
+the step, had its inputs on the way to the device, had the step queued, and had its outputs in
+the region); then one error-text slot per rank, then the step's tensors: the block table, the
+lengths (int64 for the host, int32 ``seq_lens`` / ``req_ids`` / ``cu_q`` the device reads as
+they are), top-k, new KV rows, and the queries and outputs *rank-major* (``q [W, T, H/W, D]``,
+``out [W, T, H/W, Dv]``, ``lse [W, T, H/W]``), so each rank copies only its own heads, in one
+contiguous DMA each way.
 
 A step (:meth:`ShmSteps.run`): the driver writes the inputs, then the sizes, then bumps the
 sequence number (one aligned 8-byte store; x86 keeps stores in order and loads in order, so a
 rank that sees the new number sees the payload). Each rank's serve loop (:func:`serve`, one
 long-running actor call) waits on the number, runs the step, writes its outputs, then its done
-counter. The driver waits on every done counter. Faults: a rank whose step raises writes the
+counter. The driver waits on every done counter (spinning, then yielding in sleeps of at most
+50 us). Faults: a rank whose step raises writes the
 error text and its flag before its done counter and ends its loop; a rank that dies ends its
 loop's call, which the driver polls with ``ray.wait`` while it waits; a rank that does not answer
 within the timeout is named as missing. Each surfaces as one
@@ -43,11 +48,13 @@ import torch
 
 from shardattn.launch.ray.errors import RankStepError
 
-__all__ = ["ShmLayout", "ShmRegion", "ShmSteps", "decode_layout", "serve"]
+__all__ = ["MARKS", "ShmLayout", "ShmRegion", "ShmSteps", "decode_layout", "serve"]
 
 LINE = 8  # int64 per control line (64 bytes: one cache line each)
-SEQ, CMD, NREQ, NQ, NKV, WIDTH, LSE = range(7)  # the driver's line
-DONE, FAILED, ERRLEN = range(3)  # a rank's line
+SEQ, CMD, NREQ, NQ, NKV, WIDTH, LSE, T_PUBLISH = range(8)  # the driver's line
+DONE, FAILED, ERRLEN, T_SEEN, T_INPUTS, T_QUEUED, T_SYNCED = range(7)  # a rank's line
+#: a rank's times of its last step (``time.monotonic_ns``, comparable across the host's processes)
+MARKS = {"seen": T_SEEN, "inputs": T_INPUTS, "queued": T_QUEUED, "synced": T_SYNCED}
 DECODE, STOP = 1, 2
 ERR_BYTES = 4096
 _ALIGN = 64
@@ -94,8 +101,8 @@ def decode_layout(
 
     >>> lay = decode_layout(2, max_tokens=4, max_requests=8, table_width=3, heads_per_rank=2,
     ...                     head_dim=8, v_dim=8, dtype=torch.float32, topk=5, kv_rows=[((8,), torch.float32)])
-    >>> lay.sections["q"].shape, lay.sections["out1"].shape, lay.sections["table"].shape, lay.size % mmap.PAGESIZE
-    ((4, 4, 8), (4, 2, 8), (12,), 0)
+    >>> lay.sections["q"].shape, lay.sections["out"].shape, lay.sections["table"].shape, lay.size % mmap.PAGESIZE
+    ((2, 4, 2, 8), (2, 4, 2, 8), (12,), 0)
     """
     t, b, h = int(max_tokens), min(int(max_requests), int(max_tokens)), int(heads_per_rank)
     sections: dict[str, Section] = {}
@@ -107,17 +114,20 @@ def decode_layout(
         sections[name] = Section(offset, shape, dt)
         offset += int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
 
-    for name in ("starts", "counts", "q_counts"):
+    for name in ("starts", "counts", "q_counts"):  # host ints (the KV write's index math)
         add(name, (b,), torch.int64)
+    add("seq_lens", (b,), torch.int32)  # what the device reads, as it reads it
+    add("req_ids", (t,), torch.int32)
+    add("cu_q", (b + 1,), torch.int32)
     add("table", (b * int(table_width),), torch.int32)  # [B, width] of the step, contiguous
     if topk:
         add("topk", (t, int(topk)), torch.int32)
     for i, (row, dt) in enumerate(kv_rows):
         add(f"kv{i}", (t, *row), dt)
-    add("q", (t, world_size * h, int(head_dim)), dtype)  # every head: the driver writes it in one copy
-    for r in range(world_size):
-        add(f"out{r}", (t, h, int(v_dim)), dtype)
-        add(f"lse{r}", (t, h), torch.float32)
+    w = int(world_size)
+    add("q", (w, t, h, int(head_dim)), dtype)  # rank-major: rank r's heads are one contiguous block
+    add("out", (w, t, h, int(v_dim)), dtype)
+    add("lse", (w, t, h), torch.float32)
     size = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
     return ShmLayout(world_size, sections, size)
 
@@ -180,16 +190,23 @@ class ShmRegion:
         return_lse = bool(c[LSE])
         return {
             "table": t["table"][: b * width].view(b, width),
-            "starts": t["starts"][:b].tolist(),
-            "counts": t["counts"][:b].tolist(),
-            "q_counts": t["q_counts"][:b].tolist(),
+            "starts": t["starts"][:b],  # [B] int64 (host): cached tokens before the step
+            "counts": t["counts"][:b],  # [B] int64: KV rows the step writes
+            "q_counts": t["q_counts"][:b],
+            "seq_lens": t["seq_lens"][:b],  # [B] int32: tokens after the step
+            "req_ids": t["req_ids"][:n_q],  # [T] int32
+            "cu_q": t["cu_q"][: b + 1],  # [B + 1] int32
             "kv": kv,
             "topk": t["topk"][:n_q] if "topk" in t else None,
             "return_lse": return_lse,
-            "q": t["q"][:n_q],  # [T, H, D]: every head (the rank takes its own on its device)
-            "out": t[f"out{rank}"][:n_q],
-            "lse": t[f"lse{rank}"][:n_q] if return_lse else None,
+            "q": t["q"][rank, :n_q],  # [T, H/W, D]: this rank's heads, contiguous
+            "out": t["out"][rank, :n_q],
+            "lse": t["lse"][rank, :n_q] if return_lse else None,
         }
+
+    def mark(self, rank: int, field: int) -> None:
+        """Rank ``rank`` records the time (``time.monotonic_ns``) of a point of its step (:data:`MARKS`)."""
+        self.ctrl[self.rank_line(rank) + field] = time.monotonic_ns()
 
     def close(self, *, unlink: bool = False) -> None:
         """Unlink the file (the driver); the mapping goes with the last tensor viewing it."""
@@ -206,8 +223,9 @@ class ShmRegion:
 def serve(region: ShmRegion, rank: int, step: Callable[[dict[str, Any]], None], spin_s: float) -> str:
     """Rank ``rank``'s loop: wait for a new sequence number, run ``step(region.step_views(rank))``,
     bump the done counter. Spins for ``spin_s`` after a step, then polls with sleeps of 5% of the
-    idle time (20 us to 1 ms). Returns
-    when told to stop, or after writing a step's exception (the error text, then the flag)."""
+    idle time (20 us to 200 us: a step that comes after a long pause starts late by 0.2 ms at
+    most). Returns when told to stop, or after writing a step's exception (the error text, then
+    the flag). Records when it saw each step (``MARKS["seen"]``)."""
     ctrl, line = region.ctrl, region.rank_line(rank)
     seen = int(ctrl[SEQ])
     last = time.perf_counter()
@@ -216,8 +234,9 @@ def serve(region: ShmRegion, rank: int, step: Callable[[dict[str, Any]], None], 
         if seq == seen:
             idle = time.perf_counter() - last
             if idle > spin_s:
-                time.sleep(min(1e-3, max(20e-6, idle / 20)))  # answers late by 5% of the idle time at most
+                time.sleep(min(2e-4, max(20e-6, idle / 20)))
             continue
+        ctrl[line + T_SEEN] = time.monotonic_ns()
         seen = seq
         if int(ctrl[CMD]) == STOP:
             ctrl[line + DONE] = seq
@@ -264,7 +283,11 @@ class ShmSteps:
         self._unlink = weakref.finalize(self, _unlink, self.region.path)  # also when the pool is dropped
         self.path, self.world_size, self.spin_s = self.region.path, layout.world_size, float(spin_s)
         self._seq = 0
+        self._done_ns = 0
         self._loops: list[Any] = []
+        t = self.region.tensors  # NumPy views of the host-int sections (cheap elementwise writes)
+        self._host = {k: t[k].numpy() for k in ("starts", "counts", "q_counts", "seq_lens", "req_ids", "cu_q")}
+        self._arange = np.arange(max(int(t["req_ids"].shape[0]), int(t["starts"].shape[0])), dtype=np.int64)
         self.pinned: list[bool] = []  #: whether each rank page-locked its mapping (GPU ranks)
 
     def serving(self, loops: Sequence[Any]) -> None:
@@ -272,8 +295,8 @@ class ShmSteps:
         self._loops = list(loops)
 
     def inputs(self) -> dict[str, torch.Tensor]:
-        """The region's input tensors a step may be packed into directly (``q [T, H, D]``,
-        ``topk [T, K]``, ``kv0`` / ``kv1 [T, *row]``; sized for the largest step)."""
+        """The region's input tensors a step may be packed into directly (``q [W, T, H/W, D]``
+        rank-major, ``topk [T, K]``, ``kv0`` / ``kv1 [T, *row]``; sized for the largest step)."""
         return {k: v for k, v in self.region.tensors.items() if k in ("q", "topk") or k.startswith("kv")}
 
     def _ended_loops(self) -> RankStepError | None:
@@ -294,48 +317,77 @@ class ShmSteps:
                 return RankStepError(r, f"its serve loop ended ({how})")
         return None
 
-    def run(self, step: dict[str, Any], q: torch.Tensor, timeout_s: float) -> list[tuple[Any, Any]]:
-        """One decode step: ``step`` (``table [B, w]`` int32, ``starts`` / ``counts`` / ``q_counts``
-        lists, ``kv`` list, ``topk [T, K]`` or ``None``, ``return_lse``), ``q [T, H, D]``. Tensors
-        already packed into the region (:meth:`inputs`) are not copied again.
+    def run(self, step: dict[str, Any], timeout_s: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step. ``step``: ``table [B, w]`` int32, ``starts`` / ``counts`` / ``q_lens``
+        ``[B]`` int64 (NumPy), ``q [T, H, D]`` (or ``None``: already packed rank-major into
+        :meth:`inputs`), ``topk [T, K]`` or ``None``, ``kv`` list, ``return_lse``. Tensors that
+        are views of the region already (:meth:`inputs`) are not copied again.
 
-        Returns each rank's ``(out [T, H/W, Dv], lse [T, H/W] or None)``: views of the region,
-        valid until the next step. Raises :class:`RankStepError` (a rank failed, or the timeout).
+        Returns ``(out [W, T, H/W, Dv], lse [W, T, H/W] or None)``: rank-major views of the
+        region, valid until the next step. Raises :class:`RankStepError` (a rank failed, or the timeout).
         """
         c, t = self.region.ctrl, self.region.tensors
-        table = step["table"]
+        table, starts, counts, q_lens = step["table"], step["starts"], step["counts"], step["q_lens"]
         b, width = int(table.shape[0]), int(table.shape[1])
-        n_q = int(q.shape[0])
+        n_q = int(q_lens.sum())
         n_kv = int(step["kv"][0].shape[0]) if step["kv"] else 0
-        t["table"][: b * width].view(b, width).copy_(table)
-        for name in ("starts", "counts", "q_counts"):
-            t[name][:b].copy_(torch.tensor(step[name], dtype=torch.int64))
-        _put(t["q"][:n_q], q)
+        t["table"][: b * width].view(b, width).copy_(torch.from_numpy(np.ascontiguousarray(table)))
+        host = self._host
+        host["starts"][:b] = starts
+        host["counts"][:b] = counts
+        host["q_counts"][:b] = q_lens
+        host["seq_lens"][:b] = starts + counts
+        cu = host["cu_q"]
+        cu[0] = 0
+        np.cumsum(q_lens, out=cu[1 : b + 1])
+        if n_q == b:  # one query per request: query i is request i's
+            host["req_ids"][:n_q] = self._arange[:n_q]
+        else:
+            host["req_ids"][:n_q] = np.repeat(self._arange[:b], q_lens)
+        q = step["q"]
+        if q is not None:  # every rank's heads into its own block: one strided copy
+            t["q"][:, :n_q].copy_(q.reshape(n_q, self.world_size, -1, q.shape[-1]).transpose(0, 1))
         if step["topk"] is not None:
             _put(t["topk"][:n_q], step["topk"])
         for i, part in enumerate(step["kv"]):
             _put(t[f"kv{i}"][:n_kv], part)
         c[NREQ], c[NQ], c[NKV], c[WIDTH], c[LSE], c[CMD] = b, n_q, n_kv, width, int(step["return_lse"]), DECODE
         self._seq += 1
+        c[T_PUBLISH] = time.monotonic_ns()
         c[SEQ] = self._seq  # last: the ranks read the payload after they see it
         self._wait(timeout_s)
-        lse = step["return_lse"]
-        return [(t[f"out{r}"][:n_q], t[f"lse{r}"][:n_q] if lse else None) for r in range(self.world_size)]
+        self._done_ns = time.monotonic_ns()
+        return t["out"][:, :n_q], t["lse"][:, :n_q] if step["return_lse"] else None
+
+    def timeline(self) -> dict[str, Any]:
+        """The last step's times in ms from the driver's publishing it: each rank's ``seen``,
+        ``inputs`` (its H2D copies queued), ``queued`` (the step and its D2H queued), ``synced``
+        (outputs in the region), and ``done`` (the driver saw every done counter)."""
+        c = self.region.ctrl
+        t0 = int(c[T_PUBLISH])
+        ranks = []
+        for r in range(self.world_size):
+            line = self.region.rank_line(r)
+            ranks.append({k: (int(c[line + f]) - t0) / 1e6 for k, f in MARKS.items()})
+        return {"ranks": ranks, "done": (self._done_ns - t0) / 1e6}
 
     def _wait(self, timeout_s: float) -> None:
+        """Spin on the done counters for ``spin_s``, then yield in sleeps of 5% of the wait so far,
+        10 to 50 us (a done counter is seen within 50 us plus the OS's timer slack)."""
         c, seq = self.region.ctrl, self._seq
         lines = [self.region.rank_line(r) for r in range(self.world_size)]
         t0 = time.perf_counter()
         next_check = t0 + 0.02
         while True:
-            pending = [r for r, ln in enumerate(lines) if int(c[ln + DONE]) != seq]
-            for r, ln in enumerate(lines):
-                if r not in pending and c[ln + FAILED]:
+            done = [int(c[ln + DONE]) == seq for ln in lines]
+            for r, ln in enumerate(lines):  # a rank that failed: at once, not when every rank is done
+                if done[r] and c[ln + FAILED]:
                     raise RankStepError(r, self.region.read_error(r))
-            if not pending:
+            if all(done):
                 return
             now = time.perf_counter()
             if now - t0 > timeout_s:
+                pending = [r for r, d in enumerate(done) if not d]
                 raise RankStepError(pending[0], f"ranks {pending} did not answer within {timeout_s:g} s (hung or dead)")
             if now >= next_check and self._loops:  # a dead rank never bumps its counter
                 next_check = now + 0.02
@@ -343,7 +395,7 @@ class ShmSteps:
                 if ended is not None:
                     raise ended
             if now - t0 > self.spin_s:
-                time.sleep(min(2e-4, max(20e-6, (now - t0) / 20)))  # late by 5% of the wait at most
+                time.sleep(min(50e-6, max(10e-6, (now - t0) / 20)))
 
     def stop(self, wait_s: float = 2.0) -> None:
         """Tell the serve loops to return, and wait for them (best effort)."""

@@ -39,11 +39,17 @@ def query_parts(
 
 
 def assemble(
-    results: Sequence[tuple[torch.Tensor, Any]], token_ids: list[torch.Tensor] | None, tokens: int, return_lse: bool
+    results: Sequence[tuple[torch.Tensor, Any]],
+    token_ids: list[torch.Tensor] | None,
+    tokens: int,
+    return_lse: bool,
+    *,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Every rank's ``(out, lse)`` -> ``(out [T, H, Dv], lse [T, H] fp32 or None)``, token order."""
+    """Every rank's ``(out, lse)`` -> ``(out [T, H, Dv], lse [T, H] fp32 or None)``, token order
+    (one copy of each; ``out``: an optional destination, heads split only)."""
     if token_ids is None:  # each rank returned its heads of every token
-        out = torch.cat([o for o, _ in results], dim=1)
+        out = torch.cat([o for o, _ in results], dim=1, out=out)
         return out, torch.cat([s for _, s in results], dim=1) if return_lse else None
     first = results[0][0]
     out = first.new_empty(tokens, *first.shape[1:])

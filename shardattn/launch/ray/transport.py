@@ -21,7 +21,7 @@ from typing import Any
 
 from shardattn.launch.ray.wire import from_wire, to_wire
 
-__all__ = ["SERVE_GROUP", "TRANSPORTS", "check_local", "start_decode_transport"]
+__all__ = ["SERVE_GROUP", "TRANSPORTS", "check_local", "decode_on_ranks", "start_decode_transport"]
 
 TRANSPORTS = ("shm", "compiled", "calls")
 #: the actors' concurrency group of the shared-memory serve loop (other calls keep being served)
@@ -69,8 +69,11 @@ class _ShmDecode:
     def inputs(self) -> dict[str, Any]:
         return self.steps.inputs()
 
-    def run(self, step: dict[str, Any], q: Any, qs: Sequence[Any], timeout_s: float) -> list[Any]:
-        return self.steps.run(step, q, timeout_s)
+    def run_batch(self, step: dict[str, Any], timeout_s: float) -> tuple[Any, Any]:
+        return self.steps.run(step, timeout_s)
+
+    def timeline(self) -> dict[str, Any]:
+        return self.steps.timeline()
 
     def teardown(self) -> None:
         try:
@@ -131,3 +134,42 @@ def start_decode_transport(
             warnings.warn(f"Ray compiled graph unavailable ({type(e).__name__}: {e}); decode steps use actor calls",
                           RuntimeWarning, stacklevel=4)  # fmt: skip
     return "calls", None
+
+
+def decode_on_ranks(
+    decoder: Any,
+    actors: Sequence[Any],
+    call: Callable[..., list[Any]],
+    batch: Any,
+    table: Any,
+    return_lse: bool,
+    heads_per_rank: int,
+    timeout_s: float,
+) -> tuple[list[tuple[Any, Any]], dict[str, Any] | None]:
+    """One checked decode step (a :class:`~shardattn.launch.ray.requests.BatchStep`, its block
+    table ``[B, w]`` int32 NumPy) on the ranks through the pool's transport (``decoder``; ``None``:
+    actor calls through ``call``). Returns each rank's ``(out [T, H/W, Dv], lse [T, H/W] or None)``
+    (under ``shm``: views of the region, valid until the next step) and, under ``shm``, the step's
+    timeline on every rank (:meth:`~shardattn.launch.ray.shm.ShmSteps.timeline`), else ``None``.
+    Raises :class:`~shardattn.launch.ray.errors.RankStepError` (or what ``call`` raises)."""
+    import torch
+
+    from shardattn.launch.ray.split import query_parts
+
+    if isinstance(decoder, _ShmDecode):
+        step = {"table": table, "starts": batch.starts, "counts": batch.counts, "q_lens": batch.q_lens,
+                "q": batch.q, "topk": batch.topk, "kv": batch.kv, "return_lse": return_lse}  # fmt: skip
+        out_w, lse_w = decoder.run_batch(step, timeout_s)
+        ranks = [(out_w[r], None if lse_w is None else lse_w[r]) for r in range(int(out_w.shape[0]))]
+        return ranks, decoder.timeline()
+    q = batch.q
+    step = {"table": torch.from_numpy(table), "starts": batch.starts.tolist(), "counts": batch.counts.tolist()}
+    step.update(q_counts=batch.q_lens.tolist(), kv=batch.kv, topk=batch.topk, return_lse=return_lse)
+    qs = query_parts(q, len(actors), heads_per_rank, None)
+    if decoder is not None:
+        return decoder.run(step, q, qs, timeout_s), None
+    import ray
+
+    shared_ref = ray.put(to_wire(step))  # once for every rank
+    refs = [a.decode.remote(shared_ref, to_wire(qs[r])) for r, a in enumerate(actors)]
+    return from_wire(call("decode", refs)), None
