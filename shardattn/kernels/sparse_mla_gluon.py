@@ -61,16 +61,18 @@ LOG2E = 1.4426950408889634
 BLOCK_H = 64
 NUM_WARPS = 8
 KINDS = ("prefill",)
-VARIANTS = ("pipelined", "ws")
+VARIANTS = ("pipelined", "ws", "ws64")
 
 
 @dataclass(frozen=True)
 class GluonConfig:
     """Compile-time shape of one Gluon prefill launch (part of the warm-up key).
 
-    ``variant``: ``"pipelined"`` (this module's kernel: 8 warps, ``stages``-deep ring) or ``"ws"``
+    ``variant``: ``"pipelined"`` (this module's kernel: 8 warps, ``stages``-deep ring), ``"ws"``
     (:mod:`shardattn.kernels.sparse_mla_gluon_ws`: producer + two consumer warpgroups, a fixed
-    4-slot ring; ``regs`` = registers of consumer WG1 and of the producer).
+    4-slot ring; ``regs`` = registers of consumer WG1 and of the producer) or ``"ws64"``
+    (:mod:`shardattn.kernels.sparse_mla_gluon_ws64`: 64-key blocks in pairs, per-query only;
+    ``block_n`` 64).
     """
 
     block_n: int = 64
@@ -83,6 +85,12 @@ class GluonConfig:
 
     @property
     def label(self) -> str:
+        if self.variant == "ws64":
+            return (
+                f"ws64r{self.regs[0]}l{self.regs[1]}"
+                + ("q" if self.prefetch_qk else "")
+                + ("h" if self.heads_fastest else "")
+            )
         if self.variant == "ws":
             flags = "a" if self.async_arrive else "w"
             flags += ("q" if self.prefetch_qk else "") + ("h" if self.heads_fastest else "")
@@ -96,6 +104,10 @@ class GluonConfig:
     @property
     def num_warps(self) -> int:
         return NUM_WARPS if self.variant == "pipelined" else WS_NUM_WARPS
+
+    @property
+    def warp_specialized(self) -> bool:
+        return self.variant != "pipelined"
 
 
 def gluon_config(heads: int, d_v: int = 512, d_r: int = 64) -> GluonConfig:
@@ -309,7 +321,7 @@ def launch_gluon_attention(
     d = q.shape[-1]
     h = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
     cfg = config or gluon_config(h, v_dim, d - v_dim)
-    if group_size > 1 and (cfg.variant != "ws" or h > BLOCK_H // group_size):
+    if group_size > 1 and (cfg.variant != "ws" or h > BLOCK_H // group_size):  # ws64 is per-query
         raise ValueError(f"group_size={group_size} needs the 'ws' variant and <= {BLOCK_H // group_size} heads")
     t, h, out, lse = launch_destinations(q, v_dim, out, lse)
     if t == 0 or h == 0:
@@ -319,6 +331,17 @@ def launch_gluon_attention(
     heads_per_tile = BLOCK_H // group_size
     grid = (num_groups(t, group_size), triton.cdiv(h, heads_per_tile))
     sink_arg = sinks if sinks is not None else lse
+    if cfg.variant == "ws64":
+        from shardattn.kernels.sparse_mla_gluon_ws64 import ws64_kernel
+
+        if cfg.heads_fastest:
+            grid = (grid[0] * grid[1],)
+        ws64_kernel()[grid](
+            q, kv, union, lens, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E,
+            D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None, CONSUMER_REGS=cfg.regs[0],
+            PREFETCH_QK=cfg.prefetch_qk, HEADS_FASTEST=cfg.heads_fastest, num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
+        )  # fmt: skip
+        return out, lse
     if cfg.variant == "ws":
         from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
 
@@ -431,7 +454,7 @@ def compile_kernel_for_sm90(
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ptr = f"*{dtype}"
-    ws = cfg.variant == "ws"
+    ws = cfg.warp_specialized
     signature = {
         "Q": ptr, "KV": ptr, "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": ptr, "LSE": "*fp32",
         "T": "i32", "H": "i32", "HB": "i32",
@@ -441,7 +464,15 @@ def compile_kernel_for_sm90(
         "stride_lb": "i32", "stride_lt": "i32", "stride_lh": "i32",
         "qk_scale": "fp32",
     }  # fmt: skip
-    if ws:
+    if cfg.variant == "ws64":
+        from shardattn.kernels.sparse_mla_gluon_ws64 import ws64_kernel
+
+        constexprs = {
+            "D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks, "CONSUMER_REGS": cfg.regs[0],
+            "PREFETCH_QK": cfg.prefetch_qk, "HEADS_FASTEST": cfg.heads_fastest,
+        }  # fmt: skip
+        fn, options = ws64_kernel(), {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
+    elif ws:
         from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
 
         constexprs = {
