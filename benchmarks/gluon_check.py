@@ -56,10 +56,12 @@ from shardattn.plan.routing import gluon_grouped_group_size, tile_group_size
 #: (``regs[0]``: registers of each consumer warpgroup; the producer gets the rest of 3 x 168).
 VARIANTS = [
     GluonConfig(32, 4, "ws", (224, 56), async_arrive=True),
+    GluonConfig(64, 2, "ws64", (224, 56)),
+    GluonConfig(64, 2, "ws64", (224, 56), early_kv=True),
+    GluonConfig(64, 2, "ws64", (224, 56), heads_fastest=True, early_kv=True),
     GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True),
-    GluonConfig(64, 2, "ws64", (216, 72), prefetch_qk=True),
-    GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=False),
-    GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, heads_fastest=True),
+    GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, early_kv=True),
+    GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, heads_fastest=True, early_kv=True),
 ]
 
 

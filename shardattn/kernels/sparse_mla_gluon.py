@@ -82,19 +82,15 @@ class GluonConfig:
     async_arrive: bool = True
     prefetch_qk: bool = False
     heads_fastest: bool = False
+    early_kv: bool = False
 
     @property
     def label(self) -> str:
+        flags = ("q" if self.prefetch_qk else "") + ("h" if self.heads_fastest else "")
         if self.variant == "ws64":
-            return (
-                f"ws64r{self.regs[0]}l{self.regs[1]}"
-                + ("q" if self.prefetch_qk else "")
-                + ("h" if self.heads_fastest else "")
-            )
+            return f"ws64r{self.regs[0]}{flags}" + ("k" if self.early_kv else "")
         if self.variant == "ws":
-            flags = "a" if self.async_arrive else "w"
-            flags += ("q" if self.prefetch_qk else "") + ("h" if self.heads_fastest else "")
-            return f"ws{self.block_n}r{self.regs[0]}{flags}"
+            return f"ws{self.block_n}r{self.regs[0]}{'a' if self.async_arrive else 'w'}{flags}"
         return f"p{self.block_n}x{self.stages}"
 
     @property
@@ -339,7 +335,8 @@ def launch_gluon_attention(
         ws64_kernel()[grid](
             q, kv, union, lens, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E,
             D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None, CONSUMER_REGS=cfg.regs[0],
-            PREFETCH_QK=cfg.prefetch_qk, HEADS_FASTEST=cfg.heads_fastest, num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
+            PREFETCH_QK=cfg.prefetch_qk, HEADS_FASTEST=cfg.heads_fastest, EARLY_KV=cfg.early_kv,
+            num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
         )  # fmt: skip
         return out, lse
     if cfg.variant == "ws":
@@ -469,7 +466,7 @@ def compile_kernel_for_sm90(
 
         constexprs = {
             "D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks, "CONSUMER_REGS": cfg.regs[0],
-            "PREFETCH_QK": cfg.prefetch_qk, "HEADS_FASTEST": cfg.heads_fastest,
+            "PREFETCH_QK": cfg.prefetch_qk, "HEADS_FASTEST": cfg.heads_fastest, "EARLY_KV": cfg.early_kv,
         }  # fmt: skip
         fn, options = ws64_kernel(), {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
     elif ws:

@@ -42,7 +42,6 @@ if HAS_GLUON:
         gluon,
         mbarrier,
         warpgroup_mma,
-        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from shardattn.kernels.gluon_compat import cta_barrier as _cta_barrier
@@ -81,11 +80,26 @@ if HAS_GLUON:
         _async_load(dst, ptr, mask=(rows >= 0)[:, None])
 
     @gluon.jit
-    def _producer(args, D_V: gl.constexpr, D_R: gl.constexpr):
-        (KV, u_base, n_len, stride_kvr, n_pairs, _q_l, _q_r, _q_rope, k_l, k_r, k_rope, _p1, _m_buf, _l_bufs,
-         ready, free, _m0_ready, _m1_ready, _p0_ready, _p1_ready, _l_ready, _qk_scale) = args  # fmt: skip
+    def _load_q(dst, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, col0, WIDTH: gl.constexpr):
+        """cp.async the tile's q columns ``[col0, col0 + WIDTH)`` (rows past H or T zero-filled)."""
+        lay: gl.constexpr = _gather_layout()
+        t, blk, hin, _h, ok = _tile_rows(g, hb, T, H, HB, 1, gl.SliceLayout(1, lay))
+        row = t * stride_qt + blk * stride_qb + hin.to(gl.int64) * stride_qh
+        d = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, lay))
+        _async_load(dst, Q + row[:, None] + col0 + d[None, :], mask=ok[:, None])
+
+    @gluon.jit
+    def _producer(args, D_V: gl.constexpr, D_R: gl.constexpr, EARLY_KV: gl.constexpr):
+        (KV, u_base, n_len, stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, _p1, _m_buf, _l_bufs, ready,
+         free, _m0_ready, _m1_ready, _p0_ready, _p1_ready, _l_ready, _qk_scale, q_ready, q_src) = args  # fmt: skip
         HALF: gl.constexpr = D_V // 2
         lay: gl.constexpr = _gather_layout()
+        if EARLY_KV:  # Q first, then straight on to the KV rows (the consumers wait for q_ready)
+            (Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh) = q_src
+            _load_q(q_l, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF)
+            _load_q(q_r, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF)
+            _load_q(q_rope, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R)
+            cp.mbarrier_arrive(q_ready, increment_count=False)
         r0 = _block_rows(u_base, n_len, 0, lay)
         r1 = _block_rows(u_base, n_len, 1, lay)
         for i in range(n_pairs):
@@ -124,10 +138,26 @@ if HAS_GLUON:
         return l_i + l_bufs.index(1 - W).load(l_i.type.layout)
 
     @gluon.jit
-    def _consumer0(args, D_V: gl.constexpr, PREFETCH_QK: gl.constexpr):
+    def _qk0_left(q_l, k_l, ready, phase, s_zero):
+        """Wait for block 0's left half and issue its part of ``S0 = Q K0^T`` (async)."""
+        mbarrier.wait(ready.index(_L0), phase)
+        return warpgroup_mma(q_l, k_l.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _qk0_right(q_r, q_rope, k_r, k_rope, ready, phase, s_l):
+        """Wait for block 0's right half, add its part (nope right + rope) to ``s_l``; the finished ``S0``."""
+        mbarrier.wait(ready.index(_R0), phase)
+        s = warpgroup_mma(q_r, k_r.index(0).permute((1, 0)), s_l, is_async=True)
+        s = warpgroup_mma(q_rope, k_rope.index(0).permute((1, 0)), s, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+    @gluon.jit
+    def _consumer0(args, D_V: gl.constexpr, PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr):
         """WG0: block ``2i`` of each pair, output columns ``[0, Dv/2)``; returns ``(acc, m_i, l_i)``."""
         (_KV, _u_base, n_len, _stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs,
-         ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale) = args  # fmt: skip
+         ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready, _q_src) = args  # fmt: skip
+        if EARLY_KV:
+            mbarrier.wait(q_ready, 0)
         dtype: gl.constexpr = q_l.dtype
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(
@@ -140,25 +170,20 @@ if HAS_GLUON:
         acc = gl.zeros([64, D_V // 2], gl.float32, layout=mma_o)
         s_zero = gl.zeros([64, 64], gl.float32, layout=mma_s)
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, mma_s))
-        acc_t = warpgroup_mma_init(acc)  # the last P V in flight, carried through the loop
+        s = s_zero
+        if PREFETCH_QK:  # pair 0's S0 here; pair i + 1's at the end of pair i
+            if n_pairs > 0:
+                s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, 0, _qk0_left(q_l, k_l, ready, 0, s_zero))
         for i in range(n_pairs):
             ph = i & 1
-            # S0's left half first (PREFETCH_QK: the tensor cores run it behind the previous pair's P1 V1_L)
-            mbarrier.wait(ready.index(_L0), ph)
-            s_l = warpgroup_mma(q_l, k_l.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc_t,))
-            if PREFETCH_QK:
-                mbarrier.arrive(free.index(_L1), count=1, pred=i > 0)
-            mbarrier.wait(ready.index(_R0), ph)
-            s = warpgroup_mma(q_r, k_r.index(0).permute((1, 0)), s_l, is_async=True)
-            s = warpgroup_mma(q_rope, k_rope.index(0).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            s = gl.where((2 * i * 64 + cols < n_len)[None, :], s * qk_scale, float("-inf"))
-            m0 = gl.maximum(m_i, gl.max(s, axis=1))  # finite: block 2i holds a key
+            if not PREFETCH_QK:
+                s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, ph, _qk0_left(q_l, k_l, ready, ph, s_zero))
+            s_m = gl.where((2 * i * 64 + cols < n_len)[None, :], s * qk_scale, float("-inf"))
+            m0 = gl.maximum(m_i, gl.max(s_m, axis=1))  # finite: block 2i holds a key
             m_buf.store(m0)
             mbarrier.arrive(m0_ready, count=1)
             alpha = gl.exp2(m_i - m0)
-            p = gl.exp2(s - m0[:, None])
+            p = gl.exp2(s_m - m0[:, None])
             l_i = l_i * alpha + gl.sum(p, axis=1)
             acc = acc * _rows_of(alpha, mma_o)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), k_l.index(0), acc, is_async=True)
@@ -176,18 +201,26 @@ if HAS_GLUON:
             m_i = m1
             mbarrier.wait(p1_ready, ph)
             acc_t = warpgroup_mma(p1_buf, k_l.index(1), acc, is_async=True)
-            if not PREFETCH_QK:  # wait for P1 V1_L here, nothing in flight across pairs
+            if PREFETCH_QK:
+                if i + 1 < n_pairs:  # the next S0's left half runs behind P1 V1_L
+                    s_l = _qk0_left(q_l, k_l, ready, ph ^ 1, s_zero)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc_t,))
+                    mbarrier.arrive(free.index(_L1), count=1)
+                    s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, ph ^ 1, s_l)
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
+            else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
                 mbarrier.arrive(free.index(_L1), count=1)
-                acc_t = warpgroup_mma_init(acc)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
         return acc, m_i, _combine_l(l_i, l_bufs, l_ready, 0)
 
     @gluon.jit
-    def _consumer1(args, D_V: gl.constexpr):
+    def _consumer1(args, D_V: gl.constexpr, EARLY_KV: gl.constexpr):
         """WG1: block ``2i + 1`` of each pair, output columns ``[Dv/2, Dv)``; returns ``(acc, m_i, l_i)``."""
         (_KV, _u_base, n_len, _stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs,
-         ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale) = args  # fmt: skip
+         ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready, _q_src) = args  # fmt: skip
+        if EARLY_KV:
+            mbarrier.wait(q_ready, 0)
         dtype: gl.constexpr = q_l.dtype
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(
@@ -233,29 +266,20 @@ if HAS_GLUON:
 
     @gluon.jit
     def _wg0(args, out_args, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-             PREFETCH_QK: gl.constexpr):  # fmt: skip
-        acc, m_i, l_i = _consumer0(args, D_V, PREFETCH_QK)
+             PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr):  # fmt: skip
+        acc, m_i, l_i = _consumer0(args, D_V, PREFETCH_QK, EARLY_KV)
         _ws_epilogue(acc, m_i, l_i, out_args, 0, D_V, HAS_SINK, 1)
 
     @gluon.jit
     def _wg1(args, out_args, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-             PREFETCH_QK: gl.constexpr):  # fmt: skip
-        acc, m_i, l_i = _consumer1(args, D_V)
+             PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr):  # fmt: skip
+        acc, m_i, l_i = _consumer1(args, D_V, EARLY_KV)
         _ws_epilogue(acc, m_i, l_i, out_args, 1, D_V, HAS_SINK, 1)
 
     @gluon.jit
     def _load(args, out_args, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-              PREFETCH_QK: gl.constexpr):  # fmt: skip
-        _producer(args, D_V, D_R)
-
-    @gluon.jit
-    def _load_q(dst, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, col0, WIDTH: gl.constexpr):
-        """cp.async the tile's q columns ``[col0, col0 + WIDTH)`` (rows past H or T zero-filled)."""
-        lay: gl.constexpr = _gather_layout()
-        t, blk, hin, _h, ok = _tile_rows(g, hb, T, H, HB, 1, gl.SliceLayout(1, lay))
-        row = t * stride_qt + blk * stride_qb + hin.to(gl.int64) * stride_qh
-        d = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, lay))
-        _async_load(dst, Q + row[:, None] + col0 + d[None, :], mask=ok[:, None])
+              PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr):  # fmt: skip
+        _producer(args, D_V, D_R, EARLY_KV)
 
     @gluon.jit(do_not_specialize=NOT_SPECIALIZED)
     def _sparse_mla_gluon_ws64_fwd(
@@ -266,6 +290,7 @@ if HAS_GLUON:
         qk_scale,
         D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PREFETCH_QK: gl.constexpr, HEADS_FASTEST: gl.constexpr,
+        EARLY_KV: gl.constexpr,
     ):  # fmt: skip
         dtype: gl.constexpr = Q.dtype.element_ty
         HALF: gl.constexpr = D_V // 2
@@ -301,19 +326,22 @@ if HAS_GLUON:
         for s in gl.static_range(2):
             mbarrier.init(l_ready.index(s), count=1)
 
-        _load_q(q_l, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF)
-        _load_q(q_r, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF)
-        _load_q(q_rope, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R)
-        cp.commit_group()
-        cp.wait_group(0)
-        fence_async_shared()
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+        mbarrier.init(q_ready, count=128)  # EARLY_KV: one cp.async arrival per producer thread
+        if not EARLY_KV:  # Q by the 4 warps here, before the partitions start
+            _load_q(q_l, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF)
+            _load_q(q_r, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF)
+            _load_q(q_rope, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R)
+            cp.commit_group()
+            cp.wait_group(0)
+            fence_async_shared()
         _cta_barrier()
 
         n_len = gl.load(LENS + g)
         n_pairs = gl.cdiv(gl.cdiv(n_len, 64), 2)
         args = (KV, UNION + g * stride_ug, n_len, stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf,
                 m_buf, l_bufs, ready, free, sync.index(0), sync.index(1), sync.index(2), sync.index(3),
-                l_ready, qk_scale)  # fmt: skip
+                l_ready, qk_scale, q_ready, (Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh))  # fmt: skip
         out_args = (OUT, LSE, SINKS, g, hb, T, H, HB, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
                     stride_lh)  # fmt: skip
         # the producer is the default partition (it gets what the consumers leave of the kernel's
@@ -321,9 +349,9 @@ if HAS_GLUON:
         # there spilled (``benchmarks/RESULTS.md``)
         gl.warp_specialize(
             [
-                (_load, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK)),
-                (_wg0, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK)),
-                (_wg1, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK)),
+                (_load, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV)),
+                (_wg0, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV)),
+                (_wg1, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV)),
             ],
             [4, 4],
             [CONSUMER_REGS, CONSUMER_REGS],
