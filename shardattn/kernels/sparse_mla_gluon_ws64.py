@@ -13,7 +13,8 @@ warpgroups (12 warps) share the work through shared memory and mbarriers:
   max ``m0`` (with the running max) to WG1, ``P0`` at ``m0``, ``O_L += P0 V0_L`` from registers
   (then 0L is free), waits for WG1's final max ``m1``, rescales ``P0`` to it and writes it into
   block 0's rope slot (``S0`` has read it), rescales ``O_L`` and adds ``P1 V1_L`` from shared
-  memory; the next pair's ``Q K0_L^T`` is issued before that last product is waited for;
+  memory (``PREFETCH_QK``: with the next pair's ``Q K0_L^T`` issued behind it, FlashMLA's
+  overlap; measured slower here, benchmarks/RESULTS.md);
 * **consumer WG1** (block 1, columns ``[Dv/2, Dv)``): ``S1 = Q K1^T``, ``m1 = max(m0, rowmax S1)``
   to WG0, ``O_R += P1 V1_R`` from registers, ``P1`` to shared memory, ``O_R += P0 V0_R``.
 
@@ -24,9 +25,12 @@ an empty row); block 0 of a pair always holds a key, block 1 may be empty (maske
 ``lens[t]``). q / out / lse use the (block, token, head) strides of
 :mod:`shardattn.kernels.sparse_mla_gluon_ws` (head-blocked buffers in place).
 
+The producer is the default partition and gets the registers the consumers leave (a consumer
+there spilled more). ``EARLY_KV``: the producer loads Q too, so the gather starts without
+waiting for it; ``HEADS_FASTEST``: a 1-D grid with a token's head blocks adjacent.
+
 Shared memory (DSA shapes): Q 72 KB + 2 x 72 KB blocks + one 8 KB P buffer (block 0's P lives in
-block 0's rope slot) + row maxima / sums and barriers: 230 KB of sm_90's 227 KB opt-in... see
-``benchmarks/RESULTS.md`` for the compiled size.
+block 0's rope slot) + row maxima / sums and barriers = 230,600 B of sm_90's 232,448.
 """
 
 from __future__ import annotations
