@@ -57,11 +57,10 @@ from shardattn.plan.routing import gluon_grouped_group_size, tile_group_size
 VARIANTS = [
     GluonConfig(32, 4, "ws", (224, 56), async_arrive=True),
     GluonConfig(64, 2, "ws64", (224, 56)),
-    GluonConfig(64, 2, "ws64", (224, 56), early_kv=True),
-    GluonConfig(64, 2, "ws64", (224, 56), heads_fastest=True, early_kv=True),
-    GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True),
-    GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, early_kv=True),
-    GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, heads_fastest=True, early_kv=True),
+    GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True),
+    GluonConfig(64, 2, "ws64", (224, 56), heads_fastest=True, opaque_slots=True),
+    GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, opaque_slots=True),
+    GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, heads_fastest=True, opaque_slots=True),
 ]
 
 

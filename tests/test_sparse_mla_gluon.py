@@ -33,6 +33,8 @@ needs_gluon = pytest.mark.skipif(gluon_available() is not None, reason=str(gluon
 D_V, D_R, K = 512, 64, 2048
 WS = gluon_config(128)
 PIPELINED = GluonConfig(64, 2)
+#: The 64-key kernel with every code path the routed one leaves out (QK prefetch, opaque slots).
+WS64_ALT = GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, opaque_slots=True)
 
 
 @needs_gluon
@@ -63,8 +65,9 @@ def test_compile_grouped_variant_for_sm90(heads, group_size):
 @needs_gluon
 def test_compile_64_key_variant_with_every_option_fits_shared_memory():
     """The routed per-query kernel's compile-time options that are not routed (QK prefetch, Q in the
-    producer, head-fastest grid) compile too, with sinks, within sm_90's shared memory."""
-    cfg = GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, heads_fastest=True, early_kv=True)
+    producer, head-fastest grid, opaque slot index) compile too, with sinks, within sm_90's shared
+    memory."""
+    cfg = GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, heads_fastest=True, early_kv=True, opaque_slots=True)
     kernel = compile_kernel_for_sm90("prefill", 128, config=cfg, sinks=True)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.mbarrier.arrive" in ptx
@@ -160,7 +163,7 @@ def _assert_close(out, lse, q, kv, rows, length, sinks):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("config", [WS, WS32_CONFIG, PIPELINED], ids=lambda c: c.label)
+@pytest.mark.parametrize("config", [WS, WS64_ALT, WS32_CONFIG, PIPELINED], ids=lambda c: c.label)
 @pytest.mark.parametrize("heads", [16, 64, 128], ids=lambda h: f"h{h}")
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
 def test_gluon_variants_match_reference_at_real_shape(config, heads, with_sinks):

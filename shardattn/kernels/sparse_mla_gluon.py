@@ -84,12 +84,13 @@ class GluonConfig:
     prefetch_qk: bool = False
     heads_fastest: bool = False
     early_kv: bool = False
+    opaque_slots: bool = False
 
     @property
     def label(self) -> str:
         flags = ("q" if self.prefetch_qk else "") + ("h" if self.heads_fastest else "")
         if self.variant == "ws64":
-            return f"ws64r{self.regs[0]}{flags}" + ("k" if self.early_kv else "")
+            return f"ws64r{self.regs[0]}{flags}" + ("k" if self.early_kv else "") + ("z" if self.opaque_slots else "")
         if self.variant == "ws":
             return f"ws{self.block_n}r{self.regs[0]}{'a' if self.async_arrive else 'w'}{flags}"
         return f"p{self.block_n}x{self.stages}"
@@ -352,7 +353,8 @@ def _kernel_args(cfg: GluonConfig, group_size: int, v_dim: int, rope_dim: int, s
     if cfg.variant == "ws64":
         from shardattn.kernels.sparse_mla_gluon_ws64 import ws64_kernel
 
-        return ws64_kernel(), {**common, "CONSUMER_REGS": cfg.regs[0], **flags, "EARLY_KV": cfg.early_kv}, options
+        ws64 = {"EARLY_KV": cfg.early_kv, "OPAQUE_SLOTS": cfg.opaque_slots}
+        return ws64_kernel(), {**common, "CONSUMER_REGS": cfg.regs[0], **flags, **ws64}, options
     if cfg.variant == "ws":
         from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
 

@@ -27,7 +27,9 @@ an empty row); block 0 of a pair always holds a key, block 1 may be empty (maske
 
 The producer is the default partition and gets the registers the consumers leave (a consumer
 there spilled more). ``EARLY_KV``: the producer loads Q too, so the gather starts without
-waiting for it; ``HEADS_FASTEST``: a 1-D grid with a token's head blocks adjacent.
+waiting for it; ``HEADS_FASTEST``: a 1-D grid with a token's head blocks adjacent;
+``OPAQUE_SLOTS``: the consumers index their buffers with a per-iteration opaque 0 so the wgmma
+descriptors are not hoisted out of the key loop and spilled (:func:`_slot0`).
 
 Shared memory (DSA shapes): Q 72 KB + 2 x 72 KB blocks + one 8 KB P buffer (block 0's P lives in
 block 0's rope slot) + row maxima / sums and barriers = 230,600 B of sm_90's 232,448.
@@ -100,9 +102,9 @@ if HAS_GLUON:
         lay: gl.constexpr = _gather_layout()
         if EARLY_KV:  # Q first, then straight on to the KV rows (the consumers wait for q_ready)
             (Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh) = q_src
-            _load_q(q_l, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF)
-            _load_q(q_r, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF)
-            _load_q(q_rope, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R)
+            _load_q(q_l.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF)
+            _load_q(q_r.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF)
+            _load_q(q_rope.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R)
             cp.mbarrier_arrive(q_ready, increment_count=False)
         r0 = _block_rows(u_base, n_len, 0, lay)
         r1 = _block_rows(u_base, n_len, 1, lay)
@@ -142,21 +144,35 @@ if HAS_GLUON:
         return l_i + l_bufs.index(1 - W).load(l_i.type.layout)
 
     @gluon.jit
-    def _qk0_left(q_l, k_l, ready, phase, s_zero):
-        """Wait for block 0's left half and issue its part of ``S0 = Q K0^T`` (async)."""
-        mbarrier.wait(ready.index(_L0), phase)
-        return warpgroup_mma(q_l, k_l.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    def _slot0(i, OPAQUE_SLOTS: gl.constexpr):
+        """Index 0 of the consumers' shared-memory buffers in key-loop iteration ``i``.
+
+        ``OPAQUE_SLOTS``: produced in every iteration by an instruction the compiler cannot see
+        through, so the loop's wgmma descriptors are built inside the loop; with a constant 0
+        they are hoisted before it (36 per ``Q K^T``, all live across the loop) and ptxas spills
+        them in one consumer and reloads them every pair (benchmarks/RESULTS.md)."""
+        if OPAQUE_SLOTS:
+            return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            return 0
 
     @gluon.jit
-    def _qk0_right(q_r, q_rope, k_r, k_rope, ready, phase, s_l):
+    def _qk0_left(q_l, k_l, ready, phase, s_zero, z):
+        """Wait for block 0's left half and issue its part of ``S0 = Q K0^T`` (async)."""
+        mbarrier.wait(ready.index(_L0), phase)
+        return warpgroup_mma(q_l.index(z), k_l.index(z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _qk0_right(q_r, q_rope, k_r, k_rope, ready, phase, s_l, z):
         """Wait for block 0's right half, add its part (nope right + rope) to ``s_l``; the finished ``S0``."""
         mbarrier.wait(ready.index(_R0), phase)
-        s = warpgroup_mma(q_r, k_r.index(0).permute((1, 0)), s_l, is_async=True)
-        s = warpgroup_mma(q_rope, k_rope.index(0).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_r.index(z), k_r.index(z).permute((1, 0)), s_l, is_async=True)
+        s = warpgroup_mma(q_rope.index(z), k_rope.index(z).permute((1, 0)), s, is_async=True)
         return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
-    def _consumer0(args, D_V: gl.constexpr, PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr):
+    def _consumer0(args, D_V: gl.constexpr, PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr,
+                   OPAQUE_SLOTS: gl.constexpr):  # fmt: skip
         """WG0: block ``2i`` of each pair, output columns ``[0, Dv/2)``; returns ``(acc, m_i, l_i)``."""
         (_KV, _u_base, n_len, _stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs,
          ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready, _q_src) = args  # fmt: skip
@@ -177,11 +193,12 @@ if HAS_GLUON:
         s = s_zero
         if PREFETCH_QK:  # pair 0's S0 here; pair i + 1's at the end of pair i
             if n_pairs > 0:
-                s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, 0, _qk0_left(q_l, k_l, ready, 0, s_zero))
+                s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, 0, _qk0_left(q_l, k_l, ready, 0, s_zero, 0), 0)
         for i in range(n_pairs):
             ph = i & 1
+            z = _slot0(i, OPAQUE_SLOTS)
             if not PREFETCH_QK:
-                s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, ph, _qk0_left(q_l, k_l, ready, ph, s_zero))
+                s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, ph, _qk0_left(q_l, k_l, ready, ph, s_zero, z), z)
             s_m = gl.where((2 * i * 64 + cols < n_len)[None, :], s * qk_scale, float("-inf"))
             m0 = gl.maximum(m_i, gl.max(s_m, axis=1))  # finite: block 2i holds a key
             m_buf.store(m0)
@@ -190,27 +207,27 @@ if HAS_GLUON:
             p = gl.exp2(s_m - m0[:, None])
             l_i = l_i * alpha + gl.sum(p, axis=1)
             acc = acc * _rows_of(alpha, mma_o)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), k_l.index(0), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), k_l.index(z), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(free.index(_L0), count=1)
             # WG1's final max of the pair: P0 rescaled to it goes to WG1 through block 0's rope slot
             mbarrier.wait(m1_ready, ph)
             m1 = m_buf.load(row_l)
             sc = gl.exp2(m0 - m1)
-            k_rope.index(0).store((p * sc[:, None]).to(dtype))
+            k_rope.index(z).store((p * sc[:, None]).to(dtype))
             fence_async_shared()
             mbarrier.arrive(p0_ready, count=1)
             acc = acc * _rows_of(sc, mma_o)
             l_i = l_i * sc
             m_i = m1
             mbarrier.wait(p1_ready, ph)
-            acc_t = warpgroup_mma(p1_buf, k_l.index(1), acc, is_async=True)
+            acc_t = warpgroup_mma(p1_buf, k_l.index(1 + z), acc, is_async=True)
             if PREFETCH_QK:
                 if i + 1 < n_pairs:  # the next S0's left half runs behind P1 V1_L
-                    s_l = _qk0_left(q_l, k_l, ready, ph ^ 1, s_zero)
+                    s_l = _qk0_left(q_l, k_l, ready, ph ^ 1, s_zero, z)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc_t,))
                     mbarrier.arrive(free.index(_L1), count=1)
-                    s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, ph ^ 1, s_l)
+                    s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, ph ^ 1, s_l, z)
                 else:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
             else:
@@ -219,7 +236,7 @@ if HAS_GLUON:
         return acc, m_i, _combine_l(l_i, l_bufs, l_ready, 0)
 
     @gluon.jit
-    def _consumer1(args, D_V: gl.constexpr, EARLY_KV: gl.constexpr):
+    def _consumer1(args, D_V: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr):
         """WG1: block ``2i + 1`` of each pair, output columns ``[Dv/2, Dv)``; returns ``(acc, m_i, l_i)``."""
         (_KV, _u_base, n_len, _stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs,
          ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready, _q_src) = args  # fmt: skip
@@ -239,11 +256,12 @@ if HAS_GLUON:
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, mma_s))
         for i in range(n_pairs):
             ph = i & 1
+            z = _slot0(i, OPAQUE_SLOTS)
             mbarrier.wait(ready.index(_R1), ph)
-            s = warpgroup_mma(q_r, k_r.index(1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_rope, k_rope.index(1).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q_r.index(z), k_r.index(1 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_rope.index(z), k_rope.index(1 + z).permute((1, 0)), s, is_async=True)
             mbarrier.wait(ready.index(_L1), ph)
-            s = warpgroup_mma(q_l, k_l.index(1).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q_l.index(z), k_l.index(1 + z).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             s = gl.where(((2 * i + 1) * 64 + cols < n_len)[None, :], s * qk_scale, float("-inf"))
             mbarrier.wait(m0_ready, ph)
@@ -256,11 +274,11 @@ if HAS_GLUON:
             m_i = m1
             acc = acc * _rows_of(alpha, mma_o)
             pb = p.to(dtype)
-            acc = warpgroup_mma(gl.convert_layout(pb, p_op), k_r.index(1), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(pb, p_op), k_r.index(1 + z), acc, is_async=True)
             p1_buf.store(pb)
             fence_async_shared()
             mbarrier.wait(p0_ready, ph)
-            acc = warpgroup_mma(k_rope.index(0), k_r.index(0), acc, is_async=True)
+            acc = warpgroup_mma(k_rope.index(z), k_r.index(z), acc, is_async=True)
             mbarrier.arrive(p1_ready, count=1)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             mbarrier.arrive(free.index(_R1), count=1)
@@ -270,19 +288,19 @@ if HAS_GLUON:
 
     @gluon.jit
     def _wg0(args, out_args, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-             PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr):  # fmt: skip
-        acc, m_i, l_i = _consumer0(args, D_V, PREFETCH_QK, EARLY_KV)
+             PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr):  # fmt: skip
+        acc, m_i, l_i = _consumer0(args, D_V, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS)
         _ws_epilogue(acc, m_i, l_i, out_args, 0, D_V, HAS_SINK, 1)
 
     @gluon.jit
     def _wg1(args, out_args, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-             PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr):  # fmt: skip
-        acc, m_i, l_i = _consumer1(args, D_V, EARLY_KV)
+             PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr):  # fmt: skip
+        acc, m_i, l_i = _consumer1(args, D_V, EARLY_KV, OPAQUE_SLOTS)
         _ws_epilogue(acc, m_i, l_i, out_args, 1, D_V, HAS_SINK, 1)
 
     @gluon.jit
     def _load(args, out_args, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-              PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr):  # fmt: skip
+              PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr):  # fmt: skip
         _producer(args, D_V, D_R, EARLY_KV)
 
     @gluon.jit(do_not_specialize=NOT_SPECIALIZED)
@@ -294,7 +312,7 @@ if HAS_GLUON:
         qk_scale,
         D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PREFETCH_QK: gl.constexpr, HEADS_FASTEST: gl.constexpr,
-        EARLY_KV: gl.constexpr,
+        EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr,
     ):  # fmt: skip
         dtype: gl.constexpr = Q.dtype.element_ty
         HALF: gl.constexpr = D_V // 2
@@ -306,9 +324,9 @@ if HAS_GLUON:
         else:
             g = gl.program_id(0).to(gl.int64)
             hb = gl.program_id(1)
-        q_l = gl.allocate_shared_memory(dtype, [64, HALF], _nvmma(HALF, 16))
-        q_r = gl.allocate_shared_memory(dtype, [64, HALF], _nvmma(HALF, 16))
-        q_rope = gl.allocate_shared_memory(dtype, [64, D_R], _nvmma(D_R, 16))
+        q_l = gl.allocate_shared_memory(dtype, [1, 64, HALF], _nvmma(HALF, 16))
+        q_r = gl.allocate_shared_memory(dtype, [1, 64, HALF], _nvmma(HALF, 16))
+        q_rope = gl.allocate_shared_memory(dtype, [1, 64, D_R], _nvmma(D_R, 16))
         k_l = gl.allocate_shared_memory(dtype, [2, 64, HALF], _nvmma(HALF, 16))
         k_r = gl.allocate_shared_memory(dtype, [2, 64, HALF], _nvmma(HALF, 16))
         # block 0's rope slot doubles as the P0 buffer ([64 heads, 64 keys], the same layout when D_R = 64)
@@ -333,9 +351,9 @@ if HAS_GLUON:
         q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
         mbarrier.init(q_ready, count=128)  # EARLY_KV: one cp.async arrival per producer thread
         if not EARLY_KV:  # Q by the 4 warps here, before the partitions start
-            _load_q(q_l, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF)
-            _load_q(q_r, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF)
-            _load_q(q_rope, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R)
+            _load_q(q_l.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF)
+            _load_q(q_r.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF)
+            _load_q(q_rope.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R)
             cp.commit_group()
             cp.wait_group(0)
             fence_async_shared()
@@ -353,9 +371,9 @@ if HAS_GLUON:
         # there spilled (``benchmarks/RESULTS.md``)
         gl.warp_specialize(
             [
-                (_load, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV)),
-                (_wg0, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV)),
-                (_wg1, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV)),
+                (_load, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS)),
+                (_wg0, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS)),
+                (_wg1, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS)),
             ],
             [4, 4],
             [CONSUMER_REGS, CONSUMER_REGS],
