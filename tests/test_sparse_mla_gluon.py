@@ -14,6 +14,7 @@ import torch
 
 from shardattn.kernels.registry import sparse_prefill_kernel
 from shardattn.kernels.sparse_mla_gluon import (
+    WS32_CONFIG,
     GluonConfig,
     compile_for_sm90,
     compile_kernel_for_sm90,
@@ -32,6 +33,8 @@ needs_gluon = pytest.mark.skipif(gluon_available() is not None, reason=str(gluon
 D_V, D_R, K = 512, 64, 2048
 WS = gluon_config(128)
 PIPELINED = GluonConfig(64, 2)
+#: The 64-key kernel with every code path the routed one leaves out (QK prefetch, opaque slots).
+WS64_ALT = GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, opaque_slots=True)
 
 
 @needs_gluon
@@ -59,6 +62,26 @@ def test_compile_grouped_variant_for_sm90(heads, group_size):
     assert 0 < kernel.metadata.shared <= 232448
 
 
+@needs_gluon
+def test_compile_64_key_variant_with_every_option_fits_shared_memory():
+    """The routed per-query kernel's compile-time options that are not routed (QK prefetch, Q in the
+    producer, head-fastest grid, opaque slot index) compile too, with sinks, within sm_90's shared
+    memory."""
+    cfg = GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, heads_fastest=True, early_kv=True, opaque_slots=True)
+    kernel = compile_kernel_for_sm90("prefill", 128, config=cfg, sinks=True)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.mbarrier.arrive" in ptx
+    assert 0 < kernel.metadata.shared <= 232448
+
+
+def test_routing_takes_the_64_key_kernel_per_query_and_the_32_key_kernel_grouped():
+    from shardattn.kernels.sparse_mla_decode_gluon import gluon_decode_config
+
+    assert [gluon_config(h).variant for h in (32, 64, 128)] == ["ws64"] * 3
+    assert [gluon_config(64 // g, group_size=g).label for g in (2, 4, 8)] == [WS32_CONFIG.label] * 3
+    assert gluon_decode_config(128).variant == "ws" and gluon_decode_config(128).heads_fastest
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -66,6 +89,7 @@ def test_compile_grouped_variant_for_sm90(heads, group_size):
         ({"kind": "prefill", "heads": 16, "group_size": 8}, "heads must be <= 8 for group_size=8"),
         ({"kind": "prefill", "heads": 8, "group_size": 3}, "group_size must be one of"),
         ({"kind": "prefill", "heads": 8, "group_size": 8, "config": PIPELINED}, "needs the 'ws' variant"),
+        ({"kind": "prefill", "heads": 8, "group_size": 8, "config": WS}, "needs the 'ws' variant"),
     ],
 )
 def test_compile_rejects_what_is_not_written(kwargs, match):
@@ -91,8 +115,9 @@ def test_grouped_launch_rejects_more_heads_than_the_tile_holds():
     union, lens = torch.zeros(1, 8 * K, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="<= 8 heads"):
         launch_gluon_attention(q, kv, union, lens, scale=0.1, v_dim=D_V, group_size=8)
-    with pytest.raises(ValueError, match="'ws' variant"):
-        launch_gluon_attention(q[:, :4], kv, union, lens, scale=0.1, v_dim=D_V, group_size=8, config=PIPELINED)
+    for cfg in (PIPELINED, WS):  # the 8-warp and the 64-key kernels are per-query only
+        with pytest.raises(ValueError, match="'ws' variant"):
+            launch_gluon_attention(q[:, :4], kv, union, lens, scale=0.1, v_dim=D_V, group_size=8, config=cfg)
 
 
 def test_registry_on_cpu_tensors_is_the_reference():
@@ -138,7 +163,7 @@ def _assert_close(out, lse, q, kv, rows, length, sinks):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("config", [WS, PIPELINED], ids=lambda c: c.label)
+@pytest.mark.parametrize("config", [WS, WS64_ALT, WS32_CONFIG, PIPELINED], ids=lambda c: c.label)
 @pytest.mark.parametrize("heads", [16, 64, 128], ids=lambda h: f"h{h}")
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
 def test_gluon_variants_match_reference_at_real_shape(config, heads, with_sinks):
@@ -182,7 +207,7 @@ def test_warmup_lists_the_gluon_keys_exactly_where_routing_sends_heads(heads):
     expect = []
     g = gluon_grouped_group_size(heads)
     if g is not None:  # the default step's grouped Gluon tile
-        expect.append({"config": WS.label, "G": g, "HAS_SINK": True, "dtype": torch.bfloat16})
+        expect.append({"config": WS32_CONFIG.label, "G": g, "HAS_SINK": True, "dtype": torch.bfloat16})
     if heads >= GLUON_MIN_HEADS:  # the per-query side
         expect.append({"config": WS.label, "G": 1, "HAS_SINK": True, "dtype": torch.bfloat16})
     assert sorted((k.params for k in keys), key=lambda p: p["G"]) == sorted(expect, key=lambda p: p["G"])

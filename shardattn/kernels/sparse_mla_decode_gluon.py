@@ -136,12 +136,14 @@ def gluon_decode_plan(
 
 
 def gluon_decode_config(num_heads: int, v_dim: int = 512, rope_dim: int = 64):
-    """The Gluon kernel's configuration for decode: the routed prefill tile with a query's head
-    blocks adjacent in the grid (at 128 heads its two programs read the same rows, so the second
-    finds them in L2; at 64 heads the grid is the same)."""
-    from shardattn.kernels.sparse_mla_gluon import gluon_config
+    """The Gluon kernel's configuration for decode: the 32-key kernel (the one decode was measured
+    with; per-query prefill routes the 64-key kernel) with a query's head blocks adjacent in the
+    grid (at 128 heads its two programs read the same rows, so the second finds them in L2; at 64
+    heads the grid is the same)."""
+    from shardattn.kernels.sparse_mla_gluon import WS32_CONFIG
 
-    return replace(gluon_config(num_heads, v_dim, rope_dim), heads_fastest=True)
+    del num_heads, v_dim, rope_dim
+    return replace(WS32_CONFIG, heads_fastest=True)
 
 
 def split_rows_reference(

@@ -1,9 +1,10 @@
 """Gluon (``triton.experimental.gluon``) sparse-MLA prefill for Hopper (sm_90): launch, AOT compile.
 
-Two kernels serve the per-query path of :mod:`shardattn.kernels.sparse_mla_triton` one level
-lower. The routed one (:func:`gluon_config`) is the warp-specialised kernel of
-:mod:`shardattn.kernels.sparse_mla_gluon_ws` (1.6-1.7x the Triton kernel at 64 / 128 heads on an
-H200, benchmarks/RESULTS.md). This module holds the simpler 8-warp variant (``"pipelined"``, as
+Three kernels serve the per-query path of :mod:`shardattn.kernels.sparse_mla_triton` one level
+lower. The routed ones (:func:`gluon_config`) are warp-specialised: per-query tiles run the
+64-key kernel of :mod:`shardattn.kernels.sparse_mla_gluon_ws64` (1.8-2.0x the Triton kernel at
+64 / 128 heads on an H200, benchmarks/RESULTS.md), grouped tiles the 32-key kernel of
+:mod:`shardattn.kernels.sparse_mla_gluon_ws`. This module holds the simpler 8-warp variant (``"pipelined"``, as
 fast as Triton; kept as the baseline the benchmark times), described here: a program owns one
 query token and ``BLOCK_H = 64`` heads (128 heads: two programs per query) with two consumer
 warpgroups (8 warps). It walks the token's sorted, de-duplicated rows
@@ -61,16 +62,18 @@ LOG2E = 1.4426950408889634
 BLOCK_H = 64
 NUM_WARPS = 8
 KINDS = ("prefill",)
-VARIANTS = ("pipelined", "ws")
+VARIANTS = ("pipelined", "ws", "ws64")
 
 
 @dataclass(frozen=True)
 class GluonConfig:
     """Compile-time shape of one Gluon prefill launch (part of the warm-up key).
 
-    ``variant``: ``"pipelined"`` (this module's kernel: 8 warps, ``stages``-deep ring) or ``"ws"``
+    ``variant``: ``"pipelined"`` (this module's kernel: 8 warps, ``stages``-deep ring), ``"ws"``
     (:mod:`shardattn.kernels.sparse_mla_gluon_ws`: producer + two consumer warpgroups, a fixed
-    4-slot ring; ``regs`` = registers of consumer WG1 and of the producer).
+    4-slot ring; ``regs`` = registers of consumer WG1 and of the producer) or ``"ws64"``
+    (:mod:`shardattn.kernels.sparse_mla_gluon_ws64`: 64-key blocks in pairs, per-query only;
+    ``block_n`` 64).
     """
 
     block_n: int = 64
@@ -80,13 +83,16 @@ class GluonConfig:
     async_arrive: bool = True
     prefetch_qk: bool = False
     heads_fastest: bool = False
+    early_kv: bool = False
+    opaque_slots: bool = False
 
     @property
     def label(self) -> str:
+        flags = ("q" if self.prefetch_qk else "") + ("h" if self.heads_fastest else "")
+        if self.variant == "ws64":
+            return f"ws64r{self.regs[0]}{flags}" + ("k" if self.early_kv else "") + ("z" if self.opaque_slots else "")
         if self.variant == "ws":
-            flags = "a" if self.async_arrive else "w"
-            flags += ("q" if self.prefetch_qk else "") + ("h" if self.heads_fastest else "")
-            return f"ws{self.block_n}r{self.regs[0]}{flags}"
+            return f"ws{self.block_n}r{self.regs[0]}{'a' if self.async_arrive else 'w'}{flags}"
         return f"p{self.block_n}x{self.stages}"
 
     @property
@@ -97,17 +103,29 @@ class GluonConfig:
     def num_warps(self) -> int:
         return NUM_WARPS if self.variant == "pipelined" else WS_NUM_WARPS
 
+    @property
+    def warp_specialized(self) -> bool:
+        return self.variant != "pipelined"
 
-def gluon_config(heads: int, d_v: int = 512, d_r: int = 64) -> GluonConfig:
+
+#: The 32-key warp-specialised kernel: the grouped path (``G > 1``) and decode.
+WS32_CONFIG = GluonConfig(32, 4, "ws", (224, 56), async_arrive=True)
+#: The 64-key kernel on FlashMLA's schedule: per-query prefill (1.10-1.14x ``WS32_CONFIG`` on an
+#: H200 at 64 / 128 heads, benchmarks/RESULTS.md).
+WS64_CONFIG = GluonConfig(64, 2, "ws64", (224, 56))
+
+
+def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1) -> GluonConfig:
     """Tile of the Gluon prefill kernel for these shapes.
 
-    DSA shapes (``Dv = 512``, ``Dr = 64``): the warp-specialised kernel, ``BLOCK_N = 32``
-    (shared memory: Q 72 KB + a 4-slot ring of 36 KB + 8 KB of P buffers = 225 KB of 227 KB).
-    Smaller head dims fit the same kernel; ``heads`` does not change the tile (64 heads per
-    program, fewer pad it).
+    DSA shapes (``Dv = 512``, ``Dr = 64``), one query per tile (``group_size = 1``): the 64-key
+    kernel (:mod:`~shardattn.kernels.sparse_mla_gluon_ws64`; shared memory Q 72 KB + two 72 KB
+    key blocks + an 8 KB P buffer); grouped tiles (``group_size > 1``): the 32-key kernel (Q
+    72 KB + a 4-slot ring of 36 KB + 8 KB of P buffers). ``heads`` does not change the tile (64
+    heads per program, fewer pad it).
     """
     del heads, d_v, d_r
-    return GluonConfig(32, 4, "ws", (224, 56), async_arrive=True)
+    return WS64_CONFIG if group_size == 1 else WS32_CONFIG
 
 
 @functools.lru_cache(maxsize=1)
@@ -300,7 +318,7 @@ def launch_gluon_attention(
         union: ``[ceil(T/G), W]`` int32 from :func:`~shardattn.kernels.union.build_union` with
             ``group_size``: sorted unique valid rows per token (``G = 1``) or packed entries with
             one membership bit per query (``G > 1``); lens: ``[ceil(T/G)]`` int32 entries used.
-        config: :func:`gluon_config` when None (``G > 1`` needs the ``"ws"`` variant).
+        config: :func:`gluon_config` for ``group_size`` when None (``G > 1`` needs the ``"ws"`` variant).
         out / lse: optional destinations ``[T, H, v_dim]`` / ``[T, H]`` (or head-blocked), q's dtype / fp32.
         group_size: ``G`` queries per 64-row tile (``1, 2, 4, 8``; ``G > 1`` needs ``H <= 64 / G``).
     Returns:
@@ -308,8 +326,8 @@ def launch_gluon_attention(
     """
     d = q.shape[-1]
     h = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
-    cfg = config or gluon_config(h, v_dim, d - v_dim)
-    if group_size > 1 and (cfg.variant != "ws" or h > BLOCK_H // group_size):
+    cfg = config or gluon_config(h, v_dim, d - v_dim, group_size)
+    if group_size > 1 and (cfg.variant != "ws" or h > BLOCK_H // group_size):  # ws64 is per-query
         raise ValueError(f"group_size={group_size} needs the 'ws' variant and <= {BLOCK_H // group_size} heads")
     t, h, out, lse = launch_destinations(q, v_dim, out, lse)
     if t == 0 or h == 0:
@@ -318,25 +336,32 @@ def launch_gluon_attention(
     strides = (*q_strides, kv.stride(0), union.stride(0), *out_strides, *lse_strides)
     heads_per_tile = BLOCK_H // group_size
     grid = (num_groups(t, group_size), triton.cdiv(h, heads_per_tile))
+    if cfg.warp_specialized and cfg.heads_fastest:  # 1-D grid, a query's head blocks adjacent
+        grid = (grid[0] * grid[1],)
+    fn, constexprs, options = _kernel_args(cfg, group_size, v_dim, d - v_dim, sinks is not None)
     sink_arg = sinks if sinks is not None else lse
+    fn[grid](q, kv, union, lens, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E, **constexprs, **options)
+    return out, lse
+
+
+def _kernel_args(cfg: GluonConfig, group_size: int, v_dim: int, rope_dim: int, sinks: bool):
+    """``(kernel, constexpr arguments, launch options)`` of a configuration (the launcher's and the
+    AOT compile's)."""
+    common = {"D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks}
+    flags = {"PREFETCH_QK": cfg.prefetch_qk, "HEADS_FASTEST": cfg.heads_fastest}
+    options = {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
+    if cfg.variant == "ws64":
+        from shardattn.kernels.sparse_mla_gluon_ws64 import ws64_kernel
+
+        ws64 = {"EARLY_KV": cfg.early_kv, "OPAQUE_SLOTS": cfg.opaque_slots}
+        return ws64_kernel(), {**common, "CONSUMER_REGS": cfg.regs[0], **flags, **ws64}, options
     if cfg.variant == "ws":
         from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
 
-        if cfg.heads_fastest:
-            grid = (grid[0] * grid[1],)
-        ws_kernel()[grid](
-            q, kv, union, lens, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E,
-            G=group_size, BLOCK_N=cfg.block_n, D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None,
-            WG1_REGS=cfg.regs[0], LOAD_REGS=cfg.regs[1], ASYNC_ARRIVE=cfg.async_arrive,
-            PREFETCH_QK=cfg.prefetch_qk, HEADS_FASTEST=cfg.heads_fastest, num_warps=WS_NUM_WARPS, maxnreg=WS_MAXNREG,
-        )  # fmt: skip
-        return out, lse
-    _sparse_mla_gluon_fwd[grid](
-        q, kv, union, lens, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E,
-        BLOCK_N=cfg.block_n, STAGES=cfg.stages, D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None,
-        num_warps=NUM_WARPS,
-    )  # fmt: skip
-    return out, lse
+        regs = {"WG1_REGS": cfg.regs[0], "LOAD_REGS": cfg.regs[1], "ASYNC_ARRIVE": cfg.async_arrive}
+        return ws_kernel(), {"G": group_size, "BLOCK_N": cfg.block_n, **common, **regs, **flags}, options
+    tile = {"BLOCK_N": cfg.block_n, "STAGES": cfg.stages}
+    return _sparse_mla_gluon_fwd, {**tile, **common}, {"num_warps": NUM_WARPS}
 
 
 def sparse_mla_gluon(
@@ -419,7 +444,7 @@ def compile_kernel_for_sm90(
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     if heads < 1:
         raise ValueError(f"heads must be >= 1, got {heads}")
-    cfg = config or gluon_config(heads, v_dim, rope_dim)
+    cfg = config or gluon_config(heads, v_dim, rope_dim, group_size)
     if group_size > 1 and heads > BLOCK_H // group_size:
         raise ValueError(f"heads must be <= {BLOCK_H // group_size} for group_size={group_size}, got {heads}")
     if group_size > 1 and cfg.variant != "ws":
@@ -431,7 +456,7 @@ def compile_kernel_for_sm90(
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ptr = f"*{dtype}"
-    ws = cfg.variant == "ws"
+    ws = cfg.warp_specialized
     signature = {
         "Q": ptr, "KV": ptr, "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": ptr, "LSE": "*fp32",
         "T": "i32", "H": "i32", "HB": "i32",
@@ -441,18 +466,7 @@ def compile_kernel_for_sm90(
         "stride_lb": "i32", "stride_lt": "i32", "stride_lh": "i32",
         "qk_scale": "fp32",
     }  # fmt: skip
-    if ws:
-        from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
-
-        constexprs = {
-            "G": group_size, "BLOCK_N": cfg.block_n, "D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks,
-            "WG1_REGS": cfg.regs[0], "LOAD_REGS": cfg.regs[1], "ASYNC_ARRIVE": cfg.async_arrive,
-            "PREFETCH_QK": cfg.prefetch_qk, "HEADS_FASTEST": cfg.heads_fastest,
-        }  # fmt: skip
-        fn, options = ws_kernel(), {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
-    else:
-        constexprs = {"BLOCK_N": cfg.block_n, "STAGES": cfg.stages, "D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks}
-        fn, options = _sparse_mla_gluon_fwd, {"num_warps": NUM_WARPS}
+    fn, constexprs, options = _kernel_args(cfg, group_size, v_dim, rope_dim, sinks)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     # what the launcher's specialisation sees at run time: 16-byte aligned pointers and strides
     # (except the arguments it never specialises)
@@ -467,6 +481,8 @@ def compile_kernel_for_sm90(
 
 __all__ = [
     "BLOCK_H",
+    "WS32_CONFIG",
+    "WS64_CONFIG",
     "GluonConfig",
     "compile_for_sm90",
     "compile_kernel_for_sm90",

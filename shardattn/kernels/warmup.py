@@ -88,7 +88,7 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
                 params = {"G": group, "PLAIN": level == 0, "STEPS": steps, "CHUNK": cfg["MERGE_CHUNK"]}
                 keys.append(CompileKey("union_merge", params))
         if gluon_route(spec, group):
-            cfg = gluon_config(spec.heads, spec.v_dim, spec.rope_dim)
+            cfg = gluon_config(spec.heads, spec.v_dim, spec.rope_dim, group)
             params = {"config": cfg.label, "G": group, "HAS_SINK": spec.sinks, "dtype": spec.dtype}
             keys.append(CompileKey("gluon_attention", params))
         tile = tile_config(spec.heads, group)
