@@ -55,7 +55,7 @@ import functools
 import torch
 
 from shardattn._checks import check_int, check_tensor
-from shardattn.kernels.lse_merge import launch_lse_merge, split_partials
+from shardattn.kernels.lse_merge import launch_lse_merge, launch_lse_merge_columns, split_partials
 from shardattn.kernels.registry import sparse_decode_kernel, use_triton
 from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, empty_kv_result, join_q, sparse_mla_reference
 from shardattn.kernels.union import build_union
@@ -75,6 +75,8 @@ LOG2E = 1.4426950408889634
 FUSED_MERGE_MAX_SPLITS = 64
 #: ... and this many tokens (above, a separate merge kernel re-reads the partials in parallel).
 FUSED_MERGE_MAX_TOKENS = 16
+#: Keys a caller's ``config=`` may override (tuning).
+CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge"})
 
 
 @functools.lru_cache(maxsize=16)
@@ -250,9 +252,11 @@ def sparse_mla_decode(
         t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
     )
     if config:
-        unknown = set(config) - {"BLOCK_H", "BLOCK_N", "num_warps"}
+        unknown = set(config) - CONFIG_KEYS
         if unknown:
-            raise ValueError(f"config keys must be among BLOCK_H, BLOCK_N, num_warps; got {sorted(unknown)}")
+            raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
+        if config.get("merge", "rows") not in ("rows", "columns"):
+            raise ValueError(f"config['merge'] must be 'rows' or 'columns', got {config['merge']!r}")
         cfg = {**cfg, **config}
         cfg["chunk"] = -(-cfg["chunk"] // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
         cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
@@ -263,9 +267,8 @@ def sparse_mla_decode(
     fused = splits > 1 and fused_merge and splits <= FUSED_MERGE_MAX_SPLITS and t <= FUSED_MERGE_MAX_TOKENS
     if splits > 1:
         dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device)
-        s_os, s_ls = dst_out.stride(0), dst_lse.stride(0)
     else:
-        dst_out, dst_lse, s_os, s_ls = out, lse_out, 0, 0
+        dst_out, dst_lse = out, lse_out
     if fused:
         need = t * n_hblocks * splits
         if counters is None:
@@ -274,7 +277,48 @@ def sparse_mla_decode(
             raise ValueError(f"counters must be an int32 tensor on {q.device} with >= {need} elements")
     else:
         counters = lse_out  # unused
+    launch_split_kernel(q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, fused)
+    if splits > 1 and not fused:
+        if cfg.get("merge") == "columns":
+            launch_lse_merge_columns(dst_out, dst_lse, out, lse_out)
+        else:
+            launch_lse_merge(dst_out, dst_lse, out, lse_out)
+    return out, lse_out
+
+
+def launch_split_kernel(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    dst_out: torch.Tensor,
+    dst_lse: torch.Tensor,
+    out: torch.Tensor,
+    lse_out: torch.Tensor,
+    counters: torch.Tensor,
+    cfg: dict,
+    scale: float,
+    fused: bool,
+) -> None:
+    """Launch ``_sparse_mla_decode_kernel`` on validated tensors (no checks, no allocation, no sync).
+
+    Args:
+        q ``[T, H, D]``, kv ``[R, D]``, rows ``[T, K]`` int32, topk_length ``[T]`` / sinks ``[H]`` or None.
+        dst_out ``[S, T, H, Dv]`` / dst_lse ``[S, T, H]`` fp32 partials (``out`` / ``lse_out`` when
+        ``cfg["num_splits"] == 1``); out ``[T, H, Dv]``, lse_out ``[T, H]``: the result (written
+        here only with one split or ``fused``); counters: int32 zeros for ``fused`` (else unused).
+        cfg: :func:`sparse_mla_decode_config`'s dict.
+    """
+    t, h, d = q.shape
+    v_dim = out.shape[-1]
     dr = d - v_dim
+    splits = cfg["num_splits"]
+    topk = rows.shape[1]
+    if splits > 1:
+        s_os, s_ls = dst_out.stride(0), dst_lse.stride(0)
+    else:
+        s_os, s_ls = 0, 0
     grid = (triton.cdiv(h, cfg["BLOCK_H"]), t, splits)
     _sparse_mla_decode_kernel[grid](
         q,
@@ -324,11 +368,8 @@ def sparse_mla_decode(
         IEEE=q.dtype == torch.float32,
         FUSED_MERGE=fused,
         num_warps=cfg["num_warps"],
-        num_stages=2,
+        num_stages=cfg.get("num_stages", 2),
     )
-    if splits > 1 and not fused:
-        launch_lse_merge(dst_out, dst_lse, out, lse_out)
-    return out, lse_out
 
 
 if triton is not None:
