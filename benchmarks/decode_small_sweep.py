@@ -7,7 +7,7 @@ is flushed between replays, so the KV rows come from HBM, as in a serving step).
 * the floor: a graph of one and of two one-element kernels;
 * the kernels of today's graph (torch profiler over replays: kernel device durations, the gap
   between them and the span of a replay);
-* the split kernel alone, for split counts 1-32 and ``BLOCK_N`` / ``num_warps`` / ``num_stages``;
+* the split kernel alone, for split counts 4-64 and ``BLOCK_N`` / ``num_warps`` / ``num_stages``;
 * the merge alone (today's row merge and the column merge) for each split count;
 * whole steps (split kernel + merge) for every variant; the fastest per batch.
 
@@ -22,6 +22,8 @@ import argparse
 import json
 
 import torch
+import triton
+import triton.runtime.errors
 import triton.testing
 
 from shardattn.kernels.lse_merge import (
@@ -158,11 +160,12 @@ def sweep_shape(
     if not full:
         return
     seen = set()
-    for splits in (1, 2, 4, 8, 16, 32):
+    for splits in (4, 8, 16, 32, 64):
         for var in split_variants():
             cfg = sparse_mla_decode_config(batch, heads, TOPK, sms, splits)
             cfg.update(var)
-            cfg["chunk"] = -(-cfg["chunk"] // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+            per_split = -(-TOPK // splits)
+            cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
             cfg["num_splits"] = max(1, -(-TOPK // cfg["chunk"]))
             key = (cfg["num_splits"], var["BLOCK_N"], var["num_warps"], var["num_stages"])
             if key in seen:
@@ -178,14 +181,18 @@ def sweep_shape(
             def split_only(po=po, pl=pl, cfg=cfg):
                 launch_split_kernel(q, kv, rows, None, None, po, pl, out, lse, lse, cfg, SCALE, False)
 
-            split_only()
+            try:
+                split_only()
+            except triton.runtime.errors.OutOfResources as e:  # e.g. shared memory of deep pipelines
+                print(f"skip    {name}: {e}", flush=True)
+                continue
             if s > 1:
                 m_out, m_lse = lse_merge_reference(po, pl)
             else:
                 m_out, m_lse = out, lse
             err = check(m_out, m_lse, ref_out, ref_lse, name)
             record("split", name, replay_us(split_only), max_err=err, num_splits=s, **var)
-            for merge in ("rows", "columns"):
+            for merge in ("columns",):
                 fn = step(rows_unique=True, num_splits=s, config={**var, "merge": merge})
                 fn()
                 err = check(out, lse, ref_out, ref_lse, f"{name} {merge}")
@@ -201,16 +208,12 @@ def sweep_shape(
         m_out, m_lse = lse_merge_reference(po, pl)
         cases = [("rows block_elems=4096 (today)", lambda po=po, pl=pl: launch_lse_merge(po, pl, out, lse))]
         cases += [
-            (f"rows block_elems={e}", lambda e=e, po=po, pl=pl: launch_lse_merge(po, pl, out, lse, block_elems=e))
-            for e in (512, 1024)
-        ]
-        cases += [
             (
                 f"columns block_d={bd} warps={w}",
                 lambda bd=bd, w=w, po=po, pl=pl: launch_lse_merge_columns(po, pl, out, lse, block_d=bd, num_warps=w),
             )
-            for bd in (64, 128, 256)
-            for w in (1, 4)
+            for bd in (64, 128)
+            for w in (2, 4)
         ]
         for label, fn in cases:
             fn()

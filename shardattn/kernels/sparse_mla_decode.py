@@ -75,6 +75,8 @@ LOG2E = 1.4426950408889634
 FUSED_MERGE_MAX_SPLITS = 64
 #: ... and this many tokens (above, a separate merge kernel re-reads the partials in parallel).
 FUSED_MERGE_MAX_TOKENS = 16
+#: At most this many (token, head) rows merge with the column merge (:func:`merge_kind`).
+COLUMN_MERGE_MAX_ROWS = 1024
 #: Keys a caller's ``config=`` may override (tuning).
 CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge"})
 
@@ -94,7 +96,7 @@ def sparse_mla_decode_config(
     head_dim: int = 576,
     v_dim: int = 512,
     elem_bytes: int = 2,
-) -> dict[str, int]:
+) -> dict[str, int | str]:
     """Tile sizes, split count and rows per split for a launch (host-side, shape-only).
 
     Splitting a top-k row fills more SMs but writes and re-reads fp32 partials of
@@ -105,7 +107,8 @@ def sparse_mla_decode_config(
     on an H200 with fixed split counts: benchmarks/RESULTS.md, "Decode").
 
     Returns:
-        ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps"}``.
+        ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge"}``
+        (``merge``: :func:`merge_kind`).
 
     Example:
         >>> [sparse_mla_decode_config(t, 128, 2048, 132)["num_splits"] for t in (1, 8, 64)]
@@ -125,13 +128,29 @@ def sparse_mla_decode_config(
 
         num_splits = min(range(1, min(n_blocks, 64) + 1), key=cost)
     chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
+    splits = max(1, -(-max(topk, 1) // chunk))
     return {
         "BLOCK_H": block_h,
         "BLOCK_N": block_n,
-        "num_splits": max(1, -(-max(topk, 1) // chunk)),
+        "num_splits": splits,
         "chunk": chunk,
         "num_warps": 8 if block_h >= 64 else 4,
+        "num_stages": 2,
+        "merge": merge_kind(num_tokens, num_heads, splits),
     }
+
+
+def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
+    """Which kernel merges the splits: ``"none"`` (one split), ``"columns"`` (few rows: one
+    program per (token, head, 128 columns) reading every split at once,
+    :func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns`) or ``"rows"``
+    (:func:`~shardattn.kernels.lse_merge.launch_lse_merge`). Measured on an H200
+    (benchmarks/RESULTS.md, "Sparse-MLA decode, batch 1-8"): at 16 heads, 1 token, 32 splits
+    the row merge takes 14.2 us (two programs, each looping over the 32 splits) and the column
+    merge 2.4 us."""
+    if num_splits <= 1:
+        return "none"
+    return "columns" if num_tokens * num_heads <= COLUMN_MERGE_MAX_ROWS else "rows"
 
 
 def sparse_mla_decode(
@@ -257,9 +276,13 @@ def sparse_mla_decode(
             raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
         if config.get("merge", "rows") not in ("rows", "columns"):
             raise ValueError(f"config['merge'] must be 'rows' or 'columns', got {config['merge']!r}")
+        want = num_splits if num_splits is not None else cfg["num_splits"]
         cfg = {**cfg, **config}
-        cfg["chunk"] = -(-cfg["chunk"] // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        per_split = -(-max(topk, 1) // want)
+        cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
         cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
+        if "merge" not in config:
+            cfg["merge"] = merge_kind(t, h, cfg["num_splits"])
     splits = cfg["num_splits"]
     n_hblocks = triton.cdiv(h, cfg["BLOCK_H"])
     if fused_merge is None:  # measured slower on an H200 so far (benchmarks/RESULTS.md): opt-in
