@@ -34,7 +34,8 @@ from shardattn.kernels.lse_merge import (
     split_partials_numel,
 )
 from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode import launch_split_kernel, sparse_mla_decode, sparse_mla_decode_config
+from shardattn.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_config
+from shardattn.kernels.sparse_mla_decode_triton import launch_split_kernel
 
 ROWS, TOPK, SCALE = 1 << 18, 2048, 576**-0.5
 RESULTS: list[dict] = []
