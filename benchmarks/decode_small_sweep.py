@@ -148,8 +148,8 @@ def sweep_shape(
 
     # today's step and its kernels
     for label, kw in (
-        ("today: separate row merge, rows_unique", dict(rows_unique=True, backend="triton")),
-        ("today: dedup sort + kernel + row merge", dict(rows_unique=False, backend="triton")),
+        ("baseline: separate row merge, rows_unique", dict(rows_unique=True, config={"merge": "rows"})),
+        ("baseline: dedup sort + kernel + row merge", dict(rows_unique=False, config={"merge": "rows"})),
         ("column merge, rows_unique", dict(rows_unique=True, config={"merge": "columns"})),
     ):
         fn = step(**kw)
@@ -242,12 +242,14 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "results": RESULTS}, f, indent=1)
     print("\nfastest whole step per shape (us):")
-    print("| shape | today (row merge) | fastest variant | us | speed-up |")
+    print("| shape | baseline (row merge) | fastest variant | us | speed-up |")
     print("|---|---|---|---|---|")
     for batch in map(int, args.batches.split(",")):
         tag = f"H16 B{batch} "
         today = next(
-            r for r in RESULTS if r["kind"] == "step" and r["name"].startswith(tag) and "today: separate" in r["name"]
+            r
+            for r in RESULTS
+            if r["kind"] == "step" and r["name"].startswith(tag) and "baseline: separate" in r["name"]
         )
         whole = [r for r in RESULTS if r["kind"] == "whole" and r["name"].startswith(tag)]
         best = min(whole, key=lambda r: r["us"])

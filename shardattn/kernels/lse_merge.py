@@ -25,6 +25,9 @@ On CUDA tensors (or under ``TRITON_INTERPRET=1``) :func:`lse_merge` runs the Tri
 LSEs, one over the partial outputs); it is tested against :func:`lse_merge_reference`. The
 kernel is capture-safe: no host synchronisation, and no allocation when ``out=`` / ``lse_out=``
 are given.
+:func:`launch_lse_merge_columns` is the same math for few rows and many partials (one program per
+(row, column block) loading every partial at once, tested against the reference too); split-KV
+decode picks one or the other (:func:`~shardattn.kernels.sparse_mla_decode.merge_kind`).
 """
 
 from __future__ import annotations
