@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_config
+from shardattn.kernels.sparse_mla_decode import (
+    COLUMN_MERGE_MAX_ROWS,
+    merge_kind,
+    sparse_mla_decode,
+    sparse_mla_decode_config,
+)
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import sparse_mla_oracle
 
@@ -86,6 +91,19 @@ def test_config_splits_shrink_as_tokens_grow():
     assert sparse_mla_decode_config(8, 16, 2048, 132)["BLOCK_H"] == 16
 
 
+def test_config_routes_the_column_merge_to_few_rows():
+    # measured: columns at 16 heads x 1-8 tokens and 128 heads x 1 token, rows at 128 x 8
+    for t, h, kind in ((1, 16, "columns"), (8, 16, "columns"), (1, 128, "columns"), (8, 128, "rows")):
+        cfg = sparse_mla_decode_config(t, h, 2048, 132)
+        assert cfg["num_splits"] > 1 and cfg["merge"] == kind, (t, h, cfg)
+        assert f"{kind[:-1] if kind == 'columns' else 'row'} merge" in cfg["reason"]
+    assert (
+        merge_kind(COLUMN_MERGE_MAX_ROWS, 1, 2) == "columns" and merge_kind(COLUMN_MERGE_MAX_ROWS + 1, 1, 2) == "rows"
+    )
+    one = sparse_mla_decode_config(1, 16, 64, 132)
+    assert one["num_splits"] == 1 and one["merge"] == "none" and "no merge" in one["reason"]
+
+
 # ---- Triton interpreter (subprocess) ----
 
 
@@ -117,6 +135,42 @@ def test_triton_kernel_matches_reference_under_interpreter(dtype_name):
     run_interpreted(__name__, "interpreted_cases", dtype_name)
 
 
+def interpreted_merge_cases(dtype_name: str) -> None:
+    """Both separate merges (routed column merge, forced row merge) against the fp64 oracle:
+    invalid rows anywhere, a token with no valid key, topk_length, sinks, head and row tails,
+    a split whose every row is invalid; the partials' workspace poisoned with NaN first."""
+    dtype = getattr(torch, dtype_name)
+    atol = 2e-3 if dtype == torch.float16 else 1e-5
+    one = ("one_token_all_splits_but_one_empty", 1, 16, 40, 24, 200, 190, False, False, 3)
+    for name, t, h, d, dv, r, k, with_len, with_sinks, splits in [*CASES, one]:
+        q, kv, rows, tlen, sinks = make_inputs(t, h, d, r, k, with_len, with_sinks, dtype)
+        if t == 1:
+            rows = torch.randperm(r, generator=torch.Generator().manual_seed(3))[:k].int()[None]
+            rows[0, 64:] = -1  # splits 2 and 3 see no key: (0, -inf) partials merge away
+        ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks)
+        cfg = sparse_mla_decode_config(t, h, k, 132, splits, head_dim=d, v_dim=dv)
+        assert cfg["merge"] in ("columns", "none"), (name, cfg)  # tiny shapes route the column merge
+        for merge in ("columns", "rows"):
+            ws = torch.full((64 * t * h * (dv + 1),), float("nan"))
+            out = torch.full((t, h, dv), float("nan"), dtype=dtype)
+            lse = torch.full((t, h), float("nan"))
+            sparse_mla_decode(
+                q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks, num_splits=splits,
+                config={"merge": merge}, out=out, lse_out=lse, workspace=ws, rows_unique=t == 1,
+            )  # fmt: skip
+            torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0, msg=f"{name} {merge}")
+            assert_same_lse(lse.double(), ref_lse, atol=1e-4)
+            print("ok", name, merge)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype_name", ["float16", "float32"])
+def test_column_and_row_merges_match_the_oracle_under_interpreter(dtype_name):
+    pytest.importorskip("triton", reason="the Triton kernel needs triton")
+    out = run_interpreted(__name__, "interpreted_merge_cases", dtype_name)
+    assert out.count("ok ") == 2 * (len(CASES) + 1)
+
+
 # ---- GPU: real shapes, poisoned outputs ----
 
 
@@ -138,3 +192,28 @@ def test_triton_kernel_on_gpu(heads, tokens, splits):
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=0)
     assert_same_lse(lse, ref_lse, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, tokens", [(16, 1), (16, 8), (128, 1), (128, 8)])
+def test_routed_merge_on_gpu_matches_reference_and_replays_exactly(heads, tokens):
+    """Real shapes (top-k 2048 of 2^16 rows, bf16, D 576 / Dv 512): the routed merge (column merge
+    where the config says so) against the fp32 reference, with sinks and topk_length; repeated
+    calls give the same bits; the forced row merge agrees."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    q, kv, rows, tlen, sinks = make_inputs(tokens, heads, 576, 1 << 16, 2048, True, True, torch.bfloat16, "cuda")
+    ref_out, ref_lse = sparse_mla_reference(q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks)
+    cfg = sparse_mla_decode_config(tokens, heads, 2048, torch.cuda.get_device_properties(0).multi_processor_count)
+    outs = []
+    for kw in ({}, {}, {"config": {"merge": "rows"}}):
+        out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((tokens, heads), float("nan"), device="cuda")
+        sparse_mla_decode(
+            q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, out=out, lse_out=lse, backend="triton", **kw
+        )  # fmt: skip
+        assert not out.isnan().any() and not lse.isnan().any(), cfg
+        torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=0)
+        assert_same_lse(lse, ref_lse, atol=1e-3)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])

@@ -341,5 +341,6 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
     )  # fmt: skip
     for t in (1, 2, 40):
         assert (t, None, None) in calls and (t, "triton", None) in calls
+    assert {(1, "triton", s) for s in dw.COLUMN_MERGE_WARMUP_SPLITS} <= set(calls)  # every column-merge variant
     gluon = {c for c in calls if c[1] == "gluon"}
     assert gluon == ({(40, "gluon", 1), (40, "gluon", 2)} if routed == "gluon" else set())

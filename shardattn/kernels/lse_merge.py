@@ -25,6 +25,9 @@ On CUDA tensors (or under ``TRITON_INTERPRET=1``) :func:`lse_merge` runs the Tri
 LSEs, one over the partial outputs); it is tested against :func:`lse_merge_reference`. The
 kernel is capture-safe: no host synchronisation, and no allocation when ``out=`` / ``lse_out=``
 are given.
+:func:`launch_lse_merge_columns` is the same math for few rows and many partials (one program per
+(row, column block) loading every partial at once, tested against the reference too); split-KV
+decode picks one or the other (:func:`~shardattn.kernels.sparse_mla_decode.merge_kind`).
 """
 
 from __future__ import annotations
@@ -237,6 +240,56 @@ def launch_lse_merge(
     )
 
 
+def launch_lse_merge_columns(
+    outs: torch.Tensor,
+    lses: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    block_d: int = 128,
+    num_warps: int = 4,
+) -> None:
+    """:func:`launch_lse_merge` for few rows and many partials: one program per (row, ``block_d``
+    columns) loads all ``P`` LSEs and its ``[P, block_d]`` slice of the partials in one step (no
+    loop over ``P``), so the merge costs one memory latency however many splits there are.
+
+    Args:
+        outs: ``[P, T, H, D]``; lses: ``[P, T, H]`` fp32; out: ``[T, H, D]``; lse: ``[T, H]`` fp32.
+        Any strides; validated tensors, no checks, no allocation, no sync.
+        block_d, num_warps: columns and warps of one program (tuning; ``P * block_d`` fp32 live).
+    """
+    p, t, h, d = outs.shape
+    n_rows = t * h
+    if n_rows == 0:
+        return
+    block_d = min(triton.next_power_of_2(d), block_d)
+    grid = (n_rows, triton.cdiv(d, block_d))
+    _lse_merge_columns_kernel[grid](
+        outs,
+        lses,
+        out,
+        lse,
+        p,
+        h,
+        d,
+        outs.stride(0),
+        outs.stride(1),
+        outs.stride(2),
+        outs.stride(3),
+        lses.stride(0),
+        lses.stride(1),
+        lses.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        BLOCK_P=max(2, triton.next_power_of_2(p)),
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+
+
 if triton is not None:
 
     @triton.jit
@@ -293,3 +346,54 @@ if triton is not None:
         y_ptrs = Out + t[:, None] * stride_yt + h[:, None] * stride_yh + offs_d[None, :] * stride_yd
         tl.store(y_ptrs, res.to(Out.dtype.element_ty), mask=omask)
         tl.store(Lse + t * stride_zt + h * stride_zh, lse, mask=rmask)
+
+    @triton.jit
+    def _lse_merge_columns_kernel(
+        Outs,
+        Lses,
+        Out,
+        Lse,
+        P,
+        H,
+        D,
+        stride_op,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_lp,
+        stride_lt,
+        stride_lh,
+        stride_yt,
+        stride_yh,
+        stride_yd,
+        stride_zt,
+        stride_zh,
+        BLOCK_P: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """Merge columns ``[pid1 * BLOCK_D, ...)`` of row ``pid0`` of the flattened ``(t, h)`` axis;
+        every partial's LSE and slice are loaded at once (``BLOCK_P >= P``)."""
+        row = tl.program_id(0)
+        t = (row // H).to(tl.int64)
+        h = (row % H).to(tl.int64)
+        offs_p = tl.arange(0, BLOCK_P)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        pmask = offs_p < P
+        li = tl.load(Lses + offs_p * stride_lp + t * stride_lt + h * stride_lh, mask=pmask, other=float("-inf"))
+        omask = pmask[:, None] & (offs_d[None, :] < D)
+        o_ptrs = Outs + offs_p[:, None] * stride_op + t * stride_ot + h * stride_oh + offs_d[None, :] * stride_od
+        o = tl.load(o_ptrs, mask=omask, other=0.0).to(tl.float32)
+        # +inf (FlashMLA's empty row) is empty, like -inf: the reference's empty_as_neg_inf
+        li = tl.where(li == float("inf"), float("-inf"), li)
+        m = tl.max(li, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(li - m_safe)
+        total = tl.sum(w, 0)
+        # an empty partial (w = 0) contributes nothing, even if its output holds garbage
+        acc = tl.sum(tl.where(w[:, None] > 0, w[:, None] * o, 0.0), 0)
+        res = acc / tl.where(total > 0, total, 1.0)
+        tl.store(
+            Out + t * stride_yt + h * stride_yh + offs_d * stride_yd, res.to(Out.dtype.element_ty), mask=offs_d < D
+        )
+        if tl.program_id(1) == 0:
+            tl.store(Lse + t * stride_zt + h * stride_zh, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))

@@ -12,21 +12,18 @@ runs one program per (head block, token, split of the top-k row); head blocks of
 fastest grid axis so they read the same rows while those are in L2. Splits write fp32 partials
 and LSEs; one split writes the result directly.
 
-Merging the splits: small batches (at most :data:`FUSED_MERGE_MAX_SPLITS` splits, at most
-:data:`FUSED_MERGE_MAX_TOKENS` tokens) merge inside the same launch, up a binary tree over each
-(token, head block)'s splits: each program stores its partial and, at every tree node, bumps
-the node's counter (``atomic_add``, acquire-release at GPU scope, after a block barrier). The
-first of the two subtrees to arrive leaves; the second sees the first's result, merges the
-pair (the math of :mod:`~shardattn.kernels.lse_merge`, fp32, left subtree first so the result
-does not depend on arrival order) and climbs; the root writes the output. Each merge reads one
-partial, so the critical path is ``log2(splits)`` small merges (a flat merge by the last split
-would read every partial in one program: measured slower than the separate merge kernel). The
-merger resets each node's counter, so the counters are 0 again for the next launch or replay.
-It is opt-in (``fused_merge=True``): on an H200 it measured slower than the separate merge
-(16 heads, 1-8 tokens: 30-43 us against 26-34 us; 128 heads: 106-116 us against 32-44 us, where
-a 64-head block's fp32 partial no longer fits in registers), see benchmarks/RESULTS.md. Larger batches launch
-:func:`~shardattn.kernels.lse_merge.launch_lse_merge` after the kernel (fewer partial bytes
-re-read by fewer programs). The torch reference is
+Merging the splits (:func:`merge_kind`, chosen by measured numbers, benchmarks/RESULTS.md): at
+most :data:`COLUMN_MERGE_MAX_ROWS` (token, head) rows, a second launch with one program per
+(token, head, 128 output columns) that loads every split's LSE and slice at once
+(:func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns`: one memory latency whatever the
+split count; on an H200 at 16 heads, 1 token, 32 splits, 2.4 us against 14.2 us for the row
+merge); above, :func:`~shardattn.kernels.lse_merge.launch_lse_merge` (fewer, wider programs). The
+opt-in ``fused_merge=True`` merges in the same launch up a binary tree over each (token, head
+block)'s splits: at every node the second subtree to arrive (a counter, ``atomic_add``
+acquire-release at GPU scope after a block barrier) merges the pair, left first so the result
+does not depend on arrival order, resets the counter and climbs; the root writes the output.
+Measured slower than both separate merges (``log2(splits)`` dependent merges on the critical
+path; at 128 heads a 64-head fp32 partial spills). The torch reference is
 :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 
 Backends: on an sm_90 GPU with Triton's Gluon, at
@@ -55,26 +52,36 @@ import functools
 import torch
 
 from shardattn._checks import check_int, check_tensor
-from shardattn.kernels.lse_merge import launch_lse_merge, split_partials
+from shardattn.kernels.lse_merge import launch_lse_merge, launch_lse_merge_columns, split_partials
 from shardattn.kernels.registry import sparse_decode_kernel, use_triton
 from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, empty_kv_result, join_q, sparse_mla_reference
 from shardattn.kernels.union import build_union
 
 try:  # Triton is optional: without it every path runs the torch reference.
     import triton
-    import triton.language as tl
 
-    from shardattn.kernels.online_softmax import online_softmax_finish, online_softmax_step
+    from shardattn.kernels.sparse_mla_decode_triton import launch_split_kernel
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
-__all__ = ["FUSED_MERGE_MAX_SPLITS", "FUSED_MERGE_MAX_TOKENS", "sparse_mla_decode", "sparse_mla_decode_config"]
+__all__ = [
+    "COLUMN_MERGE_MAX_ROWS",
+    "FUSED_MERGE_MAX_SPLITS",
+    "FUSED_MERGE_MAX_TOKENS",
+    "merge_kind",
+    "merge_reason",
+    "sparse_mla_decode",
+    "sparse_mla_decode_config",
+]
 
-LOG2E = 1.4426950408889634
 #: The last split of a token merges the partials in the same launch up to this many splits ...
 FUSED_MERGE_MAX_SPLITS = 64
 #: ... and this many tokens (above, a separate merge kernel re-reads the partials in parallel).
 FUSED_MERGE_MAX_TOKENS = 16
+#: At most this many (token, head) rows merge with the column merge (:func:`merge_kind`).
+COLUMN_MERGE_MAX_ROWS = 128
+#: Keys a caller's ``config=`` may override (tuning).
+CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge"})
 
 
 @functools.lru_cache(maxsize=16)
@@ -92,7 +99,7 @@ def sparse_mla_decode_config(
     head_dim: int = 576,
     v_dim: int = 512,
     elem_bytes: int = 2,
-) -> dict[str, int]:
+) -> dict[str, int | str]:
     """Tile sizes, split count and rows per split for a launch (host-side, shape-only).
 
     Splitting a top-k row fills more SMs but writes and re-reads fp32 partials of
@@ -103,11 +110,14 @@ def sparse_mla_decode_config(
     on an H200 with fixed split counts: benchmarks/RESULTS.md, "Decode").
 
     Returns:
-        ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps"}``.
+        ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge",
+        "reason"}`` (``merge`` and ``reason``: :func:`merge_kind`).
 
     Example:
         >>> [sparse_mla_decode_config(t, 128, 2048, 132)["num_splits"] for t in (1, 8, 64)]
         [32, 8, 1]
+        >>> sparse_mla_decode_config(1, 16, 2048, 132)["reason"]
+        '32 splits; column merge: 16 (token, head) rows <= 128'
     """
     block_h = 64 if num_heads > 32 else max(16, 1 << max(0, (num_heads - 1).bit_length()))
     block_n = 64
@@ -123,13 +133,43 @@ def sparse_mla_decode_config(
 
         num_splits = min(range(1, min(n_blocks, 64) + 1), key=cost)
     chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
+    splits = max(1, -(-max(topk, 1) // chunk))
     return {
         "BLOCK_H": block_h,
         "BLOCK_N": block_n,
-        "num_splits": max(1, -(-max(topk, 1) // chunk)),
+        "num_splits": splits,
         "chunk": chunk,
         "num_warps": 8 if block_h >= 64 else 4,
+        "num_stages": 2,
+        "merge": merge_kind(num_tokens, num_heads, splits),
+        "reason": merge_reason(num_tokens, num_heads, splits),
     }
+
+
+def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
+    """Which kernel merges the splits: ``"none"`` (one split), ``"columns"``
+    (:func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns`, at most
+    :data:`COLUMN_MERGE_MAX_ROWS` (token, head) rows) or ``"rows"``
+    (:func:`~shardattn.kernels.lse_merge.launch_lse_merge`).
+
+    Measured on an H200 (benchmarks/RESULTS.md, "Sparse-MLA decode, batch 1-8", whole steps):
+    columns win at 16 heads x 1-8 tokens (14.0-23.3 us against 26.5-34.0) and 128 heads x 1 token
+    (21.5 against 32.1); rows win at 128 heads x 8 tokens (43.8 against 52.1: 4,096 column
+    programs of 8 splits each cost more than 128 row programs).
+    """
+    if num_splits <= 1:
+        return "none"
+    return "columns" if num_tokens * num_heads <= COLUMN_MERGE_MAX_ROWS else "rows"
+
+
+def merge_reason(num_tokens: int, num_heads: int, num_splits: int) -> str:
+    """Why :func:`merge_kind` chose its kernel, in words (for logs and routes)."""
+    n = num_tokens * num_heads
+    kind = merge_kind(num_tokens, num_heads, num_splits)
+    if kind == "none":
+        return "1 split: the kernel writes the result, no merge"
+    word, sign = ("column", "<=") if kind == "columns" else ("row", ">")
+    return f"{num_splits} splits; {word} merge: {n} (token, head) rows {sign} {COLUMN_MERGE_MAX_ROWS}"
 
 
 def sparse_mla_decode(
@@ -143,7 +183,7 @@ def sparse_mla_decode(
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     rows_unique: bool = False,
-    config: dict[str, int] | None = None,
+    config: dict[str, int | str] | None = None,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
@@ -165,16 +205,17 @@ def sparse_mla_decode(
         rows_unique: the caller guarantees no row appears twice in a token's list (skips the
             de-duplication sort on the Triton path; duplicates would then count twice).
         config: launch-configuration overrides (keys of :func:`sparse_mla_decode_config`:
-            ``BLOCK_H``, ``BLOCK_N``, ``num_warps``; for tuning).
+            ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and ``merge`` = ``"rows"`` /
+            ``"columns"``; for tuning and baselines).
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
             the split partials; with ``out``, ``lse_out`` and it, nothing is allocated.
         counters: int32 buffer of at least ``T * ceil(H / BLOCK_H) * num_splits`` zeros for the fused merge
             (left zeroed on return: reuse it across calls and graph replays). Default: allocated
             (zero-filled, one fill kernel more).
-        fused_merge: merge in the same launch for small batches (module docstring). Default
-            ``False``: on an H200 the tree merge measured 30-43 us against 26-34 us for the
-            separate merge kernel at 16 heads, 1-8 tokens (benchmarks/RESULTS.md).
+        fused_merge: merge in the same launch up a tree (module docstring). Default ``False``:
+            on an H200 it measured 31-43 us against 14-23 us for the routed column merge at 16
+            heads, 1-8 tokens (benchmarks/RESULTS.md).
         backend: ``None`` (routed: :func:`~shardattn.kernels.registry.sparse_decode_kernel`),
             ``"triton"`` or ``"gluon"`` (forced, also below the routing's crossover; a
             ``ValueError`` where the kernel cannot run these tensors). ``config``,
@@ -199,6 +240,12 @@ def sparse_mla_decode(
         check_int("num_splits", num_splits, minimum=1)
     if backend not in (None, "triton", "gluon"):
         raise ValueError(f"backend must be None, 'triton' or 'gluon', got {backend!r}")
+    if config:
+        unknown = set(config) - CONFIG_KEYS
+        if unknown:
+            raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
+        if config.get("merge", "rows") not in ("rows", "columns"):
+            raise ValueError(f"config['merge'] must be 'rows' or 'columns', got {config['merge']!r}")
     triton_only = config is not None or bool(fused_merge) or counters is not None
     if backend == "gluon" and triton_only:
         raise ValueError("backend='gluon' takes no config, fused_merge or counters (Triton options)")
@@ -250,12 +297,16 @@ def sparse_mla_decode(
         t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
     )
     if config:
-        unknown = set(config) - {"BLOCK_H", "BLOCK_N", "num_warps"}
-        if unknown:
-            raise ValueError(f"config keys must be among BLOCK_H, BLOCK_N, num_warps; got {sorted(unknown)}")
+        want = num_splits if num_splits is not None else cfg["num_splits"]
         cfg = {**cfg, **config}
-        cfg["chunk"] = -(-cfg["chunk"] // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        per_split = -(-max(topk, 1) // want)
+        cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
         cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
+        if "merge" not in config:
+            cfg["merge"] = merge_kind(t, h, cfg["num_splits"])
+            cfg["reason"] = merge_reason(t, h, cfg["num_splits"])
+        else:
+            cfg["reason"] = f"{cfg['num_splits']} splits; {cfg['merge']} merge: config"
     splits = cfg["num_splits"]
     n_hblocks = triton.cdiv(h, cfg["BLOCK_H"])
     if fused_merge is None:  # measured slower on an H200 so far (benchmarks/RESULTS.md): opt-in
@@ -263,9 +314,8 @@ def sparse_mla_decode(
     fused = splits > 1 and fused_merge and splits <= FUSED_MERGE_MAX_SPLITS and t <= FUSED_MERGE_MAX_TOKENS
     if splits > 1:
         dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device)
-        s_os, s_ls = dst_out.stride(0), dst_lse.stride(0)
     else:
-        dst_out, dst_lse, s_os, s_ls = out, lse_out, 0, 0
+        dst_out, dst_lse = out, lse_out
     if fused:
         need = t * n_hblocks * splits
         if counters is None:
@@ -274,222 +324,10 @@ def sparse_mla_decode(
             raise ValueError(f"counters must be an int32 tensor on {q.device} with >= {need} elements")
     else:
         counters = lse_out  # unused
-    dr = d - v_dim
-    grid = (triton.cdiv(h, cfg["BLOCK_H"]), t, splits)
-    _sparse_mla_decode_kernel[grid](
-        q,
-        kv,
-        rows,
-        topk_length if topk_length is not None else rows,
-        sinks if sinks is not None else q,
-        dst_out,
-        dst_lse,
-        out,
-        lse_out,
-        counters,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        kv.stride(0),
-        kv.stride(1),
-        rows.stride(0),
-        rows.stride(1),
-        dst_out.stride(-3),
-        dst_out.stride(-2),
-        dst_out.stride(-1),
-        s_os,
-        dst_lse.stride(-2),
-        dst_lse.stride(-1),
-        s_ls,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        lse_out.stride(0),
-        lse_out.stride(1),
-        splits,
-        h,
-        kv.shape[0],
-        topk,
-        cfg["chunk"],
-        float(scale) * LOG2E,
-        DV=v_dim,
-        DR=dr,
-        BLOCK_DV=triton.next_power_of_2(v_dim),
-        BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))),
-        BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_N=cfg["BLOCK_N"],
-        HAS_TOPK_LEN=topk_length is not None,
-        HAS_SINKS=sinks is not None,
-        HAS_ROPE=dr > 0,
-        IEEE=q.dtype == torch.float32,
-        FUSED_MERGE=fused,
-        num_warps=cfg["num_warps"],
-        num_stages=2,
-    )
+    launch_split_kernel(q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, fused)
     if splits > 1 and not fused:
-        launch_lse_merge(dst_out, dst_lse, out, lse_out)
+        if cfg.get("merge") == "columns":
+            launch_lse_merge_columns(dst_out, dst_lse, out, lse_out)
+        else:
+            launch_lse_merge(dst_out, dst_lse, out, lse_out)
     return out, lse_out
-
-
-if triton is not None:
-
-    @triton.jit
-    def _sparse_mla_decode_kernel(
-        Q,
-        KV,
-        Rows,
-        TopkLen,
-        Sinks,
-        Out,
-        Lse,
-        FinalOut,
-        FinalLse,
-        Counters,
-        stride_qt,
-        stride_qh,
-        stride_qd,
-        stride_kvr,
-        stride_kvd,
-        stride_rt,
-        stride_rk,
-        stride_ot,
-        stride_oh,
-        stride_od,
-        stride_os,
-        stride_lt,
-        stride_lh,
-        stride_ls,
-        stride_yt,
-        stride_yh,
-        stride_yd,
-        stride_zt,
-        stride_zh,
-        num_splits,
-        H,
-        R,
-        K,
-        chunk,
-        qk_scale,
-        DV: tl.constexpr,
-        DR: tl.constexpr,
-        BLOCK_DV: tl.constexpr,
-        BLOCK_DR: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        HAS_TOPK_LEN: tl.constexpr,
-        HAS_SINKS: tl.constexpr,
-        HAS_ROPE: tl.constexpr,
-        IEEE: tl.constexpr,
-        FUSED_MERGE: tl.constexpr,
-    ):
-        """One (head block, token, split): online softmax over rows ``[split*chunk, ...)`` of the top-k;
-        with ``FUSED_MERGE`` the token's last split to finish merges every split's partial."""
-        tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
-        pid_h = tl.program_id(0)
-        tok = tl.program_id(1).to(tl.int64)
-        split = tl.program_id(2)
-        heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = heads < H
-        offs_v = tl.arange(0, BLOCK_DV)
-        offs_r = tl.arange(0, BLOCK_DR)
-        vmask = offs_v < DV
-        rmask = offs_r < DR
-        q_base = Q + tok * stride_qt + heads[:, None] * stride_qh
-        q_nope = tl.load(q_base + offs_v[None, :] * stride_qd, mask=hmask[:, None] & vmask[None, :], other=0.0)
-        if HAS_ROPE:
-            q_pe = tl.load(q_base + (DV + offs_r[None, :]) * stride_qd, mask=hmask[:, None] & rmask[None, :], other=0.0)
-        k_len = K
-        if HAS_TOPK_LEN:
-            k_len = tl.minimum(tl.load(TopkLen + tok), K)
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, k_len)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        if HAS_SINKS:
-            if split == 0:
-                m_i = tl.load(Sinks + heads, mask=hmask, other=0.0) * 1.4426950408889634
-                l_i = tl.zeros([BLOCK_H], tl.float32) + 1.0
-        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            nmask = offs_n < hi
-            r = tl.load(Rows + tok * stride_rt + offs_n * stride_rk, mask=nmask, other=-1)
-            valid = nmask & (r >= 0) & (r < R)
-            row_ptr = KV + tl.where(valid, r, 0).to(tl.int64)[:, None] * stride_kvr
-            k_nope = tl.load(row_ptr + offs_v[None, :] * stride_kvd, mask=valid[:, None] & vmask[None, :], other=0.0)
-            if IEEE:
-                s = tl.dot(q_nope, tl.trans(k_nope), input_precision="ieee")
-            else:
-                s = tl.dot(q_nope, tl.trans(k_nope))
-            if HAS_ROPE:
-                k_pe = tl.load(
-                    row_ptr + (DV + offs_r[None, :]) * stride_kvd, mask=valid[:, None] & rmask[None, :], other=0.0
-                )
-                if IEEE:
-                    s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
-                else:
-                    s += tl.dot(q_pe, tl.trans(k_pe))
-            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
-            if IEEE:
-                pv = tl.dot(p.to(k_nope.dtype), k_nope, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(k_nope.dtype), k_nope)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        res, lse = online_softmax_finish(acc, m_i, l_i)
-        o_ptrs = Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
-        tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
-        tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)
-        if FUSED_MERGE:
-            # binary merge tree over the splits: at node (level l, left child p, right child
-            # r = p + 2^l) the second of the two subtrees to finish merges the pair (left first,
-            # so the result does not depend on who arrives last) and climbs; the first one
-            # leaves. The root writes the output. Node counters are indexed by r (unique per
-            # node) and reset by the merger, so they are 0 again after every launch.
-            omask = hmask[:, None] & vmask[None, :]
-            p_base = Out + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
-            l_base = Lse + tok * stride_lt + heads * stride_lh
-            counters = Counters + (tok * tl.num_programs(0) + pid_h) * num_splits
-            cur_o = res
-            cur_l = lse
-            active = split >= 0  # a runtime flag (True)
-            width = 1
-            while width < num_splits:
-                if active:
-                    left = (split // (2 * width)) * (2 * width)
-                    right = left + width
-                    if right < num_splits:  # a sibling subtree exists: meet it at this node
-                        mine = split - split % width  # where this subtree's result lives
-                        if width > 1:  # level 0 stored it above
-                            tl.store(p_base + mine * stride_os, cur_o, mask=omask)
-                            tl.store(l_base + mine * stride_ls, cur_l, mask=hmask)
-                        tl.debug_barrier()  # the whole block's stores precede the counter
-                        arrived = tl.atomic_add(counters + right, 1, sem="acq_rel", scope="gpu")
-                        if arrived == 0:
-                            active = split < 0  # False: the sibling merges
-                        else:
-                            tl.store(counters + right, 0)
-                            other = right if mine == left else left
-                            o_o = tl.load(p_base + other * stride_os, mask=omask, other=0.0, cache_modifier=".cg")
-                            o_l = tl.load(
-                                l_base + other * stride_ls, mask=hmask, other=float("-inf"), cache_modifier=".cg"
-                            )
-                            if mine == left:
-                                la, oa, lb, ob = cur_l, cur_o, o_l, o_o
-                            else:
-                                la, oa, lb, ob = o_l, o_o, cur_l, cur_o
-                            m = tl.maximum(la, lb)
-                            m_safe = tl.where(m == float("-inf"), 0.0, m)
-                            wa = tl.exp(la - m_safe)
-                            wb = tl.exp(lb - m_safe)
-                            total = wa + wb
-                            acc2 = tl.where(wa[:, None] > 0, wa[:, None] * oa, 0.0)
-                            acc2 += tl.where(wb[:, None] > 0, wb[:, None] * ob, 0.0)
-                            cur_o = acc2 / tl.where(total > 0, total, 1.0)[:, None]
-                            cur_l = tl.where(total > 0, m_safe + tl.log(total), float("-inf"))
-                width *= 2
-            if active:  # the root: every split is merged
-                y_ptrs = FinalOut + tok * stride_yt + heads[:, None] * stride_yh + offs_v[None, :] * stride_yd
-                tl.store(y_ptrs, cur_o.to(FinalOut.dtype.element_ty), mask=omask)
-                tl.store(FinalLse + tok * stride_zt + heads * stride_zh, cur_l, mask=hmask)

@@ -15,6 +15,9 @@ from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
 from shardattn.kernels.topk import DcpShard, convert_topk
 from shardattn.plan.spec import ModelSpec
 
+#: Split counts whose column merges (one compiled variant per power of 2 of the count) the warm-up runs.
+COLUMN_MERGE_WARMUP_SPLITS = (2, 4, 8, 16, 32, 64)
+
 
 def compiles_kernels(device: torch.device) -> bool:
     """``True`` when launches on ``device`` compile kernels (CUDA; on the CPU the references run)."""
@@ -53,7 +56,8 @@ def warm_up_decode(
     :func:`~shardattn.plan.routing.route_sparse_decode_kernel`), so the Triton kernel is also run
     at every size (the variants a smaller batch than ``max_decode_tokens`` may need) and, where
     ``max_decode_tokens`` reaches Gluon, the Gluon path once unsplit and once with two row slices
-    (its two kernel variants, written to ``out`` or to fp32 partials, and the merge).
+    (its two kernel variants, written to ``out`` or to fp32 partials, and the merge); at one
+    token the Triton path at every :data:`COLUMN_MERGE_WARMUP_SPLITS` (the column merge's variants).
     """
     gen = torch.Generator(device="cpu").manual_seed(0)
     d, page, h = spec.head_dim, spec.page_size, heads
@@ -83,6 +87,13 @@ def warm_up_decode(
                 sparse_mla_decode(q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks)
                 sparse_mla_decode(q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton")
                 launches += 2
+                # the column merge compiles one variant per power of 2 of the split count, which
+                # depends on the batch: cover them all at one token (the split kernel is the same)
+                for splits in COLUMN_MERGE_WARMUP_SPLITS if t == 1 and compiles_kernels(device) else ():
+                    sparse_mla_decode(
+                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton", num_splits=splits
+                    )
+                    launches += 1
                 for splits in (1, 2) if gluon else ():
                     sparse_mla_decode(
                         q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="gluon", num_splits=splits

@@ -164,6 +164,16 @@ def _sparse_rows() -> list[Row]:
             _sparse(decode_mod.sparse_mla_decode, lse_out=torch.zeros(3, 3)),
             Raises(ValueError, r"^lse_out must have shape \[3, 2\]"),
         ),
+        Row(
+            "sparse_mla_decode-config-key",
+            _sparse(decode_mod.sparse_mla_decode, config={"BLOCK_M": 16}),
+            Raises(ValueError, r"^config keys must be among"),
+        ),
+        Row(
+            "sparse_mla_decode-config-merge",
+            _sparse(decode_mod.sparse_mla_decode, config={"merge": "tree"}),
+            Raises(ValueError, r"^config\['merge'\] must be 'rows' or 'columns'"),
+        ),
     ]
     return rows
 
