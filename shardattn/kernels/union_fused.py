@@ -245,6 +245,7 @@ def fused_union(
     group_size: int,
     union: torch.Tensor,
     lens: torch.Tensor,
+    config: dict[str, int] | None = None,
 ) -> None:
     """Launch the fused build (checked inputs, CUDA or interpreter; see the module docstring).
 
@@ -254,10 +255,11 @@ def fused_union(
         topk_length: ``[T]`` int32 or None. max_row: largest valid row (``num_kv_rows - 1``).
         group_size: ``G``. union / lens: ``[ceil(T/G), G*K]`` / ``[ceil(T/G)]`` int32 outputs,
             contiguous rows.
+        config: overrides of :func:`fused_launch_config` (``LANES``, ``num_warps``; benchmark sweeps).
     """
     t, k = lists.shape
     g_count = union.shape[0]
-    cfg = fused_launch_config(group_size, k)
+    cfg = {**fused_launch_config(group_size, k), **(config or {})}
     scratch = torch.empty(g_count, group_size * k, dtype=torch.int32, device=lists.device) if group_size > 1 else union
     cum = torch.empty(g_count, group_size + 1, dtype=torch.int32, device=lists.device)
     _fused_union_kernel[(g_count,)](
