@@ -9,16 +9,16 @@ Per ``T`` (KV 65,536 rows at 4K tokens, 131,072 above; top-k 2048, DSA-like top-
 count (``G`` = 8 / 4 / 2 at 8 / 16 / 32 heads, the grouped Gluon kernel's routing):
 
 * **checks** (exact: ``lens`` and every entry below it): the fused builder on unsorted rows and
-  on the same rows sorted (``rows_sorted=True``) against the old builder on the benchmark rows,
-  and against the torch reference on edge rows (5 % invalid entries anywhere, an empty row, a
-  row listed twice, out-of-range rows, ``topk_length`` 100 / 0 / 1 / 65, a tail group) and on
-  rows up to ``2**24 - 2``;
+  on the same rows sorted (``rows_sorted=True``) against the torch reference on edge rows (5 %
+  invalid entries anywhere, an empty row, a row listed twice, out-of-range rows, ``topk_length``
+  100 / 0 / 1 / 65, a tail group) and on rows up to ``2**24 - 2``; at every timed case, every
+  fused build (and sweep config) against the old builder on the benchmark rows;
 * **times** (CUDA-event medians, L2 flushed before each run): the old builder (``"sort"`` at
   ``G = 2``, ``"merge"`` at ``G = 4 / 8``, the ``auto`` choice before the fused builder), the
   fused builder on unsorted rows (row sort + one launch) and on sorted rows (one launch), the row
   sort alone (keys kernel + ``torch.sort``), the sorted lists alone (the fused kernel at ``G =
   1``) and the grouped Gluon kernel alone; the union share of the step ``union / (union +
-  kernel)`` for each builder. ``--sweep`` also times fused-kernel launch configs on sorted rows.
+  kernel)`` for each builder. ``--sweep`` also times fused-kernel launch configs on sorted rows (first ``T`` only).
 """
 
 from __future__ import annotations
@@ -36,12 +36,17 @@ from sparse_prefill import D_R, D_V, make_case, timed
 
 from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 from shardattn.kernels.union import MAX_PLAIN_ROW, _sorted_row_keys, build_union, build_union_reference
-from shardattn.kernels.union_fused import fused_union
+from shardattn.kernels.union_fused import fused_kernel, fused_union
 
 #: The ``auto`` builder per G before the fused builder (benchmarks/RESULTS.md, run 4).
 OLD_METHOD = {2: "sort", 4: "merge", 8: "merge"}
-SWEEP = ({"LANES": 256, "num_warps": 4}, {"LANES": 512, "num_warps": 4}, {"LANES": 512, "num_warps": 8},
-         {"LANES": 1024, "num_warps": 8})  # fmt: skip
+SWEEP = (
+    {"WAYS": 9, "WINDOW": True, "LANES": 128, "num_warps": 4},
+    {"WAYS": 9, "WINDOW": True, "LANES": 512, "num_warps": 8},
+    {"WAYS": 5, "WINDOW": True, "LANES": 256, "num_warps": 4},
+    {"WAYS": 2, "WINDOW": True, "LANES": 256, "num_warps": 4},
+    {"WAYS": 2, "WINDOW": False, "LANES": 256, "num_warps": 4},  # run 1's kernel (binary search, serial steps)
+)
 
 
 def exact(got, want) -> bool:
@@ -67,18 +72,13 @@ def checks(rows: torch.Tensor, kv_rows: int, topk: int) -> list[dict]:
     top[:, ::7] = 2**24 - 2
     for g in (1, 2, 4, 8):
         for name, r, ln, srt in (
-            ("bench_rows", rows, None, False),
-            ("bench_rows_sorted", sort_valid(rows, 4), None, True),
             ("edge", edge, length, False),
             ("edge_sorted", sorted_edge, length, True),
             ("top_rows", top, None, False),
             ("top_rows_sorted", torch.sort(top, dim=1).values, None, True),
         ):
             n_kv = 2**24 - 1 if name.startswith("top") else kv_rows
-            if name.startswith("bench") and g > 1:
-                want = build_union(r, group_size=g, num_kv_rows=n_kv, method=OLD_METHOD[g])
-            else:
-                want = build_union_reference(r, group_size=g, num_kv_rows=n_kv, topk_length=ln)
+            want = build_union_reference(r, group_size=g, num_kv_rows=n_kv, topk_length=ln)
             for rs in {False, srt}:
                 got = build_union(r, group_size=g, num_kv_rows=n_kv, topk_length=ln, method="fused", rows_sorted=rs)
                 res.append({"G": g, "rows": name, "rows_sorted": rs, "exact": exact(got, want)})
@@ -122,7 +122,7 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep) -> dict:
         flush, reps,
     )  # fmt: skip
     for cfg in sweep:
-        key = f"sorted_L{cfg['LANES']}w{cfg['num_warps']}"
+        key = f"sorted_W{cfg['WAYS']}{'win' if cfg['WINDOW'] else 'ser'}_L{cfg['LANES']}w{cfg['num_warps']}"
         fused_union(srows, None, max_row, g, u, ln, config=cfg)
         same[key] = exact((u, ln), want)
         ms[key] = timed(lambda cfg=cfg: fused_union(srows, None, max_row, g, u, ln, config=cfg), flush, reps)
@@ -162,13 +162,24 @@ def main(argv=None) -> int:
     for tokens in args.tokens:
         kv_rows = 65536 if tokens <= 4096 else 131072
         for heads in args.heads:
-            r = time_case(heads, tokens, kv_rows, args.topk, args.reps, flush, SWEEP if args.sweep else ())
+            sweep = SWEEP if args.sweep and tokens == args.tokens[0] else ()
+            r = time_case(heads, tokens, kv_rows, args.topk, args.reps, flush, sweep)
             results["times"].append(r)
             print("   time:", json.dumps(r), flush=True)
             bad += [k for k, v in r["same_as_old"].items() if not v]
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(results, f, indent=1)
+    results["kernels"] = [
+        {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None), "shared": k.metadata.shared,
+         "constants": str({n: v for n, v in k.src.constants.items()} if hasattr(k, "src") else "")[:300]}
+        for entry in fused_kernel().device_caches.values() for k in entry[0].values()
+    ]  # fmt: skip
+    for k in results["kernels"]:
+        print("   kernel:", json.dumps(k), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
     print(f"\n{'H':>3} {'T':>6} {'G':>2} | {'old':>6} {'fused':>6} {'sorted':>6} | {'rowsort':>7} {'lists':>6} | "
           f"{'kernel':>6} | share old / fused / sorted | x old fused / sorted")  # fmt: skip
     for r in results["times"]:
