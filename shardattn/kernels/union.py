@@ -82,9 +82,10 @@ ROW_BITS = 24
 #: Largest row the G = 1 path accepts (int32 max is the sort sentinel).
 MAX_PLAIN_ROW = 2**31 - 2
 #: Triton builder per ``G`` for ``method="auto"`` on unsorted rows: the fastest measured on an
-#: H200 (T = 4K / 16K, K = 2048, DSA-like rows; benchmarks/RESULTS.md). With ``rows_sorted=True``
-#: ``"auto"`` is always ``"fused"`` (no row sort at all).
-UNION_METHOD = MappingProxyType({1: "sort", 2: "fused", 4: "fused", 8: "fused"})
+#: H200 (T = 4K / 16K, K = 2048, DSA-like rows; benchmarks/RESULTS.md): fused 1.05-1.09x the
+#: merge at G = 4 / 8, 0.76-0.78x the sort at G = 2. With ``rows_sorted=True`` ``"auto"`` is
+#: always ``"fused"`` (no row sort: 2.1-2.6x the old builder at G = 2 / 4 / 8).
+UNION_METHOD = MappingProxyType({1: "sort", 2: "sort", 4: "fused", 8: "fused"})
 METHODS = ("auto", "sort", "merge", "fused")
 #: How each query's rows are sorted (``G = 1`` and the first merge level): ``torch.sort`` of
 #: ``[T, K]`` keys, or a ``tl.sort`` per query row in one Triton program (measured 1.9-2.0x

@@ -60,24 +60,33 @@ def fused_launch_config(group_size: int, topk: int) -> dict[str, int]:
 
     ``CHUNK`` / ``CCHUNK``: entries per step of the list / compaction loops; ``LANES``: merge
     lanes per step (each :data:`MERGE_RUN` outputs); ``WAYS``: the split search probes
-    ``WAYS - 1`` points per round (2: binary); ``STEPS``: its rounds at the widest level;
-    ``WINDOW``: each lane loads its two 8-key windows at
-    once and takes output ``s`` as ``min over x + y = s + 1 of max(a_x, b_y)`` (else 8 serial
-    merge steps); ``num_warps``. Chosen by measurement on an H200 (benchmarks/RESULTS.md).
+    ``WAYS - 1`` points per round (2: binary); ``STEPS``: :func:`search_steps`; ``WINDOW``: each
+    lane loads its two 8-key windows at once and takes output ``s`` as ``min over x + y = s + 1
+    of max(a_x, b_y)`` (else 8 serial merge steps, one dependent load each); ``num_warps``.
+
+    The defaults (binary search, serial steps, 256 lanes, 4 warps) are the fastest of the configs
+    timed on an H200 (benchmarks/RESULTS.md). ``WAYS > 2`` and ``WINDOW`` cut the dependent loads
+    per 8 outputs from ~20 to ~6; they are exact (interpreter tests) but not yet timed on a GPU.
     """
     kp = max(16, 1 << max(0, topk - 1).bit_length())
-    ways = 9
-    widest = topk << max(0, group_size.bit_length() - 2)
     return {
         "G": group_size,
         "CHUNK": min(kp, 1024),
         "CCHUNK": min(group_size * kp, 2048),
         "LANES": 256,
-        "WAYS": ways,
-        "STEPS": search_rounds(widest, ways),
-        "WINDOW": True,
+        "WAYS": 2,
+        "STEPS": search_steps(group_size, topk, 2),
+        "WINDOW": False,
         "num_warps": 4,
     }
+
+
+def search_steps(group_size: int, topk: int, ways: int) -> int:
+    """``STEPS`` of the split search: binary, the first level's (``+ LEVEL`` in the kernel); else the
+    rounds at the widest level, ``K << (log2 G - 1)``."""
+    if ways == 2:
+        return topk.bit_length()
+    return search_rounds(topk << max(0, group_size.bit_length() - 2), ways)
 
 
 if triton is not None:
@@ -177,12 +186,12 @@ if triton is not None:
     @triton.jit
     def _merge_level(
         src, dst, cum, K,
-        LEVEL, G: tl.constexpr, LANES: tl.constexpr, STEPS: tl.constexpr,
+        LEVEL: tl.constexpr, G: tl.constexpr, LANES: tl.constexpr, STEPS: tl.constexpr,
         WAYS: tl.constexpr, WINDOW: tl.constexpr,
     ):  # fmt: skip
         # lists 2p, 2p + 1 of width W = K << LEVEL at src -> list p of width 2W at dst (merge path)
         INF: tl.constexpr = 2147483647
-        PAIRS = G >> (LEVEL + 1)
+        PAIRS: tl.constexpr = G >> (LEVEL + 1)
         W = K << LEVEL
         runs = (2 * W + 7) // 8  # lane runs per pair
         for q0 in range(0, PAIRS * runs, LANES):
@@ -202,7 +211,7 @@ if triton is not None:
             lo = tl.maximum(d - lb, 0)
             hi = tl.minimum(d, la)
             if WAYS == 2:
-                for _ in tl.static_range(STEPS):  # enough for the widest level; idle lanes stop
+                for _ in tl.static_range(STEPS + LEVEL):
                     run = live & (lo < hi)
                     mid = (lo + hi) // 2
                     av = tl.load(a_ptr + mid, mask=run, other=0)
@@ -211,7 +220,7 @@ if triton is not None:
                     lo = tl.where(go, mid + 1, lo)
                     hi = tl.where(run & ~go, mid, hi)
             else:  # WAYS - 1 independent probes per round: fewer dependent round trips
-                for _ in tl.static_range(STEPS):
+                for _ in tl.static_range(STEPS):  # enough for the widest level; idle lanes stop
                     span = hi - lo
                     run = live & (span > 0)
                     nlo = lo
@@ -283,7 +292,7 @@ if triton is not None:
         scr = SCRATCH + g * G * K
         cum = CUM + g * (G + 1)
         total = tl.full([], 0, tl.int32)
-        for j in range(G):
+        for j in tl.static_range(G):
             t = g * G + j
             k_end = tl.where(t < T, K, 0)
             if HAS_LEN:
@@ -299,11 +308,11 @@ if triton is not None:
             tl.store(LENS + g, total)
         else:
             tl.debug_barrier()
-            for level in range(LEVELS):  # a runtime loop: one copy of the level's code
-                even = (LEVELS - level) % 2 == 0
-                _merge_level(
-                    tl.where(even, scr, out), tl.where(even, out, scr), cum, K, level, G, LANES, STEPS, WAYS, WINDOW
-                )
+            for level in tl.static_range(LEVELS):
+                if (LEVELS - level) % 2 == 0:
+                    _merge_level(scr, out, cum, K, level, G, LANES, STEPS, WAYS, WINDOW)
+                else:
+                    _merge_level(out, scr, cum, K, level, G, LANES, STEPS, WAYS, WINDOW)
                 tl.debug_barrier()
             tl.store(LENS + g, compact_sorted_keys(scr, out, total, G, CCHUNK))
 
@@ -336,8 +345,7 @@ def fused_union(
     g_count = union.shape[0]
     cfg = {**fused_launch_config(group_size, k), **(config or {})}
     if config and "WAYS" in config and "STEPS" not in config:
-        widest = k << max(0, group_size.bit_length() - 2)
-        cfg["STEPS"] = search_rounds(widest, cfg["WAYS"])
+        cfg["STEPS"] = search_steps(group_size, k, cfg["WAYS"])
     scratch = torch.empty(g_count, group_size * k, dtype=torch.int32, device=lists.device) if group_size > 1 else union
     cum = torch.empty(g_count, group_size + 1, dtype=torch.int32, device=lists.device)
     _fused_union_kernel[(g_count,)](
