@@ -81,3 +81,33 @@ def test_split_search_steps_pin_the_merge_path_split_at_real_widths(group_size, 
                         nhi = min(nhi, m)
                 lo, hi = nlo, nhi
             assert lo == hi and sorted(a[:lo] + b[: d - lo]) == merged[:d]
+
+
+@pytest.mark.parametrize("rows_sorted", [False, True], ids=["unsorted", "sorted"])
+def test_workspace_prefill_passes_the_flag_to_every_pass_and_keeps_the_result(monkeypatch, rows_sorted):
+    """A rank's kernel call in passes over a small union workspace hands ``rows_sorted`` to each
+    pass's build; the output equals one unsplit call (CPU: the reference path)."""
+    import shardattn.parallel.prefill_attention as pa
+    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.plan.routing import Route
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["rows_sorted"])
+        return sparse_mla_grouped_prefill(*args, **kwargs)
+
+    monkeypatch.setattr(pa, "sparse_mla_grouped_prefill", spy)
+    gen = torch.Generator().manual_seed(4)
+    q, kv = torch.randn(11, 2, 48, generator=gen), torch.randn(30, 48, generator=gen)
+    rows = make_rows(4, 11, 6, 30, sort=rows_sorted)
+    union_ws = torch.empty(4 * 6 * 4, dtype=torch.uint8)  # one group of G = 4 per pass
+    lens_ws = torch.empty(4, dtype=torch.uint8)
+    route = Route("triton", 4, "test")
+    out, lse = pa.workspace_prefill_attention(
+        q, kv, rows, route=route, union_ws=union_ws, lens_ws=lens_ws, scale=0.2, v_dim=32, rows_sorted=rows_sorted
+    )
+    want_out, want_lse = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, group_size=4)
+    assert seen == [rows_sorted] * 3
+    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
