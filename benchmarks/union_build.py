@@ -40,12 +40,17 @@ from shardattn.kernels.union_fused import fused_kernel, fused_union
 
 #: The ``auto`` builder per G before the fused builder (benchmarks/RESULTS.md, run 4).
 OLD_METHOD = {2: "sort", 4: "merge", 8: "merge"}
+#: Launch configs timed by ``--sweep`` beside the default (256 lanes, 4 warps, binary search,
+#: serial steps, compaction chunk 2048). Compiled for sm_90a with Triton 3.9, the default takes
+#: 141 registers (3 programs of 4 warps per SM), a 1024-key compaction chunk 72, with the
+#: windowed merge and 9-ary search 80 (0 spills): the occupancy the latency-bound merge lacks.
 SWEEP = (
-    {"WAYS": 9, "WINDOW": True, "LANES": 128, "num_warps": 4},
-    {"WAYS": 9, "WINDOW": True, "LANES": 512, "num_warps": 8},
-    {"WAYS": 5, "WINDOW": True, "LANES": 256, "num_warps": 4},
-    {"WAYS": 2, "WINDOW": True, "LANES": 256, "num_warps": 4},
-    {"WAYS": 2, "WINDOW": False, "LANES": 256, "num_warps": 4},  # run 1's kernel (binary search, serial steps)
+    {"CCHUNK": 1024},
+    {"CCHUNK": 1024, "WAYS": 9, "WINDOW": True},
+    {"CCHUNK": 512, "CHUNK": 512, "WAYS": 9, "WINDOW": True},
+    {"WAYS": 9, "WINDOW": True},
+    {"WAYS": 2, "WINDOW": True},
+    {"LANES": 512, "num_warps": 8, "CCHUNK": 1024},
 )
 
 
@@ -122,7 +127,7 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep) -> dict:
         flush, reps,
     )  # fmt: skip
     for cfg in sweep:
-        key = f"sorted_W{cfg['WAYS']}{'win' if cfg['WINDOW'] else 'ser'}_L{cfg['LANES']}w{cfg['num_warps']}"
+        key = "sorted_" + "_".join(f"{k}{int(v)}" for k, v in cfg.items())
         fused_union(srows, None, max_row, g, u, ln, config=cfg)
         same[key] = exact((u, ln), want)
         ms[key] = timed(lambda cfg=cfg: fused_union(srows, None, max_row, g, u, ln, config=cfg), flush, reps)
