@@ -86,6 +86,8 @@ def test_warmup_keys_cover_both_sides_of_the_routing_threshold(heads):
     merges = [k.params for k in keys if k.kernel == "union_merge"]
     expect = [(g, level == 0) for g in groups if UNION_METHOD[g] == "merge" for level in range(g.bit_length() - 1)]
     assert [(m["G"], m["PLAIN"]) for m in merges] == expect
+    fused = {k.params["G"] for k in keys if k.kernel == "union_fused"}
+    assert fused == {g for g in groups if UNION_METHOD[g] == "fused"}
     assert all(k.params["HAS_SINK"] for k in keys if k.kernel == "attention")
 
 

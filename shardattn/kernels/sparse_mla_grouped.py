@@ -125,6 +125,7 @@ def sparse_mla_grouped_prefill(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     q_ready: Callable[[], None] | None = None,
+    rows_sorted: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill with consecutive queries grouped into shared tiles.
 
@@ -150,6 +151,9 @@ def sparse_mla_grouped_prefill(
         q_ready: optional callable run once before any kernel reads ``q`` (e.g. the wait of the
             exchange that fills it): the union build, which reads only ``rows``, is issued before
             it and so overlaps whatever fills ``q``.
+        rows_sorted: the caller guarantees each query's valid rows are ascending in list order
+            (invalid entries anywhere; e.g. a top-k sorted by row): the union build skips its row
+            sort (trusted, not checked; :func:`~shardattn.kernels.union.build_union`).
     Returns:
         ``out [T, H, v_dim]`` in q's dtype and ``lse [T, H]`` fp32 natural log (the given
         destinations when passed); an empty row is ``(0, -inf)`` (with sinks: ``(0, sink)``).
@@ -164,6 +168,8 @@ def sparse_mla_grouped_prefill(
     q = join_q(q)
     q3 = shape_stand_in(q)
     check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
+    if not isinstance(rows_sorted, bool):
+        raise TypeError(f"rows_sorted must be a bool, got {type(rows_sorted).__name__}")
     if group_size is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size!r}")
     if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
@@ -184,7 +190,9 @@ def sparse_mla_grouped_prefill(
         lse = s if lse is None else store_heads(lse, s)
     else:
         g = path.group_size
-        u, lens = build_union(rows, group_size=g, num_kv_rows=kv.shape[0], topk_length=topk_length, out=union)
+        u, lens = build_union(
+            rows, group_size=g, num_kv_rows=kv.shape[0], topk_length=topk_length, out=union, rows_sorted=rows_sorted
+        )
         if q_ready is not None:  # the union is built: now the kernels may wait for q
             q_ready()
         if path.backend == "gluon" and gluon_supports(q, kv, v_dim) is None:

@@ -31,10 +31,13 @@ Triton paths (``method``; the cost depends on ``G * K`` per group, never on the 
   position is ``k + #(partner-only < x)`` (an element of the first list) or
   ``#(first < x) + #(partner-only before it)`` (a partner-only element); a row in both lists
   is written once with the OR of both bit sets. No sort wider than ``K``.
+* ``"fused"`` (:mod:`shardattn.kernels.union_fused`): one launch, one program per group: its
+  query lists (filtered, de-duplicated), every merge level (merge path: one binary search per
+  8 outputs, then a serial merge) and the compaction. With ``rows_sorted=True`` (each query's
+  valid rows already ascending, e.g. a sorted indexer top-k) there is no row sort at all;
+  otherwise the row sort (``torch.sort`` of ``[T, K]`` keys) comes first.
 * ``"auto"`` picks per ``G`` from :data:`UNION_METHOD` (measured on an H200,
-  benchmarks/RESULTS.md): ``"sort"`` for ``G <= 2`` (one 2K / 4K-wide ``torch.sort`` per
-  group is cheaper than the row sort plus a merge level), ``"merge"`` for ``G = 4 / 8``
-  (segments over 4096 keys fall to torch's segmented radix sort). Sorting inside one Triton
+  benchmarks/RESULTS.md), and ``"fused"`` whenever ``rows_sorted``. Sorting inside one Triton
   program with ``tl.sort`` measured 2.6x slower than ``torch.sort`` at G = 8 (whole group)
   and 1.9x slower at G = 1 (one row).
 
@@ -66,6 +69,10 @@ except ImportError:  # the torch reference still works
 
 from shardattn._checks import INDEX_DTYPES, check_choice, check_int, check_same_device, check_tensor
 from shardattn.kernels.registry import use_triton
+from shardattn.kernels.union_fused import fused_kernel, fused_union
+
+if triton is not None:
+    from shardattn.kernels.union_fused import compact_sorted_keys
 
 #: Rows at or above this cannot be packed (24 bits, ``0xFFFFFF`` reserved so ``-1`` is no entry).
 MAX_PACKED_ROWS = 2**24 - 1
@@ -74,11 +81,12 @@ GROUP_SIZES = (1, 2, 4, 8)
 ROW_BITS = 24
 #: Largest row the G = 1 path accepts (int32 max is the sort sentinel).
 MAX_PLAIN_ROW = 2**31 - 2
-#: Triton builder per ``G`` for ``method="auto"``: the faster one measured on an H200 (T = 4K /
-#: 16K, K = 2048, DSA-like rows; benchmarks/RESULTS.md): merge 1.44-1.45x the sort at G = 4,
-#: 1.26-1.29x at G = 8, 0.81-0.83x at G = 2.
-UNION_METHOD = MappingProxyType({1: "sort", 2: "sort", 4: "merge", 8: "merge"})
-METHODS = ("auto", "sort", "merge")
+#: Triton builder per ``G`` for ``method="auto"`` on unsorted rows: the fastest measured on an
+#: H200 (T = 4K / 16K, K = 2048, DSA-like rows; benchmarks/RESULTS.md): fused 1.05-1.09x the
+#: merge at G = 4 / 8, 0.76-0.78x the sort at G = 2. With ``rows_sorted=True`` ``"auto"`` is
+#: always ``"fused"`` (no row sort: 2.1-2.6x the old builder at G = 2 / 4 / 8).
+UNION_METHOD = MappingProxyType({1: "sort", 2: "sort", 4: "fused", 8: "fused"})
+METHODS = ("auto", "sort", "merge", "fused")
 #: How each query's rows are sorted (``G = 1`` and the first merge level): ``torch.sort`` of
 #: ``[T, K]`` keys, or a ``tl.sort`` per query row in one Triton program (measured 1.9-2.0x
 #: slower than ``torch.sort`` on an H200 at K = 2048; kept as an option).
@@ -109,8 +117,10 @@ def unpack_entries(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return e & 0xFFFFFF, e >> ROW_BITS
 
 
-def _check(rows, group_size, num_kv_rows, topk_length):
+def _check(rows, group_size, num_kv_rows, topk_length, rows_sorted=False):
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
+    if not isinstance(rows_sorted, bool):
+        raise TypeError(f"rows_sorted must be a bool, got {type(rows_sorted).__name__}")
     check_int("group_size", group_size)
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
@@ -161,10 +171,6 @@ def build_union_reference(
 
 if triton is not None:
 
-    @triton.jit
-    def _max_combine(a, b):
-        return tl.maximum(a, b)
-
     @triton.jit(do_not_specialize=["T", "max_row"])
     def _union_keys_kernel(
         ROWS, TOPK_LEN, KEYS,
@@ -190,40 +196,9 @@ if triton is not None:
         width, stride_sorted_g, stride_union_g,
         G: tl.constexpr, CHUNK: tl.constexpr,
     ):  # fmt: skip
-        # One program per group over its sorted keys: a row's run ends where the next key's row
-        # differs; its bits are (inclusive bit sum at the end) - (exclusive sum at the run start),
-        # exact duplicates contributing once. Chunks carry counts and sums across.
-        SENT: tl.constexpr = 2147483647
-        SHIFT: tl.constexpr = 3 if G > 1 else 0
+        # one program per group over its sorted keys (compact_sorted_keys)
         g = tl.program_id(0).to(tl.int64)
-        src = SORTED + g * stride_sorted_g
-        dst = UNION + g * stride_union_g
-        n = tl.full([], 0, tl.int32)
-        cs = tl.full([], 0, tl.int32)
-        sb = tl.full([], 0, tl.int32)
-        for c0 in range(0, width, CHUNK):
-            i = c0 + tl.arange(0, CHUNK)
-            in_w = i < width
-            key = tl.load(src + i, mask=in_w, other=SENT)
-            prev = tl.load(src + i - 1, mask=in_w & (i > 0), other=-1)
-            nxt = tl.load(src + i + 1, mask=(i + 1) < width, other=SENT)
-            valid = key != SENT
-            is_end = valid & ((nxt >> SHIFT) != (key >> SHIFT))
-            ends = is_end.to(tl.int32)
-            slot = n + tl.cumsum(ends, axis=0) - 1
-            if G > 1:
-                contrib = tl.where(valid & (key != prev), 1 << (key & 7), 0)
-                csum = cs + tl.cumsum(contrib, axis=0)
-                is_start = (prev >> SHIFT) != (key >> SHIFT)
-                run_base = tl.associative_scan(tl.where(is_start, csum - contrib, 0), 0, _max_combine)
-                run_base = tl.maximum(run_base, sb)
-                entry = (key >> SHIFT) | ((csum - run_base) << 24)
-                cs = tl.max(csum, axis=0)
-                sb = tl.max(run_base, axis=0)
-            else:
-                entry = key
-            tl.store(dst + slot, entry, mask=is_end)
-            n += tl.sum(ends, axis=0)
+        n = compact_sorted_keys(SORTED + g * stride_sorted_g, UNION + g * stride_union_g, width, G, CHUNK)
         tl.store(LENS + g, n)
 
     @triton.jit(do_not_specialize=["T", "max_row"])
@@ -320,8 +295,8 @@ if triton is not None:
 
 
 def union_kernels() -> tuple:
-    """The Triton union kernels (keys, compact, row sort, merge), for warm-up and compile counting."""
-    return _union_keys_kernel, _union_compact_kernel, _row_sort_kernel, _union_merge_kernel
+    """The Triton union kernels (keys, compact, row sort, merge, fused), for warm-up and compile counting."""
+    return _union_keys_kernel, _union_compact_kernel, _row_sort_kernel, _union_merge_kernel, fused_kernel()
 
 
 def union_launch_config(group_size: int, topk: int) -> dict[str, int]:
@@ -343,11 +318,12 @@ def union_launch_config(group_size: int, topk: int) -> dict[str, int]:
     }
 
 
-def _resolve(group_size: int, method: str, row_sort: str) -> tuple[str, str]:
+def _resolve(group_size: int, method: str, row_sort: str, rows_sorted: bool) -> tuple[str, str]:
     check_choice("method", method, METHODS)
     check_choice("row_sort", row_sort, ROW_SORTS)
-    method = UNION_METHOD[group_size] if method == "auto" else method
-    if group_size == 1:
+    if method == "auto":
+        method = "fused" if rows_sorted else UNION_METHOD[group_size]
+    if group_size == 1 and not (method == "fused" and rows_sorted):
         method = "sort"  # one query per group: the row sort is the whole build
     return method, ROW_SORT_AUTO if row_sort == "auto" else row_sort
 
@@ -361,6 +337,7 @@ def build_union(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     method: str = "auto",
     row_sort: str = "auto",
+    rows_sorted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted union of each group's valid rows with membership bits (see the module docstring).
 
@@ -371,17 +348,23 @@ def build_union(
             when ``G > 1``.
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
         out: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``.
-        method: Triton builder, ``"auto"`` (:data:`UNION_METHOD`), ``"sort"`` or ``"merge"``
-            (same outputs; ignored by the torch reference and for ``G = 1``).
-        row_sort: per-query row sort of the ``G = 1`` build and the first merge level,
-            ``"auto"``, ``"torch"`` or ``"triton"`` (same outputs).
+        method: Triton builder, ``"auto"`` (:data:`UNION_METHOD`; ``"fused"`` when
+            ``rows_sorted``), ``"sort"``, ``"merge"`` or ``"fused"`` (same outputs; ignored by
+            the torch reference; ``G = 1`` is the row sort unless ``"fused"`` on sorted rows).
+        row_sort: per-query row sort of the ``G = 1`` build, the first merge level and the
+            fused build of unsorted rows, ``"auto"``, ``"torch"`` or ``"triton"`` (same outputs).
+        rows_sorted: the caller guarantees that each query's *valid* entries are non-decreasing
+            in list order (invalid ones anywhere, repeats allowed; the sorted-input contract of
+            :mod:`shardattn.kernels.union_fused`). Trusted, not checked: the ``"fused"`` builder
+            then skips the row sort (a list that breaks the order gets an unspecified, in-bounds
+            union); the ``"sort"`` / ``"merge"`` builders and the reference sort anyway.
     Returns:
         ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``; on the Triton path the
         entries past ``lens[g]`` are unspecified (the reference fills them with ``-1``).
     """
 
-    _check(rows, group_size, num_kv_rows, topk_length)
-    method, row_sort = _resolve(group_size, method, row_sort)
+    _check(rows, group_size, num_kv_rows, topk_length, rows_sorted)
+    method, row_sort = _resolve(group_size, method, row_sort, rows_sorted)
     t, k = rows.shape
     g_count = num_groups(t, group_size)
     if out is not None:
@@ -404,6 +387,14 @@ def build_union(
         return union, lens
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     cfg = union_launch_config(group_size, k)
+    if method == "fused":
+        max_row = min(num_kv_rows - 1, MAX_PLAIN_ROW)
+        if rows_sorted:
+            fused_union(rows, topk_length, max_row, group_size, union, lens)
+        else:  # each query's rows sorted first (invalid = INT32_MAX at the end, topk_length applied)
+            keys = _sorted_row_keys(rows, topk_length, num_kv_rows, row_sort)
+            fused_union(keys, None, max_row, group_size, union, lens)
+        return union, lens
     if group_size == 1:
         _row_lists(rows, topk_length, num_kv_rows, row_sort, union, lens)
         return union, lens
@@ -429,6 +420,21 @@ def build_union(
         )  # fmt: skip
         src, src_len = dst, dst_len
     return union, lens
+
+
+def _sorted_row_keys(rows, topk_length, num_kv_rows, row_sort):
+    """``[T, K]`` int32: each query's valid rows ascending, INT32_MAX (invalid) at the end."""
+    t, k = rows.shape
+    cfg = union_launch_config(1, k)
+    keys = torch.empty(t, k, dtype=torch.int32, device=rows.device)
+    kernel = _row_sort_kernel if row_sort == "triton" else _union_keys_kernel
+    grid = (t,) if row_sort == "triton" else (t, triton.cdiv(k, cfg["BLOCK_K"]))
+    block = {"BLOCK_K": cfg["ROW_BLOCK"]} if row_sort == "triton" else {"BLOCK_K": cfg["BLOCK_K"], "G": 1}
+    kernel[grid](
+        rows, topk_length if topk_length is not None else keys, keys, t, k, min(num_kv_rows - 1, MAX_PLAIN_ROW),
+        rows.stride(0), HAS_LEN=topk_length is not None, **block,
+    )  # fmt: skip
+    return keys if row_sort == "triton" else torch.sort(keys, dim=1).values
 
 
 def _row_lists(rows, topk_length, num_kv_rows, row_sort, lists, lens):

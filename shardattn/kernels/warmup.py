@@ -14,7 +14,7 @@ for tests.
 Example:
     >>> keys = compile_keys(PrefillSpec(heads=8, topk=2048))
     >>> sorted({k.kernel for k in keys} - {"gluon_attention"})  # Gluon keys where Triton has Gluon
-    ['attention', 'convert_topk', 'union_compact', 'union_keys', 'union_merge']
+    ['attention', 'convert_topk', 'union_compact', 'union_fused', 'union_keys']
     >>> sorted(k.params["G"] for k in keys if k.kernel == "attention")
     [1, 8]
 """
@@ -30,6 +30,7 @@ from shardattn.kernels.sparse_mla_grouped import default_group_size
 from shardattn.kernels.sparse_mla_triton import tile_config
 from shardattn.kernels.topk import convert_topk_config
 from shardattn.kernels.union import UNION_METHOD, union_launch_config
+from shardattn.kernels.union_fused import fused_launch_config
 from shardattn.plan.routing import gluon_grouped_group_size
 
 
@@ -83,6 +84,10 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
         if group == 1 or UNION_METHOD[group] == "sort":
             keys.append(CompileKey("union_keys", {"G": group, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
             keys.append(CompileKey("union_compact", {"G": group, "CHUNK": cfg["CHUNK"]}))
+        elif UNION_METHOD[group] == "fused":  # the row sort's keys (the G = 1 keys kernel), then one launch
+            row_cfg = union_launch_config(1, spec.topk)
+            keys.append(CompileKey("union_keys", {"G": 1, "BLOCK_K": row_cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
+            keys.append(CompileKey("union_fused", {**fused_launch_config(group, spec.topk), "HAS_LEN": False}))
         else:  # "merge": the per-query row lists (the G = 1 keys above) and one merge per level
             for level, steps in enumerate(cfg["MERGE_STEPS"]):
                 params = {"G": group, "PLAIN": level == 0, "STEPS": steps, "CHUNK": cfg["MERGE_CHUNK"]}

@@ -36,6 +36,7 @@ def workspace_prefill_attention(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     q_ready: Callable[[], None] | None = None,
+    rows_sorted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA prefill of ``q`` on ``route``, the union built into ``union_ws`` / ``lens_ws``.
 
@@ -50,13 +51,17 @@ def workspace_prefill_attention(
         q_ready: optional callable run once before any kernel reads ``q`` (the first pass's union
             build is issued before it; see
             :func:`~shardattn.kernels.sparse_mla_grouped.sparse_mla_grouped_prefill`).
+        rows_sorted: each token's valid rows arrive ascending (trusted): the union build skips
+            its row sort (every pass; a pass is a slice of whole rows).
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32)`` (the given destinations when passed).
     Raises:
         WorkspaceExceededError: the union buffer cannot hold one group.
     """
     g, (t, k) = route.group_size, rows.shape
-    call = functools.partial(sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g)
+    call = functools.partial(
+        sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g, rows_sorted=rows_sorted
+    )
     if route.path == "reference" or t == 0 or k == 0:
         return call(q, rows=rows, topk_length=topk_length, sinks=sinks, out=out, lse=lse, q_ready=q_ready)
     per_pass = min(union_ws.numel() // (k * 4), lens_ws.numel() // 4 * g) // g * g

@@ -150,6 +150,11 @@ def _sparse_rows() -> list[Row]:
             Raises(ValueError, r"^group_size must be one of"),
         ),
         Row(
+            "sparse_mla_grouped_prefill-rows-sorted-int",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, rows_sorted=1),
+            Raises(TypeError, r"^rows_sorted must be a bool"),
+        ),
+        Row(
             "sparse_mla_decode-num-splits-0",
             _sparse(decode_mod.sparse_mla_decode, num_splits=0),
             Raises(ValueError, r"^num_splits must be >= 1"),
@@ -421,6 +426,8 @@ def _union_rows() -> list[Row]:
     return [
         Row(f"{n}-rows-float", _union(rows=lambda r: r.float()), Raises(TypeError, r"^rows must have dtype")),
         Row(f"{n}-group-size-3", _union(group_size=3), Raises(ValueError, r"^group_size must be one of")),
+        Row(f"{n}-rows-sorted-str", _union(rows_sorted="yes"), Raises(TypeError, r"^rows_sorted must be a bool")),
+        Row(f"{n}-method-unknown", _union(method="bitonic"), Raises(ValueError, r"^method must be one of")),
         Row(f"{n}-num-kv-rows-negative", _union(num_kv_rows=-1), Raises(ValueError, r"^num_kv_rows must be >= 0")),
         Row(f"{n}-num-kv-rows-past-24-bits", _union(num_kv_rows=2**24), Raises(ValueError, r"^num_kv_rows must be <=")),
         Row(

@@ -190,6 +190,7 @@ KERNELS = [
     ("shardattn.kernels.topk", "convert_topk_reference"),
     ("shardattn.kernels.union", "build_union_reference"),
     ("shardattn.kernels.union", "_sort_build"),
+    ("shardattn.kernels.union", "fused_union"),
 ]
 
 
