@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.runtime.errors
 import triton.testing
+from decode import graph_of  # benchmarks/decode.py, beside this script
 
 from shardattn.kernels.lse_merge import (
     launch_lse_merge,
@@ -39,19 +40,6 @@ from shardattn.kernels.sparse_mla_decode_triton import launch_split_kernel
 
 ROWS, TOPK, SCALE = 1 << 18, 2048, 576**-0.5
 RESULTS: list[dict] = []
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def replay_us(fn, rep: int = 25) -> float:

@@ -222,22 +222,16 @@ def launch_lse_merge(
         h,
         d,
         n_rows,
-        outs.stride(0),
-        outs.stride(1),
-        outs.stride(2),
-        outs.stride(3),
-        lses.stride(0),
-        lses.stride(1),
-        lses.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        lse.stride(0),
-        lse.stride(1),
+        *_merge_strides(outs, lses, out, lse),
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         num_warps=4,
     )
+
+
+def _merge_strides(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple[int, ...]:
+    """The merge kernels' stride arguments: ``outs`` (4), ``lses`` (3), ``out`` (3), ``lse`` (2)."""
+    return (*outs.stride(), *lses.stride(), *out.stride(), *lse.stride())
 
 
 def launch_lse_merge_columns(
@@ -272,18 +266,7 @@ def launch_lse_merge_columns(
         p,
         h,
         d,
-        outs.stride(0),
-        outs.stride(1),
-        outs.stride(2),
-        outs.stride(3),
-        lses.stride(0),
-        lses.stride(1),
-        lses.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        lse.stride(0),
-        lse.stride(1),
+        *_merge_strides(outs, lses, out, lse),
         BLOCK_P=max(2, triton.next_power_of_2(p)),
         BLOCK_D=block_d,
         num_warps=num_warps,
