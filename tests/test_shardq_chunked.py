@@ -113,14 +113,17 @@ def _chunked_runs(
     q = case["q"][:, rank * h : (rank + 1) * h]
     seen: list[int] = []
     readies: list[int] = []
+    issued: list[tuple[int, int]] = []  # exchanges issued when a kernel call starts, and after its q_ready
 
     def attention(*args, **kwargs):  # the kernel, recording where it reads q and writes out
         seen.extend([args[0].data_ptr(), kwargs["out"].data_ptr(), kwargs["lse"].data_ptr()])
         wait, calls = kwargs.pop("q_ready"), []
+        entry = comm.counts.get("all_to_all", 0)
 
         def q_ready() -> None:  # the chunk's query exchange: the kernel must wait for it once
             calls.append(1)
             wait()
+            issued.append((entry, comm.counts.get("all_to_all", 0)))
 
         if grouped:  # G = align queries per tile (the Triton grouped kernel on a GPU)
             res = sparse_mla_grouped_prefill(*args, group_size=align, q_ready=q_ready, **kwargs)
@@ -144,6 +147,7 @@ def _chunked_runs(
         comm.reset_counts()
         seen.clear()
         readies.clear()
+        issued.clear()
         out, lse = shardq_prefill(
             q, case["kv"], case["rows"], plan, comm, scale=D**-0.5, v_dim=DV, topk_length=case["topk_length"],
             sinks=case["sinks"], attention=attention, chunks=c, align=align, workspace=ws, check=False,
@@ -154,6 +158,10 @@ def _chunked_runs(
             inside = all(any(lo <= p < hi for lo, hi in spans) for p in seen)
         launches = len(seen) // 3
         assert readies == [1] * launches, readies  # each kernel call waited for its queries once
+        # issue order: chunk k's kernel call starts after q_0..q_k and out_0..out_{k-1} (2k + 1 exchanges),
+        # and its q_ready issues q_{k+1} (none after the last chunk), after the union build
+        for entry, after in issued:
+            assert entry % 2 == 1 and after == (entry + 1 if entry < 2 * c - 1 else entry), (c, issued)
         results.append((out, lse, dict(comm.counts), inside, launches))
     return results
 
