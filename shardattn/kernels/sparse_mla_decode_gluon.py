@@ -145,8 +145,10 @@ def gluon_decode_plan(
 #: descriptors); ``h``: a query's head blocks adjacent in the grid (at 128 heads a token's two
 #: programs read the same rows, the second finds them in L2), ``"ws64z"`` without it.
 DECODE_KERNELS = ("ws32h", "ws64h", "ws64hz", "ws64z")
-#: The routed one (benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel").
-DECODE_KERNEL = "ws32h"
+#: The routed one: at 128 heads, batch 64-256, 1.17-1.22x ``"ws32h"`` and 1.07-1.19x ``"ws64z"``;
+#: at 32-64 heads, batch 32-256, 1.00-1.10x ``"ws32h"`` and the same as ``"ws64z"`` (one head
+#: block per token) (benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel").
+DECODE_KERNEL = "ws64hz"
 
 
 def gluon_decode_config(num_heads: int, v_dim: int = 512, rope_dim: int = 64, kernel: str | None = None):
@@ -167,9 +169,9 @@ def gluon_decode_config(num_heads: int, v_dim: int = 512, rope_dim: int = 64, ke
     name = DECODE_KERNEL if kernel is None else kernel
     configs = {
         "ws32h": replace(WS32_CONFIG, heads_fastest=True),
-        "ws64h": replace(WS64_CONFIG, heads_fastest=True),
+        "ws64h": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=False),
         "ws64hz": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=True),
-        "ws64z": replace(WS64_CONFIG, opaque_slots=True),
+        "ws64z": replace(WS64_CONFIG, heads_fastest=False, opaque_slots=True),
     }
     if name not in configs:
         raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {name!r}")
