@@ -33,7 +33,7 @@ needs_gluon = pytest.mark.skipif(gluon_available() is not None, reason=str(gluon
 D_V, D_R, K = 512, 64, 2048
 WS = gluon_config(128)
 PIPELINED = GluonConfig(64, 2)
-#: The 64-key kernel with every code path the routed one leaves out (QK prefetch, opaque slots).
+#: The 64-key kernel with the QK prefetch the routed one leaves out (and its opaque slots).
 WS64_ALT = GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, opaque_slots=True)
 
 
