@@ -7,12 +7,14 @@ memory-bound kernels, FlashInfer XQA (when importable) for GQA decode.
     python benchmarks/decode.py --json decode.json            # everything
     python benchmarks/decode.py --only gqa,merge               # a subset
     python benchmarks/decode.py --only gluon --sweep           # sparse-MLA decode, Triton vs Gluon
+    python benchmarks/decode.py --only gluon --gluon-kernels ws32h ws64h ws64hz   # Gluon decode configs
     python benchmarks/decode.py --warm-xqa                     # JIT-compile the XQA variants only
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -170,19 +172,29 @@ def bench_sparse(copy_tbs: float, sweep: bool = False) -> None:
             record("sweep", f"H{heads} B{batch} splits={splits} BLOCK_N={bn} warps={warps}", ms, nbytes)
 
 
-def bench_sparse_gluon(copy_tbs: float, sweep: bool = False) -> None:
+def bench_sparse_gluon(copy_tbs: float, sweep: bool = False, kernels: tuple[str, ...] | None = None) -> None:
     """Sparse-MLA decode, the Triton split-KV kernel against the Gluon kernel (sm_90) on the same
     inputs in the same run: heads 128 / 64 (batch 1-256) and 32 (the crossover), top-k 2048 unique random rows of
     262,144, D 576 / Dv 512, bf16, graph replays. Effective TFLOP/s = ``2 B K H (576 + 512)``
-    over the time. ``sweep`` also times the Gluon kernel alone at 128 heads with and without
+    over the time. ``kernels``: the Gluon decode configurations timed (names of
+    :data:`~shardattn.kernels.sparse_mla_decode_gluon.DECODE_KERNELS`; None = the routed one), each
+    the whole Gluon path (row packing, kernel, merge); the first is the baseline of the "x first"
+    ratios. ``sweep`` also times the Gluon kernel alone at 128 heads with and without
     adjacent head blocks (``heads_fastest``) on unsorted and sorted rows, and the Gluon path at
     fixed slice counts (calibration of :func:`gluon_decode_plan`)."""
     from dataclasses import replace
 
     from shardattn.kernels.registry import sparse_decode_kernel
-    from shardattn.kernels.sparse_mla_decode_gluon import gluon_decode_config, gluon_decode_plan, split_rows
+    from shardattn.kernels.sparse_mla_decode_gluon import (
+        DECODE_KERNEL,
+        gluon_decode_config,
+        gluon_decode_plan,
+        sparse_mla_decode_gluon,
+        split_rows,
+    )
     from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 
+    kernels = tuple(kernels or (DECODE_KERNEL,))
     r, k = 1 << 18, 2048
     kv = torch.randn(r, 576, device="cuda").bfloat16()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -195,11 +207,17 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False) -> None:
         nbytes = batch * k * 576 * 2 + q.numel() * 2 + batch * heads * (512 * 2 + 4) + rows.numel() * 4
         flops = 2 * batch * k * heads * (576 + 512)
         routed = sparse_decode_kernel(q, kv, 512)[0]
+        out = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(batch, heads, device="cuda")
         times, outs = {}, {}
-        for backend in ("triton", "gluon"):
+        for backend in ("triton", *kernels):
 
-            def fn(q=q, rows=rows, b=backend, u=unique):
-                return sparse_mla_decode(q, kv, rows, scale=576**-0.5, rows_unique=u, backend=b)
+            def fn(q=q, rows=rows, b=backend, u=unique, o=out, s=lse):
+                if b == "triton":
+                    return sparse_mla_decode(q, kv, rows, scale=576**-0.5, rows_unique=u, backend=b)
+                return sparse_mla_decode_gluon(
+                    q, kv, rows, scale=576**-0.5, v_dim=512, out=o, lse_out=s, num_sms=sms, rows_unique=u, kernel=b
+                )
 
             outs[backend] = fn()[0].float()
             ms = graph_ms(fn)
@@ -211,23 +229,23 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False) -> None:
                 nbytes,
                 tflops=flops / (ms * 1e-3) / 1e12,
                 copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs,
+                rel_diff_vs_triton=((outs[backend] - outs["triton"]).norm() / outs["triton"].norm()).item(),
             )
-        diff = ((outs["gluon"] - outs["triton"]).norm() / outs["triton"].norm()).item()
         splits = gluon_decode_plan(batch, heads, k, sms)["num_splits"]
-        ratio = times["triton"] / times["gluon"]
-        RESULTS[-1].update(gluon_over_triton_speed=ratio, rel_diff_vs_triton=diff, gluon_splits=splits, routed=routed)
-        table.append((heads, batch, unique, times["triton"], times["gluon"], flops, ratio, splits, routed, diff))
-    print("\nsparse-MLA decode, Triton vs Gluon (us; effective TFLOP/s):")
-    print(
-        "| heads | batch | rows | Triton us | Gluon us | Triton TF/s | Gluon TF/s | Gluon / Triton speed | slices "
-        "| routed | rel. diff |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for h, b, u, tt, tg, fl, ratio, s, routed, diff in table:
+        RESULTS[-1].update(gluon_splits=splits, routed=routed)
+        table.append((heads, batch, unique, times, flops, splits, routed, outs))
+    print(f"\nsparse-MLA decode, Triton vs Gluon {', '.join(kernels)} (us; effective TFLOP/s; rel. diff vs Triton):")
+    print("| heads | batch | rows | Triton us (TF/s) | " + " | ".join(f"{n} us (TF/s)" for n in kernels)
+          + " | " + " | ".join(f"{n} / Triton" for n in kernels)
+          + "".join(f" | {n} / {kernels[0]}" for n in kernels[1:]) + " | slices | routed | rel. diff |")  # fmt: skip
+    print("|---" * (6 + 2 * len(kernels) + len(kernels) - 1) + "|")
+    for h, b, u, times, fl, s, routed, outs in table:
+        cells = [f"{times[n] * 1e3:.1f} ({fl / (times[n] * 1e-3) / 1e12:.0f})" for n in ("triton", *kernels)]
+        cells += [f"{times['triton'] / times[n]:.2f}x" for n in kernels]
+        cells += [f"{times[kernels[0]] / times[n]:.3f}x" for n in kernels[1:]]
+        diff = max(((outs[n] - outs["triton"]).norm() / outs["triton"].norm()).item() for n in kernels)
         print(
-            f"| {h} | {b} | {'unique' if u else 'dedup'} | {tt * 1e3:.1f} | {tg * 1e3:.1f} | "
-            f"{fl / (tt * 1e-3) / 1e12:.0f} | {fl / (tg * 1e-3) / 1e12:.0f} | {ratio:.2f}x | {s} | {routed} "
-            f"| {diff:.1e} |"
+            f"| {h} | {b} | {'unique' if u else 'dedup'} | " + " | ".join(cells) + f" | {s} | {routed} | {diff:.1e} |"
         )
     if not sweep:
         return
@@ -239,8 +257,8 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False) -> None:
         flops = 2 * batch * k * 128 * (576 + 512)
         for order, rr in (("unsorted", rows), ("sorted", torch.sort(rows, dim=1).values)):
             union, lens = split_rows(rr, num_kv_rows=r, num_splits=1, chunk=k)
-            for adjacent in (False, True):
-                cfg = replace(gluon_decode_config(128), heads_fastest=adjacent)
+            for adjacent, name in ((a, n) for n in kernels for a in (False, True)):
+                cfg = replace(gluon_decode_config(128, kernel=name), heads_fastest=adjacent)
                 ms = graph_ms(
                     lambda q=q, u=union, n=lens, c=cfg, o=out, s=lse: launch_gluon_attention(
                         q, kv, u, n, scale=576**-0.5, v_dim=512, config=c, out=o, lse=s
@@ -398,6 +416,9 @@ def main() -> None:
     parser.add_argument("--only", default="gqa,sparse,gluon,merge,graph")
     parser.add_argument("--warm-xqa", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time fixed tile/split variants")
+    parser.add_argument(
+        "--gluon-kernels", nargs="+", default=None, help="Gluon decode configurations to time (default: the routed one)"
+    )
     args = parser.parse_args()
     if args.warm_xqa:
         warm_xqa()
@@ -409,7 +430,7 @@ def main() -> None:
     for key, fn in (
         ("merge", bench_merge),
         ("sparse", bench_sparse),
-        ("gluon", bench_sparse_gluon),
+        ("gluon", functools.partial(bench_sparse_gluon, kernels=args.gluon_kernels)),
         ("sparse-small", bench_sparse_small),
         ("gqa", bench_gqa),
     ):

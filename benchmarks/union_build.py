@@ -115,6 +115,7 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep) -> dict:
         fn()
         same[name] = exact((u, ln), want)
         ms[name] = timed(fn, flush, reps)
+        print(f"   build H={heads} T={tokens} {name}: {ms[name]:.4f} ms exact={same[name]}", flush=True)
     max_row = min(kv_rows - 1, MAX_PLAIN_ROW)
     ms["row_sort"] = timed(lambda: _sorted_row_keys(rows, None, kv_rows, "torch"), flush, reps)
     ms["lists_only"] = timed(lambda: fused_union(srows, None, max_row, 1, u1, l1), flush, reps)
@@ -131,6 +132,7 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep) -> dict:
         fused_union(srows, None, max_row, g, u, ln, config=cfg)
         same[key] = exact((u, ln), want)
         ms[key] = timed(lambda cfg=cfg: fused_union(srows, None, max_row, g, u, ln, config=cfg), flush, reps)
+        print(f"   sweep H={heads} T={tokens} {key}: {ms[key]:.4f} ms exact={same[key]}", flush=True)
     share = {k: round(ms[k] / (ms[k] + ms["gluon_grp"]), 3) for k in builds}
     return {
         "heads": heads, "tokens": tokens, "kv_rows": kv_rows, "G": g, "union_ratio":

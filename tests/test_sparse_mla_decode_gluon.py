@@ -16,7 +16,10 @@ from shardattn.kernels.registry import sparse_decode_kernel
 from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
 from shardattn.kernels.sparse_mla_decode_gluon import (
+    DECODE_KERNEL,
+    DECODE_KERNELS,
     SPLIT_ROWS,
+    gluon_decode_config,
     gluon_decode_plan,
     sparse_mla_decode_gluon,
     split_rows,
@@ -85,6 +88,27 @@ def test_plan_covers_the_row_and_fills_the_machine(heads):
     assert split_partials_numel(capped["num_splits"], 8, heads, 512) <= cap and capped["num_splits"] > 1
     assert gluon_decode_plan(8, heads, 2048, 132, max_partial_elems=0)["num_splits"] == 1
     assert gluon_decode_plan(3, heads, 0, 132)["num_splits"] == 1
+
+
+def test_decode_kernel_configs_are_named_and_checked():
+    from shardattn.kernels.sparse_mla_gluon import WS32_CONFIG, WS64_CONFIG
+
+    cfgs = {name: gluon_decode_config(128, kernel=name) for name in DECODE_KERNELS}
+    assert cfgs["ws32h"].block_n == WS32_CONFIG.block_n and cfgs["ws32h"].variant == "ws"
+    assert {cfgs[n].variant for n in ("ws64h", "ws64hz", "ws64z")} == {WS64_CONFIG.variant}
+    assert [cfgs[n].heads_fastest for n in DECODE_KERNELS] == [True, True, True, False]
+    assert [cfgs[n].opaque_slots for n in DECODE_KERNELS] == [False, False, True, True]
+    assert gluon_decode_config(64) == cfgs[DECODE_KERNEL]
+    assert len({c.label for c in cfgs.values()}) == len(DECODE_KERNELS)  # distinct warm-up keys
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        gluon_decode_config(128, kernel="ws16")
+    q, kv = torch.zeros(1, 8, 24), torch.zeros(4, 24)
+    rows = torch.zeros(1, 3, dtype=torch.int32)
+    out, lse = torch.empty(1, 8, 16), torch.empty(1, 8)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        sparse_mla_decode_gluon(q, kv, rows, scale=0.1, v_dim=16, out=out, lse_out=lse, num_sms=4, kernel="ws16")
+    # the slice size is a whole number of the 64-key kernel's blocks
+    assert SPLIT_ROWS % WS64_CONFIG.block_n == 0 and SPLIT_ROWS % WS32_CONFIG.block_n == 0
 
 
 def test_split_rows_reference_packs_valid_rows_in_order():
@@ -250,6 +274,33 @@ def test_gluon_decode_matches_reference(heads, tokens, with_sinks):
         assert (out[tokens // 2] == 0).all() and (out[1] == 0).all()
     if sinks is not None and tokens > 2:  # an empty row's LSE is the sink
         torch.testing.assert_close(lse[tokens // 2], sinks, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("kernel", DECODE_KERNELS)
+@pytest.mark.parametrize(
+    ("heads", "tokens", "splits", "with_sinks"),
+    [(128, 64, None, True), (64, 200, 1, False), (128, 6, 5, True), (64, 3, 3, False)],
+)
+def test_every_decode_kernel_matches_reference(kernel, heads, tokens, splits, with_sinks):
+    """Each decode configuration through the whole Gluon path: one slice and sliced, slices of an odd
+    number of 64-key blocks (5 slices of 448 rows: the 64-key kernel's last pair half empty), empty
+    and short rows, invalid rows anywhere, duplicates (one key each), sinks; NaN-poisoned outputs."""
+    q, kv, rows, length, sinks = _gpu_case(tokens, heads, seed=7 * heads + tokens)
+    sinks = sinks if with_sinks else None
+    rows[0, 1000:1100] = rows[0, 0:100]
+    out = torch.full((tokens, heads, 512), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((tokens, heads), float("nan"), device=q.device)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sparse_mla_decode_gluon(
+        q, kv, rows, scale=SCALE, v_dim=512, out=out, lse_out=lse, num_sms=sms, topk_length=length, sinks=sinks,
+        num_splits=splits, kernel=kernel,
+    )  # fmt: skip
+    ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks)
+    _check(out, lse, ref_o, ref_l)
+    if tokens > 2:
+        assert (out[tokens // 2] == 0).all() and (out[1] == 0).all()
 
 
 @pytest.mark.gpu

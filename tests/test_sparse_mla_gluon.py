@@ -33,7 +33,7 @@ needs_gluon = pytest.mark.skipif(gluon_available() is not None, reason=str(gluon
 D_V, D_R, K = 512, 64, 2048
 WS = gluon_config(128)
 PIPELINED = GluonConfig(64, 2)
-#: The 64-key kernel with every code path the routed one leaves out (QK prefetch, opaque slots).
+#: The 64-key kernel with the QK prefetch the routed one leaves out (and its opaque slots).
 WS64_ALT = GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, opaque_slots=True)
 
 
@@ -79,7 +79,16 @@ def test_routing_takes_the_64_key_kernel_per_query_and_the_32_key_kernel_grouped
 
     assert [gluon_config(h).variant for h in (32, 64, 128)] == ["ws64"] * 3
     assert [gluon_config(64 // g, group_size=g).label for g in (2, 4, 8)] == [WS32_CONFIG.label] * 3
-    assert gluon_decode_config(128).variant == "ws" and gluon_decode_config(128).heads_fastest
+    # the measured fastest: opaque slots everywhere, head blocks adjacent only where a token has two
+    assert [(gluon_config(h).opaque_slots, gluon_config(h).heads_fastest) for h in (32, 64, 65, 128)] == [
+        (True, False),
+        (True, False),
+        (True, True),
+        (True, True),
+    ]
+    decode = gluon_decode_config(128)
+    assert (decode.variant, decode.heads_fastest, decode.opaque_slots) == ("ws64", True, True)
+    assert decode == gluon_config(128)  # one compiled kernel for 128-head prefill and decode
 
 
 @pytest.mark.parametrize(
@@ -209,7 +218,7 @@ def test_warmup_lists_the_gluon_keys_exactly_where_routing_sends_heads(heads):
     if g is not None:  # the default step's grouped Gluon tile
         expect.append({"config": WS32_CONFIG.label, "G": g, "HAS_SINK": True, "dtype": torch.bfloat16})
     if heads >= GLUON_MIN_HEADS:  # the per-query side
-        expect.append({"config": WS.label, "G": 1, "HAS_SINK": True, "dtype": torch.bfloat16})
+        expect.append({"config": gluon_config(heads).label, "G": 1, "HAS_SINK": True, "dtype": torch.bfloat16})
     assert sorted((k.params for k in keys), key=lambda p: p["G"]) == sorted(expect, key=lambda p: p["G"])
 
 

@@ -30,6 +30,7 @@ sync), so a launch is CUDA-graph capturable.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -48,6 +49,8 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 
 __all__ = [
     "CTA_OVERHEAD_US",
+    "DECODE_KERNEL",
+    "DECODE_KERNELS",
     "KEY_US",
     "MAX_SPLITS",
     "SPLIT_ROWS",
@@ -58,7 +61,9 @@ __all__ = [
     "split_rows_reference",
 ]
 
-#: Rows of a slice are a multiple of this (one pair of the kernel's 32-row blocks).
+#: Rows of a slice are a multiple of this: one 64-key block of the 64-key kernel, a pair of the
+#: 32-key kernel's blocks (the 64-key kernel takes blocks in pairs and masks the second past
+#: ``lens``, so a slice of an odd number of blocks costs one half-empty pair, nothing more).
 SPLIT_ROWS = 64
 #: Most slices per top-k row.
 MAX_SPLITS = 32
@@ -135,15 +140,42 @@ def gluon_decode_plan(
     return {"num_splits": s, "chunk": chunk}
 
 
-def gluon_decode_config(num_heads: int, v_dim: int = 512, rope_dim: int = 64):
-    """The Gluon kernel's configuration for decode: the 32-key kernel (the one decode was measured
-    with; per-query prefill routes the 64-key kernel) with a query's head blocks adjacent in the
-    grid (at 128 heads its two programs read the same rows, so the second finds them in L2; at 64
-    heads the grid is the same)."""
-    from shardattn.kernels.sparse_mla_gluon import WS32_CONFIG
+#: Kernel configurations decode can run, by name: ``"ws32h"`` the 32-key kernel, ``"ws64h"`` the
+#: 64-key kernel, ``"ws64hz"`` the 64-key kernel with opaque slot indices (no spilled wgmma
+#: descriptors); ``h``: a query's head blocks adjacent in the grid (at 128 heads a token's two
+#: programs read the same rows, the second finds them in L2), ``"ws64z"`` without it.
+DECODE_KERNELS = ("ws32h", "ws64h", "ws64hz", "ws64z")
+#: The routed one: at 128 heads, batch 64-256, 1.17-1.22x ``"ws32h"`` and 1.07-1.19x ``"ws64z"``;
+#: at 32-64 heads, batch 32-256, 1.00-1.10x ``"ws32h"`` and the same as ``"ws64z"`` (one head
+#: block per token) (benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel").
+DECODE_KERNEL = "ws64hz"
+
+
+def gluon_decode_config(num_heads: int, v_dim: int = 512, rope_dim: int = 64, kernel: str | None = None):
+    """The Gluon kernel's configuration for decode.
+
+    Args:
+        num_heads, v_dim, rope_dim: the launch's shapes (every configuration serves them: 64
+            heads per program, fewer pad it).
+        kernel: one of :data:`DECODE_KERNELS`; None = the routed :data:`DECODE_KERNEL`.
+    Returns:
+        A :class:`~shardattn.kernels.sparse_mla_gluon.GluonConfig`.
+    Raises:
+        ValueError: an unknown ``kernel``.
+    """
+    from shardattn.kernels.sparse_mla_gluon import WS32_CONFIG, WS64_CONFIG
 
     del num_heads, v_dim, rope_dim
-    return replace(WS32_CONFIG, heads_fastest=True)
+    name = DECODE_KERNEL if kernel is None else kernel
+    configs = {
+        "ws32h": replace(WS32_CONFIG, heads_fastest=True),
+        "ws64h": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=False),
+        "ws64hz": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=True),
+        "ws64z": replace(WS64_CONFIG, heads_fastest=False, opaque_slots=True),
+    }
+    if name not in configs:
+        raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {name!r}")
+    return configs[name]
 
 
 def split_rows_reference(
@@ -244,10 +276,10 @@ if triton is not None:
         tl.store(LENS + s.to(tl.int64) * T + t, n, mask=s < S)
 
 
-def _gluon_attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse) -> None:
+def _gluon_attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse, kernel: str | None = None) -> None:
     from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 
-    cfg = gluon_decode_config(q.shape[1], v_dim, q.shape[-1] - v_dim)
+    cfg = gluon_decode_config(q.shape[1], v_dim, q.shape[-1] - v_dim, kernel)
     launch_gluon_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse)
 
 
@@ -267,6 +299,7 @@ def sparse_mla_decode_gluon(
     rows_unique: bool = False,
     workspace: torch.Tensor | None = None,
     attend: Callable[..., None] | None = None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA decode through the Gluon kernel (inputs validated by
     :func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode`, which routes here).
@@ -280,10 +313,14 @@ def sparse_mla_decode_gluon(
         attend: the per-pseudo-query kernel ``attend(q, kv, union, lens, *, scale, v_dim, sinks,
             out, lse)``; default the Gluon kernel (tests pass a torch stand-in to check the
             slicing, sinks and merge on the CPU).
+        kernel: the default ``attend``'s configuration, one of :data:`DECODE_KERNELS` (None = the
+            routed :data:`DECODE_KERNEL`).
     Returns:
         ``(out, lse_out)``.
     """
-    attend = _gluon_attend if attend is None else attend
+    if kernel is not None and kernel not in DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
+    attend = functools.partial(_gluon_attend, kernel=kernel) if attend is None else attend
     t, h, _ = q.shape
     r = kv.shape[0]
     k = rows.shape[1]

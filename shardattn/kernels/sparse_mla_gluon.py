@@ -2,7 +2,7 @@
 
 Three kernels serve the per-query path of :mod:`shardattn.kernels.sparse_mla_triton` one level
 lower. The routed ones (:func:`gluon_config`) are warp-specialised: per-query tiles run the
-64-key kernel of :mod:`shardattn.kernels.sparse_mla_gluon_ws64` (1.8-2.0x the Triton kernel at
+64-key kernel of :mod:`shardattn.kernels.sparse_mla_gluon_ws64` (2.0-2.2x the Triton kernel at
 64 / 128 heads on an H200, benchmarks/RESULTS.md), grouped tiles the 32-key kernel of
 :mod:`shardattn.kernels.sparse_mla_gluon_ws`. This module holds the simpler 8-warp variant (``"pipelined"``, as
 fast as Triton; kept as the baseline the benchmark times), described here: a program owns one
@@ -33,7 +33,7 @@ returns its PTX (CI runs it, so a Gluon API change fails there).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -110,9 +110,11 @@ class GluonConfig:
 
 #: The 32-key warp-specialised kernel: the grouped path (``G > 1``) and decode.
 WS32_CONFIG = GluonConfig(32, 4, "ws", (224, 56), async_arrive=True)
-#: The 64-key kernel on FlashMLA's schedule: per-query prefill (1.10-1.14x ``WS32_CONFIG`` on an
-#: H200 at 64 / 128 heads, benchmarks/RESULTS.md).
-WS64_CONFIG = GluonConfig(64, 2, "ws64", (224, 56))
+#: The 64-key kernel on FlashMLA's schedule with opaque slot indices (no spilled wgmma
+#: descriptors): per-query prefill (routed as :func:`gluon_config`: 1.22-1.29x ``WS32_CONFIG`` and
+#: 1.06-1.12x the same kernel without opaque slots on an H200 at 64 / 128 heads,
+#: benchmarks/RESULTS.md) and decode.
+WS64_CONFIG = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True)
 
 
 def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1) -> GluonConfig:
@@ -120,12 +122,14 @@ def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1)
 
     DSA shapes (``Dv = 512``, ``Dr = 64``), one query per tile (``group_size = 1``): the 64-key
     kernel (:mod:`~shardattn.kernels.sparse_mla_gluon_ws64`; shared memory Q 72 KB + two 72 KB
-    key blocks + an 8 KB P buffer); grouped tiles (``group_size > 1``): the 32-key kernel (Q
-    72 KB + a 4-slot ring of 36 KB + 8 KB of P buffers). ``heads`` does not change the tile (64
-    heads per program, fewer pad it).
+    key blocks + an 8 KB P buffer), with a token's head blocks adjacent in the grid when it has
+    more than one (``heads > 64``: its programs share the rows in L2; measured 1.06x at 128
+    heads, T = 16K; with one head block the flag only costs a division, 0.96-0.98x at 64 heads);
+    grouped tiles (``group_size > 1``): the 32-key kernel (Q 72 KB + a 4-slot ring of 36 KB +
+    8 KB of P buffers). 64 heads per program, fewer pad it.
     """
-    del heads, d_v, d_r
-    return WS64_CONFIG if group_size == 1 else WS32_CONFIG
+    del d_v, d_r
+    return replace(WS64_CONFIG, heads_fastest=heads > BLOCK_H) if group_size == 1 else WS32_CONFIG
 
 
 @functools.lru_cache(maxsize=1)
