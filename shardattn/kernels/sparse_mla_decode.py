@@ -60,7 +60,13 @@ from shardattn.kernels.union import build_union
 try:  # Triton is optional: without it every path runs the torch reference.
     import triton
 
-    from shardattn.kernels.sparse_mla_decode_triton import launch_split_kernel
+    from shardattn.kernels.sparse_mla_decode_triton import (
+        SPREAD_ARRIVE,
+        SPREAD_MERGE,
+        SPREAD_OFF,
+        SPREAD_ONE_LAUNCH,
+        launch_split_kernel,
+    )
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
@@ -68,6 +74,7 @@ __all__ = [
     "COLUMN_MERGE_MAX_ROWS",
     "FUSED_MERGE_MAX_SPLITS",
     "FUSED_MERGE_MAX_TOKENS",
+    "SPREAD_MERGE_MAX_ROWS",
     "merge_kind",
     "merge_reason",
     "sparse_mla_decode",
@@ -80,8 +87,25 @@ FUSED_MERGE_MAX_SPLITS = 64
 FUSED_MERGE_MAX_TOKENS = 16
 #: At most this many (token, head) rows merge with the column merge (:func:`merge_kind`).
 COLUMN_MERGE_MAX_ROWS = 128
+#: At most this many (token, head) rows take the one-launch spread merge (:func:`merge_kind`),
+#: and only when the launch fits in one wave.
+SPREAD_MERGE_MAX_ROWS = 128
 #: Keys a caller's ``config=`` may override (tuning).
 CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge"})
+MERGES = ("rows", "columns", "spread")
+
+
+def _block_h(num_heads: int) -> int:
+    """Heads of one program: 64 above 32 heads, else the next power of two (at least 16)."""
+    return 64 if num_heads > 32 else max(16, 1 << max(0, (num_heads - 1).bit_length()))
+
+
+def spread_fits(num_tokens: int, num_heads: int, num_splits: int, num_sms: int, block_h: int | None = None) -> bool:
+    """Whether the spread merge's launch fits in one wave: ``tokens x head blocks x splits`` programs
+    at most ``num_sms`` (one resident program per SM is certain), so no program waits at the spin
+    barrier for a program of its token that is not resident."""
+    block_h = block_h or _block_h(num_heads)
+    return num_tokens * -(-num_heads // block_h) * num_splits <= num_sms
 
 
 @functools.lru_cache(maxsize=16)
@@ -119,7 +143,7 @@ def sparse_mla_decode_config(
         >>> sparse_mla_decode_config(1, 16, 2048, 132)["reason"]
         '32 splits; column merge: 16 (token, head) rows <= 128'
     """
-    block_h = 64 if num_heads > 32 else max(16, 1 << max(0, (num_heads - 1).bit_length()))
+    block_h = _block_h(num_heads)
     block_n = 64
     programs = max(1, num_tokens * -(-num_heads // block_h))
     n_blocks = max(1, -(-topk // block_n))
@@ -132,6 +156,9 @@ def sparse_mla_decode_config(
             return (kv_bytes + (s > 1) * s * part_bytes) / min(1.0, programs * s / slots)
 
         num_splits = min(range(1, min(n_blocks, 64) + 1), key=cost)
+        fit = num_sms // programs  # the most splits whose launch fits in one wave
+        if 1 < fit < num_splits and num_tokens * num_heads <= SPREAD_MERGE_MAX_ROWS:
+            num_splits = 1 << (fit.bit_length() - 1)  # fewer splits, one launch (spread merge)
     chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
     splits = max(1, -(-max(topk, 1) // chunk))
     return {
@@ -141,13 +168,15 @@ def sparse_mla_decode_config(
         "chunk": chunk,
         "num_warps": 8 if block_h >= 64 else 4,
         "num_stages": 2,
-        "merge": merge_kind(num_tokens, num_heads, splits),
-        "reason": merge_reason(num_tokens, num_heads, splits),
+        "merge": merge_kind(num_tokens, num_heads, splits, num_sms),
+        "reason": merge_reason(num_tokens, num_heads, splits, num_sms),
     }
 
 
-def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
-    """Which kernel merges the splits: ``"none"`` (one split), ``"columns"``
+def merge_kind(num_tokens: int, num_heads: int, num_splits: int, num_sms: int | None = None) -> str:
+    """Which kernel merges the splits: ``"none"`` (one split), ``"spread"`` (the split kernel
+    itself, one launch: at most :data:`SPREAD_MERGE_MAX_ROWS` (token, head) rows and, given
+    ``num_sms``, a launch that fits in one wave: :func:`spread_fits`), ``"columns"``
     (:func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns`, at most
     :data:`COLUMN_MERGE_MAX_ROWS` (token, head) rows) or ``"rows"``
     (:func:`~shardattn.kernels.lse_merge.launch_lse_merge`).
@@ -159,15 +188,24 @@ def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
     """
     if num_splits <= 1:
         return "none"
-    return "columns" if num_tokens * num_heads <= COLUMN_MERGE_MAX_ROWS else "rows"
+    n = num_tokens * num_heads
+    if num_sms is not None and n <= SPREAD_MERGE_MAX_ROWS and spread_fits(num_tokens, num_heads, num_splits, num_sms):
+        return "spread"
+    return "columns" if n <= COLUMN_MERGE_MAX_ROWS else "rows"
 
 
-def merge_reason(num_tokens: int, num_heads: int, num_splits: int) -> str:
+def merge_reason(num_tokens: int, num_heads: int, num_splits: int, num_sms: int | None = None) -> str:
     """Why :func:`merge_kind` chose its kernel, in words (for logs and routes)."""
     n = num_tokens * num_heads
-    kind = merge_kind(num_tokens, num_heads, num_splits)
+    kind = merge_kind(num_tokens, num_heads, num_splits, num_sms)
     if kind == "none":
         return "1 split: the kernel writes the result, no merge"
+    if kind == "spread":
+        programs = num_tokens * -(-num_heads // _block_h(num_heads)) * num_splits
+        return (
+            f"{num_splits} splits; one-launch spread merge: {n} (token, head) rows <= {SPREAD_MERGE_MAX_ROWS}, "
+            f"{programs} programs <= {num_sms} SMs"
+        )
     word, sign = ("column", "<=") if kind == "columns" else ("row", ">")
     return f"{num_splits} splits; {word} merge: {n} (token, head) rows {sign} {COLUMN_MERGE_MAX_ROWS}"
 
@@ -244,8 +282,8 @@ def sparse_mla_decode(
         unknown = set(config) - CONFIG_KEYS
         if unknown:
             raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
-        if config.get("merge", "rows") not in ("rows", "columns"):
-            raise ValueError(f"config['merge'] must be 'rows' or 'columns', got {config['merge']!r}")
+        if config.get("merge", "rows") not in MERGES:
+            raise ValueError(f"config['merge'] must be one of {MERGES}, got {config['merge']!r}")
     triton_only = config is not None or bool(fused_merge) or counters is not None
     if backend == "gluon" and triton_only:
         raise ValueError("backend='gluon' takes no config, fused_merge or counters (Triton options)")
@@ -303,8 +341,8 @@ def sparse_mla_decode(
         cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
         cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
         if "merge" not in config:
-            cfg["merge"] = merge_kind(t, h, cfg["num_splits"])
-            cfg["reason"] = merge_reason(t, h, cfg["num_splits"])
+            cfg["merge"] = merge_kind(t, h, cfg["num_splits"], num_sms)
+            cfg["reason"] = merge_reason(t, h, cfg["num_splits"], num_sms)
         else:
             cfg["reason"] = f"{cfg['num_splits']} splits; {cfg['merge']} merge: config"
     splits = cfg["num_splits"]
@@ -312,20 +350,38 @@ def sparse_mla_decode(
     if fused_merge is None:  # measured slower on an H200 so far (benchmarks/RESULTS.md): opt-in
         fused_merge = False
     fused = splits > 1 and fused_merge and splits <= FUSED_MERGE_MAX_SPLITS and t <= FUSED_MERGE_MAX_TOKENS
+    spread = splits > 1 and not fused and cfg.get("merge") == "spread"
+    if spread and not spread_fits(t, h, splits, num_sms, cfg["BLOCK_H"]):
+        raise ValueError(
+            f"config['merge'] = 'spread' needs the launch in one wave: {t * n_hblocks * splits} programs "
+            f"(tokens x head blocks x num_splits) > {num_sms} SMs; ask fewer num_splits"
+        )
+    if spread and counters is None and not (config and "merge" in config):
+        # routed, but no persistent counters: a zero fill would be a launch of its own
+        spread = False
+        cfg = {**cfg, "merge": merge_kind(t, h, splits), "reason": cfg["reason"] + "; no counters given: column merge"}
     if splits > 1:
         dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device)
     else:
         dst_out, dst_lse = out, lse_out
-    if fused:
-        need = t * n_hblocks * splits
+    if fused or spread:
+        need = t * n_hblocks * (splits if fused else 1)
         if counters is None:
             counters = torch.zeros(need, dtype=torch.int32, device=q.device)
         elif counters.dtype != torch.int32 or counters.numel() < need or counters.device != q.device:
             raise ValueError(f"counters must be an int32 tensor on {q.device} with >= {need} elements")
     else:
         counters = lse_out  # unused
-    launch_split_kernel(q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, fused)
-    if splits > 1 and not fused:
+    if spread and not q.is_cuda:  # the interpreter runs programs in turn: a spin would never end
+        for mode in (SPREAD_ARRIVE, SPREAD_MERGE):
+            launch_split_kernel(
+                q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, False, mode
+            )  # fmt: skip
+        return out, lse_out
+    mode = SPREAD_ONE_LAUNCH if spread else SPREAD_OFF
+    args = (q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, fused, mode)
+    launch_split_kernel(*args)
+    if splits > 1 and not fused and not spread:
         if cfg.get("merge") == "columns":
             launch_lse_merge_columns(dst_out, dst_lse, out, lse_out)
         else:
