@@ -133,15 +133,20 @@ def sparse_mla_decode_config(
     saturate memory bandwidth: one per SM for 64-head tiles, two for smaller ones (calibrated
     on an H200 with fixed split counts: benchmarks/RESULTS.md, "Decode").
 
+    Where the spread merge may take the rows (at most :data:`SPREAD_MERGE_MAX_ROWS`) and the cost
+    model's split count would not fit in one wave, the split count drops to the largest power of
+    two that fits (:func:`spread_fits`), so the step is one launch.
+
     Returns:
         ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge",
-        "reason"}`` (``merge`` and ``reason``: :func:`merge_kind`).
+        "reason", "two_launch_splits"}`` (``merge`` and ``reason``: :func:`merge_kind`;
+        ``two_launch_splits``: the cost model's split count, what a separate merge runs with).
 
     Example:
         >>> [sparse_mla_decode_config(t, 128, 2048, 132)["num_splits"] for t in (1, 8, 64)]
         [32, 8, 1]
-        >>> sparse_mla_decode_config(1, 16, 2048, 132)["reason"]
-        '32 splits; column merge: 16 (token, head) rows <= 128'
+        >>> sparse_mla_decode_config(8, 16, 2048, 132)["reason"]
+        '16 splits; one-launch spread merge: 128 (token, head) rows <= 128, 128 programs <= 132 SMs'
     """
     block_h = _block_h(num_heads)
     block_n = 64
@@ -156,9 +161,12 @@ def sparse_mla_decode_config(
             return (kv_bytes + (s > 1) * s * part_bytes) / min(1.0, programs * s / slots)
 
         num_splits = min(range(1, min(n_blocks, 64) + 1), key=cost)
+        two_launch = num_splits
         fit = num_sms // programs  # the most splits whose launch fits in one wave
         if 1 < fit < num_splits and num_tokens * num_heads <= SPREAD_MERGE_MAX_ROWS:
             num_splits = 1 << (fit.bit_length() - 1)  # fewer splits, one launch (spread merge)
+    else:
+        two_launch = num_splits
     chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
     splits = max(1, -(-max(topk, 1) // chunk))
     return {
@@ -170,6 +178,7 @@ def sparse_mla_decode_config(
         "num_stages": 2,
         "merge": merge_kind(num_tokens, num_heads, splits, num_sms),
         "reason": merge_reason(num_tokens, num_heads, splits, num_sms),
+        "two_launch_splits": two_launch,
     }
 
 
@@ -336,6 +345,8 @@ def sparse_mla_decode(
     )
     if config:
         want = num_splits if num_splits is not None else cfg["num_splits"]
+        if num_splits is None and config.get("merge", "spread") != "spread":
+            want = cfg["two_launch_splits"]  # a forced separate merge: the split count chosen for it
         cfg = {**cfg, **config}
         per_split = -(-max(topk, 1) // want)
         cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]

@@ -126,8 +126,8 @@ def launch_split_kernel(
         IEEE=q.dtype == torch.float32,
         FUSED_MERGE=fused,
         SPREAD=spread,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)),
-        MERGE_C=merge_c,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)) if spread else 2,  # fixed when unused: no recompile
+        MERGE_C=merge_c if spread else 16,
         num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 2),
     )
