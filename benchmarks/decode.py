@@ -277,7 +277,8 @@ def _time_small(c: dict, label: str, kw: dict, section: str = "sparse1") -> tupl
     if not (err < 2e-2 and lerr < 1e-3):
         raise AssertionError(f"{c['tag']} {label}: |out - ref| {err:.3g}, |lse - ref| {lerr:.3g}")
     ms = graph_ms(fn)
-    same = torch.equal(c["out"], ref) and int(c["counters"].abs().sum()) == 0  # replays agree, counters reset
+    counts = c["counters"][: c["counters"].numel() // 2]  # the spread merge's arrival counts (generations after)
+    same = torch.equal(c["out"], ref) and int(counts.abs().sum()) == 0  # replays agree, counts back at 0
     frac = c["nbytes"] / (ms * 1e-3) / 1e12 / c["copy_tbs"]
     record(section, f"{c['tag']} {label}", ms, c["nbytes"], copy_frac=frac, replay_equal=same, max_abs_err=err)
     return ms, fn
@@ -288,9 +289,9 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
     same run's separate row merge (the baseline), the column merge, the one-launch spread merge
     and the de-duplication sort (the opt-in tree merge, measured slower, is left out). Graph
     replays, preallocated outputs, workspace and counters; every variant is checked against the
-    fp32 reference on NaN-poisoned outputs. ``sweep``: the
-    floor (a graph of one 1-element kernel), the spread merge at other split counts and tiles, and
-    the device time of the routed step's kernels (torch profiler)."""
+    fp32 reference on NaN-poisoned outputs. ``sweep``: the floor (a graph of one 1-element
+    kernel), the spread merge at other split counts and tiles, and the device time of the routed
+    step's kernels (torch profiler)."""
     from shardattn.kernels.lse_merge import split_partials_numel
     from shardattn.kernels.sparse_mla import sparse_mla_reference
 
@@ -308,7 +309,6 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
         cfg = sparse_mla_decode_config(batch, heads, 2048, sms)
         two = cfg["two_launch_splits"]  # the separate merges' split count
         hblocks = -(-heads // cfg["BLOCK_H"])
-        one = 1 << (min(two, sms // (batch * hblocks)).bit_length() - 1)  # the most splits in one wave
         c = dict(
             q=q, kv=kv, rows=rows, ref_out=ref_out, ref_lse=ref_lse, tag=f"H{heads} B{batch}", copy_tbs=copy_tbs,
             nbytes=batch * 2048 * 576 * 2 + q.numel() * 2 + batch * heads * (512 * 2 + 4) + rows.numel() * 4,
@@ -317,34 +317,42 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
             ws=torch.empty(split_partials_numel(64, batch, heads, 512), device="cuda"),
             counters=torch.zeros(batch * hblocks * 64, dtype=torch.int32, device="cuda"),
         )  # fmt: skip
+        s, bn = cfg["num_splits"], cfg["BLOCK_N"]
+        variants = {
+            "routed": (f"routed ({cfg['merge']}, {s} x {cfg['chunk']} rows)", {}),
+            "rows": (f"row merge, {two} splits (baseline)", dict(num_splits=two, config={"merge": "rows"})),
+            "columns": (f"column merge, {two} splits", dict(num_splits=two, config={"merge": "columns"})),
+        }
+        if (s, bn) != (two, 64):  # the column merge on the routed split kernel: the merges alone differ
+            cols = dict(num_splits=s, config={"merge": "columns", "BLOCK_N": bn})
+            variants["columns_same"] = (f"column merge, {s} x {cfg['chunk']} rows (routed split)", cols)
+        if cfg["merge"] != "spread" or s != two:
+            if batch * hblocks * two <= sms:
+                spread = dict(num_splits=two, config={"merge": "spread"})
+                variants["spread"] = (f"one launch (spread), {two} splits", spread)
+        variants["dedup"] = ("routed, dedup sort", dict(rows_unique=False))
         times = {}
-        for label, kw in (
-            (f"routed ({cfg['merge']}, {cfg['num_splits']} splits), rows_unique", {}),
-            (f"row merge, {two} splits, rows_unique (baseline)", dict(num_splits=two, config={"merge": "rows"})),
-            (f"column merge, {two} splits, rows_unique", dict(num_splits=two, config={"merge": "columns"})),
-            (f"one launch (spread), {one} splits, rows_unique", dict(num_splits=one, config={"merge": "spread"})),
-            ("routed, dedup sort", dict(rows_unique=False)),
-        ):
-            times[label], fn = _time_small(c, label, {"rows_unique": True, **kw})
-            if label.startswith("routed (") and sweep:
+        for key, (label, kw) in variants.items():
+            times[key], fn = _time_small(c, label, {"rows_unique": True, **kw})
+            if key == "routed" and sweep:
                 from decode_small_sweep import profile_graph  # beside this script
 
                 prof = profile_graph(fn)
                 kernels = " + ".join(f"{k[:24]} {u:.2f}" for k, u in zip(prof["kernels"], prof["kernel_us"]))
                 record("sweep", f"{c['tag']} routed: device span of a replay", prof["span_us"] * 1e-3, kernels=kernels)
-        base = next(v for k, v in times.items() if "(baseline)" in k)
-        table.append((heads, batch, cfg["num_splits"], cfg["merge"], [ms * 1e3 for ms in times.values()], base))
-        for s, bn, w in ((16, 64, 4), (32, 64, 8), (64, 32, 4)):
+        table.append((heads, batch, f"{cfg['merge']}, {s} x {cfg['chunk']}", times))
+        for s, bn, w in ((16, 64, 4), (32, 64, 8), (64, 32, 8)):
             if sweep and heads == 16 and batch * s <= sms:
                 kw = dict(rows_unique=True, num_splits=s, config={"merge": "spread", "BLOCK_N": bn, "num_warps": w})
                 _time_small(c, f"spread {s} splits x {2048 // s} rows, BLOCK_N {bn}, {w} warps", kw, "sweep")
-    print("\nsparse-MLA decode, small batches (us; speed-up = baseline / routed):")
-    print("| heads | batch | splits | routed merge | routed | baseline (row merge) | column merge "
-          "| one launch (spread) | routed, dedup sort | speed-up |")  # fmt: skip
+    print("\nsparse-MLA decode, small batches (us; speed-up = baseline / routed; - = same as routed or not run):")
+    keys = ("routed", "rows", "columns", "columns_same", "spread", "dedup")
+    print("| heads | batch | routed | **routed** | baseline (row merge) | column merge | column merge, routed split "
+          "| one launch (spread), baseline splits | routed, dedup sort | speed-up |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for h, b, s, m, us, base in table:
-        cells = " | ".join(f"{u:.1f}" for u in us)
-        print(f"| {h} | {b} | {s} | {m} | {cells} | {base * 1e3 / us[0]:.2f}x |")
+    for h, b, what, times in table:
+        cells = " | ".join(f"{times[k] * 1e3:.1f}" if k in times else "-" for k in keys)
+        print(f"| {h} | {b} | {what} | {cells} | {times['rows'] / times['routed']:.2f}x |")
 
 
 def bench_merge(copy_tbs: float, sweep: bool = False) -> None:

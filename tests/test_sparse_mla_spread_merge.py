@@ -73,7 +73,8 @@ def interpreted_spread_cases(dtype_name: str) -> None:
         ref_out, ref_lse = sparse_mla_reference(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks)
         cfg = sparse_mla_decode_config(t, h, k, 132, splits, head_dim=d, v_dim=dv)
         assert cfg["num_splits"] == splits and cfg["merge"] == "spread", (name, cfg)
-        counters = torch.zeros(t * -(-h // cfg["BLOCK_H"]), dtype=torch.int32)
+        n = t * -(-h // cfg["BLOCK_H"])  # barriers: arrival counts, then generations
+        counters = torch.zeros(2 * n + 6, dtype=torch.int32)  # larger than needed: generations at numel // 2
         for call, kw in enumerate(({}, {}, {"config": {"merge": "spread"}})):  # routed twice, then forced
             out = torch.full((t, h, dv), float("nan"), dtype=dtype)
             lse = torch.full((t, h), float("nan"))
@@ -82,12 +83,15 @@ def interpreted_spread_cases(dtype_name: str) -> None:
                 rows_unique=True, counters=counters, out=out, lse_out=lse, **kw,
             )  # fmt: skip
             _check(out, lse, ref_out, ref_lse, atol, f"{name} call {call}")
-            assert counters.eq(0).all(), (name, counters)  # reset: the next call reuses them
+            gens = counters[n + 3 : 2 * n + 3]
+            assert counters[: n + 3].eq(0).all() and gens.eq(call + 1).all(), (name, counters)  # counts reset
         cols = sparse_mla_decode(
             q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks, num_splits=splits, rows_unique=True,
             config={"merge": "columns"},
         )  # fmt: skip
         torch.testing.assert_close(cols[0].float(), out.float(), atol=atol, rtol=0, msg=name + " vs column merge")
+        routed = sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks, rows_unique=True)
+        _check(*routed, ref_out, ref_lse, atol, name + " routed without counters (a separate merge)")
         print("ok", name)
     # forced, but the launch does not fit in one wave: refused before any kernel runs
     q, kv, rows, _, _ = _inputs(5, 16, 24, 2048, 2048, dtype=dtype)
@@ -112,14 +116,15 @@ def interpreted_spread_cases(dtype_name: str) -> None:
 def test_spread_merge_matches_reference_under_interpreter(dtype_name):
     pytest.importorskip("triton", reason="the Triton kernel needs triton")
     out = run_interpreted(__name__, "interpreted_spread_cases", dtype_name)
-    assert out.count("ok ") == len(CASES) + 2, out
+    assert out.count("ok ") == len(CASES) + 2, out[-2000:]
 
 
 def test_routing_takes_the_spread_merge_only_in_one_wave():
-    # 16 heads, 1-8 tokens, 132 SMs: one launch; the split count drops to fit (8 tokens: 16 splits)
-    for t, splits in ((1, 32), (2, 32), (4, 32), (8, 16)):
+    # 16 heads, 1-8 tokens, 132 SMs: one launch with the most splits (<= 64) that fit in one wave
+    for t, splits, block_n in ((1, 64, 32), (2, 64, 32), (4, 32, 64), (8, 16, 64)):
         cfg = sparse_mla_decode_config(t, 16, 2048, 132)
-        assert cfg["merge"] == "spread" and cfg["num_splits"] == splits, (t, cfg)
+        assert cfg["merge"] == "spread" and (cfg["num_splits"], cfg["BLOCK_N"]) == (splits, block_n), (t, cfg)
+        assert cfg["num_splits"] * cfg["chunk"] == 2048
         assert cfg["two_launch_splits"] == 32 and "one-launch spread merge" in cfg["reason"]
         assert spread_fits(t, 16, cfg["num_splits"], 132)
     # 8 tokens on a 64-SM GPU: 8 splits fit; 8 tokens x 128 heads: too many rows, row merge
@@ -155,9 +160,10 @@ def test_spread_merge_on_gpu_matches_reference_and_repeats_exactly(heads, tokens
     cfg = sparse_mla_decode_config(tokens, heads, 2048, sms)
     splits = cfg["num_splits"]
     assert splits > 1 and spread_fits(tokens, heads, splits, sms), cfg
-    counters = torch.zeros(tokens * -(-heads // cfg["BLOCK_H"]), dtype=torch.int32, device="cuda")
+    n = tokens * -(-heads // cfg["BLOCK_H"])
+    counters = torch.zeros(2 * n, dtype=torch.int32, device="cuda")
     first = None
-    for _ in range(20):
+    for call in range(20):
         out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.full((tokens, heads), float("nan"), device="cuda")
         kw = dict(num_splits=splits, config={"merge": "spread"}, counters=counters, out=out, lse_out=lse)
@@ -167,7 +173,7 @@ def test_spread_merge_on_gpu_matches_reference_and_repeats_exactly(heads, tokens
             _check(out, lse, ref_out, ref_lse, 2e-2, f"H{heads} T{tokens}")
         else:
             assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
-        assert int(counters.abs().sum()) == 0
+        assert counters[:n].eq(0).all() and counters[n:].eq(call + 1).all(), counters  # one generation a call
     cols = sparse_mla_decode(q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, rows_unique=True,
                              num_splits=splits, config={"merge": "columns"})  # fmt: skip
     torch.testing.assert_close(cols[0].float(), first[0].float(), atol=1e-2, rtol=0)
@@ -186,7 +192,7 @@ def test_spread_merge_graph_replays_bit_exact(tokens):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = sparse_mla_decode_config(tokens, heads, 2048, sms)
     assert cfg["merge"] == "spread", cfg
-    counters = torch.zeros(tokens, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(2 * tokens, dtype=torch.int32, device="cuda")
     out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((tokens, heads), float("nan"), device="cuda")
     ws = torch.empty(cfg["num_splits"] * tokens * heads * 513, device="cuda")
@@ -210,7 +216,7 @@ def test_spread_merge_graph_replays_bit_exact(tokens):
         g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
-    assert int(counters.abs().sum()) == 0
+    assert counters[:tokens].eq(0).all() and counters[tokens:].eq(52).all(), counters  # 2 eager calls, 50 replays
     q2, _, rows2, tlen2, _ = _gpu_inputs(tokens, heads, 99)
     q.copy_(q2)
     rows.copy_(rows2)

@@ -75,6 +75,7 @@ __all__ = [
     "FUSED_MERGE_MAX_SPLITS",
     "FUSED_MERGE_MAX_TOKENS",
     "SPREAD_MERGE_MAX_ROWS",
+    "SPREAD_MERGE_MAX_SPLITS",
     "merge_kind",
     "merge_reason",
     "sparse_mla_decode",
@@ -90,6 +91,8 @@ COLUMN_MERGE_MAX_ROWS = 128
 #: At most this many (token, head) rows take the one-launch spread merge (:func:`merge_kind`),
 #: and only when the launch fits in one wave.
 SPREAD_MERGE_MAX_ROWS = 128
+#: ... with at most this many splits (of 32 rows at top-k 2048).
+SPREAD_MERGE_MAX_SPLITS = 64
 #: Keys a caller's ``config=`` may override (tuning).
 CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge"})
 MERGES = ("rows", "columns", "spread")
@@ -162,9 +165,13 @@ def sparse_mla_decode_config(
 
         num_splits = min(range(1, min(n_blocks, 64) + 1), key=cost)
         two_launch = num_splits
-        fit = num_sms // programs  # the most splits whose launch fits in one wave
-        if 1 < fit < num_splits and num_tokens * num_heads <= SPREAD_MERGE_MAX_ROWS:
-            num_splits = 1 << (fit.bit_length() - 1)  # fewer splits, one launch (spread merge)
+        # where the cost model splits: one launch (spread merge) with the most splits whose launch
+        # fits in one wave, a power of two; up to 64 splits of 32 rows at <= 32 heads
+        fit = min(num_sms // programs, SPREAD_MERGE_MAX_SPLITS if block_h <= 32 else num_splits)
+        if num_splits > 1 and fit > 1 and num_tokens * num_heads <= SPREAD_MERGE_MAX_ROWS:
+            num_splits = 1 << (fit.bit_length() - 1)
+            if -(-topk // num_splits) <= 32:
+                block_n = 32
     else:
         two_launch = num_splits
     chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
@@ -253,13 +260,17 @@ def sparse_mla_decode(
             de-duplication sort on the Triton path; duplicates would then count twice).
         config: launch-configuration overrides (keys of :func:`sparse_mla_decode_config`:
             ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and ``merge`` = ``"rows"`` /
-            ``"columns"``; for tuning and baselines).
+            ``"columns"`` / ``"spread"``; for tuning and baselines; a forced ``"spread"`` whose
+            launch does not fit in one wave is a ``ValueError``).
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
             the split partials; with ``out``, ``lse_out`` and it, nothing is allocated.
-        counters: int32 buffer of at least ``T * ceil(H / BLOCK_H) * num_splits`` zeros for the fused merge
-            (left zeroed on return: reuse it across calls and graph replays). Default: allocated
-            (zero-filled, one fill kernel more).
+        counters: int32 zeros for the one-launch merges, reused across calls and graph replays:
+            at least ``2 * T * ceil(H / BLOCK_H)`` for the spread merge (arrival counts, left 0,
+            in the first half; generations, which change every call, in the second: keep the
+            buffer for the spread merge only), ``T * ceil(H / BLOCK_H) * num_splits`` for the
+            tree merge (left zeroed). Without it the routed call takes the column merge instead
+            of the spread merge; a forced one-launch merge allocates it (one fill kernel more).
         fused_merge: merge in the same launch up a tree (module docstring). Default ``False``:
             on an H200 it measured 31-43 us against 14-23 us for the routed column merge at 16
             heads, 1-8 tokens (benchmarks/RESULTS.md).
@@ -343,10 +354,13 @@ def sparse_mla_decode(
     cfg = sparse_mla_decode_config(
         t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
     )
+    if config and num_splits is None and config.get("merge", "spread") != "spread":
+        # a forced separate merge: the split count (and tile) the cost model chose for one
+        cfg = sparse_mla_decode_config(
+            t, h, topk, num_sms, cfg["two_launch_splits"], head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
+        )
     if config:
         want = num_splits if num_splits is not None else cfg["num_splits"]
-        if num_splits is None and config.get("merge", "spread") != "spread":
-            want = cfg["two_launch_splits"]  # a forced separate merge: the split count chosen for it
         cfg = {**cfg, **config}
         per_split = -(-max(topk, 1) // want)
         cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
@@ -368,15 +382,22 @@ def sparse_mla_decode(
             f"(tokens x head blocks x num_splits) > {num_sms} SMs; ask fewer num_splits"
         )
     if spread and counters is None and not (config and "merge" in config):
-        # routed, but no persistent counters: a zero fill would be a launch of its own
+        # routed, but no persistent counters (a zero fill would be a launch of its own): the
+        # separate merge, with the cost model's split count unless the config set the tiles
         spread = False
-        cfg = {**cfg, "merge": merge_kind(t, h, splits), "reason": cfg["reason"] + "; no counters given: column merge"}
+        if not config:
+            cfg = sparse_mla_decode_config(
+                t, h, topk, num_sms, cfg["two_launch_splits"], head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
+            )
+            splits = cfg["num_splits"]
+        kind = merge_kind(t, h, splits)
+        cfg = {**cfg, "merge": kind, "reason": merge_reason(t, h, splits) + "; no counters given for one launch"}
     if splits > 1:
         dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device)
     else:
         dst_out, dst_lse = out, lse_out
     if fused or spread:
-        need = t * n_hblocks * (splits if fused else 1)
+        need = t * n_hblocks * (splits if fused else 2)
         if counters is None:
             counters = torch.zeros(need, dtype=torch.int32, device=q.device)
         elif counters.dtype != torch.int32 or counters.numel() < need or counters.device != q.device:

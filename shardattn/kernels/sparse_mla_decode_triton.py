@@ -6,17 +6,20 @@ partial and LSE (or, with one split, the result). The contract, the configuratio
 of the partials live in :mod:`~shardattn.kernels.sparse_mla_decode`; the opt-in tree merge
 (``FUSED_MERGE``) is described there too.
 
-The spread one-launch merge (``SPREAD``): after a program stores its partial it arrives at its
-(token, head block)'s counter (a block barrier, then ``atomic_add`` with release semantics at GPU
-scope) and spins (``atomic_add(0)`` with acquire semantics) until all ``S`` splits arrived; then
-each of the ``S`` programs merges ``1/S`` of the (head, column) cells of that block over all ``S``
-partials (:func:`~shardattn.kernels.lse_merge.merge_partials_tile`, the column merge's math) and
-departs (another ``atomic_add``); the last of ``2 S`` arrivals and departures resets the counter to
-0, so the next launch or graph replay finds it zeroed. A spin barrier needs every program of a
-(token, head block) resident at once: the caller launches it only when the whole grid fits in one
-wave (``programs <= SMs``). Triton's interpreter runs programs one after another, where a spin
-could never end: there the same kernel runs as two launches, ``SPREAD_ARRIVE`` (attention,
-partial, arrival) then ``SPREAD_MERGE`` (wait, which then passes at once, merge, departure).
+The spread one-launch merge (``SPREAD``): a barrier per (token, head block) of two int32 words,
+an arrival count and a generation. A program reads the generation when it starts; after it
+stores its partial it arrives (a block barrier, then ``atomic_add`` on the count, acquire-release
+at GPU scope). The last of the ``S`` arrivals resets the count to 0 and bumps the generation
+(release); the others spin until the generation differs from the one they read (``atomic_add(0)``,
+acquire). Then each of the ``S`` programs merges ``1/S`` of the (head, column) cells of that block
+over all ``S`` partials (:func:`~shardattn.kernels.lse_merge.merge_partials_tile`, the column
+merge's math). The count is 0 again after every launch and the generation only ever changes
+(compared for equality, so its wrap-around is harmless): graph replays need no reset. A spin
+barrier needs every program of a (token, head block) resident at once: the caller launches it
+only when the whole grid fits in one wave (``programs <= SMs``). Triton's interpreter runs
+programs one after another, where a spin could never end: there the same kernel runs as two
+launches, ``SPREAD_ARRIVE`` (attention, partial, arrival, the last one's reset) then
+``SPREAD_MERGE`` (the launch boundary is the barrier: no wait; the merge).
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ def launch_split_kernel(
         dst_out ``[S, T, H, Dv]`` / dst_lse ``[S, T, H]`` fp32 partials (``out`` / ``lse_out`` when
         ``cfg["num_splits"] == 1``); out ``[T, H, Dv]``, lse_out ``[T, H]``: the result (written
         here only with one split, ``fused`` or ``spread``); counters: int32 zeros for ``fused``
-        (``T * ceil(H / BLOCK_H) * S``) or ``spread`` (``T * ceil(H / BLOCK_H)``), else unused.
+        (``T * ceil(H / BLOCK_H) * S``) or ``spread`` (at least ``2 * T * ceil(H / BLOCK_H)``: counts
+        in the first half, generations in the second), else unused.
         cfg: :func:`sparse_mla_decode_config`'s dict. spread: a ``SPREAD_*`` mode (module docstring).
     """
     t, h, d = q.shape
@@ -113,6 +117,7 @@ def launch_split_kernel(
         topk,
         cfg["chunk"],
         pieces,
+        counters.numel() // 2 if spread else 0,
         float(scale) * LOG2E,
         DV=v_dim,
         DR=dr,
@@ -170,6 +175,7 @@ def _sparse_mla_decode_kernel(
     K,
     chunk,
     pieces_per_head,
+    gen_offset,
     qk_scale,
     DV: tl.constexpr,
     DR: tl.constexpr,
@@ -193,6 +199,11 @@ def _sparse_mla_decode_kernel(
     pid_h = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
+    gen0 = 0
+    count = Counters + tok * tl.num_programs(0) + pid_h  # the spread merge's arrival count, and
+    gen = count + gen_offset  # its generation in the buffer's second half (the same slot for any T)
+    if SPREAD == 1:  # the generation before this launch's arrivals (read early: off the critical path)
+        gen0 = tl.load(gen, volatile=True)
     if SPREAD != 3:  # not the merge-only half (SPREAD_MERGE): the attention and the partial
         heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
@@ -249,7 +260,8 @@ def _sparse_mla_decode_kernel(
         tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)
     if SPREAD != 0:
         _spread_merge(
-            Out, Lse, FinalOut, FinalLse, Counters + tok * tl.num_programs(0) + pid_h, tok, pid_h * BLOCK_H, split,
+            Out, Lse, FinalOut, FinalLse, count, gen, gen0, tok,
+            pid_h * BLOCK_H, split,
             num_splits, H, pieces_per_head, stride_ot, stride_oh, stride_od, stride_os, stride_lt, stride_lh,
             stride_ls, stride_yt, stride_yh, stride_yd, stride_zt, stride_zh, SPREAD, DV, BLOCK_H, BLOCK_S, MERGE_C,
         )  # fmt: skip
@@ -311,7 +323,9 @@ def _spread_merge(
     Lse,
     FinalOut,
     FinalLse,
-    Counter,
+    Count,
+    Gen,
+    gen0,
     tok,
     head0,
     split,
@@ -336,16 +350,20 @@ def _spread_merge(
     BLOCK_S: tl.constexpr,
     MERGE_C: tl.constexpr,
 ):
-    """The spread merge of one program (module docstring): arrive at ``Counter`` (``SPREAD`` 1 or
-    2), wait for all ``num_splits`` arrivals, merge pieces ``split, split + S, ...`` of the head
-    block's ``BLOCK_H x pieces_per_head`` (head, ``MERGE_C`` columns) pieces, depart (1 or 3)."""
+    """The spread merge of one program (module docstring): arrive at ``Count`` (``SPREAD`` 1 or 2;
+    the last arrival resets it and bumps ``Gen``), wait until ``Gen`` is no longer ``gen0`` (1),
+    merge pieces ``split, split + S, ...`` of the head block's ``BLOCK_H x pieces_per_head``
+    (head, ``MERGE_C`` columns) pieces (1 or 3)."""
     if SPREAD != 3:  # arrive: every thread's partial stores precede the release
         tl.debug_barrier()
-        tl.atomic_add(Counter, 1, sem="release", scope="gpu")
-    if SPREAD != 2:  # wait, merge, depart
-        seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
-        while seen < num_splits:
-            seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
+        arrived = tl.atomic_add(Count, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # the last: every partial is stored; open the barrier
+            tl.atomic_xchg(Count, 0, sem="relaxed", scope="gpu")
+            tl.atomic_add(Gen, 1, sem="release", scope="gpu")
+        elif SPREAD == 1:
+            while tl.atomic_add(Gen, 0, sem="acquire", scope="gpu") == gen0:
+                pass
+    if SPREAD != 2:  # merge this program's pieces
         offs_s = tl.arange(0, BLOCK_S)
         smask = offs_s < num_splits
         offs_c = tl.arange(0, MERGE_C)
@@ -373,7 +391,3 @@ def _spread_merge(
                 tl.store(y_ptrs, res.to(FinalOut.dtype.element_ty), mask=cmask)
                 if piece % pieces_per_head == 0:
                     tl.store(FinalLse + tok * stride_zt + head * stride_zh, lse)
-        # depart; the last of the 2 S arrivals and departures finds every wait passed: reset
-        done = tl.atomic_add(Counter, 1, sem="relaxed", scope="gpu")
-        if done == 2 * num_splits - 1:
-            tl.atomic_xchg(Counter, 0, sem="relaxed", scope="gpu")
