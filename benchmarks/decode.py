@@ -286,8 +286,9 @@ def _time_small(c: dict, label: str, kw: dict, section: str = "sparse1") -> tupl
 
 def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
     """Small sparse-MLA decode batches (1-8 tokens, 16 / 128 heads): the routed path against the
-    same run's separate row merge (the baseline), the column merge, the one-launch spread merge
-    and the de-duplication sort (the opt-in tree merge, measured slower, is left out). Graph
+    same run's separate row merge (the baseline), the column merge on the cost model's split
+    count (the previous routing), the opt-in one-launch spread merge and the de-duplication sort
+    (the opt-in tree merge, measured slower, is left out). Graph
     replays, preallocated outputs, workspace and counters; every variant is checked against the
     fp32 reference on NaN-poisoned outputs. ``sweep``: the floor (a graph of one 1-element
     kernel), the spread merge at other split counts and tiles, and the device time of the routed
@@ -307,7 +308,7 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
         rows = torch.stack([torch.randperm(r, device="cuda")[:2048] for _ in range(batch)]).int()
         ref_out, ref_lse = sparse_mla_reference(q.float(), kv.float(), rows, scale=576**-0.5)
         cfg = sparse_mla_decode_config(batch, heads, 2048, sms)
-        two = cfg["two_launch_splits"]  # the separate merges' split count
+        cost = cfg["cost_model_splits"]  # the previous routing's split count (32 x 64 rows at 16 heads)
         hblocks = -(-heads // cfg["BLOCK_H"])
         c = dict(
             q=q, kv=kv, rows=rows, ref_out=ref_out, ref_lse=ref_lse, tag=f"H{heads} B{batch}", copy_tbs=copy_tbs,
@@ -320,16 +321,16 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
         s, bn = cfg["num_splits"], cfg["BLOCK_N"]
         variants = {
             "routed": (f"routed ({cfg['merge']}, {s} x {cfg['chunk']} rows)", {}),
-            "rows": (f"row merge, {two} splits (baseline)", dict(num_splits=two, config={"merge": "rows"})),
-            "columns": (f"column merge, {two} splits", dict(num_splits=two, config={"merge": "columns"})),
+            "rows": (f"row merge, {cost} splits (baseline)", dict(num_splits=cost, config={"merge": "rows"})),
         }
-        if (s, bn) != (two, 64):  # the column merge on the routed split kernel: the merges alone differ
-            cols = dict(num_splits=s, config={"merge": "columns", "BLOCK_N": bn})
-            variants["columns_same"] = (f"column merge, {s} x {cfg['chunk']} rows (routed split)", cols)
-        if cfg["merge"] != "spread" or s != two:
-            if batch * hblocks * two <= sms:
-                spread = dict(num_splits=two, config={"merge": "spread"})
-                variants["spread"] = (f"one launch (spread), {two} splits", spread)
+        if (s, bn) != (cost, 64):
+            variants["columns"] = (f"column merge, {cost} splits", dict(num_splits=cost, config={"merge": "columns"}))
+        if batch * hblocks * s <= sms:  # the one-launch merge on the routed split kernel
+            one = dict(num_splits=s, config={"merge": "spread", "BLOCK_N": bn})
+            variants["spread"] = (f"one launch (spread), {s} x {cfg['chunk']} rows", one)
+        if (s, bn) != (cost, 64) and batch * hblocks * cost <= sms:
+            one = dict(num_splits=cost, config={"merge": "spread"})
+            variants["spread_cost"] = (f"one launch (spread), {cost} splits", one)
         variants["dedup"] = ("routed, dedup sort", dict(rows_unique=False))
         times = {}
         for key, (label, kw) in variants.items():
@@ -345,10 +346,11 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
             if sweep and heads == 16 and batch * s <= sms:
                 kw = dict(rows_unique=True, num_splits=s, config={"merge": "spread", "BLOCK_N": bn, "num_warps": w})
                 _time_small(c, f"spread {s} splits x {2048 // s} rows, BLOCK_N {bn}, {w} warps", kw, "sweep")
-    print("\nsparse-MLA decode, small batches (us; speed-up = baseline / routed; - = same as routed or not run):")
-    keys = ("routed", "rows", "columns", "columns_same", "spread", "dedup")
-    print("| heads | batch | routed | **routed** | baseline (row merge) | column merge | column merge, routed split "
-          "| one launch (spread), baseline splits | routed, dedup sort | speed-up |")  # fmt: skip
+    print("\nsparse-MLA decode, small batches (us; speed-up = baseline / routed; - = the routed config or not run):")
+    keys = ("routed", "rows", "columns", "spread", "spread_cost", "dedup")
+    print("| heads | batch | routed | **routed** | baseline (row merge) | column merge, cost-model splits "
+          "| one launch (spread), routed split | one launch (spread), cost-model splits | routed, dedup sort "
+          "| speed-up |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for h, b, what, times in table:
         cells = " | ".join(f"{times[k] * 1e3:.1f}" if k in times else "-" for k in keys)

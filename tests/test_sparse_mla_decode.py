@@ -93,13 +93,12 @@ def test_config_splits_shrink_as_tokens_grow():
 
 
 def test_config_routes_the_column_merge_to_few_rows():
-    # measured: columns at 16 heads x 1-8 tokens and 128 heads x 1 token, rows at 128 x 8 (a
-    # separate merge; where the one-launch spread merge fits it goes first: test_sparse_mla_spread_merge)
+    # measured: columns at 16 heads x 1-8 tokens and 128 heads x 1 token, rows at 128 x 8
     for t, h, kind in ((1, 16, "columns"), (8, 16, "columns"), (1, 128, "columns"), (8, 128, "rows")):
         cfg = sparse_mla_decode_config(t, h, 2048, 132)
-        splits = cfg["two_launch_splits"]
-        assert splits > 1 and merge_kind(t, h, splits) == kind, (t, h, cfg)
-        assert f"{kind[:-1] if kind == 'columns' else 'row'} merge" in merge_reason(t, h, splits)
+        assert cfg["num_splits"] > 1 and cfg["merge"] == kind, (t, h, cfg)
+        assert f"{kind[:-1] if kind == 'columns' else 'row'} merge" in cfg["reason"]
+        assert cfg["reason"].endswith(merge_reason(t, h, cfg["num_splits"]).split("; ")[1])
     assert (
         merge_kind(COLUMN_MERGE_MAX_ROWS, 1, 2) == "columns" and merge_kind(COLUMN_MERGE_MAX_ROWS + 1, 1, 2) == "rows"
     )
@@ -152,7 +151,7 @@ def interpreted_merge_cases(dtype_name: str) -> None:
             rows[0, 64:] = -1  # splits 2 and 3 see no key: (0, -inf) partials merge away
         ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks)
         cfg = sparse_mla_decode_config(t, h, k, 132, splits, head_dim=d, v_dim=dv)
-        assert cfg["merge"] in ("spread", "none"), (name, cfg)  # tiny shapes route the one-launch merge
+        assert cfg["merge"] in ("columns", "none"), (name, cfg)  # tiny shapes route the column merge
         for merge in ("columns", "rows", "spread"):
             ws = torch.full((64 * t * h * (dv + 1),), float("nan"))
             out = torch.full((t, h, dv), float("nan"), dtype=dtype)

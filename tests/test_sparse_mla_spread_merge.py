@@ -14,14 +14,7 @@ import pytest
 import torch
 
 from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode import (
-    SPREAD_MERGE_MAX_ROWS,
-    merge_kind,
-    merge_reason,
-    sparse_mla_decode,
-    sparse_mla_decode_config,
-    spread_fits,
-)
+from shardattn.kernels.sparse_mla_decode import merge_kind, sparse_mla_decode, sparse_mla_decode_config, spread_fits
 from shardattn.testing.interpret import run_interpreted
 
 
@@ -72,15 +65,15 @@ def interpreted_spread_cases(dtype_name: str) -> None:
         q, kv, rows, tlen, sinks = _inputs(t, h, d, r, k, dtype=dtype, with_len=with_len, with_sinks=with_sinks)
         ref_out, ref_lse = sparse_mla_reference(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks)
         cfg = sparse_mla_decode_config(t, h, k, 132, splits, head_dim=d, v_dim=dv)
-        assert cfg["num_splits"] == splits and cfg["merge"] == "spread", (name, cfg)
+        assert cfg["num_splits"] == splits and spread_fits(t, h, splits, 132), (name, cfg)
         n = t * -(-h // cfg["BLOCK_H"])  # barriers: arrival counts, then generations
         counters = torch.zeros(2 * n + 6, dtype=torch.int32)  # larger than needed: generations at numel // 2
-        for call, kw in enumerate(({}, {}, {"config": {"merge": "spread"}})):  # routed twice, then forced
+        for call in range(3):  # the same counters each call
             out = torch.full((t, h, dv), float("nan"), dtype=dtype)
             lse = torch.full((t, h), float("nan"))
             sparse_mla_decode(
                 q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks, num_splits=splits,
-                rows_unique=True, counters=counters, out=out, lse_out=lse, **kw,
+                rows_unique=True, counters=counters, out=out, lse_out=lse, config={"merge": "spread"},
             )  # fmt: skip
             _check(out, lse, ref_out, ref_lse, atol, f"{name} call {call}")
             gens = counters[n + 3 : 2 * n + 3]
@@ -91,7 +84,7 @@ def interpreted_spread_cases(dtype_name: str) -> None:
         )  # fmt: skip
         torch.testing.assert_close(cols[0].float(), out.float(), atol=atol, rtol=0, msg=name + " vs column merge")
         routed = sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks, rows_unique=True)
-        _check(*routed, ref_out, ref_lse, atol, name + " routed without counters (a separate merge)")
+        _check(*routed, ref_out, ref_lse, atol, name + " routed (a separate merge)")
         print("ok", name)
     # forced, but the launch does not fit in one wave: refused before any kernel runs
     q, kv, rows, _, _ = _inputs(5, 16, 24, 2048, 2048, dtype=dtype)
@@ -105,7 +98,7 @@ def interpreted_spread_cases(dtype_name: str) -> None:
     q, kv, rows, _, _ = _inputs(3, 16, 24, 300, 256, dtype=dtype)
     try:
         sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=16, num_splits=4, rows_unique=True,
-                          counters=torch.zeros(2, dtype=torch.int32))  # fmt: skip
+                          counters=torch.zeros(2, dtype=torch.int32), config={"merge": "spread"})  # fmt: skip
     except ValueError as e:
         assert "counters" in str(e), e
         print("ok refused")
@@ -119,23 +112,23 @@ def test_spread_merge_matches_reference_under_interpreter(dtype_name):
     assert out.count("ok ") == len(CASES) + 2, out[-2000:]
 
 
-def test_routing_takes_the_spread_merge_only_in_one_wave():
-    # 16 heads, 1-8 tokens, 132 SMs: one launch with the most splits (<= 64) that fit in one wave
+def test_routing_takes_one_wave_splits_and_a_separate_merge():
+    # 16 heads, 1-8 tokens, 132 SMs: the most splits (<= 64) that fit in one wave, column merge;
+    # the spread merge is opt-in (config) only: measured no faster than the column merge
     for t, splits, block_n in ((1, 64, 32), (2, 64, 32), (4, 32, 64), (8, 16, 64)):
         cfg = sparse_mla_decode_config(t, 16, 2048, 132)
-        assert cfg["merge"] == "spread" and (cfg["num_splits"], cfg["BLOCK_N"]) == (splits, block_n), (t, cfg)
-        assert cfg["num_splits"] * cfg["chunk"] == 2048
-        assert cfg["two_launch_splits"] == 32 and "one-launch spread merge" in cfg["reason"]
-        assert spread_fits(t, 16, cfg["num_splits"], 132)
-    # 8 tokens on a 64-SM GPU: 8 splits fit; 8 tokens x 128 heads: too many rows, row merge
+        assert (cfg["num_splits"], cfg["BLOCK_N"], cfg["merge"]) == (splits, block_n, "columns"), (t, cfg)
+        assert cfg["num_splits"] * cfg["chunk"] == 2048 and cfg["cost_model_splits"] == 32
+        assert "one wave" in cfg["reason"] and spread_fits(t, 16, cfg["num_splits"], 132)
+    # 8 tokens on a 64-SM GPU: 8 splits fit; 128 heads: up to the cost model's count; many rows: as before
     assert sparse_mla_decode_config(8, 16, 2048, 64)["num_splits"] == 8
+    assert sparse_mla_decode_config(1, 128, 2048, 132)["num_splits"] == 32
     assert sparse_mla_decode_config(8, 128, 2048, 132)["merge"] == "rows"
-    # without num_sms (or when the launch does not fit) the separate merges as before
-    assert merge_kind(1, 16, 32) == "columns" and merge_kind(9, 16, 16, 132) == "rows"
-    assert merge_kind(5, 16, 32, 132) == "columns" and not spread_fits(5, 16, 32, 132)
-    assert merge_kind(SPREAD_MERGE_MAX_ROWS // 16, 16, 2, 132) == "spread"
-    assert "column merge" in merge_reason(5, 16, 32, 132)
-    assert merge_kind(1, 16, 1, 132) == "none"
+    assert sparse_mla_decode_config(16, 16, 2048, 132)["merge"] == "rows"
+    assert not spread_fits(5, 16, 32, 132) and spread_fits(2, 128, 32, 132) and not spread_fits(3, 128, 32, 132)
+    assert merge_kind(1, 16, 64) == "columns" and merge_kind(1, 16, 1) == "none"
+    # a short top-k the cost model does not split stays one split
+    assert sparse_mla_decode_config(1, 16, 64, 132)["num_splits"] == 1
 
 
 # ---- GPU: the real one-launch kernel ----
@@ -182,24 +175,25 @@ def test_spread_merge_on_gpu_matches_reference_and_repeats_exactly(heads, tokens
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_spread_merge_graph_replays_bit_exact(tokens):
-    """The routed call (16 heads: the spread merge, given counters) captured in a CUDA graph: 50
-    replays equal the eager result bit for bit and leave the counters 0; new inputs copied into the
-    graph's buffers give the new reference."""
+    """The spread merge on the routed split kernel, captured in a CUDA graph: 50 replays equal the
+    eager result bit for bit and leave the counts 0; new inputs copied into the graph's buffers
+    give the new reference."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     heads = 16
     q, kv, rows, tlen, sinks = _gpu_inputs(tokens, heads, 7 + tokens)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = sparse_mla_decode_config(tokens, heads, 2048, sms)
-    assert cfg["merge"] == "spread", cfg
+    assert spread_fits(tokens, heads, cfg["num_splits"], sms), cfg
     counters = torch.zeros(2 * tokens, dtype=torch.int32, device="cuda")
     out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((tokens, heads), float("nan"), device="cuda")
     ws = torch.empty(cfg["num_splits"] * tokens * heads * 513, device="cuda")
 
+    kw = dict(counters=counters, out=out, lse_out=lse, workspace=ws, config={"merge": "spread"})
+
     def step():
-        sparse_mla_decode(q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, rows_unique=True,
-                          counters=counters, out=out, lse_out=lse, workspace=ws)  # fmt: skip
+        sparse_mla_decode(q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, rows_unique=True, **kw)
 
     step()
     eager = (out.clone(), lse.clone())

@@ -27,7 +27,9 @@ kernel is capture-safe: no host synchronisation, and no allocation when ``out=``
 are given.
 :func:`launch_lse_merge_columns` is the same math for few rows and many partials (one program per
 (row, column block) loading every partial at once, tested against the reference too); split-KV
-decode picks one or the other (:func:`~shardattn.kernels.sparse_mla_decode.merge_kind`).
+decode picks one or the other (:func:`~shardattn.kernels.sparse_mla_decode.merge_kind`). Its
+register-tile merge, ``merge_partials_tile``, is also what split-KV decode's one-launch spread
+merge runs inside the split kernel.
 """
 
 from __future__ import annotations

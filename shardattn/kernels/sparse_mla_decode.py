@@ -23,7 +23,13 @@ block)'s splits: at every node the second subtree to arrive (a counter, ``atomic
 acquire-release at GPU scope after a block barrier) merges the pair, left first so the result
 does not depend on arrival order, resets the counter and climbs; the root writes the output.
 Measured slower than both separate merges (``log2(splits)`` dependent merges on the critical
-path; at 128 heads a 64-head fp32 partial spills). The torch reference is
+path; at 128 heads a 64-head fp32 partial spills). The opt-in ``config={"merge": "spread"}``
+merges in the same launch spread over all programs: each split arrives at a per-(token, head
+block) barrier and, once all arrived, merges ``1/S`` of the block's (head, column) cells with the
+column merge's math (:mod:`~shardattn.kernels.sparse_mla_decode_triton`); it needs the launch
+in one wave (:func:`spread_fits`) and measured level with the column merge on the same split
+kernel (:func:`merge_kind`), so it is not routed. Small batches take the one-wave split count
+(:func:`sparse_mla_decode_config`). The torch reference is
 :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 
 Backends: on an sm_90 GPU with Triton's Gluon, at
@@ -74,12 +80,13 @@ __all__ = [
     "COLUMN_MERGE_MAX_ROWS",
     "FUSED_MERGE_MAX_SPLITS",
     "FUSED_MERGE_MAX_TOKENS",
-    "SPREAD_MERGE_MAX_ROWS",
-    "SPREAD_MERGE_MAX_SPLITS",
+    "ONE_WAVE_MAX_ROWS",
+    "ONE_WAVE_MAX_SPLITS",
     "merge_kind",
     "merge_reason",
     "sparse_mla_decode",
     "sparse_mla_decode_config",
+    "spread_fits",
 ]
 
 #: The last split of a token merges the partials in the same launch up to this many splits ...
@@ -88,11 +95,11 @@ FUSED_MERGE_MAX_SPLITS = 64
 FUSED_MERGE_MAX_TOKENS = 16
 #: At most this many (token, head) rows merge with the column merge (:func:`merge_kind`).
 COLUMN_MERGE_MAX_ROWS = 128
-#: At most this many (token, head) rows take the one-launch spread merge (:func:`merge_kind`),
-#: and only when the launch fits in one wave.
-SPREAD_MERGE_MAX_ROWS = 128
-#: ... with at most this many splits (of 32 rows at top-k 2048).
-SPREAD_MERGE_MAX_SPLITS = 64
+#: At most this many (token, head) rows take the one-wave split count
+#: (:func:`sparse_mla_decode_config`) ...
+ONE_WAVE_MAX_ROWS = 128
+#: ... of at most this many splits (64 of 32 rows at top-k 2048) at <= 32 heads.
+ONE_WAVE_MAX_SPLITS = 64
 #: Keys a caller's ``config=`` may override (tuning).
 CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge"})
 MERGES = ("rows", "columns", "spread")
@@ -104,9 +111,9 @@ def _block_h(num_heads: int) -> int:
 
 
 def spread_fits(num_tokens: int, num_heads: int, num_splits: int, num_sms: int, block_h: int | None = None) -> bool:
-    """Whether the spread merge's launch fits in one wave: ``tokens x head blocks x splits`` programs
-    at most ``num_sms`` (one resident program per SM is certain), so no program waits at the spin
-    barrier for a program of its token that is not resident."""
+    """Whether a launch fits in one wave: ``tokens x head blocks x splits`` programs at most
+    ``num_sms`` (one resident program per SM is certain). The spread merge needs it (no program
+    may wait at its spin barrier for a program of its token that is not resident)."""
     block_h = block_h or _block_h(num_heads)
     return num_tokens * -(-num_heads // block_h) * num_splits <= num_sms
 
@@ -136,25 +143,30 @@ def sparse_mla_decode_config(
     saturate memory bandwidth: one per SM for 64-head tiles, two for smaller ones (calibrated
     on an H200 with fixed split counts: benchmarks/RESULTS.md, "Decode").
 
-    Where the spread merge may take the rows (at most :data:`SPREAD_MERGE_MAX_ROWS`) and the cost
-    model's split count would not fit in one wave, the split count drops to the largest power of
-    two that fits (:func:`spread_fits`), so the step is one launch.
+    One wave: where the cost model splits and there are at most :data:`ONE_WAVE_MAX_ROWS`
+    (token, head) rows, the split count becomes the largest power of two whose launch fits in one
+    wave (:func:`spread_fits`), up to :data:`ONE_WAVE_MAX_SPLITS` at <= 32 heads (then 32-row
+    tiles), else up to the cost model's count. Measured on an H200 at 16 heads, top-k 2048 with
+    the column merge (benchmarks/RESULTS.md, "one-launch spread merge"): 64 x 32 rows at 1-2
+    tokens (13.6 / 14.7 us against 14.4 / 15.4 for the cost model's 32 x 64), 16 x 128 at 8
+    tokens (22.9 against 23.6). It is also the launch the opt-in spread merge needs.
 
     Returns:
         ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge",
-        "reason", "two_launch_splits"}`` (``merge`` and ``reason``: :func:`merge_kind`;
-        ``two_launch_splits``: the cost model's split count, what a separate merge runs with).
+        "reason", "cost_model_splits"}`` (``merge`` and ``reason``: :func:`merge_kind`;
+        ``cost_model_splits``: the cost model's split count, before the one-wave choice).
 
     Example:
         >>> [sparse_mla_decode_config(t, 128, 2048, 132)["num_splits"] for t in (1, 8, 64)]
         [32, 8, 1]
         >>> sparse_mla_decode_config(8, 16, 2048, 132)["reason"]
-        '16 splits; one-launch spread merge: 128 (token, head) rows <= 128, 128 programs <= 132 SMs'
+        '16 splits (one wave); column merge: 128 (token, head) rows <= 128'
     """
     block_h = _block_h(num_heads)
     block_n = 64
     programs = max(1, num_tokens * -(-num_heads // block_h))
     n_blocks = max(1, -(-topk // block_n))
+    one_wave = False
     if num_splits is None:
         kv_bytes = num_tokens * topk * head_dim * elem_bytes
         part_bytes = num_tokens * num_heads * (v_dim + 1) * 4 * 2
@@ -164,16 +176,14 @@ def sparse_mla_decode_config(
             return (kv_bytes + (s > 1) * s * part_bytes) / min(1.0, programs * s / slots)
 
         num_splits = min(range(1, min(n_blocks, 64) + 1), key=cost)
-        two_launch = num_splits
-        # where the cost model splits: one launch (spread merge) with the most splits whose launch
-        # fits in one wave, a power of two; up to 64 splits of 32 rows at <= 32 heads
-        fit = min(num_sms // programs, SPREAD_MERGE_MAX_SPLITS if block_h <= 32 else num_splits)
-        if num_splits > 1 and fit > 1 and num_tokens * num_heads <= SPREAD_MERGE_MAX_ROWS:
-            num_splits = 1 << (fit.bit_length() - 1)
+        cost_model = num_splits
+        fit = min(num_sms // programs, ONE_WAVE_MAX_SPLITS if block_h <= 32 else num_splits)
+        if num_splits > 1 and fit > 1 and num_tokens * num_heads <= ONE_WAVE_MAX_ROWS:
+            num_splits, one_wave = 1 << (fit.bit_length() - 1), True
             if -(-topk // num_splits) <= 32:
                 block_n = 32
     else:
-        two_launch = num_splits
+        cost_model = num_splits
     chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
     splits = max(1, -(-max(topk, 1) // chunk))
     return {
@@ -183,16 +193,16 @@ def sparse_mla_decode_config(
         "chunk": chunk,
         "num_warps": 8 if block_h >= 64 else 4,
         "num_stages": 2,
-        "merge": merge_kind(num_tokens, num_heads, splits, num_sms),
-        "reason": merge_reason(num_tokens, num_heads, splits, num_sms),
-        "two_launch_splits": two_launch,
+        "merge": merge_kind(num_tokens, num_heads, splits),
+        "reason": merge_reason(num_tokens, num_heads, splits).replace(
+            " splits;", " splits (one wave);" if one_wave else " splits;", 1
+        ),
+        "cost_model_splits": cost_model,
     }
 
 
-def merge_kind(num_tokens: int, num_heads: int, num_splits: int, num_sms: int | None = None) -> str:
-    """Which kernel merges the splits: ``"none"`` (one split), ``"spread"`` (the split kernel
-    itself, one launch: at most :data:`SPREAD_MERGE_MAX_ROWS` (token, head) rows and, given
-    ``num_sms``, a launch that fits in one wave: :func:`spread_fits`), ``"columns"``
+def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
+    """Which kernel merges the splits: ``"none"`` (one split), ``"columns"``
     (:func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns`, at most
     :data:`COLUMN_MERGE_MAX_ROWS` (token, head) rows) or ``"rows"``
     (:func:`~shardattn.kernels.lse_merge.launch_lse_merge`).
@@ -201,27 +211,24 @@ def merge_kind(num_tokens: int, num_heads: int, num_splits: int, num_sms: int | 
     columns win at 16 heads x 1-8 tokens (14.0-23.3 us against 26.5-34.0) and 128 heads x 1 token
     (21.5 against 32.1); rows win at 128 heads x 8 tokens (43.8 against 52.1: 4,096 column
     programs of 8 splits each cost more than 128 row programs).
+
+    The one-launch spread merge (``config={"merge": "spread"}``) is never routed: on the same
+    split kernel it measured 13.9 / 15.4 / 18.8 / 22.5 us at 16 heads x 1 / 2 / 4 / 8 tokens
+    against 13.6 / 14.7 / 17.7 / 22.9 for the column merge, and 22.0 against 21.1 at 128 heads x
+    1 token (benchmarks/RESULTS.md, "one-launch spread merge"): within 0.4 us where it wins, and
+    its spin barrier would hang if another kernel kept SMs busy while a token's splits waited.
     """
     if num_splits <= 1:
         return "none"
-    n = num_tokens * num_heads
-    if num_sms is not None and n <= SPREAD_MERGE_MAX_ROWS and spread_fits(num_tokens, num_heads, num_splits, num_sms):
-        return "spread"
-    return "columns" if n <= COLUMN_MERGE_MAX_ROWS else "rows"
+    return "columns" if num_tokens * num_heads <= COLUMN_MERGE_MAX_ROWS else "rows"
 
 
-def merge_reason(num_tokens: int, num_heads: int, num_splits: int, num_sms: int | None = None) -> str:
+def merge_reason(num_tokens: int, num_heads: int, num_splits: int) -> str:
     """Why :func:`merge_kind` chose its kernel, in words (for logs and routes)."""
     n = num_tokens * num_heads
-    kind = merge_kind(num_tokens, num_heads, num_splits, num_sms)
+    kind = merge_kind(num_tokens, num_heads, num_splits)
     if kind == "none":
         return "1 split: the kernel writes the result, no merge"
-    if kind == "spread":
-        programs = num_tokens * -(-num_heads // _block_h(num_heads)) * num_splits
-        return (
-            f"{num_splits} splits; one-launch spread merge: {n} (token, head) rows <= {SPREAD_MERGE_MAX_ROWS}, "
-            f"{programs} programs <= {num_sms} SMs"
-        )
     word, sign = ("column", "<=") if kind == "columns" else ("row", ">")
     return f"{num_splits} splits; {word} merge: {n} (token, head) rows {sign} {COLUMN_MERGE_MAX_ROWS}"
 
@@ -269,8 +276,7 @@ def sparse_mla_decode(
             at least ``2 * T * ceil(H / BLOCK_H)`` for the spread merge (arrival counts, left 0,
             in the first half; generations, which change every call, in the second: keep the
             buffer for the spread merge only), ``T * ceil(H / BLOCK_H) * num_splits`` for the
-            tree merge (left zeroed). Without it the routed call takes the column merge instead
-            of the spread merge; a forced one-launch merge allocates it (one fill kernel more).
+            tree merge (left zeroed). Default: allocated (zero-filled, one fill kernel more).
         fused_merge: merge in the same launch up a tree (module docstring). Default ``False``:
             on an H200 it measured 31-43 us against 14-23 us for the routed column merge at 16
             heads, 1-8 tokens (benchmarks/RESULTS.md).
@@ -354,11 +360,6 @@ def sparse_mla_decode(
     cfg = sparse_mla_decode_config(
         t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
     )
-    if config and num_splits is None and config.get("merge", "spread") != "spread":
-        # a forced separate merge: the split count (and tile) the cost model chose for one
-        cfg = sparse_mla_decode_config(
-            t, h, topk, num_sms, cfg["two_launch_splits"], head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
-        )
     if config:
         want = num_splits if num_splits is not None else cfg["num_splits"]
         cfg = {**cfg, **config}
@@ -366,8 +367,8 @@ def sparse_mla_decode(
         cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
         cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
         if "merge" not in config:
-            cfg["merge"] = merge_kind(t, h, cfg["num_splits"], num_sms)
-            cfg["reason"] = merge_reason(t, h, cfg["num_splits"], num_sms)
+            cfg["merge"] = merge_kind(t, h, cfg["num_splits"])
+            cfg["reason"] = merge_reason(t, h, cfg["num_splits"])
         else:
             cfg["reason"] = f"{cfg['num_splits']} splits; {cfg['merge']} merge: config"
     splits = cfg["num_splits"]
@@ -381,17 +382,6 @@ def sparse_mla_decode(
             f"config['merge'] = 'spread' needs the launch in one wave: {t * n_hblocks * splits} programs "
             f"(tokens x head blocks x num_splits) > {num_sms} SMs; ask fewer num_splits"
         )
-    if spread and counters is None and not (config and "merge" in config):
-        # routed, but no persistent counters (a zero fill would be a launch of its own): the
-        # separate merge, with the cost model's split count unless the config set the tiles
-        spread = False
-        if not config:
-            cfg = sparse_mla_decode_config(
-                t, h, topk, num_sms, cfg["two_launch_splits"], head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
-            )
-            splits = cfg["num_splits"]
-        kind = merge_kind(t, h, splits)
-        cfg = {**cfg, "merge": kind, "reason": merge_reason(t, h, splits) + "; no counters given for one launch"}
     if splits > 1:
         dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device)
     else:
