@@ -309,7 +309,7 @@ def sparse_mla_decode(
         if unknown:
             raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
         if config.get("merge", "rows") not in MERGES:
-            raise ValueError(f"config['merge'] must be one of {MERGES}, got {config['merge']!r}")
+            raise ValueError(f"config['merge'] must be 'rows', 'columns' or 'spread', got {config['merge']!r}")
     triton_only = config is not None or bool(fused_merge) or counters is not None
     if backend == "gluon" and triton_only:
         raise ValueError("backend='gluon' takes no config, fused_merge or counters (Triton options)")
