@@ -33,9 +33,9 @@ from shardattn.kernels.online_softmax import online_softmax_finish, online_softm
 
 LOG2E = 1.4426950408889634
 
-#: ``SPREAD`` modes of ``_sparse_mla_decode_kernel``: no spread merge; attention, arrival, wait,
-#: merge of this program's cells and departure in one launch; the first half (attention and
-#: arrival) and the second half (wait, merge, departure) as two launches (the interpreter's way).
+#: ``SPREAD`` modes of ``_sparse_mla_decode_kernel``: no spread merge; attention, arrival, wait
+#: and the merge of this program's cells in one launch; the first half (attention and arrival)
+#: and the second half (the merge) as two launches (the interpreter's way).
 SPREAD_OFF, SPREAD_ONE_LAUNCH, SPREAD_ARRIVE, SPREAD_MERGE = 0, 1, 2, 3
 
 
@@ -116,7 +116,7 @@ def launch_split_kernel(
         kv.shape[0],
         topk,
         cfg["chunk"],
-        pieces,
+        pieces if spread else 1,  # fixed when unused: no recompile
         counters.numel() // 2 if spread else 0,
         float(scale) * LOG2E,
         DV=v_dim,
