@@ -279,11 +279,38 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False, kernels: tuple[str,
             record("sweep", f"gluon H{heads} B{batch} slices={s}", ms, tflops=flops / (ms * 1e-3) / 1e12)
 
 
+def _time_small(c: dict, label: str, kw: dict, section: str = "sparse1") -> tuple[float, object]:
+    """Check one sparse-MLA decode variant of case ``c`` (from :func:`bench_sparse_small`) against
+    the fp32 reference on NaN-poisoned outputs, then time its graph replays; returns (ms, step)."""
+    args = dict(out=c["out"], lse_out=c["lse"], workspace=c["ws"], counters=c["counters"], backend="triton", **kw)
+
+    def fn():
+        return sparse_mla_decode(c["q"], c["kv"], c["rows"], scale=576**-0.5, **args)
+
+    c["out"].fill_(float("nan"))
+    fn()
+    ref = c["out"].clone()
+    err = (ref.float() - c["ref_out"]).abs().max().item()
+    lerr = (c["lse"] - c["ref_lse"]).abs().max().item()
+    if not (err < 2e-2 and lerr < 1e-3):
+        raise AssertionError(f"{c['tag']} {label}: |out - ref| {err:.3g}, |lse - ref| {lerr:.3g}")
+    ms = graph_ms(fn)
+    counts = c["counters"][: c["counters"].numel() // 2]  # the spread merge's arrival counts (generations after)
+    same = torch.equal(c["out"], ref) and int(counts.abs().sum()) == 0  # replays agree, counts back at 0
+    frac = c["nbytes"] / (ms * 1e-3) / 1e12 / c["copy_tbs"]
+    record(section, f"{c['tag']} {label}", ms, c["nbytes"], copy_frac=frac, replay_equal=same, max_abs_err=err)
+    return ms, fn
+
+
 def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
-    """Small sparse-MLA decode batches (1-8 tokens, 16 / 128 heads): the routed path (the
-    chooser's merge kernel) against the same run's separate row merge (the baseline), the
-    one-launch tree merge and the de-duplication sort. Graph replays, preallocated outputs and
-    workspace; every variant is checked against the fp32 reference."""
+    """Small sparse-MLA decode batches (1-8 tokens, 16 / 128 heads): the routed path against the
+    same run's separate row merge (the baseline), the column merge on the cost model's split
+    count (the previous routing), the opt-in one-launch spread merge and the de-duplication sort
+    (the opt-in tree merge, measured slower, is left out). Graph
+    replays, preallocated outputs, workspace and counters; every variant is checked against the
+    fp32 reference on NaN-poisoned outputs. ``sweep``: the floor (a graph of one 1-element
+    kernel), the spread merge at other split counts and tiles, and the device time of the routed
+    step's kernels (torch profiler)."""
     from shardattn.kernels.lse_merge import split_partials_numel
     from shardattn.kernels.sparse_mla import sparse_mla_reference
 
@@ -291,58 +318,61 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
     kv = torch.randn(r, 576, device="cuda").bfloat16()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = []
+    if sweep:
+        x = torch.zeros(1, device="cuda")
+        record("sweep", "floor: graph of one 1-element kernel", graph_ms(lambda: x.add_(1)))
     for heads, batch in ((16, 1), (16, 2), (16, 4), (16, 8), (128, 1), (128, 8)):
         q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
         rows = torch.stack([torch.randperm(r, device="cuda")[:2048] for _ in range(batch)]).int()
         ref_out, ref_lse = sparse_mla_reference(q.float(), kv.float(), rows, scale=576**-0.5)
-        nbytes = batch * 2048 * 576 * 2 + q.numel() * 2 + batch * heads * (512 * 2 + 4) + rows.numel() * 4
         cfg = sparse_mla_decode_config(batch, heads, 2048, sms)
-        out = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
-        lse = torch.empty(batch, heads, device="cuda")
-        ws = torch.empty(split_partials_numel(cfg["num_splits"], batch, heads, 512), device="cuda")
-        counters = torch.zeros(
-            batch * -(-heads // cfg["BLOCK_H"]) * cfg["num_splits"], dtype=torch.int32, device="cuda"
-        )
+        cost = cfg["cost_model_splits"]  # the previous routing's split count (32 x 64 rows at 16 heads)
+        hblocks = -(-heads // cfg["BLOCK_H"])
+        c = dict(
+            q=q, kv=kv, rows=rows, ref_out=ref_out, ref_lse=ref_lse, tag=f"H{heads} B{batch}", copy_tbs=copy_tbs,
+            nbytes=batch * 2048 * 576 * 2 + q.numel() * 2 + batch * heads * (512 * 2 + 4) + rows.numel() * 4,
+            out=torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16),
+            lse=torch.empty(batch, heads, device="cuda"),
+            ws=torch.empty(split_partials_numel(64, batch, heads, 512), device="cuda"),
+            counters=torch.zeros(batch * hblocks * 64, dtype=torch.int32, device="cuda"),
+        )  # fmt: skip
+        s, bn = cfg["num_splits"], cfg["BLOCK_N"]
+        variants = {
+            "routed": (f"routed ({cfg['merge']}, {s} x {cfg['chunk']} rows)", {}),
+            "rows": (f"row merge, {cost} splits (baseline)", dict(num_splits=cost, config={"merge": "rows"})),
+        }
+        if (s, bn) != (cost, 64):
+            variants["columns"] = (f"column merge, {cost} splits", dict(num_splits=cost, config={"merge": "columns"}))
+        if batch * hblocks * s <= sms:  # the one-launch merge on the routed split kernel
+            one = dict(num_splits=s, config={"merge": "spread", "BLOCK_N": bn})
+            variants["spread"] = (f"one launch (spread), {s} x {cfg['chunk']} rows", one)
+        if (s, bn) != (cost, 64) and batch * hblocks * cost <= sms:
+            one = dict(num_splits=cost, config={"merge": "spread"})
+            variants["spread_cost"] = (f"one launch (spread), {cost} splits", one)
+        variants["dedup"] = ("routed, dedup sort", dict(rows_unique=False))
         times = {}
-        for label, kw in (
-            (f"routed ({cfg['merge']} merge), rows_unique", dict(rows_unique=True)),
-            ("separate row merge, rows_unique (baseline)", dict(rows_unique=True, config={"merge": "rows"})),
-            ("one launch (tree merge), rows_unique", dict(rows_unique=True, fused_merge=True)),
-            (f"routed ({cfg['merge']} merge), dedup sort", dict(rows_unique=False)),
-            ("separate row merge, dedup sort", dict(rows_unique=False, config={"merge": "rows"})),
-        ):
-            args = dict(out=out, lse_out=lse, workspace=ws, counters=counters, backend="triton", **kw)
+        for key, (label, kw) in variants.items():
+            times[key], fn = _time_small(c, label, {"rows_unique": True, **kw})
+            if key == "routed" and sweep:
+                from decode_small_sweep import profile_graph  # beside this script
 
-            def fn(q=q, rows=rows, args=args):
-                return sparse_mla_decode(q, kv, rows, scale=576**-0.5, **args)
-
-            fn()
-            ref = out.clone()
-            err = (ref.float() - ref_out).abs().max().item()
-            lerr = (lse - ref_lse).abs().max().item()
-            if not (err < 2e-2 and lerr < 1e-3):
-                raise AssertionError(f"H{heads} B{batch} {label}: |out - ref| {err:.3g}, |lse - ref| {lerr:.3g}")
-            ms = graph_ms(fn)
-            times[label] = ms
-            same = torch.equal(out, ref) and int(counters.abs().sum()) == 0  # replays agree, counters reset
-            record(
-                "sparse1",
-                f"H{heads} B{batch} splits={cfg['num_splits']} {label}",
-                ms,
-                nbytes,
-                copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs,
-                replay_equal=same,
-                max_abs_err_vs_fp32_ref=err,
-            )
-        base = times["separate row merge, rows_unique (baseline)"]
-        table.append((heads, batch, cfg["num_splits"], cfg["merge"], [ms * 1e3 for ms in times.values()], base))
-    print("\nsparse-MLA decode, small batches (us; speed-up = baseline / routed):")
-    print("| heads | batch | splits | routed merge | routed | baseline (row merge) | one launch (tree) "
-          "| routed, dedup | row merge, dedup | speed-up |")  # fmt: skip
+                prof = profile_graph(fn)
+                kernels = " + ".join(f"{k[:24]} {u:.2f}" for k, u in zip(prof["kernels"], prof["kernel_us"]))
+                record("sweep", f"{c['tag']} routed: device span of a replay", prof["span_us"] * 1e-3, kernels=kernels)
+        table.append((heads, batch, f"{cfg['merge']}, {s} x {cfg['chunk']}", times))
+        for s, bn, w in ((16, 64, 4), (32, 64, 8), (64, 32, 8)):
+            if sweep and heads == 16 and batch * s <= sms:
+                kw = dict(rows_unique=True, num_splits=s, config={"merge": "spread", "BLOCK_N": bn, "num_warps": w})
+                _time_small(c, f"spread {s} splits x {2048 // s} rows, BLOCK_N {bn}, {w} warps", kw, "sweep")
+    print("\nsparse-MLA decode, small batches (us; speed-up = baseline / routed; - = the routed config or not run):")
+    keys = ("routed", "rows", "columns", "spread", "spread_cost", "dedup")
+    print("| heads | batch | routed | **routed** | baseline (row merge) | column merge, cost-model splits "
+          "| one launch (spread), routed split | one launch (spread), cost-model splits | routed, dedup sort "
+          "| speed-up |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for h, b, s, m, us, base in table:
-        cells = " | ".join(f"{u:.1f}" for u in us)
-        print(f"| {h} | {b} | {s} | {m} | {cells} | {base * 1e3 / us[0]:.2f}x |")
+    for h, b, what, times in table:
+        cells = " | ".join(f"{times[k] * 1e3:.1f}" if k in times else "-" for k in keys)
+        print(f"| {h} | {b} | {what} | {cells} | {times['rows'] / times['routed']:.2f}x |")
 
 
 def bench_merge(copy_tbs: float, sweep: bool = False) -> None:

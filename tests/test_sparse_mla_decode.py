@@ -11,6 +11,7 @@ from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.sparse_mla_decode import (
     COLUMN_MERGE_MAX_ROWS,
     merge_kind,
+    merge_reason,
     sparse_mla_decode,
     sparse_mla_decode_config,
 )
@@ -97,6 +98,7 @@ def test_config_routes_the_column_merge_to_few_rows():
         cfg = sparse_mla_decode_config(t, h, 2048, 132)
         assert cfg["num_splits"] > 1 and cfg["merge"] == kind, (t, h, cfg)
         assert f"{kind[:-1] if kind == 'columns' else 'row'} merge" in cfg["reason"]
+        assert cfg["reason"].endswith(merge_reason(t, h, cfg["num_splits"]).split("; ")[1])
     assert (
         merge_kind(COLUMN_MERGE_MAX_ROWS, 1, 2) == "columns" and merge_kind(COLUMN_MERGE_MAX_ROWS + 1, 1, 2) == "rows"
     )
@@ -136,7 +138,7 @@ def test_triton_kernel_matches_reference_under_interpreter(dtype_name):
 
 
 def interpreted_merge_cases(dtype_name: str) -> None:
-    """Both separate merges (routed column merge, forced row merge) against the fp64 oracle:
+    """The three merges (column, row, one-launch spread; forced) against the fp64 oracle:
     invalid rows anywhere, a token with no valid key, topk_length, sinks, head and row tails,
     a split whose every row is invalid; the partials' workspace poisoned with NaN first."""
     dtype = getattr(torch, dtype_name)
@@ -150,7 +152,7 @@ def interpreted_merge_cases(dtype_name: str) -> None:
         ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks)
         cfg = sparse_mla_decode_config(t, h, k, 132, splits, head_dim=d, v_dim=dv)
         assert cfg["merge"] in ("columns", "none"), (name, cfg)  # tiny shapes route the column merge
-        for merge in ("columns", "rows"):
+        for merge in ("columns", "rows", "spread"):
             ws = torch.full((64 * t * h * (dv + 1),), float("nan"))
             out = torch.full((t, h, dv), float("nan"), dtype=dtype)
             lse = torch.full((t, h), float("nan"))
@@ -168,7 +170,7 @@ def interpreted_merge_cases(dtype_name: str) -> None:
 def test_column_and_row_merges_match_the_oracle_under_interpreter(dtype_name):
     pytest.importorskip("triton", reason="the Triton kernel needs triton")
     out = run_interpreted(__name__, "interpreted_merge_cases", dtype_name)
-    assert out.count("ok ") == 2 * (len(CASES) + 1)
+    assert out.count("ok ") == 3 * (len(CASES) + 1)
 
 
 # ---- GPU: real shapes, poisoned outputs ----

@@ -27,7 +27,9 @@ kernel is capture-safe: no host synchronisation, and no allocation when ``out=``
 are given.
 :func:`launch_lse_merge_columns` is the same math for few rows and many partials (one program per
 (row, column block) loading every partial at once, tested against the reference too); split-KV
-decode picks one or the other (:func:`~shardattn.kernels.sparse_mla_decode.merge_kind`).
+decode picks one or the other (:func:`~shardattn.kernels.sparse_mla_decode.merge_kind`). Its
+register-tile merge, ``merge_partials_tile``, is also what split-KV decode's one-launch spread
+merge runs inside the split kernel.
 """
 
 from __future__ import annotations
@@ -276,6 +278,23 @@ def launch_lse_merge_columns(
 if triton is not None:
 
     @triton.jit
+    def merge_partials_tile(li, o):
+        """The merge of ``P`` partials of one (token, head) over a slice of its columns, in registers:
+        ``li [P]`` fp32 LSEs (``-inf`` for a masked-off partial), ``o [P, N]`` partial outputs; returns
+        ``(out [N] fp32, lse)`` (a scalar). Used by the column merge and by split-KV decode's
+        one-launch merge (:mod:`~shardattn.kernels.sparse_mla_decode_triton`)."""
+        # +inf (FlashMLA's empty row) is empty, like -inf: the reference's empty_as_neg_inf
+        li = tl.where(li == float("inf"), float("-inf"), li)
+        m = tl.max(li, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(li - m_safe)
+        total = tl.sum(w, 0)
+        # an empty partial (w = 0) contributes nothing, even if its output holds garbage
+        acc = tl.sum(tl.where(w[:, None] > 0, w[:, None] * o.to(tl.float32), 0.0), 0)
+        res = acc / tl.where(total > 0, total, 1.0)
+        return res, tl.where(total > 0, m_safe + tl.log(total), float("-inf"))
+
+    @triton.jit
     def _lse_merge_kernel(
         Outs,
         Lses,
@@ -365,18 +384,10 @@ if triton is not None:
         li = tl.load(Lses + offs_p * stride_lp + t * stride_lt + h * stride_lh, mask=pmask, other=float("-inf"))
         omask = pmask[:, None] & (offs_d[None, :] < D)
         o_ptrs = Outs + offs_p[:, None] * stride_op + t * stride_ot + h * stride_oh + offs_d[None, :] * stride_od
-        o = tl.load(o_ptrs, mask=omask, other=0.0).to(tl.float32)
-        # +inf (FlashMLA's empty row) is empty, like -inf: the reference's empty_as_neg_inf
-        li = tl.where(li == float("inf"), float("-inf"), li)
-        m = tl.max(li, 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp(li - m_safe)
-        total = tl.sum(w, 0)
-        # an empty partial (w = 0) contributes nothing, even if its output holds garbage
-        acc = tl.sum(tl.where(w[:, None] > 0, w[:, None] * o, 0.0), 0)
-        res = acc / tl.where(total > 0, total, 1.0)
+        o = tl.load(o_ptrs, mask=omask, other=0.0)
+        res, lse = merge_partials_tile(li, o)
         tl.store(
             Out + t * stride_yt + h * stride_yh + offs_d * stride_yd, res.to(Out.dtype.element_ty), mask=offs_d < D
         )
         if tl.program_id(1) == 0:
-            tl.store(Lse + t * stride_zt + h * stride_zh, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
+            tl.store(Lse + t * stride_zt + h * stride_zh, lse)

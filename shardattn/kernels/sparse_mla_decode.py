@@ -23,7 +23,13 @@ block)'s splits: at every node the second subtree to arrive (a counter, ``atomic
 acquire-release at GPU scope after a block barrier) merges the pair, left first so the result
 does not depend on arrival order, resets the counter and climbs; the root writes the output.
 Measured slower than both separate merges (``log2(splits)`` dependent merges on the critical
-path; at 128 heads a 64-head fp32 partial spills). The torch reference is
+path; at 128 heads a 64-head fp32 partial spills). The opt-in ``config={"merge": "spread"}``
+merges in the same launch spread over all programs: each split arrives at a per-(token, head
+block) barrier and, once all arrived, merges ``1/S`` of the block's (head, column) cells with the
+column merge's math (:mod:`~shardattn.kernels.sparse_mla_decode_triton`); it needs the launch
+in one wave (:func:`spread_fits`) and measured level with the column merge on the same split
+kernel (:func:`merge_kind`), so it is not routed. Small batches take the one-wave split count
+(:func:`sparse_mla_decode_config`). The torch reference is
 :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 
 Backends: on an sm_90 GPU with Triton's Gluon, at
@@ -60,7 +66,13 @@ from shardattn.kernels.union import build_union
 try:  # Triton is optional: without it every path runs the torch reference.
     import triton
 
-    from shardattn.kernels.sparse_mla_decode_triton import launch_split_kernel
+    from shardattn.kernels.sparse_mla_decode_triton import (
+        SPREAD_ARRIVE,
+        SPREAD_MERGE,
+        SPREAD_OFF,
+        SPREAD_ONE_LAUNCH,
+        launch_split_kernel,
+    )
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
@@ -68,10 +80,13 @@ __all__ = [
     "COLUMN_MERGE_MAX_ROWS",
     "FUSED_MERGE_MAX_SPLITS",
     "FUSED_MERGE_MAX_TOKENS",
+    "ONE_WAVE_MAX_ROWS",
+    "ONE_WAVE_MAX_SPLITS",
     "merge_kind",
     "merge_reason",
     "sparse_mla_decode",
     "sparse_mla_decode_config",
+    "spread_fits",
 ]
 
 #: The last split of a token merges the partials in the same launch up to this many splits ...
@@ -80,8 +95,27 @@ FUSED_MERGE_MAX_SPLITS = 64
 FUSED_MERGE_MAX_TOKENS = 16
 #: At most this many (token, head) rows merge with the column merge (:func:`merge_kind`).
 COLUMN_MERGE_MAX_ROWS = 128
+#: At most this many (token, head) rows take the one-wave split count
+#: (:func:`sparse_mla_decode_config`) ...
+ONE_WAVE_MAX_ROWS = 128
+#: ... of at most this many splits (64 of 32 rows at top-k 2048) at <= 32 heads.
+ONE_WAVE_MAX_SPLITS = 64
 #: Keys a caller's ``config=`` may override (tuning).
 CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge"})
+MERGES = ("rows", "columns", "spread")
+
+
+def _block_h(num_heads: int) -> int:
+    """Heads of one program: 64 above 32 heads, else the next power of two (at least 16)."""
+    return 64 if num_heads > 32 else max(16, 1 << max(0, (num_heads - 1).bit_length()))
+
+
+def spread_fits(num_tokens: int, num_heads: int, num_splits: int, num_sms: int, block_h: int | None = None) -> bool:
+    """Whether a launch fits in one wave: ``tokens x head blocks x splits`` programs at most
+    ``num_sms`` (one resident program per SM is certain). The spread merge needs it (no program
+    may wait at its spin barrier for a program of its token that is not resident)."""
+    block_h = block_h or _block_h(num_heads)
+    return num_tokens * -(-num_heads // block_h) * num_splits <= num_sms
 
 
 @functools.lru_cache(maxsize=16)
@@ -109,20 +143,30 @@ def sparse_mla_decode_config(
     saturate memory bandwidth: one per SM for 64-head tiles, two for smaller ones (calibrated
     on an H200 with fixed split counts: benchmarks/RESULTS.md, "Decode").
 
+    One wave: where the cost model splits and there are at most :data:`ONE_WAVE_MAX_ROWS`
+    (token, head) rows, the split count becomes the largest power of two whose launch fits in one
+    wave (:func:`spread_fits`), up to :data:`ONE_WAVE_MAX_SPLITS` at <= 32 heads (then 32-row
+    tiles), else up to the cost model's count. Measured on an H200 at 16 heads, top-k 2048 with
+    the column merge (benchmarks/RESULTS.md, "one-launch spread merge"): 64 x 32 rows at 1-2
+    tokens (13.6 / 14.7 us against 14.4 / 15.4 for the cost model's 32 x 64), 16 x 128 at 8
+    tokens (22.9 against 23.6). It is also the launch the opt-in spread merge needs.
+
     Returns:
         ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge",
-        "reason"}`` (``merge`` and ``reason``: :func:`merge_kind`).
+        "reason", "cost_model_splits"}`` (``merge`` and ``reason``: :func:`merge_kind`;
+        ``cost_model_splits``: the cost model's split count, before the one-wave choice).
 
     Example:
         >>> [sparse_mla_decode_config(t, 128, 2048, 132)["num_splits"] for t in (1, 8, 64)]
         [32, 8, 1]
-        >>> sparse_mla_decode_config(1, 16, 2048, 132)["reason"]
-        '32 splits; column merge: 16 (token, head) rows <= 128'
+        >>> sparse_mla_decode_config(8, 16, 2048, 132)["reason"]
+        '16 splits (one wave); column merge: 128 (token, head) rows <= 128'
     """
-    block_h = 64 if num_heads > 32 else max(16, 1 << max(0, (num_heads - 1).bit_length()))
+    block_h = _block_h(num_heads)
     block_n = 64
     programs = max(1, num_tokens * -(-num_heads // block_h))
     n_blocks = max(1, -(-topk // block_n))
+    one_wave = False
     if num_splits is None:
         kv_bytes = num_tokens * topk * head_dim * elem_bytes
         part_bytes = num_tokens * num_heads * (v_dim + 1) * 4 * 2
@@ -132,6 +176,14 @@ def sparse_mla_decode_config(
             return (kv_bytes + (s > 1) * s * part_bytes) / min(1.0, programs * s / slots)
 
         num_splits = min(range(1, min(n_blocks, 64) + 1), key=cost)
+        cost_model = num_splits
+        fit = min(num_sms // programs, ONE_WAVE_MAX_SPLITS if block_h <= 32 else num_splits)
+        if num_splits > 1 and fit > 1 and num_tokens * num_heads <= ONE_WAVE_MAX_ROWS:
+            num_splits, one_wave = 1 << (fit.bit_length() - 1), True
+            if -(-topk // num_splits) <= 32:
+                block_n = 32
+    else:
+        cost_model = num_splits
     chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
     splits = max(1, -(-max(topk, 1) // chunk))
     return {
@@ -142,7 +194,10 @@ def sparse_mla_decode_config(
         "num_warps": 8 if block_h >= 64 else 4,
         "num_stages": 2,
         "merge": merge_kind(num_tokens, num_heads, splits),
-        "reason": merge_reason(num_tokens, num_heads, splits),
+        "reason": merge_reason(num_tokens, num_heads, splits).replace(
+            " splits;", " splits (one wave);" if one_wave else " splits;", 1
+        ),
+        "cost_model_splits": cost_model,
     }
 
 
@@ -156,6 +211,12 @@ def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
     columns win at 16 heads x 1-8 tokens (14.0-23.3 us against 26.5-34.0) and 128 heads x 1 token
     (21.5 against 32.1); rows win at 128 heads x 8 tokens (43.8 against 52.1: 4,096 column
     programs of 8 splits each cost more than 128 row programs).
+
+    The one-launch spread merge (``config={"merge": "spread"}``) is never routed: on the same
+    split kernel it measured 13.9 / 15.4 / 18.8 / 22.5 us at 16 heads x 1 / 2 / 4 / 8 tokens
+    against 13.6 / 14.7 / 17.7 / 22.9 for the column merge, and 22.0 against 21.1 at 128 heads x
+    1 token (benchmarks/RESULTS.md, "one-launch spread merge"): within 0.4 us where it wins, and
+    its spin barrier would hang if another kernel kept SMs busy while a token's splits waited.
     """
     if num_splits <= 1:
         return "none"
@@ -206,13 +267,16 @@ def sparse_mla_decode(
             de-duplication sort on the Triton path; duplicates would then count twice).
         config: launch-configuration overrides (keys of :func:`sparse_mla_decode_config`:
             ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and ``merge`` = ``"rows"`` /
-            ``"columns"``; for tuning and baselines).
+            ``"columns"`` / ``"spread"``; for tuning and baselines; a forced ``"spread"`` whose
+            launch does not fit in one wave is a ``ValueError``).
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
             the split partials; with ``out``, ``lse_out`` and it, nothing is allocated.
-        counters: int32 buffer of at least ``T * ceil(H / BLOCK_H) * num_splits`` zeros for the fused merge
-            (left zeroed on return: reuse it across calls and graph replays). Default: allocated
-            (zero-filled, one fill kernel more).
+        counters: int32 zeros for the one-launch merges, reused across calls and graph replays:
+            at least ``2 * T * ceil(H / BLOCK_H)`` for the spread merge (arrival counts, left 0,
+            in the first half; generations, which change every call, in the second: keep the
+            buffer for the spread merge only), ``T * ceil(H / BLOCK_H) * num_splits`` for the
+            tree merge (left zeroed). Default: allocated (zero-filled, one fill kernel more).
         fused_merge: merge in the same launch up a tree (module docstring). Default ``False``:
             on an H200 it measured 31-43 us against 14-23 us for the routed column merge at 16
             heads, 1-8 tokens (benchmarks/RESULTS.md).
@@ -244,8 +308,8 @@ def sparse_mla_decode(
         unknown = set(config) - CONFIG_KEYS
         if unknown:
             raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
-        if config.get("merge", "rows") not in ("rows", "columns"):
-            raise ValueError(f"config['merge'] must be 'rows' or 'columns', got {config['merge']!r}")
+        if config.get("merge", "rows") not in MERGES:
+            raise ValueError(f"config['merge'] must be 'rows', 'columns' or 'spread', got {config['merge']!r}")
     triton_only = config is not None or bool(fused_merge) or counters is not None
     if backend == "gluon" and triton_only:
         raise ValueError("backend='gluon' takes no config, fused_merge or counters (Triton options)")
@@ -312,20 +376,34 @@ def sparse_mla_decode(
     if fused_merge is None:  # measured slower on an H200 so far (benchmarks/RESULTS.md): opt-in
         fused_merge = False
     fused = splits > 1 and fused_merge and splits <= FUSED_MERGE_MAX_SPLITS and t <= FUSED_MERGE_MAX_TOKENS
+    spread = splits > 1 and not fused and cfg.get("merge") == "spread"
+    if spread and not spread_fits(t, h, splits, num_sms, cfg["BLOCK_H"]):
+        raise ValueError(
+            f"config['merge'] = 'spread' needs the launch in one wave: {t * n_hblocks * splits} programs "
+            f"(tokens x head blocks x num_splits) > {num_sms} SMs; ask fewer num_splits"
+        )
     if splits > 1:
         dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device)
     else:
         dst_out, dst_lse = out, lse_out
-    if fused:
-        need = t * n_hblocks * splits
+    if fused or spread:
+        need = t * n_hblocks * (splits if fused else 2)
         if counters is None:
             counters = torch.zeros(need, dtype=torch.int32, device=q.device)
         elif counters.dtype != torch.int32 or counters.numel() < need or counters.device != q.device:
             raise ValueError(f"counters must be an int32 tensor on {q.device} with >= {need} elements")
     else:
         counters = lse_out  # unused
-    launch_split_kernel(q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, fused)
-    if splits > 1 and not fused:
+    if spread and not q.is_cuda:  # the interpreter runs programs in turn: a spin would never end
+        for mode in (SPREAD_ARRIVE, SPREAD_MERGE):
+            launch_split_kernel(
+                q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, False, mode
+            )  # fmt: skip
+        return out, lse_out
+    mode = SPREAD_ONE_LAUNCH if spread else SPREAD_OFF
+    args = (q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, fused, mode)
+    launch_split_kernel(*args)
+    if splits > 1 and not fused and not spread:
         if cfg.get("merge") == "columns":
             launch_lse_merge_columns(dst_out, dst_lse, out, lse_out)
         else:

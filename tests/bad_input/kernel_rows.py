@@ -177,7 +177,7 @@ def _sparse_rows() -> list[Row]:
         Row(
             "sparse_mla_decode-config-merge",
             _sparse(decode_mod.sparse_mla_decode, config={"merge": "tree"}),
-            Raises(ValueError, r"^config\['merge'\] must be 'rows' or 'columns'"),
+            Raises(ValueError, r"^config\['merge'\] must be 'rows', 'columns' or 'spread'"),
         ),
     ]
     return rows
