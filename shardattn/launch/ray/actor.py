@@ -302,15 +302,12 @@ class RankActor:
 
     # -- decode steps through shared memory (:mod:`~shardattn.launch.ray.shm`) -------------------
     def attach_shm(self, path: str, layout: Any) -> dict[str, Any]:
-        """Map the pool's shared-memory region; on a GPU, page-lock it and allocate the step's
-        device and staging buffers once (no allocation per step but the Runtime's own).
-        Returns ``{"pinned": bool}``."""
+        """Map the pool's shared-memory region (on a GPU, page-lock it) and allocate the step's
+        device and staging buffers once (page-locked on a GPU). Returns ``{"pinned": bool}``."""
         from shardattn.launch.ray.shm import INT32_SECTIONS, ShmRegion
 
         self._shm = region = ShmRegion(path, layout, create=False)
-        if self.device.type != "cuda":
-            return {"pinned": False}
-        pinned = region.pin()
+        pinned = region.pin() if self.device.type == "cuda" else False
         secs = layout.sections
         last = [secs[k] for k in INT32_SECTIONS if k in secs][-1]
         span = last.offset + 4 * int(torch.Size(last.shape).numel()) - secs[INT32_SECTIONS[0]].offset
@@ -334,48 +331,42 @@ class RankActor:
     def _shm_step(self, step: dict[str, Any]) -> None:
         """One decode step out of the region (:meth:`~shardattn.launch.ray.shm.ShmRegion.step_views`).
 
-        GPU: two asynchronous copies from the page-locked region (the int32 span: lengths, block
-        table, top-k; the queries, every head, then this rank's heads sliced on the device), the
-        step unchecked, its heads of the outputs back into the staging buffer asynchronously, one
-        sync, then a host copy into the region's token-major rows. CPU: the region's views
-        directly. Marks the times of the inputs queued, the step queued and the outputs in place
-        (the driver's timeline)."""
+        Two copies to the device, asynchronous from the page-locked region on a GPU (the int32
+        span: lengths, block table, top-k; the queries, every head; this rank's heads are sliced
+        on the device), the step unchecked, this rank's heads of the outputs back into its staging
+        buffer (asynchronously), one sync, then a host copy into the region's token-major rows.
+        A CPU rank runs the same path (its "device" buffers on the CPU). Marks the times of the
+        inputs queued, the step queued and the outputs in place (the driver's timeline)."""
         from shardattn.launch.ray.shm import T_INPUTS, T_QUEUED, T_SYNCED
 
         t0 = self._begin("decode")
-        region, dev = self._shm, self.device
+        region = self._shm
         if len(step["kv"]):
             self.cache.write(step["table"], step["starts"].tolist(), step["counts"].tolist(), step["kv"])
         self._maybe_fail("decode")
         b, n_q, width = step["sizes"]
-        heads = step["heads"]
-        if dev.type == "cuda":
-            lo, hi = region.int32_span(b, n_q, width)
-            self._dev_ints[: hi - lo].copy_(region.bytes[lo:hi], non_blocking=True)
-            ints = region.int32_views(self._dev_ints, lo, b, n_q, width)
-            q_all = self._dev_q[:n_q]
-            q_all.copy_(step["q"], non_blocking=True)
-            q = q_all[:, heads].contiguous()
-        else:
-            ints, q = step, step["q"][:, heads].contiguous()
+        lo, hi = region.int32_span(b, n_q, width)
+        self._dev_ints[: hi - lo].copy_(region.bytes[lo:hi], non_blocking=True)
+        ints = region.int32_views(self._dev_ints, lo, b, n_q, width)
+        q_all = self._dev_q[:n_q]
+        q_all.copy_(step["q"], non_blocking=True)
+        q = q_all[:, step["heads"]].contiguous()
         if self.runtime.spec.kind == "sparse_mla":
             kw = {"topk": ints["topk"], "req_ids": ints["req_ids"]}
         else:
             kw = {"cu_q": ints["cu_q"]}
         region.mark(self.rank, T_INPUTS)
         out, lse = self._run_decode(q, ints["table"], ints["seq_lens"], **kw)
-        want_lse = step["lse"] is not None
-        if dev.type == "cuda":
-            out_h, lse_h = self._stage_out[:n_q], self._stage_lse[:n_q]
-            out_h.copy_(out, non_blocking=True)
-            if want_lse:
-                lse_h.copy_(lse, non_blocking=True)
-        else:
-            out_h, lse_h = out, lse
+        out_h = self._stage_out[:n_q]
+        out_h.copy_(out, non_blocking=True)
+        lse_h = None
+        if step["lse"] is not None:
+            lse_h = self._stage_lse[:n_q]
+            lse_h.copy_(lse, non_blocking=True)
         region.mark(self.rank, T_QUEUED)
         self._end(t0)  # synchronizes: the outputs are on the host before they go into the region
         step["out"].copy_(out_h)  # this rank's heads of the token-major rows
-        if want_lse:
+        if lse_h is not None:
             step["lse"].copy_(lse_h)
         region.mark(self.rank, T_SYNCED)
 
