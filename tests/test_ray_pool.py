@@ -168,6 +168,7 @@ def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interl
         mirror = ServingMirror(spec, seed=2)
         if spec.kind == "sparse_mla":
             _serve_and_check(pool, mirror)
+            _in_place_step(pool, mirror, ["a", "d"], (2, 1))
             return
         reqs = [mirror.prefill_request(i, n, attend=False) for i, n in enumerate((9, 3, 14))]
         assert pool.prefill(reqs) == [None, None, None]
@@ -176,6 +177,22 @@ def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interl
         for q_lens in ((1, 1, 1), (2, 1, 3)):  # plain decode, then ragged drafts
             reqs = [mirror.decode_request(i, q) for i, q in enumerate(q_lens)]
             _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+        _in_place_step(pool, mirror, [2, 0], (3, 1))
+
+
+def _in_place_step(pool, mirror, ids, q_lens) -> None:
+    """One decode_batch step written into pool.step_inputs() (KV rows included), outputs as views: the reference."""
+    reqs = [mirror.decode_request(i, n) for i, n in zip(ids, q_lens)]
+    slots = pool.step_inputs(sum(q_lens))
+    torch.cat([r.q for r in reqs], out=slots["q"])
+    if "topk" in slots:
+        torch.cat([r.topk for r in reqs], out=slots["topk"])
+    kv = slots["kv"] if isinstance(slots["kv"], tuple) else (slots["kv"],)
+    for c, dst in enumerate(kv):
+        torch.cat([r.kv[c] if isinstance(r.kv, tuple) else r.kv for r in reqs], out=dst)
+    out, lse = pool.decode_batch(ids, slots["q"], slots.get("topk"), q_lens=list(q_lens), kv=slots["kv"],
+                                 return_lse=True, view=True)  # fmt: skip
+    _check(list(zip(out.split(list(q_lens)), lse.split(list(q_lens)))), reqs, mirror)
 
 
 def _sinks(seed: int) -> torch.Tensor:
