@@ -18,7 +18,13 @@ One run does, in order (each result is printed and appended to ``--out``/ray_poo
 4. the per-step transport alone: plain actor calls against a compiled graph (``ray.dag``) with
    the same payload (CPU actors, no GPU work).
 
+With ``--rounds N`` (one pool, the first of ``--transports``), steps 1 and 3 alternate instead:
+N rounds of the baseline then the pool's ``decode_batch`` rows, and the median over rounds of
+the per-round difference (``benchmarks/ray_pool_rounds.py``; the idle ranks' CPU use during the
+baseline and the wake-up after idle are recorded too).
+
     python benchmarks/ray_pool.py --out results/      # needs Ray, W GPUs, torchrun
+    python benchmarks/ray_pool.py --only torchrun,pool --transports shm --rounds 3
 """
 
 from __future__ import annotations
