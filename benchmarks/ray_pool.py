@@ -278,7 +278,8 @@ def step_phases(last: dict[str, Any]) -> dict[str, float]:
     """The pool's split of its last step (``RayRankPool.last_step``): the driver's phases, and
     under ``shm`` each rank's timeline in ms from the driver's publishing the step (``seen``:
     the rank saw it; ``inputs``: its H2D copies queued; ``queued``: its step and D2H queued;
-    ``synced``: outputs in the region; ``own``: synced - seen, the rank's step) and ``done``."""
+    ``synced``: outputs in the region; ``own``: synced - seen, the rank's step), ``done``, and
+    ``copies_in``: the driver's copies of the step's tensors into the region (``ranks_ms - done``)."""
     out = {k: v for k, v in last.items() if k.endswith("_ms")}
     tl = last.get("timeline")
     if tl is not None:
@@ -288,6 +289,7 @@ def step_phases(last: dict[str, Any]) -> dict[str, float]:
             out[f"rank{r}.own"] = marks["synced"] - marks["seen"]
         out["done"] = tl["done"]
         out["done_after_last_rank"] = tl["done"] - max(m["synced"] for m in tl["ranks"])
+        out["copies_in"] = last["ranks_ms"] - tl["done"]  # the driver's writes into the region, before publishing
     return out
 
 
