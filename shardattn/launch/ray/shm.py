@@ -17,11 +17,11 @@ lengths (int64 for the host, int32 ``seq_lens`` / ``req_ids`` / ``cu_q`` the dev
 they are), top-k, new KV rows, and the queries and outputs *token-major*, as the caller holds
 them (``q [T, H, D]``, ``out [T, H, Dv]``, ``lse [T, H]``): the caller may write a step's inputs
 straight into the region (:meth:`ShmSteps.inputs`) and read its outputs there (no copy on the
-driver). The int32 sections lie in one contiguous span (:func:`int32_span`), so a GPU rank moves
-them to its device in one DMA, the queries (every head) in a second, and slices its heads there;
-it writes its heads of the outputs into the region's token-major rows (GPU ranks: one DMA into a
-page-locked staging buffer of their own, then a host copy into the strided rows, the ranks in
-parallel).
+driver). The int32 sections lie in one contiguous span (:meth:`ShmRegion.int32_span`), so a
+rank moves them to its device in one copy, the queries (every head) in a second, and slices its
+heads there; it writes its heads of the outputs into the region's token-major rows (one copy into
+a staging buffer of its own, page-locked on a GPU, then a host copy into the strided rows, the
+ranks in parallel).
 
 A step (:meth:`ShmSteps.run`): the driver writes the inputs, then the sizes, then bumps the
 sequence number (one aligned 8-byte store; x86 keeps stores in order and loads in order, so a
