@@ -18,7 +18,13 @@ One run does, in order (each result is printed and appended to ``--out``/ray_poo
 4. the per-step transport alone: plain actor calls against a compiled graph (``ray.dag``) with
    the same payload (CPU actors, no GPU work).
 
+With ``--rounds N`` (one pool, the first of ``--transports``), steps 1 and 3 alternate instead:
+N rounds of the baseline then the pool's ``decode_batch`` rows, and the median over rounds of
+the per-round difference (``benchmarks/ray_pool_rounds.py``; the idle ranks' CPU use during the
+baseline and the wake-up after idle are recorded too).
+
     python benchmarks/ray_pool.py --out results/      # needs Ray, W GPUs, torchrun
+    python benchmarks/ray_pool.py --only torchrun,pool --transports shm --rounds 3
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from typing import Any
 
 import torch
 
-from shardattn.launch.workloads import request_topk
 from shardattn.plan.spec import ModelSpec, get_preset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ray_pool_rounds, imported where used
 
 TOLERANCE = 3e-2  # bf16, the launcher's check
 TINY = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4)
@@ -60,22 +67,31 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     return dataclasses.replace(spec, dtype="bfloat16", topk=args.topk or spec.topk)
 
 
-def torchrun_baseline(args: argparse.Namespace, out: Path) -> None:
+def torchrun_baseline(args: argparse.Namespace, out: Path, **extra: Any) -> dict[str, Any]:
+    """One ``torchrun -m shardattn.launch`` run of the decode step; its record (``step_ms``: the
+    slowest rank's median)."""
     report = out / "torchrun.json"
+    report.unlink(missing_ok=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
         "-m", "shardattn.launch", "--preset", args.preset, "--mode", "dcp-decode",
         "--requests", str(args.requests), "--cached", str(args.context), "--iters", str(args.iters),
         "--warmup", "5", "--no-progress", "--no-check", "--json", str(report), "--device", args.device,
-        "--topk", str(args.topk or get_preset(args.preset).topk),
+        "--topk", str(args.topk or get_preset(args.preset).topk), "--dtype", "bf16",
     ]  # fmt: skip
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.torchrun_timeout)
     except subprocess.TimeoutExpired:
-        emit(out, {"part": "torchrun", "cmd": " ".join(cmd[1:]), "error": f"timed out after {args.torchrun_timeout} s"})
-        return
-    rec: dict[str, Any] = {"part": "torchrun", "cmd": " ".join(cmd[1:]), "rc": proc.returncode}
+        rec = {
+            "part": "torchrun",
+            **extra,
+            "cmd": " ".join(cmd[1:]),
+            "error": f"timed out after {args.torchrun_timeout} s",
+        }
+        emit(out, rec)
+        return rec
+    rec: dict[str, Any] = {"part": "torchrun", **extra, "cmd": " ".join(cmd[1:]), "rc": proc.returncode}
     rec["wall_s"] = time.perf_counter() - t0
     if proc.returncode != 0 or not report.exists():
         rec["stderr"] = proc.stderr[-2000:]
@@ -84,6 +100,7 @@ def torchrun_baseline(args: argparse.Namespace, out: Path) -> None:
         rec["ranks"] = [{k: r[k] for k in ("rank", "path", "time_ms", "time_p10_ms", "time_p90_ms")} for r in rows]
         rec["step_ms"] = max(r["time_ms"] for r in rows)  # a step ends when its slowest rank does
     emit(out, rec)
+    return rec
 
 
 def check(outs: list[Any], requests: list[Any], mirror: Any, device: str) -> tuple[float, float]:
@@ -110,7 +127,22 @@ def pool_run(args: argparse.Namespace, out: Path) -> None:
 
 
 def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
-    from shardattn.launch.ray_pool import DecodeRequest, RayRankPool
+    pool, lens = pool_checked(args, out, transport)
+    try:
+        if args.rounds:
+            from ray_pool_rounds import rounds
+
+            rounds(args, out, pool, lens, torchrun_baseline, emit, summarize, step_phases)
+        else:
+            pool_variants(args, out, pool, lens, transport)
+    finally:
+        pool.shutdown()
+
+
+def pool_checked(args: argparse.Namespace, out: Path, transport: str) -> tuple[Any, list[int]]:
+    """A ``W``-rank pool, its prefill and decode checked against fp64 attention (both APIs),
+    ``B`` requests of ``L`` tokens cached; returns the pool and the requests' lengths."""
+    from shardattn.launch.ray_pool import RayRankPool
     from shardattn.testing.serving import ServingMirror
 
     spec = model_spec(args)
@@ -178,59 +210,76 @@ def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
         emit(out, {"part": "check_decode", "api": "decode_batch", "requests": args.requests,
                    "context": args.context + 2, "err_out": e_out, "err_lse_rel": e_lse, "tolerance": TOLERANCE,
                    "passed": max(e_out, e_lse) <= TOLERANCE})  # fmt: skip
-        # -- the decode step timed through the pool
-        lens = [mirror.requests[i].length for i in range(args.requests)]
-        topk = request_topk([n - 1 for n in lens], [1] * args.requests, spec.topk, overlap="dsa", seed=1,
-                            device=torch.device("cpu"), limits=lens).to(torch.int32)  # fmt: skip
-        q = (torch.randn(args.requests, 1, spec.num_heads, spec.head_dim) * 0.5).to(torch.bfloat16)
-        kv = (torch.randn(args.requests, 1, spec.head_dim) * 0.5).to(torch.bfloat16)
-        ids = torch.arange(args.requests)
-        q_flat, kv_flat = q.view(args.requests, spec.num_heads, spec.head_dim), kv.view(args.requests, spec.head_dim)
-        reuse = torch.empty(args.requests, spec.num_heads, spec.v_dim, dtype=torch.bfloat16)
-        same = "no KV write (the torchrun step)"
-        variants = [  # API, what the step writes, iterations, the driver's torch threads during a step
-            ("decode", same, False, args.iters, 1),
-            ("decode_batch", same, False, args.iters, 1),
-            ("decode_batch out=", same, False, args.iters, 1),
-            ("decode_batch", same, False, args.iters, 4),
-            ("decode", "KV row written", True, 20, 1),
-            ("decode_batch", "KV row written", True, 20, 1),
-        ]
-        for api, label, with_kv, iters, threads in variants:
-            times = []
-            phases: dict[str, list[float]] = {}
-            pool.host_threads = threads
-            for it in range(5 + iters):
-                if api == "decode":
-                    step = [
-                        DecodeRequest(i, q=q[i], topk=topk[i : i + 1], kv=kv[i] if with_kv else None)
-                        for i in range(args.requests)
-                    ]
-                    t1 = time.perf_counter()
-                    pool.decode(step)
-                else:
-                    t1 = time.perf_counter()
-                    pool.decode_batch(ids, q_flat, topk, kv=kv_flat if with_kv else None,
-                                      out=reuse if api.endswith("out=") else None)  # fmt: skip
-                if it >= 5:
-                    times.append(time.perf_counter() - t1)
-                    for k, v in step_phases(pool.last_step).items():
-                        phases.setdefault(k, []).append(v)
-            actor_ms = [r["last_step_s"] * 1e3 for r in pool.health()["ranks"]]
-            emit(out, {"part": "pool_decode", "transport": transport, "api": api, "variant": label,
-                       "driver_threads": threads,
-                       "requests": args.requests, "context": lens[0], **summarize(times),
-                       "actor_last_step_ms": actor_ms,
-                       "phases_median_ms": {k: round(statistics.median(v), 4) for k, v in phases.items()}})  # fmt: skip
-    finally:
+        reqs = [mirror.decode_request(i) for i in range(args.requests)]  # inputs in place, outputs as views
+        slots = pool.step_inputs(args.requests)
+        for name, key in (("q", "q"), ("topk", "topk"), ("kv", "kv")):
+            torch.cat([getattr(r, key) for r in reqs], out=slots[name])
+        b_out, b_lse = pool.decode_batch(torch.arange(args.requests), slots["q"], slots["topk"], kv=slots["kv"],
+                                         return_lse=True, view=True)  # fmt: skip
+        e_out, e_lse = check(list(zip(b_out.split(1), b_lse.split(1))), reqs, mirror, dev)
+        emit(out, {"part": "check_decode", "api": "decode_batch in place, view", "requests": args.requests,
+                   "context": args.context + 3, "err_out": e_out, "err_lse_rel": e_lse, "tolerance": TOLERANCE,
+                   "passed": max(e_out, e_lse) <= TOLERANCE})  # fmt: skip
+        return pool, [mirror.requests[i].length for i in range(args.requests)]
+    except BaseException:
         pool.shutdown()
+        raise
+
+
+def pool_variants(args: argparse.Namespace, out: Path, pool: Any, lens: list[int], transport: str) -> None:
+    """The decode step timed through both APIs, with and without new KV rows (module docstring)."""
+    from ray_pool_rounds import step_tensors
+
+    from shardattn.launch.ray_pool import DecodeRequest
+
+    spec = model_spec(args)
+    x = step_tensors(args, spec, lens)
+    ids, q_flat, topk, kv_flat = x["ids"], x["q"], x["topk"], x["kv"]
+    q, kv = q_flat[:, None], kv_flat[:, None]
+    reuse = torch.empty(args.requests, spec.num_heads, spec.v_dim, dtype=torch.bfloat16)
+    same = "no KV write (the torchrun step)"
+    variants = [  # API, what the step writes, iterations, the driver's torch threads during a step
+        ("decode", same, False, args.iters, 1),
+        ("decode_batch", same, False, args.iters, 1),
+        ("decode_batch out=", same, False, args.iters, 1),
+        ("decode_batch", same, False, args.iters, 4),
+        ("decode", "KV row written", True, 20, 1),
+        ("decode_batch", "KV row written", True, 20, 1),
+    ]
+    for api, label, with_kv, iters, threads in variants:
+        times = []
+        phases: dict[str, list[float]] = {}
+        pool.host_threads = threads
+        for it in range(5 + iters):
+            if api == "decode":
+                step = [
+                    DecodeRequest(i, q=q[i], topk=topk[i : i + 1], kv=kv[i] if with_kv else None)
+                    for i in range(args.requests)
+                ]
+                t1 = time.perf_counter()
+                pool.decode(step)
+            else:
+                t1 = time.perf_counter()
+                pool.decode_batch(ids, q_flat, topk, kv=kv_flat if with_kv else None,
+                                  out=reuse if api.endswith("out=") else None)  # fmt: skip
+            if it >= 5:
+                times.append(time.perf_counter() - t1)
+                for k, v in step_phases(pool.last_step).items():
+                    phases.setdefault(k, []).append(v)
+        actor_ms = [r["last_step_s"] * 1e3 for r in pool.health()["ranks"]]
+        emit(out, {"part": "pool_decode", "transport": transport, "api": api, "variant": label,
+                   "driver_threads": threads,
+                   "requests": args.requests, "context": lens[0], **summarize(times),
+                   "actor_last_step_ms": actor_ms,
+                   "phases_median_ms": {k: round(statistics.median(v), 4) for k, v in phases.items()}})  # fmt: skip
 
 
 def step_phases(last: dict[str, Any]) -> dict[str, float]:
     """The pool's split of its last step (``RayRankPool.last_step``): the driver's phases, and
     under ``shm`` each rank's timeline in ms from the driver's publishing the step (``seen``:
     the rank saw it; ``inputs``: its H2D copies queued; ``queued``: its step and D2H queued;
-    ``synced``: outputs in the region; ``own``: synced - seen, the rank's step) and ``done``."""
+    ``synced``: outputs in the region; ``own``: synced - seen, the rank's step), ``done``, and
+    ``copies_in``: the driver's copies of the step's tensors into the region (``ranks_ms - done``)."""
     out = {k: v for k, v in last.items() if k.endswith("_ms")}
     tl = last.get("timeline")
     if tl is not None:
@@ -240,6 +289,7 @@ def step_phases(last: dict[str, Any]) -> dict[str, float]:
             out[f"rank{r}.own"] = marks["synced"] - marks["seen"]
         out["done"] = tl["done"]
         out["done_after_last_rank"] = tl["done"] - max(m["synced"] for m in tl["ranks"])
+        out["copies_in"] = last["ranks_ms"] - tl["done"]  # the driver's writes into the region, before publishing
     return out
 
 
@@ -334,6 +384,9 @@ def main() -> None:
     p.add_argument("--transports", "--transport", default="shm,compiled,calls", help="pool transports to run, in order")
     p.add_argument("--only", default="torchrun,pool,transport,service")
     p.add_argument("--driver-threads", type=int, default=None, help="torch threads of the driver (default: torch's)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="N > 0: alternate the torchrun baseline and the pool's decode_batch N times "
+                   "(one pool: the first of --transports)")  # fmt: skip
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -341,7 +394,9 @@ def main() -> None:
         torch.set_num_threads(args.driver_threads)
     emit(out, host_record())
     parts = args.only.split(",")
-    if "torchrun" in parts and args.preset != "tiny":
+    if args.rounds:
+        args.transports = args.transports.split(",")[0]  # each round runs the baseline: one pool
+    elif "torchrun" in parts and args.preset != "tiny":
         torchrun_baseline(args, out)
     import ray
 

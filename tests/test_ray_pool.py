@@ -168,6 +168,7 @@ def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interl
         mirror = ServingMirror(spec, seed=2)
         if spec.kind == "sparse_mla":
             _serve_and_check(pool, mirror)
+            _in_place_step(pool, mirror, ["a", "d"], (2, 1))
             return
         reqs = [mirror.prefill_request(i, n, attend=False) for i, n in enumerate((9, 3, 14))]
         assert pool.prefill(reqs) == [None, None, None]
@@ -176,6 +177,22 @@ def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interl
         for q_lens in ((1, 1, 1), (2, 1, 3)):  # plain decode, then ragged drafts
             reqs = [mirror.decode_request(i, q) for i, q in enumerate(q_lens)]
             _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+        _in_place_step(pool, mirror, [2, 0], (3, 1))
+
+
+def _in_place_step(pool, mirror, ids, q_lens) -> None:
+    """One decode_batch step written into pool.step_inputs() (KV rows included), outputs as views: the reference."""
+    reqs = [mirror.decode_request(i, n) for i, n in zip(ids, q_lens)]
+    slots = pool.step_inputs(sum(q_lens))
+    torch.cat([r.q for r in reqs], out=slots["q"])
+    if "topk" in slots:
+        torch.cat([r.topk for r in reqs], out=slots["topk"])
+    kv = slots["kv"] if isinstance(slots["kv"], tuple) else (slots["kv"],)
+    for c, dst in enumerate(kv):
+        torch.cat([r.kv[c] if isinstance(r.kv, tuple) else r.kv for r in reqs], out=dst)
+    out, lse = pool.decode_batch(ids, slots["q"], slots.get("topk"), q_lens=list(q_lens), kv=slots["kv"],
+                                 return_lse=True, view=True)  # fmt: skip
+    _check(list(zip(out.split(list(q_lens)), lse.split(list(q_lens)))), reqs, mirror)
 
 
 def _sinks(seed: int) -> torch.Tensor:
@@ -355,6 +372,62 @@ def test_decode_batch_equals_decode_and_fp64_attention(pool2) -> None:
 
 
 @needs_ray
+def test_decode_batch_in_place_inputs_and_view_outputs_equal_fp64_attention(pool2) -> None:
+    """Inputs written into step_inputs() (the region's own rows under shm) and outputs taken as
+    views of the region: the reference, drafts and KV rows included; the view is the region's
+    (the next step overwrites it, a copy does not change); the same step with copies agrees bit
+    for bit."""
+    from shardattn.testing.serving import ServingMirror
+
+    assert pool2.transport == "shm"
+    mirror = ServingMirror(MLA, seed=21)
+    reqs = [mirror.prefill_request(i, n) for i, n in ((10, 11), (11, 4), (12, 30))]
+    _check(pool2.prefill(reqs, return_lse=True), reqs, mirror)
+    ids = torch.tensor([12, 10, 11])
+    views = []
+    for q_lens, with_kv in (((1, 1, 1), True), ((2, 1, 3), True), ((1, 3, 1), False)):
+        reqs = [mirror.decode_request(int(i), n, append=with_kv) for i, n in zip(ids, q_lens)]
+        q, topk, kv, lens = _batch(reqs)
+        slots = pool2.step_inputs(sum(lens))
+        slots["q"].copy_(q)
+        slots["topk"].copy_(topk)
+        if with_kv:
+            slots["kv"].copy_(kv)
+        out, lse = pool2.decode_batch(ids, slots["q"], slots["topk"], q_lens=torch.tensor(lens),
+                                      kv=slots["kv"] if with_kv else None, return_lse=True, view=True)  # fmt: skip
+        assert out.shape == (sum(lens), 8, 32) and lse.shape == (sum(lens), 8)
+        _check(list(zip(out.split(lens), lse.split(lens))), reqs, mirror)
+        views.append((out, out.clone()))
+    assert views[0][0].data_ptr() == views[1][0].data_ptr()  # the region's rows: one buffer
+    again, _ = pool2.decode_batch(ids, q, topk, q_lens=torch.tensor(lens))  # no new KV: repeatable
+    assert torch.equal(again, views[-1][1]) and not torch.equal(views[0][0][:3], views[0][1])  # overwritten
+    assert again.data_ptr() != views[-1][0].data_ptr()  # a copy by default
+    pool2.free([10, 11, 12])
+
+
+def test_int32_span_holds_every_int32_section_in_one_copy(tmp_path: Path) -> None:
+    """A rank's one DMA of the int32 span gives the same lengths, block table and top-k as the region."""
+    from shardattn.launch.ray.shm import ShmRegion, decode_layout
+
+    lay = decode_layout(2, max_tokens=6, max_requests=4, table_width=3, heads_per_rank=2, head_dim=8, v_dim=4,
+                        dtype=torch.float32, topk=5, kv_rows=[((8,), torch.float32)])  # fmt: skip
+    region = ShmRegion(str(tmp_path / "region"), lay, create=True)
+    b, n_q, width = 3, 5, 2
+    host = region.int32_views(region.bytes, 0, b, n_q, width)
+    gen = torch.Generator().manual_seed(0)
+    for v in host.values():
+        v.copy_(torch.randint(-5, 1000, v.shape, generator=gen, dtype=torch.int32))
+    lo, hi = region.int32_span(b, n_q, width)
+    copied = region.bytes[lo:hi].clone()  # what the device receives
+    got = region.int32_views(copied, lo, b, n_q, width)
+    assert set(got) == {"seq_lens", "req_ids", "cu_q", "table", "topk"}
+    for k in got:
+        assert got[k].shape == host[k].shape and torch.equal(got[k], host[k]), k
+    assert got["table"].shape == (3, 2) and got["topk"].shape == (5, 5)
+    region.close(unlink=True)
+
+
+@needs_ray
 def test_bad_decode_batch_raises_naming_the_argument(pool2) -> None:
     """Bad whole-step tensors raise before any rank runs, naming the argument; the pool stays healthy."""
     from shardattn.testing.serving import ServingMirror
@@ -415,6 +488,10 @@ def test_bad_decode_batch_raises_naming_the_argument(pool2) -> None:
         ),
         (lambda: pool2.decode_batch(ids, q, topk, out=torch.empty(2, 8, 16)), ValueError, "out must have shape"),
         (lambda: pool2.decode_batch("ab", q, topk), TypeError, "request_ids must be"),
+        (lambda: pool2.decode_batch(ids, q, topk, view=1), TypeError, "view must be a bool"),
+        (lambda: pool2.decode_batch(ids, q, topk, view=True, out=torch.empty(2, 8, 32)), ValueError, "takes no out"),
+        (lambda: pool2.step_inputs(0), ValueError, "num_tokens must be"),
+        (lambda: pool2.step_inputs(17), ValueError, "num_tokens=17 is over the pool's max_decode_tokens=16"),
     ]
     for call, exc, match in cases:
         with pytest.raises(exc, match=match):

@@ -18,8 +18,10 @@ interleave under ``mixed`` / ``dcp-decode`` / ``pcp``, a replica under head-TP d
 ``q [T, H, D]``, ``topk [T, K]``, optional ``q_lens [B]`` and new KV rows) and returns
 ``out [T, H, Dv]`` (and ``lse [T, H]``) as one tensor each: checked with array operations and
 packed with one copy per tensor, no Python work per request (``out.split(q_lens.tolist())``
-splits it per request). :meth:`RayRankPool.decode` checks request objects one by one, then runs
-the same step.
+splits it per request). With the inputs written into :meth:`RayRankPool.step_inputs` (under
+``shm``, the shared-memory region's own rows) and ``view=True`` (outputs as views of the region,
+valid until the next step), the driver copies nothing. :meth:`RayRankPool.decode` checks request
+objects one by one, then runs the same step.
 
 Attention sinks (a spec with ``has_sinks``: ``sinks=`` ``[H]`` fp32, one per query head of the
 whole model) are checked on the driver, held on every actor and passed to every step (DCP counts

@@ -170,8 +170,7 @@ class PackedStep:
         ids: the requests. starts: ``[B]`` tokens cached before the step. counts: ``[B]`` new
         tokens (KV rows written). q_counts: ``[B]`` query tokens. q: ``[T, H, D]`` or ``None``.
         kv: per component ``[sum(counts), *row]`` (empty list when nothing is written).
-        topk: ``[T, K]`` int32 or ``None``. q_in_region: ``q`` was packed into the caller's
-        rank-major buffer (``into["q"]``, ``[W, T, H/W, D]``) and is ``None`` here.
+        topk: ``[T, K]`` int32 or ``None``.
     """
 
     ids: list[Hashable]
@@ -181,7 +180,6 @@ class PackedStep:
     q: torch.Tensor | None
     kv: list[torch.Tensor]
     topk: torch.Tensor | None
-    q_in_region: bool = False
 
     @property
     def seq_lens(self) -> list[int]:
@@ -220,10 +218,9 @@ def pack_step(
 ) -> PackedStep:
     """Validate a ``"prefill"`` or ``"decode"`` step and concatenate it; the ledger is not changed.
 
-    ``into``: buffers to concatenate into once the step is valid (``q [W, >= T, H/W, D]``
-    rank-major, ``topk``, ``kv0`` / ``kv1``, each at least the step's rows: a shared-memory
-    region's inputs); the packed tensors are then views of them (``q``: ``None``, with
-    ``q_in_region``).
+    ``into``: buffers to concatenate into once the step is valid (``q``, ``topk``, ``kv0`` /
+    ``kv1``, each at least the step's rows: a shared-memory region's inputs); the packed
+    tensors are then views of their leading rows.
 
     Raises:
         TypeError / ValueError: naming the request and argument (wrong type, dtype, shape or
@@ -307,13 +304,7 @@ def pack_step(
 
     kv_cat = [cat([p[c] for p in kvs], f"kv{c}") for c in range(len(kvs[0]))] if kvs[0] else []
     topk_cat = cat(topks, "topk") if topks else None
-    dst = None if into is None or not qs else into.get("q")
-    if dst is None:
-        return PackedStep(ids, starts, counts, q_counts, cat(qs, "q") if qs else None, kv_cat, topk_cat)
-    h, n = int(dst.shape[2]), sum(q_counts)
-    for r in range(int(dst.shape[0])):  # rank r's heads of every request, into its block
-        torch.cat([p[:, r * h : (r + 1) * h] for p in qs], out=dst[r, :n])
-    return PackedStep(ids, starts, counts, q_counts, None, kv_cat, topk_cat, q_in_region=True)
+    return PackedStep(ids, starts, counts, q_counts, cat(qs, "q") if qs else None, kv_cat, topk_cat)
 
 
 @dataclass
@@ -323,16 +314,15 @@ class BatchStep:
     Attributes:
         slots: ``[B]`` int64 the requests' slots in the ledger. starts: ``[B]`` int64 cached
         tokens before the step. counts: ``[B]`` int64 KV rows the step writes (``q_lens`` or 0).
-        q_lens: ``[B]`` int64 query tokens. q: ``[T, H, D]`` (``None``: packed into the
-        transport already). topk: ``[T, K]`` int32 or ``None``. kv: per component ``[T, *row]``
-        (empty: nothing written).
+        q_lens: ``[B]`` int64 query tokens. q: ``[T, H, D]``. topk: ``[T, K]`` int32 or
+        ``None``. kv: per component ``[T, *row]`` (empty: nothing written).
     """
 
     slots: np.ndarray
     starts: np.ndarray
     counts: np.ndarray
     q_lens: np.ndarray
-    q: torch.Tensor | None
+    q: torch.Tensor
     topk: torch.Tensor | None
     kv: list[torch.Tensor]
 

@@ -14,9 +14,14 @@ is rank ``r``'s (its done counter, an error flag, the error text's length, and t
 the step, had its inputs on the way to the device, had the step queued, and had its outputs in
 the region); then one error-text slot per rank, then the step's tensors: the block table, the
 lengths (int64 for the host, int32 ``seq_lens`` / ``req_ids`` / ``cu_q`` the device reads as
-they are), top-k, new KV rows, and the queries and outputs *rank-major* (``q [W, T, H/W, D]``,
-``out [W, T, H/W, Dv]``, ``lse [W, T, H/W]``), so each rank copies only its own heads, in one
-contiguous DMA each way.
+they are), top-k, new KV rows, and the queries and outputs *token-major*, as the caller holds
+them (``q [T, H, D]``, ``out [T, H, Dv]``, ``lse [T, H]``): the caller may write a step's inputs
+straight into the region (:meth:`ShmSteps.inputs`) and read its outputs there (no copy on the
+driver). The int32 sections lie in one contiguous span (:meth:`ShmRegion.int32_span`), so a
+rank moves them to its device in one copy, the queries (every head) in a second, and slices its
+heads there; it writes its heads of the outputs into the region's token-major rows (one copy into
+a staging buffer of its own, page-locked on a GPU, then a host copy into the strided rows, the
+ranks in parallel).
 
 A step (:meth:`ShmSteps.run`): the driver writes the inputs, then the sizes, then bumps the
 sequence number (one aligned 8-byte store; x86 keeps stores in order and loads in order, so a
@@ -48,13 +53,15 @@ import torch
 
 from shardattn.launch.ray.errors import RankStepError
 
-__all__ = ["MARKS", "ShmLayout", "ShmRegion", "ShmSteps", "decode_layout", "serve"]
+__all__ = ["INT32_SECTIONS", "MARKS", "ShmLayout", "ShmRegion", "ShmSteps", "decode_layout", "serve"]
 
 LINE = 8  # int64 per control line (64 bytes: one cache line each)
 SEQ, CMD, NREQ, NQ, NKV, WIDTH, LSE, T_PUBLISH = range(8)  # the driver's line
 DONE, FAILED, ERRLEN, T_SEEN, T_INPUTS, T_QUEUED, T_SYNCED = range(7)  # a rank's line
 #: a rank's times of its last step (``time.monotonic_ns``, comparable across the host's processes)
 MARKS = {"seen": T_SEEN, "inputs": T_INPUTS, "queued": T_QUEUED, "synced": T_SYNCED}
+#: the int32 sections a device reads, in region order (one contiguous span: :meth:`ShmRegion.int32_span`)
+INT32_SECTIONS = ("seq_lens", "req_ids", "cu_q", "table", "topk")
 DECODE, STOP = 1, 2
 ERR_BYTES = 4096
 _ALIGN = 64
@@ -102,7 +109,7 @@ def decode_layout(
     >>> lay = decode_layout(2, max_tokens=4, max_requests=8, table_width=3, heads_per_rank=2,
     ...                     head_dim=8, v_dim=8, dtype=torch.float32, topk=5, kv_rows=[((8,), torch.float32)])
     >>> lay.sections["q"].shape, lay.sections["out"].shape, lay.sections["table"].shape, lay.size % mmap.PAGESIZE
-    ((2, 4, 2, 8), (2, 4, 2, 8), (12,), 0)
+    ((4, 4, 8), (4, 4, 8), (12,), 0)
     """
     t, b, h = int(max_tokens), min(int(max_requests), int(max_tokens)), int(heads_per_rank)
     sections: dict[str, Section] = {}
@@ -124,10 +131,10 @@ def decode_layout(
         add("topk", (t, int(topk)), torch.int32)
     for i, (row, dt) in enumerate(kv_rows):
         add(f"kv{i}", (t, *row), dt)
-    w = int(world_size)
-    add("q", (w, t, h, int(head_dim)), dtype)  # rank-major: rank r's heads are one contiguous block
-    add("out", (w, t, h, int(v_dim)), dtype)
-    add("lse", (w, t, h), torch.float32)
+    heads = int(world_size) * h
+    add("q", (t, heads, int(head_dim)), dtype)  # token-major, as the caller holds them
+    add("out", (t, heads, int(v_dim)), dtype)
+    add("lse", (t, heads), torch.float32)
     size = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
     return ShmLayout(world_size, sections, size)
 
@@ -155,6 +162,7 @@ class ShmRegion:
             name: torch.frombuffer(self._map, dtype=s.dtype, count=int(np.prod(s.shape)), offset=s.offset).view(s.shape)
             for name, s in layout.sections.items()
         }
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # the whole region
         self._pinned_ptr: int | None = None
 
     def pin(self) -> bool:
@@ -182,27 +190,56 @@ class ShmRegion:
         n = int(self.ctrl[self.rank_line(rank) + ERRLEN])
         return bytes(self._map[start : start + n]).decode("utf-8", "replace")
 
+    def int32_span(self, b: int, n_q: int, width: int) -> tuple[int, int]:
+        """Bytes ``[lo, hi)`` of the region holding a step of ``b`` requests and ``n_q`` query
+        tokens' int32 sections (``seq_lens``, ``req_ids``, ``cu_q``, ``table``, ``topk``): one copy."""
+        secs = self.layout.sections
+        used = {"seq_lens": b, "req_ids": n_q, "cu_q": b + 1, "table": b * width}
+        if "topk" in secs:
+            used["topk"] = n_q * int(secs["topk"].shape[1])
+        lo = secs[INT32_SECTIONS[0]].offset
+        return lo, max(secs[k].offset + 4 * n for k, n in used.items())
+
+    def int32_views(self, base: torch.Tensor, lo: int, b: int, n_q: int, width: int) -> dict[str, torch.Tensor]:
+        """The step's int32 sections as views of ``base`` (uint8, on any device) holding the
+        region's bytes from offset ``lo`` on (:meth:`int32_span`): ``seq_lens [B]``, ``req_ids
+        [T]``, ``cu_q [B + 1]``, ``table [B, width]``, ``topk [T, K]`` (sparse MLA)."""
+        secs = self.layout.sections
+
+        def view(name: str, n: int) -> torch.Tensor:
+            start = secs[name].offset - lo
+            return base[start : start + 4 * n].view(torch.int32)
+
+        out = {"seq_lens": view("seq_lens", b), "req_ids": view("req_ids", n_q), "cu_q": view("cu_q", b + 1)}
+        out["table"] = view("table", b * width).view(b, width)
+        if "topk" in secs:
+            k = int(secs["topk"].shape[1])
+            out["topk"] = view("topk", n_q * k).view(n_q, k)
+        return out
+
     def step_views(self, rank: int) -> dict[str, Any]:
-        """The current step as rank ``rank`` reads it: its inputs and where its outputs go."""
+        """The current step as rank ``rank`` reads it: its inputs and where its outputs go
+        (``out`` / ``lse``: its heads of the token-major rows, strided views)."""
         c, t = self.ctrl, self.tensors
         b, n_q, n_kv, width = int(c[NREQ]), int(c[NQ]), int(c[NKV]), int(c[WIDTH])
         kv = [t[f"kv{i}"][:n_kv] for i in range(sum(1 for k in t if k.startswith("kv")))] if n_kv else []
         return_lse = bool(c[LSE])
-        return {
-            "table": t["table"][: b * width].view(b, width),
+        h = int(t["q"].shape[1]) // self.layout.world_size
+        heads = slice(rank * h, (rank + 1) * h)
+        step = {
             "starts": t["starts"][:b],  # [B] int64 (host): cached tokens before the step
             "counts": t["counts"][:b],  # [B] int64: KV rows the step writes
             "q_counts": t["q_counts"][:b],
-            "seq_lens": t["seq_lens"][:b],  # [B] int32: tokens after the step
-            "req_ids": t["req_ids"][:n_q],  # [T] int32
-            "cu_q": t["cu_q"][: b + 1],  # [B + 1] int32
             "kv": kv,
-            "topk": t["topk"][:n_q] if "topk" in t else None,
             "return_lse": return_lse,
-            "q": t["q"][rank, :n_q],  # [T, H/W, D]: this rank's heads, contiguous
-            "out": t["out"][rank, :n_q],
-            "lse": t["lse"][rank, :n_q] if return_lse else None,
+            "sizes": (b, n_q, width),
+            "heads": heads,  # this rank's query heads
+            "q": t["q"][:n_q],  # [T, H, D]: every head
+            "out": t["out"][:n_q, heads],  # [T, H/W, Dv] strided: this rank's heads
+            "lse": t["lse"][:n_q, heads] if return_lse else None,
         }
+        step.update(self.int32_views(self.bytes, 0, b, n_q, width))  # table, seq_lens, req_ids, cu_q, topk
+        return step
 
     def mark(self, rank: int, field: int) -> None:
         """Rank ``rank`` records the time (``time.monotonic_ns``) of a point of its step (:data:`MARKS`)."""
@@ -295,8 +332,9 @@ class ShmSteps:
         self._loops = list(loops)
 
     def inputs(self) -> dict[str, torch.Tensor]:
-        """The region's input tensors a step may be packed into directly (``q [W, T, H/W, D]``
-        rank-major, ``topk [T, K]``, ``kv0`` / ``kv1 [T, *row]``; sized for the largest step)."""
+        """The region's input tensors a step may be written into directly (``q [T, H, D]``,
+        ``topk [T, K]``, ``kv0`` / ``kv1 [T, *row]``; sized for the largest step): a step whose
+        tensors are their leading rows is not copied again."""
         return {k: v for k, v in self.region.tensors.items() if k in ("q", "topk") or k.startswith("kv")}
 
     def _ended_loops(self) -> RankStepError | None:
@@ -319,12 +357,12 @@ class ShmSteps:
 
     def run(self, step: dict[str, Any], timeout_s: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step. ``step``: ``table [B, w]`` int32, ``starts`` / ``counts`` / ``q_lens``
-        ``[B]`` int64 (NumPy), ``q [T, H, D]`` (or ``None``: already packed rank-major into
-        :meth:`inputs`), ``topk [T, K]`` or ``None``, ``kv`` list, ``return_lse``. Tensors that
-        are views of the region already (:meth:`inputs`) are not copied again.
+        ``[B]`` int64 (NumPy), ``q [T, H, D]``, ``topk [T, K]`` or ``None``, ``kv`` list,
+        ``return_lse``. Tensors that are views of the region already (:meth:`inputs`) are not
+        copied again.
 
-        Returns ``(out [W, T, H/W, Dv], lse [W, T, H/W] or None)``: rank-major views of the
-        region, valid until the next step. Raises :class:`RankStepError` (a rank failed, or the timeout).
+        Returns ``(out [T, H, Dv], lse [T, H] or None)``: views of the region, valid until the
+        next step. Raises :class:`RankStepError` (a rank failed, or the timeout).
         """
         c, t = self.region.ctrl, self.region.tensors
         table, starts, counts, q_lens = step["table"], step["starts"], step["counts"], step["q_lens"]
@@ -344,9 +382,7 @@ class ShmSteps:
             host["req_ids"][:n_q] = self._arange[:n_q]
         else:
             host["req_ids"][:n_q] = np.repeat(self._arange[:b], q_lens)
-        q = step["q"]
-        if q is not None:  # every rank's heads into its own block: one strided copy
-            t["q"][:, :n_q].copy_(q.reshape(n_q, self.world_size, -1, q.shape[-1]).transpose(0, 1))
+        _put(t["q"][:n_q], step["q"])
         if step["topk"] is not None:
             _put(t["topk"][:n_q], step["topk"])
         for i, part in enumerate(step["kv"]):
@@ -357,7 +393,7 @@ class ShmSteps:
         c[SEQ] = self._seq  # last: the ranks read the payload after they see it
         self._wait(timeout_s)
         self._done_ns = time.monotonic_ns()
-        return t["out"][:, :n_q], t["lse"][:, :n_q] if step["return_lse"] else None
+        return t["out"][:n_q], t["lse"][:n_q] if step["return_lse"] else None
 
     def timeline(self) -> dict[str, Any]:
         """The last step's times in ms from the driver's publishing it: each rank's ``seen``,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardattn._checks import check_tensor
+from shardattn._checks import check_int, check_tensor
 from shardattn.launch.ray.errors import RankStepError
 from shardattn.launch.ray.requests import (
     BatchStep,
@@ -140,7 +140,7 @@ class RequestSteps:
                 self.book.slots(packed.ids), np.array(packed.starts, dtype=i64), np.array(packed.counts, dtype=i64),
                 np.array(packed.q_counts, dtype=i64), packed.q, packed.topk, packed.kv,
             )  # fmt: skip
-            out, lse = self._decode_step(batch, return_lse, t0, None)
+            out, lse = self._decode_step(batch, return_lse, t0, None, False)
             t_split = time.perf_counter()
             outs = out.split(packed.q_counts)
             result = list(zip(outs, lse.split(packed.q_counts))) if lse is not None else list(outs)
@@ -157,8 +157,13 @@ class RequestSteps:
         kv: Any = None,
         return_lse: bool = False,
         out: torch.Tensor | None = None,
+        view: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step given as whole-step tensors (CPU): no Python work per request.
+
+        The fewest copies on the driver: write the step's inputs into :meth:`step_inputs` (under
+        ``transport="shm"``, the leading rows of the shared-memory region, which the step then
+        does not copy again) and take the outputs with ``view=True``.
 
         Args:
             request_ids: ``[B]`` int64 tensor of distinct prefilled request ids (the pool's ids
@@ -171,6 +176,9 @@ class RequestSteps:
                 Hkv, Dv])``), appended before the step attends; ``None``: attend over the cache.
             return_lse: also return the LSE.
             out: optional ``[T, H, Dv]`` destination (q's dtype, CPU, contiguous), reused across steps.
+            view: return the outputs where the transport left them, without a copy: under
+                ``shm`` views of the region, **valid only until the next step** (which overwrites
+                them); the other transports return fresh tensors either way. Not with ``out``.
         Returns:
             ``(out [T, H, Dv], lse [T, H] fp32 or None)``, token order; request ``b``'s rows are
             ``out.split(q_lens.tolist())[b]``.
@@ -182,6 +190,10 @@ class RequestSteps:
         self._check_usable()
         self._need_spec()
         t0 = time.perf_counter()
+        if not isinstance(view, bool):
+            raise TypeError(f"view must be a bool, got {type(view).__name__}")
+        if view and out is not None:
+            raise ValueError("view=True returns the transport's own buffers; it takes no out")
         with one_host_thread(self.host_threads):
             batch = check_decode_batch(self.shapes, self.book, request_ids, q, topk, q_lens=q_lens, kv=kv)
             if out is not None:
@@ -190,10 +202,40 @@ class RequestSteps:
                              shape=(batch.num_tokens, self.shapes.heads, self.spec.v_dim))  # fmt: skip
                 if not out.is_contiguous():
                     raise ValueError("out must be contiguous")
-            return self._decode_step(batch, return_lse, t0, out)
+            return self._decode_step(batch, return_lse, t0, out, view)
+
+    def step_inputs(self, num_tokens: int) -> dict[str, Any]:
+        """Where a decode step of ``num_tokens`` query tokens may be written before
+        :meth:`decode_batch`: ``{"q": [T, H, D], "topk": [T, K] int32 (sparse MLA), "kv": [T, D]
+        (GQA: (k, v))}``. Under ``transport="shm"`` these are the shared-memory region's leading
+        rows, which :meth:`decode_batch` then does not copy (the values are the caller's until it
+        calls the step; a step overwrites nothing of them); elsewhere, fresh tensors.
+
+        Raises ValueError: ``num_tokens`` outside ``1 .. max_decode_tokens``.
+        """
+        self._check_usable()
+        self._need_spec()
+        check_int("num_tokens", num_tokens, minimum=1)
+        shapes = self.shapes
+        if num_tokens > shapes.max_decode_tokens:
+            raise ValueError(f"num_tokens={num_tokens} is over the pool's max_decode_tokens={shapes.max_decode_tokens}")
+        if self.transport == "shm" and self._decoder is not None:
+            region = self._decoder.inputs()
+        else:
+            t = num_tokens
+            region = {"q": torch.empty(t, shapes.heads, shapes.head_dim, dtype=shapes.dtype)}
+            if shapes.kind == "sparse_mla":
+                region["topk"] = torch.empty(t, shapes.topk, dtype=torch.int32)
+            for i, (row, dt) in enumerate(shapes.kv_rows):
+                region[f"kv{i}"] = torch.empty(t, *row, dtype=dt)
+        kv = [region[f"kv{i}"][:num_tokens] for i in range(len(shapes.kv_rows))]
+        views: dict[str, Any] = {"q": region["q"][:num_tokens], "kv": kv[0] if len(kv) == 1 else tuple(kv)}
+        if "topk" in region:
+            views["topk"] = region["topk"][:num_tokens]
+        return views
 
     def _decode_step(
-        self, batch: BatchStep, return_lse: bool, t_start: float, out: torch.Tensor | None
+        self, batch: BatchStep, return_lse: bool, t_start: float, out: torch.Tensor | None, view: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Commit the checked step to the ledger, run it on the ranks, put the heads together."""
         t_checked = time.perf_counter()
@@ -207,14 +249,20 @@ class RequestSteps:
         except RankStepError as e:
             raise self._fail(e.rank, e.cause, "decode") from None
         t_back = time.perf_counter()
-        full, lse = assemble(results, None, batch.num_tokens, return_lse, out=out)
+        if timeline is None:  # each rank's heads
+            full, lse = assemble(results, None, batch.num_tokens, return_lse, out=out)
+        else:  # every head, token-major, in the region
+            full, lse = results[0]
+            if not view:
+                full = full.clone() if out is None else out.copy_(full)
+                lse = None if lse is None else lse.clone()
         t_end = time.perf_counter()
         self.last_step = {
             "kind": "decode",
             "check_ms": (t_checked - t_start) * 1e3,  # validating (and packing) the step
             "prepare_ms": (t_sent - t_checked) * 1e3,  # pages, block table
             "ranks_ms": (t_back - t_sent) * 1e3,  # copies into the transport, both ways, and the ranks' step
-            "assemble_ms": (t_end - t_back) * 1e3,  # the heads put together (and split per request)
+            "assemble_ms": (t_end - t_back) * 1e3,  # outputs copied out (and split per request)
         }
         if timeline is not None:
             self.last_step["timeline"] = timeline

@@ -148,9 +148,10 @@ def decode_on_ranks(
 ) -> tuple[list[tuple[Any, Any]], dict[str, Any] | None]:
     """One checked decode step (a :class:`~shardattn.launch.ray.requests.BatchStep`, its block
     table ``[B, w]`` int32 NumPy) on the ranks through the pool's transport (``decoder``; ``None``:
-    actor calls through ``call``). Returns each rank's ``(out [T, H/W, Dv], lse [T, H/W] or None)``
-    (under ``shm``: views of the region, valid until the next step) and, under ``shm``, the step's
-    timeline on every rank (:meth:`~shardattn.launch.ray.shm.ShmSteps.timeline`), else ``None``.
+    actor calls through ``call``). Returns each rank's ``(out [T, H/W, Dv], lse [T, H/W] or
+    None)`` and ``None``; under ``shm`` instead one pair, ``(out [T, H, Dv], lse [T, H] or
+    None)``, every head (views of the region, valid until the next step), and the step's
+    timeline on every rank (:meth:`~shardattn.launch.ray.shm.ShmSteps.timeline`).
     Raises :class:`~shardattn.launch.ray.errors.RankStepError` (or what ``call`` raises)."""
     import torch
 
@@ -159,9 +160,7 @@ def decode_on_ranks(
     if isinstance(decoder, _ShmDecode):
         step = {"table": table, "starts": batch.starts, "counts": batch.counts, "q_lens": batch.q_lens,
                 "q": batch.q, "topk": batch.topk, "kv": batch.kv, "return_lse": return_lse}  # fmt: skip
-        out_w, lse_w = decoder.run_batch(step, timeout_s)
-        ranks = [(out_w[r], None if lse_w is None else lse_w[r]) for r in range(int(out_w.shape[0]))]
-        return ranks, decoder.timeline()
+        return [decoder.run_batch(step, timeout_s)], decoder.timeline()
     q = batch.q
     step = {"table": torch.from_numpy(table), "starts": batch.starts.tolist(), "counts": batch.counts.tolist()}
     step.update(q_counts=batch.q_lens.tolist(), kv=batch.kv, topk=batch.topk, return_lse=return_lse)
