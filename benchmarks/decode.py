@@ -306,7 +306,7 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
     """Small sparse-MLA decode batches (1-8 tokens, 16 / 128 heads): the routed path against the
     same run's separate row merge (the baseline), the column merge on the cost model's split
     count (the previous routing), the opt-in one-launch spread merge and the de-duplication sort
-    (the opt-in tree merge, measured slower, is left out). Graph
+    (an earlier one-launch tree merge measured slower everywhere and was removed). Graph
     replays, preallocated outputs, workspace and counters; every variant is checked against the
     fp32 reference on NaN-poisoned outputs. ``sweep``: the floor (a graph of one 1-element
     kernel), the spread merge at other split counts and tiles, and the device time of the routed

@@ -168,7 +168,7 @@ def sweep_shape(
             name = f"{tag} splits={s} BLOCK_N={var['BLOCK_N']} warps={var['num_warps']} stages={var['num_stages']}"
 
             def split_only(po=po, pl=pl, cfg=cfg):
-                launch_split_kernel(q, kv, rows, None, None, po, pl, out, lse, lse, cfg, SCALE, False)
+                launch_split_kernel(q, kv, rows, None, None, po, pl, out, lse, lse, cfg, SCALE)
 
             try:
                 split_only()

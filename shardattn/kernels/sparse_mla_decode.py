@@ -18,12 +18,7 @@ most :data:`COLUMN_MERGE_MAX_ROWS` (token, head) rows, a second launch with one 
 (:func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns`: one memory latency whatever the
 split count; on an H200 at 16 heads, 1 token, 32 splits, 2.4 us against 14.2 us for the row
 merge); above, :func:`~shardattn.kernels.lse_merge.launch_lse_merge` (fewer, wider programs). The
-opt-in ``fused_merge=True`` merges in the same launch up a binary tree over each (token, head
-block)'s splits: at every node the second subtree to arrive (a counter, ``atomic_add``
-acquire-release at GPU scope after a block barrier) merges the pair, left first so the result
-does not depend on arrival order, resets the counter and climbs; the root writes the output.
-Measured slower than both separate merges (``log2(splits)`` dependent merges on the critical
-path; at 128 heads a 64-head fp32 partial spills). The opt-in ``config={"merge": "spread"}``
+opt-in ``config={"merge": "spread"}``
 merges in the same launch spread over all programs: each split arrives at a per-(token, head
 block) barrier and, once all arrived, merges ``1/S`` of the block's (head, column) cells with the
 column merge's math (:mod:`~shardattn.kernels.sparse_mla_decode_triton`); it needs the launch
@@ -78,8 +73,6 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 
 __all__ = [
     "COLUMN_MERGE_MAX_ROWS",
-    "FUSED_MERGE_MAX_SPLITS",
-    "FUSED_MERGE_MAX_TOKENS",
     "ONE_WAVE_MAX_ROWS",
     "ONE_WAVE_MAX_SPLITS",
     "merge_kind",
@@ -89,10 +82,6 @@ __all__ = [
     "spread_fits",
 ]
 
-#: The last split of a token merges the partials in the same launch up to this many splits ...
-FUSED_MERGE_MAX_SPLITS = 64
-#: ... and this many tokens (above, a separate merge kernel re-reads the partials in parallel).
-FUSED_MERGE_MAX_TOKENS = 16
 #: At most this many (token, head) rows merge with the column merge (:func:`merge_kind`).
 COLUMN_MERGE_MAX_ROWS = 128
 #: At most this many (token, head) rows take the one-wave split count
@@ -249,7 +238,6 @@ def sparse_mla_decode(
     lse_out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
-    fused_merge: bool | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA decode attention with split-KV and a merge; returns the LSE (DCP needs it).
@@ -272,18 +260,14 @@ def sparse_mla_decode(
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
             the split partials; with ``out``, ``lse_out`` and it, nothing is allocated.
-        counters: int32 zeros for the one-launch merges, reused across calls and graph replays:
-            at least ``2 * T * ceil(H / BLOCK_H)`` for the spread merge (arrival counts, left 0,
-            in the first half; generations, which change every call, in the second: keep the
-            buffer for the spread merge only), ``T * ceil(H / BLOCK_H) * num_splits`` for the
-            tree merge (left zeroed). Default: allocated (zero-filled, one fill kernel more).
-        fused_merge: merge in the same launch up a tree (module docstring). Default ``False``:
-            on an H200 it measured 31-43 us against 14-23 us for the routed column merge at 16
-            heads, 1-8 tokens (benchmarks/RESULTS.md).
+        counters: int32 zeros for the spread merge, reused across calls and graph replays: at
+            least ``2 * T * ceil(H / BLOCK_H)`` (arrival counts, left 0, in the first half;
+            generations, which change every call, in the second). Default: allocated
+            (zero-filled, one fill kernel more).
         backend: ``None`` (routed: :func:`~shardattn.kernels.registry.sparse_decode_kernel`),
             ``"triton"`` or ``"gluon"`` (forced, also below the routing's crossover; a
-            ``ValueError`` where the kernel cannot run these tensors). ``config``,
-            ``fused_merge=True`` and ``counters`` are Triton options: with them the routed
+            ``ValueError`` where the kernel cannot run these tensors). ``config`` and
+            ``counters`` are Triton options: with them the routed
             call runs Triton. On the Gluon path ``num_splits`` is the number of row slices and a
             ``workspace`` too small for the chosen slices makes it use fewer.
     Returns:
@@ -310,9 +294,9 @@ def sparse_mla_decode(
             raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
         if config.get("merge", "rows") not in MERGES:
             raise ValueError(f"config['merge'] must be 'rows', 'columns' or 'spread', got {config['merge']!r}")
-    triton_only = config is not None or bool(fused_merge) or counters is not None
+    triton_only = config is not None or counters is not None
     if backend == "gluon" and triton_only:
-        raise ValueError("backend='gluon' takes no config, fused_merge or counters (Triton options)")
+        raise ValueError("backend='gluon' takes no config or counters (Triton options)")
     if out is not None:
         check_tensor("out", out, dtypes=(q.dtype,), shape=(t, h, v_dim), device=q.device)
     if lse_out is not None:
@@ -373,10 +357,7 @@ def sparse_mla_decode(
             cfg["reason"] = f"{cfg['num_splits']} splits; {cfg['merge']} merge: config"
     splits = cfg["num_splits"]
     n_hblocks = triton.cdiv(h, cfg["BLOCK_H"])
-    if fused_merge is None:  # measured slower on an H200 so far (benchmarks/RESULTS.md): opt-in
-        fused_merge = False
-    fused = splits > 1 and fused_merge and splits <= FUSED_MERGE_MAX_SPLITS and t <= FUSED_MERGE_MAX_TOKENS
-    spread = splits > 1 and not fused and cfg.get("merge") == "spread"
+    spread = splits > 1 and cfg.get("merge") == "spread"
     if spread and not spread_fits(t, h, splits, num_sms, cfg["BLOCK_H"]):
         raise ValueError(
             f"config['merge'] = 'spread' needs the launch in one wave: {t * n_hblocks * splits} programs "
@@ -386,8 +367,8 @@ def sparse_mla_decode(
         dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device)
     else:
         dst_out, dst_lse = out, lse_out
-    if fused or spread:
-        need = t * n_hblocks * (splits if fused else 2)
+    if spread:
+        need = t * n_hblocks * 2
         if counters is None:
             counters = torch.zeros(need, dtype=torch.int32, device=q.device)
         elif counters.dtype != torch.int32 or counters.numel() < need or counters.device != q.device:
@@ -397,13 +378,12 @@ def sparse_mla_decode(
     if spread and not q.is_cuda:  # the interpreter runs programs in turn: a spin would never end
         for mode in (SPREAD_ARRIVE, SPREAD_MERGE):
             launch_split_kernel(
-                q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, False, mode
+                q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, mode
             )  # fmt: skip
         return out, lse_out
     mode = SPREAD_ONE_LAUNCH if spread else SPREAD_OFF
-    args = (q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, fused, mode)
-    launch_split_kernel(*args)
-    if splits > 1 and not fused and not spread:
+    launch_split_kernel(q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, mode)
+    if splits > 1 and not spread:
         if cfg.get("merge") == "columns":
             launch_lse_merge_columns(dst_out, dst_lse, out, lse_out)
         else:

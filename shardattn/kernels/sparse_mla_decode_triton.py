@@ -3,8 +3,7 @@
 One program per (head block, token, split of the top-k row) runs the online softmax
 (:mod:`~shardattn.kernels.online_softmax`) over its slice of the row's KV rows and writes an fp32
 partial and LSE (or, with one split, the result). The contract, the configuration and the merge
-of the partials live in :mod:`~shardattn.kernels.sparse_mla_decode`; the opt-in tree merge
-(``FUSED_MERGE``) is described there too.
+of the partials live in :mod:`~shardattn.kernels.sparse_mla_decode`.
 
 The spread one-launch merge (``SPREAD``): a barrier per (token, head block) of two int32 words,
 an arrival count and a generation. A program reads the generation when it starts; after it
@@ -52,7 +51,6 @@ def launch_split_kernel(
     counters: torch.Tensor,
     cfg: dict,
     scale: float,
-    fused: bool,
     spread: int = SPREAD_OFF,
 ) -> None:
     """Launch ``_sparse_mla_decode_kernel`` on validated tensors (no checks, no allocation, no sync).
@@ -61,9 +59,8 @@ def launch_split_kernel(
         q ``[T, H, D]``, kv ``[R, D]``, rows ``[T, K]`` int32, topk_length ``[T]`` / sinks ``[H]`` or None.
         dst_out ``[S, T, H, Dv]`` / dst_lse ``[S, T, H]`` fp32 partials (``out`` / ``lse_out`` when
         ``cfg["num_splits"] == 1``); out ``[T, H, Dv]``, lse_out ``[T, H]``: the result (written
-        here only with one split, ``fused`` or ``spread``); counters: int32 zeros for ``fused``
-        (``T * ceil(H / BLOCK_H) * S``) or ``spread`` (at least ``2 * T * ceil(H / BLOCK_H)``: counts
-        in the first half, generations in the second), else unused.
+        here only with one split or ``spread``); counters: int32 zeros for ``spread`` (at least
+        ``2 * T * ceil(H / BLOCK_H)``: counts in the first half, generations in the second), else unused.
         cfg: :func:`sparse_mla_decode_config`'s dict. spread: a ``SPREAD_*`` mode (module docstring).
     """
     t, h, d = q.shape
@@ -129,7 +126,6 @@ def launch_split_kernel(
         HAS_SINKS=sinks is not None,
         HAS_ROPE=dr > 0,
         IEEE=q.dtype == torch.float32,
-        FUSED_MERGE=fused,
         SPREAD=spread,
         BLOCK_S=max(2, triton.next_power_of_2(splits)) if spread else 2,  # fixed when unused: no recompile
         MERGE_C=merge_c if spread else 16,
@@ -187,14 +183,12 @@ def _sparse_mla_decode_kernel(
     HAS_SINKS: tl.constexpr,
     HAS_ROPE: tl.constexpr,
     IEEE: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
     SPREAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
     MERGE_C: tl.constexpr,
 ):
     """One (head block, token, split): online softmax over rows ``[split*chunk, ...)`` of the top-k;
-    with ``FUSED_MERGE`` the token's last split to finish merges every split's partial; with
-    ``SPREAD`` every split merges its share of the cells once all splits arrived."""
+    with ``SPREAD`` every split merges its share of the cells once all splits arrived."""
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
     pid_h = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
@@ -265,56 +259,6 @@ def _sparse_mla_decode_kernel(
             num_splits, H, pieces_per_head, stride_ot, stride_oh, stride_od, stride_os, stride_lt, stride_lh,
             stride_ls, stride_yt, stride_yh, stride_yd, stride_zt, stride_zh, SPREAD, DV, BLOCK_H, BLOCK_S, MERGE_C,
         )  # fmt: skip
-    if FUSED_MERGE:
-        # binary merge tree over the splits: at node (level l, left child p, right child
-        # r = p + 2^l) the second of the two subtrees to finish merges the pair (left first,
-        # so the result does not depend on who arrives last) and climbs; the first one
-        # leaves. The root writes the output. Node counters are indexed by r (unique per
-        # node) and reset by the merger, so they are 0 again after every launch.
-        omask = hmask[:, None] & vmask[None, :]
-        p_base = Out + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
-        l_base = Lse + tok * stride_lt + heads * stride_lh
-        counters = Counters + (tok * tl.num_programs(0) + pid_h) * num_splits
-        cur_o = res
-        cur_l = lse
-        active = split >= 0  # a runtime flag (True)
-        width = 1
-        while width < num_splits:
-            if active:
-                left = (split // (2 * width)) * (2 * width)
-                right = left + width
-                if right < num_splits:  # a sibling subtree exists: meet it at this node
-                    mine = split - split % width  # where this subtree's result lives
-                    if width > 1:  # level 0 stored it above
-                        tl.store(p_base + mine * stride_os, cur_o, mask=omask)
-                        tl.store(l_base + mine * stride_ls, cur_l, mask=hmask)
-                    tl.debug_barrier()  # the whole block's stores precede the counter
-                    arrived = tl.atomic_add(counters + right, 1, sem="acq_rel", scope="gpu")
-                    if arrived == 0:
-                        active = split < 0  # False: the sibling merges
-                    else:
-                        tl.store(counters + right, 0)
-                        other = right if mine == left else left
-                        o_o = tl.load(p_base + other * stride_os, mask=omask, other=0.0, cache_modifier=".cg")
-                        o_l = tl.load(l_base + other * stride_ls, mask=hmask, other=float("-inf"), cache_modifier=".cg")
-                        if mine == left:
-                            la, oa, lb, ob = cur_l, cur_o, o_l, o_o
-                        else:
-                            la, oa, lb, ob = o_l, o_o, cur_l, cur_o
-                        m = tl.maximum(la, lb)
-                        m_safe = tl.where(m == float("-inf"), 0.0, m)
-                        wa = tl.exp(la - m_safe)
-                        wb = tl.exp(lb - m_safe)
-                        total = wa + wb
-                        acc2 = tl.where(wa[:, None] > 0, wa[:, None] * oa, 0.0)
-                        acc2 += tl.where(wb[:, None] > 0, wb[:, None] * ob, 0.0)
-                        cur_o = acc2 / tl.where(total > 0, total, 1.0)[:, None]
-                        cur_l = tl.where(total > 0, m_safe + tl.log(total), float("-inf"))
-            width *= 2
-        if active:  # the root: every split is merged
-            y_ptrs = FinalOut + tok * stride_yt + heads[:, None] * stride_yh + offs_v[None, :] * stride_yd
-            tl.store(y_ptrs, cur_o.to(FinalOut.dtype.element_ty), mask=omask)
-            tl.store(FinalLse + tok * stride_zt + heads * stride_zh, cur_l, mask=hmask)
 
 
 @triton.jit
