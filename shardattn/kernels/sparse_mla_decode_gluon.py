@@ -151,6 +151,19 @@ DECODE_KERNELS = ("ws32h", "ws64h", "ws64hz", "ws64z")
 DECODE_KERNEL = "ws64hz"
 
 
+@functools.cache
+def _decode_configs() -> dict:
+    """:data:`DECODE_KERNELS` by name, built once (the Gluon module loads only when decode takes this path)."""
+    from shardattn.kernels.sparse_mla_gluon import WS32_CONFIG, WS64_CONFIG
+
+    return {
+        "ws32h": replace(WS32_CONFIG, heads_fastest=True),
+        "ws64h": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=False),
+        "ws64hz": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=True),
+        "ws64z": replace(WS64_CONFIG, heads_fastest=False, opaque_slots=True),
+    }
+
+
 def gluon_decode_config(num_heads: int, v_dim: int = 512, rope_dim: int = 64, kernel: str | None = None):
     """The Gluon kernel's configuration for decode.
 
@@ -163,16 +176,9 @@ def gluon_decode_config(num_heads: int, v_dim: int = 512, rope_dim: int = 64, ke
     Raises:
         ValueError: an unknown ``kernel``.
     """
-    from shardattn.kernels.sparse_mla_gluon import WS32_CONFIG, WS64_CONFIG
-
     del num_heads, v_dim, rope_dim
     name = DECODE_KERNEL if kernel is None else kernel
-    configs = {
-        "ws32h": replace(WS32_CONFIG, heads_fastest=True),
-        "ws64h": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=False),
-        "ws64hz": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=True),
-        "ws64z": replace(WS64_CONFIG, heads_fastest=False, opaque_slots=True),
-    }
+    configs = _decode_configs()
     if name not in configs:
         raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {name!r}")
     return configs[name]

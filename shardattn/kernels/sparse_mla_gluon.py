@@ -108,7 +108,7 @@ class GluonConfig:
         return self.variant != "pipelined"
 
 
-#: The 32-key warp-specialised kernel: the grouped path (``G > 1``) and decode.
+#: The 32-key warp-specialised kernel: the grouped path (``G > 1``).
 WS32_CONFIG = GluonConfig(32, 4, "ws", (224, 56), async_arrive=True)
 #: The 64-key kernel on FlashMLA's schedule with opaque slot indices (no spilled wgmma
 #: descriptors): per-query prefill (routed as :func:`gluon_config`: 1.22-1.29x ``WS32_CONFIG`` and
