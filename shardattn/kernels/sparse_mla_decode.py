@@ -183,9 +183,7 @@ def sparse_mla_decode_config(
         "num_warps": 8 if block_h >= 64 else 4,
         "num_stages": 2,
         "merge": merge_kind(num_tokens, num_heads, splits),
-        "reason": merge_reason(num_tokens, num_heads, splits).replace(
-            " splits;", " splits (one wave);" if one_wave else " splits;", 1
-        ),
+        "reason": merge_reason(num_tokens, num_heads, splits, one_wave=one_wave),
         "cost_model_splits": cost_model,
     }
 
@@ -212,14 +210,16 @@ def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
     return "columns" if num_tokens * num_heads <= COLUMN_MERGE_MAX_ROWS else "rows"
 
 
-def merge_reason(num_tokens: int, num_heads: int, num_splits: int) -> str:
-    """Why :func:`merge_kind` chose its kernel, in words (for logs and routes)."""
+def merge_reason(num_tokens: int, num_heads: int, num_splits: int, *, one_wave: bool = False) -> str:
+    """Why :func:`merge_kind` chose its kernel, in words (for logs and routes); ``one_wave``: the
+    split count is :func:`sparse_mla_decode_config`'s one-wave choice."""
     n = num_tokens * num_heads
     kind = merge_kind(num_tokens, num_heads, num_splits)
     if kind == "none":
         return "1 split: the kernel writes the result, no merge"
     word, sign = ("column", "<=") if kind == "columns" else ("row", ">")
-    return f"{num_splits} splits; {word} merge: {n} (token, head) rows {sign} {COLUMN_MERGE_MAX_ROWS}"
+    splits = f"{num_splits} splits (one wave)" if one_wave else f"{num_splits} splits"
+    return f"{splits}; {word} merge: {n} (token, head) rows {sign} {COLUMN_MERGE_MAX_ROWS}"
 
 
 def sparse_mla_decode(
