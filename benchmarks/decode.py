@@ -8,6 +8,7 @@ memory-bound kernels, FlashInfer XQA (when importable) for GQA decode.
     python benchmarks/decode.py --only gqa,merge               # a subset
     python benchmarks/decode.py --only gluon --sweep           # sparse-MLA decode, Triton vs Gluon
     python benchmarks/decode.py --only gluon --gluon-kernels ws32h ws64h ws64hz   # Gluon decode configs
+    python benchmarks/decode.py --only gluon --gluon-kernels ws64hz+pack ws64hz   # rows packed vs read in place
     python benchmarks/decode.py --warm-xqa                     # JIT-compile the XQA variants only
 """
 
@@ -215,9 +216,11 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False, kernels: tuple[str,
             def fn(q=q, rows=rows, b=backend, u=unique, o=out, s=lse):
                 if b == "triton":
                     return sparse_mla_decode(q, kv, rows, scale=576**-0.5, rows_unique=u, backend=b)
+                name, _, opt = b.partition("+")  # "NAME+pack": the rows packed even where read in place
                 return sparse_mla_decode_gluon(
-                    q, kv, rows, scale=576**-0.5, v_dim=512, out=o, lse_out=s, num_sms=sms, rows_unique=u, kernel=b
-                )
+                    q, kv, rows, scale=576**-0.5, v_dim=512, out=o, lse_out=s, num_sms=sms, rows_unique=u,
+                    kernel=name, pack_rows=opt == "pack",
+                )  # fmt: skip
 
             outs[backend] = fn()[0].float()
             ms = graph_ms(fn)

@@ -47,10 +47,8 @@ from sparse_prefill import D_R, D_V, baseline_gather_bmm, make_case, rel_err, ti
 
 from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
 from shardattn.kernels.sparse_mla_gluon import GluonConfig, launch_gluon_attention, prefill_kernel
-from shardattn.kernels.sparse_mla_grouped import choose_path, sparse_mla_grouped_prefill
 from shardattn.kernels.sparse_mla_triton import flops, launch_attention, tile_config
 from shardattn.kernels.union import build_union
-from shardattn.plan.routing import gluon_grouped_group_size, tile_group_size
 
 #: The 32-key kernel first (the baseline of every ratio), then the 64-key kernel's variants
 #: (``regs[0]``: registers of each consumer warpgroup; the producer gets the rest of 3 x 168).
@@ -210,45 +208,6 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, variants, seed=0) -> di
     return res
 
 
-def check_grouped(heads_g, kv_rows, topk, seed=0) -> list[dict]:
-    """Grouped Gluon kernel vs the fp32 reference (edge rows, a keyless group, a tail group)."""
-    dev = torch.device("cuda")
-    t = 259
-    scale = (D_V + D_R) ** -0.5
-    _, _, _, _, rows, _ = make_case(t, kv_rows, topk, "dsa", seed)
-    rows, length = edge_rows(rows, kv_rows, seed)
-    rows[16:24] = -1  # a whole group (G <= 8) with no key
-    gen = torch.Generator(device=dev).manual_seed(seed + 2)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    results = []
-    for heads, g in heads_g:
-        q = torch.randn(t, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-        sinks = torch.randn(heads, device=dev, generator=gen) * 2
-        u, ln = build_union(rows, group_size=g, num_kv_rows=kv_rows, topk_length=length)
-        for s in (None, sinks):
-            out = torch.full((t, heads, D_V), float("nan"), dtype=q.dtype, device=dev)
-            lse = torch.full((t, heads), float("nan"), dtype=torch.float32, device=dev)
-            try:
-                launch_gluon_attention(q, kv, u, ln, scale=scale, v_dim=D_V, sinks=s, out=out, lse=lse, group_size=g)
-                torch.cuda.synchronize()
-                r = compare(out, lse, q, kv, rows, length, s, scale)
-                r["keyless_group_zero"] = bool((out[16:24] == 0).all())
-                r["ok"] = r["ok"] and r["keyless_group_zero"]
-            except Exception as exc:
-                r = {"ok": False, "error": repr(exc)[:400]}
-            r.update(heads=heads, cfg=f"gluon_grouped_G{g}", sinks=s is not None)
-            results.append(r)
-            print("   check:", json.dumps(r), flush=True)
-        # the public entries as routed (default G), with topk_length and sinks
-        path = choose_path(q, kv, v_dim=D_V)
-        o, ls = sparse_mla_grouped_prefill(q, kv, rows, scale=scale, v_dim=D_V, topk_length=length, sinks=sinks)
-        r = compare(o, ls, q, kv, rows, length, sinks, scale)
-        r.update(heads=heads, cfg=f"routed_{path.backend}_G{path.group_size}", sinks=True)
-        results.append(r)
-        print("   check:", json.dumps(r), flush=True)
-    return results
-
-
 def compare(out, lse, q, kv, rows, length, sinks, scale) -> dict:
     """Every element written, out rel. error and LSE error against the fp32 reference, empty rows."""
     ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=scale, v_dim=D_V, topk_length=length, sinks=sinks)
@@ -265,157 +224,6 @@ def compare(out, lse, q, kv, rows, length, sinks, scale) -> dict:
         res["all_written"] and res["out_rel_err"] < 1e-2 and res["lse_max_abs_err"] < 1e-2 and res["lse_inf_match"]
     ) and res["empty_rows_zero"]
     return res
-
-
-def check_head_blocked(kv_rows, topk, seed=0) -> list[dict]:
-    """q / out / lse as head-blocked ``[B, T, H/B, ...]`` buffers through the public entries."""
-    dev = torch.device("cuda")
-    t = 131
-    scale = (D_V + D_R) ** -0.5
-    _, _, _, _, rows, _ = make_case(t, kv_rows, topk, "dsa", seed)
-    rows, length = edge_rows(rows, kv_rows, seed)
-    gen = torch.Generator(device=dev).manual_seed(seed + 3)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    results = []
-    cases = ((64, 4, "attention"), (128, 8, "grouped"), (16, 2, "grouped"), (16, 2, "G4"), (8, 8, "G8"))
-    for heads, blocks, entry in cases:
-        q = torch.randn(t, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-        sinks = torch.randn(heads, device=dev, generator=gen)
-        hb = heads // blocks
-        q_blk = q.unflatten(1, (blocks, hb)).movedim(1, 0).contiguous()
-        out = torch.full((blocks, t, hb, D_V), float("nan"), dtype=q.dtype, device=dev)
-        lse = torch.full((blocks, t, hb), float("nan"), dtype=torch.float32, device=dev)
-        if entry.startswith("G"):  # the grouped Gluon launcher itself
-            g = int(entry[1:])
-            u, ln = build_union(rows, group_size=g, num_kv_rows=kv_rows, topk_length=length)
-            o, ls = launch_gluon_attention(
-                q_blk, kv, u, ln, scale=scale, v_dim=D_V, sinks=sinks, out=out, lse=lse, group_size=g
-            )
-            name = f"head_blocked_B{blocks}_gluon_G{g}"
-        else:
-            fn = sparse_mla_attention if entry == "attention" else sparse_mla_grouped_prefill
-            path = choose_path(q, kv, v_dim=D_V)
-            o, ls = fn(q_blk, kv, rows, scale=scale, v_dim=D_V, topk_length=length, sinks=sinks, out=out, lse=lse)
-            name = f"head_blocked_B{blocks}_{entry}_{path.backend}_G{path.group_size}"
-        torch.cuda.synchronize()
-        r = compare(out.movedim(0, 1).flatten(1, 2), lse.movedim(0, 1).flatten(1, 2), q, kv, rows, length, sinks, scale)
-        r["in_place"] = o is out and ls is lse
-        r["ok"] = r["ok"] and r["in_place"]
-        r.update(heads=heads, cfg=name, sinks=True)
-        results.append(r)
-        print("   check:", json.dumps(r), flush=True)
-    return results
-
-
-def time_grouped(heads, tokens, kv_rows, topk, reps, flush, seed=0) -> dict:
-    """Per-query and grouped, Triton and Gluon, at ``G`` from the routing (same inputs, same run)."""
-    dev = torch.device("cuda")
-    scale = (D_V + D_R) ** -0.5
-    _, _, _, _, rows, counts = make_case(tokens, kv_rows, topk, "dsa", seed)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    q = torch.randn(tokens, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    fl = flops(int(counts.sum()), heads)
-    g = gluon_grouped_group_size(heads) or tile_group_size(heads)
-    u1 = torch.empty(tokens, topk, dtype=torch.int32, device=dev)
-    l1 = torch.empty(tokens, dtype=torch.int32, device=dev)
-    build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1))
-    out = torch.empty(tokens, heads, D_V, dtype=q.dtype, device=dev)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
-    ms = {"sort": timed(lambda: build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1)), flush, reps)}
-    cfg1 = tile_config(heads, 1)
-    ms["triton_pq"] = timed(
-        lambda: launch_attention(q, kv, u1, l1, scale=scale, v_dim=D_V, config=cfg1, out=out, lse=lse), flush, reps
-    )
-    ref = out.clone()
-    errs = {}
-    ms["gluon_pq"] = timed(lambda: launch_gluon_attention(q, kv, u1, l1, scale=scale, v_dim=D_V, out=out, lse=lse),
-                           flush, reps)  # fmt: skip
-    errs["gluon_pq"] = rel_err(out, ref)
-    res = {"heads": heads, "tokens": tokens, "kv_rows": kv_rows, "topk": topk, "G": g, "valid_keys": int(counts.sum())}
-    if g > 1:
-        ng = -(-tokens // g)
-        ug = torch.empty(ng, g * topk, dtype=torch.int32, device=dev)
-        lg = torch.empty(ng, dtype=torch.int32, device=dev)
-        build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(ug, lg))
-        res["union_ratio"] = round(int(lg.sum()) * g / max(1, int(l1.sum())), 3)
-        ms["union"] = timed(lambda: build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(ug, lg)), flush, reps)
-        cfg_g = tile_config(heads, g)
-        ms["triton_grp"] = timed(
-            lambda: launch_attention(q, kv, ug, lg, scale=scale, v_dim=D_V, config=cfg_g, out=out, lse=lse),
-            flush, reps,
-        )  # fmt: skip
-        errs["triton_grp"] = rel_err(out, ref)
-        ms["gluon_grp"] = timed(
-            lambda: launch_gluon_attention(q, kv, ug, lg, scale=scale, v_dim=D_V, out=out, lse=lse, group_size=g),
-            flush, reps,
-        )  # fmt: skip
-        errs["gluon_grp"] = rel_err(out, ref)
-    path = choose_path(q, kv, v_dim=D_V)
-    res["routed"] = f"{path.backend} G={path.group_size}"
-    res["routed_reason"] = path.reason
-    ms["routed"] = timed(lambda: sparse_mla_grouped_prefill(q, kv, rows, scale=scale, v_dim=D_V), flush, reps)
-    steps = {"triton_pq": ms["sort"] + ms["triton_pq"], "gluon_pq": ms["sort"] + ms["gluon_pq"]}
-    if g > 1:
-        steps["triton_grp"] = ms["union"] + ms["triton_grp"]
-        steps["gluon_grp"] = ms["union"] + ms["gluon_grp"]
-        res["union_share_of_gluon_grp"] = round(ms["union"] / steps["gluon_grp"], 3)
-    steps["routed"] = ms["routed"]
-    res["ms"] = {k: round(v, 4) for k, v in ms.items()}
-    res["step_ms"] = {k: round(v, 4) for k, v in steps.items()}
-    res["kernel_tflops"] = {k: round(fl / (v * 1e-3) / 1e12, 1) for k, v in ms.items() if k not in ("sort", "union")}
-    res["step_tflops"] = {k: round(fl / (v * 1e-3) / 1e12, 1) for k, v in steps.items()}
-    res["rel_err_vs_triton_pq"] = {k: round(v, 5) for k, v in errs.items()}
-    best_triton = min(v for k, v in steps.items() if k.startswith("triton"))
-    res["routed_x_best_triton_step"] = round(best_triton / steps["routed"], 2)
-    if g > 1:
-        res["gluon_grp_x_triton_grp_step"] = round(steps["triton_grp"] / steps["gluon_grp"], 2)
-        res["gluon_grp_x_best_other_step"] = round(
-            min(v for k, v in steps.items() if k not in ("gluon_grp", "routed")) / steps["gluon_grp"], 2
-        )
-    return res
-
-
-def grouped_main(args) -> int:
-    start = time.time()
-    kv_rows = 65536
-    heads_g = [(8, 8), (16, 4), (32, 2), (12, 4)]
-    results = {"checks": check_grouped(heads_g, kv_rows, args.topk) + check_head_blocked(kv_rows, args.topk)}
-    n_ok = sum(r["ok"] for r in results["checks"])
-    print(f"checks: {n_ok}/{len(results['checks'])} ok ({time.time() - start:.0f}s)", flush=True)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    results["times"] = []
-    for tokens in args.tokens:
-        for heads in args.heads:
-            r = time_grouped(heads, tokens, kv_rows, args.topk, args.reps, flush)
-            results["times"].append(r)
-            print("   time:", json.dumps(r), flush=True)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
-    results["kernels"] = kernel_report()
-    for k in results["kernels"]:
-        print("   kernel:", json.dumps(k), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    cols = ("triton_pq", "gluon_pq", "triton_grp", "gluon_grp", "routed")
-    print("\nms (effective TF/s) per step: per-query = row sort + kernel, grouped = union build + kernel")
-    print(f"{'H':>4} {'T':>5} {'G':>2} {'ratio':>5} | {'sort':>6} {'union':>6} | "
-          + " | ".join(c.rjust(14) for c in cols) + " | grp G / grp T | routed / best T | routed")  # fmt: skip
-    for r in results["times"]:
-        ms, st, tf = r["ms"], r["step_ms"], r["step_tflops"]
-        cells = [f"{st[c]:>7.3f} ({tf[c]:>4.0f})" if c in st else f"{'-':>14}" for c in cols]
-        print(f"{r['heads']:>4} {r['tokens']:>5} {r['G']:>2} {r.get('union_ratio', 1.0):>5.2f} | {ms['sort']:>6.3f} "
-              f"{ms.get('union', 0):>6.3f} | " + " | ".join(cells)
-              + f" | {r.get('gluon_grp_x_triton_grp_step', 0):>13.2f} | {r['routed_x_best_triton_step']:>15.2f} | "
-              f"{r['routed']}")  # fmt: skip
-    print("kernel only (TF/s):")
-    for r in results["times"]:
-        print(f"{r['heads']:>4} " + " ".join(f"{k}={v}" for k, v in r["kernel_tflops"].items()))
-    ok = n_ok == len(results["checks"])
-    print("ALL CHECKS OK" if ok else "SOME CHECKS FAILED", flush=True)
-    return 0 if ok else 1
 
 
 def kernel_report() -> list[dict]:
@@ -469,6 +277,8 @@ def main(argv=None) -> int:
 
     print(torch.cuda.get_device_name(), f"torch {torch.__version__} triton {triton.__version__}", flush=True)
     if args.grouped:
+        from gluon_grouped import grouped_main
+
         return grouped_main(args)
     start = time.time()
     if args.smoke:

@@ -21,6 +21,7 @@ from shardattn.kernels.sparse_mla_decode_gluon import (
     SPLIT_ROWS,
     gluon_decode_config,
     gluon_decode_plan,
+    reads_raw_rows,
     sparse_mla_decode_gluon,
     split_rows,
     split_rows_reference,
@@ -135,9 +136,13 @@ def _case(t, h, d, dv, r, k, seed, dtype=torch.float32, device="cpu"):
     return [x.to(device) for x in (q, kv, rows, length, sinks)]
 
 
-def _reference_attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse):
+def _reference_attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows=False):
     """A torch stand-in for the Gluon kernel: attends ``union[p, :lens[p]]``, every entry a key (as the
-    kernel does: it never de-duplicates), entries past ``lens[p]`` ignored."""
+    kernel does: it never de-duplicates), entries past ``lens[p]`` ignored; ``raw_rows``: the
+    caller's rows, ``lens`` None (every entry) or ``topk_length``, invalid entries masked."""
+    if lens is None:
+        assert raw_rows
+        lens = torch.full((union.shape[0],), union.shape[1], dtype=torch.int32)
     union = torch.where(torch.arange(union.shape[1])[None, :] < lens[:, None].long(), union, -1)
     union, kv = _each_occurrence(union, kv)
     o, s = sparse_mla_reference(q.contiguous(), kv, union, scale=scale, v_dim=v_dim, sinks=sinks)
@@ -166,17 +171,28 @@ def _each_occurrence(rows: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor
 @pytest.mark.parametrize("splits", [1, 3, None])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
 @pytest.mark.parametrize("rows_unique", [False, True], ids=["dedup", "unique"])
-def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, rows_unique):
+@pytest.mark.parametrize("pack_rows", [False, True], ids=["inplace", "packed"])
+def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, rows_unique, pack_rows):
     t, h, d, dv, r, k = 4, 8, 24, 16, 40, 200
     q, kv, rows, length, sinks = _case(t, h, d, dv, r, k, seed=splits or 0)
     rows[2, 100:150] = rows[2, 0:50]  # duplicates
+    if splits == 1 and not with_sinks:
+        length = None  # the in-place launch without lengths attends every entry
     sinks = sinks if with_sinks else None
     out = torch.full((t, h, dv), float("nan"))
     lse = torch.full((t, h), float("nan"))
+    raw_calls = []
+
+    def attend(*args, raw_rows=False, **kw):
+        raw_calls.append(raw_rows)
+        _reference_attend(*args, raw_rows=raw_rows, **kw)
+
     sparse_mla_decode_gluon(
         q, kv, rows, scale=0.3, v_dim=dv, out=out, lse_out=lse, num_sms=4, topk_length=length, sinks=sinks,
-        num_splits=splits, rows_unique=rows_unique, attend=_reference_attend,
+        num_splits=splits, rows_unique=rows_unique, attend=attend, pack_rows=pack_rows,
     )  # fmt: skip
+    # one slice of unique rows is read in place (no packing) unless packing is asked for
+    assert raw_calls == [splits == 1 and rows_unique and not pack_rows] or splits != 1
     if rows_unique:  # a duplicate counts twice
         rows_e, kv_e = _each_occurrence(rows, kv)
         ref_o, ref_l = sparse_mla_oracle(q, kv_e, rows_e, scale=0.3, v_dim=dv, topk_length=length, sinks=sinks)
@@ -186,7 +202,9 @@ def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, row
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_l))
     fin = torch.isfinite(ref_l)
     torch.testing.assert_close(lse.double()[fin], ref_l[fin], atol=1e-5, rtol=0)
-    assert (out[0] == 0).all() and (out[1] == 0).all()  # empty tokens: 0, lse -inf (or the sink)
+    assert (out[0] == 0).all()  # empty tokens: 0, lse -inf (or the sink)
+    if length is not None:
+        assert (out[1] == 0).all()
     if with_sinks:
         torch.testing.assert_close(lse[0], sinks)
 
@@ -395,3 +413,44 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
     assert {(1, "triton", s) for s in dw.COLUMN_MERGE_WARMUP_SPLITS} <= set(calls)  # every column-merge variant
     gluon = {c for c in calls if c[1] == "gluon"}
     assert gluon == ({(40, "gluon", 1), (40, "gluon", 2)} if routed == "gluon" else set())
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    ("heads", "tokens", "with_len", "with_sinks"),
+    [(128, 64, True, True), (128, 130, False, False), (64, 200, True, False), (32, 64, False, True)],
+)
+def test_one_slice_reads_rows_in_place_like_the_packed_path(heads, tokens, with_len, with_sinks):
+    """``rows_unique=True``, one slice: the 64-key kernel reads the rows in place (no packing
+    launch) and masks each entry: invalid rows anywhere, out of range, a pair whose first block (or
+    both blocks) hold no key, an empty row, ``topk_length`` 0 / 33 / none, duplicates counted twice;
+    same result as the packed path and the doubled-key reference, on NaN-poisoned outputs."""
+    q, kv, rows, length, sinks = _gpu_case(tokens, heads, seed=11 * heads + tokens)
+    r = kv.shape[0]
+    rows[0, 1000:1100] = rows[0, 0:100]  # duplicates: two keys each
+    rows[2, :64] = -1  # block 0 of the first pair holds no key, block 1 does
+    rows[3, :64] = r + 5
+    rows[3, 64:128] = -1  # the whole first pair holds no key
+    rows[4, 128:192] = -1  # block 0 of the second pair holds no key
+    length = length if with_len else None
+    sinks = sinks if with_sinks else None
+    assert reads_raw_rows(rows, length)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results = []
+    for pack in (False, True):
+        out = torch.full((tokens, heads, 512), float("nan"), dtype=q.dtype, device=q.device)
+        lse = torch.full((tokens, heads), float("nan"), device=q.device)
+        sparse_mla_decode_gluon(
+            q, kv, rows, scale=SCALE, v_dim=512, out=out, lse_out=lse, num_sms=sms, topk_length=length,
+            sinks=sinks, num_splits=1, rows_unique=True, pack_rows=pack,
+        )  # fmt: skip
+        results.append((out, lse))
+    rows_e, kv_e = _each_occurrence(rows.cpu(), kv)
+    ref_o, ref_l = sparse_mla_reference(q, kv_e, rows_e.cuda(), scale=SCALE, topk_length=length, sinks=sinks)
+    for out, lse in results:
+        _check(out, lse, ref_o, ref_l)
+        assert (out[tokens // 2] == 0).all()  # the empty row
+    (raw_o, raw_l), (packed_o, packed_l) = results
+    assert ((raw_o.float() - packed_o.float()).norm() / packed_o.float().norm()).item() < 1e-2
+    torch.testing.assert_close(raw_l, packed_l, atol=1e-3, rtol=0)

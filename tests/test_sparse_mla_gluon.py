@@ -14,7 +14,9 @@ import torch
 
 from shardattn.kernels.registry import sparse_prefill_kernel
 from shardattn.kernels.sparse_mla_gluon import (
+    GROUPED_CONFIG,
     WS32_CONFIG,
+    WS64_CONFIG,
     GluonConfig,
     compile_for_sm90,
     compile_kernel_for_sm90,
@@ -54,12 +56,25 @@ def test_compile_pipelined_variant_with_sinks_fits_shared_memory():
 
 
 @needs_gluon
+@pytest.mark.parametrize("config", [WS32_CONFIG, WS64_CONFIG], ids=lambda c: c.label)
 @pytest.mark.parametrize(("heads", "group_size"), [(32, 2), (16, 4), (8, 8)])
-def test_compile_grouped_variant_for_sm90(heads, group_size):
-    kernel = compile_kernel_for_sm90("prefill", heads, group_size, sinks=True)
+def test_compile_grouped_variant_for_sm90(heads, group_size, config):
+    kernel = compile_kernel_for_sm90("prefill", heads, group_size, sinks=True, config=config)
     ptx = kernel.asm["ptx"]
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
     assert 0 < kernel.metadata.shared <= 232448
+
+
+@needs_gluon
+def test_compile_64_key_raw_row_mode_masks_entries_in_the_kernel():
+    """Decode's one-launch mode: the 64-key kernel reading the caller's rows, with and without lengths."""
+    from dataclasses import replace
+
+    cfg = replace(WS64_CONFIG, heads_fastest=True)
+    raw = compile_kernel_for_sm90("prefill", 128, config=cfg, raw_rows=True, sinks=True)
+    plain = compile_kernel_for_sm90("prefill", 128, config=cfg, sinks=True)
+    assert "wgmma.mma_async" in raw.asm["ptx"] and raw.asm["ptx"] != plain.asm["ptx"]
+    assert 0 < raw.metadata.shared <= 232448
 
 
 @needs_gluon
@@ -78,7 +93,7 @@ def test_routing_takes_the_64_key_kernel_per_query_and_the_32_key_kernel_grouped
     from shardattn.kernels.sparse_mla_decode_gluon import gluon_decode_config
 
     assert [gluon_config(h).variant for h in (32, 64, 128)] == ["ws64"] * 3
-    assert [gluon_config(64 // g, group_size=g).label for g in (2, 4, 8)] == [WS32_CONFIG.label] * 3
+    assert [gluon_config(64 // g, group_size=g).label for g in (2, 4, 8)] == [GROUPED_CONFIG.label] * 3
     # the measured fastest: opaque slots everywhere, head blocks adjacent only where a token has two
     assert [(gluon_config(h).opaque_slots, gluon_config(h).heads_fastest) for h in (32, 64, 65, 128)] == [
         (True, False),
@@ -97,8 +112,9 @@ def test_routing_takes_the_64_key_kernel_per_query_and_the_32_key_kernel_grouped
         ({"kind": "decode", "heads": 128}, "kind must be"),
         ({"kind": "prefill", "heads": 16, "group_size": 8}, "heads must be <= 8 for group_size=8"),
         ({"kind": "prefill", "heads": 8, "group_size": 3}, "group_size must be one of"),
-        ({"kind": "prefill", "heads": 8, "group_size": 8, "config": PIPELINED}, "needs the 'ws' variant"),
-        ({"kind": "prefill", "heads": 8, "group_size": 8, "config": WS}, "needs the 'ws' variant"),
+        ({"kind": "prefill", "heads": 8, "group_size": 8, "config": PIPELINED}, "needs a warp-specialised variant"),
+        ({"kind": "prefill", "heads": 64, "config": WS32_CONFIG, "raw_rows": True}, "raw_rows needs the 'ws64'"),
+        ({"kind": "prefill", "heads": 8, "group_size": 8, "config": WS, "raw_rows": True}, "and group_size=1"),
     ],
 )
 def test_compile_rejects_what_is_not_written(kwargs, match):
@@ -124,9 +140,10 @@ def test_grouped_launch_rejects_more_heads_than_the_tile_holds():
     union, lens = torch.zeros(1, 8 * K, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="<= 8 heads"):
         launch_gluon_attention(q, kv, union, lens, scale=0.1, v_dim=D_V, group_size=8)
-    for cfg in (PIPELINED, WS):  # the 8-warp and the 64-key kernels are per-query only
-        with pytest.raises(ValueError, match="'ws' variant"):
-            launch_gluon_attention(q[:, :4], kv, union, lens, scale=0.1, v_dim=D_V, group_size=8, config=cfg)
+    with pytest.raises(ValueError, match="warp-specialised variant"):  # the 8-warp kernel is per-query only
+        launch_gluon_attention(q[:, :4], kv, union, lens, scale=0.1, v_dim=D_V, group_size=8, config=PIPELINED)
+    with pytest.raises(ValueError, match="raw_rows needs"):  # raw rows: the 64-key kernel, one query per tile
+        launch_gluon_attention(q[:, :4], kv, union, lens, scale=0.1, v_dim=D_V, group_size=8, raw_rows=True)
 
 
 def test_registry_on_cpu_tensors_is_the_reference():
@@ -216,7 +233,7 @@ def test_warmup_lists_the_gluon_keys_exactly_where_routing_sends_heads(heads):
     expect = []
     g = gluon_grouped_group_size(heads)
     if g is not None:  # the default step's grouped Gluon tile
-        expect.append({"config": WS32_CONFIG.label, "G": g, "HAS_SINK": True, "dtype": torch.bfloat16})
+        expect.append({"config": GROUPED_CONFIG.label, "G": g, "HAS_SINK": True, "dtype": torch.bfloat16})
     if heads >= GLUON_MIN_HEADS:  # the per-query side
         expect.append({"config": gluon_config(heads).label, "G": 1, "HAS_SINK": True, "dtype": torch.bfloat16})
     assert sorted((k.params for k in keys), key=lambda p: p["G"]) == sorted(expect, key=lambda p: p["G"])
@@ -240,8 +257,10 @@ def test_grouped_routing_follows_the_tile_and_the_measured_crossover():
 @pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize(("heads", "group_size"), [(8, 8), (16, 4), (32, 2), (12, 4)], ids=lambda v: str(v))
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
-def test_grouped_gluon_matches_reference_at_real_shape(heads, group_size, with_sinks):
-    """Grouped tiles: a tail group (131 tokens), a whole group with no key, padded heads (12 of 16)."""
+@pytest.mark.parametrize("config", [WS32_CONFIG, WS64_CONFIG], ids=lambda c: c.label)
+def test_grouped_gluon_matches_reference_at_real_shape(heads, group_size, with_sinks, config):
+    """Grouped tiles on both warp-specialised kernels: a tail group (131 tokens), a whole group with
+    no key, padded heads (12 of 16)."""
     from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
     from shardattn.kernels.union import build_union
 
@@ -253,7 +272,7 @@ def test_grouped_gluon_matches_reference_at_real_shape(heads, group_size, with_s
     lse = torch.full((q.shape[0], heads), float("nan"), device=q.device)
     launch_gluon_attention(
         q, kv, union, lens, scale=(D_V + D_R) ** -0.5, v_dim=D_V, sinks=sinks, out=out, lse=lse,
-        group_size=group_size,
+        group_size=group_size, config=config,
     )  # fmt: skip
     torch.cuda.synchronize()
     _assert_close(out, lse, q, kv, rows, length, sinks)

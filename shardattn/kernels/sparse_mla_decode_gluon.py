@@ -13,7 +13,9 @@ block) would leave SMs idle, cuts each token's row list into ``S`` slices run as
   With the default ``rows_unique=False`` the rows are first sorted and de-duplicated by
   :func:`~shardattn.kernels.union.build_union` (a row listed twice is one key); with
   ``rows_unique=True`` they are packed as given (a duplicate then counts twice, exactly as on
-  the Triton path).
+  the Triton path). One slice of unique rows on the 64-key kernel needs no packing: the kernel
+  reads the caller's ``[T, K]`` rows in place and masks each entry (``raw_rows``: an entry outside
+  ``[0, R)`` or past ``topk_length`` is no key), so the whole path is one launch.
 * **q** of pseudo-query ``p`` is ``q[p mod T]``: a stride-0 view for one token, else ``S`` copies.
 * **partials** land in ``[S, T, H, Dv]`` / ``[S, T, H]`` fp32 (the layout of
   :func:`~shardattn.kernels.lse_merge.split_partials`, so a caller's ``workspace`` serves) and
@@ -56,6 +58,7 @@ __all__ = [
     "SPLIT_ROWS",
     "gluon_decode_config",
     "gluon_decode_plan",
+    "reads_raw_rows",
     "sparse_mla_decode_gluon",
     "split_rows",
     "split_rows_reference",
@@ -282,11 +285,26 @@ if triton is not None:
         tl.store(LENS + s.to(tl.int64) * T + t, n, mask=s < S)
 
 
-def _gluon_attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse, kernel: str | None = None) -> None:
+def _gluon_attend(
+    q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows: bool = False, kernel: str | None = None
+) -> None:
     from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 
     cfg = gluon_decode_config(q.shape[1], v_dim, q.shape[-1] - v_dim, kernel)
-    launch_gluon_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse)
+    launch_gluon_attention(
+        q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse, raw_rows=raw_rows
+    )
+
+
+def reads_raw_rows(rows: torch.Tensor, topk_length: torch.Tensor | None, kernel: str | None = None) -> bool:
+    """Whether a one-slice launch of ``kernel`` reads ``rows`` in place (no packing): the 64-key
+    kernel with contiguous int32 rows (and int32 ``topk_length``)."""
+    return (
+        gluon_decode_config(0, kernel=kernel).variant == "ws64"
+        and rows.dtype == torch.int32
+        and rows.stride(-1) == 1
+        and (topk_length is None or topk_length.dtype == torch.int32)
+    )
 
 
 def sparse_mla_decode_gluon(
@@ -306,6 +324,7 @@ def sparse_mla_decode_gluon(
     workspace: torch.Tensor | None = None,
     attend: Callable[..., None] | None = None,
     kernel: str | None = None,
+    pack_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA decode through the Gluon kernel (inputs validated by
     :func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode`, which routes here).
@@ -317,10 +336,13 @@ def sparse_mla_decode_gluon(
         rows_unique: skip the de-duplication (duplicates then count twice, as on the Triton path).
         workspace: optional flat fp32 buffer for the partials (fewer slices if it is too small).
         attend: the per-pseudo-query kernel ``attend(q, kv, union, lens, *, scale, v_dim, sinks,
-            out, lse)``; default the Gluon kernel (tests pass a torch stand-in to check the
-            slicing, sinks and merge on the CPU).
+            out, lse, raw_rows)``; default the Gluon kernel (tests pass a torch stand-in to check
+            the slicing, sinks and merge on the CPU). ``raw_rows=True``: ``union`` is the caller's
+            rows (invalid entries anywhere) and ``lens`` its ``topk_length`` (None = all ``K``).
         kernel: the default ``attend``'s configuration, one of :data:`DECODE_KERNELS` (None = the
             routed :data:`DECODE_KERNEL`).
+        pack_rows: pack the rows even where the kernel could read them in place (a benchmark's
+            baseline; same result).
     Returns:
         ``(out, lse_out)``.
     """
@@ -340,6 +362,9 @@ def sparse_mla_decode_gluon(
     if s == 1:
         if deduped:  # the union's entries past lens are masked by the kernel
             union, lens = src, src_len
+        elif not pack_rows and reads_raw_rows(src, src_len, kernel):  # one launch: rows read in place
+            attend(q, kv, src, src_len, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out, raw_rows=True)
+            return out, lse_out
         else:
             union, lens = split_rows(src, num_kv_rows=r, num_splits=1, chunk=max(chunk, k), topk_length=src_len)
         attend(q, kv, union, lens, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out)

@@ -72,7 +72,7 @@ class GluonConfig:
     ``variant``: ``"pipelined"`` (this module's kernel: 8 warps, ``stages``-deep ring), ``"ws"``
     (:mod:`shardattn.kernels.sparse_mla_gluon_ws`: producer + two consumer warpgroups, a fixed
     4-slot ring; ``regs`` = registers of consumer WG1 and of the producer) or ``"ws64"``
-    (:mod:`shardattn.kernels.sparse_mla_gluon_ws64`: 64-key blocks in pairs, per-query only;
+    (:mod:`shardattn.kernels.sparse_mla_gluon_ws64`: 64-key blocks in pairs, per-query or grouped;
     ``block_n`` 64).
     """
 
@@ -108,13 +108,15 @@ class GluonConfig:
         return self.variant != "pipelined"
 
 
-#: The 32-key warp-specialised kernel: the grouped path (``G > 1``).
+#: The 32-key warp-specialised kernel (the grouped path before the 64-key kernel took groups).
 WS32_CONFIG = GluonConfig(32, 4, "ws", (224, 56), async_arrive=True)
 #: The 64-key kernel on FlashMLA's schedule with opaque slot indices (no spilled wgmma
 #: descriptors): per-query prefill (routed as :func:`gluon_config`: 1.22-1.29x ``WS32_CONFIG`` and
 #: 1.06-1.12x the same kernel without opaque slots on an H200 at 64 / 128 heads,
 #: benchmarks/RESULTS.md) and decode.
 WS64_CONFIG = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True)
+#: Grouped tiles (``G > 1``): the routed configuration.
+GROUPED_CONFIG = WS32_CONFIG
 
 
 def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1) -> GluonConfig:
@@ -129,7 +131,7 @@ def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1)
     8 KB of P buffers). 64 heads per program, fewer pad it.
     """
     del d_v, d_r
-    return replace(WS64_CONFIG, heads_fastest=heads > BLOCK_H) if group_size == 1 else WS32_CONFIG
+    return replace(WS64_CONFIG, heads_fastest=heads > BLOCK_H) if group_size == 1 else GROUPED_CONFIG
 
 
 @functools.lru_cache(maxsize=1)
@@ -310,8 +312,9 @@ def launch_gluon_attention(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     group_size: int = 1,
+    raw_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the Gluon kernel on prepared unions (inputs already validated).
+    """Run the Gluon kernel on prepared unions, or on raw rows (inputs already validated).
 
     ``q``, ``out`` and ``lse`` may each be *head-blocked*: ``[B, T, H/B, ...]`` holds head
     ``b * H/B + i`` of token ``t`` at ``[b, t, i]`` (an all-to-all receive or send buffer, read or
@@ -322,17 +325,25 @@ def launch_gluon_attention(
         union: ``[ceil(T/G), W]`` int32 from :func:`~shardattn.kernels.union.build_union` with
             ``group_size``: sorted unique valid rows per token (``G = 1``) or packed entries with
             one membership bit per query (``G > 1``); lens: ``[ceil(T/G)]`` int32 entries used.
-        config: :func:`gluon_config` for ``group_size`` when None (``G > 1`` needs the ``"ws"`` variant).
+            With ``raw_rows``: union is the caller's ``[T, K]`` rows (invalid entries, ``< 0`` or
+            ``>= R``, anywhere; a duplicate counts twice) and lens its ``topk_length`` or None.
+        config: :func:`gluon_config` for ``group_size`` when None (``G > 1`` and ``raw_rows`` need
+            a warp-specialised variant; ``raw_rows`` the ``"ws64"`` one).
         out / lse: optional destinations ``[T, H, v_dim]`` / ``[T, H]`` (or head-blocked), q's dtype / fp32.
         group_size: ``G`` queries per 64-row tile (``1, 2, 4, 8``; ``G > 1`` needs ``H <= 64 / G``).
+        raw_rows: attend ``union`` as raw rows, masked per entry (no union build, no packing).
     Returns:
         ``(out, lse)``: the given destinations, or new ``[T, H, v_dim]`` q.dtype and ``[T, H]`` fp32.
     """
     d = q.shape[-1]
     h = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
     cfg = config or gluon_config(h, v_dim, d - v_dim, group_size)
-    if group_size > 1 and (cfg.variant != "ws" or h > BLOCK_H // group_size):  # ws64 is per-query
-        raise ValueError(f"group_size={group_size} needs the 'ws' variant and <= {BLOCK_H // group_size} heads")
+    if group_size > 1 and (not cfg.warp_specialized or h > BLOCK_H // group_size):
+        raise ValueError(
+            f"group_size={group_size} needs a warp-specialised variant and <= {BLOCK_H // group_size} heads"
+        )
+    if raw_rows and (cfg.variant != "ws64" or group_size != 1):
+        raise ValueError("raw_rows needs the 'ws64' variant and group_size=1")
     t, h, out, lse = launch_destinations(q, v_dim, out, lse)
     if t == 0 or h == 0:
         return out, lse
@@ -342,13 +353,28 @@ def launch_gluon_attention(
     grid = (num_groups(t, group_size), triton.cdiv(h, heads_per_tile))
     if cfg.warp_specialized and cfg.heads_fastest:  # 1-D grid, a query's head blocks adjacent
         grid = (grid[0] * grid[1],)
-    fn, constexprs, options = _kernel_args(cfg, group_size, v_dim, d - v_dim, sinks is not None)
+    fn, constexprs, options = _kernel_args(
+        cfg, group_size, v_dim, d - v_dim, sinks is not None, raw_rows=raw_rows, has_lens=lens is not None
+    )
     sink_arg = sinks if sinks is not None else lse
-    fn[grid](q, kv, union, lens, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E, **constexprs, **options)
+    lens_arg = lens if lens is not None else union
+    extra = (kv.shape[0], union.shape[1]) if cfg.variant == "ws64" else ()  # R, K
+    fn[grid](
+        q, kv, union, lens_arg, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E, *extra, **constexprs, **options
+    )  # fmt: skip
     return out, lse
 
 
-def _kernel_args(cfg: GluonConfig, group_size: int, v_dim: int, rope_dim: int, sinks: bool):
+def _kernel_args(
+    cfg: GluonConfig,
+    group_size: int,
+    v_dim: int,
+    rope_dim: int,
+    sinks: bool,
+    *,
+    raw_rows: bool = False,
+    has_lens: bool = True,
+):
     """``(kernel, constexpr arguments, launch options)`` of a configuration (the launcher's and the
     AOT compile's)."""
     common = {"D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks}
@@ -357,7 +383,8 @@ def _kernel_args(cfg: GluonConfig, group_size: int, v_dim: int, rope_dim: int, s
     if cfg.variant == "ws64":
         from shardattn.kernels.sparse_mla_gluon_ws64 import ws64_kernel
 
-        ws64 = {"EARLY_KV": cfg.early_kv, "OPAQUE_SLOTS": cfg.opaque_slots}
+        ws64 = {"EARLY_KV": cfg.early_kv, "OPAQUE_SLOTS": cfg.opaque_slots, "G": group_size, "RAW_ROWS": raw_rows}
+        ws64["HAS_LENS"] = has_lens or not raw_rows
         return ws64_kernel(), {**common, "CONSUMER_REGS": cfg.regs[0], **flags, **ws64}, options
     if cfg.variant == "ws":
         from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
@@ -410,6 +437,7 @@ def compile_for_sm90(
     sinks: bool = False,
     dtype: str = "bf16",
     config: GluonConfig | None = None,
+    raw_rows: bool = False,
 ):
     """Compile a Gluon kernel variant for sm_90 ahead of time (no GPU needed); returns its PTX.
 
@@ -418,7 +446,9 @@ def compile_for_sm90(
         heads: query heads per rank (the tile is 64 rows: ``64 / group_size`` heads of
             ``group_size`` queries; at most that many heads when ``group_size > 1``).
         group_size: queries per tile, ``1`` (per-query) or ``2 / 4 / 8`` (grouped: the union's
-            packed entries and membership masks; the ``"ws"`` variant only).
+            packed entries and membership masks; a warp-specialised variant).
+        config: the variant (default :func:`gluon_config`'s); raw_rows: the ``"ws64"`` kernel's
+            raw-row mode (rows masked per entry, as decode launches it).
     Returns:
         The PTX text of the compiled kernel.
     Raises:
@@ -426,8 +456,9 @@ def compile_for_sm90(
         RuntimeError: Gluon is not available in the installed Triton.
     """
     return compile_kernel_for_sm90(
-        kind, heads, group_size, v_dim=v_dim, rope_dim=rope_dim, sinks=sinks, dtype=dtype, config=config
-    ).asm["ptx"]
+        kind, heads, group_size, v_dim=v_dim, rope_dim=rope_dim, sinks=sinks, dtype=dtype, config=config,
+        raw_rows=raw_rows,
+    ).asm["ptx"]  # fmt: skip
 
 
 def compile_kernel_for_sm90(
@@ -440,6 +471,7 @@ def compile_kernel_for_sm90(
     sinks: bool = False,
     dtype: str = "bf16",
     config: GluonConfig | None = None,
+    raw_rows: bool = False,
 ):
     """As :func:`compile_for_sm90`, returning Triton's compiled kernel (``asm``, ``metadata``)."""
     if kind not in KINDS:
@@ -451,8 +483,10 @@ def compile_kernel_for_sm90(
     cfg = config or gluon_config(heads, v_dim, rope_dim, group_size)
     if group_size > 1 and heads > BLOCK_H // group_size:
         raise ValueError(f"heads must be <= {BLOCK_H // group_size} for group_size={group_size}, got {heads}")
-    if group_size > 1 and cfg.variant != "ws":
-        raise ValueError(f"group_size={group_size} needs the 'ws' variant, got {cfg.variant!r}")
+    if group_size > 1 and not cfg.warp_specialized:
+        raise ValueError(f"group_size={group_size} needs a warp-specialised variant, got {cfg.variant!r}")
+    if raw_rows and (cfg.variant != "ws64" or group_size != 1):
+        raise ValueError(f"raw_rows needs the 'ws64' variant and group_size=1, got {cfg.variant!r}, {group_size}")
     why = gluon_available()
     if why is not None:
         raise RuntimeError(why)
@@ -470,7 +504,9 @@ def compile_kernel_for_sm90(
         "stride_lb": "i32", "stride_lt": "i32", "stride_lh": "i32",
         "qk_scale": "fp32",
     }  # fmt: skip
-    fn, constexprs, options = _kernel_args(cfg, group_size, v_dim, rope_dim, sinks)
+    if cfg.variant == "ws64":
+        signature.update({"R": "i32", "K": "i32"})
+    fn, constexprs, options = _kernel_args(cfg, group_size, v_dim, rope_dim, sinks, raw_rows=raw_rows)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     # what the launcher's specialisation sees at run time: 16-byte aligned pointers and strides
     # (except the arguments it never specialises)
@@ -485,6 +521,7 @@ def compile_kernel_for_sm90(
 
 __all__ = [
     "BLOCK_H",
+    "GROUPED_CONFIG",
     "WS32_CONFIG",
     "WS64_CONFIG",
     "GluonConfig",

@@ -55,7 +55,7 @@ if HAS_GLUON:
     from shardattn.kernels.sparse_mla_gluon_ws import _tile_rows, _ws_epilogue
 
 #: Launch arguments never specialised (as the 32-key kernel: token count, LSE head-block geometry).
-NOT_SPECIALIZED = ["T", "HB", "stride_lb", "stride_lt"]
+NOT_SPECIALIZED = ["T", "HB", "stride_lb", "stride_lt", "R", "K"]
 #: Keys per block.
 BLOCK_N = 64
 
@@ -73,10 +73,43 @@ if HAS_GLUON:
         return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
     @gluon.jit
-    def _block_rows(u_base, n_len, blk, lay: gl.constexpr):
-        """Row ids of 64-key block ``blk`` in the row slice of ``lay`` (-1 past ``n_len``)."""
+    def _block_rows(u_base, n_len, blk, lay: gl.constexpr, G: gl.constexpr, RAW_ROWS: gl.constexpr, R):
+        """Row ids of 64-key block ``blk`` in the row slice of ``lay``: -1 past ``n_len``; ``G > 1``:
+        the 24-bit row of each packed entry; ``RAW_ROWS``: -1 for an entry outside ``[0, R)``."""
         n = blk * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
-        return gl.load(u_base + n, mask=n < n_len, other=-1)
+        e = gl.load(u_base + n, mask=n < n_len, other=-1)
+        if G > 1:
+            e = gl.where(n < n_len, e & 0xFFFFFF, -1)
+        if RAW_ROWS:
+            e = gl.where((e >= 0) & (e < R), e, -1)
+        return e
+
+    @gluon.jit
+    def _block_keep(u_base, n_len, blk, cols, qj, G: gl.constexpr, RAW_ROWS: gl.constexpr, R):
+        """Which tile rows keep which keys of block ``blk`` (``[64, 64]``, or ``[1, 64]`` when every
+        row keeps the same keys): keys before ``n_len``; ``G > 1``: where the row's query has its
+        membership bit; ``RAW_ROWS``: entries in ``[0, R)``. ``cols`` / ``qj``: key and query index
+        vectors in the S layout's column / row slices."""
+        n = blk * 64 + cols
+        if G > 1:
+            bits = (gl.load(u_base + n, mask=n < n_len, other=0) >> 24) & 0xFF
+            keep = ((bits[None, :] >> qj[:, None]) & 1) != 0
+        elif RAW_ROWS:
+            e = gl.load(u_base + n, mask=n < n_len, other=-1)
+            keep = ((e >= 0) & (e < R))[None, :]
+        else:
+            keep = (n < n_len)[None, :]
+        return keep
+
+    @gluon.jit
+    def _finite(m, G: gl.constexpr, RAW_ROWS: gl.constexpr):
+        """``m`` with ``-inf`` (a row with no key yet) read as 0, so ``exp2(x - m)`` is 0, not NaN. Needed
+        only where a pair's first block may hold no key for a row (``G > 1`` or ``RAW_ROWS``); a
+        sorted union's block ``2i`` always holds one."""
+        if G > 1 or RAW_ROWS:
+            return gl.where(m == float("-inf"), 0.0, m)
+        else:
+            return m
 
     @gluon.jit
     def _gather(dst, KV, rows, stride_kvr, col0, WIDTH: gl.constexpr, lay: gl.constexpr):
@@ -86,33 +119,34 @@ if HAS_GLUON:
         _async_load(dst, ptr, mask=(rows >= 0)[:, None])
 
     @gluon.jit
-    def _load_q(dst, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, col0, WIDTH: gl.constexpr):
+    def _load_q(dst, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, col0, WIDTH: gl.constexpr, G: gl.constexpr):
         """cp.async the tile's q columns ``[col0, col0 + WIDTH)`` (rows past H or T zero-filled)."""
         lay: gl.constexpr = _gather_layout()
-        t, blk, hin, _h, ok = _tile_rows(g, hb, T, H, HB, 1, gl.SliceLayout(1, lay))
+        t, blk, hin, _h, ok = _tile_rows(g, hb, T, H, HB, G, gl.SliceLayout(1, lay))
         row = t * stride_qt + blk * stride_qb + hin.to(gl.int64) * stride_qh
         d = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, lay))
         _async_load(dst, Q + row[:, None] + col0 + d[None, :], mask=ok[:, None])
 
     @gluon.jit
-    def _producer(args, D_V: gl.constexpr, D_R: gl.constexpr, EARLY_KV: gl.constexpr):
+    def _producer(args, D_V: gl.constexpr, D_R: gl.constexpr, EARLY_KV: gl.constexpr, G: gl.constexpr,
+                  RAW_ROWS: gl.constexpr):  # fmt: skip
         (KV, u_base, n_len, stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, _p1, _m_buf, _l_bufs, ready,
-         free, _m0_ready, _m1_ready, _p0_ready, _p1_ready, _l_ready, _qk_scale, q_ready, q_src) = args  # fmt: skip
+         free, _m0_ready, _m1_ready, _p0_ready, _p1_ready, _l_ready, _qk_scale, q_ready, q_src, R) = args  # fmt: skip
         HALF: gl.constexpr = D_V // 2
         lay: gl.constexpr = _gather_layout()
         if EARLY_KV:  # Q first, then straight on to the KV rows (the consumers wait for q_ready)
             (Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh) = q_src
-            _load_q(q_l.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF)
-            _load_q(q_r.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF)
-            _load_q(q_rope.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R)
+            _load_q(q_l.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF, G)
+            _load_q(q_r.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF, G)
+            _load_q(q_rope.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R, G)
             cp.mbarrier_arrive(q_ready, increment_count=False)
-        r0 = _block_rows(u_base, n_len, 0, lay)
-        r1 = _block_rows(u_base, n_len, 1, lay)
+        r0 = _block_rows(u_base, n_len, 0, lay, G, RAW_ROWS, R)
+        r1 = _block_rows(u_base, n_len, 1, lay, G, RAW_ROWS, R)
         for i in range(n_pairs):
             ph = (i & 1) ^ 1
             # the next pair's row ids, loaded a pair ahead (their latency hides behind the copies)
-            r0_next = _block_rows(u_base, n_len, 2 * i + 2, lay)
-            r1_next = _block_rows(u_base, n_len, 2 * i + 3, lay)
+            r0_next = _block_rows(u_base, n_len, 2 * i + 2, lay, G, RAW_ROWS, R)
+            r1_next = _block_rows(u_base, n_len, 2 * i + 3, lay, G, RAW_ROWS, R)
             mbarrier.wait(free.index(_L0), ph)
             _gather(k_l.index(0), KV, r0, stride_kvr, 0, HALF, lay)
             cp.mbarrier_arrive(ready.index(_L0), increment_count=False)
@@ -172,10 +206,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer0(args, D_V: gl.constexpr, PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr,
-                   OPAQUE_SLOTS: gl.constexpr):  # fmt: skip
+                   OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr, RAW_ROWS: gl.constexpr):  # fmt: skip
         """WG0: block ``2i`` of each pair, output columns ``[0, Dv/2)``; returns ``(acc, m_i, l_i)``."""
-        (_KV, _u_base, n_len, _stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs,
-         ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready, _q_src) = args  # fmt: skip
+        (_KV, u_base, n_len, _stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs,
+         ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready, _q_src, R) = args  # fmt: skip
         if EARLY_KV:
             mbarrier.wait(q_ready, 0)
         dtype: gl.constexpr = q_l.dtype
@@ -190,6 +224,7 @@ if HAS_GLUON:
         acc = gl.zeros([64, D_V // 2], gl.float32, layout=mma_o)
         s_zero = gl.zeros([64, 64], gl.float32, layout=mma_s)
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, mma_s))
+        qj = gl.arange(0, 64, layout=row_l) // (64 // G)  # the group's query of each tile row
         s = s_zero
         if PREFETCH_QK:  # pair 0's S0 here; pair i + 1's at the end of pair i
             if n_pairs > 0:
@@ -197,14 +232,16 @@ if HAS_GLUON:
         for i in range(n_pairs):
             ph = i & 1
             z = _slot0(i, OPAQUE_SLOTS)
+            keep = _block_keep(u_base, n_len, 2 * i, cols, qj, G, RAW_ROWS, R)  # read while the gather lands
             if not PREFETCH_QK:
                 s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, ph, _qk0_left(q_l, k_l, ready, ph, s_zero, z), z)
-            s_m = gl.where((2 * i * 64 + cols < n_len)[None, :], s * qk_scale, float("-inf"))
-            m0 = gl.maximum(m_i, gl.max(s_m, axis=1))  # finite: block 2i holds a key
+            s_m = gl.where(keep, s * qk_scale, float("-inf"))
+            m0 = gl.maximum(m_i, gl.max(s_m, axis=1))  # finite for a sorted union: block 2i holds a key
             m_buf.store(m0)
             mbarrier.arrive(m0_ready, count=1)
-            alpha = gl.exp2(m_i - m0)
-            p = gl.exp2(s_m - m0[:, None])
+            m0_f = _finite(m0, G, RAW_ROWS)
+            alpha = gl.exp2(m_i - m0_f)
+            p = gl.exp2(s_m - m0_f[:, None])
             l_i = l_i * alpha + gl.sum(p, axis=1)
             acc = acc * _rows_of(alpha, mma_o)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), k_l.index(z), acc, is_async=True)
@@ -213,7 +250,7 @@ if HAS_GLUON:
             # WG1's final max of the pair: P0 rescaled to it goes to WG1 through block 0's rope slot
             mbarrier.wait(m1_ready, ph)
             m1 = m_buf.load(row_l)
-            sc = gl.exp2(m0 - m1)
+            sc = gl.exp2(m0 - _finite(m1, G, RAW_ROWS))  # 0 while the row has no key (its P is 0)
             k_rope.index(z).store((p * sc[:, None]).to(dtype))
             fence_async_shared()
             mbarrier.arrive(p0_ready, count=1)
@@ -236,10 +273,11 @@ if HAS_GLUON:
         return acc, m_i, _combine_l(l_i, l_bufs, l_ready, 0)
 
     @gluon.jit
-    def _consumer1(args, D_V: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr):
+    def _consumer1(args, D_V: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
+                   RAW_ROWS: gl.constexpr):  # fmt: skip
         """WG1: block ``2i + 1`` of each pair, output columns ``[Dv/2, Dv)``; returns ``(acc, m_i, l_i)``."""
-        (_KV, _u_base, n_len, _stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs,
-         ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready, _q_src) = args  # fmt: skip
+        (_KV, u_base, n_len, _stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs,
+         ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready, _q_src, R) = args  # fmt: skip
         if EARLY_KV:
             mbarrier.wait(q_ready, 0)
         dtype: gl.constexpr = q_l.dtype
@@ -254,22 +292,25 @@ if HAS_GLUON:
         acc = gl.zeros([64, D_V // 2], gl.float32, layout=mma_o)
         s_zero = gl.zeros([64, 64], gl.float32, layout=mma_s)
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, mma_s))
+        qj = gl.arange(0, 64, layout=row_l) // (64 // G)  # the group's query of each tile row
         for i in range(n_pairs):
             ph = i & 1
             z = _slot0(i, OPAQUE_SLOTS)
+            keep = _block_keep(u_base, n_len, 2 * i + 1, cols, qj, G, RAW_ROWS, R)  # read while the gather lands
             mbarrier.wait(ready.index(_R1), ph)
             s = warpgroup_mma(q_r.index(z), k_r.index(1 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma(q_rope.index(z), k_rope.index(1 + z).permute((1, 0)), s, is_async=True)
             mbarrier.wait(ready.index(_L1), ph)
             s = warpgroup_mma(q_l.index(z), k_l.index(1 + z).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            s = gl.where(((2 * i + 1) * 64 + cols < n_len)[None, :], s * qk_scale, float("-inf"))
+            s = gl.where(keep, s * qk_scale, float("-inf"))
             mbarrier.wait(m0_ready, ph)
             m1 = gl.maximum(m_buf.load(row_l), gl.max(s, axis=1))  # WG0's m0 already holds the running max
             m_buf.store(m1)
             mbarrier.arrive(m1_ready, count=1)
-            alpha = gl.exp2(m_i - m1)
-            p = gl.exp2(s - m1[:, None])
+            m1_f = _finite(m1, G, RAW_ROWS)
+            alpha = gl.exp2(m_i - m1_f)
+            p = gl.exp2(s - m1_f[:, None])
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m1
             acc = acc * _rows_of(alpha, mma_o)
@@ -288,20 +329,23 @@ if HAS_GLUON:
 
     @gluon.jit
     def _wg0(args, out_args, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-             PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr):  # fmt: skip
-        acc, m_i, l_i = _consumer0(args, D_V, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS)
-        _ws_epilogue(acc, m_i, l_i, out_args, 0, D_V, HAS_SINK, 1)
+             PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
+             RAW_ROWS: gl.constexpr):  # fmt: skip
+        acc, m_i, l_i = _consumer0(args, D_V, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS)
+        _ws_epilogue(acc, m_i, l_i, out_args, 0, D_V, HAS_SINK, G)
 
     @gluon.jit
     def _wg1(args, out_args, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-             PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr):  # fmt: skip
-        acc, m_i, l_i = _consumer1(args, D_V, EARLY_KV, OPAQUE_SLOTS)
-        _ws_epilogue(acc, m_i, l_i, out_args, 1, D_V, HAS_SINK, 1)
+             PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
+             RAW_ROWS: gl.constexpr):  # fmt: skip
+        acc, m_i, l_i = _consumer1(args, D_V, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS)
+        _ws_epilogue(acc, m_i, l_i, out_args, 1, D_V, HAS_SINK, G)
 
     @gluon.jit
     def _load(args, out_args, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-              PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr):  # fmt: skip
-        _producer(args, D_V, D_R, EARLY_KV)
+              PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
+              RAW_ROWS: gl.constexpr):  # fmt: skip
+        _producer(args, D_V, D_R, EARLY_KV, G, RAW_ROWS)
 
     @gluon.jit(do_not_specialize=NOT_SPECIALIZED)
     def _sparse_mla_gluon_ws64_fwd(
@@ -309,15 +353,16 @@ if HAS_GLUON:
         T, H, HB,
         stride_qb, stride_qt, stride_qh, stride_kvr, stride_ug,
         stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
-        qk_scale,
+        qk_scale, R, K,
         D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PREFETCH_QK: gl.constexpr, HEADS_FASTEST: gl.constexpr,
         EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr,
+        G: gl.constexpr = 1, RAW_ROWS: gl.constexpr = False, HAS_LENS: gl.constexpr = True,
     ):  # fmt: skip
         dtype: gl.constexpr = Q.dtype.element_ty
         HALF: gl.constexpr = D_V // 2
         if HEADS_FASTEST:  # 1-D grid, a token's head blocks adjacent
-            n_hb = gl.cdiv(H, 64)
+            n_hb = gl.cdiv(H, 64 // G)
             pid = gl.program_id(0)
             g = (pid // n_hb).to(gl.int64)
             hb = pid % n_hb
@@ -351,19 +396,24 @@ if HAS_GLUON:
         q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_l)
         mbarrier.init(q_ready, count=128)  # EARLY_KV: one cp.async arrival per producer thread
         if not EARLY_KV:  # Q by the 4 warps here, before the partitions start
-            _load_q(q_l.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF)
-            _load_q(q_r.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF)
-            _load_q(q_rope.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R)
+            _load_q(q_l.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF, G)
+            _load_q(q_r.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF, G)
+            _load_q(q_rope.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R, G)
             cp.commit_group()
             cp.wait_group(0)
             fence_async_shared()
         _cta_barrier()
 
-        n_len = gl.load(LENS + g)
+        if RAW_ROWS:  # the token's own row: its first topk_length entries (all K without lengths)
+            n_len = K
+            if HAS_LENS:
+                n_len = gl.minimum(gl.maximum(gl.load(LENS + g), 0), K)
+        else:
+            n_len = gl.load(LENS + g)
         n_pairs = gl.cdiv(gl.cdiv(n_len, 64), 2)
         args = (KV, UNION + g * stride_ug, n_len, stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf,
                 m_buf, l_bufs, ready, free, sync.index(0), sync.index(1), sync.index(2), sync.index(3),
-                l_ready, qk_scale, q_ready, (Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh))  # fmt: skip
+                l_ready, qk_scale, q_ready, (Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh), R)  # fmt: skip
         out_args = (OUT, LSE, SINKS, g, hb, T, H, HB, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
                     stride_lh)  # fmt: skip
         # the producer is the default partition (it gets what the consumers leave of the kernel's
@@ -371,9 +421,9 @@ if HAS_GLUON:
         # there spilled (``benchmarks/RESULTS.md``)
         gl.warp_specialize(
             [
-                (_load, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS)),
-                (_wg0, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS)),
-                (_wg1, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS)),
+                (_load, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS)),
+                (_wg0, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS)),
+                (_wg1, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS)),
             ],
             [4, 4],
             [CONSUMER_REGS, CONSUMER_REGS],
