@@ -221,6 +221,26 @@ def test_calibrate_command_writes_a_loadable_table(tmp_path) -> None:
     assert choose_prefill(CostModel(cal), _shape(2)).best.ms > 0
 
 
+def test_calibrate_merge_into_keeps_the_tables_collectives_and_steps(tmp_path) -> None:
+    """``--merge-into``: new kernel points, the table's collectives and step overheads; another GPU's
+    table is refused with a clear error."""
+    from shardattn.calibrate.__main__ import main
+
+    table = dataclasses.replace(RT_SHARDQ_WINS, gpu="cpu", source="two-rank run")
+    path = tmp_path / "table.json"
+    path.write_text(table.to_json())
+    out = tmp_path / "merged.json"
+    argv = ["--out", str(out), "--heads", "8", "--tokens", "32", "--topk", "8", "--cached", "32", "--reps", "1"]
+    assert main([*argv, "--no-progress", "--merge-into", str(path)]) == 0
+    merged = Calibration.from_json(out.read_text())
+    assert merged.collectives == table.collectives and merged.steps == table.steps
+    assert {(k.heads, k.group_size, k.tokens) for k in merged.kernels} == {(8, 1, 32), (8, 8, 32)}
+    assert merged.source.startswith("two-rank run; kernel points re-measured: ")
+    path.write_text(dataclasses.replace(table, gpu="Other GPU").to_json())
+    with pytest.raises(ValueError, match="the table is for 'Other GPU'"):
+        main([*argv, "--no-progress", "--merge-into", str(path)])
+
+
 def _paths_body(group) -> dict:
     from shardattn.calibrate.steps import measure_paths
 

@@ -42,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=5, help="timed calls per point (default 5)")
     p.add_argument("--no-steps", dest="steps", action="store_false", help="skip the whole-step overhead fit")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument(
+        "--merge-into",
+        default=None,
+        metavar="TABLE",
+        help="re-measure the kernel points only and keep TABLE's collectives and step overheads (after a kernel "
+        "change, on one GPU of the machine TABLE was measured on)",
+    )
     return p
 
 
@@ -143,10 +150,31 @@ def _with_steps(cal: Calibration, steps: dict[str, StepOverhead]) -> Calibration
     return dataclasses.replace(cal, steps=steps)
 
 
+def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
+    """``table`` with ``fresh``'s kernel points, union ratios and copy rate (its collectives and
+    step overheads kept); both must be of the same GPU."""
+    if fresh.gpu != table.gpu:
+        raise ValueError(f"--merge-into: the table is for {table.gpu!r}, this GPU is {fresh.gpu!r}")
+    return dataclasses.replace(
+        table,
+        kernels=fresh.kernels,
+        union_ratio=fresh.union_ratio,
+        copy_gbps=fresh.copy_gbps,
+        source=f"{table.source}; kernel points re-measured: {fresh.source}",
+    )
+
+
 def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
+    table = None
+    if args.merge_into is not None:  # read it first: a bad path fails before minutes of measuring
+        with open(args.merge_into) as f:
+            table = Calibration.from_json(f.read())
+        args.steps = False
     cal = calibrate(args, group)
     if cal is None:
         return
+    if table is not None:
+        cal = merge_kernel_points(table, cal)
     with open(args.out, "w") as f:
         f.write(cal.to_json() + "\n")
     print(f"wrote {args.out}: {cal.gpu}, {len(cal.kernels)} kernel points, copy {cal.copy_gbps:g} GB/s", flush=True)

@@ -115,8 +115,10 @@ WS32_CONFIG = GluonConfig(32, 4, "ws", (224, 56), async_arrive=True)
 #: 1.06-1.12x the same kernel without opaque slots on an H200 at 64 / 128 heads,
 #: benchmarks/RESULTS.md) and decode.
 WS64_CONFIG = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True)
-#: Grouped tiles (``G > 1``): the routed configuration.
-GROUPED_CONFIG = WS32_CONFIG
+#: Grouped tiles (``G > 1``): the 64-key kernel with membership masks, measured on an H200 at 8 /
+#: 16 / 32 heads (G = 8 / 4 / 2), T = 4K / 16K: kernel 1.28-1.38x and step (union build
+#: included) 1.13-1.29x the 32-key kernel's (benchmarks/RESULTS.md, "Grouped tiles on the 64-key kernel").
+GROUPED_CONFIG = WS64_CONFIG
 
 
 def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1) -> GluonConfig:
@@ -127,8 +129,9 @@ def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1)
     key blocks + an 8 KB P buffer), with a token's head blocks adjacent in the grid when it has
     more than one (``heads > 64``: its programs share the rows in L2; measured 1.06x at 128
     heads, T = 16K; with one head block the flag only costs a division, 0.96-0.98x at 64 heads);
-    grouped tiles (``group_size > 1``): the 32-key kernel (Q 72 KB + a 4-slot ring of 36 KB +
-    8 KB of P buffers). 64 heads per program, fewer pad it.
+    grouped tiles (``group_size > 1``): the same kernel, ``64 / G`` heads of ``G`` queries per
+    tile, each row masked to its query's keys (:data:`GROUPED_CONFIG`). 64 rows per program,
+    fewer pad it.
     """
     del d_v, d_r
     return replace(WS64_CONFIG, heads_fastest=heads > BLOCK_H) if group_size == 1 else GROUPED_CONFIG

@@ -1,9 +1,21 @@
 """Warp-specialised Gluon sparse-MLA prefill for Hopper (sm_90) on 64-key blocks, FlashMLA's schedule.
 
-Per-query only (``G = 1``): one program owns one query token and 64 heads (128 heads: two
-programs per token) and walks the token's sorted, de-duplicated rows (``union[t, :lens[t]]``
-from :func:`shardattn.kernels.union.build_union`) as *pairs* of 64-key blocks. Three
-warpgroups (12 warps) share the work through shared memory and mbarriers:
+One program owns one query token and 64 heads (128 heads: two programs per token) and walks the
+token's sorted, de-duplicated rows (``union[t, :lens[t]]`` from
+:func:`shardattn.kernels.union.build_union`) as *pairs* of 64-key blocks. Two more modes share
+the pipeline (compile-time; only the row ids the producer gathers and the keys each tile row
+keeps change, :func:`_block_rows` / :func:`_block_keep`):
+
+* **grouped** (``G = 2, 4, 8``): the tile's 64 rows are ``G`` consecutive queries x ``64 / G``
+  heads; the program walks the group's union of packed entries (row in 24 bits, one membership
+  bit per query above it) and each row keeps only its query's keys (the 32-key kernel's scheme);
+* **raw rows** (``RAW_ROWS``, decode): the program walks the caller's ``[T, K]`` rows in place,
+  the first ``topk_length`` of them (all ``K`` without it), and masks each entry outside
+  ``[0, R)``; no union build, no packing, a duplicate counts twice.
+
+In both a pair's first block may hold no key for a row, so the online softmax reads a running
+max of ``-inf`` as 0 there (:func:`_finite`). Three warpgroups (12 warps) share the work
+through shared memory and mbarriers:
 
 * **producer** (4 warps): gathers the pair's two blocks with ``cp.async`` into a one-pair ring,
   each block split in a left half (nope columns ``[0, Dv/2)``) and a right half (nope

@@ -85,7 +85,9 @@ one 64-row tile and their union of top-k rows) runs, and ``G = gluon_grouped_gro
 of a default grouped step where it runs. Measured on an H200 (benchmarks/RESULTS.md, "Grouped
 Gluon prefill", DSA-like top-k, T = 4K, union build included): 1.34x the Triton grouped step at
 8 heads (G = 8), 1.46x at 16 (G = 4, against 1.01x for Triton grouped over per-query), 1.57x at
-32 (G = 2; 1.40x the per-query Gluon step). The kernel holds at most 32 heads."""
+32 (G = 2; 1.40x the per-query Gluon step). The kernel holds at most 32 heads. Since 2026-12-01
+the grouped tiles run on the 64-key kernel (``GROUPED_CONFIG``): 1.13-1.29x the 32-key grouped
+step at 8 / 16 / 32 heads, T = 4K / 16K ("Grouped tiles on the 64-key kernel")."""
 PREFILL_KERNELS = ("gluon", "triton", "reference")
 GLUON_DECODE_MIN_HEADS = 32
 """Fewest heads per query at which sparse-MLA decode runs the Gluon kernel (sm_90) instead of the
