@@ -160,7 +160,7 @@ def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
         kernels=fresh.kernels,
         union_ratio=fresh.union_ratio,
         copy_gbps=fresh.copy_gbps,
-        source=f"{table.source}; kernel points re-measured: {fresh.source}",
+        source=f"{table.source}; kernel points re-measured: {fresh.source.split(';')[0]}",
     )
 
 
