@@ -150,6 +150,9 @@ def _with_steps(cal: Calibration, steps: dict[str, StepOverhead]) -> Calibration
     return dataclasses.replace(cal, steps=steps)
 
 
+_REMEASURED = "; kernel points re-measured: "
+
+
 def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
     """``table`` with ``fresh``'s kernel points, union ratios and copy rate (its collectives and
     step overheads kept); both must be of the same GPU."""
@@ -160,7 +163,7 @@ def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
         kernels=fresh.kernels,
         union_ratio=fresh.union_ratio,
         copy_gbps=fresh.copy_gbps,
-        source=f"{table.source}; kernel points re-measured: {fresh.source.split(';')[0]}",
+        source=f"{table.source.split(_REMEASURED)[0]}{_REMEASURED}{fresh.source.split(';')[0]}",
     )
 
 
