@@ -177,6 +177,14 @@ def _decode_body(
             topk_pos=s.positions,
             req_ids=s.req_ids,
         )
+        # an indexer's top-k has no repeated position: topk_unique skips the de-duplication, same answer
+        assert all(len(set(r)) == len(r) for r in (row[row >= 0].tolist() for row in s.positions))
+        out_u, lse_u = rt.decode(
+            _heads(s.q, rank, world).contiguous(), s.local_kv, s.local_table, s.seq_lens,
+            topk_pos=s.positions, req_ids=s.req_ids, topk_unique=True,
+        )  # fmt: skip
+        torch.testing.assert_close(out_u, out, atol=1e-6, rtol=0)
+        torch.testing.assert_close(lse_u, lse, atol=1e-6, rtol=0)
         ref = _mla_oracle(s, rt.scale, s.seq_lens)
         other = ref  # sparse MLA: causality lives in the top-k positions
     else:

@@ -397,7 +397,7 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
     calls = []
 
     def record(q, kv, rows, **kw):
-        calls.append((q.shape[0], kw.get("backend"), kw.get("num_splits")))
+        calls.append((q.shape[0], kw.get("backend"), kw.get("num_splits"), kw.get("rows_unique", False)))
 
     monkeypatch.setattr(dw, "sparse_mla_decode", record)
     monkeypatch.setattr(dw, "sparse_decode_kernel", lambda q, kv, v_dim: (routed, "test"))
@@ -409,10 +409,12 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
         scale=0.1, dcp=None, need_lse=True, gqa_backend="triton",
     )  # fmt: skip
     for t in (1, 2, 40):
-        assert (t, None, None) in calls and (t, "triton", None) in calls
-    assert {(1, "triton", s) for s in dw.COLUMN_MERGE_WARMUP_SPLITS} <= set(calls)  # every column-merge variant
+        assert (t, None, None, False) in calls and (t, "triton", None, False) in calls
+    assert {(1, "triton", s, False) for s in dw.COLUMN_MERGE_WARMUP_SPLITS} <= set(calls)  # every column merge
     gluon = {c for c in calls if c[1] == "gluon"}
-    assert gluon == ({(40, "gluon", 1), (40, "gluon", 2)} if routed == "gluon" else set())
+    # unsplit, sliced, and unsplit on unique rows (read in place: the raw-row kernel variant)
+    want = {(40, "gluon", 1, False), (40, "gluon", 2, False), (40, "gluon", 1, True)}
+    assert gluon == (want if routed == "gluon" else set())
 
 
 @pytest.mark.gpu

@@ -94,10 +94,12 @@ def warm_up_decode(
                         q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton", num_splits=splits
                     )
                     launches += 1
-                for splits in (1, 2) if gluon else ():
+                for splits, unique in ((1, False), (2, False), (1, True)) if gluon else ():
+                    # rows_unique (topk_unique): one slice reads the rows in place, another kernel variant
                     sparse_mla_decode(
-                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="gluon", num_splits=splits
-                    )
+                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="gluon", num_splits=splits,
+                        rows_unique=unique,
+                    )  # fmt: skip
                     launches += 1
         return launches
     k = randn(2, page, kv_heads, d)

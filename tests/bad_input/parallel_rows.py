@@ -360,6 +360,11 @@ def parallel_rows() -> list[Row]:
             Raises(ValueError, r"sparse-MLA decode needs topk_pos"),
         ),
         (
+            "Runtime.decode-topk-unique-not-a-bool",
+            _runtime_step("decode", MLA_SPEC, "headtp", topk_unique=1),
+            Raises(TypeError, r"^topk_unique must be a bool"),
+        ),
+        (
             "Runtime.decode-kv-pair-for-mla",
             _runtime_step("decode", MLA_SPEC, "headtp", kv_cache=lambda a: (a["kv_cache"], a["kv_cache"])),
             Raises(TypeError, r"^kv_cache of a sparse-MLA model"),
