@@ -31,7 +31,14 @@ from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.runtime import Runtime
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan import pcp_plan, zigzag_split
-from shardattn.plan.pipeline import AUTO_MAX_CHUNKS, CHUNK_WORK, MAX_CHUNKS, choose_chunks, pipeline_plan
+from shardattn.plan.pipeline import (
+    AUTO_MAX_CHUNKS,
+    CHUNK_WORK,
+    MAX_CHUNKS,
+    choose_chunks,
+    chunk_weights,
+    pipeline_plan,
+)
 from shardattn.plan.spec import ModelSpec
 
 D, DV = 48, 32
@@ -47,14 +54,16 @@ SETTINGS = settings(
     world=st.integers(1, 4),
     chunks=st.integers(1, 9),
     align=st.sampled_from([1, 2, 4, 8]),
+    taper=st.booleans(),
 )
-def test_pipeline_plan_cuts_every_share_into_aligned_runs(lens, world, chunks, align) -> None:
+def test_pipeline_plan_cuts_every_share_into_aligned_runs(lens, world, chunks, align, taper) -> None:
     plan = zigzag_split(lens, world, align=align, min_tokens=0)
     if not plan.sharded:
         with pytest.raises(ValueError, match="sharded"):
-            pipeline_plan(plan, chunks, align=align)
+            pipeline_plan(plan, chunks, align=align, taper=taper)
         return
-    pp = pipeline_plan(plan, chunks, align=align)
+    pp = pipeline_plan(plan, chunks, align=align, taper=taper)
+    assert pp.taper is taper
     for r in range(world):
         ids = plan.token_ids(r).tolist()
         b = pp.bounds[r]
@@ -66,6 +75,44 @@ def test_pipeline_plan_cuts_every_share_into_aligned_runs(lens, world, chunks, a
             offsets = [o + i for _, o, n in pp.runs(r, c) for i in range(n)]
             assert expanded == piece and offsets == list(range(len(piece)))
             assert pp.count(r, c) == len(piece)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(n=st.integers(0, 300), chunks=st.integers(1, MAX_CHUNKS), align=st.sampled_from([1, 2, 4, 8]))
+def test_tapered_chunks_follow_their_weights(n, chunks, align) -> None:
+    plan = zigzag_split([2 * n + 1], 2, align=align, min_tokens=0)  # rank shares of about n tokens
+    flat = pipeline_plan(plan, chunks, align=align)
+    tapered = pipeline_plan(plan, chunks, align=align, taper=True)
+    weights = chunk_weights(chunks, taper=True)
+    assert len(weights) == chunks and sum(weights) == (2 * chunks - 2 if chunks >= 3 else chunks)
+    for r in range(2):
+        share = len(plan.token_ids(r))
+        # untapered: the equal cut as before (chunk i ends at floor(n * i / C), aligned down)
+        assert flat.bounds[r].tolist() == [0, *(share * i // chunks // align * align for i in range(1, chunks)), share]
+        if chunks < 3:  # no middle chunk: equal weights, the same plan
+            assert tapered.bounds[r].tolist() == flat.bounds[r].tolist()
+            continue
+        sizes = [tapered.count(r, c) for c in range(chunks)]
+        ends = np.cumsum(weights)
+        for c, size in enumerate(sizes):  # each chunk within an alignment step of its share of the weights
+            ideal = share * weights[c] / ends[-1]
+            assert abs(size - ideal) < 1 + align, (sizes, share)
+        if align == 1 and share >= ends[-1]:  # the first and last chunks are the smallest
+            assert max(sizes[0], sizes[-1]) <= min(sizes[1:-1]), sizes
+    # the plans differ (for a share larger than the weights) and their fingerprints say so
+    if chunks >= 3 and not np.array_equal(flat.bounds, tapered.bounds):
+        assert flat.fingerprint() != tapered.fingerprint()
+    assert flat.fingerprint()[3] is False and tapered.fingerprint()[3] is True
+
+
+def test_chunk_weights_rejects_bad_arguments() -> None:
+    assert chunk_weights(5, taper=True) == (1, 2, 2, 2, 1) and chunk_weights(1, taper=True) == (1,)
+    with pytest.raises(ValueError, match="chunks"):
+        chunk_weights(0)
+    with pytest.raises(TypeError, match="taper"):
+        chunk_weights(3, taper=1)
+    with pytest.raises(TypeError, match="taper"):
+        pipeline_plan(zigzag_split([8], 2, min_tokens=0), 3, taper="yes")
 
 
 def test_choose_chunks_grows_with_the_step_and_stays_bounded() -> None:
@@ -104,7 +151,13 @@ def _case(seed: int, lens: list[int], world: int, heads_per_rank: int, k: int, e
 
 
 def _chunked_runs(
-    group: dist.ProcessGroup, case: dict, chunk_counts: list[int], align: int, workspace: bool, grouped: bool = False
+    group: dist.ProcessGroup,
+    case: dict,
+    chunk_counts: list[int],
+    align: int,
+    workspace: bool,
+    grouped: bool = False,
+    taper: bool = False,
 ) -> list[tuple]:
     comm = Comm(group)
     w, rank = comm.world_size, comm.rank
@@ -150,7 +203,7 @@ def _chunked_runs(
         issued.clear()
         out, lse = shardq_prefill(
             q, case["kv"], case["rows"], plan, comm, scale=D**-0.5, v_dim=DV, topk_length=case["topk_length"],
-            sinks=case["sinks"], attention=attention, chunks=c, align=align, workspace=ws, check=False,
+            sinks=case["sinks"], attention=attention, chunks=c, align=align, taper=taper, workspace=ws, check=False,
         )  # fmt: skip
         inside = None
         if ws is not None:  # every buffer the kernel touched lies in the workspace
@@ -171,20 +224,58 @@ def _chunked_runs(
 @given(
     world=st.integers(1, 4),
     lens=st.lists(st.integers(0, 23), min_size=1, max_size=4).filter(lambda v: sum(v) > 0),
-    align=st.sampled_from([1, 2]),
+    align=st.sampled_from([1, 2, 4]),
     extras=st.booleans(),
+    taper=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_chunked_shardq_equals_unchunked_bit_for_bit(dist_pool, world, lens, align, extras, seed) -> None:
+def test_chunked_shardq_equals_unchunked_bit_for_bit(dist_pool, world, lens, align, extras, taper, seed) -> None:
     case = _case(seed, lens, world, 2, 12, extras)
     counts = [1, 2, 3, 5, MAX_CHUNKS]  # more chunks than a rank has tokens: empty chunks
-    results = dist_pool.run(_chunked_runs, case, counts, align, False, world_size=world)
+    # tapered or not, G-aligned chunks through the grouped entry (G = align)
+    results = dist_pool.run(_chunked_runs, case, counts, align, False, align > 1, taper, world_size=world)
     for rank, per_rank in enumerate(results):
         out1, lse1, *_ = per_rank[0]
         assert torch.isfinite(out1).all(), rank
         for c, (out, lse, comm_counts, _, _) in zip(counts, per_rank):
             assert torch.equal(out, out1) and torch.equal(lse, lse1), (rank, c)
             assert comm_counts == {"all_to_all": 2 * c}, (rank, c, comm_counts)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4], ids=["world2", "world4"])
+def test_tapered_shardq_equals_untapered_and_unchunked(dist_pool, world_size: int) -> None:
+    # one long request and short ones: some ranks hold no token of a (small, tapered) chunk
+    case = _case(5, [41, 3, 0, 26], world_size, 2, 10, True)
+    counts = [1, 3, 4, 7]
+    for align in (1, 2):
+        tapered = dist_pool.run(_chunked_runs, case, counts, align, True, align > 1, True, world_size=world_size)
+        flat = dist_pool.run(_chunked_runs, case, counts, align, False, align > 1, False, world_size=world_size)
+        for rank, (per_t, per_f) in enumerate(zip(tapered, flat)):
+            out1, lse1 = per_f[0][:2]  # unchunked
+            for c, a, b in zip(counts, per_t, per_f):
+                assert torch.equal(a[0], out1) and torch.equal(a[1], lse1), (align, rank, c)
+                assert torch.equal(b[0], out1) and torch.equal(b[1], lse1), (align, rank, c)
+                assert a[3] is True and a[2] == {"all_to_all": 2 * c}, (align, rank, c)
+
+
+def _disagree_on_taper(group: dist.ProcessGroup, case: dict) -> str:
+    comm = Comm(group)
+    h = case["q"].shape[1] // comm.world_size
+    q = case["q"][:, comm.rank * h : (comm.rank + 1) * h]
+    plan = zigzag_split(case["lens"], comm.world_size, min_tokens=0)
+    try:
+        shardq_prefill(q, case["kv"], case["rows"], plan, comm, scale=0.1, v_dim=DV, chunks=3, taper=comm.rank == 1)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_ranks_that_cut_chunks_differently_all_raise(dist_pool) -> None:
+    case = _case(2, [30, 9], 2, 2, 8, False)
+    for msg in dist_pool.run(_disagree_on_taper, case, world_size=2):
+        assert "ShardQ plan and inputs differs across ranks: rank(s) [1] disagree" in msg, msg
 
 
 @pytest.mark.distributed
@@ -219,11 +310,12 @@ def test_chunked_shardq_on_nccl(dist_pool, grouped: bool) -> None:
             assert torch.equal(out, out1) and torch.equal(lse, lse1), (rank, c)
 
 
-def _runtime_steps(group: dist.ProcessGroup, case: dict, chunks: int | None) -> dict:
+def _runtime_steps(group: dist.ProcessGroup, case: dict, chunks: int | None, taper: bool = False) -> dict:
     spec = ModelSpec("sparse_mla", case["q"].shape[1], 1, D, DV, 12, 16, dtype="float32")
     rt = Runtime(
-        spec, group, max_batched_tokens=64, mode="shardq", min_shard_tokens=1, prefill_chunks=chunks, warmup=False
-    )
+        spec, group, max_batched_tokens=64, mode="shardq", min_shard_tokens=1, prefill_chunks=chunks,
+        prefill_taper=taper, warmup=False,
+    )  # fmt: skip
     h, rank = rt.heads_per_rank, rt.rank
     q = case["q"][:, rank * h : (rank + 1) * h]
     buffers = {k: (v.data_ptr(), v.numel()) for k, v in rt.workspace.items()}
@@ -244,17 +336,22 @@ def _runtime_steps(group: dist.ProcessGroup, case: dict, chunks: int | None) -> 
 def test_runtime_pipelined_prefill_equals_unpipelined(dist_pool) -> None:
     case = _case(11, [30, 17], 2, 2, 12, False)
     piped = dist_pool.run(_runtime_steps, case, 3, world_size=2)
+    tapered = dist_pool.run(_runtime_steps, case, 4, True, world_size=2)
     plain = dist_pool.run(_runtime_steps, case, 1, world_size=2)
-    for rank, (a, b) in enumerate(zip(piped, plain)):
+    for rank, (a, t, b) in enumerate(zip(piped, tapered, plain)):
         assert a["same"] and a["equal"] and a["counts"] == {"all_to_all": 6}, (rank, a["counts"])
+        assert t["same"] and t["equal"] and t["counts"] == {"all_to_all": 8}, (rank, t["counts"])
         assert b["counts"] == {"all_to_all": 2}, rank
-        assert torch.equal(a["out"][0], b["out"][0]) and torch.equal(a["out"][1], b["out"][1]), rank
+        for x in (a, t):
+            assert torch.equal(x["out"][0], b["out"][0]) and torch.equal(x["out"][1], b["out"][1]), rank
 
 
 def test_runtime_rejects_a_pipeline_deeper_than_its_workspace() -> None:
     # checked before the group is looked at
     with pytest.raises(ValueError, match="prefill_chunks"):
         Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_chunks=MAX_CHUNKS + 1, warmup=False)
+    with pytest.raises(TypeError, match="prefill_taper"):
+        Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_taper=1, warmup=False)
 
 
 # -- PCP: the all-gather overlapped with the prefix attention equals the blocking order ---------

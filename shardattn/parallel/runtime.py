@@ -100,6 +100,8 @@ class Runtime(RuntimeGraphs):
             :func:`~shardattn.plan.pipeline.choose_chunks` of each step (1 for small steps, up to
             ``AUTO_MAX_CHUNKS`` for large ones); an int in ``[1, MAX_CHUNKS]`` forces it (1 = not
             pipelined). Every value gives the same bits.
+        prefill_taper: cut pipelined ShardQ steps into tapered chunks (first and last half the
+            middle ones; :func:`~shardattn.plan.pipeline.chunk_weights`). Opt-in; same bits.
 
     Raises:
         ValueError / TypeError: heads not divisible by the world size, a mode without a step for
@@ -125,6 +127,7 @@ class Runtime(RuntimeGraphs):
         warmup: bool = True,
         cost_model: CostModel | str | None = "auto",
         prefill_chunks: int | None = None,
+        prefill_taper: bool = False,
     ) -> None:
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         if not isinstance(self.spec, ModelSpec):
@@ -148,6 +151,9 @@ class Runtime(RuntimeGraphs):
             if not 1 <= check_int("prefill_chunks", prefill_chunks, minimum=1) <= MAX_CHUNKS:
                 raise ValueError(f"prefill_chunks must be in [1, {MAX_CHUNKS}], got {prefill_chunks}")
         self.prefill_chunks = prefill_chunks
+        if not isinstance(prefill_taper, bool):
+            raise TypeError(f"prefill_taper must be a bool, got {type(prefill_taper).__name__}")
+        self.prefill_taper = prefill_taper
         if self.spec.kind == "gqa" and PREFILL_STEP[mode] not in (None, "headtp"):
             raise ValueError(
                 f"mode {mode!r} runs a sparse-MLA prefill, but the spec is a GQA model; "
@@ -442,6 +448,7 @@ class Runtime(RuntimeGraphs):
             if q.dtype == self.dtype
             else {},
             chunks=self.prefill_chunks,
+            taper=self.prefill_taper,
             topk_length=topk_length,
             sinks=sinks,
             kv_cache=kv_cache,

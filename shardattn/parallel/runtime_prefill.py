@@ -77,6 +77,7 @@ def run_prefill_step(
     local_sinks: torch.Tensor | None,
     shardq_workspace: dict[str, torch.Tensor],
     chunks: int | None,
+    taper: bool,
     topk_length: torch.Tensor | None,
     sinks: torch.Tensor | None,
     kv_cache: torch.Tensor | None,
@@ -85,8 +86,8 @@ def run_prefill_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer of a planned prefill step (arguments as :meth:`Runtime.prefill
     <shardattn.parallel.runtime.Runtime.prefill>`; ``attention`` is the Runtime's kernel call on
-    the plan's route, ``local_sinks`` the rank's heads of ``sinks``, ``chunks`` the ShardQ pipeline
-    depth). Returns ``(out, lse)``."""
+    the plan's route, ``local_sinks`` the rank's heads of ``sinks``, ``chunks`` / ``taper`` the ShardQ
+    pipeline's depth and chunk shape). Returns ``(out, lse)``."""
     v = spec.v_dim
     if plan.step == "pcp":
         return pcp_prefill(
@@ -98,5 +99,6 @@ def run_prefill_step(
         return attention(q, kv, rows, scale=scale, v_dim=v, topk_length=topk_length, sinks=local_sinks, return_lse=True)
     return shardq_prefill(
         q, kv, rows, plan.shard, comm, scale=scale, v_dim=v, topk_length=topk_length, sinks=sinks,
-        attention=attention, check=check, chunks=chunks, align=plan.route.group_size, workspace=shardq_workspace,
+        attention=attention, check=check, chunks=chunks, taper=taper, align=plan.route.group_size,
+        workspace=shardq_workspace,
     )  # fmt: skip

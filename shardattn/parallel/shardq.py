@@ -75,8 +75,10 @@ def _check_inputs(
     sinks: torch.Tensor | None,
     scale: float,
     check: bool,
+    pipeline: tuple[int | None, int, bool],
 ) -> int:
-    """Validate one rank's ShardQ inputs; returns the fingerprint the ranks must agree on."""
+    """Validate one rank's ShardQ inputs; returns the fingerprint the ranks must agree on
+    (``pipeline``: ``(chunks, align, taper)``, which every rank must cut alike)."""
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"plan must be a ShardPlan (from zigzag_split), got {type(plan).__name__}")
     if plan.world_size != comm.world_size:
@@ -101,9 +103,16 @@ def _check_inputs(
     if sinks is not None:
         check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h * comm.world_size,))
     check_same_device(q_heads_local=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
+    chunks, align, taper = pipeline
+    if chunks is not None:
+        check_int("chunks", chunks, minimum=1)
+    check_int("align", align, minimum=1)
+    if not isinstance(taper, bool):
+        raise TypeError(f"taper must be a bool, got {type(taper).__name__}")
     return stable_fingerprint(
         "shardq",
         plan.fingerprint() if check else None,
+        pipeline,
         tuple(q.shape),
         q.dtype,
         rows.shape[1],
@@ -128,6 +137,7 @@ def shardq_prefill(
     check: bool = True,
     chunks: int | None = 1,
     align: int = 1,
+    taper: bool = False,
     workspace: dict[str, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -163,6 +173,9 @@ def shardq_prefill(
             value gives the same result, bit for bit. Default 1 (not pipelined); the Runtime passes
             ``None``.
         align: chunk boundaries are multiples of it (the kernel's group size ``G``).
+        taper: cut the first and last chunks half as large as the middle ones (``C >= 3``;
+            :func:`~shardattn.plan.pipeline.chunk_weights`): the exposed first query exchange and
+            last output exchange shrink. Opt-in (not measured on GPUs yet); same bits.
         workspace: optional ``uint8`` buffers ``{"q", "out", "lse", "rows"}`` the receive / send
             buffers and the rank's rows of ``rows`` (int32) are carved from (the Runtime's
             ``prefill.packed_q`` / ``.out`` / ``.lse`` / ``.topk_rows``); default: allocated per step.
@@ -182,7 +195,9 @@ def shardq_prefill(
     comm = Comm.wrap(group)
     comm.agree_on(
         "ShardQ plan and inputs",
-        lambda: _check_inputs(q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, scale, check),
+        lambda: _check_inputs(
+            q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, scale, check, (chunks, align, taper)
+        ),
         check=check,
     )
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
@@ -198,7 +213,7 @@ def shardq_prefill(
 
         if chunks is None:  # the planner's pick from the largest share's work
             chunks = choose_chunks(int(plan.counts.max()), heads=h * comm.world_size, topk=max(1, rows.shape[1]))
-        pipe = pipeline_plan(plan, chunks, align=align)
+        pipe = pipeline_plan(plan, chunks, align=align, taper=taper)
         return _pipelined(
             q, kv, rows, plan, pipe, comm, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks,
             return_lse=return_lse, attention=attention, workspace=workspace, out=out, lse=lse,
