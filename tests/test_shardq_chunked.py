@@ -26,6 +26,7 @@ from shardattn.kernels.registry import triton_available
 from shardattn.kernels.sparse_mla import sparse_mla_attention
 from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.kernels.topk import convert_topk
+from shardattn.kernels.union import build_union
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.runtime import Runtime
@@ -158,6 +159,7 @@ def _chunked_runs(
     workspace: bool,
     grouped: bool = False,
     taper: bool = False,
+    one_union: bool = False,
 ) -> list[tuple]:
     comm = Comm(group)
     w, rank = comm.world_size, comm.rank
@@ -168,8 +170,16 @@ def _chunked_runs(
     readies: list[int] = []
     issued: list[tuple[int, int]] = []  # exchanges issued when a kernel call starts, and after its q_ready
 
+    unions: list[bool] = []  # per kernel call with one_union: its slice equals the chunk's own build
+
     def attention(*args, **kwargs):  # the kernel, recording where it reads q and writes out
         seen.extend([args[0].data_ptr(), kwargs["out"].data_ptr(), kwargs["lse"].data_ptr()])
+        if one_union:
+            prepared = kwargs["prepared_union"]
+            own = build_union(
+                args[2], group_size=align, num_kv_rows=args[1].shape[0], topk_length=kwargs["topk_length"]
+            )
+            unions.append(torch.equal(prepared.union, own[0]) and torch.equal(prepared.lens, own[1]))
         wait, calls = kwargs.pop("q_ready"), []
         entry = comm.counts.get("all_to_all", 0)
 
@@ -201,9 +211,11 @@ def _chunked_runs(
         seen.clear()
         readies.clear()
         issued.clear()
+        unions.clear()
         out, lse = shardq_prefill(
             q, case["kv"], case["rows"], plan, comm, scale=D**-0.5, v_dim=DV, topk_length=case["topk_length"],
             sinks=case["sinks"], attention=attention, chunks=c, align=align, taper=taper, workspace=ws, check=False,
+            one_union=one_union,
         )  # fmt: skip
         inside = None
         if ws is not None:  # every buffer the kernel touched lies in the workspace
@@ -211,6 +223,7 @@ def _chunked_runs(
             inside = all(any(lo <= p < hi for lo, hi in spans) for p in seen)
         launches = len(seen) // 3
         assert readies == [1] * launches, readies  # each kernel call waited for its queries once
+        assert unions == ([True] * launches if one_union else []), unions
         # issue order: chunk k's kernel call starts after q_0..q_k and out_0..out_{k-1} (2k + 1 exchanges),
         # and its q_ready issues q_{k+1} (none after the last chunk), after the union build
         for entry, after in issued:
@@ -245,12 +258,14 @@ def test_chunked_shardq_equals_unchunked_bit_for_bit(dist_pool, world, lens, ali
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4], ids=["world2", "world4"])
 def test_tapered_shardq_equals_untapered_and_unchunked(dist_pool, world_size: int) -> None:
+    """Tapered steps, and untapered ones with one union build, equal the unchunked step."""
     # one long request and short ones: some ranks hold no token of a (small, tapered) chunk
     case = _case(5, [41, 3, 0, 26], world_size, 2, 10, True)
     counts = [1, 3, 4, 7]
     for align in (1, 2):
         tapered = dist_pool.run(_chunked_runs, case, counts, align, True, align > 1, True, world_size=world_size)
-        flat = dist_pool.run(_chunked_runs, case, counts, align, False, align > 1, False, world_size=world_size)
+        # untapered with the share's union built once (per-chunk slices checked inside)
+        flat = dist_pool.run(_chunked_runs, case, counts, align, False, align > 1, False, True, world_size=world_size)
         for rank, (per_t, per_f) in enumerate(zip(tapered, flat)):
             out1, lse1 = per_f[0][:2]  # unchunked
             for c, a, b in zip(counts, per_t, per_f):
@@ -276,6 +291,21 @@ def test_ranks_that_cut_chunks_differently_all_raise(dist_pool) -> None:
     case = _case(2, [30, 9], 2, 2, 8, False)
     for msg in dist_pool.run(_disagree_on_taper, case, world_size=2):
         assert "ShardQ plan and inputs differs across ranks: rank(s) [1] disagree" in msg, msg
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 3], ids=["world1", "world3"])
+@pytest.mark.parametrize("align", [1, 2, 4, 8], ids=lambda g: f"G{g}")
+def test_one_union_build_equals_per_chunk_builds(dist_pool, world_size: int, align: int) -> None:
+    # tokens with no valid key, topk_length, sinks, tails; the attention checks every slice it gets
+    case = _case(17 + align, [29, 5, 14], world_size, 2, 9, True)
+    counts = [1, 3, 5]
+    one = dist_pool.run(_chunked_runs, case, counts, align, True, True, True, True, world_size=world_size)
+    per_chunk = dist_pool.run(_chunked_runs, case, counts, align, True, True, True, False, world_size=world_size)
+    for rank, (a, b) in enumerate(zip(one, per_chunk)):
+        for c, x, y in zip(counts, a, b):
+            assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[3] is True, (rank, c)
+            assert torch.equal(x[0], b[0][0]) and torch.equal(x[1], b[0][1]), (rank, c)
 
 
 @pytest.mark.distributed
@@ -310,11 +340,13 @@ def test_chunked_shardq_on_nccl(dist_pool, grouped: bool) -> None:
             assert torch.equal(out, out1) and torch.equal(lse, lse1), (rank, c)
 
 
-def _runtime_steps(group: dist.ProcessGroup, case: dict, chunks: int | None, taper: bool = False) -> dict:
+def _runtime_steps(
+    group: dist.ProcessGroup, case: dict, chunks: int | None, taper: bool = False, one_union: bool = False
+) -> dict:
     spec = ModelSpec("sparse_mla", case["q"].shape[1], 1, D, DV, 12, 16, dtype="float32")
     rt = Runtime(
         spec, group, max_batched_tokens=64, mode="shardq", min_shard_tokens=1, prefill_chunks=chunks,
-        prefill_taper=taper, warmup=False,
+        prefill_taper=taper, prefill_one_union=one_union, warmup=False,
     )  # fmt: skip
     h, rank = rt.heads_per_rank, rt.rank
     q = case["q"][:, rank * h : (rank + 1) * h]
@@ -336,7 +368,7 @@ def _runtime_steps(group: dist.ProcessGroup, case: dict, chunks: int | None, tap
 def test_runtime_pipelined_prefill_equals_unpipelined(dist_pool) -> None:
     case = _case(11, [30, 17], 2, 2, 12, False)
     piped = dist_pool.run(_runtime_steps, case, 3, world_size=2)
-    tapered = dist_pool.run(_runtime_steps, case, 4, True, world_size=2)
+    tapered = dist_pool.run(_runtime_steps, case, 4, True, True, world_size=2)  # and one union build
     plain = dist_pool.run(_runtime_steps, case, 1, world_size=2)
     for rank, (a, t, b) in enumerate(zip(piped, tapered, plain)):
         assert a["same"] and a["equal"] and a["counts"] == {"all_to_all": 6}, (rank, a["counts"])
@@ -352,6 +384,8 @@ def test_runtime_rejects_a_pipeline_deeper_than_its_workspace() -> None:
         Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_chunks=MAX_CHUNKS + 1, warmup=False)
     with pytest.raises(TypeError, match="prefill_taper"):
         Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_taper=1, warmup=False)
+    with pytest.raises(TypeError, match="prefill_one_union"):
+        Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_one_union="yes", warmup=False)
 
 
 # -- PCP: the all-gather overlapped with the prefix attention equals the blocking order ---------

@@ -102,6 +102,8 @@ class Runtime(RuntimeGraphs):
             pipelined). Every value gives the same bits.
         prefill_taper: cut pipelined ShardQ steps into tapered chunks (first and last half the
             middle ones; :func:`~shardattn.plan.pipeline.chunk_weights`). Opt-in; same bits.
+        prefill_one_union: ShardQ steps build the union of the rank's whole share once, not one
+            per chunk (:func:`~shardattn.parallel.shardq.shardq_prefill`'s ``one_union``). Opt-in.
 
     Raises:
         ValueError / TypeError: heads not divisible by the world size, a mode without a step for
@@ -128,6 +130,7 @@ class Runtime(RuntimeGraphs):
         cost_model: CostModel | str | None = "auto",
         prefill_chunks: int | None = None,
         prefill_taper: bool = False,
+        prefill_one_union: bool = False,
     ) -> None:
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         if not isinstance(self.spec, ModelSpec):
@@ -154,6 +157,9 @@ class Runtime(RuntimeGraphs):
         if not isinstance(prefill_taper, bool):
             raise TypeError(f"prefill_taper must be a bool, got {type(prefill_taper).__name__}")
         self.prefill_taper = prefill_taper
+        if not isinstance(prefill_one_union, bool):
+            raise TypeError(f"prefill_one_union must be a bool, got {type(prefill_one_union).__name__}")
+        self.prefill_one_union = prefill_one_union
         if self.spec.kind == "gqa" and PREFILL_STEP[mode] not in (None, "headtp"):
             raise ValueError(
                 f"mode {mode!r} runs a sparse-MLA prefill, but the spec is a GQA model; "
@@ -449,6 +455,7 @@ class Runtime(RuntimeGraphs):
             else {},
             chunks=self.prefill_chunks,
             taper=self.prefill_taper,
+            one_union=self.prefill_one_union,
             topk_length=topk_length,
             sinks=sinks,
             kv_cache=kv_cache,

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
+from shardattn.kernels.prepared_union import prepare_union
 from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.parallel.comm import Comm, stable_fingerprint
 from shardattn.parallel.packing import view_bytes
@@ -76,6 +77,7 @@ def _check_inputs(
     scale: float,
     check: bool,
     pipeline: tuple[int | None, int, bool],
+    one_union: bool,
 ) -> int:
     """Validate one rank's ShardQ inputs; returns the fingerprint the ranks must agree on
     (``pipeline``: ``(chunks, align, taper)``, which every rank must cut alike)."""
@@ -109,6 +111,8 @@ def _check_inputs(
     check_int("align", align, minimum=1)
     if not isinstance(taper, bool):
         raise TypeError(f"taper must be a bool, got {type(taper).__name__}")
+    if not isinstance(one_union, bool):
+        raise TypeError(f"one_union must be a bool, got {type(one_union).__name__}")
     return stable_fingerprint(
         "shardq",
         plan.fingerprint() if check else None,
@@ -138,6 +142,7 @@ def shardq_prefill(
     chunks: int | None = 1,
     align: int = 1,
     taper: bool = False,
+    one_union: bool = False,
     workspace: dict[str, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -176,9 +181,17 @@ def shardq_prefill(
         taper: cut the first and last chunks half as large as the middle ones (``C >= 3``;
             :func:`~shardattn.plan.pipeline.chunk_weights`): the exposed first query exchange and
             last output exchange shrink. Opt-in (not measured on GPUs yet); same bits.
-        workspace: optional ``uint8`` buffers ``{"q", "out", "lse", "rows"}`` the receive / send
-            buffers and the rank's rows of ``rows`` (int32) are carved from (the Runtime's
-            ``prefill.packed_q`` / ``.out`` / ``.lse`` / ``.topk_rows``); default: allocated per step.
+        one_union: build the union of the rank's whole share once, right after chunk 0's query
+            exchange is issued (:func:`~shardattn.kernels.prepared_union.prepare_union`, ``G =
+            align``), and hand each chunk's kernel call its slice as ``prepared_union=`` (so no
+            row sort runs between two chunks' kernels). ``attention`` must then take that keyword
+            and use ``G = align`` (the Runtime's and the library's entries do). Opt-in; same bits.
+            A ``workspace`` without room for the whole union: per-chunk builds, as without it.
+        workspace: optional ``uint8`` buffers ``{"q", "out", "lse", "rows", "union", "lens"}`` the
+            receive / send buffers, the rank's rows of ``rows`` (int32) and, with ``one_union``,
+            the whole share's union and lengths are carved from (the Runtime's ``prefill.packed_q``
+            / ``.out`` / ``.lse`` / ``.topk_rows`` / ``.union`` / ``.union_offsets``); default:
+            allocated per step.
         out / lse: optional destinations ``[T, H/W, v_dim]`` / ``[T, H/W]`` (contiguous).
     Returns:
         ``out [T, H/W, v_dim]`` in q's dtype, token order, this rank's heads; and
@@ -196,7 +209,18 @@ def shardq_prefill(
     comm.agree_on(
         "ShardQ plan and inputs",
         lambda: _check_inputs(
-            q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, scale, check, (chunks, align, taper)
+            q_heads_local,
+            kv,
+            rows,
+            plan,
+            comm,
+            v_dim,
+            topk_length,
+            sinks,
+            scale,
+            check,
+            (chunks, align, taper),
+            one_union,
         ),
         check=check,
     )
@@ -216,7 +240,7 @@ def shardq_prefill(
         pipe = pipeline_plan(plan, chunks, align=align, taper=taper)
         return _pipelined(
             q, kv, rows, plan, pipe, comm, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks,
-            return_lse=return_lse, attention=attention, workspace=workspace, out=out, lse=lse,
+            return_lse=return_lse, attention=attention, workspace=workspace, out=out, lse=lse, one_union=one_union,
         )  # fmt: skip
 
 
@@ -274,6 +298,7 @@ def _pipelined(
     workspace: dict[str, torch.Tensor] | None,
     out: torch.Tensor | None,
     lse: torch.Tensor | None,
+    one_union: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The sharded step, chunk by chunk (module docstring)."""
     w, rank = comm.world_size, comm.rank
@@ -328,6 +353,12 @@ def _pipelined(
         rows.index_select(0, ids_mine) if rows_buf is None else torch.index_select(rows, 0, ids_mine, out=rows_buf)
     )
     len_mine = None if topk_length is None else topk_length.index_select(0, ids_mine)
+    whole = None  # the share's union, built once (one_union): each chunk's kernel call gets its slice
+    if one_union:
+        whole = prepare_union(
+            rows_mine, group_size=pipe.align, num_kv_rows=kv.shape[0], topk_length=len_mine,
+            workspace=(ws.get("union"), ws.get("lens")),
+        )  # fmt: skip
     if out is None:
         out = q.new_empty(t, h, v_dim)
     if lse is None and return_lse:
@@ -338,10 +369,11 @@ def _pipelined(
         b0, b1 = int(pipe.bounds[rank, c]), int(pipe.bounds[rank, c + 1])
         if b1 > b0:  # reads q in place from the receive buffer, writes into the send buffers;
             # its union build (rows only) is issued before it waits for chunk c's queries
+            union_kw = {} if whole is None else {"prepared_union": whole.tokens(b0, b1)}
             attention(
                 q_recv, kv, rows_mine[b0:b1], scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True,
                 topk_length=None if len_mine is None else len_mine[b0:b1], out=o_send, lse=l_send,
-                q_ready=lambda c=c: query_ready(c),
+                q_ready=lambda c=c: query_ready(c), **union_kw,
             )  # fmt: skip
         query_ready(c)  # idempotent; a rank with no token in chunk c still issues chunk c + 1's exchange
         if gathered:  # whole send buffers out; the peers' outputs land in the (read) query receive buffer
