@@ -105,6 +105,13 @@ def test_bad_slices_and_mismatched_unions_raise_naming_the_argument() -> None:
         whole.tokens(4, 0)
     with pytest.raises(ValueError, match="group_size must be one of"):
         prepare_union(rows, group_size=3, num_kv_rows=20)
+    parts = whole.split([0, 4, 4, 9])  # one split per tensor: the same views as tokens()
+    assert [p.num_tokens for p in parts] == [4, 0, 5]
+    assert all(torch.equal(p.union, whole.tokens(a, b).union) for p, (a, b) in zip(parts, [(0, 4), (4, 4), (4, 9)]))
+    with pytest.raises(ValueError, match="multiples of the group size 4"):
+        whole.split([0, 6, 9])
+    with pytest.raises(ValueError, match="rise from 0 to the prepared union's 9 tokens"):
+        whole.split([0, 8])
     with pytest.raises(TypeError, match="prepared_union must be a PreparedUnion"):
         check_prepared_union((whole.union, whole.lens), rows)
     with pytest.raises(ValueError, match="prepared_union holds 4 tokens, rows has 9"):

@@ -19,6 +19,7 @@ the torch reference path checks it and ignores it (it reads ``rows``).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,23 @@ class PreparedUnion:
             )
         g0, g1 = start // g, num_groups(stop, g)
         return PreparedUnion(self.union[g0:g1], self.lens[g0:g1], g, stop - start)
+
+    def split(self, bounds: list[int]) -> list[PreparedUnion]:
+        """:meth:`tokens` of ``bounds[i] .. bounds[i + 1]`` for every ``i`` (one split per tensor):
+        ``bounds`` non-decreasing from 0 to the last token's end, multiples of ``G`` but the last.
+
+        >>> rows = torch.tensor([[1], [2], [3], [4], [5]], dtype=torch.int32)
+        >>> [p.num_tokens for p in prepare_union(rows, group_size=2, num_kv_rows=8).split([0, 2, 2, 5])]
+        [2, 0, 3]
+        """
+        g, t = self.group_size, self.num_tokens
+        if not bounds or bounds[0] != 0 or bounds[-1] != t or any(b < a for a, b in itertools.pairwise(bounds)):
+            raise ValueError(f"bounds must rise from 0 to the prepared union's {t} tokens, got {list(bounds)}")
+        if any(b % g for b in bounds[:-1]):
+            raise ValueError(f"bounds must be multiples of the group size {g} (but the last), got {list(bounds)}")
+        sizes = [num_groups(b, g) - a // g for a, b in itertools.pairwise(bounds)]
+        parts = zip(self.union.split(sizes), self.lens.split(sizes), bounds, bounds[1:])
+        return [PreparedUnion(u, n, g, b - a) for u, n, a, b in parts]
 
 
 def prepare_union(

@@ -247,20 +247,28 @@ def shardq_prefill(
 def _carve(
     buf: torch.Tensor | None, name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """Views ``[shape]`` of ``dtype`` laid one after another (256-byte aligned) in the uint8 ``buf``
-    (new tensors when ``buf`` is None)."""
+    """Contiguous views ``[shape]`` of ``dtype`` laid one after another (each at a multiple of 256
+    bytes) in the uint8 ``buf``, one ``as_strided`` each (new tensors when ``buf`` is None)."""
     if buf is None:
         return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
-    views, off = [], 0
+    starts, off, end = [], 0, 0
     for s in shapes:
-        n = math.prod(s) * dtype.itemsize
-        if off + n > buf.numel():
-            raise ValueError(
-                f"workspace[{name!r}] holds {buf.numel()} B, the pipelined step needs at least {off + n} B"
-            )
-        views.append(buf[off : off + n].view(dtype).view(s))
-        off += -(-n // CHUNK_ALIGN) * CHUNK_ALIGN
-    return views
+        end = off + math.prod(s) * dtype.itemsize
+        if end > buf.numel():
+            raise ValueError(f"workspace[{name!r}] holds {buf.numel()} B, the pipelined step needs at least {end} B")
+        starts.append(off)
+        off += -(-(end - off) // CHUNK_ALIGN) * CHUNK_ALIGN
+    flat = buf[:end].view(dtype)
+    base, size = flat.storage_offset(), dtype.itemsize
+    return [flat.as_strided(s, _contiguous_strides(s), base + o // size) for s, o in zip(shapes, starts)]
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _staging(
@@ -279,6 +287,17 @@ def _staging(
     return [
         raw[o : o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape) for o, (shape, dtype) in zip(need, parts)
     ]
+
+
+def _runs_of(x: torch.Tensor, pipe: PipelinePlan) -> dict[int, torch.Tensor]:
+    """Token start -> view of every run (:meth:`PipelinePlan.token_runs`) of the token-order ``x`` (one split)."""
+    runs = pipe.token_runs()
+    return dict(zip((s for s, _ in runs), x.split([n for _, n in runs])))
+
+
+def _pieces(buf: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """A chunk buffer ``[W, n, ...]`` cut into its rank-major runs (``sizes``) by one split."""
+    return buf.flatten(0, 1).split(sizes)
 
 
 def _pipelined(
@@ -316,6 +335,11 @@ def _pipelined(
     def ids(j: int, c: int) -> torch.Tensor:
         return all_ids[first[j] + int(pipe.bounds[j, c]) : first[j] + int(pipe.bounds[j, c + 1])]
 
+    # views made once per step, not per chunk and run: every run of q (token start -> view), and
+    # which rank each piece of a chunk's receive buffer (rank-major runs of mine) comes from
+    q_runs = {} if gathered else _runs_of(q_src, pipe)
+    mine = [[n for _ in range(w) for _, _, n in pipe.runs(rank, c)] for c in range(pipe.chunks)]
+    sources = [[i for i in range(w) for _ in pipe.runs(rank, c)] for c in range(pipe.chunks)]
     q_bufs = _carve(ws.get("q"), "q", [(w, n, h, d) for n in n_c], q.dtype, dev)
     o_bufs = _carve(ws.get("out"), "out", [(w, n, h, v_dim) for n in n_c], q.dtype, dev)
     l_bufs = _carve(ws.get("lse"), "lse", [(w, n, h) for n in n_c], torch.float32, dev)
@@ -334,9 +358,8 @@ def _pipelined(
             q_moves.append(comm.exchange(list(zip(peers, staged)), [(i, q_recv[i]) for i in peers], tag=2 * c))
             torch.index_select(q_src, 0, ids(rank, c), out=q_recv[rank])
         else:  # contiguous token runs of q, straight into the receive buffer
-            sends = [(j, q_src[s : s + n]) for j in range(w) for s, _, n in pipe.runs(j, c)]
-            recvs = [(i, q_recv[i, o : o + n]) for i in range(w) for _, o, n in pipe.runs(rank, c)]
-            q_moves.append(comm.exchange(sends, recvs, tag=2 * c))
+            sends = [(j, q_runs[s]) for j in range(w) for s, _, n in pipe.runs(j, c)]
+            q_moves.append(comm.exchange(sends, list(zip(sources[c], _pieces(q_recv, mine[c]))), tag=2 * c))
 
     def query_ready(c: int) -> None:
         start_query_exchange(c + 1)
@@ -353,27 +376,30 @@ def _pipelined(
         rows.index_select(0, ids_mine) if rows_buf is None else torch.index_select(rows, 0, ids_mine, out=rows_buf)
     )
     len_mine = None if topk_length is None else topk_length.index_select(0, ids_mine)
-    whole = None  # the share's union, built once (one_union): each chunk's kernel call gets its slice
+    rows_c = rows_mine.split(n_c)
+    len_c = [None] * pipe.chunks if len_mine is None else len_mine.split(n_c)
+    unions: list = [None] * pipe.chunks  # one_union: the share's union built once, a slice per chunk
     if one_union:
         whole = prepare_union(
             rows_mine, group_size=pipe.align, num_kv_rows=kv.shape[0], topk_length=len_mine,
             workspace=(ws.get("union"), ws.get("lens")),
         )  # fmt: skip
+        unions = unions if whole is None else whole.split(pipe.bounds[rank].tolist())
     if out is None:
         out = q.new_empty(t, h, v_dim)
     if lse is None and return_lse:
         lse = torch.empty(t, h, dtype=torch.float32, device=dev)
+    out_runs = {} if gathered else _runs_of(out, pipe)
+    lse_runs = {} if gathered or not return_lse else _runs_of(lse, pipe)
 
     out_moves, landed = [], []
     for c, (q_recv, o_send, l_send) in enumerate(zip(q_bufs, o_bufs, l_bufs)):
-        b0, b1 = int(pipe.bounds[rank, c]), int(pipe.bounds[rank, c + 1])
-        if b1 > b0:  # reads q in place from the receive buffer, writes into the send buffers;
+        if n_c[c]:  # reads q in place from the receive buffer, writes into the send buffers;
             # its union build (rows only) is issued before it waits for chunk c's queries
-            union_kw = {} if whole is None else {"prepared_union": whole.tokens(b0, b1)}
+            union_kw = {} if unions[c] is None else {"prepared_union": unions[c]}
             attention(
-                q_recv, kv, rows_mine[b0:b1], scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True,
-                topk_length=None if len_mine is None else len_mine[b0:b1], out=o_send, lse=l_send,
-                q_ready=lambda c=c: query_ready(c), **union_kw,
+                q_recv, kv, rows_c[c], scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True, topk_length=len_c[c],
+                out=o_send, lse=l_send, q_ready=lambda c=c: query_ready(c), **union_kw,
             )  # fmt: skip
         query_ready(c)  # idempotent; a rank with no token in chunk c still issues chunk c + 1's exchange
         if gathered:  # whole send buffers out; the peers' outputs land in the (read) query receive buffer
@@ -387,13 +413,14 @@ def _pipelined(
                 lse.index_copy_(0, ids(rank, c), l_send[rank])
             landed.append(recv)
             continue
-        sends, recvs = [], []
-        for j in range(w):
-            for _, o, n in pipe.runs(rank, c):
-                sends += [(j, o_send[j, o : o + n])] + ([(j, l_send[j, o : o + n])] if return_lse else [])
+        sends, recvs = [], []  # per peer: each run's output, then its LSE
+        o_pieces = _pieces(o_send, mine[c])
+        l_pieces = _pieces(l_send, mine[c]) if return_lse else [None] * len(o_pieces)
+        for j, o_piece, l_piece in zip(sources[c], o_pieces, l_pieces):
+            sends += [(j, o_piece)] + ([(j, l_piece)] if return_lse else [])
         for i in range(w):
-            for s, _, n in pipe.runs(i, c):
-                recvs += [(i, out[s : s + n])] + ([(i, lse[s : s + n])] if return_lse else [])
+            for s, _, _ in pipe.runs(i, c):
+                recvs += [(i, out_runs[s])] + ([(i, lse_runs[s])] if return_lse else [])
         out_moves.append(comm.exchange(sends, recvs, tag=2 * c + 1))
     for c, move in enumerate(out_moves):
         move.wait()

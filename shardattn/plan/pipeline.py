@@ -145,6 +145,16 @@ class PipelinePlan:
         tokens ``token_start .. token_start + length`` (token order) are rows ``offset ..`` of the chunk."""
         return self._runs[chunk][rank]
 
+    def token_runs(self) -> list[tuple[int, int]]:
+        """``(token_start, length)`` of every run of every rank and chunk, in token order: they tile
+        the step's tokens (``[0, T)``), so one split of a token-order tensor gives every run's view.
+
+        >>> from shardattn.plan.zigzag import zigzag_split
+        >>> pipeline_plan(zigzag_split([8], 2, min_tokens=0), 2).token_runs()
+        [(0, 2), (2, 2), (4, 2), (6, 2)]
+        """
+        return sorted((s, n) for per_rank in self._runs for runs in per_rank for s, _, n in runs)
+
     @property
     def one_message_per_peer(self) -> bool:
         """Whether the step gathers what it sends to a peer into one message (and scatters what it
