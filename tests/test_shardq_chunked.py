@@ -179,7 +179,8 @@ def _chunked_runs(
             own = build_union(
                 args[2], group_size=align, num_kv_rows=args[1].shape[0], topk_length=kwargs["topk_length"]
             )
-            unions.append(torch.equal(prepared.union, own[0]) and torch.equal(prepared.lens, own[1]))
+            aligned = prepared.union.data_ptr() % 16 == 0 and prepared.lens.data_ptr() % 16 == 0  # as own builds
+            unions.append(torch.equal(prepared.union, own[0]) and torch.equal(prepared.lens, own[1]) and aligned)
         wait, calls = kwargs.pop("q_ready"), []
         entry = comm.counts.get("all_to_all", 0)
 
@@ -274,22 +275,25 @@ def test_tapered_shardq_equals_untapered_and_unchunked(dist_pool, world_size: in
                 assert a[3] is True and a[2] == {"all_to_all": 2 * c}, (align, rank, c)
 
 
-def _disagree_on_taper(group: dist.ProcessGroup, case: dict) -> str:
+def _disagree_on(group: dist.ProcessGroup, case: dict, option: str) -> str:
     comm = Comm(group)
     h = case["q"].shape[1] // comm.world_size
     q = case["q"][:, comm.rank * h : (comm.rank + 1) * h]
     plan = zigzag_split(case["lens"], comm.world_size, min_tokens=0)
     try:
-        shardq_prefill(q, case["kv"], case["rows"], plan, comm, scale=0.1, v_dim=DV, chunks=3, taper=comm.rank == 1)
+        shardq_prefill(
+            q, case["kv"], case["rows"], plan, comm, scale=0.1, v_dim=DV, chunks=3, **{option: comm.rank == 1}
+        )
     except ValueError as e:
         return str(e)
     return "no error"
 
 
 @pytest.mark.distributed
-def test_ranks_that_cut_chunks_differently_all_raise(dist_pool) -> None:
+@pytest.mark.parametrize("option", ["taper", "one_union"])
+def test_ranks_that_cut_chunks_differently_all_raise(dist_pool, option: str) -> None:
     case = _case(2, [30, 9], 2, 2, 8, False)
-    for msg in dist_pool.run(_disagree_on_taper, case, world_size=2):
+    for msg in dist_pool.run(_disagree_on, case, option, world_size=2):
         assert "ShardQ plan and inputs differs across ranks: rank(s) [1] disagree" in msg, msg
 
 

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from shardattn.kernels.prepared_union import SLICE_GROUPS
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan import zigzag_split
@@ -150,7 +151,7 @@ def _count(group: dist.ProcessGroup, lens: list[int], chunk_counts: list[int], o
         by_kind: collections.Counter[str] = collections.Counter()
         for name, k in counter.ops.items():
             by_kind[_kind(name)] += k
-        pipe = pipeline_plan(plan, c)
+        pipe = pipeline_plan(plan, c, align=SLICE_GROUPS if one_union else 1)  # the step's cut
         runs_out = sum(len(pipe.runs(rank, i)) for i in range(c)) * (w - 1)  # my runs, to every peer
         runs_in = sum(len(pipe.runs(j, i)) for j in range(w) if j != rank for i in range(c))
         kinds.append(

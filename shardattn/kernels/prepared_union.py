@@ -11,7 +11,8 @@ queries and their positions ``t % G``, so slicing at a multiple of ``G`` gives t
     tokens  0 1 | 2 3 | 4 5 | 6        G = 2, chunks [0, 4) and [4, 7)
     groups   g0 |  g1 |  g2 | g3       chunk 0: groups g0 g1; chunk 1: g2 g3 (the tail, query 6 alone)
 
-The kernel entries take it as ``prepared_union=``
+Cut at multiples of ``SLICE_GROUPS`` groups (ShardQ's ``one_union`` chunk boundaries are) so the
+slices keep the alignment the kernels were compiled for. The kernel entries take it as ``prepared_union=``
 (:func:`~shardattn.kernels.sparse_mla.sparse_mla_attention` with ``G = 1``,
 :func:`~shardattn.kernels.sparse_mla_grouped.sparse_mla_grouped_prefill`) and then build nothing;
 the torch reference path checks it and ignores it (it reads ``rows``).
@@ -27,7 +28,13 @@ import torch
 from shardattn._checks import INDEX_DTYPES, check_int, check_tensor
 from shardattn.kernels.union import GROUP_SIZES, build_union, num_groups
 
-__all__ = ["PreparedUnion", "check_prepared_union", "prepare_union", "union_for_call"]
+__all__ = ["SLICE_GROUPS", "PreparedUnion", "check_prepared_union", "prepare_union", "union_for_call"]
+
+#: Slices that start at a multiple of this many groups start their ``lens`` (int32) at a multiple of
+#: 16 bytes, like a union built for the slice alone: Triton and Gluon specialise a kernel on its
+#: pointers' 16-byte alignment, so such slices reuse the kernel compiled (and warmed up) for
+#: whole builds. (The union rows are ``G * K * 4`` bytes, 16-byte multiples for ``K % 4 == 0``.)
+SLICE_GROUPS = 4
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
-from shardattn.kernels.prepared_union import prepare_union
+from shardattn.kernels.prepared_union import SLICE_GROUPS, prepare_union
 from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.parallel.comm import Comm, stable_fingerprint
 from shardattn.parallel.packing import view_bytes
@@ -76,11 +76,10 @@ def _check_inputs(
     sinks: torch.Tensor | None,
     scale: float,
     check: bool,
-    pipeline: tuple[int | None, int, bool],
-    one_union: bool,
+    pipeline: tuple[int | None, int, bool, bool],
 ) -> int:
     """Validate one rank's ShardQ inputs; returns the fingerprint the ranks must agree on
-    (``pipeline``: ``(chunks, align, taper)``, which every rank must cut alike)."""
+    (``pipeline``: ``(chunks, align, taper, one_union)``, which every rank must cut alike)."""
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"plan must be a ShardPlan (from zigzag_split), got {type(plan).__name__}")
     if plan.world_size != comm.world_size:
@@ -105,7 +104,7 @@ def _check_inputs(
     if sinks is not None:
         check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h * comm.world_size,))
     check_same_device(q_heads_local=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
-    chunks, align, taper = pipeline
+    chunks, align, taper, one_union = pipeline
     if chunks is not None:
         check_int("chunks", chunks, minimum=1)
     check_int("align", align, minimum=1)
@@ -185,8 +184,10 @@ def shardq_prefill(
             exchange is issued (:func:`~shardattn.kernels.prepared_union.prepare_union`, ``G =
             align``), and hand each chunk's kernel call its slice as ``prepared_union=`` (so no
             row sort runs between two chunks' kernels). ``attention`` must then take that keyword
-            and use ``G = align`` (the Runtime's and the library's entries do). Opt-in; same bits.
-            A ``workspace`` without room for the whole union: per-chunk builds, as without it.
+            and use ``G = align`` (the Runtime's and the library's entries do); chunk boundaries
+            are then multiples of ``4 G`` (:data:`~shardattn.kernels.prepared_union.SLICE_GROUPS`:
+            aligned slices, the kernels' compiled variants). Opt-in; same bits. A ``workspace``
+            without room for the whole union: per-chunk builds, as without it.
         workspace: optional ``uint8`` buffers ``{"q", "out", "lse", "rows", "union", "lens"}`` the
             receive / send buffers, the rank's rows of ``rows`` (int32) and, with ``one_union``,
             the whole share's union and lengths are carved from (the Runtime's ``prefill.packed_q``
@@ -206,22 +207,10 @@ def shardq_prefill(
         # q_local [T, H/W, 576] -> out [T, H/W, 512], lse [T, H/W]
     """
     comm = Comm.wrap(group)
+    pipeline = (chunks, align, taper, one_union)
     comm.agree_on(
         "ShardQ plan and inputs",
-        lambda: _check_inputs(
-            q_heads_local,
-            kv,
-            rows,
-            plan,
-            comm,
-            v_dim,
-            topk_length,
-            sinks,
-            scale,
-            check,
-            (chunks, align, taper),
-            one_union,
-        ),
+        lambda: _check_inputs(q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, scale, check, pipeline),
         check=check,
     )
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
@@ -237,10 +226,12 @@ def shardq_prefill(
 
         if chunks is None:  # the planner's pick from the largest share's work
             chunks = choose_chunks(int(plan.counts.max()), heads=h * comm.world_size, topk=max(1, rows.shape[1]))
-        pipe = pipeline_plan(plan, chunks, align=align, taper=taper)
+        # one_union: chunk slices of the union start 16-byte aligned (SLICE_GROUPS), as whole builds do
+        pipe = pipeline_plan(plan, chunks, align=align * (SLICE_GROUPS if one_union else 1), taper=taper)
         return _pipelined(
             q, kv, rows, plan, pipe, comm, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks,
-            return_lse=return_lse, attention=attention, workspace=workspace, out=out, lse=lse, one_union=one_union,
+            return_lse=return_lse, attention=attention, workspace=workspace, out=out, lse=lse,
+            union_groups=align if one_union else None,
         )  # fmt: skip
 
 
@@ -317,9 +308,10 @@ def _pipelined(
     workspace: dict[str, torch.Tensor] | None,
     out: torch.Tensor | None,
     lse: torch.Tensor | None,
-    one_union: bool,
+    union_groups: int | None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The sharded step, chunk by chunk (module docstring)."""
+    """The sharded step, chunk by chunk (module docstring); ``union_groups``: ``G`` of the share's
+    union built once (``one_union``), or None (each kernel call builds its own)."""
     w, rank = comm.world_size, comm.rank
     t, h, d = q.shape
     dev = q.device
@@ -379,9 +371,9 @@ def _pipelined(
     rows_c = rows_mine.split(n_c)
     len_c = [None] * pipe.chunks if len_mine is None else len_mine.split(n_c)
     unions: list = [None] * pipe.chunks  # one_union: the share's union built once, a slice per chunk
-    if one_union:
+    if union_groups is not None:
         whole = prepare_union(
-            rows_mine, group_size=pipe.align, num_kv_rows=kv.shape[0], topk_length=len_mine,
+            rows_mine, group_size=union_groups, num_kv_rows=kv.shape[0], topk_length=len_mine,
             workspace=(ws.get("union"), ws.get("lens")),
         )  # fmt: skip
         unions = unions if whole is None else whole.split(pipe.bounds[rank].tolist())
