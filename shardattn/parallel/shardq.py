@@ -38,6 +38,18 @@ buffers whole, receives the peers' outputs into the query receive buffer (read b
 scatters them to their tokens (one ``index_copy_`` per peer) after the exchange; the price is one
 device copy of the bytes that cross. Both give the same bits.
 
+Two opt-in options, same bits (neither measured on GPUs yet): ``taper=True`` cuts the shares
+``1, 2, ..., 2, 1`` (:func:`~shardattn.plan.pipeline.chunk_weights`): the first query exchange and
+the last output exchange, which nothing hides, carry ``1/(2C-2)`` of a share instead of ``1/C``.
+``one_union=True`` builds the union of the rank's whole share once, right after chunk 0's query
+exchange is issued (:func:`~shardattn.kernels.prepared_union.prepare_union`), and gives each
+chunk's kernel call its slice (``prepared_union=``), so no row sort runs between two kernels.
+
+Host work per chunk (``tests/test_shardq_host_ops.py`` bounds it): the views of a chunk's token
+runs come from one split per buffer (and of ``q`` / ``out`` / ``lse`` once per step), its buffers
+from one ``as_strided`` each; the device ops are the three local pieces a rank keeps; nothing
+reads device data back.
+
 Exactly ``2 C`` exchanges (each counted as one ``"all_to_all"``) per sharded step (plus, with
 ``check=True``, one small all-gather that makes the ranks agree on the plan and shapes first). A
 plan that is not sharded (fewer tokens than ``min_tokens``) runs head-TP locally with no
@@ -327,11 +339,12 @@ def _pipelined(
     def ids(j: int, c: int) -> torch.Tensor:
         return all_ids[first[j] + int(pipe.bounds[j, c]) : first[j] + int(pipe.bounds[j, c + 1])]
 
-    # views made once per step, not per chunk and run: every run of q (token start -> view), and
-    # which rank each piece of a chunk's receive buffer (rank-major runs of mine) comes from
+    # views made once per step, not per chunk and run: every run of q (token start -> view); a chunk
+    # buffer [W, n, ...] is cut into rank-major pieces, one per run of mine: their sizes, and the
+    # peer each piece comes from (queries) or goes to (outputs)
     q_runs = {} if gathered else _runs_of(q_src, pipe)
     mine = [[n for _ in range(w) for _, _, n in pipe.runs(rank, c)] for c in range(pipe.chunks)]
-    sources = [[i for i in range(w) for _ in pipe.runs(rank, c)] for c in range(pipe.chunks)]
+    peer_of = [[i for i in range(w) for _ in pipe.runs(rank, c)] for c in range(pipe.chunks)]
     q_bufs = _carve(ws.get("q"), "q", [(w, n, h, d) for n in n_c], q.dtype, dev)
     o_bufs = _carve(ws.get("out"), "out", [(w, n, h, v_dim) for n in n_c], q.dtype, dev)
     l_bufs = _carve(ws.get("lse"), "lse", [(w, n, h) for n in n_c], torch.float32, dev)
@@ -350,8 +363,8 @@ def _pipelined(
             q_moves.append(comm.exchange(list(zip(peers, staged)), [(i, q_recv[i]) for i in peers], tag=2 * c))
             torch.index_select(q_src, 0, ids(rank, c), out=q_recv[rank])
         else:  # contiguous token runs of q, straight into the receive buffer
-            sends = [(j, q_runs[s]) for j in range(w) for s, _, n in pipe.runs(j, c)]
-            q_moves.append(comm.exchange(sends, list(zip(sources[c], _pieces(q_recv, mine[c]))), tag=2 * c))
+            sends = [(j, q_runs[s]) for j in range(w) for s, _, _ in pipe.runs(j, c)]
+            q_moves.append(comm.exchange(sends, list(zip(peer_of[c], _pieces(q_recv, mine[c]))), tag=2 * c))
 
     def query_ready(c: int) -> None:
         start_query_exchange(c + 1)
@@ -408,7 +421,7 @@ def _pipelined(
         sends, recvs = [], []  # per peer: each run's output, then its LSE
         o_pieces = _pieces(o_send, mine[c])
         l_pieces = _pieces(l_send, mine[c]) if return_lse else [None] * len(o_pieces)
-        for j, o_piece, l_piece in zip(sources[c], o_pieces, l_pieces):
+        for j, o_piece, l_piece in zip(peer_of[c], o_pieces, l_pieces):
             sends += [(j, o_piece)] + ([(j, l_piece)] if return_lse else [])
         for i in range(w):
             for s, _, _ in pipe.runs(i, c):
