@@ -291,6 +291,30 @@ def _disagree_on(group: dist.ProcessGroup, case: dict, option: str) -> str:
     return "no error"
 
 
+def _one_union_errors(group: dist.ProcessGroup) -> list[str]:
+    comm = Comm(group)
+    case = _case(3, [12, 9], comm.world_size, 2, 4, False)
+    plan = zigzag_split(case["lens"], comm.world_size, min_tokens=0)
+    huge = case["kv"][:1].expand(2**24, D)  # a stride-0 view: more rows than a 24-bit entry can name
+    errors = []
+    for kv, align in ((case["kv"], 3), (huge, 2)):
+        try:
+            shardq_prefill(
+                case["q"], kv, case["rows"], plan, comm, scale=0.1, v_dim=DV, chunks=2, one_union=True, align=align
+            )
+        except ValueError as e:
+            errors.append(str(e))
+    return [*errors, str(dict(comm.counts))]
+
+
+@pytest.mark.distributed
+def test_one_union_rejects_a_union_it_cannot_build_before_any_message(dist_pool) -> None:
+    (errors,) = dist_pool.run(_one_union_errors, world_size=1)
+    assert "align must be one of (1, 2, 4, 8) with one_union" in errors[0], errors
+    assert "one_union with align=2 needs kv with <= 16777215 rows" in errors[1], errors
+    assert "all_to_all" not in errors[2], errors  # raised in the agreement, before any exchange
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("option", ["taper", "one_union"])
 def test_ranks_that_cut_chunks_differently_all_raise(dist_pool, option: str) -> None:

@@ -67,6 +67,7 @@ import torch.distributed as dist
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.kernels.prepared_union import SLICE_GROUPS, prepare_union
 from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
+from shardattn.kernels.union import GROUP_SIZES, MAX_PACKED_ROWS
 from shardattn.parallel.comm import Comm, stable_fingerprint
 from shardattn.parallel.packing import view_bytes
 from shardattn.plan.pipeline import CHUNK_ALIGN, PipelinePlan, choose_chunks, pipeline_plan
@@ -124,6 +125,13 @@ def _check_inputs(
         raise TypeError(f"taper must be a bool, got {type(taper).__name__}")
     if not isinstance(one_union, bool):
         raise TypeError(f"one_union must be a bool, got {type(one_union).__name__}")
+    if one_union and align not in GROUP_SIZES:  # the union's G (checked here, before any message)
+        raise ValueError(f"align must be one of {GROUP_SIZES} with one_union (the union's group size), got {align}")
+    if one_union and align > 1 and kv.shape[0] > MAX_PACKED_ROWS:
+        raise ValueError(
+            f"one_union with align={align} needs kv with <= {MAX_PACKED_ROWS} rows (24-bit packed union entries), "
+            f"got {kv.shape[0]}; use align=1 (the per-query path) for such caches"
+        )
     return stable_fingerprint(
         "shardq",
         plan.fingerprint() if check else None,
