@@ -12,6 +12,10 @@ CUDA events around each call after a barrier (median of ``--iters``, then the ma
   reading a contiguous q;
 * ``shardq``: :meth:`Runtime.prefill` (``prefill_chunks=None``, the default: the planner's chunks);
 * ``shardq_c1``: the same step with ``prefill_chunks=1`` (not pipelined), ``shardq_cN`` with N;
+* ``--taper`` / ``--one-union``: the same steps (the planner's chunks and every ``--chunks`` N) with
+  tapered chunks (``_taper``, N >= 3 only: fewer chunks have nothing to taper) and / or the
+  share's union built once (``_1u``, N >= 2), as columns of the same run, and a second table of
+  their ratios to the plain step at the same chunk count;
 * ``shardq_normal_prio`` (``--normal-priority``): the default step over an NCCL group whose stream
   has normal priority (the launchers' groups, and this script's, use a high-priority stream);
 * ``before``: the step as it was before the pipelining (two all-to-alls around index gathers,
@@ -45,6 +49,7 @@ from shardattn.launch.process_group import nccl_options
 from shardattn.launch.workloads import build_prefill
 from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, unpack_rows
 from shardattn.parallel.runtime import Runtime
+from shardattn.plan.pipeline import choose_chunks
 from shardattn.plan.spec import get_preset
 from shardattn.plan.zigzag import ShardPlan
 
@@ -193,6 +198,12 @@ def host_profile(
             torch.cuda.synchronize(device)
 
 
+def one_union_fits(rt: Runtime, rank_tokens: int, group_size: int, topk: int) -> bool:
+    """Whether the union of a rank's whole share fits ``rt``'s ``prefill.union`` buffer (int32 entries)."""
+    groups = -(-rank_tokens // group_size)
+    return groups * group_size * topk * 4 <= rt.workspace["prefill.union"].numel()
+
+
 def run_config(
     preset: str,
     tokens: int,
@@ -224,6 +235,19 @@ def run_config(
     plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=kv_rows)
     plan_h = rth.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=kv_rows)
     assert plan.step == "shardq", plan.step
+    # --taper / --one-union: the same steps with tapered chunks and / or one union build (same run)
+    # the planner's chunks, as shardq_prefill picks them for the default step
+    auto_c = choose_chunks(int(plan.shard.counts.max()), heads=spec.num_heads, topk=max(1, int(step.rows.shape[1])))
+    variants = {}  # column -> (chunks, the plain column at that depth, Runtime)
+    for c in [None, *(c for c in args.chunks if c != 1)]:
+        depth = auto_c if c is None else c
+        plain = "shardq" if c is None else f"shardq_c{c}"
+        for taper, one_union in ((True, False), (False, True), (True, True)):
+            if (taper and not args.taper) or (one_union and not args.one_union) or (taper and depth < 3) or depth < 2:
+                continue
+            name = plain + ("_taper" if taper else "") + ("_1u" if one_union else "")
+            opts = dict(prefill_chunks=c, prefill_taper=taper, prefill_one_union=one_union)
+            variants[name] = (depth, plain, Runtime(spec, group, mode="shardq", **opts, **common))
     q_local = step.q[:, rank * h : (rank + 1) * h].contiguous()
     mine = plan.tokens_of(rank).to(device)
     q_tok = step.q.index_select(0, mine).contiguous()
@@ -256,6 +280,8 @@ def run_config(
     }
     for c, r in by_chunks.items():
         fns[f"shardq_c{c}"] = functools.partial(r.prefill, q_local, step.kv, step.rows, plan=plan, check=False)
+    for name, (_, _, r) in variants.items():
+        fns[name] = functools.partial(r.prefill, q_local, step.kv, step.rows, plan=plan, check=False)
     if rt_np is not None:
         fns["shardq_normal_prio"] = functools.partial(
             rt_np.prefill, q_local, step.kv, step.rows, plan=plan, check=False
@@ -294,15 +320,17 @@ def run_config(
     if args.host_profile:
         host_profile(fns, args.host_profile, f"{preset}_{tokens}", rank, device)
     counts = [int(c) for c in plan.shard.counts.tolist()]
-    from shardattn.plan.pipeline import choose_chunks
-
     res = {
         "preset": preset,
         "tokens": tokens,
         "heads": spec.num_heads,
         "world": w,
         "rank_tokens": counts,
-        "chunks": rt.prefill_chunks or choose_chunks(max(counts), heads=spec.num_heads, topk=spec.topk),
+        "chunks": auto_c,
+        # --taper / --one-union: each variant's ms over the plain step's at the same chunk count
+        "variants": {k: {"chunks": c, "over_plain": times[k] / times[p]} for k, (c, p, _) in variants.items()},
+        # whether a rank's whole union fits the Runtime's union buffer (else one_union builds per chunk)
+        "one_union_fits": one_union_fits(rt, max(counts), plan.route.group_size, int(step.rows.shape[1])),
         "route": plan.route.path,
         "ms": times,
         "host_ms": host_ms,
@@ -331,6 +359,10 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=None, help="override the preset's top-k (CPU dry runs)")
     p.add_argument("--cpu", action="store_true", help="dry run on the CPU with gloo (tiny sizes)")
     p.add_argument("--chunks", nargs="*", type=int, default=[], help="also time the step at these chunk counts")
+    p.add_argument("--taper", action="store_true", help="also time tapered chunks (planner's C and --chunks, C >= 3)")
+    p.add_argument(
+        "--one-union", action="store_true", help="also time one union build per step (planner's C and --chunks, C >= 2)"
+    )
     p.add_argument(
         "--normal-priority", action="store_true", help="also time the step over an NCCL group of normal stream priority"
     )
@@ -375,6 +407,17 @@ def main() -> None:
                 f"{r['before_over_kernel']:.3f} | {r['headtp_over_shardq']:.3f} | {r['bit_equal_c1_before']} | "
                 f"{r['rel_err_vs_headtp']:.2e} | {r['new_segments_3_steps']} |"
             )
+        if any(r["variants"] for r in results):  # --taper / --one-union: ratios to the plain step, same run
+            print("\nTapered chunks (_taper) and one union build (_1u): ms over the plain step at the same chunk count")
+            print("| preset | tokens | variant | chunks | ms | plain ms | variant / plain | union fits |")
+            print("|---|---|---|---|---|---|---|---|")
+            for r in results:
+                for k, v in r["variants"].items():
+                    plain = k.replace("_taper", "").replace("_1u", "")
+                    print(
+                        f"| {r['preset']} | {r['tokens']} | {k} | {v['chunks']} | {r['ms'][k]:.2f} | "
+                        f"{r['ms'][plain]:.2f} | {v['over_plain']:.3f} | {r['one_union_fits']} |"
+                    )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)

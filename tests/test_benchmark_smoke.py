@@ -36,10 +36,14 @@ def test_shardq_overlap_dry_run(tmp_path: Path) -> None:
     text = _torchrun(
         "shardq_overlap.py", "--cpu", "--presets", "glm5", "--tokens", "1024", "--topk", "16",
         "--requests", "1", "--cached", "64", "--iters", "2", "--json", str(out),
+        "--chunks", "4", "--taper", "--one-union",
     )  # fmt: skip
     assert "| glm5 | 1024 |" in text
     rows = json.loads(out.read_text())  # one record per (preset, tokens)
-    assert rows and all(r["bit_equal_c1_before"] and r["finite"] for r in rows)
+    # every variant (tapered, one union build, both) is timed and gave the plain step's bits
+    assert rows and all(r["bit_equal_c1_before"] and r["finite"] and r["one_union_fits"] for r in rows)
+    assert all(set(r["variants"]) == {"shardq_c4_taper", "shardq_c4_1u", "shardq_c4_taper_1u"} for r in rows)
+    assert "| glm5 | 1024 | shardq_c4_taper_1u | 4 |" in text
 
 
 def test_scaling_dry_run_and_predictions(tmp_path: Path) -> None:

@@ -26,12 +26,20 @@ from shardattn.kernels.registry import triton_available
 from shardattn.kernels.sparse_mla import sparse_mla_attention
 from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.kernels.topk import convert_topk
+from shardattn.kernels.union import build_union
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.runtime import Runtime
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan import pcp_plan, zigzag_split
-from shardattn.plan.pipeline import AUTO_MAX_CHUNKS, CHUNK_WORK, MAX_CHUNKS, choose_chunks, pipeline_plan
+from shardattn.plan.pipeline import (
+    AUTO_MAX_CHUNKS,
+    CHUNK_WORK,
+    MAX_CHUNKS,
+    choose_chunks,
+    chunk_weights,
+    pipeline_plan,
+)
 from shardattn.plan.spec import ModelSpec
 
 D, DV = 48, 32
@@ -47,14 +55,16 @@ SETTINGS = settings(
     world=st.integers(1, 4),
     chunks=st.integers(1, 9),
     align=st.sampled_from([1, 2, 4, 8]),
+    taper=st.booleans(),
 )
-def test_pipeline_plan_cuts_every_share_into_aligned_runs(lens, world, chunks, align) -> None:
+def test_pipeline_plan_cuts_every_share_into_aligned_runs(lens, world, chunks, align, taper) -> None:
     plan = zigzag_split(lens, world, align=align, min_tokens=0)
     if not plan.sharded:
         with pytest.raises(ValueError, match="sharded"):
-            pipeline_plan(plan, chunks, align=align)
+            pipeline_plan(plan, chunks, align=align, taper=taper)
         return
-    pp = pipeline_plan(plan, chunks, align=align)
+    pp = pipeline_plan(plan, chunks, align=align, taper=taper)
+    assert pp.taper is taper
     for r in range(world):
         ids = plan.token_ids(r).tolist()
         b = pp.bounds[r]
@@ -66,6 +76,44 @@ def test_pipeline_plan_cuts_every_share_into_aligned_runs(lens, world, chunks, a
             offsets = [o + i for _, o, n in pp.runs(r, c) for i in range(n)]
             assert expanded == piece and offsets == list(range(len(piece)))
             assert pp.count(r, c) == len(piece)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(n=st.integers(0, 300), chunks=st.integers(1, MAX_CHUNKS), align=st.sampled_from([1, 2, 4, 8]))
+def test_tapered_chunks_follow_their_weights(n, chunks, align) -> None:
+    plan = zigzag_split([2 * n + 1], 2, align=align, min_tokens=0)  # rank shares of about n tokens
+    flat = pipeline_plan(plan, chunks, align=align)
+    tapered = pipeline_plan(plan, chunks, align=align, taper=True)
+    weights = chunk_weights(chunks, taper=True)
+    assert len(weights) == chunks and sum(weights) == (2 * chunks - 2 if chunks >= 3 else chunks)
+    for r in range(2):
+        share = len(plan.token_ids(r))
+        # untapered: the equal cut as before (chunk i ends at floor(n * i / C), aligned down)
+        assert flat.bounds[r].tolist() == [0, *(share * i // chunks // align * align for i in range(1, chunks)), share]
+        if chunks < 3:  # no middle chunk: equal weights, the same plan
+            assert tapered.bounds[r].tolist() == flat.bounds[r].tolist()
+            continue
+        sizes = [tapered.count(r, c) for c in range(chunks)]
+        ends = np.cumsum(weights)
+        for c, size in enumerate(sizes):  # each chunk within an alignment step of its share of the weights
+            ideal = share * weights[c] / ends[-1]
+            assert abs(size - ideal) < 1 + align, (sizes, share)
+        if align == 1 and share >= ends[-1]:  # the first and last chunks are the smallest
+            assert max(sizes[0], sizes[-1]) <= min(sizes[1:-1]), sizes
+    # the plans differ (for a share larger than the weights) and their fingerprints say so
+    if chunks >= 3 and not np.array_equal(flat.bounds, tapered.bounds):
+        assert flat.fingerprint() != tapered.fingerprint()
+    assert flat.fingerprint()[3] is False and tapered.fingerprint()[3] is True
+
+
+def test_chunk_weights_rejects_bad_arguments() -> None:
+    assert chunk_weights(5, taper=True) == (1, 2, 2, 2, 1) and chunk_weights(1, taper=True) == (1,)
+    with pytest.raises(ValueError, match="chunks"):
+        chunk_weights(0)
+    with pytest.raises(TypeError, match="taper"):
+        chunk_weights(3, taper=1)
+    with pytest.raises(TypeError, match="taper"):
+        pipeline_plan(zigzag_split([8], 2, min_tokens=0), 3, taper="yes")
 
 
 def test_choose_chunks_grows_with_the_step_and_stays_bounded() -> None:
@@ -104,7 +152,14 @@ def _case(seed: int, lens: list[int], world: int, heads_per_rank: int, k: int, e
 
 
 def _chunked_runs(
-    group: dist.ProcessGroup, case: dict, chunk_counts: list[int], align: int, workspace: bool, grouped: bool = False
+    group: dist.ProcessGroup,
+    case: dict,
+    chunk_counts: list[int],
+    align: int,
+    workspace: bool,
+    grouped: bool = False,
+    taper: bool = False,
+    one_union: bool = False,
 ) -> list[tuple]:
     comm = Comm(group)
     w, rank = comm.world_size, comm.rank
@@ -115,8 +170,19 @@ def _chunked_runs(
     readies: list[int] = []
     issued: list[tuple[int, int]] = []  # exchanges issued when a kernel call starts, and after its q_ready
 
+    unions: list[bool] = []  # per kernel call with one_union: its slice equals the chunk's own build
+
     def attention(*args, **kwargs):  # the kernel, recording where it reads q and writes out
         seen.extend([args[0].data_ptr(), kwargs["out"].data_ptr(), kwargs["lse"].data_ptr()])
+        if one_union:
+            prepared = kwargs["prepared_union"]
+            own = build_union(
+                args[2], group_size=align, num_kv_rows=args[1].shape[0], topk_length=kwargs["topk_length"]
+            )
+            aligned = prepared.union.data_ptr() % 16 == 0 and prepared.lens.data_ptr() % 16 == 0  # as own builds
+            used = torch.arange(own[0].shape[1], device=own[0].device)[None, :] < own[1][:, None].long()
+            same = torch.equal(prepared.lens, own[1]) and torch.equal(prepared.union[used], own[0][used])
+            unions.append(same and aligned)  # (entries past lens are unspecified on the Triton path)
         wait, calls = kwargs.pop("q_ready"), []
         entry = comm.counts.get("all_to_all", 0)
 
@@ -148,9 +214,11 @@ def _chunked_runs(
         seen.clear()
         readies.clear()
         issued.clear()
+        unions.clear()
         out, lse = shardq_prefill(
             q, case["kv"], case["rows"], plan, comm, scale=D**-0.5, v_dim=DV, topk_length=case["topk_length"],
-            sinks=case["sinks"], attention=attention, chunks=c, align=align, workspace=ws, check=False,
+            sinks=case["sinks"], attention=attention, chunks=c, align=align, taper=taper, workspace=ws, check=False,
+            one_union=one_union,
         )  # fmt: skip
         inside = None
         if ws is not None:  # every buffer the kernel touched lies in the workspace
@@ -158,6 +226,7 @@ def _chunked_runs(
             inside = all(any(lo <= p < hi for lo, hi in spans) for p in seen)
         launches = len(seen) // 3
         assert readies == [1] * launches, readies  # each kernel call waited for its queries once
+        assert unions == ([True] * launches if one_union else []), unions
         # issue order: chunk k's kernel call starts after q_0..q_k and out_0..out_{k-1} (2k + 1 exchanges),
         # and its q_ready issues q_{k+1} (none after the last chunk), after the union build
         for entry, after in issued:
@@ -171,20 +240,102 @@ def _chunked_runs(
 @given(
     world=st.integers(1, 4),
     lens=st.lists(st.integers(0, 23), min_size=1, max_size=4).filter(lambda v: sum(v) > 0),
-    align=st.sampled_from([1, 2]),
+    align=st.sampled_from([1, 2, 4]),
     extras=st.booleans(),
+    taper=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_chunked_shardq_equals_unchunked_bit_for_bit(dist_pool, world, lens, align, extras, seed) -> None:
+def test_chunked_shardq_equals_unchunked_bit_for_bit(dist_pool, world, lens, align, extras, taper, seed) -> None:
     case = _case(seed, lens, world, 2, 12, extras)
     counts = [1, 2, 3, 5, MAX_CHUNKS]  # more chunks than a rank has tokens: empty chunks
-    results = dist_pool.run(_chunked_runs, case, counts, align, False, world_size=world)
+    # tapered or not, G-aligned chunks through the grouped entry (G = align)
+    results = dist_pool.run(_chunked_runs, case, counts, align, False, align > 1, taper, world_size=world)
     for rank, per_rank in enumerate(results):
         out1, lse1, *_ = per_rank[0]
         assert torch.isfinite(out1).all(), rank
         for c, (out, lse, comm_counts, _, _) in zip(counts, per_rank):
             assert torch.equal(out, out1) and torch.equal(lse, lse1), (rank, c)
             assert comm_counts == {"all_to_all": 2 * c}, (rank, c, comm_counts)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4], ids=["world2", "world4"])
+def test_tapered_shardq_equals_untapered_and_unchunked(dist_pool, world_size: int) -> None:
+    """Tapered steps, and untapered ones with one union build, equal the unchunked step."""
+    # one long request and short ones: some ranks hold no token of a (small, tapered) chunk
+    case = _case(5, [41, 3, 0, 26], world_size, 2, 10, True)
+    counts = [1, 3, 4, 7]
+    for align in (1, 2):
+        tapered = dist_pool.run(_chunked_runs, case, counts, align, True, align > 1, True, world_size=world_size)
+        # untapered with the share's union built once (per-chunk slices checked inside)
+        flat = dist_pool.run(_chunked_runs, case, counts, align, False, align > 1, False, True, world_size=world_size)
+        for rank, (per_t, per_f) in enumerate(zip(tapered, flat)):
+            out1, lse1 = per_f[0][:2]  # unchunked
+            for c, a, b in zip(counts, per_t, per_f):
+                assert torch.equal(a[0], out1) and torch.equal(a[1], lse1), (align, rank, c)
+                assert torch.equal(b[0], out1) and torch.equal(b[1], lse1), (align, rank, c)
+                assert a[3] is True and a[2] == {"all_to_all": 2 * c}, (align, rank, c)
+
+
+def _disagree_on(group: dist.ProcessGroup, case: dict, option: str) -> str:
+    comm = Comm(group)
+    h = case["q"].shape[1] // comm.world_size
+    q = case["q"][:, comm.rank * h : (comm.rank + 1) * h]
+    plan = zigzag_split(case["lens"], comm.world_size, min_tokens=0)
+    try:
+        shardq_prefill(
+            q, case["kv"], case["rows"], plan, comm, scale=0.1, v_dim=DV, chunks=3, **{option: comm.rank == 1}
+        )
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _one_union_errors(group: dist.ProcessGroup) -> list[str]:
+    comm = Comm(group)
+    case = _case(3, [12, 9], comm.world_size, 2, 4, False)
+    plan = zigzag_split(case["lens"], comm.world_size, min_tokens=0)
+    huge = case["kv"][:1].expand(2**24, D)  # a stride-0 view: more rows than a 24-bit entry can name
+    errors = []
+    for kv, align in ((case["kv"], 3), (huge, 2)):
+        try:
+            shardq_prefill(
+                case["q"], kv, case["rows"], plan, comm, scale=0.1, v_dim=DV, chunks=2, one_union=True, align=align
+            )
+        except ValueError as e:
+            errors.append(str(e))
+    return [*errors, str(dict(comm.counts))]
+
+
+@pytest.mark.distributed
+def test_one_union_rejects_a_union_it_cannot_build_before_any_message(dist_pool) -> None:
+    (errors,) = dist_pool.run(_one_union_errors, world_size=1)
+    assert "align must be one of (1, 2, 4, 8) with one_union" in errors[0], errors
+    assert "one_union with align=2 needs kv with <= 16777215 rows" in errors[1], errors
+    assert "all_to_all" not in errors[2], errors  # raised in the agreement, before any exchange
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("option", ["taper", "one_union"])
+def test_ranks_that_cut_chunks_differently_all_raise(dist_pool, option: str) -> None:
+    case = _case(2, [30, 9], 2, 2, 8, False)
+    for msg in dist_pool.run(_disagree_on, case, option, world_size=2):
+        assert "ShardQ plan and inputs differs across ranks: rank(s) [1] disagree" in msg, msg
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 3], ids=["world1", "world3"])
+@pytest.mark.parametrize("align", [1, 2, 4, 8], ids=lambda g: f"G{g}")
+def test_one_union_build_equals_per_chunk_builds(dist_pool, world_size: int, align: int) -> None:
+    # tokens with no valid key, topk_length, sinks, tails; the attention checks every slice it gets
+    case = _case(17 + align, [29, 5, 14], world_size, 2, 9, True)
+    counts = [1, 3, 5]
+    one = dist_pool.run(_chunked_runs, case, counts, align, True, True, True, True, world_size=world_size)
+    per_chunk = dist_pool.run(_chunked_runs, case, counts, align, True, True, True, False, world_size=world_size)
+    for rank, (a, b) in enumerate(zip(one, per_chunk)):
+        for c, x, y in zip(counts, a, b):
+            assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[3] is True, (rank, c)
+            assert torch.equal(x[0], b[0][0]) and torch.equal(x[1], b[0][1]), (rank, c)
 
 
 @pytest.mark.distributed
@@ -200,14 +351,16 @@ def test_chunked_shardq_reads_and_writes_only_the_workspace(dist_pool) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.distributed
+@pytest.mark.parametrize("options", [False, True], ids=["plain", "taper-one-union"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["per-query", "grouped-G2"])
-def test_chunked_shardq_on_nccl(dist_pool, grouped: bool) -> None:
+def test_chunked_shardq_on_nccl(dist_pool, grouped: bool, options: bool) -> None:
     from tests.test_nccl_steps import _on_gpu
 
     case = _case(21, [700, 333, 90], 2, 8, 64, True)
     counts = [1, 3, MAX_CHUNKS]
     align = 2 if grouped else 1
-    results = dist_pool.run(_on_gpu, _chunked_runs, case, counts, align, True, grouped, world_size=2, backend="nccl")
+    args = (case, counts, align, True, grouped, options, options)  # options: tapered chunks, one union build
+    results = dist_pool.run(_on_gpu, _chunked_runs, *args, world_size=2, backend="nccl")
     want = dist_pool.run(_chunked_runs, case, [1], align, False, world_size=2)  # gloo, the torch reference
     for rank, (per_rank, (ref,)) in enumerate(zip(results, want)):
         out1, lse1, *_ = per_rank[0]
@@ -219,11 +372,14 @@ def test_chunked_shardq_on_nccl(dist_pool, grouped: bool) -> None:
             assert torch.equal(out, out1) and torch.equal(lse, lse1), (rank, c)
 
 
-def _runtime_steps(group: dist.ProcessGroup, case: dict, chunks: int | None) -> dict:
+def _runtime_steps(
+    group: dist.ProcessGroup, case: dict, chunks: int | None, taper: bool = False, one_union: bool = False
+) -> dict:
     spec = ModelSpec("sparse_mla", case["q"].shape[1], 1, D, DV, 12, 16, dtype="float32")
     rt = Runtime(
-        spec, group, max_batched_tokens=64, mode="shardq", min_shard_tokens=1, prefill_chunks=chunks, warmup=False
-    )
+        spec, group, max_batched_tokens=64, mode="shardq", min_shard_tokens=1, prefill_chunks=chunks,
+        prefill_taper=taper, prefill_one_union=one_union, warmup=False,
+    )  # fmt: skip
     h, rank = rt.heads_per_rank, rt.rank
     q = case["q"][:, rank * h : (rank + 1) * h]
     buffers = {k: (v.data_ptr(), v.numel()) for k, v in rt.workspace.items()}
@@ -244,17 +400,24 @@ def _runtime_steps(group: dist.ProcessGroup, case: dict, chunks: int | None) -> 
 def test_runtime_pipelined_prefill_equals_unpipelined(dist_pool) -> None:
     case = _case(11, [30, 17], 2, 2, 12, False)
     piped = dist_pool.run(_runtime_steps, case, 3, world_size=2)
+    tapered = dist_pool.run(_runtime_steps, case, 4, True, True, world_size=2)  # and one union build
     plain = dist_pool.run(_runtime_steps, case, 1, world_size=2)
-    for rank, (a, b) in enumerate(zip(piped, plain)):
+    for rank, (a, t, b) in enumerate(zip(piped, tapered, plain)):
         assert a["same"] and a["equal"] and a["counts"] == {"all_to_all": 6}, (rank, a["counts"])
+        assert t["same"] and t["equal"] and t["counts"] == {"all_to_all": 8}, (rank, t["counts"])
         assert b["counts"] == {"all_to_all": 2}, rank
-        assert torch.equal(a["out"][0], b["out"][0]) and torch.equal(a["out"][1], b["out"][1]), rank
+        for x in (a, t):
+            assert torch.equal(x["out"][0], b["out"][0]) and torch.equal(x["out"][1], b["out"][1]), rank
 
 
 def test_runtime_rejects_a_pipeline_deeper_than_its_workspace() -> None:
     # checked before the group is looked at
     with pytest.raises(ValueError, match="prefill_chunks"):
         Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_chunks=MAX_CHUNKS + 1, warmup=False)
+    with pytest.raises(TypeError, match="prefill_taper"):
+        Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_taper=1, warmup=False)
+    with pytest.raises(TypeError, match="prefill_one_union"):
+        Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_one_union="yes", warmup=False)
 
 
 # -- PCP: the all-gather overlapped with the prefix attention equals the blocking order ---------

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_scale, check_tensor
+
+if TYPE_CHECKING:
+    from shardattn.kernels.prepared_union import PreparedUnion
 
 #: Bytes of fp32 gathered KV the reference materialises at once (bounds CPU memory).
 REFERENCE_CHUNK_BYTES = 256 << 20
@@ -231,6 +235,7 @@ def sparse_mla_attention(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     q_ready: Callable[[], None] | None = None,
+    prepared_union: PreparedUnion | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention over per-token global KV rows.
 
@@ -256,6 +261,9 @@ def sparse_mla_attention(
             ``b * H/B + i`` at ``[b, t, i]``, e.g. an all-to-all buffer; see :func:`q_heads_view`).
         q_ready: optional callable run once before any kernel reads ``q`` (e.g. the wait of the
             exchange that fills it); only ``q``'s shape is looked at before.
+        prepared_union: the ``G = 1`` union of exactly these ``rows`` and ``topk_length``, built
+            ahead (:func:`~shardattn.kernels.prepared_union.prepare_union`, e.g. a slice of a
+            whole share's): the kernel paths then build none; the reference path ignores it.
     Returns:
         ``out [T, H, v_dim]`` in q's dtype, and ``lse [T, H]`` fp32 natural log when
         ``return_lse`` (the given destinations when passed); a row with no valid key is ``(0, -inf)``
@@ -274,6 +282,10 @@ def sparse_mla_attention(
     q = join_q(q)
     q3 = shape_stand_in(q)
     check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
+    if prepared_union is not None:
+        from shardattn.kernels.prepared_union import check_prepared_union
+
+        check_prepared_union(prepared_union, rows, group_size=1)
     if q_ready is not None:
         q_ready()
     if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
@@ -290,15 +302,17 @@ def sparse_mla_attention(
             if gluon_supports(q, kv, v_dim) is None:  # q's own strides (head-blocked too) suit cp.async
                 # head-blocked q / out / lse are read and written in place through their strides
                 out, lse = sparse_mla_gluon(
-                    q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse=lse
-                )
+                    q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse=lse,
+                    prepared=prepared_union,
+                )  # fmt: skip
                 return (out, lse) if return_lse else out
         from shardattn.kernels.sparse_mla_triton import kernel_supports, sparse_mla_per_query
 
         if use_triton(q3, kv, rows) and kernel_supports(q3, kv, v_dim) is None:
             out, lse = sparse_mla_per_query(
-                q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse=lse
-            )
+                q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse=lse,
+                prepared=prepared_union,
+            )  # fmt: skip
             return (out, lse) if return_lse else out
     o, s = sparse_mla_reference(
         q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks

@@ -27,10 +27,11 @@ import torch
 
 from shardattn.kernels.gluon_compat import GLUON_IMPORT_ERROR as _GLUON_IMPORT_ERROR
 from shardattn.kernels.gluon_compat import HAS_GLUON
+from shardattn.kernels.prepared_union import PreparedUnion, union_for_call
 from shardattn.kernels.sparse_mla_gluon_pipelined import NUM_WARPS
 from shardattn.kernels.sparse_mla_gluon_ws import NOT_SPECIALIZED, WS_MAXNREG, WS_NUM_WARPS
 from shardattn.kernels.sparse_mla_triton import launch_destinations, launch_strides
-from shardattn.kernels.union import GROUP_SIZES, build_union, num_groups
+from shardattn.kernels.union import GROUP_SIZES, num_groups
 
 if HAS_GLUON:
     import triton
@@ -263,6 +264,7 @@ def sparse_mla_gluon(
     config: GluonConfig | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    prepared: PreparedUnion | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-query Gluon path: rows sorted and de-duplicated (``G = 1`` union), then attended.
 
@@ -274,10 +276,11 @@ def sparse_mla_gluon(
             ``[T, K]`` int32 global rows (-1 / out of range invalid, anywhere); topk_length:
             ``[T]`` int32 or None; sinks: ``[H]`` fp32.
         out / lse: optional destinations, plain or head-blocked (:func:`launch_gluon_attention`).
+        prepared: the ``G = 1`` union of ``rows`` built ahead (checked by the caller), else built here.
     Returns:
         ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)`` (the given destinations when passed).
     """
-    union, lens = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
+    union, lens = union_for_call(prepared, rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
     return launch_gluon_attention(
         q, kv, union, lens, scale=scale, v_dim=v_dim, config=config, sinks=sinks, out=out, lse=lse
     )

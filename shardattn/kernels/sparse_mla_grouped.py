@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardattn.kernels.prepared_union import PreparedUnion, check_prepared_union, union_for_call
 from shardattn.kernels.registry import interpreter_enabled, sparse_prefill_kernel, use_triton
 from shardattn.kernels.sparse_mla import (
     check_sparse_mla_inputs,
@@ -52,7 +53,7 @@ from shardattn.kernels.sparse_mla_triton import (
     launch_attention,
     tile_config,
 )
-from shardattn.kernels.union import GROUP_SIZES, MAX_PACKED_ROWS, build_union
+from shardattn.kernels.union import GROUP_SIZES, MAX_PACKED_ROWS
 from shardattn.plan.routing import gluon_grouped_group_size, grouped_group_size
 
 
@@ -126,6 +127,7 @@ def sparse_mla_grouped_prefill(
     lse: torch.Tensor | None = None,
     q_ready: Callable[[], None] | None = None,
     rows_sorted: bool = False,
+    prepared_union: PreparedUnion | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill with consecutive queries grouped into shared tiles.
 
@@ -154,6 +156,10 @@ def sparse_mla_grouped_prefill(
         rows_sorted: the caller guarantees each query's valid rows are ascending in list order
             (invalid entries anywhere; e.g. a top-k sorted by row): the union build skips its row
             sort (trusted, not checked; :func:`~shardattn.kernels.union.build_union`).
+        prepared_union: the union of exactly these ``rows`` / ``topk_length`` built ahead for the
+            path's ``G`` (:func:`~shardattn.kernels.prepared_union.prepare_union`, e.g. a
+            ``G``-aligned slice of a whole share's): no union is built (not with ``union``); the
+            reference path checks and ignores it.
     Returns:
         ``out [T, H, v_dim]`` in q's dtype and ``lse [T, H]`` fp32 natural log (the given
         destinations when passed); an empty row is ``(0, -inf)`` (with sinks: ``(0, sink)``).
@@ -172,6 +178,10 @@ def sparse_mla_grouped_prefill(
         raise TypeError(f"rows_sorted must be a bool, got {type(rows_sorted).__name__}")
     if group_size is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size!r}")
+    if prepared_union is not None:
+        check_prepared_union(prepared_union, rows)
+        if union is not None:
+            raise ValueError("pass union (a workspace to build into) or prepared_union (built already), not both")
     if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
         if q_ready is not None:
             q_ready()
@@ -190,9 +200,12 @@ def sparse_mla_grouped_prefill(
         lse = s if lse is None else store_heads(lse, s)
     else:
         g = path.group_size
-        u, lens = build_union(
-            rows, group_size=g, num_kv_rows=kv.shape[0], topk_length=topk_length, out=union, rows_sorted=rows_sorted
-        )
+        if prepared_union is not None:
+            check_prepared_union(prepared_union, rows, group_size=g)
+        u, lens = union_for_call(
+            prepared_union, rows, group_size=g, num_kv_rows=kv.shape[0], topk_length=topk_length, out=union,
+            rows_sorted=rows_sorted,
+        )  # fmt: skip
         if q_ready is not None:  # the union is built: now the kernels may wait for q
             q_ready()
         if path.backend == "gluon" and gluon_supports(q, kv, v_dim) is None:

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from shardattn.kernels.prepared_union import PreparedUnion, union_for_call
 from shardattn.kernels.registry import interpreter_enabled
-from shardattn.kernels.union import build_union, num_groups
+from shardattn.kernels.union import num_groups
 
 try:
     import triton
@@ -266,6 +267,7 @@ def sparse_mla_per_query(
     interpret: bool = False,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    prepared: PreparedUnion | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-query Triton path (``G = 1``): each query's rows sorted and de-duplicated, then attended.
 
@@ -277,10 +279,11 @@ def sparse_mla_per_query(
             invalid); topk_length: ``[T]`` int32 or None; sinks: ``[H]`` fp32 or None.
         out / lse: optional destinations; ``q``, ``out``, ``lse`` may be head-blocked
             (:func:`launch_attention`).
+        prepared: the ``G = 1`` union of ``rows`` built ahead (checked by the caller), else built here.
     Returns:
         ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)``.
     """
-    union, lens = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
+    union, lens = union_for_call(prepared, rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
     heads = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
     cfg = tile_config(heads, 1, interpret=interpret or interpreter_enabled())
     return launch_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse)

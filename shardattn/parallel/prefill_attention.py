@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from shardattn.kernels.prepared_union import PreparedUnion
 from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.parallel.runtime_workspace import WorkspaceExceededError
 from shardattn.plan.routing import Route
@@ -37,6 +38,7 @@ def workspace_prefill_attention(
     lse: torch.Tensor | None = None,
     q_ready: Callable[[], None] | None = None,
     rows_sorted: bool = False,
+    prepared_union: PreparedUnion | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA prefill of ``q`` on ``route``, the union built into ``union_ws`` / ``lens_ws``.
 
@@ -53,6 +55,8 @@ def workspace_prefill_attention(
             :func:`~shardattn.kernels.sparse_mla_grouped.sparse_mla_grouped_prefill`).
         rows_sorted: each token's valid rows arrive ascending (trusted): the union build skips
             its row sort (every pass; a pass is a slice of whole rows).
+        prepared_union: the union of these rows built ahead (a slice of a whole share's,
+            :func:`~shardattn.kernels.prepared_union.prepare_union`): one call, no build, no passes.
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32)`` (the given destinations when passed).
     Raises:
@@ -62,8 +66,11 @@ def workspace_prefill_attention(
     call = functools.partial(
         sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g, rows_sorted=rows_sorted
     )
-    if route.path == "reference" or t == 0 or k == 0:
-        return call(q, rows=rows, topk_length=topk_length, sinks=sinks, out=out, lse=lse, q_ready=q_ready)
+    if prepared_union is not None or route.path == "reference" or t == 0 or k == 0:
+        return call(
+            q, rows=rows, topk_length=topk_length, sinks=sinks, out=out, lse=lse, q_ready=q_ready,
+            prepared_union=prepared_union,
+        )  # fmt: skip
     per_pass = min(union_ws.numel() // (k * 4), lens_ws.numel() // 4 * g) // g * g
     if per_pass < 1:
         raise WorkspaceExceededError(

@@ -100,6 +100,10 @@ class Runtime(RuntimeGraphs):
             :func:`~shardattn.plan.pipeline.choose_chunks` of each step (1 for small steps, up to
             ``AUTO_MAX_CHUNKS`` for large ones); an int in ``[1, MAX_CHUNKS]`` forces it (1 = not
             pipelined). Every value gives the same bits.
+        prefill_taper: cut pipelined ShardQ steps into tapered chunks (first and last half the
+            middle ones; :func:`~shardattn.plan.pipeline.chunk_weights`). Opt-in; same bits.
+        prefill_one_union: ShardQ steps build the union of the rank's whole share once, not one
+            per chunk (:func:`~shardattn.parallel.shardq.shardq_prefill`'s ``one_union``). Opt-in.
 
     Raises:
         ValueError / TypeError: heads not divisible by the world size, a mode without a step for
@@ -125,6 +129,8 @@ class Runtime(RuntimeGraphs):
         warmup: bool = True,
         cost_model: CostModel | str | None = "auto",
         prefill_chunks: int | None = None,
+        prefill_taper: bool = False,
+        prefill_one_union: bool = False,
     ) -> None:
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         if not isinstance(self.spec, ModelSpec):
@@ -148,6 +154,12 @@ class Runtime(RuntimeGraphs):
             if not 1 <= check_int("prefill_chunks", prefill_chunks, minimum=1) <= MAX_CHUNKS:
                 raise ValueError(f"prefill_chunks must be in [1, {MAX_CHUNKS}], got {prefill_chunks}")
         self.prefill_chunks = prefill_chunks
+        if not isinstance(prefill_taper, bool):
+            raise TypeError(f"prefill_taper must be a bool, got {type(prefill_taper).__name__}")
+        self.prefill_taper = prefill_taper
+        if not isinstance(prefill_one_union, bool):
+            raise TypeError(f"prefill_one_union must be a bool, got {type(prefill_one_union).__name__}")
+        self.prefill_one_union = prefill_one_union
         if self.spec.kind == "gqa" and PREFILL_STEP[mode] not in (None, "headtp"):
             raise ValueError(
                 f"mode {mode!r} runs a sparse-MLA prefill, but the spec is a GQA model; "
@@ -442,6 +454,8 @@ class Runtime(RuntimeGraphs):
             if q.dtype == self.dtype
             else {},
             chunks=self.prefill_chunks,
+            taper=self.prefill_taper,
+            one_union=self.prefill_one_union,
             topk_length=topk_length,
             sinks=sinks,
             kv_cache=kv_cache,

@@ -25,7 +25,14 @@ from shardattn.plan.zigzag import ShardPlan
 __all__ = ["PrefillPlan", "run_prefill_step", "shardq_buffers"]
 
 #: ``shardq_prefill`` workspace key -> the Runtime's workspace item (``prefill.<item>``).
-SHARDQ_BUFFERS = (("q", "packed_q"), ("out", "out"), ("lse", "lse"), ("rows", "topk_rows"))
+SHARDQ_BUFFERS = (
+    ("q", "packed_q"),
+    ("out", "out"),
+    ("lse", "lse"),
+    ("rows", "topk_rows"),
+    ("union", "union"),
+    ("lens", "union_offsets"),
+)
 
 
 @dataclass(frozen=True)
@@ -59,8 +66,8 @@ class PrefillPlan:
 
 
 def shardq_buffers(workspace: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The ShardQ receive / send buffers and rank rows among a Runtime's workspace items
-    (``{"q", "out", "lse", "rows"}``)."""
+    """The ShardQ receive / send buffers, rank rows and union among a Runtime's workspace items
+    (``{"q", "out", "lse", "rows", "union", "lens"}``)."""
     return {key: workspace[f"prefill.{item}"] for key, item in SHARDQ_BUFFERS if f"prefill.{item}" in workspace}
 
 
@@ -77,6 +84,8 @@ def run_prefill_step(
     local_sinks: torch.Tensor | None,
     shardq_workspace: dict[str, torch.Tensor],
     chunks: int | None,
+    taper: bool,
+    one_union: bool,
     topk_length: torch.Tensor | None,
     sinks: torch.Tensor | None,
     kv_cache: torch.Tensor | None,
@@ -85,8 +94,8 @@ def run_prefill_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer of a planned prefill step (arguments as :meth:`Runtime.prefill
     <shardattn.parallel.runtime.Runtime.prefill>`; ``attention`` is the Runtime's kernel call on
-    the plan's route, ``local_sinks`` the rank's heads of ``sinks``, ``chunks`` the ShardQ pipeline
-    depth). Returns ``(out, lse)``."""
+    the plan's route, ``local_sinks`` the rank's heads of ``sinks``, ``chunks`` / ``taper`` /
+    ``one_union`` the ShardQ pipeline's depth, chunk shape and union build). Returns ``(out, lse)``."""
     v = spec.v_dim
     if plan.step == "pcp":
         return pcp_prefill(
@@ -98,5 +107,6 @@ def run_prefill_step(
         return attention(q, kv, rows, scale=scale, v_dim=v, topk_length=topk_length, sinks=local_sinks, return_lse=True)
     return shardq_prefill(
         q, kv, rows, plan.shard, comm, scale=scale, v_dim=v, topk_length=topk_length, sinks=sinks,
-        attention=attention, check=check, chunks=chunks, align=plan.route.group_size, workspace=shardq_workspace,
+        attention=attention, check=check, chunks=chunks, taper=taper, align=plan.route.group_size,
+        one_union=one_union, workspace=shardq_workspace,
     )  # fmt: skip

@@ -38,6 +38,18 @@ buffers whole, receives the peers' outputs into the query receive buffer (read b
 scatters them to their tokens (one ``index_copy_`` per peer) after the exchange; the price is one
 device copy of the bytes that cross. Both give the same bits.
 
+Two opt-in options, same bits (neither measured on GPUs yet): ``taper=True`` cuts the shares
+``1, 2, ..., 2, 1`` (:func:`~shardattn.plan.pipeline.chunk_weights`): the first query exchange and
+the last output exchange, which nothing hides, carry ``1/(2C-2)`` of a share instead of ``1/C``.
+``one_union=True`` builds the union of the rank's whole share once, right after chunk 0's query
+exchange is issued (:func:`~shardattn.kernels.prepared_union.prepare_union`), and gives each
+chunk's kernel call its slice (``prepared_union=``), so no row sort runs between two kernels.
+
+Host work per chunk (``tests/test_shardq_host_ops.py`` bounds it): the views of a chunk's token
+runs come from one split per buffer (and of ``q`` / ``out`` / ``lse`` once per step), its buffers
+from one ``as_strided`` each; the device ops are the three local pieces a rank keeps; nothing
+reads device data back.
+
 Exactly ``2 C`` exchanges (each counted as one ``"all_to_all"``) per sharded step (plus, with
 ``check=True``, one small all-gather that makes the ranks agree on the plan and shapes first). A
 plan that is not sharded (fewer tokens than ``min_tokens``) runs head-TP locally with no
@@ -53,7 +65,9 @@ import torch
 import torch.distributed as dist
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
+from shardattn.kernels.prepared_union import SLICE_GROUPS, prepare_union
 from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
+from shardattn.kernels.union import GROUP_SIZES, MAX_PACKED_ROWS
 from shardattn.parallel.comm import Comm, stable_fingerprint
 from shardattn.parallel.packing import view_bytes
 from shardattn.plan.pipeline import CHUNK_ALIGN, PipelinePlan, choose_chunks, pipeline_plan
@@ -75,8 +89,10 @@ def _check_inputs(
     sinks: torch.Tensor | None,
     scale: float,
     check: bool,
+    pipeline: tuple[int | None, int, bool, bool],
 ) -> int:
-    """Validate one rank's ShardQ inputs; returns the fingerprint the ranks must agree on."""
+    """Validate one rank's ShardQ inputs; returns the fingerprint the ranks must agree on
+    (``pipeline``: ``(chunks, align, taper, one_union)``, which every rank must cut alike)."""
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"plan must be a ShardPlan (from zigzag_split), got {type(plan).__name__}")
     if plan.world_size != comm.world_size:
@@ -101,9 +117,25 @@ def _check_inputs(
     if sinks is not None:
         check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h * comm.world_size,))
     check_same_device(q_heads_local=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
+    chunks, align, taper, one_union = pipeline
+    if chunks is not None:
+        check_int("chunks", chunks, minimum=1)
+    check_int("align", align, minimum=1)
+    if not isinstance(taper, bool):
+        raise TypeError(f"taper must be a bool, got {type(taper).__name__}")
+    if not isinstance(one_union, bool):
+        raise TypeError(f"one_union must be a bool, got {type(one_union).__name__}")
+    if one_union and align not in GROUP_SIZES:  # the union's G (checked here, before any message)
+        raise ValueError(f"align must be one of {GROUP_SIZES} with one_union (the union's group size), got {align}")
+    if one_union and align > 1 and kv.shape[0] > MAX_PACKED_ROWS:
+        raise ValueError(
+            f"one_union with align={align} needs kv with <= {MAX_PACKED_ROWS} rows (24-bit packed union entries), "
+            f"got {kv.shape[0]}; use align=1 (the per-query path) for such caches"
+        )
     return stable_fingerprint(
         "shardq",
         plan.fingerprint() if check else None,
+        pipeline,
         tuple(q.shape),
         q.dtype,
         rows.shape[1],
@@ -128,6 +160,8 @@ def shardq_prefill(
     check: bool = True,
     chunks: int | None = 1,
     align: int = 1,
+    taper: bool = False,
+    one_union: bool = False,
     workspace: dict[str, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -163,9 +197,22 @@ def shardq_prefill(
             value gives the same result, bit for bit. Default 1 (not pipelined); the Runtime passes
             ``None``.
         align: chunk boundaries are multiples of it (the kernel's group size ``G``).
-        workspace: optional ``uint8`` buffers ``{"q", "out", "lse", "rows"}`` the receive / send
-            buffers and the rank's rows of ``rows`` (int32) are carved from (the Runtime's
-            ``prefill.packed_q`` / ``.out`` / ``.lse`` / ``.topk_rows``); default: allocated per step.
+        taper: cut the first and last chunks half as large as the middle ones (``C >= 3``;
+            :func:`~shardattn.plan.pipeline.chunk_weights`): the exposed first query exchange and
+            last output exchange shrink. Opt-in (not measured on GPUs yet); same bits.
+        one_union: build the union of the rank's whole share once, right after chunk 0's query
+            exchange is issued (:func:`~shardattn.kernels.prepared_union.prepare_union`, ``G =
+            align``), and hand each chunk's kernel call its slice as ``prepared_union=`` (so no
+            row sort runs between two chunks' kernels). ``attention`` must then take that keyword
+            and use ``G = align`` (the Runtime's and the library's entries do); chunk boundaries
+            are then multiples of ``4 G`` (:data:`~shardattn.kernels.prepared_union.SLICE_GROUPS`:
+            aligned slices, the kernels' compiled variants). Opt-in; same bits. A ``workspace``
+            without room for the whole union: per-chunk builds, as without it.
+        workspace: optional ``uint8`` buffers ``{"q", "out", "lse", "rows", "union", "lens"}`` the
+            receive / send buffers, the rank's rows of ``rows`` (int32) and, with ``one_union``,
+            the whole share's union and lengths are carved from (the Runtime's ``prefill.packed_q``
+            / ``.out`` / ``.lse`` / ``.topk_rows`` / ``.union`` / ``.union_offsets``); default:
+            allocated per step.
         out / lse: optional destinations ``[T, H/W, v_dim]`` / ``[T, H/W]`` (contiguous).
     Returns:
         ``out [T, H/W, v_dim]`` in q's dtype, token order, this rank's heads; and
@@ -180,9 +227,10 @@ def shardq_prefill(
         # q_local [T, H/W, 576] -> out [T, H/W, 512], lse [T, H/W]
     """
     comm = Comm.wrap(group)
+    pipeline = (chunks, align, taper, one_union)
     comm.agree_on(
         "ShardQ plan and inputs",
-        lambda: _check_inputs(q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, scale, check),
+        lambda: _check_inputs(q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, scale, check, pipeline),
         check=check,
     )
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
@@ -198,30 +246,40 @@ def shardq_prefill(
 
         if chunks is None:  # the planner's pick from the largest share's work
             chunks = choose_chunks(int(plan.counts.max()), heads=h * comm.world_size, topk=max(1, rows.shape[1]))
-        pipe = pipeline_plan(plan, chunks, align=align)
+        # one_union: chunk slices of the union start 16-byte aligned (SLICE_GROUPS), as whole builds do
+        pipe = pipeline_plan(plan, chunks, align=align * (SLICE_GROUPS if one_union else 1), taper=taper)
         return _pipelined(
             q, kv, rows, plan, pipe, comm, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks,
             return_lse=return_lse, attention=attention, workspace=workspace, out=out, lse=lse,
+            union_groups=align if one_union else None,
         )  # fmt: skip
 
 
 def _carve(
     buf: torch.Tensor | None, name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """Views ``[shape]`` of ``dtype`` laid one after another (256-byte aligned) in the uint8 ``buf``
-    (new tensors when ``buf`` is None)."""
+    """Contiguous views ``[shape]`` of ``dtype`` laid one after another (each at a multiple of 256
+    bytes) in the uint8 ``buf``, one ``as_strided`` each (new tensors when ``buf`` is None)."""
     if buf is None:
         return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
-    views, off = [], 0
+    starts, off, end = [], 0, 0
     for s in shapes:
-        n = math.prod(s) * dtype.itemsize
-        if off + n > buf.numel():
-            raise ValueError(
-                f"workspace[{name!r}] holds {buf.numel()} B, the pipelined step needs at least {off + n} B"
-            )
-        views.append(buf[off : off + n].view(dtype).view(s))
-        off += -(-n // CHUNK_ALIGN) * CHUNK_ALIGN
-    return views
+        end = off + math.prod(s) * dtype.itemsize
+        if end > buf.numel():
+            raise ValueError(f"workspace[{name!r}] holds {buf.numel()} B, the pipelined step needs at least {end} B")
+        starts.append(off)
+        off += -(-(end - off) // CHUNK_ALIGN) * CHUNK_ALIGN
+    flat = buf[:end].view(dtype)
+    base, size = flat.storage_offset(), dtype.itemsize
+    return [flat.as_strided(s, _contiguous_strides(s), base + o // size) for s, o in zip(shapes, starts)]
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _staging(
@@ -242,6 +300,17 @@ def _staging(
     ]
 
 
+def _runs_of(x: torch.Tensor, pipe: PipelinePlan) -> dict[int, torch.Tensor]:
+    """Token start -> view of every run (:meth:`PipelinePlan.token_runs`) of the token-order ``x`` (one split)."""
+    runs = pipe.token_runs()
+    return dict(zip((s for s, _ in runs), x.split([n for _, n in runs])))
+
+
+def _pieces(buf: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """A chunk buffer ``[W, n, ...]`` cut into its rank-major runs (``sizes``) by one split."""
+    return buf.flatten(0, 1).split(sizes)
+
+
 def _pipelined(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -259,8 +328,10 @@ def _pipelined(
     workspace: dict[str, torch.Tensor] | None,
     out: torch.Tensor | None,
     lse: torch.Tensor | None,
+    union_groups: int | None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The sharded step, chunk by chunk (module docstring)."""
+    """The sharded step, chunk by chunk (module docstring); ``union_groups``: ``G`` of the share's
+    union built once (``one_union``), or None (each kernel call builds its own)."""
     w, rank = comm.world_size, comm.rank
     t, h, d = q.shape
     dev = q.device
@@ -276,6 +347,12 @@ def _pipelined(
     def ids(j: int, c: int) -> torch.Tensor:
         return all_ids[first[j] + int(pipe.bounds[j, c]) : first[j] + int(pipe.bounds[j, c + 1])]
 
+    # views made once per step, not per chunk and run: every run of q (token start -> view); a chunk
+    # buffer [W, n, ...] is cut into rank-major pieces, one per run of mine: their sizes, and the
+    # peer each piece comes from (queries) or goes to (outputs)
+    q_runs = {} if gathered else _runs_of(q_src, pipe)
+    mine = [[n for _ in range(w) for _, _, n in pipe.runs(rank, c)] for c in range(pipe.chunks)]
+    peer_of = [[i for i in range(w) for _ in pipe.runs(rank, c)] for c in range(pipe.chunks)]
     q_bufs = _carve(ws.get("q"), "q", [(w, n, h, d) for n in n_c], q.dtype, dev)
     o_bufs = _carve(ws.get("out"), "out", [(w, n, h, v_dim) for n in n_c], q.dtype, dev)
     l_bufs = _carve(ws.get("lse"), "lse", [(w, n, h) for n in n_c], torch.float32, dev)
@@ -294,9 +371,8 @@ def _pipelined(
             q_moves.append(comm.exchange(list(zip(peers, staged)), [(i, q_recv[i]) for i in peers], tag=2 * c))
             torch.index_select(q_src, 0, ids(rank, c), out=q_recv[rank])
         else:  # contiguous token runs of q, straight into the receive buffer
-            sends = [(j, q_src[s : s + n]) for j in range(w) for s, _, n in pipe.runs(j, c)]
-            recvs = [(i, q_recv[i, o : o + n]) for i in range(w) for _, o, n in pipe.runs(rank, c)]
-            q_moves.append(comm.exchange(sends, recvs, tag=2 * c))
+            sends = [(j, q_runs[s]) for j in range(w) for s, _, _ in pipe.runs(j, c)]
+            q_moves.append(comm.exchange(sends, list(zip(peer_of[c], _pieces(q_recv, mine[c]))), tag=2 * c))
 
     def query_ready(c: int) -> None:
         start_query_exchange(c + 1)
@@ -313,20 +389,30 @@ def _pipelined(
         rows.index_select(0, ids_mine) if rows_buf is None else torch.index_select(rows, 0, ids_mine, out=rows_buf)
     )
     len_mine = None if topk_length is None else topk_length.index_select(0, ids_mine)
+    rows_c = rows_mine.split(n_c)
+    len_c = [None] * pipe.chunks if len_mine is None else len_mine.split(n_c)
+    unions: list = [None] * pipe.chunks  # one_union: the share's union built once, a slice per chunk
+    if union_groups is not None:
+        whole = prepare_union(
+            rows_mine, group_size=union_groups, num_kv_rows=kv.shape[0], topk_length=len_mine,
+            workspace=(ws.get("union"), ws.get("lens")),
+        )  # fmt: skip
+        unions = unions if whole is None else whole.split(pipe.bounds[rank].tolist())
     if out is None:
         out = q.new_empty(t, h, v_dim)
     if lse is None and return_lse:
         lse = torch.empty(t, h, dtype=torch.float32, device=dev)
+    out_runs = {} if gathered else _runs_of(out, pipe)
+    lse_runs = {} if gathered or not return_lse else _runs_of(lse, pipe)
 
     out_moves, landed = [], []
     for c, (q_recv, o_send, l_send) in enumerate(zip(q_bufs, o_bufs, l_bufs)):
-        b0, b1 = int(pipe.bounds[rank, c]), int(pipe.bounds[rank, c + 1])
-        if b1 > b0:  # reads q in place from the receive buffer, writes into the send buffers;
+        if n_c[c]:  # reads q in place from the receive buffer, writes into the send buffers;
             # its union build (rows only) is issued before it waits for chunk c's queries
+            union_kw = {} if unions[c] is None else {"prepared_union": unions[c]}
             attention(
-                q_recv, kv, rows_mine[b0:b1], scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True,
-                topk_length=None if len_mine is None else len_mine[b0:b1], out=o_send, lse=l_send,
-                q_ready=lambda c=c: query_ready(c),
+                q_recv, kv, rows_c[c], scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True, topk_length=len_c[c],
+                out=o_send, lse=l_send, q_ready=lambda c=c: query_ready(c), **union_kw,
             )  # fmt: skip
         query_ready(c)  # idempotent; a rank with no token in chunk c still issues chunk c + 1's exchange
         if gathered:  # whole send buffers out; the peers' outputs land in the (read) query receive buffer
@@ -340,13 +426,14 @@ def _pipelined(
                 lse.index_copy_(0, ids(rank, c), l_send[rank])
             landed.append(recv)
             continue
-        sends, recvs = [], []
-        for j in range(w):
-            for _, o, n in pipe.runs(rank, c):
-                sends += [(j, o_send[j, o : o + n])] + ([(j, l_send[j, o : o + n])] if return_lse else [])
+        sends, recvs = [], []  # per peer: each run's output, then its LSE
+        o_pieces = _pieces(o_send, mine[c])
+        l_pieces = _pieces(l_send, mine[c]) if return_lse else [None] * len(o_pieces)
+        for j, o_piece, l_piece in zip(peer_of[c], o_pieces, l_pieces):
+            sends += [(j, o_piece)] + ([(j, l_piece)] if return_lse else [])
         for i in range(w):
-            for s, _, n in pipe.runs(i, c):
-                recvs += [(i, out[s : s + n])] + ([(i, lse[s : s + n])] if return_lse else [])
+            for s, _, _ in pipe.runs(i, c):
+                recvs += [(i, out_runs[s])] + ([(i, lse_runs[s])] if return_lse else [])
         out_moves.append(comm.exchange(sends, recvs, tag=2 * c + 1))
     for c, move in enumerate(out_moves):
         move.wait()

@@ -20,6 +20,24 @@ lists them (the same list on every rank, so sends and receives pair up)::
 The number of chunks comes from the step's work (:func:`choose_chunks`): enough that the exposed
 first query exchange and last output exchange are short, few enough that each chunk's kernel
 outlasts the host's time to issue the chunk.
+
+Tapered chunks (``taper=True``, opt-in, not measured yet): the shares are cut in proportion to
+:func:`chunk_weights`, ``1, 2, ..., 2, 1`` for ``C >= 3``. Why: with ``x`` and ``y`` the time per
+token of the query and output exchanges and ``k`` the kernel's, the device sees, around chunk
+``c``'s kernel, the output exchange of chunk ``c - 1`` and the query exchange of chunk ``c + 1``
+(one communication stream), and nothing hides chunk 0's query exchange nor chunk ``C - 1``'s
+output exchange. With ``n`` tokens per rank::
+
+    exposed comm          equal chunks: (x + y) n / C      tapered: (x + y) n / (2C - 2)
+                          (C = 3: n/3 -> n/4; C = 4: n/4 -> n/6; large C: halved)
+    hidden when           equal chunks: k >= x + y         tapered, middle chunks: k >= x + y (the same);
+                                                           chunk 0: k >= 2x, chunk 1: 2k >= y + 2x,
+                                                           chunk C - 1: k >= 2y
+
+(a small chunk's kernel must outlast its big neighbour's exchange). On two H200s ``x + y`` is about
+0.6 ``k`` at glm5 (benchmarks/RESULTS.md: exchanges 1.59 ms against a 2.55 ms kernel at 8K), so
+``x, y`` about 0.3 ``k`` and every condition holds. ``C <= 2`` has no middle chunk: the weights
+are equal.
 """
 
 from __future__ import annotations
@@ -39,6 +57,7 @@ __all__ = [
     "MAX_CHUNKS",
     "PipelinePlan",
     "choose_chunks",
+    "chunk_weights",
     "pipeline_plan",
 ]
 
@@ -81,18 +100,35 @@ def choose_chunks(
     return max(1, min(top, n * h * k // per))
 
 
+def chunk_weights(chunks: int, *, taper: bool = False) -> tuple[int, ...]:
+    """Relative sizes of a step's ``chunks`` chunks: all 1, or with ``taper`` (``C >= 3``) halved
+    first and last chunks, ``1, 2, ..., 2, 1`` (module docstring: the exposed exchanges halve).
+
+    >>> chunk_weights(4), chunk_weights(4, taper=True), chunk_weights(2, taper=True)
+    ((1, 1, 1, 1), (1, 2, 2, 1), (1, 1))
+    """
+    c = check_int("chunks", chunks, minimum=1)
+    if not isinstance(taper, bool):
+        raise TypeError(f"taper must be a bool, got {type(taper).__name__}")
+    if not taper or c < 3:
+        return (1,) * c
+    return (1,) + (2,) * (c - 2) + (1,)
+
+
 @dataclass(frozen=True, eq=False)
 class PipelinePlan:
     """Chunk boundaries of every rank's share and the token runs each chunk moves.
 
     Attributes:
         world_size, chunks, align: ``W``, ``C`` and the boundary alignment.
+        taper: whether the chunks follow the tapered :func:`chunk_weights`.
         bounds: ``[W, C + 1]`` int64 offsets into each rank's rank-major token list.
     """
 
     world_size: int
     chunks: int
     align: int
+    taper: bool
     bounds: np.ndarray
     _runs: tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]
 
@@ -109,6 +145,16 @@ class PipelinePlan:
         tokens ``token_start .. token_start + length`` (token order) are rows ``offset ..`` of the chunk."""
         return self._runs[chunk][rank]
 
+    def token_runs(self) -> list[tuple[int, int]]:
+        """``(token_start, length)`` of every run of every rank and chunk, in token order: they tile
+        the step's tokens (``[0, T)``), so one split of a token-order tensor gives every run's view.
+
+        >>> from shardattn.plan.zigzag import zigzag_split
+        >>> pipeline_plan(zigzag_split([8], 2, min_tokens=0), 2).token_runs()
+        [(0, 2), (2, 2), (4, 2), (6, 2)]
+        """
+        return sorted((s, n) for per_rank in self._runs for runs in per_rank for s, _, n in runs)
+
     @property
     def one_message_per_peer(self) -> bool:
         """Whether the step gathers what it sends to a peer into one message (and scatters what it
@@ -121,16 +167,22 @@ class PipelinePlan:
         """
         return self.chunks == 1
 
-    def fingerprint(self) -> tuple[int, int, int, bytes]:
-        return (self.world_size, self.chunks, self.align, self.bounds.tobytes())
+    def fingerprint(self) -> tuple[int, int, int, bool, bytes]:
+        return (self.world_size, self.chunks, self.align, self.taper, self.bounds.tobytes())
 
 
-def pipeline_plan(plan: ShardPlan, chunks: int, *, align: int = 1) -> PipelinePlan:
+def pipeline_plan(plan: ShardPlan, chunks: int, *, align: int = 1, taper: bool = False) -> PipelinePlan:
     """Cut every rank's share of a sharded ``plan`` into ``chunks`` chunks (boundaries multiples of ``align``).
+
+    Chunk ``i`` of a share of ``n`` tokens ends at ``floor(n * S_i / S) // align * align`` (the last
+    at ``n``), ``S_i`` the sum of the first ``i + 1`` :func:`chunk_weights` and ``S`` their total:
+    equal chunks, or tapered ones with ``taper``. A chunk may be empty for a rank (few tokens,
+    or ``align`` larger than its piece).
 
     Args:
         plan: a sharded :class:`~shardattn.plan.shard_plan.ShardPlan`.
         chunks: ``C >= 1``. align: the kernel's group size ``G`` (boundaries keep its groups).
+        taper: first and last chunks half the middle ones (:func:`chunk_weights`).
     Returns:
         the :class:`PipelinePlan`; ``chunks = 1`` is the unchunked step.
 
@@ -138,6 +190,8 @@ def pipeline_plan(plan: ShardPlan, chunks: int, *, align: int = 1) -> PipelinePl
     >>> pp = pipeline_plan(zigzag_split([8], 2, min_tokens=0), 2)
     >>> pp.counts(0), pp.runs(0, 1), pp.runs(1, 0)
     ([2, 2], ((6, 0, 2),), ((2, 0, 2),))
+    >>> pipeline_plan(zigzag_split([48], 2, min_tokens=0), 4, taper=True).bounds[0].tolist()
+    [0, 4, 12, 20, 24]
     """
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"plan must be a ShardPlan, got {type(plan).__name__}")
@@ -145,6 +199,7 @@ def pipeline_plan(plan: ShardPlan, chunks: int, *, align: int = 1) -> PipelinePl
         raise ValueError(f"plan must be sharded to be pipelined ({plan.reason})")
     c = check_int("chunks", chunks, minimum=1)
     a = check_int("align", align, minimum=1)
+    ends = np.cumsum(chunk_weights(c, taper=taper))  # S_0 .. S_{C-1}
     w = plan.world_size
     bounds = np.zeros((w, c + 1), dtype=np.int64)
     runs: list[list[tuple[tuple[int, int, int], ...]]] = [[] for _ in range(c)]
@@ -152,11 +207,11 @@ def pipeline_plan(plan: ShardPlan, chunks: int, *, align: int = 1) -> PipelinePl
         ids = plan.token_ids(r).numpy()
         n = len(ids)
         for i in range(1, c):
-            bounds[r, i] = min(n, (n * i // c) // a * a)
+            bounds[r, i] = min(n, (n * int(ends[i - 1]) // int(ends[-1])) // a * a)
         bounds[r, c] = n
         bounds[r] = np.maximum.accumulate(bounds[r])
         for i in range(c):
             piece = ids[bounds[r, i] : bounds[r, i + 1]]
             cuts = [0, *(np.flatnonzero(np.diff(piece) != 1) + 1).tolist(), len(piece)]
             runs[i].append(tuple((int(piece[s]), int(s), int(e - s)) for s, e in itertools.pairwise(cuts) if e > s))
-    return PipelinePlan(w, c, a, bounds, tuple(tuple(x) for x in runs))
+    return PipelinePlan(w, c, a, taper, bounds, tuple(tuple(x) for x in runs))
