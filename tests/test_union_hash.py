@@ -49,3 +49,47 @@ def test_tables_are_at_most_half_full():
     for g, k in ((2, 2048), (4, 2048), (8, 2048), (8, 1), (4, 300)):
         slots = hash_union_slots(g, k)
         assert slots >= 2 * g * k and slots & (slots - 1) == 0 and slots < 4 * g * k + 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("group_size", [2, 4, 8])
+@pytest.mark.parametrize("with_length", [False, True], ids=["nolen", "len"])
+def test_hash_builder_gives_the_sorted_builders_sets_on_gpu(group_size, with_length):
+    """Real width (K = 2048), many groups racing on their tables: invalid and out-of-range entries
+    anywhere, duplicates, a keyless group, a tail group, rows up to 2**24 - 2; the same entries
+    per group as the sorted builder, and the grouped kernel's output from either union agrees."""
+    from shardattn.kernels.sparse_mla import sparse_mla_reference
+    from shardattn.kernels.sparse_mla_triton import launch_attention, tile_config
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(group_size)
+    t, k, r = 1027, 2048, 2**24 - 1
+    rows = torch.randint(0, 5000, (t, k), device=dev, generator=gen, dtype=torch.int32) * 3355
+    rows[torch.rand(t, k, device=dev, generator=gen) < 0.05] = -1
+    rows[:, 7] = r + 4  # out of range
+    rows[:, 100:150] = rows[:, 0:50]  # duplicates
+    rows[16:24] = -1  # a keyless group
+    rows[30:34, 0] = r - 1  # the largest packable row
+    length = torch.randint(0, k + 1, (t,), device=dev, generator=gen, dtype=torch.int32) if with_length else None
+    kw = {"group_size": group_size, "num_kv_rows": r, "topk_length": length}
+    uh, lh = build_union(rows, method="hash", **kw)
+    us, ls = build_union(rows, method="fused", **kw)
+    assert torch.equal(lh, ls)
+    width = int(ls.max())
+    keep = torch.arange(width, device=dev)[None, :] < ls[:, None]
+    big = torch.iinfo(torch.int32).max
+    for u in (uh, us):
+        u[:, :width] = torch.where(keep, u[:, :width], big)
+    assert torch.equal(torch.sort(uh[:, :width], dim=1).values, torch.sort(us[:, :width], dim=1).values)
+    # the grouped Triton kernel on a hashed union (a smaller cache: the same rows modulo its size)
+    small = torch.where(rows >= 0, rows % 65536, -1)
+    heads = 64 // group_size
+    q = torch.randn(t, heads, 576, device=dev, generator=gen).bfloat16()
+    kv = torch.randn(65536, 576, device=dev, generator=gen).bfloat16()
+    u, n = build_union(small, method="hash", group_size=group_size, num_kv_rows=65536, topk_length=length)
+    out, lse = launch_attention(q, kv, u, n, scale=0.05, v_dim=512, config=tile_config(heads, group_size))
+    ref_o, ref_l = sparse_mla_reference(q, kv, small, scale=0.05, topk_length=length)
+    assert ((out.float() - ref_o.float()).norm() / ref_o.float().norm()).item() < 1e-2
+    fin = torch.isfinite(ref_l)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - ref_l[fin]).abs().max().item() < 1e-2
