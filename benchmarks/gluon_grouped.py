@@ -162,12 +162,7 @@ def time_grouped(heads, tokens, kv_rows, topk, reps, flush, seed=0) -> dict:
             lambda: build_union(rows_sorted, group_size=g, num_kv_rows=kv_rows, out=(ug, lg), rows_sorted=True),
             flush, reps,
         )  # fmt: skip
-        uh, lh = torch.empty_like(ug), torch.empty_like(lg)
-        ms["union_hash"] = timed(
-            lambda: build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(uh, lh), method="hash"), flush, reps
-        )
         build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(ug, lg))
-        res["hash_union_same_sets"] = _same_sets((uh, lh), (ug, lg))
         cfg_g = tile_config(heads, g)
         ms["triton_grp"] = timed(
             lambda: launch_attention(q, kv, ug, lg, scale=scale, v_dim=D_V, config=cfg_g, out=out, lse=lse),
@@ -182,13 +177,6 @@ def time_grouped(heads, tokens, kv_rows, topk, reps, flush, seed=0) -> dict:
                 flush, reps,
             )  # fmt: skip
             errs[name] = rel_err(out, ref)
-        ms["gluon64_grp_on_hash"] = timed(
-            lambda: launch_gluon_attention(
-                q, kv, uh, lh, scale=scale, v_dim=D_V, out=out, lse=lse, group_size=g, config=WS64_CONFIG
-            ),
-            flush, reps,
-        )  # fmt: skip
-        errs["gluon64_grp_on_hash"] = rel_err(out, ref)
     path = choose_path(q, kv, v_dim=D_V)
     res["routed"] = f"{path.backend} G={path.group_size}"
     res["routed_reason"] = path.reason
@@ -199,8 +187,6 @@ def time_grouped(heads, tokens, kv_rows, topk, reps, flush, seed=0) -> dict:
         for name in GROUPED_VARIANTS:
             steps[name] = ms["union"] + ms[name]
             steps[f"{name}_sorted"] = ms["union_sorted"] + ms[name]
-        steps["gluon64_grp_hash"] = ms["union_hash"] + ms["gluon64_grp_on_hash"]
-        res["hash_union_share_of_gluon64_grp"] = round(ms["union_hash"] / steps["gluon64_grp_hash"], 3)
         res["union_share_of_gluon_grp"] = round(ms["union"] / steps["gluon_grp"], 3)
         res["union_share_of_gluon64_grp"] = round(ms["union"] / steps["gluon64_grp"], 3)
         res["sorted_union_share_of_gluon64_grp"] = round(ms["union_sorted"] / steps["gluon64_grp_sorted"], 3)
@@ -208,7 +194,7 @@ def time_grouped(heads, tokens, kv_rows, topk, reps, flush, seed=0) -> dict:
     res["ms"] = {k: round(v, 4) for k, v in ms.items()}
     res["step_ms"] = {k: round(v, 4) for k, v in steps.items()}
     res["kernel_tflops"] = {
-        k: round(fl / (v * 1e-3) / 1e12, 1) for k, v in ms.items() if not k.startswith(("sort", "union"))
+        k: round(fl / (v * 1e-3) / 1e12, 1) for k, v in ms.items() if k not in ("sort", "union", "union_sorted")
     }
     res["step_tflops"] = {k: round(fl / (v * 1e-3) / 1e12, 1) for k, v in steps.items()}
     res["rel_err_vs_triton_pq"] = {k: round(v, 5) for k, v in errs.items()}
@@ -223,19 +209,6 @@ def time_grouped(heads, tokens, kv_rows, topk, reps, flush, seed=0) -> dict:
             2,
         )
     return res
-
-
-def _same_sets(a, b) -> bool:
-    """Two unions with equal ``lens`` and, per group, the same entries in any order."""
-    (ua, la), (ub, lb) = a, b
-    if not torch.equal(la, lb):
-        return False
-    width = int(lb.max()) if lb.numel() else 0
-    keep = torch.arange(width, device=la.device)[None, :] < lb[:, None]
-    big = torch.iinfo(torch.int32).max
-    sa = torch.sort(torch.where(keep, ua[:, :width], big), dim=1).values
-    sb = torch.sort(torch.where(keep, ub[:, :width], big), dim=1).values
-    return bool(torch.equal(sa, sb))
 
 
 def grouped_main(args) -> int:
@@ -261,8 +234,7 @@ def grouped_main(args) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    cols = ("triton_pq", "gluon_pq", "triton_grp", "gluon_grp", "gluon64_grp", "gluon64_grp_sorted", "gluon64_grp_hash")
-    cols += ("routed",)
+    cols = ("triton_pq", "gluon_pq", "triton_grp", "gluon_grp", "gluon64_grp", "gluon64_grp_sorted", "routed")
     print("\nms (effective TF/s) per step: per-query = row sort + kernel, grouped = union build + kernel")
     print(f"{'H':>4} {'T':>5} {'G':>2} {'ratio':>5} | {'sort':>6} {'union':>6} | "
           + " | ".join(c.rjust(14) for c in cols) + " | grp G / grp T | routed / best T | routed")  # fmt: skip

@@ -70,7 +70,6 @@ except ImportError:  # the torch reference still works
 from shardattn._checks import INDEX_DTYPES, check_choice, check_int, check_same_device, check_tensor
 from shardattn.kernels.registry import use_triton
 from shardattn.kernels.union_fused import fused_kernel, fused_union
-from shardattn.kernels.union_hash import hash_union
 
 if triton is not None:
     from shardattn.kernels.union_fused import compact_sorted_keys
@@ -87,7 +86,7 @@ MAX_PLAIN_ROW = 2**31 - 2
 #: merge at G = 4 / 8, 0.76-0.78x the sort at G = 2. With ``rows_sorted=True`` ``"auto"`` is
 #: always ``"fused"`` (no row sort: 2.1-2.6x the old builder at G = 2 / 4 / 8).
 UNION_METHOD = MappingProxyType({1: "sort", 2: "sort", 4: "fused", 8: "fused"})
-METHODS = ("auto", "sort", "merge", "fused", "hash")
+METHODS = ("auto", "sort", "merge", "fused")
 #: How each query's rows are sorted (``G = 1`` and the first merge level): ``torch.sort`` of
 #: ``[T, K]`` keys, or a ``tl.sort`` per query row in one Triton program (measured 1.9-2.0x
 #: slower than ``torch.sort`` on an H200 at K = 2048; kept as an option).
@@ -325,7 +324,7 @@ def _resolve(group_size: int, method: str, row_sort: str, rows_sorted: bool) -> 
     if method == "auto":
         method = "fused" if rows_sorted else UNION_METHOD[group_size]
     if group_size == 1 and not (method == "fused" and rows_sorted):
-        method = "sort"  # one query per group: the row sort is the whole build (sorted rows, as G = 1 promises)
+        method = "sort"  # one query per group: the row sort is the whole build
     return method, ROW_SORT_AUTO if row_sort == "auto" else row_sort
 
 
@@ -351,9 +350,7 @@ def build_union(
         out: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``.
         method: Triton builder, ``"auto"`` (:data:`UNION_METHOD`; ``"fused"`` when
             ``rows_sorted``), ``"sort"``, ``"merge"`` or ``"fused"`` (same outputs; ignored by
-            the torch reference; ``G = 1`` is the row sort unless ``"fused"`` on sorted rows), or
-            ``"hash"`` (:mod:`~shardattn.kernels.union_hash`: the same entries per group in
-            another order, no sort; ``G > 1``).
+            the torch reference; ``G = 1`` is the row sort unless ``"fused"`` on sorted rows).
         row_sort: per-query row sort of the ``G = 1`` build, the first merge level and the
             fused build of unsorted rows, ``"auto"``, ``"torch"`` or ``"triton"`` (same outputs).
         rows_sorted: the caller guarantees that each query's *valid* entries are non-decreasing
@@ -390,9 +387,6 @@ def build_union(
         return union, lens
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     cfg = union_launch_config(group_size, k)
-    if method == "hash" and group_size > 1:  # entries unordered (union_hash)
-        hash_union(rows, topk_length, num_kv_rows, group_size, union, lens)
-        return union, lens
     if method == "fused":
         max_row = min(num_kv_rows - 1, MAX_PLAIN_ROW)
         if rows_sorted:
