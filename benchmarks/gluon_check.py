@@ -43,10 +43,11 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from sparse_prefill import D_R, D_V, baseline_gather_bmm, make_case, rel_err, timed
+from gluon_common import edge_rows, kernel_report
+from prefill_inputs import D_R, D_V, baseline_gather_bmm, make_case, rel_err, timed
 
 from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
-from shardattn.kernels.sparse_mla_gluon import GluonConfig, launch_gluon_attention, prefill_kernel
+from shardattn.kernels.sparse_mla_gluon import GluonConfig, launch_gluon_attention
 from shardattn.kernels.sparse_mla_triton import flops, launch_attention, tile_config
 from shardattn.kernels.union import build_union
 
@@ -60,25 +61,6 @@ VARIANTS = [
     GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, opaque_slots=True),
     GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, heads_fastest=True, opaque_slots=True),
 ]
-
-
-def edge_rows(rows: torch.Tensor, kv_rows: int, seed: int):
-    """Rows with invalid entries anywhere, an empty row, duplicates, out-of-range rows, short lengths."""
-    t = rows.shape[0]
-    rows = rows.clone()
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    rows[(torch.rand(rows.shape, generator=gen) < 0.05).to(rows.device)] = -1
-    rows[5] = -1  # empty
-    half = rows.shape[1] // 2
-    rows[7, :half] = rows[7, half : 2 * half]  # every row twice
-    rows[9, -10:] = kv_rows + 5  # out of range
-    rows[9, :3] = -7
-    length = torch.full((t,), rows.shape[1], dtype=torch.int32, device=rows.device)
-    length[11] = 100
-    length[12] = 0
-    length[13] = 1
-    length[t - 1] = 65  # a tail tile of one key
-    return rows, length
 
 
 def check_variant(heads, cfg, q, kv, rows, length, sinks, scale) -> dict:
@@ -206,42 +188,6 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, variants, seed=0) -> di
         res["x_triton_path"] = round((ms["sort"] + ms["triton_kernel"]) / (ms["sort"] + ms[best]), 2)
         res["x_torch"] = round(ms["torch"] / (ms["sort"] + ms[best]), 2)
     return res
-
-
-def compare(out, lse, q, kv, rows, length, sinks, scale) -> dict:
-    """Every element written, out rel. error and LSE error against the fp32 reference, empty rows."""
-    ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=scale, v_dim=D_V, topk_length=length, sinks=sinks)
-    fin = torch.isfinite(ref_l)
-    empty = ~torch.isfinite(ref_l[:, 0]) if sinks is None else length == 0
-    res = {
-        "all_written": bool(torch.isfinite(out).all()) and not bool(lse.isnan().any()),
-        "out_rel_err": rel_err(out, ref_o),
-        "lse_max_abs_err": (lse[fin] - ref_l[fin]).abs().max().item(),
-        "lse_inf_match": bool(torch.equal(torch.isneginf(lse), torch.isneginf(ref_l))),
-        "empty_rows_zero": bool((out[empty] == 0).all()),
-    }
-    res["ok"] = (
-        res["all_written"] and res["out_rel_err"] < 1e-2 and res["lse_max_abs_err"] < 1e-2 and res["lse_inf_match"]
-    ) and res["empty_rows_zero"]
-    return res
-
-
-def kernel_report() -> list[dict]:
-    from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
-    from shardattn.kernels.sparse_mla_gluon_ws64 import ws64_kernel
-
-    rep = []
-    kernels = (prefill_kernel(), ws_kernel(), ws64_kernel())
-    for entry in [c for k in kernels for c in k.device_caches.values()]:
-        for kern in entry[0].values():
-            ptx = kern.asm.get("ptx", "")
-            md = kern.metadata
-            rep.append({
-                "name": getattr(md, "name", "?"), "shared": getattr(md, "shared", None),
-                "n_regs": getattr(kern, "n_regs", None), "n_spills": getattr(kern, "n_spills", None),
-                "wgmma_in_ptx": ptx.count("wgmma.mma_async"), "cp_async_in_ptx": ptx.count("cp.async.cg"),
-            })  # fmt: skip
-    return rep
 
 
 def main(argv=None) -> int:

@@ -29,8 +29,8 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gluon_check import compare, edge_rows, kernel_report
-from sparse_prefill import D_R, D_V, make_case, rel_err, timed
+from gluon_common import compare, edge_rows, kernel_report
+from prefill_inputs import D_R, D_V, make_case, rel_err, timed
 
 from shardattn.kernels.sparse_mla import sparse_mla_attention
 from shardattn.kernels.sparse_mla_gluon import WS32_CONFIG, WS64_CONFIG, launch_gluon_attention

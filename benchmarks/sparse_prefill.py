@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 
@@ -44,57 +43,13 @@ from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.sparse_mla_gluon import gluon_config, gluon_supports, launch_gluon_attention
 from shardattn.kernels.sparse_mla_grouped import default_group_size
 from shardattn.kernels.sparse_mla_triton import attention_kernel, flops, launch_attention, tile_config
-from shardattn.kernels.topk import convert_topk, convert_topk_reference
+from shardattn.kernels.topk import convert_topk_reference
 from shardattn.kernels.union import build_union, build_union_reference
 from shardattn.plan.routing import tile_group_size
-from shardattn.workload import synthetic_topk, union_ratio
+from shardattn.workload import union_ratio
 
-D_V, D_R, BLOCK = 512, 64, 64
-
-
-def timed(fn, flush: torch.Tensor, reps: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs, L2 flushed before each."""
-    fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        flush.zero_()
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-
-
-def make_case(tokens: int, kv_rows: int, topk: int, workload: str, seed: int):
-    """Top-k positions -> global rows through a shuffled block table (one request)."""
-    dev = torch.device("cuda")
-    pos = synthetic_topk(tokens, topk, start_position=kv_rows - tokens, overlap=workload, seed=seed, device=dev)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    table = torch.randperm(kv_rows // BLOCK, generator=gen).to(torch.int32)[None, :].to(dev)
-    req = torch.zeros(tokens, dtype=torch.int32, device=dev)
-    seq = torch.tensor([kv_rows], dtype=torch.int32, device=dev)
-    rows, counts = convert_topk(pos, req, table, block_size=BLOCK, seq_lens=seq)
-    return pos, req, table, seq, rows, counts
-
-
-def baseline_gather_bmm(q, kv, rows, scale, chunk=256):
-    """torch: gather each token's rows, two bmms, fp32 softmax (duplicates not removed)."""
-    t, h, _ = q.shape
-    out = torch.empty(t, h, D_V, dtype=q.dtype, device=q.device)
-    for t0 in range(0, t, chunk):
-        r = rows[t0 : t0 + chunk]
-        valid = r >= 0
-        keys = kv[r.clamp_min(0).long()]  # [c, K, D]
-        s = torch.bmm(q[t0 : t0 + chunk], keys.transpose(1, 2)).float() * scale
-        s.masked_fill_(~valid[:, None, :], -math.inf)
-        p = torch.softmax(s, dim=-1).nan_to_num_(0.0).to(q.dtype)
-        out[t0 : t0 + chunk] = torch.bmm(p, keys[..., :D_V])
-    return out
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from prefill_inputs import BLOCK, D_R, D_V, baseline_gather_bmm, make_case, rel_err, timed
 
 
 def check_case(q, kv, rows, g, scale, seed) -> dict:

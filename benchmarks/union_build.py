@@ -31,8 +31,8 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gluon_check import edge_rows
-from sparse_prefill import D_R, D_V, make_case, timed
+from gluon_common import edge_rows
+from prefill_inputs import D_R, D_V, make_case, timed
 
 from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 from shardattn.kernels.union import MAX_PLAIN_ROW, _sorted_row_keys, build_union, build_union_reference

@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from sparse_prefill import D_R, D_V, make_case, timed
+from prefill_inputs import D_R, D_V, make_case, timed
 
 from shardattn.kernels.sparse_mla_triton import flops, launch_attention, tile_config
 from shardattn.kernels.union import build_union, build_union_reference

@@ -43,9 +43,9 @@ from shardattn._checks import (
     check_scale,
     check_tensor,
 )
+from shardattn.kernels.backend import unsupported_reason
 from shardattn.kernels.gqa_decode_triton import HAVE_TRITON, run_triton
 from shardattn.kernels.lse_merge import split_partials_numel
-from shardattn.kernels.registry import unsupported_reason
 from shardattn.kernels.sparse_mla import sparse_mla_reference
 
 __all__ = [

@@ -39,7 +39,7 @@ import math
 import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_same_device, check_tensor
-from shardattn.kernels.registry import use_triton
+from shardattn.kernels.backend import use_triton
 
 try:  # Triton is optional: without it every path runs the torch reference.
     import triton

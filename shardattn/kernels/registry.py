@@ -1,10 +1,10 @@
 """Backend selection: which implementation of a kernel runs for given tensors.
 
 Backends load lazily behind cached getters; nothing here imports Triton at module import time.
-A kernel module asks :func:`use_triton` with its input tensors and gets ``True`` when its Triton
-kernel may run on them (CUDA tensors with Triton installed, or any tensor while the Triton
-interpreter is switched on), else it runs its torch reference. :func:`unsupported_reason` says
-why a capability is missing, so tests and routing can report it.
+Whether Triton runs at all (:func:`use_triton`, :func:`unsupported_reason`, the interpreter
+switch) lives in the leaf module :mod:`shardattn.kernels.backend`, which kernel modules import;
+this module picks among the kernels (:func:`sparse_prefill_kernel`, :func:`sparse_decode_kernel`)
+and re-exports the backend checks.
 
 Example:
     >>> import torch
@@ -14,39 +14,28 @@ Example:
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
+from shardattn.kernels.backend import (
+    device_capability,
+    interpreter_enabled,
+    is_sm90,
+    triton_available,
+    unsupported_reason,
+    use_triton,
+)
 
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    """``True`` when ``import triton`` works (cached)."""
-    try:
-        import triton
-        import triton.language
-    except Exception:
-        return False
-    return triton.language is not None
-
-
-def interpreter_enabled() -> bool:
-    """``True`` when ``TRITON_INTERPRET=1`` is set (a debugging/testing switch, read each call)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@functools.lru_cache(maxsize=16)
-def device_capability(index: int) -> tuple[int, int]:
-    """Compute capability of CUDA device ``index`` (cached)."""
-    return torch.cuda.get_device_capability(index)
-
-
-def is_sm90(device: torch.device) -> bool:
-    """``True`` for a Hopper (compute capability 9.x) CUDA device."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return device_capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+__all__ = [
+    "device_capability",
+    "gluon_runs_on",
+    "interpreter_enabled",
+    "is_sm90",
+    "sparse_decode_kernel",
+    "sparse_prefill_kernel",
+    "triton_available",
+    "unsupported_reason",
+    "use_triton",
+]
 
 
 def gluon_runs_on(device: torch.device) -> bool:
@@ -56,23 +45,6 @@ def gluon_runs_on(device: torch.device) -> bool:
     from shardattn.kernels.sparse_mla_gluon import gluon_available
 
     return gluon_available() is None
-
-
-def unsupported_reason(*tensors: torch.Tensor | None) -> str | None:
-    """Why the Triton kernels cannot run on these tensors, or ``None`` when they can."""
-    if not triton_available():
-        return "triton is not installed"
-    if interpreter_enabled():
-        return None
-    for t in tensors:
-        if t is not None and t.device.type != "cuda":
-            return f"tensor on {t.device} (Triton kernels need CUDA tensors or TRITON_INTERPRET=1)"
-    return None
-
-
-def use_triton(*tensors: torch.Tensor | None) -> bool:
-    """``True`` when the Triton kernels may run on these tensors."""
-    return unsupported_reason(*tensors) is None
 
 
 def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_size: int = 1) -> tuple[str, str]:

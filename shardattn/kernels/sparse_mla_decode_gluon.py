@@ -39,8 +39,8 @@ from dataclasses import replace
 
 import torch
 
+from shardattn.kernels.backend import use_triton
 from shardattn.kernels.lse_merge import launch_lse_merge, lse_merge_reference, split_partials, split_partials_numel
-from shardattn.kernels.registry import use_triton
 from shardattn.kernels.union import build_union
 
 try:

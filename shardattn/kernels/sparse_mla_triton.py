@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardattn.kernels.backend import interpreter_enabled
 from shardattn.kernels.prepared_union import PreparedUnion, union_for_call
-from shardattn.kernels.registry import interpreter_enabled
 from shardattn.kernels.union import num_groups
 
 try:

@@ -40,7 +40,7 @@ except ImportError:  # the torch reference still works
     triton = None
 
 from shardattn._checks import INDEX_DTYPES, check_int, check_same_device, check_tensor
-from shardattn.kernels.registry import use_triton
+from shardattn.kernels.backend import use_triton
 
 INT32_MAX = 2**31 - 1
 

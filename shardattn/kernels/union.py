@@ -68,7 +68,7 @@ except ImportError:  # the torch reference still works
     triton = None
 
 from shardattn._checks import INDEX_DTYPES, check_choice, check_int, check_same_device, check_tensor
-from shardattn.kernels.registry import use_triton
+from shardattn.kernels.backend import use_triton
 from shardattn.kernels.union_fused import fused_kernel, fused_union
 
 if triton is not None:

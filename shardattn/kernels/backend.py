@@ -1,0 +1,66 @@
+"""What the Triton kernels can run on: Triton installed, the interpreter switch, the device.
+
+A leaf module (it imports no kernel): a kernel module asks :func:`use_triton` with its input
+tensors and gets ``True`` when its Triton kernel may run on them (CUDA tensors with Triton
+installed, or any tensor while the Triton interpreter is switched on), else it runs its torch
+reference; :func:`unsupported_reason` says why not. Which kernel runs a call is
+:mod:`shardattn.kernels.registry`'s (it re-exports these).
+
+Example:
+    >>> import torch
+    >>> use_triton(torch.zeros(2))  # a CPU tensor without the interpreter
+    False
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """``True`` when ``import triton`` works (cached)."""
+    try:
+        import triton
+        import triton.language
+    except Exception:
+        return False
+    return triton.language is not None
+
+
+def interpreter_enabled() -> bool:
+    """``True`` when ``TRITON_INTERPRET=1`` is set (a debugging/testing switch, read each call)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=16)
+def device_capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``index`` (cached)."""
+    return torch.cuda.get_device_capability(index)
+
+
+def is_sm90(device: torch.device) -> bool:
+    """``True`` for a Hopper (compute capability 9.x) CUDA device."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return device_capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+
+
+def unsupported_reason(*tensors: torch.Tensor | None) -> str | None:
+    """Why the Triton kernels cannot run on these tensors, or ``None`` when they can."""
+    if not triton_available():
+        return "triton is not installed"
+    if interpreter_enabled():
+        return None
+    for t in tensors:
+        if t is not None and t.device.type != "cuda":
+            return f"tensor on {t.device} (Triton kernels need CUDA tensors or TRITON_INTERPRET=1)"
+    return None
+
+
+def use_triton(*tensors: torch.Tensor | None) -> bool:
+    """``True`` when the Triton kernels may run on these tensors."""
+    return unsupported_reason(*tensors) is None
