@@ -176,6 +176,30 @@ if HAS_GLUON:
             r0 = r0_next
             r1 = r1_next
 
+    @gluon.constexpr_function
+    def _mma_s_layout():
+        """Accumulator layout of a consumer's ``S`` tile ``[64 rows, 64 keys]`` (one warpgroup)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+
+    @gluon.constexpr_function
+    def _mma_o_layout(d_v):
+        """Accumulator layout of a consumer's ``O`` half ``[64 rows, Dv / 2]`` (one warpgroup)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, d_v // 2, 16])
+
+    @gluon.jit
+    def _consumer_start(D_V: gl.constexpr, G: gl.constexpr):
+        """A consumer's starting state: ``(m_i = -inf, l_i = 0, acc = 0, a zero S, the S tile's key
+        index per column, the group's query per row)``."""
+        mma_s: gl.constexpr = _mma_s_layout()
+        row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=row_l)
+        l_i = gl.zeros([64], gl.float32, layout=row_l)
+        acc = gl.zeros([64, D_V // 2], gl.float32, layout=_mma_o_layout(D_V))
+        s_zero = gl.zeros([64, 64], gl.float32, layout=mma_s)
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, mma_s))
+        qj = gl.arange(0, 64, layout=row_l) // (64 // G)
+        return m_i, l_i, acc, s_zero, cols, qj
+
     @gluon.jit
     def _rows_of(x, mma_o: gl.constexpr):
         """A row vector of the S layout as a row vector of the O layout (``[64, 1]``)."""
@@ -225,18 +249,11 @@ if HAS_GLUON:
         if EARLY_KV:
             mbarrier.wait(q_ready, 0)
         dtype: gl.constexpr = q_l.dtype
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        mma_o: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_V // 2, 16]
-        )
+        mma_s: gl.constexpr = _mma_s_layout()
+        mma_o: gl.constexpr = _mma_o_layout(D_V)
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
-        m_i = gl.full([64], float("-inf"), gl.float32, layout=row_l)
-        l_i = gl.zeros([64], gl.float32, layout=row_l)
-        acc = gl.zeros([64, D_V // 2], gl.float32, layout=mma_o)
-        s_zero = gl.zeros([64, 64], gl.float32, layout=mma_s)
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, mma_s))
-        qj = gl.arange(0, 64, layout=row_l) // (64 // G)  # the group's query of each tile row
+        m_i, l_i, acc, s_zero, cols, qj = _consumer_start(D_V, G)
         s = s_zero
         if PREFETCH_QK:  # pair 0's S0 here; pair i + 1's at the end of pair i
             if n_pairs > 0:
@@ -293,18 +310,11 @@ if HAS_GLUON:
         if EARLY_KV:
             mbarrier.wait(q_ready, 0)
         dtype: gl.constexpr = q_l.dtype
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        mma_o: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_V // 2, 16]
-        )
+        mma_s: gl.constexpr = _mma_s_layout()
+        mma_o: gl.constexpr = _mma_o_layout(D_V)
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
-        m_i = gl.full([64], float("-inf"), gl.float32, layout=row_l)
-        l_i = gl.zeros([64], gl.float32, layout=row_l)
-        acc = gl.zeros([64, D_V // 2], gl.float32, layout=mma_o)
-        s_zero = gl.zeros([64, 64], gl.float32, layout=mma_s)
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, mma_s))
-        qj = gl.arange(0, 64, layout=row_l) // (64 // G)  # the group's query of each tile row
+        m_i, l_i, acc, s_zero, cols, qj = _consumer_start(D_V, G)
         for i in range(n_pairs):
             ph = i & 1
             z = _slot0(i, OPAQUE_SLOTS)
