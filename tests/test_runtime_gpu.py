@@ -97,16 +97,18 @@ def _no_compile_body(group, kind: str) -> dict:
                 shard=DcpShard(world, 1, rank),
                 block_size=64,
             )
-            out, _ = rt.decode(
-                s.q[:, rank * h : (rank + 1) * h].contiguous(),
-                s.local_kv,
-                s.local_table,
-                s.seq_lens,
-                topk_pos=s.positions,
-                req_ids=s.req_ids,
-            )
             ref, _ = sparse_mla_reference(s.q, s.kv, s.rows, scale=rt.scale)
-            errors.append(float((out.float() - ref[:, rank * h : (rank + 1) * h].float()).abs().max()))
+            for unique in (False, True):  # topk_unique: no de-duplication sort (its own kernel variants)
+                out, _ = rt.decode(
+                    s.q[:, rank * h : (rank + 1) * h].contiguous(),
+                    s.local_kv,
+                    s.local_table,
+                    s.seq_lens,
+                    topk_pos=s.positions,
+                    req_ids=s.req_ids,
+                    topk_unique=unique,
+                )
+                errors.append(float((out.float() - ref[:, rank * h : (rank + 1) * h].float()).abs().max()))
     torch.cuda.synchronize()
     after = _compiled()
     grew = {k: (before.get(k, 0), v) for k, v in after.items() if v != before.get(k, 0)}
