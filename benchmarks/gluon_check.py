@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gluon_common import edge_rows, kernel_report
-from prefill_inputs import D_R, D_V, baseline_gather_bmm, make_case, rel_err, timed
+from prefill_inputs import D_R, D_V, baseline_gather_bmm, keep_kernels, keep_time, make_case, rel_err, timed
 
 from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
 from shardattn.kernels.sparse_mla_gluon import GluonConfig, launch_gluon_attention
@@ -243,17 +243,8 @@ def main(argv=None) -> int:
                 print(f"   skipped H={heads} T={tokens}: time budget", flush=True)
                 continue
             r = time_case(heads, tokens, kv_rows, args.topk, args.reps, flush, variants)
-            results["times"].append(r)
-            print("   time:", json.dumps(r), flush=True)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
-    results["kernels"] = kernel_report()
-    for k in results["kernels"]:
-        print("   kernel:", json.dumps(k), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            keep_time(results, r, args.out)
+    keep_kernels(results, kernel_report(), args.out)
     print(f"\n{'H':>4} {'T':>6} | {'sort':>6} | {'triton':>7} {'TF/s':>5} | "
           + " ".join(v.label.rjust(13) for v in variants)
           + f" | {'torch':>7} {'TF/s':>5} | {'x trit':>6} {'x torch':>7}")  # fmt: skip

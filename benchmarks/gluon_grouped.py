@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gluon_common import compare, edge_rows, kernel_report
-from prefill_inputs import D_R, D_V, make_case, rel_err, timed
+from prefill_inputs import D_R, D_V, keep_kernels, keep_time, make_case, rel_err, timed
 
 from shardattn.kernels.sparse_mla import sparse_mla_attention
 from shardattn.kernels.sparse_mla_gluon import WS32_CONFIG, WS64_CONFIG, launch_gluon_attention
@@ -223,17 +223,8 @@ def grouped_main(args) -> int:
     for tokens in args.tokens:
         for heads in args.heads:
             r = time_grouped(heads, tokens, kv_rows if tokens < 16384 else 2 * kv_rows, args.topk, args.reps, flush)
-            results["times"].append(r)
-            print("   time:", json.dumps(r), flush=True)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
-    results["kernels"] = kernel_report()
-    for k in results["kernels"]:
-        print("   kernel:", json.dumps(k), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            keep_time(results, r, args.out)
+    keep_kernels(results, kernel_report(), args.out)
     cols = ("triton_pq", "gluon_pq", "triton_grp", "gluon_grp", "gluon64_grp", "gluon64_grp_sorted", "routed")
     print("\nms (effective TF/s) per step: per-query = row sort + kernel, grouped = union build + kernel")
     print(f"{'H':>4} {'T':>5} {'G':>2} {'ratio':>5} | {'sort':>6} {'union':>6} | "

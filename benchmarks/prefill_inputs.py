@@ -1,7 +1,9 @@
-"""Inputs and timing shared by the prefill benchmarks: DSA shapes, top-k rows, L2-flushed medians."""
+"""Inputs and timing shared by the prefill benchmarks: DSA shapes, top-k rows, L2-flushed medians,
+and the JSON file of results that a run rewrites after each case."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
@@ -56,3 +58,26 @@ def baseline_gather_bmm(q, kv, rows, scale, chunk=256):
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def save_json(path: str | None, results) -> None:
+    """Rewrites ``path`` with ``results`` (nothing when ``path`` is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def keep_time(results: dict, r: dict, out: str | None) -> None:
+    """Appends one timed case to ``results["times"]``, prints it, and rewrites ``out``, so a run cut
+    short keeps what it measured."""
+    results["times"].append(r)
+    print("   time:", json.dumps(r), flush=True)
+    save_json(out, results)
+
+
+def keep_kernels(results: dict, kernels: list[dict], out: str | None) -> None:
+    """Stores the compiled kernels' report as ``results["kernels"]``, prints it, and rewrites ``out``."""
+    results["kernels"] = kernels
+    for k in kernels:
+        print("   kernel:", json.dumps(k), flush=True)
+    save_json(out, results)

@@ -49,7 +49,7 @@ from shardattn.plan.routing import tile_group_size
 from shardattn.workload import union_ratio
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from prefill_inputs import BLOCK, D_R, D_V, baseline_gather_bmm, make_case, rel_err, timed
+from prefill_inputs import BLOCK, D_R, D_V, baseline_gather_bmm, make_case, rel_err, save_json, timed
 
 
 def check_case(q, kv, rows, g, scale, seed) -> dict:
@@ -287,9 +287,7 @@ def main(argv=None) -> int:
         from union_variants import union_only
 
         results = union_only(args, flush)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+        save_json(args.out, {"device": torch.cuda.get_device_name(), "results": results})
         return 0 if all(r.get("exact", True) for r in results) else 1
     print(header, flush=True)
     start = time.time()
@@ -322,15 +320,11 @@ def main(argv=None) -> int:
                     )
                 if args.check:
                     print("   check:", json.dumps({"convert_exact": r["convert_exact"], **r["check"]}), flush=True)
-                if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+                save_json(args.out, {"device": torch.cuda.get_device_name(), "results": results})
     report = kernel_report(args.dump)
     for k in report:
         print("   kernel:", json.dumps(k), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results, "kernels": report}, f, indent=1)
+    save_json(args.out, {"device": torch.cuda.get_device_name(), "results": results, "kernels": report})
     return 0
 
 

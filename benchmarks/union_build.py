@@ -24,7 +24,6 @@ count (``G`` = 8 / 4 / 2 at 8 / 16 / 32 heads, the grouped Gluon kernel's routin
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gluon_common import edge_rows
-from prefill_inputs import D_R, D_V, make_case, timed
+from prefill_inputs import D_R, D_V, keep_kernels, keep_time, make_case, timed
 
 from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 from shardattn.kernels.union import MAX_PLAIN_ROW, _sorted_row_keys, build_union, build_union_reference
@@ -171,22 +170,14 @@ def main(argv=None) -> int:
         for heads in args.heads:
             sweep = SWEEP if args.sweep and tokens == args.tokens[0] else ()
             r = time_case(heads, tokens, kv_rows, args.topk, args.reps, flush, sweep)
-            results["times"].append(r)
-            print("   time:", json.dumps(r), flush=True)
+            keep_time(results, r, args.out)
             bad += [k for k, v in r["same_as_old"].items() if not v]
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
-    results["kernels"] = [
+    kernels = [
         {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None), "shared": k.metadata.shared,
          "constants": str({n: v for n, v in k.src.constants.items()} if hasattr(k, "src") else "")[:300]}
         for entry in fused_kernel().device_caches.values() for k in entry[0].values()
     ]  # fmt: skip
-    for k in results["kernels"]:
-        print("   kernel:", json.dumps(k), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    keep_kernels(results, kernels, args.out)
     print(f"\n{'H':>3} {'T':>6} {'G':>2} | {'old':>6} {'fused':>6} {'sorted':>6} | {'rowsort':>7} {'lists':>6} | "
           f"{'kernel':>6} | share old / fused / sorted | x old fused / sorted")  # fmt: skip
     for r in results["times"]:
