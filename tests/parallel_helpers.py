@@ -41,6 +41,14 @@ def catch(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, str]:
     return "ok", ""
 
 
+def assert_rank_errors(results: list[tuple[str, str]], expect: list[str]) -> None:
+    """Each rank's :func:`catch` result, written ``"kind: message"``, starts with that rank's
+    expected text (one entry per rank)."""
+    assert len(results) == len(expect), f"{len(results)} ranks answered, {len(expect)} expected"
+    for r, ((kind, msg), want) in enumerate(zip(results, expect)):
+        assert f"{kind}: {msg}".startswith(want), f"rank {r}: {kind}: {msg}"
+
+
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest absolute difference over finite entries (both tensors must be -inf at the same places)."""
     a, b = a.double(), b.double()

@@ -15,7 +15,14 @@ from shardattn.parallel.comm import Comm
 from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
 from shardattn.plan import DCPLayout
 from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
-from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_within_reference_error, catch, paged
+from tests.parallel_helpers import (
+    WORLD_IDS,
+    WORLD_SIZES,
+    assert_rank_errors,
+    assert_within_reference_error,
+    catch,
+    paged,
+)
 
 # ---------------------------------------------------------------------------------------- sparse MLA
 
@@ -372,8 +379,7 @@ GQA = "DCP GQA decode inputs"
 )
 def test_dcp_bad_input_raises_on_every_rank(dist_pool, problem: str, expect: list) -> None:
     results = dist_pool.run(_bad, problem, world_size=3)
-    for r, ((kind, msg), want) in enumerate(zip(results, expect)):
-        assert f"{kind}: {msg}".startswith(want), f"rank {r}: {kind}: {msg}"
+    assert_rank_errors(results, expect)
 
 
 @pytest.mark.distributed

@@ -14,7 +14,14 @@ from shardattn.parallel.comm import Comm
 from shardattn.parallel.pcp import pcp_prefill
 from shardattn.plan import pcp_plan
 from tests.oracle import sparse_mla_oracle, topk_rows_oracle
-from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_within_reference_error, catch, paged
+from tests.parallel_helpers import (
+    WORLD_IDS,
+    WORLD_SIZES,
+    assert_rank_errors,
+    assert_within_reference_error,
+    catch,
+    paged,
+)
 
 
 def _case(
@@ -190,8 +197,7 @@ REJECTED = "ValueError: PCP plan and inputs: rank(s) [1] of 3 rejected their inp
 )
 def test_pcp_bad_input_raises_on_every_rank(dist_pool, problem: str, expect: list) -> None:
     results = dist_pool.run(_bad, problem, world_size=3)
-    for r, ((kind, msg), want) in enumerate(zip(results, expect)):
-        assert f"{kind}: {msg}".startswith(want), f"rank {r}: {kind}: {msg}"
+    assert_rank_errors(results, expect)
 
 
 @pytest.mark.distributed

@@ -14,7 +14,7 @@ from shardattn.parallel.comm import Comm
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan import zigzag_split
 from tests.oracle import sparse_mla_oracle
-from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_within_reference_error, catch
+from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_rank_errors, assert_within_reference_error, catch
 
 
 def _case(
@@ -172,8 +172,7 @@ REJECTED = "ValueError: ShardQ plan and inputs: rank(s) [1] of 3 rejected their 
 )
 def test_shardq_bad_input_raises_on_every_rank(dist_pool, problem: str, expect: list) -> None:
     results = dist_pool.run(_bad, problem, world_size=3)
-    for r, ((kind, msg), want) in enumerate(zip(results, expect)):
-        assert f"{kind}: {msg}".startswith(want), f"rank {r}: {kind}: {msg}"
+    assert_rank_errors(results, expect)
 
 
 @pytest.mark.distributed
