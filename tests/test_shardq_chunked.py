@@ -41,6 +41,7 @@ from shardattn.plan.pipeline import (
     pipeline_plan,
 )
 from shardattn.plan.spec import ModelSpec
+from tests.parallel_helpers import junk_rows
 
 D, DV = 48, 32
 SETTINGS = settings(
@@ -136,11 +137,7 @@ def test_choose_chunks_grows_with_the_step_and_stays_bounded() -> None:
 def _case(seed: int, lens: list[int], world: int, heads_per_rank: int, k: int, extras: bool) -> dict:
     g = torch.Generator().manual_seed(seed)
     t, h, r = sum(lens), heads_per_rank * world, 2 * k + 3
-    rows = torch.randint(0, r, (t, k), generator=g, dtype=torch.int32)
-    junk = torch.tensor([-1, r, r + 50], dtype=torch.int32)[torch.randint(0, 3, (t, k), generator=g)]
-    rows = torch.where(torch.rand(t, k, generator=g) < 0.3, junk, rows)
-    if t:
-        rows[torch.randint(0, t, (max(1, t // 5),), generator=g)] = -1  # tokens with no valid key
+    rows = junk_rows(g, t, k, r, [-1, r, r + 50], 0.3, 5)
     return {
         "q": torch.randn(t, h, D, generator=g),
         "kv": torch.randn(r, D, generator=g),
