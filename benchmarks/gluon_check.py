@@ -43,7 +43,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gluon_common import edge_rows, kernel_report
+from gluon_common import check_inputs, kernel_report
 from prefill_inputs import D_R, D_V, baseline_gather_bmm, keep_kernels, keep_time, make_case, rel_err, timed
 
 from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
@@ -93,10 +93,7 @@ def check_all(heads_list, kv_rows, topk, seed=0) -> list[dict]:
     dev = torch.device("cuda")
     t = 259
     scale = (D_V + D_R) ** -0.5
-    _, _, _, _, rows, _ = make_case(t, kv_rows, topk, "dsa", seed)
-    rows, length = edge_rows(rows, kv_rows, seed)
-    gen = torch.Generator(device=dev).manual_seed(seed + 1)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    rows, length, gen, kv = check_inputs(t, kv_rows, topk, seed, seed + 1)
     results = []
     for heads in heads_list:
         q = torch.randn(t, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)

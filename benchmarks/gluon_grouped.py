@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gluon_common import compare, edge_rows, kernel_report
+from gluon_common import check_inputs, compare, kernel_report
 from prefill_inputs import D_R, D_V, keep_kernels, keep_time, make_case, rel_err, timed
 
 from shardattn.kernels.sparse_mla import sparse_mla_attention
@@ -48,11 +48,8 @@ def check_grouped(heads_g, kv_rows, topk, seed=0) -> list[dict]:
     dev = torch.device("cuda")
     t = 259
     scale = (D_V + D_R) ** -0.5
-    _, _, _, _, rows, _ = make_case(t, kv_rows, topk, "dsa", seed)
-    rows, length = edge_rows(rows, kv_rows, seed)
+    rows, length, gen, kv = check_inputs(t, kv_rows, topk, seed, seed + 2)
     rows[16:24] = -1  # a whole group (G <= 8) with no key
-    gen = torch.Generator(device=dev).manual_seed(seed + 2)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
     results = []
     for heads, g in heads_g:
         q = torch.randn(t, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
@@ -89,10 +86,7 @@ def check_head_blocked(kv_rows, topk, seed=0) -> list[dict]:
     dev = torch.device("cuda")
     t = 131
     scale = (D_V + D_R) ** -0.5
-    _, _, _, _, rows, _ = make_case(t, kv_rows, topk, "dsa", seed)
-    rows, length = edge_rows(rows, kv_rows, seed)
-    gen = torch.Generator(device=dev).manual_seed(seed + 3)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    rows, length, gen, kv = check_inputs(t, kv_rows, topk, seed, seed + 3)
     results = []
     cases = ((64, 4, "attention"), (128, 8, "grouped"), (16, 2, "grouped"), (16, 2, "G4"), (8, 8, "G8"))
     for heads, blocks, entry in cases:
