@@ -44,7 +44,19 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gluon_common import check_inputs, kernel_report
-from prefill_inputs import D_R, D_V, baseline_gather_bmm, keep_kernels, keep_time, make_case, rel_err, timed
+from prefill_inputs import (
+    D_R,
+    D_V,
+    attention_buffers,
+    baseline_gather_bmm,
+    keep_kernels,
+    keep_time,
+    make_case,
+    random_qkv,
+    rel_err,
+    timed,
+    union_buffers,
+)
 
 from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
 from shardattn.kernels.sparse_mla_gluon import GluonConfig, launch_gluon_attention
@@ -140,15 +152,11 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, variants, seed=0) -> di
     dev = torch.device("cuda")
     scale = (D_V + D_R) ** -0.5
     _, _, _, _, rows, counts = make_case(tokens, kv_rows, topk, "dsa", seed)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    q = torch.randn(tokens, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    q, kv = random_qkv(tokens, heads, kv_rows, seed, dev)
     fl = flops(int(counts.sum()), heads)
-    u1 = torch.empty(tokens, topk, dtype=torch.int32, device=dev)
-    l1 = torch.empty(tokens, dtype=torch.int32, device=dev)
+    u1, l1 = union_buffers(tokens, topk, 1, dev)
     build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1))
-    out = torch.empty(tokens, heads, D_V, dtype=q.dtype, device=dev)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
+    out, lse = attention_buffers(q)
     cfg_t = tile_config(heads, 1)
     ms = {}
     ms["sort"] = timed(lambda: build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1)), flush, reps)

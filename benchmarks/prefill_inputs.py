@@ -1,4 +1,5 @@
-"""Inputs and timing shared by the prefill benchmarks: DSA shapes, top-k rows, L2-flushed medians,
+"""Inputs and timing shared by the prefill benchmarks: DSA shapes, top-k rows, q/KV draws, output
+buffers, L2-flushed medians,
 and the JSON file of results that a run rewrites after each case."""
 
 from __future__ import annotations
@@ -39,6 +40,34 @@ def make_case(tokens: int, kv_rows: int, topk: int, workload: str, seed: int):
     seq = torch.tensor([kv_rows], dtype=torch.int32, device=dev)
     rows, counts = convert_topk(pos, req, table, block_size=BLOCK, seq_lens=seq)
     return pos, req, table, seq, rows, counts
+
+
+def random_qkv(tokens: int, heads: int, kv_rows: int, seed: int, device: torch.device):
+    """bf16 queries ``[tokens, heads, D_V + D_R]``, then KV rows ``[kv_rows, D_V + D_R]``: normal
+    draws from one generator on ``device`` seeded ``seed``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(tokens, heads, D_V + D_R, device=device, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(kv_rows, D_V + D_R, device=device, generator=gen).to(torch.bfloat16)
+    return q, kv
+
+
+def union_buffers(tokens: int, topk: int, g: int, device: torch.device):
+    """``build_union``'s ``out=`` buffers at group size ``g``: entries ``[ceil(T/g), g * topk]`` and
+    lengths ``[ceil(T/g)]``, int32 (``g = 1``: the per-query rows)."""
+    n_groups = -(-tokens // g)
+    return (
+        torch.empty(n_groups, g * topk, dtype=torch.int32, device=device),
+        torch.empty(n_groups, dtype=torch.int32, device=device),
+    )
+
+
+def attention_buffers(q: torch.Tensor):
+    """An attention launch's ``out=`` ``[T, H, D_V]`` (q's dtype) and ``lse=`` ``[T, H]`` fp32 buffers."""
+    t, h = q.shape[:2]
+    return (
+        torch.empty(t, h, D_V, dtype=q.dtype, device=q.device),
+        torch.empty(t, h, dtype=torch.float32, device=q.device),
+    )
 
 
 def baseline_gather_bmm(q, kv, rows, scale, chunk=256):

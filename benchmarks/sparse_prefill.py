@@ -49,7 +49,19 @@ from shardattn.plan.routing import tile_group_size
 from shardattn.workload import union_ratio
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from prefill_inputs import BLOCK, D_R, D_V, baseline_gather_bmm, make_case, rel_err, save_json, timed
+from prefill_inputs import (
+    BLOCK,
+    D_R,
+    D_V,
+    attention_buffers,
+    baseline_gather_bmm,
+    make_case,
+    random_qkv,
+    rel_err,
+    save_json,
+    timed,
+    union_buffers,
+)
 
 
 def check_case(q, kv, rows, g, scale, seed) -> dict:
@@ -135,9 +147,7 @@ def run_case(heads, tokens, kv_rows, topk, workload, reps, flush, check, seed=0)
     scale = (D_V + D_R) ** -0.5
     t0 = time.time()
     pos, req, table, seq, rows, counts = make_case(tokens, kv_rows, topk, workload, seed)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    q = torch.randn(tokens, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    q, kv = random_qkv(tokens, heads, kv_rows, seed, dev)
     g = tile_group_size(heads)  # the grouped column; routing picks default_group_size
     res = {
         "heads": heads,
@@ -156,13 +166,9 @@ def run_case(heads, tokens, kv_rows, topk, workload, reps, flush, check, seed=0)
         res["check"] = check_case(q, kv, rows, g, scale, seed)
     valid_keys = int(counts.sum())
     fl = flops(valid_keys, heads)
-    n_groups = -(-tokens // g)
-    union = torch.empty(n_groups, g * topk, dtype=torch.int32, device=dev)
-    lens = torch.empty(n_groups, dtype=torch.int32, device=dev)
-    u1 = torch.empty(tokens, topk, dtype=torch.int32, device=dev)
-    l1 = torch.empty(tokens, dtype=torch.int32, device=dev)
-    out = torch.empty(tokens, heads, D_V, dtype=q.dtype, device=dev)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
+    union, lens = union_buffers(tokens, topk, g, dev)
+    u1, l1 = union_buffers(tokens, topk, 1, dev)
+    out, lse = attention_buffers(q)
     cfg_g, cfg_1 = tile_config(heads, g), tile_config(heads, 1)
 
     def union_fn():

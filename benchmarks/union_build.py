@@ -31,7 +31,17 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gluon_common import edge_rows
-from prefill_inputs import D_R, D_V, keep_kernels, keep_time, make_case, timed
+from prefill_inputs import (
+    D_R,
+    D_V,
+    attention_buffers,
+    keep_kernels,
+    keep_time,
+    make_case,
+    random_qkv,
+    timed,
+    union_buffers,
+)
 
 from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 from shardattn.kernels.union import MAX_PLAIN_ROW, _sorted_row_keys, build_union, build_union_reference
@@ -94,14 +104,9 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep) -> dict:
     _, _, _, _, rows, _ = make_case(tokens, kv_rows, topk, "dsa", 0)
     dev = rows.device
     srows = torch.sort(rows, dim=1).values  # invalid (-1) first: allowed anywhere
-    gen = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(tokens, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    ng = -(-tokens // g)
-    u = torch.empty(ng, g * topk, dtype=torch.int32, device=dev)
-    ln = torch.empty(ng, dtype=torch.int32, device=dev)
-    u1 = torch.empty(tokens, topk, dtype=torch.int32, device=dev)
-    l1 = torch.empty(tokens, dtype=torch.int32, device=dev)
+    q, kv = random_qkv(tokens, heads, kv_rows, 0, dev)
+    u, ln = union_buffers(tokens, topk, g, dev)
+    u1, l1 = union_buffers(tokens, topk, 1, dev)
     want = build_union(rows, group_size=g, num_kv_rows=kv_rows, method=OLD_METHOD[g])
     single = int(build_union(rows, group_size=1, num_kv_rows=kv_rows)[1].sum())
     builds = {
@@ -120,8 +125,7 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep) -> dict:
     ms["lists_only"] = timed(lambda: fused_union(srows, None, max_row, 1, u1, l1), flush, reps)
     builds["old"]()
     scale = (D_V + D_R) ** -0.5
-    out = torch.empty(tokens, heads, D_V, dtype=q.dtype, device=dev)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
+    out, lse = attention_buffers(q)
     ms["gluon_grp"] = timed(
         lambda: launch_gluon_attention(q, kv, u, ln, scale=scale, v_dim=D_V, out=out, lse=lse, group_size=g),
         flush, reps,
