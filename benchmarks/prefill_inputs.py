@@ -1,6 +1,5 @@
 """Inputs and timing shared by the prefill benchmarks: DSA shapes, top-k rows, q/KV draws, output
-buffers, L2-flushed medians,
-and the JSON file of results that a run rewrites after each case."""
+buffers, L2-flushed medians, and the JSON file of results that a run rewrites after each case."""
 
 from __future__ import annotations
 
