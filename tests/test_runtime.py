@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -69,6 +70,18 @@ def _gqa_step(cached: tuple[int, ...], q_lens: tuple[int, ...], seed: int, shard
         shard=shard,
         block_size=GQA.page_size,
     )
+
+
+def _workspace_errors(calls: dict[str, Callable[[], object]]) -> dict[str, str | None]:
+    """Runs each call: its :class:`WorkspaceExceededError` message by name, or None if it ran."""
+    errors: dict[str, str | None] = {}
+    for name, fn in calls.items():
+        try:
+            fn()
+            errors[name] = None
+        except WorkspaceExceededError as e:
+            errors[name] = str(e)
+    return errors
 
 
 def _mla_oracle(step, scale: float, kv_lens: list[int] | torch.Tensor, topk_length=None):
@@ -375,19 +388,15 @@ def _workspace_body(group) -> dict:
     glm5 = Runtime("glm5", group, max_batched_tokens=16, mode="shardq", warmup=False)
     step = _prefill_step()
     q = _heads(step.q, dist.get_rank(group), world).contiguous()
-    errors = {}
-    for name, fn in {
-        "too-many-tokens": lambda: rt.prefill(q, step.kv, step.rows, seq_lens=[101], prefix_lens=[0]),
-        "wider-topk": lambda: rt.prefill(
-            q, step.kv, torch.cat([step.rows, step.rows], 1), seq_lens=step.seq_lens, prefix_lens=step.prefix_lens
-        ),
-        "decode-tokens": lambda: rt.check_workspace("decode", "headtp", tokens=9),
-    }.items():
-        try:
-            fn()
-            errors[name] = None
-        except WorkspaceExceededError as e:
-            errors[name] = str(e)
+    errors = _workspace_errors(
+        {
+            "too-many-tokens": lambda: rt.prefill(q, step.kv, step.rows, seq_lens=[101], prefix_lens=[0]),
+            "wider-topk": lambda: rt.prefill(
+                q, step.kv, torch.cat([step.rows, step.rows], 1), seq_lens=step.seq_lens, prefix_lens=step.prefix_lens
+            ),
+            "decode-tokens": lambda: rt.check_workspace("decode", "headtp", tokens=9),
+        }
+    )
     out, _ = rt.prefill(q, step.kv, step.rows, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens)  # still fine
     return {
         "reserved": reserved,
