@@ -8,11 +8,7 @@ compare the steps with independent references.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,6 +37,7 @@ from shardattn.plan.pipeline import (
     pipeline_plan,
 )
 from shardattn.plan.spec import ModelSpec
+from tests.interpret import run_cases
 from tests.parallel_helpers import junk_rows
 
 D, DV = 48, 32
@@ -478,14 +475,7 @@ def test_head_blocked_io_equals_plain_on_the_reference_path() -> None:
 @pytest.mark.interpret
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_head_blocked_io_under_the_triton_interpreter() -> None:
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.interpret.head_blocked_cases"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.splitlines()[-1] == "0 failures"
+    assert run_cases("head_blocked_cases")[-1] == "0 failures"
 
 
 # -- Comm.exchange: the in-place all-to-all of contiguous pieces ---------------------------------
