@@ -43,8 +43,20 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gluon_common import edge_rows, kernel_report
-from prefill_inputs import D_R, D_V, baseline_gather_bmm, make_case, rel_err, timed
+from gluon_common import check_inputs, kernel_report
+from prefill_inputs import (
+    D_R,
+    D_V,
+    attention_buffers,
+    baseline_gather_bmm,
+    keep_kernels,
+    keep_time,
+    make_case,
+    random_qkv,
+    rel_err,
+    timed,
+    union_buffers,
+)
 
 from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
 from shardattn.kernels.sparse_mla_gluon import GluonConfig, launch_gluon_attention
@@ -93,10 +105,7 @@ def check_all(heads_list, kv_rows, topk, seed=0) -> list[dict]:
     dev = torch.device("cuda")
     t = 259
     scale = (D_V + D_R) ** -0.5
-    _, _, _, _, rows, _ = make_case(t, kv_rows, topk, "dsa", seed)
-    rows, length = edge_rows(rows, kv_rows, seed)
-    gen = torch.Generator(device=dev).manual_seed(seed + 1)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    rows, length, gen, kv = check_inputs(t, kv_rows, topk, seed, seed + 1)
     results = []
     for heads in heads_list:
         q = torch.randn(t, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
@@ -143,15 +152,11 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, variants, seed=0) -> di
     dev = torch.device("cuda")
     scale = (D_V + D_R) ** -0.5
     _, _, _, _, rows, counts = make_case(tokens, kv_rows, topk, "dsa", seed)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    q = torch.randn(tokens, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    q, kv = random_qkv(tokens, heads, kv_rows, seed, dev)
     fl = flops(int(counts.sum()), heads)
-    u1 = torch.empty(tokens, topk, dtype=torch.int32, device=dev)
-    l1 = torch.empty(tokens, dtype=torch.int32, device=dev)
+    u1, l1 = union_buffers(tokens, topk, 1, dev)
     build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1))
-    out = torch.empty(tokens, heads, D_V, dtype=q.dtype, device=dev)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
+    out, lse = attention_buffers(q)
     cfg_t = tile_config(heads, 1)
     ms = {}
     ms["sort"] = timed(lambda: build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1)), flush, reps)
@@ -243,17 +248,8 @@ def main(argv=None) -> int:
                 print(f"   skipped H={heads} T={tokens}: time budget", flush=True)
                 continue
             r = time_case(heads, tokens, kv_rows, args.topk, args.reps, flush, variants)
-            results["times"].append(r)
-            print("   time:", json.dumps(r), flush=True)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
-    results["kernels"] = kernel_report()
-    for k in results["kernels"]:
-        print("   kernel:", json.dumps(k), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            keep_time(results, r, args.out)
+    keep_kernels(results, kernel_report(), args.out)
     print(f"\n{'H':>4} {'T':>6} | {'sort':>6} | {'triton':>7} {'TF/s':>5} | "
           + " ".join(v.label.rjust(13) for v in variants)
           + f" | {'torch':>7} {'TF/s':>5} | {'x trit':>6} {'x torch':>7}")  # fmt: skip

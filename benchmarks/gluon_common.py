@@ -8,7 +8,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from prefill_inputs import D_V, rel_err
+from prefill_inputs import D_R, D_V, make_case, rel_err
 
 from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.sparse_mla_gluon import prefill_kernel
@@ -31,6 +31,17 @@ def edge_rows(rows: torch.Tensor, kv_rows: int, seed: int):
     length[13] = 1
     length[t - 1] = 65  # a tail tile of one key
     return rows, length
+
+
+def check_inputs(t: int, kv_rows: int, topk: int, seed: int, kv_seed: int):
+    """A check's inputs on the GPU: DSA rows of ``t`` tokens with :func:`edge_rows`' edge cases,
+    their lengths, and a bf16 KV cache ``[kv_rows, D_V + D_R]`` drawn from a generator seeded
+    ``kv_seed``, returned too (the caller draws its queries from it)."""
+    _, _, _, _, rows, _ = make_case(t, kv_rows, topk, "dsa", seed)
+    rows, length = edge_rows(rows, kv_rows, seed)
+    gen = torch.Generator(device=rows.device).manual_seed(kv_seed)
+    kv = torch.randn(kv_rows, D_V + D_R, device=rows.device, generator=gen).to(torch.bfloat16)
+    return rows, length, gen, kv
 
 
 def compare(out, lse, q, kv, rows, length, sinks, scale) -> dict:

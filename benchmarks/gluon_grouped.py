@@ -29,8 +29,19 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gluon_common import compare, edge_rows, kernel_report
-from prefill_inputs import D_R, D_V, make_case, rel_err, timed
+from gluon_common import check_inputs, compare, kernel_report
+from prefill_inputs import (
+    D_R,
+    D_V,
+    attention_buffers,
+    keep_kernels,
+    keep_time,
+    make_case,
+    random_qkv,
+    rel_err,
+    timed,
+    union_buffers,
+)
 
 from shardattn.kernels.sparse_mla import sparse_mla_attention
 from shardattn.kernels.sparse_mla_gluon import WS32_CONFIG, WS64_CONFIG, launch_gluon_attention
@@ -48,11 +59,8 @@ def check_grouped(heads_g, kv_rows, topk, seed=0) -> list[dict]:
     dev = torch.device("cuda")
     t = 259
     scale = (D_V + D_R) ** -0.5
-    _, _, _, _, rows, _ = make_case(t, kv_rows, topk, "dsa", seed)
-    rows, length = edge_rows(rows, kv_rows, seed)
+    rows, length, gen, kv = check_inputs(t, kv_rows, topk, seed, seed + 2)
     rows[16:24] = -1  # a whole group (G <= 8) with no key
-    gen = torch.Generator(device=dev).manual_seed(seed + 2)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
     results = []
     for heads, g in heads_g:
         q = torch.randn(t, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
@@ -89,10 +97,7 @@ def check_head_blocked(kv_rows, topk, seed=0) -> list[dict]:
     dev = torch.device("cuda")
     t = 131
     scale = (D_V + D_R) ** -0.5
-    _, _, _, _, rows, _ = make_case(t, kv_rows, topk, "dsa", seed)
-    rows, length = edge_rows(rows, kv_rows, seed)
-    gen = torch.Generator(device=dev).manual_seed(seed + 3)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    rows, length, gen, kv = check_inputs(t, kv_rows, topk, seed, seed + 3)
     results = []
     cases = ((64, 4, "attention"), (128, 8, "grouped"), (16, 2, "grouped"), (16, 2, "G4"), (8, 8, "G8"))
     for heads, blocks, entry in cases:
@@ -129,16 +134,12 @@ def time_grouped(heads, tokens, kv_rows, topk, reps, flush, seed=0) -> dict:
     dev = torch.device("cuda")
     scale = (D_V + D_R) ** -0.5
     _, _, _, _, rows, counts = make_case(tokens, kv_rows, topk, "dsa", seed)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    q = torch.randn(tokens, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    q, kv = random_qkv(tokens, heads, kv_rows, seed, dev)
     fl = flops(int(counts.sum()), heads)
     g = gluon_grouped_group_size(heads) or tile_group_size(heads)
-    u1 = torch.empty(tokens, topk, dtype=torch.int32, device=dev)
-    l1 = torch.empty(tokens, dtype=torch.int32, device=dev)
+    u1, l1 = union_buffers(tokens, topk, 1, dev)
     build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1))
-    out = torch.empty(tokens, heads, D_V, dtype=q.dtype, device=dev)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
+    out, lse = attention_buffers(q)
     ms = {"sort": timed(lambda: build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1)), flush, reps)}
     cfg1 = tile_config(heads, 1)
     ms["triton_pq"] = timed(
@@ -151,9 +152,7 @@ def time_grouped(heads, tokens, kv_rows, topk, reps, flush, seed=0) -> dict:
     errs["gluon_pq"] = rel_err(out, ref)
     res = {"heads": heads, "tokens": tokens, "kv_rows": kv_rows, "topk": topk, "G": g, "valid_keys": int(counts.sum())}
     if g > 1:
-        ng = -(-tokens // g)
-        ug = torch.empty(ng, g * topk, dtype=torch.int32, device=dev)
-        lg = torch.empty(ng, dtype=torch.int32, device=dev)
+        ug, lg = union_buffers(tokens, topk, g, dev)
         build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(ug, lg))
         res["union_ratio"] = round(int(lg.sum()) * g / max(1, int(l1.sum())), 3)
         ms["union"] = timed(lambda: build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(ug, lg)), flush, reps)
@@ -223,17 +222,8 @@ def grouped_main(args) -> int:
     for tokens in args.tokens:
         for heads in args.heads:
             r = time_grouped(heads, tokens, kv_rows if tokens < 16384 else 2 * kv_rows, args.topk, args.reps, flush)
-            results["times"].append(r)
-            print("   time:", json.dumps(r), flush=True)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
-    results["kernels"] = kernel_report()
-    for k in results["kernels"]:
-        print("   kernel:", json.dumps(k), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            keep_time(results, r, args.out)
+    keep_kernels(results, kernel_report(), args.out)
     cols = ("triton_pq", "gluon_pq", "triton_grp", "gluon_grp", "gluon64_grp", "gluon64_grp_sorted", "routed")
     print("\nms (effective TF/s) per step: per-query = row sort + kernel, grouped = union build + kernel")
     print(f"{'H':>4} {'T':>5} {'G':>2} {'ratio':>5} | {'sort':>6} {'union':>6} | "

@@ -1,7 +1,9 @@
-"""Inputs and timing shared by the prefill benchmarks: DSA shapes, top-k rows, L2-flushed medians."""
+"""Inputs and timing shared by the prefill benchmarks: DSA shapes, top-k rows, q/KV draws, output
+buffers, L2-flushed medians, and the JSON file of results that a run rewrites after each case."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
@@ -39,6 +41,34 @@ def make_case(tokens: int, kv_rows: int, topk: int, workload: str, seed: int):
     return pos, req, table, seq, rows, counts
 
 
+def random_qkv(tokens: int, heads: int, kv_rows: int, seed: int, device: torch.device):
+    """bf16 queries ``[tokens, heads, D_V + D_R]``, then KV rows ``[kv_rows, D_V + D_R]``: normal
+    draws from one generator on ``device`` seeded ``seed``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(tokens, heads, D_V + D_R, device=device, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(kv_rows, D_V + D_R, device=device, generator=gen).to(torch.bfloat16)
+    return q, kv
+
+
+def union_buffers(tokens: int, topk: int, g: int, device: torch.device):
+    """``build_union``'s ``out=`` buffers at group size ``g``: entries ``[ceil(T/g), g * topk]`` and
+    lengths ``[ceil(T/g)]``, int32 (``g = 1``: the per-query rows)."""
+    n_groups = -(-tokens // g)
+    return (
+        torch.empty(n_groups, g * topk, dtype=torch.int32, device=device),
+        torch.empty(n_groups, dtype=torch.int32, device=device),
+    )
+
+
+def attention_buffers(q: torch.Tensor):
+    """An attention launch's ``out=`` ``[T, H, D_V]`` (q's dtype) and ``lse=`` ``[T, H]`` fp32 buffers."""
+    t, h = q.shape[:2]
+    return (
+        torch.empty(t, h, D_V, dtype=q.dtype, device=q.device),
+        torch.empty(t, h, dtype=torch.float32, device=q.device),
+    )
+
+
 def baseline_gather_bmm(q, kv, rows, scale, chunk=256):
     """torch: gather each token's rows, two bmms, fp32 softmax (duplicates not removed)."""
     t, h, _ = q.shape
@@ -56,3 +86,26 @@ def baseline_gather_bmm(q, kv, rows, scale, chunk=256):
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def save_json(path: str | None, results) -> None:
+    """Rewrites ``path`` with ``results`` (nothing when ``path`` is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def keep_time(results: dict, r: dict, out: str | None) -> None:
+    """Appends one timed case to ``results["times"]``, prints it, and rewrites ``out``, so a run cut
+    short keeps what it measured."""
+    results["times"].append(r)
+    print("   time:", json.dumps(r), flush=True)
+    save_json(out, results)
+
+
+def keep_kernels(results: dict, kernels: list[dict], out: str | None) -> None:
+    """Stores the compiled kernels' report as ``results["kernels"]``, prints it, and rewrites ``out``."""
+    results["kernels"] = kernels
+    for k in kernels:
+        print("   kernel:", json.dumps(k), flush=True)
+    save_json(out, results)

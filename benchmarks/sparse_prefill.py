@@ -49,7 +49,19 @@ from shardattn.plan.routing import tile_group_size
 from shardattn.workload import union_ratio
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from prefill_inputs import BLOCK, D_R, D_V, baseline_gather_bmm, make_case, rel_err, timed
+from prefill_inputs import (
+    BLOCK,
+    D_R,
+    D_V,
+    attention_buffers,
+    baseline_gather_bmm,
+    make_case,
+    random_qkv,
+    rel_err,
+    save_json,
+    timed,
+    union_buffers,
+)
 
 
 def check_case(q, kv, rows, g, scale, seed) -> dict:
@@ -135,9 +147,7 @@ def run_case(heads, tokens, kv_rows, topk, workload, reps, flush, check, seed=0)
     scale = (D_V + D_R) ** -0.5
     t0 = time.time()
     pos, req, table, seq, rows, counts = make_case(tokens, kv_rows, topk, workload, seed)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    q = torch.randn(tokens, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
+    q, kv = random_qkv(tokens, heads, kv_rows, seed, dev)
     g = tile_group_size(heads)  # the grouped column; routing picks default_group_size
     res = {
         "heads": heads,
@@ -156,13 +166,9 @@ def run_case(heads, tokens, kv_rows, topk, workload, reps, flush, check, seed=0)
         res["check"] = check_case(q, kv, rows, g, scale, seed)
     valid_keys = int(counts.sum())
     fl = flops(valid_keys, heads)
-    n_groups = -(-tokens // g)
-    union = torch.empty(n_groups, g * topk, dtype=torch.int32, device=dev)
-    lens = torch.empty(n_groups, dtype=torch.int32, device=dev)
-    u1 = torch.empty(tokens, topk, dtype=torch.int32, device=dev)
-    l1 = torch.empty(tokens, dtype=torch.int32, device=dev)
-    out = torch.empty(tokens, heads, D_V, dtype=q.dtype, device=dev)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
+    union, lens = union_buffers(tokens, topk, g, dev)
+    u1, l1 = union_buffers(tokens, topk, 1, dev)
+    out, lse = attention_buffers(q)
     cfg_g, cfg_1 = tile_config(heads, g), tile_config(heads, 1)
 
     def union_fn():
@@ -287,9 +293,7 @@ def main(argv=None) -> int:
         from union_variants import union_only
 
         results = union_only(args, flush)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+        save_json(args.out, {"device": torch.cuda.get_device_name(), "results": results})
         return 0 if all(r.get("exact", True) for r in results) else 1
     print(header, flush=True)
     start = time.time()
@@ -322,15 +326,11 @@ def main(argv=None) -> int:
                     )
                 if args.check:
                     print("   check:", json.dumps({"convert_exact": r["convert_exact"], **r["check"]}), flush=True)
-                if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+                save_json(args.out, {"device": torch.cuda.get_device_name(), "results": results})
     report = kernel_report(args.dump)
     for k in report:
         print("   kernel:", json.dumps(k), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results, "kernels": report}, f, indent=1)
+    save_json(args.out, {"device": torch.cuda.get_device_name(), "results": results, "kernels": report})
     return 0
 
 

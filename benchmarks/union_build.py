@@ -24,7 +24,6 @@ count (``G`` = 8 / 4 / 2 at 8 / 16 / 32 heads, the grouped Gluon kernel's routin
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -32,7 +31,17 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gluon_common import edge_rows
-from prefill_inputs import D_R, D_V, make_case, timed
+from prefill_inputs import (
+    D_R,
+    D_V,
+    attention_buffers,
+    keep_kernels,
+    keep_time,
+    make_case,
+    random_qkv,
+    timed,
+    union_buffers,
+)
 
 from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 from shardattn.kernels.union import MAX_PLAIN_ROW, _sorted_row_keys, build_union, build_union_reference
@@ -95,14 +104,9 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep) -> dict:
     _, _, _, _, rows, _ = make_case(tokens, kv_rows, topk, "dsa", 0)
     dev = rows.device
     srows = torch.sort(rows, dim=1).values  # invalid (-1) first: allowed anywhere
-    gen = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(tokens, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    ng = -(-tokens // g)
-    u = torch.empty(ng, g * topk, dtype=torch.int32, device=dev)
-    ln = torch.empty(ng, dtype=torch.int32, device=dev)
-    u1 = torch.empty(tokens, topk, dtype=torch.int32, device=dev)
-    l1 = torch.empty(tokens, dtype=torch.int32, device=dev)
+    q, kv = random_qkv(tokens, heads, kv_rows, 0, dev)
+    u, ln = union_buffers(tokens, topk, g, dev)
+    u1, l1 = union_buffers(tokens, topk, 1, dev)
     want = build_union(rows, group_size=g, num_kv_rows=kv_rows, method=OLD_METHOD[g])
     single = int(build_union(rows, group_size=1, num_kv_rows=kv_rows)[1].sum())
     builds = {
@@ -121,8 +125,7 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep) -> dict:
     ms["lists_only"] = timed(lambda: fused_union(srows, None, max_row, 1, u1, l1), flush, reps)
     builds["old"]()
     scale = (D_V + D_R) ** -0.5
-    out = torch.empty(tokens, heads, D_V, dtype=q.dtype, device=dev)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
+    out, lse = attention_buffers(q)
     ms["gluon_grp"] = timed(
         lambda: launch_gluon_attention(q, kv, u, ln, scale=scale, v_dim=D_V, out=out, lse=lse, group_size=g),
         flush, reps,
@@ -171,22 +174,14 @@ def main(argv=None) -> int:
         for heads in args.heads:
             sweep = SWEEP if args.sweep and tokens == args.tokens[0] else ()
             r = time_case(heads, tokens, kv_rows, args.topk, args.reps, flush, sweep)
-            results["times"].append(r)
-            print("   time:", json.dumps(r), flush=True)
+            keep_time(results, r, args.out)
             bad += [k for k, v in r["same_as_old"].items() if not v]
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
-    results["kernels"] = [
+    kernels = [
         {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None), "shared": k.metadata.shared,
          "constants": str({n: v for n, v in k.src.constants.items()} if hasattr(k, "src") else "")[:300]}
         for entry in fused_kernel().device_caches.values() for k in entry[0].values()
     ]  # fmt: skip
-    for k in results["kernels"]:
-        print("   kernel:", json.dumps(k), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    keep_kernels(results, kernels, args.out)
     print(f"\n{'H':>3} {'T':>6} {'G':>2} | {'old':>6} {'fused':>6} {'sorted':>6} | {'rowsort':>7} {'lists':>6} | "
           f"{'kernel':>6} | share old / fused / sorted | x old fused / sorted")  # fmt: skip
     for r in results["times"]:

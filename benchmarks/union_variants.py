@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from prefill_inputs import D_R, D_V, make_case, timed
+from prefill_inputs import D_R, D_V, attention_buffers, make_case, random_qkv, timed, union_buffers
 
 from shardattn.kernels.sparse_mla_triton import flops, launch_attention, tile_config
 from shardattn.kernels.union import build_union, build_union_reference
@@ -55,9 +55,7 @@ def _time_union_variants(rows, tokens, kv_rows, topk, reps, flush) -> list[dict]
     out = []
     for g in (1, 2, 4, 8):
         want = build_union_reference(edge, group_size=g, num_kv_rows=kv_rows, topk_length=length)
-        n_groups = -(-tokens // g)
-        buf = (torch.empty(n_groups, g * topk, dtype=torch.int32, device=dev),
-               torch.empty(n_groups, dtype=torch.int32, device=dev))  # fmt: skip
+        buf = union_buffers(tokens, topk, g, dev)
         base = None
         for method, row_sort in UNION_VARIANTS:
             if (g == 1 and method == "merge") or (g > 1 and (method, row_sort) == ("sort", "triton")):
@@ -94,16 +92,10 @@ def _step_case(heads, tokens, kv_rows, topk, best, reps, flush) -> dict:
     scale = (D_V + D_R) ** -0.5
     _, _, _, _, rows, counts = make_case(tokens, kv_rows, topk, "dsa", 0)
     g = tile_group_size(heads)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(tokens, heads, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    kv = torch.randn(kv_rows, D_V + D_R, device=dev, generator=gen).to(torch.bfloat16)
-    n_groups = -(-tokens // g)
-    u = torch.empty(n_groups, g * topk, dtype=torch.int32, device=dev)
-    ln = torch.empty(n_groups, dtype=torch.int32, device=dev)
-    u1 = torch.empty(tokens, topk, dtype=torch.int32, device=dev)
-    l1 = torch.empty(tokens, dtype=torch.int32, device=dev)
-    out = torch.empty(tokens, heads, D_V, dtype=q.dtype, device=dev)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=dev)
+    q, kv = random_qkv(tokens, heads, kv_rows, 0, dev)
+    u, ln = union_buffers(tokens, topk, g, dev)
+    u1, l1 = union_buffers(tokens, topk, 1, dev)
+    out, lse = attention_buffers(q)
     cfg_g, cfg_1 = tile_config(heads, g), tile_config(heads, 1)
 
     def union(method, row_sort):

@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from shardattn.kernels.sparse_mla import sparse_mla_attention
+from tests.oracle import sparse_mla_oracle, topk_rows_oracle
+
 WORLD_SIZES = [1, 2, 3, 4]
 #: The multiple of the low-precision reference's error a step may reach. GPU tests raise it to 4:
 #: the Triton kernels round the softmax probabilities to bf16 before the P @ V product, a second
@@ -39,6 +42,14 @@ def catch(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, str]:
     except Exception:  # anything else is a bug: report it whole
         return "unexpected", traceback.format_exc()
     return "ok", ""
+
+
+def assert_rank_errors(results: list[tuple[str, str]], expect: list[str]) -> None:
+    """Each rank's :func:`catch` result, written ``"kind: message"``, starts with that rank's
+    expected text (one entry per rank)."""
+    assert len(results) == len(expect), f"{len(results)} ranks answered, {len(expect)} expected"
+    for r, ((kind, msg), want) in enumerate(zip(results, expect)):
+        assert f"{kind}: {msg}".startswith(want), f"rank {r}: {kind}: {msg}"
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -86,6 +97,40 @@ def assert_within_reference_error(
         f"+ partial rounding {rounding:.3g} "
         f"+ {eps * scale:.3g}"
     )
+
+
+def junk_rows(
+    g: torch.Generator, t: int, k: int, hi: int, junk: list[int], invalid: float, empty_every: int
+) -> torch.Tensor:
+    """``[t, k]`` int32 indices drawn from ``[0, hi)``; each entry is replaced with probability
+    ``invalid`` by one of ``junk`` (invalid values: negative, or ``>= hi``), and about
+    ``t // empty_every`` rows (at least one when ``t > 0``) are all ``-1`` (no valid key)."""
+    rows = torch.randint(0, hi, (t, k), generator=g, dtype=torch.int32)
+    bad = torch.tensor(junk, dtype=torch.int32)[torch.randint(0, len(junk), (t, k), generator=g)]
+    rows = torch.where(torch.rand(t, k, generator=g) < invalid, bad, rows)
+    if t:
+        rows[torch.randint(0, t, (max(1, t // empty_every),), generator=g)] = -1
+    return rows
+
+
+def paged_mla_references(case: dict, kv_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The single-process answers to a paged sparse-MLA case (keys ``q``, ``cache``, ``table``,
+    ``pos``, ``req_ids``, ``block_size``, ``topk_length``, ``scale``, ``dv``, ``sinks``), on the
+    rows the oracle converts from its top-k positions (``kv_lens``: ``[B]`` keys per request).
+
+    Returns ``(out, lse)`` of the low-precision reference, ``(out, lse)`` of the fp64 oracle, and
+    the largest value-row magnitude (``partial_max`` of :func:`assert_within_reference_error`).
+    """
+    rows = topk_rows_oracle(
+        case["pos"], case["req_ids"], case["table"], block_size=case["block_size"], seq_lens=kv_lens,
+        topk_length=case["topk_length"],
+    )  # fmt: skip
+    q, kv = case["q"], case["cache"]
+    kw = dict(scale=case["scale"], v_dim=case["dv"], sinks=case["sinks"])
+    ref_out, ref_lse = sparse_mla_attention(q, kv, rows, **kw)
+    out64, lse64 = sparse_mla_oracle(q, kv, rows, **kw)
+    vmax = float(kv[:, : case["dv"]].float().abs().max()) if kv.numel() else 0.0
+    return ref_out, ref_lse, out64, lse64, vmax
 
 
 def neg_inf_like(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from shardattn.kernels.sparse_mla import sparse_mla_attention
 from shardattn.parallel.collector import collect_partials, resolve_strategy
 from shardattn.parallel.comm import Comm
 from tests.oracle import sparse_mla_oracle
-from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_within_reference_error, catch
+from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_rank_errors, assert_within_reference_error, catch
 
 STRATS = ["all_to_all", "all_gather", "reduce_scatter", "auto"]
 D, DV = 64, 48
@@ -179,8 +179,7 @@ def _bad_inputs(group: dist.ProcessGroup, case: str) -> tuple[str, str]:
 )
 def test_bad_input_raises_on_every_rank(dist_pool, case: str, expect: list) -> None:
     results = dist_pool.run(_bad_inputs, case, world_size=3)
-    for r, ((kind, msg), want) in enumerate(zip(results, expect)):
-        assert f"{kind}: {msg}".startswith(want), f"rank {r}: {kind}: {msg}"
+    assert_rank_errors(results, expect)
     if case == "tokens-differ-on-rank-2":
         assert all("rank(s) [2] disagree with rank(s) [0, 1]" in msg for _, msg in results)
 

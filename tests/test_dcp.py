@@ -10,12 +10,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardattn.kernels.gqa_decode import gqa_paged_decode
-from shardattn.kernels.sparse_mla import sparse_mla_attention
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
 from shardattn.plan import DCPLayout
-from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
-from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_within_reference_error, catch, paged
+from tests.oracle import gqa_oracle
+from tests.parallel_helpers import (
+    WORLD_IDS,
+    WORLD_SIZES,
+    assert_rank_errors,
+    assert_within_reference_error,
+    catch,
+    junk_rows,
+    paged,
+    paged_mla_references,
+)
 
 # ---------------------------------------------------------------------------------------- sparse MLA
 
@@ -43,11 +51,7 @@ def _mla_case(
     kv_req = [torch.randn(n, d, generator=g).bfloat16() for n in seq_lens]
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     hi = max(1, max(seq_lens, default=1))
-    pos = torch.randint(0, hi, (t, k), generator=g, dtype=torch.int32)
-    junk = torch.tensor([-1, -9, hi, hi + 50], dtype=torch.int32)[torch.randint(0, 4, (t, k), generator=g)]
-    pos = torch.where(torch.rand(t, k, generator=g) < 0.25, junk, pos)  # also positions >= seq_lens[req]
-    if t:
-        pos[torch.randint(0, t, (max(1, t // 4),), generator=g)] = -1  # queries with no valid key
+    pos = junk_rows(g, t, k, hi, [-1, -9, hi, hi + 50], 0.25, 4)  # also positions >= seq_lens[req]
     cache, table = paged(kv_req, block_size, g)
     local = []
     for r in range(world):
@@ -95,16 +99,9 @@ def _run_mla(group: dist.ProcessGroup, case: dict, scatter_heads: bool = True) -
 
 
 def _check_mla(results: list, case: dict, world: int, scatter_heads: bool = True) -> None:
-    rows = topk_rows_oracle(
-        case["pos"], case["req_ids"], case["table"], block_size=case["block_size"], seq_lens=case["seq_lens"],
-        topk_length=case["topk_length"],
-    )  # fmt: skip
-    q, kv = case["q"], case["cache"]
-    kw = dict(scale=case["scale"], v_dim=case["dv"], sinks=case["sinks"])
-    ref_out, ref_lse = sparse_mla_attention(q, kv, rows, **kw)
-    out64, lse64 = sparse_mla_oracle(q, kv, rows, **kw)
+    ref_out, ref_lse, out64, lse64, vmax = paged_mla_references(case, case["seq_lens"])
+    q = case["q"]
     h = q.shape[1] // world if scatter_heads else q.shape[1]
-    vmax = float(kv[:, : case["dv"]].float().abs().max()) if kv.numel() else 0.0
     for r, (out, lse, counts) in enumerate(results):
         heads = slice(r * h, (r + 1) * h) if scatter_heads else slice(None)
         what = f"rank {r} of {world}"
@@ -372,8 +369,7 @@ GQA = "DCP GQA decode inputs"
 )
 def test_dcp_bad_input_raises_on_every_rank(dist_pool, problem: str, expect: list) -> None:
     results = dist_pool.run(_bad, problem, world_size=3)
-    for r, ((kind, msg), want) in enumerate(zip(results, expect)):
-        assert f"{kind}: {msg}".startswith(want), f"rank {r}: {kind}: {msg}"
+    assert_rank_errors(results, expect)
 
 
 @pytest.mark.distributed

@@ -59,8 +59,18 @@ def _inputs(rt: Runtime, q_lens: list[int], context: int, seed: int) -> dict[str
     seq = [context + n for n in q_lens]
     pages = -(-rt.layout.local_len(max(seq), 0) // SPEC.page_size)
     k = torch.randn(b * pages, SPEC.page_size, SPEC.num_kv_heads, SPEC.head_dim, generator=g)
+    q = torch.randn(t, rt.heads_per_rank, SPEC.head_dim, generator=g)
+    return _step_inputs(g, q, k, pages, seq, q_lens)
+
+
+def _step_inputs(
+    g: torch.Generator, q: torch.Tensor, k: torch.Tensor, pages: int, seq: list[int], q_lens: list[int]
+) -> dict[str, Any]:
+    """A DCP GQA step's inputs around this rank's ``q`` and K cache: V cache, shuffled
+    ``[B, pages]`` block table and sinks drawn from ``g`` (in that order), host and int32 lengths."""
+    b = len(q_lens)
     return {
-        "q": torch.randn(t, rt.heads_per_rank, SPEC.head_dim, generator=g),
+        "q": q,
         "kv": (k, torch.randn(k.shape, generator=g)),
         "table": torch.randperm(b * pages, generator=g).view(b, pages).int(),
         "seq": seq,
@@ -287,15 +297,7 @@ def _inputs_for(layout: DCPLayout, rank: int, q_lens: list[int]) -> dict[str, An
     k = torch.randn(b * pages + 1, page, SPEC.num_kv_heads, SPEC.head_dim, generator=g)
     q = torch.randn(t, SPEC.num_heads, SPEC.head_dim, generator=g)
     h = SPEC.num_heads // 2
-    return {
-        "q": q[:, rank * h : (rank + 1) * h].contiguous(),
-        "kv": (k, torch.randn(k.shape, generator=g)),
-        "table": torch.randperm(b * pages, generator=g).view(b, pages).int(),
-        "seq": seq,
-        "seq_t": torch.tensor(seq, dtype=torch.int32),
-        "cu": torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
-        "sinks": torch.randn(SPEC.num_heads, generator=g),
-    }
+    return _step_inputs(g, q[:, rank * h : (rank + 1) * h].contiguous(), k, pages, seq, q_lens)
 
 
 def interpreted_dcp_step() -> None:

@@ -203,18 +203,8 @@ def test_report_verdict_table_and_json(tmp_path) -> None:
 
 
 def test_prefill_workload_rows_match_positions() -> None:
-    step = build_prefill(
-        heads=4,
-        head_dim=24,
-        tokens=40,
-        requests=3,
-        cached=(0, 5, 70),
-        topk=16,
-        overlap=overlap_model("dsa"),
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        seed=3,
-    )
+    args = dict(heads=4, head_dim=24, tokens=40, requests=3, cached=(0, 5, 70), topk=16, dtype=torch.float32, seed=3)
+    step = build_prefill(overlap=overlap_model("dsa"), device=torch.device("cpu"), **args)
     assert step.seq_lens == [14, 13, 13] and step.q.shape == (40, 4, 24)
     valid = step.positions >= 0
     assert torch.equal(valid, step.rows >= 0), "every valid position maps to a row"
@@ -228,18 +218,7 @@ def test_prefill_workload_rows_match_positions() -> None:
     p = step.positions.long().clamp(min=0)
     expect = step.block_table.long()[step.req_ids.long()[:, None], p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
     assert torch.equal(step.rows.long()[valid], expect[valid])
-    again = build_prefill(
-        heads=4,
-        head_dim=24,
-        tokens=40,
-        requests=3,
-        cached=(0, 5, 70),
-        topk=16,
-        overlap="dsa",
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        seed=3,
-    )
+    again = build_prefill(overlap="dsa", device=torch.device("cpu"), **args)
     assert torch.equal(again.q, step.q) and torch.equal(again.rows, step.rows), "same seed, same step on every rank"
 
 

@@ -9,12 +9,19 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.sparse_mla import sparse_mla_attention
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.pcp import pcp_prefill
 from shardattn.plan import pcp_plan
-from tests.oracle import sparse_mla_oracle, topk_rows_oracle
-from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_within_reference_error, catch, paged
+from tests.parallel_helpers import (
+    WORLD_IDS,
+    WORLD_SIZES,
+    assert_rank_errors,
+    assert_within_reference_error,
+    catch,
+    junk_rows,
+    paged,
+    paged_mla_references,
+)
 
 
 def _case(
@@ -42,11 +49,7 @@ def _case(
     t = req_ids.numel()
     full = torch.tensor([p + n for p, n in zip(prefix_lens, seq_lens)], dtype=torch.int32)
     hi = max(1, int(full.max()) if full.numel() else 1)
-    pos = torch.randint(0, hi, (t, k), generator=g, dtype=torch.int32)
-    junk = torch.tensor([-1, -3, hi, hi + 9], dtype=torch.int32)[torch.randint(0, 4, (t, k), generator=g)]
-    pos = torch.where(torch.rand(t, k, generator=g) < 0.25, junk, pos)
-    if t:
-        pos[torch.randint(0, t, (max(1, t // 5),), generator=g)] = -1
+    pos = junk_rows(g, t, k, hi, [-1, -3, hi, hi + 9], 0.25, 5)
     cache, table = paged(kv_req, block_size, g)
     prefix_cache, prefix_table = paged([x[:p] for x, p in zip(kv_req, prefix_lens)], block_size, g)
     new = [x[p:] for x, p in zip(kv_req, prefix_lens)]
@@ -94,16 +97,9 @@ def _run(group: dist.ProcessGroup, case: dict, gather_output: bool = False, with
 
 
 def _check(results: list, case: dict, world: int, gather_output: bool = False) -> None:
-    rows = topk_rows_oracle(
-        case["pos"], case["req_ids"], case["table"], block_size=case["block_size"], seq_lens=case["full_lens"],
-        topk_length=case["topk_length"],
-    )  # fmt: skip
-    q, kv = case["q"], case["cache"]
-    kw = dict(scale=case["scale"], v_dim=case["dv"], sinks=case["sinks"])
-    ref_out, ref_lse = sparse_mla_attention(q, kv, rows, **kw)
-    out64, lse64 = sparse_mla_oracle(q, kv, rows, **kw)
-    # prefix and new keys are two partials merged in one process: one extra bf16 rounding
-    vmax = float(kv[:, : case["dv"]].float().abs().max()) if kv.numel() else 0.0
+    # prefix and new keys are two partials merged in one process: one extra bf16 rounding (vmax)
+    ref_out, ref_lse, out64, lse64, vmax = paged_mla_references(case, case["full_lens"])
+    q = case["q"]
     split = any(p > 0 for p in case["prefix_lens"])
     for r, (out, lse, ids, counts) in enumerate(results):
         sel = slice(None) if gather_output else ids
@@ -190,8 +186,7 @@ REJECTED = "ValueError: PCP plan and inputs: rank(s) [1] of 3 rejected their inp
 )
 def test_pcp_bad_input_raises_on_every_rank(dist_pool, problem: str, expect: list) -> None:
     results = dist_pool.run(_bad, problem, world_size=3)
-    for r, ((kind, msg), want) in enumerate(zip(results, expect)):
-        assert f"{kind}: {msg}".startswith(want), f"rank {r}: {kind}: {msg}"
+    assert_rank_errors(results, expect)
 
 
 @pytest.mark.distributed

@@ -24,15 +24,13 @@ from shardattn.parallel.prefill_attention import workspace_prefill_attention
 from shardattn.plan.pipeline import pipeline_plan
 from shardattn.plan.routing import Route
 from shardattn.plan.zigzag import zigzag_split
+from tests.parallel_helpers import junk_rows
 
 
 def _rows(seed: int, t: int, k: int, r: int, with_length: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed)
-    rows = torch.randint(0, r, (t, k), generator=g, dtype=torch.int32)
-    junk = torch.tensor([-1, -7, r, r + 9], dtype=torch.int32)[torch.randint(0, 4, (t, k), generator=g)]
-    rows = torch.where(torch.rand(t, k, generator=g) < 0.3, junk, rows)  # invalid entries anywhere
+    rows = junk_rows(g, t, k, r, [-1, -7, r, r + 9], 0.3, 4)  # invalid entries anywhere, empty rows
     if t:
-        rows[torch.randint(0, t, (max(1, t // 4),), generator=g)] = -1  # rows with no valid key
         rows[0, -1] = rows[0, 0]  # a duplicate within a row
     length = torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32) if with_length else None
     return rows, length

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -51,6 +52,36 @@ def _prefill_step(seed: int = 0):
         seed=seed,
         block_size=MLA.page_size,
     )
+
+
+def _gqa_step(cached: tuple[int, ...], q_lens: tuple[int, ...], seed: int, shard: DcpShard):
+    """A GQA decode step of the test spec (sinks, fp32, CPU): one request per ``q_lens`` entry."""
+    return build_gqa_decode(
+        q_heads=GQA.num_heads,
+        kv_heads=GQA.num_kv_heads,
+        head_dim=GQA.head_dim,
+        sinks=True,
+        requests=len(q_lens),
+        cached=cached,
+        q_lens=q_lens,
+        dtype=torch.float32,
+        device=CPU,
+        seed=seed,
+        shard=shard,
+        block_size=GQA.page_size,
+    )
+
+
+def _workspace_errors(calls: dict[str, Callable[[], object]]) -> dict[str, str | None]:
+    """Runs each call: its :class:`WorkspaceExceededError` message by name, or None if it ran."""
+    errors: dict[str, str | None] = {}
+    for name, fn in calls.items():
+        try:
+            fn()
+            errors[name] = None
+        except WorkspaceExceededError as e:
+            errors[name] = str(e)
+    return errors
 
 
 def _mla_oracle(step, scale: float, kv_lens: list[int] | torch.Tensor, topk_length=None):
@@ -188,20 +219,7 @@ def _decode_body(
         ref = _mla_oracle(s, rt.scale, s.seq_lens)
         other = ref  # sparse MLA: causality lives in the top-k positions
     else:
-        g = build_gqa_decode(
-            q_heads=spec.num_heads,
-            kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            sinks=True,
-            requests=len(q_lens),
-            cached=cached,
-            q_lens=q_lens,
-            dtype=torch.float32,
-            device=CPU,
-            seed=3,
-            shard=shard,
-            block_size=spec.page_size,
-        )
+        g = _gqa_step(cached, q_lens, 3, shard)
         k, v, table = g.local_k_cache, g.local_v_cache, g.local_block_table
         if not dcp:  # head-TP: each rank holds its KV heads of the whole cache
             hkv = spec.num_kv_heads // world
@@ -320,20 +338,7 @@ def _two_runtimes_body(group) -> dict:
     b = Runtime(GQA, other, max_batched_tokens=64, mode="dcp-decode")
     assert a.group is group and b.group is other
     step = _prefill_step(seed=5)
-    g = build_gqa_decode(
-        q_heads=8,
-        kv_heads=2,
-        head_dim=16,
-        sinks=True,
-        requests=2,
-        cached=(30, 3),
-        q_lens=(1, 2),
-        dtype=torch.float32,
-        device=CPU,
-        seed=5,
-        shard=DcpShard(world, 1, rank),
-        block_size=16,
-    )
+    g = _gqa_step((30, 3), (1, 2), 5, DcpShard(world, 1, rank))
     errs = []
     ref_a = _mla_oracle(step, a.scale, _kv_lens(step))
     ref_b = _gqa_oracle(g, b.scale)
@@ -383,19 +388,15 @@ def _workspace_body(group) -> dict:
     glm5 = Runtime("glm5", group, max_batched_tokens=16, mode="shardq", warmup=False)
     step = _prefill_step()
     q = _heads(step.q, dist.get_rank(group), world).contiguous()
-    errors = {}
-    for name, fn in {
-        "too-many-tokens": lambda: rt.prefill(q, step.kv, step.rows, seq_lens=[101], prefix_lens=[0]),
-        "wider-topk": lambda: rt.prefill(
-            q, step.kv, torch.cat([step.rows, step.rows], 1), seq_lens=step.seq_lens, prefix_lens=step.prefix_lens
-        ),
-        "decode-tokens": lambda: rt.check_workspace("decode", "headtp", tokens=9),
-    }.items():
-        try:
-            fn()
-            errors[name] = None
-        except WorkspaceExceededError as e:
-            errors[name] = str(e)
+    errors = _workspace_errors(
+        {
+            "too-many-tokens": lambda: rt.prefill(q, step.kv, step.rows, seq_lens=[101], prefix_lens=[0]),
+            "wider-topk": lambda: rt.prefill(
+                q, step.kv, torch.cat([step.rows, step.rows], 1), seq_lens=step.seq_lens, prefix_lens=step.prefix_lens
+            ),
+            "decode-tokens": lambda: rt.check_workspace("decode", "headtp", tokens=9),
+        }
+    )
     out, _ = rt.prefill(q, step.kv, step.rows, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens)  # still fine
     return {
         "reserved": reserved,
@@ -541,20 +542,7 @@ def test_modes_are_the_launchers() -> None:
 def _no_lse_body(group) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rt = Runtime(GQA, group, max_batched_tokens=32, mode="headtp", decode_lse=False)
-    g = build_gqa_decode(
-        q_heads=8,
-        kv_heads=2,
-        head_dim=16,
-        sinks=True,
-        requests=2,
-        cached=(20, 9),
-        q_lens=(1, 1),
-        dtype=torch.float32,
-        device=CPU,
-        seed=7,
-        shard=DcpShard(1, 1, 0),
-        block_size=16,
-    )
+    g = _gqa_step((20, 9), (1, 1), 7, DcpShard(1, 1, 0))
     hkv = 2 // world
     k, v = (c[:, :, rank * hkv : (rank + 1) * hkv].contiguous() for c in (g.k_cache, g.v_cache))
     out, lse = rt.decode(

@@ -18,13 +18,13 @@ import torch.distributed as dist
 from shardattn.kernels.topk import DcpShard
 from shardattn.launch.workloads import build_decode, build_gqa_decode
 from shardattn.parallel.decode_graphs import DecodeGraphs
-from shardattn.parallel.runtime import PrefillPlan, Runtime, WorkspaceExceededError
+from shardattn.parallel.runtime import PrefillPlan, Runtime
 from shardattn.parallel.runtime_workspace import RuntimeWorkspace
 from shardattn.plan.routing import Route
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.workspace import workspace_bounds
 from shardattn.plan.zigzag import zigzag_split
-from tests.test_runtime import MLA, _err, _heads, _kv_lens, _mla_oracle, _prefill_step
+from tests.test_runtime import MLA, _err, _heads, _kv_lens, _mla_oracle, _prefill_step, _workspace_errors
 
 CPU = torch.device("cpu")
 GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 16, dtype="float32")
@@ -156,18 +156,19 @@ def _arena_body(group) -> dict:
     d2 = decode()
     res["decode_same_bits"] = torch.equal(d1[0], d2[0]) and torch.equal(d1[1], d2[1])
 
-    errors = {}
-    for name, fn in {
-        "decode-topk": lambda: rt.check_workspace("decode", "dcp", tokens=8, topk=MLA.topk + 1),
-        "decode-wide-rows": lambda: rt.decode(
-            q_dec, s.local_kv, s.local_table, s.seq_lens, topk_pos=torch.cat([s.positions] * 3, 1), req_ids=s.req_ids
-        ),
-    }.items():
-        try:
-            fn()
-            errors[name] = None
-        except WorkspaceExceededError as e:
-            errors[name] = str(e)
+    errors = _workspace_errors(
+        {
+            "decode-topk": lambda: rt.check_workspace("decode", "dcp", tokens=8, topk=MLA.topk + 1),
+            "decode-wide-rows": lambda: rt.decode(
+                q_dec,
+                s.local_kv,
+                s.local_table,
+                s.seq_lens,
+                topk_pos=torch.cat([s.positions] * 3, 1),
+                req_ids=s.req_ids,
+            ),
+        }
+    )
     res["errors"] = errors
     return res
 

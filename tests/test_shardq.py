@@ -14,7 +14,14 @@ from shardattn.parallel.comm import Comm
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan import zigzag_split
 from tests.oracle import sparse_mla_oracle
-from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_within_reference_error, catch
+from tests.parallel_helpers import (
+    WORLD_IDS,
+    WORLD_SIZES,
+    assert_rank_errors,
+    assert_within_reference_error,
+    catch,
+    junk_rows,
+)
 
 
 def _case(
@@ -34,11 +41,7 @@ def _case(
     g = torch.Generator().manual_seed(seed)
     t, h = sum(seq_lens), heads_per_rank * world
     r = 2 * k + 3
-    rows = torch.randint(0, r, (t, k), generator=g, dtype=torch.int32)
-    junk = torch.tensor([-1, r, r + 100, -7], dtype=torch.int32)[torch.randint(0, 4, (t, k), generator=g)]
-    rows = torch.where(torch.rand(t, k, generator=g) < 0.3, junk, rows)
-    if t:
-        rows[torch.randint(0, t, (max(1, t // 5),), generator=g)] = -1  # tokens with no valid key
+    rows = junk_rows(g, t, k, r, [-1, r, r + 100, -7], 0.3, 5)
     return {
         "q": (torch.randn(t, h, d, generator=g) * 0.5).bfloat16(),
         "kv": torch.randn(r, d, generator=g).bfloat16(),
@@ -172,8 +175,7 @@ REJECTED = "ValueError: ShardQ plan and inputs: rank(s) [1] of 3 rejected their 
 )
 def test_shardq_bad_input_raises_on_every_rank(dist_pool, problem: str, expect: list) -> None:
     results = dist_pool.run(_bad, problem, world_size=3)
-    for r, ((kind, msg), want) in enumerate(zip(results, expect)):
-        assert f"{kind}: {msg}".startswith(want), f"rank {r}: {kind}: {msg}"
+    assert_rank_errors(results, expect)
 
 
 @pytest.mark.distributed

@@ -8,11 +8,7 @@ compare the steps with independent references.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,6 +37,8 @@ from shardattn.plan.pipeline import (
     pipeline_plan,
 )
 from shardattn.plan.spec import ModelSpec
+from tests.interpret import run_cases
+from tests.parallel_helpers import junk_rows
 
 D, DV = 48, 32
 SETTINGS = settings(
@@ -136,11 +134,7 @@ def test_choose_chunks_grows_with_the_step_and_stays_bounded() -> None:
 def _case(seed: int, lens: list[int], world: int, heads_per_rank: int, k: int, extras: bool) -> dict:
     g = torch.Generator().manual_seed(seed)
     t, h, r = sum(lens), heads_per_rank * world, 2 * k + 3
-    rows = torch.randint(0, r, (t, k), generator=g, dtype=torch.int32)
-    junk = torch.tensor([-1, r, r + 50], dtype=torch.int32)[torch.randint(0, 3, (t, k), generator=g)]
-    rows = torch.where(torch.rand(t, k, generator=g) < 0.3, junk, rows)
-    if t:
-        rows[torch.randint(0, t, (max(1, t // 5),), generator=g)] = -1  # tokens with no valid key
+    rows = junk_rows(g, t, k, r, [-1, r, r + 50], 0.3, 5)
     return {
         "q": torch.randn(t, h, D, generator=g),
         "kv": torch.randn(r, D, generator=g),
@@ -481,14 +475,7 @@ def test_head_blocked_io_equals_plain_on_the_reference_path() -> None:
 @pytest.mark.interpret
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_head_blocked_io_under_the_triton_interpreter() -> None:
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.interpret.head_blocked_cases"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.splitlines()[-1] == "0 failures"
+    assert run_cases("head_blocked_cases")[-1] == "0 failures"
 
 
 # -- Comm.exchange: the in-place all-to-all of contiguous pieces ---------------------------------

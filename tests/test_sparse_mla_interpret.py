@@ -6,28 +6,16 @@ The interpreter must be switched on before Triton is imported, so the cases run 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from shardattn.kernels.registry import triton_available
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpret import run_cases
 
 
 @pytest.mark.interpret
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_prefill_kernels_match_references_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "SHARDATTN_SEED": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.interpret.prefill_cases"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    lines = proc.stdout.splitlines()
+    lines = run_cases("prefill_cases", SHARDATTN_SEED="0")
     assert lines[-1] == "0 failures: []"
     names = [ln.split()[1] for ln in lines if ln.startswith("ok")]
     # the case list covers every group size and head count the issue names

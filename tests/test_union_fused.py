@@ -4,37 +4,26 @@ interpreter must be switched on before Triton is imported), and on the torch pat
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from shardattn.kernels.registry import triton_available
 from shardattn.kernels.union import build_union, build_union_reference
 from shardattn.kernels.union_fused import search_steps
+from tests.interpret import run_cases
 from tests.interpret.union_cases import make_rows
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.interpret
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_fused_builder_matches_the_old_builders_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.interpret.union_cases"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    names = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("ok")]
+    lines = run_cases("union_cases")
+    names = [ln.split()[1] for ln in lines if ln.startswith("ok")]
     for g in (1, 2, 4, 8):  # every group size, sorted and unsorted input, the broken-order contract
         assert any(n.startswith(f"fused[G={g},") and "rows_sorted=True" in n for n in names)
         assert any(n.startswith(f"fused[G={g},") and "sorted=False" in n for n in names)
         assert f"broken_order[G={g}]" in names
-    assert proc.stdout.splitlines()[-1].startswith("0 failures")
+    assert lines[-1].startswith("0 failures")
 
 
 @pytest.mark.parametrize("rows_sorted", [False, True], ids=["unsorted", "sorted"])

@@ -53,6 +53,23 @@ class Prepared:
     part: Callable[[torch.Tensor, int], torch.Tensor]  # (full reference tensor, rank) -> what that rank returns
 
 
+def _step_args(cfg: RunConfig, mla: bool) -> dict[str, Any]:
+    """The synthetic-step builders' arguments that come straight from the run's configuration
+    (``mla``: also the sparse-MLA ones: heads, head dim, top-k, overlap)."""
+    s, spec = cfg.shape, cfg.spec
+    args: dict[str, Any] = {
+        "requests": s.requests,
+        "cached": s.cached,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "seed": cfg.opts.seed,
+        "block_size": spec.page_size,
+    }
+    if mla:
+        args.update(heads=spec.num_heads, head_dim=spec.head_dim, topk=s.topk, overlap=overlap_model(cfg.opts.overlap))
+    return args
+
+
 def _heads(rt: Runtime, x: torch.Tensor, rank: int | None = None) -> torch.Tensor:
     h, r = rt.heads_per_rank, rt.rank if rank is None else rank
     return x[:, r * h : (r + 1) * h]
@@ -60,20 +77,7 @@ def _heads(rt: Runtime, x: torch.Tensor, rank: int | None = None) -> torch.Tenso
 
 def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
     s, spec = cfg.shape, cfg.spec
-    step = build_prefill(
-        heads=spec.num_heads,
-        head_dim=spec.head_dim,
-        tokens=s.tokens,
-        requests=s.requests,
-        cached=s.cached,
-        topk=s.topk,
-        overlap=overlap_model(cfg.opts.overlap),
-        dtype=cfg.dtype,
-        device=cfg.device,
-        seed=cfg.opts.seed,
-        recorded=cfg.recorded,
-        block_size=spec.page_size,
-    )
+    step = build_prefill(tokens=s.tokens, recorded=cfg.recorded, **_step_args(cfg, mla=True))
     plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
     mine = plan.tokens_of(rt.rank).to(cfg.device)
     rows_mine = step.rows.index_select(0, mine)
@@ -141,21 +145,7 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
     elem = torch.finfo(cfg.dtype).bits // 8
     route = rt.decode_route
     if spec.kind == "sparse_mla":
-        step = build_decode(
-            heads=spec.num_heads,
-            head_dim=spec.head_dim,
-            requests=s.requests,
-            cached=s.cached,
-            q_lens=s.q_lens,
-            topk=s.topk,
-            overlap=overlap_model(cfg.opts.overlap),
-            causal=cfg.opts.causal,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            seed=cfg.opts.seed,
-            shard=shard,
-            block_size=spec.page_size,
-        )
+        step = build_decode(q_lens=s.q_lens, causal=cfg.opts.causal, shard=shard, **_step_args(cfg, mla=True))
         q_local = _heads(rt, step.q).contiguous()
         local_rows, _ = convert_topk(
             step.positions, step.req_ids, step.local_table, block_size=spec.page_size, seq_lens=step.seq_lens, dcp=shard
@@ -185,14 +175,9 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
             kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             sinks=spec.has_sinks,
-            requests=s.requests,
-            cached=s.cached,
             q_lens=s.q_lens,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            seed=cfg.opts.seed,
             shard=shard,
-            block_size=spec.page_size,
+            **_step_args(cfg, mla=False),
         )
         q_local = _heads(rt, g.q).contiguous()
         local_lens = rt.layout.local_seq_lens(g.seq_lens, rt.rank) if dcp else g.seq_lens

@@ -75,20 +75,10 @@ def graph_row(
         graph.replay()
         sync(cfg.device)
         times.append(time.perf_counter() - t0)
-    med, p10, p90 = summarize_times(times)
-    return {
-        "rank": rank,
-        "step": "decode",
-        "path": f"{prep.path} (graph)",
-        "reason": f"CUDA graph replay ({rt.cudagraph_support('decode').name}), bitwise equal to the eager step",
-        "tokens": prep.tokens,
-        "time_ms": med,
-        "time_p10_ms": p10,
-        "time_p90_ms": p90,
-        "union_ratio": prep.union,
-        "tflops": None,
-        "gbytes_per_s": prep.work / (med * 1e-3) / 1e9 if med > 0 else math.nan,
-    }
+    row = step_row(rank, "decode", prep, times)
+    row["path"] = f"{prep.path} (graph)"
+    row["reason"] = f"CUDA graph replay ({rt.cudagraph_support('decode').name}), bitwise equal to the eager step"
+    return row
 
 
 def profile_step(prep: Prepared, cfg: RunConfig, control: dist.ProcessGroup, rank: int) -> None:

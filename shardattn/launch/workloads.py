@@ -44,6 +44,22 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
     return g
 
 
+def _values(shape: tuple[int, ...], gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Synthetic activations of ``shape``: normal draws from ``gen`` scaled by 0.5, in ``dtype``."""
+    return (torch.randn(shape, generator=gen, device=device) * 0.5).to(dtype)
+
+
+def _decode_cache(
+    cached: tuple[int, ...], q_lens: tuple[int, ...], device: torch.device, gen: torch.Generator, block: int
+) -> tuple[list[int], list[int], torch.Tensor, int]:
+    """A decode step's lengths and paged table: (``q_lens`` as a list, KV tokens per request
+    ``cached + q_len`` (drafts included), ``[B, M]`` int32 block table, total blocks)."""
+    q_list = list(q_lens)
+    seq_lens = [c + q for c, q in zip(cached, q_list)]
+    table, blocks = _paged(seq_lens, device, gen, block)
+    return q_list, seq_lens, table, blocks
+
+
 def overlap_model(name_or_rho: str) -> str | Overlap:
     """``--overlap``: a :data:`shardattn.workload.PRESETS` name, or a number in ``[0, 1]`` used as ``rho``.
 
@@ -173,8 +189,8 @@ def build_prefill(
         positions = request_topk(prefix_lens, seq_lens, topk, overlap=overlap, seed=seed + 1, device=device)
     req = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), torch.tensor(seq_lens, device=device))
     table, blocks = _paged(kv_lens, device, gen, block_size)
-    kv = (torch.randn(blocks * block_size, head_dim, generator=gen, device=device) * 0.5).to(dtype)
-    q = (torch.randn(tokens, heads, head_dim, generator=gen, device=device) * 0.5).to(dtype)
+    kv = _values((blocks * block_size, head_dim), gen, device, dtype)
+    q = _values((tokens, heads, head_dim), gen, device, dtype)
     req32 = req.to(torch.int32)
     rows, _ = convert_topk(
         positions,
@@ -264,16 +280,14 @@ def build_decode(
 ) -> DecodeStep:
     """Build a sparse-MLA decode step: ``requests`` requests of ``cached + q_len`` KV tokens."""
     gen = _generator(device, seed + 7)
-    q_list = list(q_lens)
-    seq_lens = [c + q for c, q in zip(cached, q_list)]
+    q_list, seq_lens, table, blocks = _decode_cache(cached, q_lens, device, gen, block_size)
     req = torch.repeat_interleave(torch.arange(requests, device=device), torch.tensor(q_list, device=device))
     # causal: query j of a request of L tokens and Q queries sits at L - Q + j; non-causal: every
     # query may pick any of the L tokens (drawn as if at the last position)
     starts = [n - q for n, q in zip(seq_lens, q_list)] if causal else [n - 1 for n in seq_lens]
     positions = request_topk(starts, q_list, topk, overlap=overlap, seed=seed + 8, device=device, limits=seq_lens)
-    table, blocks = _paged(seq_lens, device, gen, block_size)
-    kv = (torch.randn(blocks * block_size, head_dim, generator=gen, device=device) * 0.5).to(dtype)
-    q = (torch.randn(int(sum(q_list)), heads, head_dim, generator=gen, device=device) * 0.5).to(dtype)
+    kv = _values((blocks * block_size, head_dim), gen, device, dtype)
+    q = _values((int(sum(q_list)), heads, head_dim), gen, device, dtype)
     req32 = req.to(torch.int32)
     lens32 = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     rows, _ = convert_topk(positions, req32, table, block_size=block_size, seq_lens=lens32)
@@ -325,12 +339,10 @@ def build_gqa_decode(
 ) -> GQADecodeStep:
     """Build a GQA decode step: ``requests`` requests of ``cached + q_len`` KV tokens."""
     gen = _generator(device, seed + 11)
-    q_list = list(q_lens)
-    seq = [c + q for c, q in zip(cached, q_list)]
-    table, blocks = _paged(seq, device, gen, block_size)
-    k = (torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen, device=device) * 0.5).to(dtype)
-    v = (torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen, device=device) * 0.5).to(dtype)
-    q = (torch.randn(int(sum(q_list)), q_heads, head_dim, generator=gen, device=device) * 0.5).to(dtype)
+    q_list, seq, table, blocks = _decode_cache(cached, q_lens, device, gen, block_size)
+    k = _values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
+    v = _values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
+    q = _values((int(sum(q_list)), q_heads, head_dim), gen, device, dtype)
     s = torch.randn(q_heads, generator=gen, device=device).float() if sinks else None
     flat_k = k.reshape(blocks * block_size, kv_heads * head_dim)
     flat_v = v.reshape(blocks * block_size, kv_heads * head_dim)

@@ -235,11 +235,7 @@ def plan_decode_batch(
     short = np.flatnonzero((lens > 0) & (n > lens))
     if short.size:
         raise ValueError(f"requests {short[:8].tolist()} have more queries than KV tokens (seq_lens counts the drafts)")
-    slots = b if padded_requests is None else check_int("padded_requests", padded_requests, minimum=0)
-    if slots < b:
-        raise ValueError(f"padded_requests={slots} is smaller than the batch ({b} requests)")
-    if layout is not None and not isinstance(layout, DCPLayout):
-        raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
+    slots = _slots(b, padded_requests, layout)
     slot_n = np.zeros(slots, dtype=np.int64)
     slot_n[:b] = n
     slot_lens = np.zeros(slots, dtype=np.int64)
@@ -282,6 +278,17 @@ def plan_decode_batch(
     )
 
 
+def _slots(b: int, padded_requests: object, layout: object) -> int:
+    """The plan's request slots (``padded_requests``, default ``b``), after checking them and the
+    layout's type."""
+    slots = b if padded_requests is None else check_int("padded_requests", padded_requests, minimum=0)
+    if slots < b:
+        raise ValueError(f"padded_requests={slots} is smaller than the batch ({b} requests)")
+    if layout is not None and not isinstance(layout, DCPLayout):
+        raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
+    return slots
+
+
 def _local_lens(seen: np.ndarray, layout: DCPLayout, rank: int) -> np.ndarray:
     """Of ``seen`` global tokens, the rank holds ``(L // (N*I)) * I + clamp(L % (N*I) - rank * I, 0, I)``."""
     w, i = layout.world_size, layout.interleave
@@ -303,11 +310,7 @@ def _one_query_each(
     the same plan as the general path (tests compare them) in a few numpy calls. Query ``b``
     sees all ``L_b`` tokens (causal or not) and reads block-table row ``b``."""
     b = int(lens.shape[0])
-    slots = b if padded_requests is None else check_int("padded_requests", padded_requests, minimum=0)
-    if slots < b:
-        raise ValueError(f"padded_requests={slots} is smaller than the batch ({b} requests)")
-    if layout is not None and not isinstance(layout, DCPLayout):
-        raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
+    slots = _slots(b, padded_requests, layout)
     seen = lens if layout is None else _local_lens(lens, layout, rank)
     rows = b if packed else slots
     meta_np = np.zeros((2, rows), dtype=np.int32)

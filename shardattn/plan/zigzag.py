@@ -53,6 +53,7 @@ so nothing moves. The per-rank accessors then return every token for every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -153,9 +154,20 @@ def _gate(lens: np.ndarray, w: int, m: int) -> tuple[bool, str]:
     return True, f"{t} new tokens >= min_tokens={m}: token-sharded over {w} ranks"
 
 
-def _unsharded(strategy: str, lens, prefix, w, a, k, reason) -> ShardPlan:
-    every = np.arange(int(lens.sum()), dtype=np.int64)
-    return build_shard_plan(strategy, lens, prefix, w, a, k, False, reason, [every] * w, None)
+# cut(lens, prefix, w, align, topk) -> (each rank's token ids in token order, chunk bounds or None)
+_Cut = Callable[[np.ndarray, np.ndarray, int, int, int], tuple[list[np.ndarray], "np.ndarray | None"]]
+
+
+def _split(strategy: str, cut: _Cut, seq_lens, world_size, align, min_tokens, prefix_lens, topk) -> ShardPlan:
+    """Checks the arguments, applies the ``min_tokens`` gate (unsharded: every rank holds every
+    token), else builds the plan from ``cut``'s per-rank tokens."""
+    lens, prefix, w, a, m, k = _check_common(seq_lens, world_size, align, min_tokens, prefix_lens, topk)
+    sharded, reason = _gate(lens, w, m)
+    if not sharded:
+        every = np.arange(int(lens.sum()), dtype=np.int64)
+        return build_shard_plan(strategy, lens, prefix, w, a, k, False, reason, [every] * w, None)
+    rank_tokens, bounds = cut(lens, prefix, w, a, k)
+    return build_shard_plan(strategy, lens, prefix, w, a, k, True, reason, rank_tokens, bounds)
 
 
 def zigzag_split(
@@ -192,10 +204,11 @@ def zigzag_split(
     >>> zigzag_split([8], 2).sharded   # 8 < min_tokens=1024
     False
     """
-    lens, prefix, w, a, m, k = _check_common(seq_lens, world_size, align, min_tokens, prefix_lens, topk)
-    sharded, reason = _gate(lens, w, m)
-    if not sharded:
-        return _unsharded("zigzag", lens, prefix, w, a, k, reason)
+    return _split("zigzag", _zigzag_cut, seq_lens, world_size, align, min_tokens, prefix_lens, topk)
+
+
+def _zigzag_cut(lens: np.ndarray, prefix: np.ndarray, w: int, a: int, k: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Rank ``r`` takes chunks ``r`` and ``2W-1-r`` of every request (module docstring)."""
     bounds = _chunk_bounds(lens, w, a)
     offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64) if lens.size else lens
     rank_tokens = []
@@ -205,7 +218,7 @@ def zigzag_split(
         starts = np.stack([bounds[:, lo], bounds[:, hi]], axis=1) + offsets[:, None]
         stops = np.stack([bounds[:, lo + 1], bounds[:, hi + 1]], axis=1) + offsets[:, None]
         rank_tokens.append(expand_ranges(starts.reshape(-1), stops.reshape(-1)))
-    return build_shard_plan("zigzag", lens, prefix, w, a, k, True, reason, rank_tokens, bounds)
+    return rank_tokens, bounds
 
 
 def cost_balanced_split(
@@ -231,10 +244,11 @@ def cost_balanced_split(
     >>> [plan.token_ids(r).tolist() for r in range(2)], plan.rank_cost.tolist()
     ([[0, 1, 2, 3, 4], [5, 6, 7]], [14, 12])
     """
-    lens, prefix, w, a, m, k = _check_common(seq_lens, world_size, align, min_tokens, prefix_lens, topk)
-    sharded, reason = _gate(lens, w, m)
-    if not sharded:
-        return _unsharded("cost_balanced", lens, prefix, w, a, k, reason)
+    return _split("cost_balanced", _cost_cut, seq_lens, world_size, align, min_tokens, prefix_lens, topk)
+
+
+def _cost_cut(lens: np.ndarray, prefix: np.ndarray, w: int, a: int, k: int) -> tuple[list[np.ndarray], None]:
+    """Rank ``r`` takes the ``r``-th contiguous piece between cost quantiles (:func:`cost_balanced_split`)."""
     t = int(lens.sum())
     tok_req = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
@@ -256,7 +270,7 @@ def cost_balanced_split(
     cuts.append(cum.size - 1)
     tb = boundaries[np.asarray(cuts)]
     rank_tokens = [np.arange(tb[r], tb[r + 1], dtype=np.int64) for r in range(w)]
-    return build_shard_plan("cost_balanced", lens, prefix, w, a, k, True, reason, rank_tokens, None)
+    return rank_tokens, None
 
 
 class BalanceReport(NamedTuple):

@@ -29,6 +29,7 @@ from tests.bad_input.table import (
     all_empty,
     gqa,
     mla,
+    override,
     same_as,
     topk_inputs,
 )
@@ -39,15 +40,10 @@ def _sparse(fn: Callable[..., Any], **over: Any) -> Callable[[Any], Call]:
 
     def build(_group: Any) -> Call:
         x = mla()
-        kw = {"scale": 0.125, "v_dim": 32}
-        args = [x["q"], x["kv"], x["rows"]]
-        for name, value in over.items():
-            value = value(x) if callable(value) and name != "fn" else value
-            if name in ("q", "kv", "rows"):
-                args[("q", "kv", "rows").index(name)] = value
-            else:
-                kw[name] = value
-        return Call(fn, tuple(args), kw)
+        kw: dict[str, Any] = {"scale": 0.125, "v_dim": 32}
+        args = {"q": x["q"], "kv": x["kv"], "rows": x["rows"]}
+        override(args, kw, over, x)
+        return Call(fn, tuple(args.values()), kw)
 
     return build
 
@@ -186,16 +182,11 @@ def _sparse_rows() -> list[Row]:
 def _gqa(**over: Any) -> Callable[[Any], Call]:
     def build(_group: Any) -> Call:
         x = gqa()
-        args = [x["q"], x["k"], x["v"], x["table"], x["lens"]]
         names = ("q", "k_cache", "v_cache", "block_table", "seq_lens")
+        args = dict(zip(names, (x["q"], x["k"], x["v"], x["table"], x["lens"])))
         kw: dict[str, Any] = {"return_lse": True}
-        for name, value in over.items():
-            value = value(x) if callable(value) else value
-            if name in names:
-                args[names.index(name)] = value
-            else:
-                kw[name] = value
-        return Call(gqa_mod.gqa_paged_decode, tuple(args), kw)
+        override(args, kw, over, x)
+        return Call(gqa_mod.gqa_paged_decode, tuple(args.values()), kw)
 
     return build
 
@@ -277,15 +268,10 @@ def _merge(**over: Any) -> Callable[[Any], Call]:
     def build(_group: Any) -> Call:
         g = _gen(2)
         outs, lses = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 3, 4, generator=g)
-        args = [outs, lses]
+        args = {"outs": outs, "lses": lses}
         kw: dict[str, Any] = {}
-        for name, value in over.items():
-            value = value(outs, lses) if callable(value) else value
-            if name in ("outs", "lses"):
-                args[("outs", "lses").index(name)] = value
-            else:
-                kw[name] = value
-        return Call(merge_mod.lse_merge, tuple(args), kw)
+        override(args, kw, over, outs, lses)
+        return Call(merge_mod.lse_merge, tuple(args.values()), kw)
 
     return build
 
@@ -331,16 +317,10 @@ def _merge_rows() -> list[Row]:
 def _topk(**over: Any) -> Callable[[Any], Call]:
     def build(_group: Any) -> Call:
         x = topk_inputs()
-        args = [x["pos"], x["req"], x["table"]]
-        names = ("topk_pos", "req_ids", "block_table")
+        args = {"topk_pos": x["pos"], "req_ids": x["req"], "block_table": x["table"]}
         kw: dict[str, Any] = {"block_size": 4}
-        for name, value in over.items():
-            value = value(x) if callable(value) else value
-            if name in names:
-                args[names.index(name)] = value
-            else:
-                kw[name] = value
-        return Call(topk_mod.convert_topk, tuple(args), kw)
+        override(args, kw, over, x)
+        return Call(topk_mod.convert_topk, tuple(args.values()), kw)
 
     return build
 

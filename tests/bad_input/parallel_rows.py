@@ -8,7 +8,21 @@ from typing import Any
 import torch
 
 from shardattn import plan as P
-from tests.bad_input.table import INF, META, NAN, Call, Gives, Raises, Row, _gen, all_empty, gqa, mla, topk_inputs
+from tests.bad_input.table import (
+    INF,
+    META,
+    NAN,
+    Call,
+    Gives,
+    Raises,
+    Row,
+    _gen,
+    all_empty,
+    gqa,
+    mla,
+    override,
+    topk_inputs,
+)
 
 MLA_SPEC = P.ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32")
 GQA_SPEC = P.ModelSpec("gqa", 8, 2, 16, 16, 0, 4, dtype="float32")
@@ -27,9 +41,7 @@ def _shardq(**over: Any) -> Callable[[Any], Call]:
             "plan": P.zigzag_split([2, 3], 1, min_tokens=0),
         }
         kw: dict[str, Any] = {"scale": 0.125, "v_dim": 32}
-        for name, value in over.items():
-            value = value(x) if callable(value) else value
-            (args if name in args else kw)[name] = value
+        override(args, kw, over, x)
         return Call(shardq_prefill, (*args.values(), comm), kw, comm)
 
     return build
@@ -46,9 +58,7 @@ def _dcp_mla(**over: Any) -> Callable[[Any], Call]:
         names = ("q_heads_local", "kv_cache", "topk_pos", "req_ids", "block_table", "layout")
         args = dict(zip(names, (q, kv, x["pos"], x["req"], x["table"], P.DCPLayout(1))))
         kw: dict[str, Any] = {"block_size": 4, "scale": 0.125, "v_dim": 32}
-        for name, value in over.items():
-            value = value(args) if callable(value) else value
-            (args if name in args else kw)[name] = value
+        override(args, kw, over, args)
         return Call(dcp_sparse_mla_decode, (*args.values(), comm), kw, comm)
 
     return build
@@ -63,9 +73,7 @@ def _dcp_gqa(**over: Any) -> Callable[[Any], Call]:
         names = ("q_heads_local", "k_cache", "v_cache", "block_table", "seq_lens", "layout")
         args = dict(zip(names, (x["q"], x["k"], x["v"], x["table"], x["lens"], P.DCPLayout(1))))
         kw: dict[str, Any] = {}
-        for name, value in over.items():
-            value = value(args) if callable(value) else value
-            (args if name in args else kw)[name] = value
+        override(args, kw, over, args)
         return Call(dcp_gqa_decode, (*args.values(), comm), kw, comm)
 
     return build
@@ -81,9 +89,7 @@ def _pcp(**over: Any) -> Callable[[Any], Call]:
         pos = torch.randint(-1, 5, (5, 3), generator=g, dtype=torch.int32)
         args = {"q": q, "kv_new": kv_new, "topk_pos": pos, "plan": P.pcp_plan([2, 3], 1)}
         kw: dict[str, Any] = {"scale": 0.125, "v_dim": 32}
-        for name, value in over.items():
-            value = value(args) if callable(value) else value
-            (args if name in args else kw)[name] = value
+        override(args, kw, over, args)
         return Call(pcp_prefill, (*args.values(), comm), kw, comm)
 
     return build
@@ -97,9 +103,7 @@ def _collect(**over: Any) -> Callable[[Any], Call]:
         g = _gen(7)
         args = {"out": torch.randn(3, 4, 8, generator=g), "lse": torch.randn(3, 4, generator=g)}
         kw: dict[str, Any] = {}
-        for name, value in over.items():
-            value = value(args) if callable(value) else value
-            (args if name in args else kw)[name] = value
+        override(args, kw, over, args)
         return Call(collect_partials, (args["out"], args["lse"], comm), kw, comm)
 
     return build
@@ -139,9 +143,7 @@ def _runtime_step(step: str, spec: P.ModelSpec, mode: str, **over: Any) -> Calla
             x = gqa(hq=8)
             args = {"q": x["q"], "kv_cache": (x["k"], x["v"]), "block_table": x["table"], "seq_lens": x["lens"]}
             kw = {}
-        for name, value in over.items():
-            value = value(args) if callable(value) else value
-            (args if name in args else kw)[name] = value
+        override(args, kw, over, args)
         fn = rt.prefill if step == "prefill" else rt.decode
         return Call(fn, tuple(args.values()), kw, rt.comm)
 

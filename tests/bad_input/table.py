@@ -52,6 +52,15 @@ class Row:
     dist: bool = False
 
 
+def override(args: dict[str, Any], kw: dict[str, Any], over: dict[str, Any], *inputs: Any) -> None:
+    """Put each value of ``over`` in place of the positional argument of that name in ``args``, or
+    else as the keyword ``kw[name]``; a callable value is first called on ``inputs`` (a row's bad
+    argument is often derived from the valid ones)."""
+    for name, value in over.items():
+        value = value(*inputs) if callable(value) else value
+        (args if name in args else kw)[name] = value
+
+
 # -- inputs -------------------------------------------------------------------------------------
 
 
