@@ -6,6 +6,7 @@ CUDA-graph capture and replay."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -408,12 +409,12 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
         spec, device=torch.device("cpu"), dtype=torch.bfloat16, heads=64, kv_heads=1, topk=64, max_decode_tokens=40,
         scale=0.1, dcp=None, need_lse=True, gqa_backend="triton",
     )  # fmt: skip
-    for t in (1, 2, 40):
-        assert (t, None, None, False) in calls and (t, "triton", None, False) in calls
+    for t, unique in itertools.product((1, 2, 40), (False, True)):  # topk_unique: raw rows, their own variants
+        assert (t, None, None, unique) in calls and (t, "triton", None, unique) in calls
     assert {(1, "triton", s, False) for s in dw.COLUMN_MERGE_WARMUP_SPLITS} <= set(calls)  # every column merge
     gluon = {c for c in calls if c[1] == "gluon"}
-    # unsplit, sliced, and unsplit on unique rows (read in place: the raw-row kernel variant)
-    want = {(40, "gluon", 1, False), (40, "gluon", 2, False), (40, "gluon", 1, True)}
+    # unsplit and sliced, on a union and on unique rows (unsplit: read in place, the raw-row kernel variant)
+    want = {(40, "gluon", s, u) for s in (1, 2) for u in (False, True)}
     assert gluon == (want if routed == "gluon" else set())
 
 

@@ -7,6 +7,8 @@ list (:func:`shardattn.kernels.warmup.compile_keys`).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from shardattn.kernels.gqa_decode import gqa_paged_decode
@@ -83,9 +85,12 @@ def warm_up_decode(
             gluon = (
                 compiles_kernels(device) and t == max(sizes) and sparse_decode_kernel(q, kv, spec.v_dim)[0] == "gluon"
             )
-            for sinks in sink_options:
-                sparse_mla_decode(q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks)
-                sparse_mla_decode(q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton")
+            for sinks, unique in itertools.product(sink_options, (False, True)):
+                # topk_unique (rows_unique): the kernels see the raw rows, not a union: their own variants
+                sparse_mla_decode(q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, rows_unique=unique)
+                sparse_mla_decode(
+                    q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton", rows_unique=unique
+                )
                 launches += 2
                 # the column merge compiles one variant per power of 2 of the split count, which
                 # depends on the batch: cover them all at one token (the split kernel is the same)
@@ -94,8 +99,7 @@ def warm_up_decode(
                         q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton", num_splits=splits
                     )
                     launches += 1
-                for splits, unique in ((1, False), (2, False), (1, True)) if gluon else ():
-                    # rows_unique (topk_unique): one slice reads the rows in place, another kernel variant
+                for splits in (1, 2) if gluon else ():  # unsplit (unique rows: read in place) and sliced
                     sparse_mla_decode(
                         q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="gluon", num_splits=splits,
                         rows_unique=unique,
