@@ -94,7 +94,7 @@ WS32_CONFIG = GluonConfig(32, 4, "ws", (224, 56), async_arrive=True)
 #: benchmarks/RESULTS.md) and decode.
 WS64_CONFIG = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True)
 #: Grouped tiles (``G > 1``): the 64-key kernel with membership masks, measured on an H200 at 8 /
-#: 16 / 32 heads (G = 8 / 4 / 2), T = 4K / 16K: kernel 1.28-1.38x and step (union build
+#: 16 / 32 heads (G = 8 / 4 / 2), T = 4K / 16K: kernel 1.27-1.39x and step (union build
 #: included) 1.13-1.29x the 32-key kernel's (benchmarks/RESULTS.md, "Grouped tiles on the 64-key kernel").
 GROUPED_CONFIG = WS64_CONFIG
 
