@@ -411,7 +411,8 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
     )  # fmt: skip
     for t, unique in itertools.product((1, 2, 40), (False, True)):  # topk_unique: raw rows, their own variants
         assert (t, None, None, unique) in calls and (t, "triton", None, unique) in calls
-    assert {(1, "triton", s, False) for s in dw.COLUMN_MERGE_WARMUP_SPLITS} <= set(calls)  # every column merge
+    merges = {(1, "triton", s, u) for s in dw.COLUMN_MERGE_WARMUP_SPLITS for u in (False, True)}
+    assert merges <= set(calls)  # every column merge, on a union and on raw rows
     gluon = {c for c in calls if c[1] == "gluon"}
     # unsplit and sliced, on a union and on unique rows (unsplit: read in place, the raw-row kernel variant)
     want = {(40, "gluon", s, u) for s in (1, 2) for u in (False, True)}

@@ -1,11 +1,12 @@
 """Gluon (``triton.experimental.gluon``) sparse-MLA prefill for Hopper (sm_90): launch, AOT compile.
 
 Three kernels serve the per-query path of :mod:`shardattn.kernels.sparse_mla_triton` one level
-lower. The routed ones (:func:`gluon_config`) are warp-specialised: per-query tiles run the
-64-key kernel of :mod:`shardattn.kernels.sparse_mla_gluon_ws64` (2.0-2.2x the Triton kernel at
-64 / 128 heads on an H200, benchmarks/RESULTS.md), grouped tiles the 32-key kernel of
-:mod:`shardattn.kernels.sparse_mla_gluon_ws`. The simpler 8-warp variant (``"pipelined"``, as fast as Triton; kept
-as the baseline the benchmark times) lives in :mod:`shardattn.kernels.sparse_mla_gluon_pipelined`.
+lower. The routed one (:func:`gluon_config`) is the warp-specialised 64-key kernel of
+:mod:`shardattn.kernels.sparse_mla_gluon_ws64`, for per-query tiles (2.0-2.2x the Triton kernel at
+64 / 128 heads on an H200, benchmarks/RESULTS.md) and grouped ones (:data:`GROUPED_CONFIG`). The
+32-key kernel of :mod:`shardattn.kernels.sparse_mla_gluon_ws` and the simpler 8-warp variant
+(``"pipelined"``, :mod:`shardattn.kernels.sparse_mla_gluon_pipelined`, as fast as Triton) stay as
+the baselines the benchmarks time.
 This module holds what they share: the configurations (:class:`GluonConfig`), the launcher
 (:func:`launch_gluon_attention`: unions, or raw rows on the 64-key kernel) and the AOT compile.
 

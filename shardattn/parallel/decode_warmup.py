@@ -93,11 +93,12 @@ def warm_up_decode(
                 )
                 launches += 2
                 # the column merge compiles one variant per power of 2 of the split count, which
-                # depends on the batch: cover them all at one token (the split kernel is the same)
+                # depends on the batch: cover them all at one token, on a union and on raw rows
                 for splits in COLUMN_MERGE_WARMUP_SPLITS if t == 1 and compiles_kernels(device) else ():
                     sparse_mla_decode(
-                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton", num_splits=splits
-                    )
+                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton", num_splits=splits,
+                        rows_unique=unique,
+                    )  # fmt: skip
                     launches += 1
                 for splits in (1, 2) if gluon else ():  # unsplit (unique rows: read in place) and sliced
                     sparse_mla_decode(
