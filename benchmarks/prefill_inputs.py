@@ -29,12 +29,14 @@ def timed(fn, flush: torch.Tensor, reps: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def make_case(tokens: int, kv_rows: int, topk: int, workload: str, seed: int):
-    """Top-k positions -> global rows through a shuffled block table (one request)."""
+def make_case(tokens: int, kv_rows: int, topk: int, workload: str, seed: int, pool_rows: int | None = None):
+    """Top-k positions -> global rows through a shuffled block table (one request of ``kv_rows``
+    tokens whose blocks are drawn from a cache of ``pool_rows`` rows, default ``kv_rows``)."""
     dev = torch.device("cuda")
     pos = synthetic_topk(tokens, topk, start_position=kv_rows - tokens, overlap=workload, seed=seed, device=dev)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    table = torch.randperm(kv_rows // BLOCK, generator=gen).to(torch.int32)[None, :].to(dev)
+    blocks = torch.randperm((pool_rows or kv_rows) // BLOCK, generator=gen)[: kv_rows // BLOCK]
+    table = blocks.to(torch.int32)[None, :].to(dev)
     req = torch.zeros(tokens, dtype=torch.int32, device=dev)
     seq = torch.tensor([kv_rows], dtype=torch.int32, device=dev)
     rows, counts = convert_topk(pos, req, table, block_size=BLOCK, seq_lens=seq)

@@ -45,6 +45,7 @@ from prefill_inputs import (
 
 from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 from shardattn.kernels.union import MAX_PLAIN_ROW, _sorted_row_keys, build_union, build_union_reference
+from shardattn.kernels.union_bitmap import bitmap_kernel, bitmap_union
 from shardattn.kernels.union_fused import fused_kernel, fused_union
 
 #: The ``auto`` builder per G before the fused builder (benchmarks/RESULTS.md, run 4).
@@ -96,12 +97,15 @@ def checks(rows: torch.Tensor, kv_rows: int, topk: int) -> list[dict]:
             for rs in {False, srt}:
                 got = build_union(r, group_size=g, num_kv_rows=n_kv, topk_length=ln, method="fused", rows_sorted=rs)
                 res.append({"G": g, "rows": name, "rows_sorted": rs, "exact": exact(got, want)})
+            got = build_union(r, group_size=g, num_kv_rows=n_kv, topk_length=ln, method="bitmap")
+            res.append({"G": g, "rows": name, "method": "bitmap", "exact": exact(got, want)})
     return res
 
 
-def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep) -> dict:
+def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep, bitmap_sweep=(), pool_rows=None) -> dict:
     g = {8: 8, 16: 4, 32: 2}[heads]
-    _, _, _, _, rows, _ = make_case(tokens, kv_rows, topk, "dsa", 0)
+    _, _, _, _, rows, _ = make_case(tokens, kv_rows, topk, "dsa", 0, pool_rows)
+    context_rows, kv_rows = kv_rows, pool_rows or kv_rows
     dev = rows.device
     srows = torch.sort(rows, dim=1).values  # invalid (-1) first: allowed anywhere
     q, kv = random_qkv(tokens, heads, kv_rows, 0, dev)
@@ -113,6 +117,7 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep) -> dict:
         "old": lambda: build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(u, ln), method=OLD_METHOD[g]),
         "fused_unsorted": lambda: build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(u, ln), method="fused"),
         "fused_sorted": lambda: build_union(srows, group_size=g, num_kv_rows=kv_rows, out=(u, ln), rows_sorted=True),
+        "bitmap": lambda: build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(u, ln), method="bitmap"),
     }
     ms, same = {}, {}
     for name, fn in builds.items():
@@ -123,6 +128,22 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep) -> dict:
     max_row = min(kv_rows - 1, MAX_PLAIN_ROW)
     ms["row_sort"] = timed(lambda: _sorted_row_keys(rows, None, kv_rows, "torch"), flush, reps)
     ms["lists_only"] = timed(lambda: fused_union(srows, None, max_row, 1, u1, l1), flush, reps)
+    want1 = build_union(rows, group_size=1, num_kv_rows=kv_rows)
+    build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1), method="bitmap")
+    same["bitmap_g1"] = exact((u1, l1), want1)
+    ms["bitmap_g1"] = timed(
+        lambda: build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1), method="bitmap"), flush, reps
+    )
+    ms["sort_g1"] = timed(lambda: build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1)), flush, reps)
+    big = 1 << 30  # the sweep lifts the scratch cap: programs per SM as asked
+    for per_sm in bitmap_sweep:
+        key = f"bitmap_{per_sm}per_sm"
+        bitmap_union(rows, None, kv_rows, g, u, ln, per_sm=per_sm, scratch_bytes=big)
+        same[key] = exact((u, ln), want)
+        ms[key] = timed(
+            lambda p=per_sm: bitmap_union(rows, None, kv_rows, g, u, ln, per_sm=p, scratch_bytes=big), flush, reps
+        )
+        print(f"   sweep H={heads} T={tokens} {key}: {ms[key]:.4f} ms exact={same[key]}", flush=True)
     builds["old"]()
     scale = (D_V + D_R) ** -0.5
     out, lse = attention_buffers(q)
@@ -138,7 +159,7 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep) -> dict:
         print(f"   sweep H={heads} T={tokens} {key}: {ms[key]:.4f} ms exact={same[key]}", flush=True)
     share = {k: round(ms[k] / (ms[k] + ms["gluon_grp"]), 3) for k in builds}
     return {
-        "heads": heads, "tokens": tokens, "kv_rows": kv_rows, "G": g, "union_ratio":
+        "heads": heads, "tokens": tokens, "context": context_rows, "kv_rows": kv_rows, "G": g, "union_ratio":
         round(float(want[1].sum()) * g / max(1, single), 3),
         "ms": {k: round(v, 4) for k, v in ms.items()}, "share": share, "same_as_old": same,
         "x_old": {k: round(ms["old"] / ms[k], 2) for k in builds},
@@ -153,6 +174,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also time fused launch configs (sorted rows)")
     ap.add_argument("--check-tokens", type=int, default=4096, help="tokens of the check rows (KV 65,536)")
+    ap.add_argument(
+        "--bitmap-per-sm", type=int, nargs="*", default=[], help="also time the bitmap builder at these programs per SM"
+    )
+    ap.add_argument("--pool-rows", type=int, default=None, help="KV cache rows the request's blocks come from")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -173,24 +198,29 @@ def main(argv=None) -> int:
         kv_rows = 65536 if tokens <= 4096 else 131072
         for heads in args.heads:
             sweep = SWEEP if args.sweep and tokens == args.tokens[0] else ()
-            r = time_case(heads, tokens, kv_rows, args.topk, args.reps, flush, sweep)
+            r = time_case(
+                heads, tokens, kv_rows, args.topk, args.reps, flush, sweep, args.bitmap_per_sm, args.pool_rows
+            )
             keep_time(results, r, args.out)
             bad += [k for k, v in r["same_as_old"].items() if not v]
     kernels = [
         {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None), "shared": k.metadata.shared,
          "constants": str({n: v for n, v in k.src.constants.items()} if hasattr(k, "src") else "")[:300]}
-        for entry in fused_kernel().device_caches.values() for k in entry[0].values()
+        for kern in (fused_kernel(), bitmap_kernel())
+        for entry in kern.device_caches.values() for k in entry[0].values()
     ]  # fmt: skip
     keep_kernels(results, kernels, args.out)
     print(f"\n{'H':>3} {'T':>6} {'G':>2} | {'old':>6} {'fused':>6} {'sorted':>6} | {'rowsort':>7} {'lists':>6} | "
-          f"{'kernel':>6} | share old / fused / sorted | x old fused / sorted")  # fmt: skip
+          f"{'kernel':>6} | share old / fused / sorted | x old fused / sorted | "
+          "bitmap share x fused | G=1 sort / bitmap")  # fmt: skip
     for r in results["times"]:
         ms, sh, x = r["ms"], r["share"], r["x_old"]
         print(f"{r['heads']:>3} {r['tokens']:>6} {r['G']:>2} | {ms['old']:>6.3f} {ms['fused_unsorted']:>6.3f} "
               f"{ms['fused_sorted']:>6.3f} | {ms['row_sort']:>7.3f} {ms['lists_only']:>6.3f} | "
               f"{ms['gluon_grp']:>6.3f} | "
               f"{sh['old']:>5.1%} / {sh['fused_unsorted']:>5.1%} / {sh['fused_sorted']:>5.1%} | "
-              f"{x['fused_unsorted']:>5.2f} / {x['fused_sorted']:>5.2f}")  # fmt: skip
+              f"{x['fused_unsorted']:>5.2f} / {x['fused_sorted']:>5.2f} | {ms['bitmap']:>6.3f} {sh['bitmap']:>5.1%} "
+              f"{ms['fused_unsorted'] / ms['bitmap']:>5.2f} | {ms['sort_g1']:.3f} / {ms['bitmap_g1']:.3f}")  # fmt: skip
     print("ALL EXACT" if not bad else f"NOT EXACT: {bad[:8]}", flush=True)
     return 0 if not bad else 1
 

@@ -88,6 +88,8 @@ def test_warmup_keys_cover_both_sides_of_the_routing_threshold(heads):
     assert [(m["G"], m["PLAIN"]) for m in merges] == expect
     fused = {k.params["G"] for k in keys if k.kernel == "union_fused"}
     assert fused == {g for g in groups if UNION_METHOD[g] == "fused"}
+    # the bitmap builder serves caches small enough for its count, the sorting builders the others
+    assert {k.params["G"] for k in keys if k.kernel == "union_bitmap"} == set(groups)
     assert all(k.params["HAS_SINK"] for k in keys if k.kernel == "attention")
 
 

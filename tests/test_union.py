@@ -124,7 +124,7 @@ def test_bad_inputs_raise(kwargs, error, match):
         build_union(args.pop("rows"), **args)
 
 
-@pytest.mark.parametrize("method", ["auto", "sort", "merge"])
+@pytest.mark.parametrize("method", ["auto", "sort", "merge", "fused", "bitmap"])
 @pytest.mark.parametrize("row_sort", ["auto", "torch", "triton"])
 def test_every_builder_choice_matches_the_definition(method, row_sort):
     # the Triton builders are compared with the reference under the interpreter

@@ -36,10 +36,16 @@ Triton paths (``method``; the cost depends on ``G * K`` per group, never on the 
   8 outputs, then a serial merge) and the compaction. With ``rows_sorted=True`` (each query's
   valid rows already ascending, e.g. a sorted indexer top-k) there is no row sort at all;
   otherwise the row sort (``torch.sort`` of ``[T, K]`` keys) comes first.
-* ``"auto"`` picks per ``G`` from :data:`UNION_METHOD` (measured on an H200,
-  benchmarks/RESULTS.md), and ``"fused"`` whenever ``rows_sorted``. Sorting inside one Triton
-  program with ``tl.sort`` measured 2.6x slower than ``torch.sort`` at G = 8 (whole group)
-  and 1.9x slower at G = 1 (one row).
+* ``"bitmap"`` (:mod:`shardattn.kernels.union_bitmap`): no sort at all; one bit per KV row,
+  set by atomics, counted into prefix sums, and each entry placed at its rank. Its cost does
+  not depend on the row order (per entry two atomics and one load, plus the group's row span
+  / 32 words counted, so it pays for a large KV cache whose rows are scattered), so it serves
+  unsorted rows; ``num_kv_rows <= 2**24 - 1``.
+* ``"auto"`` (:func:`auto_method`) takes ``"fused"`` whenever ``rows_sorted``, ``"bitmap"``
+  when the KV cache is small enough for its count (:data:`BITMAP_SCAN_RATIO`), and otherwise
+  the builder per ``G`` of :data:`UNION_METHOD` (all measured on an H200,
+  benchmarks/RESULTS.md). Sorting inside one Triton program with ``tl.sort`` measured 2.6x
+  slower than ``torch.sort`` at G = 8 (whole group) and 1.9x slower at G = 1 (one row).
 
 On the Triton path entries past ``lens[g]`` are left unspecified (the attention kernel never
 reads them).
@@ -69,6 +75,8 @@ except ImportError:  # the torch reference still works
 
 from shardattn._checks import INDEX_DTYPES, check_choice, check_int, check_same_device, check_tensor
 from shardattn.kernels.backend import use_triton
+from shardattn.kernels.union_bitmap import MAX_ROWS as MAX_BITMAP_ROWS
+from shardattn.kernels.union_bitmap import bitmap_kernel, bitmap_union, bitmap_words
 from shardattn.kernels.union_fused import fused_kernel, fused_union
 
 if triton is not None:
@@ -86,7 +94,14 @@ MAX_PLAIN_ROW = 2**31 - 2
 #: merge at G = 4 / 8, 0.76-0.78x the sort at G = 2. With ``rows_sorted=True`` ``"auto"`` is
 #: always ``"fused"`` (no row sort: 2.1-2.6x the old builder at G = 2 / 4 / 8).
 UNION_METHOD = MappingProxyType({1: "sort", 2: "sort", 4: "fused", 8: "fused"})
-METHODS = ("auto", "sort", "merge", "fused")
+METHODS = ("auto", "sort", "merge", "fused", "bitmap")
+#: ``"auto"`` takes the bitmap builder on unsorted rows when the words it counts per group,
+#: ``ceil(R / 32)``, are at most this many times the group's entries ``G * K``. Measured on an
+#: H200 (benchmarks/RESULTS.md, K = 2048, DSA-like rows, T = 4K / 16K): at ratio 1 / 2 it took
+#: 0.20 / 0.96 ms against the row sort's 0.31 / 1.12 (G = 1) and 0.20-0.23 against 0.34-0.50 at
+#: G = 2-8; at ratio 2 (a 1M-row cache, G = 8) 0.49 / 1.72 against 0.51 / 1.89; at ratio 4 it
+#: lost (0.61 against 0.44 ms).
+BITMAP_SCAN_RATIO = 2
 #: How each query's rows are sorted (``G = 1`` and the first merge level): ``torch.sort`` of
 #: ``[T, K]`` keys, or a ``tl.sort`` per query row in one Triton program (measured 1.9-2.0x
 #: slower than ``torch.sort`` on an H200 at K = 2048; kept as an option).
@@ -295,8 +310,9 @@ if triton is not None:
 
 
 def union_kernels() -> tuple:
-    """The Triton union kernels (keys, compact, row sort, merge, fused), for warm-up and compile counting."""
-    return _union_keys_kernel, _union_compact_kernel, _row_sort_kernel, _union_merge_kernel, fused_kernel()
+    """The Triton union kernels (keys, compact, row sort, merge, fused, bitmap), for warm-up and compile counting."""
+    kernels = (_union_keys_kernel, _union_compact_kernel, _row_sort_kernel, _union_merge_kernel)
+    return (*kernels, fused_kernel(), bitmap_kernel())
 
 
 def union_launch_config(group_size: int, topk: int) -> dict[str, int]:
@@ -318,12 +334,26 @@ def union_launch_config(group_size: int, topk: int) -> dict[str, int]:
     }
 
 
-def _resolve(group_size: int, method: str, row_sort: str, rows_sorted: bool) -> tuple[str, str]:
+def auto_method(group_size: int, topk: int, num_kv_rows: int, rows_sorted: bool = False) -> str:
+    """The builder ``method="auto"`` runs: ``"fused"`` on sorted rows; on unsorted rows
+    ``"bitmap"`` while its word count stays within :data:`BITMAP_SCAN_RATIO` of the entries,
+    else :data:`UNION_METHOD` (``G = 1``: the row sort)."""
+    if rows_sorted:
+        return "fused"
+    words_ok = bitmap_words(num_kv_rows) <= BITMAP_SCAN_RATIO * group_size * max(topk, 1)
+    if num_kv_rows <= MAX_BITMAP_ROWS and words_ok:
+        return "bitmap"
+    return UNION_METHOD[group_size]
+
+
+def _resolve(
+    group_size: int, method: str, row_sort: str, rows_sorted: bool, topk: int, num_kv_rows: int
+) -> tuple[str, str]:
     check_choice("method", method, METHODS)
     check_choice("row_sort", row_sort, ROW_SORTS)
     if method == "auto":
-        method = "fused" if rows_sorted else UNION_METHOD[group_size]
-    if group_size == 1 and not (method == "fused" and rows_sorted):
+        method = auto_method(group_size, topk, num_kv_rows, rows_sorted)
+    if group_size == 1 and method != "bitmap" and not (method == "fused" and rows_sorted):
         method = "sort"  # one query per group: the row sort is the whole build
     return method, ROW_SORT_AUTO if row_sort == "auto" else row_sort
 
@@ -348,9 +378,9 @@ def build_union(
             when ``G > 1``.
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
         out: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``.
-        method: Triton builder, ``"auto"`` (:data:`UNION_METHOD`; ``"fused"`` when
-            ``rows_sorted``), ``"sort"``, ``"merge"`` or ``"fused"`` (same outputs; ignored by
-            the torch reference; ``G = 1`` is the row sort unless ``"fused"`` on sorted rows).
+        method: Triton builder, ``"auto"`` (:func:`auto_method`), ``"sort"``, ``"merge"``,
+            ``"fused"`` or ``"bitmap"`` (same outputs; ignored by the torch reference; ``G = 1``
+            is the row sort unless ``"fused"`` on sorted rows or ``"bitmap"``).
         row_sort: per-query row sort of the ``G = 1`` build, the first merge level and the
             fused build of unsorted rows, ``"auto"``, ``"torch"`` or ``"triton"`` (same outputs).
         rows_sorted: the caller guarantees that each query's *valid* entries are non-decreasing
@@ -364,7 +394,9 @@ def build_union(
     """
 
     _check(rows, group_size, num_kv_rows, topk_length, rows_sorted)
-    method, row_sort = _resolve(group_size, method, row_sort, rows_sorted)
+    method, row_sort = _resolve(group_size, method, row_sort, rows_sorted, rows.shape[1], num_kv_rows)
+    if method == "bitmap" and num_kv_rows > MAX_BITMAP_ROWS:
+        raise ValueError(f"num_kv_rows must be <= {MAX_BITMAP_ROWS} for method='bitmap', got {num_kv_rows}")
     t, k = rows.shape
     g_count = num_groups(t, group_size)
     if out is not None:
@@ -387,6 +419,9 @@ def build_union(
         return union, lens
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     cfg = union_launch_config(group_size, k)
+    if method == "bitmap":
+        bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens)
+        return union, lens
     if method == "fused":
         max_row = min(num_kv_rows - 1, MAX_PLAIN_ROW)
         if rows_sorted:

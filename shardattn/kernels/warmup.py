@@ -14,7 +14,7 @@ for tests.
 Example:
     >>> keys = compile_keys(PrefillSpec(heads=8, topk=2048))
     >>> sorted({k.kernel for k in keys} - {"gluon_attention"})  # Gluon keys where Triton has Gluon
-    ['attention', 'convert_topk', 'union_compact', 'union_fused', 'union_keys']
+    ['attention', 'convert_topk', 'union_bitmap', 'union_compact', 'union_fused', 'union_keys']
     >>> sorted(k.params["G"] for k in keys if k.kernel == "attention")
     [1, 8]
 """
@@ -30,6 +30,7 @@ from shardattn.kernels.sparse_mla_grouped import default_group_size
 from shardattn.kernels.sparse_mla_triton import tile_config
 from shardattn.kernels.topk import convert_topk_config
 from shardattn.kernels.union import UNION_METHOD, union_launch_config
+from shardattn.kernels.union_bitmap import bitmap_launch_config
 from shardattn.kernels.union_fused import fused_launch_config
 from shardattn.plan.routing import gluon_grouped_group_size
 
@@ -81,6 +82,10 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
     keys = [CompileKey("convert_topk", convert_topk_config(spec.topk, spec.seq_lens, spec.topk_length, spec.dcp))]
     for group in spec_group_sizes(spec):
         cfg = union_launch_config(group, spec.topk)
+        # the union build: the bitmap builder (KV caches small enough for its count) or the sorting
+        # builder of UNION_METHOD (larger ones): the cache size is a run-time value, so both
+        bitmap = {"G": group, **bitmap_launch_config(group, spec.topk), "HAS_LEN": spec.topk_length}
+        keys.append(CompileKey("union_bitmap", bitmap))
         if group == 1 or UNION_METHOD[group] == "sort":
             keys.append(CompileKey("union_keys", {"G": group, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
             keys.append(CompileKey("union_compact", {"G": group, "CHUNK": cfg["CHUNK"]}))
@@ -147,6 +152,7 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
     """
     from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
     from shardattn.kernels.topk import DcpShard, convert_topk
+    from shardattn.kernels.union import build_union
 
     device = torch.device(device)
     launches = 0
@@ -166,11 +172,14 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
         d = spec.v_dim + spec.rope_dim
         q = torch.randn(t, spec.heads, d, generator=gen).to(device=device, dtype=spec.dtype)
         kv = torch.randn(64, d, generator=gen).to(device=device, dtype=spec.dtype)
+        length = torch.full((t,), k, dtype=torch.int32, device=device) if spec.topk_length else None
         for group in spec_group_sizes(spec):
             sparse_mla_grouped_prefill(
-                q, kv, pos, scale=d**-0.5, v_dim=spec.v_dim, group_size=group,
-                topk_length=torch.full((t,), k, dtype=torch.int32, device=device) if spec.topk_length else None,
+                q, kv, pos, scale=d**-0.5, v_dim=spec.v_dim, group_size=group, topk_length=length,
                 sinks=torch.zeros(spec.heads, device=device) if spec.sinks else None,
             )  # fmt: skip
-            launches += 3
+            # the step above built its union with the bitmap builder (64 KV rows); a large cache
+            # takes the sorting builder instead
+            build_union(pos, group_size=group, num_kv_rows=64, topk_length=length, method=UNION_METHOD[group])
+            launches += 4
     return launches

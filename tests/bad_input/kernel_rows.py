@@ -411,6 +411,11 @@ def _union_rows() -> list[Row]:
         Row(f"{n}-num-kv-rows-negative", _union(num_kv_rows=-1), Raises(ValueError, r"^num_kv_rows must be >= 0")),
         Row(f"{n}-num-kv-rows-past-24-bits", _union(num_kv_rows=2**24), Raises(ValueError, r"^num_kv_rows must be <=")),
         Row(
+            f"{n}-bitmap-num-kv-rows-past-24-bits",
+            _union(group_size=1, method="bitmap", num_kv_rows=2**24),
+            Raises(ValueError, r"^num_kv_rows must be <= 16777215 for method='bitmap'"),
+        ),
+        Row(
             f"{n}-topk-length-shape",
             _union(topk_length=torch.ones(2, dtype=torch.int32)),
             Raises(ValueError, r"^topk_length must have shape \[3\]"),

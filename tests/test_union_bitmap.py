@@ -1,0 +1,63 @@
+"""The bitmap union builder (``method="bitmap"``) and the ``"auto"`` choice between it and the
+sorting builders: the kernel under the interpreter against the torch reference on fresh random
+inputs (tests/interpret/union_bitmap_cases.py, in a subprocess because the interpreter must be
+switched on before Triton is imported), the choice on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardattn.kernels.registry import triton_available
+from shardattn.kernels.union import (
+    BITMAP_SCAN_RATIO,
+    UNION_METHOD,
+    auto_method,
+    build_union,
+    build_union_reference,
+)
+from shardattn.kernels.union_bitmap import MAX_ROWS, SCRATCH_BYTES, bitmap_programs, bitmap_words
+from tests.interpret import run_cases
+from tests.interpret.union_cases import make_rows
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_bitmap_builder_matches_the_reference_under_interpreter():
+    lines = run_cases("union_bitmap_cases")
+    names = [ln.split()[1] for ln in lines if ln.startswith("ok")]
+    for g in (1, 2, 4, 8):  # every group size, one program reusing its bitmap, rows at word edges
+        assert any(n.startswith(f"bitmap[G={g},") and "per_sm=1" in n for n in names)
+        assert f"word_edges[G={g}]" in names
+    assert sum(n.startswith("bitmap[") for n in names) >= 30
+    assert lines[-1].startswith("0 failures")
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 4, 8])
+def test_torch_path_gives_the_reference(group_size):
+    rows = make_rows(5, 13, 9, 37, sort=False)
+    kw = {"group_size": group_size, "num_kv_rows": 37}
+    got = build_union(rows, method="bitmap", **kw)
+    want = build_union_reference(rows, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_auto_takes_the_bitmap_while_its_count_is_within_the_ratio():
+    k = 2048
+    for g in (1, 2, 4, 8):
+        limit = 32 * BITMAP_SCAN_RATIO * g * k  # rows whose words are exactly the ratio x the entries
+        assert auto_method(g, k, limit) == "bitmap"
+        assert auto_method(g, k, limit + 32) == UNION_METHOD[g]
+        assert auto_method(g, k, 65_536, rows_sorted=True) == "fused"
+    assert auto_method(8, 2048, 1 << 20) == "bitmap"  # the 1M-row cache measured at ratio 2
+    assert auto_method(4, 2048, 1 << 20) == UNION_METHOD[4]
+    assert auto_method(8, 1 << 20, MAX_ROWS + 1) == UNION_METHOD[8]  # past the 24-bit rows
+
+
+def test_programs_respect_the_scratch_cap_and_the_group_count():
+    cpu = torch.device("cpu")
+    assert bitmap_programs(3, 64, cpu) == 3
+    assert bitmap_programs(10_000, 64, cpu, per_sm=2) == 8  # 4 SMs off the GPU
+    big = bitmap_programs(10_000, MAX_ROWS, cpu)
+    assert big >= 1 and big * 12 * bitmap_words(MAX_ROWS) <= SCRATCH_BYTES
+    assert bitmap_programs(10_000, MAX_ROWS, cpu, scratch_bytes=1) == 1
