@@ -45,7 +45,7 @@ from prefill_inputs import (
 
 from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 from shardattn.kernels.union import MAX_PLAIN_ROW, _sorted_row_keys, build_union, build_union_reference
-from shardattn.kernels.union_bitmap import bitmap_kernel, bitmap_union
+from shardattn.kernels.union_bitmap import bitmap_kernels, bitmap_union
 from shardattn.kernels.union_fused import fused_kernel, fused_union
 
 #: The ``auto`` builder per G before the fused builder (benchmarks/RESULTS.md, run 4).
@@ -136,13 +136,11 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep, bitmap_sweep=(),
     )
     ms["sort_g1"] = timed(lambda: build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1)), flush, reps)
     big = 1 << 30  # the sweep lifts the scratch cap: programs per SM as asked
-    for per_sm in bitmap_sweep:
-        key = f"bitmap_{per_sm}per_sm"
-        bitmap_union(rows, None, kv_rows, g, u, ln, per_sm=per_sm, scratch_bytes=big)
+    variants = {f"bitmap_{p}per_sm": {"per_sm": p, "scratch_bytes": big} for p in bitmap_sweep}
+    for key, kw in variants.items():
+        bitmap_union(rows, None, kv_rows, g, u, ln, **kw)
         same[key] = exact((u, ln), want)
-        ms[key] = timed(
-            lambda p=per_sm: bitmap_union(rows, None, kv_rows, g, u, ln, per_sm=p, scratch_bytes=big), flush, reps
-        )
+        ms[key] = timed(lambda kw=kw: bitmap_union(rows, None, kv_rows, g, u, ln, **kw), flush, reps)
         print(f"   sweep H={heads} T={tokens} {key}: {ms[key]:.4f} ms exact={same[key]}", flush=True)
     builds["old"]()
     scale = (D_V + D_R) ** -0.5
@@ -206,7 +204,7 @@ def main(argv=None) -> int:
     kernels = [
         {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None), "shared": k.metadata.shared,
          "constants": str({n: v for n, v in k.src.constants.items()} if hasattr(k, "src") else "")[:300]}
-        for kern in (fused_kernel(), bitmap_kernel())
+        for kern in (fused_kernel(), *bitmap_kernels())
         for entry in kern.device_caches.values() for k in entry[0].values()
     ]  # fmt: skip
     keep_kernels(results, kernels, args.out)

@@ -61,3 +61,39 @@ def test_programs_respect_the_scratch_cap_and_the_group_count():
     big = bitmap_programs(10_000, MAX_ROWS, cpu)
     assert big >= 1 and big * 12 * bitmap_words(MAX_ROWS) <= SCRATCH_BYTES
     assert bitmap_programs(10_000, MAX_ROWS, cpu, scratch_bytes=1) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_kv_rows", [65_536, 1 << 20], ids=["64K", "1M"])
+@pytest.mark.parametrize("group_size", [1, 2, 4, 8])
+def test_bitmap_builder_on_the_gpu_at_real_shapes(group_size, num_kv_rows):
+    """T = 4,099 queries (a tail group) x K = 2,048 rows, 5 % invalid anywhere (-1 and past the cache),
+    duplicates within rows, neighbours sharing most rows, an empty row, ``topk_length``; every
+    builder's output poisoned first. Exact against the torch reference; the default launch and one
+    program per SM (each program building many groups on one bitmap) both."""
+    dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(group_size)
+    t, k = 4099, 2048
+    base = torch.randint(0, num_kv_rows, (t // 4 + 1, k), device=dev, generator=gen, dtype=torch.int32)
+    rows = base.repeat_interleave(4, dim=0)[:t].clone()
+    fresh = torch.rand(t, k, device=dev, generator=gen) < 0.3  # neighbours share ~70 % of their rows
+    rows[fresh] = torch.randint(0, num_kv_rows, (int(fresh.sum()),), device=dev, generator=gen, dtype=torch.int32)
+    rows[torch.rand(t, k, device=dev, generator=gen) < 0.05] = -1
+    rows[torch.rand(t, k, device=dev, generator=gen) < 0.01] = num_kv_rows + 5
+    rows[:, 1000:1100] = rows[:, :100]  # duplicates within a row
+    rows[7] = -1
+    length = torch.randint(0, k + 50, (t,), device=dev, generator=gen, dtype=torch.int32)
+    for topk_length in (None, length):
+        kw = {"group_size": group_size, "num_kv_rows": num_kv_rows, "topk_length": topk_length}
+        want_u, want_n = build_union_reference(rows, **kw)
+        for per_sm in (None, 1):
+            union = torch.full_like(want_u, -7)
+            lens = torch.full_like(want_n, -7)
+            if per_sm is None:
+                build_union(rows, method="bitmap", out=(union, lens), **kw)
+            else:
+                from shardattn.kernels.union_bitmap import bitmap_union
+
+                bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens, per_sm=per_sm)
+            assert torch.equal(lens, want_n), (per_sm, topk_length is None)
+            below = torch.arange(union.shape[1], device=dev)[None, :] < want_n[:, None]
+            assert torch.equal(union[below], want_u[below]), (per_sm, topk_length is None)

@@ -76,7 +76,7 @@ except ImportError:  # the torch reference still works
 from shardattn._checks import INDEX_DTYPES, check_choice, check_int, check_same_device, check_tensor
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.union_bitmap import MAX_ROWS as MAX_BITMAP_ROWS
-from shardattn.kernels.union_bitmap import bitmap_kernel, bitmap_union, bitmap_words
+from shardattn.kernels.union_bitmap import bitmap_kernels, bitmap_union, bitmap_words
 from shardattn.kernels.union_fused import fused_kernel, fused_union
 
 if triton is not None:
@@ -312,7 +312,7 @@ if triton is not None:
 def union_kernels() -> tuple:
     """The Triton union kernels (keys, compact, row sort, merge, fused, bitmap), for warm-up and compile counting."""
     kernels = (_union_keys_kernel, _union_compact_kernel, _row_sort_kernel, _union_merge_kernel)
-    return (*kernels, fused_kernel(), bitmap_kernel())
+    return (*kernels, fused_kernel(), *bitmap_kernels())
 
 
 def union_launch_config(group_size: int, topk: int) -> dict[str, int]:

@@ -49,7 +49,7 @@ MAX_ROWS = 2**24 - 1
 #: Scratch budget of one launch: programs x ``3 * ceil(R / 32)`` int32 stays below this.
 SCRATCH_BYTES = 64 << 20
 #: Persistent programs per SM (when the scratch budget allows).
-PROGRAMS_PER_SM = 8
+PROGRAMS_PER_SM = 16
 
 
 def bitmap_words(num_kv_rows: int) -> int:
@@ -101,6 +101,21 @@ if triton is not None:
         ok = ok & (row >= 0) & (row < num_rows)
         return tl.where(ok, row, 0), ok
 
+    @triton.jit
+    def _mark(ROWS, TOPK_LEN, bitmap, plane_stride, g, T, K, num_rows, stride_rows_t,
+              G: tl.constexpr, BLOCK: tl.constexpr, HAS_LEN: tl.constexpr):  # fmt: skip
+        # set query j's rows in the bitmap at bitmap + j * plane_stride; the group's lowest and highest row
+        lo = tl.full([], 2147483647, tl.int32)
+        hi = tl.full([], -1, tl.int32)
+        for j in tl.static_range(G):
+            t = g.to(tl.int64) * G + j
+            for k0 in range(0, K, BLOCK):
+                row, ok = _entries(ROWS, TOPK_LEN, t, T, K, k0, num_rows, stride_rows_t, BLOCK, HAS_LEN)
+                tl.atomic_or(bitmap + j * plane_stride + (row >> 5), 1 << (row & 31), mask=ok, sem="relaxed")
+                lo = tl.minimum(lo, tl.min(tl.where(ok, row, 2147483647), axis=0))
+                hi = tl.maximum(hi, tl.max(tl.where(ok, row, -1), axis=0))
+        return lo, hi
+
     @triton.jit(do_not_specialize=["T", "num_rows", "n_groups", "words"])
     def _bitmap_union_kernel(
         ROWS, TOPK_LEN, UNION, LENS, BITMAP, PACKED,
@@ -115,15 +130,7 @@ if triton is not None:
             g = pid + i * nprog
             union = UNION + g.to(tl.int64) * stride_union_g
             # 1. mark: one bit per row; the lowest and highest row bound the counted words
-            lo = tl.full([], 2147483647, tl.int32)
-            hi = tl.full([], -1, tl.int32)
-            for j in tl.static_range(G):
-                t = g.to(tl.int64) * G + j
-                for k0 in range(0, K, BLOCK):
-                    row, ok = _entries(ROWS, TOPK_LEN, t, T, K, k0, num_rows, stride_rows_t, BLOCK, HAS_LEN)
-                    tl.atomic_or(bitmap + (row >> 5), 1 << (row & 31), mask=ok, sem="relaxed")
-                    lo = tl.minimum(lo, tl.min(tl.where(ok, row, 2147483647), axis=0))
-                    hi = tl.maximum(hi, tl.max(tl.where(ok, row, -1), axis=0))
+            lo, hi = _mark(ROWS, TOPK_LEN, bitmap, 0, g, T, K, num_rows, stride_rows_t, G, BLOCK, HAS_LEN)
             tl.debug_barrier()
             # 2. count: PACKED[w] = (union rows below word w) << 32 | word w; the bitmap is
             # cleared as it is read (the next phase reads the packed copy: one load per entry)
@@ -135,6 +142,7 @@ if triton is not None:
                 cnt = _popcount(word)
                 below = total + tl.cumsum(cnt, axis=0) - cnt
                 tl.store(packed + w, (below.to(tl.int64) << 32) | (word.to(tl.int64) & 0xFFFFFFFF), mask=live)
+                tl.debug_barrier()  # every thread holding a copy of the words has read them
                 tl.store(bitmap + w, tl.zeros_like(word), mask=live)
                 total += tl.sum(cnt, axis=0)
             tl.store(LENS + g, total)
@@ -158,9 +166,9 @@ if triton is not None:
             tl.debug_barrier()
 
 
-def bitmap_kernel():
-    """The Triton kernel (for the warm-up's compile key); ``None`` without Triton."""
-    return _bitmap_union_kernel if triton is not None else None
+def bitmap_kernels() -> tuple:
+    """The Triton kernel, for compile counting; empty without Triton."""
+    return (_bitmap_union_kernel,) if triton is not None else ()
 
 
 def bitmap_union(
@@ -173,6 +181,7 @@ def bitmap_union(
     *,
     per_sm: int = PROGRAMS_PER_SM,
     scratch_bytes: int = SCRATCH_BYTES,
+    config: dict[str, int] | None = None,
 ) -> None:
     """Launch the bitmap builder (inputs checked by :func:`~shardattn.kernels.union.build_union`).
 
@@ -185,17 +194,17 @@ def bitmap_union(
         lens: ``[ceil(T/G)]`` int32 output.
         per_sm, scratch_bytes: persistent programs per SM and the scratch cap
             (:func:`bitmap_programs`; benchmarks sweep them).
+        config: overrides of :func:`bitmap_launch_config` (benchmarks sweep them).
     """
     t, k = rows.shape
     n_groups = union.shape[0]
     words = bitmap_words(num_kv_rows)
     programs = bitmap_programs(n_groups, num_kv_rows, rows.device, per_sm, scratch_bytes)
+    cfg = {**bitmap_launch_config(group_size, k), **(config or {})}
     bitmap = torch.zeros(programs, words, dtype=torch.int32, device=rows.device)
     packed = torch.empty(programs, words, dtype=torch.int64, device=rows.device)
-    cfg = bitmap_launch_config(group_size, k)
     _bitmap_union_kernel[(programs,)](
         rows, topk_length if topk_length is not None else lens, union, lens, bitmap, packed,
         t, k, num_kv_rows, n_groups, rows.stride(0), union.stride(0), words,
-        G=group_size, BLOCK=cfg["BLOCK"], WCHUNK=cfg["WCHUNK"], HAS_LEN=topk_length is not None,
-        num_warps=cfg["num_warps"],
+        G=group_size, HAS_LEN=topk_length is not None, **cfg,
     )  # fmt: skip
