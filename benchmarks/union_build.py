@@ -137,6 +137,8 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep, bitmap_sweep=(),
     ms["sort_g1"] = timed(lambda: build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1)), flush, reps)
     big = 1 << 30  # the sweep lifts the scratch cap: programs per SM as asked
     variants = {f"bitmap_{p}per_sm": {"per_sm": p, "scratch_bytes": big} for p in bitmap_sweep}
+    for p in bitmap_sweep:  # the place phase's packed loads through L2 only (the first version)
+        variants[f"bitmap_{p}per_sm_cg"] = {"per_sm": p, "scratch_bytes": big, "config": {"PLACE_CG": True}}
     for key, kw in variants.items():
         bitmap_union(rows, None, kv_rows, g, u, ln, **kw)
         same[key] = exact((u, ln), want)

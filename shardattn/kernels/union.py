@@ -98,7 +98,7 @@ METHODS = ("auto", "sort", "merge", "fused", "bitmap")
 #: ``"auto"`` takes the bitmap builder on unsorted rows when the words it counts per group,
 #: ``ceil(R / 32)``, are at most this many times the group's entries ``G * K``. Measured on an
 #: H200 (benchmarks/RESULTS.md, K = 2048, DSA-like rows, T = 4K / 16K): at ratio 1 / 2 it took
-#: 0.20 / 0.96 ms against the row sort's 0.31 / 1.12 (G = 1) and 0.20-0.23 against 0.34-0.50 at
+#: 0.18 / 0.93 ms against the row sort's 0.31 / 1.12 (G = 1) and 0.17-0.19 against 0.34-0.50 at
 #: G = 2-8; at ratio 2 (a 1M-row cache, G = 8) 0.49 / 1.72 against 0.51 / 1.89; at ratio 4 it
 #: lost (0.61 against 0.44 ms).
 BITMAP_SCAN_RATIO = 2

@@ -20,7 +20,8 @@ by CTA barriers (the scratch lives in global memory, read through L2 only):
 
 The output equals the other builders' exactly (entries sorted by row, unique, ``lens``);
 entries past ``lens[g]`` are unspecified. The cost does not depend on the row order: per entry
-one atomic, one random 8-byte load and one atomic (a store at ``G = 1``), the rows read twice,
+one atomic, one 8-byte load (through L1: the program wrote the packed words itself, so the group's
+repeats hit) and one atomic (a store at ``G = 1``), the rows read twice,
 plus ``span / 32`` words counted per group, where ``span`` is the distance between the group's
 lowest and highest row (so ``G = 1`` on a long span pays the scan once per query). Scratch:
 ``3 * ceil(R / 32)`` int32 per program, so the program count is capped by
@@ -48,8 +49,9 @@ except ImportError:  # the torch reference still works
 MAX_ROWS = 2**24 - 1
 #: Scratch budget of one launch: programs x ``3 * ceil(R / 32)`` int32 stays below this.
 SCRATCH_BYTES = 64 << 20
-#: Persistent programs per SM (when the scratch budget allows).
-PROGRAMS_PER_SM = 16
+#: Persistent programs per SM (when the scratch budget allows): 4 and 16 measured the same on an
+#: H200 (benchmarks/RESULTS.md), 4 takes a quarter of the scratch.
+PROGRAMS_PER_SM = 4
 
 
 def bitmap_words(num_kv_rows: int) -> int:
@@ -121,6 +123,7 @@ if triton is not None:
         ROWS, TOPK_LEN, UNION, LENS, BITMAP, PACKED,
         T, K, num_rows, n_groups, stride_rows_t, stride_union_g, words,
         G: tl.constexpr, BLOCK: tl.constexpr, WCHUNK: tl.constexpr, HAS_LEN: tl.constexpr,
+        PLACE_CG: tl.constexpr = False,
     ):  # fmt: skip
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -156,7 +159,10 @@ if triton is not None:
                 t = g.to(tl.int64) * G + j
                 for k0 in range(0, K, BLOCK):
                     row, ok = _entries(ROWS, TOPK_LEN, t, T, K, k0, num_rows, stride_rows_t, BLOCK, HAS_LEN)
-                    v = tl.load(packed + (row >> 5), mask=ok, other=0, cache_modifier=".cg")
+                    if PLACE_CG:
+                        v = tl.load(packed + (row >> 5), mask=ok, other=0, cache_modifier=".cg")
+                    else:  # this program wrote them (barrier above): L1 serves the group's repeats
+                        v = tl.load(packed + (row >> 5), mask=ok, other=0)
                     rank = (v >> 32).to(tl.int32) + _popcount(v.to(tl.int32) & ~(-1 << (row & 31)))
                     if G > 1:
                         bit = tl.full([], 1, tl.int32) << (24 + j)
