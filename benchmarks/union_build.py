@@ -102,7 +102,9 @@ def checks(rows: torch.Tensor, kv_rows: int, topk: int) -> list[dict]:
     return res
 
 
-def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep, bitmap_sweep=(), pool_rows=None) -> dict:
+def time_case(
+    heads, tokens, kv_rows, topk, reps, flush, sweep, bitmap_sweep=(), pool_rows=None, bitmap_configs=False
+) -> dict:
     g = {8: 8, 16: 4, 32: 2}[heads]
     _, _, _, _, rows, _ = make_case(tokens, kv_rows, topk, "dsa", 0, pool_rows)
     context_rows, kv_rows = kv_rows, pool_rows or kv_rows
@@ -139,6 +141,9 @@ def time_case(heads, tokens, kv_rows, topk, reps, flush, sweep, bitmap_sweep=(),
     variants = {f"bitmap_{p}per_sm": {"per_sm": p, "scratch_bytes": big} for p in bitmap_sweep}
     for p in bitmap_sweep:  # the place phase's packed loads through L2 only (the first version)
         variants[f"bitmap_{p}per_sm_cg"] = {"per_sm": p, "scratch_bytes": big, "config": {"PLACE_CG": True}}
+    if bitmap_configs:
+        for cfg in ({"num_warps": 8}, {"BLOCK": 2048}, {"BLOCK": 2048, "num_warps": 8}, {"WCHUNK": 512}):
+            variants["bitmap_" + "_".join(f"{k}{v}" for k, v in cfg.items())] = {"config": cfg}
     for key, kw in variants.items():
         bitmap_union(rows, None, kv_rows, g, u, ln, **kw)
         same[key] = exact((u, ln), want)
@@ -178,6 +183,8 @@ def main(argv=None) -> int:
         "--bitmap-per-sm", type=int, nargs="*", default=[], help="also time the bitmap builder at these programs per SM"
     )
     ap.add_argument("--pool-rows", type=int, default=None, help="KV cache rows the request's blocks come from")
+    ap.add_argument("--no-checks", action="store_true", help="skip the edge-row checks (timed builds still checked)")
+    ap.add_argument("--bitmap-configs", action="store_true", help="also time bitmap launch configs (warps, block)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -188,7 +195,7 @@ def main(argv=None) -> int:
     print(torch.cuda.get_device_name(), f"torch {torch.__version__} triton {triton.__version__}", flush=True)
     start = time.time()
     _, _, _, _, rows, _ = make_case(args.check_tokens, 65536, args.topk, "dsa", 0)
-    results = {"checks": checks(rows, 65536, args.topk)}
+    results = {"checks": [] if args.no_checks else checks(rows, 65536, args.topk)}
     bad = [c for c in results["checks"] if not c["exact"]]
     print(f"checks: {len(results['checks']) - len(bad)}/{len(results['checks'])} exact "
           f"({time.time() - start:.0f}s)", bad[:8], flush=True)  # fmt: skip
@@ -199,7 +206,16 @@ def main(argv=None) -> int:
         for heads in args.heads:
             sweep = SWEEP if args.sweep and tokens == args.tokens[0] else ()
             r = time_case(
-                heads, tokens, kv_rows, args.topk, args.reps, flush, sweep, args.bitmap_per_sm, args.pool_rows
+                heads,
+                tokens,
+                kv_rows,
+                args.topk,
+                args.reps,
+                flush,
+                sweep,
+                args.bitmap_per_sm,
+                args.pool_rows,
+                args.bitmap_configs,
             )
             keep_time(results, r, args.out)
             bad += [k for k, v in r["same_as_old"].items() if not v]
