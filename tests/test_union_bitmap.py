@@ -97,3 +97,28 @@ def test_bitmap_builder_on_the_gpu_at_real_shapes(group_size, num_kv_rows):
             assert torch.equal(lens, want_n), (per_sm, topk_length is None)
             below = torch.arange(union.shape[1], device=dev)[None, :] < want_n[:, None]
             assert torch.equal(union[below], want_u[below]), (per_sm, topk_length is None)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("group_size", [1, 8])
+def test_bitmap_kernel_compiles_for_sm90(group_size):
+    """AOT for sm_90 with the installed Triton (no GPU): the kernel compiles, marks and places with
+    global atomics (``G > 1``), and reads the atomically set words through L2 only."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from shardattn.kernels.union_bitmap import bitmap_kernels, bitmap_launch_config
+
+    (kernel,) = bitmap_kernels()
+    sizes = ("T", "K", "num_rows", "n_groups", "stride_rows_t", "stride_union_g", "words")
+    signature = {**dict.fromkeys(("ROWS", "TOPK_LEN", "UNION", "LENS", "BITMAP"), "*i32"), "PACKED": "*i64"}
+    signature |= dict.fromkeys(sizes, "i32")
+    cfg = bitmap_launch_config(group_size, 2048)
+    constexprs = {"G": group_size, "BLOCK": cfg["BLOCK"], "WCHUNK": cfg["WCHUNK"], "HAS_LEN": True, "PLACE_CG": False}
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]}).asm["ptx"]
+    ors = ptx.count(".or.b32")  # atom / red: the mark phase, and the place phase's member bits when G > 1
+    assert ors >= (2 if group_size > 1 else 1)
+    assert "ld.global.cg" in ptx
