@@ -17,10 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.registry import interpreter_enabled
 from shardattn.kernels.union import build_union_reference, num_groups
 from shardattn.kernels.union_bitmap import bitmap_union
-from tests.interpret.union_cases import CHECKS, FAILURES, _equal, _report, make_rows
+from tests.interpret.union_cases import _equal, _report, make_rows, run_checks
 
 
 def _bitmap(rows, length, num_kv_rows, group_size, per_sm):
@@ -68,14 +67,7 @@ def rows_at_word_edges() -> None:
 
 
 def main() -> int:
-    if not interpreter_enabled():
-        print("run with TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
-    grid()
-    rows_at_word_edges()
-    bitmap_matches_reference()
-    print(f"{len(FAILURES)} failures of {len(CHECKS)}: {FAILURES[:5]}", flush=True)
-    return 1 if FAILURES else 0
+    return run_checks(grid, rows_at_word_edges, bitmap_matches_reference)
 
 
 if __name__ == "__main__":
