@@ -5,7 +5,8 @@
 ``[T, K]``, the larger part of an unsorted build) and then merges. Here a persistent program
 owns a bitmap of one bit per KV row (``ceil(R / 32)`` int32 words, zero between groups) and a
 packed int64 array of the same width, and builds each of its groups in three phases separated
-by CTA barriers (the scratch lives in global memory, read through L2 only):
+by CTA barriers (the scratch lives in global memory: the bitmap, which atomics set, is read
+through L2 only; the packed words, which the program writes itself, through L1):
 
 1. **mark**: every valid entry of the group's ``G`` queries sets its row's bit (``atomic_or``; a
    row listed twice, or by several queries, is one bit); the group's lowest and highest rows
@@ -20,10 +21,11 @@ by CTA barriers (the scratch lives in global memory, read through L2 only):
 
 The output equals the other builders' exactly (entries sorted by row, unique, ``lens``);
 entries past ``lens[g]`` are unspecified. The cost does not depend on the row order: per entry
-one atomic, one 8-byte load (through L1: the program wrote the packed words itself, so the group's
-repeats hit) and one atomic (a store at ``G = 1``), the rows read twice,
-plus ``span / 32`` words counted per group, where ``span`` is the distance between the group's
-lowest and highest row (so ``G = 1`` on a long span pays the scan once per query). Scratch:
+one atomic, one 8-byte load (L1 serves a group's repeats) and one atomic (a store at
+``G = 1``), the rows read twice, plus ``span / 32`` words counted per group, where ``span`` is
+the distance between the group's lowest and highest row (so ``G = 1`` on a long span pays the
+scan once per query; ``union.auto_method`` weighs it). Measured in benchmarks/RESULTS.md
+("Sixth session"). Scratch:
 ``3 * ceil(R / 32)`` int32 per program, so the program count is capped by
 :data:`SCRATCH_BYTES` (a large KV cache gets fewer programs; :data:`MAX_ROWS` bounds ``R``).
 
@@ -45,7 +47,7 @@ try:
 except ImportError:  # the torch reference still works
     triton = None
 
-#: Largest ``num_kv_rows`` the bitmap builder takes (a program's scratch is ``R / 4`` bytes).
+#: Largest ``num_kv_rows`` the bitmap builder takes (a program's scratch is ``3 R / 8`` bytes).
 MAX_ROWS = 2**24 - 1
 #: Scratch budget of one launch: programs x ``3 * ceil(R / 32)`` int32 stays below this.
 SCRATCH_BYTES = 64 << 20
