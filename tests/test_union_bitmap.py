@@ -29,6 +29,7 @@ def test_bitmap_builder_matches_the_reference_under_interpreter():
     for g in (1, 2, 4, 8):  # every group size, one program reusing its bitmap, rows at word edges
         assert any(n.startswith(f"bitmap[G={g},") and "per_sm=1" in n for n in names)
         assert f"word_edges[G={g}]" in names
+    assert {"no_kv_rows[G=1]", "no_entries[G=8]"} <= set(names)
     assert sum(n.startswith("bitmap[") for n in names) >= 30
     assert lines[-1].startswith("0 failures")
 

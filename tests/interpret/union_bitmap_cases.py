@@ -66,8 +66,23 @@ def rows_at_word_edges() -> None:
         _report(f"word_edges[G={g}]", _equal(_bitmap(rows, None, 4096, g, 1), want))
 
 
+def empty_shapes() -> None:
+    """A cache with no rows (every entry invalid) and rows with no entries."""
+    for g in (1, 8):
+        rows = make_rows(3, 11, 6, 1, sort=False)
+        _report(
+            f"no_kv_rows[G={g}]",
+            _equal(_bitmap(rows, None, 0, g, 1), build_union_reference(rows, group_size=g, num_kv_rows=0)),
+        )
+        rows = torch.zeros(11, 0, dtype=torch.int32)
+        _report(
+            f"no_entries[G={g}]",
+            _equal(_bitmap(rows, None, 9, g, 1), build_union_reference(rows, group_size=g, num_kv_rows=9)),
+        )
+
+
 def main() -> int:
-    return run_checks(grid, rows_at_word_edges, bitmap_matches_reference)
+    return run_checks(grid, rows_at_word_edges, empty_shapes, bitmap_matches_reference)
 
 
 if __name__ == "__main__":
