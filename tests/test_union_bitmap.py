@@ -16,7 +16,7 @@ from shardattn.kernels.union import (
     build_union,
     build_union_reference,
 )
-from shardattn.kernels.union_bitmap import MAX_ROWS, SCRATCH_BYTES, bitmap_programs, bitmap_words
+from shardattn.kernels.union_bitmap import MAX_ROWS, SCRATCH_BYTES, bitmap_programs, bitmap_union, bitmap_words
 from tests.interpret import run_cases
 from tests.interpret.union_cases import make_rows
 
@@ -92,8 +92,6 @@ def test_bitmap_builder_on_the_gpu_at_real_shapes(group_size, num_kv_rows):
             if per_sm is None:
                 build_union(rows, method="bitmap", out=(union, lens), **kw)
             else:
-                from shardattn.kernels.union_bitmap import bitmap_union
-
                 bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens, per_sm=per_sm)
             assert torch.equal(lens, want_n), (per_sm, topk_length is None)
             below = torch.arange(union.shape[1], device=dev)[None, :] < want_n[:, None]

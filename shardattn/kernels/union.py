@@ -36,11 +36,8 @@ Triton paths (``method``; the cost depends on ``G * K`` per group, never on the 
   8 outputs, then a serial merge) and the compaction. With ``rows_sorted=True`` (each query's
   valid rows already ascending, e.g. a sorted indexer top-k) there is no row sort at all;
   otherwise the row sort (``torch.sort`` of ``[T, K]`` keys) comes first.
-* ``"bitmap"`` (:mod:`shardattn.kernels.union_bitmap`): no sort at all; one bit per KV row,
-  set by atomics, counted into prefix sums, and each entry placed at its rank. Its cost does
-  not depend on the row order (per entry two atomics and one load, plus the group's row span
-  / 32 words counted, so it pays for a large KV cache whose rows are scattered), so it serves
-  unsorted rows; ``num_kv_rows <= 2**24 - 1``.
+* ``"bitmap"`` (:mod:`shardattn.kernels.union_bitmap`): no sort; one bit per KV row, so its cost
+  follows the entries and the KV cache size, not the row order; ``num_kv_rows <= 2**24 - 1``.
 * ``"auto"`` (:func:`auto_method`) takes ``"fused"`` whenever ``rows_sorted``, ``"bitmap"``
   when the KV cache is small enough for its count (:data:`BITMAP_SCAN_RATIO`), and otherwise
   the builder per ``G`` of :data:`UNION_METHOD` (all measured on an H200,
@@ -418,10 +415,10 @@ def build_union(
     if g_count == 0:
         return union, lens
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
-    cfg = union_launch_config(group_size, k)
     if method == "bitmap":
         bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens)
         return union, lens
+    cfg = union_launch_config(group_size, k)
     if method == "fused":
         max_row = min(num_kv_rows - 1, MAX_PLAIN_ROW)
         if rows_sorted:

@@ -106,16 +106,16 @@ if triton is not None:
         return tl.where(ok, row, 0), ok
 
     @triton.jit
-    def _mark(ROWS, TOPK_LEN, bitmap, plane_stride, g, T, K, num_rows, stride_rows_t,
+    def _mark(ROWS, TOPK_LEN, bitmap, g, T, K, num_rows, stride_rows_t,
               G: tl.constexpr, BLOCK: tl.constexpr, HAS_LEN: tl.constexpr):  # fmt: skip
-        # set query j's rows in the bitmap at bitmap + j * plane_stride; the group's lowest and highest row
+        # set the bit of every valid row of the group's queries; the group's lowest and highest row
         lo = tl.full([], 2147483647, tl.int32)
         hi = tl.full([], -1, tl.int32)
         for j in tl.static_range(G):
             t = g.to(tl.int64) * G + j
             for k0 in range(0, K, BLOCK):
                 row, ok = _entries(ROWS, TOPK_LEN, t, T, K, k0, num_rows, stride_rows_t, BLOCK, HAS_LEN)
-                tl.atomic_or(bitmap + j * plane_stride + (row >> 5), 1 << (row & 31), mask=ok, sem="relaxed")
+                tl.atomic_or(bitmap + (row >> 5), 1 << (row & 31), mask=ok, sem="relaxed")
                 lo = tl.minimum(lo, tl.min(tl.where(ok, row, 2147483647), axis=0))
                 hi = tl.maximum(hi, tl.max(tl.where(ok, row, -1), axis=0))
         return lo, hi
@@ -135,7 +135,7 @@ if triton is not None:
             g = pid + i * nprog
             union = UNION + g.to(tl.int64) * stride_union_g
             # 1. mark: one bit per row; the lowest and highest row bound the counted words
-            lo, hi = _mark(ROWS, TOPK_LEN, bitmap, 0, g, T, K, num_rows, stride_rows_t, G, BLOCK, HAS_LEN)
+            lo, hi = _mark(ROWS, TOPK_LEN, bitmap, g, T, K, num_rows, stride_rows_t, G, BLOCK, HAS_LEN)
             tl.debug_barrier()
             # 2. count: PACKED[w] = (union rows below word w) << 32 | word w; the bitmap is
             # cleared as it is read (the next phase reads the packed copy: one load per entry)
