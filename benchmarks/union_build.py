@@ -18,7 +18,11 @@ count (``G`` = 8 / 4 / 2 at 8 / 16 / 32 heads, the grouped Gluon kernel's routin
   fused builder on unsorted rows (row sort + one launch) and on sorted rows (one launch), the row
   sort alone (keys kernel + ``torch.sort``), the sorted lists alone (the fused kernel at ``G =
   1``) and the grouped Gluon kernel alone; the union share of the step ``union / (union +
-  kernel)`` for each builder. ``--sweep`` also times fused-kernel launch configs on sorted rows (first ``T`` only).
+  kernel)`` for each builder; the bitmap build on the shared-memory Gluon kernel (``bitmap``, what
+  ``auto`` runs on sm_90) and on the Triton kernel (``bitmap_triton``), at ``G`` and at ``G = 1``.
+  ``--sweep`` also times fused-kernel launch configs on sorted rows (first ``T`` only),
+  ``--bitmap-per-sm`` / ``--bitmap-configs`` the Triton bitmap kernel's, ``--smem-configs`` the
+  shared-memory kernel's.
 """
 
 from __future__ import annotations
@@ -47,9 +51,24 @@ from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 from shardattn.kernels.union import MAX_PLAIN_ROW, _sorted_row_keys, build_union, build_union_reference
 from shardattn.kernels.union_bitmap import bitmap_kernels, bitmap_union
 from shardattn.kernels.union_fused import fused_kernel, fused_union
+from shardattn.kernels.union_smem import smem_kernels
 
 #: The ``auto`` builder per G before the fused builder (benchmarks/RESULTS.md, run 4).
 OLD_METHOD = {2: "sort", 4: "merge", 8: "merge"}
+#: Shared-memory kernel configs timed by ``--smem-configs`` beside the default (2,048 entries a
+#: step, 1,024 words counted at once, 8 warps, programs per SM from shared memory and registers),
+#: at the case's ``G`` and at ``G = 1``.
+SMEM_SWEEP = (
+    {"num_warps": 16, "STEP": 4096, "CW": 2048},
+    {"num_warps": 16, "STEP": 8192, "CW": 2048},
+    {"per_sm": 2},
+    {"per_sm": 3},
+    {"WW": 2048, "per_sm": 2},
+    {"WW": 2048, "per_sm": 3},
+    {"WW": 2048, "num_warps": 16, "STEP": 4096, "CW": 2048},
+    {"num_warps": 4, "STEP": 1024, "CW": 512, "per_sm": 4},
+    {"num_warps": 4, "STEP": 1024, "CW": 1024, "per_sm": 3},
+)
 #: Launch configs timed by ``--sweep`` beside the default (256 lanes, 4 warps, binary search,
 #: serial steps, compaction chunk 2048). Compiled for sm_90a with Triton 3.9, the default takes
 #: 141 registers (3 programs of 4 warps per SM), a 1024-key compaction chunk 72, with the
@@ -97,13 +116,25 @@ def checks(rows: torch.Tensor, kv_rows: int, topk: int) -> list[dict]:
             for rs in {False, srt}:
                 got = build_union(r, group_size=g, num_kv_rows=n_kv, topk_length=ln, method="fused", rows_sorted=rs)
                 res.append({"G": g, "rows": name, "rows_sorted": rs, "exact": exact(got, want)})
-            got = build_union(r, group_size=g, num_kv_rows=n_kv, topk_length=ln, method="bitmap")
-            res.append({"G": g, "rows": name, "method": "bitmap", "exact": exact(got, want)})
+            for kernel in ("gluon", "triton"):
+                got = union_buffers(r.shape[0], r.shape[1], g, r.device)
+                bitmap_union(r, ln, n_kv, g, *got, kernel=kernel)
+                res.append({"G": g, "rows": name, "method": f"bitmap_{kernel}", "exact": exact(got, want)})
     return res
 
 
 def time_case(
-    heads, tokens, kv_rows, topk, reps, flush, sweep, bitmap_sweep=(), pool_rows=None, bitmap_configs=False
+    heads,
+    tokens,
+    kv_rows,
+    topk,
+    reps,
+    flush,
+    sweep,
+    bitmap_sweep=(),
+    pool_rows=None,
+    bitmap_configs=False,
+    smem_sweep=(),
 ) -> dict:
     g = {8: 8, 16: 4, 32: 2}[heads]
     _, _, _, _, rows, _ = make_case(tokens, kv_rows, topk, "dsa", 0, pool_rows)
@@ -120,6 +151,7 @@ def time_case(
         "fused_unsorted": lambda: build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(u, ln), method="fused"),
         "fused_sorted": lambda: build_union(srows, group_size=g, num_kv_rows=kv_rows, out=(u, ln), rows_sorted=True),
         "bitmap": lambda: build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(u, ln), method="bitmap"),
+        "bitmap_triton": lambda: bitmap_union(rows, None, kv_rows, g, u, ln, kernel="triton"),
     }
     ms, same = {}, {}
     for name, fn in builds.items():
@@ -136,18 +168,31 @@ def time_case(
     ms["bitmap_g1"] = timed(
         lambda: build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1), method="bitmap"), flush, reps
     )
-    ms["sort_g1"] = timed(lambda: build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1)), flush, reps)
+    bitmap_union(rows, None, kv_rows, 1, u1, l1, kernel="triton")
+    same["bitmap_g1_triton"] = exact((u1, l1), want1)
+    ms["bitmap_g1_triton"] = timed(lambda: bitmap_union(rows, None, kv_rows, 1, u1, l1, kernel="triton"), flush, reps)
+    ms["sort_g1"] = timed(
+        lambda: build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1), method="sort"), flush, reps
+    )
     big = 1 << 30  # the sweep lifts the scratch cap: programs per SM as asked
-    variants = {f"bitmap_{p}per_sm": {"per_sm": p, "scratch_bytes": big} for p in bitmap_sweep}
+    triton_kw = {"kernel": "triton", "scratch_bytes": big}
+    variants = {f"bitmap_{p}per_sm": {"per_sm": p, **triton_kw} for p in bitmap_sweep}
     for p in bitmap_sweep:  # the place phase's packed loads through L2 only (the first version)
-        variants[f"bitmap_{p}per_sm_cg"] = {"per_sm": p, "scratch_bytes": big, "config": {"PLACE_CG": True}}
+        variants[f"bitmap_{p}per_sm_cg"] = {"per_sm": p, **triton_kw, "config": {"PLACE_CG": True}}
+    for cfg in smem_sweep:  # the shared-memory kernel's launch configs
+        kw = {"kernel": "gluon", "config": cfg}
+        variants["smem_" + "_".join(f"{k}{v}" for k, v in cfg.items())] = kw
     if bitmap_configs:
         for cfg in ({"num_warps": 8}, {"BLOCK": 2048}, {"BLOCK": 2048, "num_warps": 8}, {"WCHUNK": 512}):
-            variants["bitmap_" + "_".join(f"{k}{v}" for k, v in cfg.items())] = {"config": cfg}
-    for key, kw in variants.items():
-        bitmap_union(rows, None, kv_rows, g, u, ln, **kw)
-        same[key] = exact((u, ln), want)
-        ms[key] = timed(lambda kw=kw: bitmap_union(rows, None, kv_rows, g, u, ln, **kw), flush, reps)
+            variants["bitmap_" + "_".join(f"{k}{v}" for k, v in cfg.items())] = {"config": cfg, "kernel": "triton"}
+    runs = [(key, kw, g, u, ln, want) for key, kw in variants.items()]
+    runs += [(f"{key}_g1", kw, 1, u1, l1, want1) for key, kw in variants.items() if key.startswith("smem_")]
+    for key, kw, gs, ub, lb, wb in runs:
+        bitmap_union(rows, None, kv_rows, gs, ub, lb, **kw)
+        same[key] = exact((ub, lb), wb)
+        ms[key] = timed(
+            lambda kw=kw, gs=gs, ub=ub, lb=lb: bitmap_union(rows, None, kv_rows, gs, ub, lb, **kw), flush, reps
+        )
         print(f"   sweep H={heads} T={tokens} {key}: {ms[key]:.4f} ms exact={same[key]}", flush=True)
     builds["old"]()
     scale = (D_V + D_R) ** -0.5
@@ -185,6 +230,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-rows", type=int, default=None, help="KV cache rows the request's blocks come from")
     ap.add_argument("--no-checks", action="store_true", help="skip the edge-row checks (timed builds still checked)")
     ap.add_argument("--bitmap-configs", action="store_true", help="also time bitmap launch configs (warps, block)")
+    ap.add_argument("--smem-configs", action="store_true", help="also time the shared-memory kernel's launch configs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -216,19 +262,20 @@ def main(argv=None) -> int:
                 args.bitmap_per_sm,
                 args.pool_rows,
                 args.bitmap_configs,
+                SMEM_SWEEP if args.smem_configs else (),
             )
             keep_time(results, r, args.out)
             bad += [k for k, v in r["same_as_old"].items() if not v]
     kernels = [
         {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None), "shared": k.metadata.shared,
          "constants": str({n: v for n, v in k.src.constants.items()} if hasattr(k, "src") else "")[:300]}
-        for kern in (fused_kernel(), *bitmap_kernels())
+        for kern in (fused_kernel(), *bitmap_kernels(), *smem_kernels())
         for entry in kern.device_caches.values() for k in entry[0].values()
     ]  # fmt: skip
     keep_kernels(results, kernels, args.out)
     print(f"\n{'H':>3} {'T':>6} {'G':>2} | {'old':>6} {'fused':>6} {'sorted':>6} | {'rowsort':>7} {'lists':>6} | "
           f"{'kernel':>6} | share old / fused / sorted | x old fused / sorted | "
-          "bitmap share x fused | G=1 sort / bitmap")  # fmt: skip
+          "bitmap share x fused | triton bitmap | G=1 sort / bitmap / triton bitmap")  # fmt: skip
     for r in results["times"]:
         ms, sh, x = r["ms"], r["share"], r["x_old"]
         print(f"{r['heads']:>3} {r['tokens']:>6} {r['G']:>2} | {ms['old']:>6.3f} {ms['fused_unsorted']:>6.3f} "
@@ -236,7 +283,8 @@ def main(argv=None) -> int:
               f"{ms['gluon_grp']:>6.3f} | "
               f"{sh['old']:>5.1%} / {sh['fused_unsorted']:>5.1%} / {sh['fused_sorted']:>5.1%} | "
               f"{x['fused_unsorted']:>5.2f} / {x['fused_sorted']:>5.2f} | {ms['bitmap']:>6.3f} {sh['bitmap']:>5.1%} "
-              f"{ms['fused_unsorted'] / ms['bitmap']:>5.2f} | {ms['sort_g1']:.3f} / {ms['bitmap_g1']:.3f}")  # fmt: skip
+              f"{ms['fused_unsorted'] / ms['bitmap']:>5.2f} | {ms['bitmap_triton']:>6.3f} | "
+              f"{ms['sort_g1']:.3f} / {ms['bitmap_g1']:.3f} / {ms['bitmap_g1_triton']:.3f}")  # fmt: skip
     print("ALL EXACT" if not bad else f"NOT EXACT: {bad[:8]}", flush=True)
     return 0 if not bad else 1
 

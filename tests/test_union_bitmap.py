@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardattn.kernels.gluon_compat import GLUON_IMPORT_ERROR, HAS_GLUON
 from shardattn.kernels.registry import triton_available
 from shardattn.kernels.union import (
     BITMAP_SCAN_RATIO,
@@ -65,13 +66,18 @@ def test_programs_respect_the_scratch_cap_and_the_group_count():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_kv_rows", [65_536, 1 << 20], ids=["64K", "1M"])
+@pytest.mark.parametrize("kernel", ["gluon", "triton"])
+@pytest.mark.parametrize("num_kv_rows", [65_536, 131_073, 1 << 20], ids=["64K", "128K+1", "1M"])
 @pytest.mark.parametrize("group_size", [1, 2, 4, 8])
-def test_bitmap_builder_on_the_gpu_at_real_shapes(group_size, num_kv_rows):
+def test_bitmap_builder_on_the_gpu_at_real_shapes(group_size, num_kv_rows, kernel):
     """T = 4,099 queries (a tail group) x K = 2,048 rows, 5 % invalid anywhere (-1 and past the cache),
     duplicates within rows, neighbours sharing most rows, an empty row, ``topk_length``; every
     builder's output poisoned first. Exact against the torch reference; the default launch and one
-    program per SM (each program building many groups on one bitmap) both."""
+    program per SM (each program building many groups on one bitmap) both, on the shared-memory
+    Gluon kernel (one window of 131,072 rows, two with the last row alone in the second, 8) and the
+    Triton kernel."""
+    if kernel == "gluon" and not HAS_GLUON:
+        pytest.skip(f"Gluon unavailable: {GLUON_IMPORT_ERROR}")
     dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(group_size)
     t, k = 4099, 2048
     base = torch.randint(0, num_kv_rows, (t // 4 + 1, k), device=dev, generator=gen, dtype=torch.int32)
@@ -82,6 +88,7 @@ def test_bitmap_builder_on_the_gpu_at_real_shapes(group_size, num_kv_rows):
     rows[torch.rand(t, k, device=dev, generator=gen) < 0.01] = num_kv_rows + 5
     rows[:, 1000:1100] = rows[:, :100]  # duplicates within a row
     rows[7] = -1
+    rows[9, :5] = num_kv_rows - 1  # the last row (alone in the last window at 131,073)
     length = torch.randint(0, k + 50, (t,), device=dev, generator=gen, dtype=torch.int32)
     for topk_length in (None, length):
         kw = {"group_size": group_size, "num_kv_rows": num_kv_rows, "topk_length": topk_length}
@@ -89,10 +96,10 @@ def test_bitmap_builder_on_the_gpu_at_real_shapes(group_size, num_kv_rows):
         for per_sm in (None, 1):
             union = torch.full_like(want_u, -7)
             lens = torch.full_like(want_n, -7)
-            if per_sm is None:
+            if per_sm is None and kernel == "gluon":  # what build_union runs on sm_90
                 build_union(rows, method="bitmap", out=(union, lens), **kw)
             else:
-                bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens, per_sm=per_sm)
+                bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens, per_sm=per_sm, kernel=kernel)
             assert torch.equal(lens, want_n), (per_sm, topk_length is None)
             below = torch.arange(union.shape[1], device=dev)[None, :] < want_n[:, None]
             assert torch.equal(union[below], want_u[below]), (per_sm, topk_length is None)
@@ -121,3 +128,84 @@ def test_bitmap_kernel_compiles_for_sm90(group_size):
     ors = ptx.count(".or.b32")  # atom / red: the mark phase, and the place phase's member bits when G > 1
     assert ors >= (2 if group_size > 1 else 1)
     assert "ld.global.cg" in ptx
+
+
+@pytest.mark.skipif(not HAS_GLUON, reason="Triton without Gluon")
+@pytest.mark.parametrize("group_size", [1, 8])
+def test_shared_memory_kernel_compiles_for_sm90(group_size):
+    """AOT for sm_90 with the installed Triton (no GPU): the Gluon kernel's marks, counts and places
+    are shared-memory instructions, no global atomics, and Triton's own shared memory (the scan's
+    scratch) lies past the region the inline PTX addresses."""
+    from shardattn.kernels.union_smem import compile_for_sm90, launch_config, region_is_first
+
+    compiled = compile_for_sm90(group_size, 2048, 131_072)
+    ptx, region = compiled.asm["ptx"], launch_config(group_size, 2048, 131_072)["REGION"]
+    assert "red.shared.or.b32" in ptx and "ld.shared.v2.b32" in ptx and "st.shared.v2.b32" in ptx
+    assert "atom.global" not in ptx and "red.global" not in ptx
+    assert region_is_first(compiled.asm["llir"], region)
+    assert compiled.metadata.shared >= 4 * region
+
+
+def test_region_check_refuses_scratch_inside_the_region():
+    from shardattn.kernels.union_smem import region_is_first
+
+    llir = "getelementptr i8, ptr addrspace(3) @global_smem, i32 {}"
+    assert region_is_first(llir.format(65536), 16384) and region_is_first(llir.format(0), 16384)
+    assert not region_is_first(llir.format(4096), 16384)
+
+
+def test_shared_memory_launch_config_and_occupancy():
+    from shardattn.kernels.union_smem import (
+        CTA_RESERVED_BYTES,
+        MAX_UNION_SLOTS,
+        SCRATCH_BYTES,
+        SM_SHARED_BYTES,
+        launch_config,
+        union_slots,
+        window_words,
+    )
+
+    assert window_words(64) == window_words(65_536) == 2048
+    assert window_words(65_537) == window_words(1 << 24) == 4096
+    for g in (1, 2, 4, 8):
+        for rows in (64, 131_072, 1 << 20):
+            cfg = launch_config(g, 2048, rows)
+            assert cfg["REGION"] & (cfg["REGION"] - 1) == 0  # a power of two
+            assert cfg["REGION"] >= 3 * cfg["WW"] + union_slots(g, 2048)
+            assert cfg["BLOCK"] * g >= 128 * cfg["num_warps"]  # no replicated entries at K = 2048
+            assert cfg["WW"] % cfg["CW"] == 0 and cfg["BLOCK"] % cfg["WG"] == 0
+            per_cta = 4 * cfg["REGION"] + SCRATCH_BYTES + CTA_RESERVED_BYTES
+            assert cfg["per_sm"] >= 1 and cfg["per_sm"] * per_cta <= max(SM_SHARED_BYTES, per_cta)
+    assert launch_config(8, 2048, 65_536)["per_sm"] == 1  # 128 KB of region
+    assert launch_config(1, 2048, 65_536, per_sm=9)["per_sm"] == 5  # capped by shared memory (32 KB + 9 KB)
+    assert union_slots(8, 2048) == MAX_UNION_SLOTS and union_slots(1, 100) == 128
+
+
+def test_gluon_kernel_refuses_what_it_cannot_run():
+    from shardattn.kernels.union_smem import smem_supports
+
+    rows = torch.zeros(4, 2048, dtype=torch.int32)
+    assert smem_supports(rows, 8) is not None  # on the CPU
+    union, lens = torch.empty(1, 8 * 2048, dtype=torch.int32), torch.empty(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kernel='gluon'"):
+        bitmap_union(rows, None, 64, 4, union[:, : 4 * 2048], lens, kernel="gluon")
+    with pytest.raises(ValueError, match="kernel"):
+        bitmap_union(rows, None, 64, 4, union[:, : 4 * 2048], lens, kernel="cuda")
+
+
+def test_auto_takes_the_shared_memory_bitmap_within_its_ratios():
+    """On sm_90 with Gluon the bitmap runs in shared memory and wins further: sorted rows too at
+    ``G > 1`` while the cache's words are within the group's entries, unsorted within 4x."""
+    from shardattn.kernels.union import SMEM_SCAN_RATIO, SMEM_SORTED_RATIO
+
+    k = 2048
+    for g in (1, 2, 4, 8):
+        limit = 32 * SMEM_SCAN_RATIO * g * k
+        assert auto_method(g, k, limit, shared_memory=True) == "bitmap"
+        assert auto_method(g, k, limit + 32, shared_memory=True) == UNION_METHOD[g]
+        sorted_limit = 32 * SMEM_SORTED_RATIO * g * k
+        assert auto_method(g, k, sorted_limit, rows_sorted=True, shared_memory=True) == (
+            "fused" if g == 1 else "bitmap"
+        )
+        assert auto_method(g, k, sorted_limit + 32, rows_sorted=True, shared_memory=True) == "fused"
+    assert auto_method(8, 2048, MAX_ROWS + 1, shared_memory=True) == UNION_METHOD[8]

@@ -38,8 +38,12 @@ Triton paths (``method``; the cost depends on ``G * K`` per group, never on the 
   otherwise the row sort (``torch.sort`` of ``[T, K]`` keys) comes first.
 * ``"bitmap"`` (:mod:`shardattn.kernels.union_bitmap`): no sort; one bit per KV row, so its cost
   follows the entries and the KV cache size, not the row order; ``num_kv_rows <= 2**24 - 1``.
-* ``"auto"`` (:func:`auto_method`) takes ``"fused"`` whenever ``rows_sorted``, ``"bitmap"``
-  when the KV cache is small enough for its count (:data:`BITMAP_SCAN_RATIO`), and otherwise
+  On sm_90 with Gluon it runs in shared memory (:mod:`shardattn.kernels.union_smem`), 3.0-4.7x
+  the Triton kernel, which runs elsewhere.
+* ``"auto"`` (:func:`auto_method`) takes ``"bitmap"`` on the shared-memory kernel when the KV
+  cache is small enough for its count (:data:`SMEM_SCAN_RATIO`, :data:`SMEM_SORTED_RATIO`),
+  else ``"fused"`` whenever ``rows_sorted``, ``"bitmap"`` when the cache is small enough for
+  the Triton kernel's count (:data:`BITMAP_SCAN_RATIO`), and otherwise
   the builder per ``G`` of :data:`UNION_METHOD` (all measured on an H200,
   benchmarks/RESULTS.md). Sorting inside one Triton program with ``tl.sort`` measured 2.6x
   slower than ``torch.sort`` at G = 8 (whole group) and 1.9x slower at G = 1 (one row).
@@ -60,8 +64,6 @@ Example:
 
 from __future__ import annotations
 
-from types import MappingProxyType
-
 import torch
 
 try:
@@ -73,8 +75,17 @@ except ImportError:  # the torch reference still works
 from shardattn._checks import INDEX_DTYPES, check_choice, check_int, check_same_device, check_tensor
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.union_bitmap import MAX_ROWS as MAX_BITMAP_ROWS
-from shardattn.kernels.union_bitmap import bitmap_kernels, bitmap_union, bitmap_words
+from shardattn.kernels.union_bitmap import bitmap_kernels, bitmap_union
+from shardattn.kernels.union_choice import (  # noqa: F401 (the choice's names, public here too)
+    BITMAP_SCAN_RATIO,
+    METHODS,
+    SMEM_SCAN_RATIO,
+    SMEM_SORTED_RATIO,
+    UNION_METHOD,
+    auto_method,
+)
 from shardattn.kernels.union_fused import fused_kernel, fused_union
+from shardattn.kernels.union_smem import smem_kernels, smem_supports
 
 if triton is not None:
     from shardattn.kernels.union_fused import compact_sorted_keys
@@ -86,19 +97,6 @@ GROUP_SIZES = (1, 2, 4, 8)
 ROW_BITS = 24
 #: Largest row the G = 1 path accepts (int32 max is the sort sentinel).
 MAX_PLAIN_ROW = 2**31 - 2
-#: Triton builder per ``G`` for ``method="auto"`` on unsorted rows: the fastest measured on an
-#: H200 (T = 4K / 16K, K = 2048, DSA-like rows; benchmarks/RESULTS.md): fused 1.05-1.09x the
-#: merge at G = 4 / 8, 0.76-0.78x the sort at G = 2. With ``rows_sorted=True`` ``"auto"`` is
-#: always ``"fused"`` (no row sort: 2.1-2.6x the old builder at G = 2 / 4 / 8).
-UNION_METHOD = MappingProxyType({1: "sort", 2: "sort", 4: "fused", 8: "fused"})
-METHODS = ("auto", "sort", "merge", "fused", "bitmap")
-#: ``"auto"`` takes the bitmap builder on unsorted rows when the words it counts per group,
-#: ``ceil(R / 32)``, are at most this many times the group's entries ``G * K``. Measured on an
-#: H200 (benchmarks/RESULTS.md, K = 2048, DSA-like rows, T = 4K / 16K): at ratio 1 / 2 it took
-#: 0.18 / 0.93 ms against the row sort's 0.31 / 1.12 (G = 1) and 0.17-0.19 against 0.34-0.50 at
-#: G = 2-8; at ratio 2 (a 1M-row cache, G = 8) 0.49 / 1.72 against 0.51 / 1.89; at ratio 4 it
-#: lost (0.61 against 0.44 ms).
-BITMAP_SCAN_RATIO = 2
 #: How each query's rows are sorted (``G = 1`` and the first merge level): ``torch.sort`` of
 #: ``[T, K]`` keys, or a ``tl.sort`` per query row in one Triton program (measured 1.9-2.0x
 #: slower than ``torch.sort`` on an H200 at K = 2048; kept as an option).
@@ -309,7 +307,7 @@ if triton is not None:
 def union_kernels() -> tuple:
     """The Triton union kernels (keys, compact, row sort, merge, fused, bitmap), for warm-up and compile counting."""
     kernels = (_union_keys_kernel, _union_compact_kernel, _row_sort_kernel, _union_merge_kernel)
-    return (*kernels, fused_kernel(), *bitmap_kernels())
+    return (*kernels, fused_kernel(), *bitmap_kernels(), *smem_kernels())
 
 
 def union_launch_config(group_size: int, topk: int) -> dict[str, int]:
@@ -331,25 +329,19 @@ def union_launch_config(group_size: int, topk: int) -> dict[str, int]:
     }
 
 
-def auto_method(group_size: int, topk: int, num_kv_rows: int, rows_sorted: bool = False) -> str:
-    """The builder ``method="auto"`` runs: ``"fused"`` on sorted rows; on unsorted rows
-    ``"bitmap"`` while its word count stays within :data:`BITMAP_SCAN_RATIO` of the entries,
-    else :data:`UNION_METHOD` (``G = 1``: the row sort)."""
-    if rows_sorted:
-        return "fused"
-    words_ok = bitmap_words(num_kv_rows) <= BITMAP_SCAN_RATIO * group_size * max(topk, 1)
-    if num_kv_rows <= MAX_BITMAP_ROWS and words_ok:
-        return "bitmap"
-    return UNION_METHOD[group_size]
-
-
 def _resolve(
-    group_size: int, method: str, row_sort: str, rows_sorted: bool, topk: int, num_kv_rows: int
+    group_size: int,
+    method: str,
+    row_sort: str,
+    rows_sorted: bool,
+    topk: int,
+    num_kv_rows: int,
+    shared_memory: bool = False,
 ) -> tuple[str, str]:
     check_choice("method", method, METHODS)
     check_choice("row_sort", row_sort, ROW_SORTS)
     if method == "auto":
-        method = auto_method(group_size, topk, num_kv_rows, rows_sorted)
+        method = auto_method(group_size, topk, num_kv_rows, rows_sorted, shared_memory)
     if group_size == 1 and method != "bitmap" and not (method == "fused" and rows_sorted):
         method = "sort"  # one query per group: the row sort is the whole build
     return method, ROW_SORT_AUTO if row_sort == "auto" else row_sort
@@ -391,7 +383,8 @@ def build_union(
     """
 
     _check(rows, group_size, num_kv_rows, topk_length, rows_sorted)
-    method, row_sort = _resolve(group_size, method, row_sort, rows_sorted, rows.shape[1], num_kv_rows)
+    shared_memory = smem_supports(rows, group_size) is None
+    method, row_sort = _resolve(group_size, method, row_sort, rows_sorted, rows.shape[1], num_kv_rows, shared_memory)
     if method == "bitmap" and num_kv_rows > MAX_BITMAP_ROWS:
         raise ValueError(f"num_kv_rows must be <= {MAX_BITMAP_ROWS} for method='bitmap', got {num_kv_rows}")
     t, k = rows.shape

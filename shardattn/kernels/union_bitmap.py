@@ -1,7 +1,10 @@
 """The bitmap union builder: a group's union from a bit per KV row, with no sort at all.
 
 :func:`shardattn.kernels.union.build_union` with ``method="bitmap"`` launches
-:func:`bitmap_union` once. Every other builder sorts: the rows of each query (``torch.sort`` of
+:func:`bitmap_union` once. On sm_90 with Gluon that runs the same three phases in shared memory
+(:mod:`shardattn.kernels.union_smem`, 3.0-4.7x faster); this module's Triton kernel, described
+below, runs elsewhere (other GPUs, a Triton without Gluon, the interpreter) and on request
+(``kernel="triton"``). Every other builder sorts: the rows of each query (``torch.sort`` of
 ``[T, K]``, the larger part of an unsorted build) and then merges. Here a persistent program
 owns a bitmap of one bit per KV row (``ceil(R / 32)`` int32 words, zero between groups) and a
 packed int64 array of the same width, and builds each of its groups in three phases separated
@@ -41,6 +44,9 @@ from __future__ import annotations
 
 import torch
 
+from shardattn._checks import check_choice
+from shardattn.kernels.union_smem import smem_supports, smem_union
+
 try:
     import triton
     import triton.language as tl
@@ -51,6 +57,8 @@ except ImportError:  # the torch reference still works
 MAX_ROWS = 2**24 - 1
 #: Scratch budget of one launch: programs x ``3 * ceil(R / 32)`` int32 stays below this.
 SCRATCH_BYTES = 64 << 20
+#: Which bitmap kernel runs (:func:`bitmap_union`).
+KERNELS = ("auto", "gluon", "triton")
 #: Persistent programs per SM (when the scratch budget allows): 4 and 16 measured the same on an
 #: H200 (benchmarks/RESULTS.md), 4 takes a quarter of the scratch.
 PROGRAMS_PER_SM = 4
@@ -187,11 +195,14 @@ def bitmap_union(
     union: torch.Tensor,
     lens: torch.Tensor,
     *,
-    per_sm: int = PROGRAMS_PER_SM,
+    per_sm: int | None = None,
     scratch_bytes: int = SCRATCH_BYTES,
     config: dict[str, int] | None = None,
+    kernel: str = "auto",
 ) -> None:
-    """Launch the bitmap builder (inputs checked by :func:`~shardattn.kernels.union.build_union`).
+    """Launch the bitmap builder (inputs checked by :func:`~shardattn.kernels.union.build_union`):
+    the shared-memory Gluon kernel (:mod:`~shardattn.kernels.union_smem`) where it runs, else
+    this module's Triton kernel.
 
     Args:
         rows: ``[T, K]`` int32, unit stride along ``K``; invalid entries anywhere.
@@ -200,10 +211,22 @@ def bitmap_union(
         group_size: ``G`` in ``(1, 2, 4, 8)``.
         union: ``[ceil(T/G), G*K]`` int32 output (unit stride along the width).
         lens: ``[ceil(T/G)]`` int32 output.
-        per_sm, scratch_bytes: persistent programs per SM and the scratch cap
-            (:func:`bitmap_programs`; benchmarks sweep them).
-        config: overrides of :func:`bitmap_launch_config` (benchmarks sweep them).
+        per_sm, scratch_bytes: persistent programs per SM and the Triton kernel's scratch cap
+            (:func:`bitmap_programs`, :func:`~shardattn.kernels.union_smem.programs_per_sm`;
+            benchmarks sweep them).
+        config: overrides of the kernel's launch config (benchmarks sweep them).
+        kernel: ``"auto"`` (the Gluon kernel where :func:`~shardattn.kernels.union_smem.smem_supports`
+            says so), ``"gluon"`` (it, or ``ValueError`` saying why not) or ``"triton"``.
     """
+    check_choice("kernel", kernel, KERNELS)
+    why = smem_supports(rows, group_size) if kernel != "triton" else "kernel='triton'"
+    if kernel == "gluon" and why is not None:
+        raise ValueError(f"kernel='gluon' cannot run: {why}")
+    if why is None:
+        smem_cfg = {**(config or {}), **({"per_sm": per_sm} if per_sm is not None else {})}
+        smem_union(rows, topk_length, num_kv_rows, group_size, union, lens, config=smem_cfg)
+        return
+    per_sm = PROGRAMS_PER_SM if per_sm is None else per_sm
     t, k = rows.shape
     n_groups = union.shape[0]
     words = bitmap_words(num_kv_rows)

@@ -13,7 +13,7 @@ for tests.
 
 Example:
     >>> keys = compile_keys(PrefillSpec(heads=8, topk=2048))
-    >>> sorted({k.kernel for k in keys} - {"gluon_attention"})  # Gluon keys where Triton has Gluon
+    >>> sorted({k.kernel for k in keys} - {"gluon_attention", "union_smem"})  # Gluon keys where Triton has Gluon
     ['attention', 'convert_topk', 'union_bitmap', 'union_compact', 'union_fused', 'union_keys']
     >>> sorted(k.params["G"] for k in keys if k.kernel == "attention")
     [1, 8]
@@ -32,6 +32,8 @@ from shardattn.kernels.topk import convert_topk_config
 from shardattn.kernels.union import UNION_METHOD, union_launch_config
 from shardattn.kernels.union_bitmap import bitmap_launch_config
 from shardattn.kernels.union_fused import fused_launch_config
+from shardattn.kernels.union_smem import HAS_GLUON, WINDOWS, smem_supports
+from shardattn.kernels.union_smem import launch_config as smem_launch_config
 from shardattn.plan.routing import gluon_grouped_group_size
 
 
@@ -86,6 +88,11 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
         # builder of UNION_METHOD (larger ones): the cache size is a run-time value, so both
         bitmap = {"G": group, **bitmap_launch_config(group, spec.topk), "HAS_LEN": spec.topk_length}
         keys.append(CompileKey("union_bitmap", bitmap))
+        if HAS_GLUON:  # on sm_90 the bitmap runs in shared memory: one key per window
+            for window in WINDOWS:
+                smem = {"G": group, **smem_launch_config(group, spec.topk, 32 * window), "HAS_LEN": spec.topk_length}
+                smem.pop("per_sm")
+                keys.append(CompileKey("union_smem", smem))
         if group == 1 or UNION_METHOD[group] == "sort":
             keys.append(CompileKey("union_keys", {"G": group, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
             keys.append(CompileKey("union_compact", {"G": group, "CHUNK": cfg["CHUNK"]}))
@@ -179,7 +186,10 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
                 sinks=torch.zeros(spec.heads, device=device) if spec.sinks else None,
             )  # fmt: skip
             # the step above built its union with the bitmap builder (64 KV rows); a large cache
-            # takes the sorting builder instead
+            # takes the sorting builder instead, and on sm_90 the shared-memory bitmap's wider window
             build_union(pos, group_size=group, num_kv_rows=64, topk_length=length, method=UNION_METHOD[group])
             launches += 4
+            if smem_supports(pos, group) is None:
+                build_union(pos, group_size=group, num_kv_rows=32 * WINDOWS[-1], topk_length=length, method="bitmap")
+                launches += 1
     return launches
