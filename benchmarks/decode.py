@@ -352,7 +352,7 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
         if (s, bn) != (cost, 64) and batch * hblocks * cost <= sms:
             one = dict(num_splits=cost, config={"merge": "spread"})
             variants["spread_cost"] = (f"one launch (spread), {cost} splits", one)
-        variants["dedup"] = ("routed, dedup sort", dict(rows_unique=False))
+        variants["dedup"] = ("routed, de-duplicated first", dict(rows_unique=False))
         times = {}
         for key, (label, kw) in variants.items():
             times[key], fn = _time_small(c, label, {"rows_unique": True, **kw})
@@ -370,7 +370,7 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
     print("\nsparse-MLA decode, small batches (us; speed-up = baseline / routed; - = the routed config or not run):")
     keys = ("routed", "rows", "columns", "spread", "spread_cost", "dedup")
     print("| heads | batch | routed | **routed** | baseline (row merge) | column merge, cost-model splits "
-          "| one launch (spread), routed split | one launch (spread), cost-model splits | routed, dedup sort "
+          "| one launch (spread), routed split | one launch (spread), cost-model splits | routed, de-duplicated first "
           "| speed-up |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for h, b, what, times in table:

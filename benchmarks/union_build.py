@@ -149,7 +149,9 @@ def time_case(
     builds = {
         "old": lambda: build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(u, ln), method=OLD_METHOD[g]),
         "fused_unsorted": lambda: build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(u, ln), method="fused"),
-        "fused_sorted": lambda: build_union(srows, group_size=g, num_kv_rows=kv_rows, out=(u, ln), rows_sorted=True),
+        "fused_sorted": lambda: build_union(
+            srows, group_size=g, num_kv_rows=kv_rows, out=(u, ln), rows_sorted=True, method="fused"
+        ),
         "bitmap": lambda: build_union(rows, group_size=g, num_kv_rows=kv_rows, out=(u, ln), method="bitmap"),
         "bitmap_triton": lambda: bitmap_union(rows, None, kv_rows, g, u, ln, kernel="triton"),
     }

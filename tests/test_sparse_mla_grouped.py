@@ -14,6 +14,7 @@ from shardattn.kernels.sparse_mla_grouped import (
 )
 from shardattn.kernels.sparse_mla_triton import tile_config
 from shardattn.kernels.union import UNION_METHOD
+from shardattn.kernels.union_smem import HAS_GLUON, WINDOWS
 from shardattn.kernels.warmup import PrefillSpec, compile_keys, spec_group_sizes
 from shardattn.plan.routing import tile_group_size
 from tests.oracle import sparse_mla_oracle
@@ -90,6 +91,9 @@ def test_warmup_keys_cover_both_sides_of_the_routing_threshold(heads):
     assert fused == {g for g in groups if UNION_METHOD[g] == "fused"}
     # the bitmap builder serves caches small enough for its count, the sorting builders the others
     assert {k.params["G"] for k in keys if k.kernel == "union_bitmap"} == set(groups)
+    if HAS_GLUON:  # on sm_90 the bitmap runs in shared memory: both windows of every G
+        smem = {(k.params["G"], k.params["WW"]) for k in keys if k.kernel == "union_smem"}
+        assert smem == {(g, w) for g in groups for w in WINDOWS}
     assert all(k.params["HAS_SINK"] for k in keys if k.kernel == "attention")
 
 

@@ -209,3 +209,32 @@ def test_auto_takes_the_shared_memory_bitmap_within_its_ratios():
         )
         assert auto_method(g, k, sorted_limit + 32, rows_sorted=True, shared_memory=True) == "fused"
     assert auto_method(8, 2048, MAX_ROWS + 1, shared_memory=True) == UNION_METHOD[8]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk", [1, 100, 4096])
+@pytest.mark.parametrize("group_size", [1, 2, 4, 8])
+def test_shared_memory_kernel_at_other_topk_widths(group_size, topk):
+    """K = 1 / 100 / 4,096 (entries held by several threads when K is small; at G = 8, K = 4,096
+    the union does not fit the region and the Triton kernel runs): exact against the reference on
+    a 200,000-row cache (two windows), 5 % invalid entries, duplicates, ``topk_length``."""
+    if not HAS_GLUON:
+        pytest.skip(f"Gluon unavailable: {GLUON_IMPORT_ERROR}")
+    from shardattn.kernels.union_smem import smem_supports
+
+    dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(topk)
+    t, num_kv_rows = 333, 200_000
+    rows = torch.randint(0, num_kv_rows, (t, topk), device=dev, generator=gen, dtype=torch.int32)
+    rows[torch.rand(t, topk, device=dev, generator=gen) < 0.05] = -1
+    rows[:, topk // 2 :] = rows[:, : topk - topk // 2]  # duplicates within a row (when K > 1)
+    length = torch.randint(0, topk + 3, (t,), device=dev, generator=gen, dtype=torch.int32)
+    kw = {"group_size": group_size, "num_kv_rows": num_kv_rows, "topk_length": length}
+    want_u, want_n = build_union_reference(rows, **kw)
+    kernels = ["auto"] + (["gluon"] if smem_supports(rows, group_size) is None else [])
+    assert kernels == ["auto"] or not (group_size == 8 and topk == 4096)
+    for kernel in kernels:
+        union, lens = torch.full_like(want_u, -7), torch.full_like(want_n, -7)
+        bitmap_union(rows, length, num_kv_rows, group_size, union, lens, kernel=kernel)
+        assert torch.equal(lens, want_n), kernel
+        below = torch.arange(union.shape[1], device=dev)[None, :] < want_n[:, None]
+        assert torch.equal(union[below], want_u[below]), kernel

@@ -37,8 +37,9 @@ outputs. :func:`~shardattn.kernels.registry.sparse_decode_kernel` says which run
 ``backend=`` forces one.
 
 A row listed twice by one token is one key (the library-wide rule): by default the rows are
-first sorted and de-duplicated by :func:`~shardattn.kernels.union.build_union` (``G = 1``, one
-small sort kernel); ``rows_unique=True`` skips that when the caller guarantees unique rows (an
+first sorted and de-duplicated by :func:`~shardattn.kernels.union.build_union` (``G = 1``: one
+bitmap launch, in shared memory on sm_90, while the cache's words are within its ratio, else a
+row sort); ``rows_unique=True`` skips that when the caller guarantees unique rows (an
 indexer's top-k is), and duplicates would then count twice.
 
 LSE: fp32 natural log, includes the sink term; a row with no valid key gives ``(0, -inf)``
