@@ -95,8 +95,9 @@ def smem_supports(rows: torch.Tensor, group_size: int) -> str | None:
         return f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})"
     if rows.device.type != "cuda":
         return f"rows on {rows.device} (the shared-memory build needs CUDA)"
-    if torch.cuda.get_device_capability(rows.device)[0] < 9:
-        return "compute capability below 9.0 (the shared-memory build is written and checked for sm_90)"
+    major, minor = torch.cuda.get_device_capability(rows.device)
+    if major != 9:
+        return f"compute capability {major}.{minor} (the shared-memory build is written and checked for sm_90)"
     if union_slots(group_size, rows.shape[1]) > MAX_UNION_SLOTS:
         return f"G * KPAD = {union_slots(group_size, rows.shape[1])} union slots (at most {MAX_UNION_SLOTS})"
     return None
