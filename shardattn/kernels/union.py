@@ -85,7 +85,7 @@ from shardattn.kernels.union_choice import (  # noqa: F401 (the choice's names, 
     auto_method,
 )
 from shardattn.kernels.union_fused import fused_kernel, fused_union
-from shardattn.kernels.union_smem import smem_kernels, smem_supports
+from shardattn.kernels.union_smem import smem_kernels, smem_supports, smem_union
 
 if triton is not None:
     from shardattn.kernels.union_fused import compact_sorted_keys
@@ -408,8 +408,11 @@ def build_union(
     if g_count == 0:
         return union, lens
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
-    if method == "bitmap":
-        bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens)
+    if method == "bitmap":  # the kernel known above: no second look at the device
+        if shared_memory:
+            smem_union(rows, topk_length, num_kv_rows, group_size, union, lens)
+        else:
+            bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens, kernel="triton")
         return union, lens
     cfg = union_launch_config(group_size, k)
     if method == "fused":

@@ -211,9 +211,9 @@ def bitmap_union(
         group_size: ``G`` in ``(1, 2, 4, 8)``.
         union: ``[ceil(T/G), G*K]`` int32 output (unit stride along the width).
         lens: ``[ceil(T/G)]`` int32 output.
-        per_sm, scratch_bytes: persistent programs per SM and the Triton kernel's scratch cap
-            (:func:`bitmap_programs`, :func:`~shardattn.kernels.union_smem.programs_per_sm`;
-            benchmarks sweep them).
+        per_sm, scratch_bytes: persistent programs per SM (:func:`bitmap_programs`, or the
+            Gluon kernel's :func:`~shardattn.kernels.union_smem.launch_config`) and the Triton
+            kernel's scratch cap (benchmarks sweep them).
         config: overrides of the kernel's launch config (benchmarks sweep them).
         kernel: ``"auto"`` (the Gluon kernel where :func:`~shardattn.kernels.union_smem.smem_supports`
             says so), ``"gluon"`` (it, or ``ValueError`` saying why not) or ``"triton"``.

@@ -53,11 +53,12 @@ def auto_method(
     """
     words = bitmap_words(num_kv_rows)
     entries = group_size * max(topk, 1)
-    if shared_memory and num_kv_rows <= MAX_BITMAP_ROWS:
-        if words <= (SMEM_SORTED_RATIO if rows_sorted else SMEM_SCAN_RATIO) * entries and not (
-            rows_sorted and group_size == 1
-        ):
-            return "bitmap"
+    if rows_sorted:  # G = 1 keeps the fused build of sorted rows (no count at all)
+        smem_ratio = SMEM_SORTED_RATIO if group_size > 1 else 0
+    else:
+        smem_ratio = SMEM_SCAN_RATIO
+    if shared_memory and num_kv_rows <= MAX_BITMAP_ROWS and words <= smem_ratio * entries:
+        return "bitmap"
     if rows_sorted:
         return "fused"
     if num_kv_rows <= MAX_BITMAP_ROWS and words <= BITMAP_SCAN_RATIO * entries:
