@@ -307,7 +307,8 @@ def _time_small(c: dict, label: str, kw: dict, section: str = "sparse1") -> tupl
 
 def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
     """Small sparse-MLA decode batches (1-8 tokens, 16 / 128 heads): the routed path against the
-    same run's separate row merge (the baseline), the column merge on the cost model's split
+    same run's separate row merge (the baseline), the routed path without programmatic dependent
+    launch (with and without de-duplication), the column merge on the cost model's split
     count (the previous routing), the opt-in one-launch spread merge and the de-duplication sort
     (an earlier one-launch tree merge measured slower everywhere and was removed). Graph
     replays, preallocated outputs, workspace and counters; every variant is checked against the
@@ -342,6 +343,7 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
         s, bn = cfg["num_splits"], cfg["BLOCK_N"]
         variants = {
             "routed": (f"routed ({cfg['merge']}, {s} x {cfg['chunk']} rows)", {}),
+            "nopdl": ("routed, launched without PDL", dict(config={"pdl": False})),
             "rows": (f"row merge, {cost} splits (baseline)", dict(num_splits=cost, config={"merge": "rows"})),
         }
         if (s, bn) != (cost, 64):
@@ -353,6 +355,7 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
             one = dict(num_splits=cost, config={"merge": "spread"})
             variants["spread_cost"] = (f"one launch (spread), {cost} splits", one)
         variants["dedup"] = ("routed, de-duplicated first", dict(rows_unique=False))
+        variants["dedup_nopdl"] = ("de-duplicated first, without PDL", dict(rows_unique=False, config={"pdl": False}))
         times = {}
         for key, (label, kw) in variants.items():
             times[key], fn = _time_small(c, label, {"rows_unique": True, **kw})
@@ -368,14 +371,16 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
                 kw = dict(rows_unique=True, num_splits=s, config={"merge": "spread", "BLOCK_N": bn, "num_warps": w})
                 _time_small(c, f"spread {s} splits x {2048 // s} rows, BLOCK_N {bn}, {w} warps", kw, "sweep")
     print("\nsparse-MLA decode, small batches (us; speed-up = baseline / routed; - = the routed config or not run):")
-    keys = ("routed", "rows", "columns", "spread", "spread_cost", "dedup")
-    print("| heads | batch | routed | **routed** | baseline (row merge) | column merge, cost-model splits "
-          "| one launch (spread), routed split | one launch (spread), cost-model splits | routed, de-duplicated first "
-          "| speed-up |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    keys = ("routed", "nopdl", "rows", "columns", "spread", "spread_cost", "dedup", "dedup_nopdl")
+    print("| heads | batch | routed | **routed** | routed without PDL | baseline (row merge) "
+          "| column merge, cost-model splits | one launch (spread), routed split "
+          "| one launch (spread), cost-model splits | routed, de-duplicated first | de-duplicated first, without PDL "
+          "| speed-up | PDL gain |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for h, b, what, times in table:
         cells = " | ".join(f"{times[k] * 1e3:.1f}" if k in times else "-" for k in keys)
-        print(f"| {h} | {b} | {what} | {cells} | {times['rows'] / times['routed']:.2f}x |")
+        gain = times["nopdl"] / times["routed"]
+        print(f"| {h} | {b} | {what} | {cells} | {times['rows'] / times['routed']:.2f}x | {gain:.2f}x |")
 
 
 def bench_merge(copy_tbs: float, sweep: bool = False) -> None:

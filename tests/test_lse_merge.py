@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardattn.kernels.backend import triton_available
 from shardattn.kernels.lse_merge import launch_lse_merge_columns, lse_merge, lse_merge_reference
 from shardattn.testing.interpret import run_interpreted
 
@@ -171,3 +172,56 @@ def test_merge_of_merges_equals_one_merge(parts: int, split: int, empty: list[bo
     torch.testing.assert_close(two_out, one_out, atol=1e-5, rtol=0)
     torch.testing.assert_close(two_lse, one_lse, atol=1e-5, rtol=0)
     assert bool((one_out[0] == 0).all()) and bool(torch.isneginf(one_lse[0]).all())
+
+
+def test_programmatic_dependent_launch_only_on_sm90_gpus(monkeypatch):
+    """PDL (``griddepcontrol``) is asked for only on CUDA devices of compute capability 9+, never
+    on the CPU or under the interpreter (which cannot run its inline PTX)."""
+    from shardattn.kernels import backend
+
+    assert not backend.pdl_supported(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not backend.pdl_supported(torch.device("cuda", 0))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    if torch.cuda.is_available():
+        major = torch.cuda.get_device_capability(0)[0]
+        assert backend.pdl_supported(torch.device("cuda", 0)) == (major >= 9 and backend.triton_available())
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_pdl_kernels_compile_for_sm90_with_grid_dependency_control():
+    """AOT for sm_90 with the installed Triton (no GPU): with ``PDL`` the column merge waits on the
+    grid before it (``griddepcontrol.wait``) and the decode split kernel lets the next grid launch
+    and waits (``griddepcontrol.launch_dependents`` and ``.wait``); without ``PDL`` neither is there."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from shardattn.kernels.lse_merge import _lse_merge_columns_kernel
+    from shardattn.kernels.sparse_mla_decode_triton import _sparse_mla_decode_kernel
+
+    def ptx(kernel, pointers: dict, floats: tuple, constexprs: dict) -> str:
+        signature = {}
+        for name in kernel.arg_names:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            else:
+                signature[name] = pointers.get(name, "fp32" if name in floats else "i32")
+        src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        options = {"num_warps": 4, "launch_pdl": bool(constexprs["PDL"])}
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+    merge_ptrs = {"Outs": "*fp32", "Lses": "*fp32", "Out": "*bf16", "Lse": "*fp32"}
+    split_ptrs = {
+        "Q": "*bf16", "KV": "*bf16", "Rows": "*i32", "TopkLen": "*i32", "Sinks": "*fp32", "Out": "*fp32",
+        "Lse": "*fp32", "FinalOut": "*bf16", "FinalLse": "*fp32", "Counters": "*i32",
+    }  # fmt: skip
+    split_consts = {
+        "DV": 512, "DR": 64, "BLOCK_DV": 512, "BLOCK_DR": 64, "BLOCK_H": 16, "BLOCK_N": 32, "HAS_TOPK_LEN": False,
+        "HAS_SINKS": False, "HAS_ROPE": True, "IEEE": False, "SPREAD": 0, "BLOCK_S": 2, "MERGE_C": 16,
+    }  # fmt: skip
+    for pdl in (True, False):
+        merge = ptx(_lse_merge_columns_kernel, merge_ptrs, (), {"BLOCK_P": 64, "BLOCK_D": 128, "PDL": pdl})
+        split = ptx(_sparse_mla_decode_kernel, split_ptrs, ("qk_scale",), {**split_consts, "PDL": pdl})
+        assert ("griddepcontrol.wait" in merge) == pdl
+        assert ("griddepcontrol.launch_dependents" in split) == pdl and ("griddepcontrol.wait" in split) == pdl

@@ -74,8 +74,9 @@ def test_cpu_writes_into_given_buffers():
         ({"num_splits": 0}, ValueError, "num_splits must be >= 1"),
         ({"out": torch.zeros(3, 4, 8)}, ValueError, "out must have shape"),
         ({"lse_out": torch.zeros(3, 4, dtype=torch.float64)}, TypeError, "lse_out must have dtype"),
+        ({"config": {"pdl": 1}}, TypeError, r"config\['pdl'\] must be a bool"),
     ],
-    ids=["rows_dtype", "rows_tokens", "splits", "out_shape", "lse_dtype"],
+    ids=["rows_dtype", "rows_tokens", "splits", "out_shape", "lse_dtype", "pdl_not_bool"],
 )
 def test_bad_input_is_refused_with_the_argument_named(kwargs, error, match):
     q, kv, rows, _, _ = make_inputs(3, 4, 24, 30, 12, False, False)
@@ -219,3 +220,49 @@ def test_routed_merge_on_gpu_matches_reference_and_replays_exactly(heads, tokens
         assert_same_lse(lse, ref_lse, atol=1e-3)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, tokens", [(16, 1), (16, 8), (128, 8)])
+def test_programmatic_dependent_launch_changes_no_bit(heads, tokens):
+    """The split kernel and its merge launched as programmatic dependent launches (the default
+    where the GPU has them) give the same bits as plain launches, eagerly and from a CUDA graph
+    replayed on new inputs each time: a merge that read the partials before the split kernel had
+    written them all would differ."""
+    from shardattn.kernels.registry import pdl_supported
+
+    if not torch.cuda.is_available() or not pdl_supported(torch.device("cuda")):
+        pytest.skip("needs a GPU with programmatic dependent launch (sm_90+)")
+    q, kv, rows, tlen, sinks = make_inputs(tokens, heads, 576, 1 << 16, 2048, True, True, torch.bfloat16, "cuda")
+    out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((tokens, heads), float("nan"), device="cuda")
+
+    def step(pdl: bool):
+        sparse_mla_decode(
+            q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, out=out, lse_out=lse, backend="triton",
+            rows_unique=False, config={"pdl": pdl},
+        )  # fmt: skip
+        return out.clone(), lse.clone()
+
+    plain = step(False)
+    assert all(torch.equal(a, b) for a, b in zip(step(True), plain))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sparse_mla_decode(
+            q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, out=out, lse_out=lse, backend="triton",
+            rows_unique=False,
+        )  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for _ in range(20):
+        q.copy_(torch.randn(q.shape, generator=gen, device="cuda"))
+        rows.copy_(torch.randint(-2, kv.shape[0], rows.shape, generator=gen, device="cuda", dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        got = (out.clone(), lse.clone())
+        want = step(False)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -49,6 +49,31 @@ def is_sm90(device: torch.device) -> bool:
     return device_capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
 
 
+@functools.lru_cache(maxsize=1)
+def _triton_has_gdc() -> bool:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """``True`` where a kernel may be launched as a programmatic dependent launch (PDL): a CUDA
+    device of compute capability 9.0 or newer (``griddepcontrol``), Triton with its grid-dependency
+    calls, and not the interpreter.
+
+    A PDL kernel starts while the kernel before it in the stream is still running and waits for
+    it (``gdc_wait``: the earlier grid complete, its writes visible) before it reads anything;
+    what it saves is its own launch latency (measured: benchmarks/RESULTS.md, eighth session)."""
+    if device.type != "cuda" or interpreter_enabled() or not torch.cuda.is_available():
+        return False
+    if not triton_available() or not _triton_has_gdc():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return device_capability(index)[0] >= 9
+
+
 def unsupported_reason(*tensors: torch.Tensor | None) -> str | None:
     """Why the Triton kernels cannot run on these tensors, or ``None`` when they can."""
     if not triton_available():

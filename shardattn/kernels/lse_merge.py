@@ -44,6 +44,11 @@ from shardattn.kernels.backend import use_triton
 try:  # Triton is optional: without it every path runs the torch reference.
     import triton
     import triton.language as tl
+
+    try:  # grid-dependency control (programmatic dependent launch), Triton 3.3+
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # pragma: no cover - older Triton: pdl_supported() is False, PDL never compiles
+        gdc_launch_dependents = gdc_wait = None
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
@@ -200,6 +205,7 @@ def launch_lse_merge(
     *,
     block_elems: int = 4096,
     num_warps: int = 4,
+    pdl: bool = False,
 ) -> None:
     """Launch the Triton merge kernel on validated tensors (no checks, no allocation, no sync).
 
@@ -207,6 +213,9 @@ def launch_lse_merge(
         outs: ``[P, T, H, D]``; lses: ``[P, T, H]`` fp32; out: ``[T, H, D]``; lse: ``[T, H]`` fp32.
         Any strides; ``D`` is read in one tile (``next_power_of_2(D)`` lanes).
         block_elems, num_warps: tile size (rows x padded D) and warps of one program (tuning).
+        pdl: launch as a programmatic dependent launch (only where
+            :func:`~shardattn.kernels.backend.pdl_supported`): the kernel starts behind the one
+            that writes ``outs`` / ``lses`` and waits for it before reading them.
     """
     p, t, h, d = outs.shape
     n_rows = t * h
@@ -227,7 +236,9 @@ def launch_lse_merge(
         *_merge_strides(outs, lses, out, lse),
         BLOCK_R=block_r,
         BLOCK_D=block_d,
+        PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
 
 
@@ -244,6 +255,7 @@ def launch_lse_merge_columns(
     *,
     block_d: int = 128,
     num_warps: int = 4,
+    pdl: bool = False,
 ) -> None:
     """:func:`launch_lse_merge` for few rows and many partials: one program per (row, ``block_d``
     columns) loads all ``P`` LSEs and its ``[P, block_d]`` slice of the partials in one step (no
@@ -253,6 +265,7 @@ def launch_lse_merge_columns(
         outs: ``[P, T, H, D]``; lses: ``[P, T, H]`` fp32; out: ``[T, H, D]``; lse: ``[T, H]`` fp32.
         Any strides; validated tensors, no checks, no allocation, no sync.
         block_d, num_warps: columns and warps of one program (tuning; ``P * block_d`` fp32 live).
+        pdl: a programmatic dependent launch, as in :func:`launch_lse_merge`.
     """
     p, t, h, d = outs.shape
     n_rows = t * h
@@ -271,7 +284,9 @@ def launch_lse_merge_columns(
         *_merge_strides(outs, lses, out, lse),
         BLOCK_P=max(2, triton.next_power_of_2(p)),
         BLOCK_D=block_d,
+        PDL=pdl,
         num_warps=num_warps,
+        launch_pdl=pdl,
     )
 
 
@@ -318,8 +333,12 @@ if triton is not None:
         stride_zh,
         BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr,
     ):
-        """Merge rows ``[pid * BLOCK_R, ...)`` of the flattened ``(t, h)`` axis over ``P`` partials."""
+        """Merge rows ``[pid * BLOCK_R, ...)`` of the flattened ``(t, h)`` axis over ``P`` partials
+        (``PDL``: first wait for the grid that wrote them)."""
+        if PDL:
+            gdc_wait()
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         offs_d = tl.arange(0, BLOCK_D)
         rmask = rows < n_rows
@@ -372,9 +391,13 @@ if triton is not None:
         stride_zh,
         BLOCK_P: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Merge columns ``[pid1 * BLOCK_D, ...)`` of row ``pid0`` of the flattened ``(t, h)`` axis;
-        every partial's LSE and slice are loaded at once (``BLOCK_P >= P``)."""
+        every partial's LSE and slice are loaded at once (``BLOCK_P >= P``; ``PDL``: after waiting
+        for the grid that wrote them)."""
+        if PDL:
+            gdc_wait()
         row = tl.program_id(0)
         t = (row // H).to(tl.int64)
         h = (row % H).to(tl.int64)

@@ -27,6 +27,13 @@ kernel (:func:`merge_kind`), so it is not routed. Small batches take the one-wav
 (:func:`sparse_mla_decode_config`). The torch reference is
 :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 
+On sm_90 and newer (:func:`~shardattn.kernels.registry.pdl_supported`) the split kernel and its
+merge are programmatic dependent launches: the split kernel waits for the grid before it (a
+union build, a caller's indexer) before reading anything and lets the merge launch once its
+partials are stored; the merge waits for the split grid before reading them. What it saves is
+launch latency, a few tenths of a microsecond a step (benchmarks/RESULTS.md, eighth session);
+``config={"pdl": False}`` launches plainly.
+
 Backends: on an sm_90 GPU with Triton's Gluon, at
 :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads or more (DSA shapes, bf16/fp16) and
 batches of at least :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_PROGRAMS` whole-row programs,
@@ -55,7 +62,7 @@ import torch
 
 from shardattn._checks import check_int, check_tensor
 from shardattn.kernels.lse_merge import launch_lse_merge, launch_lse_merge_columns, split_partials
-from shardattn.kernels.registry import sparse_decode_kernel, use_triton
+from shardattn.kernels.registry import pdl_supported, sparse_decode_kernel, use_triton
 from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, empty_kv_result, join_q, sparse_mla_reference
 from shardattn.kernels.union import build_union
 
@@ -91,7 +98,7 @@ ONE_WAVE_MAX_ROWS = 128
 #: ... of at most this many splits (64 of 32 rows at top-k 2048) at <= 32 heads.
 ONE_WAVE_MAX_SPLITS = 64
 #: Keys a caller's ``config=`` may override (tuning).
-CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge"})
+CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge", "pdl"})
 MERGES = ("rows", "columns", "spread")
 
 
@@ -256,8 +263,9 @@ def sparse_mla_decode(
             de-duplication sort on the Triton path; duplicates would then count twice).
         config: launch-configuration overrides (keys of :func:`sparse_mla_decode_config`:
             ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and ``merge`` = ``"rows"`` /
-            ``"columns"`` / ``"spread"``; for tuning and baselines; a forced ``"spread"`` whose
-            launch does not fit in one wave is a ``ValueError``).
+            ``"columns"`` / ``"spread"``, ``pdl`` = ``False`` to launch the split kernel and the
+            merge without programmatic dependent launch; for tuning and baselines; a forced
+            ``"spread"`` whose launch does not fit in one wave is a ``ValueError``).
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
             the split partials; with ``out``, ``lse_out`` and it, nothing is allocated.
@@ -295,6 +303,8 @@ def sparse_mla_decode(
             raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
         if config.get("merge", "rows") not in MERGES:
             raise ValueError(f"config['merge'] must be 'rows', 'columns' or 'spread', got {config['merge']!r}")
+        if not isinstance(config.get("pdl", False), bool):
+            raise TypeError(f"config['pdl'] must be a bool, got {type(config['pdl']).__name__}")
     triton_only = config is not None or counters is not None
     if backend == "gluon" and triton_only:
         raise ValueError("backend='gluon' takes no config or counters (Triton options)")
@@ -383,10 +393,13 @@ def sparse_mla_decode(
             )  # fmt: skip
         return out, lse_out
     mode = SPREAD_ONE_LAUNCH if spread else SPREAD_OFF
-    launch_split_kernel(q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, mode)
+    pdl = cfg.get("pdl", True) and pdl_supported(q.device)
+    launch_split_kernel(
+        q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, mode, pdl=pdl
+    )  # fmt: skip
     if splits > 1 and not spread:
         if cfg.get("merge") == "columns":
-            launch_lse_merge_columns(dst_out, dst_lse, out, lse_out)
+            launch_lse_merge_columns(dst_out, dst_lse, out, lse_out, pdl=pdl)
         else:
-            launch_lse_merge(dst_out, dst_lse, out, lse_out)
+            launch_lse_merge(dst_out, dst_lse, out, lse_out, pdl=pdl)
     return out, lse_out

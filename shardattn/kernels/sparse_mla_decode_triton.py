@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardattn.kernels.lse_merge import merge_partials_tile
+from shardattn.kernels.lse_merge import gdc_launch_dependents, gdc_wait, merge_partials_tile
 from shardattn.kernels.online_softmax import online_softmax_finish, online_softmax_step
 
 LOG2E = 1.4426950408889634
@@ -52,6 +52,7 @@ def launch_split_kernel(
     cfg: dict,
     scale: float,
     spread: int = SPREAD_OFF,
+    pdl: bool = False,
 ) -> None:
     """Launch ``_sparse_mla_decode_kernel`` on validated tensors (no checks, no allocation, no sync).
 
@@ -62,6 +63,12 @@ def launch_split_kernel(
         here only with one split or ``spread``); counters: int32 zeros for ``spread`` (at least
         ``2 * T * ceil(H / BLOCK_H)``: counts in the first half, generations in the second), else unused.
         cfg: :func:`sparse_mla_decode_config`'s dict. spread: a ``SPREAD_*`` mode (module docstring).
+        pdl: a programmatic dependent launch (only where
+            :func:`~shardattn.kernels.backend.pdl_supported`): the kernel waits for the grid before
+            it in the stream before reading anything, and lets the next one (a PDL merge) launch
+            once every program has stored its partial. (Letting it launch when the programs
+            start measured faster at 16 heads x 1-2 tokens and slower everywhere else:
+            benchmarks/RESULTS.md, eighth session.)
     """
     t, h, d = q.shape
     v_dim = out.shape[-1]
@@ -129,8 +136,10 @@ def launch_split_kernel(
         SPREAD=spread,
         BLOCK_S=max(2, triton.next_power_of_2(splits)) if spread else 2,  # fixed when unused: no recompile
         MERGE_C=merge_c if spread else 16,
+        PDL=pdl,
         num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 2),
+        launch_pdl=pdl,
     )
 
 
@@ -186,10 +195,14 @@ def _sparse_mla_decode_kernel(
     SPREAD: tl.constexpr,
     BLOCK_S: tl.constexpr,
     MERGE_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (head block, token, split): online softmax over rows ``[split*chunk, ...)`` of the top-k;
-    with ``SPREAD`` every split merges its share of the cells once all splits arrived."""
+    with ``SPREAD`` every split merges its share of the cells once all splits arrived; with ``PDL``
+    it waits for the grid before it and lets the next one launch after its stores."""
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
+    if PDL:  # the grid before this one (a union build, an indexer) wrote q / rows: wait for it
+        gdc_wait()
     pid_h = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -252,6 +265,8 @@ def _sparse_mla_decode_kernel(
         o_ptrs = Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
         tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
         tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)
+    if PDL:  # the partial is stored: the merge may launch (it waits for this grid to complete)
+        gdc_launch_dependents()
     if SPREAD != 0:
         _spread_merge(
             Out, Lse, FinalOut, FinalLse, count, gen, gen0, tok,

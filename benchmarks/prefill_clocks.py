@@ -1,0 +1,185 @@
+"""The routed Gluon per-query prefill kernel timed beside the GPU's SM clock, power and temperature.
+
+Run-to-run spread of the 128-head kernel reached 7 % on one H200 (benchmarks/RESULTS.md, "Per-query
+prefill after the change"), and T = 16K measured below T = 4K. This script asks whether the clock
+explains it: ``nvidia-smi`` samples the SM clock, power, temperature and the active clock-event
+(throttle) reasons every 20 ms in the background while
+
+1. each case (heads x T, DSA-like top-k 2048, KV 64K / 128K rows as in ``gluon_check.py``) is timed
+   as there (L2 flushed, device held after each flush, CUDA-event medians); the table gives the
+   median ms, the effective TF/s, the mean SM clock over the case's timed window and the TF/s the
+   kernel would reach at the GPU's maximum SM clock if its time scaled with the clock (a
+   compute-bound kernel's does; labelled as the assumption it is);
+2. the last case runs back to back for ``--sustain`` seconds (no flush, no pause), and the clock
+   and power are reported per quarter of that window;
+3. every case is timed again, right after, on the hot GPU.
+
+    python benchmarks/prefill_clocks.py --heads 64 128 --tokens 4096 16384 --out clocks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from prefill_inputs import D_R, D_V, attention_buffers, make_case, random_qkv, timed, union_buffers
+
+from shardattn.kernels.sparse_mla_gluon import gluon_config, launch_gluon_attention
+from shardattn.kernels.sparse_mla_triton import flops
+from shardattn.kernels.union import build_union
+
+FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+
+class Sampler:
+    """``nvidia-smi`` sampling GPU 0 every ``period_ms`` into a temporary file until :meth:`stop`."""
+
+    def __init__(self, period_ms: int = 20):
+        self.file = tempfile.NamedTemporaryFile("w+", suffix=".csv")  # noqa: SIM115 - closed in stop()
+        cmd = ["nvidia-smi", "-i", "0", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits"]
+        cmd.append(f"--loop-ms={period_ms}")
+        self.proc = subprocess.Popen(cmd, stdout=self.file, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)
+
+    def stop(self) -> list[tuple[dt.datetime, float, float, float, str]]:
+        """Stops sampling; returns ``(local time, SM MHz, W, deg C, reasons)`` per sample."""
+        self.proc.terminate()
+        self.proc.wait()
+        self.file.seek(0)
+        lines = self.file.readlines()
+        self.file.close()
+        samples = []
+        for line in lines:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                when = dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+                samples.append((when, float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
+            except (ValueError, IndexError):
+                continue
+        return samples
+
+
+def window(samples, start: dt.datetime, end: dt.datetime) -> dict:
+    """Mean SM clock / power / temperature and the reasons seen between ``start`` and ``end``."""
+    inside = [s for s in samples if start <= s[0] <= end]
+    if not inside:
+        return {"samples": 0}
+    return {
+        "samples": len(inside),
+        "sm_mhz": round(statistics.fmean(s[1] for s in inside), 1),
+        "sm_mhz_min": min(s[1] for s in inside),
+        "watts": round(statistics.fmean(s[2] for s in inside), 1),
+        "temp_c": max(s[3] for s in inside),
+        "reasons": sorted({s[4] for s in inside}),
+    }
+
+
+def max_sm_clock() -> float:
+    out = subprocess.run(
+        ["nvidia-smi", "-i", "0", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return float(out.stdout.strip())
+
+
+def setup(heads: int, tokens: int, topk: int):
+    """Inputs of one case and a closure launching the routed per-query Gluon kernel on them."""
+    dev = torch.device("cuda")
+    kv_rows = 65536 if tokens <= 4096 else 131072
+    _, _, _, _, rows, counts = make_case(tokens, kv_rows, topk, "dsa", 0)
+    q, kv = random_qkv(tokens, heads, kv_rows, 0, dev)
+    u, ln = union_buffers(tokens, topk, 1, dev)
+    build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u, ln))
+    out, lse = attention_buffers(q)
+    cfg = gluon_config(heads, 1)
+    scale = (D_V + D_R) ** -0.5
+
+    def run():
+        launch_gluon_attention(q, kv, u, ln, scale=scale, v_dim=D_V, config=cfg, out=out, lse=lse)
+
+    return run, flops(int(counts.sum()), heads), cfg.label
+
+
+def time_cases(cases, runs, flush, reps: int, what: str) -> list[tuple]:
+    """Each case timed as ``gluon_check.py`` does; ``(case, kernel, flops, ms, start, end, what)``."""
+    marks = []
+    for c in cases:
+        run, fl, label = runs[c]
+        start = dt.datetime.now()
+        ms = timed(run, flush, reps)
+        marks.append((c, label, fl, ms, start, dt.datetime.now(), what))
+    return marks
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--sustain", type=float, default=4.0, help="seconds of back-to-back runs of the first case")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    peak = max_sm_clock()
+    cases = [(h, t) for t in args.tokens for h in args.heads]
+    runs = {c: setup(c[0], c[1], args.topk) for c in cases}
+    for run, _, _ in runs.values():  # compile and warm every kernel before the sampler starts
+        run()
+    torch.cuda.synchronize()
+    sampler = Sampler()
+    marks = [time_cases(cases, runs, flush, args.reps, "first pass")]
+    run, fl, _ = runs[cases[-1]]
+    sustain_start = dt.datetime.now()
+    n = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < args.sustain:
+        for _ in range(20):
+            run()
+        torch.cuda.synchronize()
+        n += 20
+    elapsed = time.perf_counter() - t0
+    sustain_end = dt.datetime.now()
+    marks.append(time_cases(cases, runs, flush, args.reps, "after the sustained runs"))
+    samples = sampler.stop()
+    rows = []
+    print(f"max SM clock {peak:.0f} MHz; {len(samples)} samples")
+    print("| pass | heads | T | kernel | ms | TF/s | SM MHz (mean / min) | W | deg C "
+          "| TF/s at max clock (time ~ 1/clock) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (h, t), label, fl_c, ms, s, e, what in [m for ms_ in marks for m in ms_]:
+        w = window(samples, s, e)
+        tf = fl_c / (ms * 1e-3) / 1e12
+        scaled = tf * peak / w["sm_mhz"] if w.get("sm_mhz") else float("nan")
+        rows.append({"pass": what, "heads": h, "tokens": t, "kernel": label, "ms": ms, "tflops": tf,
+                     "at_max_clock": scaled, **w})  # fmt: skip
+        clock = f"{w.get('sm_mhz', 0):.0f} / {w.get('sm_mhz_min', 0):.0f}"
+        print(f"| {what} | {h} | {t} | {label} | {ms:.3f} | {tf:.0f} | {clock} | {w.get('watts', 0):.0f} "
+              f"| {w.get('temp_c', 0):.0f} | {scaled:.0f} |")  # fmt: skip
+        print(f"    clock-event reasons in the window: {w.get('reasons')}")
+    tf_sus = fl * n / elapsed / 1e12
+    print(f"\nsustained: {cases[-1]} x {n} runs back to back in {elapsed:.2f} s: {tf_sus:.0f} TF/s (host-timed)")
+    quarter = (sustain_end - sustain_start) / 4
+    sustained = []
+    for i in range(4):
+        w = window(samples, sustain_start + i * quarter, sustain_start + (i + 1) * quarter)
+        sustained.append(w)
+        print(f"  quarter {i + 1}: {w}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"max_sm_mhz": peak, "cases": rows, "sustained": sustained, "sustained_tflops": tf_sus}, f,
+                      indent=1, default=str)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
