@@ -344,8 +344,11 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
         variants = {
             "routed": (f"routed ({cfg['merge']}, {s} x {cfg['chunk']} rows)", {}),
             "nopdl": ("routed, launched without PDL", dict(config={"pdl": False})),
+            "steps64": ("routed split, 64-row steps of 4 warps", dict(config={"BLOCK_N": 64, "num_warps": 4})),
             "rows": (f"row merge, {cost} splits (baseline)", dict(num_splits=cost, config={"merge": "rows"})),
         }
+        if heads > 16 or cfg["BLOCK_N"] == 32:  # the split count's own tile: nothing older to compare
+            del variants["steps64"]
         if (s, bn) != (cost, 64):
             variants["columns"] = (f"column merge, {cost} splits", dict(num_splits=cost, config={"merge": "columns"}))
         if batch * hblocks * s <= sms:  # the one-launch merge on the routed split kernel
@@ -365,18 +368,20 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
                 prof = profile_graph(fn)
                 kernels = " + ".join(f"{k[:24]} {u:.2f}" for k, u in zip(prof["kernels"], prof["kernel_us"]))
                 record("sweep", f"{c['tag']} routed: device span of a replay", prof["span_us"] * 1e-3, kernels=kernels)
-        table.append((heads, batch, f"{cfg['merge']}, {s} x {cfg['chunk']}", times))
+        tile = f"{cfg['BLOCK_N']}-row steps, {cfg['num_warps']} warps"
+        table.append((heads, batch, f"{cfg['merge']}, {s} x {cfg['chunk']} ({tile})", times))
         for s, bn, w in ((16, 64, 4), (32, 64, 8), (64, 32, 8)):
             if sweep and heads == 16 and batch * s <= sms:
                 kw = dict(rows_unique=True, num_splits=s, config={"merge": "spread", "BLOCK_N": bn, "num_warps": w})
                 _time_small(c, f"spread {s} splits x {2048 // s} rows, BLOCK_N {bn}, {w} warps", kw, "sweep")
     print("\nsparse-MLA decode, small batches (us; speed-up = baseline / routed; - = the routed config or not run):")
-    keys = ("routed", "nopdl", "rows", "columns", "spread", "spread_cost", "dedup", "dedup_nopdl")
-    print("| heads | batch | routed | **routed** | routed without PDL | baseline (row merge) "
+    keys = ("routed", "nopdl", "steps64", "rows", "columns", "spread", "spread_cost", "dedup", "dedup_nopdl")
+    print("| heads | batch | routed | **routed** | routed without PDL | routed split, 64-row steps of 4 warps "
+          "| baseline (row merge) "
           "| column merge, cost-model splits | one launch (spread), routed split "
           "| one launch (spread), cost-model splits | routed, de-duplicated first | de-duplicated first, without PDL "
           "| speed-up | PDL gain |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for h, b, what, times in table:
         cells = " | ".join(f"{times[k] * 1e3:.1f}" if k in times else "-" for k in keys)
         gain = times["nopdl"] / times["routed"]

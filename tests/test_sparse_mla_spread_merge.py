@@ -114,12 +114,20 @@ def test_spread_merge_matches_reference_under_interpreter(dtype_name):
 
 def test_routing_takes_one_wave_splits_and_a_separate_merge():
     # 16 heads, 1-8 tokens, 132 SMs: the most splits (<= 64) that fit in one wave, column merge;
-    # the spread merge is opt-in (config) only: measured no faster than the column merge
-    for t, splits, block_n in ((1, 64, 32), (2, 64, 32), (4, 32, 64), (8, 16, 64)):
+    # the spread merge is opt-in (config) only: measured no faster than the column merge; a split of
+    # 64 or 128 rows is one step of 8 warps
+    for t, splits, block_n, warps in ((1, 64, 32, 4), (2, 64, 32, 4), (4, 32, 64, 8), (8, 16, 128, 8)):
         cfg = sparse_mla_decode_config(t, 16, 2048, 132)
-        assert (cfg["num_splits"], cfg["BLOCK_N"], cfg["merge"]) == (splits, block_n, "columns"), (t, cfg)
+        want = (splits, block_n, warps, "columns")
+        assert (cfg["num_splits"], cfg["BLOCK_N"], cfg["num_warps"], cfg["merge"]) == want, (t, cfg)
         assert cfg["num_splits"] * cfg["chunk"] == 2048 and cfg["cost_model_splits"] == 32
         assert "one wave" in cfg["reason"] and spread_fits(t, 16, cfg["num_splits"], 132)
+    # one step only for 2-byte inputs at <= 16 heads (an fp32 or a 32-head tile of 128 rows is too big)
+    assert sparse_mla_decode_config(8, 16, 2048, 132, elem_bytes=4)["BLOCK_N"] == 64
+    assert (
+        sparse_mla_decode_config(4, 32, 2048, 132)["BLOCK_N"],
+        sparse_mla_decode_config(4, 32, 2048, 132)["num_warps"],
+    ) == (64, 4)
     # 8 tokens on a 64-SM GPU: 8 splits fit; 128 heads: up to the cost model's count; many rows: as before
     assert sparse_mla_decode_config(8, 16, 2048, 64)["num_splits"] == 8
     assert sparse_mla_decode_config(1, 128, 2048, 132)["num_splits"] == 32

@@ -95,8 +95,10 @@ COLUMN_MERGE_MAX_ROWS = 128
 #: At most this many (token, head) rows take the one-wave split count
 #: (:func:`sparse_mla_decode_config`) ...
 ONE_WAVE_MAX_ROWS = 128
-#: ... of at most this many splits (64 of 32 rows at top-k 2048) at <= 32 heads.
+#: ... of at most this many splits (64 of 32 rows at top-k 2048) at <= 32 heads; at <= 16 heads
+#: (bf16 / fp16) a split of up to this many rows is gathered in one step (one tile, 8 warps).
 ONE_WAVE_MAX_SPLITS = 64
+ONE_WAVE_MAX_BLOCK_N = 128
 #: Keys a caller's ``config=`` may override (tuning).
 CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge", "pdl"})
 MERGES = ("rows", "columns", "spread")
@@ -146,7 +148,9 @@ def sparse_mla_decode_config(
     tiles), else up to the cost model's count. Measured on an H200 at 16 heads, top-k 2048 with
     the column merge (benchmarks/RESULTS.md, "one-launch spread merge"): 64 x 32 rows at 1-2
     tokens (13.6 / 14.7 us against 14.4 / 15.4 for the cost model's 32 x 64), 16 x 128 at 8
-    tokens (22.9 against 23.6). It is also the launch the opt-in spread merge needs.
+    tokens (22.9 against 23.6). It is also the launch the opt-in spread merge needs. At <= 16
+    heads a split of 64 or 128 rows is one tile of 8 warps (one gather, no second loop step:
+    benchmarks/RESULTS.md, eighth session).
 
     Returns:
         ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge",
@@ -161,6 +165,7 @@ def sparse_mla_decode_config(
     """
     block_h = _block_h(num_heads)
     block_n = 64
+    num_warps = 8 if block_h >= 64 else 4
     programs = max(1, num_tokens * -(-num_heads // block_h))
     n_blocks = max(1, -(-topk // block_n))
     one_wave = False
@@ -177,8 +182,12 @@ def sparse_mla_decode_config(
         fit = min(num_sms // programs, ONE_WAVE_MAX_SPLITS if block_h <= 32 else num_splits)
         if num_splits > 1 and fit > 1 and num_tokens * num_heads <= ONE_WAVE_MAX_ROWS:
             num_splits, one_wave = 1 << (fit.bit_length() - 1), True
-            if -(-topk // num_splits) <= 32:
+            per_split = -(-topk // num_splits)
+            if per_split <= 32:
                 block_n = 32
+            elif block_h <= 16 and elem_bytes <= 2 and per_split <= ONE_WAVE_MAX_BLOCK_N:
+                block_n = ONE_WAVE_MAX_BLOCK_N if per_split > 64 else 64  # the split in one gather
+                num_warps = 8
     else:
         cost_model = num_splits
     chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
@@ -188,7 +197,7 @@ def sparse_mla_decode_config(
         "BLOCK_N": block_n,
         "num_splits": splits,
         "chunk": chunk,
-        "num_warps": 8 if block_h >= 64 else 4,
+        "num_warps": num_warps,
         "num_stages": 2,
         "merge": merge_kind(num_tokens, num_heads, splits),
         "reason": merge_reason(num_tokens, num_heads, splits, one_wave=one_wave),
