@@ -4,7 +4,10 @@ Shapes: top-k 2048 unique random rows of 262,144, bf16, D 576 / Dv 512, 16 heads
 batch 1 / 2 / 4 / 8. Every time is a CUDA-graph replay under ``triton.testing.do_bench`` (the L2
 is flushed between replays, so the KV rows come from HBM, as in a serving step). Prints:
 
-* the floor: a graph of one and of two one-element kernels;
+* the floor: a graph of one and of two one-element kernels, and a graph of one kernel that only
+  reads the step's KV rows (each token's top-k rows gathered once by ``splits`` programs, summed,
+  one float out per program; the fastest of several grids): no design that reads the rows in
+  one launch can be faster (``--floors-only`` prints just these);
 * the kernels of today's graph (torch profiler over replays: kernel device durations, the gap
   between them and the span of a replay);
 * the split kernel alone, for split counts 4-64 and ``BLOCK_N`` / ``num_warps`` / ``num_stages``;
@@ -23,6 +26,7 @@ import json
 
 import torch
 import triton
+import triton.language as tl
 import triton.runtime.errors
 import triton.testing
 from decode import graph_of  # benchmarks/decode.py, beside this script
@@ -111,6 +115,47 @@ def floor() -> None:
     x = torch.zeros(1, device="cuda")
     record("floor", "graph of one 1-element kernel", replay_us(lambda: x.add_(1)))
     record("floor", "graph of two dependent 1-element kernels", replay_us(lambda: (x.add_(1), x.mul_(2))))
+
+
+@triton.jit
+def _read_rows_kernel(KV, Rows, Out, stride_kv, K, chunk, BLOCK_N: tl.constexpr):
+    """Program (token, split): sum of ``kv[rows[token, split * chunk : ...], :576]`` (bf16 rows)."""
+    tok = tl.program_id(0)
+    split = tl.program_id(1)
+    acc = tl.zeros([BLOCK_N, 512], tl.float32)
+    acc_r = tl.zeros([BLOCK_N, 64], tl.float32)
+    for n0 in range(split * chunk, split * chunk + chunk, BLOCK_N):
+        r = tl.load(Rows + tok * K + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        base = KV + r[:, None] * stride_kv
+        acc += tl.load(base + tl.arange(0, 512)[None, :]).to(tl.float32)
+        acc_r += tl.load(base + 512 + tl.arange(0, 64)[None, :]).to(tl.float32)
+    tl.store(Out + tok * tl.num_programs(1) + split, tl.sum(acc) + tl.sum(acc_r))
+
+
+def read_floor(kv: torch.Tensor, batch: int) -> None:
+    """The fastest graph-replayed launch that only gathers a ``batch``-token step's rows."""
+    rows = torch.stack([torch.randperm(ROWS, device="cuda")[:TOPK] for _ in range(batch)]).int()
+    want = kv[rows.long()].float().sum(dim=(1, 2))
+    best = None
+    for splits in (8, 16, 32, 64, 128):
+        for bn, warps in ((16, 4), (32, 4), (64, 4), (64, 8)):
+            chunk = TOPK // splits
+            if bn > chunk:
+                continue
+            out = torch.empty(batch, splits, device="cuda")
+
+            def fn(out=out, splits=splits, bn=bn, warps=warps, chunk=chunk):
+                _read_rows_kernel[(batch, splits)](kv, rows, out, kv.stride(0), TOPK, chunk, BLOCK_N=bn,
+                                                   num_warps=warps)  # fmt: skip
+
+            fn()
+            torch.testing.assert_close(out.sum(1), want, rtol=1e-3, atol=1.0)
+            us = replay_us(fn)
+            if best is None or us < best[0]:
+                best = (us, f"{splits} programs per token x {chunk} rows, {bn}-row steps, {warps} warps")
+    nbytes = batch * TOPK * 576 * 2
+    record("floor", f"B{batch}: one kernel reading the step's KV rows ({best[1]})", best[0],
+           tbs=nbytes / (best[0] * 1e-6) / 1e12)  # fmt: skip
 
 
 def split_variants() -> list[dict]:
@@ -214,6 +259,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="small_sweep.json")
     parser.add_argument("--batches", default="1,2,4,8")
+    parser.add_argument("--floors-only", action="store_true", help="only the floors (no kernel sweep)")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
@@ -221,6 +267,10 @@ def main() -> None:
     kv = torch.randn(ROWS, 576, device="cuda").bfloat16()
     kv32 = kv.float()
     floor()
+    for batch in map(int, args.batches.split(",")):
+        read_floor(kv, batch)
+    if args.floors_only:
+        return
     for batch in map(int, args.batches.split(",")):
         sweep_shape(kv, kv32, 16, batch, sms, full=True, merges=batch in (1, 8))
         with open(args.json, "w") as f:
