@@ -12,7 +12,10 @@ explains it: ``nvidia-smi`` samples the SM clock, power, temperature and the act
    compute-bound kernel's does; labelled as the assumption it is);
 2. the last case runs back to back for ``--sustain`` seconds (no flush, no pause), and the clock
    and power are reported per quarter of that window;
-3. every case is timed again, right after, on the hot GPU.
+3. every case is timed again, right after, on the hot GPU;
+4. with ``--variants``, first, each named ``gluon_check.py`` variant runs back to back on the last
+   case for ``--sustain`` seconds, in turn, twice: TF/s, clock, power and joules per TFLOP at the
+   power limit (``--variants-only``: just that).
 
     python benchmarks/prefill_clocks.py --heads 64 128 --tokens 4096 16384 --out clocks.json
 """
@@ -91,8 +94,9 @@ def max_sm_clock() -> float:
     return float(out.stdout.strip())
 
 
-def setup(heads: int, tokens: int, topk: int):
-    """Inputs of one case and a closure launching the routed per-query Gluon kernel on them."""
+def setup(heads: int, tokens: int, topk: int, config=None):
+    """Inputs of one case and a closure launching the per-query Gluon kernel on them: ``config``
+    (a :class:`~shardattn.kernels.sparse_mla_gluon.GluonConfig`), the routed one by default."""
     dev = torch.device("cuda")
     kv_rows = 65536 if tokens <= 4096 else 131072
     _, _, _, _, rows, counts = make_case(tokens, kv_rows, topk, "dsa", 0)
@@ -100,7 +104,7 @@ def setup(heads: int, tokens: int, topk: int):
     u, ln = union_buffers(tokens, topk, 1, dev)
     build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u, ln))
     out, lse = attention_buffers(q)
-    cfg = gluon_config(heads, 1)
+    cfg = config or gluon_config(heads, 1)
     scale = (D_V + D_R) ** -0.5
 
     def run():
@@ -120,6 +124,47 @@ def time_cases(cases, runs, flush, reps: int, what: str) -> list[tuple]:
     return marks
 
 
+def sustained(run, seconds: float) -> tuple[int, float, dt.datetime, dt.datetime]:
+    """``run`` back to back (no flush, no pause) for ``seconds``: ``(runs, seconds, start, end)``."""
+    start = dt.datetime.now()
+    n = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            run()
+        torch.cuda.synchronize()
+        n += 10
+    return n, time.perf_counter() - t0, start, dt.datetime.now()
+
+
+def compare_variants(labels: list[str], case: tuple[int, int], topk: int, seconds: float, rounds: int = 2) -> None:
+    """Each of ``gluon_check.py``'s variants ``labels`` run sustained on ``case`` for ``seconds``,
+    ``rounds`` times in turn, with the clock and power of each window: at the power limit the
+    variant that spends fewer joules per FLOP runs at a higher clock."""
+    from gluon_check import VARIANTS
+
+    by_label = {v.label: v for v in VARIANTS}
+    runs = {label: setup(case[0], case[1], topk, by_label[label]) for label in labels}
+    for run, _, _ in runs.values():
+        run()
+    torch.cuda.synchronize()
+    sampler = Sampler()
+    marks = []
+    for r in range(rounds):
+        for label in labels:
+            run, fl, _ = runs[label]
+            n, secs, start, end = sustained(run, seconds)
+            marks.append((r, label, fl * n / secs / 1e12, start, end))
+    samples = sampler.stop()
+    print(f"\nvariants sustained on {case} ({seconds} s each, {rounds} rounds in turn):")
+    print("| round | variant | TF/s | SM MHz | W | J per TFLOP | TF/s per GHz |")
+    print("|---|---|---|---|---|---|---|")
+    for r, label, tf, start, end in marks:
+        w = window(samples, start + (end - start) / 4, end)  # the first quarter settles
+        mhz, watts = w.get("sm_mhz", float("nan")), w.get("watts", float("nan"))
+        print(f"| {r + 1} | {label} | {tf:.0f} | {mhz:.0f} | {watts:.0f} | {watts / tf:.3f} | {tf / mhz * 1e3:.0f} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, nargs="+", default=[64, 128])
@@ -128,10 +173,17 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--sustain", type=float, default=4.0, help="seconds of back-to-back runs of the first case")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="gluon_check.py variant labels, each run --sustain seconds on the last case")  # fmt: skip
+    ap.add_argument("--variants-only", action="store_true", help="only the variant comparison")
     args = ap.parse_args(argv)
+    cases = [(h, t) for t in args.tokens for h in args.heads]
+    if args.variants:
+        compare_variants(args.variants, cases[-1], args.topk, args.sustain)
+        if args.variants_only:
+            return 0
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     peak = max_sm_clock()
-    cases = [(h, t) for t in args.tokens for h in args.heads]
     runs = {c: setup(c[0], c[1], args.topk) for c in cases}
     for run, _, _ in runs.values():  # compile and warm every kernel before the sampler starts
         run()
