@@ -344,6 +344,8 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
         variants = {
             "routed": (f"routed ({cfg['merge']}, {s} x {cfg['chunk']} rows)", {}),
             "nopdl": ("routed, launched without PDL", dict(config={"pdl": False})),
+            "fp32part": ("routed, fp32 partials", dict(config={"partials": "fp32"})),
+            "halfpart": ("routed, bf16 partials", dict(config={"partials": "input"})),
             "steps64": ("routed split, 64-row steps of 4 warps", dict(config={"BLOCK_N": 64, "num_warps": 4})),
             "rows": (f"row merge, {cost} splits (baseline)", dict(num_splits=cost, config={"merge": "rows"})),
         }
@@ -375,13 +377,15 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
                 kw = dict(rows_unique=True, num_splits=s, config={"merge": "spread", "BLOCK_N": bn, "num_warps": w})
                 _time_small(c, f"spread {s} splits x {2048 // s} rows, BLOCK_N {bn}, {w} warps", kw, "sweep")
     print("\nsparse-MLA decode, small batches (us; speed-up = baseline / routed; - = the routed config or not run):")
-    keys = ("routed", "nopdl", "steps64", "rows", "columns", "spread", "spread_cost", "dedup", "dedup_nopdl")
-    print("| heads | batch | routed | **routed** | routed without PDL | routed split, 64-row steps of 4 warps "
+    keys = ("routed", "fp32part", "halfpart", "nopdl", "steps64", "rows", "columns", "spread", "spread_cost", "dedup",
+            "dedup_nopdl")  # fmt: skip
+    print("| heads | batch | routed | **routed** | routed, fp32 partials | routed, bf16 partials | routed without PDL "
+          "| routed split, 64-row steps of 4 warps "
           "| baseline (row merge) "
           "| column merge, cost-model splits | one launch (spread), routed split "
           "| one launch (spread), cost-model splits | routed, de-duplicated first | de-duplicated first, without PDL "
           "| speed-up | PDL gain |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for h, b, what, times in table:
         cells = " | ".join(f"{times[k] * 1e3:.1f}" if k in times else "-" for k in keys)
         gain = times["nopdl"] / times["routed"]

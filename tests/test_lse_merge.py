@@ -225,3 +225,21 @@ def test_pdl_kernels_compile_for_sm90_with_grid_dependency_control():
         split = ptx(_sparse_mla_decode_kernel, split_ptrs, ("qk_scale",), {**split_consts, "PDL": pdl})
         assert ("griddepcontrol.wait" in merge) == pdl
         assert ("griddepcontrol.launch_dependents" in split) == pdl and ("griddepcontrol.wait" in split) == pdl
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_split_partials_views_fit_the_fp32_workspace_without_overlap(dtype):
+    """The partial outputs (fp32 or a 2-byte dtype) and their fp32 LSEs are disjoint views that fit
+    in :func:`split_partials_numel` fp32 words, whatever the element count's parity."""
+    from shardattn.kernels.lse_merge import split_partials, split_partials_numel
+
+    s, t, h, d = 3, 1, 5, 7  # odd output count: the 2-byte outputs end mid-word
+    ws = torch.zeros(split_partials_numel(s, t, h, d))
+    outs, lses = split_partials(ws, s, t, h, d, ws.device, out_dtype=dtype)
+    assert outs.shape == (s, t, h, d) and outs.dtype == dtype and lses.shape == (s, t, h)
+    assert lses.dtype == torch.float32
+    outs.fill_(1.0)
+    lses.fill_(-5.0)
+    assert (outs == 1.0).all() and (lses == -5.0).all()  # neither write touched the other
+    end = lses.data_ptr() + lses.numel() * 4
+    assert end <= ws.data_ptr() + ws.numel() * 4 and outs.data_ptr() == ws.data_ptr()

@@ -12,6 +12,7 @@ from shardattn.kernels.sparse_mla_decode import (
     COLUMN_MERGE_MAX_ROWS,
     merge_kind,
     merge_reason,
+    partials_dtype,
     sparse_mla_decode,
     sparse_mla_decode_config,
 )
@@ -75,8 +76,9 @@ def test_cpu_writes_into_given_buffers():
         ({"out": torch.zeros(3, 4, 8)}, ValueError, "out must have shape"),
         ({"lse_out": torch.zeros(3, 4, dtype=torch.float64)}, TypeError, "lse_out must have dtype"),
         ({"config": {"pdl": 1}}, TypeError, r"config\['pdl'\] must be a bool"),
+        ({"config": {"partials": "bf16"}}, ValueError, r"config\['partials'\] must be"),
     ],
-    ids=["rows_dtype", "rows_tokens", "splits", "out_shape", "lse_dtype", "pdl_not_bool"],
+    ids=["rows_dtype", "rows_tokens", "splits", "out_shape", "lse_dtype", "pdl_not_bool", "partials_unknown"],
 )
 def test_bad_input_is_refused_with_the_argument_named(kwargs, error, match):
     q, kv, rows, _, _ = make_inputs(3, 4, 24, 30, 12, False, False)
@@ -107,6 +109,16 @@ def test_config_routes_the_column_merge_to_few_rows():
     assert one["num_splits"] == 1 and one["merge"] == "none" and "no merge" in one["reason"]
 
 
+def test_partials_are_half_width_only_under_the_row_merge():
+    """Measured: 2-byte partials pay under the row merge (bandwidth-bound), not under the column or
+    spread merges; fp32 inputs keep fp32 partials; a caller's choice wins."""
+    for dt in (torch.bfloat16, torch.float16):
+        assert partials_dtype(dt, "rows") == dt
+        assert partials_dtype(dt, "columns") == partials_dtype(dt, "spread") == torch.float32
+        assert partials_dtype(dt, "columns", "input") == dt and partials_dtype(dt, "rows", "fp32") == torch.float32
+    assert partials_dtype(torch.float32, "rows") == partials_dtype(torch.float32, "rows", "input") == torch.float32
+
+
 # ---- Triton interpreter (subprocess) ----
 
 
@@ -129,6 +141,15 @@ def interpreted_cases(dtype_name: str) -> None:
     ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=32)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0)
     assert_same_lse(lse, ref_lse.float(), atol=1e-4)
+    # the row merge (fp16 inputs: half-width partials) and the column merge give the oracle's result
+    q, kv, rows, tlen, sinks = make_inputs(3, 20, 48, 50, 70, True, True, dtype)
+    ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=32, topk_length=tlen, sinks=sinks)
+    for merge in ("rows", "columns"):
+        out, lse = sparse_mla_decode(
+            q, kv, rows, scale=0.2, v_dim=32, topk_length=tlen, sinks=sinks, num_splits=3, config={"merge": merge}
+        )
+        torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0, msg=merge)
+        assert_same_lse(lse, ref_lse.float(), atol=1e-4)
 
 
 @pytest.mark.interpret

@@ -173,16 +173,24 @@ def split_partials_numel(num_splits: int, tokens: int, heads: int, dim: int) -> 
 
 
 def split_partials(
-    workspace: torch.Tensor | None, num_splits: int, tokens: int, heads: int, dim: int, device: torch.device
+    workspace: torch.Tensor | None,
+    num_splits: int,
+    tokens: int,
+    heads: int,
+    dim: int,
+    device: torch.device,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of ``workspace`` (allocated when ``None``) for a split-KV kernel's partial results.
 
     Args:
         workspace: fp32 buffer of at least :func:`split_partials_numel` elements on ``device``, or None.
         num_splits, tokens, heads, dim: the partials' shape.
+        out_dtype: the partial outputs' dtype (fp32, or a 2-byte float: they then take half the
+            room and the LSEs follow them); the LSEs are fp32.
     Returns:
-        ``(outs [num_splits, tokens, heads, dim], lses [num_splits, tokens, heads])`` fp32, to be
-        merged by :func:`launch_lse_merge`.
+        ``(outs [num_splits, tokens, heads, dim] out_dtype, lses [num_splits, tokens, heads] fp32)``,
+        to be merged by :func:`launch_lse_merge`.
     Raises:
         ValueError: ``workspace`` is too small, not fp32 or on another device.
     """
@@ -192,8 +200,10 @@ def split_partials(
     elif workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != device:
         raise ValueError(f"workspace must be a float32 tensor on {device} with >= {need} elements")
     n_out = num_splits * tokens * heads * dim
-    outs = workspace[:n_out].view(num_splits, tokens, heads, dim)
-    lses = workspace[n_out:need].view(num_splits, tokens, heads)
+    n_lse = num_splits * tokens * heads
+    words = n_out if out_dtype == torch.float32 else -(-n_out // 2)  # fp32 words the outputs take
+    outs = workspace[:words].view(out_dtype)[:n_out].view(num_splits, tokens, heads, dim)
+    lses = workspace[words : words + n_lse].view(num_splits, tokens, heads)
     return outs, lses
 
 
@@ -237,7 +247,7 @@ def launch_lse_merge(
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         PDL=pdl,
-        num_warps=4,
+        num_warps=num_warps,
         launch_pdl=pdl,
     )
 

@@ -9,8 +9,10 @@ Decode has one query token per request (or ``q_len`` tokens under speculative de
 draft token has its own top-k row, so it is simply another token). It is memory bound: the
 work is reading ``K`` rows of 576 dims per token. The Triton kernel ``_sparse_mla_decode_kernel``
 runs one program per (head block, token, split of the top-k row); head blocks of a token are the
-fastest grid axis so they read the same rows while those are in L2. Splits write fp32 partials
-and LSEs; one split writes the result directly.
+fastest grid axis so they read the same rows while those are in L2. Splits write partial outputs
+(fp32; in q's 2-byte dtype under the row merge, which reads them all with few programs: measured
+faster there and not under the column merge, benchmarks/RESULTS.md, eighth session) and fp32 LSEs;
+one split writes the result directly.
 
 Merging the splits (:func:`merge_kind`, chosen by measured numbers, benchmarks/RESULTS.md): at
 most :data:`COLUMN_MERGE_MAX_ROWS` (token, head) rows, a second launch with one program per
@@ -85,6 +87,7 @@ __all__ = [
     "ONE_WAVE_MAX_SPLITS",
     "merge_kind",
     "merge_reason",
+    "partials_dtype",
     "sparse_mla_decode",
     "sparse_mla_decode_config",
     "spread_fits",
@@ -100,7 +103,7 @@ ONE_WAVE_MAX_ROWS = 128
 ONE_WAVE_MAX_SPLITS = 64
 ONE_WAVE_MAX_BLOCK_N = 128
 #: Keys a caller's ``config=`` may override (tuning).
-CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge", "pdl"})
+CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge", "pdl", "partials"})
 MERGES = ("rows", "columns", "spread")
 
 
@@ -227,6 +230,21 @@ def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
     return "columns" if num_tokens * num_heads <= COLUMN_MERGE_MAX_ROWS else "rows"
 
 
+def partials_dtype(dtype: torch.dtype, merge: str, choice: str = "auto") -> torch.dtype:
+    """The dtype of the split partials' outputs for inputs of ``dtype`` merged by ``merge``:
+    ``choice`` ``"fp32"``, ``"input"`` (``dtype`` where it is a 2-byte float) or ``"auto"``: the
+    input dtype under the row merge (a few wide programs read every partial: half the bytes
+    measured 7 % faster at 128 heads x 8 tokens), fp32 under the column and spread merges (one
+    latency each; no gain measured; benchmarks/RESULTS.md, eighth session).
+
+    Example:
+        >>> partials_dtype(torch.bfloat16, "rows"), partials_dtype(torch.bfloat16, "columns")
+        (torch.bfloat16, torch.float32)
+    """
+    half = dtype in (torch.bfloat16, torch.float16) and (choice == "input" or (choice == "auto" and merge == "rows"))
+    return dtype if half else torch.float32
+
+
 def merge_reason(num_tokens: int, num_heads: int, num_splits: int, *, one_wave: bool = False) -> str:
     """Why :func:`merge_kind` chose its kernel, in words (for logs and routes); ``one_wave``: the
     split count is :func:`sparse_mla_decode_config`'s one-wave choice."""
@@ -273,7 +291,10 @@ def sparse_mla_decode(
         config: launch-configuration overrides (keys of :func:`sparse_mla_decode_config`:
             ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and ``merge`` = ``"rows"`` /
             ``"columns"`` / ``"spread"``, ``pdl`` = ``False`` to launch the split kernel and the
-            merge without programmatic dependent launch; for tuning and baselines; a forced
+            merge without programmatic dependent launch, ``partials`` = ``"fp32"`` / ``"input"``
+            (q's 2-byte dtype) for the split partials' outputs (default ``"auto"``: q's dtype
+            under the row merge, which reads them all with few programs, fp32 otherwise);
+            for tuning and baselines; a forced
             ``"spread"`` whose launch does not fit in one wave is a ``ValueError``).
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
@@ -314,6 +335,8 @@ def sparse_mla_decode(
             raise ValueError(f"config['merge'] must be 'rows', 'columns' or 'spread', got {config['merge']!r}")
         if not isinstance(config.get("pdl", False), bool):
             raise TypeError(f"config['pdl'] must be a bool, got {type(config['pdl']).__name__}")
+        if config.get("partials", "auto") not in ("auto", "input", "fp32"):
+            raise ValueError(f"config['partials'] must be 'auto', 'input' or 'fp32', got {config['partials']!r}")
     triton_only = config is not None or counters is not None
     if backend == "gluon" and triton_only:
         raise ValueError("backend='gluon' takes no config or counters (Triton options)")
@@ -384,7 +407,8 @@ def sparse_mla_decode(
             f"(tokens x head blocks x num_splits) > {num_sms} SMs; ask fewer num_splits"
         )
     if splits > 1:
-        dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device)
+        out_dtype = partials_dtype(q.dtype, cfg["merge"], cfg.get("partials", "auto"))
+        dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device, out_dtype=out_dtype)
     else:
         dst_out, dst_lse = out, lse_out
     if spread:

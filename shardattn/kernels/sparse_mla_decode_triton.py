@@ -58,10 +58,11 @@ def launch_split_kernel(
 
     Args:
         q ``[T, H, D]``, kv ``[R, D]``, rows ``[T, K]`` int32, topk_length ``[T]`` / sinks ``[H]`` or None.
-        dst_out ``[S, T, H, Dv]`` / dst_lse ``[S, T, H]`` fp32 partials (``out`` / ``lse_out`` when
-        ``cfg["num_splits"] == 1``); out ``[T, H, Dv]``, lse_out ``[T, H]``: the result (written
-        here only with one split or ``spread``); counters: int32 zeros for ``spread`` (at least
-        ``2 * T * ceil(H / BLOCK_H)``: counts in the first half, generations in the second), else unused.
+        dst_out ``[S, T, H, Dv]`` (fp32 or q's dtype) / dst_lse ``[S, T, H]`` fp32 partials
+        (``out`` / ``lse_out`` when ``cfg["num_splits"] == 1``); out ``[T, H, Dv]``, lse_out
+        ``[T, H]``: the result (written here only with one split or ``spread``); counters: int32
+        zeros for ``spread`` (at least ``2 * T * ceil(H / BLOCK_H)``: counts in the first half,
+        generations in the second), else unused.
         cfg: :func:`sparse_mla_decode_config`'s dict. spread: a ``SPREAD_*`` mode (module docstring).
         pdl: a programmatic dependent launch (only where
             :func:`~shardattn.kernels.backend.pdl_supported`): the kernel waits for the grid before
