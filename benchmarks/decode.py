@@ -347,7 +347,10 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
             "fp32part": ("routed, fp32 partials", dict(config={"partials": "fp32"})),
             "halfpart": ("routed, bf16 partials", dict(config={"partials": "input"})),
             "steps64": ("routed split, 64-row steps of 4 warps", dict(config={"BLOCK_N": 64, "num_warps": 4})),
-            "rows": (f"row merge, {cost} splits (baseline)", dict(num_splits=cost, config={"merge": "rows"})),
+            "rows": (  # the baseline as it was: fp32 partials, plain launches
+                f"row merge, {cost} splits (baseline)",
+                dict(num_splits=cost, config={"merge": "rows", "partials": "fp32", "pdl": False}),
+            ),
         }
         if heads > 16 or cfg["BLOCK_N"] == 32:  # the split count's own tile: nothing older to compare
             del variants["steps64"]
