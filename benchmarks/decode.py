@@ -21,6 +21,7 @@ import math
 import time
 
 import torch
+from graph_timing import graph_of, profile_graph  # beside this script
 
 from shardattn.kernels import flashinfer_xqa
 from shardattn.kernels.gqa_decode import gqa_paged_decode
@@ -40,20 +41,6 @@ def bench_ms(fn, warmup: int = 30, rep: int = 200) -> float:
 def graph_ms(fn) -> float:
     """Median milliseconds of ``fn`` replayed from a CUDA graph (kernel time, no host overhead)."""
     return bench_ms(graph_of(fn).replay)
-
-
-def graph_of(fn):
-    """Capture ``fn`` (already warmed up) into a CUDA graph; returns the graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def record(section: str, name: str, ms: float, nbytes: float | None = None, **extra) -> dict:
@@ -368,8 +355,6 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
         for key, (label, kw) in variants.items():
             times[key], fn = _time_small(c, label, {"rows_unique": True, **kw})
             if key == "routed" and sweep:
-                from decode_small_sweep import profile_graph  # beside this script
-
                 prof = profile_graph(fn)
                 kernels = " + ".join(f"{k[:24]} {u:.2f}" for k, u in zip(prof["kernels"], prof["kernel_us"]))
                 record("sweep", f"{c['tag']} routed: device span of a replay", prof["span_us"] * 1e-3, kernels=kernels)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 import triton.runtime.errors
 import triton.testing
-from decode import graph_of  # benchmarks/decode.py, beside this script
+from graph_timing import graph_of, profile_graph  # beside this script
 
 from shardattn.kernels.lse_merge import (
     launch_lse_merge,
@@ -56,51 +56,6 @@ def record(kind: str, name: str, us: float, **extra) -> None:
     RESULTS.append({"kind": kind, "name": name, "us": us, **extra})
     tail = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
     print(f"{kind:7s} {name:58s} {us:8.2f} us {tail}", flush=True)
-
-
-def profile_graph(fn, replays: int = 30) -> dict:
-    """Kernels of ``fn``'s graph over ``replays`` replays (L2 flushed before each): mean device
-    duration per kernel, mean gap between consecutive kernels, mean span of a replay (us)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    g = graph_of(fn)
-    src = torch.empty(128 << 20, dtype=torch.int8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            dst.copy_(src)  # flushes the L2 (a memcpy, not a kernel: left out below)
-            g.replay()
-        torch.cuda.synchronize()
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy")
-    )
-    per = max(1, len(kernels) // replays)
-    names, durs, gaps, spans = [], {}, [], []
-    for i in range(0, per * replays, per):
-        step = kernels[i : i + per]
-        if not names:
-            names = [k[2][:60] for k in step]
-        for j, (a, b, _name) in enumerate(step):
-            durs.setdefault(j, []).append(b - a)
-            if j:
-                gaps.append(a - step[j - 1][1])
-        spans.append(step[-1][1] - step[0][0])
-
-    def med(xs: list[float]) -> float:
-        return sorted(xs)[len(xs) // 2] if xs else float("nan")
-
-    return {
-        "kernels": names,
-        "kernel_us": [med(durs[j]) for j in sorted(durs)],
-        "gap_us": med(gaps),
-        "span_us": med(spans),
-        "kernels_per_replay": per,
-    }
 
 
 def check(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor, what: str) -> float:

@@ -24,7 +24,7 @@ from shardattn.parallel.runtime import Runtime
 from shardattn.workload import union_ratio
 
 if TYPE_CHECKING:
-    from shardattn.launch.runner import RunConfig
+    from shardattn.launch.run_config import RunConfig
 
 __all__ = ["Prepared", "prepare_decode", "prepare_prefill"]
 

@@ -18,28 +18,26 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardattn import __version__
 from shardattn.launch.cli import (
     EXIT_CHECK_FAILED,
     EXIT_INJECTED,
     EXIT_USAGE,
     LaunchError,
     Options,
-    Shape,
     resolve_shape,
 )
 from shardattn.launch.prepare import prepare_decode, prepare_prefill
 from shardattn.launch.process_group import LaunchGroups
 from shardattn.launch.report import RankRow, Report, render, render_compare, write_json
+from shardattn.launch.run_config import RunConfig
 from shardattn.launch.timing import check_step, graph_row, profile_step, step_row, time_step
 from shardattn.launch.workloads import overlap_model
-from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.parallel.comm import Comm
 from shardattn.parallel.runtime import Runtime
 from shardattn.plan.cost import CostModel, load_calibration
 from shardattn.plan.spec import ModelSpec, get_preset
@@ -57,61 +55,6 @@ _PROGRESS_ITERS = 10
 
 def _fail(message: str) -> LaunchError:
     return LaunchError(f"shardattn.launch: error: {message}", EXIT_USAGE)
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything a rank needs to run, resolved identically on every rank (see :func:`plan_run`)."""
-
-    opts: Options
-    spec: ModelSpec
-    mode: str
-    shape: Shape
-    device: torch.device
-    dtype: torch.dtype
-    world_size: int
-    steps: tuple[str, ...]
-    check: bool
-    iters: int
-    min_shard_tokens: int
-    min_group_tokens: int
-    recorded: tuple[torch.Tensor, torch.Tensor] | None
-    notes: tuple[str, ...]
-
-    def fingerprint(self) -> int:
-        """Equal on ranks that will run the same thing (options, version, world size, device type)."""
-        fields = {k: v for k, v in dataclasses.asdict(self.opts).items() if k not in ("json", "progress")}
-        rec = None if self.recorded is None else (tuple(self.recorded[0].shape), int(self.recorded[0].sum()))
-        return stable_fingerprint(
-            __version__, sorted(fields.items()), self.world_size, self.device.type, self.dtype, self.shape, rec
-        )
-
-    def describe(self) -> dict[str, Any]:
-        s = self.shape
-        return {
-            "preset": self.opts.preset,
-            "heads": self.spec.num_heads,
-            "mode": self.mode,
-            "world_size": self.world_size,
-            "backend": "nccl" if self.device.type == "cuda" else "gloo",
-            "device": self.device.type,
-            "dtype": str(self.dtype).replace("torch.", ""),
-            "tokens": s.tokens,
-            "requests": s.requests,
-            "cached": list(s.cached),
-            "topk": s.topk,
-            "q_lens": list(s.q_lens),
-            "overlap": self.opts.overlap,
-            "topk_file": self.opts.topk_file,
-            "iters": self.iters,
-            "warmup": self.opts.warmup,
-            "seed": self.opts.seed,
-            "check": self.check,
-            "compare": self.opts.compare,
-            "calibration": self.opts.calibration,
-            "reduced_shape": s.reduced,
-            "version": __version__,
-        }
 
 
 def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:

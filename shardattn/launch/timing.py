@@ -20,7 +20,7 @@ from shardattn.launch.report import summarize_times
 from shardattn.parallel.runtime import Runtime
 
 if TYPE_CHECKING:
-    from shardattn.launch.runner import RunConfig
+    from shardattn.launch.run_config import RunConfig
 
 __all__ = ["check_step", "graph_row", "profile_step", "step_row", "sync", "time_step"]
 

@@ -1,0 +1,65 @@
+"""CUDA-graph helpers shared by the decode benchmarks: capture a step into a graph, and profile
+the kernels of its replays (device durations, gaps, span) with the torch profiler."""
+
+from __future__ import annotations
+
+import torch
+
+
+def graph_of(fn):
+    """Capture ``fn`` (already warmed up) into a CUDA graph; returns the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def profile_graph(fn, replays: int = 30) -> dict:
+    """Kernels of ``fn``'s graph over ``replays`` replays (L2 flushed before each): mean device
+    duration per kernel, mean gap between consecutive kernels, mean span of a replay (us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = graph_of(fn)
+    src = torch.empty(128 << 20, dtype=torch.int8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            dst.copy_(src)  # flushes the L2 (a memcpy, not a kernel: left out below)
+            g.replay()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy")
+    )
+    per = max(1, len(kernels) // replays)
+    names, durs, gaps, spans = [], {}, [], []
+    for i in range(0, per * replays, per):
+        step = kernels[i : i + per]
+        if not names:
+            names = [k[2][:60] for k in step]
+        for j, (a, b, _name) in enumerate(step):
+            durs.setdefault(j, []).append(b - a)
+            if j:
+                gaps.append(a - step[j - 1][1])
+        spans.append(step[-1][1] - step[0][0])
+
+    def med(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2] if xs else float("nan")
+
+    return {
+        "kernels": names,
+        "kernel_us": [med(durs[j]) for j in sorted(durs)],
+        "gap_us": med(gaps),
+        "span_us": med(spans),
+        "kernels_per_replay": per,
+    }

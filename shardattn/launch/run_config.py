@@ -1,0 +1,76 @@
+"""What a launcher rank runs, resolved identically on every rank: :class:`RunConfig`.
+
+Built by :func:`shardattn.launch.runner.plan_run`; read by the step builders
+(:mod:`~shardattn.launch.prepare`), the timing (:mod:`~shardattn.launch.timing`) and the runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardattn import __version__
+from shardattn.launch.cli import Options, Shape
+from shardattn.parallel.comm import stable_fingerprint
+from shardattn.plan.spec import ModelSpec
+
+__all__ = ["RunConfig"]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a rank needs to run, resolved identically on every rank (see
+    :func:`~shardattn.launch.runner.plan_run`)."""
+
+    opts: Options
+    spec: ModelSpec
+    mode: str
+    shape: Shape
+    device: torch.device
+    dtype: torch.dtype
+    world_size: int
+    steps: tuple[str, ...]
+    check: bool
+    iters: int
+    min_shard_tokens: int
+    min_group_tokens: int
+    recorded: tuple[torch.Tensor, torch.Tensor] | None
+    notes: tuple[str, ...]
+
+    def fingerprint(self) -> int:
+        """Equal on ranks that will run the same thing (options, version, world size, device type)."""
+        fields = {k: v for k, v in dataclasses.asdict(self.opts).items() if k not in ("json", "progress")}
+        rec = None if self.recorded is None else (tuple(self.recorded[0].shape), int(self.recorded[0].sum()))
+        return stable_fingerprint(
+            __version__, sorted(fields.items()), self.world_size, self.device.type, self.dtype, self.shape, rec
+        )
+
+    def describe(self) -> dict[str, Any]:
+        s = self.shape
+        return {
+            "preset": self.opts.preset,
+            "heads": self.spec.num_heads,
+            "mode": self.mode,
+            "world_size": self.world_size,
+            "backend": "nccl" if self.device.type == "cuda" else "gloo",
+            "device": self.device.type,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "tokens": s.tokens,
+            "requests": s.requests,
+            "cached": list(s.cached),
+            "topk": s.topk,
+            "q_lens": list(s.q_lens),
+            "overlap": self.opts.overlap,
+            "topk_file": self.opts.topk_file,
+            "iters": self.iters,
+            "warmup": self.opts.warmup,
+            "seed": self.opts.seed,
+            "check": self.check,
+            "compare": self.opts.compare,
+            "calibration": self.opts.calibration,
+            "reduced_shape": s.reduced,
+            "version": __version__,
+        }
