@@ -42,11 +42,16 @@ def device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _major(device: torch.device) -> int:
+    """Compute-capability major of ``device``; 0 for a non-CUDA device or without CUDA."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    return device_capability(device.index if device.index is not None else torch.cuda.current_device())[0]
+
+
 def is_sm90(device: torch.device) -> bool:
     """``True`` for a Hopper (compute capability 9.x) CUDA device."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return device_capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+    return _major(device) == 9
 
 
 @functools.lru_cache(maxsize=1)
@@ -66,12 +71,9 @@ def pdl_supported(device: torch.device) -> bool:
     A PDL kernel starts while the kernel before it in the stream is still running and waits for
     it (``gdc_wait``: the earlier grid complete, its writes visible) before it reads anything;
     what it saves is its own launch latency (measured: benchmarks/RESULTS.md, eighth session)."""
-    if device.type != "cuda" or interpreter_enabled() or not torch.cuda.is_available():
+    if interpreter_enabled() or not triton_available() or not _triton_has_gdc():
         return False
-    if not triton_available() or not _triton_has_gdc():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return device_capability(index)[0] >= 9
+    return _major(device) >= 9
 
 
 def unsupported_reason(*tensors: torch.Tensor | None) -> str | None:

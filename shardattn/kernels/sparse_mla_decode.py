@@ -294,8 +294,8 @@ def sparse_mla_decode(
             merge without programmatic dependent launch, ``partials`` = ``"fp32"`` / ``"input"``
             (q's 2-byte dtype) for the split partials' outputs (default ``"auto"``: q's dtype
             under the row merge, which reads them all with few programs, fp32 otherwise);
-            for tuning and baselines; a forced
-            ``"spread"`` whose launch does not fit in one wave is a ``ValueError``).
+            for tuning and baselines; a forced ``"spread"`` whose launch does not fit in one
+            wave is a ``ValueError``).
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
             the split partials; with ``out``, ``lse_out`` and it, nothing is allocated.
