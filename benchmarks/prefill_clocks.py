@@ -17,12 +17,18 @@ explains it: ``nvidia-smi`` samples the SM clock, power, temperature and the act
    case for ``--sustain`` seconds, in turn, twice: TF/s, clock, power and joules per TFLOP at the
    power limit (``--variants-only``: just that).
 
+With ``--peer-lib`` (a shared library built by ``benchmarks/peer/build_flashmla_peer.sh`` from a
+FlashMLA checkout, which is not part of shardattn) FlashMLA's SM90 sparse-prefill kernel runs on the
+same inputs: its output is checked against the routed kernel's, it is timed beside it in every
+pass, and ``flashmla`` may be named among ``--variants``.
+
     python benchmarks/prefill_clocks.py --heads 64 128 --tokens 4096 16384 --out clocks.json
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime as dt
 import json
 import statistics
@@ -34,7 +40,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from prefill_inputs import D_R, D_V, attention_buffers, make_case, random_qkv, timed, union_buffers
+from prefill_inputs import D_R, D_V, attention_buffers, make_case, random_qkv, rel_err, timed, union_buffers
 
 from shardattn.kernels.sparse_mla_gluon import gluon_config, launch_gluon_attention
 from shardattn.kernels.sparse_mla_triton import flops
@@ -94,9 +100,41 @@ def max_sm_clock() -> float:
     return float(out.stdout.strip())
 
 
-def setup(heads: int, tokens: int, topk: int, config=None):
+PEER = "flashmla"
+
+
+def peer_runner(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, scale: float):
+    """A closure launching FlashMLA's SM90 sparse prefill (``lib``, built by
+    ``benchmarks/peer/build_flashmla_peer.sh``) on ``q [T, H, 576]``, ``kv [N, 576]`` and per-query
+    ``rows [T, topk]`` int32 (-1 invalid); returns ``(run, out [T, H, 512] bf16, lse [T, H] fp32)``."""
+    t, h, d = q.shape
+    if h not in (64, 128) or rows.shape[1] % 128 or d != D_V + D_R:
+        raise ValueError(f"the peer takes 64 or 128 heads and top-k a multiple of 128, got {h} / {rows.shape[1]}")
+    out = torch.empty(t, h, D_V, dtype=q.dtype, device=q.device)
+    lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    max_logits = torch.empty_like(lse)
+    idx = rows.contiguous()
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    fn = lib.flashmla_sparse_prefill_sm90
+    fn.restype = ctypes.c_int
+    ptr = ctypes.c_void_p
+    args = (ptr(q.data_ptr()), ptr(kv.data_ptr()), ptr(idx.data_ptr()), ptr(out.data_ptr()),
+            ptr(max_logits.data_ptr()), ptr(lse.data_ptr()), t, kv.shape[0], h, idx.shape[1],
+            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), ctypes.c_float(scale), sms)  # fmt: skip
+
+    def run(_alive=(q, kv, idx, out, max_logits, lse)):  # the peer gets raw pointers: keep the tensors
+        rc = fn(*args, ptr(torch.cuda.current_stream().cuda_stream))
+        if rc:
+            raise RuntimeError(f"flashmla_sparse_prefill_sm90 returned {rc}")
+
+    return run, out, lse
+
+
+def setup(heads: int, tokens: int, topk: int, config=None, peer: ctypes.CDLL | None = None):
     """Inputs of one case and a closure launching the per-query Gluon kernel on them: ``config``
-    (a :class:`~shardattn.kernels.sparse_mla_gluon.GluonConfig`), the routed one by default."""
+    (a :class:`~shardattn.kernels.sparse_mla_gluon.GluonConfig`), the routed one by default; with
+    ``peer`` (FlashMLA's library) the closure launches the peer instead, after checking its output
+    against the routed kernel's on these inputs."""
     dev = torch.device("cuda")
     kv_rows = 65536 if tokens <= 4096 else 131072
     _, _, _, _, rows, counts = make_case(tokens, kv_rows, topk, "dsa", 0)
@@ -110,7 +148,20 @@ def setup(heads: int, tokens: int, topk: int, config=None):
     def run():
         launch_gluon_attention(q, kv, u, ln, scale=scale, v_dim=D_V, config=cfg, out=out, lse=lse)
 
-    return run, flops(int(counts.sum()), heads), cfg.label
+    if peer is None:
+        return run, flops(int(counts.sum()), heads), cfg.label
+    run()
+    peer_run, peer_out, peer_lse = peer_runner(peer, q, kv, rows, scale)
+    peer_out.fill_(float("nan"))
+    peer_run()
+    torch.cuda.synchronize()
+    err = rel_err(peer_out, out)
+    has_rows = counts > 0
+    lse_gap = (peer_lse[has_rows] - lse[has_rows]).abs().max().item()
+    print(f"peer check {heads} x {tokens}: out rel err {err:.2e}, max |lse - routed lse| {lse_gap:.2e}")
+    if not err < 2e-2:
+        raise RuntimeError(f"the peer's output differs from the routed kernel's: rel err {err}")
+    return peer_run, flops(int(counts.sum()), heads), PEER
 
 
 def time_cases(cases, runs, flush, reps: int, what: str) -> list[tuple]:
@@ -137,14 +188,19 @@ def sustained(run, seconds: float) -> tuple[int, float, dt.datetime, dt.datetime
     return n, time.perf_counter() - t0, start, dt.datetime.now()
 
 
-def compare_variants(labels: list[str], case: tuple[int, int], topk: int, seconds: float, rounds: int = 2) -> None:
-    """Each of ``gluon_check.py``'s variants ``labels`` run sustained on ``case`` for ``seconds``,
-    ``rounds`` times in turn, with the clock and power of each window: at the power limit the
-    variant that spends fewer joules per FLOP runs at a higher clock."""
+def compare_variants(
+    labels: list[str], case: tuple[int, int], topk: int, seconds: float, rounds: int = 2, peer=None
+) -> None:
+    """Each of ``gluon_check.py``'s variants ``labels`` (or :data:`PEER`, with ``peer``) run
+    sustained on ``case`` for ``seconds``, ``rounds`` times in turn, with the clock and power of each
+    window: at the power limit the variant that spends fewer joules per FLOP runs at a higher clock."""
     from gluon_check import VARIANTS
 
     by_label = {v.label: v for v in VARIANTS}
-    runs = {label: setup(case[0], case[1], topk, by_label[label]) for label in labels}
+    if PEER in labels and peer is None:
+        raise ValueError(f"variant {PEER!r} needs --peer-lib")
+    h, t = case
+    runs = {k: setup(h, t, topk, peer=peer) if k == PEER else setup(h, t, topk, by_label[k]) for k in labels}
     for run, _, _ in runs.values():
         run()
     torch.cuda.synchronize()
@@ -176,21 +232,38 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="*", default=[],
                     help="gluon_check.py variant labels, each run --sustain seconds on the last case")  # fmt: skip
     ap.add_argument("--variants-only", action="store_true", help="only the variant comparison")
+    ap.add_argument("--peer-lib", default=None, help="FlashMLA's sparse prefill, built by benchmarks/peer/")
+    ap.add_argument("--kernel", default=None, help="a gluon_check.py variant label to time instead of the routed one")
+    ap.add_argument("--once", action="store_true", help="set up, check, launch each kernel once more and stop "
+                    "(for a profiler such as ncu)")  # fmt: skip
     args = ap.parse_args(argv)
+    peer = ctypes.CDLL(args.peer_lib) if args.peer_lib else None
     cases = [(h, t) for t in args.tokens for h in args.heads]
+    config = None
+    if args.kernel:
+        from gluon_check import VARIANTS
+
+        config = {v.label: v for v in VARIANTS}[args.kernel]
+    if args.once:
+        for c in cases:
+            for k in [None, PEER] if peer is not None else [None]:
+                setup(c[0], c[1], args.topk, config, peer=peer if k else None)[0]()
+        torch.cuda.synchronize()
+        return 0
     if args.variants:
-        compare_variants(args.variants, cases[-1], args.topk, args.sustain)
+        compare_variants(args.variants, cases[-1], args.topk, args.sustain, peer=peer)
         if args.variants_only:
             return 0
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     peak = max_sm_clock()
-    runs = {c: setup(c[0], c[1], args.topk) for c in cases}
+    kernels = [None, PEER] if peer is not None else [None]
+    runs = {(c, k): setup(c[0], c[1], args.topk, config, peer=peer if k else None) for c in cases for k in kernels}
     for run, _, _ in runs.values():  # compile and warm every kernel before the sampler starts
         run()
     torch.cuda.synchronize()
     sampler = Sampler()
-    marks = [time_cases(cases, runs, flush, args.reps, "first pass")]
-    run, fl, _ = runs[cases[-1]]
+    marks = [time_cases(list(runs), runs, flush, args.reps, "first pass")]
+    run, fl, _ = runs[(cases[-1], None)]
     sustain_start = dt.datetime.now()
     n = 0
     t0 = time.perf_counter()
@@ -201,14 +274,14 @@ def main(argv=None) -> int:
         n += 20
     elapsed = time.perf_counter() - t0
     sustain_end = dt.datetime.now()
-    marks.append(time_cases(cases, runs, flush, args.reps, "after the sustained runs"))
+    marks.append(time_cases(list(runs), runs, flush, args.reps, "after the sustained runs"))
     samples = sampler.stop()
     rows = []
     print(f"max SM clock {peak:.0f} MHz; {len(samples)} samples")
     print("| pass | heads | T | kernel | ms | TF/s | SM MHz (mean / min) | W | deg C "
           "| TF/s at max clock (time ~ 1/clock) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for (h, t), label, fl_c, ms, s, e, what in [m for ms_ in marks for m in ms_]:
+    for ((h, t), _), label, fl_c, ms, s, e, what in [m for ms_ in marks for m in ms_]:
         w = window(samples, s, e)
         tf = fl_c / (ms * 1e-3) / 1e12
         scaled = tf * peak / w["sm_mhz"] if w.get("sm_mhz") else float("nan")
