@@ -6,11 +6,12 @@ Run through ``gluon_check.py --grouped`` (one device call)::
 
 * checks: at 8 / 16 / 32 heads (``G`` = 8 / 4 / 2) and 12 heads (padded, ``G = 4``), with and
   without sinks, each grouped Gluon kernel (:data:`GROUPED_VARIANTS`: the 32-key and the 64-key
-  kernel) against the fp32 reference on NaN-poisoned outputs with invalid entries anywhere, an
-  empty row, a row listed twice, out-of-range rows, ``topk_length``, a whole group with no key and
-  a tail group; head-blocked ``[B, T, H/B, ...]`` q / out / lse through both public entries (no
-  copies) at 64 / 128 / 16 heads and through the grouped Gluon launcher at 16 (``G = 4``) and 8
-  heads (``G = 8``, one head per block); the routed public entry at every head count;
+  kernel, the latter also with its output stored from the registers) against the fp32 reference on
+  NaN-poisoned outputs with invalid entries anywhere, an empty row, a row listed twice, out-of-range
+  rows, ``topk_length``, a whole group with no key and a tail group; head-blocked ``[B, T, H/B,
+  ...]`` q / out / lse through both public entries (no copies) at 64 / 128 / 16 heads and through
+  the grouped Gluon launcher at 16 (``G = 4``) and 8 heads (``G = 8``, one head per block); the
+  routed public entry at every head count;
 * times (T = 4K by default, KV 64K rows (128K from 16K tokens), top-k 2048, DSA-like top-k, L2
   flushed, medians), per head count with ``G`` from the routing
   (:func:`~shardattn.plan.routing.gluon_grouped_group_size`): the per-query row sort and the union
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -51,7 +53,11 @@ from shardattn.kernels.union import build_union
 from shardattn.plan.routing import gluon_grouped_group_size, tile_group_size
 
 #: The grouped Gluon kernels checked and timed, by the column name of their timings.
-GROUPED_VARIANTS = {"gluon_grp": WS32_CONFIG, "gluon64_grp": WS64_CONFIG}
+GROUPED_VARIANTS = {
+    "gluon_grp": WS32_CONFIG,
+    "gluon64_grp": WS64_CONFIG,
+    "gluon64d_grp": replace(WS64_CONFIG, staged_out=False),  # its output stored from the registers
+}
 
 
 def check_grouped(heads_g, kv_rows, topk, seed=0) -> list[dict]:
@@ -224,7 +230,8 @@ def grouped_main(args) -> int:
             r = time_grouped(heads, tokens, kv_rows if tokens < 16384 else 2 * kv_rows, args.topk, args.reps, flush)
             keep_time(results, r, args.out)
     keep_kernels(results, kernel_report(), args.out)
-    cols = ("triton_pq", "gluon_pq", "triton_grp", "gluon_grp", "gluon64_grp", "gluon64_grp_sorted", "routed")
+    cols = ("triton_pq", "gluon_pq", "triton_grp", "gluon_grp", "gluon64_grp", "gluon64d_grp", "gluon64_grp_sorted",
+            "routed")  # fmt: skip
     print("\nms (effective TF/s) per step: per-query = row sort + kernel, grouped = union build + kernel")
     print(f"{'H':>4} {'T':>5} {'G':>2} {'ratio':>5} | {'sort':>6} {'union':>6} | "
           + " | ".join(c.rjust(14) for c in cols) + " | grp G / grp T | routed / best T | routed")  # fmt: skip

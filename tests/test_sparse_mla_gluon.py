@@ -37,6 +37,9 @@ WS = gluon_config(128)
 PIPELINED = GluonConfig(64, 2)
 #: The 64-key kernel with the QK prefetch the routed one leaves out (and its opaque slots).
 WS64_ALT = GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, opaque_slots=True)
+#: The 64-key kernel storing its output from the accumulator's registers (the routed one stages it
+#: through shared memory): both epilogues stay tested.
+WS64_DIRECT = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, staged_out=False)
 
 
 @needs_gluon
@@ -87,6 +90,23 @@ def test_compile_64_key_variant_with_every_option_fits_shared_memory():
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.mbarrier.arrive" in ptx
     assert 0 < kernel.metadata.shared <= 232448
+
+
+@needs_gluon
+@pytest.mark.parametrize(("heads", "group_size", "raw_rows"), [(128, 1, False), (16, 4, False), (128, 1, True)])
+def test_staged_output_is_stored_in_16_byte_pieces(heads, group_size, raw_rows):
+    """Through shared memory every output store is 16 bytes wide; from the accumulator's registers
+    each is 4 (two bf16 of one row), which writes every 32-byte sector in two halves."""
+    from dataclasses import replace
+
+    def stores(staged: bool) -> set[str]:
+        cfg = replace(WS64_CONFIG, staged_out=staged)
+        ptx = compile_kernel_for_sm90("prefill", heads, group_size, config=cfg, raw_rows=raw_rows).asm["ptx"]
+        return {line.split("st.global", 1)[1].split()[0] for line in ptx.splitlines() if "st.global" in line}
+
+    staged, direct = stores(True), stores(False)
+    assert ".v4.b32" in staged and ".v4.b32" not in direct
+    assert staged - {".v4.b32"} <= {".b32"}  # the LSE column (fp32, one per row) besides
 
 
 def test_routing_takes_the_64_key_kernel_per_query_and_the_32_key_kernel_grouped():
@@ -189,7 +209,7 @@ def _assert_close(out, lse, q, kv, rows, length, sinks):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("config", [WS, WS64_ALT, WS32_CONFIG, PIPELINED], ids=lambda c: c.label)
+@pytest.mark.parametrize("config", [WS, WS64_ALT, WS64_DIRECT, WS32_CONFIG, PIPELINED], ids=lambda c: c.label)
 @pytest.mark.parametrize("heads", [16, 64, 128], ids=lambda h: f"h{h}")
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
 def test_gluon_variants_match_reference_at_real_shape(config, heads, with_sinks):
@@ -257,7 +277,7 @@ def test_grouped_routing_follows_the_tile_and_the_measured_crossover():
 @pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize(("heads", "group_size"), [(8, 8), (16, 4), (32, 2), (12, 4)], ids=lambda v: str(v))
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
-@pytest.mark.parametrize("config", [WS32_CONFIG, WS64_CONFIG], ids=lambda c: c.label)
+@pytest.mark.parametrize("config", [WS32_CONFIG, WS64_CONFIG, WS64_DIRECT], ids=lambda c: c.label)
 def test_grouped_gluon_matches_reference_at_real_shape(heads, group_size, with_sinks, config):
     """Grouped tiles on both warp-specialised kernels: a tail group (131 tokens), a whole group with
     no key, padded heads (12 of 16)."""

@@ -52,7 +52,8 @@ class GluonConfig:
     (:mod:`shardattn.kernels.sparse_mla_gluon_ws`: producer + two consumer warpgroups, a fixed
     4-slot ring; ``regs`` = registers of consumer WG1 and of the producer) or ``"ws64"``
     (:mod:`shardattn.kernels.sparse_mla_gluon_ws64`: 64-key blocks in pairs, per-query or grouped;
-    ``block_n`` 64).
+    ``block_n`` 64; ``staged_out``: each consumer warpgroup stores its output columns through a
+    key buffer it alone still reads, 16 bytes per thread, instead of 4 from the accumulator).
     """
 
     block_n: int = 64
@@ -64,12 +65,14 @@ class GluonConfig:
     heads_fastest: bool = False
     early_kv: bool = False
     opaque_slots: bool = False
+    staged_out: bool = False
 
     @property
     def label(self) -> str:
         flags = ("q" if self.prefetch_qk else "") + ("h" if self.heads_fastest else "")
         if self.variant == "ws64":
-            return f"ws64r{self.regs[0]}{flags}" + ("k" if self.early_kv else "") + ("z" if self.opaque_slots else "")
+            options = (("k", self.early_kv), ("z", self.opaque_slots), ("s", self.staged_out))
+            return f"ws64r{self.regs[0]}{flags}" + "".join(c for c, on in options if on)
         if self.variant == "ws":
             return f"ws{self.block_n}r{self.regs[0]}{'a' if self.async_arrive else 'w'}{flags}"
         return f"p{self.block_n}x{self.stages}"
@@ -90,10 +93,11 @@ class GluonConfig:
 #: The 32-key warp-specialised kernel (the grouped path before the 64-key kernel took groups).
 WS32_CONFIG = GluonConfig(32, 4, "ws", (224, 56), async_arrive=True)
 #: The 64-key kernel on FlashMLA's schedule with opaque slot indices (no spilled wgmma
-#: descriptors): per-query prefill (routed as :func:`gluon_config`: 1.22-1.29x ``WS32_CONFIG`` and
-#: 1.06-1.12x the same kernel without opaque slots on an H200 at 64 / 128 heads,
-#: benchmarks/RESULTS.md) and decode.
-WS64_CONFIG = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True)
+#: descriptors) and its output stored through shared memory in 16-byte pieces: per-query prefill
+#: (routed as :func:`gluon_config`: 1.22-1.29x ``WS32_CONFIG`` and 1.06-1.12x the same kernel
+#: without opaque slots on an H200 at 64 / 128 heads; the staged output 1.04-1.05x at the power
+#: limit, half the L2 write sectors, benchmarks/RESULTS.md) and decode.
+WS64_CONFIG = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, staged_out=True)
 #: Grouped tiles (``G > 1``): the 64-key kernel with membership masks, measured on an H200 at 8 /
 #: 16 / 32 heads (G = 8 / 4 / 2), T = 4K / 16K: kernel 1.27-1.39x and step (union build
 #: included) 1.13-1.29x the 32-key kernel's (benchmarks/RESULTS.md, "Grouped tiles on the 64-key kernel").
@@ -241,7 +245,8 @@ def _kernel_args(
     if cfg.variant == "ws64":
         from shardattn.kernels.sparse_mla_gluon_ws64 import ws64_kernel
 
-        ws64 = {"EARLY_KV": cfg.early_kv, "OPAQUE_SLOTS": cfg.opaque_slots, "G": group_size, "RAW_ROWS": raw_rows}
+        ws64 = {"EARLY_KV": cfg.early_kv, "OPAQUE_SLOTS": cfg.opaque_slots, "STAGED_OUT": cfg.staged_out,
+                "G": group_size, "RAW_ROWS": raw_rows}  # fmt: skip
         ws64["HAS_LENS"] = has_lens or not raw_rows
         return ws64_kernel(), {**common, "CONSUMER_REGS": cfg.regs[0], **flags, **ws64}, options
     if cfg.variant == "ws":

@@ -235,11 +235,10 @@ if HAS_GLUON_WS:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _ws_epilogue(acc, m_i, l_i, out_args, W: gl.constexpr, D_V: gl.constexpr, HAS_SINK: gl.constexpr,
-                     G: gl.constexpr):  # fmt: skip
-        (OUT, LSE, SINKS, g, hb, T, H, HB, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-         stride_lh) = out_args  # fmt: skip
-        HALF: gl.constexpr = D_V // 2
+    def _ws_finish(acc, m_i, l_i, out_args, W: gl.constexpr, HAS_SINK: gl.constexpr, G: gl.constexpr):
+        """Folds the sinks in, stores the LSE (warpgroup 0) and returns the normalised output tile
+        (fp32, ``acc``'s layout); an empty row gives 0 and ``-inf``."""
+        (_OUT, LSE, SINKS, g, hb, T, H, HB, _sob, _sot, _soh, stride_lb, stride_lt, stride_lh) = out_args
         row_l: gl.constexpr = m_i.type.layout
         acc_l: gl.constexpr = acc.type.layout
         t, hblk, hin, h, ok = _tile_rows(g, hb, T, H, HB, G, row_l)
@@ -255,11 +254,49 @@ if HAS_GLUON_WS:
         if W == 0:
             lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
             gl.store(LSE + t * stride_lt + hblk * stride_lb + hin * stride_lh, lse, mask=ok)
-        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc_l))[:, None]
-        t_o, hblk_o, hin_o, _h_o, ok_o = _tile_rows(g, hb, T, H, HB, G, gl.SliceLayout(1, acc_l))
-        d_o = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_l))
+        return acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc_l))[:, None]
+
+    @gluon.jit
+    def _out_ptrs(out_args, W: gl.constexpr, D_V: gl.constexpr, G: gl.constexpr, rows_l: gl.constexpr,
+                  cols_l: gl.constexpr):  # fmt: skip
+        """Pointers ``[64, D_V / 2]`` to warpgroup ``W``'s output columns of the tile, and the mask of
+        its rows that exist, in the layout whose row / column slices are ``rows_l`` / ``cols_l`` (the
+        slices, not the layout: Triton 3.6 passes no wgmma layout to a function)."""
+        (OUT, _LSE, _SINKS, g, hb, T, H, HB, stride_ob, stride_ot, stride_oh, _slb, _slt, _slh) = out_args
+        HALF: gl.constexpr = D_V // 2
+        t_o, hblk_o, hin_o, _h_o, ok_o = _tile_rows(g, hb, T, H, HB, G, rows_l)
+        d_o = W * HALF + gl.arange(0, HALF, layout=cols_l)
         row_o = t_o * stride_ot + hblk_o * stride_ob + hin_o.to(gl.int64) * stride_oh
-        gl.store(OUT + row_o[:, None] + d_o[None, :], out.to(OUT.dtype.element_ty), mask=ok_o[:, None])
+        return OUT + row_o[:, None] + d_o[None, :], ok_o[:, None]
+
+    @gluon.jit
+    def _ws_epilogue(acc, m_i, l_i, out_args, W: gl.constexpr, D_V: gl.constexpr, HAS_SINK: gl.constexpr,
+                     G: gl.constexpr):  # fmt: skip
+        """Sinks, LSE and warpgroup ``W``'s output columns, stored from the accumulator's registers."""
+        out = _ws_finish(acc, m_i, l_i, out_args, W, HAS_SINK, G)
+        lay: gl.constexpr = out.type.layout
+        ptrs, ok = _out_ptrs(out_args, W, D_V, G, gl.SliceLayout(1, lay), gl.SliceLayout(0, lay))
+        gl.store(ptrs, out.to(ptrs.dtype.element_ty), mask=ok)
+
+    @gluon.jit
+    def _ws_epilogue_staged(acc, m_i, l_i, out_args, stage, W: gl.constexpr, D_V: gl.constexpr,
+                            HAS_SINK: gl.constexpr, G: gl.constexpr):  # fmt: skip
+        """:func:`_ws_epilogue` through ``stage``, a free ``[64, D_V / 2]`` shared-memory tile of the
+        output's dtype that only this warpgroup touches now. The accumulator layout holds 4 bytes
+        of a row per thread, so a direct store writes each 32-byte sector in two halves; read back
+        from shared memory, each thread stores 16 bytes and a warp two whole rows. With another
+        output dtype (fp32 partials) it stores as :func:`_ws_epilogue` does."""
+        out = _ws_finish(acc, m_i, l_i, out_args, W, HAS_SINK, G)
+        if out_args[0].dtype.element_ty == stage.dtype:
+            stage.store(out.to(stage.dtype))
+            _cta_barrier()  # this warpgroup's 128 threads (a named barrier inside a partition)
+            lay: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+            ptrs, ok = _out_ptrs(out_args, W, D_V, G, gl.SliceLayout(1, lay), gl.SliceLayout(0, lay))
+            gl.store(ptrs, stage.load(lay), mask=ok)
+        else:
+            acc_l: gl.constexpr = out.type.layout
+            ptrs, ok = _out_ptrs(out_args, W, D_V, G, gl.SliceLayout(1, acc_l), gl.SliceLayout(0, acc_l))
+            gl.store(ptrs, out.to(ptrs.dtype.element_ty), mask=ok)
 
     @gluon.jit
     def _ws_default(args, out_args, BLOCK_N: gl.constexpr, D_R: gl.constexpr, D_V: gl.constexpr,

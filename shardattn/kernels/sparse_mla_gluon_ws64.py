@@ -37,6 +37,13 @@ an empty row); block 0 of a pair always holds a key, block 1 may be empty (maske
 ``lens[t]``). q / out / lse use the (block, token, head) strides of
 :mod:`shardattn.kernels.sparse_mla_gluon_ws` (head-blocked buffers in place).
 
+``STAGED_OUT``: each consumer warpgroup writes its normalised ``[64, Dv/2]`` output tile into a
+key buffer it alone still reads (WG0 block 0's left half, WG1 block 1's right half: their last
+reader was this warpgroup's final ``P V``), syncs its 128 threads and stores from there 16 bytes
+per thread; from the accumulator's registers a thread holds 4 bytes of a row, and every 32-byte
+sector of the output was written in two halves (twice the L2 write sectors, 8x the write
+requests, measured). Other output dtypes (fp32 decode partials) store from the registers.
+
 The producer is the default partition and gets the registers the consumers leave (a consumer
 there spilled more). ``EARLY_KV``: the producer loads Q too, so the gather starts without
 waiting for it; ``HEADS_FASTEST``: a 1-D grid with a token's head blocks adjacent;
@@ -64,7 +71,7 @@ if HAS_GLUON:
     )
     from shardattn.kernels.gluon_compat import cta_barrier as _cta_barrier
     from shardattn.kernels.gluon_compat import nvmma_layout as _nvmma
-    from shardattn.kernels.sparse_mla_gluon_ws import _tile_rows, _ws_epilogue
+    from shardattn.kernels.sparse_mla_gluon_ws import _tile_rows, _ws_epilogue, _ws_epilogue_staged
 
 #: Launch arguments never specialised (as the 32-key kernel: token count, LSE head-block geometry).
 NOT_SPECIALIZED = ["T", "HB", "stride_lb", "stride_lt", "R", "K"]
@@ -352,21 +359,27 @@ if HAS_GLUON:
     @gluon.jit
     def _wg0(args, out_args, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
              PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
-             RAW_ROWS: gl.constexpr):  # fmt: skip
+             RAW_ROWS: gl.constexpr, STAGED_OUT: gl.constexpr):  # fmt: skip
         acc, m_i, l_i = _consumer0(args, D_V, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS)
-        _ws_epilogue(acc, m_i, l_i, out_args, 0, D_V, HAS_SINK, G)
+        if STAGED_OUT:  # block 0's left half: read by this warpgroup alone, its last reader done
+            _ws_epilogue_staged(acc, m_i, l_i, out_args, args[8].index(0), 0, D_V, HAS_SINK, G)
+        else:
+            _ws_epilogue(acc, m_i, l_i, out_args, 0, D_V, HAS_SINK, G)
 
     @gluon.jit
     def _wg1(args, out_args, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
              PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
-             RAW_ROWS: gl.constexpr):  # fmt: skip
+             RAW_ROWS: gl.constexpr, STAGED_OUT: gl.constexpr):  # fmt: skip
         acc, m_i, l_i = _consumer1(args, D_V, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS)
-        _ws_epilogue(acc, m_i, l_i, out_args, 1, D_V, HAS_SINK, G)
+        if STAGED_OUT:  # block 1's right half: read by this warpgroup alone, its last reader done
+            _ws_epilogue_staged(acc, m_i, l_i, out_args, args[9].index(1), 1, D_V, HAS_SINK, G)
+        else:
+            _ws_epilogue(acc, m_i, l_i, out_args, 1, D_V, HAS_SINK, G)
 
     @gluon.jit
     def _load(args, out_args, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
               PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
-              RAW_ROWS: gl.constexpr):  # fmt: skip
+              RAW_ROWS: gl.constexpr, STAGED_OUT: gl.constexpr):  # fmt: skip
         _producer(args, D_V, D_R, EARLY_KV, G, RAW_ROWS)
 
     @gluon.jit(do_not_specialize=NOT_SPECIALIZED)
@@ -380,6 +393,7 @@ if HAS_GLUON:
         CONSUMER_REGS: gl.constexpr, PREFETCH_QK: gl.constexpr, HEADS_FASTEST: gl.constexpr,
         EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr,
         G: gl.constexpr = 1, RAW_ROWS: gl.constexpr = False, HAS_LENS: gl.constexpr = True,
+        STAGED_OUT: gl.constexpr = False,
     ):  # fmt: skip
         dtype: gl.constexpr = Q.dtype.element_ty
         HALF: gl.constexpr = D_V // 2
@@ -443,9 +457,12 @@ if HAS_GLUON:
         # there spilled (``benchmarks/RESULTS.md``)
         gl.warp_specialize(
             [
-                (_load, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS)),
-                (_wg0, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS)),
-                (_wg1, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS)),
+                (_load, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
+                         STAGED_OUT)),
+                (_wg0, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
+                         STAGED_OUT)),
+                (_wg1, (args, out_args, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
+                         STAGED_OUT)),
             ],
             [4, 4],
             [CONSUMER_REGS, CONSUMER_REGS],
