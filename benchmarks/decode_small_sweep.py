@@ -7,7 +7,8 @@ is flushed between replays, so the KV rows come from HBM, as in a serving step).
 * the floor: a graph of one and of two one-element kernels, and a graph of one kernel that only
   reads the step's KV rows (each token's top-k rows gathered once by ``splits`` programs, summed,
   one float out per program; the fastest of several grids): no design that reads the rows in
-  one launch can be faster (``--floors-only`` prints just these);
+  one launch can be faster, and the same kernel on as many consecutive rows (``--floors-only``
+  prints just these);
 * the kernels of today's graph (torch profiler over replays: kernel device durations, the gap
   between them and the span of a replay);
 * the split kernel alone, for split counts 4-64 and ``BLOCK_N`` / ``num_warps`` / ``num_stages``;
@@ -87,9 +88,14 @@ def _read_rows_kernel(KV, Rows, Out, stride_kv, K, chunk, BLOCK_N: tl.constexpr)
     tl.store(Out + tok * tl.num_programs(1) + split, tl.sum(acc) + tl.sum(acc_r))
 
 
-def read_floor(kv: torch.Tensor, batch: int) -> None:
-    """The fastest graph-replayed launch that only gathers a ``batch``-token step's rows."""
-    rows = torch.stack([torch.randperm(ROWS, device="cuda")[:TOPK] for _ in range(batch)]).int()
+def read_floor(kv: torch.Tensor, batch: int, consecutive: bool = False) -> None:
+    """The fastest graph-replayed launch that only gathers a ``batch``-token step's rows (random
+    rows as the decode steps read; ``consecutive``: the same number of rows one after another in
+    the cache, the best case a row gather can meet)."""
+    if consecutive:
+        rows = torch.arange(batch * TOPK, device="cuda", dtype=torch.int32).view(batch, TOPK)
+    else:
+        rows = torch.stack([torch.randperm(ROWS, device="cuda")[:TOPK] for _ in range(batch)]).int()
     want = kv[rows.long()].float().sum(dim=(1, 2))
     best = None
     for splits in (8, 16, 32, 64, 128):
@@ -109,7 +115,8 @@ def read_floor(kv: torch.Tensor, batch: int) -> None:
             if best is None or us < best[0]:
                 best = (us, f"{splits} programs per token x {chunk} rows, {bn}-row steps, {warps} warps")
     nbytes = batch * TOPK * 576 * 2
-    record("floor", f"B{batch}: one kernel reading the step's KV rows ({best[1]})", best[0],
+    what = "the same number of consecutive rows" if consecutive else "the step's KV rows"
+    record("floor", f"B{batch}: one kernel reading {what} ({best[1]})", best[0],
            tbs=nbytes / (best[0] * 1e-6) / 1e12)  # fmt: skip
 
 
@@ -224,6 +231,7 @@ def main() -> None:
     floor()
     for batch in map(int, args.batches.split(",")):
         read_floor(kv, batch)
+        read_floor(kv, batch, consecutive=True)
     if args.floors_only:
         return
     for batch in map(int, args.batches.split(",")):
