@@ -270,13 +270,17 @@ if HAS_GLUON_WS:
         return OUT + row_o[:, None] + d_o[None, :], ok_o[:, None]
 
     @gluon.jit
-    def _ws_epilogue(acc, m_i, l_i, out_args, W: gl.constexpr, D_V: gl.constexpr, HAS_SINK: gl.constexpr,
-                     G: gl.constexpr):  # fmt: skip
-        """Sinks, LSE and warpgroup ``W``'s output columns, stored from the accumulator's registers."""
-        out = _ws_finish(acc, m_i, l_i, out_args, W, HAS_SINK, G)
+    def _store_from_registers(out, out_args, W: gl.constexpr, D_V: gl.constexpr, G: gl.constexpr):
+        """Stores warpgroup ``W``'s output columns ``out`` (fp32) in the layout they are in."""
         lay: gl.constexpr = out.type.layout
         ptrs, ok = _out_ptrs(out_args, W, D_V, G, gl.SliceLayout(1, lay), gl.SliceLayout(0, lay))
         gl.store(ptrs, out.to(ptrs.dtype.element_ty), mask=ok)
+
+    @gluon.jit
+    def _ws_epilogue(acc, m_i, l_i, out_args, W: gl.constexpr, D_V: gl.constexpr, HAS_SINK: gl.constexpr,
+                     G: gl.constexpr):  # fmt: skip
+        """Sinks, LSE and warpgroup ``W``'s output columns, stored from the accumulator's registers."""
+        _store_from_registers(_ws_finish(acc, m_i, l_i, out_args, W, HAS_SINK, G), out_args, W, D_V, G)
 
     @gluon.jit
     def _ws_epilogue_staged(acc, m_i, l_i, out_args, stage, W: gl.constexpr, D_V: gl.constexpr,
@@ -294,9 +298,7 @@ if HAS_GLUON_WS:
             ptrs, ok = _out_ptrs(out_args, W, D_V, G, gl.SliceLayout(1, lay), gl.SliceLayout(0, lay))
             gl.store(ptrs, stage.load(lay), mask=ok)
         else:
-            acc_l: gl.constexpr = out.type.layout
-            ptrs, ok = _out_ptrs(out_args, W, D_V, G, gl.SliceLayout(1, acc_l), gl.SliceLayout(0, acc_l))
-            gl.store(ptrs, out.to(ptrs.dtype.element_ty), mask=ok)
+            _store_from_registers(out, out_args, W, D_V, G)
 
     @gluon.jit
     def _ws_default(args, out_args, BLOCK_N: gl.constexpr, D_R: gl.constexpr, D_V: gl.constexpr,
