@@ -40,6 +40,7 @@ WS64_ALT = GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, opaque_slots=
 #: The 64-key kernel storing its output from the accumulator's registers (the routed one stages it
 #: through shared memory): both epilogues stay tested.
 WS64_DIRECT = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, staged_out=False)
+WS64_EARLY = GluonConfig(64, 2, "ws64", (224, 56), early_kv=True, opaque_slots=True, staged_out=True)
 
 
 @needs_gluon
@@ -121,6 +122,7 @@ def test_routing_takes_the_64_key_kernel_per_query_and_the_32_key_kernel_grouped
         (True, True),
         (True, True),
     ]
+    assert [gluon_config(h).early_kv for h in (32, 64, 65, 128)] == [False, False, True, True]
     decode = gluon_decode_config(128)
     assert (decode.variant, decode.heads_fastest, decode.opaque_slots) == ("ws64", True, True)
     assert decode == gluon_config(128)  # one compiled kernel for 128-head prefill and decode
@@ -209,7 +211,9 @@ def _assert_close(out, lse, q, kv, rows, length, sinks):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("config", [WS, WS64_ALT, WS64_DIRECT, WS32_CONFIG, PIPELINED], ids=lambda c: c.label)
+@pytest.mark.parametrize(
+    "config", [WS, WS64_ALT, WS64_DIRECT, WS64_EARLY, WS32_CONFIG, PIPELINED], ids=lambda c: c.label
+)
 @pytest.mark.parametrize("heads", [16, 64, 128], ids=lambda h: f"h{h}")
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
 def test_gluon_variants_match_reference_at_real_shape(config, heads, with_sinks):
@@ -277,7 +281,7 @@ def test_grouped_routing_follows_the_tile_and_the_measured_crossover():
 @pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize(("heads", "group_size"), [(8, 8), (16, 4), (32, 2), (12, 4)], ids=lambda v: str(v))
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
-@pytest.mark.parametrize("config", [WS32_CONFIG, WS64_CONFIG, WS64_DIRECT], ids=lambda c: c.label)
+@pytest.mark.parametrize("config", [WS32_CONFIG, WS64_CONFIG, WS64_DIRECT, WS64_EARLY], ids=lambda c: c.label)
 def test_grouped_gluon_matches_reference_at_real_shape(heads, group_size, with_sinks, config):
     """Grouped tiles on both warp-specialised kernels: a tail group (131 tokens), a whole group with
     no key, padded heads (12 of 16)."""

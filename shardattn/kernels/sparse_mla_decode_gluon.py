@@ -162,7 +162,7 @@ def _decode_configs() -> dict:
     return {
         "ws32h": replace(WS32_CONFIG, heads_fastest=True),
         "ws64h": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=False),
-        "ws64hz": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=True),
+        "ws64hz": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=True, early_kv=True),
         "ws64z": replace(WS64_CONFIG, heads_fastest=False, opaque_slots=True),
     }
 

@@ -111,13 +111,16 @@ def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1)
     kernel (:mod:`~shardattn.kernels.sparse_mla_gluon_ws64`; shared memory Q 72 KB + two 72 KB
     key blocks + an 8 KB P buffer), with a token's head blocks adjacent in the grid when it has
     more than one (``heads > 64``: its programs share the rows in L2; measured 1.06x at 128
-    heads, T = 16K; with one head block the flag only costs a division, 0.96-0.98x at 64 heads);
+    heads, T = 16K; with one head block the flag only costs a division, 0.96-0.98x at 64 heads) and
+    Q loaded by the producer ahead of the first gathers (``early_kv``: 1.014-1.018x at 128 heads,
+    level at 64, at the power limit);
     grouped tiles (``group_size > 1``): the same kernel, ``64 / G`` heads of ``G`` queries per
     tile, each row masked to its query's keys (:data:`GROUPED_CONFIG`). 64 rows per program,
     fewer pad it.
     """
     del d_v, d_r
-    return replace(WS64_CONFIG, heads_fastest=heads > BLOCK_H) if group_size == 1 else GROUPED_CONFIG
+    two_blocks = heads > BLOCK_H
+    return replace(WS64_CONFIG, heads_fastest=two_blocks, early_kv=two_blocks) if group_size == 1 else GROUPED_CONFIG
 
 
 @functools.lru_cache(maxsize=1)
