@@ -145,8 +145,9 @@ def gluon_decode_plan(
 
 #: Kernel configurations decode can run, by name: ``"ws32h"`` the 32-key kernel, ``"ws64h"`` the
 #: 64-key kernel, ``"ws64hz"`` the 64-key kernel with opaque slot indices (no spilled wgmma
-#: descriptors); ``h``: a query's head blocks adjacent in the grid (at 128 heads a token's two
-#: programs read the same rows, the second finds them in L2), ``"ws64z"`` without it.
+#: descriptors) and Q loaded by its producer (as 128-head prefill); ``h``: a query's head blocks
+#: adjacent in the grid (at 128 heads a token's two programs read the same rows, the second finds
+#: them in L2), ``"ws64z"`` without it.
 DECODE_KERNELS = ("ws32h", "ws64h", "ws64hz", "ws64z")
 #: The routed one: at 128 heads, batch 64-256, 1.17-1.22x ``"ws32h"`` and 1.07-1.19x ``"ws64z"``;
 #: at 32-64 heads, batch 32-256, 1.00-1.10x ``"ws32h"`` and the same as ``"ws64z"`` (one head
