@@ -188,19 +188,26 @@ def sustained(run, seconds: float) -> tuple[int, float, dt.datetime, dt.datetime
     return n, time.perf_counter() - t0, start, dt.datetime.now()
 
 
+def variant_config(label: str):
+    """``gluon_check.py``'s variant named ``label`` (a :class:`~shardattn.kernels.sparse_mla_gluon.GluonConfig`)."""
+    from gluon_check import VARIANTS
+
+    by_label = {v.label: v for v in VARIANTS}
+    if label not in by_label:
+        raise ValueError(f"unknown variant {label!r}; gluon_check.py has {sorted(by_label)}")
+    return by_label[label]
+
+
 def compare_variants(
     labels: list[str], case: tuple[int, int], topk: int, seconds: float, rounds: int = 2, peer=None
 ) -> None:
     """Each of ``gluon_check.py``'s variants ``labels`` (or :data:`PEER`, with ``peer``) run
     sustained on ``case`` for ``seconds``, ``rounds`` times in turn, with the clock and power of each
     window: at the power limit the variant that spends fewer joules per FLOP runs at a higher clock."""
-    from gluon_check import VARIANTS
-
-    by_label = {v.label: v for v in VARIANTS}
     if PEER in labels and peer is None:
         raise ValueError(f"variant {PEER!r} needs --peer-lib")
     h, t = case
-    runs = {k: setup(h, t, topk, peer=peer) if k == PEER else setup(h, t, topk, by_label[k]) for k in labels}
+    runs = {k: setup(h, t, topk, peer=peer) if k == PEER else setup(h, t, topk, variant_config(k)) for k in labels}
     for run, _, _ in runs.values():
         run()
     torch.cuda.synchronize()
@@ -239,14 +246,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     peer = ctypes.CDLL(args.peer_lib) if args.peer_lib else None
     cases = [(h, t) for t in args.tokens for h in args.heads]
-    config = None
-    if args.kernel:
-        from gluon_check import VARIANTS
-
-        config = {v.label: v for v in VARIANTS}[args.kernel]
+    config = variant_config(args.kernel) if args.kernel else None
+    kernels = [None, PEER] if peer is not None else [None]
     if args.once:
         for c in cases:
-            for k in [None, PEER] if peer is not None else [None]:
+            for k in kernels:
                 setup(c[0], c[1], args.topk, config, peer=peer if k else None)[0]()
         torch.cuda.synchronize()
         return 0
@@ -256,7 +260,6 @@ def main(argv=None) -> int:
             return 0
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     peak = max_sm_clock()
-    kernels = [None, PEER] if peer is not None else [None]
     runs = {(c, k): setup(c[0], c[1], args.topk, config, peer=peer if k else None) for c in cases for k in kernels}
     for run, _, _ in runs.values():  # compile and warm every kernel before the sampler starts
         run()
@@ -264,16 +267,7 @@ def main(argv=None) -> int:
     sampler = Sampler()
     marks = [time_cases(list(runs), runs, flush, args.reps, "first pass")]
     run, fl, _ = runs[(cases[-1], None)]
-    sustain_start = dt.datetime.now()
-    n = 0
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < args.sustain:
-        for _ in range(20):
-            run()
-        torch.cuda.synchronize()
-        n += 20
-    elapsed = time.perf_counter() - t0
-    sustain_end = dt.datetime.now()
+    n, elapsed, sustain_start, sustain_end = sustained(run, args.sustain)
     marks.append(time_cases(list(runs), runs, flush, args.reps, "after the sustained runs"))
     samples = sampler.stop()
     rows = []
@@ -294,14 +288,14 @@ def main(argv=None) -> int:
     tf_sus = fl * n / elapsed / 1e12
     print(f"\nsustained: {cases[-1]} x {n} runs back to back in {elapsed:.2f} s: {tf_sus:.0f} TF/s (host-timed)")
     quarter = (sustain_end - sustain_start) / 4
-    sustained = []
+    quarters = []
     for i in range(4):
         w = window(samples, sustain_start + i * quarter, sustain_start + (i + 1) * quarter)
-        sustained.append(w)
+        quarters.append(w)
         print(f"  quarter {i + 1}: {w}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"max_sm_mhz": peak, "cases": rows, "sustained": sustained, "sustained_tflops": tf_sus}, f,
+            json.dump({"max_sm_mhz": peak, "cases": rows, "sustained": quarters, "sustained_tflops": tf_sus}, f,
                       indent=1, default=str)  # fmt: skip
     return 0
 
