@@ -76,6 +76,10 @@ VARIANTS = [
     GluonConfig(64, 2, "ws64", (224, 56), heads_fastest=True, opaque_slots=True, staged_out=True),
     GluonConfig(64, 2, "ws64", (224, 56), early_kv=True, opaque_slots=True, staged_out=True),
     GluonConfig(64, 2, "ws64", (224, 56), heads_fastest=True, early_kv=True, opaque_slots=True, staged_out=True),
+    GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, staged_out=True, persistent=True),
+    GluonConfig(
+        64, 2, "ws64", (224, 56), heads_fastest=True, early_kv=True, opaque_slots=True, staged_out=True, persistent=True
+    ),
 ]
 
 

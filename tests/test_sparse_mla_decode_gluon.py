@@ -97,9 +97,10 @@ def test_decode_kernel_configs_are_named_and_checked():
 
     cfgs = {name: gluon_decode_config(128, kernel=name) for name in DECODE_KERNELS}
     assert cfgs["ws32h"].block_n == WS32_CONFIG.block_n and cfgs["ws32h"].variant == "ws"
-    assert {cfgs[n].variant for n in ("ws64h", "ws64hz", "ws64z")} == {WS64_CONFIG.variant}
-    assert [cfgs[n].heads_fastest for n in DECODE_KERNELS] == [True, True, True, False]
-    assert [cfgs[n].opaque_slots for n in DECODE_KERNELS] == [False, False, True, True]
+    assert {cfgs[n].variant for n in ("ws64h", "ws64hz", "ws64hzP", "ws64z")} == {WS64_CONFIG.variant}
+    assert [cfgs[n].heads_fastest for n in DECODE_KERNELS] == [True, True, True, True, False]
+    assert [cfgs[n].opaque_slots for n in DECODE_KERNELS] == [False, False, True, True, True]
+    assert [cfgs[n].persistent for n in DECODE_KERNELS] == [False, False, False, True, False]
     assert gluon_decode_config(64) == cfgs[DECODE_KERNEL]
     assert len({c.label for c in cfgs.values()}) == len(DECODE_KERNELS)  # distinct warm-up keys
     with pytest.raises(ValueError, match="kernel must be one of"):

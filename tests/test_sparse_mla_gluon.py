@@ -9,6 +9,8 @@ rows, duplicates, out-of-range rows, ``topk_length`` (short and zero), sinks and
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -41,6 +43,13 @@ WS64_ALT = GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, opaque_slots=
 #: through shared memory): both epilogues stay tested.
 WS64_DIRECT = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, staged_out=False)
 WS64_EARLY = GluonConfig(64, 2, "ws64", (224, 56), early_kv=True, opaque_slots=True, staged_out=True)
+#: One program per SM walking tiles in turn: token groups fastest, or a token's head blocks adjacent,
+#: and with the direct store (the staged one goes through Q's buffers there).
+WS64_PERSISTENT = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, staged_out=True, persistent=True)
+WS64_PERSISTENT_H = GluonConfig(
+    64, 2, "ws64", (224, 56), heads_fastest=True, opaque_slots=True, staged_out=True, persistent=True
+)
+WS64_PERSISTENT_DIRECT = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, persistent=True)
 
 
 @needs_gluon
@@ -72,7 +81,6 @@ def test_compile_grouped_variant_for_sm90(heads, group_size, config):
 @needs_gluon
 def test_compile_64_key_raw_row_mode_masks_entries_in_the_kernel():
     """Decode's one-launch mode: the 64-key kernel reading the caller's rows, with and without lengths."""
-    from dataclasses import replace
 
     cfg = replace(WS64_CONFIG, heads_fastest=True)
     raw = compile_kernel_for_sm90("prefill", 128, config=cfg, raw_rows=True, sinks=True)
@@ -94,11 +102,25 @@ def test_compile_64_key_variant_with_every_option_fits_shared_memory():
 
 
 @needs_gluon
+@pytest.mark.parametrize(("heads", "group_size", "raw_rows"), [(64, 1, False), (16, 4, False), (128, 1, True)])
+def test_persistent_variant_compiles_for_sm90_within_shared_memory(heads, group_size, raw_rows):
+    """The persistent kernel (tile loop in every partition, Q reloaded per tile, output staged
+    through Q) compiles for sm_90 in each mode, fits sm_90's shared memory and differs from the
+    one-tile kernel."""
+    one = compile_kernel_for_sm90("prefill", heads, group_size, config=WS64_CONFIG, raw_rows=raw_rows)
+    cfg = replace(WS64_CONFIG, persistent=True)
+    kernel = compile_kernel_for_sm90("prefill", heads, group_size, config=cfg, raw_rows=raw_rows)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "st.global.v4.b32" in ptx and "nctaid.x" in ptx
+    assert ptx != one.asm["ptx"] and cfg.label.endswith("P")
+    assert 0 < kernel.metadata.shared <= 232448
+
+
+@needs_gluon
 @pytest.mark.parametrize(("heads", "group_size", "raw_rows"), [(128, 1, False), (16, 4, False), (128, 1, True)])
 def test_staged_output_is_stored_in_16_byte_pieces(heads, group_size, raw_rows):
     """Through shared memory every output store is 16 bytes wide; from the accumulator's registers
     each is 4 (two bf16 of one row), which writes every 32-byte sector in two halves."""
-    from dataclasses import replace
 
     def stores(staged: bool) -> set[str]:
         cfg = replace(WS64_CONFIG, staged_out=staged)
@@ -123,9 +145,13 @@ def test_routing_takes_the_64_key_kernel_per_query_and_the_32_key_kernel_grouped
         (True, True),
     ]
     assert [gluon_config(h).early_kv for h in (32, 64, 65, 128)] == [False, False, True, True]
+    # per query a persistent grid (measured faster at 64 and 128 heads); grouped tiles one per program
+    assert [gluon_config(h).persistent for h in (32, 64, 128)] == [True] * 3
+    assert not any(gluon_config(64 // g, group_size=g).persistent for g in (2, 4, 8))
     decode = gluon_decode_config(128)
     assert (decode.variant, decode.heads_fastest, decode.opaque_slots) == ("ws64", True, True)
-    assert decode == gluon_config(128)  # one compiled kernel for 128-head prefill and decode
+    # decode: prefill's 128-head kernel but for its grid (one program per tile, measured faster there)
+    assert replace(decode, persistent=True) == gluon_config(128) and not decode.persistent
 
 
 @pytest.mark.parametrize(
@@ -137,6 +163,8 @@ def test_routing_takes_the_64_key_kernel_per_query_and_the_32_key_kernel_grouped
         ({"kind": "prefill", "heads": 8, "group_size": 8, "config": PIPELINED}, "needs a warp-specialised variant"),
         ({"kind": "prefill", "heads": 64, "config": WS32_CONFIG, "raw_rows": True}, "raw_rows needs the 'ws64'"),
         ({"kind": "prefill", "heads": 8, "group_size": 8, "config": WS, "raw_rows": True}, "and group_size=1"),
+        ({"kind": "prefill", "heads": 64, "config": GluonConfig(32, 4, "ws", persistent=True)}, "persistent needs"),
+        ({"kind": "prefill", "heads": 64, "config": replace(WS64_ALT, persistent=True)}, "without prefetch_qk"),
     ],
 )
 def test_compile_rejects_what_is_not_written(kwargs, match):
@@ -281,7 +309,9 @@ def test_grouped_routing_follows_the_tile_and_the_measured_crossover():
 @pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize(("heads", "group_size"), [(8, 8), (16, 4), (32, 2), (12, 4)], ids=lambda v: str(v))
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
-@pytest.mark.parametrize("config", [WS32_CONFIG, WS64_CONFIG, WS64_DIRECT, WS64_EARLY], ids=lambda c: c.label)
+@pytest.mark.parametrize(
+    "config", [WS32_CONFIG, WS64_CONFIG, WS64_DIRECT, WS64_EARLY, WS64_PERSISTENT], ids=lambda c: c.label
+)
 def test_grouped_gluon_matches_reference_at_real_shape(heads, group_size, with_sinks, config):
     """Grouped tiles on both warp-specialised kernels: a tail group (131 tokens), a whole group with
     no key, padded heads (12 of 16)."""
@@ -335,3 +365,40 @@ def test_head_blocked_buffers_are_read_and_written_in_place(heads, blocks, entry
     torch.cuda.synchronize()
     assert o is out and s is lse
     _assert_close(out.movedim(0, 1).flatten(1, 2), lse.movedim(0, 1).flatten(1, 2), q, kv, rows, length, sinks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("config", [WS64_PERSISTENT, WS64_PERSISTENT_H, WS64_PERSISTENT_DIRECT], ids=lambda c: c.label)
+@pytest.mark.parametrize(("heads", "tokens"), [(64, 700), (128, 333), (16, 300)], ids=lambda v: str(v))
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
+def test_persistent_kernel_walks_many_tiles_per_program(config, heads, tokens, with_sinks):
+    """Several tiles per program (more tiles than SMs), with one program's tiles empty three times in
+    a row (its row-sum exchange and Q hand-over alternate buffers and phases across tiles), a tail,
+    short rows, sinks: every output equal to the fp32 reference, in the raw-row mode too."""
+    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
+    from shardattn.kernels.union import build_union
+
+    q, kv, rows, length, sinks = _case(heads, tokens=tokens, seed=tokens + heads)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles_per_token = -(-heads // 64)
+    program = 5
+    # program 5's tiles (token-group-fastest or head-blocks-adjacent order): three in a row empty
+    if config.heads_fastest:
+        empty = [(program + k * sms) // tiles_per_token for k in range(3)]
+    else:
+        empty = [(program + k * sms) % tokens for k in range(3)]
+    rows[empty] = -1
+    sinks = sinks if with_sinks else None
+    scale = (D_V + D_R) ** -0.5
+    union, lens = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=length)
+    assert tokens * tiles_per_token > 2 * sms
+    for raw in (False, True):  # raw rows: the union's sorted unique rows read in place, masked per entry
+        out = torch.full((tokens, heads, D_V), float("nan"), dtype=q.dtype, device=q.device)
+        lse = torch.full((tokens, heads), float("nan"), device=q.device)
+        launch_gluon_attention(
+            q, kv, union, lens, scale=scale, v_dim=D_V, config=config, sinks=sinks, out=out, lse=lse, raw_rows=raw
+        )
+        torch.cuda.synchronize()
+        _assert_close(out, lse, q, kv, rows, length, sinks)
+        assert (out[empty] == 0).all()

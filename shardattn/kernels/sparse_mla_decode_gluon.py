@@ -147,11 +147,14 @@ def gluon_decode_plan(
 #: 64-key kernel, ``"ws64hz"`` the 64-key kernel with opaque slot indices (no spilled wgmma
 #: descriptors) and Q loaded by its producer (as 128-head prefill); ``h``: a query's head blocks
 #: adjacent in the grid (at 128 heads a token's two programs read the same rows, the second finds
-#: them in L2), ``"ws64z"`` without it.
-DECODE_KERNELS = ("ws32h", "ws64h", "ws64hz", "ws64z")
+#: them in L2), ``"ws64z"`` without it; ``"ws64hzP"``: ``"ws64hz"`` as a persistent kernel (one
+#: program per SM walks its slices in turn, as per-query prefill).
+DECODE_KERNELS = ("ws32h", "ws64h", "ws64hz", "ws64hzP", "ws64z")
 #: The routed one: at 128 heads, batch 64-256, 1.17-1.22x ``"ws32h"`` and 1.07-1.19x ``"ws64z"``;
 #: at 32-64 heads, batch 32-256, 1.00-1.10x ``"ws32h"`` and the same as ``"ws64z"`` (one head
-#: block per token) (benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel").
+#: block per token) (benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel"); the
+#: persistent ``"ws64hzP"`` (prefill's routed kernel) measured 0.97-1.05x its time, slower where
+#: decode has about one tile per SM (tenth session).
 DECODE_KERNEL = "ws64hz"
 
 
@@ -164,6 +167,7 @@ def _decode_configs() -> dict:
         "ws32h": replace(WS32_CONFIG, heads_fastest=True),
         "ws64h": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=False),
         "ws64hz": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=True, early_kv=True),
+        "ws64hzP": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=True, early_kv=True, persistent=True),
         "ws64z": replace(WS64_CONFIG, heads_fastest=False, opaque_slots=True),
     }
 

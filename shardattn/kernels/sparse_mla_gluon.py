@@ -53,7 +53,9 @@ class GluonConfig:
     4-slot ring; ``regs`` = registers of consumer WG1 and of the producer) or ``"ws64"``
     (:mod:`shardattn.kernels.sparse_mla_gluon_ws64`: 64-key blocks in pairs, per-query or grouped;
     ``block_n`` 64; ``staged_out``: each consumer warpgroup stores its output columns through a
-    key buffer it alone still reads, 16 bytes per thread, instead of 4 from the accumulator).
+    key buffer it alone still reads, 16 bytes per thread, instead of 4 from the accumulator;
+    ``persistent``: one program per SM walks tile after tile, the next tile's first key pair
+    gathered while this one ends, its output staged through Q's buffers).
     """
 
     block_n: int = 64
@@ -66,12 +68,13 @@ class GluonConfig:
     early_kv: bool = False
     opaque_slots: bool = False
     staged_out: bool = False
+    persistent: bool = False
 
     @property
     def label(self) -> str:
         flags = ("q" if self.prefetch_qk else "") + ("h" if self.heads_fastest else "")
         if self.variant == "ws64":
-            options = (("k", self.early_kv), ("z", self.opaque_slots), ("s", self.staged_out))
+            options = (("k", self.early_kv), ("z", self.opaque_slots), ("s", self.staged_out), ("P", self.persistent))
             return f"ws64r{self.regs[0]}{flags}" + "".join(c for c, on in options if on)
         if self.variant == "ws":
             return f"ws{self.block_n}r{self.regs[0]}{'a' if self.async_arrive else 'w'}{flags}"
@@ -113,14 +116,19 @@ def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1)
     more than one (``heads > 64``: its programs share the rows in L2; measured 1.06x at 128
     heads, T = 16K; with one head block the flag only costs a division, 0.96-0.98x at 64 heads) and
     Q loaded by the producer ahead of the first gathers (``early_kv``: 1.014-1.018x at 128 heads,
-    level at 64, at the power limit);
+    level at 64, at the power limit), one program per SM walking tiles in turn (``persistent``:
+    the next tile's first key pair gathered during this one's epilogue; at the power limit 1.02x
+    at 64 heads and 1.01x at 128, L2-flushed bursts 1.01-1.05x at top-k 2,048 and up to 1.23x
+    at 256, benchmarks/RESULTS.md);
     grouped tiles (``group_size > 1``): the same kernel, ``64 / G`` heads of ``G`` queries per
     tile, each row masked to its query's keys (:data:`GROUPED_CONFIG`). 64 rows per program,
     fewer pad it.
     """
     del d_v, d_r
     two_blocks = heads > BLOCK_H
-    return replace(WS64_CONFIG, heads_fastest=two_blocks, early_kv=two_blocks) if group_size == 1 else GROUPED_CONFIG
+    if group_size > 1:
+        return GROUPED_CONFIG
+    return replace(WS64_CONFIG, heads_fastest=two_blocks, early_kv=two_blocks, persistent=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -209,6 +217,7 @@ def launch_gluon_attention(
         )
     if raw_rows and (cfg.variant != "ws64" or group_size != 1):
         raise ValueError("raw_rows needs the 'ws64' variant and group_size=1")
+    _check_persistent(cfg)
     t, h, out, lse = launch_destinations(q, v_dim, out, lse)
     if t == 0 or h == 0:
         return out, lse
@@ -218,6 +227,8 @@ def launch_gluon_attention(
     grid = (num_groups(t, group_size), triton.cdiv(h, heads_per_tile))
     if cfg.warp_specialized and cfg.heads_fastest:  # 1-D grid, a query's head blocks adjacent
         grid = (grid[0] * grid[1],)
+    if cfg.persistent:  # one program per SM (one fits: 225 KB of shared memory), tiles in turn
+        grid = (min(grid[0] * (grid[1] if len(grid) > 1 else 1), _num_sms(q.device)),)
     fn, constexprs, options = _kernel_args(
         cfg, group_size, v_dim, d - v_dim, sinks is not None, raw_rows=raw_rows, has_lens=lens is not None
     )
@@ -228,6 +239,16 @@ def launch_gluon_attention(
         q, kv, union, lens_arg, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E, *extra, **constexprs, **options
     )  # fmt: skip
     return out, lse
+
+
+def _check_persistent(cfg: GluonConfig) -> None:
+    if cfg.persistent and (cfg.variant != "ws64" or cfg.prefetch_qk):
+        raise ValueError(f"persistent needs the 'ws64' variant without prefetch_qk, got {cfg.label}")
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _kernel_args(
@@ -249,7 +270,7 @@ def _kernel_args(
         from shardattn.kernels.sparse_mla_gluon_ws64 import ws64_kernel
 
         ws64 = {"EARLY_KV": cfg.early_kv, "OPAQUE_SLOTS": cfg.opaque_slots, "STAGED_OUT": cfg.staged_out,
-                "G": group_size, "RAW_ROWS": raw_rows}  # fmt: skip
+                "G": group_size, "RAW_ROWS": raw_rows, "PERSISTENT": cfg.persistent}  # fmt: skip
         ws64["HAS_LENS"] = has_lens or not raw_rows
         return ws64_kernel(), {**common, "CONSUMER_REGS": cfg.regs[0], **flags, **ws64}, options
     if cfg.variant == "ws":
@@ -355,6 +376,7 @@ def compile_kernel_for_sm90(
         raise ValueError(f"group_size={group_size} needs a warp-specialised variant, got {cfg.variant!r}")
     if raw_rows and (cfg.variant != "ws64" or group_size != 1):
         raise ValueError(f"raw_rows needs the 'ws64' variant and group_size=1, got {cfg.variant!r}, {group_size}")
+    _check_persistent(cfg)
     why = gluon_available()
     if why is not None:
         raise RuntimeError(why)
