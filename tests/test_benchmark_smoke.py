@@ -55,3 +55,26 @@ def test_scaling_dry_run_and_predictions(tmp_path: Path) -> None:
     assert out.exists() and json.loads(out.read_text())
     text = _run([sys.executable, str(BENCH / "scaling.py"), "--predict-only", "--simulate", "4", "8"])
     assert "| 8 | glm5" in text and "| 4 | deepseek-v32" in text
+
+
+def test_ptx_hints_rewrite_every_gather_and_wait() -> None:
+    """``benchmarks/ptx_hints.py``'s rewrites (FlashMLA's L2 hints, CUTLASS's suspend hint) reach
+    every ``cp.async`` gather and mbarrier wait of the routed kernel's PTX as Triton emits it, so an
+    emitter change that makes them silently rewrite nothing fails here."""
+    import pytest
+
+    from shardattn.kernels.sparse_mla_gluon import compile_for_sm90, gluon_available
+
+    if gluon_available() is not None:
+        pytest.skip(gluon_available())
+    sys.path.insert(0, str(BENCH))
+    import ptx_hints
+
+    ptx = compile_for_sm90("prefill", 64)
+    gathers, waits = ptx.count("cp.async.cg.shared.global ["), ptx.count("mbarrier.try_wait.parity")
+    assert gathers > 0 and waits > 0
+    assert ptx_hints.rewrite(ptx, "none") == ptx
+    assert ptx_hints.rewrite(ptx, "256").count("cp.async.cg.shared.global.L2::256B [") == gathers
+    evict = ptx_hints.rewrite(ptx, "el256")
+    assert evict.count("L2::cache_hint.L2::256B [") == gathers and evict.count("createpolicy") == 1
+    assert ptx_hints.rewrite(ptx, "sleep").count(", 10000000;") == waits
