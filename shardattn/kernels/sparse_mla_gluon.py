@@ -225,10 +225,10 @@ def launch_gluon_attention(
     strides = (*q_strides, kv.stride(0), union.stride(0), *out_strides, *lse_strides)
     heads_per_tile = BLOCK_H // group_size
     grid = (num_groups(t, group_size), triton.cdiv(h, heads_per_tile))
-    if cfg.warp_specialized and cfg.heads_fastest:  # 1-D grid, a query's head blocks adjacent
-        grid = (grid[0] * grid[1],)
     if cfg.persistent:  # one program per SM (one fits: 225 KB of shared memory), tiles in turn
-        grid = (min(grid[0] * (grid[1] if len(grid) > 1 else 1), _num_sms(q.device)),)
+        grid = (min(grid[0] * grid[1], _num_sms(q.device)),)
+    elif cfg.warp_specialized and cfg.heads_fastest:  # 1-D grid, a query's head blocks adjacent
+        grid = (grid[0] * grid[1],)
     fn, constexprs, options = _kernel_args(
         cfg, group_size, v_dim, d - v_dim, sinks is not None, raw_rows=raw_rows, has_lens=lens is not None
     )

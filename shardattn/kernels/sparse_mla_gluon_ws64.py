@@ -121,56 +121,44 @@ if HAS_GLUON:
         return t_args, (OUT, LSE, SINKS, g, hb, T2, H2, HB2, sob, sot, soh, slb, slt, slh), n_pairs
 
     @gluon.jit
-    def _wg0(args, out_args, pctx, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-             PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
-             RAW_ROWS: gl.constexpr, STAGED_OUT: gl.constexpr, PERSISTENT: gl.constexpr, HAS_LENS: gl.constexpr,
-             HEADS_FASTEST: gl.constexpr):  # fmt: skip
-        if PERSISTENT:  # tile after tile; the output staged in Q's left half (dead after the tile's last Q K^T)
-            (_U, _L, _s, _K, _ng, _nhb, q_free, first, step, n_tiles) = pctx
-            c0 = first * 0
-            j = first * 0
-            for tile in range(first, n_tiles, step):
-                t_args, t_out, n_pairs = _retile(args, out_args, pctx, tile, G, RAW_ROWS, HAS_LENS, HEADS_FASTEST)
-                acc, m_i, l_i = _consumer0(t_args, D_V, False, True, OPAQUE_SLOTS, G, RAW_ROWS, c0, j)
-                if STAGED_OUT:
-                    _ws_epilogue_staged(acc, m_i, l_i, t_out, args[5].index(0), 0, D_V, HAS_SINK, G)
-                else:
-                    _ws_epilogue(acc, m_i, l_i, t_out, 0, D_V, HAS_SINK, G)
-                mbarrier.arrive(q_free, count=1)
-                c0 += n_pairs
-                j += 1
+    def _consume_tile(args, out_args, stage, W: gl.constexpr, D_V: gl.constexpr, HAS_SINK: gl.constexpr,
+                      PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
+                      RAW_ROWS: gl.constexpr, STAGED_OUT: gl.constexpr, c0, j):  # fmt: skip
+        """Consumer warpgroup ``W``'s work on one tile and its epilogue (staged through ``stage``)."""
+        if W == 0:
+            acc, m_i, l_i = _consumer0(args, D_V, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS, c0, j)
         else:
-            acc, m_i, l_i = _consumer0(args, D_V, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS, 0, 0)
-            if STAGED_OUT:  # block 0's left half: read by this warpgroup alone, its last reader done
-                _ws_epilogue_staged(acc, m_i, l_i, out_args, args[8].index(0), 0, D_V, HAS_SINK, G)
-            else:
-                _ws_epilogue(acc, m_i, l_i, out_args, 0, D_V, HAS_SINK, G)
+            acc, m_i, l_i = _consumer1(args, D_V, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS, c0, j)
+        if STAGED_OUT:
+            _ws_epilogue_staged(acc, m_i, l_i, out_args, stage, W, D_V, HAS_SINK, G)
+        else:
+            _ws_epilogue(acc, m_i, l_i, out_args, W, D_V, HAS_SINK, G)
 
     @gluon.jit
-    def _wg1(args, out_args, pctx, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-             PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
-             RAW_ROWS: gl.constexpr, STAGED_OUT: gl.constexpr, PERSISTENT: gl.constexpr, HAS_LENS: gl.constexpr,
-             HEADS_FASTEST: gl.constexpr):  # fmt: skip
-        if PERSISTENT:  # the output staged in Q's right half
+    def _wg(args, out_args, pctx, W: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
+            PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
+            RAW_ROWS: gl.constexpr, STAGED_OUT: gl.constexpr, PERSISTENT: gl.constexpr, HAS_LENS: gl.constexpr,
+            HEADS_FASTEST: gl.constexpr):  # fmt: skip
+        """Consumer warpgroup ``W`` (0: block ``2i``, output columns ``[0, Dv/2)``; 1: block ``2i + 1``,
+        ``[Dv/2, Dv)``). One tile: its output staged in the key buffer it alone still reads (WG0
+        block 0's left half, WG1 block 1's right half). ``PERSISTENT``: tile after tile, the output
+        staged in Q's half ``W`` (dead after the tile's last ``Q K^T``), then ``q_free``."""
+        if PERSISTENT:
             (_U, _L, _s, _K, _ng, _nhb, q_free, first, step, n_tiles) = pctx
             c0 = first * 0
             j = first * 0
             for tile in range(first, n_tiles, step):
                 t_args, t_out, n_pairs = _retile(args, out_args, pctx, tile, G, RAW_ROWS, HAS_LENS, HEADS_FASTEST)
-                acc, m_i, l_i = _consumer1(t_args, D_V, True, OPAQUE_SLOTS, G, RAW_ROWS, c0, j)
-                if STAGED_OUT:
-                    _ws_epilogue_staged(acc, m_i, l_i, t_out, args[6].index(0), 1, D_V, HAS_SINK, G)
-                else:
-                    _ws_epilogue(acc, m_i, l_i, t_out, 1, D_V, HAS_SINK, G)
+                stage = args[5 + W].index(0)  # q_l / q_r
+                _consume_tile(t_args, t_out, stage, W, D_V, HAS_SINK, False, True, OPAQUE_SLOTS, G, RAW_ROWS,
+                              STAGED_OUT, c0, j)  # fmt: skip
                 mbarrier.arrive(q_free, count=1)
                 c0 += n_pairs
                 j += 1
         else:
-            acc, m_i, l_i = _consumer1(args, D_V, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS, 0, 0)
-            if STAGED_OUT:  # block 1's right half: read by this warpgroup alone, its last reader done
-                _ws_epilogue_staged(acc, m_i, l_i, out_args, args[9].index(1), 1, D_V, HAS_SINK, G)
-            else:
-                _ws_epilogue(acc, m_i, l_i, out_args, 1, D_V, HAS_SINK, G)
+            stage = args[8 + W].index(W)  # k_l[0] / k_r[1]
+            _consume_tile(args, out_args, stage, W, D_V, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
+                          STAGED_OUT, 0, 0)  # fmt: skip
 
     @gluon.jit
     def _load(args, out_args, pctx, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
@@ -265,10 +253,10 @@ if HAS_GLUON:
             [
                 (_load, (args, out_args, pctx, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
                          STAGED_OUT, PERSISTENT, HAS_LENS, HEADS_FASTEST)),
-                (_wg0, (args, out_args, pctx, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
-                        STAGED_OUT, PERSISTENT, HAS_LENS, HEADS_FASTEST)),
-                (_wg1, (args, out_args, pctx, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
-                        STAGED_OUT, PERSISTENT, HAS_LENS, HEADS_FASTEST)),
+                (_wg, (args, out_args, pctx, 0, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
+                       STAGED_OUT, PERSISTENT, HAS_LENS, HEADS_FASTEST)),
+                (_wg, (args, out_args, pctx, 1, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
+                       STAGED_OUT, PERSISTENT, HAS_LENS, HEADS_FASTEST)),
             ],
             [4, 4],
             [CONSUMER_REGS, CONSUMER_REGS],
