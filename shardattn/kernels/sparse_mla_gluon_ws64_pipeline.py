@@ -112,13 +112,17 @@ if HAS_GLUON:
                   RAW_ROWS: gl.constexpr, PERSISTENT: gl.constexpr, c0, j, q_free):  # fmt: skip
         """The producer's work on one tile: its pairs are the program's pairs ``c0, c0 + 1, ...`` (the
         ring's phases run on across tiles); ``PERSISTENT``: the tile's Q (the ``j``-th of the program)
-        is loaded after its first pair's gathers, once ``q_free`` says the last tile's epilogues are done."""
+        is loaded after its first pair's gathers, once ``q_free`` says the last tile's epilogues are done
+        (the program's first tile: before them)."""
         (KV, u_base, n_len, stride_kvr, n_pairs, _q_l, _q_r, _q_rope, k_l, k_r, k_rope, _p1, _m_buf, _l_bufs, ready,
          free, _m0_ready, _m1_ready, _p0_ready, _p1_ready, _l_ready, _qk_scale, _q_ready, _q_src, R) = args  # fmt: skip
         HALF: gl.constexpr = D_V // 2
         lay: gl.constexpr = _gather_layout()
         if EARLY_KV and not PERSISTENT:  # Q first, then straight on to the KV rows (the consumers wait for q_ready)
             _load_tile_q(args, D_V, D_R, G)
+        if PERSISTENT:
+            if j == 0:  # the program's first tile: Q first too (Q's buffers are free)
+                _load_tile_q(args, D_V, D_R, G)
         r0 = _block_rows(u_base, n_len, 0, lay, G, RAW_ROWS, R)
         r1 = _block_rows(u_base, n_len, 1, lay, G, RAW_ROWS, R)
         for i in range(n_pairs):
@@ -141,13 +145,13 @@ if HAS_GLUON:
             _gather(k_l.index(1), KV, r1, stride_kvr, 0, HALF, lay)
             cp.mbarrier_arrive(ready.index(_L1), increment_count=False)
             if PERSISTENT:
-                if i == 0:  # the first pair is in flight: now the tile's Q (the consumers stage output in it)
-                    mbarrier.wait(q_free, (j & 1) ^ 1)
+                if (i == 0) & (j > 0):  # the first pair is in flight: now the tile's Q (once the last
+                    mbarrier.wait(q_free, (j & 1) ^ 1)  # tile's epilogues, staged in Q, are done)
                     _load_tile_q(args, D_V, D_R, G)
             r0 = r0_next
             r1 = r1_next
         if PERSISTENT:
-            if n_pairs == 0:  # an empty tile still takes its Q turn (the phases stay in step)
+            if (n_pairs == 0) & (j > 0):  # an empty tile still takes its Q turn (the phases stay in step)
                 mbarrier.wait(q_free, (j & 1) ^ 1)
                 _load_tile_q(args, D_V, D_R, G)
 
