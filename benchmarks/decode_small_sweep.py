@@ -7,8 +7,8 @@ is flushed between replays, so the KV rows come from HBM, as in a serving step).
 * the floor: a graph of one and of two one-element kernels, and a graph of one kernel that only
   reads the step's KV rows (each token's top-k rows gathered once by ``splits`` programs, summed,
   one float out per program; the fastest of several grids): no design that reads the rows in
-  one launch can be faster, and the same kernel on as many consecutive rows (``--floors-only``
-  prints just these);
+  one launch can be faster, and the same kernel, and ``torch.sum``, on as many consecutive rows
+  (``--floors-only`` prints just these);
 * the kernels of today's graph (torch profiler over replays: kernel device durations, the gap
   between them and the span of a replay);
 * the split kernel alone, for split counts 4-64 and ``BLOCK_N`` / ``num_warps`` / ``num_stages``;
@@ -118,6 +118,11 @@ def read_floor(kv: torch.Tensor, batch: int, consecutive: bool = False) -> None:
     what = "the same number of consecutive rows" if consecutive else "the step's KV rows"
     record("floor", f"B{batch}: one kernel reading {what} ({best[1]})", best[0],
            tbs=nbytes / (best[0] * 1e-6) / 1e12)  # fmt: skip
+    if consecutive:  # torch's own reduction over the same bytes: the library's kernel is not the floor's limit
+        block, total = kv[: batch * TOPK], torch.empty((), device="cuda")
+        torch.testing.assert_close(block.sum(dtype=torch.float32), want.sum(), rtol=1e-3, atol=4.0)
+        us = replay_us(lambda: torch.sum(block, dim=(0, 1), dtype=torch.float32, out=total))
+        record("floor", f"B{batch}: torch.sum over the same consecutive rows", us, tbs=nbytes / (us * 1e-6) / 1e12)
 
 
 def split_variants() -> list[dict]:
