@@ -153,8 +153,9 @@ DECODE_KERNELS = ("ws32h", "ws64h", "ws64hz", "ws64hzP", "ws64z")
 #: The routed one: at 128 heads, batch 64-256, 1.17-1.22x ``"ws32h"`` and 1.07-1.19x ``"ws64z"``;
 #: at 32-64 heads, batch 32-256, 1.00-1.10x ``"ws32h"`` and the same as ``"ws64z"`` (one head
 #: block per token) (benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel"); the
-#: persistent ``"ws64hzP"`` (prefill's routed kernel) measured 0.97-1.05x its time, slower where
-#: decode has about one tile per SM (tenth session).
+#: persistent ``"ws64hzP"`` (prefill's routed kernel) measured 0.97-1.05x its time in the tenth
+#: session and 0.99-1.01x once a program's first tile loaded Q before its first gathers (eleventh:
+#: level, so the simpler one-tile grid stays routed).
 DECODE_KERNEL = "ws64hz"
 
 

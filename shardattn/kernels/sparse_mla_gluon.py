@@ -117,9 +117,9 @@ def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1)
     heads, T = 16K; with one head block the flag only costs a division, 0.96-0.98x at 64 heads) and
     Q loaded by the producer ahead of the first gathers (``early_kv``: 1.014-1.018x at 128 heads,
     level at 64, at the power limit), one program per SM walking tiles in turn (``persistent``:
-    the next tile's first key pair gathered during this one's epilogue; at the power limit 1.02x
-    at 64 heads and 1.01x at 128, L2-flushed bursts 1.01-1.05x at top-k 2,048 and up to 1.23x
-    at 256, benchmarks/RESULTS.md);
+    the next tile's first key pair gathered during this one's epilogue, a program's first tile
+    loading Q before its first gathers; at the power limit 1.00-1.02x at 64 / 128 heads, L2-flushed
+    bursts 1.00-1.05x at top-k 2,048 and up to 1.23x at 256, benchmarks/RESULTS.md);
     grouped tiles (``group_size > 1``): the same kernel, ``64 / G`` heads of ``G`` queries per
     tile, each row masked to its query's keys (:data:`GROUPED_CONFIG`). 64 rows per program,
     fewer pad it.
