@@ -19,7 +19,9 @@ posts a one-line report to the group's store (:meth:`Comm.reporting_failures`), 
 collective failed posts that it is alive, waits up to :data:`REPORT_GRACE_S` for its peers'
 reports, and names the ranks that raised, or, failing that, the ranks that did not report (they
 exited or hang). Survivors learn of the failure when the group's timeout expires (a rank that
-raised or hangs) or at once (a rank whose process exited closes its connections). Reports stay
+raised or hangs) or, those waiting on the connection of a rank whose process exited, at once;
+a survivor that learns at once may also name a live peer that is still blocked until its own
+timeout (waiting on a rank that has already given up): it had not reported either. Reports stay
 in the group's store: a group in which a step failed is not to be reused (its ranks are out of
 step anyway).
 

@@ -35,7 +35,10 @@ class PeerFailedError(RuntimeError):
 
     Attributes:
         raised: ``{rank: "ExceptionType: message"}`` of the peers whose step raised.
-        silent: peers that did not report within :data:`REPORT_GRACE_S` (exited or hung).
+        silent: peers that did not report within the grace (:data:`REPORT_GRACE_S` by default):
+            they exited or hang, or, alive, were still blocked in a collective of their own that
+            had not failed yet (a peer waiting on a rank that itself gave up learns of it only at
+            the group's timeout). Always includes a rank that exited.
     """
 
     def __init__(self, message: str, *, raised: dict[int, str], silent: list[int]) -> None:
@@ -102,7 +105,10 @@ def name_failed_peers(
     if raised:
         who = "; ".join(f"rank {r} of {world_size} raised {v}" for r, v in raised.items())
     elif silent:
-        who = f"rank(s) {silent} of {world_size} exited or hung (no report within {grace_s:g} s)"
+        who = (
+            f"rank(s) {silent} of {world_size} did not report within {grace_s:g} s (exited or hung, "
+            "or still blocked in a collective)"
+        )
     else:
         who = f"a peer of the {world_size} ranks failed (no report available)"
     return PeerFailedError(
