@@ -221,6 +221,46 @@ def test_calibrate_command_writes_a_loadable_table(tmp_path) -> None:
     assert choose_prefill(CostModel(cal), _shape(2)).best.ms > 0
 
 
+def test_median_points_keeps_each_jobs_median_pass() -> None:
+    """Fresh random times over shuffled passes: every job keeps the (lower) median of its passes,
+    as a point one pass measured; passes over other jobs are refused."""
+    from shardattn.calibrate.kernels import median_points
+
+    gen = torch.Generator().manual_seed(7)
+    jobs = [(8, 1, 32), (8, 8, 32), (16, 4, 64), (128, 1, 64)]
+    for n_passes in (1, 2, 3, 4, 5):
+        times = torch.rand(n_passes, len(jobs), generator=gen).add_(0.1).tolist()
+        passes = []
+        for i in range(n_passes):
+            order = torch.randperm(len(jobs), generator=gen).tolist()
+            passes.append([KernelPoint(h, 64, g, 1.0 + i, t, 8, times[i][j]) for j in order for h, g, t in [jobs[j]]])
+        got = {(p.heads, p.group_size, p.tokens): p for p in median_points(passes)}
+        assert list(got) == [(p.heads, p.group_size, p.tokens) for p in passes[0]]
+        for j, job in enumerate(jobs):
+            col = sorted(times[i][j] for i in range(n_passes))
+            assert got[job].ms == col[(n_passes - 1) // 2]
+            i = [times[k][j] for k in range(n_passes)].index(got[job].ms)
+            assert got[job].union_ratio == 1.0 + i  # the whole point of that pass, not a mix
+    one = [KernelPoint(8, 64, 1, 1.0, 32, 8, 1.0)]
+    with pytest.raises(ValueError, match="pass 1 timed other jobs"):
+        median_points([one, [dataclasses.replace(one[0], tokens=64)]])
+    with pytest.raises(ValueError, match="at least one pass"):
+        median_points([])
+
+
+def test_calibrate_passes_are_recorded_and_checked(tmp_path) -> None:
+    from shardattn.calibrate.__main__ import main
+
+    out = tmp_path / "cpu.json"
+    argv = ["--out", str(out), "--heads", "8", "--tokens", "32", "--topk", "8", "--cached", "32", "--reps", "1"]
+    assert main([*argv, "--no-progress", "--no-steps", "--passes", "2"]) == 0
+    cal = Calibration.from_json(out.read_text())
+    assert "kernel points the median of 2 pass(es)" in cal.source
+    assert {(k.heads, k.group_size, k.tokens) for k in cal.kernels} == {(8, 1, 32), (8, 8, 32)}
+    with pytest.raises(ValueError, match="--passes must be >= 1, got 0"):
+        main([*argv, "--no-progress", "--passes", "0"])
+
+
 def test_calibrate_merge_into_keeps_the_tables_collectives_and_steps(tmp_path) -> None:
     """``--merge-into``: new kernel points, the table's collectives and step overheads; another GPU's
     table is refused with a clear error."""

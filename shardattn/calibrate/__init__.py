@@ -10,7 +10,8 @@ What it measures (a few minutes on an H200, with a progress bar on rank 0):
 
 1. kernel points (:mod:`~shardattn.calibrate.kernels`): the prefill kernel call at each head
    count, each group size that fits the tile and each token count, on the launcher's synthetic
-   step (DSA-like top-k), with the union ratio of its top-k;
+   step (DSA-like top-k), with the union ratio of its top-k; ``--passes`` passes over all
+   points (default 3), each point keeping its median pass;
 2. the device copy rate, and the all-to-all / all-gather rates of the group (latency and bus
    bandwidth);
 3. whole head-TP and ShardQ steps (:mod:`~shardattn.calibrate.steps`) of two configurations,

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardattn.calibrate.fit import fit_step_overhead
-from shardattn.calibrate.kernels import collective_rates, kernel_jobs, measure_kernel_points
+from shardattn.calibrate.kernels import collective_rates, kernel_jobs, measure_kernel_points, median_points
 from shardattn.calibrate.steps import measure_paths, with_heads
 from shardattn.calibrate.timing import copy_gbps
 from shardattn.plan.cost import CONSERVATIVE, Calibration, CostModel, StepOverhead, StepShape
@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens of the whole steps (default 8192 32768: a small step, and one the planner pipelines)",
     )
     p.add_argument("--reps", type=int, default=5, help="timed calls per point (default 5)")
+    p.add_argument(
+        "--passes",
+        type=int,
+        default=3,
+        help="passes over all kernel points; each point keeps the median of its passes (default 3)",
+    )
     p.add_argument("--no-steps", dest="steps", action="store_false", help="skip the whole-step overhead fit")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument(
@@ -72,11 +78,16 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
     jobs = kernel_jobs(args.heads, args.tokens, all_groups=args.all_groups)
     mine = jobs[rank::world]
     n_steps = len(STEP_CONFIGS) * len(args.step_tokens) if args.steps and world > 1 else 0
-    bar, advance = _progress(args.progress and rank == 0, len(mine) + (8 if world > 1 else 0) + n_steps + 1)
+    total = len(mine) * args.passes + (8 if world > 1 else 0) + n_steps + 1
+    bar, advance = _progress(args.progress and rank == 0, total)
     try:
-        points = measure_kernel_points(
-            mine, topk=args.topk, device=device, dtype=dtype, reps=args.reps, cached=args.cached, advance=advance
-        )
+        passes = [
+            measure_kernel_points(
+                mine, topk=args.topk, device=device, dtype=dtype, reps=args.reps, cached=args.cached, advance=advance
+            )
+            for _ in range(args.passes)
+        ]
+        points = median_points(passes)
         copy = copy_gbps(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 24))
         advance()
         colls = collective_rates(group, device=device, advance=advance) if world > 1 else []
@@ -97,7 +108,8 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
             steps={},
             source=(
                 f"python -m shardattn.calibrate, {world} rank(s), {datetime.date.today().isoformat()}, "
-                f"torch {torch.__version__}" + ("" if colls else "; collectives: the conservative default")
+                f"torch {torch.__version__}, kernel points the median of {args.passes} pass(es)"
+                + ("" if colls else "; collectives: the conservative default")
             ),
         )
         if n_steps:
@@ -168,6 +180,8 @@ def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
 
 
 def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
+    if args.passes < 1:
+        raise ValueError(f"--passes must be >= 1, got {args.passes}")
     table = None
     if args.merge_into is not None:  # read it first: a bad path fails before minutes of measuring
         with open(args.merge_into) as f:

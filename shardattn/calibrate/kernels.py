@@ -4,6 +4,8 @@ Kernel points: one call of the sparse-MLA prefill as the steps make it (row sort
 plus the kernel, :func:`~shardattn.kernels.sparse_mla_grouped.sparse_mla_grouped_prefill`) on
 the launcher's synthetic step (``requests`` requests with ``cached`` tokens each, DSA-like
 top-k), for each head count, each group size that fits the 64-row tile, and each token count.
+Several passes over all points (``--passes``) give each point the median of its passes
+(:func:`median_points`): one pass's short points move by up to a third between passes on an H200.
 
 Collective rates: ``all_to_all`` and ``all_gather`` over a few sizes on the group, fitted to
 ``latency + moved / bus bandwidth`` (``moved = bytes * (W - 1) / W``, NCCL's bus-bandwidth convention).
@@ -23,7 +25,7 @@ from shardattn.plan.cost import CollectiveRate, KernelPoint, candidate_group_siz
 from shardattn.plan.routing import TILE_ROWS
 from shardattn.workload import union_ratio
 
-__all__ = ["collective_rates", "fit_latency_bandwidth", "kernel_jobs", "measure_kernel_points"]
+__all__ = ["collective_rates", "fit_latency_bandwidth", "kernel_jobs", "measure_kernel_points", "median_points"]
 
 HEAD_DIM, V_DIM = 576, 512
 
@@ -90,6 +92,31 @@ def measure_kernel_points(
         del q
         advance()
     return points
+
+
+def median_points(passes: Sequence[Sequence[KernelPoint]]) -> list[KernelPoint]:
+    """Per ``(heads, group_size, tokens)``, the point whose time is the median of the passes (the
+    lower one of an even count: always a measured point), in the first pass's order.
+
+    Args:
+        passes: each pass's points, every pass timing the same jobs.
+    Raises:
+        ValueError: no pass, or passes that timed different jobs.
+
+    >>> a, b, c = (KernelPoint(8, 64, 1, 1.0, 4096, 2048, ms) for ms in (2.0, 3.0, 1.0))
+    >>> median_points([[a], [b], [c]])[0].ms
+    2.0
+    """
+    if not passes:
+        raise ValueError("passes must hold at least one pass")
+    keys = [(p.heads, p.group_size, p.tokens) for p in passes[0]]
+    by_key: dict[tuple[int, int, int], list[KernelPoint]] = {k: [] for k in keys}
+    for i, points in enumerate(passes):
+        if sorted((p.heads, p.group_size, p.tokens) for p in points) != sorted(keys):
+            raise ValueError(f"pass {i} timed other jobs than pass 0")
+        for p in points:
+            by_key[(p.heads, p.group_size, p.tokens)].append(p)
+    return [sorted(by_key[k], key=lambda p: p.ms)[(len(passes) - 1) // 2] for k in keys]
 
 
 def fit_latency_bandwidth(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
