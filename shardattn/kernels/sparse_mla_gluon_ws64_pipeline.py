@@ -118,11 +118,11 @@ if HAS_GLUON:
          free, _m0_ready, _m1_ready, _p0_ready, _p1_ready, _l_ready, _qk_scale, _q_ready, _q_src, R) = args  # fmt: skip
         HALF: gl.constexpr = D_V // 2
         lay: gl.constexpr = _gather_layout()
-        if EARLY_KV and not PERSISTENT:  # Q first, then straight on to the KV rows (the consumers wait for q_ready)
-            _load_tile_q(args, D_V, D_R, G)
         if PERSISTENT:
-            if j == 0:  # the program's first tile: Q first too (Q's buffers are free)
+            if j == 0:  # the program's first tile: Q first (Q's buffers are free)
                 _load_tile_q(args, D_V, D_R, G)
+        elif EARLY_KV:  # Q first, then straight on to the KV rows (the consumers wait for q_ready)
+            _load_tile_q(args, D_V, D_R, G)
         r0 = _block_rows(u_base, n_len, 0, lay, G, RAW_ROWS, R)
         r1 = _block_rows(u_base, n_len, 1, lay, G, RAW_ROWS, R)
         for i in range(n_pairs):
@@ -165,12 +165,25 @@ if HAS_GLUON:
         """Accumulator layout of a consumer's ``O`` half ``[64 rows, Dv / 2]`` (one warpgroup)."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, d_v // 2, 16])
 
+    @gluon.constexpr_function
+    def _row_layout():
+        """Layout of a per-row vector of ``S`` (row max, row sum)."""
+        return gl.SliceLayout(1, _mma_s_layout())
+
+    @gluon.constexpr_function
+    def _p_operand_layout(d_v):
+        """``P`` as the register ``A`` operand of ``P V`` into the ``O`` half's accumulator."""
+        return gl.DotOperandLayout(operand_index=0, parent=_mma_o_layout(d_v), k_width=2)
+
     @gluon.jit
-    def _consumer_start(D_V: gl.constexpr, G: gl.constexpr):
-        """A consumer's starting state: ``(m_i = -inf, l_i = 0, acc = 0, a zero S, the S tile's key
-        index per column, the group's query per row)``."""
+    def _consumer_start(q_ready, j, D_V: gl.constexpr, G: gl.constexpr, EARLY_KV: gl.constexpr):
+        """A consumer's start on the program's ``j``-th tile: ``EARLY_KV``: wait for the producer's Q;
+        then ``(m_i = -inf, l_i = 0, acc = 0, a zero S, the S tile's key index per column, the
+        group's query per row)``."""
+        if EARLY_KV:
+            mbarrier.wait(q_ready, j & 1)
         mma_s: gl.constexpr = _mma_s_layout()
-        row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
+        row_l: gl.constexpr = _row_layout()
         m_i = gl.full([64], float("-inf"), gl.float32, layout=row_l)
         l_i = gl.zeros([64], gl.float32, layout=row_l)
         acc = gl.zeros([64, D_V // 2], gl.float32, layout=_mma_o_layout(D_V))
@@ -229,14 +242,11 @@ if HAS_GLUON:
         The tile's pairs are the program's pairs ``c0, c0 + 1, ...``, the tile its ``j``-th."""
         (_KV, u_base, n_len, _stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs,
          ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready, _q_src, R) = args  # fmt: skip
-        if EARLY_KV:
-            mbarrier.wait(q_ready, j & 1)
         dtype: gl.constexpr = q_l.dtype
-        mma_s: gl.constexpr = _mma_s_layout()
         mma_o: gl.constexpr = _mma_o_layout(D_V)
-        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
-        row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
-        m_i, l_i, acc, s_zero, cols, qj = _consumer_start(D_V, G)
+        p_op: gl.constexpr = _p_operand_layout(D_V)
+        row_l: gl.constexpr = _row_layout()
+        m_i, l_i, acc, s_zero, cols, qj = _consumer_start(q_ready, j, D_V, G, EARLY_KV)
         s = s_zero
         if PREFETCH_QK:  # pair 0's S0 here; pair i + 1's at the end of pair i
             if n_pairs > 0:
@@ -291,14 +301,11 @@ if HAS_GLUON:
         (pairs and tile numbered as in :func:`_consumer0`)."""
         (_KV, u_base, n_len, _stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs,
          ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready, _q_src, R) = args  # fmt: skip
-        if EARLY_KV:
-            mbarrier.wait(q_ready, j & 1)
         dtype: gl.constexpr = q_l.dtype
-        mma_s: gl.constexpr = _mma_s_layout()
         mma_o: gl.constexpr = _mma_o_layout(D_V)
-        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
-        row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
-        m_i, l_i, acc, s_zero, cols, qj = _consumer_start(D_V, G)
+        p_op: gl.constexpr = _p_operand_layout(D_V)
+        row_l: gl.constexpr = _row_layout()
+        m_i, l_i, acc, s_zero, cols, qj = _consumer_start(q_ready, j, D_V, G, EARLY_KV)
         for i in range(n_pairs):
             ph = (c0 + i) & 1
             z = _slot0(i, OPAQUE_SLOTS)
