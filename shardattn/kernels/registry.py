@@ -77,12 +77,16 @@ def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_s
     return route.path, route.reason
 
 
-def sparse_decode_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> tuple[str, str]:
+def sparse_decode_kernel(
+    q: torch.Tensor, kv: torch.Tensor, v_dim: int, rows: torch.Tensor | None = None
+) -> tuple[str, str]:
     """``(name, reason)`` of the kernel that runs a sparse-MLA decode call on these tensors.
 
-    ``"gluon"`` on sm_90 when Triton ships Gluon, the shape suits the kernel and the routing's
-    measured crossovers (:data:`shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads and
-    :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_PROGRAMS` programs) say it pays; else
+    On sm_90 when Triton ships Gluon and the shape suits it: ``"gluon_small"`` (with ``rows``
+    given, up to :data:`shardattn.plan.routing.SMALL_DECODE_MAX_HEADS` heads and
+    :data:`~shardattn.plan.routing.SMALL_DECODE_MAX_TOKENS` tokens) or ``"gluon"`` where the
+    routing's measured crossovers (:data:`~shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads
+    and :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_PROGRAMS` programs) say it pays; else
     ``"triton"`` (the split-KV kernel) when Triton runs these tensors; else ``"reference"`` (the
     fp32 torch path).
     """
@@ -97,7 +101,13 @@ def sparse_decode_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> tuple
 
     sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     missing = gluon_supports(q, kv, v_dim)
+    small_missing = "rows not given"
+    if rows is not None:
+        from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_supports
+
+        small_missing = small_decode_supports(q, kv, rows, v_dim)
     route = route_sparse_decode_kernel(
-        q.shape[1], num_tokens=q.shape[0], device_type=q.device, sm=sm, gluon_missing=missing
-    )
+        q.shape[1], num_tokens=q.shape[0], device_type=q.device, sm=sm, gluon_missing=missing,
+        small_missing=small_missing,
+    )  # fmt: skip
     return route.path, route.reason

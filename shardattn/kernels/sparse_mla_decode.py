@@ -36,7 +36,11 @@ partials are stored; the merge waits for the split grid before reading them. Wha
 launch latency, a few tenths of a microsecond a step (benchmarks/RESULTS.md, eighth session);
 ``config={"pdl": False}`` launches plainly.
 
-Backends: on an sm_90 GPU with Triton's Gluon, at
+Backends: on an sm_90 GPU with Triton's Gluon, DSA shapes and bf16/fp16, calls of at most
+:data:`~shardattn.plan.routing.SMALL_DECODE_MAX_HEADS` heads and
+:data:`~shardattn.plan.routing.SMALL_DECODE_MAX_TOKENS` tokens run the small-batch Gluon kernel
+(:mod:`~shardattn.kernels.sparse_mla_decode_gluon_small`: one warpgroup, a split's rows gathered at
+once, the heads as the ``wgmma`` N; the same column merge); at
 :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads or more (DSA shapes, bf16/fp16) and
 batches of at least :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_PROGRAMS` whole-row programs,
 the call runs the warp-specialised Gluon kernel instead
@@ -63,7 +67,12 @@ import functools
 import torch
 
 from shardattn._checks import check_int, check_tensor
-from shardattn.kernels.lse_merge import launch_lse_merge, launch_lse_merge_columns, split_partials
+from shardattn.kernels.lse_merge import (
+    launch_lse_merge,
+    launch_lse_merge_columns,
+    split_partials,
+    split_partials_numel,
+)
 from shardattn.kernels.registry import pdl_supported, sparse_decode_kernel, use_triton
 from shardattn.kernels.sparse_mla import check_sparse_mla_inputs, empty_kv_result, join_q, sparse_mla_reference
 from shardattn.kernels.union import build_union
@@ -105,6 +114,8 @@ ONE_WAVE_MAX_BLOCK_N = 128
 #: Keys a caller's ``config=`` may override (tuning).
 CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge", "pdl", "partials"})
 MERGES = ("rows", "columns", "spread")
+#: ``backend=`` values: routed, or one kernel forced.
+BACKENDS = (None, "triton", "gluon", "gluon_small")
 
 
 def _block_h(num_heads: int) -> int:
@@ -208,6 +219,22 @@ def sparse_mla_decode_config(
     }
 
 
+def _small_fits(
+    workspace: torch.Tensor | None, t: int, h: int, topk: int, v_dim: int, num_sms: int, backend: str | None
+) -> bool:
+    """Whether the small-batch kernel's partials fit a caller's ``workspace`` (always without
+    one); a routed call with too small a workspace runs Triton, a forced one raises."""
+    from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_tiles
+
+    splits = small_decode_tiles(t, topk, num_sms)[1]
+    need = split_partials_numel(splits, t, h, v_dim)
+    if workspace is None or workspace.numel() >= need:
+        return True
+    if backend == "gluon_small":
+        raise ValueError(f"workspace must hold >= {need} fp32 elements for the small-batch kernel's {splits} splits")
+    return False
+
+
 def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
     """Which kernel merges the splits: ``"none"`` (one split), ``"columns"``
     (:func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns`, at most
@@ -304,11 +331,14 @@ def sparse_mla_decode(
             generations, which change every call, in the second). Default: allocated
             (zero-filled, one fill kernel more).
         backend: ``None`` (routed: :func:`~shardattn.kernels.registry.sparse_decode_kernel`),
-            ``"triton"`` or ``"gluon"`` (forced, also below the routing's crossover; a
-            ``ValueError`` where the kernel cannot run these tensors). ``config`` and
-            ``counters`` are Triton options: with them the routed
-            call runs Triton. On the Gluon path ``num_splits`` is the number of row slices and a
-            ``workspace`` too small for the chosen slices makes it use fewer.
+            ``"triton"``, ``"gluon"`` or ``"gluon_small"`` (forced, also outside the routing's
+            crossovers; a ``ValueError`` where the kernel cannot run these tensors). ``config``
+            and ``counters`` are Triton options: with them the routed call runs Triton. On the
+            Gluon path ``num_splits`` is the number of row slices and a ``workspace`` too small
+            for the chosen slices makes it use fewer. The small-batch Gluon kernel picks its own
+            splits (:func:`~shardattn.kernels.sparse_mla_decode_gluon_small.small_decode_tiles`):
+            a routed call with ``num_splits``, or with a ``workspace`` too small for those
+            splits, runs Triton.
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32 natural log)``; a row with no valid
         key is ``(0, -inf)`` (``(0, sink)`` with sinks). CPU tensors run the reference.
@@ -325,8 +355,8 @@ def sparse_mla_decode(
     t, h, d = q.shape
     if num_splits is not None:
         check_int("num_splits", num_splits, minimum=1)
-    if backend not in (None, "triton", "gluon"):
-        raise ValueError(f"backend must be None, 'triton' or 'gluon', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be None, 'triton', 'gluon' or 'gluon_small', got {backend!r}")
     if config:
         unknown = set(config) - CONFIG_KEYS
         if unknown:
@@ -338,27 +368,32 @@ def sparse_mla_decode(
         if config.get("partials", "auto") not in ("auto", "input", "fp32"):
             raise ValueError(f"config['partials'] must be 'auto', 'input' or 'fp32', got {config['partials']!r}")
     triton_only = config is not None or counters is not None
-    if backend == "gluon" and triton_only:
-        raise ValueError("backend='gluon' takes no config or counters (Triton options)")
+    if backend in ("gluon", "gluon_small") and triton_only:
+        raise ValueError(f"backend={backend!r} takes no config or counters (Triton options)")
+    if backend == "gluon_small" and num_splits is not None:
+        raise ValueError("backend='gluon_small' chooses its own splits (small_decode_tiles): pass num_splits=None")
     if out is not None:
         check_tensor("out", out, dtypes=(q.dtype,), shape=(t, h, v_dim), device=q.device)
     if lse_out is not None:
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(t, h), device=q.device)
     kernel = "reference"
     if kv.shape[0] > 0 and triton is not None and use_triton(q):
-        kernel, why = sparse_decode_kernel(q, kv, v_dim) if h > 0 else ("triton", "no heads")
-        if backend == "gluon":  # forced: wherever the kernel runs, whatever the measured crossover says
+        kernel, why = sparse_decode_kernel(q, kv, v_dim, rows) if h > 0 else ("triton", "no heads")
+        if backend in ("gluon", "gluon_small"):  # forced: wherever it runs, whatever the crossover says
+            from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_supports
             from shardattn.kernels.sparse_mla_gluon import gluon_supports
 
-            why = gluon_supports(q, kv, v_dim)
+            why = gluon_supports(q, kv, v_dim) if backend == "gluon" else small_decode_supports(q, kv, rows, v_dim)
             if why is not None:
-                raise ValueError(f"backend='gluon' cannot run here: {why}")
-            kernel = "gluon"
-        if backend == "triton" or (kernel == "gluon" and triton_only):
+                raise ValueError(f"backend={backend!r} cannot run here: {why}")
+            kernel = backend
+        if backend == "triton" or (kernel in ("gluon", "gluon_small") and triton_only):
             kernel = "triton"
-    elif backend == "gluon":
+        if kernel == "gluon_small" and backend is None and num_splits is not None:
+            kernel = "triton"  # a caller's split count is the Triton kernel's
+    elif backend in ("gluon", "gluon_small"):
         why = "kv has no rows" if kv.shape[0] == 0 else "no CUDA tensors or no Triton"
-        raise ValueError(f"backend='gluon' cannot run here: {why}")
+        raise ValueError(f"backend={backend!r} cannot run here: {why}")
     if kernel == "reference":
         if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
             ref_out, ref_lse = empty_kv_result(q, v_dim, sinks)
@@ -384,6 +419,13 @@ def sparse_mla_decode(
     topk = rows.shape[1]
     if not rows_unique and topk > 1:
         rows, topk_length = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
+    if kernel == "gluon_small" and _small_fits(workspace, t, h, rows.shape[1], v_dim, num_sms, backend):
+        from shardattn.kernels.sparse_mla_decode_gluon_small import sparse_mla_decode_small
+
+        return sparse_mla_decode_small(
+            q, kv, rows, scale=float(scale), out=out, lse_out=lse_out, topk_length=topk_length, sinks=sinks,
+            workspace=workspace, num_sms=num_sms, pdl=pdl_supported(q.device),
+        )  # fmt: skip
     cfg = sparse_mla_decode_config(
         t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
     )

@@ -21,6 +21,23 @@ from shardattn.plan.spec import ModelSpec
 COLUMN_MERGE_WARMUP_SPLITS = (2, 4, 8, 16, 32, 64)
 
 
+def small_kernel_sizes(topk: int, max_decode_tokens: int, num_sms: int) -> set[int]:
+    """Token counts up to ``max_decode_tokens`` at which each tile of the small-batch Gluon decode
+    kernel first runs on ``num_sms`` SMs (its ``BLOCK_N`` changes with the batch:
+    :func:`~shardattn.kernels.sparse_mla_decode_gluon_small.small_decode_tiles`).
+
+    >>> sorted(small_kernel_sizes(2048, 64, 132)), sorted(small_kernel_sizes(2048, 4, 132))
+    ([1, 5], [1])
+    """
+    from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_tiles
+    from shardattn.plan.routing import SMALL_DECODE_MAX_TOKENS
+
+    first: dict[int, int] = {}
+    for t in range(1, min(max_decode_tokens, SMALL_DECODE_MAX_TOKENS) + 1):
+        first.setdefault(small_decode_tiles(t, topk, num_sms)[0], t)
+    return set(first.values())
+
+
 def compiles_kernels(device: torch.device) -> bool:
     """``True`` when launches on ``device`` compile kernels (CUDA; on the CPU the references run)."""
     return device.type == "cuda"
@@ -54,8 +71,10 @@ def warm_up_decode(
     and split-KV, so the LSE merge too), with and without sinks where a step may pass them
     (under DCP only rank 0 does), and for GQA head-TP uniform and ragged drafts. The decode
     kernels publish no compile-key list (unlike prefill), so this mirrors their call sites.
-    Sparse MLA on sm_90 routes by batch size (Triton below the Gluon crossovers, Gluon above:
-    :func:`~shardattn.plan.routing.route_sparse_decode_kernel`), so the Triton kernel is also run
+    Sparse MLA on sm_90 routes by batch size (the small-batch Gluon kernel, Triton below the Gluon
+    crossovers, Gluon above: :func:`~shardattn.plan.routing.route_sparse_decode_kernel`), so the
+    routed call also runs at the sizes where the small kernel's tile changes
+    (:func:`small_kernel_sizes`), the Triton kernel is also run
     at every size (the variants a smaller batch than ``max_decode_tokens`` may need) and, where
     ``max_decode_tokens`` reaches Gluon, the Gluon path once unsplit and once with two row slices
     (its two kernel variants, written to ``out`` or to fp32 partials, and the merge); at one
@@ -64,6 +83,9 @@ def warm_up_decode(
     gen = torch.Generator(device="cpu").manual_seed(0)
     d, page, h = spec.head_dim, spec.page_size, heads
     sizes = sorted({1, 2, max_decode_tokens}) if compiles_kernels(device) else [2]  # nothing compiles on the CPU
+    if compiles_kernels(device) and spec.kind == "sparse_mla" and device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sizes = sorted({*sizes, *small_kernel_sizes(topk, max_decode_tokens, sms)})
     dev, dt = device, dtype
     launches = 0
 

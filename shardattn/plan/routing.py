@@ -23,9 +23,11 @@ Decode: GQA picks FlashInfer XQA when it is installed, the GPU is SM90 / SM100 /
 dim passes :func:`xqa_head_dim_supported` (the same function the CUDA-graph policy uses), no
 LSE is needed (XQA returns none, so never under DCP) and, on SM100, drafts are causal;
 otherwise the Triton kernel. Sparse MLA decode runs the Triton sparse kernel (it returns the
-LSE, so it serves DCP); :func:`route_sparse_decode_kernel` picks its kernel: the Gluon kernel on
-SM90 at :data:`GLUON_DECODE_MIN_HEADS` heads or more, else Triton. Without a GPU both take the
-torch ``reference``.
+LSE, so it serves DCP); :func:`route_sparse_decode_kernel` picks its kernel: on SM90 the Gluon
+small-batch kernel at up to :data:`SMALL_DECODE_MAX_HEADS` heads and
+:data:`SMALL_DECODE_MAX_TOKENS` tokens, the Gluon warp-specialised kernel at
+:data:`GLUON_DECODE_MIN_HEADS` heads or more, else Triton. Without a GPU all take the torch
+``reference``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ __all__ = [
     "MAX_GROUPED_KV_ROWS",
     "PREFILL_KERNELS",
     "PREFILL_PATHS",
+    "SMALL_DECODE_MAX_HEADS",
+    "SMALL_DECODE_MAX_TOKENS",
     "TILE_ROWS",
     "XQA_SM",
     "Route",
@@ -101,7 +105,17 @@ the Gluon kernel: smaller batches are latency bound (row slices, the merge and t
 are launches of their own) and the Triton split-KV kernel is as fast there. Measured on an H200
 (benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel"), Gluon / Triton speed at
 16 / 32 programs: 0.94 / 1.21x at 128 heads (batch 8 / 16), 0.97 / 1.21x at 64 (batch 16 / 32)."""
-SPARSE_DECODE_KERNELS = ("gluon", "triton", "reference")
+SMALL_DECODE_MAX_HEADS = 16
+"""Most heads at which sparse-MLA decode may run the Gluon small-batch kernel
+(:mod:`~shardattn.kernels.sparse_mla_decode_gluon_small`: heads as the ``wgmma`` N, padded to 16)."""
+SMALL_DECODE_MAX_TOKENS = 16
+"""Most query tokens at which it does. Measured on an H200 (benchmarks/RESULTS.md, twelfth session;
+``benchmarks/decode.py --only sparse-small``: graph replays, L2 flushed, top-k 2048, whole steps
+with the column merge) at 16 heads against the Triton split-KV kernel's routed configuration in
+the same run: 12.3 / 13.2 / 15.3 / 19.7 / 31.5 us at 1 / 2 / 4 / 8 / 16 tokens against 12.6 /
+14.4 / 17.0 / 21.6 / 36.2; at 32 tokens (the development kernel, another run) 54.5 against 46.2
+(four waves of one 166 KB program an SM), so not there."""
+SPARSE_DECODE_KERNELS = ("gluon_small", "gluon", "triton", "reference")
 
 
 @dataclass(frozen=True)
@@ -389,8 +403,11 @@ def route_sparse_decode_kernel(
     gluon_missing: str | None = None,
     gluon_min_heads: int = GLUON_DECODE_MIN_HEADS,
     gluon_min_programs: int = GLUON_DECODE_MIN_PROGRAMS,
+    small_missing: str | None = "not asked",
+    small_max_heads: int = SMALL_DECODE_MAX_HEADS,
+    small_max_tokens: int = SMALL_DECODE_MAX_TOKENS,
 ) -> Route:
-    """Which kernel runs a sparse-MLA decode call: ``gluon``, ``triton`` or ``reference``.
+    """Which kernel runs a sparse-MLA decode call: ``gluon_small``, ``gluon``, ``triton`` or ``reference``.
 
     Args:
         num_heads: query heads of the call (all heads under DCP, ``H / TP`` under head-TP).
@@ -400,7 +417,12 @@ def route_sparse_decode_kernel(
         gluon_missing: why the Gluon kernel cannot run these tensors (None = it can).
         gluon_min_heads: fewest heads at which the Gluon decode beats Triton (measured).
         gluon_min_programs: fewest ``tokens x ceil(heads / 64)`` at which it does (measured).
+        small_missing: why the Gluon small-batch kernel cannot run these tensors (None = it can;
+            the default keeps it out, for callers that do not ask).
+        small_max_heads / small_max_tokens: the largest call it takes (measured crossovers).
 
+    >>> route_sparse_decode_kernel(16, num_tokens=4, sm=90, small_missing=None).path
+    'gluon_small'
     >>> route_sparse_decode_kernel(128, sm=90).reason
     'SM90, 128 heads >= 32: Gluon warp-specialised kernel (row slices merged by LSE)'
     >>> route_sparse_decode_kernel(16, sm=90).path
@@ -422,6 +444,14 @@ def route_sparse_decode_kernel(
         return Route("triton", 1, f"{gluon_missing}: Triton split-KV decode kernel")
     if sm_v is None or sm_v // 10 != 9:
         return Route("triton", 1, f"SM{sm_v} is not SM90 (the Gluon kernel uses Hopper wgmma): Triton split-KV decode")
+    check_int("small_max_heads", small_max_heads, minimum=0)
+    check_int("small_max_tokens", small_max_tokens, minimum=0)
+    if small_missing is None and t is not None and 1 <= t <= small_max_tokens and h <= small_max_heads:
+        why = (
+            f"SM90, {h} heads <= {small_max_heads} and {t} tokens <= {small_max_tokens}: Gluon small-batch kernel "
+            "(one warpgroup, rows gathered at once, heads as the wgmma N; faster than Triton there, measured)"
+        )
+        return Route("gluon_small", 1, why)
     if h < gluon_min_heads:
         why = f"{h} heads < {gluon_min_heads}: the Triton split-KV decode kernel is faster there (measured)"
         return Route("triton", 1, why)

@@ -175,6 +175,16 @@ def _sparse_rows() -> list[Row]:
             _sparse(decode_mod.sparse_mla_decode, config={"merge": "tree"}),
             Raises(ValueError, r"^config\['merge'\] must be 'rows', 'columns' or 'spread'"),
         ),
+        Row(
+            "sparse_mla_decode-backend-unknown",
+            _sparse(decode_mod.sparse_mla_decode, backend="flashmla"),
+            Raises(ValueError, r"^backend must be None, 'triton', 'gluon' or 'gluon_small'"),
+        ),
+        Row(
+            "sparse_mla_decode-small-with-num-splits",
+            _sparse(decode_mod.sparse_mla_decode, backend="gluon_small", num_splits=4),
+            Raises(ValueError, r"^backend='gluon_small' chooses its own splits .*num_splits=None"),
+        ),
     ]
     return rows
 

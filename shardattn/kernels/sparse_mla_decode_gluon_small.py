@@ -1,0 +1,312 @@
+"""Small-batch sparse-MLA decode at <= 16 heads on one warpgroup (sm_90, Gluon): kernel and launcher.
+
+The Triton split-KV kernel (:mod:`~shardattn.kernels.sparse_mla_decode_triton`) gathers a split's
+rows through its pipeline a step at a time and runs Q.K^T and P.V on ``mma.sync`` with the heads
+as M. At 16 heads and 1-16 tokens a decode step is latency bound, and this kernel shortens the
+chain. One program per (token, split of ``BLOCK_N`` = 64 or 128 top-k entries), four warps:
+
+* every row of the split (576 columns, 1,152 B in bf16) and the token's Q are issued at once as
+  ``cp.async`` copies into shared memory, with one wait (up to 144 KB in flight per SM);
+* ``S^T = K Q^T`` on ``wgmma`` with the split's rows as M and the heads (padded to 16) as N;
+  the softmax runs down the rows of each head;
+* ``O^T = V^T P^T`` on ``wgmma`` with the 512 value columns as M: 16 heads need no padding to
+  the 64-row tile a heads-as-M ``wgmma`` would (the accumulator is 64 fp32 registers a thread);
+* the fp32 partial and LSE of the split go to ``[S, T, H, 512]`` / ``[S, T, H]`` (the layout of
+  :func:`~shardattn.kernels.lse_merge.split_partials`), merged by
+  :func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns`; one split writes ``out`` (q's
+  dtype) and ``lse`` directly.
+
+Contract as :func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode`: an entry outside
+``[0, R)`` or past ``topk_length`` anywhere in a row is no key; sinks join split 0's denominator;
+a row with no key gives ``(0, -inf)`` (``(0, sink)`` with sinks). On sm_90 the kernel and its merge
+are programmatic dependent launches like the Triton path's. Measured on an H200 (graph replays,
+L2 flushed; benchmarks/RESULTS.md, twelfth session), whole steps at 16 heads x 1 / 2 / 4 / 8 / 16
+tokens: 12.3 / 13.2 / 15.3 / 19.7 / 31.5 us against 12.6 / 14.4 / 17.0 / 21.6 / 36.2 for the Triton
+split kernel, so :func:`~shardattn.plan.routing.route_sparse_decode_kernel` routes those calls here.
+The torch reference is :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardattn.kernels.gluon_compat import HAS_GLUON
+from shardattn.kernels.lse_merge import launch_lse_merge_columns, split_partials
+
+__all__ = [
+    "MAX_HEADS",
+    "MAX_SPLITS",
+    "compile_for_sm90",
+    "small_decode_supports",
+    "small_decode_tiles",
+    "sparse_mla_decode_small",
+]
+
+#: Heads the kernel holds (the ``wgmma`` N; fewer are padded and masked).
+MAX_HEADS = 16
+#: Most splits of a row (the column merge loads all ``S`` partials of a column block at once).
+MAX_SPLITS = 64
+LOG2E = 1.4426950408889634
+
+
+def small_decode_tiles(num_tokens: int, topk: int, num_sms: int) -> tuple[int, int]:
+    """``(BLOCK_N, splits)``: 64-entry splits while the launch fits in one wave of ``num_sms``
+    programs and a row in :data:`MAX_SPLITS` of them, else 128 (two 94 KB programs fit an SM at 64
+    entries, one 166 KB program at 128).
+    At top-k 2048 on 132 SMs: 32 splits of 64 up to 4 tokens, 16 of 128 from 5 (at 8 tokens the
+    development kernel measured 18.9-19.0 us with 16 splits, 19.8-19.9 with 32; benchmarks/RESULTS.md,
+    twelfth session).
+
+    >>> small_decode_tiles(1, 2048, 132), small_decode_tiles(8, 2048, 132), small_decode_tiles(1, 100, 132)
+    ((64, 32), (128, 16), (64, 2))
+    """
+    blocks = -(-topk // 64)
+    block_n = 64 if num_tokens * blocks <= num_sms and blocks <= MAX_SPLITS else 128
+    return block_n, -(-topk // block_n)
+
+
+def small_decode_supports(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, v_dim: int) -> str | None:
+    """``None`` when this kernel runs these tensors, else the reason it does not (the Gluon
+    kernels' shape, dtype, alignment and device rules, at most :data:`MAX_HEADS` heads, a
+    non-empty top-k of at most :data:`MAX_SPLITS` 128-entry splits)."""
+    from shardattn.kernels.sparse_mla_gluon import gluon_supports
+
+    why = gluon_supports(q, kv, v_dim)
+    if why is not None:
+        return why
+    if q.dim() != 3 or q.shape[1] > MAX_HEADS:
+        return f"q of shape {tuple(q.shape)} (the small-batch kernel holds at most {MAX_HEADS} heads)"
+    topk = rows.shape[-1]
+    if not 1 <= topk <= 128 * MAX_SPLITS:
+        return f"top-k {topk} (the small-batch kernel takes 1 to {128 * MAX_SPLITS} entries)"
+    return None
+
+
+if HAS_GLUON:
+    from shardattn.kernels.gluon_compat import (
+        async_load,
+        cp,
+        cta_barrier,
+        fence_async_shared,
+        gl,
+        gluon,
+        nvmma_layout,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    @gluon.constexpr_function
+    def _acc_layout(heads: int):
+        """The ``wgmma`` accumulator of one warpgroup with ``heads`` as N (rows / value columns as M)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, heads, 16])
+
+    @gluon.jit
+    def _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N: gl.constexpr,
+                 EVEN_K: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+        """``(row, is_key)`` of the split's ``BLOCK_N`` entries in ``layout``: an entry past the
+        row's top-k (``K`` or ``topk_length``) or outside ``[0, R)`` is no key (its row reads 0).
+        ``EVEN_K``: ``K`` is a multiple of ``BLOCK_N``, so the index load needs no mask (a masked
+        one measured 3 us slower at 8 tokens, benchmarks/RESULTS.md, twelfth session)."""
+        pos = split * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+        k_len = K
+        if HAS_TOPK_LEN:
+            k_len = gl.minimum(gl.load(TopkLen + tok), K)
+        if EVEN_K:
+            r = gl.load(Rows + tok.to(gl.int64) * stride_rt + pos * stride_rk)
+        else:
+            r = gl.load(Rows + tok.to(gl.int64) * stride_rt + pos * stride_rk, mask=pos < K, other=-1)
+        is_key = (pos < k_len) & (r >= 0) & (r < R)
+        return gl.where(is_key, r, 0), is_key
+
+    @gluon.jit
+    def _gdc(instruction: gl.constexpr):
+        """``griddepcontrol.wait`` / ``griddepcontrol.launch_dependents`` (programmatic dependent launch)."""
+        gl.inline_asm_elementwise(instruction + "; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _small_split_kernel(Q, KV, Rows, TopkLen, Sinks, Out, Lse,
+                            stride_qt, stride_qh, stride_kvr, stride_rt, stride_rk, K, R, H,
+                            stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, qk_scale,
+                            HP: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr,
+                            EVEN_K: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_SINKS: gl.constexpr,
+                            PDL: gl.constexpr):  # fmt: skip
+        """One (token, split): gather, ``S^T = K Q^T``, softmax per head, ``O^T = V^T P^T``, store."""
+        if PDL:  # the grid before this one (a union build, an indexer) wrote q / rows: wait for it
+            _gdc("griddepcontrol.wait")
+        tok = gl.program_id(0)
+        split = gl.program_id(1)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        gather_v: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [*, 512]: 16 B a thread
+        gather_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [*, 64]
+        s_layout: gl.constexpr = _acc_layout(HP)
+        k_nope = gl.allocate_shared_memory(dtype, [BLOCK_N, DV], nvmma_layout(DV, 16))
+        k_rope = gl.allocate_shared_memory(dtype, [BLOCK_N, DR], nvmma_layout(DR, 16))
+        q_nope = gl.allocate_shared_memory(dtype, [HP, DV], nvmma_layout(DV, 16))
+        q_rope = gl.allocate_shared_memory(dtype, [HP, DR], nvmma_layout(DR, 16))
+        p_t = gl.allocate_shared_memory(dtype, [BLOCK_N, HP], nvmma_layout(HP, 16))
+
+        # every row of the split and the token's Q in flight at once (invalid entries zero-filled)
+        r_v, key_v = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
+                              gl.SliceLayout(1, gather_v))  # fmt: skip
+        r_r, key_r = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
+                              gl.SliceLayout(1, gather_r))  # fmt: skip
+        _r_s, key_s = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
+                               gl.SliceLayout(1, s_layout))  # fmt: skip
+        cols_v = gl.arange(0, DV, layout=gl.SliceLayout(0, gather_v))
+        cols_r = gl.arange(0, DR, layout=gl.SliceLayout(0, gather_r))
+        async_load(k_nope, KV + r_v.to(gl.int64)[:, None] * stride_kvr + cols_v[None, :], mask=key_v[:, None])
+        async_load(k_rope, KV + r_r.to(gl.int64)[:, None] * stride_kvr + DV + cols_r[None, :], mask=key_r[:, None])
+        q_base = Q + tok.to(gl.int64) * stride_qt
+        h_v = gl.arange(0, HP, layout=gl.SliceLayout(1, gather_v))
+        h_r = gl.arange(0, HP, layout=gl.SliceLayout(1, gather_r))
+        async_load(q_nope, q_base + h_v[:, None] * stride_qh + cols_v[None, :], mask=(h_v < H)[:, None])
+        async_load(q_rope, q_base + h_r[:, None] * stride_qh + DV + cols_r[None, :], mask=(h_r < H)[:, None])
+        cp.commit_group()
+        cp.wait_group(0)
+        fence_async_shared()
+        cta_barrier()
+
+        # S^T [BLOCK_N, HP] = K Q^T (rows as wgmma M, heads as N), then the softmax down each head
+        s = warpgroup_mma(k_nope, q_nope.permute((1, 0)), gl.zeros([BLOCK_N, HP], gl.float32, s_layout),
+                          use_acc=False, is_async=True)  # fmt: skip
+        s = warpgroup_mma(k_rope, q_rope.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = gl.where(key_s[:, None], s * qk_scale, float("-inf"))
+        heads = gl.arange(0, HP, layout=gl.SliceLayout(0, s_layout))
+        m = gl.max(s, axis=0)
+        if HAS_SINKS:  # the sink is one more logit of split 0 (no value)
+            sink = gl.load(Sinks + heads, mask=(heads < H) & (split == 0), other=float("-inf")) * 1.4426950408889634
+            m = gl.maximum(m, sink)
+        m_safe = gl.where(m == float("-inf"), 0.0, m)
+        p = gl.exp2(s - m_safe[None, :])
+        denom = gl.sum(p, axis=0)
+        if HAS_SINKS:
+            denom += gl.exp2(sink - m_safe)
+        p_t.store(p.to(dtype))
+        fence_async_shared()
+        cta_barrier()
+
+        # O^T [DV, HP] = V^T P^T (value columns as wgmma M)
+        o_layout: gl.constexpr = _acc_layout(HP)
+        o = warpgroup_mma(k_nope.permute((1, 0)), p_t, gl.zeros([DV, HP], gl.float32, o_layout),
+                          use_acc=False, is_async=True)  # fmt: skip
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        has = denom > 0.0
+        d_safe = gl.where(has, denom, 1.0)
+        lse = gl.where(has, (m_safe + gl.log2(d_safe)) * 0.6931471805599453, float("-inf"))
+        o = o / gl.convert_layout(d_safe, gl.SliceLayout(0, o_layout))[None, :]
+        store_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # 16 B a thread along Dv
+        o = gl.convert_layout(o, store_l)
+        cols = gl.arange(0, DV, layout=gl.SliceLayout(1, store_l))
+        h_o = gl.arange(0, HP, layout=gl.SliceLayout(0, store_l))
+        o_base = Out + split.to(gl.int64) * stride_os + tok.to(gl.int64) * stride_ot
+        gl.store(o_base + h_o[None, :] * stride_oh + cols[:, None], o.to(Out.dtype.element_ty), mask=(h_o < H)[None, :])
+        gl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=heads < H)
+        if PDL:  # the partial is stored: the merge may launch (it waits for this grid to complete)
+            _gdc("griddepcontrol.launch_dependents")
+
+
+def launch_small_split(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    dst_out: torch.Tensor,
+    dst_lse: torch.Tensor,
+    block_n: int,
+    splits: int,
+    scale: float,
+    pdl: bool,
+) -> None:
+    """Launch ``_small_split_kernel`` on validated tensors (no checks, no allocation, no sync).
+
+    Args:
+        q ``[T, H, 576]``, kv ``[R, 576]`` (bf16 / fp16), rows ``[T, K]`` int32, topk_length ``[T]``
+        int32 / sinks ``[H]`` fp32 or None. dst_out ``[S, T, H, 512]`` fp32 / dst_lse ``[S, T, H]``
+        fp32 partials, or with one split ``out [T, H, 512]`` (q's dtype) / ``lse [T, H]``.
+        block_n, splits: :func:`small_decode_tiles`. pdl: a programmatic dependent launch.
+    """
+    t, h, d = q.shape
+    v_dim = dst_out.shape[-1]
+    s_os, s_ls = (dst_out.stride(0), dst_lse.stride(0)) if splits > 1 else (0, 0)
+    _small_split_kernel[(t, splits)](
+        q, kv, rows, topk_length if topk_length is not None else rows, sinks if sinks is not None else dst_lse,
+        dst_out, dst_lse,
+        q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), rows.stride(1), rows.shape[1], kv.shape[0], h,
+        s_os, dst_out.stride(-3), dst_out.stride(-2), s_ls, dst_lse.stride(-2), dst_lse.stride(-1),
+        float(scale) * LOG2E,
+        HP=MAX_HEADS, BLOCK_N=block_n, DV=v_dim, DR=d - v_dim, EVEN_K=rows.shape[1] % block_n == 0,
+        HAS_TOPK_LEN=topk_length is not None, HAS_SINKS=sinks is not None, PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
+
+
+def sparse_mla_decode_small(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    out: torch.Tensor,
+    lse_out: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    workspace: torch.Tensor | None,
+    num_sms: int,
+    pdl: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel and, with more than one split, the column merge, into ``out`` / ``lse_out``.
+
+    Validated tensors (:func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode` checks them
+    and :func:`small_decode_supports` must hold); ``rows`` are the unique rows of each token (the
+    caller builds the union first when they may repeat). ``workspace``: optional flat fp32 buffer
+    of :func:`~shardattn.kernels.lse_merge.split_partials_numel` elements for the splits of
+    :func:`small_decode_tiles`. Capture-safe: no host sync, the grid depends on shapes only.
+    """
+    t, h, _d = q.shape
+    block_n, splits = small_decode_tiles(t, rows.shape[1], num_sms)
+    if splits > 1:
+        dst_out, dst_lse = split_partials(workspace, splits, t, h, out.shape[-1], q.device)
+    else:
+        dst_out, dst_lse = out, lse_out
+    launch_small_split(q, kv, rows, topk_length, sinks, dst_out, dst_lse, block_n, splits, scale, pdl)
+    if splits > 1:
+        launch_lse_merge_columns(dst_out, dst_lse, out, lse_out, pdl=pdl)
+    return out, lse_out
+
+
+def compile_for_sm90(
+    block_n: int = 64,
+    *,
+    split: bool = True,
+    even_k: bool = True,
+    topk_length: bool = False,
+    sinks: bool = False,
+    dtype: str = "bf16",
+):
+    """Compile the split kernel for sm_90 ahead of time (no GPU needed); returns Triton's compiled
+    kernel (``asm["ptx"]``, ``metadata``). ``split``: fp32 partials (else the one-split output in
+    ``dtype``); ``even_k``: a top-k that is a multiple of ``block_n``. Raises RuntimeError without Gluon."""
+    if not HAS_GLUON:
+        from shardattn.kernels.gluon_compat import GLUON_IMPORT_ERROR
+
+        raise RuntimeError(f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = ["Q", "KV", "Rows", "TopkLen", "Sinks", "Out", "Lse", "stride_qt", "stride_qh", "stride_kvr",
+             "stride_rt", "stride_rk", "K", "R", "H", "stride_os", "stride_ot", "stride_oh", "stride_ls",
+             "stride_lt", "stride_lh", "qk_scale"]  # fmt: skip
+    out_t = "*fp32" if split else f"*{dtype}"
+    types = [f"*{dtype}", f"*{dtype}", "*i32", "*i32", "*fp32", out_t, "*fp32"] + ["i32"] * 14 + ["fp32"]
+    signature = dict(zip(names, types, strict=True))
+    constexprs = {"HP": MAX_HEADS, "BLOCK_N": block_n, "DV": 512, "DR": 64, "EVEN_K": even_k,
+                  "HAS_TOPK_LEN": topk_length, "HAS_SINKS": sinks, "PDL": True}  # fmt: skip
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    aligned = ("Q", "KV", "Rows", "Out", "stride_qt", "stride_qh", "stride_kvr", "stride_rt", "K", "stride_os",
+               "stride_ot", "stride_oh")  # fmt: skip
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(_small_split_kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

@@ -1,0 +1,241 @@
+"""The small-batch Gluon decode kernel (sm_90): routing, tiles, warm-up sizes and argument checks
+(CPU), its sm_90 compile (CPU, ahead of time), and on an sm_90 GPU the kernel against the fp32
+reference and the fp64 oracle at real shapes (NaN-poisoned outputs, invalid rows anywhere, a
+split and a token with no key, ``topk_length`` 0 / short, sinks, tails of the top-k, fewer heads
+than the tile, fp16), one split written directly, a workspace too small, and CUDA-graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardattn.kernels.lse_merge import split_partials_numel
+from shardattn.kernels.registry import sparse_decode_kernel
+from shardattn.kernels.sparse_mla import sparse_mla_reference
+from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
+from shardattn.kernels.sparse_mla_decode_gluon_small import (
+    MAX_HEADS,
+    MAX_SPLITS,
+    compile_for_sm90,
+    small_decode_tiles,
+)
+from shardattn.parallel.decode_warmup import small_kernel_sizes
+from shardattn.plan.routing import SMALL_DECODE_MAX_HEADS, SMALL_DECODE_MAX_TOKENS, route_sparse_decode_kernel
+from tests.oracle import sparse_mla_oracle
+from tests.test_sparse_mla_decode_gluon import SCALE, _check, _gpu_case, needs_sm90
+
+# ---- routing, tiles, warm-up sizes (CPU) ----
+
+
+def test_routing_sends_small_calls_on_sm90_to_the_small_kernel_and_says_why():
+    assert SMALL_DECODE_MAX_HEADS == MAX_HEADS  # the routing's bound is the kernel's tile
+    for t in range(1, SMALL_DECODE_MAX_TOKENS + 1):
+        for h in (1, 8, SMALL_DECODE_MAX_HEADS):
+            route = route_sparse_decode_kernel(h, num_tokens=t, sm=90, small_missing=None)
+            assert route.path == "gluon_small" and "small-batch" in route.reason and "measured" in route.reason
+    beyond = route_sparse_decode_kernel(16, num_tokens=SMALL_DECODE_MAX_TOKENS + 1, sm=90, small_missing=None)
+    assert beyond.path == "triton"
+    assert route_sparse_decode_kernel(SMALL_DECODE_MAX_HEADS + 1, num_tokens=1, sm=90, small_missing=None).path == (
+        "triton"
+    )
+    assert route_sparse_decode_kernel(16, num_tokens=0, sm=90, small_missing=None).path == "triton"
+    assert route_sparse_decode_kernel(16, num_tokens=None, sm=90, small_missing=None).path == "triton"
+    assert route_sparse_decode_kernel(16, num_tokens=4, sm=90).path == "triton"  # callers that do not ask
+    assert route_sparse_decode_kernel(16, num_tokens=4, sm=90, small_missing="top-k 9000").path == "triton"
+    assert route_sparse_decode_kernel(16, num_tokens=4, sm=100, small_missing=None).path == "triton"
+    assert route_sparse_decode_kernel(16, num_tokens=4, sm=90, gluon_missing="no gluon").path == "triton"
+    assert route_sparse_decode_kernel(16, num_tokens=4, device_type="cpu", small_missing=None).path == "reference"
+    with pytest.raises(ValueError, match="small_max_tokens"):
+        route_sparse_decode_kernel(16, num_tokens=4, sm=90, small_missing=None, small_max_tokens=-1)
+
+
+@pytest.mark.parametrize("sms", [132, 78, 16])
+@pytest.mark.parametrize("topk", [1, 63, 64, 65, 100, 2048, 128 * MAX_SPLITS])
+def test_tiles_cover_the_row_in_one_wave_of_64_entry_splits_or_use_128(sms, topk):
+    for t in range(1, SMALL_DECODE_MAX_TOKENS + 1):
+        block_n, splits = small_decode_tiles(t, topk, sms)
+        assert block_n in (64, 128) and splits == -(-topk // block_n)
+        assert (splits - 1) * block_n < topk <= splits * block_n  # every entry in exactly one split
+        assert (block_n == 64) == (t * -(-topk // 64) <= sms and -(-topk // 64) <= MAX_SPLITS)
+        assert splits <= MAX_SPLITS
+
+
+def test_warmup_sizes_reach_every_tile_the_routed_batches_use():
+    for topk, sms, most in ((2048, 132, 64), (2048, 132, 3), (512, 132, 16), (2048, 78, 16), (100, 132, 16)):
+        sizes = small_kernel_sizes(topk, most, sms)
+        used = {small_decode_tiles(t, topk, sms)[0] for t in range(1, min(most, SMALL_DECODE_MAX_TOKENS) + 1)}
+        assert {small_decode_tiles(t, topk, sms)[0] for t in sizes} == used
+        assert min(sizes) == 1 and max(sizes) <= min(most, SMALL_DECODE_MAX_TOKENS)
+
+
+def test_backend_argument_checks_on_cpu():
+    q, kv = torch.zeros(2, 16, 576), torch.zeros(4, 576)
+    rows = torch.zeros(2, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="'gluon_small' cannot run here"):
+        sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon_small")
+    with pytest.raises(ValueError, match="chooses its own splits"):
+        sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon_small", num_splits=2)
+    with pytest.raises(ValueError, match="no config or counters"):
+        sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon_small", config={"merge": "rows"})
+    with pytest.raises(ValueError, match="'gluon_small'"):
+        sparse_mla_decode(q, kv, rows, scale=0.1, backend="cuda")
+    assert sparse_decode_kernel(q, kv, 512, rows)[0] == "reference"
+
+
+# ---- the sm_90 compile (CPU, ahead of time) ----
+
+
+@pytest.mark.parametrize(
+    ("block_n", "split", "even_k", "with_len", "sinks", "dtype"),
+    [
+        (64, True, True, False, False, "bf16"),
+        (128, True, True, True, True, "bf16"),
+        (64, False, False, True, True, "fp16"),
+        (128, True, False, False, False, "bf16"),
+    ],
+)
+def test_kernel_compiles_for_sm90_with_wgmma_cp_async_and_pdl(block_n, split, even_k, with_len, sinks, dtype):
+    from shardattn.kernels.sparse_mla_gluon import gluon_available
+
+    if gluon_available() is not None:
+        pytest.skip(gluon_available())
+    compiled = compile_for_sm90(block_n, split=split, even_k=even_k, topk_length=with_len, sinks=sinks, dtype=dtype)
+    ptx = compiled.asm["ptx"]
+    # S^T: one 64-row M tile per 64 entries x 36 k-steps of 16 (576 columns); O^T: 8 M tiles x block_n / 16
+    assert ptx.count("wgmma.mma_async") == (block_n // 64) * 36 + 8 * (block_n // 16)
+    assert ptx.count("cp.async.cg.shared.global") > 0  # 16-byte gathers, not element loads
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
+    assert compiled.metadata.shared <= 232448  # fits an sm_90 SM
+    if split:
+        assert "st.global.v4.b32" in ptx  # fp32 partials stored 16 bytes a thread
+
+
+# ---- on an sm_90 GPU ----
+
+
+def _small_case(tokens, heads, seed, k=2048, dtype=torch.bfloat16):
+    """``_gpu_case``'s inputs with each token's valid rows made unique (an indexer's top-k: what
+    ``rows_unique=True`` promises), its invalid entries kept where they were."""
+    q, kv, rows, length, sinks = _gpu_case(tokens, 16, seed, k=k)
+    r = kv.shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    unique = torch.argsort(torch.rand(tokens, r, device="cuda", generator=gen), dim=1)[:, :k].int()
+    rows = torch.where((rows < 0) | (rows >= r), rows, unique)
+    q = q[:, :heads].contiguous().to(dtype)
+    kv = kv.to(dtype)
+    if k >= 128 and tokens > 3:
+        rows[3, 64:128] = -1  # a whole 64-entry split with no key (the rest of the row has keys)
+    return q, kv, rows, length, sinks[:heads].contiguous()
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    ("tokens", "heads", "k", "with_len", "with_sinks", "dtype"),
+    [
+        (1, 16, 2048, False, False, torch.bfloat16),
+        (2, 16, 2048, True, True, torch.bfloat16),
+        (4, 16, 2048, True, False, torch.bfloat16),
+        (5, 16, 2048, False, True, torch.bfloat16),  # 128-entry splits
+        (8, 16, 2048, True, True, torch.bfloat16),
+        (16, 16, 2048, True, False, torch.bfloat16),
+        (6, 8, 1000, True, True, torch.bfloat16),  # fewer heads than the tile; a top-k tail
+        (4, 3, 200, False, True, torch.float16),
+        (3, 16, 64, True, True, torch.bfloat16),  # one split: the result written directly
+    ],
+)
+def test_small_kernel_matches_reference(tokens, heads, k, with_len, with_sinks, dtype):
+    q, kv, rows, length, sinks = _small_case(tokens, heads, seed=tokens * 31 + heads + k, k=k, dtype=dtype)
+    length = length.clamp(max=k) if with_len else None
+    sinks = sinks if with_sinks else None
+    assert sparse_decode_kernel(q, kv, 512, rows)[0] == "gluon_small"
+    out = torch.full((tokens, heads, 512), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((tokens, heads), float("nan"), device=q.device)
+    sparse_mla_decode(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks, out=out, lse_out=lse, rows_unique=True)
+    ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks)
+    _check(out, lse, ref_o, ref_l)
+    if tokens > 2:
+        empty = sinks if sinks is not None else torch.full((heads,), float("-inf"), device=q.device)
+        assert (out[tokens // 2] == 0).all()  # no key at all: (0, -inf), or (0, sink) with sinks
+        torch.testing.assert_close(lse[tokens // 2], empty.float(), atol=1e-5, rtol=1e-6)
+    if length is not None and tokens > 2:
+        assert (out[1] == 0).all()  # topk_length 0
+    if tokens == 1:  # the independent fp64 oracle, on the whole call
+        o64, l64 = sparse_mla_oracle(q, kv, rows, scale=SCALE, v_dim=512, topk_length=length, sinks=sinks)
+        torch.testing.assert_close(out.double().cpu(), o64, atol=2e-2, rtol=0)
+        torch.testing.assert_close(lse.double().cpu(), l64, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_small_kernel_matches_triton_on_the_union_path_and_with_duplicates():
+    """Default ``rows_unique=False``: duplicates are one key (the union is built first); the
+    result equals the Triton kernel's on the same call."""
+    q, kv, rows, length, sinks = _small_case(4, 16, seed=3)
+    rows[0, 1000:1100] = rows[0, 0:100]
+    got = sparse_mla_decode(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks, backend="gluon_small")
+    tri = sparse_mla_decode(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks, backend="triton")
+    ref = sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks)
+    _check(*got, *ref)
+    assert ((got[0].float() - tri[0].float()).norm() / tri[0].float().norm()).item() < 1e-2
+    assert torch.equal(torch.isneginf(got[1]), torch.isneginf(tri[1]))
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_a_workspace_too_small_runs_triton_when_routed_and_raises_when_forced():
+    from shardattn.kernels.sparse_mla_decode import sparse_mla_decode_config
+
+    tokens = SMALL_DECODE_MAX_TOKENS
+    q, kv, rows, length, sinks = _small_case(tokens, 16, seed=9)
+    ref = sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = small_decode_tiles(tokens, 2048, sms)[1]
+    tri_splits = sparse_mla_decode_config(tokens, 16, 2048, sms)["num_splits"]
+    too_small = torch.empty(split_partials_numel(splits - 1, tokens, 16, 512), device="cuda")
+    with pytest.raises(ValueError, match="small-batch kernel"):
+        sparse_mla_decode(q, kv, rows, scale=SCALE, rows_unique=True, workspace=too_small, backend="gluon_small")
+    if tri_splits < splits:  # routed: the Triton kernel's own split count fits, so it runs
+        ws = torch.full((split_partials_numel(tri_splits, tokens, 16, 512),), float("nan"), device="cuda")
+        out, lse = sparse_mla_decode(
+            q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks, rows_unique=True, workspace=ws
+        )
+        _check(out, lse, *ref)
+    ws = torch.full((split_partials_numel(splits, tokens, 16, 512),), float("nan"), device="cuda")
+    out, lse = sparse_mla_decode(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks, rows_unique=True,
+                                 workspace=ws)  # fmt: skip
+    _check(out, lse, *ref)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_small_kernel_graph_capture_replays_bitwise(tokens):
+    q, kv, rows, length, sinks = _small_case(tokens, 16, seed=41)
+    s_q, s_rows, s_len = q.clone(), rows.clone(), length.clone()
+    out = torch.empty(tokens, 16, 512, dtype=q.dtype, device="cuda")
+    lse = torch.empty(tokens, 16, device="cuda")
+    assert sparse_decode_kernel(q, kv, 512, rows)[0] == "gluon_small"
+
+    def step():
+        sparse_mla_decode(s_q, kv, s_rows, scale=SCALE, topk_length=s_len, sinks=sinks, out=out, lse_out=lse,
+                          rows_unique=True)  # fmt: skip
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in (51, 52):  # new inputs copied into the static buffers, outputs poisoned
+        q2, _, rows2, len2, _ = _small_case(tokens, 16, seed=seed)
+        s_q.copy_(q2), s_rows.copy_(rows2), s_len.copy_(len2)
+        out.fill_(float("nan")), lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_o, eager_l = sparse_mla_decode(q2, kv, rows2, scale=SCALE, topk_length=len2, sinks=sinks,
+                                             rows_unique=True)  # fmt: skip
+        assert torch.equal(out, eager_o) and torch.equal(lse, eager_l)
+        _check(out, lse, *sparse_mla_reference(q2, kv, rows2, scale=SCALE, topk_length=len2, sinks=sinks))
