@@ -272,7 +272,10 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False, kernels: tuple[str,
 def _time_small(c: dict, label: str, kw: dict, section: str = "sparse1") -> tuple[float, object]:
     """Check one sparse-MLA decode variant of case ``c`` (from :func:`bench_sparse_small`) against
     the fp32 reference on NaN-poisoned outputs, then time its graph replays; returns (ms, step)."""
-    args = dict(out=c["out"], lse_out=c["lse"], workspace=c["ws"], counters=c["counters"], backend="triton", **kw)
+    args = dict(out=c["out"], lse_out=c["lse"], workspace=c["ws"])
+    if kw.get("backend", "triton") == "triton":  # the Triton kernel (counters: the spread merge's)
+        args.update(counters=c["counters"], backend="triton")
+    args.update(kw)
 
     def fn():
         return sparse_mla_decode(c["q"], c["kv"], c["rows"], scale=576**-0.5, **args)
@@ -293,8 +296,10 @@ def _time_small(c: dict, label: str, kw: dict, section: str = "sparse1") -> tupl
 
 
 def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
-    """Small sparse-MLA decode batches (1-8 tokens, 16 / 128 heads): the routed path against the
-    same run's separate row merge (the baseline), the routed path without programmatic dependent
+    """Small sparse-MLA decode batches (1-16 tokens, 16 / 128 heads): at 16 heads the small-batch
+    Gluon kernel (routed there on sm_90) beside the Triton split kernel's routed configuration
+    ("Triton" below); the Triton configuration against the
+    same run's separate row merge (the baseline), without programmatic dependent
     launch (with and without de-duplication), the column merge on the cost model's split
     count (the previous routing), the opt-in one-launch spread merge and the de-duplication sort
     (an earlier one-launch tree merge measured slower everywhere and was removed). Graph
@@ -304,6 +309,7 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
     step's kernels (torch profiler)."""
     from shardattn.kernels.lse_merge import split_partials_numel
     from shardattn.kernels.sparse_mla import sparse_mla_reference
+    from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_tiles
 
     r = 1 << 18
     kv = torch.randn(r, 576, device="cuda").bfloat16()
@@ -312,7 +318,7 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
     if sweep:
         x = torch.zeros(1, device="cuda")
         record("sweep", "floor: graph of one 1-element kernel", graph_ms(lambda: x.add_(1)))
-    for heads, batch in ((16, 1), (16, 2), (16, 4), (16, 8), (128, 1), (128, 8)):
+    for heads, batch in ((16, 1), (16, 2), (16, 4), (16, 8), (16, 16), (128, 1), (128, 8)):
         q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
         rows = torch.stack([torch.randperm(r, device="cuda")[:2048] for _ in range(batch)]).int()
         ref_out, ref_lse = sparse_mla_reference(q.float(), kv.float(), rows, scale=576**-0.5)
@@ -329,7 +335,7 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
         )  # fmt: skip
         s, bn = cfg["num_splits"], cfg["BLOCK_N"]
         variants = {
-            "routed": (f"routed ({cfg['merge']}, {s} x {cfg['chunk']} rows)", {}),
+            "routed": (f"Triton ({cfg['merge']}, {s} x {cfg['chunk']} rows)", {}),
             "nopdl": ("routed, launched without PDL", dict(config={"pdl": False})),
             "fp32part": ("routed, fp32 partials", dict(config={"partials": "fp32"})),
             "halfpart": ("routed, bf16 partials", dict(config={"partials": "input"})),
@@ -349,6 +355,13 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
         if (s, bn) != (cost, 64) and batch * hblocks * cost <= sms:
             one = dict(num_splits=cost, config={"merge": "spread"})
             variants["spread_cost"] = (f"one launch (spread), {cost} splits", one)
+        if heads <= 16:  # the small-batch Gluon kernel, routed here on sm_90
+            block, splits = small_decode_tiles(batch, 2048, sms)
+            variants["small"] = (f"small-batch Gluon ({splits} x {block} rows)", dict(backend="gluon_small"))
+            variants["small_dedup"] = (
+                "small-batch Gluon, de-duplicated first",
+                dict(backend="gluon_small", rows_unique=False),
+            )
         variants["dedup"] = ("routed, de-duplicated first", dict(rows_unique=False))
         variants["dedup_nopdl"] = ("de-duplicated first, without PDL", dict(rows_unique=False, config={"pdl": False}))
         times = {}
@@ -364,20 +377,24 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
             if sweep and heads == 16 and batch * s <= sms:
                 kw = dict(rows_unique=True, num_splits=s, config={"merge": "spread", "BLOCK_N": bn, "num_warps": w})
                 _time_small(c, f"spread {s} splits x {2048 // s} rows, BLOCK_N {bn}, {w} warps", kw, "sweep")
-    print("\nsparse-MLA decode, small batches (us; speed-up = baseline / routed; - = the routed config or not run):")
-    keys = ("routed", "fp32part", "halfpart", "nopdl", "steps64", "rows", "columns", "spread", "spread_cost", "dedup",
-            "dedup_nopdl")  # fmt: skip
-    print("| heads | batch | routed | **routed** | routed, fp32 partials | routed, bf16 partials | routed without PDL "
-          "| routed split, 64-row steps of 4 warps "
+    print("\nsparse-MLA decode, small batches (us; Triton = the Triton kernel's routed configuration; speed-up = "
+          "baseline / the fastest of Triton and small-batch Gluon; - = not run):")  # fmt: skip
+    keys = ("small", "routed", "fp32part", "halfpart", "nopdl", "steps64", "rows", "columns", "spread", "spread_cost",
+            "small_dedup", "dedup", "dedup_nopdl")  # fmt: skip
+    print("| heads | batch | Triton configuration | **small-batch Gluon** | **Triton** | Triton, fp32 partials "
+          "| Triton, bf16 partials | Triton without PDL | Triton split, 64-row steps of 4 warps "
           "| baseline (row merge) "
           "| column merge, cost-model splits | one launch (spread), routed split "
-          "| one launch (spread), cost-model splits | routed, de-duplicated first | de-duplicated first, without PDL "
-          "| speed-up | PDL gain |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| one launch (spread), cost-model splits | small-batch Gluon, de-duplicated first "
+          "| Triton, de-duplicated first | Triton de-duplicated first, without PDL "
+          "| speed-up | small-batch Gluon / Triton | PDL gain (Triton) |")  # fmt: skip
+    print("|---" * 19 + "|")
     for h, b, what, times in table:
         cells = " | ".join(f"{times[k] * 1e3:.1f}" if k in times else "-" for k in keys)
         gain = times["nopdl"] / times["routed"]
-        print(f"| {h} | {b} | {what} | {cells} | {times['rows'] / times['routed']:.2f}x | {gain:.2f}x |")
+        best = min(times["routed"], times.get("small", float("inf")))
+        small = f"{times['routed'] / times['small']:.2f}x" if "small" in times else "-"
+        print(f"| {h} | {b} | {what} | {cells} | {times['rows'] / best:.2f}x | {small} | {gain:.2f}x |")
 
 
 def bench_merge(copy_tbs: float, sweep: bool = False) -> None:

@@ -1,0 +1,94 @@
+"""How fast can one launch gather a small decode step's KV rows into shared memory (one GPU)?
+
+``decode_small_sweep.py --floors-only`` reads the rows into registers (a Triton kernel, 16-64
+rows a step): few bytes in flight per SM, so a program of 128 rows pays several memory round
+trips. This probe issues every row of a program at once as ``cp.async`` copies into shared
+memory (a Gluon kernel: 128 rows of 1,152 B are 144 KB in flight per SM), waits once, and writes
+one float. Shapes as ``decode.py``'s small sparse-MLA decode: top-k 2,048 unique random rows of
+262,144, bf16, 576 columns; 1 / 2 / 4 / 8 tokens; each token's rows cut into ``splits`` programs.
+Graph replays with the L2 flushed between replays (as ``decode.py``), minimum over rounds; beside
+them, the graph of one 1-element kernel and the register read kernel on the same grids.
+
+    python benchmarks/decode_gather_floor.py
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.testing
+from decode_small_sweep import _read_rows_kernel  # beside this script
+from graph_timing import graph_of
+
+from shardattn.kernels.gluon_compat import async_load, cp, cta_barrier, gl, gluon
+
+ROWS, TOPK = 1 << 18, 2048
+GRIDS = ((64, 4), (32, 4), (32, 8), (16, 4), (16, 8))  # (programs per token, warps)
+
+
+@gluon.jit
+def _gather_rows_smem(KV, Rows, Out, stride_kv, K, BN: gl.constexpr, NW: gl.constexpr):
+    """Program (token, split): ``cp.async`` rows ``rows[token, split * BN : + BN]`` (576 bf16
+    columns each) into shared memory at once, wait, and write the sum of their last 64 columns
+    (so the copies are observed)."""
+    tok = gl.program_id(0)
+    split = gl.program_id(1)
+    lv: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    lr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    nope = gl.allocate_shared_memory(gl.bfloat16, [BN, 512], plain)
+    rope = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], plain)
+    base = Rows + tok.to(gl.int64) * K + split * BN
+    r_v = gl.load(base + gl.arange(0, BN, layout=gl.SliceLayout(1, lv))).to(gl.int64) * stride_kv
+    r_r = gl.load(base + gl.arange(0, BN, layout=gl.SliceLayout(1, lr))).to(gl.int64) * stride_kv
+    async_load(nope, KV + r_v[:, None] + gl.arange(0, 512, layout=gl.SliceLayout(0, lv))[None, :])
+    async_load(rope, KV + r_r[:, None] + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, lr))[None, :])
+    cp.commit_group()
+    cp.wait_group(0)
+    cta_barrier()
+    tail = gl.sum(rope.load(lr).to(gl.float32), axis=1)
+    gl.store(Out + tok * gl.num_programs(1) + split, gl.sum(tail, axis=0))
+
+
+def replay_us(fn, rounds: int) -> float:
+    g = graph_of(fn)
+    return min(1e3 * triton.testing.do_bench(g.replay, warmup=5, rep=40, return_mode="median") for _ in range(rounds))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,2,4,8")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    kv = torch.randn(ROWS, 576, device="cuda").bfloat16()
+    x = torch.zeros(1, device="cuda")
+    print(f"graph of one 1-element kernel: {replay_us(lambda: x.add_(1), args.rounds):.2f} us")
+    print("| tokens | programs per token x rows, warps | cp.async into shared memory | register read (Triton) |")
+    print("|---|---|---|---|")
+    for batch in map(int, args.batches.split(",")):
+        rows = torch.argsort(torch.rand(batch, ROWS, device="cuda"), dim=1)[:, :TOPK].int()
+        for splits, warps in GRIDS:
+            bn = TOPK // splits
+            out = torch.empty(batch, splits, device="cuda")
+
+            def smem(out=out, splits=splits, warps=warps, bn=bn, batch=batch, rows=rows):
+                _gather_rows_smem[(batch, splits)](kv, rows, out, kv.stride(0), TOPK, BN=bn, NW=warps, num_warps=warps)
+
+            smem()
+            want = kv[rows.long(), 512:].float().view(batch, splits, -1).sum(-1)
+            torch.testing.assert_close(out, want, rtol=1e-3, atol=0.5)
+
+            def regs(out=out, splits=splits, warps=warps, bn=bn, batch=batch, rows=rows):
+                _read_rows_kernel[(batch, splits)](kv, rows, out, kv.stride(0), TOPK, bn, BLOCK_N=min(bn, 32),
+                                                   num_warps=warps)  # fmt: skip
+
+            t_smem, t_regs = replay_us(smem, args.rounds), replay_us(regs, args.rounds)
+            print(f"| {batch} | {splits} x {bn}, {warps} | {t_smem:.2f} | {t_regs:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
