@@ -18,6 +18,7 @@ from shardattn.kernels.topk import DcpShard
 from shardattn.launch.workloads import build_decode, build_gqa_decode, build_prefill
 from shardattn.parallel.cudagraph import GraphInput
 from shardattn.parallel.runtime import Runtime
+from shardattn.plan.spec import ModelSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 
@@ -50,7 +51,9 @@ def _compiled() -> dict[str, int]:
 def _no_compile_body(group, kind: str) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rt = Runtime("glm5", group, max_batched_tokens=4096, mode="mixed", device=dev, topk=2048, max_decode_tokens=64)
+    # decode16: 16 heads a rank, where small batches run the small-batch Gluon kernel (both its tiles)
+    spec = ModelSpec("sparse_mla", 16, 1, 576, 512, 2048, 64) if kind == "decode16" else "glm5"
+    rt = Runtime(spec, group, max_batched_tokens=4096, mode="mixed", device=dev, topk=2048, max_decode_tokens=64)
     h = rt.heads_per_rank
     before = _compiled()
     errors = []
@@ -81,7 +84,8 @@ def _no_compile_body(group, kind: str) -> dict:
                 ref, _ = sparse_mla_reference(step.q, step.kv, step.rows, scale=rt.scale, topk_length=length)
                 errors.append(float((out.float() - ref[:, rank * h : (rank + 1) * h].float()).abs().max()))
     else:
-        for q_lens in ((1,) * 64, (1, 3, 2, 4), (2,) * 16):
+        batches = ((1,) * 64, (1, 3, 2, 4), (2,) * 16)
+        for q_lens in batches + (((1, 2), (2,) * 4) if kind == "decode16" else ()):
             s = build_decode(
                 heads=64,
                 head_dim=576,
@@ -115,7 +119,7 @@ def _no_compile_body(group, kind: str) -> dict:
     return {"grew": grew, "err": max(errors), "warmed": len(rt.warmed_keys)}
 
 
-@pytest.mark.parametrize("kind", ["prefill", "decode"])
+@pytest.mark.parametrize("kind", ["prefill", "decode", "decode16"])
 def test_warmed_runtime_compiles_nothing(dist_pool, kind: str) -> None:
     res = dist_pool.run(_no_compile_body, kind, world_size=1, backend="nccl")[0]
     assert res["grew"] == {}, f"kernels compiled after warm-up: {res['grew']}"
