@@ -17,6 +17,8 @@ from shardattn.kernels.sparse_mla_decode_gluon_small import (
     MAX_HEADS,
     MAX_SPLITS,
     compile_for_sm90,
+    small_decode_limits,
+    small_decode_supports,
     small_decode_tiles,
 )
 from shardattn.parallel.decode_warmup import small_kernel_sizes
@@ -66,6 +68,18 @@ def test_warmup_sizes_reach_every_tile_the_routed_batches_use():
         used = {small_decode_tiles(t, topk, sms)[0] for t in range(1, min(most, SMALL_DECODE_MAX_TOKENS) + 1)}
         assert {small_decode_tiles(t, topk, sms)[0] for t in sizes} == used
         assert min(sizes) == 1 and max(sizes) <= min(most, SMALL_DECODE_MAX_TOKENS)
+
+
+def test_support_names_what_the_kernel_does_not_take():
+    q, kv = torch.zeros(2, MAX_HEADS, 576), torch.zeros(4, 576)
+    rows = torch.zeros(2, 2048, dtype=torch.int32)
+    assert small_decode_limits(q, rows) is None
+    assert "at most 16 heads" in small_decode_limits(torch.zeros(2, MAX_HEADS + 1, 576), rows)
+    assert "top-k 0" in small_decode_limits(q, rows[:, :0])
+    assert small_decode_limits(q, torch.zeros(2, 128 * MAX_SPLITS, dtype=torch.int32)) is None
+    too_many = torch.zeros(2, 128 * MAX_SPLITS + 1, dtype=torch.int32)
+    assert f"top-k {128 * MAX_SPLITS + 1}" in small_decode_limits(q, too_many)
+    assert small_decode_supports(q, kv, rows, 512) is not None  # CPU tensors: the Gluon rules refuse first
 
 
 def test_backend_argument_checks_on_cpu():

@@ -103,9 +103,9 @@ def sparse_decode_kernel(
     missing = gluon_supports(q, kv, v_dim)
     small_missing = "rows not given"
     if rows is not None:
-        from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_supports
+        from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_limits
 
-        small_missing = small_decode_supports(q, kv, rows, v_dim)
+        small_missing = missing or small_decode_limits(q, rows)
     route = route_sparse_decode_kernel(
         q.shape[1], num_tokens=q.shape[0], device_type=q.device, sm=sm, gluon_missing=missing,
         small_missing=small_missing,

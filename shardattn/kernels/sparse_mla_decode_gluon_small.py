@@ -37,6 +37,7 @@ __all__ = [
     "MAX_HEADS",
     "MAX_SPLITS",
     "compile_for_sm90",
+    "small_decode_limits",
     "small_decode_supports",
     "small_decode_tiles",
     "sparse_mla_decode_small",
@@ -71,9 +72,12 @@ def small_decode_supports(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
     non-empty top-k of at most :data:`MAX_SPLITS` 128-entry splits)."""
     from shardattn.kernels.sparse_mla_gluon import gluon_supports
 
-    why = gluon_supports(q, kv, v_dim)
-    if why is not None:
-        return why
+    return gluon_supports(q, kv, v_dim) or small_decode_limits(q, rows)
+
+
+def small_decode_limits(q: torch.Tensor, rows: torch.Tensor) -> str | None:
+    """The part of :func:`small_decode_supports` that is this kernel's own (heads and top-k), for
+    callers that already asked ``gluon_supports``."""
     if q.dim() != 3 or q.shape[1] > MAX_HEADS:
         return f"q of shape {tuple(q.shape)} (the small-batch kernel holds at most {MAX_HEADS} heads)"
     topk = rows.shape[-1]
