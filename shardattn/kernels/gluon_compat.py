@@ -34,6 +34,7 @@ __all__ = [
     "GLUON_IMPORT_ERROR",
     "HAS_GLUON",
     "async_load",
+    "compile_sm90",
     "cp",
     "cta_barrier",
     "fence_async_shared",
@@ -53,3 +54,20 @@ if HAS_GLUON:
         """128-byte swizzled (or narrower for short rows) wgmma operand layout of ``[rows, inner]``."""
         width = min(128, inner * bitwidth // 8)
         return gl.NVMMASharedLayout(swizzle_byte_width=width, element_bitwidth=bitwidth, rank=2)
+
+
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict, *, aligned=(), options: dict | None = None):
+    """Compile the Gluon kernel ``fn`` for sm_90 ahead of time (no GPU needed); returns Triton's
+    compiled kernel (``asm["ptx"]``, ``metadata``). ``signature``: every argument's type
+    (``"constexpr"`` for those in ``constexprs``); ``aligned``: argument names the launcher would
+    see 16-byte divisible at run time (pointers, strides). Raises RuntimeError without Gluon."""
+    if not HAS_GLUON:
+        raise RuntimeError(f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or {})

@@ -292,13 +292,10 @@ def compile_for_sm90(
     """Compile the split kernel for sm_90 ahead of time (no GPU needed); returns Triton's compiled
     kernel (``asm["ptx"]``, ``metadata``). ``split``: fp32 partials (else the one-split output in
     ``dtype``); ``even_k``: a top-k that is a multiple of ``block_n``. Raises RuntimeError without Gluon."""
-    if not HAS_GLUON:
-        from shardattn.kernels.gluon_compat import GLUON_IMPORT_ERROR
+    from shardattn.kernels.gluon_compat import GLUON_IMPORT_ERROR, compile_sm90
 
+    if not HAS_GLUON:
         raise RuntimeError(f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     names = ["Q", "KV", "Rows", "TopkLen", "Sinks", "Out", "Lse", "stride_qt", "stride_qh", "stride_kvr",
              "stride_rt", "stride_rk", "K", "R", "H", "stride_os", "stride_ot", "stride_oh", "stride_ls",
@@ -311,6 +308,4 @@ def compile_for_sm90(
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     aligned = ("Q", "KV", "Rows", "Out", "stride_qt", "stride_qh", "stride_kvr", "stride_rt", "K", "stride_os",
                "stride_ot", "stride_oh")  # fmt: skip
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = GluonASTSource(_small_split_kernel, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return compile_sm90(_small_split_kernel, signature, constexprs, aligned=aligned, options={"num_warps": 4})

@@ -380,8 +380,7 @@ def compile_kernel_for_sm90(
     why = gluon_available()
     if why is not None:
         raise RuntimeError(why)
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from shardattn.kernels.gluon_compat import compile_sm90
 
     ptr = f"*{dtype}"
     ws = cfg.warp_specialized
@@ -400,13 +399,10 @@ def compile_kernel_for_sm90(
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     # what the launcher's specialisation sees at run time: 16-byte aligned pointers and strides
     # (except the arguments it never specialises)
-    names = list(signature)
     aligned = [
-        n for n in names if (signature[n].startswith("*") or n.startswith("stride_")) and n not in NOT_SPECIALIZED
+        n for n in signature if (signature[n].startswith("*") or n.startswith("stride_")) and n not in NOT_SPECIALIZED
     ]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = GluonASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_sm90(fn, signature, constexprs, aligned=aligned, options=options)
 
 
 __all__ = [

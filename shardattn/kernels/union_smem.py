@@ -342,9 +342,7 @@ def compile_for_sm90(group_size: int, topk: int = 2048, num_kv_rows: int = 65536
     """
     if not HAS_GLUON:
         raise RuntimeError(f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from shardattn.kernels.gluon_compat import compile_sm90
 
     cfg = launch_config(group_size, topk, num_kv_rows, **overrides)
     num_warps = cfg.pop("num_warps")
@@ -356,5 +354,4 @@ def compile_for_sm90(group_size: int, topk: int = 2048, num_kv_rows: int = 65536
         "stride_union_g": "i32", "words": "i32",
         **dict.fromkeys(constexprs, "constexpr"),
     }  # fmt: skip
-    src = GluonASTSource(_smem_union_kernel, signature, constexprs, {})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return compile_sm90(_smem_union_kernel, signature, constexprs, options={"num_warps": num_warps})
