@@ -18,9 +18,8 @@ import argparse
 
 import torch
 import triton
-import triton.testing
 from decode_small_sweep import _read_rows_kernel  # beside this script
-from graph_timing import graph_of
+from graph_timing import replay_us
 
 from shardattn.kernels.gluon_compat import async_load, cp, cta_barrier, gl, gluon
 
@@ -52,11 +51,6 @@ def _gather_rows_smem(KV, Rows, Out, stride_kv, K, BN: gl.constexpr, NW: gl.cons
     gl.store(Out + tok * gl.num_programs(1) + split, gl.sum(tail, axis=0))
 
 
-def replay_us(fn, rounds: int) -> float:
-    g = graph_of(fn)
-    return min(1e3 * triton.testing.do_bench(g.replay, warmup=5, rep=40, return_mode="median") for _ in range(rounds))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,2,4,8")
@@ -66,7 +60,7 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     kv = torch.randn(ROWS, 576, device="cuda").bfloat16()
     x = torch.zeros(1, device="cuda")
-    print(f"graph of one 1-element kernel: {replay_us(lambda: x.add_(1), args.rounds):.2f} us")
+    print(f"graph of one 1-element kernel: {replay_us(lambda: x.add_(1), rep=40, rounds=args.rounds):.2f} us")
     print("| tokens | programs per token x rows, warps | cp.async into shared memory | register read (Triton) |")
     print("|---|---|---|---|")
     for batch in map(int, args.batches.split(",")):
@@ -86,7 +80,7 @@ def main() -> None:
                 _read_rows_kernel[(batch, splits)](kv, rows, out, kv.stride(0), TOPK, bn, BLOCK_N=min(bn, 32),
                                                    num_warps=warps)  # fmt: skip
 
-            t_smem, t_regs = replay_us(smem, args.rounds), replay_us(regs, args.rounds)
+            t_smem, t_regs = (replay_us(f, rep=40, rounds=args.rounds) for f in (smem, regs))
             print(f"| {batch} | {splits} x {bn}, {warps} | {t_smem:.2f} | {t_regs:.2f} |", flush=True)
 
 

@@ -29,9 +29,8 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 from decode_small_sweep import _read_rows_kernel  # beside this script
-from graph_timing import graph_of
+from graph_timing import replay_us
 
 from shardattn.kernels.lse_merge import launch_lse_merge_columns, split_partials, split_partials_numel
 from shardattn.kernels.sparse_mla import sparse_mla_reference
@@ -93,11 +92,6 @@ def launch_ablate(q, kv, rows, po, pl, cfg: dict, ablation: str) -> None:
                                   num_warps=cfg["num_warps"], num_stages=1)  # fmt: skip
 
 
-def replay_us(fn) -> float:
-    g = graph_of(fn)
-    return 1e3 * triton.testing.do_bench(g.replay, warmup=5, rep=40, return_mode="median")
-
-
 def ablate_batch(kv: torch.Tensor, batch: int, sms: int, rounds: int) -> tuple[str, dict[str, float]]:
     """The routed tiling at ``batch`` tokens (in words) and the fastest replay of each variant (us)."""
     q = torch.randn(batch, 16, 576, device="cuda").bfloat16()
@@ -132,7 +126,7 @@ def ablate_batch(kv: torch.Tensor, batch: int, sms: int, rounds: int) -> tuple[s
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
         for name, fn in variants.items():
-            times.setdefault(name, []).append(replay_us(fn))
+            times.setdefault(name, []).append(replay_us(fn, rep=40))
     return f"{cfg['num_splits']} x {cfg['chunk']}, {cfg['num_warps']}", {k: min(v) for k, v in times.items()}
 
 
@@ -146,7 +140,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     kv = torch.randn(ROWS, 576, device="cuda").bfloat16()
     x = torch.zeros(1, device="cuda")
-    trivial = min(replay_us(lambda: x.add_(1)) for _ in range(args.rounds))
+    trivial = replay_us(lambda: x.add_(1), rep=40, rounds=args.rounds)
     print(f"graph of one 1-element kernel: {trivial:.2f} us")
     head = ["batch", "splits x rows, warps", "read", "routed split", "routed step"]
     head += [f"one-step {a}" for a in ABLATIONS]

@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.runtime.errors
-import triton.testing
-from graph_timing import graph_of, profile_graph  # beside this script
+from graph_timing import profile_graph, replay_us  # beside this script
 
 from shardattn.kernels.lse_merge import (
     launch_lse_merge,
@@ -45,12 +44,6 @@ from shardattn.kernels.sparse_mla_decode_triton import launch_split_kernel
 
 ROWS, TOPK, SCALE = 1 << 18, 2048, 576**-0.5
 RESULTS: list[dict] = []
-
-
-def replay_us(fn, rep: int = 25) -> float:
-    """Median microseconds of ``fn`` captured in a CUDA graph and replayed (L2 flushed between)."""
-    g = graph_of(fn)
-    return 1e3 * triton.testing.do_bench(g.replay, warmup=5, rep=rep, return_mode="median")
 
 
 def record(kind: str, name: str, us: float, **extra) -> None:

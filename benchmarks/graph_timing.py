@@ -20,6 +20,15 @@ def graph_of(fn):
     return g
 
 
+def replay_us(fn, rep: int = 25, rounds: int = 1) -> float:
+    """Microseconds of ``fn`` captured in a CUDA graph and replayed: the median of
+    ``triton.testing.do_bench`` (which flushes the L2 between replays), the least over ``rounds``."""
+    import triton.testing
+
+    g = graph_of(fn)
+    return min(1e3 * triton.testing.do_bench(g.replay, warmup=5, rep=rep, return_mode="median") for _ in range(rounds))
+
+
 def profile_graph(fn, replays: int = 30) -> dict:
     """Kernels of ``fn``'s graph over ``replays`` replays (L2 flushed before each): mean device
     duration per kernel, mean gap between consecutive kernels, mean span of a replay (us)."""

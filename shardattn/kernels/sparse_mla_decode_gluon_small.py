@@ -149,7 +149,9 @@ if HAS_GLUON:
         q_rope = gl.allocate_shared_memory(dtype, [HP, DR], nvmma_layout(DR, 16))
         p_t = gl.allocate_shared_memory(dtype, [BLOCK_N, HP], nvmma_layout(HP, 16))
 
-        # every row of the split and the token's Q in flight at once (invalid entries zero-filled)
+        # every row of the split and the token's Q in flight at once (invalid entries zero-filled); the
+        # split's indices are read once per layout that uses them (256-512 B, cached after the first)
+        # rather than moved between layouts through shared memory
         r_v, key_v = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
                               gl.SliceLayout(1, gather_v))  # fmt: skip
         r_r, key_r = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
