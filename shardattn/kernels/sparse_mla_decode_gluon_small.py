@@ -6,9 +6,11 @@ as M. At 16 heads and 1-16 tokens a decode step is latency bound, and this kerne
 chain. One program per (token, split of ``BLOCK_N`` = 64 or 128 top-k entries), four warps:
 
 * every row of the split (576 columns, 1,152 B in bf16) and the token's Q are issued at once as
-  ``cp.async`` copies into shared memory, with one wait (up to 144 KB in flight per SM);
-* ``S^T = K Q^T`` on ``wgmma`` with the split's rows as M and the heads (padded to 16) as N;
-  the softmax runs down the rows of each head;
+  ``cp.async`` copies into shared memory (up to 144 KB in flight per SM), in 1 +
+  :data:`LATENT_CHUNKS` groups: Q with the 64 rope columns, then the 512 latent columns in chunks;
+* ``S^T = K Q^T`` on ``wgmma`` with the split's rows as M and the heads (padded to 16) as N, one
+  chunk at a time as its group lands (the ``wgmma`` runs while later chunks arrive); the softmax
+  runs down the rows of each head;
 * ``O^T = V^T P^T`` on ``wgmma`` with the 512 value columns as M: 16 heads need no padding to
   the 64-row tile a heads-as-M ``wgmma`` would (the accumulator is 64 fp32 registers a thread);
 * the fp32 partial and LSE of the split go to ``[S, T, H, 512]`` / ``[S, T, H]`` (the layout of
@@ -47,6 +49,9 @@ __all__ = [
 MAX_HEADS = 16
 #: Most splits of a row (the column merge loads all ``S`` partials of a column block at once).
 MAX_SPLITS = 64
+#: Column chunks of the 512 latent columns, each its own ``cp.async`` group, so Q.K^T starts on the
+#: first chunk while the others are in flight.
+LATENT_CHUNKS = 4
 LOG2E = 1.4426950408889634
 
 
@@ -104,6 +109,12 @@ if HAS_GLUON:
         """The ``wgmma`` accumulator of one warpgroup with ``heads`` as N (rows / value columns as M)."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, heads, 16])
 
+    @gluon.constexpr_function
+    def _gather_layout(cols: int):
+        """``[rows, cols]`` bf16 / fp16 loads of 16 B a thread, a warp across ``min(cols, 256)`` columns."""
+        across = min(32, cols // 8)
+        return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
+
     @gluon.jit
     def _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N: gl.constexpr,
                  EVEN_K: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, layout: gl.constexpr):  # fmt: skip
@@ -133,14 +144,14 @@ if HAS_GLUON:
                             stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, qk_scale,
                             HP: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr,
                             EVEN_K: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_SINKS: gl.constexpr,
-                            PDL: gl.constexpr):  # fmt: skip
+                            PDL: gl.constexpr, NCHUNK: gl.constexpr):  # fmt: skip
         """One (token, split): gather, ``S^T = K Q^T``, softmax per head, ``O^T = V^T P^T``, store."""
         if PDL:  # the grid before this one (a union build, an indexer) wrote q / rows: wait for it
             _gdc("griddepcontrol.wait")
         tok = gl.program_id(0)
         split = gl.program_id(1)
         dtype: gl.constexpr = Q.dtype.element_ty
-        gather_v: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [*, 512]: 16 B a thread
+        gather_v: gl.constexpr = _gather_layout(DV)  # [HP, 512]: 16 B a thread
         gather_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [*, 64]
         s_layout: gl.constexpr = _acc_layout(HP)
         k_nope = gl.allocate_shared_memory(dtype, [BLOCK_N, DV], nvmma_layout(DV, 16))
@@ -149,34 +160,48 @@ if HAS_GLUON:
         q_rope = gl.allocate_shared_memory(dtype, [HP, DR], nvmma_layout(DR, 16))
         p_t = gl.allocate_shared_memory(dtype, [BLOCK_N, HP], nvmma_layout(HP, 16))
 
-        # every row of the split and the token's Q in flight at once (invalid entries zero-filled); the
+        # every row of the split and the token's Q in flight at once (invalid entries zero-filled), as
+        # 1 + NCHUNK commit groups: Q and the rope columns, then the 512 latent columns in NCHUNK
+        # column chunks, so Q.K^T runs on each chunk while the later ones are still arriving. The
         # split's indices are read once per layout that uses them (256-512 B, cached after the first)
         # rather than moved between layouts through shared memory
-        r_v, key_v = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
-                              gl.SliceLayout(1, gather_v))  # fmt: skip
+        cw: gl.constexpr = DV // NCHUNK
+        gather_c: gl.constexpr = _gather_layout(cw)
+        r_c, key_c = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
+                              gl.SliceLayout(1, gather_c))  # fmt: skip
         r_r, key_r = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
                               gl.SliceLayout(1, gather_r))  # fmt: skip
         _r_s, key_s = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
                                gl.SliceLayout(1, s_layout))  # fmt: skip
         cols_v = gl.arange(0, DV, layout=gl.SliceLayout(0, gather_v))
         cols_r = gl.arange(0, DR, layout=gl.SliceLayout(0, gather_r))
-        async_load(k_nope, KV + r_v.to(gl.int64)[:, None] * stride_kvr + cols_v[None, :], mask=key_v[:, None])
-        async_load(k_rope, KV + r_r.to(gl.int64)[:, None] * stride_kvr + DV + cols_r[None, :], mask=key_r[:, None])
         q_base = Q + tok.to(gl.int64) * stride_qt
         h_v = gl.arange(0, HP, layout=gl.SliceLayout(1, gather_v))
         h_r = gl.arange(0, HP, layout=gl.SliceLayout(1, gather_r))
         async_load(q_nope, q_base + h_v[:, None] * stride_qh + cols_v[None, :], mask=(h_v < H)[:, None])
         async_load(q_rope, q_base + h_r[:, None] * stride_qh + DV + cols_r[None, :], mask=(h_r < H)[:, None])
+        async_load(k_rope, KV + r_r.to(gl.int64)[:, None] * stride_kvr + DV + cols_r[None, :], mask=key_r[:, None])
         cp.commit_group()
-        cp.wait_group(0)
+        cols_c = gl.arange(0, cw, layout=gl.SliceLayout(0, gather_c))
+        row_c = KV + r_c.to(gl.int64)[:, None] * stride_kvr + cols_c[None, :]
+        for c in gl.static_range(NCHUNK):
+            async_load(k_nope.slice(c * cw, cw, dim=1), row_c + c * cw, mask=key_c[:, None])
+            cp.commit_group()
+
+        # S^T [BLOCK_N, HP] = K Q^T (rows as wgmma M, heads as N), chunk by chunk as the groups land
+        cp.wait_group(NCHUNK)
         fence_async_shared()
         cta_barrier()
-
-        # S^T [BLOCK_N, HP] = K Q^T (rows as wgmma M, heads as N), then the softmax down each head
-        s = warpgroup_mma(k_nope, q_nope.permute((1, 0)), gl.zeros([BLOCK_N, HP], gl.float32, s_layout),
+        s = warpgroup_mma(k_rope, q_rope.permute((1, 0)), gl.zeros([BLOCK_N, HP], gl.float32, s_layout),
                           use_acc=False, is_async=True)  # fmt: skip
-        s = warpgroup_mma(k_rope, q_rope.permute((1, 0)), s, is_async=True)
+        for c in gl.static_range(NCHUNK):
+            cp.wait_group(NCHUNK - 1 - c)
+            fence_async_shared()
+            cta_barrier()
+            s = warpgroup_mma(k_nope.slice(c * cw, cw, dim=1), q_nope.slice(c * cw, cw, dim=1).permute((1, 0)), s,
+                              is_async=True)  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        # the softmax down each head
         s = gl.where(key_s[:, None], s * qk_scale, float("-inf"))
         heads = gl.arange(0, HP, layout=gl.SliceLayout(0, s_layout))
         m = gl.max(s, axis=0)
@@ -224,6 +249,7 @@ def launch_small_split(
     splits: int,
     scale: float,
     pdl: bool,
+    chunks: int = LATENT_CHUNKS,
 ) -> None:
     """Launch ``_small_split_kernel`` on validated tensors (no checks, no allocation, no sync).
 
@@ -232,6 +258,7 @@ def launch_small_split(
         int32 / sinks ``[H]`` fp32 or None. dst_out ``[S, T, H, 512]`` fp32 / dst_lse ``[S, T, H]``
         fp32 partials, or with one split ``out [T, H, 512]`` (q's dtype) / ``lse [T, H]``.
         block_n, splits: :func:`small_decode_tiles`. pdl: a programmatic dependent launch.
+        chunks: :data:`LATENT_CHUNKS` (1, 2 or 4; other values for measurements).
     """
     t, h, d = q.shape
     v_dim = dst_out.shape[-1]
@@ -244,7 +271,7 @@ def launch_small_split(
         float(scale) * LOG2E,
         HP=MAX_HEADS, BLOCK_N=block_n, DV=v_dim, DR=d - v_dim, EVEN_K=rows.shape[1] % block_n == 0,
         HAS_TOPK_LEN=topk_length is not None, HAS_SINKS=sinks is not None, PDL=pdl,
-        num_warps=4, launch_pdl=pdl,
+        NCHUNK=chunks, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -290,6 +317,7 @@ def compile_for_sm90(
     topk_length: bool = False,
     sinks: bool = False,
     dtype: str = "bf16",
+    chunks: int = LATENT_CHUNKS,
 ):
     """Compile the split kernel for sm_90 ahead of time (no GPU needed); returns Triton's compiled
     kernel (``asm["ptx"]``, ``metadata``). ``split``: fp32 partials (else the one-split output in
@@ -306,7 +334,7 @@ def compile_for_sm90(
     types = [f"*{dtype}", f"*{dtype}", "*i32", "*i32", "*fp32", out_t, "*fp32"] + ["i32"] * 14 + ["fp32"]
     signature = dict(zip(names, types, strict=True))
     constexprs = {"HP": MAX_HEADS, "BLOCK_N": block_n, "DV": 512, "DR": 64, "EVEN_K": even_k,
-                  "HAS_TOPK_LEN": topk_length, "HAS_SINKS": sinks, "PDL": True}  # fmt: skip
+                  "HAS_TOPK_LEN": topk_length, "HAS_SINKS": sinks, "PDL": True, "NCHUNK": chunks}  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     aligned = ("Q", "KV", "Rows", "Out", "stride_qt", "stride_qh", "stride_kvr", "stride_rt", "K", "stride_os",
                "stride_ot", "stride_oh")  # fmt: skip
