@@ -28,15 +28,11 @@ GRIDS = ((64, 4), (32, 4), (32, 8), (16, 4), (16, 8))  # (programs per token, wa
 
 
 @gluon.jit
-def _gather_rows_smem(KV, Rows, Out, stride_kv, K, BN: gl.constexpr, NW: gl.constexpr):
-    """Program (token, split): ``cp.async`` rows ``rows[token, split * BN : + BN]`` (576 bf16
-    columns each) into shared memory at once, wait, and write the sum of their last 64 columns
-    (so the copies are observed)."""
-    tok = gl.program_id(0)
-    split = gl.program_id(1)
-    lv: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-    lr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+def gather_split_rows(KV, Rows, tok, split, stride_kv, K, BN: gl.constexpr, lv: gl.constexpr, lr: gl.constexpr,
+                      plain: gl.constexpr):  # fmt: skip
+    """``cp.async`` rows ``rows[tok, split * BN : + BN]`` (576 bf16 columns each) into shared memory
+    at once (``lv`` / ``lr``: the ``[BN, 512]`` / ``[BN, 64]`` load layouts, ``plain`` the shared
+    one), wait, and return the sum of their last 64 columns (so the copies are observed)."""
     nope = gl.allocate_shared_memory(gl.bfloat16, [BN, 512], plain)
     rope = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], plain)
     base = Rows + tok.to(gl.int64) * K + split * BN
@@ -47,8 +43,19 @@ def _gather_rows_smem(KV, Rows, Out, stride_kv, K, BN: gl.constexpr, NW: gl.cons
     cp.commit_group()
     cp.wait_group(0)
     cta_barrier()
-    tail = gl.sum(rope.load(lr).to(gl.float32), axis=1)
-    gl.store(Out + tok * gl.num_programs(1) + split, gl.sum(tail, axis=0))
+    return gl.sum(gl.sum(rope.load(lr).to(gl.float32), axis=1), axis=0)
+
+
+@gluon.jit
+def _gather_rows_smem(KV, Rows, Out, stride_kv, K, BN: gl.constexpr, NW: gl.constexpr):
+    """Program (token, split): :func:`gather_split_rows` and one float written."""
+    tok = gl.program_id(0)
+    split = gl.program_id(1)
+    lv: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    lr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    tail = gather_split_rows(KV, Rows, tok, split, stride_kv, K, BN, lv, lr, plain)
+    gl.store(Out + tok * gl.num_programs(1) + split, tail)
 
 
 def main() -> None:
