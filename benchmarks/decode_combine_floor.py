@@ -27,9 +27,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
 from decode_gather_floor import gather_split_rows  # beside this script
-from graph_timing import replay_us
+from graph_timing import gpu_banner, replay_us, trivial_graph_us
 
 from shardattn.kernels.gluon_compat import gl, gluon
 from shardattn.kernels.lse_merge import launch_lse_merge_columns, lse_merge_reference
@@ -146,10 +145,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    print(gpu_banner(), flush=True)
     kv = torch.randn(ROWS, 576, device="cuda").bfloat16()
-    x = torch.zeros(1, device="cuda")
-    print(f"graph of one 1-element kernel: {replay_us(lambda: x.add_(1), rep=40, rounds=args.rounds):.2f} us")
+    print(f"graph of one 1-element kernel: {trivial_graph_us(rounds=args.rounds):.2f} us")
     table: dict[str, dict[int, float]] = {}
     batches = [int(b) for b in args.batches.split(",")]
     for batch in batches:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from decode_small_sweep import _read_rows_kernel  # beside this script
-from graph_timing import replay_us
+from graph_timing import gpu_banner, replay_us, trivial_graph_us
 
 from shardattn.kernels.lse_merge import launch_lse_merge_columns, split_partials, split_partials_numel
 from shardattn.kernels.sparse_mla import sparse_mla_reference
@@ -136,12 +136,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    print(gpu_banner(), flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     kv = torch.randn(ROWS, 576, device="cuda").bfloat16()
-    x = torch.zeros(1, device="cuda")
-    trivial = replay_us(lambda: x.add_(1), rep=40, rounds=args.rounds)
-    print(f"graph of one 1-element kernel: {trivial:.2f} us")
+    print(f"graph of one 1-element kernel: {trivial_graph_us(rounds=args.rounds):.2f} us")
     head = ["batch", "splits x rows, warps", "read", "routed split", "routed step"]
     head += [f"one-step {a}" for a in ABLATIONS]
     print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")

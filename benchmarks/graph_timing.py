@@ -29,6 +29,19 @@ def replay_us(fn, rep: int = 25, rounds: int = 1) -> float:
     return min(1e3 * triton.testing.do_bench(g.replay, warmup=5, rep=rep, return_mode="median") for _ in range(rounds))
 
 
+def gpu_banner() -> str:
+    """``GPU: <name>  torch <version>  triton <version>``: the first line the decode probes print."""
+    import triton
+
+    return f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}"
+
+
+def trivial_graph_us(rep: int = 40, rounds: int = 1) -> float:
+    """:func:`replay_us` of a graph of one 1-element kernel: the floor every replay timing includes."""
+    x = torch.zeros(1, device="cuda")
+    return replay_us(lambda: x.add_(1), rep=rep, rounds=rounds)
+
+
 def profile_graph(fn, replays: int = 30) -> dict:
     """Kernels of ``fn``'s graph over ``replays`` replays (L2 flushed before each): mean device
     duration per kernel, mean gap between consecutive kernels, mean span of a replay (us)."""

@@ -78,3 +78,52 @@ def test_ptx_hints_rewrite_every_gather_and_wait() -> None:
     evict = ptx_hints.rewrite(ptx, "el256")
     assert evict.count("L2::cache_hint.L2::256B [") == gathers and evict.count("createpolicy") == 1
     assert ptx_hints.rewrite(ptx, "sleep").count(", 10000000;") == waits
+
+
+def test_small_decode_probes_compile_for_sm90(tmp_path: Path) -> None:
+    """The small-decode probes that run only on a GPU still compile for sm_90 (CPU, ahead of time):
+    ``decode_combine_floor.py``'s two-launch kernel and its 16-block cluster kernel (the barrier
+    only from stage 2, per-block stores), and ``decode_small_timeline.py``'s stamped copy of the
+    library's split kernel (every stamp statement found, ten clock reads)."""
+    import pytest
+
+    from shardattn.kernels.gluon_compat import compile_sm90
+    from shardattn.kernels.sparse_mla_gluon import gluon_available
+
+    if gluon_available() is not None:
+        pytest.skip(gluon_available())
+    sys.path.insert(0, str(BENCH))
+    import decode_combine_floor
+    import decode_small_timeline
+
+    names = ["KV", "Rows", "Part", "Lse", "Out", "LseOut", "stride_kv", "K", "T"]
+    types = ["*bf16", "*i32", "*fp32", "*fp32", "*fp32", "*fp32", "i32", "i32", "i32"]
+    aligned = ("KV", "Rows", "Part", "Out", "stride_kv", "K")
+    for stage in range(4):
+        sig = {**dict(zip(names, types, strict=True)), "BN": "constexpr", "STAGE": "constexpr"}
+        ptx = compile_sm90(decode_combine_floor._cluster_combine, sig, {"BN": 128, "STAGE": stage}, aligned=aligned,
+                           options={"num_warps": 4, "num_ctas": 16}).asm["ptx"]  # fmt: skip
+        assert ".reqnctapercluster 16" in ptx and "%cluster_ctarank" in ptx
+        assert ("barrier.cluster.arrive.release" in ptx) == (stage >= 2)
+        assert ("st.global.v4.f32" in ptx) == (stage >= 1)  # the partial, from every block
+    sig = {**dict(zip(names[:5] + names[6:], types[:5] + types[6:], strict=True)), "BN": "constexpr"}
+    sig["PARTIAL"] = "constexpr"
+    plain_aligned = ("KV", "Rows", "Part", "stride_kv", "K")
+    ptx = compile_sm90(decode_combine_floor._gather_partial, sig, {"BN": 64, "PARTIAL": True}, aligned=plain_aligned,
+                       options={"num_warps": 4}).asm["ptx"]  # fmt: skip
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
+    stamped = decode_small_timeline.stamped_module(tmp_path)
+    src = (tmp_path / "small_stamped.py").read_text()
+    assert src.count("        _stamp(Tm, ") == 10
+    small_sig = ["Q", "KV", "Rows", "TopkLen", "Sinks", "Out", "Lse", "stride_qt", "stride_qh", "stride_kvr",
+                 "stride_rt", "stride_rk", "K", "R", "H", "stride_os", "stride_ot", "stride_oh", "stride_ls",
+                 "stride_lt", "stride_lh", "qk_scale", "Tm"]  # fmt: skip
+    small_types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 14 + ["fp32", "*i64"]
+    constexprs = {"HP": 16, "BLOCK_N": 64, "DV": 512, "DR": 64, "EVEN_K": True, "HAS_TOPK_LEN": False,
+                  "HAS_SINKS": False, "PDL": False, "NCHUNK": 4}  # fmt: skip
+    sig = {**dict(zip(small_sig, small_types, strict=True)), **dict.fromkeys(constexprs, "constexpr")}
+    aligned = ("Q", "KV", "Rows", "Out", "stride_qt", "stride_qh", "stride_kvr", "stride_rt", "K", "stride_os",
+               "stride_ot", "stride_oh")  # fmt: skip
+    ptx = compile_sm90(stamped._small_split_kernel, sig, constexprs, aligned=aligned,
+                       options={"num_warps": 4}).asm["ptx"]  # fmt: skip
+    assert ptx.count("%clock64") == 10
