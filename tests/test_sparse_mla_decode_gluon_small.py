@@ -23,6 +23,7 @@ from shardattn.kernels.sparse_mla_decode_gluon_small import (
     small_decode_limits,
     small_decode_supports,
     small_decode_tiles,
+    small_merge_columns,
 )
 from shardattn.parallel.decode_warmup import small_kernel_sizes
 from shardattn.plan.routing import SMALL_DECODE_MAX_HEADS, SMALL_DECODE_MAX_TOKENS, route_sparse_decode_kernel
@@ -63,6 +64,11 @@ def test_tiles_cover_the_row_in_one_wave_of_64_entry_splits_or_use_128(sms, topk
         assert (splits - 1) * block_n < topk <= splits * block_n  # every entry in exactly one split
         assert (block_n == 64) == (t * -(-topk // 64) <= sms and -(-topk // 64) <= MAX_SPLITS)
         assert splits <= MAX_SPLITS
+        # the merge after it takes wider column blocks only where a program still holds at most
+        # 4,096 fp32 partial values (BLOCK_P x columns), as 128 columns of 32 splits do
+        block_p = max(2, 1 << (splits - 1).bit_length())
+        columns = small_merge_columns(splits)
+        assert columns == 128 or (columns == 256 and columns * block_p <= 4096)
 
 
 def test_warmup_sizes_reach_every_tile_the_routed_batches_use():

@@ -42,6 +42,7 @@ __all__ = [
     "small_decode_limits",
     "small_decode_supports",
     "small_decode_tiles",
+    "small_merge_columns",
     "sparse_mla_decode_small",
 ]
 
@@ -69,6 +70,19 @@ def small_decode_tiles(num_tokens: int, topk: int, num_sms: int) -> tuple[int, i
     blocks = -(-topk // 64)
     block_n = 64 if num_tokens * blocks <= num_sms and blocks <= MAX_SPLITS else 128
     return block_n, -(-topk // block_n)
+
+
+def small_merge_columns(splits: int) -> int:
+    """Columns of one column-merge program after the split kernel: 128 at more than 16 splits (the
+    merge's default), 256 at up to 16 (a program then holds at most 4,096 fp32 partial values, as
+    128 columns of 32 splits do). Measured on an H200 (benchmarks/RESULTS.md, thirteenth session):
+    at 16 splits 256 columns took 0.5-1.8 us off the step at 5-16 tokens; at 32 splits they were
+    level with 128.
+
+    >>> small_merge_columns(32), small_merge_columns(16), small_merge_columns(2)
+    (128, 256, 256)
+    """
+    return 128 if splits > 16 else 256
 
 
 def small_decode_supports(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, v_dim: int) -> str | None:
@@ -305,7 +319,7 @@ def sparse_mla_decode_small(
         dst_out, dst_lse = out, lse_out
     launch_small_split(q, kv, rows, topk_length, sinks, dst_out, dst_lse, block_n, splits, scale, pdl)
     if splits > 1:
-        launch_lse_merge_columns(dst_out, dst_lse, out, lse_out, pdl=pdl)
+        launch_lse_merge_columns(dst_out, dst_lse, out, lse_out, pdl=pdl, block_d=small_merge_columns(splits))
     return out, lse_out
 
 
