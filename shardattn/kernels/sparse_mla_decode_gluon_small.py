@@ -15,15 +15,15 @@ chain. One program per (token, split of ``BLOCK_N`` = 64 or 128 top-k entries), 
   the 64-row tile a heads-as-M ``wgmma`` would (the accumulator is 64 fp32 registers a thread);
 * the fp32 partial and LSE of the split go to ``[S, T, H, 512]`` / ``[S, T, H]`` (the layout of
   :func:`~shardattn.kernels.lse_merge.split_partials`), merged by
-  :func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns`; one split writes ``out`` (q's
-  dtype) and ``lse`` directly.
+  :func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns` (:func:`small_merge_columns`
+  columns a program); one split writes ``out`` (q's dtype) and ``lse`` directly.
 
 Contract as :func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode`: an entry outside
 ``[0, R)`` or past ``topk_length`` anywhere in a row is no key; sinks join split 0's denominator;
 a row with no key gives ``(0, -inf)`` (``(0, sink)`` with sinks). On sm_90 the kernel and its merge
 are programmatic dependent launches like the Triton path's. Measured on an H200 (graph replays,
 L2 flushed; benchmarks/RESULTS.md, thirteenth session), whole steps at 16 heads x 1 / 2 / 4 / 8 /
-16 tokens: 12.1 / 13.0 / 14.8 / 19.3 / 30.7 us against 12.5 / 14.4 / 16.9 / 21.4 / 36.2 for the Triton
+16 tokens: 12.0 / 12.9 / 15.0 / 18.3 / 28.7 us against 12.6 / 14.4 / 16.9 / 21.5 / 36.1 for the Triton
 split kernel, so :func:`~shardattn.plan.routing.route_sparse_decode_kernel` routes those calls here.
 The torch reference is :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 """
