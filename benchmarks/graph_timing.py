@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from shardattn.parallel.cudagraph import DecodeGraph
+
 
 def graph_of(fn):
-    """Capture ``fn`` (already warmed up) into a CUDA graph; returns the graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    """Capture ``fn`` into a CUDA graph (the library's :class:`DecodeGraph`: two warm-up runs on a
+    side stream, then the capture); returns the graph."""
+    return DecodeGraph(fn, {}).graph
 
 
 def replay_us(fn, rep: int = 25, rounds: int = 1) -> float:
