@@ -70,13 +70,16 @@ def stamped_module(directory: Path):
             raise SystemExit(f"stamp {index}: statement not found in the kernel: {text!r}")
         where = at + anchor.index("@")
         src = src[:where] + f"        _stamp(Tm, {index})\n" + src[where:]
-    src = src.replace('"""One (token, split): gather', '_stamp(Tm, 0)\n        """One (token, split): gather', 1)
-    src = src.replace("qk_scale,\n", "qk_scale, Tm,\n", 1)
-    src = src.replace("\n    @gluon.jit\n    def _small_split_kernel(", STAMP_FN, 1)
-    src = src.replace("float(scale) * LOG2E,", "float(scale) * LOG2E, tm,", 1)
-    src = src.replace(
-        "    chunks: int = LATENT_CHUNKS,\n) -> None:", "    chunks: int = LATENT_CHUNKS,\n    tm=None,\n) -> None:", 1
-    )
+    for old, new in (
+        ('"""One (token, split): gather', '_stamp(Tm, 0)\n        """One (token, split): gather'),
+        ("qk_scale,\n", "qk_scale, Tm,\n"),
+        ("\n    @gluon.jit\n    def _small_split_kernel(", STAMP_FN),
+        ("float(scale) * LOG2E,", "float(scale) * LOG2E, tm,"),
+        ("    warps: int | None = None,\n) -> None:", "    warps: int | None = None,\n    tm=None,\n) -> None:"),
+    ):
+        if old not in src:
+            raise SystemExit(f"statement not found in the kernel module: {old!r}")
+        src = src.replace(old, new, 1)
     path = directory / "small_stamped.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("small_stamped", path)

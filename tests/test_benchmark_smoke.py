@@ -94,7 +94,13 @@ def test_small_decode_probes_compile_for_sm90(tmp_path: Path) -> None:
         pytest.skip(gluon_available())
     sys.path.insert(0, str(BENCH))
     import decode_combine_floor
+    import decode_small_tiles
     import decode_small_timeline
+
+    from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_warps
+
+    # the tile probe times every tile the routing can take
+    assert {(b, small_decode_warps(b)) for b in (64, 128)} <= set(decode_small_tiles.TILES)
 
     names = ["KV", "Rows", "Part", "Lse", "Out", "LseOut", "stride_kv", "K", "T"]
     types = ["*bf16", "*i32", "*fp32", "*fp32", "*fp32", "*fp32", "i32", "i32", "i32"]
@@ -120,7 +126,7 @@ def test_small_decode_probes_compile_for_sm90(tmp_path: Path) -> None:
                  "stride_lt", "stride_lh", "qk_scale", "Tm"]  # fmt: skip
     small_types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 14 + ["fp32", "*i64"]
     constexprs = {"HP": 16, "BLOCK_N": 64, "DV": 512, "DR": 64, "EVEN_K": True, "HAS_TOPK_LEN": False,
-                  "HAS_SINKS": False, "PDL": False, "NCHUNK": 4}  # fmt: skip
+                  "HAS_SINKS": False, "PDL": False, "NCHUNK": 4, "W": 4}  # fmt: skip
     sig = {**dict(zip(small_sig, small_types, strict=True)), **dict.fromkeys(constexprs, "constexpr")}
     aligned = ("Q", "KV", "Rows", "Out", "stride_qt", "stride_qh", "stride_kvr", "stride_rt", "K", "stride_os",
                "stride_ot", "stride_oh")  # fmt: skip

@@ -23,6 +23,7 @@ from shardattn.kernels.sparse_mla_decode_gluon_small import (
     small_decode_limits,
     small_decode_supports,
     small_decode_tiles,
+    small_decode_warps,
     small_merge_columns,
 )
 from shardattn.parallel.cudagraph import DecodeGraph
@@ -63,7 +64,8 @@ def test_tiles_cover_the_row_in_one_wave_of_64_entry_splits_or_use_128(sms, topk
         block_n, splits = small_decode_tiles(t, topk, sms)
         assert block_n in (64, 128) and splits == -(-topk // block_n)
         assert (splits - 1) * block_n < topk <= splits * block_n  # every entry in exactly one split
-        assert (block_n == 64) == (t * -(-topk // 64) <= sms and -(-topk // 64) <= MAX_SPLITS)
+        assert (block_n == 64) == (2 * t * -(-topk // 64) <= sms and -(-topk // 64) <= MAX_SPLITS)
+        assert small_decode_warps(block_n) == block_n // 16  # one warpgroup per 64 entries
         assert splits <= MAX_SPLITS
         # the merge after it takes wider column blocks only where a program still holds at most
         # 4,096 fp32 partial values (BLOCK_P x columns), as 128 columns of 32 splits do
@@ -110,23 +112,29 @@ def test_backend_argument_checks_on_cpu():
 
 
 @pytest.mark.parametrize(
-    ("block_n", "split", "even_k", "with_len", "sinks", "dtype"),
+    ("block_n", "warps", "split", "even_k", "with_len", "sinks", "dtype"),
     [
-        (64, True, True, False, False, "bf16"),
-        (128, True, True, True, True, "bf16"),
-        (64, False, False, True, True, "fp16"),
-        (128, True, False, False, False, "bf16"),
+        (64, None, True, True, False, False, "bf16"),
+        (128, None, True, True, True, True, "bf16"),
+        (64, None, False, False, True, True, "fp16"),
+        (128, None, True, False, False, False, "bf16"),
+        (128, 4, True, True, False, False, "bf16"),  # one warpgroup at 128 (kept for measurements)
     ],
 )
-def test_kernel_compiles_for_sm90_with_wgmma_cp_async_and_pdl(block_n, split, even_k, with_len, sinks, dtype):
+def test_kernel_compiles_for_sm90_with_wgmma_cp_async_and_pdl(block_n, warps, split, even_k, with_len, sinks, dtype):
     from shardattn.kernels.sparse_mla_gluon import gluon_available
 
     if gluon_available() is not None:
         pytest.skip(gluon_available())
-    compiled = compile_for_sm90(block_n, split=split, even_k=even_k, topk_length=with_len, sinks=sinks, dtype=dtype)
+    compiled = compile_for_sm90(
+        block_n, split=split, even_k=even_k, topk_length=with_len, sinks=sinks, dtype=dtype, warps=warps
+    )
     ptx = compiled.asm["ptx"]
-    # S^T: one 64-row M tile per 64 entries x 36 k-steps of 16 (576 columns); O^T: 8 M tiles x block_n / 16
-    assert ptx.count("wgmma.mma_async") == (block_n // 64) * 36 + 8 * (block_n // 16)
+    groups = (warps or small_decode_warps(block_n)) // 4
+    assert compiled.metadata.num_warps == 4 * groups
+    # S^T: one 64-row M tile per 64 entries x 36 k-steps of 16 (576 columns); O^T: 8 M tiles x block_n / 16;
+    # with two warpgroups each issues half of the M tiles (the PTX is one warpgroup's)
+    assert ptx.count("wgmma.mma_async") == (block_n // 64 // groups) * 36 + (8 // groups) * (block_n // 16)
     assert ptx.count("cp.async.cg.shared.global") > 0  # 16-byte gathers, not element loads
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
     assert compiled.metadata.shared <= 232448  # fits an sm_90 SM
@@ -154,8 +162,8 @@ def _small_case(tokens, heads, seed, k=2048, dtype=torch.bfloat16):
     rows = torch.where((rows < 0) | (rows >= r), rows, unique)
     q = q[:, :heads].contiguous().to(dtype)
     kv = kv.to(dtype)
-    if k >= 128 and tokens > 3:
-        rows[3, 64:128] = -1  # a whole 64-entry split with no key (the rest of the row has keys)
+    if k >= 256 and tokens > 3:
+        rows[3, 128:256] = -1  # a whole 128-entry split (two 64-entry ones) with no key; the rest has keys
     return q, kv, rows, length, sinks[:heads].contiguous()
 
 
@@ -167,7 +175,8 @@ def _small_case(tokens, heads, seed, k=2048, dtype=torch.bfloat16):
         (1, 16, 2048, False, False, torch.bfloat16),
         (2, 16, 2048, True, True, torch.bfloat16),
         (4, 16, 2048, True, False, torch.bfloat16),
-        (5, 16, 2048, False, True, torch.bfloat16),  # 128-entry splits
+        (3, 16, 2048, False, True, torch.bfloat16),  # 128-entry splits on two warpgroups
+        (5, 16, 2048, False, True, torch.bfloat16),
         (8, 16, 2048, True, True, torch.bfloat16),
         (16, 16, 2048, True, False, torch.bfloat16),
         (6, 8, 1000, True, True, torch.bfloat16),  # fewer heads than the tile; a top-k tail
@@ -199,10 +208,13 @@ def test_small_kernel_matches_reference(tokens, heads, k, with_len, with_sinks, 
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize(("tokens", "chunks"), [(2, 1), (2, 2), (8, 1), (8, 2)])
-def test_every_latent_chunk_count_matches_reference(tokens, chunks):
+@pytest.mark.parametrize(
+    ("tokens", "chunks", "warps"), [(2, 1, None), (2, 2, None), (8, 1, None), (8, 2, None), (8, 4, 4)]
+)
+def test_every_latent_chunk_count_and_warp_count_matches_reference(tokens, chunks, warps):
     """The launcher's ``chunks`` (1 and 2 are kept for measurements; the routed count is covered
-    above): the same result through the column merge, invalid rows and an empty split included."""
+    above) and one warpgroup on 128-entry splits (``warps=4``, also kept for measurements): the same
+    result through the column merge, invalid rows and an empty split included."""
     from shardattn.kernels.lse_merge import launch_lse_merge_columns, split_partials
     from shardattn.kernels.sparse_mla_decode_gluon_small import launch_small_split
 
@@ -212,7 +224,9 @@ def test_every_latent_chunk_count_matches_reference(tokens, chunks):
     part, part_lse = split_partials(None, splits, tokens, 16, 512, q.device)
     out = torch.full((tokens, 16, 512), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((tokens, 16), float("nan"), device=q.device)
-    launch_small_split(q, kv, rows, length, sinks, part, part_lse, block_n, splits, SCALE, False, chunks=chunks)
+    launch_small_split(
+        q, kv, rows, length, sinks, part, part_lse, block_n, splits, SCALE, False, chunks=chunks, warps=warps
+    )
     launch_lse_merge_columns(part, part_lse, out, lse)
     _check(out, lse, *sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks))
 

@@ -1,9 +1,10 @@
-"""Small-batch sparse-MLA decode at <= 16 heads on one warpgroup (sm_90, Gluon): kernel and launcher.
+"""Small-batch sparse-MLA decode at <= 16 heads on one or two warpgroups (sm_90, Gluon): kernel and launcher.
 
 The Triton split-KV kernel (:mod:`~shardattn.kernels.sparse_mla_decode_triton`) gathers a split's
 rows through its pipeline a step at a time and runs Q.K^T and P.V on ``mma.sync`` with the heads
 as M. At 16 heads and 1-16 tokens a decode step is latency bound, and this kernel shortens the
-chain. One program per (token, split of ``BLOCK_N`` = 64 or 128 top-k entries), four warps:
+chain. One program per (token, split of ``BLOCK_N`` = 64 or 128 top-k entries), one warpgroup at
+64 entries and two at 128 (:func:`small_decode_warps`; each takes half of every ``wgmma``'s M):
 
 * every row of the split (576 columns, 1,152 B in bf16) and the token's Q are issued at once as
   ``cp.async`` copies into shared memory (up to 144 KB in flight per SM), in 1 +
@@ -12,7 +13,8 @@ chain. One program per (token, split of ``BLOCK_N`` = 64 or 128 top-k entries), 
   chunk at a time as its group lands (the ``wgmma`` runs while later chunks arrive); the softmax
   runs down the rows of each head;
 * ``O^T = V^T P^T`` on ``wgmma`` with the 512 value columns as M: 16 heads need no padding to
-  the 64-row tile a heads-as-M ``wgmma`` would (the accumulator is 64 fp32 registers a thread);
+  the 64-row tile a heads-as-M ``wgmma`` would (the accumulator is 64 fp32 registers a thread on
+  one warpgroup, 32 on two);
 * the fp32 partial and LSE of the split go to ``[S, T, H, 512]`` / ``[S, T, H]`` (the layout of
   :func:`~shardattn.kernels.lse_merge.split_partials`), merged by
   :func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns` (:func:`small_merge_columns`
@@ -42,6 +44,7 @@ __all__ = [
     "small_decode_limits",
     "small_decode_supports",
     "small_decode_tiles",
+    "small_decode_warps",
     "small_merge_columns",
     "sparse_mla_decode_small",
 ]
@@ -57,19 +60,31 @@ LOG2E = 1.4426950408889634
 
 
 def small_decode_tiles(num_tokens: int, topk: int, num_sms: int) -> tuple[int, int]:
-    """``(BLOCK_N, splits)``: 64-entry splits while the launch fits in one wave of ``num_sms``
-    programs and a row in :data:`MAX_SPLITS` of them, else 128 (two 94 KB programs fit an SM at 64
-    entries, one 166 KB program at 128).
-    At top-k 2048 on 132 SMs: 32 splits of 64 up to 4 tokens, 16 of 128 from 5 (at 8 tokens the
-    development kernel measured 18.9-19.0 us with 16 splits, 19.8-19.9 with 32; benchmarks/RESULTS.md,
-    twelfth session).
+    """``(BLOCK_N, splits)``: 64-entry splits while their programs fill at most half of ``num_sms``
+    and a row fits in :data:`MAX_SPLITS` of them, else 128 (run by two warpgroups,
+    :func:`small_decode_warps`). At top-k 2048 on 132 SMs: 32 splits of 64 at 1-2 tokens, 16 of 128
+    from 3. Measured on an H200 (benchmarks/RESULTS.md, fourteenth session): at 1 token 64-entry
+    splits are 1.1-1.4 us faster (16 programs of 128 rows gather more slowly than 32 of 64), at 2
+    level, from 3 tokens 16 splits of 128 on two warpgroups 0.3-0.6 us faster (the merge after them
+    reads half the partials).
 
-    >>> small_decode_tiles(1, 2048, 132), small_decode_tiles(8, 2048, 132), small_decode_tiles(1, 100, 132)
+    >>> small_decode_tiles(1, 2048, 132), small_decode_tiles(3, 2048, 132), small_decode_tiles(1, 100, 132)
     ((64, 32), (128, 16), (64, 2))
     """
     blocks = -(-topk // 64)
-    block_n = 64 if num_tokens * blocks <= num_sms and blocks <= MAX_SPLITS else 128
+    block_n = 64 if 2 * num_tokens * blocks <= num_sms and blocks <= MAX_SPLITS else 128
     return block_n, -(-topk // block_n)
+
+
+def small_decode_warps(block_n: int) -> int:
+    """Warps of a split program: one warpgroup at 64 entries; two at 128, each taking 64 of the
+    rows in ``S^T = K Q^T`` and 256 of the value columns in ``O^T = V^T P^T`` (0.3-0.6 us faster
+    than one warpgroup at 128 entries, 2-16 tokens, benchmarks/RESULTS.md, fourteenth session).
+
+    >>> small_decode_warps(64), small_decode_warps(128)
+    (4, 8)
+    """
+    return 4 if block_n <= 64 else 8
 
 
 def small_merge_columns(splits: int) -> int:
@@ -119,15 +134,16 @@ if HAS_GLUON:
     )
 
     @gluon.constexpr_function
-    def _acc_layout(heads: int):
-        """The ``wgmma`` accumulator of one warpgroup with ``heads`` as N (rows / value columns as M)."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, heads, 16])
+    def _acc_layout(heads: int, warps: int):
+        """The ``wgmma`` accumulator with ``heads`` as N and rows / value columns as M, split over
+        ``warps // 4`` warpgroups along M."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, heads, 16])
 
     @gluon.constexpr_function
-    def _gather_layout(cols: int):
+    def _gather_layout(cols: int, warps: int):
         """``[rows, cols]`` bf16 / fp16 loads of 16 B a thread, a warp across ``min(cols, 256)`` columns."""
         across = min(32, cols // 8)
-        return gl.BlockedLayout([1, 8], [32 // across, across], [4, 1], [1, 0])
+        return gl.BlockedLayout([1, 8], [32 // across, across], [warps, 1], [1, 0])
 
     @gluon.jit
     def _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N: gl.constexpr,
@@ -158,16 +174,16 @@ if HAS_GLUON:
                             stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, qk_scale,
                             HP: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr,
                             EVEN_K: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_SINKS: gl.constexpr,
-                            PDL: gl.constexpr, NCHUNK: gl.constexpr):  # fmt: skip
+                            PDL: gl.constexpr, NCHUNK: gl.constexpr, W: gl.constexpr):  # fmt: skip
         """One (token, split): gather, ``S^T = K Q^T``, softmax per head, ``O^T = V^T P^T``, store."""
         if PDL:  # the grid before this one (a union build, an indexer) wrote q / rows: wait for it
             _gdc("griddepcontrol.wait")
         tok = gl.program_id(0)
         split = gl.program_id(1)
         dtype: gl.constexpr = Q.dtype.element_ty
-        gather_v: gl.constexpr = _gather_layout(DV)  # [HP, 512]: 16 B a thread
-        gather_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [*, 64]
-        s_layout: gl.constexpr = _acc_layout(HP)
+        gather_v: gl.constexpr = _gather_layout(DV, W)  # [HP, 512]: 16 B a thread
+        gather_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # [*, 64]
+        s_layout: gl.constexpr = _acc_layout(HP, W)
         k_nope = gl.allocate_shared_memory(dtype, [BLOCK_N, DV], nvmma_layout(DV, 16))
         k_rope = gl.allocate_shared_memory(dtype, [BLOCK_N, DR], nvmma_layout(DR, 16))
         q_nope = gl.allocate_shared_memory(dtype, [HP, DV], nvmma_layout(DV, 16))
@@ -180,7 +196,7 @@ if HAS_GLUON:
         # split's indices are read once per layout that uses them (256-512 B, cached after the first)
         # rather than moved between layouts through shared memory
         cw: gl.constexpr = DV // NCHUNK
-        gather_c: gl.constexpr = _gather_layout(cw)
+        gather_c: gl.constexpr = _gather_layout(cw, W)
         r_c, key_c = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
                               gl.SliceLayout(1, gather_c))  # fmt: skip
         r_r, key_r = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
@@ -232,7 +248,7 @@ if HAS_GLUON:
         cta_barrier()
 
         # O^T [DV, HP] = V^T P^T (value columns as wgmma M)
-        o_layout: gl.constexpr = _acc_layout(HP)
+        o_layout: gl.constexpr = _acc_layout(HP, W)
         o = warpgroup_mma(k_nope.permute((1, 0)), p_t, gl.zeros([DV, HP], gl.float32, o_layout),
                           use_acc=False, is_async=True)  # fmt: skip
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
@@ -240,7 +256,7 @@ if HAS_GLUON:
         d_safe = gl.where(has, denom, 1.0)
         lse = gl.where(has, (m_safe + gl.log2(d_safe)) * 0.6931471805599453, float("-inf"))
         o = o / gl.convert_layout(d_safe, gl.SliceLayout(0, o_layout))[None, :]
-        store_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # 16 B a thread along Dv
+        store_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [W // 4, 4], [0, 1])  # 16 B a thread along Dv
         o = gl.convert_layout(o, store_l)
         cols = gl.arange(0, DV, layout=gl.SliceLayout(1, store_l))
         h_o = gl.arange(0, HP, layout=gl.SliceLayout(0, store_l))
@@ -264,6 +280,7 @@ def launch_small_split(
     scale: float,
     pdl: bool,
     chunks: int = LATENT_CHUNKS,
+    warps: int | None = None,
 ) -> None:
     """Launch ``_small_split_kernel`` on validated tensors (no checks, no allocation, no sync).
 
@@ -273,7 +290,9 @@ def launch_small_split(
         fp32 partials, or with one split ``out [T, H, 512]`` (q's dtype) / ``lse [T, H]``.
         block_n, splits: :func:`small_decode_tiles`. pdl: a programmatic dependent launch.
         chunks: :data:`LATENT_CHUNKS` (1, 2 or 4; other values for measurements).
+        warps: 4 or 8 (8 needs ``block_n`` 128); None: :func:`small_decode_warps`.
     """
+    warps = small_decode_warps(block_n) if warps is None else warps
     t, h, d = q.shape
     v_dim = dst_out.shape[-1]
     s_os, s_ls = (dst_out.stride(0), dst_lse.stride(0)) if splits > 1 else (0, 0)
@@ -285,7 +304,7 @@ def launch_small_split(
         float(scale) * LOG2E,
         HP=MAX_HEADS, BLOCK_N=block_n, DV=v_dim, DR=d - v_dim, EVEN_K=rows.shape[1] % block_n == 0,
         HAS_TOPK_LEN=topk_length is not None, HAS_SINKS=sinks is not None, PDL=pdl,
-        NCHUNK=chunks, num_warps=4, launch_pdl=pdl,
+        NCHUNK=chunks, W=warps, num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -332,15 +351,18 @@ def compile_for_sm90(
     sinks: bool = False,
     dtype: str = "bf16",
     chunks: int = LATENT_CHUNKS,
+    warps: int | None = None,
 ):
     """Compile the split kernel for sm_90 ahead of time (no GPU needed); returns Triton's compiled
     kernel (``asm["ptx"]``, ``metadata``). ``split``: fp32 partials (else the one-split output in
-    ``dtype``); ``even_k``: a top-k that is a multiple of ``block_n``. Raises RuntimeError without Gluon."""
+    ``dtype``); ``even_k``: a top-k that is a multiple of ``block_n``; ``warps``: None for
+    :func:`small_decode_warps`. Raises RuntimeError without Gluon."""
     from shardattn.kernels.gluon_compat import GLUON_IMPORT_ERROR, compile_sm90
 
     if not HAS_GLUON:
         raise RuntimeError(f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})")
 
+    warps = small_decode_warps(block_n) if warps is None else warps
     names = ["Q", "KV", "Rows", "TopkLen", "Sinks", "Out", "Lse", "stride_qt", "stride_qh", "stride_kvr",
              "stride_rt", "stride_rk", "K", "R", "H", "stride_os", "stride_ot", "stride_oh", "stride_ls",
              "stride_lt", "stride_lh", "qk_scale"]  # fmt: skip
@@ -348,8 +370,9 @@ def compile_for_sm90(
     types = [f"*{dtype}", f"*{dtype}", "*i32", "*i32", "*fp32", out_t, "*fp32"] + ["i32"] * 14 + ["fp32"]
     signature = dict(zip(names, types, strict=True))
     constexprs = {"HP": MAX_HEADS, "BLOCK_N": block_n, "DV": 512, "DR": 64, "EVEN_K": even_k,
-                  "HAS_TOPK_LEN": topk_length, "HAS_SINKS": sinks, "PDL": True, "NCHUNK": chunks}  # fmt: skip
+                  "HAS_TOPK_LEN": topk_length, "HAS_SINKS": sinks, "PDL": True, "NCHUNK": chunks,
+                  "W": warps}  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     aligned = ("Q", "KV", "Rows", "Out", "stride_qt", "stride_qh", "stride_kvr", "stride_rt", "K", "stride_os",
                "stride_ot", "stride_oh")  # fmt: skip
-    return compile_sm90(_small_split_kernel, signature, constexprs, aligned=aligned, options={"num_warps": 4})
+    return compile_sm90(_small_split_kernel, signature, constexprs, aligned=aligned, options={"num_warps": warps})

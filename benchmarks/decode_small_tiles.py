@@ -1,0 +1,97 @@
+"""Which split tile should the small-batch sparse-MLA decode kernel take at each batch (one GPU)?
+
+Times the whole step (the split kernel of
+:mod:`~shardattn.kernels.sparse_mla_decode_gluon_small` and the column merge after it, both
+programmatic dependent launches) and the split kernel alone on every tile it can run, on
+``decode.py``'s small sparse-MLA decode shapes: top-k 2,048 unique random rows of 262,144 (one
+invalid entry in the first and last token), bf16, 576 columns, 16 heads. Tiles: 32 splits of 64
+entries on one warpgroup, 16 splits of 128 on one warpgroup, 16 of 128 on two (each warpgroup
+64 of the rows and 256 of the value columns); the merge on :func:`small_merge_columns` columns a
+program and on 128. Every step is checked against the fp32 reference first. Graph replays with the
+L2 flushed between replays (``graph_timing.replay_us``), the least of ``--rounds`` rounds. The
+last column is the tile :func:`small_decode_tiles` routes.
+
+    cd benchmarks && python decode_small_tiles.py
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from graph_timing import gpu_banner, replay_us, trivial_graph_us  # beside this script
+
+from shardattn.kernels.lse_merge import launch_lse_merge_columns, split_partials
+from shardattn.kernels.sparse_mla import sparse_mla_reference
+from shardattn.kernels.sparse_mla_decode_gluon_small import (
+    launch_small_split,
+    small_decode_tiles,
+    small_decode_warps,
+    small_merge_columns,
+)
+
+ROWS, TOPK, HEADS, SCALE = 1 << 18, 2048, 16, 0.07
+#: (entries a split, warps)
+TILES = ((64, 4), (128, 4), (128, 8))
+
+
+def _inputs(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = torch.argsort(torch.rand(batch, ROWS, device="cuda"), dim=1)[:, :TOPK].int().contiguous()
+    rows[0, 5] = -1
+    rows[-1, 100] = ROWS + 3
+    return torch.randn(batch, HEADS, 576, device="cuda").bfloat16(), rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,2,3,4,6,8,16")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(gpu_banner(), flush=True)
+    print(f"graph of one 1-element kernel: {trivial_graph_us(rounds=args.rounds):.2f} us", flush=True)
+    kv = torch.randn(ROWS, 576, device="cuda").bfloat16()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batches = [int(b) for b in args.batches.split(",")]
+    table: dict[str, dict[int, float]] = {}
+    routed: dict[int, str] = {}
+    for batch in batches:
+        q, rows = _inputs(batch)
+        ref_out, ref_lse = sparse_mla_reference(q, kv, rows, scale=SCALE)
+        block, _ = small_decode_tiles(batch, TOPK, sms)
+        for bn, warps in TILES:
+            splits = TOPK // bn
+            part, lse = split_partials(None, splits, batch, HEADS, 512, q.device)
+            out = torch.empty(batch, HEADS, 512, device="cuda", dtype=torch.bfloat16)
+            lse_out = torch.empty(batch, HEADS, device="cuda")
+
+            def split(bn=bn, warps=warps, splits=splits, part=part, lse=lse, q=q, rows=rows):
+                launch_small_split(q, kv, rows, None, None, part, lse, bn, splits, SCALE, True, warps=warps)
+
+            tile = f"{splits} x {bn}, {warps} warps"
+            for columns in sorted({small_merge_columns(splits), 128}, reverse=True):
+
+                def step(split=split, part=part, lse=lse, out=out, lse_out=lse_out, columns=columns):
+                    split()
+                    launch_lse_merge_columns(part, lse, out, lse_out, pdl=True, block_d=columns)
+
+                out.fill_(float("nan"))
+                step()
+                torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
+                torch.testing.assert_close(lse_out, ref_lse, rtol=1e-3, atol=1e-3)
+                name = f"{tile}, merge {columns} columns"
+                table.setdefault(name, {})[batch] = replay_us(step, rep=40, rounds=args.rounds)
+                if (bn, warps) == (block, small_decode_warps(block)) and columns == small_merge_columns(splits):
+                    routed[batch] = name
+            table.setdefault(f"{tile}: split kernel alone", {})[batch] = replay_us(split, rep=40, rounds=args.rounds)
+        print(f"batch {batch} done", flush=True)
+    print("| variant (us) | " + " | ".join(f"{b} tokens" for b in batches) + " |")
+    print("|---|" + "---|" * len(batches))
+    for name, row in table.items():
+        cells = (f"**{row[b]:.2f}**" if routed.get(b) == name else f"{row[b]:.2f}" for b in batches)
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("(bold: the routed tile and merge)")
+
+
+if __name__ == "__main__":
+    main()
