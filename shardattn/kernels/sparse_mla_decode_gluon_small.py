@@ -24,8 +24,8 @@ Contract as :func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode`: an e
 ``[0, R)`` or past ``topk_length`` anywhere in a row is no key; sinks join split 0's denominator;
 a row with no key gives ``(0, -inf)`` (``(0, sink)`` with sinks). On sm_90 the kernel and its merge
 are programmatic dependent launches like the Triton path's. Measured on an H200 (graph replays,
-L2 flushed; benchmarks/RESULTS.md, thirteenth session), whole steps at 16 heads x 1 / 2 / 4 / 8 /
-16 tokens: 12.0 / 12.9 / 15.0 / 18.3 / 28.7 us against 12.6 / 14.4 / 16.9 / 21.5 / 36.1 for the Triton
+L2 flushed; benchmarks/RESULTS.md, fourteenth session), whole steps at 16 heads x 1 / 2 / 4 / 8 /
+16 tokens: 12.0 / 13.0 / 14.7 / 18.4 / 28.8 us against 12.7 / 14.4 / 16.9 / 21.8 / 36.2 for the Triton
 split kernel, so :func:`~shardattn.plan.routing.route_sparse_decode_kernel` routes those calls here.
 The torch reference is :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 """
@@ -65,7 +65,7 @@ def small_decode_tiles(num_tokens: int, topk: int, num_sms: int) -> tuple[int, i
     :func:`small_decode_warps`). At top-k 2048 on 132 SMs: 32 splits of 64 at 1-2 tokens, 16 of 128
     from 3. Measured on an H200 (benchmarks/RESULTS.md, fourteenth session): at 1 token 64-entry
     splits are 1.1-1.4 us faster (16 programs of 128 rows gather more slowly than 32 of 64), at 2
-    level, from 3 tokens 16 splits of 128 on two warpgroups 0.3-0.6 us faster (the merge after them
+    level, at 3-4 tokens 16 splits of 128 on two warpgroups 0.2-0.4 us faster (the merge after them
     reads half the partials).
 
     >>> small_decode_tiles(1, 2048, 132), small_decode_tiles(3, 2048, 132), small_decode_tiles(1, 100, 132)
@@ -79,7 +79,8 @@ def small_decode_tiles(num_tokens: int, topk: int, num_sms: int) -> tuple[int, i
 def small_decode_warps(block_n: int) -> int:
     """Warps of a split program: one warpgroup at 64 entries; two at 128, each taking 64 of the
     rows in ``S^T = K Q^T`` and 256 of the value columns in ``O^T = V^T P^T`` (0.3-0.6 us faster
-    than one warpgroup at 128 entries, 2-16 tokens, benchmarks/RESULTS.md, fourteenth session).
+    than one warpgroup at 128 entries at 5-8 tokens, level at 12-16; benchmarks/RESULTS.md,
+    fourteenth session).
 
     >>> small_decode_warps(64), small_decode_warps(128)
     (4, 8)

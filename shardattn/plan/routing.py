@@ -109,11 +109,11 @@ SMALL_DECODE_MAX_HEADS = 16
 """Most heads at which sparse-MLA decode may run the Gluon small-batch kernel
 (:mod:`~shardattn.kernels.sparse_mla_decode_gluon_small`: heads as the ``wgmma`` N, padded to 16)."""
 SMALL_DECODE_MAX_TOKENS = 16
-"""Most query tokens at which it does. Measured on an H200 (benchmarks/RESULTS.md, thirteenth
+"""Most query tokens at which it does. Measured on an H200 (benchmarks/RESULTS.md, fourteenth
 session; ``benchmarks/decode.py --only sparse-small``: graph replays, L2 flushed, top-k 2048, whole
 steps with the column merge) at 16 heads against the Triton split-KV kernel's routed configuration
-in the same run: 12.0 / 12.9 / 15.0 / 18.3 / 28.7 us at 1 / 2 / 4 / 8 / 16 tokens against 12.6 /
-14.4 / 16.9 / 21.5 / 36.1; at 32 tokens (the development kernel, twelfth session) 54.5 against
+in the same run: 12.0 / 13.0 / 14.7 / 18.4 / 28.8 us at 1 / 2 / 4 / 8 / 16 tokens against 12.7 /
+14.4 / 16.9 / 21.8 / 36.2; at 32 tokens (the development kernel, twelfth session) 54.5 against
 46.2 (four waves of one 166 KB program an SM), so not there."""
 SPARSE_DECODE_KERNELS = ("gluon_small", "gluon", "triton", "reference")
 
