@@ -16,6 +16,7 @@ from shardattn.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_config,
 )
+from shardattn.parallel.cudagraph import DecodeGraph
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import sparse_mla_oracle
 
@@ -267,17 +268,14 @@ def test_programmatic_dependent_launch_changes_no_bit(heads, tokens):
 
     plain = step(False)
     assert all(torch.equal(a, b) for a, b in zip(step(True), plain))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def routed() -> None:  # the default configuration: PDL on this GPU
         sparse_mla_decode(
             q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, out=out, lse_out=lse, backend="triton",
             rows_unique=False,
         )  # fmt: skip
+
+    graph = DecodeGraph(routed, {})  # warmed up on a side stream, then captured
     gen = torch.Generator(device="cuda").manual_seed(3)
     for _ in range(20):
         q.copy_(torch.randn(q.shape, generator=gen, device="cuda"))
