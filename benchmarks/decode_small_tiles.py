@@ -9,14 +9,17 @@ entries on one warpgroup, 16 splits of 128 on one warpgroup, 16 of 128 on two (e
 64 of the rows and 256 of the value columns); the merge on :func:`small_merge_columns` columns a
 program and on 128. Every step is checked against the fp32 reference first. Graph replays with the
 L2 flushed between replays (``graph_timing.replay_us``), the least of ``--rounds`` rounds. The
-last column is the tile :func:`small_decode_tiles` routes.
+routed tile (:func:`small_decode_tiles`) is printed in bold; ``--json`` keeps the table for
+``plot_small_tiles.py``.
 
-    cd benchmarks && python decode_small_tiles.py
+    cd benchmarks && python decode_small_tiles.py --json small_tiles.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 from graph_timing import gpu_banner, replay_us, trivial_graph_us  # beside this script
@@ -46,6 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,2,3,4,6,8,16")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", default=None, help="write the table (us) and the routed variant per batch here")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(gpu_banner(), flush=True)
@@ -91,6 +95,10 @@ def main() -> None:
         cells = (f"**{row[b]:.2f}**" if routed.get(b) == name else f"{row[b]:.2f}" for b in batches)
         print(f"| {name} | " + " | ".join(cells) + " |")
     print("(bold: the routed tile and merge)")
+    if args.json:
+        floor = trivial_graph_us(rounds=args.rounds)
+        record = {"gpu": torch.cuda.get_device_name(), "floor_us": floor, "table_us": table, "routed": routed}
+        Path(args.json).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
