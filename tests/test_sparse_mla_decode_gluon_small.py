@@ -108,6 +108,18 @@ def test_backend_argument_checks_on_cpu():
     assert sparse_decode_kernel(q, kv, 512, rows)[0] == "reference"
 
 
+def test_a_warp_count_that_does_not_fit_the_split_is_refused_before_any_launch():
+    from shardattn.kernels.sparse_mla_decode_gluon_small import launch_small_split
+
+    q, kv, rows = torch.zeros(1, 16, 576), torch.zeros(4, 576), torch.zeros(1, 64, dtype=torch.int32)
+    out, lse = torch.zeros(1, 16, 512), torch.zeros(1, 16)
+    for block_n, warps in ((64, 8), (128, 2), (128, 16)):
+        with pytest.raises(ValueError, match=f"warps={warps}, block_n={block_n}"):
+            launch_small_split(q, kv, rows, None, None, out, lse, block_n, 1, 0.1, False, warps=warps)
+        with pytest.raises(ValueError, match="warps must be 4, or 8"):
+            compile_for_sm90(block_n, warps=warps)
+
+
 # ---- the sm_90 compile (CPU, ahead of time) ----
 
 

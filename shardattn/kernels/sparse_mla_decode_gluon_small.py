@@ -88,6 +88,20 @@ def small_decode_warps(block_n: int) -> int:
     return 4 if block_n <= 64 else 8
 
 
+def _resolve_warps(block_n: int, warps: int | None) -> int:
+    """``warps``, or :func:`small_decode_warps` when None; a warpgroup needs 64 of the split's entries.
+
+    Raises:
+        ValueError: ``warps`` is not 4 or 8, or 8 with ``block_n`` below 128.
+    """
+    if warps is None:
+        return small_decode_warps(block_n)
+    if warps not in (4, 8) or warps * 16 > block_n:
+        raise ValueError(f"warps must be 4, or 8 with block_n >= 128 (one warpgroup per 64 entries); got "
+                         f"warps={warps}, block_n={block_n}")  # fmt: skip
+    return warps
+
+
 def small_merge_columns(splits: int) -> int:
     """Columns of one column-merge program after the split kernel: 128 at more than 16 splits (the
     merge's default), 256 at up to 16 (a program then holds at most 4,096 fp32 partial values, as
@@ -292,8 +306,11 @@ def launch_small_split(
         block_n, splits: :func:`small_decode_tiles`. pdl: a programmatic dependent launch.
         chunks: :data:`LATENT_CHUNKS` (1, 2 or 4; other values for measurements).
         warps: 4 or 8 (8 needs ``block_n`` 128); None: :func:`small_decode_warps`.
+
+    Raises:
+        ValueError: ``warps`` does not fit ``block_n`` (checked before any launch).
     """
-    warps = small_decode_warps(block_n) if warps is None else warps
+    warps = _resolve_warps(block_n, warps)
     t, h, d = q.shape
     v_dim = dst_out.shape[-1]
     s_os, s_ls = (dst_out.stride(0), dst_lse.stride(0)) if splits > 1 else (0, 0)
@@ -360,10 +377,10 @@ def compile_for_sm90(
     :func:`small_decode_warps`. Raises RuntimeError without Gluon."""
     from shardattn.kernels.gluon_compat import GLUON_IMPORT_ERROR, compile_sm90
 
+    warps = _resolve_warps(block_n, warps)
     if not HAS_GLUON:
         raise RuntimeError(f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})")
 
-    warps = small_decode_warps(block_n) if warps is None else warps
     names = ["Q", "KV", "Rows", "TopkLen", "Sinks", "Out", "Lse", "stride_qt", "stride_qh", "stride_kvr",
              "stride_rt", "stride_rk", "K", "R", "H", "stride_os", "stride_ot", "stride_oh", "stride_ls",
              "stride_lt", "stride_lh", "qk_scale"]  # fmt: skip
