@@ -30,16 +30,11 @@ import torch
 from decode_gather_floor import gather_split_rows  # beside this script
 from graph_timing import gpu_banner, replay_us, trivial_graph_us
 
-from shardattn.kernels.gluon_compat import gl, gluon
+from shardattn.kernels.gluon_compat import gl, gluon, grid_dependency
 from shardattn.kernels.lse_merge import launch_lse_merge_columns, lse_merge_reference
 
 ROWS, TOPK, HEADS, DV = 1 << 18, 2048, 16, 512
 CLUSTER = 16
-
-
-@gluon.jit
-def _gdc(instruction: gl.constexpr):
-    gl.inline_asm_elementwise(instruction + "; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -53,7 +48,7 @@ def _gather_partial(KV, Rows, Part, Lse, Out, stride_kv, K, T, BN: gl.constexpr,
     """One CTA per (token, split): gather; with ``PARTIAL`` store the fp32 partial ``[16, 512]``
     and its LSEs to ``Part [S, T, 16, 512]`` / ``Lse [S, T, 16]`` (else one float to ``Out``);
     a programmatic dependent launch that releases the merge after its stores."""
-    _gdc("griddepcontrol.wait")
+    grid_dependency("griddepcontrol.wait")
     tok = gl.program_id(0)
     split = gl.program_id(1)
     lv: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
@@ -69,7 +64,7 @@ def _gather_partial(KV, Rows, Part, Lse, Out, stride_kv, K, T, BN: gl.constexpr,
         gl.store(Lse + row * 16 + h, gl.zeros([16], gl.float32, gl.SliceLayout(1, pl)) + tail * 1e-3 + split * 0.1)
     else:
         gl.store(Out + tok * gl.num_programs(1) + split, tail)
-    _gdc("griddepcontrol.launch_dependents")
+    grid_dependency("griddepcontrol.launch_dependents")
 
 
 @gluon.jit

@@ -40,6 +40,7 @@ __all__ = [
     "fence_async_shared",
     "gl",
     "gluon",
+    "grid_dependency",
     "mbarrier",
     "nvmma_layout",
     "warpgroup_mma",
@@ -54,6 +55,12 @@ if HAS_GLUON:
         """128-byte swizzled (or narrower for short rows) wgmma operand layout of ``[rows, inner]``."""
         width = min(128, inner * bitwidth // 8)
         return gl.NVMMASharedLayout(swizzle_byte_width=width, element_bitwidth=bitwidth, rank=2)
+
+    @gluon.jit
+    def grid_dependency(instruction: gl.constexpr):
+        """``griddepcontrol.wait`` / ``griddepcontrol.launch_dependents`` (programmatic dependent
+        launch) in a Gluon kernel, as inline PTX (Gluon has no wrapper for them)."""
+        gl.inline_asm_elementwise(instruction + "; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 def compile_sm90(fn, signature: dict[str, str], constexprs: dict, *, aligned=(), options: dict | None = None):

@@ -39,8 +39,8 @@ launch latency, a few tenths of a microsecond a step (benchmarks/RESULTS.md, eig
 Backends: on an sm_90 GPU with Triton's Gluon, DSA shapes and bf16/fp16, calls of at most
 :data:`~shardattn.plan.routing.SMALL_DECODE_MAX_HEADS` heads and
 :data:`~shardattn.plan.routing.SMALL_DECODE_MAX_TOKENS` tokens run the small-batch Gluon kernel
-(:mod:`~shardattn.kernels.sparse_mla_decode_gluon_small`: one warpgroup, a split's rows gathered at
-once, the heads as the ``wgmma`` N; the same column merge); at
+(:mod:`~shardattn.kernels.sparse_mla_decode_gluon_small`: one warpgroup per 64 entries of a split,
+its rows gathered at once, the heads as the ``wgmma`` N; the same column merge); at
 :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads or more (DSA shapes, bf16/fp16) and
 batches of at least :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_PROGRAMS` whole-row programs,
 the call runs the warp-specialised Gluon kernel instead

@@ -143,6 +143,7 @@ if HAS_GLUON:
         fence_async_shared,
         gl,
         gluon,
+        grid_dependency,
         nvmma_layout,
         warpgroup_mma,
         warpgroup_mma_wait,
@@ -179,11 +180,6 @@ if HAS_GLUON:
         return gl.where(is_key, r, 0), is_key
 
     @gluon.jit
-    def _gdc(instruction: gl.constexpr):
-        """``griddepcontrol.wait`` / ``griddepcontrol.launch_dependents`` (programmatic dependent launch)."""
-        gl.inline_asm_elementwise(instruction + "; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _small_split_kernel(Q, KV, Rows, TopkLen, Sinks, Out, Lse,
                             stride_qt, stride_qh, stride_kvr, stride_rt, stride_rk, K, R, H,
                             stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, qk_scale,
@@ -192,7 +188,7 @@ if HAS_GLUON:
                             PDL: gl.constexpr, NCHUNK: gl.constexpr, W: gl.constexpr):  # fmt: skip
         """One (token, split): gather, ``S^T = K Q^T``, softmax per head, ``O^T = V^T P^T``, store."""
         if PDL:  # the grid before this one (a union build, an indexer) wrote q / rows: wait for it
-            _gdc("griddepcontrol.wait")
+            grid_dependency("griddepcontrol.wait")
         tok = gl.program_id(0)
         split = gl.program_id(1)
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -279,7 +275,7 @@ if HAS_GLUON:
         gl.store(o_base + h_o[None, :] * stride_oh + cols[:, None], o.to(Out.dtype.element_ty), mask=(h_o < H)[None, :])
         gl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=heads < H)
         if PDL:  # the partial is stored: the merge may launch (it waits for this grid to complete)
-            _gdc("griddepcontrol.launch_dependents")
+            grid_dependency("griddepcontrol.launch_dependents")
 
 
 def launch_small_split(
