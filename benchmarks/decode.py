@@ -309,7 +309,7 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
     step's kernels (torch profiler)."""
     from shardattn.kernels.lse_merge import split_partials_numel
     from shardattn.kernels.sparse_mla import sparse_mla_reference
-    from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_tiles
+    from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_heads, small_decode_tiles
 
     r = 1 << 18
     kv = torch.randn(r, 576, device="cuda").bfloat16()
@@ -357,7 +357,9 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
             variants["spread_cost"] = (f"one launch (spread), {cost} splits", one)
         if heads <= 16:  # the small-batch Gluon kernel, routed here on sm_90
             block, splits = small_decode_tiles(batch, 2048, sms)
-            variants["small"] = (f"small-batch Gluon ({splits} x {block} rows)", dict(backend="gluon_small"))
+            group = small_decode_heads(batch, splits, heads, sms)
+            label = f"small-batch Gluon ({splits} x {block} rows, {group} heads a program)"
+            variants["small"] = (label, dict(backend="gluon_small"))
             variants["small_dedup"] = (
                 "small-batch Gluon, de-duplicated first",
                 dict(backend="gluon_small", rows_unique=False),

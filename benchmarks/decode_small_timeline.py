@@ -46,13 +46,14 @@ STAMPS = (
     ),
     ("        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))\n@", 7, "P.V"),
     ("        o = gl.convert_layout(o, store_l)\n@", 8, "normalise, to the store layout"),
-    ("heads * stride_lh, lse, mask=heads < H)\n@", 9, "partial and LSE stores issued"),
+    ("(h0 + heads) * stride_lh, lse, mask=heads < n_h)\n@", 9, "partial and LSE stores issued"),
 )
 STAMP_FN = """
     @gluon.jit
     def _stamp(Tm, i: gl.constexpr):
         t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-        gl.store(Tm + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 16 + i, t)
+        program = (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(2) + gl.program_id(2)
+        gl.store(Tm + program * 16 + i, t)
 
     @gluon.jit
     def _small_split_kernel("""
@@ -71,11 +72,14 @@ def stamped_module(directory: Path):
         where = at + anchor.index("@")
         src = src[:where] + f"        _stamp(Tm, {index})\n" + src[where:]
     for old, new in (
-        ('"""One (token, split): gather', '_stamp(Tm, 0)\n        """One (token, split): gather'),
+        ('"""One (token, split, group', '_stamp(Tm, 0)\n        """One (token, split, group'),
         ("qk_scale,\n", "qk_scale, Tm,\n"),
         ("\n    @gluon.jit\n    def _small_split_kernel(", STAMP_FN),
         ("float(scale) * LOG2E,", "float(scale) * LOG2E, tm,"),
-        ("    warps: int | None = None,\n) -> None:", "    warps: int | None = None,\n    tm=None,\n) -> None:"),
+        (
+            "    heads_per_program: int | None = None,\n) -> None:",
+            "    heads_per_program: int | None = None,\n    tm=None,\n) -> None:",
+        ),
     ):
         if old not in src:
             raise SystemExit(f"statement not found in the kernel module: {old!r}")
@@ -106,14 +110,16 @@ def main() -> None:
             rows = torch.argsort(torch.rand(batch, ROWS, device="cuda"), dim=1)[:, :TOPK].int().contiguous()
             q = torch.randn(batch, HEADS, 576, device="cuda").bfloat16()
             block_n, splits = small.small_decode_tiles(batch, TOPK, sms)
+            group = small.small_decode_heads(batch, splits, HEADS, sms)
+            programs = batch * splits * -(-HEADS // group)
             part, lse = split_partials(None, splits, batch, HEADS, 512, q.device)
             for chunks in map(int, args.chunks.split(",")):
-                tm = torch.zeros(batch * splits * 16, dtype=torch.int64, device="cuda")
+                tm = torch.zeros(programs * 16, dtype=torch.int64, device="cuda")
                 phases, last = [], []
                 for launch in range(args.launches + 2):
                     flush.zero_()
                     mod.launch_small_split(q, kv, rows, None, None, part, lse, block_n, splits, 0.1, False,
-                                           chunks=chunks, tm=tm)  # fmt: skip
+                                           chunks=chunks, heads_per_program=group, tm=tm)  # fmt: skip
                     torch.cuda.synchronize()
                     if launch < 2:
                         continue
@@ -125,7 +131,8 @@ def main() -> None:
                 med, top = allp.median(dim=0).values, allp.max(dim=0).values
                 slow = torch.stack(last).median(dim=0).values
                 total = allp.sum(1).median().item()
-                print(f"\n{batch} tokens, {splits} x {block_n}, {chunks} latent chunks: a program takes {total:.2f} us "
+                print(f"\n{batch} tokens, {splits} x {block_n}, {group} heads a program, {chunks} latent chunks: "
+                      f"a program takes {total:.2f} us "
                       f"(median over programs and {args.launches} launches)")  # fmt: skip
                 print("| phase (us) | median | max | longest program |")
                 print("|---|---|---|---|")

@@ -122,10 +122,10 @@ def test_small_decode_probes_compile_for_sm90(tmp_path: Path) -> None:
     src = (tmp_path / "small_stamped.py").read_text()
     assert src.count("        _stamp(Tm, ") == 10
     small_sig = ["Q", "KV", "Rows", "TopkLen", "Sinks", "Out", "Lse", "stride_qt", "stride_qh", "stride_kvr",
-                 "stride_rt", "stride_rk", "K", "R", "H", "stride_os", "stride_ot", "stride_oh", "stride_ls",
+                 "stride_rt", "stride_rk", "K", "R", "H", "HG", "stride_os", "stride_ot", "stride_oh", "stride_ls",
                  "stride_lt", "stride_lh", "qk_scale", "Tm"]  # fmt: skip
-    small_types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 14 + ["fp32", "*i64"]
-    constexprs = {"HP": 16, "BLOCK_N": 64, "DV": 512, "DR": 64, "EVEN_K": True, "HAS_TOPK_LEN": False,
+    small_types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 15 + ["fp32", "*i64"]
+    constexprs = {"HP": 8, "BLOCK_N": 64, "DV": 512, "DR": 64, "EVEN_K": True, "HAS_TOPK_LEN": False,
                   "HAS_SINKS": False, "PDL": False, "NCHUNK": 4, "W": 4}  # fmt: skip
     sig = {**dict(zip(small_sig, small_types, strict=True)), **dict.fromkeys(constexprs, "constexpr")}
     aligned = ("Q", "KV", "Rows", "Out", "stride_qt", "stride_qh", "stride_kvr", "stride_rt", "K", "stride_os",

@@ -16,10 +16,12 @@ from shardattn.kernels.registry import sparse_decode_kernel
 from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
 from shardattn.kernels.sparse_mla_decode_gluon_small import (
+    HEAD_GROUP,
     LATENT_CHUNKS,
     MAX_HEADS,
     MAX_SPLITS,
     compile_for_sm90,
+    small_decode_heads,
     small_decode_limits,
     small_decode_supports,
     small_decode_tiles,
@@ -74,11 +76,33 @@ def test_tiles_cover_the_row_in_one_wave_of_64_entry_splits_or_use_128(sms, topk
         assert columns == 128 or (columns == 256 and columns * block_p <= 4096)
 
 
-def test_warmup_sizes_reach_every_tile_the_routed_batches_use():
-    for topk, sms, most in ((2048, 132, 64), (2048, 132, 3), (512, 132, 16), (2048, 78, 16), (100, 132, 16)):
-        sizes = small_kernel_sizes(topk, most, sms)
-        used = {small_decode_tiles(t, topk, sms)[0] for t in range(1, min(most, SMALL_DECODE_MAX_TOKENS) + 1)}
-        assert {small_decode_tiles(t, topk, sms)[0] for t in sizes} == used
+@pytest.mark.parametrize("sms", [132, 78, 16])
+@pytest.mark.parametrize("heads", [1, 3, 8, 9, 12, 16])
+def test_heads_split_in_groups_of_8_only_while_the_programs_fit_one_wave(sms, heads):
+    for topk in (64, 100, 2048, 128 * MAX_SPLITS):
+        for t in range(1, SMALL_DECODE_MAX_TOKENS + 1):
+            splits = small_decode_tiles(t, topk, sms)[1]
+            group = small_decode_heads(t, splits, heads, sms)
+            if heads <= HEAD_GROUP:
+                assert group == heads  # one program holds them all (the 8-wide wgmma)
+            else:
+                assert group == (HEAD_GROUP if t * splits * 2 <= sms else heads)
+    # at 16 heads, top-k 2048 on 132 SMs: two groups of 8 at 1-4 tokens (64-128 programs), one group from 5
+    groups = [small_decode_heads(t, small_decode_tiles(t, 2048, 132)[1], 16, 132) for t in range(1, 9)]
+    assert groups == [8, 8, 8, 8, 16, 16, 16, 16]
+
+
+def test_warmup_sizes_reach_every_compiled_variant_the_routed_batches_use():
+    for topk, sms, most, heads in ((2048, 132, 64, 16), (2048, 132, 3, 16), (512, 132, 16, 16), (2048, 78, 16, 16),
+                                   (100, 132, 16, 16), (2048, 132, 16, 8), (2048, 132, 16, 12)):  # fmt: skip
+        sizes = small_kernel_sizes(topk, most, sms, heads)
+
+        def variant(t, topk=topk, sms=sms, heads=heads):
+            block_n, splits = small_decode_tiles(t, topk, sms)
+            return block_n, small_decode_heads(t, splits, heads, sms)
+
+        used = {variant(t) for t in range(1, min(most, SMALL_DECODE_MAX_TOKENS) + 1)}
+        assert {variant(t) for t in sizes} == used
         assert min(sizes) == 1 and max(sizes) <= min(most, SMALL_DECODE_MAX_TOKENS)
 
 
@@ -120,28 +144,49 @@ def test_a_warp_count_that_does_not_fit_the_split_is_refused_before_any_launch()
             compile_for_sm90(block_n, warps=warps)
 
 
+def test_a_head_group_out_of_range_is_refused_before_any_launch():
+    from shardattn.kernels.sparse_mla_decode_gluon_small import launch_small_split
+
+    q, kv, rows = torch.zeros(1, 16, 576), torch.zeros(4, 576), torch.zeros(1, 64, dtype=torch.int32)
+    out, lse = torch.zeros(1, 16, 512), torch.zeros(1, 16)
+    for bad in (0, 17, -8, 4.0):
+        with pytest.raises(ValueError, match=f"heads_per_program must be an int in \\[1, 16\\]; got {bad!r}"):
+            launch_small_split(q, kv, rows, None, None, out, lse, 64, 1, 0.1, False, heads_per_program=bad)
+        with pytest.raises(ValueError, match="heads_per_program must be an int"):
+            compile_for_sm90(64, heads_per_program=bad)
+
+
 # ---- the sm_90 compile (CPU, ahead of time) ----
 
 
 @pytest.mark.parametrize(
-    ("block_n", "warps", "split", "even_k", "with_len", "sinks", "dtype"),
+    ("block_n", "warps", "split", "even_k", "with_len", "sinks", "dtype", "group"),
     [
-        (64, None, True, True, False, False, "bf16"),
-        (128, None, True, True, True, True, "bf16"),
-        (64, None, False, False, True, True, "fp16"),
-        (128, None, True, False, False, False, "bf16"),
-        (128, 4, True, True, False, False, "bf16"),  # one warpgroup at 128 (kept for measurements)
+        (64, None, True, True, False, False, "bf16", 16),
+        (128, None, True, True, True, True, "bf16", 16),
+        (64, None, False, False, True, True, "fp16", 16),
+        (128, None, True, False, False, False, "bf16", 16),
+        (128, 4, True, True, False, False, "bf16", 16),  # one warpgroup at 128 (kept for measurements)
+        (64, None, True, True, True, True, "bf16", 8),  # a group of 8 heads: the 8-wide wgmma
+        (128, None, True, False, False, False, "bf16", 8),
+        (64, None, False, True, False, True, "fp16", 3),
     ],
 )
-def test_kernel_compiles_for_sm90_with_wgmma_cp_async_and_pdl(block_n, warps, split, even_k, with_len, sinks, dtype):
+def test_kernel_compiles_for_sm90_with_wgmma_cp_async_and_pdl(
+    block_n, warps, split, even_k, with_len, sinks, dtype, group
+):
     from shardattn.kernels.sparse_mla_gluon import gluon_available
 
     if gluon_available() is not None:
         pytest.skip(gluon_available())
     compiled = compile_for_sm90(
-        block_n, split=split, even_k=even_k, topk_length=with_len, sinks=sinks, dtype=dtype, warps=warps
-    )
+        block_n, split=split, even_k=even_k, topk_length=with_len, sinks=sinks, dtype=dtype, warps=warps,
+        heads_per_program=group,
+    )  # fmt: skip
     ptx = compiled.asm["ptx"]
+    width = 8 if group <= 8 else 16  # the heads as the wgmma's N
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+    assert shapes == {f"m64n{width}k16"}
     groups = (warps or small_decode_warps(block_n)) // 4
     assert compiled.metadata.num_warps == 4 * groups
     # S^T: one 64-row M tile per 64 entries x 36 k-steps of 16 (576 columns); O^T: 8 M tiles x block_n / 16;
@@ -194,6 +239,8 @@ def _small_case(tokens, heads, seed, k=2048, dtype=torch.bfloat16):
         (6, 8, 1000, True, True, torch.bfloat16),  # fewer heads than the tile; a top-k tail
         (4, 3, 200, False, True, torch.float16),
         (3, 16, 64, True, True, torch.bfloat16),  # one split: the result written directly
+        (2, 12, 2048, True, True, torch.bfloat16),  # two groups of heads: 8 and 4
+        (1, 9, 1000, False, True, torch.bfloat16),  # two groups: 8 and 1; a top-k tail
     ],
 )
 def test_small_kernel_matches_reference(tokens, heads, k, with_len, with_sinks, dtype):
@@ -221,12 +268,16 @@ def test_small_kernel_matches_reference(tokens, heads, k, with_len, with_sinks, 
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize(
-    ("tokens", "chunks", "warps"), [(2, 1, None), (2, 2, None), (8, 1, None), (8, 2, None), (8, 4, 4)]
-)
-def test_every_latent_chunk_count_and_warp_count_matches_reference(tokens, chunks, warps):
+    ("tokens", "chunks", "warps", "group"),
+    [(2, 1, None, 8), (2, 2, None, 8), (8, 1, None, 16), (8, 2, None, 16), (8, 4, 4, 16),
+     (2, 4, None, 16), (8, 4, None, 8), (5, 4, None, 4), (2, 4, None, 5)],
+)  # fmt: skip
+def test_every_latent_chunk_count_warp_count_and_head_group_matches_reference(tokens, chunks, warps, group):
     """The launcher's ``chunks`` (1 and 2 are kept for measurements; the routed count is covered
-    above) and one warpgroup on 128-entry splits (``warps=4``, also kept for measurements): the same
-    result through the column merge, invalid rows and an empty split included."""
+    above), one warpgroup on 128-entry splits (``warps=4``, also kept for measurements), and head
+    groups the routing does not take at that batch (one group at 2 tokens; 8, 5 or 4 heads a
+    program where it takes 16): the same result through the column merge, invalid rows and an
+    empty split included."""
     from shardattn.kernels.lse_merge import launch_lse_merge_columns, split_partials
     from shardattn.kernels.sparse_mla_decode_gluon_small import launch_small_split
 
@@ -237,8 +288,9 @@ def test_every_latent_chunk_count_and_warp_count_matches_reference(tokens, chunk
     out = torch.full((tokens, 16, 512), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((tokens, 16), float("nan"), device=q.device)
     launch_small_split(
-        q, kv, rows, length, sinks, part, part_lse, block_n, splits, SCALE, False, chunks=chunks, warps=warps
-    )
+        q, kv, rows, length, sinks, part, part_lse, block_n, splits, SCALE, False, chunks=chunks, warps=warps,
+        heads_per_program=group,
+    )  # fmt: skip
     launch_lse_merge_columns(part, part_lse, out, lse)
     _check(out, lse, *sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks))
 

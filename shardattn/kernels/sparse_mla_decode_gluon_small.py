@@ -3,18 +3,21 @@
 The Triton split-KV kernel (:mod:`~shardattn.kernels.sparse_mla_decode_triton`) gathers a split's
 rows through its pipeline a step at a time and runs Q.K^T and P.V on ``mma.sync`` with the heads
 as M. At 16 heads and 1-16 tokens a decode step is latency bound, and this kernel shortens the
-chain. One program per (token, split of ``BLOCK_N`` = 64 or 128 top-k entries), one warpgroup at
-64 entries and two at 128 (:func:`small_decode_warps`; each takes half of every ``wgmma``'s M):
+chain. One program per (token, split of ``BLOCK_N`` = 64 or 128 top-k entries, group of heads),
+one warpgroup at 64 entries and two at 128 (:func:`small_decode_warps`; each takes half of every
+``wgmma``'s M). The heads are one group, or two of 8 while the programs still fit one wave
+(:func:`small_decode_heads`): two programs then gather the same rows and each runs the tail of
+the step (softmax, P.V, the partial's store) on half the heads, on SMs that would otherwise idle:
 
 * every row of the split (576 columns, 1,152 B in bf16) and the token's Q are issued at once as
   ``cp.async`` copies into shared memory (up to 144 KB in flight per SM), in 1 +
   :data:`LATENT_CHUNKS` groups: Q with the 64 rope columns, then the 512 latent columns in chunks;
-* ``S^T = K Q^T`` on ``wgmma`` with the split's rows as M and the heads (padded to 16) as N, one
+* ``S^T = K Q^T`` on ``wgmma`` with the split's rows as M and the heads (padded to 8 or 16) as N, one
   chunk at a time as its group lands (the ``wgmma`` runs while later chunks arrive); the softmax
   runs down the rows of each head;
-* ``O^T = V^T P^T`` on ``wgmma`` with the 512 value columns as M: 16 heads need no padding to
-  the 64-row tile a heads-as-M ``wgmma`` would (the accumulator is 64 fp32 registers a thread on
-  one warpgroup, 32 on two);
+* ``O^T = V^T P^T`` on ``wgmma`` with the 512 value columns as M: 8 or 16 heads need no padding
+  to the 64-row tile a heads-as-M ``wgmma`` would (the accumulator at 16 heads is 64 fp32
+  registers a thread on one warpgroup, 32 on two; half that at 8);
 * the fp32 partial and LSE of the split go to ``[S, T, H, 512]`` / ``[S, T, H]`` (the layout of
   :func:`~shardattn.kernels.lse_merge.split_partials`), merged by
   :func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns` (:func:`small_merge_columns`
@@ -38,9 +41,11 @@ from shardattn.kernels.gluon_compat import HAS_GLUON
 from shardattn.kernels.lse_merge import launch_lse_merge_columns, split_partials
 
 __all__ = [
+    "HEAD_GROUP",
     "MAX_HEADS",
     "MAX_SPLITS",
     "compile_for_sm90",
+    "small_decode_heads",
     "small_decode_limits",
     "small_decode_supports",
     "small_decode_tiles",
@@ -51,6 +56,8 @@ __all__ = [
 
 #: Heads the kernel holds (the ``wgmma`` N; fewer are padded and masked).
 MAX_HEADS = 16
+#: Heads of one program when two programs share a split's rows (:func:`small_decode_heads`).
+HEAD_GROUP = 8
 #: Most splits of a row (the column merge loads all ``S`` partials of a column block at once).
 MAX_SPLITS = 64
 #: Column chunks of the 512 latent columns, each its own ``cp.async`` group, so Q.K^T starts on the
@@ -86,6 +93,41 @@ def small_decode_warps(block_n: int) -> int:
     (4, 8)
     """
     return 4 if block_n <= 64 else 8
+
+
+def small_decode_heads(num_tokens: int, splits: int, heads: int, num_sms: int) -> int:
+    """Heads one split program takes: :data:`HEAD_GROUP` (8) while the programs that then read each
+    split's rows twice, one per group of heads, still fit in one wave of ``num_sms``; else all
+    ``heads``. Two programs on one split gather the same rows (the second mostly from the L2) but
+    each runs the softmax, P.V and the partial's store on half the heads, on SMs that would
+    otherwise idle. Measured on an H200 (benchmarks/RESULTS.md, fifteenth session): 0.3-0.5 us
+    faster at 1-4 tokens at 16 heads; 4 heads a program was no faster at 1-2 tokens.
+
+    >>> small_decode_heads(2, 32, 16, 132), small_decode_heads(5, 16, 16, 132), small_decode_heads(1, 32, 8, 132)
+    (8, 16, 8)
+    """
+    if heads <= HEAD_GROUP:
+        return heads
+    groups = -(-heads // HEAD_GROUP)
+    return HEAD_GROUP if num_tokens * splits * groups <= num_sms else heads
+
+
+def _padded_heads(heads_per_program: int) -> int:
+    """The ``wgmma`` N (``HP``) a program of ``heads_per_program`` heads pads to: 8 or 16."""
+    return 8 if heads_per_program <= 8 else MAX_HEADS
+
+
+def _resolve_heads(heads: int, heads_per_program: int | None) -> int:
+    """``heads_per_program``, or all ``heads`` when None.
+
+    Raises:
+        ValueError: ``heads_per_program`` is not an int in ``[1, 16]``.
+    """
+    if heads_per_program is None:
+        return heads
+    if not isinstance(heads_per_program, int) or not 1 <= heads_per_program <= MAX_HEADS:
+        raise ValueError(f"heads_per_program must be an int in [1, {MAX_HEADS}]; got {heads_per_program!r}")
+    return heads_per_program
 
 
 def _resolve_warps(block_n: int, warps: int | None) -> int:
@@ -162,6 +204,17 @@ if HAS_GLUON:
         return gl.BlockedLayout([1, 8], [32 // across, across], [warps, 1], [1, 0])
 
     @gluon.jit
+    def _p_operand(dtype: gl.constexpr, BLOCK_N: gl.constexpr, HP: gl.constexpr):
+        """Shared memory for ``P^T [BLOCK_N, HP]``, the B operand of ``O^T = V^T P^T``: rows-minor
+        (32-byte swizzle) at 16 heads; at 8 a heads-minor row is 16 bytes, which no swizzle takes, so
+        the buffer is ``[HP, BLOCK_N]`` and P^T is its transpose (entries-minor, as Q^T is)."""
+        if HP >= 16:
+            p_t = gl.allocate_shared_memory(dtype, [BLOCK_N, HP], nvmma_layout(HP, 16))
+        else:
+            p_t = gl.allocate_shared_memory(dtype, [HP, BLOCK_N], nvmma_layout(BLOCK_N, 16)).permute((1, 0))
+        return p_t
+
+    @gluon.jit
     def _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N: gl.constexpr,
                  EVEN_K: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, layout: gl.constexpr):  # fmt: skip
         """``(row, is_key)`` of the split's ``BLOCK_N`` entries in ``layout``: an entry past the
@@ -181,16 +234,19 @@ if HAS_GLUON:
 
     @gluon.jit
     def _small_split_kernel(Q, KV, Rows, TopkLen, Sinks, Out, Lse,
-                            stride_qt, stride_qh, stride_kvr, stride_rt, stride_rk, K, R, H,
+                            stride_qt, stride_qh, stride_kvr, stride_rt, stride_rk, K, R, H, HG,
                             stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, qk_scale,
                             HP: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr,
                             EVEN_K: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_SINKS: gl.constexpr,
                             PDL: gl.constexpr, NCHUNK: gl.constexpr, W: gl.constexpr):  # fmt: skip
-        """One (token, split): gather, ``S^T = K Q^T``, softmax per head, ``O^T = V^T P^T``, store."""
+        """One (token, split, group of ``HG`` heads): gather, ``S^T = K Q^T``, softmax per head,
+        ``O^T = V^T P^T``, store. ``HP``: the ``wgmma`` N the group is padded to (8 or 16)."""
         if PDL:  # the grid before this one (a union build, an indexer) wrote q / rows: wait for it
             grid_dependency("griddepcontrol.wait")
         tok = gl.program_id(0)
         split = gl.program_id(1)
+        h0 = gl.program_id(2) * HG  # this program's first head
+        n_h = gl.minimum(H - h0, HG)  # and how many it holds
         dtype: gl.constexpr = Q.dtype.element_ty
         gather_v: gl.constexpr = _gather_layout(DV, W)  # [HP, 512]: 16 B a thread
         gather_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # [*, 64]
@@ -199,7 +255,7 @@ if HAS_GLUON:
         k_rope = gl.allocate_shared_memory(dtype, [BLOCK_N, DR], nvmma_layout(DR, 16))
         q_nope = gl.allocate_shared_memory(dtype, [HP, DV], nvmma_layout(DV, 16))
         q_rope = gl.allocate_shared_memory(dtype, [HP, DR], nvmma_layout(DR, 16))
-        p_t = gl.allocate_shared_memory(dtype, [BLOCK_N, HP], nvmma_layout(HP, 16))
+        p_t = _p_operand(dtype, BLOCK_N, HP)
 
         # every row of the split and the token's Q in flight at once (invalid entries zero-filled), as
         # 1 + NCHUNK commit groups: Q and the rope columns, then the 512 latent columns in NCHUNK
@@ -216,11 +272,11 @@ if HAS_GLUON:
                                gl.SliceLayout(1, s_layout))  # fmt: skip
         cols_v = gl.arange(0, DV, layout=gl.SliceLayout(0, gather_v))
         cols_r = gl.arange(0, DR, layout=gl.SliceLayout(0, gather_r))
-        q_base = Q + tok.to(gl.int64) * stride_qt
+        q_base = Q + tok.to(gl.int64) * stride_qt + h0 * stride_qh
         h_v = gl.arange(0, HP, layout=gl.SliceLayout(1, gather_v))
         h_r = gl.arange(0, HP, layout=gl.SliceLayout(1, gather_r))
-        async_load(q_nope, q_base + h_v[:, None] * stride_qh + cols_v[None, :], mask=(h_v < H)[:, None])
-        async_load(q_rope, q_base + h_r[:, None] * stride_qh + DV + cols_r[None, :], mask=(h_r < H)[:, None])
+        async_load(q_nope, q_base + h_v[:, None] * stride_qh + cols_v[None, :], mask=(h_v < n_h)[:, None])
+        async_load(q_rope, q_base + h_r[:, None] * stride_qh + DV + cols_r[None, :], mask=(h_r < n_h)[:, None])
         async_load(k_rope, KV + r_r.to(gl.int64)[:, None] * stride_kvr + DV + cols_r[None, :], mask=key_r[:, None])
         cp.commit_group()
         cols_c = gl.arange(0, cw, layout=gl.SliceLayout(0, gather_c))
@@ -247,7 +303,8 @@ if HAS_GLUON:
         heads = gl.arange(0, HP, layout=gl.SliceLayout(0, s_layout))
         m = gl.max(s, axis=0)
         if HAS_SINKS:  # the sink is one more logit of split 0 (no value)
-            sink = gl.load(Sinks + heads, mask=(heads < H) & (split == 0), other=float("-inf")) * 1.4426950408889634
+            sink = gl.load(Sinks + h0 + heads, mask=(heads < n_h) & (split == 0), other=float("-inf"))
+            sink = sink * 1.4426950408889634
             m = gl.maximum(m, sink)
         m_safe = gl.where(m == float("-inf"), 0.0, m)
         p = gl.exp2(s - m_safe[None, :])
@@ -271,9 +328,10 @@ if HAS_GLUON:
         o = gl.convert_layout(o, store_l)
         cols = gl.arange(0, DV, layout=gl.SliceLayout(1, store_l))
         h_o = gl.arange(0, HP, layout=gl.SliceLayout(0, store_l))
-        o_base = Out + split.to(gl.int64) * stride_os + tok.to(gl.int64) * stride_ot
-        gl.store(o_base + h_o[None, :] * stride_oh + cols[:, None], o.to(Out.dtype.element_ty), mask=(h_o < H)[None, :])
-        gl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=heads < H)
+        o_base = Out + split.to(gl.int64) * stride_os + tok.to(gl.int64) * stride_ot + h0 * stride_oh
+        o_ptrs = o_base + h_o[None, :] * stride_oh + cols[:, None]
+        gl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=(h_o < n_h)[None, :])
+        gl.store(Lse + split * stride_ls + tok * stride_lt + (h0 + heads) * stride_lh, lse, mask=heads < n_h)
         if PDL:  # the partial is stored: the merge may launch (it waits for this grid to complete)
             grid_dependency("griddepcontrol.launch_dependents")
 
@@ -292,6 +350,7 @@ def launch_small_split(
     pdl: bool,
     chunks: int = LATENT_CHUNKS,
     warps: int | None = None,
+    heads_per_program: int | None = None,
 ) -> None:
     """Launch ``_small_split_kernel`` on validated tensors (no checks, no allocation, no sync).
 
@@ -302,21 +361,24 @@ def launch_small_split(
         block_n, splits: :func:`small_decode_tiles`. pdl: a programmatic dependent launch.
         chunks: :data:`LATENT_CHUNKS` (1, 2 or 4; other values for measurements).
         warps: 4 or 8 (8 needs ``block_n`` 128); None: :func:`small_decode_warps`.
+        heads_per_program: heads of one program (:func:`small_decode_heads`); None: all of them.
 
     Raises:
-        ValueError: ``warps`` does not fit ``block_n`` (checked before any launch).
+        ValueError: ``warps`` does not fit ``block_n``, or ``heads_per_program`` is not in
+            ``[1, 16]`` (checked before any launch).
     """
     warps = _resolve_warps(block_n, warps)
     t, h, d = q.shape
+    group = min(h, _resolve_heads(h, heads_per_program))
     v_dim = dst_out.shape[-1]
     s_os, s_ls = (dst_out.stride(0), dst_lse.stride(0)) if splits > 1 else (0, 0)
-    _small_split_kernel[(t, splits)](
+    _small_split_kernel[(t, splits, -(-h // group))](
         q, kv, rows, topk_length if topk_length is not None else rows, sinks if sinks is not None else dst_lse,
         dst_out, dst_lse,
-        q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), rows.stride(1), rows.shape[1], kv.shape[0], h,
+        q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), rows.stride(1), rows.shape[1], kv.shape[0], h, group,
         s_os, dst_out.stride(-3), dst_out.stride(-2), s_ls, dst_lse.stride(-2), dst_lse.stride(-1),
         float(scale) * LOG2E,
-        HP=MAX_HEADS, BLOCK_N=block_n, DV=v_dim, DR=d - v_dim, EVEN_K=rows.shape[1] % block_n == 0,
+        HP=_padded_heads(group), BLOCK_N=block_n, DV=v_dim, DR=d - v_dim, EVEN_K=rows.shape[1] % block_n == 0,
         HAS_TOPK_LEN=topk_length is not None, HAS_SINKS=sinks is not None, PDL=pdl,
         NCHUNK=chunks, W=warps, num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
@@ -350,7 +412,10 @@ def sparse_mla_decode_small(
         dst_out, dst_lse = split_partials(workspace, splits, t, h, out.shape[-1], q.device)
     else:
         dst_out, dst_lse = out, lse_out
-    launch_small_split(q, kv, rows, topk_length, sinks, dst_out, dst_lse, block_n, splits, scale, pdl)
+    group = small_decode_heads(t, splits, h, num_sms)
+    launch_small_split(
+        q, kv, rows, topk_length, sinks, dst_out, dst_lse, block_n, splits, scale, pdl, heads_per_program=group
+    )
     if splits > 1:
         launch_lse_merge_columns(dst_out, dst_lse, out, lse_out, pdl=pdl, block_d=small_merge_columns(splits))
     return out, lse_out
@@ -366,24 +431,27 @@ def compile_for_sm90(
     dtype: str = "bf16",
     chunks: int = LATENT_CHUNKS,
     warps: int | None = None,
+    heads_per_program: int = MAX_HEADS,
 ):
     """Compile the split kernel for sm_90 ahead of time (no GPU needed); returns Triton's compiled
     kernel (``asm["ptx"]``, ``metadata``). ``split``: fp32 partials (else the one-split output in
     ``dtype``); ``even_k``: a top-k that is a multiple of ``block_n``; ``warps``: None for
-    :func:`small_decode_warps`. Raises RuntimeError without Gluon."""
+    :func:`small_decode_warps`; ``heads_per_program``: 8 or fewer compiles the 8-wide ``wgmma``.
+    Raises RuntimeError without Gluon, ValueError for ``warps`` or ``heads_per_program`` out of range."""
     from shardattn.kernels.gluon_compat import GLUON_IMPORT_ERROR, compile_sm90
 
     warps = _resolve_warps(block_n, warps)
+    group = _resolve_heads(MAX_HEADS, heads_per_program)
     if not HAS_GLUON:
         raise RuntimeError(f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})")
 
     names = ["Q", "KV", "Rows", "TopkLen", "Sinks", "Out", "Lse", "stride_qt", "stride_qh", "stride_kvr",
-             "stride_rt", "stride_rk", "K", "R", "H", "stride_os", "stride_ot", "stride_oh", "stride_ls",
-             "stride_lt", "stride_lh", "qk_scale"]  # fmt: skip
+             "stride_rt", "stride_rk", "K", "R", "H", "HG", "stride_os", "stride_ot", "stride_oh",
+             "stride_ls", "stride_lt", "stride_lh", "qk_scale"]  # fmt: skip
     out_t = "*fp32" if split else f"*{dtype}"
-    types = [f"*{dtype}", f"*{dtype}", "*i32", "*i32", "*fp32", out_t, "*fp32"] + ["i32"] * 14 + ["fp32"]
+    types = [f"*{dtype}", f"*{dtype}", "*i32", "*i32", "*fp32", out_t, "*fp32"] + ["i32"] * 15 + ["fp32"]
     signature = dict(zip(names, types, strict=True))
-    constexprs = {"HP": MAX_HEADS, "BLOCK_N": block_n, "DV": 512, "DR": 64, "EVEN_K": even_k,
+    constexprs = {"HP": _padded_heads(group), "BLOCK_N": block_n, "DV": 512, "DR": 64, "EVEN_K": even_k,
                   "HAS_TOPK_LEN": topk_length, "HAS_SINKS": sinks, "PDL": True, "NCHUNK": chunks,
                   "W": warps}  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))

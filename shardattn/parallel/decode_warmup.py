@@ -21,20 +21,23 @@ from shardattn.plan.spec import ModelSpec
 COLUMN_MERGE_WARMUP_SPLITS = (2, 4, 8, 16, 32, 64)
 
 
-def small_kernel_sizes(topk: int, max_decode_tokens: int, num_sms: int) -> set[int]:
-    """Token counts up to ``max_decode_tokens`` at which each tile of the small-batch Gluon decode
-    kernel first runs on ``num_sms`` SMs (its ``BLOCK_N`` changes with the batch:
-    :func:`~shardattn.kernels.sparse_mla_decode_gluon_small.small_decode_tiles`).
+def small_kernel_sizes(topk: int, max_decode_tokens: int, num_sms: int, heads: int = 16) -> set[int]:
+    """Token counts up to ``max_decode_tokens`` at which each compiled variant of the small-batch
+    Gluon decode kernel first runs on ``num_sms`` SMs at ``heads`` heads: its ``BLOCK_N``
+    (:func:`~shardattn.kernels.sparse_mla_decode_gluon_small.small_decode_tiles`) and the heads a
+    program takes (:func:`~shardattn.kernels.sparse_mla_decode_gluon_small.small_decode_heads`)
+    change with the batch.
 
     >>> sorted(small_kernel_sizes(2048, 64, 132)), sorted(small_kernel_sizes(2048, 2, 132))
-    ([1, 3], [1])
+    ([1, 3, 5], [1])
     """
-    from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_tiles
+    from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_heads, small_decode_tiles
     from shardattn.plan.routing import SMALL_DECODE_MAX_TOKENS
 
-    first: dict[int, int] = {}
+    first: dict[tuple[int, int], int] = {}
     for t in range(1, min(max_decode_tokens, SMALL_DECODE_MAX_TOKENS) + 1):
-        first.setdefault(small_decode_tiles(t, topk, num_sms)[0], t)
+        block_n, splits = small_decode_tiles(t, topk, num_sms)
+        first.setdefault((block_n, small_decode_heads(t, splits, heads, num_sms)), t)
     return set(first.values())
 
 
@@ -73,7 +76,7 @@ def warm_up_decode(
     kernels publish no compile-key list (unlike prefill), so this mirrors their call sites.
     Sparse MLA on sm_90 routes by batch size (the small-batch Gluon kernel, Triton below the Gluon
     crossovers, Gluon above: :func:`~shardattn.plan.routing.route_sparse_decode_kernel`), so the
-    routed call also runs at the sizes where the small kernel's tile changes
+    routed call also runs at the sizes where the small kernel's tile or heads a program change
     (:func:`small_kernel_sizes`), the Triton kernel is also run
     at every size (the variants a smaller batch than ``max_decode_tokens`` may need) and, where
     ``max_decode_tokens`` reaches Gluon, the Gluon path once unsplit and once with two row slices
@@ -85,7 +88,7 @@ def warm_up_decode(
     sizes = sorted({1, 2, max_decode_tokens}) if compiles_kernels(device) else [2]  # nothing compiles on the CPU
     if compiles_kernels(device) and spec.kind == "sparse_mla" and device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        sizes = sorted({*sizes, *small_kernel_sizes(topk, max_decode_tokens, sms)})
+        sizes = sorted({*sizes, *small_kernel_sizes(topk, max_decode_tokens, sms, heads)})
     dev, dt = device, dtype
     launches = 0
 
