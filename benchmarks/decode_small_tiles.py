@@ -7,9 +7,11 @@ programmatic dependent launches) and the split kernel alone on every tile it can
 invalid entry in the first and last token), bf16, 576 columns, 16 heads. Tiles: 32 splits of 64
 entries on one warpgroup, 16 splits of 128 on one warpgroup, 16 of 128 on two (each warpgroup
 64 of the rows and 256 of the value columns); each with all 16 heads in a program and with two
-programs of 8 (:func:`small_decode_heads`); the merge on :func:`small_merge_columns` columns a
-program and on 128. Every step is checked against the fp32 reference first. Graph replays with the
-L2 flushed between replays (``graph_timing.replay_us``), the least of ``--rounds`` rounds;
+programs of 8 (:func:`small_decode_heads`); the routed merge (:data:`SMALL_MERGE_COLUMNS`
+columns on :data:`SMALL_MERGE_WARPS` warp a program) and, on all 16 heads, the merge routed before
+it (four warps on 256 columns at up to 16 splits, on 128 above). Every step is checked against
+the fp32 reference first. Graph replays with the L2 flushed between replays
+(``graph_timing.replay_us``), the least of ``--rounds`` rounds;
 ``--warm-inputs`` rewrites q and the top-k rows after each flush, as the kernels that produce
 them would leave them in the L2 (the KV rows stay cold). The routed variant
 (:func:`small_decode_tiles`, :func:`small_decode_heads`) is printed in bold; ``--json`` keeps the
@@ -30,11 +32,12 @@ from graph_timing import gpu_banner, replay_us, trivial_graph_us  # beside this 
 from shardattn.kernels.lse_merge import launch_lse_merge_columns, split_partials
 from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.sparse_mla_decode_gluon_small import (
+    SMALL_MERGE_COLUMNS,
+    SMALL_MERGE_WARPS,
     launch_small_split,
     small_decode_heads,
     small_decode_tiles,
     small_decode_warps,
-    small_merge_columns,
 )
 
 ROWS, TOPK, HEADS, SCALE = 1 << 18, 2048, 16, 0.07
@@ -84,20 +87,21 @@ def main() -> None:
 
             tile = f"{splits} x {bn}, {warps} warps, {group} heads a program"
             is_routed = (bn, warps, group) == (block, small_decode_warps(block), group_routed)
-            merges = {small_merge_columns(splits), 128} if group == HEADS else {small_merge_columns(splits)}
-            for columns in sorted(merges, reverse=True):
+            routed_merge = (SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS)
+            merges = [routed_merge] + ([(256 if splits <= 16 else 128, 4)] if group == HEADS else [])
+            for columns, merge_warps in merges:
 
-                def step(split=split, part=part, lse=lse, out=out, lse_out=lse_out, columns=columns):
+                def step(split=split, part=part, lse=lse, out=out, lse_out=lse_out, columns=columns, mw=merge_warps):
                     split()
-                    launch_lse_merge_columns(part, lse, out, lse_out, pdl=True, block_d=columns)
+                    launch_lse_merge_columns(part, lse, out, lse_out, pdl=True, block_d=columns, num_warps=mw)
 
                 out.fill_(float("nan"))
                 step()
                 torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
                 torch.testing.assert_close(lse_out, ref_lse, rtol=1e-3, atol=1e-3)
-                name = f"{tile}, merge {columns} columns"
+                name = f"{tile}, merge {columns} columns on {merge_warps} warps"
                 table.setdefault(name, {})[batch] = replay_us(step, rep=40, rounds=args.rounds, warm=warm)
-                if is_routed and columns == small_merge_columns(splits):
+                if is_routed and (columns, merge_warps) == routed_merge:
                     routed[batch] = name
             if group == HEADS or is_routed:
                 alone = replay_us(split, rep=40, rounds=args.rounds, warm=warm)

@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     routed = {int(b): name for b, name in record["routed"].items()}
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     steps = [name for name in table if "alone" not in name]
-    # one line per tile: the merge it routes (the widest column block measured for it)
+    # one line per tile and head group: the routed merge (measured first for each)
     tiles: dict[str, str] = {}
     for name in steps:
         tile = name.split(", merge")[0]

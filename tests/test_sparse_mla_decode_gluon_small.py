@@ -20,13 +20,14 @@ from shardattn.kernels.sparse_mla_decode_gluon_small import (
     LATENT_CHUNKS,
     MAX_HEADS,
     MAX_SPLITS,
+    SMALL_MERGE_COLUMNS,
+    SMALL_MERGE_WARPS,
     compile_for_sm90,
     small_decode_heads,
     small_decode_limits,
     small_decode_supports,
     small_decode_tiles,
     small_decode_warps,
-    small_merge_columns,
 )
 from shardattn.parallel.cudagraph import DecodeGraph
 from shardattn.parallel.decode_warmup import small_kernel_sizes
@@ -69,11 +70,11 @@ def test_tiles_cover_the_row_in_one_wave_of_64_entry_splits_or_use_128(sms, topk
         assert (block_n == 64) == (2 * t * -(-topk // 64) <= sms and -(-topk // 64) <= MAX_SPLITS)
         assert small_decode_warps(block_n) == block_n // 16  # one warpgroup per 64 entries
         assert splits <= MAX_SPLITS
-        # the merge after it takes wider column blocks only where a program still holds at most
-        # 4,096 fp32 partial values (BLOCK_P x columns), as 128 columns of 32 splits do
+        # the merge after it: one warp a program holds every split's partial of its columns, at
+        # most 4,096 fp32 values (BLOCK_P x columns), 128 a thread
         block_p = max(2, 1 << (splits - 1).bit_length())
-        columns = small_merge_columns(splits)
-        assert columns == 128 or (columns == 256 and columns * block_p <= 4096)
+        per_program = SMALL_MERGE_COLUMNS * block_p
+        assert per_program <= 4096 and per_program // (32 * SMALL_MERGE_WARPS) <= 128
 
 
 @pytest.mark.parametrize("sms", [132, 78, 16])

@@ -20,8 +20,8 @@ the step (softmax, P.V, the partial's store) on half the heads, on SMs that woul
   registers a thread on one warpgroup, 32 on two; half that at 8);
 * the fp32 partial and LSE of the split go to ``[S, T, H, 512]`` / ``[S, T, H]`` (the layout of
   :func:`~shardattn.kernels.lse_merge.split_partials`), merged by
-  :func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns` (:func:`small_merge_columns`
-  columns a program); one split writes ``out`` (q's dtype) and ``lse`` directly.
+  :func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns` (:data:`SMALL_MERGE_COLUMNS`
+  columns on one warp a program); one split writes ``out`` (q's dtype) and ``lse`` directly.
 
 Contract as :func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode`: an entry outside
 ``[0, R)`` or past ``topk_length`` anywhere in a row is no key; sinks join split 0's denominator;
@@ -44,13 +44,14 @@ __all__ = [
     "HEAD_GROUP",
     "MAX_HEADS",
     "MAX_SPLITS",
+    "SMALL_MERGE_COLUMNS",
+    "SMALL_MERGE_WARPS",
     "compile_for_sm90",
     "small_decode_heads",
     "small_decode_limits",
     "small_decode_supports",
     "small_decode_tiles",
     "small_decode_warps",
-    "small_merge_columns",
     "sparse_mla_decode_small",
 ]
 
@@ -58,6 +59,12 @@ __all__ = [
 MAX_HEADS = 16
 #: Heads of one program when two programs share a split's rows (:func:`small_decode_heads`).
 HEAD_GROUP = 8
+#: Columns and warps of one program of the column merge after the split kernel: one warp on 64
+#: columns holds every split's partial of its two columns in each thread, so the merge's max and
+#: sums over the splits stay in the thread (no shared memory, no barrier); at :data:`MAX_SPLITS`
+#: that is 4,096 fp32 values a program, 128 a thread. Measured on an H200 (benchmarks/RESULTS.md,
+#: fifteenth session): 0.2-0.7 us faster than four warps on 128 or 256 columns at 1-8 tokens.
+SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS = 64, 1
 #: Most splits of a row (the column merge loads all ``S`` partials of a column block at once).
 MAX_SPLITS = 64
 #: Column chunks of the 512 latent columns, each its own ``cp.async`` group, so Q.K^T starts on the
@@ -142,19 +149,6 @@ def _resolve_warps(block_n: int, warps: int | None) -> int:
         raise ValueError(f"warps must be 4, or 8 with block_n >= 128 (one warpgroup per 64 entries); got "
                          f"warps={warps}, block_n={block_n}")  # fmt: skip
     return warps
-
-
-def small_merge_columns(splits: int) -> int:
-    """Columns of one column-merge program after the split kernel: 128 at more than 16 splits (the
-    merge's default), 256 at up to 16 (a program then holds at most 4,096 fp32 partial values, as
-    128 columns of 32 splits do). Measured on an H200 (benchmarks/RESULTS.md, thirteenth session):
-    at 16 splits 256 columns took 0.5-1.8 us off the step at 5-16 tokens; at 32 splits they were
-    level with 128.
-
-    >>> small_merge_columns(32), small_merge_columns(16), small_merge_columns(2)
-    (128, 256, 256)
-    """
-    return 128 if splits > 16 else 256
 
 
 def small_decode_supports(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, v_dim: int) -> str | None:
@@ -417,7 +411,9 @@ def sparse_mla_decode_small(
         q, kv, rows, topk_length, sinks, dst_out, dst_lse, block_n, splits, scale, pdl, heads_per_program=group
     )
     if splits > 1:
-        launch_lse_merge_columns(dst_out, dst_lse, out, lse_out, pdl=pdl, block_d=small_merge_columns(splits))
+        launch_lse_merge_columns(
+            dst_out, dst_lse, out, lse_out, pdl=pdl, block_d=SMALL_MERGE_COLUMNS, num_warps=SMALL_MERGE_WARPS
+        )
     return out, lse_out
 
 
