@@ -5,10 +5,12 @@ partials once all are written. This probe times that skeleton with the attention
 on the shapes of ``decode.py``'s small sparse-MLA decode (top-k 2,048 unique random rows of
 262,144, bf16, 576 columns, 16 heads, fp32 partials of 16 x 512; 1 / 2 / 4 / 8 tokens):
 
-* **two launches**: one CTA per (token, split) gathers its rows into shared memory
-  (:func:`decode_gather_floor.gather_split_rows`), then (``+ partial``) stores a 32 KB fp32 partial
-  and its LSEs, then (``+ merge``) the library's column merge combines them as a programmatic
-  dependent launch (how the small-batch kernel's step runs), on 32 splits of 64 rows and 16 of 128;
+* **two launches**: one CTA per (token, split, group of heads) gathers its rows into shared
+  memory (:func:`decode_gather_floor.gather_split_rows`), then (``+ partial``) stores its heads'
+  fp32 partial (32 KB at 16 heads a program, 16 KB at 8) and LSEs, then (``+ merge``) the
+  library's column merge combines them as a programmatic dependent launch (how the small-batch
+  kernel's step runs; four warps on 128 columns, and one warp on 64 as the small kernel's step
+  merges), on 32 splits of 64 rows and 16 of 128, with 16 and with 8 heads a program;
 * **one launch, a 16-block cluster per token** (16 splits of 128 rows, the most rows a cluster
   of 16 covers at top-k 2,048): the same gather, the partial store, a cluster barrier
   (``barrier.cluster`` release / acquire), and each block merging 32 of the 512 columns over the
@@ -32,6 +34,7 @@ from graph_timing import gpu_banner, replay_us, trivial_graph_us
 
 from shardattn.kernels.gluon_compat import gl, gluon, grid_dependency
 from shardattn.kernels.lse_merge import launch_lse_merge_columns, lse_merge_reference
+from shardattn.kernels.sparse_mla_decode_gluon_small import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
 
 ROWS, TOPK, HEADS, DV = 1 << 18, 2048, 16, 512
 CLUSTER = 16
@@ -44,26 +47,30 @@ def _partial_value(tail, split, h, c):
 
 
 @gluon.jit
-def _gather_partial(KV, Rows, Part, Lse, Out, stride_kv, K, T, BN: gl.constexpr, PARTIAL: gl.constexpr):
-    """One CTA per (token, split): gather; with ``PARTIAL`` store the fp32 partial ``[16, 512]``
-    and its LSEs to ``Part [S, T, 16, 512]`` / ``Lse [S, T, 16]`` (else one float to ``Out``);
-    a programmatic dependent launch that releases the merge after its stores."""
+def _gather_partial(
+    KV, Rows, Part, Lse, Out, stride_kv, K, T, BN: gl.constexpr, PARTIAL: gl.constexpr, HG: gl.constexpr
+):
+    """One CTA per (token, split, group of ``HG`` of the 16 heads): gather; with ``PARTIAL`` store
+    its heads' fp32 partial ``[HG, 512]`` and LSEs to ``Part [S, T, 16, 512]`` / ``Lse [S, T, 16]``
+    (else one float to ``Out``); a programmatic dependent launch that releases the merge after its
+    stores."""
     grid_dependency("griddepcontrol.wait")
     tok = gl.program_id(0)
     split = gl.program_id(1)
+    h0 = gl.program_id(2) * HG
     lv: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     lr: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     tail = gather_split_rows(KV, Rows, tok, split, stride_kv, K, BN, lv, lr, plain)
     if PARTIAL:
         pl: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-        h = gl.arange(0, 16, layout=gl.SliceLayout(1, pl))
+        h = h0 + gl.arange(0, HG, layout=gl.SliceLayout(1, pl))
         c = gl.arange(0, 512, layout=gl.SliceLayout(0, pl))
         row = (split * T + tok).to(gl.int64)
         gl.store(Part + row * 8192 + h[:, None] * 512 + c[None, :], _partial_value(tail, split, h, c))
-        gl.store(Lse + row * 16 + h, gl.zeros([16], gl.float32, gl.SliceLayout(1, pl)) + tail * 1e-3 + split * 0.1)
+        gl.store(Lse + row * 16 + h, gl.zeros([HG], gl.float32, gl.SliceLayout(1, pl)) + tail * 1e-3 + split * 0.1)
     else:
-        gl.store(Out + tok * gl.num_programs(1) + split, tail)
+        gl.store(Out + (tok * gl.num_programs(1) + split) * gl.num_programs(2) + gl.program_id(2), tail)
     grid_dependency("griddepcontrol.launch_dependents")
 
 
@@ -147,30 +154,38 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     for batch in batches:
         rows = torch.argsort(torch.rand(batch, ROWS, device="cuda"), dim=1)[:, :TOPK].int().contiguous()
-        for splits in (32, 16):
+        for splits, group in ((32, 16), (16, 16), (32, 8), (16, 8)):
             bn = TOPK // splits
             part = torch.empty(splits, batch, HEADS, DV, device="cuda")
             lse = torch.empty(splits, batch, HEADS, device="cuda")
             out = torch.empty(batch, HEADS, DV, device="cuda", dtype=torch.bfloat16)
             lse_out = torch.empty(batch, HEADS, device="cuda")
-            one = torch.empty(batch * splits, device="cuda")
+            one = torch.empty(batch * splits * (HEADS // group), device="cuda")
 
-            def split_kernel(partial, bn=bn, splits=splits, part=part, lse=lse, one=one, rows=rows, batch=batch):
-                _gather_partial[(batch, splits)](kv, rows, part, lse, one, kv.stride(0), TOPK, batch, BN=bn,
-                                                 PARTIAL=partial, num_warps=4, launch_pdl=True)  # fmt: skip
+            def split_kernel(partial, bn=bn, splits=splits, part=part, lse=lse, one=one, rows=rows, batch=batch,
+                             group=group):  # fmt: skip
+                _gather_partial[(batch, splits, HEADS // group)](
+                    kv, rows, part, lse, one, kv.stride(0), TOPK, batch, BN=bn, PARTIAL=partial, HG=group,
+                    num_warps=4, launch_pdl=True,
+                )  # fmt: skip
 
-            def step(split_kernel=split_kernel, part=part, lse=lse, out=out, lse_out=lse_out):
+            def step(columns, warps, split_kernel=split_kernel, part=part, lse=lse, out=out, lse_out=lse_out):
                 split_kernel(True)
-                launch_lse_merge_columns(part, lse, out, lse_out, pdl=True)
+                launch_lse_merge_columns(part, lse, out, lse_out, pdl=True, block_d=columns, num_warps=warps)
 
-            step()
-            want_out, want_lse = lse_merge_reference(part, lse)
-            torch.testing.assert_close(out.float(), want_out, rtol=1e-2, atol=1e-2)
-            torch.testing.assert_close(lse_out, want_lse, rtol=1e-4, atol=1e-3)
-            shape = f"{splits} x {bn}"
+            for merge in ((128, 4), (SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS)):
+                out.zero_()
+                step(*merge)
+                want_out, want_lse = lse_merge_reference(part, lse)
+                torch.testing.assert_close(out.float(), want_out, rtol=1e-2, atol=1e-2)
+                torch.testing.assert_close(lse_out, want_lse, rtol=1e-4, atol=1e-3)
+            shape = f"{splits} x {bn}, {group} heads a program"
             for name, fn in ((f"two launches, {shape}: gather", lambda f=split_kernel: f(False)),
                              (f"two launches, {shape}: gather + partial", lambda f=split_kernel: f(True)),
-                             (f"two launches, {shape}: gather + partial + merge", step)):  # fmt: skip
+                             (f"two launches, {shape}: + merge, 128 columns on 4 warps", lambda f=step: f(128, 4)),
+                             (f"two launches, {shape}: + merge, {SMALL_MERGE_COLUMNS} columns on "
+                              f"{SMALL_MERGE_WARPS} warp (the small kernel's)",
+                              lambda f=step: f(SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS))):  # fmt: skip
                 table.setdefault(name, {})[batch] = replay_us(fn, rep=40, rounds=args.rounds)
         part = torch.zeros(CLUSTER, batch, HEADS, DV, device="cuda")
         lse = torch.zeros(CLUSTER, batch, HEADS, device="cuda")

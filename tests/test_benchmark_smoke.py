@@ -115,9 +115,11 @@ def test_small_decode_probes_compile_for_sm90(tmp_path: Path) -> None:
     sig = {**dict(zip(names[:5] + names[6:], types[:5] + types[6:], strict=True)), "BN": "constexpr"}
     sig["PARTIAL"] = "constexpr"
     plain_aligned = ("KV", "Rows", "Part", "stride_kv", "K")
-    ptx = compile_sm90(decode_combine_floor._gather_partial, sig, {"BN": 64, "PARTIAL": True}, aligned=plain_aligned,
-                       options={"num_warps": 4}).asm["ptx"]  # fmt: skip
-    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
+    sig["HG"] = "constexpr"
+    for group in (16, 8):
+        ptx = compile_sm90(decode_combine_floor._gather_partial, sig, {"BN": 64, "PARTIAL": True, "HG": group},
+                           aligned=plain_aligned, options={"num_warps": 4}).asm["ptx"]  # fmt: skip
+        assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
     stamped = decode_small_timeline.stamped_module(tmp_path)
     src = (tmp_path / "small_stamped.py").read_text()
     assert src.count("        _stamp(Tm, ") == 10

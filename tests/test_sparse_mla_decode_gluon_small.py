@@ -242,6 +242,8 @@ def _small_case(tokens, heads, seed, k=2048, dtype=torch.bfloat16):
         (3, 16, 64, True, True, torch.bfloat16),  # one split: the result written directly
         (2, 12, 2048, True, True, torch.bfloat16),  # two groups of heads: 8 and 4
         (1, 9, 1000, False, True, torch.bfloat16),  # two groups: 8 and 1; a top-k tail
+        (1, 16, 8192, True, True, torch.bfloat16),  # MAX_SPLITS splits of 128: the one-warp merge's widest
+        (2, 16, 8192, False, False, torch.bfloat16),
     ],
 )
 def test_small_kernel_matches_reference(tokens, heads, k, with_len, with_sinks, dtype):

@@ -27,8 +27,8 @@ Contract as :func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode`: an e
 ``[0, R)`` or past ``topk_length`` anywhere in a row is no key; sinks join split 0's denominator;
 a row with no key gives ``(0, -inf)`` (``(0, sink)`` with sinks). On sm_90 the kernel and its merge
 are programmatic dependent launches like the Triton path's. Measured on an H200 (graph replays,
-L2 flushed; benchmarks/RESULTS.md, fourteenth session), whole steps at 16 heads x 1 / 2 / 4 / 8 /
-16 tokens: 12.0 / 13.0 / 14.7 / 18.4 / 28.8 us against 12.7 / 14.4 / 16.9 / 21.8 / 36.2 for the Triton
+L2 flushed; benchmarks/RESULTS.md, fifteenth session), whole steps at 16 heads x 1 / 2 / 4 / 8 /
+16 tokens: 10.9 / 12.1 / 14.2 / 17.9 / 28.6 us against 12.7 / 14.4 / 17.0 / 21.5 / 36.2 for the Triton
 split kernel, so :func:`~shardattn.plan.routing.route_sparse_decode_kernel` routes those calls here.
 The torch reference is :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 """

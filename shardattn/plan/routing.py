@@ -107,13 +107,13 @@ are launches of their own) and the Triton split-KV kernel is as fast there. Meas
 16 / 32 programs: 0.94 / 1.21x at 128 heads (batch 8 / 16), 0.97 / 1.21x at 64 (batch 16 / 32)."""
 SMALL_DECODE_MAX_HEADS = 16
 """Most heads at which sparse-MLA decode may run the Gluon small-batch kernel
-(:mod:`~shardattn.kernels.sparse_mla_decode_gluon_small`: heads as the ``wgmma`` N, padded to 16)."""
+(:mod:`~shardattn.kernels.sparse_mla_decode_gluon_small`: heads as the ``wgmma`` N, padded to 8 or 16)."""
 SMALL_DECODE_MAX_TOKENS = 16
-"""Most query tokens at which it does. Measured on an H200 (benchmarks/RESULTS.md, fourteenth
+"""Most query tokens at which it does. Measured on an H200 (benchmarks/RESULTS.md, fifteenth
 session; ``benchmarks/decode.py --only sparse-small``: graph replays, L2 flushed, top-k 2048, whole
 steps with the column merge) at 16 heads against the Triton split-KV kernel's routed configuration
-in the same run: 12.0 / 13.0 / 14.7 / 18.4 / 28.8 us at 1 / 2 / 4 / 8 / 16 tokens against 12.7 /
-14.4 / 16.9 / 21.8 / 36.2; at 32 tokens (the development kernel, twelfth session) 54.5 against
+in the same run: 10.9 / 12.1 / 14.2 / 17.9 / 28.6 us at 1 / 2 / 4 / 8 / 16 tokens against 12.7 /
+14.4 / 17.0 / 21.5 / 36.2; at 32 tokens (the development kernel, twelfth session) 54.5 against
 46.2 (four waves of one 166 KB program an SM), so not there."""
 SPARSE_DECODE_KERNELS = ("gluon_small", "gluon", "triton", "reference")
 
@@ -449,7 +449,8 @@ def route_sparse_decode_kernel(
     if small_missing is None and t is not None and 1 <= t <= small_max_tokens and h <= small_max_heads:
         why = (
             f"SM90, {h} heads <= {small_max_heads} and {t} tokens <= {small_max_tokens}: Gluon small-batch kernel "
-            "(one warpgroup, rows gathered at once, heads as the wgmma N; faster than Triton there, measured)"
+            "(a warpgroup per 64 entries, rows gathered at once, heads as the wgmma N; faster than Triton there, "
+            "measured)"
         )
         return Route("gluon_small", 1, why)
     if h < gluon_min_heads:
