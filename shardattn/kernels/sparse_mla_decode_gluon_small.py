@@ -108,8 +108,9 @@ def small_decode_heads(num_tokens: int, splits: int, heads: int, num_sms: int) -
     ``heads``. Two programs on one split gather the same rows (the second mostly from the L2) but
     each runs the softmax, P.V and the partial's store on half the heads, on SMs that would
     otherwise idle. Measured on an H200 (benchmarks/RESULTS.md, fifteenth session): 0.1-0.8 us
-    faster at 1-4 tokens at 16 heads (paired runs); 4 heads a program was no faster at 1-2 tokens. At 8 heads or
-    fewer the 8-wide ``wgmma`` took 0.6-2.2 us off the 16-wide one at 1-16 tokens.
+    faster at 1-4 tokens at 16 heads (paired runs); 4 heads a program was no faster at 1-2
+    tokens. At 8 heads or fewer the 8-wide ``wgmma`` took 0.6-2.2 us off the 16-wide one at 1-16
+    tokens.
 
     >>> small_decode_heads(2, 32, 16, 132), small_decode_heads(5, 16, 16, 132), small_decode_heads(1, 32, 8, 132)
     (8, 16, 8)
