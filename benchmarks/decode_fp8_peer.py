@@ -37,8 +37,9 @@ from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
 from shardattn.kernels.sparse_mla_triton import flops
 from shardattn.ops.kv_fp8 import dequantize_kv, write_kv
+from shardattn.plan.spec import get_preset
 
-SCALE = 576**-0.5
+SCALE = get_preset("deepseek-v32").softmax_scale  # the model's: 192**-0.5 * mscale**2
 
 
 def make_case(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, seed: int):
