@@ -165,9 +165,7 @@ def _split_rows(name: str, rows: object, layout: KVRowLayout) -> tuple[torch.Ten
     )
 
 
-def quantize_kv_reference(
-    rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor], layout: KVRowLayout = FP8_DS_MLA
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv_reference(rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of the quantisation (module docstring: the rules), on any device.
 
     Args:
@@ -176,6 +174,7 @@ def quantize_kv_reference(
         ``(packed [R, 656] uint8, status [R] int32)``: :data:`WRITE_SATURATED` for rows that held
         NaN or inf, else :data:`WRITE_STORED`.
     """
+    layout = FP8_DS_MLA  # e4m3 with 448 = 1.75 * 2**8: the exponent rule below is written for it
     latent, rope = _split_rows("rows", rows, layout)
     n = latent.shape[0]
     x = latent.float().reshape(n, layout.num_tiles, layout.tile_size)
