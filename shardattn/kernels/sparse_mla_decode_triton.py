@@ -29,6 +29,7 @@ import triton.language as tl
 
 from shardattn.kernels.lse_merge import gdc_launch_dependents, gdc_wait, merge_partials_tile
 from shardattn.kernels.online_softmax import online_softmax_finish, online_softmax_step
+from shardattn.kernels.triton.kv_fp8_read import load_fp8_latent, load_fp8_rope
 
 LOG2E = 1.4426950408889634
 
@@ -57,7 +58,9 @@ def launch_split_kernel(
     """Launch ``_sparse_mla_decode_kernel`` on validated tensors (no checks, no allocation, no sync).
 
     Args:
-        q ``[T, H, D]``, kv ``[R, D]``, rows ``[T, K]`` int32, topk_length ``[T]`` / sinks ``[H]`` or None.
+        q ``[T, H, D]``, kv ``[R, D]`` in q's dtype or ``[R, 656]`` uint8 ``fp8_ds_mla`` rows
+        (:mod:`~shardattn.kernels.triton.kv_fp8_read`; ``D = 576``), rows ``[T, K]`` int32,
+        topk_length ``[T]`` / sinks ``[H]`` or None.
         dst_out ``[S, T, H, Dv]`` (fp32 or q's dtype) / dst_lse ``[S, T, H]`` fp32 partials
         (``out`` / ``lse_out`` when ``cfg["num_splits"] == 1``); out ``[T, H, Dv]``, lse_out
         ``[T, H]``: the result (written here only with one split or ``spread``); counters: int32
@@ -138,6 +141,7 @@ def launch_split_kernel(
         BLOCK_S=max(2, triton.next_power_of_2(splits)) if spread else 2,  # fixed when unused: no recompile
         MERGE_C=merge_c if spread else 16,
         PDL=pdl,
+        KV_FP8=kv.dtype == torch.uint8,
         num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 2),
         launch_pdl=pdl,
@@ -197,11 +201,16 @@ def _sparse_mla_decode_kernel(
     BLOCK_S: tl.constexpr,
     MERGE_C: tl.constexpr,
     PDL: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """One (head block, token, split): online softmax over rows ``[split*chunk, ...)`` of the top-k;
     with ``SPREAD`` every split merges its share of the cells once all splits arrived; with ``PDL``
     it waits for the grid before it and lets the next one launch after its stores."""
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
+    tl.static_assert(
+        not KV_FP8 or (DV == 512 and DR == 64 and BLOCK_DV == DV and BLOCK_DR == DR),
+        "fp8_ds_mla rows hold 512 latent + 64 rope",
+    )
     if PDL:  # the grid before this one (a union build, an indexer) wrote q / rows: wait for it
         gdc_wait()
     pid_h = tl.program_id(0)
@@ -240,16 +249,25 @@ def _sparse_mla_decode_kernel(
             nmask = offs_n < hi
             r = tl.load(Rows + tok * stride_rt + offs_n * stride_rk, mask=nmask, other=-1)
             valid = nmask & (r >= 0) & (r < R)
-            row_ptr = KV + tl.where(valid, r, 0).to(tl.int64)[:, None] * stride_kvr
-            k_nope = tl.load(row_ptr + offs_v[None, :] * stride_kvd, mask=valid[:, None] & vmask[None, :], other=0.0)
+            if KV_FP8:  # fp8_ds_mla rows (uint8, stride_kvr bytes), dequantised to q's dtype
+                fp8_row = KV + tl.where(valid, r, 0).to(tl.int64) * stride_kvr
+                k_nope = load_fp8_latent(fp8_row, valid, Q.dtype.element_ty)
+            else:
+                row_ptr = KV + tl.where(valid, r, 0).to(tl.int64)[:, None] * stride_kvr
+                k_nope = tl.load(
+                    row_ptr + offs_v[None, :] * stride_kvd, mask=valid[:, None] & vmask[None, :], other=0.0
+                )
             if IEEE:
                 s = tl.dot(q_nope, tl.trans(k_nope), input_precision="ieee")
             else:
                 s = tl.dot(q_nope, tl.trans(k_nope))
             if HAS_ROPE:
-                k_pe = tl.load(
-                    row_ptr + (DV + offs_r[None, :]) * stride_kvd, mask=valid[:, None] & rmask[None, :], other=0.0
-                )
+                if KV_FP8:
+                    k_pe = load_fp8_rope(fp8_row, valid, Q.dtype.element_ty)
+                else:
+                    k_pe = tl.load(
+                        row_ptr + (DV + offs_r[None, :]) * stride_kvd, mask=valid[:, None] & rmask[None, :], other=0.0
+                    )
                 if IEEE:
                     s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
                 else:

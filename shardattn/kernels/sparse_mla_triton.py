@@ -33,6 +33,7 @@ try:
     import triton.language as tl
 
     from shardattn.kernels.online_softmax import online_softmax_finish, online_softmax_step
+    from shardattn.kernels.triton.kv_fp8_read import load_fp8_latent, load_fp8_rope
 except ImportError:  # the torch reference still works
     triton = None
 
@@ -96,10 +97,12 @@ if triton is not None:
         qk_scale,
         G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         D_V: tl.constexpr, D_R: tl.constexpr, HAS_SINK: tl.constexpr, IEEE: tl.constexpr,
+        KV_FP8: tl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: tl.constexpr = G * BLOCK_H
         tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
         tl.static_assert(G <= 8, "the membership byte holds 8 queries")
+        tl.static_assert(not KV_FP8 or (D_V == 512 and D_R == 64), "fp8_ds_mla rows hold 512 latent + 64 rope")
         PREC: tl.constexpr = "ieee" if IEEE else "tf32"
         g = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)
@@ -129,9 +132,13 @@ if triton is not None:
                 kv_row = (e & 0xFFFFFF).to(tl.int64)
             else:
                 kv_row = e.to(tl.int64)
-            kv_base = KV + kv_row[:, None] * stride_kvr
-            k_nope = tl.load(kv_base + dv[None, :], mask=n_ok[:, None], other=0.0)
-            k_rope = tl.load(kv_base + D_V + dr[None, :], mask=n_ok[:, None], other=0.0)
+            if KV_FP8:  # fp8_ds_mla rows (uint8, stride_kvr bytes), dequantised to q's dtype
+                k_nope = load_fp8_latent(KV + kv_row * stride_kvr, n_ok, Q.dtype.element_ty)
+                k_rope = load_fp8_rope(KV + kv_row * stride_kvr, n_ok, Q.dtype.element_ty)
+            else:
+                kv_base = KV + kv_row[:, None] * stride_kvr
+                k_nope = tl.load(kv_base + dv[None, :], mask=n_ok[:, None], other=0.0)
+                k_rope = tl.load(kv_base + D_V + dr[None, :], mask=n_ok[:, None], other=0.0)
             s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PREC)
             s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PREC)
             if G > 1:
@@ -228,7 +235,9 @@ def launch_attention(
     written in place with strides); otherwise ``[T, H, ...]``. Any strides, unit last-dim stride.
 
     Args:
-        q: ``[T, H, D]`` or ``[B, T, H/B, D]``; kv: ``[R, D]``; union: ``[ceil(T/G), W]`` int32;
+        q: ``[T, H, D]`` or ``[B, T, H/B, D]``; kv: ``[R, D]`` in q's dtype, or ``[R, 656]`` uint8
+            ``fp8_ds_mla`` rows (``D = 576``; dequantised in the kernel,
+            :mod:`~shardattn.kernels.triton.kv_fp8_read`); union: ``[ceil(T/G), W]`` int32;
             lens: ``[ceil(T/G)]``.
         config: :func:`tile_config` for ``(H, G)``.
         out / lse: optional destinations ``[T, H, v_dim]`` / ``[T, H]`` (or head-blocked
@@ -250,6 +259,7 @@ def launch_attention(
         scale * LOG2E,
         G=config.group_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None, IEEE=q.dtype == torch.float32,
+        KV_FP8=kv.dtype == torch.uint8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, lse
