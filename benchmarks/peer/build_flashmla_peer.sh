@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the FlashMLA peer for benchmarks/prefill_clocks.py --peer-lib (sm_90a only).
+# Builds the FlashMLA peer for benchmarks/sparse_prefill.py --peer-lib (sm_90a only).
 #   benchmarks/peer/build_flashmla_peer.sh FLASHMLA_DIR CUTLASS_DIR OUT.so
 # FLASHMLA_DIR: a FlashMLA checkout (its csrc/ is used); CUTLASS_DIR: the CUTLASS its csrc/cutlass
 # submodule pins. Neither is part of shardattn.
