@@ -60,7 +60,7 @@ def bench_ms(fn, warmup: int = 30, rep: int = 200) -> float:
 
 def graph_ms(fn) -> float:
     """Median milliseconds of ``fn`` captured in a CUDA graph (the library's :class:`DecodeGraph`:
-    side-stream warm-up, then capture) and replayed: device time, no host launch overhead."""
+    side-stream warm-up, then capture) and replayed: GPU time, no host launch overhead."""
     return bench_ms(DecodeGraph(fn, {}).graph.replay)
 
 
