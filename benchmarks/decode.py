@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import replay_us
 from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.kernels import flashinfer_xqa
@@ -42,7 +43,6 @@ from shardattn.kernels.gqa_decode import gqa_paged_decode, gqa_paged_decode_refe
 from shardattn.kernels.lse_merge import lse_merge
 from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
-from shardattn.parallel.cudagraph import DecodeGraph
 
 SECTIONS = ("sparse", "sparse-small", "gqa", "merge", "graph")
 LARGE = ((128, 64), (128, 128), (128, 256), (64, 64), (64, 128), (64, 256), (32, 256))
@@ -59,9 +59,8 @@ def bench_ms(fn, warmup: int = 30, rep: int = 200) -> float:
 
 
 def graph_ms(fn) -> float:
-    """Median milliseconds of ``fn`` captured in a CUDA graph (the library's :class:`DecodeGraph`:
-    side-stream warm-up, then capture) and replayed: GPU time, no host launch overhead."""
-    return bench_ms(DecodeGraph(fn, {}).graph.replay)
+    """Median milliseconds of ``fn``'s CUDA-graph replays (``graph_timing.replay_us``)."""
+    return replay_us(fn) * 1e-3
 
 
 def check(what: str, got: torch.Tensor, ref: torch.Tensor, tol: float = 2e-2) -> None:

@@ -63,6 +63,21 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "the small-batch kernel can take (routed points ringed).",
         ("small-batch-decode-2026-12-01.png",),
     ),
+    "fp8-decode-peer": (
+        "Sparse-MLA decode beside FlashMLA's FP8 decode",
+        "FlashMLA's SM90 FP8 sparse decode (rows in the fp8_ds_mla format, written by "
+        "`shardattn.ops.kv_fp8.write_kv`) against the routed bf16 decode on the same rows (shardattn's "
+        "attention kernels do not read FP8 rows yet): microseconds per step, graph replays with the "
+        "L2 flushed, top-k 2,048 of a 65,536-row paged cache.",
+        (),
+    ),
+    "kv-fp8-write": (
+        "FP8 KV-row write",
+        "Writing new tokens' bf16 rows into a paged fp8_ds_mla cache at random slots "
+        "(`shardattn.ops.kv_fp8.write_kv`) against storing the same rows as bf16, same run; graph "
+        "replays with the L2 flushed.",
+        (),
+    ),
     "gqa-decode": (
         "GQA paged decode",
         "64 q / 8 kv heads, head dim 64, page 32, bf16, 64 requests of 8,192 tokens; graph replays. "

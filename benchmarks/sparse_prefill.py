@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))
 from prefill_inputs import (
     D_R,
     D_V,
@@ -94,7 +95,7 @@ class Case:
             for tg in sorted({1, tile_group_size(heads)}):
                 self.runs[f"triton_g{tg}"] = self._triton(q, kv, rows, tg, kv_rows, scale, sample, ref_out)
         if peer is not None:
-            from peer.flashmla import runner
+            from flashmla_prefill import runner  # beside its .cu in peer/
 
             run, p_out, _ = runner(peer, q, kv, rows, scale)
             run()
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     peer = None
     if args.peer_lib:
-        from peer.flashmla import load
+        from flashmla_prefill import load
 
         peer = load(args.peer_lib)
     env = environment()

@@ -17,10 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-BENCHMARKS = ("sparse_prefill", "union_build", "decode", "decode_dcp", "scaling", "ray_pool")
+BENCHMARKS = ("sparse_prefill", "union_build", "decode", "decode_dcp", "scaling", "ray_pool", "decode_fp8_peer",
+              "kv_fp8_write")  # fmt: skip
 ENV = {"gpu": "CPU", "date": "2026-12-02", "commit": "abc1234", "command": "python benchmarks/x.py",
        "versions": {"torch": "2.13.0", "triton": "3.9.0"}}  # fmt: skip
 
@@ -62,6 +64,11 @@ def test_gpu_only_benchmarks_refuse_to_run_without_their_gpus(capsys: pytest.Cap
         assert "torchrun" in capsys.readouterr().err
     assert _module("union_build").main(["--heads", "64", "--device", "cpu"]) == 2  # 64 heads are not grouped
     assert "G = 1" in capsys.readouterr().err
+    assert _module("decode_fp8_peer").main([]) == 2
+    assert "--peer-lib" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert _module("kv_fp8_write").main([]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_sparse_prefill_cpu_run_writes_its_records(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""FlashMLA's SM90 sparse prefill as a measured peer, launched through ctypes.
+"""FlashMLA's SM90 sparse prefill as a measured peer, launched through ctypes (benchmarks only).
 
 ``build_flashmla_peer.sh`` (beside this file) builds the shared library from a FlashMLA checkout
 and the CUTLASS it pins (neither is part of shardattn); ``flashmla_sparse_prefill.cu`` is its
