@@ -14,6 +14,11 @@ each path's median (the slowest rank's), the cost model's prediction and its err
 ratio to head-TP measured in the same run, and counts the configurations where the router's
 step is within 5 % of the fastest measured path and every prediction within 15 %.
 
+``--shardq-chunks N ...``, ``--taper`` and ``--one-union`` also time the ShardQ step with those
+Runtime options (``prefill_chunks``, ``prefill_taper``, ``prefill_one_union``; the planner's chunks
+when no count is given) beside the default ShardQ step of the same run, each first checked to give
+the default step's bits.
+
 ``--simulate W ...`` adds the same table predicted for ``W`` ranks from the calibration, with the
 all-to-all bus bandwidth ``--a2a-gbps`` (default: the calibration's two-rank rate) and latency
 ``--a2a-latency-us``: the calibration holds only the world sizes it was measured at.
@@ -41,7 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.calibrate.steps import PATHS, measure_paths, with_heads
+from shardattn.calibrate.timing import median_ms
 from shardattn.launch.local import run_ranks
+from shardattn.launch.workloads import build_prefill
+from shardattn.parallel.runtime import Runtime
 from shardattn.plan.cost import CollectiveRate, CostModel, StepShape, choose_prefill, load_calibration
 from shardattn.plan.spec import ModelSpec, get_preset
 
@@ -73,7 +81,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--a2a-gbps", type=float, default=None, help="all-to-all bus GB/s for --simulate")
     p.add_argument("--a2a-latency-us", type=float, default=None, help="all-to-all latency for --simulate")
     p.add_argument("--predict-only", action="store_true", help="no measurement: predictions only (any machine)")
+    p.add_argument("--shardq-chunks", type=int, nargs="+", default=[], help="also time ShardQ at these chunk counts")
+    p.add_argument("--taper", action="store_true", help="... with tapered chunks (Runtime(prefill_taper=True))")
+    p.add_argument("--one-union", action="store_true", help="... with one union build per step")
     return p
+
+
+def shardq_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """``(label, Runtime keywords)`` of the extra ShardQ steps the options ask for."""
+    counts = args.shardq_chunks or ([None] if args.taper or args.one_union else [])
+    out = []
+    for c in counts:
+        label = ("the planner's chunks" if c is None else f"{c} chunks") + (", tapered" if args.taper else "")
+        label += ", one union build" if args.one_union else ""
+        out.append((label, {"prefill_chunks": c, "prefill_taper": args.taper, "prefill_one_union": args.one_union}))
+    return out
+
+
+def time_shardq_variants(
+    group: dist.ProcessGroup, spec: ModelSpec, tokens: int, args: argparse.Namespace, device: torch.device
+) -> dict[str, float]:
+    """Median ms on this rank of each :func:`shardq_variants` step, on ``measure_paths``' synthetic
+    step; raises when one does not give the default ShardQ step's bits."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    step = build_prefill(heads=spec.num_heads, head_dim=spec.head_dim, tokens=tokens, requests=4,
+                         cached=(args.cached,) * 4, topk=spec.topk, overlap="dsa", dtype=getattr(torch, spec.dtype),
+                         device=device, seed=0, block_size=spec.page_size)  # fmt: skip
+    h = spec.num_heads // world
+    q_local = step.q[:, rank * h : (rank + 1) * h].contiguous()
+    common = {"max_batched_tokens": tokens, "device": device, "topk": spec.topk, "min_shard_tokens": 1024,
+              "min_group_tokens": 1024, "warmup": False}  # fmt: skip
+
+    def runtime_step(kw: dict[str, Any]):
+        rt = Runtime(spec, group, mode="shardq", cost_model=None, **common, **kw)
+        plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+        return rt, plan, rt.prefill(q_local, step.kv, step.rows, plan=plan, check=True)
+
+    _, _, want = runtime_step({})
+    ms = {}
+    for label, kw in shardq_variants(args):
+        rt, plan, got = runtime_step(kw)
+        if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+            raise RuntimeError(f"ShardQ with {label} differs from the default ShardQ step (rank {rank})")
+        ms[label] = median_ms(lambda rt=rt, plan=plan: rt.prefill(q_local, step.kv, step.rows, plan=plan, check=False),
+                              device=device, reps=args.reps, warmup=2, group=group)  # fmt: skip
+    return ms
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, str, int | None, int]]:
@@ -105,6 +157,7 @@ def measure(group: dist.ProcessGroup, args: argparse.Namespace) -> list[dict[str
         res = measure_paths(
             group, spec, tokens=tokens, requests=4, cached=args.cached, device=device, model=model, reps=args.reps
         )
+        res["variants"] = time_shardq_variants(group, spec, tokens, args, device) if shardq_variants(args) else {}
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, res, group=group)
         if rank == 0:
@@ -121,6 +174,7 @@ def measure(group: dist.ProcessGroup, args: argparse.Namespace) -> list[dict[str
                     "predicted_ms": res["predicted_ms"],
                     "path": res["path"],
                     "router_reason": res["reason"].get("router", ""),
+                    "variants": {k: max(r["variants"][k] for r in gathered) for k in res["variants"]},
                 }
             )
             print(_line(rows[-1]), flush=True)
@@ -167,6 +221,9 @@ def measured_records(rows: list[dict[str, Any]], env: dict[str, Any]) -> list[di
         fastest = min(ms["headtp"], ms["shardq"])
         out.append(record("prefill-scaling", config, "router's step ms", ms["router"], "ms", "lower",
                           ("fastest measured path, same run", fastest), env))  # fmt: skip
+        for label, v in row["variants"].items():
+            out.append(record("prefill-scaling", config, f"ShardQ step ms, {label}", v, "ms", "lower",
+                              ("ShardQ step, same run", ms["shardq"]), env))  # fmt: skip
         for k in PATH_NAMES:
             if k in pred and k in ms:
                 out.append(record("cost-model", config | {"path": PATH_NAMES[k]}, "predicted step ms", pred[k], "ms",

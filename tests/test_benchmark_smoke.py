@@ -100,10 +100,15 @@ def test_union_build_cpu_run_checks_and_records(tmp_path: Path) -> None:
 
 
 def test_scaling_measures_two_cpu_ranks_and_predicts_more(tmp_path: Path) -> None:
+    """Every path and a tapered, one-union ShardQ variant (checked bit-equal to the plain step by
+    the benchmark itself) on two gloo ranks, then predictions for 4 and 8 ranks."""
     out = tmp_path / "scaling.json"
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(BENCH / "scaling.py"),
-          "--tokens", "512", "--topk", "16", "--reps", "1", "--configs", "0", "--json", str(out)])  # fmt: skip
+          "--tokens", "1024", "--topk", "16", "--reps", "1", "--configs", "0", "--shardq-chunks", "3", "--taper",
+          "--one-union", "--json", str(out)])  # fmt: skip
     recs = _records(out)
+    variant = [r for r in recs if r["metric"] == "ShardQ step ms, 3 chunks, tapered, one union build"]
+    assert len(variant) == 1 and variant[0]["baseline"]["name"] == "ShardQ step, same run"
     assert {r["benchmark"] for r in recs} == {"prefill-scaling", "cost-model"}
     assert recs[0]["command"].startswith("torchrun --nproc-per-node 2 benchmarks/scaling.py")
     assert recs[0]["gpu"] == "2 x CPU" and recs[0]["config"]["ranks"] == 2
