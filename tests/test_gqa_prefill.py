@@ -199,7 +199,9 @@ def test_warm_up_runs_every_variant_with_the_real_argument_forms() -> None:
     assert len(variants) == 6
     fake = FakeFA4()
     assert fa4.warm_up([*variants, variants[0]], "cpu", fn=fake) == 6
-    seen = {(c["paged"], c["causal"], c["window_size"][0] is not None, c["sink"], c["segments"] > 256) for c in fake.calls}
+    seen = {
+        (c["paged"], c["causal"], c["window_size"][0] is not None, c["sink"], c["segments"] > 256) for c in fake.calls
+    }
     assert seen == {
         (False, True, False, True, False), (False, True, True, True, False), (True, False, False, False, False),
         (False, True, False, True, True), (False, True, True, True, True), (True, False, False, False, True),

@@ -101,7 +101,8 @@ def check_prefix_inputs(
 ) -> bool:
     """Validate a cached prefix (all four arguments or none); returns whether one is given.
 
-    Values (lengths, pages) are checked only on CPU tensors, where reading them costs no sync.
+    Values (lengths, pages) are checked only on CPU tensors, where reading them costs no sync
+    (lengths given on the CPU are checked against the table's capacity wherever the table lives).
     """
     given = [x is not None for x in (k_cache, v_cache, block_table, prefix_lens)]
     if not any(given):
@@ -127,6 +128,7 @@ def check_prefix_inputs(
         lens = prefix_lens.tolist()
         if min(lens) < 0 or max(lens) > capacity:
             raise ValueError(f"prefix_lens must be in [0, max_pages * page_size = {capacity}], got {lens[:8]}")
+    if prefix_lens.device.type == "cpu" and block_table.device.type == "cpu" and batch:
         bad = [
             b
             for b, n in enumerate(lens)

@@ -31,7 +31,7 @@ the CPU path runs exactly the composition the GPU path runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -79,6 +79,10 @@ class Segments:
         req = torch.arange(b, device=cu_seqlens.device)
         token_request = torch.repeat_interleave(req, lens.long(), output_size=num_tokens)
         return cls(cu_seqlens.to(torch.int32), req, lens, cu_seqlens.long(), token_request)
+
+    def to(self, device: torch.device | str) -> Segments:
+        """A copy whose tensors live on ``device``."""
+        return Segments(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 @dataclass(frozen=True)
