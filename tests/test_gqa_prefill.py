@@ -109,6 +109,7 @@ def assert_close(got: tuple, want: tuple, atol: float, what: str) -> None:
 def test_reference_path_equals_oracle(case: Case) -> None:
     x = make_case(case)
     got = gqa_prefill(x["q"], x["k"], x["v"], x["cu"], **op_kwargs(x, case))
+    assert got[1].is_contiguous()
     assert_close(got, oracle(x, case), 2e-5, case.name)
 
 
@@ -129,7 +130,7 @@ def test_fa4_composition_equals_oracle(case: Case) -> None:
     if case.prefix_lens is not None:
         prefix = PagedPrefix(x["k_cache"], x["v_cache"], x["block_table"], x["prefix_lens"], 10**6)
     got = attend_segments(
-        x["q"], x["k"], x["v"], Segments.for_requests(x["cu"], x["q"].shape[0]), kernel=FA4SegmentKernel(fake),
+        x["q"], x["k"], x["v"], Segments.for_requests(x["cu"]), kernel=FA4SegmentKernel(fake),
         prefix=prefix, window_left=case.window_left, sinks=x["sinks"], scale=x["scale"],
     )  # fmt: skip
     assert_close(got, oracle(x, case), 2e-2, case.name)
@@ -151,7 +152,7 @@ def test_prefix_forms_agree_and_reference_chunks() -> None:
     torch.testing.assert_close(split, wide, atol=1e-6, rtol=0)
     q, k, v = x["q"], x["k"], x["v"]
     args = (q, k, v, x["cu"], (x["cu"][1:] - x["cu"][:-1]))
-    kw = dict(k_start=x["cu"][:-1], causal=True, window_left=2, sinks=x["sinks"], scale=0.3)
+    kw = dict(cu_k=x["cu"], causal=True, window_left=2, sinks=x["sinks"], scale=0.3)
     whole = segment_attention_reference(*args, **kw)
     chunked = segment_attention_reference(*args, **kw, chunk_bytes=1)
     torch.testing.assert_close(whole, chunked, atol=1e-6, rtol=0)
@@ -163,8 +164,8 @@ def test_empty_segments_and_missing_keys_give_the_merge_identity() -> None:
     k = torch.randn(4, 1, 8)
     cu = torch.tensor([0, 2, 3], dtype=torch.int32)
     lens = torch.tensor([0, 4], dtype=torch.int32)
-    start = torch.tensor([0, 0], dtype=torch.int32)
-    kw = dict(k_start=start, causal=True, window_left=-1, scale=1.0)
+    cu_k = torch.tensor([0, 0, 0], dtype=torch.int32)
+    kw = dict(cu_k=cu_k, causal=True, window_left=-1, scale=1.0)
     out, lse = segment_attention_reference(q, k, k, cu, lens, sinks=None, **kw)
     assert float(out[:2].abs().sum()) == 0 and bool(lse[:2].isneginf().all()) and bool(lse[2].isfinite().all())
     sinks = torch.tensor([0.5, -1.0])
@@ -185,7 +186,7 @@ def test_fa4_boundary_conversions() -> None:
     lse_ht = torch.arange(6.0).view(2, 3)
     lse_ht[1, 2] = float("-inf")
     assert torch.equal(fa4.lse_tokens_major(lse_ht), lse_ht.t())
-    assert fa4.lse_tokens_major(lse_ht).is_contiguous()
+    assert fa4.lse_tokens_major(lse_ht).data_ptr() == lse_ht.data_ptr()  # a view: no copy
     table = torch.tensor([[5, -1, 2], [-1, -1, -1]], dtype=torch.int32)
     assert fa4.page_table_for_fa4(table, 4).tolist() == [[3, 0, 2], [0, 0, 0]]
     with_window = fa4._window(7)
@@ -215,6 +216,7 @@ GPU_CASES = [
     Case("gpu_ragged_sinks", (70, 0, 129, 5), hq=8, hkv=2, d=64, sinks=True),
     Case("gpu_window", (150, 33), hq=8, hkv=1, d=64, window_left=16, sinks=True),
     Case("gpu_prefix_split", (40, 17, 0), (70, 0, 33), hq=8, hkv=2, d=64, page=16, sinks=True),
+    Case("gpu_prefix_split_tma_pages", (30, 20), (140, 128), hq=8, hkv=2, d=64, page=128, sinks=True),
     Case("gpu_prefix_window", (40, 9), (70, 5), hq=8, hkv=2, d=64, page=64, window_left=20, sinks=True),
     Case("gpu_head_dim_128", (65, 3), (17, 0), hq=4, hkv=4, d=128, page=32),
 ]

@@ -1,7 +1,9 @@
 """Adapter to FA4 (flash-attn-cute, the optional extra ``shardattn[fa4]``): dense GQA prefill forward.
 
 FA4 is imported lazily behind a cached getter (:func:`get_fa4`); nothing here runs at import time,
-and without FA4 every caller takes the torch reference (:func:`fa4_supports` says why).
+and without FA4 every caller takes the torch reference (:func:`fa4_supports` says why). The extra
+installs ``flash-attn-4>=4.0.0b36`` and what it requires (the CuTe DSL, quack-kernels, tvm-ffi);
+``flash-attn-4[cu13]`` selects the CuTe DSL's CUDA 13 libraries.
 
 What this adapter relies on, read from the source of flash-attn-4 4.0.0b36
 (``flash_attn/cute/interface.py``, ``softmax.py``, ``mask.py``, ``seqlen_info.py``):
@@ -117,7 +119,8 @@ def fa4_supports(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, str]:
 
 
 def lse_tokens_major(lse_heads_major: torch.Tensor) -> torch.Tensor:
-    """FA4's varlen LSE ``[H, T]`` (fp32, natural log) as the library's ``[T, H]`` (contiguous).
+    """FA4's varlen LSE ``[H, T]`` (fp32, natural log) as the library's ``[T, H]``: a transposed
+    view (no copy; callers that hand it out make it contiguous, merges copy it anyway).
 
     Both already use natural log, ``-inf`` for an empty row without a sink and the sink for one
     with a sink, so only the layout changes.
@@ -125,7 +128,7 @@ def lse_tokens_major(lse_heads_major: torch.Tensor) -> torch.Tensor:
     >>> lse_tokens_major(torch.tensor([[0.0, 1.0, 2.0], [3.0, 4.0, float("-inf")]])).tolist()
     [[0.0, 3.0], [1.0, 4.0], [2.0, -inf]]
     """
-    return lse_heads_major.float().t().contiguous()
+    return lse_heads_major.float().t()
 
 
 def page_table_for_fa4(block_table: torch.Tensor, num_pages: int) -> torch.Tensor:
@@ -187,7 +190,7 @@ def fa4_varlen(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_q: torch.Tensor,
-    k_start: torch.Tensor,
+    cu_k: torch.Tensor,
     k_len: torch.Tensor,
     *,
     causal: bool,
@@ -198,18 +201,20 @@ def fa4_varlen(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA4 over segments of contiguous keys (arguments validated by the caller).
 
-    Segment ``s`` holds query rows ``[cu_q[s], cu_q[s + 1])`` and keys ``[k_start[s], k_start[s] +
-    k_len[s])`` of ``k`` / ``v`` (ranges may overlap); masks bottom-right aligned (module docstring).
+    Segment ``s`` holds query rows ``[cu_q[s], cu_q[s + 1])`` and keys ``[cu_k[s], cu_k[s] +
+    k_len[s])`` of ``k`` / ``v`` (ranges may overlap; ``cu_k[S]`` is not read); masks bottom-right
+    aligned (module docstring).
 
     Args:
         q: ``[T, H, D]`` fp16/bf16; k, v: ``[Tk, Hkv, D]`` in q's dtype (last dim contiguous).
-        cu_q: ``[S + 1]`` int32; k_start, k_len: ``[S]`` int32, all on q's device.
+        cu_q, cu_k: ``[S + 1]`` int32; k_len: ``[S]`` int32, all on q's device.
         causal, window_left (``-1`` = none), sinks (``[H]`` fp32 or None), scale: the masks and softmax.
         fn: the FA4 function (default: :func:`get_fa4`); tests pass a stand-in.
     Returns:
-        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log)``.
+        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log)``, the LSE a transposed view
+        of FA4's ``[H, T]`` buffer (:func:`lse_tokens_major`).
     """
-    cu_k = torch.cat([k_start.to(torch.int32), k_start.new_zeros(1, dtype=torch.int32)]).contiguous()
+    cu_k = cu_k.to(torch.int32).contiguous()
     return _run(
         fn, q, k, v, cu_q=cu_q, cu_k=cu_k, k_len=k_len, page_table=None, causal=causal,
         window_left=window_left, sinks=sinks, scale=scale,
@@ -241,7 +246,7 @@ def fa4_paged(
         cu_q: ``[S + 1]`` int32; k_len: ``[S]`` int32 keys per segment.
         causal, window_left, sinks, scale, fn: as in :func:`fa4_varlen`.
     Returns:
-        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log)``.
+        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log)`` (the LSE a transposed view).
     """
     table = page_table_for_fa4(page_table, k_cache.shape[0])
     return _run(
@@ -305,7 +310,7 @@ def warm_up(variants: Iterable[FA4Variant], device: torch.device | str, *, fn: C
         kw = dict(causal=var.causal, window_left=64 if var.window else -1, sinks=sinks, scale=var.head_dim**-0.5)
         if var.page_size is None:
             kv = torch.randn(t, 2, var.num_kv_heads, var.head_dim, generator=g).to(device=device, dtype=var.dtype)
-            fa4_varlen(q, kv[:, 0], kv[:, 1], cu_q, cu_q[:-1], k_len, fn=fn, **kw)
+            fa4_varlen(q, kv[:, 0], kv[:, 1], cu_q, cu_q, k_len, fn=fn, **kw)
         else:
             pages = math.ceil(rows / var.page_size)
             shape = (segs * pages, var.page_size, var.num_kv_heads, var.head_dim)

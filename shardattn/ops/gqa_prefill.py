@@ -239,12 +239,11 @@ def gqa_prefill(
     if has_prefix:
         capacity = block_table.shape[1] * k_cache.shape[1]
         prefix = PagedPrefix(k_cache, v_cache, block_table, prefix_lens, capacity)
-    segments = Segments.for_requests(cu_seqlens, q.shape[0])
     out, lse = attend_segments(
-        q, k, v, segments, kernel=segment_kernel(route), prefix=prefix, window_left=window_left, sinks=sinks,
-        scale=scale,
+        q, k, v, Segments.for_requests(cu_seqlens), kernel=segment_kernel(route), prefix=prefix,
+        window_left=window_left, sinks=sinks, scale=scale,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return (out, lse.contiguous()) if return_lse else out
 
 
 def fa4_variants(

@@ -1,7 +1,8 @@
 """The torch reference of GQA prefill's one kernel shape: segments of queries over ranges of keys.
 
 Segment ``s`` holds query rows ``[cu_q[s], cu_q[s + 1])`` (``m`` rows) and ``L = k_len[s]`` keys:
-rows ``[k_start[s], k_start[s] + L)`` of contiguous ``k`` / ``v``, or positions ``j < L`` at
+rows ``[cu_k[s], cu_k[s] + L)`` of contiguous ``k`` / ``v`` (ranges may overlap; ``cu_k[S]`` is not
+read, as in FA4's ``cu_seqlens_k`` with ``seqused_k``), or positions ``j < L`` at
 ``cache[page_table[s, j // page], j % page]`` of a paged cache. Masks are aligned bottom-right
 (as FA4's, :mod:`shardattn.kernels.fa4`): with ``off = L - m``, query ``i`` sees key ``j`` when::
 
@@ -35,13 +36,13 @@ CHUNK_BYTES = 64 << 20
 
 
 def _key_rows(
-    s: int, lo: int, hi: int, k_start: list[int] | None, page_table: torch.Tensor | None, page: int
+    s: int, lo: int, hi: int, starts: list[int] | None, page_table: torch.Tensor | None, page: int
 ) -> torch.Tensor:
     """Rows of the (flattened) key tensor holding key positions ``[lo, hi)`` of segment ``s``."""
     device = page_table.device if page_table is not None else None
     pos = torch.arange(lo, hi, device=device)
     if page_table is None:
-        return pos + k_start[s]
+        return pos + starts[s]
     return page_table[s, pos // page].long() * page + pos % page
 
 
@@ -52,7 +53,7 @@ def segment_attention_reference(
     cu_q: torch.Tensor,
     k_len: torch.Tensor,
     *,
-    k_start: torch.Tensor | None = None,
+    cu_k: torch.Tensor | None = None,
     page_table: torch.Tensor | None = None,
     causal: bool,
     window_left: int,
@@ -63,10 +64,10 @@ def segment_attention_reference(
     """Attention of query segments over key ranges (module docstring), fp32, chunked.
 
     Args:
-        q: ``[T, H, D]``; k, v: ``[Tk, Hkv, D]`` contiguous keys (with ``k_start``), or
+        q: ``[T, H, D]``; k, v: ``[Tk, Hkv, D]`` contiguous keys (with ``cu_k``), or
             ``[num_pages, page, Hkv, D]`` paged (with ``page_table``), in any float dtype.
         cu_q: ``[S + 1]`` int32 query offsets; k_len: ``[S]`` int32 keys per segment.
-        k_start: ``[S]`` int32 first key row of each segment (contiguous keys).
+        cu_k: ``[S + 1]`` int32, ``cu_k[s]`` the first key row of segment ``s`` (contiguous keys).
         page_table: ``[S, M]`` int32 pages of each segment (paged keys; the pages holding its
             ``k_len`` keys must be valid).
         causal, window_left (``-1`` = none), sinks (``[H]`` fp32 or None), scale: masks and softmax.
@@ -85,7 +86,7 @@ def segment_attention_reference(
     values = v.reshape(-1, hkv, v.shape[-1])
     cu = cu_q.tolist()
     lens = k_len.tolist()
-    starts = None if paged else k_start.tolist()
+    starts = None if paged else cu_k[:-1].tolist()
     sink = None if sinks is None else sinks.float().view(1, hkv, group, 1)
     for s, length in enumerate(lens):
         q0, m = cu[s], cu[s + 1] - cu[s]

@@ -58,31 +58,41 @@ class Segments:
 
     Attributes:
         cu_q: ``[S + 1]`` int32 query-row offsets.
-        req: ``[S]`` int64 request of each segment.
         stop: ``[S]`` int32 new-token offset one past the segment's last query.
-        token_offsets: ``[R + 1]`` int64 start of each request's new tokens in token order.
-        token_request: ``[N]`` int64 request of each new token (token order).
+        token_offsets: ``[R + 1]`` int32 / int64 start of each request's new tokens in token order.
+        req: ``[S]`` int64 request of each segment; ``None``: segment ``s`` is request ``s``, whole
+            (then ``cu_q`` is ``token_offsets`` and ``stop`` the request lengths).
+        token_request: ``[N]`` int64 request of each new token; ``None``: computed when needed.
     """
 
     cu_q: torch.Tensor
-    req: torch.Tensor
     stop: torch.Tensor
     token_offsets: torch.Tensor
-    token_request: torch.Tensor
+    req: torch.Tensor | None = None
+    token_request: torch.Tensor | None = None
 
     @classmethod
-    def for_requests(cls, cu_seqlens: torch.Tensor, num_tokens: int) -> Segments:
-        """One segment per request, queries in token order (``cu_seqlens [B + 1]`` int32 ending
-        at ``num_tokens``; device ops only, no sync)."""
-        b = cu_seqlens.numel() - 1
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
-        req = torch.arange(b, device=cu_seqlens.device)
-        token_request = torch.repeat_interleave(req, lens.long(), output_size=num_tokens)
-        return cls(cu_seqlens.to(torch.int32), req, lens, cu_seqlens.long(), token_request)
+    def for_requests(cls, cu_seqlens: torch.Tensor) -> Segments:
+        """One segment per request, queries in token order (``cu_seqlens [B + 1]`` int32; one
+        device op)."""
+        return cls(cu_seqlens, (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32), cu_seqlens)
 
     def to(self, device: torch.device | str) -> Segments:
         """A copy whose tensors live on ``device``."""
-        return Segments(*(getattr(self, f.name).to(device) for f in fields(self)))
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Segments(**{n: None if t is None else t.to(device) for n, t in moved.items()})
+
+    def of_segments(self, per_request: torch.Tensor) -> torch.Tensor:
+        """``per_request[req[s]]`` for every segment (the tensor itself when segments are requests)."""
+        return per_request if self.req is None else per_request[self.req]
+
+    def request_of_tokens(self, num_tokens: int) -> torch.Tensor:
+        """``[num_tokens]`` int64 request of each new token (no sync: ``num_tokens`` is given)."""
+        if self.token_request is not None:
+            return self.token_request
+        offsets = self.token_offsets.long()
+        req = torch.arange(offsets.numel() - 1, device=offsets.device)
+        return torch.repeat_interleave(req, offsets[1:] - offsets[:-1], output_size=num_tokens)
 
 
 @dataclass(frozen=True)
@@ -115,9 +125,9 @@ class SegmentKernel(Protocol):
     name: str
 
     def contiguous(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, k_start: Tensor, k_len: Tensor, **kw: object
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor, **kw: object
     ) -> KernelResult:
-        """Segments over contiguous key ranges ``[k_start, k_start + k_len)``."""
+        """Segments over contiguous key ranges ``[cu_k[s], cu_k[s] + k_len[s])``."""
 
     def paged(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: object
@@ -131,9 +141,9 @@ class TorchSegmentKernel:
     name = "reference"
 
     def contiguous(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, k_start: Tensor, k_len: Tensor, **kw: object
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor, **kw: object
     ) -> KernelResult:
-        return segment_attention_reference(q, k, v, cu_q, k_len, k_start=k_start, **kw)
+        return segment_attention_reference(q, k, v, cu_q, k_len, cu_k=cu_k, **kw)
 
     def paged(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: object
@@ -150,9 +160,9 @@ class FA4SegmentKernel:
         self.fn = fn
 
     def contiguous(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, k_start: Tensor, k_len: Tensor, **kw: object
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor, **kw: object
     ) -> KernelResult:
-        return fa4.fa4_varlen(q, k, v, cu_q, k_start, k_len, fn=self.fn, **kw)
+        return fa4.fa4_varlen(q, k, v, cu_q, cu_k, k_len, fn=self.fn, **kw)
 
     def paged(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: object
@@ -188,20 +198,21 @@ def key_buffer(
         segments: the call's segments (token offsets and requests).
         tail, prefix: :func:`prefix_tail` and the cached prefixes (needed when ``tail > 0``).
     Returns:
-        ``(k_buf, v_buf, base [R] int64, tail_len [R] int64)``: the buffers (``k`` and ``v``
-        themselves when nothing needs copying), the buffer row of each request's new token 0,
-        and the prefix keys held before it.
+        ``(k_buf, v_buf, first [R], tail_len [R])``: the buffers (``k`` and ``v`` themselves when
+        nothing needs copying), the buffer row of each request's first key (its first prefix key
+        held, else its first new key) and the number of prefix keys held before its new keys.
     """
-    offsets, token_request = segments.token_offsets, segments.token_request
+    offsets = segments.token_offsets.long()
     r = offsets.numel() - 1
-    req = torch.arange(r, device=offsets.device)
-    base = offsets[:-1] + (req + 1) * tail
     if tail == 0:
-        tail_len = torch.zeros_like(base)
+        first = offsets[:-1]
+        tail_len = torch.zeros_like(first)
         if new_rows is None:
-            return k, v, base, tail_len
-        return k[new_rows], v[new_rows], base, tail_len
-    n = token_request.numel()
+            return k, v, first, tail_len
+        return k[new_rows], v[new_rows], first, tail_len
+    n = k.shape[0] if new_rows is None else new_rows.numel()
+    token_request = segments.request_of_tokens(n)
+    req = torch.arange(r, device=offsets.device)
     k_buf = k.new_zeros(n + r * tail, *k.shape[1:])
     v_buf = v.new_zeros(n + r * tail, *v.shape[1:])
     dst = torch.arange(n, device=k.device) + (token_request + 1) * tail
@@ -219,7 +230,8 @@ def key_buffer(
     keep = valid.reshape(-1, 1, 1)
     k_buf[slots] = torch.where(keep, prefix.k_cache.flatten(0, 1)[rows], 0)
     v_buf[slots] = torch.where(keep, prefix.v_cache.flatten(0, 1)[rows], 0)
-    return k_buf, v_buf, base, lens.clamp(max=tail)
+    tail_len = lens.clamp(max=tail)
+    return k_buf, v_buf, offsets[:-1] + (req + 1) * tail - tail_len, tail_len
 
 
 def attend_segments(
@@ -247,29 +259,30 @@ def attend_segments(
         keys_ready: called once before anything reads ``k`` / ``v`` (PCP: the all-gather's wait),
             after the split form's prefix call.
     Returns:
-        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log)``.
+        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log)``; the LSE may be a view.
     """
     ready = keys_ready if keys_ready is not None else (lambda: None)
     if q.shape[0] == 0:
         ready()
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]), q.new_zeros(q.shape[:2], dtype=torch.float32)
-    split = prefix is not None and window_left < 0
     partial = None
-    if split:
-        table = prefix.block_table[segments.req]
+    if prefix is not None and window_left < 0:  # the split form: the prefix in place, first
         partial = kernel.paged(
-            q, prefix.k_cache, prefix.v_cache, table, segments.cu_q, prefix.lens[segments.req],
-            causal=False, window_left=-1, sinks=None, scale=scale,
+            q, prefix.k_cache, prefix.v_cache, segments.of_segments(prefix.block_table), segments.cu_q,
+            segments.of_segments(prefix.lens), causal=False, window_left=-1, sinks=None, scale=scale,
         )  # fmt: skip
     ready()
     tail = prefix_tail(prefix, window_left)
-    k_buf, v_buf, base, tail_len = key_buffer(k, v, segments, new_rows=new_rows, tail=tail, prefix=prefix)
-    k_start = (base - tail_len)[segments.req].to(torch.int32)
-    k_len = (tail_len[segments.req] + segments.stop).to(torch.int32)
+    if tail == 0 and new_rows is None and segments.req is None:  # keys = the new tokens, as they are
+        k_buf, v_buf, cu_k, k_len = k, v, segments.cu_q, segments.stop
+    else:
+        k_buf, v_buf, first, tail_len = key_buffer(k, v, segments, new_rows=new_rows, tail=tail, prefix=prefix)
+        start = segments.of_segments(first)
+        cu_k = torch.cat([start, start[-1:]]).to(torch.int32)  # cu_k[S] is never read
+        k_len = (segments.of_segments(tail_len) + segments.stop).to(torch.int32)
     out, lse = kernel.contiguous(
-        q, k_buf, v_buf, segments.cu_q, k_start, k_len, causal=True, window_left=window_left, sinks=sinks,
-        scale=scale,
-    )  # fmt: skip
+        q, k_buf, v_buf, segments.cu_q, cu_k, k_len, causal=True, window_left=window_left, sinks=sinks, scale=scale
+    )
     if partial is not None:
         out, lse = lse_merge(torch.stack([out, partial[0]]), torch.stack([lse, partial[1]]))
     return out, lse

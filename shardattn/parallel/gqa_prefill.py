@@ -162,9 +162,9 @@ def pcp_segments(plan: PCPPlan, rank: int) -> tuple[Segments, torch.Tensor]:
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     segments = Segments(
         cu_q=torch.from_numpy(cu),
-        req=torch.from_numpy(req),
         stop=torch.from_numpy(stop.astype(np.int32)),
         token_offsets=shard.token_offsets.clone(),
+        req=torch.from_numpy(req),
         token_request=shard.token_request.clone(),
     )
     return segments, shard.prefix_lens.to(torch.int32)
