@@ -101,7 +101,7 @@ def segment_attention_reference(
             rows = _key_rows(s, lo, hi, starts, page_table, page).to(q.device)
             kc = keys[rows].float()  # [n, Hkv, D]
             vc = values[rows].float()
-            qc = q[q0 + i0 : q0 + i1].float().view(i1 - i0, hkv, group, d)
+            qc = q[q0 + i0 : q0 + i1].float().reshape(i1 - i0, hkv, group, d)
             scores = torch.einsum("cgrd,ngd->cgrn", qc, kc) * scale  # [c, Hkv, G, n]
             qi = torch.arange(i0, i1, device=q.device)[:, None] + off
             kj = torch.arange(lo, hi, device=q.device)[None, :]
