@@ -19,7 +19,9 @@ fp16 / bf16, its head dims), else the fp32 torch reference
 (:mod:`~shardattn.ops.gqa_prefill_reference`), on CPU and GPU alike. Both run the same
 composition (:mod:`~shardattn.ops.gqa_prefill_segments`): one call over contiguous keys, or, with
 a cached prefix and no window, the prefix read in place from the paged cache plus the new keys,
-merged by LSE.
+merged by LSE. On the FA4 path with pages of FA4's key tile (128 tokens at head_dim 64 or 128 on
+SM90) whole pages load by TMA: the rows of a request's last prefix page past its prefix must hold
+finite values (any; a zero-initialised cache does), as FA4 requires.
 """
 
 from __future__ import annotations
