@@ -14,14 +14,18 @@ arguments, never on measured speed):
 * **combined** (no cached prefix, or a window): one kernel call over a contiguous key buffer
   holding, per request, the last ``tail_b = min(prefix_b, window_left)`` prefix keys followed by
   its new keys (:func:`key_buffer`; no copy at all when there is no prefix tail and the new keys
-  are already in token order). Segment ``s`` reads keys ``[base - tail_b, base + stop_s)``, and
+  are already in token order). Segment ``s`` of request ``b`` reads buffer rows
+  ``[base_b - tail_b, base_b + stop_s)`` (``base_b``: the row of the request's first new key), and
   the bottom-right causal mask with the window is exactly the contract. Sinks enter once.
 * **split** (a cached prefix, no window): the prefix is read in place from the paged cache
   (every query sees all of it: no mask, no sink), the new keys in a second call (causal, with the
-  sinks), and the two partials are merged by :func:`~shardattn.kernels.lse_merge.lse_merge`. The
-  prefix call needs no new key, so PCP runs it while the new keys are still being all-gathered
-  (``keys_ready``). A window cannot take this form: a kernel's window is aligned to the end of
-  each segment's keys, while the prefix part would need it aligned to each segment's start.
+  sinks), and the two partials are merged by :func:`~shardattn.kernels.lse_merge.lse_merge`. This
+  copies no prefix key (a prefix may be far longer than the new tokens) at the cost of one merge
+  pass over the two partial outputs, and the prefix call needs no new key, so PCP runs it while
+  the new keys are still being all-gathered (``keys_ready``). A window cannot take this form: a
+  kernel's window is aligned to the end of each segment's keys, while the prefix part would need
+  it aligned to each segment's first query; with a window the copied prefix keys are at most
+  ``window_left`` per request.
 
 The kernel calls go through a :class:`SegmentKernel`: :class:`TorchSegmentKernel` (the reference,
 :mod:`~shardattn.ops.gqa_prefill_reference`) or :class:`FA4SegmentKernel` (the FA4 adapter), so
