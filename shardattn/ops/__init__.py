@@ -2,10 +2,10 @@
 
 * :mod:`shardattn.ops.kv_fp8`: the FP8 KV-row format (``fp8_ds_mla``): quantise, dequantise, write.
 * :mod:`shardattn.ops.gqa_prefill`: GQA prefill (varlen, causal, a cached prefix in a paged cache,
-  sinks, left window) on FA4 or the torch reference; :func:`gqa_prefill_route` says which and why.
+  sinks, left window) on FA4 or the torch reference; ``gqa_prefill_route`` says which and why.
+  (Imported from its module: a function of the module's name here would hide the module.)
 """
 
-from shardattn.ops.gqa_prefill import gqa_prefill, gqa_prefill_route
 from shardattn.ops.kv_fp8 import (
     FP8_DS_MLA,
     KV_FP8_DS_MLA,
@@ -31,8 +31,6 @@ __all__ = [
     "check_fp8_kv",
     "check_write_status",
     "dequantize_kv",
-    "gqa_prefill",
-    "gqa_prefill_route",
     "quantize_kv",
     "quantize_kv_reference",
     "write_kv",
