@@ -135,3 +135,13 @@ def test_small_decode_probes_compile_for_sm90(tmp_path: Path) -> None:
     ptx = compile_sm90(stamped._small_split_kernel, sig, constexprs, aligned=aligned,
                        options={"num_warps": 4}).asm["ptx"]  # fmt: skip
     assert ptx.count("%clock64") == 10
+
+
+def test_gqa_prefill_dry_run(tmp_path: Path) -> None:
+    out = tmp_path / "gqa_prefill.json"
+    text = _run(
+        [sys.executable, str(BENCH / "gqa_prefill.py"), "--cpu", "--iters", "1", "--warmup", "0", "--json", str(out)]
+    )
+    assert "| 2x(24 on 40) | 8 | 1 / 1 |" in text and "FA4 not timed: FA4 needs CUDA tensors" in text
+    rows = json.loads(out.read_text())
+    assert len(rows) == 6 and all(r["step_equals_op"] and r["route"] == "reference" for r in rows)
