@@ -39,6 +39,14 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "back*: the same cases again once the GPU sits at its power limit.",
         (),
     ),
+    "gqa-prefill": (
+        "GQA prefill, one GPU",
+        "GQA prefill (64 q / 8 kv heads, head dim 64, bf16, sinks; new tokens causal, optionally a "
+        "sliding window or a cached prefix read through a paged cache): the library's op and the "
+        "head-TP step at one rank's heads of a TP group, against FA4's "
+        "`flash_attn_varlen_func` called directly on the same tensors, same run.",
+        (),
+    ),
     "union-build": (
         "Union build of grouped prefill",
         "Each group's sorted union of top-k rows with a membership bit per query (`G` = 64 / heads "

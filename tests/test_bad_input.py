@@ -2,7 +2,7 @@
 
 Each row of ``ROWS`` names an entry point and a bad argument, and states what it must get (the
 rows live in ``tests/bad_input/``: the harness in ``table.py``, the rows by layer in
-``kernel_rows.py``, ``plan_rows.py`` and ``parallel_rows.py``):
+``kernel_rows.py``, ``plan_rows.py`` and ``parallel_rows.py``, GQA prefill's in ``gqa_prefill_rows.py``):
 
 * ``Raises(TypeError | ValueError, match)``: the error names the argument (``match`` is a regex
   on the message), it is raised before any kernel runs (the kernels and references of
@@ -34,6 +34,7 @@ from shardattn import plan as P
 from shardattn.kernels import lse_merge as merge_mod
 from shardattn.kernels import sparse_mla as mla_mod
 from shardattn.launch.cli import LaunchError, parse_options
+from tests.bad_input.gqa_prefill_rows import gqa_prefill_rows
 from tests.bad_input.kernel_rows import kernel_rows
 from tests.bad_input.parallel_rows import parallel_rows
 from tests.bad_input.plan_rows import plan_rows
@@ -52,7 +53,7 @@ from tests.bad_input.table import (
 )
 
 #: The table: rows live in tests/bad_input/ by layer (kernels, planner, parallel steps and Runtime).
-ROWS: list[Row] = [*kernel_rows(), *plan_rows(), *parallel_rows()]
+ROWS: list[Row] = [*kernel_rows(), *plan_rows(), *parallel_rows(), *gqa_prefill_rows()]
 BY_ID = {r.id: r for r in ROWS}
 assert len(BY_ID) == len(ROWS), "row ids must be unique"
 
@@ -137,10 +138,13 @@ def test_table_covers_every_public_kernel_and_plan_function() -> None:
     assert not missing, f"plan functions without a row: {sorted(missing)}"
     kernels = {
         "sparse_mla_attention", "sparse_mla_grouped_prefill", "sparse_mla_decode", "gqa_paged_decode",
-        "lse_merge", "convert_topk", "build_union", "split_partials",
+        "lse_merge", "convert_topk", "build_union", "split_partials", "gqa_prefill",
     }  # fmt: skip
     assert kernels <= covered, sorted(kernels - covered)
-    steps = {"shardq_prefill", "dcp_sparse_mla_decode", "dcp_gqa_decode", "pcp_prefill", "collect_partials"}
+    steps = {
+        "shardq_prefill", "dcp_sparse_mla_decode", "dcp_gqa_decode", "pcp_prefill", "collect_partials",
+        "gqa_prefill_head_tp", "gqa_prefill_pcp",
+    }  # fmt: skip
     assert steps | {"Runtime", "Runtime.prefill", "Runtime.decode"} <= covered
 
 

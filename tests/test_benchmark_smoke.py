@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 BENCHMARKS = ("sparse_prefill", "union_build", "decode", "decode_dcp", "scaling", "ray_pool", "decode_fp8_peer",
-              "kv_fp8_write")  # fmt: skip
+              "kv_fp8_write", "gqa_prefill")  # fmt: skip
 ENV = {"gpu": "CPU", "date": "2026-12-02", "commit": "abc1234", "command": "python benchmarks/x.py",
        "versions": {"torch": "2.13.0", "triton": "3.9.0"}}  # fmt: skip
 
@@ -104,7 +104,7 @@ def test_scaling_measures_two_cpu_ranks_and_predicts_more(tmp_path: Path) -> Non
     the benchmark itself) on two gloo ranks, then predictions for 4 and 8 ranks."""
     out = tmp_path / "scaling.json"
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(BENCH / "scaling.py"),
-          "--tokens", "1024", "--topk", "16", "--reps", "1", "--configs", "0", "--shardq-chunks", "3", "--taper",
+          "--tokens", "1024", "--topk", "16", "--reps", "1", "--configs", "2", "--shardq-chunks", "3", "--taper",
           "--one-union", "--json", str(out)])  # fmt: skip
     recs = _records(out)
     variant = [r for r in recs if r["metric"] == "ShardQ step ms, 3 chunks, tapered, one union build"]
@@ -190,3 +190,16 @@ def test_the_command_is_what_a_user_types(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert records.command_line(argv) == "torchrun --nproc-per-node 2 benchmarks/decode.py --only gqa,merge"
+
+
+def test_gqa_prefill_cpu_run_checks_the_step_and_records(tmp_path: Path) -> None:
+    """Every CPU case at TP 1 and 8 (the step checked bit-equal to the op by the benchmark);
+    without CUDA FA4 is not timed, so the records carry no baseline."""
+    out = tmp_path / "gqa_prefill.json"
+    text = _run([sys.executable, str(BENCH / "gqa_prefill.py"), "--device", "cpu", "--iters", "1", "--warmup", "0",
+                 "--json", str(out)])  # fmt: skip
+    assert "FA4 not timed: FA4 needs CUDA tensors" in text and "GQA prefill" in text
+    recs = _records(out)
+    assert len(recs) == 12 and {r["metric"] for r in recs} == {"op ms", "head-TP step ms"}
+    assert {r["config"]["case"] for r in recs} == {"2x48", "2x48 window 5", "2x(24 on 40)"}
+    assert all(r["benchmark"] == "gqa-prefill" and r["baseline"] is None for r in recs)
