@@ -11,24 +11,29 @@ back-to-back calls, the median, after ``--warmup`` calls that include FA4's comp
   the heads one rank of a TP group holds (``--tp``: 64 / 8 heads at TP 1, 8 / 1 at TP 8; every rank
   of a head-TP step runs this same local call).
 
-Each row also checks the op against FA4 (largest difference of the outputs). The target: the
-head-TP step costs at most 1.05x FA4 called directly.
+Each row also checks the op against FA4 (largest difference of the outputs) and the step against
+the op (bit for bit). Records (``--json``, ``benchmarks/records.py``, benchmark ``gqa-prefill``):
+the op and the step, each against FA4 called directly in the same run.
 
     python benchmarks/gqa_prefill.py --json gqa_prefill.json
-    python benchmarks/gqa_prefill.py --cpu --iters 1     # dry run on tiny shapes (no FA4, no GPU)
+    python benchmarks/gqa_prefill.py --device cpu --iters 1   # dry run on tiny shapes (no FA4, no GPU)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.kernels import fa4
 from shardattn.ops.gqa_prefill import gqa_prefill, gqa_prefill_route
@@ -131,8 +136,8 @@ def flops(case: Case, heads: int, dim: int) -> float:
 
 def run_case(case: Case, args: argparse.Namespace, group: dist.ProcessGroup, tp: int) -> dict:
     heads, kv_heads = args.heads // tp, max(1, args.kv_heads // tp)
-    device = "cpu" if args.cpu else "cuda"
-    dtype = torch.float32 if args.cpu else torch.bfloat16
+    device = args.device
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     x = make_inputs(case, heads, kv_heads, args.dim, args.page, device, dtype)
     scale = args.dim**-0.5
     prefix = {}
@@ -146,12 +151,11 @@ def run_case(case: Case, args: argparse.Namespace, group: dist.ProcessGroup, tp:
     def step() -> torch.Tensor:  # one rank's shapes of a TP group, on a one-rank group
         return gqa_prefill_head_tp(x["q"], x["k"], x["v"], x["cu"], group, num_kv_heads=kv_heads, **common)
 
-    cuda = not args.cpu
+    cuda = device == "cuda"
     route = gqa_prefill_route(x["q"], x["k"])
     row = {
         "case": case.name, "tp": tp, "heads": heads, "kv_heads": kv_heads, "head_dim": args.dim, "page": args.page,
-        "route": route.path, "route_reason": route.reason, "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "route": route.path, "route_reason": route.reason,
     }  # fmt: skip
     row["op_ms"] = median_ms(op, args.warmup, args.iters, cuda)
     row["step_ms"] = median_ms(step, args.warmup, args.iters, cuda)
@@ -165,29 +169,25 @@ def run_case(case: Case, args: argparse.Namespace, group: dist.ProcessGroup, tp:
         row["fa4_tflops"] = flops(case, heads, args.dim) / row["fa4_ms"] / 1e9
     else:
         row["fa4_missing"] = why
-    row["step_equals_op"] = bool(torch.equal(step(), op()))
+    if not torch.equal(step(), op()):
+        raise RuntimeError(f"{case.name} at TP {tp}: the head-TP step's output is not the op's")
     return row
 
 
-def print_table(rows: list[dict]) -> None:
-    print("| case | TP | q / kv heads | FA4 ms | op ms | op / FA4 | step ms | step / FA4 | FA4 TFLOP/s | max diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+def records_of(rows: list[dict], env: dict) -> list[dict]:
+    """The ``gqa-prefill`` records of :func:`run_case`'s rows: the op and the step against FA4."""
+    out = []
     for r in rows:
-        f = r.get("fa4_ms")
-        cells = [
-            r["case"], r["tp"], f"{r['heads']} / {r['kv_heads']}", f"{f:.3f}" if f else "-", f"{r['op_ms']:.3f}",
-            f"{r['op/fa4']:.3f}" if f else "-", f"{r['step_ms']:.3f}", f"{r['step/fa4']:.3f}" if f else "-",
-            f"{r['fa4_tflops']:.0f}" if f else "-", f"{r['op_vs_fa4_max_abs']:.2e}" if f else "-",
-        ]  # fmt: skip
-        print("| " + " | ".join(str(c) for c in cells) + " |")
-    missing = {r["fa4_missing"] for r in rows if "fa4_missing" in r}
-    for why in missing:
-        print(f"FA4 not timed: {why}")
-    print(f"routes: {sorted({(r['route'], r['route_reason']) for r in rows})}")
+        config = {"case": r["case"], "tp": r["tp"], "heads": r["heads"], "kv_heads": r["kv_heads"],
+                  "head_dim": r["head_dim"]}  # fmt: skip
+        base = ("FA4 called directly, same run", r["fa4_ms"]) if "fa4_ms" in r else None
+        out.append(record("gqa-prefill", config, "op ms", r["op_ms"], "ms", "lower", base, env))
+        out.append(record("gqa-prefill", config, "head-TP step ms", r["step_ms"], "ms", "lower", base, env))
+    return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
@@ -195,26 +195,39 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 8], help="head-TP sizes whose rank shapes are timed")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--cpu", action="store_true", help="dry run on tiny CPU shapes (torch reference, no FA4)")
-    ap.add_argument("--json", type=str, default=None)
-    args = ap.parse_args()
-    if args.cpu:
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: a dry run on tiny shapes (torch reference, no FA4)")  # fmt: skip
+    add_json_argument(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.device == "cpu":
         args.heads, args.kv_heads, args.dim, args.page = 8, 2, 16, 16
         args.tp = [t for t in args.tp if args.heads % t == 0 and (args.kv_heads % t == 0 or t % args.kv_heads == 0)]
     elif not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU: run with --cpu for a dry run")
+        print("no CUDA GPU: pass --device cpu for a dry run", file=sys.stderr)
+        return 2
+    env = environment()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        rows = [
-            run_case(c, args, dist.group.WORLD, tp) for tp in args.tp for c in (CPU_CASES if args.cpu else GPU_CASES)
-        ]
+        cases = CPU_CASES if args.device == "cpu" else GPU_CASES
+        rows = [run_case(c, args, dist.group.WORLD, tp) for tp in args.tp for c in cases]
     finally:
         dist.destroy_process_group()
-    print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    for why in sorted({r["fa4_missing"] for r in rows if "fa4_missing" in r}):
+        print(f"FA4 not timed: {why}")
+    for r in rows:
+        if "op_vs_fa4_max_abs" in r:
+            print(f"{r['case']} TP {r['tp']}: max |op - FA4| {r['op_vs_fa4_max_abs']:.2e}, "
+                  f"FA4 {r['fa4_tflops']:.0f} TFLOP/s")  # fmt: skip
+    print(f"routes: {sorted({(r['route'], r['route_reason']) for r in rows})}")
+    records = records_of(rows, env)
+    print_table(records, "GQA prefill")
+    write_json(args.json, records)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
