@@ -101,6 +101,11 @@ WS32_CONFIG = GluonConfig(32, 4, "ws", (224, 56), async_arrive=True)
 #: without opaque slots on an H200 at 64 / 128 heads; the staged output 1.04-1.05x at the power
 #: limit, half the L2 write sectors; docs/DECISIONS.md, D2 and D4) and decode.
 WS64_CONFIG = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, staged_out=True)
+#: Consumer registers of the 64-key kernel on ``fp8_ds_mla`` rows, whatever the configuration's
+#: ``regs``: its producer dequantises through registers and needs more than the 56 that 224 leave
+#: it (:data:`~shardattn.kernels.sparse_mla_gluon_ws64.FP8_PRODUCER_REGS` more again come from
+#: WG0); bf16 consumers compile without spills at 216 (ptxas report, sm_90a).
+FP8_CONSUMER_REGS = 216
 #: Grouped tiles (``G > 1``): the 64-key kernel with membership masks, measured on an H200 at 8 /
 #: 16 / 32 heads (G = 8 / 4 / 2), T = 4K / 16K: kernel 1.27-1.39x and step (union build
 #: included) 1.13-1.29x the 32-key kernel's (docs/DECISIONS.md, D10).
@@ -230,8 +235,9 @@ def launch_gluon_attention(
     elif cfg.warp_specialized and cfg.heads_fastest:  # 1-D grid, a query's head blocks adjacent
         grid = (grid[0] * grid[1],)
     fn, constexprs, options = _kernel_args(
-        cfg, group_size, v_dim, d - v_dim, sinks is not None, raw_rows=raw_rows, has_lens=lens is not None
-    )
+        cfg, group_size, v_dim, d - v_dim, sinks is not None, raw_rows=raw_rows, has_lens=lens is not None,
+        kv_fp8=kv.dtype == torch.uint8,
+    )  # fmt: skip
     sink_arg = sinks if sinks is not None else lse
     lens_arg = lens if lens is not None else union
     extra = (kv.shape[0], union.shape[1]) if cfg.variant == "ws64" else ()  # R, K
@@ -260,9 +266,12 @@ def _kernel_args(
     *,
     raw_rows: bool = False,
     has_lens: bool = True,
+    kv_fp8: bool = False,
 ):
     """``(kernel, constexpr arguments, launch options)`` of a configuration (the launcher's and the
-    AOT compile's)."""
+    AOT compile's); ``kv_fp8``: the KV rows are ``fp8_ds_mla`` (the ``"ws64"`` variant only)."""
+    if kv_fp8 and cfg.variant != "ws64":
+        raise ValueError(f"fp8_ds_mla rows need the 'ws64' variant, got {cfg.variant!r}")
     common = {"D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks}
     flags = {"PREFETCH_QK": cfg.prefetch_qk, "HEADS_FASTEST": cfg.heads_fastest}
     options = {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
@@ -272,7 +281,9 @@ def _kernel_args(
         ws64 = {"EARLY_KV": cfg.early_kv, "OPAQUE_SLOTS": cfg.opaque_slots, "STAGED_OUT": cfg.staged_out,
                 "G": group_size, "RAW_ROWS": raw_rows, "PERSISTENT": cfg.persistent}  # fmt: skip
         ws64["HAS_LENS"] = has_lens or not raw_rows
-        return ws64_kernel(), {**common, "CONSUMER_REGS": cfg.regs[0], **flags, **ws64}, options
+        ws64["KV_FP8"] = kv_fp8
+        regs = FP8_CONSUMER_REGS if kv_fp8 else cfg.regs[0]
+        return ws64_kernel(), {**common, "CONSUMER_REGS": regs, **flags, **ws64}, options
     if cfg.variant == "ws":
         from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
 
@@ -327,6 +338,7 @@ def compile_for_sm90(
     dtype: str = "bf16",
     config: GluonConfig | None = None,
     raw_rows: bool = False,
+    kv_fp8: bool = False,
 ):
     """Compile a Gluon kernel variant for sm_90 ahead of time (no GPU needed); returns its PTX.
 
@@ -337,7 +349,8 @@ def compile_for_sm90(
         group_size: queries per tile, ``1`` (per-query) or ``2 / 4 / 8`` (grouped: the union's
             packed entries and membership masks; a warp-specialised variant).
         config: the variant (default :func:`gluon_config`'s); raw_rows: the ``"ws64"`` kernel's
-            raw-row mode (rows masked per entry, as decode launches it).
+            raw-row mode (rows masked per entry, as decode launches it); kv_fp8: ``fp8_ds_mla``
+            KV rows (uint8, dequantised by the producer; the ``"ws64"`` kernel).
     Returns:
         The PTX text of the compiled kernel.
     Raises:
@@ -346,7 +359,7 @@ def compile_for_sm90(
     """
     return compile_kernel_for_sm90(
         kind, heads, group_size, v_dim=v_dim, rope_dim=rope_dim, sinks=sinks, dtype=dtype, config=config,
-        raw_rows=raw_rows,
+        raw_rows=raw_rows, kv_fp8=kv_fp8,
     ).asm["ptx"]  # fmt: skip
 
 
@@ -361,6 +374,7 @@ def compile_kernel_for_sm90(
     dtype: str = "bf16",
     config: GluonConfig | None = None,
     raw_rows: bool = False,
+    kv_fp8: bool = False,
 ):
     """As :func:`compile_for_sm90`, returning Triton's compiled kernel (``asm``, ``metadata``)."""
     if kind not in KINDS:
@@ -385,7 +399,8 @@ def compile_kernel_for_sm90(
     ptr = f"*{dtype}"
     ws = cfg.warp_specialized
     signature = {
-        "Q": ptr, "KV": ptr, "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": ptr, "LSE": "*fp32",
+        "Q": ptr, "KV": "*u8" if kv_fp8 else ptr, "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": ptr,
+        "LSE": "*fp32",
         "T": "i32", "H": "i32", "HB": "i32",
         "stride_qb": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kvr": "i32",
         "stride_ug" if ws else "stride_ut": "i32",
@@ -395,7 +410,7 @@ def compile_kernel_for_sm90(
     }  # fmt: skip
     if cfg.variant == "ws64":
         signature.update({"R": "i32", "K": "i32"})
-    fn, constexprs, options = _kernel_args(cfg, group_size, v_dim, rope_dim, sinks, raw_rows=raw_rows)
+    fn, constexprs, options = _kernel_args(cfg, group_size, v_dim, rope_dim, sinks, raw_rows=raw_rows, kv_fp8=kv_fp8)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     # what the launcher's specialisation sees at run time: 16-byte aligned pointers and strides
     # (except the arguments it never specialises)
