@@ -29,7 +29,7 @@ import triton.language as tl
 
 from shardattn.kernels.lse_merge import gdc_launch_dependents, gdc_wait, merge_partials_tile
 from shardattn.kernels.online_softmax import online_softmax_finish, online_softmax_step
-from shardattn.kernels.triton.kv_fp8_read import load_fp8_latent, load_fp8_rope
+from shardattn.kernels.triton.sparse_mla_fp8 import fp8_decode_loop, store_tiles
 
 LOG2E = 1.4426950408889634
 
@@ -222,68 +222,73 @@ def _sparse_mla_decode_kernel(
     if SPREAD == 1:  # the generation before this launch's arrivals (read early: off the critical path)
         gen0 = tl.load(gen, volatile=True)
     if SPREAD != 3:  # not the merge-only half (SPREAD_MERGE): the attention and the partial
-        heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = heads < H
-        offs_v = tl.arange(0, BLOCK_DV)
-        offs_r = tl.arange(0, BLOCK_DR)
-        vmask = offs_v < DV
-        rmask = offs_r < DR
-        q_base = Q + tok * stride_qt + heads[:, None] * stride_qh
-        q_nope = tl.load(q_base + offs_v[None, :] * stride_qd, mask=hmask[:, None] & vmask[None, :], other=0.0)
-        if HAS_ROPE:
-            q_pe = tl.load(q_base + (DV + offs_r[None, :]) * stride_qd, mask=hmask[:, None] & rmask[None, :], other=0.0)
-        k_len = K
-        if HAS_TOPK_LEN:
-            k_len = tl.minimum(tl.load(TopkLen + tok), K)
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, k_len)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        if HAS_SINKS:
-            if split == 0:
-                m_i = tl.load(Sinks + heads, mask=hmask, other=0.0) * 1.4426950408889634
-                l_i = tl.zeros([BLOCK_H], tl.float32) + 1.0
-        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            nmask = offs_n < hi
-            r = tl.load(Rows + tok * stride_rt + offs_n * stride_rk, mask=nmask, other=-1)
-            valid = nmask & (r >= 0) & (r < R)
-            if KV_FP8:  # fp8_ds_mla rows (uint8, stride_kvr bytes), dequantised to q's dtype
-                fp8_row = KV + tl.where(valid, r, 0).to(tl.int64) * stride_kvr
-                k_nope = load_fp8_latent(fp8_row, valid, Q.dtype.element_ty)
-            else:
+        if KV_FP8:  # fp8_ds_mla rows (uint8, stride_kvr bytes), dequantised a scale tile at a time
+            _fp8_partial(
+                Q, KV, Rows, TopkLen, Sinks, Out, Lse, tok, pid_h, split,
+                stride_qt, stride_qh, stride_qd, stride_kvr, stride_rt, stride_rk, stride_ot, stride_oh, stride_od,
+                stride_os, stride_lt, stride_lh, stride_ls, H, R, K, chunk, qk_scale,
+                BLOCK_H, BLOCK_N, HAS_TOPK_LEN, HAS_SINKS, IEEE,
+            )  # fmt: skip
+        else:
+            heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+            hmask = heads < H
+            offs_v = tl.arange(0, BLOCK_DV)
+            offs_r = tl.arange(0, BLOCK_DR)
+            vmask = offs_v < DV
+            rmask = offs_r < DR
+            q_base = Q + tok * stride_qt + heads[:, None] * stride_qh
+            q_nope = tl.load(q_base + offs_v[None, :] * stride_qd, mask=hmask[:, None] & vmask[None, :], other=0.0)
+            if HAS_ROPE:
+                q_pe = tl.load(
+                    q_base + (DV + offs_r[None, :]) * stride_qd, mask=hmask[:, None] & rmask[None, :], other=0.0
+                )
+            k_len = K
+            if HAS_TOPK_LEN:
+                k_len = tl.minimum(tl.load(TopkLen + tok), K)
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, k_len)
+            m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_H], tl.float32)
+            if HAS_SINKS:
+                if split == 0:
+                    m_i = tl.load(Sinks + heads, mask=hmask, other=0.0) * 1.4426950408889634
+                    l_i = tl.zeros([BLOCK_H], tl.float32) + 1.0
+            acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+            for n0 in range(lo, hi, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                nmask = offs_n < hi
+                r = tl.load(Rows + tok * stride_rt + offs_n * stride_rk, mask=nmask, other=-1)
+                valid = nmask & (r >= 0) & (r < R)
                 row_ptr = KV + tl.where(valid, r, 0).to(tl.int64)[:, None] * stride_kvr
                 k_nope = tl.load(
                     row_ptr + offs_v[None, :] * stride_kvd, mask=valid[:, None] & vmask[None, :], other=0.0
                 )
-            if IEEE:
-                s = tl.dot(q_nope, tl.trans(k_nope), input_precision="ieee")
-            else:
-                s = tl.dot(q_nope, tl.trans(k_nope))
-            if HAS_ROPE:
-                if KV_FP8:
-                    k_pe = load_fp8_rope(fp8_row, valid, Q.dtype.element_ty)
+                if IEEE:
+                    s = tl.dot(q_nope, tl.trans(k_nope), input_precision="ieee")
                 else:
+                    s = tl.dot(q_nope, tl.trans(k_nope))
+                if HAS_ROPE:
                     k_pe = tl.load(
                         row_ptr + (DV + offs_r[None, :]) * stride_kvd, mask=valid[:, None] & rmask[None, :], other=0.0
                     )
+                    if IEEE:
+                        s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+                    else:
+                        s += tl.dot(q_pe, tl.trans(k_pe))
+                s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+                p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
                 if IEEE:
-                    s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+                    pv = tl.dot(p.to(k_nope.dtype), k_nope, input_precision="ieee")
                 else:
-                    s += tl.dot(q_pe, tl.trans(k_pe))
-            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
-            if IEEE:
-                pv = tl.dot(p.to(k_nope.dtype), k_nope, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(k_nope.dtype), k_nope)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        res, lse = online_softmax_finish(acc, m_i, l_i)
-        o_ptrs = Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
-        tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
-        tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)
+                    pv = tl.dot(p.to(k_nope.dtype), k_nope)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+            res, lse = online_softmax_finish(acc, m_i, l_i)
+            o_ptrs = (
+                Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
+            )
+            tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
+            tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)
     if PDL:  # the partial is stored: the merge may launch (it waits for this grid to complete)
         gdc_launch_dependents()
     if SPREAD != 0:
@@ -293,6 +298,39 @@ def _sparse_mla_decode_kernel(
             num_splits, H, pieces_per_head, stride_ot, stride_oh, stride_od, stride_os, stride_lt, stride_lh,
             stride_ls, stride_yt, stride_yh, stride_yd, stride_zt, stride_zh, SPREAD, DV, BLOCK_H, BLOCK_S, MERGE_C,
         )  # fmt: skip
+
+
+@triton.jit
+def _fp8_partial(
+    Q, KV, Rows, TopkLen, Sinks, Out, Lse, tok, pid_h, split,
+    stride_qt, stride_qh, stride_qd, stride_kvr, stride_rt, stride_rk, stride_ot, stride_oh, stride_od,
+    stride_os, stride_lt, stride_lh, stride_ls, H, R, K, chunk, qk_scale,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_SINKS: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """``_sparse_mla_decode_kernel``'s attention and partial for one (head block, token, split) on
+    ``fp8_ds_mla`` rows: the bf16 path's split bounds and sink start, the key loop a scale tile at a
+    time (:func:`~shardattn.kernels.triton.sparse_mla_fp8.fp8_decode_loop`), its stores."""
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    k_len = K
+    if HAS_TOPK_LEN:
+        k_len = tl.minimum(tl.load(TopkLen + tok), K)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, k_len)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if HAS_SINKS:
+        if split == 0:
+            m_i = tl.load(Sinks + heads, mask=hmask, other=0.0) * 1.4426950408889634
+            l_i = tl.zeros([BLOCK_H], tl.float32) + 1.0
+    acc0, acc1, acc2, acc3, m_i, l_i = fp8_decode_loop(
+        Q + tok * stride_qt + heads[:, None] * stride_qh, stride_qd, hmask, KV, stride_kvr, Rows + tok * stride_rt,
+        stride_rk, lo, hi, R, m_i, l_i, qk_scale, BLOCK_H, BLOCK_N, "ieee" if IEEE else "tf32",
+    )  # fmt: skip
+    o_base = Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh
+    lse = store_tiles(o_base, stride_od, hmask[:, None], acc0, acc1, acc2, acc3, m_i, l_i)
+    tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)
 
 
 @triton.jit

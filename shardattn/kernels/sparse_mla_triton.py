@@ -33,7 +33,7 @@ try:
     import triton.language as tl
 
     from shardattn.kernels.online_softmax import online_softmax_finish, online_softmax_step
-    from shardattn.kernels.triton.kv_fp8_read import load_fp8_latent, load_fp8_rope
+    from shardattn.kernels.triton.sparse_mla_fp8 import fp8_prefill_loop, store_tiles
 except ImportError:  # the torch reference still works
     triton = None
 
@@ -113,56 +113,72 @@ if triton is not None:
         row_ok = (t < T) & (h < H)
         hblk = h // HB  # head block (the source rank of a head-blocked q) and head within it
         hin = h % HB
-        dv = tl.arange(0, D_V)
-        dr = tl.arange(0, D_R)
-        q_base = Q + t[:, None] * stride_qt + hblk[:, None] * stride_qb + hin[:, None] * stride_qh
-        q_nope = tl.load(q_base + dv[None, :], mask=row_ok[:, None], other=0.0)
-        q_rope = tl.load(q_base + D_V + dr[None, :], mask=row_ok[:, None], other=0.0)
+        if KV_FP8:  # fp8_ds_mla rows (uint8, stride_kvr bytes), dequantised a scale tile at a time
+            q_base = Q + t[:, None] * stride_qt + hblk[:, None] * stride_qb + hin[:, None] * stride_qh
+            acc0, acc1, acc2, acc3, m_i, l_i = fp8_prefill_loop(
+                q_base, row_ok[:, None], KV, stride_kvr, UNION + g * stride_ug, tl.load(LENS + g), qj, qk_scale,
+                BLOCK_M, G, BLOCK_N, PREC,
+            )  # fmt: skip
+            if HAS_SINK:
+                sink = tl.load(SINKS + h, mask=h < H, other=0.0) * 1.4426950408889634
+                m_f = tl.maximum(m_i, sink)
+                alpha = tl.math.exp2(m_i - m_f)
+                l_i = l_i * alpha + tl.math.exp2(sink - m_f)
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+                m_i = m_f
+            o_base = OUT + t[:, None] * stride_ot + hblk[:, None] * stride_ob + hin[:, None] * stride_oh
+            lse = store_tiles(o_base, 1, row_ok[:, None], acc0, acc1, acc2, acc3, m_i, l_i)
+            tl.store(LSE + t * stride_lt + hblk * stride_lb + hin * stride_lh, lse, mask=row_ok)
+        else:
+            dv = tl.arange(0, D_V)
+            dr = tl.arange(0, D_R)
+            q_base = Q + t[:, None] * stride_qt + hblk[:, None] * stride_qb + hin[:, None] * stride_qh
+            q_nope = tl.load(q_base + dv[None, :], mask=row_ok[:, None], other=0.0)
+            q_rope = tl.load(q_base + D_V + dr[None, :], mask=row_ok[:, None], other=0.0)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D_V], tl.float32)
-        n_len = tl.load(LENS + g)
-        u_base = UNION + g * stride_ug
-        for n0 in range(0, n_len, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < n_len
-            e = tl.load(u_base + offs_n, mask=n_ok, other=0)
-            if G > 1:
-                kv_row = (e & 0xFFFFFF).to(tl.int64)
-            else:
-                kv_row = e.to(tl.int64)
-            if KV_FP8:  # fp8_ds_mla rows (uint8, stride_kvr bytes), dequantised to q's dtype
-                k_nope = load_fp8_latent(KV + kv_row * stride_kvr, n_ok, Q.dtype.element_ty)
-                k_rope = load_fp8_rope(KV + kv_row * stride_kvr, n_ok, Q.dtype.element_ty)
-            else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D_V], tl.float32)
+            n_len = tl.load(LENS + g)
+            u_base = UNION + g * stride_ug
+            for n0 in range(0, n_len, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < n_len
+                e = tl.load(u_base + offs_n, mask=n_ok, other=0)
+                if G > 1:
+                    kv_row = (e & 0xFFFFFF).to(tl.int64)
+                else:
+                    kv_row = e.to(tl.int64)
                 kv_base = KV + kv_row[:, None] * stride_kvr
                 k_nope = tl.load(kv_base + dv[None, :], mask=n_ok[:, None], other=0.0)
                 k_rope = tl.load(kv_base + D_V + dr[None, :], mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PREC)
-            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PREC)
-            if G > 1:
-                bits = (e >> 24) & 0xFF
-                member = (((bits[None, :] >> qj[:, None]) & 1) != 0) & n_ok[None, :]
-            else:
-                member = (qj[:, None] >= 0) & n_ok[None, :]
-            s = tl.where(member, s * qk_scale, float("-inf"))
-            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(k_nope.dtype), k_nope, acc, input_precision=PREC)
-            m_i = m_new
+                s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PREC)
+                s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PREC)
+                if G > 1:
+                    bits = (e >> 24) & 0xFF
+                    member = (((bits[None, :] >> qj[:, None]) & 1) != 0) & n_ok[None, :]
+                else:
+                    member = (qj[:, None] >= 0) & n_ok[None, :]
+                s = tl.where(member, s * qk_scale, float("-inf"))
+                p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
+                acc = acc * alpha[:, None]
+                acc = tl.dot(p.to(k_nope.dtype), k_nope, acc, input_precision=PREC)
+                m_i = m_new
 
-        if HAS_SINK:
-            sink = tl.load(SINKS + h, mask=h < H, other=0.0) * 1.4426950408889634
-            m_f = tl.maximum(m_i, sink)
-            alpha = tl.math.exp2(m_i - m_f)
-            l_i = l_i * alpha + tl.math.exp2(sink - m_f)
-            acc = acc * alpha[:, None]
-            m_i = m_f
-        out, lse = online_softmax_finish(acc, m_i, l_i)
-        o_ptr = OUT + t[:, None] * stride_ot + hblk[:, None] * stride_ob + hin[:, None] * stride_oh + dv[None, :]
-        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE + t * stride_lt + hblk * stride_lb + hin * stride_lh, lse, mask=row_ok)
+            if HAS_SINK:
+                sink = tl.load(SINKS + h, mask=h < H, other=0.0) * 1.4426950408889634
+                m_f = tl.maximum(m_i, sink)
+                alpha = tl.math.exp2(m_i - m_f)
+                l_i = l_i * alpha + tl.math.exp2(sink - m_f)
+                acc = acc * alpha[:, None]
+                m_i = m_f
+            out, lse = online_softmax_finish(acc, m_i, l_i)
+            o_ptr = OUT + t[:, None] * stride_ot + hblk[:, None] * stride_ob + hin[:, None] * stride_oh + dv[None, :]
+            tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE + t * stride_lt + hblk * stride_lb + hin * stride_lh, lse, mask=row_ok)
 
 
 def attention_kernel():

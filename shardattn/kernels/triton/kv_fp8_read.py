@@ -11,8 +11,10 @@ in fp32 then to ``dtype``, as ``dequantize_kv`` does). Entries that are no key (
 read as 0.
 
 The helpers take row pointers as ``uint8`` pointers (``KV + row * stride``, ``stride`` in
-bytes) and are inlined into the kernels that call them; constants are the layout's (fixed here:
-the kernels that take ``KV_FP8`` assert ``D_V == LATENT`` and ``D_R == ROPE``).
+bytes) and are inlined into the kernels that call them (a scale tile at a time:
+:mod:`~shardattn.kernels.triton.sparse_mla_fp8`); constants are the layout's (fixed here: the
+kernels that take ``KV_FP8`` assert ``D_V == LATENT`` and ``D_R == ROPE``; the Gluon kernels
+take the byte offsets from here).
 """
 
 from __future__ import annotations
@@ -27,33 +29,22 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 LATENT, ROPE, TILE, SCALE_OFFSET, ROPE_OFFSET, ROW_BYTES = 512, 64, 128, 512, 528, 656
 
 if triton is not None:
-    _LATENT = tl.constexpr(LATENT)
     _ROPE = tl.constexpr(ROPE)
     _TILE = tl.constexpr(TILE)
     _SCALE_OFFSET = tl.constexpr(SCALE_OFFSET)
     _ROPE_OFFSET = tl.constexpr(ROPE_OFFSET)
 
     @triton.jit
-    def load_fp8_latent(row_ptr, mask, dtype: tl.constexpr):
-        """``[N, LATENT]`` latent values of the ``N`` rows at byte pointers ``row_ptr [N]``,
-        dequantised (``fp32(code) * scale``, then ``dtype``); rows where ``mask [N]`` is false read 0.
-
-        The codes are loaded as ``[N, tiles, TILE]`` (16 bytes a thread) and each tile's scale is
-        broadcast along its ``TILE`` codes; the reshape to ``[N, LATENT]`` keeps every thread's
-        elements (no data movement)."""
-        NT: tl.constexpr = _LATENT // _TILE
-        tiles = tl.arange(0, NT)
+    def load_fp8_tile(row_ptr, mask, TILE_INDEX: tl.constexpr, dtype: tl.constexpr):
+        """``[N, TILE]`` latent values of scale tile ``TILE_INDEX`` of the ``N`` rows at byte pointers
+        ``row_ptr [N]``, dequantised (``fp32(code) * scale``, then ``dtype``); rows where ``mask [N]``
+        is false read 0. The codes load 16 bytes a thread."""
         cols = tl.arange(0, _TILE)
-        code_ptr = row_ptr.to(tl.pointer_type(tl.float8e4nv))
-        codes = tl.load(
-            code_ptr[:, None, None] + tiles[None, :, None] * _TILE + cols[None, None, :],
-            mask=mask[:, None, None],
-            other=0.0,
-        )
-        scale_ptr = (row_ptr + _SCALE_OFFSET).to(tl.pointer_type(tl.float32))
-        scales = tl.load(scale_ptr[:, None] + tiles[None, :], mask=mask[:, None], other=0.0)
-        values = (codes.to(tl.float32) * scales[:, :, None]).to(dtype)
-        return tl.reshape(values, [row_ptr.shape[0], _LATENT])
+        codes_ptr = (row_ptr + TILE_INDEX * _TILE).to(tl.pointer_type(tl.float8e4nv))
+        codes = tl.load(codes_ptr[:, None] + cols[None, :], mask=mask[:, None], other=0.0)
+        scale = tl.load((row_ptr + _SCALE_OFFSET + 4 * TILE_INDEX).to(tl.pointer_type(tl.float32)), mask=mask,
+                        other=0.0)  # fmt: skip
+        return (codes.to(tl.float32) * scale[:, None]).to(dtype)
 
     @triton.jit
     def load_fp8_rope(row_ptr, mask, dtype: tl.constexpr):
@@ -64,4 +55,4 @@ if triton is not None:
         return rope.to(dtype)
 
 
-__all__ = ["LATENT", "ROPE", "ROPE_OFFSET", "ROW_BYTES", "SCALE_OFFSET", "TILE", "load_fp8_latent", "load_fp8_rope"]
+__all__ = ["LATENT", "ROPE", "ROPE_OFFSET", "ROW_BYTES", "SCALE_OFFSET", "TILE", "load_fp8_rope", "load_fp8_tile"]
