@@ -7,15 +7,12 @@ memory-bound kernels, FlashInfer XQA (when importable) for GQA decode.
     python benchmarks/decode.py --json decode.json            # everything
     python benchmarks/decode.py --only gqa,merge               # a subset
     python benchmarks/decode.py --only gluon --sweep           # sparse-MLA decode, Triton vs Gluon
-    python benchmarks/decode.py --only gluon --gluon-kernels ws32h ws64h ws64hz   # Gluon decode configs
-    python benchmarks/decode.py --only gluon --gluon-kernels ws64hz+pack ws64hz   # rows packed vs read in place
     python benchmarks/decode.py --warm-xqa                     # JIT-compile the XQA variants only
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import time
@@ -160,21 +157,18 @@ def bench_sparse(copy_tbs: float, sweep: bool = False) -> None:
             record("sweep", f"H{heads} B{batch} splits={splits} BLOCK_N={bn} warps={warps}", ms, nbytes)
 
 
-def bench_sparse_gluon(copy_tbs: float, sweep: bool = False, kernels: tuple[str, ...] | None = None) -> None:
+def bench_sparse_gluon(copy_tbs: float, sweep: bool = False) -> None:
     """Sparse-MLA decode, the Triton split-KV kernel against the Gluon kernel (sm_90) on the same
     inputs in the same run: heads 128 / 64 (batch 1-256) and 32 (the crossover), top-k 2048 unique random rows of
     262,144, D 576 / Dv 512, bf16, graph replays. Effective TFLOP/s = ``2 B K H (576 + 512)``
-    over the time. ``kernels``: the Gluon decode configurations timed (names of
-    :data:`~shardattn.kernels.sparse_mla_decode_gluon.DECODE_KERNELS`; None = the routed one), each
-    the whole Gluon path (row packing, kernel, merge); the first is the baseline of the "x first"
-    ratios. ``sweep`` also times the Gluon kernel alone at 128 heads with and without
+    over the time; the Gluon column is the whole Gluon path (row packing, kernel, merge). ``sweep``
+    also times the Gluon kernel alone at 128 heads with and without
     adjacent head blocks (``heads_fastest``) on unsorted and sorted rows, and the Gluon path at
     fixed slice counts (calibration of :func:`gluon_decode_plan`)."""
     from dataclasses import replace
 
     from shardattn.kernels.registry import sparse_decode_kernel
     from shardattn.kernels.sparse_mla_decode_gluon import (
-        DECODE_KERNEL,
         gluon_decode_config,
         gluon_decode_plan,
         sparse_mla_decode_gluon,
@@ -182,7 +176,7 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False, kernels: tuple[str,
     )
     from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 
-    kernels = tuple(kernels or (DECODE_KERNEL,))
+    kernels = ("gluon",)
     r, k = 1 << 18, 2048
     kv = torch.randn(r, 576, device="cuda").bfloat16()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -203,11 +197,9 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False, kernels: tuple[str,
             def fn(q=q, rows=rows, b=backend, u=unique, o=out, s=lse):
                 if b == "triton":
                     return sparse_mla_decode(q, kv, rows, scale=576**-0.5, rows_unique=u, backend=b)
-                name, _, opt = b.partition("+")  # "NAME+pack": the rows packed even where read in place
                 return sparse_mla_decode_gluon(
-                    q, kv, rows, scale=576**-0.5, v_dim=512, out=o, lse_out=s, num_sms=sms, rows_unique=u,
-                    kernel=name, pack_rows=opt == "pack",
-                )  # fmt: skip
+                    q, kv, rows, scale=576**-0.5, v_dim=512, out=o, lse_out=s, num_sms=sms, rows_unique=u
+                )
 
             outs[backend] = fn()[0].float()
             ms = graph_ms(fn)
@@ -247,8 +239,8 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False, kernels: tuple[str,
         flops = 2 * batch * k * 128 * (576 + 512)
         for order, rr in (("unsorted", rows), ("sorted", torch.sort(rows, dim=1).values)):
             union, lens = split_rows(rr, num_kv_rows=r, num_splits=1, chunk=k)
-            for adjacent, name in ((a, n) for n in kernels for a in (False, True)):
-                cfg = replace(gluon_decode_config(128, kernel=name), heads_fastest=adjacent)
+            for adjacent in (False, True):
+                cfg = replace(gluon_decode_config(128), heads_fastest=adjacent)
                 ms = graph_ms(
                     lambda q=q, u=union, n=lens, c=cfg, o=out, s=lse: launch_gluon_attention(
                         q, kv, u, n, scale=576**-0.5, v_dim=512, config=c, out=o, lse=s
@@ -273,8 +265,8 @@ def _time_small(c: dict, label: str, kw: dict, section: str = "sparse1") -> tupl
     """Check one sparse-MLA decode variant of case ``c`` (from :func:`bench_sparse_small`) against
     the fp32 reference on NaN-poisoned outputs, then time its graph replays; returns (ms, step)."""
     args = dict(out=c["out"], lse_out=c["lse"], workspace=c["ws"])
-    if kw.get("backend", "triton") == "triton":  # the Triton kernel (counters: the spread merge's)
-        args.update(counters=c["counters"], backend="triton")
+    if kw.get("backend", "triton") == "triton":
+        args.update(backend="triton")
     args.update(kw)
 
     def fn():
@@ -288,8 +280,7 @@ def _time_small(c: dict, label: str, kw: dict, section: str = "sparse1") -> tupl
     if not (err < 2e-2 and lerr < 1e-3):
         raise AssertionError(f"{c['tag']} {label}: |out - ref| {err:.3g}, |lse - ref| {lerr:.3g}")
     ms = graph_ms(fn)
-    counts = c["counters"][: c["counters"].numel() // 2]  # the spread merge's arrival counts (generations after)
-    same = torch.equal(c["out"], ref) and int(counts.abs().sum()) == 0  # replays agree, counts back at 0
+    same = torch.equal(c["out"], ref)  # replays agree
     frac = c["nbytes"] / (ms * 1e-3) / 1e12 / c["copy_tbs"]
     record(section, f"{c['tag']} {label}", ms, c["nbytes"], copy_frac=frac, replay_equal=same, max_abs_err=err)
     return ms, fn
@@ -301,11 +292,9 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
     ("Triton" below); the Triton configuration against the
     same run's separate row merge (the baseline), without programmatic dependent
     launch (with and without de-duplication), the column merge on the cost model's split
-    count (the previous routing), the opt-in one-launch spread merge and the de-duplication sort
-    (an earlier one-launch tree merge measured slower everywhere and was removed). Graph
-    replays, preallocated outputs, workspace and counters; every variant is checked against the
-    fp32 reference on NaN-poisoned outputs. ``sweep``: the floor (a graph of one 1-element
-    kernel), the spread merge at other split counts and tiles, and the device time of the routed
+    count (the previous routing) and the de-duplication sort. Graph replays, preallocated outputs
+    and workspace; every variant is checked against the fp32 reference on NaN-poisoned outputs.
+    ``sweep``: the floor (a graph of one 1-element kernel) and the device time of the routed
     step's kernels (torch profiler)."""
     from shardattn.kernels.lse_merge import split_partials_numel
     from shardattn.kernels.sparse_mla import sparse_mla_reference
@@ -324,14 +313,12 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
         ref_out, ref_lse = sparse_mla_reference(q.float(), kv.float(), rows, scale=576**-0.5)
         cfg = sparse_mla_decode_config(batch, heads, 2048, sms)
         cost = cfg["cost_model_splits"]  # the previous routing's split count (32 x 64 rows at 16 heads)
-        hblocks = -(-heads // cfg["BLOCK_H"])
         c = dict(
             q=q, kv=kv, rows=rows, ref_out=ref_out, ref_lse=ref_lse, tag=f"H{heads} B{batch}", copy_tbs=copy_tbs,
             nbytes=batch * 2048 * 576 * 2 + q.numel() * 2 + batch * heads * (512 * 2 + 4) + rows.numel() * 4,
             out=torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16),
             lse=torch.empty(batch, heads, device="cuda"),
             ws=torch.empty(split_partials_numel(64, batch, heads, 512), device="cuda"),
-            counters=torch.zeros(batch * hblocks * 64, dtype=torch.int32, device="cuda"),
         )  # fmt: skip
         s, bn = cfg["num_splits"], cfg["BLOCK_N"]
         variants = {
@@ -349,12 +336,6 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
             del variants["steps64"]
         if (s, bn) != (cost, 64):
             variants["columns"] = (f"column merge, {cost} splits", dict(num_splits=cost, config={"merge": "columns"}))
-        if batch * hblocks * s <= sms:  # the one-launch merge on the routed split kernel
-            one = dict(num_splits=s, config={"merge": "spread", "BLOCK_N": bn})
-            variants["spread"] = (f"one launch (spread), {s} x {cfg['chunk']} rows", one)
-        if (s, bn) != (cost, 64) and batch * hblocks * cost <= sms:
-            one = dict(num_splits=cost, config={"merge": "spread"})
-            variants["spread_cost"] = (f"one launch (spread), {cost} splits", one)
         if heads <= 16:  # the small-batch Gluon kernel, routed here on sm_90
             block, splits = small_decode_tiles(batch, 2048, sms)
             group = small_decode_heads(batch, splits, heads, sms)
@@ -375,22 +356,17 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
                 record("sweep", f"{c['tag']} routed: device span of a replay", prof["span_us"] * 1e-3, kernels=kernels)
         tile = f"{cfg['BLOCK_N']}-row steps, {cfg['num_warps']} warps"
         table.append((heads, batch, f"{cfg['merge']}, {s} x {cfg['chunk']} ({tile})", times))
-        for s, bn, w in ((16, 64, 4), (32, 64, 8), (64, 32, 8)):
-            if sweep and heads == 16 and batch * s <= sms:
-                kw = dict(rows_unique=True, num_splits=s, config={"merge": "spread", "BLOCK_N": bn, "num_warps": w})
-                _time_small(c, f"spread {s} splits x {2048 // s} rows, BLOCK_N {bn}, {w} warps", kw, "sweep")
     print("\nsparse-MLA decode, small batches (us; Triton = the Triton kernel's routed configuration; speed-up = "
           "baseline / the fastest of Triton and small-batch Gluon; - = not run):")  # fmt: skip
-    keys = ("small", "routed", "fp32part", "halfpart", "nopdl", "steps64", "rows", "columns", "spread", "spread_cost",
-            "small_dedup", "dedup", "dedup_nopdl")  # fmt: skip
+    keys = ("small", "routed", "fp32part", "halfpart", "nopdl", "steps64", "rows", "columns", "small_dedup", "dedup",
+            "dedup_nopdl")  # fmt: skip
     print("| heads | batch | Triton configuration | **small-batch Gluon** | **Triton** | Triton, fp32 partials "
           "| Triton, bf16 partials | Triton without PDL | Triton split, 64-row steps of 4 warps "
           "| baseline (row merge) "
-          "| column merge, cost-model splits | one launch (spread), routed split "
-          "| one launch (spread), cost-model splits | small-batch Gluon, de-duplicated first "
+          "| column merge, cost-model splits | small-batch Gluon, de-duplicated first "
           "| Triton, de-duplicated first | Triton de-duplicated first, without PDL "
           "| speed-up | small-batch Gluon / Triton | PDL gain (Triton) |")  # fmt: skip
-    print("|---" * 19 + "|")
+    print("|---" * 17 + "|")
     for h, b, what, times in table:
         cells = " | ".join(f"{times[k] * 1e3:.1f}" if k in times else "-" for k in keys)
         gain = times["nopdl"] / times["routed"]
@@ -470,9 +446,6 @@ def main() -> None:
     parser.add_argument("--only", default="gqa,sparse,gluon,merge,graph")
     parser.add_argument("--warm-xqa", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time fixed tile/split variants")
-    parser.add_argument(
-        "--gluon-kernels", nargs="+", default=None, help="Gluon decode configurations to time (default: the routed one)"
-    )
     args = parser.parse_args()
     if args.warm_xqa:
         warm_xqa()
@@ -484,7 +457,7 @@ def main() -> None:
     for key, fn in (
         ("merge", bench_merge),
         ("sparse", bench_sparse),
-        ("gluon", functools.partial(bench_sparse_gluon, kernels=args.gluon_kernels)),
+        ("gluon", bench_sparse_gluon),
         ("sparse-small", bench_sparse_small),
         ("gqa", bench_gqa),
     ):

@@ -63,23 +63,14 @@ from shardattn.kernels.sparse_mla_gluon import GluonConfig, launch_gluon_attenti
 from shardattn.kernels.sparse_mla_triton import flops, launch_attention, tile_config
 from shardattn.kernels.union import build_union
 
-#: The 32-key kernel first (the baseline of every ratio), then the 64-key kernel's variants
-#: (``regs[0]``: registers of each consumer warpgroup; the producer gets the rest of 3 x 168).
+#: The options of the 64-key kernel, one tile a program first (the baseline of every ratio).
 VARIANTS = [
-    GluonConfig(32, 4, "ws", (224, 56), async_arrive=True),
-    GluonConfig(64, 2, "ws64", (224, 56)),
-    GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True),
-    GluonConfig(64, 2, "ws64", (224, 56), heads_fastest=True, opaque_slots=True),
-    GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, opaque_slots=True),
-    GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, heads_fastest=True, opaque_slots=True),
-    GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, staged_out=True),
-    GluonConfig(64, 2, "ws64", (224, 56), heads_fastest=True, opaque_slots=True, staged_out=True),
-    GluonConfig(64, 2, "ws64", (224, 56), early_kv=True, opaque_slots=True, staged_out=True),
-    GluonConfig(64, 2, "ws64", (224, 56), heads_fastest=True, early_kv=True, opaque_slots=True, staged_out=True),
-    GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, staged_out=True, persistent=True),
-    GluonConfig(
-        64, 2, "ws64", (224, 56), heads_fastest=True, early_kv=True, opaque_slots=True, staged_out=True, persistent=True
-    ),
+    GluonConfig(),
+    GluonConfig(heads_fastest=True),
+    GluonConfig(early_kv=True),
+    GluonConfig(heads_fastest=True, early_kv=True),
+    GluonConfig(persistent=True),
+    GluonConfig(heads_fastest=True, early_kv=True, persistent=True),
 ]
 
 

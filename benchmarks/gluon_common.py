@@ -11,7 +11,6 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from prefill_inputs import D_R, D_V, make_case, rel_err
 
 from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_gluon import prefill_kernel
 
 
 def edge_rows(rows: torch.Tensor, kv_rows: int, seed: int):
@@ -63,11 +62,10 @@ def compare(out, lse, q, kv, rows, length, sinks, scale) -> dict:
 
 
 def kernel_report() -> list[dict]:
-    from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
     from shardattn.kernels.sparse_mla_gluon_ws64 import ws64_kernel
 
     rep = []
-    kernels = (prefill_kernel(), ws_kernel(), ws64_kernel())
+    kernels = (ws64_kernel(),)
     for entry in [c for k in kernels for c in k.device_caches.values()]:
         for kern in entry[0].values():
             ptx = kern.asm.get("ptx", "")

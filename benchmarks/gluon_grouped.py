@@ -1,12 +1,11 @@
-"""Grouped Gluon sparse-MLA prefill on one GPU: check both warp-specialised kernels, then time them.
+"""Grouped Gluon sparse-MLA prefill on one GPU: check the warp-specialised kernel's grouped tiles, then time them.
 
 Run through ``gluon_check.py --grouped`` (one device call)::
 
     python benchmarks/gluon_check.py --grouped --heads 8 16 32 64 --out benchmarks/out/gluon_grouped.json
 
 * checks: at 8 / 16 / 32 heads (``G`` = 8 / 4 / 2) and 12 heads (padded, ``G = 4``), with and
-  without sinks, each grouped Gluon kernel (:data:`GROUPED_VARIANTS`: the 32-key and the 64-key
-  kernel, the latter also with its output stored from the registers) against the fp32 reference on
+  without sinks, the grouped Gluon kernel (:data:`GROUPED_VARIANTS`) against the fp32 reference on
   NaN-poisoned outputs with invalid entries anywhere, an empty row, a row listed twice, out-of-range
   rows, ``topk_length``, a whole group with no key and a tail group; head-blocked ``[B, T, H/B,
   ...]`` q / out / lse through both public entries (no copies) at 64 / 128 / 16 heads and through
@@ -26,7 +25,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import replace
 
 import torch
 
@@ -46,18 +44,14 @@ from prefill_inputs import (
 )
 
 from shardattn.kernels.sparse_mla import sparse_mla_attention
-from shardattn.kernels.sparse_mla_gluon import WS32_CONFIG, WS64_CONFIG, launch_gluon_attention
+from shardattn.kernels.sparse_mla_gluon import GROUPED_CONFIG, launch_gluon_attention
 from shardattn.kernels.sparse_mla_grouped import choose_path, sparse_mla_grouped_prefill
 from shardattn.kernels.sparse_mla_triton import flops, launch_attention, tile_config
 from shardattn.kernels.union import build_union
 from shardattn.plan.routing import gluon_grouped_group_size, tile_group_size
 
 #: The grouped Gluon kernels checked and timed, by the column name of their timings.
-GROUPED_VARIANTS = {
-    "gluon_grp": WS32_CONFIG,
-    "gluon64_grp": WS64_CONFIG,
-    "gluon64d_grp": replace(WS64_CONFIG, staged_out=False),  # its output stored from the registers
-}
+GROUPED_VARIANTS = {"gluon_grp": GROUPED_CONFIG}
 
 
 def check_grouped(heads_g, kv_rows, topk, seed=0) -> list[dict]:
@@ -193,8 +187,7 @@ def time_grouped(heads, tokens, kv_rows, topk, reps, flush, seed=0) -> dict:
             steps[name] = ms["union"] + ms[name]
             steps[f"{name}_sorted"] = ms["union_sorted"] + ms[name]
         res["union_share_of_gluon_grp"] = round(ms["union"] / steps["gluon_grp"], 3)
-        res["union_share_of_gluon64_grp"] = round(ms["union"] / steps["gluon64_grp"], 3)
-        res["sorted_union_share_of_gluon64_grp"] = round(ms["union_sorted"] / steps["gluon64_grp_sorted"], 3)
+        res["sorted_union_share_of_gluon_grp"] = round(ms["union_sorted"] / steps["gluon_grp_sorted"], 3)
     steps["routed"] = ms["routed"]
     res["ms"] = {k: round(v, 4) for k, v in ms.items()}
     res["step_ms"] = {k: round(v, 4) for k, v in steps.items()}
@@ -207,11 +200,8 @@ def time_grouped(heads, tokens, kv_rows, topk, reps, flush, seed=0) -> dict:
     res["routed_x_best_triton_step"] = round(best_triton / steps["routed"], 2)
     if g > 1:
         res["gluon_grp_x_triton_grp_step"] = round(steps["triton_grp"] / steps["gluon_grp"], 2)
-        res["gluon64_grp_x_gluon_grp_step"] = round(steps["gluon_grp"] / steps["gluon64_grp"], 2)
         res["gluon_grp_x_best_other_step"] = round(
-            min(v for k, v in steps.items() if not k.startswith("gluon") and k != "routed")
-            / min(steps["gluon_grp"], steps["gluon64_grp"]),
-            2,
+            min(v for k, v in steps.items() if not k.startswith("gluon") and k != "routed") / steps["gluon_grp"], 2
         )
     return res
 
@@ -230,8 +220,7 @@ def grouped_main(args) -> int:
             r = time_grouped(heads, tokens, kv_rows if tokens < 16384 else 2 * kv_rows, args.topk, args.reps, flush)
             keep_time(results, r, args.out)
     keep_kernels(results, kernel_report(), args.out)
-    cols = ("triton_pq", "gluon_pq", "triton_grp", "gluon_grp", "gluon64_grp", "gluon64d_grp", "gluon64_grp_sorted",
-            "routed")  # fmt: skip
+    cols = ("triton_pq", "gluon_pq", "triton_grp", "gluon_grp", "gluon_grp_sorted", "routed")
     print("\nms (effective TF/s) per step: per-query = row sort + kernel, grouped = union build + kernel")
     print(f"{'H':>4} {'T':>5} {'G':>2} {'ratio':>5} | {'sort':>6} {'union':>6} | "
           + " | ".join(c.rjust(14) for c in cols) + " | grp G / grp T | routed / best T | routed")  # fmt: skip

@@ -15,14 +15,6 @@ baseline, effective TFLOP/s ``2 * sum(valid topk) * heads * 1088 / time`` and sp
 sm_90 GPU with Gluon, a ``gluon`` line under each row times the Gluon per-query path (same row
 sort + :mod:`shardattn.kernels.sparse_mla_gluon`) in the same run.
 
-``--union-only`` times the union builders (``method`` sort / merge, ``row_sort`` torch / triton)
-per G against the ``"sort"`` builder in the same run, checks each exactly against the torch
-reference on edge-case rows (and rows up to ``2**24 - 2``), then times the grouped step
-(union + kernel) at ``--heads`` with the old and the fastest new builder, and the per-query
-path with each row sort::
-
-    python benchmarks/sparse_prefill.py --union-only --heads 8 16 32 --tokens 4096 16384
-
 ``--check`` poisons outputs with NaN, runs each path on edge-case rows (invalid entries, an
 empty row, duplicates, a tail group) and compares with the fp32 reference on sampled tokens,
 the union and top-k conversion kernels exactly with their torch references, and prints the
@@ -275,7 +267,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON output path")
     ap.add_argument("--dump", default=None, help="write compiled kernels' ttgir/ptx excerpts here")
     ap.add_argument("--sweep", type=int, nargs="*", default=None, help="heads to sweep tile variants for")
-    ap.add_argument("--union-only", action="store_true", help="union builders (old vs new) and grouped steps")
     ap.add_argument("--time-budget", type=float, default=1e9, help="skip remaining cases after this many seconds")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -289,12 +280,6 @@ def main(argv=None) -> int:
         f"{'x perq':>6} {'x torch':>7}"
     )
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}", flush=True)
-    if args.union_only:
-        from union_variants import union_only
-
-        results = union_only(args, flush)
-        save_json(args.out, {"device": torch.cuda.get_device_name(), "results": results})
-        return 0 if all(r.get("exact", True) for r in results) else 1
     print(header, flush=True)
     start = time.time()
     if args.sweep:

@@ -13,8 +13,7 @@ count (``G`` = 8 / 4 / 2 at 8 / 16 / 32 heads, the grouped Gluon kernel's routin
   invalid entries anywhere, an empty row, a row listed twice, out-of-range rows, ``topk_length``
   100 / 0 / 1 / 65, a tail group) and on rows up to ``2**24 - 2``; at every timed case, every
   fused build (and sweep config) against the old builder on the benchmark rows;
-* **times** (CUDA-event medians, L2 flushed before each run): the old builder (``"sort"`` at
-  ``G = 2``, ``"merge"`` at ``G = 4 / 8``, the ``auto`` choice before the fused builder), the
+* **times** (CUDA-event medians, L2 flushed before each run): the sorting builder (``"sort"``), the
   fused builder on unsorted rows (row sort + one launch) and on sorted rows (one launch), the row
   sort alone (keys kernel + ``torch.sort``), the sorted lists alone (the fused kernel at ``G =
   1``) and the grouped Gluon kernel alone; the union share of the step ``union / (union +
@@ -54,7 +53,7 @@ from shardattn.kernels.union_fused import fused_kernel, fused_union
 from shardattn.kernels.union_smem import smem_kernels
 
 #: The ``auto`` builder per G before the fused builder (benchmarks/RESULTS.md, run 4).
-OLD_METHOD = {2: "sort", 4: "merge", 8: "merge"}
+OLD_METHOD = {2: "sort", 4: "sort", 8: "sort"}
 #: Shared-memory kernel configs timed by ``--smem-configs`` beside the default (2,048 entries a
 #: step, 1,024 words counted at once, 8 warps, programs per SM from shared memory and registers),
 #: at the case's ``G`` and at ``G = 1``.
@@ -162,7 +161,7 @@ def time_case(
         ms[name] = timed(fn, flush, reps)
         print(f"   build H={heads} T={tokens} {name}: {ms[name]:.4f} ms exact={same[name]}", flush=True)
     max_row = min(kv_rows - 1, MAX_PLAIN_ROW)
-    ms["row_sort"] = timed(lambda: _sorted_row_keys(rows, None, kv_rows, "torch"), flush, reps)
+    ms["row_sort"] = timed(lambda: _sorted_row_keys(rows, None, kv_rows), flush, reps)
     ms["lists_only"] = timed(lambda: fused_union(srows, None, max_row, 1, u1, l1), flush, reps)
     want1 = build_union(rows, group_size=1, num_kv_rows=kv_rows)
     build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1), method="bitmap")

@@ -218,7 +218,7 @@ def test_pdl_kernels_compile_for_sm90_with_grid_dependency_control():
     }  # fmt: skip
     split_consts = {
         "DV": 512, "DR": 64, "BLOCK_DV": 512, "BLOCK_DR": 64, "BLOCK_H": 16, "BLOCK_N": 32, "HAS_TOPK_LEN": False,
-        "HAS_SINKS": False, "HAS_ROPE": True, "IEEE": False, "SPREAD": 0, "BLOCK_S": 2, "MERGE_C": 16,
+        "HAS_SINKS": False, "HAS_ROPE": True, "IEEE": False,
     }  # fmt: skip
     for pdl in (True, False):
         merge = ptx(_lse_merge_columns_kernel, merge_ptrs, (), {"BLOCK_P": 64, "BLOCK_D": 128, "PDL": pdl})

@@ -111,11 +111,11 @@ def test_config_routes_the_column_merge_to_few_rows():
 
 
 def test_partials_are_half_width_only_under_the_row_merge():
-    """Measured: 2-byte partials pay under the row merge (bandwidth-bound), not under the column or
-    spread merges; fp32 inputs keep fp32 partials; a caller's choice wins."""
+    """Measured: 2-byte partials pay under the row merge (bandwidth-bound), not under the column
+    merge; fp32 inputs keep fp32 partials; a caller's choice wins."""
     for dt in (torch.bfloat16, torch.float16):
         assert partials_dtype(dt, "rows") == dt
-        assert partials_dtype(dt, "columns") == partials_dtype(dt, "spread") == torch.float32
+        assert partials_dtype(dt, "columns") == torch.float32
         assert partials_dtype(dt, "columns", "input") == dt and partials_dtype(dt, "rows", "fp32") == torch.float32
     assert partials_dtype(torch.float32, "rows") == partials_dtype(torch.float32, "rows", "input") == torch.float32
 
@@ -161,7 +161,7 @@ def test_triton_kernel_matches_reference_under_interpreter(dtype_name):
 
 
 def interpreted_merge_cases(dtype_name: str) -> None:
-    """The three merges (column, row, one-launch spread; forced) against the fp64 oracle:
+    """Both merges (column, row; forced) against the fp64 oracle:
     invalid rows anywhere, a token with no valid key, topk_length, sinks, head and row tails,
     a split whose every row is invalid; the partials' workspace poisoned with NaN first."""
     dtype = getattr(torch, dtype_name)
@@ -175,7 +175,7 @@ def interpreted_merge_cases(dtype_name: str) -> None:
         ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks)
         cfg = sparse_mla_decode_config(t, h, k, 132, splits, head_dim=d, v_dim=dv)
         assert cfg["merge"] in ("columns", "none"), (name, cfg)  # tiny shapes route the column merge
-        for merge in ("columns", "rows", "spread"):
+        for merge in ("columns", "rows"):
             ws = torch.full((64 * t * h * (dv + 1),), float("nan"))
             out = torch.full((t, h, dv), float("nan"), dtype=dtype)
             lse = torch.full((t, h), float("nan"))
@@ -193,7 +193,7 @@ def interpreted_merge_cases(dtype_name: str) -> None:
 def test_column_and_row_merges_match_the_oracle_under_interpreter(dtype_name):
     pytest.importorskip("triton", reason="the Triton kernel needs triton")
     out = run_interpreted(__name__, "interpreted_merge_cases", dtype_name)
-    assert out.count("ok ") == 3 * (len(CASES) + 1)
+    assert out.count("ok ") == 2 * (len(CASES) + 1)
 
 
 # ---- GPU: real shapes, poisoned outputs ----

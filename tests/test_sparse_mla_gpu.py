@@ -89,11 +89,10 @@ def test_warmup_covers_runtime_keys(heads):
     kernels = (attention_kernel(), *union_kernels(), convert_topk_kernel())
     from shardattn.kernels.sparse_mla_gluon import gluon_available
 
-    if gluon_available() is None:  # the routed Gluon kernels (per-query 64-key, grouped 32-key) too
-        from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
+    if gluon_available() is None:  # the routed Gluon kernel (per-query and grouped) too
         from shardattn.kernels.sparse_mla_gluon_ws64 import ws64_kernel
 
-        kernels = (*kernels, ws_kernel(), ws64_kernel())
+        kernels = (*kernels, ws64_kernel())
     before = [compiled_variants(k) for k in kernels]
     for tokens, kv_rows, group_size in ((4096, 65536, None), (4097, 70000, None), (333, 65536, 1)):
         q, kv, _ = _setup(heads, tokens, kv_rows, seed=tokens)

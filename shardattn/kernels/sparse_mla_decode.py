@@ -18,15 +18,8 @@ Merging the splits (:func:`merge_kind`, chosen by measured numbers, benchmarks/R
 most :data:`COLUMN_MERGE_MAX_ROWS` (token, head) rows, a second launch with one program per
 (token, head, 128 output columns) that loads every split's LSE and slice at once
 (:func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns`: one memory latency whatever the
-split count; on an H200 at 16 heads, 1 token, 32 splits, 2.4 us against 14.2 us for the row
-merge); above, :func:`~shardattn.kernels.lse_merge.launch_lse_merge` (fewer, wider programs). The
-opt-in ``config={"merge": "spread"}``
-merges in the same launch spread over all programs: each split arrives at a per-(token, head
-block) barrier and, once all arrived, merges ``1/S`` of the block's (head, column) cells with the
-column merge's math (:mod:`~shardattn.kernels.sparse_mla_decode_triton`); it needs the launch
-in one wave (:func:`spread_fits`) and measured level with the column merge on the same split
-kernel (:func:`merge_kind`), so it is not routed. Small batches take the one-wave split count
-(:func:`sparse_mla_decode_config`). The torch reference is
+split count); above, :func:`~shardattn.kernels.lse_merge.launch_lse_merge` (fewer, wider
+programs). Small batches take the one-wave split count (:func:`sparse_mla_decode_config`). The torch reference is
 :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 
 On sm_90 and newer (:func:`~shardattn.kernels.registry.pdl_supported`) the split kernel and its
@@ -80,13 +73,7 @@ from shardattn.kernels.union import build_union
 try:  # Triton is optional: without it every path runs the torch reference.
     import triton
 
-    from shardattn.kernels.sparse_mla_decode_triton import (
-        SPREAD_ARRIVE,
-        SPREAD_MERGE,
-        SPREAD_OFF,
-        SPREAD_ONE_LAUNCH,
-        launch_split_kernel,
-    )
+    from shardattn.kernels.sparse_mla_decode_triton import launch_split_kernel
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
@@ -99,7 +86,6 @@ __all__ = [
     "partials_dtype",
     "sparse_mla_decode",
     "sparse_mla_decode_config",
-    "spread_fits",
 ]
 
 #: At most this many (token, head) rows merge with the column merge (:func:`merge_kind`).
@@ -113,7 +99,7 @@ ONE_WAVE_MAX_SPLITS = 64
 ONE_WAVE_MAX_BLOCK_N = 128
 #: Keys a caller's ``config=`` may override (tuning).
 CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge", "pdl", "partials"})
-MERGES = ("rows", "columns", "spread")
+MERGES = ("rows", "columns")
 #: ``backend=`` values: routed, or one kernel forced.
 BACKENDS = (None, "triton", "gluon", "gluon_small")
 
@@ -121,14 +107,6 @@ BACKENDS = (None, "triton", "gluon", "gluon_small")
 def _block_h(num_heads: int) -> int:
     """Heads of one program: 64 above 32 heads, else the next power of two (at least 16)."""
     return 64 if num_heads > 32 else max(16, 1 << max(0, (num_heads - 1).bit_length()))
-
-
-def spread_fits(num_tokens: int, num_heads: int, num_splits: int, num_sms: int, block_h: int | None = None) -> bool:
-    """Whether a launch fits in one wave: ``tokens x head blocks x splits`` programs at most
-    ``num_sms`` (one resident program per SM is certain). The spread merge needs it (no program
-    may wait at its spin barrier for a program of its token that is not resident)."""
-    block_h = block_h or _block_h(num_heads)
-    return num_tokens * -(-num_heads // block_h) * num_splits <= num_sms
 
 
 @functools.lru_cache(maxsize=16)
@@ -158,11 +136,11 @@ def sparse_mla_decode_config(
 
     One wave: where the cost model splits and there are at most :data:`ONE_WAVE_MAX_ROWS`
     (token, head) rows, the split count becomes the largest power of two whose launch fits in one
-    wave (:func:`spread_fits`), up to :data:`ONE_WAVE_MAX_SPLITS` at <= 32 heads (then 32-row
+    wave (``tokens x head blocks x splits <= SMs``), up to :data:`ONE_WAVE_MAX_SPLITS` at <= 32 heads (then 32-row
     tiles), else up to the cost model's count. Measured on an H200 at 16 heads, top-k 2048 with
-    the column merge (benchmarks/RESULTS.md, "one-launch spread merge"): 64 x 32 rows at 1-2
+    the column merge (benchmarks/RESULTS.md): 64 x 32 rows at 1-2
     tokens (13.6 / 14.7 us against 14.4 / 15.4 for the cost model's 32 x 64), 16 x 128 at 8
-    tokens (22.9 against 23.6). It is also the launch the opt-in spread merge needs. At <= 16
+    tokens (22.9 against 23.6). At <= 16
     heads a split of 64 or 128 rows is one tile of 8 warps (one gather, no second loop step:
     benchmarks/RESULTS.md, eighth session).
 
@@ -245,12 +223,6 @@ def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
     columns win at 16 heads x 1-8 tokens (14.0-23.3 us against 26.5-34.0) and 128 heads x 1 token
     (21.5 against 32.1); rows win at 128 heads x 8 tokens (43.8 against 52.1: 4,096 column
     programs of 8 splits each cost more than 128 row programs).
-
-    The one-launch spread merge (``config={"merge": "spread"}``) is never routed: on the same
-    split kernel it measured 13.9 / 15.4 / 18.8 / 22.5 us at 16 heads x 1 / 2 / 4 / 8 tokens
-    against 13.6 / 14.7 / 17.7 / 22.9 for the column merge, and 22.0 against 21.1 at 128 heads x
-    1 token (benchmarks/RESULTS.md, "one-launch spread merge"): within 0.4 us where it wins, and
-    its spin barrier would hang if another kernel kept SMs busy while a token's splits waited.
     """
     if num_splits <= 1:
         return "none"
@@ -261,7 +233,7 @@ def partials_dtype(dtype: torch.dtype, merge: str, choice: str = "auto") -> torc
     """The dtype of the split partials' outputs for inputs of ``dtype`` merged by ``merge``:
     ``choice`` ``"fp32"``, ``"input"`` (``dtype`` where it is a 2-byte float) or ``"auto"``: the
     input dtype under the row merge (a few wide programs read every partial: half the bytes
-    measured 7 % faster at 128 heads x 8 tokens), fp32 under the column and spread merges (one
+    measured 7 % faster at 128 heads x 8 tokens), fp32 under the column merge (one
     latency each; no gain measured; benchmarks/RESULTS.md, eighth session).
 
     Example:
@@ -299,7 +271,6 @@ def sparse_mla_decode(
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA decode attention with split-KV and a merge; returns the LSE (DCP needs it).
@@ -317,23 +288,18 @@ def sparse_mla_decode(
             de-duplication sort on the Triton path; duplicates would then count twice).
         config: launch-configuration overrides (keys of :func:`sparse_mla_decode_config`:
             ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and ``merge`` = ``"rows"`` /
-            ``"columns"`` / ``"spread"``, ``pdl`` = ``False`` to launch the split kernel and the
+            ``"columns"``, ``pdl`` = ``False`` to launch the split kernel and the
             merge without programmatic dependent launch, ``partials`` = ``"fp32"`` / ``"input"``
             (q's 2-byte dtype) for the split partials' outputs (default ``"auto"``: q's dtype
             under the row merge, which reads them all with few programs, fp32 otherwise);
-            for tuning and baselines; a forced ``"spread"`` whose launch does not fit in one
-            wave is a ``ValueError``).
+            for tuning and baselines).
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
             the split partials; with ``out``, ``lse_out`` and it, nothing is allocated.
-        counters: int32 zeros for the spread merge, reused across calls and graph replays: at
-            least ``2 * T * ceil(H / BLOCK_H)`` (arrival counts, left 0, in the first half;
-            generations, which change every call, in the second). Default: allocated
-            (zero-filled, one fill kernel more).
         backend: ``None`` (routed: :func:`~shardattn.kernels.registry.sparse_decode_kernel`),
             ``"triton"``, ``"gluon"`` or ``"gluon_small"`` (forced, also outside the routing's
             crossovers; a ``ValueError`` where the kernel cannot run these tensors). ``config``
-            and ``counters`` are Triton options: with them the routed call runs Triton. On the
+            is a Triton option: with it the routed call runs Triton. On the
             Gluon path ``num_splits`` is the number of row slices and a ``workspace`` too small
             for the chosen slices makes it use fewer. The small-batch Gluon kernel picks its own
             splits (:func:`~shardattn.kernels.sparse_mla_decode_gluon_small.small_decode_tiles`):
@@ -362,14 +328,14 @@ def sparse_mla_decode(
         if unknown:
             raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
         if config.get("merge", "rows") not in MERGES:
-            raise ValueError(f"config['merge'] must be 'rows', 'columns' or 'spread', got {config['merge']!r}")
+            raise ValueError(f"config['merge'] must be 'rows' or 'columns', got {config['merge']!r}")
         if not isinstance(config.get("pdl", False), bool):
             raise TypeError(f"config['pdl'] must be a bool, got {type(config['pdl']).__name__}")
         if config.get("partials", "auto") not in ("auto", "input", "fp32"):
             raise ValueError(f"config['partials'] must be 'auto', 'input' or 'fp32', got {config['partials']!r}")
-    triton_only = config is not None or counters is not None
+    triton_only = config is not None
     if backend in ("gluon", "gluon_small") and triton_only:
-        raise ValueError(f"backend={backend!r} takes no config or counters (Triton options)")
+        raise ValueError(f"backend={backend!r} takes no config (a Triton option)")
     if backend == "gluon_small" and num_splits is not None:
         raise ValueError("backend='gluon_small' chooses its own splits (small_decode_tiles): pass num_splits=None")
     if out is not None:
@@ -441,38 +407,14 @@ def sparse_mla_decode(
         else:
             cfg["reason"] = f"{cfg['num_splits']} splits; {cfg['merge']} merge: config"
     splits = cfg["num_splits"]
-    n_hblocks = triton.cdiv(h, cfg["BLOCK_H"])
-    spread = splits > 1 and cfg.get("merge") == "spread"
-    if spread and not spread_fits(t, h, splits, num_sms, cfg["BLOCK_H"]):
-        raise ValueError(
-            f"config['merge'] = 'spread' needs the launch in one wave: {t * n_hblocks * splits} programs "
-            f"(tokens x head blocks x num_splits) > {num_sms} SMs; ask fewer num_splits"
-        )
     if splits > 1:
         out_dtype = partials_dtype(q.dtype, cfg["merge"], cfg.get("partials", "auto"))
         dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device, out_dtype=out_dtype)
     else:
         dst_out, dst_lse = out, lse_out
-    if spread:
-        need = t * n_hblocks * 2
-        if counters is None:
-            counters = torch.zeros(need, dtype=torch.int32, device=q.device)
-        elif counters.dtype != torch.int32 or counters.numel() < need or counters.device != q.device:
-            raise ValueError(f"counters must be an int32 tensor on {q.device} with >= {need} elements")
-    else:
-        counters = lse_out  # unused
-    if spread and not q.is_cuda:  # the interpreter runs programs in turn: a spin would never end
-        for mode in (SPREAD_ARRIVE, SPREAD_MERGE):
-            launch_split_kernel(
-                q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, mode
-            )  # fmt: skip
-        return out, lse_out
-    mode = SPREAD_ONE_LAUNCH if spread else SPREAD_OFF
     pdl = cfg.get("pdl", True) and pdl_supported(q.device)
-    launch_split_kernel(
-        q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, counters, cfg, scale, mode, pdl=pdl
-    )  # fmt: skip
-    if splits > 1 and not spread:
+    launch_split_kernel(q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, cfg, scale, pdl=pdl)
+    if splits > 1:
         if cfg.get("merge") == "columns":
             launch_lse_merge_columns(dst_out, dst_lse, out, lse_out, pdl=pdl)
         else:

@@ -32,10 +32,8 @@ sync), so a launch is CUDA-graph capturable.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
@@ -51,8 +49,6 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 
 __all__ = [
     "CTA_OVERHEAD_US",
-    "DECODE_KERNEL",
-    "DECODE_KERNELS",
     "KEY_US",
     "MAX_SPLITS",
     "SPLIT_ROWS",
@@ -143,54 +139,19 @@ def gluon_decode_plan(
     return {"num_splits": s, "chunk": chunk}
 
 
-#: Kernel configurations decode can run, by name: ``"ws32h"`` the 32-key kernel, ``"ws64h"`` the
-#: 64-key kernel, ``"ws64hz"`` the 64-key kernel with opaque slot indices (no spilled wgmma
-#: descriptors) and Q loaded by its producer (as 128-head prefill); ``h``: a query's head blocks
-#: adjacent in the grid (at 128 heads a token's two programs read the same rows, the second finds
-#: them in L2), ``"ws64z"`` without it; ``"ws64hzP"``: ``"ws64hz"`` as a persistent kernel (one
-#: program per SM walks its slices in turn, as per-query prefill).
-DECODE_KERNELS = ("ws32h", "ws64h", "ws64hz", "ws64hzP", "ws64z")
-#: The routed one: at 128 heads, batch 64-256, 1.17-1.22x ``"ws32h"`` and 1.07-1.19x ``"ws64z"``;
-#: at 32-64 heads, batch 32-256, 1.00-1.10x ``"ws32h"`` and the same as ``"ws64z"`` (one head
-#: block per token) (benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel"); the
-#: persistent ``"ws64hzP"`` (prefill's routed kernel) measured 0.97-1.05x its time in the tenth
-#: session and 0.99-1.01x once a program's first tile loaded Q before its first gathers (eleventh:
-#: level, so the simpler one-tile grid stays routed).
-DECODE_KERNEL = "ws64hz"
+def gluon_decode_config(num_heads: int = 0, v_dim: int = 512, rope_dim: int = 64):
+    """The Gluon kernel's options for decode: one tile a program (the persistent grid measured level
+    here), a token's head blocks adjacent in the grid (at 128 heads its two programs read the same
+    rows, the second from L2) and Q loaded by the producer (docs/PERFORMANCE.md). Every shape takes
+    the same options (64 heads a program, fewer pad it).
 
-
-@functools.cache
-def _decode_configs() -> dict:
-    """:data:`DECODE_KERNELS` by name, built once (the Gluon module loads only when decode takes this path)."""
-    from shardattn.kernels.sparse_mla_gluon import WS32_CONFIG, WS64_CONFIG
-
-    return {
-        "ws32h": replace(WS32_CONFIG, heads_fastest=True),
-        "ws64h": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=False),
-        "ws64hz": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=True, early_kv=True),
-        "ws64hzP": replace(WS64_CONFIG, heads_fastest=True, opaque_slots=True, early_kv=True, persistent=True),
-        "ws64z": replace(WS64_CONFIG, heads_fastest=False, opaque_slots=True),
-    }
-
-
-def gluon_decode_config(num_heads: int, v_dim: int = 512, rope_dim: int = 64, kernel: str | None = None):
-    """The Gluon kernel's configuration for decode.
-
-    Args:
-        num_heads, v_dim, rope_dim: the launch's shapes (every configuration serves them: 64
-            heads per program, fewer pad it).
-        kernel: one of :data:`DECODE_KERNELS`; None = the routed :data:`DECODE_KERNEL`.
     Returns:
         A :class:`~shardattn.kernels.sparse_mla_gluon.GluonConfig`.
-    Raises:
-        ValueError: an unknown ``kernel``.
     """
     del num_heads, v_dim, rope_dim
-    name = DECODE_KERNEL if kernel is None else kernel
-    configs = _decode_configs()
-    if name not in configs:
-        raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {name!r}")
-    return configs[name]
+    from shardattn.kernels.sparse_mla_gluon import GluonConfig
+
+    return GluonConfig(heads_fastest=True, early_kv=True)
 
 
 def split_rows_reference(
@@ -291,25 +252,20 @@ if triton is not None:
         tl.store(LENS + s.to(tl.int64) * T + t, n, mask=s < S)
 
 
-def _gluon_attend(
-    q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows: bool = False, kernel: str | None = None
-) -> None:
+def _gluon_attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows: bool = False) -> None:
     from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
 
-    cfg = gluon_decode_config(q.shape[1], v_dim, q.shape[-1] - v_dim, kernel)
+    cfg = gluon_decode_config(q.shape[1], v_dim, q.shape[-1] - v_dim)
     launch_gluon_attention(
         q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse, raw_rows=raw_rows
     )
 
 
-def reads_raw_rows(rows: torch.Tensor, topk_length: torch.Tensor | None, kernel: str | None = None) -> bool:
-    """Whether a one-slice launch of ``kernel`` reads ``rows`` in place (no packing): the 64-key
-    kernel with contiguous int32 rows (and int32 ``topk_length``)."""
+def reads_raw_rows(rows: torch.Tensor, topk_length: torch.Tensor | None) -> bool:
+    """Whether a one-slice launch reads ``rows`` in place (no packing): contiguous int32 rows (and
+    int32 ``topk_length``)."""
     return (
-        gluon_decode_config(0, kernel=kernel).variant == "ws64"
-        and rows.dtype == torch.int32
-        and rows.stride(-1) == 1
-        and (topk_length is None or topk_length.dtype == torch.int32)
+        rows.dtype == torch.int32 and rows.stride(-1) == 1 and (topk_length is None or topk_length.dtype == torch.int32)
     )
 
 
@@ -329,8 +285,6 @@ def sparse_mla_decode_gluon(
     rows_unique: bool = False,
     workspace: torch.Tensor | None = None,
     attend: Callable[..., None] | None = None,
-    kernel: str | None = None,
-    pack_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA decode through the Gluon kernel (inputs validated by
     :func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode`, which routes here).
@@ -345,16 +299,10 @@ def sparse_mla_decode_gluon(
             out, lse, raw_rows)``; default the Gluon kernel (tests pass a torch stand-in to check
             the slicing, sinks and merge on the CPU). ``raw_rows=True``: ``union`` is the caller's
             rows (invalid entries anywhere) and ``lens`` its ``topk_length`` (None = all ``K``).
-        kernel: the default ``attend``'s configuration, one of :data:`DECODE_KERNELS` (None = the
-            routed :data:`DECODE_KERNEL`).
-        pack_rows: pack the rows even where the kernel could read them in place (a benchmark's
-            baseline; same result).
     Returns:
         ``(out, lse_out)``.
     """
-    if kernel is not None and kernel not in DECODE_KERNELS:
-        raise ValueError(f"kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
-    attend = functools.partial(_gluon_attend, kernel=kernel) if attend is None else attend
+    attend = _gluon_attend if attend is None else attend
     t, h, _ = q.shape
     r = kv.shape[0]
     k = rows.shape[1]
@@ -368,7 +316,7 @@ def sparse_mla_decode_gluon(
     if s == 1:
         if deduped:  # the union's entries past lens are masked by the kernel
             union, lens = src, src_len
-        elif not pack_rows and reads_raw_rows(src, src_len, kernel):  # one launch: rows read in place
+        elif reads_raw_rows(src, src_len):  # one launch: rows read in place
             attend(q, kv, src, src_len, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out, raw_rows=True)
             return out, lse_out
         else:

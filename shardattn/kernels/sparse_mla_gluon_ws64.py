@@ -74,7 +74,7 @@ if HAS_GLUON:
     from shardattn.kernels.gluon_compat import cp, fence_async_shared, gl, gluon, mbarrier
     from shardattn.kernels.gluon_compat import cta_barrier as _cta_barrier
     from shardattn.kernels.gluon_compat import nvmma_layout as _nvmma
-    from shardattn.kernels.sparse_mla_gluon_ws import _ws_epilogue, _ws_epilogue_staged
+    from shardattn.kernels.sparse_mla_gluon_ws import _ws_epilogue_staged
     from shardattn.kernels.sparse_mla_gluon_ws64_pipeline import _consumer0, _consumer1, _load_q, _producer
 
 #: Launch arguments never specialised (as the 32-key kernel: token count, LSE head-block geometry).
@@ -122,23 +122,18 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consume_tile(args, out_args, stage, W: gl.constexpr, D_V: gl.constexpr, HAS_SINK: gl.constexpr,
-                      PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
-                      RAW_ROWS: gl.constexpr, STAGED_OUT: gl.constexpr, c0, j):  # fmt: skip
+                      EARLY_KV: gl.constexpr, G: gl.constexpr, RAW_ROWS: gl.constexpr, c0, j):  # fmt: skip
         """Consumer warpgroup ``W``'s work on one tile and its epilogue (staged through ``stage``)."""
         if W == 0:
-            acc, m_i, l_i = _consumer0(args, D_V, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS, c0, j)
+            acc, m_i, l_i = _consumer0(args, D_V, EARLY_KV, G, RAW_ROWS, c0, j)
         else:
-            acc, m_i, l_i = _consumer1(args, D_V, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS, c0, j)
-        if STAGED_OUT:
-            _ws_epilogue_staged(acc, m_i, l_i, out_args, stage, W, D_V, HAS_SINK, G)
-        else:
-            _ws_epilogue(acc, m_i, l_i, out_args, W, D_V, HAS_SINK, G)
+            acc, m_i, l_i = _consumer1(args, D_V, EARLY_KV, G, RAW_ROWS, c0, j)
+        _ws_epilogue_staged(acc, m_i, l_i, out_args, stage, W, D_V, HAS_SINK, G)
 
     @gluon.jit
     def _wg(args, out_args, pctx, W: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-            PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
-            RAW_ROWS: gl.constexpr, STAGED_OUT: gl.constexpr, PERSISTENT: gl.constexpr, HAS_LENS: gl.constexpr,
-            HEADS_FASTEST: gl.constexpr):  # fmt: skip
+            EARLY_KV: gl.constexpr, G: gl.constexpr, RAW_ROWS: gl.constexpr, PERSISTENT: gl.constexpr,
+            HAS_LENS: gl.constexpr, HEADS_FASTEST: gl.constexpr):  # fmt: skip
         """Consumer warpgroup ``W`` (0: block ``2i``, output columns ``[0, Dv/2)``; 1: block ``2i + 1``,
         ``[Dv/2, Dv)``). One tile: its output staged in the key buffer it alone still reads (WG0
         block 0's left half, WG1 block 1's right half). ``PERSISTENT``: tile after tile, the output
@@ -150,21 +145,18 @@ if HAS_GLUON:
             for tile in range(first, n_tiles, step):
                 t_args, t_out, n_pairs = _retile(args, out_args, pctx, tile, G, RAW_ROWS, HAS_LENS, HEADS_FASTEST)
                 stage = args[5 + W].index(0)  # q_l / q_r
-                _consume_tile(t_args, t_out, stage, W, D_V, HAS_SINK, False, True, OPAQUE_SLOTS, G, RAW_ROWS,
-                              STAGED_OUT, c0, j)  # fmt: skip
+                _consume_tile(t_args, t_out, stage, W, D_V, HAS_SINK, True, G, RAW_ROWS, c0, j)
                 mbarrier.arrive(q_free, count=1)
                 c0 += n_pairs
                 j += 1
         else:
             stage = args[8 + W].index(W)  # k_l[0] / k_r[1]
-            _consume_tile(args, out_args, stage, W, D_V, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
-                          STAGED_OUT, 0, 0)  # fmt: skip
+            _consume_tile(args, out_args, stage, W, D_V, HAS_SINK, EARLY_KV, G, RAW_ROWS, 0, 0)
 
     @gluon.jit
     def _load(args, out_args, pctx, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-              PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
-              RAW_ROWS: gl.constexpr, STAGED_OUT: gl.constexpr, PERSISTENT: gl.constexpr, HAS_LENS: gl.constexpr,
-              HEADS_FASTEST: gl.constexpr):  # fmt: skip
+              EARLY_KV: gl.constexpr, G: gl.constexpr, RAW_ROWS: gl.constexpr, PERSISTENT: gl.constexpr,
+              HAS_LENS: gl.constexpr, HEADS_FASTEST: gl.constexpr):  # fmt: skip
         if PERSISTENT:
             (_U, _L, _s, _K, _ng, _nhb, q_free, first, step, n_tiles) = pctx
             c0 = first * 0
@@ -185,10 +177,9 @@ if HAS_GLUON:
         stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
         qk_scale, R, K,
         D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PREFETCH_QK: gl.constexpr, HEADS_FASTEST: gl.constexpr,
-        EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, HEADS_FASTEST: gl.constexpr, EARLY_KV: gl.constexpr,
         G: gl.constexpr = 1, RAW_ROWS: gl.constexpr = False, HAS_LENS: gl.constexpr = True,
-        STAGED_OUT: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
+        PERSISTENT: gl.constexpr = False,
     ):  # fmt: skip
         dtype: gl.constexpr = Q.dtype.element_ty
         HALF: gl.constexpr = D_V // 2
@@ -251,12 +242,12 @@ if HAS_GLUON:
         # there spilled (``benchmarks/RESULTS.md``)
         gl.warp_specialize(
             [
-                (_load, (args, out_args, pctx, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
-                         STAGED_OUT, PERSISTENT, HAS_LENS, HEADS_FASTEST)),
-                (_wg, (args, out_args, pctx, 0, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
-                       STAGED_OUT, PERSISTENT, HAS_LENS, HEADS_FASTEST)),
-                (_wg, (args, out_args, pctx, 1, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,
-                       STAGED_OUT, PERSISTENT, HAS_LENS, HEADS_FASTEST)),
+                (_load, (args, out_args, pctx, D_V, D_R, HAS_SINK, EARLY_KV, G, RAW_ROWS, PERSISTENT, HAS_LENS,
+                         HEADS_FASTEST)),
+                (_wg, (args, out_args, pctx, 0, D_V, D_R, HAS_SINK, EARLY_KV, G, RAW_ROWS, PERSISTENT, HAS_LENS,
+                       HEADS_FASTEST)),
+                (_wg, (args, out_args, pctx, 1, D_V, D_R, HAS_SINK, EARLY_KV, G, RAW_ROWS, PERSISTENT, HAS_LENS,
+                       HEADS_FASTEST)),
             ],
             [4, 4],
             [CONSUMER_REGS, CONSUMER_REGS],

@@ -209,17 +209,13 @@ if HAS_GLUON:
         return l_i + l_bufs.index(b + 1 - W).load(l_i.type.layout)
 
     @gluon.jit
-    def _slot0(i, OPAQUE_SLOTS: gl.constexpr):
-        """Index 0 of the consumers' shared-memory buffers in key-loop iteration ``i``.
-
-        ``OPAQUE_SLOTS``: produced in every iteration by an instruction the compiler cannot see
-        through, so the loop's wgmma descriptors are built inside the loop; with a constant 0
-        they are hoisted before it (36 per ``Q K^T``, all live across the loop) and ptxas spills
-        them in one consumer and reloads them every pair (benchmarks/RESULTS.md)."""
-        if OPAQUE_SLOTS:
-            return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
-        else:
-            return 0
+    def _slot0(i):
+        """Index 0 of the consumers' shared-memory buffers in key-loop iteration ``i``, produced in every
+        iteration by an instruction the compiler cannot see through, so the loop's wgmma descriptors
+        are built inside the loop; with a constant 0 they are hoisted before it (36 per ``Q K^T``, all
+        live across the loop) and ptxas spills them in one consumer and reloads them every pair
+        (measured slower: docs/PERFORMANCE.md)."""
+        return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _qk0_left(q_l, k_l, ready, phase, s_zero, z):
@@ -236,8 +232,7 @@ if HAS_GLUON:
         return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
-    def _consumer0(args, D_V: gl.constexpr, PREFETCH_QK: gl.constexpr, EARLY_KV: gl.constexpr,
-                   OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr, RAW_ROWS: gl.constexpr, c0, j):  # fmt: skip
+    def _consumer0(args, D_V: gl.constexpr, EARLY_KV: gl.constexpr, G: gl.constexpr, RAW_ROWS: gl.constexpr, c0, j):
         """WG0: block ``2i`` of each pair, output columns ``[0, Dv/2)``; returns ``(acc, m_i, l_i)``.
         The tile's pairs are the program's pairs ``c0, c0 + 1, ...``, the tile its ``j``-th."""
         (_KV, u_base, n_len, _stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs,
@@ -248,15 +243,11 @@ if HAS_GLUON:
         row_l: gl.constexpr = _row_layout()
         m_i, l_i, acc, s_zero, cols, qj = _consumer_start(q_ready, j, D_V, G, EARLY_KV)
         s = s_zero
-        if PREFETCH_QK:  # pair 0's S0 here; pair i + 1's at the end of pair i
-            if n_pairs > 0:
-                s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, 0, _qk0_left(q_l, k_l, ready, 0, s_zero, 0), 0)
         for i in range(n_pairs):
             ph = (c0 + i) & 1
-            z = _slot0(i, OPAQUE_SLOTS)
+            z = _slot0(i)
             keep = _block_keep(u_base, n_len, 2 * i, cols, qj, G, RAW_ROWS, R)  # read while the gather lands
-            if not PREFETCH_QK:
-                s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, ph, _qk0_left(q_l, k_l, ready, ph, s_zero, z), z)
+            s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, ph, _qk0_left(q_l, k_l, ready, ph, s_zero, z), z)
             s_m = gl.where(keep, s * qk_scale, float("-inf"))
             m0 = gl.maximum(m_i, gl.max(s_m, axis=1))  # finite for a sorted union: block 2i holds a key
             m_buf.store(m0)
@@ -281,22 +272,12 @@ if HAS_GLUON:
             m_i = m1
             mbarrier.wait(p1_ready, ph)
             acc_t = warpgroup_mma(p1_buf, k_l.index(1 + z), acc, is_async=True)
-            if PREFETCH_QK:
-                if i + 1 < n_pairs:  # the next S0's left half runs behind P1 V1_L
-                    s_l = _qk0_left(q_l, k_l, ready, ph ^ 1, s_zero, z)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc_t,))
-                    mbarrier.arrive(free.index(_L1), count=1)
-                    s = _qk0_right(q_r, q_rope, k_r, k_rope, ready, ph ^ 1, s_l, z)
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
-                mbarrier.arrive(free.index(_L1), count=1)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
+            mbarrier.arrive(free.index(_L1), count=1)
         return acc, m_i, _combine_l(l_i, l_bufs, l_ready, 0, j)
 
     @gluon.jit
-    def _consumer1(args, D_V: gl.constexpr, EARLY_KV: gl.constexpr, OPAQUE_SLOTS: gl.constexpr, G: gl.constexpr,
-                   RAW_ROWS: gl.constexpr, c0, j):  # fmt: skip
+    def _consumer1(args, D_V: gl.constexpr, EARLY_KV: gl.constexpr, G: gl.constexpr, RAW_ROWS: gl.constexpr, c0, j):
         """WG1: block ``2i + 1`` of each pair, output columns ``[Dv/2, Dv)``; returns ``(acc, m_i, l_i)``
         (pairs and tile numbered as in :func:`_consumer0`)."""
         (_KV, u_base, n_len, _stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs,
@@ -308,7 +289,7 @@ if HAS_GLUON:
         m_i, l_i, acc, s_zero, cols, qj = _consumer_start(q_ready, j, D_V, G, EARLY_KV)
         for i in range(n_pairs):
             ph = (c0 + i) & 1
-            z = _slot0(i, OPAQUE_SLOTS)
+            z = _slot0(i)
             keep = _block_keep(u_base, n_len, 2 * i + 1, cols, qj, G, RAW_ROWS, R)  # read while the gather lands
             mbarrier.wait(ready.index(_R1), ph)
             s = warpgroup_mma(q_r.index(z), k_r.index(1 + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)

@@ -25,12 +25,6 @@ Triton paths (``method``; the cost depends on ``G * K`` per group, never on the 
   stay below ``2**27``), ``torch.sort`` sorts each group's ``G * K`` keys, and a compaction
   kernel (one program per group) marks run ends and ORs each run's bits with prefix sums.
   With ``G = 1`` this is the per-query row sort (sorted, de-duplicated rows).
-* ``"merge"``: each query's rows are sorted and de-duplicated first (the ``G = 1`` build, one
-  ``K``-wide sort per query), then ``log2(G)`` merge levels join pairs of sorted unique lists:
-  every element finds itself in the partner list by a vectorised binary search, and its output
-  position is ``k + #(partner-only < x)`` (an element of the first list) or
-  ``#(first < x) + #(partner-only before it)`` (a partner-only element); a row in both lists
-  is written once with the OR of both bit sets. No sort wider than ``K``.
 * ``"fused"`` (:mod:`shardattn.kernels.union_fused`): one launch, one program per group: its
   query lists (filtered, de-duplicated), every merge level (merge path: one binary search per
   8 outputs, then a serial merge) and the compaction. With ``rows_sorted=True`` (each query's
@@ -45,8 +39,7 @@ Triton paths (``method``; the cost depends on ``G * K`` per group, never on the 
   else ``"fused"`` whenever ``rows_sorted``, ``"bitmap"`` when the cache is small enough for
   the Triton kernel's count (:data:`BITMAP_SCAN_RATIO`), and otherwise
   the builder per ``G`` of :data:`UNION_METHOD` (all measured on an H200,
-  benchmarks/RESULTS.md). Sorting inside one Triton program with ``tl.sort`` measured 2.6x
-  slower than ``torch.sort`` at G = 8 (whole group) and 1.9x slower at G = 1 (one row).
+  benchmarks/RESULTS.md).
 
 On the Triton path entries past ``lens[g]`` are left unspecified (the attention kernel never
 reads them).
@@ -97,11 +90,6 @@ GROUP_SIZES = (1, 2, 4, 8)
 ROW_BITS = 24
 #: Largest row the G = 1 path accepts (int32 max is the sort sentinel).
 MAX_PLAIN_ROW = 2**31 - 2
-#: How each query's rows are sorted (``G = 1`` and the first merge level): ``torch.sort`` of
-#: ``[T, K]`` keys, or a ``tl.sort`` per query row in one Triton program (measured 1.9-2.0x
-#: slower than ``torch.sort`` on an H200 at K = 2048; kept as an option).
-ROW_SORTS = ("auto", "torch", "triton")
-ROW_SORT_AUTO = "torch"
 
 
 def num_groups(num_tokens: int, group_size: int) -> int:
@@ -211,140 +199,28 @@ if triton is not None:
         n = compact_sorted_keys(SORTED + g * stride_sorted_g, UNION + g * stride_union_g, width, G, CHUNK)
         tl.store(LENS + g, n)
 
-    @triton.jit(do_not_specialize=["T", "max_row"])
-    def _row_sort_kernel(
-        ROWS, TOPK_LEN, KEYS,
-        T, K, max_row, stride_rows_t,
-        BLOCK_K: tl.constexpr, HAS_LEN: tl.constexpr,
-    ):  # fmt: skip
-        # one program per query: its valid rows sorted ascending, INT32_MAX (invalid) at the end
-        t = tl.program_id(0).to(tl.int64)
-        c = tl.arange(0, BLOCK_K)
-        k_end = K
-        if HAS_LEN:
-            k_end = tl.minimum(k_end, tl.load(TOPK_LEN + t))
-        ok = c < k_end
-        row = tl.load(ROWS + t * stride_rows_t + c, mask=ok, other=-1)
-        ok = ok & (row >= 0) & (row <= max_row)
-        key = tl.sort(tl.where(ok, row, 2147483647))
-        tl.store(KEYS + t * K + c, key, mask=c < K)
-
-    @triton.jit
-    def _entry_key(e, PLAIN: tl.constexpr):
-        if PLAIN:
-            return e
-        return e & 0xFFFFFF
-
-    @triton.jit
-    def _lower_bound(base, n, x, STEPS: tl.constexpr, PLAIN: tl.constexpr):
-        # per lane: the first index in [0, n) whose row is >= x (n when none); STEPS >= bits of n
-        lo = tl.zeros_like(x)
-        cnt = tl.zeros_like(x) + n
-        for _ in tl.static_range(STEPS):
-            half = cnt // 2
-            mid = lo + half
-            v = _entry_key(tl.load(base + mid, mask=cnt > 0, other=0), PLAIN)
-            go = (cnt > 0) & (v < x)
-            lo = tl.where(go, mid + 1, lo)
-            cnt = tl.where(go, cnt - half - 1, half)
-        return lo
-
-    @triton.jit(do_not_specialize=["n_in"])
-    def _union_merge_kernel(
-        SRC, SRC_LEN, DST, DST_LEN,
-        n_in, stride_src, stride_dst,
-        PLAIN: tl.constexpr, G: tl.constexpr, STEPS: tl.constexpr, CHUNK: tl.constexpr,
-    ):  # fmt: skip
-        # Program m merges the sorted unique lists A = 2m and B = 2m + 1 (lists past n_in are
-        # empty) into DST[m]. PLAIN: the inputs are plain rows of queries 2m, 2m + 1 (first level).
-        m = tl.program_id(0).to(tl.int64)
-        ia = 2 * m
-        ib = ia + 1
-        la = tl.load(SRC_LEN + ia, mask=ia < n_in, other=0)
-        lb = tl.load(SRC_LEN + ib, mask=ib < n_in, other=0)
-        a_ptr = SRC + ia * stride_src
-        b_ptr = SRC + ib * stride_src
-        dst = DST + m * stride_dst
-        common = tl.full([], 0, tl.int32)
-        for c0 in range(0, la, CHUNK):  # A's entries: position k + #(B-only < a_k)
-            i = c0 + tl.arange(0, CHUNK)
-            ok = i < la
-            e = tl.load(a_ptr + i, mask=ok, other=0)
-            x = _entry_key(e, PLAIN)
-            lo = _lower_bound(b_ptr, lb, x, STEPS, PLAIN)
-            hit = ok & (lo < lb)
-            f = tl.load(b_ptr + lo, mask=hit, other=0)
-            found = hit & (_entry_key(f, PLAIN) == x)
-            if PLAIN:
-                bits = tl.where(found, 3, 1) << (ia % G).to(tl.int32)
-            else:
-                bits = ((e >> 24) & 0xFF) | tl.where(found, (f >> 24) & 0xFF, 0)
-            fi = found.to(tl.int32)
-            before = common + tl.cumsum(fi, axis=0) - fi
-            tl.store(dst + (i + lo - before), x | (bits << 24), mask=ok)
-            common += tl.sum(fi, axis=0)
-        b_only = tl.full([], 0, tl.int32)
-        for c0 in range(0, lb, CHUNK):  # B-only entries: position #(A < b_k) + #(B-only before k)
-            i = c0 + tl.arange(0, CHUNK)
-            ok = i < lb
-            e = tl.load(b_ptr + i, mask=ok, other=0)
-            x = _entry_key(e, PLAIN)
-            lo = _lower_bound(a_ptr, la, x, STEPS, PLAIN)
-            hit = ok & (lo < la)
-            f = tl.load(a_ptr + lo, mask=hit, other=0)
-            new = ok & ((lo >= la) | (_entry_key(f, PLAIN) != x))
-            if PLAIN:
-                bits = tl.full([CHUNK], 1, tl.int32) << (ib % G).to(tl.int32)
-            else:
-                bits = (e >> 24) & 0xFF
-            ni = new.to(tl.int32)
-            before = b_only + tl.cumsum(ni, axis=0) - ni
-            tl.store(dst + (lo + before), x | (bits << 24), mask=new)
-            b_only += tl.sum(ni, axis=0)
-        tl.store(DST_LEN + m, la + b_only)
-
 
 def union_kernels() -> tuple:
-    """The Triton union kernels (keys, compact, row sort, merge, fused, bitmap), for warm-up and compile counting."""
-    kernels = (_union_keys_kernel, _union_compact_kernel, _row_sort_kernel, _union_merge_kernel)
-    return (*kernels, fused_kernel(), *bitmap_kernels(), *smem_kernels())
+    """The Triton union kernels (keys, compact, fused, bitmap), for warm-up and compile counting."""
+    return (_union_keys_kernel, _union_compact_kernel, fused_kernel(), *bitmap_kernels(), *smem_kernels())
 
 
 def union_launch_config(group_size: int, topk: int) -> dict[str, int]:
-    """Constexprs of the union kernels for ``(G, K)`` (the warm-up key).
-
-    ``BLOCK_K``/``CHUNK``: keys and compaction kernels; ``ROW_BLOCK``: the ``tl.sort`` row
-    kernel; ``MERGE_CHUNK`` and ``MERGE_STEPS`` (one binary-search step count per merge level,
-    ``bit_length`` of the level's input width ``2**level * K``).
-    """
+    """Constexprs of the union kernels for ``(G, K)`` (the warm-up key): ``BLOCK_K`` / ``CHUNK`` of
+    the keys and compaction kernels."""
     kp = max(16, 1 << max(0, topk - 1).bit_length())
-    levels = max(0, group_size.bit_length() - 1)
-    return {
-        "G": group_size,
-        "BLOCK_K": min(kp, 1024),
-        "CHUNK": min(group_size * kp, 2048),
-        "ROW_BLOCK": kp,
-        "MERGE_CHUNK": min(kp, 1024),
-        "MERGE_STEPS": tuple((topk << lvl).bit_length() for lvl in range(levels)),
-    }
+    return {"G": group_size, "BLOCK_K": min(kp, 1024), "CHUNK": min(group_size * kp, 2048)}
 
 
 def _resolve(
-    group_size: int,
-    method: str,
-    row_sort: str,
-    rows_sorted: bool,
-    topk: int,
-    num_kv_rows: int,
-    shared_memory: bool = False,
-) -> tuple[str, str]:
+    group_size: int, method: str, rows_sorted: bool, topk: int, num_kv_rows: int, shared_memory: bool = False
+) -> str:
     check_choice("method", method, METHODS)
-    check_choice("row_sort", row_sort, ROW_SORTS)
     if method == "auto":
         method = auto_method(group_size, topk, num_kv_rows, rows_sorted, shared_memory)
     if group_size == 1 and method != "bitmap" and not (method == "fused" and rows_sorted):
         method = "sort"  # one query per group: the row sort is the whole build
-    return method, ROW_SORT_AUTO if row_sort == "auto" else row_sort
+    return method
 
 
 def build_union(
@@ -355,7 +231,6 @@ def build_union(
     topk_length: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     method: str = "auto",
-    row_sort: str = "auto",
     rows_sorted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted union of each group's valid rows with membership bits (see the module docstring).
@@ -367,16 +242,14 @@ def build_union(
             when ``G > 1``.
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
         out: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``.
-        method: Triton builder, ``"auto"`` (:func:`auto_method`), ``"sort"``, ``"merge"``,
-            ``"fused"`` or ``"bitmap"`` (same outputs; ignored by the torch reference; ``G = 1``
-            is the row sort unless ``"fused"`` on sorted rows or ``"bitmap"``).
-        row_sort: per-query row sort of the ``G = 1`` build, the first merge level and the
-            fused build of unsorted rows, ``"auto"``, ``"torch"`` or ``"triton"`` (same outputs).
+        method: Triton builder, ``"auto"`` (:func:`auto_method`), ``"sort"``, ``"fused"`` or
+            ``"bitmap"`` (same outputs; ignored by the torch reference; ``G = 1`` is the row sort
+            unless ``"fused"`` on sorted rows or ``"bitmap"``).
         rows_sorted: the caller guarantees that each query's *valid* entries are non-decreasing
             in list order (invalid ones anywhere, repeats allowed; the sorted-input contract of
             :mod:`shardattn.kernels.union_fused`). Trusted, not checked: the ``"fused"`` builder
             then skips the row sort (a list that breaks the order gets an unspecified, in-bounds
-            union); the ``"sort"`` / ``"merge"`` builders and the reference sort anyway.
+            union); the ``"sort"`` builder and the reference sort anyway.
     Returns:
         ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``; on the Triton path the
         entries past ``lens[g]`` are unspecified (the reference fills them with ``-1``).
@@ -384,7 +257,7 @@ def build_union(
 
     _check(rows, group_size, num_kv_rows, topk_length, rows_sorted)
     shared_memory = smem_supports(rows, group_size) is None
-    method, row_sort = _resolve(group_size, method, row_sort, rows_sorted, rows.shape[1], num_kv_rows, shared_memory)
+    method = _resolve(group_size, method, rows_sorted, rows.shape[1], num_kv_rows, shared_memory)
     if method == "bitmap" and num_kv_rows > MAX_BITMAP_ROWS:
         raise ValueError(f"num_kv_rows must be <= {MAX_BITMAP_ROWS} for method='bitmap', got {num_kv_rows}")
     t, k = rows.shape
@@ -420,65 +293,23 @@ def build_union(
         if rows_sorted:
             fused_union(rows, topk_length, max_row, group_size, union, lens)
         else:  # each query's rows sorted first (invalid = INT32_MAX at the end, topk_length applied)
-            keys = _sorted_row_keys(rows, topk_length, num_kv_rows, row_sort)
+            keys = _sorted_row_keys(rows, topk_length, num_kv_rows)
             fused_union(keys, None, max_row, group_size, union, lens)
         return union, lens
-    if group_size == 1:
-        _row_lists(rows, topk_length, num_kv_rows, row_sort, union, lens)
-        return union, lens
-    if method == "sort":
-        _sort_build(rows, topk_length, num_kv_rows, group_size, cfg, union, lens)
-        return union, lens
-    # per-query sorted unique rows, then log2(G) merge levels
-    src = torch.empty(t, k, dtype=torch.int32, device=rows.device)
-    src_len = torch.empty(t, dtype=torch.int32, device=rows.device)
-    _row_lists(rows, topk_length, num_kv_rows, row_sort, src, src_len)
-    for level, steps in enumerate(cfg["MERGE_STEPS"]):
-        n_in = src.shape[0]
-        last = level == len(cfg["MERGE_STEPS"]) - 1
-        if last:
-            dst, dst_len = union, lens
-        else:
-            n_out = -(-n_in // 2)
-            dst = torch.empty(n_out, 2 * src.shape[1], dtype=torch.int32, device=rows.device)
-            dst_len = torch.empty(n_out, dtype=torch.int32, device=rows.device)
-        _union_merge_kernel[(dst.shape[0],)](
-            src, src_len, dst, dst_len, n_in, src.stride(0), dst.stride(0),
-            PLAIN=level == 0, G=group_size, STEPS=steps, CHUNK=cfg["MERGE_CHUNK"],
-        )  # fmt: skip
-        src, src_len = dst, dst_len
+    _sort_build(rows, topk_length, num_kv_rows, group_size, cfg, union, lens)
     return union, lens
 
 
-def _sorted_row_keys(rows, topk_length, num_kv_rows, row_sort):
+def _sorted_row_keys(rows, topk_length, num_kv_rows):
     """``[T, K]`` int32: each query's valid rows ascending, INT32_MAX (invalid) at the end."""
     t, k = rows.shape
     cfg = union_launch_config(1, k)
     keys = torch.empty(t, k, dtype=torch.int32, device=rows.device)
-    kernel = _row_sort_kernel if row_sort == "triton" else _union_keys_kernel
-    grid = (t,) if row_sort == "triton" else (t, triton.cdiv(k, cfg["BLOCK_K"]))
-    block = {"BLOCK_K": cfg["ROW_BLOCK"]} if row_sort == "triton" else {"BLOCK_K": cfg["BLOCK_K"], "G": 1}
-    kernel[grid](
+    _union_keys_kernel[(t, triton.cdiv(k, cfg["BLOCK_K"]))](
         rows, topk_length if topk_length is not None else keys, keys, t, k, min(num_kv_rows - 1, MAX_PLAIN_ROW),
-        rows.stride(0), HAS_LEN=topk_length is not None, **block,
+        rows.stride(0), HAS_LEN=topk_length is not None, BLOCK_K=cfg["BLOCK_K"], G=1,
     )  # fmt: skip
-    return keys if row_sort == "triton" else torch.sort(keys, dim=1).values
-
-
-def _row_lists(rows, topk_length, num_kv_rows, row_sort, lists, lens):
-    """Write each query's sorted, de-duplicated valid rows into ``lists [T, K]``, ``lens [T]``."""
-    t, k = rows.shape
-    cfg = union_launch_config(1, k)
-    if row_sort == "torch":
-        _sort_build(rows, topk_length, num_kv_rows, 1, cfg, lists, lens)
-        return
-    keys = torch.empty(t, k, dtype=torch.int32, device=rows.device)
-    _row_sort_kernel[(t,)](
-        rows, topk_length if topk_length is not None else lens, keys,
-        t, k, min(num_kv_rows - 1, MAX_PLAIN_ROW), rows.stride(0),
-        BLOCK_K=cfg["ROW_BLOCK"], HAS_LEN=topk_length is not None,
-    )  # fmt: skip
-    _union_compact_kernel[(t,)](keys, lists, lens, k, keys.stride(0), lists.stride(0), G=1, CHUNK=cfg["CHUNK"])
+    return torch.sort(keys, dim=1).values
 
 
 def _sort_build(rows, topk_length, num_kv_rows, group_size, cfg, union, lens):

@@ -13,12 +13,12 @@ from shardattn.kernels.union_bitmap import MAX_ROWS as MAX_BITMAP_ROWS
 from shardattn.kernels.union_bitmap import bitmap_words
 
 #: Triton builder per ``G`` for ``method="auto"`` on unsorted rows: the fastest measured on an
-#: H200 (T = 4K / 16K, K = 2048, DSA-like rows; benchmarks/RESULTS.md): fused 1.05-1.09x the
-#: merge at G = 4 / 8, 0.76-0.78x the sort at G = 2. With ``rows_sorted=True`` ``"auto"`` is
+#: H200 (T = 4K / 16K, K = 2048, DSA-like rows; benchmarks/RESULTS.md): the fused build at G = 4 / 8,
+#: the sort at G = 2 (the fused build 0.76-0.78x of it there). With ``rows_sorted=True`` ``"auto"`` is
 #: ``"fused"`` (no row sort: 2.1-2.6x the old builder at G = 2 / 4 / 8) unless the shared-memory
 #: bitmap takes it (:data:`SMEM_SORTED_RATIO`).
 UNION_METHOD = MappingProxyType({1: "sort", 2: "sort", 4: "fused", 8: "fused"})
-METHODS = ("auto", "sort", "merge", "fused", "bitmap")
+METHODS = ("auto", "sort", "fused", "bitmap")
 #: ``"auto"`` takes the bitmap builder on unsorted rows when the words it counts per group,
 #: ``ceil(R / 32)``, are at most this many times the group's entries ``G * K``. Measured on an
 #: H200 (benchmarks/RESULTS.md, K = 2048, DSA-like rows, T = 4K / 16K): at ratio 1 / 2 it took

@@ -96,14 +96,10 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
         if group == 1 or UNION_METHOD[group] == "sort":
             keys.append(CompileKey("union_keys", {"G": group, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
             keys.append(CompileKey("union_compact", {"G": group, "CHUNK": cfg["CHUNK"]}))
-        elif UNION_METHOD[group] == "fused":  # the row sort's keys (the G = 1 keys kernel), then one launch
+        else:  # "fused": the row sort's keys (the G = 1 keys kernel), then one launch
             row_cfg = union_launch_config(1, spec.topk)
             keys.append(CompileKey("union_keys", {"G": 1, "BLOCK_K": row_cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
             keys.append(CompileKey("union_fused", {**fused_launch_config(group, spec.topk), "HAS_LEN": False}))
-        else:  # "merge": the per-query row lists (the G = 1 keys above) and one merge per level
-            for level, steps in enumerate(cfg["MERGE_STEPS"]):
-                params = {"G": group, "PLAIN": level == 0, "STEPS": steps, "CHUNK": cfg["MERGE_CHUNK"]}
-                keys.append(CompileKey("union_merge", params))
         if gluon_route(spec, group):
             cfg = gluon_config(spec.heads, spec.v_dim, spec.rope_dim, group)
             params = {"config": cfg.label, "G": group, "HAS_SINK": spec.sinks, "dtype": spec.dtype}

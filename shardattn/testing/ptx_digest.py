@@ -162,7 +162,7 @@ def _triton_decode(tokens: int, heads: int) -> str:
                 "Lse": "*fp32", "FinalOut": "*bf16", "FinalLse": "*fp32", "Counters": "*fp32"}  # fmt: skip
     constexprs = {"DV": 512, "DR": 64, "BLOCK_DV": 512, "BLOCK_DR": 64, "BLOCK_H": cfg["BLOCK_H"],
                   "BLOCK_N": cfg["BLOCK_N"], "HAS_TOPK_LEN": False, "HAS_SINKS": False, "HAS_ROPE": True,
-                  "IEEE": False, "SPREAD": 0, "BLOCK_S": 2, "MERGE_C": 16, "PDL": True}  # fmt: skip
+                  "IEEE": False, "PDL": True}  # fmt: skip
     return _triton_ptx(
         _TRITON_DECODE, "_sparse_mla_decode_kernel", pointers, constexprs, floats=("qk_scale",),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=True,

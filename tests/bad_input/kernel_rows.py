@@ -173,7 +173,7 @@ def _sparse_rows() -> list[Row]:
         Row(
             "sparse_mla_decode-config-merge",
             _sparse(decode_mod.sparse_mla_decode, config={"merge": "tree"}),
-            Raises(ValueError, r"^config\['merge'\] must be 'rows', 'columns' or 'spread'"),
+            Raises(ValueError, r"^config\['merge'\] must be 'rows' or 'columns'"),
         ),
         Row(
             "sparse_mla_decode-backend-unknown",
