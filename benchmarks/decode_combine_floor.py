@@ -18,7 +18,7 @@ on the shapes of ``decode.py``'s small sparse-MLA decode (top-k 2,048 unique ran
   cluster, so the per-block stores are inline PTX (Triton stores a replicated tensor from the
   first block only).
 
-Both merges are checked against :func:`~shardattn.kernels.lse_merge.lse_merge_reference`. Graph
+Both merges are checked against :func:`~shardattn.ops.lse_merge.lse_merge_reference`. Graph
 replays with the L2 flushed between replays (``graph_timing.replay_us``), the least of 3 rounds.
 
     cd benchmarks && python decode_combine_floor.py
@@ -32,9 +32,9 @@ import torch
 from decode_gather_floor import gather_split_rows  # beside this script
 from graph_timing import gpu_banner, replay_us, trivial_graph_us
 
-from shardattn.kernels.gluon_compat import gl, gluon, grid_dependency
-from shardattn.kernels.lse_merge import launch_lse_merge_columns, lse_merge_reference
-from shardattn.kernels.sparse_mla_decode_gluon_small import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
+from shardattn.kernels.gluon.compat import gl, gluon, grid_dependency
+from shardattn.kernels.gluon.sparse_mla_decode_small import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
+from shardattn.ops.lse_merge import launch_lse_merge_columns, lse_merge_reference
 
 ROWS, TOPK, HEADS, DV = 1 << 18, 2048, 16, 512
 CLUSTER = 16

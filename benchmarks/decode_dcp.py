@@ -27,8 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardattn.parallel.decode_graphs import DecodeGraphs
-from shardattn.parallel.runtime import Runtime
+from shardattn.runtime.decode_graphs import DecodeGraphs
+from shardattn.runtime.runtime import Runtime
 
 
 def _times(fn, iters: int, warmup: int = 5) -> tuple[float, float, float]:

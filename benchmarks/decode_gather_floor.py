@@ -20,7 +20,7 @@ import torch
 from decode_small_sweep import _read_rows_kernel  # beside this script
 from graph_timing import gpu_banner, replay_us, trivial_graph_us
 
-from shardattn.kernels.gluon_compat import async_load, cp, cta_barrier, gl, gluon
+from shardattn.kernels.gluon.compat import async_load, cp, cta_barrier, gl, gluon
 
 ROWS, TOPK = 1 << 18, 2048
 GRIDS = ((64, 4), (32, 4), (32, 8), (16, 4), (16, 8))  # (programs per token, warps)

@@ -42,24 +42,24 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardattn.parallel.runtime import Runtime
 from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn.runtime.runtime import Runtime
 
 # (module, attribute, phase): the wrapped calls whose time is charged to a phase (innermost
 # wins: a phase's time excludes the wrapped calls inside it). Names of several versions of the
 # code are listed; those missing are skipped.
 _PHASES = [
-    ("shardattn.parallel.runtime_decode", "dcp_gqa_decode", "DCP step (checks, indices)"),
+    ("shardattn.runtime.decode", "dcp_gqa_decode", "DCP step (checks, indices)"),
     ("shardattn.parallel.dcp", "_gather_heads", "all-gather of q (and its reshape)"),
     ("shardattn.parallel.dcp", "_check_host_values", "value checks (CPU tensors only)"),
     ("shardattn.parallel.dcp", "gqa_paged_decode", "local kernel call"),
     ("shardattn.parallel.dcp", "run_gqa_paged_decode", "local kernel call"),
     ("shardattn.parallel.dcp", "_merge", "collector (pack, unpack, merge call)"),
     ("shardattn.parallel.dcp", "collect_checked", "collector (pack, unpack, merge call)"),
-    ("shardattn.kernels.gqa_decode", "gqa_paged_decode_reference", "kernels"),
-    ("shardattn.kernels.gqa_decode", "run_triton", "kernels"),
-    ("shardattn.kernels.lse_merge", "lse_merge_reference", "kernels"),
-    ("shardattn.kernels.lse_merge", "launch_lse_merge", "kernels"),
+    ("shardattn.ops.gqa_decode", "gqa_paged_decode_reference", "kernels"),
+    ("shardattn.ops.gqa_decode", "run_triton", "kernels"),
+    ("shardattn.ops.lse_merge", "lse_merge_reference", "kernels"),
+    ("shardattn.ops.lse_merge", "launch_lse_merge", "kernels"),
     ("shardattn.parallel.comm", "_ALL_GATHER_TENSOR", "collectives"),
     ("torch.distributed", "all_to_all_single", "collectives"),
 ]
@@ -108,7 +108,7 @@ class _Timers:
 def _stub_reference_kernels() -> None:
     """Replace the CPU reference kernels by stand-ins that only allocate their outputs (``out`` 0,
     ``lse`` -inf): on a GPU the kernels are asynchronous launches, so their compute is no host work."""
-    from shardattn.kernels import gqa_decode, lse_merge
+    from shardattn.ops import gqa_decode, lse_merge
 
     def gqa_stub(q, k_cache, v_cache, block_table, seq_lens, cu_q_lens, **kwargs):
         return torch.zeros_like(q), torch.full(q.shape[:2], float("-inf"), device=q.device)

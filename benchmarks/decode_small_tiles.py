@@ -1,7 +1,7 @@
 """Which split tile and head group should the small-batch sparse-MLA decode kernel take at each batch (one GPU)?
 
 Times the whole step (the split kernel of
-:mod:`~shardattn.kernels.sparse_mla_decode_gluon_small` and the column merge after it, both
+:mod:`~shardattn.kernels.gluon.sparse_mla_decode_small` and the column merge after it, both
 programmatic dependent launches) and the split kernel alone on every tile it can run, on
 ``decode.py``'s small sparse-MLA decode shapes: top-k 2,048 unique random rows of 262,144 (one
 invalid entry in the first and last token), bf16, 576 columns, 16 heads. Tiles: 32 splits of 64
@@ -29,9 +29,7 @@ from pathlib import Path
 import torch
 from graph_timing import gpu_banner, replay_us, trivial_graph_us  # beside this script
 
-from shardattn.kernels.lse_merge import launch_lse_merge_columns, split_partials
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode_gluon_small import (
+from shardattn.kernels.gluon.sparse_mla_decode_small import (
     SMALL_MERGE_COLUMNS,
     SMALL_MERGE_WARPS,
     launch_small_split,
@@ -39,6 +37,8 @@ from shardattn.kernels.sparse_mla_decode_gluon_small import (
     small_decode_tiles,
     small_decode_warps,
 )
+from shardattn.ops.lse_merge import launch_lse_merge_columns, split_partials
+from shardattn.ops.sparse_mla import sparse_mla_reference
 
 ROWS, TOPK, HEADS, SCALE = 1 << 18, 2048, 16, 0.07
 #: (entries a split, warps)

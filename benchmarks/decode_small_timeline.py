@@ -1,6 +1,6 @@
 """Where does one program of the small-batch decode split kernel spend its time (one GPU)?
 
-Builds a copy of :mod:`shardattn.kernels.sparse_mla_decode_gluon_small` whose split kernel reads
+Builds a copy of :mod:`shardattn.kernels.gluon.sparse_mla_decode_small` whose split kernel reads
 the SM clock (``%clock64``) between its phases and writes the stamps to a buffer, then launches
 it (without programmatic dependent launch, one launch at a time, the L2 flushed before each) on
 ``decode.py``'s small sparse-MLA decode shapes: top-k 2,048 unique random rows of 262,144, bf16,
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-import shardattn.kernels.sparse_mla_decode_gluon_small as small
-from shardattn.kernels.lse_merge import split_partials
+import shardattn.kernels.gluon.sparse_mla_decode_small as small
+from shardattn.ops.lse_merge import split_partials
 
 ROWS, TOPK, HEADS = 1 << 18, 2048, 16
 #: (kernel text with ``@`` where the stamp goes, stamp index, the phase that ends there)

@@ -7,7 +7,7 @@ One command checks and times everything (one device call)::
 1. **Check** (every Gluon tile variant, several head counts): NaN-poisoned outputs, rows with
    invalid entries anywhere, an empty row, duplicates, out-of-range rows, ``topk_length``, sinks,
    a tail (T not a multiple of anything), compared with the fp32 reference; also through the
-   public entry point :func:`shardattn.kernels.sparse_mla.sparse_mla_attention` (which routes to
+   public entry point :func:`shardattn.ops.sparse_mla.sparse_mla_attention` (which routes to
    Gluon on sm_90) with and without sinks.
 2. **Time** (T = 4K, KV 64K rows, top-k 2048, DSA-like top-k from :mod:`shardattn.workload`, L2
    flushed before each run, CUDA-event medians): per head count, each Gluon variant's kernel,
@@ -30,7 +30,7 @@ One command checks and times everything (one device call)::
   with ``G`` from the routing (:func:`~shardattn.plan.routing.gluon_grouped_group_size`): the
   per-query row sort and the union build at ``G``; Triton per-query, Gluon per-query, Triton
   grouped and Gluon grouped kernels; each step with its sort / union build; the routed entry
-  (:func:`~shardattn.kernels.sparse_mla_grouped.sparse_mla_grouped_prefill`, ``group_size=None``).
+  (:func:`~shardattn.ops.sparse_mla_grouped.sparse_mla_grouped_prefill`, ``group_size=None``).
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ from prefill_inputs import (
     union_buffers,
 )
 
-from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
-from shardattn.kernels.sparse_mla_gluon import GluonConfig, launch_gluon_attention
-from shardattn.kernels.sparse_mla_triton import flops, launch_attention, tile_config
-from shardattn.kernels.union import build_union
+from shardattn.kernels.gluon.sparse_mla import GluonConfig, launch_gluon_attention
+from shardattn.kernels.triton.sparse_mla import flops, launch_attention, tile_config
+from shardattn.ops.sparse_mla import sparse_mla_attention, sparse_mla_reference
+from shardattn.ops.union import build_union
 
 #: The options of the 64-key kernel, one tile a program first (the baseline of every ratio).
 VARIANTS = [

@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from prefill_inputs import D_R, D_V, make_case, rel_err
 
-from shardattn.kernels.sparse_mla import sparse_mla_reference
+from shardattn.ops.sparse_mla import sparse_mla_reference
 
 
 def edge_rows(rows: torch.Tensor, kv_rows: int, seed: int):
@@ -62,7 +62,7 @@ def compare(out, lse, q, kv, rows, length, sinks, scale) -> dict:
 
 
 def kernel_report() -> list[dict]:
-    from shardattn.kernels.sparse_mla_gluon_ws64 import ws64_kernel
+    from shardattn.kernels.gluon.sparse_mla_kernel import ws64_kernel
 
     rep = []
     kernels = (ws64_kernel(),)

@@ -17,7 +17,7 @@ Run through ``gluon_check.py --grouped`` (one device call)::
   build at ``G`` (unsorted rows, and the sorted-input fast path on the same rows sorted); Triton
   per-query, Gluon per-query, Triton grouped and each grouped Gluon kernel; each step with its sort
   / union build; the routed entry
-  (:func:`~shardattn.kernels.sparse_mla_grouped.sparse_mla_grouped_prefill`, ``group_size=None``).
+  (:func:`~shardattn.ops.sparse_mla_grouped.sparse_mla_grouped_prefill`, ``group_size=None``).
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ from prefill_inputs import (
     union_buffers,
 )
 
-from shardattn.kernels.sparse_mla import sparse_mla_attention
-from shardattn.kernels.sparse_mla_gluon import GROUPED_CONFIG, launch_gluon_attention
-from shardattn.kernels.sparse_mla_grouped import choose_path, sparse_mla_grouped_prefill
-from shardattn.kernels.sparse_mla_triton import flops, launch_attention, tile_config
-from shardattn.kernels.union import build_union
+from shardattn.kernels.gluon.sparse_mla import GROUPED_CONFIG, launch_gluon_attention
+from shardattn.kernels.triton.sparse_mla import flops, launch_attention, tile_config
+from shardattn.ops.sparse_mla import sparse_mla_attention
+from shardattn.ops.sparse_mla_grouped import choose_path, sparse_mla_grouped_prefill
+from shardattn.ops.union import build_union
 from shardattn.plan.routing import gluon_grouped_group_size, tile_group_size
 
 #: The grouped Gluon kernels checked and timed, by the column name of their timings.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn.parallel.cudagraph import DecodeGraph
+from shardattn.runtime.cudagraph import DecodeGraph
 
 
 def graph_of(fn):

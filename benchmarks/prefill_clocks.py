@@ -42,9 +42,9 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from prefill_inputs import D_R, D_V, attention_buffers, make_case, random_qkv, rel_err, timed, union_buffers
 
-from shardattn.kernels.sparse_mla_gluon import gluon_config, launch_gluon_attention
-from shardattn.kernels.sparse_mla_triton import flops
-from shardattn.kernels.union import build_union
+from shardattn.kernels.gluon.sparse_mla import gluon_config, launch_gluon_attention
+from shardattn.kernels.triton.sparse_mla import flops
+from shardattn.ops.union import build_union
 
 FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -132,7 +132,7 @@ def peer_runner(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, rows: torch
 
 def setup(heads: int, tokens: int, topk: int, config=None, peer: ctypes.CDLL | None = None):
     """Inputs of one case and a closure launching the per-query Gluon kernel on them: ``config``
-    (a :class:`~shardattn.kernels.sparse_mla_gluon.GluonConfig`), the routed one by default; with
+    (a :class:`~shardattn.kernels.gluon.sparse_mla.GluonConfig`), the routed one by default; with
     ``peer`` (FlashMLA's library) the closure launches the peer instead, after checking its output
     against the routed kernel's on these inputs."""
     dev = torch.device("cuda")
@@ -189,7 +189,7 @@ def sustained(run, seconds: float) -> tuple[int, float, dt.datetime, dt.datetime
 
 
 def variant_config(label: str):
-    """``gluon_check.py``'s variant named ``label`` (a :class:`~shardattn.kernels.sparse_mla_gluon.GluonConfig`)."""
+    """``gluon_check.py``'s variant named ``label`` (a :class:`~shardattn.kernels.gluon.sparse_mla.GluonConfig`)."""
     from gluon_check import VARIANTS
 
     by_label = {v.label: v for v in VARIANTS}

@@ -26,7 +26,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from prefill_clocks import Sampler, setup, sustained, window
 from prefill_inputs import timed
 
-from shardattn.kernels.sparse_mla_gluon import gluon_config
+from shardattn.kernels.gluon.sparse_mla import gluon_config
 
 
 def kernels(heads: int) -> dict:

@@ -142,7 +142,7 @@ def pool_run_one(args: argparse.Namespace, out: Path, transport: str) -> None:
 def pool_checked(args: argparse.Namespace, out: Path, transport: str) -> tuple[Any, list[int]]:
     """A ``W``-rank pool, its prefill and decode checked against fp64 attention (both APIs),
     ``B`` requests of ``L`` tokens cached; returns the pool and the requests' lengths."""
-    from shardattn.launch.ray_pool import RayRankPool
+    from shardattn.serving import RayRankPool
     from shardattn.testing.serving import ServingMirror
 
     spec = model_spec(args)
@@ -230,7 +230,7 @@ def pool_variants(args: argparse.Namespace, out: Path, pool: Any, lens: list[int
     """The decode step timed through both APIs, with and without new KV rows (module docstring)."""
     from ray_pool_rounds import step_tensors
 
-    from shardattn.launch.ray_pool import DecodeRequest
+    from shardattn.serving import DecodeRequest
 
     spec = model_spec(args)
     x = step_tensors(args, spec, lens)

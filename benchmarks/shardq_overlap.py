@@ -48,10 +48,10 @@ import torch.distributed as dist
 from shardattn.launch.process_group import nccl_options
 from shardattn.launch.workloads import build_prefill
 from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, unpack_rows
-from shardattn.parallel.runtime import Runtime
 from shardattn.plan.pipeline import choose_chunks
 from shardattn.plan.spec import get_preset
 from shardattn.plan.zigzag import ShardPlan
+from shardattn.runtime.runtime import Runtime
 
 
 def shardq_before(

@@ -13,7 +13,7 @@ Columns: union ratio at the grouped G, union build time and its share of the gro
 grouped step (union + kernel), per-query path (row sort/dedupe + kernel), torch gather+bmm
 baseline, effective TFLOP/s ``2 * sum(valid topk) * heads * 1088 / time`` and speedups. On an
 sm_90 GPU with Gluon, a ``gluon`` line under each row times the Gluon per-query path (same row
-sort + :mod:`shardattn.kernels.sparse_mla_gluon`) in the same run.
+sort + :mod:`shardattn.kernels.gluon.sparse_mla`) in the same run.
 
 ``--check`` poisons outputs with NaN, runs each path on edge-case rows (invalid entries, an
 empty row, duplicates, a tail group) and compares with the fp32 reference on sampled tokens,
@@ -31,12 +31,12 @@ import time
 
 import torch
 
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_gluon import gluon_config, gluon_supports, launch_gluon_attention
-from shardattn.kernels.sparse_mla_grouped import default_group_size
-from shardattn.kernels.sparse_mla_triton import attention_kernel, flops, launch_attention, tile_config
-from shardattn.kernels.topk import convert_topk_reference
-from shardattn.kernels.union import build_union, build_union_reference
+from shardattn.kernels.gluon.sparse_mla import gluon_config, gluon_supports, launch_gluon_attention
+from shardattn.kernels.triton.sparse_mla import attention_kernel, flops, launch_attention, tile_config
+from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.sparse_mla_grouped import default_group_size
+from shardattn.ops.topk import convert_topk_reference
+from shardattn.ops.union import build_union, build_union_reference
 from shardattn.plan.routing import tile_group_size
 from shardattn.workload import union_ratio
 
@@ -225,7 +225,7 @@ SWEEP = [(64, 8, 2), (32, 8, 2), (64, 4, 2), (32, 4, 2), (32, 8, 3), (16, 4, 3),
 
 def sweep(heads_list, tokens, kv_rows, topk, reps, flush) -> list[dict]:
     """Kernel-only time of tile variants (BLOCK_N, warps, stages) for the grouped and per-query G."""
-    from shardattn.kernels.sparse_mla_triton import TileConfig
+    from shardattn.kernels.triton.sparse_mla import TileConfig
 
     out_rows = []
     for heads in heads_list:

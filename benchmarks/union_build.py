@@ -46,11 +46,11 @@ from prefill_inputs import (
     union_buffers,
 )
 
-from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
-from shardattn.kernels.union import MAX_PLAIN_ROW, _sorted_row_keys, build_union, build_union_reference
-from shardattn.kernels.union_bitmap import bitmap_kernels, bitmap_union
-from shardattn.kernels.union_fused import fused_kernel, fused_union
-from shardattn.kernels.union_smem import smem_kernels
+from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+from shardattn.kernels.gluon.union_smem import smem_kernels
+from shardattn.kernels.triton.union_bitmap import bitmap_kernels, bitmap_union
+from shardattn.kernels.triton.union_fused import fused_kernel, fused_union
+from shardattn.ops.union import MAX_PLAIN_ROW, _sorted_row_keys, build_union, build_union_reference
 
 #: The ``auto`` builder per G before the fused builder (benchmarks/RESULTS.md, run 4).
 OLD_METHOD = {2: "sort", 4: "sort", 8: "sort"}

@@ -63,7 +63,7 @@ def test_ptx_hints_rewrite_every_gather_and_wait() -> None:
     emitter change that makes them silently rewrite nothing fails here."""
     import pytest
 
-    from shardattn.kernels.sparse_mla_gluon import compile_for_sm90, gluon_available
+    from shardattn.kernels.gluon.sparse_mla import compile_for_sm90, gluon_available
 
     if gluon_available() is not None:
         pytest.skip(gluon_available())
@@ -87,8 +87,8 @@ def test_small_decode_probes_compile_for_sm90(tmp_path: Path) -> None:
     library's split kernel (every stamp statement found, ten clock reads)."""
     import pytest
 
-    from shardattn.kernels.gluon_compat import compile_sm90
-    from shardattn.kernels.sparse_mla_gluon import gluon_available
+    from shardattn.kernels.gluon.compat import compile_sm90
+    from shardattn.kernels.gluon.sparse_mla import gluon_available
 
     if gluon_available() is not None:
         pytest.skip(gluon_available())
@@ -97,7 +97,7 @@ def test_small_decode_probes_compile_for_sm90(tmp_path: Path) -> None:
     import decode_small_tiles
     import decode_small_timeline
 
-    from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_warps
+    from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_warps
 
     # the tile probe times every tile the routing can take
     assert {(b, small_decode_warps(b)) for b in (64, 128)} <= set(decode_small_tiles.TILES)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.gqa_decode import gqa_paged_decode
+from shardattn.ops.gqa_decode import gqa_paged_decode
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
 from shardattn.plan import DCPLayout

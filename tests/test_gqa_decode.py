@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from shardattn.kernels.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference
+from shardattn.ops.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import gqa_oracle
 

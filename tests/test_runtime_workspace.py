@@ -15,15 +15,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.topk import DcpShard
 from shardattn.launch.workloads import build_decode, build_gqa_decode
-from shardattn.parallel.decode_graphs import DecodeGraphs
-from shardattn.parallel.runtime import PrefillPlan, Runtime
-from shardattn.parallel.runtime_workspace import RuntimeWorkspace
+from shardattn.ops.topk import DcpShard
 from shardattn.plan.routing import Route
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.workspace import workspace_bounds
 from shardattn.plan.zigzag import zigzag_split
+from shardattn.runtime.decode_graphs import DecodeGraphs
+from shardattn.runtime.runtime import PrefillPlan, Runtime
+from shardattn.runtime.workspace import RuntimeWorkspace
 from tests.test_runtime import MLA, MLA_SCALE, _err, _heads, _kv_lens, _mla_oracle, _prefill_step, _workspace_errors
 
 CPU = torch.device("cpu")
@@ -67,7 +67,7 @@ def _overlaps(t: torch.Tensor, others: list[torch.Tensor]) -> bool:
 def _spy_decode(rt: Runtime, q_all: torch.Tensor) -> dict:
     """Record, on the next decode step, where the kernel reads q and rows and writes its partial, and
     where the collector's all-to-all sends from and receives into (``True`` = inside the arena)."""
-    import shardattn.parallel.runtime_decode as runtime_decode
+    import shardattn.runtime.decode as runtime_decode
 
     lo = rt.ws.arena.data_ptr()
     hi = lo + rt.ws.arena.numel()

@@ -17,15 +17,14 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.lse_merge import lse_merge
-from shardattn.kernels.registry import triton_available
-from shardattn.kernels.sparse_mla import sparse_mla_attention
-from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-from shardattn.kernels.topk import convert_topk
-from shardattn.kernels.union import build_union
+from shardattn.ops.dispatch import triton_available
+from shardattn.ops.lse_merge import lse_merge
+from shardattn.ops.sparse_mla import sparse_mla_attention
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.ops.topk import convert_topk
+from shardattn.ops.union import build_union
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.pcp import pcp_prefill
-from shardattn.parallel.runtime import Runtime
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan import pcp_plan, zigzag_split
 from shardattn.plan.pipeline import (
@@ -37,6 +36,7 @@ from shardattn.plan.pipeline import (
     pipeline_plan,
 )
 from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.runtime import Runtime
 from tests.interpret import run_cases
 from tests.parallel_helpers import junk_rows
 

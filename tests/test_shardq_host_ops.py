@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from shardattn.kernels.prepared_union import SLICE_GROUPS
+from shardattn.ops.prepared_union import SLICE_GROUPS
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan import zigzag_split

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode import (
+from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.sparse_mla_decode import (
     COLUMN_MERGE_MAX_ROWS,
     merge_kind,
     merge_reason,
@@ -16,7 +16,7 @@ from shardattn.kernels.sparse_mla_decode import (
     sparse_mla_decode,
     sparse_mla_decode_config,
 )
-from shardattn.parallel.cudagraph import DecodeGraph
+from shardattn.runtime.cudagraph import DecodeGraph
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import sparse_mla_oracle
 
@@ -251,7 +251,7 @@ def test_programmatic_dependent_launch_changes_no_bit(heads, tokens):
     where the GPU has them) give the same bits as plain launches, eagerly and from a CUDA graph
     replayed on new inputs each time: a merge that read the partials before the split kernel had
     written them all would differ."""
-    from shardattn.kernels.registry import pdl_supported
+    from shardattn.ops.dispatch import pdl_supported
 
     if not torch.cuda.is_available() or not pdl_supported(torch.device("cuda")):
         pytest.skip("needs a GPU with programmatic dependent launch (sm_90+)")

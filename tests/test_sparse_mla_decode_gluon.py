@@ -12,11 +12,7 @@ import math
 import pytest
 import torch
 
-from shardattn.kernels.lse_merge import split_partials_numel
-from shardattn.kernels.registry import sparse_decode_kernel
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
-from shardattn.kernels.sparse_mla_decode_gluon import (
+from shardattn.kernels.gluon.sparse_mla_decode import (
     SPLIT_ROWS,
     gluon_decode_config,
     gluon_decode_plan,
@@ -25,8 +21,12 @@ from shardattn.kernels.sparse_mla_decode_gluon import (
     split_rows,
     split_rows_reference,
 )
-from shardattn.parallel.cudagraph import DecodeGraph
+from shardattn.ops.dispatch import sparse_decode_kernel
+from shardattn.ops.lse_merge import split_partials_numel
+from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.plan.routing import GLUON_DECODE_MIN_HEADS, GLUON_DECODE_MIN_PROGRAMS, route_sparse_decode_kernel
+from shardattn.runtime.cudagraph import DecodeGraph
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import sparse_mla_oracle
 
@@ -218,7 +218,7 @@ def test_split_rows_kernel_matches_reference_under_interpreter():
 
 
 def _sm90_gluon() -> bool:
-    from shardattn.kernels.sparse_mla_gluon import gluon_available
+    from shardattn.kernels.gluon.sparse_mla import gluon_available
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gluon_available() is None
 
@@ -366,7 +366,7 @@ def test_gluon_decode_graph_capture_replays_bitwise(tokens):
 
 @pytest.mark.parametrize("routed", ["gluon", "triton"])
 def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeypatch, routed):
-    import shardattn.parallel.decode_warmup as dw
+    import shardattn.runtime.decode_warmup as dw
     from shardattn.plan.spec import get_preset
 
     calls = []

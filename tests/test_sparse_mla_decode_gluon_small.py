@@ -11,11 +11,7 @@ import re
 import pytest
 import torch
 
-from shardattn.kernels.lse_merge import split_partials_numel
-from shardattn.kernels.registry import sparse_decode_kernel
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
-from shardattn.kernels.sparse_mla_decode_gluon_small import (
+from shardattn.kernels.gluon.sparse_mla_decode_small import (
     HEAD_GROUP,
     LATENT_CHUNKS,
     MAX_HEADS,
@@ -29,9 +25,13 @@ from shardattn.kernels.sparse_mla_decode_gluon_small import (
     small_decode_tiles,
     small_decode_warps,
 )
-from shardattn.parallel.cudagraph import DecodeGraph
-from shardattn.parallel.decode_warmup import small_kernel_sizes
+from shardattn.ops.dispatch import sparse_decode_kernel
+from shardattn.ops.lse_merge import split_partials_numel
+from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.plan.routing import SMALL_DECODE_MAX_HEADS, SMALL_DECODE_MAX_TOKENS, route_sparse_decode_kernel
+from shardattn.runtime.cudagraph import DecodeGraph
+from shardattn.runtime.decode_warmup import small_kernel_sizes
 from tests.oracle import sparse_mla_oracle
 from tests.test_sparse_mla_decode_gluon import SCALE, _check, _gpu_case, needs_sm90
 
@@ -134,7 +134,7 @@ def test_backend_argument_checks_on_cpu():
 
 
 def test_a_warp_count_that_does_not_fit_the_split_is_refused_before_any_launch():
-    from shardattn.kernels.sparse_mla_decode_gluon_small import launch_small_split
+    from shardattn.kernels.gluon.sparse_mla_decode_small import launch_small_split
 
     q, kv, rows = torch.zeros(1, 16, 576), torch.zeros(4, 576), torch.zeros(1, 64, dtype=torch.int32)
     out, lse = torch.zeros(1, 16, 512), torch.zeros(1, 16)
@@ -146,7 +146,7 @@ def test_a_warp_count_that_does_not_fit_the_split_is_refused_before_any_launch()
 
 
 def test_a_head_group_out_of_range_is_refused_before_any_launch():
-    from shardattn.kernels.sparse_mla_decode_gluon_small import launch_small_split
+    from shardattn.kernels.gluon.sparse_mla_decode_small import launch_small_split
 
     q, kv, rows = torch.zeros(1, 16, 576), torch.zeros(4, 576), torch.zeros(1, 64, dtype=torch.int32)
     out, lse = torch.zeros(1, 16, 512), torch.zeros(1, 16)
@@ -176,7 +176,7 @@ def test_a_head_group_out_of_range_is_refused_before_any_launch():
 def test_kernel_compiles_for_sm90_with_wgmma_cp_async_and_pdl(
     block_n, warps, split, even_k, with_len, sinks, dtype, group
 ):
-    from shardattn.kernels.sparse_mla_gluon import gluon_available
+    from shardattn.kernels.gluon.sparse_mla import gluon_available
 
     if gluon_available() is not None:
         pytest.skip(gluon_available())
@@ -281,8 +281,8 @@ def test_every_latent_chunk_count_warp_count_and_head_group_matches_reference(to
     groups the routing does not take at that batch (one group at 2 tokens; 8, 5 or 4 heads a
     program where it takes 16): the same result through the column merge, invalid rows and an
     empty split included."""
-    from shardattn.kernels.lse_merge import launch_lse_merge_columns, split_partials
-    from shardattn.kernels.sparse_mla_decode_gluon_small import launch_small_split
+    from shardattn.kernels.gluon.sparse_mla_decode_small import launch_small_split
+    from shardattn.ops.lse_merge import launch_lse_merge_columns, split_partials
 
     q, kv, rows, length, sinks = _small_case(tokens, 16, seed=70 + tokens * chunks)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -316,7 +316,7 @@ def test_small_kernel_matches_triton_on_the_union_path_and_with_duplicates():
 @pytest.mark.gpu
 @needs_sm90
 def test_a_workspace_too_small_runs_triton_when_routed_and_raises_when_forced():
-    from shardattn.kernels.sparse_mla_decode import sparse_mla_decode_config
+    from shardattn.ops.sparse_mla_decode import sparse_mla_decode_config
 
     tokens = SMALL_DECODE_MAX_TOKENS
     q, kv, rows, length, sinks = _small_case(tokens, 16, seed=9)

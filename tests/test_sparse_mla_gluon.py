@@ -14,8 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from shardattn.kernels.registry import sparse_prefill_kernel
-from shardattn.kernels.sparse_mla_gluon import (
+from shardattn.kernels.gluon.sparse_mla import (
     GROUPED_CONFIG,
     GluonConfig,
     compile_for_sm90,
@@ -23,6 +22,7 @@ from shardattn.kernels.sparse_mla_gluon import (
     gluon_available,
     gluon_config,
 )
+from shardattn.ops.dispatch import sparse_prefill_kernel
 from shardattn.plan.routing import (
     GLUON_GROUPED_MAX_HEADS,
     GLUON_MIN_HEADS,
@@ -111,7 +111,7 @@ def test_staged_output_is_stored_in_16_byte_pieces(heads, group_size, raw_rows):
 
 
 def test_configs_follow_the_measured_options():
-    from shardattn.kernels.sparse_mla_decode_gluon import gluon_decode_config
+    from shardattn.kernels.gluon.sparse_mla_decode import gluon_decode_config
 
     assert [gluon_config(64 // g, group_size=g).label for g in (2, 4, 8)] == [GROUPED_CONFIG.label] * 3
     # head blocks adjacent and Q loaded by the producer only where a token has two head blocks
@@ -152,7 +152,7 @@ def test_routing_picks_gluon_on_sm90_only_where_measured_faster():
 
 
 def test_grouped_launch_rejects_more_heads_than_the_tile_holds():
-    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
+    from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
 
     q, kv = torch.zeros(4, 16, D_V + D_R, dtype=torch.bfloat16), torch.zeros(8, D_V + D_R, dtype=torch.bfloat16)
     union, lens = torch.zeros(1, 8 * K, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
@@ -189,7 +189,7 @@ def _case(heads: int, tokens: int = 131, kv_rows: int = 65536, seed: int = 0):
 
 
 def _assert_close(out, lse, q, kv, rows, length, sinks):
-    from shardattn.kernels.sparse_mla import sparse_mla_reference
+    from shardattn.ops.sparse_mla import sparse_mla_reference
 
     ref_o, ref_l = sparse_mla_reference(
         q, kv, rows, scale=(D_V + D_R) ** -0.5, v_dim=D_V, topk_length=length, sinks=sinks
@@ -209,8 +209,8 @@ def _assert_close(out, lse, q, kv, rows, length, sinks):
 @pytest.mark.parametrize("heads", [16, 64, 128], ids=lambda h: f"h{h}")
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
 def test_gluon_variants_match_reference_at_real_shape(config, heads, with_sinks):
-    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
-    from shardattn.kernels.union import build_union
+    from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+    from shardattn.ops.union import build_union
 
     q, kv, rows, length, sinks = _case(heads, seed=heads)
     sinks = sinks if with_sinks else None
@@ -230,8 +230,8 @@ def test_gluon_variants_match_reference_at_real_shape(config, heads, with_sinks)
 @pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize("entry", ["attention", "grouped_prefill"])
 def test_public_entry_points_route_to_gluon_and_match(entry):
-    from shardattn.kernels.sparse_mla import sparse_mla_attention
-    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.ops.sparse_mla import sparse_mla_attention
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 
     q, kv, rows, length, sinks = _case(128, tokens=77, seed=7)
     assert sparse_prefill_kernel(q, kv, D_V)[0] == "gluon"
@@ -243,7 +243,7 @@ def test_public_entry_points_route_to_gluon_and_match(entry):
 @needs_gluon
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128], ids=lambda h: f"h{h}")
 def test_warmup_lists_the_gluon_keys_exactly_where_routing_sends_heads(heads):
-    from shardattn.kernels.warmup import PrefillSpec, compile_keys
+    from shardattn.runtime.warmup import PrefillSpec, compile_keys
 
     keys = [k for k in compile_keys(PrefillSpec(heads=heads, topk=K, sinks=True)) if k.kernel == "gluon_attention"]
     expect = []
@@ -277,8 +277,8 @@ def test_grouped_routing_follows_the_tile_and_the_measured_crossover():
 def test_grouped_gluon_matches_reference_at_real_shape(heads, group_size, with_sinks, config):
     """Grouped tiles (one tile a program, Q from the producer, persistent): a tail group (131 tokens),
     a whole group with no key, padded heads (12 of 16)."""
-    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
-    from shardattn.kernels.union import build_union
+    from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+    from shardattn.ops.union import build_union
 
     q, kv, rows, length, sinks = _case(heads, seed=100 + heads)
     rows[16:24] = -1  # one whole group (G <= 8) without a key
@@ -305,10 +305,10 @@ def test_head_blocked_buffers_are_read_and_written_in_place(heads, blocks, entry
 
     64 / 128 heads through the public entries (routed to the per-query Gluon kernel), 16 heads
     through the grouped Gluon kernel's launcher (``G = 4``)."""
-    from shardattn.kernels.sparse_mla import sparse_mla_attention
-    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
-    from shardattn.kernels.sparse_mla_grouped import choose_path, sparse_mla_grouped_prefill
-    from shardattn.kernels.union import build_union
+    from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+    from shardattn.ops.sparse_mla import sparse_mla_attention
+    from shardattn.ops.sparse_mla_grouped import choose_path, sparse_mla_grouped_prefill
+    from shardattn.ops.union import build_union
 
     q, kv, rows, length, sinks = _case(heads, tokens=93, seed=heads + blocks)
     t, hb, scale = q.shape[0], heads // blocks, (D_V + D_R) ** -0.5
@@ -338,8 +338,8 @@ def test_persistent_kernel_walks_many_tiles_per_program(config, heads, tokens, w
     """Several tiles per program (more tiles than SMs), with one program's tiles empty three times in
     a row (its row-sum exchange and Q hand-over alternate buffers and phases across tiles), a tail,
     short rows, sinks: every output equal to the fp32 reference, in the raw-row mode too."""
-    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
-    from shardattn.kernels.union import build_union
+    from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+    from shardattn.ops.union import build_union
 
     q, kv, rows, length, sinks = _case(heads, tokens=tokens, seed=tokens + heads)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

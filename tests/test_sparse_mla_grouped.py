@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardattn.kernels.sparse_mla import first_occurrences, sparse_mla_reference
-from shardattn.kernels.sparse_mla_grouped import (
+from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS
+from shardattn.kernels.triton.sparse_mla import tile_config
+from shardattn.ops.sparse_mla import first_occurrences, sparse_mla_reference
+from shardattn.ops.sparse_mla_grouped import (
     choose_path,
     default_group_size,
     sparse_mla_grouped_prefill,
 )
-from shardattn.kernels.sparse_mla_triton import tile_config
-from shardattn.kernels.union import UNION_METHOD
-from shardattn.kernels.union_smem import HAS_GLUON, WINDOWS
-from shardattn.kernels.warmup import PrefillSpec, compile_keys, spec_group_sizes
+from shardattn.ops.union import UNION_METHOD
 from shardattn.plan.routing import tile_group_size
+from shardattn.runtime.warmup import PrefillSpec, compile_keys, spec_group_sizes
 from tests.oracle import sparse_mla_oracle
 
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.union import (
+from shardattn.ops.union import (
     GROUP_SIZES,
     MAX_PACKED_ROWS,
     METHODS,

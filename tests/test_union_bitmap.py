@@ -8,16 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardattn.kernels.gluon_compat import GLUON_IMPORT_ERROR, HAS_GLUON
-from shardattn.kernels.registry import triton_available
-from shardattn.kernels.union import (
+from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR, HAS_GLUON
+from shardattn.kernels.triton.union_bitmap import MAX_ROWS, SCRATCH_BYTES, bitmap_programs, bitmap_union, bitmap_words
+from shardattn.ops.dispatch import triton_available
+from shardattn.ops.union import (
     BITMAP_SCAN_RATIO,
     UNION_METHOD,
     auto_method,
     build_union,
     build_union_reference,
 )
-from shardattn.kernels.union_bitmap import MAX_ROWS, SCRATCH_BYTES, bitmap_programs, bitmap_union, bitmap_words
 from tests.interpret import run_cases
 from tests.interpret.union_cases import make_rows
 
@@ -114,7 +114,7 @@ def test_bitmap_kernel_compiles_for_sm90(group_size):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from shardattn.kernels.union_bitmap import bitmap_kernels, bitmap_launch_config
+    from shardattn.kernels.triton.union_bitmap import bitmap_kernels, bitmap_launch_config
 
     (kernel,) = bitmap_kernels()
     sizes = ("T", "K", "num_rows", "n_groups", "stride_rows_t", "stride_union_g", "words")
@@ -136,7 +136,7 @@ def test_shared_memory_kernel_compiles_for_sm90(group_size):
     """AOT for sm_90 with the installed Triton (no GPU): the Gluon kernel's marks, counts and places
     are shared-memory instructions, no global atomics, and Triton's own shared memory (the scan's
     scratch) lies past the region the inline PTX addresses."""
-    from shardattn.kernels.union_smem import compile_for_sm90, launch_config, region_is_first
+    from shardattn.kernels.gluon.union_smem import compile_for_sm90, launch_config, region_is_first
 
     compiled = compile_for_sm90(group_size, 2048, 131_072)
     ptx, region = compiled.asm["ptx"], launch_config(group_size, 2048, 131_072)["REGION"]
@@ -147,7 +147,7 @@ def test_shared_memory_kernel_compiles_for_sm90(group_size):
 
 
 def test_region_check_refuses_scratch_inside_the_region():
-    from shardattn.kernels.union_smem import region_is_first
+    from shardattn.kernels.gluon.union_smem import region_is_first
 
     llir = "getelementptr i8, ptr addrspace(3) @global_smem, i32 {}"
     assert region_is_first(llir.format(65536), 16384) and region_is_first(llir.format(0), 16384)
@@ -155,7 +155,7 @@ def test_region_check_refuses_scratch_inside_the_region():
 
 
 def test_shared_memory_launch_config_and_occupancy():
-    from shardattn.kernels.union_smem import (
+    from shardattn.kernels.gluon.union_smem import (
         CTA_RESERVED_BYTES,
         MAX_UNION_SLOTS,
         SCRATCH_BYTES,
@@ -182,7 +182,7 @@ def test_shared_memory_launch_config_and_occupancy():
 
 
 def test_gluon_kernel_refuses_what_it_cannot_run():
-    from shardattn.kernels.union_smem import smem_supports
+    from shardattn.kernels.gluon.union_smem import smem_supports
 
     rows = torch.zeros(4, 2048, dtype=torch.int32)
     assert smem_supports(rows, 8) is not None  # on the CPU
@@ -196,7 +196,7 @@ def test_gluon_kernel_refuses_what_it_cannot_run():
 def test_auto_takes_the_shared_memory_bitmap_within_its_ratios():
     """On sm_90 with Gluon the bitmap runs in shared memory and wins further: sorted rows too at
     ``G > 1`` while the cache's words are within the group's entries, unsorted within 4x."""
-    from shardattn.kernels.union import SMEM_SCAN_RATIO, SMEM_SORTED_RATIO
+    from shardattn.ops.union import SMEM_SCAN_RATIO, SMEM_SORTED_RATIO
 
     k = 2048
     for g in (1, 2, 4, 8):
@@ -220,7 +220,7 @@ def test_shared_memory_kernel_at_other_topk_widths(group_size, topk):
     a 200,000-row cache (two windows), 5 % invalid entries, duplicates, ``topk_length``."""
     if not HAS_GLUON:
         pytest.skip(f"Gluon unavailable: {GLUON_IMPORT_ERROR}")
-    from shardattn.kernels.union_smem import smem_supports
+    from shardattn.kernels.gluon.union_smem import smem_supports
 
     dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(topk)
     t, num_kv_rows = 333, 200_000

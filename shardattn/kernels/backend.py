@@ -4,7 +4,7 @@ A leaf module (it imports no kernel): a kernel module asks :func:`use_triton` wi
 tensors and gets ``True`` when its Triton kernel may run on them (CUDA tensors with Triton
 installed, or any tensor while the Triton interpreter is switched on), else it runs its torch
 reference; :func:`unsupported_reason` says why not. Which kernel runs a call is
-:mod:`shardattn.kernels.registry`'s (it re-exports these).
+:mod:`shardattn.ops.dispatch`'s (it re-exports these).
 
 Example:
     >>> import torch

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from shardattn.kernels.union_bitmap import MAX_ROWS as MAX_BITMAP_ROWS
-from shardattn.kernels.union_bitmap import bitmap_words
+from shardattn.kernels.triton.union_bitmap import MAX_ROWS as MAX_BITMAP_ROWS
+from shardattn.kernels.triton.union_bitmap import bitmap_words
 
 #: Triton builder per ``G`` for ``method="auto"`` on unsorted rows: the fastest measured on an
 #: H200 (T = 4K / 16K, K = 2048, DSA-like rows; benchmarks/RESULTS.md): the fused build at G = 4 / 8,
@@ -26,7 +26,7 @@ METHODS = ("auto", "sort", "fused", "bitmap")
 #: G = 2-8; at ratio 2 (a 1M-row cache, G = 8) 0.49 / 1.72 against 0.51 / 1.89; at ratio 4 it
 #: lost (0.61 against 0.44 ms).
 BITMAP_SCAN_RATIO = 2
-#: On the shared-memory bitmap kernel (:mod:`shardattn.kernels.union_smem`) the same rule with
+#: On the shared-memory bitmap kernel (:mod:`shardattn.kernels.gluon.union_smem`) the same rule with
 #: this ratio on unsorted rows, and :data:`SMEM_SORTED_RATIO` on sorted rows at ``G > 1`` (the
 #: fused build of sorted rows keeps ``G = 1`` and larger caches). Measured on an H200
 #: (benchmarks/RESULTS.md, "Seventh session", K = 2048, DSA-like rows, ms per 4K tokens): at

@@ -12,8 +12,8 @@ Every request's KV tokens are spread over the ``N`` ranks of the DCP group by th
            out [T, H/N, Dv], lse [T, H/N]
 
 Two kernels: sparse MLA (:func:`dcp_sparse_mla_decode`; each query's request-global top-k
-positions become local rows by :func:`~shardattn.kernels.topk.convert_topk` with the rank's
-:class:`~shardattn.kernels.topk.DcpShard`) and GQA over a paged cache (:func:`dcp_gqa_decode`;
+positions become local rows by :func:`~shardattn.ops.topk.convert_topk` with the rank's
+:class:`~shardattn.ops.topk.DcpShard`) and GQA over a paged cache (:func:`dcp_gqa_decode`;
 every query token gets its own causal *local* length,
 :meth:`~shardattn.plan.DCPLayout.causal_local_lens`, so uniform and ragged drafts are exact).
 
@@ -32,7 +32,7 @@ and their head-major copy ``[T, H, D]`` one after the other, ``"rows"`` the conv
 packed all-to-all (:func:`~shardattn.parallel.collector.collect_partials`). Every one of them is
 written before it is read within the step, and nothing in them is needed after the step returns
 (the merged result is a new tensor), so the buffers may be shared with other steps that never run
-at the same time (the Runtime's arena, :mod:`~shardattn.parallel.runtime_workspace`).
+at the same time (the Runtime's arena, :mod:`~shardattn.runtime.workspace`).
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from shardattn._checks import (
     check_scale,
     check_tensor,
 )
-from shardattn.kernels.gqa_decode import BACKENDS, run_gqa_paged_decode
-from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
-from shardattn.kernels.topk import DcpShard, convert_topk
+from shardattn.ops.gqa_decode import BACKENDS, run_gqa_paged_decode
+from shardattn.ops.sparse_mla import check_head_dim, sparse_mla_attention
+from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.parallel.collector import collect_checked, resolve_strategy
 from shardattn.parallel.comm import Comm, stable_fingerprint
 from shardattn.parallel.packing import view_bytes
@@ -148,7 +148,7 @@ def dcp_sparse_mla_decode(
         sinks: ``[H]`` fp32 sink logits (all heads), counted once (rank 0), optional.
         scatter_heads: return this rank's heads (``[T, H/N, Dv]``); ``False``: all heads.
         strategy: the collector's strategy (:func:`~shardattn.parallel.collector.collect_partials`).
-        attention: the local kernel, called like :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention`
+        attention: the local kernel, called like :func:`~shardattn.ops.sparse_mla.sparse_mla_attention`
             (with ``out=`` / ``lse=`` destinations when ``workspace`` is given).
         check: agree on shapes and layout first (one small all-gather, a host sync); bad input on
             any rank then raises on every rank.
@@ -273,7 +273,7 @@ def dcp_gqa_decode(
         sinks: ``[Hq]`` fp32 sink logits, counted once (rank 0), optional.
         scale: softmax scale (default ``D ** -0.5``).
         scatter_heads, strategy: the collector's output layout and strategy.
-        backend: the local kernel's backend (:func:`~shardattn.kernels.gqa_decode.gqa_paged_decode`).
+        backend: the local kernel's backend (:func:`~shardattn.ops.gqa_decode.gqa_paged_decode`).
         meta: ``[2, total_q]`` int32 on q's device, the host-planned metadata of this rank
             (:meth:`~shardattn.plan.decode_batch.DecodeBatch.to`: each query's local KV length, 0
             for padding, and its block-table row). It replaces the per-step index arithmetic
@@ -292,7 +292,7 @@ def dcp_gqa_decode(
             intermediates live in (module docstring); default: allocated per step.
     Returns:
         ``(out [total_q, Hq/N or Hq, D] in q's dtype, lse [total_q, Hq/N or Hq] fp32)``, equal to
-        :func:`~shardattn.kernels.gqa_decode.gqa_paged_decode` over the whole cache.
+        :func:`~shardattn.ops.gqa_decode.gqa_paged_decode` over the whole cache.
 
     Example (every rank of a DCP group of ``N`` runs this)::
 

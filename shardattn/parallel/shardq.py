@@ -42,7 +42,7 @@ Two opt-in options, same bits (neither measured on GPUs yet): ``taper=True`` cut
 ``1, 2, ..., 2, 1`` (:func:`~shardattn.plan.pipeline.chunk_weights`): the first query exchange and
 the last output exchange, which nothing hides, carry ``1/(2C-2)`` of a share instead of ``1/C``.
 ``one_union=True`` builds the union of the rank's whole share once, right after chunk 0's query
-exchange is issued (:func:`~shardattn.kernels.prepared_union.prepare_union`), and gives each
+exchange is issued (:func:`~shardattn.ops.prepared_union.prepare_union`), and gives each
 chunk's kernel call its slice (``prepared_union=``), so no row sort runs between two kernels.
 
 Host work per chunk (``tests/test_shardq_host_ops.py`` bounds it): the views of a chunk's token
@@ -65,9 +65,9 @@ import torch
 import torch.distributed as dist
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
-from shardattn.kernels.prepared_union import SLICE_GROUPS, prepare_union
-from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
-from shardattn.kernels.union import GROUP_SIZES, MAX_PACKED_ROWS
+from shardattn.ops.prepared_union import SLICE_GROUPS, prepare_union
+from shardattn.ops.sparse_mla import check_head_dim, sparse_mla_attention
+from shardattn.ops.union import GROUP_SIZES, MAX_PACKED_ROWS
 from shardattn.parallel.comm import Comm, stable_fingerprint
 from shardattn.parallel.packing import view_bytes
 from shardattn.plan.pipeline import CHUNK_ALIGN, PipelinePlan, choose_chunks, pipeline_plan
@@ -185,7 +185,7 @@ def shardq_prefill(
         sinks: ``[H]`` fp32 per-head sink logits (all heads), optional.
         return_lse: also return the LSE (packed into the second all-to-all).
         attention: the local kernel, called like
-            :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention` with ``return_lse=True``
+            :func:`~shardattn.ops.sparse_mla.sparse_mla_attention` with ``return_lse=True``
             and ``out=``/``lse=`` destinations; sharded steps pass it head-blocked ``q``, ``out``
             and ``lse`` (``[W, n, H/W, ...]``: the receive and send buffers, used in place) and
             ``q_ready=``, a callable it must run before it reads ``q`` (the wait of the chunk's
@@ -201,11 +201,11 @@ def shardq_prefill(
             :func:`~shardattn.plan.pipeline.chunk_weights`): the exposed first query exchange and
             last output exchange shrink. Opt-in (not measured on GPUs yet); same bits.
         one_union: build the union of the rank's whole share once, right after chunk 0's query
-            exchange is issued (:func:`~shardattn.kernels.prepared_union.prepare_union`, ``G =
+            exchange is issued (:func:`~shardattn.ops.prepared_union.prepare_union`, ``G =
             align``), and hand each chunk's kernel call its slice as ``prepared_union=`` (so no
             row sort runs between two chunks' kernels). ``attention`` must then take that keyword
             and use ``G = align`` (the Runtime's and the library's entries do); chunk boundaries
-            are then multiples of ``4 G`` (:data:`~shardattn.kernels.prepared_union.SLICE_GROUPS`:
+            are then multiples of ``4 G`` (:data:`~shardattn.ops.prepared_union.SLICE_GROUPS`:
             aligned slices, the kernels' compiled variants). Opt-in; same bits. A ``workspace``
             without room for the whole union: per-chunk builds, as without it.
         workspace: optional ``uint8`` buffers ``{"q", "out", "lse", "rows", "union", "lens"}`` the

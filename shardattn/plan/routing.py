@@ -107,7 +107,7 @@ are launches of their own) and the Triton split-KV kernel is as fast there. Meas
 16 / 32 programs: 0.94 / 1.21x at 128 heads (batch 8 / 16), 0.97 / 1.21x at 64 (batch 16 / 32)."""
 SMALL_DECODE_MAX_HEADS = 16
 """Most heads at which sparse-MLA decode may run the Gluon small-batch kernel
-(:mod:`~shardattn.kernels.sparse_mla_decode_gluon_small`: heads as the ``wgmma`` N, padded to 8 or 16)."""
+(:mod:`~shardattn.kernels.gluon.sparse_mla_decode_small`: heads as the ``wgmma`` N, padded to 8 or 16)."""
 SMALL_DECODE_MAX_TOKENS = 16
 """Most query tokens at which it does. Measured on an H200 (benchmarks/RESULTS.md, fifteenth
 session; ``benchmarks/decode.py --only sparse-small``: graph replays, L2 flushed, top-k 2048, whole

@@ -106,20 +106,20 @@ def _triton_ptx(
 
 # ---- the variants ------------------------------------------------------------------------------
 # Module paths of the kernels and of the configuration functions that pick a routed variant.
-_GLUON_PREFILL = "shardattn.kernels.sparse_mla_gluon"
-_GLUON_DECODE = "shardattn.kernels.sparse_mla_decode_gluon"
-_GLUON_SMALL = "shardattn.kernels.sparse_mla_decode_gluon_small"
-_GLUON_UNION = "shardattn.kernels.union_smem"
-_TRITON_PREFILL = "shardattn.kernels.sparse_mla_triton"
-_TRITON_DECODE = "shardattn.kernels.sparse_mla_decode_triton"
-_TRITON_DECODE_CONFIG = "shardattn.kernels.sparse_mla_decode"
-_TRITON_MERGE = "shardattn.kernels.lse_merge"
-_TRITON_GQA = "shardattn.kernels.gqa_decode_triton"
-_TRITON_TOPK = "shardattn.kernels.topk"
-_TRITON_UNION = "shardattn.kernels.union"
-_TRITON_FUSED = "shardattn.kernels.union_fused"
-_TRITON_BITMAP = "shardattn.kernels.union_bitmap"
-_TRITON_SPLIT_ROWS = "shardattn.kernels.sparse_mla_decode_gluon"
+_GLUON_PREFILL = "shardattn.kernels.gluon.sparse_mla"
+_GLUON_DECODE = "shardattn.kernels.gluon.sparse_mla_decode"
+_GLUON_SMALL = "shardattn.kernels.gluon.sparse_mla_decode_small"
+_GLUON_UNION = "shardattn.kernels.gluon.union_smem"
+_TRITON_PREFILL = "shardattn.kernels.triton.sparse_mla"
+_TRITON_DECODE = "shardattn.kernels.triton.sparse_mla_decode"
+_TRITON_DECODE_CONFIG = "shardattn.ops.sparse_mla_decode"
+_TRITON_MERGE = "shardattn.ops.lse_merge"
+_TRITON_GQA = "shardattn.kernels.triton.gqa_decode"
+_TRITON_TOPK = "shardattn.ops.topk"
+_TRITON_UNION = "shardattn.ops.union"
+_TRITON_FUSED = "shardattn.kernels.triton.union_fused"
+_TRITON_BITMAP = "shardattn.kernels.triton.union_bitmap"
+_TRITON_SPLIT_ROWS = "shardattn.kernels.gluon.sparse_mla_decode"
 
 _BF16_ATTN = {"Q": "*bf16", "KV": "*bf16", "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": "*bf16"}
 

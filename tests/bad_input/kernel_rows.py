@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-from shardattn.kernels import gqa_decode as gqa_mod
-from shardattn.kernels import lse_merge as merge_mod
-from shardattn.kernels import sparse_mla as mla_mod
-from shardattn.kernels import sparse_mla_decode as decode_mod
-from shardattn.kernels import sparse_mla_grouped as grouped_mod
-from shardattn.kernels import topk as topk_mod
-from shardattn.kernels import union as union_mod
+from shardattn.ops import gqa_decode as gqa_mod
+from shardattn.ops import lse_merge as merge_mod
+from shardattn.ops import sparse_mla as mla_mod
+from shardattn.ops import sparse_mla_decode as decode_mod
+from shardattn.ops import sparse_mla_grouped as grouped_mod
+from shardattn.ops import topk as topk_mod
+from shardattn.ops import union as union_mod
 from tests.bad_input.table import (
     INF,
     META,

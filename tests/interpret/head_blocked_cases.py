@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from shardattn.kernels.prepared_union import prepare_union
-from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-from shardattn.kernels.sparse_mla_triton import sparse_mla_per_query
+from shardattn.kernels.triton.sparse_mla import sparse_mla_per_query
+from shardattn.ops.prepared_union import prepare_union
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 
 D_V, D = 32, 48
 FAILURES: list[str] = []

@@ -28,7 +28,7 @@ def _union_equal(a, b) -> bool:
 
 
 def topk_cases(gen: torch.Generator) -> None:
-    from shardattn.kernels.topk import DcpShard, convert_topk, convert_topk_reference
+    from shardattn.ops.topk import DcpShard, convert_topk, convert_topk_reference
 
     t, k, b, m, bs = 21, 37, 3, 9, 4
     pos = torch.randint(-3, 40, (t, k), generator=gen, dtype=torch.int32)
@@ -64,7 +64,7 @@ def _union_special_rows(gen: torch.Generator, k: int, r: int) -> torch.Tensor:
 
 
 def union_cases(gen: torch.Generator) -> None:
-    from shardattn.kernels.union import MAX_PACKED_ROWS, build_union, build_union_reference
+    from shardattn.ops.union import MAX_PACKED_ROWS, build_union, build_union_reference
 
     def check(name, rows, g, r, length=None):
         want = build_union_reference(rows, group_size=g, num_kv_rows=r, topk_length=length)
@@ -110,9 +110,9 @@ def _rows_with_edge_cases(gen: torch.Generator, t: int, k: int, r: int) -> torch
 
 
 def attention_cases(gen: torch.Generator) -> None:
-    from shardattn.kernels.sparse_mla import sparse_mla_reference
-    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-    from shardattn.kernels.sparse_mla_triton import sparse_mla_per_query
+    from shardattn.kernels.triton.sparse_mla import sparse_mla_per_query
+    from shardattn.ops.sparse_mla import sparse_mla_reference
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 
     combos = [(8, 8), (8, 1), (16, 4), (16, 2), (32, 2), (32, 8), (64, 1), (64, 2), (128, 1), (128, 4)]
     t, k, r = 11, 24, 40  # 11 tokens: every G > 1 leaves a tail group
@@ -144,9 +144,9 @@ def attention_cases(gen: torch.Generator) -> None:
 
 
 def spanning_requests_case(gen: torch.Generator) -> None:
-    from shardattn.kernels.sparse_mla import sparse_mla_reference
-    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-    from shardattn.kernels.topk import convert_topk
+    from shardattn.ops.sparse_mla import sparse_mla_reference
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.ops.topk import convert_topk
 
     # two requests of 5 and 4 tokens, 16-token block tables; groups of 4 straddle the boundary
     pos = torch.randint(-1, 16, (9, 12), generator=gen, dtype=torch.int32)

@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.registry import interpreter_enabled
-from shardattn.kernels.union import build_union, build_union_reference, unpack_entries
+from shardattn.ops.dispatch import interpreter_enabled
+from shardattn.ops.union import build_union, build_union_reference, unpack_entries
 
 FAILURES: list[str] = []
 CHECKS: list[str] = []
