@@ -21,9 +21,11 @@ import torch
 from graph_timing import graph_of, profile_graph  # beside this script
 
 from shardattn.kernels import flashinfer_xqa
+from shardattn.kernels.triton.lse_merge import launch_lse_merge
+from shardattn.kernels.triton.sparse_mla_decode import sparse_mla_decode_config
 from shardattn.ops.gqa_decode import gqa_paged_decode
-from shardattn.ops.lse_merge import launch_lse_merge, lse_merge
-from shardattn.ops.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_config
+from shardattn.ops.lse_merge import lse_merge
+from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 
 RESULTS: list[dict] = []
 
@@ -168,13 +170,10 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False) -> None:
     from dataclasses import replace
 
     from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
-    from shardattn.kernels.gluon.sparse_mla_decode import (
-        gluon_decode_config,
-        gluon_decode_plan,
-        sparse_mla_decode_gluon,
-        split_rows,
-    )
+    from shardattn.kernels.gluon.sparse_mla_decode import gluon_decode_config, gluon_decode_plan
+    from shardattn.kernels.triton.split_rows import split_rows
     from shardattn.ops.dispatch import sparse_decode_kernel
+    from shardattn.ops.sparse_mla_decode_gluon import sparse_mla_decode_gluon
 
     kernels = ("gluon",)
     r, k = 1 << 18, 2048
@@ -296,9 +295,9 @@ def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
     and workspace; every variant is checked against the fp32 reference on NaN-poisoned outputs.
     ``sweep``: the floor (a graph of one 1-element kernel) and the device time of the routed
     step's kernels (torch profiler)."""
-    from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_heads, small_decode_tiles
-    from shardattn.ops.lse_merge import split_partials_numel
+    from shardattn.kernels.triton.lse_merge import split_partials_numel
     from shardattn.ops.sparse_mla import sparse_mla_reference
+    from shardattn.plan.routing import small_decode_heads, small_decode_tiles
 
     r = 1 << 18
     kv = torch.randn(r, 576, device="cuda").bfloat16()

@@ -33,8 +33,9 @@ from decode_gather_floor import gather_split_rows  # beside this script
 from graph_timing import gpu_banner, replay_us, trivial_graph_us
 
 from shardattn.kernels.gluon.compat import gl, gluon, grid_dependency
-from shardattn.kernels.gluon.sparse_mla_decode_small import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
-from shardattn.ops.lse_merge import launch_lse_merge_columns, lse_merge_reference
+from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns
+from shardattn.ops.lse_merge import lse_merge_reference
+from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
 
 ROWS, TOPK, HEADS, DV = 1 << 18, 2048, 16, 512
 CLUSTER = 16

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardattn.runtime.decode_graphs import DecodeGraphs
+from shardattn.runtime.graphs import DecodeGraphs
 from shardattn.runtime.runtime import Runtime
 
 

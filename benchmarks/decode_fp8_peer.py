@@ -34,9 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))
 from flashmla_fp8_decode import FlashMLAFp8Decode  # beside its .cu in peer/
 from graph_timing import gpu_banner, replay_us  # beside this script
 
-from shardattn.kernels.triton.sparse_mla import flops
 from shardattn.ops.kv_fp8 import dequantize_kv, write_kv
-from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.sparse_mla import flops, sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.plan.spec import get_preset
 

@@ -32,10 +32,10 @@ import triton.language as tl
 from decode_small_sweep import _read_rows_kernel  # beside this script
 from graph_timing import gpu_banner, replay_us, trivial_graph_us
 
-from shardattn.kernels.triton.sparse_mla_decode import launch_split_kernel
-from shardattn.ops.lse_merge import launch_lse_merge_columns, split_partials, split_partials_numel
+from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns, split_partials, split_partials_numel
+from shardattn.kernels.triton.sparse_mla_decode import launch_split_kernel, sparse_mla_decode_config
 from shardattn.ops.sparse_mla import sparse_mla_reference
-from shardattn.ops.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_config
+from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 
 ROWS, TOPK, SCALE, LOG2E = 1 << 18, 2048, 576**-0.5, 1.4426950408889634
 ABLATIONS = ("full", "no_qk_nope", "no_store", "bf16_store")

@@ -31,16 +31,16 @@ import triton.language as tl
 import triton.runtime.errors
 from graph_timing import profile_graph, replay_us  # beside this script
 
-from shardattn.kernels.triton.sparse_mla_decode import launch_split_kernel
-from shardattn.ops.lse_merge import (
+from shardattn.kernels.triton.lse_merge import (
     launch_lse_merge,
     launch_lse_merge_columns,
-    lse_merge_reference,
     split_partials,
     split_partials_numel,
 )
+from shardattn.kernels.triton.sparse_mla_decode import launch_split_kernel, sparse_mla_decode_config
+from shardattn.ops.lse_merge import lse_merge_reference
 from shardattn.ops.sparse_mla import sparse_mla_reference
-from shardattn.ops.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_config
+from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 
 ROWS, TOPK, SCALE = 1 << 18, 2048, 576**-0.5
 RESULTS: list[dict] = []

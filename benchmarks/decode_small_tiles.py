@@ -29,16 +29,11 @@ from pathlib import Path
 import torch
 from graph_timing import gpu_banner, replay_us, trivial_graph_us  # beside this script
 
-from shardattn.kernels.gluon.sparse_mla_decode_small import (
-    SMALL_MERGE_COLUMNS,
-    SMALL_MERGE_WARPS,
-    launch_small_split,
-    small_decode_heads,
-    small_decode_tiles,
-    small_decode_warps,
-)
-from shardattn.ops.lse_merge import launch_lse_merge_columns, split_partials
+from shardattn.kernels.gluon.sparse_mla_decode_small import launch_small_split, small_decode_warps
+from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns, split_partials
 from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
+from shardattn.plan.routing import small_decode_heads, small_decode_tiles
 
 ROWS, TOPK, HEADS, SCALE = 1 << 18, 2048, 16, 0.07
 #: (entries a split, warps)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import shardattn.kernels.gluon.sparse_mla_decode_small as small
-from shardattn.ops.lse_merge import split_partials
+from shardattn.kernels.triton.lse_merge import split_partials
 
 ROWS, TOPK, HEADS = 1 << 18, 2048, 16
 #: (kernel text with ``@`` where the stamp goes, stamp index, the phase that ends there)

@@ -59,8 +59,8 @@ from prefill_inputs import (
 )
 
 from shardattn.kernels.gluon.sparse_mla import GluonConfig, launch_gluon_attention
-from shardattn.kernels.triton.sparse_mla import flops, launch_attention, tile_config
-from shardattn.ops.sparse_mla import sparse_mla_attention, sparse_mla_reference
+from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
+from shardattn.ops.sparse_mla import flops, sparse_mla_attention, sparse_mla_reference
 from shardattn.ops.union import build_union
 
 #: The options of the 64-key kernel, one tile a program first (the baseline of every ratio).

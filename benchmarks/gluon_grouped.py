@@ -44,9 +44,10 @@ from prefill_inputs import (
 )
 
 from shardattn.kernels.gluon.sparse_mla import GROUPED_CONFIG, launch_gluon_attention
-from shardattn.kernels.triton.sparse_mla import flops, launch_attention, tile_config
-from shardattn.ops.sparse_mla import sparse_mla_attention
-from shardattn.ops.sparse_mla_grouped import choose_path, sparse_mla_grouped_prefill
+from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
+from shardattn.ops.dispatch import prefill_path
+from shardattn.ops.sparse_mla import flops, sparse_mla_attention
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.ops.union import build_union
 from shardattn.plan.routing import gluon_grouped_group_size, tile_group_size
 
@@ -83,7 +84,7 @@ def check_grouped(heads_g, kv_rows, topk, seed=0) -> list[dict]:
             results.append(r)
             print("   check:", json.dumps(r), flush=True)
         # the public entries as routed (default G), with topk_length and sinks
-        path = choose_path(q, kv, v_dim=D_V)
+        path = prefill_path(q, kv, v_dim=D_V)
         o, ls = sparse_mla_grouped_prefill(q, kv, rows, scale=scale, v_dim=D_V, topk_length=length, sinks=sinks)
         r = compare(o, ls, q, kv, rows, length, sinks, scale)
         r.update(heads=heads, cfg=f"routed_{path.backend}_G{path.group_size}", sinks=True)
@@ -116,8 +117,8 @@ def check_head_blocked(kv_rows, topk, seed=0) -> list[dict]:
             name = f"head_blocked_B{blocks}_gluon_G{g}"
         else:
             fn = sparse_mla_attention if entry == "attention" else sparse_mla_grouped_prefill
-            path = choose_path(q, kv, v_dim=D_V)
-            o, ls = fn(q_blk, kv, rows, scale=scale, v_dim=D_V, topk_length=length, sinks=sinks, out=out, lse=lse)
+            path = prefill_path(q, kv, v_dim=D_V)
+            o, ls = fn(q_blk, kv, rows, scale=scale, v_dim=D_V, topk_length=length, sinks=sinks, out=out, lse_out=lse)
             name = f"head_blocked_B{blocks}_{entry}_{path.backend}_G{path.group_size}"
         torch.cuda.synchronize()
         r = compare(out.movedim(0, 1).flatten(1, 2), lse.movedim(0, 1).flatten(1, 2), q, kv, rows, length, sinks, scale)
@@ -176,7 +177,7 @@ def time_grouped(heads, tokens, kv_rows, topk, reps, flush, seed=0) -> dict:
                 flush, reps,
             )  # fmt: skip
             errs[name] = rel_err(out, ref)
-    path = choose_path(q, kv, v_dim=D_V)
+    path = prefill_path(q, kv, v_dim=D_V)
     res["routed"] = f"{path.backend} G={path.group_size}"
     res["routed_reason"] = path.reason
     ms["routed"] = timed(lambda: sparse_mla_grouped_prefill(q, kv, rows, scale=scale, v_dim=D_V), flush, reps)

@@ -43,7 +43,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from prefill_inputs import D_R, D_V, attention_buffers, make_case, random_qkv, rel_err, timed, union_buffers
 
 from shardattn.kernels.gluon.sparse_mla import gluon_config, launch_gluon_attention
-from shardattn.kernels.triton.sparse_mla import flops
+from shardattn.ops.sparse_mla import flops
 from shardattn.ops.union import build_union
 
 FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"

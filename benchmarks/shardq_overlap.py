@@ -266,7 +266,7 @@ def run_config(
 
         ws = {k: rt.workspace[f"prefill.{i}"] for k, i in (("q", "packed_q"), ("out", "out"), ("lse", "lse"))}
         return shardq_prefill(
-            q_local, step.kv, step.rows, plan.shard, rt.comm, attention=lambda *a, **k: (k["out"], k["lse"]),
+            q_local, step.kv, step.rows, plan.shard, rt.comm, attention=lambda *a, **k: (k["out"], k["lse_out"]),
             workspace=ws, check=False, **kw,
         )  # fmt: skip
 

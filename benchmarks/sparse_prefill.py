@@ -32,9 +32,9 @@ import time
 import torch
 
 from shardattn.kernels.gluon.sparse_mla import gluon_config, gluon_supports, launch_gluon_attention
-from shardattn.kernels.triton.sparse_mla import attention_kernel, flops, launch_attention, tile_config
-from shardattn.ops.sparse_mla import sparse_mla_reference
-from shardattn.ops.sparse_mla_grouped import default_group_size
+from shardattn.kernels.triton.sparse_mla import attention_kernel, launch_attention, tile_config
+from shardattn.ops.dispatch import default_group_size
+from shardattn.ops.sparse_mla import flops, sparse_mla_reference
 from shardattn.ops.topk import convert_topk_reference
 from shardattn.ops.union import build_union, build_union_reference
 from shardattn.plan.routing import tile_group_size

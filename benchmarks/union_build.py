@@ -48,9 +48,11 @@ from prefill_inputs import (
 
 from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
 from shardattn.kernels.gluon.union_smem import smem_kernels
+from shardattn.kernels.triton.union import sorted_row_keys
 from shardattn.kernels.triton.union_bitmap import bitmap_kernels, bitmap_union
 from shardattn.kernels.triton.union_fused import fused_kernel, fused_union
-from shardattn.ops.union import MAX_PLAIN_ROW, _sorted_row_keys, build_union, build_union_reference
+from shardattn.kernels.union_layout import MAX_PLAIN_ROW
+from shardattn.ops.union import build_union, build_union_reference
 
 #: The ``auto`` builder per G before the fused builder (benchmarks/RESULTS.md, run 4).
 OLD_METHOD = {2: "sort", 4: "sort", 8: "sort"}
@@ -161,7 +163,7 @@ def time_case(
         ms[name] = timed(fn, flush, reps)
         print(f"   build H={heads} T={tokens} {name}: {ms[name]:.4f} ms exact={same[name]}", flush=True)
     max_row = min(kv_rows - 1, MAX_PLAIN_ROW)
-    ms["row_sort"] = timed(lambda: _sorted_row_keys(rows, None, kv_rows), flush, reps)
+    ms["row_sort"] = timed(lambda: sorted_row_keys(rows, None, kv_rows), flush, reps)
     ms["lists_only"] = timed(lambda: fused_union(srows, None, max_row, 1, u1, l1), flush, reps)
     want1 = build_union(rows, group_size=1, num_kv_rows=kv_rows)
     build_union(rows, group_size=1, num_kv_rows=kv_rows, out=(u1, l1), method="bitmap")

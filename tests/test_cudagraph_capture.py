@@ -111,12 +111,12 @@ def test_gqa_replay_equals_eager_bitwise_with_padding(q_len):
 @pytest.mark.gpu
 def test_sparse_mla_and_merge_capture_bitwise():
     from shardattn.ops.lse_merge import lse_merge
-    from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+    from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode
 
     kv = torch.randn(20000, 576, device="cuda").bfloat16()
 
     def step(q, rows):
-        out, lse = sparse_mla_decode(q, kv, rows, scale=576**-0.5, num_splits=4)
+        out, lse = run_sparse_mla_decode(q, kv, rows, scale=576**-0.5, num_splits=4, kernel="triton")
         merged = lse_merge(torch.stack([out, out]), torch.stack([lse, torch.full_like(lse, -math.inf)]))
         return (out, lse, *merged)
 

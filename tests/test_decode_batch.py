@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import shardattn.parallel.collector as collector_mod
 import shardattn.parallel.dcp as dcp_mod
 from shardattn.parallel.comm import Comm
-from shardattn.parallel.dcp import dcp_gqa_decode
+from shardattn.parallel.dcp_gqa import dcp_gqa_decode
 from shardattn.plan import DCPLayout
 from shardattn.plan.decode_batch import bucket_for, plan_decode_batch
 from tests.test_dcp import GQA_CASES, _gqa_case

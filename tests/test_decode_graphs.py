@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from shardattn.plan.cudagraph import CGSupport
 from shardattn.runtime.cudagraph import GraphInput, GraphRunner, check_capture_allowed
-from shardattn.runtime.decode_graphs import DecodeGraphs
+from shardattn.runtime.graphs import DecodeGraphs
 from shardattn.runtime.runtime import Runtime
 from tests.test_dcp import _gqa_case
 

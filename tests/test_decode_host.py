@@ -266,7 +266,7 @@ def _interpreted_rank(rank: int, init: str) -> None:
     (local attention and merge) with a plan's metadata, as a GPU runs it, against the reference."""
     from shardattn.ops.dispatch import use_triton
     from shardattn.parallel.comm import Comm
-    from shardattn.parallel.dcp import dcp_gqa_decode
+    from shardattn.parallel.dcp_gqa import dcp_gqa_decode
 
     assert use_triton(torch.zeros(1)), "the Triton interpreter is off"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)

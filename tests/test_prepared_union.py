@@ -23,7 +23,7 @@ from shardattn.ops.union import build_union
 from shardattn.plan.pipeline import pipeline_plan
 from shardattn.plan.routing import Route
 from shardattn.plan.zigzag import zigzag_split
-from shardattn.runtime.prefill_attention import workspace_prefill_attention
+from shardattn.runtime.prefill import workspace_prefill_attention
 from tests.parallel_helpers import junk_rows
 
 

@@ -318,7 +318,7 @@ def _multipass_body(group) -> dict:
     then runs in two passes over the same buffer. On the CPU the planner routes to the torch
     reference (which needs no union), so the step is given the grouped route a GPU would take.
     """
-    import shardattn.runtime.prefill_attention as runtime_module
+    import shardattn.runtime.prefill as runtime_module
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rt = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", min_shard_tokens=1, warmup=False)

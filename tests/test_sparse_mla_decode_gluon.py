@@ -12,19 +12,13 @@ import math
 import pytest
 import torch
 
-from shardattn.kernels.gluon.sparse_mla_decode import (
-    SPLIT_ROWS,
-    gluon_decode_config,
-    gluon_decode_plan,
-    reads_raw_rows,
-    sparse_mla_decode_gluon,
-    split_rows,
-    split_rows_reference,
-)
+from shardattn.kernels.gluon.sparse_mla_decode import SPLIT_ROWS, gluon_decode_config, gluon_decode_plan, reads_raw_rows
+from shardattn.kernels.triton.lse_merge import split_partials_numel
+from shardattn.kernels.triton.split_rows import split_rows, split_rows_reference
 from shardattn.ops.dispatch import sparse_decode_kernel
-from shardattn.ops.lse_merge import split_partials_numel
 from shardattn.ops.sparse_mla import sparse_mla_reference
-from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
+from shardattn.ops.sparse_mla_decode_gluon import sparse_mla_decode_gluon
 from shardattn.plan.routing import GLUON_DECODE_MIN_HEADS, GLUON_DECODE_MIN_PROGRAMS, route_sparse_decode_kernel
 from shardattn.runtime.cudagraph import DecodeGraph
 from shardattn.testing.interpret import run_interpreted
@@ -315,9 +309,9 @@ def test_drafts_unique_rows_duplicates_count_twice_like_triton():
     ws = torch.full((split_partials_numel(3, 12, 128, 512),), float("nan"), device="cuda")
     out = torch.full((12, 128, 512), float("nan"), dtype=q.dtype, device="cuda")
     lse = torch.full((12, 128), float("nan"), device="cuda")
-    sparse_mla_decode(
+    run_sparse_mla_decode(
         q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks, num_splits=5, rows_unique=True, out=out,
-        lse_out=lse, workspace=ws, backend="gluon",
+        lse_out=lse, workspace=ws, kernel="gluon",
     )  # fmt: skip
     rows_e, kv_e = _each_occurrence(rows.cpu(), kv)
     ref_o, ref_l = sparse_mla_reference(q, kv_e, rows_e.cuda(), scale=SCALE, topk_length=length, sinks=sinks)
@@ -374,7 +368,11 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
     def record(q, kv, rows, **kw):
         calls.append((q.shape[0], kw.get("backend"), kw.get("num_splits"), kw.get("rows_unique", False)))
 
+    def record_run(q, kv, rows, *, kernel, **kw):
+        record(q, kv, rows, backend=kernel, **kw)
+
     monkeypatch.setattr(dw, "sparse_mla_decode", record)
+    monkeypatch.setattr(dw, "run_sparse_mla_decode", record_run)
     monkeypatch.setattr(dw, "sparse_decode_kernel", lambda q, kv, v_dim: (routed, "test"))
     monkeypatch.setattr(dw, "convert_topk", lambda pos, *a, **k: (pos, None))
     monkeypatch.setattr(dw, "compiles_kernels", lambda device: True)  # as on a GPU, with CPU tensors

@@ -12,24 +12,27 @@ import pytest
 import torch
 
 from shardattn.kernels.gluon.sparse_mla_decode_small import (
-    HEAD_GROUP,
     LATENT_CHUNKS,
     MAX_HEADS,
     MAX_SPLITS,
-    SMALL_MERGE_COLUMNS,
-    SMALL_MERGE_WARPS,
     compile_for_sm90,
-    small_decode_heads,
     small_decode_limits,
     small_decode_supports,
-    small_decode_tiles,
     small_decode_warps,
 )
+from shardattn.kernels.triton.lse_merge import split_partials_numel
 from shardattn.ops.dispatch import sparse_decode_kernel
-from shardattn.ops.lse_merge import split_partials_numel
 from shardattn.ops.sparse_mla import sparse_mla_reference
-from shardattn.ops.sparse_mla_decode import sparse_mla_decode
-from shardattn.plan.routing import SMALL_DECODE_MAX_HEADS, SMALL_DECODE_MAX_TOKENS, route_sparse_decode_kernel
+from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
+from shardattn.plan.crossovers import SMALL_DECODE_HEAD_GROUP as HEAD_GROUP
+from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
+from shardattn.plan.routing import (
+    SMALL_DECODE_MAX_HEADS,
+    SMALL_DECODE_MAX_TOKENS,
+    route_sparse_decode_kernel,
+    small_decode_heads,
+    small_decode_tiles,
+)
 from shardattn.runtime.cudagraph import DecodeGraph
 from shardattn.runtime.decode_warmup import small_kernel_sizes
 from tests.oracle import sparse_mla_oracle
@@ -125,9 +128,9 @@ def test_backend_argument_checks_on_cpu():
     with pytest.raises(ValueError, match="'gluon_small' cannot run here"):
         sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon_small")
     with pytest.raises(ValueError, match="chooses its own splits"):
-        sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon_small", num_splits=2)
-    with pytest.raises(ValueError, match="takes no config"):
-        sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon_small", config={"merge": "rows"})
+        run_sparse_mla_decode(q, kv, rows, scale=0.1, kernel="gluon_small", num_splits=2)
+    with pytest.raises(ValueError, match="takes none"):
+        run_sparse_mla_decode(q, kv, rows, scale=0.1, kernel="gluon_small", config={"merge": "rows"})
     with pytest.raises(ValueError, match="'gluon_small'"):
         sparse_mla_decode(q, kv, rows, scale=0.1, backend="cuda")
     assert sparse_decode_kernel(q, kv, 512, rows)[0] == "reference"
@@ -282,7 +285,7 @@ def test_every_latent_chunk_count_warp_count_and_head_group_matches_reference(to
     program where it takes 16): the same result through the column merge, invalid rows and an
     empty split included."""
     from shardattn.kernels.gluon.sparse_mla_decode_small import launch_small_split
-    from shardattn.ops.lse_merge import launch_lse_merge_columns, split_partials
+    from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns, split_partials
 
     q, kv, rows, length, sinks = _small_case(tokens, 16, seed=70 + tokens * chunks)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -316,7 +319,7 @@ def test_small_kernel_matches_triton_on_the_union_path_and_with_duplicates():
 @pytest.mark.gpu
 @needs_sm90
 def test_a_workspace_too_small_runs_triton_when_routed_and_raises_when_forced():
-    from shardattn.ops.sparse_mla_decode import sparse_mla_decode_config
+    from shardattn.kernels.triton.sparse_mla_decode import sparse_mla_decode_config
 
     tokens = SMALL_DECODE_MAX_TOKENS
     q, kv, rows, length, sinks = _small_case(tokens, 16, seed=9)

@@ -306,8 +306,9 @@ def test_head_blocked_buffers_are_read_and_written_in_place(heads, blocks, entry
     64 / 128 heads through the public entries (routed to the per-query Gluon kernel), 16 heads
     through the grouped Gluon kernel's launcher (``G = 4``)."""
     from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+    from shardattn.ops.dispatch import prefill_path
     from shardattn.ops.sparse_mla import sparse_mla_attention
-    from shardattn.ops.sparse_mla_grouped import choose_path, sparse_mla_grouped_prefill
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
     from shardattn.ops.union import build_union
 
     q, kv, rows, length, sinks = _case(heads, tokens=93, seed=heads + blocks)
@@ -321,9 +322,9 @@ def test_head_blocked_buffers_are_read_and_written_in_place(heads, blocks, entry
             q_blk, kv, union, lens, scale=scale, v_dim=D_V, sinks=sinks, out=out, lse=lse, group_size=4
         )
     else:
-        assert choose_path(q, kv, v_dim=D_V).backend == "gluon"
+        assert prefill_path(q, kv, v_dim=D_V).backend == "gluon"
         fn = sparse_mla_attention if entry == "attention" else sparse_mla_grouped_prefill
-        o, s = fn(q_blk, kv, rows, scale=scale, v_dim=D_V, topk_length=length, sinks=sinks, out=out, lse=lse)
+        o, s = fn(q_blk, kv, rows, scale=scale, v_dim=D_V, topk_length=length, sinks=sinks, out=out, lse_out=lse)
     torch.cuda.synchronize()
     assert o is out and s is lse
     _assert_close(out.movedim(0, 1).flatten(1, 2), lse.movedim(0, 1).flatten(1, 2), q, kv, rows, length, sinks)

@@ -36,13 +36,13 @@ def _setup(heads: int, tokens: int, kv_rows: int, seed: int = 0):
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128], ids=lambda h: f"h{h}")
 def test_prefill_matches_reference_at_real_shape(heads, group_size):
     from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
+    from shardattn.ops.dispatch import prefill_path
     from shardattn.ops.sparse_mla import sparse_mla_reference
-    from shardattn.ops.sparse_mla_grouped import choose_path
     from shardattn.ops.union import build_union
 
     q, kv, rows = _setup(heads, 4093, 65536)  # odd token count: a tail group
     scale = (D_V + D_R) ** -0.5
-    path = choose_path(q, kv, v_dim=D_V, group_size=group_size)
+    path = prefill_path(q, kv, v_dim=D_V, group_size=group_size)
     assert path.backend in ("triton", "gluon"), path.reason
     # the Triton kernel at the routed G, also where sm_90 routes to Gluon (tested in test_sparse_mla_gluon.py)
     tile = path.tile or tile_config(heads, path.group_size)
@@ -79,9 +79,10 @@ def test_public_entry_points_dispatch_to_triton():
 @pytest.mark.parametrize("heads", [8, 128], ids=lambda h: f"h{h}")  # grouped (G = 8, merge union) and per-query
 def test_warmup_covers_runtime_keys(heads):
     from shardattn.kernels.triton.sparse_mla import attention_kernel
+    from shardattn.kernels.triton.topk import convert_topk_kernel
+    from shardattn.kernels.triton.union import union_kernels
     from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
-    from shardattn.ops.topk import convert_topk, convert_topk_kernel
-    from shardattn.ops.union import union_kernels
+    from shardattn.ops.topk import convert_topk
     from shardattn.runtime.warmup import PrefillSpec, compiled_variants, warmup
 
     dev = torch.device("cuda")

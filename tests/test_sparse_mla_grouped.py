@@ -8,12 +8,9 @@ import torch
 
 from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS
 from shardattn.kernels.triton.sparse_mla import tile_config
+from shardattn.ops.dispatch import default_group_size, prefill_path
 from shardattn.ops.sparse_mla import first_occurrences, sparse_mla_reference
-from shardattn.ops.sparse_mla_grouped import (
-    choose_path,
-    default_group_size,
-    sparse_mla_grouped_prefill,
-)
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.ops.union import UNION_METHOD
 from shardattn.plan.routing import tile_group_size
 from shardattn.runtime.warmup import PrefillSpec, compile_keys, spec_group_sizes
@@ -54,7 +51,7 @@ def test_group_sizes_and_routing_on_cpu():
     assert [tile_group_size(h) for h in (1, 8, 16, 32, 64, 128)] == [8, 8, 4, 2, 1, 1]
     assert [default_group_size(h) for h in (8, 16, 128)] == [8, 1, 1]
     q, kv = torch.zeros(4, 8, 576), torch.zeros(10, 576)
-    path = choose_path(q, kv, v_dim=512)
+    path = prefill_path(q, kv, v_dim=512)
     assert path.backend == "reference" and "CPU" in path.reason
 
 

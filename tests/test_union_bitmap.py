@@ -11,13 +11,9 @@ import torch
 from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR, HAS_GLUON
 from shardattn.kernels.triton.union_bitmap import MAX_ROWS, SCRATCH_BYTES, bitmap_programs, bitmap_union, bitmap_words
 from shardattn.ops.dispatch import triton_available
-from shardattn.ops.union import (
-    BITMAP_SCAN_RATIO,
-    UNION_METHOD,
-    auto_method,
-    build_union,
-    build_union_reference,
-)
+from shardattn.ops.union import build_union, build_union_reference
+from shardattn.plan.crossovers import BITMAP_SCAN_RATIO, UNION_METHOD
+from shardattn.plan.routing import route_union_method
 from tests.interpret import run_cases
 from tests.interpret.union_cases import make_rows
 
@@ -48,12 +44,12 @@ def test_auto_takes_the_bitmap_while_its_count_is_within_the_ratio():
     k = 2048
     for g in (1, 2, 4, 8):
         limit = 32 * BITMAP_SCAN_RATIO * g * k  # rows whose words are exactly the ratio x the entries
-        assert auto_method(g, k, limit) == "bitmap"
-        assert auto_method(g, k, limit + 32) == UNION_METHOD[g]
-        assert auto_method(g, k, 65_536, rows_sorted=True) == "fused"
-    assert auto_method(8, 2048, 1 << 20) == "bitmap"  # the 1M-row cache measured at ratio 2
-    assert auto_method(4, 2048, 1 << 20) == UNION_METHOD[4]
-    assert auto_method(8, 1 << 20, MAX_ROWS + 1) == UNION_METHOD[8]  # past the 24-bit rows
+        assert route_union_method(g, k, limit) == "bitmap"
+        assert route_union_method(g, k, limit + 32) == UNION_METHOD[g]
+        assert route_union_method(g, k, 65_536, rows_sorted=True) == "fused"
+    assert route_union_method(8, 2048, 1 << 20) == "bitmap"  # the 1M-row cache measured at ratio 2
+    assert route_union_method(4, 2048, 1 << 20) == UNION_METHOD[4]
+    assert route_union_method(8, 1 << 20, MAX_ROWS + 1) == UNION_METHOD[8]  # past the 24-bit rows
 
 
 def test_programs_respect_the_scratch_cap_and_the_group_count():
@@ -196,19 +192,19 @@ def test_gluon_kernel_refuses_what_it_cannot_run():
 def test_auto_takes_the_shared_memory_bitmap_within_its_ratios():
     """On sm_90 with Gluon the bitmap runs in shared memory and wins further: sorted rows too at
     ``G > 1`` while the cache's words are within the group's entries, unsorted within 4x."""
-    from shardattn.ops.union import SMEM_SCAN_RATIO, SMEM_SORTED_RATIO
+    from shardattn.plan.crossovers import SMEM_SCAN_RATIO, SMEM_SORTED_RATIO
 
     k = 2048
     for g in (1, 2, 4, 8):
         limit = 32 * SMEM_SCAN_RATIO * g * k
-        assert auto_method(g, k, limit, shared_memory=True) == "bitmap"
-        assert auto_method(g, k, limit + 32, shared_memory=True) == UNION_METHOD[g]
+        assert route_union_method(g, k, limit, shared_memory=True) == "bitmap"
+        assert route_union_method(g, k, limit + 32, shared_memory=True) == UNION_METHOD[g]
         sorted_limit = 32 * SMEM_SORTED_RATIO * g * k
-        assert auto_method(g, k, sorted_limit, rows_sorted=True, shared_memory=True) == (
+        assert route_union_method(g, k, sorted_limit, rows_sorted=True, shared_memory=True) == (
             "fused" if g == 1 else "bitmap"
         )
-        assert auto_method(g, k, sorted_limit + 32, rows_sorted=True, shared_memory=True) == "fused"
-    assert auto_method(8, 2048, MAX_ROWS + 1, shared_memory=True) == UNION_METHOD[8]
+        assert route_union_method(g, k, sorted_limit + 32, rows_sorted=True, shared_memory=True) == "fused"
+    assert route_union_method(8, 2048, MAX_ROWS + 1, shared_memory=True) == UNION_METHOD[8]
 
 
 @pytest.mark.gpu

@@ -76,7 +76,7 @@ def test_split_search_steps_pin_the_merge_path_split_at_real_widths(group_size, 
 def test_workspace_prefill_passes_the_flag_to_every_pass_and_keeps_the_result(monkeypatch, rows_sorted):
     """A rank's kernel call in passes over a small union workspace hands ``rows_sorted`` to each
     pass's build; the output equals one unsplit call (CPU: the reference path)."""
-    import shardattn.runtime.prefill_attention as pa
+    import shardattn.runtime.prefill as pa
     from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
     from shardattn.plan.routing import Route
 

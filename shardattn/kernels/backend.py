@@ -42,6 +42,19 @@ def device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device`` (cached); 132 (an H200's) for any other device,
+    so host-side launch plans stay defined where the interpreter runs them."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _major(device: torch.device) -> int:
     """Compute-capability major of ``device``; 0 for a non-CUDA device or without CUDA."""
     if device.type != "cuda" or not torch.cuda.is_available():

@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardattn.kernels.triton.sparse_mla import flops
 from shardattn.launch.workloads import build_decode, build_gqa_decode, build_prefill, overlap_model
 from shardattn.ops.gqa_decode import gqa_paged_decode_reference
-from shardattn.ops.sparse_mla import sparse_mla_reference, valid_mask
+from shardattn.ops.sparse_mla import flops, sparse_mla_reference, valid_mask
 from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.runtime.runtime import Runtime
 from shardattn.workload import union_ratio

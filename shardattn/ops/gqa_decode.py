@@ -45,7 +45,7 @@ from shardattn._checks import (
 )
 from shardattn.kernels.backend import unsupported_reason
 from shardattn.kernels.triton.gqa_decode import HAVE_TRITON, run_triton
-from shardattn.ops.lse_merge import split_partials_numel
+from shardattn.kernels.triton.lse_merge import split_partials_numel
 from shardattn.ops.sparse_mla import sparse_mla_reference
 
 __all__ = [

@@ -233,7 +233,7 @@ def sparse_mla_attention(
     sinks: torch.Tensor | None = None,
     return_lse: bool = True,
     out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
     q_ready: Callable[[], None] | None = None,
     prepared_union: PreparedUnion | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -256,8 +256,8 @@ def sparse_mla_attention(
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
         sinks: ``[H]`` fp32 per-head sink logits, optional.
         return_lse: also return the LSE.
-        out / lse: optional destinations ``[T, H, v_dim]`` (q's dtype) / ``[T, H]`` fp32, written
-            in place; ``q``, ``out`` and ``lse`` may be head-blocked ``[B, T, H/B, ...]`` (head
+        out / lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) / ``[T, H]`` fp32, written
+            in place; ``q``, ``out`` and ``lse_out`` may be head-blocked ``[B, T, H/B, ...]`` (head
             ``b * H/B + i`` at ``[b, t, i]``, e.g. an all-to-all buffer; see :func:`q_heads_view`).
         q_ready: optional callable run once before any kernel reads ``q`` (e.g. the wait of the
             exchange that fills it); only ``q``'s shape is looked at before.
@@ -291,32 +291,76 @@ def sparse_mla_attention(
     if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
         o, s = empty_kv_result(q3, v_dim, sinks)
         out = o if out is None else store_heads(out, o)
-        lse = s if lse is None else store_heads(lse, s)
-        return (out, lse) if return_lse else out
+        lse_out = s if lse_out is None else store_heads(lse_out, s)
+        return (out, lse_out) if return_lse else out
     if q.is_cuda:
+        from shardattn.kernels.gluon.sparse_mla import gluon_supports
+        from shardattn.kernels.triton.sparse_mla import kernel_supports
         from shardattn.ops.dispatch import sparse_prefill_kernel, use_triton
 
-        if sparse_prefill_kernel(q3, kv, v_dim)[0] == "gluon":
-            from shardattn.kernels.gluon.sparse_mla import gluon_supports, sparse_mla_gluon
-
-            if gluon_supports(q, kv, v_dim) is None:  # q's own strides (head-blocked too) suit cp.async
-                # head-blocked q / out / lse are read and written in place through their strides
-                out, lse = sparse_mla_gluon(
-                    q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse=lse,
-                    prepared=prepared_union,
-                )  # fmt: skip
-                return (out, lse) if return_lse else out
-        from shardattn.kernels.triton.sparse_mla import kernel_supports, sparse_mla_per_query
-
-        if use_triton(q3, kv, rows) and kernel_supports(q3, kv, v_dim) is None:
-            out, lse = sparse_mla_per_query(
-                q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse=lse,
-                prepared=prepared_union,
+        kernel = None
+        if sparse_prefill_kernel(q3, kv, v_dim)[0] == "gluon" and gluon_supports(q, kv, v_dim) is None:
+            kernel = "gluon"  # q's own strides (head-blocked too) suit cp.async
+        elif use_triton(q3, kv, rows) and kernel_supports(q3, kv, v_dim) is None:
+            kernel = "triton"
+        if kernel is not None:  # head-blocked q / out / lse are read and written in place through their strides
+            out, lse_out = sparse_mla_per_query(
+                q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse_out=lse_out,
+                prepared_union=prepared_union, kernel=kernel,
             )  # fmt: skip
-            return (out, lse) if return_lse else out
+            return (out, lse_out) if return_lse else out
     o, s = sparse_mla_reference(
         q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
     )
     out = o if out is None else store_heads(out, o)
-    lse = s if lse is None else store_heads(lse, s)
-    return (out, lse) if return_lse else out
+    lse_out = s if lse_out is None else store_heads(lse_out, s)
+    return (out, lse_out) if return_lse else out
+
+
+def sparse_mla_per_query(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int = 512,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    prepared_union: PreparedUnion | None = None,
+    kernel: str = "triton",
+    interpret: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-query kernel path (``G = 1``): each query's rows sorted and de-duplicated (the union
+    of one query), then attended by ``kernel`` (``"triton"`` or ``"gluon"``, sm_90). Inputs already
+    validated (the public entry is :func:`sparse_mla_attention`); no routing.
+
+    Args:
+        q: ``[T, H, D]`` (or head-blocked ``[B, T, H/B, D]``); kv: ``[R, D]``; rows: ``[T, K]``
+            int32 global rows (-1 / out of range invalid); topk_length: ``[T]`` int32 or None;
+            sinks: ``[H]`` fp32 or None.
+        out / lse_out: optional destinations, plain or head-blocked.
+        prepared_union: the ``G = 1`` union of ``rows`` built ahead (checked by the caller), else built here.
+        interpret: the Triton tile for ``TRITON_INTERPRET=1`` (also chosen when it is set).
+    Returns:
+        ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)`` (the given destinations when passed).
+    """
+    from shardattn.kernels.backend import interpreter_enabled
+    from shardattn.ops.prepared_union import union_for_call
+
+    union, lens = union_for_call(prepared_union, rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
+    if kernel == "gluon":
+        from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+
+        return launch_gluon_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out)
+    from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
+
+    heads = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
+    cfg = tile_config(heads, 1, interpret=interpret or interpreter_enabled())
+    return launch_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse_out)
+
+
+def flops(valid_keys: int, heads: int, d_qk: int = 576, d_v: int = 512) -> float:
+    """Sparse prefill FLOPs on real heads: ``2 * valid_keys * heads * (d_qk + d_v)``."""
+    return 2.0 * valid_keys * heads * (d_qk + d_v)

@@ -7,27 +7,11 @@ its reference :func:`~shardattn.ops.sparse_mla.sparse_mla_reference`)::
 
 Decode has one query token per request (or ``q_len`` tokens under speculative decoding: each
 draft token has its own top-k row, so it is simply another token). It is memory bound: the
-work is reading ``K`` rows of 576 dims per token. The Triton kernel ``_sparse_mla_decode_kernel``
-runs one program per (head block, token, split of the top-k row); head blocks of a token are the
-fastest grid axis so they read the same rows while those are in L2. Splits write partial outputs
-(fp32; in q's 2-byte dtype under the row merge, which reads them all with few programs: measured
-faster there and not under the column merge, benchmarks/RESULTS.md, eighth session) and fp32 LSEs;
-one split writes the result directly.
-
-Merging the splits (:func:`merge_kind`, chosen by measured numbers, benchmarks/RESULTS.md): at
-most :data:`COLUMN_MERGE_MAX_ROWS` (token, head) rows, a second launch with one program per
-(token, head, 128 output columns) that loads every split's LSE and slice at once
-(:func:`~shardattn.ops.lse_merge.launch_lse_merge_columns`: one memory latency whatever the
-split count); above, :func:`~shardattn.ops.lse_merge.launch_lse_merge` (fewer, wider
-programs). Small batches take the one-wave split count (:func:`sparse_mla_decode_config`). The torch reference is
-:func:`~shardattn.ops.sparse_mla.sparse_mla_reference`.
-
-On sm_90 and newer (:func:`~shardattn.ops.dispatch.pdl_supported`) the split kernel and its
-merge are programmatic dependent launches: the split kernel waits for the grid before it (a
-union build, a caller's indexer) before reading anything and lets the merge launch once its
-partials are stored; the merge waits for the split grid before reading them. What it saves is
-launch latency, a few tenths of a microsecond a step (benchmarks/RESULTS.md, eighth session);
-``config={"pdl": False}`` launches plainly.
+work is reading ``K`` rows of 576 dims per token. The Triton split-KV kernel
+(:mod:`~shardattn.kernels.triton.sparse_mla_decode`) runs one program per (head block, token,
+split of the top-k row) and merges the splits by LSE (column or row merge:
+:func:`~shardattn.plan.routing.route_decode_merge`), as programmatic dependent launches on sm_90.
+The torch reference is :func:`~shardattn.ops.sparse_mla.sparse_mla_reference`.
 
 Backends: on an sm_90 GPU with Triton's Gluon, DSA shapes and bf16/fp16, calls of at most
 :data:`~shardattn.plan.routing.SMALL_DECODE_MAX_HEADS` heads and
@@ -40,7 +24,9 @@ the call runs the warp-specialised Gluon kernel instead
 (:mod:`~shardattn.kernels.gluon.sparse_mla_decode`: one program per token x 64 heads over the
 whole row, or over row slices merged by LSE when that leaves SMs idle); same contract, same
 outputs. :func:`~shardattn.ops.dispatch.sparse_decode_kernel` says which runs and why;
-``backend=`` forces one.
+``backend=`` forces one (and raises where it cannot run). The launch knobs (split count, tiles,
+merge kernel) are the private runners' (:func:`~shardattn.kernels.triton.sparse_mla_decode.run_split_decode`,
+:func:`~shardattn.ops.sparse_mla_decode_gluon.sparse_mla_decode_gluon`), which benchmarks call.
 
 A row listed twice by one token is one key (the library-wide rule): by default the rows are
 first sorted and de-duplicated by :func:`~shardattn.ops.union.build_union` (``G = 1``: one
@@ -50,210 +36,22 @@ indexer's top-k is), and duplicates would then count twice.
 
 LSE: fp32 natural log, includes the sink term; a row with no valid key gives ``(0, -inf)``
 (``(0, sink)`` with sinks), so a DCP rank with an empty local shard contributes the merge
-identity. Capture-safe: no host sync; the grid depends on shapes and ``num_splits`` only.
+identity. Capture-safe: no host sync; the grid depends on shapes only.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from shardattn._checks import check_int, check_tensor
-from shardattn.ops.dispatch import pdl_supported, sparse_decode_kernel, use_triton
-from shardattn.ops.lse_merge import (
-    launch_lse_merge,
-    launch_lse_merge_columns,
-    split_partials,
-    split_partials_numel,
-)
+from shardattn.ops.dispatch import decode_path, pdl_supported, sm_count
 from shardattn.ops.sparse_mla import check_sparse_mla_inputs, empty_kv_result, join_q, sparse_mla_reference
 from shardattn.ops.union import build_union
 
-try:  # Triton is optional: without it every path runs the torch reference.
-    import triton
+__all__ = ["BACKENDS", "run_sparse_mla_decode", "sparse_mla_decode"]
 
-    from shardattn.kernels.triton.sparse_mla_decode import launch_split_kernel
-except ImportError:  # pragma: no cover - exercised only where Triton is missing
-    triton = None
-
-__all__ = [
-    "COLUMN_MERGE_MAX_ROWS",
-    "ONE_WAVE_MAX_ROWS",
-    "ONE_WAVE_MAX_SPLITS",
-    "merge_kind",
-    "merge_reason",
-    "partials_dtype",
-    "sparse_mla_decode",
-    "sparse_mla_decode_config",
-]
-
-#: At most this many (token, head) rows merge with the column merge (:func:`merge_kind`).
-COLUMN_MERGE_MAX_ROWS = 128
-#: At most this many (token, head) rows take the one-wave split count
-#: (:func:`sparse_mla_decode_config`) ...
-ONE_WAVE_MAX_ROWS = 128
-#: ... of at most this many splits (64 of 32 rows at top-k 2048) at <= 32 heads; at <= 16 heads
-#: (bf16 / fp16) a split of up to this many rows is gathered in one step (one tile, 8 warps).
-ONE_WAVE_MAX_SPLITS = 64
-ONE_WAVE_MAX_BLOCK_N = 128
-#: Keys a caller's ``config=`` may override (tuning).
-CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge", "pdl", "partials"})
-MERGES = ("rows", "columns")
 #: ``backend=`` values: routed, or one kernel forced.
 BACKENDS = (None, "triton", "gluon", "gluon_small")
-
-
-def _block_h(num_heads: int) -> int:
-    """Heads of one program: 64 above 32 heads, else the next power of two (at least 16)."""
-    return 64 if num_heads > 32 else max(16, 1 << max(0, (num_heads - 1).bit_length()))
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sparse_mla_decode_config(
-    num_tokens: int,
-    num_heads: int,
-    topk: int,
-    num_sms: int,
-    num_splits: int | None = None,
-    *,
-    head_dim: int = 576,
-    v_dim: int = 512,
-    elem_bytes: int = 2,
-) -> dict[str, int | str]:
-    """Tile sizes, split count and rows per split for a launch (host-side, shape-only).
-
-    Splitting a top-k row fills more SMs but writes and re-reads fp32 partials of
-    ``H * v_dim`` per token and split: at 128 heads that is 0.5 MB against 2.4 MB of KV rows,
-    so the split count minimises ``(kv bytes + splits * partial bytes) / busy fraction``, where
-    the busy fraction is ``min(1, programs * splits / slots)``, ``slots`` = the programs that
-    saturate memory bandwidth: one per SM for 64-head tiles, two for smaller ones (calibrated
-    on an H200 with fixed split counts: benchmarks/RESULTS.md, "Decode").
-
-    One wave: where the cost model splits and there are at most :data:`ONE_WAVE_MAX_ROWS`
-    (token, head) rows, the split count becomes the largest power of two whose launch fits in one
-    wave (``tokens x head blocks x splits <= SMs``), up to :data:`ONE_WAVE_MAX_SPLITS` at <= 32 heads (then 32-row
-    tiles), else up to the cost model's count. Measured on an H200 at 16 heads, top-k 2048 with
-    the column merge (benchmarks/RESULTS.md): 64 x 32 rows at 1-2
-    tokens (13.6 / 14.7 us against 14.4 / 15.4 for the cost model's 32 x 64), 16 x 128 at 8
-    tokens (22.9 against 23.6). At <= 16
-    heads a split of 64 or 128 rows is one tile of 8 warps (one gather, no second loop step:
-    benchmarks/RESULTS.md, eighth session).
-
-    Returns:
-        ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge",
-        "reason", "cost_model_splits"}`` (``merge`` and ``reason``: :func:`merge_kind`;
-        ``cost_model_splits``: the cost model's split count, before the one-wave choice).
-
-    Example:
-        >>> [sparse_mla_decode_config(t, 128, 2048, 132)["num_splits"] for t in (1, 8, 64)]
-        [32, 8, 1]
-        >>> sparse_mla_decode_config(8, 16, 2048, 132)["reason"]
-        '16 splits (one wave); column merge: 128 (token, head) rows <= 128'
-    """
-    block_h = _block_h(num_heads)
-    block_n = 64
-    num_warps = 8 if block_h >= 64 else 4
-    programs = max(1, num_tokens * -(-num_heads // block_h))
-    n_blocks = max(1, -(-topk // block_n))
-    one_wave = False
-    if num_splits is None:
-        kv_bytes = num_tokens * topk * head_dim * elem_bytes
-        part_bytes = num_tokens * num_heads * (v_dim + 1) * 4 * 2
-        slots = num_sms * (1 if block_h >= 64 else 2)
-
-        def cost(s: int) -> float:
-            return (kv_bytes + (s > 1) * s * part_bytes) / min(1.0, programs * s / slots)
-
-        num_splits = min(range(1, min(n_blocks, 64) + 1), key=cost)
-        cost_model = num_splits
-        fit = min(num_sms // programs, ONE_WAVE_MAX_SPLITS if block_h <= 32 else num_splits)
-        if num_splits > 1 and fit > 1 and num_tokens * num_heads <= ONE_WAVE_MAX_ROWS:
-            num_splits, one_wave = 1 << (fit.bit_length() - 1), True
-            per_split = -(-topk // num_splits)
-            if per_split <= 32:
-                block_n = 32
-            elif block_h <= 16 and elem_bytes <= 2 and per_split <= ONE_WAVE_MAX_BLOCK_N:
-                block_n = ONE_WAVE_MAX_BLOCK_N if per_split > 64 else 64  # the split in one gather
-                num_warps = 8
-    else:
-        cost_model = num_splits
-    chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
-    splits = max(1, -(-max(topk, 1) // chunk))
-    return {
-        "BLOCK_H": block_h,
-        "BLOCK_N": block_n,
-        "num_splits": splits,
-        "chunk": chunk,
-        "num_warps": num_warps,
-        "num_stages": 2,
-        "merge": merge_kind(num_tokens, num_heads, splits),
-        "reason": merge_reason(num_tokens, num_heads, splits, one_wave=one_wave),
-        "cost_model_splits": cost_model,
-    }
-
-
-def _small_fits(
-    workspace: torch.Tensor | None, t: int, h: int, topk: int, v_dim: int, num_sms: int, backend: str | None
-) -> bool:
-    """Whether the small-batch kernel's partials fit a caller's ``workspace`` (always without
-    one); a routed call with too small a workspace runs Triton, a forced one raises."""
-    from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_tiles
-
-    splits = small_decode_tiles(t, topk, num_sms)[1]
-    need = split_partials_numel(splits, t, h, v_dim)
-    if workspace is None or workspace.numel() >= need:
-        return True
-    if backend == "gluon_small":
-        raise ValueError(f"workspace must hold >= {need} fp32 elements for the small-batch kernel's {splits} splits")
-    return False
-
-
-def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
-    """Which kernel merges the splits: ``"none"`` (one split), ``"columns"``
-    (:func:`~shardattn.ops.lse_merge.launch_lse_merge_columns`, at most
-    :data:`COLUMN_MERGE_MAX_ROWS` (token, head) rows) or ``"rows"``
-    (:func:`~shardattn.ops.lse_merge.launch_lse_merge`).
-
-    Measured on an H200 (benchmarks/RESULTS.md, "Sparse-MLA decode, batch 1-8", whole steps):
-    columns win at 16 heads x 1-8 tokens (14.0-23.3 us against 26.5-34.0) and 128 heads x 1 token
-    (21.5 against 32.1); rows win at 128 heads x 8 tokens (43.8 against 52.1: 4,096 column
-    programs of 8 splits each cost more than 128 row programs).
-    """
-    if num_splits <= 1:
-        return "none"
-    return "columns" if num_tokens * num_heads <= COLUMN_MERGE_MAX_ROWS else "rows"
-
-
-def partials_dtype(dtype: torch.dtype, merge: str, choice: str = "auto") -> torch.dtype:
-    """The dtype of the split partials' outputs for inputs of ``dtype`` merged by ``merge``:
-    ``choice`` ``"fp32"``, ``"input"`` (``dtype`` where it is a 2-byte float) or ``"auto"``: the
-    input dtype under the row merge (a few wide programs read every partial: half the bytes
-    measured 7 % faster at 128 heads x 8 tokens), fp32 under the column merge (one
-    latency each; no gain measured; benchmarks/RESULTS.md, eighth session).
-
-    Example:
-        >>> partials_dtype(torch.bfloat16, "rows"), partials_dtype(torch.bfloat16, "columns")
-        (torch.bfloat16, torch.float32)
-    """
-    half = dtype in (torch.bfloat16, torch.float16) and (choice == "input" or (choice == "auto" and merge == "rows"))
-    return dtype if half else torch.float32
-
-
-def merge_reason(num_tokens: int, num_heads: int, num_splits: int, *, one_wave: bool = False) -> str:
-    """Why :func:`merge_kind` chose its kernel, in words (for logs and routes); ``one_wave``: the
-    split count is :func:`sparse_mla_decode_config`'s one-wave choice."""
-    n = num_tokens * num_heads
-    kind = merge_kind(num_tokens, num_heads, num_splits)
-    if kind == "none":
-        return "1 split: the kernel writes the result, no merge"
-    word, sign = ("column", "<=") if kind == "columns" else ("row", ">")
-    splits = f"{num_splits} splits (one wave)" if one_wave else f"{num_splits} splits"
-    return f"{splits}; {word} merge: {n} (token, head) rows {sign} {COLUMN_MERGE_MAX_ROWS}"
 
 
 def sparse_mla_decode(
@@ -265,9 +63,7 @@ def sparse_mla_decode(
     v_dim: int = 512,
     topk_length: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
-    num_splits: int | None = None,
     rows_unique: bool = False,
-    config: dict[str, int | str] | None = None,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
@@ -283,28 +79,16 @@ def sparse_mla_decode(
         scale: softmax scale. v_dim: value width (512).
         topk_length: ``[T]`` int32 per-row count of leading entries to use, optional.
         sinks: ``[H]`` fp32 sink logits, optional.
-        num_splits: splits of each top-k row (default: about two waves of programs).
         rows_unique: the caller guarantees no row appears twice in a token's list (skips the
-            de-duplication sort on the Triton path; duplicates would then count twice).
-        config: launch-configuration overrides (keys of :func:`sparse_mla_decode_config`:
-            ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and ``merge`` = ``"rows"`` /
-            ``"columns"``, ``pdl`` = ``False`` to launch the split kernel and the
-            merge without programmatic dependent launch, ``partials`` = ``"fp32"`` / ``"input"``
-            (q's 2-byte dtype) for the split partials' outputs (default ``"auto"``: q's dtype
-            under the row merge, which reads them all with few programs, fp32 otherwise);
-            for tuning and baselines).
+            de-duplication; duplicates would then count twice).
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
-        workspace: optional flat fp32 buffer of ``num_splits * T * H * (v_dim + 1)`` elements for
-            the split partials; with ``out``, ``lse_out`` and it, nothing is allocated.
+        workspace: optional flat fp32 buffer for the split partials (``num_splits * T * H *
+            (v_dim + 1)`` elements); with ``out``, ``lse_out`` and it, nothing is allocated. A
+            workspace too small for the small-batch kernel's splits routes the call to Triton;
+            the Gluon kernel then takes fewer row slices.
         backend: ``None`` (routed: :func:`~shardattn.ops.dispatch.sparse_decode_kernel`),
             ``"triton"``, ``"gluon"`` or ``"gluon_small"`` (forced, also outside the routing's
-            crossovers; a ``ValueError`` where the kernel cannot run these tensors). ``config``
-            is a Triton option: with it the routed call runs Triton. On the
-            Gluon path ``num_splits`` is the number of row slices and a ``workspace`` too small
-            for the chosen slices makes it use fewer. The small-batch Gluon kernel picks its own
-            splits (:func:`~shardattn.kernels.gluon.sparse_mla_decode_small.small_decode_tiles`):
-            a routed call with ``num_splits``, or with a ``workspace`` too small for those
-            splits, runs Triton.
+            crossovers; a ``ValueError`` where the kernel cannot run these tensors).
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32 natural log)``; a row with no valid
         key is ``(0, -inf)`` (``(0, sink)`` with sinks). CPU tensors run the reference.
@@ -318,48 +102,59 @@ def sparse_mla_decode(
     """
     q = join_q(q)
     check_sparse_mla_inputs(q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
-    t, h, d = q.shape
-    if num_splits is not None:
-        check_int("num_splits", num_splits, minimum=1)
+    t, h, _ = q.shape
     if backend not in BACKENDS:
         raise ValueError(f"backend must be None, 'triton', 'gluon' or 'gluon_small', got {backend!r}")
-    if config:
-        unknown = set(config) - CONFIG_KEYS
-        if unknown:
-            raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
-        if config.get("merge", "rows") not in MERGES:
-            raise ValueError(f"config['merge'] must be 'rows' or 'columns', got {config['merge']!r}")
-        if not isinstance(config.get("pdl", False), bool):
-            raise TypeError(f"config['pdl'] must be a bool, got {type(config['pdl']).__name__}")
-        if config.get("partials", "auto") not in ("auto", "input", "fp32"):
-            raise ValueError(f"config['partials'] must be 'auto', 'input' or 'fp32', got {config['partials']!r}")
-    triton_only = config is not None
-    if backend in ("gluon", "gluon_small") and triton_only:
-        raise ValueError(f"backend={backend!r} takes no config (a Triton option)")
-    if backend == "gluon_small" and num_splits is not None:
-        raise ValueError("backend='gluon_small' chooses its own splits (small_decode_tiles): pass num_splits=None")
+    if not isinstance(rows_unique, bool):
+        raise TypeError(f"rows_unique must be a bool, got {type(rows_unique).__name__}")
     if out is not None:
         check_tensor("out", out, dtypes=(q.dtype,), shape=(t, h, v_dim), device=q.device)
     if lse_out is not None:
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(t, h), device=q.device)
-    kernel = "reference"
-    if kv.shape[0] > 0 and triton is not None and use_triton(q):
-        kernel, why = sparse_decode_kernel(q, kv, v_dim, rows) if h > 0 else ("triton", "no heads")
-        if backend in ("gluon", "gluon_small"):  # forced: wherever it runs, whatever the crossover says
-            from shardattn.kernels.gluon.sparse_mla import gluon_supports
-            from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_supports
+    kernel, _why = decode_path(q, kv, rows, v_dim, backend=backend, workspace=workspace, num_sms=sm_count(q.device))
+    return run_sparse_mla_decode(
+        q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, rows_unique=rows_unique,
+        out=out, lse_out=lse_out, workspace=workspace, kernel=kernel,
+    )  # fmt: skip
 
-            why = gluon_supports(q, kv, v_dim) if backend == "gluon" else small_decode_supports(q, kv, rows, v_dim)
-            if why is not None:
-                raise ValueError(f"backend={backend!r} cannot run here: {why}")
-            kernel = backend
-        if backend == "triton" or (kernel in ("gluon", "gluon_small") and triton_only):
-            kernel = "triton"
-        if kernel == "gluon_small" and backend is None and num_splits is not None:
-            kernel = "triton"  # a caller's split count is the Triton kernel's
-    elif backend in ("gluon", "gluon_small"):
-        why = "kv has no rows" if kv.shape[0] == 0 else "no CUDA tensors or no Triton"
-        raise ValueError(f"backend={backend!r} cannot run here: {why}")
+
+def run_sparse_mla_decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int = 512,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    rows_unique: bool = False,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    kernel: str = "triton",
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparse_mla_decode` on arguments already checked, on the named ``kernel`` (no routing):
+    ``"reference"``, ``"triton"``, ``"gluon"`` or ``"gluon_small"`` (:func:`~shardattn.ops.dispatch.decode_path`
+    says which runs where), with the launch knobs the public entry keeps private, for tuning,
+    warm-up and benchmarks: ``num_splits`` (the Triton kernel's splits, the Gluon kernel's row
+    slices) and ``config`` (the Triton kernel's launch overrides:
+    :func:`~shardattn.kernels.triton.sparse_mla_decode.run_split_decode`). ``q`` is ``[T, H, D]``.
+
+    Raises:
+        ValueError: a knob the kernel does not take (``config`` off Triton, ``num_splits`` on the
+            small-batch kernel, which picks its own), before any kernel runs.
+    """
+    if kernel not in ("reference", "triton", "gluon", "gluon_small"):
+        raise ValueError(f"kernel must be 'reference', 'triton', 'gluon' or 'gluon_small', got {kernel!r}")
+    if num_splits is not None:
+        check_int("num_splits", num_splits, minimum=1)
+        if kernel == "gluon_small":
+            raise ValueError("the small-batch kernel chooses its own splits (small_decode_tiles): pass num_splits=None")
+    if config is not None and kernel != "triton":
+        raise ValueError(f"config is the Triton kernel's launch configuration; kernel={kernel!r} takes none")
+    t, h, _ = q.shape
     if kernel == "reference":
         if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
             ref_out, ref_lse = empty_kv_result(q, v_dim, sinks)
@@ -374,49 +169,27 @@ def sparse_mla_decode(
     lse_out = torch.empty(t, h, dtype=torch.float32, device=q.device) if lse_out is None else lse_out
     if t == 0 or h == 0:
         return out, lse_out
-    num_sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+    num_sms = sm_count(q.device)
     if kernel == "gluon":
-        from shardattn.kernels.gluon.sparse_mla_decode import sparse_mla_decode_gluon
+        from shardattn.ops.sparse_mla_decode_gluon import sparse_mla_decode_gluon
 
         return sparse_mla_decode_gluon(
             q, kv, rows, scale=float(scale), v_dim=v_dim, out=out, lse_out=lse_out, num_sms=num_sms,
             topk_length=topk_length, sinks=sinks, num_splits=num_splits, rows_unique=rows_unique, workspace=workspace,
         )  # fmt: skip
-    topk = rows.shape[1]
-    if not rows_unique and topk > 1:
+    if not rows_unique and rows.shape[1] > 1:
         rows, topk_length = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
-    if kernel == "gluon_small" and _small_fits(workspace, t, h, rows.shape[1], v_dim, num_sms, backend):
+    if kernel == "gluon_small":
         from shardattn.kernels.gluon.sparse_mla_decode_small import sparse_mla_decode_small
 
         return sparse_mla_decode_small(
             q, kv, rows, scale=float(scale), out=out, lse_out=lse_out, topk_length=topk_length, sinks=sinks,
             workspace=workspace, num_sms=num_sms, pdl=pdl_supported(q.device),
         )  # fmt: skip
-    cfg = sparse_mla_decode_config(
-        t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
-    )
-    if config:
-        want = num_splits if num_splits is not None else cfg["num_splits"]
-        cfg = {**cfg, **config}
-        per_split = -(-max(topk, 1) // want)
-        cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-        cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
-        if "merge" not in config:
-            cfg["merge"] = merge_kind(t, h, cfg["num_splits"])
-            cfg["reason"] = merge_reason(t, h, cfg["num_splits"])
-        else:
-            cfg["reason"] = f"{cfg['num_splits']} splits; {cfg['merge']} merge: config"
-    splits = cfg["num_splits"]
-    if splits > 1:
-        out_dtype = partials_dtype(q.dtype, cfg["merge"], cfg.get("partials", "auto"))
-        dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device, out_dtype=out_dtype)
-    else:
-        dst_out, dst_lse = out, lse_out
-    pdl = cfg.get("pdl", True) and pdl_supported(q.device)
-    launch_split_kernel(q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, cfg, scale, pdl=pdl)
-    if splits > 1:
-        if cfg.get("merge") == "columns":
-            launch_lse_merge_columns(dst_out, dst_lse, out, lse_out, pdl=pdl)
-        else:
-            launch_lse_merge(dst_out, dst_lse, out, lse_out, pdl=pdl)
+    from shardattn.kernels.triton.sparse_mla_decode import run_split_decode
+
+    run_split_decode(
+        q, kv, rows, scale=scale, topk_length=topk_length, sinks=sinks, out=out, lse_out=lse_out, num_sms=num_sms,
+        workspace=workspace, num_splits=num_splits, config=config,
+    )  # fmt: skip
     return out, lse_out

@@ -6,20 +6,15 @@ queries are packed into one 64-row tile; the tile gathers the sorted union of th
 (:func:`shardattn.ops.union.build_union`) and each row of the tile sees only its own
 query's rows through a membership bit: exact, not approximate.
 
-Path selection (:func:`choose_path`, one source of truth, also used by the warm-up):
+Path selection (:func:`~shardattn.ops.dispatch.prefill_path`, also used by the warm-up):
 
-* ``group_size`` given: that ``G`` (:func:`shardattn.plan.routing.tile_group_size` fills a 64-row tile: 8 heads -> 8,
-  16 -> 4, 32 -> 2, 64 and 128 -> 1; a 128-row Triton tile spills registers);
-* default (:func:`default_group_size`): the planner's routing
-  (:func:`shardattn.plan.routing.grouped_group_size`, one source of truth): grouped only up to
-  8 heads per rank. Measured on an H200 (benchmarks/RESULTS.md, DSA-like top-k, T = 4K / 16K):
-  at 8 heads the grouped step (union build + kernel) is 1.39-1.44x faster than the per-query
-  path, at 16 heads 0.92-0.95x and at 32 heads 0.84-0.85x (the union build costs 0.3-0.55 ms
-  per 4K tokens, and the per-query kernel is already helped by L2 hits between neighbours);
-  with random top-k grouping is 0.4-0.5x;
+* ``group_size`` given: that ``G`` (:func:`shardattn.plan.routing.tile_group_size` fills a 64-row
+  tile: 8 heads -> 8, 16 -> 4, 32 -> 2, 64 and 128 -> 1; a 128-row Triton tile spills registers);
+* default: the planner's routing (:func:`shardattn.plan.routing.grouped_group_size`): grouped only
+  up to :data:`~shardattn.plan.crossovers.GROUPED_MAX_HEADS` heads per rank on the Triton kernel;
 * on sm_90 with Gluon in Triton the tile runs the Gluon kernel where the routing's measured
-  crossovers send ``(heads, G)`` (:func:`shardattn.plan.routing.route_prefill_kernel`; backend
-  ``"gluon"``), and ``group_size=None`` takes the grouped Gluon kernel's ``G``
+  crossovers send ``(heads, G)`` (:func:`shardattn.plan.routing.route_prefill_kernel`), and
+  ``group_size=None`` takes the grouped Gluon kernel's ``G``
   (:func:`shardattn.plan.routing.gluon_grouped_group_size`) where that kernel runs;
 * the per-query path also when the KV cache has ``>= 2**24 - 1`` rows (24-bit packed rows)
   or on explicit ``group_size=1``;
@@ -31,18 +26,15 @@ Duplicate rows within one query's list are one key on every path (the reference 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from shardattn.kernels.gluon.sparse_mla import gluon_supports, launch_gluon_attention
 from shardattn.kernels.triton.sparse_mla import (
-    TileConfig,
-    kernel_supports,
     launch_attention,
     tile_config,
 )
-from shardattn.ops.dispatch import interpreter_enabled, sparse_prefill_kernel, use_triton
+from shardattn.ops.dispatch import prefill_path
 from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
 from shardattn.ops.sparse_mla import (
     check_sparse_mla_inputs,
@@ -53,62 +45,7 @@ from shardattn.ops.sparse_mla import (
     sparse_mla_reference,
     store_heads,
 )
-from shardattn.ops.union import GROUP_SIZES, MAX_PACKED_ROWS
-from shardattn.plan.routing import gluon_grouped_group_size, grouped_group_size
-
-
-@dataclass(frozen=True)
-class PrefillPath:
-    """Which implementation a sparse prefill takes, and why."""
-
-    backend: str  # "gluon", "triton" or "reference"
-    group_size: int
-    tile: TileConfig | None
-    reason: str
-
-
-def default_group_size(heads: int) -> int:
-    """``G`` the default routing uses: the planner's :func:`~shardattn.plan.routing.grouped_group_size`, else 1.
-
-    >>> [default_group_size(h) for h in (4, 8, 16, 32, 64, 128)]
-    [8, 8, 1, 1, 1, 1]
-    """
-    return grouped_group_size(heads) or 1
-
-
-def choose_path(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    *,
-    v_dim: int,
-    group_size: int | None = None,
-) -> PrefillPath:
-    """Decide the implementation for these inputs (no GPU synchronisation).
-
-    ``backend``: ``"gluon"`` where :func:`~shardattn.ops.dispatch.sparse_prefill_kernel` sends
-    ``(heads, G)`` (sm_90 with Gluon, the measured crossovers of :mod:`shardattn.plan.routing`),
-    else ``"triton"``, else ``"reference"``. With ``group_size=None`` on such a GPU, ``G`` follows
-    the grouped Gluon kernel's crossover (:func:`~shardattn.plan.routing.gluon_grouped_group_size`)
-    where that kernel runs, else :func:`default_group_size`.
-    """
-    heads = q.shape[1]
-    if not use_triton(q, kv):
-        return PrefillPath("reference", 1, None, "no Triton for these tensors (CPU or not installed)")
-    why = kernel_supports(q, kv, v_dim)
-    if why is not None:
-        return PrefillPath("reference", 1, None, why)
-    g = default_group_size(heads) if group_size is None else group_size
-    reason = f"G = {g} for {heads} heads"
-    if group_size is None and kv.shape[0] <= MAX_PACKED_ROWS:
-        g_gluon = gluon_grouped_group_size(heads)
-        if g_gluon is not None and sparse_prefill_kernel(q, kv, v_dim, g_gluon)[0] == "gluon":
-            g, reason = g_gluon, f"G = {g_gluon} for {heads} heads (grouped Gluon crossover)"
-    if g > 1 and kv.shape[0] > MAX_PACKED_ROWS:
-        g, reason = 1, f"KV cache of {kv.shape[0]} rows exceeds the 24-bit packed limit"
-    kernel, why = sparse_prefill_kernel(q, kv, v_dim, g)
-    if kernel == "gluon":
-        return PrefillPath("gluon", g, None, f"{reason}; {why}")
-    return PrefillPath("triton", g, tile_config(heads, g, interpret=interpreter_enabled()), f"{reason}; {why}")
+from shardattn.ops.union import GROUP_SIZES
 
 
 def sparse_mla_grouped_prefill(
@@ -124,7 +61,7 @@ def sparse_mla_grouped_prefill(
     return_lse: bool = True,
     union: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
     q_ready: Callable[[], None] | None = None,
     rows_sorted: bool = False,
     prepared_union: PreparedUnion | None = None,
@@ -145,8 +82,8 @@ def sparse_mla_grouped_prefill(
         return_lse: also return the LSE.
         union: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``
             workspace for the union build.
-        out / lse: optional destinations (``[T, H, v_dim]`` q's dtype / ``[T, H]`` fp32, any
-            strides, unit last-dim stride), written in place. ``q``, ``out`` and ``lse`` may also
+        out / lse_out: optional destinations (``[T, H, v_dim]`` q's dtype / ``[T, H]`` fp32, any
+            strides, unit last-dim stride), written in place. ``q``, ``out`` and ``lse_out`` may also
             be head-blocked, ``[B, T, H/B, ...]`` (head ``b * H/B + i`` at ``[b, t, i]``: an
             all-to-all buffer read or written in place; see
             :func:`~shardattn.kernels.triton.sparse_mla.launch_attention`).
@@ -187,9 +124,9 @@ def sparse_mla_grouped_prefill(
             q_ready()
         o, s = empty_kv_result(q3, v_dim, sinks)
         out = o if out is None else store_heads(out, o)
-        lse = s if lse is None else store_heads(lse, s)
-        return (out, lse) if return_lse else out
-    path = choose_path(q3, kv, v_dim=v_dim, group_size=group_size)
+        lse_out = s if lse_out is None else store_heads(lse_out, s)
+        return (out, lse_out) if return_lse else out
+    path = prefill_path(q3, kv, v_dim=v_dim, group_size=group_size)
     if path.backend == "reference":
         if q_ready is not None:
             q_ready()
@@ -197,7 +134,7 @@ def sparse_mla_grouped_prefill(
             q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
         )
         out = o if out is None else store_heads(out, o)
-        lse = s if lse is None else store_heads(lse, s)
+        lse_out = s if lse_out is None else store_heads(lse_out, s)
     else:
         g = path.group_size
         if prepared_union is not None:
@@ -210,12 +147,12 @@ def sparse_mla_grouped_prefill(
             q_ready()
         if path.backend == "gluon" and gluon_supports(q, kv, v_dim) is None:
             # sm_90: the Gluon kernel (per-query or grouped); head-blocked q / out / lse are used in place
-            out, lse = launch_gluon_attention(
-                q, kv, u, lens, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse, group_size=g
+            out, lse_out = launch_gluon_attention(
+                q, kv, u, lens, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out, group_size=g
             )
         else:
             tile = path.tile or tile_config(q3.shape[1], g)  # q's own strides did not suit the Gluon kernel
-            out, lse = launch_attention(
-                q, kv, u, lens, scale=scale, v_dim=v_dim, config=tile, sinks=sinks, out=out, lse=lse
+            out, lse_out = launch_attention(
+                q, kv, u, lens, scale=scale, v_dim=v_dim, config=tile, sinks=sinks, out=out, lse=lse_out
             )
-    return (out, lse) if return_lse else out
+    return (out, lse_out) if return_lse else out

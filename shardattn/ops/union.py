@@ -3,14 +3,10 @@
 Grouped sparse-MLA prefill packs ``G`` consecutive query tokens into one tile; the tile gathers
 the union of their top-k rows once and masks, per query, the rows it did not pick. Group ``g``
 holds queries ``g*G .. g*G + G - 1`` (a group may span requests: every query keeps its own
-rows through its bit). Its union entry packs (``docs``: "Membership encoding")::
-
-    entry = row | (member_bits << 24)      row < 2**24 - 1, bit j set <=> query g*G + j picked row
-
-as int32 (bit 31 is query 7's bit, so an entry may be negative; ``-1`` = 0xFFFFFFFF cannot be
-an entry because rows stop below ``2**24 - 1``). Entries are sorted by row, unique, and padded
-with ``-1`` up to the buffer width ``G * K``; ``lens[g]`` counts them. With ``G = 1`` entries are
-plain rows (no bits, any int32 row): the sorted, de-duplicated valid rows of each query.
+rows through its bit); its entries pack the row and one membership bit per query
+(:mod:`shardattn.kernels.union_layout`), sorted by row, unique, padded with ``-1`` up to the
+buffer width ``G * K``; ``lens[g]`` counts them. With ``G = 1`` entries are plain rows (no bits,
+any int32 row): the sorted, de-duplicated valid rows of each query.
 
 Rules:
     * an entry ``rows[t, k]`` is valid when ``0 <= row < num_kv_rows`` and ``k < topk_length[t]``;
@@ -21,10 +17,8 @@ Rules:
 
 Triton paths (``method``; the cost depends on ``G * K`` per group, never on the sequence length):
 
-* ``"sort"``: a keys kernel writes ``row * 8 + j`` per entry (int32: ``row < 2**24`` so keys
-  stay below ``2**27``), ``torch.sort`` sorts each group's ``G * K`` keys, and a compaction
-  kernel (one program per group) marks run ends and ORs each run's bits with prefix sums.
-  With ``G = 1`` this is the per-query row sort (sorted, de-duplicated rows).
+* ``"sort"`` (:mod:`shardattn.kernels.triton.union`): keys, ``torch.sort`` of each group's keys,
+  compaction. With ``G = 1`` this is the per-query row sort (sorted, de-duplicated rows).
 * ``"fused"`` (:mod:`shardattn.kernels.triton.union_fused`): one launch, one program per group: its
   query lists (filtered, de-duplicated), every merge level (merge path: one binary search per
   8 outputs, then a serial merge) and the compaction. With ``rows_sorted=True`` (each query's
@@ -34,12 +28,10 @@ Triton paths (``method``; the cost depends on ``G * K`` per group, never on the 
   follows the entries and the KV cache size, not the row order; ``num_kv_rows <= 2**24 - 1``.
   On sm_90 with Gluon it runs in shared memory (:mod:`shardattn.kernels.gluon.union_smem`), 3.0-4.7x
   the Triton kernel, which runs elsewhere.
-* ``"auto"`` (:func:`auto_method`) takes ``"bitmap"`` on the shared-memory kernel when the KV
-  cache is small enough for its count (:data:`SMEM_SCAN_RATIO`, :data:`SMEM_SORTED_RATIO`),
-  else ``"fused"`` whenever ``rows_sorted``, ``"bitmap"`` when the cache is small enough for
-  the Triton kernel's count (:data:`BITMAP_SCAN_RATIO`), and otherwise
-  the builder per ``G`` of :data:`UNION_METHOD` (all measured on an H200,
-  benchmarks/RESULTS.md).
+* ``"auto"`` (:func:`~shardattn.plan.routing.route_union_method`) takes ``"bitmap"`` on the
+  shared-memory kernel when the KV cache is small enough for its count, else ``"fused"`` whenever
+  ``rows_sorted``, ``"bitmap"`` when the cache is small enough for the Triton kernel's count, and
+  otherwise the sorting builder per ``G`` (the measured crossovers of :mod:`shardattn.plan.crossovers`).
 
 On the Triton path entries past ``lens[g]`` are left unspecified (the attention kernel never
 reads them).
@@ -59,60 +51,27 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch reference still works
-    triton = None
-
 from shardattn._checks import INDEX_DTYPES, check_choice, check_int, check_same_device, check_tensor
 from shardattn.kernels.backend import use_triton
-from shardattn.kernels.gluon.union_smem import smem_kernels, smem_supports, smem_union
+from shardattn.kernels.gluon.union_smem import smem_supports, smem_union
+from shardattn.kernels.triton.union import sort_union, sorted_row_keys
 from shardattn.kernels.triton.union_bitmap import MAX_ROWS as MAX_BITMAP_ROWS
-from shardattn.kernels.triton.union_bitmap import bitmap_kernels, bitmap_union
-from shardattn.kernels.triton.union_fused import fused_kernel, fused_union
-from shardattn.kernels.union_choice import (  # noqa: F401 (the choice's names, public here too)
-    BITMAP_SCAN_RATIO,
-    METHODS,
-    SMEM_SCAN_RATIO,
-    SMEM_SORTED_RATIO,
-    UNION_METHOD,
-    auto_method,
+from shardattn.kernels.triton.union_bitmap import bitmap_union
+from shardattn.kernels.triton.union_fused import fused_union
+from shardattn.kernels.union_layout import (  # noqa: F401 (the encoding's names, public here too)
+    GROUP_SIZES,
+    MAX_PACKED_ROWS,
+    MAX_PLAIN_ROW,
+    ROW_BITS,
+    num_groups,
+    pack_entries,
+    unpack_entries,
 )
+from shardattn.plan.crossovers import UNION_METHOD  # noqa: F401 (public here too)
+from shardattn.plan.routing import UNION_METHODS, route_union_method
 
-if triton is not None:
-    from shardattn.kernels.triton.union_fused import compact_sorted_keys
-
-#: Rows at or above this cannot be packed (24 bits, ``0xFFFFFF`` reserved so ``-1`` is no entry).
-MAX_PACKED_ROWS = 2**24 - 1
-#: Group sizes the membership byte allows.
-GROUP_SIZES = (1, 2, 4, 8)
-ROW_BITS = 24
-#: Largest row the G = 1 path accepts (int32 max is the sort sentinel).
-MAX_PLAIN_ROW = 2**31 - 2
-
-
-def num_groups(num_tokens: int, group_size: int) -> int:
-    """``ceil(num_tokens / group_size)``."""
-    return -(-num_tokens // group_size)
-
-
-def pack_entries(rows: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """Pack ``row | bits << 24`` into int32 (two's complement when bit 31 is set).
-
-    Args:
-        rows: int64 rows ``< 2**24 - 1``; bits: int64 membership bits ``< 256``.
-    Returns:
-        int32 entries.
-    """
-    v = rows | (bits << ROW_BITS)
-    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
-
-
-def unpack_entries(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_entries`: ``(rows int64, bits int64)``."""
-    e = entries.long() & 0xFFFFFFFF
-    return e & 0xFFFFFF, e >> ROW_BITS
+#: ``method=`` values of :func:`build_union`.
+METHODS = ("auto", *UNION_METHODS)
 
 
 def _check(rows, group_size, num_kv_rows, topk_length, rows_sorted=False):
@@ -167,57 +126,12 @@ def build_union_reference(
     return union, counts.to(torch.int32)
 
 
-if triton is not None:
-
-    @triton.jit(do_not_specialize=["T", "max_row"])
-    def _union_keys_kernel(
-        ROWS, TOPK_LEN, KEYS,
-        T, K, max_row, stride_rows_t,
-        G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LEN: tl.constexpr,
-    ):  # fmt: skip
-        # keys[t, k] = row * 8 + (t % G) (plain row for G == 1), INT32_MAX when invalid or t >= T
-        SHIFT: tl.constexpr = 3 if G > 1 else 0
-        t = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_end = tl.where(t < T, K, 0)
-        if HAS_LEN:
-            k_end = tl.minimum(k_end, tl.load(TOPK_LEN + t, mask=t < T, other=0))
-        ok = c < k_end
-        row = tl.load(ROWS + t * stride_rows_t + c, mask=ok, other=-1)
-        ok = ok & (row >= 0) & (row <= max_row)
-        key = tl.where(ok, (row << SHIFT) | (t % G).to(tl.int32), 2147483647)
-        tl.store(KEYS + t * K + c, key, mask=c < K)
-
-    @triton.jit
-    def _union_compact_kernel(
-        SORTED, UNION, LENS,
-        width, stride_sorted_g, stride_union_g,
-        G: tl.constexpr, CHUNK: tl.constexpr,
-    ):  # fmt: skip
-        # one program per group over its sorted keys (compact_sorted_keys)
-        g = tl.program_id(0).to(tl.int64)
-        n = compact_sorted_keys(SORTED + g * stride_sorted_g, UNION + g * stride_union_g, width, G, CHUNK)
-        tl.store(LENS + g, n)
-
-
-def union_kernels() -> tuple:
-    """The Triton union kernels (keys, compact, fused, bitmap), for warm-up and compile counting."""
-    return (_union_keys_kernel, _union_compact_kernel, fused_kernel(), *bitmap_kernels(), *smem_kernels())
-
-
-def union_launch_config(group_size: int, topk: int) -> dict[str, int]:
-    """Constexprs of the union kernels for ``(G, K)`` (the warm-up key): ``BLOCK_K`` / ``CHUNK`` of
-    the keys and compaction kernels."""
-    kp = max(16, 1 << max(0, topk - 1).bit_length())
-    return {"G": group_size, "BLOCK_K": min(kp, 1024), "CHUNK": min(group_size * kp, 2048)}
-
-
 def _resolve(
     group_size: int, method: str, rows_sorted: bool, topk: int, num_kv_rows: int, shared_memory: bool = False
 ) -> str:
     check_choice("method", method, METHODS)
     if method == "auto":
-        method = auto_method(group_size, topk, num_kv_rows, rows_sorted, shared_memory)
+        method = route_union_method(group_size, topk, num_kv_rows, rows_sorted=rows_sorted, shared_memory=shared_memory)
     if group_size == 1 and method != "bitmap" and not (method == "fused" and rows_sorted):
         method = "sort"  # one query per group: the row sort is the whole build
     return method
@@ -242,9 +156,9 @@ def build_union(
             when ``G > 1``.
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
         out: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``.
-        method: Triton builder, ``"auto"`` (:func:`auto_method`), ``"sort"``, ``"fused"`` or
-            ``"bitmap"`` (same outputs; ignored by the torch reference; ``G = 1`` is the row sort
-            unless ``"fused"`` on sorted rows or ``"bitmap"``).
+        method: Triton builder, ``"auto"`` (:func:`~shardattn.plan.routing.route_union_method`),
+            ``"sort"``, ``"fused"`` or ``"bitmap"`` (same outputs; ignored by the torch reference;
+            ``G = 1`` is the row sort unless ``"fused"`` on sorted rows or ``"bitmap"``).
         rows_sorted: the caller guarantees that each query's *valid* entries are non-decreasing
             in list order (invalid ones anywhere, repeats allowed; the sorted-input contract of
             :mod:`shardattn.kernels.triton.union_fused`). Trusted, not checked: the ``"fused"`` builder
@@ -287,42 +201,13 @@ def build_union(
         else:
             bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens, kernel="triton")
         return union, lens
-    cfg = union_launch_config(group_size, k)
     if method == "fused":
         max_row = min(num_kv_rows - 1, MAX_PLAIN_ROW)
         if rows_sorted:
             fused_union(rows, topk_length, max_row, group_size, union, lens)
         else:  # each query's rows sorted first (invalid = INT32_MAX at the end, topk_length applied)
-            keys = _sorted_row_keys(rows, topk_length, num_kv_rows)
+            keys = sorted_row_keys(rows, topk_length, num_kv_rows)
             fused_union(keys, None, max_row, group_size, union, lens)
         return union, lens
-    _sort_build(rows, topk_length, num_kv_rows, group_size, cfg, union, lens)
+    sort_union(rows, topk_length, num_kv_rows, group_size, union, lens)
     return union, lens
-
-
-def _sorted_row_keys(rows, topk_length, num_kv_rows):
-    """``[T, K]`` int32: each query's valid rows ascending, INT32_MAX (invalid) at the end."""
-    t, k = rows.shape
-    cfg = union_launch_config(1, k)
-    keys = torch.empty(t, k, dtype=torch.int32, device=rows.device)
-    _union_keys_kernel[(t, triton.cdiv(k, cfg["BLOCK_K"]))](
-        rows, topk_length if topk_length is not None else keys, keys, t, k, min(num_kv_rows - 1, MAX_PLAIN_ROW),
-        rows.stride(0), HAS_LEN=topk_length is not None, BLOCK_K=cfg["BLOCK_K"], G=1,
-    )  # fmt: skip
-    return torch.sort(keys, dim=1).values
-
-
-def _sort_build(rows, topk_length, num_kv_rows, group_size, cfg, union, lens):
-    """The ``"sort"`` builder: keys kernel, ``torch.sort`` of each group's keys, compaction."""
-    t, k = rows.shape
-    g_count = union.shape[0]
-    keys = torch.empty(g_count * group_size, k, dtype=torch.int32, device=rows.device)
-    _union_keys_kernel[(g_count * group_size, triton.cdiv(k, cfg["BLOCK_K"]))](
-        rows, topk_length if topk_length is not None else lens, keys, t, k, min(num_kv_rows - 1, MAX_PLAIN_ROW),
-        rows.stride(0), G=group_size, BLOCK_K=cfg["BLOCK_K"], HAS_LEN=topk_length is not None,
-    )  # fmt: skip
-    ordered = torch.sort(keys.view(g_count, group_size * k), dim=1).values
-    _union_compact_kernel[(g_count,)](
-        ordered, union, lens, group_size * k, ordered.stride(0), union.stride(0),
-        G=group_size, CHUNK=cfg["CHUNK"],
-    )  # fmt: skip

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from shardattn.parallel.collector import STRATEGIES, collect_partials, resolve_strategy
 from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, stable_fingerprint, unpack_rows
-from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
+from shardattn.parallel.dcp import dcp_sparse_mla_decode
+from shardattn.parallel.dcp_gqa import dcp_gqa_decode
 from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.shardq import shardq_prefill
 

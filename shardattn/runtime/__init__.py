@@ -27,7 +27,7 @@ _LAZY = {
     "DecodeGraph": "shardattn.runtime.cudagraph",
     "GraphInput": "shardattn.runtime.cudagraph",
     "GraphRunner": "shardattn.runtime.cudagraph",
-    "DecodeGraphs": "shardattn.runtime.decode_graphs",
+    "DecodeGraphs": "shardattn.runtime.graphs",
 }
 
 __all__ = sorted(_LAZY)

@@ -2,13 +2,14 @@
 
 :class:`DecodeStep` holds what a decode step needs of its Runtime's config (group, layout,
 route, workspace) and runs one step; :meth:`shardattn.runtime.runtime.Runtime.decode` calls it.
+Its host metadata reaches the device through :class:`PinnedStaging`, one reused pinned buffer
+(pinning per step costs far more than the copy; copying from pageable memory makes the driver
+wait for the stream first).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -17,30 +18,48 @@ from shardattn.ops.gqa_decode import gqa_paged_decode
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import convert_topk
 from shardattn.parallel.comm import Comm
-from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
+from shardattn.parallel.dcp import dcp_sparse_mla_decode
+from shardattn.parallel.dcp_gqa import dcp_gqa_decode
 from shardattn.parallel.packing import view_bytes
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.decode_batch import DecodeBatch, plan_decode_batch
 from shardattn.plan.spec import ModelSpec
-from shardattn.runtime.host_staging import PinnedStaging
 from shardattn.runtime.modes import GQA_BACKEND
 from shardattn.runtime.workspace import RuntimeWorkspace
 
-__all__ = ["DecodeStep"]
+__all__ = ["DecodeStep", "PinnedStaging"]
 
 
-def _sparse_decode_attention(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    rows: torch.Tensor,
-    *,
-    return_lse: bool = True,
-    lse: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode` called like ``sparse_mla_attention``
-    (it always returns the LSE, which DCP needs; ``lse=`` is its ``lse_out=``)."""
-    return sparse_mla_decode(q, kv, rows, lse_out=lse, **kwargs)
+class PinnedStaging:
+    """One pinned staging buffer (allocated on first use, grown when too small)."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def upload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``host`` (a CPU tensor) on ``device``: one non-blocking copy through the pinned buffer.
+
+        Args:
+            host: CPU tensor (any dtype and shape). device: destination.
+        Returns:
+            a new tensor on ``device`` (``host`` itself for a CPU device).
+        """
+        if device.type != "cuda":
+            return host if host.device == device else host.to(device)
+        n = host.numel() * host.element_size()
+        if self._buf is None or self._buf.numel() < n:
+            self._buf = torch.empty(max(n, 1 << 14), dtype=torch.uint8, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        elif self._copied is not None and self._copied.query() is False:
+            self._copied.synchronize()  # the previous step's copy is still reading the buffer
+        staged = self._buf[:n].view(host.dtype).view(host.shape)
+        staged.copy_(host)
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        out.copy_(staged, non_blocking=True)
+        assert self._copied is not None
+        self._copied.record()
+        return out
 
 
 @dataclass(frozen=True)
@@ -224,11 +243,7 @@ class DecodeStep:
                     seq_lens=seq_lens,
                     topk_length=topk_length,
                     sinks=sinks,
-                    attention=(
-                        functools.partial(_sparse_decode_attention, rows_unique=True)
-                        if topk_unique
-                        else _sparse_decode_attention
-                    ),
+                    rows_unique=topk_unique,
                     check=check,
                     workspace=buffers,
                 )

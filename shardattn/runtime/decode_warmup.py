@@ -13,7 +13,7 @@ import torch
 
 from shardattn.ops.dispatch import sparse_decode_kernel
 from shardattn.ops.gqa_decode import gqa_paged_decode
-from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.plan.spec import ModelSpec
 
@@ -31,8 +31,7 @@ def small_kernel_sizes(topk: int, max_decode_tokens: int, num_sms: int, heads: i
     >>> sorted(small_kernel_sizes(2048, 64, 132)), sorted(small_kernel_sizes(2048, 2, 132))
     ([1, 3, 5], [1])
     """
-    from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_heads, small_decode_tiles
-    from shardattn.plan.routing import SMALL_DECODE_MAX_TOKENS
+    from shardattn.plan.routing import SMALL_DECODE_MAX_TOKENS, small_decode_heads, small_decode_tiles
 
     first: dict[tuple[int, int], int] = {}
     for t in range(1, min(max_decode_tokens, SMALL_DECODE_MAX_TOKENS) + 1):
@@ -120,14 +119,14 @@ def warm_up_decode(
                 # the column merge compiles one variant per power of 2 of the split count, which
                 # depends on the batch: cover them all at one token, on a union and on raw rows
                 for splits in COLUMN_MERGE_WARMUP_SPLITS if t == 1 and compiles_kernels(device) else ():
-                    sparse_mla_decode(
-                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton", num_splits=splits,
+                    run_sparse_mla_decode(
+                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel="triton", num_splits=splits,
                         rows_unique=unique,
                     )  # fmt: skip
                     launches += 1
                 for splits in (1, 2) if gluon else ():  # unsplit (unique rows: read in place) and sliced
-                    sparse_mla_decode(
-                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="gluon", num_splits=splits,
+                    run_sparse_mla_decode(
+                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel="gluon", num_splits=splits,
                         rows_unique=unique,
                     )  # fmt: skip
                     launches += 1

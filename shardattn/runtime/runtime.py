@@ -15,22 +15,15 @@ Construction does everything that must not happen mid-serving:
   item; :mod:`~shardattn.runtime.workspace` says what is shared and why). Every step
   recomputes its needs with the same function and raises :class:`WorkspaceExceededError`,
   naming the item, when one does not fit, before any kernel runs;
-* **warm-up**: launches every kernel variant (:func:`~shardattn.runtime.warmup.compile_keys`)
-  the planner's routes can produce for this config (:attr:`Runtime.warmed_keys`), and one tiny
-  decode, so that no step compiles;
+* **warm-up** (:mod:`~shardattn.runtime.warmup`): launches every kernel variant the planner's
+  routes can produce for this config (:attr:`Runtime.warmed_keys`), so that no step compiles;
 * **graph policy**: :meth:`Runtime.cudagraph_support` is the planner's level for each step;
   :meth:`Runtime.capture_decode` captures graph buckets and refuses a capture the level forbids
   with a ``ValueError`` (:mod:`~shardattn.runtime.graphs`).
 
-Steps are routed by the planner (:func:`~shardattn.plan.routing.route_prefill` /
-:func:`~shardattn.plan.routing.route_decode`: path, group size, reason) and run by the mode's
-parallel step (the table is in :mod:`shardattn.runtime.modes`). The workspace lives in
-:mod:`~shardattn.runtime.workspace`, the prefill kernel call over it in
-:mod:`~shardattn.runtime.prefill_attention`, the decode warm-up in
-:mod:`~shardattn.runtime.decode_warmup`.
-
-A Runtime keeps no global state: its group, buffers, routes and counters live on the object,
-so several Runtimes (different groups, different models) work side by side in one process.
+Steps are routed by the planner (:mod:`shardattn.plan.routing`: path, group size, reason) and
+run by the mode's parallel step (:mod:`shardattn.runtime.modes`). A Runtime keeps no global
+state, so several (different groups, different models) work side by side in one process.
 """
 
 from __future__ import annotations
@@ -45,23 +38,20 @@ import torch.distributed as dist
 from shardattn._checks import check_choice, check_int, check_scale, check_tensor
 from shardattn.kernels.flashinfer_xqa import get_xqa
 from shardattn.ops.dispatch import device_capability, gluon_runs_on
-from shardattn.ops.topk import DcpShard
 from shardattn.parallel.comm import Comm
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.cost import CostModel
 from shardattn.plan.cost_route import cost_route, resolve_cost_model
 from shardattn.plan.pcp import pcp_plan
 from shardattn.plan.pipeline import MAX_CHUNKS
-from shardattn.plan.routing import Route, prefill_group_size, route_decode, route_prefill
+from shardattn.plan.routing import Route, route_decode, route_prefill
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS, zigzag_split
 from shardattn.runtime.decode import DecodeStep
-from shardattn.runtime.decode_warmup import warm_up_decode
 from shardattn.runtime.graphs import RuntimeGraphs
-from shardattn.runtime.modes import DECODE_STEP, GQA_BACKEND, MODES, PREFILL_STEP
-from shardattn.runtime.prefill import PrefillPlan, run_prefill_step, shardq_buffers
-from shardattn.runtime.prefill_attention import workspace_prefill_attention
-from shardattn.runtime.warmup import CompileKey, PrefillSpec, compile_keys, warmup
+from shardattn.runtime.modes import DECODE_STEP, MODES, PREFILL_STEP
+from shardattn.runtime.prefill import PrefillPlan, run_prefill_step, shardq_buffers, workspace_prefill_attention
+from shardattn.runtime.warmup import CompileKey, RuntimeWarmup
 from shardattn.runtime.workspace import RuntimeWorkspace, WorkspaceExceededError
 
 __all__ = ["DECODE_STEP", "MODES", "PREFILL_STEP", "PrefillPlan", "Runtime", "WorkspaceExceededError"]
@@ -69,7 +59,7 @@ __all__ = ["DECODE_STEP", "MODES", "PREFILL_STEP", "PrefillPlan", "Runtime", "Wo
 _EMPTY_WS = torch.empty(0, dtype=torch.uint8)  # a route without a union (reference path) reads no workspace
 
 
-class Runtime(RuntimeGraphs):
+class Runtime(RuntimeGraphs, RuntimeWarmup):
     """Sharded attention for one model spec on one process group (see the module docstring).
 
     Args:
@@ -306,79 +296,12 @@ class Runtime(RuntimeGraphs):
         """The planner's route of this Runtime's decode steps (fixed per config)."""
         return self._decode_route()
 
-    # -- warm-up -------------------------------------------------------------------------------
-    def prefill_specs(self) -> list[PrefillSpec]:
-        """Kernel shapes this Runtime's prefill routes can launch: every head count its steps run
-        (ShardQ / PCP: all heads; head-TP and ShardQ below its gate: ``H / W``), each with the
-        route's group size (grouped) and 1 (per-query: small steps, caches past ``2**24 - 1`` rows),
-        with and without ``topk_length``."""
-        step = PREFILL_STEP[self.mode]
-        if self.spec.kind != "sparse_mla" or step is None:
-            return []
-        heads = {self.heads_per_rank}
-        if step in ("shardq", "pcp"):
-            heads.add(self.spec.num_heads)
-        return [
-            PrefillSpec(
-                heads=h,
-                topk=self.topk,
-                dtype=self.dtype,
-                v_dim=self.spec.v_dim,
-                rope_dim=self.spec.head_dim - self.spec.v_dim,
-                group_size=prefill_group_size(h, gluon=self.gluon) or 1,
-                sinks=self.spec.has_sinks,
-                topk_length=with_len,
-            )
-            for h in sorted(heads)
-            for with_len in (False, True)
-        ]
-
-    def route_keys(self, route: Route, heads: int, *, topk_length: bool = False) -> set[CompileKey]:
-        """The kernel variants a prefill kernel call on ``route`` with ``heads`` heads launches."""
-        spec = PrefillSpec(
-            heads=heads,
-            topk=self.topk,
-            dtype=self.dtype,
-            v_dim=self.spec.v_dim,
-            rope_dim=self.spec.head_dim - self.spec.v_dim,
-            group_size=route.group_size,
-            sinks=self.spec.has_sinks,
-            topk_length=topk_length,
-        )
-        return {k for k in compile_keys(spec) if k.kernel == "convert_topk" or k.params.get("G") == route.group_size}
-
-    def warmup(self) -> int:
-        """Launch every kernel variant the routes can produce, and one tiny decode; returns the launches."""
-        specs = self.prefill_specs()
-        launches = warmup(self.device, *specs) if specs else 0
-        self.warmed_keys = frozenset(k for s in specs for k in compile_keys(s))
-        launches += self._warmup_decode()
-        self.warmup_launches = launches
-        return launches
-
-    def _warmup_decode(self) -> int:
-        """Run the decode kernels on tiny inputs (:func:`~shardattn.runtime.decode_warmup.warm_up_decode`)."""
-        dcp = self.decode_is_dcp
-        return warm_up_decode(
-            self.spec,
-            device=self.device,
-            dtype=self.dtype,
-            heads=self.spec.num_heads if dcp else self.heads_per_rank,
-            kv_heads=self.spec.num_kv_heads if dcp else max(1, self.spec.num_kv_heads // self.world_size),
-            topk=self.topk,
-            max_decode_tokens=self.max_decode_tokens,
-            scale=self.scale,
-            dcp=DcpShard(self.world_size, self.layout.interleave, self.rank) if dcp else None,
-            need_lse=self.decode_lse or dcp,
-            gqa_backend=GQA_BACKEND[self.decode_route.path],
-        )
-
     # -- steps ---------------------------------------------------------------------------------
     def _attention(
         self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, *, route: Route, step: str, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's prefill kernel call on ``route``, its union in the workspace reserved for ``step``
-        (:func:`~shardattn.runtime.prefill_attention.workspace_prefill_attention`)."""
+        (:func:`~shardattn.runtime.prefill.workspace_prefill_attention`)."""
         views = self.ws.step_buffers("prefill", step)
         return workspace_prefill_attention(
             q,

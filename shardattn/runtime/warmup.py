@@ -29,12 +29,18 @@ from shardattn.kernels.gluon.sparse_mla import gluon_config
 from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS, smem_supports
 from shardattn.kernels.gluon.union_smem import launch_config as smem_launch_config
 from shardattn.kernels.triton.sparse_mla import tile_config
+from shardattn.kernels.triton.topk import convert_topk_config
+from shardattn.kernels.triton.union import union_launch_config
 from shardattn.kernels.triton.union_bitmap import bitmap_launch_config
 from shardattn.kernels.triton.union_fused import fused_launch_config
-from shardattn.ops.sparse_mla_grouped import default_group_size
-from shardattn.ops.topk import convert_topk_config
-from shardattn.ops.union import UNION_METHOD, union_launch_config
-from shardattn.plan.routing import gluon_grouped_group_size
+from shardattn.ops.dispatch import default_group_size
+from shardattn.ops.topk import DcpShard
+from shardattn.ops.union import UNION_METHOD
+from shardattn.plan.context import DCPLayout
+from shardattn.plan.routing import Route, gluon_grouped_group_size, prefill_group_size
+from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.decode_warmup import warm_up_decode
+from shardattn.runtime.modes import GQA_BACKEND, PREFILL_STEP
 
 
 @dataclass(frozen=True)
@@ -189,3 +195,93 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
                 build_union(pos, group_size=group, num_kv_rows=32 * WINDOWS[-1], topk_length=length, method="bitmap")
                 launches += 1
     return launches
+
+
+class RuntimeWarmup:
+    """The warm-up of a Runtime (mixed into it; it reads the Runtime's config and routes): every
+    kernel variant its routes can launch, compiled at construction so that no step compiles."""
+
+    # provided by the Runtime
+    spec: ModelSpec
+    mode: str
+    device: torch.device
+    dtype: torch.dtype
+    topk: int
+    heads_per_rank: int
+    gluon: bool
+    world_size: int
+    rank: int
+    max_decode_tokens: int
+    scale: float
+    decode_lse: bool
+    decode_is_dcp: bool
+    decode_route: Route
+    layout: DCPLayout
+    warmed_keys: frozenset
+    warmup_launches: int
+
+    def prefill_specs(self) -> list[PrefillSpec]:
+        """Kernel shapes this Runtime's prefill routes can launch: every head count its steps run
+        (ShardQ / PCP: all heads; head-TP and ShardQ below its gate: ``H / W``), each with the
+        route's group size (grouped) and 1 (per-query: small steps, caches past ``2**24 - 1`` rows),
+        with and without ``topk_length``."""
+        step = PREFILL_STEP[self.mode]
+        if self.spec.kind != "sparse_mla" or step is None:
+            return []
+        heads = {self.heads_per_rank}
+        if step in ("shardq", "pcp"):
+            heads.add(self.spec.num_heads)
+        return [
+            PrefillSpec(
+                heads=h,
+                topk=self.topk,
+                dtype=self.dtype,
+                v_dim=self.spec.v_dim,
+                rope_dim=self.spec.head_dim - self.spec.v_dim,
+                group_size=prefill_group_size(h, gluon=self.gluon) or 1,
+                sinks=self.spec.has_sinks,
+                topk_length=with_len,
+            )
+            for h in sorted(heads)
+            for with_len in (False, True)
+        ]
+
+    def route_keys(self, route: Route, heads: int, *, topk_length: bool = False) -> set[CompileKey]:
+        """The kernel variants a prefill kernel call on ``route`` with ``heads`` heads launches."""
+        spec = PrefillSpec(
+            heads=heads,
+            topk=self.topk,
+            dtype=self.dtype,
+            v_dim=self.spec.v_dim,
+            rope_dim=self.spec.head_dim - self.spec.v_dim,
+            group_size=route.group_size,
+            sinks=self.spec.has_sinks,
+            topk_length=topk_length,
+        )
+        return {k for k in compile_keys(spec) if k.kernel == "convert_topk" or k.params.get("G") == route.group_size}
+
+    def warmup(self) -> int:
+        """Launch every kernel variant the routes can produce, and one tiny decode; returns the launches."""
+        specs = self.prefill_specs()
+        launches = warmup(self.device, *specs) if specs else 0
+        self.warmed_keys = frozenset(k for s in specs for k in compile_keys(s))
+        launches += self._warmup_decode()
+        self.warmup_launches = launches
+        return launches
+
+    def _warmup_decode(self) -> int:
+        """Run the decode kernels on tiny inputs (:func:`~shardattn.runtime.decode_warmup.warm_up_decode`)."""
+        dcp = self.decode_is_dcp
+        return warm_up_decode(
+            self.spec,
+            device=self.device,
+            dtype=self.dtype,
+            heads=self.spec.num_heads if dcp else self.heads_per_rank,
+            kv_heads=self.spec.num_kv_heads if dcp else max(1, self.spec.num_kv_heads // self.world_size),
+            topk=self.topk,
+            max_decode_tokens=self.max_decode_tokens,
+            scale=self.scale,
+            dcp=DcpShard(self.world_size, self.layout.interleave, self.rank) if dcp else None,
+            need_lse=self.decode_lse or dcp,
+            gqa_backend=GQA_BACKEND[self.decode_route.path],
+        )

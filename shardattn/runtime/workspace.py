@@ -23,7 +23,7 @@ holds the largest step, not the sum of all. That is safe because:
   Decode: ``packed_q`` (gathered queries and their head-major copy), ``topk_rows`` (converted
   rows), ``out`` / ``lse`` (the local partial), ``send`` / ``recv`` (the collector's packed
   all-to-all); the merged result is a new tensor;
-* a captured decode graph (:mod:`~shardattn.runtime.decode_graphs`) reads and writes these
+* a captured decode graph (:mod:`~shardattn.runtime.graphs`) reads and writes these
   decode items at fixed addresses, and a prefill between two replays overwrites them; each replay
   writes them before reading them, so nothing of one replay is needed by the next. What a graph
   needs to persist between replays is outside the arena: its static inputs (the

@@ -182,23 +182,21 @@ def _merge_inputs() -> tuple[torch.Tensor, torch.Tensor]:
 #: (module, attribute): every kernel launcher and torch reference a public entry may call.
 KERNELS = [
     ("shardattn.ops.sparse_mla", "sparse_mla_reference"),
+    ("shardattn.ops.sparse_mla", "sparse_mla_per_query"),
     ("shardattn.ops.sparse_mla_grouped", "sparse_mla_reference"),
     ("shardattn.ops.sparse_mla_grouped", "launch_attention"),
-    ("shardattn.ops.sparse_mla_grouped", "build_union"),
-    ("shardattn.ops.sparse_mla_decode", "sparse_mla_reference"),
-    ("shardattn.ops.sparse_mla_decode", "launch_lse_merge"),
-    ("shardattn.ops.sparse_mla_decode", "launch_lse_merge_columns"),
-    ("shardattn.ops.sparse_mla_decode", "launch_split_kernel"),
+    ("shardattn.ops.sparse_mla_grouped", "launch_gluon_attention"),
+    ("shardattn.ops.prepared_union", "build_union"),
+    ("shardattn.ops.sparse_mla_decode", "run_sparse_mla_decode"),
     ("shardattn.ops.sparse_mla_decode", "build_union"),
     ("shardattn.ops.gqa_decode", "sparse_mla_reference"),
     ("shardattn.ops.gqa_decode", "gqa_paged_decode_reference"),
     ("shardattn.ops.gqa_decode", "_run_triton"),
     ("shardattn.ops.lse_merge", "lse_merge_reference"),
     ("shardattn.ops.lse_merge", "launch_lse_merge"),
-    ("shardattn.ops.lse_merge", "launch_lse_merge_columns"),
     ("shardattn.ops.topk", "convert_topk_reference"),
     ("shardattn.ops.union", "build_union_reference"),
-    ("shardattn.ops.union", "_sort_build"),
+    ("shardattn.ops.union", "sort_union"),
     ("shardattn.ops.union", "fused_union"),
 ]
 

@@ -110,8 +110,7 @@ def _rows_with_edge_cases(gen: torch.Generator, t: int, k: int, r: int) -> torch
 
 
 def attention_cases(gen: torch.Generator) -> None:
-    from shardattn.kernels.triton.sparse_mla import sparse_mla_per_query
-    from shardattn.ops.sparse_mla import sparse_mla_reference
+    from shardattn.ops.sparse_mla import sparse_mla_per_query, sparse_mla_reference
     from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 
     combos = [(8, 8), (8, 1), (16, 4), (16, 2), (32, 2), (32, 8), (64, 1), (64, 2), (128, 1), (128, 4)]

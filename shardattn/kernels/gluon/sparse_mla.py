@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from shardattn.kernels.backend import sm_count
 from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR as _GLUON_IMPORT_ERROR
 from shardattn.kernels.gluon.compat import HAS_GLUON
 from shardattn.kernels.gluon.sparse_mla_epilogue import WS_MAXNREG, WS_NUM_WARPS
 from shardattn.kernels.gluon.sparse_mla_kernel import NOT_SPECIALIZED
 from shardattn.kernels.triton.sparse_mla import launch_destinations, launch_strides
-from shardattn.ops.prepared_union import PreparedUnion, union_for_call
-from shardattn.ops.union import GROUP_SIZES, num_groups
+from shardattn.kernels.union_layout import GROUP_SIZES, num_groups
 
 if HAS_GLUON:
     import triton
@@ -173,7 +173,7 @@ def launch_gluon_attention(
     heads_per_tile = BLOCK_H // group_size
     grid = (num_groups(t, group_size), triton.cdiv(h, heads_per_tile))
     if cfg.persistent:  # one program per SM (one fits: 225 KB of shared memory), tiles in turn
-        grid = (min(grid[0] * grid[1], _num_sms(q.device)),)
+        grid = (min(grid[0] * grid[1], sm_count(q.device)),)
     elif cfg.heads_fastest:  # 1-D grid, a query's head blocks adjacent
         grid = (grid[0] * grid[1],)
     fn, constexprs, options = _kernel_args(
@@ -186,11 +186,6 @@ def launch_gluon_attention(
         **constexprs, **options,
     )  # fmt: skip
     return out, lse
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _kernel_args(
@@ -213,40 +208,6 @@ def _kernel_args(
         "PERSISTENT": cfg.persistent, "HAS_LENS": has_lens or not raw_rows,
     }  # fmt: skip
     return ws64_kernel(), constexprs, {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
-
-
-def sparse_mla_gluon(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    rows: torch.Tensor,
-    *,
-    scale: float,
-    v_dim: int = 512,
-    topk_length: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    config: GluonConfig | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    prepared: PreparedUnion | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-query Gluon path: rows sorted and de-duplicated (``G = 1`` union), then attended.
-
-    Inputs must already be validated (the public entry is
-    :func:`shardattn.ops.sparse_mla.sparse_mla_attention`).
-
-    Args:
-        q: ``[T, H, D]`` bf16/fp16 (or head-blocked ``[B, T, H/B, D]``); kv: ``[R, D]``; rows:
-            ``[T, K]`` int32 global rows (-1 / out of range invalid, anywhere); topk_length:
-            ``[T]`` int32 or None; sinks: ``[H]`` fp32.
-        out / lse: optional destinations, plain or head-blocked (:func:`launch_gluon_attention`).
-        prepared: the ``G = 1`` union of ``rows`` built ahead (checked by the caller), else built here.
-    Returns:
-        ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)`` (the given destinations when passed).
-    """
-    union, lens = union_for_call(prepared, rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
-    return launch_gluon_attention(
-        q, kv, union, lens, scale=scale, v_dim=v_dim, config=config, sinks=sinks, out=out, lse=lse
-    )
 
 
 def compile_for_sm90(
@@ -343,5 +304,4 @@ __all__ = [
     "gluon_config",
     "gluon_supports",
     "launch_gluon_attention",
-    "sparse_mla_gluon",
 ]

@@ -38,87 +38,40 @@ from __future__ import annotations
 import torch
 
 from shardattn.kernels.gluon.compat import HAS_GLUON
-from shardattn.ops.lse_merge import launch_lse_merge_columns, split_partials
+from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns, split_partials
+from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
+from shardattn.plan.routing import SMALL_DECODE_MAX_SPLITS, small_decode_heads, small_decode_tiles
 
 __all__ = [
-    "HEAD_GROUP",
     "MAX_HEADS",
     "MAX_SPLITS",
-    "SMALL_MERGE_COLUMNS",
-    "SMALL_MERGE_WARPS",
     "compile_for_sm90",
-    "small_decode_heads",
+    "launch_small_split",
     "small_decode_limits",
     "small_decode_supports",
-    "small_decode_tiles",
     "small_decode_warps",
     "sparse_mla_decode_small",
 ]
 
 #: Heads the kernel holds (the ``wgmma`` N; fewer are padded and masked).
 MAX_HEADS = 16
-#: Heads of one program when two programs share a split's rows (:func:`small_decode_heads`).
-HEAD_GROUP = 8
-#: Columns and warps of one program of the column merge after the split kernel: one warp on 64
-#: columns holds every split's partial of its two columns in each thread, so the merge's max and
-#: sums over the splits stay in the thread (no shared memory, no barrier); at :data:`MAX_SPLITS`
-#: that is 4,096 fp32 values a program, 128 a thread. Measured on an H200 (benchmarks/RESULTS.md,
-#: fifteenth session): 0.2-0.7 us faster than four warps on 128 or 256 columns at 1-8 tokens.
-SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS = 64, 1
 #: Most splits of a row (the column merge loads all ``S`` partials of a column block at once).
-MAX_SPLITS = 64
+MAX_SPLITS = SMALL_DECODE_MAX_SPLITS
 #: Column chunks of the 512 latent columns, each its own ``cp.async`` group, so Q.K^T starts on the
 #: first chunk while the others are in flight.
 LATENT_CHUNKS = 4
 LOG2E = 1.4426950408889634
 
 
-def small_decode_tiles(num_tokens: int, topk: int, num_sms: int) -> tuple[int, int]:
-    """``(BLOCK_N, splits)``: 64-entry splits while their programs fill at most half of ``num_sms``
-    and a row fits in :data:`MAX_SPLITS` of them, else 128 (run by two warpgroups,
-    :func:`small_decode_warps`). At top-k 2048 on 132 SMs: 32 splits of 64 at 1-2 tokens, 16 of 128
-    from 3. Measured on an H200 (benchmarks/RESULTS.md, fourteenth session): at 1 token 64-entry
-    splits are 1.1-1.4 us faster (16 programs of 128 rows gather more slowly than 32 of 64), at 2
-    level, at 3-4 tokens 16 splits of 128 on two warpgroups 0.2-0.4 us faster (the merge after them
-    reads half the partials).
-
-    >>> small_decode_tiles(1, 2048, 132), small_decode_tiles(3, 2048, 132), small_decode_tiles(1, 100, 132)
-    ((64, 32), (128, 16), (64, 2))
-    """
-    blocks = -(-topk // 64)
-    block_n = 64 if 2 * num_tokens * blocks <= num_sms and blocks <= MAX_SPLITS else 128
-    return block_n, -(-topk // block_n)
-
-
 def small_decode_warps(block_n: int) -> int:
     """Warps of a split program: one warpgroup at 64 entries; two at 128, each taking 64 of the
     rows in ``S^T = K Q^T`` and 256 of the value columns in ``O^T = V^T P^T`` (0.3-0.6 us faster
-    than one warpgroup at 128 entries at 5-8 tokens, level at 12-16; benchmarks/RESULTS.md,
-    fourteenth session).
+    than one warpgroup at 128 entries at 5-8 tokens, level at 12-16; docs/PERFORMANCE.md).
 
     >>> small_decode_warps(64), small_decode_warps(128)
     (4, 8)
     """
     return 4 if block_n <= 64 else 8
-
-
-def small_decode_heads(num_tokens: int, splits: int, heads: int, num_sms: int) -> int:
-    """Heads one split program takes: :data:`HEAD_GROUP` (8) while the programs that then read each
-    split's rows twice, one per group of heads, still fit in one wave of ``num_sms``; else all
-    ``heads``. Two programs on one split gather the same rows (the second mostly from the L2) but
-    each runs the softmax, P.V and the partial's store on half the heads, on SMs that would
-    otherwise idle. Measured on an H200 (benchmarks/RESULTS.md, fifteenth session): 0.1-0.8 us
-    faster at 1-4 tokens at 16 heads (paired runs); 4 heads a program was no faster at 1-2
-    tokens. At 8 heads or fewer the 8-wide ``wgmma`` took 0.6-2.2 us off the 16-wide one at 1-16
-    tokens.
-
-    >>> small_decode_heads(2, 32, 16, 132), small_decode_heads(5, 16, 16, 132), small_decode_heads(1, 32, 8, 132)
-    (8, 16, 8)
-    """
-    if heads <= HEAD_GROUP:
-        return heads
-    groups = -(-heads // HEAD_GROUP)
-    return HEAD_GROUP if num_tokens * splits * groups <= num_sms else heads
 
 
 def _padded_heads(heads_per_program: int) -> int:

@@ -8,12 +8,12 @@ queries form the rows of one ``tl.dot``; splits are merged by
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from shardattn.ops.lse_merge import launch_lse_merge, split_partials
+from shardattn.kernels.backend import sm_count
+from shardattn.kernels.triton.lse_merge import launch_lse_merge, split_partials
 
 try:  # Triton is optional: without it every path runs the torch reference.
     import triton
@@ -30,17 +30,6 @@ HAVE_TRITON = triton is not None
 LOG2E = 1.4426950408889634
 #: Smallest KV range one split covers (tokens); fewer make the merge cost more than it saves.
 MIN_SPLIT_TOKENS = 256
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _tiles(group: int, max_q: int) -> tuple[int, int, int]:
@@ -83,7 +72,7 @@ def run_triton(
     block_q, block_m, n_qtiles = _tiles(group, max_q)
     max_kv = max_pages * page
     if num_splits is None:
-        num_splits = choose_num_splits(batch * n_qtiles * hkv, max_kv, _num_sms(q.device))
+        num_splits = choose_num_splits(batch * n_qtiles * hkv, max_kv, sm_count(q.device))
     block_n = 64 if d <= 128 else 32
     chunk = triton.cdiv(triton.cdiv(max(1, max_kv), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max(1, max_kv), chunk)

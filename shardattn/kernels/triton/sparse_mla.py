@@ -12,8 +12,8 @@ sinks add one logit per head.
 Shapes: ``q [T, H, Dv + Dr]``, ``kv [R, Dv + Dr]`` with ``Dv`` and ``Dr`` powers of two >= 16
 (512 + 64 for DSA models; tests use 32 + 16). :func:`kernel_supports` says whether a shape runs.
 
-The per-query path (:func:`sparse_mla_per_query`) is this kernel with ``G = 1`` over each
-query's sorted, de-duplicated rows (so a row listed twice is one key, as in the grouped path and
+The per-query path (:func:`~shardattn.ops.sparse_mla.sparse_mla_per_query`) is this kernel with
+``G = 1`` over each query's sorted, de-duplicated rows (so a row listed twice is one key, as in the grouped path and
 the reference); it has no 24-bit row limit and serves any head count (128 heads: two 64-row
 programs per query).
 """
@@ -24,9 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn.kernels.backend import interpreter_enabled
-from shardattn.ops.prepared_union import PreparedUnion, union_for_call
-from shardattn.ops.union import num_groups
+from shardattn.kernels.union_layout import num_groups
 
 try:
     import triton
@@ -255,51 +253,10 @@ def launch_attention(
     return out, lse
 
 
-def sparse_mla_per_query(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    rows: torch.Tensor,
-    *,
-    scale: float,
-    v_dim: int = 512,
-    topk_length: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    interpret: bool = False,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    prepared: PreparedUnion | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-query Triton path (``G = 1``): each query's rows sorted and de-duplicated, then attended.
-
-    Inputs must already be validated (:func:`check_sparse_mla_inputs`); the public entry is
-    :func:`shardattn.ops.sparse_mla.sparse_mla_attention`.
-
-    Args:
-        q: ``[T, H, D]``; kv: ``[R, D]``; rows: ``[T, K]`` int32 global rows (-1 / out of range
-            invalid); topk_length: ``[T]`` int32 or None; sinks: ``[H]`` fp32 or None.
-        out / lse: optional destinations; ``q``, ``out``, ``lse`` may be head-blocked
-            (:func:`launch_attention`).
-        prepared: the ``G = 1`` union of ``rows`` built ahead (checked by the caller), else built here.
-    Returns:
-        ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)``.
-    """
-    union, lens = union_for_call(prepared, rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
-    heads = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
-    cfg = tile_config(heads, 1, interpret=interpret or interpreter_enabled())
-    return launch_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse)
-
-
-def flops(valid_keys: int, heads: int, d_qk: int = 576, d_v: int = 512) -> float:
-    """Sparse prefill FLOPs on real heads: ``2 * valid_keys * heads * (d_qk + d_v)``."""
-    return 2.0 * valid_keys * heads * (d_qk + d_v)
-
-
 __all__ = [
     "TileConfig",
     "attention_kernel",
-    "flops",
     "kernel_supports",
     "launch_attention",
-    "sparse_mla_per_query",
     "tile_config",
 ]

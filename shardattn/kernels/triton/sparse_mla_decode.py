@@ -1,9 +1,18 @@
-"""The Triton split-KV kernel of sparse-MLA decode and its launcher (no checks, no routing).
+"""The Triton split-KV kernel of sparse-MLA decode: its configuration, launcher and runner.
 
 One program per (head block, token, split of the top-k row) runs the online softmax
-(:mod:`~shardattn.kernels.triton.online_softmax`) over its slice of the row's KV rows and writes an fp32
-partial and LSE (or, with one split, the result). The contract, the configuration and the merge
-of the partials live in :mod:`~shardattn.ops.sparse_mla_decode`.
+(:mod:`~shardattn.kernels.triton.online_softmax`) over its slice of the row's KV rows and writes an
+fp32 partial and LSE (or, with one split, the result); the LSE merge
+(:mod:`~shardattn.kernels.triton.lse_merge`) combines the splits. The head blocks of a token are
+the fastest grid axis, so they read the same rows while those are in L2. Splits write partial
+outputs in fp32 (in q's 2-byte dtype under the row merge, which reads them all with few
+programs: :func:`partials_dtype`). On sm_90 and newer the kernel and its merge are programmatic
+dependent launches: the kernel waits for the grid before it (a union build, a caller's indexer)
+and lets the merge launch once its partials are stored.
+
+:func:`sparse_mla_decode_config` shapes a launch, :func:`run_split_decode` runs one (benchmarks
+call it with their own ``num_splits`` / ``config``). The contract and the routing live in
+:mod:`shardattn.ops.sparse_mla_decode`.
 """
 
 from __future__ import annotations
@@ -12,10 +21,213 @@ import torch
 import triton
 import triton.language as tl
 
+from shardattn.kernels.backend import pdl_supported
+from shardattn.kernels.triton.lse_merge import (
+    gdc_launch_dependents,
+    gdc_wait,
+    launch_lse_merge,
+    launch_lse_merge_columns,
+    split_partials,
+)
 from shardattn.kernels.triton.online_softmax import online_softmax_finish, online_softmax_step
-from shardattn.ops.lse_merge import gdc_launch_dependents, gdc_wait
+from shardattn.plan.crossovers import ONE_WAVE_MAX_BLOCK_N, ONE_WAVE_MAX_ROWS, ONE_WAVE_MAX_SPLITS
+from shardattn.plan.routing import Route, route_decode_merge
+
+__all__ = [
+    "CONFIG_KEYS",
+    "launch_split_kernel",
+    "partials_dtype",
+    "run_split_decode",
+    "sparse_mla_decode_config",
+]
 
 LOG2E = 1.4426950408889634
+#: Keys a caller's ``config=`` may override (tuning).
+CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge", "pdl", "partials"})
+MERGES = ("rows", "columns")
+
+
+def _block_h(num_heads: int) -> int:
+    """Heads of one program: 64 above 32 heads, else the next power of two (at least 16)."""
+    return 64 if num_heads > 32 else max(16, 1 << max(0, (num_heads - 1).bit_length()))
+
+
+def sparse_mla_decode_config(
+    num_tokens: int,
+    num_heads: int,
+    topk: int,
+    num_sms: int,
+    num_splits: int | None = None,
+    *,
+    head_dim: int = 576,
+    v_dim: int = 512,
+    elem_bytes: int = 2,
+) -> dict[str, int | str]:
+    """Tile sizes, split count and rows per split for a launch (host-side, shape-only).
+
+    Splitting a top-k row fills more SMs but writes and re-reads fp32 partials of
+    ``H * v_dim`` per token and split: at 128 heads that is 0.5 MB against 2.4 MB of KV rows,
+    so the split count minimises ``(kv bytes + splits * partial bytes) / busy fraction``, where
+    the busy fraction is ``min(1, programs * splits / slots)``, ``slots`` = the programs that
+    saturate memory bandwidth: one per SM for 64-head tiles, two for smaller ones (calibrated
+    on an H200 with fixed split counts: docs/PERFORMANCE.md).
+
+    One wave: where the cost model splits and there are at most
+    :data:`~shardattn.plan.crossovers.ONE_WAVE_MAX_ROWS` (token, head) rows, the split count becomes
+    the largest power of two whose launch fits in one wave (``tokens x head blocks x splits <=
+    SMs``), up to :data:`~shardattn.plan.crossovers.ONE_WAVE_MAX_SPLITS` at <= 32 heads (then 32-row
+    tiles), else up to the cost model's count; at <= 16 heads a split of 64 or 128 rows is one
+    tile of 8 warps (one gather, no second loop step). The thresholds are measured crossovers
+    (docs/PERFORMANCE.md).
+
+    Returns:
+        ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge",
+        "reason", "cost_model_splits"}`` (``merge``: the path of
+        :func:`~shardattn.plan.routing.route_decode_merge`, ``reason`` its reason after the split
+        count; ``cost_model_splits``: the cost model's split count, before the one-wave choice).
+
+    Example:
+        >>> [sparse_mla_decode_config(t, 128, 2048, 132)["num_splits"] for t in (1, 8, 64)]
+        [32, 8, 1]
+        >>> sparse_mla_decode_config(8, 16, 2048, 132)["reason"]
+        '16 splits (one wave); column merge: 128 (token, head) rows <= 128'
+    """
+    block_h = _block_h(num_heads)
+    block_n = 64
+    num_warps = 8 if block_h >= 64 else 4
+    programs = max(1, num_tokens * -(-num_heads // block_h))
+    n_blocks = max(1, -(-topk // block_n))
+    one_wave = False
+    if num_splits is None:
+        kv_bytes = num_tokens * topk * head_dim * elem_bytes
+        part_bytes = num_tokens * num_heads * (v_dim + 1) * 4 * 2
+        slots = num_sms * (1 if block_h >= 64 else 2)
+
+        def cost(s: int) -> float:
+            return (kv_bytes + (s > 1) * s * part_bytes) / min(1.0, programs * s / slots)
+
+        num_splits = min(range(1, min(n_blocks, 64) + 1), key=cost)
+        cost_model = num_splits
+        fit = min(num_sms // programs, ONE_WAVE_MAX_SPLITS if block_h <= 32 else num_splits)
+        if num_splits > 1 and fit > 1 and num_tokens * num_heads <= ONE_WAVE_MAX_ROWS:
+            num_splits, one_wave = 1 << (fit.bit_length() - 1), True
+            per_split = -(-topk // num_splits)
+            if per_split <= 32:
+                block_n = 32
+            elif block_h <= 16 and elem_bytes <= 2 and per_split <= ONE_WAVE_MAX_BLOCK_N:
+                block_n = ONE_WAVE_MAX_BLOCK_N if per_split > 64 else 64  # the split in one gather
+                num_warps = 8
+    else:
+        cost_model = num_splits
+    chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
+    splits = max(1, -(-max(topk, 1) // chunk))
+    merge = route_decode_merge(num_tokens, num_heads, splits)
+    return {
+        "BLOCK_H": block_h,
+        "BLOCK_N": block_n,
+        "num_splits": splits,
+        "chunk": chunk,
+        "num_warps": num_warps,
+        "num_stages": 2,
+        "merge": merge.path,
+        "reason": merge_reason(merge, splits, one_wave=one_wave),
+        "cost_model_splits": cost_model,
+    }
+
+
+def partials_dtype(dtype: torch.dtype, merge: str, choice: str = "auto") -> torch.dtype:
+    """The dtype of the split partials' outputs for inputs of ``dtype`` merged by ``merge``:
+    ``choice`` ``"fp32"``, ``"input"`` (``dtype`` where it is a 2-byte float) or ``"auto"``: the
+    input dtype under the row merge (a few wide programs read every partial: half the bytes
+    measured 7 % faster at 128 heads x 8 tokens), fp32 under the column merge (one
+    latency each; no gain measured; docs/PERFORMANCE.md).
+
+    Example:
+        >>> partials_dtype(torch.bfloat16, "rows"), partials_dtype(torch.bfloat16, "columns")
+        (torch.bfloat16, torch.float32)
+    """
+    half = dtype in (torch.bfloat16, torch.float16) and (choice == "input" or (choice == "auto" and merge == "rows"))
+    return dtype if half else torch.float32
+
+
+def merge_reason(merge: Route, num_splits: int, *, one_wave: bool = False) -> str:
+    """``merge``'s reason after the split count (``one_wave``: the one-wave choice)."""
+    if merge.path == "none":
+        return merge.reason
+    return f"{num_splits} splits{' (one wave)' if one_wave else ''}; {merge.reason}"
+
+
+def run_split_decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    topk_length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+    lse_out: torch.Tensor,
+    num_sms: int,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> dict:
+    """The split-KV kernel and the merge its configuration routes, into ``out`` / ``lse_out``.
+
+    Validated tensors (:func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode` checks them and
+    de-duplicates the rows first unless they are unique): ``q [T, H, D]``, ``kv [R, D]``,
+    ``rows [T, K]`` int32, ``out [T, H, v_dim]``, ``lse_out [T, H]`` fp32, ``workspace`` an
+    optional flat fp32 buffer for the partials. The launch knobs are for tuning and benchmarks:
+    ``num_splits`` (default :func:`sparse_mla_decode_config`'s) and ``config`` overrides of its
+    keys (:data:`CONFIG_KEYS`: ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages``,
+    ``merge`` = ``"rows"`` / ``"columns"``, ``pdl`` = ``False`` for plain launches, ``partials`` =
+    ``"fp32"`` / ``"input"`` / ``"auto"``: :func:`partials_dtype`). Returns the configuration it
+    launched. Capture-safe: no host sync; the grid depends on shapes and the split count only.
+
+    Raises:
+        ValueError / TypeError: an unknown ``config`` key or value (before any launch).
+    """
+    if config:
+        unknown = set(config) - CONFIG_KEYS
+        if unknown:
+            raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
+        if config.get("merge", "rows") not in MERGES:
+            raise ValueError(f"config['merge'] must be 'rows' or 'columns', got {config['merge']!r}")
+        if not isinstance(config.get("pdl", False), bool):
+            raise TypeError(f"config['pdl'] must be a bool, got {type(config['pdl']).__name__}")
+        if config.get("partials", "auto") not in ("auto", "input", "fp32"):
+            raise ValueError(f"config['partials'] must be 'auto', 'input' or 'fp32', got {config['partials']!r}")
+    t, h, d = q.shape
+    v_dim = out.shape[-1]
+    topk = rows.shape[1]
+    cfg = sparse_mla_decode_config(
+        t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
+    )
+    if config:
+        want = num_splits if num_splits is not None else cfg["num_splits"]
+        cfg = {**cfg, **config}
+        per_split = -(-max(topk, 1) // want)
+        cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
+        merge = route_decode_merge(t, h, cfg["num_splits"])
+        if "merge" not in config:
+            cfg["merge"], cfg["reason"] = merge.path, merge_reason(merge, cfg["num_splits"])
+        else:
+            cfg["reason"] = f"{cfg['num_splits']} splits; {cfg['merge']} merge: config"
+    splits = cfg["num_splits"]
+    if splits > 1:
+        out_dtype = partials_dtype(q.dtype, cfg["merge"], cfg.get("partials", "auto"))
+        dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device, out_dtype=out_dtype)
+    else:
+        dst_out, dst_lse = out, lse_out
+    pdl = cfg.get("pdl", True) and pdl_supported(q.device)
+    launch_split_kernel(q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, cfg, scale, pdl=pdl)
+    if splits > 1:
+        if cfg.get("merge") == "columns":
+            launch_lse_merge_columns(dst_out, dst_lse, out, lse_out, pdl=pdl)
+        else:
+            launch_lse_merge(dst_out, dst_lse, out, lse_out, pdl=pdl)
+    return cfg
 
 
 def launch_split_kernel(
