@@ -25,7 +25,7 @@ from shardattn.kernels.triton.lse_merge import launch_lse_merge
 from shardattn.kernels.triton.sparse_mla_decode import sparse_mla_decode_config
 from shardattn.ops.gqa_decode import gqa_paged_decode
 from shardattn.ops.lse_merge import lse_merge
-from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 
 RESULTS: list[dict] = []
 
@@ -152,8 +152,8 @@ def bench_sparse(copy_tbs: float, sweep: bool = False) -> None:
             if batch == 256 and splits > 1:
                 continue
             ms = graph_ms(
-                lambda q=q, rows=rows, c={"BLOCK_N": bn, "num_warps": warps}, s=splits: sparse_mla_decode(
-                    q, kv, rows, scale=576**-0.5, rows_unique=True, num_splits=s, config=c
+                lambda q=q, rows=rows, c={"BLOCK_N": bn, "num_warps": warps}, s=splits: run_sparse_mla_decode(
+                    q, kv, rows, scale=576**-0.5, rows_unique=True, num_splits=s, config=c, kernel="triton"
                 )
             )
             record("sweep", f"H{heads} B{batch} splits={splits} BLOCK_N={bn} warps={warps}", ms, nbytes)
@@ -253,8 +253,8 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False) -> None:
         flops = 2 * batch * k * heads * (576 + 512)
         for s in slices:
             ms = graph_ms(
-                lambda q=q, rows=rows, s=s: sparse_mla_decode(
-                    q, kv, rows, scale=576**-0.5, rows_unique=True, backend="gluon", num_splits=s
+                lambda q=q, rows=rows, s=s: run_sparse_mla_decode(
+                    q, kv, rows, scale=576**-0.5, rows_unique=True, kernel="gluon", num_splits=s
                 )
             )
             record("sweep", f"gluon H{heads} B{batch} slices={s}", ms, tflops=flops / (ms * 1e-3) / 1e12)
@@ -263,13 +263,12 @@ def bench_sparse_gluon(copy_tbs: float, sweep: bool = False) -> None:
 def _time_small(c: dict, label: str, kw: dict, section: str = "sparse1") -> tuple[float, object]:
     """Check one sparse-MLA decode variant of case ``c`` (from :func:`bench_sparse_small`) against
     the fp32 reference on NaN-poisoned outputs, then time its graph replays; returns (ms, step)."""
-    args = dict(out=c["out"], lse_out=c["lse"], workspace=c["ws"])
-    if kw.get("backend", "triton") == "triton":
-        args.update(backend="triton")
+    args = dict(out=c["out"], lse_out=c["lse"], workspace=c["ws"], kernel="triton")
     args.update(kw)
+    args["kernel"] = args.pop("backend", args["kernel"])  # the private runner: knobs, no routing
 
     def fn():
-        return sparse_mla_decode(c["q"], c["kv"], c["rows"], scale=576**-0.5, **args)
+        return run_sparse_mla_decode(c["q"], c["kv"], c["rows"], scale=576**-0.5, **args)
 
     c["out"].fill_(float("nan"))
     fn()

@@ -117,7 +117,7 @@ def ablate_batch(kv: torch.Tensor, batch: int, sms: int, rounds: int) -> tuple[s
 
     variants = {
         "read": read,
-        "routed split": lambda: launch_split_kernel(q, kv, rows, None, None, po, pl, out, lse, lse, cfg, SCALE),
+        "routed split": lambda: launch_split_kernel(q, kv, rows, None, None, po, pl, out, lse, cfg, SCALE),
         "routed step": lambda: sparse_mla_decode(
             q, kv, rows, scale=SCALE, out=out, lse_out=lse, workspace=ws, rows_unique=True
         ),

@@ -40,7 +40,7 @@ from shardattn.kernels.triton.lse_merge import (
 from shardattn.kernels.triton.sparse_mla_decode import launch_split_kernel, sparse_mla_decode_config
 from shardattn.ops.lse_merge import lse_merge_reference
 from shardattn.ops.sparse_mla import sparse_mla_reference
-from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode
 
 ROWS, TOPK, SCALE = 1 << 18, 2048, 576**-0.5
 RESULTS: list[dict] = []
@@ -137,7 +137,9 @@ def sweep_shape(
     default = sparse_mla_decode_config(batch, heads, TOPK, sms)
 
     def step(**kw):
-        return lambda: sparse_mla_decode(q, kv, rows, scale=SCALE, out=out, lse_out=lse, workspace=ws, **kw)
+        return lambda: run_sparse_mla_decode(
+            q, kv, rows, scale=SCALE, out=out, lse_out=lse, workspace=ws, kernel="triton", **kw
+        )
 
     # today's step and its kernels
     for label, kw in (
@@ -173,7 +175,7 @@ def sweep_shape(
             name = f"{tag} splits={s} BLOCK_N={var['BLOCK_N']} warps={var['num_warps']} stages={var['num_stages']}"
 
             def split_only(po=po, pl=pl, cfg=cfg):
-                launch_split_kernel(q, kv, rows, None, None, po, pl, out, lse, lse, cfg, SCALE)
+                launch_split_kernel(q, kv, rows, None, None, po, pl, out, lse, cfg, SCALE)
 
             try:
                 split_only()

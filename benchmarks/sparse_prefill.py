@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from shardattn.kernels.gluon.sparse_mla import gluon_config, gluon_supports, launch_gluon_attention
+from shardattn.kernels.gluon.sparse_mla import gluon_config, gluon_unsupported_reason, launch_gluon_attention
 from shardattn.kernels.triton.sparse_mla import attention_kernel, launch_attention, tile_config
 from shardattn.ops.dispatch import default_group_size
 from shardattn.ops.sparse_mla import flops, sparse_mla_reference
@@ -78,7 +78,9 @@ def check_case(q, kv, rows, g, scale, seed) -> dict:
     ref_o, ref_lse = sparse_mla_reference(
         q[sample], kv, rows[sample], scale=scale, v_dim=D_V, topk_length=topk_length[sample]
     )
-    paths = (("grouped", g), ("per_query", 1)) + ((("gluon", 1),) if gluon_supports(q, kv, D_V) is None else ())
+    paths = (("grouped", g), ("per_query", 1)) + (
+        (("gluon", 1),) if gluon_unsupported_reason(q, kv, D_V) is None else ()
+    )
     for name, group in paths:
         uu, ll = build_union(rows, group_size=group, num_kv_rows=kv.shape[0], topk_length=topk_length)
         out = torch.full((t, q.shape[1], D_V), float("nan"), dtype=q.dtype, device=q.device)
@@ -190,7 +192,7 @@ def run_case(heads, tokens, kv_rows, topk, workload, reps, flush, check, seed=0)
     ms["perq_sort"] = timed(sort1_fn, flush, reps)
     ms["perq_kernel"] = timed(perq_kernel_fn, flush, reps)
     ms["per_query"] = timed(perq_fn, flush, reps)
-    if gluon_supports(q, kv, D_V) is None:  # the Gluon per-query path (sm_90): same row lists, same run
+    if gluon_unsupported_reason(q, kv, D_V) is None:  # the Gluon per-query path (sm_90): same row lists, same run
         cfg_gl = gluon_config(heads)
 
         def gluon_kernel_fn():

@@ -63,10 +63,10 @@ def test_ptx_hints_rewrite_every_gather_and_wait() -> None:
     emitter change that makes them silently rewrite nothing fails here."""
     import pytest
 
-    from shardattn.kernels.gluon.sparse_mla import compile_for_sm90, gluon_available
+    from shardattn.kernels.gluon.sparse_mla import compile_for_sm90, gluon_available, gluon_unavailable_reason
 
-    if gluon_available() is not None:
-        pytest.skip(gluon_available())
+    if not gluon_available():
+        pytest.skip(gluon_unavailable_reason())
     sys.path.insert(0, str(BENCH))
     import ptx_hints
 
@@ -88,10 +88,10 @@ def test_small_decode_probes_compile_for_sm90(tmp_path: Path) -> None:
     import pytest
 
     from shardattn.kernels.gluon.compat import compile_sm90
-    from shardattn.kernels.gluon.sparse_mla import gluon_available
+    from shardattn.kernels.gluon.sparse_mla import gluon_available, gluon_unavailable_reason
 
-    if gluon_available() is not None:
-        pytest.skip(gluon_available())
+    if not gluon_available():
+        pytest.skip(gluon_unavailable_reason())
     sys.path.insert(0, str(BENCH))
     import decode_combine_floor
     import decode_small_tiles

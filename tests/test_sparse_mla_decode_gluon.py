@@ -214,7 +214,7 @@ def test_split_rows_kernel_matches_reference_under_interpreter():
 def _sm90_gluon() -> bool:
     from shardattn.kernels.gluon.sparse_mla import gluon_available
 
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gluon_available() is None
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gluon_available()
 
 
 needs_sm90 = pytest.mark.skipif(not _sm90_gluon(), reason="needs an sm_90 GPU and Triton's Gluon")

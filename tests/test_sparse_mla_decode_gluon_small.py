@@ -17,7 +17,7 @@ from shardattn.kernels.gluon.sparse_mla_decode_small import (
     MAX_SPLITS,
     compile_for_sm90,
     small_decode_limits,
-    small_decode_supports,
+    small_decode_unsupported_reason,
     small_decode_warps,
 )
 from shardattn.kernels.triton.lse_merge import split_partials_numel
@@ -119,7 +119,7 @@ def test_support_names_what_the_kernel_does_not_take():
     assert small_decode_limits(q, torch.zeros(2, 128 * MAX_SPLITS, dtype=torch.int32)) is None
     too_many = torch.zeros(2, 128 * MAX_SPLITS + 1, dtype=torch.int32)
     assert f"top-k {128 * MAX_SPLITS + 1}" in small_decode_limits(q, too_many)
-    assert small_decode_supports(q, kv, rows, 512) is not None  # CPU tensors: the Gluon rules refuse first
+    assert small_decode_unsupported_reason(q, kv, rows, 512) is not None  # CPU tensors: the Gluon rules refuse first
 
 
 def test_backend_argument_checks_on_cpu():
@@ -179,10 +179,10 @@ def test_a_head_group_out_of_range_is_refused_before_any_launch():
 def test_kernel_compiles_for_sm90_with_wgmma_cp_async_and_pdl(
     block_n, warps, split, even_k, with_len, sinks, dtype, group
 ):
-    from shardattn.kernels.gluon.sparse_mla import gluon_available
+    from shardattn.kernels.gluon.sparse_mla import gluon_available, gluon_unavailable_reason
 
-    if gluon_available() is not None:
-        pytest.skip(gluon_available())
+    if not gluon_available():
+        pytest.skip(gluon_unavailable_reason())
     compiled = compile_for_sm90(
         block_n, split=split, even_k=even_k, topk_length=with_len, sinks=sinks, dtype=dtype, warps=warps,
         heads_per_program=group,

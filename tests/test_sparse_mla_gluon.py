@@ -21,6 +21,7 @@ from shardattn.kernels.gluon.sparse_mla import (
     compile_kernel_for_sm90,
     gluon_available,
     gluon_config,
+    gluon_unavailable_reason,
 )
 from shardattn.ops.dispatch import sparse_prefill_kernel
 from shardattn.plan.routing import (
@@ -30,7 +31,7 @@ from shardattn.plan.routing import (
     route_prefill_kernel,
 )
 
-needs_gluon = pytest.mark.skipif(gluon_available() is not None, reason=str(gluon_available()))
+needs_gluon = pytest.mark.skipif(not gluon_available(), reason=str(gluon_unavailable_reason()))
 
 D_V, D_R, K = 512, 64, 2048
 WS = gluon_config(128)
@@ -204,7 +205,7 @@ def _assert_close(out, lse, q, kv, rows, length, sinks):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.skipif(not _sm90() or not gluon_available(), reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize("config", [WS, ONE_TILE, EARLY], ids=lambda c: c.label)
 @pytest.mark.parametrize("heads", [16, 64, 128], ids=lambda h: f"h{h}")
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
@@ -227,7 +228,7 @@ def test_gluon_variants_match_reference_at_real_shape(config, heads, with_sinks)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.skipif(not _sm90() or not gluon_available(), reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize("entry", ["attention", "grouped_prefill"])
 def test_public_entry_points_route_to_gluon_and_match(entry):
     from shardattn.ops.sparse_mla import sparse_mla_attention
@@ -270,7 +271,7 @@ def test_grouped_routing_follows_the_tile_and_the_measured_crossover():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.skipif(not _sm90() or not gluon_available(), reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize(("heads", "group_size"), [(8, 8), (16, 4), (32, 2), (12, 4)], ids=lambda v: str(v))
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
 @pytest.mark.parametrize("config", [GROUPED_CONFIG, EARLY, PERSISTENT], ids=lambda c: c.label)
@@ -298,7 +299,7 @@ def test_grouped_gluon_matches_reference_at_real_shape(heads, group_size, with_s
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.skipif(not _sm90() or not gluon_available(), reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize(("heads", "blocks", "entry"), [(64, 4, "attention"), (128, 8, "grouped"), (16, 2, "G4")])
 def test_head_blocked_buffers_are_read_and_written_in_place(heads, blocks, entry):
     """q, out and lse as ``[B, T, H/B, ...]`` (an all-to-all buffer): no copies, same result.
@@ -331,7 +332,7 @@ def test_head_blocked_buffers_are_read_and_written_in_place(heads, blocks, entry
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.skipif(not _sm90() or not gluon_available(), reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize("config", [PERSISTENT, PERSISTENT_H], ids=lambda c: c.label)
 @pytest.mark.parametrize(("heads", "tokens"), [(64, 700), (128, 333), (16, 300)], ids=lambda v: str(v))
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])

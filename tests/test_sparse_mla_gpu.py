@@ -90,7 +90,7 @@ def test_warmup_covers_runtime_keys(heads):
     kernels = (attention_kernel(), *union_kernels(), convert_topk_kernel())
     from shardattn.kernels.gluon.sparse_mla import gluon_available
 
-    if gluon_available() is None:  # the routed Gluon kernel (per-query and grouped) too
+    if gluon_available():  # the routed Gluon kernel (per-query and grouped) too
         from shardattn.kernels.gluon.sparse_mla_kernel import ws64_kernel
 
         kernels = (*kernels, ws64_kernel())

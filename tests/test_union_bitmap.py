@@ -178,10 +178,10 @@ def test_shared_memory_launch_config_and_occupancy():
 
 
 def test_gluon_kernel_refuses_what_it_cannot_run():
-    from shardattn.kernels.gluon.union_smem import smem_supports
+    from shardattn.kernels.gluon.union_smem import smem_unsupported_reason
 
     rows = torch.zeros(4, 2048, dtype=torch.int32)
-    assert smem_supports(rows, 8) is not None  # on the CPU
+    assert smem_unsupported_reason(rows, 8) is not None  # on the CPU
     union, lens = torch.empty(1, 8 * 2048, dtype=torch.int32), torch.empty(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="kernel='gluon'"):
         bitmap_union(rows, None, 64, 4, union[:, : 4 * 2048], lens, kernel="gluon")
@@ -216,7 +216,7 @@ def test_shared_memory_kernel_at_other_topk_widths(group_size, topk):
     a 200,000-row cache (two windows), 5 % invalid entries, duplicates, ``topk_length``."""
     if not HAS_GLUON:
         pytest.skip(f"Gluon unavailable: {GLUON_IMPORT_ERROR}")
-    from shardattn.kernels.gluon.union_smem import smem_supports
+    from shardattn.kernels.gluon.union_smem import smem_unsupported_reason
 
     dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(topk)
     t, num_kv_rows = 333, 200_000
@@ -226,7 +226,7 @@ def test_shared_memory_kernel_at_other_topk_widths(group_size, topk):
     length = torch.randint(0, topk + 3, (t,), device=dev, generator=gen, dtype=torch.int32)
     kw = {"group_size": group_size, "num_kv_rows": num_kv_rows, "topk_length": length}
     want_u, want_n = build_union_reference(rows, **kw)
-    kernels = ["auto"] + (["gluon"] if smem_supports(rows, group_size) is None else [])
+    kernels = ["auto"] + (["gluon"] if smem_unsupported_reason(rows, group_size) is None else [])
     assert kernels == ["auto"] or not (group_size == 8 and topk == 4096)
     for kernel in kernels:
         union, lens = torch.full_like(want_u, -7), torch.full_like(want_n, -7)

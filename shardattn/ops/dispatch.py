@@ -58,7 +58,7 @@ def gluon_runs_on(device: torch.device) -> bool:
         return False
     from shardattn.kernels.gluon.sparse_mla import gluon_available
 
-    return gluon_available() is None
+    return gluon_available()
 
 
 def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_size: int = 1) -> tuple[str, str]:
@@ -73,18 +73,22 @@ def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_s
 
     why = unsupported_reason(q, kv, None)
     if why is None:
-        from shardattn.kernels.triton.sparse_mla import kernel_supports
+        from shardattn.kernels.triton.sparse_mla import kernel_unsupported_reason
 
-        why = kernel_supports(q, kv, v_dim)
+        why = kernel_unsupported_reason(q, kv, v_dim)
     if why is not None:
         return "reference", why
     if interpreter_enabled():
         return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter"
-    from shardattn.kernels.gluon.sparse_mla import gluon_supports
+    from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
 
     sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     route = route_prefill_kernel(
-        q.shape[1], device_type=q.device, sm=sm, gluon_missing=gluon_supports(q, kv, v_dim), group_size=group_size
+        q.shape[1],
+        device_type=q.device,
+        sm=sm,
+        gluon_missing=gluon_unsupported_reason(q, kv, v_dim),
+        group_size=group_size,
     )
     return route.path, route.reason
 
@@ -109,10 +113,10 @@ def sparse_decode_kernel(
         return "reference", why
     if interpreter_enabled():
         return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter"
-    from shardattn.kernels.gluon.sparse_mla import gluon_supports
+    from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
 
     sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    missing = gluon_supports(q, kv, v_dim)
+    missing = gluon_unsupported_reason(q, kv, v_dim)
     small_missing = "rows not given"
     if rows is not None:
         from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_limits
@@ -159,12 +163,12 @@ def prefill_path(
     the grouped Gluon kernel's crossover (:func:`~shardattn.plan.routing.gluon_grouped_group_size`)
     where that kernel runs, else :func:`default_group_size`.
     """
-    from shardattn.kernels.triton.sparse_mla import kernel_supports, tile_config
+    from shardattn.kernels.triton.sparse_mla import kernel_unsupported_reason, tile_config
 
     heads = q.shape[1]
     if not use_triton(q, kv):
         return PrefillPath("reference", 1, None, "no Triton for these tensors (CPU or not installed)")
-    why = kernel_supports(q, kv, v_dim)
+    why = kernel_unsupported_reason(q, kv, v_dim)
     if why is not None:
         return PrefillPath("reference", 1, None, why)
     g = default_group_size(heads) if group_size is None else group_size
@@ -195,8 +199,8 @@ def decode_path(
     or ``"gluon_small"``. ``backend`` forces one kernel wherever it runs (a ``ValueError`` where it
     cannot); routed, :func:`sparse_decode_kernel` decides, and a ``workspace`` too small for the
     small-batch kernel's splits sends its call to Triton (forced, it raises). Inputs validated."""
-    from shardattn.kernels.gluon.sparse_mla import gluon_supports
-    from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_supports
+    from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
+    from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_unsupported_reason
     from shardattn.kernels.triton.lse_merge import HAVE_TRITON, split_partials_numel
     from shardattn.plan.routing import small_decode_tiles
 
@@ -209,7 +213,11 @@ def decode_path(
     if backend == "triton":
         return "triton", "backend='triton'"
     if backend in ("gluon", "gluon_small"):  # forced: wherever it runs, whatever the crossover says
-        why = gluon_supports(q, kv, v_dim) if backend == "gluon" else small_decode_supports(q, kv, rows, v_dim)
+        why = (
+            gluon_unsupported_reason(q, kv, v_dim)
+            if backend == "gluon"
+            else small_decode_unsupported_reason(q, kv, rows, v_dim)
+        )
         if why is not None:
             raise ValueError(f"backend={backend!r} cannot run here: {why}")
         kernel, why = backend, f"backend={backend!r}"

@@ -219,7 +219,6 @@ def gqa_paged_decode(
     return_lse: bool = False,
     scale: float | None = None,
     backend: str = "auto",
-    num_splits: int | None = None,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
@@ -243,7 +242,6 @@ def gqa_paged_decode(
         scale: softmax scale, default ``D ** -0.5``.
         backend: ``"auto"`` (Triton on CUDA, else FlashInfer XQA when usable and no LSE is
             asked, else the reference), ``"triton"``, ``"flashinfer"`` or ``"reference"``.
-        num_splits: KV splits of the Triton path (default: about two waves of programs).
         out, lse_out, workspace: optional destinations ``[total_q, Hq, D]`` (q's dtype),
             ``[total_q, Hq]`` fp32, and a flat fp32 split buffer
             (:func:`gqa_decode_workspace_numel`); with them the Triton path allocates nothing.
@@ -263,8 +261,6 @@ def gqa_paged_decode(
     _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_q_lens, window_left, sinks)
     total_q, hq, d = q.shape
     scale = d**-0.5 if scale is None else check_scale("scale", scale)
-    if num_splits is not None:
-        check_int("num_splits", num_splits, minimum=1)
     if out is not None:
         check_tensor("out", out, dtypes=(q.dtype,), shape=(total_q, hq, d), device=q.device)
     if lse_out is not None:
@@ -286,7 +282,6 @@ def gqa_paged_decode(
         return_lse=return_lse,
         scale=scale,
         backend=backend,
-        num_splits=num_splits,
         out=out,
         lse_out=lse_out,
         workspace=workspace,
@@ -317,8 +312,12 @@ def run_gqa_paged_decode(
     """:func:`gqa_paged_decode` on arguments already checked (by it, or by a parallel step that
     validated its own inputs and built these from them): picks the backend and runs it, with no
     argument checks. Raises ``ValueError`` only for a backend that cannot run here, before any
-    kernel. Arguments and return value: :func:`gqa_paged_decode` (``scale`` resolved to a float).
+    kernel. Arguments and return value: :func:`gqa_paged_decode` (``scale`` resolved to a float),
+    and the Triton path's launch knob ``num_splits`` (KV splits; default about two waves of programs),
+    which tests and benchmarks set.
     """
+    if num_splits is not None:
+        check_int("num_splits", num_splits, minimum=1)
     total_q, hq, _ = q.shape
     batch = block_table.shape[0]
     ragged = cu_q_lens is not None

@@ -294,14 +294,14 @@ def sparse_mla_attention(
         lse_out = s if lse_out is None else store_heads(lse_out, s)
         return (out, lse_out) if return_lse else out
     if q.is_cuda:
-        from shardattn.kernels.gluon.sparse_mla import gluon_supports
-        from shardattn.kernels.triton.sparse_mla import kernel_supports
+        from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
+        from shardattn.kernels.triton.sparse_mla import kernel_unsupported_reason
         from shardattn.ops.dispatch import sparse_prefill_kernel, use_triton
 
         kernel = None
-        if sparse_prefill_kernel(q3, kv, v_dim)[0] == "gluon" and gluon_supports(q, kv, v_dim) is None:
+        if sparse_prefill_kernel(q3, kv, v_dim)[0] == "gluon" and gluon_unsupported_reason(q, kv, v_dim) is None:
             kernel = "gluon"  # q's own strides (head-blocked too) suit cp.async
-        elif use_triton(q3, kv, rows) and kernel_supports(q3, kv, v_dim) is None:
+        elif use_triton(q3, kv, rows) and kernel_unsupported_reason(q3, kv, v_dim) is None:
             kernel = "triton"
         if kernel is not None:  # head-blocked q / out / lse are read and written in place through their strides
             out, lse_out = sparse_mla_per_query(

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from shardattn.kernels.gluon.sparse_mla import gluon_supports, launch_gluon_attention
+from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason, launch_gluon_attention
 from shardattn.kernels.triton.sparse_mla import (
     launch_attention,
     tile_config,
@@ -145,7 +145,7 @@ def sparse_mla_grouped_prefill(
         )  # fmt: skip
         if q_ready is not None:  # the union is built: now the kernels may wait for q
             q_ready()
-        if path.backend == "gluon" and gluon_supports(q, kv, v_dim) is None:
+        if path.backend == "gluon" and gluon_unsupported_reason(q, kv, v_dim) is None:
             # sm_90: the Gluon kernel (per-query or grouped); head-blocked q / out / lse are used in place
             out, lse_out = launch_gluon_attention(
                 q, kv, u, lens, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out, group_size=g

@@ -53,7 +53,7 @@ import torch
 
 from shardattn._checks import INDEX_DTYPES, check_choice, check_int, check_same_device, check_tensor
 from shardattn.kernels.backend import use_triton
-from shardattn.kernels.gluon.union_smem import smem_supports, smem_union
+from shardattn.kernels.gluon.union_smem import smem_union, smem_unsupported_reason
 from shardattn.kernels.triton.union import sort_union, sorted_row_keys
 from shardattn.kernels.triton.union_bitmap import MAX_ROWS as MAX_BITMAP_ROWS
 from shardattn.kernels.triton.union_bitmap import bitmap_union
@@ -170,7 +170,7 @@ def build_union(
     """
 
     _check(rows, group_size, num_kv_rows, topk_length, rows_sorted)
-    shared_memory = smem_supports(rows, group_size) is None
+    shared_memory = smem_unsupported_reason(rows, group_size) is None
     method = _resolve(group_size, method, rows_sorted, rows.shape[1], num_kv_rows, shared_memory)
     if method == "bitmap" and num_kv_rows > MAX_BITMAP_ROWS:
         raise ValueError(f"num_kv_rows must be <= {MAX_BITMAP_ROWS} for method='bitmap', got {num_kv_rows}")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardattn.kernels.gluon.sparse_mla import gluon_config
-from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS, smem_supports
+from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS, smem_unsupported_reason
 from shardattn.kernels.gluon.union_smem import launch_config as smem_launch_config
 from shardattn.kernels.triton.sparse_mla import tile_config
 from shardattn.kernels.triton.topk import convert_topk_config
@@ -140,7 +140,7 @@ def gluon_route(spec: PrefillSpec, group_size: int = 1) -> bool:
     from shardattn.plan.routing import route_prefill_kernel
 
     dims_ok = (spec.v_dim, spec.rope_dim) == (512, 64) and spec.dtype in (torch.bfloat16, torch.float16)
-    if gluon_available() is not None or not dims_ok:
+    if not gluon_available() or not dims_ok:
         return False
     return route_prefill_kernel(spec.heads, sm=90, group_size=group_size).path == "gluon"
 
@@ -191,7 +191,7 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
             # takes the sorting builder instead, and on sm_90 the shared-memory bitmap's wider window
             build_union(pos, group_size=group, num_kv_rows=64, topk_length=length, method=UNION_METHOD[group])
             launches += 4
-            if smem_supports(pos, group) is None:
+            if smem_unsupported_reason(pos, group) is None:
                 build_union(pos, group_size=group, num_kv_rows=32 * WINDOWS[-1], topk_length=length, method="bitmap")
                 launches += 1
     return launches

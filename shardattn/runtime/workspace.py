@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from shardattn.errors import WorkspaceExceededError
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.workspace import ITEM_LIFETIMES, arena_offsets, workspace_bounds
 from shardattn.runtime.modes import DECODE_STEP, PREFILL_STEP
@@ -53,10 +54,6 @@ _DECODE_BUFFERS = (
     ("send", "send"),
     ("recv", "recv"),
 )
-
-
-class WorkspaceExceededError(ValueError):
-    """A step needs more of a workspace item than the Runtime reserved for its config."""
 
 
 class RuntimeWorkspace:

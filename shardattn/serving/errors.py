@@ -1,10 +1,12 @@
-"""Errors of the Ray pool, and the check that Ray is installed.
+"""Errors of the Ray pool (the public ones live in :mod:`shardattn.errors`), and the check that Ray is installed.
 
 Ray is an optional dependency (``pip install 'shardattn[ray]'``): nothing here imports it at
 module import time.
 """
 
 from __future__ import annotations
+
+from shardattn.errors import PlacementTimeoutError, RankFailedError
 
 __all__ = [
     "PlacementTimeoutError",
@@ -14,22 +16,6 @@ __all__ = [
     "ray_unavailable_reason",
     "require_ray",
 ]
-
-
-class RankFailedError(RuntimeError):
-    """A rank of the pool died, raised or did not answer in time during a call.
-
-    The pool is broken afterwards: every later call raises this same error until
-    :meth:`~shardattn.serving.pool.RayRankPool.restart`.
-
-    Attributes:
-        rank: the failed rank (the first one seen). cause: what happened, in words.
-        operation: the pool call that failed (``"decode"``, ``"prefill"``, ...).
-    """
-
-    def __init__(self, rank: int, cause: str, operation: str) -> None:
-        super().__init__(f"rank {rank} failed during {operation}: {cause} (the pool is broken; call restart())")
-        self.rank, self.cause, self.operation = rank, cause, operation
 
 
 class RankStepError(Exception):
@@ -52,10 +38,6 @@ def describe_ray_error(exc: BaseException) -> str:
         lines = str(exc).strip().splitlines()
         return "actor died (" + (lines[0][:200] if lines else type(exc).__name__) + ")"
     return f"{type(exc).__name__}: {str(exc)[:300]}"
-
-
-class PlacementTimeoutError(TimeoutError):
-    """The placement group's bundles were not all reserved within the timeout."""
 
 
 def ray_unavailable_reason() -> str | None:

@@ -236,7 +236,6 @@ def _gqa_rows() -> list[Row]:
             _gqa(block_table=lambda x: x["table"].to(META)),
             Raises(ValueError, r"block_table differs"),
         ),
-        Row(f"{n}-num-splits-0", _gqa(num_splits=0), Raises(ValueError, r"^num_splits must be >= 1")),
         Row(
             f"{n}-flashinfer-lse",
             _gqa(backend="flashinfer"),

@@ -9,7 +9,7 @@ unions, or raw rows) and the AOT compile.
 Outputs follow :func:`shardattn.ops.sparse_mla.sparse_mla_attention`: ``out [T, H, Dv]`` in
 q's dtype, ``lse [T, H]`` fp32 natural log. Inputs: bf16/fp16 ``q [T, H, Dv + Dr]`` and
 ``kv [R, Dv + Dr]`` with unit last stride, ``Dv = 512`` and ``Dr = 64`` (DSA models; other
-shapes take the Triton kernel: :func:`gluon_supports` says why a case does not run).
+shapes take the Triton kernel: :func:`gluon_unsupported_reason` says why a case does not run).
 
 :func:`compile_for_sm90` compiles a kernel variant ahead of time for sm_90 with no GPU and
 returns its PTX (CI runs it, so a Gluon API change fails there).
@@ -17,7 +17,6 @@ returns its PTX (CI runs it, so a Gluon API change fails there).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -89,19 +88,24 @@ def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1)
     return GluonConfig(heads_fastest=two_blocks, early_kv=two_blocks, persistent=True)
 
 
-@functools.lru_cache(maxsize=1)
-def gluon_available() -> str | None:
-    """``None`` when Triton's Gluon with the Hopper ops imports, else why not (cached)."""
+def gluon_available() -> bool:
+    """``True`` when Triton's Gluon with the Hopper ops imports (:func:`gluon_unavailable_reason` says
+    why not otherwise)."""
+    return HAS_GLUON
+
+
+def gluon_unavailable_reason() -> str | None:
+    """Why Triton's Gluon with the Hopper ops does not import here, or ``None`` when it does."""
     return None if HAS_GLUON else f"triton.experimental.gluon unavailable ({_GLUON_IMPORT_ERROR})"
 
 
-def gluon_supports(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> str | None:
+def gluon_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> str | None:
     """``None`` when the Gluon kernel runs these tensors, else the reason it does not.
 
     ``q``: ``[T, H, D]`` or head-blocked ``[B, T, H/B, D]`` (every stride but the last is checked
     for the 16-byte alignment cp.async needs); ``kv``: ``[R, D]``.
     """
-    why = gluon_available()
+    why = gluon_unavailable_reason()
     if why is not None:
         return why
     if q.device.type != "cuda":
@@ -268,7 +272,7 @@ def compile_kernel_for_sm90(
         raise ValueError(f"heads must be <= {BLOCK_H // group_size} for group_size={group_size}, got {heads}")
     if raw_rows and group_size != 1:
         raise ValueError(f"raw_rows needs group_size=1, got {group_size}")
-    why = gluon_available()
+    why = gluon_unavailable_reason()
     if why is not None:
         raise RuntimeError(why)
     from shardattn.kernels.gluon.compat import compile_sm90
@@ -302,6 +306,7 @@ __all__ = [
     "compile_kernel_for_sm90",
     "gluon_available",
     "gluon_config",
-    "gluon_supports",
+    "gluon_unavailable_reason",
+    "gluon_unsupported_reason",
     "launch_gluon_attention",
 ]

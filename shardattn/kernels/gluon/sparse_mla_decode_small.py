@@ -48,7 +48,7 @@ __all__ = [
     "compile_for_sm90",
     "launch_small_split",
     "small_decode_limits",
-    "small_decode_supports",
+    "small_decode_unsupported_reason",
     "small_decode_warps",
     "sparse_mla_decode_small",
 ]
@@ -106,18 +106,18 @@ def _resolve_warps(block_n: int, warps: int | None) -> int:
     return warps
 
 
-def small_decode_supports(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, v_dim: int) -> str | None:
+def small_decode_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, v_dim: int) -> str | None:
     """``None`` when this kernel runs these tensors, else the reason it does not (the Gluon
     kernels' shape, dtype, alignment and device rules, at most :data:`MAX_HEADS` heads, a
     non-empty top-k of at most :data:`MAX_SPLITS` 128-entry splits)."""
-    from shardattn.kernels.gluon.sparse_mla import gluon_supports
+    from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
 
-    return gluon_supports(q, kv, v_dim) or small_decode_limits(q, rows)
+    return gluon_unsupported_reason(q, kv, v_dim) or small_decode_limits(q, rows)
 
 
 def small_decode_limits(q: torch.Tensor, rows: torch.Tensor) -> str | None:
-    """The part of :func:`small_decode_supports` that is this kernel's own (heads and top-k), for
-    callers that already asked ``gluon_supports``."""
+    """The part of :func:`small_decode_unsupported_reason` that is this kernel's own (heads and top-k), for
+    callers that already asked ``gluon_unsupported_reason``."""
     if q.dim() != 3 or q.shape[1] > MAX_HEADS:
         return f"q of shape {tuple(q.shape)} (the small-batch kernel holds at most {MAX_HEADS} heads)"
     topk = rows.shape[-1]
@@ -350,7 +350,7 @@ def sparse_mla_decode_small(
     """The split kernel and, with more than one split, the column merge, into ``out`` / ``lse_out``.
 
     Validated tensors (:func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode` checks them
-    and :func:`small_decode_supports` must hold); ``rows`` are the unique rows of each token (the
+    and :func:`small_decode_unsupported_reason` must hold); ``rows`` are the unique rows of each token (the
     caller builds the union first when they may repeat). ``workspace``: optional flat fp32 buffer
     of :func:`~shardattn.ops.lse_merge.split_partials_numel` elements for the splits of
     :func:`small_decode_tiles`. Capture-safe: no host sync, the grid depends on shapes only.

@@ -89,7 +89,7 @@ def region_words(group_size: int, topk: int, window: int) -> int:
     return _next_pow2(3 * window + union_slots(group_size, topk))
 
 
-def smem_supports(rows: torch.Tensor, group_size: int) -> str | None:
+def smem_unsupported_reason(rows: torch.Tensor, group_size: int) -> str | None:
     """``None`` when the shared-memory build runs these rows, else why not."""
     if not HAS_GLUON:
         return f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})"
@@ -295,7 +295,7 @@ def smem_union(
     config: dict[str, int] | None = None,
 ) -> None:
     """Launch the shared-memory build (inputs checked by :func:`~shardattn.ops.union.build_union`;
-    :func:`smem_supports` said yes).
+    :func:`smem_unsupported_reason` said yes).
 
     Args:
         rows: ``[T, K]`` int32 or int64, unit stride along ``K``; invalid entries anywhere.

@@ -10,7 +10,7 @@ fp32 online softmax (``m_i, l_i, acc``, base 2). Outputs follow :func:`sparse_ml
 sinks add one logit per head.
 
 Shapes: ``q [T, H, Dv + Dr]``, ``kv [R, Dv + Dr]`` with ``Dv`` and ``Dr`` powers of two >= 16
-(512 + 64 for DSA models; tests use 32 + 16). :func:`kernel_supports` says whether a shape runs.
+(512 + 64 for DSA models; tests use 32 + 16). :func:`kernel_unsupported_reason` says whether a shape runs.
 
 The per-query path (:func:`~shardattn.ops.sparse_mla.sparse_mla_per_query`) is this kernel with
 ``G = 1`` over each query's sorted, de-duplicated rows (so a row listed twice is one key, as in the grouped path and
@@ -69,7 +69,7 @@ def tile_config(heads: int, group_size: int, *, interpret: bool = False) -> Tile
     return TileConfig(group_size, block_h, 64, 8 if block_m >= 64 else 4, 2)
 
 
-def kernel_supports(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> str | None:
+def kernel_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> str | None:
     """``None`` when the Triton kernel runs these shapes/dtypes, else the reason it does not."""
     d = q.shape[-1]
     d_rope = d - v_dim
@@ -256,7 +256,7 @@ def launch_attention(
 __all__ = [
     "TileConfig",
     "attention_kernel",
-    "kernel_supports",
+    "kernel_unsupported_reason",
     "launch_attention",
     "tile_config",
 ]

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from shardattn._checks import check_choice
-from shardattn.kernels.gluon.union_smem import smem_supports, smem_union
+from shardattn.kernels.gluon.union_smem import smem_union, smem_unsupported_reason
 
 try:
     import triton
@@ -215,11 +215,11 @@ def bitmap_union(
             Gluon kernel's :func:`~shardattn.kernels.gluon.union_smem.launch_config`) and the Triton
             kernel's scratch cap (benchmarks sweep them).
         config: overrides of the kernel's launch config (benchmarks sweep them).
-        kernel: ``"auto"`` (the Gluon kernel where :func:`~shardattn.kernels.gluon.union_smem.smem_supports`
+        kernel: ``"auto"`` (the Gluon kernel where :func:`~shardattn.kernels.gluon.union_smem.smem_unsupported_reason`
             says so), ``"gluon"`` (it, or ``ValueError`` saying why not) or ``"triton"``.
     """
     check_choice("kernel", kernel, KERNELS)
-    why = smem_supports(rows, group_size) if kernel != "triton" else "kernel='triton'"
+    why = smem_unsupported_reason(rows, group_size) if kernel != "triton" else "kernel='triton'"
     if kernel == "gluon" and why is not None:
         raise ValueError(f"kernel='gluon' cannot run: {why}")
     if why is None:
