@@ -26,8 +26,8 @@ Triton paths (``method``; the cost depends on ``G * K`` per group, never on the 
   otherwise the row sort (``torch.sort`` of ``[T, K]`` keys) comes first.
 * ``"bitmap"`` (:mod:`shardattn.kernels.triton.union_bitmap`): no sort; one bit per KV row, so its cost
   follows the entries and the KV cache size, not the row order; ``num_kv_rows <= 2**24 - 1``.
-  On sm_90 with Gluon it runs in shared memory (:mod:`shardattn.kernels.gluon.union_smem`), 3.0-4.7x
-  the Triton kernel, which runs elsewhere.
+  On sm_90 with Gluon it runs in shared memory (:mod:`shardattn.kernels.gluon.union_smem`, several
+  times the Triton kernel's speed: docs/PERFORMANCE.md); the Triton kernel runs elsewhere.
 * ``"auto"`` (:func:`~shardattn.plan.routing.route_union_method`) takes ``"bitmap"`` on the
   shared-memory kernel when the KV cache is small enough for its count, else ``"fused"`` whenever
   ``rows_sorted``, ``"bitmap"`` when the cache is small enough for the Triton kernel's count, and

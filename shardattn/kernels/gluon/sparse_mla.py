@@ -70,13 +70,11 @@ def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1)
     DSA shapes (``Dv = 512``, ``Dr = 64``), one query per tile (``group_size = 1``): the 64-key
     kernel (:mod:`~shardattn.kernels.gluon.sparse_mla_kernel`; shared memory Q 72 KB + two 72 KB
     key blocks + an 8 KB P buffer), with a token's head blocks adjacent in the grid when it has
-    more than one (``heads > 64``: its programs share the rows in L2; measured 1.06x at 128
-    heads, T = 16K; with one head block the flag only costs a division, 0.96-0.98x at 64 heads) and
-    Q loaded by the producer ahead of the first gathers (``early_kv``: 1.014-1.018x at 128 heads,
-    level at 64, at the power limit), one program per SM walking tiles in turn (``persistent``:
+    more than one (``heads > 64``: its programs share the rows in L2; with one head block the flag
+    only costs a division) and Q loaded by the producer ahead of the first gathers (``early_kv``,
+    faster at 128 heads, level at 64), one program per SM walking tiles in turn (``persistent``:
     the next tile's first key pair gathered during this one's epilogue, a program's first tile
-    loading Q before its first gathers; at the power limit 1.00-1.02x at 64 / 128 heads, L2-flushed
-    bursts 1.00-1.05x at top-k 2,048 and up to 1.23x at 256, benchmarks/RESULTS.md);
+    loading Q before its first gathers; level or faster everywhere measured, docs/PERFORMANCE.md);
     grouped tiles (``group_size > 1``): the same kernel, ``64 / G`` heads of ``G`` queries per
     tile, each row masked to its query's keys (:data:`GROUPED_CONFIG`). 64 rows per program,
     fewer pad it.

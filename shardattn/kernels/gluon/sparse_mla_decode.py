@@ -29,16 +29,16 @@ __all__ = [
     "reads_raw_rows",
 ]
 
-#: Rows of a slice are a multiple of this: one 64-key block of the 64-key kernel, a pair of the
-#: 32-key kernel's blocks (the 64-key kernel takes blocks in pairs and masks the second past
-#: ``lens``, so a slice of an odd number of blocks costs one half-empty pair, nothing more).
+#: Rows of a slice are a multiple of this: one 64-key block of the kernel (it takes blocks in pairs
+#: and masks the second past ``lens``, so a slice of an odd number of blocks costs one half-empty
+#: pair, nothing more).
 SPLIT_ROWS = 64
 #: Most slices per top-k row.
 MAX_SPLITS = 32
 #: One program's fixed cost (Q load, ring fill, epilogue), us (estimate).
 CTA_OVERHEAD_US = 3.0
-#: One program's time per key row at 64 heads, us: 82 us per 2,048 rows (the prefill kernel at
-#: ~455 TFLOP/s on an H200, benchmarks/RESULTS.md).
+#: One program's time per key row at 64 heads, us (the prefill kernel's rate on an H200,
+#: docs/PERFORMANCE.md).
 KEY_US = 0.04
 #: The merge kernel's launch and fixed cost, us (estimate), and the bytes per us the partials
 #: (written by the kernel, read by the merge) and q copies move.

@@ -26,10 +26,10 @@ the step (softmax, P.V, the partial's store) on half the heads, on SMs that woul
 Contract as :func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode`: an entry outside
 ``[0, R)`` or past ``topk_length`` anywhere in a row is no key; sinks join split 0's denominator;
 a row with no key gives ``(0, -inf)`` (``(0, sink)`` with sinks). On sm_90 the kernel and its merge
-are programmatic dependent launches like the Triton path's. Measured on an H200 (graph replays,
-L2 flushed; benchmarks/RESULTS.md, fifteenth session), whole steps at 16 heads x 1 / 2 / 4 / 8 /
-16 tokens: 10.9 / 12.1 / 14.2 / 17.9 / 28.6 us against 12.7 / 14.4 / 17.0 / 21.5 / 36.2 for the Triton
-split kernel, so :func:`~shardattn.plan.routing.route_sparse_decode_kernel` routes those calls here.
+are programmatic dependent launches like the Triton path's. Its whole steps are faster than the
+Triton split kernel's at up to 16 heads and 16 tokens (graph replays, L2 flushed:
+docs/PERFORMANCE.md), so :func:`~shardattn.plan.routing.route_sparse_decode_kernel` routes those
+calls here (the crossovers: :mod:`shardattn.plan.crossovers`).
 The torch reference is :func:`~shardattn.ops.sparse_mla.sparse_mla_reference`.
 """
 
@@ -65,8 +65,8 @@ LOG2E = 1.4426950408889634
 
 def small_decode_warps(block_n: int) -> int:
     """Warps of a split program: one warpgroup at 64 entries; two at 128, each taking 64 of the
-    rows in ``S^T = K Q^T`` and 256 of the value columns in ``O^T = V^T P^T`` (0.3-0.6 us faster
-    than one warpgroup at 128 entries at 5-8 tokens, level at 12-16; docs/PERFORMANCE.md).
+    rows in ``S^T = K Q^T`` and 256 of the value columns in ``O^T = V^T P^T`` (faster than one
+    warpgroup at 128 entries at 5-8 tokens, level at 12-16; docs/PERFORMANCE.md).
 
     >>> small_decode_warps(64), small_decode_warps(128)
     (4, 8)
@@ -169,7 +169,7 @@ if HAS_GLUON:
         """``(row, is_key)`` of the split's ``BLOCK_N`` entries in ``layout``: an entry past the
         row's top-k (``K`` or ``topk_length``) or outside ``[0, R)`` is no key (its row reads 0).
         ``EVEN_K``: ``K`` is a multiple of ``BLOCK_N``, so the index load needs no mask (a masked
-        one measured 3 us slower at 8 tokens, benchmarks/RESULTS.md, twelfth session)."""
+        one measured slower, docs/PERFORMANCE.md)."""
         pos = split * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
         k_len = K
         if HAS_TOPK_LEN:

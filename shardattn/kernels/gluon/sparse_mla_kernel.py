@@ -8,7 +8,7 @@ keeps change, :func:`_block_rows` / :func:`_block_keep`):
 
 * **grouped** (``G = 2, 4, 8``): the tile's 64 rows are ``G`` consecutive queries x ``64 / G``
   heads; the program walks the group's union of packed entries (row in 24 bits, one membership
-  bit per query above it) and each row keeps only its query's keys (the 32-key kernel's scheme);
+  bit per query above it) and each row keeps only its query's keys;
 * **raw rows** (``RAW_ROWS``, decode): the program walks the caller's ``[T, K]`` rows in place,
   the first ``topk_length`` of them (all ``K`` without it), and masks each entry outside
   ``[0, R)``; no union build, no packing, a duplicate counts twice.
@@ -25,8 +25,7 @@ through shared memory and mbarriers:
   max ``m0`` (with the running max) to WG1, ``P0`` at ``m0``, ``O_L += P0 V0_L`` from registers
   (then 0L is free), waits for WG1's final max ``m1``, rescales ``P0`` to it and writes it into
   block 0's rope slot (``S0`` has read it), rescales ``O_L`` and adds ``P1 V1_L`` from shared
-  memory (``PREFETCH_QK``: with the next pair's ``Q K0_L^T`` issued behind it, FlashMLA's
-  overlap; measured slower here, benchmarks/RESULTS.md);
+  memory;
 * **consumer WG1** (block 1, columns ``[Dv/2, Dv)``): ``S1 = Q K1^T``, ``m1 = max(m0, rowmax S1)``
   to WG0, ``O_R += P1 V1_R`` from registers, ``P1`` to shared memory, ``O_R += P0 V0_R``.
 
@@ -37,12 +36,12 @@ an empty row); block 0 of a pair always holds a key, block 1 may be empty (maske
 ``lens[t]``). q / out / lse use the (block, token, head) strides of
 :mod:`shardattn.kernels.gluon.sparse_mla_epilogue` (head-blocked buffers in place).
 
-``STAGED_OUT``: each consumer warpgroup writes its normalised ``[64, Dv/2]`` output tile into a
-key buffer it alone still reads (WG0 block 0's left half, WG1 block 1's right half: their last
-reader was this warpgroup's final ``P V``), syncs its 128 threads and stores from there 16 bytes
-per thread; from the accumulator's registers a thread holds 4 bytes of a row, and every 32-byte
-sector of the output was written in two halves (twice the L2 write sectors, 8x the write
-requests, measured). Other output dtypes (fp32 decode partials) store from the registers.
+The output is staged: each consumer warpgroup writes its normalised ``[64, Dv/2]`` output tile
+into a key buffer it alone still reads (WG0 block 0's left half, WG1 block 1's right half: their
+last reader was this warpgroup's final ``P V``), syncs its 128 threads and stores from there 16
+bytes per thread; from the accumulator's registers a thread holds 4 bytes of a row, and every
+32-byte sector of the output would be written in two halves. Other output dtypes (fp32 decode
+partials) store from the registers.
 
 ``PERSISTENT``: one program per SM walks tiles ``p, p + P, ...`` (a token's head blocks adjacent
 with ``HEADS_FASTEST``, else token groups fastest). Each partition runs the same tile loop; the
@@ -54,13 +53,13 @@ producer, after that first pair and once ``q_free`` (both consumers' epilogues) 
 output is staged through Q's buffers (dead after the tile's last ``Q K^T``): staged in a key
 buffer it would hold the slot the next tile's first gathers need. Per program this saves the
 prologue (barrier set-up, the Q and first-pair latencies) and the epilogue's idle producer: at
-64 heads a one-tile program spends ~6-8 us of ~59 us in them (benchmarks/RESULTS.md).
+64 heads a one-tile program spends about a tenth of its time in them (docs/PERFORMANCE.md).
 
 The producer is the default partition and gets the registers the consumers leave (a consumer
 there spilled more). ``EARLY_KV``: the producer loads Q too, so the gather starts without
-waiting for it; ``HEADS_FASTEST``: a 1-D grid with a token's head blocks adjacent;
-``OPAQUE_SLOTS``: the consumers index their buffers with a per-iteration opaque 0 so the wgmma
-descriptors are not hoisted out of the key loop and spilled (:func:`_slot0`).
+waiting for it; ``HEADS_FASTEST``: a 1-D grid with a token's head blocks adjacent. The consumers
+index their buffers with a per-iteration opaque 0 so the wgmma descriptors are not hoisted out
+of the key loop and spilled (:func:`~shardattn.kernels.gluon.sparse_mla_partitions._slot0`).
 
 Shared memory (DSA shapes): Q 72 KB + 2 x 72 KB blocks + one 8 KB P buffer (block 0's P lives in
 block 0's rope slot) + row maxima / sums and barriers = 231,184 B of sm_90's 232,448.
@@ -77,7 +76,8 @@ if HAS_GLUON:
     from shardattn.kernels.gluon.sparse_mla_epilogue import _ws_epilogue_staged
     from shardattn.kernels.gluon.sparse_mla_partitions import _consumer0, _consumer1, _load_q, _producer
 
-#: Launch arguments never specialised (as the 32-key kernel: token count, LSE head-block geometry).
+#: Launch arguments never specialised: the token count, the LSE head-block geometry (plain [T, H] and
+#: head-blocked [B, T, H/B] share one compiled kernel) and the row counts.
 NOT_SPECIALIZED = ["T", "HB", "stride_lb", "stride_lt", "R", "K"]
 #: Keys per block.
 BLOCK_N = 64
@@ -239,7 +239,7 @@ if HAS_GLUON:
         pctx = (UNION, LENS, stride_ug, K, n_g, n_hb, q_free, gl.program_id(0), gl.num_programs(0), n_g * n_hb)
         # the producer is the default partition (it gets what the consumers leave of the kernel's
         # registers): the default partition also holds the values of the code above, and a consumer
-        # there spilled (``benchmarks/RESULTS.md``)
+        # there spilled (docs/PERFORMANCE.md)
         gl.warp_specialize(
             [
                 (_load, (args, out_args, pctx, D_V, D_R, HAS_SINK, EARLY_KV, G, RAW_ROWS, PERSISTENT, HAS_LENS,

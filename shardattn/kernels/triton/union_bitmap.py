@@ -2,7 +2,7 @@
 
 :func:`shardattn.ops.union.build_union` with ``method="bitmap"`` launches
 :func:`bitmap_union` once. On sm_90 with Gluon that runs the same three phases in shared memory
-(:mod:`shardattn.kernels.gluon.union_smem`, 3.0-4.7x faster); this module's Triton kernel, described
+(:mod:`shardattn.kernels.gluon.union_smem`, several times faster); this module's Triton kernel, described
 below, runs elsewhere (other GPUs, a Triton without Gluon, the interpreter) and on request
 (``kernel="triton"``). Every other builder sorts: the rows of each query (``torch.sort`` of
 ``[T, K]``, the larger part of an unsorted build) and then merges. Here a persistent program
@@ -27,8 +27,8 @@ entries past ``lens[g]`` are unspecified. The cost does not depend on the row or
 one atomic, one 8-byte load (L1 serves a group's repeats) and one atomic (a store at
 ``G = 1``), the rows read twice, plus ``span / 32`` words counted per group, where ``span`` is
 the distance between the group's lowest and highest row (so ``G = 1`` on a long span pays the
-scan once per query; ``plan.routing.route_union_method`` weighs it). Measured in benchmarks/RESULTS.md
-("Sixth session"). Scratch:
+scan once per query; ``plan.routing.route_union_method`` weighs it). Measured:
+docs/PERFORMANCE.md. Scratch:
 ``3 * ceil(R / 32)`` int32 per program, so the program count is capped by
 :data:`SCRATCH_BYTES` (a large KV cache gets fewer programs; :data:`MAX_ROWS` bounds ``R``).
 
@@ -60,7 +60,7 @@ SCRATCH_BYTES = 64 << 20
 #: Which bitmap kernel runs (:func:`bitmap_union`).
 KERNELS = ("auto", "gluon", "triton")
 #: Persistent programs per SM (when the scratch budget allows): 4 and 16 measured the same on an
-#: H200 (benchmarks/RESULTS.md), 4 takes a quarter of the scratch.
+#: H200 (docs/PERFORMANCE.md), 4 takes a quarter of the scratch.
 PROGRAMS_PER_SM = 4
 
 
