@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn import ModelSpec, get_preset
 from shardattn.serving import RayRankPool
 from shardattn.testing.serving import ServingMirror
 

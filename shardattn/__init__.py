@@ -55,6 +55,7 @@ _STEPS = {
 }
 _PLAN = {
     "ModelSpec": "shardattn.plan.spec",
+    "mla_softmax_scale": "shardattn.plan.spec",
     "get_preset": "shardattn.plan.spec",
     "PRESETS": "shardattn.plan.spec",
     "zigzag_split": "shardattn.plan.zigzag",
