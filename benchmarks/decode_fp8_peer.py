@@ -1,5 +1,7 @@
 """FlashMLA's SM90 FP8 sparse decode (the peer of the coming FP8 read path) checked and timed on
-shardattn's tensors, beside shardattn's bf16 decode on the same rows. Prints a table, writes JSON.
+shardattn's tensors, beside shardattn's bf16 decode on the same rows. Prints a table; ``--json``
+writes records (``benchmarks/records.py``, benchmark ``fp8-decode-peer``: ours = the routed bf16
+decode, peer = FlashMLA's FP8 decode, both in microseconds per step).
 
 Build the peer first (FlashMLA and the CUTLASS it pins are not part of shardattn)::
 
@@ -13,7 +15,7 @@ per token with invalid entries (-1, past the cache) sprinkled in, and (``T >= 2`
 no valid row. Check: the peer's output and LSE against the fp32 reference on the dequantised
 rows (:func:`shardattn.ops.kv_fp8.dequantize_kv`, :func:`shardattn.ops.sparse_mla.sparse_mla_reference`),
 the empty token exactly ``(0, -inf)``. Timing: CUDA-graph replays with the L2 flushed
-(``graph_timing.replay_us``; eager launches if they do not capture, said in the JSON) of the
+(``graph_timing.replay_us``; eager launches if they do not capture, said in the peer's name) of the
 peer's split-KV kernel + combine (scheduler metadata once per
 shape, as FlashMLA reuses it across layers) and of shardattn's routed bf16 decode on the same
 rows. Effective TFLOP/s count real heads and valid keys; KV GB/s count the rows' bytes read
@@ -23,7 +25,6 @@ rows. Effective TFLOP/s count real heads and valid keys; KV GB/s count the rows'
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,7 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))
 from flashmla_fp8_decode import FlashMLAFp8Decode  # beside its .cu in peer/
-from graph_timing import gpu_banner, replay_us  # beside this script
+from graph_timing import replay_us  # beside this script
+from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.ops.kv_fp8 import dequantize_kv, write_kv
 from shardattn.ops.sparse_mla import flops, sparse_mla_reference
@@ -87,23 +89,30 @@ def peer_time(run) -> tuple[float, str]:
         return 1e3 * triton.testing.do_bench(run, warmup=5, rep=25, return_mode="median"), "eager"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--peer-lib", required=True, help="built by build_flashmla_peer.sh ... fp8_decode")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peer-lib", default=None, help="built by build_flashmla_peer.sh ... fp8_decode (required)")
     ap.add_argument("--heads", type=int, nargs="+", default=[128, 64, 16])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 128])
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--kv-rows", type=int, default=65536)
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    add_json_argument(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.peer_lib is None:
+        print("--peer-lib: the library build_flashmla_peer.sh ... fp8_decode writes is required", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (sm_90)")
-    print(gpu_banner(), flush=True)
+        print("needs a CUDA GPU (sm_90)", file=sys.stderr)
+        return 2
+    env = environment()
+    print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
     peer = FlashMLAFp8Decode(args.peer_lib)
-    results = []
-    print("| heads | tokens | top-k | peer us | peer TF/s | peer KV GB/s | bf16 routed us | out rel err | lse err |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    records = []
     for heads in args.heads:
         for tokens in args.tokens:
             q, kv, cache, rows, valid = make_case(tokens, heads, args.topk, args.kv_rows, args.page_size, seed=tokens)
@@ -115,15 +124,16 @@ def main() -> None:
             ours_us = replay_us(lambda q=q, kv=kv, rows=rows: sparse_mla_decode(q, kv, rows, scale=SCALE))
             tf = flops(valid, heads) / (peer_us * 1e-6) / 1e12
             gbs = valid * 656 / (peer_us * 1e-6) / 1e9
-            row = {"heads": heads, "tokens": tokens, "topk": args.topk, "valid_keys": valid, "peer_us": peer_us,
-                   "peer_timing": timing, "peer_tflops": tf, "peer_kv_gbps": gbs, "bf16_routed_us": ours_us,
-                   **res}  # fmt: skip
-            results.append(row)
-            print(f"| {heads} | {tokens} | {args.topk} | {peer_us:.1f} | {tf:.0f} | {gbs:.0f} | {ours_us:.1f} | "
-                  f"{res['out_rel_err']:.1e} | {res['lse_max_abs_err']:.1e} |", flush=True)  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=1))
+            print(f"{heads} heads x {tokens}: peer {peer_us:.1f} us ({tf:.0f} TF/s, KV {gbs:.0f} GB/s, {timing}), "
+                  f"bf16 routed {ours_us:.1f} us; peer out rel err {res['out_rel_err']:.1e}, "
+                  f"LSE err {res['lse_max_abs_err']:.1e}", flush=True)  # fmt: skip
+            config = {"heads": heads, "tokens": tokens, "topk": args.topk, "kv_rows": args.kv_rows}
+            name = "FlashMLA FP8 decode" + (", eager launches" if timing == "eager" else "") + ", same run"
+            records.append(record("fp8-decode-peer", config, "step us", ours_us, "us", "lower", (name, peer_us), env))
+    print_table(records, "sparse-MLA decode: bf16 (ours) and FlashMLA's FP8 decode")
+    write_json(args.json, records)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

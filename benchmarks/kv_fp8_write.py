@@ -1,5 +1,6 @@
 """The FP8 KV-row write (:func:`shardattn.ops.kv_fp8.write_kv`, the Triton kernel) timed against
-storing the same rows as bf16 (``cache[slots] = rows``), on one GPU. Prints a table, writes JSON.
+storing the same rows as bf16 (``cache[slots] = rows``), on one GPU. Prints a table; ``--json``
+writes records (``benchmarks/records.py``, benchmark ``kv-fp8-write``).
 
     python benchmarks/kv_fp8_write.py --json kv_fp8_write.json
 
@@ -13,33 +14,37 @@ against the torch reference on the same inputs first.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import gpu_banner, replay_us  # beside this script
+from graph_timing import replay_us  # beside this script
+from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.ops.kv_fp8 import quantize_kv_reference, write_kv
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096, 32768])
     ap.add_argument("--cache-rows", type=int, default=1 << 20)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    add_json_argument(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
-    print(gpu_banner(), flush=True)
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    env = environment()
+    print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
     page = 64
     cache = torch.zeros(args.cache_rows // page, page, 656, dtype=torch.uint8, device="cuda")
     cache_bf16 = torch.zeros(args.cache_rows, 576, dtype=torch.bfloat16, device="cuda")
-    results = []
-    print("| tokens | fp8 write us | fp8 GB/s | bf16 store us | bf16 GB/s |")
-    print("|---|---|---|---|---|")
+    records = []
     for t in args.tokens:
         rows = torch.randn(t, 576, device="cuda").bfloat16()
         slots = torch.randperm(args.cache_rows, device="cuda")[:t]
@@ -52,11 +57,15 @@ def main() -> None:
         bf16_us = replay_us(lambda s=slots, r=rows: cache_bf16.index_copy_(0, s, r))
         fp8_gbs = t * (1152 + 656) / (fp8_us * 1e-6) / 1e9
         bf16_gbs = t * 2 * 1152 / (bf16_us * 1e-6) / 1e9
-        results.append({"tokens": t, "fp8_us": fp8_us, "fp8_gbps": fp8_gbs, "bf16_us": bf16_us, "bf16_gbps": bf16_gbs})
-        print(f"| {t} | {fp8_us:.1f} | {fp8_gbs:.0f} | {bf16_us:.1f} | {bf16_gbs:.0f} |", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=1))
+        print(f"{t} tokens: FP8 write {fp8_us:.1f} us ({fp8_gbs:.0f} GB/s), bf16 store {bf16_us:.1f} us "
+              f"({bf16_gbs:.0f} GB/s)", flush=True)  # fmt: skip
+        base = ("bf16 store of the same rows, same run", bf16_us)
+        config = {"tokens": t, "cache_rows": args.cache_rows}
+        records.append(record("kv-fp8-write", config, "write us", fp8_us, "us", "lower", base, env))
+    print_table(records, "FP8 KV-row write")
+    write_json(args.json, records)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,7 +7,7 @@ The public API, importable from the package (each name loads its module on first
 
 Parts (see docs/ARCHITECTURE.md):
 
-* :mod:`shardattn.ops`      the single-GPU operations: sparse-MLA prefill and decode, GQA decode,
+* :mod:`shardattn.ops`      the single-GPU operations: sparse-MLA prefill and decode, GQA prefill and decode,
   LSE merge, top-k conversion, unions, the FP8 KV-row format; torch references beside each.
 * :mod:`shardattn.parallel` the torch.distributed steps: ShardQ, DCP, PCP, the collector.
 * :mod:`shardattn.runtime`  the per-rank :class:`Runtime`: workspace, warm-up, routing, CUDA graphs.
@@ -31,6 +31,7 @@ _OPS = {
     "sparse_mla_decode": "shardattn.ops.sparse_mla_decode",
     "gqa_paged_decode": "shardattn.ops.gqa_decode",
     "gqa_paged_decode_reference": "shardattn.ops.gqa_decode",
+    "gqa_prefill": "shardattn.ops.gqa_prefill",
     "lse_merge": "shardattn.ops.lse_merge",
     "lse_merge_reference": "shardattn.ops.lse_merge",
     "convert_topk": "shardattn.ops.topk",
@@ -49,6 +50,8 @@ _STEPS = {
     "dcp_sparse_mla_decode": "shardattn.parallel.dcp",
     "dcp_gqa_decode": "shardattn.parallel.dcp_gqa",
     "pcp_prefill": "shardattn.parallel.pcp",
+    "gqa_prefill_head_tp": "shardattn.parallel.gqa_prefill",
+    "gqa_prefill_pcp": "shardattn.parallel.gqa_prefill",
     "collect_partials": "shardattn.parallel.collector",
     "Comm": "shardattn.parallel.comm",
     "Runtime": "shardattn.runtime.runtime",

@@ -3,7 +3,7 @@
 #   benchmarks/peer/build_flashmla_peer.sh FLASHMLA_DIR CUTLASS_DIR OUT.so [TARGET]
 # FLASHMLA_DIR: a FlashMLA checkout (its csrc/ is used); CUTLASS_DIR: the CUTLASS its csrc/cutlass
 # submodule pins. TARGET:
-#   prefill     (default) the SM90 sparse prefill, for benchmarks/prefill_clocks.py --peer-lib
+#   prefill     (default) the SM90 sparse prefill, for benchmarks/sparse_prefill.py --peer-lib
 #   fp8_decode  the SM90 FP8 sparse decode (V3.2 rows, 64 and 128 heads: split-KV kernel,
 #               scheduler metadata, combine), for benchmarks/decode_fp8_peer.py --peer-lib; its
 #               sources compile in parallel, then one link

@@ -10,6 +10,8 @@
 * :mod:`~shardattn.parallel.dcp`        :func:`dcp_sparse_mla_decode`, :func:`dcp_gqa_decode`: KV
   split over ranks, q heads all-gathered, partials merged by the collector.
 * :mod:`~shardattn.parallel.pcp`        :func:`pcp_prefill`: zigzag query tokens, new KV all-gathered.
+* :mod:`~shardattn.parallel.gqa_prefill` :func:`gqa_prefill_head_tp`, :func:`gqa_prefill_pcp`: GQA
+  prefill under head-TP (a local call) and PCP (zigzag tokens, new K/V all-gathered).
 
 The per-rank :class:`~shardattn.runtime.Runtime` that runs these steps with its reserved
 workspace, warm-up and CUDA graphs lives in :mod:`shardattn.runtime`.
@@ -21,6 +23,7 @@ from shardattn.parallel.collector import STRATEGIES, collect_partials, resolve_s
 from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, stable_fingerprint, unpack_rows
 from shardattn.parallel.dcp import dcp_sparse_mla_decode
 from shardattn.parallel.dcp_gqa import dcp_gqa_decode
+from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp, gqa_prefill_pcp, head_tp_kv_heads
 from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.shardq import shardq_prefill
 
@@ -30,6 +33,9 @@ __all__ = [
     "collect_partials",
     "dcp_gqa_decode",
     "dcp_sparse_mla_decode",
+    "gqa_prefill_head_tp",
+    "gqa_prefill_pcp",
+    "head_tp_kv_heads",
     "pack_rows",
     "packed_nbytes",
     "pcp_prefill",

@@ -35,7 +35,7 @@ output exchange. With ``n`` tokens per rank::
                                                            chunk C - 1: k >= 2y
 
 (a small chunk's kernel must outlast its big neighbour's exchange). On two H200s ``x + y`` is about
-0.6 ``k`` at glm5 (docs/PERFORMANCE.md), so
+0.6 ``k`` at glm5 (exchanges 1.59 ms against a 2.55 ms kernel at 8K tokens), so
 ``x, y`` about 0.3 ``k`` and every condition holds. ``C <= 2`` has no middle chunk: the weights
 are equal.
 """
@@ -153,9 +153,9 @@ class PipelinePlan:
         """Whether the step gathers what it sends to a peer into one message (and scatters what it
         receives) rather than sending each token run as its own message: when it is one chunk.
 
-        A message costs host time, which an unchunked step pays before its device starts, while a
-        chunked step issues later chunks' messages behind earlier kernels and pays only the gather
-        and scatter copies (measured on two H200s: docs/PERFORMANCE.md).
+        Measured on two H200s (docs/DECISIONS.md, D41): a message costs about 30 us of host time,
+        which an unchunked step pays before its device starts, while a chunked step issues later
+        chunks' messages behind earlier kernels and pays only the gather and scatter copies.
         """
         return self.chunks == 1
 

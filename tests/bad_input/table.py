@@ -198,6 +198,8 @@ KERNELS = [
     ("shardattn.ops.union", "build_union_reference"),
     ("shardattn.ops.union", "sort_union"),
     ("shardattn.ops.union", "fused_union"),
+    ("shardattn.ops.gqa_prefill_segments", "segment_attention_reference"),
+    ("shardattn.kernels.fa4", "_run"),
 ]
 
 

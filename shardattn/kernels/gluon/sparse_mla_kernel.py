@@ -239,7 +239,7 @@ if HAS_GLUON:
         pctx = (UNION, LENS, stride_ug, K, n_g, n_hb, q_free, gl.program_id(0), gl.num_programs(0), n_g * n_hb)
         # the producer is the default partition (it gets what the consumers leave of the kernel's
         # registers): the default partition also holds the values of the code above, and a consumer
-        # there spilled (docs/PERFORMANCE.md)
+        # there spilled (measured on an H200)
         gl.warp_specialize(
             [
                 (_load, (args, out_args, pctx, D_V, D_R, HAS_SINK, EARLY_KV, G, RAW_ROWS, PERSISTENT, HAS_LENS,

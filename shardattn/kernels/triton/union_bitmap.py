@@ -60,7 +60,7 @@ SCRATCH_BYTES = 64 << 20
 #: Which bitmap kernel runs (:func:`bitmap_union`).
 KERNELS = ("auto", "gluon", "triton")
 #: Persistent programs per SM (when the scratch budget allows): 4 and 16 measured the same on an
-#: H200 (docs/PERFORMANCE.md), 4 takes a quarter of the scratch.
+#: H200 (docs/DECISIONS.md, D14), 4 takes a quarter of the scratch.
 PROGRAMS_PER_SM = 4
 
 
