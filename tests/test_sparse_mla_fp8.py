@@ -22,14 +22,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.registry import triton_available
-from shardattn.kernels.sparse_mla_gluon import gluon_available
+from shardattn.kernels.backend import triton_available
+from shardattn.kernels.gluon.sparse_mla import gluon_unavailable_reason
 from shardattn.ops.kv_fp8 import FP8_DS_MLA, dequantize_kv, quantize_kv
 from tests.fp8_oracle import fp8_rows_decode, make_rows
 from tests.interpret import run_cases
 from tests.ptxas_report import ptxas_path, ptxas_report
 
-needs_gluon = pytest.mark.skipif(gluon_available() is not None, reason=str(gluon_available()))
+needs_gluon = pytest.mark.skipif(gluon_unavailable_reason() is not None, reason=str(gluon_unavailable_reason()))
 needs_ptxas = pytest.mark.skipif(ptxas_path() is None, reason="no ptxas in the installed Triton")
 
 # ---- the row layout and the decoder (CPU) ----
@@ -107,7 +107,7 @@ def _counts(ptx: str, *patterns: str) -> dict[str, int]:
 @needs_ptxas
 @pytest.mark.parametrize(("heads", "group"), [(128, 1), (16, 1)])
 def test_triton_prefill_compiles_fp8_variant_for_sm90(heads, group):
-    from shardattn.kernels.sparse_mla_triton import attention_kernel, tile_config
+    from shardattn.kernels.triton.sparse_mla import attention_kernel, tile_config
 
     tile = tile_config(heads, group)
     pointers = {"Q": "*bf16", "KV": "*u8", "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": "*bf16",
@@ -133,8 +133,7 @@ def test_triton_prefill_compiles_fp8_variant_for_sm90(heads, group):
 @needs_ptxas
 @pytest.mark.parametrize(("tokens", "heads"), [(1, 16), (64, 128)])
 def test_triton_decode_compiles_fp8_variant_for_sm90(tokens, heads):
-    from shardattn.kernels.sparse_mla_decode import sparse_mla_decode_config
-    from shardattn.kernels.sparse_mla_decode_triton import _sparse_mla_decode_kernel
+    from shardattn.kernels.triton.sparse_mla_decode import _sparse_mla_decode_kernel, sparse_mla_decode_config
 
     cfg = sparse_mla_decode_config(tokens, heads, 2048, 132)
     part = "*fp32" if cfg["num_splits"] > 1 else "*bf16"
@@ -164,7 +163,7 @@ def test_small_decode_kernel_compiles_fp8_variant_for_sm90(block_n, group, split
     """Codes in registers (16-byte loads, all issued before the first chunk is converted), rope
     and Q by cp.async in one group, each chunk converted, stored, fenced and synchronised before its
     wgmma; the same wgmma work as the bf16 kernel; no spills."""
-    from shardattn.kernels.sparse_mla_decode_gluon_small import LATENT_CHUNKS, compile_for_sm90, small_decode_warps
+    from shardattn.kernels.gluon.sparse_mla_decode_small import LATENT_CHUNKS, compile_for_sm90, small_decode_warps
 
     compiled = compile_for_sm90(block_n, heads_per_program=group, split=split, kv_fp8=True)
     bf16 = compile_for_sm90(block_n, heads_per_program=group, split=split).asm["ptx"]
@@ -199,9 +198,9 @@ def test_ws64_kernel_compiles_fp8_variant_for_sm90(case, kwargs):
     their own); the consumers' wgmma work is the bf16 kernel's; the registers move 8 from WG0 to
     the producer; spills: at most one 4-byte register (ptxas keeps the arrival's thread index
     across the stores in some variants)."""
-    from shardattn.kernels.sparse_mla_decode_gluon import gluon_decode_config
-    from shardattn.kernels.sparse_mla_gluon import FP8_CONSUMER_REGS, compile_kernel_for_sm90
-    from shardattn.kernels.sparse_mla_gluon_ws64 import FP8_PRODUCER_REGS
+    from shardattn.kernels.gluon.sparse_mla import FP8_CONSUMER_REGS, compile_kernel_for_sm90
+    from shardattn.kernels.gluon.sparse_mla_decode import gluon_decode_config
+    from shardattn.kernels.gluon.sparse_mla_kernel import FP8_PRODUCER_REGS
 
     if kwargs.get("raw_rows"):
         kwargs = {**kwargs, "config": gluon_decode_config(128)}

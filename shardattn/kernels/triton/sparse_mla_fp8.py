@@ -9,7 +9,7 @@ then the rope's as the bf16 kernel adds it), ``P.V`` into four ``[rows, 128]`` a
 tile's values are dequantised (:func:`~shardattn.kernels.triton.kv_fp8_read.load_fp8_tile`) when a
 dot needs them. Every output element sees the same products in the same order as in the bf16
 kernel on :func:`~shardattn.ops.kv_fp8.dequantize_kv`'s rows, so the results are equal bit for bit
-(tested on the GPU). The online softmax is :mod:`~shardattn.kernels.online_softmax`'s.
+(tested on the GPU). The online softmax is :mod:`~shardattn.kernels.triton.online_softmax`'s.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from shardattn.kernels.online_softmax import online_softmax_finish, online_softmax_step
 from shardattn.kernels.triton.kv_fp8_read import load_fp8_rope, load_fp8_tile
+from shardattn.kernels.triton.online_softmax import online_softmax_finish, online_softmax_step
 
 
 @triton.jit
