@@ -107,7 +107,7 @@ def _decode(q, kv, rows, length, sinks, splits, merge):
     out = torch.empty(t, h, V_DIM, dtype=q.dtype)
     lse = torch.empty(t, h)
     part_o, part_l = split_partials(None, splits, t, h, V_DIM, q.device)
-    launch_split_kernel(q, kv, rows, length, sinks, part_o, part_l, out, lse, lse, cfg, SCALE)
+    launch_split_kernel(q, kv, rows, length, sinks, part_o, part_l, out, lse, cfg, SCALE)
     (launch_lse_merge_columns if merge == "columns" else launch_lse_merge)(part_o, part_l, out, lse)
     return out, lse
 
