@@ -106,7 +106,8 @@ def gluon_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> s
     """``None`` when the Gluon kernel runs these tensors, else the reason it does not.
 
     ``q``: ``[T, H, D]`` or head-blocked ``[B, T, H/B, D]`` (every stride but the last is checked
-    for the 16-byte alignment cp.async needs); ``kv``: ``[R, D]``.
+    for the 16-byte alignment cp.async needs); ``kv``: ``[R, D]``, or ``[R, 656]`` uint8
+    ``fp8_ds_mla`` rows with a bf16 ``q``.
     """
     why = gluon_unavailable_reason()
     if why is not None:
@@ -118,6 +119,8 @@ def gluon_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> s
         return f"compute capability {major}.x (the Gluon kernel is written for sm_90 wgmma)"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (the Gluon kernel takes bf16/fp16)"
+    if kv.dtype == torch.uint8 and q.dtype != torch.bfloat16:
+        return f"fp8_ds_mla rows with q in {q.dtype} (the Gluon kernels dequantise them to bf16)"
     d_r = q.shape[-1] - v_dim
     if (v_dim, d_r) != (512, 64):
         return f"head dims {v_dim} + {d_r} (the Gluon kernel is built and checked for DSA's 512 + 64)"
