@@ -25,8 +25,12 @@ from hypothesis import strategies as st
 from shardattn.kernels.backend import triton_available
 from shardattn.kernels.gluon.sparse_mla import gluon_unavailable_reason
 from shardattn.ops.kv_fp8 import FP8_DS_MLA, dequantize_kv, quantize_kv
+from shardattn.ops.sparse_mla import sparse_mla_attention
+from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from tests.fp8_oracle import fp8_rows_decode, make_rows
 from tests.interpret import run_cases
+from tests.oracle import sparse_mla_oracle
 from tests.ptxas_report import ptxas_path, ptxas_report
 
 needs_gluon = pytest.mark.skipif(gluon_unavailable_reason() is not None, reason=str(gluon_unavailable_reason()))
@@ -218,3 +222,176 @@ def test_ws64_kernel_compiles_fp8_variant_for_sm90(case, kwargs):
     assert {FP8_CONSUMER_REGS, FP8_CONSUMER_REGS - FP8_PRODUCER_REGS, producer} <= set(regs)
     assert compiled.metadata.shared <= 232448
     assert ptxas_report(ptx).spill_stores <= 4
+
+
+# ---- the public ops on FP8 caches (CPU: the torch reference) ----
+
+OPS = {
+    "attention": lambda *a, **k: sparse_mla_attention(*a, **k),
+    "grouped": lambda *a, **k: sparse_mla_grouped_prefill(*a, **k),
+    "decode": lambda *a, **k: sparse_mla_decode(*a, **k),
+}
+
+
+def _fp8_case(seed: int, t: int, h: int, k: int, r: int, exp: int):
+    """DSA rows at magnitude ``2**exp`` (values down to ``2**-12`` of it, some zero tiles), their
+    fp8_ds_mla cache, fp32 queries, rows with invalid entries anywhere and a listed-twice row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(r, 576, generator=g) * 2.0**exp * torch.exp2(torch.randint(-12, 1, (r, 576), generator=g).float())
+    x[:, :512] *= (torch.rand(r, 4, generator=g) > 0.2).float().repeat_interleave(128, dim=1)
+    rows = torch.randint(-2, r + 2, (t, k), generator=g, dtype=torch.int32)
+    if k > 1:
+        rows[0, -1] = rows[0, 0]
+    q = torch.randn(t, h, 576, generator=g) * 2.0 ** (-exp) * 0.3
+    return q, quantize_kv(x), rows, g
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**16), t=st.integers(1, 4), h=st.sampled_from([1, 3, 8]), k=st.integers(1, 12),
+    r=st.integers(1, 20), exp=st.integers(-6, 6), op=st.sampled_from(sorted(OPS)), with_len=st.booleans(),
+    with_sinks=st.booleans(), paged=st.booleans(),
+)  # fmt: skip
+def test_ops_on_fp8_caches_match_the_oracle_on_the_decoded_rows(seed, t, h, k, r, exp, op, with_len, with_sinks, paged):
+    """Every sparse-MLA op on an fp8_ds_mla cache (flat or paged) equals the fp64 oracle run on the
+    rows as tests/fp8_oracle.py decodes them, to fp32 rounding: the quantisation is the only
+    approximation; invalid entries anywhere, a row listed twice, ``topk_length``, sinks, empty rows."""
+    q, cache, rows, g = _fp8_case(seed, t, h, k, r, exp)
+    length = torch.randint(0, k + 2, (t,), generator=g, dtype=torch.int32) if with_len else None
+    sinks = torch.randn(h, generator=g) if with_sinks else None
+    kv = cache.view(-1, 1, 656) if paged else cache
+    out, lse = OPS[op](q, kv, rows, scale=0.07, topk_length=length, sinks=sinks)
+    kv64 = torch.from_numpy(fp8_rows_decode(cache.numpy()))
+    want_o, want_l = sparse_mla_oracle(q, kv64, rows, scale=0.07, v_dim=512, topk_length=length, sinks=sinks)
+    assert out.shape == (t, h, 512) and lse.shape == (t, h)
+    fin = torch.isfinite(want_l)
+    assert torch.equal(fin, torch.isfinite(lse)) and bool((out[~fin.any(dim=1)] == 0).all())
+    scale = max(1.0, float(want_o.abs().max()))
+    assert float((out.double() - want_o).abs().max()) <= 2e-5 * scale
+    if fin.any():
+        lse_scale = max(1.0, float(want_l[fin].abs().max()))
+        assert float((lse.double()[fin] - want_l[fin]).abs().max()) <= 2e-5 * lse_scale
+
+
+def test_reference_dequantises_only_the_gathered_rows(monkeypatch):
+    """The CPU reference never dequantises the whole cache: it gathers the step's rows, then
+    dequantises those ([T, K, 656] at a time)."""
+    import shardattn.ops.kv_fp8 as kv_fp8
+
+    seen = []
+    real = kv_fp8.dequantize_kv
+    monkeypatch.setattr(
+        kv_fp8, "dequantize_kv", lambda packed, dtype=torch.bfloat16: seen.append(packed.shape) or real(packed, dtype)
+    )
+    q, cache, rows, _ = _fp8_case(1, 3, 2, 5, 4096, 0)
+    sparse_mla_attention(q, cache, rows, scale=0.07)
+    assert seen == [torch.Size([3, 5, 656])]
+
+
+def test_route_reasons_name_the_kv_format():
+    from shardattn.ops.dispatch import decode_path, prefill_path
+
+    q, cache, rows, _ = _fp8_case(2, 2, 2, 4, 8, 0)
+    assert "fp8_ds_mla" in prefill_path(q, cache, v_dim=512).reason
+    assert "fp8_ds_mla" in decode_path(q, cache, rows, 512)[1]
+    assert "fp8_ds_mla" not in prefill_path(q, dequantize_kv(cache, torch.float32), v_dim=512).reason
+
+
+# ---- on an sm_90 GPU: every kernel bit for bit against itself on the dequantised rows ----
+
+
+def _sm90() -> bool:
+    return (
+        torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gluon_unavailable_reason() is None
+    )
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and Triton's Gluon")
+
+
+def _gpu_case(tokens: int, heads: int, k: int, seed: int, r: int = 61_440):
+    """bf16 queries, a DSA-like fp8_ds_mla cache of ``r`` rows, unique rows per token (an indexer's
+    top-k) with invalid entries anywhere, an empty row, ``topk_length`` (one 0, one short), sinks."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(r, 576, device=dev, generator=g) * torch.exp2(torch.randint(-4, 4, (r, 1), device=dev, generator=g))
+    cache = quantize_kv(x)
+    rows = torch.argsort(torch.rand(tokens, r, device=dev, generator=g), dim=1)[:, :k].int()
+    rows[torch.rand(rows.shape, device=dev, generator=g) < 0.05] = -1
+    rows[:, -3:] = r + 7
+    length = torch.full((tokens,), k, dtype=torch.int32, device=dev)
+    if tokens > 2:
+        rows[tokens // 2] = -1
+        length[0], length[-1] = 0, 33
+    q = (torch.randn(tokens, heads, 576, device=dev, generator=g) * 0.3).bfloat16()
+    sinks = torch.randn(heads, device=dev, generator=g)
+    return q, cache, rows, length, sinks
+
+
+def _same(a: tuple, b: tuple) -> None:
+    assert torch.isfinite(a[0]).all() and not a[1].isnan().any()
+    assert torch.equal(a[0], b[0]), float((a[0].float() - b[0].float()).abs().max())
+    assert torch.equal(a[1], b[1])
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    ("backend", "tokens", "heads", "k"),
+    [
+        ("gluon_small", 1, 16, 2048), ("gluon_small", 4, 16, 2048), ("gluon_small", 3, 16, 2048),
+        ("gluon_small", 8, 8, 1000), ("gluon_small", 2, 12, 2048), ("gluon_small", 5, 16, 64),
+        ("triton", 1, 16, 2048), ("triton", 64, 16, 2048), ("triton", 8, 32, 2048), ("triton", 8, 128, 2048),
+        ("gluon", 64, 64, 2048), ("gluon", 16, 128, 2048), ("gluon", 200, 128, 2048), ("gluon", 3, 128, 300),
+    ],
+)  # fmt: skip
+def test_fp8_decode_equals_bf16_decode_on_dequantised_rows(backend, tokens, heads, k):
+    q, cache, rows, length, sinks = _gpu_case(tokens, heads, k, seed=tokens * 7 + heads + k)
+    deq = dequantize_kv(cache)
+    for kw in ({}, {"topk_length": length, "sinks": sinks}):
+        fp8 = sparse_mla_decode(q, cache, rows, scale=0.06, backend=backend, rows_unique=True, **kw)
+        ref = sparse_mla_decode(q, deq, rows, scale=0.06, backend=backend, rows_unique=True, **kw)
+        _same(fp8, ref)
+    paged = sparse_mla_decode(q, cache.view(-1, 64, 656), rows,
+                              scale=0.06, backend=backend, rows_unique=True)  # fmt: skip
+    _same(paged, sparse_mla_decode(q, deq, rows, scale=0.06, backend=backend, rows_unique=True))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    ("path", "tokens", "heads", "group"),
+    [("routed", 300, 128, 1), ("routed", 300, 64, 1), ("routed", 200, 16, 1), ("triton", 100, 128, 1),
+     ("grouped", 257, 32, 2), ("grouped", 257, 16, 4), ("grouped", 257, 8, 8), ("grouped", 100, 8, 1)],
+)  # fmt: skip
+def test_fp8_prefill_equals_bf16_prefill_on_dequantised_rows(path, tokens, heads, group):
+    from shardattn.ops.sparse_mla import sparse_mla_per_query
+
+    q, cache, rows, length, sinks = _gpu_case(tokens, heads, 2048, seed=tokens + heads * 3 + group)
+    rows[5, 100:200] = rows[5, :100]  # listed twice: one key
+    deq = dequantize_kv(cache)
+    for kw in ({}, {"topk_length": length, "sinks": sinks}):
+        if path == "routed":
+            fp8, ref = (sparse_mla_attention(q, kv, rows, scale=0.06, **kw) for kv in (cache, deq))
+        elif path == "triton":
+            fp8, ref = (sparse_mla_per_query(q, kv, rows, scale=0.06, kernel="triton", **kw) for kv in (cache, deq))
+        else:
+            fp8, ref = (
+                sparse_mla_grouped_prefill(q, kv, rows, scale=0.06, group_size=group, **kw) for kv in (cache, deq)
+            )
+        _same(fp8, ref)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize(("op", "heads"), [("attention", 128), ("attention", 16), ("decode", 16), ("decode", 128)])
+def test_fp8_kernels_match_the_oracle_on_the_decoded_rows(op, heads):
+    q, cache, rows, length, sinks = _gpu_case(4, heads, 256, seed=heads)
+    out, lse = OPS[op](q, cache, rows, scale=0.06, topk_length=length, sinks=sinks)
+    kv64 = torch.from_numpy(fp8_rows_decode(cache.cpu().numpy()))
+    want_o, want_l = sparse_mla_oracle(q.cpu(), kv64, rows.cpu(), scale=0.06, v_dim=512, topk_length=length.cpu(),
+                                       sinks=sinks.cpu())  # fmt: skip
+    err = float((out.cpu().double() - want_o).norm() / want_o.norm())
+    assert err < 1e-2, err
+    fin = torch.isfinite(want_l)
+    assert float((lse.cpu().double()[fin] - want_l[fin]).abs().max()) < 1e-2

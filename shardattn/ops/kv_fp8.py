@@ -165,7 +165,7 @@ def resolve_kv(name: str, kv: object, *, head_dim: int, v_dim: int, kv_format: s
         raise ValueError(f"{name} must hold KV rows in a float dtype or {KV_FP8_DS_MLA} rows (uint8), got {kv.dtype}")
     if fmt in DENSE_KV_FORMATS:
         want = getattr(torch, fmt)
-        if kv.dtype != want or kv.dim() != 2:
+        if kv_format is not None and (kv.dtype != want or kv.dim() != 2):  # else: the caller's dtype checks
             got = f"{str(kv.dtype).replace('torch.', '')} {list(kv.shape)}"
             raise ValueError(f"{name} must be {fmt} [rows, {head_dim}] ({fmt} KV rows), got {got}")
         return kv, fmt

@@ -98,12 +98,12 @@ def check_sparse_mla_inputs(
     """
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     t, h, d = q.shape
+    kv = check_kv_rows("kv", kv, q, v_dim=v_dim, kv_format=kv_format)
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
     if rows.shape[0] != t:
         raise ValueError(f"rows must have one row per query token ({t}), got shape {list(rows.shape)}")
     if not 0 < v_dim <= d:
         raise ValueError(f"v_dim must be in (0, {d}], got {v_dim}")
-    kv = check_kv_rows("kv", kv, q, v_dim=v_dim, kv_format=kv_format)
     if topk_length is not None:
         check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
     if sinks is not None:
