@@ -593,3 +593,92 @@ def _no_lse_body(group) -> dict:
 def test_headtp_decode_without_lse_returns_none(dist_pool) -> None:
     for res in dist_pool.run(_no_lse_body, world_size=2):
         assert res["lse"] is None and res["err"] <= 1e-5
+
+
+# -- fp8_ds_mla KV rows ------------------------------------------------------------------------------
+# DSA dims (the format's: 512 latent + 64 rope), a bf16 model; the queries fp32 on the CPU
+MLA_DSA = ModelSpec("sparse_mla", 4, 1, 576, 512, 16, 16, dtype="bfloat16", softmax_scale=MLA_SCALE)
+
+
+def _fp8_body(group, mode: str) -> dict:
+    """One prefill and one decode step of a Runtime with ``kv_dtype="fp8_ds_mla"`` on FP8 caches,
+    and of a bf16 Runtime on the rows those caches dequantise to (exact): the same bits."""
+    from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rt8 = Runtime(MLA_DSA, group, max_batched_tokens=64, mode=mode, min_shard_tokens=1, kv_dtype="fp8_ds_mla")
+    rt = Runtime(MLA_DSA, group, max_batched_tokens=64, mode=mode, min_shard_tokens=1)
+    res = {"workspace": (rt8.workspace_bytes, rt.workspace_bytes)}
+    step = build_prefill(
+        heads=4, head_dim=576, tokens=20, requests=2, cached=(6, 0), topk=16, overlap="dsa", dtype=torch.float32,
+        device=CPU, seed=4, block_size=16,
+    )  # fmt: skip
+    kv8 = quantize_kv(step.kv)
+    kv = dequantize_kv(kv8, torch.float32)
+    plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(kv.shape[0]))
+    if plan.step == "pcp":
+        mine = plan.tokens_of(rank)
+        own = _token_rows_of(step, 16).index_select(0, mine)
+        args8 = (step.q[mine], kv8[own], step.positions[mine])
+        args = (step.q[mine], kv[own], step.positions[mine])
+        kw8 = {"kv_cache": kv8.view(-1, 16, 656), "block_table": step.block_table}
+        kw = {"kv_cache": kv, "block_table": step.block_table}
+    else:
+        q = _heads(step.q, rank, world).contiguous()
+        args8, args, kw8, kw = (q, kv8, step.rows), (q, kv, step.rows), {}, {}
+    out8 = rt8.prefill(*args8, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens, **kw8)
+    out = rt.prefill(*args, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens, **kw)
+    res["prefill"] = all(torch.equal(a, b) for a, b in zip(out8, out))
+    res["prefill_err"] = _err(out8[0], out[0])
+    dcp = mode in ("mixed", "dcp-decode")
+    s = build_decode(
+        heads=4, head_dim=576, requests=2, cached=(37, 20), q_lens=(1, 2), topk=16, overlap="random", causal=True,
+        dtype=torch.float32, device=CPU, seed=3, shard=DcpShard(world, 1, rank) if dcp else DcpShard(1, 1, 0),
+        block_size=16,
+    )  # fmt: skip
+    local8 = quantize_kv(s.local_kv).view(-1, 16, 656)  # the rank's shard, paged
+    local = dequantize_kv(local8, torch.float32).flatten(0, 1)
+    q = _heads(s.q, rank, world).contiguous()
+    dec8 = rt8.decode(q, local8, s.local_table, s.seq_lens, topk_pos=s.positions, req_ids=s.req_ids)
+    dec = rt.decode(q, local, s.local_table, s.seq_lens, topk_pos=s.positions, req_ids=s.req_ids)
+    res["decode"] = all(torch.equal(a, b) for a, b in zip(dec8, dec))
+    for name, call in {
+        "prefill-bf16-cache": lambda: rt8.prefill(*args, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens, **kw),
+        "decode-bf16-cache": lambda: rt8.decode(q, local, s.local_table, s.seq_lens, topk_pos=s.positions,
+                                                req_ids=s.req_ids),
+    }.items():  # fmt: skip
+        try:
+            call()
+            res[name] = None
+        except ValueError as e:
+            res[name] = str(e)
+    return res
+
+
+def _token_rows_of(step, page: int) -> torch.Tensor:
+    starts = torch.tensor([0, *step.seq_lens]).cumsum(0)[:-1]
+    req = step.req_ids.long()
+    pos = torch.tensor(step.prefix_lens)[req] + torch.arange(len(req)) - starts[req]
+    return step.block_table.long()[req, pos // page] * page + pos % page
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["mixed", "pcp", "headtp"])
+def test_fp8_kv_runtime_equals_the_bf16_runtime_on_the_dequantised_rows(dist_pool, mode: str) -> None:
+    """kv_dtype="fp8_ds_mla": ShardQ / PCP / head-TP prefill and DCP / head-TP decode read FP8 caches
+    (a rank's paged shard included) and give the bf16 Runtime's bits on the rows they dequantise to;
+    a cache in another format is refused, naming it and the format."""
+    for res in dist_pool.run(_fp8_body, mode, world_size=2):
+        assert res["prefill"] and res["decode"], res
+        assert "fp8_ds_mla" in res["prefill-bf16-cache"] and "fp8_ds_mla" in res["decode-bf16-cache"], res
+
+
+def test_fp8_kv_dtype_sizes_the_workspace_and_is_refused_where_it_does_not_apply() -> None:
+    assert Runtime.__init__.__kwdefaults__["kv_dtype"] is None
+    pcp = {fmt: workspace_bounds(MLA_DSA, max_batched_tokens=64, world_size=2, mode="pcp", kv_dtype=fmt) for fmt in
+           ("bfloat16", "fp8_ds_mla")}  # fmt: skip
+    assert pcp["bfloat16"].items["recv"] // (576 * 2) == pcp["fp8_ds_mla"].items["recv"] // 656
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        workspace_bounds(MLA_DSA, max_batched_tokens=64, world_size=2, mode="pcp", kv_dtype="int8")
+    with pytest.raises(ValueError, match="fp8_ds_mla rows hold 576 values"):
+        workspace_bounds(MLA, max_batched_tokens=64, world_size=2, mode="pcp", kv_dtype="fp8_ds_mla")

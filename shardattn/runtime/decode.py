@@ -9,6 +9,7 @@ wait for the stream first).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,8 @@ class DecodeStep:
             kernel path. heads_per_rank: ``H / W``. scale: softmax scale.
         decode_lse: return the LSE (head-TP GQA may skip it). non_causal: drafts attend non-causally.
         staging: the reused pinned buffer a batch's metadata crosses to the device through.
+        kv_rows: checks a sparse-MLA cache against the Runtime's KV format and returns its rows
+            (:meth:`~shardattn.runtime.runtime.Runtime.kv_rows`; ``None``: taken as given).
     """
 
     spec: ModelSpec
@@ -87,6 +90,7 @@ class DecodeStep:
     decode_lse: bool
     non_causal: bool
     staging: PinnedStaging = field(default_factory=PinnedStaging, compare=False, repr=False)
+    kv_rows: Callable[[str, torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def local_heads(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice ``[rank * H/W, (rank + 1) * H/W)`` of a per-head tensor."""
@@ -183,7 +187,8 @@ class DecodeStep:
 
         Args:
             q: ``[T, H/W, D]`` this rank's heads of the step's query tokens (drafts included).
-            kv_cache: sparse MLA: ``[R, D]`` paged KV rows; GQA: ``(k_cache, v_cache)``, each
+            kv_cache: sparse MLA: ``[R, D]`` paged KV rows (or, with ``kv_dtype="fp8_ds_mla"``,
+                uint8 ``[R, 656]`` / ``[pages, page_size, 656]``); GQA: ``(k_cache, v_cache)``, each
                 ``[pages, page_size, Hkv, D]``. Under DCP this rank's shard (local positions),
                 under head-TP the whole cache (GQA: the rank's KV heads).
             block_table: ``[B, M]`` int32 page table of ``kv_cache`` (the rank's, under DCP).
@@ -227,6 +232,8 @@ class DecodeStep:
                 raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
             if not isinstance(kv_cache, torch.Tensor):
                 raise TypeError("kv_cache of a sparse-MLA model must be one [R, D] tensor")
+            if self.kv_rows is not None:  # the Runtime's KV format (a bf16 cache, or fp8_ds_mla rows)
+                kv_cache = self.kv_rows("kv_cache", kv_cache)
             if dcp:
                 return dcp_sparse_mla_decode(
                     q,

@@ -38,10 +38,12 @@ import torch.distributed as dist
 from shardattn._checks import check_choice, check_int, check_scale, check_tensor
 from shardattn.kernels.flashinfer_xqa import get_xqa
 from shardattn.ops.dispatch import device_capability, gluon_runs_on
+from shardattn.ops.kv_fp8 import resolve_kv
 from shardattn.parallel.comm import Comm
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.cost import CostModel
 from shardattn.plan.cost_route import cost_route, resolve_cost_model
+from shardattn.plan.kv_format import KV_FP8_DS_MLA, kv_format_name, kv_row_bytes
 from shardattn.plan.pcp import pcp_plan
 from shardattn.plan.pipeline import MAX_CHUNKS
 from shardattn.plan.routing import Route, route_decode, route_prefill
@@ -96,6 +98,13 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
             middle ones; :func:`~shardattn.plan.pipeline.chunk_weights`). Opt-in; same bits.
         prefill_one_union: ShardQ steps build the union of the rank's whole share once, not one
             per chunk (:func:`~shardattn.parallel.shardq.shardq_prefill`'s ``one_union``). Opt-in.
+        kv_dtype: the KV cache's row format (:data:`~shardattn.plan.kv_format.KV_FORMATS`):
+            ``None`` (default) = rows in q's dtype (the workspace sized for the spec's);
+            ``"fp8_ds_mla"`` (sparse-MLA DSA models, bf16): every
+            step reads 656-byte FP8 rows (:mod:`shardattn.ops.kv_fp8`; DCP shards, PCP's gathered
+            rows and prefix cache, ShardQ's and head-TP's cache all in that format), the workspace
+            is sized for them and the warm-up compiles the FP8 kernel variants. A step's KV tensor
+            in another format is a ``ValueError`` naming it and the format.
 
     Raises:
         ValueError / TypeError: heads not divisible by the world size, a mode without a step for
@@ -124,6 +133,7 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
         prefill_chunks: int | None = None,
         prefill_taper: bool = False,
         prefill_one_union: bool = False,
+        kv_dtype: str | None = None,
     ) -> None:
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         if not isinstance(self.spec, ModelSpec):
@@ -171,6 +181,15 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
         if self.comm.backend == "nccl" and self.device.type != "cuda":
             raise ValueError(f"device must be a CUDA device for an nccl group, got {self.device}")
         self.dtype: torch.dtype = getattr(torch, self.spec.dtype)
+        self.kv_format = kv_format_name("kv_dtype", self.spec.dtype if kv_dtype is None else kv_dtype)
+        self._kv_declared = None if kv_dtype is None else self.kv_format  # None: any float dtype, as q's
+        if self.kv_format == KV_FP8_DS_MLA and (self.spec.kind != "sparse_mla" or self.dtype != torch.bfloat16):
+            raise ValueError(
+                f"kv_dtype={KV_FP8_DS_MLA!r} holds sparse-MLA rows read by bf16 queries; the spec is a "
+                f"{self.spec.dtype} {self.spec.kind} model"
+            )
+        if self.spec.kind == "sparse_mla":
+            kv_row_bytes(self.kv_format, self.spec.head_dim, self.spec.v_dim)  # fp8_ds_mla: DSA dims only
         self.topk = self.spec.topk if topk is None else check_int("topk", topk, minimum=1)
         rows = self.max_batched_tokens * 16 if max_kv_rows is None else max_kv_rows
         self.max_kv_rows = check_int("max_kv_rows", rows, minimum=1)
@@ -187,6 +206,7 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
             min_shard_tokens=self.min_shard_tokens,
             topk=self.topk,
             headtp_tokens=self.max_batched_tokens if self.cost_model is not None else None,
+            kv_dtype=self.kv_format,
         )
         self.bounds = self.ws.bounds
         self.workspace = self.ws.buffers  # reserved once, never reallocated: {"prefill.union": ..., ...}
@@ -357,6 +377,8 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
         given = {"q": q, "kv": kv, "rows": rows, **({} if kv_cache is None else {"kv_cache": kv_cache})}
         for name, value in given.items():
             check_tensor(name, value)  # a tensor at all (shapes and dtypes: the step's own checks)
+        kv = self.kv_rows("kv", kv)
+        kv_cache = None if kv_cache is None else self.kv_rows("kv_cache", kv_cache)
         if plan is None:
             if seq_lens is None:
                 raise ValueError("prefill needs seq_lens (new tokens per request) or a plan from plan_prefill")
@@ -389,6 +411,18 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
             check=check,
         )
 
+    def kv_rows(self, name: str, kv: torch.Tensor) -> torch.Tensor:
+        """``kv`` checked against this Runtime's KV format (``kv_dtype``), as ``[R, row]`` rows (a
+        paged ``fp8_ds_mla`` cache as a flat view); a GQA cache is returned as given.
+
+        Raises:
+            ValueError / TypeError: naming ``name`` and the format.
+        """
+        if self.spec.kind != "sparse_mla":
+            return kv
+        rows, _ = resolve_kv(name, kv, head_dim=self.spec.head_dim, v_dim=self.spec.v_dim, kv_format=self._kv_declared)
+        return rows
+
     @functools.cached_property
     def decode_step(self) -> DecodeStep:
         """The decode step of this config (:class:`~shardattn.runtime.decode.DecodeStep`)."""
@@ -403,6 +437,7 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
             scale=self.scale,
             decode_lse=self.decode_lse,
             non_causal=self.non_causal,
+            kv_rows=self.kv_rows,
         )
 
     def decode(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
