@@ -68,7 +68,7 @@ def cost_route(rt: Any, *, tokens: int, counts: Any, kv_rows: int) -> tuple[str,
     device: torch.device = rt.device
     counts = [int(c) for c in counts]
     h_tp = spec.num_heads // rt.world_size
-    shape = StepShape.of(spec, rt.world_size, tokens, topk=rt.topk, rank_tokens=max(counts))
+    shape = StepShape.of(spec, rt.world_size, tokens, topk=rt.topk, rank_tokens=max(counts), kv_format=rt.kv_format)
     gate = rt.min_group_tokens
     allowed = {
         "headtp": _groups(h_tp, tokens, kv_rows, device, gate, rt.gluon),

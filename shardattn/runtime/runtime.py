@@ -100,7 +100,7 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
             per chunk (:func:`~shardattn.parallel.shardq.shardq_prefill`'s ``one_union``). Opt-in.
         kv_dtype: the KV cache's row format (:data:`~shardattn.plan.kv_format.KV_FORMATS`):
             ``None`` (default) = rows in q's dtype (the workspace sized for the spec's);
-            ``"fp8_ds_mla"`` (sparse-MLA DSA models, bf16): every
+            ``"fp8_ds_mla"`` (sparse-MLA DSA models; the Gluon kernels need bf16 queries): every
             step reads 656-byte FP8 rows (:mod:`shardattn.ops.kv_fp8`; DCP shards, PCP's gathered
             rows and prefix cache, ShardQ's and head-TP's cache all in that format), the workspace
             is sized for them and the warm-up compiles the FP8 kernel variants. A step's KV tensor
@@ -183,11 +183,8 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
         self.dtype: torch.dtype = getattr(torch, self.spec.dtype)
         self.kv_format = kv_format_name("kv_dtype", self.spec.dtype if kv_dtype is None else kv_dtype)
         self._kv_declared = None if kv_dtype is None else self.kv_format  # None: any float dtype, as q's
-        if self.kv_format == KV_FP8_DS_MLA and (self.spec.kind != "sparse_mla" or self.dtype != torch.bfloat16):
-            raise ValueError(
-                f"kv_dtype={KV_FP8_DS_MLA!r} holds sparse-MLA rows read by bf16 queries; the spec is a "
-                f"{self.spec.dtype} {self.spec.kind} model"
-            )
+        if self.kv_format == KV_FP8_DS_MLA and self.spec.kind != "sparse_mla":
+            raise ValueError(f"kv_dtype={KV_FP8_DS_MLA!r} holds sparse-MLA rows; the spec is a {self.spec.kind} model")
         if self.spec.kind == "sparse_mla":
             kv_row_bytes(self.kv_format, self.spec.head_dim, self.spec.v_dim)  # fp8_ds_mla: DSA dims only
         self.topk = self.spec.topk if topk is None else check_int("topk", topk, minimum=1)
@@ -244,7 +241,7 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
 
     # -- routing -------------------------------------------------------------------------------
     def _route(self, heads: int, tokens: int, kv_rows: int) -> Route:
-        return route_prefill(
+        route = route_prefill(
             heads,
             num_tokens=tokens,
             kv_rows=kv_rows,
@@ -252,6 +249,13 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
             min_tokens=self.min_group_tokens,
             gluon=self.gluon,
         )
+        return self._name_kv_format(route)
+
+    def _name_kv_format(self, route: Route) -> Route:
+        """``route`` with the KV format named in its reason when it is not the model's dtype."""
+        if self.kv_format != KV_FP8_DS_MLA:
+            return route
+        return Route(route.path, route.group_size, f"{route.reason}; {KV_FP8_DS_MLA} KV rows")
 
     def plan_prefill(
         self,
@@ -314,7 +318,7 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
     @functools.cached_property
     def decode_route(self) -> Route:
         """The planner's route of this Runtime's decode steps (fixed per config)."""
-        return self._decode_route()
+        return self._name_kv_format(self._decode_route())
 
     # -- steps ---------------------------------------------------------------------------------
     def _attention(
