@@ -266,6 +266,8 @@ class Runtime(RuntimeGraphs):
         rows = self.max_kv_rows if kv_rows is None else check_int("kv_rows", kv_rows, minimum=0)
         shard: Any = None
         route: Route | None = None
+        if step == "shardq" and not self.ws.shardq_possible:  # one rank, or the gate above every step
+            step = "headtp"
         if step == "shardq":
             shard = zigzag_split(
                 lens, self.world_size, min_tokens=self.min_shard_tokens, prefix_lens=prefix_lens, topk=self.topk
