@@ -203,7 +203,7 @@ def pool_checked(args: argparse.Namespace, out: Path, transport: str) -> tuple[A
                    "passed": max(e_out, e_lse) <= TOLERANCE})  # fmt: skip
         reqs = [mirror.decode_request(i) for i in range(args.requests)]
         b_out, b_lse = pool.decode_batch(
-            torch.arange(args.requests), torch.cat([r.q for r in reqs]), torch.cat([r.topk for r in reqs]),
+            torch.arange(args.requests), torch.cat([r.q for r in reqs]), torch.cat([r.topk_pos for r in reqs]),
             kv=torch.cat([r.kv for r in reqs]), return_lse=True,
         )  # fmt: skip
         e_out, e_lse = check(list(zip(b_out.split(1), b_lse.split(1))), reqs, mirror, dev)
@@ -212,9 +212,9 @@ def pool_checked(args: argparse.Namespace, out: Path, transport: str) -> tuple[A
                    "passed": max(e_out, e_lse) <= TOLERANCE})  # fmt: skip
         reqs = [mirror.decode_request(i) for i in range(args.requests)]  # inputs in place, outputs as views
         slots = pool.step_inputs(args.requests)
-        for name, key in (("q", "q"), ("topk", "topk"), ("kv", "kv")):
-            torch.cat([getattr(r, key) for r in reqs], out=slots[name])
-        b_out, b_lse = pool.decode_batch(torch.arange(args.requests), slots["q"], slots["topk"], kv=slots["kv"],
+        for name in ("q", "topk_pos", "kv"):
+            torch.cat([getattr(r, name) for r in reqs], out=slots[name])
+        b_out, b_lse = pool.decode_batch(torch.arange(args.requests), slots["q"], slots["topk_pos"], kv=slots["kv"],
                                          return_lse=True, view=True)  # fmt: skip
         e_out, e_lse = check(list(zip(b_out.split(1), b_lse.split(1))), reqs, mirror, dev)
         emit(out, {"part": "check_decode", "api": "decode_batch in place, view", "requests": args.requests,
@@ -253,7 +253,7 @@ def pool_variants(args: argparse.Namespace, out: Path, pool: Any, lens: list[int
         for it in range(5 + iters):
             if api == "decode":
                 step = [
-                    DecodeRequest(i, q=q[i], topk=topk[i : i + 1], kv=kv[i] if with_kv else None)
+                    DecodeRequest(i, q=q[i], topk_pos=topk[i : i + 1], kv=kv[i] if with_kv else None)
                     for i in range(args.requests)
                 ]
                 t1 = time.perf_counter()

@@ -70,8 +70,8 @@ def _time_row(pool: Any, row: str, x: dict[str, torch.Tensor], iters: int, phase
     else:
         slots = pool.step_inputs(int(x["q"].shape[0]))
         slots["q"].copy_(x["q"])
-        slots["topk"].copy_(x["topk"])
-        q, topk, view = slots["q"], slots["topk"], True
+        slots["topk_pos"].copy_(x["topk"])
+        q, topk, view = slots["q"], slots["topk_pos"], True
     times: list[float] = []
     phases: dict[str, list[float]] = {}
     for it in range(5 + iters):

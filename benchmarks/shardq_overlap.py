@@ -10,8 +10,8 @@ CUDA events around each call after a barrier (median of ``--iters``, then the ma
 
 * ``kernel``: the rank's ShardQ kernel call alone (all heads of its tokens: union build + kernel),
   reading a contiguous q;
-* ``shardq``: :meth:`Runtime.prefill` (``prefill_chunks=None``, the default: the planner's chunks);
-* ``shardq_c1``: the same step with ``prefill_chunks=1`` (not pipelined), ``shardq_cN`` with N;
+* ``shardq``: :meth:`Runtime.prefill` (``PrefillOptions(chunks=None)``, the default: the planner's chunks);
+* ``shardq_c1``: the same step with ``PrefillOptions(chunks=1)`` (not pipelined), ``shardq_cN`` with N;
 * ``--taper`` / ``--one-union``: the same steps (the planner's chunks and every ``--chunks`` N) with
   tapered chunks (``_taper``, N >= 3 only: fewer chunks have nothing to taper) and / or the
   share's union built once (``_1u``, N >= 2), as columns of the same run, and a second table of
@@ -41,6 +41,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ import torch.distributed as dist
 from shardattn.launch.process_group import nccl_options
 from shardattn.launch.workloads import build_prefill
 from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, unpack_rows
-from shardattn.parallel.runtime import Runtime
+from shardattn.parallel.runtime import PrefillOptions, Runtime
 from shardattn.plan.pipeline import choose_chunks
 from shardattn.plan.spec import get_preset
 from shardattn.plan.zigzag import ShardPlan
@@ -224,16 +225,21 @@ def run_config(
     )  # fmt: skip
     kv_rows = int(step.kv.shape[0])
     # cost_model=None: the ShardQ Runtimes take ShardQ whatever the router would predict
-    common = dict(max_batched_tokens=tokens, max_kv_rows=kv_rows, device=device, warmup=False, cost_model=None)
-    rt = Runtime(spec, group, mode="shardq", prefill_chunks=None, **common)  # the planner's chunks
-    rt1 = Runtime(spec, group, mode="shardq", prefill_chunks=1, **common)
-    rth = Runtime(spec, group, mode="headtp", **common)
-    by_chunks = {c: Runtime(spec, group, mode="shardq", prefill_chunks=c, **common) for c in args.chunks if c != 1}
+    base = PrefillOptions(max_kv_rows=kv_rows, cost_model=None)
+    common = dict(max_batched_tokens=tokens, device=device, warmup=False)
+
+    def options(**changes: Any) -> dict[str, PrefillOptions]:
+        return {"prefill_options": dataclasses.replace(base, **changes)}
+
+    rt = Runtime(spec, group, mode="shardq", **options(chunks=None), **common)  # the planner's chunks
+    rt1 = Runtime(spec, group, mode="shardq", **options(chunks=1), **common)
+    rth = Runtime(spec, group, mode="headtp", **options(), **common)
+    by_chunks = {c: Runtime(spec, group, mode="shardq", **options(chunks=c), **common) for c in args.chunks if c != 1}
     # the same step over a group whose NCCL stream has normal priority (the launchers' is high)
-    rt_np = None if np_group is None else Runtime(spec, np_group, mode="shardq", prefill_chunks=None, **common)
+    rt_np = None if np_group is None else Runtime(spec, np_group, mode="shardq", **options(chunks=None), **common)
     rank, w, h = rt.rank, rt.world_size, rt.heads_per_rank
-    plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=kv_rows)
-    plan_h = rth.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=kv_rows)
+    plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=kv_rows)
+    plan_h = rth.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=kv_rows)
     assert plan.step == "shardq", plan.step
     # --taper / --one-union: the same steps with tapered chunks and / or one union build (same run)
     # the planner's chunks, as shardq_prefill picks them for the default step
@@ -246,7 +252,7 @@ def run_config(
             if (taper and not args.taper) or (one_union and not args.one_union) or (taper and depth < 3) or depth < 2:
                 continue
             name = plain + ("_taper" if taper else "") + ("_1u" if one_union else "")
-            opts = dict(prefill_chunks=c, prefill_taper=taper, prefill_one_union=one_union)
+            opts = options(chunks=c, taper=taper, one_union=one_union)
             variants[name] = (depth, plain, Runtime(spec, group, mode="shardq", **opts, **common))
     q_local = step.q[:, rank * h : (rank + 1) * h].contiguous()
     mine = plan.tokens_of(rank).to(device)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.launch.workloads import build_prefill
-from shardattn.parallel.runtime import Runtime
+from shardattn.parallel.runtime import PrefillOptions, Runtime
 from shardattn.plan.cost import (
     CONSERVATIVE,
     Calibration,
@@ -182,8 +182,9 @@ def _routed_body(group, table: Calibration) -> dict:
         seed=3,
         block_size=MLA.page_size,
     )
-    rt = Runtime(MLA, group, max_batched_tokens=64, mode="mixed", min_shard_tokens=1, cost_model=CostModel(table))
-    plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+    options = PrefillOptions(min_shard_tokens=1, cost_model=CostModel(table))
+    rt = Runtime(MLA, group, max_batched_tokens=64, mode="mixed", prefill_options=options)
+    plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
     rt.comm.reset_counts()
     h = MLA.num_heads // world
     out, lse = rt.prefill(step.q[:, rank * h : (rank + 1) * h].contiguous(), step.kv, step.rows, plan=plan)

@@ -205,13 +205,13 @@ def test_report_verdict_table_and_json(tmp_path) -> None:
 def test_prefill_workload_rows_match_positions() -> None:
     args = dict(heads=4, head_dim=24, tokens=40, requests=3, cached=(0, 5, 70), topk=16, dtype=torch.float32, seed=3)
     step = build_prefill(overlap=overlap_model("dsa"), device=torch.device("cpu"), **args)
-    assert step.seq_lens == [14, 13, 13] and step.q.shape == (40, 4, 24)
+    assert step.query_lens == [14, 13, 13] and step.q.shape == (40, 4, 24)
     valid = step.positions >= 0
     assert torch.equal(valid, step.rows >= 0), "every valid position maps to a row"
     assert torch.equal(valid_mask(step.rows, step.kv.shape[0], None), valid)
     # a token at position p sees min(topk, p + 1) distinct positions, none past its own
-    pos_in_req = torch.cat([torch.arange(n) for n in step.seq_lens])
-    position = torch.tensor(step.prefix_lens).repeat_interleave(torch.tensor(step.seq_lens)) + pos_in_req
+    pos_in_req = torch.cat([torch.arange(n) for n in step.query_lens])
+    position = torch.tensor(step.prefix_lens).repeat_interleave(torch.tensor(step.query_lens)) + pos_in_req
     assert torch.equal(valid.sum(1), torch.clamp(position + 1, max=16))
     assert bool((step.positions <= position[:, None]).all())
     # rows follow the block table: row = table[req, p // B] * B + p % B

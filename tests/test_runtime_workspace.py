@@ -18,7 +18,7 @@ import torch.distributed as dist
 from shardattn.kernels.topk import DcpShard
 from shardattn.launch.workloads import build_decode, build_gqa_decode
 from shardattn.parallel.decode_graphs import DecodeGraphs
-from shardattn.parallel.runtime import PrefillPlan, Runtime
+from shardattn.parallel.runtime import PrefillOptions, PrefillPlan, Runtime
 from shardattn.parallel.runtime_workspace import RuntimeWorkspace
 from shardattn.plan.routing import Route
 from shardattn.plan.spec import ModelSpec, get_preset
@@ -105,7 +105,13 @@ def _spy_decode(rt: Runtime, q_all: torch.Tensor) -> dict:
 def _arena_body(group) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rt = Runtime(
-        MLA, group, max_batched_tokens=64, mode="mixed", min_shard_tokens=63, max_decode_tokens=8, warmup=False
+        MLA,
+        group,
+        max_batched_tokens=64,
+        mode="mixed",
+        prefill_options=PrefillOptions(min_shard_tokens=63),
+        max_decode_tokens=8,
+        warmup=False,
     )
     ws = rt.workspace
     res: dict = {
@@ -138,8 +144,8 @@ def _arena_body(group) -> dict:
     step = _prefill_step()
     q_pre = _heads(step.q, rank, world).contiguous()
     ref_out, ref_lse = _mla_oracle(step, MLA_SCALE, _kv_lens(step))
-    t_pre = sum(step.seq_lens)
-    split = zigzag_split(step.seq_lens, world, align=2, min_tokens=0, prefix_lens=step.prefix_lens)
+    t_pre = sum(step.query_lens)
+    split = zigzag_split(step.query_lens, world, align=2, min_tokens=0, prefix_lens=step.prefix_lens)
     plans = {
         "shardq": PrefillPlan("shardq", Route("grouped", 2, "as on a GPU"), split, t_pre),
         "headtp": PrefillPlan("headtp", Route("grouped", 2, "as on a GPU"), None, t_pre),
@@ -272,9 +278,10 @@ def test_pcp_reserves_only_the_union_it_carves() -> None:
 
 def _one_rank_body(group) -> dict:
     sub = dist.new_group([dist.get_rank(group)], backend="gloo")
-    rt = Runtime(MLA, sub, max_batched_tokens=128, mode="shardq", min_shard_tokens=1, warmup=False)
+    options = PrefillOptions(min_shard_tokens=1)
+    rt = Runtime(MLA, sub, max_batched_tokens=128, mode="shardq", prefill_options=options, warmup=False)
     step = _prefill_step()
-    plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+    plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
     out, lse = rt.prefill(step.q, step.kv, step.rows, plan=plan)
     ref_out, ref_lse = _mla_oracle(step, MLA_SCALE, _kv_lens(step))
     return {

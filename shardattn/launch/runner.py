@@ -39,6 +39,7 @@ from shardattn.launch.timing import check_step, graph_row, profile_step, step_ro
 from shardattn.launch.workloads import overlap_model
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.runtime import Runtime
+from shardattn.parallel.runtime_options import DecodeOptions, PrefillOptions
 from shardattn.plan.cost import CostModel, load_calibration
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
@@ -261,16 +262,15 @@ def _runtime(cfg: RunConfig, groups: LaunchGroups, mode: str, cost_model: Any) -
     return Runtime(
         cfg.spec if cfg.dtype == getattr(torch, cfg.spec.dtype) else _with_dtype(cfg.spec, cfg.dtype),
         groups.data,
-        max_batched_tokens=max(cfg.shape.tokens, 1),
         mode=mode,
+        max_batched_tokens=max(cfg.shape.tokens, 1),
+        max_decode_tokens=max(1, sum(cfg.shape.q_lens)),
         device=cfg.device,
         topk=cfg.shape.topk if cfg.spec.kind == "sparse_mla" else None,
-        max_decode_tokens=max(1, sum(cfg.shape.q_lens)),
-        dcp_interleave=cfg.opts.interleave,
-        min_shard_tokens=cfg.min_shard_tokens,
-        min_group_tokens=cfg.min_group_tokens,
-        non_causal=not cfg.opts.causal,
-        cost_model=cost_model,
+        prefill_options=PrefillOptions(
+            min_shard_tokens=cfg.min_shard_tokens, min_group_tokens=cfg.min_group_tokens, cost_model=cost_model
+        ),
+        decode_options=DecodeOptions(dcp_interleave=cfg.opts.interleave, causal=cfg.opts.causal),
     )
 
 

@@ -15,10 +15,13 @@
   (ragged drafts padded, real rows returned, eager above the buckets);
   :mod:`~shardattn.parallel.host_staging` the reused pinned buffer of per-step metadata.
 * :mod:`~shardattn.parallel.runtime`    :class:`Runtime`: workspace, warm-up, routing, graph policy;
-  its parts: :mod:`~shardattn.parallel.modes` (which step each mode runs),
+  its parts: :mod:`~shardattn.parallel.runtime_options` (:class:`PrefillOptions`,
+  :class:`DecodeOptions`), :mod:`~shardattn.parallel.runtime_args` (argument names and
+  conversions), :mod:`~shardattn.parallel.modes` (which step each mode runs),
   :mod:`~shardattn.parallel.runtime_workspace` (reserved buffers and checks),
   :mod:`~shardattn.parallel.prefill_attention` (the prefill kernel call over the union workspace),
-  :mod:`~shardattn.parallel.runtime_decode` (the decode step), :mod:`~shardattn.parallel.decode_warmup`.
+  :mod:`~shardattn.parallel.runtime_decode` (the decode step), :mod:`~shardattn.parallel.runtime_warmup`
+  and :mod:`~shardattn.parallel.decode_warmup`.
 
 ``Runtime`` and the CUDA-graph helpers load on first use (they pull in every kernel).
 """
@@ -36,6 +39,8 @@ from shardattn.parallel.shardq import shardq_prefill
 _LAZY = {
     "Runtime": "shardattn.parallel.runtime",
     "PrefillPlan": "shardattn.parallel.runtime",
+    "PrefillOptions": "shardattn.parallel.runtime_options",
+    "DecodeOptions": "shardattn.parallel.runtime_options",
     "WorkspaceExceededError": "shardattn.parallel.runtime_workspace",
     "MODES": "shardattn.parallel.modes",
     "DecodeGraph": "shardattn.parallel.cudagraph",
