@@ -211,7 +211,7 @@ def test_calibrate_command_writes_a_loadable_table(tmp_path) -> None:
 
     out = tmp_path / "cpu.json"
     argv = ["--out", str(out), "--heads", "8", "16", "--tokens", "32", "64", "--topk", "8", "--cached", "32"]
-    assert main([*argv, "--reps", "1", "--no-progress"]) == 0
+    assert main([*argv, "--reps", "1", "--no-progress", "--cpu"]) == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cal = load_calibration("cpu", out)
@@ -254,6 +254,7 @@ def test_calibrate_passes_are_recorded_and_checked(tmp_path) -> None:
 
     out = tmp_path / "cpu.json"
     argv = ["--out", str(out), "--heads", "8", "--tokens", "32", "--topk", "8", "--cached", "32", "--reps", "1"]
+    argv.append("--cpu")
     assert main([*argv, "--no-progress", "--no-steps", "--passes", "2"]) == 0
     cal = Calibration.from_json(out.read_text())
     assert "kernel points the median of 2 pass(es)" in cal.source
@@ -272,6 +273,7 @@ def test_calibrate_merge_into_keeps_the_tables_collectives_and_steps(tmp_path) -
     path.write_text(table.to_json())
     out = tmp_path / "merged.json"
     argv = ["--out", str(out), "--heads", "8", "--tokens", "32", "--topk", "8", "--cached", "32", "--reps", "1"]
+    argv.append("--cpu")
     assert main([*argv, "--no-progress", "--merge-into", str(path)]) == 0
     merged = Calibration.from_json(out.read_text())
     assert merged.collectives == table.collectives and merged.steps == table.steps

@@ -27,7 +27,7 @@ from shardattn.plan import dcp_owner
         (["--tokens", "abc"], r"argument --tokens: invalid int value: 'abc'"),
         (["--cached", "1,x"], r"expected comma-separated integers"),
         (["--timeout", "0"], r"--timeout must be >= 1"),
-        (["--q-len", "0"], r"--q-len entries must be >= 1"),
+        (["--query-len", "0"], r"--query-len entries must be >= 1"),
         (["--bogus"], r"unrecognized arguments: --bogus"),
     ],
     ids=[
@@ -36,7 +36,7 @@ from shardattn.plan import dcp_owner
         "non-int",
         "bad-list",
         "timeout",
-        "q-len",
+        "query-len",
         "unknown",
     ],
 )
@@ -122,7 +122,7 @@ def test_defaults_are_small_on_cpu_and_real_on_gpu() -> None:
     gpu = resolve_shape(opts, on_gpu=True, preset_topk=2048, decode_only=False)
     assert (cpu.tokens, cpu.topk, cpu.requests, cpu.reduced) == (256, 64, 2, True)
     assert (gpu.tokens, gpu.topk, gpu.reduced) == (8192, 2048, False)
-    assert cpu.cached == (128, 128) and cpu.q_lens == (1, 1)
+    assert cpu.cached == (128, 128) and cpu.query_lens == (1, 1)
     explicit = resolve_shape(
         parse_options(["--tokens", "300", "--topk", "100"]), on_gpu=False, preset_topk=2048, decode_only=False
     )
@@ -193,7 +193,7 @@ def test_report_verdict_table_and_json(tmp_path) -> None:
     console = Console(record=True, width=200)
     render(bad, console)
     text = console.export_text()
-    for needle in ("shardq/grouped", "G = 2 for 64 heads", "1.150", "5.00e-02 > 1e-03", "check FAILED"):
+    for needle in ("shardq/grouped", "G = 2 for 64 heads", "1.150", "5.0e-02 FAIL", "check FAILED", "1e-03"):
         assert needle in text, needle
 
     path = tmp_path / "r.json"

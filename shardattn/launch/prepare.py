@@ -145,7 +145,7 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
     elem = torch.finfo(cfg.dtype).bits // 8
     route = rt.decode_route
     if spec.kind == "sparse_mla":
-        step = build_decode(q_lens=s.q_lens, causal=cfg.opts.causal, shard=shard, **_step_args(cfg, mla=True))
+        step = build_decode(q_lens=s.query_lens, causal=cfg.opts.causal, shard=shard, **_step_args(cfg, mla=True))
         q_local = _heads(rt, step.q).contiguous()
         local_rows, _ = convert_topk(
             step.positions, step.req_ids, step.local_table, block_size=spec.page_size, seq_lens=step.seq_lens, dcp=shard
@@ -175,7 +175,7 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
             kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             sinks=spec.has_sinks,
-            q_lens=s.q_lens,
+            q_lens=s.query_lens,
             shard=shard,
             **_step_args(cfg, mla=False),
         )

@@ -419,7 +419,7 @@ def parallel_rows() -> list[Row]:
                 topk_pos=lambda a: a["rows"],
                 rows=None,
                 kv_new=torch.randn(5, 48),
-            ),  # fmt: skip
+            ),
             Raises(ValueError, r"^q must have last dim 48"),
         ),
         (
