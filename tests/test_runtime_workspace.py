@@ -3,8 +3,8 @@ another left there.
 
 Every step below runs on an arena first filled with random bytes (what a prefill, or another
 layer's decode, leaves behind), and must equal the fp64 oracle; a decode step run again after a
-prefill gives the same bits as before it. The reservation at the issue's config (GLM-5, eight
-ranks, 16,384 batched and 1,024 decode tokens) is checked from the planner alone.
+prefill gives the same bits as before it. The reservation of GLM-5 at eight ranks with
+16,384 batched and 1,024 decode tokens is checked from the planner alone.
 """
 
 from __future__ import annotations

@@ -516,9 +516,8 @@ class Runtime(RuntimeGraphs, RuntimeWarmup):
             req_ids: sparse MLA: ``[T]`` int32 request of each query token.
             topk_length: sparse MLA: ``[T]`` int32 leading entries of ``topk_pos`` to use, optional.
             topk_unique: sparse MLA: no position appears twice in a row of ``topk_pos`` (an
-                indexer's top-k), so the kernels skip their de-duplication sort (3.4x faster at 16
-                heads x 1 token on an H200, benchmarks/RESULTS.md); a repeated position would then
-                count twice.
+                indexer's top-k), so the kernels skip their de-duplication (most of a small step's
+                time); a repeated position would then count twice.
             q_len_per_req / cu_q_lens: GQA: uniform queries per request, or ``[B + 1]`` int32
                 offsets of ragged drafts (default: one query per request).
             max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts (needed under capture).
