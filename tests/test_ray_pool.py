@@ -471,8 +471,8 @@ def test_bad_decode_batch_raises_naming_the_argument(pool2) -> None:
         (lambda: pool2.decode_batch(ids, q.double(), topk), TypeError, "q must have dtype"),
         (lambda: pool2.decode_batch(ids, q[:, :4], topk), ValueError, r"q must have shape \[\*, 8, 48\]"),
         (lambda: pool2.decode_batch(ids, q[:1], topk[:1]), ValueError, r"q must have one row per request \(2\)"),
-        (lambda: pool2.decode_batch(ids, q, topk.long()), TypeError, "topk must have dtype"),
-        (lambda: pool2.decode_batch(ids, q, topk[:, :8]), ValueError, "topk must have shape"),
+        (lambda: pool2.decode_batch(ids, q, topk.float()), TypeError, "topk_pos must have dtype"),
+        (lambda: pool2.decode_batch(ids, q, topk[:, :8]), ValueError, "topk_pos must have shape"),
         (lambda: pool2.decode_batch(ids, q, None), ValueError, "topk_pos must be given"),
         (lambda: pool2.decode_batch(ids, q, topk, kv=kv2[:, :8]), ValueError, "kv must have shape"),
         (lambda: pool2.decode_batch(ids.float(), q, topk), TypeError, "request_ids must have dtype"),
@@ -532,6 +532,8 @@ def test_bad_decode_batch_raises_naming_the_argument(pool2) -> None:
     assert health["state"] == "healthy" and [r["steps"] for r in health["ranks"]] == steps_before
     out, lse = pool2.decode_batch(ids, q, topk, return_lse=True)  # still serving, the KV intact
     _check(list(zip(out.split(1), lse.split(1))), reqs, mirror)
+    # int64 positions (torch.arange's) are converted on the driver: the same step, bit for bit
+    assert torch.equal(pool2.decode_batch(ids, q, topk.long())[0], out)
     pool2.free([5, 6])
 
 
