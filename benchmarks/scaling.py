@@ -49,9 +49,10 @@ from shardattn.calibrate.steps import PATHS, measure_paths, with_heads
 from shardattn.calibrate.timing import median_ms
 from shardattn.launch.local import run_ranks
 from shardattn.launch.workloads import build_prefill
-from shardattn.parallel.runtime import PrefillOptions, Runtime
 from shardattn.plan.cost import CollectiveRate, CostModel, StepShape, choose_prefill, load_calibration
 from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn.runtime.options import PrefillOptions
+from shardattn.runtime.runtime import Runtime
 
 #: (label, preset, heads override, tokens): two presets and two head counts at 8K and 32K new tokens.
 CONFIGS = (

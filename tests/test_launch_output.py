@@ -101,8 +101,8 @@ def test_progress_off_a_terminal_says_nothing_for_a_quick_run_then_a_line_per_ph
 
 def test_the_library_configures_no_logging_handler() -> None:
     code = (
-        "import logging, shardattn.parallel.runtime, shardattn.launch.runner, shardattn.calibrate.__main__\n"
-        "print([h for name in ('shardattn', 'shardattn.parallel.runtime') for h in logging.getLogger(name).handlers])"
+        "import logging, shardattn.runtime.runtime, shardattn.launch.runner, shardattn.calibrate.__main__\n"
+        "print([h for name in ('shardattn', 'shardattn.runtime.planning') for h in logging.getLogger(name).handlers])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -111,7 +111,8 @@ def test_the_library_configures_no_logging_handler() -> None:
 def _log_body(group) -> list[str]:
     import logging
 
-    from shardattn.parallel.runtime import PrefillOptions, Runtime
+    from shardattn.runtime.options import PrefillOptions
+    from shardattn.runtime.runtime import Runtime
     from tests.test_runtime import MLA, _prefill_step
 
     seen: list[str] = []
@@ -137,7 +138,7 @@ def _log_body(group) -> list[str]:
 @pytest.mark.distributed
 def test_route_decisions_are_logged_at_debug_on_the_shardattn_logger(dist_pool) -> None:
     for records in dist_pool.run(_log_body, world_size=2):
-        prefill = [r for r in records if r.startswith("DEBUG shardattn.parallel.runtime: prefill of 62 tokens")]
+        prefill = [r for r in records if r.startswith("DEBUG shardattn.runtime.planning: prefill of 62 tokens")]
         assert prefill and "shardq, reference G=1: no GPU" in prefill[0], records
-        assert any(r.startswith("DEBUG shardattn.parallel.runtime: decode steps (head-TP): reference") for r in records)
+        assert any(r.startswith("DEBUG shardattn.runtime.planning: decode steps (head-TP): reference") for r in records)
     assert dist.is_available()

@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.topk import DcpShard
 from shardattn.launch.workloads import build_decode
-from shardattn.parallel.runtime import DecodeOptions, PrefillOptions, Runtime
+from shardattn.ops.topk import DcpShard
+from shardattn.runtime.options import DecodeOptions, PrefillOptions
+from shardattn.runtime.runtime import Runtime
 from tests.oracle import gqa_oracle
 from tests.test_runtime import GQA, GQA_SCALE, MLA, _err, _gqa_step, _heads, _prefill_step, _token_rows
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shardattn.kernels.topk import DcpShard, convert_topk
+from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.dcp_shard import shard_kv_cache
 from shardattn.workload import PRESETS, Overlap, synthetic_topk

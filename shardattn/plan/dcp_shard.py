@@ -3,7 +3,7 @@
 Under decode context parallelism each rank stores only its tokens of every request (token ``t``
 on rank ``(t // I) % W`` at local index ``(t // (W*I)) * I + t % I``: :class:`DCPLayout`), in
 pages of its own, addressed by its own block table; :meth:`Runtime.decode
-<shardattn.parallel.runtime.Runtime.decode>` under DCP takes that shard and table with the
+<shardattn.runtime.runtime.Runtime.decode>` under DCP takes that shard and table with the
 requests' global ``seq_lens``. :func:`shard_kv_cache` builds both from the whole cache: a
 request's owned tokens, in local order, fill fresh pages of the shard one after another.
 

@@ -1,0 +1,431 @@
+"""Requests a pool step takes, and their validation on the driver before any rank runs.
+
+A step is a list of requests. Every tensor is on the CPU (the driver's side), the model's dtype
+for activations and KV, int32 for top-k positions:
+
+* :class:`PrefillRequest`: a request's new prompt tokens (a first chunk, or a later chunk of a
+  chunked prefill): their KV rows, and (with an attention step) their queries and top-k.
+* :class:`DecodeRequest`: new query tokens of a request already prefilled (``Q`` > 1: drafts),
+  their top-k (sparse MLA), and optionally their KV rows, written before the step attends.
+* a whole decode step as tensors (:func:`check_decode_batch`, the pool's ``decode_batch``):
+  ``q [T, H, D]``, ``topk [T, K]``, the requests' ids and query lengths; checked with array
+  operations, no Python work per request.
+
+:func:`pack_step` checks a step against the pool's :class:`PoolShapes` and the KV ledger and
+concatenates it (request-major, token order); any problem is a ``ValueError`` / ``TypeError``
+naming the request and the argument, and nothing has changed yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardattn._checks import check_tensor
+from shardattn.plan.kv_pages import PagedKVBook
+from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.args import as_index
+from shardattn.runtime.options import DecodeOptions
+
+__all__ = [
+    "BatchStep",
+    "DecodeRequest",
+    "PackedStep",
+    "PoolShapes",
+    "PrefillRequest",
+    "check_decode_batch",
+    "check_sinks",
+    "dcp_interleave",
+    "one_host_thread",
+    "pack_step",
+    "pool_shapes",
+]
+
+
+@contextlib.contextmanager
+def one_host_thread(threads: int = 1) -> Iterator[None]:
+    """Run the driver's side of a step on one torch CPU thread (or ``threads``), then restore the
+    caller's count.
+
+    The step's host work is small copies and checks; with torch's default of one thread per core
+    the driver's parallel regions contended with the rank actors' threads on the same host and
+    stalled the step by about 5 ms each (two H200s, a 64-request decode; docs/DECISIONS.md, D44).
+    """
+    n = torch.get_num_threads()
+    if n == threads:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+KV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+_CPU = torch.device("cpu")
+
+
+@dataclass
+class PrefillRequest:
+    """New prompt tokens of one request (``n`` tokens).
+
+    Attributes:
+        id: any hashable; a new id admits the request, a known one extends it (chunked prefill).
+        kv: sparse MLA ``[n, D]`` latent rows; GQA ``(k [n, Hkv, D], v [n, Hkv, Dv])``.
+        q: ``[n, H, D]`` queries of every head, or ``None`` to only write the KV (required
+            ``None`` when the pool's mode has no prefill attention, e.g. GQA).
+        topk_pos: ``[n, K]`` int32 (int64 is converted) top-k positions inside the request
+            (cached prefix included; ``-1`` / out of range = invalid, anywhere), with ``q`` on
+            a sparse-MLA pool.
+    """
+
+    id: Hashable
+    kv: KV
+    q: torch.Tensor | None = None
+    topk_pos: torch.Tensor | None = None
+
+
+@dataclass
+class DecodeRequest:
+    """New query tokens of a prefilled request (``Q`` tokens: 1, or more with drafts).
+
+    Attributes:
+        id: a request id the pool holds KV state for.
+        q: ``[Q, H, D]`` queries of every head.
+        topk_pos: ``[Q, K]`` int32 top-k positions inside the request (sparse MLA; ``None`` for GQA).
+        kv: the ``Q`` tokens' own KV rows (as in :class:`PrefillRequest`), appended before the
+            step attends; ``None`` attends over the cache as it is.
+    """
+
+    id: Hashable
+    q: torch.Tensor
+    topk_pos: torch.Tensor | None = None
+    kv: KV | None = None
+
+
+@dataclass(frozen=True)
+class PoolShapes:
+    """What the pool's steps accept (from its spec and Runtime sizes)."""
+
+    kind: str  # "sparse_mla" or "gqa"
+    heads: int
+    head_dim: int
+    kv_rows: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # row shape and dtype of each KV component
+    dtype: torch.dtype
+    topk: int
+    prefill_attention: bool
+    max_prefill_tokens: int
+    max_decode_tokens: int
+
+
+def dcp_interleave(runtime_kwargs: dict[str, Any]) -> int:
+    """The DCP interleave the pool's Runtimes use (their ``decode_options``; default 1)."""
+    options = runtime_kwargs.get("decode_options")
+    if options is None:
+        return 1
+    if not isinstance(options, DecodeOptions):
+        raise TypeError(f"runtime_kwargs['decode_options'] must be a DecodeOptions, got {type(options).__name__}")
+    return options.dcp_interleave
+
+
+def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> PoolShapes:
+    """What a pool of ``spec`` in ``mode`` accepts (``runtime_kwargs``: the Runtime's sizes and top-k)."""
+    dtype = getattr(torch, spec.dtype)
+    if spec.kind == "sparse_mla":
+        rows: tuple = (((spec.head_dim,), dtype),)
+    else:
+        rows = (((spec.num_kv_heads, spec.head_dim), dtype), ((spec.num_kv_heads, spec.v_dim), dtype))
+    return PoolShapes(
+        kind=spec.kind,
+        heads=spec.num_heads,
+        head_dim=spec.head_dim,
+        kv_rows=rows,
+        dtype=dtype,
+        topk=int(runtime_kwargs.get("topk") or spec.topk),
+        prefill_attention=spec.kind == "sparse_mla" and mode != "dcp-decode",
+        max_prefill_tokens=int(runtime_kwargs["max_batched_tokens"]),
+        max_decode_tokens=int(runtime_kwargs.get("max_decode_tokens", 256)),
+    )
+
+
+def check_sinks(sinks: object, spec: ModelSpec) -> torch.Tensor | None:
+    """The pool's attention sinks, checked: ``[H]`` fp32 finite logits on the CPU (one per query
+    head of the whole model), given exactly when ``spec.has_sinks``; returned contiguous.
+
+    Raises:
+        TypeError / ValueError: naming ``sinks``.
+    """
+    if sinks is None:
+        if spec.has_sinks:
+            raise ValueError(f"sinks must be given ([{spec.num_heads}] fp32): the spec has has_sinks=True")
+        return None
+    if not spec.has_sinks:
+        raise ValueError("sinks must be None: the spec has has_sinks=False (its kernels are built without sinks)")
+    check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(spec.num_heads,), device=_CPU)
+    assert isinstance(sinks, torch.Tensor)
+    if not bool(torch.isfinite(sinks).all()):
+        bad = int((~torch.isfinite(sinks)).nonzero()[0, 0])
+        raise ValueError(f"sinks must be finite, got sinks[{bad}]={float(sinks[bad])}")
+    return sinks.contiguous()
+
+
+@dataclass
+class PackedStep:
+    """A validated step, concatenated request-major.
+
+    Attributes:
+        ids: the requests. starts: ``[B]`` tokens cached before the step. counts: ``[B]`` new
+        tokens (KV rows written). q_counts: ``[B]`` query tokens. q: ``[T, H, D]`` or ``None``.
+        kv: per component ``[sum(counts), *row]`` (empty list when nothing is written).
+        topk: ``[T, K]`` int32 or ``None``.
+    """
+
+    ids: list[Hashable]
+    starts: list[int]
+    counts: list[int]
+    q_counts: list[int]
+    q: torch.Tensor | None
+    kv: list[torch.Tensor]
+    topk: torch.Tensor | None
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Tokens of each request after the step."""
+        return [s + n for s, n in zip(self.starts, self.counts)]
+
+
+def _kv_parts(shapes: PoolShapes, kv: object, name: str, n: int | None) -> list[torch.Tensor]:
+    parts = list(kv) if isinstance(kv, tuple | list) else [kv]
+    if len(parts) != len(shapes.kv_rows):
+        want = "one [n, D] tensor" if len(shapes.kv_rows) == 1 else "a (k, v) pair"
+        raise TypeError(f"{name} must be {want} for a {shapes.kind} pool, got {type(kv).__name__}")
+    rows = parts[0].shape[0] if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0 else n
+    for i, (part, (row, dtype)) in enumerate(zip(parts, shapes.kv_rows)):
+        label = name if len(parts) == 1 else f"{name}[{i}]"
+        check_tensor(label, part, dtypes=(dtype,), shape=(rows if n is None else n, *row), device=_CPU)
+    return parts
+
+
+def _check_q(shapes: PoolShapes, q: object, name: str) -> int:
+    check_tensor(name, q, dtypes=(shapes.dtype,), shape=(None, shapes.heads, shapes.head_dim), device=_CPU)
+    return int(q.shape[0])  # type: ignore[union-attr]
+
+
+def _check_topk(shapes: PoolShapes, topk: object, name: str, n: int) -> torch.Tensor:
+    """``topk`` as ``[n, K]`` int32 on the CPU (int64 converted, its values checked)."""
+    topk = as_index(name, topk) if isinstance(topk, torch.Tensor) and topk.device == _CPU else topk
+    return check_tensor(name, topk, dtypes=(torch.int32,), shape=(n, shapes.topk), device=_CPU)
+
+
+def pack_step(
+    kind: str,
+    requests: Sequence[PrefillRequest | DecodeRequest],
+    shapes: PoolShapes,
+    book: PagedKVBook,
+    *,
+    into: dict[str, torch.Tensor] | None = None,
+) -> PackedStep:
+    """Validate a ``"prefill"`` or ``"decode"`` step and concatenate it; the ledger is not changed.
+
+    ``into``: buffers to concatenate into once the step is valid (``q``, ``topk``, ``kv0`` /
+    ``kv1``, each at least the step's rows: a shared-memory region's inputs); the packed
+    tensors are then views of their leading rows.
+
+    Raises:
+        TypeError / ValueError: naming the request and argument (wrong type, dtype, shape or
+            device; unknown id; over ``max_seq_len`` / ``max_requests``; out of pages; a step
+            larger than the Runtime's sizes).
+    """
+    cls = PrefillRequest if kind == "prefill" else DecodeRequest
+    if isinstance(requests, PrefillRequest | DecodeRequest) or not isinstance(requests, Sequence):
+        raise TypeError(f"{kind} takes a list of {cls.__name__}, got {type(requests).__name__}")
+    if not requests:
+        raise ValueError(f"{kind} needs at least one request")
+    ids, starts, counts, q_counts = [], [], [], []
+    qs: list[torch.Tensor] = []
+    kvs: list[list[torch.Tensor]] = []
+    topks: list[torch.Tensor] = []
+    for i, req in enumerate(requests):
+        if not isinstance(req, cls):
+            raise TypeError(f"requests[{i}] must be a {cls.__name__}, got {type(req).__name__}")
+        where = f"request {req.id!r}"
+        topk = None
+        if kind == "prefill":
+            assert isinstance(req, PrefillRequest)
+            parts = _kv_parts(shapes, req.kv, f"{where}: kv", None)
+            n = int(parts[0].shape[0])
+            if n < 1:
+                raise ValueError(f"{where}: kv must hold at least one token")
+            if req.q is not None and not shapes.prefill_attention:
+                raise ValueError(f"{where}: q must be None: this pool's mode has no prefill attention (KV is written)")
+            if req.q is None and req.topk_pos is not None:
+                raise ValueError(f"{where}: topk_pos given without q")
+            if req.q is not None:
+                if _check_q(shapes, req.q, f"{where}: q") != n:
+                    raise ValueError(f"{where}: q must have one row per KV row ({n}), got {req.q.shape[0]}")
+                if shapes.kind == "sparse_mla":
+                    if req.topk_pos is None:
+                        raise ValueError(f"{where}: a sparse-MLA prefill with q needs topk_pos [n, K]")
+                    topk = _check_topk(shapes, req.topk_pos, f"{where}: topk_pos", n)
+            q_n = n if req.q is not None else 0
+        else:
+            assert isinstance(req, DecodeRequest)
+            q_n = _check_q(shapes, req.q, f"{where}: q")
+            if q_n < 1:
+                raise ValueError(f"{where}: q must hold at least one query token")
+            parts = [] if req.kv is None else _kv_parts(shapes, req.kv, f"{where}: kv", q_n)
+            n = q_n if parts else 0
+            if shapes.kind == "sparse_mla":
+                if req.topk_pos is None:
+                    raise ValueError(f"{where}: a sparse-MLA decode needs topk_pos [Q, K]")
+                topk = _check_topk(shapes, req.topk_pos, f"{where}: topk_pos", q_n)
+            elif req.topk_pos is not None:
+                raise ValueError(f"{where}: topk_pos must be None for a GQA pool")
+        ids.append(req.id)
+        counts.append(n)
+        q_counts.append(q_n)
+        if q_n:
+            qs.append(req.q)  # type: ignore[arg-type]
+            if topk is not None:
+                topks.append(topk)
+        kvs.append(parts)
+    if kind == "prefill" and sum(q_counts) > 0 and min(q_counts) == 0:
+        raise ValueError("a prefill step either attends for every request (q given) or for none")
+    has_kv = {bool(p) for p in kvs}
+    if len(has_kv) > 1:
+        raise ValueError("a decode step either writes KV for every request (kv given) or for none")
+    total_q = sum(q_counts)
+    limit = shapes.max_prefill_tokens if kind == "prefill" else shapes.max_decode_tokens
+    if total_q > limit:
+        name = "max_batched_tokens" if kind == "prefill" else "max_decode_tokens"
+        raise ValueError(f"the step has {total_q} query tokens, over the pool's {name}={limit}")
+    book.check_growth(list(zip(ids, counts)), new_ok=kind == "prefill")
+    for i in ids:
+        starts.append(book.seq_len(i) if i in book else 0)
+    if kind == "decode":
+        empty = [i for i, s, n in zip(ids, starts, counts) if s + n == 0]
+        if empty:
+            raise ValueError(f"decode of requests with no cached tokens: {empty!r}")
+
+    def cat(parts: list[torch.Tensor], name: str) -> torch.Tensor:
+        if into is None or name not in into:
+            return torch.cat(parts)
+        return torch.cat(parts, out=into[name][: sum(int(p.shape[0]) for p in parts)])
+
+    kv_cat = [cat([p[c] for p in kvs], f"kv{c}") for c in range(len(kvs[0]))] if kvs[0] else []
+    topk_cat = cat(topks, "topk") if topks else None
+    return PackedStep(ids, starts, counts, q_counts, cat(qs, "q") if qs else None, kv_cat, topk_cat)
+
+
+@dataclass
+class BatchStep:
+    """A validated decode step of whole-step tensors (:func:`check_decode_batch`).
+
+    Attributes:
+        slots: ``[B]`` int64 the requests' slots in the ledger. starts: ``[B]`` int64 cached
+        tokens before the step. counts: ``[B]`` int64 KV rows the step writes (``q_lens`` or 0).
+        q_lens: ``[B]`` int64 query tokens. q: ``[T, H, D]``. topk: ``[T, K]`` int32 or
+        ``None``. kv: per component ``[T, *row]`` (empty: nothing written).
+    """
+
+    slots: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+    q_lens: np.ndarray
+    q: torch.Tensor
+    topk: torch.Tensor | None
+    kv: list[torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q_lens.sum())
+
+
+def _index_array(name: str, value: object) -> np.ndarray | Sequence[Hashable]:
+    """A 1-D integer tensor / array as int64 NumPy (CPU only); another sequence as it is."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got {value.device}")
+        if value.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must have dtype int64 or int32, got {value.dtype}")
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {list(value.shape)}")
+        return value.numpy().astype(np.int64, copy=False)
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu" or value.ndim != 1:
+            raise TypeError(f"{name} must be a 1-D integer array, got {value.dtype} of shape {list(value.shape)}")
+        return value.astype(np.int64, copy=False)
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a 1-D int64 tensor or a sequence, got {type(value).__name__}")
+    return value
+
+
+def check_decode_batch(
+    shapes: PoolShapes,
+    book: PagedKVBook,
+    request_ids: object,
+    q: object,
+    topk_pos: object = None,
+    *,
+    query_lens: object = None,
+    kv: object = None,
+) -> BatchStep:
+    """Validate a decode step given as whole-step tensors; nothing changes. Array checks only.
+
+    Args:
+        request_ids: ``[B]`` int64 (or int32) tensor of distinct prefilled request ids, or a
+            sequence of ids (any hashables; looked up one by one).
+        q: ``[T, H, D]`` queries, request-major (request ``b``'s ``query_lens[b]`` tokens in order).
+        topk_pos: ``[T, K]`` int32 (int64 is converted) top-k positions inside each token's
+            request (sparse MLA); ``None`` for GQA.
+        query_lens: ``[B]`` query tokens per request (default: one each, ``T == B``).
+        kv: the ``T`` tokens' own KV rows (``[T, D]``; GQA ``(k [T, Hkv, D], v [T, Hkv, Dv])``),
+            appended before the step attends; ``None`` attends over the cache as it is.
+    Raises:
+        TypeError / ValueError: naming the argument (and ``request_ids[i]`` for a request:
+            unknown, repeated, over ``max_seq_len``), or out of pages.
+    """
+    ids = _index_array("request_ids", request_ids)
+    b = len(ids)
+    if b == 0:
+        raise ValueError("request_ids must name at least one request")
+    t = _check_q(shapes, q, "q")
+    assert isinstance(q, torch.Tensor)
+    if query_lens is None:
+        if t != b:
+            raise ValueError(
+                f"q must have one row per request ({b}) without query_lens, got {t}; pass query_lens for drafts"
+            )
+        lens = np.ones(b, dtype=np.int64)
+    else:
+        lens_in = _index_array("query_lens", query_lens)
+        lens = np.asarray(lens_in) if not isinstance(lens_in, np.ndarray) else lens_in
+        if lens.dtype.kind not in "iu":
+            raise TypeError(f"query_lens must hold integers, got {lens.dtype}")
+        lens = lens.astype(np.int64, copy=False)
+        if lens.shape != (b,):
+            raise ValueError(f"query_lens must have shape [{b}] (one per request), got {list(lens.shape)}")
+        if b and int(lens.min()) < 1:
+            raise ValueError(f"query_lens must be >= 1, got query_lens[{int(lens.argmin())}]={int(lens.min())}")
+        if int(lens.sum()) != t:
+            raise ValueError(f"q must have sum(query_lens)={int(lens.sum())} rows, got {t}")
+    if t > shapes.max_decode_tokens:
+        raise ValueError(f"q has {t} query tokens, over the pool's max_decode_tokens={shapes.max_decode_tokens}")
+    topk: torch.Tensor | None = None
+    if shapes.kind == "sparse_mla":
+        if topk_pos is None:
+            raise ValueError("topk_pos must be given ([T, K] int32) for a sparse-MLA pool")
+        topk = _check_topk(shapes, topk_pos, "topk_pos", t)
+    elif topk_pos is not None:
+        raise ValueError("topk_pos must be None for a GQA pool")
+    parts = [] if kv is None else _kv_parts(shapes, kv, "kv", t)
+    slots = book.slots(ids)
+    counts = lens if parts else np.zeros(b, dtype=np.int64)
+    book.check_slots(slots, counts)
+    return BatchStep(slots, book.lens[slots], counts, lens, q, topk, parts)
