@@ -21,6 +21,7 @@ from shardattn.plan.routing import Route, route_prefill
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.workspace import workspace_bounds
 from shardattn.plan.zigzag import zigzag_split
+from shardattn.runtime.options import DecodeOptions, PrefillOptions
 from shardattn.runtime.runtime import MODES, PrefillPlan, Runtime, WorkspaceExceededError
 from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
 
@@ -112,17 +113,19 @@ def _heads(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 # -- prefill ----------------------------------------------------------------------------------------
 def _prefill_body(group, mode: str, min_shard_tokens: int, scale: float | None = None) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rt = Runtime(MLA, group, max_batched_tokens=128, mode=mode, min_shard_tokens=min_shard_tokens, scale=scale)
+    options = PrefillOptions(min_shard_tokens=min_shard_tokens)
+    rt = Runtime(MLA, group, max_batched_tokens=128, mode=mode, prefill_options=options, scale=scale)
     want = MLA_SCALE if scale is None else scale
     step = _prefill_step()
-    plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+    plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
     rt.comm.reset_counts()
     if plan.step == "pcp":
         mine = plan.tokens_of(rank)
         own = _token_rows(step).index_select(0, mine)
         out, lse = rt.prefill(
-            step.q[mine], step.kv[own], step.positions[mine], plan=plan, kv_cache=step.kv, block_table=step.block_table
-        )
+            step.q[mine], step.kv, topk_pos=step.positions[mine], kv_new=step.kv[own], block_table=step.block_table,
+            plan=plan,
+        )  # fmt: skip
         ref_out, ref_lse = _mla_oracle(step, want, _kv_lens(step))
         ref_out, ref_lse = ref_out[mine], ref_lse[mine]
     else:
@@ -130,7 +133,7 @@ def _prefill_body(group, mode: str, min_shard_tokens: int, scale: float | None =
             _heads(step.q, rank, world).contiguous(),
             step.kv,
             step.rows,
-            seq_lens=step.seq_lens,
+            query_lens=step.query_lens,
             prefix_lens=step.prefix_lens,
         )
         ref_out, ref_lse = _mla_oracle(step, want, _kv_lens(step))
@@ -145,12 +148,12 @@ def _prefill_body(group, mode: str, min_shard_tokens: int, scale: float | None =
 
 
 def _kv_lens(step) -> list[int]:
-    return [c + n for c, n in zip(step.prefix_lens, step.seq_lens)]
+    return [c + n for c, n in zip(step.prefix_lens, step.query_lens)]
 
 
 def _token_rows(step) -> torch.Tensor:
     """``[T]`` KV-cache row of every new token (the key and value it computed)."""
-    starts = torch.tensor([0, *step.seq_lens]).cumsum(0)[:-1]
+    starts = torch.tensor([0, *step.query_lens]).cumsum(0)[:-1]
     req = step.req_ids.long()
     pos = torch.tensor(step.prefix_lens)[req] + torch.arange(len(req)) - starts[req]
     return step.block_table.long()[req, pos // MLA.page_size] * MLA.page_size + pos % MLA.page_size
@@ -163,11 +166,12 @@ def _token_rows(step) -> torch.Tensor:
     [
         ("shardq", 1, "shardq", {"all_to_all": 2, "agreement": 1}),
         ("mixed", 1, "shardq", {"all_to_all": 2, "agreement": 1}),
-        ("shardq", 1024, "headtp", {"agreement": 1}),  # below the gate: head-TP, no data moves
+        ("shardq", 100, "headtp", {"agreement": 1}),  # below the gate: head-TP, no data moves
+        ("shardq", 1024, "headtp", {}),  # a gate above max_batched_tokens: never shards, no collective
         ("headtp", 1, "headtp", {}),
         ("pcp", 1, "pcp", {"all_gather": 1, "agreement": 1}),
     ],
-    ids=["shardq", "mixed", "shardq-below-gate", "headtp", "pcp"],
+    ids=["shardq", "mixed", "shardq-below-gate", "shardq-gate-above-max", "headtp", "pcp"],
 )
 def test_prefill_matches_single_process_reference(dist_pool, world_size, mode, gate, step, collectives) -> None:
     results = dist_pool.run(_prefill_body, mode, gate, world_size=world_size)
@@ -191,9 +195,8 @@ def _decode_body(
 ) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     spec = MLA if kind == "mla" else GQA
-    rt = Runtime(
-        spec, group, max_batched_tokens=64, mode=mode, dcp_interleave=interleave, non_causal=non_causal, scale=scale
-    )
+    options = DecodeOptions(dcp_interleave=interleave, causal=not non_causal)
+    rt = Runtime(spec, group, max_batched_tokens=64, mode=mode, decode_options=options, scale=scale)
     want = (MLA_SCALE if kind == "mla" else GQA_SCALE) if scale is None else scale
     dcp = mode in ("mixed", "dcp-decode")
     shard = DcpShard(world, interleave, rank) if dcp else DcpShard(1, 1, 0)
@@ -321,7 +324,14 @@ def _multipass_body(group) -> dict:
     import shardattn.runtime.prefill as runtime_module
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rt = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", min_shard_tokens=1, warmup=False)
+    rt = Runtime(
+        MLA,
+        group,
+        max_batched_tokens=128,
+        mode="shardq",
+        prefill_options=PrefillOptions(min_shard_tokens=1),
+        warmup=False,
+    )
     g, k, t = 8, MLA.topk, sum(MULTIPASS_SEQ)
     split = zigzag_split(MULTIPASS_SEQ, world, align=g, min_tokens=0)
     plan = PrefillPlan("shardq", Route("grouped", g, "as on a GPU"), split, t)
@@ -371,7 +381,7 @@ def _two_runtimes_body(group) -> dict:
     # a second group over the same ranks; every rank of the world creates it (a group made by some
     # ranks only would leave the ranks' group counters, and so later groups' names, out of step)
     other = dist.new_group(list(range(world)))
-    a = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", min_shard_tokens=1)
+    a = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", prefill_options=PrefillOptions(min_shard_tokens=1))
     b = Runtime(GQA, other, max_batched_tokens=64, mode="dcp-decode")
     assert a.group is group and b.group is other
     step = _prefill_step(seed=5)
@@ -384,7 +394,7 @@ def _two_runtimes_body(group) -> dict:
             _heads(step.q, rank, world).contiguous(),
             step.kv,
             step.rows,
-            seq_lens=step.seq_lens,
+            query_lens=step.query_lens,
             prefix_lens=step.prefix_lens,
         )
         out_b, _ = b.decode(
@@ -427,14 +437,18 @@ def _workspace_body(group) -> dict:
     q = _heads(step.q, dist.get_rank(group), world).contiguous()
     errors = _workspace_errors(
         {
-            "too-many-tokens": lambda: rt.prefill(q, step.kv, step.rows, seq_lens=[101], prefix_lens=[0]),
+            "too-many-tokens": lambda: rt.prefill(q, step.kv, step.rows, query_lens=[101], prefix_lens=[0]),
             "wider-topk": lambda: rt.prefill(
-                q, step.kv, torch.cat([step.rows, step.rows], 1), seq_lens=step.seq_lens, prefix_lens=step.prefix_lens
+                q,
+                step.kv,
+                torch.cat([step.rows, step.rows], 1),
+                query_lens=step.query_lens,
+                prefix_lens=step.prefix_lens,
             ),
             "decode-tokens": lambda: rt.check_workspace("decode", "headtp", tokens=9),
         }
     )
-    out, _ = rt.prefill(q, step.kv, step.rows, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens)  # still fine
+    out, _ = rt.prefill(q, step.kv, step.rows, query_lens=step.query_lens, prefix_lens=step.prefix_lens)  # still fine
     return {
         "reserved": reserved,
         "arena": (rt.workspace_bytes, rt.ws.kind_bytes("prefill"), rt.ws.kind_bytes("decode")),
@@ -578,7 +592,7 @@ def test_modes_are_the_launchers() -> None:
 
 def _no_lse_body(group) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rt = Runtime(GQA, group, max_batched_tokens=32, mode="headtp", decode_lse=False)
+    rt = Runtime(GQA, group, max_batched_tokens=32, mode="headtp", decode_options=DecodeOptions(return_lse=False))
     g = _gqa_step((20, 9), (1, 1), 7, DcpShard(1, 1, 0))
     hkv = 2 // world
     k, v = (c[:, :, rank * hkv : (rank + 1) * hkv].contiguous() for c in (g.k_cache, g.v_cache))
@@ -602,34 +616,36 @@ MLA_DSA = ModelSpec("sparse_mla", 4, 1, 576, 512, 16, 16, dtype="bfloat16", soft
 
 def _fp8_body(group, mode: str) -> dict:
     """One prefill and one decode step of a Runtime with ``kv_dtype="fp8_ds_mla"`` on FP8 caches,
-    and of a bf16 Runtime on the rows those caches dequantise to (exact): the same bits."""
+    and of a Runtime of rows in q's dtype on the rows those caches dequantise to (exact): the same bits."""
     from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rt8 = Runtime(MLA_DSA, group, max_batched_tokens=64, mode=mode, min_shard_tokens=1, kv_dtype="fp8_ds_mla")
-    rt = Runtime(MLA_DSA, group, max_batched_tokens=64, mode=mode, min_shard_tokens=1)
-    res = {"workspace": (rt8.workspace_bytes, rt.workspace_bytes)}
+    options = PrefillOptions(min_shard_tokens=1)
+    rt8 = Runtime(MLA_DSA, group, max_batched_tokens=64, mode=mode, prefill_options=options, kv_dtype="fp8_ds_mla")
+    rt = Runtime(MLA_DSA, group, max_batched_tokens=64, mode=mode, prefill_options=options)
+    res = {"workspace": (rt8.workspace_bytes, rt.workspace_bytes), "reason": rt8.decode_route.reason}
     step = build_prefill(
         heads=4, head_dim=576, tokens=20, requests=2, cached=(6, 0), topk=16, overlap="dsa", dtype=torch.float32,
         device=CPU, seed=4, block_size=16,
     )  # fmt: skip
     kv8 = quantize_kv(step.kv)
     kv = dequantize_kv(kv8, torch.float32)
-    plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(kv.shape[0]))
+    plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(kv.shape[0]))
     if plan.step == "pcp":
         mine = plan.tokens_of(rank)
-        own = _token_rows_of(step, 16).index_select(0, mine)
-        args8 = (step.q[mine], kv8[own], step.positions[mine])
-        args = (step.q[mine], kv[own], step.positions[mine])
-        kw8 = {"kv_cache": kv8.view(-1, 16, 656), "block_table": step.block_table}
-        kw = {"kv_cache": kv, "block_table": step.block_table}
+        own = _token_rows(step).index_select(0, mine)  # MLA_DSA's pages are MLA's 16 tokens
+        q = step.q[mine]
+        call8 = {"kv_cache": kv8.view(-1, 16, 656), "topk_pos": step.positions[mine], "kv_new": kv8[own]}
+        call = {"kv_cache": kv, "topk_pos": step.positions[mine], "kv_new": kv[own]}
+        for c in (call8, call):
+            c["block_table"] = step.block_table
     else:
         q = _heads(step.q, rank, world).contiguous()
-        args8, args, kw8, kw = (q, kv8, step.rows), (q, kv, step.rows), {}, {}
-    out8 = rt8.prefill(*args8, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens, **kw8)
-    out = rt.prefill(*args, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens, **kw)
+        call8, call = {"kv_cache": kv8, "rows": step.rows}, {"kv_cache": kv, "rows": step.rows}
+    lens = {"query_lens": step.query_lens, "prefix_lens": step.prefix_lens}
+    out8 = rt8.prefill(q, **call8, **lens)
+    out = rt.prefill(q, **call, **lens)
     res["prefill"] = all(torch.equal(a, b) for a, b in zip(out8, out))
-    res["prefill_err"] = _err(out8[0], out[0])
     dcp = mode in ("mixed", "dcp-decode")
     s = build_decode(
         heads=4, head_dim=576, requests=2, cached=(37, 20), q_lens=(1, 2), topk=16, overlap="random", causal=True,
@@ -638,43 +654,37 @@ def _fp8_body(group, mode: str) -> dict:
     )  # fmt: skip
     local8 = quantize_kv(s.local_kv).view(-1, 16, 656)  # the rank's shard, paged
     local = dequantize_kv(local8, torch.float32).flatten(0, 1)
-    q = _heads(s.q, rank, world).contiguous()
-    dec8 = rt8.decode(q, local8, s.local_table, s.seq_lens, topk_pos=s.positions, req_ids=s.req_ids)
-    dec = rt.decode(q, local, s.local_table, s.seq_lens, topk_pos=s.positions, req_ids=s.req_ids)
+    qd = _heads(s.q, rank, world).contiguous()
+    meta = {"topk_pos": s.positions, "req_ids": s.req_ids}
+    dec8 = rt8.decode(qd, local8, s.local_table, s.seq_lens, **meta)
+    dec = rt.decode(qd, local, s.local_table, s.seq_lens, **meta)
     res["decode"] = all(torch.equal(a, b) for a, b in zip(dec8, dec))
-    for name, call in {
-        "prefill-bf16-cache": lambda: rt8.prefill(*args, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens, **kw),
-        "decode-bf16-cache": lambda: rt8.decode(q, local, s.local_table, s.seq_lens, topk_pos=s.positions,
-                                                req_ids=s.req_ids),
-    }.items():  # fmt: skip
+    for name, bad in {
+        "prefill-float-cache": lambda: rt8.prefill(q, **call, **lens),
+        "decode-float-cache": lambda: rt8.decode(qd, local, s.local_table, s.seq_lens, **meta),
+    }.items():
         try:
-            call()
+            bad()
             res[name] = None
         except ValueError as e:
             res[name] = str(e)
     return res
 
 
-def _token_rows_of(step, page: int) -> torch.Tensor:
-    starts = torch.tensor([0, *step.seq_lens]).cumsum(0)[:-1]
-    req = step.req_ids.long()
-    pos = torch.tensor(step.prefix_lens)[req] + torch.arange(len(req)) - starts[req]
-    return step.block_table.long()[req, pos // page] * page + pos % page
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["mixed", "pcp", "headtp"])
 def test_fp8_kv_runtime_equals_the_bf16_runtime_on_the_dequantised_rows(dist_pool, mode: str) -> None:
     """kv_dtype="fp8_ds_mla": ShardQ / PCP / head-TP prefill and DCP / head-TP decode read FP8 caches
-    (a rank's paged shard included) and give the bf16 Runtime's bits on the rows they dequantise to;
-    a cache in another format is refused, naming it and the format."""
+    (a rank's paged shard included) and give the bits of a Runtime of dense rows on the rows they
+    dequantise to; a cache in another format is refused, naming it and the format; the routes say so."""
     for res in dist_pool.run(_fp8_body, mode, world_size=2):
         assert res["prefill"] and res["decode"], res
-        assert "fp8_ds_mla" in res["prefill-bf16-cache"] and "fp8_ds_mla" in res["decode-bf16-cache"], res
+        assert "fp8_ds_mla" in res["prefill-float-cache"] and "fp8_ds_mla" in res["decode-float-cache"], res
+        assert res["reason"].endswith("; fp8_ds_mla KV rows"), res
 
 
 def test_fp8_kv_dtype_sizes_the_workspace_and_is_refused_where_it_does_not_apply() -> None:
-    assert Runtime.__init__.__kwdefaults__["kv_dtype"] is None
+    assert Runtime.__init__.__kwdefaults__["kv_dtype"] is None  # rows in q's dtype unless declared
     pcp = {fmt: workspace_bounds(MLA_DSA, max_batched_tokens=64, world_size=2, mode="pcp", kv_dtype=fmt) for fmt in
            ("bfloat16", "fp8_ds_mla")}  # fmt: skip
     assert pcp["bfloat16"].items["recv"] // (576 * 2) == pcp["fp8_ds_mla"].items["recv"] // 656

@@ -42,6 +42,8 @@ from shardattn.plan.routing import Route, gluon_grouped_group_size, prefill_grou
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.decode_warmup import warm_up_decode
 from shardattn.runtime.modes import GQA_BACKEND, PREFILL_STEP
+from shardattn.runtime.options import DecodeOptions
+from shardattn.runtime.workspace import RuntimeWorkspace
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,8 @@ class RuntimeWarmup:
     max_decode_tokens: int
     kv_format: str
     scale: float
-    decode_lse: bool
+    decode_options: DecodeOptions
+    ws: RuntimeWorkspace
     decode_is_dcp: bool
     decode_route: Route
     layout: DCPLayout
@@ -239,7 +242,7 @@ class RuntimeWarmup:
         if self.spec.kind != "sparse_mla" or step is None:
             return []
         heads = {self.heads_per_rank}
-        if step in ("shardq", "pcp"):
+        if step == "pcp" or (step == "shardq" and self.ws.shardq_possible):
             heads.add(self.spec.num_heads)
         return [
             PrefillSpec(
@@ -294,7 +297,7 @@ class RuntimeWarmup:
             max_decode_tokens=self.max_decode_tokens,
             scale=self.scale,
             dcp=DcpShard(self.world_size, self.layout.interleave, self.rank) if dcp else None,
-            need_lse=self.decode_lse or dcp,
+            need_lse=self.decode_options.return_lse or dcp,
             gqa_backend=GQA_BACKEND[self.decode_route.path],
             kv_fp8=self.kv_format == KV_FP8_DS_MLA,
         )
