@@ -40,7 +40,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from shardattn._checks import (
     FLOAT_DTYPES,
@@ -56,6 +55,7 @@ from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.kernels.topk import DcpShard, convert_topk
 from shardattn.parallel.collector import collect_checked, resolve_strategy
 from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.packing import view_bytes
 from shardattn.plan.context import DCPLayout
 
@@ -115,7 +115,7 @@ def dcp_sparse_mla_decode(
     req_ids: torch.Tensor,
     block_table: torch.Tensor,
     layout: DCPLayout,
-    group: dist.ProcessGroup | Comm,
+    group: GroupLike | Comm,
     *,
     block_size: int,
     scale: float,
@@ -141,7 +141,8 @@ def dcp_sparse_mla_decode(
         block_table: ``[B, M]`` int32 this rank's local block table (its blocks hold local
             positions, :meth:`~shardattn.plan.DCPLayout.local_index`); ``-1`` = unallocated.
         layout: the DCP layout; ``layout.world_size`` must be the group's size.
-        group: the DCP process group or a :class:`~shardattn.parallel.comm.Comm`.
+        group: the DCP process group or a :class:`~shardattn.parallel.comm.Comm`
+            (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
         block_size: tokens per block. scale: softmax scale. v_dim: value width.
         seq_lens: ``[B]`` int32 global request lengths; positions at or past them are invalid.
         topk_length: ``[T]`` int32 leading ``topk_pos`` entries to use, optional.
@@ -240,7 +241,7 @@ def dcp_gqa_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     layout: DCPLayout,
-    group: dist.ProcessGroup | Comm,
+    group: GroupLike | Comm,
     *,
     q_len_per_req: int | None = None,
     cu_q_lens: torch.Tensor | None = None,
@@ -266,7 +267,8 @@ def dcp_gqa_decode(
         block_table: ``[B, max_pages]`` int32 this rank's local page table.
         seq_lens: ``[B]`` int32 *global* keys per request, drafts included (0 = padding).
         layout: the DCP layout; ``layout.world_size`` must be the group's size.
-        group: the DCP process group or a :class:`~shardattn.parallel.comm.Comm`.
+        group: the DCP process group or a :class:`~shardattn.parallel.comm.Comm`
+            (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
         q_len_per_req: uniform drafts per request (default 1); or
         cu_q_lens: ``[B+1]`` int32 ragged query offsets (rows past ``cu_q_lens[-1]`` are padding).
         causal: drafts see each other causally (query ``j`` of ``Q`` sees ``L - Q + j + 1`` keys).
