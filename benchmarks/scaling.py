@@ -4,6 +4,7 @@ Usage (one rank per GPU)::
 
     torchrun --nproc-per-node 2 benchmarks/scaling.py --json scaling.json --png scaling.png
     python benchmarks/scaling.py --predict-only --simulate 4 8 --a2a-gbps 282   # no GPU needed
+    python benchmarks/scaling.py --predict-only --gpu "NVIDIA H200" --simulate 16 32 --nodes 2 4   # 2 x 8, 4 x 8
 
 For each configuration (model, heads, new tokens; 4 requests with 8,192 cached tokens each,
 DSA-like top-k 2,048, bf16) every rank times, in one run (``shardattn.calibrate.steps``):
@@ -16,6 +17,13 @@ of the fastest measured path, every prediction within 15 %.
 ``--simulate W ...`` adds the same table predicted for ``W`` ranks from the calibration, with the
 all-to-all bus bandwidth ``--a2a-gbps`` (default: the calibration's two-rank rate) and latency
 ``--a2a-latency-us``: the calibration holds only the world sizes it was measured at.
+``--nodes K ...`` (one per ``--simulate`` size, or one for all) spreads each simulated group over
+``K`` hosts of ``W / K`` ranks: every ShardQ all-to-all then sends ``(W - W/K) / W`` of its bytes
+over the network, at the calibration's measured rate between hosts or the default of ``--link``
+(``plan.links.LINKS``; ``--net-gbps`` / ``--net-latency-us`` override it), side by side with the
+NVLink share, the slower bounding the exchange (``plan.links``). The table prints the one-host
+and the K-host predictions and the router's choice for each, and lists where the network changes
+the choice.
 
 The JSON holds every number; the PNG (matplotlib, imported only when asked) plots step time
 against tokens for each path, one panel per model, predictions dashed.
@@ -35,7 +43,9 @@ import torch.distributed as dist
 
 from shardattn.calibrate.steps import PATHS, measure_paths, with_heads
 from shardattn.launch.local import run_ranks
+from shardattn.launch.process_group import DistEnv
 from shardattn.plan.cost import CollectiveRate, CostModel, StepShape, choose_prefill, load_calibration
+from shardattn.plan.links import LINKS, LinkRate, resolve_link
 from shardattn.plan.spec import ModelSpec, get_preset
 
 #: (label, preset, heads override, tokens): the configurations of issue 15's table and more.
@@ -55,6 +65,9 @@ ROUTER_SLACK, PREDICTION_TOLERANCE = 0.05, 0.15
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calibration", default=None, help="calibration table (default: the one shipped for the GPU)")
+    p.add_argument(
+        "--gpu", default=None, help='the shipped table of this GPU, e.g. "NVIDIA H200" (default: the visible GPU\'s)'
+    )
     p.add_argument("--configs", type=int, nargs="+", default=None, help="indices into CONFIGS (default all)")
     p.add_argument("--reps", type=int, default=7, help="timed steps per path (default 7)")
     p.add_argument("--cached", type=int, default=8192, help="cached tokens per request (default 8192)")
@@ -66,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--a2a-gbps", type=float, default=None, help="all-to-all bus GB/s for --simulate")
     p.add_argument("--a2a-latency-us", type=float, default=None, help="all-to-all latency for --simulate")
     p.add_argument("--predict-only", action="store_true", help="no measurement: predictions only (any machine)")
+    p.add_argument(
+        "--nodes", type=int, nargs="+", default=None, help="hosts of each --simulate size (one value: every size)"
+    )
+    p.add_argument(
+        "--link", default=None, choices=sorted(LINKS), help="network between hosts (default: measured, else ib-ndr)"
+    )
+    p.add_argument("--net-gbps", type=float, default=None, help="network GB/s per GPU for --nodes (overrides --link)")
+    p.add_argument("--net-latency-us", type=float, default=None, help="network latency for --nodes (with --net-gbps)")
     return p
 
 
@@ -82,7 +103,7 @@ def _spec(args: argparse.Namespace, preset: str, heads: int | None, device: torc
 
 
 def _model(args: argparse.Namespace) -> CostModel:
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    gpu = args.gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     return CostModel(load_calibration(gpu, args.calibration))
 
 
@@ -96,8 +117,9 @@ def measure(group: dist.ProcessGroup, args: argparse.Namespace) -> list[dict[str
     for label, preset, heads, tokens in _configs(args):
         spec = _spec(args, preset, heads, device)
         res = measure_paths(
-            group, spec, tokens=tokens, requests=4, cached=args.cached, device=device, model=model, reps=args.reps
-        )
+            group, spec, tokens=tokens, requests=4, cached=args.cached, device=device, model=model, reps=args.reps,
+            host_id=DistEnv.from_env().host_id,
+        )  # fmt: skip
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, res, group=group)
         if rank == 0:
@@ -170,34 +192,86 @@ def render(rows: list[dict[str, Any]]) -> None:
 
 
 # -- prediction for other world sizes -------------------------------------------------------------------
+def _network(args: argparse.Namespace, model: CostModel) -> LinkRate:
+    if args.net_gbps is not None:
+        lat = 0.0 if args.net_latency_us is None else args.net_latency_us / 1e3
+        return LinkRate("--net-gbps", lat, args.net_gbps, "given on the command line")
+    return resolve_link(args.link, model.calibration.network)
+
+
+def _hosts(args: argparse.Namespace) -> list[int]:
+    """Hosts of each ``--simulate`` size (1: one host)."""
+    nodes = args.nodes or [1]
+    if len(nodes) == 1:
+        nodes = nodes * len(args.simulate)
+    if len(nodes) != len(args.simulate):
+        raise SystemExit(f"--nodes takes one value, or one per --simulate size ({len(args.simulate)})")
+    for w, k in zip(args.simulate, nodes):
+        if k < 1 or w % k:
+            raise SystemExit(f"--nodes {k}: {w} ranks do not split evenly over {k} hosts")
+    return nodes
+
+
 def simulate(args: argparse.Namespace, model: CostModel) -> list[dict[str, Any]]:
-    """The cost model's table at each ``--simulate`` world size (module docstring)."""
+    """The cost model's table at each ``--simulate`` world size, on one host and on ``--nodes`` hosts
+    (module docstring)."""
     base = model.collective("all_to_all", 2)
     gbps = args.a2a_gbps if args.a2a_gbps is not None else base.busbw_gbps
     lat = args.a2a_latency_us / 1e3 if args.a2a_latency_us is not None else base.latency_ms
     cal = model.calibration.gpu
     source = "--a2a-gbps" if args.a2a_gbps is not None else f"the calibration's 2-rank all-to-all ({cal})"
-    out = []
-    print(f"\nsimulated: all-to-all {gbps:g} GB/s bus bandwidth, {lat * 1e3:.0f} us latency (from {source})")
-    print("| W | model | T | head-TP ms | ShardQ ms | router's path | predicted ms | x head-TP |")
-    print("|---|---|---|---|---|---|---|---|")
-    for w in args.simulate:
+    hosts = _hosts(args)
+    net = _network(args, model)
+    out, changed = [], []
+    print(
+        f"\nsimulated: all-to-all on one host {gbps:g} GB/s bus bandwidth, {lat * 1e3:.0f} us latency (from {source})"
+    )
+    if any(k > 1 for k in hosts):
+        print(
+            f"between hosts: {net.name}, {net.busbw_gbps:g} GB/s per GPU, {net.latency_ms * 1e3:.0f} us ({net.source})"
+        )
+    print(
+        "| W | hosts x ranks | model | T | head-TP ms | ShardQ ms, 1 host | ShardQ ms, K hosts (a2a GB/s) "
+        "| router's path, 1 host | ms | router's path, K hosts | ms | x head-TP (K hosts) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for w, k in zip(args.simulate, hosts):
         rate = CollectiveRate("all_to_all", w, lat, gbps)
-        sim = CostModel(model.calibration, collective_overrides={"all_to_all": rate})
+        sim = CostModel(model.calibration, collective_overrides={"all_to_all": rate}, network=net)
+        rpn = w // k
         for label, preset, heads, tokens in _configs(args):
             spec = _spec(args, preset, heads, torch.device("cuda"))
             if spec.num_heads % w:
                 continue
-            shape = StepShape(heads=spec.num_heads, world_size=w, tokens=tokens, topk=spec.topk)
-            choice = choose_prefill(sim, shape)
-            tp = min(p.ms for p in sim.predict(shape, steps=("headtp",)))
-            sq = min(p.ms for p in sim.predict(shape, steps=("shardq",)))
-            row = {"world_size": w, "label": label, "heads": spec.num_heads, "tokens": tokens, "headtp_ms": tp}
-            row |= {"shardq_ms": sq, "router_path": choice.best.name, "router_ms": choice.best.ms, "a2a_gbps": gbps}
+            one = StepShape(heads=spec.num_heads, world_size=w, tokens=tokens, topk=spec.topk)
+            spread = dataclasses.replace(one, ranks_per_node=rpn if k > 1 else None)
+            choice_one, choice_k = choose_prefill(sim, one), choose_prefill(sim, spread)
+            tp = min(p.ms for p in sim.predict(one, steps=("headtp",)))
+            sq_one = min(p.ms for p in sim.predict(one, steps=("shardq",)))
+            sq_k = min(p.ms for p in sim.predict(spread, steps=("shardq",)))
+            a2a = sim.collective("all_to_all", w, rpn if k > 1 else None).busbw_gbps
+            row = {"world_size": w, "nodes": k, "ranks_per_node": rpn, "label": label, "heads": spec.num_heads}
+            row |= {"tokens": tokens, "headtp_ms": tp, "shardq_ms": sq_one, "shardq_nodes_ms": sq_k, "a2a_gbps": gbps}
+            row |= {"router_path": choice_one.best.name, "router_ms": choice_one.best.ms}
+            row |= {"router_nodes_path": choice_k.best.name, "router_nodes_ms": choice_k.best.ms}
+            row |= {"a2a_nodes_gbps": a2a, "network": dataclasses.asdict(net) if k > 1 else None}
             out.append(row)
+            if choice_one.best.step != choice_k.best.step:
+                changed.append(row)
             print(
-                f"| {w} | {label} ({spec.num_heads} heads, {spec.num_heads // w}/rank) | {tokens} | {tp:.2f} "
-                f"| {sq:.2f} | {choice.best.name} | {choice.best.ms:.2f} | {tp / choice.best.ms:.2f} |"
+                f"| {w} | {k} x {rpn} | {label} ({spec.num_heads} heads, {spec.num_heads // w}/rank) | {tokens} "
+                f"| {tp:.2f} | {sq_one:.2f} | {sq_k:.2f} ({a2a:.0f}) | {choice_one.best.name} "
+                f"| {choice_one.best.ms:.2f} | {choice_k.best.name} | {choice_k.best.ms:.2f} "
+                f"| {tp / choice_k.best.ms:.2f} |"
+            )
+    if any(k > 1 for k in hosts):
+        print(f"\nthe network changes the router's choice in {len(changed)} of {len(out)} rows:")
+        for r in changed:
+            print(
+                f"  {r['label']} T={r['tokens']} W={r['world_size']}: one host {r['router_path']} "
+                f"{r['router_ms']:.2f} ms (ShardQ {r['shardq_ms']:.2f}, head-TP {r['headtp_ms']:.2f}); "
+                f"{r['nodes']} x {r['ranks_per_node']} {r['router_nodes_path']} {r['router_nodes_ms']:.2f} ms "
+                f"(ShardQ there {r['shardq_nodes_ms']:.2f})"
             )
     return out
 

@@ -54,7 +54,24 @@ def test_scaling_dry_run_and_predictions(tmp_path: Path) -> None:
     assert "| glm5 (64 heads) | 512 |" in text
     assert out.exists() and json.loads(out.read_text())
     text = _run([sys.executable, str(BENCH / "scaling.py"), "--predict-only", "--simulate", "4", "8"])
-    assert "| 8 | glm5" in text and "| 4 | deepseek-v32" in text
+    assert "| 8 | 1 x 8 | glm5" in text and "| 4 | 1 x 4 | deepseek-v32" in text
+
+
+def test_scaling_simulates_hosts_and_shows_where_the_network_changes_the_route(tmp_path: Path) -> None:
+    """2 x 8 and 4 x 8 H200s on the shipped table: ShardQ's all-to-all sends half (3/4) of its bytes
+    over a 50 GB/s NIC, so glm5 at 32K tokens on 2 x 8 takes head-TP where one host of 16 takes ShardQ."""
+    out = tmp_path / "sim.json"
+    args = ["--predict-only", "--gpu", "NVIDIA H200", "--simulate", "16", "32", "--nodes", "2", "4"]
+    text = _run([sys.executable, str(BENCH / "scaling.py"), *args, "--json", str(out)])
+    assert "between hosts: ib-ndr, 50 GB/s per GPU" in text and "| 16 | 2 x 8 | glm5" in text
+    rows = json.loads(out.read_text())["simulated"]
+    assert {(r["world_size"], r["nodes"]) for r in rows} == {(16, 2), (32, 4)}
+    glm5 = next(r for r in rows if r["label"] == "glm5" and r["world_size"] == 16 and r["tokens"] == 32768)
+    assert glm5["router_path"].startswith("shardq/") and glm5["router_nodes_path"].startswith("headtp/")
+    assert glm5["shardq_nodes_ms"] > glm5["headtp_ms"] > glm5["shardq_ms"]
+    assert "glm5 T=32768 W=16: one host shardq/per-query" in text
+    # crossing hosts only ever adds to ShardQ's time here (the network is slower than NVLink)
+    assert all(r["shardq_nodes_ms"] >= r["shardq_ms"] for r in rows)
 
 
 def test_ptx_hints_rewrite_every_gather_and_wait() -> None:

@@ -30,13 +30,30 @@ __all__ = ["DistEnv", "LaunchGroups", "destroy_groups", "init_groups", "nccl_opt
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Rank, world size and rendezvous address, as torchrun sets them in the environment."""
+    """Rank, world size and rendezvous address, as torchrun sets them in the environment.
+
+    ``node_rank``: torchrun's ``GROUP_RANK``, the rank of this process's agent (one per node),
+    when set; :attr:`host_id` turns it into the host identity the Runtime groups ranks by.
+    """
 
     rank: int
     world_size: int
     local_rank: int
     master_addr: str | None
     master_port: int | None
+    node_rank: int | None = None
+
+    @property
+    def host_id(self) -> str | None:
+        """The host identity of this rank for :class:`~shardattn.parallel.runtime.Runtime`'s
+        ``host_id``: torchrun's agent (``"torchrun-node-<GROUP_RANK>"``), so every agent counts as
+        one node, also two agents started on one machine; ``None`` (the Runtime's own host name and
+        boot id) without torchrun.
+
+        >>> DistEnv(3, 4, 1, "127.0.0.1", 29500, node_rank=1).host_id
+        'torchrun-node-1'
+        """
+        return None if self.node_rank is None else f"torchrun-node-{self.node_rank}"
 
     @property
     def launched(self) -> bool:
@@ -60,11 +77,12 @@ class DistEnv:
             rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
             local = int(env.get("LOCAL_RANK", rank))
             port = int(env["MASTER_PORT"])
+            node = int(env["GROUP_RANK"]) if "GROUP_RANK" in env else None
         except (KeyError, ValueError) as e:
             raise ValueError(f"incomplete torchrun environment: {e!r} (need RANK, WORLD_SIZE, MASTER_PORT)") from None
         if not 0 <= rank < world:
             raise ValueError(f"RANK must be in [0, WORLD_SIZE={world}), got {rank}")
-        return cls(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), port)
+        return cls(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), port, node)
 
 
 def pick_device(choice: str, env: DistEnv) -> torch.device:

@@ -199,6 +199,7 @@ def run(cfg: RunConfig, groups: LaunchGroups) -> int:
             f"workspace reserved per rank ({cfg.mode}): {per_rank} (one arena, the largest of: {steps}) [{items}]",
             flush=True,
         )
+        print(f"hosts: {rt.nodes} (node of each rank: {list(rt.nodes.node_of)})", flush=True)
     progress = None
     if rank == 0 and cfg.opts.progress and cfg.iters >= _PROGRESS_ITERS:
         from rich.progress import Progress
@@ -269,6 +270,7 @@ def _runtime(cfg: RunConfig, groups: LaunchGroups, mode: str, cost_model: Any) -
         min_group_tokens=cfg.min_group_tokens,
         non_causal=not cfg.opts.causal,
         cost_model=cost_model,
+        host_id=groups.env.host_id,
     )
 
 

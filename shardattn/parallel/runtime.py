@@ -40,7 +40,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardattn._checks import check_choice, check_int, check_tensor
 from shardattn.kernels.flashinfer_xqa import get_xqa
@@ -49,6 +48,8 @@ from shardattn.kernels.topk import DcpShard
 from shardattn.kernels.warmup import CompileKey, PrefillSpec, compile_keys, warmup
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.decode_warmup import warm_up_decode
+from shardattn.parallel.groups import GroupLike
+from shardattn.parallel.hosts import exchange_node_layout
 from shardattn.parallel.modes import DECODE_STEP, GQA_BACKEND, MODES, PREFILL_STEP
 from shardattn.parallel.prefill_attention import workspace_prefill_attention
 from shardattn.parallel.prefill_router import cost_route, resolve_cost_model
@@ -76,7 +77,8 @@ class Runtime(RuntimeGraphs):
         spec: a :class:`~shardattn.plan.spec.ModelSpec` or a preset name (``"glm5"``,
             ``"deepseek-v32"``, ``"gqa-64-8"``).
         group: the process group of the steps (the tensor-parallel group: NCCL with one GPU per
-            rank, or gloo on the CPU).
+            rank, or gloo on the CPU): a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim
+            name)`` of an N-D mesh (:mod:`~shardattn.parallel.groups`).
         max_batched_tokens: the most new tokens of one prefill step (all requests together).
         mode: one of :data:`MODES`.
         device: where the tensors live (default: the current CUDA device for NCCL, else CPU).
@@ -104,6 +106,13 @@ class Runtime(RuntimeGraphs):
             middle ones; :func:`~shardattn.plan.pipeline.chunk_weights`). Opt-in; same bits.
         prefill_one_union: ShardQ steps build the union of the rank's whole share once, not one
             per chunk (:func:`~shardattn.parallel.shardq.shardq_prefill`'s ``one_union``). Opt-in.
+        host_id: this rank's host identity (default: host name and boot id,
+            :func:`~shardattn.parallel.hosts.host_identity`); ranks with equal ids share a host.
+            Construction exchanges them once (:attr:`nodes`), and the cost model prices ShardQ /
+            PCP exchanges that cross hosts at the network's rate. A launcher passes its node rank.
+
+    Attributes:
+        nodes: the :class:`~shardattn.plan.nodes.NodeLayout` of the group (which ranks share a host).
 
     Raises:
         ValueError / TypeError: heads not divisible by the world size, a mode without a step for
@@ -113,7 +122,7 @@ class Runtime(RuntimeGraphs):
     def __init__(
         self,
         spec: ModelSpec | str,
-        group: dist.ProcessGroup,
+        group: GroupLike,
         *,
         max_batched_tokens: int,
         mode: str,
@@ -131,6 +140,7 @@ class Runtime(RuntimeGraphs):
         prefill_chunks: int | None = None,
         prefill_taper: bool = False,
         prefill_one_union: bool = False,
+        host_id: str | None = None,
     ) -> None:
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         if not isinstance(self.spec, ModelSpec):
@@ -167,7 +177,8 @@ class Runtime(RuntimeGraphs):
             )
 
         self.comm = Comm(group)  # resolves rank, size and backend once; counts this Runtime's collectives
-        self.group = group
+        self.group = self.comm.group  # the ProcessGroup (of a DeviceMesh's dimension)
+        self.nodes = exchange_node_layout(self.comm, host_id)  # one small all-gather, not counted
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.heads_per_rank = self.spec.heads_per_rank(self.world_size)  # raises when heads do not divide
         self.layout = DCPLayout(self.world_size, interleave)
