@@ -1,68 +1,106 @@
-"""Decode benchmarks (one GPU): GQA paged decode (Triton vs FlashInfer XQA), sparse-MLA decode,
-LSE merge, and a CUDA-graph-captured decode step vs eager. Prints a table, writes JSON.
+"""Decode on one GPU: sparse-MLA and GQA decode against their same-run baselines, the LSE merge
+against the copy bandwidth, and a captured decode step against eager.
 
-Baselines are measured in the same run: a device-to-device copy (bytes read + written) for the
-memory-bound kernels, FlashInfer XQA (when importable) for GQA decode.
+    python benchmarks/decode.py --json decode.json       # every section
+    python benchmarks/decode.py --only sparse-small      # a subset: sparse, sparse-small, gqa, merge, graph
+    python benchmarks/decode.py --warm-xqa               # JIT-compile FlashInfer XQA's variants only
 
-    python benchmarks/decode.py --json decode.json            # everything
-    python benchmarks/decode.py --only gqa,merge               # a subset
-    python benchmarks/decode.py --only gluon --sweep           # sparse-MLA decode, Triton vs Gluon
-    python benchmarks/decode.py --only gluon --gluon-kernels ws32h ws64h ws64hz   # Gluon decode configs
-    python benchmarks/decode.py --only gluon --gluon-kernels ws64hz+pack ws64hz   # rows packed vs read in place
-    python benchmarks/decode.py --warm-xqa                     # JIT-compile the XQA variants only
+Sections (each number a median of CUDA-graph replays under ``triton.testing.do_bench``, which
+flushes the L2 between replays, so the KV rows come from HBM as in a serving step; every output
+is checked against the fp32 reference before it is timed):
+
+* ``sparse``: sparse-MLA decode at batch 64-256 (128 / 64 / 32 heads), top-k 2048 unique random
+  rows of 262,144 (302 MB of bf16 KV), D 576 / Dv 512, ``rows_unique=True`` (an indexer's top-k
+  lists a row once). Ours: :func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode` as
+  routed (the Gluon kernel on sm_90); baseline: the Triton split-KV kernel and its merge
+  (``backend="triton"``); microseconds per step (printed also as effective TFLOP/s,
+  ``2 * batch * topk * heads * (576 + 512) / time``).
+* ``sparse-small``: the same at batch 1-16 (16 and 8 heads; 128 heads at batch 1 and 8; the
+  small-batch Gluon kernel is routed at <= 16 heads and <= 16 tokens on sm_90).
+* ``gqa``: GQA paged decode, 64 q / 8 kv heads, head dim 64, page 32, bf16, batch 64 x 8,192
+  context: one query per request, 4 uniform drafts, 1-4 ragged drafts. Ours: the Triton kernel;
+  peer: FlashInfer XQA (when installed).
+* ``merge``: the LSE merge of 2 / 4 / 8 bf16 partials of 4,096 tokens x 16 heads x 512 in TB/s
+  (bytes read + written) against a 2 GiB device-to-device copy in the same run.
+* ``graph``: a small GQA and sparse-MLA decode step eager and as a CUDA-graph replay.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
-import math
+import sys
 import time
+from pathlib import Path
 
 import torch
-from graph_timing import graph_of, profile_graph  # beside this script
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import replay_us
+from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.kernels import flashinfer_xqa
-from shardattn.kernels.gqa_decode import gqa_paged_decode
-from shardattn.kernels.lse_merge import launch_lse_merge, lse_merge
-from shardattn.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_config
+from shardattn.kernels.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference
+from shardattn.kernels.lse_merge import lse_merge
+from shardattn.kernels.sparse_mla import sparse_mla_reference
+from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
 
-RESULTS: list[dict] = []
+SECTIONS = ("sparse", "sparse-small", "gqa", "merge", "graph")
+LARGE = ((128, 64), (128, 128), (128, 256), (64, 64), (64, 128), (64, 256), (32, 256))
+SMALL = (*((h, b) for h in (16, 8) for b in (1, 2, 4, 8, 16)), (128, 1), (128, 8))
+KV_ROWS = 1 << 18
+SCALE = 576**-0.5
 
 
 def bench_ms(fn, warmup: int = 30, rep: int = 200) -> float:
-    """Median milliseconds of ``fn`` over CUDA events (after ``warmup`` ms of warm-up)."""
+    """Median milliseconds of ``fn`` (``triton.testing.do_bench``: CUDA events, L2 flushed)."""
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def graph_ms(fn) -> float:
-    """Median milliseconds of ``fn`` replayed from a CUDA graph (kernel time, no host overhead)."""
-    return bench_ms(graph_of(fn).replay)
+    """Median milliseconds of ``fn``'s CUDA-graph replays (``graph_timing.replay_us``)."""
+    return replay_us(fn) * 1e-3
 
 
-def record(section: str, name: str, ms: float, nbytes: float | None = None, **extra) -> dict:
-    row = {"section": section, "name": name, "us": ms * 1e3, **extra}
-    if nbytes is not None:
-        row["bytes"] = nbytes
-        row["TB/s"] = nbytes / (ms * 1e-3) / 1e12
-    RESULTS.append(row)
-    extras = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
-    tbs = f"{row['TB/s']:6.2f} TB/s" if nbytes is not None else " " * 11
-    print(f"{section:8s} {name:44s} {row['us']:9.1f} us {tbs} {extras}", flush=True)
-    return row
+def check(what: str, got: torch.Tensor, ref: torch.Tensor, tol: float = 2e-2) -> None:
+    """``max |got - ref|`` within ``tol`` (bf16 outputs against an fp32 reference)."""
+    err = (got.float() - ref.float()).abs().max().item()
+    if not err <= tol:
+        raise RuntimeError(f"{what}: max |out - reference| = {err:.3g} (tolerance {tol})")
 
 
-def copy_bandwidth() -> float:
-    x = torch.randn(512 << 20, device="cuda", dtype=torch.float32)  # 2 GiB
-    y = torch.empty_like(x)
-    ms = bench_ms(lambda: y.copy_(x))
-    return record("copy", "device copy 2 GiB (read + write)", ms, 2 * x.numel() * 4)["TB/s"]
+def bench_sparse(env: dict, cases, topk: int, benchmark: str) -> list[dict]:
+    """Routed sparse-MLA decode against the Triton split-KV path on the same inputs (module docstring)."""
+    kv = torch.randn(KV_ROWS, 576, device="cuda").bfloat16()
+    out = []
+    for heads, batch in cases:
+        q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+        rows = torch.argsort(torch.rand(batch, KV_ROWS, device="cuda"), dim=1)[:, :topk].int()
+        ref, _ = sparse_mla_reference(q.float(), kv.float(), rows, scale=SCALE)
+        o = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
+        s = torch.empty(batch, heads, device="cuda")
+        ms = {}
+        for name, backend in (("routed", None), ("triton", "triton")):
+
+            def fn(q=q, rows=rows, o=o, s=s, backend=backend):
+                return sparse_mla_decode(q, kv, rows, scale=SCALE, rows_unique=True, out=o, lse_out=s, backend=backend)
+
+            o.fill_(float("nan"))
+            fn()
+            check(f"{heads} heads x {batch}, {name}", o, ref)
+            ms[name] = graph_ms(fn)
+        config = {"heads": heads, "batch": batch, "topk": topk}
+        base = ("Triton split-KV, same run", ms["triton"] * 1e3)
+        out.append(record(benchmark, config, "step us", ms["routed"] * 1e3, "us", "lower", base, env))
+        flop = 2 * batch * topk * heads * (576 + 512)
+        print(f"sparse decode {heads} heads x {batch}: routed {ms['routed'] * 1e3:.1f} us "
+              f"({flop / ms['routed'] / 1e9:.0f} TF/s), Triton {ms['triton'] * 1e3:.1f} us", flush=True)  # fmt: skip
+    return out
 
 
 def gqa_inputs(batch, ctx, q_len, hq=64, hkv=8, d=64, page=32, ragged=False, seed=0):
+    """A paged GQA decode step: ``(q, k, v, table, lens)`` and the query-length keywords."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     pages_per = -(-ctx // page)
     num_pages = batch * pages_per
@@ -70,386 +108,94 @@ def gqa_inputs(batch, ctx, q_len, hq=64, hkv=8, d=64, page=32, ragged=False, see
     v = torch.randn(num_pages, page, hkv, d, device="cuda", generator=g).bfloat16()
     table = torch.randperm(num_pages, device="cuda", generator=g).view(batch, pages_per).int()
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    kw = {}
     if ragged:
         q_lens = torch.randint(1, q_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
         cu = torch.zeros(batch + 1, dtype=torch.int32)
         cu[1:] = q_lens.cumsum(0)
-        kw = {"cu_q_lens": cu.cuda(), "max_q_len": q_len}
-        total = int(cu[-1])
+        kw, total = {"cu_q_lens": cu.cuda(), "max_q_len": q_len}, int(cu[-1])
     else:
-        kw = {"q_len_per_req": q_len}
-        total = batch * q_len
+        kw, total = {"q_len_per_req": q_len}, batch * q_len
     q = torch.randn(total, hq, d, device="cuda", generator=g).bfloat16()
-    nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2  # K and V once, q in, out back
-    return (q, k, v, table, lens), kw, nbytes
+    return (q, k, v, table, lens), kw
 
 
-def bench_gqa(copy_tbs: float, sweep: bool = False) -> None:
-    for label, q_len, ragged in [
-        ("single token", 1, False),
-        ("uniform drafts 4", 4, False),
-        ("ragged drafts 1-4", 4, True),
-    ]:
-        args, kw, nbytes = gqa_inputs(64, 8192, q_len, ragged=ragged)
-        ref = None
-        times = {}
+def gqa_reference(args: tuple, kw: dict, requests: int = 4) -> torch.Tensor:
+    """fp32 reference output of the first ``requests`` requests of a :func:`gqa_inputs` step."""
+    q, k, v, table, lens = args
+    if "cu_q_lens" in kw:
+        cu = kw["cu_q_lens"][: requests + 1]
+    else:
+        cu = torch.arange(requests + 1, dtype=torch.int32, device=q.device) * kw["q_len_per_req"]
+    out, _ = gqa_paged_decode_reference(q[: int(cu[-1])], k, v, table[:requests], lens[:requests], cu,
+                                        scale=q.shape[-1] ** -0.5)  # fmt: skip
+    return out
+
+
+def bench_gqa(env: dict) -> list[dict]:
+    out = []
+    for label, q_len, ragged in (("1", 1, False), ("4 uniform", 4, False), ("1-4 ragged", 4, True)):
+        args, kw = gqa_inputs(64, 8192, q_len, ragged=ragged)
+        ref = gqa_reference(args, kw)
+        ms = {}
         for backend in ("triton", "flashinfer"):
             reason = flashinfer_xqa.unavailable_reason(args[0], args[1]) if backend == "flashinfer" else None
             if reason is not None:
-                print(f"gqa      {label} on XQA skipped: {reason}", flush=True)
+                print(f"GQA decode, {label} queries per request: XQA skipped ({reason})", flush=True)
                 continue
-            out = gqa_paged_decode(*args, backend=backend, **kw)
-            if ref is None:
-                ref = out
-            else:
-                err = (out.float() - ref.float()).abs().max().item()
-                print(f"gqa      {label}: max |xqa - triton| = {err:.3g}", flush=True)
-            ms = graph_ms(lambda b=backend, a=args, k=kw: gqa_paged_decode(*a, backend=b, **k))
-            times[backend] = ms
-            record(
-                "gqa",
-                f"B64 L8192 64q/8kv d64 p32 {label} {backend}",
-                ms,
-                nbytes,
-                copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs,
-            )
-        if len(times) == 2:
-            RESULTS[-1]["triton_over_xqa_speed"] = times["flashinfer"] / times["triton"]
-            print(f"gqa      {label}: Triton speed / XQA speed = {times['flashinfer'] / times['triton']:.3f}")
+            got = gqa_paged_decode(*args, backend=backend, **kw)[: ref.shape[0]]
+            check(f"GQA decode {label} on {backend}", got, ref)
+            ms[backend] = graph_ms(lambda b=backend, a=args, k=kw: gqa_paged_decode(*a, backend=b, **k))
+        base = ("FlashInfer XQA, same run", ms["flashinfer"] * 1e3) if "flashinfer" in ms else None
+        config = {"batch": 64, "context": 8192, "queries per request": label}
+        out.append(record("gqa-decode", config, "step us", ms["triton"] * 1e3, "us", "lower", base, env))
+    return out
 
 
-def bench_sparse(copy_tbs: float, sweep: bool = False) -> None:
-    r = 1 << 18  # KV rows (256K x 576 bf16 = 302 MB)
-    kv = torch.randn(r, 576, device="cuda").bfloat16()
-    for heads in (128, 16):
-        for batch in (1, 8, 32, 64, 128, 256):
-            q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
-            rows = torch.stack([torch.randperm(r, device="cuda")[:2048] for _ in range(batch)]).int()
-            nbytes = batch * 2048 * 576 * 2 + q.numel() * 2 + batch * heads * (512 * 2 + 4) + rows.numel() * 4
-            for unique in (True, False):
-                ms = graph_ms(
-                    lambda q=q, rows=rows, u=unique: sparse_mla_decode(
-                        q, kv, rows, scale=576**-0.5, rows_unique=u, backend="triton"
-                    )
-                )
-                record(
-                    "sparse",
-                    f"H{heads} B{batch} topk2048 {'rows_unique' if unique else 'dedup'}",
-                    ms,
-                    nbytes,
-                    copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs,
-                )
-
-    if not sweep:
-        return
-    # calibration of the split heuristic and tile sizes: fixed choices at a few shapes
-    for heads, batch in ((128, 8), (128, 64), (128, 256), (16, 8), (16, 64), (16, 256)):
-        q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
-        rows = torch.stack([torch.randperm(r, device="cuda")[:2048] for _ in range(batch)]).int()
-        nbytes = batch * 2048 * 576 * 2
-        variants = [(s, bn, w) for s in (1, 2, 4, 8) for bn in (32, 64) for w in ((8,) if heads > 32 else (4, 8))]
-        for splits, bn, warps in variants:
-            if batch == 256 and splits > 1:
-                continue
-            ms = graph_ms(
-                lambda q=q, rows=rows, c={"BLOCK_N": bn, "num_warps": warps}, s=splits: sparse_mla_decode(
-                    q, kv, rows, scale=576**-0.5, rows_unique=True, num_splits=s, config=c
-                )
-            )
-            record("sweep", f"H{heads} B{batch} splits={splits} BLOCK_N={bn} warps={warps}", ms, nbytes)
+def copy_bandwidth() -> float:
+    """TB/s of a 2 GiB device-to-device copy, bytes read + written."""
+    x = torch.randn(512 << 20, device="cuda", dtype=torch.float32)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 4 / (bench_ms(lambda: y.copy_(x)) * 1e-3) / 1e12
 
 
-def bench_sparse_gluon(copy_tbs: float, sweep: bool = False, kernels: tuple[str, ...] | None = None) -> None:
-    """Sparse-MLA decode, the Triton split-KV kernel against the Gluon kernel (sm_90) on the same
-    inputs in the same run: heads 128 / 64 (batch 1-256) and 32 (the crossover), top-k 2048 unique random rows of
-    262,144, D 576 / Dv 512, bf16, graph replays. Effective TFLOP/s = ``2 B K H (576 + 512)``
-    over the time. ``kernels``: the Gluon decode configurations timed (names of
-    :data:`~shardattn.kernels.sparse_mla_decode_gluon.DECODE_KERNELS`; None = the routed one), each
-    the whole Gluon path (row packing, kernel, merge); the first is the baseline of the "x first"
-    ratios. ``sweep`` also times the Gluon kernel alone at 128 heads with and without
-    adjacent head blocks (``heads_fastest``) on unsorted and sorted rows, and the Gluon path at
-    fixed slice counts (calibration of :func:`gluon_decode_plan`)."""
-    from dataclasses import replace
-
-    from shardattn.kernels.registry import sparse_decode_kernel
-    from shardattn.kernels.sparse_mla_decode_gluon import (
-        DECODE_KERNEL,
-        gluon_decode_config,
-        gluon_decode_plan,
-        sparse_mla_decode_gluon,
-        split_rows,
-    )
-    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
-
-    kernels = tuple(kernels or (DECODE_KERNEL,))
-    r, k = 1 << 18, 2048
-    kv = torch.randn(r, 576, device="cuda").bfloat16()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    table = []
-    cases = [(h, b, True) for h in (128, 64) for b in (1, 8, 16, 32, 64, 128, 256)]
-    cases += [(32, b, True) for b in (8, 64, 256)] + [(128, b, False) for b in (1, 256)]
-    for heads, batch, unique in cases:
-        q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
-        rows = torch.argsort(torch.rand(batch, r, device="cuda"), dim=1)[:, :k].int()
-        nbytes = batch * k * 576 * 2 + q.numel() * 2 + batch * heads * (512 * 2 + 4) + rows.numel() * 4
-        flops = 2 * batch * k * heads * (576 + 512)
-        routed = sparse_decode_kernel(q, kv, 512)[0]
-        out = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
-        lse = torch.empty(batch, heads, device="cuda")
-        times, outs = {}, {}
-        for backend in ("triton", *kernels):
-
-            def fn(q=q, rows=rows, b=backend, u=unique, o=out, s=lse):
-                if b == "triton":
-                    return sparse_mla_decode(q, kv, rows, scale=576**-0.5, rows_unique=u, backend=b)
-                name, _, opt = b.partition("+")  # "NAME+pack": the rows packed even where read in place
-                return sparse_mla_decode_gluon(
-                    q, kv, rows, scale=576**-0.5, v_dim=512, out=o, lse_out=s, num_sms=sms, rows_unique=u,
-                    kernel=name, pack_rows=opt == "pack",
-                )  # fmt: skip
-
-            outs[backend] = fn()[0].float()
-            ms = graph_ms(fn)
-            times[backend] = ms
-            record(
-                "gluon",
-                f"H{heads} B{batch} topk{k} {'rows_unique' if unique else 'dedup'} {backend}",
-                ms,
-                nbytes,
-                tflops=flops / (ms * 1e-3) / 1e12,
-                copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs,
-                rel_diff_vs_triton=((outs[backend] - outs["triton"]).norm() / outs["triton"].norm()).item(),
-            )
-        splits = gluon_decode_plan(batch, heads, k, sms)["num_splits"]
-        RESULTS[-1].update(gluon_splits=splits, routed=routed)
-        table.append((heads, batch, unique, times, flops, splits, routed, outs))
-    print(f"\nsparse-MLA decode, Triton vs Gluon {', '.join(kernels)} (us; effective TFLOP/s; rel. diff vs Triton):")
-    print("| heads | batch | rows | Triton us (TF/s) | " + " | ".join(f"{n} us (TF/s)" for n in kernels)
-          + " | " + " | ".join(f"{n} / Triton" for n in kernels)
-          + "".join(f" | {n} / {kernels[0]}" for n in kernels[1:]) + " | slices | routed | rel. diff |")  # fmt: skip
-    print("|---" * (6 + 2 * len(kernels) + len(kernels) - 1) + "|")
-    for h, b, u, times, fl, s, routed, outs in table:
-        cells = [f"{times[n] * 1e3:.1f} ({fl / (times[n] * 1e-3) / 1e12:.0f})" for n in ("triton", *kernels)]
-        cells += [f"{times['triton'] / times[n]:.2f}x" for n in kernels]
-        cells += [f"{times[kernels[0]] / times[n]:.3f}x" for n in kernels[1:]]
-        diff = max(((outs[n] - outs["triton"]).norm() / outs["triton"].norm()).item() for n in kernels)
-        print(
-            f"| {h} | {b} | {'unique' if u else 'dedup'} | " + " | ".join(cells) + f" | {s} | {routed} | {diff:.1e} |"
-        )
-    if not sweep:
-        return
-    for batch in (128, 256):  # the kernel alone (one slice), query's head blocks adjacent or not
-        q = torch.randn(batch, 128, 576, device="cuda").bfloat16()
-        rows = torch.argsort(torch.rand(batch, r, device="cuda"), dim=1)[:, :k].int()
-        out = torch.empty(batch, 128, 512, device="cuda", dtype=torch.bfloat16)
-        lse = torch.empty(batch, 128, device="cuda")
-        flops = 2 * batch * k * 128 * (576 + 512)
-        for order, rr in (("unsorted", rows), ("sorted", torch.sort(rows, dim=1).values)):
-            union, lens = split_rows(rr, num_kv_rows=r, num_splits=1, chunk=k)
-            for adjacent, name in ((a, n) for n in kernels for a in (False, True)):
-                cfg = replace(gluon_decode_config(128, kernel=name), heads_fastest=adjacent)
-                ms = graph_ms(
-                    lambda q=q, u=union, n=lens, c=cfg, o=out, s=lse: launch_gluon_attention(
-                        q, kv, u, n, scale=576**-0.5, v_dim=512, config=c, out=o, lse=s
-                    )
-                )
-                label = f"gluon kernel H128 B{batch} {order} rows {cfg.label}"
-                record("sweep", label, ms, tflops=flops / (ms * 1e-3) / 1e12)
-    for heads, batch, slices in ((64, 64, (1, 2, 4)), (64, 16, (2, 4, 8)), (128, 16, (2, 4, 8)), (128, 1, (8, 16, 32))):
-        q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
-        rows = torch.argsort(torch.rand(batch, r, device="cuda"), dim=1)[:, :k].int()
-        flops = 2 * batch * k * heads * (576 + 512)
-        for s in slices:
-            ms = graph_ms(
-                lambda q=q, rows=rows, s=s: sparse_mla_decode(
-                    q, kv, rows, scale=576**-0.5, rows_unique=True, backend="gluon", num_splits=s
-                )
-            )
-            record("sweep", f"gluon H{heads} B{batch} slices={s}", ms, tflops=flops / (ms * 1e-3) / 1e12)
-
-
-def _time_small(c: dict, label: str, kw: dict, section: str = "sparse1") -> tuple[float, object]:
-    """Check one sparse-MLA decode variant of case ``c`` (from :func:`bench_sparse_small`) against
-    the fp32 reference on NaN-poisoned outputs, then time its graph replays; returns (ms, step)."""
-    args = dict(out=c["out"], lse_out=c["lse"], workspace=c["ws"])
-    if kw.get("backend", "triton") == "triton":  # the Triton kernel (counters: the spread merge's)
-        args.update(counters=c["counters"], backend="triton")
-    args.update(kw)
-
-    def fn():
-        return sparse_mla_decode(c["q"], c["kv"], c["rows"], scale=576**-0.5, **args)
-
-    c["out"].fill_(float("nan"))
-    fn()
-    ref = c["out"].clone()
-    err = (ref.float() - c["ref_out"]).abs().max().item()
-    lerr = (c["lse"] - c["ref_lse"]).abs().max().item()
-    if not (err < 2e-2 and lerr < 1e-3):
-        raise AssertionError(f"{c['tag']} {label}: |out - ref| {err:.3g}, |lse - ref| {lerr:.3g}")
-    ms = graph_ms(fn)
-    counts = c["counters"][: c["counters"].numel() // 2]  # the spread merge's arrival counts (generations after)
-    same = torch.equal(c["out"], ref) and int(counts.abs().sum()) == 0  # replays agree, counts back at 0
-    frac = c["nbytes"] / (ms * 1e-3) / 1e12 / c["copy_tbs"]
-    record(section, f"{c['tag']} {label}", ms, c["nbytes"], copy_frac=frac, replay_equal=same, max_abs_err=err)
-    return ms, fn
-
-
-def bench_sparse_small(copy_tbs: float, sweep: bool = False) -> None:
-    """Small sparse-MLA decode batches (1-16 tokens, 16 / 128 heads): at 16 heads the small-batch
-    Gluon kernel (routed there on sm_90) beside the Triton split kernel's routed configuration
-    ("Triton" below); the Triton configuration against the
-    same run's separate row merge (the baseline), without programmatic dependent
-    launch (with and without de-duplication), the column merge on the cost model's split
-    count (the previous routing), the opt-in one-launch spread merge and the de-duplication sort
-    (an earlier one-launch tree merge measured slower everywhere and was removed). Graph
-    replays, preallocated outputs, workspace and counters; every variant is checked against the
-    fp32 reference on NaN-poisoned outputs. ``sweep``: the floor (a graph of one 1-element
-    kernel), the spread merge at other split counts and tiles, and the device time of the routed
-    step's kernels (torch profiler)."""
-    from shardattn.kernels.lse_merge import split_partials_numel
-    from shardattn.kernels.sparse_mla import sparse_mla_reference
-    from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_heads, small_decode_tiles
-
-    r = 1 << 18
-    kv = torch.randn(r, 576, device="cuda").bfloat16()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    table = []
-    if sweep:
-        x = torch.zeros(1, device="cuda")
-        record("sweep", "floor: graph of one 1-element kernel", graph_ms(lambda: x.add_(1)))
-    for heads, batch in ((16, 1), (16, 2), (16, 4), (16, 8), (16, 16), (128, 1), (128, 8)):
-        q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
-        rows = torch.stack([torch.randperm(r, device="cuda")[:2048] for _ in range(batch)]).int()
-        ref_out, ref_lse = sparse_mla_reference(q.float(), kv.float(), rows, scale=576**-0.5)
-        cfg = sparse_mla_decode_config(batch, heads, 2048, sms)
-        cost = cfg["cost_model_splits"]  # the previous routing's split count (32 x 64 rows at 16 heads)
-        hblocks = -(-heads // cfg["BLOCK_H"])
-        c = dict(
-            q=q, kv=kv, rows=rows, ref_out=ref_out, ref_lse=ref_lse, tag=f"H{heads} B{batch}", copy_tbs=copy_tbs,
-            nbytes=batch * 2048 * 576 * 2 + q.numel() * 2 + batch * heads * (512 * 2 + 4) + rows.numel() * 4,
-            out=torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16),
-            lse=torch.empty(batch, heads, device="cuda"),
-            ws=torch.empty(split_partials_numel(64, batch, heads, 512), device="cuda"),
-            counters=torch.zeros(batch * hblocks * 64, dtype=torch.int32, device="cuda"),
-        )  # fmt: skip
-        s, bn = cfg["num_splits"], cfg["BLOCK_N"]
-        variants = {
-            "routed": (f"Triton ({cfg['merge']}, {s} x {cfg['chunk']} rows)", {}),
-            "nopdl": ("routed, launched without PDL", dict(config={"pdl": False})),
-            "fp32part": ("routed, fp32 partials", dict(config={"partials": "fp32"})),
-            "halfpart": ("routed, bf16 partials", dict(config={"partials": "input"})),
-            "steps64": ("routed split, 64-row steps of 4 warps", dict(config={"BLOCK_N": 64, "num_warps": 4})),
-            "rows": (  # the issue's baseline as it was: fp32 partials, plain launches
-                f"row merge, {cost} splits (baseline)",
-                dict(num_splits=cost, config={"merge": "rows", "partials": "fp32", "pdl": False}),
-            ),
-        }
-        if heads > 16 or cfg["BLOCK_N"] == 32:  # the split count's own tile: nothing older to compare
-            del variants["steps64"]
-        if (s, bn) != (cost, 64):
-            variants["columns"] = (f"column merge, {cost} splits", dict(num_splits=cost, config={"merge": "columns"}))
-        if batch * hblocks * s <= sms:  # the one-launch merge on the routed split kernel
-            one = dict(num_splits=s, config={"merge": "spread", "BLOCK_N": bn})
-            variants["spread"] = (f"one launch (spread), {s} x {cfg['chunk']} rows", one)
-        if (s, bn) != (cost, 64) and batch * hblocks * cost <= sms:
-            one = dict(num_splits=cost, config={"merge": "spread"})
-            variants["spread_cost"] = (f"one launch (spread), {cost} splits", one)
-        if heads <= 16:  # the small-batch Gluon kernel, routed here on sm_90
-            block, splits = small_decode_tiles(batch, 2048, sms)
-            group = small_decode_heads(batch, splits, heads, sms)
-            label = f"small-batch Gluon ({splits} x {block} rows, {group} heads a program)"
-            variants["small"] = (label, dict(backend="gluon_small"))
-            variants["small_dedup"] = (
-                "small-batch Gluon, de-duplicated first",
-                dict(backend="gluon_small", rows_unique=False),
-            )
-        variants["dedup"] = ("routed, de-duplicated first", dict(rows_unique=False))
-        variants["dedup_nopdl"] = ("de-duplicated first, without PDL", dict(rows_unique=False, config={"pdl": False}))
-        times = {}
-        for key, (label, kw) in variants.items():
-            times[key], fn = _time_small(c, label, {"rows_unique": True, **kw})
-            if key == "routed" and sweep:
-                prof = profile_graph(fn)
-                kernels = " + ".join(f"{k[:24]} {u:.2f}" for k, u in zip(prof["kernels"], prof["kernel_us"]))
-                record("sweep", f"{c['tag']} routed: device span of a replay", prof["span_us"] * 1e-3, kernels=kernels)
-        tile = f"{cfg['BLOCK_N']}-row steps, {cfg['num_warps']} warps"
-        table.append((heads, batch, f"{cfg['merge']}, {s} x {cfg['chunk']} ({tile})", times))
-        for s, bn, w in ((16, 64, 4), (32, 64, 8), (64, 32, 8)):
-            if sweep and heads == 16 and batch * s <= sms:
-                kw = dict(rows_unique=True, num_splits=s, config={"merge": "spread", "BLOCK_N": bn, "num_warps": w})
-                _time_small(c, f"spread {s} splits x {2048 // s} rows, BLOCK_N {bn}, {w} warps", kw, "sweep")
-    print("\nsparse-MLA decode, small batches (us; Triton = the Triton kernel's routed configuration; speed-up = "
-          "baseline / the fastest of Triton and small-batch Gluon; - = not run):")  # fmt: skip
-    keys = ("small", "routed", "fp32part", "halfpart", "nopdl", "steps64", "rows", "columns", "spread", "spread_cost",
-            "small_dedup", "dedup", "dedup_nopdl")  # fmt: skip
-    print("| heads | batch | Triton configuration | **small-batch Gluon** | **Triton** | Triton, fp32 partials "
-          "| Triton, bf16 partials | Triton without PDL | Triton split, 64-row steps of 4 warps "
-          "| baseline (row merge) "
-          "| column merge, cost-model splits | one launch (spread), routed split "
-          "| one launch (spread), cost-model splits | small-batch Gluon, de-duplicated first "
-          "| Triton, de-duplicated first | Triton de-duplicated first, without PDL "
-          "| speed-up | small-batch Gluon / Triton | PDL gain (Triton) |")  # fmt: skip
-    print("|---" * 19 + "|")
-    for h, b, what, times in table:
-        cells = " | ".join(f"{times[k] * 1e3:.1f}" if k in times else "-" for k in keys)
-        gain = times["nopdl"] / times["routed"]
-        best = min(times["routed"], times.get("small", float("inf")))
-        small = f"{times['routed'] / times['small']:.2f}x" if "small" in times else "-"
-        print(f"| {h} | {b} | {what} | {cells} | {times['rows'] / best:.2f}x | {small} | {gain:.2f}x |")
-
-
-def bench_merge(copy_tbs: float, sweep: bool = False) -> None:
+def bench_merge(env: dict) -> list[dict]:
+    copy_tbs = copy_bandwidth()
     t, h, d = 4096, 16, 512
+    out = []
     for p in (2, 4, 8):
         outs = torch.randn(p, t, h, d, device="cuda").bfloat16()
         lses = torch.randn(p, t, h, device="cuda")
-        out = torch.empty(t, h, d, device="cuda", dtype=torch.bfloat16)
-        lse = torch.empty(t, h, device="cuda")
-        nbytes = outs.numel() * 2 + lses.numel() * 4 + out.numel() * 2 + lse.numel() * 4
-        ms = graph_ms(lambda a=outs, b=lses, c=out, d=lse: lse_merge(a, b, out=c, lse_out=d))
-        record("merge", f"P{p} T{t} H{h} D{d} bf16", ms, nbytes, copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs)
-        for elems, warps in ((2048, 4), (8192, 4), (8192, 8), (16384, 8)) if sweep else ():
-            ms = graph_ms(
-                lambda a=outs, b=lses, c=out, d=lse, e=elems, w=warps: launch_lse_merge(
-                    a, b, c, d, block_elems=e, num_warps=w
-                )
-            )
-            record(
-                "sweep",
-                f"merge P{p} block_elems={elems} warps={warps}",
-                ms,
-                nbytes,
-                copy_frac=nbytes / (ms * 1e-3) / 1e12 / copy_tbs,
-            )
+        o = torch.empty(t, h, d, device="cuda", dtype=torch.bfloat16)
+        s = torch.empty(t, h, device="cuda")
+        nbytes = outs.numel() * 2 + lses.numel() * 4 + o.numel() * 2 + s.numel() * 4
+        tbs = nbytes / (graph_ms(lambda a=outs, b=lses, c=o, e=s: lse_merge(a, b, out=c, lse_out=e)) * 1e-3) / 1e12
+        config = {"partials": p, "tokens": t, "heads": h, "dim": d}
+        out.append(record("lse-merge", config, "TB/s", tbs, "TB/s", "higher", ("device copy, same run", copy_tbs), env))
+    return out
 
 
-def bench_graph() -> None:
-    cases = []
-    args, kw, _ = gqa_inputs(8, 1024, 1)
-    cases.append(
-        (
-            "gqa B8 L1024 triton (split + merge)",
-            lambda: gqa_paged_decode(*args, backend="triton", return_lse=True, **kw),
-        )
-    )
+def bench_graph(env: dict) -> list[dict]:
+    args, kw = gqa_inputs(8, 1024, 1)
     kv = torch.randn(1 << 16, 576, device="cuda").bfloat16()
     q = torch.randn(1, 16, 576, device="cuda").bfloat16()
     rows = torch.randperm(1 << 16, device="cuda")[:2048].int()[None]
-    cases.append(("sparse-MLA B1 H16 (dedup + kernel + merge)", lambda: sparse_mla_decode(q, kv, rows, scale=0.04)))
+    cases = (
+        ("GQA, batch 8, context 1024", lambda: gqa_paged_decode(*args, backend="triton", return_lse=True, **kw)),
+        ("sparse MLA, 16 heads, batch 1, rows de-duplicated", lambda: sparse_mla_decode(q, kv, rows, scale=0.04)),
+    )
+    out = []
     for name, fn in cases:
-        eager = bench_ms(fn)
-        g = graph_of(fn)
-        replay = bench_ms(g.replay)
-        record("graph", name + " eager", eager)
-        record("graph", name + " graph replay", replay, saving_us=(eager - replay) * 1e3)
+        eager, replay = bench_ms(fn), graph_ms(fn)
+        base = ("eager, same run", eager * 1e3)
+        out.append(record("decode-graph", {"step": name}, "step us", replay * 1e3, "us", "lower", base, env))
+    return out
 
 
 def warm_xqa() -> None:
     """Compile the XQA variants the benchmark and the GPU tests use (JIT, once per machine)."""
     t0 = time.time()
     for q_len, ragged in ((1, False), (4, False), (4, True)):
-        args, kw, _ = gqa_inputs(2, 256, q_len, ragged=ragged)
+        args, kw = gqa_inputs(2, 256, q_len, ragged=ragged)
         reason = flashinfer_xqa.unavailable_reason(args[0], args[1])
         if reason is not None:
             print("XQA unavailable:", reason)
@@ -459,49 +205,46 @@ def warm_xqa() -> None:
         print(f"XQA q_len={q_len} ragged={ragged} ready after {time.time() - t0:.0f} s", flush=True)
 
 
-def save(path: str, copy_tbs: float) -> None:
-    with open(path, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "copy_TB/s": copy_tbs, "results": RESULTS}, f, indent=1)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
+    ap.add_argument("--topk", type=int, default=2048, help="top-k of the sparse-MLA sections")
+    ap.add_argument("--warm-xqa", action="store_true", help="only JIT-compile FlashInfer XQA's variants")
+    add_json_argument(ap)
+    return ap
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default="decode.json")
-    parser.add_argument("--only", default="gqa,sparse,gluon,merge,graph")
-    parser.add_argument("--warm-xqa", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="also time fixed tile/split variants")
-    parser.add_argument(
-        "--gluon-kernels", nargs="+", default=None, help="Gluon decode configurations to time (default: the routed one)"
-    )
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    only = args.only.split(",")
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        print(f"--only: unknown sections {unknown}; known: {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
+        return 2
     if args.warm_xqa:
         warm_xqa()
-        return
+        return 0
     torch.manual_seed(0)
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    copy_tbs = copy_bandwidth()
-    only = set(args.only.split(","))
-    for key, fn in (
-        ("merge", bench_merge),
-        ("sparse", bench_sparse),
-        ("gluon", functools.partial(bench_sparse_gluon, kernels=args.gluon_kernels)),
-        ("sparse-small", bench_sparse_small),
-        ("gqa", bench_gqa),
-    ):
-        if key in only:
-            fn(copy_tbs, args.sweep)
-            save(args.json, copy_tbs)
-    if "graph" in only:
-        bench_graph()
-    save(args.json, copy_tbs)
-    print("\nsummary (us, TB/s, fraction of copy bandwidth):")
-    for row in RESULTS:
-        frac = f"{row['copy_frac']:.2f}" if "copy_frac" in row else ""
-        tbs = f"{row['TB/s']:.2f}" if "TB/s" in row else ""
-        print(f"  {row['section']:7s} {row['name']:48s} {row['us']:9.1f} {tbs:>6s} {frac:>5s}")
-    if not math.isfinite(copy_tbs):
-        raise SystemExit("copy bandwidth is not finite")
+    env = environment()
+    print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
+    runs = {
+        "sparse": lambda: bench_sparse(env, LARGE, args.topk, "sparse-decode"),
+        "sparse-small": lambda: bench_sparse(env, SMALL, args.topk, "small-batch-decode"),
+        "gqa": lambda: bench_gqa(env),
+        "merge": lambda: bench_merge(env),
+        "graph": lambda: bench_graph(env),
+    }
+    records = []
+    for name in SECTIONS:
+        if name in only:
+            records += runs[name]()
+            write_json(args.json, records)  # a run cut short keeps what it measured
+    print_table(records, "decode")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,11 +1,11 @@
-"""Inputs and timing shared by the prefill benchmarks: DSA shapes, top-k rows, q/KV draws, output
-buffers, L2-flushed medians, and the JSON file of results that a run rewrites after each case."""
+"""Inputs and timing shared by the prefill benchmarks (``sparse_prefill.py``, ``union_build.py``):
+DSA shapes, top-k rows through a shuffled block table, q / KV draws, output buffers, L2-flushed
+medians."""
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
+import time
 
 import torch
 
@@ -14,17 +14,36 @@ from shardattn.workload import synthetic_topk
 
 D_V, D_R, BLOCK = 512, 64, 64
 
-
 #: GPU cycles the device spins after each flush (~0.25 ms at the H200's 1.98 GHz), so the host's
-#: launches are queued before the timed region starts: ``timed`` measures device time, not the
+#: launches are queued before the timed region starts: ``timed`` measures the GPU's time, not the
 #: host's Python overhead (which a union build of ~0.04 ms otherwise showed: 0.083 against 0.045).
 HOST_LEAD_CYCLES = 500_000
 
 
-def timed(fn, flush: torch.Tensor, reps: int) -> float:
-    """Median device milliseconds of ``fn`` over ``reps`` runs, L2 flushed before each (and the
-    device held :data:`HOST_LEAD_CYCLES` after the flush, so the host's launches are ahead)."""
+def default_kv_rows(tokens: int) -> int:
+    """KV rows of a benchmark request: 65,536 up to 4,096 tokens, 131,072 above."""
+    return 65536 if tokens <= 4096 else 131072
+
+
+def l2_flush(device: torch.device) -> torch.Tensor | None:
+    """A 256 MiB buffer whose write evicts the L2 (``None`` off CUDA: :func:`timed` then uses the host clock)."""
+    return torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+
+
+def timed(fn, flush: torch.Tensor | None, reps: int) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs after one warm-up run.
+
+    On CUDA (``flush`` given): CUDA events, the L2 flushed before each run and the device held
+    :data:`HOST_LEAD_CYCLES` after the flush, so the host's launches are ahead. On the CPU
+    (``flush`` None): the host clock around each run."""
     fn()
+    if flush is None:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends):
@@ -37,10 +56,21 @@ def timed(fn, flush: torch.Tensor, reps: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def make_case(tokens: int, kv_rows: int, topk: int, workload: str, seed: int, pool_rows: int | None = None):
+def make_case(
+    tokens: int,
+    kv_rows: int,
+    topk: int,
+    workload: str,
+    seed: int,
+    pool_rows: int | None = None,
+    device: torch.device | str = "cuda",
+):
     """Top-k positions -> global rows through a shuffled block table (one request of ``kv_rows``
-    tokens whose blocks are drawn from a cache of ``pool_rows`` rows, default ``kv_rows``)."""
-    dev = torch.device("cuda")
+    tokens whose blocks are drawn from a cache of ``pool_rows`` rows, default ``kv_rows``).
+
+    Returns ``(pos, req, table, seq, rows, counts)``: ``rows [T, topk]`` int32 global rows (``-1``
+    invalid) and ``counts [T]`` their valid entries."""
+    dev = torch.device(device)
     pos = synthetic_topk(tokens, topk, start_position=kv_rows - tokens, overlap=workload, seed=seed, device=dev)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     blocks = torch.randperm((pool_rows or kv_rows) // BLOCK, generator=gen)[: kv_rows // BLOCK]
@@ -51,12 +81,12 @@ def make_case(tokens: int, kv_rows: int, topk: int, workload: str, seed: int, po
     return pos, req, table, seq, rows, counts
 
 
-def random_qkv(tokens: int, heads: int, kv_rows: int, seed: int, device: torch.device):
-    """bf16 queries ``[tokens, heads, D_V + D_R]``, then KV rows ``[kv_rows, D_V + D_R]``: normal
-    draws from one generator on ``device`` seeded ``seed``."""
+def random_qkv(tokens: int, heads: int, kv_rows: int, seed: int, device: torch.device, dtype=torch.bfloat16):
+    """Queries ``[tokens, heads, D_V + D_R]``, then KV rows ``[kv_rows, D_V + D_R]``: normal draws
+    from one generator on ``device`` seeded ``seed``, in ``dtype``."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(tokens, heads, D_V + D_R, device=device, generator=gen).to(torch.bfloat16)
-    kv = torch.randn(kv_rows, D_V + D_R, device=device, generator=gen).to(torch.bfloat16)
+    q = torch.randn(tokens, heads, D_V + D_R, device=device, generator=gen).to(dtype)
+    kv = torch.randn(kv_rows, D_V + D_R, device=device, generator=gen).to(dtype)
     return q, kv
 
 
@@ -79,43 +109,6 @@ def attention_buffers(q: torch.Tensor):
     )
 
 
-def baseline_gather_bmm(q, kv, rows, scale, chunk=256):
-    """torch: gather each token's rows, two bmms, fp32 softmax (duplicates not removed)."""
-    t, h, _ = q.shape
-    out = torch.empty(t, h, D_V, dtype=q.dtype, device=q.device)
-    for t0 in range(0, t, chunk):
-        r = rows[t0 : t0 + chunk]
-        valid = r >= 0
-        keys = kv[r.clamp_min(0).long()]  # [c, K, D]
-        s = torch.bmm(q[t0 : t0 + chunk], keys.transpose(1, 2)).float() * scale
-        s.masked_fill_(~valid[:, None, :], -math.inf)
-        p = torch.softmax(s, dim=-1).nan_to_num_(0.0).to(q.dtype)
-        out[t0 : t0 + chunk] = torch.bmm(p, keys[..., :D_V])
-    return out
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` in fp32 (Frobenius norms)."""
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def save_json(path: str | None, results) -> None:
-    """Rewrites ``path`` with ``results`` (nothing when ``path`` is None)."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-
-
-def keep_time(results: dict, r: dict, out: str | None) -> None:
-    """Appends one timed case to ``results["times"]``, prints it, and rewrites ``out``, so a run cut
-    short keeps what it measured."""
-    results["times"].append(r)
-    print("   time:", json.dumps(r), flush=True)
-    save_json(out, results)
-
-
-def keep_kernels(results: dict, kernels: list[dict], out: str | None) -> None:
-    """Stores the compiled kernels' report as ``results["kernels"]``, prints it, and rewrites ``out``."""
-    results["kernels"] = kernels
-    for k in kernels:
-        print("   kernel:", json.dumps(k), flush=True)
-    save_json(out, results)

@@ -5,14 +5,20 @@ Usage (one rank per GPU)::
     torchrun --nproc-per-node 2 benchmarks/scaling.py --json scaling.json --png scaling.png
     python benchmarks/scaling.py --predict-only --simulate 4 8 --a2a-gbps 282   # no GPU needed
     python benchmarks/scaling.py --predict-only --gpu "NVIDIA H200" --simulate 16 32 --nodes 2 4   # 2 x 8, 4 x 8
+    torchrun --nproc-per-node 2 benchmarks/scaling.py --tokens 512 --topk 16 --configs 0   # CPU dry run
 
 For each configuration (model, heads, new tokens; 4 requests with 8,192 cached tokens each,
 DSA-like top-k 2,048, bf16) every rank times, in one run (``shardattn.calibrate.steps``):
 the kernel alone as ShardQ runs it (all heads, the rank's zigzag tokens), the head-TP step,
 the ShardQ step (gate-only routing) and the step the cost-model router chooses; rank 0 prints
 each path's median (the slowest rank's), the cost model's prediction and its error, and the
-ratio to head-TP measured in the same run, and checks the targets: the router's path within 5 %
-of the fastest measured path, every prediction within 15 %.
+ratio to head-TP measured in the same run, and counts the configurations where the router's
+step is within 5 % of the fastest measured path and every prediction within 15 %.
+
+``--shardq-chunks N ...``, ``--taper`` and ``--one-union`` also time the ShardQ step with those
+Runtime options (``prefill_chunks``, ``prefill_taper``, ``prefill_one_union``; the planner's chunks
+when no count is given) beside the default ShardQ step of the same run, each first checked to give
+the default step's bits.
 
 ``--simulate W ...`` adds the same table predicted for ``W`` ranks from the calibration, with the
 all-to-all bus bandwidth ``--a2a-gbps`` (default: the calibration's two-rank rate) and latency
@@ -20,35 +26,45 @@ all-to-all bus bandwidth ``--a2a-gbps`` (default: the calibration's two-rank rat
 ``--nodes K ...`` (one per ``--simulate`` size, or one for all) spreads each simulated group over
 ``K`` hosts of ``W / K`` ranks: every ShardQ all-to-all then sends ``(W - W/K) / W`` of its bytes
 over the network, at the calibration's measured rate between hosts or the default of ``--link``
-(``plan.links.LINKS``; ``--net-gbps`` / ``--net-latency-us`` override it), side by side with the
-NVLink share, the slower bounding the exchange (``plan.links``). The table prints the one-host
-and the K-host predictions and the router's choice for each, and lists where the network changes
-the choice.
+(``shardattn.plan.links.LINKS``; ``--net-gbps`` / ``--net-latency-us`` override it), side by side
+with the NVLink share, the slower bounding the exchange. The table prints the one-host and the
+K-host predictions and the router's choice for each, and lists where the network changes the
+choice. ``--gpu NAME`` takes the table shipped for that GPU on any machine.
 
-The JSON holds every number; the PNG (matplotlib, imported only when asked) plots step time
-against tokens for each path, one panel per model, predictions dashed.
+Records (``--json``, ``benchmarks/records.py``): ``prefill-scaling`` (the ShardQ step against
+head-TP, the router's step against the fastest measured path), ``cost-model`` (each predicted
+step against the measured one) and, with ``--simulate``, ``prefill-scaling-predicted`` (on ``K``
+hosts also ``hosts``, ``ranks per host`` and the network's GB/s in the configuration). The PNG
+(matplotlib, imported only when asked) plots step time against tokens for each path, one panel
+per model, predictions dashed.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import add_json_argument, environment, print_table, record, write_json
+
 from shardattn.calibrate.steps import PATHS, measure_paths, with_heads
+from shardattn.calibrate.timing import median_ms
 from shardattn.launch.local import run_ranks
 from shardattn.launch.process_group import DistEnv
+from shardattn.launch.workloads import build_prefill
+from shardattn.parallel.runtime import Runtime
 from shardattn.plan.cost import CollectiveRate, CostModel, StepShape, choose_prefill, load_calibration
 from shardattn.plan.links import LINKS, LinkRate, resolve_link
 from shardattn.plan.spec import ModelSpec, get_preset
 
-#: (label, preset, heads override, tokens): the configurations of issue 15's table and more.
+#: (label, preset, heads override, tokens): two presets and two head counts at 8K and 32K new tokens.
 CONFIGS = (
     ("glm5", "glm5", None, 8192),
     ("deepseek-v32", "deepseek-v32", None, 8192),
@@ -65,20 +81,20 @@ ROUTER_SLACK, PREDICTION_TOLERANCE = 0.05, 0.15
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calibration", default=None, help="calibration table (default: the one shipped for the GPU)")
-    p.add_argument(
-        "--gpu", default=None, help='the shipped table of this GPU, e.g. "NVIDIA H200" (default: the visible GPU\'s)'
-    )
     p.add_argument("--configs", type=int, nargs="+", default=None, help="indices into CONFIGS (default all)")
     p.add_argument("--reps", type=int, default=7, help="timed steps per path (default 7)")
     p.add_argument("--cached", type=int, default=8192, help="cached tokens per request (default 8192)")
     p.add_argument("--tokens", type=int, default=None, help="override every configuration's tokens (smoke runs)")
     p.add_argument("--topk", type=int, default=None, help="override the presets' top-k (smoke runs)")
-    p.add_argument("--json", default=None, help="write every number here (rank 0)")
+    add_json_argument(p)
     p.add_argument("--png", default=None, help="plot step time against tokens here (rank 0, matplotlib)")
     p.add_argument("--simulate", type=int, nargs="*", default=[], help="also predict for these world sizes")
     p.add_argument("--a2a-gbps", type=float, default=None, help="all-to-all bus GB/s for --simulate")
     p.add_argument("--a2a-latency-us", type=float, default=None, help="all-to-all latency for --simulate")
     p.add_argument("--predict-only", action="store_true", help="no measurement: predictions only (any machine)")
+    p.add_argument(
+        "--gpu", default=None, help='the shipped table of this GPU, e.g. "NVIDIA H200" (default: the visible GPU\'s)'
+    )
     p.add_argument(
         "--nodes", type=int, nargs="+", default=None, help="hosts of each --simulate size (one value: every size)"
     )
@@ -87,7 +103,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--net-gbps", type=float, default=None, help="network GB/s per GPU for --nodes (overrides --link)")
     p.add_argument("--net-latency-us", type=float, default=None, help="network latency for --nodes (with --net-gbps)")
+    p.add_argument("--shardq-chunks", type=int, nargs="+", default=[], help="also time ShardQ at these chunk counts")
+    p.add_argument("--taper", action="store_true", help="... with tapered chunks (Runtime(prefill_taper=True))")
+    p.add_argument("--one-union", action="store_true", help="... with one union build per step")
     return p
+
+
+def shardq_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """``(label, Runtime keywords)`` of the extra ShardQ steps the options ask for."""
+    counts = args.shardq_chunks or ([None] if args.taper or args.one_union else [])
+    out = []
+    for c in counts:
+        label = ("the planner's chunks" if c is None else f"{c} chunks") + (", tapered" if args.taper else "")
+        label += ", one union build" if args.one_union else ""
+        out.append((label, {"prefill_chunks": c, "prefill_taper": args.taper, "prefill_one_union": args.one_union}))
+    return out
+
+
+def time_shardq_variants(
+    group: dist.ProcessGroup, spec: ModelSpec, tokens: int, args: argparse.Namespace, device: torch.device
+) -> dict[str, float]:
+    """Median ms on this rank of each :func:`shardq_variants` step, on ``measure_paths``' synthetic
+    step; raises when one does not give the default ShardQ step's bits."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    step = build_prefill(heads=spec.num_heads, head_dim=spec.head_dim, tokens=tokens, requests=4,
+                         cached=(args.cached,) * 4, topk=spec.topk, overlap="dsa", dtype=getattr(torch, spec.dtype),
+                         device=device, seed=0, block_size=spec.page_size)  # fmt: skip
+    h = spec.num_heads // world
+    q_local = step.q[:, rank * h : (rank + 1) * h].contiguous()
+    common = {"max_batched_tokens": tokens, "device": device, "topk": spec.topk, "min_shard_tokens": 1024,
+              "min_group_tokens": 1024, "warmup": False}  # fmt: skip
+
+    def runtime_step(kw: dict[str, Any]):
+        rt = Runtime(spec, group, mode="shardq", cost_model=None, **common, **kw)
+        plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+        return rt, plan, rt.prefill(q_local, step.kv, step.rows, plan=plan, check=True)
+
+    _, _, want = runtime_step({})
+    ms = {}
+    for label, kw in shardq_variants(args):
+        rt, plan, got = runtime_step(kw)
+        if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+            raise RuntimeError(f"ShardQ with {label} differs from the default ShardQ step (rank {rank})")
+        ms[label] = median_ms(lambda rt=rt, plan=plan: rt.prefill(q_local, step.kv, step.rows, plan=plan, check=False),
+                              device=device, reps=args.reps, warmup=2, group=group)  # fmt: skip
+    return ms
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, str, int | None, int]]:
@@ -120,6 +180,7 @@ def measure(group: dist.ProcessGroup, args: argparse.Namespace) -> list[dict[str
             group, spec, tokens=tokens, requests=4, cached=args.cached, device=device, model=model, reps=args.reps,
             host_id=DistEnv.from_env().host_id,
         )  # fmt: skip
+        res["variants"] = time_shardq_variants(group, spec, tokens, args, device) if shardq_variants(args) else {}
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, res, group=group)
         if rank == 0:
@@ -136,6 +197,7 @@ def measure(group: dist.ProcessGroup, args: argparse.Namespace) -> list[dict[str
                     "predicted_ms": res["predicted_ms"],
                     "path": res["path"],
                     "router_reason": res["reason"].get("router", ""),
+                    "variants": {k: max(r["variants"][k] for r in gathered) for k in res["variants"]},
                 }
             )
             print(_line(rows[-1]), flush=True)
@@ -164,30 +226,44 @@ def verdicts(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def render(rows: list[dict[str, Any]]) -> None:
-    """The measured table (markdown, ready for RESULTS.md)."""
-    print(
-        "\n| model | T | kernel alone ms | head-TP ms | ShardQ ms (x head-TP) | ShardQ / kernel | router path "
-        "| router ms (x head-TP) | router / fastest | predicted ms (err %): kernel, head-TP, ShardQ, router |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+PATH_NAMES = {"kernel": "ShardQ kernel alone", "kernel_headtp": "head-TP kernel alone", "headtp": "head-TP",
+              "shardq": "ShardQ", "router": "router"}  # fmt: skip
+
+
+def _config(row: dict[str, Any]) -> dict[str, Any]:
+    return {"model": row["label"], "heads": row["heads"], "tokens": row["tokens"], "ranks": row["world_size"]}
+
+
+def measured_records(rows: list[dict[str, Any]], env: dict[str, Any]) -> list[dict[str, Any]]:
+    """``prefill-scaling`` and ``cost-model`` records of the measured rows (module docstring)."""
+    out = []
     for row in rows:
-        ms, pred, v = row["ms"], row["predicted_ms"], verdicts(row)
-        tp = ms["headtp"]
-        errs = ", ".join(
-            f"{pred[k]:.2f} ({100 * v['prediction_error'][k]:+.0f})"
-            for k in ("kernel", "headtp", "shardq", "router")
-            if k in pred
-        )
-        print(
-            f"| {row['label']} ({row['heads']} heads) | {row['tokens']} | {ms['kernel']:.2f} | {tp:.2f} "
-            f"| {ms['shardq']:.2f} ({tp / ms['shardq']:.2f}x) | {ms['shardq'] / ms['kernel']:.2f} "
-            f"| {row['path']['router']} | {ms['router']:.2f} ({tp / ms['router']:.2f}x) "
-            f"| {v['router_over_fastest']:.3f} | {errs} |"
-        )
+        ms, pred, config = row["ms"], row["predicted_ms"], _config(row)
+        out.append(record("prefill-scaling", config, "ShardQ step ms", ms["shardq"], "ms", "lower",
+                          ("head-TP step, same run", ms["headtp"]), env))  # fmt: skip
+        fastest = min(ms["headtp"], ms["shardq"])
+        out.append(record("prefill-scaling", config, "router's step ms", ms["router"], "ms", "lower",
+                          ("fastest measured path, same run", fastest), env))  # fmt: skip
+        for label, v in row["variants"].items():
+            out.append(record("prefill-scaling", config, f"ShardQ step ms, {label}", v, "ms", "lower",
+                              ("ShardQ step, same run", ms["shardq"]), env))  # fmt: skip
+        for k in PATH_NAMES:
+            if k in pred and k in ms:
+                out.append(record("cost-model", config | {"path": PATH_NAMES[k]}, "predicted step ms", pred[k], "ms",
+                                  "none", ("measured, same run", ms[k]), env))  # fmt: skip
+    return out
+
+
+def summary(rows: list[dict[str, Any]]) -> None:
+    """Routes and the two counts of the module docstring."""
+    for row in rows:
+        v = verdicts(row)
+        errs = ", ".join(f"{PATH_NAMES[k]} {100 * e:+.1f} %" for k, e in v["prediction_error"].items())
+        print(f"{row['label']} T={row['tokens']}: router {row['path']['router']} "
+              f"({v['router_over_fastest']:.3f}x the fastest); prediction errors {errs}")  # fmt: skip
     ok_r = sum(verdicts(r)["router_ok"] for r in rows)
     ok_p = sum(verdicts(r)["predictions_ok"] for r in rows)
-    print(f"\nrouter within {ROUTER_SLACK:.0%} of the fastest: {ok_r}/{len(rows)}; ", end="")
+    print(f"router within {ROUTER_SLACK:.0%} of the fastest: {ok_r}/{len(rows)}; ", end="")
     print(f"every prediction within {PREDICTION_TOLERANCE:.0%}: {ok_p}/{len(rows)}", flush=True)
 
 
@@ -212,29 +288,21 @@ def _hosts(args: argparse.Namespace) -> list[int]:
     return nodes
 
 
-def simulate(args: argparse.Namespace, model: CostModel) -> list[dict[str, Any]]:
-    """The cost model's table at each ``--simulate`` world size, on one host and on ``--nodes`` hosts
-    (module docstring)."""
+def simulate(args: argparse.Namespace, model: CostModel, env: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cost model's predictions at each ``--simulate`` world size, on one host and, with
+    ``--nodes``, on that many hosts (module docstring), as ``prefill-scaling-predicted`` records."""
     base = model.collective("all_to_all", 2)
     gbps = args.a2a_gbps if args.a2a_gbps is not None else base.busbw_gbps
     lat = args.a2a_latency_us / 1e3 if args.a2a_latency_us is not None else base.latency_ms
     cal = model.calibration.gpu
     source = "--a2a-gbps" if args.a2a_gbps is not None else f"the calibration's 2-rank all-to-all ({cal})"
-    hosts = _hosts(args)
-    net = _network(args, model)
-    out, changed = [], []
-    print(
-        f"\nsimulated: all-to-all on one host {gbps:g} GB/s bus bandwidth, {lat * 1e3:.0f} us latency (from {source})"
-    )
+    hosts, net = _hosts(args), _network(args, model)
+    out, rows = [], []
+    print(f"\nsimulated: all-to-all on one host {gbps:g} GB/s bus bandwidth, {lat * 1e3:.0f} us (from {source})")
     if any(k > 1 for k in hosts):
         print(
             f"between hosts: {net.name}, {net.busbw_gbps:g} GB/s per GPU, {net.latency_ms * 1e3:.0f} us ({net.source})"
         )
-    print(
-        "| W | hosts x ranks | model | T | head-TP ms | ShardQ ms, 1 host | ShardQ ms, K hosts (a2a GB/s) "
-        "| router's path, 1 host | ms | router's path, K hosts | ms | x head-TP (K hosts) |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w, k in zip(args.simulate, hosts):
         rate = CollectiveRate("all_to_all", w, lat, gbps)
         sim = CostModel(model.calibration, collective_overrides={"all_to_all": rate}, network=net)
@@ -244,36 +312,46 @@ def simulate(args: argparse.Namespace, model: CostModel) -> list[dict[str, Any]]
             if spec.num_heads % w:
                 continue
             one = StepShape(heads=spec.num_heads, world_size=w, tokens=tokens, topk=spec.topk)
-            spread = dataclasses.replace(one, ranks_per_node=rpn if k > 1 else None)
-            choice_one, choice_k = choose_prefill(sim, one), choose_prefill(sim, spread)
             tp = min(p.ms for p in sim.predict(one, steps=("headtp",)))
-            sq_one = min(p.ms for p in sim.predict(one, steps=("shardq",)))
-            sq_k = min(p.ms for p in sim.predict(spread, steps=("shardq",)))
-            a2a = sim.collective("all_to_all", w, rpn if k > 1 else None).busbw_gbps
-            row = {"world_size": w, "nodes": k, "ranks_per_node": rpn, "label": label, "heads": spec.num_heads}
-            row |= {"tokens": tokens, "headtp_ms": tp, "shardq_ms": sq_one, "shardq_nodes_ms": sq_k, "a2a_gbps": gbps}
-            row |= {"router_path": choice_one.best.name, "router_ms": choice_one.best.ms}
-            row |= {"router_nodes_path": choice_k.best.name, "router_nodes_ms": choice_k.best.ms}
-            row |= {"a2a_nodes_gbps": a2a, "network": dataclasses.asdict(net) if k > 1 else None}
-            out.append(row)
-            if choice_one.best.step != choice_k.best.step:
-                changed.append(row)
-            print(
-                f"| {w} | {k} x {rpn} | {label} ({spec.num_heads} heads, {spec.num_heads // w}/rank) | {tokens} "
-                f"| {tp:.2f} | {sq_one:.2f} | {sq_k:.2f} ({a2a:.0f}) | {choice_one.best.name} "
-                f"| {choice_one.best.ms:.2f} | {choice_k.best.name} | {choice_k.best.ms:.2f} "
-                f"| {tp / choice_k.best.ms:.2f} |"
-            )
-    if any(k > 1 for k in hosts):
-        print(f"\nthe network changes the router's choice in {len(changed)} of {len(out)} rows:")
-        for r in changed:
-            print(
-                f"  {r['label']} T={r['tokens']} W={r['world_size']}: one host {r['router_path']} "
-                f"{r['router_ms']:.2f} ms (ShardQ {r['shardq_ms']:.2f}, head-TP {r['headtp_ms']:.2f}); "
-                f"{r['nodes']} x {r['ranks_per_node']} {r['router_nodes_path']} {r['router_nodes_ms']:.2f} ms "
-                f"(ShardQ there {r['shardq_nodes_ms']:.2f})"
-            )
+            config = {"model": label, "heads": spec.num_heads, "tokens": tokens, "ranks": w, "all-to-all GB/s": gbps}
+            row = {"label": label, "heads": spec.num_heads, "tokens": tokens, "ranks": w, "hosts": k, "headtp": tp}
+            for where, shape in (("one host", one), (f"{k} hosts", dataclasses.replace(one, ranks_per_node=rpn))):
+                if where != "one host" and k == 1:
+                    continue
+                choice = choose_prefill(sim, shape)
+                sq = min(p.ms for p in sim.predict(shape, steps=("shardq",)))
+                cfg = config if where == "one host" else config | {"hosts": k, "ranks per host": rpn,
+                                                                    "network GB/s": net.busbw_gbps}  # fmt: skip
+                headtp = ("predicted head-TP step", tp)
+                out.append(record("prefill-scaling-predicted", cfg, "predicted ShardQ step ms", sq, "ms", "lower",
+                                  headtp, env))  # fmt: skip
+                out.append(record("prefill-scaling-predicted", cfg, "predicted router's step ms", choice.best.ms, "ms",
+                                  "lower", headtp, env))  # fmt: skip
+                row[where] = {"shardq": sq, "path": choice.best.name, "ms": choice.best.ms, "step": choice.best.step}
+            rows.append(row)
+    _print_simulated(rows)
     return out
+
+
+def _print_simulated(rows: list[dict[str, Any]]) -> None:
+    """The predictions side by side: one host and K hosts, and where the network changes the route."""
+    print("| ranks | hosts | model | T | head-TP ms | ShardQ ms, 1 host | router, 1 host | ShardQ ms, K hosts "
+          "| router, K hosts |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    changed = []
+    for r in rows:
+        one, many = r["one host"], r.get(f"{r['hosts']} hosts")
+        k_cols = "- | -" if many is None else f"{many['shardq']:.2f} | {many['path']} {many['ms']:.2f}"
+        print(f"| {r['ranks']} | {r['hosts']} x {r['ranks'] // r['hosts']} | {r['label']} ({r['heads']} heads) "
+              f"| {r['tokens']} | {r['headtp']:.2f} | {one['shardq']:.2f} | {one['path']} {one['ms']:.2f} "
+              f"| {k_cols} |")  # fmt: skip
+        if many is not None and many["step"] != one["step"]:
+            changed.append((r, one, many))
+    if any(r["hosts"] > 1 for r in rows):
+        print(f"\nthe network changes the router's choice in {len(changed)} of {len(rows)} configurations:")
+    for r, one, many in changed:
+        print(f"  {r['label']} T={r['tokens']} on {r['ranks']} ranks: one host {one['path']} {one['ms']:.2f} ms "
+              f"(head-TP {r['headtp']:.2f}); {r['hosts']} x {r['ranks'] // r['hosts']} {many['path']} "
+              f"{many['ms']:.2f} ms (ShardQ there {many['shardq']:.2f})")  # fmt: skip
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -309,11 +387,12 @@ class _Entry:
         rows = measure(group, self.args)
         if rows is None:
             return
-        render(rows)
-        sims = simulate(self.args, _model(self.args)) if self.args.simulate else []
-        if self.args.json:
-            with open(self.args.json, "w") as f:
-                json.dump({"rows": [r | {"verdict": verdicts(r)} for r in rows], "simulated": sims}, f, indent=1)
+        env = environment(dist.get_world_size(group))
+        summary(rows)
+        records = measured_records(rows, env)
+        records += simulate(self.args, _model(self.args), env) if self.args.simulate else []
+        print_table(records, "prefill paths and the cost model")
+        write_json(self.args.json, records)
         if self.args.png:
             plot(rows, self.args.png)
 
@@ -321,10 +400,9 @@ class _Entry:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.predict_only:
-        sims = simulate(args, _model(args))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"rows": [], "simulated": sims}, f, indent=1)
+        records = simulate(args, _model(args), environment())
+        print_table(records, "the cost model's predictions")
+        write_json(args.json, records)
         return 0
     if "RANK" not in os.environ:
         print("run under torchrun (one rank per GPU), or pass --predict-only", file=sys.stderr)

@@ -10,24 +10,24 @@ does; each step the driver writes ``--tokens`` query tokens of a tiny model and 
 step, every rank's serve loop copies its heads of the queries into the outputs (no attention:
 the transport is what is timed) and reports done, and the driver checks every output row.
 Prints the median / p90 / p99 / mean round trip in microseconds, and the driver's and ranks' CPU
-time per step; ``--json`` writes them with the command and the date.
+time per step; ``--json`` writes the ``shm-transport`` records (``benchmarks/records.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.launch.ray.shm import ShmRegion, ShmSteps, decode_layout, serve
 
@@ -106,20 +106,19 @@ def run(ranks: int, steps: int, tokens: int, spin_s: float, warmup: int = 200) -
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=5000)
     p.add_argument("--tokens", type=int, default=64, help="query tokens of each step (default 64)")
     p.add_argument("--spin-us", type=float, default=0.0, help="spin this long before sleeping (default 0: CPU pools)")
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    add_json_argument(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     res = run(args.ranks, args.steps, args.tokens, args.spin_us / 1e6)
-    res |= {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
-    }
-    res |= {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
     print(
         "| ranks | tokens | spin us | median us | p90 us | p99 us | mean us | driver CPU us/step "
         "| rank CPU us/step |\n|---|---|---|---|---|---|---|---|---|\n"
@@ -127,11 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         f"| {res['p99_us']:.1f} | {res['mean_us']:.1f} | {res['driver_cpu_us_per_step']:.1f} "
         f"| {', '.join(f'{c:.1f}' for c in res['rank_cpu_us_per_step'])} |"
     )
+    env = environment()
+    config = {"ranks": args.ranks, "tokens": args.tokens, "spin us": args.spin_us, "steps": args.steps}
+    records = [record("shm-transport", config, f"round trip {q}", res[f"{q}_us"], "us", "lower", None, env)
+               for q in ("median", "p99")]  # fmt: skip
+    print_table(records, "the shared-memory transport alone")
+    write_json(args.json, records)
     if res["wrong_outputs"]:
         print(f"{res['wrong_outputs']} steps returned wrong outputs", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
     return 1 if res["wrong_outputs"] else 0
 
 

@@ -2,8 +2,8 @@
 
 Usage (Ray; CPU ranks on gloo, or one GPU per rank)::
 
-    python benchmarks/soak_pool.py --minutes 30 --json soak.json            # random kills every ~90 s
-    python benchmarks/soak_pool.py --steps 150 --kill-steps 40 --fault-steps 100 --json ci.json   # CI size
+    python benchmarks/soak_pool.py --minutes 30 --json soak.json --details soak_run.json   # kills every ~90 s
+    python benchmarks/soak_pool.py --steps 80 --kill-steps 20 --fault-steps 50 --kill-every 0 --details ci.json
 
 A ``--ranks``-rank pool (``mode="mixed"``: ShardQ prefill, DCP decode over a paged KV cache) of a
 small sparse-MLA model serves requests that arrive at random (prompt 4-64 tokens, 1-24 generated),
@@ -20,13 +20,15 @@ exactly the requests the pool held, and they are served again as new requests. E
 ``--refuse-every`` steps a request that cannot fit (longer than ``max_seq_len``, or more pages than
 are free) must raise a ``ValueError`` naming it and leave the pool healthy and its ledger unchanged.
 
-Recorded: step times (p50 / p99 per kind), the driver's and every rank's RSS over the run, live
-torch tensors on the driver, KV pages in use against the pages the served requests need (a leak
-shows as a difference), and at the end, with every request freed, the free pages against the start.
-Memory growth is the median of the last samples over the median of the first samples after the
-warm-up (``--warmup-s``; a rank's per process, restarts start a new one). Prints a table; ``--json``
-writes every number. Exit status 1 when an output is wrong, a request is lost unreported, a page
-leaks, a refusal is unclear, or (with ``--max-growth-pct``) memory grows more than that.
+Recorded: step times (p50 / p99 per kind), the driver's and every rank's RSS (and, on GPUs, CUDA
+allocated memory) over the run, live torch tensors on the driver and on every rank, KV pages in use
+against the pages the served requests need (a leak shows as a difference), and at the end, with
+every request freed, the free pages and the driver's live tensors against the start. Memory growth
+is the median of the last samples over the median of the first samples after the warm-up
+(``--warmup-s``; a rank's per process, restarts start a new one). Prints a table; ``--json`` writes
+the ``pool-soak`` records (``benchmarks/records.py``), ``--details`` every number of the run. Exit
+status 1 when an output is wrong, a request is lost unreported, a page or a tensor leaks, a refusal
+is unclear, or (with ``--max-growth-pct``) memory grows more than that.
 """
 
 from __future__ import annotations
@@ -45,10 +47,14 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.plan.spec import ModelSpec
 
@@ -495,7 +501,7 @@ class Soak:
                 cuda_growth[f"gen{g} rank{r}"] = got
         res = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": " ".join(["python benchmarks/soak_pool.py", *sys.argv[1:]]),
+            "command": " ".join(["python benchmarks/soak_pool.py", *sys.argv[1:]]),  # also when imported
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, device {a.device}",
             "elapsed_s": elapsed,
             **self.counts,
@@ -601,8 +607,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-steps", type=int, default=0, help="also sample every N steps (short runs)")
     p.add_argument("--max-growth-pct", type=float, default=None, help="fail when RSS grows more (after warm-up)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None)
+    p.add_argument("--details", default=None, metavar="PATH", help="write every number of the run here (JSON)")
+    add_json_argument(p)
     return p
+
+
+def soak_records(res: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The ``pool-soak`` records of a run: its invariants, step times and memory growth."""
+    env = environment(args.ranks) | {"command": res["command"]}
+    config = {"ranks": args.ranks, "device": args.device, "minutes": round(res["elapsed_s"] / 60, 1),
+              "kills": len(res["kills"])}  # fmt: skip
+    out = [
+        record("pool-soak", config, "outputs checked against fp64", res["outputs_checked"], "outputs", "higher", None,
+               env),
+        record("pool-soak", config, "wrong outputs", res["wrong_outputs"], "outputs", "lower", None, env),
+        record("pool-soak", config, "requests lost, not reported by restart()", res["lost_unreported"], "requests",
+               "lower", None, env),
+        record("pool-soak", config, "KV pages leaked", res["pages_leaked"], "pages", "lower", None, env),
+    ]  # fmt: skip
+    for kind, st in res["step_ms"].items():
+        if st["n"]:
+            out += [record("pool-soak", config, f"{kind} step {q} ms", st[q], "ms", "lower", None, env)
+                    for q in ("p50", "p99")]  # fmt: skip
+    for name, value in (("driver RSS growth after warm-up", res["driver_rss_growth_pct"]),
+                        ("largest RSS growth after warm-up", res["max_rss_growth_pct"])):  # fmt: skip
+        if value is not None:
+            out.append(record("pool-soak", config, name, value, "%", "lower", None, env))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -624,8 +655,11 @@ def main(argv: list[str] | None = None) -> int:
             soak.pool.shutdown()
         ray.shutdown()
     render(res)
-    if args.json:
-        with open(args.json, "w") as f:
+    records = soak_records(res, args)
+    print_table(records, "Ray pool soak")
+    write_json(args.json, records)
+    if args.details:
+        with open(args.details, "w") as f:
             json.dump(res, f, indent=1)
     return 0 if res["passed"] else 1
 

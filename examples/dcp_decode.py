@@ -17,8 +17,11 @@ from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.topk import convert_topk
 from shardattn.launch.local import run_ranks
 from shardattn.parallel.runtime import Runtime
+from shardattn.plan.spec import mla_softmax_scale
 
 CONTEXT, TOPK, INTERLEAVE = [300, 77, 1], 48, 4  # three decode requests, one new token each
+# the model's softmax scale, from its config.json (GLM-5: qk_nope_head_dim 192, qk_rope_head_dim 64)
+SCALE = mla_softmax_scale(192, 64)
 
 
 def main(group: dist.ProcessGroup) -> None:
@@ -29,6 +32,7 @@ def main(group: dist.ProcessGroup) -> None:
     rt = Runtime(
         "glm5",
         group,
+        scale=SCALE,
         max_batched_tokens=64,
         mode="dcp-decode",
         device=device,
@@ -75,7 +79,7 @@ def main(group: dist.ProcessGroup) -> None:
     out, lse = rt.decode(q_local, kv_local, table_local, seq_lens, topk_pos=topk_pos, req_ids=req)
 
     rows, _ = convert_topk(topk_pos, req, table, block_size=page, seq_lens=seq_lens)
-    ref, _ = sparse_mla_reference(q, kv, rows, scale=rt.scale, v_dim=spec.v_dim)
+    ref, _ = sparse_mla_reference(q, kv, rows, scale=SCALE, v_dim=spec.v_dim)
     err = (out.float() - ref[:, rank * h : (rank + 1) * h].float()).abs().max().item()
     print(
         f"rank {rank}: holds {kv_local.shape[0]} of {kv.shape[0]} KV rows; out {tuple(out.shape)}, "

@@ -18,6 +18,7 @@ from shardattn.launch.local import run_ranks
 from shardattn.parallel.runtime import Runtime
 
 DRAFTS, CACHED = [1, 3, 2], [40, 100, 7]  # query tokens and cached tokens per request
+SCALE = 64**-0.5  # the model's softmax scale (GPT-OSS: 1 / sqrt(head_dim))
 
 
 def main(group: dist.ProcessGroup) -> None:
@@ -25,7 +26,7 @@ def main(group: dist.ProcessGroup) -> None:
     rank = dist.get_rank(group)
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    rt = Runtime("gqa-64-8", group, max_batched_tokens=64, mode="dcp-decode", device=device)
+    rt = Runtime("gqa-64-8", group, scale=SCALE, max_batched_tokens=64, mode="dcp-decode", device=device)
     spec, layout, page, h = rt.spec, rt.layout, rt.spec.page_size, rt.heads_per_rank
     hkv, d = spec.num_kv_heads, spec.head_dim
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -63,7 +64,7 @@ def main(group: dist.ProcessGroup) -> None:
     q_local = q[:, rank * h : (rank + 1) * h].contiguous()
     out, lse = rt.decode(q_local, caches, table_local, seq_lens, cu_q_lens=cu_q_lens, sinks=sinks)
 
-    ref, _ = gqa_paged_decode_reference(q, k, v, table, seq_lens, cu_q_lens, sinks=sinks, scale=rt.scale)
+    ref, _ = gqa_paged_decode_reference(q, k, v, table, seq_lens, cu_q_lens, sinks=sinks, scale=SCALE)
     err = (out.float() - ref[:, rank * h : (rank + 1) * h].float()).abs().max().item()
     print(
         f"rank {rank}: drafts {DRAFTS} -> out {tuple(out.shape)}, lse {tuple(lse.shape)} "

@@ -41,6 +41,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--v-dim", type=int, default=32)
     p.add_argument("--topk", type=int, default=None, help="top-k (default: 16, or the preset's)")
     p.add_argument("--page", type=int, default=4)
+    p.add_argument("--softmax-scale", type=float, default=None, help="softmax scale (default: the preset's, else 0.3)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--prompt", type=int, nargs=2, default=(8, 40), metavar=("MIN", "MAX"))
@@ -58,7 +59,11 @@ def model(args: argparse.Namespace) -> ModelSpec:
         spec = get_preset(args.preset)
         spec = dataclasses.replace(spec, topk=args.topk or spec.topk)
     else:
-        spec = ModelSpec("sparse_mla", args.heads, 1, args.head_dim, args.v_dim, args.topk or 16, args.page)
+        spec = ModelSpec(
+            "sparse_mla", args.heads, 1, args.head_dim, args.v_dim, args.topk or 16, args.page, softmax_scale=0.3
+        )
+    if args.softmax_scale is not None:
+        spec = dataclasses.replace(spec, softmax_scale=args.softmax_scale)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     return dataclasses.replace(spec, dtype=dtype)
 

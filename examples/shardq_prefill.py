@@ -17,8 +17,11 @@ from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.topk import convert_topk
 from shardattn.launch.local import run_ranks
 from shardattn.parallel.runtime import Runtime
+from shardattn.plan.spec import mla_softmax_scale
 
 SEQ_LENS, CACHED, TOPK, PAGE = [96, 64], [32, 0], 32, 64
+# the model's softmax scale, from its config.json (GLM-5: qk_nope_head_dim 192, qk_rope_head_dim 64)
+SCALE = mla_softmax_scale(192, 64)
 
 
 def main(group: dist.ProcessGroup) -> None:
@@ -29,6 +32,7 @@ def main(group: dist.ProcessGroup) -> None:
     rt = Runtime(  # small demo step: shard anything from 64 tokens on, whatever the cost model would pick
         "glm5",
         group,
+        scale=SCALE,
         max_batched_tokens=256,
         mode="shardq",
         device=device,
@@ -57,7 +61,7 @@ def main(group: dist.ProcessGroup) -> None:
     q_local = q[:, rank * h : (rank + 1) * h].contiguous()  # this rank's heads, as TP gives them
     out, lse = rt.prefill(q_local, kv, rows, seq_lens=SEQ_LENS, prefix_lens=CACHED)
 
-    ref_out, _ = sparse_mla_reference(q, kv, rows, scale=rt.scale, v_dim=spec.v_dim)
+    ref_out, _ = sparse_mla_reference(q, kv, rows, scale=SCALE, v_dim=spec.v_dim)
     err = (out.float() - ref_out[:, rank * h : (rank + 1) * h].float()).abs().max().item()
     plan = rt.plan_prefill(SEQ_LENS, CACHED)
     print(

@@ -8,6 +8,8 @@ with the library (no helper, no masking function, no conversion in common).
 * :func:`topk_rows_oracle`: request-local top-k positions -> global KV rows through a paged block
   table, optionally keeping only one DCP rank's positions (converted through its local table).
 * :func:`gqa_oracle`: paged GQA decode with drafts (causal or not), windows and sinks.
+* :func:`gqa_prefill_oracle`: GQA prefill of new tokens over a paged cached prefix and themselves
+  (causal, windows, sinks).
 
 Every function loops over tokens and heads in Python; keep shapes tiny.
 """
@@ -180,4 +182,65 @@ def gqa_oracle(
                 p, lse[row, h] = _softmax(logits, None if sink is None else sink[h])
                 if keys:
                     out[row, h] = torch.tensor(p, dtype=torch.float64) @ torch.stack(vs)
+    return out, lse
+
+
+def gqa_prefill_oracle(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: list[int],
+    *,
+    scale: float,
+    prefix_lens: list[int] | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    window_left: int = -1,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA prefill in fp64 loops over requests, new tokens, heads and keys.
+
+    Request ``b`` owns rows ``sum(seq_lens[:b]) + j`` (``j < seq_lens[b]``) of ``q`` / ``k`` / ``v``
+    after ``P_b = prefix_lens[b]`` cached tokens; its token ``j`` sits at position ``p = P_b + j``
+    and sees positions ``lo <= t <= p`` (``lo = max(0, p - window_left)`` with a window). A key at
+    ``t < P_b`` is ``cache[block_table[b, t // page], t % page]``, else row ``start_b + t - P_b``
+    of ``k`` / ``v``. Query head ``h`` reads KV head ``h // (Hq // Hkv)``; sinks add
+    ``exp(sink[h])`` to the denominator only.
+
+    Returns:
+        ``(out [T, Hq, D] fp64, lse [T, Hq] fp64)``.
+    """
+    q64, k64, v64 = (x.detach().cpu().double() for x in (q, k, v))
+    total, hq, d = q64.shape
+    hkv = k64.shape[1]
+    prefix = [0] * len(seq_lens) if prefix_lens is None else list(prefix_lens)
+    kc = None if k_cache is None else k_cache.detach().cpu().double()
+    vc = None if v_cache is None else v_cache.detach().cpu().double()
+    table = None if block_table is None else block_table.tolist()
+    page = 1 if kc is None else kc.shape[1]
+    sink = None if sinks is None else [float(x) for x in sinks.tolist()]
+    out = torch.zeros(total, hq, d, dtype=torch.float64)
+    lse = torch.full((total, hq), -math.inf, dtype=torch.float64)
+    start = 0
+    for b, n in enumerate(seq_lens):
+        for j in range(n):
+            p = prefix[b] + j
+            lo = max(0, p - window_left) if window_left >= 0 else 0
+            row = start + j
+            for h in range(hq):
+                g = h // (hq // hkv)
+                ks, vs = [], []
+                for t in range(lo, p + 1):
+                    if t < prefix[b]:
+                        ks.append(kc[table[b][t // page], t % page, g])
+                        vs.append(vc[table[b][t // page], t % page, g])
+                    else:
+                        ks.append(k64[start + t - prefix[b], g])
+                        vs.append(v64[start + t - prefix[b], g])
+                logits = [scale * float(q64[row, h] @ kt) for kt in ks]
+                probs, lse[row, h] = _softmax(logits, None if sink is None else sink[h])
+                if ks:
+                    out[row, h] = torch.tensor(probs, dtype=torch.float64) @ torch.stack(vs)
+        start += n
     return out, lse

@@ -2,7 +2,7 @@
 
 Each row of ``ROWS`` names an entry point and a bad argument, and states what it must get (the
 rows live in ``tests/bad_input/``: the harness in ``table.py``, the rows by layer in
-``kernel_rows.py``, ``plan_rows.py`` and ``parallel_rows.py``):
+``kernel_rows.py``, ``plan_rows.py`` and ``parallel_rows.py``, GQA prefill's in ``gqa_prefill_rows.py``):
 
 * ``Raises(TypeError | ValueError, match)``: the error names the argument (``match`` is a regex
   on the message), it is raised before any kernel runs (the kernels and references of
@@ -34,6 +34,7 @@ from shardattn import plan as P
 from shardattn.kernels import lse_merge as merge_mod
 from shardattn.kernels import sparse_mla as mla_mod
 from shardattn.launch.cli import LaunchError, parse_options
+from tests.bad_input.gqa_prefill_rows import gqa_prefill_rows
 from tests.bad_input.kernel_rows import kernel_rows
 from tests.bad_input.parallel_rows import parallel_rows
 from tests.bad_input.plan_rows import plan_rows
@@ -52,7 +53,7 @@ from tests.bad_input.table import (
 )
 
 #: The table: rows live in tests/bad_input/ by layer (kernels, planner, parallel steps and Runtime).
-ROWS: list[Row] = [*kernel_rows(), *plan_rows(), *parallel_rows()]
+ROWS: list[Row] = [*kernel_rows(), *plan_rows(), *parallel_rows(), *gqa_prefill_rows()]
 BY_ID = {r.id: r for r in ROWS}
 assert len(BY_ID) == len(ROWS), "row ids must be unique"
 
@@ -137,10 +138,13 @@ def test_table_covers_every_public_kernel_and_plan_function() -> None:
     assert not missing, f"plan functions without a row: {sorted(missing)}"
     kernels = {
         "sparse_mla_attention", "sparse_mla_grouped_prefill", "sparse_mla_decode", "gqa_paged_decode",
-        "lse_merge", "convert_topk", "build_union", "split_partials",
+        "lse_merge", "convert_topk", "build_union", "split_partials", "gqa_prefill",
     }  # fmt: skip
     assert kernels <= covered, sorted(kernels - covered)
-    steps = {"shardq_prefill", "dcp_sparse_mla_decode", "dcp_gqa_decode", "pcp_prefill", "collect_partials"}
+    steps = {
+        "shardq_prefill", "dcp_sparse_mla_decode", "dcp_gqa_decode", "pcp_prefill", "collect_partials",
+        "gqa_prefill_head_tp", "gqa_prefill_pcp",
+    }  # fmt: skip
     assert steps | {"Runtime", "Runtime.prefill", "Runtime.decode"} <= covered
 
 
@@ -162,7 +166,7 @@ def interpreted_pos_inf_merge() -> None:
 
 @pytest.mark.interpret
 def test_lse_merge_pos_inf_is_empty_on_the_triton_kernel() -> None:
-    """issue 11: the Triton merge kernel reads +inf as an empty partial, like the reference."""
+    """The Triton merge kernel reads +inf as an empty partial, like the reference (it gave NaN)."""
     from shardattn.kernels.registry import triton_available
     from shardattn.testing.interpret import run_interpreted
 
@@ -171,7 +175,7 @@ def test_lse_merge_pos_inf_is_empty_on_the_triton_kernel() -> None:
     assert run_interpreted(__name__, "interpreted_pos_inf_merge", timeout=300).strip().endswith("ok")
 
 
-# -- regression tests of issue 11, as a user met them (also rows of the table above) --------------
+# -- regression tests of bad inputs a user met (also rows of the table above) ---------------------
 
 
 def _dsa_step(t: int = 2, d: int = 576) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,25 +188,25 @@ def _dsa_step(t: int = 2, d: int = 576) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 @pytest.mark.parametrize("scale", [NAN, INF, -INF, 0.0, -0.05], ids=["nan", "inf", "-inf", "zero", "negative"])
-def test_issue11_scale_that_is_not_finite_and_positive_is_refused(scale: float) -> None:
+def test_scale_that_is_not_finite_and_positive_is_refused(scale: float) -> None:
     q, kv, rows = _dsa_step()
     with pytest.raises(ValueError, match=r"^scale must be a finite number > 0"):
         mla_mod.sparse_mla_attention(q, kv, rows, scale=scale)
 
 
-def test_issue11_kv_cache_without_rows_gives_empty_rows_not_index_error() -> None:
+def test_kv_cache_without_rows_gives_empty_rows_not_index_error() -> None:
     q, _, rows = _dsa_step()
     out, lse = mla_mod.sparse_mla_attention(q, torch.zeros(0, 576), rows, scale=576**-0.5)
     assert out.shape == (2, 4, 512) and bool((out == 0).all()) and bool(lse.isneginf().all())
 
 
-def test_issue11_q_of_the_wrong_width_is_blamed_on_q() -> None:
+def test_q_of_the_wrong_width_is_blamed_on_q() -> None:
     q, kv, rows = _dsa_step(d=500)
     with pytest.raises(ValueError, match=r"^q must have last dim 576 \(kv's row width\), got 500"):
         mla_mod.sparse_mla_attention(q, kv, rows, scale=576**-0.5)
 
 
-def test_issue11_pos_inf_lse_merges_as_an_empty_partial() -> None:
+def test_pos_inf_lse_merges_as_an_empty_partial() -> None:
     outs, lses = _merge_inputs()
     out, lse = merge_mod.lse_merge(outs, lses)
     want_out, want_lse = _merge_without_inf()

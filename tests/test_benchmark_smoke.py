@@ -1,20 +1,36 @@
-"""The GPU benchmarks still run: each one's CPU dry run (gloo, tiny sizes) finishes and prints its table.
+"""The benchmarks still parse their arguments, run end to end where they can on the CPU, and write
+records in the one format (``benchmarks/records.py``).
 
-A benchmark that rots is found on the GPU machine, where time is scarce; these dry runs find it in CI.
-They check that the scripts run end to end and that their own correctness checks pass (ShardQ's
-bits equal the unpipelined step's), not their speed.
+A benchmark that breaks is found here rather than on a GPU run: the CPU dry runs (tiny shapes, the
+torch reference paths, gloo) go through the same code that builds inputs, checks outputs against
+the reference, times, prints the table and writes the records; their numbers are not looked at.
 """
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
+BENCHMARKS = ("sparse_prefill", "union_build", "decode", "decode_dcp", "scaling", "ray_pool", "decode_fp8_peer",
+              "kv_fp8_write", "gqa_prefill")  # fmt: skip
+ENV = {"gpu": "CPU", "date": "2026-12-02", "commit": "abc1234", "command": "python benchmarks/x.py",
+       "versions": {"torch": "2.13.0", "triton": "3.9.0"}}  # fmt: skip
+
+
+def _module(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
 
 
 def _run(args: list[str], timeout: float = 240.0) -> str:
@@ -27,128 +43,196 @@ def _run(args: list[str], timeout: float = 240.0) -> str:
     return proc.stdout
 
 
-def _torchrun(script: str, *args: str) -> str:
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(BENCH / script), *args])
+def _records(path: Path) -> list[dict]:
+    records = _module("records")
+    return records.read_json(path)  # validates every record
 
 
-def test_shardq_overlap_dry_run(tmp_path: Path) -> None:
-    out = tmp_path / "shardq.json"
-    text = _torchrun(
-        "shardq_overlap.py", "--cpu", "--presets", "glm5", "--tokens", "1024", "--topk", "16",
-        "--requests", "1", "--cached", "64", "--iters", "2", "--json", str(out),
-        "--chunks", "4", "--taper", "--one-union",
-    )  # fmt: skip
-    assert "| glm5 | 1024 |" in text
-    rows = json.loads(out.read_text())  # one record per (preset, tokens)
-    # every variant (tapered, one union build, both) is timed and gave the plain step's bits
-    assert rows and all(r["bit_equal_c1_before"] and r["finite"] and r["one_union_fits"] for r in rows)
-    assert all(set(r["variants"]) == {"shardq_c4_taper", "shardq_c4_1u", "shardq_c4_taper_1u"} for r in rows)
-    assert "| glm5 | 1024 | shardq_c4_taper_1u | 4 |" in text
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_benchmark_parses_its_arguments(name: str) -> None:
+    parser = _module(name).build_parser()
+    assert "--json" in parser.format_help()
+    assert parser.parse_args(["--json", "out.json"]).json == "out.json"
 
 
-def test_scaling_dry_run_and_predictions(tmp_path: Path) -> None:
+def test_gpu_only_benchmarks_refuse_to_run_without_their_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without CUDA (or torchrun) they stop with exit status 2 and say why, before any work."""
+    assert _module("decode").main(["--only", "sparse,bogus"]) == 2
+    assert "unknown sections ['bogus']" in capsys.readouterr().err
+    if "RANK" not in os.environ:
+        assert _module("decode_dcp").main([]) == 2
+        assert "torchrun" in capsys.readouterr().err
+    assert _module("union_build").main(["--heads", "64", "--device", "cpu"]) == 2  # 64 heads are not grouped
+    assert "G = 1" in capsys.readouterr().err
+    assert _module("decode_fp8_peer").main([]) == 2
+    assert "--peer-lib" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert _module("kv_fp8_write").main([]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_sparse_prefill_cpu_run_writes_its_records(tmp_path: Path) -> None:
+    out = tmp_path / "sparse_prefill.json"
+    text = _run([sys.executable, str(BENCH / "sparse_prefill.py"), "--device", "cpu", "--heads", "4", "16",
+                 "--tokens", "32", "--topk", "32", "--kv-rows", "128", "--reps", "1", "--json", str(out)])  # fmt: skip
+    assert "routed step rel. error" in text and "sparse-MLA prefill" in text
+    recs = _records(out)
+    assert [(r["config"]["heads"], r["metric"]) for r in recs] == [
+        (4, "step TFLOP/s"), (4, "kernel TFLOP/s"), (16, "step TFLOP/s"), (16, "kernel TFLOP/s")
+    ]  # fmt: skip
+    assert all(r["benchmark"] == "sparse-prefill" and r["value"] > 0 and r["gpu"] == "CPU" for r in recs)
+    assert recs[0]["command"].startswith("python benchmarks/sparse_prefill.py --device cpu")
+    assert recs[0]["config"] == {"heads": 4, "tokens": 32, "topk": 32, "pass": "first"}
+
+
+def test_union_build_cpu_run_checks_and_records(tmp_path: Path) -> None:
+    out = tmp_path / "union.json"
+    argv = ["--device", "cpu", "--heads", "8", "--tokens", "64", "--topk", "32", "--kv-rows", "256", "--reps", "1"]
+    assert _module("union_build").main([*argv, "--json", str(out)]) == 0
+    recs = _records(out)
+    assert [(r["config"]["G"], r["metric"]) for r in recs] == [
+        (8, "build ms"), (8, "share of the grouped step"), (1, "build ms")
+    ]  # fmt: skip
+    build = recs[0]
+    assert build["baseline"]["name"] == "sorting build, same run"
+    assert build["ratio"] == pytest.approx(build["baseline"]["value"] / build["value"])
+    assert 0 < recs[1]["value"] < 100
+
+
+def test_scaling_measures_two_cpu_ranks_and_predicts_more(tmp_path: Path) -> None:
+    """Every path and a tapered, one-union ShardQ variant (checked bit-equal to the plain step by
+    the benchmark itself) on two gloo ranks, then predictions for 4 and 8 ranks."""
     out = tmp_path / "scaling.json"
-    text = _torchrun(
-        "scaling.py", "--tokens", "512", "--topk", "16", "--reps", "1", "--configs", "0", "--json", str(out)
-    )
-    assert "| glm5 (64 heads) | 512 |" in text
-    assert out.exists() and json.loads(out.read_text())
-    text = _run([sys.executable, str(BENCH / "scaling.py"), "--predict-only", "--simulate", "4", "8"])
-    assert "| 8 | 1 x 8 | glm5" in text and "| 4 | 1 x 4 | deepseek-v32" in text
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(BENCH / "scaling.py"),
+          "--tokens", "1024", "--topk", "16", "--reps", "1", "--configs", "2", "--shardq-chunks", "3", "--taper",
+          "--one-union", "--json", str(out)])  # fmt: skip
+    recs = _records(out)
+    variant = [r for r in recs if r["metric"] == "ShardQ step ms, 3 chunks, tapered, one union build"]
+    assert len(variant) == 1 and variant[0]["baseline"]["name"] == "ShardQ step, same run"
+    assert {r["benchmark"] for r in recs} == {"prefill-scaling", "cost-model"}
+    assert recs[0]["command"].startswith("torchrun --nproc-per-node 2 benchmarks/scaling.py")
+    assert recs[0]["gpu"] == "2 x CPU" and recs[0]["config"]["ranks"] == 2
+    router = next(r for r in recs if r["metric"] == "router's step ms")
+    shardq = next(r for r in recs if r["metric"] == "ShardQ step ms")
+    assert router["baseline"]["value"] == min(shardq["value"], shardq["baseline"]["value"])
+    paths = [r["config"]["path"] for r in recs if r["benchmark"] == "cost-model"]
+    assert {"head-TP", "ShardQ", "router"} <= set(paths)
+
+    sim = tmp_path / "sim.json"
+    assert _module("scaling").main(["--predict-only", "--simulate", "4", "8", "--json", str(sim)]) == 0
+    recs = _records(sim)
+    assert {r["config"]["ranks"] for r in recs} == {4, 8}
+    assert {r["metric"] for r in recs} == {"predicted ShardQ step ms", "predicted router's step ms"}
+    # the router never picks a path it predicts slower than head-TP
+    assert all(r["value"] <= r["baseline"]["value"] * (1 + 1e-9) for r in recs if "router" in r["metric"])
 
 
-def test_scaling_simulates_hosts_and_shows_where_the_network_changes_the_route(tmp_path: Path) -> None:
+def test_scaling_simulates_hosts_and_shows_where_the_network_changes_the_route(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """2 x 8 and 4 x 8 H200s on the shipped table: ShardQ's all-to-all sends half (3/4) of its bytes
     over a 50 GB/s NIC, so glm5 at 32K tokens on 2 x 8 takes head-TP where one host of 16 takes ShardQ."""
-    out = tmp_path / "sim.json"
+    sim = tmp_path / "sim.json"
     args = ["--predict-only", "--gpu", "NVIDIA H200", "--simulate", "16", "32", "--nodes", "2", "4"]
-    text = _run([sys.executable, str(BENCH / "scaling.py"), *args, "--json", str(out)])
-    assert "between hosts: ib-ndr, 50 GB/s per GPU" in text and "| 16 | 2 x 8 | glm5" in text
-    rows = json.loads(out.read_text())["simulated"]
-    assert {(r["world_size"], r["nodes"]) for r in rows} == {(16, 2), (32, 4)}
-    glm5 = next(r for r in rows if r["label"] == "glm5" and r["world_size"] == 16 and r["tokens"] == 32768)
-    assert glm5["router_path"].startswith("shardq/") and glm5["router_nodes_path"].startswith("headtp/")
-    assert glm5["shardq_nodes_ms"] > glm5["headtp_ms"] > glm5["shardq_ms"]
-    assert "glm5 T=32768 W=16: one host shardq/per-query" in text
+    assert _module("scaling").main([*args, "--json", str(sim)]) == 0
+    text = capsys.readouterr().out
+    assert "between hosts: ib-ndr, 50 GB/s per GPU" in text and "| 16 | 2 x 8 | glm5 (64 heads) | 32768 |" in text
+    assert "glm5 T=32768 on 16 ranks: one host shardq/per-query" in text
+    recs = _records(sim)
+    hosts = {(r["config"]["ranks"], r["config"].get("hosts", 1)) for r in recs}
+    assert hosts == {(16, 1), (16, 2), (32, 1), (32, 4)}
+
+    def predicted(metric: str, hosts: int) -> float:
+        return next(
+            r["value"] for r in recs if r["metric"] == metric and r["config"]["model"] == "glm5"
+            and r["config"]["tokens"] == 32768 and r["config"]["ranks"] == 16 and r["config"].get("hosts", 1) == hosts
+        )  # fmt: skip
+
+    sq_one, sq_two = predicted("predicted ShardQ step ms", 1), predicted("predicted ShardQ step ms", 2)
+    router_two = predicted("predicted router's step ms", 2)
+    assert sq_one < router_two < sq_two  # one host: ShardQ; two hosts: head-TP, faster than ShardQ there
+    two = [r for r in recs if r["config"].get("hosts") == 2]
+    assert all(r["config"]["ranks per host"] == 8 and r["config"]["network GB/s"] == 50.0 for r in two)
     # crossing hosts only ever adds to ShardQ's time here (the network is slower than NVLink)
-    assert all(r["shardq_nodes_ms"] >= r["shardq_ms"] for r in rows)
+    for r in (r for r in recs if r["metric"] == "predicted ShardQ step ms" and "hosts" in r["config"]):
+        one = next(o for o in recs if o["metric"] == r["metric"] and "hosts" not in o["config"]
+                   and all(o["config"][k] == r["config"][k] for k in ("model", "tokens", "ranks")))  # fmt: skip
+        assert r["value"] >= one["value"]
 
 
-def test_ptx_hints_rewrite_every_gather_and_wait() -> None:
-    """``benchmarks/ptx_hints.py``'s rewrites (FlashMLA's L2 hints, CUTLASS's suspend hint) reach
-    every ``cp.async`` gather and mbarrier wait of the routed kernel's PTX as Triton emits it, so an
-    emitter change that makes them silently rewrite nothing fails here."""
-    import pytest
-
-    from shardattn.kernels.sparse_mla_gluon import compile_for_sm90, gluon_available
-
-    if gluon_available() is not None:
-        pytest.skip(gluon_available())
-    sys.path.insert(0, str(BENCH))
-    import ptx_hints
-
-    ptx = compile_for_sm90("prefill", 64)
-    gathers, waits = ptx.count("cp.async.cg.shared.global ["), ptx.count("mbarrier.try_wait.parity")
-    assert gathers > 0 and waits > 0
-    assert ptx_hints.rewrite(ptx, "none") == ptx
-    assert ptx_hints.rewrite(ptx, "256").count("cp.async.cg.shared.global.L2::256B [") == gathers
-    evict = ptx_hints.rewrite(ptx, "el256")
-    assert evict.count("L2::cache_hint.L2::256B [") == gathers and evict.count("createpolicy") == 1
-    assert ptx_hints.rewrite(ptx, "sleep").count(", 10000000;") == waits
+def test_ray_pool_records_are_medians_over_rounds() -> None:
+    ray_pool, records = _module("ray_pool"), _module("records")
+    args = ray_pool.build_parser().parse_args(["--requests", "8", "--context", "32"])
+    env = ENV
+    times = {"torchrun": [1.0, 1.2, 1.6], **{api: [2.0, 1.9, 3.0] for api in ray_pool.APIS}}
+    recs = ray_pool.round_records(args, times, env)
+    assert len(recs) == 2 * len(ray_pool.APIS)
+    step, over = recs[0], recs[1]
+    assert step["value"] == 2.0 and step["baseline"]["value"] == 1.2 and step["ratio"] == pytest.approx(0.6)
+    assert over["metric"] == "over torchrun, median of rounds" and over["value"] == pytest.approx(1.0)  # 1.0, .7, 1.4
+    no_baseline = ray_pool.round_records(args, {"torchrun": [None], **{a: [5.0] for a in ray_pool.APIS}}, env)
+    assert [r["baseline"] for r in no_baseline] == [None] * len(ray_pool.APIS)
+    for rec in recs + no_baseline:
+        records.validate(rec)
 
 
-def test_small_decode_probes_compile_for_sm90(tmp_path: Path) -> None:
-    """The small-decode probes that run only on a GPU still compile for sm_90 (CPU, ahead of time):
-    ``decode_combine_floor.py``'s two-launch kernel and its 16-block cluster kernel (the barrier
-    only from stage 2, per-block stores), and ``decode_small_timeline.py``'s stamped copy of the
-    library's split kernel (every stamp statement found, ten clock reads)."""
-    import pytest
+def test_records_doctests() -> None:
+    failures, _ = doctest.testmod(_module("records"))
+    assert failures == 0
 
-    from shardattn.kernels.gluon_compat import compile_sm90
-    from shardattn.kernels.sparse_mla_gluon import gluon_available
 
-    if gluon_available() is not None:
-        pytest.skip(gluon_available())
-    sys.path.insert(0, str(BENCH))
-    import decode_combine_floor
-    import decode_small_tiles
-    import decode_small_timeline
+def test_record_ratio_follows_what_is_better() -> None:
+    records = _module("records")
+    env = ENV
+    faster = records.record("b", {"n": 1}, "step ms", 2.0, "ms", "lower", ("old", 3.0), env)
+    higher = records.record("b", {"n": 1}, "TFLOP/s", 300.0, "TFLOP/s", "higher", ("peer", 200.0), env)
+    predicted = records.record("b", {"n": 1}, "predicted ms", 1.1, "ms", "none", ("measured", 1.0), env)
+    assert (faster["ratio"], higher["ratio"], predicted["ratio"]) == pytest.approx((1.5, 1.5, 1.1))
+    assert json.loads(json.dumps(faster)) == faster
 
-    from shardattn.kernels.sparse_mla_decode_gluon_small import small_decode_warps
 
-    # the tile probe times every tile the routing can take
-    assert {(b, small_decode_warps(b)) for b in (64, 128)} <= set(decode_small_tiles.TILES)
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda r: r.pop("commit"), r"missing \['commit'\]"),
+        (lambda r: r.update(extra=1), r"unexpected \['extra'\]"),
+        (lambda r: r.update(ratio=2.0), "does not follow"),
+        (lambda r: r.update(baseline={"name": "x", "value": None}, ratio=None), "needs the ratio"),
+        (lambda r: r.update(baseline=None), "ratio without a baseline"),
+        (lambda r: r.update(date="1 Dec 2026"), "YYYY-MM-DD"),
+        (lambda r: r.update(better="faster"), "better must be one of"),
+        (lambda r: r.update(value=float("nan")), "finite number"),
+        (lambda r: r.update(config={"heads": [64]}), r"config\['heads'\]"),
+        (lambda r: r.update(versions={"torch": "2"}), "versions"),
+    ],
+)
+def test_a_broken_record_is_refused_naming_the_field(change, match: str) -> None:
+    records = _module("records")
+    env = ENV
+    rec = records.record("b", {"heads": 64}, "step ms", 2.0, "ms", "lower", ("old", 3.0), env)
+    change(rec)
+    with pytest.raises(ValueError, match=match):
+        records.validate(rec)
 
-    names = ["KV", "Rows", "Part", "Lse", "Out", "LseOut", "stride_kv", "K", "T"]
-    types = ["*bf16", "*i32", "*fp32", "*fp32", "*fp32", "*fp32", "i32", "i32", "i32"]
-    aligned = ("KV", "Rows", "Part", "Out", "stride_kv", "K")
-    for stage in range(4):
-        sig = {**dict(zip(names, types, strict=True)), "BN": "constexpr", "STAGE": "constexpr"}
-        ptx = compile_sm90(decode_combine_floor._cluster_combine, sig, {"BN": 128, "STAGE": stage}, aligned=aligned,
-                           options={"num_warps": 4, "num_ctas": 16}).asm["ptx"]  # fmt: skip
-        assert ".reqnctapercluster 16" in ptx and "%cluster_ctarank" in ptx
-        assert ("barrier.cluster.arrive.release" in ptx) == (stage >= 2)
-        assert ("st.global.v4.f32" in ptx) == (stage >= 1)  # the partial, from every block
-    sig = {**dict(zip(names[:5] + names[6:], types[:5] + types[6:], strict=True)), "BN": "constexpr"}
-    sig["PARTIAL"] = "constexpr"
-    plain_aligned = ("KV", "Rows", "Part", "stride_kv", "K")
-    sig["HG"] = "constexpr"
-    for group in (16, 8):
-        ptx = compile_sm90(decode_combine_floor._gather_partial, sig, {"BN": 64, "PARTIAL": True, "HG": group},
-                           aligned=plain_aligned, options={"num_warps": 4}).asm["ptx"]  # fmt: skip
-        assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
-    stamped = decode_small_timeline.stamped_module(tmp_path)
-    src = (tmp_path / "small_stamped.py").read_text()
-    assert src.count("        _stamp(Tm, ") == 10
-    small_sig = ["Q", "KV", "Rows", "TopkLen", "Sinks", "Out", "Lse", "stride_qt", "stride_qh", "stride_kvr",
-                 "stride_rt", "stride_rk", "K", "R", "H", "HG", "stride_os", "stride_ot", "stride_oh", "stride_ls",
-                 "stride_lt", "stride_lh", "qk_scale", "Tm"]  # fmt: skip
-    small_types = ["*bf16", "*bf16", "*i32", "*i32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 15 + ["fp32", "*i64"]
-    constexprs = {"HP": 8, "BLOCK_N": 64, "DV": 512, "DR": 64, "EVEN_K": True, "HAS_TOPK_LEN": False,
-                  "HAS_SINKS": False, "PDL": False, "NCHUNK": 4, "W": 4}  # fmt: skip
-    sig = {**dict(zip(small_sig, small_types, strict=True)), **dict.fromkeys(constexprs, "constexpr")}
-    aligned = ("Q", "KV", "Rows", "Out", "stride_qt", "stride_qh", "stride_kvr", "stride_rt", "K", "stride_os",
-               "stride_ot", "stride_oh")  # fmt: skip
-    ptx = compile_sm90(stamped._small_split_kernel, sig, constexprs, aligned=aligned,
-                       options={"num_warps": 4}).asm["ptx"]  # fmt: skip
-    assert ptx.count("%clock64") == 10
+
+def test_the_command_is_what_a_user_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    records = _module("records")
+    argv = [str(BENCH / "decode.py"), "--only", "gqa,merge"]
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert records.command_line(argv) == "python benchmarks/decode.py --only gqa,merge"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert records.command_line(argv) == "torchrun --nproc-per-node 2 benchmarks/decode.py --only gqa,merge"
+
+
+def test_gqa_prefill_cpu_run_checks_the_step_and_records(tmp_path: Path) -> None:
+    """Every CPU case at TP 1 and 8 (the step checked bit-equal to the op by the benchmark);
+    without CUDA FA4 is not timed, so the records carry no baseline."""
+    out = tmp_path / "gqa_prefill.json"
+    text = _run([sys.executable, str(BENCH / "gqa_prefill.py"), "--device", "cpu", "--iters", "1", "--warmup", "0",
+                 "--json", str(out)])  # fmt: skip
+    assert "FA4 not timed: FA4 needs CUDA tensors" in text and "GQA prefill" in text
+    recs = _records(out)
+    assert len(recs) == 12 and {r["metric"] for r in recs} == {"op ms", "head-TP step ms"}
+    assert {r["config"]["case"] for r in recs} == {"2x48", "2x48 window 5", "2x(24 on 40)"}
+    assert all(r["benchmark"] == "gqa-prefill" and r["baseline"] is None for r in recs)

@@ -89,7 +89,9 @@ def _runtime_dsa_prefill(group: dist.ProcessGroup, case: dict, mode: str) -> dic
     from shardattn.plan.spec import ModelSpec
 
     q, kv, rows = case["q"], case["kv"], case["rows"]
-    spec = ModelSpec("sparse_mla", q.shape[1], 1, 576, 512, rows.shape[1], 64, dtype="bfloat16")
+    spec = ModelSpec(
+        "sparse_mla", q.shape[1], 1, 576, 512, rows.shape[1], 64, dtype="bfloat16", softmax_scale=576**-0.5
+    )
     rt = Runtime(
         spec, group, max_batched_tokens=q.shape[0], mode=mode, min_shard_tokens=1, cost_model=None, warmup=False
     )  # cost_model=None: the gate alone routes, so mode "shardq" runs ShardQ

@@ -94,7 +94,7 @@ def test_group_size_from_heads(heads, g):
 
 @pytest.mark.parametrize(("heads", "g"), [(16, 8), (32, 4), (64, 2), (128, None), (24, 4)], ids=str)
 def test_group_size_of_a_128_row_backend(heads, g):
-    # the founders' rule G = 128 / heads, for a backend whose grouping pays at every head count
+    # G = 128 / heads, for a backend with a 128-row tile whose grouping pays at every head count
     # (heads are padded to a power of two: 24 heads take a 32-row slot)
     assert grouped_group_size(heads, grouped_max_heads=128, tile_rows=128) == g
     route = route_prefill(heads, num_tokens=4096, kv_rows=1 << 20, grouped_max_heads=128, tile_rows=128)

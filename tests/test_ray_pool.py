@@ -21,10 +21,10 @@ from shardattn.plan.spec import ModelSpec
 REASON = ray_unavailable_reason()
 needs_ray = pytest.mark.skipif(REASON is not None, reason=f"optional dependency missing: {REASON}")
 
-MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4, dtype="float32")
+MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4, dtype="float32", softmax_scale=0.3)
 GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 4, dtype="float32")
 GQA_SINKS = ModelSpec("gqa", 8, 2, 16, 16, 0, 4, dtype="float32", has_sinks=True)  # gqa-64-8, tiny
-MLA_SINKS = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4, dtype="float32", has_sinks=True)
+MLA_SINKS = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4, dtype="float32", has_sinks=True, softmax_scale=0.3)
 NAN_SINKS = torch.tensor([0.0, 1.0, float("nan"), 0.0, 0.0, 0.0, 0.0, 0.0])
 ATOL = 2e-5
 TIMEOUT_S = 60.0

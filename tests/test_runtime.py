@@ -24,8 +24,12 @@ from shardattn.plan.workspace import workspace_bounds
 from shardattn.plan.zigzag import zigzag_split
 from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
 
-MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32")  # 8 heads, 48 = 32 latent + 16 rope
-GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 16, has_sinks=True, dtype="float32")
+# softmax scales other than head_dim ** -0.5 (0.144 and 0.25), as real models have: the oracles take
+# these literals, never the Runtime's own value, so a Runtime that ignored them would fail
+MLA_SCALE, GQA_SCALE = 0.3, 0.4
+# 48 = 32 latent + 16 rope
+MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32", softmax_scale=MLA_SCALE)
+GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 16, has_sinks=True, dtype="float32", softmax_scale=GQA_SCALE)
 CPU = torch.device("cpu")
 SEQ, CACHED = [23, 9, 30], (5, 0, 40)  # a step of three requests, one without a cached prefix
 
@@ -106,9 +110,10 @@ def _heads(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 # -- prefill ----------------------------------------------------------------------------------------
-def _prefill_body(group, mode: str, min_shard_tokens: int) -> dict:
+def _prefill_body(group, mode: str, min_shard_tokens: int, scale: float | None = None) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rt = Runtime(MLA, group, max_batched_tokens=128, mode=mode, min_shard_tokens=min_shard_tokens)
+    rt = Runtime(MLA, group, max_batched_tokens=128, mode=mode, min_shard_tokens=min_shard_tokens, scale=scale)
+    want = MLA_SCALE if scale is None else scale
     step = _prefill_step()
     plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
     rt.comm.reset_counts()
@@ -118,7 +123,7 @@ def _prefill_body(group, mode: str, min_shard_tokens: int) -> dict:
         out, lse = rt.prefill(
             step.q[mine], step.kv[own], step.positions[mine], plan=plan, kv_cache=step.kv, block_table=step.block_table
         )
-        ref_out, ref_lse = _mla_oracle(step, rt.scale, _kv_lens(step))
+        ref_out, ref_lse = _mla_oracle(step, want, _kv_lens(step))
         ref_out, ref_lse = ref_out[mine], ref_lse[mine]
     else:
         out, lse = rt.prefill(
@@ -128,7 +133,7 @@ def _prefill_body(group, mode: str, min_shard_tokens: int) -> dict:
             seq_lens=step.seq_lens,
             prefix_lens=step.prefix_lens,
         )
-        ref_out, ref_lse = _mla_oracle(step, rt.scale, _kv_lens(step))
+        ref_out, ref_lse = _mla_oracle(step, want, _kv_lens(step))
         ref_out, ref_lse = _heads(ref_out, rank, world), _heads(ref_lse, rank, world)
     return {
         "step": plan.step,
@@ -176,11 +181,20 @@ def test_prefill_matches_single_process_reference(dist_pool, world_size, mode, g
 
 # -- decode -----------------------------------------------------------------------------------------
 def _decode_body(
-    group, mode: str, kind: str, q_lens: tuple[int, ...], interleave: int, non_causal: bool = False
+    group,
+    mode: str,
+    kind: str,
+    q_lens: tuple[int, ...],
+    interleave: int,
+    non_causal: bool = False,
+    scale: float | None = None,
 ) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     spec = MLA if kind == "mla" else GQA
-    rt = Runtime(spec, group, max_batched_tokens=64, mode=mode, dcp_interleave=interleave, non_causal=non_causal)
+    rt = Runtime(
+        spec, group, max_batched_tokens=64, mode=mode, dcp_interleave=interleave, non_causal=non_causal, scale=scale
+    )
+    want = (MLA_SCALE if kind == "mla" else GQA_SCALE) if scale is None else scale
     dcp = mode in ("mixed", "dcp-decode")
     shard = DcpShard(world, interleave, rank) if dcp else DcpShard(1, 1, 0)
     cached = (37, 0, 70)[: len(q_lens)]
@@ -216,7 +230,7 @@ def _decode_body(
         )  # fmt: skip
         torch.testing.assert_close(out_u, out, atol=1e-6, rtol=0)
         torch.testing.assert_close(lse_u, lse, atol=1e-6, rtol=0)
-        ref = _mla_oracle(s, rt.scale, s.seq_lens)
+        ref = _mla_oracle(s, want, s.seq_lens)
         other = ref  # sparse MLA: causality lives in the top-k positions
     else:
         g = _gqa_step(cached, q_lens, 3, shard)
@@ -228,8 +242,8 @@ def _decode_body(
         out, lse = rt.decode(
             _heads(g.q, rank, world).contiguous(), (k, v), table, g.seq_lens, cu_q_lens=g.cu_q_lens, sinks=g.sinks
         )
-        ref = _gqa_oracle(g, rt.scale, causal=not non_causal)
-        other = _gqa_oracle(g, rt.scale, causal=non_causal)
+        ref = _gqa_oracle(g, want, causal=not non_causal)
+        other = _gqa_oracle(g, want, causal=non_causal)
     return {
         "err": max(_err(out, _heads(ref[0], rank, world)), _err(lse, _heads(ref[1], rank, world))),
         "err_other_mask": _err(out, _heads(other[0], rank, world)),
@@ -267,6 +281,29 @@ def test_decode_matches_single_process_reference(dist_pool, mode, kind, q_lens, 
     assert max(res["err"] for res in results) <= 1e-5, results
     if kind == "gqa" and max(q_lens) > 1:  # drafts: the other mask gives another answer
         assert min(res["err_other_mask"] for res in results) > 1e-3, results
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("step", "mode", "kind"),
+    [
+        ("prefill", "shardq", "mla"),
+        ("prefill", "headtp", "mla"),
+        ("prefill", "pcp", "mla"),
+        ("decode", "mixed", "mla"),
+        ("decode", "shardq", "mla"),
+        ("decode", "dcp-decode", "gqa"),
+        ("decode", "headtp", "gqa"),
+    ],
+    ids=lambda v: str(v),
+)
+def test_runtime_scale_overrides_the_spec_in_every_step(dist_pool, step, mode, kind) -> None:
+    """``Runtime(scale=...)`` reaches every step's kernels: checked against the oracle at 0.7."""
+    if step == "prefill":
+        results = dist_pool.run(_prefill_body, mode, 1, 0.7, world_size=2)
+    else:
+        results = dist_pool.run(_decode_body, mode, kind, (1, 2), 1, False, 0.7, world_size=2)
+    assert max(res["err"] for res in results) <= 1e-5, results
 
 
 # -- the multi-pass loop over the union workspace ------------------------------------------------------
@@ -307,7 +344,7 @@ def _multipass_body(group) -> dict:
         out, lse = rt.prefill(_heads(q, rank, world).contiguous(), kv, rows, plan=plan, topk_length=length, sinks=sinks)
     finally:
         runtime_module.sparse_mla_grouped_prefill = real
-    ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=rt.scale, v_dim=MLA.v_dim, topk_length=length, sinks=sinks)
+    ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=MLA_SCALE, v_dim=MLA.v_dim, topk_length=length, sinks=sinks)
     return {
         "passes": passes,
         "err": max(_err(out, _heads(ref_out, rank, world)), _err(lse, _heads(ref_lse, rank, world))),
@@ -340,8 +377,8 @@ def _two_runtimes_body(group) -> dict:
     step = _prefill_step(seed=5)
     g = _gqa_step((30, 3), (1, 2), 5, DcpShard(world, 1, rank))
     errs = []
-    ref_a = _mla_oracle(step, a.scale, _kv_lens(step))
-    ref_b = _gqa_oracle(g, b.scale)
+    ref_a = _mla_oracle(step, MLA_SCALE, _kv_lens(step))
+    ref_b = _gqa_oracle(g, GQA_SCALE)
     for _ in range(2):  # interleaved steps on the two groups
         out_a, _ = a.prefill(
             _heads(step.q, rank, world).contiguous(),
@@ -548,7 +585,7 @@ def _no_lse_body(group) -> dict:
     out, lse = rt.decode(
         _heads(g.q, rank, world).contiguous(), (k, v), g.block_table, g.seq_lens, q_len_per_req=1, sinks=g.sinks
     )
-    ref, _ = _gqa_oracle(g, rt.scale)
+    ref, _ = _gqa_oracle(g, GQA_SCALE)
     return {"lse": lse, "err": _err(out, _heads(ref, rank, world))}
 
 

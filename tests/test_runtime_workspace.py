@@ -3,8 +3,8 @@ another left there.
 
 Every step below runs on an arena first filled with random bytes (what a prefill, or another
 layer's decode, leaves behind), and must equal the fp64 oracle; a decode step run again after a
-prefill gives the same bits as before it. The reservation at the issue's config (GLM-5, eight
-ranks, 16,384 batched and 1,024 decode tokens) is checked from the planner alone.
+prefill gives the same bits as before it. The reservation of GLM-5 at eight ranks with
+16,384 batched and 1,024 decode tokens is checked from the planner alone.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from shardattn.plan.routing import Route
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.workspace import workspace_bounds
 from shardattn.plan.zigzag import zigzag_split
-from tests.test_runtime import MLA, _err, _heads, _kv_lens, _mla_oracle, _prefill_step, _workspace_errors
+from tests.test_runtime import MLA, MLA_SCALE, _err, _heads, _kv_lens, _mla_oracle, _prefill_step, _workspace_errors
 
 CPU = torch.device("cpu")
 GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 16, dtype="float32")
@@ -125,7 +125,7 @@ def _arena_body(group) -> dict:
         assert lse is not None
         return out, lse
 
-    ref = _mla_oracle(s, rt.scale, s.seq_lens)
+    ref = _mla_oracle(s, MLA_SCALE, s.seq_lens)
     _poison(rt, 1)
     seen = _spy_decode(rt, s.q)
     d1 = decode()
@@ -137,7 +137,7 @@ def _arena_body(group) -> dict:
     # union in the arena), as a GPU runs them; the CPU runs the grouped path's torch form
     step = _prefill_step()
     q_pre = _heads(step.q, rank, world).contiguous()
-    ref_out, ref_lse = _mla_oracle(step, rt.scale, _kv_lens(step))
+    ref_out, ref_lse = _mla_oracle(step, MLA_SCALE, _kv_lens(step))
     t_pre = sum(step.seq_lens)
     split = zigzag_split(step.seq_lens, world, align=2, min_tokens=0, prefix_lens=step.prefix_lens)
     plans = {

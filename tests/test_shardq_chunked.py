@@ -369,7 +369,7 @@ def test_chunked_shardq_on_nccl(dist_pool, grouped: bool, options: bool) -> None
 def _runtime_steps(
     group: dist.ProcessGroup, case: dict, chunks: int | None, taper: bool = False, one_union: bool = False
 ) -> dict:
-    spec = ModelSpec("sparse_mla", case["q"].shape[1], 1, D, DV, 12, 16, dtype="float32")
+    spec = ModelSpec("sparse_mla", case["q"].shape[1], 1, D, DV, 12, 16, dtype="float32", softmax_scale=D**-0.5)
     rt = Runtime(
         spec, group, max_batched_tokens=64, mode="shardq", min_shard_tokens=1, prefill_chunks=chunks,
         prefill_taper=taper, prefill_one_union=one_union, warmup=False,

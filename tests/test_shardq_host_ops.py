@@ -1,7 +1,7 @@
 """What the host issues per chunk of a pipelined ShardQ step: torch ops, messages, scalar reads.
 
 Each chunk of a pipelined step costs the host time to issue (about 1 ms on two H200s,
-benchmarks/RESULTS.md), which decides whether chunking pays. A ``TorchDispatchMode`` counts
+docs/DECISIONS.md, D40), which decides whether chunking pays. A ``TorchDispatchMode`` counts
 every op the step dispatches (with a kernel call that only waits for its queries, so what is
 counted is the step's own work); the per-chunk cost is the difference between a step of 8
 chunks and one of 2, divided by 6. The bounds pin it so a regression fails here:

@@ -2,8 +2,8 @@
 //
 // FlashMLA's sources are not part of shardattn: build_flashmla_peer.sh compiles this file against
 // a FlashMLA checkout and the CUTLASS it pins, into a shared library that
-// benchmarks/prefill_clocks.py loads with ctypes (--peer-lib). No torch headers are involved, so
-// the build takes one nvcc call.
+// benchmarks/sparse_prefill.py loads with ctypes (--peer-lib, through peer/flashmla_prefill.py). No torch
+// headers are involved, so the build takes one nvcc call.
 //
 // Conventions (FlashMLA's): q [s_q, h_q, 576] bf16, kv [s_kv, 1, 576] bf16, indices [s_q, 1, topk]
 // int32 (entries < 0 or >= s_kv are masked), out [s_q, h_q, 512] bf16, max_logits and lse

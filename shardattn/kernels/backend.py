@@ -70,7 +70,7 @@ def pdl_supported(device: torch.device) -> bool:
 
     A PDL kernel starts while the kernel before it in the stream is still running and waits for
     it (``gdc_wait``: the earlier grid complete, its writes visible) before it reads anything;
-    what it saves is its own launch latency (measured: benchmarks/RESULTS.md, eighth session)."""
+    what it saves is its own launch latency (docs/DECISIONS.md, D24)."""
     if interpreter_enabled() or not triton_available() or not _triton_has_gdc():
         return False
     return _major(device) >= 9

@@ -335,7 +335,7 @@ def run_gqa_paged_decode(
         triton_ok = reason is None
         if backend == "triton" and not triton_ok:
             raise ValueError(f"backend='triton' is unavailable: {reason}")
-    if backend == "auto":  # Triton matched or beat XQA on the H200 (benchmarks/RESULTS.md, "Decode")
+    if backend == "auto":  # Triton matched or beat XQA on the H200 (docs/DECISIONS.md, D46)
         if triton_ok:
             backend = "triton"
         elif not return_lse and _xqa().unavailable_reason(q, k_cache) is None:

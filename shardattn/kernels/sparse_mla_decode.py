@@ -10,22 +10,21 @@ draft token has its own top-k row, so it is simply another token). It is memory 
 work is reading ``K`` rows of 576 dims per token. The Triton kernel ``_sparse_mla_decode_kernel``
 runs one program per (head block, token, split of the top-k row); head blocks of a token are the
 fastest grid axis so they read the same rows while those are in L2. Splits write partial outputs
-(fp32; in q's 2-byte dtype under the row merge, which reads them all with few programs: measured
-faster there and not under the column merge, benchmarks/RESULTS.md, eighth session) and fp32 LSEs;
-one split writes the result directly.
+(fp32; in q's 2-byte dtype under the row merge, which reads them all with few programs: faster
+there and not under the column merge, docs/DECISIONS.md, D26) and fp32 LSEs; one split writes the
+result directly.
 
-Merging the splits (:func:`merge_kind`, chosen by measured numbers, benchmarks/RESULTS.md): at
+Merging the splits (:func:`merge_kind`, chosen by measured numbers, docs/DECISIONS.md, D19-D20): at
 most :data:`COLUMN_MERGE_MAX_ROWS` (token, head) rows, a second launch with one program per
 (token, head, 128 output columns) that loads every split's LSE and slice at once
 (:func:`~shardattn.kernels.lse_merge.launch_lse_merge_columns`: one memory latency whatever the
-split count; on an H200 at 16 heads, 1 token, 32 splits, 2.4 us against 14.2 us for the row
-merge); above, :func:`~shardattn.kernels.lse_merge.launch_lse_merge` (fewer, wider programs). The
-opt-in ``config={"merge": "spread"}``
-merges in the same launch spread over all programs: each split arrives at a per-(token, head
-block) barrier and, once all arrived, merges ``1/S`` of the block's (head, column) cells with the
-column merge's math (:mod:`~shardattn.kernels.sparse_mla_decode_triton`); it needs the launch
-in one wave (:func:`spread_fits`) and measured level with the column merge on the same split
-kernel (:func:`merge_kind`), so it is not routed. Small batches take the one-wave split count
+split count, where the row merge pays one per split); above,
+:func:`~shardattn.kernels.lse_merge.launch_lse_merge` (fewer, wider programs). The opt-in
+``config={"merge": "spread"}`` merges in the same launch spread over all programs: each split
+arrives at a per-(token, head block) barrier and, once all arrived, merges ``1/S`` of the block's
+(head, column) cells with the column merge's math (:mod:`~shardattn.kernels.sparse_mla_decode_triton`);
+it needs the launch in one wave (:func:`spread_fits`) and measured no faster than the column
+merge on the same split kernel (:func:`merge_kind`), so it is not routed. Small batches take the one-wave split count
 (:func:`sparse_mla_decode_config`). The torch reference is
 :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 
@@ -33,8 +32,7 @@ On sm_90 and newer (:func:`~shardattn.kernels.registry.pdl_supported`) the split
 merge are programmatic dependent launches: the split kernel waits for the grid before it (a
 union build, a caller's indexer) before reading anything and lets the merge launch once its
 partials are stored; the merge waits for the split grid before reading them. What it saves is
-launch latency, a few tenths of a microsecond a step (benchmarks/RESULTS.md, eighth session);
-``config={"pdl": False}`` launches plainly.
+launch latency (docs/DECISIONS.md, D24); ``config={"pdl": False}`` launches plainly.
 
 Backends: on an sm_90 GPU with Triton's Gluon, DSA shapes and bf16/fp16, calls of at most
 :data:`~shardattn.plan.routing.SMALL_DECODE_MAX_HEADS` heads and
@@ -154,17 +152,15 @@ def sparse_mla_decode_config(
     so the split count minimises ``(kv bytes + splits * partial bytes) / busy fraction``, where
     the busy fraction is ``min(1, programs * splits / slots)``, ``slots`` = the programs that
     saturate memory bandwidth: one per SM for 64-head tiles, two for smaller ones (calibrated
-    on an H200 with fixed split counts: benchmarks/RESULTS.md, "Decode").
+    on an H200 with fixed split counts).
 
     One wave: where the cost model splits and there are at most :data:`ONE_WAVE_MAX_ROWS`
     (token, head) rows, the split count becomes the largest power of two whose launch fits in one
     wave (:func:`spread_fits`), up to :data:`ONE_WAVE_MAX_SPLITS` at <= 32 heads (then 32-row
-    tiles), else up to the cost model's count. Measured on an H200 at 16 heads, top-k 2048 with
-    the column merge (benchmarks/RESULTS.md, "one-launch spread merge"): 64 x 32 rows at 1-2
-    tokens (13.6 / 14.7 us against 14.4 / 15.4 for the cost model's 32 x 64), 16 x 128 at 8
-    tokens (22.9 against 23.6). It is also the launch the opt-in spread merge needs. At <= 16
-    heads a split of 64 or 128 rows is one tile of 8 warps (one gather, no second loop step:
-    benchmarks/RESULTS.md, eighth session).
+    tiles), else up to the cost model's count: faster with the column merge at 16 heads than the
+    cost model's count (docs/DECISIONS.md, D23). It is also the launch the opt-in spread merge
+    needs. At <= 16 heads a split of 64 or 128 rows is one tile of 8 warps (one gather, no second
+    loop step: docs/DECISIONS.md, D25).
 
     Returns:
         ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge",
@@ -241,16 +237,14 @@ def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
     :data:`COLUMN_MERGE_MAX_ROWS` (token, head) rows) or ``"rows"``
     (:func:`~shardattn.kernels.lse_merge.launch_lse_merge`).
 
-    Measured on an H200 (benchmarks/RESULTS.md, "Sparse-MLA decode, batch 1-8", whole steps):
-    columns win at 16 heads x 1-8 tokens (14.0-23.3 us against 26.5-34.0) and 128 heads x 1 token
-    (21.5 against 32.1); rows win at 128 heads x 8 tokens (43.8 against 52.1: 4,096 column
-    programs of 8 splits each cost more than 128 row programs).
+    Measured on an H200 (docs/DECISIONS.md, D19): columns win at 16 heads x 1-8 tokens and 128
+    heads x 1 token; rows win at 128 heads x 8 tokens (4,096 column programs of 8 splits each cost
+    more than 128 row programs).
 
     The one-launch spread merge (``config={"merge": "spread"}``) is never routed: on the same
-    split kernel it measured 13.9 / 15.4 / 18.8 / 22.5 us at 16 heads x 1 / 2 / 4 / 8 tokens
-    against 13.6 / 14.7 / 17.7 / 22.9 for the column merge, and 22.0 against 21.1 at 128 heads x
-    1 token (benchmarks/RESULTS.md, "one-launch spread merge"): within 0.4 us where it wins, and
-    its spin barrier would hang if another kernel kept SMs busy while a token's splits waited.
+    split kernel it measured slower than the column merge at 1-4 tokens and level at 8
+    (docs/DECISIONS.md, D20), and its spin barrier would hang if another kernel kept SMs busy
+    while a token's splits waited.
     """
     if num_splits <= 1:
         return "none"
@@ -260,9 +254,9 @@ def merge_kind(num_tokens: int, num_heads: int, num_splits: int) -> str:
 def partials_dtype(dtype: torch.dtype, merge: str, choice: str = "auto") -> torch.dtype:
     """The dtype of the split partials' outputs for inputs of ``dtype`` merged by ``merge``:
     ``choice`` ``"fp32"``, ``"input"`` (``dtype`` where it is a 2-byte float) or ``"auto"``: the
-    input dtype under the row merge (a few wide programs read every partial: half the bytes
-    measured 7 % faster at 128 heads x 8 tokens), fp32 under the column and spread merges (one
-    latency each; no gain measured; benchmarks/RESULTS.md, eighth session).
+    input dtype under the row merge (a few wide programs read every partial: half the bytes is
+    faster there), fp32 under the column and spread merges (one latency each; no gain measured;
+    docs/DECISIONS.md, D26).
 
     Example:
         >>> partials_dtype(torch.bfloat16, "rows"), partials_dtype(torch.bfloat16, "columns")

@@ -73,7 +73,7 @@ MAX_SPLITS = 32
 #: One program's fixed cost (Q load, ring fill, epilogue), us (estimate).
 CTA_OVERHEAD_US = 3.0
 #: One program's time per key row at 64 heads, us: 82 us per 2,048 rows (the prefill kernel at
-#: ~455 TFLOP/s on an H200, benchmarks/RESULTS.md).
+#: ~455 TFLOP/s on an H200, docs/DECISIONS.md, D1).
 KEY_US = 0.04
 #: The merge kernel's launch and fixed cost, us (estimate), and the bytes per us the partials
 #: (written by the kernel, read by the merge) and q copies move.
@@ -150,12 +150,9 @@ def gluon_decode_plan(
 #: them in L2), ``"ws64z"`` without it; ``"ws64hzP"``: ``"ws64hz"`` as a persistent kernel (one
 #: program per SM walks its slices in turn, as per-query prefill).
 DECODE_KERNELS = ("ws32h", "ws64h", "ws64hz", "ws64hzP", "ws64z")
-#: The routed one: at 128 heads, batch 64-256, 1.17-1.22x ``"ws32h"`` and 1.07-1.19x ``"ws64z"``;
-#: at 32-64 heads, batch 32-256, 1.00-1.10x ``"ws32h"`` and the same as ``"ws64z"`` (one head
-#: block per token) (benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel"); the
-#: persistent ``"ws64hzP"`` (prefill's routed kernel) measured 0.97-1.05x its time in the tenth
-#: session and 0.99-1.01x once a program's first tile loaded Q before its first gathers (eleventh:
-#: level, so the simpler one-tile grid stays routed).
+#: The routed one: the fastest measured at 128 heads and never slower than the others at 32-64
+#: heads (docs/DECISIONS.md, D17); the persistent ``"ws64hzP"`` (prefill's routed kernel)
+#: measured level with it, so the simpler one-tile grid stays routed (D6).
 DECODE_KERNEL = "ws64hz"
 
 

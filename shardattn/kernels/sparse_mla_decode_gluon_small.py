@@ -26,10 +26,10 @@ the step (softmax, P.V, the partial's store) on half the heads, on SMs that woul
 Contract as :func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode`: an entry outside
 ``[0, R)`` or past ``topk_length`` anywhere in a row is no key; sinks join split 0's denominator;
 a row with no key gives ``(0, -inf)`` (``(0, sink)`` with sinks). On sm_90 the kernel and its merge
-are programmatic dependent launches like the Triton path's. Measured on an H200 (graph replays,
-L2 flushed; benchmarks/RESULTS.md, fifteenth session), whole steps at 16 heads x 1 / 2 / 4 / 8 /
-16 tokens: 10.9 / 12.1 / 14.2 / 17.9 / 28.6 us against 12.7 / 14.4 / 17.0 / 21.5 / 36.2 for the Triton
-split kernel, so :func:`~shardattn.plan.routing.route_sparse_decode_kernel` routes those calls here.
+are programmatic dependent launches like the Triton path's. Its whole steps at 16 heads x 1-16
+tokens measured faster than the Triton split kernel's on an H200 (docs/PERFORMANCE.md, small-batch
+decode; docs/DECISIONS.md, D28), so :func:`~shardattn.plan.routing.route_sparse_decode_kernel`
+routes those calls here.
 The torch reference is :func:`~shardattn.kernels.sparse_mla.sparse_mla_reference`.
 """
 
@@ -62,8 +62,8 @@ HEAD_GROUP = 8
 #: Columns and warps of one program of the column merge after the split kernel: one warp on 64
 #: columns holds every split's partial of its two columns in each thread, so the merge's max and
 #: sums over the splits stay in the thread (no shared memory, no barrier); at :data:`MAX_SPLITS`
-#: that is 4,096 fp32 values a program, 128 a thread. Measured on an H200 (benchmarks/RESULTS.md,
-#: fifteenth session): 0.2-0.7 us faster than four warps on 128 or 256 columns at 1-8 tokens.
+#: that is 4,096 fp32 values a program, 128 a thread. Faster than four warps on 128 or 256 columns
+#: at 1-8 tokens on an H200 (docs/DECISIONS.md, D34).
 SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS = 64, 1
 #: Most splits of a row (the column merge loads all ``S`` partials of a column block at once).
 MAX_SPLITS = 64
@@ -77,10 +77,9 @@ def small_decode_tiles(num_tokens: int, topk: int, num_sms: int) -> tuple[int, i
     """``(BLOCK_N, splits)``: 64-entry splits while their programs fill at most half of ``num_sms``
     and a row fits in :data:`MAX_SPLITS` of them, else 128 (run by two warpgroups,
     :func:`small_decode_warps`). At top-k 2048 on 132 SMs: 32 splits of 64 at 1-2 tokens, 16 of 128
-    from 3. Measured on an H200 (benchmarks/RESULTS.md, fourteenth session): at 1 token 64-entry
-    splits are 1.1-1.4 us faster (16 programs of 128 rows gather more slowly than 32 of 64), at 2
-    level, at 3-4 tokens 16 splits of 128 on two warpgroups 0.2-0.4 us faster (the merge after them
-    reads half the partials).
+    from 3. Measured on an H200 (docs/DECISIONS.md, D31): at 1 token 64-entry splits are faster (16
+    programs of 128 rows gather more slowly than 32 of 64), at 2 level, from 3 tokens 16 splits of
+    128 on two warpgroups are faster (the merge after them reads half the partials).
 
     >>> small_decode_tiles(1, 2048, 132), small_decode_tiles(3, 2048, 132), small_decode_tiles(1, 100, 132)
     ((64, 32), (128, 16), (64, 2))
@@ -92,9 +91,8 @@ def small_decode_tiles(num_tokens: int, topk: int, num_sms: int) -> tuple[int, i
 
 def small_decode_warps(block_n: int) -> int:
     """Warps of a split program: one warpgroup at 64 entries; two at 128, each taking 64 of the
-    rows in ``S^T = K Q^T`` and 256 of the value columns in ``O^T = V^T P^T`` (0.3-0.6 us faster
-    than one warpgroup at 128 entries at 5-8 tokens, level at 12-16; benchmarks/RESULTS.md,
-    fourteenth session).
+    rows in ``S^T = K Q^T`` and 256 of the value columns in ``O^T = V^T P^T`` (faster than one
+    warpgroup at 128 entries at 5-8 tokens, level at 12-16; docs/DECISIONS.md, D31).
 
     >>> small_decode_warps(64), small_decode_warps(128)
     (4, 8)
@@ -107,10 +105,9 @@ def small_decode_heads(num_tokens: int, splits: int, heads: int, num_sms: int) -
     split's rows twice, one per group of heads, still fit in one wave of ``num_sms``; else all
     ``heads``. Two programs on one split gather the same rows (the second mostly from the L2) but
     each runs the softmax, P.V and the partial's store on half the heads, on SMs that would
-    otherwise idle. Measured on an H200 (benchmarks/RESULTS.md, fifteenth session): 0.1-0.8 us
-    faster at 1-4 tokens at 16 heads (paired runs); 4 heads a program was no faster at 1-2
-    tokens. At 8 heads or fewer the 8-wide ``wgmma`` took 0.6-2.2 us off the 16-wide one at 1-16
-    tokens.
+    otherwise idle. Measured on an H200: faster at 1-4 tokens at 16 heads, while 4 heads a program
+    was no faster (docs/DECISIONS.md, D33). At 8 heads or fewer the 8-wide ``wgmma`` is faster
+    than the 16-wide one at every token count measured (D35).
 
     >>> small_decode_heads(2, 32, 16, 132), small_decode_heads(5, 16, 16, 132), small_decode_heads(1, 32, 8, 132)
     (8, 16, 8)
@@ -216,7 +213,7 @@ if HAS_GLUON:
         """``(row, is_key)`` of the split's ``BLOCK_N`` entries in ``layout``: an entry past the
         row's top-k (``K`` or ``topk_length``) or outside ``[0, R)`` is no key (its row reads 0).
         ``EVEN_K``: ``K`` is a multiple of ``BLOCK_N``, so the index load needs no mask (a masked
-        one measured 3 us slower at 8 tokens, benchmarks/RESULTS.md, twelfth session)."""
+        one measured 3 us slower at 8 tokens, docs/DECISIONS.md, D28)."""
         pos = split * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
         k_len = K
         if HAS_TOPK_LEN:

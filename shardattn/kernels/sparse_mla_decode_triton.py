@@ -69,7 +69,7 @@ def launch_split_kernel(
             it in the stream before reading anything, and lets the next one (a PDL merge) launch
             once every program has stored its partial. (Letting it launch when the programs
             start measured faster at 16 heads x 1-2 tokens and slower everywhere else:
-            benchmarks/RESULTS.md, eighth session.)
+            docs/DECISIONS.md, D24.)
     """
     t, h, d = q.shape
     v_dim = out.shape[-1]

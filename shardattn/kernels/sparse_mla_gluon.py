@@ -3,7 +3,7 @@
 Three kernels serve the per-query path of :mod:`shardattn.kernels.sparse_mla_triton` one level
 lower. The routed one (:func:`gluon_config`) is the warp-specialised 64-key kernel of
 :mod:`shardattn.kernels.sparse_mla_gluon_ws64`, for per-query tiles (2.0-2.2x the Triton kernel at
-64 / 128 heads on an H200, benchmarks/RESULTS.md) and grouped ones (:data:`GROUPED_CONFIG`). The
+64 / 128 heads on an H200, docs/PERFORMANCE.md) and grouped ones (:data:`GROUPED_CONFIG`). The
 32-key kernel of :mod:`shardattn.kernels.sparse_mla_gluon_ws` and the simpler 8-warp variant
 (``"pipelined"``, :mod:`shardattn.kernels.sparse_mla_gluon_pipelined`, as fast as Triton) stay as
 the baselines the benchmarks time.
@@ -99,11 +99,11 @@ WS32_CONFIG = GluonConfig(32, 4, "ws", (224, 56), async_arrive=True)
 #: descriptors) and its output stored through shared memory in 16-byte pieces: per-query prefill
 #: (routed as :func:`gluon_config`: 1.22-1.29x ``WS32_CONFIG`` and 1.06-1.12x the same kernel
 #: without opaque slots on an H200 at 64 / 128 heads; the staged output 1.04-1.05x at the power
-#: limit, half the L2 write sectors, benchmarks/RESULTS.md) and decode.
+#: limit, half the L2 write sectors; docs/DECISIONS.md, D2 and D4) and decode.
 WS64_CONFIG = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, staged_out=True)
 #: Grouped tiles (``G > 1``): the 64-key kernel with membership masks, measured on an H200 at 8 /
 #: 16 / 32 heads (G = 8 / 4 / 2), T = 4K / 16K: kernel 1.27-1.39x and step (union build
-#: included) 1.13-1.29x the 32-key kernel's (benchmarks/RESULTS.md, "Grouped tiles on the 64-key kernel").
+#: included) 1.13-1.29x the 32-key kernel's (docs/DECISIONS.md, D10).
 GROUPED_CONFIG = WS64_CONFIG
 
 
@@ -119,7 +119,7 @@ def gluon_config(heads: int, d_v: int = 512, d_r: int = 64, group_size: int = 1)
     level at 64, at the power limit), one program per SM walking tiles in turn (``persistent``:
     the next tile's first key pair gathered during this one's epilogue, a program's first tile
     loading Q before its first gathers; at the power limit 1.00-1.02x at 64 / 128 heads, L2-flushed
-    bursts 1.00-1.05x at top-k 2,048 and up to 1.23x at 256, benchmarks/RESULTS.md);
+    bursts 1.00-1.05x at top-k 2,048 and up to 1.23x at 256; docs/DECISIONS.md, D5-D6);
     grouped tiles (``group_size > 1``): the same kernel, ``64 / G`` heads of ``G`` queries per
     tile, each row masked to its query's keys (:data:`GROUPED_CONFIG`). 64 rows per program,
     fewer pad it.

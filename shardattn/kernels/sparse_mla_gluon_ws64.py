@@ -26,7 +26,7 @@ through shared memory and mbarriers:
   (then 0L is free), waits for WG1's final max ``m1``, rescales ``P0`` to it and writes it into
   block 0's rope slot (``S0`` has read it), rescales ``O_L`` and adds ``P1 V1_L`` from shared
   memory (``PREFETCH_QK``: with the next pair's ``Q K0_L^T`` issued behind it, FlashMLA's
-  overlap; measured slower here, benchmarks/RESULTS.md);
+  overlap; measured slower here, docs/DECISIONS.md, D3);
 * **consumer WG1** (block 1, columns ``[Dv/2, Dv)``): ``S1 = Q K1^T``, ``m1 = max(m0, rowmax S1)``
   to WG0, ``O_R += P1 V1_R`` from registers, ``P1`` to shared memory, ``O_R += P0 V0_R``.
 
@@ -54,7 +54,7 @@ producer, after that first pair and once ``q_free`` (both consumers' epilogues) 
 output is staged through Q's buffers (dead after the tile's last ``Q K^T``): staged in a key
 buffer it would hold the slot the next tile's first gathers need. Per program this saves the
 prologue (barrier set-up, the Q and first-pair latencies) and the epilogue's idle producer: at
-64 heads a one-tile program spends ~6-8 us of ~59 us in them (benchmarks/RESULTS.md).
+64 heads a one-tile program spends ~6-8 us of ~59 us in them (docs/DECISIONS.md, D6).
 
 The producer is the default partition and gets the registers the consumers leave (a consumer
 there spilled more). ``EARLY_KV``: the producer loads Q too, so the gather starts without
@@ -248,7 +248,7 @@ if HAS_GLUON:
         pctx = (UNION, LENS, stride_ug, K, n_g, n_hb, q_free, gl.program_id(0), gl.num_programs(0), n_g * n_hb)
         # the producer is the default partition (it gets what the consumers leave of the kernel's
         # registers): the default partition also holds the values of the code above, and a consumer
-        # there spilled (``benchmarks/RESULTS.md``)
+        # there spilled (measured on an H200)
         gl.warp_specialize(
             [
                 (_load, (args, out_args, pctx, D_V, D_R, HAS_SINK, PREFETCH_QK, EARLY_KV, OPAQUE_SLOTS, G, RAW_ROWS,

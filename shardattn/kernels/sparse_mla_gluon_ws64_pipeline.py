@@ -215,7 +215,7 @@ if HAS_GLUON:
         ``OPAQUE_SLOTS``: produced in every iteration by an instruction the compiler cannot see
         through, so the loop's wgmma descriptors are built inside the loop; with a constant 0
         they are hoisted before it (36 per ``Q K^T``, all live across the loop) and ptxas spills
-        them in one consumer and reloads them every pair (benchmarks/RESULTS.md)."""
+        them in one consumer and reloads them every pair (docs/DECISIONS.md, D2)."""
         if OPAQUE_SLOTS:
             return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
         else:

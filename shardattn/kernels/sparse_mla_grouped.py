@@ -12,7 +12,7 @@ Path selection (:func:`choose_path`, one source of truth, also used by the warm-
   16 -> 4, 32 -> 2, 64 and 128 -> 1; a 128-row Triton tile spills registers);
 * default (:func:`default_group_size`): the planner's routing
   (:func:`shardattn.plan.routing.grouped_group_size`, one source of truth): grouped only up to
-  8 heads per rank. Measured on an H200 (benchmarks/RESULTS.md, DSA-like top-k, T = 4K / 16K):
+  8 heads per rank. Measured on an H200 (docs/DECISIONS.md, D10; DSA-like top-k, T = 4K / 16K):
   at 8 heads the grouped step (union build + kernel) is 1.39-1.44x faster than the per-query
   path, at 16 heads 0.92-0.95x and at 32 heads 0.84-0.85x (the union build costs 0.3-0.55 ms
   per 4K tokens, and the per-query kernel is already helped by L2 hits between neighbours);

@@ -44,9 +44,9 @@ Triton paths (``method``; the cost depends on ``G * K`` per group, never on the 
   cache is small enough for its count (:data:`SMEM_SCAN_RATIO`, :data:`SMEM_SORTED_RATIO`),
   else ``"fused"`` whenever ``rows_sorted``, ``"bitmap"`` when the cache is small enough for
   the Triton kernel's count (:data:`BITMAP_SCAN_RATIO`), and otherwise
-  the builder per ``G`` of :data:`UNION_METHOD` (all measured on an H200,
-  benchmarks/RESULTS.md). Sorting inside one Triton program with ``tl.sort`` measured 2.6x
-  slower than ``torch.sort`` at G = 8 (whole group) and 1.9x slower at G = 1 (one row).
+  the builder per ``G`` of :data:`UNION_METHOD` (all measured on an H200, docs/DECISIONS.md,
+  D12-D15). Sorting inside one Triton program with ``tl.sort`` measured 2.6x slower than
+  ``torch.sort`` at G = 8 (whole group) and 1.9x slower at G = 1 (one row).
 
 On the Triton path entries past ``lens[g]`` are left unspecified (the attention kernel never
 reads them).

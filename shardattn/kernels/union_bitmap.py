@@ -27,8 +27,8 @@ entries past ``lens[g]`` are unspecified. The cost does not depend on the row or
 one atomic, one 8-byte load (L1 serves a group's repeats) and one atomic (a store at
 ``G = 1``), the rows read twice, plus ``span / 32`` words counted per group, where ``span`` is
 the distance between the group's lowest and highest row (so ``G = 1`` on a long span pays the
-scan once per query; ``union.auto_method`` weighs it). Measured in benchmarks/RESULTS.md
-("Sixth session"). Scratch:
+scan once per query; ``union.auto_method`` weighs it). Measured: docs/DECISIONS.md, D14.
+Scratch:
 ``3 * ceil(R / 32)`` int32 per program, so the program count is capped by
 :data:`SCRATCH_BYTES` (a large KV cache gets fewer programs; :data:`MAX_ROWS` bounds ``R``).
 
@@ -60,7 +60,7 @@ SCRATCH_BYTES = 64 << 20
 #: Which bitmap kernel runs (:func:`bitmap_union`).
 KERNELS = ("auto", "gluon", "triton")
 #: Persistent programs per SM (when the scratch budget allows): 4 and 16 measured the same on an
-#: H200 (benchmarks/RESULTS.md), 4 takes a quarter of the scratch.
+#: H200 (docs/DECISIONS.md, D14), 4 takes a quarter of the scratch.
 PROGRAMS_PER_SM = 4
 
 

@@ -2,7 +2,7 @@
 
 :func:`auto_method` weighs the bitmap builders' count (one bit per KV row, so their cost follows
 the cache size) against the sorting builders' sort (which follows the entries); the ratios and
-the per-``G`` table are H200 measurements (benchmarks/RESULTS.md).
+the per-``G`` table are H200 measurements (docs/DECISIONS.md, D12-D15).
 """
 
 from __future__ import annotations
@@ -13,29 +13,23 @@ from shardattn.kernels.union_bitmap import MAX_ROWS as MAX_BITMAP_ROWS
 from shardattn.kernels.union_bitmap import bitmap_words
 
 #: Triton builder per ``G`` for ``method="auto"`` on unsorted rows: the fastest measured on an
-#: H200 (T = 4K / 16K, K = 2048, DSA-like rows; benchmarks/RESULTS.md): fused 1.05-1.09x the
-#: merge at G = 4 / 8, 0.76-0.78x the sort at G = 2. With ``rows_sorted=True`` ``"auto"`` is
-#: ``"fused"`` (no row sort: 2.1-2.6x the old builder at G = 2 / 4 / 8) unless the shared-memory
-#: bitmap takes it (:data:`SMEM_SORTED_RATIO`).
+#: H200 (K = 2048, DSA-like rows; docs/DECISIONS.md, D12): the fused build at G = 4 / 8, the group
+#: sort at G = 1 / 2. With ``rows_sorted=True`` ``"auto"`` is ``"fused"`` (no row sort) unless the
+#: shared-memory bitmap takes it (:data:`SMEM_SORTED_RATIO`).
 UNION_METHOD = MappingProxyType({1: "sort", 2: "sort", 4: "fused", 8: "fused"})
 METHODS = ("auto", "sort", "merge", "fused", "bitmap")
 #: ``"auto"`` takes the bitmap builder on unsorted rows when the words it counts per group,
-#: ``ceil(R / 32)``, are at most this many times the group's entries ``G * K``. Measured on an
-#: H200 (benchmarks/RESULTS.md, K = 2048, DSA-like rows, T = 4K / 16K): at ratio 1 / 2 it took
-#: 0.18 / 0.93 ms against the row sort's 0.31 / 1.12 (G = 1) and 0.17-0.19 against 0.34-0.50 at
-#: G = 2-8; at ratio 2 (a 1M-row cache, G = 8) 0.49 / 1.72 against 0.51 / 1.89; at ratio 4 it
-#: lost (0.61 against 0.44 ms).
+#: ``ceil(R / 32)``, are at most this many times the group's entries ``G * K``: on an H200 it was
+#: faster than the sorting builds up to ratio 2 and slower at 4 (K = 2048, DSA-like rows;
+#: docs/DECISIONS.md, D14).
 BITMAP_SCAN_RATIO = 2
 #: On the shared-memory bitmap kernel (:mod:`shardattn.kernels.union_smem`) the same rule with
 #: this ratio on unsorted rows, and :data:`SMEM_SORTED_RATIO` on sorted rows at ``G > 1`` (the
-#: fused build of sorted rows keeps ``G = 1`` and larger caches). Measured on an H200
-#: (benchmarks/RESULTS.md, "Seventh session", K = 2048, DSA-like rows, ms per 4K tokens): at
-#: ratio <= 1 (64K-128K rows) 0.04-0.06 at G = 2-8 against 0.12-0.23 for the fused build of
-#: sorted rows (G = 1: 0.058 against 0.041); on a 256K-row cache 0.074 / 0.100 / 0.091 / 0.121
-#: at G = 8 / 4 / 2 / 1 (the row sort: 0.31); on a 1M-row cache (ratio 2 / 4 / 8 / 16)
-#: 0.25 / 0.34 / 0.30 / 0.42 against the unsorted builds' 0.51 / 0.44 / 0.35 / 0.31 and the
-#: sorted ones' 0.23 / 0.16 / 0.12. Its cost grows with the windows of 131,072 rows, the others'
-#: do not, so ratio 4 keeps it below the others at every ``G`` measured.
+#: fused build of sorted rows keeps ``G = 1`` and larger caches). Its cost grows with the windows
+#: of 131,072 rows it counts, the sorting builds' does not; measured on an H200 (K = 2048,
+#: DSA-like rows, caches of 64K to 1M rows; docs/DECISIONS.md, D15), ratio 4 keeps it below the
+#: others at every ``G`` measured (at ``G = 1`` on a 1M-row cache, ratio 16, the row sort wins), and
+#: on sorted rows it wins over the fused build only up to ratio 1.
 SMEM_SCAN_RATIO = 4
 SMEM_SORTED_RATIO = 1
 

@@ -65,8 +65,9 @@ def fused_launch_config(group_size: int, topk: int) -> dict[str, int]:
     of max(a_x, b_y)`` (else 8 serial merge steps, one dependent load each); ``num_warps``.
 
     The defaults (binary search, serial steps, 256 lanes, 4 warps) are the fastest of the configs
-    timed on an H200 (benchmarks/RESULTS.md). ``WAYS > 2`` and ``WINDOW`` cut the dependent loads
-    per 8 outputs from ~20 to ~6; they are exact (interpreter tests) but not yet timed on a GPU.
+    timed on an H200. ``WAYS > 2`` and ``WINDOW`` cut the dependent loads per 8 outputs from ~20
+    to ~6; they are exact (interpreter tests) and measured slower than the defaults
+    (docs/DECISIONS.md, D12).
     """
     kp = max(16, 1 << max(0, topk - 1).bit_length())
     return {

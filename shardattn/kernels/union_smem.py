@@ -26,7 +26,7 @@ compile where it does not hold. Region: ``WW`` int32 bitmap words, ``WW`` int32 
 word), ``G * KPAD`` int32 union slots (``KPAD`` = ``K`` rounded up to a power of two), the whole
 rounded up to a power of two.
 
-Measured in benchmarks/RESULTS.md ("Seventh session").
+Measured: docs/DECISIONS.md, D15; docs/PERFORMANCE.md, union build.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from shardattn.kernels.gluon_compat import GLUON_IMPORT_ERROR, HAS_GLUON, cta_ba
 WINDOWS = (2048, 4096)
 #: Launch config per ``(G, window)``: entries a mark / place step holds (``STEP = G x BLOCK``),
 #: words counted at once (``CW``), warps and persistent programs per SM (fewer where shared memory
-#: runs out). The fastest of call 2's sweep on an H200 (benchmarks/RESULTS.md, "Seventh session":
-#: T = 4K on a 64K-row cache for window 2,048, 16K on 128K rows for 4,096; K = 2,048).
+#: runs out). The fastest of a sweep of launch configs on an H200 (T = 4K on a 64K-row cache for
+#: window 2,048, 16K on 128K rows for 4,096; K = 2,048).
 CONFIGS = MappingProxyType(
     {
         (1, 2048): {"STEP": 2048, "CW": 1024, "num_warps": 8, "per_sm": 3},

@@ -66,6 +66,7 @@ class Options:
 
     preset: str = "glm5"
     heads: int | None = None
+    softmax_scale: float | None = None
     mode: str | None = None
     tokens: int | None = None
     requests: int | None = None
@@ -131,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="override the preset's query heads (e.g. 16 on 2 GPUs: the 8 heads per rank of GLM-5 at TP8)",
+    )
+    a(
+        "--softmax-scale",
+        type=float,
+        default=None,
+        help="softmax scale of every step (default: the preset's, the model's own: glm5 0.0625, deepseek-v32 0.1352)",
     )
     a("--mode", choices=MODES, default=None, help="step to run (default: mixed for sparse MLA, dcp-decode for GQA)")
     a("--tokens", type=int, default=None, help="new prefill tokens of the step (default: 256 CPU, 8192 GPU)")
@@ -205,6 +212,10 @@ def _check_ranges(o: Options) -> None:
     positive("interleave", o.interleave)
     positive("min-shard-tokens", o.min_shard_tokens)
     positive("timeout", o.timeout, 1)
+    if o.softmax_scale is not None and not (0 < o.softmax_scale < float("inf")):  # NaN fails this too
+        raise LaunchError(
+            f"shardattn.launch: error: --softmax-scale must be a finite number > 0, got {o.softmax_scale}"
+        )
     for name, values in (("cached", o.cached), ("q-len", o.q_lens)):
         if values is not None and min(values) < (0 if name == "cached" else 1):
             raise LaunchError(f"shardattn.launch: error: --{name} entries must be >= {0 if name == 'cached' else 1}")

@@ -129,7 +129,7 @@ def nccl_options() -> object:
 
     A ShardQ step's exchanges run beside its attention kernels, whose programs fill every SM;
     with a high-priority stream the block scheduler gives NCCL's blocks the next free SMs instead
-    of the kernel's next wave (measured on two H200s: benchmarks/RESULTS.md, "ShardQ overlap").
+    of the kernel's next wave (measured on two H200s: docs/DECISIONS.md, D40).
     """
     opts = dist.ProcessGroupNCCL.Options()
     opts.is_high_priority_stream = True

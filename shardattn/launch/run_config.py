@@ -53,6 +53,7 @@ class RunConfig:
         return {
             "preset": self.opts.preset,
             "heads": self.spec.num_heads,
+            "softmax_scale": self.spec.softmax_scale,
             "mode": self.mode,
             "world_size": self.world_size,
             "backend": "nccl" if self.device.type == "cuda" else "gloo",

@@ -68,6 +68,8 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
             spec = dataclasses.replace(spec, num_heads=opts.heads)
         except ValueError as e:
             raise _fail(f"--heads {opts.heads}: {e}") from None
+    if opts.softmax_scale is not None:
+        spec = dataclasses.replace(spec, softmax_scale=opts.softmax_scale)
     try:
         overlap_model(opts.overlap)
     except ValueError as e:

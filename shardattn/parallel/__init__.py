@@ -10,6 +10,8 @@
 * :mod:`~shardattn.parallel.dcp`        :func:`dcp_sparse_mla_decode`, :func:`dcp_gqa_decode`: KV
   split over ranks, q heads all-gathered, partials merged by the collector.
 * :mod:`~shardattn.parallel.pcp`        :func:`pcp_prefill`: zigzag query tokens, new KV all-gathered.
+* :mod:`~shardattn.parallel.gqa_prefill` :func:`gqa_prefill_head_tp`, :func:`gqa_prefill_pcp`: GQA
+  prefill under head-TP (a local call) and PCP (zigzag tokens, new K/V all-gathered).
 * :mod:`~shardattn.parallel.cudagraph`  CUDA-graph capture of decode steps (buckets, one-copy loads).
 * :mod:`~shardattn.parallel.decode_graphs`  :class:`DecodeGraphs`: the DCP GQA step's graph buckets
   (ragged drafts padded, real rows returned, eager above the buckets);
@@ -30,6 +32,7 @@ from typing import Any
 from shardattn.parallel.collector import STRATEGIES, collect_partials, resolve_strategy
 from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, stable_fingerprint, unpack_rows
 from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
+from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp, gqa_prefill_pcp, head_tp_kv_heads
 from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.shardq import shardq_prefill
 
@@ -51,6 +54,9 @@ __all__ = [
     "collect_partials",
     "dcp_gqa_decode",
     "dcp_sparse_mla_decode",
+    "gqa_prefill_head_tp",
+    "gqa_prefill_pcp",
+    "head_tp_kv_heads",
     "pack_rows",
     "packed_nbytes",
     "pcp_prefill",

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from shardattn._checks import check_choice, check_int, check_tensor
+from shardattn._checks import check_choice, check_int, check_scale, check_tensor
 from shardattn.kernels.flashinfer_xqa import get_xqa
 from shardattn.kernels.registry import device_capability, gluon_runs_on
 from shardattn.kernels.topk import DcpShard
@@ -82,6 +82,8 @@ class Runtime(RuntimeGraphs):
         max_batched_tokens: the most new tokens of one prefill step (all requests together).
         mode: one of :data:`MODES`.
         device: where the tensors live (default: the current CUDA device for NCCL, else CPU).
+        scale: the softmax scale of every step (default: the spec's ``softmax_scale``, the model's
+            own; :func:`~shardattn.plan.spec.mla_softmax_scale` computes an MLA model's from its config).
         topk: top-k entries per query (default: the spec's).
         max_kv_rows: the most KV-cache rows a prefill addresses (default ``max_batched_tokens * 16``);
             routes and warm-up cover both sides of the grouped path's ``2**24 - 1`` row limit anyway.
@@ -127,6 +129,7 @@ class Runtime(RuntimeGraphs):
         max_batched_tokens: int,
         mode: str,
         device: torch.device | str | None = None,
+        scale: float | None = None,
         topk: int | None = None,
         max_kv_rows: int | None = None,
         max_decode_tokens: int = 256,
@@ -192,7 +195,7 @@ class Runtime(RuntimeGraphs):
         self.topk = self.spec.topk if topk is None else check_int("topk", topk, minimum=1)
         rows = self.max_batched_tokens * 16 if max_kv_rows is None else max_kv_rows
         self.max_kv_rows = check_int("max_kv_rows", rows, minimum=1)
-        self.scale = self.spec.head_dim**-0.5
+        self.scale = self.spec.softmax_scale if scale is None else check_scale("scale", scale)
 
         self.cost_model = resolve_cost_model(cost_model, self.device) if PREFILL_STEP[mode] == "shardq" else None
         self.ws = RuntimeWorkspace(

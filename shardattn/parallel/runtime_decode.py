@@ -173,9 +173,8 @@ class DecodeStep:
                 (``-1`` invalid) and ``[T]`` int32 request of each query.
             topk_length: sparse MLA: ``[T]`` int32 leading entries of ``topk_pos`` to use, optional.
             topk_unique: sparse MLA: no position appears twice in a row of ``topk_pos`` (an
-                indexer's top-k), so the kernels skip their de-duplication sort (3.4x faster at 16
-                heads x 1 token on an H200, benchmarks/RESULTS.md); a repeated position would then
-                count twice.
+                indexer's top-k), so the kernels skip their de-duplication (most of a small step's
+                time); a repeated position would then count twice.
             q_len_per_req / cu_q_lens: GQA: uniform drafts per request, or ``[B+1]`` ragged offsets.
             max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts (needed under capture).
             sinks: ``[H]`` fp32 sink logits of all heads, optional.

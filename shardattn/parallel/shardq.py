@@ -7,10 +7,10 @@ for a zigzag slice of the step's tokens (:func:`~shardattn.plan.zigzag_split`), 
 outputs back::
 
     rank r: q [T, H/W, D] (all tokens, its heads)
-        -- all-to-all #1 -->  q [T_r, H, D] (its zigzag tokens, all heads)
+        -- first all-to-all -->  q [T_r, H, D] (its zigzag tokens, all heads)
         -- local sparse attention over the replicated KV, rows[tokens of r] -->
            out [T_r, H, Dv], lse [T_r, H]
-        -- all-to-all #2 (out and lse, one message each per peer) -->
+        -- second all-to-all (out and lse, one message each per peer) -->
            out [T, H/W, Dv], lse [T, H/W] in token order
 
 The step is pipelined (:mod:`shardattn.plan.pipeline`): each rank's tokens are cut into ``C``

@@ -190,8 +190,8 @@ class Calibration:
 
 
 def _h200_points() -> tuple[KernelPoint, ...]:
-    """Kernel steps measured on one H200 on 2026-11-29 (benchmarks/RESULTS.md, run 4 and run 2,
-    DSA-like top-k 2048): per-query (row sort + kernel) and grouped (merge union + kernel)."""
+    """Kernel steps measured on one H200 on 2026-11-29 (``benchmarks/sparse_prefill.py`` of that
+    day, DSA-like top-k 2048): per-query (row sort + kernel) and grouped (merge union + kernel)."""
     perq = {8: (2.217, 8.516), 16: (2.121, 8.151), 32: (2.895, 11.15), 64: (4.614, 17.89), 128: (8.826, 35.05)}
     grouped = {(8, 8, 1.44): (1.538, 6.130), (16, 4, 1.30): (2.224, 8.875), (32, 2, 1.16): (3.391, 13.33)}
     pts = [KernelPoint(h, TILE, 1, 1.0, t, 2048, ms) for h, v in perq.items() for t, ms in zip((4096, 16384), v)]

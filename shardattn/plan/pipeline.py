@@ -35,7 +35,7 @@ output exchange. With ``n`` tokens per rank::
                                                            chunk C - 1: k >= 2y
 
 (a small chunk's kernel must outlast its big neighbour's exchange). On two H200s ``x + y`` is about
-0.6 ``k`` at glm5 (benchmarks/RESULTS.md: exchanges 1.59 ms against a 2.55 ms kernel at 8K), so
+0.6 ``k`` at glm5 (exchanges 1.59 ms against a 2.55 ms kernel at 8K tokens), so
 ``x, y`` about 0.3 ``k`` and every condition holds. ``C <= 2`` has no middle chunk: the weights
 are equal.
 """
@@ -64,8 +64,8 @@ __all__ = [
 #: Work of one chunk (query tokens x heads x top-k keys) below which a chunk is not cut: about
 #: 2.5-3 ms of a per-query kernel on an H200 (4,096 tokens x 64 heads x top-k 2,048), so the
 #: host, which spends about 1-1.5 ms issuing one chunk (two exchanges and a kernel call), stays
-#: ahead of the GPU. Measured on two H200s (benchmarks/RESULTS.md, "ShardQ overlap"): glm5 at
-#: 8K tokens is fastest unchunked, deepseek-v32 at 8K with 2 chunks, both at 32K with 2-4.
+#: ahead of the GPU. Measured on two H200s (docs/DECISIONS.md, D40): glm5 at 8K tokens is fastest
+#: unchunked, deepseek-v32 at 8K with 2 chunks, both at 32K with 2-4.
 CHUNK_WORK = 4096 * 64 * 2048
 #: The most chunks the planner picks by itself (more measured no faster on two H200s).
 AUTO_MAX_CHUNKS = 4
@@ -160,10 +160,9 @@ class PipelinePlan:
         """Whether the step gathers what it sends to a peer into one message (and scatters what it
         receives) rather than sending each token run as its own message: when it is one chunk.
 
-        Measured on two H200s (benchmarks/RESULTS.md, "ShardQ: one message per peer"): a message
-        costs about 30 us of host time, which an unchunked step pays before its device starts
-        (glm5, 8K tokens: 4.79 -> 4.34 ms), while a chunked step issues later chunks' messages
-        behind earlier kernels and pays only the gather and scatter copies (glm5 32K: 14.3 -> 15.6).
+        Measured on two H200s (docs/DECISIONS.md, D41): a message costs about 30 us of host time,
+        which an unchunked step pays before its device starts, while a chunked step issues later
+        chunks' messages behind earlier kernels and pays only the gather and scatter copies.
         """
         return self.chunks == 1
 

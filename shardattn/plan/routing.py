@@ -12,12 +12,12 @@ row in 24 bits and one membership bit per query in the high 8 bits (so ``G <= 8`
 5. more than ``grouped_max_heads`` heads                -> ``per-query``
 6. otherwise                                            -> ``grouped`` with ``G = 64 / heads``
 
-Why 64-row tiles and at most 8 heads (the founders' notes say ``G = 128 / heads``): that rule
-fits a 128-row tile of a hand-written kernel (FA4). The Triton kernel holds 64 rows per program
-(128 rows spill registers), and on an H200 (``benchmarks/RESULTS.md``, DSA-like top-k) grouping
-beats the per-query kernel only at 8 heads (1.39-1.44x); at 16 and 32 heads the union build plus
-the membership mask cost more than the shared gathers save (0.92-0.95x and 0.84-0.85x). A
-backend with cheaper grouping passes its own ``grouped_max_heads`` / ``tile_rows``.
+Why 64-row tiles and at most 8 heads (not ``G = 128 / heads``, which fits a 128-row tile of a
+hand-written kernel such as FA4's): the Triton kernel holds 64 rows per program (128 rows spill
+registers), and on an H200 (DSA-like top-k; docs/DECISIONS.md, D10) grouping beats its per-query
+kernel only at 8 heads; at 16 and 32 heads the union build plus the membership mask cost more
+than the shared gathers save. A backend with cheaper grouping passes its own
+``grouped_max_heads`` / ``tile_rows``.
 
 Decode: GQA picks FlashInfer XQA when it is installed, the GPU is SM90 / SM100 / SM120, the head
 dim passes :func:`xqa_head_dim_supported` (the same function the CUDA-graph policy uses), no
@@ -80,41 +80,35 @@ PREFILL_PATHS = ("grouped", "per-query", "reference")
 DECODE_PATHS = ("triton", "flashinfer-xqa", "reference")
 GLUON_MIN_HEADS = 32
 """Fewest heads per query at which the per-query Gluon kernel (sm_90) runs instead of the per-query
-Triton kernel. Its tile is 64 heads, so fewer pad it. Measured on an H200 (benchmarks/RESULTS.md,
-DSA-like top-k, kernel only, T = 4K / 16K): Gluon / Triton speed 1.71 / 1.60x at 64 heads,
-1.63 / 1.60x at 128, 1.07 / 1.05x at 32, 0.77 / 0.76x at 16 and 0.81 / 0.81x at 8."""
+Triton kernel. Its tile is 64 heads, so fewer pad it: on an H200 (DSA-like top-k, kernel only)
+Gluon was faster from 32 heads and slower at 8-16 (docs/DECISIONS.md, D1)."""
 GLUON_GROUPED_MAX_HEADS = 32
 """Most heads per query at which the grouped Gluon kernel (sm_90; ``G = 64 / heads`` queries share
 one 64-row tile and their union of top-k rows) runs, and ``G = gluon_grouped_group_size(heads)``
-of a default grouped step where it runs. Measured on an H200 (benchmarks/RESULTS.md, "Grouped
-Gluon prefill", DSA-like top-k, T = 4K, union build included): 1.34x the Triton grouped step at
-8 heads (G = 8), 1.46x at 16 (G = 4, against 1.01x for Triton grouped over per-query), 1.57x at
-32 (G = 2; 1.40x the per-query Gluon step). The kernel holds at most 32 heads. Since 2026-12-01
-the grouped tiles run on the 64-key kernel (``GROUPED_CONFIG``): 1.13-1.29x the 32-key grouped
-step at 8 / 16 / 32 heads, T = 4K / 16K ("Grouped tiles on the 64-key kernel")."""
+of a default grouped step where it runs: on an H200 (DSA-like top-k, union build included) the
+grouped Gluon step beat the Triton grouped and per-query steps at 8, 16 and 32 heads
+(docs/DECISIONS.md, D10; docs/PERFORMANCE.md, sparse prefill). The kernel holds at most 32 heads
+(64 would need a 128-row tile, D11); the grouped tiles run on the 64-key kernel
+(``GROUPED_CONFIG``)."""
 PREFILL_KERNELS = ("gluon", "triton", "reference")
 GLUON_DECODE_MIN_HEADS = 32
 """Fewest heads per query at which sparse-MLA decode runs the Gluon kernel (sm_90) instead of the
-Triton split-KV kernel (its tile is 64 heads, so fewer pad it). Measured on an H200
-(benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel", top-k 2048, batch 64 / 256):
-Gluon / Triton speed 1.84 / 1.87x at 128 heads, 1.48 / 1.88x at 64, 1.40 / 1.31x at 32 (padded
-to 64); 16 heads not measured (4x padding; the Triton kernel has a 16-head tile)."""
+Triton split-KV kernel (its tile is 64 heads, so fewer pad it): faster at 32-128 heads on an
+H200 at top-k 2048, batch 64-256 (docs/PERFORMANCE.md, sparse decode; docs/DECISIONS.md, D16);
+16 heads not measured (4x padding; the Triton kernel has a 16-head tile)."""
 GLUON_DECODE_MIN_PROGRAMS = 32
 """Fewest whole-row Gluon programs (``tokens x ceil(heads / 64)``) at which sparse-MLA decode runs
 the Gluon kernel: smaller batches are latency bound (row slices, the merge and the row packing
-are launches of their own) and the Triton split-KV kernel is as fast there. Measured on an H200
-(benchmarks/RESULTS.md, "Sparse-MLA decode on the Gluon kernel"), Gluon / Triton speed at
-16 / 32 programs: 0.94 / 1.21x at 128 heads (batch 8 / 16), 0.97 / 1.21x at 64 (batch 16 / 32)."""
+are launches of their own) and the Triton split-KV kernel is as fast there (measured on an H200:
+docs/DECISIONS.md, D16)."""
 SMALL_DECODE_MAX_HEADS = 16
 """Most heads at which sparse-MLA decode may run the Gluon small-batch kernel
 (:mod:`~shardattn.kernels.sparse_mla_decode_gluon_small`: heads as the ``wgmma`` N, padded to 8 or 16)."""
 SMALL_DECODE_MAX_TOKENS = 16
-"""Most query tokens at which it does. Measured on an H200 (benchmarks/RESULTS.md, fifteenth
-session; ``benchmarks/decode.py --only sparse-small``: graph replays, L2 flushed, top-k 2048, whole
-steps with the column merge) at 16 heads against the Triton split-KV kernel's routed configuration
-in the same run: 10.9 / 12.1 / 14.2 / 17.9 / 28.6 us at 1 / 2 / 4 / 8 / 16 tokens against 12.7 /
-14.4 / 17.0 / 21.5 / 36.2; at 32 tokens (the development kernel, twelfth session) 54.5 against
-46.2 (four waves of one 166 KB program an SM), so not there."""
+"""Most query tokens at which it does: at 16 heads it was faster than the Triton split-KV kernel's
+routed configuration at 1-16 tokens on an H200 and slower at 32 (four waves of one 166 KB
+program an SM), so not there (``benchmarks/decode.py --only sparse-small``; docs/PERFORMANCE.md,
+small-batch decode; docs/DECISIONS.md, D28)."""
 SPARSE_DECODE_KERNELS = ("gluon_small", "gluon", "triton", "reference")
 
 

@@ -1,7 +1,7 @@
 """A pool of worker processes, one rank each of a torch.distributed world, that runs functions on all ranks.
 
 The pytest plugin (:mod:`shardattn.testing.pytest_plugin`) starts one pool of ``--nproc`` workers per
-session, so a distributed test costs a message round trip rather than a process spawn. Each call
+test run, so a distributed test costs a message round trip rather than a process spawn. Each call
 runs ``fn(group, *args)`` on ranks ``0 .. world_size - 1`` (a sub-group when ``world_size`` is below
 the pool's size) and returns the per-rank results.
 

@@ -76,7 +76,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 class PoolHandle:
-    """The session's worker pool, started on first use; what the ``dist_pool`` fixture returns."""
+    """The test run's worker pool, started on first use; what the ``dist_pool`` fixture returns."""
 
     def __init__(self, nproc: int, timeout_s: float) -> None:
         self.nproc = nproc
@@ -110,13 +110,13 @@ class PoolHandle:
 
 @pytest.fixture
 def dist_pool(request: pytest.FixtureRequest) -> PoolHandle:
-    """The session's worker pool of ``--nproc`` ranks (see the module docstring)."""
+    """The test run's worker pool of ``--nproc`` ranks (see the module docstring)."""
     return request.config.stash[_POOL_KEY]
 
 
 @pytest.fixture
 def nproc(request: pytest.FixtureRequest) -> int:
-    """The ``--nproc`` value of this session."""
+    """The ``--nproc`` value of this test run."""
     return int(request.config.getoption("--nproc"))
 
 

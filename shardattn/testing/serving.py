@@ -75,10 +75,17 @@ class ServingMirror:
     Args:
         spec: the pool's model spec. topk: the pool's top-k width (sparse MLA). seed: the generator's.
         sinks: ``[H]`` fp32 sink logits (the pool's), or ``None``.
+        scale: the pool's softmax scale (default: the spec's ``softmax_scale``).
     """
 
     def __init__(
-        self, spec: ModelSpec, *, topk: int | None = None, seed: int = 0, sinks: torch.Tensor | None = None
+        self,
+        spec: ModelSpec,
+        *,
+        topk: int | None = None,
+        seed: int = 0,
+        sinks: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> None:
         self.spec = spec
         self.sinks = sinks
@@ -86,7 +93,7 @@ class ServingMirror:
         self.dtype = getattr(torch, spec.dtype)
         self.gen = torch.Generator().manual_seed(seed)
         self.requests: dict[Hashable, _Req] = {}
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.softmax_scale if scale is None else scale
 
     # -- random inputs -------------------------------------------------------------------------
     def _randn(self, *shape: int) -> torch.Tensor:

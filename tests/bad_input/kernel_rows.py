@@ -122,7 +122,7 @@ def _sparse_rows() -> list[Row]:
         ]
     rows += [
         Row(
-            "sparse_mla_attention-dsa-q-500",  # issue 11: the message blamed kv
+            "sparse_mla_attention-dsa-q-500",  # regression: the message once blamed kv
             lambda _g: Call(
                 mla_mod.sparse_mla_attention,
                 (torch.randn(1, 1, 500), torch.randn(4, 576), torch.zeros(1, 1, dtype=torch.int32)),
@@ -312,7 +312,7 @@ def _merge_rows() -> list[Row]:
             Raises(TypeError, r"^lse_out must"),
         ),
         Row(
-            f"{n}-pos-inf-is-empty",  # issue 11: +inf (FlashMLA's empty row) gave NaN
+            f"{n}-pos-inf-is-empty",  # regression: +inf (FlashMLA's empty row) once gave NaN
             lambda _g: Call(merge_mod.lse_merge, _merge_inputs()),
             Gives(same_as(_merge_without_inf)),
         ),

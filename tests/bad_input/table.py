@@ -200,6 +200,8 @@ KERNELS = [
     ("shardattn.kernels.union", "build_union_reference"),
     ("shardattn.kernels.union", "_sort_build"),
     ("shardattn.kernels.union", "fused_union"),
+    ("shardattn.ops.gqa_prefill_segments", "segment_attention_reference"),
+    ("shardattn.kernels.fa4", "_run"),
 ]
 
 

@@ -3,9 +3,8 @@
 A compiled graph replaces each step's task submissions and object-store round trips by
 shared-memory channels set up once: the driver writes the step's payload to one channel, every
 rank actor reads it, runs :meth:`~shardattn.launch.ray.actor.RankActor.step` and writes its
-result to its own channel. On the two-H200 host this cut a payload's round trip from 4.2 to
-1.6 ms (one query token) and from 16.6 to 11.0 ms (64 tokens of GLM-5 decode); see
-``benchmarks/RESULTS.md``. The pool sends decode steps this way (their size is bounded by
+result to its own channel, which cut a payload's round trip against actor calls on a two-H200
+host (docs/DECISIONS.md, D44). The pool can send decode steps this way (their size is bounded by
 ``max_decode_tokens``, which sizes the channels); prefill steps, of unbounded size, and every
 other call stay ordinary actor calls, which the actors still serve while the graph is compiled.
 

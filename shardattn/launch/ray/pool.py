@@ -118,8 +118,8 @@ class RayRankPool(RequestSteps):
             ``"compiled"`` (a Ray compiled graph) or ``"calls"`` (actor calls, as prefill goes).
         host_threads: torch CPU threads of the driver's side of a step (its checks, and its copies
             of the step's tensors into the transport and of the outputs out of it). Default: 4 on
-            a GPU pool whose host has 16 cores or more (two H200s, 64 requests: the copies took
-            0.23 + 0.16 ms on 4 threads, 0.58 + 0.38 ms on one; ``benchmarks/RESULTS.md``), else
+            a GPU pool whose host has 16 cores or more (on two H200s the copies of a 64-request
+            step took less than half the time on 4 threads; docs/DECISIONS.md, D44), else
             1 (the CPU ranks need the cores; torch's default of a thread per core stalled steps,
             :func:`~shardattn.launch.ray.requests.one_host_thread`).
         init_ray: start a local Ray when none is running.

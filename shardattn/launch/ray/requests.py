@@ -51,8 +51,7 @@ def one_host_thread(threads: int = 1) -> Iterator[None]:
 
     The step's host work is small copies and checks; with torch's default of one thread per core
     the driver's parallel regions contended with the rank actors' threads on the same host and
-    stalled the step by about 5 ms each (two H200s: a 64-request decode took 12.1 ms through the
-    pool, 5.0 ms with one driver thread; benchmarks/RESULTS.md, "Ray pool").
+    stalled the step by about 5 ms each (two H200s, a 64-request decode; docs/DECISIONS.md, D44).
     """
     n = torch.get_num_threads()
     if n == threads:

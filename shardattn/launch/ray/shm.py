@@ -1,7 +1,7 @@
 """Decode steps through POSIX shared memory: one region that the driver and every rank actor map.
 
-Ray's transports copy a step's tensors through its object store or channels (11-17 ms for a
-64-token GLM-5 decode step on the two-H200 host, ``benchmarks/RESULTS.md``). When every rank
+Ray's transports copy a step's tensors through its object store or channels (milliseconds for a
+64-token GLM-5 decode step on a two-H200 host, docs/DECISIONS.md, D44). When every rank
 actor runs on the driver's node, the pool instead maps one file in ``/dev/shm`` into all the
 processes at build time, sized by :func:`decode_layout` from ``max_decode_tokens``,
 ``max_requests``, the block table's width and the heads per rank. GPU actors page-lock their

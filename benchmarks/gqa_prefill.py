@@ -1,0 +1,233 @@
+"""GQA prefill on one GPU: the library's op and its head-TP step against FA4 called directly.
+
+Every row times, on the same tensors, graph-free (CUDA events around each of ``--iters``
+back-to-back calls, the median, after ``--warmup`` calls that include FA4's compilation):
+
+* ``fa4``: ``flash_attn.cute.interface.flash_attn_varlen_func`` as a caller would use it (no LSE;
+  a cached prefix read through ``page_table`` from a cache that also holds the new keys);
+* ``op``: :func:`shardattn.ops.gqa_prefill.gqa_prefill` (LSE returned; the prefix read from the
+  paged cache, the new keys contiguous);
+* ``step``: :func:`shardattn.parallel.gqa_prefill.gqa_prefill_head_tp` on a one-rank group, given
+  the heads one rank of a TP group holds (``--tp``: 64 / 8 heads at TP 1, 8 / 1 at TP 8; every rank
+  of a head-TP step runs this same local call).
+
+Each row also checks the op against FA4 (largest difference of the outputs) and the step against
+the op (bit for bit). Records (``--json``, ``benchmarks/records.py``, benchmark ``gqa-prefill``):
+the op and the step, each against FA4 called directly in the same run.
+
+    python benchmarks/gqa_prefill.py --json gqa_prefill.json
+    python benchmarks/gqa_prefill.py --device cpu --iters 1   # dry run on tiny shapes (no FA4, no GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import add_json_argument, environment, print_table, record, write_json
+
+from shardattn.kernels import fa4
+from shardattn.ops.gqa_prefill import gqa_prefill, gqa_prefill_route
+from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    requests: int
+    new: int
+    cached: int = 0
+    window_left: int = -1
+
+
+GPU_CASES = [
+    Case("4x8K", 4, 8192),
+    Case("16x2K", 16, 2048),
+    Case("4x8K window 128", 4, 8192, window_left=128),
+    Case("4x(4K new on 4K cached)", 4, 4096, cached=4096),
+]
+CPU_CASES = [Case("2x48", 2, 48), Case("2x48 window 5", 2, 48, window_left=5), Case("2x(24 on 40)", 2, 24, 40)]
+
+
+def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> float:
+    """Median milliseconds of ``fn``: on a GPU, CUDA events around each of ``iters`` back-to-back
+    calls (no synchronisation between them, so host work overlaps the device as in a forward pass);
+    on the CPU, wall time of each call."""
+    for _ in range(warmup):
+        fn()
+    if not cuda:
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def make_inputs(case: Case, heads: int, kv_heads: int, dim: int, page: int, device: str, dtype: torch.dtype) -> dict:
+    """New tokens' q / k / v, and a paged cache holding every request's cached and new keys."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    b, n, c = case.requests, case.new, case.cached
+    total = b * n
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    x = {"q": rand(total, heads, dim), "k": rand(total, kv_heads, dim), "v": rand(total, kv_heads, dim)}
+    x["cu"] = torch.arange(b + 1, dtype=torch.int32, device=device) * n
+    x["sinks"] = torch.randn(heads, generator=g).to(device)
+    pages = -(-(c + n) // page)
+    x["table"] = torch.randperm(b * pages, generator=g).view(b, pages).to(device=device, dtype=torch.int32)
+    if c:
+        shape = (b * pages, page, kv_heads, dim)
+        x["k_cache"], x["v_cache"] = rand(*shape), rand(*shape)
+        for name, new in (("k_cache", x["k"]), ("v_cache", x["v"])):  # the cache also holds the new keys
+            flat = x[name].view(-1, kv_heads, dim)
+            pos = torch.arange(c, c + n, device=device)
+            for r in range(b):
+                rows = x["table"][r, pos // page].long() * page + pos % page
+                flat[rows] = new[r * n : (r + 1) * n]
+        x["prefix_lens"] = torch.full((b,), c, dtype=torch.int32, device=device)
+    return x
+
+
+def fa4_direct(x: dict, case: Case, scale: float) -> Callable[[], torch.Tensor]:
+    fn = fa4.get_fa4()
+    window = (case.window_left if case.window_left >= 0 else None, None)
+    if case.cached:
+        seqused = torch.full((case.requests,), case.cached + case.new, dtype=torch.int32, device=x["q"].device)
+        return lambda: fn(
+            x["q"], x["k_cache"], x["v_cache"], cu_seqlens_q=x["cu"], seqused_k=seqused, page_table=x["table"],
+            max_seqlen_q=case.new, softmax_scale=scale, causal=True, window_size=window, learnable_sink=x["sinks"],
+        )[0]  # fmt: skip
+    return lambda: fn(
+        x["q"], x["k"], x["v"], cu_seqlens_q=x["cu"], cu_seqlens_k=x["cu"], max_seqlen_q=case.new,
+        max_seqlen_k=case.new, softmax_scale=scale, causal=True, window_size=window, learnable_sink=x["sinks"],
+    )[0]  # fmt: skip
+
+
+def flops(case: Case, heads: int, dim: int) -> float:
+    """``4 * D * H`` per visible (query, key) pair (Q K^T and P V)."""
+    pairs = 0
+    for j in range(case.new):
+        p = case.cached + j
+        lo = max(0, p - case.window_left) if case.window_left >= 0 else 0
+        pairs += p + 1 - lo
+    return 4.0 * dim * heads * pairs * case.requests
+
+
+def run_case(case: Case, args: argparse.Namespace, group: dist.ProcessGroup, tp: int) -> dict:
+    heads, kv_heads = args.heads // tp, max(1, args.kv_heads // tp)
+    device = args.device
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = make_inputs(case, heads, kv_heads, args.dim, args.page, device, dtype)
+    scale = args.dim**-0.5
+    prefix = {}
+    if case.cached:
+        prefix = {n: x[n] for n in ("k_cache", "v_cache", "prefix_lens")} | {"block_table": x["table"]}
+    common = dict(sinks=x["sinks"], window_left=case.window_left, scale=scale, **prefix)
+
+    def op() -> torch.Tensor:
+        return gqa_prefill(x["q"], x["k"], x["v"], x["cu"], return_lse=True, **common)[0]
+
+    def step() -> torch.Tensor:  # one rank's shapes of a TP group, on a one-rank group
+        return gqa_prefill_head_tp(x["q"], x["k"], x["v"], x["cu"], group, num_kv_heads=kv_heads, **common)
+
+    cuda = device == "cuda"
+    route = gqa_prefill_route(x["q"], x["k"])
+    row = {
+        "case": case.name, "tp": tp, "heads": heads, "kv_heads": kv_heads, "head_dim": args.dim, "page": args.page,
+        "route": route.path, "route_reason": route.reason,
+    }  # fmt: skip
+    row["op_ms"] = median_ms(op, args.warmup, args.iters, cuda)
+    row["step_ms"] = median_ms(step, args.warmup, args.iters, cuda)
+    ok, why = fa4.fa4_supports(x["q"], x["k"])
+    if ok:
+        direct = fa4_direct(x, case, scale)
+        row["fa4_ms"] = median_ms(direct, args.warmup, args.iters, cuda)
+        row["op_vs_fa4_max_abs"] = float((op().float() - direct().float()).abs().max())
+        row["op/fa4"] = row["op_ms"] / row["fa4_ms"]
+        row["step/fa4"] = row["step_ms"] / row["fa4_ms"]
+        row["fa4_tflops"] = flops(case, heads, args.dim) / row["fa4_ms"] / 1e9
+    else:
+        row["fa4_missing"] = why
+    if not torch.equal(step(), op()):
+        raise RuntimeError(f"{case.name} at TP {tp}: the head-TP step's output is not the op's")
+    return row
+
+
+def records_of(rows: list[dict], env: dict) -> list[dict]:
+    """The ``gqa-prefill`` records of :func:`run_case`'s rows: the op and the step against FA4."""
+    out = []
+    for r in rows:
+        config = {"case": r["case"], "tp": r["tp"], "heads": r["heads"], "kv_heads": r["kv_heads"],
+                  "head_dim": r["head_dim"]}  # fmt: skip
+        base = ("FA4 called directly, same run", r["fa4_ms"]) if "fa4_ms" in r else None
+        out.append(record("gqa-prefill", config, "op ms", r["op_ms"], "ms", "lower", base, env))
+        out.append(record("gqa-prefill", config, "head-TP step ms", r["step_ms"], "ms", "lower", base, env))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 8], help="head-TP sizes whose rank shapes are timed")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: a dry run on tiny shapes (torch reference, no FA4)")  # fmt: skip
+    add_json_argument(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.device == "cpu":
+        args.heads, args.kv_heads, args.dim, args.page = 8, 2, 16, 16
+        args.tp = [t for t in args.tp if args.heads % t == 0 and (args.kv_heads % t == 0 or t % args.kv_heads == 0)]
+    elif not torch.cuda.is_available():
+        print("no CUDA GPU: pass --device cpu for a dry run", file=sys.stderr)
+        return 2
+    env = environment()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        cases = CPU_CASES if args.device == "cpu" else GPU_CASES
+        rows = [run_case(c, args, dist.group.WORLD, tp) for tp in args.tp for c in cases]
+    finally:
+        dist.destroy_process_group()
+    for why in sorted({r["fa4_missing"] for r in rows if "fa4_missing" in r}):
+        print(f"FA4 not timed: {why}")
+    for r in rows:
+        if "op_vs_fa4_max_abs" in r:
+            print(f"{r['case']} TP {r['tp']}: max |op - FA4| {r['op_vs_fa4_max_abs']:.2e}, "
+                  f"FA4 {r['fa4_tflops']:.0f} TFLOP/s")  # fmt: skip
+    print(f"routes: {sorted({(r['route'], r['route_reason']) for r in rows})}")
+    records = records_of(rows, env)
+    print_table(records, "GQA prefill")
+    write_json(args.json, records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Builds ``docs/PERFORMANCE.md`` from the benchmark records under ``docs/performance/``.
+
+    python benchmarks/performance_page.py                    # rewrite the page from the records
+    python benchmarks/performance_page.py --add run.json     # merge a run's records in, then rewrite
+    python benchmarks/performance_page.py --check            # exit 1 when the page is not what the records give
+
+``docs/performance/<benchmark>.json`` holds the records (``benchmarks/records.py``) of one table:
+one operation, one record per (configuration, metric). ``--add FILE ...`` files each record of a
+benchmark's ``--json`` output under its ``benchmark`` key, replacing the record that measured the
+same configuration and metric (new ones go at the end of their table). The page has one section
+per table, in :data:`SECTIONS` order, with the plots named there (files beside the records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import config_text, fmt, key, read_json, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "docs" / "performance"
+PAGE = ROOT / "docs" / "PERFORMANCE.md"
+
+#: ``benchmark`` key -> (title, what the table measures, plots beside it). The page's order.
+SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "sparse-prefill": (
+        "Sparse-MLA prefill, one GPU",
+        "The routed sparse-MLA prefill (bf16, D 576 / Dv 512, one request whose DSA-like top-k rows "
+        "reach a cache of 65,536 rows at T = 4K and 131,072 at 16K), in effective TFLOP/s on real "
+        "heads. *kernel*: the routed kernel on rows de-duplicated beforehand, beside FlashMLA's SM90 "
+        "sparse prefill on the same inputs (`benchmarks/peer/`; below 64 heads FlashMLA runs padded to "
+        "64). *step*: the union build (de-duplication) and the kernel, as a serving step runs them, "
+        "beside the best Triton step. *pass first*: the first timing of the run; *after 4 s back to "
+        "back*: the same cases again once the GPU sits at its power limit.",
+        (),
+    ),
+    "gqa-prefill": (
+        "GQA prefill, one GPU",
+        "GQA prefill (64 q / 8 kv heads, head dim 64, bf16, sinks; new tokens causal, optionally a "
+        "sliding window or a cached prefix read through a paged cache): the library's op and the "
+        "head-TP step at one rank's heads of a TP group, against FA4's "
+        "`flash_attn_varlen_func` called directly on the same tensors, same run.",
+        (),
+    ),
+    "union-build": (
+        "Union build of grouped prefill",
+        "Each group's sorted union of top-k rows with a membership bit per query (`G` = 64 / heads "
+        "queries a tile; `G = 1`: the per-query de-duplication), on unsorted top-k rows. Ours: the "
+        "routed builder (on sm_90 a bitmap in shared memory); baseline: the sorting build (each "
+        "query's rows sorted, then merged), same run. The share is the build's part of the grouped "
+        "step (build + kernel).",
+        ("union-build-2026-12-01.png",),
+    ),
+    "sparse-decode": (
+        "Sparse-MLA decode, large batches",
+        "One decode token per request, top-k 2,048 unique random rows of 262,144 (bf16, D 576 / Dv "
+        "512), microseconds per step from graph replays with the L2 flushed. Ours: the routed path "
+        "(the Gluon kernel on sm_90); baseline: the Triton split-KV kernel and its merge, same run.",
+        (),
+    ),
+    "small-batch-decode": (
+        "Sparse-MLA decode, small batches",
+        "As above at 1-16 tokens, in microseconds per step (graph replay, L2 flushed). Ours: the "
+        "routed path (on sm_90 the small-batch Gluon kernel up to 16 heads and 16 tokens); baseline: "
+        "the Triton split-KV kernel's routed configuration, same run. The plot times each split tile "
+        "the small-batch kernel can take (routed points ringed).",
+        ("small-batch-decode-2026-12-01.png",),
+    ),
+    "fp8-decode-peer": (
+        "Sparse-MLA decode beside FlashMLA's FP8 decode",
+        "FlashMLA's SM90 FP8 sparse decode (rows in the fp8_ds_mla format, written by "
+        "`shardattn.ops.kv_fp8.write_kv`) against the routed bf16 decode on the same rows (shardattn's "
+        "attention kernels do not read FP8 rows yet): microseconds per step, graph replays with the "
+        "L2 flushed, top-k 2,048 of a 65,536-row paged cache.",
+        (),
+    ),
+    "kv-fp8-write": (
+        "FP8 KV-row write",
+        "Writing new tokens' bf16 rows into a paged fp8_ds_mla cache at random slots "
+        "(`shardattn.ops.kv_fp8.write_kv`) against storing the same rows as bf16, same run; graph "
+        "replays with the L2 flushed.",
+        (),
+    ),
+    "gqa-decode": (
+        "GQA paged decode",
+        "64 q / 8 kv heads, head dim 64, page 32, bf16, 64 requests of 8,192 tokens; graph replays. "
+        "Ours: the Triton kernel; peer: FlashInfer XQA, same run.",
+        (),
+    ),
+    "lse-merge": (
+        "LSE merge",
+        "Merging bf16 partial outputs by their LSEs, in TB/s (bytes read + written) against a 2 GiB "
+        "device-to-device copy in the same run.",
+        (),
+    ),
+    "decode-graph": (
+        "Captured decode steps",
+        "A decode step replayed from a CUDA graph against the same step launched eagerly (host bound at these sizes).",
+        (),
+    ),
+    "dcp-decode": (
+        "DCP decode on two GPUs",
+        "GQA decode with the KV cache split over the ranks (gqa-64-8, 64 requests of 8,192 tokens, "
+        "NCCL); whole steps on the host clock, the slowest rank's median. Baseline: the eager step "
+        "given device tensors only (its index arithmetic on the device every step), same run.",
+        (),
+    ),
+    "prefill-scaling": (
+        "ShardQ and head-TP prefill on two GPUs",
+        "Prefill of 4 requests with 8,192 cached tokens each (DSA-like top-k, bf16, NCCL) under head "
+        "tensor parallelism and under ShardQ, and the step the cost-model router picks; the slowest "
+        "rank's median. The router's step is compared with the faster of the two paths measured in "
+        "the same run.",
+        ("prefill-scaling-2026-12-01.png",),
+    ),
+    "cost-model": (
+        "Cost-model accuracy",
+        "The router's prediction of each path against the step measured in the same run (ratio = "
+        "predicted / measured).",
+        (),
+    ),
+    "prefill-scaling-predicted": (
+        "Predicted prefill at more ranks",
+        "Predictions of the cost model (`scaling.py --simulate`), not measurements.",
+        (),
+    ),
+    "ray-pool": (
+        "The Ray pool's decode step",
+        "A 64-request decode step at 8,192 tokens of context through `RayRankPool` on two GPUs, "
+        "against the same step under torchrun (`shardattn.launch --mode dcp-decode`), in alternating "
+        "rounds; the median over rounds of each round's difference.",
+        (),
+    ),
+}
+HEADER = """# Performance
+
+Generated by `python benchmarks/performance_page.py` from the records in `docs/performance/*.json`
+(format: `benchmarks/records.py`); edit the records, not this page. Each row is one number
+measured by the command shown, on the code of the commit shown, beside the baseline or peer
+measured in the same run; a command names its script as it was at that commit (`git checkout
+COMMIT` reruns it there). Ratio: how many times better ours is (a higher rate or a shorter time);
+for a prediction, predicted / measured. `benchmarks/README.md` lists today's benchmarks and how to
+regenerate this page; `docs/DECISIONS.md` says why the routes are what they are and what was
+measured and rejected.
+"""
+COLUMNS = ("Configuration", "Metric", "Ours", "Baseline or peer (same run)", "Ratio", "Date", "GPU", "Commit",
+           "Command")  # fmt: skip
+
+
+def load(directory: Path = RECORDS) -> dict[str, list[dict]]:
+    """The records of every ``<benchmark>.json`` in ``directory``, by benchmark; ``ValueError`` on a
+    record filed under another benchmark's name, a benchmark :data:`SECTIONS` does not know, or two
+    records of one (configuration, metric)."""
+    tables: dict[str, list[dict]] = {}
+    for path in sorted(directory.glob("*.json")):
+        if path.stem not in SECTIONS:
+            raise ValueError(f"{path}: no section for benchmark {path.stem!r} (benchmarks/performance_page.py)")
+        recs = read_json(path)
+        seen = set()
+        for rec in recs:
+            if rec["benchmark"] != path.stem:
+                raise ValueError(f"{path}: a record of benchmark {rec['benchmark']!r}")
+            if key(rec) in seen:
+                raise ValueError(f"{path}: two records of {config_text(rec['config'])}, {rec['metric']}")
+            seen.add(key(rec))
+        tables[path.stem] = recs
+    return tables
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def row(rec: dict) -> str:
+    """One table row of a record."""
+    base = rec["baseline"]
+    if base is None:
+        base_text = "-"
+    elif base["value"] is None:
+        base_text = base["name"]
+    else:
+        base_text = f"{base['name']}: {fmt(base['value'])} {rec['unit']}"
+    cells = (
+        config_text(rec["config"]),
+        rec["metric"],
+        f"**{fmt(rec['value'])} {rec['unit']}**",
+        base_text,
+        "-" if rec["ratio"] is None else f"{rec['ratio']:.2f}x",
+        rec["date"],
+        rec["gpu"],
+        f"`{rec['commit']}`",
+        f"`{rec['command']}`",
+    )
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
+
+
+def render(tables: dict[str, list[dict]]) -> str:
+    """The page (markdown) of :func:`load`'s tables."""
+    parts = [HEADER]
+    for name, (title, text, images) in SECTIONS.items():
+        recs = tables.get(name)
+        if not recs:
+            continue
+        parts.append(f"\n## {title}\n\n{textwrap.fill(text, width=100)}\n")
+        parts.append("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS))
+        parts += [row(rec) for rec in recs]
+        for image in images:
+            if not (RECORDS / image).exists():
+                raise ValueError(f"section {name!r} names a plot that is not in {RECORDS}: {image}")
+            parts.append(f"\n![{title}](performance/{image})")
+    return "\n".join(parts) + "\n"
+
+
+def add(paths: list[Path], directory: Path = RECORDS) -> int:
+    """Merges the records of ``paths`` into ``directory`` (module docstring); returns how many."""
+    tables = load(directory)
+    count = 0
+    for path in paths:
+        for rec in read_json(path):
+            validate(rec)
+            if rec["benchmark"] not in SECTIONS:
+                raise ValueError(f"{path}: no section for benchmark {rec['benchmark']!r}")
+            table = tables.setdefault(rec["benchmark"], [])
+            at = next((i for i, old in enumerate(table) if key(old) == key(rec)), None)
+            if at is None:
+                table.append(rec)
+            else:
+                table[at] = rec
+            count += 1
+    for name, table in tables.items():
+        (directory / f"{name}.json").write_text(json.dumps(table, indent=1) + "\n")
+    return count
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--add", nargs="+", type=Path, default=[], metavar="FILE", help="records to merge in first")
+    ap.add_argument("--check", action="store_true", help="only compare the page with the records")
+    args = ap.parse_args(argv)
+    if args.add and args.check:
+        print("--add writes the records; --check only reads: pass one", file=sys.stderr)
+        return 2
+    if args.add:
+        print(f"merged {add(args.add)} records into {RECORDS.relative_to(ROOT)}")
+    page = render(load())
+    if args.check:
+        if not PAGE.exists() or PAGE.read_text() != page:
+            print(f"{PAGE.relative_to(ROOT)} is not what the records give: run python benchmarks/performance_page.py",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        return 0
+    PAGE.write_text(page)
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Adapter to FA4 (flash-attn-cute, the optional extra ``shardattn[fa4]``): dense GQA prefill forward.
+
+FA4 is imported lazily behind a cached getter (:func:`get_fa4`); nothing here runs at import time,
+and without FA4 every caller takes the torch reference (:func:`fa4_supports` says why). The extra
+installs ``flash-attn-4>=4.0.0b36`` and what it requires (the CuTe DSL, quack-kernels, tvm-ffi);
+``flash-attn-4[cu13]`` selects the CuTe DSL's CUDA 13 libraries.
+
+What this adapter relies on, read from the source of flash-attn-4 4.0.0b36
+(``flash_attn/cute/interface.py``, ``softmax.py``, ``mask.py``, ``seqlen_info.py``):
+
+* Entry point ``flash_attn.cute.interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=,
+  cu_seqlens_k=, seqused_k=, page_table=, softmax_scale=, causal=, window_size=(left, right),
+  learnable_sink=, return_lse=)`` returns ``(out [total_q, H, D], lse)``.
+* LSE: fp32, **natural log** (the kernel keeps base-2 statistics and multiplies by ``ln 2`` when
+  it writes the LSE, ``Softmax.finalize``), laid out **``[H, total_q]``** (heads first) in varlen
+  mode. The sink is included. A row with no visible key gives ``out = 0`` and ``lse = -inf``, or
+  ``lse = sink`` with a sink. Converted here once to the library's ``[total_q, H]``.
+* Masks are aligned **bottom-right** per sequence: query ``i`` of a sequence of ``m`` queries and
+  ``L`` keys sees key ``j`` when ``j <= i + L - m`` (causal) and ``j >= i + L - m - left`` (window
+  ``(left, right)``; ``causal=True`` sets ``right = 0``).
+* Keys of sequence ``b``: rows ``[cu_seqlens_k[b], cu_seqlens_k[b] + seqused_k[b])`` of ``k`` /
+  ``v`` when ``seqused_k`` is given (the offset comes from ``cu_seqlens_k``, the length from
+  ``seqused_k``, so the ranges may overlap), or positions ``j`` at
+  ``k[page_table[b, j // page], j % page]`` with ``page_table`` (``cu_seqlens_k`` must then be
+  ``None``; ``k``, ``v`` are ``[num_pages, page, Hkv, D]``, the library's paged layout).
+* ``learnable_sink``: ``[H]`` logits in natural-log units, **not** multiplied by
+  ``softmax_scale``: one extra softmax column with no value (the library's sink contract).
+* dtypes fp16 / bf16 (fp8 on SM100 only), q, k, v alike; head dims: SM90 ``8..256`` and SM100
+  ``8..128`` (or 256), multiples of 8 (``_validate_head_dims``); query heads a multiple of KV heads.
+* Paged tiles may load whole pages: FA4 needs rows past ``seqused_k`` in a sequence's last page
+  to be finite when pages load by TMA (``page_size`` equal to the key tile, 128 at head_dim 64 on
+  SM90); other unused pages may hold anything. On the cp.async path (other page sizes) a sequence
+  with no key still reads its first page-table entry, so page ids are clamped here into
+  ``[0, num_pages)``.
+* Every compile key (dtype, head dims, query heads per KV head, causal / local, sink dtype, the
+  varlen or paged form, LSE or not, tile, arch, more than 256 sequences, ...) compiles once per
+  process (2-3 s on an H200); sequence lengths, offsets, the window width and the scale are
+  runtime values. :func:`warm_up` compiles the keys of given :class:`FA4Variant` s.
+
+Calls here always ask for the LSE (one compile key fewer; an fp32 ``[H, T]`` write) and never pass
+``max_seqlen_q``, so the compiled kernel does not depend on how long the sequences are.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FA4_SM_MAJORS",
+    "FA4Variant",
+    "compiled_count",
+    "fa4_paged",
+    "fa4_supports",
+    "fa4_varlen",
+    "get_fa4",
+    "lse_tokens_major",
+    "page_table_for_fa4",
+    "warm_up",
+]
+
+FA4_SM_MAJORS = (9, 10)
+"""Compute-capability majors the adapter routes to FA4: SM90 (Hopper, measured on an H200) and SM100."""
+FA4_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[Callable | None, str | None]:
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+    except Exception as exc:  # ImportError, or a broken install (CuTe DSL, CUDA libraries)
+        return None, f"FA4 (flash-attn-cute) is not importable ({type(exc).__name__}: {exc}); install shardattn[fa4]"
+    return flash_attn_varlen_func, None
+
+
+def get_fa4() -> Callable | None:
+    """``flash_attn.cute.interface.flash_attn_varlen_func``, or ``None`` when not importable (cached)."""
+    return _load()[0]
+
+
+def _head_dim_reason(head_dim: int, major: int) -> str | None:
+    if head_dim % 8:
+        return f"FA4 needs head_dim a multiple of 8, got {head_dim}"
+    if major == 9 and not 8 <= head_dim <= 256:
+        return f"FA4 on SM90 supports head_dim 8..256, got {head_dim}"
+    if major == 10 and not (8 <= head_dim <= 128 or head_dim == 256):
+        return f"FA4 on SM100 supports head_dim 8..128 or 256, got {head_dim}"
+    return None
+
+
+def fa4_supports(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, str]:
+    """Whether FA4 runs a prefill of these tensors here, and why (or why not). No device sync.
+
+    Args:
+        q: ``[T, H, D]`` queries; k: ``[..., Hkv, D]`` keys (contiguous or paged) in q's dtype.
+    Returns:
+        ``(True, reason)`` or ``(False, reason)``.
+
+    >>> fa4_supports(torch.zeros(2, 4, 64), torch.zeros(2, 1, 64))
+    (False, "FA4 needs CUDA tensors, got device type 'cpu'")
+    """
+    if q.device.type != "cuda" or not torch.cuda.is_available():
+        return False, f"FA4 needs CUDA tensors, got device type {q.device.type!r}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major not in FA4_SM_MAJORS:
+        return False, f"FA4 is routed on SM90 and SM100, this GPU is SM{major}{minor}"
+    if q.dtype not in FA4_DTYPES or k.dtype != q.dtype:
+        return False, f"FA4 needs fp16/bf16 q and k of one dtype, got {q.dtype} and {k.dtype}"
+    why = _head_dim_reason(q.shape[-1], major)
+    if why is not None:
+        return False, why
+    if get_fa4() is None:
+        return False, _load()[1]
+    return True, f"FA4 (flash-attn-cute) on SM{major}{minor}, head_dim {q.shape[-1]}"
+
+
+def lse_tokens_major(lse_heads_major: torch.Tensor) -> torch.Tensor:
+    """FA4's varlen LSE ``[H, T]`` (fp32, natural log) as the library's ``[T, H]``: a transposed
+    view (no copy; callers that hand it out make it contiguous, merges copy it anyway).
+
+    Both already use natural log, ``-inf`` for an empty row without a sink and the sink for one
+    with a sink, so only the layout changes.
+
+    >>> lse_tokens_major(torch.tensor([[0.0, 1.0, 2.0], [3.0, 4.0, float("-inf")]])).tolist()
+    [[0.0, 3.0], [1.0, 4.0], [2.0, -inf]]
+    """
+    return lse_heads_major.float().t()
+
+
+def page_table_for_fa4(block_table: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """``block_table`` ``[S, M]`` int32 with every entry clamped into ``[0, num_pages)``, contiguous.
+
+    Entries past a sequence's keys may be ``-1`` in the library's tables; FA4's cp.async path reads
+    a sequence's first entry even when it has no key, so none may point outside the cache. Entries
+    a sequence uses are left as they are (validated by the caller).
+
+    >>> page_table_for_fa4(torch.tensor([[3, -1], [0, 9]], dtype=torch.int32), 4).tolist()
+    [[3, 0], [0, 3]]
+    """
+    return block_table.clamp(0, max(num_pages - 1, 0)).to(torch.int32).contiguous()
+
+
+def _window(window_left: int) -> tuple[int | None, None]:
+    return (window_left if window_left >= 0 else None, None)
+
+
+def _run(
+    fn: Callable | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor | None,
+    k_len: torch.Tensor,
+    page_table: torch.Tensor | None,
+    causal: bool,
+    window_left: int,
+    sinks: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    t, h, _ = q.shape
+    if t == 0:
+        return q.new_zeros(0, h, v.shape[-1]), torch.zeros(0, h, dtype=torch.float32, device=q.device)
+    fn = get_fa4() if fn is None else fn
+    with torch.no_grad():  # inference: FA4's autograd function saves nothing then
+        out, lse = fn(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_q.to(torch.int32).contiguous(),
+            cu_seqlens_k=cu_k,
+            seqused_k=k_len.to(torch.int32).contiguous(),
+            page_table=page_table,
+            softmax_scale=float(scale),
+            causal=bool(causal),
+            window_size=_window(window_left),
+            learnable_sink=None if sinks is None else sinks.detach().float().contiguous(),
+            return_lse=True,
+        )
+    return out, lse_tokens_major(lse)
+
+
+def fa4_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    k_len: torch.Tensor,
+    *,
+    causal: bool,
+    window_left: int,
+    sinks: torch.Tensor | None,
+    scale: float,
+    fn: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA4 over segments of contiguous keys (arguments validated by the caller).
+
+    Segment ``s`` holds query rows ``[cu_q[s], cu_q[s + 1])`` and keys ``[cu_k[s], cu_k[s] +
+    k_len[s])`` of ``k`` / ``v`` (ranges may overlap; ``cu_k[S]`` is not read); masks bottom-right
+    aligned (module docstring).
+
+    Args:
+        q: ``[T, H, D]`` fp16/bf16; k, v: ``[Tk, Hkv, D]`` in q's dtype (last dim contiguous).
+        cu_q, cu_k: ``[S + 1]`` int32; k_len: ``[S]`` int32, all on q's device.
+        causal, window_left (``-1`` = none), sinks (``[H]`` fp32 or None), scale: the masks and softmax.
+        fn: the FA4 function (default: :func:`get_fa4`); tests pass a stand-in.
+    Returns:
+        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log)``, the LSE a transposed view
+        of FA4's ``[H, T]`` buffer (:func:`lse_tokens_major`).
+    """
+    cu_k = cu_k.to(torch.int32).contiguous()
+    return _run(
+        fn, q, k, v, cu_q=cu_q, cu_k=cu_k, k_len=k_len, page_table=None, causal=causal,
+        window_left=window_left, sinks=sinks, scale=scale,
+    )  # fmt: skip
+
+
+def fa4_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_q: torch.Tensor,
+    k_len: torch.Tensor,
+    *,
+    causal: bool,
+    window_left: int,
+    sinks: torch.Tensor | None,
+    scale: float,
+    fn: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA4 over segments whose keys live in a paged cache, through FA4's ``page_table``.
+
+    Segment ``s`` holds query rows ``[cu_q[s], cu_q[s + 1])`` and its first ``k_len[s]`` key
+    positions; position ``j`` is at ``k_cache[page_table[s, j // page], j % page]``.
+
+    Args:
+        q: ``[T, H, D]`` fp16/bf16; k_cache, v_cache: ``[num_pages, page, Hkv, D]`` in q's dtype.
+        page_table: ``[S, M]`` int32 (clamped here, :func:`page_table_for_fa4`).
+        cu_q: ``[S + 1]`` int32; k_len: ``[S]`` int32 keys per segment.
+        causal, window_left, sinks, scale, fn: as in :func:`fa4_varlen`.
+    Returns:
+        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log)`` (the LSE a transposed view).
+    """
+    table = page_table_for_fa4(page_table, k_cache.shape[0])
+    return _run(
+        fn, q, k_cache, v_cache, cu_q=cu_q, cu_k=None, k_len=k_len, page_table=table, causal=causal,
+        window_left=window_left, sinks=sinks, scale=scale,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FA4Variant:
+    """One FA4 compile key a prefill configuration meets (everything but the lengths).
+
+    Attributes:
+        dtype: q / k / v dtype. num_heads, num_kv_heads, head_dim: of one kernel call (a rank's).
+        causal: causal (bottom-right) mask, else every key of the segment.
+        window: a left window is given (its width is a runtime value).
+        sinks: learnable sinks are given.
+        page_size: the paged form with this page size (TMA or cp.async pages differ), or ``None``
+            for contiguous keys.
+        many_segments: more than 256 segments (FA4 then adds a block-to-batch lookup).
+    """
+
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal: bool = True
+    window: bool = False
+    sinks: bool = False
+    page_size: int | None = None
+    many_segments: bool = False
+
+
+#: Query rows of every warm-up segment: enough that SM100's two-stage Q tile (chosen when
+#: ``rows x heads-per-KV-head`` exceed the 128-row tile) is the one real prefills compile.
+WARMUP_ROWS_PER_SEGMENT = 128
+
+
+def warm_up(variants: Iterable[FA4Variant], device: torch.device | str, *, fn: Callable | None = None) -> int:
+    """Run FA4 once per variant on small inputs, so later calls of those keys compile nothing.
+
+    Calls go through :func:`fa4_varlen` / :func:`fa4_paged` with the arguments real calls pass
+    (LSE on, no ``max_seqlen_q``, ``seqused_k``), so they produce the same compile keys.
+
+    Returns:
+        the number of variants run (0 when FA4 is not importable and ``fn`` is not given).
+    """
+    if fn is None and get_fa4() is None:
+        return 0
+    device = torch.device(device)
+    count = 0
+    for var in dict.fromkeys(variants):  # each distinct variant once, in order
+        segs = 257 if var.many_segments else 1
+        rows = WARMUP_ROWS_PER_SEGMENT if segs == 1 else 2
+        t = segs * rows
+        g = torch.Generator(device="cpu").manual_seed(count)
+        q = torch.randn(t, var.num_heads, var.head_dim, generator=g).to(device=device, dtype=var.dtype)
+        cu_q = torch.arange(segs + 1, dtype=torch.int32, device=device) * rows
+        k_len = torch.full((segs,), rows, dtype=torch.int32, device=device)
+        sinks = torch.zeros(var.num_heads, dtype=torch.float32, device=device) if var.sinks else None
+        kw = dict(causal=var.causal, window_left=64 if var.window else -1, sinks=sinks, scale=var.head_dim**-0.5)
+        if var.page_size is None:
+            kv = torch.randn(t, 2, var.num_kv_heads, var.head_dim, generator=g).to(device=device, dtype=var.dtype)
+            fa4_varlen(q, kv[:, 0], kv[:, 1], cu_q, cu_q, k_len, fn=fn, **kw)
+        else:
+            pages = math.ceil(rows / var.page_size)
+            shape = (segs * pages, var.page_size, var.num_kv_heads, var.head_dim)
+            cache = torch.zeros(shape, dtype=var.dtype, device=device)
+            table = torch.arange(segs * pages, dtype=torch.int32, device=device).view(segs, pages)
+            fa4_paged(q, cache, cache, table, cu_q, k_len, fn=fn, **kw)
+        count += 1
+    return count
+
+
+def compiled_count() -> int | None:
+    """How many FA4 forward kernels this process has compiled or loaded (``None`` without FA4).
+
+    Reads FA4's in-process compile cache (``_flash_attn_fwd.compile_cache``, a private
+    attribute: ``None`` where a version lacks it); tests use it to show that a warmed-up
+    configuration compiles nothing more.
+    """
+    if get_fa4() is None:
+        return None
+    from flash_attn.cute import interface
+
+    cache = getattr(getattr(interface._flash_attn_fwd, "compile_cache", None), "cache", None)
+    return None if cache is None else len(cache)

@@ -1,0 +1,286 @@
+"""GQA prefill: varlen causal attention of new tokens over their request's cached prefix and themselves.
+
+Request ``b`` brings ``n_b = cu_seqlens[b + 1] - cu_seqlens[b]`` new tokens (rows of ``q``, ``k``,
+``v`` in token order) after ``P_b = prefix_lens[b]`` cached ones (0 without a prefix). Its new
+token ``j`` sits at position ``p = P_b + j`` and sees the keys at positions ``t`` with::
+
+    lo <= t <= p,   lo = max(0, p - window_left) with a window (window_left >= 0), else 0
+
+A key at ``t < P_b`` is ``k_cache[block_table[b, t // page], t % page]`` (the paged layout of
+:mod:`shardattn.kernels.gqa_decode`); a key at ``t >= P_b`` is row ``cu_seqlens[b] + t - P_b`` of
+``k`` / ``v``. Query head ``h`` reads KV head ``h // (H / Hkv)``. Sinks add one fp32 logit per
+query head (natural log, not scaled) to the softmax denominator and the LSE. LSE: fp32, natural
+log, ``[T, H]``; every query sees at least itself, so no row of a prefill is empty (an empty row
+would be ``(0, -inf)``, ``(0, sink)`` with sinks, as in every op of the library).
+
+Dispatch (:func:`gqa_prefill_route`, a :class:`~shardattn.plan.routing.Route` with its reason):
+FA4 (:mod:`shardattn.kernels.fa4`) where it is importable and runs these tensors (SM90 / SM100,
+fp16 / bf16, its head dims), else the fp32 torch reference
+(:mod:`~shardattn.ops.gqa_prefill_reference`), on CPU and GPU alike. Both run the same
+composition (:mod:`~shardattn.ops.gqa_prefill_segments`): one call over contiguous keys, or, with
+a cached prefix and no window, the prefix read in place from the paged cache plus the new keys,
+merged by LSE. On the FA4 path with pages of FA4's key tile (128 tokens at head_dim 64 or 128 on
+SM90) whole pages load by TMA: the rows of a request's last prefix page past its prefix must hold
+finite values (any; a zero-initialised cache does), as FA4 requires.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+import torch
+
+from shardattn._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_choice,
+    check_int,
+    check_same_device,
+    check_scale,
+    check_tensor,
+)
+from shardattn.kernels import fa4
+from shardattn.ops.gqa_prefill_segments import (
+    FA4SegmentKernel,
+    PagedPrefix,
+    SegmentKernel,
+    Segments,
+    TorchSegmentKernel,
+    attend_segments,
+)
+from shardattn.plan.routing import Route
+
+__all__ = [
+    "BACKENDS",
+    "check_prefix_inputs",
+    "fa4_variants",
+    "gqa_prefill",
+    "gqa_prefill_route",
+    "segment_kernel",
+]
+
+BACKENDS = ("auto", "fa4", "reference")
+
+
+def gqa_prefill_route(q: torch.Tensor, k: torch.Tensor, *, backend: str = "auto") -> Route:
+    """Which kernel runs a GQA prefill of these tensors, and why (no device sync).
+
+    Args:
+        q: ``[T, H, D]``; k: ``[T, Hkv, D]`` (or the paged cache) in q's dtype.
+        backend: ``"auto"`` (FA4 where it runs, else the reference), ``"fa4"`` (raises
+            ``ValueError`` with the reason where it cannot run) or ``"reference"``.
+    Returns:
+        ``Route(path="fa4" | "reference", group_size=1, reason)``.
+
+    >>> gqa_prefill_route(torch.zeros(4, 8, 64), torch.zeros(4, 1, 64)).reason
+    "FA4 needs CUDA tensors, got device type 'cpu': torch reference"
+    """
+    check_choice("backend", backend, BACKENDS)
+    if backend == "reference":
+        return Route("reference", 1, "backend='reference': torch reference")
+    ok, why = fa4.fa4_supports(q, k)
+    if ok:
+        return Route("fa4", 1, why)
+    if backend == "fa4":
+        raise ValueError(f"backend='fa4' is unavailable: {why}")
+    return Route("reference", 1, f"{why}: torch reference")
+
+
+def segment_kernel(route: Route) -> SegmentKernel:
+    """The kernel implementation of a route's path."""
+    return FA4SegmentKernel() if route.path == "fa4" else TorchSegmentKernel()
+
+
+def check_prefix_inputs(
+    q: torch.Tensor,
+    hkv: int,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    prefix_lens: torch.Tensor | None,
+    batch: int,
+) -> bool:
+    """Validate a cached prefix (all four arguments or none); returns whether one is given.
+
+    Values (lengths, pages) are checked only on CPU tensors, where reading them costs no sync
+    (lengths given on the CPU are checked against the table's capacity wherever the table lives).
+    """
+    given = [x is not None for x in (k_cache, v_cache, block_table, prefix_lens)]
+    if not any(given):
+        return False
+    if not all(given):
+        raise ValueError(
+            "k_cache, v_cache, block_table and prefix_lens go together (the cached prefix); give all or none"
+        )
+    d = q.shape[-1]
+    check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
+    num_pages, page, cache_hkv, dk = k_cache.shape
+    if dk != d or cache_hkv != hkv:
+        raise ValueError(
+            f"k_cache must have shape [*, *, {hkv}, {d}] (k's KV heads and head_dim), got {list(k_cache.shape)}"
+        )
+    check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
+    check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have one row per request ({batch}), got shape {list(block_table.shape)}")
+    check_tensor("prefix_lens", prefix_lens, dtypes=INDEX_DTYPES, shape=(batch,))
+    if prefix_lens.device.type == "cpu" and batch:
+        capacity = block_table.shape[1] * page
+        lens = prefix_lens.tolist()
+        if min(lens) < 0 or max(lens) > capacity:
+            raise ValueError(f"prefix_lens must be in [0, max_pages * page_size = {capacity}], got {lens[:8]}")
+    if prefix_lens.device.type == "cpu" and block_table.device.type == "cpu" and batch:
+        bad = [
+            b
+            for b, n in enumerate(lens)
+            if bool(((block_table[b, : -(-n // page)] < 0) | (block_table[b, : -(-n // page)] >= num_pages)).any())
+        ]
+        if bad:
+            raise ValueError(f"block_table holds pages outside [0, {num_pages}) for the prefixes of requests {bad[:8]}")
+    return True
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    prefix_lens: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    window_left: object,
+    return_lse: object,
+) -> bool:
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    t, h, d = q.shape
+    check_tensor("k", k, dtypes=(q.dtype,), ndim=3)
+    if k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"k must have shape [{t}, Hkv, {d}] (q's tokens and head_dim), got {list(k.shape)}")
+    hkv = k.shape[1]
+    if hkv < 1 or h % hkv:
+        raise ValueError(f"q heads ({h}) must be a multiple of k's KV heads ({hkv})")
+    check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape))
+    check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, ndim=1)
+    if cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must have B + 1 >= 1 entries, got 0")
+    batch = cu_seqlens.numel() - 1
+    check_int("window_left", window_left, minimum=-1)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
+    has_prefix = check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, prefix_lens, batch)
+    check_same_device(
+        q=q, k=k, v=v, cu_seqlens=cu_seqlens, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+        prefix_lens=prefix_lens, sinks=sinks,
+    )  # fmt: skip
+    if cu_seqlens.device.type == "cpu":
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or cu[-1] != t:
+            raise ValueError(f"cu_seqlens must start at 0, not decrease and end at q's {t} tokens, got {cu[:9]}")
+    return has_prefix
+
+
+def gqa_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window_left: int = -1,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """GQA prefill attention of new tokens over a cached prefix and themselves (module docstring).
+
+    Args:
+        q: ``[T, H, D]`` fp16/bf16/fp32, the new tokens' queries, requests in order.
+        k, v: ``[T, Hkv, D]`` the new tokens' keys and values in q's dtype (``H % Hkv == 0``).
+        cu_seqlens: ``[B + 1]`` int32 offsets of the requests' new tokens (``cu_seqlens[-1] == T``;
+            checked when on the CPU, the caller's promise on a GPU). Empty requests are allowed.
+        k_cache, v_cache: ``[num_pages, page, Hkv, D]`` paged cache holding the cached prefixes
+            (q's dtype), with block_table ``[B, max_pages]`` int32 and prefix_lens ``[B]`` int32
+            (cached tokens per request, 0 allowed); all four or none.
+        sinks: ``[H]`` fp32 sink logits, optional.
+        window_left: sliding window, a token at ``p`` sees positions ``[p - window_left, p]``;
+            ``-1`` = none.
+        scale: softmax scale, default ``D ** -0.5``; finite and > 0.
+        return_lse: also return the LSE.
+        backend: ``"auto"``, ``"fa4"`` or ``"reference"`` (:func:`gqa_prefill_route`).
+    Returns:
+        ``out [T, H, D]`` in q's dtype, and ``lse [T, H]`` fp32 natural log with ``return_lse``.
+    Raises:
+        TypeError / ValueError: naming the argument, before any kernel runs.
+
+    Example (two requests, the second after 5 cached tokens in pages 2 and 0):
+        >>> q, k, v = torch.randn(7, 8, 16), torch.randn(7, 2, 16), torch.randn(7, 2, 16)
+        >>> cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+        >>> cache = torch.randn(3, 4, 2, 16)
+        >>> table = torch.tensor([[1, 1], [2, 0]], dtype=torch.int32)
+        >>> out, lse = gqa_prefill(q, k, v, cu, k_cache=cache, v_cache=cache, block_table=table,
+        ...                        prefix_lens=torch.tensor([0, 5], dtype=torch.int32), return_lse=True)
+        >>> tuple(out.shape), tuple(lse.shape), bool(lse.isfinite().all())
+        ((7, 8, 16), (7, 8), True)
+    """
+    check_choice("backend", backend, BACKENDS)
+    has_prefix = _check_inputs(
+        q, k, v, cu_seqlens, k_cache, v_cache, block_table, prefix_lens, sinks, window_left, return_lse
+    )
+    scale = q.shape[-1] ** -0.5 if scale is None else check_scale("scale", scale)
+    route = gqa_prefill_route(q, k, backend=backend)
+    prefix = None
+    if has_prefix:
+        capacity = block_table.shape[1] * k_cache.shape[1]
+        prefix = PagedPrefix(k_cache, v_cache, block_table, prefix_lens, capacity)
+    out, lse = attend_segments(
+        q, k, v, Segments.for_requests(cu_seqlens), kernel=segment_kernel(route), prefix=prefix,
+        window_left=window_left, sinks=sinks, scale=scale,
+    )  # fmt: skip
+    return (out, lse.contiguous()) if return_lse else out
+
+
+def fa4_variants(
+    *,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sinks: bool,
+    windows: Iterable[bool] = (False, True),
+    page_size: int | None = None,
+    max_segments: int = 1,
+) -> list[fa4.FA4Variant]:
+    """The FA4 compile keys a prefill configuration meets (pass them to :func:`shardattn.kernels.fa4.warm_up`).
+
+    Args:
+        dtype, num_heads, num_kv_heads, head_dim: of one kernel call (a rank's heads under head-TP).
+        sinks: the model has sinks. windows: which of (no window, a window) its layers use.
+        page_size: the paged cache's page size when requests may have cached prefixes (``None``: never).
+        max_segments: most segments of one call (requests; under PCP up to twice a rank's requests).
+    Returns:
+        the variants, each once: the contiguous causal call per window setting, and with a cached
+        prefix the paged prefix call (no mask, no sink), each also with more than 256 segments
+        when ``max_segments`` exceeds 256.
+
+    >>> len(fa4_variants(dtype=torch.bfloat16, num_heads=64, num_kv_heads=8, head_dim=64, sinks=True,
+    ...                  page_size=64))
+    3
+    """
+    many = [False, True] if check_int("max_segments", max_segments, minimum=1) > 256 else [False]
+    base = dict(dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    out: list[fa4.FA4Variant] = []
+    for m in many:
+        for w in dict.fromkeys(windows):
+            out.append(fa4.FA4Variant(**base, causal=True, window=w, sinks=sinks, many_segments=m))
+        if page_size is not None and False in windows:  # the split form: prefix without a window
+            out.append(fa4.FA4Variant(**base, causal=False, page_size=page_size, many_segments=m))
+    return out

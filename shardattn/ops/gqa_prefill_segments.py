@@ -1,0 +1,292 @@
+"""How one GQA prefill call is cut into kernel calls: query segments, key buffers, prefix partials.
+
+Both the single-GPU op (:func:`~shardattn.ops.gqa_prefill.gqa_prefill`) and the PCP step
+(:mod:`shardattn.parallel.gqa_prefill`) describe their queries as *segments*: segment ``s`` holds
+query rows ``[cu_q[s], cu_q[s + 1])``, all of request ``req[s]``, at new-token offsets
+``[stop[s] - m_s, stop[s])`` (the op: one segment per request; PCP: one per contiguous run of a
+rank's zigzag tokens). A query at new offset ``o`` of request ``b`` sits at position
+``prefix_b + o`` and sees the cached prefix ``[0, prefix_b)`` and the new tokens ``<= o``, within
+``window_left`` of its position.
+
+:func:`attend_segments` runs them in one of two forms (the choice depends only on the
+arguments, never on measured speed):
+
+* **combined** (no cached prefix, or a window): one kernel call over a contiguous key buffer
+  holding, per request, the last ``tail_b = min(prefix_b, window_left)`` prefix keys followed by
+  its new keys (:func:`key_buffer`; no copy at all when there is no prefix tail and the new keys
+  are already in token order). Segment ``s`` of request ``b`` reads buffer rows
+  ``[base_b - tail_b, base_b + stop_s)`` (``base_b``: the row of the request's first new key), and
+  the bottom-right causal mask with the window is exactly the contract. Sinks enter once.
+* **split** (a cached prefix, no window): the prefix is read in place from the paged cache
+  (every query sees all of it: no mask, no sink), the new keys in a second call (causal, with the
+  sinks), and the two partials are merged by :func:`~shardattn.kernels.lse_merge.lse_merge`. This
+  copies no prefix key (a prefix may be far longer than the new tokens) at the cost of one merge
+  pass over the two partial outputs, and the prefix call needs no new key, so PCP runs it while
+  the new keys are still being all-gathered (``keys_ready``). A window cannot take this form: a
+  kernel's window is aligned to the end of each segment's keys, while the prefix part would need
+  it aligned to each segment's first query; with a window the copied prefix keys are at most
+  ``window_left`` per request.
+
+The kernel calls go through a :class:`SegmentKernel`: :class:`TorchSegmentKernel` (the reference,
+:mod:`~shardattn.ops.gqa_prefill_reference`) or :class:`FA4SegmentKernel` (the FA4 adapter), so
+the CPU path runs exactly the composition the GPU path runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import torch
+
+from shardattn.kernels import fa4
+from shardattn.kernels.lse_merge import lse_merge
+from shardattn.ops.gqa_prefill_reference import segment_attention_reference
+
+__all__ = [
+    "FA4SegmentKernel",
+    "PagedPrefix",
+    "SegmentKernel",
+    "Segments",
+    "TorchSegmentKernel",
+    "attend_segments",
+    "key_buffer",
+    "prefix_tail",
+]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Query segments of one kernel call (module docstring), all on q's device.
+
+    Attributes:
+        cu_q: ``[S + 1]`` int32 query-row offsets.
+        stop: ``[S]`` int32 new-token offset one past the segment's last query.
+        token_offsets: ``[R + 1]`` int32 / int64 start of each request's new tokens in token order.
+        req: ``[S]`` int64 request of each segment; ``None``: segment ``s`` is request ``s``, whole
+            (then ``cu_q`` is ``token_offsets`` and ``stop`` the request lengths).
+        token_request: ``[N]`` int64 request of each new token; ``None``: computed when needed.
+    """
+
+    cu_q: torch.Tensor
+    stop: torch.Tensor
+    token_offsets: torch.Tensor
+    req: torch.Tensor | None = None
+    token_request: torch.Tensor | None = None
+
+    @classmethod
+    def for_requests(cls, cu_seqlens: torch.Tensor) -> Segments:
+        """One segment per request, queries in token order (``cu_seqlens [B + 1]`` int32; one
+        device op)."""
+        return cls(cu_seqlens, (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32), cu_seqlens)
+
+    def to(self, device: torch.device | str) -> Segments:
+        """A copy whose tensors live on ``device``."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Segments(**{n: None if t is None else t.to(device) for n, t in moved.items()})
+
+    def of_segments(self, per_request: torch.Tensor) -> torch.Tensor:
+        """``per_request[req[s]]`` for every segment (the tensor itself when segments are requests)."""
+        return per_request if self.req is None else per_request[self.req]
+
+    def request_of_tokens(self, num_tokens: int) -> torch.Tensor:
+        """``[num_tokens]`` int64 request of each new token (no sync: ``num_tokens`` is given)."""
+        if self.token_request is not None:
+            return self.token_request
+        offsets = self.token_offsets.long()
+        req = torch.arange(offsets.numel() - 1, device=offsets.device)
+        return torch.repeat_interleave(req, offsets[1:] - offsets[:-1], output_size=num_tokens)
+
+
+@dataclass(frozen=True)
+class PagedPrefix:
+    """The cached prefixes of a call's requests, in the paged layout of GQA decode.
+
+    Attributes:
+        k_cache, v_cache: ``[num_pages, page, Hkv, D]``.
+        block_table: ``[R, M]`` int32 pages of each request.
+        lens: ``[R]`` int32 cached tokens of each request (positions ``[0, lens[b])``).
+        max_len: a host bound on ``lens`` (``M * page`` when nothing tighter is known).
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    lens: torch.Tensor
+    max_len: int
+
+
+Tensor = torch.Tensor
+KernelResult = tuple[torch.Tensor, torch.Tensor]
+
+
+class SegmentKernel(Protocol):
+    """The two kernel shapes a GQA prefill needs; arguments as in
+    :func:`~shardattn.ops.gqa_prefill_reference.segment_attention_reference` (keyword arguments:
+    ``causal``, ``window_left``, ``sinks``, ``scale``); both return ``(out [T, H, D], lse [T, H])``."""
+
+    name: str
+
+    def contiguous(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor, **kw: object
+    ) -> KernelResult:
+        """Segments over contiguous key ranges ``[cu_k[s], cu_k[s] + k_len[s])``."""
+
+    def paged(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: object
+    ) -> KernelResult:
+        """Segments over the first ``k_len`` positions of paged keys."""
+
+
+class TorchSegmentKernel:
+    """The fp32 torch reference (CPU, and GPUs where FA4 does not run)."""
+
+    name = "reference"
+
+    def contiguous(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor, **kw: object
+    ) -> KernelResult:
+        return segment_attention_reference(q, k, v, cu_q, k_len, cu_k=cu_k, **kw)
+
+    def paged(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: object
+    ) -> KernelResult:
+        return segment_attention_reference(q, k_cache, v_cache, cu_q, k_len, page_table=page_table, **kw)
+
+
+class FA4SegmentKernel:
+    """FA4 through :mod:`shardattn.kernels.fa4` (``fn``: the FA4 function, default the installed one)."""
+
+    name = "fa4"
+
+    def __init__(self, fn: Callable | None = None) -> None:
+        self.fn = fn
+
+    def contiguous(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor, **kw: object
+    ) -> KernelResult:
+        return fa4.fa4_varlen(q, k, v, cu_q, cu_k, k_len, fn=self.fn, **kw)
+
+    def paged(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: object
+    ) -> KernelResult:
+        return fa4.fa4_paged(q, k_cache, v_cache, page_table, cu_q, k_len, fn=self.fn, **kw)
+
+
+def prefix_tail(prefix: PagedPrefix | None, window_left: int) -> int:
+    """Prefix keys per request the combined form copies: ``min(window_left, max_len)`` with a
+    window, 0 without a prefix or a window (the split form reads the prefix in place)."""
+    if prefix is None or window_left < 0:
+        return 0
+    return min(window_left, prefix.max_len)
+
+
+def key_buffer(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Segments,
+    *,
+    new_rows: torch.Tensor | None,
+    tail: int,
+    prefix: PagedPrefix | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The combined form's contiguous keys (device ops only, no sync).
+
+    Request ``b``'s region starts at ``token_offsets[b] + b * tail``: ``tail`` slots whose last
+    ``tail_b = min(prefix_b, tail)`` hold its prefix positions ``[prefix_b - tail_b, prefix_b)``
+    (the others zeros, never read), then its new keys in token order.
+
+    Args:
+        k, v: ``[rows, Hkv, D]`` new keys; token ``g`` is row ``new_rows[g]`` (``None``: row ``g``).
+        segments: the call's segments (token offsets and requests).
+        tail, prefix: :func:`prefix_tail` and the cached prefixes (needed when ``tail > 0``).
+    Returns:
+        ``(k_buf, v_buf, first [R], tail_len [R])``: the buffers (``k`` and ``v`` themselves when
+        nothing needs copying), the buffer row of each request's first key (its first prefix key
+        held, else its first new key) and the number of prefix keys held before its new keys.
+    """
+    offsets = segments.token_offsets.long()
+    r = offsets.numel() - 1
+    if tail == 0:
+        first = offsets[:-1]
+        tail_len = torch.zeros_like(first)
+        if new_rows is None:
+            return k, v, first, tail_len
+        return k[new_rows], v[new_rows], first, tail_len
+    n = k.shape[0] if new_rows is None else new_rows.numel()
+    token_request = segments.request_of_tokens(n)
+    req = torch.arange(r, device=offsets.device)
+    k_buf = k.new_zeros(n + r * tail, *k.shape[1:])
+    v_buf = v.new_zeros(n + r * tail, *v.shape[1:])
+    dst = torch.arange(n, device=k.device) + (token_request + 1) * tail
+    src = slice(None) if new_rows is None else new_rows
+    k_buf[dst] = k[src]
+    v_buf[dst] = v[src]
+    page = prefix.k_cache.shape[1]
+    lens = prefix.lens.long()
+    pos = lens[:, None] - tail + torch.arange(tail, device=k.device)[None, :]  # [R, tail] positions
+    valid = pos >= 0
+    safe = pos.clamp(min=0)
+    pages = prefix.block_table.long().gather(1, safe // page).clamp(min=0)
+    rows = (pages * page + safe % page).reshape(-1)
+    slots = (offsets[:-1, None] + req[:, None] * tail + torch.arange(tail, device=k.device)[None, :]).reshape(-1)
+    keep = valid.reshape(-1, 1, 1)
+    k_buf[slots] = torch.where(keep, prefix.k_cache.flatten(0, 1)[rows], 0)
+    v_buf[slots] = torch.where(keep, prefix.v_cache.flatten(0, 1)[rows], 0)
+    tail_len = lens.clamp(max=tail)
+    return k_buf, v_buf, offsets[:-1] + (req + 1) * tail - tail_len, tail_len
+
+
+def attend_segments(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Segments,
+    *,
+    kernel: SegmentKernel,
+    prefix: PagedPrefix | None,
+    window_left: int,
+    sinks: torch.Tensor | None,
+    scale: float,
+    new_rows: torch.Tensor | None = None,
+    keys_ready: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the segments' queries over their prefix and new keys (module docstring).
+
+    Args:
+        q: ``[T, H, D]`` the segments' queries. k, v: ``[rows, Hkv, D]`` the new keys (token
+            ``g`` at row ``new_rows[g]``, or ``g``); read only after ``keys_ready()``.
+        segments: the query segments; kernel: the kernel implementation.
+        prefix: the cached prefixes (``None``: none).
+        window_left, sinks (``[H]`` fp32 or None), scale: the contract's window, sinks and scale.
+        keys_ready: called once before anything reads ``k`` / ``v`` (PCP: the all-gather's wait),
+            after the split form's prefix call.
+    Returns:
+        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log)``; the LSE may be a view.
+    """
+    ready = keys_ready if keys_ready is not None else (lambda: None)
+    if q.shape[0] == 0:
+        ready()
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]), q.new_zeros(q.shape[:2], dtype=torch.float32)
+    partial = None
+    if prefix is not None and window_left < 0:  # the split form: the prefix in place, first
+        partial = kernel.paged(
+            q, prefix.k_cache, prefix.v_cache, segments.of_segments(prefix.block_table), segments.cu_q,
+            segments.of_segments(prefix.lens), causal=False, window_left=-1, sinks=None, scale=scale,
+        )  # fmt: skip
+    ready()
+    tail = prefix_tail(prefix, window_left)
+    if tail == 0 and new_rows is None and segments.req is None:  # keys = the new tokens, as they are
+        k_buf, v_buf, cu_k, k_len = k, v, segments.cu_q, segments.stop
+    else:
+        k_buf, v_buf, first, tail_len = key_buffer(k, v, segments, new_rows=new_rows, tail=tail, prefix=prefix)
+        start = segments.of_segments(first)
+        cu_k = torch.cat([start, start[-1:]]).to(torch.int32)  # cu_k[S] is never read
+        k_len = (segments.of_segments(tail_len) + segments.stop).to(torch.int32)
+    out, lse = kernel.contiguous(
+        q, k_buf, v_buf, segments.cu_q, cu_k, k_len, causal=True, window_left=window_left, sinks=sinks, scale=scale
+    )
+    if partial is not None:
+        out, lse = lse_merge(torch.stack([out, partial[0]]), torch.stack([lse, partial[1]]))
+    return out, lse

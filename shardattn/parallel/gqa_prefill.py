@@ -1,0 +1,326 @@
+"""GQA prefill over a process group: head tensor parallelism (head-TP) and context parallelism (PCP).
+
+The math of both is :func:`~shardattn.ops.gqa_prefill.gqa_prefill`'s (causal over a cached prefix
+and the new tokens, sinks, left window).
+
+**Head-TP** (:func:`gqa_prefill_head_tp`): rank ``r`` of ``W`` holds query heads
+``[r H/W, (r+1) H/W)`` of every token and the KV heads they read (:func:`head_tp_kv_heads`:
+``Hkv/W`` of them, or, when ``Hkv < W``, the one KV head its query heads share, replicated over
+``W / Hkv`` ranks); the step is one local call, no collective::
+
+    rank r: q [T, H/W, D], k, v [T, Hkv/W or 1, D], cache of those KV heads -> out [T, H/W, D]
+
+**PCP** (:func:`gqa_prefill_pcp`): the step's new tokens are split over the ranks by
+:func:`~shardattn.plan.pcp_plan` (zigzag, the plan of the sparse-MLA PCP step); each rank holds
+all heads of its tokens and computed their K and V::
+
+    rank r: q [T_r, H, D], k_new, v_new [T_r, Hkv, D] (its zigzag tokens, plan.shard.token_ids(r))
+        -- all-gather of (k_new, v_new) padded to P rows, started asynchronously -->
+           gathered [W * P, 2, Hkv, D]; new token g is row plan.kv_row[g]
+        while it is in flight (cached prefix, no window): the rank's queries over the cached
+           prefix, read in place from the paged cache (every rank holds it): partial 1
+        -- each contiguous run of the rank's tokens (request b, new offsets [a, c)) attends the
+           request's new keys [0, c) with the causal mask aligned at its own offset, sinks
+           included: partial 2 (with a window: the prefix's last window_left keys and the new
+           keys in one buffer, one call, no partial 1) -->
+        -- partials merged by LSE (kernels/lse_merge.py) --> out [T_r, H, D], lse [T_r, H]
+        -- optionally (gather_output=True) an all-gather of out + lse, restored to token order
+
+Sinks are counted once (in the call over the new keys: every query sees itself). A rank that owns
+no token runs the collectives and returns empty tensors. Collectives: one all-gather (plus one
+with ``gather_output``), plus the agreement check with ``check=True``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shardattn._checks import FLOAT_DTYPES, check_int, check_same_device, check_scale, check_tensor
+from shardattn.ops.gqa_prefill import check_prefix_inputs, gqa_prefill, gqa_prefill_route, segment_kernel
+from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments
+from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
+from shardattn.plan.pcp import PCPPlan
+
+__all__ = ["gqa_prefill_head_tp", "gqa_prefill_pcp", "head_tp_kv_heads", "pcp_segments"]
+
+
+def head_tp_kv_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of the KV heads rank ``rank`` holds under ``world_size``-way head-TP.
+
+    ``num_kv_heads / world_size`` heads when ``num_kv_heads >= world_size``, else the one KV head
+    its ``num_heads / world_size`` query heads read (query head ``h`` reads KV head
+    ``h // (num_heads / num_kv_heads)``).
+
+    >>> [head_tp_kv_heads(64, 8, 4, r) for r in range(4)]
+    [(0, 2), (2, 4), (4, 6), (6, 8)]
+    >>> [head_tp_kv_heads(64, 8, 16, r)[0] for r in (0, 1, 2, 15)]
+    [0, 0, 1, 7]
+    """
+    h = check_int("num_heads", num_heads, minimum=1)
+    hkv = check_int("num_kv_heads", num_kv_heads, minimum=1)
+    w = check_int("world_size", world_size, minimum=1)
+    r = check_int("rank", rank, minimum=0)
+    if r >= w:
+        raise ValueError(f"rank must be < world_size={w}, got {r}")
+    if h % hkv:
+        raise ValueError(f"num_heads ({h}) must be a multiple of num_kv_heads ({hkv})")
+    if h % w:
+        raise ValueError(f"num_heads ({h}) must be divisible by the {w} ranks of head-TP")
+    if hkv >= w:
+        if hkv % w:
+            raise ValueError(f"num_kv_heads ({hkv}) must be divisible by the {w} ranks of head-TP")
+        per = hkv // w
+        return r * per, (r + 1) * per
+    if w % hkv:
+        raise ValueError(f"{w} head-TP ranks must be a multiple of num_kv_heads ({hkv}) to replicate KV heads")
+    first = r * (h // w) // (h // hkv)
+    return first, first + 1
+
+
+def gqa_prefill_head_tp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    group: dist.ProcessGroup | Comm,
+    *,
+    num_kv_heads: int,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window_left: int = -1,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """GQA prefill of this rank's heads under head tensor parallelism (a local call; module docstring).
+
+    Args:
+        q: ``[T, H/W, D]`` this rank's query heads of every new token.
+        k, v: ``[T, Hkv_r, D]`` its KV heads (:func:`head_tp_kv_heads`).
+        cu_seqlens: ``[B + 1]`` int32 request offsets of the new tokens.
+        group: the head-TP group or a :class:`~shardattn.parallel.comm.Comm` (its rank and size only).
+        num_kv_heads: ``Hkv`` of the whole model.
+        k_cache, v_cache, block_table, prefix_lens: the cached prefixes, the cache holding this
+            rank's KV heads (as in :func:`~shardattn.ops.gqa_prefill.gqa_prefill`).
+        sinks: ``[H]`` fp32 sink logits of *all* heads (the rank's slice is taken here).
+        window_left, scale, return_lse, backend: as in :func:`~shardattn.ops.gqa_prefill.gqa_prefill`.
+    Returns:
+        ``out [T, H/W, D]`` (and ``lse [T, H/W]`` fp32 with ``return_lse``).
+
+    Example (every rank of a head-TP group of ``W`` runs this)::
+
+        lo, hi = head_tp_kv_heads(64, 8, W, rank)
+        out = gqa_prefill_head_tp(q[:, rank * 64 // W : (rank + 1) * 64 // W], k[:, lo:hi], v[:, lo:hi],
+                                  cu_seqlens, group, num_kv_heads=8, sinks=sinks)
+    """
+    comm = Comm.wrap(group)
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    h_local = q.shape[1]
+    h = h_local * comm.world_size
+    lo, hi = head_tp_kv_heads(h, num_kv_heads, comm.world_size, comm.rank)
+    check_tensor("k", k, ndim=3)
+    if k.shape[1] != hi - lo:
+        raise ValueError(
+            f"k must hold this rank's {hi - lo} KV head(s) (KV heads [{lo}, {hi}) of {num_kv_heads}, read by query "
+            f"heads [{comm.rank * h_local}, {(comm.rank + 1) * h_local}) of {h}), got shape {list(k.shape)}"
+        )
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
+        sinks = sinks[comm.rank * h_local : (comm.rank + 1) * h_local]
+    return gqa_prefill(
+        q, k, v, cu_seqlens, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+        prefix_lens=prefix_lens, sinks=sinks, window_left=window_left, scale=scale, return_lse=return_lse,
+        backend=backend,
+    )  # fmt: skip
+
+
+def pcp_segments(plan: PCPPlan, rank: int) -> tuple[Segments, torch.Tensor]:
+    """Rank ``rank``'s query segments under ``plan`` (host arithmetic, CPU tensors).
+
+    One segment per contiguous run of the rank's tokens (:meth:`~shardattn.plan.ShardPlan.runs`,
+    in the rank's token order): its request and the new-token offset one past its last query.
+
+    Returns:
+        ``(segments, prefix_lens [R] int32)``.
+
+    >>> from shardattn.plan import pcp_plan
+    >>> seg, _ = pcp_segments(pcp_plan([8], 2, prefix_lens=[3]), 0)
+    >>> seg.cu_q.tolist(), seg.req.tolist(), seg.stop.tolist()
+    ([0, 2, 4], [0, 0], [2, 8])
+    """
+    shard = plan.shard
+    runs = shard.runs(rank)
+    prefix = shard.prefix_lens.numpy()
+    lens = np.array([stop - start for _, start, stop in runs], dtype=np.int64)
+    req = np.array([r for r, _, _ in runs], dtype=np.int64)
+    stop = np.array([s - prefix[r] for r, _, s in runs], dtype=np.int64)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    segments = Segments(
+        cu_q=torch.from_numpy(cu),
+        stop=torch.from_numpy(stop.astype(np.int32)),
+        token_offsets=shard.token_offsets.clone(),
+        req=torch.from_numpy(req),
+        token_request=shard.token_request.clone(),
+    )
+    return segments, shard.prefix_lens.to(torch.int32)
+
+
+def _check_pcp(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    plan: PCPPlan,
+    comm: Comm,
+    caches: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    sinks: torch.Tensor | None,
+    window_left: object,
+    scale: object,
+    gather_output: object,
+    check: bool,
+) -> tuple[int, bool]:
+    """Validate one rank's PCP inputs; returns the fingerprint the ranks agree on and whether the
+    cached prefix is read."""
+    if not isinstance(plan, PCPPlan):
+        raise TypeError(f"plan must be a PCPPlan (from pcp_plan), got {type(plan).__name__}")
+    if plan.world_size != comm.world_size:
+        raise ValueError(f"plan is for world_size={plan.world_size}, but the group has {comm.world_size} ranks")
+    mine = int(plan.shard.counts[comm.rank])
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    t, h, d = q.shape
+    if t != mine:
+        raise ValueError(f"q must hold rank {comm.rank}'s {mine} tokens (plan), got {t}")
+    check_tensor("k_new", k_new, dtypes=(q.dtype,), ndim=3)
+    if k_new.shape[0] != t or k_new.shape[2] != d:
+        raise ValueError(f"k_new must have shape [{t}, Hkv, {d}] (q's tokens and head_dim), got {list(k_new.shape)}")
+    hkv = k_new.shape[1]
+    if hkv < 1 or h % hkv:
+        raise ValueError(f"q heads ({h}) must be a multiple of k_new's KV heads ({hkv})")
+    check_tensor("v_new", v_new, dtypes=(q.dtype,), shape=tuple(k_new.shape))
+    check_int("window_left", window_left, minimum=-1)
+    if scale is not None:
+        check_scale("scale", scale)
+    if not isinstance(gather_output, bool):
+        raise TypeError(f"gather_output must be a bool, got {type(gather_output).__name__}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
+    prefix = plan.shard.prefix_lens
+    k_cache, v_cache, block_table = caches
+    has_prefix = bool((prefix > 0).any())
+    given = [x is not None for x in caches]
+    if any(given) and not all(given):
+        raise ValueError("k_cache, v_cache and block_table go together (the cached prefix); give all or none")
+    if has_prefix and not all(given):
+        raise ValueError(
+            f"the plan has cached prefixes (prefix_lens={prefix.tolist()[:8]}): pass k_cache, v_cache and "
+            "block_table holding them"
+        )
+    if all(given):
+        check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, prefix.to(torch.int32), plan.shard.num_requests)
+    check_same_device(
+        q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, block_table=block_table, sinks=sinks
+    )
+    fingerprint = stable_fingerprint(
+        "gqa-pcp", plan.fingerprint() if check else None, h, hkv, d, q.dtype, sinks is not None, window_left,
+        gather_output, has_prefix,
+    )  # fmt: skip
+    return fingerprint, has_prefix
+
+
+def gqa_prefill_pcp(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    plan: PCPPlan,
+    group: dist.ProcessGroup | Comm,
+    *,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window_left: int = -1,
+    scale: float | None = None,
+    gather_output: bool = False,
+    backend: str = "auto",
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA prefill over a zigzag token split, the new tokens' K and V all-gathered (module docstring).
+
+    Every rank of ``group`` calls this with the same ``plan`` and the tensors of its own tokens
+    (``plan.shard.token_ids(rank)``, in that order).
+
+    Args:
+        q: ``[T_r, H, D]`` fp16/bf16/fp32 queries of this rank's tokens (all heads).
+        k_new, v_new: ``[T_r, Hkv, D]`` their keys and values (q's dtype).
+        plan: :func:`~shardattn.plan.pcp_plan` of the step (``world_size`` = the group's); its
+            ``prefix_lens`` are the cached tokens of each request.
+        group: the PCP process group or a :class:`~shardattn.parallel.comm.Comm`.
+        k_cache, v_cache: ``[num_pages, page, Hkv, D]`` the paged cache holding the cached prefixes
+            (the same on every rank), with ``block_table [num_requests, M]`` int32; needed when the
+            plan has ``prefix_lens > 0``.
+        sinks: ``[H]`` fp32 sink logits, optional (counted once).
+        window_left: sliding window (``-1`` = none). scale: softmax scale, default ``D ** -0.5``.
+        gather_output: also all-gather the outputs and return every token's, in token order.
+        backend: the local kernel (:func:`~shardattn.ops.gqa_prefill.gqa_prefill_route`).
+        check: agree on the plan and shapes first (one small all-gather, a host sync).
+    Returns:
+        ``(out [T_r, H, D] in q's dtype, lse [T_r, H] fp32)`` for this rank's tokens, or
+        ``[T, H, D]`` / ``[T, H]`` in token order with ``gather_output``.
+
+    Example (every rank of a PCP group of ``W`` runs this)::
+
+        plan = pcp_plan(seq_lens, W, prefix_lens=prefix_lens)
+        ids = plan.shard.token_ids(rank)
+        out, lse = gqa_prefill_pcp(q[ids], k[ids], v[ids], plan, group, k_cache=kc, v_cache=vc,
+                                   block_table=table, sinks=sinks)
+        # q[ids] [T_r, 64, 64] -> out [T_r, 64, 64], lse [T_r, 64]
+    """
+    comm = Comm.wrap(group)
+    has_prefix = False
+    route = None
+
+    def validate() -> int:
+        nonlocal has_prefix, route
+        fingerprint, has_prefix = _check_pcp(
+            q, k_new, v_new, plan, comm, (k_cache, v_cache, block_table), sinks, window_left, scale, gather_output,
+            check,
+        )  # fmt: skip
+        route = gqa_prefill_route(q, k_new, backend=backend)
+        return fingerprint
+
+    comm.agree_on("GQA PCP plan and inputs", validate, check=check)
+    with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
+        dev = q.device
+        w, rank = comm.world_size, comm.rank
+        t, h, d = q.shape
+        hkv = k_new.shape[1]
+        p = plan.shard.padded_count
+        padded = k_new.new_zeros(p, 2, hkv, d)
+        padded[:t, 0] = k_new
+        padded[:t, 1] = v_new
+        gathering, pending = comm.all_gather_async(padded)
+        gathered = gathering.view(w * p, 2, hkv, d)
+
+        segments, prefix_lens = pcp_segments(plan, rank)
+        segments = segments.to(dev)
+        prefix = None
+        if has_prefix:
+            prefix = PagedPrefix(k_cache, v_cache, block_table, prefix_lens.to(dev), int(plan.shard.prefix_lens.max()))
+        out, lse = attend_segments(
+            q, gathered[:, 0], gathered[:, 1], segments, kernel=segment_kernel(route), prefix=prefix,
+            window_left=window_left, sinks=sinks, scale=d**-0.5 if scale is None else scale,
+            new_rows=plan.kv_row.to(dev), keys_ready=pending.wait,
+        )  # fmt: skip
+        if not gather_output:
+            return out, lse
+        specs = [((p, h, d), out.dtype), ((p, h), torch.float32)]
+        mine_out, mine_lse = out.new_zeros(p, h, d), lse.new_zeros(p, h)
+        mine_out[:t], mine_lse[:t] = out, lse
+        got = comm.all_gather(pack_rows([mine_out.unsqueeze(0), mine_lse.unsqueeze(0)])[0])
+        all_out, all_lse = unpack_rows(got, specs)  # [W, P, H, D], [W, P, H]
+        rows = plan.kv_row.to(dev)
+        return all_out.reshape(w * p, h, d)[rows], all_lse.reshape(w * p, h)[rows]

@@ -1,0 +1,71 @@
+"""docs/PERFORMANCE.md is exactly what ``benchmarks/performance_page.py`` builds from the committed
+records, every record is in the one format, every plot beside the page is shown, and merging a
+run's records replaces what it measured again."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _page():
+    bench = str(ROOT / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module("performance_page")
+
+
+def test_committed_page_is_what_the_records_give() -> None:
+    page = _page()
+    assert page.PAGE.read_text() == page.render(page.load()), "run: python benchmarks/performance_page.py"
+    assert page.main(["--check"]) == 0
+
+
+def test_every_table_has_rows_and_every_plot_is_shown() -> None:
+    page = _page()
+    tables = page.load()
+    assert tables, "no records under docs/performance"
+    assert all(recs for recs in tables.values())
+    named = {image for _, _, images in page.SECTIONS.values() for image in images}
+    on_disk = {p.name for p in page.RECORDS.glob("*.png")}
+    assert named == on_disk, "a plot in docs/performance that no section shows, or one a section names that is missing"
+    text = page.PAGE.read_text()
+    for image in named:
+        assert f"(performance/{image})" in text
+
+
+def test_add_replaces_a_measurement_and_appends_a_new_one(tmp_path: Path) -> None:
+    page = _page()
+    records = importlib.import_module("records")
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    for path in page.RECORDS.glob("*.json"):
+        shutil.copy(path, tables / path.name)
+    old = page.load(tables)["union-build"]
+    again = dict(old[0], value=old[0]["value"] / 2, date="2026-12-02", commit="0000000")
+    again["ratio"] = records.ratio_of(again["value"], again["baseline"]["value"], again["better"])
+    new = dict(old[0], config={**old[0]["config"], "tokens": 65536})
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps([again, new]))
+    assert page.add([run], tables) == 2
+    merged = page.load(tables)["union-build"]
+    assert merged[0] == again and merged[1:-1] == old[1:] and merged[-1] == new
+
+
+def test_a_record_filed_under_another_table_is_refused(tmp_path: Path) -> None:
+    page = _page()
+    recs = json.loads((page.RECORDS / "gqa-decode.json").read_text())
+    (tmp_path / "lse-merge.json").write_text(json.dumps(recs))
+    with pytest.raises(ValueError, match="a record of benchmark 'gqa-decode'"):
+        page.load(tmp_path)
+    (tmp_path / "lse-merge.json").unlink()
+    (tmp_path / "unknown-op.json").write_text("[]")
+    with pytest.raises(ValueError, match="no section for benchmark 'unknown-op'"):
+        page.load(tmp_path)
