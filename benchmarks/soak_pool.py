@@ -139,7 +139,7 @@ class Soak:
         self.args = args
         self.rng = random.Random(args.seed)
         dtype = "float32" if args.device == "cpu" else "bfloat16"
-        self.spec = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4, dtype=dtype)
+        self.spec = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4, dtype=dtype, softmax_scale=0.3)
         self.atol = ATOL[getattr(torch, dtype)]
         self.mirror = ServingMirror(self.spec, seed=args.seed)
         runtime = {"max_batched_tokens": 128, "max_decode_tokens": 32, "min_shard_tokens": 1}
