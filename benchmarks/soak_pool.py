@@ -34,6 +34,7 @@ is unclear, or (with ``--max-growth-pct``) memory grows more than that.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -56,7 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import add_json_argument, environment, print_table, record, write_json
 
-from shardattn.plan.spec import ModelSpec
+from shardattn.plan.spec import ModelSpec, get_preset
 
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
@@ -78,6 +79,16 @@ class Req:
     @property
     def final(self) -> int:
         return self.prompt + self.gen
+
+
+def pool_spec(args: argparse.Namespace) -> ModelSpec:
+    """The served model: ``tiny`` (8 heads of 48 dims, top-k 16, pages of 4, fp32; the CPU's), or a
+    preset in bf16 with ``--topk`` (the GPU kernels' head dims)."""
+    if args.preset == "tiny":
+        dtype = "float32" if args.device == "cpu" else "bfloat16"
+        return ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4, dtype=dtype, softmax_scale=0.3)
+    spec = get_preset(args.preset)
+    return dataclasses.replace(spec, topk=args.topk or spec.topk, dtype="bfloat16")
 
 
 def rss_bytes(pid: int | str = "self") -> int:
@@ -138,10 +149,15 @@ class Soak:
 
         self.args = args
         self.rng = random.Random(args.seed)
-        dtype = "float32" if args.device == "cpu" else "bfloat16"
-        self.spec = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 4, dtype=dtype, softmax_scale=0.3)
-        self.atol = ATOL[getattr(torch, dtype)]
+        self.spec = pool_spec(args)
+        self.atol = ATOL[getattr(torch, self.spec.dtype)]
         self.mirror = ServingMirror(self.spec, seed=args.seed)
+        if args.num_pages is None:  # a third of what max_requests requests of the mean length hold
+            from shardattn.plan.context import DCPLayout
+            from shardattn.plan.kv_pages import KVCacheConfig
+
+            mean = KVCacheConfig(self.spec.page_size, DCPLayout(args.ranks), args.max_requests, args.max_seq_len)
+            args.num_pages = max(4, args.max_requests * mean.pages_for(47) // 3)
         runtime = {"max_batched_tokens": 128, "max_decode_tokens": 32, "min_shard_tokens": 1}
         self.pool = RayRankPool(
             args.ranks, self.spec, mode="mixed", max_requests=args.max_requests, max_seq_len=args.max_seq_len,
@@ -596,7 +612,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--max-requests", type=int, default=32)
     p.add_argument("--max-seq-len", type=int, default=96)
-    p.add_argument("--num-pages", type=int, default=64, help="KV pages per rank (of 4 tokens)")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="KV pages per rank (default: what a third of --max-requests requests hold)")  # fmt: skip
+    p.add_argument("--preset", default=None, help="the model: tiny (default on the CPU) or a preset (GPU: glm5)")
+    p.add_argument("--topk", type=int, default=None, help="top-k of a preset (default 256)")
     p.add_argument("--overcommit", type=float, default=1.5, help="admit final lengths up to this x the pages")
     p.add_argument("--kill-every", type=float, default=90.0, help="mean seconds between random kills (0: none)")
     p.add_argument("--kill-steps", type=int, nargs="*", default=[], help="kill a rank before these steps")
@@ -642,6 +661,10 @@ def main(argv: list[str] | None = None) -> int:
         args.minutes = 10.0
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks else "cpu"
+    if args.preset is None:
+        args.preset = "tiny" if args.device == "cpu" else "glm5"
+    if args.preset != "tiny" and args.topk is None:
+        args.topk = 256
     import ray
 
     ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(4, args.ranks + 2),
