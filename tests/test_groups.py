@@ -229,3 +229,39 @@ def test_runtime_on_a_mesh_equals_the_oracle(dist_pool, nproc: int, how: str) ->
         assert res["world"] == tp and res["rank"] == r % tp and res["group_is_pg"], res
         # one ShardQ prefill (2 all-to-alls) and one DCP decode (q all-gather, collector all-to-all)
         assert res["counts"] == {"all_to_all": 3, "all_gather": 1, "agreement": 2}, res["counts"]
+
+
+# -- NCCL ------------------------------------------------------------------------------------------
+def _on_gpu_mesh(group, runner: str, case: dict, *args: Any) -> Any:
+    """The step's run helper on a 1-D CUDA mesh built from the NCCL group (DeviceMesh.from_group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from tests.test_nccl_steps import _move
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    mesh = DeviceMesh.from_group(group, "cuda", mesh_dim_names=("tp",))
+    result = RUNNERS[runner](mesh, _move(case, device), *args)
+    torch.cuda.synchronize(device)
+    return _move(result, torch.device("cpu"))
+
+
+def _nccl_case(runner: str) -> tuple:
+    if runner == "shardq":  # the NCCL tests' cases (tests/test_nccl_steps.py)
+        return test_shardq._case(11, [700, 333], [0, 64], 2, 8, 128, sinks=True), 0, 8
+    return (test_dcp._mla_case(12, [90, 0, 230, 20], [1, 1, 2, 1], 2, 2, heads_per_rank=8, k=64, block_size=16),)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.parametrize("runner", ["shardq", "dcp-mla"])
+def test_steps_on_a_cuda_mesh_over_nccl(dist_pool, runner: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests import parallel_helpers
+
+    monkeypatch.setattr(parallel_helpers, "REFERENCE_ERROR_FACTOR", 4.0)  # as tests/test_nccl_steps.py
+    monkeypatch.setattr(parallel_helpers, "REFERENCE_ULPS", 8.0)
+    args = _nccl_case(runner)
+    results = dist_pool.run(_on_gpu_mesh, runner, *args, world_size=2, backend="nccl")
+    if runner == "shardq":
+        test_shardq._check(results, args[0], 2)
+    else:
+        test_dcp._check_mla(results, args[0], 2)
