@@ -35,27 +35,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import os
-import platform
 import random
 import signal
-import statistics
 import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from records import add_json_argument, environment, print_table, record, write_json
+from records import add_json_argument, print_table, write_json
+from soak_pool_report import render, soak_records, summarize
+from soak_stats import LogHistogram, live_tensors, rss_bytes
 
 from shardattn.plan.spec import ModelSpec, get_preset
 
@@ -91,53 +88,9 @@ def pool_spec(args: argparse.Namespace) -> ModelSpec:
     return dataclasses.replace(spec, topk=args.topk or spec.topk, dtype="bfloat16")
 
 
-def rss_bytes(pid: int | str = "self") -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def rank_live_tensors(group: Any) -> int:
     """Live torch tensors in a rank's process (run on every rank through ``pool.run``)."""
-    gc.collect()
     return live_tensors()
-
-
-def live_tensors() -> int:
-    with warnings.catch_warnings():  # isinstance() on every object touches deprecated torch attributes
-        warnings.simplefilter("ignore")
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
-
-
-class LogHistogram:
-    """Step times in constant memory (a soak must not grow by its own records): 100 bins a decade
-    from 10 us to 1000 s; quantiles to within 2.3 %."""
-
-    LO, PER_DECADE, DECADES = 1e-5, 100, 8
-
-    def __init__(self) -> None:
-        self.bins = np.zeros(self.PER_DECADE * self.DECADES + 1, dtype=np.int64)
-        self.n = 0
-
-    def add(self, seconds: float) -> None:
-        i = int(np.log10(max(seconds, self.LO) / self.LO) * self.PER_DECADE)
-        self.bins[min(i, self.bins.size - 1)] += 1
-        self.n += 1
-
-    def quantile(self, q: float) -> float:
-        """The upper edge of the bin holding the ``q`` quantile, in seconds."""
-        if not self.n:
-            return float("nan")
-        i = int(np.searchsorted(np.cumsum(self.bins), q * self.n))
-        return self.LO * 10 ** ((i + 1) / self.PER_DECADE)
-
-
-def growth_pct(samples: list[tuple[float, int]], after_s: float, window: int = 3) -> float | None:
-    """Growth (%) of the median of the last ``window`` samples over the first ``window`` after ``after_s``."""
-    vals = [v for t, v in samples if t >= after_s]
-    if len(vals) < 2 * window:
-        return None
-    first, last = statistics.median(vals[:window]), statistics.median(vals[-window:])
-    return 100.0 * (last - first) / first
 
 
 class Soak:
@@ -484,123 +437,7 @@ class Soak:
         self.waiting.clear()
         gc.collect()
         self.tensors_end = live_tensors()
-        return self.report()
-
-    def report(self) -> dict[str, Any]:
-        a = self.args
-        book = self.pool.book
-        elapsed = time.monotonic() - self.t0
-        warm = a.warmup_s
-        ranks: dict[tuple[int, int], list[tuple[float, int]]] = {}
-        for t, g, r, v in self.mem["ranks"]:
-            ranks.setdefault((g, r), []).append((t, v))
-        rank_tensors: dict[str, int] = {}
-        by_gen: dict[tuple[int, int], list[tuple[float, int]]] = {}
-        for t, g, r, v in self.mem["rank_tensors"]:
-            by_gen.setdefault((g, r), []).append((t, v))
-        for (g, r), samples in by_gen.items():
-            after = [v for t, v in samples if t >= samples[0][0] + warm]
-            if len(after) >= 2:
-                rank_tensors[f"gen{g} rank{r}"] = after[-1] - after[0]
-        rank_growth, cuda_growth = {}, {}
-        for (g, r), samples in ranks.items():
-            start = samples[0][0] + warm  # the warm-up of each rank process
-            got = growth_pct(samples, start)
-            if got is not None:
-                rank_growth[f"gen{g} rank{r}"] = got
-        cuda: dict[tuple[int, int], list[tuple[float, int]]] = {}
-        for t, g, r, v in self.mem["rank_cuda"]:
-            cuda.setdefault((g, r), []).append((t, v))
-        for (g, r), samples in cuda.items():
-            got = growth_pct(samples, samples[0][0] + warm)
-            if got is not None:
-                cuda_growth[f"gen{g} rank{r}"] = got
-        res = {
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": " ".join(["python benchmarks/soak_pool.py", *sys.argv[1:]]),  # also when imported
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, device {a.device}",
-            "elapsed_s": elapsed,
-            **self.counts,
-            "max_err": self.max_err,
-            "atol": self.atol,
-            "kills": self.kills,
-            "refusals": self.refusals,
-            "pages_leaked": self.start_free - book.free_pages,
-            "requests_left_in_ledger": len(book),
-            "pages_in_use_mean": self.usage["sum"] / max(1, self.usage["n"]),
-            "pages_in_use_max": self.usage["max"],
-            "step_ms": {
-                k: {"n": h.n, "p50": h.quantile(0.5) * 1e3, "p99": h.quantile(0.99) * 1e3}
-                for k, h in self.times.items()
-            },
-            "driver_rss_mb": [v / 2**20 for _, v in self.mem["driver"]],
-            "driver_rss_growth_pct": growth_pct(self.mem["driver"], warm),
-            "driver_live_tensors": [v for _, v in self.mem["tensors"]],
-            "driver_tensors_leaked": self.tensors_end - self.tensors_start,
-            "rank_rss_growth_pct": rank_growth,
-            "rank_live_tensor_growth": rank_tensors,
-            "rank_cuda_allocated_growth_pct": cuda_growth,
-            "rank_rss_mb": {f"gen{g} rank{r}": [v / 2**20 for _, v in s] for (g, r), s in ranks.items()},
-            "errors": self.errors[:20],
-        }
-        growths = [
-            g for g in [res["driver_rss_growth_pct"], *rank_growth.values(), *cuda_growth.values()] if g is not None
-        ]
-        res["max_rss_growth_pct"] = max(growths, default=None)
-        res["passed"] = (
-            res["wrong_outputs"] == 0 and res["lost_unreported"] == 0 and res["reported_unknown"] == 0
-            and res["pages_leaked"] == 0 and res["page_mismatches"] == 0 and res["refusals_unclear"] == 0
-            and res["requests_left_in_ledger"] == 0 and res["driver_tensors_leaked"] == 0
-            and all(v == 0 for v in res["rank_live_tensor_growth"].values())
-            and (a.max_growth_pct is None or (res["max_rss_growth_pct"] or 0.0) <= a.max_growth_pct)
-        )  # fmt: skip
-        return res
-
-
-def render(res: dict[str, Any]) -> None:
-    print(f"\nsoak of the Ray pool, {res['date']}, {res['machine']}: {res['command']}")
-    print("| what | value |\n|---|---|")
-    rows = [
-        ("run", f"{res['elapsed_s'] / 60:.1f} min, {res['steps']} steps"),
-        ("requests", f"{res['arrived']} arrived, {res['completed']} completed, {res['requeued']} served again "
-         f"after a failure, {res['preempted']} preempted for pages"),
-        ("outputs checked against fp64", f"{res['outputs_checked']}, {res['wrong_outputs']} wrong "
-         f"(max error {res['max_err']:.2e}, tolerance {res['atol']:g})"),
-        ("ranks killed / failures / restarts", f"{len(res['kills'])} / {res['failures']} / {res['failures']}"),
-        ("requests lost", f"{res['lost_reported']} reported by restart(), {res['lost_unreported']} unreported, "
-         f"{res['reported_unknown']} reported but not held"),
-        ("KV pages", f"in use {100 * res['pages_in_use_mean']:.0f} % on average, {100 * res['pages_in_use_max']:.0f} % "
-         f"at most; leaked {res['pages_leaked']}; ledger mismatches {res['page_mismatches']}"),
-        ("requests that do not fit",
-         f"{res['refused']} refused ({res['refusals']}), {res['refusals_unclear']} unclear"),
-    ]  # fmt: skip
-    for kind, s in res["step_ms"].items():
-        if s["n"]:
-            rows.append((f"{kind} step", f"p50 {s['p50']:.2f} ms, p99 {s['p99']:.2f} ms ({s['n']} steps)"))
-    d = res["driver_rss_mb"]
-    if d:
-        growth = res["driver_rss_growth_pct"]
-        rows.append(("driver RSS", f"{d[0]:.0f} -> {d[-1]:.0f} MB, growth after warm-up "
-                     f"{'n/a' if growth is None else f'{growth:+.2f} %'}"))  # fmt: skip
-    if res["rank_rss_growth_pct"]:
-        g = res["rank_rss_growth_pct"]
-        worst = max(g, key=lambda k: abs(g[k]))
-        rows.append(("rank RSS growth after warm-up", f"{len(g)} processes, largest {g[worst]:+.2f} % ({worst})"))
-    t = res["driver_live_tensors"]
-    if t:
-        rows.append(("driver live tensors", f"{t[0]} -> {t[-1]} during the run; with no request left "
-                     f"{res['driver_tensors_leaked']:+d} against the start"))  # fmt: skip
-    if res["rank_cuda_allocated_growth_pct"]:
-        g = res["rank_cuda_allocated_growth_pct"]
-        rows.append(("rank CUDA allocated growth after warm-up", f"largest {max(g.values(), key=abs):+.2f} %"))
-    if res["rank_live_tensor_growth"]:
-        g = res["rank_live_tensor_growth"]
-        rows.append(("rank live tensors after warm-up", f"{len(g)} processes, growth {sorted(set(g.values()))}"))
-    rows.append(("passed", str(res["passed"])))
-    for k, v in rows:
-        print(f"| {k} | {v} |")
-    for e in res["errors"]:
-        print(f"  {e}")
+        return summarize(self)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -629,30 +466,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--details", default=None, metavar="PATH", help="write every number of the run here (JSON)")
     add_json_argument(p)
     return p
-
-
-def soak_records(res: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The ``pool-soak`` records of a run: its invariants, step times and memory growth."""
-    env = environment(args.ranks) | {"command": res["command"]}
-    config = {"ranks": args.ranks, "device": args.device, "minutes": round(res["elapsed_s"] / 60, 1),
-              "kills": len(res["kills"])}  # fmt: skip
-    out = [
-        record("pool-soak", config, "outputs checked against fp64", res["outputs_checked"], "outputs", "higher", None,
-               env),
-        record("pool-soak", config, "wrong outputs", res["wrong_outputs"], "outputs", "lower", None, env),
-        record("pool-soak", config, "requests lost, not reported by restart()", res["lost_unreported"], "requests",
-               "lower", None, env),
-        record("pool-soak", config, "KV pages leaked", res["pages_leaked"], "pages", "lower", None, env),
-    ]  # fmt: skip
-    for kind, st in res["step_ms"].items():
-        if st["n"]:
-            out += [record("pool-soak", config, f"{kind} step {q} ms", st[q], "ms", "lower", None, env)
-                    for q in ("p50", "p99")]  # fmt: skip
-    for name, value in (("driver RSS growth after warm-up", res["driver_rss_growth_pct"]),
-                        ("largest RSS growth after warm-up", res["max_rss_growth_pct"])):  # fmt: skip
-        if value is not None:
-            out.append(record("pool-soak", config, name, value, "%", "lower", None, env))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

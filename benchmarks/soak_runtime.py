@@ -38,13 +38,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
-import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +50,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import add_json_argument, environment, print_table, record, write_json
+from soak_stats import LogHistogram, growth_pct, live_tensors, rss_bytes
 
 from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.kernels.topk import DcpShard, convert_topk
@@ -65,19 +63,6 @@ from shardattn.plan.spec import ModelSpec, get_preset
 
 TINY = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32", softmax_scale=0.3)  # CPU: 8 heads, top-k 16
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # the launcher's check
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def live_tensors() -> int:
-    """Live torch tensors in this process (after a collection)."""
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance() on every object touches deprecated torch attributes
-        warnings.simplefilter("ignore")
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
 
 def compiled_kernels() -> int:
@@ -93,13 +78,6 @@ def compiled_kernels() -> int:
                 except (AttributeError, TypeError):
                     pass
     return total
-
-
-def growth_pct(samples: list[float], window: int = 3) -> float | None:
-    if len(samples) < 2 * window:
-        return None
-    first, last = statistics.median(samples[:window]), statistics.median(samples[-window:])
-    return 100.0 * (last - first) / first if first else None
 
 
 def error(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]) -> float:
@@ -135,7 +113,8 @@ class RuntimeSoak:
         )  # fmt: skip
         self.h = self.rt.heads_per_rank
         self._decode_world()
-        self.stats: dict[str, Any] = {"prefill": [], "decode": [], "checks": 0, "max_err": 0.0, "failed_checks": 0}
+        self.stats: dict[str, Any] = {"prefill": LogHistogram(), "decode": LogHistogram(), "checks": 0}
+        self.stats |= {"max_err": 0.0, "failed_checks": 0}
         self.stats |= {"unwarmed_routes": 0, "rss": [], "cuda": [], "tensors": [], "steps": 0, "routes": {}}
 
     # -- the resident decode cache and its graph buckets -----------------------------------------
@@ -187,7 +166,7 @@ class RuntimeSoak:
         t0 = time.perf_counter()
         out = self.rt.prefill(q, step.kv, step.rows, plan=plan, check=False)
         self._sync()
-        self.stats["prefill"].append(time.perf_counter() - t0)
+        self.stats["prefill"].add(time.perf_counter() - t0)
         if check:
             ref = sparse_mla_reference(step.q, step.kv, step.rows, scale=self.rt.scale, v_dim=self.spec.v_dim)
             self._judge(out, ref)
@@ -213,7 +192,7 @@ class RuntimeSoak:
         # a replay of the smallest bucket that fits; uncaptured (the CPU), the same padded buffers eagerly
         out = self.graphs.run(b, **feed) if self.captured else self.graphs.eager(b, **feed)
         self._sync()
-        self.stats["decode"].append(time.perf_counter() - t0)
+        self.stats["decode"].add(time.perf_counter() - t0)
         if check:
             table = base.block_table.index_select(0, dev_idx)
             rows, _ = convert_topk(
@@ -273,16 +252,12 @@ class RuntimeSoak:
     def summary(self, compiles_after_warmup: int) -> dict[str, Any]:
         s = self.stats
 
-        def q(xs: list[float], p: float) -> float:
-            xs = sorted(xs)
-            return xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))] * 1e3 if xs else float("nan")
-
         return {
             "rank": self.rank,
             "device": str(self.device),
             "steps": s["steps"],
-            "prefill_steps": len(s["prefill"]),
-            "decode_steps": len(s["decode"]),
+            "prefill_steps": s["prefill"].n,
+            "decode_steps": s["decode"].n,
             "decode_graphs": sorted(self.graphs.graphs) if self.captured else [],
             "routes": s["routes"],
             "checks": s["checks"],
@@ -296,8 +271,8 @@ class RuntimeSoak:
             "rss_growth_pct": growth_pct(s["rss"]),
             "cuda_allocated_mb": [v / 2**20 for v in s["cuda"]],
             "cuda_growth_pct": growth_pct(s["cuda"]),
-            "prefill_ms": {"p50": q(s["prefill"], 0.5), "p99": q(s["prefill"], 0.99)},
-            "decode_ms": {"p50": q(s["decode"], 0.5), "p99": q(s["decode"], 0.99)},
+            "prefill_ms": {"p50": s["prefill"].quantile(0.5) * 1e3, "p99": s["prefill"].quantile(0.99) * 1e3},
+            "decode_ms": {"p50": s["decode"].quantile(0.5) * 1e3, "p99": s["decode"].quantile(0.99) * 1e3},
         }
 
 

@@ -181,6 +181,11 @@ def test_records_doctests() -> None:
     assert failures == 0
 
 
+def test_soak_stats_doctests() -> None:
+    failures, tried = doctest.testmod(_module("soak_stats"))
+    assert failures == 0 and tried > 0
+
+
 def test_record_ratio_follows_what_is_better() -> None:
     records = _module("records")
     env = ENV
