@@ -9,16 +9,19 @@ A ``--ranks``-rank pool (``mode="mixed"``: ShardQ prefill, DCP decode over a pag
 small sparse-MLA model serves requests that arrive at random (prompt 4-64 tokens, 1-24 generated),
 are prefilled in random chunks, decoded in random batches (some with two draft tokens; through
 ``pool.decode`` and ``pool.decode_batch``), and freed when done. Requests are admitted while their
-final length fits the KV pages left, so the cache runs near capacity. Every output is compared with
-fp64 attention over the request's whole cache (``shardattn.testing.serving.ServingMirror``).
+final lengths fit ``--overcommit`` times the KV pages, so the cache runs near capacity; a step that
+would not fit first preempts the newest request the pool holds (freed, served again later). Every
+output is compared with fp64 attention over the request's whole cache
+(``shardattn.testing.serving.ServingMirror``).
 
 Faults: a thread kills a random rank's process (SIGKILL) at random moments (``--kill-every`` s on
 average), mid-step or between steps; ``--kill-steps`` / ``--fault-steps`` do it at given steps
 (between steps, and inside a step through ``pool.arm_fault``). The next call raises
 ``RankFailedError``; ``pool.restart()`` returns the requests whose KV state was lost, which must be
 exactly the requests the pool held, and they are served again as new requests. Every
-``--refuse-every`` steps a request that cannot fit (longer than ``max_seq_len``, or more pages than
-are free) must raise a ``ValueError`` naming it and leave the pool healthy and its ledger unchanged.
+``--refuse-every`` steps a request that cannot fit (longer than ``max_seq_len``: the error names the
+request; more pages than are free: "out of KV pages") must raise a ``ValueError`` and leave the
+pool healthy and its ledger unchanged.
 
 Recorded: step times (p50 / p99 per kind), the driver's and every rank's RSS (and, on GPUs, CUDA
 allocated memory) over the run, live torch tensors on the driver and on every rank, KV pages in use
