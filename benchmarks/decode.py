@@ -11,7 +11,7 @@ is checked against the fp32 reference before it is timed):
 
 * ``sparse``: sparse-MLA decode at batch 64-256 (128 / 64 / 32 heads), top-k 2048 unique random
   rows of 262,144 (302 MB of bf16 KV), D 576 / Dv 512, ``rows_unique=True`` (an indexer's top-k
-  lists a row once). Ours: :func:`~shardattn.kernels.sparse_mla_decode.sparse_mla_decode` as
+  lists a row once). Ours: :func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode` as
   routed (the Gluon kernel on sm_90); baseline: the Triton split-KV kernel and its merge
   (``backend="triton"``); microseconds per step (printed also as effective TFLOP/s,
   ``2 * batch * topk * heads * (576 + 512) / time``).
@@ -39,10 +39,10 @@ from graph_timing import replay_us
 from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.kernels import flashinfer_xqa
-from shardattn.kernels.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference
-from shardattn.kernels.lse_merge import lse_merge
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
+from shardattn.ops.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference
+from shardattn.ops.lse_merge import lse_merge
+from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 
 SECTIONS = ("sparse", "sparse-small", "gqa", "merge", "graph")
 LARGE = ((128, 64), (128, 128), (128, 256), (64, 64), (64, 128), (64, 256), (32, 256))

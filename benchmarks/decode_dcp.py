@@ -35,8 +35,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import add_json_argument, environment, print_table, record, write_json
 
-from shardattn.parallel.decode_graphs import DecodeGraphs
-from shardattn.parallel.runtime import Runtime
+from shardattn.runtime.graphs import DecodeGraphs
+from shardattn.runtime.runtime import Runtime
 
 BENCHMARK = "dcp-decode"
 BASELINE = "eager, device-side indexing"

@@ -13,7 +13,7 @@ Each case: a KV cache of ``--kv-rows`` random bf16 rows written into a paged fp8
 page as FlashMLA allocates them), ``T`` decode tokens of ``H`` heads, unique random top-k rows
 per token with invalid entries (-1, past the cache) sprinkled in, and (``T >= 2``) one token with
 no valid row. Check: the peer's output and LSE against the fp32 reference on the dequantised
-rows (:func:`shardattn.ops.kv_fp8.dequantize_kv`, :func:`shardattn.kernels.sparse_mla.sparse_mla_reference`),
+rows (:func:`shardattn.ops.kv_fp8.dequantize_kv`, :func:`shardattn.ops.sparse_mla.sparse_mla_reference`),
 the empty token exactly ``(0, -inf)``. Timing: CUDA-graph replays with the L2 flushed
 (``graph_timing.replay_us``; eager launches if they do not capture, said in the peer's name) of the
 peer's split-KV kernel + combine (scheduler metadata once per
@@ -36,10 +36,9 @@ from flashmla_fp8_decode import FlashMLAFp8Decode  # beside its .cu in peer/
 from graph_timing import replay_us  # beside this script
 from records import add_json_argument, environment, print_table, record, write_json
 
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
-from shardattn.kernels.sparse_mla_triton import flops
 from shardattn.ops.kv_fp8 import dequantize_kv, write_kv
+from shardattn.ops.sparse_mla import flops, sparse_mla_reference
+from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.plan.spec import get_preset
 
 SCALE = get_preset("deepseek-v32").softmax_scale  # the model's: 192**-0.5 * mscale**2

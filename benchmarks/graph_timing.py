@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardattn.parallel.cudagraph import DecodeGraph
+from shardattn.runtime.cudagraph import DecodeGraph
 
 
 def graph_of(fn):

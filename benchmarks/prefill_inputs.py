@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from shardattn.kernels.topk import convert_topk
+from shardattn.ops.topk import convert_topk
 from shardattn.workload import synthetic_topk
 
 D_V, D_R, BLOCK = 512, 64, 64

@@ -3,7 +3,7 @@
     python benchmarks/ray_pool.py --json ray_pool.json                 # W GPUs, Ray, torchrun
     python benchmarks/ray_pool.py --device cpu --preset tiny --requests 8 --context 32 --iters 5 --rounds 1
 
-One ``W``-rank pool (:class:`~shardattn.launch.ray_pool.RayRankPool`, mode ``mixed``, NCCL on
+One ``W``-rank pool (:class:`~shardattn.serving.RayRankPool`, mode ``mixed``, NCCL on
 GPUs, gloo on the CPU) is built and checked against fp64 attention computed from the definition
 (:mod:`shardattn.testing.serving`): a ShardQ prefill of ``--prefill`` tokens, then ``B``
 requests of ``L`` cached tokens written, and one DCP decode step of the ``B`` requests through
@@ -92,7 +92,7 @@ def errors(outs: list[Any], requests: list[Any], mirror: Any, device: str) -> fl
 def build_checked_pool(args: argparse.Namespace) -> tuple[Any, list[int]]:
     """The pool with ``B`` requests of ``L`` tokens cached, its prefill and each decode API checked
     against fp64 attention (a ``RuntimeError`` when one is off); returns it and the lengths."""
-    from shardattn.launch.ray_pool import RayRankPool
+    from shardattn.serving import RayRankPool
     from shardattn.testing.serving import ServingMirror
 
     spec = model_spec(args)
@@ -145,7 +145,7 @@ def step_tensors(args: argparse.Namespace, spec: ModelSpec, lens: list[int]) -> 
 
 def time_api(pool: Any, api: str, x: dict[str, torch.Tensor], iters: int) -> float:
     """Median milliseconds of ``iters`` decode steps through ``api`` (after 5 warm-up steps)."""
-    from shardattn.launch.ray_pool import DecodeRequest
+    from shardattn.serving import DecodeRequest
 
     q, topk, view = x["q"], x["topk"], False
     if api.startswith("decode_batch, inputs in place"):  # written once, as a model would write them

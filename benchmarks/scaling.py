@@ -59,10 +59,10 @@ from shardattn.calibrate.timing import median_ms
 from shardattn.launch.local import run_ranks
 from shardattn.launch.process_group import DistEnv
 from shardattn.launch.workloads import build_prefill
-from shardattn.parallel.runtime import Runtime
 from shardattn.plan.cost import CollectiveRate, CostModel, StepShape, choose_prefill, load_calibration
 from shardattn.plan.links import LINKS, LinkRate, resolve_link
 from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn.runtime.runtime import Runtime
 
 #: (label, preset, heads override, tokens): two presets and two head counts at 8K and 32K new tokens.
 CONFIGS = (

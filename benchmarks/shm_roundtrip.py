@@ -5,7 +5,7 @@ Usage (any Linux host; no Ray, no GPU)::
     python benchmarks/shm_roundtrip.py --ranks 2 --steps 5000 --json shm.json
     python benchmarks/shm_roundtrip.py --ranks 2 --steps 5000 --spin-us 5000   # ranks spin 5 ms, as GPU pools do
 
-The driver and ``--ranks`` rank processes map one region (``shardattn.launch.ray.shm``) as a pool
+The driver and ``--ranks`` rank processes map one region (``shardattn.serving.shm``) as a pool
 does; each step the driver writes ``--tokens`` query tokens of a tiny model and publishes the
 step, every rank's serve loop copies its heads of the queries into the outputs (no attention:
 the transport is what is timed) and reports done, and the driver checks every output row.
@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import add_json_argument, environment, print_table, record, write_json
 
-from shardattn.launch.ray.shm import ShmRegion, ShmSteps, decode_layout, serve
+from shardattn.serving.shm import ShmRegion, ShmSteps, decode_layout, serve
 
 HEADS_PER_RANK, D, DV, TOPK = 2, 48, 32, 16
 

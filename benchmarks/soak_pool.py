@@ -100,7 +100,7 @@ class Soak:
     """The traffic, the checks and the records of one run (module docstring)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from shardattn.launch.ray_pool import RayRankPool
+        from shardattn.serving import RayRankPool
         from shardattn.testing.serving import ServingMirror
 
         self.args = args
@@ -297,7 +297,7 @@ class Soak:
             n = self.args.max_seq_len  # fits max_seq_len, but not the pages left
         g = torch.Generator().manual_seed(self.counts["steps"])
         d = self.spec.head_dim
-        from shardattn.launch.ray.requests import PrefillRequest
+        from shardattn.serving.requests import PrefillRequest
 
         bad = PrefillRequest(-1, kv=torch.randn(n, d, generator=g).to(self.mirror.dtype))
         try:
@@ -386,7 +386,7 @@ class Soak:
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        from shardattn.launch.ray_pool import RankFailedError
+        from shardattn.serving import RankFailedError
 
         a = self.args
         stop = threading.Event()

@@ -5,7 +5,7 @@ Usage (one rank per GPU; on the CPU, gloo and a small model)::
     torchrun --nproc-per-node 1 benchmarks/soak_runtime.py --preset glm5 --minutes 10 --json soak_rt.json
     torchrun --nproc-per-node 2 benchmarks/soak_runtime.py --steps 10000 --details soak_rt_run.json   # CPU
 
-Every rank builds one :class:`~shardattn.parallel.runtime.Runtime` (``mode="mixed"``: ShardQ or
+Every rank builds one :class:`~shardattn.runtime.runtime.Runtime` (``mode="mixed"``: ShardQ or
 head-TP prefill by the router, DCP decode) and runs ``--steps`` steps (or ``--minutes``), each
 drawn from a seed every rank shares:
 
@@ -52,14 +52,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import add_json_argument, environment, print_table, record, write_json
 from soak_stats import LogHistogram, growth_pct, live_tensors, rss_bytes
 
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.topk import DcpShard, convert_topk
-from shardattn.kernels.warmup import compiled_variants
 from shardattn.launch.local import run_ranks
 from shardattn.launch.workloads import build_decode, build_prefill
-from shardattn.parallel.cudagraph import GraphInput
-from shardattn.parallel.runtime import Runtime
+from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn.runtime.cudagraph import GraphInput
+from shardattn.runtime.runtime import Runtime
+from shardattn.runtime.warmup import compiled_variants
 
 TINY = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32", softmax_scale=0.3)  # CPU: 8 heads, top-k 16
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # the launcher's check

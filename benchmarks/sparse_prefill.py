@@ -9,7 +9,7 @@ Per case (``heads`` per rank, ``tokens`` T, top-k K; one request whose DSA-like 
 rows of a cache of 65,536 rows up to T = 4K, 131,072 above; bf16, D 576 / Dv 512):
 
 * **step**: the routed prefill as a serving step calls it,
-  :func:`~shardattn.kernels.sparse_mla_grouped.sparse_mla_grouped_prefill` with the routing's
+  :func:`~shardattn.ops.sparse_mla_grouped.sparse_mla_grouped_prefill` with the routing's
   ``G`` (per-query from 64 heads; grouped tiles of ``G = 64 / heads`` queries at 8-32 heads on
   sm_90): the union build (de-duplication at ``G = 1``) and the kernel. Baseline: the best Triton
   step of the same run (the Triton kernel per query and, below 64 heads, on grouped tiles, each
@@ -52,11 +52,12 @@ from prefill_inputs import (
 )
 from records import add_json_argument, environment, print_table, record, write_json
 
-from shardattn.kernels.prepared_union import prepare_union
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_grouped import choose_path, sparse_mla_grouped_prefill
-from shardattn.kernels.sparse_mla_triton import flops, launch_attention, tile_config
-from shardattn.kernels.union import build_union
+from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
+from shardattn.ops.dispatch import prefill_path
+from shardattn.ops.prepared_union import prepare_union
+from shardattn.ops.sparse_mla import flops, sparse_mla_reference
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.ops.union import build_union
 from shardattn.plan.routing import tile_group_size
 
 BENCHMARK = "sparse-prefill"
@@ -73,7 +74,7 @@ class Case:
         q, kv = random_qkv(tokens, heads, kv_rows, 0, device)
         self.flops = flops(int(counts.sum()), heads)
         scale = (D_V + D_R) ** -0.5
-        path = choose_path(q, kv, v_dim=D_V)
+        path = prefill_path(q, kv, v_dim=D_V)
         self.path = f"{path.backend}, G = {path.group_size}"
         g = path.group_size
         out, lse = attention_buffers(q)
@@ -81,10 +82,12 @@ class Case:
         prepared = prepare_union(rows, group_size=g, num_kv_rows=kv_rows)
 
         def step():
-            sparse_mla_grouped_prefill(q, kv, rows, scale=scale, v_dim=D_V, out=out, lse=lse, union=union)
+            sparse_mla_grouped_prefill(q, kv, rows, scale=scale, v_dim=D_V, out=out, lse_out=lse, union=union)
 
         def kernel():
-            sparse_mla_grouped_prefill(q, kv, rows, scale=scale, v_dim=D_V, out=out, lse=lse, prepared_union=prepared)
+            sparse_mla_grouped_prefill(
+                q, kv, rows, scale=scale, v_dim=D_V, out=out, lse_out=lse, prepared_union=prepared
+            )
 
         self.runs = {"step": step, "kernel": kernel}
         sample = torch.randperm(tokens, generator=torch.Generator().manual_seed(1))[:64].to(device)

@@ -12,7 +12,7 @@ kernel runs, and a per-query step (``G = 1``) de-duplicates its rows the same wa
 indexer's ``torch.topk`` leaves them:
 
 * **routed**: ``build_union(method="auto")``, the builder a step runs (on sm_90 the bitmap in
-  shared memory while the cache is small enough, :func:`~shardattn.kernels.union_choice.auto_method`);
+  shared memory while the cache is small enough, :func:`~shardattn.plan.routing.auto_method`);
 * **baseline**: the sorting build of the same run (each query's rows sorted, then merged into the
   group in one launch, ``method="fused"``; at ``G = 1`` the row sort and compaction, ``"sort"``);
 * at ``G > 1`` the grouped kernel alone on that union, and the routed build's share of the step
@@ -45,9 +45,9 @@ from prefill_inputs import (
 )
 from records import add_json_argument, environment, print_table, record, write_json
 
-from shardattn.kernels.prepared_union import PreparedUnion
-from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-from shardattn.kernels.union import build_union, build_union_reference
+from shardattn.ops.prepared_union import PreparedUnion
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.ops.union import build_union, build_union_reference
 from shardattn.plan.routing import tile_group_size
 
 BENCHMARK = "union-build"
@@ -91,7 +91,7 @@ def time_case(heads: int | None, tokens: int, topk: int, kv_rows: int, pool_rows
         prepared = PreparedUnion(*build_union(rows, group_size=g, num_kv_rows=cache), g, tokens)
         scale = (D_V + D_R) ** -0.5
         kernel = timed(lambda: sparse_mla_grouped_prefill(q, kv, rows, scale=scale, v_dim=D_V, group_size=g, out=o,
-                                                          lse=s, prepared_union=prepared), flush, reps)  # fmt: skip
+                                                          lse_out=s, prepared_union=prepared), flush, reps)  # fmt: skip
         share = 100 * ms["routed"] / (ms["routed"] + kernel)
         out.append(record(BENCHMARK, config, "share of the grouped step", share, "%", "lower", None, env))
         line += f", grouped kernel {kernel:.4f} ms: share {share:.1f} %"

@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.gqa_decode import gqa_paged_decode_reference
+from shardattn import Runtime, gqa_paged_decode_reference
 from shardattn.launch.local import run_ranks
-from shardattn.parallel.runtime import Runtime
 
 DRAFTS, CACHED = [1, 3, 2], [40, 100, 7]  # query tokens and cached tokens per request
 SCALE = 64**-0.5  # the model's softmax scale (GPT-OSS: 1 / sqrt(head_dim))

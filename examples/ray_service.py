@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from shardattn.launch.ray_pool import RayRankPool
-from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn import ModelSpec, get_preset
+from shardattn.serving import RayRankPool
 from shardattn.testing.serving import ServingMirror
 
 

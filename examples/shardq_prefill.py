@@ -13,11 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.topk import convert_topk
+from shardattn import Runtime, convert_topk, mla_softmax_scale, sparse_mla_reference
 from shardattn.launch.local import run_ranks
-from shardattn.parallel.runtime import Runtime
-from shardattn.plan.spec import mla_softmax_scale
 
 SEQ_LENS, CACHED, TOPK, PAGE = [96, 64], [32, 0], 32, 64
 # the model's softmax scale, from its config.json (GLM-5: qk_nope_head_dim 192, qk_rope_head_dim 64)

@@ -140,7 +140,7 @@ def union_ratio(rows: torch.Tensor, group_size: int, topk_length: torch.Tensor |
     >>> union_ratio(rows, 2)
     1.3333333333333333
     """
-    from shardattn.kernels.union import build_union_reference
+    from shardattn.ops.union import build_union_reference
 
     check_tensor("rows", rows, dtypes=(torch.int32,), ndim=2)
     full = rows.shape[0] // group_size * group_size

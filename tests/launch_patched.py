@@ -50,7 +50,7 @@ def _oracle() -> None:
 
 
 def _corrupt_prefill() -> None:
-    from shardattn.parallel import prefill_attention
+    from shardattn.runtime import prefill as prefill_attention
 
     kernel = prefill_attention.sparse_mla_grouped_prefill
 

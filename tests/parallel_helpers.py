@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn.ops.sparse_mla import sparse_mla_attention
 from tests.oracle import sparse_mla_oracle, topk_rows_oracle
 
 WORLD_SIZES = [1, 2, 3, 4]

@@ -17,7 +17,7 @@ Distributed steps and the ``Runtime`` run on a one-rank gloo group of the test w
 (``dist_pool.run(..., world_size=1)``); rows travel there by id, so the table is rebuilt in the
 worker. Mismatched devices use the ``meta`` device, so no GPU is needed.
 
-The Ray pool's bad requests are not here: ``shardattn/launch/ray_pool.py`` tests its own calls in
+The Ray pool's bad requests are not here: ``shardattn/serving.py`` tests its own calls in
 ``tests/test_ray_pool*.py``. Multi-rank failures (a rank that raises, exits, hangs, or passes a
 different plan) are in ``tests/test_faults.py``.
 """
@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from shardattn import plan as P
-from shardattn.kernels import lse_merge as merge_mod
-from shardattn.kernels import sparse_mla as mla_mod
 from shardattn.launch.cli import LaunchError, parse_options
+from shardattn.ops import lse_merge as merge_mod
+from shardattn.ops import sparse_mla as mla_mod
 from tests.bad_input.gqa_prefill_rows import gqa_prefill_rows
 from tests.bad_input.kernel_rows import kernel_rows
 from tests.bad_input.parallel_rows import parallel_rows
@@ -150,13 +150,13 @@ def test_table_covers_every_public_kernel_and_plan_function() -> None:
 
 def interpreted_pos_inf_merge() -> None:
     """Runs under ``TRITON_INTERPRET=1`` (a subprocess): the Triton merge equals the reference."""
-    from shardattn.kernels.registry import use_triton
+    from shardattn.ops.dispatch import use_triton
 
     outs, lses = _merge_inputs()
     assert use_triton(outs), "the interpreter is not on"
     with spy_kernels() as called:
         out, lse = merge_mod.lse_merge(outs, lses)
-    assert called == ["shardattn.kernels.lse_merge.launch_lse_merge"], called
+    assert called == ["shardattn.ops.lse_merge.launch_lse_merge"], called
     want_out, want_lse = _merge_without_inf()
     assert not bool(out.isnan().any()) and torch.equal(lse.isneginf(), want_lse.isneginf())
     torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-6)
@@ -167,7 +167,7 @@ def interpreted_pos_inf_merge() -> None:
 @pytest.mark.interpret
 def test_lse_merge_pos_inf_is_empty_on_the_triton_kernel() -> None:
     """The Triton merge kernel reads +inf as an empty partial, like the reference (it gave NaN)."""
-    from shardattn.kernels.registry import triton_available
+    from shardattn.ops.dispatch import triton_available
     from shardattn.testing.interpret import run_interpreted
 
     if not triton_available():

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.lse_merge import lse_merge
-from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn.ops.lse_merge import lse_merge
+from shardattn.ops.sparse_mla import sparse_mla_attention
 from shardattn.parallel.collector import collect_partials, resolve_strategy
 from shardattn.parallel.comm import Comm
 from tests.oracle import sparse_mla_oracle

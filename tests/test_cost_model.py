@@ -14,9 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.sparse_mla import sparse_mla_reference
 from shardattn.launch.workloads import build_prefill
-from shardattn.parallel.runtime import Runtime
+from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.plan.cost import (
     CONSERVATIVE,
     Calibration,
@@ -32,6 +31,7 @@ from shardattn.plan.cost import (
     shipped_calibration,
 )
 from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.runtime import Runtime
 
 MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32", softmax_scale=0.3)  # not 48 ** -0.5
 

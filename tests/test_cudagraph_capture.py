@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from shardattn.parallel.cudagraph import GraphInput, GraphRunner, check_capture_allowed
 from shardattn.plan.cudagraph import CGSupport
+from shardattn.runtime.cudagraph import GraphInput, GraphRunner, check_capture_allowed
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_runner_refuses_a_forbidden_mode_before_touching_a_gpu():
 
 
 def _gqa_runner(q_len, hq=64, hkv=8, d=64, page=32, max_pages=40, sizes=(1, 2, 4, 8), backend="triton"):
-    from shardattn.kernels.gqa_decode import gqa_paged_decode
+    from shardattn.ops.gqa_decode import gqa_paged_decode
 
     g = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(600, page, hkv, d, device="cuda", generator=g).bfloat16()
@@ -110,13 +110,13 @@ def test_gqa_replay_equals_eager_bitwise_with_padding(q_len):
 
 @pytest.mark.gpu
 def test_sparse_mla_and_merge_capture_bitwise():
-    from shardattn.kernels.lse_merge import lse_merge
-    from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
+    from shardattn.ops.lse_merge import lse_merge
+    from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode
 
     kv = torch.randn(20000, 576, device="cuda").bfloat16()
 
     def step(q, rows):
-        out, lse = sparse_mla_decode(q, kv, rows, scale=576**-0.5, num_splits=4)
+        out, lse = run_sparse_mla_decode(q, kv, rows, scale=576**-0.5, num_splits=4, kernel="triton")
         merged = lse_merge(torch.stack([out, out]), torch.stack([lse, torch.full_like(lse, -math.inf)]))
         return (out, lse, *merged)
 

@@ -9,9 +9,10 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.gqa_decode import gqa_paged_decode
+from shardattn.ops.gqa_decode import gqa_paged_decode
 from shardattn.parallel.comm import Comm
-from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
+from shardattn.parallel.dcp import dcp_sparse_mla_decode
+from shardattn.parallel.dcp_gqa import dcp_gqa_decode
 from shardattn.plan import DCPLayout
 from tests.oracle import gqa_oracle
 from tests.parallel_helpers import (
@@ -123,6 +124,38 @@ def test_dcp_sparse_mla_equals_whole_cache(dist_pool, world_size: int, interleav
     case = _mla_case(world_size * 10 + interleave, [9, 0, 23, 2], [1, 1, 2, 1], world_size, interleave, sinks=True)
     results = dist_pool.run(_run_mla, case, world_size=world_size)
     _check_mla(results, case, world_size)
+
+
+def _run_mla_recording_the_local_op(group: dist.ProcessGroup, case: dict) -> tuple:
+    """``_run_mla`` with the decode op's runner recorded: which local op the default attention runs."""
+    import shardattn.ops.sparse_mla_decode as decode_op
+
+    calls = []
+    runner = decode_op.run_sparse_mla_decode
+
+    def recording(*args, **kwargs):
+        calls.append({k: kwargs[k] for k in ("kernel", "rows_unique")})
+        return runner(*args, **kwargs)
+
+    decode_op.run_sparse_mla_decode = recording
+    try:
+        out, lse, counts = _run_mla(group, case)
+    finally:
+        decode_op.run_sparse_mla_decode = runner
+    return out, lse, counts, calls
+
+
+@pytest.mark.distributed
+def test_dcp_sparse_mla_decode_runs_the_decode_op_by_default(dist_pool) -> None:
+    """Regression: ``dcp_sparse_mla_decode`` without ``attention=`` ran the prefill op
+    (``sparse_mla_attention``) for its local step; it runs the decode op
+    (:func:`shardattn.ops.sparse_mla_decode.sparse_mla_decode`), once per rank, with the rows'
+    uniqueness passed on, and still equals the whole-cache result."""
+    case = _mla_case(7, [9, 4], [1, 2], 2, 1, sinks=True)
+    results = dist_pool.run(_run_mla_recording_the_local_op, case, world_size=2)
+    _check_mla([r[:3] for r in results], case, 2)
+    for rank, (*_, calls) in enumerate(results):
+        assert calls == [{"kernel": "reference", "rows_unique": False}], (rank, calls)
 
 
 @pytest.mark.distributed

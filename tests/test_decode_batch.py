@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardattn.parallel.collector as collector_mod
-import shardattn.parallel.dcp as dcp_mod
+import shardattn.parallel.dcp_gqa as dcp_gqa_mod
 from shardattn.parallel.comm import Comm
-from shardattn.parallel.dcp import dcp_gqa_decode
+from shardattn.parallel.dcp_gqa import dcp_gqa_decode
 from shardattn.plan import DCPLayout
 from shardattn.plan.decode_batch import bucket_for, plan_decode_batch
 from tests.test_dcp import GQA_CASES, _gqa_case
@@ -187,8 +187,8 @@ def _count_launches(group: dist.ProcessGroup, case: dict) -> list[str]:
 
         return wrapped
 
-    real_kernel, real_merge = dcp_mod.run_gqa_paged_decode, collector_mod.run_lse_merge
-    dcp_mod.run_gqa_paged_decode = as_one_launch("KERNEL gqa_decode", real_kernel)
+    real_kernel, real_merge = dcp_gqa_mod.run_gqa_paged_decode, collector_mod.run_lse_merge
+    dcp_gqa_mod.run_gqa_paged_decode = as_one_launch("KERNEL gqa_decode", real_kernel)
     collector_mod.run_lse_merge = as_one_launch("KERNEL lse_merge", real_merge)
     # input validation reads CPU tensors' values (ops that never run for CUDA inputs): not counted
     real_agree = comm.agree_on
@@ -201,7 +201,7 @@ def _count_launches(group: dist.ProcessGroup, case: dict) -> list[str]:
                 check=False,
             )  # fmt: skip
     finally:
-        dcp_mod.run_gqa_paged_decode, collector_mod.run_lse_merge = real_kernel, real_merge
+        dcp_gqa_mod.run_gqa_paged_decode, collector_mod.run_lse_merge = real_kernel, real_merge
     return [op for op in counter.ops if op]
 
 

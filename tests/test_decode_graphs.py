@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.parallel.cudagraph import GraphInput, GraphRunner, check_capture_allowed
-from shardattn.parallel.decode_graphs import DecodeGraphs
-from shardattn.parallel.runtime import Runtime
 from shardattn.plan.cudagraph import CGSupport
+from shardattn.runtime.cudagraph import GraphInput, GraphRunner, check_capture_allowed
+from shardattn.runtime.graphs import DecodeGraphs
+from shardattn.runtime.runtime import Runtime
 from tests.test_dcp import _gqa_case
 
 

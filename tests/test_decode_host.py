@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from shardattn.parallel.runtime import Runtime
 from shardattn.plan import DCPLayout
 from shardattn.plan import spec as P
 from shardattn.plan.decode_batch import plan_decode_batch
+from shardattn.runtime.runtime import Runtime
 
 SPEC = P.ModelSpec("gqa", 8, 2, 16, 16, 0, 4, has_sinks=True, dtype="float32")
 
@@ -202,8 +202,8 @@ def test_graph_load_stages_host_inputs_through_two_pinned_twins():
     """The load of a graph bucket stages host inputs in a pinned twin of the arena (two, used in
     turn) and copies them in one span, then pads. On the CPU the runner has no host inputs, so
     the runner is told its device is elsewhere: every input then takes the staged path."""
-    from shardattn.parallel.cudagraph import GraphInput, GraphRunner
     from shardattn.plan.cudagraph import CGSupport
+    from shardattn.runtime.cudagraph import GraphInput, GraphRunner
 
     inputs = [
         GraphInput("q", (3,), torch.float32, per="token"),
@@ -264,9 +264,9 @@ def test_reused_plan_step_issues_no_sync_on_nccl(dist_pool, q_lens):
 def _interpreted_rank(rank: int, init: str) -> None:
     """One of two gloo ranks under the Triton interpreter: the DCP GQA step on the Triton kernels
     (local attention and merge) with a plan's metadata, as a GPU runs it, against the reference."""
-    from shardattn.kernels.registry import use_triton
+    from shardattn.ops.dispatch import use_triton
     from shardattn.parallel.comm import Comm
-    from shardattn.parallel.dcp import dcp_gqa_decode
+    from shardattn.parallel.dcp_gqa import dcp_gqa_decode
 
     assert use_triton(torch.zeros(1)), "the Triton interpreter is off"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)

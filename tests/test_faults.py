@@ -35,7 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn.ops.sparse_mla import sparse_mla_attention
 from shardattn.parallel.comm import Comm, PeerFailedError
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan.zigzag import zigzag_split

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from shardattn.kernels.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference
+from shardattn.ops.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference, run_gqa_paged_decode
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import gqa_oracle
 
@@ -207,6 +207,15 @@ def test_ragged_offsets_are_checked_on_cpu():
         )
 
 
+def _triton_with_splits(q, k, v, table, lens, splits, *, q_len_per_req, cu_q_lens, causal, window_left, sinks, **out):
+    """The Triton path at a given split count (a launch knob: the private runner's, not the op's)."""
+    return run_gqa_paged_decode(
+        q, k, v, table, lens, q_len_per_req=q_len_per_req, cu_q_lens=cu_q_lens, max_q_len=None, causal=causal,
+        window_left=window_left, sinks=sinks, return_lse=True, scale=q.shape[-1] ** -0.5, backend="triton",
+        num_splits=splits, **out,
+    )  # fmt: skip
+
+
 # ---- Triton interpreter (subprocess: TRITON_INTERPRET must be set before triton is imported) ----
 
 INTERPRETED = [c for c in CASES if c.name != "window_wider_than_context"]
@@ -220,9 +229,7 @@ def interpreted_cases(dtype_name: str) -> None:
     for i, case in enumerate(cases):
         for splits in (1, 3) if i % 3 == 0 else (1 + 2 * (i % 2),):
             (q, k, v, table, lens), kw = make_inputs(case, dtype)
-            out, lse = gqa_paged_decode(
-                q, k, v, table, lens, return_lse=True, backend="triton", num_splits=splits, **kw
-            )
+            out, lse = _triton_with_splits(q, k, v, table, lens, splits, **kw)
             ref_out, ref_lse = gqa_paged_decode(q, k, v, table, lens, return_lse=True, backend="reference", **kw)
             torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0, msg=case.name)
             assert_lse_close(lse, ref_lse, atol=1e-4)
@@ -281,9 +288,7 @@ def test_triton_kernel_on_gpu(case, dtype):
     )
     for splits in (None, 1, 4):
         out, lse = _poisoned(q)
-        gqa_paged_decode(
-            q, k, v, table, lens, backend="triton", num_splits=splits, out=out, lse_out=lse, return_lse=True, **kw
-        )
+        _triton_with_splits(q, k, v, table, lens, splits, out=out, lse_out=lse, **kw)
         assert not out.isnan().any() and not lse.isnan().any()
         torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=0)
         assert_lse_close(lse, ref_lse, atol=1e-3)

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardattn.kernels.topk import DcpShard
 from shardattn.launch.workloads import build_decode
+from shardattn.ops.topk import DcpShard
 from shardattn.parallel import (
     Comm,
     collect_partials,
@@ -27,8 +27,8 @@ from shardattn.parallel import (
     shardq_prefill,
 )
 from shardattn.parallel.groups import resolve_group
-from shardattn.parallel.runtime import Runtime
 from shardattn.plan.zigzag import zigzag_split
+from shardattn.runtime.runtime import Runtime
 from tests import test_collector, test_dcp, test_pcp, test_shardq
 from tests.test_runtime import MLA, _err, _heads, _kv_lens, _mla_oracle, _prefill_step
 

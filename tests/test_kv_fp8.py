@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.registry import triton_available
+from shardattn.ops.dispatch import triton_available
 from shardattn.ops.kv_fp8 import (
     FP8_DS_MLA,
     WRITE_SATURATED,

@@ -9,13 +9,13 @@ import pytest
 import torch
 from rich.console import Console
 
-from shardattn.kernels.sparse_mla import valid_mask
-from shardattn.kernels.topk import DcpShard, convert_topk
 from shardattn.launch.cli import LaunchError, parse_options, resolve_shape
 from shardattn.launch.process_group import DistEnv, pick_device
 from shardattn.launch.report import RankRow, Report, percentile, render, summarize_times, write_json
 from shardattn.launch.runner import plan_run
 from shardattn.launch.workloads import BLOCK_SIZE, build_decode, build_prefill, overlap_model
+from shardattn.ops.sparse_mla import valid_mask
+from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.plan import dcp_owner
 
 

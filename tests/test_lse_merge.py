@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardattn.kernels.backend import triton_available
-from shardattn.kernels.lse_merge import launch_lse_merge_columns, lse_merge, lse_merge_reference
+from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns
+from shardattn.ops.lse_merge import lse_merge, lse_merge_reference
 from shardattn.testing.interpret import run_interpreted
 
 
@@ -197,8 +198,8 @@ def test_pdl_kernels_compile_for_sm90_with_grid_dependency_control():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from shardattn.kernels.lse_merge import _lse_merge_columns_kernel
-    from shardattn.kernels.sparse_mla_decode_triton import _sparse_mla_decode_kernel
+    from shardattn.kernels.triton.lse_merge import _lse_merge_columns_kernel
+    from shardattn.kernels.triton.sparse_mla_decode import _sparse_mla_decode_kernel
 
     def ptx(kernel, pointers: dict, floats: tuple, constexprs: dict) -> str:
         signature = {}
@@ -218,7 +219,7 @@ def test_pdl_kernels_compile_for_sm90_with_grid_dependency_control():
     }  # fmt: skip
     split_consts = {
         "DV": 512, "DR": 64, "BLOCK_DV": 512, "BLOCK_DR": 64, "BLOCK_H": 16, "BLOCK_N": 32, "HAS_TOPK_LEN": False,
-        "HAS_SINKS": False, "HAS_ROPE": True, "IEEE": False, "SPREAD": 0, "BLOCK_S": 2, "MERGE_C": 16,
+        "HAS_SINKS": False, "HAS_ROPE": True, "IEEE": False,
     }  # fmt: skip
     for pdl in (True, False):
         merge = ptx(_lse_merge_columns_kernel, merge_ptrs, (), {"BLOCK_P": 64, "BLOCK_D": 128, "PDL": pdl})
@@ -231,7 +232,7 @@ def test_pdl_kernels_compile_for_sm90_with_grid_dependency_control():
 def test_split_partials_views_fit_the_fp32_workspace_without_overlap(dtype):
     """The partial outputs (fp32 or a 2-byte dtype) and their fp32 LSEs are disjoint views that fit
     in :func:`split_partials_numel` fp32 words, whatever the element count's parity."""
-    from shardattn.kernels.lse_merge import split_partials, split_partials_numel
+    from shardattn.kernels.triton.lse_merge import split_partials, split_partials_numel
 
     s, t, h, d = 3, 1, 5, 7  # odd output count: the 2-byte outputs end mid-word
     ws = torch.zeros(split_partials_numel(s, t, h, d))

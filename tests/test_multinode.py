@@ -18,10 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.topk import DcpShard
 from shardattn.launch.process_group import DistEnv
 from shardattn.launch.workloads import build_decode
-from shardattn.parallel.runtime import Runtime
+from shardattn.ops.topk import DcpShard
 from shardattn.plan.cost import (
     Calibration,
     CollectiveRate,
@@ -34,6 +33,7 @@ from shardattn.plan.cost import (
 from shardattn.plan.links import LINKS, LinkRate, cross_node_rate, resolve_link
 from shardattn.plan.nodes import NodeLayout
 from shardattn.plan.spec import get_preset
+from shardattn.runtime.runtime import Runtime
 from shardattn.testing.pool import free_port
 from tests.test_cost_model import RT_SHARDQ_WINS, SHARDQ_WINS
 from tests.test_runtime import GQA, MLA, _err, _gqa_oracle, _gqa_step, _heads, _mla_oracle
@@ -243,9 +243,14 @@ def test_runtime_learns_its_hosts_and_dcp_merges_across_them(dist_pool, split: b
 
 def _measure_body(group) -> dict | None:
     from shardattn.calibrate.network import multi_node_rates
+    from shardattn.launch.process_group import host_groups
 
     nodes = NodeLayout.uniform(2, 2)
-    colls, net = multi_node_rates(group, nodes, device=torch.device("cpu"), sizes_mib=(0.0625, 0.25), reps=1)
+    subgroups = host_groups(group, nodes)
+    assert (subgroups.leaders is not None) == (dist.get_rank(group) in (0, 2))
+    assert (subgroups.first_host is not None) == (dist.get_rank(group) in (0, 1))
+    cpu = torch.device("cpu")
+    colls, net = multi_node_rates(group, nodes, subgroups, device=cpu, sizes_mib=(0.0625, 0.25), reps=1)
     if dist.get_rank(group) != 0:
         return None
     cal = dataclasses.replace(SHARDQ_WINS, collectives=tuple(colls), network=net)

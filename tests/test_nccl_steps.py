@@ -84,9 +84,9 @@ def _runtime_dsa_prefill(group: dist.ProcessGroup, case: dict, mode: str) -> dic
     """A bf16 Runtime prefill at DSA dims (576 / 512) with 32 heads per rank: head-TP runs 32 heads
     per kernel call, ShardQ all 64 from its in-place (head-blocked) all-to-all buffers, so on sm_90
     both take the Gluon kernel when it is there."""
-    from shardattn.kernels.registry import sparse_prefill_kernel
-    from shardattn.parallel.runtime import Runtime
+    from shardattn.ops.dispatch import sparse_prefill_kernel
     from shardattn.plan.spec import ModelSpec
+    from shardattn.runtime.runtime import Runtime
 
     q, kv, rows = case["q"], case["kv"], case["rows"]
     spec = ModelSpec(
@@ -106,7 +106,7 @@ def _runtime_dsa_prefill(group: dist.ProcessGroup, case: dict, mode: str) -> dic
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["shardq", "headtp"])
 def test_runtime_dsa_prefill_on_nccl_matches_the_fp32_reference(dist_pool, mode: str) -> None:
-    from shardattn.kernels.sparse_mla import sparse_mla_reference
+    from shardattn.ops.sparse_mla import sparse_mla_reference
 
     gen = torch.Generator().manual_seed(23)
     t, heads, k, r = 1300, 64, 256, 5000

@@ -16,14 +16,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.prepared_union import PreparedUnion, check_prepared_union, prepare_union
-from shardattn.kernels.sparse_mla import sparse_mla_attention
-from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-from shardattn.kernels.union import build_union
-from shardattn.parallel.prefill_attention import workspace_prefill_attention
+from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, prepare_union
+from shardattn.ops.sparse_mla import sparse_mla_attention
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.ops.union import build_union
 from shardattn.plan.pipeline import pipeline_plan
 from shardattn.plan.routing import Route
 from shardattn.plan.zigzag import zigzag_split
+from shardattn.runtime.prefill import workspace_prefill_attention
 from tests.parallel_helpers import junk_rows
 
 

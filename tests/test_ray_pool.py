@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.launch.ray.errors import ray_unavailable_reason, require_ray
 from shardattn.plan.spec import ModelSpec
+from shardattn.serving.errors import ray_unavailable_reason, require_ray
 
 REASON = ray_unavailable_reason()
 needs_ray = pytest.mark.skipif(REASON is not None, reason=f"optional dependency missing: {REASON}")
@@ -34,7 +34,7 @@ def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "ray", None)  # "import ray" raises ImportError
     with pytest.raises(ImportError, match=r"shardattn\[ray\]"):
         require_ray()
-    from shardattn.launch.ray_pool import RayRankPool
+    from shardattn.serving import RayRankPool
 
     with pytest.raises(ImportError, match="'ray' extra"):
         RayRankPool(2)
@@ -42,7 +42,7 @@ def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) 
 
 @needs_ray
 def test_bad_pool_configs_raise_before_any_actor_starts() -> None:
-    from shardattn.launch.ray_pool import RayRankPool
+    from shardattn.serving import RayRankPool
 
     small = {"max_batched_tokens": 8}
     cases = [
@@ -76,7 +76,7 @@ def ray_instance():
 
 
 def _pool(world: int, spec: ModelSpec, **kwargs):
-    from shardattn.launch.ray_pool import RayRankPool
+    from shardattn.serving import RayRankPool
 
     mode = kwargs.pop("mode", "mixed" if spec.kind == "sparse_mla" else "dcp-decode")
     runtime = {"max_batched_tokens": 64, "max_decode_tokens": 16, "min_shard_tokens": 1, "warmup": False}
@@ -272,7 +272,7 @@ def test_mla_pool_with_sinks_equals_fp64_attention(ray_instance, world, mode, in
 
 @needs_ray
 def test_bad_requests_raise_before_any_rank_runs(pool2) -> None:
-    from shardattn.launch.ray_pool import DecodeRequest, PrefillRequest
+    from shardattn.serving import DecodeRequest, PrefillRequest
     from shardattn.testing.serving import ServingMirror
 
     mirror = ServingMirror(MLA, seed=3)
@@ -407,7 +407,7 @@ def test_decode_batch_in_place_inputs_and_view_outputs_equal_fp64_attention(pool
 
 def test_int32_span_holds_every_int32_section_in_one_copy(tmp_path: Path) -> None:
     """A rank's one DMA of the int32 span gives the same lengths, block table and top-k as the region."""
-    from shardattn.launch.ray.shm import ShmRegion, decode_layout
+    from shardattn.serving.shm import ShmRegion, decode_layout
 
     lay = decode_layout(2, max_tokens=6, max_requests=4, table_width=3, heads_per_rank=2, head_dim=8, v_dim=4,
                         dtype=torch.float32, topk=5, kv_rows=[((8,), torch.float32)])  # fmt: skip
@@ -506,8 +506,8 @@ def test_bad_decode_batch_raises_naming_the_argument(pool2) -> None:
 
 @needs_ray
 def test_placement_timeout_names_what_is_missing(ray_instance) -> None:
-    from shardattn.launch.ray.placement import reserve_bundles
-    from shardattn.launch.ray_pool import PlacementTimeoutError
+    from shardattn.serving import PlacementTimeoutError
+    from shardattn.serving.placement import reserve_bundles
 
     with pytest.raises(PlacementTimeoutError, match=r"GPU: need 2, 0 free of 0"):
         reserve_bundles(2, {"CPU": 1.0, "GPU": 1.0}, strategy="STRICT_PACK", timeout_s=1.0)
@@ -537,7 +537,7 @@ def _region_paths() -> list[str]:
 def test_shm_falls_back_to_the_compiled_graph_off_host(ray_instance, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank on another node than the driver: the pool warns, decodes through the compiled graph,
     and leaves no region behind."""
-    from shardattn.launch.ray import transport
+    from shardattn.serving import transport
     from shardattn.testing.serving import ServingMirror
 
     before = _region_paths()
@@ -565,7 +565,7 @@ def test_shm_falls_back_to_the_compiled_graph_off_host(ray_instance, monkeypatch
 )
 def test_failed_rank_breaks_the_pool_until_restart(pool2, kind: str, failed: str, cause: str) -> None:
     """Runs last on pool2: a rank dies, raises or hangs mid-decode; later calls raise the same; restart recovers."""
-    from shardattn.launch.ray_pool import RankFailedError
+    from shardattn.serving import RankFailedError
     from shardattn.testing.serving import ServingMirror
 
     mirror = ServingMirror(MLA, seed=4)
@@ -611,7 +611,7 @@ def test_failed_rank_breaks_the_pool_until_restart(pool2, kind: str, failed: str
 
 
 def test_the_driver_side_of_a_step_runs_on_one_torch_thread_and_restores_the_count() -> None:
-    from shardattn.launch.ray.requests import one_host_thread
+    from shardattn.serving.requests import one_host_thread
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)

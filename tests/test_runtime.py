@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.topk import DcpShard
 from shardattn.launch.workloads import build_decode, build_gqa_decode, build_prefill
-from shardattn.parallel.runtime import MODES, PrefillPlan, Runtime, WorkspaceExceededError
+from shardattn.ops.topk import DcpShard
 from shardattn.plan.cudagraph import CGSupport
 from shardattn.plan.routing import Route, route_prefill
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.workspace import workspace_bounds
 from shardattn.plan.zigzag import zigzag_split
+from shardattn.runtime.runtime import MODES, PrefillPlan, Runtime, WorkspaceExceededError
 from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
 
 # softmax scales other than head_dim ** -0.5 (0.144 and 0.25), as real models have: the oracles take
@@ -318,7 +318,7 @@ def _multipass_body(group) -> dict:
     then runs in two passes over the same buffer. On the CPU the planner routes to the torch
     reference (which needs no union), so the step is given the grouped route a GPU would take.
     """
-    import shardattn.parallel.prefill_attention as runtime_module
+    import shardattn.runtime.prefill as runtime_module
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rt = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", min_shard_tokens=1, warmup=False)

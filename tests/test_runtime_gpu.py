@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.topk import DcpShard
 from shardattn.launch.workloads import build_decode, build_gqa_decode, build_prefill
-from shardattn.parallel.cudagraph import GraphInput
-from shardattn.parallel.runtime import Runtime
+from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.topk import DcpShard
 from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.cudagraph import GraphInput
+from shardattn.runtime.runtime import Runtime
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 
@@ -35,7 +35,7 @@ def _jit_kernels() -> dict[str, object]:
         for name, value in vars(module).items():
             if isinstance(value, JITFunction):
                 found[f"{info.name}.{name}"] = value
-    from shardattn.kernels import topk
+    from shardattn.ops import topk
 
     if hasattr(topk, "_kernel"):
         found["topk._convert_topk_kernel"] = topk._kernel()
@@ -43,7 +43,7 @@ def _jit_kernels() -> dict[str, object]:
 
 
 def _compiled() -> dict[str, int]:
-    from shardattn.kernels.warmup import compiled_variants
+    from shardattn.runtime.warmup import compiled_variants
 
     return {name: compiled_variants(k) for name, k in _jit_kernels().items()}
 

@@ -15,15 +15,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.topk import DcpShard
 from shardattn.launch.workloads import build_decode, build_gqa_decode
-from shardattn.parallel.decode_graphs import DecodeGraphs
-from shardattn.parallel.runtime import PrefillPlan, Runtime
-from shardattn.parallel.runtime_workspace import RuntimeWorkspace
+from shardattn.ops.topk import DcpShard
 from shardattn.plan.routing import Route
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.workspace import workspace_bounds
 from shardattn.plan.zigzag import zigzag_split
+from shardattn.runtime.graphs import DecodeGraphs
+from shardattn.runtime.runtime import PrefillPlan, Runtime
+from shardattn.runtime.workspace import RuntimeWorkspace
 from tests.test_runtime import MLA, MLA_SCALE, _err, _heads, _kv_lens, _mla_oracle, _prefill_step, _workspace_errors
 
 CPU = torch.device("cpu")
@@ -67,12 +67,12 @@ def _overlaps(t: torch.Tensor, others: list[torch.Tensor]) -> bool:
 def _spy_decode(rt: Runtime, q_all: torch.Tensor) -> dict:
     """Record, on the next decode step, where the kernel reads q and rows and writes its partial, and
     where the collector's all-to-all sends from and receives into (``True`` = inside the arena)."""
-    import shardattn.parallel.runtime_decode as runtime_decode
+    import shardattn.ops.sparse_mla_decode as decode_op
 
     lo = rt.ws.arena.data_ptr()
     hi = lo + rt.ws.arena.numel()
     seen: dict = {}
-    kernel, all_to_all = runtime_decode._sparse_decode_attention, rt.comm.all_to_all
+    kernel, all_to_all = decode_op.run_sparse_mla_decode, rt.comm.all_to_all
 
     def in_arena(t: torch.Tensor) -> bool:
         return lo <= t.data_ptr() < hi
@@ -82,10 +82,10 @@ def _spy_decode(rt: Runtime, q_all: torch.Tensor) -> dict:
         return all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
     def kernel_spy(q, kv, rows, **kw):
-        runtime_decode._sparse_decode_attention = kernel
-        seen["kernel"] = [in_arena(x) for x in (q, rows, kw["out"], kw["lse"])]
-        seen["kernel_disjoint"] = disjoint(q, rows, kw["out"], kw["lse"])
-        seen["partial"] = (kw["out"], kw["lse"])
+        decode_op.run_sparse_mla_decode = kernel
+        seen["kernel"] = [in_arena(x) for x in (q, rows, kw["out"], kw["lse_out"])]
+        seen["kernel_disjoint"] = disjoint(q, rows, kw["out"], kw["lse_out"])
+        seen["partial"] = (kw["out"], kw["lse_out"])
         seen["q_gathered"] = torch.equal(q, q_all)  # every rank's heads, head-major
         return kernel(q, kv, rows, **kw)
 
@@ -97,7 +97,7 @@ def _spy_decode(rt: Runtime, q_all: torch.Tensor) -> dict:
         seen["exchange_disjoint"] = out is not None and disjoint(x, out)
         return all_to_all(x, send, recv, out=out)
 
-    runtime_decode._sparse_decode_attention = kernel_spy
+    decode_op.run_sparse_mla_decode = kernel_spy
     rt.comm.all_to_all = all_to_all_spy
     return seen
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.sparse_mla import sparse_mla_attention
+from shardattn.ops.sparse_mla import sparse_mla_attention
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan import zigzag_split

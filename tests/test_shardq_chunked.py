@@ -17,15 +17,14 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.lse_merge import lse_merge
-from shardattn.kernels.registry import triton_available
-from shardattn.kernels.sparse_mla import sparse_mla_attention
-from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-from shardattn.kernels.topk import convert_topk
-from shardattn.kernels.union import build_union
+from shardattn.ops.dispatch import triton_available
+from shardattn.ops.lse_merge import lse_merge
+from shardattn.ops.sparse_mla import sparse_mla_attention
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.ops.topk import convert_topk
+from shardattn.ops.union import build_union
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.pcp import pcp_prefill
-from shardattn.parallel.runtime import Runtime
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan import pcp_plan, zigzag_split
 from shardattn.plan.pipeline import (
@@ -37,6 +36,7 @@ from shardattn.plan.pipeline import (
     pipeline_plan,
 )
 from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.runtime import Runtime
 from tests.interpret import run_cases
 from tests.parallel_helpers import junk_rows
 
@@ -167,7 +167,7 @@ def _chunked_runs(
     unions: list[bool] = []  # per kernel call with one_union: its slice equals the chunk's own build
 
     def attention(*args, **kwargs):  # the kernel, recording where it reads q and writes out
-        seen.extend([args[0].data_ptr(), kwargs["out"].data_ptr(), kwargs["lse"].data_ptr()])
+        seen.extend([args[0].data_ptr(), kwargs["out"].data_ptr(), kwargs["lse_out"].data_ptr()])
         if one_union:
             prepared = kwargs["prepared_union"]
             own = build_union(
@@ -466,7 +466,7 @@ def test_head_blocked_io_equals_plain_on_the_reference_path() -> None:
     plain = q.movedim(0, 1).reshape(t, b * hb, D)
     want_out, want_lse = sparse_mla_attention(plain, kv, rows, scale=0.2, v_dim=DV)
     out, lse = torch.full((b, t, hb, DV), float("nan")), torch.full((b, t, hb), float("nan"))
-    got = sparse_mla_attention(q, kv, rows, scale=0.2, v_dim=DV, out=out, lse=lse)
+    got = sparse_mla_attention(q, kv, rows, scale=0.2, v_dim=DV, out=out, lse_out=lse)
     assert got[0] is out and got[1] is lse
     assert torch.equal(out.movedim(0, 1).reshape(t, b * hb, DV), want_out)
     assert torch.equal(lse.movedim(0, 1).reshape(t, b * hb), want_lse)

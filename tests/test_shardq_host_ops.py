@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from shardattn.kernels.prepared_union import SLICE_GROUPS
+from shardattn.ops.prepared_union import SLICE_GROUPS
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan import zigzag_split
@@ -140,14 +140,14 @@ def _count(group: dist.ProcessGroup, lens: list[int], chunk_counts: list[int], o
 
     def waits_only(*args, **kwargs):  # the kernel call, minus the kernel: waits for its queries
         kwargs["q_ready"]()
-        return kwargs["out"], kwargs["lse"]
+        return kwargs["out"], kwargs["lse_out"]
 
     kinds = []
     for c in chunk_counts:
         kw = dict(scale=0.3, v_dim=DV, topk_length=length, attention=waits_only, chunks=c, check=False)
-        shardq_prefill(q, kv, rows, plan, comm, workspace=ws, out=out, lse=lse, one_union=one_union, **kw)
+        shardq_prefill(q, kv, rows, plan, comm, workspace=ws, out=out, lse_out=lse, one_union=one_union, **kw)
         with HostWork([q, kv, rows, length, out, lse, *ws.values()]) as counter:
-            shardq_prefill(q, kv, rows, plan, comm, workspace=ws, out=out, lse=lse, one_union=one_union, **kw)
+            shardq_prefill(q, kv, rows, plan, comm, workspace=ws, out=out, lse_out=lse, one_union=one_union, **kw)
         by_kind: collections.Counter[str] = collections.Counter()
         for name, k in counter.ops.items():
             by_kind[_kind(name)] += k

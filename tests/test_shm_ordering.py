@@ -1,6 +1,6 @@
 """The shared-memory step protocol between processes: every payload a rank reads is the one published.
 
-Two rank processes serve a region (``shardattn.launch.ray.shm``) while the driver publishes
+Two rank processes serve a region (``shardattn.serving.shm``) while the driver publishes
 thousands of steps of random sizes whose queries carry the step's number and a checksum. A rank
 checks, before it answers, that what it read is the step the doorbell announced, whole (sizes,
 marker, checksum); the driver checks every output row. A transport that let a rank (or the
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardattn.launch.ray.errors import RankStepError
-from shardattn.launch.ray.shm import SEQ, ShmRegion, ShmSteps, decode_layout, serve
+from shardattn.serving.errors import RankStepError
+from shardattn.serving.shm import SEQ, ShmRegion, ShmSteps, decode_layout, serve
 
 RANKS, HEADS_PER_RANK, D, DV, TOPK, MAX_T = 2, 2, 24, 16, 4, 32
 

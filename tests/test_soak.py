@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from shardattn.launch.ray.errors import ray_unavailable_reason
+from shardattn.serving.errors import ray_unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels.topk import DcpShard
 from shardattn.launch.cli import LaunchError, parse_options
 from shardattn.launch.runner import plan_run
 from shardattn.launch.workloads import build_decode
-from shardattn.parallel.runtime import Runtime
+from shardattn.ops.topk import DcpShard
 from shardattn.plan.spec import ModelSpec, get_preset, mla_softmax_scale
+from shardattn.runtime.runtime import Runtime
 from tests.oracle import sparse_mla_oracle
 
 # GLM-5: qk_nope_head_dim 192 + qk_rope_head_dim 64, no YaRN

@@ -7,16 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode import (
-    COLUMN_MERGE_MAX_ROWS,
-    merge_kind,
-    merge_reason,
-    partials_dtype,
-    sparse_mla_decode,
-    sparse_mla_decode_config,
-)
-from shardattn.parallel.cudagraph import DecodeGraph
+from shardattn.kernels.triton.sparse_mla_decode import partials_dtype, sparse_mla_decode_config
+from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
+from shardattn.plan.crossovers import COLUMN_MERGE_MAX_ROWS
+from shardattn.plan.routing import route_decode_merge
+from shardattn.runtime.cudagraph import DecodeGraph
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import sparse_mla_oracle
 
@@ -73,13 +69,12 @@ def test_cpu_writes_into_given_buffers():
     [
         ({"rows": torch.zeros(3, 4, dtype=torch.int64)}, TypeError, "rows must have dtype"),
         ({"rows": torch.zeros(2, 4, dtype=torch.int32)}, ValueError, "one row per query token"),
-        ({"num_splits": 0}, ValueError, "num_splits must be >= 1"),
         ({"out": torch.zeros(3, 4, 8)}, ValueError, "out must have shape"),
         ({"lse_out": torch.zeros(3, 4, dtype=torch.float64)}, TypeError, "lse_out must have dtype"),
-        ({"config": {"pdl": 1}}, TypeError, r"config\['pdl'\] must be a bool"),
-        ({"config": {"partials": "bf16"}}, ValueError, r"config\['partials'\] must be"),
+        ({"num_splits": 2}, TypeError, "unexpected keyword argument 'num_splits'"),
+        ({"config": {"pdl": False}}, TypeError, "unexpected keyword argument 'config'"),
     ],
-    ids=["rows_dtype", "rows_tokens", "splits", "out_shape", "lse_dtype", "pdl_not_bool", "partials_unknown"],
+    ids=["rows_dtype", "rows_tokens", "out_shape", "lse_dtype", "no_splits_knob", "no_config_knob"],
 )
 def test_bad_input_is_refused_with_the_argument_named(kwargs, error, match):
     q, kv, rows, _, _ = make_inputs(3, 4, 24, 30, 12, False, False)
@@ -102,20 +97,38 @@ def test_config_routes_the_column_merge_to_few_rows():
         cfg = sparse_mla_decode_config(t, h, 2048, 132)
         assert cfg["num_splits"] > 1 and cfg["merge"] == kind, (t, h, cfg)
         assert f"{kind[:-1] if kind == 'columns' else 'row'} merge" in cfg["reason"]
-        assert cfg["reason"].endswith(merge_reason(t, h, cfg["num_splits"]).split("; ")[1])
-    assert (
-        merge_kind(COLUMN_MERGE_MAX_ROWS, 1, 2) == "columns" and merge_kind(COLUMN_MERGE_MAX_ROWS + 1, 1, 2) == "rows"
-    )
+        assert cfg["reason"].endswith(route_decode_merge(t, h, cfg["num_splits"]).reason)
+    n = COLUMN_MERGE_MAX_ROWS
+    assert route_decode_merge(n, 1, 2).path == "columns" and route_decode_merge(n + 1, 1, 2).path == "rows"
     one = sparse_mla_decode_config(1, 16, 64, 132)
     assert one["num_splits"] == 1 and one["merge"] == "none" and "no merge" in one["reason"]
 
 
+def test_private_runner_checks_its_launch_knobs_before_any_kernel():
+    q, kv = torch.zeros(2, 4, 48), torch.zeros(8, 48)
+    rows = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="triton", num_splits=0)
+    with pytest.raises(ValueError, match="config keys must be among"):
+        run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="triton", config={"BLOCK_M": 16})
+    with pytest.raises(ValueError, match=r"config\['merge'\] must be 'rows' or 'columns'"):
+        run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="triton", config={"merge": "tree"})
+    with pytest.raises(ValueError, match="takes none"):
+        run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="reference", config={"merge": "rows"})
+    with pytest.raises(ValueError, match="kernel must be"):
+        run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="cuda")
+    with pytest.raises(TypeError, match=r"config\['pdl'\] must be a bool"):
+        run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="triton", config={"pdl": 1})
+    with pytest.raises(ValueError, match=r"config\['partials'\] must be"):
+        run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="triton", config={"partials": "bf16"})
+
+
 def test_partials_are_half_width_only_under_the_row_merge():
-    """Measured: 2-byte partials pay under the row merge (bandwidth-bound), not under the column or
-    spread merges; fp32 inputs keep fp32 partials; a caller's choice wins."""
+    """Measured: 2-byte partials pay under the row merge (bandwidth-bound), not under the column
+    merge; fp32 inputs keep fp32 partials; a caller's choice wins."""
     for dt in (torch.bfloat16, torch.float16):
         assert partials_dtype(dt, "rows") == dt
-        assert partials_dtype(dt, "columns") == partials_dtype(dt, "spread") == torch.float32
+        assert partials_dtype(dt, "columns") == torch.float32
         assert partials_dtype(dt, "columns", "input") == dt and partials_dtype(dt, "rows", "fp32") == torch.float32
     assert partials_dtype(torch.float32, "rows") == partials_dtype(torch.float32, "rows", "input") == torch.float32
 
@@ -128,7 +141,9 @@ def interpreted_cases(dtype_name: str) -> None:
     atol = 2e-3 if dtype == torch.float16 else 1e-5
     for name, t, h, d, dv, r, k, with_len, with_sinks, splits in CASES:
         q, kv, rows, tlen, sinks = make_inputs(t, h, d, r, k, with_len, with_sinks, dtype)
-        out, lse = sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks, num_splits=splits)
+        out, lse = run_sparse_mla_decode(
+            q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks, num_splits=splits, kernel="triton"
+        )
         ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks)
         assert out.shape == ref_out.shape and out.dtype == q.dtype, name
         torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0, msg=name)
@@ -138,7 +153,7 @@ def interpreted_cases(dtype_name: str) -> None:
     q, kv = torch.randn(2, 16, 48, generator=g).to(dtype), torch.randn(90, 48, generator=g).to(dtype)
     rows = torch.stack([torch.randperm(90, generator=g)[:70] for _ in range(2)]).int()
     rows[1, 5:9] = -1
-    out, lse = sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, rows_unique=True, num_splits=2)
+    out, lse = run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, rows_unique=True, num_splits=2, kernel="triton")
     ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=32)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0)
     assert_same_lse(lse, ref_lse.float(), atol=1e-4)
@@ -146,8 +161,17 @@ def interpreted_cases(dtype_name: str) -> None:
     q, kv, rows, tlen, sinks = make_inputs(3, 20, 48, 50, 70, True, True, dtype)
     ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=32, topk_length=tlen, sinks=sinks)
     for merge in ("rows", "columns"):
-        out, lse = sparse_mla_decode(
-            q, kv, rows, scale=0.2, v_dim=32, topk_length=tlen, sinks=sinks, num_splits=3, config={"merge": merge}
+        out, lse = run_sparse_mla_decode(
+            q,
+            kv,
+            rows,
+            scale=0.2,
+            v_dim=32,
+            topk_length=tlen,
+            sinks=sinks,
+            num_splits=3,
+            config={"merge": merge},
+            kernel="triton",
         )
         torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0, msg=merge)
         assert_same_lse(lse, ref_lse.float(), atol=1e-4)
@@ -161,7 +185,7 @@ def test_triton_kernel_matches_reference_under_interpreter(dtype_name):
 
 
 def interpreted_merge_cases(dtype_name: str) -> None:
-    """The three merges (column, row, one-launch spread; forced) against the fp64 oracle:
+    """Both merges (column, row; forced) against the fp64 oracle:
     invalid rows anywhere, a token with no valid key, topk_length, sinks, head and row tails,
     a split whose every row is invalid; the partials' workspace poisoned with NaN first."""
     dtype = getattr(torch, dtype_name)
@@ -175,13 +199,13 @@ def interpreted_merge_cases(dtype_name: str) -> None:
         ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks)
         cfg = sparse_mla_decode_config(t, h, k, 132, splits, head_dim=d, v_dim=dv)
         assert cfg["merge"] in ("columns", "none"), (name, cfg)  # tiny shapes route the column merge
-        for merge in ("columns", "rows", "spread"):
+        for merge in ("columns", "rows"):
             ws = torch.full((64 * t * h * (dv + 1),), float("nan"))
             out = torch.full((t, h, dv), float("nan"), dtype=dtype)
             lse = torch.full((t, h), float("nan"))
-            sparse_mla_decode(
+            run_sparse_mla_decode(
                 q, kv, rows, scale=0.2, v_dim=dv, topk_length=tlen, sinks=sinks, num_splits=splits,
-                config={"merge": merge}, out=out, lse_out=lse, workspace=ws, rows_unique=t == 1,
+                config={"merge": merge}, out=out, lse_out=lse, workspace=ws, rows_unique=t == 1, kernel="triton",
             )  # fmt: skip
             torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0, msg=f"{name} {merge}")
             assert_same_lse(lse.double(), ref_lse, atol=1e-4)
@@ -193,7 +217,7 @@ def interpreted_merge_cases(dtype_name: str) -> None:
 def test_column_and_row_merges_match_the_oracle_under_interpreter(dtype_name):
     pytest.importorskip("triton", reason="the Triton kernel needs triton")
     out = run_interpreted(__name__, "interpreted_merge_cases", dtype_name)
-    assert out.count("ok ") == 3 * (len(CASES) + 1)
+    assert out.count("ok ") == 2 * (len(CASES) + 1)
 
 
 # ---- GPU: real shapes, poisoned outputs ----
@@ -209,9 +233,9 @@ def test_triton_kernel_on_gpu(heads, tokens, splits):
     )
     out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((tokens, heads), float("nan"), device="cuda")
-    sparse_mla_decode(
+    run_sparse_mla_decode(
         q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, num_splits=splits, out=out, lse_out=lse,
-        backend="triton",
+        kernel="triton",
     )  # fmt: skip
     ref_out, ref_lse = sparse_mla_reference(q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks)
     assert not out.isnan().any() and not lse.isnan().any()
@@ -234,8 +258,8 @@ def test_routed_merge_on_gpu_matches_reference_and_replays_exactly(heads, tokens
     for kw in ({}, {}, {"config": {"merge": "rows"}}):
         out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.full((tokens, heads), float("nan"), device="cuda")
-        sparse_mla_decode(
-            q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, out=out, lse_out=lse, backend="triton", **kw
+        run_sparse_mla_decode(
+            q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, out=out, lse_out=lse, kernel="triton", **kw
         )  # fmt: skip
         assert not out.isnan().any() and not lse.isnan().any(), cfg
         torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=0)
@@ -251,7 +275,7 @@ def test_programmatic_dependent_launch_changes_no_bit(heads, tokens):
     where the GPU has them) give the same bits as plain launches, eagerly and from a CUDA graph
     replayed on new inputs each time: a merge that read the partials before the split kernel had
     written them all would differ."""
-    from shardattn.kernels.registry import pdl_supported
+    from shardattn.ops.dispatch import pdl_supported
 
     if not torch.cuda.is_available() or not pdl_supported(torch.device("cuda")):
         pytest.skip("needs a GPU with programmatic dependent launch (sm_90+)")
@@ -260,8 +284,8 @@ def test_programmatic_dependent_launch_changes_no_bit(heads, tokens):
     lse = torch.full((tokens, heads), float("nan"), device="cuda")
 
     def step(pdl: bool):
-        sparse_mla_decode(
-            q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, out=out, lse_out=lse, backend="triton",
+        run_sparse_mla_decode(
+            q, kv, rows, scale=576**-0.5, topk_length=tlen, sinks=sinks, out=out, lse_out=lse, kernel="triton",
             rows_unique=False, config={"pdl": pdl},
         )  # fmt: skip
         return out.clone(), lse.clone()

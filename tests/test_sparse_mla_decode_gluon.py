@@ -12,23 +12,15 @@ import math
 import pytest
 import torch
 
-from shardattn.kernels.lse_merge import split_partials_numel
-from shardattn.kernels.registry import sparse_decode_kernel
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
-from shardattn.kernels.sparse_mla_decode_gluon import (
-    DECODE_KERNEL,
-    DECODE_KERNELS,
-    SPLIT_ROWS,
-    gluon_decode_config,
-    gluon_decode_plan,
-    reads_raw_rows,
-    sparse_mla_decode_gluon,
-    split_rows,
-    split_rows_reference,
-)
-from shardattn.parallel.cudagraph import DecodeGraph
+from shardattn.kernels.gluon.sparse_mla_decode import SPLIT_ROWS, gluon_decode_config, gluon_decode_plan, reads_raw_rows
+from shardattn.kernels.triton.lse_merge import split_partials_numel
+from shardattn.kernels.triton.split_rows import split_rows, split_rows_reference
+from shardattn.ops.dispatch import sparse_decode_kernel
+from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
+from shardattn.ops.sparse_mla_decode_gluon import sparse_mla_decode_gluon
 from shardattn.plan.routing import GLUON_DECODE_MIN_HEADS, GLUON_DECODE_MIN_PROGRAMS, route_sparse_decode_kernel
+from shardattn.runtime.cudagraph import DecodeGraph
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import sparse_mla_oracle
 
@@ -66,8 +58,6 @@ def test_registry_and_backend_argument_on_cpu():
         sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon")
     with pytest.raises(ValueError, match="backend must be"):
         sparse_mla_decode(q, kv, rows, scale=0.1, backend="cuda")
-    with pytest.raises(ValueError, match="Triton options"):
-        sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon", counters=torch.zeros(4, dtype=torch.int32))
     out, _ = sparse_mla_decode(q, kv, rows, scale=0.1, backend="triton")  # CPU: the reference still runs
     assert out.shape == (2, 128, 512)
 
@@ -93,26 +83,11 @@ def test_plan_covers_the_row_and_fills_the_machine(heads):
     assert gluon_decode_plan(3, heads, 0, 132)["num_splits"] == 1
 
 
-def test_decode_kernel_configs_are_named_and_checked():
-    from shardattn.kernels.sparse_mla_gluon import WS32_CONFIG, WS64_CONFIG
-
-    cfgs = {name: gluon_decode_config(128, kernel=name) for name in DECODE_KERNELS}
-    assert cfgs["ws32h"].block_n == WS32_CONFIG.block_n and cfgs["ws32h"].variant == "ws"
-    assert {cfgs[n].variant for n in ("ws64h", "ws64hz", "ws64hzP", "ws64z")} == {WS64_CONFIG.variant}
-    assert [cfgs[n].heads_fastest for n in DECODE_KERNELS] == [True, True, True, True, False]
-    assert [cfgs[n].opaque_slots for n in DECODE_KERNELS] == [False, False, True, True, True]
-    assert [cfgs[n].persistent for n in DECODE_KERNELS] == [False, False, False, True, False]
-    assert gluon_decode_config(64) == cfgs[DECODE_KERNEL]
-    assert len({c.label for c in cfgs.values()}) == len(DECODE_KERNELS)  # distinct warm-up keys
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        gluon_decode_config(128, kernel="ws16")
-    q, kv = torch.zeros(1, 8, 24), torch.zeros(4, 24)
-    rows = torch.zeros(1, 3, dtype=torch.int32)
-    out, lse = torch.empty(1, 8, 16), torch.empty(1, 8)
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        sparse_mla_decode_gluon(q, kv, rows, scale=0.1, v_dim=16, out=out, lse_out=lse, num_sms=4, kernel="ws16")
-    # the slice size is a whole number of the 64-key kernel's blocks
-    assert SPLIT_ROWS % WS64_CONFIG.block_n == 0 and SPLIT_ROWS % WS32_CONFIG.block_n == 0
+def test_decode_takes_one_configuration_whose_slices_are_whole_blocks():
+    cfg = gluon_decode_config(128)
+    assert (cfg.heads_fastest, cfg.early_kv, cfg.persistent) == (True, True, False)
+    assert gluon_decode_config(64) == cfg
+    assert SPLIT_ROWS % 64 == 0  # a slice is a whole number of the 64-key kernel's blocks
 
 
 def test_split_rows_reference_packs_valid_rows_in_order():
@@ -174,8 +149,7 @@ def _each_occurrence(rows: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor
 @pytest.mark.parametrize("splits", [1, 3, None])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
 @pytest.mark.parametrize("rows_unique", [False, True], ids=["dedup", "unique"])
-@pytest.mark.parametrize("pack_rows", [False, True], ids=["inplace", "packed"])
-def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, rows_unique, pack_rows):
+def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, rows_unique):
     t, h, d, dv, r, k = 4, 8, 24, 16, 40, 200
     q, kv, rows, length, sinks = _case(t, h, d, dv, r, k, seed=splits or 0)
     rows[2, 100:150] = rows[2, 0:50]  # duplicates
@@ -192,10 +166,10 @@ def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, row
 
     sparse_mla_decode_gluon(
         q, kv, rows, scale=0.3, v_dim=dv, out=out, lse_out=lse, num_sms=4, topk_length=length, sinks=sinks,
-        num_splits=splits, rows_unique=rows_unique, attend=attend, pack_rows=pack_rows,
+        num_splits=splits, rows_unique=rows_unique, attend=attend,
     )  # fmt: skip
-    # one slice of unique rows is read in place (no packing) unless packing is asked for
-    assert raw_calls == [splits == 1 and rows_unique and not pack_rows] or splits != 1
+    # one slice of unique rows is read in place (no packing)
+    assert raw_calls == [splits == 1 and rows_unique] or splits != 1
     if rows_unique:  # a duplicate counts twice
         rows_e, kv_e = _each_occurrence(rows, kv)
         ref_o, ref_l = sparse_mla_oracle(q, kv_e, rows_e, scale=0.3, v_dim=dv, topk_length=length, sinks=sinks)
@@ -238,9 +212,9 @@ def test_split_rows_kernel_matches_reference_under_interpreter():
 
 
 def _sm90_gluon() -> bool:
-    from shardattn.kernels.sparse_mla_gluon import gluon_available
+    from shardattn.kernels.gluon.sparse_mla import gluon_available
 
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gluon_available() is None
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gluon_available()
 
 
 needs_sm90 = pytest.mark.skipif(not _sm90_gluon(), reason="needs an sm_90 GPU and Triton's Gluon")
@@ -299,13 +273,12 @@ def test_gluon_decode_matches_reference(heads, tokens, with_sinks):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("kernel", DECODE_KERNELS)
 @pytest.mark.parametrize(
     ("heads", "tokens", "splits", "with_sinks"),
     [(128, 64, None, True), (64, 200, 1, False), (128, 6, 5, True), (64, 3, 3, False)],
 )
-def test_every_decode_kernel_matches_reference(kernel, heads, tokens, splits, with_sinks):
-    """Each decode configuration through the whole Gluon path: one slice and sliced, slices of an odd
+def test_decode_kernel_matches_reference(heads, tokens, splits, with_sinks):
+    """The decode configuration through the whole Gluon path: one slice and sliced, slices of an odd
     number of 64-key blocks (5 slices of 448 rows: the 64-key kernel's last pair half empty), empty
     and short rows, invalid rows anywhere, duplicates (one key each), sinks; NaN-poisoned outputs."""
     q, kv, rows, length, sinks = _gpu_case(tokens, heads, seed=7 * heads + tokens)
@@ -316,7 +289,7 @@ def test_every_decode_kernel_matches_reference(kernel, heads, tokens, splits, wi
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sparse_mla_decode_gluon(
         q, kv, rows, scale=SCALE, v_dim=512, out=out, lse_out=lse, num_sms=sms, topk_length=length, sinks=sinks,
-        num_splits=splits, kernel=kernel,
+        num_splits=splits,
     )  # fmt: skip
     ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks)
     _check(out, lse, ref_o, ref_l)
@@ -336,9 +309,9 @@ def test_drafts_unique_rows_duplicates_count_twice_like_triton():
     ws = torch.full((split_partials_numel(3, 12, 128, 512),), float("nan"), device="cuda")
     out = torch.full((12, 128, 512), float("nan"), dtype=q.dtype, device="cuda")
     lse = torch.full((12, 128), float("nan"), device="cuda")
-    sparse_mla_decode(
+    run_sparse_mla_decode(
         q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks, num_splits=5, rows_unique=True, out=out,
-        lse_out=lse, workspace=ws, backend="gluon",
+        lse_out=lse, workspace=ws, kernel="gluon",
     )  # fmt: skip
     rows_e, kv_e = _each_occurrence(rows.cpu(), kv)
     ref_o, ref_l = sparse_mla_reference(q, kv_e, rows_e.cuda(), scale=SCALE, topk_length=length, sinks=sinks)
@@ -387,7 +360,7 @@ def test_gluon_decode_graph_capture_replays_bitwise(tokens):
 
 @pytest.mark.parametrize("routed", ["gluon", "triton"])
 def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeypatch, routed):
-    import shardattn.parallel.decode_warmup as dw
+    import shardattn.runtime.decode_warmup as dw
     from shardattn.plan.spec import get_preset
 
     calls = []
@@ -395,7 +368,11 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
     def record(q, kv, rows, **kw):
         calls.append((q.shape[0], kw.get("backend"), kw.get("num_splits"), kw.get("rows_unique", False)))
 
+    def record_run(q, kv, rows, *, kernel, **kw):
+        record(q, kv, rows, backend=kernel, **kw)
+
     monkeypatch.setattr(dw, "sparse_mla_decode", record)
+    monkeypatch.setattr(dw, "run_sparse_mla_decode", record_run)
     monkeypatch.setattr(dw, "sparse_decode_kernel", lambda q, kv, v_dim: (routed, "test"))
     monkeypatch.setattr(dw, "convert_topk", lambda pos, *a, **k: (pos, None))
     monkeypatch.setattr(dw, "compiles_kernels", lambda device: True)  # as on a GPU, with CPU tensors
@@ -424,7 +401,7 @@ def test_one_slice_reads_rows_in_place_like_the_packed_path(heads, tokens, with_
     """``rows_unique=True``, one slice: the 64-key kernel reads the rows in place (no packing
     launch) and masks each entry: invalid rows anywhere, out of range, a pair whose first block (or
     both blocks) hold no key, an empty row, ``topk_length`` 0 / 33 / none, duplicates counted twice;
-    same result as the packed path and the doubled-key reference, on NaN-poisoned outputs."""
+    the doubled-key reference's result, on NaN-poisoned outputs."""
     q, kv, rows, length, sinks = _gpu_case(tokens, heads, seed=11 * heads + tokens)
     r = kv.shape[0]
     rows[0, 1000:1100] = rows[0, 0:100]  # duplicates: two keys each
@@ -436,20 +413,13 @@ def test_one_slice_reads_rows_in_place_like_the_packed_path(heads, tokens, with_
     sinks = sinks if with_sinks else None
     assert reads_raw_rows(rows, length)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    results = []
-    for pack in (False, True):
-        out = torch.full((tokens, heads, 512), float("nan"), dtype=q.dtype, device=q.device)
-        lse = torch.full((tokens, heads), float("nan"), device=q.device)
-        sparse_mla_decode_gluon(
-            q, kv, rows, scale=SCALE, v_dim=512, out=out, lse_out=lse, num_sms=sms, topk_length=length,
-            sinks=sinks, num_splits=1, rows_unique=True, pack_rows=pack,
-        )  # fmt: skip
-        results.append((out, lse))
+    out = torch.full((tokens, heads, 512), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((tokens, heads), float("nan"), device=q.device)
+    sparse_mla_decode_gluon(
+        q, kv, rows, scale=SCALE, v_dim=512, out=out, lse_out=lse, num_sms=sms, topk_length=length,
+        sinks=sinks, num_splits=1, rows_unique=True,
+    )  # fmt: skip
     rows_e, kv_e = _each_occurrence(rows.cpu(), kv)
     ref_o, ref_l = sparse_mla_reference(q, kv_e, rows_e.cuda(), scale=SCALE, topk_length=length, sinks=sinks)
-    for out, lse in results:
-        _check(out, lse, ref_o, ref_l)
-        assert (out[tokens // 2] == 0).all()  # the empty row
-    (raw_o, raw_l), (packed_o, packed_l) = results
-    assert ((raw_o.float() - packed_o.float()).norm() / packed_o.float().norm()).item() < 1e-2
-    torch.testing.assert_close(raw_l, packed_l, atol=1e-3, rtol=0)
+    _check(out, lse, ref_o, ref_l)
+    assert (out[tokens // 2] == 0).all()  # the empty row

@@ -11,27 +11,30 @@ import re
 import pytest
 import torch
 
-from shardattn.kernels.lse_merge import split_partials_numel
-from shardattn.kernels.registry import sparse_decode_kernel
-from shardattn.kernels.sparse_mla import sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
-from shardattn.kernels.sparse_mla_decode_gluon_small import (
-    HEAD_GROUP,
+from shardattn.kernels.gluon.sparse_mla_decode_small import (
     LATENT_CHUNKS,
     MAX_HEADS,
     MAX_SPLITS,
-    SMALL_MERGE_COLUMNS,
-    SMALL_MERGE_WARPS,
     compile_for_sm90,
-    small_decode_heads,
     small_decode_limits,
-    small_decode_supports,
-    small_decode_tiles,
+    small_decode_unsupported_reason,
     small_decode_warps,
 )
-from shardattn.parallel.cudagraph import DecodeGraph
-from shardattn.parallel.decode_warmup import small_kernel_sizes
-from shardattn.plan.routing import SMALL_DECODE_MAX_HEADS, SMALL_DECODE_MAX_TOKENS, route_sparse_decode_kernel
+from shardattn.kernels.triton.lse_merge import split_partials_numel
+from shardattn.ops.dispatch import sparse_decode_kernel
+from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
+from shardattn.plan.crossovers import SMALL_DECODE_HEAD_GROUP as HEAD_GROUP
+from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
+from shardattn.plan.routing import (
+    SMALL_DECODE_MAX_HEADS,
+    SMALL_DECODE_MAX_TOKENS,
+    route_sparse_decode_kernel,
+    small_decode_heads,
+    small_decode_tiles,
+)
+from shardattn.runtime.cudagraph import DecodeGraph
+from shardattn.runtime.decode_warmup import small_kernel_sizes
 from tests.oracle import sparse_mla_oracle
 from tests.test_sparse_mla_decode_gluon import SCALE, _check, _gpu_case, needs_sm90
 
@@ -116,7 +119,7 @@ def test_support_names_what_the_kernel_does_not_take():
     assert small_decode_limits(q, torch.zeros(2, 128 * MAX_SPLITS, dtype=torch.int32)) is None
     too_many = torch.zeros(2, 128 * MAX_SPLITS + 1, dtype=torch.int32)
     assert f"top-k {128 * MAX_SPLITS + 1}" in small_decode_limits(q, too_many)
-    assert small_decode_supports(q, kv, rows, 512) is not None  # CPU tensors: the Gluon rules refuse first
+    assert small_decode_unsupported_reason(q, kv, rows, 512) is not None  # CPU tensors: the Gluon rules refuse first
 
 
 def test_backend_argument_checks_on_cpu():
@@ -125,16 +128,16 @@ def test_backend_argument_checks_on_cpu():
     with pytest.raises(ValueError, match="'gluon_small' cannot run here"):
         sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon_small")
     with pytest.raises(ValueError, match="chooses its own splits"):
-        sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon_small", num_splits=2)
-    with pytest.raises(ValueError, match="no config or counters"):
-        sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon_small", config={"merge": "rows"})
+        run_sparse_mla_decode(q, kv, rows, scale=0.1, kernel="gluon_small", num_splits=2)
+    with pytest.raises(ValueError, match="takes none"):
+        run_sparse_mla_decode(q, kv, rows, scale=0.1, kernel="gluon_small", config={"merge": "rows"})
     with pytest.raises(ValueError, match="'gluon_small'"):
         sparse_mla_decode(q, kv, rows, scale=0.1, backend="cuda")
     assert sparse_decode_kernel(q, kv, 512, rows)[0] == "reference"
 
 
 def test_a_warp_count_that_does_not_fit_the_split_is_refused_before_any_launch():
-    from shardattn.kernels.sparse_mla_decode_gluon_small import launch_small_split
+    from shardattn.kernels.gluon.sparse_mla_decode_small import launch_small_split
 
     q, kv, rows = torch.zeros(1, 16, 576), torch.zeros(4, 576), torch.zeros(1, 64, dtype=torch.int32)
     out, lse = torch.zeros(1, 16, 512), torch.zeros(1, 16)
@@ -146,7 +149,7 @@ def test_a_warp_count_that_does_not_fit_the_split_is_refused_before_any_launch()
 
 
 def test_a_head_group_out_of_range_is_refused_before_any_launch():
-    from shardattn.kernels.sparse_mla_decode_gluon_small import launch_small_split
+    from shardattn.kernels.gluon.sparse_mla_decode_small import launch_small_split
 
     q, kv, rows = torch.zeros(1, 16, 576), torch.zeros(4, 576), torch.zeros(1, 64, dtype=torch.int32)
     out, lse = torch.zeros(1, 16, 512), torch.zeros(1, 16)
@@ -176,10 +179,10 @@ def test_a_head_group_out_of_range_is_refused_before_any_launch():
 def test_kernel_compiles_for_sm90_with_wgmma_cp_async_and_pdl(
     block_n, warps, split, even_k, with_len, sinks, dtype, group
 ):
-    from shardattn.kernels.sparse_mla_gluon import gluon_available
+    from shardattn.kernels.gluon.sparse_mla import gluon_available, gluon_unavailable_reason
 
-    if gluon_available() is not None:
-        pytest.skip(gluon_available())
+    if not gluon_available():
+        pytest.skip(gluon_unavailable_reason())
     compiled = compile_for_sm90(
         block_n, split=split, even_k=even_k, topk_length=with_len, sinks=sinks, dtype=dtype, warps=warps,
         heads_per_program=group,
@@ -281,8 +284,8 @@ def test_every_latent_chunk_count_warp_count_and_head_group_matches_reference(to
     groups the routing does not take at that batch (one group at 2 tokens; 8, 5 or 4 heads a
     program where it takes 16): the same result through the column merge, invalid rows and an
     empty split included."""
-    from shardattn.kernels.lse_merge import launch_lse_merge_columns, split_partials
-    from shardattn.kernels.sparse_mla_decode_gluon_small import launch_small_split
+    from shardattn.kernels.gluon.sparse_mla_decode_small import launch_small_split
+    from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns, split_partials
 
     q, kv, rows, length, sinks = _small_case(tokens, 16, seed=70 + tokens * chunks)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -316,7 +319,7 @@ def test_small_kernel_matches_triton_on_the_union_path_and_with_duplicates():
 @pytest.mark.gpu
 @needs_sm90
 def test_a_workspace_too_small_runs_triton_when_routed_and_raises_when_forced():
-    from shardattn.kernels.sparse_mla_decode import sparse_mla_decode_config
+    from shardattn.kernels.triton.sparse_mla_decode import sparse_mla_decode_config
 
     tokens = SMALL_DECODE_MAX_TOKENS
     q, kv, rows, length, sinks = _small_case(tokens, 16, seed=9)

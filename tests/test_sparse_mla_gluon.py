@@ -14,17 +14,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from shardattn.kernels.registry import sparse_prefill_kernel
-from shardattn.kernels.sparse_mla_gluon import (
+from shardattn.kernels.gluon.sparse_mla import (
     GROUPED_CONFIG,
-    WS32_CONFIG,
-    WS64_CONFIG,
     GluonConfig,
     compile_for_sm90,
     compile_kernel_for_sm90,
     gluon_available,
     gluon_config,
+    gluon_unavailable_reason,
 )
+from shardattn.ops.dispatch import sparse_prefill_kernel
 from shardattn.plan.routing import (
     GLUON_GROUPED_MAX_HEADS,
     GLUON_MIN_HEADS,
@@ -32,24 +31,17 @@ from shardattn.plan.routing import (
     route_prefill_kernel,
 )
 
-needs_gluon = pytest.mark.skipif(gluon_available() is not None, reason=str(gluon_available()))
+needs_gluon = pytest.mark.skipif(not gluon_available(), reason=str(gluon_unavailable_reason()))
 
 D_V, D_R, K = 512, 64, 2048
 WS = gluon_config(128)
-PIPELINED = GluonConfig(64, 2)
-#: The 64-key kernel with the QK prefetch the routed one leaves out (and its opaque slots).
-WS64_ALT = GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, opaque_slots=True)
-#: The 64-key kernel storing its output from the accumulator's registers (the routed one stages it
-#: through shared memory): both epilogues stay tested.
-WS64_DIRECT = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, staged_out=False)
-WS64_EARLY = GluonConfig(64, 2, "ws64", (224, 56), early_kv=True, opaque_slots=True, staged_out=True)
-#: One program per SM walking tiles in turn: token groups fastest, or a token's head blocks adjacent,
-#: and with the direct store (the staged one goes through Q's buffers there).
-WS64_PERSISTENT = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, staged_out=True, persistent=True)
-WS64_PERSISTENT_H = GluonConfig(
-    64, 2, "ws64", (224, 56), heads_fastest=True, opaque_slots=True, staged_out=True, persistent=True
-)
-WS64_PERSISTENT_DIRECT = GluonConfig(64, 2, "ws64", (224, 56), opaque_slots=True, persistent=True)
+#: One tile a program (grouped tiles), and with Q loaded by the producer (decode's options but for
+#: the grid).
+ONE_TILE = GluonConfig()
+EARLY = GluonConfig(early_kv=True)
+#: One program per SM walking tiles in turn: token groups fastest, or a token's head blocks adjacent.
+PERSISTENT = GluonConfig(persistent=True)
+PERSISTENT_H = GluonConfig(heads_fastest=True, persistent=True)
 
 
 @needs_gluon
@@ -62,17 +54,9 @@ def test_compile_for_sm90_returns_ptx_with_wgmma_and_cp_async():
 
 
 @needs_gluon
-def test_compile_pipelined_variant_with_sinks_fits_shared_memory():
-    kernel = compile_kernel_for_sm90("prefill", 64, config=PIPELINED, sinks=True)
-    assert "wgmma.mma_async" in kernel.asm["ptx"]
-    assert 0 < kernel.metadata.shared <= 232448  # sm_90's opt-in limit per block
-
-
-@needs_gluon
-@pytest.mark.parametrize("config", [WS32_CONFIG, WS64_CONFIG], ids=lambda c: c.label)
 @pytest.mark.parametrize(("heads", "group_size"), [(32, 2), (16, 4), (8, 8)])
-def test_compile_grouped_variant_for_sm90(heads, group_size, config):
-    kernel = compile_kernel_for_sm90("prefill", heads, group_size, sinks=True, config=config)
+def test_compile_grouped_variant_for_sm90(heads, group_size):
+    kernel = compile_kernel_for_sm90("prefill", heads, group_size, sinks=True)
     ptx = kernel.asm["ptx"]
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
     assert 0 < kernel.metadata.shared <= 232448
@@ -82,7 +66,7 @@ def test_compile_grouped_variant_for_sm90(heads, group_size, config):
 def test_compile_64_key_raw_row_mode_masks_entries_in_the_kernel():
     """Decode's one-launch mode: the 64-key kernel reading the caller's rows, with and without lengths."""
 
-    cfg = replace(WS64_CONFIG, heads_fastest=True)
+    cfg = GluonConfig(heads_fastest=True)
     raw = compile_kernel_for_sm90("prefill", 128, config=cfg, raw_rows=True, sinks=True)
     plain = compile_kernel_for_sm90("prefill", 128, config=cfg, sinks=True)
     assert "wgmma.mma_async" in raw.asm["ptx"] and raw.asm["ptx"] != plain.asm["ptx"]
@@ -91,10 +75,9 @@ def test_compile_64_key_raw_row_mode_masks_entries_in_the_kernel():
 
 @needs_gluon
 def test_compile_64_key_variant_with_every_option_fits_shared_memory():
-    """The routed per-query kernel's compile-time options that are not routed (QK prefetch, Q in the
-    producer, head-fastest grid, opaque slot index) compile too, with sinks, within sm_90's shared
-    memory."""
-    cfg = GluonConfig(64, 2, "ws64", (224, 56), prefetch_qk=True, heads_fastest=True, early_kv=True, opaque_slots=True)
+    """Q in the producer and the head-fastest grid (decode's options) compile with sinks within sm_90's
+    shared memory."""
+    cfg = GluonConfig(heads_fastest=True, early_kv=True)
     kernel = compile_kernel_for_sm90("prefill", 128, config=cfg, sinks=True)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx and "cp.async.mbarrier.arrive" in ptx
@@ -107,8 +90,8 @@ def test_persistent_variant_compiles_for_sm90_within_shared_memory(heads, group_
     """The persistent kernel (tile loop in every partition, Q reloaded per tile, output staged
     through Q) compiles for sm_90 in each mode, fits sm_90's shared memory and differs from the
     one-tile kernel."""
-    one = compile_kernel_for_sm90("prefill", heads, group_size, config=WS64_CONFIG, raw_rows=raw_rows)
-    cfg = replace(WS64_CONFIG, persistent=True)
+    one = compile_kernel_for_sm90("prefill", heads, group_size, config=ONE_TILE, raw_rows=raw_rows)
+    cfg = PERSISTENT
     kernel = compile_kernel_for_sm90("prefill", heads, group_size, config=cfg, raw_rows=raw_rows)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "st.global.v4.b32" in ptx and "nctaid.x" in ptx
@@ -119,37 +102,27 @@ def test_persistent_variant_compiles_for_sm90_within_shared_memory(heads, group_
 @needs_gluon
 @pytest.mark.parametrize(("heads", "group_size", "raw_rows"), [(128, 1, False), (16, 4, False), (128, 1, True)])
 def test_staged_output_is_stored_in_16_byte_pieces(heads, group_size, raw_rows):
-    """Through shared memory every output store is 16 bytes wide; from the accumulator's registers
-    each is 4 (two bf16 of one row), which writes every 32-byte sector in two halves."""
-
-    def stores(staged: bool) -> set[str]:
-        cfg = replace(WS64_CONFIG, staged_out=staged)
-        ptx = compile_kernel_for_sm90("prefill", heads, group_size, config=cfg, raw_rows=raw_rows).asm["ptx"]
-        return {line.split("st.global", 1)[1].split()[0] for line in ptx.splitlines() if "st.global" in line}
-
-    staged, direct = stores(True), stores(False)
-    assert ".v4.b32" in staged and ".v4.b32" not in direct
-    assert staged - {".v4.b32"} <= {".b32"}  # the LSE column (fp32, one per row) besides
+    """The output goes through shared memory: every output store is 16 bytes wide (from the
+    accumulator's registers each would be 4, two bf16 of one row: every 32-byte sector written in
+    two halves)."""
+    ptx = compile_kernel_for_sm90("prefill", heads, group_size, config=ONE_TILE, raw_rows=raw_rows).asm["ptx"]
+    stores = {line.split("st.global", 1)[1].split()[0] for line in ptx.splitlines() if "st.global" in line}
+    assert ".v4.b32" in stores
+    assert stores - {".v4.b32"} <= {".b32"}  # the LSE column (fp32, one per row) besides
 
 
-def test_routing_takes_the_64_key_kernel_per_query_and_the_32_key_kernel_grouped():
-    from shardattn.kernels.sparse_mla_decode_gluon import gluon_decode_config
+def test_configs_follow_the_measured_options():
+    from shardattn.kernels.gluon.sparse_mla_decode import gluon_decode_config
 
-    assert [gluon_config(h).variant for h in (32, 64, 128)] == ["ws64"] * 3
     assert [gluon_config(64 // g, group_size=g).label for g in (2, 4, 8)] == [GROUPED_CONFIG.label] * 3
-    # the measured fastest: opaque slots everywhere, head blocks adjacent only where a token has two
-    assert [(gluon_config(h).opaque_slots, gluon_config(h).heads_fastest) for h in (32, 64, 65, 128)] == [
-        (True, False),
-        (True, False),
-        (True, True),
-        (True, True),
-    ]
+    # head blocks adjacent and Q loaded by the producer only where a token has two head blocks
+    assert [gluon_config(h).heads_fastest for h in (32, 64, 65, 128)] == [False, False, True, True]
     assert [gluon_config(h).early_kv for h in (32, 64, 65, 128)] == [False, False, True, True]
     # per query a persistent grid (measured faster at 64 and 128 heads); grouped tiles one per program
     assert [gluon_config(h).persistent for h in (32, 64, 128)] == [True] * 3
     assert not any(gluon_config(64 // g, group_size=g).persistent for g in (2, 4, 8))
     decode = gluon_decode_config(128)
-    assert (decode.variant, decode.heads_fastest, decode.opaque_slots) == ("ws64", True, True)
+    assert (decode.heads_fastest, decode.early_kv) == (True, True)
     # decode: prefill's 128-head kernel but for its grid (one program per tile, measured faster there)
     assert replace(decode, persistent=True) == gluon_config(128) and not decode.persistent
 
@@ -160,11 +133,7 @@ def test_routing_takes_the_64_key_kernel_per_query_and_the_32_key_kernel_grouped
         ({"kind": "decode", "heads": 128}, "kind must be"),
         ({"kind": "prefill", "heads": 16, "group_size": 8}, "heads must be <= 8 for group_size=8"),
         ({"kind": "prefill", "heads": 8, "group_size": 3}, "group_size must be one of"),
-        ({"kind": "prefill", "heads": 8, "group_size": 8, "config": PIPELINED}, "needs a warp-specialised variant"),
-        ({"kind": "prefill", "heads": 64, "config": WS32_CONFIG, "raw_rows": True}, "raw_rows needs the 'ws64'"),
-        ({"kind": "prefill", "heads": 8, "group_size": 8, "config": WS, "raw_rows": True}, "and group_size=1"),
-        ({"kind": "prefill", "heads": 64, "config": GluonConfig(32, 4, "ws", persistent=True)}, "persistent needs"),
-        ({"kind": "prefill", "heads": 64, "config": replace(WS64_ALT, persistent=True)}, "without prefetch_qk"),
+        ({"kind": "prefill", "heads": 8, "group_size": 8, "config": WS, "raw_rows": True}, "needs group_size=1"),
     ],
 )
 def test_compile_rejects_what_is_not_written(kwargs, match):
@@ -184,14 +153,12 @@ def test_routing_picks_gluon_on_sm90_only_where_measured_faster():
 
 
 def test_grouped_launch_rejects_more_heads_than_the_tile_holds():
-    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
+    from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
 
     q, kv = torch.zeros(4, 16, D_V + D_R, dtype=torch.bfloat16), torch.zeros(8, D_V + D_R, dtype=torch.bfloat16)
     union, lens = torch.zeros(1, 8 * K, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="<= 8 heads"):
         launch_gluon_attention(q, kv, union, lens, scale=0.1, v_dim=D_V, group_size=8)
-    with pytest.raises(ValueError, match="warp-specialised variant"):  # the 8-warp kernel is per-query only
-        launch_gluon_attention(q[:, :4], kv, union, lens, scale=0.1, v_dim=D_V, group_size=8, config=PIPELINED)
     with pytest.raises(ValueError, match="raw_rows needs"):  # raw rows: the 64-key kernel, one query per tile
         launch_gluon_attention(q[:, :4], kv, union, lens, scale=0.1, v_dim=D_V, group_size=8, raw_rows=True)
 
@@ -223,7 +190,7 @@ def _case(heads: int, tokens: int = 131, kv_rows: int = 65536, seed: int = 0):
 
 
 def _assert_close(out, lse, q, kv, rows, length, sinks):
-    from shardattn.kernels.sparse_mla import sparse_mla_reference
+    from shardattn.ops.sparse_mla import sparse_mla_reference
 
     ref_o, ref_l = sparse_mla_reference(
         q, kv, rows, scale=(D_V + D_R) ** -0.5, v_dim=D_V, topk_length=length, sinks=sinks
@@ -238,15 +205,13 @@ def _assert_close(out, lse, q, kv, rows, length, sinks):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize(
-    "config", [WS, WS64_ALT, WS64_DIRECT, WS64_EARLY, WS32_CONFIG, PIPELINED], ids=lambda c: c.label
-)
+@pytest.mark.skipif(not _sm90() or not gluon_available(), reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("config", [WS, ONE_TILE, EARLY], ids=lambda c: c.label)
 @pytest.mark.parametrize("heads", [16, 64, 128], ids=lambda h: f"h{h}")
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
 def test_gluon_variants_match_reference_at_real_shape(config, heads, with_sinks):
-    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
-    from shardattn.kernels.union import build_union
+    from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+    from shardattn.ops.union import build_union
 
     q, kv, rows, length, sinks = _case(heads, seed=heads)
     sinks = sinks if with_sinks else None
@@ -263,11 +228,11 @@ def test_gluon_variants_match_reference_at_real_shape(config, heads, with_sinks)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.skipif(not _sm90() or not gluon_available(), reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize("entry", ["attention", "grouped_prefill"])
 def test_public_entry_points_route_to_gluon_and_match(entry):
-    from shardattn.kernels.sparse_mla import sparse_mla_attention
-    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.ops.sparse_mla import sparse_mla_attention
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 
     q, kv, rows, length, sinks = _case(128, tokens=77, seed=7)
     assert sparse_prefill_kernel(q, kv, D_V)[0] == "gluon"
@@ -279,7 +244,7 @@ def test_public_entry_points_route_to_gluon_and_match(entry):
 @needs_gluon
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128], ids=lambda h: f"h{h}")
 def test_warmup_lists_the_gluon_keys_exactly_where_routing_sends_heads(heads):
-    from shardattn.kernels.warmup import PrefillSpec, compile_keys
+    from shardattn.runtime.warmup import PrefillSpec, compile_keys
 
     keys = [k for k in compile_keys(PrefillSpec(heads=heads, topk=K, sinks=True)) if k.kernel == "gluon_attention"]
     expect = []
@@ -306,17 +271,15 @@ def test_grouped_routing_follows_the_tile_and_the_measured_crossover():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.skipif(not _sm90() or not gluon_available(), reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize(("heads", "group_size"), [(8, 8), (16, 4), (32, 2), (12, 4)], ids=lambda v: str(v))
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
-@pytest.mark.parametrize(
-    "config", [WS32_CONFIG, WS64_CONFIG, WS64_DIRECT, WS64_EARLY, WS64_PERSISTENT], ids=lambda c: c.label
-)
+@pytest.mark.parametrize("config", [GROUPED_CONFIG, EARLY, PERSISTENT], ids=lambda c: c.label)
 def test_grouped_gluon_matches_reference_at_real_shape(heads, group_size, with_sinks, config):
-    """Grouped tiles on both warp-specialised kernels: a tail group (131 tokens), a whole group with
-    no key, padded heads (12 of 16)."""
-    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
-    from shardattn.kernels.union import build_union
+    """Grouped tiles (one tile a program, Q from the producer, persistent): a tail group (131 tokens),
+    a whole group with no key, padded heads (12 of 16)."""
+    from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+    from shardattn.ops.union import build_union
 
     q, kv, rows, length, sinks = _case(heads, seed=100 + heads)
     rows[16:24] = -1  # one whole group (G <= 8) without a key
@@ -336,17 +299,18 @@ def test_grouped_gluon_matches_reference_at_real_shape(heads, group_size, with_s
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.skipif(not _sm90() or not gluon_available(), reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize(("heads", "blocks", "entry"), [(64, 4, "attention"), (128, 8, "grouped"), (16, 2, "G4")])
 def test_head_blocked_buffers_are_read_and_written_in_place(heads, blocks, entry):
     """q, out and lse as ``[B, T, H/B, ...]`` (an all-to-all buffer): no copies, same result.
 
     64 / 128 heads through the public entries (routed to the per-query Gluon kernel), 16 heads
     through the grouped Gluon kernel's launcher (``G = 4``)."""
-    from shardattn.kernels.sparse_mla import sparse_mla_attention
-    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
-    from shardattn.kernels.sparse_mla_grouped import choose_path, sparse_mla_grouped_prefill
-    from shardattn.kernels.union import build_union
+    from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+    from shardattn.ops.dispatch import prefill_path
+    from shardattn.ops.sparse_mla import sparse_mla_attention
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.ops.union import build_union
 
     q, kv, rows, length, sinks = _case(heads, tokens=93, seed=heads + blocks)
     t, hb, scale = q.shape[0], heads // blocks, (D_V + D_R) ** -0.5
@@ -359,25 +323,25 @@ def test_head_blocked_buffers_are_read_and_written_in_place(heads, blocks, entry
             q_blk, kv, union, lens, scale=scale, v_dim=D_V, sinks=sinks, out=out, lse=lse, group_size=4
         )
     else:
-        assert choose_path(q, kv, v_dim=D_V).backend == "gluon"
+        assert prefill_path(q, kv, v_dim=D_V).backend == "gluon"
         fn = sparse_mla_attention if entry == "attention" else sparse_mla_grouped_prefill
-        o, s = fn(q_blk, kv, rows, scale=scale, v_dim=D_V, topk_length=length, sinks=sinks, out=out, lse=lse)
+        o, s = fn(q_blk, kv, rows, scale=scale, v_dim=D_V, topk_length=length, sinks=sinks, out=out, lse_out=lse)
     torch.cuda.synchronize()
     assert o is out and s is lse
     _assert_close(out.movedim(0, 1).flatten(1, 2), lse.movedim(0, 1).flatten(1, 2), q, kv, rows, length, sinks)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90() or gluon_available() is not None, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("config", [WS64_PERSISTENT, WS64_PERSISTENT_H, WS64_PERSISTENT_DIRECT], ids=lambda c: c.label)
+@pytest.mark.skipif(not _sm90() or not gluon_available(), reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("config", [PERSISTENT, PERSISTENT_H], ids=lambda c: c.label)
 @pytest.mark.parametrize(("heads", "tokens"), [(64, 700), (128, 333), (16, 300)], ids=lambda v: str(v))
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
 def test_persistent_kernel_walks_many_tiles_per_program(config, heads, tokens, with_sinks):
     """Several tiles per program (more tiles than SMs), with one program's tiles empty three times in
     a row (its row-sum exchange and Q hand-over alternate buffers and phases across tiles), a tail,
     short rows, sinks: every output equal to the fp32 reference, in the raw-row mode too."""
-    from shardattn.kernels.sparse_mla_gluon import launch_gluon_attention
-    from shardattn.kernels.union import build_union
+    from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+    from shardattn.ops.union import build_union
 
     q, kv, rows, length, sinks = _case(heads, tokens=tokens, seed=tokens + heads)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -15,7 +15,7 @@ D_V, D_R, K = 512, 64, 2048
 
 
 def _setup(heads: int, tokens: int, kv_rows: int, seed: int = 0):
-    from shardattn.kernels.topk import convert_topk
+    from shardattn.ops.topk import convert_topk
     from shardattn.workload import synthetic_topk
 
     dev = torch.device("cuda")
@@ -35,14 +35,14 @@ def _setup(heads: int, tokens: int, kv_rows: int, seed: int = 0):
 @pytest.mark.parametrize("group_size", [None, 1], ids=["grouped", "per_query"])
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128], ids=lambda h: f"h{h}")
 def test_prefill_matches_reference_at_real_shape(heads, group_size):
-    from shardattn.kernels.sparse_mla import sparse_mla_reference
-    from shardattn.kernels.sparse_mla_grouped import choose_path
-    from shardattn.kernels.sparse_mla_triton import launch_attention, tile_config
-    from shardattn.kernels.union import build_union
+    from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
+    from shardattn.ops.dispatch import prefill_path
+    from shardattn.ops.sparse_mla import sparse_mla_reference
+    from shardattn.ops.union import build_union
 
     q, kv, rows = _setup(heads, 4093, 65536)  # odd token count: a tail group
     scale = (D_V + D_R) ** -0.5
-    path = choose_path(q, kv, v_dim=D_V, group_size=group_size)
+    path = prefill_path(q, kv, v_dim=D_V, group_size=group_size)
     assert path.backend in ("triton", "gluon"), path.reason
     # the Triton kernel at the routed G, also where sm_90 routes to Gluon (tested in test_sparse_mla_gluon.py)
     tile = path.tile or tile_config(heads, path.group_size)
@@ -62,8 +62,8 @@ def test_prefill_matches_reference_at_real_shape(heads, group_size):
 
 
 def test_public_entry_points_dispatch_to_triton():
-    from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
-    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.ops.sparse_mla import sparse_mla_attention, sparse_mla_reference
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 
     q, kv, rows = _setup(16, 257, 65536, seed=1)
     sinks = torch.randn(16, device=q.device)
@@ -78,22 +78,22 @@ def test_public_entry_points_dispatch_to_triton():
 
 @pytest.mark.parametrize("heads", [8, 128], ids=lambda h: f"h{h}")  # grouped (G = 8, merge union) and per-query
 def test_warmup_covers_runtime_keys(heads):
-    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-    from shardattn.kernels.sparse_mla_triton import attention_kernel
-    from shardattn.kernels.topk import convert_topk, convert_topk_kernel
-    from shardattn.kernels.union import union_kernels
-    from shardattn.kernels.warmup import PrefillSpec, compiled_variants, warmup
+    from shardattn.kernels.triton.sparse_mla import attention_kernel
+    from shardattn.kernels.triton.topk import convert_topk_kernel
+    from shardattn.kernels.triton.union import union_kernels
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.ops.topk import convert_topk
+    from shardattn.runtime.warmup import PrefillSpec, compiled_variants, warmup
 
     dev = torch.device("cuda")
     warmup(dev, PrefillSpec(heads=heads, topk=K))
     kernels = (attention_kernel(), *union_kernels(), convert_topk_kernel())
-    from shardattn.kernels.sparse_mla_gluon import gluon_available
+    from shardattn.kernels.gluon.sparse_mla import gluon_available
 
-    if gluon_available() is None:  # the routed Gluon kernels (per-query 64-key, grouped 32-key) too
-        from shardattn.kernels.sparse_mla_gluon_ws import ws_kernel
-        from shardattn.kernels.sparse_mla_gluon_ws64 import ws64_kernel
+    if gluon_available():  # the routed Gluon kernel (per-query and grouped) too
+        from shardattn.kernels.gluon.sparse_mla_kernel import ws64_kernel
 
-        kernels = (*kernels, ws_kernel(), ws64_kernel())
+        kernels = (*kernels, ws64_kernel())
     before = [compiled_variants(k) for k in kernels]
     for tokens, kv_rows, group_size in ((4096, 65536, None), (4097, 70000, None), (333, 65536, 1)):
         q, kv, _ = _setup(heads, tokens, kv_rows, seed=tokens)

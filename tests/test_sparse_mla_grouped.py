@@ -6,17 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardattn.kernels.sparse_mla import first_occurrences, sparse_mla_reference
-from shardattn.kernels.sparse_mla_grouped import (
-    choose_path,
-    default_group_size,
-    sparse_mla_grouped_prefill,
-)
-from shardattn.kernels.sparse_mla_triton import tile_config
-from shardattn.kernels.union import UNION_METHOD
-from shardattn.kernels.union_smem import HAS_GLUON, WINDOWS
-from shardattn.kernels.warmup import PrefillSpec, compile_keys, spec_group_sizes
+from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS
+from shardattn.kernels.triton.sparse_mla import tile_config
+from shardattn.ops.dispatch import default_group_size, prefill_path
+from shardattn.ops.sparse_mla import first_occurrences, sparse_mla_reference
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.ops.union import UNION_METHOD
 from shardattn.plan.routing import tile_group_size
+from shardattn.runtime.warmup import PrefillSpec, compile_keys, spec_group_sizes
 from tests.oracle import sparse_mla_oracle
 
 
@@ -54,7 +51,7 @@ def test_group_sizes_and_routing_on_cpu():
     assert [tile_group_size(h) for h in (1, 8, 16, 32, 64, 128)] == [8, 8, 4, 2, 1, 1]
     assert [default_group_size(h) for h in (8, 16, 128)] == [8, 1, 1]
     q, kv = torch.zeros(4, 8, 576), torch.zeros(10, 576)
-    path = choose_path(q, kv, v_dim=512)
+    path = prefill_path(q, kv, v_dim=512)
     assert path.backend == "reference" and "CPU" in path.reason
 
 
@@ -84,9 +81,6 @@ def test_warmup_keys_cover_both_sides_of_the_routing_threshold(heads):
     assert {1, default_group_size(heads)} <= set(groups)
     sorted_groups = {g for g in groups if UNION_METHOD[g] == "sort"}
     assert {k.params["G"] for k in keys if k.kernel == "union_keys"} == sorted_groups
-    merges = [k.params for k in keys if k.kernel == "union_merge"]
-    expect = [(g, level == 0) for g in groups if UNION_METHOD[g] == "merge" for level in range(g.bit_length() - 1)]
-    assert [(m["G"], m["PLAIN"]) for m in merges] == expect
     fused = {k.params["G"] for k in keys if k.kernel == "union_fused"}
     assert fused == {g for g in groups if UNION_METHOD[g] == "fused"}
     # the bitmap builder serves caches small enough for its count, the sorting builders the others

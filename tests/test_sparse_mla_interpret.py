@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardattn.kernels.registry import triton_available
+from shardattn.ops.dispatch import triton_available
 from tests.interpret import run_cases
 
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.sparse_mla import sparse_mla_attention, sparse_mla_reference
-from shardattn.kernels.sparse_mla_decode import sparse_mla_decode
-from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.ops.sparse_mla import sparse_mla_attention, sparse_mla_reference
+from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from tests.oracle import sparse_mla_oracle
 
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.topk import DcpShard, convert_topk
+from shardattn.ops.topk import DcpShard, convert_topk
 from tests.oracle import topk_rows_oracle
 
 

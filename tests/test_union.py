@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.union import (
+from shardattn.ops.union import (
     GROUP_SIZES,
     MAX_PACKED_ROWS,
     METHODS,
@@ -16,7 +16,6 @@ from shardattn.kernels.union import (
     build_union,
     build_union_reference,
     pack_entries,
-    union_launch_config,
     unpack_entries,
 )
 
@@ -113,9 +112,8 @@ def test_rows_past_24_bits_raise_for_groups_and_pass_for_one_query():
         ({"topk_length": torch.zeros(3, dtype=torch.int32)}, ValueError, "topk_length must have shape"),
         ({"out": (torch.zeros(1, 3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))}, ValueError, "out"),
         ({"method": "bitonic"}, ValueError, "method must be one of"),
-        ({"row_sort": "cub"}, ValueError, "row_sort must be one of"),
     ],
-    ids=["group-size", "float-rows", "length-shape", "out-shape", "method", "row-sort"],
+    ids=["group-size", "float-rows", "length-shape", "out-shape", "method"],
 )
 def test_bad_inputs_raise(kwargs, error, match):
     args = {"rows": torch.zeros(2, 2, dtype=torch.int32), "group_size": 2, "num_kv_rows": 4}
@@ -124,9 +122,8 @@ def test_bad_inputs_raise(kwargs, error, match):
         build_union(args.pop("rows"), **args)
 
 
-@pytest.mark.parametrize("method", ["auto", "sort", "merge", "fused", "bitmap"])
-@pytest.mark.parametrize("row_sort", ["auto", "torch", "triton"])
-def test_every_builder_choice_matches_the_definition(method, row_sort):
+@pytest.mark.parametrize("method", ["auto", "sort", "fused", "bitmap"])
+def test_every_builder_choice_matches_the_definition(method):
     # the Triton builders are compared with the reference under the interpreter
     # (tests/interpret/prefill_cases.py) and on the GPU; on CPU every choice must give the definition
     gen = torch.Generator().manual_seed(3)
@@ -134,9 +131,7 @@ def test_every_builder_choice_matches_the_definition(method, row_sort):
     length = torch.randint(0, 11, (13,), generator=gen, dtype=torch.int32)
     for g in GROUP_SIZES:
         for topk_length in (None, length):
-            union, lens = build_union(
-                rows, group_size=g, num_kv_rows=37, topk_length=topk_length, method=method, row_sort=row_sort
-            )
+            union, lens = build_union(rows, group_size=g, num_kv_rows=37, topk_length=topk_length, method=method)
             assert union.shape == (-(-13 // g), g * 9)
             want = _python_union(rows, g, 37, topk_length)
             assert _decode(union, lens, g) == {q: (m if g > 1 else dict.fromkeys(m, 1)) for q, m in want.items()}
@@ -145,11 +140,3 @@ def test_every_builder_choice_matches_the_definition(method, row_sort):
 def test_auto_method_table_covers_every_group_size():
     assert set(UNION_METHOD) == set(GROUP_SIZES)
     assert set(UNION_METHOD.values()) <= set(METHODS) - {"auto"}
-
-
-def test_merge_binary_search_steps_cover_each_level_width():
-    # level l merges lists of at most 2**l * K entries; a lower bound over n entries needs bit_length(n) steps
-    for g in GROUP_SIZES:
-        steps = union_launch_config(g, 2048)["MERGE_STEPS"]
-        assert len(steps) == g.bit_length() - 1
-        assert all(s >= (2048 << lvl).bit_length() for lvl, s in enumerate(steps))

@@ -8,16 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardattn.kernels.gluon_compat import GLUON_IMPORT_ERROR, HAS_GLUON
-from shardattn.kernels.registry import triton_available
-from shardattn.kernels.union import (
-    BITMAP_SCAN_RATIO,
-    UNION_METHOD,
-    auto_method,
-    build_union,
-    build_union_reference,
-)
-from shardattn.kernels.union_bitmap import MAX_ROWS, SCRATCH_BYTES, bitmap_programs, bitmap_union, bitmap_words
+from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR, HAS_GLUON
+from shardattn.kernels.triton.union_bitmap import MAX_ROWS, SCRATCH_BYTES, bitmap_programs, bitmap_union, bitmap_words
+from shardattn.ops.dispatch import triton_available
+from shardattn.ops.union import build_union, build_union_reference
+from shardattn.plan.crossovers import BITMAP_SCAN_RATIO, UNION_METHOD
+from shardattn.plan.routing import route_union_method
 from tests.interpret import run_cases
 from tests.interpret.union_cases import make_rows
 
@@ -48,12 +44,12 @@ def test_auto_takes_the_bitmap_while_its_count_is_within_the_ratio():
     k = 2048
     for g in (1, 2, 4, 8):
         limit = 32 * BITMAP_SCAN_RATIO * g * k  # rows whose words are exactly the ratio x the entries
-        assert auto_method(g, k, limit) == "bitmap"
-        assert auto_method(g, k, limit + 32) == UNION_METHOD[g]
-        assert auto_method(g, k, 65_536, rows_sorted=True) == "fused"
-    assert auto_method(8, 2048, 1 << 20) == "bitmap"  # the 1M-row cache measured at ratio 2
-    assert auto_method(4, 2048, 1 << 20) == UNION_METHOD[4]
-    assert auto_method(8, 1 << 20, MAX_ROWS + 1) == UNION_METHOD[8]  # past the 24-bit rows
+        assert route_union_method(g, k, limit) == "bitmap"
+        assert route_union_method(g, k, limit + 32) == UNION_METHOD[g]
+        assert route_union_method(g, k, 65_536, rows_sorted=True) == "fused"
+    assert route_union_method(8, 2048, 1 << 20) == "bitmap"  # the 1M-row cache measured at ratio 2
+    assert route_union_method(4, 2048, 1 << 20) == UNION_METHOD[4]
+    assert route_union_method(8, 1 << 20, MAX_ROWS + 1) == UNION_METHOD[8]  # past the 24-bit rows
 
 
 def test_programs_respect_the_scratch_cap_and_the_group_count():
@@ -114,7 +110,7 @@ def test_bitmap_kernel_compiles_for_sm90(group_size):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from shardattn.kernels.union_bitmap import bitmap_kernels, bitmap_launch_config
+    from shardattn.kernels.triton.union_bitmap import bitmap_kernels, bitmap_launch_config
 
     (kernel,) = bitmap_kernels()
     sizes = ("T", "K", "num_rows", "n_groups", "stride_rows_t", "stride_union_g", "words")
@@ -136,7 +132,7 @@ def test_shared_memory_kernel_compiles_for_sm90(group_size):
     """AOT for sm_90 with the installed Triton (no GPU): the Gluon kernel's marks, counts and places
     are shared-memory instructions, no global atomics, and Triton's own shared memory (the scan's
     scratch) lies past the region the inline PTX addresses."""
-    from shardattn.kernels.union_smem import compile_for_sm90, launch_config, region_is_first
+    from shardattn.kernels.gluon.union_smem import compile_for_sm90, launch_config, region_is_first
 
     compiled = compile_for_sm90(group_size, 2048, 131_072)
     ptx, region = compiled.asm["ptx"], launch_config(group_size, 2048, 131_072)["REGION"]
@@ -147,7 +143,7 @@ def test_shared_memory_kernel_compiles_for_sm90(group_size):
 
 
 def test_region_check_refuses_scratch_inside_the_region():
-    from shardattn.kernels.union_smem import region_is_first
+    from shardattn.kernels.gluon.union_smem import region_is_first
 
     llir = "getelementptr i8, ptr addrspace(3) @global_smem, i32 {}"
     assert region_is_first(llir.format(65536), 16384) and region_is_first(llir.format(0), 16384)
@@ -155,7 +151,7 @@ def test_region_check_refuses_scratch_inside_the_region():
 
 
 def test_shared_memory_launch_config_and_occupancy():
-    from shardattn.kernels.union_smem import (
+    from shardattn.kernels.gluon.union_smem import (
         CTA_RESERVED_BYTES,
         MAX_UNION_SLOTS,
         SCRATCH_BYTES,
@@ -182,10 +178,10 @@ def test_shared_memory_launch_config_and_occupancy():
 
 
 def test_gluon_kernel_refuses_what_it_cannot_run():
-    from shardattn.kernels.union_smem import smem_supports
+    from shardattn.kernels.gluon.union_smem import smem_unsupported_reason
 
     rows = torch.zeros(4, 2048, dtype=torch.int32)
-    assert smem_supports(rows, 8) is not None  # on the CPU
+    assert smem_unsupported_reason(rows, 8) is not None  # on the CPU
     union, lens = torch.empty(1, 8 * 2048, dtype=torch.int32), torch.empty(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="kernel='gluon'"):
         bitmap_union(rows, None, 64, 4, union[:, : 4 * 2048], lens, kernel="gluon")
@@ -196,19 +192,19 @@ def test_gluon_kernel_refuses_what_it_cannot_run():
 def test_auto_takes_the_shared_memory_bitmap_within_its_ratios():
     """On sm_90 with Gluon the bitmap runs in shared memory and wins further: sorted rows too at
     ``G > 1`` while the cache's words are within the group's entries, unsorted within 4x."""
-    from shardattn.kernels.union import SMEM_SCAN_RATIO, SMEM_SORTED_RATIO
+    from shardattn.plan.crossovers import SMEM_SCAN_RATIO, SMEM_SORTED_RATIO
 
     k = 2048
     for g in (1, 2, 4, 8):
         limit = 32 * SMEM_SCAN_RATIO * g * k
-        assert auto_method(g, k, limit, shared_memory=True) == "bitmap"
-        assert auto_method(g, k, limit + 32, shared_memory=True) == UNION_METHOD[g]
+        assert route_union_method(g, k, limit, shared_memory=True) == "bitmap"
+        assert route_union_method(g, k, limit + 32, shared_memory=True) == UNION_METHOD[g]
         sorted_limit = 32 * SMEM_SORTED_RATIO * g * k
-        assert auto_method(g, k, sorted_limit, rows_sorted=True, shared_memory=True) == (
+        assert route_union_method(g, k, sorted_limit, rows_sorted=True, shared_memory=True) == (
             "fused" if g == 1 else "bitmap"
         )
-        assert auto_method(g, k, sorted_limit + 32, rows_sorted=True, shared_memory=True) == "fused"
-    assert auto_method(8, 2048, MAX_ROWS + 1, shared_memory=True) == UNION_METHOD[8]
+        assert route_union_method(g, k, sorted_limit + 32, rows_sorted=True, shared_memory=True) == "fused"
+    assert route_union_method(8, 2048, MAX_ROWS + 1, shared_memory=True) == UNION_METHOD[8]
 
 
 @pytest.mark.gpu
@@ -220,7 +216,7 @@ def test_shared_memory_kernel_at_other_topk_widths(group_size, topk):
     a 200,000-row cache (two windows), 5 % invalid entries, duplicates, ``topk_length``."""
     if not HAS_GLUON:
         pytest.skip(f"Gluon unavailable: {GLUON_IMPORT_ERROR}")
-    from shardattn.kernels.union_smem import smem_supports
+    from shardattn.kernels.gluon.union_smem import smem_unsupported_reason
 
     dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(topk)
     t, num_kv_rows = 333, 200_000
@@ -230,7 +226,7 @@ def test_shared_memory_kernel_at_other_topk_widths(group_size, topk):
     length = torch.randint(0, topk + 3, (t,), device=dev, generator=gen, dtype=torch.int32)
     kw = {"group_size": group_size, "num_kv_rows": num_kv_rows, "topk_length": length}
     want_u, want_n = build_union_reference(rows, **kw)
-    kernels = ["auto"] + (["gluon"] if smem_supports(rows, group_size) is None else [])
+    kernels = ["auto"] + (["gluon"] if smem_unsupported_reason(rows, group_size) is None else [])
     assert kernels == ["auto"] or not (group_size == 8 and topk == 4096)
     for kernel in kernels:
         union, lens = torch.full_like(want_u, -7), torch.full_like(want_n, -7)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardattn.kernels.registry import triton_available
-from shardattn.kernels.union import build_union, build_union_reference
-from shardattn.kernels.union_fused import search_steps
+from shardattn.kernels.triton.union_fused import search_steps
+from shardattn.ops.dispatch import triton_available
+from shardattn.ops.union import build_union, build_union_reference
 from tests.interpret import run_cases
 from tests.interpret.union_cases import make_rows
 
@@ -76,8 +76,8 @@ def test_split_search_steps_pin_the_merge_path_split_at_real_widths(group_size, 
 def test_workspace_prefill_passes_the_flag_to_every_pass_and_keeps_the_result(monkeypatch, rows_sorted):
     """A rank's kernel call in passes over a small union workspace hands ``rows_sorted`` to each
     pass's build; the output equals one unsplit call (CPU: the reference path)."""
-    import shardattn.parallel.prefill_attention as pa
-    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
+    import shardattn.runtime.prefill as pa
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
     from shardattn.plan.routing import Route
 
     seen = []

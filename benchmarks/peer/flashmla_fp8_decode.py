@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn.kernels.lse_merge import empty_as_neg_inf
 from shardattn.ops.kv_fp8 import FP8_DS_MLA, check_fp8_kv
+from shardattn.ops.lse_merge import empty_as_neg_inf
 
 TOPK_BLOCK = 64  # FlashMLA's sparse decode reads the top-k in blocks of 64
 D_QK, D_V = 576, 512

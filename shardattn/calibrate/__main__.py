@@ -18,6 +18,7 @@ from shardattn.calibrate.kernels import collective_rates, kernel_jobs, measure_k
 from shardattn.calibrate.network import multi_node_rates
 from shardattn.calibrate.steps import measure_paths, with_heads
 from shardattn.calibrate.timing import copy_gbps
+from shardattn.launch.process_group import host_groups
 from shardattn.parallel.hosts import exchange_node_layout
 from shardattn.plan.cost import CONSERVATIVE, Calibration, CostModel, StepOverhead, StepShape
 from shardattn.plan.nodes import NodeLayout
@@ -97,7 +98,8 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
         nodes = exchange_node_layout(group, host_id) if group is not None else NodeLayout.single(1)
         network = None
         if nodes.multi_node:  # the network between hosts, NVLink on one, the whole group at its layout
-            colls, network = multi_node_rates(group, nodes, device=device, advance=advance)
+            subgroups = host_groups(group, nodes)
+            colls, network = multi_node_rates(group, nodes, subgroups, device=device, advance=advance)
         else:
             colls = collective_rates(group, device=device, advance=advance) if world > 1 else []
         if group is not None:

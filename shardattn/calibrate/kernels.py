@@ -1,7 +1,7 @@
 """Measure prefill kernel calls and collectives for a calibration table.
 
 Kernel points: one call of the sparse-MLA prefill as the steps make it (row sort or union build
-plus the kernel, :func:`~shardattn.kernels.sparse_mla_grouped.sparse_mla_grouped_prefill`) on
+plus the kernel, :func:`~shardattn.ops.sparse_mla_grouped.sparse_mla_grouped_prefill`) on
 the launcher's synthetic step (``requests`` requests with ``cached`` tokens each, DSA-like
 top-k), for each head count, each group size that fits the 64-row tile, and each token count.
 Several passes over all points (``--passes``) give each point the median of its passes
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from shardattn.calibrate.timing import median_ms
-from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.launch.workloads import build_prefill
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.plan.cost import CollectiveRate, KernelPoint, candidate_group_sizes
 from shardattn.plan.routing import TILE_ROWS
 from shardattn.workload import union_ratio

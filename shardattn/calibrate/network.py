@@ -11,13 +11,15 @@ When the ranks of ``python -m shardattn.calibrate`` run on two or more hosts (a
 * the whole group's all-to-all and all-gather, tagged with its ranks per node, which the model
   takes as they are at that layout.
 
-Every rank of the group calls :func:`multi_node_rates` (it creates sub-groups).
+Every rank of the group calls :func:`multi_node_rates`, with the sub-groups
+:func:`~shardattn.launch.process_group.host_groups` made (one rank per host; the first host).
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +65,7 @@ def network_rate(
 def multi_node_rates(
     group: dist.ProcessGroup,
     nodes: NodeLayout,
+    host_groups: Any,
     *,
     device: torch.device,
     sizes_mib: Sequence[float] = (4, 32, 128, 512),
@@ -71,24 +74,19 @@ def multi_node_rates(
 ) -> tuple[list[CollectiveRate], LinkRate | None]:
     """``(collective rates, network rate)`` of a group spread over ``nodes`` (module docstring; the
     network rate is returned on the ranks that measured it, the first of each host, else ``None``).
+    ``host_groups``: :class:`~shardattn.launch.process_group.HostGroups` of ``group`` and ``nodes``.
 
     Raises:
         ValueError: ``nodes`` is one host, or not the group's size.
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     if not nodes.multi_node or nodes.world_size != world:
         raise ValueError(f"nodes must spread the group's {world} ranks over several hosts, got {nodes}")
-    global_ranks = [dist.get_global_rank(group, r) for r in range(world)]
-    leaders = [nodes.ranks_on(n)[0] for n in range(nodes.num_nodes)]
-    first_host = nodes.ranks_on(0)
-    # every rank of the world takes part in creating each sub-group, members or not
-    lead_group = dist.new_group([global_ranks[r] for r in leaders])
-    host_group = dist.new_group([global_ranks[r] for r in first_host]) if len(first_host) > 1 else None
-    net = network_rate(lead_group if rank in leaders else None, device=device, sizes_mib=sizes_mib, reps=reps)
+    net = network_rate(host_groups.leaders, device=device, sizes_mib=sizes_mib, reps=reps)
     advance()
     intra: list[CollectiveRate] = []
-    if host_group is not None and rank in first_host:
-        intra = collective_rates(host_group, device=device, sizes_mib=sizes_mib, reps=reps)
+    if host_groups.first_host is not None:
+        intra = collective_rates(host_groups.first_host, device=device, sizes_mib=sizes_mib, reps=reps)
     dist.barrier(group=group)
     whole = collective_rates(group, device=device, sizes_mib=sizes_mib, reps=reps, advance=advance)
     rpn = nodes.ranks_per_node

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from shardattn.calibrate.timing import median_ms
-from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.launch.workloads import build_prefill
-from shardattn.parallel.runtime import PrefillPlan, Runtime
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.plan.cost import CostModel, StepShape
 from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.runtime import PrefillPlan, Runtime
 
 __all__ = ["PATHS", "measure_paths", "path_name"]
 

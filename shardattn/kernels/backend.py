@@ -4,7 +4,7 @@ A leaf module (it imports no kernel): a kernel module asks :func:`use_triton` wi
 tensors and gets ``True`` when its Triton kernel may run on them (CUDA tensors with Triton
 installed, or any tensor while the Triton interpreter is switched on), else it runs its torch
 reference; :func:`unsupported_reason` says why not. Which kernel runs a call is
-:mod:`shardattn.kernels.registry`'s (it re-exports these).
+:mod:`shardattn.ops.dispatch`'s (it re-exports these).
 
 Example:
     >>> import torch
@@ -40,6 +40,19 @@ def interpreter_enabled() -> bool:
 def device_capability(index: int) -> tuple[int, int]:
     """Compute capability of CUDA device ``index`` (cached)."""
     return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device`` (cached); 132 (an H200's) for any other device,
+    so host-side launch plans stay defined where the interpreter runs them."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _major(device: torch.device) -> int:

@@ -1,6 +1,6 @@
 """Adapter to FlashInfer's XQA decode kernel (optional extra ``shardattn[flashinfer]``).
 
-:func:`xqa_paged_decode` runs :func:`~shardattn.kernels.gqa_decode.gqa_paged_decode`'s contract on
+:func:`xqa_paged_decode` runs :func:`~shardattn.ops.gqa_decode.gqa_paged_decode`'s contract on
 ``flashinfer.decode.xqa_batch_decode_with_kv_cache`` (SM90 / SM100 / SM120): uniform and ragged
 drafts (causal or not, as a draft-block bit mask), sliding window, sinks. XQA returns no LSE, so
 it is never used when an LSE is needed (DCP, ``return_lse``). Its head-dim rule is
@@ -113,7 +113,7 @@ def xqa_paged_decode(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run validated :func:`~shardattn.kernels.gqa_decode.gqa_paged_decode` arguments on XQA.
+    """Run validated :func:`~shardattn.ops.gqa_decode.gqa_paged_decode` arguments on XQA.
 
     Shapes as there; ``max_q_len`` is the host bound on draft lengths. Returns ``out
     [total_q, Hq, D]`` in q's dtype (no LSE).

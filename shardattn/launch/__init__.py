@@ -6,8 +6,8 @@
 * :mod:`~shardattn.launch.process_group`  groups with a timeout, from torchrun's environment.
 * :mod:`~shardattn.launch.workloads`      synthetic prefill / decode steps, identical on every rank.
 * :mod:`~shardattn.launch.report`         the rich table and the JSON report.
-* :mod:`~shardattn.launch.ray`            :class:`~shardattn.launch.ray.RayRankPool`, a servable Ray pool
-  (optional Ray; also importable from :mod:`~shardattn.launch.ray_pool`).
+* :mod:`~shardattn.serving`            :class:`~shardattn.serving.RayRankPool`, a servable Ray pool
+  (optional Ray; also importable from :mod:`~shardattn.serving`).
 
 Importing this package imports nothing heavy, so a bad command-line option fails fast.
 """

@@ -14,6 +14,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from shardattn.errors import LaunchError
+
 #: Exit status for bad options and impossible configurations (argparse's convention).
 EXIT_USAGE = 2
 #: Exit status when a ``--check`` fails.
@@ -28,14 +30,6 @@ PREFILL_MODES = ("shardq", "headtp", "pcp")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 FAIL_POINTS = ("setup", "step")
-
-
-class LaunchError(Exception):
-    """A bad option or impossible configuration: ``str(err)`` is the one line shown to the user."""
-
-    def __init__(self, message: str, status: int = EXIT_USAGE) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True)

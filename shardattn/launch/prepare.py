@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardattn.kernels.gqa_decode import gqa_paged_decode_reference
-from shardattn.kernels.sparse_mla import sparse_mla_reference, valid_mask
-from shardattn.kernels.sparse_mla_triton import flops
-from shardattn.kernels.topk import DcpShard, convert_topk
 from shardattn.launch.workloads import build_decode, build_gqa_decode, build_prefill, overlap_model
-from shardattn.parallel.runtime import Runtime
+from shardattn.ops.gqa_decode import gqa_paged_decode_reference
+from shardattn.ops.sparse_mla import flops, sparse_mla_reference, valid_mask
+from shardattn.ops.topk import DcpShard, convert_topk
+from shardattn.runtime.runtime import Runtime
 from shardattn.workload import union_ratio
 
 if TYPE_CHECKING:

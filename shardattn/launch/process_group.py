@@ -21,11 +21,21 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "LaunchGroups", "destroy_groups", "init_groups", "nccl_options", "pick_device"]
+__all__ = [
+    "DistEnv",
+    "HostGroups",
+    "LaunchGroups",
+    "destroy_groups",
+    "host_groups",
+    "init_groups",
+    "nccl_options",
+    "pick_device",
+]
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,7 @@ class DistEnv:
 
     @property
     def host_id(self) -> str | None:
-        """The host identity of this rank for :class:`~shardattn.parallel.runtime.Runtime`'s
+        """The host identity of this rank for :class:`~shardattn.runtime.runtime.Runtime`'s
         ``host_id``: torchrun's agent (``"torchrun-node-<GROUP_RANK>"``), so every agent counts as
         one node, also two agents started on one machine; ``None`` (the Runtime's own host name and
         boot id) without torchrun.
@@ -161,6 +171,29 @@ def init_groups(env: DistEnv, device: torch.device, *, timeout_s: float) -> Laun
     else:  # host-side messages never wait behind GPU work, and a dead peer shows up here first
         control = dist.new_group(list(range(env.world_size)), backend="gloo", timeout=timeout)
     return LaunchGroups(env, device, data, control, backend, timeout_s)
+
+
+@dataclass(frozen=True)
+class HostGroups:
+    """Sub-groups of a group spread over hosts (:func:`host_groups`): ``leaders`` one rank per host
+    (the first of each), ``first_host`` the ranks of host 0 (``None`` when it has one rank); each
+    ``None`` on the ranks outside it."""
+
+    leaders: dist.ProcessGroup | None
+    first_host: dist.ProcessGroup | None
+
+
+def host_groups(group: dist.ProcessGroup, nodes: Any) -> HostGroups:
+    """The sub-groups ``python -m shardattn.calibrate`` measures the network and one host with
+    (``nodes``: the group's :class:`~shardattn.plan.nodes.NodeLayout`). Every rank of the world
+    calls it: creating a group is collective."""
+    rank = dist.get_rank(group)
+    global_ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+    leaders = [nodes.ranks_on(n)[0] for n in range(nodes.num_nodes)]
+    first = list(nodes.ranks_on(0))
+    lead_group = dist.new_group([global_ranks[r] for r in leaders])
+    host_group = dist.new_group([global_ranks[r] for r in first]) if len(first) > 1 else None
+    return HostGroups(lead_group if rank in leaders else None, host_group if rank in first else None)
 
 
 def destroy_groups() -> None:

@@ -6,7 +6,7 @@ every rank before the process group exists. :func:`run` then, on every rank:
 
 1. makes the ranks agree on the configuration (one all-gather on the gloo control group: a rank
    started with other options or another version stops every rank with a clear message);
-2. builds a :class:`~shardattn.parallel.runtime.Runtime` on the data group (workspace, warm-up);
+2. builds a :class:`~shardattn.runtime.runtime.Runtime` on the data group (workspace, warm-up);
 3. for each step kind (prefill, decode): builds the synthetic step from the shared seed, runs
    ``--warmup`` untimed and ``--iters`` timed iterations (ranks start each together), and with
    ``--check`` gathers the outputs on rank 0 and compares them with the single-process reference;
@@ -38,10 +38,10 @@ from shardattn.launch.run_config import RunConfig
 from shardattn.launch.timing import check_step, graph_row, profile_step, step_row, time_step
 from shardattn.launch.workloads import overlap_model
 from shardattn.parallel.comm import Comm
-from shardattn.parallel.runtime import Runtime
 from shardattn.plan.cost import CostModel, load_calibration
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
+from shardattn.runtime.runtime import Runtime
 from shardattn.workload import load_topk_dump
 
 __all__ = ["TOLERANCE", "RunConfig", "plan_run", "run"]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from shardattn.launch.prepare import Prepared
 from shardattn.launch.report import summarize_times
-from shardattn.parallel.runtime import Runtime
+from shardattn.runtime.runtime import Runtime
 
 if TYPE_CHECKING:
     from shardattn.launch.run_config import RunConfig
@@ -57,7 +57,7 @@ def graph_row(
     """``--graph``: capture the decode step once (the Runtime's policy decides whether it may: a
     forbidden capture raises its ValueError), time ``--iters`` replays like the eager step, and
     require a replay to equal the eager output bitwise (so the eager step's check covers it)."""
-    from shardattn.parallel.cudagraph import DecodeGraph
+    from shardattn.runtime.cudagraph import DecodeGraph
 
     q_lens = cfg.shape.q_lens
     rt.check_capture("decode", q_len_per_req=max(q_lens), ragged=len(set(q_lens)) > 1)

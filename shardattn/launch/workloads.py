@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn.kernels.topk import DcpShard, convert_topk
+from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.workload import PRESETS, Overlap, synthetic_topk
 
 __all__ = [

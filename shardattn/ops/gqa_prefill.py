@@ -7,7 +7,7 @@ token ``j`` sits at position ``p = P_b + j`` and sees the keys at positions ``t`
     lo <= t <= p,   lo = max(0, p - window_left) with a window (window_left >= 0), else 0
 
 A key at ``t < P_b`` is ``k_cache[block_table[b, t // page], t % page]`` (the paged layout of
-:mod:`shardattn.kernels.gqa_decode`); a key at ``t >= P_b`` is row ``cu_seqlens[b] + t - P_b`` of
+:mod:`shardattn.ops.gqa_decode`); a key at ``t >= P_b`` is row ``cu_seqlens[b] + t - P_b`` of
 ``k`` / ``v``. Query head ``h`` reads KV head ``h // (H / Hkv)``. Sinks add one fp32 logit per
 query head (natural log, not scaled) to the softmax denominator and the LSE. LSE: fp32, natural
 log, ``[T, H]``; every query sees at least itself, so no row of a prefill is empty (an empty row

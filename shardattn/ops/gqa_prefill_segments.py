@@ -19,7 +19,7 @@ arguments, never on measured speed):
   the bottom-right causal mask with the window is exactly the contract. Sinks enter once.
 * **split** (a cached prefix, no window): the prefix is read in place from the paged cache
   (every query sees all of it: no mask, no sink), the new keys in a second call (causal, with the
-  sinks), and the two partials are merged by :func:`~shardattn.kernels.lse_merge.lse_merge`. This
+  sinks), and the two partials are merged by :func:`~shardattn.ops.lse_merge.lse_merge`. This
   copies no prefix key (a prefix may be far longer than the new tokens) at the cost of one merge
   pass over the two partial outputs, and the prefix call needs no new key, so PCP runs it while
   the new keys are still being all-gathered (``keys_ready``). A window cannot take this form: a
@@ -41,8 +41,8 @@ from typing import Protocol
 import torch
 
 from shardattn.kernels import fa4
-from shardattn.kernels.lse_merge import lse_merge
 from shardattn.ops.gqa_prefill_reference import segment_attention_reference
+from shardattn.ops.lse_merge import lse_merge
 
 __all__ = [
     "FA4SegmentKernel",

@@ -12,41 +12,20 @@
 * :mod:`~shardattn.parallel.pcp`        :func:`pcp_prefill`: zigzag query tokens, new KV all-gathered.
 * :mod:`~shardattn.parallel.gqa_prefill` :func:`gqa_prefill_head_tp`, :func:`gqa_prefill_pcp`: GQA
   prefill under head-TP (a local call) and PCP (zigzag tokens, new K/V all-gathered).
-* :mod:`~shardattn.parallel.cudagraph`  CUDA-graph capture of decode steps (buckets, one-copy loads).
-* :mod:`~shardattn.parallel.decode_graphs`  :class:`DecodeGraphs`: the DCP GQA step's graph buckets
-  (ragged drafts padded, real rows returned, eager above the buckets);
-  :mod:`~shardattn.parallel.host_staging` the reused pinned buffer of per-step metadata.
-* :mod:`~shardattn.parallel.runtime`    :class:`Runtime`: workspace, warm-up, routing, graph policy;
-  its parts: :mod:`~shardattn.parallel.modes` (which step each mode runs),
-  :mod:`~shardattn.parallel.runtime_workspace` (reserved buffers and checks),
-  :mod:`~shardattn.parallel.prefill_attention` (the prefill kernel call over the union workspace),
-  :mod:`~shardattn.parallel.runtime_decode` (the decode step), :mod:`~shardattn.parallel.decode_warmup`.
 
-``Runtime`` and the CUDA-graph helpers load on first use (they pull in every kernel).
+The per-rank :class:`~shardattn.runtime.Runtime` that runs these steps with its reserved
+workspace, warm-up and CUDA graphs lives in :mod:`shardattn.runtime`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from shardattn.parallel.collector import STRATEGIES, collect_partials, resolve_strategy
 from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, stable_fingerprint, unpack_rows
-from shardattn.parallel.dcp import dcp_gqa_decode, dcp_sparse_mla_decode
+from shardattn.parallel.dcp import dcp_sparse_mla_decode
+from shardattn.parallel.dcp_gqa import dcp_gqa_decode
 from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp, gqa_prefill_pcp, head_tp_kv_heads
 from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.shardq import shardq_prefill
-
-_LAZY = {
-    "Runtime": "shardattn.parallel.runtime",
-    "PrefillPlan": "shardattn.parallel.runtime",
-    "WorkspaceExceededError": "shardattn.parallel.runtime_workspace",
-    "MODES": "shardattn.parallel.modes",
-    "DecodeGraph": "shardattn.parallel.cudagraph",
-    "GraphInput": "shardattn.parallel.cudagraph",
-    "GraphRunner": "shardattn.parallel.cudagraph",
-    "check_capture_allowed": "shardattn.parallel.cudagraph",
-    "DecodeGraphs": "shardattn.parallel.decode_graphs",
-}
 
 __all__ = [
     "STRATEGIES",
@@ -64,13 +43,4 @@ __all__ = [
     "shardq_prefill",
     "stable_fingerprint",
     "unpack_rows",
-    *_LAZY,
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'shardattn.parallel' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 Every rank holds a partial ``(out [T, H, Dv], lse [T, H])`` over its own share of the keys
 (its DCP shard of the KV cache, say) for the *same* ``T`` query tokens and ``H`` heads. The
 collector returns, on every rank, the merge of all ``W`` partials
-(:func:`shardattn.kernels.lse_merge.merge_weights` / :func:`~shardattn.kernels.lse_merge.lse_merge`,
+(:func:`shardattn.ops.lse_merge.merge_weights` / :func:`~shardattn.ops.lse_merge.lse_merge`,
 the one implementation of the math) for the rank's head slice ``[T, H/W, Dv]``
 (``scatter_heads=True``, heads ``rank*H/W .. (rank+1)*H/W``) or for all heads.
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_choice, check_same_device, check_tensor
-from shardattn.kernels.lse_merge import merge_weights, run_lse_merge
+from shardattn.ops.lse_merge import merge_weights, run_lse_merge
 from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.packing import packed_nbytes, view_bytes

@@ -2,7 +2,7 @@
 
 Serving engines describe their parallel layout as a :class:`~torch.distributed.device_mesh.DeviceMesh`
 (``init_device_mesh("cuda", (2, 8), mesh_dim_names=("dp", "tp"))``). Every entry point of
-:mod:`shardattn.parallel` that takes a group (the :class:`~shardattn.parallel.runtime.Runtime`,
+:mod:`shardattn.parallel` that takes a group (the :class:`~shardattn.runtime.runtime.Runtime`,
 the steps, :func:`~shardattn.parallel.collector.collect_partials`,
 :class:`~shardattn.parallel.comm.Comm`, the Ray pool's ranks) accepts, for its ``group`` argument:
 

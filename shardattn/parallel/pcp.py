@@ -28,9 +28,9 @@ from collections.abc import Callable
 import torch
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
-from shardattn.kernels.lse_merge import lse_merge
-from shardattn.kernels.sparse_mla import check_head_dim, sparse_mla_attention
-from shardattn.kernels.topk import convert_topk
+from shardattn.ops.lse_merge import lse_merge
+from shardattn.ops.sparse_mla import check_head_dim, sparse_mla_attention
+from shardattn.ops.topk import convert_topk
 from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
 from shardattn.parallel.groups import GroupLike
 from shardattn.plan.pcp import PCPPlan
@@ -154,7 +154,7 @@ def pcp_prefill(
         topk_length: ``[T_r]`` int32 leading ``topk_pos`` entries to use, optional.
         sinks: ``[H]`` fp32 sink logits, optional (counted once).
         gather_output: also all-gather the outputs and return every token's, in token order.
-        attention: the local kernel, called like :func:`~shardattn.kernels.sparse_mla.sparse_mla_attention`.
+        attention: the local kernel, called like :func:`~shardattn.ops.sparse_mla.sparse_mla_attention`.
         check: agree on the plan and shapes first (one small all-gather, a host sync).
     Returns:
         ``(out [T_r, H, v_dim] in q's dtype, lse [T_r, H] fp32)`` for this rank's tokens, or

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardattn.errors import PeerFailedError
+
 __all__ = [
     "REPORT_GRACE_S",
     "PeerFailedError",
@@ -28,23 +30,6 @@ __all__ = [
 REPORT_GRACE_S = 1.0
 _REPORT_KEY = "shardattn/failure/rank{}"
 _ALIVE = "alive"
-
-
-class PeerFailedError(RuntimeError):
-    """A collective failed because another rank raised, exited or hung; the message names the rank(s).
-
-    Attributes:
-        raised: ``{rank: "ExceptionType: message"}`` of the peers whose step raised.
-        silent: peers that did not report within the grace (:data:`REPORT_GRACE_S` by default):
-            they exited or hang, or, alive, were still blocked in a collective of their own that
-            had not failed yet (a peer waiting on a rank that itself gave up learns of it only at
-            the group's timeout). Always includes a rank that exited.
-    """
-
-    def __init__(self, message: str, *, raised: dict[int, str], silent: list[int]) -> None:
-        super().__init__(message)
-        self.raised = raised
-        self.silent = silent
 
 
 def _group_store(group: dist.ProcessGroup) -> dist.Store | None:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from shardattn.errors import CalibrationWarning
 from shardattn.plan.links import LinkRate
 
 __all__ = [
@@ -45,10 +46,6 @@ TILE = 64
 """Rows of the Triton kernel's grouped tile (``plan.routing.TILE_ROWS``), the ``tile`` of its points."""
 GROUPS = (2, 4, 8)
 """Group sizes the membership byte allows (``plan.routing.GROUP_SIZES``)."""
-
-
-class CalibrationWarning(UserWarning):
-    """A calibration table could not be used (missing, corrupt, another GPU); the model falls back."""
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardattn._checks import check_int
+from shardattn.plan.crossovers import AUTO_MAX_CHUNKS, CHUNK_WORK
 from shardattn.plan.shard_plan import ShardPlan
 
 __all__ = [
@@ -61,14 +62,6 @@ __all__ = [
     "pipeline_plan",
 ]
 
-#: Work of one chunk (query tokens x heads x top-k keys) below which a chunk is not cut: about
-#: 2.5-3 ms of a per-query kernel on an H200 (4,096 tokens x 64 heads x top-k 2,048), so the
-#: host, which spends about 1-1.5 ms issuing one chunk (two exchanges and a kernel call), stays
-#: ahead of the GPU. Measured on two H200s (docs/DECISIONS.md, D40): glm5 at 8K tokens is fastest
-#: unchunked, deepseek-v32 at 8K with 2 chunks, both at 32K with 2-4.
-CHUNK_WORK = 4096 * 64 * 2048
-#: The most chunks the planner picks by itself (more measured no faster on two H200s).
-AUTO_MAX_CHUNKS = 4
 #: The most chunks a step can be cut into (each costs two message groups and a few launches).
 MAX_CHUNKS = 8
 #: Bytes: each chunk's receive / send buffer starts at a multiple (aligned vector loads, and one

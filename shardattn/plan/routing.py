@@ -12,12 +12,15 @@ row in 24 bits and one membership bit per query in the high 8 bits (so ``G <= 8`
 5. more than ``grouped_max_heads`` heads                -> ``per-query``
 6. otherwise                                            -> ``grouped`` with ``G = 64 / heads``
 
-Why 64-row tiles and at most 8 heads (not ``G = 128 / heads``, which fits a 128-row tile of a
-hand-written kernel such as FA4's): the Triton kernel holds 64 rows per program (128 rows spill
-registers), and on an H200 (DSA-like top-k; docs/DECISIONS.md, D10) grouping beats its per-query
-kernel only at 8 heads; at 16 and 32 heads the union build plus the membership mask cost more
-than the shared gathers save. A backend with cheaper grouping passes its own
-``grouped_max_heads`` / ``tile_rows``.
+Why 64-row tiles and at most 8 heads on the Triton kernel (``G = 128 / heads`` fits a 128-row
+tile of a hand-written kernel): the Triton kernel holds 64 rows per program (128 rows spill
+registers), and grouping beats its per-query path only up to :data:`GROUPED_MAX_HEADS` heads (the
+union build plus the membership mask cost more than the shared gathers save above). A backend
+with cheaper grouping passes its own ``grouped_max_heads`` / ``tile_rows``.
+
+Every threshold is a measured crossover of :mod:`shardattn.plan.crossovers` (the runs behind
+them: ``docs/PERFORMANCE.md``); the functions here turn them into decisions with reasons, and
+``shardattn.ops.dispatch`` asks them with the tensors of a call.
 
 Decode: GQA picks FlashInfer XQA when it is installed, the GPU is SM90 / SM100 / SM120, the head
 dim passes :func:`xqa_head_dim_supported` (the same function the CUDA-graph policy uses), no
@@ -25,9 +28,12 @@ LSE is needed (XQA returns none, so never under DCP) and, on SM100, drafts are c
 otherwise the Triton kernel. Sparse MLA decode runs the Triton sparse kernel (it returns the
 LSE, so it serves DCP); :func:`route_sparse_decode_kernel` picks its kernel: on SM90 the Gluon
 small-batch kernel at up to :data:`SMALL_DECODE_MAX_HEADS` heads and
-:data:`SMALL_DECODE_MAX_TOKENS` tokens, the Gluon warp-specialised kernel at
-:data:`GLUON_DECODE_MIN_HEADS` heads or more, else Triton. Without a GPU all take the torch
-``reference``.
+:data:`SMALL_DECODE_MAX_TOKENS` tokens (its tile: :func:`small_decode_tiles`,
+:func:`small_decode_heads`), the Gluon warp-specialised kernel at
+:data:`GLUON_DECODE_MIN_HEADS` heads or more, else Triton; :func:`route_decode_merge` picks the
+merge of the Triton kernel's splits. Without a GPU all take the torch ``reference``.
+
+Union build: :func:`route_union_method` picks the builder ``build_union(method="auto")`` runs.
 """
 
 from __future__ import annotations
@@ -37,11 +43,29 @@ from dataclasses import dataclass
 import torch
 
 from shardattn._checks import check_int
+from shardattn.plan.crossovers import (
+    BITMAP_SCAN_RATIO,
+    COLUMN_MERGE_MAX_ROWS,
+    DEFAULT_MIN_TOKENS,
+    GLUON_DECODE_MIN_HEADS,
+    GLUON_DECODE_MIN_PROGRAMS,
+    GLUON_GROUPED_MAX_HEADS,
+    GLUON_MIN_HEADS,
+    GROUPED_MAX_HEADS,
+    SMALL_DECODE_64_MAX_SM_FRACTION,
+    SMALL_DECODE_HEAD_GROUP,
+    SMALL_DECODE_MAX_HEADS,
+    SMALL_DECODE_MAX_TOKENS,
+    SMEM_SCAN_RATIO,
+    SMEM_SORTED_RATIO,
+    TILE_ROWS,
+    UNION_METHOD,
+)
 from shardattn.plan.cudagraph import xqa_head_dim_supported
 from shardattn.plan.spec import ModelSpec
-from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
 
 __all__ = [
+    "DECODE_MERGES",
     "DECODE_PATHS",
     "GLUON_DECODE_MIN_HEADS",
     "GLUON_DECODE_MIN_PROGRAMS",
@@ -53,62 +77,40 @@ __all__ = [
     "PREFILL_KERNELS",
     "PREFILL_PATHS",
     "SMALL_DECODE_MAX_HEADS",
+    "SMALL_DECODE_MAX_SPLITS",
     "SMALL_DECODE_MAX_TOKENS",
     "TILE_ROWS",
+    "UNION_METHODS",
     "XQA_SM",
     "Route",
     "gluon_grouped_group_size",
     "grouped_group_size",
     "prefill_group_size",
     "route_decode",
+    "route_decode_merge",
     "route_prefill",
     "route_prefill_kernel",
     "route_sparse_decode_kernel",
+    "route_union_method",
+    "small_decode_heads",
+    "small_decode_tiles",
     "tile_group_size",
 ]
 
-TILE_ROWS = 64
-"""Rows of one grouped tile of the Triton kernel: ``G`` queries times ``heads`` heads."""
-GROUPED_MAX_HEADS = 8
-"""Most heads per query for which grouping beats the per-query Triton kernel (measured, H200)."""
 GROUP_SIZES = (2, 4, 8)
 """Group sizes the membership byte allows (one bit per query, at most 8)."""
 MAX_GROUPED_KV_ROWS = 2**24 - 1
-"""The grouped path needs every KV row index ``< 2^24 - 1`` (24-bit row field, all-ones reserved)."""
+"""The grouped path (and the bitmap union build) needs every KV row index ``< 2^24 - 1`` (24-bit
+row field, all-ones reserved)."""
 XQA_SM = (90, 100, 120)
 PREFILL_PATHS = ("grouped", "per-query", "reference")
 DECODE_PATHS = ("triton", "flashinfer-xqa", "reference")
-GLUON_MIN_HEADS = 32
-"""Fewest heads per query at which the per-query Gluon kernel (sm_90) runs instead of the per-query
-Triton kernel. Its tile is 64 heads, so fewer pad it: on an H200 (DSA-like top-k, kernel only)
-Gluon was faster from 32 heads and slower at 8-16 (docs/DECISIONS.md, D1)."""
-GLUON_GROUPED_MAX_HEADS = 32
-"""Most heads per query at which the grouped Gluon kernel (sm_90; ``G = 64 / heads`` queries share
-one 64-row tile and their union of top-k rows) runs, and ``G = gluon_grouped_group_size(heads)``
-of a default grouped step where it runs: on an H200 (DSA-like top-k, union build included) the
-grouped Gluon step beat the Triton grouped and per-query steps at 8, 16 and 32 heads
-(docs/DECISIONS.md, D10; docs/PERFORMANCE.md, sparse prefill). The kernel holds at most 32 heads
-(64 would need a 128-row tile, D11); the grouped tiles run on the 64-key kernel
-(``GROUPED_CONFIG``)."""
 PREFILL_KERNELS = ("gluon", "triton", "reference")
-GLUON_DECODE_MIN_HEADS = 32
-"""Fewest heads per query at which sparse-MLA decode runs the Gluon kernel (sm_90) instead of the
-Triton split-KV kernel (its tile is 64 heads, so fewer pad it): faster at 32-128 heads on an
-H200 at top-k 2048, batch 64-256 (docs/PERFORMANCE.md, sparse decode; docs/DECISIONS.md, D16);
-16 heads not measured (4x padding; the Triton kernel has a 16-head tile)."""
-GLUON_DECODE_MIN_PROGRAMS = 32
-"""Fewest whole-row Gluon programs (``tokens x ceil(heads / 64)``) at which sparse-MLA decode runs
-the Gluon kernel: smaller batches are latency bound (row slices, the merge and the row packing
-are launches of their own) and the Triton split-KV kernel is as fast there (measured on an H200:
-docs/DECISIONS.md, D16)."""
-SMALL_DECODE_MAX_HEADS = 16
-"""Most heads at which sparse-MLA decode may run the Gluon small-batch kernel
-(:mod:`~shardattn.kernels.sparse_mla_decode_gluon_small`: heads as the ``wgmma`` N, padded to 8 or 16)."""
-SMALL_DECODE_MAX_TOKENS = 16
-"""Most query tokens at which it does: at 16 heads it was faster than the Triton split-KV kernel's
-routed configuration at 1-16 tokens on an H200 and slower at 32 (four waves of one 166 KB
-program an SM), so not there (``benchmarks/decode.py --only sparse-small``; docs/PERFORMANCE.md,
-small-batch decode; docs/DECISIONS.md, D28)."""
+SMALL_DECODE_MAX_SPLITS = 64
+"""Most splits of a row the small-batch decode kernel takes (its column merge loads every split's
+partial of a column block at once)."""
+DECODE_MERGES = ("none", "columns", "rows")
+UNION_METHODS = ("sort", "fused", "bitmap")
 SPARSE_DECODE_KERNELS = ("gluon_small", "gluon", "triton", "reference")
 
 
@@ -459,3 +461,86 @@ def route_sparse_decode_kernel(
         return Route("triton", 1, why)
     why = f"SM90, {h} heads >= {gluon_min_heads}: Gluon warp-specialised kernel (row slices merged by LSE)"
     return Route("gluon", 1, why)
+
+
+def route_decode_merge(num_tokens: int, num_heads: int, num_splits: int) -> Route:
+    """Which kernel merges a split-KV decode call's partials: ``path`` ``"none"`` (one split: the
+    kernel writes the result), ``"columns"`` (at most :data:`COLUMN_MERGE_MAX_ROWS` (token, head)
+    rows: one program per (row, column block) loading every partial at once) or ``"rows"``.
+
+    >>> route_decode_merge(1, 16, 32).path, route_decode_merge(8, 128, 8).reason
+    ('columns', 'row merge: 1024 (token, head) rows > 128')
+    >>> route_decode_merge(4, 16, 1).path
+    'none'
+    """
+    if num_splits <= 1:
+        return Route("none", 1, "1 split: the kernel writes the result, no merge")
+    n = num_tokens * num_heads
+    if n <= COLUMN_MERGE_MAX_ROWS:
+        return Route("columns", 1, f"column merge: {n} (token, head) rows <= {COLUMN_MERGE_MAX_ROWS}")
+    return Route("rows", 1, f"row merge: {n} (token, head) rows > {COLUMN_MERGE_MAX_ROWS}")
+
+
+def small_decode_tiles(num_tokens: int, topk: int, num_sms: int) -> tuple[int, int]:
+    """``(BLOCK_N, splits)`` of the small-batch decode kernel: 64-entry splits (one warpgroup) while
+    their programs fill at most :data:`~shardattn.plan.crossovers.SMALL_DECODE_64_MAX_SM_FRACTION`
+    of ``num_sms`` and a row fits in :data:`SMALL_DECODE_MAX_SPLITS` of them, else 128 (two
+    warpgroups). At top-k 2048 on 132 SMs: 32 splits of 64 at 1-2 tokens, 16 of 128 from 3.
+
+    >>> small_decode_tiles(1, 2048, 132), small_decode_tiles(3, 2048, 132), small_decode_tiles(1, 100, 132)
+    ((64, 32), (128, 16), (64, 2))
+    """
+    blocks = -(-topk // 64)
+    fits = num_tokens * blocks <= num_sms * SMALL_DECODE_64_MAX_SM_FRACTION
+    block_n = 64 if fits and blocks <= SMALL_DECODE_MAX_SPLITS else 128
+    return block_n, -(-topk // block_n)
+
+
+def small_decode_heads(num_tokens: int, splits: int, heads: int, num_sms: int) -> int:
+    """Heads one small-batch split program takes: :data:`~shardattn.plan.crossovers.SMALL_DECODE_HEAD_GROUP`
+    (8) while the programs that then read each split's rows twice, one per group of heads, still fit
+    in one wave of ``num_sms``; else all ``heads`` (8 or fewer: all of them, on the 8-wide ``wgmma``).
+
+    >>> small_decode_heads(2, 32, 16, 132), small_decode_heads(5, 16, 16, 132), small_decode_heads(1, 32, 8, 132)
+    (8, 16, 8)
+    """
+    if heads <= SMALL_DECODE_HEAD_GROUP:
+        return heads
+    groups = -(-heads // SMALL_DECODE_HEAD_GROUP)
+    return SMALL_DECODE_HEAD_GROUP if num_tokens * splits * groups <= num_sms else heads
+
+
+def route_union_method(
+    group_size: int, topk: int, num_kv_rows: int, *, rows_sorted: bool = False, shared_memory: bool = False
+) -> str:
+    """The union builder ``build_union(method="auto")`` runs.
+
+    The bitmap builds count one bit per KV row (their cost follows the cache size), the sorting
+    builds sort the entries. With ``shared_memory`` (the bitmap runs on the shared-memory Gluon
+    kernel: sm_90, Gluon) it is ``"bitmap"`` while ``ceil(R / 32)`` stays within
+    :data:`~shardattn.plan.crossovers.SMEM_SCAN_RATIO` times the group's entries ``G * K`` on
+    unsorted rows, and within :data:`~shardattn.plan.crossovers.SMEM_SORTED_RATIO` times on sorted
+    rows at ``G > 1``. Otherwise ``"fused"`` on sorted rows; on unsorted rows ``"bitmap"`` (the
+    Triton kernel) within :data:`~shardattn.plan.crossovers.BITMAP_SCAN_RATIO`, else the builder of
+    :data:`~shardattn.plan.crossovers.UNION_METHOD` (``G = 1``: the row sort). Caches of
+    :data:`MAX_GROUPED_KV_ROWS` rows or more never take the bitmap.
+
+    >>> route_union_method(4, 2048, 1 << 16), route_union_method(4, 2048, 1 << 22)
+    ('bitmap', 'fused')
+    >>> route_union_method(2, 2048, 1 << 16, rows_sorted=True), route_union_method(2, 2048, 1 << 16, shared_memory=True)
+    ('fused', 'bitmap')
+    """
+    words = -(-num_kv_rows // 32)
+    entries = group_size * max(topk, 1)
+    fits = num_kv_rows <= MAX_GROUPED_KV_ROWS
+    if rows_sorted:  # G = 1 keeps the fused build of sorted rows (no count at all)
+        smem_ratio = SMEM_SORTED_RATIO if group_size > 1 else 0
+    else:
+        smem_ratio = SMEM_SCAN_RATIO
+    if shared_memory and fits and words <= smem_ratio * entries:
+        return "bitmap"
+    if rows_sorted:
+        return "fused"
+    if fits and words <= BITMAP_SCAN_RATIO * entries:
+        return "bitmap"
+    return UNION_METHOD[group_size]

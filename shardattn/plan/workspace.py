@@ -35,7 +35,7 @@ Modes:
   caller's result, so only the converted top-k rows (sparse MLA) are scratch.
 
 Steps never run at the same time on a rank, so a Runtime lays every step's items over one arena
-of the largest step's bytes (:mod:`shardattn.parallel.runtime_workspace`), and inside a step two
+of the largest step's bytes (:mod:`shardattn.runtime.workspace`), and inside a step two
 items share bytes when they are never live at the same time (:data:`ITEM_LIFETIMES`,
 :func:`arena_offsets`). The DCP decode step: the queries (gathered, then copied head-major) are
 dead once the kernel has run, so the packed send buffer reuses their bytes; the converted rows

@@ -60,6 +60,7 @@ import numpy as np
 
 from shardattn._checks import check_int
 from shardattn.plan._common import as_lengths
+from shardattn.plan.crossovers import DEFAULT_MIN_TOKENS
 from shardattn.plan.shard_plan import ShardPlan, build_shard_plan, expand_ranges, token_cost
 
 __all__ = [
@@ -72,9 +73,6 @@ __all__ = [
     "zigzag_chunk_bounds",
     "zigzag_split",
 ]
-
-DEFAULT_MIN_TOKENS = 1024
-"""Steps with fewer new tokens than this are not token-sharded (the seed PR's ShardQ threshold)."""
 
 
 def _check_common(

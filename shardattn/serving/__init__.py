@@ -1,5 +1,31 @@
-"""shardattn.serving: serving across processes of one host (the Ray pool's transport pieces).
+"""A servable Ray actor pool (Ray is optional: importing this package does not import it).
 
-* :mod:`~shardattn.serving.doorbell`  :class:`~shardattn.serving.doorbell.Doorbell`: a named pipe
-  that wakes a process and orders the memory it reads after the writer's stores, on any CPU.
+* :mod:`~shardattn.serving.pool`       :class:`RayRankPool`: placement, group, faults, health.
+* :mod:`~shardattn.serving.steps`      its request API: prefill, decode (requests), decode_batch (tensors).
+* :mod:`~shardattn.serving.actor`      one rank: its Runtime, its KV-cache shard, its steps.
+* :mod:`~shardattn.serving.kv_cache`   a rank's paged KV pages: writes and prefix gathers.
+* :mod:`~shardattn.serving.requests`   :class:`PrefillRequest`, :class:`DecodeRequest`, validation (of tensors too).
+* :mod:`~shardattn.serving.transport`  how decode steps reach the ranks (shm, compiled graph, calls).
+* :mod:`~shardattn.serving.shm`        the shared-memory region of decode steps, its serve loop.
+* :mod:`~shardattn.serving.doorbell`   a named pipe that wakes a process and orders the memory it reads
+  after the writer's stores, on any CPU (the shared-memory steps' publication).
+* :mod:`~shardattn.serving.health`     the ranks' health reports.
+* :mod:`~shardattn.serving.placement`  the placement group (one bundle per rank).
+* :mod:`~shardattn.serving.errors`     :class:`RankFailedError`, the Ray check.
+
+The pages each request holds are the planner's (:mod:`shardattn.plan.kv_pages`).
 """
+
+from shardattn.serving.errors import PlacementTimeoutError, RankFailedError, ray_unavailable_reason, require_ray
+from shardattn.serving.pool import RayRankPool
+from shardattn.serving.requests import DecodeRequest, PrefillRequest
+
+__all__ = [
+    "DecodeRequest",
+    "PlacementTimeoutError",
+    "PrefillRequest",
+    "RankFailedError",
+    "RayRankPool",
+    "ray_unavailable_reason",
+    "require_ray",
+]

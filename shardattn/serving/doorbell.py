@@ -1,6 +1,6 @@
 """A doorbell between two processes of one host that also orders their memory: a named pipe (FIFO).
 
-The Ray pool's shared-memory transport (:mod:`shardattn.launch.ray.shm`) writes a step's tensors
+The Ray pool's shared-memory transport (:mod:`shardattn.serving.shm`) writes a step's tensors
 into a mapped region, then tells the ranks; a rank that learns of the step must see the tensors
 written before it. A plain store of a sequence number to the region does not promise that on
 every CPU: x86 keeps stores (and loads) in order, Arm (Grace Hopper, Grace Blackwell) does not,

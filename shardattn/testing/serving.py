@@ -1,8 +1,8 @@
 """A single-process mirror of a serving pool, for checking it: random requests and fp64 attention.
 
 :class:`ServingMirror` keeps every request's whole KV cache (as the pool's ranks hold it
-together), makes random :class:`~shardattn.launch.ray.requests.PrefillRequest` /
-:class:`~shardattn.launch.ray.requests.DecodeRequest` steps, and computes what the pool must
+together), makes random :class:`~shardattn.serving.requests.PrefillRequest` /
+:class:`~shardattn.serving.requests.DecodeRequest` steps, and computes what the pool must
 return in float64 straight from the definition (not through the library's kernels):
 
 * sparse MLA: ``out[t, h] = softmax(scale * q[t, h] . kv[p]) @ kv[p, :Dv]`` over the valid top-k
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardattn.launch.ray.requests import DecodeRequest, PrefillRequest
 from shardattn.plan.spec import ModelSpec
+from shardattn.serving.requests import DecodeRequest, PrefillRequest
 
 __all__ = ["ServingMirror", "attention_fp64", "softmax_lse_fp64"]
 

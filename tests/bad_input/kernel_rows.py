@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 
-from shardattn.kernels import gqa_decode as gqa_mod
-from shardattn.kernels import lse_merge as merge_mod
-from shardattn.kernels import sparse_mla as mla_mod
-from shardattn.kernels import sparse_mla_decode as decode_mod
-from shardattn.kernels import sparse_mla_grouped as grouped_mod
-from shardattn.kernels import topk as topk_mod
-from shardattn.kernels import union as union_mod
+from shardattn.kernels.triton import lse_merge as triton_merge
+from shardattn.ops import gqa_decode as gqa_mod
+from shardattn.ops import lse_merge as merge_mod
+from shardattn.ops import sparse_mla as mla_mod
+from shardattn.ops import sparse_mla_decode as decode_mod
+from shardattn.ops import sparse_mla_grouped as grouped_mod
+from shardattn.ops import topk as topk_mod
+from shardattn.ops import union as union_mod
 from tests.bad_input.table import (
     INF,
     META,
@@ -151,9 +152,9 @@ def _sparse_rows() -> list[Row]:
             Raises(TypeError, r"^rows_sorted must be a bool"),
         ),
         Row(
-            "sparse_mla_decode-num-splits-0",
-            _sparse(decode_mod.sparse_mla_decode, num_splits=0),
-            Raises(ValueError, r"^num_splits must be >= 1"),
+            "sparse_mla_decode-rows-unique-int",
+            _sparse(decode_mod.sparse_mla_decode, rows_unique=1),
+            Raises(TypeError, r"^rows_unique must be a bool"),
         ),
         Row(
             "sparse_mla_decode-out-dtype",
@@ -166,24 +167,9 @@ def _sparse_rows() -> list[Row]:
             Raises(ValueError, r"^lse_out must have shape \[3, 2\]"),
         ),
         Row(
-            "sparse_mla_decode-config-key",
-            _sparse(decode_mod.sparse_mla_decode, config={"BLOCK_M": 16}),
-            Raises(ValueError, r"^config keys must be among"),
-        ),
-        Row(
-            "sparse_mla_decode-config-merge",
-            _sparse(decode_mod.sparse_mla_decode, config={"merge": "tree"}),
-            Raises(ValueError, r"^config\['merge'\] must be 'rows', 'columns' or 'spread'"),
-        ),
-        Row(
             "sparse_mla_decode-backend-unknown",
             _sparse(decode_mod.sparse_mla_decode, backend="flashmla"),
             Raises(ValueError, r"^backend must be None, 'triton', 'gluon' or 'gluon_small'"),
-        ),
-        Row(
-            "sparse_mla_decode-small-with-num-splits",
-            _sparse(decode_mod.sparse_mla_decode, backend="gluon_small", num_splits=4),
-            Raises(ValueError, r"^backend='gluon_small' chooses its own splits .*num_splits=None"),
         ),
     ]
     return rows
@@ -250,7 +236,6 @@ def _gqa_rows() -> list[Row]:
             _gqa(block_table=lambda x: x["table"].to(META)),
             Raises(ValueError, r"block_table differs"),
         ),
-        Row(f"{n}-num-splits-0", _gqa(num_splits=0), Raises(ValueError, r"^num_splits must be >= 1")),
         Row(
             f"{n}-flashinfer-lse",
             _gqa(backend="flashinfer"),
@@ -442,13 +427,13 @@ def _small_kernel_rows() -> list[Row]:
     return [
         Row(
             "split_partials-workspace-too-small",
-            lambda _g: Call(merge_mod.split_partials, (torch.zeros(10), 2, 3, 4, 8, torch.device("cpu"))),
+            lambda _g: Call(triton_merge.split_partials, (torch.zeros(10), 2, 3, 4, 8, torch.device("cpu"))),
             Raises(ValueError, r"^workspace must be a float32 tensor on cpu with >= 216 elements"),
         ),
         Row(
             "split_partials-workspace-fp16",
             lambda _g: Call(
-                merge_mod.split_partials, (torch.zeros(400, dtype=torch.half), 2, 3, 4, 8, torch.device("cpu"))
+                triton_merge.split_partials, (torch.zeros(400, dtype=torch.half), 2, 3, 4, 8, torch.device("cpu"))
             ),
             Raises(ValueError, r"^workspace must be a float32"),
         ),

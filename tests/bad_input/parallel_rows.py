@@ -111,7 +111,7 @@ def _collect(**over: Any) -> Callable[[Any], Call]:
 
 def _runtime_new(**over: Any) -> Callable[[Any], Call]:
     def build(group: Any) -> Call:
-        from shardattn.parallel.runtime import Runtime
+        from shardattn.runtime.runtime import Runtime
 
         kw: dict[str, Any] = {"max_batched_tokens": 64, "mode": "shardq", "warmup": False, **over}
         spec = kw.pop("spec", MLA_SPEC)
@@ -122,7 +122,7 @@ def _runtime_new(**over: Any) -> Callable[[Any], Call]:
 
 def _runtime_step(step: str, spec: P.ModelSpec, mode: str, **over: Any) -> Callable[[Any], Call]:
     def build(group: Any) -> Call:
-        from shardattn.parallel.runtime import Runtime
+        from shardattn.runtime.runtime import Runtime
 
         rt = Runtime(spec, group, max_batched_tokens=64, mode=mode, warmup=False)
         rt.comm.reset_counts()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shardattn.kernels import lse_merge as merge_mod
+from shardattn.ops import lse_merge as merge_mod
 
 META = torch.device("meta")
 NAN, INF = float("nan"), float("inf")
@@ -181,25 +181,23 @@ def _merge_inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 #: (module, attribute): every kernel launcher and torch reference a public entry may call.
 KERNELS = [
-    ("shardattn.kernels.sparse_mla", "sparse_mla_reference"),
-    ("shardattn.kernels.sparse_mla_grouped", "sparse_mla_reference"),
-    ("shardattn.kernels.sparse_mla_grouped", "launch_attention"),
-    ("shardattn.kernels.sparse_mla_grouped", "build_union"),
-    ("shardattn.kernels.sparse_mla_decode", "sparse_mla_reference"),
-    ("shardattn.kernels.sparse_mla_decode", "launch_lse_merge"),
-    ("shardattn.kernels.sparse_mla_decode", "launch_lse_merge_columns"),
-    ("shardattn.kernels.sparse_mla_decode", "launch_split_kernel"),
-    ("shardattn.kernels.sparse_mla_decode", "build_union"),
-    ("shardattn.kernels.gqa_decode", "sparse_mla_reference"),
-    ("shardattn.kernels.gqa_decode", "gqa_paged_decode_reference"),
-    ("shardattn.kernels.gqa_decode", "_run_triton"),
-    ("shardattn.kernels.lse_merge", "lse_merge_reference"),
-    ("shardattn.kernels.lse_merge", "launch_lse_merge"),
-    ("shardattn.kernels.lse_merge", "launch_lse_merge_columns"),
-    ("shardattn.kernels.topk", "convert_topk_reference"),
-    ("shardattn.kernels.union", "build_union_reference"),
-    ("shardattn.kernels.union", "_sort_build"),
-    ("shardattn.kernels.union", "fused_union"),
+    ("shardattn.ops.sparse_mla", "sparse_mla_reference"),
+    ("shardattn.ops.sparse_mla", "sparse_mla_per_query"),
+    ("shardattn.ops.sparse_mla_grouped", "sparse_mla_reference"),
+    ("shardattn.ops.sparse_mla_grouped", "launch_attention"),
+    ("shardattn.ops.sparse_mla_grouped", "launch_gluon_attention"),
+    ("shardattn.ops.prepared_union", "build_union"),
+    ("shardattn.ops.sparse_mla_decode", "run_sparse_mla_decode"),
+    ("shardattn.ops.sparse_mla_decode", "build_union"),
+    ("shardattn.ops.gqa_decode", "sparse_mla_reference"),
+    ("shardattn.ops.gqa_decode", "gqa_paged_decode_reference"),
+    ("shardattn.ops.gqa_decode", "_run_triton"),
+    ("shardattn.ops.lse_merge", "lse_merge_reference"),
+    ("shardattn.ops.lse_merge", "launch_lse_merge"),
+    ("shardattn.ops.topk", "convert_topk_reference"),
+    ("shardattn.ops.union", "build_union_reference"),
+    ("shardattn.ops.union", "sort_union"),
+    ("shardattn.ops.union", "fused_union"),
     ("shardattn.ops.gqa_prefill_segments", "segment_attention_reference"),
     ("shardattn.kernels.fa4", "_run"),
 ]

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from shardattn.kernels.prepared_union import prepare_union
-from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-from shardattn.kernels.sparse_mla_triton import sparse_mla_per_query
+from shardattn.ops.prepared_union import prepare_union
+from shardattn.ops.sparse_mla import sparse_mla_per_query
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 
 D_V, D = 32, 48
 FAILURES: list[str] = []
@@ -44,10 +44,10 @@ def main() -> None:
             name = f"{dtype}".replace("torch.", "") + f"[B={b},Hb={hb},G={g}]"
             if g == 1:
                 want = sparse_mla_per_query(plain, kv, rows, scale=0.3, v_dim=D_V)
-                sparse_mla_per_query(q, kv, rows, scale=0.3, v_dim=D_V, out=out, lse=lse)
+                sparse_mla_per_query(q, kv, rows, scale=0.3, v_dim=D_V, out=out, lse_out=lse)
             else:
                 want = sparse_mla_grouped_prefill(plain, kv, rows, scale=0.3, v_dim=D_V, group_size=g)
-                sparse_mla_grouped_prefill(q, kv, rows, scale=0.3, v_dim=D_V, group_size=g, out=out, lse=lse)
+                sparse_mla_grouped_prefill(q, kv, rows, scale=0.3, v_dim=D_V, group_size=g, out=out, lse_out=lse)
             got_out = out.movedim(0, 1).reshape(t, b * hb, D_V)
             got_lse = lse.movedim(0, 1).reshape(t, b * hb)
             written = not got_out.isnan().any() and not got_lse.isnan().any()
@@ -69,7 +69,7 @@ def prepared_union_cases(gen: torch.Generator) -> None:
     for name, g in (("per-query", 1), ("grouped", 1), ("grouped", 2), ("grouped", 4)):
         kw: dict = dict(scale=0.3, v_dim=D_V)
         if name == "per-query":  # the per-query Triton launcher itself (the public entry takes it on GPUs)
-            call, key = sparse_mla_per_query, "prepared"
+            call, key = sparse_mla_per_query, "prepared_union"
         else:
             call, key = sparse_mla_grouped_prefill, "prepared_union"
             kw["group_size"] = g

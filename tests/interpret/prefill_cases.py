@@ -28,7 +28,7 @@ def _union_equal(a, b) -> bool:
 
 
 def topk_cases(gen: torch.Generator) -> None:
-    from shardattn.kernels.topk import DcpShard, convert_topk, convert_topk_reference
+    from shardattn.ops.topk import DcpShard, convert_topk, convert_topk_reference
 
     t, k, b, m, bs = 21, 37, 3, 9, 4
     pos = torch.randint(-3, 40, (t, k), generator=gen, dtype=torch.int32)
@@ -49,7 +49,7 @@ def topk_cases(gen: torch.Generator) -> None:
         _report(f"topk[{name}]", torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
 
 
-UNION_VARIANTS = (("sort", "torch"), ("merge", "torch"), ("merge", "triton"), ("sort", "triton"))
+UNION_METHODS = ("sort", "fused")
 
 
 def _union_special_rows(gen: torch.Generator, k: int, r: int) -> torch.Tensor:
@@ -64,17 +64,15 @@ def _union_special_rows(gen: torch.Generator, k: int, r: int) -> torch.Tensor:
 
 
 def union_cases(gen: torch.Generator) -> None:
-    from shardattn.kernels.union import MAX_PACKED_ROWS, build_union, build_union_reference
+    from shardattn.ops.union import MAX_PACKED_ROWS, build_union, build_union_reference
 
     def check(name, rows, g, r, length=None):
         want = build_union_reference(rows, group_size=g, num_kv_rows=r, topk_length=length)
-        for method, row_sort in UNION_VARIANTS:
-            if (g == 1 and method == "merge") or (g > 1 and (method, row_sort) == ("sort", "triton")):
-                continue  # G = 1 is a row sort; with G > 1 the sort builder ignores row_sort
-            if row_sort == "triton" and name != "special":
-                continue  # tl.sort is slow under the interpreter: its edge cases are in "special"
-            got = build_union(rows, group_size=g, num_kv_rows=r, topk_length=length, method=method, row_sort=row_sort)
-            _report(f"union[G={g},{name},{method}/{row_sort}]", _union_equal(got, want))
+        for method in UNION_METHODS:
+            if g == 1 and method == "fused":
+                continue  # G = 1 on unsorted rows is the row sort whatever the method
+            got = build_union(rows, group_size=g, num_kv_rows=r, topk_length=length, method=method)
+            _report(f"union[G={g},{name},{method}]", _union_equal(got, want))
 
     for g in (1, 2, 4, 8):
         for t, k, r in [(13, 20, 30), (5, 33, 7)]:
@@ -91,13 +89,13 @@ def union_cases(gen: torch.Generator) -> None:
     for g in (1, 8):
         want = build_union_reference(rows, group_size=g, num_kv_rows=40)
         _report(f"union[G={g},chunks]", _union_equal(build_union(rows, group_size=g, num_kv_rows=40), want))
-    # several merge chunks per list (K > 1024), a tail group, half the entries shared by neighbours
+    # several key blocks per list (K > 1024), a tail group, half the entries shared by neighbours
     rows = torch.randint(-1, 3000, (9, 1030), generator=gen, dtype=torch.int32)
     rows[1::2, :500] = rows[0:-1:2, :500]
     for g in (2, 8):
         want = build_union_reference(rows, group_size=g, num_kv_rows=3000)
-        got = build_union(rows, group_size=g, num_kv_rows=3000, method="merge", row_sort="torch")
-        _report(f"union[G={g},merge_chunks]", _union_equal(got, want))
+        got = build_union(rows, group_size=g, num_kv_rows=3000, method="sort")
+        _report(f"union[G={g},key_blocks]", _union_equal(got, want))
 
 
 def _rows_with_edge_cases(gen: torch.Generator, t: int, k: int, r: int) -> torch.Tensor:
@@ -112,9 +110,8 @@ def _rows_with_edge_cases(gen: torch.Generator, t: int, k: int, r: int) -> torch
 
 
 def attention_cases(gen: torch.Generator) -> None:
-    from shardattn.kernels.sparse_mla import sparse_mla_reference
-    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-    from shardattn.kernels.sparse_mla_triton import sparse_mla_per_query
+    from shardattn.ops.sparse_mla import sparse_mla_per_query, sparse_mla_reference
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 
     combos = [(8, 8), (8, 1), (16, 4), (16, 2), (32, 2), (32, 8), (64, 1), (64, 2), (128, 1), (128, 4)]
     t, k, r = 11, 24, 40  # 11 tokens: every G > 1 leaves a tail group
@@ -146,9 +143,9 @@ def attention_cases(gen: torch.Generator) -> None:
 
 
 def spanning_requests_case(gen: torch.Generator) -> None:
-    from shardattn.kernels.sparse_mla import sparse_mla_reference
-    from shardattn.kernels.sparse_mla_grouped import sparse_mla_grouped_prefill
-    from shardattn.kernels.topk import convert_topk
+    from shardattn.ops.sparse_mla import sparse_mla_reference
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.ops.topk import convert_topk
 
     # two requests of 5 and 4 tokens, 16-token block tables; groups of 4 straddle the boundary
     pos = torch.randint(-1, 16, (9, 12), generator=gen, dtype=torch.int32)

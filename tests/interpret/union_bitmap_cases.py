@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.union import build_union_reference, num_groups
-from shardattn.kernels.union_bitmap import bitmap_union
+from shardattn.kernels.triton.union_bitmap import bitmap_union
+from shardattn.ops.union import build_union_reference, num_groups
 from tests.interpret.union_cases import _equal, _report, make_rows, run_checks
 
 

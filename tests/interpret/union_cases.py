@@ -4,7 +4,7 @@ Run as ``TRITON_INTERPRET=1 python -m tests.interpret.union_cases`` (tests/test_
 this in a subprocess). Each hypothesis example draws ``G``, ``T`` (tails included), ``K``, the KV
 rows, invalid entries anywhere, duplicates within a row, rows with no valid key, ``topk_length``
 and whether the rows arrive sorted; the fused builder (``rows_sorted`` as drawn, and ``False``)
-must equal the torch reference and the old Triton builder (``"sort"`` / ``"merge"``) exactly:
+must equal the torch reference and the sorting Triton builder (``"sort"``) exactly:
 ``lens`` and every entry below it. Prints one line per check and exits 1 on any mismatch.
 """
 
@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.registry import interpreter_enabled
-from shardattn.kernels.union import build_union, build_union_reference, unpack_entries
+from shardattn.ops.dispatch import interpreter_enabled
+from shardattn.ops.union import build_union, build_union_reference, unpack_entries
 
 FAILURES: list[str] = []
 CHECKS: list[str] = []
@@ -69,7 +69,7 @@ def fused_matches_old(group_size, tokens, topk, num_kv_rows, sort, use_length, s
     length = torch.randint(0, topk + 2, (tokens,), generator=gen, dtype=torch.int32) if use_length else None
     kw = {"group_size": group_size, "num_kv_rows": num_kv_rows, "topk_length": length}
     want = build_union_reference(rows, **kw)
-    old = build_union(rows, method="sort" if group_size <= 2 else "merge", **kw)
+    old = build_union(rows, method="sort", **kw)
     name = f"G={group_size},T={tokens},K={topk},R={num_kv_rows},sorted={sort},len={use_length},seed={seed}"
     _report(f"old[{name}]", _equal(old, want))
     for rows_sorted in {False, sort}:

@@ -1,0 +1,142 @@
+"""Sparse-MLA decode on the Gluon per-query kernel (sm_90): its options, its slice plan, its launch.
+
+The warp-specialised Gluon prefill kernel (:mod:`shardattn.kernels.gluon.sparse_mla`) runs one
+query token x 64 heads per program over the token's whole row list. Decode is the same math with
+few tokens; where one program per (token, head block) would leave SMs idle, each token's row list
+is cut into ``S`` slices run as pseudo-queries and merged by LSE
+(:mod:`shardattn.ops.sparse_mla_decode_gluon` runs that path).
+
+The split count (:func:`gluon_decode_plan`) minimises a wave model of the kernel: a program costs
+``CTA_OVERHEAD_US + chunk * KEY_US`` (one program per SM: the kernel uses 225 KB of shared memory),
+and splitting adds the merge and the partial bytes. Everything depends on shapes only (no host
+sync), so a launch is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardattn.kernels.triton.lse_merge import split_partials_numel
+
+__all__ = [
+    "CTA_OVERHEAD_US",
+    "KEY_US",
+    "MAX_SPLITS",
+    "SPLIT_ROWS",
+    "gluon_attend",
+    "gluon_decode_config",
+    "gluon_decode_plan",
+    "reads_raw_rows",
+]
+
+#: Rows of a slice are a multiple of this: one 64-key block of the kernel (it takes blocks in pairs
+#: and masks the second past ``lens``, so a slice of an odd number of blocks costs one half-empty
+#: pair, nothing more).
+SPLIT_ROWS = 64
+#: Most slices per top-k row.
+MAX_SPLITS = 32
+#: One program's fixed cost (Q load, ring fill, epilogue), us (estimate).
+CTA_OVERHEAD_US = 3.0
+#: One program's time per key row at 64 heads, us (the prefill kernel's rate on an H200,
+#: docs/PERFORMANCE.md).
+KEY_US = 0.04
+#: The merge kernel's launch and fixed cost, us (estimate), and the bytes per us the partials
+#: (written by the kernel, read by the merge) and q copies move.
+MERGE_US = 4.0
+BYTES_PER_US = 3.0e6
+HEAD_BLOCK = 64
+
+
+def gluon_decode_plan(
+    num_tokens: int,
+    num_heads: int,
+    topk: int,
+    num_sms: int,
+    num_splits: int | None = None,
+    *,
+    v_dim: int = 512,
+    head_dim: int = 576,
+    max_partial_elems: int | None = None,
+) -> dict[str, int]:
+    """Slices per top-k row and rows per slice of a Gluon decode launch (host-side, shapes only).
+
+    Args:
+        num_tokens, num_heads, topk: the launch's ``T``, ``H`` and ``K``.
+        num_sms: SMs of the GPU (one program per SM at a time).
+        num_splits: slices asked for (rounded to ``SPLIT_ROWS``-row slices); None = the wave model.
+        max_partial_elems: fp32 elements a caller's workspace holds; fewer slices are used when
+            the model's choice would not fit (None = no limit).
+    Returns:
+        ``{"num_splits": S, "chunk": rows per slice}`` with ``S * chunk >= topk``.
+
+    Example:
+        >>> [gluon_decode_plan(t, 128, 2048, 132)["num_splits"] for t in (1, 8, 64, 256)]
+        [16, 8, 1, 1]
+    """
+    k = max(int(topk), 1)
+    hb = -(-num_heads // HEAD_BLOCK)
+
+    def shape(s: int) -> tuple[int, int]:
+        per_slice = -(-k // s)
+        chunk = -(-per_slice // SPLIT_ROWS) * SPLIT_ROWS
+        return -(-k // chunk), chunk
+
+    def fits(s: int) -> bool:
+        return max_partial_elems is None or split_partials_numel(s, num_tokens, num_heads, v_dim) <= max_partial_elems
+
+    if num_splits is None:
+
+        def cost(s: int) -> float:
+            waves = -(-num_tokens * hb * s // num_sms)
+            chunk = shape(s)[1]
+            t = waves * (CTA_OVERHEAD_US + chunk * KEY_US)
+            if s > 1:
+                part = split_partials_numel(s, num_tokens, num_heads, v_dim) * 4 * 2
+                q_copy = (num_tokens > 1) * s * num_tokens * num_heads * head_dim * 2 * 2
+                t += MERGE_US + (part + q_copy) / BYTES_PER_US
+            return t
+
+        candidates = sorted({shape(1 << i)[0] for i in range(MAX_SPLITS.bit_length()) if (1 << i) <= MAX_SPLITS})
+        s = min((c for c in candidates if fits(c)), key=cost, default=1)
+    else:
+        s = shape(max(1, min(int(num_splits), k)))[0]
+        while s > 1 and not fits(s):
+            s = shape(s // 2)[0] if s > 2 else 1
+    if s > 1 and not fits(s):
+        s = 1
+    s, chunk = shape(s)
+    return {"num_splits": s, "chunk": chunk}
+
+
+def gluon_decode_config(num_heads: int = 0, v_dim: int = 512, rope_dim: int = 64):
+    """The Gluon kernel's options for decode: one tile a program (the persistent grid measured level
+    here), a token's head blocks adjacent in the grid (at 128 heads its two programs read the same
+    rows, the second from L2) and Q loaded by the producer (docs/PERFORMANCE.md). Every shape takes
+    the same options (64 heads a program, fewer pad it).
+
+    Returns:
+        A :class:`~shardattn.kernels.gluon.sparse_mla.GluonConfig`.
+    """
+    del num_heads, v_dim, rope_dim
+    from shardattn.kernels.gluon.sparse_mla import GluonConfig
+
+    return GluonConfig(heads_fastest=True, early_kv=True)
+
+
+def gluon_attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows: bool = False) -> None:
+    """Launch the Gluon kernel with the decode options on row lists ``union [P, W]`` / ``lens [P]``
+    of ``P`` pseudo-queries (or, with ``raw_rows``, the caller's rows and ``topk_length``)."""
+    from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+
+    cfg = gluon_decode_config(q.shape[1], v_dim, q.shape[-1] - v_dim)
+    launch_gluon_attention(
+        q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse, raw_rows=raw_rows
+    )
+
+
+def reads_raw_rows(rows: torch.Tensor, topk_length: torch.Tensor | None) -> bool:
+    """Whether a one-slice launch reads ``rows`` in place (no packing): contiguous int32 rows (and
+    int32 ``topk_length``)."""
+    return (
+        rows.dtype == torch.int32 and rows.stride(-1) == 1 and (topk_length is None or topk_length.dtype == torch.int32)
+    )

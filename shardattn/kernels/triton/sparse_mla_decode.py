@@ -1,0 +1,446 @@
+"""The Triton split-KV kernel of sparse-MLA decode: its configuration, launcher and runner.
+
+One program per (head block, token, split of the top-k row) runs the online softmax
+(:mod:`~shardattn.kernels.triton.online_softmax`) over its slice of the row's KV rows and writes an
+fp32 partial and LSE (or, with one split, the result); the LSE merge
+(:mod:`~shardattn.kernels.triton.lse_merge`) combines the splits. The head blocks of a token are
+the fastest grid axis, so they read the same rows while those are in L2. Splits write partial
+outputs in fp32 (in q's 2-byte dtype under the row merge, which reads them all with few
+programs: :func:`partials_dtype`). On sm_90 and newer the kernel and its merge are programmatic
+dependent launches: the kernel waits for the grid before it (a union build, a caller's indexer)
+and lets the merge launch once its partials are stored.
+
+:func:`sparse_mla_decode_config` shapes a launch, :func:`run_split_decode` runs one (benchmarks
+call it with their own ``num_splits`` / ``config``). The contract and the routing live in
+:mod:`shardattn.ops.sparse_mla_decode`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shardattn.kernels.backend import pdl_supported
+from shardattn.kernels.triton.lse_merge import (
+    gdc_launch_dependents,
+    gdc_wait,
+    launch_lse_merge,
+    launch_lse_merge_columns,
+    split_partials,
+)
+from shardattn.kernels.triton.online_softmax import online_softmax_finish, online_softmax_step
+from shardattn.plan.crossovers import ONE_WAVE_MAX_BLOCK_N, ONE_WAVE_MAX_ROWS, ONE_WAVE_MAX_SPLITS
+from shardattn.plan.routing import Route, route_decode_merge
+
+__all__ = [
+    "CONFIG_KEYS",
+    "launch_split_kernel",
+    "partials_dtype",
+    "run_split_decode",
+    "sparse_mla_decode_config",
+]
+
+LOG2E = 1.4426950408889634
+#: Keys a caller's ``config=`` may override (tuning).
+CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge", "pdl", "partials"})
+MERGES = ("rows", "columns")
+
+
+def _block_h(num_heads: int) -> int:
+    """Heads of one program: 64 above 32 heads, else the next power of two (at least 16)."""
+    return 64 if num_heads > 32 else max(16, 1 << max(0, (num_heads - 1).bit_length()))
+
+
+def sparse_mla_decode_config(
+    num_tokens: int,
+    num_heads: int,
+    topk: int,
+    num_sms: int,
+    num_splits: int | None = None,
+    *,
+    head_dim: int = 576,
+    v_dim: int = 512,
+    elem_bytes: int = 2,
+) -> dict[str, int | str]:
+    """Tile sizes, split count and rows per split for a launch (host-side, shape-only).
+
+    Splitting a top-k row fills more SMs but writes and re-reads fp32 partials of
+    ``H * v_dim`` per token and split: at 128 heads that is 0.5 MB against 2.4 MB of KV rows,
+    so the split count minimises ``(kv bytes + splits * partial bytes) / busy fraction``, where
+    the busy fraction is ``min(1, programs * splits / slots)``, ``slots`` = the programs that
+    saturate memory bandwidth: one per SM for 64-head tiles, two for smaller ones (calibrated
+    on an H200 with fixed split counts: docs/PERFORMANCE.md).
+
+    One wave: where the cost model splits and there are at most
+    :data:`~shardattn.plan.crossovers.ONE_WAVE_MAX_ROWS` (token, head) rows, the split count becomes
+    the largest power of two whose launch fits in one wave (``tokens x head blocks x splits <=
+    SMs``), up to :data:`~shardattn.plan.crossovers.ONE_WAVE_MAX_SPLITS` at <= 32 heads (then 32-row
+    tiles), else up to the cost model's count; at <= 16 heads a split of 64 or 128 rows is one
+    tile of 8 warps (one gather, no second loop step). The thresholds are measured crossovers
+    (docs/PERFORMANCE.md).
+
+    Returns:
+        ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge",
+        "reason", "cost_model_splits"}`` (``merge``: the path of
+        :func:`~shardattn.plan.routing.route_decode_merge`, ``reason`` its reason after the split
+        count; ``cost_model_splits``: the cost model's split count, before the one-wave choice).
+
+    Example:
+        >>> [sparse_mla_decode_config(t, 128, 2048, 132)["num_splits"] for t in (1, 8, 64)]
+        [32, 8, 1]
+        >>> sparse_mla_decode_config(8, 16, 2048, 132)["reason"]
+        '16 splits (one wave); column merge: 128 (token, head) rows <= 128'
+    """
+    block_h = _block_h(num_heads)
+    block_n = 64
+    num_warps = 8 if block_h >= 64 else 4
+    programs = max(1, num_tokens * -(-num_heads // block_h))
+    n_blocks = max(1, -(-topk // block_n))
+    one_wave = False
+    if num_splits is None:
+        kv_bytes = num_tokens * topk * head_dim * elem_bytes
+        part_bytes = num_tokens * num_heads * (v_dim + 1) * 4 * 2
+        slots = num_sms * (1 if block_h >= 64 else 2)
+
+        def cost(s: int) -> float:
+            return (kv_bytes + (s > 1) * s * part_bytes) / min(1.0, programs * s / slots)
+
+        num_splits = min(range(1, min(n_blocks, 64) + 1), key=cost)
+        cost_model = num_splits
+        fit = min(num_sms // programs, ONE_WAVE_MAX_SPLITS if block_h <= 32 else num_splits)
+        if num_splits > 1 and fit > 1 and num_tokens * num_heads <= ONE_WAVE_MAX_ROWS:
+            num_splits, one_wave = 1 << (fit.bit_length() - 1), True
+            per_split = -(-topk // num_splits)
+            if per_split <= 32:
+                block_n = 32
+            elif block_h <= 16 and elem_bytes <= 2 and per_split <= ONE_WAVE_MAX_BLOCK_N:
+                block_n = ONE_WAVE_MAX_BLOCK_N if per_split > 64 else 64  # the split in one gather
+                num_warps = 8
+    else:
+        cost_model = num_splits
+    chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
+    splits = max(1, -(-max(topk, 1) // chunk))
+    merge = route_decode_merge(num_tokens, num_heads, splits)
+    return {
+        "BLOCK_H": block_h,
+        "BLOCK_N": block_n,
+        "num_splits": splits,
+        "chunk": chunk,
+        "num_warps": num_warps,
+        "num_stages": 2,
+        "merge": merge.path,
+        "reason": merge_reason(merge, splits, one_wave=one_wave),
+        "cost_model_splits": cost_model,
+    }
+
+
+def partials_dtype(dtype: torch.dtype, merge: str, choice: str = "auto") -> torch.dtype:
+    """The dtype of the split partials' outputs for inputs of ``dtype`` merged by ``merge``:
+    ``choice`` ``"fp32"``, ``"input"`` (``dtype`` where it is a 2-byte float) or ``"auto"``: the
+    input dtype under the row merge (a few wide programs read every partial: half the bytes
+    measured 7 % faster at 128 heads x 8 tokens), fp32 under the column merge (one
+    latency each; no gain measured; docs/PERFORMANCE.md).
+
+    Example:
+        >>> partials_dtype(torch.bfloat16, "rows"), partials_dtype(torch.bfloat16, "columns")
+        (torch.bfloat16, torch.float32)
+    """
+    half = dtype in (torch.bfloat16, torch.float16) and (choice == "input" or (choice == "auto" and merge == "rows"))
+    return dtype if half else torch.float32
+
+
+def merge_reason(merge: Route, num_splits: int, *, one_wave: bool = False) -> str:
+    """``merge``'s reason after the split count (``one_wave``: the one-wave choice)."""
+    if merge.path == "none":
+        return merge.reason
+    return f"{num_splits} splits{' (one wave)' if one_wave else ''}; {merge.reason}"
+
+
+def run_split_decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    topk_length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+    lse_out: torch.Tensor,
+    num_sms: int,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> dict:
+    """The split-KV kernel and the merge its configuration routes, into ``out`` / ``lse_out``.
+
+    Validated tensors (:func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode` checks them and
+    de-duplicates the rows first unless they are unique): ``q [T, H, D]``, ``kv [R, D]``,
+    ``rows [T, K]`` int32, ``out [T, H, v_dim]``, ``lse_out [T, H]`` fp32, ``workspace`` an
+    optional flat fp32 buffer for the partials. The launch knobs are for tuning and benchmarks:
+    ``num_splits`` (default :func:`sparse_mla_decode_config`'s) and ``config`` overrides of its
+    keys (:data:`CONFIG_KEYS`: ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages``,
+    ``merge`` = ``"rows"`` / ``"columns"``, ``pdl`` = ``False`` for plain launches, ``partials`` =
+    ``"fp32"`` / ``"input"`` / ``"auto"``: :func:`partials_dtype`). Returns the configuration it
+    launched. Capture-safe: no host sync; the grid depends on shapes and the split count only.
+
+    Raises:
+        ValueError / TypeError: an unknown ``config`` key or value (before any launch).
+    """
+    if config:
+        unknown = set(config) - CONFIG_KEYS
+        if unknown:
+            raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
+        if config.get("merge", "rows") not in MERGES:
+            raise ValueError(f"config['merge'] must be 'rows' or 'columns', got {config['merge']!r}")
+        if not isinstance(config.get("pdl", False), bool):
+            raise TypeError(f"config['pdl'] must be a bool, got {type(config['pdl']).__name__}")
+        if config.get("partials", "auto") not in ("auto", "input", "fp32"):
+            raise ValueError(f"config['partials'] must be 'auto', 'input' or 'fp32', got {config['partials']!r}")
+    t, h, d = q.shape
+    v_dim = out.shape[-1]
+    topk = rows.shape[1]
+    cfg = sparse_mla_decode_config(
+        t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
+    )
+    if config:
+        want = num_splits if num_splits is not None else cfg["num_splits"]
+        cfg = {**cfg, **config}
+        per_split = -(-max(topk, 1) // want)
+        cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
+        merge = route_decode_merge(t, h, cfg["num_splits"])
+        if "merge" not in config:
+            cfg["merge"], cfg["reason"] = merge.path, merge_reason(merge, cfg["num_splits"])
+        else:
+            cfg["reason"] = f"{cfg['num_splits']} splits; {cfg['merge']} merge: config"
+    splits = cfg["num_splits"]
+    if splits > 1:
+        out_dtype = partials_dtype(q.dtype, cfg["merge"], cfg.get("partials", "auto"))
+        dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device, out_dtype=out_dtype)
+    else:
+        dst_out, dst_lse = out, lse_out
+    pdl = cfg.get("pdl", True) and pdl_supported(q.device)
+    launch_split_kernel(q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, cfg, scale, pdl=pdl)
+    if splits > 1:
+        if cfg.get("merge") == "columns":
+            launch_lse_merge_columns(dst_out, dst_lse, out, lse_out, pdl=pdl)
+        else:
+            launch_lse_merge(dst_out, dst_lse, out, lse_out, pdl=pdl)
+    return cfg
+
+
+def launch_split_kernel(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    dst_out: torch.Tensor,
+    dst_lse: torch.Tensor,
+    out: torch.Tensor,
+    lse_out: torch.Tensor,
+    cfg: dict,
+    scale: float,
+    pdl: bool = False,
+) -> None:
+    """Launch ``_sparse_mla_decode_kernel`` on validated tensors (no checks, no allocation, no sync).
+
+    Args:
+        q ``[T, H, D]``, kv ``[R, D]``, rows ``[T, K]`` int32, topk_length ``[T]`` / sinks ``[H]`` or None.
+        dst_out ``[S, T, H, Dv]`` (fp32 or q's dtype) / dst_lse ``[S, T, H]`` fp32 partials
+        (``out`` / ``lse_out`` when ``cfg["num_splits"] == 1``); out ``[T, H, Dv]``, lse_out
+        ``[T, H]``: the result (written by the kernel only with one split; else by the merge).
+        cfg: :func:`sparse_mla_decode_config`'s dict.
+        pdl: a programmatic dependent launch (only where
+            :func:`~shardattn.kernels.backend.pdl_supported`): the kernel waits for the grid before
+            it in the stream before reading anything, and lets the next one (a PDL merge) launch
+            once every program has stored its partial. (Letting it launch when the programs
+            start measured faster at 16 heads x 1-2 tokens and slower everywhere else:
+            docs/PERFORMANCE.md.)
+    """
+    t, h, d = q.shape
+    v_dim = out.shape[-1]
+    dr = d - v_dim
+    splits = cfg["num_splits"]
+    topk = rows.shape[1]
+    if splits > 1:
+        s_os, s_ls = dst_out.stride(0), dst_lse.stride(0)
+    else:
+        s_os, s_ls = 0, 0
+    grid = (triton.cdiv(h, cfg["BLOCK_H"]), t, splits)
+    _sparse_mla_decode_kernel[grid](
+        q,
+        kv,
+        rows,
+        topk_length if topk_length is not None else rows,
+        sinks if sinks is not None else q,
+        dst_out,
+        dst_lse,
+        out,  # FinalOut, FinalLse, Counters: unused (the kernel's signature, see its docstring)
+        lse_out,
+        lse_out,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        kv.stride(0),
+        kv.stride(1),
+        rows.stride(0),
+        rows.stride(1),
+        dst_out.stride(-3),
+        dst_out.stride(-2),
+        dst_out.stride(-1),
+        s_os,
+        dst_lse.stride(-2),
+        dst_lse.stride(-1),
+        s_ls,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        lse_out.stride(0),
+        lse_out.stride(1),
+        splits,
+        h,
+        kv.shape[0],
+        topk,
+        cfg["chunk"],
+        1,  # pieces_per_head, gen_offset: unused
+        0,
+        float(scale) * LOG2E,
+        DV=v_dim,
+        DR=dr,
+        BLOCK_DV=triton.next_power_of_2(v_dim),
+        BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))),
+        BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_N=cfg["BLOCK_N"],
+        HAS_TOPK_LEN=topk_length is not None,
+        HAS_SINKS=sinks is not None,
+        HAS_ROPE=dr > 0,
+        IEEE=q.dtype == torch.float32,
+        PDL=pdl,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg.get("num_stages", 2),
+        launch_pdl=pdl,
+    )
+
+
+@triton.jit
+def _sparse_mla_decode_kernel(
+    Q,
+    KV,
+    Rows,
+    TopkLen,
+    Sinks,
+    Out,
+    Lse,
+    FinalOut,
+    FinalLse,
+    Counters,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kvr,
+    stride_kvd,
+    stride_rt,
+    stride_rk,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    stride_yt,
+    stride_yh,
+    stride_yd,
+    stride_zt,
+    stride_zh,
+    num_splits,
+    H,
+    R,
+    K,
+    chunk,
+    pieces_per_head,
+    gen_offset,
+    qk_scale,
+    DV: tl.constexpr,
+    DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_TOPK_LEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One (head block, token, split): online softmax over rows ``[split*chunk, ...)`` of the top-k;
+    with ``PDL`` it waits for the grid before it and lets the next one launch after its stores.
+
+    ``FinalOut``, ``FinalLse``, ``Counters``, ``stride_y*``, ``stride_z*``, ``num_splits``,
+    ``pieces_per_head`` and ``gen_offset`` are unused (they served a merge inside this kernel that
+    was removed, docs/DECISIONS.md): they stay in the signature so the compiled kernel is the
+    measured one (``tests/ptx_digests.json``); dropping them is a kernel change of its own.
+    """
+    tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
+    if PDL:  # the grid before this one (a union build, an indexer) wrote q / rows: wait for it
+        gdc_wait()
+    pid_h = tl.program_id(0)
+    tok = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    vmask = offs_v < DV
+    rmask = offs_r < DR
+    q_base = Q + tok * stride_qt + heads[:, None] * stride_qh
+    q_nope = tl.load(q_base + offs_v[None, :] * stride_qd, mask=hmask[:, None] & vmask[None, :], other=0.0)
+    if HAS_ROPE:
+        q_pe = tl.load(q_base + (DV + offs_r[None, :]) * stride_qd, mask=hmask[:, None] & rmask[None, :], other=0.0)
+    k_len = K
+    if HAS_TOPK_LEN:
+        k_len = tl.minimum(tl.load(TopkLen + tok), K)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, k_len)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if HAS_SINKS:
+        if split == 0:
+            m_i = tl.load(Sinks + heads, mask=hmask, other=0.0) * 1.4426950408889634
+            l_i = tl.zeros([BLOCK_H], tl.float32) + 1.0
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < hi
+        r = tl.load(Rows + tok * stride_rt + offs_n * stride_rk, mask=nmask, other=-1)
+        valid = nmask & (r >= 0) & (r < R)
+        row_ptr = KV + tl.where(valid, r, 0).to(tl.int64)[:, None] * stride_kvr
+        k_nope = tl.load(row_ptr + offs_v[None, :] * stride_kvd, mask=valid[:, None] & vmask[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q_nope, tl.trans(k_nope), input_precision="ieee")
+        else:
+            s = tl.dot(q_nope, tl.trans(k_nope))
+        if HAS_ROPE:
+            k_pe = tl.load(
+                row_ptr + (DV + offs_r[None, :]) * stride_kvd, mask=valid[:, None] & rmask[None, :], other=0.0
+            )
+            if IEEE:
+                s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+            else:
+                s += tl.dot(q_pe, tl.trans(k_pe))
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
+        if IEEE:
+            pv = tl.dot(p.to(k_nope.dtype), k_nope, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(k_nope.dtype), k_nope)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    res, lse = online_softmax_finish(acc, m_i, l_i)
+    o_ptrs = Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
+    tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
+    tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)
+    if PDL:  # the partial is stored: the merge may launch (it waits for this grid to complete)
+        gdc_launch_dependents()

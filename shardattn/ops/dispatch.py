@@ -1,0 +1,235 @@
+"""Dispatch: which kernel runs an operation's call on these tensors, and why.
+
+The decisions are :mod:`shardattn.plan.routing`'s (shapes and measured crossovers, no tensors);
+this module asks them with a call's tensors: what the device is, whether Triton and Gluon run
+there, whether a kernel supports the shapes, dtypes and strides. :func:`prefill_path` (a sparse
+prefill: kernel, ``G``, tile), :func:`sparse_prefill_kernel` and :func:`sparse_decode_kernel`
+(which kernel, with the reason), :func:`decode_path` (a decode call, ``backend=`` included).
+Whether Triton runs at all (:func:`use_triton`, the interpreter switch) is the leaf
+:mod:`shardattn.kernels.backend`'s; nothing here imports Triton at module import time.
+
+Example:
+    >>> import torch
+    >>> use_triton(torch.zeros(2))  # a CPU tensor without the interpreter
+    False
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardattn.kernels.backend import (
+    device_capability,
+    interpreter_enabled,
+    is_sm90,
+    pdl_supported,
+    sm_count,
+    triton_available,
+    unsupported_reason,
+    use_triton,
+)
+from shardattn.kernels.union_layout import MAX_PACKED_ROWS
+from shardattn.plan.routing import gluon_grouped_group_size, grouped_group_size
+
+__all__ = [
+    "PrefillPath",
+    "decode_path",
+    "default_group_size",
+    "device_capability",
+    "gluon_runs_on",
+    "interpreter_enabled",
+    "is_sm90",
+    "pdl_supported",
+    "prefill_path",
+    "sm_count",
+    "sparse_decode_kernel",
+    "sparse_prefill_kernel",
+    "triton_available",
+    "unsupported_reason",
+    "use_triton",
+]
+
+
+def gluon_runs_on(device: torch.device) -> bool:
+    """``True`` when the Gluon kernels run on ``device``: an sm_90 GPU and a Triton with Gluon."""
+    if not is_sm90(device) or not triton_available():
+        return False
+    from shardattn.kernels.gluon.sparse_mla import gluon_available
+
+    return gluon_available()
+
+
+def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_size: int = 1) -> tuple[str, str]:
+    """``(name, reason)`` of the kernel that runs a sparse-MLA prefill of ``group_size`` queries
+    per tile (``1``: per-query) on these tensors.
+
+    ``"gluon"`` on sm_90 when Triton ships Gluon and the shape suits it (and the routing's
+    measured crossovers say it pays: :func:`shardattn.plan.routing.route_prefill_kernel`), else
+    ``"triton"`` when the Triton kernel runs these tensors, else ``"reference"`` (the fp32 torch path).
+    """
+    from shardattn.plan.routing import route_prefill_kernel
+
+    why = unsupported_reason(q, kv, None)
+    if why is None:
+        from shardattn.kernels.triton.sparse_mla import kernel_unsupported_reason
+
+        why = kernel_unsupported_reason(q, kv, v_dim)
+    if why is not None:
+        return "reference", why
+    if interpreter_enabled():
+        return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter"
+    from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
+
+    sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    route = route_prefill_kernel(
+        q.shape[1],
+        device_type=q.device,
+        sm=sm,
+        gluon_missing=gluon_unsupported_reason(q, kv, v_dim),
+        group_size=group_size,
+    )
+    return route.path, route.reason
+
+
+def sparse_decode_kernel(
+    q: torch.Tensor, kv: torch.Tensor, v_dim: int, rows: torch.Tensor | None = None
+) -> tuple[str, str]:
+    """``(name, reason)`` of the kernel that runs a sparse-MLA decode call on these tensors.
+
+    On sm_90 when Triton ships Gluon and the shape suits it: ``"gluon_small"`` (with ``rows``
+    given, up to :data:`shardattn.plan.routing.SMALL_DECODE_MAX_HEADS` heads and
+    :data:`~shardattn.plan.routing.SMALL_DECODE_MAX_TOKENS` tokens) or ``"gluon"`` where the
+    routing's measured crossovers (:data:`~shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads
+    and :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_PROGRAMS` programs) say it pays; else
+    ``"triton"`` (the split-KV kernel) when Triton runs these tensors; else ``"reference"`` (the
+    fp32 torch path).
+    """
+    from shardattn.plan.routing import route_sparse_decode_kernel
+
+    why = unsupported_reason(q, kv, None)
+    if why is not None:
+        return "reference", why
+    if interpreter_enabled():
+        return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter"
+    from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
+
+    sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    missing = gluon_unsupported_reason(q, kv, v_dim)
+    small_missing = "rows not given"
+    if rows is not None:
+        from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_limits
+
+        small_missing = missing or small_decode_limits(q, rows)
+    route = route_sparse_decode_kernel(
+        q.shape[1], num_tokens=q.shape[0], device_type=q.device, sm=sm, gluon_missing=missing,
+        small_missing=small_missing,
+    )  # fmt: skip
+    return route.path, route.reason
+
+
+@dataclass(frozen=True)
+class PrefillPath:
+    """Which implementation a sparse prefill takes, and why."""
+
+    backend: str  # "gluon", "triton" or "reference"
+    group_size: int
+    tile: object | None  # the Triton kernel's TileConfig
+    reason: str
+
+
+def default_group_size(heads: int) -> int:
+    """``G`` the default routing uses: the planner's :func:`~shardattn.plan.routing.grouped_group_size`, else 1.
+
+    >>> [default_group_size(h) for h in (4, 8, 16, 32, 64, 128)]
+    [8, 8, 1, 1, 1, 1]
+    """
+    return grouped_group_size(heads) or 1
+
+
+def prefill_path(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    *,
+    v_dim: int,
+    group_size: int | None = None,
+) -> PrefillPath:
+    """Decide the implementation for these inputs (no GPU synchronisation).
+
+    ``backend``: ``"gluon"`` where :func:`~shardattn.ops.dispatch.sparse_prefill_kernel` sends
+    ``(heads, G)`` (sm_90 with Gluon, the measured crossovers of :mod:`shardattn.plan.routing`),
+    else ``"triton"``, else ``"reference"``. With ``group_size=None`` on such a GPU, ``G`` follows
+    the grouped Gluon kernel's crossover (:func:`~shardattn.plan.routing.gluon_grouped_group_size`)
+    where that kernel runs, else :func:`default_group_size`.
+    """
+    from shardattn.kernels.triton.sparse_mla import kernel_unsupported_reason, tile_config
+
+    heads = q.shape[1]
+    if not use_triton(q, kv):
+        return PrefillPath("reference", 1, None, "no Triton for these tensors (CPU or not installed)")
+    why = kernel_unsupported_reason(q, kv, v_dim)
+    if why is not None:
+        return PrefillPath("reference", 1, None, why)
+    g = default_group_size(heads) if group_size is None else group_size
+    reason = f"G = {g} for {heads} heads"
+    if group_size is None and kv.shape[0] <= MAX_PACKED_ROWS:
+        g_gluon = gluon_grouped_group_size(heads)
+        if g_gluon is not None and sparse_prefill_kernel(q, kv, v_dim, g_gluon)[0] == "gluon":
+            g, reason = g_gluon, f"G = {g_gluon} for {heads} heads (grouped Gluon crossover)"
+    if g > 1 and kv.shape[0] > MAX_PACKED_ROWS:
+        g, reason = 1, f"KV cache of {kv.shape[0]} rows exceeds the 24-bit packed limit"
+    kernel, why = sparse_prefill_kernel(q, kv, v_dim, g)
+    if kernel == "gluon":
+        return PrefillPath("gluon", g, None, f"{reason}; {why}")
+    return PrefillPath("triton", g, tile_config(heads, g, interpret=interpreter_enabled()), f"{reason}; {why}")
+
+
+def decode_path(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    v_dim: int,
+    *,
+    backend: str | None = None,
+    workspace: torch.Tensor | None = None,
+    num_sms: int = 132,
+) -> tuple[str, str]:
+    """``(kernel, reason)`` of a sparse-MLA decode call: ``"reference"``, ``"triton"``, ``"gluon"``
+    or ``"gluon_small"``. ``backend`` forces one kernel wherever it runs (a ``ValueError`` where it
+    cannot); routed, :func:`sparse_decode_kernel` decides, and a ``workspace`` too small for the
+    small-batch kernel's splits sends its call to Triton (forced, it raises). Inputs validated."""
+    from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
+    from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_unsupported_reason
+    from shardattn.kernels.triton.lse_merge import HAVE_TRITON, split_partials_numel
+    from shardattn.plan.routing import small_decode_tiles
+
+    t, h, _ = q.shape
+    if kv.shape[0] == 0 or not HAVE_TRITON or not use_triton(q):
+        if backend in ("gluon", "gluon_small"):
+            why = "kv has no rows" if kv.shape[0] == 0 else "no CUDA tensors or no Triton"
+            raise ValueError(f"backend={backend!r} cannot run here: {why}")
+        return "reference", "kv has no rows" if kv.shape[0] == 0 else "no Triton for these tensors"
+    if backend == "triton":
+        return "triton", "backend='triton'"
+    if backend in ("gluon", "gluon_small"):  # forced: wherever it runs, whatever the crossover says
+        why = (
+            gluon_unsupported_reason(q, kv, v_dim)
+            if backend == "gluon"
+            else small_decode_unsupported_reason(q, kv, rows, v_dim)
+        )
+        if why is not None:
+            raise ValueError(f"backend={backend!r} cannot run here: {why}")
+        kernel, why = backend, f"backend={backend!r}"
+    else:
+        kernel, why = sparse_decode_kernel(q, kv, v_dim, rows) if h > 0 else ("triton", "no heads")
+    if kernel == "gluon_small" and workspace is not None:
+        splits = small_decode_tiles(t, rows.shape[1], num_sms)[1]
+        need = split_partials_numel(splits, t, h, v_dim)
+        if workspace.numel() < need:
+            if backend == "gluon_small":
+                raise ValueError(
+                    f"workspace must hold >= {need} fp32 elements for the small-batch kernel's {splits} splits"
+                )
+            return "triton", f"the workspace holds fewer than the small-batch kernel's {need} fp32 elements"
+    return kernel, why

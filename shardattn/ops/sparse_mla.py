@@ -1,0 +1,366 @@
+"""Sparse MLA attention: every query token attends to its own top-k KV rows.
+
+After weight absorption a query token has ``H`` heads of ``D = 576`` dims (512 latent + 64
+rope); the KV cache holds one ``D``-dim row per token, whose first ``Dv = 512`` dims are the
+value::
+
+    out[t, h] = softmax(scale * q[t, h] . kv[rows[t]]^T) @ kv[rows[t], :Dv]
+
+``rows`` holds global KV row ids; ``-1`` or any value outside ``[0, R)`` is invalid, anywhere in
+a row; ``topk_length[t]`` (optional) truncates row ``t`` to its first entries. A row with no
+valid key gives ``(out = 0, lse = -inf)``. A row listed twice by one query is one key (later
+duplicates are ignored), on every path. Attention sinks add one logit per head to the
+softmax denominator (``lse`` then includes the sink term; an empty row gives ``(0, sink)``).
+
+This module holds the public entry point, its validation and the fp32 torch reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_scale, check_tensor
+
+if TYPE_CHECKING:
+    from shardattn.ops.prepared_union import PreparedUnion
+
+#: Bytes of fp32 gathered KV the reference materialises at once (bounds CPU memory).
+REFERENCE_CHUNK_BYTES = 256 << 20
+
+
+def join_q(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Accept ``q`` whole (``[T, H, D]``) or split into latent and rope views.
+
+    Args:
+        q: ``[T, H, D]`` or a tuple ``(q_latent [T, H, Dl], q_rope [T, H, Dr])``.
+    Returns:
+        ``[T, H, Dl + Dr]`` (the input itself when not split).
+    """
+    if isinstance(q, tuple | list):
+        if len(q) != 2:
+            raise ValueError(f"q as a tuple must be (q_latent, q_rope), got {len(q)} parts")
+        latent, rope = q
+        check_tensor("q_latent", latent, dtypes=FLOAT_DTYPES, ndim=3)
+        check_tensor("q_rope", rope, dtypes=(latent.dtype,), shape=(latent.shape[0], latent.shape[1], None))
+        return torch.cat([latent, rope], dim=-1)
+    return q
+
+
+def q_heads_view(q: torch.Tensor) -> torch.Tensor:
+    """``q`` as ``[T, H, D]``: itself, or a head-blocked ``[B, T, H/B, D]`` merged (a copy unless ``B == 1``).
+
+    Head-blocked tensors (an all-to-all buffer read in place, see
+    :func:`~shardattn.kernels.triton.sparse_mla.launch_attention`) hold head ``b * H/B + i`` of
+    token ``t`` at ``[b, t, i]``.
+    """
+    return q.movedim(0, 1).flatten(1, 2) if q.dim() == 4 else q
+
+
+def shape_stand_in(q: torch.Tensor) -> torch.Tensor:
+    """A zero-copy ``[T, H, D]`` stand-in of a head-blocked ``q`` with its dtype, device and shape
+    (for validation and dispatch only: it does not hold q's values); ``q`` itself when 3-D."""
+    if q.dim() != 4:
+        return q
+    b, t, hb, d = q.shape
+    return q.as_strided((t, b * hb, d), (0, 0, 1))
+
+
+def store_heads(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Copy ``src [T, H, ...]`` into ``dst``, plain ``[T, H, ...]`` or head-blocked ``[B, T, H/B, ...]``."""
+    if dst.dim() == src.dim() + 1:
+        b = dst.shape[0]
+        dst.copy_(src.unflatten(1, (b, src.shape[1] // b)).movedim(1, 0))
+    else:
+        dst.copy_(src)
+    return dst
+
+
+def check_sparse_mla_inputs(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    v_dim: int,
+    topk_length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    scale: object = None,
+) -> None:
+    """Validate the arguments of every sparse-MLA entry (all backends); raises before any kernel runs.
+
+    ``scale`` is checked when given (finite, > 0); the public entries always give it.
+    """
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    t, h, d = q.shape
+    check_tensor("kv", kv, dtypes=(q.dtype,), ndim=2)
+    check_head_dim("q", q, "kv", kv)
+    check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
+    if rows.shape[0] != t:
+        raise ValueError(f"rows must have one row per query token ({t}), got shape {list(rows.shape)}")
+    if not 0 < v_dim <= d:
+        raise ValueError(f"v_dim must be in (0, {d}], got {v_dim}")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
+    if scale is not None:
+        check_scale("scale", scale)
+    check_same_device(q=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
+
+
+def check_head_dim(q_name: str, q: torch.Tensor, kv_name: str, kv: torch.Tensor) -> None:
+    """``q [..., D]`` and ``kv [R, D]`` share ``D``; a mismatch blames the query (the per-call tensor)."""
+    if q.shape[-1] != kv.shape[-1]:
+        raise ValueError(
+            f"{q_name} must have last dim {kv.shape[-1]} ({kv_name}'s row width), got {q.shape[-1]} "
+            f"({q_name} {list(q.shape)}, {kv_name} {list(kv.shape)})"
+        )
+
+
+def empty_kv_result(q: torch.Tensor, v_dim: int, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result of sparse MLA over a KV cache with no rows: every row is empty.
+
+    Args:
+        q: ``[T, H, D]``; v_dim: value width; sinks: ``[H]`` fp32 or None.
+    Returns:
+        ``(out [T, H, v_dim] zeros in q's dtype, lse [T, H] fp32)``: ``-inf``, or the sink logit
+        with sinks (an empty row with a sink is ``(0, sink)``).
+    """
+    t, h, _ = q.shape
+    out = q.new_zeros(t, h, v_dim)
+    if sinks is None:
+        lse = torch.full((t, h), -math.inf, dtype=torch.float32, device=q.device)
+    else:
+        lse = sinks.float()[None, :].expand(t, h).clone()
+    return out, lse
+
+
+def valid_mask(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None) -> torch.Tensor:
+    """``[T, K]`` bool: entry is a valid key (in ``[0, R)`` and within ``topk_length``)."""
+    valid = (rows >= 0) & (rows < num_kv_rows)
+    if topk_length is not None:
+        k = rows.shape[1]
+        valid &= torch.arange(k, device=rows.device)[None, :] < topk_length[:, None].to(torch.int64)
+    return valid
+
+
+def first_occurrences(rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[T, K]`` bool: ``valid`` with every later duplicate of a row within a token cleared.
+
+    >>> rows = torch.tensor([[4, 2, 4, -1, 2]], dtype=torch.int32)
+    >>> first_occurrences(rows, rows >= 0).tolist()
+    [[True, True, False, False, False]]
+    """
+    k = rows.shape[1]
+    if k < 2:
+        return valid
+    # invalid entries get distinct negative keys so they never pair with anything
+    keys = torch.where(valid, rows.long(), -1 - torch.arange(k, device=rows.device)[None, :])
+    ordered, order = keys.sort(dim=1, stable=True)
+    dup_sorted = torch.zeros_like(valid)
+    dup_sorted[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+    dup = torch.zeros_like(valid).scatter_(1, order, dup_sorted)
+    return valid & ~dup
+
+
+def sparse_mla_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int = 512,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (or fp64) torch reference, chunked over tokens so memory stays bounded.
+
+    Args:
+        q: ``[T, H, D]``; kv: ``[R, D]``; rows: ``[T, K]`` int32 global rows.
+        scale: softmax scale. v_dim: value width (first ``v_dim`` dims of a KV row).
+        topk_length: ``[T]`` int32 or None. sinks: ``[H]`` fp32 or None.
+        compute_dtype: float32 or float64.
+    Returns:
+        ``(out [T, H, v_dim] in q.dtype, lse [T, H] fp32)``.
+    """
+    t, h, d = q.shape
+    k = rows.shape[1]
+    r = kv.shape[0]
+    out = torch.empty(t, h, v_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out, lse
+    valid = first_occurrences(rows, valid_mask(rows, r, topk_length))
+    if r == 0:  # no row is valid; gather from one zero row so the indexing below stays in range
+        kv = kv.new_zeros(1, d)
+    bytes_per_token = max(1, k * d * torch.finfo(compute_dtype).bits // 8)
+    chunk = max(1, min(t, REFERENCE_CHUNK_BYTES // bytes_per_token))
+    sink = sinks.to(compute_dtype) if sinks is not None else None
+    for t0 in range(0, t, chunk):
+        t1 = min(t, t0 + chunk)
+        safe_rows = torch.where(valid[t0:t1], rows[t0:t1], torch.zeros_like(rows[t0:t1])).long()
+        keys = kv[safe_rows].to(compute_dtype)  # [c, K, D]
+        qc = q[t0:t1].to(compute_dtype)  # [c, H, D]
+        s = torch.einsum("chd,ckd->chk", qc, keys) * scale
+        s = s.masked_fill(~valid[t0:t1, None, :], -math.inf)
+        m = s.amax(dim=-1)  # [c, H]
+        if sink is not None:
+            m = torch.maximum(m, sink[None, :])
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(s - m_safe[..., None])
+        denom = p.sum(dim=-1)
+        if sink is not None:
+            denom = denom + torch.exp(sink[None, :] - m_safe)
+        o = torch.einsum("chk,ckd->chd", p, keys[..., :v_dim])
+        o = o / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None]
+        out[t0:t1] = o.to(q.dtype)
+        lse[t0:t1] = torch.where(denom > 0, m_safe + torch.log(denom), torch.full_like(m, -math.inf)).float()
+    return out, lse
+
+
+def sparse_mla_attention(
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int = 512,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = True,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    q_ready: Callable[[], None] | None = None,
+    prepared_union: PreparedUnion | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA attention over per-token global KV rows.
+
+    CUDA tensors run the per-query Gluon kernel (:mod:`shardattn.kernels.gluon.sparse_mla`) on
+    sm_90 where it is faster, else the per-query Triton kernel
+    (:mod:`shardattn.kernels.triton.sparse_mla`) when its shape limits allow
+    (:func:`shardattn.ops.dispatch.sparse_prefill_kernel` says which and why); everything
+    else runs the fp32 torch reference.
+
+    Args:
+        q: ``[T, H, D]`` fp16/bf16/fp32 (``D = 576`` for DSA models), or
+            ``(q_latent [T, H, 512], q_rope [T, H, 64])``.
+        kv: ``[R, D]`` KV rows in q's dtype; the value is ``kv[:, :v_dim]``.
+        rows: ``[T, K]`` int32 global row ids; ``-1`` / out of range = invalid, anywhere;
+            a row listed twice by one query is one key.
+        scale: softmax scale (``D ** -0.5`` for DSA models), finite and > 0.
+        v_dim: value width, 512 for DSA models.
+        topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
+        sinks: ``[H]`` fp32 per-head sink logits, optional.
+        return_lse: also return the LSE.
+        out / lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) / ``[T, H]`` fp32, written
+            in place; ``q``, ``out`` and ``lse_out`` may be head-blocked ``[B, T, H/B, ...]`` (head
+            ``b * H/B + i`` at ``[b, t, i]``, e.g. an all-to-all buffer; see :func:`q_heads_view`).
+        q_ready: optional callable run once before any kernel reads ``q`` (e.g. the wait of the
+            exchange that fills it); only ``q``'s shape is looked at before.
+        prepared_union: the ``G = 1`` union of exactly these ``rows`` and ``topk_length``, built
+            ahead (:func:`~shardattn.ops.prepared_union.prepare_union`, e.g. a slice of a
+            whole share's): the kernel paths then build none; the reference path ignores it.
+    Returns:
+        ``out [T, H, v_dim]`` in q's dtype, and ``lse [T, H]`` fp32 natural log when
+        ``return_lse`` (the given destinations when passed); a row with no valid key is ``(0, -inf)``
+        (so is every row when ``kv`` has no rows).
+    Raises:
+        TypeError / ValueError: naming the argument (dtype, shape, device, ``scale`` not finite
+            and > 0), before any kernel runs.
+
+    Example:
+        >>> q, kv = torch.randn(3, 2, 16), torch.randn(10, 16)
+        >>> rows = torch.tensor([[0, 1], [-1, 9], [-1, -1]], dtype=torch.int32)
+        >>> out, lse = sparse_mla_attention(q, kv, rows, scale=0.25, v_dim=8)
+        >>> tuple(out.shape), bool(lse[2].isneginf().all()), float(out[2].abs().sum())
+        ((3, 2, 8), True, 0.0)
+    """
+    q = join_q(q)
+    q3 = shape_stand_in(q)
+    check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
+    if prepared_union is not None:
+        from shardattn.ops.prepared_union import check_prepared_union
+
+        check_prepared_union(prepared_union, rows, group_size=1)
+    if q_ready is not None:
+        q_ready()
+    if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
+        o, s = empty_kv_result(q3, v_dim, sinks)
+        out = o if out is None else store_heads(out, o)
+        lse_out = s if lse_out is None else store_heads(lse_out, s)
+        return (out, lse_out) if return_lse else out
+    if q.is_cuda:
+        from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
+        from shardattn.kernels.triton.sparse_mla import kernel_unsupported_reason
+        from shardattn.ops.dispatch import sparse_prefill_kernel, use_triton
+
+        kernel = None
+        if sparse_prefill_kernel(q3, kv, v_dim)[0] == "gluon" and gluon_unsupported_reason(q, kv, v_dim) is None:
+            kernel = "gluon"  # q's own strides (head-blocked too) suit cp.async
+        elif use_triton(q3, kv, rows) and kernel_unsupported_reason(q3, kv, v_dim) is None:
+            kernel = "triton"
+        if kernel is not None:  # head-blocked q / out / lse are read and written in place through their strides
+            out, lse_out = sparse_mla_per_query(
+                q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse_out=lse_out,
+                prepared_union=prepared_union, kernel=kernel,
+            )  # fmt: skip
+            return (out, lse_out) if return_lse else out
+    o, s = sparse_mla_reference(
+        q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
+    )
+    out = o if out is None else store_heads(out, o)
+    lse_out = s if lse_out is None else store_heads(lse_out, s)
+    return (out, lse_out) if return_lse else out
+
+
+def sparse_mla_per_query(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int = 512,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    prepared_union: PreparedUnion | None = None,
+    kernel: str = "triton",
+    interpret: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-query kernel path (``G = 1``): each query's rows sorted and de-duplicated (the union
+    of one query), then attended by ``kernel`` (``"triton"`` or ``"gluon"``, sm_90). Inputs already
+    validated (the public entry is :func:`sparse_mla_attention`); no routing.
+
+    Args:
+        q: ``[T, H, D]`` (or head-blocked ``[B, T, H/B, D]``); kv: ``[R, D]``; rows: ``[T, K]``
+            int32 global rows (-1 / out of range invalid); topk_length: ``[T]`` int32 or None;
+            sinks: ``[H]`` fp32 or None.
+        out / lse_out: optional destinations, plain or head-blocked.
+        prepared_union: the ``G = 1`` union of ``rows`` built ahead (checked by the caller), else built here.
+        interpret: the Triton tile for ``TRITON_INTERPRET=1`` (also chosen when it is set).
+    Returns:
+        ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)`` (the given destinations when passed).
+    """
+    from shardattn.kernels.backend import interpreter_enabled
+    from shardattn.ops.prepared_union import union_for_call
+
+    union, lens = union_for_call(prepared_union, rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
+    if kernel == "gluon":
+        from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
+
+        return launch_gluon_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out)
+    from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
+
+    heads = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
+    cfg = tile_config(heads, 1, interpret=interpret or interpreter_enabled())
+    return launch_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse_out)
+
+
+def flops(valid_keys: int, heads: int, d_qk: int = 576, d_v: int = 512) -> float:
+    """Sparse prefill FLOPs on real heads: ``2 * valid_keys * heads * (d_qk + d_v)``."""
+    return 2.0 * valid_keys * heads * (d_qk + d_v)

@@ -1,0 +1,158 @@
+"""Grouped sparse-MLA prefill: ``G`` consecutive queries share one tile and one gathered union.
+
+With ``H`` heads per query a Hopper matrix tile of 64 rows is mostly idle for one query
+(8 heads: 7/8 padding). Consecutive queries pick mostly the same KV rows, so ``G = 64 / H``
+queries are packed into one 64-row tile; the tile gathers the sorted union of their rows once
+(:func:`shardattn.ops.union.build_union`) and each row of the tile sees only its own
+query's rows through a membership bit: exact, not approximate.
+
+Path selection (:func:`~shardattn.ops.dispatch.prefill_path`, also used by the warm-up):
+
+* ``group_size`` given: that ``G`` (:func:`shardattn.plan.routing.tile_group_size` fills a 64-row
+  tile: 8 heads -> 8, 16 -> 4, 32 -> 2, 64 and 128 -> 1; a 128-row Triton tile spills registers);
+* default: the planner's routing (:func:`shardattn.plan.routing.grouped_group_size`): grouped only
+  up to :data:`~shardattn.plan.crossovers.GROUPED_MAX_HEADS` heads per rank on the Triton kernel;
+* on sm_90 with Gluon in Triton the tile runs the Gluon kernel where the routing's measured
+  crossovers send ``(heads, G)`` (:func:`shardattn.plan.routing.route_prefill_kernel`), and
+  ``group_size=None`` takes the grouped Gluon kernel's ``G``
+  (:func:`shardattn.plan.routing.gluon_grouped_group_size`) where that kernel runs;
+* the per-query path also when the KV cache has ``>= 2**24 - 1`` rows (24-bit packed rows)
+  or on explicit ``group_size=1``;
+* the torch reference on CPU tensors or shapes the kernel does not support.
+
+Duplicate rows within one query's list are one key on every path (the reference too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason, launch_gluon_attention
+from shardattn.kernels.triton.sparse_mla import (
+    launch_attention,
+    tile_config,
+)
+from shardattn.ops.dispatch import prefill_path
+from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
+from shardattn.ops.sparse_mla import (
+    check_sparse_mla_inputs,
+    empty_kv_result,
+    join_q,
+    q_heads_view,
+    shape_stand_in,
+    sparse_mla_reference,
+    store_heads,
+)
+from shardattn.ops.union import GROUP_SIZES
+
+
+def sparse_mla_grouped_prefill(
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    scale: float,
+    v_dim: int = 512,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    group_size: int | None = None,
+    return_lse: bool = True,
+    union: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    q_ready: Callable[[], None] | None = None,
+    rows_sorted: bool = False,
+    prepared_union: PreparedUnion | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA prefill with consecutive queries grouped into shared tiles.
+
+    Same contract as :func:`shardattn.ops.sparse_mla.sparse_mla_attention`.
+
+    Args:
+        q: ``[T, H, D]`` fp16/bf16 (fp32 allowed), or ``(q_latent, q_rope)``; consecutive
+            tokens are grouped, so pass them in the order whose neighbours overlap (token-major).
+        kv: ``[R, D]`` KV rows in q's dtype; the value is ``kv[:, :v_dim]``.
+        rows: ``[T, K]`` int32 global rows; ``-1`` / out of range = invalid, anywhere;
+            a row listed twice by one query is one key.
+        scale: softmax scale. v_dim: value width (512 for DSA models).
+        topk_length: ``[T]`` int32, optional. sinks: ``[H]`` fp32, optional.
+        group_size: ``G`` in ``(1, 2, 4, 8)``; default :func:`default_group_size`.
+        return_lse: also return the LSE.
+        union: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``
+            workspace for the union build.
+        out / lse_out: optional destinations (``[T, H, v_dim]`` q's dtype / ``[T, H]`` fp32, any
+            strides, unit last-dim stride), written in place. ``q``, ``out`` and ``lse_out`` may also
+            be head-blocked, ``[B, T, H/B, ...]`` (head ``b * H/B + i`` at ``[b, t, i]``: an
+            all-to-all buffer read or written in place; see
+            :func:`~shardattn.kernels.triton.sparse_mla.launch_attention`).
+        q_ready: optional callable run once before any kernel reads ``q`` (e.g. the wait of the
+            exchange that fills it): the union build, which reads only ``rows``, is issued before
+            it and so overlaps whatever fills ``q``.
+        rows_sorted: the caller guarantees each query's valid rows are ascending in list order
+            (invalid entries anywhere; e.g. a top-k sorted by row): the union build skips its row
+            sort (trusted, not checked; :func:`~shardattn.ops.union.build_union`).
+        prepared_union: the union of exactly these ``rows`` / ``topk_length`` built ahead for the
+            path's ``G`` (:func:`~shardattn.ops.prepared_union.prepare_union`, e.g. a
+            ``G``-aligned slice of a whole share's): no union is built (not with ``union``); the
+            reference path checks and ignores it.
+    Returns:
+        ``out [T, H, v_dim]`` in q's dtype and ``lse [T, H]`` fp32 natural log (the given
+        destinations when passed); an empty row is ``(0, -inf)`` (with sinks: ``(0, sink)``).
+
+    Example:
+        >>> q, kv = torch.randn(5, 2, 48), torch.randn(20, 48)
+        >>> rows = torch.randint(-1, 20, (5, 4), dtype=torch.int32)
+        >>> out, lse = sparse_mla_grouped_prefill(q, kv, rows, scale=0.1, v_dim=32)
+        >>> tuple(out.shape), tuple(lse.shape)
+        ((5, 2, 32), (5, 2))
+    """
+    q = join_q(q)
+    q3 = shape_stand_in(q)
+    check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
+    if not isinstance(rows_sorted, bool):
+        raise TypeError(f"rows_sorted must be a bool, got {type(rows_sorted).__name__}")
+    if group_size is not None and group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size!r}")
+    if prepared_union is not None:
+        check_prepared_union(prepared_union, rows)
+        if union is not None:
+            raise ValueError("pass union (a workspace to build into) or prepared_union (built already), not both")
+    if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
+        if q_ready is not None:
+            q_ready()
+        o, s = empty_kv_result(q3, v_dim, sinks)
+        out = o if out is None else store_heads(out, o)
+        lse_out = s if lse_out is None else store_heads(lse_out, s)
+        return (out, lse_out) if return_lse else out
+    path = prefill_path(q3, kv, v_dim=v_dim, group_size=group_size)
+    if path.backend == "reference":
+        if q_ready is not None:
+            q_ready()
+        o, s = sparse_mla_reference(
+            q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
+        )
+        out = o if out is None else store_heads(out, o)
+        lse_out = s if lse_out is None else store_heads(lse_out, s)
+    else:
+        g = path.group_size
+        if prepared_union is not None:
+            check_prepared_union(prepared_union, rows, group_size=g)
+        u, lens = union_for_call(
+            prepared_union, rows, group_size=g, num_kv_rows=kv.shape[0], topk_length=topk_length, out=union,
+            rows_sorted=rows_sorted,
+        )  # fmt: skip
+        if q_ready is not None:  # the union is built: now the kernels may wait for q
+            q_ready()
+        if path.backend == "gluon" and gluon_unsupported_reason(q, kv, v_dim) is None:
+            # sm_90: the Gluon kernel (per-query or grouped); head-blocked q / out / lse are used in place
+            out, lse_out = launch_gluon_attention(
+                q, kv, u, lens, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out, group_size=g
+            )
+        else:
+            tile = path.tile or tile_config(q3.shape[1], g)  # q's own strides did not suit the Gluon kernel
+            out, lse_out = launch_attention(
+                q, kv, u, lens, scale=scale, v_dim=v_dim, config=tile, sinks=sinks, out=out, lse=lse_out
+            )
+    return (out, lse_out) if return_lse else out

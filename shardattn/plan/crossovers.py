@@ -1,0 +1,116 @@
+"""Every measured threshold a route uses, in one place.
+
+Each constant is where one implementation starts to beat another on an H200 (heads, tokens, group
+size, tiles, merges, union builder, decode kernel), with one line saying why. The runs behind
+them (commands, tables, dates) are in ``docs/PERFORMANCE.md``, and the decision each one made,
+with the variants measured against it, in ``docs/DECISIONS.md`` (``Dn`` below); a change here is a
+routing change and should come with a run there. :mod:`shardattn.plan.routing` reads these (and so do the kernel
+launchers for their tile choices); nothing else decides by number.
+
+Example:
+    >>> GLUON_MIN_HEADS, GROUPED_MAX_HEADS, SMALL_DECODE_MAX_TOKENS
+    (32, 8, 16)
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+# ---- sparse-MLA prefill: which kernel, how many queries per tile ---------------------------------
+
+#: Most heads at which grouping ``G = 64 / heads`` queries per tile beats the per-query Triton
+#: kernel: the union build and membership masks cost more than the shared gathers save above it (D10).
+GROUPED_MAX_HEADS = 8
+#: Fewest heads at which the per-query Gluon kernel (sm_90) beats the per-query Triton kernel: its
+#: tile is 64 heads, fewer pad it (D1).
+GLUON_MIN_HEADS = 32
+#: Most heads at which the grouped Gluon kernel runs (``G = 64 / heads`` of 8 / 4 / 2): beyond it
+#: the per-query Gluon kernel fills the tile by itself (D10, D11).
+GLUON_GROUPED_MAX_HEADS = 32
+#: Rows of one grouped tile (``G`` queries x ``heads``): 128-row Triton programs spill registers,
+#: so a default grouped step fills 64 rows (8 / 16 / 32 heads -> G = 8 / 4 / 2; D10).
+TILE_ROWS = 64
+#: Fewest new tokens for which a step is token-sharded (ShardQ / PCP); smaller steps run head-TP.
+DEFAULT_MIN_TOKENS = 1024
+
+# ---- ShardQ pipeline -------------------------------------------------------------------------------
+
+#: Work of one chunk (tokens x heads x top-k) below which a ShardQ step is not cut further: about
+#: 2.5-3 ms of kernel, so the host (1-1.5 ms to issue a chunk) stays ahead of the GPU (D40).
+CHUNK_WORK = 4096 * 64 * 2048
+#: The most chunks the planner picks by itself: more measured no faster on two GPUs (D40).
+AUTO_MAX_CHUNKS = 4
+
+# ---- union build -----------------------------------------------------------------------------------
+
+#: Sorting builder per ``G`` on unsorted rows where no bitmap build takes them: the row sort at
+#: ``G <= 2`` (one wider sort costs what the row sort costs), the fused build at 4 / 8 (D12).
+UNION_METHOD = MappingProxyType({1: "sort", 2: "sort", 4: "fused", 8: "fused"})
+#: The Triton bitmap build takes unsorted rows while the words it counts, ``ceil(R / 32)``, are at
+#: most this many times the group's entries ``G * K``: beyond it the count costs more than a sort (D14).
+BITMAP_SCAN_RATIO = 2
+#: The same rule for the shared-memory bitmap build (sm_90) on unsorted rows: it counts in shared
+#: memory, so it stays the fastest up to a larger cache (D15).
+SMEM_SCAN_RATIO = 4
+#: ... and on sorted rows at ``G > 1``, where the fused build needs no row sort and wins sooner (D15).
+SMEM_SORTED_RATIO = 1
+
+# ---- sparse-MLA decode -----------------------------------------------------------------------------
+
+#: Fewest heads at which decode runs the Gluon kernel (sm_90) instead of the Triton split-KV
+#: kernel: its tile is 64 heads, fewer pad it (D16).
+GLUON_DECODE_MIN_HEADS = 32
+#: Fewest whole-row Gluon programs (``tokens x ceil(heads / 64)``) at which it does: smaller
+#: batches are latency bound and the Triton split-KV kernel is as fast there (D16).
+GLUON_DECODE_MIN_PROGRAMS = 32
+#: Most heads at which decode may run the small-batch Gluon kernel (heads as the ``wgmma`` N, 8 or
+#: 16 wide: no padding to a 64-row tile; D28).
+SMALL_DECODE_MAX_HEADS = 16
+#: Most tokens at which it does: at 32 tokens its one large program per SM runs four waves and
+#: the Triton split-KV kernel is faster (D28).
+SMALL_DECODE_MAX_TOKENS = 16
+#: The small-batch kernel takes 64-entry splits (one warpgroup) while their programs fill at most
+#: this fraction of the SMs (one gather each, all in flight), else 128-entry splits on two (D31).
+SMALL_DECODE_64_MAX_SM_FRACTION = 0.5
+#: Heads of one small-batch program when two programs share a split's rows while they fit one
+#: wave: each runs the softmax, P.V and the store on half the heads, on SMs that would idle (D33).
+SMALL_DECODE_HEAD_GROUP = 8
+#: Columns and warps of a program of the column merge after the small-batch kernel: one warp holds
+#: every split's partial of its columns, so the reductions over the splits need no shared memory (D34).
+SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS = 64, 1
+#: Most (token, head) rows whose split partials merge with the column merge (every partial of a
+#: column block loaded at once, one latency); more rows take the row merge (fewer, wider programs; D19).
+COLUMN_MERGE_MAX_ROWS = 128
+#: At most this many (token, head) rows the Triton split-KV kernel takes the one-wave split count
+#: (the most splits whose programs fit one wave) instead of its bandwidth cost model (D23) ...
+ONE_WAVE_MAX_ROWS = 128
+#: ... of at most this many splits at <= 32 heads; at <= 16 heads a split of up to
+#: :data:`ONE_WAVE_MAX_BLOCK_N` rows is gathered in one step (one tile, 8 warps; D25).
+ONE_WAVE_MAX_SPLITS = 64
+ONE_WAVE_MAX_BLOCK_N = 128
+
+__all__ = [
+    "AUTO_MAX_CHUNKS",
+    "BITMAP_SCAN_RATIO",
+    "CHUNK_WORK",
+    "COLUMN_MERGE_MAX_ROWS",
+    "DEFAULT_MIN_TOKENS",
+    "GLUON_DECODE_MIN_HEADS",
+    "GLUON_DECODE_MIN_PROGRAMS",
+    "GLUON_GROUPED_MAX_HEADS",
+    "GLUON_MIN_HEADS",
+    "GROUPED_MAX_HEADS",
+    "ONE_WAVE_MAX_BLOCK_N",
+    "ONE_WAVE_MAX_ROWS",
+    "ONE_WAVE_MAX_SPLITS",
+    "SMALL_DECODE_64_MAX_SM_FRACTION",
+    "SMALL_DECODE_HEAD_GROUP",
+    "SMALL_DECODE_MAX_HEADS",
+    "SMALL_DECODE_MAX_TOKENS",
+    "SMALL_MERGE_COLUMNS",
+    "SMALL_MERGE_WARPS",
+    "SMEM_SCAN_RATIO",
+    "SMEM_SORTED_RATIO",
+    "TILE_ROWS",
+    "UNION_METHOD",
+]

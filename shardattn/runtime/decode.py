@@ -1,0 +1,307 @@
+"""The decode step of a Runtime: DCP or head-TP, sparse MLA or GQA, routed by the planner.
+
+:class:`DecodeStep` holds what a decode step needs of its Runtime's config (group, layout,
+route, workspace) and runs one step; :meth:`shardattn.runtime.runtime.Runtime.decode` calls it.
+Its host metadata reaches the device through :class:`PinnedStaging`, one reused pinned buffer
+(pinning per step costs far more than the copy; copying from pageable memory makes the driver
+wait for the stream first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardattn._checks import check_tensor
+from shardattn.ops.gqa_decode import gqa_paged_decode
+from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+from shardattn.ops.topk import convert_topk
+from shardattn.parallel.comm import Comm
+from shardattn.parallel.dcp import dcp_sparse_mla_decode
+from shardattn.parallel.dcp_gqa import dcp_gqa_decode
+from shardattn.parallel.packing import view_bytes
+from shardattn.plan.context import DCPLayout
+from shardattn.plan.decode_batch import DecodeBatch, plan_decode_batch
+from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.modes import GQA_BACKEND
+from shardattn.runtime.workspace import RuntimeWorkspace
+
+__all__ = ["DecodeStep", "PinnedStaging"]
+
+
+class PinnedStaging:
+    """One pinned staging buffer (allocated on first use, grown when too small)."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def upload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``host`` (a CPU tensor) on ``device``: one non-blocking copy through the pinned buffer.
+
+        Args:
+            host: CPU tensor (any dtype and shape). device: destination.
+        Returns:
+            a new tensor on ``device`` (``host`` itself for a CPU device).
+        """
+        if device.type != "cuda":
+            return host if host.device == device else host.to(device)
+        n = host.numel() * host.element_size()
+        if self._buf is None or self._buf.numel() < n:
+            self._buf = torch.empty(max(n, 1 << 14), dtype=torch.uint8, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        elif self._copied is not None and self._copied.query() is False:
+            self._copied.synchronize()  # the previous step's copy is still reading the buffer
+        staged = self._buf[:n].view(host.dtype).view(host.shape)
+        staged.copy_(host)
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        out.copy_(staged, non_blocking=True)
+        assert self._copied is not None
+        self._copied.record()
+        return out
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One Runtime's decode step.
+
+    Attributes:
+        spec: the model. comm: the group's :class:`~shardattn.parallel.comm.Comm`.
+        layout: the DCP layout of the KV cache. ws: the Runtime's workspace (checked per step;
+            its ``decode.*`` items hold the step's intermediates when q has the spec's dtype).
+        dcp: the KV cache is split over the group (else head-TP). route_path: the planner's decode
+            kernel path. heads_per_rank: ``H / W``. scale: softmax scale.
+        decode_lse: return the LSE (head-TP GQA may skip it). non_causal: drafts attend non-causally.
+        staging: the reused pinned buffer a batch's metadata crosses to the device through.
+    """
+
+    spec: ModelSpec
+    comm: Comm
+    layout: DCPLayout
+    ws: RuntimeWorkspace
+    dcp: bool
+    route_path: str
+    heads_per_rank: int
+    scale: float
+    decode_lse: bool
+    non_causal: bool
+    staging: PinnedStaging = field(default_factory=PinnedStaging, compare=False, repr=False)
+
+    def local_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice ``[rank * H/W, (rank + 1) * H/W)`` of a per-head tensor."""
+        h = self.heads_per_rank
+        return x[self.comm.rank * h : (self.comm.rank + 1) * h]
+
+    def plan(
+        self,
+        seq_lens: object,
+        qo_indptr: object | None = None,
+        *,
+        q_len: int | None = None,
+        padded_requests: int | None = None,
+        packed: bool | None = None,
+    ) -> DecodeBatch:
+        """Plan a batch on the host (:func:`~shardattn.plan.decode_batch.plan_decode_batch`) for this
+        rank's layout and causality: packed (eager) by default, in ``q_len`` slots (a graph
+        bucket) when ``q_len`` or ``padded_requests`` is given."""
+        if packed is None:
+            packed = q_len is None and padded_requests is None
+        return plan_decode_batch(
+            seq_lens,
+            qo_indptr,
+            layout=self.layout if self.dcp else None,
+            rank=self.comm.rank,
+            q_len=q_len,
+            padded_requests=padded_requests,
+            causal=not self.non_causal,
+            packed=packed,
+        )
+
+    def _planned_meta(
+        self, batch: DecodeBatch, q: torch.Tensor, block_table: torch.Tensor, check: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(local_lens [T], req [T] or None)`` of a host plan on q's device, for the DCP GQA step.
+
+        The metadata crosses once per plan and device (through the reused pinned buffer) and is
+        kept with the plan, so the steps of every later layer reuse it: no copy, no host work.
+        Under graph capture it is copied from the plan's own pinned tensor instead (a captured
+        copy re-reads its source at every replay). ``req`` is ``None`` when query ``i`` belongs
+        to request ``i`` (the block table is then read as it is). The plan is checked against the
+        inputs on the host; a mismatch raises on every rank, like the step's own checks.
+        """
+        try:
+            if not isinstance(batch, DecodeBatch):
+                raise TypeError(f"batch must be a DecodeBatch from plan(), got {type(batch).__name__}")
+            if q.dim() != 3 or q.shape[0] != batch.num_slots:
+                raise ValueError(f"q must have the plan's {batch.num_slots} query rows, got shape {list(q.shape)}")
+            if isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
+                room = int(block_table.shape[1]) * self.spec.page_size
+                if batch.max_kv_len > room:
+                    raise ValueError(
+                        f"batch puts up to {batch.max_kv_len} KV tokens of a query on rank {self.comm.rank}, past its "
+                        f"block_table's {block_table.shape[1]} pages of {self.spec.page_size}"
+                    )
+        except (TypeError, ValueError) as e:  # the peers are about to check their inputs, or to wait for ours
+            if check:
+                self.comm.check_agreement(0, "DCP GQA decode inputs", error=e)  # re-raises e
+            self.comm.report_failure(e)
+            raise
+        device = q.device
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            meta = batch.pinned_meta.to(device, non_blocking=True)
+            lens, req = meta[0], meta[1]
+        else:
+            cached = batch.on_device.get(device)
+            if cached is None:
+                meta = self.staging.upload(batch.meta, device)
+                cached = batch.on_device[device] = meta[0], meta[1]
+            lens, req = cached
+        rows = block_table.shape[0] if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 else -1
+        return lens, None if batch.rows_are_requests and rows == batch.num_slots else req
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        topk_pos: torch.Tensor | None = None,
+        req_ids: torch.Tensor | None = None,
+        topk_length: torch.Tensor | None = None,
+        topk_unique: bool = False,
+        q_len_per_req: int | None = None,
+        cu_q_lens: torch.Tensor | None = None,
+        max_q_len: int | None = None,
+        sinks: torch.Tensor | None = None,
+        batch: DecodeBatch | None = None,
+        meta: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        check: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one decode step (DCP or head-TP, by mode), routed by the planner.
+
+        Args:
+            q: ``[T, H/W, D]`` this rank's heads of the step's query tokens (drafts included).
+            kv_cache: sparse MLA: ``[R, D]`` paged KV rows; GQA: ``(k_cache, v_cache)``, each
+                ``[pages, page_size, Hkv, D]``. Under DCP this rank's shard (local positions),
+                under head-TP the whole cache (GQA: the rank's KV heads).
+            block_table: ``[B, M]`` int32 page table of ``kv_cache`` (the rank's, under DCP).
+            seq_lens: ``[B]`` int32 global KV tokens per request, drafts included.
+            topk_pos, req_ids: sparse MLA only: ``[T, K]`` int32 request-global top-k positions
+                (``-1`` invalid) and ``[T]`` int32 request of each query.
+            topk_length: sparse MLA: ``[T]`` int32 leading entries of ``topk_pos`` to use, optional.
+            topk_unique: sparse MLA: no position appears twice in a row of ``topk_pos`` (an
+                indexer's top-k), so the kernels skip their de-duplication (most of a small step's
+                time); a repeated position would then count twice.
+            q_len_per_req / cu_q_lens: GQA: uniform drafts per request, or ``[B+1]`` ragged offsets.
+            max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts (needed under capture).
+            sinks: ``[H]`` fp32 sink logits of all heads, optional.
+            batch: GQA under DCP: the host plan of this batch (:meth:`plan`); its metadata
+                reaches the device in one copy per plan (through the reused pinned buffer; kept
+                with the plan, so the steps of later layers copy nothing; under graph capture,
+                from the plan's own pinned copy, which the replays re-read) and replaces the
+                step's index arithmetic. A plan of one query per request reads the block table
+                as it is (no gather of its rows).
+            meta: GQA under DCP: that metadata already on the device (``batch.to(device)``;
+                a graph's static input).
+            check: under DCP, make the ranks agree on the inputs first (one small all-gather
+                and a host sync; with ``batch``, on the plan's host fingerprint of the lengths,
+                not on lengths read back from the device). Pass ``False`` inside a CUDA graph and
+                on the steps of an engine's later layers.
+        Returns:
+            ``(out [T, H/W, v_dim], lse [T, H/W] fp32)``: the rank's heads, merged over every shard
+            (``lse`` is ``None`` when built with ``decode_lse=False``).
+        """
+        check_tensor("q", q)  # a tensor at all (shapes and dtypes: the step's own checks)
+        if not isinstance(topk_unique, bool):
+            raise TypeError(f"topk_unique must be a bool, got {type(topk_unique).__name__}")
+        dcp = self.dcp
+        k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.ws.topk
+        self.ws.check("decode", "dcp" if dcp else "headtp", tokens=int(q.shape[0]), topk=k)
+        # the buffers are sized for the spec's dtype; other dtypes (fp32 on a CPU) allocate per step
+        buffers = self.ws.decode_buffers("dcp" if dcp else "headtp") if q.dtype == self.ws.dtype else {}
+        page = self.spec.page_size
+        if self.spec.kind == "sparse_mla":
+            if topk_pos is None or req_ids is None:
+                raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
+            if not isinstance(kv_cache, torch.Tensor):
+                raise TypeError("kv_cache of a sparse-MLA model must be one [R, D] tensor")
+            if dcp:
+                return dcp_sparse_mla_decode(
+                    q,
+                    kv_cache,
+                    topk_pos,
+                    req_ids,
+                    block_table,
+                    self.layout,
+                    self.comm,
+                    block_size=page,
+                    scale=self.scale,
+                    v_dim=self.spec.v_dim,
+                    seq_lens=seq_lens,
+                    topk_length=topk_length,
+                    sinks=sinks,
+                    rows_unique=topk_unique,
+                    check=check,
+                    workspace=buffers,
+                )
+            rows_ws = buffers.get("rows")
+            rows, _ = convert_topk(
+                topk_pos, req_ids, block_table, block_size=page, seq_lens=seq_lens, topk_length=topk_length,
+                out=None if rows_ws is None or topk_pos.dim() != 2 else view_bytes(
+                    rows_ws, tuple(topk_pos.shape), torch.int32, "rows"
+                ),
+            )  # fmt: skip
+            return sparse_mla_decode(
+                q,
+                kv_cache,
+                rows,
+                scale=self.scale,
+                v_dim=self.spec.v_dim,
+                sinks=None if sinks is None else self.local_heads(sinks),
+                rows_unique=topk_unique,
+            )
+        if not (isinstance(kv_cache, tuple | list) and len(kv_cache) == 2):
+            raise TypeError("kv_cache of a GQA model must be a (k_cache, v_cache) pair")
+        k_cache, v_cache = kv_cache
+        backend = GQA_BACKEND[self.route_path]
+        if dcp:
+            planned = meta is None and batch is not None
+            if planned:
+                meta = self._planned_meta(batch, q, block_table, check)
+            return dcp_gqa_decode(
+                q,
+                k_cache,
+                v_cache,
+                block_table,
+                seq_lens,
+                self.layout,
+                self.comm,
+                q_len_per_req=q_len_per_req,
+                cu_q_lens=cu_q_lens,
+                causal=not self.non_causal,
+                sinks=sinks,
+                scale=self.scale,
+                backend=backend,
+                meta=meta,
+                check=check,
+                lens_fingerprint=batch.fingerprint if planned and check else None,
+                workspace=buffers,
+            )
+        result = gqa_paged_decode(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            q_len_per_req=q_len_per_req,
+            cu_q_lens=cu_q_lens,
+            max_q_len=max_q_len,
+            causal=not self.non_causal,
+            sinks=None if sinks is None else self.local_heads(sinks),
+            return_lse=self.decode_lse,
+            scale=self.scale,
+            backend=backend,
+        )
+        return result if self.decode_lse else (result, None)

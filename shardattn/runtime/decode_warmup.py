@@ -1,0 +1,164 @@
+"""Decode warm-up: a Runtime's decode kernels launched once on tiny inputs, the way its steps call them.
+
+Takes the config as plain arguments (no Runtime import), so :mod:`shardattn.runtime.runtime`
+depends on this module and not the other way round; the prefill side uses the kernels' own key
+list (:func:`shardattn.runtime.warmup.compile_keys`).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from shardattn.ops.dispatch import sparse_decode_kernel
+from shardattn.ops.gqa_decode import gqa_paged_decode
+from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
+from shardattn.ops.topk import DcpShard, convert_topk
+from shardattn.plan.spec import ModelSpec
+
+#: Split counts whose column merges (one compiled variant per power of 2 of the count) the warm-up runs.
+COLUMN_MERGE_WARMUP_SPLITS = (2, 4, 8, 16, 32, 64)
+
+
+def small_kernel_sizes(topk: int, max_decode_tokens: int, num_sms: int, heads: int = 16) -> set[int]:
+    """Token counts up to ``max_decode_tokens`` at which each compiled variant of the small-batch
+    Gluon decode kernel first runs on ``num_sms`` SMs at ``heads`` heads: its ``BLOCK_N``
+    (:func:`~shardattn.kernels.gluon.sparse_mla_decode_small.small_decode_tiles`) and the heads a
+    program takes (:func:`~shardattn.kernels.gluon.sparse_mla_decode_small.small_decode_heads`)
+    change with the batch.
+
+    >>> sorted(small_kernel_sizes(2048, 64, 132)), sorted(small_kernel_sizes(2048, 2, 132))
+    ([1, 3, 5], [1])
+    """
+    from shardattn.plan.routing import SMALL_DECODE_MAX_TOKENS, small_decode_heads, small_decode_tiles
+
+    first: dict[tuple[int, int], int] = {}
+    for t in range(1, min(max_decode_tokens, SMALL_DECODE_MAX_TOKENS) + 1):
+        block_n, splits = small_decode_tiles(t, topk, num_sms)
+        first.setdefault((block_n, small_decode_heads(t, splits, heads, num_sms)), t)
+    return set(first.values())
+
+
+def compiles_kernels(device: torch.device) -> bool:
+    """``True`` when launches on ``device`` compile kernels (CUDA; on the CPU the references run)."""
+    return device.type == "cuda"
+
+
+def warm_up_decode(
+    spec: ModelSpec,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    topk: int,
+    max_decode_tokens: int,
+    scale: float,
+    dcp: DcpShard | None,
+    need_lse: bool,
+    gqa_backend: str,
+) -> int:
+    """Run a Runtime's decode kernels locally (no collective) on tiny inputs, the way its steps call them.
+
+    Args:
+        spec: the model. device, dtype: where and in what the steps run.
+        heads / kv_heads: query / KV heads one decode kernel call sees (DCP: all of them).
+        topk: top-k width (sparse MLA). max_decode_tokens: the largest decode step.
+        scale: softmax scale. dcp: this rank's DCP shard (``None``: head-TP decode).
+        need_lse: the steps ask the GQA kernel for its LSE. gqa_backend: the GQA kernel's backend.
+
+    Covers: top-k conversion with this mode's flags (DCP shard or not, with and without
+    ``topk_length``), the decode kernel at 1, 2 and ``max_decode_tokens`` query tokens (unsplit
+    and split-KV, so the LSE merge too), with and without sinks where a step may pass them
+    (under DCP only rank 0 does), and for GQA head-TP uniform and ragged drafts. The decode
+    kernels publish no compile-key list (unlike prefill), so this mirrors their call sites.
+    Sparse MLA on sm_90 routes by batch size (the small-batch Gluon kernel, Triton below the Gluon
+    crossovers, Gluon above: :func:`~shardattn.plan.routing.route_sparse_decode_kernel`), so the
+    routed call also runs at the sizes where the small kernel's tile or heads a program change
+    (:func:`small_kernel_sizes`), the Triton kernel is also run
+    at every size (the variants a smaller batch than ``max_decode_tokens`` may need) and, where
+    ``max_decode_tokens`` reaches Gluon, the Gluon path once unsplit and once with two row slices
+    (its two kernel variants, written to ``out`` or to fp32 partials, and the merge); at one
+    token the Triton path at every :data:`COLUMN_MERGE_WARMUP_SPLITS` (the column merge's variants).
+    """
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    d, page, h = spec.head_dim, spec.page_size, heads
+    sizes = sorted({1, 2, max_decode_tokens}) if compiles_kernels(device) else [2]  # nothing compiles on the CPU
+    if compiles_kernels(device) and spec.kind == "sparse_mla" and device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sizes = sorted({*sizes, *small_kernel_sizes(topk, max_decode_tokens, sms, heads)})
+    dev, dt = device, dtype
+    launches = 0
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dev, dt)
+
+    if spec.kind == "sparse_mla":
+        kv = randn(4 * page, d)
+        table = torch.arange(4, dtype=torch.int32, device=dev)[None, :]
+        seq = torch.tensor([4 * page], dtype=torch.int32, device=dev)
+        sink_options = (None, torch.zeros(h, device=dev)) if spec.has_sinks else (None,)
+        for t in sizes:
+            q = randn(t, h, d)
+            pos = torch.randint(-1, 4 * page, (t, topk), generator=gen, dtype=torch.int32).to(dev)
+            req = torch.zeros(t, dtype=torch.int32, device=dev)
+            for length in (None, torch.full((t,), max(1, topk // 2), dtype=torch.int32, device=dev)):
+                rows, _ = convert_topk(pos, req, table, block_size=page, seq_lens=seq, topk_length=length, dcp=dcp)
+                launches += 1
+            gluon = (
+                compiles_kernels(device) and t == max(sizes) and sparse_decode_kernel(q, kv, spec.v_dim)[0] == "gluon"
+            )
+            for sinks, unique in itertools.product(sink_options, (False, True)):
+                # topk_unique (rows_unique): the kernels see the raw rows, not a union: their own variants
+                sparse_mla_decode(q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, rows_unique=unique)
+                sparse_mla_decode(
+                    q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton", rows_unique=unique
+                )
+                launches += 2
+                # the column merge compiles one variant per power of 2 of the split count, which
+                # depends on the batch: cover them all at one token, on a union and on raw rows
+                for splits in COLUMN_MERGE_WARMUP_SPLITS if t == 1 and compiles_kernels(device) else ():
+                    run_sparse_mla_decode(
+                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel="triton", num_splits=splits,
+                        rows_unique=unique,
+                    )  # fmt: skip
+                    launches += 1
+                for splits in (1, 2) if gluon else ():  # unsplit (unique rows: read in place) and sliced
+                    run_sparse_mla_decode(
+                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel="gluon", num_splits=splits,
+                        rows_unique=unique,
+                    )  # fmt: skip
+                    launches += 1
+        return launches
+    k = randn(2, page, kv_heads, d)
+    lse, backend = need_lse, gqa_backend
+    sink_options = (None, torch.zeros(h, device=dev)) if spec.has_sinks else (None,)
+    for t in sizes:
+        table = torch.zeros(t, 1, dtype=torch.int32, device=dev)
+        lens = torch.full((t,), min(page, 3), dtype=torch.int32, device=dev)
+        for sinks in sink_options:
+            q = randn(t, h, d)
+            gqa_paged_decode(q, k, k, table, lens, q_len_per_req=1, sinks=sinks, return_lse=lse, backend=backend)
+            launches += 1
+            if dcp is None and t > 1:  # head-TP drafts: uniform pairs and a ragged batch
+                pairs = torch.zeros(t // 2, 1, dtype=torch.int32, device=dev)
+                qq = randn(t // 2 * 2, h, d)
+                gqa_paged_decode(
+                    qq, k, k, pairs, lens[: t // 2], q_len_per_req=2, sinks=sinks, return_lse=lse, backend=backend
+                )
+                cu = torch.arange(t // 2 + 1, dtype=torch.int32, device=dev) * 2
+                gqa_paged_decode(
+                    qq,
+                    k,
+                    k,
+                    pairs,
+                    lens[: t // 2],
+                    cu_q_lens=cu,
+                    max_q_len=2,
+                    sinks=sinks,
+                    return_lse=lse,
+                    backend=backend,
+                )
+                launches += 2
+    return launches

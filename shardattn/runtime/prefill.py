@@ -1,0 +1,224 @@
+"""The Runtime's prefill step: the plan of one step and its dispatch to the mode's parallel step.
+
+:class:`PrefillPlan` is what :meth:`Runtime.plan_prefill <shardattn.runtime.runtime.Runtime.plan_prefill>`
+returns (plan once per step, run it for every layer); :func:`run_prefill_step` runs one layer of
+it: PCP (:func:`~shardattn.parallel.pcp.pcp_prefill`), head-TP (the kernel on this rank's heads,
+nothing moves) or ShardQ (:func:`~shardattn.parallel.shardq.shardq_prefill`, its receive and
+send buffers carved from the Runtime's workspace: :func:`shardq_buffers`).
+
+:func:`workspace_prefill_attention` is one rank's kernel call with its union in the reserved
+workspace: the grouped kernel needs a union buffer of ``ceil(T / G) * G * K`` int32 entries; the
+Runtime reserves the planner's bound for it once. A rank holding more tokens than that buffer
+covers (the zigzag slack) runs in passes over the same buffer; passes start at multiples of
+``G``, so the groups are those of one call and the result is bit for bit that of one call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardattn.ops.prepared_union import PreparedUnion
+from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.parallel.comm import Comm
+from shardattn.parallel.pcp import pcp_prefill
+from shardattn.parallel.shardq import shardq_prefill
+from shardattn.plan.routing import Route
+from shardattn.plan.spec import ModelSpec
+from shardattn.plan.zigzag import ShardPlan
+from shardattn.runtime.workspace import WorkspaceExceededError
+
+__all__ = ["PrefillPlan", "run_prefill_step", "shardq_buffers", "workspace_prefill_attention"]
+
+#: ``shardq_prefill`` workspace key -> the Runtime's workspace item (``prefill.<item>``).
+SHARDQ_BUFFERS = (
+    ("q", "packed_q"),
+    ("out", "out"),
+    ("lse", "lse"),
+    ("rows", "topk_rows"),
+    ("union", "union"),
+    ("lens", "union_offsets"),
+)
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """How one prefill step runs: the step, the planner's route and the token split.
+
+    Attributes:
+        step: ``"shardq"``, ``"headtp"`` (also ShardQ steps below the gate) or ``"pcp"``.
+        route: the planner's :class:`~shardattn.plan.routing.Route` for this rank's kernel call.
+        shard: the token split (:class:`~shardattn.plan.zigzag.ShardPlan`, or a
+            :class:`~shardattn.plan.pcp.PCPPlan` under PCP); ``None`` for a head-TP mode.
+        num_tokens: new tokens of the step.
+    """
+
+    step: str
+    route: Route
+    shard: Any
+    num_tokens: int
+
+    @property
+    def token_plan(self) -> ShardPlan | None:
+        """The zigzag split (under PCP: the PCP plan's), or ``None``."""
+        return getattr(self.shard, "shard", self.shard)
+
+    def tokens_of(self, rank: int) -> torch.Tensor:
+        """``[n]`` int64 token ids (token order) whose queries ``rank``'s kernel runs."""
+        plan = self.token_plan
+        if plan is None or not plan.sharded:
+            return torch.arange(self.num_tokens)
+        return plan.token_ids(rank)
+
+
+def shardq_buffers(workspace: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ShardQ receive / send buffers, rank rows and union among a Runtime's workspace items
+    (``{"q", "out", "lse", "rows", "union", "lens"}``)."""
+    return {key: workspace[f"prefill.{item}"] for key, item in SHARDQ_BUFFERS if f"prefill.{item}" in workspace}
+
+
+def run_prefill_step(
+    plan: PrefillPlan,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    comm: Comm,
+    spec: ModelSpec,
+    scale: float,
+    attention: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    local_sinks: torch.Tensor | None,
+    shardq_workspace: dict[str, torch.Tensor],
+    chunks: int | None,
+    taper: bool,
+    one_union: bool,
+    topk_length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    kv_cache: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    check: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of a planned prefill step (arguments as :meth:`Runtime.prefill
+    <shardattn.runtime.runtime.Runtime.prefill>`; ``attention`` is the Runtime's kernel call on
+    the plan's route, ``local_sinks`` the rank's heads of ``sinks``, ``chunks`` / ``taper`` /
+    ``one_union`` the ShardQ pipeline's depth, chunk shape and union build). Returns ``(out, lse)``."""
+    v = spec.v_dim
+    if plan.step == "pcp":
+        return pcp_prefill(
+            q, kv, rows, plan.shard, comm, scale=scale, v_dim=v, kv_cache=kv_cache, block_table=block_table,
+            block_size=spec.page_size if kv_cache is not None else None, topk_length=topk_length, sinks=sinks,
+            attention=attention, check=check,
+        )  # fmt: skip
+    if plan.shard is None:  # a head-TP mode: nothing moves
+        return attention(q, kv, rows, scale=scale, v_dim=v, topk_length=topk_length, sinks=local_sinks, return_lse=True)
+    return shardq_prefill(
+        q, kv, rows, plan.shard, comm, scale=scale, v_dim=v, topk_length=topk_length, sinks=sinks,
+        attention=attention, check=check, chunks=chunks, taper=taper, align=plan.route.group_size,
+        one_union=one_union, workspace=shardq_workspace,
+    )  # fmt: skip
+
+
+def workspace_prefill_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    route: Route,
+    union_ws: torch.Tensor,
+    lens_ws: torch.Tensor,
+    scale: float,
+    v_dim: int,
+    topk_length: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = True,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    q_ready: Callable[[], None] | None = None,
+    rows_sorted: bool = False,
+    prepared_union: PreparedUnion | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse-MLA prefill of ``q`` on ``route``, the union built into ``union_ws`` / ``lens_ws``.
+
+    Args:
+        q: ``[T, H, D]``; kv: ``[R, D]``; rows: ``[T, K]`` int32 global KV rows (``-1`` invalid).
+        route: the planner's route (path, group size ``G``).
+        union_ws / lens_ws: ``uint8`` workspace items ``prefill.union`` / ``prefill.union_offsets``.
+        scale, v_dim, topk_length, sinks: as :func:`~shardattn.ops.sparse_mla.sparse_mla_attention`.
+        return_lse: accepted for signature compatibility; the LSE is always returned.
+        out / lse_out: optional destinations, written in place; ``q``, ``out`` and ``lse_out`` may be
+            head-blocked ``[B, T, H/B, ...]`` (an all-to-all buffer, read or written in place).
+        q_ready: optional callable run once before any kernel reads ``q`` (the first pass's union
+            build is issued before it; see
+            :func:`~shardattn.ops.sparse_mla_grouped.sparse_mla_grouped_prefill`).
+        rows_sorted: each token's valid rows arrive ascending (trusted): the union build skips
+            its row sort (every pass; a pass is a slice of whole rows).
+        prepared_union: the union of these rows built ahead (a slice of a whole share's,
+            :func:`~shardattn.ops.prepared_union.prepare_union`): one call, no build, no passes.
+    Returns:
+        ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32)`` (the given destinations when passed).
+    Raises:
+        WorkspaceExceededError: the union buffer cannot hold one group.
+    """
+    g, (t, k) = route.group_size, rows.shape
+    call = functools.partial(
+        sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g, rows_sorted=rows_sorted
+    )
+    if prepared_union is not None or route.path == "reference" or t == 0 or k == 0:
+        return call(
+            q, rows=rows, topk_length=topk_length, sinks=sinks, out=out, lse_out=lse_out, q_ready=q_ready,
+            prepared_union=prepared_union,
+        )  # fmt: skip
+    per_pass = min(union_ws.numel() // (k * 4), lens_ws.numel() // 4 * g) // g * g
+    if per_pass < 1:
+        raise WorkspaceExceededError(
+            f"workspace item 'prefill.union' ({union_ws.numel()} B) cannot hold one group of {g} x top-k {k}"
+        )
+    if t <= per_pass:
+        return _one_pass(call, q, rows, topk_length, sinks, union_ws, lens_ws, g, k, out, lse_out, q_ready)
+    if out is None:
+        out = q.new_empty(t, _heads(q), v_dim)
+    if lse_out is None:
+        lse_out = torch.empty(t, _heads(q), dtype=torch.float32, device=q.device)
+    for t0 in range(0, t, per_pass):
+        t1 = min(t, t0 + per_pass)
+        length = None if topk_length is None else topk_length[t0:t1]
+        _one_pass(
+            call, _tokens(q, t0, t1, 3), rows[t0:t1], length, sinks, union_ws, lens_ws, g, k,
+            _tokens(out, t0, t1, 3), _tokens(lse_out, t0, t1, 2), q_ready if t0 == 0 else None,
+        )  # fmt: skip
+    return out, lse_out
+
+
+def _heads(q: torch.Tensor) -> int:
+    return q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
+
+
+def _tokens(x: torch.Tensor, t0: int, t1: int, plain_dims: int) -> torch.Tensor:
+    """Tokens ``t0:t1`` of a plain (``plain_dims`` dims, tokens first) or head-blocked tensor (one more dim)."""
+    return x[:, t0:t1] if x.dim() > plain_dims else x[t0:t1]
+
+
+def _one_pass(
+    call: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    union_ws: torch.Tensor,
+    lens_ws: torch.Tensor,
+    g: int,
+    k: int,
+    out: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
+    q_ready: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n_groups = -(-rows.shape[0] // g)
+    union = union_ws[: n_groups * g * k * 4].view(torch.int32).view(n_groups, g * k)
+    lens = lens_ws[: n_groups * 4].view(torch.int32)
+    return call(
+        q, rows=rows, topk_length=length, sinks=sinks, union=(union, lens), out=out, lse_out=lse_out, q_ready=q_ready
+    )

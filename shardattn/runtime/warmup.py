@@ -1,0 +1,287 @@
+"""Warm-up of the sparse-prefill Triton kernels: every compile key the runtime can hit, up front.
+
+:func:`compile_keys` lists, for a :class:`PrefillSpec`, each kernel variant a step can launch:
+the top-k conversion, the union build and the attention kernel, on both sides of the routing
+threshold (grouped ``G > 1`` for KV caches below ``2**24 - 1`` rows, per-query ``G = 1`` above,
+which is also the explicit ``group_size=1`` path; on sm_90 either side runs the Gluon kernel
+for the ``(heads, G)`` the routing sends there, key ``gluon_attention``, and a default step takes
+the grouped Gluon kernel's ``G``). :func:`warmup` compiles them all by running
+each launcher once on tiny inputs with the runtime's layouts; run-time sizes (token count, KV
+rows, block-table width) are not specialised by the kernels (``do_not_specialize``), so later
+calls of any size compile nothing. :func:`compiled_variants` counts what a kernel has compiled,
+for tests.
+
+Example:
+    >>> keys = compile_keys(PrefillSpec(heads=8, topk=2048))
+    >>> sorted({k.kernel for k in keys} - {"gluon_attention", "union_smem"})  # Gluon keys where Triton has Gluon
+    ['attention', 'convert_topk', 'union_bitmap', 'union_compact', 'union_fused', 'union_keys']
+    >>> sorted(k.params["G"] for k in keys if k.kernel == "attention")
+    [1, 8]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardattn.kernels.gluon.sparse_mla import gluon_config
+from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS, smem_unsupported_reason
+from shardattn.kernels.gluon.union_smem import launch_config as smem_launch_config
+from shardattn.kernels.triton.sparse_mla import tile_config
+from shardattn.kernels.triton.topk import convert_topk_config
+from shardattn.kernels.triton.union import union_launch_config
+from shardattn.kernels.triton.union_bitmap import bitmap_launch_config
+from shardattn.kernels.triton.union_fused import fused_launch_config
+from shardattn.ops.dispatch import default_group_size
+from shardattn.ops.topk import DcpShard
+from shardattn.ops.union import UNION_METHOD
+from shardattn.plan.context import DCPLayout
+from shardattn.plan.routing import Route, gluon_grouped_group_size, prefill_group_size
+from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.decode_warmup import warm_up_decode
+from shardattn.runtime.modes import GQA_BACKEND, PREFILL_STEP
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """What a runtime's sparse-prefill steps look like (one spec per layer shape).
+
+    Attributes:
+        heads: query heads per rank. topk: ``K``. dtype: q / KV dtype.
+        v_dim, rope_dim: head dims (512 + 64 for DSA models).
+        group_size: ``group_size`` the runtime passes (None = :func:`default_group_size`).
+        sinks: runtime calls pass sinks. topk_length: runtime calls pass ``topk_length``.
+        seq_lens, dcp: flags of the runtime's :func:`convert_topk` calls.
+    """
+
+    heads: int
+    topk: int
+    dtype: torch.dtype = torch.bfloat16
+    v_dim: int = 512
+    rope_dim: int = 64
+    group_size: int | None = None
+    sinks: bool = False
+    topk_length: bool = False
+    seq_lens: bool = True
+    dcp: bool = False
+
+
+@dataclass(frozen=True)
+class CompileKey:
+    """One kernel variant: the kernel's name and its compile-time parameters."""
+
+    kernel: str
+    params: dict = field(hash=False, compare=True)
+
+
+def spec_group_sizes(spec: PrefillSpec) -> list[int]:
+    """Group sizes a step with this spec can take: 1, the given or default ``G`` and, where the
+    grouped Gluon kernel is routed (:func:`gluon_route`), its ``G`` for ``group_size=None``."""
+    groups = {1, default_group_size(spec.heads) if spec.group_size is None else spec.group_size}
+    g_gluon = gluon_grouped_group_size(spec.heads)
+    if spec.group_size is None and g_gluon is not None and gluon_route(spec, g_gluon):
+        groups.add(g_gluon)
+    return sorted(groups)
+
+
+def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
+    """Every kernel variant a step with this spec can launch (grouped and per-query sides)."""
+    keys = [CompileKey("convert_topk", convert_topk_config(spec.topk, spec.seq_lens, spec.topk_length, spec.dcp))]
+    for group in spec_group_sizes(spec):
+        cfg = union_launch_config(group, spec.topk)
+        # the union build: the bitmap builder (KV caches small enough for its count) or the sorting
+        # builder of UNION_METHOD (larger ones): the cache size is a run-time value, so both
+        bitmap = {"G": group, **bitmap_launch_config(group, spec.topk), "HAS_LEN": spec.topk_length}
+        keys.append(CompileKey("union_bitmap", bitmap))
+        if HAS_GLUON:  # on sm_90 the bitmap runs in shared memory: one key per window
+            for window in WINDOWS:
+                smem = {"G": group, **smem_launch_config(group, spec.topk, 32 * window), "HAS_LEN": spec.topk_length}
+                smem.pop("per_sm")
+                keys.append(CompileKey("union_smem", smem))
+        if group == 1 or UNION_METHOD[group] == "sort":
+            keys.append(CompileKey("union_keys", {"G": group, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
+            keys.append(CompileKey("union_compact", {"G": group, "CHUNK": cfg["CHUNK"]}))
+        else:  # "fused": the row sort's keys (the G = 1 keys kernel), then one launch
+            row_cfg = union_launch_config(1, spec.topk)
+            keys.append(CompileKey("union_keys", {"G": 1, "BLOCK_K": row_cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
+            keys.append(CompileKey("union_fused", {**fused_launch_config(group, spec.topk), "HAS_LEN": False}))
+        if gluon_route(spec, group):
+            cfg = gluon_config(spec.heads, spec.v_dim, spec.rope_dim, group)
+            params = {"config": cfg.label, "G": group, "HAS_SINK": spec.sinks, "dtype": spec.dtype}
+            keys.append(CompileKey("gluon_attention", params))
+        tile = tile_config(spec.heads, group)
+        keys.append(
+            CompileKey(
+                "attention",
+                {
+                    "G": group,
+                    "BLOCK_H": tile.block_h,
+                    "BLOCK_N": tile.block_n,
+                    "D_V": spec.v_dim,
+                    "D_R": spec.rope_dim,
+                    "HAS_SINK": spec.sinks,
+                    "num_warps": tile.num_warps,
+                    "num_stages": tile.num_stages,
+                    "dtype": spec.dtype,
+                },
+            )
+        )
+    return keys
+
+
+def gluon_route(spec: PrefillSpec, group_size: int = 1) -> bool:
+    """``True`` when ``spec``'s steps of ``group_size`` queries per tile run the Gluon kernel on an sm_90 GPU.
+
+    That is: this Triton ships Gluon, the head dims are DSA's and the routing's measured
+    crossovers (:func:`shardattn.plan.routing.route_prefill_kernel`) send ``(heads, G)`` there.
+    """
+    from shardattn.kernels.gluon.sparse_mla import gluon_available
+    from shardattn.plan.routing import route_prefill_kernel
+
+    dims_ok = (spec.v_dim, spec.rope_dim) == (512, 64) and spec.dtype in (torch.bfloat16, torch.float16)
+    if not gluon_available() or not dims_ok:
+        return False
+    return route_prefill_kernel(spec.heads, sm=90, group_size=group_size).path == "gluon"
+
+
+def compiled_variants(kernel) -> int:
+    """Number of compiled variants a Triton ``JITFunction`` holds (all devices)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(c) for c in getattr(kernel, "cache", {}).values())
+
+
+def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
+    """Compile every key of :func:`compile_keys` for each spec on ``device``.
+
+    Returns:
+        The number of kernel launches made (one per key).
+    """
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.ops.topk import DcpShard, convert_topk
+    from shardattn.ops.union import build_union
+
+    device = torch.device(device)
+    launches = 0
+    for spec in specs:
+        t, k = 16, spec.topk
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        pos = torch.randint(-1, 64, (t, k), generator=gen, dtype=torch.int32).to(device)
+        req = torch.zeros(t, dtype=torch.int32, device=device)
+        table = torch.arange(4, dtype=torch.int32, device=device)[None, :].contiguous()
+        convert_topk(
+            pos, req, table, block_size=16,
+            seq_lens=torch.full((1,), 64, dtype=torch.int32, device=device) if spec.seq_lens else None,
+            topk_length=torch.full((t,), k, dtype=torch.int32, device=device) if spec.topk_length else None,
+            dcp=DcpShard(1, 1, 0) if spec.dcp else None,
+        )  # fmt: skip
+        launches += 1
+        d = spec.v_dim + spec.rope_dim
+        q = torch.randn(t, spec.heads, d, generator=gen).to(device=device, dtype=spec.dtype)
+        kv = torch.randn(64, d, generator=gen).to(device=device, dtype=spec.dtype)
+        length = torch.full((t,), k, dtype=torch.int32, device=device) if spec.topk_length else None
+        for group in spec_group_sizes(spec):
+            sparse_mla_grouped_prefill(
+                q, kv, pos, scale=d**-0.5, v_dim=spec.v_dim, group_size=group, topk_length=length,
+                sinks=torch.zeros(spec.heads, device=device) if spec.sinks else None,
+            )  # fmt: skip
+            # the step above built its union with the bitmap builder (64 KV rows); a large cache
+            # takes the sorting builder instead, and on sm_90 the shared-memory bitmap's wider window
+            build_union(pos, group_size=group, num_kv_rows=64, topk_length=length, method=UNION_METHOD[group])
+            launches += 4
+            if smem_unsupported_reason(pos, group) is None:
+                build_union(pos, group_size=group, num_kv_rows=32 * WINDOWS[-1], topk_length=length, method="bitmap")
+                launches += 1
+    return launches
+
+
+class RuntimeWarmup:
+    """The warm-up of a Runtime (mixed into it; it reads the Runtime's config and routes): every
+    kernel variant its routes can launch, compiled at construction so that no step compiles."""
+
+    # provided by the Runtime
+    spec: ModelSpec
+    mode: str
+    device: torch.device
+    dtype: torch.dtype
+    topk: int
+    heads_per_rank: int
+    gluon: bool
+    world_size: int
+    rank: int
+    max_decode_tokens: int
+    scale: float
+    decode_lse: bool
+    decode_is_dcp: bool
+    decode_route: Route
+    layout: DCPLayout
+    warmed_keys: frozenset
+    warmup_launches: int
+
+    def prefill_specs(self) -> list[PrefillSpec]:
+        """Kernel shapes this Runtime's prefill routes can launch: every head count its steps run
+        (ShardQ / PCP: all heads; head-TP and ShardQ below its gate: ``H / W``), each with the
+        route's group size (grouped) and 1 (per-query: small steps, caches past ``2**24 - 1`` rows),
+        with and without ``topk_length``."""
+        step = PREFILL_STEP[self.mode]
+        if self.spec.kind != "sparse_mla" or step is None:
+            return []
+        heads = {self.heads_per_rank}
+        if step in ("shardq", "pcp"):
+            heads.add(self.spec.num_heads)
+        return [
+            PrefillSpec(
+                heads=h,
+                topk=self.topk,
+                dtype=self.dtype,
+                v_dim=self.spec.v_dim,
+                rope_dim=self.spec.head_dim - self.spec.v_dim,
+                group_size=prefill_group_size(h, gluon=self.gluon) or 1,
+                sinks=self.spec.has_sinks,
+                topk_length=with_len,
+            )
+            for h in sorted(heads)
+            for with_len in (False, True)
+        ]
+
+    def route_keys(self, route: Route, heads: int, *, topk_length: bool = False) -> set[CompileKey]:
+        """The kernel variants a prefill kernel call on ``route`` with ``heads`` heads launches."""
+        spec = PrefillSpec(
+            heads=heads,
+            topk=self.topk,
+            dtype=self.dtype,
+            v_dim=self.spec.v_dim,
+            rope_dim=self.spec.head_dim - self.spec.v_dim,
+            group_size=route.group_size,
+            sinks=self.spec.has_sinks,
+            topk_length=topk_length,
+        )
+        return {k for k in compile_keys(spec) if k.kernel == "convert_topk" or k.params.get("G") == route.group_size}
+
+    def warmup(self) -> int:
+        """Launch every kernel variant the routes can produce, and one tiny decode; returns the launches."""
+        specs = self.prefill_specs()
+        launches = warmup(self.device, *specs) if specs else 0
+        self.warmed_keys = frozenset(k for s in specs for k in compile_keys(s))
+        launches += self._warmup_decode()
+        self.warmup_launches = launches
+        return launches
+
+    def _warmup_decode(self) -> int:
+        """Run the decode kernels on tiny inputs (:func:`~shardattn.runtime.decode_warmup.warm_up_decode`)."""
+        dcp = self.decode_is_dcp
+        return warm_up_decode(
+            self.spec,
+            device=self.device,
+            dtype=self.dtype,
+            heads=self.spec.num_heads if dcp else self.heads_per_rank,
+            kv_heads=self.spec.num_kv_heads if dcp else max(1, self.spec.num_kv_heads // self.world_size),
+            topk=self.topk,
+            max_decode_tokens=self.max_decode_tokens,
+            scale=self.scale,
+            dcp=DcpShard(self.world_size, self.layout.interleave, self.rank) if dcp else None,
+            need_lse=self.decode_lse or dcp,
+            gqa_backend=GQA_BACKEND[self.decode_route.path],
+        )

@@ -1,0 +1,65 @@
+"""A placement group with one bundle per rank, reserved within a timeout that names what is missing.
+
+``STRICT_PACK`` (the default) puts every bundle on one node, so NCCL ranks share a host and its
+NVLink; ``PACK``, ``SPREAD`` and ``STRICT_SPREAD`` are Ray's other strategies. Rank ``r`` runs in
+bundle ``r`` (:func:`bundle_options`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardattn.serving.errors import PlacementTimeoutError
+
+__all__ = ["STRATEGIES", "bundle_options", "reserve_bundles"]
+
+STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+def _describe_missing(bundle: dict[str, float], count: int, strategy: str) -> str:
+    import ray
+
+    total, free = ray.cluster_resources(), ray.available_resources()
+    parts = []
+    for name, amount in bundle.items():
+        need = amount * count
+        have, avail = total.get(name, 0.0), free.get(name, 0.0)
+        if avail < need:
+            parts.append(f"{name}: need {need:g}, {avail:g} free of {have:g} in the cluster")
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if strategy == "STRICT_PACK" and not parts:
+        best = max((n.get("Resources", {}) for n in nodes), key=lambda r: r.get("GPU", 0) + r.get("CPU", 0), default={})
+        parts.append(f"no single node holds {count} x {bundle} (STRICT_PACK); largest node has {best}")
+    return "; ".join(parts) or f"{len(nodes)} alive nodes, resources {free}"
+
+
+def reserve_bundles(count: int, bundle: dict[str, float], *, strategy: str, timeout_s: float) -> Any:
+    """Create a placement group of ``count`` copies of ``bundle`` and wait until it is ready.
+
+    Raises:
+        ValueError: unknown strategy. PlacementTimeoutError: not ready within ``timeout_s``;
+        the message says which resources are short (the group is removed).
+    """
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"placement strategy must be one of {STRATEGIES}, got {strategy!r}")
+    pg = placement_group([dict(bundle) for _ in range(count)], strategy=strategy)
+    if not pg.wait(timeout_seconds=timeout_s):
+        missing = _describe_missing(bundle, count, strategy)
+        remove_placement_group(pg)
+        raise PlacementTimeoutError(
+            f"placement group of {count} bundles {bundle} ({strategy}) not ready after {timeout_s:g} s: {missing}"
+        )
+    return pg
+
+
+def bundle_options(pg: Any, rank: int) -> dict[str, Any]:
+    """``actor.options(**bundle_options(pg, r))`` pins rank ``r`` to bundle ``r``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False
+        )
+    }

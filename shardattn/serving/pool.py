@@ -1,0 +1,432 @@
+"""A servable pool of Ray actors: one rank each, resident KV caches, requests in, outputs out.
+
+:class:`RayRankPool` reserves a placement group of one bundle per rank (``STRICT_PACK`` by
+default: NCCL ranks share a host), starts rank ``r`` in bundle ``r``, joins the actors into one
+process group (gloo on CPU, NCCL with one GPU per actor) and, given a model spec, builds on every
+rank a :class:`~shardattn.runtime.runtime.Runtime` and that rank's shard of a paged KV cache,
+once, sized from ``max_requests`` and ``max_seq_len`` (the decode layout of the mode: DCP
+interleave under ``mixed`` / ``dcp-decode`` / ``pcp``, a replica under head-TP decode)::
+
+    pool = RayRankPool(2, spec, mode="mixed", max_requests=64, max_seq_len=8192,
+                       runtime_kwargs={"max_batched_tokens": 8192, "max_decode_tokens": 64})
+    outs = pool.prefill([PrefillRequest("a", kv=kv_a, q=q_a, topk=topk_a)])   # [n, H, Dv] each
+    outs = pool.decode([DecodeRequest("a", q=q_a1, topk=topk_a1, kv=kv_a1)])   # ShardQ / DCP
+    out, lse = pool.decode_batch(ids, q, topk, kv=kv, return_lse=True)   # the whole step's tensors
+    pool.free(["a"])
+
+:meth:`RayRankPool.decode_batch` takes a decode step as whole-step tensors (``ids [B]`` int64,
+``q [T, H, D]``, ``topk [T, K]``, optional ``q_lens [B]`` and new KV rows) and returns
+``out [T, H, Dv]`` (and ``lse [T, H]``) as one tensor each: checked with array operations and
+packed with one copy per tensor, no Python work per request (``out.split(q_lens.tolist())``
+splits it per request). With the inputs written into :meth:`RayRankPool.step_inputs` (under
+``shm``, the shared-memory region's own rows) and ``view=True`` (outputs as views of the region,
+valid until the next step), the driver copies nothing. :meth:`RayRankPool.decode` checks request
+objects one by one, then runs the same step.
+
+Attention sinks (a spec with ``has_sinks``: ``sinks=`` ``[H]`` fp32, one per query head of the
+whole model) are checked on the driver, held on every actor and passed to every step (DCP counts
+them on rank 0 only); :meth:`RayRankPool.set_sinks` replaces them.
+
+Under ``pcp`` (sparse MLA), a prefill step runs PCP: rank ``r`` gets every head of its zigzag
+tokens' queries (``pcp_plan(...).shard.token_ids(r)``, the driver reassembles token order) and
+passes those tokens' KV as PCP's new rows. The resident cache keeps *one* layout, the DCP
+interleave that decode reads: each rank writes the new tokens it owns under that layout (not its
+zigzag tokens). PCP reads a cached prefix from a paged cache the same on every rank, so a chunked
+prefill step all-gathers the requests' prefixes from the shards into a step-local paged copy
+(``sum(ceil(prefix / page_size)) * page_size`` rows of ``D`` per rank, freed after the step), as
+ShardQ's chunked prefill gathers its prefix; no replica of the whole cache is kept.
+
+Only the step's new tensors cross Ray's object store: the block table, lengths, new KV rows and
+top-k once for every rank (one ``ray.put``), and each rank's heads of the queries (PCP prefill:
+its tokens' queries); they travel as
+NumPy arrays, which Ray reads out of shared memory without a copy (:mod:`~shardattn.serving.wire`). Bad requests
+raise ``ValueError`` / ``TypeError`` before any rank runs (:mod:`~shardattn.serving.requests`).
+A rank that dies, raises or does not answer within ``timeout_s`` makes the call raise one
+:class:`~shardattn.serving.errors.RankFailedError`; the pool is then broken (every call raises
+that error) until :meth:`RayRankPool.restart`, which re-forms actors and group in the same
+placement group and returns the requests whose KV state was lost.
+
+Decode steps go through shared memory when every rank runs on the driver's node (the default
+``transport="shm"``: one region in ``/dev/shm`` that driver and ranks map, page-locked on GPU
+ranks, :mod:`~shardattn.serving.shm`), else through a Ray compiled graph (``"compiled"``), or
+actor calls (``"calls"``); :mod:`~shardattn.serving.transport` chooses and falls back with a
+warning. Prefill steps and every other call are actor calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from shardattn._checks import check_int
+from shardattn.plan.kv_pages import PagedKVBook
+from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn.serving.errors import RankFailedError, describe_ray_error, require_ray
+from shardattn.serving.health import HEALTH_GROUP, rank_reports
+from shardattn.serving.kv_cache import plan_rank_cache
+from shardattn.serving.placement import bundle_options, reserve_bundles
+from shardattn.serving.requests import (
+    check_sinks,
+    pool_shapes,
+)
+from shardattn.serving.steps import RequestSteps
+from shardattn.serving.transport import SERVE_GROUP, TRANSPORTS, start_decode_transport
+
+__all__ = ["RayRankPool"]
+
+
+@functools.lru_cache(maxsize=4)
+def _actor_class(num_cpus: float, num_gpus: float) -> Any:
+    import ray
+
+    from shardattn.serving.actor import RankActor
+
+    groups = {HEALTH_GROUP: 1, SERVE_GROUP: 1}
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, concurrency_groups=groups)(RankActor)
+
+
+class RayRankPool(RequestSteps):
+    """``world_size`` Ray actors forming one process group, serving requests (module docstring).
+
+    Args:
+        world_size: ranks (actors).
+        spec: a :class:`~shardattn.plan.spec.ModelSpec` or preset name; ``None`` forms the group
+            only (:meth:`run` works, the request API does not).
+        mode: the Runtime's mode (``"mixed"``: ShardQ prefill, DCP decode; ``"dcp-decode"`` for
+            GQA; ``"shardq"`` / ``"headtp"``: head-TP decode over a replicated cache; ``"pcp"``:
+            PCP prefill, DCP decode, sparse MLA only; module docstring).
+        max_requests, max_seq_len: requests holding KV at once, and tokens per request.
+        num_pages: KV pages per rank (default: ``max_requests`` requests of ``max_seq_len``).
+        runtime_kwargs: more :class:`~shardattn.runtime.runtime.Runtime` arguments
+            (``max_batched_tokens`` is required with a spec; ``max_decode_tokens``, ``topk``,
+            ``dcp_interleave``, ``min_shard_tokens``, ...).
+        sinks: ``[H]`` fp32 finite sink logits (CPU), required exactly when ``spec.has_sinks``.
+        memory_limit_bytes: refuse to build when a rank's workspace plus KV cache exceed it.
+        device: ``"cpu"`` (gloo), ``"cuda"`` (NCCL, one GPU per actor), ``"auto"`` (cuda when the
+            cluster has ``world_size`` GPUs).
+        timeout_s: limit of every call (and of the group's collectives).
+        placement_strategy: Ray placement strategy of the bundles (``"STRICT_PACK"``, ...).
+        placement_timeout_s: wait for the bundles this long (default ``timeout_s``).
+        num_cpus: CPUs per bundle.
+        transport: how decode steps reach the ranks: ``"shm"`` (a shared-memory region sized from
+            ``max_decode_tokens``; every rank on the driver's node, else ``"compiled"``),
+            ``"compiled"`` (a Ray compiled graph) or ``"calls"`` (actor calls, as prefill goes).
+        host_threads: torch CPU threads of the driver's side of a step (its checks, and its copies
+            of the step's tensors into the transport and of the outputs out of it). Default: 4 on
+            a GPU pool whose host has 16 cores or more (on two H200s the copies of a 64-request
+            step took less than half the time on 4 threads; docs/DECISIONS.md, D44), else
+            1 (the CPU ranks need the cores; torch's default of a thread per core stalled steps,
+            :func:`~shardattn.serving.requests.one_host_thread`).
+        init_ray: start a local Ray when none is running.
+
+    Raises:
+        ImportError: Ray is missing (names the ``ray`` extra). ValueError / TypeError: bad sizes.
+        PlacementTimeoutError: the bundles were not reserved in time (names what is short).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        spec: ModelSpec | str | None = None,
+        *,
+        mode: str = "mixed",
+        max_requests: int = 8,
+        max_seq_len: int = 4096,
+        num_pages: int | None = None,
+        runtime_kwargs: dict[str, Any] | None = None,
+        sinks: torch.Tensor | None = None,
+        memory_limit_bytes: int | None = None,
+        device: str = "auto",
+        timeout_s: float = 120.0,
+        placement_strategy: str = "STRICT_PACK",
+        placement_timeout_s: float | None = None,
+        num_cpus: float = 1.0,
+        transport: str = "shm",
+        host_threads: int | None = None,
+        init_ray: bool = True,
+    ) -> None:
+        require_ray()
+        import ray
+
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.transport = self._asked_transport = transport
+        if host_threads is not None:
+            check_int("host_threads", host_threads, minimum=1)
+        self._decoder: Any = None  # the decode transport's runner (None: actor calls)
+        self.world_size, self.timeout_s = world_size, float(timeout_s)
+        self._actors: list[Any] = []
+        self._pg: Any = None
+        self._broken: RankFailedError | None = None
+        self._owns_ray = False
+        #: driver-side times of the last prefill / decode (``check_ms``, ``prepare_ms``, ``ranks_ms``, ``assemble_ms``;
+        #: a decode step under ``shm`` also its ``timeline`` on every rank, :meth:`ShmSteps.timeline`)
+        self.last_step: dict[str, Any] = {}
+        self.spec = get_preset(spec) if isinstance(spec, str) else spec
+        self._runtime_kwargs = dict(runtime_kwargs or {})
+        self._runtime_kwargs.setdefault("mode", mode)
+        self.mode = self._runtime_kwargs["mode"]
+        self._memory_limit = memory_limit_bytes
+        self._sinks = sinks
+        if self.spec is not None:
+            self._plan_cache(max_requests, max_seq_len, num_pages)
+        if init_ray and not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+            self._owns_ray = True  # started here, so stopped by shutdown()
+        if device == "auto":
+            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= world_size else "cpu"
+        self.device = device
+        if host_threads is None:
+            host_threads = 4 if device == "cuda" and (os.cpu_count() or 1) >= 16 else 1
+        self.host_threads = host_threads
+        bundle = {"CPU": float(num_cpus), **({"GPU": 1.0} if device == "cuda" else {})}
+        try:
+            self._pg = reserve_bundles(
+                world_size,
+                bundle,
+                strategy=placement_strategy,
+                timeout_s=self.timeout_s if placement_timeout_s is None else placement_timeout_s,
+            )
+            self._cls = _actor_class(float(num_cpus), 1.0 if device == "cuda" else 0.0)
+            self._form()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- building ------------------------------------------------------------------------------
+    def _plan_cache(self, max_requests: int, max_seq_len: int, num_pages: int | None) -> None:
+        from shardattn.runtime.runtime import DECODE_STEP, MODES
+
+        spec = self.spec
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(f"spec must be a ModelSpec or a preset name, got {type(spec).__name__}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} for a pool, got {self.mode!r}")
+        if self.mode == "pcp" and spec.kind != "sparse_mla":
+            raise ValueError(
+                f"mode 'pcp' serves sparse MLA only (PCP prefill); use 'dcp-decode' for a {spec.kind} spec"
+            )
+        self._sinks = check_sinks(self._sinks, spec)
+        if "max_batched_tokens" not in self._runtime_kwargs:
+            raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
+        self.shapes = pool_shapes(spec, self.mode, self._runtime_kwargs)
+        self.cache_config, self._cache_spec = plan_rank_cache(
+            spec.page_size, self.shapes.kv_rows, DECODE_STEP[self.mode] == "dcp", self.world_size,
+            int(self._runtime_kwargs.get("dcp_interleave", 1)), max_requests, max_seq_len, num_pages,
+            self._memory_limit,
+        )  # fmt: skip
+        self.book = PagedKVBook(self.cache_config)
+        self.heads_per_rank = spec.heads_per_rank(self.world_size)
+
+    def _form(self) -> None:
+        """Start the actors in their bundles, join the group, build Runtimes and caches."""
+        dev = "cuda:0" if self.device == "cuda" else "cpu"  # each actor sees only its own GPU
+        self._actors = [
+            self._cls.options(**bundle_options(self._pg, r)).remote(r, self.world_size, dev)
+            for r in range(self.world_size)
+        ]
+        host, port = self._call("start", [self._actors[0].address.remote()], ranks=[0])[0]
+        backends = self._call("join", [a.join.remote(host, port, self.timeout_s) for a in self._actors])
+        self.backend = backends[0]
+        self.built: list[dict[str, Any]] = []
+        if self.spec is not None:
+            kw = {k: v for k, v in self._runtime_kwargs.items()}
+            self.built = self._call(
+                "build", [a.build.remote(self.spec, kw, self._cache_spec, self._sinks) for a in self._actors]
+            )
+            self._start_decode()
+
+    def _start_decode(self) -> None:
+        from shardattn.serving.compiled import channel_bytes
+        from shardattn.serving.shm import decode_layout
+
+        assert self.spec is not None
+        shapes, cfg, h, dv = self.shapes, self.cache_config, self.heads_per_rank, self.spec.v_dim
+        sizes = {"max_tokens": shapes.max_decode_tokens, "max_requests": cfg.max_requests, "heads_per_rank": h}
+        sizes.update(table_width=cfg.pages_per_request, head_dim=shapes.head_dim, v_dim=dv)
+        sizes.update(dtype=shapes.dtype, topk=shapes.topk if shapes.kind == "sparse_mla" else 0, kv_rows=shapes.kv_rows)
+        self.transport, self._decoder = start_decode_transport(
+            self._asked_transport,
+            self._actors,
+            self.built,
+            layout=lambda: decode_layout(self.world_size, **sizes),
+            channel_bytes=lambda: channel_bytes(shapes, h, dv, cfg),
+            call=self._call,
+            spin_s=0.005 if self.device == "cuda" else 0.0,  # CPU ranks need their cores for the step
+        )
+
+    # -- calls and faults ----------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if not self._actors:
+            raise RuntimeError("the pool is shut down")
+
+    def _fail(self, rank: int, cause: str, operation: str) -> RankFailedError:
+        import ray
+
+        if not cause.startswith("actor died"):
+            # a rank whose collective broke because a peer died reports that as its own error
+            dead = [h["rank"] for h in rank_reports(self._actors, min(2.0, self.timeout_s)) if h["state"] == "dead"]
+            if dead and rank not in dead:
+                rank, cause = dead[0], f"actor died (then rank {rank}: {cause})"
+        err = RankFailedError(rank, cause, operation)
+        self._broken = err
+        for a in self._actors:  # survivors may wait in a collective for the dead rank: stop them too
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        self._teardown_decoder()
+        return err
+
+    def _teardown_decoder(self) -> None:
+        decoder, self._decoder = self._decoder, None
+        if decoder is not None:
+            decoder.teardown()
+
+    def _call(self, operation: str, refs: Sequence[Any], *, ranks: Sequence[int] | None = None) -> list[Any]:
+        """Wait for one call per rank; the first failure or the timeout raises :class:`RankFailedError`."""
+        import ray
+
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        pending = dict(zip(refs, ranks))
+        results: dict[int, Any] = {}
+        deadline = _now() + self.timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - _now()))
+            if not ready:
+                missing = sorted(pending.values())
+                raise self._fail(
+                    missing[0], f"ranks {missing} did not answer within {self.timeout_s:g} s (hung or dead)", operation
+                )
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+                    raise self._fail(rank, describe_ray_error(e), operation) from None
+        return [results[r] for r in ranks]
+
+    # -- the request API (prefill, decode, decode_batch: :class:`~shardattn.serving.steps.RequestSteps`)
+    def _need_spec(self) -> None:
+        if self.spec is None:
+            raise RuntimeError("this pool was formed without a spec; pass spec= to serve requests")
+
+    def set_sinks(self, sinks: torch.Tensor | None) -> None:
+        """Replace the attention sinks every rank holds (``[H]`` fp32, finite; ``None`` when the
+        spec has none); checked on the driver first, so a bad value changes nothing."""
+        self._check_usable()
+        self._need_spec()
+        assert self.spec is not None
+        checked = check_sinks(sinks, self.spec)
+        self._call("set_sinks", [a.set_sinks.remote(checked) for a in self._actors])
+        self._sinks = checked
+
+    def free(self, request_ids: Sequence[Hashable]) -> int:
+        """Release requests' pages (host bookkeeping; no rank runs). Returns the pages freed."""
+        self._check_usable()
+        self._need_spec()
+        return self.book.release(request_ids)
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def health(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """``{"state": "healthy" | "broken", "error", "free_pages", "requests", "ranks": [...]}``.
+
+        Each rank reports ``state`` (``ready``; ``prefill`` / ``decode`` while a step runs, with
+        ``step_running_s``; ``dead``, ``unresponsive``), ``rss_bytes``, ``cache_bytes``,
+        ``workspace_bytes`` (CUDA: allocated / reserved bytes), ``steps`` and ``last_step_s``.
+        Answers while a step runs (or is stuck); never raises for a dead rank.
+        """
+        wait = min(self.timeout_s, 10.0) if timeout_s is None else timeout_s
+        ranks = rank_reports(self._actors, wait)
+        book = getattr(self, "book", None)
+        return {
+            "state": "broken" if self._broken is not None else "healthy",
+            "error": None if self._broken is None else str(self._broken),
+            "free_pages": None if book is None else book.free_pages,
+            "requests": None if book is None else len(book),
+            "ranks": ranks,
+        }
+
+    def restart(self) -> list[Hashable]:
+        """Stop every actor, start new ones in the same bundles, re-form the group and rebuild.
+
+        Returns the request ids whose KV state was lost (every request the pool held): the
+        caller re-prefills them. The pool is usable again afterwards.
+        """
+        import ray
+
+        self._teardown_decoder()
+        for a in self._actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        self._actors = []
+        lost = self.book.request_ids if self.spec is not None else []
+        if self.spec is not None:
+            self.book.reset()
+        self._broken = None
+        self._form()
+        return lost
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``fn(group, *args, **kwargs)`` on every rank; the per-rank results, in rank order."""
+        self._check_usable()
+        return self._call("run", [a.run.remote(fn, args, kwargs) for a in self._actors])
+
+    def arm_fault(self, rank: int, kind: str = "exit", operation: str = "decode") -> None:
+        """Drill: make ``rank``'s next ``operation`` step fail (``kind``: ``"exit"``, ``"raise"`` or ``"hang"``)."""
+        self._check_usable()
+        self._call("arm_fault", [self._actors[rank].arm_fault.remote(kind, operation)], ranks=[rank])
+
+    def shutdown(self) -> None:
+        """Leave the group, stop the actors, free the bundles (and stop Ray when this pool started it)."""
+        import ray
+
+        self._teardown_decoder()
+        actors, self._actors = self._actors, []
+        if actors and self._broken is None:
+            try:
+                ray.get([a.leave.remote() for a in actors], timeout=10)
+            except Exception:
+                pass
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._pg)
+            except Exception:
+                pass
+            self._pg = None
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+
+    def __enter__(self) -> RayRankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _now() -> float:
+    return time.monotonic()

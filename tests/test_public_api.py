@@ -1,0 +1,76 @@
+"""The public API: what ``from shardattn import ...`` gives, that importing the package is cheap, and
+that the entry points name the same things the same way."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+import shardattn
+
+
+@pytest.mark.parametrize("name", sorted(set(shardattn.__all__) - {"__version__"}))
+def test_every_public_name_is_its_home_module_object(name):
+    home = importlib.import_module(shardattn._PUBLIC[name])
+    assert getattr(shardattn, name) is getattr(home, name)
+
+
+def test_importing_the_package_imports_neither_torch_nor_triton():
+    code = "import shardattn, sys; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_an_unknown_name_raises_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'sparse_mla_gluon'"):
+        _ = shardattn.sparse_mla_gluon
+
+
+def test_errors_are_one_set_of_classes():
+    from shardattn.errors import PeerFailedError, WorkspaceExceededError
+    from shardattn.launch.cli import LaunchError
+    from shardattn.parallel.comm import PeerFailedError as comm_peer_failed
+    from shardattn.plan.calibration import CalibrationWarning
+    from shardattn.runtime.workspace import WorkspaceExceededError as runtime_exceeded
+    from shardattn.serving import RankFailedError
+
+    assert comm_peer_failed is PeerFailedError and runtime_exceeded is WorkspaceExceededError
+    assert shardattn.LaunchError is LaunchError and shardattn.CalibrationWarning is CalibrationWarning
+    assert shardattn.RankFailedError is RankFailedError
+    assert issubclass(WorkspaceExceededError, ValueError) and issubclass(PeerFailedError, RuntimeError)
+
+
+def _params(fn) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
+def test_entry_points_name_their_arguments_alike():
+    """One name for the LSE destination (``lse_out``), for a union built ahead (``prepared_union``)
+    and for the caller's promises about rows (``rows_unique`` / ``rows_sorted``); no launch knobs."""
+    ops = {
+        "sparse_mla_attention": shardattn.sparse_mla_attention,
+        "sparse_mla_grouped_prefill": shardattn.sparse_mla_grouped_prefill,
+        "sparse_mla_decode": shardattn.sparse_mla_decode,
+        "gqa_paged_decode": shardattn.gqa_paged_decode,
+        "lse_merge": shardattn.lse_merge,
+        "shardq_prefill": shardattn.shardq_prefill,
+    }
+    for name, fn in ops.items():
+        params = _params(fn)
+        assert "lse_out" in params and "lse" not in params, name
+        assert not params & {"prepared", "topk_unique", "config", "num_splits", "counters"}, name
+    assert "prepared_union" in _params(shardattn.sparse_mla_attention) & _params(shardattn.sparse_mla_grouped_prefill)
+    assert "rows_unique" in _params(shardattn.sparse_mla_decode) & _params(shardattn.dcp_sparse_mla_decode)
+    assert "rows_sorted" in _params(shardattn.sparse_mla_grouped_prefill) & _params(shardattn.build_union)
+
+
+def test_availability_predicates_return_bools():
+    from shardattn.kernels.backend import triton_available
+    from shardattn.kernels.gluon.sparse_mla import gluon_available, gluon_unavailable_reason
+
+    assert isinstance(triton_available(), bool) and isinstance(gluon_available(), bool)
+    assert (gluon_unavailable_reason() is None) == gluon_available()
