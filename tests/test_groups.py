@@ -26,10 +26,11 @@ from shardattn.parallel import (
     pcp_prefill,
     shardq_prefill,
 )
+from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp, gqa_prefill_pcp
 from shardattn.parallel.groups import resolve_group
 from shardattn.plan.zigzag import zigzag_split
 from shardattn.runtime.runtime import Runtime
-from tests import test_collector, test_dcp, test_pcp, test_shardq
+from tests import test_collector, test_dcp, test_gqa_prefill_parallel, test_pcp, test_shardq
 from tests.test_runtime import MLA, _err, _heads, _kv_lens, _mla_oracle, _prefill_step
 
 BAD_GROUP = r"^group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or \(DeviceMesh, dim name\), got"
@@ -89,6 +90,8 @@ ENTRY_POINTS = {
     "dcp_gqa_decode": lambda g: dcp_gqa_decode(*_dummy_args(6), g),
     "pcp_prefill": lambda g: pcp_prefill(*_dummy_args(4), g, scale=1.0, v_dim=1),
     "collect_partials": lambda g: collect_partials(None, None, g),
+    "gqa_prefill_head_tp": lambda g: gqa_prefill_head_tp(*_dummy_args(4), g, num_kv_heads=1),
+    "gqa_prefill_pcp": lambda g: gqa_prefill_pcp(*_dummy_args(4), g),
 }
 
 
@@ -115,6 +118,8 @@ RUNNERS = {
     "dcp-gqa": test_dcp._run_gqa,
     "pcp": test_pcp._run,
     "collector": test_collector._collect_all_strategies,
+    "gqa-prefill-head-tp": test_gqa_prefill_parallel._run_head_tp,
+    "gqa-prefill-pcp": test_gqa_prefill_parallel._run_pcp,
 }
 
 
@@ -129,13 +134,27 @@ def _cases(world: int) -> dict[str, tuple[tuple, Any]]:
     gqa = test_dcp._gqa_case(world, world=world, interleave=2, **test_dcp.GQA_CASES["ragged-drafts"])
     pcp = test_pcp._case(world, [11, 2, 17], [5, 0, 9], sinks=True)
     col = test_collector._case(world, world, 5, 2, 8, torch.float32)
+    gqa_tp = test_gqa_prefill_parallel.make_step(world + 8, [7, 0, 5], [4, 6, 0], hq=2 * world, hkv=2)
+    gqa_pcp = test_gqa_prefill_parallel.make_step(world, [9, 4, 13], [5, 0, 8], window_left=3)
     return {
         "shardq": ((sq, 1, 2), lambda res: test_shardq._check(res, sq, world)),
         "dcp-mla": ((mla,), lambda res: test_dcp._check_mla(res, mla, world)),
         "dcp-gqa": ((gqa,), lambda res: test_dcp._check_gqa(res, gqa, world)),
         "pcp": ((pcp,), lambda res: test_pcp._check(res, pcp, world)),
         "collector": ((col,), lambda res: test_collector._check_world(res, col, world)),
+        "gqa-prefill-head-tp": ((gqa_tp,), lambda res: _check_gqa_head_tp(res, gqa_tp, world)),
+        "gqa-prefill-pcp": ((gqa_pcp, False), lambda res: test_gqa_prefill_parallel._check_pcp(res, gqa_pcp, False)),
     }
+
+
+def _check_gqa_head_tp(results: list, case: dict, world: int) -> None:
+    """As tests/test_gqa_prefill_parallel.py checks the head-TP step: each rank's heads against the oracle."""
+    out64, lse64 = test_gqa_prefill_parallel.oracle(case)
+    hl = case["q"].shape[1] // world
+    for r, (out, lse, counts) in enumerate(results):
+        heads = slice(r * hl, (r + 1) * hl)
+        test_gqa_prefill_parallel.assert_close(out, lse, out64[:, heads], lse64[:, heads], f"rank {r} of {world}")
+        assert counts == {}, counts
 
 
 @pytest.mark.distributed
