@@ -216,12 +216,16 @@ def render(tables: dict[str, list[dict]]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def add(paths: list[Path], directory: Path = RECORDS) -> int:
-    """Merges the records of ``paths`` into ``directory`` (module docstring); returns how many."""
+def add(paths: list[Path], directory: Path = RECORDS, commit: str | None = None) -> int:
+    """Merges the records of ``paths`` into ``directory`` (module docstring); returns how many.
+    ``commit``: the measured commit, for records written by a copy of the tree whose ``.git`` was
+    not that commit's (their own ``commit`` field is then replaced)."""
     tables = load(directory)
     count = 0
     for path in paths:
         for rec in read_json(path):
+            if commit is not None:
+                rec = {**rec, "commit": commit}
             validate(rec)
             if rec["benchmark"] not in SECTIONS:
                 raise ValueError(f"{path}: no section for benchmark {rec['benchmark']!r}")
@@ -241,12 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--add", nargs="+", type=Path, default=[], metavar="FILE", help="records to merge in first")
     ap.add_argument("--check", action="store_true", help="only compare the page with the records")
+    ap.add_argument("--commit", default=None, help="with --add: the commit the records measured (replaces theirs)")
     args = ap.parse_args(argv)
     if args.add and args.check:
         print("--add writes the records; --check only reads: pass one", file=sys.stderr)
         return 2
     if args.add:
-        print(f"merged {add(args.add)} records into {RECORDS.relative_to(ROOT)}")
+        print(f"merged {add(args.add, commit=args.commit)} records into {RECORDS.relative_to(ROOT)}")
     page = render(load())
     if args.check:
         if not PAGE.exists() or PAGE.read_text() != page:

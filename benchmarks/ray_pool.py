@@ -113,14 +113,14 @@ def build_checked_pool(args: argparse.Namespace) -> tuple[Any, list[int]]:
         reqs = [mirror.decode_request(i) for i in range(b)]
         checks["decode(requests)"] = errors(pool.decode(reqs, return_lse=True), reqs, mirror, dev)
         reqs = [mirror.decode_request(i) for i in range(b)]
-        out, lse = pool.decode_batch(torch.arange(b), torch.cat([r.q for r in reqs]), torch.cat([r.topk for r in reqs]),
-                                     kv=torch.cat([r.kv for r in reqs]), return_lse=True)  # fmt: skip
+        q, pos = torch.cat([r.q for r in reqs]), torch.cat([r.topk_pos for r in reqs])
+        out, lse = pool.decode_batch(torch.arange(b), q, pos, kv=torch.cat([r.kv for r in reqs]), return_lse=True)
         checks["decode_batch"] = errors(list(zip(out.split(1), lse.split(1))), reqs, mirror, dev)
         reqs = [mirror.decode_request(i) for i in range(b)]
         slots = pool.step_inputs(b)
-        for name in ("q", "topk", "kv"):
+        for name in ("q", "topk_pos", "kv"):
             torch.cat([getattr(r, name) for r in reqs], out=slots[name])
-        out, lse = pool.decode_batch(torch.arange(b), slots["q"], slots["topk"], kv=slots["kv"], return_lse=True,
+        out, lse = pool.decode_batch(torch.arange(b), slots["q"], slots["topk_pos"], kv=slots["kv"], return_lse=True,
                                      view=True)  # fmt: skip
         checks["decode_batch, in place, views"] = errors(list(zip(out.split(1), lse.split(1))), reqs, mirror, dev)
         print("checks against fp64 attention (largest error):", {k: f"{v:.2e}" for k, v in checks.items()})
@@ -151,13 +151,13 @@ def time_api(pool: Any, api: str, x: dict[str, torch.Tensor], iters: int) -> flo
     if api.startswith("decode_batch, inputs in place"):  # written once, as a model would write them
         slots = pool.step_inputs(int(q.shape[0]))
         slots["q"].copy_(q)
-        slots["topk"].copy_(topk)
-        q, topk, view = slots["q"], slots["topk"], True
+        slots["topk_pos"].copy_(topk)
+        q, topk, view = slots["q"], slots["topk_pos"], True
     times = []
     for it in range(5 + iters):
         t0 = time.perf_counter()
         if api == "decode(requests)":
-            pool.decode([DecodeRequest(int(i), q=q[i : i + 1], topk=topk[i : i + 1]) for i in x["ids"]])
+            pool.decode([DecodeRequest(int(i), q=q[i : i + 1], topk_pos=topk[i : i + 1]) for i in x["ids"]])
         else:
             pool.decode_batch(x["ids"], q, topk, view=view)
         if it >= 5:

@@ -16,7 +16,7 @@ ratio to head-TP measured in the same run, and counts the configurations where t
 step is within 5 % of the fastest measured path and every prediction within 15 %.
 
 ``--shardq-chunks N ...``, ``--taper`` and ``--one-union`` also time the ShardQ step with those
-Runtime options (``prefill_chunks``, ``prefill_taper``, ``prefill_one_union``; the planner's chunks
+Runtime options (``PrefillOptions(chunks=, taper=, one_union=)``; the planner's chunks
 when no count is given) beside the default ShardQ step of the same run, each first checked to give
 the default step's bits.
 
@@ -62,6 +62,7 @@ from shardattn.launch.workloads import build_prefill
 from shardattn.plan.cost import CollectiveRate, CostModel, StepShape, choose_prefill, load_calibration
 from shardattn.plan.links import LINKS, LinkRate, resolve_link
 from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
 
 #: (label, preset, heads override, tokens): two presets and two head counts at 8K and 32K new tokens.
@@ -104,19 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--net-gbps", type=float, default=None, help="network GB/s per GPU for --nodes (overrides --link)")
     p.add_argument("--net-latency-us", type=float, default=None, help="network latency for --nodes (with --net-gbps)")
     p.add_argument("--shardq-chunks", type=int, nargs="+", default=[], help="also time ShardQ at these chunk counts")
-    p.add_argument("--taper", action="store_true", help="... with tapered chunks (Runtime(prefill_taper=True))")
+    p.add_argument("--taper", action="store_true", help="... with tapered chunks (PrefillOptions(taper=True))")
     p.add_argument("--one-union", action="store_true", help="... with one union build per step")
     return p
 
 
 def shardq_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
-    """``(label, Runtime keywords)`` of the extra ShardQ steps the options ask for."""
+    """``(label, PrefillOptions fields)`` of the extra ShardQ steps the options ask for."""
     counts = args.shardq_chunks or ([None] if args.taper or args.one_union else [])
     out = []
     for c in counts:
         label = ("the planner's chunks" if c is None else f"{c} chunks") + (", tapered" if args.taper else "")
         label += ", one union build" if args.one_union else ""
-        out.append((label, {"prefill_chunks": c, "prefill_taper": args.taper, "prefill_one_union": args.one_union}))
+        out.append((label, {"chunks": c, "taper": args.taper, "one_union": args.one_union}))
     return out
 
 
@@ -131,12 +132,12 @@ def time_shardq_variants(
                          device=device, seed=0, block_size=spec.page_size)  # fmt: skip
     h = spec.num_heads // world
     q_local = step.q[:, rank * h : (rank + 1) * h].contiguous()
-    common = {"max_batched_tokens": tokens, "device": device, "topk": spec.topk, "min_shard_tokens": 1024,
-              "min_group_tokens": 1024, "warmup": False}  # fmt: skip
+    common = {"max_batched_tokens": tokens, "device": device, "topk": spec.topk, "warmup": False}
 
     def runtime_step(kw: dict[str, Any]):
-        rt = Runtime(spec, group, mode="shardq", cost_model=None, **common, **kw)
-        plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+        options = PrefillOptions(min_shard_tokens=1024, min_group_tokens=1024, cost_model=None, **kw)
+        rt = Runtime(spec, group, mode="shardq", prefill_options=options, **common)
+        plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
         return rt, plan, rt.prefill(q_local, step.kv, step.rows, plan=plan, check=True)
 
     _, _, want = runtime_step({})

@@ -58,6 +58,7 @@ from soak_pool_report import render, soak_records, summarize
 from soak_stats import LogHistogram, live_tensors, rss_bytes
 
 from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn.runtime.options import PrefillOptions
 
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
@@ -114,7 +115,11 @@ class Soak:
 
             mean = KVCacheConfig(self.spec.page_size, DCPLayout(args.ranks), args.max_requests, args.max_seq_len)
             args.num_pages = max(4, args.max_requests * mean.pages_for(47) // 3)
-        runtime = {"max_batched_tokens": 128, "max_decode_tokens": 32, "min_shard_tokens": 1}
+        runtime = {
+            "max_batched_tokens": 128,
+            "max_decode_tokens": 32,
+            "prefill_options": PrefillOptions(min_shard_tokens=1),
+        }
         self.pool = RayRankPool(
             args.ranks, self.spec, mode="mixed", max_requests=args.max_requests, max_seq_len=args.max_seq_len,
             num_pages=args.num_pages, runtime_kwargs=runtime, device=args.device, timeout_s=60.0,
@@ -272,7 +277,7 @@ class Soak:
             ids = torch.tensor([r.id for r in reqs], dtype=torch.int64)
             q_lens = [int(r.q.shape[0]) for r in reqs]
             out, lse = self.pool.decode_batch(
-                ids, torch.cat([r.q for r in reqs]), torch.cat([r.topk for r in reqs]), q_lens=q_lens,
+                ids, torch.cat([r.q for r in reqs]), torch.cat([r.topk_pos for r in reqs]), query_lens=q_lens,
                 kv=torch.cat([r.kv for r in reqs]), return_lse=True,
             )  # fmt: skip
             kind, outs = "decode_batch", list(zip(out.split(q_lens), lse.split(q_lens)))

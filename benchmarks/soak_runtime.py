@@ -58,6 +58,7 @@ from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.runtime.cudagraph import GraphInput
+from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
 from shardattn.runtime.warmup import compiled_variants
 
@@ -108,8 +109,8 @@ class RuntimeSoak:
         self.max_tokens = args.max_tokens or (8192 if cuda else 96)
         self.rt = Runtime(
             spec, group, max_batched_tokens=self.max_tokens, mode="mixed", device=self.device,
-            max_decode_tokens=args.max_batch, min_shard_tokens=None if cuda else 1,
-            min_group_tokens=None if cuda else 1,
+            max_decode_tokens=args.max_batch,
+            prefill_options=PrefillOptions() if cuda else PrefillOptions(min_shard_tokens=1, min_group_tokens=1),
         )  # fmt: skip
         self.h = self.rt.heads_per_rank
         self._decode_world()
@@ -156,7 +157,7 @@ class RuntimeSoak:
             topk=self.spec.topk, overlap="dsa", dtype=self.dtype, device=self.device, seed=i,
             block_size=self.spec.page_size,
         )  # fmt: skip
-        plan = self.rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+        plan = self.rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
         heads = self.spec.num_heads if plan.step in ("shardq", "pcp") else self.h
         route = f"{plan.step}/{plan.route.path}" + (f" G={plan.route.group_size}" if plan.route.group_size > 1 else "")
         self.stats["routes"][route] = self.stats["routes"].get(route, 0) + 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardattn import Runtime, convert_topk, mla_softmax_scale, sparse_mla_reference
+from shardattn import DecodeOptions, Runtime, convert_topk, mla_softmax_scale, shard_kv_cache, sparse_mla_reference
 from shardattn.launch.local import run_ranks
 
 CONTEXT, TOPK, INTERLEAVE = [300, 77, 1], 48, 4  # three decode requests, one new token each
@@ -34,7 +34,7 @@ def main(group: dist.ProcessGroup) -> None:
         mode="dcp-decode",
         device=device,
         topk=TOPK,
-        dcp_interleave=INTERLEAVE,
+        decode_options=DecodeOptions(dcp_interleave=INTERLEAVE),
     )
     spec, layout, page, h = rt.spec, rt.layout, rt.spec.page_size, rt.heads_per_rank
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -50,22 +50,8 @@ def main(group: dist.ProcessGroup) -> None:
     kv = torch.randn(int(first[-1]) * page, spec.head_dim, generator=gen, device=device).to(dtype)
     seq_lens = torch.tensor(CONTEXT, dtype=torch.int32, device=device)
 
-    # this rank's shard: its tokens of each request, in local order, in its own pages
-    local_pages, local_rows = [], []
-    for b, n in enumerate(CONTEXT):
-        owned = layout.owned_positions(n, rank).to(device)  # global positions this rank holds
-        rows = table[b, owned // page].long() * page + owned % page
-        need = -(-owned.numel() // page)
-        shard = torch.zeros(need * page, spec.head_dim, dtype=dtype, device=device)
-        shard[: owned.numel()] = kv[rows]
-        local_pages.append(need)
-        local_rows.append(shard)
-    kv_local = torch.cat(local_rows)
-    start = torch.tensor([0, *local_pages]).cumsum(0)
-    table_local = torch.full((len(CONTEXT), max(max(local_pages), 1)), -1, dtype=torch.int32)
-    for b, n in enumerate(local_pages):
-        table_local[b, :n] = torch.arange(start[b], start[b] + n)
-    table_local = table_local.to(device)
+    # this rank's shard: its tokens of each request, in local order, in pages of its own
+    kv_local, table_local = shard_kv_cache(kv, table, CONTEXT, layout, rank, page_size=page)
 
     # the indexer's top-k: request-global positions (identical on every rank)
     req = torch.arange(len(CONTEXT), dtype=torch.int32, device=device)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from shardattn import ModelSpec, get_preset
+from shardattn import ModelSpec, PrefillOptions, get_preset
 from shardattn.serving import RayRankPool
 from shardattn.testing.serving import ServingMirror
 
@@ -118,12 +118,13 @@ class Service:
 
     def _decode(self, requests: list[Any]) -> list[Any]:
         """One decode step through ``pool.decode_batch``: the requests' tensors concatenated once
-        each (ids, ``q [T, H, D]``, ``topk [T, K]``, new KV rows), the outputs split per request."""
+        each (ids, ``q [T, H, D]``, ``topk_pos [T, K]``, new KV rows), the outputs split per request."""
         lens = [int(r.q.shape[0]) for r in requests]
-        topk = None if requests[0].topk is None else torch.cat([r.topk for r in requests])
+        topk_pos = None if requests[0].topk_pos is None else torch.cat([r.topk_pos for r in requests])
         kv = None if requests[0].kv is None else torch.cat([r.kv for r in requests])
         q = torch.cat([r.q for r in requests])
-        out, lse = self.pool.decode_batch([r.id for r in requests], q, topk, q_lens=lens, kv=kv, return_lse=True)
+        ids = [r.id for r in requests]
+        out, lse = self.pool.decode_batch(ids, q, topk_pos, query_lens=lens, kv=kv, return_lse=True)
         return list(zip(out.split(lens), lse.split(lens)))
 
     async def run(self) -> None:
@@ -232,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "max_batched_tokens": prefill_tokens,
             "max_decode_tokens": args.max_batch,
             "topk": spec.topk,
-            "min_shard_tokens": 1,
+            "prefill_options": PrefillOptions(min_shard_tokens=1),
         },
     )
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardattn import Runtime, convert_topk, mla_softmax_scale, sparse_mla_reference
+from shardattn import PrefillOptions, Runtime, convert_topk, mla_softmax_scale, sparse_mla_reference
 from shardattn.launch.local import run_ranks
 
 SEQ_LENS, CACHED, TOPK, PAGE = [96, 64], [32, 0], 32, 64
@@ -34,8 +34,7 @@ def main(group: dist.ProcessGroup) -> None:
         mode="shardq",
         device=device,
         topk=TOPK,
-        min_shard_tokens=64,
-        cost_model=None,
+        prefill_options=PrefillOptions(min_shard_tokens=64, cost_model=None),
     )
     spec, h = rt.spec, rt.heads_per_rank
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -56,7 +55,7 @@ def main(group: dist.ProcessGroup) -> None:
     q = torch.randn(len(pos), spec.num_heads, spec.head_dim, generator=gen, device=device).to(dtype)
 
     q_local = q[:, rank * h : (rank + 1) * h].contiguous()  # this rank's heads, as TP gives them
-    out, lse = rt.prefill(q_local, kv, rows, seq_lens=SEQ_LENS, prefix_lens=CACHED)
+    out, lse = rt.prefill(q_local, kv, rows, query_lens=SEQ_LENS, prefix_lens=CACHED)
 
     ref_out, _ = sparse_mla_reference(q, kv, rows, scale=SCALE, v_dim=spec.v_dim)
     err = (out.float() - ref_out[:, rank * h : (rank + 1) * h].float()).abs().max().item()

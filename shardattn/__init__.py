@@ -56,6 +56,8 @@ _STEPS = {
     "Comm": "shardattn.parallel.comm",
     "resolve_group": "shardattn.parallel.groups",
     "Runtime": "shardattn.runtime.runtime",
+    "PrefillOptions": "shardattn.runtime.options",
+    "DecodeOptions": "shardattn.runtime.options",
 }
 _PLAN = {
     "ModelSpec": "shardattn.plan.spec",
@@ -68,6 +70,7 @@ _PLAN = {
     "pcp_plan": "shardattn.plan.pcp",
     "PCPPlan": "shardattn.plan.pcp",
     "DCPLayout": "shardattn.plan.context",
+    "shard_kv_cache": "shardattn.plan.dcp_shard",
     "pipeline_plan": "shardattn.plan.pipeline",
     "workspace_bounds": "shardattn.plan.workspace",
     "plan_decode_batch": "shardattn.plan.decode_batch",

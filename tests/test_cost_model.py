@@ -31,6 +31,7 @@ from shardattn.plan.cost import (
     shipped_calibration,
 )
 from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
 
 MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32", softmax_scale=0.3)  # not 48 ** -0.5
@@ -182,8 +183,9 @@ def _routed_body(group, table: Calibration) -> dict:
         seed=3,
         block_size=MLA.page_size,
     )
-    rt = Runtime(MLA, group, max_batched_tokens=64, mode="mixed", min_shard_tokens=1, cost_model=CostModel(table))
-    plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+    options = PrefillOptions(min_shard_tokens=1, cost_model=CostModel(table))
+    rt = Runtime(MLA, group, max_batched_tokens=64, mode="mixed", prefill_options=options)
+    plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
     rt.comm.reset_counts()
     h = MLA.num_heads // world
     out, lse = rt.prefill(step.q[:, rank * h : (rank + 1) * h].contiguous(), step.kv, step.rows, plan=plan)
@@ -210,7 +212,7 @@ def test_calibrate_command_writes_a_loadable_table(tmp_path) -> None:
 
     out = tmp_path / "cpu.json"
     argv = ["--out", str(out), "--heads", "8", "16", "--tokens", "32", "64", "--topk", "8", "--cached", "32"]
-    assert main([*argv, "--reps", "1", "--no-progress"]) == 0
+    assert main([*argv, "--reps", "1", "--no-progress", "--cpu"]) == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cal = load_calibration("cpu", out)
@@ -253,6 +255,7 @@ def test_calibrate_passes_are_recorded_and_checked(tmp_path) -> None:
 
     out = tmp_path / "cpu.json"
     argv = ["--out", str(out), "--heads", "8", "--tokens", "32", "--topk", "8", "--cached", "32", "--reps", "1"]
+    argv.append("--cpu")
     assert main([*argv, "--no-progress", "--no-steps", "--passes", "2"]) == 0
     cal = Calibration.from_json(out.read_text())
     assert "kernel points the median of 2 pass(es)" in cal.source
@@ -271,6 +274,7 @@ def test_calibrate_merge_into_keeps_the_tables_collectives_and_steps(tmp_path) -
     path.write_text(table.to_json())
     out = tmp_path / "merged.json"
     argv = ["--out", str(out), "--heads", "8", "--tokens", "32", "--topk", "8", "--cached", "32", "--reps", "1"]
+    argv.append("--cpu")
     assert main([*argv, "--no-progress", "--merge-into", str(path)]) == 0
     merged = Calibration.from_json(out.read_text())
     assert merged.collectives == table.collectives and merged.steps == table.steps

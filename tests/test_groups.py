@@ -29,6 +29,7 @@ from shardattn.parallel import (
 from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp, gqa_prefill_pcp
 from shardattn.parallel.groups import resolve_group
 from shardattn.plan.zigzag import zigzag_split
+from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
 from tests import test_collector, test_dcp, test_gqa_prefill_parallel, test_pcp, test_shardq
 from tests.test_runtime import MLA, _err, _heads, _kv_lens, _mla_oracle, _prefill_step
@@ -205,14 +206,14 @@ def test_a_step_handed_a_mesh_gives_the_bits_of_its_group(dist_pool) -> None:
 def _runtime_body(group, how: str) -> dict:
     """A Runtime on a mesh: a ShardQ prefill and a DCP decode (mode mixed) against the fp64 oracle."""
     target = _group_like(how)
-    rt = Runtime(MLA, target, max_batched_tokens=128, mode="mixed", min_shard_tokens=1)
+    rt = Runtime(MLA, target, max_batched_tokens=128, mode="mixed", prefill_options=PrefillOptions(min_shard_tokens=1))
     rank, world = rt.rank, rt.world_size
     step = _prefill_step(seed=2)
     out, lse = rt.prefill(
         _heads(step.q, rank, world).contiguous(),
         step.kv,
         step.rows,
-        seq_lens=step.seq_lens,
+        query_lens=step.query_lens,
         prefix_lens=step.prefix_lens,
     )
     ref_out, ref_lse = _mla_oracle(step, rt.scale, _kv_lens(step))

@@ -27,7 +27,7 @@ from shardattn.plan import dcp_owner
         (["--tokens", "abc"], r"argument --tokens: invalid int value: 'abc'"),
         (["--cached", "1,x"], r"expected comma-separated integers"),
         (["--timeout", "0"], r"--timeout must be >= 1"),
-        (["--q-len", "0"], r"--q-len entries must be >= 1"),
+        (["--query-len", "0"], r"--query-len entries must be >= 1"),
         (["--bogus"], r"unrecognized arguments: --bogus"),
     ],
     ids=[
@@ -36,7 +36,7 @@ from shardattn.plan import dcp_owner
         "non-int",
         "bad-list",
         "timeout",
-        "q-len",
+        "query-len",
         "unknown",
     ],
 )
@@ -122,7 +122,7 @@ def test_defaults_are_small_on_cpu_and_real_on_gpu() -> None:
     gpu = resolve_shape(opts, on_gpu=True, preset_topk=2048, decode_only=False)
     assert (cpu.tokens, cpu.topk, cpu.requests, cpu.reduced) == (256, 64, 2, True)
     assert (gpu.tokens, gpu.topk, gpu.reduced) == (8192, 2048, False)
-    assert cpu.cached == (128, 128) and cpu.q_lens == (1, 1)
+    assert cpu.cached == (128, 128) and cpu.query_lens == (1, 1)
     explicit = resolve_shape(
         parse_options(["--tokens", "300", "--topk", "100"]), on_gpu=False, preset_topk=2048, decode_only=False
     )
@@ -193,7 +193,7 @@ def test_report_verdict_table_and_json(tmp_path) -> None:
     console = Console(record=True, width=200)
     render(bad, console)
     text = console.export_text()
-    for needle in ("shardq/grouped", "G = 2 for 64 heads", "1.150", "5.00e-02 > 1e-03", "check FAILED"):
+    for needle in ("shardq/grouped", "G = 2 for 64 heads", "1.150", "5.0e-02 FAIL", "check FAILED", "1e-03"):
         assert needle in text, needle
 
     path = tmp_path / "r.json"
@@ -205,13 +205,13 @@ def test_report_verdict_table_and_json(tmp_path) -> None:
 def test_prefill_workload_rows_match_positions() -> None:
     args = dict(heads=4, head_dim=24, tokens=40, requests=3, cached=(0, 5, 70), topk=16, dtype=torch.float32, seed=3)
     step = build_prefill(overlap=overlap_model("dsa"), device=torch.device("cpu"), **args)
-    assert step.seq_lens == [14, 13, 13] and step.q.shape == (40, 4, 24)
+    assert step.query_lens == [14, 13, 13] and step.q.shape == (40, 4, 24)
     valid = step.positions >= 0
     assert torch.equal(valid, step.rows >= 0), "every valid position maps to a row"
     assert torch.equal(valid_mask(step.rows, step.kv.shape[0], None), valid)
     # a token at position p sees min(topk, p + 1) distinct positions, none past its own
-    pos_in_req = torch.cat([torch.arange(n) for n in step.seq_lens])
-    position = torch.tensor(step.prefix_lens).repeat_interleave(torch.tensor(step.seq_lens)) + pos_in_req
+    pos_in_req = torch.cat([torch.arange(n) for n in step.query_lens])
+    position = torch.tensor(step.prefix_lens).repeat_interleave(torch.tensor(step.query_lens)) + pos_in_req
     assert torch.equal(valid.sum(1), torch.clamp(position + 1, max=16))
     assert bool((step.positions <= position[:, None]).all())
     # rows follow the block table: row = table[req, p // B] * B + p % B

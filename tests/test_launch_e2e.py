@@ -103,7 +103,7 @@ def _quiet(stderr: str) -> list[str]:
 @pytest.mark.distributed
 def test_main_job_four_ranks_prints_the_table_and_checks_itself(tmp_path) -> None:
     path = tmp_path / "report.json"
-    proc, elapsed = _torchrun(4, "--json", str(path))
+    proc, elapsed = _torchrun(4, "--json", str(path), "--progress-after", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for needle in (
         "rank",
@@ -117,8 +117,12 @@ def test_main_job_four_ranks_prints_the_table_and_checks_itself(tmp_path) -> Non
         "reduced step",
     ):
         assert needle in proc.stdout, f"{needle!r} missing from:\n{proc.stdout}"
+    # off a terminal, a run older than --progress-after (2 s by default) says what it is doing, a
+    # line per phase, on stderr
+    assert "shardattn.launch: prefill: timing (shardq/reference)" in proc.stderr, proc.stderr
     report = json.loads(path.read_text())
     assert report["config"]["world_size"] == 4 and report["config"]["check"] is True
+    assert len(report["config"]["workspace_bytes"]) == 4 and "prefill.union" in report["config"]["workspace_items"]
     assert report["checked"] and report["passed"]
     rows = report["rows"]
     assert sorted((r["rank"], r["step"]) for r in rows) == sorted(
@@ -135,7 +139,7 @@ def test_main_job_four_ranks_prints_the_table_and_checks_itself(tmp_path) -> Non
 def test_gqa_speculative_decode_two_ranks(tmp_path) -> None:
     path = tmp_path / "r.json"
     proc, _ = _torchrun(
-        2, "--preset", "gqa-64-8", "--q-len", "1,3", "--cached", "60,37", "--json", str(path), "--profile"
+        2, "--preset", "gqa-64-8", "--query-len", "1,3", "--cached", "60,37", "--json", str(path), "--profile"
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("profile of one decode step on rank 0") == 1, proc.stdout  # rank 0 only
@@ -203,9 +207,9 @@ def test_failed_check_exits_with_status_3_on_every_rank(tmp_path) -> None:
 @pytest.mark.parametrize(
     "args",
     [
-        ["--mode", "mixed", "--tokens", "48", "--topk", "16", "--cached", "40,7", "--q-len", "1,2"],
+        ["--mode", "mixed", "--tokens", "48", "--topk", "16", "--cached", "40,7", "--query-len", "1,2"],
         ["--mode", "pcp", "--tokens", "40", "--topk", "16", "--cached", "24,0"],
-        ["--preset", "gqa-64-8", "--q-len", "1,3", "--cached", "30,9", "--non-causal"],
+        ["--preset", "gqa-64-8", "--query-len", "1,3", "--cached", "30,9", "--non-causal"],
     ],
     ids=["mixed-shardq-dcp", "pcp", "gqa-noncausal-drafts"],
 )

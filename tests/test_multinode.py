@@ -33,6 +33,7 @@ from shardattn.plan.cost import (
 from shardattn.plan.links import LINKS, LinkRate, cross_node_rate, resolve_link
 from shardattn.plan.nodes import NodeLayout
 from shardattn.plan.spec import get_preset
+from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
 from shardattn.testing.pool import free_port
 from tests.test_cost_model import RT_SHARDQ_WINS, SHARDQ_WINS
@@ -190,8 +191,8 @@ def _hosts_body(group, split: bool) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     host = f"host-{rank // 2}" if split else "host-0"
     slow_network = CostModel(RT_SHARDQ_WINS, network=LinkRate("slow", 1.0, 1e-3))
-    rt = Runtime(MLA, group, max_batched_tokens=64, mode="mixed", min_shard_tokens=1, cost_model=slow_network,
-                 host_id=host)  # fmt: skip
+    options = PrefillOptions(min_shard_tokens=1, cost_model=slow_network)
+    rt = Runtime(MLA, group, max_batched_tokens=64, mode="mixed", prefill_options=options, host_id=host)
     plan = rt.plan_prefill([40, 24], [8, 0], kv_rows=200)
     s = build_decode(
         heads=MLA.num_heads, head_dim=MLA.head_dim, requests=3, cached=(37, 0, 70), q_lens=(1, 2, 1), topk=MLA.topk,

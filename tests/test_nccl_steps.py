@@ -86,6 +86,7 @@ def _runtime_dsa_prefill(group: dist.ProcessGroup, case: dict, mode: str) -> dic
     both take the Gluon kernel when it is there."""
     from shardattn.ops.dispatch import sparse_prefill_kernel
     from shardattn.plan.spec import ModelSpec
+    from shardattn.runtime.options import PrefillOptions
     from shardattn.runtime.runtime import Runtime
 
     q, kv, rows = case["q"], case["kv"], case["rows"]
@@ -93,10 +94,12 @@ def _runtime_dsa_prefill(group: dist.ProcessGroup, case: dict, mode: str) -> dic
         "sparse_mla", q.shape[1], 1, 576, 512, rows.shape[1], 64, dtype="bfloat16", softmax_scale=576**-0.5
     )
     rt = Runtime(
-        spec, group, max_batched_tokens=q.shape[0], mode=mode, min_shard_tokens=1, cost_model=None, warmup=False
-    )  # cost_model=None: the gate alone routes, so mode "shardq" runs ShardQ
+        spec, group, max_batched_tokens=q.shape[0], mode=mode, warmup=False,
+        prefill_options=PrefillOptions(min_shard_tokens=1, cost_model=None),
+    )  # fmt: skip
+    # cost_model=None: the gate alone routes, so mode "shardq" runs ShardQ
     h = rt.heads_per_rank
-    out, lse = rt.prefill(q[:, rt.rank * h : (rt.rank + 1) * h].contiguous(), kv, rows, seq_lens=case["lens"])
+    out, lse = rt.prefill(q[:, rt.rank * h : (rt.rank + 1) * h].contiguous(), kv, rows, query_lens=case["lens"])
     heads = spec.num_heads if mode == "shardq" else h
     kernel = sparse_prefill_kernel(q[:, :heads], kv, 512)[0]
     return {"out": out.float(), "lse": lse, "kernel": kernel, "step": rt.plan_prefill(case["lens"]).step}

@@ -102,9 +102,9 @@ def test_empty_step_and_rank_without_tokens():
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        (dict(seq_lens=[4], world_size=0), ValueError, "world_size must be >= 1"),
-        (dict(seq_lens=[-4], world_size=2), ValueError, r"seq_lens\[0\] must be >= 0"),
-        (dict(seq_lens=[4], world_size=2, align=0), ValueError, "align must be >= 1"),
+        (dict(query_lens=[4], world_size=0), ValueError, "world_size must be >= 1"),
+        (dict(query_lens=[-4], world_size=2), ValueError, r"query_lens\[0\] must be >= 0"),
+        (dict(query_lens=[4], world_size=2, align=0), ValueError, "align must be >= 1"),
     ],
     ids=["world-size-0", "negative-length", "align-0"],
 )

@@ -74,3 +74,19 @@ def test_availability_predicates_return_bools():
 
     assert isinstance(triton_available(), bool) and isinstance(gluon_available(), bool)
     assert (gluon_unavailable_reason() is None) == gluon_available()
+
+
+def test_the_runtime_names_its_arguments_by_their_meaning():
+    """The Runtime's options are the public dataclasses, and its steps name each argument by what it
+    holds: ``query_lens`` / ``prefix_lens`` / ``seq_lens``, ``rows`` (global KV rows) beside
+    ``topk_pos`` (request positions), ``kv_cache`` / ``kv_new``. Decode's ``topk_unique`` is a promise
+    about ``topk_pos`` (positions), so it keeps that name rather than the kernels' ``rows_unique``."""
+    runtime = _params(shardattn.Runtime)
+    assert {"prefill_options", "decode_options"} <= runtime
+    assert not runtime & {"prefill_chunks", "dcp_interleave", "decode_lse", "non_causal", "cost_model"}
+    prefill, decode = _params(shardattn.Runtime.prefill), _params(shardattn.Runtime.decode)
+    assert {"kv_cache", "rows", "topk_pos", "kv_new", "query_lens", "prefix_lens", "seq_lens"} <= prefill
+    assert {"kv_cache", "block_table", "seq_lens", "topk_pos", "req_ids", "topk_unique", "window_left"} <= decode
+    assert "rows_unique" not in decode and "rows" not in decode
+    assert shardattn.PrefillOptions(chunks=2).chunks == 2 and shardattn.DecodeOptions().causal is True
+    assert {"kv_cache", "block_table", "seq_lens"} <= _params(shardattn.shard_kv_cache)

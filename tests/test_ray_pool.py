@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.options import DecodeOptions, PrefillOptions
 from shardattn.serving.errors import ray_unavailable_reason, require_ray
 
 REASON = ray_unavailable_reason()
@@ -79,7 +80,12 @@ def _pool(world: int, spec: ModelSpec, **kwargs):
     from shardattn.serving import RayRankPool
 
     mode = kwargs.pop("mode", "mixed" if spec.kind == "sparse_mla" else "dcp-decode")
-    runtime = {"max_batched_tokens": 64, "max_decode_tokens": 16, "min_shard_tokens": 1, "warmup": False}
+    runtime = {
+        "max_batched_tokens": 64,
+        "max_decode_tokens": 16,
+        "prefill_options": PrefillOptions(min_shard_tokens=1),
+        "warmup": False,
+    }
     runtime.update(kwargs.pop("runtime_kwargs", {}))
     return RayRankPool(
         world, spec, mode=mode, device="cpu", timeout_s=TIMEOUT_S, runtime_kwargs=runtime, init_ray=False, **kwargs
@@ -163,7 +169,9 @@ def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interl
     from shardattn.testing.serving import ServingMirror
 
     kwargs = {"max_requests": 4, "max_seq_len": 48, "transport": transport}
-    with _pool(world, spec, mode=mode, runtime_kwargs={"dcp_interleave": interleave}, **kwargs) as pool:
+    with _pool(
+        world, spec, mode=mode, runtime_kwargs={"decode_options": DecodeOptions(dcp_interleave=interleave)}, **kwargs
+    ) as pool:
         assert pool.transport == transport and pool.cache_config.layout.world_size == (1 if mode == "shardq" else world)
         mirror = ServingMirror(spec, seed=2)
         if spec.kind == "sparse_mla":
@@ -185,12 +193,12 @@ def _in_place_step(pool, mirror, ids, q_lens) -> None:
     reqs = [mirror.decode_request(i, n) for i, n in zip(ids, q_lens)]
     slots = pool.step_inputs(sum(q_lens))
     torch.cat([r.q for r in reqs], out=slots["q"])
-    if "topk" in slots:
-        torch.cat([r.topk for r in reqs], out=slots["topk"])
+    if "topk_pos" in slots:
+        torch.cat([r.topk_pos for r in reqs], out=slots["topk_pos"])
     kv = slots["kv"] if isinstance(slots["kv"], tuple) else (slots["kv"],)
     for c, dst in enumerate(kv):
         torch.cat([r.kv[c] if isinstance(r.kv, tuple) else r.kv for r in reqs], out=dst)
-    out, lse = pool.decode_batch(ids, slots["q"], slots.get("topk"), q_lens=list(q_lens), kv=slots["kv"],
+    out, lse = pool.decode_batch(ids, slots["q"], slots.get("topk_pos"), query_lens=list(q_lens), kv=slots["kv"],
                                  return_lse=True, view=True)  # fmt: skip
     _check(list(zip(out.split(list(q_lens)), lse.split(list(q_lens)))), reqs, mirror)
 
@@ -237,12 +245,12 @@ def test_gqa_pool_with_sinks_equals_fp64_attention(ray_instance) -> None:
         _check(pool.decode(reqs, return_lse=True), reqs, mirror)
         reqs = [mirror.decode_request(i, q) for i, q in ((3, 2), (0, 1), (2, 3))]  # whole-step tensors, GQA
         kv = tuple(torch.cat([r.kv[c] for r in reqs]) for c in range(2))
-        with pytest.raises(ValueError, match="topk must be None for a GQA pool"):
+        with pytest.raises(ValueError, match="topk_pos must be None for a GQA pool"):
             pool.decode_batch(
-                [3, 0, 2], torch.cat([r.q for r in reqs]), torch.zeros(6, 4, dtype=torch.int32), q_lens=[2, 1, 3]
+                [3, 0, 2], torch.cat([r.q for r in reqs]), torch.zeros(6, 4, dtype=torch.int32), query_lens=[2, 1, 3]
             )
         out, lse = pool.decode_batch(
-            torch.tensor([3, 0, 2]), torch.cat([r.q for r in reqs]), q_lens=[2, 1, 3], kv=kv, return_lse=True
+            torch.tensor([3, 0, 2]), torch.cat([r.q for r in reqs]), query_lens=[2, 1, 3], kv=kv, return_lse=True
         )
         _check(list(zip(out.split([2, 1, 3]), lse.split([2, 1, 3]))), reqs, mirror)
 
@@ -260,7 +268,13 @@ def test_mla_pool_with_sinks_equals_fp64_attention(ray_instance, world, mode, in
 
     sinks = _sinks(8)
     kwargs = {"max_requests": 4, "max_seq_len": 48, "transport": "calls", "sinks": sinks}
-    with _pool(world, MLA_SINKS, mode=mode, runtime_kwargs={"dcp_interleave": interleave}, **kwargs) as pool:
+    with _pool(
+        world,
+        MLA_SINKS,
+        mode=mode,
+        runtime_kwargs={"decode_options": DecodeOptions(dcp_interleave=interleave)},
+        **kwargs,
+    ) as pool:
         assert pool.cache_config.layout.world_size == world
         mirror = ServingMirror(MLA_SINKS, seed=8, sinks=sinks)
         _serve_and_check(pool, mirror)
@@ -284,7 +298,7 @@ def test_bad_requests_raise_before_any_rank_runs(pool2) -> None:
     topk1 = torch.zeros(1, 16, dtype=torch.int32)
     kv1 = torch.zeros(1, 48)
     cases = [
-        (lambda: pool2.decode([DecodeRequest("nope", q=q1, topk=topk1)]), ValueError, "unknown request id 'nope'"),
+        (lambda: pool2.decode([DecodeRequest("nope", q=q1, topk_pos=topk1)]), ValueError, "unknown request id 'nope'"),
         (lambda: pool2.prefill([PrefillRequest("x", kv=torch.zeros(40, 48))]), ValueError, "exceed max_seq_len=48"),
         (
             lambda: pool2.prefill([PrefillRequest(i, kv=torch.zeros(40, 48)) for i in "pqr"]),
@@ -296,22 +310,34 @@ def test_bad_requests_raise_before_any_rank_runs(pool2) -> None:
             ValueError,
             "over max_requests=4",
         ),
-        (lambda: pool2.decode([DecodeRequest("x", q=q1.double(), topk=topk1)]), TypeError, "q must have dtype"),
+        (lambda: pool2.decode([DecodeRequest("x", q=q1.double(), topk_pos=topk1)]), TypeError, "q must have dtype"),
         (
-            lambda: pool2.decode([DecodeRequest("x", q=q1[:, :4], topk=topk1)]),
+            lambda: pool2.decode([DecodeRequest("x", q=q1[:, :4], topk_pos=topk1)]),
             ValueError,
             r"q must have shape \[\*, 8, 48\]",
         ),
-        (lambda: pool2.decode([DecodeRequest("x", q=q1, topk=topk1.long())]), TypeError, "topk must have dtype"),
-        (lambda: pool2.decode([DecodeRequest("x", q=q1, topk=topk1[:, :8])]), ValueError, r"topk must have shape"),
-        (lambda: pool2.decode([DecodeRequest("x", q=q1, topk=None)]), ValueError, "needs topk"),
-        (lambda: pool2.decode([DecodeRequest("x", q=q1, topk=topk1, kv=kv1[:, :8])]), ValueError, "kv must have shape"),
         (
-            lambda: pool2.decode([DecodeRequest("x", q=q1, topk=topk1), DecodeRequest("x", q=q1, topk=topk1)]),
+            lambda: pool2.decode([DecodeRequest("x", q=q1, topk_pos=topk1.float())]),
+            TypeError,
+            "topk_pos must have dtype",
+        ),
+        (
+            lambda: pool2.decode([DecodeRequest("x", q=q1, topk_pos=topk1[:, :8])]),
+            ValueError,
+            r"topk_pos must have shape",
+        ),
+        (lambda: pool2.decode([DecodeRequest("x", q=q1, topk_pos=None)]), ValueError, "needs topk_pos"),
+        (
+            lambda: pool2.decode([DecodeRequest("x", q=q1, topk_pos=topk1, kv=kv1[:, :8])]),
+            ValueError,
+            "kv must have shape",
+        ),
+        (
+            lambda: pool2.decode([DecodeRequest("x", q=q1, topk_pos=topk1), DecodeRequest("x", q=q1, topk_pos=topk1)]),
             ValueError,
             "appears twice",
         ),
-        (lambda: pool2.decode(DecodeRequest("x", q=q1, topk=topk1)), TypeError, "takes a list of DecodeRequest"),
+        (lambda: pool2.decode(DecodeRequest("x", q=q1, topk_pos=topk1)), TypeError, "takes a list of DecodeRequest"),
         (lambda: pool2.free(["x", "nope"]), ValueError, "unknown request id 'nope'"),
     ]
     for call, exc, match in cases:
@@ -326,9 +352,10 @@ def test_bad_requests_raise_before_any_rank_runs(pool2) -> None:
 
 
 def _batch(reqs):
-    """The whole-step tensors of request objects: ``q [T, H, D]``, ``topk [T, K]``, ``kv`` (or None), ``q_lens``."""
+    """The whole-step tensors of request objects: ``q [T, H, D]``, ``topk_pos [T, K]``, ``kv`` (or None),
+    ``query_lens``."""
     kv = None if reqs[0].kv is None else torch.cat([r.kv for r in reqs])
-    return torch.cat([r.q for r in reqs]), torch.cat([r.topk for r in reqs]), kv, [int(r.q.shape[0]) for r in reqs]
+    return torch.cat([r.q for r in reqs]), torch.cat([r.topk_pos for r in reqs]), kv, [int(r.q.shape[0]) for r in reqs]
 
 
 @needs_ray
@@ -344,17 +371,17 @@ def test_decode_batch_equals_decode_and_fp64_attention(pool2) -> None:
     for q_lens in ((1, 1, 1), (1, 2, 1), (3, 1, 2)):
         reqs = [mirror.decode_request(i, n) for i, n in enumerate(q_lens)]
         q, topk, kv, lens = _batch(reqs)
-        out, lse = pool2.decode_batch(torch.tensor([0, 1, 2]), q, topk, q_lens=torch.tensor(lens), kv=kv,
+        out, lse = pool2.decode_batch(torch.tensor([0, 1, 2]), q, topk, query_lens=torch.tensor(lens), kv=kv,
                                       return_lse=True)  # fmt: skip
         assert out.shape == (sum(lens), 8, 32) and lse.shape == (sum(lens), 8)
         _check(list(zip(out.split(lens), lse.split(lens))), reqs, mirror)
     reqs = [mirror.decode_request(i, n, append=False) for i, n in ((2, 1), (0, 2))]  # no new KV: repeatable
     q, topk, _, lens = _batch(reqs)
-    out, lse = pool2.decode_batch([2, 0], q, topk, q_lens=lens, return_lse=True)  # ids as a list
+    out, lse = pool2.decode_batch([2, 0], q, topk, query_lens=lens, return_lse=True)  # ids as a list
     _check(list(zip(out.split(lens), lse.split(lens))), reqs, mirror)
     again = pool2.decode(reqs, return_lse=True)
     strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, not contiguous
-    assert torch.equal(pool2.decode_batch(torch.tensor([2, 0]), strided, topk, q_lens=torch.tensor(lens))[0], out)
+    assert torch.equal(pool2.decode_batch(torch.tensor([2, 0]), strided, topk, query_lens=torch.tensor(lens))[0], out)
     assert all(torch.equal(a, b) and torch.equal(c, d) for (a, c), b, d in zip(again, out.split(lens), lse.split(lens)))
     assert pool2.free([1]) > 0
     mirror.free(1)
@@ -390,16 +417,16 @@ def test_decode_batch_in_place_inputs_and_view_outputs_equal_fp64_attention(pool
         q, topk, kv, lens = _batch(reqs)
         slots = pool2.step_inputs(sum(lens))
         slots["q"].copy_(q)
-        slots["topk"].copy_(topk)
+        slots["topk_pos"].copy_(topk)
         if with_kv:
             slots["kv"].copy_(kv)
-        out, lse = pool2.decode_batch(ids, slots["q"], slots["topk"], q_lens=torch.tensor(lens),
+        out, lse = pool2.decode_batch(ids, slots["q"], slots["topk_pos"], query_lens=torch.tensor(lens),
                                       kv=slots["kv"] if with_kv else None, return_lse=True, view=True)  # fmt: skip
         assert out.shape == (sum(lens), 8, 32) and lse.shape == (sum(lens), 8)
         _check(list(zip(out.split(lens), lse.split(lens))), reqs, mirror)
         views.append((out, out.clone()))
     assert views[0][0].data_ptr() == views[1][0].data_ptr()  # the region's rows: one buffer
-    again, _ = pool2.decode_batch(ids, q, topk, q_lens=torch.tensor(lens))  # no new KV: repeatable
+    again, _ = pool2.decode_batch(ids, q, topk, query_lens=torch.tensor(lens))  # no new KV: repeatable
     assert torch.equal(again, views[-1][1]) and not torch.equal(views[0][0][:3], views[0][1])  # overwritten
     assert again.data_ptr() != views[-1][0].data_ptr()  # a copy by default
     pool2.free([10, 11, 12])
@@ -444,9 +471,9 @@ def test_bad_decode_batch_raises_naming_the_argument(pool2) -> None:
         (lambda: pool2.decode_batch(ids, q.double(), topk), TypeError, "q must have dtype"),
         (lambda: pool2.decode_batch(ids, q[:, :4], topk), ValueError, r"q must have shape \[\*, 8, 48\]"),
         (lambda: pool2.decode_batch(ids, q[:1], topk[:1]), ValueError, r"q must have one row per request \(2\)"),
-        (lambda: pool2.decode_batch(ids, q, topk.long()), TypeError, "topk must have dtype"),
-        (lambda: pool2.decode_batch(ids, q, topk[:, :8]), ValueError, "topk must have shape"),
-        (lambda: pool2.decode_batch(ids, q, None), ValueError, "topk must be given"),
+        (lambda: pool2.decode_batch(ids, q, topk.float()), TypeError, "topk_pos must have dtype"),
+        (lambda: pool2.decode_batch(ids, q, topk[:, :8]), ValueError, "topk_pos must have shape"),
+        (lambda: pool2.decode_batch(ids, q, None), ValueError, "topk_pos must be given"),
         (lambda: pool2.decode_batch(ids, q, topk, kv=kv2[:, :8]), ValueError, "kv must have shape"),
         (lambda: pool2.decode_batch(ids.float(), q, topk), TypeError, "request_ids must have dtype"),
         (lambda: pool2.decode_batch(ids[None], q, topk), ValueError, "request_ids must be 1-D"),
@@ -464,25 +491,29 @@ def test_bad_decode_batch_raises_naming_the_argument(pool2) -> None:
         ),
         (
             lambda: pool2.decode_batch(
-                torch.tensor([6, 5]), q.repeat(2, 1, 1), topk.repeat(2, 1), q_lens=[2, 2], kv=torch.zeros(4, 48)
+                torch.tensor([6, 5]), q.repeat(2, 1, 1), topk.repeat(2, 1), query_lens=[2, 2], kv=torch.zeros(4, 48)
             ),
             ValueError,
             r"request_ids\[0\]: request 6: 49 tokens would exceed max_seq_len=48",
         ),
-        (lambda: pool2.decode_batch(ids, q, topk, q_lens=torch.tensor([1, 0])), ValueError, "q_lens must be >= 1"),
-        (lambda: pool2.decode_batch(ids, q, topk, q_lens=[1.0, 1.0]), TypeError, "q_lens must hold integers"),
         (
-            lambda: pool2.decode_batch(ids, q, topk, q_lens=torch.tensor([1, 2])),
+            lambda: pool2.decode_batch(ids, q, topk, query_lens=torch.tensor([1, 0])),
             ValueError,
-            r"q must have sum\(q_lens\)=3 rows, got 2",
+            "query_lens must be >= 1",
+        ),
+        (lambda: pool2.decode_batch(ids, q, topk, query_lens=[1.0, 1.0]), TypeError, "query_lens must hold integers"),
+        (
+            lambda: pool2.decode_batch(ids, q, topk, query_lens=torch.tensor([1, 2])),
+            ValueError,
+            r"q must have sum\(query_lens\)=3 rows, got 2",
         ),
         (
-            lambda: pool2.decode_batch(ids, q, topk, q_lens=torch.tensor([2])),
+            lambda: pool2.decode_batch(ids, q, topk, query_lens=torch.tensor([2])),
             ValueError,
-            r"q_lens must have shape \[2\]",
+            r"query_lens must have shape \[2\]",
         ),
         (
-            lambda: pool2.decode_batch(ids, q.repeat(9, 1, 1), topk.repeat(9, 1), q_lens=[9, 9]),
+            lambda: pool2.decode_batch(ids, q.repeat(9, 1, 1), topk.repeat(9, 1), query_lens=[9, 9]),
             ValueError,
             "over the pool's max_decode_tokens=16",
         ),
@@ -501,6 +532,8 @@ def test_bad_decode_batch_raises_naming_the_argument(pool2) -> None:
     assert health["state"] == "healthy" and [r["steps"] for r in health["ranks"]] == steps_before
     out, lse = pool2.decode_batch(ids, q, topk, return_lse=True)  # still serving, the KV intact
     _check(list(zip(out.split(1), lse.split(1))), reqs, mirror)
+    # int64 positions (torch.arange's) are converted on the driver: the same step, bit for bit
+    assert torch.equal(pool2.decode_batch(ids, q, topk.long())[0], out)
     pool2.free([5, 6])
 
 

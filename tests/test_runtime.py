@@ -21,6 +21,7 @@ from shardattn.plan.routing import Route, route_prefill
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.workspace import workspace_bounds
 from shardattn.plan.zigzag import zigzag_split
+from shardattn.runtime.options import DecodeOptions, PrefillOptions
 from shardattn.runtime.runtime import MODES, PrefillPlan, Runtime, WorkspaceExceededError
 from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
 
@@ -112,17 +113,19 @@ def _heads(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 # -- prefill ----------------------------------------------------------------------------------------
 def _prefill_body(group, mode: str, min_shard_tokens: int, scale: float | None = None) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rt = Runtime(MLA, group, max_batched_tokens=128, mode=mode, min_shard_tokens=min_shard_tokens, scale=scale)
+    options = PrefillOptions(min_shard_tokens=min_shard_tokens)
+    rt = Runtime(MLA, group, max_batched_tokens=128, mode=mode, prefill_options=options, scale=scale)
     want = MLA_SCALE if scale is None else scale
     step = _prefill_step()
-    plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+    plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
     rt.comm.reset_counts()
     if plan.step == "pcp":
         mine = plan.tokens_of(rank)
         own = _token_rows(step).index_select(0, mine)
         out, lse = rt.prefill(
-            step.q[mine], step.kv[own], step.positions[mine], plan=plan, kv_cache=step.kv, block_table=step.block_table
-        )
+            step.q[mine], step.kv, topk_pos=step.positions[mine], kv_new=step.kv[own], block_table=step.block_table,
+            plan=plan,
+        )  # fmt: skip
         ref_out, ref_lse = _mla_oracle(step, want, _kv_lens(step))
         ref_out, ref_lse = ref_out[mine], ref_lse[mine]
     else:
@@ -130,7 +133,7 @@ def _prefill_body(group, mode: str, min_shard_tokens: int, scale: float | None =
             _heads(step.q, rank, world).contiguous(),
             step.kv,
             step.rows,
-            seq_lens=step.seq_lens,
+            query_lens=step.query_lens,
             prefix_lens=step.prefix_lens,
         )
         ref_out, ref_lse = _mla_oracle(step, want, _kv_lens(step))
@@ -145,12 +148,12 @@ def _prefill_body(group, mode: str, min_shard_tokens: int, scale: float | None =
 
 
 def _kv_lens(step) -> list[int]:
-    return [c + n for c, n in zip(step.prefix_lens, step.seq_lens)]
+    return [c + n for c, n in zip(step.prefix_lens, step.query_lens)]
 
 
 def _token_rows(step) -> torch.Tensor:
     """``[T]`` KV-cache row of every new token (the key and value it computed)."""
-    starts = torch.tensor([0, *step.seq_lens]).cumsum(0)[:-1]
+    starts = torch.tensor([0, *step.query_lens]).cumsum(0)[:-1]
     req = step.req_ids.long()
     pos = torch.tensor(step.prefix_lens)[req] + torch.arange(len(req)) - starts[req]
     return step.block_table.long()[req, pos // MLA.page_size] * MLA.page_size + pos % MLA.page_size
@@ -163,11 +166,12 @@ def _token_rows(step) -> torch.Tensor:
     [
         ("shardq", 1, "shardq", {"all_to_all": 2, "agreement": 1}),
         ("mixed", 1, "shardq", {"all_to_all": 2, "agreement": 1}),
-        ("shardq", 1024, "headtp", {"agreement": 1}),  # below the gate: head-TP, no data moves
+        ("shardq", 100, "headtp", {"agreement": 1}),  # below the gate: head-TP, no data moves
+        ("shardq", 1024, "headtp", {}),  # a gate above max_batched_tokens: never shards, no collective
         ("headtp", 1, "headtp", {}),
         ("pcp", 1, "pcp", {"all_gather": 1, "agreement": 1}),
     ],
-    ids=["shardq", "mixed", "shardq-below-gate", "headtp", "pcp"],
+    ids=["shardq", "mixed", "shardq-below-gate", "shardq-gate-above-max", "headtp", "pcp"],
 )
 def test_prefill_matches_single_process_reference(dist_pool, world_size, mode, gate, step, collectives) -> None:
     results = dist_pool.run(_prefill_body, mode, gate, world_size=world_size)
@@ -191,9 +195,8 @@ def _decode_body(
 ) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     spec = MLA if kind == "mla" else GQA
-    rt = Runtime(
-        spec, group, max_batched_tokens=64, mode=mode, dcp_interleave=interleave, non_causal=non_causal, scale=scale
-    )
+    options = DecodeOptions(dcp_interleave=interleave, causal=not non_causal)
+    rt = Runtime(spec, group, max_batched_tokens=64, mode=mode, decode_options=options, scale=scale)
     want = (MLA_SCALE if kind == "mla" else GQA_SCALE) if scale is None else scale
     dcp = mode in ("mixed", "dcp-decode")
     shard = DcpShard(world, interleave, rank) if dcp else DcpShard(1, 1, 0)
@@ -321,7 +324,14 @@ def _multipass_body(group) -> dict:
     import shardattn.runtime.prefill as runtime_module
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rt = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", min_shard_tokens=1, warmup=False)
+    rt = Runtime(
+        MLA,
+        group,
+        max_batched_tokens=128,
+        mode="shardq",
+        prefill_options=PrefillOptions(min_shard_tokens=1),
+        warmup=False,
+    )
     g, k, t = 8, MLA.topk, sum(MULTIPASS_SEQ)
     split = zigzag_split(MULTIPASS_SEQ, world, align=g, min_tokens=0)
     plan = PrefillPlan("shardq", Route("grouped", g, "as on a GPU"), split, t)
@@ -371,7 +381,7 @@ def _two_runtimes_body(group) -> dict:
     # a second group over the same ranks; every rank of the world creates it (a group made by some
     # ranks only would leave the ranks' group counters, and so later groups' names, out of step)
     other = dist.new_group(list(range(world)))
-    a = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", min_shard_tokens=1)
+    a = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", prefill_options=PrefillOptions(min_shard_tokens=1))
     b = Runtime(GQA, other, max_batched_tokens=64, mode="dcp-decode")
     assert a.group is group and b.group is other
     step = _prefill_step(seed=5)
@@ -384,7 +394,7 @@ def _two_runtimes_body(group) -> dict:
             _heads(step.q, rank, world).contiguous(),
             step.kv,
             step.rows,
-            seq_lens=step.seq_lens,
+            query_lens=step.query_lens,
             prefix_lens=step.prefix_lens,
         )
         out_b, _ = b.decode(
@@ -427,14 +437,18 @@ def _workspace_body(group) -> dict:
     q = _heads(step.q, dist.get_rank(group), world).contiguous()
     errors = _workspace_errors(
         {
-            "too-many-tokens": lambda: rt.prefill(q, step.kv, step.rows, seq_lens=[101], prefix_lens=[0]),
+            "too-many-tokens": lambda: rt.prefill(q, step.kv, step.rows, query_lens=[101], prefix_lens=[0]),
             "wider-topk": lambda: rt.prefill(
-                q, step.kv, torch.cat([step.rows, step.rows], 1), seq_lens=step.seq_lens, prefix_lens=step.prefix_lens
+                q,
+                step.kv,
+                torch.cat([step.rows, step.rows], 1),
+                query_lens=step.query_lens,
+                prefix_lens=step.prefix_lens,
             ),
             "decode-tokens": lambda: rt.check_workspace("decode", "headtp", tokens=9),
         }
     )
-    out, _ = rt.prefill(q, step.kv, step.rows, seq_lens=step.seq_lens, prefix_lens=step.prefix_lens)  # still fine
+    out, _ = rt.prefill(q, step.kv, step.rows, query_lens=step.query_lens, prefix_lens=step.prefix_lens)  # still fine
     return {
         "reserved": reserved,
         "arena": (rt.workspace_bytes, rt.ws.kind_bytes("prefill"), rt.ws.kind_bytes("decode")),
@@ -578,7 +592,7 @@ def test_modes_are_the_launchers() -> None:
 
 def _no_lse_body(group) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rt = Runtime(GQA, group, max_batched_tokens=32, mode="headtp", decode_lse=False)
+    rt = Runtime(GQA, group, max_batched_tokens=32, mode="headtp", decode_options=DecodeOptions(return_lse=False))
     g = _gqa_step((20, 9), (1, 1), 7, DcpShard(1, 1, 0))
     hkv = 2 // world
     k, v = (c[:, :, rank * hkv : (rank + 1) * hkv].contiguous() for c in (g.k_cache, g.v_cache))

@@ -77,7 +77,7 @@ def _no_compile_body(group, kind: str) -> dict:
                     step.q[:, rank * h : (rank + 1) * h].contiguous(),
                     step.kv,
                     step.rows,
-                    seq_lens=step.seq_lens,
+                    query_lens=step.query_lens,
                     prefix_lens=step.prefix_lens,
                     topk_length=length,
                 )

@@ -22,6 +22,7 @@ from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.workspace import workspace_bounds
 from shardattn.plan.zigzag import zigzag_split
 from shardattn.runtime.graphs import DecodeGraphs
+from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import PrefillPlan, Runtime
 from shardattn.runtime.workspace import RuntimeWorkspace
 from tests.test_runtime import MLA, MLA_SCALE, _err, _heads, _kv_lens, _mla_oracle, _prefill_step, _workspace_errors
@@ -105,7 +106,13 @@ def _spy_decode(rt: Runtime, q_all: torch.Tensor) -> dict:
 def _arena_body(group) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rt = Runtime(
-        MLA, group, max_batched_tokens=64, mode="mixed", min_shard_tokens=63, max_decode_tokens=8, warmup=False
+        MLA,
+        group,
+        max_batched_tokens=64,
+        mode="mixed",
+        prefill_options=PrefillOptions(min_shard_tokens=63),
+        max_decode_tokens=8,
+        warmup=False,
     )
     ws = rt.workspace
     res: dict = {
@@ -138,8 +145,8 @@ def _arena_body(group) -> dict:
     step = _prefill_step()
     q_pre = _heads(step.q, rank, world).contiguous()
     ref_out, ref_lse = _mla_oracle(step, MLA_SCALE, _kv_lens(step))
-    t_pre = sum(step.seq_lens)
-    split = zigzag_split(step.seq_lens, world, align=2, min_tokens=0, prefix_lens=step.prefix_lens)
+    t_pre = sum(step.query_lens)
+    split = zigzag_split(step.query_lens, world, align=2, min_tokens=0, prefix_lens=step.prefix_lens)
     plans = {
         "shardq": PrefillPlan("shardq", Route("grouped", 2, "as on a GPU"), split, t_pre),
         "headtp": PrefillPlan("headtp", Route("grouped", 2, "as on a GPU"), None, t_pre),
@@ -229,4 +236,66 @@ def test_graph_bucket_step_needs_nothing_left_in_the_arena(dist_pool, nproc: int
         pytest.skip("needs 2 ranks; run with --nproc 2 or more")
     for res in dist_pool.run(_graphs_body, world_size=2):
         assert res["route"] == 4 and res["same"], res
+        assert res["err"] <= 1e-5, res
+
+
+@pytest.mark.parametrize(
+    ("mode", "world", "min_shard_tokens"),
+    [("mixed", 1, 1024), ("shardq", 1, 1), ("shardq", 4, 16385)],
+    ids=["one-rank-mixed", "one-rank-gate-1", "gate-above-every-step"],
+)
+def test_shardq_mode_that_never_shards_reserves_head_tp_alone(mode: str, world: int, min_shard_tokens: int) -> None:
+    """``torchrun --nproc-per-node 1 -m shardattn.launch`` on a GPU: one rank never takes a ShardQ
+    step (nothing to shard), so its arena holds the head-TP step's union (67 MB for GLM-5 at 8,192
+    tokens), not ShardQ's query and output buffers (1.28 GB)."""
+    spec = get_preset("glm5")
+    ws = RuntimeWorkspace(
+        spec, mode, world, device=torch.device("meta"), max_batched_tokens=16384 if world > 1 else 8192,
+        max_decode_tokens=64, min_shard_tokens=min_shard_tokens, topk=2048, headtp_tokens=None,
+    )  # fmt: skip
+    assert not ws.shardq_possible
+    assert [s for k, s in ws.step_bounds if k == "prefill"] == ["headtp"], list(ws.step_bounds)
+    tokens = ws.max_batched_tokens
+    headtp = workspace_bounds(spec, max_batched_tokens=tokens, world_size=world, mode="headtp", topk=2048)
+    assert {k: v for k, v in ws.bounds.items() if k.startswith("prefill.")} == {
+        "prefill.union": headtp.union,
+        "prefill.union_offsets": headtp.union_offsets,
+    }
+    assert ws.kind_bytes("prefill") < headtp.union + headtp.union_offsets + 1024
+    if world == 1:
+        assert ws.nbytes < 0.07e9, ws.nbytes  # 8,192 x 2,048 x 4 B of union, plus its offsets
+
+
+def test_pcp_reserves_only_the_union_it_carves() -> None:
+    """The PCP step takes only its union from the arena (its KV gather and outputs are per step),
+    so the arena holds no PCP send, receive or output bytes."""
+    ws = RuntimeWorkspace(
+        get_preset("glm5"), "pcp", 2, device=torch.device("meta"), max_batched_tokens=8192,
+        max_decode_tokens=64, min_shard_tokens=1024, topk=2048,
+    )  # fmt: skip
+    assert sorted(k for k in ws.bounds if k.startswith("prefill.")) == ["prefill.union", "prefill.union_offsets"]
+    ws.check("prefill", "pcp", tokens=8192)  # the largest step still fits what is reserved
+
+
+def _one_rank_body(group) -> dict:
+    assert dist.get_world_size(group) == 1  # the pool's one-rank group (a new group made by one rank
+    # alone would put the ranks' group counters, and so later groups, out of step)
+    options = PrefillOptions(min_shard_tokens=1)
+    rt = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", prefill_options=options, warmup=False)
+    step = _prefill_step()
+    plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+    out, lse = rt.prefill(step.q, step.kv, step.rows, plan=plan)
+    ref_out, ref_lse = _mla_oracle(step, MLA_SCALE, _kv_lens(step))
+    return {
+        "step": plan.step,
+        "steps": sorted(rt.ws.step_bounds),
+        "err": max(_err(out, ref_out), _err(lse, ref_lse)),
+    }
+
+
+@pytest.mark.distributed
+def test_one_rank_group_runs_shardq_mode_as_head_tp(dist_pool) -> None:
+    for res in dist_pool.run(_one_rank_body, world_size=1):
+        assert res["step"] == "headtp", res
+        assert res["steps"] == [("decode", "headtp"), ("prefill", "headtp")], res
         assert res["err"] <= 1e-5, res

@@ -36,6 +36,7 @@ from shardattn.plan.pipeline import (
     pipeline_plan,
 )
 from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
 from tests.interpret import run_cases
 from tests.parallel_helpers import junk_rows
@@ -370,17 +371,15 @@ def _runtime_steps(
     group: dist.ProcessGroup, case: dict, chunks: int | None, taper: bool = False, one_union: bool = False
 ) -> dict:
     spec = ModelSpec("sparse_mla", case["q"].shape[1], 1, D, DV, 12, 16, dtype="float32", softmax_scale=D**-0.5)
-    rt = Runtime(
-        spec, group, max_batched_tokens=64, mode="shardq", min_shard_tokens=1, prefill_chunks=chunks,
-        prefill_taper=taper, prefill_one_union=one_union, warmup=False,
-    )  # fmt: skip
+    options = PrefillOptions(min_shard_tokens=1, chunks=chunks, taper=taper, one_union=one_union)
+    rt = Runtime(spec, group, max_batched_tokens=64, mode="shardq", prefill_options=options, warmup=False)
     h, rank = rt.heads_per_rank, rt.rank
     q = case["q"][:, rank * h : (rank + 1) * h]
     buffers = {k: (v.data_ptr(), v.numel()) for k, v in rt.workspace.items()}
     outs = []
     for _ in range(2):
         rt.comm.reset_counts()
-        outs.append(rt.prefill(q, case["kv"], case["rows"], seq_lens=case["lens"], check=False))
+        outs.append(rt.prefill(q, case["kv"], case["rows"], query_lens=case["lens"], check=False))
     same_buffers = buffers == {k: (v.data_ptr(), v.numel()) for k, v in rt.workspace.items()}
     return {
         "out": outs[-1],
@@ -405,13 +404,15 @@ def test_runtime_pipelined_prefill_equals_unpipelined(dist_pool) -> None:
 
 
 def test_runtime_rejects_a_pipeline_deeper_than_its_workspace() -> None:
-    # checked before the group is looked at
-    with pytest.raises(ValueError, match="prefill_chunks"):
-        Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_chunks=MAX_CHUNKS + 1, warmup=False)
-    with pytest.raises(TypeError, match="prefill_taper"):
-        Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_taper=1, warmup=False)
-    with pytest.raises(TypeError, match="prefill_one_union"):
-        Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_one_union="yes", warmup=False)
+    # checked when the options are built, before any Runtime or group
+    with pytest.raises(ValueError, match=r"PrefillOptions\.chunks must be in \[1, 8\]"):
+        PrefillOptions(chunks=MAX_CHUNKS + 1)
+    with pytest.raises(TypeError, match=r"PrefillOptions\.taper must be a bool"):
+        PrefillOptions(taper=1)
+    with pytest.raises(TypeError, match=r"PrefillOptions\.one_union must be a bool"):
+        PrefillOptions(one_union="yes")
+    with pytest.raises(TypeError, match="prefill_options must be a PrefillOptions"):
+        Runtime("glm5", None, max_batched_tokens=8, mode="shardq", prefill_options={"chunks": 2}, warmup=False)
 
 
 # -- PCP: the all-gather overlapped with the prefix attention equals the blocking order ---------

@@ -1,4 +1,11 @@
-"""``python -m shardattn.calibrate --out FILE``: measure a calibration table (see the package docstring)."""
+"""``python -m shardattn.calibrate --out FILE``: measure a calibration table (see the package docstring).
+
+It measures GPU kernels and collectives, one rank per GPU (``torchrun --nproc-per-node N -m
+shardattn.calibrate``); on a machine without CUDA it refuses (exit status 2) unless ``--cpu``
+asks to time the CPU reference anyway (a table no Runtime routes by: a CPU Runtime routes by
+the ShardQ gate alone; for testing the tool at small ``--heads`` / ``--tokens``). Rank 0 shows
+its progress with the time left, as a bar on a terminal and as lines elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import argparse
 import dataclasses
 import datetime
 import itertools
+import logging
 import os
 import sys
 from typing import Any
@@ -13,23 +21,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardattn.calibrate.fit import fit_step_overhead
+from shardattn.calibrate.fit import degenerate_fit, fit_step_overhead
 from shardattn.calibrate.kernels import collective_rates, kernel_jobs, measure_kernel_points, median_points
 from shardattn.calibrate.network import multi_node_rates
 from shardattn.calibrate.steps import measure_paths, with_heads
 from shardattn.calibrate.timing import copy_gbps
+from shardattn.launch.logs import LOG_LEVELS, configure_logging
+from shardattn.launch.one_line import report_once
 from shardattn.launch.process_group import host_groups
+from shardattn.launch.progress import RunProgress, format_seconds
 from shardattn.parallel.hosts import exchange_node_layout
 from shardattn.plan.cost import CONSERVATIVE, Calibration, CostModel, StepOverhead, StepShape
 from shardattn.plan.nodes import NodeLayout
 from shardattn.plan.spec import get_preset
+
+log = logging.getLogger(__name__)
 
 #: Configurations whose whole steps fit the step overheads: (preset, heads); tokens: ``--step-tokens``.
 STEP_CONFIGS = (("glm5", None), ("glm5", 16), ("deepseek-v32", None), ("glm5", 32))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m shardattn.calibrate", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m shardattn.calibrate",
+        description=(
+            "Measure the cost model's calibration table on this machine's GPUs (one rank per GPU under torchrun; "
+            "a few minutes on an H200). Without CUDA it refuses unless --cpu."
+        ),
+    )
     p.add_argument("--out", required=True, help="where to write the table (JSON)")
     p.add_argument("--heads", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="kernel head counts")
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="kernel token counts")
@@ -51,7 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="passes over all kernel points; each point keeps the median of its passes (default 3)",
     )
     p.add_argument("--no-steps", dest="steps", action="store_false", help="skip the whole-step overhead fit")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress (a bar with the time left on a terminal, else a line per phase and every 15 s)",
+    )
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="measure on the CPU anyway (the torch reference: slow, and no Runtime routes by such a table; "
+        "for testing the tool at small --heads / --tokens)",
+    )
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="log messages shown (default warning)")
     p.add_argument(
         "--merge-into",
         default=None,
@@ -60,17 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
         "change, on one GPU of the machine TABLE was measured on)",
     )
     return p
-
-
-def _progress(enabled: bool, total: int) -> tuple[Any, Any]:
-    if not enabled:
-        return None, lambda: None
-    from rich.progress import Progress
-
-    bar = Progress(transient=True)
-    bar.start()
-    task = bar.add_task("calibrating", total=total)
-    return bar, lambda: bar.advance(task)
 
 
 def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Calibration | None:
@@ -83,17 +103,38 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
     mine = jobs[rank::world]
     n_steps = len(STEP_CONFIGS) * len(args.step_tokens) if args.steps and world > 1 else 0
     total = len(mine) * args.passes + (8 if world > 1 else 0) + n_steps + 1
-    bar, advance = _progress(args.progress and rank == 0, total)
+    progress = RunProgress("shardattn.calibrate", enabled=args.progress and rank == 0, quiet_s=0.0, every_s=15.0)
+    if rank == 0 and args.progress:
+        print(
+            f"shardattn.calibrate: {len(mine)} kernel point(s) x {args.passes} pass(es) on each of {world} rank(s), "
+            f"{'8 collective sizes, ' if world > 1 else ''}{n_steps} whole step(s) on {device.type}; the time left "
+            "follows from the pace of the first points",
+            file=sys.stderr,
+            flush=True,
+        )
+    progress.phase("calibrating", total=total)
+    advance = progress.advance
     try:
-        passes = [
-            measure_kernel_points(
-                mine, topk=args.topk, device=device, dtype=dtype, reps=args.reps, cached=args.cached, advance=advance
+        passes = []
+        for i in range(args.passes):
+            progress.relabel(f"kernel points, pass {i + 1} of {args.passes}")
+            passes.append(
+                measure_kernel_points(
+                    mine,
+                    topk=args.topk,
+                    device=device,
+                    dtype=dtype,
+                    reps=args.reps,
+                    cached=args.cached,
+                    advance=advance,
+                )
             )
-            for _ in range(args.passes)
-        ]
         points = median_points(passes)
+        progress.relabel("device copy rate")
         copy = copy_gbps(device, nbytes=(1 << 30) if device.type == "cuda" else (1 << 24))
         advance()
+        if world > 1:
+            progress.relabel("collective rates")
         host_id = getattr(args, "host_id", None)
         nodes = exchange_node_layout(group, host_id) if group is not None else NodeLayout.single(1)
         network = None
@@ -125,10 +166,12 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
             ),
         )
         if n_steps:
+            progress.relabel("whole steps (step overheads)")
             cal = _fit_steps(cal, group, device, args, advance, host_id)
     finally:
-        if bar is not None:
-            bar.stop()
+        progress.close()
+    if rank == 0 and args.progress:
+        print(f"shardattn.calibrate: measured in {format_seconds(progress.elapsed)}", file=sys.stderr, flush=True)
     return cal if rank == 0 else None
 
 
@@ -168,10 +211,12 @@ def _fit_steps(
         sq.append((p.comm_ms + p.other_ms, ms["kernel"], ms["shardq"] - ms["kernel"]))
         tp.append(ms["headtp"] - ms["kernel_headtp"])
         advance()
-    steps = {
-        "shardq": fit_step_overhead(sq),
-        "headtp": StepOverhead(round(max(0.0, sorted(tp)[len(tp) // 2]), 6), 1.0),
-    }
+    shardq = fit_step_overhead(sq)
+    why = degenerate_fit("shardq", shardq, sq)
+    if why is not None:  # never a silent zero model: say so, and keep the conservative overhead
+        shardq = CONSERVATIVE.steps["shardq"]
+        log.warning("%s; the table keeps the conservative default %s instead", why, shardq)
+    steps = {"shardq": shardq, "headtp": StepOverhead(round(max(0.0, sorted(tp)[len(tp) // 2]), 6), 1.0)}
     steps["pcp"] = steps["shardq"]
     return _with_steps(cal, steps)
 
@@ -231,8 +276,19 @@ def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
         )
 
 
+#: What a CPU run without ``--cpu`` says (one line).
+NO_GPU = (
+    "shardattn.calibrate: error: no CUDA GPU here; it measures GPU kernels and collectives (one rank per GPU "
+    "under torchrun, a few minutes on an H200). On the CPU it would time the torch reference for hours, and "
+    "a CPU Runtime routes by the ShardQ gate, not by a table; pass --cpu to measure it anyway"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available() and not args.cpu:
+        return report_once(NO_GPU, 2)
+    configure_logging(args.log_level, int(os.environ.get("RANK", "0") or 0))
     if "RANK" in os.environ:  # under torchrun: one rank per GPU
         from shardattn.launch.local import run_ranks
         from shardattn.launch.process_group import DistEnv

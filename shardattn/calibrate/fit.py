@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from shardattn.plan.cost import StepOverhead
 
-__all__ = ["fit_step_overhead"]
+__all__ = ["degenerate_fit", "fit_step_overhead"]
 
 
 def _fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
@@ -54,3 +54,23 @@ def fit_step_overhead(samples: Sequence[tuple[float, float, float]]) -> StepOver
     assert best is not None
     _, fixed, factor, hidden = best
     return StepOverhead(round(fixed, 6), round(factor, 6), hidden if factor > 0 else 0.0)
+
+
+def degenerate_fit(name: str, fitted: StepOverhead, samples: Sequence[tuple[float, float, float]]) -> str | None:
+    """Why ``fitted`` must not be used, or ``None``: a fit of ``fixed_ms = 0`` and ``factor = 0``
+    prices ``name``'s step at its kernel alone, collectives and copies free, whatever they cost
+    (what a CPU run, or steps timed in noise, fits). The message names the samples.
+
+    >>> why = degenerate_fit("shardq", StepOverhead(0.0, 0.0), [(1.0, 5.0, -0.5)])
+    >>> why.startswith("the shardq step overhead fitted to 0.000 ms + 0.000 x"), "kernel -0.500 ms" in why
+    (True, True)
+    >>> degenerate_fit("shardq", StepOverhead(0.1, 1.0), [(1.0, 5.0, 1.1)]) is None
+    True
+    """
+    if fitted.fixed_ms > 0 or fitted.factor > 0:
+        return None
+    points = ", ".join(f"(exposed {x:.3f} ms, kernel {k:.3f} ms, beyond the kernel {y:.3f} ms)" for x, k, y in samples)
+    return (
+        f"the {name} step overhead fitted to {fitted.fixed_ms:.3f} ms + {fitted.factor:.3f} x (collectives and copies "
+        f"free) from {len(samples)} step(s): {points}"
+    )

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from shardattn.calibrate.timing import median_ms
 from shardattn.launch.workloads import build_prefill
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.parallel.comm import Comm
 from shardattn.plan.cost import CollectiveRate, KernelPoint, candidate_group_sizes
 from shardattn.plan.routing import TILE_ROWS
 from shardattn.workload import union_ratio
@@ -147,6 +148,7 @@ def collective_rates(
 ) -> list[CollectiveRate]:
     """Fitted ``all_to_all`` and ``all_gather`` rates of ``group`` (``bytes`` = one rank's buffer)."""
     w = dist.get_world_size(group)
+    comm = Comm(group)  # the library's all-gather (torch's current name for it; the old one warns)
     out = []
     for op in ("all_to_all", "all_gather"):
         samples = []
@@ -163,7 +165,7 @@ def collective_rates(
             else:
 
                 def call(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
-                    dist.all_gather_into_tensor(dst, src, group=group)
+                    comm.all_gather(src, out=dst.view(w, -1))
 
             ms = median_ms(call, device=device, reps=reps, warmup=2, group=group)
             samples.append((n * (w - 1) / w, ms))

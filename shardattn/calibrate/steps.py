@@ -25,6 +25,7 @@ from shardattn.launch.workloads import build_prefill
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.plan.cost import CostModel, StepShape
 from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import PrefillPlan, Runtime
 
 __all__ = ["PATHS", "measure_paths", "path_name"]
@@ -82,19 +83,16 @@ def measure_paths(
     h = spec.num_heads // world
     q_local = step.q[:, rank * h : (rank + 1) * h].contiguous()
     kv_rows = int(step.kv.shape[0])
-    common = dict(
-        max_batched_tokens=tokens,
-        device=device,
-        topk=spec.topk,
-        min_shard_tokens=min_shard_tokens,
-        min_group_tokens=min_group_tokens,
-        warmup=False,
-        host_id=host_id,
-    )
+    common = dict(max_batched_tokens=tokens, device=device, topk=spec.topk, warmup=False, host_id=host_id)
+    gates = PrefillOptions(min_shard_tokens=min_shard_tokens, min_group_tokens=min_group_tokens)
     runtimes = {
-        "headtp": lambda: Runtime(spec, group, mode="headtp", **common),
-        "shardq": lambda: Runtime(spec, group, mode="shardq", cost_model=None, **common),
-        "router": lambda: Runtime(spec, group, mode="mixed", cost_model=model, **common),
+        "headtp": lambda: Runtime(spec, group, mode="headtp", prefill_options=gates, **common),
+        "shardq": lambda: Runtime(
+            spec, group, mode="shardq", prefill_options=dataclasses.replace(gates, cost_model=None), **common
+        ),
+        "router": lambda: Runtime(
+            spec, group, mode="mixed", prefill_options=dataclasses.replace(gates, cost_model=model), **common
+        ),
     }
     res: dict[str, Any] = {"ms": {}, "predicted_ms": {}, "path": {}, "reason": {}, "ranks_per_node": world}
     plans: dict[str, PrefillPlan] = {}
@@ -102,7 +100,7 @@ def measure_paths(
         if name == "router" and name not in paths:
             continue
         rt = runtimes[name]()
-        plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=kv_rows)
+        plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=kv_rows)
         plans[name] = plan
         res["ranks_per_node"] = rt.nodes.ranks_per_node
         if name in paths:

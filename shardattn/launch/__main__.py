@@ -6,9 +6,11 @@ against the single-process reference)::
     torchrun --nproc-per-node 4 -m shardattn.launch
     torchrun --nproc-per-node 2 -m shardattn.launch --preset glm5 --mode shardq --tokens 16384 --check
 
-Exit status: 0 on success, 2 for a bad option or an impossible configuration (every rank, one
-line on rank 0), 3 when ``--check`` finds an error above tolerance (every rank), 4 when a peer
-rank died or went silent for ``--timeout`` seconds, 1 for any other error.
+Exit status: 0 on success, 2 for a bad option or an impossible configuration (every rank; one
+line from the first rank to find it, :mod:`~shardattn.launch.one_line`), 3 when ``--check``
+finds an error above tolerance (every rank), 4 when a peer rank died or went silent for
+``--timeout`` seconds, 1 for any other error (the rank that raised prints its traceback, then one
+line).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import os
 import sys
 import traceback
 
-from shardattn.launch.cli import EXIT_INJECTED, EXIT_PEER_FAILED, LaunchError, parse_options
+from shardattn.launch.cli import EXIT_INJECTED, EXIT_PEER_FAILED, EXIT_USAGE, LaunchError, parse_options
+from shardattn.launch.logs import configure_logging
+from shardattn.launch.one_line import report_once
 
 
 def _say(rank: int, message: str) -> None:
@@ -38,29 +42,21 @@ def _is_peer_failure(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(n in text for n in needles)
 
 
-def _env_rank() -> int:
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit status (see the module docstring)."""
     try:  # options first: a bad one fails before torch is even imported
         opts = parse_options(argv)
-    except LaunchError as e:
-        if _env_rank() == 0:
-            print(str(e), file=sys.stderr, flush=True)
-        return e.status
+    except LaunchError as e:  # every rank reaches the same verdict: one of them says it
+        return report_once(str(e), e.status)
     from shardattn.launch.process_group import DistEnv, destroy_groups, init_groups, pick_device
+    from shardattn.launch.progress import RunProgress
     from shardattn.launch.runner import plan_run, run
 
     try:
         env = DistEnv.from_env()
     except ValueError as e:
-        print(f"shardattn.launch: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return report_once(f"shardattn.launch: error: {e}", EXIT_USAGE)
+    configure_logging(opts.log_level, env.rank)
     try:
         try:
             device = pick_device(opts.device, env)
@@ -68,22 +64,21 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError(f"shardattn.launch: error: {e}") from None
         config = plan_run(opts, env.world_size, device)  # raises LaunchError for impossible configurations
     except LaunchError as e:
-        if env.rank == 0:  # every rank reached the same verdict from the same inputs; one line is enough
-            print(str(e), file=sys.stderr, flush=True)
-        return e.status
+        return report_once(str(e), e.status)
     if opts.fail_rank == env.rank and opts.fail_at == "setup":
         os._exit(EXIT_INJECTED)  # debug: die before the rendezvous
+    progress = RunProgress("shardattn.launch", enabled=opts.progress and env.rank == 0, quiet_s=opts.progress_after)
+    progress.phase(f"forming the process group of {env.world_size} rank(s)")
     try:
         groups = init_groups(env, device, timeout_s=opts.timeout)
     except Exception as e:  # rendezvous timed out or a peer vanished during it
+        progress.close()
         _say(env.rank, f"shardattn.launch: rank {env.rank}: could not form the process group: {e}")
         os._exit(EXIT_PEER_FAILED)
     try:
-        status = run(config, groups)
+        status = run(config, groups, progress)
     except LaunchError as e:
-        if env.rank == 0:
-            print(str(e), file=sys.stderr, flush=True)
-        status = e.status
+        status = report_once(str(e), e.status)
     except Exception as e:
         if _is_peer_failure(e):
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
@@ -93,9 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"(timeout {opts.timeout:g} s): {first}",
             )
             os._exit(EXIT_PEER_FAILED)  # skip teardown: it would wait for the dead peer
+        traceback.print_exc(file=sys.stderr)  # a bug, not a bad option: where it happened, then what
         _say(env.rank, f"shardattn.launch: rank {env.rank}: {type(e).__name__}: {e}")
-        traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
         os._exit(1)
     destroy_groups()
     return status

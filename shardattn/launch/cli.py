@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from shardattn.errors import LaunchError
+from shardattn.launch.logs import LOG_LEVELS
 
 #: Exit status for bad options and impossible configurations (argparse's convention).
 EXIT_USAGE = 2
@@ -42,7 +43,7 @@ class Shape:
         cached: cached prefix length per request (prefill); decode context before the step's
             query tokens.
         topk: top-k entries per query token (sparse MLA).
-        q_lens: query tokens per decode request (1 = plain decode, more = speculative drafts).
+        query_lens: query tokens per decode request (1 = plain decode, more = speculative drafts).
         reduced: ``True`` when these are the small CPU defaults rather than real model shapes.
     """
 
@@ -50,7 +51,7 @@ class Shape:
     requests: int
     cached: tuple[int, ...]
     topk: int
-    q_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
     reduced: bool
 
 
@@ -68,7 +69,7 @@ class Options:
     topk: int | None = None
     overlap: str = "dsa"
     topk_file: str | None = None
-    q_lens: tuple[int, ...] | None = None
+    query_lens: tuple[int, ...] | None = None
     causal: bool = True
     interleave: int = 1
     min_shard_tokens: int | None = None
@@ -81,6 +82,8 @@ class Options:
     device: str = "auto"
     dtype: str = "auto"
     progress: bool = True
+    progress_after: float = 2.0
+    log_level: str = "warning"
     profile: bool = False
     graph: bool = False
     compare: bool = False
@@ -97,6 +100,16 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise LaunchError(f"shardattn.launch: error: {message} (see --help)")
+
+    def format_help(self) -> str:
+        """The help, with ``--preset`` listing the presets (read only here: the planner imports torch,
+        which parsing a command line does not need)."""
+        from shardattn.plan.spec import PRESETS
+
+        for action in self._actions:
+            if action.dest == "preset":
+                action.help = f"model preset: {', '.join(sorted(PRESETS))} (default glm5)"
+        return super().format_help()
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -120,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: torchrun --nproc-per-node 4 -m shardattn.launch --preset glm5 --mode shardq",
     )
     a = p.add_argument
-    a("--preset", default="glm5", help="model preset (glm5, deepseek-v32, a GQA preset; default glm5)")
+    a("--preset", default="glm5", help="model preset (default glm5)")
     a(
         "--heads",
         type=int,
@@ -144,7 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="neighbour overlap of the synthetic top-k: dsa, dsa_low, random, or a correlation in [0, 1] (default dsa)",
     )
     a("--topk-file", default=None, help="recorded top-k: a torch file with 'topk' [T, K] int32 positions")
-    a("--q-len", dest="q_lens", type=_int_list, default=None, help="decode query tokens per request (Q or Q1,..)")
+    a(
+        "--query-len",
+        "--q-len",
+        dest="query_lens",
+        type=_int_list,
+        default=None,
+        help="decode query tokens per request, drafts included (Q or Q1,..; default 1)",
+    )
     a("--non-causal", dest="causal", action="store_false", help="speculative drafts see every KV token")
     a("--interleave", type=int, default=1, help="DCP interleave size (KV tokens per rank block)")
     a("--min-shard-tokens", type=int, default=None, help="ShardQ gate (default: 1 CPU, the planner's on GPU)")
@@ -157,7 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
     a("--timeout", type=float, default=120.0, help="seconds before a silent peer counts as failed (default 120)")
     a("--device", choices=DEVICES, default="auto", help="cuda when a GPU is visible, else cpu (default auto)")
     a("--dtype", choices=DTYPES, default="auto", help="activation dtype (default: bf16 GPU, fp32 CPU)")
-    a("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    a(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress (a bar on a terminal, else a line per phase of a run longer than 2 s)",
+    )
+    a("--progress-after", type=float, default=2.0, help=argparse.SUPPRESS)  # seconds before lines off a terminal
+    a(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="warning",
+        help="the library's log messages shown on stderr (debug: every route decision; default warning)",
+    )
     a(
         "--graph",
         action="store_true",
@@ -206,11 +238,12 @@ def _check_ranges(o: Options) -> None:
     positive("interleave", o.interleave)
     positive("min-shard-tokens", o.min_shard_tokens)
     positive("timeout", o.timeout, 1)
+    positive("progress-after", o.progress_after, 0)
     if o.softmax_scale is not None and not (0 < o.softmax_scale < float("inf")):  # NaN fails this too
         raise LaunchError(
             f"shardattn.launch: error: --softmax-scale must be a finite number > 0, got {o.softmax_scale}"
         )
-    for name, values in (("cached", o.cached), ("q-len", o.q_lens)):
+    for name, values in (("cached", o.cached), ("query-len", o.query_lens)):
         if values is not None and min(values) < (0 if name == "cached" else 1):
             raise LaunchError(f"shardattn.launch: error: --{name} entries must be >= {0 if name == 'cached' else 1}")
     if o.fail_rank is not None and o.fail_rank < 0:
@@ -233,13 +266,13 @@ def resolve_shape(o: Options, *, on_gpu: bool, preset_topk: int, decode_only: bo
     tokens = o.tokens if o.tokens is not None else (8192 if on_gpu else 256)
     cached = o.cached if o.cached is not None else ((8192,) if on_gpu else (128,))
     topk = o.topk if o.topk is not None else (preset_topk if on_gpu else 64)
-    q_lens = o.q_lens if o.q_lens is not None else (1,)
+    query_lens = o.query_lens if o.query_lens is not None else (1,)
     reduced = not on_gpu and (o.tokens is None or o.topk is None)
     return Shape(
         tokens=tokens,
         requests=requests,
         cached=_per_request("cached", cached, requests),
         topk=topk,
-        q_lens=_per_request("q-len", q_lens, requests),
+        query_lens=_per_request("query-len", query_lens, requests),
         reduced=reduced,
     )

@@ -30,7 +30,7 @@ __all__ = ["Prepared", "prepare_decode", "prepare_prefill"]
 
 def _token_rows(step: Any, page: int) -> torch.Tensor:
     """``[T]`` int64 KV-cache row of every new token of a prefill step (its own key and value)."""
-    starts = torch.tensor([0, *step.seq_lens], device=step.q.device).cumsum(0)[:-1]
+    starts = torch.tensor([0, *step.query_lens], device=step.q.device).cumsum(0)[:-1]
     req = step.req_ids.long()
     pos = torch.tensor(step.prefix_lens, device=step.q.device)[req] + torch.arange(len(req), device=req.device)
     pos = pos - starts[req]
@@ -77,7 +77,7 @@ def _heads(rt: Runtime, x: torch.Tensor, rank: int | None = None) -> torch.Tenso
 def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
     s, spec = cfg.shape, cfg.spec
     step = build_prefill(tokens=s.tokens, recorded=cfg.recorded, **_step_args(cfg, mla=True))
-    plan = rt.plan_prefill(step.seq_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+    plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
     mine = plan.tokens_of(rt.rank).to(cfg.device)
     rows_mine = step.rows.index_select(0, mine)
     length = None if step.topk_length is None else step.topk_length.index_select(0, mine)
@@ -102,12 +102,12 @@ def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
         def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
             return rt.prefill(
                 q_tok,
-                kv_new,
-                pos_mine,
+                step.kv,
+                topk_pos=pos_mine,
+                kv_new=kv_new,
+                block_table=step.block_table,
                 plan=plan,
                 topk_length=length,
-                kv_cache=step.kv,
-                block_table=step.block_table,
                 check=check,
             )
 
@@ -144,7 +144,7 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
     elem = torch.finfo(cfg.dtype).bits // 8
     route = rt.decode_route
     if spec.kind == "sparse_mla":
-        step = build_decode(q_lens=s.q_lens, causal=cfg.opts.causal, shard=shard, **_step_args(cfg, mla=True))
+        step = build_decode(q_lens=s.query_lens, causal=cfg.opts.causal, shard=shard, **_step_args(cfg, mla=True))
         q_local = _heads(rt, step.q).contiguous()
         local_rows, _ = convert_topk(
             step.positions, step.req_ids, step.local_table, block_size=spec.page_size, seq_lens=step.seq_lens, dcp=shard
@@ -174,7 +174,7 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
             kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             sinks=spec.has_sinks,
-            q_lens=s.q_lens,
+            q_lens=s.query_lens,
             shard=shard,
             **_step_args(cfg, mla=False),
         )

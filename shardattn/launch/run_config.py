@@ -42,7 +42,8 @@ class RunConfig:
 
     def fingerprint(self) -> int:
         """Equal on ranks that will run the same thing (options, version, world size, device type)."""
-        fields = {k: v for k, v in dataclasses.asdict(self.opts).items() if k not in ("json", "progress")}
+        local = ("json", "progress", "progress_after", "log_level")  # how this rank reports, not what it runs
+        fields = {k: v for k, v in dataclasses.asdict(self.opts).items() if k not in local}
         rec = None if self.recorded is None else (tuple(self.recorded[0].shape), int(self.recorded[0].sum()))
         return stable_fingerprint(
             __version__, sorted(fields.items()), self.world_size, self.device.type, self.dtype, self.shape, rec
@@ -63,7 +64,7 @@ class RunConfig:
             "requests": s.requests,
             "cached": list(s.cached),
             "topk": s.topk,
-            "q_lens": list(s.q_lens),
+            "query_lens": list(s.query_lens),
             "overlap": self.opts.overlap,
             "topk_file": self.opts.topk_file,
             "iters": self.iters,

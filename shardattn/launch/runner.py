@@ -33,6 +33,7 @@ from shardattn.launch.cli import (
 )
 from shardattn.launch.prepare import prepare_decode, prepare_prefill
 from shardattn.launch.process_group import LaunchGroups
+from shardattn.launch.progress import RunProgress
 from shardattn.launch.report import RankRow, Report, render, render_compare, write_json
 from shardattn.launch.run_config import RunConfig
 from shardattn.launch.timing import check_step, graph_row, profile_step, step_row, time_step
@@ -41,6 +42,7 @@ from shardattn.parallel.comm import Comm
 from shardattn.plan.cost import CostModel, load_calibration
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
+from shardattn.runtime.options import DecodeOptions, PrefillOptions
 from shardattn.runtime.runtime import Runtime
 from shardattn.workload import load_topk_dump
 
@@ -49,8 +51,6 @@ __all__ = ["TOLERANCE", "RunConfig", "plan_run", "run"]
 #: Largest error (output, and LSE relative to its magnitude) a check accepts, per dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-#: Timed iterations above which rank 0 shows a progress bar.
-_PROGRESS_ITERS = 10
 
 
 def _fail(message: str) -> LaunchError:
@@ -106,14 +106,14 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
     if recorded is not None:
         t, k = recorded[0].shape
         shape = dataclasses.replace(
-            shape, tokens=t, requests=1, cached=shape.cached[:1], topk=k, q_lens=shape.q_lens[:1], reduced=False
+            shape, tokens=t, requests=1, cached=shape.cached[:1], topk=k, query_lens=shape.query_lens[:1], reduced=False
         )
     if "prefill" in steps and shape.tokens < shape.requests:
         raise _fail(f"--tokens {shape.tokens} gives some of the {shape.requests} requests no new token")
     if mla and recorded is None:
         longest = max(
             ([c + n for c, n in zip(shape.cached, _split(shape.tokens, shape.requests))] if "prefill" in steps else [])
-            + ([c + q for c, q in zip(shape.cached, shape.q_lens)] if "decode" in steps else [])
+            + ([c + q for c, q in zip(shape.cached, shape.query_lens)] if "decode" in steps else [])
         )
         if shape.topk > longest:
             raise _fail(
@@ -150,7 +150,7 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
                 if "prefill" in steps
                 else f"decode of {shape.requests} requests (context {list(shape.cached)})"
             )
-            parts.append(f"{what} with query lengths {list(shape.q_lens)}")
+            parts.append(f"{what} with query lengths {list(shape.query_lens)}")
         topk = f", top-k {shape.topk}" if mla else ""
         dt = str(dtype).replace("torch.", "")
         notes.append(
@@ -158,7 +158,8 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
             "(GPU defaults: 8192 new tokens over 4 requests, 8192 cached each, 64 requests in dcp-decode mode, "
             "the preset's top-k)"
         )
-    if not on_gpu and opts.min_shard_tokens is None and "prefill" in steps:
+    shardq_runs = mode in ("shardq", "mixed") or opts.compare  # the modes whose prefill may take ShardQ
+    if not on_gpu and opts.min_shard_tokens is None and "prefill" in steps and shardq_runs:
         notes.append(f"ShardQ gate lowered to {min_shard} token (planner default {DEFAULT_MIN_TOKENS}) on the CPU")
     return RunConfig(
         opts,
@@ -183,61 +184,84 @@ def _split(total: int, parts: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(parts)]
 
 
-def run(cfg: RunConfig, groups: LaunchGroups) -> int:
-    """Run the configured steps on this rank (module docstring); returns the exit status, equal on every rank."""
+def workspace_line(reserved: list[int], layouts: dict[tuple[str, str], tuple[dict[str, int], int]]) -> str:
+    """The launcher's one line about the workspace: bytes per rank (once when every rank holds the
+    same) and each step's share of the one arena (the items are in the JSON report).
+
+    >>> steps = {("prefill", "shardq"): ({}, 71_500_000), ("decode", "dcp"): ({}, 900_000)}
+    >>> workspace_line([72_000_000] * 4, steps)
+    'workspace: 0.072 GB per rank, one arena for prefill shardq 71.5 MB and decode dcp 0.9 MB'
+    """
+    per_rank = (
+        f"{reserved[0] / 1e9:.3f} GB per rank"
+        if len(set(reserved)) == 1
+        else ", ".join(f"rank {r} {n / 1e9:.3f} GB" for r, n in enumerate(reserved))
+    )
+    steps = [f"{kind} {step} {n / 1e6:.1f} MB" for (kind, step), (_, n) in layouts.items()]
+    shares = " and ".join(steps) if len(steps) <= 2 else ", ".join(steps)
+    return f"workspace: {per_rank}, one arena for {shares}" if steps else f"workspace: {per_rank}"
+
+
+def run(cfg: RunConfig, groups: LaunchGroups, progress: RunProgress | None = None) -> int:
+    """Run the configured steps on this rank (module docstring); returns the exit status, equal on every rank.
+
+    ``progress``: rank 0's :class:`~shardattn.launch.progress.RunProgress` (phases and counts), closed here.
+    """
+    progress = RunProgress("shardattn.launch", enabled=False) if progress is None else progress
+    try:
+        return _run(cfg, groups, progress)
+    finally:
+        progress.close()
+
+
+def _run(cfg: RunConfig, groups: LaunchGroups, progress: RunProgress) -> int:
     control = Comm(groups.control)
     try:
         control.check_agreement(cfg.fingerprint(), "launcher options (command line, version, device type)")
     except ValueError as e:  # the same verdict on every rank, before any data collective
         raise _fail(str(e)) from None
     rank = groups.rank
+    progress.phase("building the Runtime (workspace, kernel warm-up)")
     rt = _runtime(cfg, groups, cfg.mode, cfg.opts.calibration or "auto")
-    reserved = control.gather_ints([rt.workspace_bytes])
+    reserved = [v[0] for v in control.gather_ints([rt.workspace_bytes])]
     if rank == 0:
-        per_rank = ", ".join(f"rank {r}: {v[0] / 1e9:.3f} GB" for r, v in enumerate(reserved))
-        steps = ", ".join(f"{k} {s} {n / 1e6:.1f} MB" for (k, s), (_, n) in rt.ws.layouts.items())
-        items = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(rt.bounds.items()) if v)
-        print(
-            f"workspace reserved per rank ({cfg.mode}): {per_rank} (one arena, the largest of: {steps}) [{items}]",
-            flush=True,
-        )
+        print(workspace_line(reserved, rt.ws.layouts), flush=True)
         print(f"hosts: {rt.nodes} (node of each rank: {list(rt.nodes.node_of)})", flush=True)
-    progress = None
-    if rank == 0 and cfg.opts.progress and cfg.iters >= _PROGRESS_ITERS:
-        from rich.progress import Progress
-
-        progress = Progress(transient=True)
-        progress.start()
     rows: list[dict[str, Any]] = []
     all_errors: dict[tuple[str, str | None], list[float]] = {}
-    try:
-        for kind in cfg.steps:
-            variants: list[tuple[str | None, Runtime]] = [(None, rt)]
-            if kind == "prefill" and cfg.opts.compare:
-                variants = [(label, _runtime(cfg, groups, m, cm)) for label, m, cm in compare_variants(cfg)]
-            for variant, vrt in variants:
-                prep = prepare_prefill(cfg, vrt) if kind == "prefill" else prepare_decode(cfg, vrt)
-                if cfg.opts.fail_rank == rank and cfg.opts.fail_at == "step":
-                    os._exit(EXIT_INJECTED)  # debug: die right before the step's first collective
-                times, result = time_step(prep, cfg, groups.control, progress)
-                if cfg.opts.profile:
-                    profile_step(prep, cfg, groups.control, rank)
-                if cfg.check:
-                    errors = check_step(prep, result, vrt, groups.control)
-                    if errors is not None:
-                        all_errors[(kind, variant)] = errors
-                rows.append(step_row(rank, kind, prep, times, variant=variant))
-                if cfg.opts.graph and kind == "decode":  # after the eager row; its check applies (bitwise equal)
-                    rows.append(graph_row(prep, cfg, vrt, groups.control, rank, result))
-    finally:
-        if progress is not None:
-            progress.stop()
+    for kind in cfg.steps:
+        variants: list[tuple[str | None, Runtime]] = [(None, rt)]
+        if kind == "prefill" and cfg.opts.compare:
+            progress.phase("building the compared Runtimes (head-TP, ShardQ, router)")
+            variants = [(label, _runtime(cfg, groups, m, cm)) for label, m, cm in compare_variants(cfg)]
+        for variant, vrt in variants:
+            label = kind if variant is None else f"{kind} ({variant})"
+            progress.phase(f"{label}: building the step")
+            prep = prepare_prefill(cfg, vrt) if kind == "prefill" else prepare_decode(cfg, vrt)
+            if cfg.opts.fail_rank == rank and cfg.opts.fail_at == "step":
+                os._exit(EXIT_INJECTED)  # debug: die right before the step's first collective
+            times, result = time_step(prep, cfg, groups.control, progress, label)
+            if cfg.opts.profile:
+                progress.phase(f"{label}: profiling one more step")
+                profile_step(prep, cfg, groups.control, rank)
+            if cfg.check:
+                progress.phase(f"{label}: checking against the single-process reference")
+                errors = check_step(prep, result, vrt, groups.control)
+                if errors is not None:
+                    all_errors[(kind, variant)] = errors
+            rows.append(step_row(rank, kind, prep, times, variant=variant))
+            if cfg.opts.graph and kind == "decode":  # after the eager row; its check applies (bitwise equal)
+                progress.phase(f"{label}: capturing and replaying a CUDA graph", total=cfg.iters)
+                rows.append(graph_row(prep, cfg, vrt, groups.control, rank, result))
+    progress.phase("gathering the report")
     gathered: list[Any] = [None] * groups.world_size if rank == 0 else []
     dist.gather_object(rows, gathered if rank == 0 else None, dst=0, group=groups.control)
+    progress.close()  # the bar goes before the report is printed
     status = 0
     if rank == 0:
         tol = TOLERANCE[cfg.dtype]
-        report = Report(cfg.describe(), notes=list(cfg.notes))
+        config = {**cfg.describe(), "workspace_bytes": reserved, "workspace_items": dict(sorted(rt.bounds.items()))}
+        report = Report(config, notes=list(cfg.notes))
         for kind in cfg.steps:
             for r, rank_rows in enumerate(gathered):
                 for row in rank_rows:
@@ -258,20 +282,29 @@ def run(cfg: RunConfig, groups: LaunchGroups) -> int:
 
 
 def _runtime(cfg: RunConfig, groups: LaunchGroups, mode: str, cost_model: Any) -> Runtime:
-    """The run's Runtime for ``mode`` on the data group (``cost_model``: the Runtime's argument)."""
+    """The run's Runtime for ``mode`` on the data group (``cost_model``: the Runtime's argument).
+
+    A configuration the Runtime refuses (``ValueError`` / ``TypeError``, the same on every rank)
+    is a :class:`~shardattn.launch.cli.LaunchError`: one line, exit status 2."""
+    try:
+        return _build_runtime(cfg, groups, mode, cost_model)
+    except (TypeError, ValueError) as e:
+        raise _fail(f"{type(e).__name__}: {e}") from None
+
+
+def _build_runtime(cfg: RunConfig, groups: LaunchGroups, mode: str, cost_model: Any) -> Runtime:
     return Runtime(
         cfg.spec if cfg.dtype == getattr(torch, cfg.spec.dtype) else _with_dtype(cfg.spec, cfg.dtype),
         groups.data,
-        max_batched_tokens=max(cfg.shape.tokens, 1),
         mode=mode,
+        max_batched_tokens=max(cfg.shape.tokens, 1),
+        max_decode_tokens=max(1, sum(cfg.shape.query_lens)),
         device=cfg.device,
         topk=cfg.shape.topk if cfg.spec.kind == "sparse_mla" else None,
-        max_decode_tokens=max(1, sum(cfg.shape.q_lens)),
-        dcp_interleave=cfg.opts.interleave,
-        min_shard_tokens=cfg.min_shard_tokens,
-        min_group_tokens=cfg.min_group_tokens,
-        non_causal=not cfg.opts.causal,
-        cost_model=cost_model,
+        prefill_options=PrefillOptions(
+            min_shard_tokens=cfg.min_shard_tokens, min_group_tokens=cfg.min_group_tokens, cost_model=cost_model
+        ),
+        decode_options=DecodeOptions(dcp_interleave=cfg.opts.interleave, causal=cfg.opts.causal),
         host_id=groups.env.host_id,
     )
 

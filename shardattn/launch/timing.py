@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardattn.launch.prepare import Prepared
+from shardattn.launch.progress import RunProgress
 from shardattn.launch.report import summarize_times
 from shardattn.runtime.runtime import Runtime
 
@@ -30,15 +31,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_step(prep: Prepared, cfg: RunConfig, control: dist.ProcessGroup, progress: Any) -> tuple[list[float], Any]:
+def time_step(
+    prep: Prepared, cfg: RunConfig, control: dist.ProcessGroup, progress: RunProgress, label: str
+) -> tuple[list[float], Any]:
     """``--warmup`` untimed and ``--iters`` timed calls; the first call makes the ranks agree on the
-    step's plan and inputs (the steps' own check), the timed ones skip that host round trip."""
+    step's plan and inputs (the steps' own check), the timed ones skip that host round trip.
+    ``progress`` (rank 0's) counts both phases under ``label``."""
     result = None
     dist.barrier(group=control)  # on the host (gloo): a dead peer fails here, not inside a GPU collective
+    progress.phase(f"{label}: warm-up ({prep.path})", total=cfg.opts.warmup)
     for i in range(cfg.opts.warmup):
         result = prep.call(i == 0)
+        progress.advance()
     times = []
-    task = progress.add_task(f"{prep.step} ({prep.path})", total=cfg.iters) if progress is not None else None
+    progress.phase(f"{label}: timing ({prep.path})", total=cfg.iters)
     for i in range(cfg.iters):
         dist.barrier(group=control)  # ranks start each iteration together; a dead peer shows up here
         sync(cfg.device)
@@ -46,8 +52,7 @@ def time_step(prep: Prepared, cfg: RunConfig, control: dist.ProcessGroup, progre
         result = prep.call(cfg.opts.warmup == 0 and i == 0)
         sync(cfg.device)
         times.append(time.perf_counter() - t0)
-        if task is not None:
-            progress.advance(task)
+        progress.advance()
     return times, result
 
 
@@ -59,7 +64,7 @@ def graph_row(
     require a replay to equal the eager output bitwise (so the eager step's check covers it)."""
     from shardattn.runtime.cudagraph import DecodeGraph
 
-    q_lens = cfg.shape.q_lens
+    q_lens = cfg.shape.query_lens
     rt.check_capture("decode", q_len_per_req=max(q_lens), ragged=len(set(q_lens)) > 1)
     dist.barrier(group=control)
     graph = DecodeGraph(lambda: prep.call(False), {})  # the step's inputs are fixed tensors here

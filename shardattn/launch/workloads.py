@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from shardattn.ops.topk import DcpShard, convert_topk
+from shardattn.plan.context import DCPLayout
+from shardattn.plan.dcp_shard import shard_kv_cache
 from shardattn.workload import PRESETS, Overlap, synthetic_topk
 
 __all__ = [
@@ -129,7 +132,7 @@ class PrefillStep:
     Attributes:
         q: ``[T, H, D]``. kv: ``[R_kv, D]`` paged KV rows. rows: ``[T, K]`` int32 global rows.
         positions: ``[T, K]`` int32 request-local top-k positions (``-1`` invalid).
-        req_ids: ``[T]`` int32. block_table: ``[B, M]`` int32. seq_lens: ``[B]`` new tokens;
+        req_ids: ``[T]`` int32. block_table: ``[B, M]`` int32. query_lens: ``[B]`` new tokens;
         prefix_lens: ``[B]`` cached tokens; topk_length: ``[T]`` int32 or None.
     """
 
@@ -139,7 +142,7 @@ class PrefillStep:
     positions: torch.Tensor
     req_ids: torch.Tensor
     block_table: torch.Tensor
-    seq_lens: list[int]
+    query_lens: list[int]
     prefix_lens: list[int]
     topk_length: torch.Tensor | None
     topk: int
@@ -179,15 +182,15 @@ def build_prefill(
     if recorded is not None:
         positions, valid = (t.to(device) for t in recorded)
         tokens, topk = positions.shape
-        seq_lens, prefix_lens = [tokens], [cached[0]]
+        query_lens, prefix_lens = [tokens], [cached[0]]
         topk_length = valid
         kv_lens = [max(prefix_lens[0] + tokens, int(positions.max()) + 1 if positions.numel() else 0)]
     else:
-        seq_lens, prefix_lens = _split_tokens(tokens, requests), list(cached)
-        kv_lens = [c + n for c, n in zip(prefix_lens, seq_lens)]
+        query_lens, prefix_lens = _split_tokens(tokens, requests), list(cached)
+        kv_lens = [c + n for c, n in zip(prefix_lens, query_lens)]
         topk_length = None
-        positions = request_topk(prefix_lens, seq_lens, topk, overlap=overlap, seed=seed + 1, device=device)
-    req = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), torch.tensor(seq_lens, device=device))
+        positions = request_topk(prefix_lens, query_lens, topk, overlap=overlap, seed=seed + 1, device=device)
+    req = torch.repeat_interleave(torch.arange(len(query_lens), device=device), torch.tensor(query_lens, device=device))
     table, blocks = _paged(kv_lens, device, gen, block_size)
     kv = _values((blocks * block_size, head_dim), gen, device, dtype)
     q = _values((tokens, heads, head_dim), gen, device, dtype)
@@ -200,7 +203,7 @@ def build_prefill(
         seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
         topk_length=topk_length,
     )
-    return PrefillStep(q, kv, rows, positions, req32, table, seq_lens, prefix_lens, topk_length, topk)
+    return PrefillStep(q, kv, rows, positions, req32, table, query_lens, prefix_lens, topk_length, topk)
 
 
 @dataclass
@@ -234,32 +237,15 @@ class DecodeStep:
 
 
 def _dcp_local_cache(
-    kv: torch.Tensor, table: torch.Tensor, seq_lens: list[int], shard: DcpShard, block: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's DCP shard of a paged cache: ``(local_kv [R_local, D], local_table [B, M_local])``.
-
-    The rank's tokens of a request, in increasing position (= increasing local index), fill its
-    own fresh blocks.
-    """
-    dev = kv.device
+    kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    table: torch.Tensor,
+    seq_lens: list[int],
+    shard: DcpShard,
+    block: int,
+) -> tuple[Any, torch.Tensor]:
+    """This rank's DCP shard of a paged cache and its block table (:func:`~shardattn.plan.dcp_shard.shard_kv_cache`)."""
     world, inter, rank = shard
-    local_rows, tables, start = [], [], 0
-    for b, n in enumerate(seq_lens):
-        pos = torch.arange(n, device=dev)
-        owned = pos[(pos // inter) % world == rank]
-        glob = table[b, (owned // block).long()].long() * block + owned % block
-        nb = math.ceil(owned.numel() / block)
-        rows = torch.zeros(nb * block, kv.shape[1], dtype=kv.dtype, device=dev)
-        rows[: owned.numel()] = kv[glob]
-        local_rows.append(rows)
-        tables.append(torch.arange(start, start + nb, dtype=torch.int32, device=dev))
-        start += nb
-    width = max(1, max((t.numel() for t in tables), default=1))
-    local_table = torch.full((len(seq_lens), width), -1, dtype=torch.int32, device=dev)
-    for b, t in enumerate(tables):
-        local_table[b, : t.numel()] = t
-    local_kv = torch.cat(local_rows) if local_rows else kv.new_zeros(0, kv.shape[1])
-    return local_kv, local_table
+    return shard_kv_cache(kv, table, seq_lens, DCPLayout(world, inter), rank, page_size=block)
 
 
 def build_decode(
@@ -344,11 +330,7 @@ def build_gqa_decode(
     v = _values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
     q = _values((int(sum(q_list)), q_heads, head_dim), gen, device, dtype)
     s = torch.randn(q_heads, generator=gen, device=device).float() if sinks else None
-    flat_k = k.reshape(blocks * block_size, kv_heads * head_dim)
-    flat_v = v.reshape(blocks * block_size, kv_heads * head_dim)
-    local_k, local_table = _dcp_local_cache(flat_k, table, seq, shard, block_size)
-    local_v, _ = _dcp_local_cache(flat_v, table, seq, shard, block_size)
-    shape = (-1, block_size, kv_heads, head_dim)
+    (local_k, local_v), local_table = _dcp_local_cache((k, v), table, seq, shard, block_size)
     cu = torch.tensor([0, *q_list], dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
     return GQADecodeStep(
         q,
@@ -358,7 +340,7 @@ def build_gqa_decode(
         torch.tensor(seq, dtype=torch.int32, device=device),
         cu,
         s,
-        local_k.reshape(shape),
-        local_v.reshape(shape),
+        local_k,
+        local_v,
         local_table,
     )

@@ -275,7 +275,7 @@ def gqa_prefill_pcp(
 
     Example (every rank of a PCP group of ``W`` runs this)::
 
-        plan = pcp_plan(seq_lens, W, prefix_lens=prefix_lens)
+        plan = pcp_plan(query_lens, W, prefix_lens=prefix_lens)
         ids = plan.shard.token_ids(rank)
         out, lse = gqa_prefill_pcp(q[ids], k[ids], v[ids], plan, group, k_cache=kc, v_cache=vc,
                                    block_table=table, sinks=sinks)

@@ -163,7 +163,7 @@ def pcp_prefill(
 
     Example (every rank of a PCP group of ``W`` runs this)::
 
-        plan = pcp_plan(seq_lens, W, prefix_lens=prefix_lens)
+        plan = pcp_plan(query_lens, W, prefix_lens=prefix_lens)
         ids = plan.shard.token_ids(rank)                  # this rank's tokens
         out, lse = pcp_prefill(q[ids], kv[ids], topk_pos[ids], plan, group, scale=576 ** -0.5,
                                kv_cache=cache, block_table=table, block_size=64)

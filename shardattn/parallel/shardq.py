@@ -192,7 +192,7 @@ def shardq_prefill(
 
     Example (every rank of a TP group of ``W`` runs this)::
 
-        plan = zigzag_split(seq_lens, W, align=G, min_tokens=1024)   # same on every rank
+        plan = zigzag_split(query_lens, W, align=G, min_tokens=1024)   # same on every rank
         out, lse = shardq_prefill(q_local, kv, rows, plan, group, scale=576 ** -0.5)
         # q_local [T, H/W, 576] -> out [T, H/W, 512], lse [T, H/W]
     """

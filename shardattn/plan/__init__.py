@@ -3,6 +3,7 @@
 * :mod:`~shardattn.plan.zigzag`   ShardQ / PCP token splits (zigzag, cost-balanced), balance.
 * :mod:`~shardattn.plan.shard_plan` the ShardPlan object: per-rank tokens, gather/restore maps.
 * :mod:`~shardattn.plan.context`  DCP KV layout, local lengths, top-k translation.
+* :mod:`~shardattn.plan.dcp_shard` a rank's DCP shard of a whole paged KV cache, and its block table.
 * :mod:`~shardattn.plan.pcp`      PCP prefill plan: zigzag split plus the KV all-gather layout.
 * :mod:`~shardattn.plan.spec`     ModelSpec and presets.
 * :mod:`~shardattn.plan.workspace` itemised per-rank workspace bounds.
@@ -32,6 +33,7 @@ from shardattn.plan.cudagraph import (
     explain_cudagraph_support,
     xqa_head_dim_supported,
 )
+from shardattn.plan.dcp_shard import shard_kv_cache
 from shardattn.plan.decode_batch import DecodeBatch, bucket_for, plan_decode_batch
 from shardattn.plan.pcp import PCPPlan, pcp_plan
 from shardattn.plan.routing import (
@@ -114,6 +116,7 @@ __all__ = [
     "plan_decode_batch",
     "route_decode",
     "route_prefill",
+    "shard_kv_cache",
     "tile_group_size",
     "token_cost",
     "workspace_bounds",

@@ -362,7 +362,9 @@ def choose_prefill(
     best = preds[0]
     rivals = [p for p in preds[1:] if p.step != best.step] or preds[1:]
     rejected = rivals[0] if rivals else None
-    text = f"cost model ({model.calibration.gpu}): {best.name} {best.ms:.2f} ms predicted"
+    cal = model.calibration
+    source = "the conservative default" if cal.conservative else cal.gpu
+    text = f"cost model ({source}): {best.name} {best.ms:.2f} ms predicted"
     if rejected is not None:
         text += f", best rejected {rejected.name} {rejected.ms:.2f} ms"
     if why:

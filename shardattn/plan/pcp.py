@@ -110,7 +110,7 @@ class PCPPlan:
         check_same_device(positions=positions, request_ids=request_ids, kv_row=self.kv_row)
         req = request_ids.to(torch.int64)
         prefix = self.shard.prefix_lens[req][:, None]
-        new = self.shard.seq_lens[req][:, None]
+        new = self.shard.query_lens[req][:, None]
         off = positions.to(torch.int64) - prefix
         valid = (off >= 0) & (off < new)
         g = (self.shard.token_offsets[req][:, None] + off.clamp(min=0)).clamp(max=max(self.kv_row.numel() - 1, 0))
@@ -137,7 +137,7 @@ class PCPPlan:
 
 
 def pcp_plan(
-    seq_lens: object,
+    query_lens: object,
     world_size: int,
     *,
     prefix_lens: object = None,
@@ -147,7 +147,7 @@ def pcp_plan(
     """Plan a PCP prefill step: zigzag split (never gated) plus the KV all-gather layout.
 
     Args:
-        seq_lens: ``[R]`` new (prefill) tokens per request.
+        query_lens: ``[R]`` new (prefill) tokens per request.
         world_size: PCP ranks ``W >= 1``.
         prefix_lens: ``[R]`` cached tokens before the new ones; default 0.
         align: chunk boundaries are multiples of ``align`` (see :func:`zigzag_split`).
@@ -160,7 +160,7 @@ def pcp_plan(
     ([(0, 0, 6)], [0, 1, 4, 5, 6, 7])
     """
     check_int("world_size", world_size, minimum=1)
-    shard = zigzag_split(seq_lens, world_size, align=align, min_tokens=0, prefix_lens=prefix_lens, topk=topk)
+    shard = zigzag_split(query_lens, world_size, align=align, min_tokens=0, prefix_lens=prefix_lens, topk=topk)
     w, r_count = shard.world_size, shard.num_requests
     need = np.zeros((w, r_count), dtype=np.int64)
     offsets = shard.token_offsets.numpy()

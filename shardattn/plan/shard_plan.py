@@ -18,7 +18,7 @@ from shardattn.plan._common import fingerprint_arrays, to_int64_tensor
 __all__ = ["ShardPlan", "build_shard_plan", "expand_ranges", "token_cost"]
 
 _PLAN_TENSORS = (
-    "seq_lens",
+    "query_lens",
     "prefix_lens",
     "token_offsets",
     "token_request",
@@ -58,7 +58,7 @@ class ShardPlan:
         sharded: False when the step was below ``min_tokens`` (see ``reason``); then every rank
             runs all ``T`` tokens with its own heads and the per-rank maps hold all tokens.
         reason: why the step is (not) sharded, readable.
-        seq_lens: ``[R]`` new tokens per request. prefix_lens: ``[R]`` cached tokens before them.
+        query_lens: ``[R]`` new tokens per request. prefix_lens: ``[R]`` cached tokens before them.
         token_offsets: ``[R+1]`` start of each request in token order.
         token_request / token_position / token_rank: ``[T]`` request id, position (prefix
             included) and owner rank of each token (``-1`` owner when not sharded).
@@ -81,7 +81,7 @@ class ShardPlan:
     topk: int
     sharded: bool
     reason: str
-    seq_lens: torch.Tensor
+    query_lens: torch.Tensor
     prefix_lens: torch.Tensor
     token_offsets: torch.Tensor
     token_request: torch.Tensor
@@ -104,7 +104,7 @@ class ShardPlan:
 
     @property
     def num_requests(self) -> int:
-        return int(self.seq_lens.shape[0])
+        return int(self.query_lens.shape[0])
 
     @property
     def token_balance(self) -> float:
@@ -253,7 +253,7 @@ def build_shard_plan(
         topk=k,
         sharded=sharded,
         reason=reason,
-        seq_lens=to_int64_tensor(lens),
+        query_lens=to_int64_tensor(lens),
         prefix_lens=to_int64_tensor(prefix),
         token_offsets=to_int64_tensor(offsets),
         token_request=to_int64_tensor(tok_req),

@@ -76,7 +76,7 @@ __all__ = [
 
 
 def _check_common(
-    seq_lens: object,
+    query_lens: object,
     world_size: object,
     align: object,
     min_tokens: object,
@@ -87,7 +87,7 @@ def _check_common(
     a = check_int("align", align, minimum=1)
     m = check_int("min_tokens", min_tokens, minimum=0)
     k = check_int("topk", topk, minimum=1)
-    lens = as_lengths("seq_lens", seq_lens)
+    lens = as_lengths("query_lens", query_lens)
     if prefix_lens is None:
         prefix = np.zeros_like(lens)
     else:
@@ -95,7 +95,7 @@ def _check_common(
     return lens, prefix, w, a, m, k
 
 
-def zigzag_chunk_bounds(seq_lens: object, world_size: int, *, align: int = 1) -> np.ndarray:
+def zigzag_chunk_bounds(query_lens: object, world_size: int, *, align: int = 1) -> np.ndarray:
     """``[R, 2W+1]`` chunk boundaries of every request under the zigzag rule (module docstring).
 
     Row ``i`` holds offsets into request ``i``'s new tokens; chunk ``c`` is
@@ -108,7 +108,7 @@ def zigzag_chunk_bounds(seq_lens: object, world_size: int, *, align: int = 1) ->
     >>> zigzag_chunk_bounds([10], 2, align=4).tolist()   # units 4, 4, 2 (the last is short)
     [[0, 4, 8, 8, 10]]
     """
-    lens = as_lengths("seq_lens", seq_lens)
+    lens = as_lengths("query_lens", query_lens)
     w = check_int("world_size", world_size, minimum=1)
     a = check_int("align", align, minimum=1)
     return _chunk_bounds(lens, w, a)
@@ -156,10 +156,10 @@ def _gate(lens: np.ndarray, w: int, m: int) -> tuple[bool, str]:
 _Cut = Callable[[np.ndarray, np.ndarray, int, int, int], tuple[list[np.ndarray], "np.ndarray | None"]]
 
 
-def _split(strategy: str, cut: _Cut, seq_lens, world_size, align, min_tokens, prefix_lens, topk) -> ShardPlan:
+def _split(strategy: str, cut: _Cut, query_lens, world_size, align, min_tokens, prefix_lens, topk) -> ShardPlan:
     """Checks the arguments, applies the ``min_tokens`` gate (unsharded: every rank holds every
     token), else builds the plan from ``cut``'s per-rank tokens."""
-    lens, prefix, w, a, m, k = _check_common(seq_lens, world_size, align, min_tokens, prefix_lens, topk)
+    lens, prefix, w, a, m, k = _check_common(query_lens, world_size, align, min_tokens, prefix_lens, topk)
     sharded, reason = _gate(lens, w, m)
     if not sharded:
         every = np.arange(int(lens.sum()), dtype=np.int64)
@@ -169,7 +169,7 @@ def _split(strategy: str, cut: _Cut, seq_lens, world_size, align, min_tokens, pr
 
 
 def zigzag_split(
-    seq_lens: object,
+    query_lens: object,
     world_size: int,
     *,
     align: int = 1,
@@ -180,7 +180,7 @@ def zigzag_split(
     """Zigzag split of a batch step's new tokens over ``world_size`` ranks (see module docstring).
 
     Args:
-        seq_lens: ``[R]`` new tokens per request (ints >= 0; list, numpy or CPU tensor).
+        query_lens: ``[R]`` new tokens per request (ints >= 0; list, numpy or CPU tensor).
         world_size: ranks ``W >= 1``.
         align: chunk boundaries are multiples of ``align`` tokens from each request's first
             new token (use the query group size ``G``). ``>= 1``.
@@ -202,7 +202,7 @@ def zigzag_split(
     >>> zigzag_split([8], 2).sharded   # 8 < min_tokens=1024
     False
     """
-    return _split("zigzag", _zigzag_cut, seq_lens, world_size, align, min_tokens, prefix_lens, topk)
+    return _split("zigzag", _zigzag_cut, query_lens, world_size, align, min_tokens, prefix_lens, topk)
 
 
 def _zigzag_cut(lens: np.ndarray, prefix: np.ndarray, w: int, a: int, k: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -220,7 +220,7 @@ def _zigzag_cut(lens: np.ndarray, prefix: np.ndarray, w: int, a: int, k: int) ->
 
 
 def cost_balanced_split(
-    seq_lens: object,
+    query_lens: object,
     world_size: int,
     *,
     align: int = 1,
@@ -242,7 +242,7 @@ def cost_balanced_split(
     >>> [plan.token_ids(r).tolist() for r in range(2)], plan.rank_cost.tolist()
     ([[0, 1, 2, 3, 4], [5, 6, 7]], [14, 12])
     """
-    return _split("cost_balanced", _cost_cut, seq_lens, world_size, align, min_tokens, prefix_lens, topk)
+    return _split("cost_balanced", _cost_cut, query_lens, world_size, align, min_tokens, prefix_lens, topk)
 
 
 def _cost_cut(lens: np.ndarray, prefix: np.ndarray, w: int, a: int, k: int) -> tuple[list[np.ndarray], None]:
@@ -292,7 +292,7 @@ class BalanceReport(NamedTuple):
 
 
 def balance_report(
-    seq_lens: object,
+    query_lens: object,
     world_size: int,
     *,
     align: int = 1,
@@ -302,4 +302,4 @@ def balance_report(
 ) -> BalanceReport:
     """Plan a step both ways (:func:`zigzag_split` and :func:`cost_balanced_split`)."""
     kw = dict(align=align, min_tokens=min_tokens, prefix_lens=prefix_lens, topk=topk)
-    return BalanceReport(zigzag_split(seq_lens, world_size, **kw), cost_balanced_split(seq_lens, world_size, **kw))
+    return BalanceReport(zigzag_split(query_lens, world_size, **kw), cost_balanced_split(query_lens, world_size, **kw))

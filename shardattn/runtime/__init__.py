@@ -1,6 +1,11 @@
 """The per-rank Runtime: one object per rank that runs the library's steps for a model and a group.
 
 * :mod:`~shardattn.runtime.runtime`    :class:`Runtime`: routing per step, the steps, warm-up, graph policy.
+* :mod:`~shardattn.runtime.options`    :class:`PrefillOptions`, :class:`DecodeOptions`: the Runtime's options
+  beyond its sizes, frozen and checked.
+* :mod:`~shardattn.runtime.args`       one meaning per argument name; host lists and int64 indices
+  converted once.
+* :mod:`~shardattn.runtime.planning`   the routes and token splits of the Runtime's steps.
 * :mod:`~shardattn.runtime.workspace`  :class:`RuntimeWorkspace`: the arena reserved once and every
   step's items laid over it, the per-step checks.
 * :mod:`~shardattn.runtime.prefill`    the prefill dispatch (PCP / head-TP / ShardQ) and its plan.
@@ -20,6 +25,8 @@ from typing import Any
 
 _LAZY = {
     "Runtime": "shardattn.runtime.runtime",
+    "PrefillOptions": "shardattn.runtime.options",
+    "DecodeOptions": "shardattn.runtime.options",
     "PrefillPlan": "shardattn.runtime.prefill",
     "DecodeStep": "shardattn.runtime.decode",
     "RuntimeWorkspace": "shardattn.runtime.workspace",

@@ -9,11 +9,12 @@ wait for the stream first).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from shardattn._checks import check_tensor
+from shardattn._checks import check_int, check_tensor
 from shardattn.ops.gqa_decode import gqa_paged_decode
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import convert_topk
@@ -24,6 +25,7 @@ from shardattn.parallel.packing import view_bytes
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.decode_batch import DecodeBatch, plan_decode_batch
 from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.args import as_index, reject
 from shardattn.runtime.modes import GQA_BACKEND
 from shardattn.runtime.workspace import RuntimeWorkspace
 
@@ -72,7 +74,7 @@ class DecodeStep:
             its ``decode.*`` items hold the step's intermediates when q has the spec's dtype).
         dcp: the KV cache is split over the group (else head-TP). route_path: the planner's decode
             kernel path. heads_per_rank: ``H / W``. scale: softmax scale.
-        decode_lse: return the LSE (head-TP GQA may skip it). non_causal: drafts attend non-causally.
+        return_lse: return the LSE (head-TP GQA may skip it). causal: drafts attend causally.
         staging: the reused pinned buffer a batch's metadata crosses to the device through.
     """
 
@@ -84,8 +86,8 @@ class DecodeStep:
     route_path: str
     heads_per_rank: int
     scale: float
-    decode_lse: bool
-    non_causal: bool
+    return_lse: bool
+    causal: bool
     staging: PinnedStaging = field(default_factory=PinnedStaging, compare=False, repr=False)
 
     def local_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +116,7 @@ class DecodeStep:
             rank=self.comm.rank,
             q_len=q_len,
             padded_requests=padded_requests,
-            causal=not self.non_causal,
+            causal=self.causal,
             packed=packed,
         )
 
@@ -165,15 +167,16 @@ class DecodeStep:
         q: torch.Tensor,
         kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
+        seq_lens: torch.Tensor | Sequence[int],
         *,
         topk_pos: torch.Tensor | None = None,
-        req_ids: torch.Tensor | None = None,
+        req_ids: torch.Tensor | Sequence[int] | None = None,
         topk_length: torch.Tensor | None = None,
         topk_unique: bool = False,
         q_len_per_req: int | None = None,
-        cu_q_lens: torch.Tensor | None = None,
+        cu_q_lens: torch.Tensor | Sequence[int] | None = None,
         max_q_len: int | None = None,
+        window_left: int = -1,
         sinks: torch.Tensor | None = None,
         batch: DecodeBatch | None = None,
         meta: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -181,52 +184,53 @@ class DecodeStep:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one decode step (DCP or head-TP, by mode), routed by the planner.
 
-        Args:
-            q: ``[T, H/W, D]`` this rank's heads of the step's query tokens (drafts included).
-            kv_cache: sparse MLA: ``[R, D]`` paged KV rows; GQA: ``(k_cache, v_cache)``, each
-                ``[pages, page_size, Hkv, D]``. Under DCP this rank's shard (local positions),
-                under head-TP the whole cache (GQA: the rank's KV heads).
-            block_table: ``[B, M]`` int32 page table of ``kv_cache`` (the rank's, under DCP).
-            seq_lens: ``[B]`` int32 global KV tokens per request, drafts included.
-            topk_pos, req_ids: sparse MLA only: ``[T, K]`` int32 request-global top-k positions
-                (``-1`` invalid) and ``[T]`` int32 request of each query.
-            topk_length: sparse MLA: ``[T]`` int32 leading entries of ``topk_pos`` to use, optional.
-            topk_unique: sparse MLA: no position appears twice in a row of ``topk_pos`` (an
-                indexer's top-k), so the kernels skip their de-duplication (most of a small step's
-                time); a repeated position would then count twice.
-            q_len_per_req / cu_q_lens: GQA: uniform drafts per request, or ``[B+1]`` ragged offsets.
-            max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts (needed under capture).
-            sinks: ``[H]`` fp32 sink logits of all heads, optional.
-            batch: GQA under DCP: the host plan of this batch (:meth:`plan`); its metadata
-                reaches the device in one copy per plan (through the reused pinned buffer; kept
-                with the plan, so the steps of later layers copy nothing; under graph capture,
-                from the plan's own pinned copy, which the replays re-read) and replaces the
-                step's index arithmetic. A plan of one query per request reads the block table
-                as it is (no gather of its rows).
-            meta: GQA under DCP: that metadata already on the device (``batch.to(device)``;
-                a graph's static input).
-            check: under DCP, make the ranks agree on the inputs first (one small all-gather
-                and a host sync; with ``batch``, on the plan's host fingerprint of the lengths,
-                not on lengths read back from the device). Pass ``False`` inside a CUDA graph and
-                on the steps of an engine's later layers.
-        Returns:
-            ``(out [T, H/W, v_dim], lse [T, H/W] fp32)``: the rank's heads, merged over every shard
-            (``lse`` is ``None`` when built with ``decode_lse=False``).
+        Arguments, shapes, dtypes and the result: :meth:`Runtime.decode
+        <shardattn.runtime.runtime.Runtime.decode>`. Here, ``batch`` reaches the device in one copy
+        per plan (through the reused pinned buffer; kept with the plan, so the steps of later
+        layers copy nothing; under graph capture, from the plan's own pinned copy, which the
+        replays re-read). A plan of one query per request reads the block table as it is (no
+        gather of its rows). With ``batch`` and ``check``, the ranks agree on the plan's host
+        fingerprint of the lengths, not on lengths read back from the device.
         """
-        check_tensor("q", q)  # a tensor at all (shapes and dtypes: the step's own checks)
-        if not isinstance(topk_unique, bool):
-            raise TypeError(f"topk_unique must be a bool, got {type(topk_unique).__name__}")
         dcp = self.dcp
-        k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.ws.topk
-        self.ws.check("decode", "dcp" if dcp else "headtp", tokens=int(q.shape[0]), topk=k)
+        try:
+            heads, dim = self.heads_per_rank, self.spec.head_dim
+            t, h, d = check_tensor("q", q, ndim=3).shape
+            if d != dim:
+                raise ValueError(f"q must have last dim {dim} (the model's head_dim), got shape {list(q.shape)}")
+            if h != heads:
+                world = self.comm.world_size
+                raise ValueError(
+                    f"q must hold this rank's {heads} heads (H/W: {self.spec.num_heads} heads over {world} ranks), "
+                    f"got {h} heads (shape {list(q.shape)})"
+                )
+            if not isinstance(topk_unique, bool):
+                raise TypeError(f"topk_unique must be a bool, got {type(topk_unique).__name__}")
+            check_int("window_left", window_left, minimum=-1)
+            if window_left >= 0 and (dcp or self.spec.kind != "gqa"):
+                raise ValueError(
+                    f"window_left={window_left}: sliding windows are supported by head-TP GQA decode only "
+                    + ("(under DCP a global window is not a local one; use mode 'headtp')" if dcp else "(sparse MLA)")
+                )
+            seq_lens = as_index("seq_lens", seq_lens, q.device)
+            block_table = as_index("block_table", block_table)
+            topk_pos, topk_length = as_index("topk_pos", topk_pos), as_index("topk_length", topk_length)
+            req_ids, cu_q_lens = as_index("req_ids", req_ids, q.device), as_index("cu_q_lens", cu_q_lens, q.device)
+            k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.ws.topk
+            self.ws.check("decode", "dcp" if dcp else "headtp", tokens=t, topk=k)
+            if self.spec.kind == "sparse_mla":
+                if topk_pos is None or req_ids is None:
+                    raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
+                if not isinstance(kv_cache, torch.Tensor):
+                    raise TypeError("kv_cache of a sparse-MLA model must be one [R, D] tensor")
+            elif not (isinstance(kv_cache, tuple | list) and len(kv_cache) == 2):
+                raise TypeError("kv_cache of a GQA model must be a (k_cache, v_cache) pair")
+        except (TypeError, ValueError) as e:
+            reject(self.comm, e, collective=dcp, check=check)
         # the buffers are sized for the spec's dtype; other dtypes (fp32 on a CPU) allocate per step
         buffers = self.ws.decode_buffers("dcp" if dcp else "headtp") if q.dtype == self.ws.dtype else {}
         page = self.spec.page_size
         if self.spec.kind == "sparse_mla":
-            if topk_pos is None or req_ids is None:
-                raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
-            if not isinstance(kv_cache, torch.Tensor):
-                raise TypeError("kv_cache of a sparse-MLA model must be one [R, D] tensor")
             if dcp:
                 return dcp_sparse_mla_decode(
                     q,
@@ -262,8 +266,6 @@ class DecodeStep:
                 sinks=None if sinks is None else self.local_heads(sinks),
                 rows_unique=topk_unique,
             )
-        if not (isinstance(kv_cache, tuple | list) and len(kv_cache) == 2):
-            raise TypeError("kv_cache of a GQA model must be a (k_cache, v_cache) pair")
         k_cache, v_cache = kv_cache
         backend = GQA_BACKEND[self.route_path]
         if dcp:
@@ -280,7 +282,7 @@ class DecodeStep:
                 self.comm,
                 q_len_per_req=q_len_per_req,
                 cu_q_lens=cu_q_lens,
-                causal=not self.non_causal,
+                causal=self.causal,
                 sinks=sinks,
                 scale=self.scale,
                 backend=backend,
@@ -298,10 +300,11 @@ class DecodeStep:
             q_len_per_req=q_len_per_req,
             cu_q_lens=cu_q_lens,
             max_q_len=max_q_len,
-            causal=not self.non_causal,
+            causal=self.causal,
+            window_left=window_left,
             sinks=None if sinks is None else self.local_heads(sinks),
-            return_lse=self.decode_lse,
+            return_lse=self.return_lse,
             scale=self.scale,
             backend=backend,
         )
-        return result if self.decode_lse else (result, None)
+        return result if self.return_lse else (result, None)

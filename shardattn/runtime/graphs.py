@@ -35,7 +35,7 @@ class RuntimeGraphs:
     heads_per_rank: int
     max_batched_tokens: int
     max_kv_rows: int
-    non_causal: bool
+    causal: bool
     device: Any
     _route: Callable[..., Any]
 
@@ -54,7 +54,7 @@ class RuntimeGraphs:
             kernel = self.decode_route.path
             dcp = self.world_size if self.decode_is_dcp else 1
             return explain_cudagraph_support(
-                "decode", kernel, head_dim=self.spec.head_dim, dcp_size=dcp, non_causal=self.non_causal,
+                "decode", kernel, head_dim=self.spec.head_dim, dcp_size=dcp, non_causal=not self.causal,
                 host_meta=self.spec.kind == "gqa",  # the DCP GQA step takes host-planned metadata
             )  # fmt: skip
         prefill = PREFILL_STEP[self.mode]

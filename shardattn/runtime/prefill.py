@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from shardattn._checks import check_tensor
 from shardattn.ops.prepared_union import PreparedUnion
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.parallel.comm import Comm
@@ -30,9 +31,10 @@ from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan.routing import Route
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.zigzag import ShardPlan
+from shardattn.runtime.args import as_index, check_queries
 from shardattn.runtime.workspace import WorkspaceExceededError
 
-__all__ = ["PrefillPlan", "run_prefill_step", "shardq_buffers", "workspace_prefill_attention"]
+__all__ = ["PrefillPlan", "check_prefill_inputs", "run_prefill_step", "shardq_buffers", "workspace_prefill_attention"]
 
 #: ``shardq_prefill`` workspace key -> the Runtime's workspace item (``prefill.<item>``).
 SHARDQ_BUFFERS = (
@@ -81,11 +83,79 @@ def shardq_buffers(workspace: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {key: workspace[f"prefill.{item}"] for key, item in SHARDQ_BUFFERS if f"prefill.{item}" in workspace}
 
 
+def check_prefill_inputs(
+    plan: PrefillPlan,
+    spec: ModelSpec,
+    rank: int,
+    heads_per_rank: int,
+    *,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    rows: torch.Tensor | None,
+    topk_pos: torch.Tensor | None,
+    kv_new: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    tokens_from: str,
+) -> dict[str, torch.Tensor | None]:
+    """Check one rank's prefill arguments under the names :meth:`Runtime.prefill
+    <shardattn.runtime.runtime.Runtime.prefill>` gives them (the plan's step decides which are
+    needed), and convert int64 / list indices to int32 (:func:`~shardattn.runtime.args.as_index`).
+
+    ``tokens_from`` says where the step's token count came from, for the message (``"query_lens
+    sums to"``). Returns ``{"kv_cache", "rows", "topk_pos", "kv_new", "block_table", "topk_length"}``.
+    """
+    world = spec.num_heads // heads_per_rank
+    if plan.step == "pcp":
+        if rows is not None:
+            raise ValueError(
+                "rows are global KV rows, which the ShardQ and head-TP modes read; a PCP step reads its top-k as "
+                "positions inside each request: pass topk_pos [T_r, K]"
+            )
+        if topk_pos is None:
+            raise ValueError("a PCP prefill needs topk_pos [T_r, K] (its tokens' top-k positions in their requests)")
+        if kv_new is None:
+            raise ValueError("a PCP prefill needs kv_new [T_r, D] (the KV rows of the rank's own new tokens)")
+        mine = int(plan.token_plan.counts[rank])
+        check_queries(
+            q, tokens=mine, heads=spec.num_heads, head_dim=spec.head_dim,
+            tokens_from=f"rank {rank}'s share of the PCP plan (plan.tokens_of({rank})) is",
+            heads_from=f"every one of the model's {spec.num_heads} heads under PCP",
+        )  # fmt: skip
+    else:
+        if topk_pos is not None or kv_new is not None:
+            name = "topk_pos" if topk_pos is not None else "kv_new"
+            raise ValueError(
+                f"{name} is PCP's (request positions / the rank's new KV rows); a {plan.step} step reads the top-k "
+                "as global rows of kv_cache: pass rows [T, K] and the whole kv_cache"
+            )
+        if rows is None:
+            raise ValueError("prefill needs rows [T, K] int32 (global rows of kv_cache of every token's top-k)")
+        check_tensor("kv_cache", kv_cache)
+        check_queries(
+            q, tokens=plan.num_tokens, heads=heads_per_rank, head_dim=spec.head_dim, tokens_from=tokens_from,
+            heads_from=f"this rank's {heads_per_rank} heads (H/W: {spec.num_heads} heads over {world} ranks)",
+        )  # fmt: skip
+    if kv_cache is not None:
+        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
+        if kv_cache.shape[1] != spec.head_dim:
+            raise ValueError(
+                f"kv_cache must have last dim {spec.head_dim} (the model's head_dim), got shape {list(kv_cache.shape)}"
+            )
+    return {
+        "kv_cache": kv_cache,
+        "rows": as_index("rows", rows),
+        "topk_pos": as_index("topk_pos", topk_pos),
+        "kv_new": kv_new,
+        "block_table": as_index("block_table", block_table),
+        "topk_length": as_index("topk_length", topk_length),
+    }
+
+
 def run_prefill_step(
     plan: PrefillPlan,
     q: torch.Tensor,
-    kv: torch.Tensor,
-    rows: torch.Tensor,
+    given: dict[str, torch.Tensor | None],
     *,
     comm: Comm,
     spec: ModelSpec,
@@ -96,27 +166,28 @@ def run_prefill_step(
     chunks: int | None,
     taper: bool,
     one_union: bool,
-    topk_length: torch.Tensor | None,
     sinks: torch.Tensor | None,
-    kv_cache: torch.Tensor | None,
-    block_table: torch.Tensor | None,
     check: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer of a planned prefill step (arguments as :meth:`Runtime.prefill
-    <shardattn.runtime.runtime.Runtime.prefill>`; ``attention`` is the Runtime's kernel call on
-    the plan's route, ``local_sinks`` the rank's heads of ``sinks``, ``chunks`` / ``taper`` /
-    ``one_union`` the ShardQ pipeline's depth, chunk shape and union build). Returns ``(out, lse)``."""
+    """One layer of a planned prefill step (``given``: :func:`check_prefill_inputs`'s tensors;
+    ``attention`` is the Runtime's kernel call on the plan's route, ``local_sinks`` the rank's heads
+    of ``sinks``, ``chunks`` / ``taper`` / ``one_union`` the ShardQ pipeline's depth, chunk shape
+    and union build). Returns ``(out, lse)``."""
     v = spec.v_dim
+    kv_cache, topk_length = given["kv_cache"], given["topk_length"]
     if plan.step == "pcp":
         return pcp_prefill(
-            q, kv, rows, plan.shard, comm, scale=scale, v_dim=v, kv_cache=kv_cache, block_table=block_table,
-            block_size=spec.page_size if kv_cache is not None else None, topk_length=topk_length, sinks=sinks,
-            attention=attention, check=check,
+            q, given["kv_new"], given["topk_pos"], plan.shard, comm, scale=scale, v_dim=v, kv_cache=kv_cache,
+            block_table=given["block_table"], block_size=spec.page_size if kv_cache is not None else None,
+            topk_length=topk_length, sinks=sinks, attention=attention, check=check,
         )  # fmt: skip
+    rows = given["rows"]
     if plan.shard is None:  # a head-TP mode: nothing moves
-        return attention(q, kv, rows, scale=scale, v_dim=v, topk_length=topk_length, sinks=local_sinks, return_lse=True)
+        return attention(
+            q, kv_cache, rows, scale=scale, v_dim=v, topk_length=topk_length, sinks=local_sinks, return_lse=True
+        )
     return shardq_prefill(
-        q, kv, rows, plan.shard, comm, scale=scale, v_dim=v, topk_length=topk_length, sinks=sinks,
+        q, kv_cache, rows, plan.shard, comm, scale=scale, v_dim=v, topk_length=topk_length, sinks=sinks,
         attention=attention, check=check, chunks=chunks, taper=taper, align=plan.route.group_size,
         one_union=one_union, workspace=shardq_workspace,
     )  # fmt: skip

@@ -41,6 +41,8 @@ from shardattn.plan.routing import Route, gluon_grouped_group_size, prefill_grou
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.decode_warmup import warm_up_decode
 from shardattn.runtime.modes import GQA_BACKEND, PREFILL_STEP
+from shardattn.runtime.options import DecodeOptions
+from shardattn.runtime.workspace import RuntimeWorkspace
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,8 @@ class RuntimeWarmup:
     rank: int
     max_decode_tokens: int
     scale: float
-    decode_lse: bool
+    decode_options: DecodeOptions
+    ws: RuntimeWorkspace
     decode_is_dcp: bool
     decode_route: Route
     layout: DCPLayout
@@ -229,7 +232,7 @@ class RuntimeWarmup:
         if self.spec.kind != "sparse_mla" or step is None:
             return []
         heads = {self.heads_per_rank}
-        if step in ("shardq", "pcp"):
+        if step == "pcp" or (step == "shardq" and self.ws.shardq_possible):
             heads.add(self.spec.num_heads)
         return [
             PrefillSpec(
@@ -282,6 +285,6 @@ class RuntimeWarmup:
             max_decode_tokens=self.max_decode_tokens,
             scale=self.scale,
             dcp=DcpShard(self.world_size, self.layout.interleave, self.rank) if dcp else None,
-            need_lse=self.decode_lse or dcp,
+            need_lse=self.decode_options.return_lse or dcp,
             gqa_backend=GQA_BACKEND[self.decode_route.path],
         )

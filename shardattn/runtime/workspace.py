@@ -7,7 +7,9 @@ function and :meth:`RuntimeWorkspace.check` raises :class:`WorkspaceExceededErro
 item, when one does not fit, before any kernel runs.
 
 **One arena for every step.** Each step the config can take (the prefill step, head-TP steps
-below the ShardQ gate, the decode step) lays its items from byte 0 of one arena
+below the ShardQ gate, the decode step; on one rank, or with the ShardQ gate above
+``max_batched_tokens``, a ShardQ mode's prefill is head-TP alone) lays the items it carves
+(:data:`STEP_ITEMS`: PCP only its union) from byte 0 of one arena
 (:func:`~shardattn.plan.workspace.arena_offsets`; inside the DCP decode step, items never live
 at the same time share bytes too, :data:`~shardattn.plan.workspace.ITEM_LIFETIMES`). The arena
 holds the largest step, not the sum of all. That is safe because:
@@ -44,6 +46,11 @@ from shardattn.plan.workspace import ITEM_LIFETIMES, arena_offsets, workspace_bo
 from shardattn.runtime.modes import DECODE_STEP, PREFILL_STEP
 
 __all__ = ["RuntimeWorkspace", "WorkspaceExceededError"]
+
+#: ``{(kind, step): items}``: steps that carve only some of the items the planner bounds for their
+#: mode; the rest is allocated by the step itself (PCP: its KV gather and outputs, sized per step),
+#: so reserving it would hold memory no step reads. Steps not listed carve every bounded item.
+STEP_ITEMS: dict[tuple[str, str], tuple[str, ...]] = {("prefill", "pcp"): ("union", "union_offsets")}
 
 #: ``dcp_*_decode`` workspace key -> the Runtime's workspace item (``decode.<item>``).
 _DECODE_BUFFERS = (
@@ -159,17 +166,27 @@ class RuntimeWorkspace:
         k = topk if self.spec.kind == "sparse_mla" else 0
         ws_mode, m, w, tp = self._case(kind, step, tokens)
         bounds = workspace_bounds(self.spec, max_batched_tokens=m, world_size=w, mode=ws_mode, tp_size=tp, topk=k)
+        carved = STEP_ITEMS.get((kind, step))
         for name, nbytes in bounds.items.items():
-            if nbytes:
+            if nbytes and (carved is None or name in carved):
                 need[f"{kind}.{name}"] = int(nbytes)
         if len(self._needs) < 4096:
             self._needs[memo] = need
         return need
 
+    @property
+    def shardq_possible(self) -> bool:
+        """Whether a ShardQ step can be taken at all: never on one rank (nothing to shard: the step
+        runs head-TP), nor when the ShardQ gate is above the largest step."""
+        return self.world_size > 1 and self.min_shard_tokens <= self.max_batched_tokens
+
     def _steps(self) -> list[tuple[str, str, int]]:
-        """``(kind, step, tokens)``: every step this config can take, at its largest."""
+        """``(kind, step, tokens)``: every step this config can take, at its largest (a ShardQ mode
+        that can never shard reserves its head-TP step alone)."""
         steps: list[tuple[str, str, int]] = []
         prefill = PREFILL_STEP[self.mode] if self.spec.kind == "sparse_mla" else None
+        if prefill == "shardq" and not self.shardq_possible:
+            prefill = "headtp"
         if prefill is not None:
             steps.append(("prefill", prefill, self.max_batched_tokens))
             if prefill == "shardq":  # steps below the gate run head-TP

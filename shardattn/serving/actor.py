@@ -210,7 +210,7 @@ class RankActor:
             q_local.to(self.device),
             kv_full,
             rows.to(self.device),
-            seq_lens=counts,
+            query_lens=counts,
             prefix_lens=starts,
             sinks=self.sinks,
             check=False,
@@ -230,12 +230,11 @@ class RankActor:
         ids = plan.tokens_of(self.rank)
         kv_new = shared["kv"][0].index_select(0, ids).to(dev)
         topk = shared["topk"].index_select(0, ids).to(dev)
-        prefix: dict[str, Any] = {}
-        if any(starts):
-            prefix["kv_cache"], prefix["block_table"] = self._prefix_pages(table, starts)
+        kv_cache, block_table = self._prefix_pages(table, starts) if any(starts) else (None, None)
         out, lse = self.runtime.prefill(
-            q_local.to(dev), kv_new, topk, plan=plan, sinks=self.sinks, check=False, **prefix
-        )
+            q_local.to(dev), kv_cache, topk_pos=topk, kv_new=kv_new, block_table=block_table, plan=plan,
+            sinks=self.sinks, check=False,
+        )  # fmt: skip
         return self._result(out, lse, shared["return_lse"])
 
     def _prefix_pages(self, table: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,15 +9,15 @@ interleave under ``mixed`` / ``dcp-decode`` / ``pcp``, a replica under head-TP d
 
     pool = RayRankPool(2, spec, mode="mixed", max_requests=64, max_seq_len=8192,
                        runtime_kwargs={"max_batched_tokens": 8192, "max_decode_tokens": 64})
-    outs = pool.prefill([PrefillRequest("a", kv=kv_a, q=q_a, topk=topk_a)])   # [n, H, Dv] each
-    outs = pool.decode([DecodeRequest("a", q=q_a1, topk=topk_a1, kv=kv_a1)])   # ShardQ / DCP
-    out, lse = pool.decode_batch(ids, q, topk, kv=kv, return_lse=True)   # the whole step's tensors
+    outs = pool.prefill([PrefillRequest("a", kv=kv_a, q=q_a, topk_pos=pos_a)])   # [n, H, Dv] each
+    outs = pool.decode([DecodeRequest("a", q=q_a1, topk_pos=pos_a1, kv=kv_a1)])   # ShardQ / DCP
+    out, lse = pool.decode_batch(ids, q, pos, kv=kv, return_lse=True)   # the whole step's tensors
     pool.free(["a"])
 
 :meth:`RayRankPool.decode_batch` takes a decode step as whole-step tensors (``ids [B]`` int64,
-``q [T, H, D]``, ``topk [T, K]``, optional ``q_lens [B]`` and new KV rows) and returns
+``q [T, H, D]``, ``topk_pos [T, K]``, optional ``query_lens [B]`` and new KV rows) and returns
 ``out [T, H, Dv]`` (and ``lse [T, H]``) as one tensor each: checked with array operations and
-packed with one copy per tensor, no Python work per request (``out.split(q_lens.tolist())``
+packed with one copy per tensor, no Python work per request (``out.split(query_lens.tolist())``
 splits it per request). With the inputs written into :meth:`RayRankPool.step_inputs` (under
 ``shm``, the shared-memory region's own rows) and ``view=True`` (outputs as views of the region,
 valid until the next step), the driver copies nothing. :meth:`RayRankPool.decode` checks request
@@ -70,10 +70,7 @@ from shardattn.serving.errors import RankFailedError, describe_ray_error, requir
 from shardattn.serving.health import HEALTH_GROUP, rank_reports
 from shardattn.serving.kv_cache import plan_rank_cache
 from shardattn.serving.placement import bundle_options, reserve_bundles
-from shardattn.serving.requests import (
-    check_sinks,
-    pool_shapes,
-)
+from shardattn.serving.requests import check_sinks, dcp_interleave, pool_shapes
 from shardattn.serving.steps import RequestSteps
 from shardattn.serving.transport import SERVE_GROUP, TRANSPORTS, start_decode_transport
 
@@ -104,7 +101,7 @@ class RayRankPool(RequestSteps):
         num_pages: KV pages per rank (default: ``max_requests`` requests of ``max_seq_len``).
         runtime_kwargs: more :class:`~shardattn.runtime.runtime.Runtime` arguments
             (``max_batched_tokens`` is required with a spec; ``max_decode_tokens``, ``topk``,
-            ``dcp_interleave``, ``min_shard_tokens``, ...).
+            ``prefill_options``, ``decode_options``: its ``dcp_interleave`` lays out the caches).
         sinks: ``[H]`` fp32 finite sink logits (CPU), required exactly when ``spec.has_sinks``.
         memory_limit_bytes: refuse to build when a rank's workspace plus KV cache exceed it.
         device: ``"cpu"`` (gloo), ``"cuda"`` (NCCL, one GPU per actor), ``"auto"`` (cuda when the
@@ -221,7 +218,7 @@ class RayRankPool(RequestSteps):
         self.shapes = pool_shapes(spec, self.mode, self._runtime_kwargs)
         self.cache_config, self._cache_spec = plan_rank_cache(
             spec.page_size, self.shapes.kv_rows, DECODE_STEP[self.mode] == "dcp", self.world_size,
-            int(self._runtime_kwargs.get("dcp_interleave", 1)), max_requests, max_seq_len, num_pages,
+            dcp_interleave(self._runtime_kwargs), max_requests, max_seq_len, num_pages,
             self._memory_limit,
         )  # fmt: skip
         self.book = PagedKVBook(self.cache_config)

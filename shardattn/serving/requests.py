@@ -29,6 +29,8 @@ import torch
 from shardattn._checks import check_tensor
 from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.args import as_index
+from shardattn.runtime.options import DecodeOptions
 
 __all__ = [
     "BatchStep",
@@ -38,6 +40,7 @@ __all__ = [
     "PrefillRequest",
     "check_decode_batch",
     "check_sinks",
+    "dcp_interleave",
     "one_host_thread",
     "pack_step",
     "pool_shapes",
@@ -77,14 +80,15 @@ class PrefillRequest:
         kv: sparse MLA ``[n, D]`` latent rows; GQA ``(k [n, Hkv, D], v [n, Hkv, Dv])``.
         q: ``[n, H, D]`` queries of every head, or ``None`` to only write the KV (required
             ``None`` when the pool's mode has no prefill attention, e.g. GQA).
-        topk: ``[n, K]`` int32 request positions (cached prefix included; ``-1`` / out of
-            range = invalid, anywhere), with ``q`` on a sparse-MLA pool.
+        topk_pos: ``[n, K]`` int32 (int64 is converted) top-k positions inside the request
+            (cached prefix included; ``-1`` / out of range = invalid, anywhere), with ``q`` on
+            a sparse-MLA pool.
     """
 
     id: Hashable
     kv: KV
     q: torch.Tensor | None = None
-    topk: torch.Tensor | None = None
+    topk_pos: torch.Tensor | None = None
 
 
 @dataclass
@@ -94,14 +98,14 @@ class DecodeRequest:
     Attributes:
         id: a request id the pool holds KV state for.
         q: ``[Q, H, D]`` queries of every head.
-        topk: ``[Q, K]`` int32 request positions (sparse MLA; ``None`` for GQA).
+        topk_pos: ``[Q, K]`` int32 top-k positions inside the request (sparse MLA; ``None`` for GQA).
         kv: the ``Q`` tokens' own KV rows (as in :class:`PrefillRequest`), appended before the
             step attends; ``None`` attends over the cache as it is.
     """
 
     id: Hashable
     q: torch.Tensor
-    topk: torch.Tensor | None = None
+    topk_pos: torch.Tensor | None = None
     kv: KV | None = None
 
 
@@ -118,6 +122,16 @@ class PoolShapes:
     prefill_attention: bool
     max_prefill_tokens: int
     max_decode_tokens: int
+
+
+def dcp_interleave(runtime_kwargs: dict[str, Any]) -> int:
+    """The DCP interleave the pool's Runtimes use (their ``decode_options``; default 1)."""
+    options = runtime_kwargs.get("decode_options")
+    if options is None:
+        return 1
+    if not isinstance(options, DecodeOptions):
+        raise TypeError(f"runtime_kwargs['decode_options'] must be a DecodeOptions, got {type(options).__name__}")
+    return options.dcp_interleave
 
 
 def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> PoolShapes:
@@ -203,8 +217,10 @@ def _check_q(shapes: PoolShapes, q: object, name: str) -> int:
     return int(q.shape[0])  # type: ignore[union-attr]
 
 
-def _check_topk(shapes: PoolShapes, topk: object, name: str, n: int) -> None:
-    check_tensor(name, topk, dtypes=(torch.int32,), shape=(n, shapes.topk), device=_CPU)
+def _check_topk(shapes: PoolShapes, topk: object, name: str, n: int) -> torch.Tensor:
+    """``topk`` as ``[n, K]`` int32 on the CPU (int64 converted, its values checked)."""
+    topk = as_index(name, topk) if isinstance(topk, torch.Tensor) and topk.device == _CPU else topk
+    return check_tensor(name, topk, dtypes=(torch.int32,), shape=(n, shapes.topk), device=_CPU)
 
 
 def pack_step(
@@ -239,6 +255,7 @@ def pack_step(
         if not isinstance(req, cls):
             raise TypeError(f"requests[{i}] must be a {cls.__name__}, got {type(req).__name__}")
         where = f"request {req.id!r}"
+        topk = None
         if kind == "prefill":
             assert isinstance(req, PrefillRequest)
             parts = _kv_parts(shapes, req.kv, f"{where}: kv", None)
@@ -247,15 +264,15 @@ def pack_step(
                 raise ValueError(f"{where}: kv must hold at least one token")
             if req.q is not None and not shapes.prefill_attention:
                 raise ValueError(f"{where}: q must be None: this pool's mode has no prefill attention (KV is written)")
-            if req.q is None and req.topk is not None:
-                raise ValueError(f"{where}: topk given without q")
+            if req.q is None and req.topk_pos is not None:
+                raise ValueError(f"{where}: topk_pos given without q")
             if req.q is not None:
                 if _check_q(shapes, req.q, f"{where}: q") != n:
                     raise ValueError(f"{where}: q must have one row per KV row ({n}), got {req.q.shape[0]}")
                 if shapes.kind == "sparse_mla":
-                    if req.topk is None:
-                        raise ValueError(f"{where}: a sparse-MLA prefill with q needs topk [n, K]")
-                    _check_topk(shapes, req.topk, f"{where}: topk", n)
+                    if req.topk_pos is None:
+                        raise ValueError(f"{where}: a sparse-MLA prefill with q needs topk_pos [n, K]")
+                    topk = _check_topk(shapes, req.topk_pos, f"{where}: topk_pos", n)
             q_n = n if req.q is not None else 0
         else:
             assert isinstance(req, DecodeRequest)
@@ -265,18 +282,18 @@ def pack_step(
             parts = [] if req.kv is None else _kv_parts(shapes, req.kv, f"{where}: kv", q_n)
             n = q_n if parts else 0
             if shapes.kind == "sparse_mla":
-                if req.topk is None:
-                    raise ValueError(f"{where}: a sparse-MLA decode needs topk [Q, K]")
-                _check_topk(shapes, req.topk, f"{where}: topk", q_n)
-            elif req.topk is not None:
-                raise ValueError(f"{where}: topk must be None for a GQA pool")
+                if req.topk_pos is None:
+                    raise ValueError(f"{where}: a sparse-MLA decode needs topk_pos [Q, K]")
+                topk = _check_topk(shapes, req.topk_pos, f"{where}: topk_pos", q_n)
+            elif req.topk_pos is not None:
+                raise ValueError(f"{where}: topk_pos must be None for a GQA pool")
         ids.append(req.id)
         counts.append(n)
         q_counts.append(q_n)
         if q_n:
             qs.append(req.q)  # type: ignore[arg-type]
-            if req.topk is not None:
-                topks.append(req.topk)
+            if topk is not None:
+                topks.append(topk)
         kvs.append(parts)
     if kind == "prefill" and sum(q_counts) > 0 and min(q_counts) == 0:
         raise ValueError("a prefill step either attends for every request (q given) or for none")
@@ -354,9 +371,9 @@ def check_decode_batch(
     book: PagedKVBook,
     request_ids: object,
     q: object,
-    topk: object = None,
+    topk_pos: object = None,
     *,
-    q_lens: object = None,
+    query_lens: object = None,
     kv: object = None,
 ) -> BatchStep:
     """Validate a decode step given as whole-step tensors; nothing changes. Array checks only.
@@ -364,9 +381,10 @@ def check_decode_batch(
     Args:
         request_ids: ``[B]`` int64 (or int32) tensor of distinct prefilled request ids, or a
             sequence of ids (any hashables; looked up one by one).
-        q: ``[T, H, D]`` queries, request-major (request ``b``'s ``q_lens[b]`` tokens in order).
-        topk: ``[T, K]`` int32 request positions (sparse MLA); ``None`` for GQA.
-        q_lens: ``[B]`` query tokens per request (default: one each, ``T == B``).
+        q: ``[T, H, D]`` queries, request-major (request ``b``'s ``query_lens[b]`` tokens in order).
+        topk_pos: ``[T, K]`` int32 (int64 is converted) top-k positions inside each token's
+            request (sparse MLA); ``None`` for GQA.
+        query_lens: ``[B]`` query tokens per request (default: one each, ``T == B``).
         kv: the ``T`` tokens' own KV rows (``[T, D]``; GQA ``(k [T, Hkv, D], v [T, Hkv, Dv])``),
             appended before the step attends; ``None`` attends over the cache as it is.
     Raises:
@@ -379,32 +397,35 @@ def check_decode_batch(
         raise ValueError("request_ids must name at least one request")
     t = _check_q(shapes, q, "q")
     assert isinstance(q, torch.Tensor)
-    if q_lens is None:
+    if query_lens is None:
         if t != b:
-            raise ValueError(f"q must have one row per request ({b}) without q_lens, got {t}; pass q_lens for drafts")
+            raise ValueError(
+                f"q must have one row per request ({b}) without query_lens, got {t}; pass query_lens for drafts"
+            )
         lens = np.ones(b, dtype=np.int64)
     else:
-        lens_in = _index_array("q_lens", q_lens)
+        lens_in = _index_array("query_lens", query_lens)
         lens = np.asarray(lens_in) if not isinstance(lens_in, np.ndarray) else lens_in
         if lens.dtype.kind not in "iu":
-            raise TypeError(f"q_lens must hold integers, got {lens.dtype}")
+            raise TypeError(f"query_lens must hold integers, got {lens.dtype}")
         lens = lens.astype(np.int64, copy=False)
         if lens.shape != (b,):
-            raise ValueError(f"q_lens must have shape [{b}] (one per request), got {list(lens.shape)}")
+            raise ValueError(f"query_lens must have shape [{b}] (one per request), got {list(lens.shape)}")
         if b and int(lens.min()) < 1:
-            raise ValueError(f"q_lens must be >= 1, got q_lens[{int(lens.argmin())}]={int(lens.min())}")
+            raise ValueError(f"query_lens must be >= 1, got query_lens[{int(lens.argmin())}]={int(lens.min())}")
         if int(lens.sum()) != t:
-            raise ValueError(f"q must have sum(q_lens)={int(lens.sum())} rows, got {t}")
+            raise ValueError(f"q must have sum(query_lens)={int(lens.sum())} rows, got {t}")
     if t > shapes.max_decode_tokens:
         raise ValueError(f"q has {t} query tokens, over the pool's max_decode_tokens={shapes.max_decode_tokens}")
+    topk: torch.Tensor | None = None
     if shapes.kind == "sparse_mla":
-        if topk is None:
-            raise ValueError("topk must be given ([T, K] int32) for a sparse-MLA pool")
-        _check_topk(shapes, topk, "topk", t)
-    elif topk is not None:
-        raise ValueError("topk must be None for a GQA pool")
+        if topk_pos is None:
+            raise ValueError("topk_pos must be given ([T, K] int32) for a sparse-MLA pool")
+        topk = _check_topk(shapes, topk_pos, "topk_pos", t)
+    elif topk_pos is not None:
+        raise ValueError("topk_pos must be None for a GQA pool")
     parts = [] if kv is None else _kv_parts(shapes, kv, "kv", t)
     slots = book.slots(ids)
     counts = lens if parts else np.zeros(b, dtype=np.int64)
     book.check_slots(slots, counts)
-    return BatchStep(slots, book.lens[slots], counts, lens, q, topk, parts)  # type: ignore[arg-type]
+    return BatchStep(slots, book.lens[slots], counts, lens, q, topk, parts)

@@ -151,9 +151,9 @@ class RequestSteps:
         self,
         request_ids: Any,
         q: torch.Tensor,
-        topk: torch.Tensor | None = None,
+        topk_pos: torch.Tensor | None = None,
         *,
-        q_lens: Any = None,
+        query_lens: Any = None,
         kv: Any = None,
         return_lse: bool = False,
         out: torch.Tensor | None = None,
@@ -169,9 +169,9 @@ class RequestSteps:
             request_ids: ``[B]`` int64 tensor of distinct prefilled request ids (the pool's ids
                 being ints; looked up vectorised), or a sequence of any ids.
             q: ``[T, H, D]`` the step's queries (the model's dtype), request-major.
-            topk: ``[T, K]`` int32 request positions (sparse MLA; ``-1`` / out of range invalid);
-                ``None`` for GQA.
-            q_lens: ``[B]`` int64 query tokens per request (default: one each, ``T == B``).
+            topk_pos: ``[T, K]`` int32 (int64 is converted) top-k positions inside each token's
+                request (sparse MLA; ``-1`` / out of range invalid); ``None`` for GQA.
+            query_lens: ``[B]`` int64 query tokens per request (default: one each, ``T == B``).
             kv: the ``T`` tokens' KV rows (sparse MLA ``[T, D]``; GQA ``(k [T, Hkv, D], v [T,
                 Hkv, Dv])``), appended before the step attends; ``None``: attend over the cache.
             return_lse: also return the LSE.
@@ -181,7 +181,7 @@ class RequestSteps:
                 them); the other transports return fresh tensors either way. Not with ``out``.
         Returns:
             ``(out [T, H, Dv], lse [T, H] fp32 or None)``, token order; request ``b``'s rows are
-            ``out.split(q_lens.tolist())[b]``.
+            ``out.split(query_lens.tolist())[b]``.
         Raises:
             ValueError / TypeError: naming the argument (``request_ids[i]`` for an unknown or
                 repeated request, or one past ``max_seq_len``), before any rank runs; the pool
@@ -195,7 +195,7 @@ class RequestSteps:
         if view and out is not None:
             raise ValueError("view=True returns the transport's own buffers; it takes no out")
         with one_host_thread(self.host_threads):
-            batch = check_decode_batch(self.shapes, self.book, request_ids, q, topk, q_lens=q_lens, kv=kv)
+            batch = check_decode_batch(self.shapes, self.book, request_ids, q, topk_pos, query_lens=query_lens, kv=kv)
             if out is not None:
                 assert self.spec is not None
                 check_tensor("out", out, dtypes=(self.shapes.dtype,), device=torch.device("cpu"),
@@ -206,7 +206,7 @@ class RequestSteps:
 
     def step_inputs(self, num_tokens: int) -> dict[str, Any]:
         """Where a decode step of ``num_tokens`` query tokens may be written before
-        :meth:`decode_batch`: ``{"q": [T, H, D], "topk": [T, K] int32 (sparse MLA), "kv": [T, D]
+        :meth:`decode_batch`: ``{"q": [T, H, D], "topk_pos": [T, K] int32 (sparse MLA), "kv": [T, D]
         (GQA: (k, v))}``. Under ``transport="shm"`` these are the shared-memory region's leading
         rows, which :meth:`decode_batch` then does not copy (the values are the caller's until it
         calls the step; a step overwrites nothing of them); elsewhere, fresh tensors.
@@ -231,7 +231,7 @@ class RequestSteps:
         kv = [region[f"kv{i}"][:num_tokens] for i in range(len(shapes.kv_rows))]
         views: dict[str, Any] = {"q": region["q"][:num_tokens], "kv": kv[0] if len(kv) == 1 else tuple(kv)}
         if "topk" in region:
-            views["topk"] = region["topk"][:num_tokens]
+            views["topk_pos"] = region["topk"][:num_tokens]
         return views
 
     def _decode_step(

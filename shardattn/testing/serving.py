@@ -129,7 +129,7 @@ class ServingMirror:
             return PrefillRequest(request_id, kv=self._pack_kv(kv))
         q = self._randn(n, self.spec.num_heads, self.spec.head_dim)
         topk = self._topk(n, req.length) if self.spec.kind == "sparse_mla" else None
-        return PrefillRequest(request_id, kv=self._pack_kv(kv), q=q, topk=topk)
+        return PrefillRequest(request_id, kv=self._pack_kv(kv), q=q, topk_pos=topk)
 
     def decode_request(self, request_id: Hashable, q_len: int = 1, *, append: bool = True) -> DecodeRequest:
         """``q_len`` new query tokens of a known request (their KV rows appended when ``append``); recorded."""
@@ -141,7 +141,7 @@ class ServingMirror:
             kv = self._pack_kv(new)
         q = self._randn(q_len, self.spec.num_heads, self.spec.head_dim)
         topk = self._topk(q_len, req.length) if self.spec.kind == "sparse_mla" else None
-        return DecodeRequest(request_id, q=q, topk=topk, kv=kv)
+        return DecodeRequest(request_id, q=q, topk_pos=topk, kv=kv)
 
     def free(self, request_id: Hashable) -> None:
         del self.requests[request_id]
@@ -164,7 +164,7 @@ class ServingMirror:
         dev = torch.device(device)
         if s.kind == "sparse_mla":
             kv = req.kv[0].to(dev)
-            pos_all = request.topk.to(dev, torch.int64)  # type: ignore[union-attr]
+            pos_all = request.topk_pos.to(dev, torch.int64)  # type: ignore[union-attr]
             outs, lses = [], []
             for t0 in range(0, n, chunk):
                 pos = pos_all[t0 : t0 + chunk]

@@ -120,6 +120,15 @@ def _runtime_new(**over: Any) -> Callable[[Any], Call]:
     return build
 
 
+def _options(name: str, **fields: Any) -> Callable[[Any], Call]:
+    def build(group: Any) -> Call:
+        from shardattn.runtime import options
+
+        return Call(getattr(options, name), (), fields)
+
+    return build
+
+
 def _runtime_step(step: str, spec: P.ModelSpec, mode: str, **over: Any) -> Callable[[Any], Call]:
     def build(group: Any) -> Call:
         from shardattn.runtime.runtime import Runtime
@@ -128,8 +137,8 @@ def _runtime_step(step: str, spec: P.ModelSpec, mode: str, **over: Any) -> Calla
         rt.comm.reset_counts()
         if step == "prefill":
             x = mla(t=5, h=8, k=16)
-            args = {"q": x["q"], "kv": x["kv"], "rows": x["rows"]}
-            kw: dict[str, Any] = {"seq_lens": [2, 3]}
+            args = {"q": x["q"], "kv_cache": x["kv"], "rows": x["rows"]}
+            kw: dict[str, Any] = {"query_lens": [2, 3]}
         elif spec.kind == "sparse_mla":
             x = topk_inputs()
             args = {
@@ -305,11 +314,30 @@ def parallel_rows() -> list[Row]:
             Raises(ValueError, r"^max_batched_tokens must be >= 1"),
         ),
         (
-            "Runtime-dcp-interleave-0",
-            _runtime_new(dcp_interleave=0),
-            Raises(ValueError, r"^dcp_interleave must be >= 1"),
+            "DecodeOptions-dcp-interleave-0",
+            _options("DecodeOptions", dcp_interleave=0),
+            Raises(ValueError, r"^DecodeOptions\.dcp_interleave must be >= 1"),
         ),
-        ("Runtime-non-causal-str", _runtime_new(non_causal="yes"), Raises(TypeError, r"^non_causal must be a bool")),
+        (
+            "DecodeOptions-causal-str",
+            _options("DecodeOptions", causal="yes"),
+            Raises(TypeError, r"^DecodeOptions\.causal must be a bool"),
+        ),
+        (
+            "PrefillOptions-min-shard-tokens-negative",
+            _options("PrefillOptions", min_shard_tokens=-1),
+            Raises(ValueError, r"^PrefillOptions\.min_shard_tokens must be >= 0"),
+        ),
+        (
+            "PrefillOptions-cost-model-int",
+            _options("PrefillOptions", cost_model=3),
+            Raises(TypeError, r"^PrefillOptions\.cost_model must be a CostModel"),
+        ),
+        (
+            "Runtime-decode-options-a-dict",
+            _runtime_new(decode_options={"dcp_interleave": 2}),
+            Raises(TypeError, r"^decode_options must be a DecodeOptions"),
+        ),
         ("Runtime-topk-0", _runtime_new(topk=0), Raises(ValueError, r"^topk must be >= 1")),
         (
             "Runtime-gqa-shardq",
@@ -327,9 +355,9 @@ def parallel_rows() -> list[Row]:
             Raises(TypeError, r"^q must be a torch.Tensor"),
         ),
         (
-            "Runtime.prefill-no-seq-lens",
-            _runtime_step("prefill", MLA_SPEC, "shardq", seq_lens=None),
-            Raises(ValueError, r"prefill needs seq_lens"),
+            "Runtime.prefill-no-query-lens",
+            _runtime_step("prefill", MLA_SPEC, "shardq", query_lens=None),
+            Raises(ValueError, r"prefill needs query_lens"),
         ),
         (
             "Runtime.prefill-plan-not-a-plan",
@@ -337,23 +365,66 @@ def parallel_rows() -> list[Row]:
             Raises(TypeError, r"^plan must be a PrefillPlan"),
         ),
         (
-            "Runtime.prefill-rows-int64",
-            _runtime_step("prefill", MLA_SPEC, "shardq", rows=lambda a: a["rows"].long()),
+            "Runtime.prefill-rows-float",
+            _runtime_step("prefill", MLA_SPEC, "shardq", rows=lambda a: a["rows"].float()),
             Raises(TypeError, r"^rows must have dtype"),
+        ),
+        (
+            "Runtime.prefill-rows-int64-past-int32",
+            _runtime_step("prefill", MLA_SPEC, "shardq", rows=lambda a: a["rows"].long() + 2**40),
+            Raises(ValueError, r"^rows must fit int32"),
+        ),
+        (
+            "Runtime.prefill-query-lens-past-q",
+            _runtime_step("prefill", MLA_SPEC, "shardq", query_lens=[2, 8]),
+            Raises(ValueError, r"^q holds 5 tokens, but query_lens sums to 10"),
+        ),
+        (
+            "Runtime.prefill-seq-lens-below-query-lens",
+            _runtime_step("prefill", MLA_SPEC, "shardq", seq_lens=[1, 3]),
+            Raises(ValueError, r"^seq_lens\[0\] = 1 is less than query_lens\[0\] = 2"),
+        ),
+        (
+            "Runtime.prefill-prefix-and-seq-lens-disagree",
+            _runtime_step("prefill", MLA_SPEC, "shardq", seq_lens=[2, 4], prefix_lens=[0, 0]),
+            Raises(ValueError, r"^prefix_lens and seq_lens disagree"),
+        ),
+        (
+            "Runtime.prefill-headtp-every-head",
+            _runtime_step("prefill", MLA_SPEC, "headtp", q=torch.randn(5, 16, 48)),
+            Raises(ValueError, r"^q must hold this rank's 8 heads"),
+        ),
+        (
+            "Runtime.prefill-topk-pos-outside-pcp",
+            _runtime_step("prefill", MLA_SPEC, "shardq", topk_pos=lambda a: a["rows"]),
+            Raises(ValueError, r"^topk_pos is PCP's"),
+        ),
+        (
+            "Runtime.prefill-pcp-rows",
+            _runtime_step("prefill", MLA_SPEC, "pcp", kv_new=torch.randn(5, 48)),
+            Raises(ValueError, r"^rows are global KV rows"),
         ),
         (
             "Runtime.prefill-q-wrong-width",
             _runtime_step("prefill", MLA_SPEC, "shardq", q=torch.randn(5, 8, 40)),
-            Raises(ValueError, r"^q(_heads_local)? must have last dim 48"),
+            Raises(ValueError, r"^q must have last dim 48"),
         ),
         (
             "Runtime.prefill-pcp-q-wrong-width",
-            _runtime_step("prefill", MLA_SPEC, "pcp", q=torch.randn(5, 8, 40), kv=torch.randn(5, 48)),
+            _runtime_step(
+                "prefill",
+                MLA_SPEC,
+                "pcp",
+                q=torch.randn(5, 8, 40),
+                topk_pos=lambda a: a["rows"],
+                rows=None,
+                kv_new=torch.randn(5, 48),
+            ),
             Raises(ValueError, r"^q must have last dim 48"),
         ),
         (
             "Runtime.prefill-tokens-past-workspace",
-            _runtime_step("prefill", MLA_SPEC, "shardq", seq_lens=[40, 40]),
+            _runtime_step("prefill", MLA_SPEC, "shardq", query_lens=[40, 40]),
             Raises(ValueError, r"workspace"),
         ),
         (
@@ -374,12 +445,32 @@ def parallel_rows() -> list[Row]:
         (
             "Runtime.decode-dcp-q-wrong-width",
             _runtime_step("decode", MLA_SPEC, "mixed", q=torch.randn(2, 8, 40)),
-            Raises(ValueError, r"^q_heads_local must have last dim 48"),
+            Raises(ValueError, r"^q must have last dim 48"),
         ),
         (
-            "Runtime.decode-dcp-table-int64",
-            _runtime_step("decode", MLA_SPEC, "mixed", block_table=lambda a: a["block_table"].long()),
+            "Runtime.decode-dcp-table-float",
+            _runtime_step("decode", MLA_SPEC, "mixed", block_table=lambda a: a["block_table"].float()),
             Raises(TypeError, r"^block_table must have dtype"),
+        ),
+        (
+            "Runtime.decode-headtp-every-head",
+            _runtime_step("decode", MLA_SPEC, "headtp", q=torch.randn(2, 16, 48)),
+            Raises(ValueError, r"^q must hold this rank's 8 heads"),
+        ),
+        (
+            "Runtime.decode-window-under-dcp",
+            _runtime_step("decode", GQA_SPEC, "dcp-decode", window_left=4),
+            Raises(ValueError, r"^window_left=4: sliding windows are supported by head-TP GQA decode only"),
+        ),
+        (
+            "Runtime.decode-window-sparse-mla",
+            _runtime_step("decode", MLA_SPEC, "headtp", window_left=4),
+            Raises(ValueError, r"^window_left=4: sliding windows"),
+        ),
+        (
+            "Runtime.decode-seq-lens-int64-past-int32",
+            _runtime_step("decode", MLA_SPEC, "headtp", seq_lens=torch.tensor([10, 2**33])),
+            Raises(ValueError, r"^seq_lens must fit int32"),
         ),
         (
             "Runtime.decode-headtp-kv-without-rows",

@@ -1,0 +1,90 @@
+"""The launcher's own errors as one line on the terminal, from whichever rank reaches them first.
+
+Every rank validates the command line and the configuration alike, before any process group
+exists, so every rank finds a bad option. Under torchrun, the first rank to exit non-zero makes
+the elastic agent stop all the others (SIGTERM within its monitor interval, 0.1 s by default)
+and print its ``ChildFailedError`` summary; had only rank 0 printed the error, a faster rank's
+exit could kill rank 0 before it did, leaving the user torchrun's summary alone.
+
+So the first rank to reach the verdict prints it, once: the ranks count themselves in through the
+job's own key-value store (torchrun's agent hosts one, ``TORCHELASTIC_USE_AGENT_STORE=True``),
+and the others wait until the printer says it has flushed the line before they exit with the same
+status. The printer also writes torchrun's error file (``TORCHELASTIC_ERROR_FILE``), so the
+summary torchrun prints at the end names the error too, with the rank's exit status.
+
+Outside torchrun (one process, or ranks started by hand with torchrun's variables), nothing kills
+a rank whose peer exits, and rank 0 prints alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping
+
+__all__ = ["WAIT_S", "report_once"]
+
+#: Seconds a rank waits for the store, and for the printing rank to flush its line.
+WAIT_S = 10.0
+_KEY = "shardattn.launch/error/{restart}"
+
+
+def _print(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _write_error_file(message: str, environ: Mapping[str, str]) -> None:
+    """Put the message where torchrun's ``ChildFailedError`` summary reads a rank's error (best effort)."""
+    path = environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+def report_once(message: str, status: int, *, environ: Mapping[str, str] | None = None, wait_s: float = WAIT_S) -> int:
+    """Print ``message`` (one line, stderr) from exactly one rank of the job, then return ``status``.
+
+    Under torchrun's agent store the first rank to call this prints and the others wait (at most
+    ``wait_s``) until it has; elsewhere rank 0 prints. If the store cannot be reached, the rank
+    prints anyway (a line twice is better than none).
+    """
+    env = os.environ if environ is None else environ
+    rank = int(env.get("RANK", "0") or 0)
+    world = int(env.get("WORLD_SIZE", "1") or 1)
+    if world <= 1 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in env:
+        if rank == 0:
+            _print(message)
+            _write_error_file(message, env)
+        return status
+    try:
+        from torch.distributed import TCPStore
+
+        store = TCPStore(
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=wait_s),
+        )
+        key = _KEY.format(restart=env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        first = store.add(key, 1) == 1
+    except Exception:  # no store after all: say it here
+        _print(message)
+        return status
+    if first:
+        _print(message)
+        _write_error_file(message, env)
+        store.set(f"{key}/printed", "1")
+    else:
+        try:
+            store.wait([f"{key}/printed"], datetime.timedelta(seconds=wait_s))
+        except Exception:  # the printer is gone without a word: say it here
+            _print(message)
+    return status

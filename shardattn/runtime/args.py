@@ -1,0 +1,150 @@
+"""The Runtime's arguments as the user passed them: lengths, index tensors, head counts.
+
+One meaning per name, in every mode and step (vLLM's, where vLLM has the name):
+
+* ``query_lens``: ``[B]`` new (query) tokens of each request in this step.
+* ``prefix_lens``: ``[B]`` tokens of each request already in the KV cache before this step.
+* ``seq_lens``: ``[B]`` KV tokens of each request *including* the cached prefix and this step's
+  tokens (``prefix_lens + query_lens``; decode: drafts included).
+* ``rows``: ``[T, K]`` global KV-cache rows (indices into ``kv_cache`` itself).
+* ``topk_pos``: ``[T, K]`` positions inside the token's request (``0 .. seq_len - 1``), turned into
+  rows through a ``block_table``.
+
+Lengths may be host lists (or tensors); index tensors may be int64 (what ``torch.arange`` gives):
+:func:`as_index` converts them to the kernels' int32 once, checking the values on CPU tensors
+(exact, or a ``ValueError`` naming the argument) and saturating them on a device (no
+synchronisation; a value past int32 stays out of range, so an invalid entry stays invalid).
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import torch
+
+from shardattn._checks import FLOAT_DTYPES, check_tensor
+from shardattn.parallel.comm import Comm
+from shardattn.plan._common import as_lengths
+
+__all__ = ["as_index", "check_queries", "host_lengths", "prefill_lengths", "reject"]
+
+_INT32 = torch.iinfo(torch.int32)
+#: Integer dtypes converted to int32 (narrower ones are exact; int64 is checked or saturated).
+_CONVERTIBLE = (torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+def host_lengths(name: str, value: object) -> list[int]:
+    """``value`` (a sequence of ints, numpy array or tensor; a device tensor is read back once)
+    as a list of non-negative ints; errors name ``name``.
+
+    >>> host_lengths("query_lens", torch.tensor([3, 4]))
+    [3, 4]
+    """
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        value = value.cpu()
+    return as_lengths(name, value).tolist()
+
+
+def prefill_lengths(
+    query_lens: object, prefix_lens: object | None, seq_lens: object | None
+) -> tuple[list[int], list[int] | None]:
+    """``(query_lens, prefix_lens)`` of a prefill step from what the caller passed: ``prefix_lens``,
+    or ``seq_lens`` (prefix included, ``prefix = seq - query``), or neither (no cached prefix).
+
+    >>> prefill_lengths([3, 4], None, [10, 4])
+    ([3, 4], [7, 0])
+    >>> prefill_lengths([3], None, [2])
+    Traceback (most recent call last):
+    ...
+    ValueError: seq_lens[0] = 2 is less than query_lens[0] = 3 (seq_lens counts the cached prefix and the new tokens)
+    """
+    query = host_lengths("query_lens", query_lens)
+    prefix = None if prefix_lens is None else host_lengths("prefix_lens", prefix_lens)
+    if seq_lens is None:
+        if prefix is not None and len(prefix) != len(query):
+            raise ValueError(
+                f"prefix_lens must have {len(query)} entries (one per request of query_lens), got {len(prefix)}"
+            )
+        return query, prefix
+    total = host_lengths("seq_lens", seq_lens)
+    if len(total) != len(query):
+        raise ValueError(f"seq_lens must have {len(query)} entries (one per request of query_lens), got {len(total)}")
+    for i, (s, n) in enumerate(zip(total, query)):
+        if s < n:
+            raise ValueError(
+                f"seq_lens[{i}] = {s} is less than query_lens[{i}] = {n} "
+                "(seq_lens counts the cached prefix and the new tokens)"
+            )
+    from_seq = [s - n for s, n in zip(total, query)]
+    if prefix is not None and prefix != from_seq:
+        i = next(i for i, (a, b) in enumerate(zip(prefix, from_seq)) if a != b)
+        raise ValueError(
+            f"prefix_lens and seq_lens disagree: prefix_lens[{i}] = {prefix[i]}, but seq_lens[{i}] - query_lens[{i}] "
+            f"= {from_seq[i]}; pass one of them"
+        )
+    return query, from_seq
+
+
+def as_index(name: str, value: object, device: torch.device | None = None) -> torch.Tensor | None:
+    """An index or length argument as int32: ``None`` stays ``None``; a host list becomes a tensor
+    on ``device``; an int64 (or narrower integer) tensor is converted once (values checked on the
+    CPU, saturated on a device: see the module docstring). Other dtypes pass through unchanged,
+    for the step's own check to name.
+
+    >>> as_index("rows", torch.arange(3)).dtype
+    torch.int32
+    >>> as_index("rows", torch.tensor([2**40]))
+    Traceback (most recent call last):
+    ...
+    ValueError: rows must fit int32 (the kernels' index type), got a value of 1099511627776
+    """
+    if value is None:
+        return None
+    if isinstance(value, list | tuple):
+        try:
+            value = torch.tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{name} must be a tensor or a list of ints, got {type(value).__name__}") from None
+        if value.numel() == 0:
+            value = value.to(torch.int64)
+        if value.dtype != torch.int64:
+            return value  # floats or bools: the step's dtype check names them
+        value = as_index(name, value)
+        return value if device is None else value.to(device)
+    if not isinstance(value, torch.Tensor) or value.dtype not in _CONVERTIBLE:
+        return value  # type: ignore[return-value]
+    if value.device.type == "cpu":
+        if value.numel() and value.dtype == torch.int64:
+            lo, hi = int(value.min()), int(value.max())
+            bad = lo if lo < _INT32.min else hi if hi > _INT32.max else None
+            if bad is not None:
+                raise ValueError(f"{name} must fit int32 (the kernels' index type), got a value of {bad}")
+        return value.to(torch.int32)
+    return value.clamp(_INT32.min, _INT32.max).to(torch.int32)
+
+
+def check_queries(q: object, *, tokens: int, heads: int, head_dim: int, tokens_from: str, heads_from: str) -> None:
+    """``q`` is ``[tokens, heads, head_dim]`` in a float dtype; a mismatch names ``q`` and where the
+    expected count comes from (``tokens_from`` / ``heads_from``, for the message)."""
+    t, h, d = check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3).shape
+    if t != tokens:
+        raise ValueError(f"q holds {t} tokens, but {tokens_from} {tokens}")
+    if h != heads:
+        raise ValueError(f"q must hold {heads_from}, got {h} heads (shape {list(q.shape)})")
+    if d != head_dim:
+        raise ValueError(f"q must have last dim {head_dim} (the model's head_dim), got {d}")
+
+
+def reject(comm: Comm, error: BaseException, *, collective: bool, check: bool) -> NoReturn:
+    """Raise ``error`` (this rank's bad argument) without leaving the peers waiting for it.
+
+    In a step with collectives the peers are about to run the step's agreement check (``check``)
+    or its first collective: with ``check`` this rank's error joins that agreement, so every rank
+    raises (the peers naming this rank); without, it is reported through the group's store so a
+    waiting peer names it when its collective fails. A step without collectives just raises.
+    """
+    if collective:
+        if check:
+            comm.check_agreement(0, "the step's inputs", error=error)  # re-raises error here
+        comm.report_failure(error)
+    raise error

@@ -1,0 +1,201 @@
+"""The planning side of a Runtime: its steps' routes and token splits, and a prefill's arguments
+checked against its plan.
+
+:class:`RuntimePlanning` is a part of :class:`~shardattn.runtime.runtime.Runtime` (it reads the
+Runtime's spec, mode, group, sizes, options and workspace), as
+:class:`~shardattn.runtime.graphs.RuntimeGraphs` and :class:`~shardattn.runtime.warmup.RuntimeWarmup`
+are: :meth:`RuntimePlanning.plan_prefill` routes a prefill step (the planner's
+:func:`~shardattn.plan.routing.route_prefill`, the cost model's
+:func:`~shardattn.plan.cost_route.cost_route`) and splits its tokens;
+:attr:`RuntimePlanning.decode_route` is the planner's route of every decode step. Both decisions
+are logged at debug level on this module's logger (``shardattn.runtime.planning``, a child of
+``shardattn``; the library configures no handler).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardattn._checks import check_int, check_tensor
+from shardattn.kernels.flashinfer_xqa import get_xqa
+from shardattn.ops.dispatch import device_capability
+from shardattn.parallel.comm import Comm
+from shardattn.plan.cost import CostModel
+from shardattn.plan.cost_route import cost_route
+from shardattn.plan.pcp import pcp_plan
+from shardattn.plan.routing import Route, route_decode, route_prefill
+from shardattn.plan.spec import ModelSpec
+from shardattn.plan.zigzag import zigzag_split
+from shardattn.runtime.args import prefill_lengths, reject
+from shardattn.runtime.modes import PREFILL_STEP
+from shardattn.runtime.options import DecodeOptions
+from shardattn.runtime.prefill import PrefillPlan, check_prefill_inputs
+from shardattn.runtime.workspace import RuntimeWorkspace
+
+__all__ = ["RuntimePlanning"]
+
+log = logging.getLogger(__name__)
+
+
+class RuntimePlanning:
+    """Routing and planning of a Runtime's steps (mixed into it; no state but the cached decode route)."""
+
+    # provided by the Runtime
+    spec: ModelSpec
+    mode: str
+    comm: Comm
+    rank: int
+    world_size: int
+    heads_per_rank: int
+    topk: int
+    device: torch.device
+    gluon: bool
+    max_kv_rows: int
+    cost_model: CostModel | None
+    decode_options: DecodeOptions
+    ws: RuntimeWorkspace
+
+    if TYPE_CHECKING:
+
+        @property
+        def min_shard_tokens(self) -> int: ...
+
+        @property
+        def min_group_tokens(self) -> int: ...
+
+        @property
+        def decode_is_dcp(self) -> bool: ...
+
+    def _route(self, heads: int, tokens: int, kv_rows: int) -> Route:
+        return route_prefill(
+            heads,
+            num_tokens=tokens,
+            kv_rows=kv_rows,
+            device_type=self.device,
+            min_tokens=self.min_group_tokens,
+            gluon=self.gluon,
+        )
+
+    def plan_prefill(
+        self,
+        query_lens: Sequence[int] | torch.Tensor,
+        prefix_lens: Sequence[int] | torch.Tensor | None = None,
+        *,
+        seq_lens: Sequence[int] | torch.Tensor | None = None,
+        kv_rows: int | None = None,
+    ) -> PrefillPlan:
+        """Route a prefill step and split its tokens (host-side; the same on every rank).
+
+        Args:
+            query_lens: ``[B]`` new tokens per request (a list, or a tensor read on the host).
+            prefix_lens: ``[B]`` tokens of each request already cached (default 0), or
+            seq_lens: ``[B]`` KV tokens per request including the cached prefix (vLLM's
+                ``seq_lens``; ``prefix_lens = seq_lens - query_lens``). Pass one of the two.
+            kv_rows: rows of the KV cache the step's top-k addresses (default ``max_kv_rows``).
+        Raises:
+            ValueError: the mode has no prefill, lengths that disagree;
+            WorkspaceExceededError: the step is too large.
+        """
+        step = PREFILL_STEP[self.mode]
+        if step is None or self.spec.kind != "sparse_mla":
+            raise ValueError(f"mode {self.mode!r} with a {self.spec.kind} spec has no prefill step")
+        lens, prefix = prefill_lengths(query_lens, prefix_lens, seq_lens)
+        tokens = sum(lens)
+        rows = self.max_kv_rows if kv_rows is None else check_int("kv_rows", kv_rows, minimum=0)
+        shard: Any = None
+        route: Route | None = None
+        if step == "shardq" and not self.ws.shardq_possible:  # one rank, or the gate above every step
+            step = "headtp"
+        if step == "shardq":
+            gate = self.min_shard_tokens
+            shard = zigzag_split(lens, self.world_size, min_tokens=gate, prefix_lens=prefix, topk=self.topk)
+            if not shard.sharded:
+                step = "headtp"
+            elif self.cost_model is not None:  # the fastest predicted of ShardQ and head-TP
+                step, route = cost_route(self, tokens=tokens, counts=shard.counts.tolist(), kv_rows=rows)
+                shard = shard if step == "shardq" else None
+        elif step == "pcp":
+            shard = pcp_plan(lens, self.world_size, prefix_lens=prefix, topk=self.topk)
+        if route is None and step == "headtp":
+            route = self._route(self.heads_per_rank, tokens, rows)
+        elif route is None:  # ShardQ / PCP: this rank's kernel runs every head over its own tokens
+            plan = getattr(shard, "shard", shard)
+            route = self._route(self.spec.num_heads, int(plan.counts[self.rank]), rows)
+        self.ws.check("prefill", step, tokens=tokens)
+        log.debug("prefill of %d tokens over %d requests: %s, %s G=%d: %s", tokens, len(lens), step, route.path,
+                  route.group_size, route.reason)  # fmt: skip
+        return PrefillPlan(step, route, shard, tokens)
+
+    def _prefill_inputs(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        rows: torch.Tensor | None,
+        *,
+        topk_pos: torch.Tensor | None,
+        kv_new: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+        query_lens: Sequence[int] | torch.Tensor | None,
+        prefix_lens: Sequence[int] | torch.Tensor | None,
+        seq_lens: Sequence[int] | torch.Tensor | None,
+        plan: PrefillPlan | None,
+        topk_length: torch.Tensor | None,
+        check: bool,
+    ) -> tuple[PrefillPlan, dict[str, torch.Tensor | None]]:
+        """The plan of a :meth:`Runtime.prefill <shardattn.runtime.runtime.Runtime.prefill>` call
+        (``plan``, or planned from the lengths) and its checked, converted tensors
+        (:func:`~shardattn.runtime.prefill.check_prefill_inputs`). A bad tensor raises on every rank
+        of a step with collectives when ``check`` (:func:`~shardattn.runtime.args.reject`)."""
+        lens_given = query_lens is not None or prefix_lens is not None or seq_lens is not None
+        if plan is None:
+            if query_lens is None:
+                raise ValueError("prefill needs query_lens (new tokens per request) or a plan from plan_prefill")
+            for name, value in (("kv_cache", kv_cache), ("kv_new", kv_new)):
+                if value is not None:
+                    check_tensor(name, value, ndim=2)
+            new_rows = 0 if kv_new is None else int(kv_new.shape[0]) * self.world_size
+            cache_rows = 0 if kv_cache is None else int(kv_cache.shape[0])
+            plan = self.plan_prefill(query_lens, prefix_lens, seq_lens=seq_lens, kv_rows=cache_rows + new_rows)
+        elif not isinstance(plan, PrefillPlan):
+            raise TypeError(f"plan must be a PrefillPlan from Runtime.plan_prefill, got {type(plan).__name__}")
+        elif lens_given:
+            raise ValueError("pass either plan or query_lens / prefix_lens / seq_lens, not both (a plan holds them)")
+        try:
+            given = check_prefill_inputs(
+                plan, self.spec, self.rank, self.heads_per_rank,
+                q=q, kv_cache=kv_cache, rows=rows, topk_pos=topk_pos, kv_new=kv_new, block_table=block_table,
+                topk_length=topk_length, tokens_from="query_lens sums to" if lens_given else "the plan is for",
+            )  # fmt: skip
+            top = given["rows"] if plan.step != "pcp" else given["topk_pos"]
+            self.ws.check("prefill", plan.step, tokens=plan.num_tokens, topk=int(top.shape[1]))
+        except (TypeError, ValueError) as e:
+            reject(self.comm, e, collective=plan.shard is not None, check=check)
+        return plan, given
+
+    def _decode_route(self) -> Route:
+        sm = None
+        if self.device.type == "cuda":
+            major, minor = device_capability(self.device.index or 0)
+            sm = major * 10 + minor
+        dcp = self.world_size if self.decode_is_dcp else 1
+        return route_decode(
+            self.spec,
+            device_type=self.device,
+            sm=sm,
+            dcp_size=dcp,
+            xqa_installed=self.device.type == "cuda" and get_xqa() is not None,
+            need_lse=self.decode_options.return_lse or dcp > 1 or self.decode_is_dcp,
+            non_causal=not self.decode_options.causal,
+        )
+
+    @functools.cached_property
+    def decode_route(self) -> Route:
+        """The planner's route of this Runtime's decode steps (fixed per config)."""
+        route = self._decode_route()
+        log.debug("decode steps (%s): %s: %s", "DCP" if self.decode_is_dcp else "head-TP", route.path, route.reason)
+        return route

@@ -1,0 +1,90 @@
+"""``python -m shardattn.calibrate`` as a user meets it: refused on a CPU without ``--cpu``, progress
+with the time left in any output, no deprecated collective, and no silent zero step model."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardattn.calibrate.__main__ import NO_GPU, build_parser, main
+from shardattn.plan.cost import CONSERVATIVE, Calibration
+
+SMALL = ["--heads", "8", "--tokens", "32", "--topk", "8", "--cached", "32", "--reps", "1", "--no-steps"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: calibrate runs there")
+def test_a_cpu_is_refused_in_one_line_without_cpu(tmp_path, capsys) -> None:
+    out = tmp_path / "t.json"
+    assert main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [NO_GPU] and "--cpu" in NO_GPU and "GPU" in NO_GPU
+    assert not out.exists()
+    assert "Without CUDA it refuses unless --cpu" in " ".join(build_parser().format_help().split())
+
+
+def test_progress_and_the_time_left_off_a_terminal(tmp_path, capsys) -> None:
+    """Off a terminal (pytest captures stderr) rank 0 says what it will measure, each phase with its
+    count, elapsed and the time left, and how long it took."""
+    out = tmp_path / "t.json"
+    assert main(["--out", str(out), *SMALL, "--passes", "2", "--cpu"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardattn.calibrate: ")]
+    assert lines[0].startswith("shardattn.calibrate: 2 kernel point(s) x 2 pass(es) on each of 1 rank(s)"), lines
+    passes = [line for line in lines if "kernel points, pass 2 of 2" in line]
+    assert passes and "2/5" in passes[0] and "left" in passes[0], lines
+    assert lines[-1].startswith("shardattn.calibrate: measured in "), lines
+    assert Calibration.from_json(out.read_text()).kernels
+
+
+def _collectives_body(group) -> list[str]:
+    from shardattn.calibrate.kernels import collective_rates
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rates = collective_rates(group, device=torch.device("cpu"), sizes_mib=(1, 2), reps=1)
+    assert [r.op for r in rates] == ["all_to_all", "all_gather"]
+    return [f"{w.category.__name__}: {w.message}" for w in seen]
+
+
+@pytest.mark.distributed
+def test_collective_rates_call_no_deprecated_collective(dist_pool) -> None:
+    for rank, seen in enumerate(dist_pool.run(_collectives_body, world_size=2)):
+        assert not [w for w in seen if "deprecated" in w], (rank, seen)
+
+
+def _degenerate_body(group) -> dict:
+    """Whole steps that cost less than their kernel (as on a CPU) fit a zero model: the table keeps
+    the conservative overhead and a warning names the steps."""
+    import argparse
+
+    import shardattn.calibrate.__main__ as cal_main
+
+    def fake_paths(group, spec, *, tokens, **kw) -> dict:  # ShardQ "faster than its kernel"
+        ms = {"kernel": 5.0, "kernel_headtp": 4.0, "headtp": 4.5, "shardq": 4.0}
+        return {"ms": ms, "rank_tokens": tokens // dist.get_world_size(group)}
+
+    real, cal_main.measure_paths = cal_main.measure_paths, fake_paths
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    cal_main.log.addHandler(handler)
+    try:
+        args = argparse.Namespace(topk=64, cached=32, reps=1, step_tokens=[4096, 16384])
+        table = cal_main._fit_steps(CONSERVATIVE, group, torch.device("cpu"), args, lambda: None)
+    finally:
+        cal_main.measure_paths = real
+        cal_main.log.removeHandler(handler)
+    return {"shardq": table.steps["shardq"], "pcp": table.steps["pcp"], "records": records}
+
+
+@pytest.mark.distributed
+def test_a_degenerate_step_fit_warns_naming_the_steps_and_is_not_kept(dist_pool) -> None:
+    for res in dist_pool.run(_degenerate_body, world_size=2):
+        assert res["shardq"] == CONSERVATIVE.steps["shardq"] == res["pcp"], res
+        (message,) = res["records"]
+        assert "the shardq step overhead fitted to 0.000 ms + 0.000 x" in message, message
+        assert message.count("beyond the kernel -1.000 ms") == 8, message  # every step named
+        assert "keeps the conservative default" in message

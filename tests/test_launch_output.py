@@ -1,0 +1,144 @@
+"""What the launcher prints: a table that fits 100 columns, each reason once, notes only where they
+apply, the presets in ``--help``, progress off a terminal, and the library's logging."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardattn.launch.cli import build_parser, parse_options
+from shardattn.launch.progress import RunProgress
+from shardattn.launch.report import WIDTH, RankRow, Report, render, render_compare
+from shardattn.launch.runner import plan_run
+from shardattn.plan.cost import CONSERVATIVE, CostModel, StepShape, choose_prefill
+from shardattn.plan.spec import PRESETS, get_preset
+
+CPU = torch.device("cpu")
+ROUTED = "cost model (NVIDIA H200): ShardQ G=8 3.42 ms predicted, best rejected head-TP 2.54 ms"
+
+
+def _worst_case() -> Report:
+    """A 4-rank --compare run on GPUs with the longest labels and numbers the table shows."""
+    rows = []
+    for variant, path in (("head-TP", "headtp/per-query"), ("ShardQ", "shardq/grouped G=8"), ("router", None)):
+        for r in range(4):
+            rows.append(RankRow(r, "prefill", path or "shardq/grouped G=8", ROUTED, 16384, 12345.678, 12001.2,
+                                13999.9, 1.234, 612.5, None, 5e-2, 3e-2, variant))  # fmt: skip
+    for r in range(4):
+        rows.append(RankRow(r, "decode", "dcp/flashinfer-xqa (graph)", "CUDA graph replay", 256, 0.01234, 0.0111,
+                            0.0133, None, None, 1234.5, 1.2e-7, 3e-2))  # fmt: skip
+    config = {"preset": "deepseek-v32", "mode": "mixed", "world_size": 4, "backend": "nccl", "dtype": "bfloat16"}
+    return Report(config, rows, ["a note that is longer than one line of the terminal " * 3])
+
+
+def test_the_report_fits_100_columns_off_a_terminal_and_says_why_once(capsys) -> None:
+    """Before: a 160-column console off a terminal (a 165-column table) and the reason on every row."""
+    report = _worst_case()
+    render(report)  # pytest's captured stdout is not a terminal
+    render_compare(report)
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert WIDTH == 100 and max(len(line) for line in lines) <= WIDTH, max(lines, key=len)
+    assert text.count("cost model (NVIDIA H200)") == 3 + 3, text  # once per variant, once in the compare table
+    assert text.count("CUDA graph replay") == 1, text
+    for cell in ("shardq/grouped G=8", "headtp/per-query", "612.5 TFLOP/s", "1234 GB/s", "5.0e-02 FAIL"):
+        assert cell in text, cell  # whole, not folded over two lines
+    assert "check FAILED" in text and "3e-02" in text
+
+
+def test_shardq_gate_note_only_where_shardq_runs() -> None:
+    def notes(*argv: str) -> str:
+        return " ".join(plan_run(parse_options(list(argv)), 2, CPU).notes)
+
+    assert "ShardQ gate lowered" in notes("--mode", "mixed")
+    assert "ShardQ gate lowered" in notes("--mode", "headtp", "--compare")
+    for mode in ("headtp", "pcp", "dcp-decode"):
+        assert "ShardQ gate lowered" not in notes("--mode", mode), mode
+
+
+def test_conservative_cost_model_reason_reads_plainly() -> None:
+    shape = StepShape.of(get_preset("glm5"), 2, 8192)
+    reason = choose_prefill(CostModel(CONSERVATIVE), shape).reason
+    assert reason.startswith("cost model (the conservative default): "), reason
+    assert "(default (conservative))" not in reason
+
+
+def test_preset_help_lists_the_presets() -> None:
+    text = " ".join(build_parser().format_help().split())
+    assert f"model preset: {', '.join(sorted(PRESETS))} (default glm5)" in text
+    assert "--log-level {debug,info,warning,error}" in text
+    assert parse_options(["--log-level", "debug"]).log_level == "debug"
+
+
+def test_progress_off_a_terminal_says_nothing_for_a_quick_run_then_a_line_per_phase() -> None:
+    now = [0.0]
+    out = io.StringIO()
+    p = RunProgress("shardattn.launch", file=out, terminal=False, quiet_s=2.0, every_s=5.0, clock=lambda: now[0])
+    p.phase("building the Runtime")
+    now[0] = 1.0
+    p.tick()
+    assert out.getvalue() == "", "nothing while the run is younger than quiet_s"
+    now[0] = 2.5
+    p.tick()  # the running phase, once the run is old enough
+    p.phase("prefill: timing", total=4)
+    p.advance()
+    now[0] = 4.0
+    p.tick()  # too soon after the phase's line
+    now[0] = 8.0
+    p.tick()
+    p.close()
+    assert out.getvalue().splitlines() == [
+        "shardattn.launch: building the Runtime",
+        "shardattn.launch: prefill: timing",
+        "shardattn.launch: prefill: timing 1/4, 6 s, about 16 s left",
+    ]
+
+
+def test_the_library_configures_no_logging_handler() -> None:
+    code = (
+        "import logging, shardattn.runtime.runtime, shardattn.launch.runner, shardattn.calibrate.__main__\n"
+        "print([h for name in ('shardattn', 'shardattn.runtime.planning') for h in logging.getLogger(name).handlers])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _log_body(group) -> list[str]:
+    import logging
+
+    from shardattn.runtime.options import PrefillOptions
+    from shardattn.runtime.runtime import Runtime
+    from tests.test_runtime import MLA, _prefill_step
+
+    seen: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: seen.append(f"{record.levelname} {record.name}: {record.getMessage()}")  # type: ignore[method-assign]
+    logger = logging.getLogger("shardattn")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        rt = Runtime(
+            MLA, group, max_batched_tokens=128, mode="shardq", prefill_options=PrefillOptions(min_shard_tokens=1)
+        )
+        step = _prefill_step()
+        rt.plan_prefill(step.query_lens, step.prefix_lens)
+        rt.decode_route  # noqa: B018  (its route is logged once, when first asked)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    return seen
+
+
+@pytest.mark.distributed
+def test_route_decisions_are_logged_at_debug_on_the_shardattn_logger(dist_pool) -> None:
+    for records in dist_pool.run(_log_body, world_size=2):
+        prefill = [r for r in records if r.startswith("DEBUG shardattn.runtime.planning: prefill of 62 tokens")]
+        assert prefill and "shardq, reference G=1: no GPU" in prefill[0], records
+        assert any(r.startswith("DEBUG shardattn.runtime.planning: decode steps (head-TP): reference") for r in records)
+    assert dist.is_available()

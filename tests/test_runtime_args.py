@@ -1,0 +1,182 @@
+"""The Runtime's arguments: one meaning per name in every mode, the heads a rank holds, host lists and
+int64 indices, the head-TP GQA sliding window.
+
+Distributed bodies run on the ``dist_pool`` ranks (gloo, CPU) with the small specs of
+``tests/test_runtime.py``; results are compared with the fp64 oracle (``tests/oracle.py``) or, for
+converted arguments, bit for bit with the same step on int32 tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardattn.launch.workloads import build_decode
+from shardattn.ops.topk import DcpShard
+from shardattn.runtime.options import DecodeOptions, PrefillOptions
+from shardattn.runtime.runtime import Runtime
+from tests.oracle import gqa_oracle
+from tests.test_runtime import GQA, GQA_SCALE, MLA, _err, _gqa_step, _heads, _prefill_step, _token_rows
+
+CPU = torch.device("cpu")
+
+
+def _mla_decode_step(world: int, rank: int, dcp: bool):
+    return build_decode(
+        heads=MLA.num_heads, head_dim=MLA.head_dim, requests=3, cached=(37, 5, 20), q_lens=(1, 2, 1), topk=MLA.topk,
+        overlap="random", causal=True, dtype=torch.float32, device=CPU, seed=4,
+        shard=DcpShard(world, 1, rank) if dcp else DcpShard(1, 1, 0), block_size=MLA.page_size,
+    )  # fmt: skip
+
+
+# -- every head where H / W are expected ------------------------------------------------------------------
+def _error(fn) -> str:
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _every_head_body(group) -> dict:
+    """Each step given the wrong heads (every head where the rank holds ``H / W``, and ``H / W``
+    where PCP takes every head of the rank's tokens) must raise on every rank, naming ``q``."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    step = _prefill_step()
+    gate = PrefillOptions(min_shard_tokens=1)
+    out: dict[str, str] = {}
+    for mode, options in (("headtp", gate), ("shardq", gate), ("shardq", PrefillOptions(min_shard_tokens=100))):
+        rt = Runtime(MLA, group, max_batched_tokens=128, mode=mode, prefill_options=options, warmup=False)
+        name = f"prefill-{mode}-gate{options.min_shard_tokens}"
+        out[name] = _error(
+            lambda rt=rt: rt.prefill(
+                step.q, step.kv, step.rows, query_lens=step.query_lens, prefix_lens=step.prefix_lens
+            )
+        )
+    pcp = Runtime(MLA, group, max_batched_tokens=128, mode="pcp", warmup=False)
+    plan = pcp.plan_prefill(step.query_lens, step.prefix_lens)
+    mine = plan.tokens_of(rank)
+    own = _token_rows(step).index_select(0, mine)
+    out["prefill-pcp"] = _error(
+        lambda: pcp.prefill(
+            _heads(step.q[mine], rank, world).contiguous(),
+            step.kv,
+            topk_pos=step.positions[mine],
+            kv_new=step.kv[own],
+            block_table=step.block_table,
+            plan=plan,
+        )
+    )
+    for mode in ("headtp", "mixed"):
+        rt = Runtime(MLA, group, max_batched_tokens=128, mode=mode, warmup=False)
+        s = _mla_decode_step(world, rank, dcp=mode == "mixed")
+        out[f"decode-{mode}"] = _error(
+            lambda rt=rt, s=s: rt.decode(
+                s.q, s.local_kv, s.local_table, s.seq_lens, topk_pos=s.positions, req_ids=s.req_ids
+            )
+        )
+    gqa = Runtime(GQA, group, max_batched_tokens=1, mode="dcp-decode", warmup=False)
+    g = _gqa_step((30, 3), (1, 2), 5, DcpShard(world, 1, rank))
+    out["decode-gqa-dcp"] = _error(
+        lambda: gqa.decode(
+            g.q, (g.local_k_cache, g.local_v_cache), g.local_block_table, g.seq_lens, cu_q_lens=g.cu_q_lens
+        )
+    )
+    return out
+
+
+@pytest.mark.distributed
+def test_every_head_on_a_multi_rank_group_is_refused(dist_pool) -> None:
+    """Before, a head-TP Runtime on 2 ranks given all heads returned ``[T, H, v_dim]`` without error."""
+    for rank, res in enumerate(dist_pool.run(_every_head_body, world_size=2)):
+        assert set(res) == {
+            "prefill-headtp-gate1", "prefill-shardq-gate1", "prefill-shardq-gate100", "prefill-pcp",
+            "decode-headtp", "decode-mixed", "decode-gqa-dcp",
+        }  # fmt: skip
+        for name, message in res.items():
+            if name == "prefill-pcp":
+                assert message.startswith("ValueError: q must hold every one of the model's 8 heads under PCP"), (
+                    rank,
+                    message,
+                )
+            else:
+                assert message.startswith("ValueError: q must hold this rank's 4 heads (H/W: 8 heads over 2"), (
+                    rank,
+                    name,
+                    message,
+                )
+
+
+# -- lists, int64, and the lengths' names ----------------------------------------------------------------
+def _conversions_body(group) -> dict:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    res: dict = {}
+    step = _prefill_step(seed=3)
+    rt = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", prefill_options=PrefillOptions(min_shard_tokens=1))
+    q = _heads(step.q, rank, world).contiguous()
+    base = rt.prefill(q, step.kv, step.rows, query_lens=step.query_lens, prefix_lens=step.prefix_lens)
+    seq_lens = [p + n for p, n in zip(step.prefix_lens, step.query_lens)]
+    by_seq = rt.plan_prefill(step.query_lens, seq_lens=seq_lens)
+    by_prefix = rt.plan_prefill(torch.tensor(step.query_lens), torch.tensor(step.prefix_lens))
+    res["plans_equal"] = by_seq.shard.fingerprint() == by_prefix.shard.fingerprint()
+    longs = rt.prefill(q, step.kv, step.rows.long(), query_lens=step.query_lens, seq_lens=seq_lens)
+    res["prefill_int64"] = all(torch.equal(a, b) for a, b in zip(base, longs))
+
+    dcp = Runtime(MLA, group, max_batched_tokens=128, mode="mixed", warmup=False)
+    s = _mla_decode_step(world, rank, dcp=True)
+    qd = _heads(s.q, rank, world).contiguous()
+    base = dcp.decode(qd, s.local_kv, s.local_table, s.seq_lens, topk_pos=s.positions, req_ids=s.req_ids)
+    converted = dcp.decode(
+        qd, s.local_kv, s.local_table.long(), s.seq_lens.tolist(), topk_pos=s.positions.long(),
+        req_ids=s.req_ids.tolist(),
+    )  # fmt: skip
+    res["decode_lists_int64"] = all(torch.equal(a, b) for a, b in zip(base, converted))
+
+    gqa = Runtime(GQA, group, max_batched_tokens=1, mode="dcp-decode", warmup=False)
+    g = _gqa_step((30, 3, 17), (1, 2, 1), 5, DcpShard(world, 1, rank))
+    qg, kv = _heads(g.q, rank, world).contiguous(), (g.local_k_cache, g.local_v_cache)
+    base = gqa.decode(qg, kv, g.local_block_table, g.seq_lens, cu_q_lens=g.cu_q_lens, sinks=g.sinks)
+    converted = gqa.decode(
+        qg, kv, g.local_block_table, g.seq_lens.tolist(), cu_q_lens=g.cu_q_lens.tolist(), sinks=g.sinks
+    )
+    res["gqa_lists"] = all(torch.equal(a, b) for a, b in zip(base, converted))
+    return res
+
+
+@pytest.mark.distributed
+def test_host_lists_and_int64_give_the_int32_result(dist_pool) -> None:
+    """``torch.arange``'s int64 and host lists are converted once (values checked on the CPU), bit for
+    bit the step on int32 tensors; ``seq_lens`` (prefix included) plans like ``prefix_lens``."""
+    for rank, res in enumerate(dist_pool.run(_conversions_body, world_size=2)):
+        assert res == {"plans_equal": True, "prefill_int64": True, "decode_lists_int64": True, "gqa_lists": True}, (
+            rank,
+            res,
+        )
+
+
+# -- the head-TP GQA sliding window ------------------------------------------------------------------------
+def _window_body(group, window: int) -> dict:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rt = Runtime(GQA, group, max_batched_tokens=1, mode="headtp", decode_options=DecodeOptions(), warmup=False)
+    g = _gqa_step((40, 9, 23), (1, 3, 2), 11, DcpShard(1, 1, 0))
+    hkv = GQA.num_kv_heads // world
+    k, v = (c[:, :, rank * hkv : (rank + 1) * hkv].contiguous() for c in (g.k_cache, g.v_cache))
+    q = _heads(g.q, rank, world).contiguous()
+    out, lse = rt.decode(q, (k, v), g.block_table, g.seq_lens, cu_q_lens=g.cu_q_lens, sinks=g.sinks, window_left=window)
+    cu = g.cu_q_lens.tolist()
+    ref = gqa_oracle(g.q, g.k_cache, g.v_cache, g.block_table, g.seq_lens, cu, sinks=g.sinks, scale=GQA_SCALE,
+                     window_left=window)  # fmt: skip
+    full = gqa_oracle(g.q, g.k_cache, g.v_cache, g.block_table, g.seq_lens, cu, sinks=g.sinks, scale=GQA_SCALE)
+    return {
+        "err": max(_err(out, _heads(ref[0], rank, world)), _err(lse, _heads(ref[1], rank, world))),
+        "differs_from_no_window": _err(out, _heads(full[0], rank, world)) > 1e-3,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("window", [0, 5])
+def test_headtp_gqa_decode_takes_a_sliding_window(dist_pool, window: int) -> None:
+    for rank, res in enumerate(dist_pool.run(_window_body, window, world_size=2)):
+        assert res["err"] <= 1e-5, (rank, res)
+        assert res["differs_from_no_window"], "the window must change what a query sees"
