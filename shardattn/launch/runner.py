@@ -232,6 +232,7 @@ def _run(cfg: RunConfig, groups: LaunchGroups, progress: RunProgress) -> int:
     reserved = [v[0] for v in control.gather_ints([rt.workspace_bytes])]
     if rank == 0:
         print(workspace_line(reserved, rt.ws.layouts), flush=True)
+        print(f"hosts: {rt.nodes} (node of each rank: {list(rt.nodes.node_of)})", flush=True)
     rows: list[dict[str, Any]] = []
     all_errors: dict[tuple[str, str | None], list[float]] = {}
     for kind in cfg.steps:
@@ -311,6 +312,7 @@ def _build_runtime(cfg: RunConfig, groups: LaunchGroups, mode: str, cost_model: 
         ),
         decode_options=DecodeOptions(dcp_interleave=cfg.opts.interleave, causal=cfg.opts.causal),
         kv_dtype=KV_FP8_DS_MLA if cfg.opts.kv_dtype == KV_FP8_DS_MLA else None,
+        host_id=groups.env.host_id,
     )
 
 
