@@ -26,7 +26,7 @@ from shardattn.kernels.backend import triton_available
 from shardattn.kernels.gluon.sparse_mla import gluon_unavailable_reason
 from shardattn.ops.kv_fp8 import FP8_DS_MLA, dequantize_kv, quantize_kv
 from shardattn.ops.sparse_mla import sparse_mla_attention
-from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from tests.fp8_oracle import fp8_rows_decode, make_rows
 from tests.interpret import run_cases
@@ -135,11 +135,13 @@ def test_triton_prefill_compiles_fp8_variant_for_sm90(heads, group):
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 @needs_ptxas
-@pytest.mark.parametrize(("tokens", "heads"), [(1, 16), (64, 128)])
+@pytest.mark.parametrize(("tokens", "heads"), [(1, 16), (8, 32), (64, 128)])
 def test_triton_decode_compiles_fp8_variant_for_sm90(tokens, heads):
     from shardattn.kernels.triton.sparse_mla_decode import _sparse_mla_decode_kernel, sparse_mla_decode_config
 
-    cfg = sparse_mla_decode_config(tokens, heads, 2048, 132)
+    cfg = sparse_mla_decode_config(tokens, heads, 2048, 132, kv_fp8=True)
+    bf16_cfg = sparse_mla_decode_config(tokens, heads, 2048, 132)
+    assert cfg["num_warps"] == 8 and {**cfg, "num_warps": bf16_cfg["num_warps"]} == bf16_cfg  # the splits alike
     part = "*fp32" if cfg["num_splits"] > 1 else "*bf16"
     pointers = {"Q": "*bf16", "KV": "*u8", "Rows": "*i32", "TopkLen": "*i32", "Sinks": "*bf16", "Out": part,
                 "Lse": "*fp32", "FinalOut": "*bf16", "FinalLse": "*fp32", "Counters": "*fp32"}  # fmt: skip
@@ -151,12 +153,13 @@ def test_triton_decode_compiles_fp8_variant_for_sm90(tokens, heads):
     compiled = _triton_sm90(_sparse_mla_decode_kernel, pointers, constexprs, ones=ones, num_warps=cfg["num_warps"],
                             num_stages=cfg["num_stages"], pdl=True)  # fmt: skip
     bf16 = _triton_sm90(_sparse_mla_decode_kernel, {**pointers, "KV": "*bf16"}, {**constexprs, "KV_FP8": False},
-                        ones=ones, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], pdl=True)  # fmt: skip
+                        ones=ones, num_warps=bf16_cfg["num_warps"], num_stages=cfg["num_stages"], pdl=True)  # fmt: skip
     ptx = compiled.asm["ptx"]
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "cp.async.cg.shared.global" in ptx and ", 0x10" in ptx  # codes in 16-byte pieces
     assert ptx.count("griddepcontrol.wait") == 1
-    # no more spills than the bf16 variant (Triton 3.9, sm_90a: 0 and 40 bytes against 0 and 172)
+    # no more spills than the bf16 variant (sm_90a, Triton 3.6: 0 / 0 / 0 bytes against 0 / 316 /
+    # 40; 3.9: 0 / 0 / 40 against 0 / 176 / 172); at 4 warps the FP8 variant spilled 1.2 KB at 32 heads
     assert ptxas_report(ptx).spill_stores <= ptxas_report(bf16.asm["ptx"]).spill_stores
 
 
@@ -200,8 +203,10 @@ def test_ws64_kernel_compiles_fp8_variant_for_sm90(case, kwargs):
     """The producer dequantises each half block (8-byte code loads, the e4m3 conversion, 16-byte
     stores), fences, and one thread arrives for all 128 (the right halves' rope copies arrive on
     their own); the consumers' wgmma work is the bf16 kernel's; the registers move 8 from WG0 to
-    the producer; spills: at most one 4-byte register (ptxas keeps the arrival's thread index
-    across the stores in some variants)."""
+    the producer (200 / 216 / 88); spills: none from Triton 3.6's code (the GPU's), at most one
+    4-byte register from 3.9's (ptxas keeps the arrival's thread index across the stores)."""
+    import triton
+
     from shardattn.kernels.gluon.sparse_mla import FP8_CONSUMER_REGS, compile_kernel_for_sm90
     from shardattn.kernels.gluon.sparse_mla_decode import gluon_decode_config
     from shardattn.kernels.gluon.sparse_mla_kernel import FP8_PRODUCER_REGS
@@ -221,7 +226,7 @@ def test_ws64_kernel_compiles_fp8_variant_for_sm90(case, kwargs):
     producer = 3 * 168 - 2 * FP8_CONSUMER_REGS + FP8_PRODUCER_REGS
     assert {FP8_CONSUMER_REGS, FP8_CONSUMER_REGS - FP8_PRODUCER_REGS, producer} <= set(regs)
     assert compiled.metadata.shared <= 232448
-    assert ptxas_report(ptx).spill_stores <= 4
+    assert ptxas_report(ptx).spill_stores <= (0 if triton.__version__.startswith("3.6") else 4)
 
 
 # ---- the public ops on FP8 caches (CPU: the torch reference) ----
@@ -348,13 +353,18 @@ def _same(a: tuple, b: tuple) -> None:
 def test_fp8_decode_equals_bf16_decode_on_dequantised_rows(backend, tokens, heads, k):
     q, cache, rows, length, sinks = _gpu_case(tokens, heads, k, seed=tokens * 7 + heads + k)
     deq = dequantize_kv(cache)
+
+    def bf16(**kw):  # the bf16 kernel at the FP8 launch's configuration (Triton: 8 warps, the same splits)
+        if backend != "triton":
+            return sparse_mla_decode(q, deq, rows, scale=0.06, backend=backend, rows_unique=True, **kw)
+        return run_sparse_mla_decode(q, deq, rows, scale=0.06, rows_unique=True, config={"num_warps": 8}, **kw)
+
     for kw in ({}, {"topk_length": length, "sinks": sinks}):
         fp8 = sparse_mla_decode(q, cache, rows, scale=0.06, backend=backend, rows_unique=True, **kw)
-        ref = sparse_mla_decode(q, deq, rows, scale=0.06, backend=backend, rows_unique=True, **kw)
-        _same(fp8, ref)
+        _same(fp8, bf16(**kw))
     paged = sparse_mla_decode(q, cache.view(-1, 64, 656), rows,
                               scale=0.06, backend=backend, rows_unique=True)  # fmt: skip
-    _same(paged, sparse_mla_decode(q, deq, rows, scale=0.06, backend=backend, rows_unique=True))
+    _same(paged, bf16())
 
 
 @pytest.mark.gpu

@@ -160,7 +160,8 @@ def _triton_prefill(heads: int, group_size: int, *, sinks: bool = False, kv_fp8:
 
 
 def _triton_decode(tokens: int, heads: int, *, kv_fp8: bool = False) -> str:
-    cfg = _attr(_TRITON_DECODE_CONFIG, "sparse_mla_decode_config")(tokens, heads, 2048, 132)
+    config = _attr(_TRITON_DECODE_CONFIG, "sparse_mla_decode_config")
+    cfg = config(tokens, heads, 2048, 132, kv_fp8=True) if kv_fp8 else config(tokens, heads, 2048, 132)
     split = cfg["num_splits"] > 1
     partial = "*fp32" if split else "*bf16"
     pointers = {"Q": "*bf16", "KV": "*bf16", "Rows": "*i32", "TopkLen": "*i32", "Sinks": "*bf16", "Out": partial,

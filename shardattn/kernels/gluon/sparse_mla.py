@@ -40,8 +40,8 @@ KINDS = ("prefill",)
 CONSUMER_REGS = 224
 #: Consumer registers on ``fp8_ds_mla`` rows: the producer dequantises through registers and needs
 #: more than the 56 that 224 leave it (WG0 gives it
-#: :data:`~shardattn.kernels.gluon.sparse_mla_kernel.FP8_PRODUCER_REGS` more again: 208 / 216 /
-#: 80); bf16 consumers compile without spills at 216 and 208 (ptxas report, sm_90a).
+#: :data:`~shardattn.kernels.gluon.sparse_mla_kernel.FP8_PRODUCER_REGS` more again: 200 / 216 /
+#: 88); the consumers compile without spills at 216 and 200 (ptxas report, sm_90a).
 FP8_CONSUMER_REGS = 216
 
 

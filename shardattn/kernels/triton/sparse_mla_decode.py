@@ -63,6 +63,7 @@ def sparse_mla_decode_config(
     head_dim: int = 576,
     v_dim: int = 512,
     elem_bytes: int = 2,
+    kv_fp8: bool = False,
 ) -> dict[str, int | str]:
     """Tile sizes, split count and rows per split for a launch (host-side, shape-only).
 
@@ -79,7 +80,7 @@ def sparse_mla_decode_config(
     SMs``), up to :data:`~shardattn.plan.crossovers.ONE_WAVE_MAX_SPLITS` at <= 32 heads (then 32-row
     tiles), else up to the cost model's count; at <= 16 heads a split of 64 or 128 rows is one
     tile of 8 warps (one gather, no second loop step). The thresholds are measured crossovers
-    (docs/PERFORMANCE.md).
+    (docs/PERFORMANCE.md). ``kv_fp8`` (``fp8_ds_mla`` rows): the same tiles and splits at 8 warps.
 
     Returns:
         ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge",
@@ -95,7 +96,10 @@ def sparse_mla_decode_config(
     """
     block_h = _block_h(num_heads)
     block_n = 64
-    num_warps = 8 if block_h >= 64 else 4
+    # fp8_ds_mla rows (kv_fp8): 8 warps at every tile; the dequantised latent beside the fp32
+    # accumulators spills at 4 (ptxas, sm_90a, 32 heads: 1.2 KB a thread, none at 8). The split
+    # count is the bf16 launch's.
+    num_warps = 8 if block_h >= 64 or kv_fp8 else 4
     programs = max(1, num_tokens * -(-num_heads // block_h))
     n_blocks = max(1, -(-topk // block_n))
     one_wave = False
@@ -202,8 +206,9 @@ def run_split_decode(
     v_dim = out.shape[-1]
     topk = rows.shape[1]
     cfg = sparse_mla_decode_config(
-        t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
-    )
+        t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size(),
+        kv_fp8=kv.dtype == torch.uint8,
+    )  # fmt: skip
     if config:
         want = num_splits if num_splits is not None else cfg["num_splits"]
         cfg = {**cfg, **config}
