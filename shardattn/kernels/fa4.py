@@ -59,6 +59,7 @@ __all__ = [
     "compiled_count",
     "fa4_paged",
     "fa4_supports",
+    "fa4_unsupported_reason",
     "fa4_varlen",
     "get_fa4",
     "lse_tokens_major",
@@ -95,6 +96,29 @@ def _head_dim_reason(head_dim: int, major: int) -> str | None:
     return None
 
 
+def fa4_unsupported_reason(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FA4 does not run a prefill of ``dtype`` queries and keys of ``head_dim`` on ``device``
+    (``None``: it does). No tensor needed (a Runtime asks once for its config); no device sync.
+
+    >>> fa4_unsupported_reason("cpu", torch.bfloat16, 64)
+    "FA4 needs CUDA tensors, got device type 'cpu'"
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"FA4 needs CUDA tensors, got device type {device.type!r}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in FA4_SM_MAJORS:
+        return f"FA4 is routed on SM90 and SM100, this GPU is SM{major}{minor}"
+    if dtype not in FA4_DTYPES:
+        return f"FA4 needs fp16/bf16 q and k of one dtype, got {dtype}"
+    why = _head_dim_reason(head_dim, major)
+    if why is not None:
+        return why
+    if get_fa4() is None:
+        return _load()[1]
+    return None
+
+
 def fa4_supports(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, str]:
     """Whether FA4 runs a prefill of these tensors here, and why (or why not). No device sync.
 
@@ -106,18 +130,12 @@ def fa4_supports(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, str]:
     >>> fa4_supports(torch.zeros(2, 4, 64), torch.zeros(2, 1, 64))
     (False, "FA4 needs CUDA tensors, got device type 'cpu'")
     """
-    if q.device.type != "cuda" or not torch.cuda.is_available():
-        return False, f"FA4 needs CUDA tensors, got device type {q.device.type!r}"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major not in FA4_SM_MAJORS:
-        return False, f"FA4 is routed on SM90 and SM100, this GPU is SM{major}{minor}"
-    if q.dtype not in FA4_DTYPES or k.dtype != q.dtype:
+    if k.dtype != q.dtype:
         return False, f"FA4 needs fp16/bf16 q and k of one dtype, got {q.dtype} and {k.dtype}"
-    why = _head_dim_reason(q.shape[-1], major)
+    why = fa4_unsupported_reason(q.device, q.dtype, q.shape[-1])
     if why is not None:
         return False, why
-    if get_fa4() is None:
-        return False, _load()[1]
+    major, minor = torch.cuda.get_device_capability(q.device)
     return True, f"FA4 (flash-attn-cute) on SM{major}{minor}, head_dim {q.shape[-1]}"
 
 
