@@ -312,7 +312,8 @@ def gqa_prefill_pcp(
             raise ValueError(f"return_lse must be a bool, True with gather_output, got {return_lse!r}")
         if segments is not None and not isinstance(segments, Segments):
             raise TypeError(f"segments must be pcp_segments' Segments, got {type(segments).__name__}")
-        route = gqa_prefill_route(q, k_cache if k_new is None else k_new, backend=backend)
+        if kernel is None:
+            route = gqa_prefill_route(q, k_cache if k_new is None else k_new, backend=backend)
         return fingerprint
 
     comm.agree_on("GQA PCP plan and inputs", validate, check=check)

@@ -133,7 +133,7 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
             raise TypeError(f"warmup must be a bool, got {type(warmup).__name__}")
         if self.spec.kind == "gqa" and mode == "shardq":
             raise ValueError(
-                "mode 'shardq' runs a sparse-MLA ShardQ prefill, but the spec is a GQA model; use mode 'headtp' "
+                "mode 'shardq' runs a sparse-MLA prefill (ShardQ), but the spec is a GQA model; use mode 'headtp' "
                 "(head-TP prefill and decode), 'mixed' (head-TP prefill, DCP decode), 'pcp' or 'dcp-decode'"
             )
 
