@@ -176,9 +176,11 @@ def _check_inputs(
         if k.shape[0] != t or k.shape[2] != d:
             raise ValueError(f"k must have shape [{t}, Hkv, {d}] (q's tokens and head_dim), got {list(k.shape)}")
         hkv = k.shape[1]
-        check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape))
     if hkv < 1 or h % hkv:
-        raise ValueError(f"q heads ({h}) must be a multiple of the KV heads ({hkv})")
+        name = "k" if k is not None else "k_cache"
+        raise ValueError(f"q heads ({h}) must be a multiple of {name}'s KV heads ({hkv})")
+    if v is not None:
+        check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape))
     check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, ndim=1)
     if cu_seqlens.numel() < 1:
         raise ValueError("cu_seqlens must have B + 1 >= 1 entries, got 0")

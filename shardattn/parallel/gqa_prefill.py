@@ -208,7 +208,8 @@ def _check_pcp(
         hkv = k_new.shape[1]
         check_tensor("v_new", v_new, dtypes=(q.dtype,), shape=tuple(k_new.shape))
     if hkv < 1 or h % hkv:
-        raise ValueError(f"q heads ({h}) must be a multiple of the KV heads ({hkv})")
+        name = "k_new" if k_new is not None else "k_cache"
+        raise ValueError(f"q heads ({h}) must be a multiple of {name}'s KV heads ({hkv})")
     check_int("window_left", window_left, minimum=-1)
     if scale is not None:
         check_scale("scale", scale)

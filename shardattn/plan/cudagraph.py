@@ -105,6 +105,8 @@ def explain_cudagraph_support(
         return CGSupport.NEVER, "the torch reference may allocate and synchronise: never captured"
     if mode in ("shardq", "pcp"):
         return CGSupport.NEVER, f"{mode} steps depend on a per-step host plan (collective split sizes)"
+    if kernel == "fa4" and mode == "decode":
+        return CGSupport.NEVER, "kernel 'fa4' is a prefill kernel; no decode graphs"
     if mode == "prefill" and kernel == "fa4":
         return (
             CGSupport.NEVER,
