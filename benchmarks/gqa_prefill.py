@@ -16,7 +16,7 @@ back-to-back calls, the median, after ``--warmup`` calls that include FA4's comp
   prefix (``kv_new=None``: one paged call, FA4 direct's form), else given.
 
 Each row also reports the host time of one call (``host ms``: wall time of issuing the timed calls,
-divided by their number): a row whose host time reaches its device time is host-bound.
+divided by their number): a row whose host time reaches its GPU time is host-bound.
 
 Each row also checks the op against FA4 (largest difference of the outputs) and the step against
 the op (bit for bit). Records (``--json``, ``benchmarks/records.py``, benchmark ``gqa-prefill``):
