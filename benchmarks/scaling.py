@@ -4,6 +4,7 @@ Usage (one rank per GPU)::
 
     torchrun --nproc-per-node 2 benchmarks/scaling.py --json scaling.json --png scaling.png
     python benchmarks/scaling.py --predict-only --simulate 4 8 --a2a-gbps 282   # no GPU needed
+    python benchmarks/scaling.py --predict-only --gpu "NVIDIA H200" --simulate 16 32 --nodes 2 4   # 2 x 8, 4 x 8
     torchrun --nproc-per-node 2 benchmarks/scaling.py --tokens 512 --topk 16 --configs 0   # CPU dry run
 
 For each configuration (model, heads, new tokens; 4 requests with 8,192 cached tokens each,
@@ -22,10 +23,18 @@ the default step's bits.
 ``--simulate W ...`` adds the same table predicted for ``W`` ranks from the calibration, with the
 all-to-all bus bandwidth ``--a2a-gbps`` (default: the calibration's two-rank rate) and latency
 ``--a2a-latency-us``: the calibration holds only the world sizes it was measured at.
+``--nodes K ...`` (one per ``--simulate`` size, or one for all) spreads each simulated group over
+``K`` hosts of ``W / K`` ranks: every ShardQ all-to-all then sends ``(W - W/K) / W`` of its bytes
+over the network, at the calibration's measured rate between hosts or the default of ``--link``
+(``shardattn.plan.links.LINKS``; ``--net-gbps`` / ``--net-latency-us`` override it), side by side
+with the NVLink share, the slower bounding the exchange. The table prints the one-host and the
+K-host predictions and the router's choice for each, and lists where the network changes the
+choice. ``--gpu NAME`` takes the table shipped for that GPU on any machine.
 
 Records (``--json``, ``benchmarks/records.py``): ``prefill-scaling`` (the ShardQ step against
 head-TP, the router's step against the fastest measured path), ``cost-model`` (each predicted
-step against the measured one) and, with ``--simulate``, ``prefill-scaling-predicted``. The PNG
+step against the measured one) and, with ``--simulate``, ``prefill-scaling-predicted`` (on ``K``
+hosts also ``hosts``, ``ranks per host`` and the network's GB/s in the configuration). The PNG
 (matplotlib, imported only when asked) plots step time against tokens for each path, one panel
 per model, predictions dashed.
 """
@@ -48,8 +57,10 @@ from records import add_json_argument, environment, print_table, record, write_j
 from shardattn.calibrate.steps import PATHS, measure_paths, with_heads
 from shardattn.calibrate.timing import median_ms
 from shardattn.launch.local import run_ranks
+from shardattn.launch.process_group import DistEnv
 from shardattn.launch.workloads import build_prefill
 from shardattn.plan.cost import CollectiveRate, CostModel, StepShape, choose_prefill, load_calibration
+from shardattn.plan.links import LINKS, LinkRate, resolve_link
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
@@ -82,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--a2a-gbps", type=float, default=None, help="all-to-all bus GB/s for --simulate")
     p.add_argument("--a2a-latency-us", type=float, default=None, help="all-to-all latency for --simulate")
     p.add_argument("--predict-only", action="store_true", help="no measurement: predictions only (any machine)")
+    p.add_argument(
+        "--gpu", default=None, help='the shipped table of this GPU, e.g. "NVIDIA H200" (default: the visible GPU\'s)'
+    )
+    p.add_argument(
+        "--nodes", type=int, nargs="+", default=None, help="hosts of each --simulate size (one value: every size)"
+    )
+    p.add_argument(
+        "--link", default=None, choices=sorted(LINKS), help="network between hosts (default: measured, else ib-ndr)"
+    )
+    p.add_argument("--net-gbps", type=float, default=None, help="network GB/s per GPU for --nodes (overrides --link)")
+    p.add_argument("--net-latency-us", type=float, default=None, help="network latency for --nodes (with --net-gbps)")
     p.add_argument("--shardq-chunks", type=int, nargs="+", default=[], help="also time ShardQ at these chunk counts")
     p.add_argument("--taper", action="store_true", help="... with tapered chunks (PrefillOptions(taper=True))")
     p.add_argument("--one-union", action="store_true", help="... with one union build per step")
@@ -142,7 +164,7 @@ def _spec(args: argparse.Namespace, preset: str, heads: int | None, device: torc
 
 
 def _model(args: argparse.Namespace) -> CostModel:
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    gpu = args.gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     return CostModel(load_calibration(gpu, args.calibration))
 
 
@@ -156,8 +178,9 @@ def measure(group: dist.ProcessGroup, args: argparse.Namespace) -> list[dict[str
     for label, preset, heads, tokens in _configs(args):
         spec = _spec(args, preset, heads, device)
         res = measure_paths(
-            group, spec, tokens=tokens, requests=4, cached=args.cached, device=device, model=model, reps=args.reps
-        )
+            group, spec, tokens=tokens, requests=4, cached=args.cached, device=device, model=model, reps=args.reps,
+            host_id=DistEnv.from_env().host_id,
+        )  # fmt: skip
         res["variants"] = time_shardq_variants(group, spec, tokens, args, device) if shardq_variants(args) else {}
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, res, group=group)
@@ -246,35 +269,90 @@ def summary(rows: list[dict[str, Any]]) -> None:
 
 
 # -- prediction for other world sizes -------------------------------------------------------------------
+def _network(args: argparse.Namespace, model: CostModel) -> LinkRate:
+    if args.net_gbps is not None:
+        lat = 0.0 if args.net_latency_us is None else args.net_latency_us / 1e3
+        return LinkRate("--net-gbps", lat, args.net_gbps, "given on the command line")
+    return resolve_link(args.link, model.calibration.network)
+
+
+def _hosts(args: argparse.Namespace) -> list[int]:
+    """Hosts of each ``--simulate`` size (1: one host)."""
+    nodes = args.nodes or [1]
+    if len(nodes) == 1:
+        nodes = nodes * len(args.simulate)
+    if len(nodes) != len(args.simulate):
+        raise SystemExit(f"--nodes takes one value, or one per --simulate size ({len(args.simulate)})")
+    for w, k in zip(args.simulate, nodes):
+        if k < 1 or w % k:
+            raise SystemExit(f"--nodes {k}: {w} ranks do not split evenly over {k} hosts")
+    return nodes
+
+
 def simulate(args: argparse.Namespace, model: CostModel, env: dict[str, Any]) -> list[dict[str, Any]]:
-    """The cost model's predictions at each ``--simulate`` world size (module docstring), as
-    ``prefill-scaling-predicted`` records."""
+    """The cost model's predictions at each ``--simulate`` world size, on one host and, with
+    ``--nodes``, on that many hosts (module docstring), as ``prefill-scaling-predicted`` records."""
     base = model.collective("all_to_all", 2)
     gbps = args.a2a_gbps if args.a2a_gbps is not None else base.busbw_gbps
     lat = args.a2a_latency_us / 1e3 if args.a2a_latency_us is not None else base.latency_ms
     cal = model.calibration.gpu
     source = "--a2a-gbps" if args.a2a_gbps is not None else f"the calibration's 2-rank all-to-all ({cal})"
-    out = []
-    print(f"\nsimulated: all-to-all {gbps:g} GB/s bus bandwidth, {lat * 1e3:.0f} us latency (from {source})")
-    for w in args.simulate:
+    hosts, net = _hosts(args), _network(args, model)
+    out, rows = [], []
+    print(f"\nsimulated: all-to-all on one host {gbps:g} GB/s bus bandwidth, {lat * 1e3:.0f} us (from {source})")
+    if any(k > 1 for k in hosts):
+        print(
+            f"between hosts: {net.name}, {net.busbw_gbps:g} GB/s per GPU, {net.latency_ms * 1e3:.0f} us ({net.source})"
+        )
+    for w, k in zip(args.simulate, hosts):
         rate = CollectiveRate("all_to_all", w, lat, gbps)
-        sim = CostModel(model.calibration, collective_overrides={"all_to_all": rate})
+        sim = CostModel(model.calibration, collective_overrides={"all_to_all": rate}, network=net)
+        rpn = w // k
         for label, preset, heads, tokens in _configs(args):
             spec = _spec(args, preset, heads, torch.device("cuda"))
             if spec.num_heads % w:
                 continue
-            shape = StepShape(heads=spec.num_heads, world_size=w, tokens=tokens, topk=spec.topk)
-            choice = choose_prefill(sim, shape)
-            tp = min(p.ms for p in sim.predict(shape, steps=("headtp",)))
-            sq = min(p.ms for p in sim.predict(shape, steps=("shardq",)))
+            one = StepShape(heads=spec.num_heads, world_size=w, tokens=tokens, topk=spec.topk)
+            tp = min(p.ms for p in sim.predict(one, steps=("headtp",)))
             config = {"model": label, "heads": spec.num_heads, "tokens": tokens, "ranks": w, "all-to-all GB/s": gbps}
-            base = ("predicted head-TP step", tp)
-            out.append(record("prefill-scaling-predicted", config, "predicted ShardQ step ms", sq, "ms", "lower", base,
-                              env))  # fmt: skip
-            out.append(record("prefill-scaling-predicted", config, "predicted router's step ms", choice.best.ms, "ms",
-                              "lower", base, env))  # fmt: skip
-            print(f"W={w} {label} ({spec.num_heads // w} heads a rank) T={tokens}: router's path {choice.best.name}")
+            row = {"label": label, "heads": spec.num_heads, "tokens": tokens, "ranks": w, "hosts": k, "headtp": tp}
+            for where, shape in (("one host", one), (f"{k} hosts", dataclasses.replace(one, ranks_per_node=rpn))):
+                if where != "one host" and k == 1:
+                    continue
+                choice = choose_prefill(sim, shape)
+                sq = min(p.ms for p in sim.predict(shape, steps=("shardq",)))
+                cfg = config if where == "one host" else config | {"hosts": k, "ranks per host": rpn,
+                                                                    "network GB/s": net.busbw_gbps}  # fmt: skip
+                headtp = ("predicted head-TP step", tp)
+                out.append(record("prefill-scaling-predicted", cfg, "predicted ShardQ step ms", sq, "ms", "lower",
+                                  headtp, env))  # fmt: skip
+                out.append(record("prefill-scaling-predicted", cfg, "predicted router's step ms", choice.best.ms, "ms",
+                                  "lower", headtp, env))  # fmt: skip
+                row[where] = {"shardq": sq, "path": choice.best.name, "ms": choice.best.ms, "step": choice.best.step}
+            rows.append(row)
+    _print_simulated(rows)
     return out
+
+
+def _print_simulated(rows: list[dict[str, Any]]) -> None:
+    """The predictions side by side: one host and K hosts, and where the network changes the route."""
+    print("| ranks | hosts | model | T | head-TP ms | ShardQ ms, 1 host | router, 1 host | ShardQ ms, K hosts "
+          "| router, K hosts |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    changed = []
+    for r in rows:
+        one, many = r["one host"], r.get(f"{r['hosts']} hosts")
+        k_cols = "- | -" if many is None else f"{many['shardq']:.2f} | {many['path']} {many['ms']:.2f}"
+        print(f"| {r['ranks']} | {r['hosts']} x {r['ranks'] // r['hosts']} | {r['label']} ({r['heads']} heads) "
+              f"| {r['tokens']} | {r['headtp']:.2f} | {one['shardq']:.2f} | {one['path']} {one['ms']:.2f} "
+              f"| {k_cols} |")  # fmt: skip
+        if many is not None and many["step"] != one["step"]:
+            changed.append((r, one, many))
+    if any(r["hosts"] > 1 for r in rows):
+        print(f"\nthe network changes the router's choice in {len(changed)} of {len(rows)} configurations:")
+    for r, one, many in changed:
+        print(f"  {r['label']} T={r['tokens']} on {r['ranks']} ranks: one host {one['path']} {one['ms']:.2f} ms "
+              f"(head-TP {r['headtp']:.2f}); {r['hosts']} x {r['ranks'] // r['hosts']} {many['path']} "
+              f"{many['ms']:.2f} ms (ShardQ there {many['shardq']:.2f})")  # fmt: skip
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:

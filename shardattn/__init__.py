@@ -54,6 +54,7 @@ _STEPS = {
     "gqa_prefill_pcp": "shardattn.parallel.gqa_prefill",
     "collect_partials": "shardattn.parallel.collector",
     "Comm": "shardattn.parallel.comm",
+    "resolve_group": "shardattn.parallel.groups",
     "Runtime": "shardattn.runtime.runtime",
     "PrefillOptions": "shardattn.runtime.options",
     "DecodeOptions": "shardattn.runtime.options",
@@ -86,6 +87,9 @@ _PLAN = {
     "StepShape": "shardattn.plan.cost",
     "choose_prefill": "shardattn.plan.cost",
     "load_calibration": "shardattn.plan.calibration",
+    "NodeLayout": "shardattn.plan.nodes",
+    "LinkRate": "shardattn.plan.links",
+    "LINKS": "shardattn.plan.links",
 }
 _ERRORS = {
     name: "shardattn.errors"

@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 BENCHMARKS = ("sparse_prefill", "union_build", "decode", "decode_dcp", "scaling", "ray_pool", "decode_fp8_peer",
-              "kv_fp8_write", "gqa_prefill")  # fmt: skip
+              "kv_fp8_write", "gqa_prefill", "soak_pool", "soak_runtime", "shm_roundtrip")  # fmt: skip
 ENV = {"gpu": "CPU", "date": "2026-12-02", "commit": "abc1234", "command": "python benchmarks/x.py",
        "versions": {"torch": "2.13.0", "triton": "3.9.0"}}  # fmt: skip
 
@@ -127,6 +127,39 @@ def test_scaling_measures_two_cpu_ranks_and_predicts_more(tmp_path: Path) -> Non
     assert all(r["value"] <= r["baseline"]["value"] * (1 + 1e-9) for r in recs if "router" in r["metric"])
 
 
+def test_scaling_simulates_hosts_and_shows_where_the_network_changes_the_route(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """2 x 8 and 4 x 8 H200s on the shipped table: ShardQ's all-to-all sends half (3/4) of its bytes
+    over a 50 GB/s NIC, so glm5 at 32K tokens on 2 x 8 takes head-TP where one host of 16 takes ShardQ."""
+    sim = tmp_path / "sim.json"
+    args = ["--predict-only", "--gpu", "NVIDIA H200", "--simulate", "16", "32", "--nodes", "2", "4"]
+    assert _module("scaling").main([*args, "--json", str(sim)]) == 0
+    text = capsys.readouterr().out
+    assert "between hosts: ib-ndr, 50 GB/s per GPU" in text and "| 16 | 2 x 8 | glm5 (64 heads) | 32768 |" in text
+    assert "glm5 T=32768 on 16 ranks: one host shardq/per-query" in text
+    recs = _records(sim)
+    hosts = {(r["config"]["ranks"], r["config"].get("hosts", 1)) for r in recs}
+    assert hosts == {(16, 1), (16, 2), (32, 1), (32, 4)}
+
+    def predicted(metric: str, hosts: int) -> float:
+        return next(
+            r["value"] for r in recs if r["metric"] == metric and r["config"]["model"] == "glm5"
+            and r["config"]["tokens"] == 32768 and r["config"]["ranks"] == 16 and r["config"].get("hosts", 1) == hosts
+        )  # fmt: skip
+
+    sq_one, sq_two = predicted("predicted ShardQ step ms", 1), predicted("predicted ShardQ step ms", 2)
+    router_two = predicted("predicted router's step ms", 2)
+    assert sq_one < router_two < sq_two  # one host: ShardQ; two hosts: head-TP, faster than ShardQ there
+    two = [r for r in recs if r["config"].get("hosts") == 2]
+    assert all(r["config"]["ranks per host"] == 8 and r["config"]["network GB/s"] == 50.0 for r in two)
+    # crossing hosts only ever adds to ShardQ's time here (the network is slower than NVLink)
+    for r in (r for r in recs if r["metric"] == "predicted ShardQ step ms" and "hosts" in r["config"]):
+        one = next(o for o in recs if o["metric"] == r["metric"] and "hosts" not in o["config"]
+                   and all(o["config"][k] == r["config"][k] for k in ("model", "tokens", "ranks")))  # fmt: skip
+        assert r["value"] >= one["value"]
+
+
 def test_ray_pool_records_are_medians_over_rounds() -> None:
     ray_pool, records = _module("ray_pool"), _module("records")
     args = ray_pool.build_parser().parse_args(["--requests", "8", "--context", "32"])
@@ -146,6 +179,11 @@ def test_ray_pool_records_are_medians_over_rounds() -> None:
 def test_records_doctests() -> None:
     failures, _ = doctest.testmod(_module("records"))
     assert failures == 0
+
+
+def test_soak_stats_doctests() -> None:
+    failures, tried = doctest.testmod(_module("soak_stats"))
+    assert failures == 0 and tried > 0
 
 
 def test_record_ratio_follows_what_is_better() -> None:

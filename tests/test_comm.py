@@ -194,3 +194,26 @@ def test_reduce_scatter_falls_back_to_all_gather_when_the_backend_lacks_it(dist_
         assert torch.equal(first, total[2 * r : 2 * r + 2]) and torch.equal(second, first)
         assert supported is False
         assert counts == {"all_gather": 2}
+
+
+def _exchange_on_sub_group(group: dist.ProcessGroup) -> list[list[float]] | None:
+    """Ranks 3 and 1 (group ranks 0 and 1 of ``new_group([3, 1])``) swap pieces through Comm.exchange."""
+    sub = dist.new_group([3, 1])  # every rank of the world takes part in creating it
+    if dist.get_rank() not in (1, 3):
+        return None
+    comm = Comm(sub)
+    me = comm.rank
+    mine = torch.full((2, 3), float(10 * dist.get_rank()))
+    keep = torch.empty(2, 3)
+    other = torch.empty(2, 3)
+    comm.exchange([(1 - me, mine), (me, mine)], [(1 - me, other), (me, keep)]).wait()
+    return [float(other[0, 0]), float(keep[0, 0])]
+
+
+@pytest.mark.distributed(world_size=4)
+def test_exchange_on_a_sub_group_names_peers_by_their_global_rank(dist_pool) -> None:
+    """A sub-group's rank j is not global rank j: the point-to-point messages must name global ranks
+    (ShardQ's exchanges on the "tp" dimension of a 2-D DeviceMesh failed with "Global rank 1 is not
+    part of group")."""
+    results = dist_pool.run(_exchange_on_sub_group, world_size=4)
+    assert results == [None, [30.0, 10.0], None, [10.0, 30.0]]

@@ -630,9 +630,10 @@ def test_failed_rank_breaks_the_pool_until_restart(pool2, kind: str, failed: str
             call()
         assert again.value is info.value
     assert pool2.health()["state"] == "broken"
-    assert pool2._decoder is None and _region_paths() == []  # the failure unlinked the region
+    assert pool2._decoder is None and _region_paths() == []  # the failure unlinked the region and its doorbells
     assert pool2.restart() == ["y", "z"]
-    assert pool2.transport == "shm" and len(_region_paths()) == 1  # a fresh one
+    fresh = _region_paths()  # a fresh region and its doorbells (one pipe each way per rank)
+    assert pool2.transport == "shm" and len(fresh) == 1 + 2 * 2 and sum("." not in f for f in fresh) == 1
     assert pool2.health()["state"] == "healthy" and len(pool2.book) == 0
     mirror = ServingMirror(MLA, seed=5)
     reqs = [mirror.prefill_request("y", 11)]

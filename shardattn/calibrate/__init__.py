@@ -5,6 +5,7 @@ size, the kernels split over the ranks)::
 
     torchrun --nproc-per-node 2 -m shardattn.calibrate --out h200.json
     python -m shardattn.calibrate --out one_gpu.json      # one rank: kernels only
+    torchrun --nnodes 2 --node-rank N --nproc-per-node 8 --master-addr HOST -m shardattn.calibrate --out 2x8.json
 
 What it measures (a few minutes on an H200, with a progress bar on rank 0):
 
@@ -13,7 +14,9 @@ What it measures (a few minutes on an H200, with a progress bar on rank 0):
    step (DSA-like top-k), with the union ratio of its top-k; ``--passes`` passes over all
    points (default 3), each point keeping its median pass;
 2. the device copy rate, and the all-to-all / all-gather rates of the group (latency and bus
-   bandwidth);
+   bandwidth); on two or more hosts (torchrun's agents) also the network between them and the
+   first host's own rates (:mod:`~shardattn.calibrate.network`), so the cost model prices
+   exchanges across hosts at measured rates;
 3. whole head-TP and ShardQ steps (:mod:`~shardattn.calibrate.steps`) of two configurations,
    whose time beyond the kernel and the predicted collectives gives each step's overhead
    (``fixed_ms`` and ``factor`` of :class:`~shardattn.plan.cost.StepOverhead`).

@@ -23,12 +23,16 @@ import torch.distributed as dist
 
 from shardattn.calibrate.fit import degenerate_fit, fit_step_overhead
 from shardattn.calibrate.kernels import collective_rates, kernel_jobs, measure_kernel_points, median_points
+from shardattn.calibrate.network import multi_node_rates
 from shardattn.calibrate.steps import measure_paths, with_heads
 from shardattn.calibrate.timing import copy_gbps
 from shardattn.launch.logs import LOG_LEVELS, configure_logging
 from shardattn.launch.one_line import report_once
+from shardattn.launch.process_group import host_groups
 from shardattn.launch.progress import RunProgress, format_seconds
+from shardattn.parallel.hosts import exchange_node_layout
 from shardattn.plan.cost import CONSERVATIVE, Calibration, CostModel, StepOverhead, StepShape
+from shardattn.plan.nodes import NodeLayout
 from shardattn.plan.spec import get_preset
 
 log = logging.getLogger(__name__)
@@ -131,7 +135,14 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
         advance()
         if world > 1:
             progress.relabel("collective rates")
-        colls = collective_rates(group, device=device, advance=advance) if world > 1 else []
+        host_id = getattr(args, "host_id", None)
+        nodes = exchange_node_layout(group, host_id) if group is not None else NodeLayout.single(1)
+        network = None
+        if nodes.multi_node:  # the network between hosts, NVLink on one, the whole group at its layout
+            subgroups = host_groups(group, nodes)
+            colls, network = multi_node_rates(group, nodes, subgroups, device=device, advance=advance)
+        else:
+            colls = collective_rates(group, device=device, advance=advance) if world > 1 else []
         if group is not None:
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, points, group=group)
@@ -147,15 +158,16 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
             copy_gbps=round(copy, 1),
             union_ratio={g: round(sum(v) / len(v), 4) for g, v in ratios.items()} or dict(CONSERVATIVE.union_ratio),
             steps={},
+            network=network,
             source=(
-                f"python -m shardattn.calibrate, {world} rank(s), {datetime.date.today().isoformat()}, "
+                f"python -m shardattn.calibrate, {world} rank(s) on {nodes}, {datetime.date.today().isoformat()}, "
                 f"torch {torch.__version__}, kernel points the median of {args.passes} pass(es)"
                 + ("" if colls else "; collectives: the conservative default")
             ),
         )
         if n_steps:
             progress.relabel("whole steps (step overheads)")
-            cal = _fit_steps(cal, group, device, args, advance)
+            cal = _fit_steps(cal, group, device, args, advance, host_id)
     finally:
         progress.close()
     if rank == 0 and args.progress:
@@ -164,7 +176,12 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
 
 
 def _fit_steps(
-    cal: Calibration, group: dist.ProcessGroup, device: torch.device, args: argparse.Namespace, advance: Any
+    cal: Calibration,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    args: argparse.Namespace,
+    advance: Any,
+    host_id: str | None = None,
 ) -> Calibration:
     """Time whole steps of :data:`STEP_CONFIGS` and fit each step's overhead beyond kernel and collectives."""
     world = dist.get_world_size(group)
@@ -184,11 +201,12 @@ def _fit_steps(
             model=base,
             reps=args.reps,
             paths=("kernel", "kernel_headtp", "headtp", "shardq"),
+            host_id=host_id,
         )
         allres: list[Any] = [None] * world
         dist.all_gather_object(allres, res, group=group)
         ms = {k: max(r["ms"][k] for r in allres) for k in res["ms"]}  # the slowest rank bounds a step
-        shape = StepShape.of(spec, world, tokens, rank_tokens=res["rank_tokens"])
+        shape = StepShape.of(spec, world, tokens, rank_tokens=res["rank_tokens"], ranks_per_node=res["ranks_per_node"])
         p = raw.predict_step(shape, "shardq", 1)
         sq.append((p.comm_ms + p.other_ms, ms["kernel"], ms["shardq"] - ms["kernel"]))
         tp.append(ms["headtp"] - ms["kernel_headtp"])
@@ -241,7 +259,15 @@ def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
         f.write(cal.to_json() + "\n")
     print(f"wrote {args.out}: {cal.gpu}, {len(cal.kernels)} kernel points, copy {cal.copy_gbps:g} GB/s", flush=True)
     for c in cal.collectives:
-        print(f"  {c.op} W={c.world_size}: {c.latency_ms * 1e3:.1f} us + bytes / {c.busbw_gbps:g} GB/s", flush=True)
+        where = "" if c.one_host else f", {c.world_size // c.ranks_per_node} hosts"
+        print(
+            f"  {c.op} W={c.world_size}{where}: {c.latency_ms * 1e3:.1f} us + bytes / {c.busbw_gbps:g} GB/s", flush=True
+        )
+    if cal.network is not None:
+        n = cal.network
+        print(
+            f"  network between hosts: {n.latency_ms * 1e3:.1f} us + bytes / {n.busbw_gbps:g} GB/s per GPU", flush=True
+        )
     for name, s in cal.steps.items():
         print(
             f"  {name} step: {s.fixed_ms:.3f} ms + {s.factor:.3f} x (collectives + copies, "
@@ -265,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, int(os.environ.get("RANK", "0") or 0))
     if "RANK" in os.environ:  # under torchrun: one rank per GPU
         from shardattn.launch.local import run_ranks
+        from shardattn.launch.process_group import DistEnv
+
+        args.host_id = DistEnv.from_env().host_id  # torchrun's agent: one node each
 
         run_ranks(_Entry(args))
     else:

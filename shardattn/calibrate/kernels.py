@@ -142,7 +142,7 @@ def collective_rates(
     group: dist.ProcessGroup,
     *,
     device: torch.device,
-    sizes_mib: Sequence[int] = (4, 32, 128, 512),
+    sizes_mib: Sequence[float] = (4, 32, 128, 512),
     reps: int = 5,
     advance: Callable[[], None] = lambda: None,
 ) -> list[CollectiveRate]:
@@ -153,7 +153,7 @@ def collective_rates(
     for op in ("all_to_all", "all_gather"):
         samples = []
         for mib in sizes_mib:
-            n = mib << 20
+            n = int(mib * (1 << 20))
             n -= n % w
             src = torch.empty(n if op == "all_to_all" else n // w, dtype=torch.uint8, device=device).random_(0, 255)
             dst = torch.empty(n, dtype=torch.uint8, device=device)

@@ -54,6 +54,7 @@ def measure_paths(
     min_shard_tokens: int = 1024,
     min_group_tokens: int = 1024,
     seed: int = 0,
+    host_id: str | None = None,
 ) -> dict[str, Any]:
     """Time the ``paths`` of one configuration on this rank (module docstring).
 
@@ -61,6 +62,8 @@ def measure_paths(
         ``{"ms": {path: median ms}, "predicted_ms": {path: ms}, "path": {path: name},
         "reason": {path: route reason}, "rank_tokens": int}``; collective steps are timed on
         every rank together, so each rank's numbers are that rank's view of the same steps.
+        ``host_id``: this rank's host identity for the Runtimes (a launcher's node rank), so the
+        predictions price exchanges between hosts as the router does.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     dtype = getattr(torch, spec.dtype)
@@ -80,7 +83,7 @@ def measure_paths(
     h = spec.num_heads // world
     q_local = step.q[:, rank * h : (rank + 1) * h].contiguous()
     kv_rows = int(step.kv.shape[0])
-    common = dict(max_batched_tokens=tokens, device=device, topk=spec.topk, warmup=False)
+    common = dict(max_batched_tokens=tokens, device=device, topk=spec.topk, warmup=False, host_id=host_id)
     gates = PrefillOptions(min_shard_tokens=min_shard_tokens, min_group_tokens=min_group_tokens)
     runtimes = {
         "headtp": lambda: Runtime(spec, group, mode="headtp", prefill_options=gates, **common),
@@ -91,7 +94,7 @@ def measure_paths(
             spec, group, mode="mixed", prefill_options=dataclasses.replace(gates, cost_model=model), **common
         ),
     }
-    res: dict[str, Any] = {"ms": {}, "predicted_ms": {}, "path": {}, "reason": {}}
+    res: dict[str, Any] = {"ms": {}, "predicted_ms": {}, "path": {}, "reason": {}, "ranks_per_node": world}
     plans: dict[str, PrefillPlan] = {}
     for name in ("shardq", "headtp", "router"):
         if name == "router" and name not in paths:
@@ -99,6 +102,7 @@ def measure_paths(
         rt = runtimes[name]()
         plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=kv_rows)
         plans[name] = plan
+        res["ranks_per_node"] = rt.nodes.ranks_per_node
         if name in paths:
             rt.prefill(q_local, step.kv, step.rows, plan=plan, check=True)  # ranks agree on the plan once
 
@@ -125,7 +129,7 @@ def measure_paths(
 
         res["ms"][name] = median_ms(kcall, device=device, reps=reps, warmup=warmup)
         res["path"][name] = f"kernel ({path_name(plan)})"
-    shape = StepShape.of(spec, world, tokens, rank_tokens=res["rank_tokens"])
+    shape = StepShape.of(spec, world, tokens, rank_tokens=res["rank_tokens"], ranks_per_node=res["ranks_per_node"])
     for name, plan in (*plans.items(), ("kernel", sq), ("kernel_headtp", plans["headtp"])):
         if name not in paths:
             continue

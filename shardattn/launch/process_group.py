@@ -21,22 +21,49 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "LaunchGroups", "destroy_groups", "init_groups", "nccl_options", "pick_device"]
+__all__ = [
+    "DistEnv",
+    "HostGroups",
+    "LaunchGroups",
+    "destroy_groups",
+    "host_groups",
+    "init_groups",
+    "nccl_options",
+    "pick_device",
+]
 
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Rank, world size and rendezvous address, as torchrun sets them in the environment."""
+    """Rank, world size and rendezvous address, as torchrun sets them in the environment.
+
+    ``node_rank``: torchrun's ``GROUP_RANK``, the rank of this process's agent (one per node),
+    when set; :attr:`host_id` turns it into the host identity the Runtime groups ranks by.
+    """
 
     rank: int
     world_size: int
     local_rank: int
     master_addr: str | None
     master_port: int | None
+    node_rank: int | None = None
+
+    @property
+    def host_id(self) -> str | None:
+        """The host identity of this rank for :class:`~shardattn.runtime.runtime.Runtime`'s
+        ``host_id``: torchrun's agent (``"torchrun-node-<GROUP_RANK>"``), so every agent counts as
+        one node, also two agents started on one machine; ``None`` (the Runtime's own host name and
+        boot id) without torchrun.
+
+        >>> DistEnv(3, 4, 1, "127.0.0.1", 29500, node_rank=1).host_id
+        'torchrun-node-1'
+        """
+        return None if self.node_rank is None else f"torchrun-node-{self.node_rank}"
 
     @property
     def launched(self) -> bool:
@@ -60,11 +87,12 @@ class DistEnv:
             rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
             local = int(env.get("LOCAL_RANK", rank))
             port = int(env["MASTER_PORT"])
+            node = int(env["GROUP_RANK"]) if "GROUP_RANK" in env else None
         except (KeyError, ValueError) as e:
             raise ValueError(f"incomplete torchrun environment: {e!r} (need RANK, WORLD_SIZE, MASTER_PORT)") from None
         if not 0 <= rank < world:
             raise ValueError(f"RANK must be in [0, WORLD_SIZE={world}), got {rank}")
-        return cls(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), port)
+        return cls(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), port, node)
 
 
 def pick_device(choice: str, env: DistEnv) -> torch.device:
@@ -143,6 +171,29 @@ def init_groups(env: DistEnv, device: torch.device, *, timeout_s: float) -> Laun
     else:  # host-side messages never wait behind GPU work, and a dead peer shows up here first
         control = dist.new_group(list(range(env.world_size)), backend="gloo", timeout=timeout)
     return LaunchGroups(env, device, data, control, backend, timeout_s)
+
+
+@dataclass(frozen=True)
+class HostGroups:
+    """Sub-groups of a group spread over hosts (:func:`host_groups`): ``leaders`` one rank per host
+    (the first of each), ``first_host`` the ranks of host 0 (``None`` when it has one rank); each
+    ``None`` on the ranks outside it."""
+
+    leaders: dist.ProcessGroup | None
+    first_host: dist.ProcessGroup | None
+
+
+def host_groups(group: dist.ProcessGroup, nodes: Any) -> HostGroups:
+    """The sub-groups ``python -m shardattn.calibrate`` measures the network and one host with
+    (``nodes``: the group's :class:`~shardattn.plan.nodes.NodeLayout`). Every rank of the world
+    calls it: creating a group is collective."""
+    rank = dist.get_rank(group)
+    global_ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+    leaders = [nodes.ranks_on(n)[0] for n in range(nodes.num_nodes)]
+    first = list(nodes.ranks_on(0))
+    lead_group = dist.new_group([global_ranks[r] for r in leaders])
+    host_group = dist.new_group([global_ranks[r] for r in first]) if len(first) > 1 else None
+    return HostGroups(lead_group if rank in leaders else None, host_group if rank in first else None)
 
 
 def destroy_groups() -> None:

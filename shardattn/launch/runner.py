@@ -226,6 +226,7 @@ def _run(cfg: RunConfig, groups: LaunchGroups, progress: RunProgress) -> int:
     reserved = [v[0] for v in control.gather_ints([rt.workspace_bytes])]
     if rank == 0:
         print(workspace_line(reserved, rt.ws.layouts), flush=True)
+        print(f"hosts: {rt.nodes} (node of each rank: {list(rt.nodes.node_of)})", flush=True)
     rows: list[dict[str, Any]] = []
     all_errors: dict[tuple[str, str | None], list[float]] = {}
     for kind in cfg.steps:
@@ -304,6 +305,7 @@ def _build_runtime(cfg: RunConfig, groups: LaunchGroups, mode: str, cost_model: 
             min_shard_tokens=cfg.min_shard_tokens, min_group_tokens=cfg.min_group_tokens, cost_model=cost_model
         ),
         decode_options=DecodeOptions(dcp_interleave=cfg.opts.interleave, causal=cfg.opts.causal),
+        host_id=groups.env.host_id,
     )
 
 

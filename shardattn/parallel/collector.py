@@ -29,11 +29,11 @@ the fp32 reduce-scatter sends about twice as much for bf16 outputs, in two colle
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from shardattn._checks import FLOAT_DTYPES, check_choice, check_same_device, check_tensor
 from shardattn.ops.lse_merge import merge_weights, run_lse_merge
 from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
+from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.packing import packed_nbytes, view_bytes
 
 __all__ = ["STRATEGIES", "collect_checked", "collect_partials", "resolve_strategy"]
@@ -75,7 +75,7 @@ def check_partials(out: torch.Tensor, lse: torch.Tensor, world_size: int, *, sca
 def collect_partials(
     out: torch.Tensor,
     lse: torch.Tensor,
-    group: dist.ProcessGroup | Comm,
+    group: GroupLike | Comm,
     *,
     scatter_heads: bool = True,
     strategy: str = "auto",
@@ -88,7 +88,8 @@ def collect_partials(
         out: ``[T, H, Dv]`` fp16/bf16/fp32, this rank's partial output over its keys (all heads).
         lse: ``[T, H]`` fp32 natural-log LSE of ``out``; ``-inf`` where this rank saw no key
             (``out`` must then be 0 there).
-        group: the process group of the partials (or a :class:`~shardattn.parallel.comm.Comm`).
+        group: the process group of the partials (or a :class:`~shardattn.parallel.comm.Comm`)
+            (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
         scatter_heads: return heads ``rank*H/W .. (rank+1)*H/W`` only (``H % W == 0``);
             ``False``: all ``H`` heads on every rank.
         strategy: ``"auto"``, ``"all_to_all"``, ``"all_gather"`` or ``"reduce_scatter"`` (module

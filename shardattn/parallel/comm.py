@@ -1,7 +1,8 @@
 """The collectives the parallel steps use, over one ``ProcessGroup``, counted and checked.
 
 :class:`Comm` resolves the group's rank, size, backend and the device of its small tensors
-once; every step takes a ``ProcessGroup`` or a ``Comm`` (:meth:`Comm.wrap`). Each collective it
+once; every step takes a ``ProcessGroup`` (or a ``DeviceMesh``, :mod:`~shardattn.parallel.groups`)
+or a ``Comm`` (:meth:`Comm.wrap`). Each collective it
 issues is counted by kind in :attr:`Comm.counts`, so tests can assert, e.g., that a ShardQ
 prefill issues exactly two all-to-alls. Misuse (split sizes that do not add up, a tensor on the
 wrong device for the backend, shapes that do not divide) raises ``ValueError`` before anything
@@ -39,6 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from shardattn.parallel.groups import GroupLike, resolve_group
 from shardattn.parallel.packing import pack_rows, packed_nbytes, unpack_rows
 from shardattn.parallel.peer_failures import (
     REPORT_GRACE_S,
@@ -120,7 +122,9 @@ class Comm:
     """A ``ProcessGroup`` with its rank, size and backend resolved once, counting its collectives.
 
     Args:
-        group: the process group the step runs over (ranks ``0 .. world_size - 1`` of it).
+        group: the process group the step runs over (ranks ``0 .. world_size - 1`` of it): a
+            ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``
+            (:func:`~shardattn.parallel.groups.resolve_group`).
         device: where small control tensors (fingerprints, counts) live; default ``cuda``'s
             current device for NCCL, CPU otherwise.
         report_grace_s: seconds a rank whose collective failed waits for its peers' failure
@@ -142,15 +146,14 @@ class Comm:
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        group: GroupLike,
         *,
         device: torch.device | str | None = None,
         report_grace_s: float = REPORT_GRACE_S,
     ) -> None:
         if isinstance(group, Comm):
             raise TypeError("group is already a Comm; use Comm.wrap(group) to accept either")
-        if not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+        group = resolve_group(group)
         rank = dist.get_rank(group)
         if rank < 0:
             raise ValueError("this process is not a member of group")
@@ -158,6 +161,8 @@ class Comm:
         self.rank = rank
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group)).lower()
+        # point-to-point messages name their peer by its global rank (a sub-group's rank j is not rank j)
+        self._global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
         self.device = torch.device(device)
@@ -168,8 +173,9 @@ class Comm:
         self._reduce_scatter_ok: bool | None = None
 
     @classmethod
-    def wrap(cls, group: dist.ProcessGroup | Comm) -> Comm:
-        """``group`` itself when it is a ``Comm`` (its counts keep accumulating), else a new one."""
+    def wrap(cls, group: GroupLike | Comm) -> Comm:
+        """``group`` itself when it is a ``Comm`` (its counts keep accumulating), else a new one
+        (over a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``)."""
         return group if isinstance(group, Comm) else cls(group)
 
     def reset_counts(self) -> None:
@@ -265,7 +271,8 @@ class Comm:
                 if not x.is_contiguous():
                     raise ValueError("exchange: every piece must be contiguous (it is moved in place)")
                 if peer != self.rank and x.numel():
-                    ops.append(dist.P2POp(kind, x, peer, group=self.group, tag=(tag << 16) + seen[peer]))
+                    to = self._global_ranks[peer]
+                    ops.append(dist.P2POp(kind, x, to, group=self.group, tag=(tag << 16) + seen[peer]))
                 seen[peer] += 1
         for x, y in zip(mine_out, mine_in):
             if x.shape != y.shape or x.dtype != y.dtype:

@@ -42,7 +42,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from shardattn._checks import (
     FLOAT_DTYPES,
@@ -57,6 +56,7 @@ from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.parallel.collector import collect_checked, resolve_strategy
 from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.packing import view_bytes
 from shardattn.plan.context import DCPLayout
 
@@ -116,7 +116,7 @@ def dcp_sparse_mla_decode(
     req_ids: torch.Tensor,
     block_table: torch.Tensor,
     layout: DCPLayout,
-    group: dist.ProcessGroup | Comm,
+    group: GroupLike | Comm,
     *,
     block_size: int,
     scale: float,
@@ -143,7 +143,8 @@ def dcp_sparse_mla_decode(
         block_table: ``[B, M]`` int32 this rank's local block table (its blocks hold local
             positions, :meth:`~shardattn.plan.DCPLayout.local_index`); ``-1`` = unallocated.
         layout: the DCP layout; ``layout.world_size`` must be the group's size.
-        group: the DCP process group or a :class:`~shardattn.parallel.comm.Comm`.
+        group: the DCP process group or a :class:`~shardattn.parallel.comm.Comm`
+            (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
         block_size: tokens per block. scale: softmax scale. v_dim: value width.
         seq_lens: ``[B]`` int32 global request lengths; positions at or past them are invalid.
         topk_length: ``[T]`` int32 leading ``topk_pos`` entries to use, optional.

@@ -9,7 +9,6 @@ are exact (each draft re-reads its request's local KV); the partials are merged 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from shardattn._checks import (
     INDEX_DTYPES,
@@ -23,6 +22,7 @@ from shardattn.ops.gqa_decode import BACKENDS, run_gqa_paged_decode
 from shardattn.parallel.collector import collect_checked, resolve_strategy
 from shardattn.parallel.comm import Comm, stable_fingerprint
 from shardattn.parallel.dcp import Workspace, _check_common, _gather_heads, _host_values, _partial_buffers
+from shardattn.parallel.groups import GroupLike
 from shardattn.plan.context import DCPLayout
 
 __all__ = ["dcp_gqa_decode"]
@@ -35,7 +35,7 @@ def dcp_gqa_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     layout: DCPLayout,
-    group: dist.ProcessGroup | Comm,
+    group: GroupLike | Comm,
     *,
     q_len_per_req: int | None = None,
     cu_q_lens: torch.Tensor | None = None,
@@ -61,7 +61,8 @@ def dcp_gqa_decode(
         block_table: ``[B, max_pages]`` int32 this rank's local page table.
         seq_lens: ``[B]`` int32 *global* keys per request, drafts included (0 = padding).
         layout: the DCP layout; ``layout.world_size`` must be the group's size.
-        group: the DCP process group or a :class:`~shardattn.parallel.comm.Comm`.
+        group: the DCP process group or a :class:`~shardattn.parallel.comm.Comm`
+            (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
         q_len_per_req: uniform drafts per request (default 1); or
         cu_q_lens: ``[B+1]`` int32 ragged query offsets (rows past ``cu_q_lens[-1]`` are padding).
         causal: drafts see each other causally (query ``j`` of ``Q`` sees ``L - Q + j + 1`` keys).

@@ -39,12 +39,12 @@ with ``gather_output``), plus the agreement check with ``check=True``.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from shardattn._checks import FLOAT_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.ops.gqa_prefill import check_prefix_inputs, gqa_prefill, gqa_prefill_route, segment_kernel
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, SegmentKernel, Segments, attend_segments, plan_segments
 from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
+from shardattn.parallel.groups import GroupLike
 from shardattn.plan.pcp import PCPPlan
 
 __all__ = ["gqa_prefill_head_tp", "gqa_prefill_pcp", "head_tp_kv_heads", "pcp_segments"]
@@ -88,7 +88,7 @@ def gqa_prefill_head_tp(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    group: dist.ProcessGroup | Comm,
+    group: GroupLike | Comm,
     *,
     num_kv_heads: int,
     k_cache: torch.Tensor | None = None,
@@ -107,7 +107,8 @@ def gqa_prefill_head_tp(
         q: ``[T, H/W, D]`` this rank's query heads of every new token.
         k, v: ``[T, Hkv_r, D]`` its KV heads (:func:`head_tp_kv_heads`).
         cu_seqlens: ``[B + 1]`` int32 request offsets of the new tokens.
-        group: the head-TP group or a :class:`~shardattn.parallel.comm.Comm` (its rank and size only).
+        group: the head-TP group or a :class:`~shardattn.parallel.comm.Comm` (its rank and size only)
+            (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
         num_kv_heads: ``Hkv`` of the whole model.
         k_cache, v_cache, block_table, prefix_lens: the cached prefixes, the cache holding this
             rank's KV heads (as in :func:`~shardattn.ops.gqa_prefill.gqa_prefill`).
@@ -249,7 +250,7 @@ def gqa_prefill_pcp(
     k_new: torch.Tensor | None,
     v_new: torch.Tensor | None,
     plan: PCPPlan,
-    group: dist.ProcessGroup | Comm,
+    group: GroupLike | Comm,
     *,
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
@@ -275,7 +276,8 @@ def gqa_prefill_pcp(
             step's new keys are in every rank's cache after the prefixes (module docstring).
         plan: :func:`~shardattn.plan.pcp_plan` of the step (``world_size`` = the group's); its
             ``prefix_lens`` are the cached tokens of each request.
-        group: the PCP process group or a :class:`~shardattn.parallel.comm.Comm`.
+        group: the PCP process group or a :class:`~shardattn.parallel.comm.Comm`
+            (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
         k_cache, v_cache: ``[num_pages, page, Hkv, D]`` the paged cache holding the cached prefixes
             (the same on every rank), with ``block_table [num_requests, M]`` int32; needed when the
             plan has ``prefix_lens > 0``.

@@ -26,13 +26,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.ops.lse_merge import lse_merge
 from shardattn.ops.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.ops.topk import convert_topk
 from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
+from shardattn.parallel.groups import GroupLike
 from shardattn.plan.pcp import PCPPlan
 
 __all__ = ["pcp_prefill"]
@@ -121,7 +121,7 @@ def pcp_prefill(
     kv_new: torch.Tensor,
     topk_pos: torch.Tensor,
     plan: PCPPlan,
-    group: dist.ProcessGroup | Comm,
+    group: GroupLike | Comm,
     *,
     scale: float,
     v_dim: int = 512,
@@ -145,7 +145,8 @@ def pcp_prefill(
         topk_pos: ``[T_r, K]`` int32 request positions (cached prefix included) of each token's
             top-k; negative / past the request's tokens = invalid, anywhere in a row.
         plan: :func:`~shardattn.plan.pcp_plan` of the step (``world_size`` = the group's).
-        group: the PCP process group or a :class:`~shardattn.parallel.comm.Comm`.
+        group: the PCP process group or a :class:`~shardattn.parallel.comm.Comm`
+            (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
         scale: softmax scale. v_dim: value width (512 for DSA models).
         kv_cache: ``[R, D]`` rows of the paged cache holding the cached prefixes (the same on
             every rank), with ``block_table [num_requests, M]`` int32 and ``block_size``; needed

@@ -31,13 +31,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.ops.prepared_union import SLICE_GROUPS
 from shardattn.ops.sparse_mla import check_head_dim, sparse_mla_attention
 from shardattn.ops.union import GROUP_SIZES, MAX_PACKED_ROWS
 from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.shardq_pipeline import run_pipelined
 from shardattn.plan.pipeline import choose_chunks, pipeline_plan
 from shardattn.plan.zigzag import ShardPlan
@@ -118,7 +118,7 @@ def shardq_prefill(
     kv: torch.Tensor,
     rows: torch.Tensor,
     plan: ShardPlan,
-    group: dist.ProcessGroup | Comm,
+    group: GroupLike | Comm,
     *,
     scale: float,
     v_dim: int = 512,
@@ -148,7 +148,8 @@ def shardq_prefill(
         rows: ``[T, K]`` int32 global KV rows of every token's top-k (identical on every rank);
             ``-1`` / out of range = invalid, anywhere in a row.
         plan: :func:`~shardattn.plan.zigzag_split` of the step (``world_size`` = the group's).
-        group: the TP process group, or a :class:`~shardattn.parallel.comm.Comm` over it.
+        group: the TP process group, or a :class:`~shardattn.parallel.comm.Comm` over it
+            (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
         scale: softmax scale. v_dim: value width (512 for DSA models).
         topk_length: ``[T]`` int32 per-token count of leading ``rows`` entries to use, optional.
         sinks: ``[H]`` fp32 per-head sink logits (all heads), optional.

@@ -4,6 +4,11 @@ A table is JSON (:meth:`Calibration.to_json` / :meth:`Calibration.from_json`, va
 :func:`load_calibration` takes a file, else the table shipped for the current GPU
 (``shardattn/plan/data/*.json``), else :data:`CONSERVATIVE` with a :class:`CalibrationWarning`
 naming the command that measures one (``python -m shardattn.calibrate``). Pure host code.
+
+Format 2 adds what a table measured across hosts holds: a collective rate's ``ranks_per_node``
+(absent or ``null``: every rank on one host, as in format 1) and the ``network`` rate between
+hosts (:class:`~shardattn.plan.links.LinkRate`; absent: the cost model assumes a link type's
+default). Format 1 tables are read as they are.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from shardattn.errors import CalibrationWarning
+from shardattn.plan.links import LinkRate
 
 __all__ = [
     "CALIBRATE_COMMAND",
@@ -30,7 +36,9 @@ __all__ = [
     "shipped_calibration",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Formats :meth:`Calibration.from_json` reads (1: one host only; 2: ranks per node and the network).
+READABLE_FORMATS = (1, 2)
 CALIBRATE_COMMAND = "torchrun --nproc-per-node <W> -m shardattn.calibrate --out FILE"
 """How to measure a table on the current machine (``W`` = the ranks the steps will run on)."""
 _DATA = "data"
@@ -61,12 +69,20 @@ class KernelPoint:
 
 @dataclass(frozen=True)
 class CollectiveRate:
-    """``op`` (``"all_to_all"`` / ``"all_gather"``) on ``world_size`` ranks: ``latency_ms + moved / busbw``."""
+    """``op`` (``"all_to_all"`` / ``"all_gather"``) on ``world_size`` ranks: ``latency_ms + moved / busbw``.
+
+    ``ranks_per_node``: ranks on each host where it was measured across hosts (``None``: every
+    rank on one host)."""
 
     op: str
     world_size: int
     latency_ms: float
     busbw_gbps: float
+    ranks_per_node: int | None = None
+
+    @property
+    def one_host(self) -> bool:
+        return self.ranks_per_node is None or self.ranks_per_node >= self.world_size
 
     def ms(self, nbytes: float) -> float:
         """Time of one collective over ``nbytes`` per rank (of which ``(W-1)/W`` leave the rank)."""
@@ -102,6 +118,7 @@ class Calibration:
     steps: dict[str, StepOverhead] = field(default_factory=dict)
     source: str = ""
     conservative: bool = False
+    network: LinkRate | None = None
 
     def to_json(self) -> str:
         """The table as JSON (the format :meth:`from_json` reads)."""
@@ -119,12 +136,13 @@ class Calibration:
             raise ValueError(f"not JSON: {e}") from None
         if not isinstance(d, dict):
             raise ValueError("the table must be a JSON object")
-        if d.get("format") != FORMAT_VERSION:
-            raise ValueError(f"format {d.get('format')!r}, expected {FORMAT_VERSION}")
+        if d.get("format") not in READABLE_FORMATS:
+            raise ValueError(f"format {d.get('format')!r}, expected one of {READABLE_FORMATS}")
         try:
             kernels = tuple(KernelPoint(**k) for k in d["kernels"])
             colls = tuple(CollectiveRate(**c) for c in d["collectives"])
             steps = {k: StepOverhead(**v) for k, v in d.get("steps", {}).items()}
+            network = None if d.get("network") is None else LinkRate(**d["network"])
             cal = cls(
                 gpu=str(d["gpu"]),
                 kernels=kernels,
@@ -134,6 +152,7 @@ class Calibration:
                 steps=steps,
                 source=str(d.get("source", "")),
                 conservative=bool(d.get("conservative", False)),
+                network=network,
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"missing or malformed field: {e}") from None
@@ -152,6 +171,11 @@ class Calibration:
         for c in self.collectives:
             if c.world_size < 2 or not (c.busbw_gbps > 0 and c.latency_ms >= 0):
                 raise ValueError(f"bad collective rate {c}")
+            rpn = c.ranks_per_node
+            if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1 or c.world_size % rpn):
+                raise ValueError(f"bad collective rate {c}: ranks_per_node must divide world_size")
+        if self.network is not None:
+            self.network.validate()
         if not (self.copy_gbps > 0 and math.isfinite(self.copy_gbps)):
             raise ValueError(f"bad copy_gbps {self.copy_gbps}")
         for g, u in self.union_ratio.items():

@@ -15,7 +15,10 @@ each with the per-query kernel or the grouped kernel at a group size ``G`` that 
     kernel(heads, G, tokens)                   fitted per (heads, tile, G) as a + b * tokens * topk
                                                from measured points; grouped slopes scale with the
                                                union ratio; heads between points interpolate
-    + collectives(bytes, W)                    latency + bytes * (W - 1) / W / bus bandwidth
+    + collectives(bytes, W)                    latency + bytes * (W - 1) / W / bus bandwidth;
+                                               across hosts (``ranks_per_node < W``) the NVLink
+                                               and network shares run side by side, the slower
+                                               bounds it (:mod:`shardattn.plan.links`)
     + overhead                                 fixed_ms + factor * (X - hidden * min(X, kernel)),
                                                X = collectives + one read and one write of the
                                                moved bytes at the copy rate
@@ -58,6 +61,7 @@ from shardattn.plan.calibration import (
     load_calibration,
     shipped_calibration,
 )
+from shardattn.plan.links import LinkRate, cross_node_rate, resolve_link
 from shardattn.plan.spec import ModelSpec
 
 __all__ = [
@@ -100,6 +104,8 @@ class StepShape:
         head_dim / v_dim / dtype_bytes: q row width, output width, activation bytes.
         rank_tokens: the most tokens a rank holds under ShardQ / PCP (default ``ceil(T / W)``).
         union_ratio: ``{G: ratio}`` of the step's top-k, when known (default: the table's).
+        ranks_per_node: ranks on each host (the smallest host's; ``None``: every rank on one
+            host); below ``world_size`` the step's collectives cross the network.
     """
 
     heads: int
@@ -111,6 +117,7 @@ class StepShape:
     dtype_bytes: int = 2
     rank_tokens: int | None = None
     union_ratio: dict[int, float] | None = None
+    ranks_per_node: int | None = None
 
     @property
     def per_rank(self) -> int:
@@ -118,7 +125,14 @@ class StepShape:
 
     @classmethod
     def of(
-        cls, spec: ModelSpec, world_size: int, tokens: int, *, topk: int | None = None, rank_tokens: int | None = None
+        cls,
+        spec: ModelSpec,
+        world_size: int,
+        tokens: int,
+        *,
+        topk: int | None = None,
+        rank_tokens: int | None = None,
+        ranks_per_node: int | None = None,
     ) -> StepShape:
         """The shape of a step of ``spec``'s model (its heads, dims and dtype; top-k default the spec's)."""
         return cls(
@@ -130,6 +144,7 @@ class StepShape:
             v_dim=spec.v_dim,
             dtype_bytes=spec.dtype_bytes,
             rank_tokens=rank_tokens,
+            ranks_per_node=ranks_per_node,
         )
 
 
@@ -164,19 +179,27 @@ class CostModel:
     """Predicts prefill step times from a :class:`Calibration` (module docstring).
 
     Args:
-        calibration: the table. collective_overrides: ``{op: CollectiveRate}`` used for every
-            world size instead of the table's (``benchmarks/scaling.py --simulate`` sets the
-            all-to-all rate this way).
+        calibration: the table. collective_overrides: ``{op: CollectiveRate}`` used on one host
+            for every world size instead of the table's (``benchmarks/scaling.py --simulate`` sets
+            the all-to-all rate this way).
+        network: the rate between hosts: a :class:`~shardattn.plan.links.LinkRate` or a link type
+            of :data:`~shardattn.plan.links.LINKS` (``"ib-ndr"``, ...); default: the table's
+            measured one, else ``"ib-ndr"``'s line rate.
     """
 
     def __init__(
-        self, calibration: Calibration, *, collective_overrides: dict[str, CollectiveRate] | None = None
+        self,
+        calibration: Calibration,
+        *,
+        collective_overrides: dict[str, CollectiveRate] | None = None,
+        network: LinkRate | str | None = None,
     ) -> None:
         if not isinstance(calibration, Calibration):
             raise TypeError(f"calibration must be a Calibration, got {type(calibration).__name__}")
         calibration.validate()
         self.calibration = calibration
         self.overrides = dict(collective_overrides or {})
+        self.network = resolve_link(network, calibration.network)
         self._fits: dict[tuple[int, int, int], tuple[float, float, float]] = {}
         groups: dict[tuple[int, int, int], list[KernelPoint]] = {}
         for k in calibration.kernels:
@@ -219,19 +242,45 @@ class CostModel:
         w = (heads - lo) / (hi - lo)
         return at(lo) * (1 - w) + at(hi) * w
 
-    def collective(self, op: str, world_size: int) -> CollectiveRate:
-        """The rate of ``op`` at ``world_size`` (an override, the table's, or the nearest world size's)."""
+    def collective(self, op: str, world_size: int, ranks_per_node: int | None = None) -> CollectiveRate:
+        """The rate of ``op`` at ``world_size`` ranks, ``ranks_per_node`` on each host (``None``: one host).
+
+        On one host: an override, the table's, or the nearest world size's. Across hosts: the
+        table's rate measured at that layout, else the one-host rate of ``ranks_per_node`` ranks
+        and :attr:`network` combined (:func:`~shardattn.plan.links.cross_node_rate`).
+        """
+        if ranks_per_node is None or ranks_per_node >= world_size:
+            return self._one_host(op, world_size)
+        measured = [
+            c
+            for c in self.calibration.collectives
+            if c.op == op and c.world_size == world_size and c.ranks_per_node == ranks_per_node
+        ]
+        if measured:
+            return measured[0]
+        nvlink = self._one_host(op, max(2, ranks_per_node))
+        lat, gbps = cross_node_rate(
+            op,
+            world_size,
+            ranks_per_node,
+            nvlink_latency_ms=nvlink.latency_ms,
+            nvlink_gbps=nvlink.busbw_gbps,
+            link=self.network,
+        )
+        return CollectiveRate(op, world_size, lat, gbps, ranks_per_node)
+
+    def _one_host(self, op: str, world_size: int) -> CollectiveRate:
         if op in self.overrides:
-            return replace(self.overrides[op], world_size=world_size)
-        rates = [c for c in self.calibration.collectives if c.op == op]
+            return replace(self.overrides[op], world_size=world_size, ranks_per_node=None)
+        rates = [c for c in self.calibration.collectives if c.op == op and c.one_host]
         if not rates:
             rates = [c for c in CONSERVATIVE.collectives if c.op == op]
         exact = [c for c in rates if c.world_size == world_size]
         best = exact[0] if exact else min(rates, key=lambda c: abs(c.world_size - world_size))
-        return replace(best, world_size=world_size)
+        return replace(best, world_size=world_size, ranks_per_node=None)
 
-    def collective_ms(self, op: str, nbytes: float, world_size: int) -> float:
-        return self.collective(op, world_size).ms(nbytes)
+    def collective_ms(self, op: str, nbytes: float, world_size: int, ranks_per_node: int | None = None) -> float:
+        return self.collective(op, world_size, ranks_per_node).ms(nbytes)
 
     def _ratio(self, shape: StepShape, g: int) -> float | None:
         if g == 1:
@@ -258,11 +307,12 @@ class CostModel:
         k_ms = self.kernel_ms(h, shape.per_rank, shape.topk, group_size=g, union_ratio=self._ratio(shape, g))
         q_bytes = shape.tokens * (h // w) * shape.head_dim * e  # this rank's heads of every token
         out_bytes = shape.tokens * (h // w) * (shape.v_dim * e + 4)  # output and fp32 LSE
+        rpn = shape.ranks_per_node
         if step == "shardq":
-            comm = self.collective_ms("all_to_all", q_bytes, w) + self.collective_ms("all_to_all", out_bytes, w)
+            comm = sum(self.collective_ms("all_to_all", n, w, rpn) for n in (q_bytes, out_bytes))
             moved = q_bytes + out_bytes
         else:  # PCP: all-gather of the new tokens' KV rows; q and out stay on their rank
-            comm = self.collective_ms("all_gather", shape.tokens * shape.head_dim * e, w)
+            comm = self.collective_ms("all_gather", shape.tokens * shape.head_dim * e, w, rpn)
             moved = shape.tokens * shape.head_dim * e + shape.per_rank * h * (shape.v_dim * e + 4)
         copy_ms = 2 * moved / (self.calibration.copy_gbps * 1e9) * 1e3
         ov = self._overhead(step)
@@ -319,6 +369,10 @@ def choose_prefill(
         text += f", best rejected {rejected.name} {rejected.ms:.2f} ms"
     if why:
         text += f" ({why}: head-TP)"
+    rpn = shape.ranks_per_node
+    if rpn is not None and rpn < shape.world_size and not why:
+        net = model.network
+        text += f"; {-(-shape.world_size // rpn)} hosts of {rpn} ranks, network {net.busbw_gbps:g} GB/s ({net.name})"
     return RouteChoice(best, rejected, text)
 
 

@@ -5,7 +5,9 @@ rank holds every token's q for its heads already). :func:`cost_route` asks the
 :class:`~shardattn.plan.cost.CostModel` which is faster for the step's sizes and returns the step
 and this rank's kernel :class:`~shardattn.plan.routing.Route`, whose reason names the predicted
 ms of the chosen and of the best rejected path. The choice depends only on values every rank
-shares (total tokens, the largest rank share, the config), so every rank takes the same step.
+shares (total tokens, the largest rank share, the config, the hosts the ranks run on:
+``rt.nodes``), so every rank takes the same step. A group spread over several hosts prices
+ShardQ's all-to-alls at the network's rate for the bytes that leave a host.
 
 Kernel group sizes are limited to the variants the Runtime warms up (per-query, and the grouped
 ``G`` of :func:`~shardattn.plan.routing.prefill_group_size` where there is one), so a routed step
@@ -68,7 +70,9 @@ def cost_route(rt: Any, *, tokens: int, counts: Any, kv_rows: int) -> tuple[str,
     device: torch.device = rt.device
     counts = [int(c) for c in counts]
     h_tp = spec.num_heads // rt.world_size
-    shape = StepShape.of(spec, rt.world_size, tokens, topk=rt.topk, rank_tokens=max(counts))
+    shape = StepShape.of(
+        spec, rt.world_size, tokens, topk=rt.topk, rank_tokens=max(counts), ranks_per_node=rt.nodes.ranks_per_node
+    )
     gate = rt.min_group_tokens
     allowed = {
         "headtp": _groups(h_tp, tokens, kv_rows, device, gate, rt.gluon),

@@ -43,11 +43,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardattn._checks import check_choice, check_int, check_scale
 from shardattn.ops.dispatch import gluon_runs_on
 from shardattn.parallel.comm import Comm
+from shardattn.parallel.groups import GroupLike
+from shardattn.parallel.hosts import exchange_node_layout
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.cost_route import resolve_cost_model
 from shardattn.plan.decode_batch import DecodeBatch
@@ -86,7 +87,8 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         spec: a :class:`~shardattn.plan.spec.ModelSpec` or a preset name (``"glm5"``,
             ``"deepseek-v32"``, ``"gqa-64-8"``).
         group: the process group of the steps (the tensor-parallel group: NCCL with one GPU per
-            rank, or gloo on the CPU).
+            rank, or gloo on the CPU): a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim
+            name)`` of an N-D mesh (:mod:`~shardattn.parallel.groups`).
         mode: one of :data:`MODES` (the table of steps: :mod:`shardattn.runtime.modes`).
         max_batched_tokens: the most new tokens of one prefill step (all requests together).
         max_decode_tokens: the most query tokens of one decode step (drafts included).
@@ -99,6 +101,13 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         decode_options: DCP interleave, draft causality, whether decode returns the LSE
             (:class:`~shardattn.runtime.options.DecodeOptions`).
         warmup: launch every kernel variant now (default True).
+        host_id: this rank's host identity (default: host name and boot id,
+            :func:`~shardattn.parallel.hosts.host_identity`); ranks with equal ids share a host.
+            Construction exchanges them once (:attr:`nodes`), and the cost model prices ShardQ /
+            PCP exchanges that cross hosts at the network's rate. A launcher passes its node rank.
+
+    Attributes:
+        nodes: the :class:`~shardattn.plan.nodes.NodeLayout` of the group (which ranks share a host).
 
     Raises:
         ValueError / TypeError: heads not divisible by the world size, a mode without a step for
@@ -108,7 +117,7 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
     def __init__(
         self,
         spec: ModelSpec | str,
-        group: dist.ProcessGroup,
+        group: GroupLike,
         *,
         mode: str,
         max_batched_tokens: int,
@@ -119,6 +128,7 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         prefill_options: PrefillOptions | None = None,
         decode_options: DecodeOptions | None = None,
         warmup: bool = True,
+        host_id: str | None = None,
     ) -> None:
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         if not isinstance(self.spec, ModelSpec):
@@ -138,7 +148,8 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
             )
 
         self.comm = Comm(group)  # resolves rank, size and backend once; counts this Runtime's collectives
-        self.group = group
+        self.group = self.comm.group  # the ProcessGroup (of a DeviceMesh's dimension)
+        self.nodes = exchange_node_layout(self.comm, host_id)  # one small all-gather, not counted
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.heads_per_rank = self.spec.heads_per_rank(self.world_size)  # raises when heads do not divide
         self.layout = DCPLayout(self.world_size, self.decode_options.dcp_interleave)

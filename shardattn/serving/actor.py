@@ -43,6 +43,7 @@ class RankActor:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.group: Any = None
+        self.mesh: Any = None
         self.runtime: Any = None
         self.cache: Any = None
         self.comm: Any = None
@@ -83,14 +84,19 @@ class RankActor:
             timeout=datetime.timedelta(seconds=timeout_s),
             **kwargs,
         )
+        from torch.distributed.device_mesh import init_device_mesh
+
         self.group = dist.group.WORLD
+        # the pool's layout as serving code hands it around: a 1-D mesh over the ranks (its group is WORLD)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("pool",))
         self.state = "joined"
         return backend
 
     def build(
         self, spec: Any, runtime_kwargs: dict[str, Any], cache: dict[str, Any], sinks: torch.Tensor | None = None
     ) -> dict[str, Any]:
-        """Build the Runtime, then the KV-cache shard (``cache``: pages, page size, layout, row shapes).
+        """Build the Runtime on the pool's 1-D ``DeviceMesh`` (dim ``"pool"``, formed by :meth:`join`),
+        then the KV-cache shard (``cache``: pages, page size, layout, row shapes).
 
         ``sinks``: ``[H]`` fp32 sink logits of every head (checked by the driver), held on the
         device and passed to every step (under DCP the step counts them on rank 0 only)."""
@@ -98,7 +104,7 @@ class RankActor:
         from shardattn.runtime.runtime import Runtime
         from shardattn.serving.kv_cache import RankKVCache
 
-        self.runtime = Runtime(spec, self.group, device=self.device, **runtime_kwargs)
+        self.runtime = Runtime(spec, self.mesh, device=self.device, **runtime_kwargs)
         limit = cache.get("memory_limit_bytes")
         need = self.runtime.workspace_bytes + cache["bytes"]
         if limit is not None and need > limit:
@@ -115,7 +121,7 @@ class RankActor:
             device=self.device,
         )
         self.set_sinks(sinks)
-        self.comm = Comm(self.group)  # the pool's own collectives (prefix gathers), counted apart from the Runtime's
+        self.comm = Comm(self.mesh)  # the pool's own collectives (prefix gathers), counted apart from the Runtime's
         self.state = "ready"
         import ray
 

@@ -23,16 +23,26 @@ heads there; it writes its heads of the outputs into the region's token-major ro
 a staging buffer of its own, page-locked on a GPU, then a host copy into the strided rows, the
 ranks in parallel).
 
-A step (:meth:`ShmSteps.run`): the driver writes the inputs, then the sizes, then bumps the
-sequence number (one aligned 8-byte store; x86 keeps stores in order and loads in order, so a
-rank that sees the new number sees the payload). Each rank's serve loop (:func:`serve`, one
-long-running actor call) waits on the number, runs the step, writes its outputs, then its done
-counter. The driver waits on every done counter (spinning, then yielding in sleeps of at most
-50 us). Faults: a rank whose step raises writes the
-error text and its flag before its done counter and ends its loop; a rank that dies ends its
-loop's call, which the driver polls with ``ray.wait`` while it waits; a rank that does not answer
-within the timeout is named as missing. Each surfaces as one
-:class:`~shardattn.serving.errors.RankStepError` naming the rank.
+A step (:meth:`ShmSteps.run`): the driver writes the inputs, then the sizes and the sequence
+number, then rings each rank's doorbell with the number (:class:`~shardattn.serving.doorbell.Doorbell`,
+a named pipe next to the region: ``<region>.go<r>``). Each rank's serve loop (:func:`serve`, one
+long-running actor call) waits on its doorbell (spinning on it for ``spin_s`` after a step, then
+asleep in ``select`` until it is rung), runs the step, writes its outputs, its done counter, and
+rings the driver's doorbell of that rank (``<region>.done<r>``). The driver waits on those
+(spinning for ``spin_s``, then asleep in ``select``).
+
+Ordering: the doorbell, not the stores to the region, publishes a step. A ``write`` and a
+``read`` on one pipe synchronise through the pipe's lock in the kernel, so the reader sees every
+store the writer made before writing: the payload before the rank reads it, the outputs before
+the driver reads them, on any CPU. An aligned 8-byte store of a sequence number, which this
+transport once relied on, is ordered after the payload on x86 only (Arm CPUs, such as Grace
+Hopper's, may make it visible first). ``tests/test_shm_ordering.py`` stresses the protocol
+between processes with checksummed payloads.
+
+Faults: a rank whose step raises writes the error text and its flag before its done counter and
+doorbell and ends its loop; a rank that dies ends its loop's call, which the driver polls with
+``ray.wait`` while it waits; a rank that does not answer within the timeout is named as missing.
+Each surfaces as one :class:`~shardattn.serving.errors.RankStepError` naming the rank.
 """
 
 from __future__ import annotations
@@ -51,9 +61,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardattn.serving.doorbell import Doorbell, wait_any
 from shardattn.serving.errors import RankStepError
 
-__all__ = ["INT32_SECTIONS", "MARKS", "ShmLayout", "ShmRegion", "ShmSteps", "decode_layout", "serve"]
+__all__ = ["INT32_SECTIONS", "MARKS", "ShmLayout", "ShmRegion", "ShmSteps", "bell_paths", "decode_layout", "serve"]
 
 LINE = 8  # int64 per control line (64 bytes: one cache line each)
 SEQ, CMD, NREQ, NQ, NKV, WIDTH, LSE, T_PUBLISH = range(8)  # the driver's line
@@ -257,37 +268,49 @@ class ShmRegion:
                 pass
 
 
+def bell_paths(region_path: str, rank: int) -> tuple[str, str]:
+    """The doorbells of rank ``rank`` next to the region's file: driver -> rank, rank -> driver."""
+    return f"{region_path}.go{rank}", f"{region_path}.done{rank}"
+
+
 def serve(region: ShmRegion, rank: int, step: Callable[[dict[str, Any]], None], spin_s: float) -> str:
-    """Rank ``rank``'s loop: wait for a new sequence number, run ``step(region.step_views(rank))``,
-    bump the done counter. Spins for ``spin_s`` after a step, then polls with sleeps of 5% of the
-    idle time (20 us to 200 us: a step that comes after a long pause starts late by 0.2 ms at
-    most). Returns when told to stop, or after writing a step's exception (the error text, then
-    the flag). Records when it saw each step (``MARKS["seen"]``)."""
+    """Rank ``rank``'s loop: wait for its doorbell, run ``step(region.step_views(rank))``, write the
+    done counter and ring the driver's doorbell. Spins on the doorbell for ``spin_s`` after a step,
+    then sleeps in ``select`` until it rings. Returns when told to stop, or after writing a step's
+    exception (the error text, then the flag, then the doorbell). Records when it saw each step
+    (``MARKS["seen"]``)."""
     ctrl, line = region.ctrl, region.rank_line(rank)
-    seen = int(ctrl[SEQ])
+    go_path, done_path = bell_paths(region.path, rank)
+    go, done = Doorbell(go_path, create=False), Doorbell(done_path, create=False)
     last = time.perf_counter()
-    while True:
-        seq = int(ctrl[SEQ])
-        if seq == seen:
-            idle = time.perf_counter() - last
-            if idle > spin_s:
-                time.sleep(min(2e-4, max(20e-6, idle / 20)))
-            continue
-        ctrl[line + T_SEEN] = time.monotonic_ns()
-        seen = seq
-        if int(ctrl[CMD]) == STOP:
+    try:
+        while True:
+            seq = go.poll()
+            if seq is None:
+                if time.perf_counter() - last > spin_s:
+                    seq = go.wait(1.0)
+                if seq is None:
+                    continue
+            ctrl[line + T_SEEN] = time.monotonic_ns()  # the doorbell's read ordered every load below
+            if int(ctrl[CMD]) == STOP:
+                ctrl[line + DONE] = seq
+                done.ring(seq)
+                return "stopped"
+            try:
+                step(region.step_views(rank))
+            except BaseException as e:  # the driver names this rank and the cause
+                text = str(e).strip()
+                region.write_error(rank, f"raised {type(e).__name__}: {text.splitlines()[-1] if text else ''}")
+                ctrl[line + FAILED] = 1
+                ctrl[line + DONE] = seq
+                done.ring(seq)
+                return "failed"
             ctrl[line + DONE] = seq
-            return "stopped"
-        try:
-            step(region.step_views(rank))
-        except BaseException as e:  # the driver names this rank and the cause
-            text = str(e).strip()
-            region.write_error(rank, f"raised {type(e).__name__}: {text.splitlines()[-1] if text else ''}")
-            ctrl[line + FAILED] = 1
-            ctrl[line + DONE] = seq
-            return "failed"
-        ctrl[line + DONE] = seq
-        last = time.perf_counter()
+            done.ring(seq)  # after the outputs: the driver's read of it orders its loads after them
+            last = time.perf_counter()
+    finally:
+        go.close()
+        done.close()
 
 
 def region_path() -> str:
@@ -296,11 +319,12 @@ def region_path() -> str:
     return os.path.join(folder, f"shardattn-decode-{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def _unlink(*paths: str) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _put(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -317,8 +341,16 @@ class ShmSteps:
 
     def __init__(self, layout: ShmLayout, spin_s: float = 0.0) -> None:
         self.region = ShmRegion(region_path(), layout, create=True)
-        self._unlink = weakref.finalize(self, _unlink, self.region.path)  # also when the pool is dropped
         self.path, self.world_size, self.spin_s = self.region.path, layout.world_size, float(spin_s)
+        paths = [bell_paths(self.path, r) for r in range(self.world_size)]
+        files = [self.path, *(p for pair in paths for p in pair)]
+        self._unlink = weakref.finalize(self, _unlink, *files)  # also when the pool is dropped
+        try:
+            self._go = [Doorbell(go, create=True) for go, _ in paths]
+            self._done = [Doorbell(done, create=True) for _, done in paths]
+        except OSError:
+            self.close()
+            raise
         self._seq = 0
         self._done_ns = 0
         self._loops: list[Any] = []
@@ -390,7 +422,9 @@ class ShmSteps:
         c[NREQ], c[NQ], c[NKV], c[WIDTH], c[LSE], c[CMD] = b, n_q, n_kv, width, int(step["return_lse"]), DECODE
         self._seq += 1
         c[T_PUBLISH] = time.monotonic_ns()
-        c[SEQ] = self._seq  # last: the ranks read the payload after they see it
+        c[SEQ] = self._seq
+        for bell in self._go:  # after every store of the step: a rank reads them after its doorbell
+            bell.ring(self._seq)
         self._wait(timeout_s)
         self._done_ns = time.monotonic_ns()
         return t["out"][:n_q], t["lse"][:n_q] if step["return_lse"] else None
@@ -408,41 +442,50 @@ class ShmSteps:
         return {"ranks": ranks, "done": (self._done_ns - t0) / 1e6}
 
     def _wait(self, timeout_s: float) -> None:
-        """Spin on the done counters for ``spin_s``, then yield in sleeps of 5% of the wait so far,
-        10 to 50 us (a done counter is seen within 50 us plus the OS's timer slack)."""
+        """Wait for every rank's doorbell of this step: spin on them for ``spin_s``, then sleep in
+        ``select`` (woken by the next one rung; every 20 ms a check that no serve loop ended)."""
         c, seq = self.region.ctrl, self._seq
-        lines = [self.region.rank_line(r) for r in range(self.world_size)]
+        pending = list(range(self.world_size))
         t0 = time.perf_counter()
         next_check = t0 + 0.02
         while True:
-            done = [int(c[ln + DONE]) == seq for ln in lines]
-            for r, ln in enumerate(lines):  # a rank that failed: at once, not when every rank is done
-                if done[r] and c[ln + FAILED]:
+            for r in list(pending):
+                token = self._done[r].poll()
+                while token is not None and token != seq:  # an earlier step's (never expected): skip it
+                    token = self._done[r].poll()
+                if token is None:
+                    continue
+                pending.remove(r)
+                if c[self.region.rank_line(r) + FAILED]:  # a rank that failed: at once, not when all are done
                     raise RankStepError(r, self.region.read_error(r))
-            if all(done):
+            if not pending:
                 return
             now = time.perf_counter()
             if now - t0 > timeout_s:
-                pending = [r for r, d in enumerate(done) if not d]
                 raise RankStepError(pending[0], f"ranks {pending} did not answer within {timeout_s:g} s (hung or dead)")
-            if now >= next_check and self._loops:  # a dead rank never bumps its counter
+            if now >= next_check and self._loops:  # a dead rank never rings
                 next_check = now + 0.02
                 ended = self._ended_loops()
                 if ended is not None:
                     raise ended
             if now - t0 > self.spin_s:
-                time.sleep(min(50e-6, max(10e-6, (now - t0) / 20)))
+                wait_any([self._done[r] for r in pending], min(next_check - now, t0 + timeout_s - now) + 1e-4)
 
     def stop(self, wait_s: float = 2.0) -> None:
-        """Tell the serve loops to return, and wait for them (best effort)."""
-        if not self._loops:
-            return
-        import ray
-
+        """Tell the serve loops to return, and wait for their actor calls (best effort)."""
         c = self.region.ctrl
         c[CMD] = STOP
         self._seq += 1
         c[SEQ] = self._seq
+        for bell in self._go:
+            try:
+                bell.ring(self._seq)
+            except (OSError, ValueError):  # closed already, or the pipe is full of a dead rank's tokens
+                pass
+        if not self._loops:
+            return
+        import ray
+
         try:
             ray.wait(self._loops, num_returns=len(self._loops), timeout=wait_s)
         except Exception:
@@ -450,8 +493,10 @@ class ShmSteps:
         self._loops = []
 
     def close(self) -> None:
-        """Unlink the region's file (the mappings go with their processes)."""
+        """Unlink the region's file and the doorbells (the mappings go with their processes)."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.region.close(unlink=True)
-        self._unlink.detach()
+        for bell in [*getattr(self, "_go", []), *getattr(self, "_done", [])]:
+            bell.close(unlink=True)
+        self._unlink()

@@ -1,0 +1,72 @@
+"""What the soaks measure about a process over a run, in memory that does not grow with the run.
+
+``benchmarks/soak_pool.py`` and ``benchmarks/soak_runtime.py`` share these: the process's RSS, its
+live torch tensors (after a collection), memory growth between the start and the end of a run
+after its warm-up, and step times in a fixed histogram (a soak must not grow by its own records).
+
+>>> h = LogHistogram()
+>>> for ms in (1.0, 2.0, 3.0, 100.0):
+...     h.add(ms / 1e3)
+>>> round(h.quantile(0.5) * 1e3, 1), h.n
+(2.0, 4)
+>>> growth_pct([100, 100, 100, 101, 101, 101])
+1.0
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import warnings
+
+import numpy as np
+import torch
+
+__all__ = ["LogHistogram", "growth_pct", "live_tensors", "rss_bytes"]
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident set size of a process (``/proc/<pid>/statm``), in bytes."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def live_tensors() -> int:
+    """Live torch tensors in this process, after a collection."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on every object touches deprecated torch attributes
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def growth_pct(values: list[float], window: int = 3) -> float | None:
+    """Growth (%) of the median of the last ``window`` samples over the median of the first
+    ``window`` (``None`` with fewer than ``2 * window`` samples)."""
+    if len(values) < 2 * window:
+        return None
+    first, last = statistics.median(values[:window]), statistics.median(values[-window:])
+    return 100.0 * (last - first) / first if first else None
+
+
+class LogHistogram:
+    """Durations in constant memory: 100 bins a decade from 10 us to 1000 s; quantiles to within
+    2.3 % (the upper edge of the quantile's bin)."""
+
+    LO, PER_DECADE, DECADES = 1e-5, 100, 8
+
+    def __init__(self) -> None:
+        self.bins = np.zeros(self.PER_DECADE * self.DECADES + 1, dtype=np.int64)
+        self.n = 0
+
+    def add(self, seconds: float) -> None:
+        i = int(np.log10(max(seconds, self.LO) / self.LO) * self.PER_DECADE)
+        self.bins[min(i, self.bins.size - 1)] += 1
+        self.n += 1
+
+    def quantile(self, q: float) -> float:
+        """The ``q`` quantile in seconds (NaN when empty)."""
+        if not self.n:
+            return float("nan")
+        i = int(np.searchsorted(np.cumsum(self.bins), q * self.n))
+        return self.LO * 10 ** ((i + 1) / self.PER_DECADE)

@@ -1,0 +1,54 @@
+"""Which ranks of a group share a host: one exchange of host identities -> a :class:`~shardattn.plan.nodes.NodeLayout`.
+
+A rank's host identity is its host name and the kernel's boot id (``/proc/sys/kernel/random/boot_id``
+on Linux): two ranks with the same identity run on one host (their GPUs talk over NVLink), others
+talk over the network. A launcher may know better and pass its own identity: under ``torchrun``
+the agent's node rank (``GROUP_RANK``), so two agents started on one machine count as two nodes
+(``shardattn.launch`` does this; tests use it to run a two-node group on one host).
+
+:func:`exchange_node_layout` all-gathers one 63-bit hash of each rank's identity (on its own
+:class:`~shardattn.parallel.comm.Comm`, so the caller's collective counts are untouched) and
+returns the layout, the same on every rank. The Runtime calls it once, at construction.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.parallel.groups import GroupLike
+from shardattn.plan.nodes import NodeLayout
+
+__all__ = ["exchange_node_layout", "host_identity"]
+
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def host_identity() -> str:
+    """This process's host: ``"<host name>/<boot id>"`` (the boot id is empty where the OS has none)."""
+    try:
+        boot = _BOOT_ID.read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def exchange_node_layout(group: GroupLike | Comm, host_id: str | None = None) -> NodeLayout:
+    """The node of every rank of ``group``: one all-gather of host identities (every rank calls it).
+
+    Args:
+        group: the process group (a ``ProcessGroup``, a 1-D ``DeviceMesh``, ``(mesh, dim name)``,
+            or a :class:`~shardattn.parallel.comm.Comm`, whose counts it leaves alone).
+        host_id: this rank's host identity (default :func:`host_identity`); ranks passing equal
+            strings share a node.
+    Returns:
+        the :class:`~shardattn.plan.nodes.NodeLayout`, equal on every rank.
+    """
+    if host_id is not None and not isinstance(host_id, str):
+        raise TypeError(f"host_id must be a str or None, got {type(host_id).__name__}")
+    comm = Comm(group.group if isinstance(group, Comm) else group)
+    if comm.world_size == 1:
+        return NodeLayout.single(1)
+    key = stable_fingerprint("host", host_identity() if host_id is None else host_id)
+    return NodeLayout.from_host_ids([row[0] for row in comm.gather_ints([key])])

@@ -1,0 +1,146 @@
+"""The shared-memory step protocol between processes: every payload a rank reads is the one published.
+
+Two rank processes serve a region (``shardattn.serving.shm``) while the driver publishes
+thousands of steps of random sizes whose queries carry the step's number and a checksum. A rank
+checks, before it answers, that what it read is the step the doorbell announced, whole (sizes,
+marker, checksum); the driver checks every output row. A transport that let a rank (or the
+driver) read before the writer's stores were visible, as an aligned store of a sequence number
+does on Arm CPUs, fails here with the rank's message; a driver that rings before writing its
+payload is caught the same way (the last test shows the check is live on any CPU).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from shardattn.serving.errors import RankStepError
+from shardattn.serving.shm import SEQ, ShmRegion, ShmSteps, decode_layout, serve
+
+RANKS, HEADS_PER_RANK, D, DV, TOPK, MAX_T = 2, 2, 24, 16, 4, 32
+
+
+def _layout() -> Any:
+    return decode_layout(
+        RANKS, max_tokens=MAX_T, max_requests=MAX_T, table_width=1, heads_per_rank=HEADS_PER_RANK, head_dim=D,
+        v_dim=DV, dtype=torch.float32, topk=TOPK, kv_rows=[((D,), torch.float32)],
+    )  # fmt: skip
+
+
+def _checksum(q: torch.Tensor) -> int:
+    return int(q.contiguous().view(torch.int32).to(torch.int64).sum()) & 0x7FFFFFFF
+
+
+def _checked_step(region: ShmRegion) -> Any:
+    def step(views: dict[str, Any]) -> None:
+        """Check the step is whole and the announced one, then answer: out = 2 q, lse = its number."""
+        _, n_q, _ = views["sizes"]
+        seq = int(region.ctrl[SEQ])
+        q, topk = views["q"], views["topk"]
+        marks = q[:, :, 0].unique().tolist()
+        if marks != [float(seq)]:
+            raise ValueError(f"payload of step {seq}: query markers {marks[:4]}")
+        if topk[:, 1].unique().tolist() != [n_q]:
+            raise ValueError(f"payload of step {seq}: sizes {n_q} but rows say {topk[:, 1].unique().tolist()[:4]}")
+        if int(topk[0, 0]) != _checksum(q[:, :, 1:]):
+            raise ValueError(f"payload of step {seq}: checksum {_checksum(q[:, :, 1:])} != {int(topk[0, 0])}")
+        views["out"].copy_(2 * q[:, views["heads"], :DV])
+        views["lse"].fill_(float(seq))
+
+    return step
+
+
+def _rank_main(path: str, layout: Any, rank: int, spin_s: float, ready: Any) -> None:
+    torch.set_num_threads(1)
+    region = ShmRegion(path, layout, create=False)
+    ready.release()
+    serve(region, rank, _checked_step(region), spin_s)
+
+
+class _Ranks:
+    """A region and its rank processes (spawned; they serve until stopped). Rank ``r`` spins
+    ``spins[r]`` seconds on its doorbell after a step before it sleeps (both ways of waking)."""
+
+    def __init__(self, spins: tuple[float, ...] = (2e-4, 0.0)) -> None:
+        self.steps = ShmSteps(_layout(), spin_s=0.0)
+        ctx = mp.get_context("spawn")
+        ready = ctx.Semaphore(0)
+        args = (self.steps.path, _layout())
+        self.procs = [
+            ctx.Process(target=_rank_main, args=(*args, r, spins[r], ready), daemon=True) for r in range(RANKS)
+        ]
+        for p in self.procs:
+            p.start()
+        for _ in self.procs:
+            assert ready.acquire(timeout=60), "a rank process did not start"
+
+    def close(self) -> list[int | None]:
+        self.steps.stop()
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self.steps.close()
+        return [p.exitcode for p in self.procs]
+
+
+def _payload(gen: torch.Generator, seq: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.randn(n, RANKS * HEADS_PER_RANK, D, generator=gen)
+    q[:, :, 0] = float(seq)
+    topk = torch.full((n, TOPK), n, dtype=torch.int32)
+    topk[0, 0] = _checksum(q[:, :, 1:])
+    return q, topk
+
+
+def _step(q: torch.Tensor, topk: torch.Tensor) -> dict[str, Any]:
+    n = int(q.shape[0])
+    ones = np.ones(n, dtype=np.int64)
+    return {"table": np.zeros((n, 1), dtype=np.int32), "starts": 0 * ones, "counts": 0 * ones, "q_lens": ones,
+            "q": q, "topk": topk, "kv": [], "return_lse": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    r = _Ranks()
+    yield r
+    r.close()  # idempotent: the last test closes them itself
+
+
+def test_every_step_reads_the_payload_published_before_it(ranks: _Ranks) -> None:
+    gen = torch.Generator().manual_seed(11)
+    sizes = torch.randint(1, MAX_T + 1, (2000,), generator=gen).tolist()
+    for n in sizes:
+        seq = ranks.steps._seq + 1
+        q, topk = _payload(gen, seq, n)
+        out, lse = ranks.steps.run(_step(q, topk), timeout_s=60.0)
+        assert torch.equal(out, 2 * q[..., :DV]), f"step {seq}: outputs are not the step's"
+        assert torch.equal(lse, torch.full_like(lse, float(seq))), f"step {seq}: lse"
+
+
+def test_a_driver_that_rings_before_writing_its_payload_is_caught(ranks: _Ranks) -> None:
+    """Runs last on the module's ranks (they stop): the protocol broken on purpose (the doorbell rung,
+    then the payload written): the ranks read the previous step's payload and say so; the same check
+    catches a CPU that makes the stores visible out of order."""
+    steps = ranks.steps
+    gen = torch.Generator().manual_seed(12)
+    seq = steps._seq + 1
+    q, topk = _payload(gen, seq, 8)
+    steps.run(_step(q, topk), timeout_s=60.0)  # published properly
+    q, topk = _payload(gen, seq + 1, 8)
+    c, t = steps.region.ctrl, steps.region.tensors
+    steps._seq += 1
+    c[SEQ] = steps._seq
+    for bell in steps._go:
+        bell.ring(steps._seq)
+    time.sleep(0.05)  # the ranks read now
+    t["q"][:8].copy_(q)
+    t["topk"][:8].copy_(topk)
+    stale = rf"raised ValueError: payload of step {seq + 1}: query markers \[{seq}\.0\]"
+    with pytest.raises(RankStepError, match=stale):
+        steps._wait(60.0)
+    assert ranks.close() == [0, 0]  # both serve loops returned after raising
