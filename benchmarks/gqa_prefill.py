@@ -9,7 +9,14 @@ back-to-back calls, the median, after ``--warmup`` calls that include FA4's comp
   paged cache, the new keys contiguous);
 * ``step``: :func:`shardattn.parallel.gqa_prefill.gqa_prefill_head_tp` on a one-rank group, given
   the heads one rank of a TP group holds (``--tp``: 64 / 8 heads at TP 1, 8 / 1 at TP 8; every rank
-  of a head-TP step runs this same local call).
+  of a head-TP step runs this same local call);
+* ``runtime``: ``Runtime.prefill`` of a one-rank ``headtp`` Runtime with the same rank shapes, as an
+  engine calls it: planned once (the plan reused by every call, as by an engine's layers), no LSE
+  (``PrefillOptions(return_lse=False)``), the new keys already in the paged cache when there is a
+  prefix (``kv_new=None``: one paged call, FA4 direct's form), else given.
+
+Each row also reports the host time of one call (``host ms``: wall time of issuing the timed calls,
+divided by their number): a row whose host time reaches its GPU time is host-bound.
 
 Each row also checks the op against FA4 (largest difference of the outputs) and the step against
 the op (bit for bit). Records (``--json``, ``benchmarks/records.py``, benchmark ``gqa-prefill``):
@@ -38,6 +45,9 @@ from records import add_json_argument, environment, print_table, record, write_j
 from shardattn.kernels import fa4
 from shardattn.ops.gqa_prefill import gqa_prefill, gqa_prefill_route
 from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp
+from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.options import PrefillOptions
+from shardattn.runtime.runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -58,10 +68,10 @@ GPU_CASES = [
 CPU_CASES = [Case("2x48", 2, 48), Case("2x48 window 5", 2, 48, window_left=5), Case("2x(24 on 40)", 2, 24, 40)]
 
 
-def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn``: on a GPU, CUDA events around each of ``iters`` back-to-back
-    calls (no synchronisation between them, so host work overlaps the device as in a forward pass);
-    on the CPU, wall time of each call."""
+def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> tuple[float, float]:
+    """``(median ms, host ms)`` of ``fn``: on a GPU, CUDA events around each of ``iters`` back-to-back
+    calls (no synchronisation between them, so host work overlaps the device as in a forward pass),
+    and the wall time of issuing them divided by ``iters``; on the CPU, wall time of each call (both)."""
     for _ in range(warmup):
         fn()
     if not cuda:
@@ -70,16 +80,18 @@ def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> 
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return statistics.median(times), statistics.median(times)
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    t0 = time.perf_counter()
     for start, end in zip(starts, ends):
         start.record()
         fn()
         end.record()
+    host = (time.perf_counter() - t0) * 1e3 / iters
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), host
 
 
 def make_inputs(case: Case, heads: int, kv_heads: int, dim: int, page: int, device: str, dtype: torch.dtype) -> dict:
@@ -151,26 +163,49 @@ def run_case(case: Case, args: argparse.Namespace, group: dist.ProcessGroup, tp:
     def step() -> torch.Tensor:  # one rank's shapes of a TP group, on a one-rank group
         return gqa_prefill_head_tp(x["q"], x["k"], x["v"], x["cu"], group, num_kv_heads=kv_heads, **common)
 
+    spec = ModelSpec("gqa", heads, kv_heads, args.dim, args.dim, 0, args.page, has_sinks=True,
+                     dtype=str(dtype).replace("torch.", ""), softmax_scale=scale)  # fmt: skip
+    rt = Runtime(spec, group, mode="headtp", max_batched_tokens=x["q"].shape[0], device=device,
+                 prefill_options=PrefillOptions(return_lse=False))  # fmt: skip
+    lens = [case.new] * case.requests
+    plan = rt.plan_prefill(lens, [case.cached] * case.requests)
+    if case.cached:  # the engine's form: the new keys are in the cache already
+        rt_args = dict(kv_new=None, block_table=x["table"])
+        rt_cache = (x["k_cache"], x["v_cache"])
+    else:
+        rt_args, rt_cache = dict(kv_new=(x["k"], x["v"])), None
+
+    def runtime() -> torch.Tensor:
+        return rt.prefill(x["q"], rt_cache, plan=plan, sinks=x["sinks"], window_left=case.window_left,
+                          check=False, **rt_args)[0]  # fmt: skip
+
     cuda = device == "cuda"
     route = gqa_prefill_route(x["q"], x["k"])
     row = {
         "case": case.name, "tp": tp, "heads": heads, "kv_heads": kv_heads, "head_dim": args.dim, "page": args.page,
         "route": route.path, "route_reason": route.reason,
     }  # fmt: skip
-    row["op_ms"] = median_ms(op, args.warmup, args.iters, cuda)
-    row["step_ms"] = median_ms(step, args.warmup, args.iters, cuda)
+    row["op_ms"], row["op_host_ms"] = median_ms(op, args.warmup, args.iters, cuda)
+    row["step_ms"], row["step_host_ms"] = median_ms(step, args.warmup, args.iters, cuda)
+    row["runtime_ms"], row["runtime_host_ms"] = median_ms(runtime, args.warmup, args.iters, cuda)
     ok, why = fa4.fa4_supports(x["q"], x["k"])
     if ok:
         direct = fa4_direct(x, case, scale)
-        row["fa4_ms"] = median_ms(direct, args.warmup, args.iters, cuda)
+        row["fa4_ms"], row["fa4_host_ms"] = median_ms(direct, args.warmup, args.iters, cuda)
         row["op_vs_fa4_max_abs"] = float((op().float() - direct().float()).abs().max())
+        row["runtime_vs_fa4_max_abs"] = float((runtime().float() - direct().float()).abs().max())
         row["op/fa4"] = row["op_ms"] / row["fa4_ms"]
         row["step/fa4"] = row["step_ms"] / row["fa4_ms"]
+        row["runtime/fa4"] = row["runtime_ms"] / row["fa4_ms"]
         row["fa4_tflops"] = flops(case, heads, args.dim) / row["fa4_ms"] / 1e9
     else:
         row["fa4_missing"] = why
     if not torch.equal(step(), op()):
         raise RuntimeError(f"{case.name} at TP {tp}: the head-TP step's output is not the op's")
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    err = float((runtime().float() - op().float()).abs().max())
+    if err > tol:  # the paged form and the split form round differently; both are checked against an oracle
+        raise RuntimeError(f"{case.name} at TP {tp}: the Runtime's output differs from the op's by {err:.2e}")
     return row
 
 
@@ -183,6 +218,11 @@ def records_of(rows: list[dict], env: dict) -> list[dict]:
         base = ("FA4 called directly, same run", r["fa4_ms"]) if "fa4_ms" in r else None
         out.append(record("gqa-prefill", config, "op ms", r["op_ms"], "ms", "lower", base, env))
         out.append(record("gqa-prefill", config, "head-TP step ms", r["step_ms"], "ms", "lower", base, env))
+        out.append(record("gqa-prefill", config, "Runtime.prefill ms", r["runtime_ms"], "ms", "lower", base, env))
+        for what in ("op", "step", "runtime", "fa4"):
+            if f"{what}_host_ms" in r:
+                host = f"{what} host ms per call"
+                out.append(record("gqa-prefill", config, host, r[f"{what}_host_ms"], "ms", "lower", None, env))
     return out
 
 

@@ -13,7 +13,11 @@ conversions (LSE layout, window tuple, page-table clamping, key offsets) are exe
 * returns ``(out [T, H, D] in q's dtype, lse [H, T] fp32 natural log)``.
 
 It also asserts what FA4 asserts (int32 metadata, shapes) and what its cp.async path needs (every
-page-table entry inside the cache), and records each call's keyword arguments in ``calls``.
+page-table entry inside the cache), records each call's keyword arguments in ``calls``, and keeps
+in ``compiled`` the compile key FA4 would form for each call (the parts of ``_flash_attn_fwd``'s key
+the library's calls can change: dtype, head dim, query heads per KV head, causal / local, sinks,
+LSE or not, ``cu_seqlens_k`` / ``seqused_k`` / ``page_table`` given, TMA pages (page size 128 at
+head_dim 64 on SM90), more than 256 sequences), so a test can count what a real FA4 compiles.
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ import torch
 
 
 class FakeFA4:
-    """Callable like ``flash_attn_varlen_func``; ``calls`` lists each call's keyword arguments."""
+    """Callable like ``flash_attn_varlen_func``; ``calls`` lists each call's keyword arguments.
 
-    def __init__(self) -> None:
+    ``compute=False`` checks the arguments and records the call and its compile key, but returns
+    zeros (for tests of which kernels run, not of their values)."""
+
+    def __init__(self, compute: bool = True) -> None:
+        self.compute = compute
         self.calls: list[dict] = []
+        self.compiled: set[tuple] = set()
 
     def __call__(
         self,
@@ -53,8 +62,18 @@ class FakeFA4:
                 sink=learnable_sink is not None,
                 return_lse=return_lse,
                 segments=cu_seqlens_q.numel() - 1,
+                seqused=seqused_k is not None,
             )
         )
+        local = window_size[0] is not None
+        self.compiled.add(
+            (
+                q.dtype, q.shape[-1], q.shape[1] // k.shape[-2], causal and not local, local,
+                learnable_sink is not None, return_lse, cu_seqlens_k is None, seqused_k is None,
+                page_table is not None, page_table is not None and k.shape[1] == 128,
+                cu_seqlens_q.numel() - 1 > 256,
+            )
+        )  # fmt: skip
         assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
         for t in (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
             assert t is None or (t.dtype == torch.int32 and t.is_contiguous())
@@ -69,9 +88,12 @@ class FakeFA4:
             page = k.shape[1]
         else:
             assert cu_seqlens_k is not None and cu_seqlens_k.shape == (batch + 1,)
-        assert seqused_k is not None and seqused_k.shape == (batch,)
+        assert page_table is None or seqused_k is not None, "paged keys take their lengths from seqused_k"
+        assert seqused_k is None or seqused_k.shape == (batch,)
         if learnable_sink is not None:
             assert learnable_sink.shape == (heads,)
+        if not self.compute:
+            return q.new_zeros(q.shape), torch.zeros(heads, t_q) if return_lse else None
         left, right = window_size
         if causal:
             right = 0
@@ -80,7 +102,7 @@ class FakeFA4:
         out = torch.zeros(t_q, heads, v.shape[-1], dtype=torch.float64)
         lse = torch.full((heads, t_q), -math.inf, dtype=torch.float64)
         cu_q = cu_seqlens_q.tolist()
-        used = seqused_k.tolist()
+        used = (seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
         for b in range(batch):
             m, n_keys = cu_q[b + 1] - cu_q[b], used[b]
             if page_table is not None:

@@ -30,7 +30,7 @@ def _replace(module: object, name: str, fn: object) -> None:
 
 def _oracle() -> None:
     from shardattn.launch import prepare, workloads
-    from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
+    from tests.oracle import gqa_oracle, gqa_prefill_oracle, sparse_mla_oracle, topk_rows_oracle
 
     def sparse_mla_reference(q, kv, rows, *, scale, v_dim, **kw):
         out, lse = sparse_mla_oracle(q, kv, rows, scale=scale, v_dim=v_dim, **kw)
@@ -40,12 +40,21 @@ def _oracle() -> None:
         out, lse = gqa_oracle(q, k_cache, v_cache, block_table, seq_lens, cu_q_lens.tolist(), scale=scale, **kw)
         return out.to(q.device), lse.to(q.device)
 
+    def gqa_prefill(q, k, v, cu, *, k_cache, v_cache, block_table, prefix_lens, sinks, scale, **kw):
+        lens = (cu[1:] - cu[:-1]).tolist()
+        out, lse = gqa_prefill_oracle(
+            q, k, v, lens, scale=scale, prefix_lens=prefix_lens.tolist(), k_cache=k_cache, v_cache=v_cache,
+            block_table=block_table.cpu(), sinks=sinks,
+        )  # fmt: skip
+        return out.to(q.device), lse.to(q.device)
+
     def convert_topk(topk_pos, req_ids, block_table, *, block_size, **kw):
         rows = topk_rows_oracle(topk_pos, req_ids, block_table, block_size=block_size, **kw).to(topk_pos.device)
         return rows, (rows >= 0).sum(dim=1, dtype=torch.int32)
 
     _replace(prepare, "sparse_mla_reference", sparse_mla_reference)
     _replace(prepare, "gqa_paged_decode_reference", gqa_paged_decode_reference)
+    _replace(prepare, "gqa_prefill", gqa_prefill)
     _replace(workloads, "convert_topk", convert_topk)
 
 

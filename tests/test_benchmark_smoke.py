@@ -238,6 +238,7 @@ def test_gqa_prefill_cpu_run_checks_the_step_and_records(tmp_path: Path) -> None
                  "--json", str(out)])  # fmt: skip
     assert "FA4 not timed: FA4 needs CUDA tensors" in text and "GQA prefill" in text
     recs = _records(out)
-    assert len(recs) == 12 and {r["metric"] for r in recs} == {"op ms", "head-TP step ms"}
+    host = {f"{w} host ms per call" for w in ("op", "step", "runtime")}  # no FA4 on a CPU: no fa4 row
+    assert len(recs) == 36 and {r["metric"] for r in recs} == {"op ms", "head-TP step ms", "Runtime.prefill ms", *host}
     assert {r["config"]["case"] for r in recs} == {"2x48", "2x48 window 5", "2x(24 on 40)"}
     assert all(r["benchmark"] == "gqa-prefill" and r["baseline"] is None for r in recs)

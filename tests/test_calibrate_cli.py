@@ -64,7 +64,8 @@ def _degenerate_body(group) -> dict:
 
     def fake_paths(group, spec, *, tokens, **kw) -> dict:  # ShardQ "faster than its kernel"
         ms = {"kernel": 5.0, "kernel_headtp": 4.0, "headtp": 4.5, "shardq": 4.0}
-        return {"ms": ms, "rank_tokens": tokens // dist.get_world_size(group)}
+        world = dist.get_world_size(group)
+        return {"ms": ms, "rank_tokens": tokens // world, "ranks_per_node": world}  # one host
 
     real, cal_main.measure_paths = cal_main.measure_paths, fake_paths
     records: list[str] = []

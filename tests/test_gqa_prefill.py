@@ -4,6 +4,7 @@ route and its reasons; the FA4 adapter's boundary conversions and warm-up; FA4 o
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from shardattn.kernels import fa4
 from shardattn.ops.gqa_prefill import fa4_variants, gqa_prefill, gqa_prefill_route
 from shardattn.ops.gqa_prefill_reference import segment_attention_reference
-from shardattn.ops.gqa_prefill_segments import FA4SegmentKernel, PagedPrefix, Segments, attend_segments
+from shardattn.ops.gqa_prefill_segments import FA4SegmentKernel, PagedPrefix, Segments, attend_segments, plan_segments
 from tests.fake_fa4 import FakeFA4
 from tests.oracle import gqa_prefill_oracle
 
@@ -94,6 +95,32 @@ def oracle(x: dict, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     )  # fmt: skip
 
 
+def keys_in_cache(x: dict, case: Case, seed: int = 9) -> dict:
+    """``x`` with a new paged cache (fresh shuffled pages, junk elsewhere) holding every request's
+    prefix followed by its new tokens' keys: what an engine's cache write leaves before attention."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = list(case.prefix_lens or [0] * len(case.seq_lens))
+    need = [-(-(p + n) // case.page) for p, n in zip(prefix, case.seq_lens)]
+    pages = sum(need) + 1
+    order = torch.randperm(pages, generator=g).tolist()
+    table = torch.full((len(need), max(need) + 1), -1, dtype=torch.int32)
+    shape = (pages, case.page, case.hkv, case.d)
+    kc, vc = torch.randn(shape, generator=g).to(x["q"].dtype), torch.randn(shape, generator=g).to(x["q"].dtype)
+    cu = x["cu"].tolist()
+    for b, n in enumerate(need):
+        for j in range(n):
+            table[b, j] = order.pop()
+        for t in range(prefix[b] + case.seq_lens[b]):
+            page, slot = table[b, t // case.page], t % case.page
+            if t < prefix[b]:
+                old = x["block_table"][b, t // case.page]
+                kc[page, slot], vc[page, slot] = x["k_cache"][old, slot], x["v_cache"][old, slot]
+            else:
+                kc[page, slot], vc[page, slot] = x["k"][cu[b] + t - prefix[b]], x["v"][cu[b] + t - prefix[b]]
+    lens = torch.tensor(prefix, dtype=torch.int32)
+    return x | {"k_cache": kc, "v_cache": vc, "block_table": table, "prefix_lens": lens}
+
+
 def assert_close(got: tuple, want: tuple, atol: float, what: str) -> None:
     out, lse = got
     out64, lse64 = want
@@ -111,6 +138,27 @@ def test_reference_path_equals_oracle(case: Case) -> None:
     got = gqa_prefill(x["q"], x["k"], x["v"], x["cu"], **op_kwargs(x, case))
     assert got[1].is_contiguous()
     assert_close(got, oracle(x, case), 2e-5, case.name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_keys_in_cache_equal_oracle(case: Case) -> None:
+    """``k = v = None``: the new keys already in the paged cache, one paged call (reference path and
+    the FA4 stand-in), against the oracle of the same attention."""
+    x = make_case(case)
+    cached = keys_in_cache(x, case)
+    kw = op_kwargs(cached, case)
+    got = gqa_prefill(x["q"], None, None, x["cu"], **kw)
+    assert_close(got, oracle(x, case), 2e-5, case.name)
+    xb = make_case(case, torch.bfloat16, seed=2)
+    cached = keys_in_cache(xb, case)
+    fake = FakeFA4()
+    prefix = PagedPrefix(cached["k_cache"], cached["v_cache"], cached["block_table"], cached["prefix_lens"], 10**6)
+    got = attend_segments(
+        xb["q"], None, None, Segments.for_requests(xb["cu"]), kernel=FA4SegmentKernel(fake), prefix=prefix,
+        window_left=case.window_left, sinks=xb["sinks"], scale=xb["scale"],
+    )  # fmt: skip
+    assert_close(got, oracle(xb, case), 2e-2, case.name)
+    assert [c["paged"] for c in fake.calls] == [True] * bool(sum(case.seq_lens))
 
 
 @pytest.mark.parametrize("case", CASES[2:4] + CASES[7:10], ids=[c.name for c in CASES[2:4] + CASES[7:10]])
@@ -197,17 +245,56 @@ def test_warm_up_runs_every_variant_with_the_real_argument_forms() -> None:
     variants = fa4_variants(
         dtype=torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=16, sinks=True, page_size=4, max_segments=300
     )
-    assert len(variants) == 6
-    fake = FakeFA4()
-    assert fa4.warm_up([*variants, variants[0]], "cpu", fn=fake) == 6
+    assert len(variants) == len(set(variants)) == 12
+    fake = FakeFA4(compute=False)
+    assert fa4.warm_up([*variants, variants[0]], "cpu", fn=fake) == 12
+    assert len(fake.compiled) == 12  # each variant is its own compile key
     seen = {
-        (c["paged"], c["causal"], c["window_size"][0] is not None, c["sink"], c["segments"] > 256) for c in fake.calls
+        (c["paged"], c["causal"], c["window_size"][0] is not None, c["sink"], c["return_lse"], c["seqused"])
+        for c in fake.calls
     }
     assert seen == {
-        (False, True, False, True, False), (False, True, True, True, False), (True, False, False, False, False),
-        (False, True, False, True, True), (False, True, True, True, True), (True, False, False, False, True),
+        (False, True, False, True, True, False), (True, True, False, True, True, True),
+        (False, True, True, True, True, False), (False, True, True, True, True, True),
+        (True, True, True, True, True, True), (True, False, False, False, True, True),
     }  # fmt: skip
-    assert all(c["return_lse"] for c in fake.calls)
+    assert {c["segments"] > 256 for c in fake.calls} == {False, True}
+
+
+def test_every_call_form_is_a_warmed_variant() -> None:
+    """Whatever form a call takes (new keys given or in the cache, a prefix split or copied, a
+    window, PCP's runs, with or without the LSE), its FA4 compile key is one the warm-up compiled."""
+    for return_lse, runs, case in itertools.product((False, True), (False, True), CASES):
+        if not case.sinks or sum(case.seq_lens) == 0:
+            continue
+        fake = FakeFA4(compute=False)
+        variants = fa4_variants(
+            dtype=torch.bfloat16, num_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d, sinks=True,
+            page_size=case.page, return_lse=return_lse, runs=runs,
+        )  # fmt: skip
+        fa4.warm_up(variants, "cpu", fn=fake)
+        warmed = set(fake.compiled)
+        x = make_case(case, torch.bfloat16, seed=5)
+        seg = _two_runs_per_request(list(case.seq_lens), case.prefix_lens) if runs else Segments.for_requests(x["cu"])
+        prefix = None
+        if case.prefix_lens is not None:
+            prefix = PagedPrefix(x["k_cache"], x["v_cache"], x["block_table"], x["prefix_lens"], 10**6)
+        kw = dict(kernel=FA4SegmentKernel(fake), prefix=prefix, window_left=case.window_left, sinks=x["sinks"],
+                  scale=x["scale"], return_lse=return_lse)  # fmt: skip
+        attend_segments(x["q"], x["k"], x["v"], seg, **kw)
+        if prefix is not None:  # keys in the cache: the paged form (the values are not the new keys: no check)
+            attend_segments(x["q"], None, None, seg, **kw)
+        assert fake.compiled <= warmed, (case.name, return_lse, runs, fake.compiled - warmed)
+
+
+def _two_runs_per_request(seq_lens: list[int], prefix_lens: tuple[int, ...] | None) -> Segments:
+    """Segments of the new tokens, each request cut into two runs (token order kept)."""
+    prefix = [0] * len(seq_lens) if prefix_lens is None else list(prefix_lens)
+    runs = []
+    for b, (n, p) in enumerate(zip(seq_lens, prefix)):
+        half = n // 2
+        runs += [(b, p, p + half), (b, p + half, p + n)]
+    return plan_segments(seq_lens, prefix, "cpu", runs=runs)
 
 
 # -- GPU: FA4 itself against the oracle ------------------------------------------------------------

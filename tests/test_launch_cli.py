@@ -63,7 +63,7 @@ CPU = torch.device("cpu")
         (["--topk", "4096"], 2, r"--topk 4096 is larger than the KV cache of the longest request \(256 tokens\)"),
         (["--mode", "dcp-decode", "--topk", "200", "--cached", "150"], 2, r"longest request \(151 tokens\)"),
         (["--preset", "llama"], 2, r"unknown model preset 'llama'; known presets: deepseek-v32, glm5, gqa-64-8"),
-        (["--preset", "gqa-64-8", "--mode", "mixed"], 2, r"--mode mixed needs a sparse-MLA preset"),
+        (["--preset", "gqa-64-8", "--mode", "shardq"], 2, r"--mode shardq needs a sparse-MLA preset"),
         (["--fail-rank", "2"], 2, r"--fail-rank 2 is not a rank of this world of 2"),
         (["--tokens", "3", "--requests", "4"], 2, r"--tokens 3 gives some of the 4 requests no new token"),
         (["--topk-file", "/nonexistent/x.pt"], 2, r"--topk-file /nonexistent/x.pt: no such file"),

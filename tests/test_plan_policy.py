@@ -261,11 +261,18 @@ def test_dcp_never_raises_a_level():
                 assert dcp <= min(base, CGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
 
 
+def test_gqa_prefill_on_fa4_is_never_captured():
+    for mode in ("prefill", "pcp", "decode"):
+        level, why = explain_cudagraph_support(mode, "fa4", head_dim=64)
+        assert level == CGSupport.NEVER, (mode, why)
+    assert "allocates outputs per call" in explain_cudagraph_support("prefill", "fa4", head_dim=64)[1]
+
+
 @pytest.mark.parametrize(
     ("call", "exc", "match"),
     [
         (lambda: cudagraph_support("mixed", "triton", head_dim=64), ValueError, "mode must be one of"),
-        (lambda: cudagraph_support("decode", "fa4", head_dim=64), ValueError, "kernel must be one of"),
+        (lambda: cudagraph_support("decode", "flashmla", head_dim=64), ValueError, "kernel must be one of"),
         (lambda: cudagraph_support("decode", "triton", head_dim=0), ValueError, "head_dim must be >= 1"),
         (lambda: cudagraph_support("decode", "triton", head_dim=64, dcp_size=0), ValueError, "dcp_size must be"),
         (lambda: cudagraph_support("decode", "triton", head_dim=64, non_causal=None), TypeError, "non_causal"),

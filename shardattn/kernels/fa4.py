@@ -37,8 +37,11 @@ What this adapter relies on, read from the source of flash-attn-4 4.0.0b36
   process (2-3 s on an H200); sequence lengths, offsets, the window width and the scale are
   runtime values. :func:`warm_up` compiles the keys of given :class:`FA4Variant` s.
 
-Calls here always ask for the LSE (one compile key fewer; an fp32 ``[H, T]`` write) and never pass
-``max_seqlen_q``, so the compiled kernel does not depend on how long the sequences are.
+Calls here never pass ``max_seqlen_q`` (on SM90 it changes no kernel; without it the compiled kernel
+does not depend on how long the sequences are). They ask for the LSE only when the caller needs it
+(a merge of partials, or a returned LSE), and pass ``seqused_k`` only when the key ranges are not
+``cu_seqlens_k``'s own (PCP runs, a prefix tail, paged keys): the call of whole requests over their
+own new keys without an LSE is the call an engine makes of FA4 directly, the same compile key.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ __all__ = [
     "compiled_count",
     "fa4_paged",
     "fa4_supports",
+    "fa4_unsupported_reason",
     "fa4_varlen",
     "get_fa4",
     "lse_tokens_major",
@@ -92,6 +96,29 @@ def _head_dim_reason(head_dim: int, major: int) -> str | None:
     return None
 
 
+def fa4_unsupported_reason(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FA4 does not run a prefill of ``dtype`` queries and keys of ``head_dim`` on ``device``
+    (``None``: it does). No tensor needed (a Runtime asks once for its config); no device sync.
+
+    >>> fa4_unsupported_reason("cpu", torch.bfloat16, 64)
+    "FA4 needs CUDA tensors, got device type 'cpu'"
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"FA4 needs CUDA tensors, got device type {device.type!r}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in FA4_SM_MAJORS:
+        return f"FA4 is routed on SM90 and SM100, this GPU is SM{major}{minor}"
+    if dtype not in FA4_DTYPES:
+        return f"FA4 needs fp16/bf16 q and k of one dtype, got {dtype}"
+    why = _head_dim_reason(head_dim, major)
+    if why is not None:
+        return why
+    if get_fa4() is None:
+        return _load()[1]
+    return None
+
+
 def fa4_supports(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, str]:
     """Whether FA4 runs a prefill of these tensors here, and why (or why not). No device sync.
 
@@ -103,18 +130,12 @@ def fa4_supports(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, str]:
     >>> fa4_supports(torch.zeros(2, 4, 64), torch.zeros(2, 1, 64))
     (False, "FA4 needs CUDA tensors, got device type 'cpu'")
     """
-    if q.device.type != "cuda" or not torch.cuda.is_available():
-        return False, f"FA4 needs CUDA tensors, got device type {q.device.type!r}"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major not in FA4_SM_MAJORS:
-        return False, f"FA4 is routed on SM90 and SM100, this GPU is SM{major}{minor}"
-    if q.dtype not in FA4_DTYPES or k.dtype != q.dtype:
+    if k.dtype != q.dtype:
         return False, f"FA4 needs fp16/bf16 q and k of one dtype, got {q.dtype} and {k.dtype}"
-    why = _head_dim_reason(q.shape[-1], major)
+    why = fa4_unsupported_reason(q.device, q.dtype, q.shape[-1])
     if why is not None:
         return False, why
-    if get_fa4() is None:
-        return False, _load()[1]
+    major, minor = torch.cuda.get_device_capability(q.device)
     return True, f"FA4 (flash-attn-cute) on SM{major}{minor}, head_dim {q.shape[-1]}"
 
 
@@ -156,33 +177,40 @@ def _run(
     *,
     cu_q: torch.Tensor,
     cu_k: torch.Tensor | None,
-    k_len: torch.Tensor,
+    k_len: torch.Tensor | None,
     page_table: torch.Tensor | None,
     causal: bool,
     window_left: int,
     sinks: torch.Tensor | None,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     t, h, _ = q.shape
     if t == 0:
-        return q.new_zeros(0, h, v.shape[-1]), torch.zeros(0, h, dtype=torch.float32, device=q.device)
+        lse = torch.zeros(0, h, dtype=torch.float32, device=q.device) if return_lse else None
+        return q.new_zeros(0, h, v.shape[-1]), lse
     fn = get_fa4() if fn is None else fn
     with torch.no_grad():  # inference: FA4's autograd function saves nothing then
         out, lse = fn(
             q,
             k,
             v,
-            cu_seqlens_q=cu_q.to(torch.int32).contiguous(),
+            cu_seqlens_q=_int32(cu_q),
             cu_seqlens_k=cu_k,
-            seqused_k=k_len.to(torch.int32).contiguous(),
+            seqused_k=None if k_len is None else _int32(k_len),
             page_table=page_table,
             softmax_scale=float(scale),
             causal=bool(causal),
             window_size=_window(window_left),
             learnable_sink=None if sinks is None else sinks.detach().float().contiguous(),
-            return_lse=True,
+            return_lse=return_lse,
         )
-    return out, lse_tokens_major(lse)
+    return out, (lse_tokens_major(lse) if return_lse else None)
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous int32 tensor (itself when it is one: no launch)."""
+    return x if x.dtype == torch.int32 and x.is_contiguous() else x.to(torch.int32).contiguous()
 
 
 def fa4_varlen(
@@ -191,33 +219,34 @@ def fa4_varlen(
     v: torch.Tensor,
     cu_q: torch.Tensor,
     cu_k: torch.Tensor,
-    k_len: torch.Tensor,
+    k_len: torch.Tensor | None,
     *,
     causal: bool,
     window_left: int,
     sinks: torch.Tensor | None,
     scale: float,
+    return_lse: bool = True,
     fn: Callable | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FA4 over segments of contiguous keys (arguments validated by the caller).
 
     Segment ``s`` holds query rows ``[cu_q[s], cu_q[s + 1])`` and keys ``[cu_k[s], cu_k[s] +
-    k_len[s])`` of ``k`` / ``v`` (ranges may overlap; ``cu_k[S]`` is not read); masks bottom-right
-    aligned (module docstring).
+    k_len[s])`` of ``k`` / ``v`` (ranges may overlap; ``cu_k[S]`` is not read), or, with ``k_len``
+    ``None``, keys ``[cu_k[s], cu_k[s + 1])``; masks bottom-right aligned (module docstring).
 
     Args:
         q: ``[T, H, D]`` fp16/bf16; k, v: ``[Tk, Hkv, D]`` in q's dtype (last dim contiguous).
-        cu_q, cu_k: ``[S + 1]`` int32; k_len: ``[S]`` int32, all on q's device.
+        cu_q, cu_k: ``[S + 1]`` int32; k_len: ``[S]`` int32 or ``None``, all on q's device.
         causal, window_left (``-1`` = none), sinks (``[H]`` fp32 or None), scale: the masks and softmax.
+        return_lse: compute the LSE (``False``: FA4's variant without one; ``None`` is returned).
         fn: the FA4 function (default: :func:`get_fa4`); tests pass a stand-in.
     Returns:
-        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log)``, the LSE a transposed view
-        of FA4's ``[H, T]`` buffer (:func:`lse_tokens_major`).
+        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log or None)``, the LSE a
+        transposed view of FA4's ``[H, T]`` buffer (:func:`lse_tokens_major`).
     """
-    cu_k = cu_k.to(torch.int32).contiguous()
     return _run(
-        fn, q, k, v, cu_q=cu_q, cu_k=cu_k, k_len=k_len, page_table=None, causal=causal,
-        window_left=window_left, sinks=sinks, scale=scale,
+        fn, q, k, v, cu_q=cu_q, cu_k=_int32(cu_k), k_len=k_len, page_table=None, causal=causal,
+        window_left=window_left, sinks=sinks, scale=scale, return_lse=return_lse,
     )  # fmt: skip
 
 
@@ -233,8 +262,9 @@ def fa4_paged(
     window_left: int,
     sinks: torch.Tensor | None,
     scale: float,
+    return_lse: bool = True,
     fn: Callable | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FA4 over segments whose keys live in a paged cache, through FA4's ``page_table``.
 
     Segment ``s`` holds query rows ``[cu_q[s], cu_q[s + 1])`` and its first ``k_len[s]`` key
@@ -242,16 +272,16 @@ def fa4_paged(
 
     Args:
         q: ``[T, H, D]`` fp16/bf16; k_cache, v_cache: ``[num_pages, page, Hkv, D]`` in q's dtype.
-        page_table: ``[S, M]`` int32 (clamped here, :func:`page_table_for_fa4`).
+        page_table: ``[S, M]`` int32, every entry inside the cache (:func:`page_table_for_fa4`
+            makes a table so; the caller does it once per step).
         cu_q: ``[S + 1]`` int32; k_len: ``[S]`` int32 keys per segment.
-        causal, window_left, sinks, scale, fn: as in :func:`fa4_varlen`.
+        causal, window_left, sinks, scale, return_lse, fn: as in :func:`fa4_varlen`.
     Returns:
-        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log)`` (the LSE a transposed view).
+        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log or None)`` (the LSE a transposed view).
     """
-    table = page_table_for_fa4(page_table, k_cache.shape[0])
     return _run(
-        fn, q, k_cache, v_cache, cu_q=cu_q, cu_k=None, k_len=k_len, page_table=table, causal=causal,
-        window_left=window_left, sinks=sinks, scale=scale,
+        fn, q, k_cache, v_cache, cu_q=cu_q, cu_k=None, k_len=k_len, page_table=page_table, causal=causal,
+        window_left=window_left, sinks=sinks, scale=scale, return_lse=return_lse,
     )  # fmt: skip
 
 
@@ -267,6 +297,8 @@ class FA4Variant:
         page_size: the paged form with this page size (TMA or cp.async pages differ), or ``None``
             for contiguous keys.
         many_segments: more than 256 segments (FA4 then adds a block-to-batch lookup).
+        lse: the LSE is computed (``return_lse``).
+        seqused: contiguous keys take their lengths from ``seqused_k`` (paged keys always do).
     """
 
     dtype: torch.dtype
@@ -278,6 +310,8 @@ class FA4Variant:
     sinks: bool = False
     page_size: int | None = None
     many_segments: bool = False
+    lse: bool = True
+    seqused: bool = True
 
 
 #: Query rows of every warm-up segment: enough that SM100's two-stage Q tile (chosen when
@@ -288,8 +322,9 @@ WARMUP_ROWS_PER_SEGMENT = 128
 def warm_up(variants: Iterable[FA4Variant], device: torch.device | str, *, fn: Callable | None = None) -> int:
     """Run FA4 once per variant on small inputs, so later calls of those keys compile nothing.
 
-    Calls go through :func:`fa4_varlen` / :func:`fa4_paged` with the arguments real calls pass
-    (LSE on, no ``max_seqlen_q``, ``seqused_k``), so they produce the same compile keys.
+    Calls go through :func:`fa4_varlen` / :func:`fa4_paged` with the argument forms real calls
+    pass (the variant's LSE and ``seqused_k``, no ``max_seqlen_q``), so they produce the same
+    compile keys.
 
     Returns:
         the number of variants run (0 when FA4 is not importable and ``fn`` is not given).
@@ -307,10 +342,13 @@ def warm_up(variants: Iterable[FA4Variant], device: torch.device | str, *, fn: C
         cu_q = torch.arange(segs + 1, dtype=torch.int32, device=device) * rows
         k_len = torch.full((segs,), rows, dtype=torch.int32, device=device)
         sinks = torch.zeros(var.num_heads, dtype=torch.float32, device=device) if var.sinks else None
-        kw = dict(causal=var.causal, window_left=64 if var.window else -1, sinks=sinks, scale=var.head_dim**-0.5)
+        kw = dict(
+            causal=var.causal, window_left=64 if var.window else -1, sinks=sinks, scale=var.head_dim**-0.5,
+            return_lse=var.lse,
+        )  # fmt: skip
         if var.page_size is None:
             kv = torch.randn(t, 2, var.num_kv_heads, var.head_dim, generator=g).to(device=device, dtype=var.dtype)
-            fa4_varlen(q, kv[:, 0], kv[:, 1], cu_q, cu_q, k_len, fn=fn, **kw)
+            fa4_varlen(q, kv[:, 0], kv[:, 1], cu_q, cu_q, k_len if var.seqused else None, fn=fn, **kw)
         else:
             pages = math.ceil(rows / var.page_size)
             shape = (segs * pages, var.page_size, var.num_kv_heads, var.head_dim)

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardattn.launch.workloads import build_decode, build_gqa_decode, build_prefill, overlap_model
+from shardattn.launch.workloads import build_decode, build_gqa_decode, build_gqa_prefill, build_prefill, overlap_model
 from shardattn.ops.gqa_decode import gqa_paged_decode_reference
+from shardattn.ops.gqa_prefill import gqa_prefill
 from shardattn.ops.kv_fp8 import quantize_kv
 from shardattn.ops.sparse_mla import flops, sparse_mla_reference, valid_mask
 from shardattn.ops.topk import DcpShard, convert_topk
+from shardattn.parallel.gqa_prefill import head_tp_kv_heads
 from shardattn.plan.kv_format import KV_FP8_DS_MLA, kv_row_bytes
 from shardattn.runtime.runtime import Runtime
 from shardattn.workload import union_ratio
@@ -81,8 +83,58 @@ def _kv_cache(rt: Runtime, kv: torch.Tensor) -> torch.Tensor:
     return quantize_kv(kv) if rt.kv_format == KV_FP8_DS_MLA else kv
 
 
+def prepare_gqa_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
+    """A GQA prefill step: head-TP with the new keys already in the paged cache (``kv_new=None``, the
+    engine's form: one paged call), or PCP with each rank's new K/V all-gathered by the step."""
+    s, spec = cfg.shape, cfg.spec
+    g = build_gqa_prefill(
+        q_heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, sinks=spec.has_sinks,
+        tokens=s.tokens, **_step_args(cfg, mla=False),
+    )  # fmt: skip
+    plan = rt.plan_prefill(g.query_lens, g.prefix_lens)
+    dev = cfg.device
+    if plan.step == "pcp":
+        mine = plan.tokens_of(rt.rank).to(dev)
+        q, kv_new, cache = g.q[mine], (g.k[mine], g.v[mine]), (g.k_cache, g.v_cache)
+        heads = spec.num_heads
+        tokens_of = {r: plan.tokens_of(r).to(dev) for r in range(rt.world_size)}
+
+        def part(full: torch.Tensor, r: int) -> torch.Tensor:
+            return full.index_select(0, tokens_of[r].to(full.device))
+
+    else:
+        lo, hi = head_tp_kv_heads(spec.num_heads, spec.num_kv_heads, rt.world_size, rt.rank)
+        q, kv_new = _heads(rt, g.q).contiguous(), None
+        cache = (g.k_cache[:, :, lo:hi].contiguous(), g.v_cache[:, :, lo:hi].contiguous())
+        heads, mine = rt.heads_per_rank, torch.arange(g.num_tokens, device=dev)
+
+        def part(full: torch.Tensor, r: int) -> torch.Tensor:
+            return _heads(rt, full, r)
+
+    def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return rt.prefill(q, cache, kv_new=kv_new, block_table=g.block_table, plan=plan, sinks=g.sinks, check=check)
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        cu = torch.tensor([0, *g.query_lens], device=dev).cumsum(0).to(torch.int32)
+        return gqa_prefill(
+            g.q, g.k, g.v, cu, k_cache=g.k_cache, v_cache=g.v_cache, block_table=g.block_table,
+            prefix_lens=torch.tensor(g.prefix_lens, dtype=torch.int32, device=dev), sinks=g.sinks, scale=rt.scale,
+            return_lse=True, backend="reference",
+        )  # fmt: skip
+
+    positions = [p + j for p, n in zip(g.prefix_lens, g.query_lens) for j in range(n)]
+    pairs = sum(p + 1 for p in (positions[i] for i in mine.tolist()))
+    form = "kv in cache" if kv_new is None else "kv gathered"
+    return Prepared(
+        "prefill", call, f"{plan.step}/{plan.route.path} ({form})", plan.route.reason, int(mine.numel()), None,
+        4.0 * spec.head_dim * heads * pairs, reference if rt.rank == 0 else None, part,
+    )  # fmt: skip
+
+
 def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
     s, spec = cfg.shape, cfg.spec
+    if spec.kind == "gqa":
+        return prepare_gqa_prefill(cfg, rt)
     step = build_prefill(tokens=s.tokens, recorded=cfg.recorded, **_step_args(cfg, mla=True))
     kv = _kv_cache(rt, step.kv)  # the cache the step reads (the reference reads the same)
     plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))

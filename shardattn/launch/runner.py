@@ -78,10 +78,10 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
     on_gpu = device.type == "cuda"
     mla = spec.kind == "sparse_mla"
     mode = opts.mode or ("mixed" if mla else "dcp-decode")
-    if not mla and mode != "dcp-decode":
+    if not mla and mode == "shardq":
         raise _fail(
-            f"--mode {mode} needs a sparse-MLA preset; {opts.preset} is a GQA model (decode only): "
-            "use --mode dcp-decode"
+            f"--mode shardq needs a sparse-MLA preset; {opts.preset} is a GQA model: use --mode headtp "
+            "(head-TP prefill), pcp (PCP prefill), mixed (head-TP prefill and DCP decode) or dcp-decode"
         )
     if spec.num_heads % world_size:
         divisors = [d for d in range(1, spec.num_heads + 1) if spec.num_heads % d == 0]
@@ -164,7 +164,7 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
             "(GPU defaults: 8192 new tokens over 4 requests, 8192 cached each, 64 requests in dcp-decode mode, "
             "the preset's top-k)"
         )
-    shardq_runs = mode in ("shardq", "mixed") or opts.compare  # the modes whose prefill may take ShardQ
+    shardq_runs = mla and (mode in ("shardq", "mixed") or opts.compare)  # the modes whose prefill may take ShardQ
     if not on_gpu and opts.min_shard_tokens is None and "prefill" in steps and shardq_runs:
         notes.append(f"ShardQ gate lowered to {min_shard} token (planner default {DEFAULT_MIN_TOKENS}) on the CPU")
     return RunConfig(

@@ -29,9 +29,11 @@ __all__ = [
     "BLOCK_SIZE",
     "DecodeStep",
     "GQADecodeStep",
+    "GQAPrefillStep",
     "PrefillStep",
     "build_decode",
     "build_gqa_decode",
+    "build_gqa_prefill",
     "build_prefill",
     "overlap_model",
     "request_topk",
@@ -344,3 +346,60 @@ def build_gqa_decode(
         local_v,
         local_table,
     )
+
+
+@dataclass
+class GQAPrefillStep:
+    """One GQA prefill step, global: new tokens after cached prefixes in a paged cache.
+
+    Attributes:
+        q: ``[T, Hq, d]``; k, v: ``[T, Hkv, d]`` the new tokens' keys and values. k_cache, v_cache:
+        ``[pages, block, Hkv, d]`` holding every request's prefix and then its new keys (what an
+        engine's cache write leaves before attention). block_table: ``[B, M]`` int32.
+        query_lens, prefix_lens: per request. sinks: ``[Hq]`` fp32 or None.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    query_lens: list[int]
+    prefix_lens: list[int]
+    sinks: torch.Tensor | None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q.shape[0])
+
+
+def build_gqa_prefill(
+    *,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    sinks: bool,
+    tokens: int,
+    requests: int,
+    cached: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    block_size: int = BLOCK_SIZE,
+) -> GQAPrefillStep:
+    """Build a GQA prefill step: ``tokens`` new tokens over ``requests`` requests after ``cached`` ones."""
+    gen = _generator(device, seed + 13)
+    query_lens, prefix_lens = _split_tokens(tokens, requests), list(cached)
+    seq = [p + n for p, n in zip(prefix_lens, query_lens)]
+    table, blocks = _paged(seq, device, gen, block_size)
+    k_cache = _values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
+    v_cache = _values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
+    q = _values((tokens, q_heads, head_dim), gen, device, dtype)
+    req = torch.repeat_interleave(torch.arange(requests, device=device), torch.tensor(query_lens, device=device))
+    starts = torch.tensor([0, *query_lens], device=device).cumsum(0)[:-1]
+    pos = torch.tensor(prefix_lens, device=device)[req] + torch.arange(tokens, device=device) - starts[req]
+    page, slot = table.long()[req, pos // block_size], pos % block_size
+    k, v = k_cache[page, slot], v_cache[page, slot]  # the new tokens' own keys, already in the cache
+    s = torch.randn(q_heads, generator=gen, device=device).float() if sinks else None
+    return GQAPrefillStep(q, k, v, k_cache, v_cache, table, query_lens, prefix_lens, s)

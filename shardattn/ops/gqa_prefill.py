@@ -13,15 +13,20 @@ query head (natural log, not scaled) to the softmax denominator and the LSE. LSE
 log, ``[T, H]``; every query sees at least itself, so no row of a prefill is empty (an empty row
 would be ``(0, -inf)``, ``(0, sink)`` with sinks, as in every op of the library).
 
+With ``k = v = None`` the new tokens' keys and values are already in the paged cache, at positions
+``[P_b, P_b + n_b)`` of request ``b`` (an engine writes them there before attention, as vLLM's
+``reshape_and_cache`` does): one paged call reads them and the prefix, nothing is copied or merged.
+
 Dispatch (:func:`gqa_prefill_route`, a :class:`~shardattn.plan.routing.Route` with its reason):
 FA4 (:mod:`shardattn.kernels.fa4`) where it is importable and runs these tensors (SM90 / SM100,
 fp16 / bf16, its head dims), else the fp32 torch reference
 (:mod:`~shardattn.ops.gqa_prefill_reference`), on CPU and GPU alike. Both run the same
-composition (:mod:`~shardattn.ops.gqa_prefill_segments`): one call over contiguous keys, or, with
-a cached prefix and no window, the prefix read in place from the paged cache plus the new keys,
-merged by LSE. On the FA4 path with pages of FA4's key tile (128 tokens at head_dim 64 or 128 on
-SM90) whole pages load by TMA: the rows of a request's last prefix page past its prefix must hold
-finite values (any; a zero-initialised cache does), as FA4 requires.
+composition (:mod:`~shardattn.ops.gqa_prefill_segments`): one paged call when the new keys are in
+the cache, one call over contiguous keys, or, with a cached prefix and no window, the prefix read
+in place from the paged cache plus the new keys, merged by LSE. On the FA4 path with pages of
+FA4's key tile (128 tokens at head_dim 64 or 128 on SM90) whole pages load by TMA: the rows of a
+request's last page past its keys must hold finite values (any; a zero-initialised cache does),
+as FA4 requires.
 """
 
 from __future__ import annotations
@@ -143,8 +148,8 @@ def check_prefix_inputs(
 
 def _check_inputs(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
     k_cache: torch.Tensor | None,
     v_cache: torch.Tensor | None,
@@ -156,13 +161,26 @@ def _check_inputs(
 ) -> bool:
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     t, h, d = q.shape
-    check_tensor("k", k, dtypes=(q.dtype,), ndim=3)
-    if k.shape[0] != t or k.shape[2] != d:
-        raise ValueError(f"k must have shape [{t}, Hkv, {d}] (q's tokens and head_dim), got {list(k.shape)}")
-    hkv = k.shape[1]
+    if (k is None) != (v is None):
+        raise ValueError("k and v go together: give both, or neither when the new keys are in k_cache / v_cache")
+    if k is None:
+        if k_cache is None:
+            raise ValueError(
+                "k and v are None (the new keys already in the paged cache): pass k_cache, v_cache, block_table "
+                "and prefix_lens holding them"
+            )
+        check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
+        hkv = k_cache.shape[2]
+    else:
+        check_tensor("k", k, dtypes=(q.dtype,), ndim=3)
+        if k.shape[0] != t or k.shape[2] != d:
+            raise ValueError(f"k must have shape [{t}, Hkv, {d}] (q's tokens and head_dim), got {list(k.shape)}")
+        hkv = k.shape[1]
     if hkv < 1 or h % hkv:
-        raise ValueError(f"q heads ({h}) must be a multiple of k's KV heads ({hkv})")
-    check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape))
+        name = "k" if k is not None else "k_cache"
+        raise ValueError(f"q heads ({h}) must be a multiple of {name}'s KV heads ({hkv})")
+    if v is not None:
+        check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape))
     check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, ndim=1)
     if cu_seqlens.numel() < 1:
         raise ValueError("cu_seqlens must have B + 1 >= 1 entries, got 0")
@@ -181,13 +199,21 @@ def _check_inputs(
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or cu[-1] != t:
             raise ValueError(f"cu_seqlens must start at 0, not decrease and end at q's {t} tokens, got {cu[:9]}")
+        if k is None and prefix_lens.device.type == "cpu" and batch:
+            capacity = block_table.shape[1] * k_cache.shape[1]
+            seq = [p + b - a for p, a, b in zip(prefix_lens.tolist(), cu, cu[1:])]
+            if max(seq) > capacity:
+                raise ValueError(
+                    f"prefix_lens plus the new tokens must fit the block table ({capacity} positions) when the new "
+                    f"keys are in the cache, got {seq[:8]}"
+                )
     return has_prefix
 
 
 def gqa_prefill(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
     *,
     k_cache: torch.Tensor | None = None,
@@ -204,7 +230,8 @@ def gqa_prefill(
 
     Args:
         q: ``[T, H, D]`` fp16/bf16/fp32, the new tokens' queries, requests in order.
-        k, v: ``[T, Hkv, D]`` the new tokens' keys and values in q's dtype (``H % Hkv == 0``).
+        k, v: ``[T, Hkv, D]`` the new tokens' keys and values in q's dtype (``H % Hkv == 0``), or
+            both ``None``: they are in the paged cache after each request's prefix (module docstring).
         cu_seqlens: ``[B + 1]`` int32 offsets of the requests' new tokens (``cu_seqlens[-1] == T``;
             checked when on the CPU, the caller's promise on a GPU). Empty requests are allowed.
         k_cache, v_cache: ``[num_pages, page, Hkv, D]`` paged cache holding the cached prefixes
@@ -236,14 +263,14 @@ def gqa_prefill(
         q, k, v, cu_seqlens, k_cache, v_cache, block_table, prefix_lens, sinks, window_left, return_lse
     )
     scale = q.shape[-1] ** -0.5 if scale is None else check_scale("scale", scale)
-    route = gqa_prefill_route(q, k, backend=backend)
+    route = gqa_prefill_route(q, k_cache if k is None else k, backend=backend)
     prefix = None
     if has_prefix:
         capacity = block_table.shape[1] * k_cache.shape[1]
         prefix = PagedPrefix(k_cache, v_cache, block_table, prefix_lens, capacity)
     out, lse = attend_segments(
         q, k, v, Segments.for_requests(cu_seqlens), kernel=segment_kernel(route), prefix=prefix,
-        window_left=window_left, sinks=sinks, scale=scale,
+        window_left=window_left, sinks=sinks, scale=scale, return_lse=return_lse,
     )  # fmt: skip
     return (out, lse.contiguous()) if return_lse else out
 
@@ -258,29 +285,45 @@ def fa4_variants(
     windows: Iterable[bool] = (False, True),
     page_size: int | None = None,
     max_segments: int = 1,
+    return_lse: bool = True,
+    runs: bool = False,
 ) -> list[fa4.FA4Variant]:
     """The FA4 compile keys a prefill configuration meets (pass them to :func:`shardattn.kernels.fa4.warm_up`).
 
     Args:
         dtype, num_heads, num_kv_heads, head_dim: of one kernel call (a rank's heads under head-TP).
         sinks: the model has sinks. windows: which of (no window, a window) its layers use.
-        page_size: the paged cache's page size when requests may have cached prefixes (``None``: never).
+        page_size: the paged cache's page size when requests may have cached prefixes, or new keys
+            already in the cache (``None``: never).
         max_segments: most segments of one call (requests; under PCP up to twice a rank's requests).
+        return_lse: the calls return the LSE (a merge of partials computes one anyway).
+        runs: segments are runs of tokens (PCP), not whole requests: contiguous keys always take
+            their lengths from ``seqused_k``.
     Returns:
-        the variants, each once: the contiguous causal call per window setting, and with a cached
-        prefix the paged prefix call (no mask, no sink), each also with more than 256 segments
-        when ``max_segments`` exceeds 256.
+        the variants, each once, per window setting: the contiguous causal call (whole requests:
+        ``cu_seqlens_k`` alone; with a merge after it, its LSE variant), with a prefix and a window
+        the call over a buffer holding the prefix's tail (``seqused_k``), with pages the paged
+        causal call over keys already in the cache; and with pages, no window, the split form's
+        prefix call (no mask, no sink). Each also with more than 256 segments when
+        ``max_segments`` exceeds 256.
 
     >>> len(fa4_variants(dtype=torch.bfloat16, num_heads=64, num_kv_heads=8, head_dim=64, sinks=True,
-    ...                  page_size=64))
-    3
+    ...                  page_size=64, return_lse=False))
+    7
     """
     many = [False, True] if check_int("max_segments", max_segments, minimum=1) > 256 else [False]
     base = dict(dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     out: list[fa4.FA4Variant] = []
     for m in many:
         for w in dict.fromkeys(windows):
-            out.append(fa4.FA4Variant(**base, causal=True, window=w, sinks=sinks, many_segments=m))
+            new = dict(**base, causal=True, window=w, sinks=sinks, many_segments=m)
+            lses = dict.fromkeys([return_lse, *([True] if page_size is not None and not w else [])])
+            for lse in lses:  # the new keys as they are (PCP: gathered), merged with a prefix when there is one
+                out.append(fa4.FA4Variant(**new, seqused=runs, lse=lse))
+            if page_size is not None:
+                if w:  # a prefix's last window_left keys copied before the new ones
+                    out.append(fa4.FA4Variant(**new, seqused=True, lse=return_lse))
+                out.append(fa4.FA4Variant(**new, page_size=page_size, lse=return_lse))  # keys in the cache
         if page_size is not None and False in windows:  # the split form: prefix without a window
             out.append(fa4.FA4Variant(**base, causal=False, page_size=page_size, many_segments=m))
-    return out
+    return list(dict.fromkeys(out))

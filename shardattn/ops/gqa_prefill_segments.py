@@ -8,8 +8,13 @@ rank's zigzag tokens). A query at new offset ``o`` of request ``b`` sits at posi
 ``prefix_b + o`` and sees the cached prefix ``[0, prefix_b)`` and the new tokens ``<= o``, within
 ``window_left`` of its position.
 
-:func:`attend_segments` runs them in one of two forms (the choice depends only on the
+:func:`attend_segments` runs them in one of three forms (the choice depends only on the
 arguments, never on measured speed):
+
+* **paged** (the new keys already written into the paged cache after each request's prefix, as an
+  engine's cache write does before attention; ``k = v = None``): one call over positions
+  ``[0, prefix_b + stop_s)`` of the cache, the causal mask and the window aligned at the end, the
+  sinks once. No key is copied, nothing is merged.
 
 * **combined** (no cached prefix, or a window): one kernel call over a contiguous key buffer
   holding, per request, the last ``tail_b = min(prefix_b, window_left)`` prefix keys followed by
@@ -34,15 +39,17 @@ the CPU path runs exactly the composition the GPU path runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from shardattn.kernels import fa4
 from shardattn.ops.gqa_prefill_reference import segment_attention_reference
-from shardattn.ops.lse_merge import lse_merge
+from shardattn.ops.lse_merge import run_lse_merge
 
 __all__ = [
     "FA4SegmentKernel",
@@ -52,6 +59,7 @@ __all__ = [
     "TorchSegmentKernel",
     "attend_segments",
     "key_buffer",
+    "plan_segments",
     "prefix_tail",
 ]
 
@@ -67,6 +75,13 @@ class Segments:
         req: ``[S]`` int64 request of each segment; ``None``: segment ``s`` is request ``s``, whole
             (then ``cu_q`` is ``token_offsets`` and ``stop`` the request lengths).
         token_request: ``[N]`` int64 request of each new token; ``None``: computed when needed.
+        seg_first: ``[S + 1]`` int32 first new-key row of each segment's request (the last entry
+            repeated, never read); ``None``: computed when needed.
+        seg_prefix / seg_keys: ``[S]`` int32 cached tokens of each segment's request, and those plus
+            ``stop`` (the paged form's keys); ``None``: computed when needed.
+
+    :func:`plan_segments` builds every field on the host and moves them in one copy, once per step
+    (an engine's layers reuse it); :meth:`for_requests` derives them on the device.
     """
 
     cu_q: torch.Tensor
@@ -74,6 +89,9 @@ class Segments:
     token_offsets: torch.Tensor
     req: torch.Tensor | None = None
     token_request: torch.Tensor | None = None
+    seg_first: torch.Tensor | None = None
+    seg_prefix: torch.Tensor | None = None
+    seg_keys: torch.Tensor | None = None
 
     @classmethod
     def for_requests(cls, cu_seqlens: torch.Tensor) -> Segments:
@@ -89,6 +107,24 @@ class Segments:
     def of_segments(self, per_request: torch.Tensor) -> torch.Tensor:
         """``per_request[req[s]]`` for every segment (the tensor itself when segments are requests)."""
         return per_request if self.req is None else per_request[self.req]
+
+    def first_key_rows(self) -> torch.Tensor:
+        """``[S + 1]`` int32: :attr:`seg_first` (computed from the token offsets when not planned)."""
+        if self.seg_first is not None:
+            return self.seg_first
+        start = self.of_segments(self.token_offsets[:-1])
+        return torch.cat([start, start[-1:]]).to(torch.int32)
+
+    def prefix_of_segments(self, prefix_lens: torch.Tensor) -> torch.Tensor:
+        """``[S]`` int32 cached tokens of each segment's request (:attr:`seg_prefix` when planned)."""
+        return self.seg_prefix if self.seg_prefix is not None else self.of_segments(prefix_lens).to(torch.int32)
+
+    def keys_in_cache(self, prefix_lens: torch.Tensor) -> torch.Tensor:
+        """``[S]`` int32 keys of each segment in the paged form: its request's prefix plus its new
+        tokens up to ``stop`` (:attr:`seg_keys` when planned)."""
+        if self.seg_keys is not None:
+            return self.seg_keys
+        return (self.prefix_of_segments(prefix_lens) + self.stop).to(torch.int32)
 
     def request_of_tokens(self, num_tokens: int) -> torch.Tensor:
         """``[num_tokens]`` int64 request of each new token (no sync: ``num_tokens`` is given)."""
@@ -118,25 +154,82 @@ class PagedPrefix:
 
 
 Tensor = torch.Tensor
-KernelResult = tuple[torch.Tensor, torch.Tensor]
+KernelResult = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def plan_segments(
+    query_lens: Sequence[int],
+    prefix_lens: Sequence[int] | None,
+    device: torch.device | str,
+    *,
+    runs: Sequence[tuple[int, int, int]] | None = None,
+    pin: bool = False,
+) -> Segments:
+    """A call's :class:`Segments` with every field computed on the host and moved in one copy.
+
+    Args:
+        query_lens: ``[R]`` new tokens of each request. prefix_lens: ``[R]`` cached tokens (``None``: 0).
+        device: where the tensors go.
+        runs: the segments as ``(request, first, stop)`` position runs (prefix included; PCP: a
+            rank's :meth:`~shardattn.plan.ShardPlan.runs`); ``None``: one segment per request, whole.
+        pin: stage the copy in page-locked memory (a non-blocking host-to-device copy).
+    Returns:
+        the segments, ``req`` and ``token_request`` set only with ``runs``.
+
+    >>> seg = plan_segments([3, 2], [4, 0], "cpu")
+    >>> seg.cu_q.tolist(), seg.seg_keys.tolist(), seg.seg_first.tolist()
+    ([0, 3, 5], [7, 2], [0, 3, 3])
+    """
+    n = np.asarray(query_lens, dtype=np.int64)
+    pre = np.zeros_like(n) if prefix_lens is None else np.asarray(prefix_lens, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(n)])
+    if runs is None:
+        req = np.arange(n.size)
+        stop = n
+    else:
+        req = np.array([r for r, _, _ in runs], dtype=np.int64)
+        stop = np.array([b for _, _, b in runs], dtype=np.int64) - pre[req]
+        lens = np.array([b - a for _, a, b in runs], dtype=np.int64)
+    seg_len = stop if runs is None else lens
+    cu_q = np.concatenate([[0], np.cumsum(seg_len)])
+    first = offsets[req]
+    first = np.concatenate([first, first[-1:] if first.size else [0]])
+    parts = [cu_q, stop, offsets, first, pre[req], pre[req] + stop]
+    if runs is not None:
+        parts += [req, np.repeat(np.arange(n.size), n)]
+    sizes = [p.size for p in parts]
+    host = torch.from_numpy(np.concatenate(parts).astype(np.int32))
+    if pin and torch.cuda.is_available():
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=pin)
+    views = list(torch.split(flat, sizes))
+    seg = Segments(views[0], views[1], views[2], seg_first=views[3], seg_prefix=views[4], seg_keys=views[5])
+    if runs is None:
+        return seg
+    return dataclasses.replace(seg, req=views[6].long(), token_request=views[7].long())
 
 
 class SegmentKernel(Protocol):
     """The two kernel shapes a GQA prefill needs; arguments as in
     :func:`~shardattn.ops.gqa_prefill_reference.segment_attention_reference` (keyword arguments:
-    ``causal``, ``window_left``, ``sinks``, ``scale``); both return ``(out [T, H, D], lse [T, H])``."""
+    ``causal``, ``window_left``, ``sinks``, ``scale``, ``return_lse``); both return ``(out [T, H,
+    D], lse [T, H] or None)``. ``k_len`` ``None``: segment ``s``'s keys are ``[cu_k[s], cu_k[s +
+    1])``. :meth:`table` turns a block table into the one a paged call reads."""
 
     name: str
 
     def contiguous(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor, **kw: object
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
     ) -> KernelResult:
         """Segments over contiguous key ranges ``[cu_k[s], cu_k[s] + k_len[s])``."""
 
     def paged(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: object
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: Any
     ) -> KernelResult:
-        """Segments over the first ``k_len`` positions of paged keys."""
+        """Segments over the first ``k_len`` positions of paged keys (``page_table`` from :meth:`table`)."""
+
+    def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:
+        """``[S, M]`` int32 pages of each segment's request, as the paged call reads them."""
 
 
 class TorchSegmentKernel:
@@ -145,33 +238,54 @@ class TorchSegmentKernel:
     name = "reference"
 
     def contiguous(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor, **kw: object
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
     ) -> KernelResult:
-        return segment_attention_reference(q, k, v, cu_q, k_len, cu_k=cu_k, **kw)
+        return_lse = kw.pop("return_lse", True)
+        if k_len is None:
+            k_len = cu_k[1:] - cu_k[:-1]
+        out, lse = segment_attention_reference(q, k, v, cu_q, k_len, cu_k=cu_k, **kw)
+        return out, (lse if return_lse else None)
 
     def paged(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: object
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: Any
     ) -> KernelResult:
-        return segment_attention_reference(q, k_cache, v_cache, cu_q, k_len, page_table=page_table, **kw)
+        return_lse = kw.pop("return_lse", True)
+        out, lse = segment_attention_reference(q, k_cache, v_cache, cu_q, k_len, page_table=page_table, **kw)
+        return out, (lse if return_lse else None)
+
+    def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:
+        return segments.of_segments(block_table)
 
 
 class FA4SegmentKernel:
-    """FA4 through :mod:`shardattn.kernels.fa4` (``fn``: the FA4 function, default the installed one)."""
+    """FA4 through :mod:`shardattn.kernels.fa4` (``fn``: the FA4 function, default the installed one).
+
+    Keeps the last page table it made (:meth:`table`: one gather and clamp per block table and
+    segments, not per layer: an engine's layers share one table), keyed on the table's storage,
+    version counter (bumped by every in-place write), shape and the segments.
+    """
 
     name = "fa4"
 
     def __init__(self, fn: Callable | None = None) -> None:
         self.fn = fn
+        self._table: tuple[tuple, Segments, torch.Tensor] | None = None
 
     def contiguous(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor, **kw: object
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
     ) -> KernelResult:
         return fa4.fa4_varlen(q, k, v, cu_q, cu_k, k_len, fn=self.fn, **kw)
 
     def paged(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: object
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: Any
     ) -> KernelResult:
         return fa4.fa4_paged(q, k_cache, v_cache, page_table, cu_q, k_len, fn=self.fn, **kw)
+
+    def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:
+        key = (block_table.data_ptr(), block_table._version, tuple(block_table.shape), block_table.stride(), num_pages)
+        if self._table is None or self._table[0] != key or self._table[1] is not segments:  # held: no id reuse
+            self._table = (key, segments, fa4.page_table_for_fa4(segments.of_segments(block_table), num_pages))
+        return self._table[2]
 
 
 def prefix_tail(prefix: PagedPrefix | None, window_left: int) -> int:
@@ -240,8 +354,8 @@ def key_buffer(
 
 def attend_segments(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     segments: Segments,
     *,
     kernel: SegmentKernel,
@@ -251,42 +365,63 @@ def attend_segments(
     scale: float,
     new_rows: torch.Tensor | None = None,
     keys_ready: Callable[[], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of the segments' queries over their prefix and new keys (module docstring).
 
     Args:
         q: ``[T, H, D]`` the segments' queries. k, v: ``[rows, Hkv, D]`` the new keys (token
-            ``g`` at row ``new_rows[g]``, or ``g``); read only after ``keys_ready()``.
+            ``g`` at row ``new_rows[g]``, or ``g``); read only after ``keys_ready()``. ``None``
+            (both): the new keys are in ``prefix``'s cache at positions ``[prefix_b, prefix_b +
+            n_b)`` (the paged form; ``prefix.lens`` still counts the cached tokens before them).
         segments: the query segments; kernel: the kernel implementation.
         prefix: the cached prefixes (``None``: none).
         window_left, sinks (``[H]`` fp32 or None), scale: the contract's window, sinks and scale.
         keys_ready: called once before anything reads ``k`` / ``v`` (PCP: the all-gather's wait),
             after the split form's prefix call.
+        return_lse: return the LSE (``False``: ``None``, and a kernel without an LSE where no
+            merge needs one).
     Returns:
-        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log)``; the LSE may be a view.
+        ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log or None)``; the LSE may be a view.
     """
     ready = keys_ready if keys_ready is not None else (lambda: None)
     if q.shape[0] == 0:
         ready()
-        return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]), q.new_zeros(q.shape[:2], dtype=torch.float32)
+        d_v = q.shape[-1] if v is None else v.shape[-1]
+        lse = q.new_zeros(q.shape[:2], dtype=torch.float32) if return_lse else None
+        return q.new_zeros(q.shape[0], q.shape[1], d_v), lse
+    kw = dict(window_left=window_left, sinks=sinks, scale=scale)
+    if k is None:  # the paged form: the new keys are in the cache after the prefix
+        ready()
+        table = kernel.table(prefix.block_table, segments, prefix.k_cache.shape[0])
+        return kernel.paged(
+            q, prefix.k_cache, prefix.v_cache, table, segments.cu_q, segments.keys_in_cache(prefix.lens),
+            causal=True, return_lse=return_lse, **kw,
+        )  # fmt: skip
+    if prefix is not None and prefix.max_len == 0:
+        prefix = None  # no request has a cached token
     partial = None
     if prefix is not None and window_left < 0:  # the split form: the prefix in place, first
+        table = kernel.table(prefix.block_table, segments, prefix.k_cache.shape[0])
         partial = kernel.paged(
-            q, prefix.k_cache, prefix.v_cache, segments.of_segments(prefix.block_table), segments.cu_q,
-            segments.of_segments(prefix.lens), causal=False, window_left=-1, sinks=None, scale=scale,
+            q, prefix.k_cache, prefix.v_cache, table, segments.cu_q, segments.prefix_of_segments(prefix.lens),
+            causal=False, window_left=-1, sinks=None, scale=scale, return_lse=True,
         )  # fmt: skip
     ready()
     tail = prefix_tail(prefix, window_left)
+    k_len: torch.Tensor | None
     if tail == 0 and new_rows is None and segments.req is None:  # keys = the new tokens, as they are
-        k_buf, v_buf, cu_k, k_len = k, v, segments.cu_q, segments.stop
+        k_buf, v_buf, cu_k, k_len = k, v, segments.cu_q, None
     else:
         k_buf, v_buf, first, tail_len = key_buffer(k, v, segments, new_rows=new_rows, tail=tail, prefix=prefix)
-        start = segments.of_segments(first)
-        cu_k = torch.cat([start, start[-1:]]).to(torch.int32)  # cu_k[S] is never read
-        k_len = (segments.of_segments(tail_len) + segments.stop).to(torch.int32)
-    out, lse = kernel.contiguous(
-        q, k_buf, v_buf, segments.cu_q, cu_k, k_len, causal=True, window_left=window_left, sinks=sinks, scale=scale
-    )
+        if tail == 0:
+            cu_k, k_len = segments.first_key_rows(), segments.stop
+        else:
+            start = segments.of_segments(first)
+            cu_k = torch.cat([start, start[-1:]]).to(torch.int32)  # cu_k[S] is never read
+            k_len = (segments.of_segments(tail_len) + segments.stop).to(torch.int32)
+    need_lse = return_lse or partial is not None
+    out, lse = kernel.contiguous(q, k_buf, v_buf, segments.cu_q, cu_k, k_len, causal=True, return_lse=need_lse, **kw)
     if partial is not None:
-        out, lse = lse_merge(torch.stack([out, partial[0]]), torch.stack([lse, partial[1]]))
-    return out, lse
+        out, lse = run_lse_merge(torch.stack([out, partial[0]]), torch.stack([lse, partial[1]]))
+    return out, (lse if return_lse else None)

@@ -26,6 +26,11 @@ all heads of its tokens and computed their K and V::
         -- partials merged by LSE (kernels/lse_merge.py) --> out [T_r, H, D], lse [T_r, H]
         -- optionally (gather_output=True) an all-gather of out + lse, restored to token order
 
+With ``k_new = v_new = None`` every rank's paged cache already holds the step's new keys after each
+request's prefix (an engine that writes the whole step's K/V into every rank's cache): nothing is
+gathered, and each run of the rank's tokens attends positions ``[0, prefix_b + c)`` of the cache in
+one paged call (the causal mask and the window aligned at the run's last query).
+
 Sinks are counted once (in the call over the new keys: every query sees itself). A rank that owns
 no token runs the collectives and returns empty tensors. Collectives: one all-gather (plus one
 with ``gather_output``), plus the agreement check with ``check=True``.
@@ -33,12 +38,11 @@ with ``gather_output``), plus the agreement check with ``check=True``.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.ops.gqa_prefill import check_prefix_inputs, gqa_prefill, gqa_prefill_route, segment_kernel
-from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments
+from shardattn.ops.gqa_prefill_segments import PagedPrefix, SegmentKernel, Segments, attend_segments, plan_segments
 from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
 from shardattn.parallel.groups import GroupLike
 from shardattn.plan.pcp import PCPPlan
@@ -140,14 +144,14 @@ def gqa_prefill_head_tp(
     )  # fmt: skip
 
 
-def pcp_segments(plan: PCPPlan, rank: int) -> tuple[Segments, torch.Tensor]:
-    """Rank ``rank``'s query segments under ``plan`` (host arithmetic, CPU tensors).
+def pcp_segments(plan: PCPPlan, rank: int, device: torch.device | str = "cpu") -> tuple[Segments, torch.Tensor]:
+    """Rank ``rank``'s query segments under ``plan`` (host arithmetic, one copy to ``device``).
 
     One segment per contiguous run of the rank's tokens (:meth:`~shardattn.plan.ShardPlan.runs`,
     in the rank's token order): its request and the new-token offset one past its last query.
 
     Returns:
-        ``(segments, prefix_lens [R] int32)``.
+        ``(segments, prefix_lens [R] int32 on the CPU)``.
 
     >>> from shardattn.plan import pcp_plan
     >>> seg, _ = pcp_segments(pcp_plan([8], 2, prefix_lens=[3]), 0)
@@ -155,26 +159,16 @@ def pcp_segments(plan: PCPPlan, rank: int) -> tuple[Segments, torch.Tensor]:
     ([0, 2, 4], [0, 0], [2, 8])
     """
     shard = plan.shard
-    runs = shard.runs(rank)
-    prefix = shard.prefix_lens.numpy()
-    lens = np.array([stop - start for _, start, stop in runs], dtype=np.int64)
-    req = np.array([r for r, _, _ in runs], dtype=np.int64)
-    stop = np.array([s - prefix[r] for r, _, s in runs], dtype=np.int64)
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    segments = Segments(
-        cu_q=torch.from_numpy(cu),
-        stop=torch.from_numpy(stop.astype(np.int32)),
-        token_offsets=shard.token_offsets.clone(),
-        req=torch.from_numpy(req),
-        token_request=shard.token_request.clone(),
-    )
-    return segments, shard.prefix_lens.to(torch.int32)
+    prefix = shard.prefix_lens.to(torch.int32)
+    lens = (shard.token_offsets[1:] - shard.token_offsets[:-1]).tolist()
+    segments = plan_segments(lens, prefix.tolist(), device, runs=shard.runs(rank))
+    return segments, prefix
 
 
 def _check_pcp(
     q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
     plan: PCPPlan,
     comm: Comm,
     caches: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
@@ -195,13 +189,28 @@ def _check_pcp(
     t, h, d = q.shape
     if t != mine:
         raise ValueError(f"q must hold rank {comm.rank}'s {mine} tokens (plan), got {t}")
-    check_tensor("k_new", k_new, dtypes=(q.dtype,), ndim=3)
-    if k_new.shape[0] != t or k_new.shape[2] != d:
-        raise ValueError(f"k_new must have shape [{t}, Hkv, {d}] (q's tokens and head_dim), got {list(k_new.shape)}")
-    hkv = k_new.shape[1]
+    k_cache, v_cache, block_table = caches
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new go together: give both, or neither when the new keys are in the cache")
+    if k_new is None:
+        if k_cache is None:
+            raise ValueError(
+                "k_new and v_new are None (the new keys already in every rank's cache): pass k_cache, v_cache "
+                "and block_table holding them"
+            )
+        check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
+        hkv = k_cache.shape[2]
+    else:
+        check_tensor("k_new", k_new, dtypes=(q.dtype,), ndim=3)
+        if k_new.shape[0] != t or k_new.shape[2] != d:
+            raise ValueError(
+                f"k_new must have shape [{t}, Hkv, {d}] (q's tokens and head_dim), got {list(k_new.shape)}"
+            )
+        hkv = k_new.shape[1]
+        check_tensor("v_new", v_new, dtypes=(q.dtype,), shape=tuple(k_new.shape))
     if hkv < 1 or h % hkv:
-        raise ValueError(f"q heads ({h}) must be a multiple of k_new's KV heads ({hkv})")
-    check_tensor("v_new", v_new, dtypes=(q.dtype,), shape=tuple(k_new.shape))
+        name = "k_new" if k_new is not None else "k_cache"
+        raise ValueError(f"q heads ({h}) must be a multiple of {name}'s KV heads ({hkv})")
     check_int("window_left", window_left, minimum=-1)
     if scale is not None:
         check_scale("scale", scale)
@@ -210,8 +219,7 @@ def _check_pcp(
     if sinks is not None:
         check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
     prefix = plan.shard.prefix_lens
-    k_cache, v_cache, block_table = caches
-    has_prefix = bool((prefix > 0).any())
+    has_prefix = bool((prefix > 0).any()) or k_new is None
     given = [x is not None for x in caches]
     if any(given) and not all(given):
         raise ValueError("k_cache, v_cache and block_table go together (the cached prefix); give all or none")
@@ -222,20 +230,25 @@ def _check_pcp(
         )
     if all(given):
         check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, prefix.to(torch.int32), plan.shard.num_requests)
+        seq = (prefix + plan.shard.query_lens if k_new is None else prefix).tolist()
+        capacity = block_table.shape[1] * k_cache.shape[1]
+        if seq and max(seq) > capacity:
+            what = "prefix_lens plus the new tokens" if k_new is None else "prefix_lens"
+            raise ValueError(f"{what} must fit the block table ({capacity} positions), got {seq[:8]}")
     check_same_device(
         q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, block_table=block_table, sinks=sinks
     )
     fingerprint = stable_fingerprint(
         "gqa-pcp", plan.fingerprint() if check else None, h, hkv, d, q.dtype, sinks is not None, window_left,
-        gather_output, has_prefix,
+        gather_output, has_prefix, k_new is None,
     )  # fmt: skip
     return fingerprint, has_prefix
 
 
 def gqa_prefill_pcp(
     q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
     plan: PCPPlan,
     group: GroupLike | Comm,
     *,
@@ -248,7 +261,10 @@ def gqa_prefill_pcp(
     gather_output: bool = False,
     backend: str = "auto",
     check: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    segments: Segments | None = None,
+    kernel: SegmentKernel | None = None,
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GQA prefill over a zigzag token split, the new tokens' K and V all-gathered (module docstring).
 
     Every rank of ``group`` calls this with the same ``plan`` and the tensors of its own tokens
@@ -256,7 +272,8 @@ def gqa_prefill_pcp(
 
     Args:
         q: ``[T_r, H, D]`` fp16/bf16/fp32 queries of this rank's tokens (all heads).
-        k_new, v_new: ``[T_r, Hkv, D]`` their keys and values (q's dtype).
+        k_new, v_new: ``[T_r, Hkv, D]`` their keys and values (q's dtype), or both ``None``: the
+            step's new keys are in every rank's cache after the prefixes (module docstring).
         plan: :func:`~shardattn.plan.pcp_plan` of the step (``world_size`` = the group's); its
             ``prefix_lens`` are the cached tokens of each request.
         group: the PCP process group or a :class:`~shardattn.parallel.comm.Comm`
@@ -269,6 +286,9 @@ def gqa_prefill_pcp(
         gather_output: also all-gather the outputs and return every token's, in token order.
         backend: the local kernel (:func:`~shardattn.ops.gqa_prefill.gqa_prefill_route`).
         check: agree on the plan and shapes first (one small all-gather, a host sync).
+        segments: this rank's :func:`pcp_segments` on q's device (planned once per step; default:
+            planned here). kernel: the kernel implementation (default: ``backend``'s route's).
+        return_lse: return the LSE (``False``: ``None``; needs ``gather_output=False``).
     Returns:
         ``(out [T_r, H, D] in q's dtype, lse [T_r, H] fp32)`` for this rank's tokens, or
         ``[T, H, D]`` / ``[T, H]`` in token order with ``gather_output``.
@@ -291,7 +311,12 @@ def gqa_prefill_pcp(
             q, k_new, v_new, plan, comm, (k_cache, v_cache, block_table), sinks, window_left, scale, gather_output,
             check,
         )  # fmt: skip
-        route = gqa_prefill_route(q, k_new, backend=backend)
+        if not isinstance(return_lse, bool) or (gather_output and not return_lse):
+            raise ValueError(f"return_lse must be a bool, True with gather_output, got {return_lse!r}")
+        if segments is not None and not isinstance(segments, Segments):
+            raise TypeError(f"segments must be pcp_segments' Segments, got {type(segments).__name__}")
+        if kernel is None:
+            route = gqa_prefill_route(q, k_cache if k_new is None else k_new, backend=backend)
         return fingerprint
 
     comm.agree_on("GQA PCP plan and inputs", validate, check=check)
@@ -299,26 +324,31 @@ def gqa_prefill_pcp(
         dev = q.device
         w, rank = comm.world_size, comm.rank
         t, h, d = q.shape
-        hkv = k_new.shape[1]
-        p = plan.shard.padded_count
-        padded = k_new.new_zeros(p, 2, hkv, d)
-        padded[:t, 0] = k_new
-        padded[:t, 1] = v_new
-        gathering, pending = comm.all_gather_async(padded)
-        gathered = gathering.view(w * p, 2, hkv, d)
-
-        segments, prefix_lens = pcp_segments(plan, rank)
-        segments = segments.to(dev)
+        keys_ready = None
+        k_all = v_all = new_rows = None
+        if k_new is not None:
+            hkv = k_new.shape[1]
+            p = plan.shard.padded_count
+            padded = k_new.new_zeros(p, 2, hkv, d)
+            padded[:t, 0] = k_new
+            padded[:t, 1] = v_new
+            gathering, pending = comm.all_gather_async(padded)
+            gathered = gathering.view(w * p, 2, hkv, d)
+            k_all, v_all, new_rows, keys_ready = gathered[:, 0], gathered[:, 1], plan.kv_row.to(dev), pending.wait
+        if segments is None:
+            segments = pcp_segments(plan, rank, dev)[0]
         prefix = None
         if has_prefix:
-            prefix = PagedPrefix(k_cache, v_cache, block_table, prefix_lens.to(dev), int(plan.shard.prefix_lens.max()))
+            lens = plan.shard.prefix_lens.to(device=dev, dtype=torch.int32)
+            prefix = PagedPrefix(k_cache, v_cache, block_table, lens, int(plan.shard.prefix_lens.max()))
         out, lse = attend_segments(
-            q, gathered[:, 0], gathered[:, 1], segments, kernel=segment_kernel(route), prefix=prefix,
-            window_left=window_left, sinks=sinks, scale=d**-0.5 if scale is None else scale,
-            new_rows=plan.kv_row.to(dev), keys_ready=pending.wait,
+            q, k_all, v_all, segments, kernel=segment_kernel(route) if kernel is None else kernel, prefix=prefix,
+            window_left=window_left, sinks=sinks, scale=d**-0.5 if scale is None else scale, new_rows=new_rows,
+            keys_ready=keys_ready, return_lse=return_lse,
         )  # fmt: skip
         if not gather_output:
             return out, lse
+        p = plan.shard.padded_count
         specs = [((p, h, d), out.dtype), ((p, h), torch.float32)]
         mine_out, mine_lse = out.new_zeros(p, h, d), lse.new_zeros(p, h)
         mine_out[:t], mine_lse[:t] = out, lse

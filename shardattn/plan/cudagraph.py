@@ -18,6 +18,8 @@ mode         kernel          level
                              UNIFORM_SINGLE_TOKEN_DECODE (no non-causal spec-decode path)
 ``prefill``  triton          ALWAYS (head-TP sparse prefill: every buffer is bounded by
                              the workspace, the grid by the padded token count)
+``prefill``  fa4             NEVER (GQA prefill: FA4's host code sizes the grid from the step's
+                             token count and allocates the outputs on every call)
 ``shardq``   any             NEVER (all-to-all split sizes come from a per-step host plan)
 ``pcp``      any             NEVER (per-step host plan for the split and the KV all-gather)
 any          reference       NEVER (torch reference: may allocate and synchronise)
@@ -58,7 +60,7 @@ __all__ = [
 ]
 
 CG_MODES = ("decode", "prefill", "shardq", "pcp")
-CG_KERNELS = ("triton", "flashinfer-xqa", "trtllm-gen", "reference")
+CG_KERNELS = ("triton", "flashinfer-xqa", "trtllm-gen", "fa4", "reference")
 
 
 class CGSupport(enum.IntEnum):
@@ -103,6 +105,13 @@ def explain_cudagraph_support(
         return CGSupport.NEVER, "the torch reference may allocate and synchronise: never captured"
     if mode in ("shardq", "pcp"):
         return CGSupport.NEVER, f"{mode} steps depend on a per-step host plan (collective split sizes)"
+    if kernel == "fa4" and mode == "decode":
+        return CGSupport.NEVER, "kernel 'fa4' is a prefill kernel; no decode graphs"
+    if mode == "prefill" and kernel == "fa4":
+        return (
+            CGSupport.NEVER,
+            "GQA prefill on FA4: its host code sizes the grid from the step's tokens and allocates outputs per call",
+        )
     if mode == "prefill":
         if kernel != "triton":
             return CGSupport.NEVER, f"kernel {kernel!r} is a decode kernel; no prefill graphs"

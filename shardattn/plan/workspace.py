@@ -25,6 +25,10 @@ Modes:
 * ``pcp``: tokens split over ``W`` PCP ranks (``Hl`` heads each); the new KV rows are
   all-gathered (``W * Nmax`` rows). (The Runtime's PCP step takes only the union from the
   workspace; the other items bound what it allocates per step.)
+* GQA prefill (``spec.kind == "gqa"``): ``headtp`` has no item (FA4 allocates its output); ``pcp``
+  bounds the own and all-gathered K and V (``2 * Hkv * D`` per token) and the outputs. The Runtime
+  reserves none of them: FA4 allocates its outputs, the PCP step its gather, per step (prefill
+  steps are never captured in a CUDA graph).
 * ``dcp-decode``: ``M`` decode query tokens; a rank gathers the ``Hl`` heads of its ``W`` DCP
   peers (``W * Hl`` heads) and attends over its KV shard, then the collector merges. Sized to
   what the step exchanges: partials in the output dtype (bf16), and each rank receives only the
@@ -321,8 +325,13 @@ def workspace_bounds(
         gathered = m + w * (slack + 1) - 1  # >= W * Nmax for any step, and monotone in W
         item["out"] = (n_max * hl * dv * bo, "Nmax * Hl * Dv * out_bytes")
         item["lse"] = (n_max * hl * _F32, "Nmax * Hl * 4")
-        item["send"] = (n_max * kv_row, "Nmax * kv_row_bytes (own new KV rows: D * kv_bytes, 656 in fp8_ds_mla)")
-        item["recv"] = (gathered * kv_row, "(M + W*(slack+1) - 1) * kv_row_bytes (all-gathered KV rows)")
+        if spec.kind == "gqa":  # a token's K and V of every KV head; G = 1, so the padded share is ceil(M / W)
+            row, what = 2 * spec.num_kv_heads * kv_row, "2 * Hkv * D * kv_bytes"
+            item["send"] = (n_max * row, f"Nmax * {what} (own new K and V)")
+            item["recv"] = (w * n_max * row, f"W * Nmax * {what} (all-gathered K and V)")
+        else:
+            item["send"] = (n_max * kv_row, "Nmax * kv_row_bytes (own new KV rows: D * kv_bytes, 656 in fp8_ds_mla)")
+            item["recv"] = (gathered * kv_row, "(M + W*(slack+1) - 1) * kv_row_bytes (all-gathered KV rows)")
     else:  # dcp-decode: what the step and its all-to-all collector really hold
         hc = w * hl
         part = _pad16(m * hl * dv * bo) + _pad16(m * hl * _F32)  # one rank's heads: partial out + LSE

@@ -20,7 +20,7 @@ import torch
 from shardattn._checks import check_choice, check_int
 from shardattn.plan.cudagraph import CGSupport, explain_cudagraph_support
 from shardattn.runtime.cudagraph import GraphInput, GraphRunner, check_capture_allowed
-from shardattn.runtime.modes import PREFILL_STEP
+from shardattn.runtime.modes import prefill_step_of
 
 __all__ = ["DecodeGraphs", "RuntimeGraphs"]
 
@@ -47,6 +47,9 @@ class RuntimeGraphs:
         @property
         def decode_route(self) -> Any: ...
 
+        @property
+        def gqa_prefill_route(self) -> Any: ...
+
     def explain_cudagraph_support(self, step: str = "decode") -> tuple[CGSupport, str]:
         """The planner's CUDA-graph level for this Runtime's ``"decode"`` or ``"prefill"`` steps, with why."""
         check_choice("step", step, ("decode", "prefill"))
@@ -57,9 +60,12 @@ class RuntimeGraphs:
                 "decode", kernel, head_dim=self.spec.head_dim, dcp_size=dcp, non_causal=not self.causal,
                 host_meta=self.spec.kind == "gqa",  # the DCP GQA step takes host-planned metadata
             )  # fmt: skip
-        prefill = PREFILL_STEP[self.mode]
-        if prefill is None or self.spec.kind != "sparse_mla":
+        prefill = prefill_step_of(self.spec.kind, self.mode)
+        if prefill is None:
             return CGSupport.NEVER, f"mode {self.mode!r} has no prefill step"
+        if self.spec.kind == "gqa":  # head-TP or PCP over FA4 (or the reference): never captured
+            cg_mode = "pcp" if prefill == "pcp" else "prefill"
+            return explain_cudagraph_support(cg_mode, self.gqa_prefill_route.path, head_dim=self.spec.head_dim)
         route = self._route(self.heads_per_rank, self.max_batched_tokens, self.max_kv_rows)
         kernel = "reference" if route.path == "reference" else "triton"
         cg_mode = {"shardq": "shardq", "pcp": "pcp", "headtp": "prefill"}[prefill]

@@ -59,6 +59,9 @@ class PrefillOptions:
             ones; :func:`~shardattn.plan.pipeline.chunk_weights`). Opt-in; same bits.
         one_union: ShardQ steps build the union of the rank's whole share once, not one per
             chunk (:func:`~shardattn.parallel.shardq.shardq_prefill`'s ``one_union``). Opt-in.
+        return_lse: :meth:`Runtime.prefill <shardattn.runtime.runtime.Runtime.prefill>` returns
+            the LSE (default). ``False``: it returns ``(out, None)``, and a GQA step calls FA4's
+            variant without one where no merge needs it (what an engine's prefill calls).
     """
 
     max_kv_rows: int | None = None
@@ -68,6 +71,7 @@ class PrefillOptions:
     chunks: int | None = None
     taper: bool = False
     one_union: bool = False
+    return_lse: bool = True
 
     def __post_init__(self) -> None:
         if self.max_kv_rows is not None:
@@ -85,6 +89,7 @@ class PrefillOptions:
                 raise ValueError(f"PrefillOptions.chunks must be in [1, {MAX_CHUNKS}], got {self.chunks}")
         _check_bool("PrefillOptions.taper", self.taper)
         _check_bool("PrefillOptions.one_union", self.one_union)
+        _check_bool("PrefillOptions.return_lse", self.return_lse)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardattn._checks import check_int, check_tensor
+from shardattn.kernels import fa4
 from shardattn.kernels.flashinfer_xqa import get_xqa
 from shardattn.ops.dispatch import device_capability
+from shardattn.ops.gqa_prefill import segment_kernel
+from shardattn.ops.gqa_prefill_segments import SegmentKernel
 from shardattn.parallel.comm import Comm
 from shardattn.plan.cost import CostModel
 from shardattn.plan.cost_route import cost_route
@@ -33,7 +36,8 @@ from shardattn.plan.routing import Route, route_decode, route_prefill
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.zigzag import zigzag_split
 from shardattn.runtime.args import prefill_lengths, reject
-from shardattn.runtime.modes import PREFILL_STEP
+from shardattn.runtime.gqa_prefill import check_gqa_prefill_inputs, plan_gqa_step
+from shardattn.runtime.modes import prefill_step_of
 from shardattn.runtime.options import DecodeOptions
 from shardattn.runtime.prefill import PrefillPlan, check_prefill_inputs
 from shardattn.runtime.workspace import RuntimeWorkspace
@@ -111,11 +115,13 @@ class RuntimePlanning:
             ValueError: the mode has no prefill, lengths that disagree;
             WorkspaceExceededError: the step is too large.
         """
-        step = PREFILL_STEP[self.mode]
-        if step is None or self.spec.kind != "sparse_mla":
+        step = prefill_step_of(self.spec.kind, self.mode)
+        if step is None:
             raise ValueError(f"mode {self.mode!r} with a {self.spec.kind} spec has no prefill step")
         lens, prefix = prefill_lengths(query_lens, prefix_lens, seq_lens)
         tokens = sum(lens)
+        if self.spec.kind == "gqa":
+            return self._plan_gqa(step, lens, prefix, tokens)
         rows = self.max_kv_rows if kv_rows is None else check_int("kv_rows", kv_rows, minimum=0)
         shard: Any = None
         route: Route | None = None
@@ -141,6 +147,33 @@ class RuntimePlanning:
                   route.group_size, route.reason)  # fmt: skip
         return PrefillPlan(step, route, shard, tokens)
 
+    @functools.cached_property
+    def gqa_prefill_route(self) -> Route:
+        """The route of this Runtime's GQA prefill kernel calls (``fa4`` where FA4 runs the spec's
+        dtype and head dim on the device, else the torch reference), with the reason; fixed per config."""
+        why = fa4.fa4_unsupported_reason(self.device, getattr(torch, self.spec.dtype), self.spec.head_dim)
+        if why is None:
+            route = Route("fa4", 1, f"FA4 (flash-attn-cute) on {self.device}, head_dim {self.spec.head_dim}")
+        else:
+            route = Route("reference", 1, f"{why}: torch reference")
+        log.debug("GQA prefill calls: %s: %s", route.path, route.reason)
+        return route
+
+    @functools.cached_property
+    def gqa_kernel(self) -> SegmentKernel:
+        """The kernel implementation of this Runtime's GQA prefill calls (one object: it keeps the
+        page table it derived from the last block table)."""
+        return segment_kernel(self.gqa_prefill_route)
+
+    def _plan_gqa(self, step: str, lens: list[int], prefix: list[int] | None, tokens: int) -> PrefillPlan:
+        shard = pcp_plan(lens, self.world_size, prefix_lens=prefix) if step == "pcp" else None
+        self.ws.check("prefill", step, tokens=tokens)
+        gqa = plan_gqa_step(lens, prefix, self.device, shard=shard, rank=self.rank)
+        route = self.gqa_prefill_route
+        log.debug("GQA prefill of %d tokens over %d requests: %s, %s: %s", tokens, len(lens), step, route.path,
+                  route.reason)  # fmt: skip
+        return PrefillPlan(step, route, shard, tokens, gqa)
+
     def _prefill_inputs(
         self,
         q: torch.Tensor,
@@ -156,13 +189,18 @@ class RuntimePlanning:
         plan: PrefillPlan | None,
         topk_length: torch.Tensor | None,
         check: bool,
+        window_left: object = -1,
     ) -> tuple[PrefillPlan, dict[str, torch.Tensor | None]]:
         """The plan of a :meth:`Runtime.prefill <shardattn.runtime.runtime.Runtime.prefill>` call
         (``plan``, or planned from the lengths) and its checked, converted tensors
         (:func:`~shardattn.runtime.prefill.check_prefill_inputs`). A bad tensor raises on every rank
         of a step with collectives when ``check`` (:func:`~shardattn.runtime.args.reject`)."""
         lens_given = query_lens is not None or prefix_lens is not None or seq_lens is not None
-        if plan is None:
+        if plan is None and self.spec.kind == "gqa":
+            if query_lens is None:
+                raise ValueError("prefill needs query_lens (new tokens per request) or a plan from plan_prefill")
+            plan = self.plan_prefill(query_lens, prefix_lens, seq_lens=seq_lens)
+        elif plan is None:
             if query_lens is None:
                 raise ValueError("prefill needs query_lens (new tokens per request) or a plan from plan_prefill")
             for name, value in (("kv_cache", kv_cache), ("kv_new", kv_new)):
@@ -175,6 +213,22 @@ class RuntimePlanning:
             raise TypeError(f"plan must be a PrefillPlan from Runtime.plan_prefill, got {type(plan).__name__}")
         elif lens_given:
             raise ValueError("pass either plan or query_lens / prefix_lens / seq_lens, not both (a plan holds them)")
+        if plan.gqa is not None:
+            tokens_from = "query_lens sums to" if lens_given else "the plan is for"
+            try:
+                mine = int(plan.token_plan.counts[self.rank]) if plan.shard is not None else plan.num_tokens
+                given = check_gqa_prefill_inputs(
+                    plan.step, self.spec, self.comm, q=q, kv_cache=kv_cache, kv_new=kv_new, block_table=block_table,
+                    rows=rows, topk_pos=topk_pos, topk_length=topk_length, window_left=window_left, gqa=plan.gqa,
+                    num_tokens=plan.num_tokens, rank_tokens=mine, heads_per_rank=self.heads_per_rank,
+                    tokens_from=tokens_from,
+                )  # fmt: skip
+            except (TypeError, ValueError) as e:
+                reject(self.comm, e, collective=plan.shard is not None, check=check)
+            return plan, given
+        if window_left != -1:
+            e = ValueError(f"window_left is GQA's sliding window; a sparse-MLA prefill takes none, got {window_left!r}")
+            reject(self.comm, e, collective=plan.shard is not None, check=check)
         try:
             given = check_prefill_inputs(
                 plan, self.spec, self.rank, self.heads_per_rank,

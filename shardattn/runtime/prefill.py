@@ -59,12 +59,15 @@ class PrefillPlan:
         shard: the token split (:class:`~shardattn.plan.zigzag.ShardPlan`, or a
             :class:`~shardattn.plan.pcp.PCPPlan` under PCP); ``None`` for a head-TP mode.
         num_tokens: new tokens of the step.
+        gqa: a GQA step's lengths and segments on the device
+            (:class:`~shardattn.runtime.gqa_prefill.GQAStepPlan`); ``None`` for sparse MLA.
     """
 
     step: str
     route: Route
     shard: Any
     num_tokens: int
+    gqa: Any = None
 
     @property
     def token_plan(self) -> ShardPlan | None:

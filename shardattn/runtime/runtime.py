@@ -57,8 +57,9 @@ from shardattn.plan.kv_format import KV_FP8_DS_MLA, kv_format_name, kv_row_bytes
 from shardattn.plan.routing import Route
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.runtime.decode import DecodeStep
+from shardattn.runtime.gqa_prefill import run_gqa_prefill_step
 from shardattn.runtime.graphs import RuntimeGraphs
-from shardattn.runtime.modes import DECODE_STEP, MODES, PREFILL_STEP
+from shardattn.runtime.modes import DECODE_STEP, MODES, PREFILL_STEP, prefill_step_of
 from shardattn.runtime.options import DecodeOptions, PrefillOptions, given_options
 from shardattn.runtime.planning import RuntimePlanning
 from shardattn.runtime.prefill import PrefillPlan, run_prefill_step, shardq_buffers, workspace_prefill_attention
@@ -151,10 +152,10 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         self.prefill_options, self.decode_options = given_options(prefill_options, decode_options)
         if not isinstance(warmup, bool):
             raise TypeError(f"warmup must be a bool, got {type(warmup).__name__}")
-        if self.spec.kind == "gqa" and PREFILL_STEP[mode] not in (None, "headtp"):
+        if self.spec.kind == "gqa" and mode == "shardq":
             raise ValueError(
-                f"mode {mode!r} runs a sparse-MLA prefill, but the spec is a GQA model; "
-                "use mode 'dcp-decode' or 'headtp' (decode)"
+                "mode 'shardq' runs a sparse-MLA prefill (ShardQ), but the spec is a GQA model; use mode 'headtp' "
+                "(head-TP prefill and decode), 'mixed' (head-TP prefill, DCP decode), 'pcp' or 'dcp-decode'"
             )
 
         self.comm = Comm(group)  # resolves rank, size and backend once; counts this Runtime's collectives
@@ -182,7 +183,9 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         self.scale = self.spec.softmax_scale if scale is None else check_scale("scale", scale)
 
         cost_model = self.prefill_options.cost_model
-        self.cost_model = resolve_cost_model(cost_model, self.device) if PREFILL_STEP[mode] == "shardq" else None
+        self.cost_model = (
+            resolve_cost_model(cost_model, self.device) if prefill_step_of(self.spec.kind, mode) == "shardq" else None
+        )
         self.ws = RuntimeWorkspace(
             self.spec,
             mode,
@@ -271,11 +274,11 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
     def prefill(
         self,
         q: torch.Tensor,
-        kv_cache: torch.Tensor | None,
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
         rows: torch.Tensor | None = None,
         *,
         topk_pos: torch.Tensor | None = None,
-        kv_new: torch.Tensor | None = None,
+        kv_new: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
         block_table: torch.Tensor | None = None,
         query_lens: Sequence[int] | torch.Tensor | None = None,
         prefix_lens: Sequence[int] | torch.Tensor | None = None,
@@ -283,9 +286,10 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         plan: PrefillPlan | None = None,
         topk_length: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        window_left: int = -1,
         check: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one sparse-MLA prefill step, routed by the planner.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one prefill step (sparse MLA or GQA), routed by the planner.
 
         ShardQ and head-TP modes (``rt.prefill(q, kv_cache, rows, query_lens=...)``):
 
@@ -306,6 +310,23 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
                 included) of the rank's tokens' top-k.
             kv_new: ``[T_r, D]`` the KV rows of the rank's own new tokens (all-gathered by the step).
 
+        GQA (``rt.prefill(q, (k_cache, v_cache), kv_new=(k, v), block_table=..., query_lens=...)``;
+        :mod:`~shardattn.runtime.gqa_prefill`): head-TP in ``headtp`` / ``mixed``, PCP in ``pcp``.
+
+        Args:
+            q: head-TP ``[T, H/W, D]`` this rank's heads of every new token; PCP ``[T_r, H, D]``
+                every head of the rank's tokens (``plan.tokens_of(rank)``).
+            kv_cache: ``(k_cache, v_cache)``, each ``[pages, page_size, Hkv_r, D]`` in q's dtype
+                (head-TP: the rank's KV heads, :func:`~shardattn.parallel.gqa_prefill.head_tp_kv_heads`;
+                PCP: all), with ``block_table [B, M]`` int32; it holds the cached prefixes, and with
+                ``kv_new=None`` the step's new tokens after them. ``None``: no prefix, ``kv_new`` given.
+            kv_new: ``(k, v)``, each ``[T, Hkv_r, D]`` (PCP ``[T_r, Hkv, D]``), the new tokens' keys
+                and values; ``None``: they are in ``kv_cache`` already (written by the engine's
+                cache write before attention): one paged call per step, the fastest form.
+            window_left: sliding window, the query at position ``p`` sees ``[p - window_left, p]``
+                (``-1``, the default: none).
+            rows / topk_pos / topk_length: sparse MLA's; ``None``.
+
         Every mode:
 
         Args:
@@ -321,7 +342,7 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         Returns:
             ``(out, lse)``: ``out`` in q's dtype, ``[T, H/W, v_dim]`` in token order for this
             rank's heads (PCP: ``[T_r, H, v_dim]`` of the rank's tokens); ``lse`` fp32 ``[T, H/W]``
-            (PCP ``[T_r, H]``), natural log.
+            (PCP ``[T_r, H]``), natural log; ``None`` with ``PrefillOptions(return_lse=False)``.
         Raises:
             ValueError / TypeError: naming the argument (on every rank of a step with collectives
                 when ``check``); WorkspaceExceededError: the step is larger than the workspace.
@@ -329,13 +350,20 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         plan, given = self._prefill_inputs(
             q, kv_cache, rows, topk_pos=topk_pos, kv_new=kv_new, block_table=block_table, query_lens=query_lens,
             prefix_lens=prefix_lens, seq_lens=seq_lens, plan=plan, topk_length=topk_length, check=check,
+            window_left=window_left,
         )  # fmt: skip
+        options = self.prefill_options
+        if plan.gqa is not None:
+            return run_gqa_prefill_step(
+                plan.step, plan.shard, plan.gqa, q, given, comm=self.comm, kernel=self.gqa_kernel, scale=self.scale,
+                sinks=sinks, local_sinks=None if sinks is None else self._local_heads(sinks),
+                window_left=window_left, return_lse=options.return_lse, check=check,
+            )  # fmt: skip
         workspace = shardq_buffers(self.ws.step_buffers("prefill", plan.step))
         if q.dtype != self.dtype:  # the buffers are sized for the spec's dtype (fp32 on a CPU allocates per step)
             workspace = {}
             self._warn_dtype(q.dtype)
-        options = self.prefill_options
-        return run_prefill_step(
+        out, lse = run_prefill_step(
             plan,
             q,
             given,
@@ -351,6 +379,7 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
             sinks=sinks,
             check=check,
         )
+        return out, (lse if options.return_lse else None)
 
     def _warn_dtype(self, dtype: torch.dtype) -> None:
         """Say once that steps in another dtype than the spec's bypass the workspace (a warning on a

@@ -21,10 +21,12 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
+from shardattn.kernels import fa4
 from shardattn.kernels.gluon.sparse_mla import gluon_config
 from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS, smem_unsupported_reason
 from shardattn.kernels.gluon.union_smem import launch_config as smem_launch_config
@@ -34,15 +36,17 @@ from shardattn.kernels.triton.union import union_launch_config
 from shardattn.kernels.triton.union_bitmap import bitmap_launch_config
 from shardattn.kernels.triton.union_fused import fused_launch_config
 from shardattn.ops.dispatch import default_group_size
+from shardattn.ops.gqa_prefill import fa4_variants
 from shardattn.ops.topk import DcpShard
 from shardattn.ops.union import UNION_METHOD
+from shardattn.parallel.gqa_prefill import head_tp_kv_heads
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.routing import Route, gluon_grouped_group_size, prefill_group_size
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.decode_warmup import warm_up_decode
-from shardattn.runtime.modes import GQA_BACKEND, PREFILL_STEP
-from shardattn.runtime.options import DecodeOptions
+from shardattn.runtime.modes import GQA_BACKEND, PREFILL_STEP, prefill_step_of
+from shardattn.runtime.options import DecodeOptions, PrefillOptions
 from shardattn.runtime.workspace import RuntimeWorkspace
 
 
@@ -232,6 +236,9 @@ class RuntimeWarmup:
     layout: DCPLayout
     warmed_keys: frozenset
     warmup_launches: int
+    max_batched_tokens: int
+    prefill_options: PrefillOptions
+    gqa_prefill_route: Route
 
     def prefill_specs(self) -> list[PrefillSpec]:
         """Kernel shapes this Runtime's prefill routes can launch: every head count its steps run
@@ -275,11 +282,35 @@ class RuntimeWarmup:
         )
         return {k for k in compile_keys(spec) if k.kernel == "convert_topk" or k.params.get("G") == route.group_size}
 
+    def gqa_prefill_variants(self) -> list[fa4.FA4Variant]:
+        """The FA4 compile keys this Runtime's GQA prefill calls can meet (empty off the FA4 route):
+        the rank's heads and KV heads of its step (head-TP ``H/W`` over its KV heads, PCP all),
+        every call form (:func:`~shardattn.ops.gqa_prefill.fa4_variants`: new keys given or in the
+        cache, a prefix split or copied, with and without a window), up to ``max_batched_tokens``
+        segments (PCP: twice that, a rank's runs)."""
+        step = prefill_step_of(self.spec.kind, self.mode)
+        if self.spec.kind != "gqa" or step is None or self.gqa_prefill_route.path != "fa4":
+            return []
+        if step == "pcp":
+            heads, kv_heads, segments = self.spec.num_heads, self.spec.num_kv_heads, 2 * self.max_batched_tokens
+        else:
+            lo, hi = head_tp_kv_heads(self.spec.num_heads, self.spec.num_kv_heads, self.world_size, self.rank)
+            heads, kv_heads, segments = self.heads_per_rank, hi - lo, self.max_batched_tokens
+        return fa4_variants(
+            dtype=self.dtype, num_heads=heads, num_kv_heads=kv_heads, head_dim=self.spec.head_dim,
+            sinks=self.spec.has_sinks, page_size=self.spec.page_size, max_segments=segments,
+            return_lse=self.prefill_options.return_lse, runs=step == "pcp",
+        )  # fmt: skip
+
     def warmup(self) -> int:
         """Launch every kernel variant the routes can produce, and one tiny decode; returns the launches."""
         specs = self.prefill_specs()
         launches = warmup(self.device, *specs) if specs else 0
         self.warmed_keys = frozenset(k for s in specs for k in compile_keys(s))
+        variants = self.gqa_prefill_variants()
+        if variants:  # FA4 compiles each key on its first call (seconds): all of them now
+            launches += fa4.warm_up(variants, self.device)
+            self.warmed_keys |= {CompileKey("fa4", dataclasses.asdict(v)) for v in variants}
         launches += self._warmup_decode()
         self.warmup_launches = launches
         return launches

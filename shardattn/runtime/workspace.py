@@ -43,13 +43,15 @@ import torch
 from shardattn.errors import WorkspaceExceededError
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.workspace import ITEM_LIFETIMES, arena_offsets, workspace_bounds
-from shardattn.runtime.modes import DECODE_STEP, PREFILL_STEP
+from shardattn.runtime.modes import DECODE_STEP, prefill_step_of
 
 __all__ = ["RuntimeWorkspace", "WorkspaceExceededError"]
 
 #: ``{(kind, step): items}``: steps that carve only some of the items the planner bounds for their
 #: mode; the rest is allocated by the step itself (PCP: its KV gather and outputs, sized per step),
-#: so reserving it would hold memory no step reads. Steps not listed carve every bounded item.
+#: so reserving it would hold memory no step reads. Steps not listed carve every bounded item. GQA
+#: prefill steps carve none (:meth:`RuntimeWorkspace.needs`): FA4 allocates its outputs, PCP its
+#: KV gather, per step.
 STEP_ITEMS: dict[tuple[str, str], tuple[str, ...]] = {("prefill", "pcp"): ("union", "union_offsets")}
 
 #: ``dcp_*_decode`` workspace key -> the Runtime's workspace item (``decode.<item>``).
@@ -170,7 +172,7 @@ class RuntimeWorkspace:
         bounds = workspace_bounds(
             self.spec, max_batched_tokens=m, world_size=w, mode=ws_mode, tp_size=tp, topk=k, kv_dtype=self.kv_dtype
         )
-        carved = STEP_ITEMS.get((kind, step))
+        carved = () if (self.spec.kind == "gqa" and kind == "prefill") else STEP_ITEMS.get((kind, step))
         for name, nbytes in bounds.items.items():
             if nbytes and (carved is None or name in carved):
                 need[f"{kind}.{name}"] = int(nbytes)
@@ -188,7 +190,7 @@ class RuntimeWorkspace:
         """``(kind, step, tokens)``: every step this config can take, at its largest (a ShardQ mode
         that can never shard reserves its head-TP step alone)."""
         steps: list[tuple[str, str, int]] = []
-        prefill = PREFILL_STEP[self.mode] if self.spec.kind == "sparse_mla" else None
+        prefill = prefill_step_of(self.spec.kind, self.mode)
         if prefill == "shardq" and not self.shardq_possible:
             prefill = "headtp"
         if prefill is not None:

@@ -240,6 +240,98 @@ def _op_with(**kw: Any) -> Any:
     )
 
 
+def _runtime(mode: str = "headtp", spec: Any = None, **over: Any) -> Callable[[Any], Call]:
+    """``Runtime.prefill`` of a GQA spec (4 query / 2 KV heads, d 16, page 4) on the inputs of
+    :func:`prefill_inputs` (one rank: head-TP holds every head)."""
+
+    def build(group: Any) -> Call:
+        from shardattn.plan.spec import ModelSpec
+        from shardattn.runtime.runtime import Runtime
+
+        gqa = ModelSpec("gqa", 4, 2, 16, 16, 0, 4, dtype="float32")
+        rt = Runtime(gqa if spec is None else spec, group, mode=mode, max_batched_tokens=16, warmup=False)
+        x = prefill_inputs()
+        args = {"q": x["q"], "kv_cache": (x["k_cache"], x["v_cache"])}
+        kw: dict[str, Any] = {"kv_new": (x["k"], x["v"]), "block_table": x["block_table"],
+                              "query_lens": [2, 3], "prefix_lens": [0, 5]}  # fmt: skip
+        override(args, kw, over, x)
+        return Call(rt.prefill, tuple(args.values()), kw, rt.comm)
+
+    return build
+
+
+def runtime_rows() -> list[Row]:
+    """``Runtime.prefill``'s GQA arguments (one rank)."""
+    n = "Runtime.prefill-gqa"
+    rows = [
+        (
+            f"{n}-kv-new-one-tensor",
+            _runtime(kv_new=lambda x: x["k"]),
+            Raises(TypeError, r"^kv_new must be a \(k, v\) pair"),
+        ),
+        (
+            f"{n}-kv-new-other-heads",
+            _runtime(kv_new=lambda x: (x["k"][:, :1], x["v"][:, :1])),
+            Raises(ValueError, r"^kv_new\[0\] must have shape \[5, 2, 16\], got \[5, 1, 16\]"),
+        ),
+        (
+            f"{n}-kv-cache-other-heads",
+            _runtime(kv_cache=lambda x: (x["k_cache"][:, :, :1], x["v_cache"][:, :, :1])),
+            Raises(ValueError, r"^kv_cache\[0\] must have shape \[pages, page_size, 2, 16\]"),
+        ),
+        (
+            f"{n}-rows-given",
+            _runtime(rows=lambda x: torch.zeros(5, 4, dtype=torch.int32)),
+            Raises(ValueError, r"^rows is sparse MLA's top-k"),
+        ),
+        (f"{n}-window-minus-2", _runtime(window_left=-2), Raises(ValueError, r"^window_left must be >= -1")),
+        (
+            f"{n}-prefix-without-cache",
+            _runtime(kv_cache=None, block_table=None),
+            Raises(ValueError, r"^the step has cached prefixes \(prefix_lens up to 5\): pass kv_cache"),
+        ),
+        (
+            f"{n}-cache-without-table",
+            _runtime(block_table=None),
+            Raises(ValueError, r"^kv_cache needs its block_table"),
+        ),
+        (
+            f"{n}-keys-in-cache-past-the-table",
+            _runtime(kv_new=None, prefix_lens=[0, 6]),
+            Raises(ValueError, r"^block_table holds 8 positions per request, but seq_lens \(prefix and new .* reach 9"),
+        ),
+        (
+            f"{n}-table-page-outside-cache",
+            _runtime(block_table=lambda x: torch.tensor([[1, -1], [2, 7]], dtype=torch.int32)),
+            Raises(ValueError, r"^block_table holds pages outside \[0, 3\) for requests \[1\]"),
+        ),
+        (
+            f"{n}-shardq-mode",
+            lambda group: Call(_gqa_runtime, (group,), {"mode": "shardq"}),
+            Raises(ValueError, r"mode 'shardq' runs a sparse-MLA prefill \(ShardQ\), but the spec is a GQA model"),
+        ),
+        (
+            "PrefillOptions-return-lse-int",
+            lambda group: Call(_prefill_options, (), {"return_lse": 1}),
+            Raises(TypeError, r"^PrefillOptions\.return_lse must be a bool"),
+        ),
+    ]
+    return [Row(rid, build, expect, dist=True) for rid, build, expect in rows]
+
+
+def _gqa_runtime(group: Any, mode: str) -> Any:
+    from shardattn.plan.spec import ModelSpec
+    from shardattn.runtime.runtime import Runtime
+
+    return Runtime(ModelSpec("gqa", 4, 2, 16, 16, 0, 4), group, mode=mode, max_batched_tokens=16, warmup=False)
+
+
+def _prefill_options(**fields: Any) -> Any:
+    from shardattn.runtime.options import PrefillOptions
+
+    return PrefillOptions(**fields)
+
+
 def gqa_prefill_rows() -> list[Row]:
     """Every row of the GQA prefill entry points."""
-    return [*op_rows(), *step_rows()]
+    return [*op_rows(), *step_rows(), *runtime_rows()]
