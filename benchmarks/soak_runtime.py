@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import add_json_argument, environment, print_table, record, write_json
-from soak_stats import LogHistogram, growth_pct, live_tensors, rss_bytes
+from soak_stats import LogHistogram, floor_growth, growth_pct, live_tensors, rss_bytes
 
 from shardattn.launch.local import run_ranks
 from shardattn.launch.workloads import build_decode, build_prefill
@@ -267,7 +267,7 @@ class RuntimeSoak:
             "unwarmed_routes": s["unwarmed_routes"],
             "compiles_after_warmup": compiles_after_warmup,
             "live_tensors": s["tensors"],
-            "live_tensor_growth": s["tensors"][-1] - s["tensors"][0] if s["tensors"] else None,
+            "live_tensor_growth": floor_growth(s["tensors"]),
             "rss_mb": [v / 2**20 for v in s["rss"]],
             "rss_growth_pct": growth_pct(s["rss"]),
             "cuda_allocated_mb": [v / 2**20 for v in s["cuda"]],

@@ -23,7 +23,7 @@ import warnings
 import numpy as np
 import torch
 
-__all__ = ["LogHistogram", "growth_pct", "live_tensors", "rss_bytes"]
+__all__ = ["LogHistogram", "floor_growth", "growth_pct", "live_tensors", "rss_bytes"]
 
 
 def rss_bytes(pid: int | str = "self") -> int:
@@ -38,6 +38,22 @@ def live_tensors() -> int:
     with warnings.catch_warnings():  # isinstance() on every object touches deprecated torch attributes
         warnings.simplefilter("ignore")
         return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def floor_growth(values: list[int], window: int = 3) -> int | None:
+    """Growth of the least of the last ``window`` samples over the least of the first ``window``.
+
+    A leak (a tensor kept per step or per shape) raises every later sample, so it raises the
+    floor; a tensor alive only while a step's asynchronous work (a collective, a peer watch) is in
+    flight at one sample does not. ``None`` without samples.
+
+    >>> floor_growth([10, 10, 10, 13, 10, 10]), floor_growth([10, 10, 10, 11, 12, 13])
+    (0, 1)
+    """
+    if not values:
+        return None
+    w = max(1, min(window, len(values) // 2))
+    return min(values[-w:]) - min(values[:w])
 
 
 def growth_pct(values: list[float], window: int = 3) -> float | None:

@@ -194,23 +194,10 @@ def test_pdl_kernels_compile_for_sm90_with_grid_dependency_control():
     """AOT for sm_90 with the installed Triton (no GPU): with ``PDL`` the column merge waits on the
     grid before it (``griddepcontrol.wait``) and the decode split kernel lets the next grid launch
     and waits (``griddepcontrol.launch_dependents`` and ``.wait``); without ``PDL`` neither is there."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from shardattn.testing.ptx_digest import triton_sm90_ptx
 
-    from shardattn.kernels.triton.lse_merge import _lse_merge_columns_kernel
-    from shardattn.kernels.triton.sparse_mla_decode import _sparse_mla_decode_kernel
-
-    def ptx(kernel, pointers: dict, floats: tuple, constexprs: dict) -> str:
-        signature = {}
-        for name in kernel.arg_names:
-            if name in constexprs:
-                signature[name] = "constexpr"
-            else:
-                signature[name] = pointers.get(name, "fp32" if name in floats else "i32")
-        src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-        options = {"num_warps": 4, "launch_pdl": bool(constexprs["PDL"])}
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    def ptx(module: str, kernel: str, pointers: dict, floats: tuple, constexprs: dict) -> str:
+        return triton_sm90_ptx(module, kernel, pointers, constexprs, floats=floats, launch_pdl=constexprs["PDL"])
 
     merge_ptrs = {"Outs": "*fp32", "Lses": "*fp32", "Out": "*bf16", "Lse": "*fp32"}
     split_ptrs = {
@@ -222,8 +209,12 @@ def test_pdl_kernels_compile_for_sm90_with_grid_dependency_control():
         "HAS_SINKS": False, "HAS_ROPE": True, "IEEE": False,
     }  # fmt: skip
     for pdl in (True, False):
-        merge = ptx(_lse_merge_columns_kernel, merge_ptrs, (), {"BLOCK_P": 64, "BLOCK_D": 128, "PDL": pdl})
-        split = ptx(_sparse_mla_decode_kernel, split_ptrs, ("qk_scale",), {**split_consts, "PDL": pdl})
+        merge_consts = {"BLOCK_P": 64, "BLOCK_D": 128, "PDL": pdl}
+        merge = ptx("shardattn.kernels.triton.lse_merge", "_lse_merge_columns_kernel", merge_ptrs, (), merge_consts)
+        split = ptx(
+            "shardattn.kernels.triton.sparse_mla_decode", "_sparse_mla_decode_kernel", split_ptrs, ("qk_scale",),
+            {**split_consts, "PDL": pdl},
+        )  # fmt: skip
         assert ("griddepcontrol.wait" in merge) == pdl
         assert ("griddepcontrol.launch_dependents" in split) == pdl and ("griddepcontrol.wait" in split) == pdl
 

@@ -70,7 +70,7 @@ def _attr(module: str, name: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _triton_ptx(
+def triton_sm90_ptx(
     module: str,
     kernel: str,
     pointers: dict[str, str],
@@ -153,7 +153,7 @@ def _triton_prefill(heads: int, group_size: int, *, sinks: bool = False, kv_fp8:
     pointers = {**_BF16_ATTN, "LSE": "*fp32"}
     if kv_fp8:  # fp8_ds_mla rows: uint8 (the variant is new: bf16's arguments stay as they were)
         pointers["KV"], constexprs["KV_FP8"] = "*u8", True
-    return _triton_ptx(
+    return triton_sm90_ptx(
         _TRITON_PREFILL, "_sparse_mla_fwd_kernel", pointers, constexprs,
         floats=("qk_scale",), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
@@ -171,7 +171,7 @@ def _triton_decode(tokens: int, heads: int, *, kv_fp8: bool = False) -> str:
                   "IEEE": False, "PDL": True}  # fmt: skip
     if kv_fp8:
         pointers["KV"], constexprs["KV_FP8"] = "*u8", True
-    return _triton_ptx(
+    return triton_sm90_ptx(
         _TRITON_DECODE, "_sparse_mla_decode_kernel", pointers, constexprs, floats=("qk_scale",),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=True,
     )  # fmt: skip
@@ -179,7 +179,7 @@ def _triton_decode(tokens: int, heads: int, *, kv_fp8: bool = False) -> str:
 
 def _triton_merge(kernel: str, constexprs: dict, num_warps: int) -> str:
     pointers = {"Outs": "*fp32", "Lses": "*fp32", "Out": "*bf16", "Lse": "*fp32"}
-    return _triton_ptx(_TRITON_MERGE, kernel, pointers, constexprs, num_warps=num_warps, launch_pdl=True)
+    return triton_sm90_ptx(_TRITON_MERGE, kernel, pointers, constexprs, num_warps=num_warps, launch_pdl=True)
 
 
 def _triton_gqa() -> str:
@@ -187,34 +187,36 @@ def _triton_gqa() -> str:
                 "Sinks": "*fp32", "Out": "*fp32", "Lse": "*fp32"}  # fmt: skip
     constexprs = {"Q_LEN": 1, "GROUP": 8, "PAGE": 32, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_Q": 1, "BLOCK_M": 16,
                   "BLOCK_N": 64, "CAUSAL": True, "HAS_WINDOW": False, "HAS_SINKS": True, "IEEE": False}  # fmt: skip
-    return _triton_ptx(_TRITON_GQA, "_gqa_decode_kernel", pointers, constexprs, floats=("qk_scale",), num_stages=3)
+    return triton_sm90_ptx(_TRITON_GQA, "_gqa_decode_kernel", pointers, constexprs, floats=("qk_scale",), num_stages=3)
 
 
 def _triton_topk() -> str:
     config = _attr(_TRITON_TOPK, "convert_topk_config")(2048, True, False, True)
     pointers = {"POS": "*i32", "REQ": "*i32", "TABLE": "*i32", "SEQ": "*i32", "TOPK_LEN": "*i32", "ROWS": "*i32",
                 "COUNTS": "*i32"}  # fmt: skip
-    return _triton_ptx(_TRITON_TOPK, "_convert_topk_kernel", pointers, config)
+    return triton_sm90_ptx(_TRITON_TOPK, "_convert_topk_kernel", pointers, config)
 
 
 def _triton_union_keys(group_size: int) -> str:
     cfg = _attr(_TRITON_UNION, "union_launch_config")(group_size, 2048)
     pointers = {"ROWS": "*i32", "TOPK_LEN": "*i32", "KEYS": "*i32"}
     constexprs = {"G": group_size, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": False}
-    return _triton_ptx(_TRITON_UNION, "_union_keys_kernel", pointers, constexprs)
+    return triton_sm90_ptx(_TRITON_UNION, "_union_keys_kernel", pointers, constexprs)
 
 
 def _triton_union_compact(group_size: int) -> str:
     cfg = _attr(_TRITON_UNION, "union_launch_config")(group_size, 2048)
     pointers = {"SORTED": "*i32", "UNION": "*i32", "LENS": "*i32"}
-    return _triton_ptx(_TRITON_UNION, "_union_compact_kernel", pointers, {"G": group_size, "CHUNK": cfg["CHUNK"]})
+    return triton_sm90_ptx(_TRITON_UNION, "_union_compact_kernel", pointers, {"G": group_size, "CHUNK": cfg["CHUNK"]})
 
 
 def _triton_fused(group_size: int) -> str:
     cfg = dict(_attr(_TRITON_FUSED, "fused_launch_config")(group_size, 2048))
     num_warps = cfg.pop("num_warps")
     pointers = {"ROWS": "*i32", "TOPK_LEN": "*i32", "UNION": "*i32", "LENS": "*i32", "SCRATCH": "*i32", "CUM": "*i32"}
-    return _triton_ptx(_TRITON_FUSED, "_fused_union_kernel", pointers, {**cfg, "HAS_LEN": False}, num_warps=num_warps)
+    return triton_sm90_ptx(
+        _TRITON_FUSED, "_fused_union_kernel", pointers, {**cfg, "HAS_LEN": False}, num_warps=num_warps
+    )
 
 
 def _triton_bitmap(group_size: int) -> str:
@@ -223,13 +225,13 @@ def _triton_bitmap(group_size: int) -> str:
     pointers = {"ROWS": "*i32", "TOPK_LEN": "*i32", "UNION": "*i32", "LENS": "*i32", "BITMAP": "*i32",
                 "PACKED": "*i64"}  # fmt: skip
     constexprs = {**cfg, "G": group_size, "HAS_LEN": False}
-    return _triton_ptx(_TRITON_BITMAP, "_bitmap_union_kernel", pointers, constexprs, num_warps=num_warps)
+    return triton_sm90_ptx(_TRITON_BITMAP, "_bitmap_union_kernel", pointers, constexprs, num_warps=num_warps)
 
 
 def _triton_split_rows() -> str:
     pointers = {"ROWS": "*i32", "TOPK_LEN": "*i32", "UNION": "*i32", "LENS": "*i32"}
     constexprs = {"BLOCK": 1024, "BLOCK_S": 32, "HAS_LEN": False}
-    return _triton_ptx(_TRITON_SPLIT_ROWS, "_split_rows_kernel", pointers, constexprs)
+    return triton_sm90_ptx(_TRITON_SPLIT_ROWS, "_split_rows_kernel", pointers, constexprs)
 
 
 #: name -> PTX of one routed variant (DSA shapes: 512 + 64 dims, top-k 2048, bf16 unless named).
