@@ -2,7 +2,7 @@
 against the copy bandwidth, and a captured decode step against eager.
 
     python benchmarks/decode.py --json decode.json       # every section
-    python benchmarks/decode.py --only sparse-small      # a subset: sparse, sparse-small, gqa, merge, graph
+    python benchmarks/decode.py --only sparse-small      # a subset: sparse, sparse-small, fp8, gqa, merge, graph
     python benchmarks/decode.py --warm-xqa               # JIT-compile FlashInfer XQA's variants only
 
 Sections (each number a median of CUDA-graph replays under ``triton.testing.do_bench``, which
@@ -20,6 +20,12 @@ is checked against the fp32 reference before it is timed):
 * ``gqa``: GQA paged decode, 64 q / 8 kv heads, head dim 64, page 32, bf16, batch 64 x 8,192
   context: one query per request, 4 uniform drafts, 1-4 ragged drafts. Ours: the Triton kernel;
   peer: FlashInfer XQA (when installed).
+* ``fp8``: sparse-MLA decode on an ``fp8_ds_mla`` cache (656-byte rows,
+  :mod:`shardattn.ops.kv_fp8`) against the same routed decode on the bf16 rows it dequantises to
+  (:func:`~shardattn.ops.kv_fp8.dequantize_kv`: the same values, 1,152-byte rows), same inputs
+  and run: 16 heads x batch 1-8 (the small-batch kernel), 64 and 128 heads x batch 1-256; the two
+  outputs must be equal bit for bit before either is timed. Records ``fp8-decode``: FP8 us,
+  baseline the bf16 us (ratio > 1: FP8 faster); printed also as GB/s of KV rows read.
 * ``merge``: the LSE merge of 2 / 4 / 8 bf16 partials of 4,096 tokens x 16 heads x 512 in TB/s
   (bytes read + written) against a 2 GiB device-to-device copy in the same run.
 * ``graph``: a small GQA and sparse-MLA decode step eager and as a CUDA-graph replay.
@@ -44,9 +50,10 @@ from shardattn.ops.lse_merge import lse_merge
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 
-SECTIONS = ("sparse", "sparse-small", "gqa", "merge", "graph")
+SECTIONS = ("sparse", "sparse-small", "fp8", "gqa", "merge", "graph")
 LARGE = ((128, 64), (128, 128), (128, 256), (64, 64), (64, 128), (64, 256), (32, 256))
 SMALL = (*((h, b) for h in (16, 8) for b in (1, 2, 4, 8, 16)), (128, 1), (128, 8))
+FP8 = (*((16, b) for b in (1, 2, 4, 8)), *((h, b) for h in (64, 128) for b in (1, 8, 64, 128, 256)))
 KV_ROWS = 1 << 18
 SCALE = 576**-0.5
 
@@ -96,6 +103,42 @@ def bench_sparse(env: dict, cases, topk: int, benchmark: str) -> list[dict]:
         flop = 2 * batch * topk * heads * (576 + 512)
         print(f"sparse decode {heads} heads x {batch}: routed {ms['routed'] * 1e3:.1f} us "
               f"({flop / ms['routed'] / 1e9:.0f} TF/s), Triton {ms['triton'] * 1e3:.1f} us", flush=True)  # fmt: skip
+    return out
+
+
+def bench_fp8(env: dict, cases, topk: int) -> list[dict]:
+    """Routed decode on fp8_ds_mla rows against the routed decode on their bf16 values (module docstring)."""
+    from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
+
+    kv8 = quantize_kv(torch.randn(KV_ROWS, 576, device="cuda"))
+    kv = dequantize_kv(kv8)  # bf16, the same values
+    out = []
+    for heads, batch in cases:
+        q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+        rows = torch.argsort(torch.rand(batch, KV_ROWS, device="cuda"), dim=1)[:, :topk].int()
+        ref, _ = sparse_mla_reference(q.float(), kv8, rows, scale=SCALE)
+        res, us = {}, {}
+        for name, cache in (("fp8", kv8), ("bf16", kv)):
+            o = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
+            s = torch.empty(batch, heads, device="cuda")
+
+            def fn(q=q, rows=rows, o=o, s=s, cache=cache):
+                return sparse_mla_decode(q, cache, rows, scale=SCALE, rows_unique=True, out=o, lse_out=s)
+
+            o.fill_(float("nan"))
+            fn()
+            check(f"{heads} heads x {batch}, {name}", o, ref)
+            res[name] = (o.clone(), s.clone())
+            us[name] = graph_ms(fn) * 1e3
+        if not (torch.equal(res["fp8"][0], res["bf16"][0]) and torch.equal(res["fp8"][1], res["bf16"][1])):
+            raise RuntimeError(f"{heads} heads x {batch}: FP8 decode differs from bf16 decode on the same values")
+        config = {"heads": heads, "batch": batch, "topk": topk}
+        base = ("routed bf16 decode on the dequantised rows, same run", us["bf16"])
+        out.append(record("fp8-decode", config, "step us", us["fp8"], "us", "lower", base, env))
+        gbs = {k: batch * topk * (656 if k == "fp8" else 1152) / (v * 1e-6) / 1e9 for k, v in us.items()}
+        ratio = us["bf16"] / us["fp8"]
+        print(f"fp8 decode {heads} heads x {batch}: FP8 {us['fp8']:.1f} us ({gbs['fp8']:.0f} GB/s of rows), "
+              f"bf16 {us['bf16']:.1f} us ({gbs['bf16']:.0f} GB/s), {ratio:.2f}x", flush=True)  # fmt: skip
     return out
 
 
@@ -233,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {
         "sparse": lambda: bench_sparse(env, LARGE, args.topk, "sparse-decode"),
         "sparse-small": lambda: bench_sparse(env, SMALL, args.topk, "small-batch-decode"),
+        "fp8": lambda: bench_fp8(env, FP8, args.topk),
         "gqa": lambda: bench_gqa(env),
         "merge": lambda: bench_merge(env),
         "graph": lambda: bench_graph(env),

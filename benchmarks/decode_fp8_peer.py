@@ -1,25 +1,30 @@
-"""FlashMLA's SM90 FP8 sparse decode (the peer of the coming FP8 read path) checked and timed on
-shardattn's tensors, beside shardattn's bf16 decode on the same rows. Prints a table; ``--json``
-writes records (``benchmarks/records.py``, benchmark ``fp8-decode-peer``: ours = the routed bf16
-decode, peer = FlashMLA's FP8 decode, both in microseconds per step).
+"""FP8 sparse decode: shardattn's routed decode on fp8_ds_mla rows beside FlashMLA's SM90 FP8 sparse
+decode on the same rows, timed and checked, and the error FP8 costs against the bf16 rows it was
+quantised from, ours beside FlashMLA's. Prints a table; ``--json`` writes records
+(``benchmarks/records.py``): ``fp8-decode-peer`` (ours = the routed FP8 decode, baseline FlashMLA's
+FP8 decode, microseconds per step) and ``fp8-decode-accuracy`` (relative error of the output
+against the fp32 reference on the original bf16 rows: ours, baseline FlashMLA's).
 
 Build the peer first (FlashMLA and the CUTLASS it pins are not part of shardattn)::
 
     benchmarks/peer/build_flashmla_peer.sh $FLASHMLA $FLASHMLA/csrc/cutlass flashmla_fp8_decode.so fp8_decode
     python benchmarks/decode_fp8_peer.py --peer-lib flashmla_fp8_decode.so --json decode_fp8_peer.json
 
-Each case: a KV cache of ``--kv-rows`` random bf16 rows written into a paged fp8_ds_mla cache by
-:func:`shardattn.ops.kv_fp8.write_kv` (pages of ``--page-size`` rows, a padding row after each
-page as FlashMLA allocates them), ``T`` decode tokens of ``H`` heads, unique random top-k rows
-per token with invalid entries (-1, past the cache) sprinkled in, and (``T >= 2``) one token with
-no valid row. Check: the peer's output and LSE against the fp32 reference on the dequantised
-rows (:func:`shardattn.ops.kv_fp8.dequantize_kv`, :func:`shardattn.ops.sparse_mla.sparse_mla_reference`),
+Each case: a KV cache of ``--kv-rows`` DSA-like bf16 rows (normal values times a per-channel
+magnitude drawn log-normally, as MLA latents carry a few large channels; the rope channels
+alike) written into a paged fp8_ds_mla cache by :func:`shardattn.ops.kv_fp8.write_kv` (pages of
+``--page-size`` rows, a padding row after each page as FlashMLA allocates them; shardattn reads
+the same rows from a copy without the padding: its kernels address row ``r`` at ``r * 656``),
+``T`` decode tokens of ``H`` heads, unique random top-k rows per token with invalid entries (-1,
+past the cache) sprinkled in, and (``T >= 2``) one token with no valid row. Checks: both outputs
+and LSEs against the fp32 reference on the dequantised rows
+(:func:`shardattn.ops.kv_fp8.dequantize_kv`, :func:`shardattn.ops.sparse_mla.sparse_mla_reference`),
 the empty token exactly ``(0, -inf)``. Timing: CUDA-graph replays with the L2 flushed
-(``graph_timing.replay_us``; eager launches if they do not capture, said in the peer's name) of the
-peer's split-KV kernel + combine (scheduler metadata once per
-shape, as FlashMLA reuses it across layers) and of shardattn's routed bf16 decode on the same
-rows. Effective TFLOP/s count real heads and valid keys; KV GB/s count the rows' bytes read
-(656 FP8 / 1152 bf16 a row).
+(``graph_timing.replay_us``; eager launches if the peer's do not capture, said in its name) of
+the peer's split-KV kernel + combine (scheduler metadata once per shape, as FlashMLA reuses it
+across layers), of shardattn's routed FP8 decode and of its routed bf16 decode on the original
+rows (printed). Effective TFLOP/s count real heads and valid keys; KV GB/s count the rows' bytes
+read (656 FP8 / 1152 bf16 a row).
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ SCALE = get_preset("deepseek-v32").softmax_scale  # the model's: 192**-0.5 * msc
 def make_case(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, seed: int):
     """``(q, kv_bf16 [N, 576], cache [pages, page_size, 656], rows [T, K] int32, valid keys)``."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    kv = (torch.randn(kv_rows, 576, device="cuda", generator=g) * 2).bfloat16()
+    channel = torch.exp(torch.randn(576, device="cuda", generator=g) * 0.8)  # a few large channels
+    kv = (torch.randn(kv_rows, 576, device="cuda", generator=g) * channel).bfloat16()
     pages = -(-kv_rows // page_size)
     cache = torch.zeros(pages, page_size + 1, 656, dtype=torch.uint8, device="cuda")[:, :page_size]
     write_kv(cache, torch.arange(kv_rows, device="cuda"), kv)
@@ -62,19 +68,20 @@ def make_case(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, 
     return q, kv, cache, rows, valid
 
 
-def check(peer_out, peer_lse, q, cache, rows) -> dict:
-    """The peer against the fp32 reference on the dequantised cache; raises when it is off."""
+def check(what: str, out, lse, q, cache, rows, kv) -> dict:
+    """``what``'s output against the fp32 reference on the dequantised cache (raises when it is
+    off) and against the one on the original bf16 rows ``kv`` (the error FP8 costs)."""
     deq = dequantize_kv(cache, torch.float32).reshape(-1, 576)  # row = page * page_size + offset
     ref_out, ref_lse = sparse_mla_reference(q.float(), deq, rows, scale=SCALE)
+    bf16_out, _ = sparse_mla_reference(q.float(), kv.float(), rows, scale=SCALE)
     empty = torch.isneginf(ref_lse)
-    err = ((peer_out.float() - ref_out).norm() / ref_out.norm()).item()
-    lse_gap = (peer_lse[~empty] - ref_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
-    empty_ok = bool((peer_out[empty] == 0).all()) and bool(torch.isneginf(peer_lse[empty]).all())
-    if not (err < 2e-2 and lse_gap < 5e-3 and empty_ok and torch.equal(torch.isneginf(peer_lse), empty)):
-        raise RuntimeError(
-            f"peer differs from the reference: out rel err {err}, lse gap {lse_gap}, empty ok {empty_ok}"
-        )
-    return {"out_rel_err": err, "lse_max_abs_err": lse_gap, "empty_rows": int(empty.any(dim=1).sum())}
+    err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
+    lse_gap = (lse[~empty] - ref_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
+    empty_ok = bool((out[empty] == 0).all()) and bool(torch.isneginf(lse[empty]).all())
+    if not (err < 2e-2 and lse_gap < 5e-3 and empty_ok and torch.equal(torch.isneginf(lse), empty)):
+        raise RuntimeError(f"{what} differs from the reference: out rel err {err}, lse gap {lse_gap}, empty {empty_ok}")
+    vs_bf16 = ((out.float() - bf16_out).norm() / bf16_out.norm()).item()
+    return {"out_rel_err": err, "lse_max_abs_err": lse_gap, "vs_bf16": vs_bf16}
 
 
 def peer_time(run) -> tuple[float, str]:
@@ -119,18 +126,29 @@ def main(argv: list[str] | None = None) -> int:
             call = peer.prepare(q, cache, rows, SCALE)
             call.run()
             torch.cuda.synchronize()
-            res = check(*call.result(), q, cache, rows)
+            peer_res = check("FlashMLA", *call.result(), q, cache, rows, kv)
+            rows_fp8 = cache.reshape(-1, 656)  # the same rows without the page padding (a copy)
+            ours = sparse_mla_decode(q, rows_fp8, rows, scale=SCALE)
+            ours_res = check("shardattn FP8", *ours, q, cache, rows, kv)
             peer_us, timing = peer_time(call.run)
-            ours_us = replay_us(lambda q=q, kv=kv, rows=rows: sparse_mla_decode(q, kv, rows, scale=SCALE))
-            tf = flops(valid, heads) / (peer_us * 1e-6) / 1e12
-            gbs = valid * 656 / (peer_us * 1e-6) / 1e9
-            print(f"{heads} heads x {tokens}: peer {peer_us:.1f} us ({tf:.0f} TF/s, KV {gbs:.0f} GB/s, {timing}), "
-                  f"bf16 routed {ours_us:.1f} us; peer out rel err {res['out_rel_err']:.1e}, "
-                  f"LSE err {res['lse_max_abs_err']:.1e}", flush=True)  # fmt: skip
+            ours_us = replay_us(lambda q=q, c=rows_fp8, rows=rows: sparse_mla_decode(q, c, rows, scale=SCALE))
+            bf16_us = replay_us(lambda q=q, kv=kv, rows=rows: sparse_mla_decode(q, kv, rows, scale=SCALE))
+            tf = {k: flops(valid, heads) / (v * 1e-6) / 1e12 for k, v in (("ours", ours_us), ("peer", peer_us))}
+            gbs = valid * 656 / (ours_us * 1e-6) / 1e9
+            err_ours, err_peer = ours_res["vs_bf16"], peer_res["vs_bf16"]
+            print(
+                f"{heads} heads x {tokens}: FP8 ours {ours_us:.1f} us ({tf['ours']:.0f} TF/s, KV {gbs:.0f} GB/s), "
+                f"FlashMLA {peer_us:.1f} us ({tf['peer']:.0f} TF/s, {timing}), bf16 ours {bf16_us:.1f} us; "
+                f"error against the bf16 rows: ours {err_ours:.2e}, FlashMLA {err_peer:.2e}",
+                flush=True,
+            )
             config = {"heads": heads, "tokens": tokens, "topk": args.topk, "kv_rows": args.kv_rows}
             name = "FlashMLA FP8 decode" + (", eager launches" if timing == "eager" else "") + ", same run"
             records.append(record("fp8-decode-peer", config, "step us", ours_us, "us", "lower", (name, peer_us), env))
-    print_table(records, "sparse-MLA decode: bf16 (ours) and FlashMLA's FP8 decode")
+            peer_err = ("FlashMLA FP8 decode, same inputs", err_peer)
+            metric = "out rel. error vs bf16 rows"
+            records.append(record("fp8-decode-accuracy", config, metric, err_ours, "", "lower", peer_err, env))
+    print_table(records, "sparse-MLA decode on fp8_ds_mla rows: shardattn and FlashMLA")
     write_json(args.json, records)
     return 0
 

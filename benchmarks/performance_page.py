@@ -39,6 +39,14 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "back*: the same cases again once the GPU sits at its power limit.",
         (),
     ),
+    "sparse-prefill-fp8": (
+        "Sparse-MLA prefill on FP8 KV rows",
+        "The routed sparse-MLA prefill step and kernel (as in the section above) on an fp8_ds_mla "
+        "cache, dequantised to bf16 in the kernel, against the same routed step and kernel on the bf16 "
+        "rows those values dequantise to, same run, in effective TFLOP/s; the outputs are equal bit "
+        "for bit before either is timed. The target is a ratio of at least 0.9.",
+        (),
+    ),
     "gqa-prefill": (
         "GQA prefill, one GPU",
         "GQA prefill (64 q / 8 kv heads, head dim 64, bf16, sinks; new tokens causal, optionally a "
@@ -71,12 +79,28 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "the small-batch kernel can take (routed points ringed).",
         ("small-batch-decode-2026-12-01.png",),
     ),
+    "fp8-decode": (
+        "Sparse-MLA decode on FP8 KV rows",
+        "The routed sparse-MLA decode on an fp8_ds_mla cache (656-byte rows, dequantised to bf16 in "
+        "the kernel) against the same routed decode on the bf16 rows those values dequantise to "
+        "(1,152-byte rows), same inputs and run; the two outputs are equal bit for bit before either "
+        "is timed. One token per request, top-k 2,048 unique random rows of 262,144, microseconds per "
+        "step from graph replays with the L2 flushed; ratio > 1: FP8 faster.",
+        (),
+    ),
     "fp8-decode-peer": (
-        "Sparse-MLA decode beside FlashMLA's FP8 decode",
-        "FlashMLA's SM90 FP8 sparse decode (rows in the fp8_ds_mla format, written by "
-        "`shardattn.ops.kv_fp8.write_kv`) against the routed bf16 decode on the same rows (shardattn's "
-        "attention kernels do not read FP8 rows yet): microseconds per step, graph replays with the "
-        "L2 flushed, top-k 2,048 of a 65,536-row paged cache.",
+        "Sparse-MLA FP8 decode beside FlashMLA's",
+        "The routed sparse-MLA decode on fp8_ds_mla rows (written by `shardattn.ops.kv_fp8.write_kv`) "
+        "against FlashMLA's SM90 FP8 sparse decode on the same rows: microseconds per step, graph "
+        "replays with the L2 flushed, top-k 2,048 of a 65,536-row paged cache.",
+        (),
+    ),
+    "fp8-decode-accuracy": (
+        "FP8 decode error",
+        "The relative error (||out - ref|| / ||ref||, Frobenius) of decode on fp8_ds_mla rows against fp32 "
+        "attention on the bf16 rows they were quantised from (DSA-like rows: per-channel magnitudes "
+        "spread over two decades), shardattn's routed decode beside FlashMLA's SM90 FP8 decode on the "
+        "same inputs. The quantisation is the only approximation either makes.",
         (),
     ),
     "kv-fp8-write": (

@@ -25,6 +25,12 @@ against the fp32 reference on 64 sampled tokens before it is timed. ``--sustain 
 last case's kernel back to back for S seconds (the GPU reaches its power limit) and times every
 case again: a second pass of records, ``pass`` "after S s back to back". ``--device cpu`` runs the
 same code on the CPU (the torch reference path, no baseline; for a dry run).
+
+``--kv-dtype fp8_ds_mla``: the cache is the ``fp8_ds_mla`` rows of the case's (656 bytes a row,
+:mod:`shardattn.ops.kv_fp8`) and the bf16 paths read the bf16 rows they dequantise to (the same
+values); each case adds the routed step and kernel on the FP8 cache, checked bit for bit against
+the bf16 ones, and records only ``sparse-prefill-fp8`` (FP8 effective TFLOP/s, baseline the bf16
+routed path of the same run: a ratio >= 0.9 is the target; the bf16 and peer times are printed).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from records import add_json_argument, environment, print_table, record, write_j
 
 from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
 from shardattn.ops.dispatch import prefill_path
+from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 from shardattn.ops.prepared_union import prepare_union
 from shardattn.ops.sparse_mla import flops, sparse_mla_reference
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
@@ -68,10 +75,16 @@ TOLERANCE = 2e-2
 class Case:
     """One (heads, tokens) case: inputs, the routed path and a closure per timed path."""
 
-    def __init__(self, heads: int, tokens: int, topk: int, kv_rows: int, device: torch.device, peer=None):
+    def __init__(
+        self, heads: int, tokens: int, topk: int, kv_rows: int, device: torch.device, peer=None, fp8: bool = False
+    ):
         self.heads, self.tokens, self.topk = heads, tokens, topk
         _, _, _, _, rows, counts = make_case(tokens, kv_rows, topk, "dsa", 0, device=device)
         q, kv = random_qkv(tokens, heads, kv_rows, 0, device)
+        kv8 = None
+        if fp8:  # the bf16 paths read the values the FP8 rows hold
+            kv8 = quantize_kv(kv)
+            kv = dequantize_kv(kv8)
         self.flops = flops(int(counts.sum()), heads)
         scale = (D_V + D_R) ** -0.5
         path = prefill_path(q, kv, v_dim=D_V)
@@ -94,6 +107,21 @@ class Case:
         ref_out, _ = sparse_mla_reference(q[sample].float(), kv.float(), rows[sample], scale=scale, v_dim=D_V)
         step()
         self._check("routed step", out[sample], ref_out)
+        if kv8 is not None:
+            out8, lse8 = attention_buffers(q)
+
+            def step_fp8():
+                sparse_mla_grouped_prefill(q, kv8, rows, scale=scale, v_dim=D_V, out=out8, lse_out=lse8, union=union)
+
+            def kernel_fp8():
+                sparse_mla_grouped_prefill(
+                    q, kv8, rows, scale=scale, v_dim=D_V, out=out8, lse_out=lse8, prepared_union=prepared
+                )
+
+            step_fp8()
+            if not (torch.equal(out8, out) and torch.equal(lse8, lse)):
+                raise RuntimeError(f"{heads} heads x {tokens}: the FP8 step differs from the bf16 step on its values")
+            self.runs.update(step_fp8=step_fp8, kernel_fp8=kernel_fp8)
         if path.backend != "reference":  # the Triton steps, at G = 1 and at the tile-filling G
             for tg in sorted({1, tile_group_size(heads)}):
                 self.runs[f"triton_g{tg}"] = self._triton(q, kv, rows, tg, kv_rows, scale, sample, ref_out)
@@ -139,6 +167,12 @@ def case_records(case: Case, ms: dict[str, float], pass_name: str, env: dict) ->
     if "peer" in tf:
         kernel_base = ("FlashMLA" + (" (padded to 64 heads)" if case.heads < 64 else "") + ", same run", tf["peer"])
     out.append(record(BENCHMARK, config, "kernel TFLOP/s", tf["kernel"], "TFLOP/s", "higher", kernel_base, env))
+    if "step_fp8" in tf:  # the bf16 numbers are the FP8 records' baselines, not records of their own
+        out = []
+        for kind in ("step", "kernel"):
+            base = (f"routed bf16 {kind} on the dequantised rows, same run", tf[kind])
+            metric = f"{kind} TFLOP/s"
+            out.append(record(f"{BENCHMARK}-fp8", config, metric, tf[f"{kind}_fp8"], "TFLOP/s", "higher", base, env))
     print(f"{case.heads} heads x {case.tokens} ({case.path}), {pass_name}: "
           + ", ".join(f"{k} {v:.3f} ms ({tf[k]:.0f} TF/s)" for k, v in ms.items()), flush=True)  # fmt: skip
     return out
@@ -164,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-lib", default=None, help="FlashMLA's sparse prefill, built by benchmarks/peer/")
     ap.add_argument("--sustain", type=float, default=0.0, help="seconds back to back, then a second pass")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument(
+        "--kv-dtype",
+        choices=("bf16", "fp8_ds_mla"),
+        default="bf16",
+        help="fp8_ds_mla: also time the routed paths on the FP8 rows of the cache (module docstring)",
+    )
     add_json_argument(ap)
     return ap
 
@@ -184,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         peer = load(args.peer_lib)
     env = environment()
     print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
-    cases = [Case(h, t, args.topk, args.kv_rows or default_kv_rows(t), device, peer)
+    fp8 = args.kv_dtype == "fp8_ds_mla"
+    cases = [Case(h, t, args.topk, args.kv_rows or default_kv_rows(t), device, peer, fp8)
              for t in args.tokens for h in args.heads]  # fmt: skip
     flush = l2_flush(device)
     records = []

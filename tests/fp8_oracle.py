@@ -7,6 +7,9 @@ decoded from their bit definitions and the nearest one is picked in fp64).
   (``amax`` over finite values); code = e4m3 nearest to ``x / scale``, ties to the even code;
   NaN -> +0, +-inf -> +-448. Rope: bf16 nearest, ties to even; NaN -> +0, +-inf -> +- the largest
   finite rope magnitude of the row; clamped to the bf16 range. ``flags``: the row held NaN / inf.
+* :func:`fp8_rows_decode`: ``[R, 656]`` bytes -> ``[R, 576]`` fp64 values (the reader's side:
+  code value from its sign, exponent and mantissa bits, times the tile's fp32 scale; rope from its
+  bf16 bits), exact for any scale.
 * :func:`make_rows`: test inputs (magnitudes across a dtype's range, all-zero tiles, -0.0, NaN / inf).
 * :func:`flashmla_quantize`: FlashMLA's reference quantiser (``tests/quant.py``,
   ``quantize_k_cache``, ``V32_FP8Sparse``) re-implemented as it reads: per tile
@@ -102,6 +105,20 @@ def fp8_rows_oracle(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         v = np.clip(v, -BF16_MAX, BF16_MAX)
         out[i, LATENT + 16 :] = bf16_bytes(v).reshape(-1)
     return out, flags
+
+
+def fp8_rows_decode(packed: np.ndarray) -> np.ndarray:
+    """``[R, 656]`` uint8 rows -> ``[R, 576]`` fp64: latent ``value(code) * scale`` (code 0x7F /
+    0xFF is NaN), rope from the bf16 bit patterns."""
+    packed = np.ascontiguousarray(packed, dtype=np.uint8)
+    codes = packed[:, :LATENT].astype(np.int64)
+    mag = np.append(E4M3, np.nan)[codes & 0x7F]  # code 127: NaN (e4m3fn has no infinity)
+    values = np.where(codes & 0x80, -mag, mag)
+    scales = packed[:, LATENT : LATENT + 16].copy().view(np.float32).astype(np.float64)
+    latent = values * np.repeat(scales, TILE, axis=1)
+    bits = packed[:, LATENT + 16 :].copy().view(np.uint16).astype(np.uint32) << 16
+    rope = bits.view(np.float32).astype(np.float64)
+    return np.concatenate([latent, rope], axis=1)
 
 
 def flashmla_quantize(x: torch.Tensor) -> torch.Tensor:

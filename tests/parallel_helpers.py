@@ -158,3 +158,15 @@ def paged(per_request: list[torch.Tensor], block_size: int, gen: torch.Generator
             chunk = rows[j * block_size : (j + 1) * block_size]
             cache[page, : chunk.shape[0]] = chunk
     return cache, table
+
+
+def fp8_rows(rows: torch.Tensor, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows [R, 576]`` as ``fp8_ds_mla`` rows (``[R, 656]``, or paged ``[R / block_size,
+    block_size, 656]``) and those rows as a step reads them, dequantised to ``rows``' dtype (exact):
+    the cache a rank holds and the whole-cache reference's view of it."""
+    from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
+
+    packed = quantize_kv(rows)
+    if block_size is not None:
+        packed = packed.view(-1, block_size, packed.shape[-1])
+    return packed, dequantize_kv(packed, rows.dtype).reshape(rows.shape)

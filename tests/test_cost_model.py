@@ -304,3 +304,27 @@ def test_measure_paths_times_every_path_with_its_prediction(dist_pool) -> None:
         assert res["path"]["router"].startswith("shardq/")  # the table makes ShardQ the faster
         assert res["reason"]["router"].startswith("cost model (Test GPU)")
         assert res["rank_tokens"] == 32
+
+
+def test_kernel_points_are_keyed_by_kv_format() -> None:
+    """A table's fp8_ds_mla points price FP8 steps; without them (the shipped table, until measured)
+    the bf16 points do; PCP's all-gather moves the format's row bytes (656 for fp8_ds_mla)."""
+    import dataclasses
+
+    from shardattn.plan.cost import KernelPoint
+
+    bf16 = CostModel(CONSERVATIVE)
+    assert bf16.kernel_format("fp8_ds_mla") == "bfloat16"
+    args = (64, 8192, 2048)
+    assert bf16.kernel_ms(*args, kv_format="fp8_ds_mla") == bf16.kernel_ms(*args)
+    fp8_points = tuple(dataclasses.replace(k, ms=k.ms / 2, kv_format="fp8_ds_mla") for k in CONSERVATIVE.kernels)
+    both = CostModel(dataclasses.replace(CONSERVATIVE, kernels=CONSERVATIVE.kernels + fp8_points))
+    assert both.kernel_format("fp8_ds_mla") == "fp8_ds_mla"
+    assert both.kernel_ms(*args, kv_format="fp8_ds_mla") < both.kernel_ms(*args) == bf16.kernel_ms(*args)
+    shape = StepShape(heads=64, world_size=4, tokens=8192, topk=2048)
+    fp8 = dataclasses.replace(shape, kv_format="fp8_ds_mla")
+    assert (shape.kv_row_bytes, fp8.kv_row_bytes) == (1152, 656)
+    assert bf16.predict_step(fp8, "pcp").comm_ms < bf16.predict_step(shape, "pcp").comm_ms
+    bad = KernelPoint(8, 64, 1, 1.0, 4096, 2048, 1.0, kv_format="int8")
+    with pytest.raises(ValueError, match="bad KV format 'int8'"):
+        dataclasses.replace(CONSERVATIVE, kernels=(*CONSERVATIVE.kernels, bad)).validate()

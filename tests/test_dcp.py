@@ -21,6 +21,7 @@ from tests.parallel_helpers import (
     assert_rank_errors,
     assert_within_reference_error,
     catch,
+    fp8_rows,
     junk_rows,
     paged,
     paged_mla_references,
@@ -124,6 +125,19 @@ def test_dcp_sparse_mla_equals_whole_cache(dist_pool, world_size: int, interleav
     case = _mla_case(world_size * 10 + interleave, [9, 0, 23, 2], [1, 1, 2, 1], world_size, interleave, sinks=True)
     results = dist_pool.run(_run_mla, case, world_size=world_size)
     _check_mla(results, case, world_size)
+
+
+@pytest.mark.distributed
+def test_dcp_sparse_mla_on_fp8_shards(dist_pool) -> None:
+    """Every rank's shard in fp8_ds_mla rows (paged [pages, block_size, 656]): the step equals the
+    whole-cache result on the rows the shards dequantise to (the quantisation is row by row, so
+    the whole cache's rows are the shards' rows)."""
+    case = _mla_case(11, [9, 0, 23, 2], [1, 1, 2, 1], 2, 1, sinks=True, topk_length=True)
+    case["cache"] = fp8_rows(case["cache"])[1]
+    for mine in case["local"]:
+        mine["cache"] = fp8_rows(mine["cache"], case["block_size"])[0]
+    results = dist_pool.run(_run_mla, case, world_size=2)
+    _check_mla(results, case, 2)
 
 
 def _run_mla_recording_the_local_op(group: dist.ProcessGroup, case: dict) -> tuple:

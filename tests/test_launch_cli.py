@@ -71,6 +71,11 @@ CPU = torch.device("cpu")
         (["--overlap", "1.5"], 2, r"overlap as a number must be in \[0, 1\], got 1.5"),
         (["--overlap", "lots"], 2, r"overlap must be one of \['dsa', 'dsa_low', 'random'\]"),
         (["--graph"], 2, r"--graph captures CUDA graphs and needs a GPU per rank"),
+        (
+            ["--preset", "gqa-64-8", "--kv-dtype", "fp8_ds_mla"],
+            2,
+            r"--kv-dtype fp8_ds_mla holds DSA sparse-MLA rows .* preset gqa-64-8 is a gqa model",
+        ),
     ],
     ids=[
         "heads-3",
@@ -86,6 +91,7 @@ CPU = torch.device("cpu")
         "overlap-range",
         "overlap-name",
         "graph-needs-gpu",
+        "fp8-kv-gqa",
     ],
 )
 def test_impossible_configuration_is_one_line(argv: list[str], world: int, match: str) -> None:

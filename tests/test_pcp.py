@@ -18,6 +18,7 @@ from tests.parallel_helpers import (
     assert_rank_errors,
     assert_within_reference_error,
     catch,
+    fp8_rows,
     junk_rows,
     paged,
     paged_mla_references,
@@ -119,6 +120,19 @@ def test_pcp_equals_single_process(dist_pool, world_size: int, gather_output: bo
     case = _case(world_size, [11, 2, 17], [5, 0, 9], sinks=True, topk_length=gather_output)
     results = dist_pool.run(_run, case, gather_output, world_size=world_size)
     _check(results, case, world_size, gather_output)
+
+
+@pytest.mark.distributed
+def test_pcp_on_fp8_rows(dist_pool) -> None:
+    """New rows and the cached prefixes in fp8_ds_mla (the all-gather moves 656-byte rows; the
+    prefix cache paged [pages, block_size, 656]): equal to the single process on the rows they
+    dequantise to."""
+    case = _case(21, [11, 2, 17], [5, 0, 9], sinks=True, topk_length=True)
+    case["cache"] = fp8_rows(case["cache"])[1]
+    case["kv_new"] = fp8_rows(case["kv_new"])[0]
+    case["prefix_cache"] = fp8_rows(case["prefix_cache"], case["block_size"])[0]
+    results = dist_pool.run(_run, case, world_size=2)
+    _check(results, case, 2)
 
 
 @pytest.mark.distributed

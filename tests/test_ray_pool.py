@@ -188,6 +188,30 @@ def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interl
         _in_place_step(pool, mirror, [2, 0], (3, 1))
 
 
+MLA_DSA = ModelSpec("sparse_mla", 4, 1, 576, 512, 4, 4, dtype="float32", softmax_scale=0.1)
+
+
+@needs_ray
+@pytest.mark.parametrize("mode", ["mixed", "pcp"])
+def test_pool_keeps_its_resident_cache_in_fp8_when_asked(ray_instance, mode) -> None:
+    """runtime_kwargs={"kv_dtype": "fp8_ds_mla"}: the ranks' resident pages are 656-byte rows (new
+    rows quantised as they are stored), every step reads them, and the outputs equal fp64 attention
+    over the rows as stored."""
+    from shardattn.testing.serving import ServingMirror
+
+    kwargs = {"max_requests": 4, "max_seq_len": 48, "num_pages": 16, "runtime_kwargs": {"kv_dtype": "fp8_ds_mla"}}
+    with _pool(2, MLA_DSA, mode=mode, **kwargs) as pool:
+        assert all(r["cache_bytes"] == 16 * 4 * 656 for r in pool.health()["ranks"])
+        mirror = ServingMirror(MLA_DSA, seed=3, kv_dtype="fp8_ds_mla")
+        reqs = [mirror.prefill_request("a", 13), mirror.prefill_request("b", 7)]
+        _check(pool.prefill(reqs, return_lse=True), reqs, mirror)
+        reqs = [mirror.prefill_request("b", 6)]  # the second chunk attends over the cached (FP8) prefix
+        _check(pool.prefill(reqs, return_lse=True), reqs, mirror)
+        for q_len in (1, 2):
+            reqs = [mirror.decode_request("a", q_len), mirror.decode_request("b")]
+            _check(pool.decode(reqs, return_lse=True), reqs, mirror)
+
+
 def _in_place_step(pool, mirror, ids, q_lens) -> None:
     """One decode_batch step written into pool.step_inputs() (KV rows included), outputs as views: the reference."""
     reqs = [mirror.decode_request(i, n) for i, n in zip(ids, q_lens)]

@@ -607,3 +607,88 @@ def _no_lse_body(group) -> dict:
 def test_headtp_decode_without_lse_returns_none(dist_pool) -> None:
     for res in dist_pool.run(_no_lse_body, world_size=2):
         assert res["lse"] is None and res["err"] <= 1e-5
+
+
+# -- fp8_ds_mla KV rows ------------------------------------------------------------------------------
+# DSA dims (the format's: 512 latent + 64 rope), a bf16 model; the queries fp32 on the CPU
+MLA_DSA = ModelSpec("sparse_mla", 4, 1, 576, 512, 16, 16, dtype="bfloat16", softmax_scale=MLA_SCALE)
+
+
+def _fp8_body(group, mode: str) -> dict:
+    """One prefill and one decode step of a Runtime with ``kv_dtype="fp8_ds_mla"`` on FP8 caches,
+    and of a Runtime of rows in q's dtype on the rows those caches dequantise to (exact): the same bits."""
+    from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    options = PrefillOptions(min_shard_tokens=1)
+    rt8 = Runtime(MLA_DSA, group, max_batched_tokens=64, mode=mode, prefill_options=options, kv_dtype="fp8_ds_mla")
+    rt = Runtime(MLA_DSA, group, max_batched_tokens=64, mode=mode, prefill_options=options)
+    res = {"workspace": (rt8.workspace_bytes, rt.workspace_bytes), "reason": rt8.decode_route.reason}
+    step = build_prefill(
+        heads=4, head_dim=576, tokens=20, requests=2, cached=(6, 0), topk=16, overlap="dsa", dtype=torch.float32,
+        device=CPU, seed=4, block_size=16,
+    )  # fmt: skip
+    kv8 = quantize_kv(step.kv)
+    kv = dequantize_kv(kv8, torch.float32)
+    plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(kv.shape[0]))
+    if plan.step == "pcp":
+        mine = plan.tokens_of(rank)
+        own = _token_rows(step).index_select(0, mine)  # MLA_DSA's pages are MLA's 16 tokens
+        q = step.q[mine]
+        call8 = {"kv_cache": kv8.view(-1, 16, 656), "topk_pos": step.positions[mine], "kv_new": kv8[own]}
+        call = {"kv_cache": kv, "topk_pos": step.positions[mine], "kv_new": kv[own]}
+        for c in (call8, call):
+            c["block_table"] = step.block_table
+    else:
+        q = _heads(step.q, rank, world).contiguous()
+        call8, call = {"kv_cache": kv8, "rows": step.rows}, {"kv_cache": kv, "rows": step.rows}
+    lens = {"query_lens": step.query_lens, "prefix_lens": step.prefix_lens}
+    out8 = rt8.prefill(q, **call8, **lens)
+    out = rt.prefill(q, **call, **lens)
+    res["prefill"] = all(torch.equal(a, b) for a, b in zip(out8, out))
+    dcp = mode in ("mixed", "dcp-decode")
+    s = build_decode(
+        heads=4, head_dim=576, requests=2, cached=(37, 20), q_lens=(1, 2), topk=16, overlap="random", causal=True,
+        dtype=torch.float32, device=CPU, seed=3, shard=DcpShard(world, 1, rank) if dcp else DcpShard(1, 1, 0),
+        block_size=16,
+    )  # fmt: skip
+    local8 = quantize_kv(s.local_kv).view(-1, 16, 656)  # the rank's shard, paged
+    local = dequantize_kv(local8, torch.float32).flatten(0, 1)
+    qd = _heads(s.q, rank, world).contiguous()
+    meta = {"topk_pos": s.positions, "req_ids": s.req_ids}
+    dec8 = rt8.decode(qd, local8, s.local_table, s.seq_lens, **meta)
+    dec = rt.decode(qd, local, s.local_table, s.seq_lens, **meta)
+    res["decode"] = all(torch.equal(a, b) for a, b in zip(dec8, dec))
+    for name, bad in {
+        "prefill-float-cache": lambda: rt8.prefill(q, **call, **lens),
+        "decode-float-cache": lambda: rt8.decode(qd, local, s.local_table, s.seq_lens, **meta),
+    }.items():
+        try:
+            bad()
+            res[name] = None
+        except ValueError as e:
+            res[name] = str(e)
+    return res
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["mixed", "pcp", "headtp"])
+def test_fp8_kv_runtime_equals_the_bf16_runtime_on_the_dequantised_rows(dist_pool, mode: str) -> None:
+    """kv_dtype="fp8_ds_mla": ShardQ / PCP / head-TP prefill and DCP / head-TP decode read FP8 caches
+    (a rank's paged shard included) and give the bits of a Runtime of dense rows on the rows they
+    dequantise to; a cache in another format is refused, naming it and the format; the routes say so."""
+    for res in dist_pool.run(_fp8_body, mode, world_size=2):
+        assert res["prefill"] and res["decode"], res
+        assert "fp8_ds_mla" in res["prefill-float-cache"] and "fp8_ds_mla" in res["decode-float-cache"], res
+        assert res["reason"].endswith("; fp8_ds_mla KV rows"), res
+
+
+def test_fp8_kv_dtype_sizes_the_workspace_and_is_refused_where_it_does_not_apply() -> None:
+    assert Runtime.__init__.__kwdefaults__["kv_dtype"] is None  # rows in q's dtype unless declared
+    pcp = {fmt: workspace_bounds(MLA_DSA, max_batched_tokens=64, world_size=2, mode="pcp", kv_dtype=fmt) for fmt in
+           ("bfloat16", "fp8_ds_mla")}  # fmt: skip
+    assert pcp["bfloat16"].items["recv"] // (576 * 2) == pcp["fp8_ds_mla"].items["recv"] // 656
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        workspace_bounds(MLA_DSA, max_batched_tokens=64, world_size=2, mode="pcp", kv_dtype="int8")
+    with pytest.raises(ValueError, match="fp8_ds_mla rows hold 576 values"):
+        workspace_bounds(MLA, max_batched_tokens=64, world_size=2, mode="pcp", kv_dtype="fp8_ds_mla")

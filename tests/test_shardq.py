@@ -20,6 +20,7 @@ from tests.parallel_helpers import (
     assert_rank_errors,
     assert_within_reference_error,
     catch,
+    fp8_rows,
     junk_rows,
 )
 
@@ -102,6 +103,18 @@ def test_shardq_equals_single_process(dist_pool, world_size: int, sinks: bool, t
     results = dist_pool.run(_run, case, 0, 1, world_size=world_size)
     assert all(sharded for *_, sharded in results)
     _check(results, case, world_size)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("min_tokens", [0, 10_000], ids=["shardq", "head-tp"])
+def test_shardq_and_head_tp_read_a_local_fp8_cache(dist_pool, min_tokens: int) -> None:
+    """The replicated cache in fp8_ds_mla rows: each rank's kernel reads it in place (ShardQ and
+    head-TP), equal to the single process on the rows it dequantises to."""
+    case = _case(31, [7, 13], [0, 4], 2, 2, 24, sinks=True, topk_length=True)
+    fp8, case["kv"] = fp8_rows(case["kv"])
+    results = dist_pool.run(_run, {**case, "kv": fp8}, min_tokens, 1, world_size=2)
+    assert all(sharded == (min_tokens == 0) for *_, sharded in results)
+    _check(results, case, 2)
 
 
 @pytest.mark.distributed

@@ -250,9 +250,13 @@ def test_warmup_lists_the_gluon_keys_exactly_where_routing_sends_heads(heads):
     expect = []
     g = gluon_grouped_group_size(heads)
     if g is not None:  # the default step's grouped Gluon tile
-        expect.append({"config": GROUPED_CONFIG.label, "G": g, "HAS_SINK": True, "dtype": torch.bfloat16})
+        expect.append(
+            {"config": GROUPED_CONFIG.label, "G": g, "HAS_SINK": True, "dtype": torch.bfloat16, "KV_FP8": False}
+        )
     if heads >= GLUON_MIN_HEADS:  # the per-query side
-        expect.append({"config": gluon_config(heads).label, "G": 1, "HAS_SINK": True, "dtype": torch.bfloat16})
+        expect.append(
+            {"config": gluon_config(heads).label, "G": 1, "HAS_SINK": True, "dtype": torch.bfloat16, "KV_FP8": False}
+        )
     assert sorted((k.params for k in keys), key=lambda p: p["G"]) == sorted(expect, key=lambda p: p["G"])
 
 

@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reps", type=int, default=5, help="timed calls per point (default 5)")
     p.add_argument(
+        "--kv-dtype",
+        nargs="+",
+        choices=("bf16", "fp8_ds_mla"),
+        default=["bf16"],
+        help="KV row formats of the kernel points (default bf16; fp8_ds_mla: the FP8 kernels' own points)",
+    )
+    p.add_argument(
         "--passes",
         type=int,
         default=3,
@@ -127,6 +134,7 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
                     reps=args.reps,
                     cached=args.cached,
                     advance=advance,
+                    kv_formats=tuple("bfloat16" if f == "bf16" else f for f in args.kv_dtype),
                 )
             )
         points = median_points(passes)

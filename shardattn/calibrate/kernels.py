@@ -20,9 +20,11 @@ import torch.distributed as dist
 
 from shardattn.calibrate.timing import median_ms
 from shardattn.launch.workloads import build_prefill
+from shardattn.ops.kv_fp8 import quantize_kv
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.parallel.comm import Comm
 from shardattn.plan.cost import CollectiveRate, KernelPoint, candidate_group_sizes
+from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.routing import TILE_ROWS
 from shardattn.workload import union_ratio
 
@@ -59,8 +61,11 @@ def measure_kernel_points(
     cached: int = 8192,
     seed: int = 0,
     advance: Callable[[], None] = lambda: None,
+    kv_formats: Sequence[str] = ("bfloat16",),
 ) -> list[KernelPoint]:
-    """Time each ``(heads, G, tokens)`` job (one synthetic step per token count, q per head count)."""
+    """Time each ``(heads, G, tokens)`` job (one synthetic step per token count, q per head count)
+    on each KV format of ``kv_formats`` (``"bfloat16"``: rows in ``dtype``; ``"fp8_ds_mla"``: the
+    same rows quantised, :func:`~shardattn.ops.kv_fp8.quantize_kv`), one point per format."""
     points = []
     steps: dict[int, tuple[torch.Tensor, torch.Tensor, dict[int, float]]] = {}
     for heads, g, tokens in jobs:
@@ -85,18 +90,21 @@ def measure_kernel_points(
         q = torch.randn(tokens, heads, HEAD_DIM, device=device, dtype=torch.float32).mul_(0.5).to(dtype)
         keys = int((rows >= 0).sum()) // max(1, tokens)
 
-        def call(q: torch.Tensor = q, kv: torch.Tensor = kv, rows: torch.Tensor = rows, g: int = g) -> None:
-            sparse_mla_grouped_prefill(q, kv, rows, scale=HEAD_DIM**-0.5, v_dim=V_DIM, group_size=g)
+        for fmt in kv_formats:
+            kv_rows = quantize_kv(kv) if fmt == KV_FP8_DS_MLA else kv
 
-        ms = median_ms(call, device=device, reps=reps, warmup=2)
-        points.append(KernelPoint(heads, TILE_ROWS, g, ratios.get(g, 1.0), tokens, keys, ms))
+            def call(q: torch.Tensor = q, kv: torch.Tensor = kv_rows, rows: torch.Tensor = rows, g: int = g) -> None:
+                sparse_mla_grouped_prefill(q, kv, rows, scale=HEAD_DIM**-0.5, v_dim=V_DIM, group_size=g)
+
+            ms = median_ms(call, device=device, reps=reps, warmup=2)
+            points.append(KernelPoint(heads, TILE_ROWS, g, ratios.get(g, 1.0), tokens, keys, ms, kv_format=fmt))
         del q
         advance()
     return points
 
 
 def median_points(passes: Sequence[Sequence[KernelPoint]]) -> list[KernelPoint]:
-    """Per ``(heads, group_size, tokens)``, the point whose time is the median of the passes (the
+    """Per ``(heads, group_size, tokens, kv_format)``, the point whose time is the median of the passes (the
     lower one of an even count: always a measured point), in the first pass's order.
 
     Args:
@@ -110,13 +118,13 @@ def median_points(passes: Sequence[Sequence[KernelPoint]]) -> list[KernelPoint]:
     """
     if not passes:
         raise ValueError("passes must hold at least one pass")
-    keys = [(p.heads, p.group_size, p.tokens) for p in passes[0]]
-    by_key: dict[tuple[int, int, int], list[KernelPoint]] = {k: [] for k in keys}
+    keys = [(p.heads, p.group_size, p.tokens, p.kv_format) for p in passes[0]]
+    by_key: dict[tuple[int, int, int, str], list[KernelPoint]] = {k: [] for k in keys}
     for i, points in enumerate(passes):
-        if sorted((p.heads, p.group_size, p.tokens) for p in points) != sorted(keys):
+        if sorted((p.heads, p.group_size, p.tokens, p.kv_format) for p in points) != sorted(keys):
             raise ValueError(f"pass {i} timed other jobs than pass 0")
         for p in points:
-            by_key[(p.heads, p.group_size, p.tokens)].append(p)
+            by_key[(p.heads, p.group_size, p.tokens, p.kv_format)].append(p)
     return [sorted(by_key[k], key=lambda p: p.ms)[(len(passes) - 1) // 2] for k in keys]
 
 

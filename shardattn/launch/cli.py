@@ -30,6 +30,8 @@ MODES = ("shardq", "headtp", "pcp", "dcp-decode", "mixed")
 PREFILL_MODES = ("shardq", "headtp", "pcp")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+#: ``--kv-dtype``: rows in the activation dtype, or the FP8 row format (shardattn.ops.kv_fp8).
+KV_DTYPES = ("bf16", "fp8_ds_mla")
 FAIL_POINTS = ("setup", "step")
 
 
@@ -81,6 +83,7 @@ class Options:
     timeout: float = 120.0
     device: str = "auto"
     dtype: str = "auto"
+    kv_dtype: str = "bf16"
     progress: bool = True
     progress_after: float = 2.0
     log_level: str = "warning"
@@ -177,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--timeout", type=float, default=120.0, help="seconds before a silent peer counts as failed (default 120)")
     a("--device", choices=DEVICES, default="auto", help="cuda when a GPU is visible, else cpu (default auto)")
     a("--dtype", choices=DTYPES, default="auto", help="activation dtype (default: bf16 GPU, fp32 CPU)")
+    a(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default="bf16",
+        help="KV-cache rows: bf16 = rows in the activation dtype (--dtype; bf16 on a GPU), fp8_ds_mla = 656-byte "
+        "FP8 rows (512 e4m3 latent, 4 fp32 scales, 64 bf16 rope; sparse-MLA presets) (default bf16)",
+    )
     a(
         "--no-progress",
         dest="progress",

@@ -18,9 +18,11 @@ import torch
 from shardattn.launch.workloads import build_decode, build_gqa_decode, build_gqa_prefill, build_prefill, overlap_model
 from shardattn.ops.gqa_decode import gqa_paged_decode_reference
 from shardattn.ops.gqa_prefill import gqa_prefill
+from shardattn.ops.kv_fp8 import quantize_kv
 from shardattn.ops.sparse_mla import flops, sparse_mla_reference, valid_mask
 from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.parallel.gqa_prefill import head_tp_kv_heads
+from shardattn.plan.kv_format import KV_FP8_DS_MLA, kv_row_bytes
 from shardattn.runtime.runtime import Runtime
 from shardattn.workload import union_ratio
 
@@ -76,6 +78,11 @@ def _heads(rt: Runtime, x: torch.Tensor, rank: int | None = None) -> torch.Tenso
     return x[:, r * h : (r + 1) * h]
 
 
+def _kv_cache(rt: Runtime, kv: torch.Tensor) -> torch.Tensor:
+    """The step's KV rows in the Runtime's format: as built, or as ``fp8_ds_mla`` rows."""
+    return quantize_kv(kv) if rt.kv_format == KV_FP8_DS_MLA else kv
+
+
 def prepare_gqa_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
     """A GQA prefill step: head-TP with the new keys already in the paged cache (``kv_new=None``, the
     engine's form: one paged call), or PCP with each rank's new K/V all-gathered by the step."""
@@ -129,6 +136,7 @@ def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
     if spec.kind == "gqa":
         return prepare_gqa_prefill(cfg, rt)
     step = build_prefill(tokens=s.tokens, recorded=cfg.recorded, **_step_args(cfg, mla=True))
+    kv = _kv_cache(rt, step.kv)  # the cache the step reads (the reference reads the same)
     plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
     mine = plan.tokens_of(rt.rank).to(cfg.device)
     rows_mine = step.rows.index_select(0, mine)
@@ -140,21 +148,19 @@ def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
     scale = rt.scale
 
     def reference() -> tuple[torch.Tensor, torch.Tensor]:
-        return sparse_mla_reference(
-            step.q, step.kv, step.rows, scale=scale, v_dim=spec.v_dim, topk_length=step.topk_length
-        )
+        return sparse_mla_reference(step.q, kv, step.rows, scale=scale, v_dim=spec.v_dim, topk_length=step.topk_length)
 
     if plan.step == "pcp":  # every head of the rank's own tokens; their new KV rows; prefix from the cache
         q_tok = step.q.index_select(0, mine).contiguous()
         pos_mine = step.positions.index_select(0, mine)
         own = _token_rows(step, spec.page_size).index_select(0, mine)
-        kv_new = step.kv.index_select(0, own).contiguous()
+        kv_new = kv.index_select(0, own).contiguous()
         tokens_of = {r: plan.tokens_of(r).to(cfg.device) for r in range(rt.world_size)}
 
         def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
             return rt.prefill(
                 q_tok,
-                step.kv,
+                kv,
                 topk_pos=pos_mine,
                 kv_new=kv_new,
                 block_table=step.block_table,
@@ -170,7 +176,7 @@ def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
         q_local = _heads(rt, step.q).contiguous()
 
         def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            return rt.prefill(q_local, step.kv, step.rows, plan=plan, topk_length=step.topk_length, check=check)
+            return rt.prefill(q_local, kv, step.rows, plan=plan, topk_length=step.topk_length, check=check)
 
         def part(full: torch.Tensor, r: int) -> torch.Tensor:
             return _heads(rt, full, r)
@@ -203,12 +209,15 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
         )
         keys = int((local_rows >= 0).sum())
         heads = spec.num_heads if dcp else rt.heads_per_rank
-        work = keys * spec.head_dim * elem + step.num_tokens * heads * (spec.head_dim + spec.v_dim) * elem
+        row_bytes = kv_row_bytes(rt.kv_format, spec.head_dim, spec.v_dim) if rt.kv_format == KV_FP8_DS_MLA else None
+        row_bytes = row_bytes or spec.head_dim * elem
+        work = keys * row_bytes + step.num_tokens * heads * (spec.head_dim + spec.v_dim) * elem
+        local_kv, whole_kv = _kv_cache(rt, step.local_kv), _kv_cache(rt, step.kv)
 
         def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
             return rt.decode(
                 q_local,
-                step.local_kv,
+                local_kv,
                 step.local_table,
                 step.seq_lens,
                 topk_pos=step.positions,
@@ -217,7 +226,7 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
             )
 
         def reference() -> tuple[torch.Tensor, torch.Tensor]:
-            return sparse_mla_reference(step.q, step.kv, step.rows, scale=rt.scale, v_dim=spec.v_dim)
+            return sparse_mla_reference(step.q, whole_kv, step.rows, scale=rt.scale, v_dim=spec.v_dim)
 
         tokens = step.num_tokens
     else:

@@ -60,6 +60,7 @@ class RunConfig:
             "backend": "nccl" if self.device.type == "cuda" else "gloo",
             "device": self.device.type,
             "dtype": str(self.dtype).replace("torch.", ""),
+            "kv_dtype": self.opts.kv_dtype,
             "tokens": s.tokens,
             "requests": s.requests,
             "cached": list(s.cached),

@@ -40,6 +40,7 @@ from shardattn.launch.timing import check_step, graph_row, profile_step, step_ro
 from shardattn.launch.workloads import overlap_model
 from shardattn.parallel.comm import Comm
 from shardattn.plan.cost import CostModel, load_calibration
+from shardattn.plan.kv_format import FP8_DS_MLA_DIMS, KV_FP8_DS_MLA
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
 from shardattn.runtime.options import DecodeOptions, PrefillOptions
@@ -128,6 +129,11 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
         raise _fail(
             "--compare runs the head-TP, ShardQ and routed prefill steps of a sparse-MLA preset; "
             f"mode {mode} {'takes another input layout' if mode == 'pcp' else 'has no such prefill'}"
+        )
+    if opts.kv_dtype == KV_FP8_DS_MLA and (not mla or (spec.head_dim, spec.v_dim) != FP8_DS_MLA_DIMS):
+        raise _fail(
+            f"--kv-dtype {KV_FP8_DS_MLA} holds DSA sparse-MLA rows (576 = 512 latent + 64 rope); preset "
+            f"{opts.preset} is a {spec.kind} model of head dim {spec.head_dim}"
         )
     if opts.graph and not on_gpu:
         raise _fail("--graph captures CUDA graphs and needs a GPU per rank")
@@ -305,6 +311,7 @@ def _build_runtime(cfg: RunConfig, groups: LaunchGroups, mode: str, cost_model: 
             min_shard_tokens=cfg.min_shard_tokens, min_group_tokens=cfg.min_group_tokens, cost_model=cost_model
         ),
         decode_options=DecodeOptions(dcp_interleave=cfg.opts.interleave, causal=cfg.opts.causal),
+        kv_dtype=KV_FP8_DS_MLA if cfg.opts.kv_dtype == KV_FP8_DS_MLA else None,
         host_id=groups.env.host_id,
     )
 

@@ -41,6 +41,7 @@ __all__ = [
     "gluon_runs_on",
     "interpreter_enabled",
     "is_sm90",
+    "kv_reason",
     "pdl_supported",
     "prefill_path",
     "sm_count",
@@ -61,6 +62,16 @@ def gluon_runs_on(device: torch.device) -> bool:
     return gluon_available()
 
 
+def kv_reason(kv: torch.Tensor) -> str:
+    """What a route's reason adds for ``kv``'s row format: nothing for rows in q's dtype; for
+    ``fp8_ds_mla`` rows, that the kernel dequantises them and that the crossover it follows was
+    measured on bf16 rows (the calibration table keys FP8 kernel points apart, bf16 only until
+    measured: :mod:`shardattn.plan.calibration`)."""
+    if kv.dtype != torch.uint8:
+        return ""
+    return "; fp8_ds_mla KV rows, dequantised in the kernel (crossover measured on bf16 rows)"
+
+
 def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_size: int = 1) -> tuple[str, str]:
     """``(name, reason)`` of the kernel that runs a sparse-MLA prefill of ``group_size`` queries
     per tile (``1``: per-query) on these tensors.
@@ -77,9 +88,9 @@ def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_s
 
         why = kernel_unsupported_reason(q, kv, v_dim)
     if why is not None:
-        return "reference", why
+        return "reference", why + kv_reason(kv)
     if interpreter_enabled():
-        return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter"
+        return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter" + kv_reason(kv)
     from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
 
     sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
@@ -90,7 +101,7 @@ def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_s
         gluon_missing=gluon_unsupported_reason(q, kv, v_dim),
         group_size=group_size,
     )
-    return route.path, route.reason
+    return route.path, route.reason + kv_reason(kv)
 
 
 def sparse_decode_kernel(
@@ -110,9 +121,9 @@ def sparse_decode_kernel(
 
     why = unsupported_reason(q, kv, None)
     if why is not None:
-        return "reference", why
+        return "reference", why + kv_reason(kv)
     if interpreter_enabled():
-        return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter"
+        return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter" + kv_reason(kv)
     from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
 
     sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
@@ -126,7 +137,7 @@ def sparse_decode_kernel(
         q.shape[1], num_tokens=q.shape[0], device_type=q.device, sm=sm, gluon_missing=missing,
         small_missing=small_missing,
     )  # fmt: skip
-    return route.path, route.reason
+    return route.path, route.reason + kv_reason(kv)
 
 
 @dataclass(frozen=True)
@@ -167,10 +178,10 @@ def prefill_path(
 
     heads = q.shape[1]
     if not use_triton(q, kv):
-        return PrefillPath("reference", 1, None, "no Triton for these tensors (CPU or not installed)")
+        return PrefillPath("reference", 1, None, "no Triton for these tensors (CPU or not installed)" + kv_reason(kv))
     why = kernel_unsupported_reason(q, kv, v_dim)
     if why is not None:
-        return PrefillPath("reference", 1, None, why)
+        return PrefillPath("reference", 1, None, why + kv_reason(kv))
     g = default_group_size(heads) if group_size is None else group_size
     reason = f"G = {g} for {heads} heads"
     if group_size is None and kv.shape[0] <= MAX_PACKED_ROWS:
@@ -209,9 +220,9 @@ def decode_path(
         if backend in ("gluon", "gluon_small"):
             why = "kv has no rows" if kv.shape[0] == 0 else "no CUDA tensors or no Triton"
             raise ValueError(f"backend={backend!r} cannot run here: {why}")
-        return "reference", "kv has no rows" if kv.shape[0] == 0 else "no Triton for these tensors"
+        return "reference", ("kv has no rows" if kv.shape[0] == 0 else "no Triton for these tensors") + kv_reason(kv)
     if backend == "triton":
-        return "triton", "backend='triton'"
+        return "triton", "backend='triton'" + kv_reason(kv)
     if backend in ("gluon", "gluon_small"):  # forced: wherever it runs, whatever the crossover says
         why = (
             gluon_unsupported_reason(q, kv, v_dim)
@@ -220,7 +231,7 @@ def decode_path(
         )
         if why is not None:
             raise ValueError(f"backend={backend!r} cannot run here: {why}")
-        kernel, why = backend, f"backend={backend!r}"
+        kernel, why = backend, f"backend={backend!r}" + kv_reason(kv)
     else:
         kernel, why = sparse_decode_kernel(q, kv, v_dim, rows) if h > 0 else ("triton", "no heads")
     if kernel == "gluon_small" and workspace is not None:

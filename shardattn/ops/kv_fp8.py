@@ -68,9 +68,7 @@ import torch
 from shardattn._checks import FLOAT_DTYPES, check_same_device, check_tensor
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.triton.kv_fp8 import BF16_MAX, E4M3_MAX, launch_write_fp8_rows
-
-#: The format's name (vLLM's ``kv_cache_dtype`` for it).
-KV_FP8_DS_MLA = "fp8_ds_mla"
+from shardattn.plan.kv_format import DENSE_KV_FORMATS, KV_FP8_DS_MLA, kv_format_name
 
 #: ``status`` values of :func:`write_kv` / :func:`quantize_kv`, one per input row.
 WRITE_STORED = 0  #: stored as given
@@ -136,6 +134,56 @@ def check_fp8_kv(name: str, kv: object, layout: KVRowLayout = FP8_DS_MLA) -> tor
     if kv.stride(-1) != 1 or kv.stride(-2) < layout.row_bytes:
         raise ValueError(f"{name} must have contiguous, non-overlapping {layout.name} rows, got strides {kv.stride()}")
     return kv
+
+
+def resolve_kv(name: str, kv: object, *, head_dim: int, v_dim: int, kv_format: str | None = None):
+    """The KV rows of an attention call as the kernels read them, and their format.
+
+    Args:
+        name: the argument's name, for errors.
+        kv: rows in the query's dtype ``[R, head_dim]`` (a dense format), or :data:`FP8_DS_MLA`
+            rows: uint8 ``[R, 656]`` or a paged ``[num_pages, page_size, 656]`` whose pages follow
+            one another (padded pages are refused: the kernels address rows as ``row * stride``).
+        head_dim, v_dim: the query's row width and the value width.
+        kv_format: a format of :data:`shardattn.plan.kv_format.KV_FORMATS`, or ``None`` to take
+            it from ``kv`` (uint8: ``fp8_ds_mla``; a float dtype: that dense format).
+    Returns:
+        ``(rows [R, row], format)``: ``kv`` itself, or a flat view of a paged FP8 cache.
+    Raises:
+        TypeError / ValueError: naming ``name`` and the format, when ``kv`` is not a tensor of
+            that format (dtype, width, strides), or the dims are not the FP8 format's 576 / 512.
+    """
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(kv).__name__}")
+    if kv_format is not None:
+        fmt = kv_format_name("kv_format", kv_format)
+    elif kv.dtype in (torch.uint8, torch.float8_e4m3fn):
+        fmt = KV_FP8_DS_MLA
+    elif kv.dtype in FLOAT_DTYPES:
+        fmt = str(kv.dtype).replace("torch.", "")
+    else:
+        raise ValueError(f"{name} must hold KV rows in a float dtype or {KV_FP8_DS_MLA} rows (uint8), got {kv.dtype}")
+    if fmt in DENSE_KV_FORMATS:
+        want = getattr(torch, fmt)
+        if kv_format is not None and (kv.dtype != want or kv.dim() != 2):  # else: the caller's dtype checks
+            got = f"{str(kv.dtype).replace('torch.', '')} {list(kv.shape)}"
+            raise ValueError(f"{name} must be {fmt} [rows, {head_dim}] ({fmt} KV rows), got {got}")
+        return kv, fmt
+    check_fp8_kv(name, kv)
+    lay = FP8_DS_MLA
+    if (head_dim, v_dim) != (lay.dim, lay.latent_dim):
+        raise ValueError(
+            f"{name} holds {lay.name} rows ({lay.latent_dim} latent + {lay.rope_dim} rope): the query must have "
+            f"{lay.dim} dims and v_dim {lay.latent_dim}, got {head_dim} and {v_dim}"
+        )
+    if kv.dim() == 3:
+        if kv.shape[0] > 1 and kv.stride(0) != kv.shape[1] * kv.stride(1):
+            raise ValueError(
+                f"{name}'s pages must follow one another ({lay.name} rows are read as row * stride): page stride "
+                f"{kv.stride(0)} != page_size {kv.shape[1]} x row stride {kv.stride(1)}"
+            )
+        kv = kv.flatten(0, 1)
+    return kv, fmt
 
 
 def _split_rows(name: str, rows: object, layout: KVRowLayout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,15 +88,17 @@ def check_sparse_mla_inputs(
     topk_length: torch.Tensor | None,
     sinks: torch.Tensor | None,
     scale: object = None,
-) -> None:
+    kv_format: str | None = None,
+) -> torch.Tensor:
     """Validate the arguments of every sparse-MLA entry (all backends); raises before any kernel runs.
 
-    ``scale`` is checked when given (finite, > 0); the public entries always give it.
+    ``scale`` is checked when given (finite, > 0); the public entries always give it. ``kv`` holds
+    rows in q's dtype or ``fp8_ds_mla`` rows (``kv_format``: :func:`~shardattn.ops.kv_fp8.resolve_kv`).
+    Returns ``kv`` as ``[R, row]`` rows (a paged FP8 cache as a flat view).
     """
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     t, h, d = q.shape
-    check_tensor("kv", kv, dtypes=(q.dtype,), ndim=2)
-    check_head_dim("q", q, "kv", kv)
+    kv = check_kv_rows("kv", kv, q, v_dim=v_dim, kv_format=kv_format)
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
     if rows.shape[0] != t:
         raise ValueError(f"rows must have one row per query token ({t}), got shape {list(rows.shape)}")
@@ -109,6 +111,23 @@ def check_sparse_mla_inputs(
     if scale is not None:
         check_scale("scale", scale)
     check_same_device(q=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
+    return kv
+
+
+def check_kv_rows(
+    name: str, kv: object, q: torch.Tensor, *, v_dim: int, kv_format: str | None = None, q_name: str = "q"
+) -> torch.Tensor:
+    """``kv`` as the KV rows of queries ``q [..., D]``: rows of ``D`` values in q's dtype, or
+    ``fp8_ds_mla`` rows (``D = 576``, ``v_dim = 512``; any float q). ``kv_format``: the format
+    declared (``None``: taken from ``kv``'s dtype). Returns ``[R, row]`` rows (a paged FP8 cache as
+    a flat view); raises ``TypeError`` / ``ValueError`` naming ``name`` (and the format)."""
+    from shardattn.ops.kv_fp8 import resolve_kv
+
+    rows, _ = resolve_kv(name, kv, head_dim=q.shape[-1], v_dim=v_dim, kv_format=kv_format)
+    if rows.dtype != torch.uint8:
+        check_tensor(name, rows, dtypes=(q.dtype,), ndim=2)
+        check_head_dim(q_name, q, name, rows)
+    return rows
 
 
 def check_head_dim(q_name: str, q: torch.Tensor, kv_name: str, kv: torch.Tensor) -> None:
@@ -180,13 +199,16 @@ def sparse_mla_reference(
     """fp32 (or fp64) torch reference, chunked over tokens so memory stays bounded.
 
     Args:
-        q: ``[T, H, D]``; kv: ``[R, D]``; rows: ``[T, K]`` int32 global rows.
+        q: ``[T, H, D]``; kv: ``[R, D]``, or ``[R, 656]`` uint8 ``fp8_ds_mla`` rows (the gathered
+            rows dequantised in ``compute_dtype``, exact); rows: ``[T, K]`` int32 global rows.
         scale: softmax scale. v_dim: value width (first ``v_dim`` dims of a KV row).
         topk_length: ``[T]`` int32 or None. sinks: ``[H]`` fp32 or None.
         compute_dtype: float32 or float64.
     Returns:
         ``(out [T, H, v_dim] in q.dtype, lse [T, H] fp32)``.
     """
+    from shardattn.ops.kv_fp8 import dequantize_kv
+
     t, h, d = q.shape
     k = rows.shape[1]
     r = kv.shape[0]
@@ -196,14 +218,15 @@ def sparse_mla_reference(
         return out, lse
     valid = first_occurrences(rows, valid_mask(rows, r, topk_length))
     if r == 0:  # no row is valid; gather from one zero row so the indexing below stays in range
-        kv = kv.new_zeros(1, d)
+        kv = kv.new_zeros(1, kv.shape[-1])
     bytes_per_token = max(1, k * d * torch.finfo(compute_dtype).bits // 8)
     chunk = max(1, min(t, REFERENCE_CHUNK_BYTES // bytes_per_token))
     sink = sinks.to(compute_dtype) if sinks is not None else None
     for t0 in range(0, t, chunk):
         t1 = min(t, t0 + chunk)
         safe_rows = torch.where(valid[t0:t1], rows[t0:t1], torch.zeros_like(rows[t0:t1])).long()
-        keys = kv[safe_rows].to(compute_dtype)  # [c, K, D]
+        keys = kv[safe_rows]  # [c, K, D] (fp8_ds_mla: [c, K, 656] bytes, only the gathered rows dequantised)
+        keys = dequantize_kv(keys, compute_dtype) if keys.dtype == torch.uint8 else keys.to(compute_dtype)
         qc = q[t0:t1].to(compute_dtype)  # [c, H, D]
         s = torch.einsum("chd,ckd->chk", qc, keys) * scale
         s = s.masked_fill(~valid[t0:t1, None, :], -math.inf)
@@ -236,6 +259,7 @@ def sparse_mla_attention(
     lse_out: torch.Tensor | None = None,
     q_ready: Callable[[], None] | None = None,
     prepared_union: PreparedUnion | None = None,
+    kv_format: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention over per-token global KV rows.
 
@@ -248,7 +272,9 @@ def sparse_mla_attention(
     Args:
         q: ``[T, H, D]`` fp16/bf16/fp32 (``D = 576`` for DSA models), or
             ``(q_latent [T, H, 512], q_rope [T, H, 64])``.
-        kv: ``[R, D]`` KV rows in q's dtype; the value is ``kv[:, :v_dim]``.
+        kv: ``[R, D]`` KV rows in q's dtype (the value is ``kv[:, :v_dim]``), or ``fp8_ds_mla``
+            rows (:mod:`shardattn.ops.kv_fp8`): uint8 ``[R, 656]`` or a paged ``[P, page, 656]``
+            (row ``p * page + i``), dequantised in the kernel (``D = 576``, ``v_dim = 512``).
         rows: ``[T, K]`` int32 global row ids; ``-1`` / out of range = invalid, anywhere;
             a row listed twice by one query is one key.
         scale: softmax scale (``D ** -0.5`` for DSA models), finite and > 0.
@@ -264,6 +290,9 @@ def sparse_mla_attention(
         prepared_union: the ``G = 1`` union of exactly these ``rows`` and ``topk_length``, built
             ahead (:func:`~shardattn.ops.prepared_union.prepare_union`, e.g. a slice of a
             whole share's): the kernel paths then build none; the reference path ignores it.
+        kv_format: the format ``kv`` must hold (``"bfloat16"`` / ``"bf16"``, ``"fp16"``,
+            ``"fp32"``, ``"fp8_ds_mla"``: :data:`shardattn.plan.kv_format.KV_FORMATS`); ``None``
+            takes it from ``kv``'s dtype (uint8: ``fp8_ds_mla``).
     Returns:
         ``out [T, H, v_dim]`` in q's dtype, and ``lse [T, H]`` fp32 natural log when
         ``return_lse`` (the given destinations when passed); a row with no valid key is ``(0, -inf)``
@@ -281,7 +310,9 @@ def sparse_mla_attention(
     """
     q = join_q(q)
     q3 = shape_stand_in(q)
-    check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
+    kv = check_sparse_mla_inputs(
+        q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale, kv_format=kv_format
+    )
     if prepared_union is not None:
         from shardattn.ops.prepared_union import check_prepared_union
 

@@ -68,13 +68,16 @@ def sparse_mla_decode(
     lse_out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     backend: str | None = None,
+    kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA decode attention with split-KV and a merge; returns the LSE (DCP needs it).
 
     Args:
         q: ``[T, H, D]`` fp16/bf16/fp32 (``D = 576``: 512 latent + 64 rope), or
             ``(q_latent, q_rope)``. T = decode tokens (requests x draft length).
-        kv: ``[R, D]`` KV rows in q's dtype; the value is ``kv[:, :v_dim]``.
+        kv: ``[R, D]`` KV rows in q's dtype (the value is ``kv[:, :v_dim]``), or ``fp8_ds_mla``
+            rows, uint8 ``[R, 656]`` or paged ``[P, page, 656]`` (row ``p * page + i``; every
+            kernel dequantises them before its bf16 matrix multiplies).
         rows: ``[T, K]`` int32 global rows; ``-1`` / out of range = invalid, anywhere.
         scale: softmax scale. v_dim: value width (512).
         topk_length: ``[T]`` int32 per-row count of leading entries to use, optional.
@@ -89,6 +92,8 @@ def sparse_mla_decode(
         backend: ``None`` (routed: :func:`~shardattn.ops.dispatch.sparse_decode_kernel`),
             ``"triton"``, ``"gluon"`` or ``"gluon_small"`` (forced, also outside the routing's
             crossovers; a ``ValueError`` where the kernel cannot run these tensors).
+        kv_format: the format ``kv`` must hold (as
+            :func:`~shardattn.ops.sparse_mla.sparse_mla_attention`'s); ``None`` takes ``kv``'s.
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32 natural log)``; a row with no valid
         key is ``(0, -inf)`` (``(0, sink)`` with sinks). CPU tensors run the reference.
@@ -101,7 +106,9 @@ def sparse_mla_decode(
         ((2, 4, 16), True)
     """
     q = join_q(q)
-    check_sparse_mla_inputs(q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
+    kv = check_sparse_mla_inputs(
+        q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale, kv_format=kv_format
+    )
     t, h, _ = q.shape
     if backend not in BACKENDS:
         raise ValueError(f"backend must be None, 'triton', 'gluon' or 'gluon_small', got {backend!r}")

@@ -65,6 +65,7 @@ def sparse_mla_grouped_prefill(
     q_ready: Callable[[], None] | None = None,
     rows_sorted: bool = False,
     prepared_union: PreparedUnion | None = None,
+    kv_format: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill with consecutive queries grouped into shared tiles.
 
@@ -73,7 +74,8 @@ def sparse_mla_grouped_prefill(
     Args:
         q: ``[T, H, D]`` fp16/bf16 (fp32 allowed), or ``(q_latent, q_rope)``; consecutive
             tokens are grouped, so pass them in the order whose neighbours overlap (token-major).
-        kv: ``[R, D]`` KV rows in q's dtype; the value is ``kv[:, :v_dim]``.
+        kv: ``[R, D]`` KV rows in q's dtype (the value is ``kv[:, :v_dim]``), or ``fp8_ds_mla``
+            rows, uint8 ``[R, 656]`` or paged ``[P, page, 656]`` (dequantised in the kernel).
         rows: ``[T, K]`` int32 global rows; ``-1`` / out of range = invalid, anywhere;
             a row listed twice by one query is one key.
         scale: softmax scale. v_dim: value width (512 for DSA models).
@@ -97,6 +99,8 @@ def sparse_mla_grouped_prefill(
             path's ``G`` (:func:`~shardattn.ops.prepared_union.prepare_union`, e.g. a
             ``G``-aligned slice of a whole share's): no union is built (not with ``union``); the
             reference path checks and ignores it.
+        kv_format: the format ``kv`` must hold (as
+            :func:`~shardattn.ops.sparse_mla.sparse_mla_attention`'s); ``None`` takes ``kv``'s.
     Returns:
         ``out [T, H, v_dim]`` in q's dtype and ``lse [T, H]`` fp32 natural log (the given
         destinations when passed); an empty row is ``(0, -inf)`` (with sinks: ``(0, sink)``).
@@ -110,7 +114,9 @@ def sparse_mla_grouped_prefill(
     """
     q = join_q(q)
     q3 = shape_stand_in(q)
-    check_sparse_mla_inputs(q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale)
+    kv = check_sparse_mla_inputs(
+        q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale, kv_format=kv_format
+    )
     if not isinstance(rows_sorted, bool):
         raise TypeError(f"rows_sorted must be a bool, got {type(rows_sorted).__name__}")
     if group_size is not None and group_size not in GROUP_SIZES:

@@ -51,7 +51,7 @@ from shardattn._checks import (
     check_scale,
     check_tensor,
 )
-from shardattn.ops.sparse_mla import check_head_dim
+from shardattn.ops.sparse_mla import check_kv_rows
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.parallel.collector import collect_checked, resolve_strategy
@@ -130,13 +130,16 @@ def dcp_sparse_mla_decode(
     attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sparse_mla_decode,
     check: bool = True,
     workspace: Workspace | None = None,
+    kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode with the KV cache split over the DCP group.
 
     Args:
         q_heads_local: ``[T, H/N, D]`` fp16/bf16/fp32, this rank's heads of the step's queries.
-        kv_cache: ``[R_local, D]`` this rank's KV rows (q's dtype); block ``b`` of the local block
-            table is rows ``b * block_size .. (b+1) * block_size``; the value is ``[:, :v_dim]``.
+        kv_cache: ``[R_local, D]`` this rank's KV rows (q's dtype), or its ``fp8_ds_mla`` rows
+            (uint8 ``[R_local, 656]`` or paged ``[P, block_size, 656]``: every rank's shard in the
+            same format); block ``b`` of the local block table is rows
+            ``b * block_size .. (b+1) * block_size``; the value is ``[:, :v_dim]``.
         topk_pos: ``[T, K]`` int32 request-global token positions of each query's top-k
             (``-1`` / negative / ``>= seq_lens`` = invalid, anywhere), identical on every rank.
         req_ids: ``[T]`` int32 request of each query.
@@ -159,6 +162,8 @@ def dcp_sparse_mla_decode(
             any rank then raises on every rank.
         workspace: optional flat ``uint8`` buffers ``{"q", "rows", "out", "lse", "send", "recv"}``
             the intermediates live in (module docstring); default: allocated per step.
+        kv_format: the format ``kv_cache`` must hold (:data:`shardattn.plan.kv_format.KV_FORMATS`);
+            ``None`` takes it from its dtype. The ranks agree on it with ``check``.
     Returns:
         ``(out [T, H/N or H, v_dim] in q's dtype, lse [T, H/N or H] fp32)``, equal to sparse MLA
         over the whole (unsplit) cache; a query with no valid key is ``(0, -inf)``.
@@ -172,14 +177,16 @@ def dcp_sparse_mla_decode(
     """
     comm = Comm.wrap(group)
     chosen = ""  # the collector's strategy, resolved by validate()
+    kv_rows = kv_cache  # the cache as [R, row] rows (a paged fp8_ds_mla cache: a flat view), by validate()
 
     def validate() -> int:
-        nonlocal chosen
+        nonlocal chosen, kv_rows
         q = q_heads_local
         _check_common(q, layout, comm, sinks)
         t, _, d = q.shape
-        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
-        check_head_dim("q_heads_local", q, "kv_cache", kv_cache)
+        if not 0 < check_int("v_dim", v_dim) <= d:
+            raise ValueError(f"v_dim must be in (0, {d}], got {v_dim}")
+        kv_rows = check_kv_rows("kv_cache", kv_cache, q, v_dim=v_dim, kv_format=kv_format, q_name="q_heads_local")
         check_scale("scale", scale)
         check_tensor("topk_pos", topk_pos, dtypes=INDEX_DTYPES, ndim=2)
         if topk_pos.shape[0] != t:
@@ -188,8 +195,6 @@ def dcp_sparse_mla_decode(
         check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
         b, m = block_table.shape
         bs = check_int("block_size", block_size, minimum=1)
-        if not 0 < check_int("v_dim", v_dim) <= d:
-            raise ValueError(f"v_dim must be in (0, {d}], got {v_dim}")
         if seq_lens is not None:
             check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(b,))
         if topk_length is not None:
@@ -200,10 +205,10 @@ def dcp_sparse_mla_decode(
         )  # fmt: skip
         if block_table.device.type == "cpu" and block_table.numel():  # value checks that cost no sync
             top = int(block_table.max())
-            if (top + 1) * bs > kv_cache.shape[0]:
+            if (top + 1) * bs > kv_rows.shape[0]:
                 raise ValueError(
                     f"block_table points past kv_cache: block {top} needs rows up to {(top + 1) * bs}, "
-                    f"kv_cache has {kv_cache.shape[0]}"
+                    f"kv_cache has {kv_rows.shape[0]}"
                 )
             if seq_lens is not None:
                 local = layout.local_seq_lens(seq_lens, comm.rank)
@@ -219,7 +224,8 @@ def dcp_sparse_mla_decode(
         if not check:
             return 0  # nothing to agree on: skip hashing on the step's hot path
         return stable_fingerprint(
-            "dcp_sparse_mla", layout, tuple(q.shape), q.dtype, v_dim, topk_pos.shape[1], b, sinks is not None,
+            "dcp_sparse_mla", layout, tuple(q.shape), q.dtype, kv_rows.dtype, v_dim, topk_pos.shape[1], b,
+            sinks is not None,
             scatter_heads, strategy, rows_unique, _host_values(seq_lens) if check else None,
         )  # fmt: skip
 
@@ -233,7 +239,7 @@ def dcp_sparse_mla_decode(
             out=view_bytes(ws.get("rows"), tuple(topk_pos.shape), torch.int32, "rows"),
         )  # fmt: skip
         out, lse = attention(
-            q_full, kv_cache, rows, scale=scale, v_dim=v_dim, sinks=sinks if comm.rank == 0 else None,
+            q_full, kv_rows, rows, scale=scale, v_dim=v_dim, sinks=sinks if comm.rank == 0 else None,
             rows_unique=rows_unique, **_partial_buffers(ws, q_full, v_dim),
         )  # fmt: skip
         # checked above; out / lse come from the checked inputs: the collector runs unchecked

@@ -29,7 +29,7 @@ import torch
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.ops.lse_merge import lse_merge
-from shardattn.ops.sparse_mla import check_head_dim, sparse_mla_attention
+from shardattn.ops.sparse_mla import check_kv_rows, sparse_mla_attention
 from shardattn.ops.topk import convert_topk
 from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
 from shardattn.parallel.groups import GroupLike
@@ -53,6 +53,7 @@ def _check_inputs(
     gather_output: bool,
     scale: float,
     check: bool,
+    kv_format: str | None = None,
 ) -> int:
     """Validate one rank's PCP inputs; returns the fingerprint the ranks must agree on."""
     if not isinstance(plan, PCPPlan):
@@ -64,16 +65,17 @@ def _check_inputs(
     t, h, d = q.shape
     if t != mine:
         raise ValueError(f"q must hold rank {comm.rank}'s {mine} tokens (plan), got {t}")
-    check_tensor("kv_new", kv_new, dtypes=(q.dtype,), ndim=2)
-    check_head_dim("q", q, "kv_new", kv_new)
+    if not 0 < check_int("v_dim", v_dim) <= d:
+        raise ValueError(f"v_dim must be in (0, {d}], got {v_dim}")
+    if kv_new.dim() != 2:  # new rows are rows, never pages
+        check_tensor("kv_new", kv_new, ndim=2)
+    kv_new = check_kv_rows("kv_new", kv_new, q, v_dim=v_dim, kv_format=kv_format)
     if kv_new.shape[0] != t:
         raise ValueError(f"kv_new must hold one row per token of q ({t}), got shape {list(kv_new.shape)}")
     check_scale("scale", scale)
     check_tensor("topk_pos", topk_pos, dtypes=INDEX_DTYPES, ndim=2)
     if topk_pos.shape[0] != t:
         raise ValueError(f"topk_pos must have one row per token ({t}), got shape {list(topk_pos.shape)}")
-    if not 0 < check_int("v_dim", v_dim) <= d:
-        raise ValueError(f"v_dim must be in (0, {d}], got {v_dim}")
     if topk_length is not None:
         check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
     if sinks is not None:
@@ -89,8 +91,9 @@ def _check_inputs(
             "block_size holding them"
         )
     if all(given):
-        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
-        check_head_dim("q", q, "kv_cache", kv_cache)
+        kv_cache = check_kv_rows("kv_cache", kv_cache, q, v_dim=v_dim, kv_format=kv_format)
+        if kv_cache.dtype != kv_new.dtype:
+            raise ValueError(f"kv_cache and kv_new must hold one row format, got {kv_cache.dtype} and {kv_new.dtype}")
         check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
         bs = check_int("block_size", block_size, minimum=1)
         n_req, m = block_table.shape
@@ -111,8 +114,8 @@ def _check_inputs(
         topk_length=topk_length, sinks=sinks,
     )  # fmt: skip
     return stable_fingerprint(
-        "pcp", plan.fingerprint() if check else None, h, d, q.dtype, v_dim, topk_pos.shape[1], sinks is not None,
-        gather_output, all(given),
+        "pcp", plan.fingerprint() if check else None, h, d, q.dtype, kv_new.dtype, v_dim, topk_pos.shape[1],
+        sinks is not None, gather_output, all(given),
     )  # fmt: skip
 
 
@@ -133,6 +136,7 @@ def pcp_prefill(
     gather_output: bool = False,
     attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sparse_mla_attention,
     check: bool = True,
+    kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill over a zigzag token split, new KV rows all-gathered.
 
@@ -141,7 +145,8 @@ def pcp_prefill(
 
     Args:
         q: ``[T_r, H, D]`` fp16/bf16/fp32 queries of this rank's tokens (all heads).
-        kv_new: ``[T_r, D]`` the KV rows of this rank's tokens (q's dtype).
+        kv_new: ``[T_r, D]`` the KV rows of this rank's tokens (q's dtype), or their
+            ``fp8_ds_mla`` rows (uint8 ``[T_r, 656]``: the all-gather moves 656-byte rows).
         topk_pos: ``[T_r, K]`` int32 request positions (cached prefix included) of each token's
             top-k; negative / past the request's tokens = invalid, anywhere in a row.
         plan: :func:`~shardattn.plan.pcp_plan` of the step (``world_size`` = the group's).
@@ -149,13 +154,16 @@ def pcp_prefill(
             (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
         scale: softmax scale. v_dim: value width (512 for DSA models).
         kv_cache: ``[R, D]`` rows of the paged cache holding the cached prefixes (the same on
-            every rank), with ``block_table [num_requests, M]`` int32 and ``block_size``; needed
-            when the plan has ``prefix_lens > 0``.
+            every rank; in ``kv_new``'s format: ``fp8_ds_mla`` rows may be paged
+            ``[P, block_size, 656]``), with ``block_table [num_requests, M]`` int32 and
+            ``block_size``; needed when the plan has ``prefix_lens > 0``.
         topk_length: ``[T_r]`` int32 leading ``topk_pos`` entries to use, optional.
         sinks: ``[H]`` fp32 sink logits, optional (counted once).
         gather_output: also all-gather the outputs and return every token's, in token order.
         attention: the local kernel, called like :func:`~shardattn.ops.sparse_mla.sparse_mla_attention`.
         check: agree on the plan and shapes first (one small all-gather, a host sync).
+        kv_format: the format ``kv_new`` and ``kv_cache`` must hold
+            (:data:`shardattn.plan.kv_format.KV_FORMATS`); ``None`` takes it from their dtype.
     Returns:
         ``(out [T_r, H, v_dim] in q's dtype, lse [T_r, H] fp32)`` for this rank's tokens, or
         ``[T, H, v_dim]`` / ``[T, H]`` in token order with ``gather_output``. A token with no valid
@@ -174,21 +182,24 @@ def pcp_prefill(
     def validate() -> int:
         return _check_inputs(
             q, kv_new, topk_pos, plan, comm, v_dim, kv_cache, block_table, block_size, topk_length, sinks,
-            gather_output, scale, check,
+            gather_output, scale, check, kv_format,
         )  # fmt: skip
 
     comm.agree_on("PCP plan and inputs", validate, check=check)
+    if kv_cache is not None and kv_cache.dim() == 3:  # a paged fp8_ds_mla cache, pages in turn (checked)
+        kv_cache = kv_cache.flatten(0, 1)
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
         dev = q.device
         if plan.kv_row.device != dev:
             plan = plan.to(dev)
         w, rank = comm.world_size, comm.rank
-        t, h, d = q.shape
+        t, h, _ = q.shape
         p = plan.shard.padded_count
 
         # the new tokens' KV, rank-major, P rows per rank: new token g is gathered[plan.kv_row[g]];
         # the all-gather runs while the cached prefix (already on every rank) is attended
-        padded = kv_new.new_zeros(p, d)
+        row = kv_new.shape[1]  # D values, or 656 bytes of an fp8_ds_mla row
+        padded = kv_new.new_zeros(p, row)
         padded[:t] = kv_new
         gathering, pending = comm.all_gather_async(padded)
 
@@ -204,7 +215,7 @@ def pcp_prefill(
             )  # fmt: skip
             out_p, lse_p = attention(q, kv_cache, prefix_rows, scale=scale, v_dim=v_dim, return_lse=True)
         pending.wait()
-        gathered = gathering.view(w * p, d)
+        gathered = gathering.view(w * p, row)
         out, lse = attention(q, gathered, rows.to(torch.int32), scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True)
         if kv_cache is not None:
             out, lse = lse_merge(torch.stack([out, out_p]), torch.stack([lse, lse_p]))

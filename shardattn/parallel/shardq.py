@@ -34,7 +34,7 @@ import torch
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.ops.prepared_union import SLICE_GROUPS
-from shardattn.ops.sparse_mla import check_head_dim, sparse_mla_attention
+from shardattn.ops.sparse_mla import check_kv_rows, sparse_mla_attention
 from shardattn.ops.union import GROUP_SIZES, MAX_PACKED_ROWS
 from shardattn.parallel.comm import Comm, stable_fingerprint
 from shardattn.parallel.groups import GroupLike
@@ -59,6 +59,7 @@ def _check_inputs(
     scale: float,
     check: bool,
     pipeline: tuple[int | None, int, bool, bool],
+    kv_format: str | None = None,
 ) -> int:
     """Validate one rank's ShardQ inputs; returns the fingerprint the ranks must agree on
     (``pipeline``: ``(chunks, align, taper, one_union)``, which every rank must cut alike)."""
@@ -72,15 +73,14 @@ def _check_inputs(
         raise ValueError(f"q_heads_local must hold the step's {plan.num_tokens} tokens (plan), got {t}")
     if h < 1:
         raise ValueError(f"q_heads_local must hold at least one head, got shape {list(q.shape)}")
-    check_tensor("kv", kv, dtypes=(q.dtype,), ndim=2)
-    check_head_dim("q_heads_local", q, "kv", kv)
+    check_int("v_dim", v_dim, minimum=1)
+    if v_dim > d:
+        raise ValueError(f"v_dim must be <= the head dim {d}, got {v_dim}")
+    kv = check_kv_rows("kv", kv, q, v_dim=v_dim, kv_format=kv_format, q_name="q_heads_local")
     check_scale("scale", scale)
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
     if rows.shape[0] != t:
         raise ValueError(f"rows must have one row per token ({t}), got shape {list(rows.shape)}")
-    check_int("v_dim", v_dim, minimum=1)
-    if v_dim > d:
-        raise ValueError(f"v_dim must be <= the head dim {d}, got {v_dim}")
     if topk_length is not None:
         check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
     if sinks is not None:
@@ -107,6 +107,7 @@ def _check_inputs(
         pipeline,
         tuple(q.shape),
         q.dtype,
+        kv.dtype,
         rows.shape[1],
         v_dim,
         sinks is not None,
@@ -134,6 +135,7 @@ def shardq_prefill(
     workspace: dict[str, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    kv_format: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill with queries moved from head shards to zigzag token shards and back.
 
@@ -144,7 +146,9 @@ def shardq_prefill(
         q_heads_local: ``[T, H/W, D]`` fp16/bf16/fp32, this rank's heads of all ``T`` tokens of
             the step (``D = 576`` for DSA models).
         kv: ``[R, D]`` the KV rows in q's dtype, identical on every rank (replicated under TP);
-            the value is ``kv[:, :v_dim]``.
+            the value is ``kv[:, :v_dim]``. Or ``fp8_ds_mla`` rows (uint8 ``[R, 656]`` or paged
+            ``[P, page, 656]``; ``kv_format`` declares the format, ``None`` takes ``kv``'s): each
+            rank's kernel reads the local FP8 cache and dequantises in place.
         rows: ``[T, K]`` int32 global KV rows of every token's top-k (identical on every rank);
             ``-1`` / out of range = invalid, anywhere in a row.
         plan: :func:`~shardattn.plan.zigzag_split` of the step (``world_size`` = the group's).
@@ -200,9 +204,13 @@ def shardq_prefill(
     pipeline = (chunks, align, taper, one_union)
     comm.agree_on(
         "ShardQ plan and inputs",
-        lambda: _check_inputs(q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, scale, check, pipeline),
+        lambda: _check_inputs(
+            q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, scale, check, pipeline, kv_format
+        ),
         check=check,
     )
+    if kv.dim() == 3:  # a paged fp8_ds_mla cache, pages in turn (checked): its rows
+        kv = kv.flatten(0, 1)
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
         q = q_heads_local
         h, rank = q.shape[1], comm.rank

@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from shardattn.errors import CalibrationWarning
+from shardattn.plan.kv_format import KV_FORMATS
 from shardattn.plan.links import LinkRate
 
 __all__ = [
@@ -56,6 +57,8 @@ class KernelPoint:
         heads: query heads of the call. tile: rows of the grouped backend's tile.
         group_size: ``G`` (1 = per-query). union_ratio: mean union of a group's rows over one
             query's (1.0 for per-query). tokens: query tokens. topk: valid keys per query. ms: time.
+        kv_format: the KV rows the kernel read (:data:`shardattn.plan.kv_format.KV_FORMATS`; a
+            table written before the key existed holds ``"bfloat16"`` points).
     """
 
     heads: int
@@ -65,6 +68,7 @@ class KernelPoint:
     tokens: int
     topk: int
     ms: float
+    kv_format: str = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -161,11 +165,13 @@ class Calibration:
 
     def validate(self) -> None:
         """Raise ``ValueError`` unless every rate is finite and positive and a per-query point exists."""
-        if not any(k.group_size == 1 for k in self.kernels):
-            raise ValueError("the table has no per-query kernel point")
+        if not any(k.group_size == 1 and k.kv_format == "bfloat16" for k in self.kernels):
+            raise ValueError("the table has no per-query kernel point on bfloat16 rows")
         for k in self.kernels:
             if min(k.heads, k.tile, k.group_size, k.tokens, k.topk) < 1 or not (k.ms > 0 and math.isfinite(k.ms)):
                 raise ValueError(f"bad kernel point {k}")
+            if k.kv_format not in KV_FORMATS:
+                raise ValueError(f"bad KV format {k.kv_format!r} in {k} (one of {', '.join(KV_FORMATS)})")
             if not (k.union_ratio >= 1.0 and math.isfinite(k.union_ratio)):
                 raise ValueError(f"bad union ratio in {k}")
         for c in self.collectives:

@@ -61,6 +61,7 @@ from shardattn.plan.calibration import (
     load_calibration,
     shipped_calibration,
 )
+from shardattn.plan.kv_format import kv_format_name, kv_row_bytes
 from shardattn.plan.links import LinkRate, cross_node_rate, resolve_link
 from shardattn.plan.spec import ModelSpec
 
@@ -104,6 +105,9 @@ class StepShape:
         head_dim / v_dim / dtype_bytes: q row width, output width, activation bytes.
         rank_tokens: the most tokens a rank holds under ShardQ / PCP (default ``ceil(T / W)``).
         union_ratio: ``{G: ratio}`` of the step's top-k, when known (default: the table's).
+        kv_format: the KV rows' format (:data:`shardattn.plan.kv_format.KV_FORMATS`; ``None``:
+            rows of ``dtype_bytes`` values): which kernel points price the calls, and the bytes of
+            a KV row PCP all-gathers.
         ranks_per_node: ranks on each host (the smallest host's; ``None``: every rank on one
             host); below ``world_size`` the step's collectives cross the network.
     """
@@ -117,11 +121,19 @@ class StepShape:
     dtype_bytes: int = 2
     rank_tokens: int | None = None
     union_ratio: dict[int, float] | None = None
+    kv_format: str | None = None
     ranks_per_node: int | None = None
 
     @property
     def per_rank(self) -> int:
         return self.rank_tokens if self.rank_tokens is not None else -(-self.tokens // self.world_size)
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one KV row (656 for ``fp8_ds_mla``)."""
+        if self.kv_format is None:
+            return self.head_dim * self.dtype_bytes
+        return kv_row_bytes(self.kv_format, self.head_dim, self.v_dim)
 
     @classmethod
     def of(
@@ -132,9 +144,11 @@ class StepShape:
         *,
         topk: int | None = None,
         rank_tokens: int | None = None,
+        kv_format: str | None = None,
         ranks_per_node: int | None = None,
     ) -> StepShape:
-        """The shape of a step of ``spec``'s model (its heads, dims and dtype; top-k default the spec's)."""
+        """The shape of a step of ``spec``'s model (its heads, dims and dtype; top-k default the spec's;
+        ``kv_format``: the KV rows', default rows of the spec's dtype)."""
         return cls(
             heads=spec.num_heads,
             world_size=world_size,
@@ -144,6 +158,7 @@ class StepShape:
             v_dim=spec.v_dim,
             dtype_bytes=spec.dtype_bytes,
             rank_tokens=rank_tokens,
+            kv_format=kv_format,
             ranks_per_node=ranks_per_node,
         )
 
@@ -200,34 +215,50 @@ class CostModel:
         self.calibration = calibration
         self.overrides = dict(collective_overrides or {})
         self.network = resolve_link(network, calibration.network)
-        self._fits: dict[tuple[int, int, int], tuple[float, float, float]] = {}
-        groups: dict[tuple[int, int, int], list[KernelPoint]] = {}
+        self._fits: dict[tuple[str, int, int, int], tuple[float, float, float]] = {}
+        groups: dict[tuple[str, int, int, int], list[KernelPoint]] = {}
         for k in calibration.kernels:
-            groups.setdefault((k.heads, k.tile, k.group_size), []).append(k)
+            groups.setdefault((k.kv_format, k.heads, k.tile, k.group_size), []).append(k)
         for key, pts in groups.items():
             self._fits[key] = _fit_line(pts)
+
+    def kernel_format(self, kv_format: str | None) -> str:
+        """The KV format whose kernel points price calls on ``kv_format`` rows: its own where the
+        table holds per-query points of it, else ``"bfloat16"`` (the shipped table's, until the FP8
+        kernels are measured: ``python -m shardattn.calibrate``)."""
+        fmt = "bfloat16" if kv_format is None else kv_format_name("kv_format", kv_format)
+        return fmt if any(f == fmt and g == 1 for (f, _h, _t, g) in self._fits) else "bfloat16"
 
     def __repr__(self) -> str:
         return f"CostModel({self.calibration.gpu!r}, {len(self.calibration.kernels)} kernel points)"
 
     # -- parts -------------------------------------------------------------------------------
     def kernel_ms(
-        self, heads: int, tokens: int, topk: int, *, group_size: int = 1, union_ratio: float | None = None
+        self,
+        heads: int,
+        tokens: int,
+        topk: int,
+        *,
+        group_size: int = 1,
+        union_ratio: float | None = None,
+        kv_format: str | None = None,
     ) -> float:
-        """Predicted time of one kernel call (heads between calibrated counts interpolate linearly;
-        below the smallest, the smallest's time (tiles pad); above the largest, proportional)."""
+        """Predicted time of one kernel call on ``kv_format`` rows (:meth:`kernel_format`: its own
+        points, else bf16's; heads between calibrated counts interpolate linearly; below the
+        smallest, the smallest's time (tiles pad); above the largest, proportional)."""
         if tokens <= 0 or topk <= 0:
             return 0.0
         g = group_size
         tile = TILE
-        hs = sorted(h for (h, t, gg) in self._fits if gg == g and t == tile)
+        fmt = self.kernel_format(kv_format)
+        hs = sorted(h for (f, h, t, gg) in self._fits if f == fmt and gg == g and t == tile)
         if not hs:  # this G was not calibrated: the per-query kernel scaled by union / G (optimistic)
             u = union_ratio or self.calibration.union_ratio.get(g, float(g))
-            return self.kernel_ms(heads, tokens, topk) * u / g
+            return self.kernel_ms(heads, tokens, topk, kv_format=fmt) * u / g
         work = tokens * topk
 
         def at(h: int) -> float:
-            a, b, u_cal = self._fits[(h, tile, g)]
+            a, b, u_cal = self._fits[(fmt, h, tile, g)]
             scale = 1.0 if g == 1 or union_ratio is None else union_ratio / u_cal
             return a + b * work * scale
 
@@ -298,13 +329,18 @@ class CostModel:
         w, h, e = shape.world_size, shape.heads, shape.dtype_bytes
         g = group_size
         kernel = "per-query" if g == 1 else "grouped"
+        fmt = shape.kv_format
         if step == "headtp" or w == 1:
-            k_ms = self.kernel_ms(h // w, shape.tokens, shape.topk, group_size=g, union_ratio=self._ratio(shape, g))
+            k_ms = self.kernel_ms(
+                h // w, shape.tokens, shape.topk, group_size=g, union_ratio=self._ratio(shape, g), kv_format=fmt
+            )
             ov = self._overhead("headtp")
             return Prediction("headtp", kernel, g, k_ms + ov.fixed_ms, k_ms, 0.0, ov.fixed_ms)
         if step not in ("shardq", "pcp"):
             raise ValueError(f"step must be 'headtp', 'shardq' or 'pcp', got {step!r}")
-        k_ms = self.kernel_ms(h, shape.per_rank, shape.topk, group_size=g, union_ratio=self._ratio(shape, g))
+        k_ms = self.kernel_ms(
+            h, shape.per_rank, shape.topk, group_size=g, union_ratio=self._ratio(shape, g), kv_format=fmt
+        )
         q_bytes = shape.tokens * (h // w) * shape.head_dim * e  # this rank's heads of every token
         out_bytes = shape.tokens * (h // w) * (shape.v_dim * e + 4)  # output and fp32 LSE
         rpn = shape.ranks_per_node
@@ -312,8 +348,8 @@ class CostModel:
             comm = sum(self.collective_ms("all_to_all", n, w, rpn) for n in (q_bytes, out_bytes))
             moved = q_bytes + out_bytes
         else:  # PCP: all-gather of the new tokens' KV rows; q and out stay on their rank
-            comm = self.collective_ms("all_gather", shape.tokens * shape.head_dim * e, w, rpn)
-            moved = shape.tokens * shape.head_dim * e + shape.per_rank * h * (shape.v_dim * e + 4)
+            comm = self.collective_ms("all_gather", shape.tokens * shape.kv_row_bytes, w, rpn)
+            moved = shape.tokens * shape.kv_row_bytes + shape.per_rank * h * (shape.v_dim * e + 4)
         copy_ms = 2 * moved / (self.calibration.copy_gbps * 1e9) * 1e3
         ov = self._overhead(step)
         other = ov.ms(comm + copy_ms, k_ms) - comm

@@ -71,7 +71,13 @@ def cost_route(rt: Any, *, tokens: int, counts: Any, kv_rows: int) -> tuple[str,
     counts = [int(c) for c in counts]
     h_tp = spec.num_heads // rt.world_size
     shape = StepShape.of(
-        spec, rt.world_size, tokens, topk=rt.topk, rank_tokens=max(counts), ranks_per_node=rt.nodes.ranks_per_node
+        spec,
+        rt.world_size,
+        tokens,
+        topk=rt.topk,
+        rank_tokens=max(counts),
+        ranks_per_node=rt.nodes.ranks_per_node,
+        kv_format=rt.kv_format,
     )
     gate = rt.min_group_tokens
     allowed = {

@@ -62,6 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardattn._checks import check_choice, check_int
+from shardattn.plan.kv_format import kv_format_name, kv_row_bytes
 from shardattn.plan.pipeline import CHUNK_ALIGN, MAX_CHUNKS
 from shardattn.plan.routing import prefill_group_size
 from shardattn.plan.spec import DTYPE_BYTES, ModelSpec
@@ -255,7 +256,8 @@ def workspace_bounds(
             kernel's heads per rank in that mode), else 1; 1 for the decode modes.
         topk: ``K``; default ``spec.topk`` (0 for dense GQA).
         num_kv_splits: split-KV chunks of the decode kernel (``dcp-decode``); 1 = no split.
-        q_dtype, kv_dtype, out_dtype: dtype names; default ``spec.dtype``.
+        q_dtype, kv_dtype, out_dtype: dtype names; default ``spec.dtype``. ``kv_dtype`` is a KV row
+            format of :data:`shardattn.plan.kv_format.KV_FORMATS` (``"fp8_ds_mla"``: 656-byte rows).
 
     With ``group_size`` given, every item is non-decreasing in ``max_batched_tokens``, the
     heads, dims, ``topk``, ``group_size``, ``num_kv_splits`` and the dtype sizes; in
@@ -274,9 +276,9 @@ def workspace_bounds(
     s = check_int("num_kv_splits", num_kv_splits, minimum=1)
     k = spec.topk if topk is None else check_int("topk", topk, minimum=0)
     bq = _dtype_bytes("q_dtype", q_dtype, spec.dtype)
-    bkv = _dtype_bytes("kv_dtype", kv_dtype, spec.dtype)
     bo = _dtype_bytes("out_dtype", out_dtype, spec.dtype)
     h, d, dv = spec.num_heads, spec.head_dim, spec.v_dim
+    kv_row = kv_row_bytes(kv_format_name("kv_dtype", spec.dtype if kv_dtype is None else kv_dtype), d, dv)
     if mode in ("shardq", "headtp", "headtp-decode"):
         if h % w:
             raise ValueError(f"num_heads ({h}) must be divisible by world_size ({w}) in mode {mode!r}")
@@ -324,12 +326,12 @@ def workspace_bounds(
         item["out"] = (n_max * hl * dv * bo, "Nmax * Hl * Dv * out_bytes")
         item["lse"] = (n_max * hl * _F32, "Nmax * Hl * 4")
         if spec.kind == "gqa":  # a token's K and V of every KV head; G = 1, so the padded share is ceil(M / W)
-            row, what = 2 * spec.num_kv_heads * d * bkv, "2 * Hkv * D * kv_bytes"
+            row, what = 2 * spec.num_kv_heads * kv_row, "2 * Hkv * D * kv_bytes"
             item["send"] = (n_max * row, f"Nmax * {what} (own new K and V)")
             item["recv"] = (w * n_max * row, f"W * Nmax * {what} (all-gathered K and V)")
         else:
-            item["send"] = (n_max * d * bkv, "Nmax * D * kv_bytes (own new KV rows)")
-            item["recv"] = (gathered * d * bkv, "(M + W*(slack+1) - 1) * D * kv_bytes (all-gathered KV)")
+            item["send"] = (n_max * kv_row, "Nmax * kv_row_bytes (own new KV rows: D * kv_bytes, 656 in fp8_ds_mla)")
+            item["recv"] = (gathered * kv_row, "(M + W*(slack+1) - 1) * kv_row_bytes (all-gathered KV rows)")
     else:  # dcp-decode: what the step and its all-to-all collector really hold
         hc = w * hl
         part = _pad16(m * hl * dv * bo) + _pad16(m * hl * _F32)  # one rank's heads: partial out + LSE

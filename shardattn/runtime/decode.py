@@ -9,7 +9,7 @@ wait for the stream first).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +76,8 @@ class DecodeStep:
             kernel path. heads_per_rank: ``H / W``. scale: softmax scale.
         return_lse: return the LSE (head-TP GQA may skip it). causal: drafts attend causally.
         staging: the reused pinned buffer a batch's metadata crosses to the device through.
+        kv_rows: checks a sparse-MLA cache against the Runtime's KV format and returns its rows
+            (:meth:`~shardattn.runtime.runtime.Runtime.kv_rows`; ``None``: taken as given).
     """
 
     spec: ModelSpec
@@ -89,6 +91,7 @@ class DecodeStep:
     return_lse: bool
     causal: bool
     staging: PinnedStaging = field(default_factory=PinnedStaging, compare=False, repr=False)
+    kv_rows: Callable[[str, torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def local_heads(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice ``[rank * H/W, (rank + 1) * H/W)`` of a per-head tensor."""
@@ -223,6 +226,8 @@ class DecodeStep:
                     raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
                 if not isinstance(kv_cache, torch.Tensor):
                     raise TypeError("kv_cache of a sparse-MLA model must be one [R, D] tensor")
+                if self.kv_rows is not None:  # the Runtime's KV format (rows in q's dtype, or fp8_ds_mla)
+                    kv_cache = self.kv_rows("kv_cache", kv_cache)
             elif not (isinstance(kv_cache, tuple | list) and len(kv_cache) == 2):
                 raise TypeError("kv_cache of a GQA model must be a (k_cache, v_cache) pair")
         except (TypeError, ValueError) as e:

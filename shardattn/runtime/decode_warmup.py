@@ -58,6 +58,7 @@ def warm_up_decode(
     dcp: DcpShard | None,
     need_lse: bool,
     gqa_backend: str,
+    kv_fp8: bool = False,
 ) -> int:
     """Run a Runtime's decode kernels locally (no collective) on tiny inputs, the way its steps call them.
 
@@ -67,6 +68,7 @@ def warm_up_decode(
         topk: top-k width (sparse MLA). max_decode_tokens: the largest decode step.
         scale: softmax scale. dcp: this rank's DCP shard (``None``: head-TP decode).
         need_lse: the steps ask the GQA kernel for its LSE. gqa_backend: the GQA kernel's backend.
+        kv_fp8: the sparse-MLA cache holds ``fp8_ds_mla`` rows (the kernels' FP8 variants).
 
     Covers: top-k conversion with this mode's flags (DCP shard or not, with and without
     ``topk_length``), the decode kernel at 1, 2 and ``max_decode_tokens`` query tokens (unsplit
@@ -96,6 +98,10 @@ def warm_up_decode(
 
     if spec.kind == "sparse_mla":
         kv = randn(4 * page, d)
+        if kv_fp8:
+            from shardattn.ops.kv_fp8 import quantize_kv
+
+            kv = quantize_kv(kv)
         table = torch.arange(4, dtype=torch.int32, device=dev)[None, :]
         seq = torch.tensor([4 * page], dtype=torch.int32, device=dev)
         sink_options = (None, torch.zeros(h, device=dev)) if spec.has_sinks else (None,)

@@ -30,6 +30,7 @@ from shardattn.ops.gqa_prefill_segments import SegmentKernel
 from shardattn.parallel.comm import Comm
 from shardattn.plan.cost import CostModel
 from shardattn.plan.cost_route import cost_route
+from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.pcp import pcp_plan
 from shardattn.plan.routing import Route, route_decode, route_prefill
 from shardattn.plan.spec import ModelSpec
@@ -63,6 +64,8 @@ class RuntimePlanning:
     cost_model: CostModel | None
     decode_options: DecodeOptions
     ws: RuntimeWorkspace
+    kv_format: str
+    _kv_declared: str | None
 
     if TYPE_CHECKING:
 
@@ -76,7 +79,7 @@ class RuntimePlanning:
         def decode_is_dcp(self) -> bool: ...
 
     def _route(self, heads: int, tokens: int, kv_rows: int) -> Route:
-        return route_prefill(
+        route = route_prefill(
             heads,
             num_tokens=tokens,
             kv_rows=kv_rows,
@@ -84,6 +87,13 @@ class RuntimePlanning:
             min_tokens=self.min_group_tokens,
             gluon=self.gluon,
         )
+        return self._name_kv_format(route)
+
+    def _name_kv_format(self, route: Route) -> Route:
+        """``route`` with the KV format named in its reason when the cache holds ``fp8_ds_mla`` rows."""
+        if self.kv_format != KV_FP8_DS_MLA:
+            return route
+        return Route(route.path, route.group_size, f"{route.reason}; {KV_FP8_DS_MLA} KV rows")
 
     def plan_prefill(
         self,
@@ -198,10 +208,10 @@ class RuntimePlanning:
             if query_lens is None:
                 raise ValueError("prefill needs query_lens (new tokens per request) or a plan from plan_prefill")
             for name, value in (("kv_cache", kv_cache), ("kv_new", kv_new)):
-                if value is not None:
-                    check_tensor(name, value, ndim=2)
+                if value is not None:  # a paged fp8_ds_mla cache is 3-D: its rows count
+                    check_tensor(name, value, ndim=3 if name == "kv_cache" and value.dim() == 3 else 2)
             new_rows = 0 if kv_new is None else int(kv_new.shape[0]) * self.world_size
-            cache_rows = 0 if kv_cache is None else int(kv_cache.shape[0])
+            cache_rows = 0 if kv_cache is None else int(kv_cache.shape[:-1].numel())
             plan = self.plan_prefill(query_lens, prefix_lens, seq_lens=seq_lens, kv_rows=cache_rows + new_rows)
         elif not isinstance(plan, PrefillPlan):
             raise TypeError(f"plan must be a PrefillPlan from Runtime.plan_prefill, got {type(plan).__name__}")
@@ -229,6 +239,7 @@ class RuntimePlanning:
                 plan, self.spec, self.rank, self.heads_per_rank,
                 q=q, kv_cache=kv_cache, rows=rows, topk_pos=topk_pos, kv_new=kv_new, block_table=block_table,
                 topk_length=topk_length, tokens_from="query_lens sums to" if lens_given else "the plan is for",
+                kv_format=self._kv_declared,
             )  # fmt: skip
             top = given["rows"] if plan.step != "pcp" else given["topk_pos"]
             self.ws.check("prefill", plan.step, tokens=plan.num_tokens, topk=int(top.shape[1]))
@@ -255,6 +266,6 @@ class RuntimePlanning:
     @functools.cached_property
     def decode_route(self) -> Route:
         """The planner's route of this Runtime's decode steps (fixed per config)."""
-        route = self._decode_route()
+        route = self._name_kv_format(self._decode_route())
         log.debug("decode steps (%s): %s: %s", "DCP" if self.decode_is_dcp else "head-TP", route.path, route.reason)
         return route

@@ -23,11 +23,13 @@ from typing import Any
 import torch
 
 from shardattn._checks import check_tensor
+from shardattn.ops.kv_fp8 import resolve_kv
 from shardattn.ops.prepared_union import PreparedUnion
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.shardq import shardq_prefill
+from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.routing import Route
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.zigzag import ShardPlan
@@ -100,13 +102,16 @@ def check_prefill_inputs(
     block_table: torch.Tensor | None,
     topk_length: torch.Tensor | None,
     tokens_from: str,
+    kv_format: str | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """Check one rank's prefill arguments under the names :meth:`Runtime.prefill
     <shardattn.runtime.runtime.Runtime.prefill>` gives them (the plan's step decides which are
     needed), and convert int64 / list indices to int32 (:func:`~shardattn.runtime.args.as_index`).
 
     ``tokens_from`` says where the step's token count came from, for the message (``"query_lens
-    sums to"``). Returns ``{"kv_cache", "rows", "topk_pos", "kv_new", "block_table", "topk_length"}``.
+    sums to"``). ``kv_format``: the format ``kv_cache`` / ``kv_new`` must hold (``None``: rows in
+    q's dtype, or ``fp8_ds_mla`` rows by their uint8 dtype; a paged FP8 cache is returned as its
+    rows). Returns ``{"kv_cache", "rows", "topk_pos", "kv_new", "block_table", "topk_length"}``.
     """
     world = spec.num_heads // heads_per_rank
     if plan.step == "pcp":
@@ -139,12 +144,17 @@ def check_prefill_inputs(
             q, tokens=plan.num_tokens, heads=heads_per_rank, head_dim=spec.head_dim, tokens_from=tokens_from,
             heads_from=f"this rank's {heads_per_rank} heads (H/W: {spec.num_heads} heads over {world} ranks)",
         )  # fmt: skip
-    if kv_cache is not None:
+    fp8 = kv_format == KV_FP8_DS_MLA or (kv_format is None and kv_cache is not None and kv_cache.dtype == torch.uint8)
+    if kv_cache is not None and (fp8 or kv_format is not None):  # a declared format, or fp8_ds_mla rows
+        kv_cache, _ = resolve_kv("kv_cache", kv_cache, head_dim=spec.head_dim, v_dim=spec.v_dim, kv_format=kv_format)
+    elif kv_cache is not None:
         check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
         if kv_cache.shape[1] != spec.head_dim:
             raise ValueError(
                 f"kv_cache must have last dim {spec.head_dim} (the model's head_dim), got shape {list(kv_cache.shape)}"
             )
+    if kv_new is not None and kv_format is not None:  # the step checks the rest (its rows, q's dtype)
+        resolve_kv("kv_new", kv_new, head_dim=spec.head_dim, v_dim=spec.v_dim, kv_format=kv_format)
     return {
         "kv_cache": kv_cache,
         "rows": as_index("rows", rows),

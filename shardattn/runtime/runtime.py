@@ -46,12 +46,14 @@ import torch
 
 from shardattn._checks import check_choice, check_int, check_scale
 from shardattn.ops.dispatch import gluon_runs_on
+from shardattn.ops.kv_fp8 import resolve_kv
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.hosts import exchange_node_layout
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.cost_route import resolve_cost_model
 from shardattn.plan.decode_batch import DecodeBatch
+from shardattn.plan.kv_format import KV_FP8_DS_MLA, kv_format_name, kv_row_bytes
 from shardattn.plan.routing import Route
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.runtime.decode import DecodeStep
@@ -101,6 +103,14 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         decode_options: DCP interleave, draft causality, whether decode returns the LSE
             (:class:`~shardattn.runtime.options.DecodeOptions`).
         warmup: launch every kernel variant now (default True).
+        kv_dtype: the KV cache's row format (:data:`~shardattn.plan.kv_format.KV_FORMATS`):
+            ``None`` (default) = rows in q's dtype (the workspace sized for the spec's);
+            ``"fp8_ds_mla"`` (sparse-MLA DSA models; the Gluon kernels need bf16 queries): every
+            step reads 656-byte FP8 rows (:mod:`shardattn.ops.kv_fp8`; DCP shards, PCP's gathered
+            rows and prefix cache, ShardQ's and head-TP's cache all in that format, flat or paged
+            ``[pages, page_size, 656]``), the workspace is sized for them and the warm-up compiles
+            the FP8 kernel variants. A step's cache in another format is a ``ValueError`` naming
+            it and the format. A property of the cache, so of both prefill and decode steps.
         host_id: this rank's host identity (default: host name and boot id,
             :func:`~shardattn.parallel.hosts.host_identity`); ranks with equal ids share a host.
             Construction exchanges them once (:attr:`nodes`), and the cost model prices ShardQ /
@@ -128,6 +138,7 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         prefill_options: PrefillOptions | None = None,
         decode_options: DecodeOptions | None = None,
         warmup: bool = True,
+        kv_dtype: str | None = None,
         host_id: str | None = None,
     ) -> None:
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
@@ -160,6 +171,12 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         if self.comm.backend == "nccl" and self.device.type != "cuda":
             raise ValueError(f"device must be a CUDA device for an nccl group, got {self.device}")
         self.dtype: torch.dtype = getattr(torch, self.spec.dtype)
+        self.kv_format = kv_format_name("kv_dtype", self.spec.dtype if kv_dtype is None else kv_dtype)
+        self._kv_declared = None if kv_dtype is None else self.kv_format  # None: rows in any float dtype, q's
+        if self.kv_format == KV_FP8_DS_MLA and self.spec.kind != "sparse_mla":
+            raise ValueError(f"kv_dtype={KV_FP8_DS_MLA!r} holds sparse-MLA rows; the spec is a {self.spec.kind} model")
+        if self.spec.kind == "sparse_mla":
+            kv_row_bytes(self.kv_format, self.spec.head_dim, self.spec.v_dim)  # fp8_ds_mla: DSA dims only
         self.topk = self.spec.topk if topk is None else check_int("topk", topk, minimum=1)
         rows = self.prefill_options.max_kv_rows
         self.max_kv_rows = self.max_batched_tokens * 16 if rows is None else rows
@@ -179,6 +196,7 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
             min_shard_tokens=self.prefill_options.min_shard_tokens,
             topk=self.topk,
             headtp_tokens=self.max_batched_tokens if self.cost_model is not None else None,
+            kv_dtype=self.kv_format,
         )
         self.bounds = self.ws.bounds
         self.workspace = self.ws.buffers  # reserved once, never reallocated: {"prefill.union": ..., ...}
@@ -377,6 +395,17 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
                 self, str(dtype).replace("torch.", ""), self.spec.dtype, str(dtype).replace("torch.", ""),
             )  # fmt: skip
 
+    def kv_rows(self, name: str, kv: torch.Tensor) -> torch.Tensor:
+        """``kv`` checked against this Runtime's KV format (``kv_dtype``; without one, rows of any
+        float dtype or ``fp8_ds_mla`` rows by their dtype), as ``[R, row]`` rows (a paged FP8 cache as
+        a flat view).
+
+        Raises:
+            ValueError / TypeError: naming ``name`` and the format.
+        """
+        rows, _ = resolve_kv(name, kv, head_dim=self.spec.head_dim, v_dim=self.spec.v_dim, kv_format=self._kv_declared)
+        return rows
+
     @functools.cached_property
     def decode_step(self) -> DecodeStep:
         """The decode step of this config (:class:`~shardattn.runtime.decode.DecodeStep`)."""
@@ -391,6 +420,7 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
             scale=self.scale,
             return_lse=self.decode_options.return_lse,
             causal=self.causal,
+            kv_rows=self.kv_rows if self.spec.kind == "sparse_mla" else None,
         )
 
     def decode(

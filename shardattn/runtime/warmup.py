@@ -41,6 +41,7 @@ from shardattn.ops.topk import DcpShard
 from shardattn.ops.union import UNION_METHOD
 from shardattn.parallel.gqa_prefill import head_tp_kv_heads
 from shardattn.plan.context import DCPLayout
+from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.routing import Route, gluon_grouped_group_size, prefill_group_size
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.decode_warmup import warm_up_decode
@@ -59,6 +60,7 @@ class PrefillSpec:
         group_size: ``group_size`` the runtime passes (None = :func:`default_group_size`).
         sinks: runtime calls pass sinks. topk_length: runtime calls pass ``topk_length``.
         seq_lens, dcp: flags of the runtime's :func:`convert_topk` calls.
+        kv_fp8: the KV rows are ``fp8_ds_mla`` (the kernels' FP8 variants).
     """
 
     heads: int
@@ -71,6 +73,7 @@ class PrefillSpec:
     topk_length: bool = False
     seq_lens: bool = True
     dcp: bool = False
+    kv_fp8: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
         if gluon_route(spec, group):
             cfg = gluon_config(spec.heads, spec.v_dim, spec.rope_dim, group)
             params = {"config": cfg.label, "G": group, "HAS_SINK": spec.sinks, "dtype": spec.dtype}
+            params["KV_FP8"] = spec.kv_fp8
             keys.append(CompileKey("gluon_attention", params))
         tile = tile_config(spec.heads, group)
         keys.append(
@@ -130,6 +134,7 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
                     "num_warps": tile.num_warps,
                     "num_stages": tile.num_stages,
                     "dtype": spec.dtype,
+                    "KV_FP8": spec.kv_fp8,
                 },
             )
         )
@@ -146,6 +151,7 @@ def gluon_route(spec: PrefillSpec, group_size: int = 1) -> bool:
     from shardattn.plan.routing import route_prefill_kernel
 
     dims_ok = (spec.v_dim, spec.rope_dim) == (512, 64) and spec.dtype in (torch.bfloat16, torch.float16)
+    dims_ok = dims_ok and (not spec.kv_fp8 or spec.dtype == torch.bfloat16)  # FP8 rows dequantise to bf16
     if not gluon_available() or not dims_ok:
         return False
     return route_prefill_kernel(spec.heads, sm=90, group_size=group_size).path == "gluon"
@@ -165,6 +171,7 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
     Returns:
         The number of kernel launches made (one per key).
     """
+    from shardattn.ops.kv_fp8 import quantize_kv
     from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
     from shardattn.ops.topk import DcpShard, convert_topk
     from shardattn.ops.union import build_union
@@ -187,6 +194,8 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
         d = spec.v_dim + spec.rope_dim
         q = torch.randn(t, spec.heads, d, generator=gen).to(device=device, dtype=spec.dtype)
         kv = torch.randn(64, d, generator=gen).to(device=device, dtype=spec.dtype)
+        if spec.kv_fp8:
+            kv = quantize_kv(kv)
         length = torch.full((t,), k, dtype=torch.int32, device=device) if spec.topk_length else None
         for group in spec_group_sizes(spec):
             sparse_mla_grouped_prefill(
@@ -218,6 +227,7 @@ class RuntimeWarmup:
     world_size: int
     rank: int
     max_decode_tokens: int
+    kv_format: str
     scale: float
     decode_options: DecodeOptions
     ws: RuntimeWorkspace
@@ -251,6 +261,7 @@ class RuntimeWarmup:
                 group_size=prefill_group_size(h, gluon=self.gluon) or 1,
                 sinks=self.spec.has_sinks,
                 topk_length=with_len,
+                kv_fp8=self.kv_format == KV_FP8_DS_MLA,
             )
             for h in sorted(heads)
             for with_len in (False, True)
@@ -267,6 +278,7 @@ class RuntimeWarmup:
             group_size=route.group_size,
             sinks=self.spec.has_sinks,
             topk_length=topk_length,
+            kv_fp8=self.kv_format == KV_FP8_DS_MLA,
         )
         return {k for k in compile_keys(spec) if k.kernel == "convert_topk" or k.params.get("G") == route.group_size}
 
@@ -318,4 +330,5 @@ class RuntimeWarmup:
             dcp=DcpShard(self.world_size, self.layout.interleave, self.rank) if dcp else None,
             need_lse=self.decode_options.return_lse or dcp,
             gqa_backend=GQA_BACKEND[self.decode_route.path],
+            kv_fp8=self.kv_format == KV_FP8_DS_MLA,
         )

@@ -91,8 +91,10 @@ class RuntimeWorkspace:
         min_shard_tokens: int,
         topk: int,
         headtp_tokens: int | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         self.spec, self.mode, self.world_size = spec, mode, world_size
+        self.kv_dtype = kv_dtype  # the KV row format the bounds are sized for (None: spec.dtype)
         self.dtype: torch.dtype = getattr(torch, spec.dtype)  # the dtype the bounds are sized for
         self.max_batched_tokens, self.max_decode_tokens = max_batched_tokens, max_decode_tokens
         self.min_shard_tokens, self.topk = min_shard_tokens, topk
@@ -167,7 +169,9 @@ class RuntimeWorkspace:
         need: dict[str, int] = {}
         k = topk if self.spec.kind == "sparse_mla" else 0
         ws_mode, m, w, tp = self._case(kind, step, tokens)
-        bounds = workspace_bounds(self.spec, max_batched_tokens=m, world_size=w, mode=ws_mode, tp_size=tp, topk=k)
+        bounds = workspace_bounds(
+            self.spec, max_batched_tokens=m, world_size=w, mode=ws_mode, tp_size=tp, topk=k, kv_dtype=self.kv_dtype
+        )
         carved = () if (self.spec.kind == "gqa" and kind == "prefill") else STEP_ITEMS.get((kind, step))
         for name, nbytes in bounds.items.items():
             if nbytes and (carved is None or name in carved):

@@ -198,7 +198,7 @@ class RankActor:
         if any(starts):  # chunked prefill: the cached prefix lives on every rank's shard
             kv_full = torch.cat(self.cache.gather_full(table, lens, self.comm))
         else:
-            kv_full = shared["kv"][0].to(self.device)
+            kv_full = self.cache.as_stored(shared["kv"][0].to(self.device))
         topk = shared["topk"]
         lens_t = torch.tensor(lens, dtype=torch.int64)
         first = torch.cumsum(lens_t, 0) - lens_t
@@ -228,7 +228,7 @@ class RankActor:
         dev = self.device
         plan = self.runtime.plan_prefill(counts, starts)
         ids = plan.tokens_of(self.rank)
-        kv_new = shared["kv"][0].index_select(0, ids).to(dev)
+        kv_new = self.cache.as_stored(shared["kv"][0].index_select(0, ids).to(dev))
         topk = shared["topk"].index_select(0, ids).to(dev)
         kv_cache, block_table = self._prefix_pages(table, starts) if any(starts) else (None, None)
         out, lse = self.runtime.prefill(

@@ -1,12 +1,13 @@
 """One rank's shard of a pool's paged KV cache: resident tensors, writes, and prefix gathers.
 
 The cache is allocated once (:class:`RankKVCache`), ``[num_pages, page_size, *row]`` per
-component: sparse MLA has one component, the latent row ``[D]``; GQA has two, K ``[Hkv, D]`` and
-V ``[Hkv, Dv]``. Which rank holds a token, and at which local index, is the planner's
-:class:`~shardattn.plan.DCPLayout` (a replicated cache uses ``DCPLayout(1)``: every rank holds
-every token at its global position). Page ids come from the driver's
-:class:`~shardattn.plan.kv_pages.PagedKVBook` and are the same on every rank, so one block table
-``[B, M]`` int32 (local positions) addresses every rank's shard.
+component: sparse MLA has one component, the latent row ``[D]`` (or, resident in FP8, its
+656-byte ``fp8_ds_mla`` row: uint8 ``[656]``, new rows quantised as they are stored,
+:func:`~shardattn.ops.kv_fp8.write_kv`); GQA has two, K ``[Hkv, D]`` and V ``[Hkv, Dv]``. Which
+rank holds a token, and at which local index, is the planner's :class:`~shardattn.plan.DCPLayout`
+(a replicated cache uses ``DCPLayout(1)``: every rank holds every token at its global position).
+Page ids come from the driver's :class:`~shardattn.plan.kv_pages.PagedKVBook` and are the same on
+every rank, so one block table ``[B, M]`` int32 (local positions) addresses every rank's shard.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shardattn.ops.kv_fp8 import quantize_kv, write_kv
 from shardattn.parallel.comm import Comm
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.kv_pages import KVCacheConfig
@@ -106,6 +108,13 @@ class RankKVCache:
         """Component ``i`` as ``[num_pages * page_size, *row]`` (page ``p`` is rows ``p*P .. (p+1)*P``)."""
         return self.pages[i].view(-1, *self.row_specs[i][0])
 
+    def as_stored(self, rows: torch.Tensor, i: int = 0) -> torch.Tensor:
+        """New rows of component ``i`` as the cache stores them: themselves, or their ``fp8_ds_mla``
+        rows (:func:`~shardattn.ops.kv_fp8.quantize_kv`, the bytes :meth:`write` stores)."""
+        if self.pages[i].dtype == torch.uint8 and rows.dtype != torch.uint8:
+            return quantize_kv(rows)
+        return rows
+
     def _slots(self, pos: torch.Tensor, req: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The positions this rank owns (a mask over ``pos``) and their flat cache rows."""
         owned = self.layout.owner(pos) == self.rank if self.layout.world_size > 1 else torch.ones_like(pos, dtype=bool)
@@ -121,7 +130,8 @@ class RankKVCache:
         Args:
             table: ``[B, M]`` int32 block table of the step's requests (on the host).
             starts, counts: ``[B]`` host ints (cached tokens before the step, new tokens).
-            rows: per component ``[sum(counts), *row]``, request-major, token order.
+            rows: per component ``[sum(counts), *row]``, request-major, token order (a component
+                resident as ``fp8_ds_mla`` rows takes the model's ``[n, 576]`` rows and quantises them).
         """
         pos, req = request_positions(starts, counts)
         if pos.numel() == 0:
@@ -131,7 +141,11 @@ class RankKVCache:
         dst = flat_rows[owned].to(self.device)
         src_idx = src_idx.to(self.device)
         for i, new in enumerate(rows):
-            self.flat(i).index_copy_(0, dst, new.to(self.device).index_select(0, src_idx))
+            mine = new.to(self.device).index_select(0, src_idx)
+            if self.pages[i].dtype == torch.uint8 and mine.dtype != torch.uint8:  # fp8_ds_mla, quantised here
+                write_kv(self.pages[i], dst, mine)
+            else:
+                self.flat(i).index_copy_(0, dst, mine)
 
     def gather_full(self, table: torch.Tensor, lens: Sequence[int], comm: Comm, i: int = 0) -> list[torch.Tensor]:
         """Tokens ``[0, lens[b])`` of every request ``b``, in global order, on every rank.

@@ -217,7 +217,7 @@ class RayRankPool(RequestSteps):
             raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
         self.shapes = pool_shapes(spec, self.mode, self._runtime_kwargs)
         self.cache_config, self._cache_spec = plan_rank_cache(
-            spec.page_size, self.shapes.kv_rows, DECODE_STEP[self.mode] == "dcp", self.world_size,
+            spec.page_size, self.shapes.cache_rows, DECODE_STEP[self.mode] == "dcp", self.world_size,
             dcp_interleave(self._runtime_kwargs), max_requests, max_seq_len, num_pages,
             self._memory_limit,
         )  # fmt: skip

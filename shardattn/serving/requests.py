@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from shardattn._checks import check_tensor
+from shardattn.plan.kv_format import FP8_DS_MLA_ROW_BYTES, KV_FP8_DS_MLA, kv_format_name
 from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.args import as_index
@@ -122,6 +123,9 @@ class PoolShapes:
     prefill_attention: bool
     max_prefill_tokens: int
     max_decode_tokens: int
+    #: the resident cache's components: ``kv_rows`` as given, or ``((656,), uint8)`` for a sparse-MLA
+    #: pool whose Runtimes take ``kv_dtype="fp8_ds_mla"`` (new rows are quantised as they are stored)
+    cache_rows: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
 
 
 def dcp_interleave(runtime_kwargs: dict[str, Any]) -> int:
@@ -141,11 +145,17 @@ def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> P
         rows: tuple = (((spec.head_dim,), dtype),)
     else:
         rows = (((spec.num_kv_heads, spec.head_dim), dtype), ((spec.num_kv_heads, spec.v_dim), dtype))
+    cache_rows = rows
+    if runtime_kwargs.get("kv_dtype") is not None:
+        fmt = kv_format_name("runtime_kwargs['kv_dtype']", runtime_kwargs["kv_dtype"])
+        if fmt == KV_FP8_DS_MLA:  # the Runtime refuses it for other models, naming the spec
+            cache_rows = (((FP8_DS_MLA_ROW_BYTES,), torch.uint8),) if spec.kind == "sparse_mla" else rows
     return PoolShapes(
         kind=spec.kind,
         heads=spec.num_heads,
         head_dim=spec.head_dim,
         kv_rows=rows,
+        cache_rows=cache_rows,
         dtype=dtype,
         topk=int(runtime_kwargs.get("topk") or spec.topk),
         prefill_attention=spec.kind == "sparse_mla" and mode != "dcp-decode",

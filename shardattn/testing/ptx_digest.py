@@ -89,6 +89,8 @@ def _triton_ptx(
     from triton.compiler import ASTSource
 
     fn = _attr(module, kernel)
+    # constexprs not named keep their defaults (a kernel's newer variants, off by default)
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     signature: dict[str, str] = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -124,15 +126,15 @@ _TRITON_SPLIT_ROWS = "shardattn.kernels.triton.split_rows"
 _BF16_ATTN = {"Q": "*bf16", "KV": "*bf16", "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": "*bf16"}
 
 
-def _gluon_prefill(heads: int, group_size: int = 1, *, sinks: bool = False, dtype: str = "bf16") -> str:
+def _gluon_prefill(heads: int, group_size: int = 1, *, sinks: bool = False, dtype: str = "bf16", **fp8: bool) -> str:
     compile_kernel = _attr(_GLUON_PREFILL, "compile_kernel_for_sm90")
-    return compile_kernel("prefill", heads, group_size, sinks=sinks, dtype=dtype).asm["ptx"]
+    return compile_kernel("prefill", heads, group_size, sinks=sinks, dtype=dtype, **fp8).asm["ptx"]
 
 
-def _gluon_decode(*, raw_rows: bool, sinks: bool = False) -> str:
+def _gluon_decode(*, raw_rows: bool, sinks: bool = False, **fp8: bool) -> str:
     config = _attr(_GLUON_DECODE, "gluon_decode_config")(128)
     compile_kernel = _attr(_GLUON_PREFILL, "compile_kernel_for_sm90")
-    return compile_kernel("prefill", 128, 1, sinks=sinks, config=config, raw_rows=raw_rows).asm["ptx"]
+    return compile_kernel("prefill", 128, 1, sinks=sinks, config=config, raw_rows=raw_rows, **fp8).asm["ptx"]
 
 
 def _gluon_small(block_n: int, heads_per_program: int, *, split: bool = True, **flags: bool) -> str:
@@ -144,18 +146,22 @@ def _gluon_union(group_size: int, num_kv_rows: int) -> str:
     return _attr(_GLUON_UNION, "compile_for_sm90")(group_size, 2048, num_kv_rows).asm["ptx"]
 
 
-def _triton_prefill(heads: int, group_size: int, *, sinks: bool = False) -> str:
+def _triton_prefill(heads: int, group_size: int, *, sinks: bool = False, kv_fp8: bool = False) -> str:
     tile = _attr(_TRITON_PREFILL, "tile_config")(heads, group_size)
     constexprs = {"G": group_size, "BLOCK_H": tile.block_h, "BLOCK_N": tile.block_n, "D_V": 512, "D_R": 64,
                   "HAS_SINK": sinks, "IEEE": False}  # fmt: skip
+    pointers = {**_BF16_ATTN, "LSE": "*fp32"}
+    if kv_fp8:  # fp8_ds_mla rows: uint8 (the variant is new: bf16's arguments stay as they were)
+        pointers["KV"], constexprs["KV_FP8"] = "*u8", True
     return _triton_ptx(
-        _TRITON_PREFILL, "_sparse_mla_fwd_kernel", {**_BF16_ATTN, "LSE": "*fp32"}, constexprs,
+        _TRITON_PREFILL, "_sparse_mla_fwd_kernel", pointers, constexprs,
         floats=("qk_scale",), num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
 
 
-def _triton_decode(tokens: int, heads: int) -> str:
-    cfg = _attr(_TRITON_DECODE_CONFIG, "sparse_mla_decode_config")(tokens, heads, 2048, 132)
+def _triton_decode(tokens: int, heads: int, *, kv_fp8: bool = False) -> str:
+    config = _attr(_TRITON_DECODE_CONFIG, "sparse_mla_decode_config")
+    cfg = config(tokens, heads, 2048, 132, kv_fp8=True) if kv_fp8 else config(tokens, heads, 2048, 132)
     split = cfg["num_splits"] > 1
     partial = "*fp32" if split else "*bf16"
     pointers = {"Q": "*bf16", "KV": "*bf16", "Rows": "*i32", "TopkLen": "*i32", "Sinks": "*bf16", "Out": partial,
@@ -163,6 +169,8 @@ def _triton_decode(tokens: int, heads: int) -> str:
     constexprs = {"DV": 512, "DR": 64, "BLOCK_DV": 512, "BLOCK_DR": 64, "BLOCK_H": cfg["BLOCK_H"],
                   "BLOCK_N": cfg["BLOCK_N"], "HAS_TOPK_LEN": False, "HAS_SINKS": False, "HAS_ROPE": True,
                   "IEEE": False, "PDL": True}  # fmt: skip
+    if kv_fp8:
+        pointers["KV"], constexprs["KV_FP8"] = "*u8", True
     return _triton_ptx(
         _TRITON_DECODE, "_sparse_mla_decode_kernel", pointers, constexprs, floats=("qk_scale",),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=True,
@@ -259,6 +267,16 @@ VARIANTS: dict[str, Callable[[], str]] = {
     "triton.decode.t1.h16": lambda: _triton_decode(1, 16),
     "triton.decode.t8.h128": lambda: _triton_decode(8, 128),
     "triton.decode.t64.h128": lambda: _triton_decode(64, 128),
+    # the sparse-MLA kernels on fp8_ds_mla KV rows (dequantised in the kernel before the bf16 multiplies)
+    "gluon.prefill.h128.fp8": lambda: _gluon_prefill(128, kv_fp8=True),
+    "gluon.grouped.g8.h8.fp8": lambda: _gluon_prefill(8, 8, kv_fp8=True),
+    "gluon.decode.raw_rows.fp8": lambda: _gluon_decode(raw_rows=True, kv_fp8=True),
+    "gluon.small.b64.h16.fp8": lambda: _gluon_small(64, 16, kv_fp8=True),
+    "gluon.small.b128.h8.fp8": lambda: _gluon_small(128, 8, kv_fp8=True),
+    "triton.prefill.g1.h128.fp8": lambda: _triton_prefill(128, 1, kv_fp8=True),
+    "triton.prefill.g8.h8.fp8": lambda: _triton_prefill(8, 8, sinks=True, kv_fp8=True),
+    "triton.decode.t1.h16.fp8": lambda: _triton_decode(1, 16, kv_fp8=True),
+    "triton.decode.t64.h16.fp8": lambda: _triton_decode(64, 16, kv_fp8=True),
     # Triton LSE merges (rows; columns at 128 and at the small kernel's 64 columns on one warp)
     "triton.merge.rows": lambda: _triton_merge("_lse_merge_kernel", {"BLOCK_R": 8, "BLOCK_D": 512, "PDL": True}, 4),
     "triton.merge.columns": lambda: _triton_merge(

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
+from shardattn.plan.kv_format import KV_FP8_DS_MLA, kv_format_name
 from shardattn.plan.spec import ModelSpec
 from shardattn.serving.requests import DecodeRequest, PrefillRequest
 
@@ -76,6 +78,9 @@ class ServingMirror:
         spec: the pool's model spec. topk: the pool's top-k width (sparse MLA). seed: the generator's.
         sinks: ``[H]`` fp32 sink logits (the pool's), or ``None``.
         scale: the pool's softmax scale (default: the spec's ``softmax_scale``).
+        kv_dtype: the pool's resident cache format (``runtime_kwargs["kv_dtype"]``): with
+            ``"fp8_ds_mla"`` the reference reads every row as the pool stores it (quantised, then
+            dequantised exactly: :mod:`shardattn.ops.kv_fp8`).
     """
 
     def __init__(
@@ -86,8 +91,10 @@ class ServingMirror:
         seed: int = 0,
         sinks: torch.Tensor | None = None,
         scale: float | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         self.spec = spec
+        self.kv_fp8 = kv_dtype is not None and kv_format_name("kv_dtype", kv_dtype) == KV_FP8_DS_MLA
         self.sinks = sinks
         self.topk = spec.topk if topk is None else topk
         self.dtype = getattr(torch, spec.dtype)
@@ -164,6 +171,8 @@ class ServingMirror:
         dev = torch.device(device)
         if s.kind == "sparse_mla":
             kv = req.kv[0].to(dev)
+            if self.kv_fp8:  # the rows as the pool stores them (row by row, so a cache of them is these)
+                kv = dequantize_kv(quantize_kv(kv), torch.float32)
             pos_all = request.topk_pos.to(dev, torch.int64)  # type: ignore[union-attr]
             outs, lses = [], []
             for t0 in range(0, n, chunk):

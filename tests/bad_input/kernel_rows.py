@@ -49,6 +49,18 @@ def _sparse(fn: Callable[..., Any], **over: Any) -> Callable[[Any], Call]:
     return build
 
 
+def _dsa_q(_x: Any) -> torch.Tensor:
+    """DSA-width queries for the ``fp8_ds_mla`` rows (3 tokens, 2 heads, 576 dims)."""
+    return torch.randn(3, 2, 576, generator=torch.Generator().manual_seed(5))
+
+
+def _fp8_cache(n: int) -> torch.Tensor:
+    """``n`` ``fp8_ds_mla`` rows."""
+    from shardattn.ops.kv_fp8 import quantize_kv
+
+    return quantize_kv(torch.randn(n, 576, generator=torch.Generator().manual_seed(6)))
+
+
 SPARSE_ENTRIES = [
     ("sparse_mla_attention", mla_mod.sparse_mla_attention),
     ("sparse_mla_grouped_prefill", grouped_mod.sparse_mla_grouped_prefill),
@@ -119,6 +131,47 @@ def _sparse_rows() -> list[Row]:
                 f"{name}-no-tokens",
                 _sparse(fn, q=lambda x: x["q"][:0], rows=lambda x: x["rows"][:0]),
                 Gives(lambda res: None if res[0].shape == (0, 2, 32) and res[1].shape == (0, 2) else "shape"),
+            ),
+            # fp8_ds_mla KV rows: the format's width, dtype, dims and page layout, named with the format
+            Row(
+                f"{name}-fp8-kv-width",
+                _sparse(fn, q=_dsa_q, v_dim=512, kv=lambda x: torch.zeros(8, 650, dtype=torch.uint8)),
+                Raises(ValueError, r"^kv must be uint8 \[rows, 656\] .*\(fp8_ds_mla rows\), got uint8 \[8, 650\]"),
+            ),
+            Row(
+                f"{name}-fp8-declared-bf16-given",
+                _sparse(fn, q=_dsa_q, v_dim=512, kv=lambda x: torch.zeros(8, 576), kv_format="fp8_ds_mla"),
+                Raises(ValueError, r"^kv must be uint8 \[rows, 656\].*\(fp8_ds_mla rows\), got float32 \[8, 576\]"),
+            ),
+            Row(
+                f"{name}-fp8-given-bf16-declared",
+                _sparse(fn, q=_dsa_q, v_dim=512, kv=lambda x: _fp8_cache(8), kv_format="bf16"),
+                Raises(ValueError, r"^kv must be bfloat16 \[rows, 576\] \(bfloat16 KV rows\), got uint8"),
+            ),
+            Row(
+                f"{name}-fp8-kv-format-unknown",
+                _sparse(fn, q=_dsa_q, v_dim=512, kv=lambda x: _fp8_cache(8), kv_format="int4"),
+                Raises(ValueError, r"^kv_format must be one of bfloat16, float16, float32, fp8_ds_mla"),
+            ),
+            Row(
+                f"{name}-fp8-not-dsa-dims",
+                _sparse(fn, kv=lambda x: _fp8_cache(8)),
+                Raises(ValueError, r"^kv holds fp8_ds_mla rows .*the query must have 576 dims and v_dim 512, got 48"),
+            ),
+            Row(
+                f"{name}-fp8-typed-view",
+                _sparse(fn, q=_dsa_q, v_dim=512, kv=lambda x: _fp8_cache(8).view(torch.float8_e4m3fn)),
+                Raises(ValueError, r"^kv must be uint8 .*an fp8-typed view: pass \.view\(torch\.uint8\)"),
+            ),
+            Row(
+                f"{name}-fp8-padded-pages",
+                _sparse(fn, q=_dsa_q, v_dim=512, kv=lambda x: _fp8_cache(12).view(3, 4, 656)[:, :2]),
+                Raises(ValueError, r"^kv's pages must follow one another"),
+            ),
+            Row(
+                f"{name}-fp8-paged-equals-flat",
+                _sparse(fn, q=_dsa_q, v_dim=512, kv=lambda x: _fp8_cache(12).view(3, 4, 656)),
+                Gives(same_as(lambda fn=fn: fn(_dsa_q(None), _fp8_cache(12), mla()["rows"], scale=0.125, v_dim=512))),
             ),
         ]
     rows += [

@@ -191,7 +191,7 @@ KERNELS = [
     ("shardattn.ops.sparse_mla_decode", "build_union"),
     ("shardattn.ops.gqa_decode", "sparse_mla_reference"),
     ("shardattn.ops.gqa_decode", "gqa_paged_decode_reference"),
-    ("shardattn.ops.gqa_decode", "_run_triton"),
+    ("shardattn.ops.gqa_decode", "run_triton"),
     ("shardattn.ops.lse_merge", "lse_merge_reference"),
     ("shardattn.ops.lse_merge", "launch_lse_merge"),
     ("shardattn.ops.topk", "convert_topk_reference"),
@@ -210,8 +210,8 @@ def spy_kernels() -> Iterator[list[str]]:
     saved = []
     for mod_name, attr in KERNELS:
         mod = importlib.import_module(mod_name)
-        if not hasattr(mod, attr):
-            continue
+        if not hasattr(mod, attr):  # a renamed launcher must not drop out of the watch silently
+            raise AttributeError(f"bad-input spy: {mod_name} has no {attr}; update KERNELS")
         orig = getattr(mod, attr)
 
         def wrapper(*a: Any, _orig: Any = orig, _name: str = f"{mod_name}.{attr}", **k: Any) -> Any:

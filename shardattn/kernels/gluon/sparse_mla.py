@@ -38,6 +38,11 @@ KINDS = ("prefill",)
 #: Registers per thread of each consumer warpgroup (the fewest spills found in the compiled
 #: kernel); the producer, the default partition, gets what they leave of ``3 * WS_MAXNREG``.
 CONSUMER_REGS = 224
+#: Consumer registers on ``fp8_ds_mla`` rows: the producer dequantises through registers and needs
+#: more than the 56 that 224 leave it (WG0 gives it
+#: :data:`~shardattn.kernels.gluon.sparse_mla_kernel.FP8_PRODUCER_REGS` more again: 200 / 216 /
+#: 88); the consumers compile without spills at 216 and 200 (ptxas report, sm_90a).
+FP8_CONSUMER_REGS = 216
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,8 @@ def gluon_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> s
     """``None`` when the Gluon kernel runs these tensors, else the reason it does not.
 
     ``q``: ``[T, H, D]`` or head-blocked ``[B, T, H/B, D]`` (every stride but the last is checked
-    for the 16-byte alignment cp.async needs); ``kv``: ``[R, D]``.
+    for the 16-byte alignment cp.async needs); ``kv``: ``[R, D]``, or ``[R, 656]`` uint8
+    ``fp8_ds_mla`` rows with a bf16 ``q``.
     """
     why = gluon_unavailable_reason()
     if why is not None:
@@ -113,6 +119,8 @@ def gluon_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> s
         return f"compute capability {major}.x (the Gluon kernel is written for sm_90 wgmma)"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (the Gluon kernel takes bf16/fp16)"
+    if kv.dtype == torch.uint8 and q.dtype != torch.bfloat16:
+        return f"fp8_ds_mla rows with q in {q.dtype} (the Gluon kernels dequantise them to bf16)"
     d_r = q.shape[-1] - v_dim
     if (v_dim, d_r) != (512, 64):
         return f"head dims {v_dim} + {d_r} (the Gluon kernel is built and checked for DSA's 512 + 64)"
@@ -179,8 +187,9 @@ def launch_gluon_attention(
     elif cfg.heads_fastest:  # 1-D grid, a query's head blocks adjacent
         grid = (grid[0] * grid[1],)
     fn, constexprs, options = _kernel_args(
-        cfg, group_size, v_dim, d - v_dim, sinks is not None, raw_rows=raw_rows, has_lens=lens is not None
-    )
+        cfg, group_size, v_dim, d - v_dim, sinks is not None, raw_rows=raw_rows, has_lens=lens is not None,
+        kv_fp8=kv.dtype == torch.uint8,
+    )  # fmt: skip
     sink_arg = sinks if sinks is not None else lse
     lens_arg = lens if lens is not None else union
     fn[grid](
@@ -199,15 +208,17 @@ def _kernel_args(
     *,
     raw_rows: bool = False,
     has_lens: bool = True,
+    kv_fp8: bool = False,
 ):
     """``(kernel, constexpr arguments, launch options)`` of a configuration (the launcher's and the
-    AOT compile's)."""
+    AOT compile's); ``kv_fp8``: ``fp8_ds_mla`` KV rows (the producer dequantises them)."""
     from shardattn.kernels.gluon.sparse_mla_kernel import ws64_kernel
 
     constexprs = {
-        "D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks, "CONSUMER_REGS": CONSUMER_REGS,
+        "D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks,
+        "CONSUMER_REGS": FP8_CONSUMER_REGS if kv_fp8 else CONSUMER_REGS,
         "HEADS_FASTEST": cfg.heads_fastest, "EARLY_KV": cfg.early_kv, "G": group_size, "RAW_ROWS": raw_rows,
-        "PERSISTENT": cfg.persistent, "HAS_LENS": has_lens or not raw_rows,
+        "PERSISTENT": cfg.persistent, "HAS_LENS": has_lens or not raw_rows, "KV_FP8": kv_fp8,
     }  # fmt: skip
     return ws64_kernel(), constexprs, {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
 
@@ -223,6 +234,7 @@ def compile_for_sm90(
     dtype: str = "bf16",
     config: GluonConfig | None = None,
     raw_rows: bool = False,
+    kv_fp8: bool = False,
 ):
     """Compile a Gluon kernel variant for sm_90 ahead of time (no GPU needed); returns its PTX.
 
@@ -233,7 +245,8 @@ def compile_for_sm90(
         group_size: queries per tile, ``1`` (per-query) or ``2 / 4 / 8`` (grouped: the union's
             packed entries and membership masks).
         config: the options (default :func:`gluon_config`'s); raw_rows: the raw-row mode (rows
-            masked per entry, as decode launches it).
+            masked per entry, as decode launches it); kv_fp8: ``fp8_ds_mla`` KV rows (uint8,
+            dequantised by the producer; ``dtype`` bf16).
     Returns:
         The PTX text of the compiled kernel.
     Raises:
@@ -242,7 +255,7 @@ def compile_for_sm90(
     """
     return compile_kernel_for_sm90(
         kind, heads, group_size, v_dim=v_dim, rope_dim=rope_dim, sinks=sinks, dtype=dtype, config=config,
-        raw_rows=raw_rows,
+        raw_rows=raw_rows, kv_fp8=kv_fp8,
     ).asm["ptx"]  # fmt: skip
 
 
@@ -257,6 +270,7 @@ def compile_kernel_for_sm90(
     dtype: str = "bf16",
     config: GluonConfig | None = None,
     raw_rows: bool = False,
+    kv_fp8: bool = False,
 ):
     """As :func:`compile_for_sm90`, returning Triton's compiled kernel (``asm``, ``metadata``)."""
     if kind not in KINDS:
@@ -277,7 +291,8 @@ def compile_kernel_for_sm90(
 
     ptr = f"*{dtype}"
     signature = {
-        "Q": ptr, "KV": ptr, "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": ptr, "LSE": "*fp32",
+        "Q": ptr, "KV": "*u8" if kv_fp8 else ptr, "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": ptr,
+        "LSE": "*fp32",
         "T": "i32", "H": "i32", "HB": "i32",
         "stride_qb": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kvr": "i32",
         "stride_ug": "i32",
@@ -285,7 +300,7 @@ def compile_kernel_for_sm90(
         "stride_lb": "i32", "stride_lt": "i32", "stride_lh": "i32",
         "qk_scale": "fp32", "R": "i32", "K": "i32",
     }  # fmt: skip
-    fn, constexprs, options = _kernel_args(cfg, group_size, v_dim, rope_dim, sinks, raw_rows=raw_rows)
+    fn, constexprs, options = _kernel_args(cfg, group_size, v_dim, rope_dim, sinks, raw_rows=raw_rows, kv_fp8=kv_fp8)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     # what the launcher's specialisation sees at run time: 16-byte aligned pointers and strides
     # (except the arguments it never specialises)
@@ -298,6 +313,7 @@ def compile_kernel_for_sm90(
 __all__ = [
     "BLOCK_H",
     "CONSUMER_REGS",
+    "FP8_CONSUMER_REGS",
     "GROUPED_CONFIG",
     "GluonConfig",
     "compile_for_sm90",

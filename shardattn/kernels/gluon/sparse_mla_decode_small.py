@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from shardattn.kernels.gluon.compat import HAS_GLUON
+from shardattn.kernels.triton.kv_fp8_read import ROPE_OFFSET, SCALE_OFFSET
 from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns, split_partials
 from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
 from shardattn.plan.routing import SMALL_DECODE_MAX_SPLITS, small_decode_heads, small_decode_tiles
@@ -140,6 +141,10 @@ if HAS_GLUON:
         warpgroup_mma_wait,
     )
 
+    # byte offsets of the scales and the rope values in an fp8_ds_mla row (shardattn.ops.kv_fp8)
+    FP8_SCALE_OFFSET = gl.constexpr(SCALE_OFFSET)
+    FP8_ROPE_OFFSET = gl.constexpr(ROPE_OFFSET)
+
     @gluon.constexpr_function
     def _acc_layout(heads: int, warps: int):
         """The ``wgmma`` accumulator with ``heads`` as N and rows / value columns as M, split over
@@ -151,6 +156,37 @@ if HAS_GLUON:
         """``[rows, cols]`` bf16 / fp16 loads of 16 B a thread, a warp across ``min(cols, 256)`` columns."""
         across = min(32, cols // 8)
         return gl.BlockedLayout([1, 8], [32 // across, across], [warps, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _latent_layout(cols: int, warps: int, kv_fp8: bool):
+        """The layout of one latent chunk ``[rows, cols]`` as it is read: 16 bytes a thread, 8 bf16 /
+        fp16 values (:func:`_gather_layout`) or 16 fp8 codes (8 threads across 128 columns)."""
+        if kv_fp8:
+            return gl.BlockedLayout([1, 16], [32 // (cols // 16), cols // 16], [warps, 1], [1, 0])
+        return _gather_layout(cols, warps)
+
+    @gluon.jit
+    def _fp8_chunk(KV, r, is_key, stride_kvr, c: gl.constexpr, CW: gl.constexpr, layout: gl.constexpr):
+        """Latent chunk ``c`` (``CW`` = 128 codes, one scale tile) of the ``fp8_ds_mla`` rows ``r``:
+        ``(codes [rows, CW] fp8, scale [rows] fp32)``, loaded into registers (16 bytes a thread);
+        entries that are no key read 0."""
+        cols = gl.arange(0, CW, layout=gl.SliceLayout(0, layout))
+        row = KV + r.to(gl.int64) * stride_kvr
+        codes = gl.load((row[:, None] + c * CW + cols[None, :]).to(gl.pointer_type(gl.float8e4nv)),
+                        mask=is_key[:, None], other=0.0)  # fmt: skip
+        scale = gl.load((row + FP8_SCALE_OFFSET + 4 * c).to(gl.pointer_type(gl.float32)), mask=is_key, other=0.0)
+        return codes, scale
+
+    @gluon.jit
+    def _fp8_chunk_qk(k_nope, q_nope, codes, scale, s, c: gl.constexpr, CW: gl.constexpr):
+        """Chunk ``c``'s latent values (``dtype(fp32(code) * scale)``) into its columns of ``k_nope``
+        (the swizzled ``wgmma`` operand), fenced for the async proxy and synchronised across the
+        program, then its part of ``S^T = K Q^T`` issued (async) into ``s``."""
+        chunk = k_nope.slice(c * CW, CW, dim=1)
+        chunk.store((codes.to(gl.float32) * scale[:, None]).to(k_nope.dtype))
+        fence_async_shared()
+        cta_barrier()
+        return warpgroup_mma(chunk, q_nope.slice(c * CW, CW, dim=1).permute((1, 0)), s, is_async=True)
 
     @gluon.jit
     def _p_operand(dtype: gl.constexpr, BLOCK_N: gl.constexpr, HP: gl.constexpr):
@@ -187,9 +223,14 @@ if HAS_GLUON:
                             stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, qk_scale,
                             HP: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr,
                             EVEN_K: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_SINKS: gl.constexpr,
-                            PDL: gl.constexpr, NCHUNK: gl.constexpr, W: gl.constexpr):  # fmt: skip
+                            PDL: gl.constexpr, NCHUNK: gl.constexpr, W: gl.constexpr,
+                            KV_FP8: gl.constexpr = False):  # fmt: skip
         """One (token, split, group of ``HG`` heads): gather, ``S^T = K Q^T``, softmax per head,
-        ``O^T = V^T P^T``, store. ``HP``: the ``wgmma`` N the group is padded to (8 or 16)."""
+        ``O^T = V^T P^T``, store. ``HP``: the ``wgmma`` N the group is padded to (8 or 16).
+        ``KV_FP8``: ``KV`` holds ``fp8_ds_mla`` rows (uint8, ``stride_kvr`` bytes), dequantised
+        into ``k_nope`` chunk by chunk (module docstring)."""
+        gl.static_assert(not KV_FP8 or (DV == 512 and DR == 64 and NCHUNK == 4),
+                         "fp8_ds_mla rows: 512 latent columns in 4 chunks of one scale tile each, 64 rope")  # fmt: skip
         if PDL:  # the grid before this one (a union build, an indexer) wrote q / rows: wait for it
             grid_dependency("griddepcontrol.wait")
         tok = gl.program_id(0)
@@ -212,7 +253,7 @@ if HAS_GLUON:
         # split's indices are read once per layout that uses them (256-512 B, cached after the first)
         # rather than moved between layouts through shared memory
         cw: gl.constexpr = DV // NCHUNK
-        gather_c: gl.constexpr = _gather_layout(cw, W)
+        gather_c: gl.constexpr = _latent_layout(cw, W, KV_FP8)
         r_c, key_c = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
                               gl.SliceLayout(1, gather_c))  # fmt: skip
         r_r, key_r = _entries(Rows, TopkLen, tok, split, stride_rt, stride_rk, K, R, BLOCK_N, EVEN_K, HAS_TOPK_LEN,
@@ -226,26 +267,48 @@ if HAS_GLUON:
         h_r = gl.arange(0, HP, layout=gl.SliceLayout(1, gather_r))
         async_load(q_nope, q_base + h_v[:, None] * stride_qh + cols_v[None, :], mask=(h_v < n_h)[:, None])
         async_load(q_rope, q_base + h_r[:, None] * stride_qh + DV + cols_r[None, :], mask=(h_r < n_h)[:, None])
-        async_load(k_rope, KV + r_r.to(gl.int64)[:, None] * stride_kvr + DV + cols_r[None, :], mask=key_r[:, None])
-        cp.commit_group()
-        cols_c = gl.arange(0, cw, layout=gl.SliceLayout(0, gather_c))
-        row_c = KV + r_c.to(gl.int64)[:, None] * stride_kvr + cols_c[None, :]
-        for c in gl.static_range(NCHUNK):
-            async_load(k_nope.slice(c * cw, cw, dim=1), row_c + c * cw, mask=key_c[:, None])
+        if KV_FP8:
+            # the rope columns (bf16 at byte 528) with Q as one cp.async group; every latent code and
+            # scale of the split into registers, 16 bytes a thread, issued at once
+            fp8_row = KV + r_r.to(gl.int64)[:, None] * stride_kvr + FP8_ROPE_OFFSET
+            async_load(k_rope, fp8_row.to(gl.pointer_type(dtype)) + cols_r[None, :], mask=key_r[:, None])
             cp.commit_group()
-
-        # S^T [BLOCK_N, HP] = K Q^T (rows as wgmma M, heads as N), chunk by chunk as the groups land
-        cp.wait_group(NCHUNK)
-        fence_async_shared()
-        cta_barrier()
-        s = warpgroup_mma(k_rope, q_rope.permute((1, 0)), gl.zeros([BLOCK_N, HP], gl.float32, s_layout),
-                          use_acc=False, is_async=True)  # fmt: skip
-        for c in gl.static_range(NCHUNK):
-            cp.wait_group(NCHUNK - 1 - c)
+            codes0, scale0 = _fp8_chunk(KV, r_c, key_c, stride_kvr, 0, cw, gather_c)
+            codes1, scale1 = _fp8_chunk(KV, r_c, key_c, stride_kvr, 1, cw, gather_c)
+            codes2, scale2 = _fp8_chunk(KV, r_c, key_c, stride_kvr, 2, cw, gather_c)
+            codes3, scale3 = _fp8_chunk(KV, r_c, key_c, stride_kvr, 3, cw, gather_c)
+            cp.wait_group(0)
             fence_async_shared()
             cta_barrier()
-            s = warpgroup_mma(k_nope.slice(c * cw, cw, dim=1), q_nope.slice(c * cw, cw, dim=1).permute((1, 0)), s,
-                              is_async=True)  # fmt: skip
+            s = warpgroup_mma(k_rope, q_rope.permute((1, 0)), gl.zeros([BLOCK_N, HP], gl.float32, s_layout),
+                              use_acc=False, is_async=True)  # fmt: skip
+            # each chunk dequantised into k_nope, then its Q.K^T (which runs while the next is converted)
+            s = _fp8_chunk_qk(k_nope, q_nope, codes0, scale0, s, 0, cw)
+            s = _fp8_chunk_qk(k_nope, q_nope, codes1, scale1, s, 1, cw)
+            s = _fp8_chunk_qk(k_nope, q_nope, codes2, scale2, s, 2, cw)
+            s = _fp8_chunk_qk(k_nope, q_nope, codes3, scale3, s, 3, cw)
+        else:
+            async_load(k_rope, KV + r_r.to(gl.int64)[:, None] * stride_kvr + DV + cols_r[None, :],
+                       mask=key_r[:, None])  # fmt: skip
+            cp.commit_group()
+            cols_c = gl.arange(0, cw, layout=gl.SliceLayout(0, gather_c))
+            row_c = KV + r_c.to(gl.int64)[:, None] * stride_kvr + cols_c[None, :]
+            for c in gl.static_range(NCHUNK):
+                async_load(k_nope.slice(c * cw, cw, dim=1), row_c + c * cw, mask=key_c[:, None])
+                cp.commit_group()
+
+            # S^T [BLOCK_N, HP] = K Q^T (rows as wgmma M, heads as N), chunk by chunk as the groups land
+            cp.wait_group(NCHUNK)
+            fence_async_shared()
+            cta_barrier()
+            s = warpgroup_mma(k_rope, q_rope.permute((1, 0)), gl.zeros([BLOCK_N, HP], gl.float32, s_layout),
+                              use_acc=False, is_async=True)  # fmt: skip
+            for c in gl.static_range(NCHUNK):
+                cp.wait_group(NCHUNK - 1 - c)
+                fence_async_shared()
+                cta_barrier()
+                s = warpgroup_mma(k_nope.slice(c * cw, cw, dim=1), q_nope.slice(c * cw, cw, dim=1).permute((1, 0)),
+                                  s, is_async=True)  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         # the softmax down each head
         s = gl.where(key_s[:, None], s * qk_scale, float("-inf"))
@@ -329,7 +392,7 @@ def launch_small_split(
         float(scale) * LOG2E,
         HP=_padded_heads(group), BLOCK_N=block_n, DV=v_dim, DR=d - v_dim, EVEN_K=rows.shape[1] % block_n == 0,
         HAS_TOPK_LEN=topk_length is not None, HAS_SINKS=sinks is not None, PDL=pdl,
-        NCHUNK=chunks, W=warps, num_warps=warps, launch_pdl=pdl,
+        NCHUNK=chunks, W=warps, KV_FP8=kv.dtype == torch.uint8, num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -383,11 +446,13 @@ def compile_for_sm90(
     chunks: int = LATENT_CHUNKS,
     warps: int | None = None,
     heads_per_program: int = MAX_HEADS,
+    kv_fp8: bool = False,
 ):
     """Compile the split kernel for sm_90 ahead of time (no GPU needed); returns Triton's compiled
     kernel (``asm["ptx"]``, ``metadata``). ``split``: fp32 partials (else the one-split output in
     ``dtype``); ``even_k``: a top-k that is a multiple of ``block_n``; ``warps``: None for
-    :func:`small_decode_warps`; ``heads_per_program``: 8 or fewer compiles the 8-wide ``wgmma``.
+    :func:`small_decode_warps`; ``heads_per_program``: 8 or fewer compiles the 8-wide ``wgmma``;
+    ``kv_fp8``: ``fp8_ds_mla`` rows (uint8; ``dtype`` bf16).
     Raises RuntimeError without Gluon, ValueError for ``warps`` or ``heads_per_program`` out of range."""
     from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR, compile_sm90
 
@@ -400,11 +465,12 @@ def compile_for_sm90(
              "stride_rt", "stride_rk", "K", "R", "H", "HG", "stride_os", "stride_ot", "stride_oh",
              "stride_ls", "stride_lt", "stride_lh", "qk_scale"]  # fmt: skip
     out_t = "*fp32" if split else f"*{dtype}"
-    types = [f"*{dtype}", f"*{dtype}", "*i32", "*i32", "*fp32", out_t, "*fp32"] + ["i32"] * 15 + ["fp32"]
+    kv_t = "*u8" if kv_fp8 else f"*{dtype}"
+    types = [f"*{dtype}", kv_t, "*i32", "*i32", "*fp32", out_t, "*fp32"] + ["i32"] * 15 + ["fp32"]
     signature = dict(zip(names, types, strict=True))
     constexprs = {"HP": _padded_heads(group), "BLOCK_N": block_n, "DV": 512, "DR": 64, "EVEN_K": even_k,
                   "HAS_TOPK_LEN": topk_length, "HAS_SINKS": sinks, "PDL": True, "NCHUNK": chunks,
-                  "W": warps}  # fmt: skip
+                  "W": warps, "KV_FP8": kv_fp8}  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     aligned = ("Q", "KV", "Rows", "Out", "stride_qt", "stride_qh", "stride_kvr", "stride_rt", "K", "stride_os",
                "stride_ot", "stride_oh")  # fmt: skip

@@ -81,8 +81,14 @@ if HAS_GLUON:
 NOT_SPECIALIZED = ["T", "HB", "stride_lb", "stride_lt", "R", "K"]
 #: Keys per block.
 BLOCK_N = 64
+#: Registers consumer WG0 gives the producer when the producer dequantises ``fp8_ds_mla`` rows
+#: through registers (:data:`~shardattn.kernels.gluon.sparse_mla.FP8_CONSUMER_REGS`: WG0 200,
+#: WG1 216, the producer 88 instead of 56: no spills under Triton 3.6's code, where 80 spilled
+#: 44 bytes; the sm_90 compile test reads ptxas's spill report).
+FP8_PRODUCER_REGS = 16
 
 if HAS_GLUON:
+    _FP8_PRODUCER_REGS = gl.constexpr(FP8_PRODUCER_REGS)
 
     @gluon.jit
     def _tile_len(LENS, K, g, RAW_ROWS: gl.constexpr, HAS_LENS: gl.constexpr):
@@ -156,18 +162,18 @@ if HAS_GLUON:
     @gluon.jit
     def _load(args, out_args, pctx, D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
               EARLY_KV: gl.constexpr, G: gl.constexpr, RAW_ROWS: gl.constexpr, PERSISTENT: gl.constexpr,
-              HAS_LENS: gl.constexpr, HEADS_FASTEST: gl.constexpr):  # fmt: skip
+              HAS_LENS: gl.constexpr, HEADS_FASTEST: gl.constexpr, KV_FP8: gl.constexpr):  # fmt: skip
         if PERSISTENT:
             (_U, _L, _s, _K, _ng, _nhb, q_free, first, step, n_tiles) = pctx
             c0 = first * 0
             j = first * 0
             for tile in range(first, n_tiles, step):
                 t_args, _t_out, n_pairs = _retile(args, out_args, pctx, tile, G, RAW_ROWS, HAS_LENS, HEADS_FASTEST)
-                _producer(t_args, D_V, D_R, True, G, RAW_ROWS, True, c0, j, q_free)
+                _producer(t_args, D_V, D_R, True, G, RAW_ROWS, True, c0, j, q_free, KV_FP8)
                 c0 += n_pairs
                 j += 1
         else:
-            _producer(args, D_V, D_R, EARLY_KV, G, RAW_ROWS, False, 0, 0, pctx[6])
+            _producer(args, D_V, D_R, EARLY_KV, G, RAW_ROWS, False, 0, 0, pctx[6], KV_FP8)
 
     @gluon.jit(do_not_specialize=NOT_SPECIALIZED)
     def _sparse_mla_gluon_ws64_fwd(
@@ -179,7 +185,7 @@ if HAS_GLUON:
         D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HEADS_FASTEST: gl.constexpr, EARLY_KV: gl.constexpr,
         G: gl.constexpr = 1, RAW_ROWS: gl.constexpr = False, HAS_LENS: gl.constexpr = True,
-        PERSISTENT: gl.constexpr = False,
+        PERSISTENT: gl.constexpr = False, KV_FP8: gl.constexpr = False,
     ):  # fmt: skip
         dtype: gl.constexpr = Q.dtype.element_ty
         HALF: gl.constexpr = D_V // 2
@@ -240,17 +246,21 @@ if HAS_GLUON:
         # the producer is the default partition (it gets what the consumers leave of the kernel's
         # registers): the default partition also holds the values of the code above, and a consumer
         # there spilled (measured on an H200)
+        if KV_FP8:  # the producer dequantises through registers: consumer WG0 leaves it more
+            wg0_regs: gl.constexpr = CONSUMER_REGS - _FP8_PRODUCER_REGS
+        else:
+            wg0_regs: gl.constexpr = CONSUMER_REGS
         gl.warp_specialize(
             [
                 (_load, (args, out_args, pctx, D_V, D_R, HAS_SINK, EARLY_KV, G, RAW_ROWS, PERSISTENT, HAS_LENS,
-                         HEADS_FASTEST)),
+                         HEADS_FASTEST, KV_FP8)),
                 (_wg, (args, out_args, pctx, 0, D_V, D_R, HAS_SINK, EARLY_KV, G, RAW_ROWS, PERSISTENT, HAS_LENS,
                        HEADS_FASTEST)),
                 (_wg, (args, out_args, pctx, 1, D_V, D_R, HAS_SINK, EARLY_KV, G, RAW_ROWS, PERSISTENT, HAS_LENS,
                        HEADS_FASTEST)),
             ],
             [4, 4],
-            [CONSUMER_REGS, CONSUMER_REGS],
+            [wg0_regs, CONSUMER_REGS],
         )  # fmt: skip
 
 

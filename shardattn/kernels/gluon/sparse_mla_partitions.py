@@ -13,6 +13,7 @@ mbarrier's phase, so a program may run several tiles back to back.
 from __future__ import annotations
 
 from shardattn.kernels.gluon.compat import HAS_GLUON
+from shardattn.kernels.triton.kv_fp8_read import ROPE_OFFSET, SCALE_OFFSET, TILE
 
 if HAS_GLUON:
     from shardattn.kernels.gluon.compat import async_load as _async_load
@@ -28,6 +29,10 @@ if HAS_GLUON:
     from shardattn.kernels.gluon.sparse_mla_epilogue import _tile_rows
 
 if HAS_GLUON:
+    # the fp8_ds_mla row layout (shardattn.ops.kv_fp8): latent tile width, byte offsets of scales and rope
+    FP8_TILE = gl.constexpr(TILE)
+    FP8_SCALE_OFFSET = gl.constexpr(SCALE_OFFSET)
+    FP8_ROPE_OFFSET = gl.constexpr(ROPE_OFFSET)
     # ready / free barrier of each half: block 0 left / right, block 1 left / right
     _L0 = gl.constexpr(0)
     _R0 = gl.constexpr(1)
@@ -87,6 +92,69 @@ if HAS_GLUON:
         _async_load(dst, ptr, mask=(rows >= 0)[:, None])
 
     @gluon.jit
+    def _dequant_64(dst, KV, rows, stride_kvr, col: gl.constexpr, lay: gl.constexpr):
+        """``fp8_ds_mla`` latent columns ``[col, col + 64)`` of ``kv[rows]`` (uint8 rows of
+        ``stride_kvr`` bytes) into ``dst [64, 64]``: 8 codes a thread (8-byte loads) times their
+        tile's fp32 scale, in ``dst``'s dtype, stored 16 bytes a thread (rows < 0 read 0)."""
+        d = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+        row = KV + rows.to(gl.int64) * stride_kvr
+        ok = rows >= 0
+        scale = gl.load((row + FP8_SCALE_OFFSET + 4 * (col // FP8_TILE)).to(gl.pointer_type(gl.float32)), mask=ok,
+                        other=0.0)  # fmt: skip
+        codes = gl.load((row[:, None] + col + d[None, :]).to(gl.pointer_type(gl.float8e4nv)), mask=ok[:, None],
+                        other=0.0)  # fmt: skip
+        dst.store((codes.to(gl.float32) * scale[:, None]).to(dst.dtype))
+
+    @gluon.jit
+    def _dequant_fp8(dst, KV, rows, stride_kvr, col0: gl.constexpr, lay: gl.constexpr):
+        """``fp8_ds_mla`` latent columns ``[col0, col0 + 256)`` of ``kv[rows]`` into ``dst [64, 256]``
+        through registers, 64 columns at a time (:func:`_dequant_64`). Generic-proxy stores: the
+        caller fences them before a ``wgmma`` reads them."""
+        _dequant_64(dst.slice(0, 64, dim=1), KV, rows, stride_kvr, col0, lay)
+        _dequant_64(dst.slice(64, 64, dim=1), KV, rows, stride_kvr, col0 + 64, lay)
+        _dequant_64(dst.slice(128, 64, dim=1), KV, rows, stride_kvr, col0 + 128, lay)
+        _dequant_64(dst.slice(192, 64, dim=1), KV, rows, stride_kvr, col0 + 192, lay)
+
+    @gluon.jit
+    def _fill_fp8(k_half, k_rope, KV, rows, stride_kvr, ready, col0: gl.constexpr, ROPE: gl.constexpr,
+                  lay: gl.constexpr):  # fmt: skip
+        """One half of a key block from ``fp8_ds_mla`` rows: with ``ROPE`` (a right half) the rope
+        columns by cp.async first (each thread's copies counted by ``ready`` as they land), then the
+        latent columns dequantised through registers (:func:`_dequant_fp8`), fenced for the async
+        proxy; ``ready`` (128 arrivals) completes once every producer thread's stores are fenced
+        and its copies landed."""
+        _dequant_fp8(k_half, KV, rows, stride_kvr, col0, lay)
+        if ROPE:
+            d = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+            rope_row = (KV + rows.to(gl.int64) * stride_kvr + FP8_ROPE_OFFSET).to(gl.pointer_type(k_rope.dtype))
+            _async_load(k_rope, rope_row[:, None] + d[None, :], mask=(rows >= 0)[:, None])
+            cp.mbarrier_arrive(ready, increment_count=True)
+        fence_async_shared()
+        mbarrier.arrive(ready, count=128)  # after the partition's barrier: one thread for all 128
+
+    @gluon.jit
+    def _fill_pair_fp8(args, r0, r1, i, ph, D_V: gl.constexpr, lay: gl.constexpr, G: gl.constexpr,
+                       RAW_ROWS: gl.constexpr):  # fmt: skip
+        """The producer's pair ``i`` from ``fp8_ds_mla`` rows (blocks 0 / 1 of rows ``r0`` / ``r1``):
+        the halves in the bf16 gathers' order (0L, 1R, 0R, 1L), each as its ``free`` barrier (phase
+        ``ph``) allows; returns the next pair's row ids, each loaded once its block's last half is
+        issued (three row sets live, not four: the dequantisation holds its codes in registers)."""
+        (KV, u_base, n_len, stride_kvr, _np, _q_l, _q_r, _q_rope, k_l, k_r, k_rope, _p1, _m_buf, _l_bufs, ready,
+         free, _m0_ready, _m1_ready, _p0_ready, _p1_ready, _l_ready, _qk_scale, _q_ready, _q_src, R) = args  # fmt: skip
+        HALF: gl.constexpr = D_V // 2
+        mbarrier.wait(free.index(_L0), ph)
+        _fill_fp8(k_l.index(0), k_rope.index(0), KV, r0, stride_kvr, ready.index(_L0), 0, False, lay)
+        mbarrier.wait(free.index(_R1), ph)
+        _fill_fp8(k_r.index(1), k_rope.index(1), KV, r1, stride_kvr, ready.index(_R1), HALF, True, lay)
+        mbarrier.wait(free.index(_R0), ph)
+        _fill_fp8(k_r.index(0), k_rope.index(0), KV, r0, stride_kvr, ready.index(_R0), HALF, True, lay)
+        r0_next = _block_rows(u_base, n_len, 2 * i + 2, lay, G, RAW_ROWS, R)
+        mbarrier.wait(free.index(_L1), ph)
+        _fill_fp8(k_l.index(1), k_rope.index(1), KV, r1, stride_kvr, ready.index(_L1), 0, False, lay)
+        r1_next = _block_rows(u_base, n_len, 2 * i + 3, lay, G, RAW_ROWS, R)
+        return r0_next, r1_next
+
+    @gluon.jit
     def _load_q(dst, Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, col0, WIDTH: gl.constexpr, G: gl.constexpr):
         """cp.async the tile's q columns ``[col0, col0 + WIDTH)`` (rows past H or T zero-filled)."""
         lay: gl.constexpr = _gather_layout()
@@ -109,7 +177,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _producer(args, D_V: gl.constexpr, D_R: gl.constexpr, EARLY_KV: gl.constexpr, G: gl.constexpr,
-                  RAW_ROWS: gl.constexpr, PERSISTENT: gl.constexpr, c0, j, q_free):  # fmt: skip
+                  RAW_ROWS: gl.constexpr, PERSISTENT: gl.constexpr, c0, j, q_free,
+                  KV_FP8: gl.constexpr = False):  # fmt: skip
         """The producer's work on one tile: its pairs are the program's pairs ``c0, c0 + 1, ...`` (the
         ring's phases run on across tiles); ``PERSISTENT``: the tile's Q (the ``j``-th of the program)
         is loaded after its first pair's gathers, once ``q_free`` says the last tile's epilogues are done
@@ -127,29 +196,33 @@ if HAS_GLUON:
         r1 = _block_rows(u_base, n_len, 1, lay, G, RAW_ROWS, R)
         for i in range(n_pairs):
             ph = ((c0 + i) & 1) ^ 1
-            # the next pair's row ids, loaded a pair ahead (their latency hides behind the copies)
-            r0_next = _block_rows(u_base, n_len, 2 * i + 2, lay, G, RAW_ROWS, R)
-            r1_next = _block_rows(u_base, n_len, 2 * i + 3, lay, G, RAW_ROWS, R)
-            mbarrier.wait(free.index(_L0), ph)
-            _gather(k_l.index(0), KV, r0, stride_kvr, 0, HALF, lay)
-            cp.mbarrier_arrive(ready.index(_L0), increment_count=False)
-            mbarrier.wait(free.index(_R1), ph)
-            _gather(k_r.index(1), KV, r1, stride_kvr, HALF, HALF, lay)
-            _gather(k_rope.index(1), KV, r1, stride_kvr, D_V, D_R, lay)
-            cp.mbarrier_arrive(ready.index(_R1), increment_count=False)
-            mbarrier.wait(free.index(_R0), ph)
-            _gather(k_r.index(0), KV, r0, stride_kvr, HALF, HALF, lay)
-            _gather(k_rope.index(0), KV, r0, stride_kvr, D_V, D_R, lay)
-            cp.mbarrier_arrive(ready.index(_R0), increment_count=False)
-            mbarrier.wait(free.index(_L1), ph)
-            _gather(k_l.index(1), KV, r1, stride_kvr, 0, HALF, lay)
-            cp.mbarrier_arrive(ready.index(_L1), increment_count=False)
+            if KV_FP8:  # the same halves in the same order, dequantised through registers
+                r0, r1 = _fill_pair_fp8(args, r0, r1, i, ph, D_V, lay, G, RAW_ROWS)
+            else:
+                # the next pair's row ids, loaded a pair ahead (their latency hides behind the copies)
+                r0_next = _block_rows(u_base, n_len, 2 * i + 2, lay, G, RAW_ROWS, R)
+                r1_next = _block_rows(u_base, n_len, 2 * i + 3, lay, G, RAW_ROWS, R)
+                mbarrier.wait(free.index(_L0), ph)
+                _gather(k_l.index(0), KV, r0, stride_kvr, 0, HALF, lay)
+                cp.mbarrier_arrive(ready.index(_L0), increment_count=False)
+                mbarrier.wait(free.index(_R1), ph)
+                _gather(k_r.index(1), KV, r1, stride_kvr, HALF, HALF, lay)
+                _gather(k_rope.index(1), KV, r1, stride_kvr, D_V, D_R, lay)
+                cp.mbarrier_arrive(ready.index(_R1), increment_count=False)
+                mbarrier.wait(free.index(_R0), ph)
+                _gather(k_r.index(0), KV, r0, stride_kvr, HALF, HALF, lay)
+                _gather(k_rope.index(0), KV, r0, stride_kvr, D_V, D_R, lay)
+                cp.mbarrier_arrive(ready.index(_R0), increment_count=False)
+                mbarrier.wait(free.index(_L1), ph)
+                _gather(k_l.index(1), KV, r1, stride_kvr, 0, HALF, lay)
+                cp.mbarrier_arrive(ready.index(_L1), increment_count=False)
             if PERSISTENT:
                 if (i == 0) & (j > 0):  # the first pair is in flight: now the tile's Q (once the last
                     mbarrier.wait(q_free, (j & 1) ^ 1)  # tile's epilogues, staged in Q, are done)
                     _load_tile_q(args, D_V, D_R, G)
-            r0 = r0_next
-            r1 = r1_next
+            if not KV_FP8:
+                r0 = r0_next
+                r1 = r1_next
         if PERSISTENT:
             if (n_pairs == 0) & (j > 0):  # an empty tile still takes its Q turn (the phases stay in step)
                 mbarrier.wait(q_free, (j & 1) ^ 1)

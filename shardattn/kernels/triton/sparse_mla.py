@@ -31,6 +31,7 @@ try:
     import triton.language as tl
 
     from shardattn.kernels.triton.online_softmax import online_softmax_finish, online_softmax_step
+    from shardattn.kernels.triton.sparse_mla_fp8 import fp8_prefill_loop, store_tiles
 except ImportError:  # the torch reference still works
     triton = None
 
@@ -94,10 +95,12 @@ if triton is not None:
         qk_scale,
         G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         D_V: tl.constexpr, D_R: tl.constexpr, HAS_SINK: tl.constexpr, IEEE: tl.constexpr,
+        KV_FP8: tl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: tl.constexpr = G * BLOCK_H
         tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows")
         tl.static_assert(G <= 8, "the membership byte holds 8 queries")
+        tl.static_assert(not KV_FP8 or (D_V == 512 and D_R == 64), "fp8_ds_mla rows hold 512 latent + 64 rope")
         PREC: tl.constexpr = "ieee" if IEEE else "tf32"
         g = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)
@@ -108,52 +111,72 @@ if triton is not None:
         row_ok = (t < T) & (h < H)
         hblk = h // HB  # head block (the source rank of a head-blocked q) and head within it
         hin = h % HB
-        dv = tl.arange(0, D_V)
-        dr = tl.arange(0, D_R)
-        q_base = Q + t[:, None] * stride_qt + hblk[:, None] * stride_qb + hin[:, None] * stride_qh
-        q_nope = tl.load(q_base + dv[None, :], mask=row_ok[:, None], other=0.0)
-        q_rope = tl.load(q_base + D_V + dr[None, :], mask=row_ok[:, None], other=0.0)
+        if KV_FP8:  # fp8_ds_mla rows (uint8, stride_kvr bytes), dequantised a scale tile at a time
+            q_base = Q + t[:, None] * stride_qt + hblk[:, None] * stride_qb + hin[:, None] * stride_qh
+            acc0, acc1, acc2, acc3, m_i, l_i = fp8_prefill_loop(
+                q_base, row_ok[:, None], KV, stride_kvr, UNION + g * stride_ug, tl.load(LENS + g), qj, qk_scale,
+                BLOCK_M, G, BLOCK_N, PREC,
+            )  # fmt: skip
+            if HAS_SINK:
+                sink = tl.load(SINKS + h, mask=h < H, other=0.0) * 1.4426950408889634
+                m_f = tl.maximum(m_i, sink)
+                alpha = tl.math.exp2(m_i - m_f)
+                l_i = l_i * alpha + tl.math.exp2(sink - m_f)
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+                m_i = m_f
+            o_base = OUT + t[:, None] * stride_ot + hblk[:, None] * stride_ob + hin[:, None] * stride_oh
+            lse = store_tiles(o_base, 1, row_ok[:, None], acc0, acc1, acc2, acc3, m_i, l_i)
+            tl.store(LSE + t * stride_lt + hblk * stride_lb + hin * stride_lh, lse, mask=row_ok)
+        else:
+            dv = tl.arange(0, D_V)
+            dr = tl.arange(0, D_R)
+            q_base = Q + t[:, None] * stride_qt + hblk[:, None] * stride_qb + hin[:, None] * stride_qh
+            q_nope = tl.load(q_base + dv[None, :], mask=row_ok[:, None], other=0.0)
+            q_rope = tl.load(q_base + D_V + dr[None, :], mask=row_ok[:, None], other=0.0)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D_V], tl.float32)
-        n_len = tl.load(LENS + g)
-        u_base = UNION + g * stride_ug
-        for n0 in range(0, n_len, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < n_len
-            e = tl.load(u_base + offs_n, mask=n_ok, other=0)
-            if G > 1:
-                kv_row = (e & 0xFFFFFF).to(tl.int64)
-            else:
-                kv_row = e.to(tl.int64)
-            kv_base = KV + kv_row[:, None] * stride_kvr
-            k_nope = tl.load(kv_base + dv[None, :], mask=n_ok[:, None], other=0.0)
-            k_rope = tl.load(kv_base + D_V + dr[None, :], mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PREC)
-            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PREC)
-            if G > 1:
-                bits = (e >> 24) & 0xFF
-                member = (((bits[None, :] >> qj[:, None]) & 1) != 0) & n_ok[None, :]
-            else:
-                member = (qj[:, None] >= 0) & n_ok[None, :]
-            s = tl.where(member, s * qk_scale, float("-inf"))
-            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(k_nope.dtype), k_nope, acc, input_precision=PREC)
-            m_i = m_new
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D_V], tl.float32)
+            n_len = tl.load(LENS + g)
+            u_base = UNION + g * stride_ug
+            for n0 in range(0, n_len, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < n_len
+                e = tl.load(u_base + offs_n, mask=n_ok, other=0)
+                if G > 1:
+                    kv_row = (e & 0xFFFFFF).to(tl.int64)
+                else:
+                    kv_row = e.to(tl.int64)
+                kv_base = KV + kv_row[:, None] * stride_kvr
+                k_nope = tl.load(kv_base + dv[None, :], mask=n_ok[:, None], other=0.0)
+                k_rope = tl.load(kv_base + D_V + dr[None, :], mask=n_ok[:, None], other=0.0)
+                s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PREC)
+                s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PREC)
+                if G > 1:
+                    bits = (e >> 24) & 0xFF
+                    member = (((bits[None, :] >> qj[:, None]) & 1) != 0) & n_ok[None, :]
+                else:
+                    member = (qj[:, None] >= 0) & n_ok[None, :]
+                s = tl.where(member, s * qk_scale, float("-inf"))
+                p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
+                acc = acc * alpha[:, None]
+                acc = tl.dot(p.to(k_nope.dtype), k_nope, acc, input_precision=PREC)
+                m_i = m_new
 
-        if HAS_SINK:
-            sink = tl.load(SINKS + h, mask=h < H, other=0.0) * 1.4426950408889634
-            m_f = tl.maximum(m_i, sink)
-            alpha = tl.math.exp2(m_i - m_f)
-            l_i = l_i * alpha + tl.math.exp2(sink - m_f)
-            acc = acc * alpha[:, None]
-            m_i = m_f
-        out, lse = online_softmax_finish(acc, m_i, l_i)
-        o_ptr = OUT + t[:, None] * stride_ot + hblk[:, None] * stride_ob + hin[:, None] * stride_oh + dv[None, :]
-        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE + t * stride_lt + hblk * stride_lb + hin * stride_lh, lse, mask=row_ok)
+            if HAS_SINK:
+                sink = tl.load(SINKS + h, mask=h < H, other=0.0) * 1.4426950408889634
+                m_f = tl.maximum(m_i, sink)
+                alpha = tl.math.exp2(m_i - m_f)
+                l_i = l_i * alpha + tl.math.exp2(sink - m_f)
+                acc = acc * alpha[:, None]
+                m_i = m_f
+            out, lse = online_softmax_finish(acc, m_i, l_i)
+            o_ptr = OUT + t[:, None] * stride_ot + hblk[:, None] * stride_ob + hin[:, None] * stride_oh + dv[None, :]
+            tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE + t * stride_lt + hblk * stride_lb + hin * stride_lh, lse, mask=row_ok)
 
 
 def attention_kernel():
@@ -226,7 +249,9 @@ def launch_attention(
     written in place with strides); otherwise ``[T, H, ...]``. Any strides, unit last-dim stride.
 
     Args:
-        q: ``[T, H, D]`` or ``[B, T, H/B, D]``; kv: ``[R, D]``; union: ``[ceil(T/G), W]`` int32;
+        q: ``[T, H, D]`` or ``[B, T, H/B, D]``; kv: ``[R, D]`` in q's dtype, or ``[R, 656]`` uint8
+            ``fp8_ds_mla`` rows (``D = 576``; dequantised in the kernel,
+            :mod:`~shardattn.kernels.triton.kv_fp8_read`); union: ``[ceil(T/G), W]`` int32;
             lens: ``[ceil(T/G)]``.
         config: :func:`tile_config` for ``(H, G)``.
         out / lse: optional destinations ``[T, H, v_dim]`` / ``[T, H]`` (or head-blocked
@@ -248,6 +273,7 @@ def launch_attention(
         scale * LOG2E,
         G=config.group_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None, IEEE=q.dtype == torch.float32,
+        KV_FP8=kv.dtype == torch.uint8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, lse

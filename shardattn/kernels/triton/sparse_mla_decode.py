@@ -30,6 +30,7 @@ from shardattn.kernels.triton.lse_merge import (
     split_partials,
 )
 from shardattn.kernels.triton.online_softmax import online_softmax_finish, online_softmax_step
+from shardattn.kernels.triton.sparse_mla_fp8 import fp8_decode_loop, store_tiles
 from shardattn.plan.crossovers import ONE_WAVE_MAX_BLOCK_N, ONE_WAVE_MAX_ROWS, ONE_WAVE_MAX_SPLITS
 from shardattn.plan.routing import Route, route_decode_merge
 
@@ -62,6 +63,7 @@ def sparse_mla_decode_config(
     head_dim: int = 576,
     v_dim: int = 512,
     elem_bytes: int = 2,
+    kv_fp8: bool = False,
 ) -> dict[str, int | str]:
     """Tile sizes, split count and rows per split for a launch (host-side, shape-only).
 
@@ -78,7 +80,7 @@ def sparse_mla_decode_config(
     SMs``), up to :data:`~shardattn.plan.crossovers.ONE_WAVE_MAX_SPLITS` at <= 32 heads (then 32-row
     tiles), else up to the cost model's count; at <= 16 heads a split of 64 or 128 rows is one
     tile of 8 warps (one gather, no second loop step). The thresholds are measured crossovers
-    (docs/PERFORMANCE.md).
+    (docs/PERFORMANCE.md). ``kv_fp8`` (``fp8_ds_mla`` rows): the same tiles and splits at 8 warps.
 
     Returns:
         ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge",
@@ -94,7 +96,10 @@ def sparse_mla_decode_config(
     """
     block_h = _block_h(num_heads)
     block_n = 64
-    num_warps = 8 if block_h >= 64 else 4
+    # fp8_ds_mla rows (kv_fp8): 8 warps at every tile; the dequantised latent beside the fp32
+    # accumulators spills at 4 (ptxas, sm_90a, 32 heads: 1.2 KB a thread, none at 8). The split
+    # count is the bf16 launch's.
+    num_warps = 8 if block_h >= 64 or kv_fp8 else 4
     programs = max(1, num_tokens * -(-num_heads // block_h))
     n_blocks = max(1, -(-topk // block_n))
     one_wave = False
@@ -201,8 +206,9 @@ def run_split_decode(
     v_dim = out.shape[-1]
     topk = rows.shape[1]
     cfg = sparse_mla_decode_config(
-        t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size()
-    )
+        t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size(),
+        kv_fp8=kv.dtype == torch.uint8,
+    )  # fmt: skip
     if config:
         want = num_splits if num_splits is not None else cfg["num_splits"]
         cfg = {**cfg, **config}
@@ -247,7 +253,9 @@ def launch_split_kernel(
     """Launch ``_sparse_mla_decode_kernel`` on validated tensors (no checks, no allocation, no sync).
 
     Args:
-        q ``[T, H, D]``, kv ``[R, D]``, rows ``[T, K]`` int32, topk_length ``[T]`` / sinks ``[H]`` or None.
+        q ``[T, H, D]``, kv ``[R, D]`` in q's dtype or ``[R, 656]`` uint8 ``fp8_ds_mla`` rows
+        (``D = 576``; dequantised in the kernel, :mod:`~shardattn.kernels.triton.sparse_mla_fp8`),
+        rows ``[T, K]`` int32, topk_length ``[T]`` / sinks ``[H]`` or None.
         dst_out ``[S, T, H, Dv]`` (fp32 or q's dtype) / dst_lse ``[S, T, H]`` fp32 partials
         (``out`` / ``lse_out`` when ``cfg["num_splits"] == 1``); out ``[T, H, Dv]``, lse_out
         ``[T, H]``: the result (written by the kernel only with one split; else by the merge).
@@ -318,6 +326,7 @@ def launch_split_kernel(
         HAS_ROPE=dr > 0,
         IEEE=q.dtype == torch.float32,
         PDL=pdl,
+        KV_FP8=kv.dtype == torch.uint8,
         num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 2),
         launch_pdl=pdl,
@@ -374,6 +383,7 @@ def _sparse_mla_decode_kernel(
     HAS_ROPE: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """One (head block, token, split): online softmax over rows ``[split*chunk, ...)`` of the top-k;
     with ``PDL`` it waits for the grid before it and lets the next one launch after its stores.
@@ -384,21 +394,93 @@ def _sparse_mla_decode_kernel(
     measured one (``tests/ptx_digests.json``); dropping them is a kernel change of its own.
     """
     tl.static_assert(BLOCK_H >= 16, "tl.dot needs at least 16 rows")
+    tl.static_assert(
+        not KV_FP8 or (DV == 512 and DR == 64 and BLOCK_DV == DV and BLOCK_DR == DR),
+        "fp8_ds_mla rows hold 512 latent + 64 rope",
+    )
     if PDL:  # the grid before this one (a union build, an indexer) wrote q / rows: wait for it
         gdc_wait()
     pid_h = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
+    if KV_FP8:  # fp8_ds_mla rows (uint8, stride_kvr bytes), dequantised a scale tile at a time
+        _fp8_partial(
+            Q, KV, Rows, TopkLen, Sinks, Out, Lse, tok, pid_h, split,
+            stride_qt, stride_qh, stride_qd, stride_kvr, stride_rt, stride_rk, stride_ot, stride_oh, stride_od,
+            stride_os, stride_lt, stride_lh, stride_ls, H, R, K, chunk, qk_scale,
+            BLOCK_H, BLOCK_N, HAS_TOPK_LEN, HAS_SINKS, IEEE,
+        )  # fmt: skip
+    else:
+        heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        offs_v = tl.arange(0, BLOCK_DV)
+        offs_r = tl.arange(0, BLOCK_DR)
+        vmask = offs_v < DV
+        rmask = offs_r < DR
+        q_base = Q + tok * stride_qt + heads[:, None] * stride_qh
+        q_nope = tl.load(q_base + offs_v[None, :] * stride_qd, mask=hmask[:, None] & vmask[None, :], other=0.0)
+        if HAS_ROPE:
+            q_pe = tl.load(q_base + (DV + offs_r[None, :]) * stride_qd, mask=hmask[:, None] & rmask[None, :], other=0.0)
+        k_len = K
+        if HAS_TOPK_LEN:
+            k_len = tl.minimum(tl.load(TopkLen + tok), K)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, k_len)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        if HAS_SINKS:
+            if split == 0:
+                m_i = tl.load(Sinks + heads, mask=hmask, other=0.0) * 1.4426950408889634
+                l_i = tl.zeros([BLOCK_H], tl.float32) + 1.0
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            nmask = offs_n < hi
+            r = tl.load(Rows + tok * stride_rt + offs_n * stride_rk, mask=nmask, other=-1)
+            valid = nmask & (r >= 0) & (r < R)
+            row_ptr = KV + tl.where(valid, r, 0).to(tl.int64)[:, None] * stride_kvr
+            k_nope = tl.load(row_ptr + offs_v[None, :] * stride_kvd, mask=valid[:, None] & vmask[None, :], other=0.0)
+            if IEEE:
+                s = tl.dot(q_nope, tl.trans(k_nope), input_precision="ieee")
+            else:
+                s = tl.dot(q_nope, tl.trans(k_nope))
+            if HAS_ROPE:
+                k_pe = tl.load(
+                    row_ptr + (DV + offs_r[None, :]) * stride_kvd, mask=valid[:, None] & rmask[None, :], other=0.0
+                )
+                if IEEE:
+                    s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+                else:
+                    s += tl.dot(q_pe, tl.trans(k_pe))
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
+            if IEEE:
+                pv = tl.dot(p.to(k_nope.dtype), k_nope, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(k_nope.dtype), k_nope)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        res, lse = online_softmax_finish(acc, m_i, l_i)
+        o_ptrs = Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
+        tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
+        tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)
+    if PDL:  # the partial is stored: the merge may launch (it waits for this grid to complete)
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _fp8_partial(
+    Q, KV, Rows, TopkLen, Sinks, Out, Lse, tok, pid_h, split,
+    stride_qt, stride_qh, stride_qd, stride_kvr, stride_rt, stride_rk, stride_ot, stride_oh, stride_od,
+    stride_os, stride_lt, stride_lh, stride_ls, H, R, K, chunk, qk_scale,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_SINKS: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """``_sparse_mla_decode_kernel``'s attention and partial for one (head block, token, split) on
+    ``fp8_ds_mla`` rows: the bf16 path's split bounds and sink start, the key loop a scale tile at a
+    time (:func:`~shardattn.kernels.triton.sparse_mla_fp8.fp8_decode_loop`), its stores."""
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    offs_v = tl.arange(0, BLOCK_DV)
-    offs_r = tl.arange(0, BLOCK_DR)
-    vmask = offs_v < DV
-    rmask = offs_r < DR
-    q_base = Q + tok * stride_qt + heads[:, None] * stride_qh
-    q_nope = tl.load(q_base + offs_v[None, :] * stride_qd, mask=hmask[:, None] & vmask[None, :], other=0.0)
-    if HAS_ROPE:
-        q_pe = tl.load(q_base + (DV + offs_r[None, :]) * stride_qd, mask=hmask[:, None] & rmask[None, :], other=0.0)
     k_len = K
     if HAS_TOPK_LEN:
         k_len = tl.minimum(tl.load(TopkLen + tok), K)
@@ -410,37 +492,10 @@ def _sparse_mla_decode_kernel(
         if split == 0:
             m_i = tl.load(Sinks + heads, mask=hmask, other=0.0) * 1.4426950408889634
             l_i = tl.zeros([BLOCK_H], tl.float32) + 1.0
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = offs_n < hi
-        r = tl.load(Rows + tok * stride_rt + offs_n * stride_rk, mask=nmask, other=-1)
-        valid = nmask & (r >= 0) & (r < R)
-        row_ptr = KV + tl.where(valid, r, 0).to(tl.int64)[:, None] * stride_kvr
-        k_nope = tl.load(row_ptr + offs_v[None, :] * stride_kvd, mask=valid[:, None] & vmask[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q_nope, tl.trans(k_nope), input_precision="ieee")
-        else:
-            s = tl.dot(q_nope, tl.trans(k_nope))
-        if HAS_ROPE:
-            k_pe = tl.load(
-                row_ptr + (DV + offs_r[None, :]) * stride_kvd, mask=valid[:, None] & rmask[None, :], other=0.0
-            )
-            if IEEE:
-                s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
-            else:
-                s += tl.dot(q_pe, tl.trans(k_pe))
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
-        if IEEE:
-            pv = tl.dot(p.to(k_nope.dtype), k_nope, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(k_nope.dtype), k_nope)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    res, lse = online_softmax_finish(acc, m_i, l_i)
-    o_ptrs = Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh + offs_v[None, :] * stride_od
-    tl.store(o_ptrs, res.to(Out.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
+    acc0, acc1, acc2, acc3, m_i, l_i = fp8_decode_loop(
+        Q + tok * stride_qt + heads[:, None] * stride_qh, stride_qd, hmask, KV, stride_kvr, Rows + tok * stride_rt,
+        stride_rk, lo, hi, R, m_i, l_i, qk_scale, BLOCK_H, BLOCK_N, "ieee" if IEEE else "tf32",
+    )  # fmt: skip
+    o_base = Out + split * stride_os + tok * stride_ot + heads[:, None] * stride_oh
+    lse = store_tiles(o_base, stride_od, hmask[:, None], acc0, acc1, acc2, acc3, m_i, l_i)
     tl.store(Lse + split * stride_ls + tok * stride_lt + heads * stride_lh, lse, mask=hmask)
-    if PDL:  # the partial is stored: the merge may launch (it waits for this grid to complete)
-        gdc_launch_dependents()
