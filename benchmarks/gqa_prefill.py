@@ -13,10 +13,14 @@ back-to-back calls, the median, after ``--warmup`` calls that include FA4's comp
 * ``runtime``: ``Runtime.prefill`` of a one-rank ``headtp`` Runtime with the same rank shapes, as an
   engine calls it: planned once (the plan reused by every call, as by an engine's layers), no LSE
   (``PrefillOptions(return_lse=False)``), the new keys already in the paged cache when there is a
-  prefix (``kv_new=None``: one paged call, FA4 direct's form), else given.
+  prefix (``kv_new=None``: one paged call, FA4 direct's form), else given. After the plan's first
+  call its FA4 calls launch FA4's compiled kernel directly where the fast launch's guard passes
+  (``shardattn.kernels.fa4_launch``; the printed route says whether it does, and each row how many
+  of its calls did).
 
 Each row also reports the host time of one call (``host ms``: wall time of issuing the timed calls,
-divided by their number): a row whose host time reaches its GPU time is host-bound.
+divided by their number): a row whose host time reaches its GPU time is host-bound. The target
+of the Runtime's step: ``runtime/fa4 <= 1.05`` at 4x8K and 16x2K, TP 1 and TP 8.
 
 Each row also checks the op against FA4 (largest difference of the outputs) and the step against
 the op (bit for bit). Records (``--json``, ``benchmarks/records.py``, benchmark ``gqa-prefill``):
@@ -188,6 +192,9 @@ def run_case(case: Case, args: argparse.Namespace, group: dist.ProcessGroup, tp:
     row["op_ms"], row["op_host_ms"] = median_ms(op, args.warmup, args.iters, cuda)
     row["step_ms"], row["step_host_ms"] = median_ms(step, args.warmup, args.iters, cuda)
     row["runtime_ms"], row["runtime_host_ms"] = median_ms(runtime, args.warmup, args.iters, cuda)
+    row["runtime_route"] = rt.gqa_prefill_route.reason
+    row["runtime_direct_launches"] = sum(f.fast_calls for f in plan.gqa.launches.forms)
+    row["runtime_calls"] = args.warmup + args.iters
     ok, why = fa4.fa4_supports(x["q"], x["k"])
     if ok:
         direct = fa4_direct(x, case, scale)
@@ -263,6 +270,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['case']} TP {r['tp']}: max |op - FA4| {r['op_vs_fa4_max_abs']:.2e}, "
                   f"FA4 {r['fa4_tflops']:.0f} TFLOP/s")  # fmt: skip
     print(f"routes: {sorted({(r['route'], r['route_reason']) for r in rows})}")
+    for why in sorted({r["runtime_route"] for r in rows}):
+        print(f"Runtime route: {why}")
+    for r in rows:
+        timed = [w for w in ("fa4", "op", "step", "runtime") if f"{w}_host_ms" in r]
+        host = ", ".join(f"{w} {r[f'{w}_host_ms']:.3f}" for w in timed)
+        print(f"{r['case']} TP {r['tp']}: host ms per call: {host}; Runtime calls launched directly: "
+              f"{r['runtime_direct_launches']} of {r['runtime_calls']}")  # fmt: skip
     records = records_of(rows, env)
     print_table(records, "GQA prefill")
     write_json(args.json, records)

@@ -22,7 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 BENCHMARKS = ("sparse_prefill", "union_build", "decode", "decode_dcp", "scaling", "ray_pool", "decode_fp8_peer",
-              "kv_fp8_write", "gqa_prefill", "soak_pool", "soak_runtime", "shm_roundtrip")  # fmt: skip
+              "kv_fp8_write", "gqa_prefill", "gqa_prefill_host", "soak_pool", "soak_runtime",
+              "shm_roundtrip")  # fmt: skip
 ENV = {"gpu": "CPU", "date": "2026-12-02", "commit": "abc1234", "command": "python benchmarks/x.py",
        "versions": {"torch": "2.13.0", "triton": "3.9.0"}}  # fmt: skip
 
@@ -242,3 +243,16 @@ def test_gqa_prefill_cpu_run_checks_the_step_and_records(tmp_path: Path) -> None
     assert len(recs) == 36 and {r["metric"] for r in recs} == {"op ms", "head-TP step ms", "Runtime.prefill ms", *host}
     assert {r["config"]["case"] for r in recs} == {"2x48", "2x48 window 5", "2x(24 on 40)"}
     assert all(r["benchmark"] == "gqa-prefill" and r["baseline"] is None for r in recs)
+
+
+def test_gqa_prefill_host_times_both_launch_paths_and_records(tmp_path: Path) -> None:
+    """The CPU host-time benchmark: every row with the fast launch and the public path, the fast
+    launch's row against the public one; the route printed says which path each Runtime took."""
+    out = tmp_path / "gqa_prefill_host.json"
+    text = _run([sys.executable, str(BENCH / "gqa_prefill_host.py"), "--tp", "8", "--iters", "3", "--warmup", "2",
+                 "--json", str(out)])  # fmt: skip
+    assert "FA4 fast launch: the compiled kernel called directly" in text and "FA4 fast launch off" in text
+    recs = _records(out)
+    assert len(recs) == 8 and {r["config"]["tp"] for r in recs} == {8}
+    fast = [r for r in recs if r["metric"].endswith("fast launch")]
+    assert len(fast) == 4 and all(r["baseline"] is not None and r["value"] > 0 for r in fast)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shardattn.kernels import fa4
+from shardattn.kernels.fa4_launch import FAST_LAUNCH_VERSION, check_fast_launch
 from shardattn.parallel.gqa_prefill import head_tp_kv_heads
 from shardattn.plan.cudagraph import CGSupport
 from shardattn.plan.spec import ModelSpec
@@ -189,13 +190,15 @@ def test_graph_policy_and_workspace_of_gqa_prefill() -> None:
 
 
 @contextlib.contextmanager
-def fa4_stand_in(fake: FakeFA4) -> Iterator[None]:
-    """Route the Runtime's GQA prefill to FA4 on the CPU, FA4 being ``fake``."""
+def fa4_stand_in(fake: FakeFA4, version: str = FAST_LAUNCH_VERSION) -> Iterator[None]:
+    """Route the Runtime's GQA prefill to FA4 on the CPU, FA4 being ``fake`` of ``version`` (the
+    fast launch's guard reads ``fake.interface``)."""
     from unittest import mock
 
     with (
         mock.patch.object(fa4, "fa4_unsupported_reason", lambda *a: None),
         mock.patch.object(fa4, "get_fa4", lambda: fake),
+        mock.patch.object(fa4, "fast_launch_support", lambda: check_fast_launch(version, fake.interface)),
     ):
         yield
 
@@ -214,23 +217,29 @@ def _fa4_body(group: dist.ProcessGroup, case: dict, mode: str, return_lse: bool)
             for window in (-1, case["window_left"]):
                 q, kv_new, cache, table, where = _rank_inputs(rt, plan, case, in_cache)
                 kw = dict(kv_new=kv_new, block_table=table, sinks=case["sinks"], window_left=window)
-                outs.append((rt.prefill(q, cache, plan=plan, **kw), where, window))
+                first = rt.prefill(q, cache, plan=plan, **kw)
+                again = rt.prefill(q, cache, plan=plan, **kw, check=False)  # the next layer: a direct launch
+                assert torch.equal(first[0], again[0])
+                outs.append((first, where, window))
     assert plan.route.path == "fa4", plan.route
-    return outs, warmed, set(fake.compiled), calls, len(rt.gqa_prefill_variants())
+    direct = sum(f.fast_calls for f in plan.gqa.launches.forms)
+    return outs, warmed, set(fake.compiled), calls, len(rt.gqa_prefill_variants()), direct
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["headtp", "pcp"])
 def test_fa4_path_through_the_runtime_compiles_nothing_after_warm_up(dist_pool, mode: str) -> None:
     """The Runtime's warm-up runs every FA4 variant of its config; every step form after it (new
-    keys given or in the cache, with and without a window, a prefix) compiles nothing new, and the
-    results match the oracle within bf16's error."""
+    keys given or in the cache, with and without a window, a prefix) compiles nothing new, the
+    results match the oracle within bf16's error, and a form's second call (the next layer)
+    launches FA4's kernel directly, with the first call's bits."""
     case = make_step(3, [5, 0, 7], [4, 2, 0], window_left=3, dtype=torch.bfloat16)
     world = 2
     for return_lse in (False, True):
         results = dist_pool.run(_fa4_body, case, mode, return_lse, world_size=world)
-        for r, (outs, warmed, compiled, calls, variants) in enumerate(results):
+        for r, (outs, warmed, compiled, calls, variants, direct) in enumerate(results):
             assert calls == variants > 0, (r, calls, variants)
+            assert direct > 0, r  # the second call of a form launched FA4's kernel directly
             assert len(warmed) == variants and compiled == warmed, (r, compiled - warmed)
             for (out, lse), (rows, heads), window in outs:
                 out64 = oracle(case | {"window_left": window})[0]

@@ -37,6 +37,11 @@ What this adapter relies on, read from the source of flash-attn-4 4.0.0b36
   process (2-3 s on an H200); sequence lengths, offsets, the window width and the scale are
   runtime values. :func:`warm_up` compiles the keys of given :class:`FA4Variant` s.
 
+Calls given a plan's :class:`~shardattn.kernels.fa4_launch.FA4Launches` (``launches=``, with
+``private=`` from :func:`fast_launch_support`) run FA4's compiled kernel directly after the plan's
+first call of each form (:mod:`shardattn.kernels.fa4_launch`: what that skips, the guard, why the
+bits are the same); without them, or when the guard fails, the public function runs.
+
 Calls here never pass ``max_seqlen_q`` (on SM90 it changes no kernel; without it the compiled kernel
 does not depend on how long the sequences are). They ask for the LSE only when the caller needs it
 (a merge of partials, or a returned LSE), and pass ``seqused_k`` only when the key ranges are not
@@ -47,11 +52,14 @@ own new keys without an LSE is the call an engine makes of FA4 directly, the sam
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+
+from shardattn.kernels.fa4_launch import FA4Launches, FA4Private, check_fast_launch
 
 __all__ = [
     "FA4_SM_MAJORS",
@@ -61,6 +69,7 @@ __all__ = [
     "fa4_supports",
     "fa4_unsupported_reason",
     "fa4_varlen",
+    "fast_launch_support",
     "get_fa4",
     "lse_tokens_major",
     "page_table_for_fa4",
@@ -84,6 +93,22 @@ def _load() -> tuple[Callable | None, str | None]:
 def get_fa4() -> Callable | None:
     """``flash_attn.cute.interface.flash_attn_varlen_func``, or ``None`` when not importable (cached)."""
     return _load()[0]
+
+
+@functools.lru_cache(maxsize=1)
+def fast_launch_support() -> tuple[FA4Private | None, str]:
+    """The guard of FA4's fast launch (:func:`~shardattn.kernels.fa4_launch.check_fast_launch`),
+    checked once per process, when FA4 is first imported here: ``(FA4Private, reason)`` or
+    ``(None, why not)``."""
+    if get_fa4() is None:
+        return None, f"FA4 fast launch off: {_load()[1]}"
+    try:
+        from flash_attn.cute import interface
+
+        version = importlib.metadata.version("flash-attn-4")
+    except (ImportError, importlib.metadata.PackageNotFoundError) as exc:
+        return None, f"FA4 fast launch off: flash-attn-4's version or interface not found ({type(exc).__name__})"
+    return check_fast_launch(version, interface)
 
 
 def _head_dim_reason(head_dim: int, major: int) -> str | None:
@@ -184,11 +209,22 @@ def _run(
     sinks: torch.Tensor | None,
     scale: float,
     return_lse: bool,
+    launches: FA4Launches | None = None,
+    private: FA4Private | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     t, h, _ = q.shape
     if t == 0:
         lse = torch.zeros(0, h, dtype=torch.float32, device=q.device) if return_lse else None
         return q.new_zeros(0, h, v.shape[-1]), lse
+    if launches is not None and private is not None:
+        launch = launches.get(
+            private, cu_q=_int32(cu_q), cu_k=cu_k, k_len=None if k_len is None else _int32(k_len),
+            page_table=page_table, scale=float(scale), causal=bool(causal), window_left=window_left,
+            return_lse=return_lse, sinks=sinks is not None,
+        )  # fmt: skip
+        if launch is not None:
+            out, lse = launch(q, k, v, sinks)
+            return out, (lse_tokens_major(lse) if return_lse else None)
     fn = get_fa4() if fn is None else fn
     with torch.no_grad():  # inference: FA4's autograd function saves nothing then
         out, lse = fn(
@@ -227,6 +263,8 @@ def fa4_varlen(
     scale: float,
     return_lse: bool = True,
     fn: Callable | None = None,
+    launches: FA4Launches | None = None,
+    private: FA4Private | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FA4 over segments of contiguous keys (arguments validated by the caller).
 
@@ -240,13 +278,15 @@ def fa4_varlen(
         causal, window_left (``-1`` = none), sinks (``[H]`` fp32 or None), scale: the masks and softmax.
         return_lse: compute the LSE (``False``: FA4's variant without one; ``None`` is returned).
         fn: the FA4 function (default: :func:`get_fa4`); tests pass a stand-in.
+        launches, private: the plan's launches and :func:`fast_launch_support`'s pieces (both given:
+            the fast launch, :mod:`~shardattn.kernels.fa4_launch`; ``fn`` is then not called).
     Returns:
         ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log or None)``, the LSE a
         transposed view of FA4's ``[H, T]`` buffer (:func:`lse_tokens_major`).
     """
     return _run(
         fn, q, k, v, cu_q=cu_q, cu_k=_int32(cu_k), k_len=k_len, page_table=None, causal=causal,
-        window_left=window_left, sinks=sinks, scale=scale, return_lse=return_lse,
+        window_left=window_left, sinks=sinks, scale=scale, return_lse=return_lse, launches=launches, private=private,
     )  # fmt: skip
 
 
@@ -264,6 +304,8 @@ def fa4_paged(
     scale: float,
     return_lse: bool = True,
     fn: Callable | None = None,
+    launches: FA4Launches | None = None,
+    private: FA4Private | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FA4 over segments whose keys live in a paged cache, through FA4's ``page_table``.
 
@@ -275,13 +317,13 @@ def fa4_paged(
         page_table: ``[S, M]`` int32, every entry inside the cache (:func:`page_table_for_fa4`
             makes a table so; the caller does it once per step).
         cu_q: ``[S + 1]`` int32; k_len: ``[S]`` int32 keys per segment.
-        causal, window_left, sinks, scale, return_lse, fn: as in :func:`fa4_varlen`.
+        causal, window_left, sinks, scale, return_lse, fn, launches, private: as in :func:`fa4_varlen`.
     Returns:
         ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log or None)`` (the LSE a transposed view).
     """
     return _run(
         fn, q, k_cache, v_cache, cu_q=cu_q, cu_k=None, k_len=k_len, page_table=page_table, causal=causal,
-        window_left=window_left, sinks=sinks, scale=scale, return_lse=return_lse,
+        window_left=window_left, sinks=sinks, scale=scale, return_lse=return_lse, launches=launches, private=private,
     )  # fmt: skip
 
 

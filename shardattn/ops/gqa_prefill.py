@@ -46,6 +46,7 @@ from shardattn._checks import (
     check_tensor,
 )
 from shardattn.kernels import fa4
+from shardattn.kernels.fa4_launch import FA4Private
 from shardattn.ops.gqa_prefill_segments import (
     FA4SegmentKernel,
     PagedPrefix,
@@ -92,9 +93,10 @@ def gqa_prefill_route(q: torch.Tensor, k: torch.Tensor, *, backend: str = "auto"
     return Route("reference", 1, f"{why}: torch reference")
 
 
-def segment_kernel(route: Route) -> SegmentKernel:
-    """The kernel implementation of a route's path."""
-    return FA4SegmentKernel() if route.path == "fa4" else TorchSegmentKernel()
+def segment_kernel(route: Route, private: FA4Private | None = None) -> SegmentKernel:
+    """The kernel implementation of a route's path (``private``: FA4's fast-launch pieces, for a
+    kernel whose planned calls launch FA4's compiled kernel directly)."""
+    return FA4SegmentKernel(private=private) if route.path == "fa4" else TorchSegmentKernel()
 
 
 def check_prefix_inputs(

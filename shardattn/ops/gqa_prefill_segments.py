@@ -34,7 +34,10 @@ arguments, never on measured speed):
 
 The kernel calls go through a :class:`SegmentKernel`: :class:`TorchSegmentKernel` (the reference,
 :mod:`~shardattn.ops.gqa_prefill_reference`) or :class:`FA4SegmentKernel` (the FA4 adapter), so
-the CPU path runs exactly the composition the GPU path runs.
+the CPU path runs exactly the composition the GPU path runs. A plan's calls (a step's layers) pass
+the plan's :class:`~shardattn.kernels.fa4_launch.FA4Launches` for the calls whose metadata are the
+plan's own tensors (every form but the windowed prefix copy, whose key offsets are made per call),
+so an FA4 kernel of a fast-launch kernel object is resolved once per plan and call form.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import numpy as np
 import torch
 
 from shardattn.kernels import fa4
+from shardattn.kernels.fa4_launch import FA4Launches, FA4Private
 from shardattn.ops.gqa_prefill_reference import segment_attention_reference
 from shardattn.ops.lse_merge import run_lse_merge
 
@@ -212,9 +216,10 @@ def plan_segments(
 class SegmentKernel(Protocol):
     """The two kernel shapes a GQA prefill needs; arguments as in
     :func:`~shardattn.ops.gqa_prefill_reference.segment_attention_reference` (keyword arguments:
-    ``causal``, ``window_left``, ``sinks``, ``scale``, ``return_lse``); both return ``(out [T, H,
-    D], lse [T, H] or None)``. ``k_len`` ``None``: segment ``s``'s keys are ``[cu_k[s], cu_k[s +
-    1])``. :meth:`table` turns a block table into the one a paged call reads."""
+    ``causal``, ``window_left``, ``sinks``, ``scale``, ``return_lse``, ``launches``: a plan's
+    :class:`~shardattn.kernels.fa4_launch.FA4Launches` or ``None``, read by FA4 only); both return
+    ``(out [T, H, D], lse [T, H] or None)``. ``k_len`` ``None``: segment ``s``'s keys are
+    ``[cu_k[s], cu_k[s + 1])``. :meth:`table` turns a block table into the one a paged call reads."""
 
     name: str
 
@@ -241,6 +246,7 @@ class TorchSegmentKernel:
         self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
     ) -> KernelResult:
         return_lse = kw.pop("return_lse", True)
+        kw.pop("launches", None)
         if k_len is None:
             k_len = cu_k[1:] - cu_k[:-1]
         out, lse = segment_attention_reference(q, k, v, cu_q, k_len, cu_k=cu_k, **kw)
@@ -250,6 +256,7 @@ class TorchSegmentKernel:
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: Any
     ) -> KernelResult:
         return_lse = kw.pop("return_lse", True)
+        kw.pop("launches", None)
         out, lse = segment_attention_reference(q, k_cache, v_cache, cu_q, k_len, page_table=page_table, **kw)
         return out, (lse if return_lse else None)
 
@@ -258,7 +265,9 @@ class TorchSegmentKernel:
 
 
 class FA4SegmentKernel:
-    """FA4 through :mod:`shardattn.kernels.fa4` (``fn``: the FA4 function, default the installed one).
+    """FA4 through :mod:`shardattn.kernels.fa4` (``fn``: the FA4 function, default the installed one;
+    ``private``: :func:`~shardattn.kernels.fa4.fast_launch_support`'s pieces, which let calls given
+    a plan's ``launches`` call the compiled kernel directly; ``None``: every call is public).
 
     Keeps the last page table it made (:meth:`table`: one gather and clamp per block table and
     segments, not per layer: an engine's layers share one table), keyed on the table's storage,
@@ -267,19 +276,20 @@ class FA4SegmentKernel:
 
     name = "fa4"
 
-    def __init__(self, fn: Callable | None = None) -> None:
+    def __init__(self, fn: Callable | None = None, private: FA4Private | None = None) -> None:
         self.fn = fn
+        self.private = private
         self._table: tuple[tuple, Segments, torch.Tensor] | None = None
 
     def contiguous(
         self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
     ) -> KernelResult:
-        return fa4.fa4_varlen(q, k, v, cu_q, cu_k, k_len, fn=self.fn, **kw)
+        return fa4.fa4_varlen(q, k, v, cu_q, cu_k, k_len, fn=self.fn, private=self.private, **kw)
 
     def paged(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: Any
     ) -> KernelResult:
-        return fa4.fa4_paged(q, k_cache, v_cache, page_table, cu_q, k_len, fn=self.fn, **kw)
+        return fa4.fa4_paged(q, k_cache, v_cache, page_table, cu_q, k_len, fn=self.fn, private=self.private, **kw)
 
     def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:
         key = (block_table.data_ptr(), block_table._version, tuple(block_table.shape), block_table.stride(), num_pages)
@@ -366,6 +376,7 @@ def attend_segments(
     new_rows: torch.Tensor | None = None,
     keys_ready: Callable[[], None] | None = None,
     return_lse: bool = True,
+    launches: FA4Launches | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of the segments' queries over their prefix and new keys (module docstring).
 
@@ -381,6 +392,8 @@ def attend_segments(
             after the split form's prefix call.
         return_lse: return the LSE (``False``: ``None``, and a kernel without an LSE where no
             merge needs one).
+        launches: the plan's FA4 launches (``segments`` from :func:`plan_segments`, reused by
+            the plan's calls); passed to the calls whose metadata are the plan's tensors.
     Returns:
         ``(out [T, H, D] in q's dtype, lse [T, H] fp32 natural log or None)``; the LSE may be a view.
     """
@@ -396,7 +409,7 @@ def attend_segments(
         table = kernel.table(prefix.block_table, segments, prefix.k_cache.shape[0])
         return kernel.paged(
             q, prefix.k_cache, prefix.v_cache, table, segments.cu_q, segments.keys_in_cache(prefix.lens),
-            causal=True, return_lse=return_lse, **kw,
+            causal=True, return_lse=return_lse, launches=launches, **kw,
         )  # fmt: skip
     if prefix is not None and prefix.max_len == 0:
         prefix = None  # no request has a cached token
@@ -405,7 +418,7 @@ def attend_segments(
         table = kernel.table(prefix.block_table, segments, prefix.k_cache.shape[0])
         partial = kernel.paged(
             q, prefix.k_cache, prefix.v_cache, table, segments.cu_q, segments.prefix_of_segments(prefix.lens),
-            causal=False, window_left=-1, sinks=None, scale=scale, return_lse=True,
+            causal=False, window_left=-1, sinks=None, scale=scale, return_lse=True, launches=launches,
         )  # fmt: skip
     ready()
     tail = prefix_tail(prefix, window_left)
@@ -421,7 +434,10 @@ def attend_segments(
             cu_k = torch.cat([start, start[-1:]]).to(torch.int32)  # cu_k[S] is never read
             k_len = (segments.of_segments(tail_len) + segments.stop).to(torch.int32)
     need_lse = return_lse or partial is not None
-    out, lse = kernel.contiguous(q, k_buf, v_buf, segments.cu_q, cu_k, k_len, causal=True, return_lse=need_lse, **kw)
+    planned = launches if tail == 0 else None  # with a prefix tail the key offsets are this call's
+    out, lse = kernel.contiguous(
+        q, k_buf, v_buf, segments.cu_q, cu_k, k_len, causal=True, return_lse=need_lse, launches=planned, **kw
+    )
     if partial is not None:
         out, lse = run_lse_merge(torch.stack([out, partial[0]]), torch.stack([lse, partial[1]]))
     return out, (lse if return_lse else None)

@@ -38,9 +38,12 @@ with ``gather_output``), plus the agreement check with ``check=True``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_int, check_same_device, check_scale, check_tensor
+from shardattn.kernels.fa4_launch import FA4Launches
 from shardattn.ops.gqa_prefill import check_prefix_inputs, gqa_prefill, gqa_prefill_route, segment_kernel
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, SegmentKernel, Segments, attend_segments, plan_segments
 from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
@@ -50,6 +53,7 @@ from shardattn.plan.pcp import PCPPlan
 __all__ = ["gqa_prefill_head_tp", "gqa_prefill_pcp", "head_tp_kv_heads", "pcp_segments"]
 
 
+@functools.lru_cache(maxsize=64)  # pure; a Runtime asks on every layer
 def head_tp_kv_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int) -> tuple[int, int]:
     """``[start, stop)`` of the KV heads rank ``rank`` holds under ``world_size``-way head-TP.
 
@@ -264,6 +268,7 @@ def gqa_prefill_pcp(
     segments: Segments | None = None,
     kernel: SegmentKernel | None = None,
     return_lse: bool = True,
+    launches: FA4Launches | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GQA prefill over a zigzag token split, the new tokens' K and V all-gathered (module docstring).
 
@@ -289,6 +294,8 @@ def gqa_prefill_pcp(
         segments: this rank's :func:`pcp_segments` on q's device (planned once per step; default:
             planned here). kernel: the kernel implementation (default: ``backend``'s route's).
         return_lse: return the LSE (``False``: ``None``; needs ``gather_output=False``).
+        launches: the FA4 launches of the plan ``segments`` belong to (a Runtime's plan; see
+            :func:`~shardattn.ops.gqa_prefill_segments.attend_segments`).
     Returns:
         ``(out [T_r, H, D] in q's dtype, lse [T_r, H] fp32)`` for this rank's tokens, or
         ``[T, H, D]`` / ``[T, H]`` in token order with ``gather_output``.
@@ -335,6 +342,7 @@ def gqa_prefill_pcp(
             gathering, pending = comm.all_gather_async(padded)
             gathered = gathering.view(w * p, 2, hkv, d)
             k_all, v_all, new_rows, keys_ready = gathered[:, 0], gathered[:, 1], plan.kv_row.to(dev), pending.wait
+        segments_given = segments is not None
         if segments is None:
             segments = pcp_segments(plan, rank, dev)[0]
         prefix = None
@@ -344,7 +352,7 @@ def gqa_prefill_pcp(
         out, lse = attend_segments(
             q, k_all, v_all, segments, kernel=segment_kernel(route) if kernel is None else kernel, prefix=prefix,
             window_left=window_left, sinks=sinks, scale=d**-0.5 if scale is None else scale, new_rows=new_rows,
-            keys_ready=keys_ready, return_lse=return_lse,
+            keys_ready=keys_ready, return_lse=return_lse, launches=launches if segments_given else None,
         )  # fmt: skip
         if not gather_output:
             return out, lse

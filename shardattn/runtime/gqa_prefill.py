@@ -18,15 +18,19 @@ Everything that depends only on the lengths is computed once per step, in
 it; a layer's call then checks shapes on the host (no device sync, no device op) and issues the
 kernel. The kernel object (:class:`~shardattn.ops.gqa_prefill_segments.FA4SegmentKernel`) is the
 Runtime's, so the page table it derives from a block table is made once per table, not per layer.
+The plan also holds its FA4 launches (:class:`~shardattn.kernels.fa4_launch.FA4Launches`): the
+plan's first FA4 call of each form runs FA4's public function and keeps its compiled kernel and
+arguments, so later layers launch that kernel directly (:mod:`shardattn.kernels.fa4_launch`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from shardattn._checks import check_int, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_int, check_tensor
+from shardattn.kernels.fa4_launch import FA4Launches
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, SegmentKernel, Segments, attend_segments, plan_segments
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.gqa_prefill import gqa_prefill_pcp, head_tp_kv_heads
@@ -46,6 +50,11 @@ class GQAStepPlan:
         prefix_lens: ``[B]`` int32 cached tokens per request, on the device.
         query_lens, prefix: the host lengths (``[B]`` each).
         max_prefix: the longest cached prefix.
+        max_seq: the most KV tokens of one request (prefix and new tokens).
+        launches: the plan's FA4 launches (filled by its first FA4 call of each form).
+        checked_table: the last CPU block table whose values passed the check, with what it was
+            checked for (held, so no other tensor can take its address; its version counter
+            tells an in-place write): a plan's layers check one table once.
     """
 
     segments: Segments
@@ -53,11 +62,13 @@ class GQAStepPlan:
     query_lens: tuple[int, ...]
     prefix: tuple[int, ...]
     max_prefix: int
+    max_seq: int
+    launches: FA4Launches = field(default_factory=FA4Launches, compare=False, repr=False)
+    checked_table: list = field(default_factory=list, compare=False, repr=False)
 
-    @property
-    def max_seq(self) -> int:
-        """The most KV tokens of one request (prefix and new tokens)."""
-        return max((p + n for p, n in zip(self.prefix, self.query_lens)), default=0)
+    def seq_lens(self) -> list[int]:
+        """``[B]`` KV tokens of each request (prefix and new tokens)."""
+        return [p + n for p, n in zip(self.prefix, self.query_lens)]
 
 
 def plan_gqa_step(
@@ -69,13 +80,20 @@ def plan_gqa_step(
     pin = device.type == "cuda"
     segments = plan_segments(query_lens, pre, device, runs=runs, pin=pin)
     lens = torch.tensor(pre, dtype=torch.int32).to(device)
-    return GQAStepPlan(segments, lens, tuple(query_lens), tuple(pre), max(pre, default=0))
+    seq = max((p + n for p, n in zip(pre, query_lens)), default=0)
+    return GQAStepPlan(segments, lens, tuple(query_lens), tuple(pre), max(pre, default=0), seq)
 
 
 def _pair(name: str, value: object, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     if not (isinstance(value, tuple | list) and len(value) == 2):
         raise TypeError(f"{name} must be a (k, v) pair of tensors for a GQA model ({what}), got {type(value).__name__}")
     return value[0], value[1]
+
+
+def _is(t: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
+    """``t`` is a plain tensor of exactly ``shape``, ``dtype`` and ``device``: the checks' fast
+    accept (anything else runs the full check, which names what is wrong)."""
+    return type(t) is torch.Tensor and t.shape == shape and t.dtype == dtype and t.device == device
 
 
 def check_gqa_prefill_inputs(
@@ -91,6 +109,7 @@ def check_gqa_prefill_inputs(
     topk_pos: object,
     topk_length: object,
     window_left: object,
+    sinks: object,
     gqa: GQAStepPlan,
     num_tokens: int,
     rank_tokens: int,
@@ -99,36 +118,41 @@ def check_gqa_prefill_inputs(
 ) -> dict[str, torch.Tensor | None]:
     """Check one rank's GQA prefill arguments under :meth:`Runtime.prefill
     <shardattn.runtime.runtime.Runtime.prefill>`'s names (shapes and dtypes on the host; values
-    of CPU tensors only: no device sync). Returns ``{"k_new", "v_new", "k_cache", "v_cache",
-    "block_table"}``."""
-    for name, value in (("rows", rows), ("topk_pos", topk_pos), ("topk_length", topk_length)):
-        if value is not None:
-            raise ValueError(f"{name} is sparse MLA's top-k; a GQA prefill attends every earlier token: pass None")
-    check_int("window_left", window_left, minimum=-1)
+    of CPU tensors only: no device sync). ``sinks``: ``[H]`` fp32 (every head) or ``None``. Returns
+    ``{"k_new", "v_new", "k_cache", "v_cache", "block_table"}``.
+
+    Arguments of the expected shapes pass after one comparison each; the messages are made only
+    for an argument that fails."""
+    if rows is not None or topk_pos is not None or topk_length is not None:
+        name = "rows" if rows is not None else "topk_pos" if topk_pos is not None else "topk_length"
+        raise ValueError(f"{name} is sparse MLA's top-k; a GQA prefill attends every earlier token: pass None")
+    if type(window_left) is not int or window_left < -1:
+        check_int("window_left", window_left, minimum=-1)
     w, r = comm.world_size, comm.rank
-    pcp = step == "pcp"
-    if pcp:
-        heads, hkv = spec.num_heads, spec.num_kv_heads
-        check_queries(
-            q, tokens=rank_tokens, heads=heads, head_dim=spec.head_dim,
-            tokens_from=f"rank {r}'s share of the PCP plan (plan.tokens_of({r})) is",
-            heads_from=f"every one of the model's {heads} heads under PCP",
-        )  # fmt: skip
-        kv_heads_from = f"all {hkv} KV heads under PCP"
+    d = spec.head_dim
+    if step == "pcp":
+        tokens, heads, lo, hi = rank_tokens, spec.num_heads, 0, spec.num_kv_heads
     else:
+        tokens, heads = num_tokens, heads_per_rank
         lo, hi = head_tp_kv_heads(spec.num_heads, spec.num_kv_heads, w, r)
-        hkv = hi - lo
-        check_queries(
-            q, tokens=num_tokens, heads=heads_per_rank, head_dim=spec.head_dim, tokens_from=tokens_from,
-            heads_from=f"this rank's {heads_per_rank} heads (H/W: {spec.num_heads} heads over {w} ranks)",
-        )  # fmt: skip
-        kv_heads_from = f"this rank's {hkv} KV head(s) [{lo}, {hi}) of {spec.num_kv_heads} under head-TP"
+    hkv = hi - lo
+    if not (type(q) is torch.Tensor and q.shape == (tokens, heads, d) and q.dtype in FLOAT_DTYPES):
+        if step == "pcp":
+            tokens_from = f"rank {r}'s share of the PCP plan (plan.tokens_of({r})) is"
+            heads_from = f"every one of the model's {heads} heads under PCP"
+        else:
+            heads_from = f"this rank's {heads} heads (H/W: {spec.num_heads} heads over {w} ranks)"
+        check_queries(q, tokens=tokens, heads=heads, head_dim=d, tokens_from=tokens_from, heads_from=heads_from)
+    dtype, device = q.dtype, q.device
+    if sinks is not None and not _is(sinks, (spec.num_heads,), torch.float32, device):
+        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(spec.num_heads,), device=device)
     out: dict[str, torch.Tensor | None] = dict.fromkeys(("k_new", "v_new", "k_cache", "v_cache", "block_table"))
     if kv_new is not None:
         k, v = _pair("kv_new", kv_new, "the new tokens' keys and values")
-        shape = (q.shape[0], hkv, spec.head_dim)
+        shape = (tokens, hkv, d)
         for name, x in (("kv_new[0]", k), ("kv_new[1]", v)):
-            check_tensor(name, x, dtypes=(q.dtype,), shape=shape, device=q.device)
+            if not _is(x, shape, dtype, device):
+                check_tensor(name, x, dtypes=(dtype,), shape=shape, device=device)
         out["k_new"], out["v_new"] = k, v
     if kv_cache is None:
         if kv_new is None:
@@ -144,31 +168,40 @@ def check_gqa_prefill_inputs(
             raise ValueError("block_table goes with kv_cache (the paged cache); pass both or neither")
         return out
     kc, vc = _pair("kv_cache", kv_cache, "the paged cache")
-    check_tensor("kv_cache[0]", kc, dtypes=(q.dtype,), ndim=4, device=q.device)
-    if tuple(kc.shape[2:]) != (hkv, spec.head_dim):
-        raise ValueError(
-            f"kv_cache[0] must have shape [pages, page_size, {hkv}, {spec.head_dim}] ({kv_heads_from}), "
-            f"got {list(kc.shape)}"
-        )
-    check_tensor("kv_cache[1]", vc, dtypes=(q.dtype,), shape=tuple(kc.shape), device=q.device)
-    table = as_index("block_table", block_table)
-    if table is None:
-        raise ValueError("kv_cache needs its block_table [B, M] int32 (the pages of each request)")
-    check_tensor("block_table", table, dtypes=(torch.int32,), shape=(len(gqa.query_lens), None), device=q.device)
+    if not (type(kc) is torch.Tensor and kc.dim() == 4 and _is(kc, (*kc.shape[:2], hkv, d), dtype, device)):
+        check_tensor("kv_cache[0]", kc, dtypes=(dtype,), ndim=4, device=device)
+        if tuple(kc.shape[2:]) != (hkv, d):
+            if step == "pcp":
+                kv_heads_from = f"all {hkv} KV heads under PCP"
+            else:
+                kv_heads_from = f"this rank's {hkv} KV head(s) [{lo}, {hi}) of {spec.num_kv_heads} under head-TP"
+            raise ValueError(
+                f"kv_cache[0] must have shape [pages, page_size, {hkv}, {d}] ({kv_heads_from}), got {list(kc.shape)}"
+            )
+    if not _is(vc, kc.shape, dtype, device):
+        check_tensor("kv_cache[1]", vc, dtypes=(dtype,), shape=tuple(kc.shape), device=device)
+    table = block_table
+    if not (type(table) is torch.Tensor and table.dtype == torch.int32):
+        table = as_index("block_table", block_table)
+        if table is None:
+            raise ValueError("kv_cache needs its block_table [B, M] int32 (the pages of each request)")
+    if not (table.dim() == 2 and _is(table, (len(gqa.query_lens), table.shape[1]), torch.int32, device)):
+        check_tensor("block_table", table, dtypes=(torch.int32,), shape=(len(gqa.query_lens), None), device=device)
     need = gqa.max_seq if kv_new is None else gqa.max_prefix
     capacity = table.shape[1] * kc.shape[1]
     if need > capacity:
         what = "seq_lens (prefix and new tokens in the cache: kv_new=None)" if kv_new is None else "prefix_lens"
         raise ValueError(f"block_table holds {capacity} positions per request, but {what} reach {need}")
     if table.device.type == "cpu":
-        lens = gqa.prefix if kv_new is not None else [p + n for p, n in zip(gqa.prefix, gqa.query_lens)]
-        page = kc.shape[1]
-        bad = [
-            b for b, n in enumerate(lens) if bool(((table[b, : -(-n // page)] < 0) | (table[b, : -(-n // page)]
-                                                   >= kc.shape[0])).any())
-        ]  # fmt: skip
-        if bad:
-            raise ValueError(f"block_table holds pages outside [0, {kc.shape[0]}) for requests {bad[:8]}")
+        memo = (table, table._version, table.stride(), kc.shape[:2], kv_new is None)
+        held = gqa.checked_table
+        if not (held and held[0][0] is table and held[0][1:] == memo[1:]):
+            lens = torch.tensor(gqa.prefix if kv_new is not None else gqa.seq_lens(), dtype=torch.int64)
+            used = torch.arange(table.shape[1]) < (lens[:, None] + kc.shape[1] - 1) // kc.shape[1]
+            bad = (((table < 0) | (table >= kc.shape[0])) & used).any(1).nonzero().flatten().tolist()
+            if bad:
+                raise ValueError(f"block_table holds pages outside [0, {kc.shape[0]}) for requests {bad[:8]}")
+            held[:] = [memo]
     out["k_cache"], out["v_cache"], out["block_table"] = kc, vc, table
     return out
 
@@ -196,11 +229,12 @@ def run_gqa_prefill_step(
         return gqa_prefill_pcp(
             q, k, v, shard, comm, k_cache=kc, v_cache=vc, block_table=table, sinks=sinks, window_left=window_left,
             scale=scale, check=check, segments=gqa.segments, kernel=kernel, return_lse=return_lse,
+            launches=gqa.launches,
         )  # fmt: skip
     prefix = None
     if kc is not None:
         prefix = PagedPrefix(kc, vc, table, gqa.prefix_lens, gqa.max_prefix)
     return attend_segments(
         q, k, v, gqa.segments, kernel=kernel, prefix=prefix, window_left=window_left, sinks=local_sinks,
-        scale=scale, return_lse=return_lse,
+        scale=scale, return_lse=return_lse, launches=gqa.launches,
     )  # fmt: skip

@@ -153,7 +153,8 @@ class RuntimePlanning:
         dtype and head dim on the device, else the torch reference), with the reason; fixed per config."""
         why = fa4.fa4_unsupported_reason(self.device, getattr(torch, self.spec.dtype), self.spec.head_dim)
         if why is None:
-            route = Route("fa4", 1, f"FA4 (flash-attn-cute) on {self.device}, head_dim {self.spec.head_dim}")
+            launch = fa4.fast_launch_support()[1]
+            route = Route("fa4", 1, f"FA4 (flash-attn-cute) on {self.device}, head_dim {self.spec.head_dim}; {launch}")
         else:
             route = Route("reference", 1, f"{why}: torch reference")
         log.debug("GQA prefill calls: %s: %s", route.path, route.reason)
@@ -162,8 +163,10 @@ class RuntimePlanning:
     @functools.cached_property
     def gqa_kernel(self) -> SegmentKernel:
         """The kernel implementation of this Runtime's GQA prefill calls (one object: it keeps the
-        page table it derived from the last block table)."""
-        return segment_kernel(self.gqa_prefill_route)
+        page table it derived from the last block table); FA4 with the fast launch where its guard
+        passes (:func:`~shardattn.kernels.fa4.fast_launch_support`, named in the route's reason)."""
+        route = self.gqa_prefill_route
+        return segment_kernel(route, private=fa4.fast_launch_support()[0] if route.path == "fa4" else None)
 
     def _plan_gqa(self, step: str, lens: list[int], prefix: list[int] | None, tokens: int) -> PrefillPlan:
         shard = pcp_plan(lens, self.world_size, prefix_lens=prefix) if step == "pcp" else None
@@ -190,6 +193,7 @@ class RuntimePlanning:
         topk_length: torch.Tensor | None,
         check: bool,
         window_left: object = -1,
+        sinks: object = None,
     ) -> tuple[PrefillPlan, dict[str, torch.Tensor | None]]:
         """The plan of a :meth:`Runtime.prefill <shardattn.runtime.runtime.Runtime.prefill>` call
         (``plan``, or planned from the lengths) and its checked, converted tensors
@@ -219,7 +223,8 @@ class RuntimePlanning:
                 mine = int(plan.token_plan.counts[self.rank]) if plan.shard is not None else plan.num_tokens
                 given = check_gqa_prefill_inputs(
                     plan.step, self.spec, self.comm, q=q, kv_cache=kv_cache, kv_new=kv_new, block_table=block_table,
-                    rows=rows, topk_pos=topk_pos, topk_length=topk_length, window_left=window_left, gqa=plan.gqa,
+                    rows=rows, topk_pos=topk_pos, topk_length=topk_length, window_left=window_left, sinks=sinks,
+                    gqa=plan.gqa,
                     num_tokens=plan.num_tokens, rank_tokens=mine, heads_per_rank=self.heads_per_rank,
                     tokens_from=tokens_from,
                 )  # fmt: skip

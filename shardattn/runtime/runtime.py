@@ -268,6 +268,8 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         )
 
     def _local_heads(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
         h = self.heads_per_rank
         return x[self.rank * h : (self.rank + 1) * h]
 
@@ -350,7 +352,7 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         plan, given = self._prefill_inputs(
             q, kv_cache, rows, topk_pos=topk_pos, kv_new=kv_new, block_table=block_table, query_lens=query_lens,
             prefix_lens=prefix_lens, seq_lens=seq_lens, plan=plan, topk_length=topk_length, check=check,
-            window_left=window_left,
+            window_left=window_left, sinks=sinks,
         )  # fmt: skip
         options = self.prefill_options
         if plan.gqa is not None:

@@ -286,6 +286,16 @@ def runtime_rows() -> list[Row]:
         ),
         (f"{n}-window-minus-2", _runtime(window_left=-2), Raises(ValueError, r"^window_left must be >= -1")),
         (
+            f"{n}-sinks-other-heads",
+            _runtime(sinks=lambda x: torch.zeros(3)),
+            Raises(ValueError, r"^sinks must have shape \[4\], got \[3\]"),
+        ),
+        (
+            f"{n}-sinks-fp16",
+            _runtime(sinks=lambda x: torch.zeros(4, dtype=torch.float16)),
+            Raises(TypeError, r"^sinks must have dtype in \(float32\), got float16"),
+        ),
+        (
             f"{n}-prefix-without-cache",
             _runtime(kv_cache=None, block_table=None),
             Raises(ValueError, r"^the step has cached prefixes \(prefix_lens up to 5\): pass kv_cache"),
