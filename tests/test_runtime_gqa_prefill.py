@@ -34,7 +34,10 @@ def spec_of(case: dict, dtype: str = "float32") -> ModelSpec:
 
 def keys_in_cache(case: dict, seed: int = 3) -> dict:
     """``case`` with a new paged cache (fresh shuffled pages, junk elsewhere) holding each request's
-    prefix and then its new keys, as an engine's cache write leaves it before attention."""
+    prefix and then its new keys, as an engine's cache write leaves it before attention (built on
+    the CPU, returned on ``case``'s device)."""
+    device, given = case["q"].device, case
+    case = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in case.items()}
     g = torch.Generator().manual_seed(seed)
     page = case["k_cache"].shape[1]
     hkv, d = case["k"].shape[1:]
@@ -58,7 +61,7 @@ def keys_in_cache(case: dict, seed: int = 3) -> dict:
             else:
                 kc[dst], vc[dst] = case["k"][start + t - p], case["v"][start + t - p]
         start += case["seq_lens"][b]
-    return case | {"k_cache": kc, "v_cache": vc, "block_table": table}
+    return given | {"k_cache": kc.to(device), "v_cache": vc.to(device), "block_table": table.to(device)}
 
 
 def _rank_inputs(rt: Runtime, plan, case: dict, in_cache: bool) -> tuple:
