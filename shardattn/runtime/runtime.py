@@ -421,6 +421,7 @@ class Runtime(RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
             return_lse=self.decode_options.return_lse,
             causal=self.causal,
             kv_rows=self.kv_rows if self.spec.kind == "sparse_mla" else None,
+            bypass=self._warn_dtype,
         )
 
     def decode(
