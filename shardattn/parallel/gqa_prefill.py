@@ -39,6 +39,7 @@ with ``gather_output``), plus the agreement check with ``check=True``.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -50,7 +51,7 @@ from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_
 from shardattn.parallel.groups import GroupLike
 from shardattn.plan.pcp import PCPPlan
 
-__all__ = ["gqa_prefill_head_tp", "gqa_prefill_pcp", "head_tp_kv_heads", "pcp_segments"]
+__all__ = ["PCPSegments", "gqa_prefill_head_tp", "gqa_prefill_pcp", "head_tp_kv_heads", "pcp_segments"]
 
 
 @functools.lru_cache(maxsize=64)  # pure; a Runtime asks on every layer
@@ -148,25 +149,57 @@ def gqa_prefill_head_tp(
     )  # fmt: skip
 
 
-def pcp_segments(plan: PCPPlan, rank: int, device: torch.device | str = "cpu") -> tuple[Segments, torch.Tensor]:
-    """Rank ``rank``'s query segments under ``plan`` (host arithmetic, one copy to ``device``).
+@dataclass(frozen=True)
+class PCPSegments:
+    """One rank's share of a PCP plan, on the device, made once per plan (:func:`pcp_segments`), so
+    the step of every layer copies nothing and reads nothing back.
+
+    Attributes:
+        segments: the rank's query segments, one per contiguous run of its tokens.
+        prefix_lens: ``[B]`` int32 cached tokens of each request, on the device.
+        kv_row: ``[T]`` int64 row of new token ``g`` in the all-gathered KV buffer, on the device.
+        num_tokens: the rank's tokens. prefix, query_lens: ``[B]`` cached and new tokens per request
+            (host ints).
+    """
+
+    segments: Segments
+    prefix_lens: torch.Tensor
+    kv_row: torch.Tensor
+    num_tokens: int
+    prefix: tuple[int, ...]
+    query_lens: tuple[int, ...]
+
+    @property
+    def max_prefix(self) -> int:
+        """The longest cached prefix (0: no request has a cached token)."""
+        return max(self.prefix, default=0)
+
+    @property
+    def max_seq(self) -> int:
+        """The most KV positions of one request (its prefix and new tokens)."""
+        return max((p + n for p, n in zip(self.prefix, self.query_lens)), default=0)
+
+
+def pcp_segments(plan: PCPPlan, rank: int, device: torch.device | str = "cpu", *, pin: bool = False) -> PCPSegments:
+    """Rank ``rank``'s share of ``plan`` on ``device`` (host arithmetic; the segments cross in one copy,
+    the prefix lengths and the KV rows in one each; ``pin``: through page-locked memory).
 
     One segment per contiguous run of the rank's tokens (:meth:`~shardattn.plan.ShardPlan.runs`,
     in the rank's token order): its request and the new-token offset one past its last query.
 
-    Returns:
-        ``(segments, prefix_lens [R] int32 on the CPU)``.
-
     >>> from shardattn.plan import pcp_plan
-    >>> seg, _ = pcp_segments(pcp_plan([8], 2, prefix_lens=[3]), 0)
-    >>> seg.cu_q.tolist(), seg.req.tolist(), seg.stop.tolist()
-    ([0, 2, 4], [0, 0], [2, 8])
+    >>> mine = pcp_segments(pcp_plan([8], 2, prefix_lens=[3]), 0)
+    >>> mine.segments.cu_q.tolist(), mine.segments.req.tolist(), mine.segments.stop.tolist(), mine.max_prefix
+    ([0, 2, 4], [0, 0], [2, 8], 3)
     """
     shard = plan.shard
-    prefix = shard.prefix_lens.to(torch.int32)
+    device = torch.device(device)
+    prefix = [int(x) for x in shard.prefix_lens.tolist()]
     lens = (shard.token_offsets[1:] - shard.token_offsets[:-1]).tolist()
-    segments = plan_segments(lens, prefix.tolist(), device, runs=shard.runs(rank))
-    return segments, prefix
+    segments = plan_segments(lens, prefix, device, runs=shard.runs(rank), pin=pin)
+    kv_row = plan.kv_row.to(device, copy=True)  # the step's own: never the plan's tensor
+    prefix_lens = torch.tensor(prefix, dtype=torch.int32).to(device)
+    return PCPSegments(segments, prefix_lens, kv_row, int(shard.counts[rank]), tuple(prefix), tuple(lens))
 
 
 def _check_pcp(
@@ -174,6 +207,7 @@ def _check_pcp(
     k_new: torch.Tensor | None,
     v_new: torch.Tensor | None,
     plan: PCPPlan,
+    mine: PCPSegments,
     comm: Comm,
     caches: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     sinks: torch.Tensor | None,
@@ -182,17 +216,14 @@ def _check_pcp(
     gather_output: object,
     check: bool,
 ) -> tuple[int, bool]:
-    """Validate one rank's PCP inputs; returns the fingerprint the ranks agree on and whether the
-    cached prefix is read."""
-    if not isinstance(plan, PCPPlan):
-        raise TypeError(f"plan must be a PCPPlan (from pcp_plan), got {type(plan).__name__}")
-    if plan.world_size != comm.world_size:
-        raise ValueError(f"plan is for world_size={plan.world_size}, but the group has {comm.world_size} ranks")
-    mine = int(plan.shard.counts[comm.rank])
+    """Validate one rank's PCP inputs against its share of the plan (``mine``: host values only, no
+    read of a plan tensor); returns the fingerprint the ranks agree on and whether the cached prefix
+    is read."""
+    t_mine = mine.num_tokens
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     t, h, d = q.shape
-    if t != mine:
-        raise ValueError(f"q must hold rank {comm.rank}'s {mine} tokens (plan), got {t}")
+    if t != t_mine:
+        raise ValueError(f"q must hold rank {comm.rank}'s {t_mine} tokens (plan), got {t}")
     k_cache, v_cache, block_table = caches
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new go together: give both, or neither when the new keys are in the cache")
@@ -222,22 +253,21 @@ def _check_pcp(
         raise TypeError(f"gather_output must be a bool, got {type(gather_output).__name__}")
     if sinks is not None:
         check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
-    prefix = plan.shard.prefix_lens
-    has_prefix = bool((prefix > 0).any()) or k_new is None
+    has_prefix = mine.max_prefix > 0 or k_new is None
     given = [x is not None for x in caches]
     if any(given) and not all(given):
         raise ValueError("k_cache, v_cache and block_table go together (the cached prefix); give all or none")
     if has_prefix and not all(given):
         raise ValueError(
-            f"the plan has cached prefixes (prefix_lens={prefix.tolist()[:8]}): pass k_cache, v_cache and "
+            f"the plan has cached prefixes (prefix_lens={list(mine.prefix[:8])}): pass k_cache, v_cache and "
             "block_table holding them"
         )
     if all(given):
-        check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, prefix.to(torch.int32), plan.shard.num_requests)
-        seq = (prefix + plan.shard.query_lens if k_new is None else prefix).tolist()
+        check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, mine.prefix_lens, len(mine.prefix))
         capacity = block_table.shape[1] * k_cache.shape[1]
-        if seq and max(seq) > capacity:
+        if (mine.max_seq if k_new is None else mine.max_prefix) > capacity:
             what = "prefix_lens plus the new tokens" if k_new is None else "prefix_lens"
+            seq = [p + n for p, n in zip(mine.prefix, mine.query_lens)] if k_new is None else list(mine.prefix)
             raise ValueError(f"{what} must fit the block table ({capacity} positions), got {seq[:8]}")
     check_same_device(
         q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, block_table=block_table, sinks=sinks
@@ -265,7 +295,7 @@ def gqa_prefill_pcp(
     gather_output: bool = False,
     backend: str = "auto",
     check: bool = True,
-    segments: Segments | None = None,
+    segments: PCPSegments | None = None,
     kernel: SegmentKernel | None = None,
     return_lse: bool = True,
     launches: FA4Launches | None = None,
@@ -291,8 +321,9 @@ def gqa_prefill_pcp(
         gather_output: also all-gather the outputs and return every token's, in token order.
         backend: the local kernel (:func:`~shardattn.ops.gqa_prefill.gqa_prefill_route`).
         check: agree on the plan and shapes first (one small all-gather, a host sync).
-        segments: this rank's :func:`pcp_segments` on q's device (planned once per step; default:
-            planned here). kernel: the kernel implementation (default: ``backend``'s route's).
+        segments: this rank's :func:`pcp_segments` on q's device (planned once per step, so a
+            layer copies nothing and reads nothing back; default: planned here). kernel: the kernel
+            implementation (default: ``backend``'s route's).
         return_lse: return the LSE (``False``: ``None``; needs ``gather_output=False``).
         launches: the FA4 launches of the plan ``segments`` belong to (a Runtime's plan; see
             :func:`~shardattn.ops.gqa_prefill_segments.attend_segments`).
@@ -311,25 +342,32 @@ def gqa_prefill_pcp(
     comm = Comm.wrap(group)
     has_prefix = False
     route = None
+    mine = segments
 
     def validate() -> int:
-        nonlocal has_prefix, route
+        nonlocal has_prefix, route, mine
+        if not isinstance(plan, PCPPlan):
+            raise TypeError(f"plan must be a PCPPlan (from pcp_plan), got {type(plan).__name__}")
+        if plan.world_size != comm.world_size:
+            raise ValueError(f"plan is for world_size={plan.world_size}, but the group has {comm.world_size} ranks")
+        if mine is None:
+            check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+            mine = pcp_segments(plan, comm.rank, q.device)
+        elif not isinstance(mine, PCPSegments):
+            raise TypeError(f"segments must be pcp_segments' PCPSegments, got {type(mine).__name__}")
         fingerprint, has_prefix = _check_pcp(
-            q, k_new, v_new, plan, comm, (k_cache, v_cache, block_table), sinks, window_left, scale, gather_output,
-            check,
+            q, k_new, v_new, plan, mine, comm, (k_cache, v_cache, block_table), sinks, window_left, scale,
+            gather_output, check,
         )  # fmt: skip
         if not isinstance(return_lse, bool) or (gather_output and not return_lse):
             raise ValueError(f"return_lse must be a bool, True with gather_output, got {return_lse!r}")
-        if segments is not None and not isinstance(segments, Segments):
-            raise TypeError(f"segments must be pcp_segments' Segments, got {type(segments).__name__}")
         if kernel is None:
             route = gqa_prefill_route(q, k_cache if k_new is None else k_new, backend=backend)
         return fingerprint
 
     comm.agree_on("GQA PCP plan and inputs", validate, check=check)
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
-        dev = q.device
-        w, rank = comm.world_size, comm.rank
+        w = comm.world_size
         t, h, d = q.shape
         keys_ready = None
         k_all = v_all = new_rows = None
@@ -341,18 +379,14 @@ def gqa_prefill_pcp(
             padded[:t, 1] = v_new
             gathering, pending = comm.all_gather_async(padded)
             gathered = gathering.view(w * p, 2, hkv, d)
-            k_all, v_all, new_rows, keys_ready = gathered[:, 0], gathered[:, 1], plan.kv_row.to(dev), pending.wait
-        segments_given = segments is not None
-        if segments is None:
-            segments = pcp_segments(plan, rank, dev)[0]
+            k_all, v_all, new_rows, keys_ready = gathered[:, 0], gathered[:, 1], mine.kv_row, pending.wait
         prefix = None
         if has_prefix:
-            lens = plan.shard.prefix_lens.to(device=dev, dtype=torch.int32)
-            prefix = PagedPrefix(k_cache, v_cache, block_table, lens, int(plan.shard.prefix_lens.max()))
+            prefix = PagedPrefix(k_cache, v_cache, block_table, mine.prefix_lens, mine.max_prefix)
         out, lse = attend_segments(
-            q, k_all, v_all, segments, kernel=segment_kernel(route) if kernel is None else kernel, prefix=prefix,
+            q, k_all, v_all, mine.segments, kernel=segment_kernel(route) if kernel is None else kernel, prefix=prefix,
             window_left=window_left, sinks=sinks, scale=d**-0.5 if scale is None else scale, new_rows=new_rows,
-            keys_ready=keys_ready, return_lse=return_lse, launches=launches if segments_given else None,
+            keys_ready=keys_ready, return_lse=return_lse, launches=launches if segments is not None else None,
         )  # fmt: skip
         if not gather_output:
             return out, lse
@@ -362,5 +396,4 @@ def gqa_prefill_pcp(
         mine_out[:t], mine_lse[:t] = out, lse
         got = comm.all_gather(pack_rows([mine_out.unsqueeze(0), mine_lse.unsqueeze(0)])[0])
         all_out, all_lse = unpack_rows(got, specs)  # [W, P, H, D], [W, P, H]
-        rows = plan.kv_row.to(dev)
-        return all_out.reshape(w * p, h, d)[rows], all_lse.reshape(w * p, h)[rows]
+        return all_out.reshape(w * p, h, d)[mine.kv_row], all_lse.reshape(w * p, h)[mine.kv_row]

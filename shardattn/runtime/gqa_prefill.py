@@ -33,7 +33,7 @@ from shardattn._checks import FLOAT_DTYPES, check_int, check_tensor
 from shardattn.kernels.fa4_launch import FA4Launches
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, SegmentKernel, Segments, attend_segments, plan_segments
 from shardattn.parallel.comm import Comm
-from shardattn.parallel.gqa_prefill import gqa_prefill_pcp, head_tp_kv_heads
+from shardattn.parallel.gqa_prefill import PCPSegments, gqa_prefill_pcp, head_tp_kv_heads, pcp_segments
 from shardattn.plan.pcp import PCPPlan
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.args import as_index, check_queries
@@ -51,6 +51,8 @@ class GQAStepPlan:
         query_lens, prefix: the host lengths (``[B]`` each).
         max_prefix: the longest cached prefix.
         max_seq: the most KV tokens of one request (prefix and new tokens).
+        pcp: under PCP, the rank's share of the plan on the device (its segments, prefix lengths
+            and KV rows: :func:`~shardattn.parallel.gqa_prefill.pcp_segments`); ``None`` under head-TP.
         launches: the plan's FA4 launches (filled by its first FA4 call of each form).
         checked_table: the last CPU block table whose values passed the check, with what it was
             checked for (held, so no other tensor can take its address; its version counter
@@ -63,6 +65,7 @@ class GQAStepPlan:
     prefix: tuple[int, ...]
     max_prefix: int
     max_seq: int
+    pcp: PCPSegments | None = None
     launches: FA4Launches = field(default_factory=FA4Launches, compare=False, repr=False)
     checked_table: list = field(default_factory=list, compare=False, repr=False)
 
@@ -76,11 +79,13 @@ def plan_gqa_step(
 ) -> GQAStepPlan:
     """The step's :class:`GQAStepPlan` (host arithmetic, one copy to ``device``; ``shard``: the PCP plan)."""
     pre = [0] * len(query_lens) if prefix is None else list(prefix)
-    runs = None if shard is None else shard.shard.runs(rank)
     pin = device.type == "cuda"
-    segments = plan_segments(query_lens, pre, device, runs=runs, pin=pin)
-    lens = torch.tensor(pre, dtype=torch.int32).to(device)
     seq = max((p + n for p, n in zip(pre, query_lens)), default=0)
+    if shard is not None:
+        mine = pcp_segments(shard, rank, device, pin=pin)
+        return GQAStepPlan(mine.segments, mine.prefix_lens, tuple(query_lens), tuple(pre), mine.max_prefix, seq, mine)
+    segments = plan_segments(query_lens, pre, device, pin=pin)
+    lens = torch.tensor(pre, dtype=torch.int32).to(device)
     return GQAStepPlan(segments, lens, tuple(query_lens), tuple(pre), max(pre, default=0), seq)
 
 
@@ -228,7 +233,7 @@ def run_gqa_prefill_step(
     if step == "pcp":
         return gqa_prefill_pcp(
             q, k, v, shard, comm, k_cache=kc, v_cache=vc, block_table=table, sinks=sinks, window_left=window_left,
-            scale=scale, check=check, segments=gqa.segments, kernel=kernel, return_lse=return_lse,
+            scale=scale, check=check, segments=gqa.pcp, kernel=kernel, return_lse=return_lse,
             launches=gqa.launches,
         )  # fmt: skip
     prefix = None
