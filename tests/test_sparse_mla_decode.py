@@ -11,7 +11,7 @@ from shardattn.kernels.triton.sparse_mla_decode import partials_dtype, sparse_ml
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.plan.crossovers import COLUMN_MERGE_MAX_ROWS
-from shardattn.plan.routing import route_decode_merge
+from shardattn.plan.decode_routing import route_decode_merge
 from shardattn.runtime.cudagraph import DecodeGraph
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import sparse_mla_oracle

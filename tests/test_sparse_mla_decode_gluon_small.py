@@ -26,7 +26,7 @@ from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.plan.crossovers import SMALL_DECODE_HEAD_GROUP as HEAD_GROUP
 from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
-from shardattn.plan.routing import (
+from shardattn.plan.decode_routing import (
     SMALL_DECODE_MAX_HEADS,
     SMALL_DECODE_MAX_TOKENS,
     route_sparse_decode_kernel,

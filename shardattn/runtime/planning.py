@@ -30,9 +30,10 @@ from shardattn.ops.gqa_prefill_segments import SegmentKernel
 from shardattn.parallel.comm import Comm
 from shardattn.plan.cost import CostModel
 from shardattn.plan.cost_route import cost_route
+from shardattn.plan.decode_routing import route_decode
 from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.pcp import pcp_plan
-from shardattn.plan.routing import Route, route_decode, route_prefill
+from shardattn.plan.routing import Route, route_prefill
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.zigzag import zigzag_split
 from shardattn.runtime.args import prefill_lengths, reject

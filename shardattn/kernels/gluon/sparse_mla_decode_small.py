@@ -28,7 +28,7 @@ Contract as :func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode`: an entry
 a row with no key gives ``(0, -inf)`` (``(0, sink)`` with sinks). On sm_90 the kernel and its merge
 are programmatic dependent launches like the Triton path's. Its whole steps are faster than the
 Triton split kernel's at up to 16 heads and 16 tokens (graph replays, L2 flushed:
-docs/PERFORMANCE.md), so :func:`~shardattn.plan.routing.route_sparse_decode_kernel` routes those
+docs/PERFORMANCE.md), so :func:`~shardattn.plan.decode_routing.route_sparse_decode_kernel` routes those
 calls here (the crossovers: :mod:`shardattn.plan.crossovers`).
 The torch reference is :func:`~shardattn.ops.sparse_mla.sparse_mla_reference`.
 """
@@ -41,7 +41,7 @@ from shardattn.kernels.gluon.compat import HAS_GLUON
 from shardattn.kernels.triton.kv_fp8_read import ROPE_OFFSET, SCALE_OFFSET
 from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns, split_partials
 from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
-from shardattn.plan.routing import SMALL_DECODE_MAX_SPLITS, small_decode_heads, small_decode_tiles
+from shardattn.plan.decode_routing import SMALL_DECODE_MAX_SPLITS, small_decode_heads, small_decode_tiles
 
 __all__ = [
     "MAX_HEADS",

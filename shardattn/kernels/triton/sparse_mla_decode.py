@@ -32,7 +32,8 @@ from shardattn.kernels.triton.lse_merge import (
 from shardattn.kernels.triton.online_softmax import online_softmax_finish, online_softmax_step
 from shardattn.kernels.triton.sparse_mla_fp8 import fp8_decode_loop, store_tiles
 from shardattn.plan.crossovers import ONE_WAVE_MAX_BLOCK_N, ONE_WAVE_MAX_ROWS, ONE_WAVE_MAX_SPLITS
-from shardattn.plan.routing import Route, route_decode_merge
+from shardattn.plan.decode_routing import route_decode_merge
+from shardattn.plan.routing import Route
 
 __all__ = [
     "CONFIG_KEYS",
@@ -85,7 +86,7 @@ def sparse_mla_decode_config(
     Returns:
         ``{"BLOCK_H", "BLOCK_N", "num_splits", "chunk", "num_warps", "num_stages", "merge",
         "reason", "cost_model_splits"}`` (``merge``: the path of
-        :func:`~shardattn.plan.routing.route_decode_merge`, ``reason`` its reason after the split
+        :func:`~shardattn.plan.decode_routing.route_decode_merge`, ``reason`` its reason after the split
         count; ``cost_model_splits``: the cost model's split count, before the one-wave choice).
 
     Example:
