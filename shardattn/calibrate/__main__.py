@@ -31,9 +31,10 @@ from shardattn.launch.one_line import report_once
 from shardattn.launch.process_group import host_groups
 from shardattn.launch.progress import RunProgress, format_seconds
 from shardattn.parallel.hosts import exchange_node_layout
-from shardattn.plan.cost import CONSERVATIVE, Calibration, CostModel, StepOverhead, StepShape
+from shardattn.plan.cost import CONSERVATIVE, Calibration, CostModel, StepOverhead
 from shardattn.plan.nodes import NodeLayout
 from shardattn.plan.spec import get_preset
+from shardattn.plan.step_shape import StepShape
 
 log = logging.getLogger(__name__)
 
