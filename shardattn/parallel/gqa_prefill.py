@@ -47,7 +47,8 @@ from shardattn._checks import FLOAT_DTYPES, check_int, check_same_device, check_
 from shardattn.kernels.fa4_launch import FA4Launches
 from shardattn.ops.gqa_prefill import check_prefix_inputs, gqa_prefill, gqa_prefill_route, segment_kernel
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, SegmentKernel, Segments, attend_segments, plan_segments
-from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
+from shardattn.parallel.agreement import stable_fingerprint
+from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
 from shardattn.parallel.groups import GroupLike
 from shardattn.plan.pcp import PCPPlan
 
