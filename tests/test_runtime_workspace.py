@@ -43,7 +43,7 @@ from tests.test_runtime import (
 )
 
 CPU = torch.device("cpu")
-GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 16, dtype="bfloat16")
+GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 16, dtype="float32")
 
 
 @pytest.mark.parametrize("cost_routed", [False, True], ids=["gate-only", "cost-routed"])
