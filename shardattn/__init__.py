@@ -30,7 +30,7 @@ _OPS = {
     "sparse_mla_grouped_prefill": "shardattn.ops.sparse_mla_grouped",
     "sparse_mla_decode": "shardattn.ops.sparse_mla_decode",
     "gqa_paged_decode": "shardattn.ops.gqa_decode",
-    "gqa_paged_decode_reference": "shardattn.ops.gqa_decode",
+    "gqa_paged_decode_reference": "shardattn.ops.gqa_decode_reference",
     "gqa_prefill": "shardattn.ops.gqa_prefill",
     "lse_merge": "shardattn.ops.lse_merge",
     "lse_merge_reference": "shardattn.ops.lse_merge",

@@ -12,8 +12,9 @@ import torch
 
 from shardattn.kernels import fa4
 from shardattn.ops.gqa_prefill import fa4_variants, gqa_prefill, gqa_prefill_route
+from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel
 from shardattn.ops.gqa_prefill_reference import segment_attention_reference
-from shardattn.ops.gqa_prefill_segments import FA4SegmentKernel, PagedPrefix, Segments, attend_segments, plan_segments
+from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments, plan_segments
 from tests.fake_fa4 import FakeFA4
 from tests.oracle import gqa_prefill_oracle
 

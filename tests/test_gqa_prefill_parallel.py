@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from shardattn.ops.gqa_prefill import gqa_prefill
-from shardattn.ops.gqa_prefill_segments import FA4SegmentKernel, PagedPrefix, attend_segments
+from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel
+from shardattn.ops.gqa_prefill_segments import PagedPrefix, attend_segments
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp, gqa_prefill_pcp, head_tp_kv_heads, pcp_segments
 from shardattn.plan import pcp_plan

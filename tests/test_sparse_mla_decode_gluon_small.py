@@ -33,8 +33,8 @@ from shardattn.plan.decode_routing import (
     small_decode_heads,
     small_decode_tiles,
 )
-from shardattn.runtime.cudagraph import DecodeGraph
 from shardattn.runtime.decode_warmup import small_kernel_sizes
+from shardattn.runtime.graph_capture import DecodeGraph
 from tests.oracle import sparse_mla_oracle
 from tests.test_sparse_mla_decode_gluon import SCALE, _check, _gpu_case, needs_sm90
 

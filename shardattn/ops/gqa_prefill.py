@@ -47,14 +47,8 @@ from shardattn._checks import (
 )
 from shardattn.kernels import fa4
 from shardattn.kernels.fa4_launch import FA4Private
-from shardattn.ops.gqa_prefill_segments import (
-    FA4SegmentKernel,
-    PagedPrefix,
-    SegmentKernel,
-    Segments,
-    TorchSegmentKernel,
-    attend_segments,
-)
+from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel, SegmentKernel, TorchSegmentKernel
+from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments
 from shardattn.plan.routing import Route
 
 __all__ = [

@@ -46,7 +46,8 @@ import torch
 from shardattn._checks import FLOAT_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.kernels.fa4_launch import FA4Launches
 from shardattn.ops.gqa_prefill import check_prefix_inputs, gqa_prefill, gqa_prefill_route, segment_kernel
-from shardattn.ops.gqa_prefill_segments import PagedPrefix, SegmentKernel, Segments, attend_segments, plan_segments
+from shardattn.ops.gqa_prefill_kernels import SegmentKernel
+from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments, plan_segments
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
 from shardattn.parallel.groups import GroupLike

@@ -16,7 +16,7 @@ Everything that depends only on the lengths is computed once per step, in
 :meth:`Runtime.plan_prefill <shardattn.runtime.runtime.Runtime.plan_prefill>`
 (:class:`GQAStepPlan`: the segments on the device, moved in one copy), so an engine's layers reuse
 it; a layer's call then checks shapes on the host (no device sync, no device op) and issues the
-kernel. The kernel object (:class:`~shardattn.ops.gqa_prefill_segments.FA4SegmentKernel`) is the
+kernel. The kernel object (:class:`~shardattn.ops.gqa_prefill_kernels.FA4SegmentKernel`) is the
 Runtime's, so the page table it derives from a block table is made once per table, not per layer.
 The plan also holds its FA4 launches (:class:`~shardattn.kernels.fa4_launch.FA4Launches`): the
 plan's first FA4 call of each form runs FA4's public function and keeps its compiled kernel and
@@ -31,7 +31,8 @@ import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_int, check_tensor
 from shardattn.kernels.fa4_launch import FA4Launches
-from shardattn.ops.gqa_prefill_segments import PagedPrefix, SegmentKernel, Segments, attend_segments, plan_segments
+from shardattn.ops.gqa_prefill_kernels import SegmentKernel
+from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments, plan_segments
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.gqa_prefill import PCPSegments, gqa_prefill_pcp, head_tp_kv_heads, pcp_segments
 from shardattn.plan.pcp import PCPPlan

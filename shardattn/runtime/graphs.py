@@ -19,7 +19,8 @@ import torch
 
 from shardattn._checks import check_choice, check_int
 from shardattn.plan.cudagraph import CGSupport, explain_cudagraph_support
-from shardattn.runtime.cudagraph import GraphInput, GraphRunner, check_capture_allowed
+from shardattn.runtime.cudagraph import GraphInput, GraphRunner
+from shardattn.runtime.graph_capture import check_capture_allowed
 from shardattn.runtime.modes import prefill_step_of
 
 __all__ = ["DecodeGraphs", "RuntimeGraphs"]

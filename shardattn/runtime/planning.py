@@ -26,7 +26,7 @@ from shardattn.kernels import fa4
 from shardattn.kernels.flashinfer_xqa import get_xqa
 from shardattn.ops.dispatch import device_capability
 from shardattn.ops.gqa_prefill import segment_kernel
-from shardattn.ops.gqa_prefill_segments import SegmentKernel
+from shardattn.ops.gqa_prefill_kernels import SegmentKernel
 from shardattn.parallel.comm import Comm
 from shardattn.plan.cost import CostModel
 from shardattn.plan.cost_route import cost_route

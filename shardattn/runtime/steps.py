@@ -30,7 +30,7 @@ from shardattn.runtime.prefill import PrefillPlan, run_prefill_step, shardq_buff
 from shardattn.runtime.workspace import RuntimeWorkspace
 
 if TYPE_CHECKING:
-    from shardattn.ops.gqa_prefill_segments import SegmentKernel
+    from shardattn.ops.gqa_prefill_kernels import SegmentKernel
     from shardattn.plan.context import DCPLayout
 
 __all__ = ["RuntimeSteps"]
