@@ -45,7 +45,7 @@ from shardattn._checks import (
     check_scale,
     check_tensor,
 )
-from shardattn.kernels import fa4
+from shardattn.kernels import fa4, fa4_warmup
 from shardattn.kernels.fa4_launch import FA4Private
 from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel, SegmentKernel, TorchSegmentKernel
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments
@@ -283,8 +283,8 @@ def fa4_variants(
     max_segments: int = 1,
     return_lse: bool = True,
     runs: bool = False,
-) -> list[fa4.FA4Variant]:
-    """The FA4 compile keys a prefill configuration meets (pass them to :func:`shardattn.kernels.fa4.warm_up`).
+) -> list[fa4_warmup.FA4Variant]:
+    """The FA4 compile keys a prefill configuration meets (pass them to :func:`shardattn.kernels.fa4_warmup.warm_up`).
 
     Args:
         dtype, num_heads, num_kv_heads, head_dim: of one kernel call (a rank's heads under head-TP).
@@ -309,17 +309,17 @@ def fa4_variants(
     """
     many = [False, True] if check_int("max_segments", max_segments, minimum=1) > 256 else [False]
     base = dict(dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    out: list[fa4.FA4Variant] = []
+    out: list[fa4_warmup.FA4Variant] = []
     for m in many:
         for w in dict.fromkeys(windows):
             new = dict(**base, causal=True, window=w, sinks=sinks, many_segments=m)
             lses = dict.fromkeys([return_lse, *([True] if page_size is not None and not w else [])])
             for lse in lses:  # the new keys as they are (PCP: gathered), merged with a prefix when there is one
-                out.append(fa4.FA4Variant(**new, seqused=runs, lse=lse))
+                out.append(fa4_warmup.FA4Variant(**new, seqused=runs, lse=lse))
             if page_size is not None:
                 if w:  # a prefix's last window_left keys copied before the new ones
-                    out.append(fa4.FA4Variant(**new, seqused=True, lse=return_lse))
-                out.append(fa4.FA4Variant(**new, page_size=page_size, lse=return_lse))  # keys in the cache
+                    out.append(fa4_warmup.FA4Variant(**new, seqused=True, lse=return_lse))
+                out.append(fa4_warmup.FA4Variant(**new, page_size=page_size, lse=return_lse))  # keys in the cache
         if page_size is not None and False in windows:  # the split form: prefix without a window
-            out.append(fa4.FA4Variant(**base, causal=False, page_size=page_size, many_segments=m))
+            out.append(fa4_warmup.FA4Variant(**base, causal=False, page_size=page_size, many_segments=m))
     return list(dict.fromkeys(out))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardattn.kernels import fa4
+from shardattn.kernels import fa4_warmup
 from shardattn.kernels.gluon.sparse_mla import gluon_config
 from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS, smem_unsupported_reason
 from shardattn.kernels.gluon.union_smem import launch_config as smem_launch_config
@@ -282,7 +282,7 @@ class RuntimeWarmup:
         )
         return {k for k in compile_keys(spec) if k.kernel == "convert_topk" or k.params.get("G") == route.group_size}
 
-    def gqa_prefill_variants(self) -> list[fa4.FA4Variant]:
+    def gqa_prefill_variants(self) -> list[fa4_warmup.FA4Variant]:
         """The FA4 compile keys this Runtime's GQA prefill calls can meet (empty off the FA4 route):
         the rank's heads and KV heads of its step (head-TP ``H/W`` over its KV heads, PCP all),
         every call form (:func:`~shardattn.ops.gqa_prefill.fa4_variants`: new keys given or in the
@@ -309,7 +309,7 @@ class RuntimeWarmup:
         self.warmed_keys = frozenset(k for s in specs for k in compile_keys(s))
         variants = self.gqa_prefill_variants()
         if variants:  # FA4 compiles each key on its first call (seconds): all of them now
-            launches += fa4.warm_up(variants, self.device)
+            launches += fa4_warmup.warm_up(variants, self.device)
             self.warmed_keys |= {CompileKey("fa4", dataclasses.asdict(v)) for v in variants}
         launches += self._warmup_decode()
         self.warmup_launches = launches
