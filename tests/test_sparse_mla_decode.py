@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardattn.kernels.triton.sparse_mla_decode import partials_dtype, sparse_mla_decode_config
+from shardattn.kernels.triton.sparse_mla_decode_config import partials_dtype, sparse_mla_decode_config
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.plan.crossovers import COLUMN_MERGE_MAX_ROWS

@@ -319,7 +319,7 @@ def test_small_kernel_matches_triton_on_the_union_path_and_with_duplicates():
 @pytest.mark.gpu
 @needs_sm90
 def test_a_workspace_too_small_runs_triton_when_routed_and_raises_when_forced():
-    from shardattn.kernels.triton.sparse_mla_decode import sparse_mla_decode_config
+    from shardattn.kernels.triton.sparse_mla_decode_config import sparse_mla_decode_config
 
     tokens = SMALL_DECODE_MAX_TOKENS
     q, kv, rows, length, sinks = _small_case(tokens, 16, seed=9)
