@@ -50,7 +50,7 @@ _STEPS = {
     "dcp_sparse_mla_decode": "shardattn.parallel.dcp",
     "dcp_gqa_decode": "shardattn.parallel.dcp_gqa",
     "pcp_prefill": "shardattn.parallel.pcp",
-    "gqa_prefill_head_tp": "shardattn.parallel.gqa_prefill",
+    "gqa_prefill_head_tp": "shardattn.parallel.gqa_head_tp",
     "gqa_prefill_pcp": "shardattn.parallel.gqa_prefill",
     "collect_partials": "shardattn.parallel.collector",
     "Comm": "shardattn.parallel.comm",

@@ -15,7 +15,8 @@ from shardattn.ops.gqa_prefill import gqa_prefill
 from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, attend_segments
 from shardattn.parallel.comm import Comm
-from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp, gqa_prefill_pcp, head_tp_kv_heads, pcp_segments
+from shardattn.parallel.gqa_head_tp import gqa_prefill_head_tp, head_tp_kv_heads
+from shardattn.parallel.gqa_prefill import gqa_prefill_pcp, pcp_segments
 from shardattn.plan import pcp_plan
 from tests.fake_fa4 import FakeFA4
 from tests.oracle import gqa_prefill_oracle

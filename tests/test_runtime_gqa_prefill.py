@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from shardattn.kernels import fa4, fa4_warmup
 from shardattn.kernels.fa4_launch import FAST_LAUNCH_VERSION, check_fast_launch
-from shardattn.parallel.gqa_prefill import head_tp_kv_heads
+from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.plan.cudagraph import CGSupport
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.options import PrefillOptions

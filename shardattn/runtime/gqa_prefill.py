@@ -3,7 +3,7 @@
 What runs (:func:`run_gqa_prefill_step`), per mode's step (:data:`~shardattn.runtime.modes.GQA_PREFILL_STEP`):
 
 * **head-TP**: rank ``r`` holds query heads ``[r H/W, (r+1) H/W)`` of every new token and the KV
-  heads they read (:func:`~shardattn.parallel.gqa_prefill.head_tp_kv_heads`); one local
+  heads they read (:func:`~shardattn.parallel.gqa_head_tp.head_tp_kv_heads`); one local
   :func:`~shardattn.ops.gqa_prefill_segments.attend_segments` call, no collective. With
   ``kv_new=None`` (the new tokens' K/V already written into the paged cache, as an engine's cache
   write does before attention) that is one paged FA4 call over ``seq_lens`` keys per request: the
@@ -34,7 +34,8 @@ from shardattn.kernels.fa4_launch import FA4Launches
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments, plan_segments
 from shardattn.parallel.comm import Comm
-from shardattn.parallel.gqa_prefill import PCPSegments, gqa_prefill_pcp, head_tp_kv_heads, pcp_segments
+from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
+from shardattn.parallel.gqa_prefill import PCPSegments, gqa_prefill_pcp, pcp_segments
 from shardattn.plan.pcp import PCPPlan
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.args import as_index, check_queries

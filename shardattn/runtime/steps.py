@@ -143,7 +143,7 @@ class RuntimeSteps:
             q: head-TP ``[T, H/W, D]`` this rank's heads of every new token; PCP ``[T_r, H, D]``
                 every head of the rank's tokens (``plan.tokens_of(rank)``).
             kv_cache: ``(k_cache, v_cache)``, each ``[pages, page_size, Hkv_r, D]`` in q's dtype
-                (head-TP: the rank's KV heads, :func:`~shardattn.parallel.gqa_prefill.head_tp_kv_heads`;
+                (head-TP: the rank's KV heads, :func:`~shardattn.parallel.gqa_head_tp.head_tp_kv_heads`;
                 PCP: all), with ``block_table [B, M]`` int32; it holds the cached prefixes, and with
                 ``kv_new=None`` the step's new tokens after them. ``None``: no prefix, ``kv_new`` given.
             kv_new: ``(k, v)``, each ``[T, Hkv_r, D]`` (PCP ``[T_r, Hkv, D]``), the new tokens' keys

@@ -39,7 +39,7 @@ from shardattn.ops.dispatch import default_group_size
 from shardattn.ops.gqa_prefill import fa4_variants
 from shardattn.ops.topk import DcpShard
 from shardattn.ops.union import UNION_METHOD
-from shardattn.parallel.gqa_prefill import head_tp_kv_heads
+from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.routing import Route, gluon_grouped_group_size, prefill_group_size
