@@ -38,7 +38,7 @@ import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.kernels.fa4_launch import FA4Launches
-from shardattn.ops.gqa_prefill import check_prefix_inputs, gqa_prefill_route, segment_kernel
+from shardattn.ops.gqa_prefill import check_new_keys, check_prefix_inputs, gqa_prefill_route, segment_kernel
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments, plan_segments
 from shardattn.parallel.agreement import stable_fingerprint
@@ -125,27 +125,10 @@ def _check_pcp(
     if t != t_mine:
         raise ValueError(f"q must hold rank {comm.rank}'s {t_mine} tokens (plan), got {t}")
     k_cache, v_cache, block_table = caches
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new go together: give both, or neither when the new keys are in the cache")
-    if k_new is None:
-        if k_cache is None:
-            raise ValueError(
-                "k_new and v_new are None (the new keys already in every rank's cache): pass k_cache, v_cache "
-                "and block_table holding them"
-            )
-        check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
-        hkv = k_cache.shape[2]
-    else:
-        check_tensor("k_new", k_new, dtypes=(q.dtype,), ndim=3)
-        if k_new.shape[0] != t or k_new.shape[2] != d:
-            raise ValueError(
-                f"k_new must have shape [{t}, Hkv, {d}] (q's tokens and head_dim), got {list(k_new.shape)}"
-            )
-        hkv = k_new.shape[1]
-        check_tensor("v_new", v_new, dtypes=(q.dtype,), shape=tuple(k_new.shape))
-    if hkv < 1 or h % hkv:
-        name = "k_new" if k_new is not None else "k_cache"
-        raise ValueError(f"q heads ({h}) must be a multiple of {name}'s KV heads ({hkv})")
+    hkv = check_new_keys(
+        q, k_new, v_new, k_cache, names=("k_new", "v_new"), cache="the cache",
+        where="every rank's cache", holders="k_cache, v_cache and block_table",
+    )  # fmt: skip
     check_int("window_left", window_left, minimum=-1)
     if scale is not None:
         check_scale("scale", scale)

@@ -14,24 +14,17 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from shardattn.ops.kv_fp8 import resolve_kv
-from shardattn.parallel.comm import Comm
 from shardattn.plan.decode_batch import DecodeBatch
 from shardattn.plan.routing import Route
-from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.decode import DecodeStep
 from shardattn.runtime.gqa_prefill import run_gqa_prefill_step
-from shardattn.runtime.options import DecodeOptions, PrefillOptions
 from shardattn.runtime.prefill import PrefillPlan, run_prefill_step, shardq_buffers, workspace_prefill_attention
-from shardattn.runtime.workspace import RuntimeWorkspace
-
-if TYPE_CHECKING:
-    from shardattn.ops.gqa_prefill_kernels import SegmentKernel
-    from shardattn.plan.context import DCPLayout
+from shardattn.runtime.state import RuntimeState
 
 __all__ = ["RuntimeSteps"]
 
@@ -40,40 +33,8 @@ log = logging.getLogger(__name__)
 _EMPTY_WS = torch.empty(0, dtype=torch.uint8)  # a route without a union (reference path) reads no workspace
 
 
-class RuntimeSteps:
+class RuntimeSteps(RuntimeState):
     """The steps of a Runtime (mixed into it; its state is the Runtime's, set at construction)."""
-
-    # provided by the Runtime
-    spec: ModelSpec
-    comm: Comm
-    rank: int
-    world_size: int
-    heads_per_rank: int
-    device: torch.device
-    dtype: torch.dtype
-    scale: float
-    layout: DCPLayout
-    ws: RuntimeWorkspace
-    prefill_options: PrefillOptions
-    decode_options: DecodeOptions
-    _kv_declared: str | None
-    _warned_dtype: bool
-
-    if TYPE_CHECKING:
-
-        @property
-        def decode_is_dcp(self) -> bool: ...
-
-        @property
-        def causal(self) -> bool: ...
-
-        @property
-        def decode_route(self) -> Route: ...
-
-        @property
-        def gqa_kernel(self) -> SegmentKernel: ...
-
-        def _prefill_inputs(self, *args: Any, **kwargs: Any) -> tuple[PrefillPlan, dict]: ...
 
     def _attention(
         self, q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, *, route: Route, step: str, **kwargs: Any

@@ -40,14 +40,11 @@ from shardattn.ops.gqa_prefill import fa4_variants
 from shardattn.ops.topk import DcpShard
 from shardattn.ops.union import UNION_METHOD
 from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
-from shardattn.plan.context import DCPLayout
 from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.routing import Route, gluon_grouped_group_size, prefill_group_size
-from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.decode_warmup import warm_up_decode
 from shardattn.runtime.modes import GQA_BACKEND, PREFILL_STEP, prefill_step_of
-from shardattn.runtime.options import DecodeOptions, PrefillOptions
-from shardattn.runtime.workspace import RuntimeWorkspace
+from shardattn.runtime.state import RuntimeState
 
 
 @dataclass(frozen=True)
@@ -212,33 +209,9 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
     return launches
 
 
-class RuntimeWarmup:
+class RuntimeWarmup(RuntimeState):
     """The warm-up of a Runtime (mixed into it; it reads the Runtime's config and routes): every
     kernel variant its routes can launch, compiled at construction so that no step compiles."""
-
-    # provided by the Runtime
-    spec: ModelSpec
-    mode: str
-    device: torch.device
-    dtype: torch.dtype
-    topk: int
-    heads_per_rank: int
-    gluon: bool
-    world_size: int
-    rank: int
-    max_decode_tokens: int
-    kv_format: str
-    scale: float
-    decode_options: DecodeOptions
-    ws: RuntimeWorkspace
-    decode_is_dcp: bool
-    decode_route: Route
-    layout: DCPLayout
-    warmed_keys: frozenset
-    warmup_launches: int
-    max_batched_tokens: int
-    prefill_options: PrefillOptions
-    gqa_prefill_route: Route
 
     def prefill_specs(self) -> list[PrefillSpec]:
         """Kernel shapes this Runtime's prefill routes can launch: every head count its steps run
