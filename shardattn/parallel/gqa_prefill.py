@@ -106,7 +106,6 @@ def _check_pcp(
     q: torch.Tensor,
     k_new: torch.Tensor | None,
     v_new: torch.Tensor | None,
-    plan: PCPPlan,
     mine: PCPSegments,
     comm: Comm,
     caches: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
@@ -114,11 +113,11 @@ def _check_pcp(
     window_left: object,
     scale: object,
     gather_output: object,
-    check: bool,
+    plan_fingerprint: int | None,
 ) -> tuple[int, bool]:
     """Validate one rank's PCP inputs against its share of the plan (``mine``: host values only, no
-    read of a plan tensor); returns the fingerprint the ranks agree on and whether the cached prefix
-    is read."""
+    read of a plan tensor); returns the fingerprint the ranks agree on (``plan_fingerprint``
+    included) and whether the cached prefix is read."""
     t_mine = mine.num_tokens
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     t, h, d = q.shape
@@ -156,7 +155,7 @@ def _check_pcp(
         q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, block_table=block_table, sinks=sinks
     )
     fingerprint = stable_fingerprint(
-        "gqa-pcp", plan.fingerprint() if check else None, h, hkv, d, q.dtype, sinks is not None, window_left,
+        "gqa-pcp", plan_fingerprint, h, hkv, d, q.dtype, sinks is not None, window_left,
         gather_output, has_prefix, k_new is None,
     )  # fmt: skip
     return fingerprint, has_prefix
@@ -239,8 +238,8 @@ def gqa_prefill_pcp(
         elif not isinstance(mine, PCPSegments):
             raise TypeError(f"segments must be pcp_segments' PCPSegments, got {type(mine).__name__}")
         fingerprint, has_prefix = _check_pcp(
-            q, k_new, v_new, plan, mine, comm, (k_cache, v_cache, block_table), sinks, window_left, scale,
-            gather_output, check,
+            q, k_new, v_new, mine, comm, (k_cache, v_cache, block_table), sinks, window_left, scale, gather_output,
+            plan.fingerprint() if check else None,
         )  # fmt: skip
         if not isinstance(return_lse, bool) or (gather_output and not return_lse):
             raise ValueError(f"return_lse must be a bool, True with gather_output, got {return_lse!r}")
