@@ -45,7 +45,8 @@ from graph_timing import replay_us
 from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.kernels import flashinfer_xqa
-from shardattn.ops.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference
+from shardattn.ops.gqa_decode import gqa_paged_decode
+from shardattn.ops.gqa_decode_reference import gqa_paged_decode_reference
 from shardattn.ops.lse_merge import lse_merge
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode

@@ -7,7 +7,7 @@ back-to-back calls, the median, after ``--warmup`` calls that include FA4's comp
   a cached prefix read through ``page_table`` from a cache that also holds the new keys);
 * ``op``: :func:`shardattn.ops.gqa_prefill.gqa_prefill` (LSE returned; the prefix read from the
   paged cache, the new keys contiguous);
-* ``step``: :func:`shardattn.parallel.gqa_prefill.gqa_prefill_head_tp` on a one-rank group, given
+* ``step``: :func:`shardattn.parallel.gqa_head_tp.gqa_prefill_head_tp` on a one-rank group, given
   the heads one rank of a TP group holds (``--tp``: 64 / 8 heads at TP 1, 8 / 1 at TP 8; every rank
   of a head-TP step runs this same local call);
 * ``runtime``: ``Runtime.prefill`` of a one-rank ``headtp`` Runtime with the same rank shapes, as an
@@ -48,7 +48,7 @@ from records import add_json_argument, environment, print_table, record, write_j
 
 from shardattn.kernels import fa4
 from shardattn.ops.gqa_prefill import gqa_prefill, gqa_prefill_route
-from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp
+from shardattn.parallel.gqa_head_tp import gqa_prefill_head_tp
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime

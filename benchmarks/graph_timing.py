@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardattn.runtime.cudagraph import DecodeGraph
+from shardattn.runtime.graph_capture import DecodeGraph
 
 
 def graph_of(fn):

@@ -59,9 +59,11 @@ from shardattn.calibrate.timing import median_ms
 from shardattn.launch.local import run_ranks
 from shardattn.launch.process_group import DistEnv
 from shardattn.launch.workloads import build_prefill
-from shardattn.plan.cost import CollectiveRate, CostModel, StepShape, choose_prefill, load_calibration
+from shardattn.plan.cost import CollectiveRate, CostModel, load_calibration
+from shardattn.plan.cost_choice import choose_prefill
 from shardattn.plan.links import LINKS, LinkRate, resolve_link
 from shardattn.plan.spec import ModelSpec, get_preset
+from shardattn.plan.step_shape import StepShape
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
 

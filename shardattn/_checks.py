@@ -74,6 +74,13 @@ def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     return value
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` is a bool (not an int)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_scale(name: str, value: object) -> float:
     """``value`` is a real number, finite and > 0 (a softmax scale); returns it as a float.
 

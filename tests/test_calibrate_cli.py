@@ -89,3 +89,27 @@ def test_a_degenerate_step_fit_warns_naming_the_steps_and_is_not_kept(dist_pool)
         assert "the shardq step overhead fitted to 0.000 ms + 0.000 x" in message, message
         assert message.count("beyond the kernel -1.000 ms") == 8, message  # every step named
         assert "keeps the conservative default" in message
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--passes", "0"], "--passes must be >= 1, got 0"),
+        (["--reps", "0"], "--reps must be >= 1, got 0"),
+        (["--topk", "0"], "--topk must be >= 1, got 0"),
+        (["--heads", "8", "0"], "--heads must be >= 1, got 0"),
+        (["--cached", "-1"], "--cached must be >= 0, got -1"),
+        (["--kv-dtype", "fp4"], "argument --kv-dtype: invalid choice"),
+        (["--merge-into", "no/such/table.json"], "--merge-into no/such/table.json: no table readable there"),
+    ],
+    ids=["passes-0", "reps-0", "topk-0", "heads-0", "cached-negative", "kv-dtype", "merge-into-missing"],
+)
+def test_a_bad_option_is_one_line_with_status_2(tmp_path, capsys, option, message) -> None:
+    """Regression: ``--passes 0`` (and ``--reps 0``, ``--topk 0``, a missing ``--merge-into`` table) raised
+    a traceback after the start-up; every bad option is one line on stderr before anything runs."""
+    out = tmp_path / "t.json"
+    assert main(["--out", str(out), *SMALL, "--no-progress", "--cpu", *option]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardattn.calibrate: error: ") and message in err[0], err
+    assert "Traceback" not in captured.err and not out.exists()

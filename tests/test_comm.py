@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, stable_fingerprint, unpack_rows
+from shardattn.parallel.agreement import stable_fingerprint
+from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, unpack_rows
 from shardattn.parallel.packing import view_bytes
 from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, catch
 

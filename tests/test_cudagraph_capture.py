@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from shardattn.plan.cudagraph import CGSupport
-from shardattn.runtime.cudagraph import GraphInput, GraphRunner, check_capture_allowed
+from shardattn.runtime.cudagraph import GraphInput, GraphRunner
+from shardattn.runtime.graph_capture import check_capture_allowed
 
 
 @pytest.mark.parametrize(

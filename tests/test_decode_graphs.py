@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from shardattn.plan.cudagraph import CGSupport
-from shardattn.runtime.cudagraph import GraphInput, GraphRunner, check_capture_allowed
+from shardattn.runtime.cudagraph import GraphInput, GraphRunner
+from shardattn.runtime.graph_capture import check_capture_allowed
 from shardattn.runtime.graphs import DecodeGraphs
 from shardattn.runtime.runtime import Runtime
 from tests.test_dcp import _gqa_case

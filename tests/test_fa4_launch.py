@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from shardattn.kernels import fa4
 from shardattn.kernels.fa4_launch import FAST_LAUNCH_VERSION, FA4Launch, FA4Launches, check_fast_launch
-from shardattn.ops.gqa_prefill_segments import FA4SegmentKernel
+from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
 from tests.fake_fa4 import FakeFA4

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from shardattn.ops.gqa_decode import gqa_paged_decode, gqa_paged_decode_reference, run_gqa_paged_decode
+from shardattn.ops.gqa_decode import gqa_paged_decode, run_gqa_paged_decode
+from shardattn.ops.gqa_decode_reference import gqa_paged_decode_reference
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import gqa_oracle
 

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from shardattn.kernels import fa4
+from shardattn.kernels import fa4, fa4_warmup
 from shardattn.ops.gqa_prefill import fa4_variants, gqa_prefill, gqa_prefill_route
+from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel
 from shardattn.ops.gqa_prefill_reference import segment_attention_reference
-from shardattn.ops.gqa_prefill_segments import FA4SegmentKernel, PagedPrefix, Segments, attend_segments, plan_segments
+from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments, plan_segments
 from tests.fake_fa4 import FakeFA4
 from tests.oracle import gqa_prefill_oracle
 
@@ -247,7 +248,7 @@ def test_warm_up_runs_every_variant_with_the_real_argument_forms() -> None:
     )
     assert len(variants) == len(set(variants)) == 12
     fake = FakeFA4(compute=False)
-    assert fa4.warm_up([*variants, variants[0]], "cpu", fn=fake) == 12
+    assert fa4_warmup.warm_up([*variants, variants[0]], "cpu", fn=fake) == 12
     assert len(fake.compiled) == 12  # each variant is its own compile key
     seen = {
         (c["paged"], c["causal"], c["window_size"][0] is not None, c["sink"], c["return_lse"], c["seqused"])
@@ -272,7 +273,7 @@ def test_every_call_form_is_a_warmed_variant() -> None:
             dtype=torch.bfloat16, num_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d, sinks=True,
             page_size=case.page, return_lse=return_lse, runs=runs,
         )  # fmt: skip
-        fa4.warm_up(variants, "cpu", fn=fake)
+        fa4_warmup.warm_up(variants, "cpu", fn=fake)
         warmed = set(fake.compiled)
         x = make_case(case, torch.bfloat16, seed=5)
         seg = _two_runs_per_request(list(case.seq_lens), case.prefix_lens) if runs else Segments.for_requests(x["cu"])
@@ -340,11 +341,11 @@ def test_fa4_warmed_up_configuration_compiles_nothing() -> None:
     if why is not None:
         pytest.skip(why)
     variants = fa4_variants(dtype=torch.bfloat16, num_heads=8, num_kv_heads=2, head_dim=64, sinks=True, page_size=16)
-    fa4.warm_up(variants, "cuda")
-    before = fa4.compiled_count()
+    fa4_warmup.warm_up(variants, "cuda")
+    before = fa4_warmup.compiled_count()
     for case in (GPU_CASES[0], GPU_CASES[2], GPU_CASES[3]):  # 8 query heads over 2 KV heads
         x = make_case(case, torch.bfloat16, seed=4)
         dev = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
         gqa_prefill(dev["q"], dev["k"], dev["v"], dev["cu"], **op_kwargs(dev, case), backend="fa4")
     torch.cuda.synchronize()
-    assert before is not None and fa4.compiled_count() == before
+    assert before is not None and fa4_warmup.compiled_count() == before

@@ -8,11 +8,15 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from shardattn.ops.gqa_prefill import gqa_prefill
-from shardattn.ops.gqa_prefill_segments import FA4SegmentKernel, PagedPrefix, attend_segments
+from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel
+from shardattn.ops.gqa_prefill_segments import PagedPrefix, attend_segments
 from shardattn.parallel.comm import Comm
-from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp, gqa_prefill_pcp, head_tp_kv_heads, pcp_segments
+from shardattn.parallel.gqa_head_tp import gqa_prefill_head_tp, head_tp_kv_heads
+from shardattn.parallel.gqa_prefill import gqa_prefill_pcp, pcp_segments
 from shardattn.plan import pcp_plan
 from tests.fake_fa4 import FakeFA4
 from tests.oracle import gqa_prefill_oracle
@@ -166,6 +170,54 @@ PCP_CASES = {
 }
 
 
+class _PlanReads(TorchDispatchMode):
+    """Records every dispatched op that takes a tensor of the plan (by storage) as an input."""
+
+    def __init__(self, plan_tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.plan = {t.untyped_storage().data_ptr() for t in plan_tensors}
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = tree_leaves((args, kwargs))
+        if any(isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in self.plan for x in leaves):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _planned_pcp_body(group: dist.ProcessGroup, case: dict, gather_output: bool) -> tuple:
+    """A layer of a planned PCP step (the rank's ``pcp_segments`` made once) reads no tensor of the
+    plan: every copy to the device and the longest prefix were made with the per-step plan."""
+    comm = Comm(group)
+    plan = pcp_plan(case["seq_lens"], comm.world_size, prefix_lens=case["prefix_lens"])
+    ids = plan.shard.token_ids(comm.rank)
+    mine = pcp_segments(plan, comm.rank, "cpu")
+    plan_tensors = [plan.kv_row, plan.need_stop] + [x for x in vars(plan.shard).values() if torch.is_tensor(x)]
+    q, k, v = case["q"][ids], case["k"][ids], case["v"][ids]
+    with _PlanReads(plan_tensors) as spy:
+        out, lse = gqa_prefill_pcp(
+            q, k, v, plan, comm, k_cache=case["k_cache"],
+            v_cache=case["v_cache"], block_table=case["block_table"], sinks=case["sinks"],
+            window_left=case["window_left"], scale=case["scale"], gather_output=gather_output, check=False,
+            segments=mine,
+        )  # fmt: skip
+    return out, lse, ids, {"all_gather": comm.counts["all_gather"], "agreement": 1}, spy.reads
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["prefix-read-in-place", "prefix-and-window"])
+@pytest.mark.parametrize("gather_output", [False, True], ids=["own-tokens", "token-order"])
+def test_planned_pcp_layer_reads_no_plan_tensor(dist_pool, name: str, gather_output: bool) -> None:
+    """Regression: every PCP layer copied the plan's prefix lengths and KV rows to the device and read
+    ``int(prefix_lens.max())`` back; with the rank's :func:`pcp_segments` a layer touches none of the
+    plan's tensors, and its result is the oracle's."""
+    case = make_step(5, *PCP_CASES[name][:2], window_left=PCP_CASES[name][2])
+    results = dist_pool.run(_planned_pcp_body, case, gather_output, world_size=2)
+    for rank, res in enumerate(results):
+        assert res[4] == [], (rank, res[4])
+    _check_pcp([res[:4] for res in results], case, gather_output)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=WORLD_IDS)
 @pytest.mark.parametrize("name", list(PCP_CASES))
@@ -272,15 +324,13 @@ def _pcp_rank_through_fa4(case: dict, world: int, rank: int, kernel: FA4SegmentK
     gathered[rows >= 0, 0] = case["k"][rows[rows >= 0]]
     gathered[rows >= 0, 1] = case["v"][rows[rows >= 0]]
     gathered = gathered.to(device)
-    segments, prefix_lens = pcp_segments(plan, rank)
+    mine = pcp_segments(plan, rank, device)
     prefix = None
     if max(case["prefix_lens"]) > 0:
-        prefix = PagedPrefix(
-            dev["k_cache"], dev["v_cache"], dev["block_table"], prefix_lens.to(device), max(case["prefix_lens"])
-        )
+        prefix = PagedPrefix(dev["k_cache"], dev["v_cache"], dev["block_table"], mine.prefix_lens, mine.max_prefix)
     out, lse = attend_segments(
-        dev["q"][ids.to(device)], gathered[:, 0], gathered[:, 1], segments.to(device), kernel=kernel, prefix=prefix,
-        window_left=case["window_left"], sinks=dev["sinks"], scale=case["scale"], new_rows=plan.kv_row.to(device),
+        dev["q"][ids.to(device)], gathered[:, 0], gathered[:, 1], mine.segments, kernel=kernel, prefix=prefix,
+        window_left=case["window_left"], sinks=dev["sinks"], scale=case["scale"], new_rows=mine.kv_row,
     )  # fmt: skip
     return out.cpu(), lse.cpu(), ids
 

@@ -26,7 +26,8 @@ from shardattn.parallel import (
     pcp_prefill,
     shardq_prefill,
 )
-from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp, gqa_prefill_pcp
+from shardattn.parallel.gqa_head_tp import gqa_prefill_head_tp
+from shardattn.parallel.gqa_prefill import gqa_prefill_pcp
 from shardattn.parallel.groups import resolve_group
 from shardattn.plan.zigzag import zigzag_split
 from shardattn.runtime.options import PrefillOptions

@@ -15,8 +15,10 @@ from shardattn.launch.cli import build_parser, parse_options
 from shardattn.launch.progress import RunProgress
 from shardattn.launch.report import WIDTH, RankRow, Report, render, render_compare
 from shardattn.launch.runner import plan_run
-from shardattn.plan.cost import CONSERVATIVE, CostModel, StepShape, choose_prefill
+from shardattn.plan.cost import CONSERVATIVE, CostModel
+from shardattn.plan.cost_choice import choose_prefill
 from shardattn.plan.spec import PRESETS, get_preset
+from shardattn.plan.step_shape import StepShape
 
 CPU = torch.device("cpu")
 ROUTED = "cost model (NVIDIA H200): ShardQ G=8 3.42 ms predicted, best rejected head-TP 2.54 ms"

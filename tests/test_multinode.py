@@ -21,18 +21,12 @@ import torch.distributed as dist
 from shardattn.launch.process_group import DistEnv
 from shardattn.launch.workloads import build_decode
 from shardattn.ops.topk import DcpShard
-from shardattn.plan.cost import (
-    Calibration,
-    CollectiveRate,
-    CostModel,
-    StepShape,
-    choose_prefill,
-    load_calibration,
-    shipped_calibration,
-)
+from shardattn.plan.cost import Calibration, CollectiveRate, CostModel, load_calibration, shipped_calibration
+from shardattn.plan.cost_choice import choose_prefill
 from shardattn.plan.links import LINKS, LinkRate, cross_node_rate, resolve_link
 from shardattn.plan.nodes import NodeLayout
 from shardattn.plan.spec import get_preset
+from shardattn.plan.step_shape import StepShape
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
 from shardattn.testing.pool import free_port

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.kernels import fa4
+from shardattn.kernels import fa4, fa4_warmup
 from shardattn.kernels.fa4_launch import FAST_LAUNCH_VERSION, check_fast_launch
-from shardattn.parallel.gqa_prefill import head_tp_kv_heads
+from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.plan.cudagraph import CGSupport
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.options import PrefillOptions
@@ -271,7 +271,7 @@ def test_runtime_fa4_path_on_gpu_equals_oracle_and_compiles_nothing_after_warm_u
                 spec_of(case, "bfloat16"), dist.group.WORLD, mode=mode, max_batched_tokens=1024, device="cuda",
                 prefill_options=PrefillOptions(return_lse=return_lse),
             )  # fmt: skip
-            before = fa4.compiled_count()
+            before = fa4_warmup.compiled_count()
             plan = rt.plan_prefill(case["seq_lens"], case["prefix_lens"])
             assert plan.route.path == "fa4", plan.route.reason
             for in_cache in (False, True):
@@ -285,4 +285,4 @@ def test_runtime_fa4_path_on_gpu_equals_oracle_and_compiles_nothing_after_warm_u
                     assert err < 2e-2, (mode, in_cache, window, err)
                     assert (lse is None) != return_lse
             torch.cuda.synchronize()
-            assert before is not None and fa4.compiled_count() == before, (mode, return_lse)
+            assert before is not None and fa4_warmup.compiled_count() == before, (mode, return_lse)

@@ -9,7 +9,9 @@ prefill gives the same bits as before it. The reservation of GLM-5 at eight rank
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 
 import pytest
 import torch
@@ -25,7 +27,20 @@ from shardattn.runtime.graphs import DecodeGraphs
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import PrefillPlan, Runtime
 from shardattn.runtime.workspace import RuntimeWorkspace
-from tests.test_runtime import MLA, MLA_SCALE, _err, _heads, _kv_lens, _mla_oracle, _prefill_step, _workspace_errors
+from tests.test_runtime import GQA as GQA_FP32
+from tests.test_runtime import (
+    GQA_SCALE,
+    MLA,
+    MLA_SCALE,
+    _err,
+    _gqa_oracle,
+    _gqa_step,
+    _heads,
+    _kv_lens,
+    _mla_oracle,
+    _prefill_step,
+    _workspace_errors,
+)
 
 CPU = torch.device("cpu")
 GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 16, dtype="float32")
@@ -299,3 +314,55 @@ def test_one_rank_group_runs_shardq_mode_as_head_tp(dist_pool) -> None:
         assert res["step"] == "headtp", res
         assert res["steps"] == [("decode", "headtp"), ("prefill", "headtp")], res
         assert res["err"] <= 1e-5, res
+
+
+class _Records(logging.Handler):
+    """The messages logged on the ``shardattn`` logger while it is attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.seen: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((record.levelno, record.getMessage()))
+
+
+def _bypass_body(group, kind: str) -> dict:
+    """fp32 queries meet a bf16 spec: the first step (prefill or decode) says, once, that the steps
+    allocate their buffers instead of using the workspace; both steps still run and are right."""
+    spec = dataclasses.replace(GQA_FP32 if kind == "gqa" else MLA, dtype="bfloat16")
+    logger = logging.getLogger("shardattn")
+    records, level = _Records(), logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.DEBUG)
+    try:
+        res: dict = {}
+        rt = Runtime(spec, group, max_batched_tokens=64, mode="headtp", warmup=False)
+        if kind == "gqa":
+            g = _gqa_step((20, 9), (1, 1), 7, DcpShard(1, 1, 0))
+            for _ in range(2):
+                out, _lse = rt.decode(g.q, (g.k_cache, g.v_cache), g.block_table, g.seq_lens, sinks=g.sinks)
+            res["err"] = _err(out, _gqa_oracle(g, GQA_SCALE)[0])
+        else:
+            step = _prefill_step()
+            plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+            out, _lse = rt.prefill(step.q, step.kv, step.rows, plan=plan)
+            res["err"] = _err(out, _mla_oracle(step, MLA_SCALE, _kv_lens(step))[0])
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    res["said"] = [(lvl, msg) for lvl, msg in records.seen if "reserved workspace" in msg]
+    return res
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["gqa", "mla"], ids=["decode", "prefill"])
+def test_queries_in_another_dtype_log_the_workspace_bypass_on_decode_as_on_prefill(dist_pool, kind) -> None:
+    """Regression: prefill logged that fp32 queries of a bf16 spec bypass the workspace; decode did
+    so silently. Both log it once, at INFO on the CPU, on the ``shardattn`` logger."""
+    for res in dist_pool.run(_bypass_body, kind, world_size=1):
+        assert res["err"] <= 1e-5, res
+        assert len(res["said"]) == 1, res["said"]
+        level, message = res["said"][0]
+        assert level == logging.INFO
+        assert "queries in float32, not the spec's bfloat16" in message and "allocate their buffers" in message

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardattn.kernels.triton.sparse_mla_decode import partials_dtype, sparse_mla_decode_config
+from shardattn.kernels.triton.sparse_mla_decode_config import partials_dtype, sparse_mla_decode_config
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.plan.crossovers import COLUMN_MERGE_MAX_ROWS
-from shardattn.plan.routing import route_decode_merge
-from shardattn.runtime.cudagraph import DecodeGraph
+from shardattn.plan.decode_routing import route_decode_merge
+from shardattn.runtime.graph_capture import DecodeGraph
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import sparse_mla_oracle
 

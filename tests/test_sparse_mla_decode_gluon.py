@@ -19,8 +19,8 @@ from shardattn.ops.dispatch import sparse_decode_kernel
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.ops.sparse_mla_decode_gluon import sparse_mla_decode_gluon
-from shardattn.plan.routing import GLUON_DECODE_MIN_HEADS, GLUON_DECODE_MIN_PROGRAMS, route_sparse_decode_kernel
-from shardattn.runtime.cudagraph import DecodeGraph
+from shardattn.plan.decode_routing import GLUON_DECODE_MIN_HEADS, GLUON_DECODE_MIN_PROGRAMS, route_sparse_decode_kernel
+from shardattn.runtime.graph_capture import DecodeGraph
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import sparse_mla_oracle
 

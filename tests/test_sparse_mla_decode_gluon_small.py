@@ -26,15 +26,15 @@ from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.plan.crossovers import SMALL_DECODE_HEAD_GROUP as HEAD_GROUP
 from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
-from shardattn.plan.routing import (
+from shardattn.plan.decode_routing import (
     SMALL_DECODE_MAX_HEADS,
     SMALL_DECODE_MAX_TOKENS,
     route_sparse_decode_kernel,
     small_decode_heads,
     small_decode_tiles,
 )
-from shardattn.runtime.cudagraph import DecodeGraph
 from shardattn.runtime.decode_warmup import small_kernel_sizes
+from shardattn.runtime.graph_capture import DecodeGraph
 from tests.oracle import sparse_mla_oracle
 from tests.test_sparse_mla_decode_gluon import SCALE, _check, _gpu_case, needs_sm90
 
@@ -319,7 +319,7 @@ def test_small_kernel_matches_triton_on_the_union_path_and_with_duplicates():
 @pytest.mark.gpu
 @needs_sm90
 def test_a_workspace_too_small_runs_triton_when_routed_and_raises_when_forced():
-    from shardattn.kernels.triton.sparse_mla_decode import sparse_mla_decode_config
+    from shardattn.kernels.triton.sparse_mla_decode_config import sparse_mla_decode_config
 
     tokens = SMALL_DECODE_MAX_TOKENS
     q, kv, rows, length, sinks = _small_case(tokens, 16, seed=9)

@@ -137,7 +137,8 @@ def test_triton_prefill_compiles_fp8_variant_for_sm90(heads, group):
 @needs_ptxas
 @pytest.mark.parametrize(("tokens", "heads"), [(1, 16), (8, 32), (64, 128)])
 def test_triton_decode_compiles_fp8_variant_for_sm90(tokens, heads):
-    from shardattn.kernels.triton.sparse_mla_decode import _sparse_mla_decode_kernel, sparse_mla_decode_config
+    from shardattn.kernels.triton.sparse_mla_decode import _sparse_mla_decode_kernel
+    from shardattn.kernels.triton.sparse_mla_decode_config import sparse_mla_decode_config
 
     cfg = sparse_mla_decode_config(tokens, heads, 2048, 132, kv_fp8=True)
     bf16_cfg = sparse_mla_decode_config(tokens, heads, 2048, 132)

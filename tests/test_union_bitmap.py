@@ -13,7 +13,7 @@ from shardattn.kernels.triton.union_bitmap import MAX_ROWS, SCRATCH_BYTES, bitma
 from shardattn.ops.dispatch import triton_available
 from shardattn.ops.union import build_union, build_union_reference
 from shardattn.plan.crossovers import BITMAP_SCAN_RATIO, UNION_METHOD
-from shardattn.plan.routing import route_union_method
+from shardattn.plan.union_routing import route_union_method
 from tests.interpret import run_cases
 from tests.interpret.union_cases import make_rows
 

@@ -16,7 +16,7 @@ import itertools
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -31,9 +31,10 @@ from shardattn.launch.one_line import report_once
 from shardattn.launch.process_group import host_groups
 from shardattn.launch.progress import RunProgress, format_seconds
 from shardattn.parallel.hosts import exchange_node_layout
-from shardattn.plan.cost import CONSERVATIVE, Calibration, CostModel, StepOverhead, StepShape
+from shardattn.plan.cost import CONSERVATIVE, Calibration, CostModel, StepOverhead
 from shardattn.plan.nodes import NodeLayout
 from shardattn.plan.spec import get_preset
+from shardattn.plan.step_shape import StepShape
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,19 @@ log = logging.getLogger(__name__)
 STEP_CONFIGS = (("glm5", None), ("glm5", 16), ("deepseek-v32", None), ("glm5", 32))
 
 
+class BadOption(ValueError):
+    """A bad command line: its one-line message, printed once (``launch.one_line``), exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors raise :class:`BadOption` (one line) instead of printing usage."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        raise BadOption(f"shardattn.calibrate: error: {message} (see --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m shardattn.calibrate",
         description=(
             "Measure the cost model's calibration table on this machine's GPUs (one rank per GPU under torchrun; "
@@ -250,9 +262,21 @@ def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
     )
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """Raise :class:`BadOption` for a count out of range or a ``--merge-into`` table that cannot be
+    read, before anything is measured."""
+    for name, minimum in (("heads", 1), ("tokens", 1), ("step_tokens", 1), ("topk", 1), ("cached", 0), ("reps", 1),
+                          ("passes", 1)):  # fmt: skip
+        value = getattr(args, name)
+        for v in value if isinstance(value, list) else [value]:
+            if v < minimum:
+                option = "--" + name.replace("_", "-")
+                raise BadOption(f"shardattn.calibrate: error: {option} must be >= {minimum}, got {v}")
+    if args.merge_into is not None and not os.access(args.merge_into, os.R_OK):
+        raise BadOption(f"shardattn.calibrate: error: --merge-into {args.merge_into}: no table readable there")
+
+
 def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
-    if args.passes < 1:
-        raise ValueError(f"--passes must be >= 1, got {args.passes}")
     table = None
     if args.merge_into is not None:  # read it first: a bad path fails before minutes of measuring
         with open(args.merge_into) as f:
@@ -293,7 +317,11 @@ NO_GPU = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:  # every rank reaches the same verdict on a bad option: one of them says it, in one line
+        args = build_parser().parse_args(argv)
+        check_options(args)
+    except BadOption as e:
+        return report_once(str(e), 2)
     if not torch.cuda.is_available() and not args.cpu:
         return report_once(NO_GPU, 2)
     configure_logging(args.log_level, int(os.environ.get("RANK", "0") or 0))

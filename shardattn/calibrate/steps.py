@@ -23,8 +23,9 @@ import torch.distributed as dist
 from shardattn.calibrate.timing import median_ms
 from shardattn.launch.workloads import build_prefill
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
-from shardattn.plan.cost import CostModel, StepShape
+from shardattn.plan.cost import CostModel
 from shardattn.plan.spec import ModelSpec
+from shardattn.plan.step_shape import StepShape
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import PrefillPlan, Runtime
 

@@ -35,7 +35,8 @@ What this adapter relies on, read from the source of flash-attn-4 4.0.0b36
 * Every compile key (dtype, head dims, query heads per KV head, causal / local, sink dtype, the
   varlen or paged form, LSE or not, tile, arch, more than 256 sequences, ...) compiles once per
   process (2-3 s on an H200); sequence lengths, offsets, the window width and the scale are
-  runtime values. :func:`warm_up` compiles the keys of given :class:`FA4Variant` s.
+  runtime values. :func:`~shardattn.kernels.fa4_warmup.warm_up` compiles the keys of given
+  :class:`~shardattn.kernels.fa4_warmup.FA4Variant` s.
 
 Calls given a plan's :class:`~shardattn.kernels.fa4_launch.FA4Launches` (``launches=``, with
 ``private=`` from :func:`fast_launch_support`) run FA4's compiled kernel directly after the plan's
@@ -53,9 +54,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
@@ -63,8 +62,6 @@ from shardattn.kernels.fa4_launch import FA4Launches, FA4Private, check_fast_lau
 
 __all__ = [
     "FA4_SM_MAJORS",
-    "FA4Variant",
-    "compiled_count",
     "fa4_paged",
     "fa4_supports",
     "fa4_unsupported_reason",
@@ -73,7 +70,6 @@ __all__ = [
     "get_fa4",
     "lse_tokens_major",
     "page_table_for_fa4",
-    "warm_up",
 ]
 
 FA4_SM_MAJORS = (9, 10)
@@ -325,92 +321,3 @@ def fa4_paged(
         fn, q, k_cache, v_cache, cu_q=cu_q, cu_k=None, k_len=k_len, page_table=page_table, causal=causal,
         window_left=window_left, sinks=sinks, scale=scale, return_lse=return_lse, launches=launches, private=private,
     )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class FA4Variant:
-    """One FA4 compile key a prefill configuration meets (everything but the lengths).
-
-    Attributes:
-        dtype: q / k / v dtype. num_heads, num_kv_heads, head_dim: of one kernel call (a rank's).
-        causal: causal (bottom-right) mask, else every key of the segment.
-        window: a left window is given (its width is a runtime value).
-        sinks: learnable sinks are given.
-        page_size: the paged form with this page size (TMA or cp.async pages differ), or ``None``
-            for contiguous keys.
-        many_segments: more than 256 segments (FA4 then adds a block-to-batch lookup).
-        lse: the LSE is computed (``return_lse``).
-        seqused: contiguous keys take their lengths from ``seqused_k`` (paged keys always do).
-    """
-
-    dtype: torch.dtype
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    causal: bool = True
-    window: bool = False
-    sinks: bool = False
-    page_size: int | None = None
-    many_segments: bool = False
-    lse: bool = True
-    seqused: bool = True
-
-
-#: Query rows of every warm-up segment: enough that SM100's two-stage Q tile (chosen when
-#: ``rows x heads-per-KV-head`` exceed the 128-row tile) is the one real prefills compile.
-WARMUP_ROWS_PER_SEGMENT = 128
-
-
-def warm_up(variants: Iterable[FA4Variant], device: torch.device | str, *, fn: Callable | None = None) -> int:
-    """Run FA4 once per variant on small inputs, so later calls of those keys compile nothing.
-
-    Calls go through :func:`fa4_varlen` / :func:`fa4_paged` with the argument forms real calls
-    pass (the variant's LSE and ``seqused_k``, no ``max_seqlen_q``), so they produce the same
-    compile keys.
-
-    Returns:
-        the number of variants run (0 when FA4 is not importable and ``fn`` is not given).
-    """
-    if fn is None and get_fa4() is None:
-        return 0
-    device = torch.device(device)
-    count = 0
-    for var in dict.fromkeys(variants):  # each distinct variant once, in order
-        segs = 257 if var.many_segments else 1
-        rows = WARMUP_ROWS_PER_SEGMENT if segs == 1 else 2
-        t = segs * rows
-        g = torch.Generator(device="cpu").manual_seed(count)
-        q = torch.randn(t, var.num_heads, var.head_dim, generator=g).to(device=device, dtype=var.dtype)
-        cu_q = torch.arange(segs + 1, dtype=torch.int32, device=device) * rows
-        k_len = torch.full((segs,), rows, dtype=torch.int32, device=device)
-        sinks = torch.zeros(var.num_heads, dtype=torch.float32, device=device) if var.sinks else None
-        kw = dict(
-            causal=var.causal, window_left=64 if var.window else -1, sinks=sinks, scale=var.head_dim**-0.5,
-            return_lse=var.lse,
-        )  # fmt: skip
-        if var.page_size is None:
-            kv = torch.randn(t, 2, var.num_kv_heads, var.head_dim, generator=g).to(device=device, dtype=var.dtype)
-            fa4_varlen(q, kv[:, 0], kv[:, 1], cu_q, cu_q, k_len if var.seqused else None, fn=fn, **kw)
-        else:
-            pages = math.ceil(rows / var.page_size)
-            shape = (segs * pages, var.page_size, var.num_kv_heads, var.head_dim)
-            cache = torch.zeros(shape, dtype=var.dtype, device=device)
-            table = torch.arange(segs * pages, dtype=torch.int32, device=device).view(segs, pages)
-            fa4_paged(q, cache, cache, table, cu_q, k_len, fn=fn, **kw)
-        count += 1
-    return count
-
-
-def compiled_count() -> int | None:
-    """How many FA4 forward kernels this process has compiled or loaded (``None`` without FA4).
-
-    Reads FA4's in-process compile cache (``_flash_attn_fwd.compile_cache``, a private
-    attribute: ``None`` where a version lacks it); tests use it to show that a warmed-up
-    configuration compiles nothing more.
-    """
-    if get_fa4() is None:
-        return None
-    from flash_attn.cute import interface
-
-    cache = getattr(getattr(interface._flash_attn_fwd, "compile_cache", None), "cache", None)
-    return None if cache is None else len(cache)

@@ -14,7 +14,7 @@ import torch
 
 from shardattn import __version__
 from shardattn.launch.cli import Options, Shape
-from shardattn.parallel.comm import stable_fingerprint
+from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.plan.spec import ModelSpec
 
 __all__ = ["RunConfig"]

@@ -62,7 +62,7 @@ def graph_row(
     """``--graph``: capture the decode step once (the Runtime's policy decides whether it may: a
     forbidden capture raises its ValueError), time ``--iters`` replays like the eager step, and
     require a replay to equal the eager output bitwise (so the eager step's check covers it)."""
-    from shardattn.runtime.cudagraph import DecodeGraph
+    from shardattn.runtime.graph_capture import DecodeGraph
 
     q_lens = cfg.shape.query_lens
     rt.check_capture("decode", q_len_per_req=max(q_lens), ragged=len(set(q_lens)) > 1)

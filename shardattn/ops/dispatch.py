@@ -110,14 +110,14 @@ def sparse_decode_kernel(
     """``(name, reason)`` of the kernel that runs a sparse-MLA decode call on these tensors.
 
     On sm_90 when Triton ships Gluon and the shape suits it: ``"gluon_small"`` (with ``rows``
-    given, up to :data:`shardattn.plan.routing.SMALL_DECODE_MAX_HEADS` heads and
-    :data:`~shardattn.plan.routing.SMALL_DECODE_MAX_TOKENS` tokens) or ``"gluon"`` where the
-    routing's measured crossovers (:data:`~shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads
-    and :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_PROGRAMS` programs) say it pays; else
+    given, up to :data:`shardattn.plan.decode_routing.SMALL_DECODE_MAX_HEADS` heads and
+    :data:`~shardattn.plan.decode_routing.SMALL_DECODE_MAX_TOKENS` tokens) or ``"gluon"`` where the
+    routing's measured crossovers (:data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_HEADS` heads
+    and :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_PROGRAMS` programs) say it pays; else
     ``"triton"`` (the split-KV kernel) when Triton runs these tensors; else ``"reference"`` (the
     fp32 torch path).
     """
-    from shardattn.plan.routing import route_sparse_decode_kernel
+    from shardattn.plan.decode_routing import route_sparse_decode_kernel
 
     why = unsupported_reason(q, kv, None)
     if why is not None:
@@ -213,7 +213,7 @@ def decode_path(
     from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
     from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_unsupported_reason
     from shardattn.kernels.triton.lse_merge import HAVE_TRITON, split_partials_numel
-    from shardattn.plan.routing import small_decode_tiles
+    from shardattn.plan.decode_routing import small_decode_tiles
 
     t, h, _ = q.shape
     if kv.shape[0] == 0 or not HAVE_TRITON or not use_triton(q):

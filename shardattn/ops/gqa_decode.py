@@ -15,9 +15,9 @@ Empty rows: a request with ``seq_lens[b] == 0`` is padding and writes ``(out 0, 
 with sinks; a query with no visible key writes ``(0, -inf)`` (``(0, sink)`` with sinks). Rows of
 ``q`` past ``cu_q_lens[-1]`` belong to no request and write ``(0, -inf)``.
 
-Implementations: :func:`gqa_paged_decode_reference` (fp32 torch, built on
-:func:`~shardattn.ops.sparse_mla.sparse_mla_reference`, so the softmax-with-sink math exists
-once), the Triton kernel of :mod:`~shardattn.kernels.triton.gqa_decode` (one program per
+Implementations: :func:`~shardattn.ops.gqa_decode_reference.gqa_paged_decode_reference` (fp32
+torch, built on :func:`~shardattn.ops.sparse_mla.sparse_mla_reference`, so the softmax-with-sink
+math exists once), the Triton kernel of :mod:`~shardattn.kernels.triton.gqa_decode` (one program per
 request, query tile, KV head and KV split; the group's heads times the tile's queries form the
 rows of one ``tl.dot``; splits are merged by :func:`~shardattn.ops.lse_merge.launch_lse_merge`),
 and FlashInfer's XQA kernel through :mod:`shardattn.kernels.flashinfer_xqa`. :func:`gqa_paged_decode` picks one.
@@ -46,7 +46,7 @@ from shardattn._checks import (
 from shardattn.kernels.backend import unsupported_reason
 from shardattn.kernels.triton.gqa_decode import HAVE_TRITON, run_triton
 from shardattn.kernels.triton.lse_merge import split_partials_numel
-from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.gqa_decode_reference import gqa_paged_decode_reference
 
 __all__ = [
     "BACKENDS",
@@ -57,75 +57,6 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "triton", "flashinfer", "reference")
-
-
-def _positions(cu: list[int], b: int, seq_len: int) -> tuple[int, int, int]:
-    start, end = cu[b], cu[b + 1]
-    return start, end, seq_len - (end - start)
-
-
-def gqa_paged_decode_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_q_lens: torch.Tensor,
-    *,
-    causal: bool = True,
-    window_left: int = -1,
-    sinks: torch.Tensor | None = None,
-    scale: float,
-    compute_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 (or fp64) torch reference of :func:`gqa_paged_decode` (reads ``seq_lens`` on the host).
-
-    Args:
-        q: ``[total_q, Hq, D]``; k_cache, v_cache: ``[num_pages, page, Hkv, D]``.
-        block_table: ``[B, max_pages]`` int32; seq_lens: ``[B]`` int32 (drafts included).
-        cu_q_lens: ``[B + 1]`` int32 query offsets (uniform drafts: ``arange(B + 1) * Q``).
-        causal, window_left, sinks (``[Hq]`` fp32), scale: as in :func:`gqa_paged_decode`.
-        compute_dtype: float32 or float64.
-    Returns:
-        ``(out [total_q, Hq, D] in q.dtype, lse [total_q, Hq] fp32)``.
-    """
-    total_q, hq, d = q.shape
-    page, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
-    out = torch.zeros(total_q, hq, d, dtype=q.dtype, device=q.device)
-    lse = torch.full((total_q, hq), -math.inf, dtype=torch.float32, device=q.device)
-    cu = [int(x) for x in cu_q_lens.tolist()]
-    lens = [int(x) for x in seq_lens.tolist()]
-    for b, seq_len in enumerate(lens):
-        start, end, first = _positions(cu, b, seq_len)
-        if end <= start or seq_len <= 0:
-            continue  # a padded request: (0, -inf)
-        pages = block_table[b, : -(-seq_len // page)].long()
-        keys = k_cache[pages].reshape(-1, hkv, d)[:seq_len]
-        values = v_cache[pages].reshape(-1, hkv, d)[:seq_len]
-        pos = first + torch.arange(end - start, device=q.device)  # [Q]
-        key_pos = torch.arange(seq_len, device=q.device)
-        hi = pos + 1 if causal else torch.full_like(pos, seq_len)
-        lo = (pos - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(pos)
-        visible = (key_pos[None, :] >= lo[:, None]) & (key_pos[None, :] < hi[:, None])
-        rows = torch.where(visible, key_pos[None, :], torch.full_like(visible, -1, dtype=torch.long))
-        for g in range(hkv):
-            heads = slice(g * group, (g + 1) * group)
-            # value first, key second: sparse MLA's "value = first v_dim dims of a row" layout
-            kv = torch.cat([values[:, g], keys[:, g]], dim=-1)
-            qg = torch.cat([torch.zeros_like(q[start:end, heads]), q[start:end, heads]], dim=-1)
-            o, lse_g = sparse_mla_reference(
-                qg,
-                kv,
-                rows.to(torch.int32),
-                scale=scale,
-                v_dim=d,
-                sinks=None if sinks is None else sinks[heads],
-                compute_dtype=compute_dtype,
-            )
-            out[start:end, heads] = o
-            lse[start:end, heads] = lse_g
-    return out, lse
 
 
 def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_q_lens, window_left, sinks):

@@ -45,20 +45,15 @@ from shardattn._checks import (
     check_scale,
     check_tensor,
 )
-from shardattn.kernels import fa4
+from shardattn.kernels import fa4, fa4_warmup
 from shardattn.kernels.fa4_launch import FA4Private
-from shardattn.ops.gqa_prefill_segments import (
-    FA4SegmentKernel,
-    PagedPrefix,
-    SegmentKernel,
-    Segments,
-    TorchSegmentKernel,
-    attend_segments,
-)
+from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel, SegmentKernel, TorchSegmentKernel
+from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments
 from shardattn.plan.routing import Route
 
 __all__ = [
     "BACKENDS",
+    "check_new_keys",
     "check_prefix_inputs",
     "fa4_variants",
     "gqa_prefill",
@@ -148,6 +143,42 @@ def check_prefix_inputs(
     return True
 
 
+def check_new_keys(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor | None,
+    *,
+    names: tuple[str, str] = ("k", "v"),
+    cache: str = "k_cache / v_cache",
+    where: str = "the paged cache",
+    holders: str = "k_cache, v_cache, block_table and prefix_lens",
+) -> int:
+    """Check a prefill's new keys and values against ``q [T, H, D]`` (checked): ``k``, ``v``
+    ``[T, Hkv, D]`` in q's dtype, or both ``None`` with ``k_cache [pages, page, Hkv, D]`` holding
+    them; returns ``Hkv`` (``H`` a multiple of it). ``names``, ``cache``, ``where`` and ``holders``
+    word the messages for the caller's arguments (the PCP step's ``k_new`` / ``v_new``)."""
+    t, h, d = q.shape
+    kn, vn = names
+    if (k is None) != (v is None):
+        raise ValueError(f"{kn} and {vn} go together: give both, or neither when the new keys are in {cache}")
+    if k is None:
+        if k_cache is None:
+            raise ValueError(f"{kn} and {vn} are None (the new keys already in {where}): pass {holders} holding them")
+        check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
+        hkv = k_cache.shape[2]
+    else:
+        check_tensor(kn, k, dtypes=(q.dtype,), ndim=3)
+        if k.shape[0] != t or k.shape[2] != d:
+            raise ValueError(f"{kn} must have shape [{t}, Hkv, {d}] (q's tokens and head_dim), got {list(k.shape)}")
+        hkv = k.shape[1]
+    if hkv < 1 or h % hkv:
+        raise ValueError(f"q heads ({h}) must be a multiple of {kn if k is not None else 'k_cache'}'s KV heads ({hkv})")
+    if v is not None:
+        check_tensor(vn, v, dtypes=(q.dtype,), shape=tuple(k.shape))
+    return hkv
+
+
 def _check_inputs(
     q: torch.Tensor,
     k: torch.Tensor | None,
@@ -162,27 +193,8 @@ def _check_inputs(
     return_lse: object,
 ) -> bool:
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
-    t, h, d = q.shape
-    if (k is None) != (v is None):
-        raise ValueError("k and v go together: give both, or neither when the new keys are in k_cache / v_cache")
-    if k is None:
-        if k_cache is None:
-            raise ValueError(
-                "k and v are None (the new keys already in the paged cache): pass k_cache, v_cache, block_table "
-                "and prefix_lens holding them"
-            )
-        check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
-        hkv = k_cache.shape[2]
-    else:
-        check_tensor("k", k, dtypes=(q.dtype,), ndim=3)
-        if k.shape[0] != t or k.shape[2] != d:
-            raise ValueError(f"k must have shape [{t}, Hkv, {d}] (q's tokens and head_dim), got {list(k.shape)}")
-        hkv = k.shape[1]
-    if hkv < 1 or h % hkv:
-        name = "k" if k is not None else "k_cache"
-        raise ValueError(f"q heads ({h}) must be a multiple of {name}'s KV heads ({hkv})")
-    if v is not None:
-        check_tensor("v", v, dtypes=(q.dtype,), shape=tuple(k.shape))
+    t, h, _ = q.shape
+    hkv = check_new_keys(q, k, v, k_cache)
     check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, ndim=1)
     if cu_seqlens.numel() < 1:
         raise ValueError("cu_seqlens must have B + 1 >= 1 entries, got 0")
@@ -289,8 +301,8 @@ def fa4_variants(
     max_segments: int = 1,
     return_lse: bool = True,
     runs: bool = False,
-) -> list[fa4.FA4Variant]:
-    """The FA4 compile keys a prefill configuration meets (pass them to :func:`shardattn.kernels.fa4.warm_up`).
+) -> list[fa4_warmup.FA4Variant]:
+    """The FA4 compile keys a prefill configuration meets (pass them to :func:`shardattn.kernels.fa4_warmup.warm_up`).
 
     Args:
         dtype, num_heads, num_kv_heads, head_dim: of one kernel call (a rank's heads under head-TP).
@@ -315,17 +327,17 @@ def fa4_variants(
     """
     many = [False, True] if check_int("max_segments", max_segments, minimum=1) > 256 else [False]
     base = dict(dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    out: list[fa4.FA4Variant] = []
+    out: list[fa4_warmup.FA4Variant] = []
     for m in many:
         for w in dict.fromkeys(windows):
             new = dict(**base, causal=True, window=w, sinks=sinks, many_segments=m)
             lses = dict.fromkeys([return_lse, *([True] if page_size is not None and not w else [])])
             for lse in lses:  # the new keys as they are (PCP: gathered), merged with a prefix when there is one
-                out.append(fa4.FA4Variant(**new, seqused=runs, lse=lse))
+                out.append(fa4_warmup.FA4Variant(**new, seqused=runs, lse=lse))
             if page_size is not None:
                 if w:  # a prefix's last window_left keys copied before the new ones
-                    out.append(fa4.FA4Variant(**new, seqused=True, lse=return_lse))
-                out.append(fa4.FA4Variant(**new, page_size=page_size, lse=return_lse))  # keys in the cache
+                    out.append(fa4_warmup.FA4Variant(**new, seqused=True, lse=return_lse))
+                out.append(fa4_warmup.FA4Variant(**new, page_size=page_size, lse=return_lse))  # keys in the cache
         if page_size is not None and False in windows:  # the split form: prefix without a window
-            out.append(fa4.FA4Variant(**base, causal=False, page_size=page_size, many_segments=m))
+            out.append(fa4_warmup.FA4Variant(**base, causal=False, page_size=page_size, many_segments=m))
     return list(dict.fromkeys(out))

@@ -32,9 +32,9 @@ arguments, never on measured speed):
   it aligned to each segment's first query; with a window the copied prefix keys are at most
   ``window_left`` per request.
 
-The kernel calls go through a :class:`SegmentKernel`: :class:`TorchSegmentKernel` (the reference,
-:mod:`~shardattn.ops.gqa_prefill_reference`) or :class:`FA4SegmentKernel` (the FA4 adapter), so
-the CPU path runs exactly the composition the GPU path runs. A plan's calls (a step's layers) pass
+The kernel calls go through a :class:`~shardattn.ops.gqa_prefill_kernels.SegmentKernel`
+(:mod:`~shardattn.ops.gqa_prefill_kernels`: the torch reference or the FA4 adapter), so the CPU
+path runs exactly the composition the GPU path runs. A plan's calls (a step's layers) pass
 the plan's :class:`~shardattn.kernels.fa4_launch.FA4Launches` for the calls whose metadata are the
 plan's own tensors (every form but the windowed prefix copy, whose key offsets are made per call),
 so an FA4 kernel of a fast-launch kernel object is resolved once per plan and call form.
@@ -45,22 +45,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from shardattn.kernels import fa4
-from shardattn.kernels.fa4_launch import FA4Launches, FA4Private
-from shardattn.ops.gqa_prefill_reference import segment_attention_reference
+from shardattn.kernels.fa4_launch import FA4Launches
+from shardattn.ops.gqa_prefill_kernels import SegmentKernel
 from shardattn.ops.lse_merge import run_lse_merge
 
 __all__ = [
-    "FA4SegmentKernel",
     "PagedPrefix",
-    "SegmentKernel",
     "Segments",
-    "TorchSegmentKernel",
     "attend_segments",
     "key_buffer",
     "plan_segments",
@@ -157,10 +152,6 @@ class PagedPrefix:
     max_len: int
 
 
-Tensor = torch.Tensor
-KernelResult = tuple[torch.Tensor, torch.Tensor | None]
-
-
 def plan_segments(
     query_lens: Sequence[int],
     prefix_lens: Sequence[int] | None,
@@ -211,91 +202,6 @@ def plan_segments(
     if runs is None:
         return seg
     return dataclasses.replace(seg, req=views[6].long(), token_request=views[7].long())
-
-
-class SegmentKernel(Protocol):
-    """The two kernel shapes a GQA prefill needs; arguments as in
-    :func:`~shardattn.ops.gqa_prefill_reference.segment_attention_reference` (keyword arguments:
-    ``causal``, ``window_left``, ``sinks``, ``scale``, ``return_lse``, ``launches``: a plan's
-    :class:`~shardattn.kernels.fa4_launch.FA4Launches` or ``None``, read by FA4 only); both return
-    ``(out [T, H, D], lse [T, H] or None)``. ``k_len`` ``None``: segment ``s``'s keys are
-    ``[cu_k[s], cu_k[s + 1])``. :meth:`table` turns a block table into the one a paged call reads."""
-
-    name: str
-
-    def contiguous(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
-    ) -> KernelResult:
-        """Segments over contiguous key ranges ``[cu_k[s], cu_k[s] + k_len[s])``."""
-
-    def paged(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: Any
-    ) -> KernelResult:
-        """Segments over the first ``k_len`` positions of paged keys (``page_table`` from :meth:`table`)."""
-
-    def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:
-        """``[S, M]`` int32 pages of each segment's request, as the paged call reads them."""
-
-
-class TorchSegmentKernel:
-    """The fp32 torch reference (CPU, and GPUs where FA4 does not run)."""
-
-    name = "reference"
-
-    def contiguous(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
-    ) -> KernelResult:
-        return_lse = kw.pop("return_lse", True)
-        kw.pop("launches", None)
-        if k_len is None:
-            k_len = cu_k[1:] - cu_k[:-1]
-        out, lse = segment_attention_reference(q, k, v, cu_q, k_len, cu_k=cu_k, **kw)
-        return out, (lse if return_lse else None)
-
-    def paged(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: Any
-    ) -> KernelResult:
-        return_lse = kw.pop("return_lse", True)
-        kw.pop("launches", None)
-        out, lse = segment_attention_reference(q, k_cache, v_cache, cu_q, k_len, page_table=page_table, **kw)
-        return out, (lse if return_lse else None)
-
-    def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:
-        return segments.of_segments(block_table)
-
-
-class FA4SegmentKernel:
-    """FA4 through :mod:`shardattn.kernels.fa4` (``fn``: the FA4 function, default the installed one;
-    ``private``: :func:`~shardattn.kernels.fa4.fast_launch_support`'s pieces, which let calls given
-    a plan's ``launches`` call the compiled kernel directly; ``None``: every call is public).
-
-    Keeps the last page table it made (:meth:`table`: one gather and clamp per block table and
-    segments, not per layer: an engine's layers share one table), keyed on the table's storage,
-    version counter (bumped by every in-place write), shape and the segments.
-    """
-
-    name = "fa4"
-
-    def __init__(self, fn: Callable | None = None, private: FA4Private | None = None) -> None:
-        self.fn = fn
-        self.private = private
-        self._table: tuple[tuple, Segments, torch.Tensor] | None = None
-
-    def contiguous(
-        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
-    ) -> KernelResult:
-        return fa4.fa4_varlen(q, k, v, cu_q, cu_k, k_len, fn=self.fn, private=self.private, **kw)
-
-    def paged(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: Any
-    ) -> KernelResult:
-        return fa4.fa4_paged(q, k_cache, v_cache, page_table, cu_q, k_len, fn=self.fn, private=self.private, **kw)
-
-    def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:
-        key = (block_table.data_ptr(), block_table._version, tuple(block_table.shape), block_table.stride(), num_pages)
-        if self._table is None or self._table[0] != key or self._table[1] is not segments:  # held: no id reuse
-            self._table = (key, segments, fa4.page_table_for_fa4(segments.of_segments(block_table), num_pages))
-        return self._table[2]
 
 
 def prefix_tail(prefix: PagedPrefix | None, window_left: int) -> int:

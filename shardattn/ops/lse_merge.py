@@ -26,7 +26,7 @@ over the ``P`` LSEs, one over the partial outputs); it is tested against
 :func:`lse_merge_reference`. The kernel is capture-safe: no host synchronisation, and no
 allocation when ``out=`` / ``lse_out=`` are given. The same module holds the column merge (few
 rows, many partials: every partial of a column block loaded at once) that split-KV decode takes
-where :func:`~shardattn.plan.routing.route_decode_merge` says so.
+where :func:`~shardattn.plan.decode_routing.route_decode_merge` says so.
 """
 
 from __future__ import annotations

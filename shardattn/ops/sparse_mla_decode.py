@@ -10,16 +10,16 @@ draft token has its own top-k row, so it is simply another token). It is memory 
 work is reading ``K`` rows of 576 dims per token. The Triton split-KV kernel
 (:mod:`~shardattn.kernels.triton.sparse_mla_decode`) runs one program per (head block, token,
 split of the top-k row) and merges the splits by LSE (column or row merge:
-:func:`~shardattn.plan.routing.route_decode_merge`), as programmatic dependent launches on sm_90.
+:func:`~shardattn.plan.decode_routing.route_decode_merge`), as programmatic dependent launches on sm_90.
 The torch reference is :func:`~shardattn.ops.sparse_mla.sparse_mla_reference`.
 
 Backends: on an sm_90 GPU with Triton's Gluon, DSA shapes and bf16/fp16, calls of at most
-:data:`~shardattn.plan.routing.SMALL_DECODE_MAX_HEADS` heads and
-:data:`~shardattn.plan.routing.SMALL_DECODE_MAX_TOKENS` tokens run the small-batch Gluon kernel
+:data:`~shardattn.plan.decode_routing.SMALL_DECODE_MAX_HEADS` heads and
+:data:`~shardattn.plan.decode_routing.SMALL_DECODE_MAX_TOKENS` tokens run the small-batch Gluon kernel
 (:mod:`~shardattn.kernels.gluon.sparse_mla_decode_small`: one warpgroup per 64 entries of a split,
 its rows gathered at once, the heads as the ``wgmma`` N; the same column merge); at
-:data:`~shardattn.plan.routing.GLUON_DECODE_MIN_HEADS` heads or more (DSA shapes, bf16/fp16) and
-batches of at least :data:`~shardattn.plan.routing.GLUON_DECODE_MIN_PROGRAMS` whole-row programs,
+:data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_HEADS` heads or more (DSA shapes, bf16/fp16) and
+batches of at least :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_PROGRAMS` whole-row programs,
 the call runs the warp-specialised Gluon kernel instead
 (:mod:`~shardattn.kernels.gluon.sparse_mla_decode`: one program per token x 64 heads over the
 whole row, or over row slices merged by LSE when that leaves SMs idle); same contract, same

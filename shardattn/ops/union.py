@@ -28,7 +28,7 @@ Triton paths (``method``; the cost depends on ``G * K`` per group, never on the 
   follows the entries and the KV cache size, not the row order; ``num_kv_rows <= 2**24 - 1``.
   On sm_90 with Gluon it runs in shared memory (:mod:`shardattn.kernels.gluon.union_smem`, several
   times the Triton kernel's speed: docs/PERFORMANCE.md); the Triton kernel runs elsewhere.
-* ``"auto"`` (:func:`~shardattn.plan.routing.route_union_method`) takes ``"bitmap"`` on the
+* ``"auto"`` (:func:`~shardattn.plan.union_routing.route_union_method`) takes ``"bitmap"`` on the
   shared-memory kernel when the KV cache is small enough for its count, else ``"fused"`` whenever
   ``rows_sorted``, ``"bitmap"`` when the cache is small enough for the Triton kernel's count, and
   otherwise the sorting builder per ``G`` (the measured crossovers of :mod:`shardattn.plan.crossovers`).
@@ -68,7 +68,7 @@ from shardattn.kernels.union_layout import (  # noqa: F401 (the encoding's names
     unpack_entries,
 )
 from shardattn.plan.crossovers import UNION_METHOD  # noqa: F401 (public here too)
-from shardattn.plan.routing import UNION_METHODS, route_union_method
+from shardattn.plan.union_routing import UNION_METHODS, route_union_method
 
 #: ``method=`` values of :func:`build_union`.
 METHODS = ("auto", *UNION_METHODS)
@@ -156,7 +156,7 @@ def build_union(
             when ``G > 1``.
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
         out: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``.
-        method: Triton builder, ``"auto"`` (:func:`~shardattn.plan.routing.route_union_method`),
+        method: Triton builder, ``"auto"`` (:func:`~shardattn.plan.union_routing.route_union_method`),
             ``"sort"``, ``"fused"`` or ``"bitmap"`` (same outputs; ignored by the torch reference;
             ``G = 1`` is the row sort unless ``"fused"`` on sorted rows or ``"bitmap"``).
         rows_sorted: the caller guarantees that each query's *valid* entries are non-decreasing

@@ -19,11 +19,13 @@ workspace, warm-up and CUDA graphs lives in :mod:`shardattn.runtime`.
 
 from __future__ import annotations
 
+from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.collector import STRATEGIES, collect_partials, resolve_strategy
-from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, stable_fingerprint, unpack_rows
+from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, unpack_rows
 from shardattn.parallel.dcp import dcp_sparse_mla_decode
 from shardattn.parallel.dcp_gqa import dcp_gqa_decode
-from shardattn.parallel.gqa_prefill import gqa_prefill_head_tp, gqa_prefill_pcp, head_tp_kv_heads
+from shardattn.parallel.gqa_head_tp import gqa_prefill_head_tp, head_tp_kv_heads
+from shardattn.parallel.gqa_prefill import gqa_prefill_pcp
 from shardattn.parallel.pcp import pcp_prefill
 from shardattn.parallel.shardq import shardq_prefill
 

@@ -32,7 +32,8 @@ import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_choice, check_same_device, check_tensor
 from shardattn.ops.lse_merge import merge_weights, run_lse_merge
-from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
+from shardattn.parallel.agreement import stable_fingerprint
+from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.packing import packed_nbytes, view_bytes
 

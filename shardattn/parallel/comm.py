@@ -10,8 +10,9 @@ is sent.
 
 Ranks that disagree (different plans, different shapes, a rank whose inputs failed validation)
 would otherwise enter mismatched collectives and hang or corrupt data. :meth:`Comm.check_agreement`
-all-gathers one ``int64`` fingerprint and an error flag per rank and raises the same clear
-``ValueError`` on every rank, naming the ranks that disagree, instead.
+and :meth:`Comm.agree_on` (:mod:`shardattn.parallel.agreement`) raise the same clear ``ValueError``
+on every rank, naming the ranks that disagree, instead. :meth:`Comm.exchange`
+(:mod:`shardattn.parallel.exchange`) moves contiguous pieces in place, point to point.
 
 A rank that fails *during* a step (its kernel raises, its process exits, it hangs) leaves the
 others waiting in a collective until the group's timeout or a closed connection. Each collective
@@ -33,13 +34,14 @@ Mixed-dtype payloads (a bf16 output and its fp32 LSE) travel in one collective a
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from shardattn.parallel.agreement import agree_on, check_agreement, to_int64
+from shardattn.parallel.exchange import Pending, exchange
 from shardattn.parallel.groups import GroupLike, resolve_group
 from shardattn.parallel.packing import pack_rows, packed_nbytes, unpack_rows
 from shardattn.parallel.peer_failures import (
@@ -51,7 +53,7 @@ from shardattn.parallel.peer_failures import (
     report_failure,
 )
 
-__all__ = ["Comm", "PeerFailedError", "Pending", "pack_rows", "packed_nbytes", "stable_fingerprint", "unpack_rows"]
+__all__ = ["Comm", "PeerFailedError", "Pending", "pack_rows", "packed_nbytes", "unpack_rows"]
 
 #: Collective kinds counted by :class:`Comm` (keys of :attr:`Comm.counts`).
 KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "agreement")
@@ -59,23 +61,6 @@ KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "agreement"
 # torch >= 2.13 renamed the tensor collectives (the old names warn); resolve once, read-only.
 _ALL_GATHER_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-_MASK64 = (1 << 64) - 1
-
-
-def stable_fingerprint(*parts: object) -> int:
-    """A 63-bit hash of scalars, strings, dtypes and shapes, equal in every process.
-
-    Python's ``hash`` of a string differs between processes; this does not.
-
-    >>> stable_fingerprint("q", (4, 2, 8), torch.bfloat16) == stable_fingerprint("q", (4, 2, 8), torch.bfloat16)
-    True
-    """
-    h = hashlib.blake2b(digest_size=8)
-    for p in parts:
-        h.update(repr(p).encode())
-        h.update(b"\x00")
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
 def _destination(out: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -88,34 +73,6 @@ def _destination(out: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ..
             f"got {list(out.shape)} {out.dtype} on {out.device}"
         )
     return out
-
-
-def _to_int64(value: int) -> int:
-    """Fold any Python int into the signed int64 range (two's complement of its low 64 bits)."""
-    v = int(value) & _MASK64
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-class Pending:
-    """Collectives in flight: :meth:`wait` orders the current stream after them (NCCL: a device-side
-    wait on the group's stream, no host synchronisation; gloo: the host waits)."""
-
-    def __init__(self, works: Sequence[dist.Work] = (), *, comm: Comm | None = None, kind: str = "all_to_all") -> None:
-        self._works = list(works)
-        self._comm, self._kind = comm, kind
-
-    def wait(self) -> None:
-        """Make later work on the current stream see the results (idempotent).
-
-        Raises:
-            PeerFailedError: a peer died, hung or raised (as for the blocking collectives).
-        """
-        works, self._works = self._works, []
-        for w in works:
-            if self._comm is None:
-                w.wait()
-            else:
-                self._comm._collective(self._kind, w.wait)
 
 
 class Comm:
@@ -204,6 +161,17 @@ class Comm:
         return sizes
 
     # -- collectives -------------------------------------------------------------------------
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        *,
+        tag: int = 0,
+    ) -> Pending:
+        """An all-to-all of contiguous pieces moved in place, counted as one ``"all_to_all"``
+        (:func:`~shardattn.parallel.exchange.exchange`: which piece fills which, the tag)."""
+        return exchange(self, sends, recvs, tag=tag)
+
     def all_to_all(
         self,
         x: torch.Tensor,
@@ -236,56 +204,6 @@ class Comm:
             return out
         self._collective("all_to_all", lambda: dist.all_to_all_single(out, x, recv, send, group=self.group))
         return out
-
-    def exchange(
-        self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
-        *,
-        tag: int = 0,
-    ) -> Pending:
-        """An all-to-all of contiguous pieces, moved in place: ``sends[i] = (peer, x)`` goes to
-        ``peer``, ``recvs[i] = (peer, y)`` is filled from ``peer`` (counted as one ``"all_to_all"``).
-
-        The ``k``-th send of rank ``a`` to rank ``b`` fills the ``k``-th receive of ``b`` from ``a``
-        (same shape and dtype); pieces for this rank itself are copied locally, in order. Started
-        on the current stream's position, completed by :meth:`Pending.wait` (no host sync on NCCL).
-
-        Args:
-            sends / recvs: ``(peer, contiguous tensor)`` pairs, on the backend's device.
-            tag: distinguishes exchanges in flight at the same time (gloo matches by tag).
-        Returns:
-            a :class:`Pending`; do not touch the tensors until it was waited for.
-        """
-        mine_out = [x for p, x in sends if p == self.rank]
-        mine_in = [y for p, y in recvs if p == self.rank]
-        if len(mine_out) != len(mine_in):
-            raise ValueError(f"exchange: {len(mine_out)} pieces sent to this rank itself but {len(mine_in)} received")
-        ops = []
-        for kind, pairs in ((dist.isend, sends), (dist.irecv, recvs)):
-            seen: Counter[int] = Counter()
-            for peer, x in pairs:
-                if not 0 <= peer < self.world_size:
-                    raise ValueError(f"exchange: peer {peer} is not a rank of the group of {self.world_size}")
-                self._check_tensor("piece", x)
-                if not x.is_contiguous():
-                    raise ValueError("exchange: every piece must be contiguous (it is moved in place)")
-                if peer != self.rank and x.numel():
-                    to = self._global_ranks[peer]
-                    ops.append(dist.P2POp(kind, x, to, group=self.group, tag=(tag << 16) + seen[peer]))
-                seen[peer] += 1
-        for x, y in zip(mine_out, mine_in):
-            if x.shape != y.shape or x.dtype != y.dtype:
-                raise ValueError(
-                    f"exchange: a piece to this rank is {list(x.shape)} {x.dtype}, its slot {list(y.shape)}"
-                )
-        self.counts["all_to_all"] += 1
-        works: list[dist.Work] = []
-        if ops:  # the messages first: NCCL's stream then need not wait for the local copies below
-            self._collective("all_to_all", lambda: works.extend(dist.batch_isend_irecv(ops)))
-        for x, y in zip(mine_out, mine_in):
-            y.copy_(x)
-        return Pending(works, comm=self, kind="all_to_all") if works else Pending()
 
     def all_gather_async(self, x: torch.Tensor) -> tuple[torch.Tensor, Pending]:
         """:meth:`all_gather` started now, completed by the returned :class:`Pending`'s ``wait``.
@@ -438,67 +356,16 @@ class Comm:
         return self._gather_ints(values)
 
     def _gather_ints(self, values: Sequence[int]) -> list[list[int]]:
-        t = torch.tensor([_to_int64(v) for v in values], dtype=torch.int64, device=self.device)
+        t = torch.tensor([to_int64(v) for v in values], dtype=torch.int64, device=self.device)
         return self._all_gather(t).tolist()
 
+    # -- agreement (shardattn.parallel.agreement) ------------------------------------------------
     def check_agreement(self, fingerprint: int, what: str, *, error: BaseException | None = None) -> None:
-        """Raise the same ``ValueError`` on every rank unless all ranks hold the same fingerprint.
-
-        One all-gather of ``[fingerprint, failed]`` per rank (counted as ``"agreement"`` only, so
-        the data collectives of a step can be counted on their own). Call it on every rank before
-        a step's data collectives; pass the local validation error, if any, as ``error`` so ranks
-        whose inputs were fine fail too instead of waiting in a collective for the rank that
-        raised.
-
-        Args:
-            fingerprint: any Python int (folded to int64), e.g. ``plan.fingerprint()``.
-            what: what the fingerprint describes, for the message (``"ShardQ plan"``).
-            error: this rank's validation error; re-raised here after the exchange.
-        Raises:
-            the given ``error`` on its rank; ``ValueError`` naming the failing ranks on the
-            others, or naming the ranks whose fingerprint differs from the majority's.
-        """
-        self.counts["agreement"] += 1
-        rows = self._gather_ints([fingerprint, 1 if error is not None else 0])
-        failed = [r for r, (_, f) in enumerate(rows) if f]
-        if error is not None:
-            raise error
-        if failed:
-            raise ValueError(
-                f"{what}: rank(s) {failed} of {self.world_size} rejected their inputs (see the error on "
-                f"that rank); rank {self.rank} stops too instead of waiting for them in a collective"
-            )
-        values = [v for v, _ in rows]
-        tally = Counter(values)
-        if len(tally) == 1:
-            return
-        top = max(tally.values())
-        # majority value; on a tie, the one of the lowest rank among the tied values
-        majority = next(v for v in values if tally[v] == top)
-        bad = [r for r, v in enumerate(values) if v != majority]
-        good = [r for r, v in enumerate(values) if v == majority]
-        raise ValueError(
-            f"{what} differs across ranks: rank(s) {bad} disagree with rank(s) {good} "
-            f"(fingerprints {values}); every rank must pass the same {what}"
-        )
+        """Raise the same ``ValueError`` on every rank unless all ranks hold the same fingerprint
+        (:func:`~shardattn.parallel.agreement.check_agreement`; counted as ``"agreement"``)."""
+        check_agreement(self, fingerprint, what, error=error)
 
     def agree_on(self, what: str, validate: Callable[[], int], *, check: bool = True) -> None:
-        """Validate this rank's inputs, then (with ``check``) make every rank agree on them.
-
-        ``validate()`` raises ``TypeError`` / ``ValueError`` for bad input and otherwise returns a
-        fingerprint of everything the step's collectives depend on (plan, shapes, dtypes). With
-        ``check`` the fingerprint and the error, if any, go through :meth:`check_agreement`, so a
-        rank with bad input, or with a different plan, makes *every* rank raise before any data
-        collective. Without ``check`` a local error is raised at once (other ranks may then wait
-        in the step's first collective until the group's timeout).
-        """
-        try:
-            fingerprint = validate()
-        except (TypeError, ValueError) as e:
-            if not check:  # the peers will wait in the step's first collective: tell them why
-                self.report_failure(e)
-                raise
-            self.check_agreement(0, what, error=e)
-            raise  # unreachable: check_agreement re-raises e
-        if check:
-            self.check_agreement(fingerprint, what)
+        """Validate this rank's inputs, then (with ``check``) make every rank agree on them
+        (:func:`~shardattn.parallel.agreement.agree_on`)."""
+        agree_on(self, what, validate, check=check)

@@ -54,8 +54,9 @@ from shardattn._checks import (
 from shardattn.ops.sparse_mla import check_kv_rows
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import DcpShard, convert_topk
+from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.collector import collect_checked, resolve_strategy
-from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.packing import view_bytes
 from shardattn.plan.context import DCPLayout

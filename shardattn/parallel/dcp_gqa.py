@@ -19,8 +19,9 @@ from shardattn._checks import (
     check_tensor,
 )
 from shardattn.ops.gqa_decode import BACKENDS, run_gqa_paged_decode
+from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.collector import collect_checked, resolve_strategy
-from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.parallel.comm import Comm
 from shardattn.parallel.dcp import Workspace, _check_common, _gather_heads, _host_values, _partial_buffers
 from shardattn.parallel.groups import GroupLike
 from shardattn.plan.context import DCPLayout

@@ -1,14 +1,8 @@
-"""GQA prefill over a process group: head tensor parallelism (head-TP) and context parallelism (PCP).
+"""GQA prefill over a process group by context parallelism (PCP); head tensor parallelism is
+:mod:`shardattn.parallel.gqa_head_tp`'s.
 
-The math of both is :func:`~shardattn.ops.gqa_prefill.gqa_prefill`'s (causal over a cached prefix
+The math is :func:`~shardattn.ops.gqa_prefill.gqa_prefill`'s (causal over a cached prefix
 and the new tokens, sinks, left window).
-
-**Head-TP** (:func:`gqa_prefill_head_tp`): rank ``r`` of ``W`` holds query heads
-``[r H/W, (r+1) H/W)`` of every token and the KV heads they read (:func:`head_tp_kv_heads`:
-``Hkv/W`` of them, or, when ``Hkv < W``, the one KV head its query heads share, replicated over
-``W / Hkv`` ranks); the step is one local call, no collective::
-
-    rank r: q [T, H/W, D], k, v [T, Hkv/W or 1, D], cache of those KV heads -> out [T, H/W, D]
 
 **PCP** (:func:`gqa_prefill_pcp`): the step's new tokens are split over the ranks by
 :func:`~shardattn.plan.pcp_plan` (zigzag, the plan of the sparse-MLA PCP step); each rank holds
@@ -38,183 +32,102 @@ with ``gather_output``), plus the agreement check with ``check=True``.
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 
 import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.kernels.fa4_launch import FA4Launches
-from shardattn.ops.gqa_prefill import check_prefix_inputs, gqa_prefill, gqa_prefill_route, segment_kernel
-from shardattn.ops.gqa_prefill_segments import PagedPrefix, SegmentKernel, Segments, attend_segments, plan_segments
-from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
+from shardattn.ops.gqa_prefill import check_new_keys, check_prefix_inputs, gqa_prefill_route, segment_kernel
+from shardattn.ops.gqa_prefill_kernels import SegmentKernel
+from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments, plan_segments
+from shardattn.parallel.agreement import stable_fingerprint
+from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
 from shardattn.parallel.groups import GroupLike
 from shardattn.plan.pcp import PCPPlan
 
-__all__ = ["gqa_prefill_head_tp", "gqa_prefill_pcp", "head_tp_kv_heads", "pcp_segments"]
+__all__ = ["PCPSegments", "gqa_prefill_pcp", "pcp_segments"]
 
 
-@functools.lru_cache(maxsize=64)  # pure; a Runtime asks on every layer
-def head_tp_kv_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``[start, stop)`` of the KV heads rank ``rank`` holds under ``world_size``-way head-TP.
+@dataclass(frozen=True)
+class PCPSegments:
+    """One rank's share of a PCP plan, on the device, made once per plan (:func:`pcp_segments`), so
+    the step of every layer copies nothing and reads nothing back.
 
-    ``num_kv_heads / world_size`` heads when ``num_kv_heads >= world_size``, else the one KV head
-    its ``num_heads / world_size`` query heads read (query head ``h`` reads KV head
-    ``h // (num_heads / num_kv_heads)``).
-
-    >>> [head_tp_kv_heads(64, 8, 4, r) for r in range(4)]
-    [(0, 2), (2, 4), (4, 6), (6, 8)]
-    >>> [head_tp_kv_heads(64, 8, 16, r)[0] for r in (0, 1, 2, 15)]
-    [0, 0, 1, 7]
+    Attributes:
+        segments: the rank's query segments, one per contiguous run of its tokens.
+        prefix_lens: ``[B]`` int32 cached tokens of each request, on the device.
+        kv_row: ``[T]`` int64 row of new token ``g`` in the all-gathered KV buffer, on the device.
+        num_tokens: the rank's tokens. prefix, query_lens: ``[B]`` cached and new tokens per request
+            (host ints).
     """
-    h = check_int("num_heads", num_heads, minimum=1)
-    hkv = check_int("num_kv_heads", num_kv_heads, minimum=1)
-    w = check_int("world_size", world_size, minimum=1)
-    r = check_int("rank", rank, minimum=0)
-    if r >= w:
-        raise ValueError(f"rank must be < world_size={w}, got {r}")
-    if h % hkv:
-        raise ValueError(f"num_heads ({h}) must be a multiple of num_kv_heads ({hkv})")
-    if h % w:
-        raise ValueError(f"num_heads ({h}) must be divisible by the {w} ranks of head-TP")
-    if hkv >= w:
-        if hkv % w:
-            raise ValueError(f"num_kv_heads ({hkv}) must be divisible by the {w} ranks of head-TP")
-        per = hkv // w
-        return r * per, (r + 1) * per
-    if w % hkv:
-        raise ValueError(f"{w} head-TP ranks must be a multiple of num_kv_heads ({hkv}) to replicate KV heads")
-    first = r * (h // w) // (h // hkv)
-    return first, first + 1
+
+    segments: Segments
+    prefix_lens: torch.Tensor
+    kv_row: torch.Tensor
+    num_tokens: int
+    prefix: tuple[int, ...]
+    query_lens: tuple[int, ...]
+
+    @property
+    def max_prefix(self) -> int:
+        """The longest cached prefix (0: no request has a cached token)."""
+        return max(self.prefix, default=0)
+
+    @property
+    def max_seq(self) -> int:
+        """The most KV positions of one request (its prefix and new tokens)."""
+        return max((p + n for p, n in zip(self.prefix, self.query_lens)), default=0)
 
 
-def gqa_prefill_head_tp(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    group: GroupLike | Comm,
-    *,
-    num_kv_heads: int,
-    k_cache: torch.Tensor | None = None,
-    v_cache: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    prefix_lens: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    window_left: int = -1,
-    scale: float | None = None,
-    return_lse: bool = False,
-    backend: str = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """GQA prefill of this rank's heads under head tensor parallelism (a local call; module docstring).
-
-    Args:
-        q: ``[T, H/W, D]`` this rank's query heads of every new token.
-        k, v: ``[T, Hkv_r, D]`` its KV heads (:func:`head_tp_kv_heads`).
-        cu_seqlens: ``[B + 1]`` int32 request offsets of the new tokens.
-        group: the head-TP group or a :class:`~shardattn.parallel.comm.Comm` (its rank and size only)
-            (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
-        num_kv_heads: ``Hkv`` of the whole model.
-        k_cache, v_cache, block_table, prefix_lens: the cached prefixes, the cache holding this
-            rank's KV heads (as in :func:`~shardattn.ops.gqa_prefill.gqa_prefill`).
-        sinks: ``[H]`` fp32 sink logits of *all* heads (the rank's slice is taken here).
-        window_left, scale, return_lse, backend: as in :func:`~shardattn.ops.gqa_prefill.gqa_prefill`.
-    Returns:
-        ``out [T, H/W, D]`` (and ``lse [T, H/W]`` fp32 with ``return_lse``).
-
-    Example (every rank of a head-TP group of ``W`` runs this)::
-
-        lo, hi = head_tp_kv_heads(64, 8, W, rank)
-        out = gqa_prefill_head_tp(q[:, rank * 64 // W : (rank + 1) * 64 // W], k[:, lo:hi], v[:, lo:hi],
-                                  cu_seqlens, group, num_kv_heads=8, sinks=sinks)
-    """
-    comm = Comm.wrap(group)
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
-    h_local = q.shape[1]
-    h = h_local * comm.world_size
-    lo, hi = head_tp_kv_heads(h, num_kv_heads, comm.world_size, comm.rank)
-    check_tensor("k", k, ndim=3)
-    if k.shape[1] != hi - lo:
-        raise ValueError(
-            f"k must hold this rank's {hi - lo} KV head(s) (KV heads [{lo}, {hi}) of {num_kv_heads}, read by query "
-            f"heads [{comm.rank * h_local}, {(comm.rank + 1) * h_local}) of {h}), got shape {list(k.shape)}"
-        )
-    if sinks is not None:
-        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
-        sinks = sinks[comm.rank * h_local : (comm.rank + 1) * h_local]
-    return gqa_prefill(
-        q, k, v, cu_seqlens, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
-        prefix_lens=prefix_lens, sinks=sinks, window_left=window_left, scale=scale, return_lse=return_lse,
-        backend=backend,
-    )  # fmt: skip
-
-
-def pcp_segments(plan: PCPPlan, rank: int, device: torch.device | str = "cpu") -> tuple[Segments, torch.Tensor]:
-    """Rank ``rank``'s query segments under ``plan`` (host arithmetic, one copy to ``device``).
+def pcp_segments(plan: PCPPlan, rank: int, device: torch.device | str = "cpu", *, pin: bool = False) -> PCPSegments:
+    """Rank ``rank``'s share of ``plan`` on ``device`` (host arithmetic; the segments cross in one copy,
+    the prefix lengths and the KV rows in one each; ``pin``: through page-locked memory).
 
     One segment per contiguous run of the rank's tokens (:meth:`~shardattn.plan.ShardPlan.runs`,
     in the rank's token order): its request and the new-token offset one past its last query.
 
-    Returns:
-        ``(segments, prefix_lens [R] int32 on the CPU)``.
-
     >>> from shardattn.plan import pcp_plan
-    >>> seg, _ = pcp_segments(pcp_plan([8], 2, prefix_lens=[3]), 0)
-    >>> seg.cu_q.tolist(), seg.req.tolist(), seg.stop.tolist()
-    ([0, 2, 4], [0, 0], [2, 8])
+    >>> mine = pcp_segments(pcp_plan([8], 2, prefix_lens=[3]), 0)
+    >>> mine.segments.cu_q.tolist(), mine.segments.req.tolist(), mine.segments.stop.tolist(), mine.max_prefix
+    ([0, 2, 4], [0, 0], [2, 8], 3)
     """
     shard = plan.shard
-    prefix = shard.prefix_lens.to(torch.int32)
+    device = torch.device(device)
+    prefix = [int(x) for x in shard.prefix_lens.tolist()]
     lens = (shard.token_offsets[1:] - shard.token_offsets[:-1]).tolist()
-    segments = plan_segments(lens, prefix.tolist(), device, runs=shard.runs(rank))
-    return segments, prefix
+    segments = plan_segments(lens, prefix, device, runs=shard.runs(rank), pin=pin)
+    kv_row = plan.kv_row.to(device, copy=True)  # the step's own: never the plan's tensor
+    prefix_lens = torch.tensor(prefix, dtype=torch.int32).to(device)
+    return PCPSegments(segments, prefix_lens, kv_row, int(shard.counts[rank]), tuple(prefix), tuple(lens))
 
 
 def _check_pcp(
     q: torch.Tensor,
     k_new: torch.Tensor | None,
     v_new: torch.Tensor | None,
-    plan: PCPPlan,
+    mine: PCPSegments,
     comm: Comm,
     caches: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     sinks: torch.Tensor | None,
     window_left: object,
     scale: object,
     gather_output: object,
-    check: bool,
+    plan_fingerprint: int | None,
 ) -> tuple[int, bool]:
-    """Validate one rank's PCP inputs; returns the fingerprint the ranks agree on and whether the
-    cached prefix is read."""
-    if not isinstance(plan, PCPPlan):
-        raise TypeError(f"plan must be a PCPPlan (from pcp_plan), got {type(plan).__name__}")
-    if plan.world_size != comm.world_size:
-        raise ValueError(f"plan is for world_size={plan.world_size}, but the group has {comm.world_size} ranks")
-    mine = int(plan.shard.counts[comm.rank])
+    """Validate one rank's PCP inputs against its share of the plan (``mine``: host values only, no
+    read of a plan tensor); returns the fingerprint the ranks agree on (``plan_fingerprint``
+    included) and whether the cached prefix is read."""
+    t_mine = mine.num_tokens
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     t, h, d = q.shape
-    if t != mine:
-        raise ValueError(f"q must hold rank {comm.rank}'s {mine} tokens (plan), got {t}")
+    if t != t_mine:
+        raise ValueError(f"q must hold rank {comm.rank}'s {t_mine} tokens (plan), got {t}")
     k_cache, v_cache, block_table = caches
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new go together: give both, or neither when the new keys are in the cache")
-    if k_new is None:
-        if k_cache is None:
-            raise ValueError(
-                "k_new and v_new are None (the new keys already in every rank's cache): pass k_cache, v_cache "
-                "and block_table holding them"
-            )
-        check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
-        hkv = k_cache.shape[2]
-    else:
-        check_tensor("k_new", k_new, dtypes=(q.dtype,), ndim=3)
-        if k_new.shape[0] != t or k_new.shape[2] != d:
-            raise ValueError(
-                f"k_new must have shape [{t}, Hkv, {d}] (q's tokens and head_dim), got {list(k_new.shape)}"
-            )
-        hkv = k_new.shape[1]
-        check_tensor("v_new", v_new, dtypes=(q.dtype,), shape=tuple(k_new.shape))
-    if hkv < 1 or h % hkv:
-        name = "k_new" if k_new is not None else "k_cache"
-        raise ValueError(f"q heads ({h}) must be a multiple of {name}'s KV heads ({hkv})")
+    hkv = check_new_keys(
+        q, k_new, v_new, k_cache, names=("k_new", "v_new"), cache="the cache",
+        where="every rank's cache", holders="k_cache, v_cache and block_table",
+    )  # fmt: skip
     check_int("window_left", window_left, minimum=-1)
     if scale is not None:
         check_scale("scale", scale)
@@ -222,28 +135,27 @@ def _check_pcp(
         raise TypeError(f"gather_output must be a bool, got {type(gather_output).__name__}")
     if sinks is not None:
         check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
-    prefix = plan.shard.prefix_lens
-    has_prefix = bool((prefix > 0).any()) or k_new is None
+    has_prefix = mine.max_prefix > 0 or k_new is None
     given = [x is not None for x in caches]
     if any(given) and not all(given):
         raise ValueError("k_cache, v_cache and block_table go together (the cached prefix); give all or none")
     if has_prefix and not all(given):
         raise ValueError(
-            f"the plan has cached prefixes (prefix_lens={prefix.tolist()[:8]}): pass k_cache, v_cache and "
+            f"the plan has cached prefixes (prefix_lens={list(mine.prefix[:8])}): pass k_cache, v_cache and "
             "block_table holding them"
         )
     if all(given):
-        check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, prefix.to(torch.int32), plan.shard.num_requests)
-        seq = (prefix + plan.shard.query_lens if k_new is None else prefix).tolist()
+        check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, mine.prefix_lens, len(mine.prefix))
         capacity = block_table.shape[1] * k_cache.shape[1]
-        if seq and max(seq) > capacity:
+        if (mine.max_seq if k_new is None else mine.max_prefix) > capacity:
             what = "prefix_lens plus the new tokens" if k_new is None else "prefix_lens"
+            seq = [p + n for p, n in zip(mine.prefix, mine.query_lens)] if k_new is None else list(mine.prefix)
             raise ValueError(f"{what} must fit the block table ({capacity} positions), got {seq[:8]}")
     check_same_device(
         q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, block_table=block_table, sinks=sinks
     )
     fingerprint = stable_fingerprint(
-        "gqa-pcp", plan.fingerprint() if check else None, h, hkv, d, q.dtype, sinks is not None, window_left,
+        "gqa-pcp", plan_fingerprint, h, hkv, d, q.dtype, sinks is not None, window_left,
         gather_output, has_prefix, k_new is None,
     )  # fmt: skip
     return fingerprint, has_prefix
@@ -265,7 +177,7 @@ def gqa_prefill_pcp(
     gather_output: bool = False,
     backend: str = "auto",
     check: bool = True,
-    segments: Segments | None = None,
+    segments: PCPSegments | None = None,
     kernel: SegmentKernel | None = None,
     return_lse: bool = True,
     launches: FA4Launches | None = None,
@@ -291,8 +203,9 @@ def gqa_prefill_pcp(
         gather_output: also all-gather the outputs and return every token's, in token order.
         backend: the local kernel (:func:`~shardattn.ops.gqa_prefill.gqa_prefill_route`).
         check: agree on the plan and shapes first (one small all-gather, a host sync).
-        segments: this rank's :func:`pcp_segments` on q's device (planned once per step; default:
-            planned here). kernel: the kernel implementation (default: ``backend``'s route's).
+        segments: this rank's :func:`pcp_segments` on q's device (planned once per step, so a
+            layer copies nothing and reads nothing back; default: planned here). kernel: the kernel
+            implementation (default: ``backend``'s route's).
         return_lse: return the LSE (``False``: ``None``; needs ``gather_output=False``).
         launches: the FA4 launches of the plan ``segments`` belong to (a Runtime's plan; see
             :func:`~shardattn.ops.gqa_prefill_segments.attend_segments`).
@@ -311,25 +224,32 @@ def gqa_prefill_pcp(
     comm = Comm.wrap(group)
     has_prefix = False
     route = None
+    mine = segments
 
     def validate() -> int:
-        nonlocal has_prefix, route
+        nonlocal has_prefix, route, mine
+        if not isinstance(plan, PCPPlan):
+            raise TypeError(f"plan must be a PCPPlan (from pcp_plan), got {type(plan).__name__}")
+        if plan.world_size != comm.world_size:
+            raise ValueError(f"plan is for world_size={plan.world_size}, but the group has {comm.world_size} ranks")
+        if mine is None:
+            check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+            mine = pcp_segments(plan, comm.rank, q.device)
+        elif not isinstance(mine, PCPSegments):
+            raise TypeError(f"segments must be pcp_segments' PCPSegments, got {type(mine).__name__}")
         fingerprint, has_prefix = _check_pcp(
-            q, k_new, v_new, plan, comm, (k_cache, v_cache, block_table), sinks, window_left, scale, gather_output,
-            check,
+            q, k_new, v_new, mine, comm, (k_cache, v_cache, block_table), sinks, window_left, scale, gather_output,
+            plan.fingerprint() if check else None,
         )  # fmt: skip
         if not isinstance(return_lse, bool) or (gather_output and not return_lse):
             raise ValueError(f"return_lse must be a bool, True with gather_output, got {return_lse!r}")
-        if segments is not None and not isinstance(segments, Segments):
-            raise TypeError(f"segments must be pcp_segments' Segments, got {type(segments).__name__}")
         if kernel is None:
             route = gqa_prefill_route(q, k_cache if k_new is None else k_new, backend=backend)
         return fingerprint
 
     comm.agree_on("GQA PCP plan and inputs", validate, check=check)
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
-        dev = q.device
-        w, rank = comm.world_size, comm.rank
+        w = comm.world_size
         t, h, d = q.shape
         keys_ready = None
         k_all = v_all = new_rows = None
@@ -341,18 +261,14 @@ def gqa_prefill_pcp(
             padded[:t, 1] = v_new
             gathering, pending = comm.all_gather_async(padded)
             gathered = gathering.view(w * p, 2, hkv, d)
-            k_all, v_all, new_rows, keys_ready = gathered[:, 0], gathered[:, 1], plan.kv_row.to(dev), pending.wait
-        segments_given = segments is not None
-        if segments is None:
-            segments = pcp_segments(plan, rank, dev)[0]
+            k_all, v_all, new_rows, keys_ready = gathered[:, 0], gathered[:, 1], mine.kv_row, pending.wait
         prefix = None
         if has_prefix:
-            lens = plan.shard.prefix_lens.to(device=dev, dtype=torch.int32)
-            prefix = PagedPrefix(k_cache, v_cache, block_table, lens, int(plan.shard.prefix_lens.max()))
+            prefix = PagedPrefix(k_cache, v_cache, block_table, mine.prefix_lens, mine.max_prefix)
         out, lse = attend_segments(
-            q, k_all, v_all, segments, kernel=segment_kernel(route) if kernel is None else kernel, prefix=prefix,
+            q, k_all, v_all, mine.segments, kernel=segment_kernel(route) if kernel is None else kernel, prefix=prefix,
             window_left=window_left, sinks=sinks, scale=d**-0.5 if scale is None else scale, new_rows=new_rows,
-            keys_ready=keys_ready, return_lse=return_lse, launches=launches if segments_given else None,
+            keys_ready=keys_ready, return_lse=return_lse, launches=launches if segments is not None else None,
         )  # fmt: skip
         if not gather_output:
             return out, lse
@@ -362,5 +278,4 @@ def gqa_prefill_pcp(
         mine_out[:t], mine_lse[:t] = out, lse
         got = comm.all_gather(pack_rows([mine_out.unsqueeze(0), mine_lse.unsqueeze(0)])[0])
         all_out, all_lse = unpack_rows(got, specs)  # [W, P, H, D], [W, P, H]
-        rows = plan.kv_row.to(dev)
-        return all_out.reshape(w * p, h, d)[rows], all_lse.reshape(w * p, h)[rows]
+        return all_out.reshape(w * p, h, d)[mine.kv_row], all_lse.reshape(w * p, h)[mine.kv_row]

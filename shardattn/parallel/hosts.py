@@ -16,7 +16,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.parallel.agreement import stable_fingerprint
+from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
 from shardattn.plan.nodes import NodeLayout
 

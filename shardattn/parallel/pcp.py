@@ -31,7 +31,8 @@ from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_
 from shardattn.ops.lse_merge import lse_merge
 from shardattn.ops.sparse_mla import check_kv_rows, sparse_mla_attention
 from shardattn.ops.topk import convert_topk
-from shardattn.parallel.comm import Comm, pack_rows, stable_fingerprint, unpack_rows
+from shardattn.parallel.agreement import stable_fingerprint
+from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
 from shardattn.parallel.groups import GroupLike
 from shardattn.plan.pcp import PCPPlan
 

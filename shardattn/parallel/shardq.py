@@ -36,7 +36,8 @@ from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_
 from shardattn.ops.prepared_union import SLICE_GROUPS
 from shardattn.ops.sparse_mla import check_kv_rows, sparse_mla_attention
 from shardattn.ops.union import GROUP_SIZES, MAX_PACKED_ROWS
-from shardattn.parallel.comm import Comm, stable_fingerprint
+from shardattn.parallel.agreement import stable_fingerprint
+from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.shardq_pipeline import run_pipelined
 from shardattn.plan.pipeline import choose_chunks, pipeline_plan

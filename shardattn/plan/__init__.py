@@ -35,18 +35,16 @@ from shardattn.plan.cudagraph import (
 )
 from shardattn.plan.dcp_shard import shard_kv_cache
 from shardattn.plan.decode_batch import DecodeBatch, bucket_for, plan_decode_batch
+from shardattn.plan.decode_routing import DECODE_PATHS, XQA_SM, route_decode
 from shardattn.plan.pcp import PCPPlan, pcp_plan
 from shardattn.plan.routing import (
-    DECODE_PATHS,
     GROUP_SIZES,
     GROUPED_MAX_HEADS,
     MAX_GROUPED_KV_ROWS,
     PREFILL_PATHS,
     TILE_ROWS,
-    XQA_SM,
     Route,
     grouped_group_size,
-    route_decode,
     route_prefill,
     tile_group_size,
 )

@@ -34,13 +34,13 @@ The table and its loading live in :mod:`shardattn.plan.calibration` (re-exported
 This module is pure host code: no torch, no GPU, no process group; the measurements live in
 :mod:`shardattn.calibrate`.
 
+The step's sizes are a :class:`~shardattn.plan.step_shape.StepShape`; the choice among the
+predictions, with the gates, is :func:`~shardattn.plan.cost_choice.choose_prefill`'s.
+
 >>> model = CostModel(CONSERVATIVE)
 >>> shape = StepShape(heads=64, world_size=2, tokens=8192, topk=2048)
->>> choice = choose_prefill(model, shape, min_shard_tokens=1024)
->>> choice.best.name in {p.name for p in model.predict(shape)}
+>>> [p.step for p in model.predict(shape)][0] in ("headtp", "shardq", "pcp")
 True
->>> choose_prefill(model, StepShape(heads=64, world_size=1, tokens=8192, topk=2048)).best.step
-'headtp'
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ from shardattn.plan.calibration import (
     load_calibration,
     shipped_calibration,
 )
-from shardattn.plan.kv_format import kv_format_name, kv_row_bytes
+from shardattn.plan.kv_format import kv_format_name
 from shardattn.plan.links import LinkRate, cross_node_rate, resolve_link
-from shardattn.plan.spec import ModelSpec
+from shardattn.plan.step_shape import StepShape
 
 __all__ = [
     "CALIBRATE_COMMAND",
@@ -75,11 +75,8 @@ __all__ = [
     "CostModel",
     "KernelPoint",
     "Prediction",
-    "RouteChoice",
     "StepOverhead",
-    "StepShape",
     "candidate_group_sizes",
-    "choose_prefill",
     "load_calibration",
     "shipped_calibration",
 ]
@@ -93,74 +90,6 @@ def candidate_group_sizes(heads: int, *, tile: int = TILE) -> tuple[int, ...]:
     """
     padded = 1 << (max(1, heads) - 1).bit_length()
     return (1, *(g for g in GROUPS if g * padded <= tile))
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """The sizes of one prefill step the model needs.
-
-    Attributes:
-        heads: query heads of the model (all ranks). world_size: ranks of the group.
-        tokens: new tokens of the step. topk: valid keys per query (mean).
-        head_dim / v_dim / dtype_bytes: q row width, output width, activation bytes.
-        rank_tokens: the most tokens a rank holds under ShardQ / PCP (default ``ceil(T / W)``).
-        union_ratio: ``{G: ratio}`` of the step's top-k, when known (default: the table's).
-        kv_format: the KV rows' format (:data:`shardattn.plan.kv_format.KV_FORMATS`; ``None``:
-            rows of ``dtype_bytes`` values): which kernel points price the calls, and the bytes of
-            a KV row PCP all-gathers.
-        ranks_per_node: ranks on each host (the smallest host's; ``None``: every rank on one
-            host); below ``world_size`` the step's collectives cross the network.
-    """
-
-    heads: int
-    world_size: int
-    tokens: int
-    topk: int
-    head_dim: int = 576
-    v_dim: int = 512
-    dtype_bytes: int = 2
-    rank_tokens: int | None = None
-    union_ratio: dict[int, float] | None = None
-    kv_format: str | None = None
-    ranks_per_node: int | None = None
-
-    @property
-    def per_rank(self) -> int:
-        return self.rank_tokens if self.rank_tokens is not None else -(-self.tokens // self.world_size)
-
-    @property
-    def kv_row_bytes(self) -> int:
-        """Bytes of one KV row (656 for ``fp8_ds_mla``)."""
-        if self.kv_format is None:
-            return self.head_dim * self.dtype_bytes
-        return kv_row_bytes(self.kv_format, self.head_dim, self.v_dim)
-
-    @classmethod
-    def of(
-        cls,
-        spec: ModelSpec,
-        world_size: int,
-        tokens: int,
-        *,
-        topk: int | None = None,
-        rank_tokens: int | None = None,
-        kv_format: str | None = None,
-        ranks_per_node: int | None = None,
-    ) -> StepShape:
-        """The shape of a step of ``spec``'s model (its heads, dims and dtype; top-k default the spec's;
-        ``kv_format``: the KV rows', default rows of the spec's dtype)."""
-        return cls(
-            heads=spec.num_heads,
-            world_size=world_size,
-            tokens=tokens,
-            topk=spec.topk if topk is None else topk,
-            head_dim=spec.head_dim,
-            v_dim=spec.v_dim,
-            dtype_bytes=spec.dtype_bytes,
-            rank_tokens=rank_tokens,
-            kv_format=kv_format,
-            ranks_per_node=ranks_per_node,
-        )
 
 
 @dataclass(frozen=True)
@@ -179,15 +108,6 @@ class Prediction:
     def name(self) -> str:
         """``"<step>/<kernel>[ G=g]"``, e.g. ``"shardq/per-query"``, ``"headtp/grouped G=8"``."""
         return f"{self.step}/{self.kernel}" + (f" G={self.group_size}" if self.group_size > 1 else "")
-
-
-@dataclass(frozen=True)
-class RouteChoice:
-    """The chosen prediction, the best rejected one (``None`` when nothing competed) and why."""
-
-    best: Prediction
-    rejected: Prediction | None
-    reason: str
 
 
 class CostModel:
@@ -367,49 +287,6 @@ class CostModel:
             sizes = candidate_group_sizes(heads) if grouping else (1,)
             out += [self.predict_step(shape, step, g) for g in sizes]
         return sorted(out, key=lambda p: p.ms)
-
-
-def choose_prefill(
-    model: CostModel,
-    shape: StepShape,
-    *,
-    min_shard_tokens: int = 1024,
-    steps: tuple[str, ...] = ("headtp", "shardq"),
-    allowed_groups: dict[str, tuple[int, ...]] | None = None,
-) -> RouteChoice:
-    """The fastest predicted path of a step, with the gates first: one rank, or fewer than
-    ``min_shard_tokens`` new tokens, is head-TP (nothing to shard). ``allowed_groups[step]``
-    limits the group sizes a step may take (default: every ``G`` that fits a tile).
-
-    The reason names the predicted ms of the chosen and of the best rejected path.
-    """
-    if shape.world_size == 1 or shape.tokens < min_shard_tokens:
-        why = "one rank" if shape.world_size == 1 else f"{shape.tokens} tokens < min_shard_tokens={min_shard_tokens}"
-        steps = ("headtp",)
-    else:
-        why = ""
-    preds = [
-        p
-        for p in model.predict(shape, steps=steps)
-        if allowed_groups is None or p.group_size in allowed_groups.get(p.step, (p.group_size,))
-    ]
-    if not preds:
-        preds = [model.predict_step(shape, steps[0], 1)]
-    best = preds[0]
-    rivals = [p for p in preds[1:] if p.step != best.step] or preds[1:]
-    rejected = rivals[0] if rivals else None
-    cal = model.calibration
-    source = "the conservative default" if cal.conservative else cal.gpu
-    text = f"cost model ({source}): {best.name} {best.ms:.2f} ms predicted"
-    if rejected is not None:
-        text += f", best rejected {rejected.name} {rejected.ms:.2f} ms"
-    if why:
-        text += f" ({why}: head-TP)"
-    rpn = shape.ranks_per_node
-    if rpn is not None and rpn < shape.world_size and not why:
-        net = model.network
-        text += f"; {-(-shape.world_size // rpn)} hosts of {rpn} ranks, network {net.busbw_gbps:g} GB/s ({net.name})"
-    return RouteChoice(best, rejected, text)
 
 
 def _fit_line(points: list[KernelPoint]) -> tuple[float, float, float]:

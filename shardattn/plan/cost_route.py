@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
-from shardattn.plan.cost import CostModel, StepShape, choose_prefill, load_calibration
+from shardattn.plan.cost import CostModel, load_calibration
+from shardattn.plan.cost_choice import choose_prefill
 from shardattn.plan.routing import MAX_GROUPED_KV_ROWS, Route, prefill_group_size
 from shardattn.plan.spec import ModelSpec
+from shardattn.plan.step_shape import StepShape
 
 __all__ = ["cost_route", "resolve_cost_model"]
 

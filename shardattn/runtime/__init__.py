@@ -31,7 +31,7 @@ _LAZY = {
     "DecodeStep": "shardattn.runtime.decode",
     "RuntimeWorkspace": "shardattn.runtime.workspace",
     "MODES": "shardattn.runtime.modes",
-    "DecodeGraph": "shardattn.runtime.cudagraph",
+    "DecodeGraph": "shardattn.runtime.graph_capture",
     "GraphInput": "shardattn.runtime.cudagraph",
     "GraphRunner": "shardattn.runtime.cudagraph",
     "DecodeGraphs": "shardattn.runtime.graphs",

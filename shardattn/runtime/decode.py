@@ -78,6 +78,8 @@ class DecodeStep:
         staging: the reused pinned buffer a batch's metadata crosses to the device through.
         kv_rows: checks a sparse-MLA cache against the Runtime's KV format and returns its rows
             (:meth:`~shardattn.runtime.runtime.Runtime.kv_rows`; ``None``: taken as given).
+        bypass: told the queries' dtype when it is not the workspace's, so the step allocates its
+            buffers instead (the Runtime logs it once, as its prefill does); ``None``: not told.
     """
 
     spec: ModelSpec
@@ -92,6 +94,7 @@ class DecodeStep:
     causal: bool
     staging: PinnedStaging = field(default_factory=PinnedStaging, compare=False, repr=False)
     kv_rows: Callable[[str, torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    bypass: Callable[[torch.dtype], None] | None = field(default=None, compare=False, repr=False)
 
     def local_heads(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice ``[rank * H/W, (rank + 1) * H/W)`` of a per-head tensor."""
@@ -233,7 +236,12 @@ class DecodeStep:
         except (TypeError, ValueError) as e:
             reject(self.comm, e, collective=dcp, check=check)
         # the buffers are sized for the spec's dtype; other dtypes (fp32 on a CPU) allocate per step
-        buffers = self.ws.decode_buffers("dcp" if dcp else "headtp") if q.dtype == self.ws.dtype else {}
+        if q.dtype == self.ws.dtype:
+            buffers = self.ws.decode_buffers("dcp" if dcp else "headtp")
+        else:
+            buffers = {}
+            if self.bypass is not None:
+                self.bypass(q.dtype)
         page = self.spec.page_size
         if self.spec.kind == "sparse_mla":
             if dcp:

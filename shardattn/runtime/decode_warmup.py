@@ -31,7 +31,7 @@ def small_kernel_sizes(topk: int, max_decode_tokens: int, num_sms: int, heads: i
     >>> sorted(small_kernel_sizes(2048, 64, 132)), sorted(small_kernel_sizes(2048, 2, 132))
     ([1, 3, 5], [1])
     """
-    from shardattn.plan.routing import SMALL_DECODE_MAX_TOKENS, small_decode_heads, small_decode_tiles
+    from shardattn.plan.decode_routing import SMALL_DECODE_MAX_TOKENS, small_decode_heads, small_decode_tiles
 
     first: dict[tuple[int, int], int] = {}
     for t in range(1, min(max_decode_tokens, SMALL_DECODE_MAX_TOKENS) + 1):
@@ -76,7 +76,7 @@ def warm_up_decode(
     (under DCP only rank 0 does), and for GQA head-TP uniform and ragged drafts. The decode
     kernels publish no compile-key list (unlike prefill), so this mirrors their call sites.
     Sparse MLA on sm_90 routes by batch size (the small-batch Gluon kernel, Triton below the Gluon
-    crossovers, Gluon above: :func:`~shardattn.plan.routing.route_sparse_decode_kernel`), so the
+    crossovers, Gluon above: :func:`~shardattn.plan.decode_routing.route_sparse_decode_kernel`), so the
     routed call also runs at the sizes where the small kernel's tile or heads a program change
     (:func:`small_kernel_sizes`), the Triton kernel is also run
     at every size (the variants a smaller batch than ``max_decode_tokens`` may need) and, where

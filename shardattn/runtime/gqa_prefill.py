@@ -3,7 +3,7 @@
 What runs (:func:`run_gqa_prefill_step`), per mode's step (:data:`~shardattn.runtime.modes.GQA_PREFILL_STEP`):
 
 * **head-TP**: rank ``r`` holds query heads ``[r H/W, (r+1) H/W)`` of every new token and the KV
-  heads they read (:func:`~shardattn.parallel.gqa_prefill.head_tp_kv_heads`); one local
+  heads they read (:func:`~shardattn.parallel.gqa_head_tp.head_tp_kv_heads`); one local
   :func:`~shardattn.ops.gqa_prefill_segments.attend_segments` call, no collective. With
   ``kv_new=None`` (the new tokens' K/V already written into the paged cache, as an engine's cache
   write does before attention) that is one paged FA4 call over ``seq_lens`` keys per request: the
@@ -16,7 +16,7 @@ Everything that depends only on the lengths is computed once per step, in
 :meth:`Runtime.plan_prefill <shardattn.runtime.runtime.Runtime.plan_prefill>`
 (:class:`GQAStepPlan`: the segments on the device, moved in one copy), so an engine's layers reuse
 it; a layer's call then checks shapes on the host (no device sync, no device op) and issues the
-kernel. The kernel object (:class:`~shardattn.ops.gqa_prefill_segments.FA4SegmentKernel`) is the
+kernel. The kernel object (:class:`~shardattn.ops.gqa_prefill_kernels.FA4SegmentKernel`) is the
 Runtime's, so the page table it derives from a block table is made once per table, not per layer.
 The plan also holds its FA4 launches (:class:`~shardattn.kernels.fa4_launch.FA4Launches`): the
 plan's first FA4 call of each form runs FA4's public function and keeps its compiled kernel and
@@ -31,9 +31,11 @@ import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_int, check_tensor
 from shardattn.kernels.fa4_launch import FA4Launches
-from shardattn.ops.gqa_prefill_segments import PagedPrefix, SegmentKernel, Segments, attend_segments, plan_segments
+from shardattn.ops.gqa_prefill_kernels import SegmentKernel
+from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments, plan_segments
 from shardattn.parallel.comm import Comm
-from shardattn.parallel.gqa_prefill import gqa_prefill_pcp, head_tp_kv_heads
+from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
+from shardattn.parallel.gqa_prefill import PCPSegments, gqa_prefill_pcp, pcp_segments
 from shardattn.plan.pcp import PCPPlan
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.args import as_index, check_queries
@@ -51,6 +53,8 @@ class GQAStepPlan:
         query_lens, prefix: the host lengths (``[B]`` each).
         max_prefix: the longest cached prefix.
         max_seq: the most KV tokens of one request (prefix and new tokens).
+        pcp: under PCP, the rank's share of the plan on the device (its segments, prefix lengths
+            and KV rows: :func:`~shardattn.parallel.gqa_prefill.pcp_segments`); ``None`` under head-TP.
         launches: the plan's FA4 launches (filled by its first FA4 call of each form).
         checked_table: the last CPU block table whose values passed the check, with what it was
             checked for (held, so no other tensor can take its address; its version counter
@@ -63,6 +67,7 @@ class GQAStepPlan:
     prefix: tuple[int, ...]
     max_prefix: int
     max_seq: int
+    pcp: PCPSegments | None = None
     launches: FA4Launches = field(default_factory=FA4Launches, compare=False, repr=False)
     checked_table: list = field(default_factory=list, compare=False, repr=False)
 
@@ -76,11 +81,13 @@ def plan_gqa_step(
 ) -> GQAStepPlan:
     """The step's :class:`GQAStepPlan` (host arithmetic, one copy to ``device``; ``shard``: the PCP plan)."""
     pre = [0] * len(query_lens) if prefix is None else list(prefix)
-    runs = None if shard is None else shard.shard.runs(rank)
     pin = device.type == "cuda"
-    segments = plan_segments(query_lens, pre, device, runs=runs, pin=pin)
-    lens = torch.tensor(pre, dtype=torch.int32).to(device)
     seq = max((p + n for p, n in zip(pre, query_lens)), default=0)
+    if shard is not None:
+        mine = pcp_segments(shard, rank, device, pin=pin)
+        return GQAStepPlan(mine.segments, mine.prefix_lens, tuple(query_lens), tuple(pre), mine.max_prefix, seq, mine)
+    segments = plan_segments(query_lens, pre, device, pin=pin)
+    lens = torch.tensor(pre, dtype=torch.int32).to(device)
     return GQAStepPlan(segments, lens, tuple(query_lens), tuple(pre), max(pre, default=0), seq)
 
 
@@ -228,7 +235,7 @@ def run_gqa_prefill_step(
     if step == "pcp":
         return gqa_prefill_pcp(
             q, k, v, shard, comm, k_cache=kc, v_cache=vc, block_table=table, sinks=sinks, window_left=window_left,
-            scale=scale, check=check, segments=gqa.segments, kernel=kernel, return_lse=return_lse,
+            scale=scale, check=check, segments=gqa.pcp, kernel=kernel, return_lse=return_lse,
             launches=gqa.launches,
         )  # fmt: skip
     prefix = None

@@ -12,43 +12,23 @@ queries' rows returned; above the largest bucket the lean eager step runs and
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from shardattn._checks import check_choice, check_int
 from shardattn.plan.cudagraph import CGSupport, explain_cudagraph_support
-from shardattn.runtime.cudagraph import GraphInput, GraphRunner, check_capture_allowed
+from shardattn.runtime.cudagraph import GraphInput, GraphRunner
+from shardattn.runtime.graph_capture import check_capture_allowed
 from shardattn.runtime.modes import prefill_step_of
+from shardattn.runtime.state import RuntimeState
 
 __all__ = ["DecodeGraphs", "RuntimeGraphs"]
 
 
-class RuntimeGraphs:
+class RuntimeGraphs(RuntimeState):
     """CUDA-graph policy and decode capture of a Runtime (mixed into it; no state of its own)."""
-
-    # provided by the Runtime
-    spec: Any
-    mode: str
-    world_size: int
-    heads_per_rank: int
-    max_batched_tokens: int
-    max_kv_rows: int
-    causal: bool
-    device: Any
-    _route: Callable[..., Any]
-
-    if TYPE_CHECKING:
-
-        @property
-        def decode_is_dcp(self) -> bool: ...
-
-        @property
-        def decode_route(self) -> Any: ...
-
-        @property
-        def gqa_prefill_route(self) -> Any: ...
 
     def explain_cudagraph_support(self, step: str = "decode") -> tuple[CGSupport, str]:
         """The planner's CUDA-graph level for this Runtime's ``"decode"`` or ``"prefill"`` steps, with why."""

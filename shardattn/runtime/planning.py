@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -26,57 +26,26 @@ from shardattn.kernels import fa4
 from shardattn.kernels.flashinfer_xqa import get_xqa
 from shardattn.ops.dispatch import device_capability
 from shardattn.ops.gqa_prefill import segment_kernel
-from shardattn.ops.gqa_prefill_segments import SegmentKernel
-from shardattn.parallel.comm import Comm
-from shardattn.plan.cost import CostModel
+from shardattn.ops.gqa_prefill_kernels import SegmentKernel
 from shardattn.plan.cost_route import cost_route
+from shardattn.plan.decode_routing import route_decode
 from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.pcp import pcp_plan
-from shardattn.plan.routing import Route, route_decode, route_prefill
-from shardattn.plan.spec import ModelSpec
+from shardattn.plan.routing import Route, route_prefill
 from shardattn.plan.zigzag import zigzag_split
 from shardattn.runtime.args import prefill_lengths, reject
 from shardattn.runtime.gqa_prefill import check_gqa_prefill_inputs, plan_gqa_step
 from shardattn.runtime.modes import prefill_step_of
-from shardattn.runtime.options import DecodeOptions
 from shardattn.runtime.prefill import PrefillPlan, check_prefill_inputs
-from shardattn.runtime.workspace import RuntimeWorkspace
+from shardattn.runtime.state import RuntimeState
 
 __all__ = ["RuntimePlanning"]
 
 log = logging.getLogger(__name__)
 
 
-class RuntimePlanning:
+class RuntimePlanning(RuntimeState):
     """Routing and planning of a Runtime's steps (mixed into it; no state but the cached decode route)."""
-
-    # provided by the Runtime
-    spec: ModelSpec
-    mode: str
-    comm: Comm
-    rank: int
-    world_size: int
-    heads_per_rank: int
-    topk: int
-    device: torch.device
-    gluon: bool
-    max_kv_rows: int
-    cost_model: CostModel | None
-    decode_options: DecodeOptions
-    ws: RuntimeWorkspace
-    kv_format: str
-    _kv_declared: str | None
-
-    if TYPE_CHECKING:
-
-        @property
-        def min_shard_tokens(self) -> int: ...
-
-        @property
-        def min_group_tokens(self) -> int: ...
-
-        @property
-        def decode_is_dcp(self) -> bool: ...
 
     def _route(self, heads: int, tokens: int, kv_rows: int) -> Route:
         route = route_prefill(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardattn.kernels import fa4
+from shardattn.kernels import fa4_warmup
 from shardattn.kernels.gluon.sparse_mla import gluon_config
 from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS, smem_unsupported_reason
 from shardattn.kernels.gluon.union_smem import launch_config as smem_launch_config
@@ -39,15 +39,12 @@ from shardattn.ops.dispatch import default_group_size
 from shardattn.ops.gqa_prefill import fa4_variants
 from shardattn.ops.topk import DcpShard
 from shardattn.ops.union import UNION_METHOD
-from shardattn.parallel.gqa_prefill import head_tp_kv_heads
-from shardattn.plan.context import DCPLayout
+from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.routing import Route, gluon_grouped_group_size, prefill_group_size
-from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.decode_warmup import warm_up_decode
 from shardattn.runtime.modes import GQA_BACKEND, PREFILL_STEP, prefill_step_of
-from shardattn.runtime.options import DecodeOptions, PrefillOptions
-from shardattn.runtime.workspace import RuntimeWorkspace
+from shardattn.runtime.state import RuntimeState
 
 
 @dataclass(frozen=True)
@@ -212,33 +209,9 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
     return launches
 
 
-class RuntimeWarmup:
+class RuntimeWarmup(RuntimeState):
     """The warm-up of a Runtime (mixed into it; it reads the Runtime's config and routes): every
     kernel variant its routes can launch, compiled at construction so that no step compiles."""
-
-    # provided by the Runtime
-    spec: ModelSpec
-    mode: str
-    device: torch.device
-    dtype: torch.dtype
-    topk: int
-    heads_per_rank: int
-    gluon: bool
-    world_size: int
-    rank: int
-    max_decode_tokens: int
-    kv_format: str
-    scale: float
-    decode_options: DecodeOptions
-    ws: RuntimeWorkspace
-    decode_is_dcp: bool
-    decode_route: Route
-    layout: DCPLayout
-    warmed_keys: frozenset
-    warmup_launches: int
-    max_batched_tokens: int
-    prefill_options: PrefillOptions
-    gqa_prefill_route: Route
 
     def prefill_specs(self) -> list[PrefillSpec]:
         """Kernel shapes this Runtime's prefill routes can launch: every head count its steps run
@@ -282,7 +255,7 @@ class RuntimeWarmup:
         )
         return {k for k in compile_keys(spec) if k.kernel == "convert_topk" or k.params.get("G") == route.group_size}
 
-    def gqa_prefill_variants(self) -> list[fa4.FA4Variant]:
+    def gqa_prefill_variants(self) -> list[fa4_warmup.FA4Variant]:
         """The FA4 compile keys this Runtime's GQA prefill calls can meet (empty off the FA4 route):
         the rank's heads and KV heads of its step (head-TP ``H/W`` over its KV heads, PCP all),
         every call form (:func:`~shardattn.ops.gqa_prefill.fa4_variants`: new keys given or in the
@@ -309,7 +282,7 @@ class RuntimeWarmup:
         self.warmed_keys = frozenset(k for s in specs for k in compile_keys(s))
         variants = self.gqa_prefill_variants()
         if variants:  # FA4 compiles each key on its first call (seconds): all of them now
-            launches += fa4.warm_up(variants, self.device)
+            launches += fa4_warmup.warm_up(variants, self.device)
             self.warmed_keys |= {CompileKey("fa4", dataclasses.asdict(v)) for v in variants}
         launches += self._warmup_decode()
         self.warmup_launches = launches

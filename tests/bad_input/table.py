@@ -189,7 +189,7 @@ KERNELS = [
     ("shardattn.ops.prepared_union", "build_union"),
     ("shardattn.ops.sparse_mla_decode", "run_sparse_mla_decode"),
     ("shardattn.ops.sparse_mla_decode", "build_union"),
-    ("shardattn.ops.gqa_decode", "sparse_mla_reference"),
+    ("shardattn.ops.gqa_decode_reference", "sparse_mla_reference"),
     ("shardattn.ops.gqa_decode", "gqa_paged_decode_reference"),
     ("shardattn.ops.gqa_decode", "run_triton"),
     ("shardattn.ops.lse_merge", "lse_merge_reference"),
@@ -198,7 +198,7 @@ KERNELS = [
     ("shardattn.ops.union", "build_union_reference"),
     ("shardattn.ops.union", "sort_union"),
     ("shardattn.ops.union", "fused_union"),
-    ("shardattn.ops.gqa_prefill_segments", "segment_attention_reference"),
+    ("shardattn.ops.gqa_prefill_kernels", "segment_attention_reference"),
     ("shardattn.kernels.fa4", "_run"),
 ]
 

@@ -21,7 +21,8 @@ import torch
 
 from shardattn.kernels.triton.lse_merge import launch_lse_merge, launch_lse_merge_columns, split_partials
 from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
-from shardattn.kernels.triton.sparse_mla_decode import launch_split_kernel, sparse_mla_decode_config
+from shardattn.kernels.triton.sparse_mla_decode import launch_split_kernel
+from shardattn.kernels.triton.sparse_mla_decode_config import sparse_mla_decode_config
 from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 from shardattn.ops.union import build_union
 from tests.fp8_oracle import fp8_rows_decode

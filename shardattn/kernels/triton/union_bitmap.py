@@ -27,7 +27,7 @@ entries past ``lens[g]`` are unspecified. The cost does not depend on the row or
 one atomic, one 8-byte load (L1 serves a group's repeats) and one atomic (a store at
 ``G = 1``), the rows read twice, plus ``span / 32`` words counted per group, where ``span`` is
 the distance between the group's lowest and highest row (so ``G = 1`` on a long span pays the
-scan once per query; ``plan.routing.route_union_method`` weighs it). Measured:
+scan once per query; ``plan.union_routing.route_union_method`` weighs it). Measured:
 docs/PERFORMANCE.md. Scratch:
 ``3 * ceil(R / 32)`` int32 per program, so the program count is capped by
 :data:`SCRATCH_BYTES` (a large KV cache gets fewer programs; :data:`MAX_ROWS` bounds ``R``).

@@ -1,0 +1,111 @@
+"""The kernels a GQA prefill's segments run on: the :class:`SegmentKernel` protocol, the torch
+reference (:class:`TorchSegmentKernel`) and FA4 (:class:`FA4SegmentKernel`).
+
+:func:`~shardattn.ops.gqa_prefill_segments.attend_segments` composes a call from two kernel
+shapes, segments over contiguous key ranges and segments over a paged cache; both
+implementations take the same arguments, so the CPU runs the composition the GPU runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from shardattn.kernels import fa4
+from shardattn.kernels.fa4_launch import FA4Private
+from shardattn.ops.gqa_prefill_reference import segment_attention_reference
+
+if TYPE_CHECKING:
+    from shardattn.ops.gqa_prefill_segments import Segments
+
+__all__ = ["FA4SegmentKernel", "SegmentKernel", "TorchSegmentKernel"]
+
+Tensor = torch.Tensor
+KernelResult = tuple[torch.Tensor, torch.Tensor | None]
+
+
+class SegmentKernel(Protocol):
+    """The two kernel shapes a GQA prefill needs; arguments as in
+    :func:`~shardattn.ops.gqa_prefill_reference.segment_attention_reference` (keyword arguments:
+    ``causal``, ``window_left``, ``sinks``, ``scale``, ``return_lse``, ``launches``: a plan's
+    :class:`~shardattn.kernels.fa4_launch.FA4Launches` or ``None``, read by FA4 only); both return
+    ``(out [T, H, D], lse [T, H] or None)``. ``k_len`` ``None``: segment ``s``'s keys are
+    ``[cu_k[s], cu_k[s + 1])``. :meth:`table` turns a block table into the one a paged call reads."""
+
+    name: str
+
+    def contiguous(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
+    ) -> KernelResult:
+        """Segments over contiguous key ranges ``[cu_k[s], cu_k[s] + k_len[s])``."""
+
+    def paged(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: Any
+    ) -> KernelResult:
+        """Segments over the first ``k_len`` positions of paged keys (``page_table`` from :meth:`table`)."""
+
+    def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:
+        """``[S, M]`` int32 pages of each segment's request, as the paged call reads them."""
+
+
+class TorchSegmentKernel:
+    """The fp32 torch reference (CPU, and GPUs where FA4 does not run)."""
+
+    name = "reference"
+
+    def contiguous(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
+    ) -> KernelResult:
+        return_lse = kw.pop("return_lse", True)
+        kw.pop("launches", None)
+        if k_len is None:
+            k_len = cu_k[1:] - cu_k[:-1]
+        out, lse = segment_attention_reference(q, k, v, cu_q, k_len, cu_k=cu_k, **kw)
+        return out, (lse if return_lse else None)
+
+    def paged(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: Any
+    ) -> KernelResult:
+        return_lse = kw.pop("return_lse", True)
+        kw.pop("launches", None)
+        out, lse = segment_attention_reference(q, k_cache, v_cache, cu_q, k_len, page_table=page_table, **kw)
+        return out, (lse if return_lse else None)
+
+    def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:
+        return segments.of_segments(block_table)
+
+
+class FA4SegmentKernel:
+    """FA4 through :mod:`shardattn.kernels.fa4` (``fn``: the FA4 function, default the installed one;
+    ``private``: :func:`~shardattn.kernels.fa4.fast_launch_support`'s pieces, which let calls given
+    a plan's ``launches`` call the compiled kernel directly; ``None``: every call is public).
+
+    Keeps the last page table it made (:meth:`table`: one gather and clamp per block table and
+    segments, not per layer: an engine's layers share one table), keyed on the table's storage,
+    version counter (bumped by every in-place write), shape and the segments.
+    """
+
+    name = "fa4"
+
+    def __init__(self, fn: Callable | None = None, private: FA4Private | None = None) -> None:
+        self.fn = fn
+        self.private = private
+        self._table: tuple[tuple, Segments, torch.Tensor] | None = None
+
+    def contiguous(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
+    ) -> KernelResult:
+        return fa4.fa4_varlen(q, k, v, cu_q, cu_k, k_len, fn=self.fn, private=self.private, **kw)
+
+    def paged(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cu_q: Tensor, k_len: Tensor, **kw: Any
+    ) -> KernelResult:
+        return fa4.fa4_paged(q, k_cache, v_cache, page_table, cu_q, k_len, fn=self.fn, private=self.private, **kw)
+
+    def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:
+        key = (block_table.data_ptr(), block_table._version, tuple(block_table.shape), block_table.stride(), num_pages)
+        if self._table is None or self._table[0] != key or self._table[1] is not segments:  # held: no id reuse
+            self._table = (key, segments, fa4.page_table_for_fa4(segments.of_segments(block_table), num_pages))
+        return self._table[2]

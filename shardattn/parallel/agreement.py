@@ -1,0 +1,108 @@
+"""Ranks agreeing on a step before its data collectives: one fingerprint and error flag per rank.
+
+Ranks that disagree (different plans, different shapes, a rank whose inputs failed validation)
+would otherwise enter mismatched collectives and hang or corrupt data. :func:`check_agreement`
+all-gathers one ``int64`` fingerprint (:func:`stable_fingerprint`) and an error flag per rank and
+raises the same clear ``ValueError`` on every rank, naming the ranks that disagree, instead;
+:func:`agree_on` validates a rank's inputs first. :class:`~shardattn.parallel.comm.Comm` offers
+both as methods (``comm.check_agreement``, ``comm.agree_on``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardattn.parallel.comm import Comm
+
+__all__ = ["agree_on", "check_agreement", "stable_fingerprint", "to_int64"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def stable_fingerprint(*parts: object) -> int:
+    """A 63-bit hash of scalars, strings, dtypes and shapes, equal in every process.
+
+    Python's ``hash`` of a string differs between processes; this does not.
+
+    >>> stable_fingerprint("q", (4, 2, 8), "bfloat16") == stable_fingerprint("q", (4, 2, 8), "bfloat16")
+    True
+    """
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(repr(p).encode())
+        h.update(b"\x00")
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+def to_int64(value: int) -> int:
+    """Fold any Python int into the signed int64 range (two's complement of its low 64 bits)."""
+    v = int(value) & _MASK64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseException | None = None) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks hold the same fingerprint.
+
+    One all-gather of ``[fingerprint, failed]`` per rank (counted as ``"agreement"`` only, so
+    the data collectives of a step can be counted on their own). Call it on every rank before
+    a step's data collectives; pass the local validation error, if any, as ``error`` so ranks
+    whose inputs were fine fail too instead of waiting in a collective for the rank that
+    raised.
+
+    Args:
+        fingerprint: any Python int (folded to int64), e.g. ``plan.fingerprint()``.
+        what: what the fingerprint describes, for the message (``"ShardQ plan"``).
+        error: this rank's validation error; re-raised here after the exchange.
+    Raises:
+        the given ``error`` on its rank; ``ValueError`` naming the failing ranks on the
+        others, or naming the ranks whose fingerprint differs from the majority's.
+    """
+    comm.counts["agreement"] += 1
+    rows = comm._gather_ints([fingerprint, 1 if error is not None else 0])
+    failed = [r for r, (_, f) in enumerate(rows) if f]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(
+            f"{what}: rank(s) {failed} of {comm.world_size} rejected their inputs (see the error on "
+            f"that rank); rank {comm.rank} stops too instead of waiting for them in a collective"
+        )
+    values = [v for v, _ in rows]
+    tally = Counter(values)
+    if len(tally) == 1:
+        return
+    top = max(tally.values())
+    # majority value; on a tie, the one of the lowest rank among the tied values
+    majority = next(v for v in values if tally[v] == top)
+    bad = [r for r, v in enumerate(values) if v != majority]
+    good = [r for r, v in enumerate(values) if v == majority]
+    raise ValueError(
+        f"{what} differs across ranks: rank(s) {bad} disagree with rank(s) {good} "
+        f"(fingerprints {values}); every rank must pass the same {what}"
+    )
+
+
+def agree_on(comm: Comm, what: str, validate: Callable[[], int], *, check: bool = True) -> None:
+    """Validate this rank's inputs, then (with ``check``) make every rank agree on them.
+
+    ``validate()`` raises ``TypeError`` / ``ValueError`` for bad input and otherwise returns a
+    fingerprint of everything the step's collectives depend on (plan, shapes, dtypes). With
+    ``check`` the fingerprint and the error, if any, go through :func:`check_agreement`, so a
+    rank with bad input, or with a different plan, makes *every* rank raise before any data
+    collective. Without ``check`` a local error is raised at once (other ranks may then wait
+    in the step's first collective until the group's timeout).
+    """
+    try:
+        fingerprint = validate()
+    except (TypeError, ValueError) as e:
+        if not check:  # the peers will wait in the step's first collective: tell them why
+            comm.report_failure(e)
+            raise
+        check_agreement(comm, 0, what, error=e)
+        raise  # unreachable: check_agreement re-raises e
+    if check:
+        check_agreement(comm, fingerprint, what)

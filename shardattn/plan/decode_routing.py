@@ -1,0 +1,236 @@
+"""Which kernel a decode step takes, and why.
+
+GQA picks FlashInfer XQA when it is installed, the GPU is SM90 / SM100 / SM120, the head dim passes
+:func:`~shardattn.plan.cudagraph.xqa_head_dim_supported` (the same function the CUDA-graph policy
+uses), no LSE is needed (XQA returns none, so never under DCP) and, on SM100, drafts are causal;
+otherwise the Triton kernel (:func:`route_decode`). Sparse MLA decode runs the sparse kernels (they
+return the LSE, so they serve DCP); :func:`route_sparse_decode_kernel` picks one: on SM90 the Gluon
+small-batch kernel at up to :data:`SMALL_DECODE_MAX_HEADS` heads and
+:data:`SMALL_DECODE_MAX_TOKENS` tokens (its tile: :func:`small_decode_tiles`,
+:func:`small_decode_heads`), the Gluon warp-specialised kernel at :data:`GLUON_DECODE_MIN_HEADS`
+heads or more, else Triton; :func:`route_decode_merge` picks the merge of the Triton kernel's
+splits. Without a GPU all take the torch ``reference``.
+
+Every threshold is a measured crossover of :mod:`shardattn.plan.crossovers`; the prefill routes
+and the :class:`~shardattn.plan.routing.Route` they all return: :mod:`shardattn.plan.routing`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardattn._checks import check_bool, check_int
+from shardattn.plan.crossovers import (
+    COLUMN_MERGE_MAX_ROWS,
+    GLUON_DECODE_MIN_HEADS,
+    GLUON_DECODE_MIN_PROGRAMS,
+    SMALL_DECODE_64_MAX_SM_FRACTION,
+    SMALL_DECODE_HEAD_GROUP,
+    SMALL_DECODE_MAX_HEADS,
+    SMALL_DECODE_MAX_TOKENS,
+)
+from shardattn.plan.cudagraph import xqa_head_dim_supported
+from shardattn.plan.routing import Route, device_type_of, sm_of
+from shardattn.plan.spec import ModelSpec
+
+__all__ = [
+    "DECODE_MERGES",
+    "DECODE_PATHS",
+    "GLUON_DECODE_MIN_HEADS",
+    "GLUON_DECODE_MIN_PROGRAMS",
+    "SMALL_DECODE_MAX_HEADS",
+    "SMALL_DECODE_MAX_SPLITS",
+    "SMALL_DECODE_MAX_TOKENS",
+    "SPARSE_DECODE_KERNELS",
+    "XQA_SM",
+    "route_decode",
+    "route_decode_merge",
+    "route_sparse_decode_kernel",
+    "small_decode_heads",
+    "small_decode_tiles",
+]
+
+XQA_SM = (90, 100, 120)
+DECODE_PATHS = ("triton", "flashinfer-xqa", "reference")
+SPARSE_DECODE_KERNELS = ("gluon_small", "gluon", "triton", "reference")
+DECODE_MERGES = ("none", "columns", "rows")
+SMALL_DECODE_MAX_SPLITS = 64
+"""Most splits of a row the small-batch decode kernel takes (its column merge loads every split's
+partial of a column block at once)."""
+
+
+def route_decode(
+    spec: ModelSpec,
+    *,
+    device_type: str | torch.device = "cuda",
+    sm: int | tuple[int, int] | None = None,
+    dcp_size: int = 1,
+    xqa_installed: bool = False,
+    need_lse: bool = False,
+    non_causal: bool = False,
+) -> Route:
+    """Route a decode step (module docstring).
+
+    Args:
+        spec: the model.
+        device_type: ``"cuda"``, ``"cpu"``, ... (or a ``torch.device``).
+        sm: compute capability, ``90`` or ``(9, 0)``; ``None`` = unknown (no XQA).
+        dcp_size: decode context-parallel ranks; ``> 1`` needs the LSE.
+        xqa_installed: FlashInfer with the XQA decode API is importable.
+        need_lse: a consumer needs the LSE.
+        non_causal: speculative drafts attend non-causally.
+
+    >>> from shardattn.plan.spec import get_preset
+    >>> route_decode(get_preset("gqa-64-8"), sm=90, xqa_installed=True).path
+    'flashinfer-xqa'
+    >>> route_decode(get_preset("gqa-64-8"), sm=90, xqa_installed=True, dcp_size=2).reason
+    'dcp_size=2 needs the LSE, which XQA does not return: Triton decode'
+    """
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
+    sm_v = sm_of(sm)
+    dcp = check_int("dcp_size", dcp_size, minimum=1)
+    check_bool("xqa_installed", xqa_installed)
+    check_bool("need_lse", need_lse)
+    check_bool("non_causal", non_causal)
+    dev = device_type_of(device_type)
+    if dev != "cuda":
+        return Route("reference", 1, f"no GPU (device type {dev!r}): torch reference")
+    if spec.kind == "sparse_mla":
+        why = "sparse MLA decode: sparse decode kernel (returns the LSE; route_sparse_decode_kernel picks it)"
+        return Route("triton", 1, why)
+    if not xqa_installed:
+        why = "FlashInfer XQA is not installed"
+    elif sm_v not in XQA_SM:
+        why = f"SM{sm_v} is not one of SM90/SM100/SM120" if sm_v is not None else "compute capability unknown"
+    elif not xqa_head_dim_supported(spec.head_dim):
+        why = f"head_dim {spec.head_dim} is outside XQA's limits (16..256, multiple of 16)"
+    elif dcp > 1:
+        why = f"dcp_size={dcp} needs the LSE, which XQA does not return"
+    elif need_lse:
+        why = "an LSE is needed, which XQA does not return"
+    elif non_causal and sm_v == 100:
+        why = "non-causal drafts are not supported by XQA on SM100"
+    else:
+        return Route("flashinfer-xqa", 1, f"FlashInfer XQA on SM{sm_v}, head_dim {spec.head_dim}")
+    return Route("triton", 1, f"{why}: Triton decode")
+
+
+def route_sparse_decode_kernel(
+    num_heads: int,
+    *,
+    num_tokens: int | None = None,
+    device_type: str | torch.device = "cuda",
+    sm: int | tuple[int, int] | None = None,
+    gluon_missing: str | None = None,
+    gluon_min_heads: int = GLUON_DECODE_MIN_HEADS,
+    gluon_min_programs: int = GLUON_DECODE_MIN_PROGRAMS,
+    small_missing: str | None = "not asked",
+    small_max_heads: int = SMALL_DECODE_MAX_HEADS,
+    small_max_tokens: int = SMALL_DECODE_MAX_TOKENS,
+) -> Route:
+    """Which kernel runs a sparse-MLA decode call: ``gluon_small``, ``gluon``, ``triton`` or ``reference``.
+
+    Args:
+        num_heads: query heads of the call (all heads under DCP, ``H / TP`` under head-TP).
+        num_tokens: query tokens of the call (requests x draft length); None = large enough.
+        device_type: ``"cuda"``, ``"cpu"``, ... (or a ``torch.device``).
+        sm: compute capability, ``90`` or ``(9, 0)``; ``None`` = unknown (no Gluon).
+        gluon_missing: why the Gluon kernel cannot run these tensors (None = it can).
+        gluon_min_heads: fewest heads at which the Gluon decode beats Triton (measured).
+        gluon_min_programs: fewest ``tokens x ceil(heads / 64)`` at which it does (measured).
+        small_missing: why the Gluon small-batch kernel cannot run these tensors (None = it can;
+            the default keeps it out, for callers that do not ask).
+        small_max_heads / small_max_tokens: the largest call it takes (measured crossovers).
+
+    >>> route_sparse_decode_kernel(16, num_tokens=4, sm=90, small_missing=None).path
+    'gluon_small'
+    >>> route_sparse_decode_kernel(128, sm=90).reason
+    'SM90, 128 heads >= 32: Gluon warp-specialised kernel (row slices merged by LSE)'
+    >>> route_sparse_decode_kernel(16, sm=90).path
+    'triton'
+    >>> route_sparse_decode_kernel(128, num_tokens=1, sm=90).path
+    'triton'
+    >>> route_sparse_decode_kernel(128, device_type="cpu").path
+    'reference'
+    """
+    h = check_int("num_heads", num_heads, minimum=1)
+    t = None if num_tokens is None else check_int("num_tokens", num_tokens, minimum=0)
+    check_int("gluon_min_heads", gluon_min_heads, minimum=1)
+    check_int("gluon_min_programs", gluon_min_programs, minimum=0)
+    sm_v = sm_of(sm)
+    dev = device_type_of(device_type)
+    if dev != "cuda":
+        return Route("reference", 1, f"no GPU (device type {dev!r}): torch reference")
+    if gluon_missing is not None:
+        return Route("triton", 1, f"{gluon_missing}: Triton split-KV decode kernel")
+    if sm_v is None or sm_v // 10 != 9:
+        return Route("triton", 1, f"SM{sm_v} is not SM90 (the Gluon kernel uses Hopper wgmma): Triton split-KV decode")
+    check_int("small_max_heads", small_max_heads, minimum=0)
+    check_int("small_max_tokens", small_max_tokens, minimum=0)
+    if small_missing is None and t is not None and 1 <= t <= small_max_tokens and h <= small_max_heads:
+        why = (
+            f"SM90, {h} heads <= {small_max_heads} and {t} tokens <= {small_max_tokens}: Gluon small-batch kernel "
+            "(a warpgroup per 64 entries, rows gathered at once, heads as the wgmma N; faster than Triton there, "
+            "measured)"
+        )
+        return Route("gluon_small", 1, why)
+    if h < gluon_min_heads:
+        why = f"{h} heads < {gluon_min_heads}: the Triton split-KV decode kernel is faster there (measured)"
+        return Route("triton", 1, why)
+    programs = None if t is None else t * -(-h // 64)
+    if programs is not None and programs < gluon_min_programs:
+        why = (
+            f"{t} tokens x {-(-h // 64)} head blocks < {gluon_min_programs} Gluon programs: latency bound, "
+            "the Triton split-KV decode kernel is as fast there (measured)"
+        )
+        return Route("triton", 1, why)
+    why = f"SM90, {h} heads >= {gluon_min_heads}: Gluon warp-specialised kernel (row slices merged by LSE)"
+    return Route("gluon", 1, why)
+
+
+def route_decode_merge(num_tokens: int, num_heads: int, num_splits: int) -> Route:
+    """Which kernel merges a split-KV decode call's partials: ``path`` ``"none"`` (one split: the
+    kernel writes the result), ``"columns"`` (at most :data:`COLUMN_MERGE_MAX_ROWS` (token, head)
+    rows: one program per (row, column block) loading every partial at once) or ``"rows"``.
+
+    >>> route_decode_merge(1, 16, 32).path, route_decode_merge(8, 128, 8).reason
+    ('columns', 'row merge: 1024 (token, head) rows > 128')
+    >>> route_decode_merge(4, 16, 1).path
+    'none'
+    """
+    if num_splits <= 1:
+        return Route("none", 1, "1 split: the kernel writes the result, no merge")
+    n = num_tokens * num_heads
+    if n <= COLUMN_MERGE_MAX_ROWS:
+        return Route("columns", 1, f"column merge: {n} (token, head) rows <= {COLUMN_MERGE_MAX_ROWS}")
+    return Route("rows", 1, f"row merge: {n} (token, head) rows > {COLUMN_MERGE_MAX_ROWS}")
+
+
+def small_decode_tiles(num_tokens: int, topk: int, num_sms: int) -> tuple[int, int]:
+    """``(BLOCK_N, splits)`` of the small-batch decode kernel: 64-entry splits (one warpgroup) while
+    their programs fill at most :data:`~shardattn.plan.crossovers.SMALL_DECODE_64_MAX_SM_FRACTION`
+    of ``num_sms`` and a row fits in :data:`SMALL_DECODE_MAX_SPLITS` of them, else 128 (two
+    warpgroups). At top-k 2048 on 132 SMs: 32 splits of 64 at 1-2 tokens, 16 of 128 from 3.
+
+    >>> small_decode_tiles(1, 2048, 132), small_decode_tiles(3, 2048, 132), small_decode_tiles(1, 100, 132)
+    ((64, 32), (128, 16), (64, 2))
+    """
+    blocks = -(-topk // 64)
+    fits = num_tokens * blocks <= num_sms * SMALL_DECODE_64_MAX_SM_FRACTION
+    block_n = 64 if fits and blocks <= SMALL_DECODE_MAX_SPLITS else 128
+    return block_n, -(-topk // block_n)
+
+
+def small_decode_heads(num_tokens: int, splits: int, heads: int, num_sms: int) -> int:
+    """Heads one small-batch split program takes: :data:`~shardattn.plan.crossovers.SMALL_DECODE_HEAD_GROUP`
+    (8) while the programs that then read each split's rows twice, one per group of heads, still fit
+    in one wave of ``num_sms``; else all ``heads`` (8 or fewer: all of them, on the 8-wide ``wgmma``).
+
+    >>> small_decode_heads(2, 32, 16, 132), small_decode_heads(5, 16, 16, 132), small_decode_heads(1, 32, 8, 132)
+    (8, 16, 8)
+    """
+    if heads <= SMALL_DECODE_HEAD_GROUP:
+        return heads
+    groups = -(-heads // SMALL_DECODE_HEAD_GROUP)
+    return SMALL_DECODE_HEAD_GROUP if num_tokens * splits * groups <= num_sms else heads

@@ -1,0 +1,81 @@
+"""The sizes of one prefill step the cost model prices (:class:`StepShape`).
+
+Pure host code: no torch, no GPU, no process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardattn.plan.kv_format import kv_row_bytes
+from shardattn.plan.spec import ModelSpec
+
+__all__ = ["StepShape"]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The sizes of one prefill step the model needs.
+
+    Attributes:
+        heads: query heads of the model (all ranks). world_size: ranks of the group.
+        tokens: new tokens of the step. topk: valid keys per query (mean).
+        head_dim / v_dim / dtype_bytes: q row width, output width, activation bytes.
+        rank_tokens: the most tokens a rank holds under ShardQ / PCP (default ``ceil(T / W)``).
+        union_ratio: ``{G: ratio}`` of the step's top-k, when known (default: the table's).
+        kv_format: the KV rows' format (:data:`shardattn.plan.kv_format.KV_FORMATS`; ``None``:
+            rows of ``dtype_bytes`` values): which kernel points price the calls, and the bytes of
+            a KV row PCP all-gathers.
+        ranks_per_node: ranks on each host (the smallest host's; ``None``: every rank on one
+            host); below ``world_size`` the step's collectives cross the network.
+    """
+
+    heads: int
+    world_size: int
+    tokens: int
+    topk: int
+    head_dim: int = 576
+    v_dim: int = 512
+    dtype_bytes: int = 2
+    rank_tokens: int | None = None
+    union_ratio: dict[int, float] | None = None
+    kv_format: str | None = None
+    ranks_per_node: int | None = None
+
+    @property
+    def per_rank(self) -> int:
+        return self.rank_tokens if self.rank_tokens is not None else -(-self.tokens // self.world_size)
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one KV row (656 for ``fp8_ds_mla``)."""
+        if self.kv_format is None:
+            return self.head_dim * self.dtype_bytes
+        return kv_row_bytes(self.kv_format, self.head_dim, self.v_dim)
+
+    @classmethod
+    def of(
+        cls,
+        spec: ModelSpec,
+        world_size: int,
+        tokens: int,
+        *,
+        topk: int | None = None,
+        rank_tokens: int | None = None,
+        kv_format: str | None = None,
+        ranks_per_node: int | None = None,
+    ) -> StepShape:
+        """The shape of a step of ``spec``'s model (its heads, dims and dtype; top-k default the spec's;
+        ``kv_format``: the KV rows', default rows of the spec's dtype)."""
+        return cls(
+            heads=spec.num_heads,
+            world_size=world_size,
+            tokens=tokens,
+            topk=spec.topk if topk is None else topk,
+            head_dim=spec.head_dim,
+            v_dim=spec.v_dim,
+            dtype_bytes=spec.dtype_bytes,
+            rank_tokens=rank_tokens,
+            kv_format=kv_format,
+            ranks_per_node=ranks_per_node,
+        )
