@@ -116,7 +116,8 @@ class RuntimeSoak:
         self._decode_world()
         self.stats: dict[str, Any] = {"prefill": LogHistogram(), "decode": LogHistogram(), "checks": 0}
         self.stats |= {"max_err": 0.0, "failed_checks": 0}
-        self.stats |= {"unwarmed_routes": 0, "rss": [], "cuda": [], "tensors": [], "steps": 0, "routes": {}}
+        self.stats |= {"unwarmed_routes": 0, "rss": [], "cuda": [], "reserved": [], "tensors": [], "steps": 0}
+        self.stats["routes"] = {}
 
     # -- the resident decode cache and its graph buckets -----------------------------------------
     def _decode_world(self) -> None:
@@ -177,11 +178,16 @@ class RuntimeSoak:
         g = torch.Generator().manual_seed(self.args.seed * 2_000_003 + i)
         b = int(torch.randint(1, a.max_batch + 1, (1,), generator=g)) if batch is None else batch
         idx = torch.randperm(a.requests, generator=g)[:b]
-        lens = base.seq_lens.cpu()[idx]
-        pos = (torch.rand(b, self.spec.topk, generator=g) * (lens[:, None] + 2).float()).long() - 1  # -1 .. len
-        pos = pos.to(torch.int32).to(self.device)
-        q = (torch.randn(b, self.spec.num_heads, self.spec.head_dim, generator=g) * 0.5).to(self.dtype).to(self.device)
         dev_idx = idx.to(self.device)
+        # q and the top-k made where an engine's would be (on the device), so that the process's
+        # memory is the library's: CPU tensors of a random size each step would move glibc's
+        # heap by megabytes between samples
+        gd = torch.Generator(device=self.device).manual_seed(self.args.seed * 2_000_003 + i)
+        lens = base.seq_lens.index_select(0, dev_idx)
+        pos = (torch.rand(b, self.spec.topk, generator=gd, device=self.device) * (lens[:, None] + 2)).long() - 1
+        pos = pos.to(torch.int32)  # -1 .. len
+        q = torch.randn(b, self.spec.num_heads, self.spec.head_dim, generator=gd, device=self.device)
+        q = (q * 0.5).to(self.dtype)
         feed = {
             "q": q[:, self.rank * self.h : (self.rank + 1) * self.h].contiguous(),
             "topk_pos": pos,
@@ -215,10 +221,11 @@ class RuntimeSoak:
             torch.cuda.synchronize(self.device)
 
     def sample(self) -> None:
+        self.stats["rss"].append(rss_bytes())  # before the tensor count, whose object list is megabytes
         self.stats["tensors"].append(live_tensors())  # collects first
-        self.stats["rss"].append(rss_bytes())
         if self.device.type == "cuda":
             self.stats["cuda"].append(torch.cuda.memory_allocated(self.device))
+            self.stats["reserved"].append(torch.cuda.memory_reserved(self.device))
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -272,6 +279,7 @@ class RuntimeSoak:
             "rss_growth_pct": growth_pct(s["rss"]),
             "cuda_allocated_mb": [v / 2**20 for v in s["cuda"]],
             "cuda_growth_pct": growth_pct(s["cuda"]),
+            "cuda_reserved_mb": [v / 2**20 for v in s["reserved"]],
             "prefill_ms": {"p50": s["prefill"].quantile(0.5) * 1e3, "p99": s["prefill"].quantile(0.99) * 1e3},
             "decode_ms": {"p50": s["decode"].quantile(0.5) * 1e3, "p99": s["decode"].quantile(0.99) * 1e3},
         }

@@ -340,7 +340,13 @@ def test_fa4_warmed_up_configuration_compiles_nothing() -> None:
     why = _fa4_skip_reason()
     if why is not None:
         pytest.skip(why)
-    variants = fa4_variants(dtype=torch.bfloat16, num_heads=8, num_kv_heads=2, head_dim=64, sinks=True, page_size=16)
+    variants = [  # the cases below: contiguous keys, and paged ones in pages of 16 (cp.async) and 128 (TMA)
+        v
+        for page in (16, 128)
+        for v in fa4_variants(
+            dtype=torch.bfloat16, num_heads=8, num_kv_heads=2, head_dim=64, sinks=True, page_size=page
+        )
+    ]
     fa4_warmup.warm_up(variants, "cuda")
     before = fa4_warmup.compiled_count()
     for case in (GPU_CASES[0], GPU_CASES[2], GPU_CASES[3]):  # 8 query heads over 2 KV heads

@@ -334,10 +334,29 @@ def _gpu_case(tokens: int, heads: int, k: int, seed: int, r: int = 61_440):
     return q, cache, rows, length, sinks
 
 
-def _same(a: tuple, b: tuple) -> None:
+def _same(a: tuple, b: tuple, exact: bool = True, oracle: tuple | None = None) -> None:
+    """FP8 run ``a`` against the bf16 run ``b`` on the dequantised rows: bit for bit (Gluon kernels:
+    the FP8 path differs from the bf16 one only in its loads), or, for Triton kernels (Triton
+    schedules the FP8 path's fp32 arithmetic in another order, so a rounding of P may flip), as
+    close to the fp64 ``oracle`` (output, LSE) as the bf16 run."""
     assert torch.isfinite(a[0]).all() and not a[1].isnan().any()
-    assert torch.equal(a[0], b[0]), float((a[0].float() - b[0].float()).abs().max())
-    assert torch.equal(a[1], b[1])
+    if exact:
+        assert torch.equal(a[0], b[0]), float((a[0].float() - b[0].float()).abs().max())
+        assert torch.equal(a[1], b[1])
+        return
+    want_o, want_l = oracle
+    for got, ref in ((a[0], b[0]), (a[1], b[1])):
+        want = want_o if got is a[0] else want_l
+        fin = torch.isfinite(want)
+        e_got = float((got.cpu().double() - want)[fin].abs().max())
+        e_ref = float((ref.cpu().double() - want)[fin].abs().max())
+        assert e_got <= 1.5 * e_ref + 1e-5, (e_got, e_ref)
+
+
+def _oracle(q, deq, rows, kw) -> tuple:
+    """fp64 output and LSE over the dequantised rows (``kw``: the call's topk_length / sinks)."""
+    extra = {n: t.cpu() for n, t in kw.items()}
+    return sparse_mla_oracle(q.cpu(), deq.cpu().double(), rows.cpu(), scale=0.06, v_dim=512, **extra)
 
 
 @pytest.mark.gpu
@@ -362,20 +381,22 @@ def test_fp8_decode_equals_bf16_decode_on_dequantised_rows(backend, tokens, head
 
     for kw in ({}, {"topk_length": length, "sinks": sinks}):
         fp8 = sparse_mla_decode(q, cache, rows, scale=0.06, backend=backend, rows_unique=True, **kw)
-        _same(fp8, bf16(**kw))
+        exact = backend != "triton"
+        _same(fp8, bf16(**kw), exact, None if exact else _oracle(q, deq, rows, kw))
     paged = sparse_mla_decode(q, cache.view(-1, 64, 656), rows,
                               scale=0.06, backend=backend, rows_unique=True)  # fmt: skip
-    _same(paged, bf16())
+    _same(paged, bf16(), backend != "triton", None if backend != "triton" else _oracle(q, deq, rows, {}))
 
 
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize(
-    ("path", "tokens", "heads", "group"),
-    [("routed", 300, 128, 1), ("routed", 300, 64, 1), ("routed", 200, 16, 1), ("triton", 100, 128, 1),
-     ("grouped", 257, 32, 2), ("grouped", 257, 16, 4), ("grouped", 257, 8, 8), ("grouped", 100, 8, 1)],
+    ("path", "tokens", "heads", "group", "gluon"),  # gluon: the kernel that runs is a Gluon one (bit for bit)
+    [("routed", 300, 128, 1, True), ("routed", 300, 64, 1, True), ("routed", 200, 16, 1, False),
+     ("triton", 100, 128, 1, False), ("grouped", 257, 32, 2, True), ("grouped", 257, 16, 4, True),
+     ("grouped", 257, 8, 8, True), ("grouped", 100, 8, 1, False)],
 )  # fmt: skip
-def test_fp8_prefill_equals_bf16_prefill_on_dequantised_rows(path, tokens, heads, group):
+def test_fp8_prefill_equals_bf16_prefill_on_dequantised_rows(path, tokens, heads, group, gluon):
     from shardattn.ops.sparse_mla import sparse_mla_per_query
 
     q, cache, rows, length, sinks = _gpu_case(tokens, heads, 2048, seed=tokens + heads * 3 + group)
@@ -390,7 +411,7 @@ def test_fp8_prefill_equals_bf16_prefill_on_dequantised_rows(path, tokens, heads
             fp8, ref = (
                 sparse_mla_grouped_prefill(q, kv, rows, scale=0.06, group_size=group, **kw) for kv in (cache, deq)
             )
-        _same(fp8, ref)
+        _same(fp8, ref, gluon, None if gluon else _oracle(q, deq, rows, kw))
 
 
 @pytest.mark.gpu
