@@ -20,7 +20,7 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from records import config_text, fmt, key, read_json, validate
+from records import config_text, fmt, key, portable_command, read_json, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "performance"
@@ -50,9 +50,12 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "gqa-prefill": (
         "GQA prefill, one GPU",
         "GQA prefill (64 q / 8 kv heads, head dim 64, bf16, sinks; new tokens causal, optionally a "
-        "sliding window or a cached prefix read through a paged cache): the library's op and the "
-        "head-TP step at one rank's heads of a TP group, against FA4's "
-        "`flash_attn_varlen_func` called directly on the same tensors, same run.",
+        "sliding window or a cached prefix read through a paged cache): the library's op, the "
+        "head-TP step and `Runtime.prefill` (planned once, as an engine's layers reuse a plan) at one "
+        "rank's heads of a TP group, against FA4's `flash_attn_varlen_func` called directly on the "
+        "same tensors, same run; ratio > 1: ours faster. Each row also records its host time per call: "
+        "where that reaches the GPU time (the op and step at TP 8, FA4 direct in the window case) the "
+        "row is host-bound. The Runtime's target: at most 1.05x FA4 direct.",
         (),
     ),
     "union-build": (
@@ -153,6 +156,25 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Predictions of the cost model (`scaling.py --simulate`), not measurements.",
         (),
     ),
+    "pool-soak": (
+        "Ray pool soak",
+        "`benchmarks/soak_pool.py`: the Ray actor pool serving requests with random arrivals, prefills, "
+        "decodes and frees with its KV pages near capacity, one rank killed at a random moment every "
+        "`--kill-every` seconds and the pool restarted; every output checked against fp64. Lost "
+        "requests count those `restart()` did not report; leaked pages, pages in use that never "
+        "returned; memory growth compares the median RSS of the last three samples with the first "
+        "three after the warm-up.",
+        (),
+    ),
+    "runtime-soak": (
+        "Runtime soak",
+        "`benchmarks/soak_runtime.py`: one `Runtime` under torchrun serving random prefill and decode "
+        "steps (decode from CUDA-graph buckets on a GPU), every 50th step checked against the torch "
+        "reference. After the warm-up: kernel compiles, live torch tensors (floor of the last samples "
+        "over the first), and the growth of RSS and CUDA allocated memory (median of the last three "
+        "samples over the first three).",
+        (),
+    ),
     "ray-pool": (
         "The Ray pool's decode step",
         "A 64-request decode step at 8,192 tokens of context through `RayRankPool` on two GPUs, "
@@ -243,13 +265,15 @@ def render(tables: dict[str, list[dict]]) -> str:
 def add(paths: list[Path], directory: Path = RECORDS, commit: str | None = None) -> int:
     """Merges the records of ``paths`` into ``directory`` (module docstring); returns how many.
     ``commit``: the measured commit, for records written by a copy of the tree whose ``.git`` was
-    not that commit's (their own ``commit`` field is then replaced)."""
+    not that commit's (their own ``commit`` field is then replaced). A command's absolute paths
+    become file names (:func:`records.portable_command`), so that it runs as written anywhere."""
     tables = load(directory)
     count = 0
     for path in paths:
         for rec in read_json(path):
             if commit is not None:
                 rec = {**rec, "commit": commit}
+            rec = {**rec, "command": portable_command(rec["command"])}
             validate(rec)
             if rec["benchmark"] not in SECTIONS:
                 raise ValueError(f"{path}: no section for benchmark {rec['benchmark']!r}")

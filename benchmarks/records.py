@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -55,6 +56,31 @@ def git_commit(root: Path = ROOT) -> str:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
+def _portable(arg: str) -> str:
+    """An absolute path outside the repository (an output file) as its file name, inside it relative
+    to the root: the command must run as written on any machine.
+
+    >>> _portable("/somewhere/out/run.json"), _portable("--json"), _portable("4")
+    ('run.json', '--json', '4')
+    """
+    if not arg.startswith("/"):
+        return arg
+    path = Path(arg)
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return path.name
+
+
+def portable_command(command: str) -> str:
+    """``command`` with each absolute path (a word starting with ``/``) made portable (:func:`_portable`).
+
+    >>> portable_command("cd benchmarks && python run.py --json /out/r.json")
+    'cd benchmarks && python run.py --json r.json'
+    """
+    return re.sub(r"(?<!\S)/\S+", lambda m: _portable(m.group(0)), command)
+
+
 def command_line(argv: list[str] | None = None) -> str:
     """The command that ran this process, as a user would type it from the repository root
     (``torchrun --nproc-per-node N`` in front when torchrun started it)."""
@@ -64,7 +90,7 @@ def command_line(argv: list[str] | None = None) -> str:
         script = script.resolve().relative_to(ROOT)
     except ValueError:
         pass
-    words = [script.as_posix(), *argv[1:]]
+    words = [script.as_posix(), *(_portable(a) for a in argv[1:])]
     if "LOCAL_WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
         return shlex.join(["torchrun", "--nproc-per-node", os.environ["LOCAL_WORLD_SIZE"], *words])
     return shlex.join(["python", *words])
