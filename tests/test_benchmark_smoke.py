@@ -229,6 +229,12 @@ def test_the_command_is_what_a_user_types(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert records.command_line(argv) == "torchrun --nproc-per-node 2 benchmarks/decode.py --only gqa,merge"
+    # an output file's directory is the measuring machine's: the command keeps its name only
+    argv = [str(BENCH / "decode.py"), "--json", "/elsewhere/out/decode.json", "--peer", str(BENCH / "peer" / "x.cu")]
+    assert records.command_line(argv).endswith("decode.py --json decode.json --peer benchmarks/peer/x.cu")
+    assert records.portable_command("cd benchmarks && python a.py --json /o/a.json") == (
+        "cd benchmarks && python a.py --json a.json"
+    )
 
 
 def test_gqa_prefill_cpu_run_checks_the_step_and_records(tmp_path: Path) -> None:
