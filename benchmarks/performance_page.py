@@ -106,6 +106,15 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "same inputs. The quantisation is the only approximation either makes.",
         (),
     ),
+    "decode-read-floor": (
+        "Sparse-MLA decode against its read floor",
+        "The routed sparse-MLA decode (one token per request, bf16 or fp8_ds_mla rows) against a kernel "
+        "that only reads the same picked rows once (`benchmarks/read_floor.py`, its fastest "
+        "configuration), same rows, cache and run; graph replays with the L2 flushed; each token's "
+        "top-k distinct random rows over the whole cache (small, or tens of GB). Ratio = floor / "
+        "decode; the target is a decode within 1.15x of the floor (ratio >= 0.87).",
+        (),
+    ),
     "kv-fp8-write": (
         "FP8 KV-row write",
         "Writing new tokens' bf16 rows into a paged fp8_ds_mla cache at random slots "

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 BENCHMARKS = ("sparse_prefill", "union_build", "decode", "decode_dcp", "scaling", "ray_pool", "decode_fp8_peer",
               "kv_fp8_write", "gqa_prefill", "gqa_prefill_host", "soak_pool", "soak_runtime",
-              "shm_roundtrip")  # fmt: skip
+              "shm_roundtrip", "decode_floor")  # fmt: skip
 ENV = {"gpu": "CPU", "date": "2026-12-02", "commit": "abc1234", "command": "python benchmarks/x.py",
        "versions": {"torch": "2.13.0", "triton": "3.9.0"}}  # fmt: skip
 
@@ -69,6 +69,8 @@ def test_gpu_only_benchmarks_refuse_to_run_without_their_gpus(capsys: pytest.Cap
     assert "--peer-lib" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert _module("kv_fp8_write").main([]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+        assert _module("decode_floor").main([]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 

@@ -1,0 +1,139 @@
+"""Sparse-MLA decode against its read floor, on small caches and caches of real size.
+
+    python benchmarks/decode_floor.py --json decode_floor.json
+    python benchmarks/decode_floor.py --cache-rows 40000000 --json decode_floor_40m.json   # 46 GB of bf16 rows
+
+For each KV format (``bf16``: 1,152-byte rows; ``fp8_ds_mla``: 656-byte rows holding the same
+values quantised), heads, batch and top-k: the routed :func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode`
+(one token per request, ``rows_unique=True``) against the read floor (``benchmarks/read_floor.py``:
+a kernel that only reads the same picked rows once, the fastest of its configurations), same
+rows, same cache, same run. Both are timed as CUDA-graph replays with the L2 flushed before each
+(``graph_timing.replay_us``), so the rows come from HBM as in a serving step. Each token picks
+``topk`` distinct rows at random over the whole cache, in random order: on a cache of tens of GB
+the picks land on pages spread as an engine's allocator leaves them, and the cost of address
+translation shows. ``--topk 512 256``: a DCP rank's share of 2,048 at 4 and 8 ranks.
+
+Records ``decode-read-floor``: decode us, baseline the floor us (ratio = floor / decode; the
+target is a decode step within 1.15x of the floor, ratio >= 0.87). Printed also as GB/s of rows.
+Every decode output is checked against the fp32 reference before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import replay_us
+from read_floor import CONFIGS, read_rows, row_words
+from records import add_json_argument, environment, print_table, record, write_json
+
+from shardattn.ops.kv_fp8 import quantize_kv
+from shardattn.ops.sparse_mla import sparse_mla_reference
+from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+
+ROW_BYTES = {"bf16": 1152, "fp8_ds_mla": 656}
+SCALE = 576**-0.5
+CHUNK = 1 << 20
+
+
+def build_caches(rows: int, formats: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
+    """The cache in each format, filled a chunk at a time: ``bf16`` ``[rows, 576]``; ``fp8_ds_mla``
+    ``[rows, 656]`` uint8, the same values quantised."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    caches = {f: torch.empty(rows, ROW_BYTES[f] // (2 if f == "bf16" else 1), device="cuda",
+                             dtype=torch.bfloat16 if f == "bf16" else torch.uint8) for f in formats}  # fmt: skip
+    for start in range(0, rows, CHUNK):
+        x = torch.randn(min(CHUNK, rows - start), 576, device="cuda", generator=g)
+        if "bf16" in caches:
+            caches["bf16"][start : start + x.shape[0]] = x.bfloat16()
+        if "fp8_ds_mla" in caches:
+            caches["fp8_ds_mla"][start : start + x.shape[0]] = quantize_kv(x)
+    return caches
+
+
+def distinct_rows(batch: int, topk: int, num_rows: int, g: torch.Generator) -> torch.Tensor:
+    """``[batch, topk]`` int32: each row ``topk`` distinct ids of ``[0, num_rows)`` in random order."""
+    if topk > num_rows:
+        raise ValueError(f"topk ({topk}) exceeds the cache's rows ({num_rows})")
+    draw = torch.randint(0, num_rows, (batch, 2 * topk + 64), device="cuda", generator=g).sort(1).values
+    dup = torch.zeros_like(draw, dtype=torch.bool)
+    dup[:, 1:] = draw[:, 1:] == draw[:, :-1]
+    draw = torch.where(dup, num_rows, draw).sort(1).values[:, :topk]  # duplicates last, then cut
+    if bool((draw >= num_rows).any()):
+        raise RuntimeError("too few distinct rows drawn; use a larger cache")
+    order = torch.rand(batch, topk, device="cuda", generator=g).argsort(1)
+    return draw.gather(1, order).int()
+
+
+def floor_us(words: torch.Tensor, rows: torch.Tensor) -> float:
+    """The fastest configuration of the read floor on these rows, in us (graph replays, L2 flushed)."""
+    best = float("inf")
+    for cfg in CONFIGS:
+        out = read_rows(words, rows, cfg)
+        best = min(best, replay_us(lambda cfg=cfg, out=out: read_rows(words, rows, cfg, out=out)))
+    return best
+
+
+def bench(args: argparse.Namespace, env: dict) -> list[dict]:
+    caches = build_caches(args.cache_rows, args.kv_dtype)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    out = []
+    for fmt, cache in caches.items():
+        words = row_words(cache)
+        for heads in args.heads:
+            for batch in args.batch:
+                for topk in args.topk:
+                    rows = distinct_rows(batch, topk, args.cache_rows, g)
+                    q = torch.randn(batch, heads, 576, device="cuda", generator=g).bfloat16()
+                    o = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
+                    s = torch.empty(batch, heads, device="cuda")
+
+                    def step(q=q, rows=rows, o=o, s=s, cache=cache):
+                        sparse_mla_decode(q, cache, rows, scale=SCALE, rows_unique=True, out=o, lse_out=s)
+
+                    o.fill_(float("nan"))
+                    step()
+                    ref, _ = sparse_mla_reference(q.float(), cache, rows, scale=SCALE)
+                    err = float((o.float() - ref).abs().max())
+                    if not err <= 2e-2:
+                        raise RuntimeError(f"{fmt} {heads} heads x {batch}, top-k {topk}: max |out - ref| = {err:.3g}")
+                    dec, flo = replay_us(step), floor_us(words, rows)
+                    config = {"kv": fmt, "heads": heads, "batch": batch, "topk": topk, "cache_rows": args.cache_rows}
+                    base = ("read floor (the same rows read once), same run", flo)
+                    out.append(record("decode-read-floor", config, "step us", dec, "us", "lower", base, env))
+                    gb = batch * topk * ROW_BYTES[fmt] / 1e3
+                    print(f"{fmt} {heads} heads x {batch}, top-k {topk}: decode {dec:.1f} us ({gb / dec:.0f} GB/s), "
+                          f"floor {flo:.1f} us ({gb / flo:.0f} GB/s), decode / floor {dec / flo:.2f}",
+                          flush=True)  # fmt: skip
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kv-dtype", nargs="+", choices=tuple(ROW_BYTES), default=list(ROW_BYTES))
+    p.add_argument("--heads", nargs="+", type=int, default=[8, 16, 64])
+    p.add_argument("--batch", nargs="+", type=int, default=[64, 256])
+    p.add_argument("--topk", nargs="+", type=int, default=[2048, 512, 256])
+    p.add_argument("--cache-rows", type=int, default=1 << 18, help="rows of the cache (40,000,000: 46 GB of bf16)")
+    add_json_argument(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_floor.py needs a CUDA GPU (the read floor is a GPU kernel)", file=sys.stderr)
+        return 2
+    env = environment()
+    records = bench(args, env)
+    print_table(records, "sparse-MLA decode against its read floor")
+    write_json(args.json, records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
