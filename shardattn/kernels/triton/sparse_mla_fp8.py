@@ -7,9 +7,11 @@ the fp32 accumulator and ptxas spills. So here the latent is worked in its four 
 tiles: ``S = Q.K^T`` as four dots chained over the tiles (``k``-steps in the bf16 kernel's order,
 then the rope's as the bf16 kernel adds it), ``P.V`` into four ``[rows, 128]`` accumulators; each
 tile's values are dequantised (:func:`~shardattn.kernels.triton.kv_fp8_read.load_fp8_tile`) when a
-dot needs them. Every output element sees the same products in the same order as in the bf16
-kernel on :func:`~shardattn.ops.kv_fp8.dequantize_kv`'s rows, so the results are equal bit for bit
-(tested on the GPU). The online softmax is :mod:`~shardattn.kernels.triton.online_softmax`'s.
+dot needs them. Every output element sees the same products as in the bf16 kernel on
+:func:`~shardattn.ops.kv_fp8.dequantize_kv`'s rows, but Triton schedules the split dots' fp32
+accumulation differently, so a score (and so a rounding of P) may differ in its last bits: on the
+GPU the outputs are as close to fp64 as the bf16 kernel's, not equal bit for bit (the Gluon
+kernels' are). The online softmax is :mod:`~shardattn.kernels.triton.online_softmax`'s.
 """
 
 from __future__ import annotations
