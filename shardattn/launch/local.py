@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardattn.launch.process_group import nccl_options
+from shardattn.launch.process_group import destroy_groups, nccl_options
 from shardattn.testing.pool import free_port
 
 #: Seconds a collective may wait for a peer before the rank fails.
@@ -44,7 +44,7 @@ def _spawned(rank: int, main: Callable[[dist.ProcessGroup], None], world_size: i
     try:
         main(dist.group.WORLD)
     finally:
-        dist.destroy_process_group()
+        destroy_groups()
 
 
 def run_ranks(
@@ -62,6 +62,6 @@ def run_ranks(
         try:
             main(dist.group.WORLD)
         finally:
-            dist.destroy_process_group()
+            destroy_groups()
         return
     mp.spawn(_spawned, args=(main, world_size, free_port(), timeout_s), nprocs=world_size)

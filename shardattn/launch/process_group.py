@@ -19,6 +19,7 @@ network).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -197,6 +198,11 @@ def host_groups(group: dist.ProcessGroup, nodes: Any) -> HostGroups:
 
 
 def destroy_groups() -> None:
-    """Leave the world (a no-op when it was never joined)."""
+    """Leave the world (a no-op when it was never joined).
+
+    First frees what the rank's work left in reference cycles (a Runtime, its communicator, their
+    work handles) while the groups still exist: collected only at interpreter exit, a gloo group's
+    objects may be torn down after what they use, and the rank aborts after its work is done."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
