@@ -20,7 +20,9 @@ The warm-up first runs one decode of every batch size (as a service warms what i
 size's bucket and its load views), then ``--warmup-steps`` random steps. Every ``--check-every``
 steps the step's output is compared with the library's single-process
 torch reference (this rank's heads); every ``--sample-every`` steps the process's RSS (and on a
-GPU ``torch.cuda.memory_allocated``) is sampled between steps. After ``--warmup-steps``:
+GPU ``torch.cuda.memory_allocated``, ``memory_reserved`` and the caching allocator's counts of
+segments taken from and given back to the driver, in ``--details``: what moves the RSS of a GPU
+process beside the library's own host memory) is sampled between steps. After ``--warmup-steps``:
 
 * memory growth: the median of the last three samples over the median of the first three after
   the warm-up, in % (RSS; CUDA allocated), and the live torch tensors of the process (counted
@@ -116,8 +118,8 @@ class RuntimeSoak:
         self._decode_world()
         self.stats: dict[str, Any] = {"prefill": LogHistogram(), "decode": LogHistogram(), "checks": 0}
         self.stats |= {"max_err": 0.0, "failed_checks": 0}
-        self.stats |= {"unwarmed_routes": 0, "rss": [], "cuda": [], "reserved": [], "tensors": [], "steps": 0}
-        self.stats["routes"] = {}
+        self.stats |= {"unwarmed_routes": 0, "rss": [], "cuda": [], "reserved": [], "segments": [], "tensors": []}
+        self.stats |= {"steps": 0, "routes": {}}
 
     # -- the resident decode cache and its graph buckets -----------------------------------------
     def _decode_world(self) -> None:
@@ -226,6 +228,8 @@ class RuntimeSoak:
         if self.device.type == "cuda":
             self.stats["cuda"].append(torch.cuda.memory_allocated(self.device))
             self.stats["reserved"].append(torch.cuda.memory_reserved(self.device))
+            ms = torch.cuda.memory_stats(self.device)  # segments taken from and given back to the driver
+            self.stats["segments"].append([ms.get(k, -1) for k in ("num_device_alloc", "num_device_free")])
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -280,6 +284,7 @@ class RuntimeSoak:
             "cuda_allocated_mb": [v / 2**20 for v in s["cuda"]],
             "cuda_growth_pct": growth_pct(s["cuda"]),
             "cuda_reserved_mb": [v / 2**20 for v in s["reserved"]],
+            "cuda_segments_allocated_freed": s["segments"],
             "prefill_ms": {"p50": s["prefill"].quantile(0.5) * 1e3, "p99": s["prefill"].quantile(0.99) * 1e3},
             "decode_ms": {"p50": s["decode"].quantile(0.5) * 1e3, "p99": s["decode"].quantile(0.99) * 1e3},
         }
