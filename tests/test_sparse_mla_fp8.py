@@ -344,9 +344,7 @@ def _same(a: tuple, b: tuple, exact: bool = True, oracle: tuple | None = None) -
         assert torch.equal(a[0], b[0]), float((a[0].float() - b[0].float()).abs().max())
         assert torch.equal(a[1], b[1])
         return
-    want_o, want_l = oracle
-    for got, ref in ((a[0], b[0]), (a[1], b[1])):
-        want = want_o if got is a[0] else want_l
+    for got, ref, want in zip(a, b, oracle, strict=True):  # output, then LSE
         fin = torch.isfinite(want)
         e_got = float((got.cpu().double() - want)[fin].abs().max())
         e_ref = float((ref.cpu().double() - want)[fin].abs().max())

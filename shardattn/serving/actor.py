@@ -406,8 +406,7 @@ class RankActor:
         return report
 
     def leave(self) -> None:
-        import torch.distributed as dist
+        from shardattn.launch.process_group import destroy_groups
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_groups()
         self.state = "left"

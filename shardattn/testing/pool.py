@@ -65,6 +65,8 @@ def _worker_main(rank: int, world_size: int, init_file: str, inbox: Any, outbox:
     import torch
     import torch.distributed as dist
 
+    from shardattn.launch.process_group import destroy_groups
+
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     store = dist.FileStore(init_file, world_size)
@@ -97,7 +99,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, inbox: Any, outbox:
             outbox.put((rank, call.call_id, "ok", result))
         except BaseException:  # report everything, including KeyboardInterrupt of a test body
             outbox.put((rank, call.call_id, "error", traceback.format_exc()))
-    dist.destroy_process_group()
+    destroy_groups()
 
 
 class DistributedPool:
