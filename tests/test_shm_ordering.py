@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from shardattn.serving.errors import RankStepError
-from shardattn.serving.shm import SEQ, ShmRegion, ShmSteps, decode_layout, serve
+from shardattn.serving.shm import SEQ, ShmRegion, decode_layout, serve
+from shardattn.serving.shm_steps import ShmSteps
 
 RANKS, HEADS_PER_RANK, D, DV, TOPK, MAX_T = 2, 2, 24, 16, 4, 32
 

@@ -7,6 +7,7 @@
 * :mod:`~shardattn.serving.requests`   :class:`PrefillRequest`, :class:`DecodeRequest`, validation (of tensors too).
 * :mod:`~shardattn.serving.transport`  how decode steps reach the ranks (shm, compiled graph, calls).
 * :mod:`~shardattn.serving.shm`        the shared-memory region of decode steps, its serve loop.
+* :mod:`~shardattn.serving.shm_steps`  the driver's side of it: writes a step, rings, waits, watches the loops.
 * :mod:`~shardattn.serving.doorbell`   a named pipe that wakes a process and orders the memory it reads
   after the writer's stores, on any CPU (the shared-memory steps' publication).
 * :mod:`~shardattn.serving.health`     the ranks' health reports.

@@ -61,7 +61,7 @@ class _CompiledDecode:
 
 
 class _ShmDecode:
-    """:class:`~shardattn.serving.shm.ShmSteps` and its serve loops."""
+    """:class:`~shardattn.serving.shm_steps.ShmSteps` and its serve loops."""
 
     def __init__(self, steps: Any) -> None:
         self.steps = steps
@@ -87,7 +87,7 @@ def _start_shm(
 ) -> _ShmDecode:
     import ray
 
-    from shardattn.serving.shm import ShmSteps
+    from shardattn.serving.shm_steps import ShmSteps
 
     check_local(built, ray.get_runtime_context().get_node_id())
     try:
@@ -151,7 +151,7 @@ def decode_on_ranks(
     actor calls through ``call``). Returns each rank's ``(out [T, H/W, Dv], lse [T, H/W] or
     None)`` and ``None``; under ``shm`` instead one pair, ``(out [T, H, Dv], lse [T, H] or
     None)``, every head (views of the region, valid until the next step), and the step's
-    timeline on every rank (:meth:`~shardattn.serving.shm.ShmSteps.timeline`).
+    timeline on every rank (:meth:`~shardattn.serving.shm_steps.ShmSteps.timeline`).
     Raises :class:`~shardattn.serving.errors.RankStepError` (or what ``call`` raises)."""
     import torch
 
