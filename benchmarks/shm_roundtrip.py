@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import add_json_argument, environment, print_table, record, write_json
 
-from shardattn.serving.shm import ShmRegion, ShmSteps, decode_layout, serve
+from shardattn.serving.shm import ShmRegion, decode_layout, serve
+from shardattn.serving.shm_steps import ShmSteps
 
 HEADS_PER_RANK, D, DV, TOPK = 2, 48, 32, 16
 
