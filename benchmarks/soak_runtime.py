@@ -22,7 +22,8 @@ steps the step's output is compared with the library's single-process
 torch reference (this rank's heads); every ``--sample-every`` steps the process's RSS (and on a
 GPU ``torch.cuda.memory_allocated``, ``memory_reserved`` and the caching allocator's counts of
 segments taken from and given back to the driver, in ``--details``: what moves the RSS of a GPU
-process beside the library's own host memory) is sampled between steps. After ``--warmup-steps``:
+process beside the library's own host memory; and glibc's heap in use and free but kept) is
+sampled between steps. After ``--warmup-steps``:
 
 * memory growth: the median of the last three samples over the median of the first three after
   the warm-up, in % (RSS; CUDA allocated), and the live torch tensors of the process (counted
@@ -52,7 +53,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import add_json_argument, environment, print_table, record, write_json
-from soak_stats import LogHistogram, floor_growth, growth_pct, live_tensors, rss_bytes
+from soak_stats import LogHistogram, floor_growth, growth_pct, heap_bytes, live_tensors, rss_bytes
 
 from shardattn.launch.local import run_ranks
 from shardattn.launch.workloads import build_decode, build_prefill
@@ -84,9 +85,14 @@ def compiled_kernels() -> int:
 
 
 def error(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]) -> float:
-    """Largest output error, and LSE error relative to ``max(1, |lse|)``; inf when -inf patterns differ."""
-    out, lse = (t.detach().float().cpu() for t in got)
-    rout, rlse = (t.detach().float().cpu() for t in ref)
+    """Largest output error, and LSE error relative to ``max(1, |lse|)``; inf when -inf patterns differ.
+
+    Computed where the step ran: only the numbers come to the host. (Host copies of a random size at
+    every check, up to a GB for a large prefill, would leave glibc's heap holding freed chunks of up
+    to its trim threshold, 64 MB: RSS that a sample counts but no leak.)
+    """
+    out, lse = (t.detach().float() for t in got)
+    rout, rlse = (t.detach().to(out.device).float() for t in ref)
     if out.shape != rout.shape or not torch.equal(torch.isfinite(lse), torch.isfinite(rlse)):
         return float("inf")
     err = float((out - rout).abs().max()) if out.numel() else 0.0
@@ -119,6 +125,7 @@ class RuntimeSoak:
         self.stats: dict[str, Any] = {"prefill": LogHistogram(), "decode": LogHistogram(), "checks": 0}
         self.stats |= {"max_err": 0.0, "failed_checks": 0}
         self.stats |= {"unwarmed_routes": 0, "rss": [], "cuda": [], "reserved": [], "segments": [], "tensors": []}
+        self.stats |= {"heap": []}
         self.stats |= {"steps": 0, "routes": {}}
 
     # -- the resident decode cache and its graph buckets -----------------------------------------
@@ -224,6 +231,7 @@ class RuntimeSoak:
 
     def sample(self) -> None:
         self.stats["rss"].append(rss_bytes())  # before the tensor count, whose object list is megabytes
+        self.stats["heap"].append(heap_bytes())  # glibc: in use, free but kept
         self.stats["tensors"].append(live_tensors())  # collects first
         if self.device.type == "cuda":
             self.stats["cuda"].append(torch.cuda.memory_allocated(self.device))
@@ -281,6 +289,7 @@ class RuntimeSoak:
             "live_tensor_growth": floor_growth(s["tensors"]),
             "rss_mb": [v / 2**20 for v in s["rss"]],
             "rss_growth_pct": growth_pct(s["rss"]),
+            "heap_in_use_free_mb": [None if h is None else [v / 2**20 for v in h] for h in s["heap"]],
             "cuda_allocated_mb": [v / 2**20 for v in s["cuda"]],
             "cuda_growth_pct": growth_pct(s["cuda"]),
             "cuda_reserved_mb": [v / 2**20 for v in s["reserved"]],

@@ -15,6 +15,7 @@ after its warm-up, and step times in a fixed histogram (a soak must not grow by 
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import statistics
@@ -23,13 +24,32 @@ import warnings
 import numpy as np
 import torch
 
-__all__ = ["LogHistogram", "floor_growth", "growth_pct", "live_tensors", "rss_bytes"]
+__all__ = ["LogHistogram", "floor_growth", "growth_pct", "heap_bytes", "live_tensors", "rss_bytes"]
 
 
 def rss_bytes(pid: int | str = "self") -> int:
     """Resident set size of a process (``/proc/<pid>/statm``), in bytes."""
     with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]  # fmt: skip
+
+
+def heap_bytes() -> tuple[int, int] | None:
+    """glibc's heap: ``(bytes in use, bytes free but kept)`` by ``malloc`` (``mallinfo2``, glibc
+    2.33+), or ``None`` elsewhere. Free bytes kept are RSS that is no leak: glibc keeps freed
+    chunks below its trim threshold, which rises (to 64 MB) after large blocks are freed."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return None
+    fn.restype = _Mallinfo2
+    m = fn()
+    return int(m.uordblks + m.hblkhd), int(m.fordblks)
 
 
 def live_tensors() -> int:
