@@ -17,7 +17,9 @@ drawn from a seed every rank shares:
   the CPU through the same runner uncaptured.
 
 The warm-up first runs one decode of every batch size (as a service warms what it serves: each
-size's bucket and its load views), then ``--warmup-steps`` random steps. Every ``--check-every``
+size's bucket and its load views), a checked prefill of ``--max-tokens`` and a checked decode of
+``--max-batch`` (the checks' reference loads its torch kernels on first use), then
+``--warmup-steps`` random steps. Every ``--check-every``
 steps the step's output is compared with the library's single-process
 torch reference (this rank's heads); every ``--sample-every`` steps the process's RSS (and on a
 GPU ``torch.cuda.memory_allocated``, ``memory_reserved`` and the caching allocator's counts of
@@ -121,6 +123,7 @@ class RuntimeSoak:
             prefill_options=PrefillOptions() if cuda else PrefillOptions(min_shard_tokens=1, min_group_tokens=1),
         )  # fmt: skip
         self.h = self.rt.heads_per_rank
+        self.device_gen = torch.Generator(device=self.device)  # decode's draws, reseeded every step
         self._decode_world()
         self.stats: dict[str, Any] = {"prefill": LogHistogram(), "decode": LogHistogram(), "checks": 0}
         self.stats |= {"max_err": 0.0, "failed_checks": 0}
@@ -157,10 +160,11 @@ class RuntimeSoak:
         self.captured = capture
 
     # -- steps -----------------------------------------------------------------------------------
-    def prefill(self, i: int, check: bool) -> None:
+    def prefill(self, i: int, check: bool, tokens: int | None = None) -> None:
         g = torch.Generator().manual_seed(self.args.seed * 1_000_003 + i)  # the same on every rank
         reqs = int(torch.randint(1, 5, (1,), generator=g))
-        tokens = int(torch.randint(reqs, self.max_tokens + 1, (1,), generator=g))
+        drawn = int(torch.randint(reqs, self.max_tokens + 1, (1,), generator=g))
+        tokens = drawn if tokens is None else tokens
         cached = tuple(int(x) for x in torch.randint(0, self.args.context + 1, (reqs,), generator=g))
         step = build_prefill(
             heads=self.spec.num_heads, head_dim=self.spec.head_dim, tokens=tokens, requests=reqs, cached=cached,
@@ -191,7 +195,7 @@ class RuntimeSoak:
         # q and the top-k made where an engine's would be (on the device), so that the process's
         # memory is the library's: CPU tensors of a random size each step would move glibc's
         # heap by megabytes between samples
-        gd = torch.Generator(device=self.device).manual_seed(self.args.seed * 2_000_003 + i)
+        gd = self.device_gen.manual_seed(self.args.seed * 2_000_003 + i)
         lens = base.seq_lens.index_select(0, dev_idx)
         pos = (torch.rand(b, self.spec.topk, generator=gd, device=self.device) * (lens[:, None] + 2)).long() - 1
         pos = pos.to(torch.int32)  # -1 .. len
@@ -246,6 +250,9 @@ class RuntimeSoak:
         compiled_at_warm = None
         for b in range(1, a.max_batch + 1):  # a service warms every batch size it serves (graph buckets, views)
             self.decode(-b, False, batch=b)
+        # the checks' own first runs at the largest shapes (the reference's torch kernels load on first use)
+        self.prefill(-1, a.check_every > 0, tokens=self.max_tokens)
+        self.decode(-a.max_batch - 1, a.check_every > 0, batch=a.max_batch)
         i = 0
         while (not a.steps or i < a.steps) and time.monotonic() < deadline:
             if i == a.warmup_steps:
@@ -384,7 +391,7 @@ class _Entry:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="glm5", help="model on a GPU (the CPU runs a small 8-head model)")
-    p.add_argument("--steps", type=int, default=10000, help="steps (0: --minutes only)")
+    p.add_argument("--steps", type=int, default=None, help="steps (default 10,000; with --minutes: no limit)")
     p.add_argument("--minutes", type=float, default=0.0, help="stop after this long (0: --steps only)")
     p.add_argument("--warmup-steps", type=int, default=500, help="memory and compiles count from this step on")
     p.add_argument("--check-every", type=int, default=50, help="compare a step with the reference every N steps")
@@ -405,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.steps is None:
+        args.steps = 0 if args.minutes else 10000
     if args.context is None:
         args.context = 8192 if torch.cuda.is_available() else 64
     if args.requests < args.max_batch:
