@@ -19,13 +19,13 @@ drawn from a seed every rank shares:
 The warm-up first runs one decode of every batch size (as a service warms what it serves: each
 size's bucket and its load views), a checked prefill of ``--max-tokens`` and a checked decode of
 ``--max-batch`` (the checks' reference loads its torch kernels on first use), then
-``--warmup-steps`` random steps. Every ``--check-every``
-steps the step's output is compared with the library's single-process
-torch reference (this rank's heads); every ``--sample-every`` steps the process's RSS (and on a
-GPU ``torch.cuda.memory_allocated``, ``memory_reserved`` and the caching allocator's counts of
-segments taken from and given back to the driver, in ``--details``: what moves the RSS of a GPU
-process beside the library's own host memory; and glibc's heap in use and free but kept) is
-sampled between steps. After ``--warmup-steps``:
+``--warmup-steps`` random steps. Every ``--check-every`` steps, ``--check-tokens`` tokens of the
+step's output (its first and last among them) are compared with the library's single-process
+torch reference (this rank's heads; at one shape, whatever the step's); every ``--sample-every``
+steps the process's RSS (and on a GPU ``torch.cuda.memory_allocated``, ``memory_reserved`` and the
+caching allocator's counts of segments taken from and given back to the driver, in ``--details``:
+what moves the RSS of a GPU process beside the library's own host memory; and glibc's heap in use
+and free but kept) is sampled between steps. After ``--warmup-steps``:
 
 * memory growth: the median of the last three samples over the median of the first three after
   the warm-up, in % (RSS; CUDA allocated), and the live torch tensors of the process (counted
@@ -183,8 +183,9 @@ class RuntimeSoak:
         self._sync()
         self.stats["prefill"].add(time.perf_counter() - t0)
         if check:
-            ref = sparse_mla_reference(step.q, step.kv, step.rows, scale=self.rt.scale, v_dim=self.spec.v_dim)
-            self._judge(out, ref)
+            t = self._checked(tokens, g)
+            ref = sparse_mla_reference(step.q[t], step.kv, step.rows[t], scale=self.rt.scale, v_dim=self.spec.v_dim)
+            self._judge((out[0][t], out[1][t]), ref)
 
     def decode(self, i: int, check: bool, batch: int | None = None) -> None:
         a, base = self.args, self.base
@@ -218,8 +219,21 @@ class RuntimeSoak:
             rows, _ = convert_topk(
                 pos, feed["req_ids"], table, block_size=self.spec.page_size, seq_lens=feed["seq_lens"]
             )
-            ref = sparse_mla_reference(q, base.kv, rows, scale=self.rt.scale, v_dim=self.spec.v_dim)
-            self._judge(out, ref)
+            t = self._checked(b, g)
+            ref = sparse_mla_reference(q[t], base.kv, rows[t], scale=self.rt.scale, v_dim=self.spec.v_dim)
+            self._judge((out[0][t], out[1][t]), ref)
+
+    def _checked(self, tokens: int, g: torch.Generator) -> torch.Tensor | slice:
+        """The tokens a check compares: ``--check-tokens`` of them (the first, the last, the rest
+        drawn with replacement), so that the reference runs at one shape whatever the step's size and
+        the torch kernels it calls keep no per-shape state that a memory sample would count; every
+        token with ``--check-tokens 0``."""
+        n = self.args.check_tokens
+        if n <= 0:
+            return slice(None)
+        picks = torch.randint(0, tokens, (n,), generator=g)
+        picks[0], picks[-1] = 0, tokens - 1
+        return picks.to(self.device)
 
     def _judge(self, got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]) -> None:
         heads = slice(self.rank * self.h, (self.rank + 1) * self.h)
@@ -254,7 +268,7 @@ class RuntimeSoak:
         self.prefill(-1, a.check_every > 0, tokens=self.max_tokens)
         self.decode(-a.max_batch - 1, a.check_every > 0, batch=a.max_batch)
         i = 0
-        while (not a.steps or i < a.steps) and time.monotonic() < deadline:
+        while not a.steps or i < a.steps:  # --minutes: the broadcast below ends the loop
             if i == a.warmup_steps:
                 compiled_at_warm = compiled_kernels()
             check = a.check_every > 0 and i % a.check_every == 0
@@ -266,7 +280,7 @@ class RuntimeSoak:
             if i >= a.warmup_steps and (i - a.warmup_steps) % a.sample_every == 0:
                 self.sample()
             i += 1
-            if a.minutes:  # every rank stops at the same step: rank 0's clock decides
+            if a.minutes and i % 50 == 0:  # every rank stops at the same step: rank 0's clock decides, every 50
                 flag = torch.tensor([int(time.monotonic() >= deadline)], device=self.rt.comm.device)
                 dist.broadcast(flag, 0, group=self.group)
                 if int(flag):
@@ -395,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=0.0, help="stop after this long (0: --steps only)")
     p.add_argument("--warmup-steps", type=int, default=500, help="memory and compiles count from this step on")
     p.add_argument("--check-every", type=int, default=50, help="compare a step with the reference every N steps")
+    p.add_argument("--check-tokens", type=int, default=16, help="tokens a check compares, first and last among them "
+                   "(0: all)")  # fmt: skip
     p.add_argument("--sample-every", type=int, default=100, help="sample memory every N steps after the warm-up")
     p.add_argument("--prefill-share", type=float, default=0.3, help="share of prefill steps (the rest decode)")
     p.add_argument("--max-tokens", type=int, default=None, help="largest prefill step (default 8192 GPU, 96 CPU)")

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 BENCHMARKS = ("sparse_prefill", "union_build", "decode", "decode_dcp", "scaling", "ray_pool", "decode_fp8_peer",
               "kv_fp8_write", "gqa_prefill", "gqa_prefill_host", "soak_pool", "soak_runtime",
-              "shm_roundtrip", "decode_floor")  # fmt: skip
+              "shm_roundtrip", "decode_floor", "host_growth")  # fmt: skip
 ENV = {"gpu": "CPU", "date": "2026-12-02", "commit": "abc1234", "command": "python benchmarks/x.py",
        "versions": {"torch": "2.13.0", "triton": "3.9.0"}}  # fmt: skip
 
@@ -86,6 +86,16 @@ def test_sparse_prefill_cpu_run_writes_its_records(tmp_path: Path) -> None:
     assert all(r["benchmark"] == "sparse-prefill" and r["value"] > 0 and r["gpu"] == "CPU" for r in recs)
     assert recs[0]["command"].startswith("python benchmarks/sparse_prefill.py --device cpu")
     assert recs[0]["config"] == {"heads": 4, "tokens": 32, "topk": 32, "pass": "first"}
+
+
+def test_host_growth_cpu_run_records_bytes_per_call(tmp_path: Path) -> None:
+    out = tmp_path / "host_growth.json"
+    _run([sys.executable, str(BENCH / "host_growth.py"), "--calls", "300", "--only", "reseeded", "broadcast",
+          "--json", str(out)])  # fmt: skip
+    recs = _records(out)
+    assert [r["config"]["operation"] for r in recs] == ["one generator reseeded", "broadcast, one-rank group"]
+    assert all(r["benchmark"] == "host-growth" and r["unit"] == "B" and r["config"]["calls"] == 300 for r in recs)
+    assert abs(recs[0]["value"]) < 200  # reseeding one generator keeps nothing
 
 
 def test_union_build_cpu_run_checks_and_records(tmp_path: Path) -> None:
