@@ -16,6 +16,12 @@ translation shows. ``--topk 512 256``: a DCP rank's share of 2,048 at 4 and 8 ra
 Records ``decode-read-floor``: decode us, baseline the floor us (ratio = floor / decode; the
 target is a decode step within 1.15x of the floor, ratio >= 0.87). Printed also as GB/s of rows.
 Every decode output is checked against the fp32 reference before it is timed.
+
+``--sweep``: where the routed decode is the Triton split-KV kernel (fewer heads than
+:data:`~shardattn.plan.crossovers.GLUON_DECODE_MIN_HEADS`), also that kernel under each of
+:data:`SWEEP`'s launch configurations times 1, 2 and 4 times its split count, and the small-batch
+Gluon kernel forced (where it takes the shape); printed per configuration, with a record
+``best swept us`` of the fastest (its configuration named) against the same floor.
 """
 
 from __future__ import annotations
@@ -31,13 +37,18 @@ from graph_timing import replay_us
 from read_floor import CONFIGS, read_rows, row_words
 from records import add_json_argument, environment, print_table, record, write_json
 
+from shardattn.kernels.triton.sparse_mla_decode import run_split_decode
+from shardattn.kernels.triton.sparse_mla_decode_config import sparse_mla_decode_config
 from shardattn.ops.kv_fp8 import quantize_kv
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+from shardattn.plan.crossovers import GLUON_DECODE_MIN_HEADS
 
 ROW_BYTES = {"bf16": 1152, "fp8_ds_mla": 656}
 SCALE = 576**-0.5
 CHUNK = 1 << 20
+#: Launch configurations of the Triton split-KV kernel that ``--sweep`` times.
+SWEEP = tuple({"BLOCK_N": n, "num_warps": w, "num_stages": st} for n in (32, 64) for w in (4, 8) for st in (2, 3))
 
 
 def build_caches(rows: int, formats: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -105,11 +116,52 @@ def bench(args: argparse.Namespace, env: dict) -> list[dict]:
                     config = {"kv": fmt, "heads": heads, "batch": batch, "topk": topk, "cache_rows": args.cache_rows}
                     base = ("read floor (the same rows read once), same run", flo)
                     out.append(record("decode-read-floor", config, "step us", dec, "us", "lower", base, env))
+                    if args.sweep and heads < GLUON_DECODE_MIN_HEADS:
+                        name, us = sweep(q, cache, rows, ref, o, s)
+                        print(f"  best swept: {name} {us:.1f} us, {us / flo:.2f}x the floor", flush=True)
+                        best = {**config, "best": name}
+                        out.append(record("decode-read-floor", best, "best swept us", us, "us", "lower", base, env))
                     gb = batch * topk * ROW_BYTES[fmt] / 1e3
                     print(f"{fmt} {heads} heads x {batch}, top-k {topk}: decode {dec:.1f} us ({gb / dec:.0f} GB/s), "
                           f"floor {flo:.1f} us ({gb / flo:.0f} GB/s), decode / floor {dec / flo:.2f}",
                           flush=True)  # fmt: skip
     return out
+
+
+def sweep(
+    q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, ref: torch.Tensor, o: torch.Tensor, s: torch.Tensor
+) -> tuple[str, float]:
+    """``(name, us)`` of the fastest of the Triton kernel's :data:`SWEEP` configurations at 1, 2 and
+    4 times its split count and the small-batch Gluon kernel (forced), each checked first."""
+    t, h, _ = q.shape
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    base = sparse_mla_decode_config(t, h, rows.shape[1], sms, kv_fp8=cache.dtype == torch.uint8)["num_splits"]
+    runs = {}
+    for cfg in SWEEP:
+        for mult in (1, 2, 4):
+            name = f"triton N{cfg['BLOCK_N']} w{cfg['num_warps']} st{cfg['num_stages']} splits x{mult}"
+            runs[name] = lambda cfg=cfg, mult=mult: run_split_decode(
+                q, cache, rows, scale=SCALE, topk_length=None, sinks=None, out=o, lse_out=s, num_sms=sms,
+                num_splits=min(64, base * mult), config=cfg,
+            )  # fmt: skip
+    runs["gluon_small (forced)"] = lambda: sparse_mla_decode(
+        q, cache, rows, scale=SCALE, rows_unique=True, out=o, lse_out=s, backend="gluon_small"
+    )
+    best = ("none", float("inf"))
+    for name, fn in runs.items():
+        o.fill_(float("nan"))
+        try:
+            fn()
+        except ValueError as e:  # a kernel that cannot take the shape says so
+            print(f"  {name}: {e}")
+            continue
+        err = float((o.float() - ref).abs().max())
+        if not err <= 2e-2:
+            raise RuntimeError(f"{name}: max |out - ref| = {err:.3g}")
+        us = replay_us(fn)
+        print(f"  {name}: {us:.1f} us", flush=True)
+        best = min(best, (name, us), key=lambda x: x[1])
+    return best
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", nargs="+", type=int, default=[64, 256])
     p.add_argument("--topk", nargs="+", type=int, default=[2048, 512, 256])
     p.add_argument("--cache-rows", type=int, default=1 << 18, help="rows of the cache (40,000,000: 46 GB of bf16)")
+    p.add_argument("--sweep", action="store_true", help="also the Triton kernel's launch configurations (docstring)")
     add_json_argument(p)
     return p
 
