@@ -34,7 +34,8 @@ and free but kept) is sampled between steps. After ``--warmup-steps``:
   the warm-up (0 expected: the Runtime warms every variant its routes can take), and every prefill
   route's kernel variants checked against the Runtime's ``warmed_keys``.
 
-Rank 0 prints a table of every rank's numbers; ``--json`` writes ``runtime-soak`` records
+Rank 0 prints a table of every rank's numbers (the verdict, table and records:
+``benchmarks/soak_runtime_report.py``); ``--json`` writes ``runtime-soak`` records
 (``benchmarks/records.py``), ``--details`` every number. Exit status 1 when a check fails, a step
 compiles or leaves its route unwarmed after the warm-up, or (``--max-growth-pct``) memory grows more.
 """
@@ -54,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from records import add_json_argument, environment, print_table, record, write_json
+from records import add_json_argument, print_table, write_json
+from soak_runtime_report import passed, render, soak_records
 from soak_stats import LogHistogram, floor_growth, growth_pct, heap_bytes, live_tensors, rss_bytes
 
 from shardattn.launch.local import run_ranks
@@ -318,66 +320,6 @@ class RuntimeSoak:
             "prefill_ms": {"p50": s["prefill"].quantile(0.5) * 1e3, "p99": s["prefill"].quantile(0.99) * 1e3},
             "decode_ms": {"p50": s["decode"].quantile(0.5) * 1e3, "p99": s["decode"].quantile(0.99) * 1e3},
         }
-
-
-def passed(ranks: list[dict[str, Any]], max_growth: float | None) -> bool:
-    for r in ranks:
-        if r["failed_checks"] or r["unwarmed_routes"] or r["compiles_after_warmup"] or not r["checks"]:
-            return False
-        if r["live_tensor_growth"]:  # a tensor kept per step (or per shape) after the warm-up
-            return False
-        growths = [g for g in (r["rss_growth_pct"], r["cuda_growth_pct"]) if g is not None]
-        if max_growth is not None and (not growths or max(growths) > max_growth):
-            return False
-    return True
-
-
-def render(ranks: list[dict[str, Any]], ok: bool) -> None:
-    print("| rank | steps (prefill / decode) | checks (failed, max err) | compiles after warm-up | unwarmed routes "
-          "| live tensors (growth) | RSS MB (growth) | CUDA allocated MB (growth) | prefill p50 / p99 ms "
-          "| decode p50 / p99 ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
-
-    def mem(xs: list[float], g: float | None) -> str:
-        return "-" if not xs else f"{xs[0]:.0f} -> {xs[-1]:.0f} ({'n/a' if g is None else f'{g:+.2f} %'})"
-
-    for r in ranks:
-        print(f"| {r['rank']} | {r['steps']} ({r['prefill_steps']} / {r['decode_steps']}) | {r['checks']} "
-              f"({r['failed_checks']}, {r['max_err']:.2e}) | {r['compiles_after_warmup']} | {r['unwarmed_routes']} "
-              f"| {r['live_tensors'][-1] if r['live_tensors'] else '-'} ({r['live_tensor_growth']}) "
-              f"| {mem(r['rss_mb'], r['rss_growth_pct'])} | {mem(r['cuda_allocated_mb'], r['cuda_growth_pct'])} "
-              f"| {r['prefill_ms']['p50']:.2f} / {r['prefill_ms']['p99']:.2f} "
-              f"| {r['decode_ms']['p50']:.2f} / {r['decode_ms']['p99']:.2f} |")  # fmt: skip
-    r0 = ranks[0]
-    print(f"routes taken (rank 0): {r0['routes']}; decode graph buckets: {r0['decode_graphs'] or 'none (eager)'}")
-    print(f"passed: {ok}", flush=True)
-
-
-def soak_records(ranks: list[dict[str, Any]], args: argparse.Namespace, world: int) -> list[dict[str, Any]]:
-    env = environment(world)
-    config = {"preset": ranks[0].get("preset", args.preset), "ranks": world, "steps": ranks[0]["steps"],
-              "graphs": bool(ranks[0]["decode_graphs"])}  # fmt: skip
-    worst = {
-        "largest RSS growth after warm-up": max((r["rss_growth_pct"] for r in ranks if r["rss_growth_pct"] is not None),
-                                                default=None),
-        "largest CUDA allocated growth after warm-up": max(
-            (r["cuda_growth_pct"] for r in ranks if r["cuda_growth_pct"] is not None), default=None),
-    }  # fmt: skip
-    out = [
-        record("runtime-soak", config, name, v, "%", "lower", None, env) for name, v in worst.items() if v is not None
-    ]
-    out.append(record("runtime-soak", config, "kernel compiles after warm-up", sum(r["compiles_after_warmup"]
-                      for r in ranks), "compiles", "lower", None, env))  # fmt: skip
-    out.append(record("runtime-soak", config, "live tensors added after warm-up", max(r["live_tensor_growth"] or 0
-                      for r in ranks), "tensors", "lower", None, env))  # fmt: skip
-    out.append(record("runtime-soak", config, "failed checks", sum(r["failed_checks"] for r in ranks), "checks",
-                      "lower", None, env))  # fmt: skip
-    for kind in ("prefill", "decode"):
-        for p in ("p50", "p99"):
-            value = max(r[f"{kind}_ms"][p] for r in ranks)
-            if value == value and value > 0:
-                out.append(record("runtime-soak", config, f"{kind} step {p} ms", value, "ms", "lower", None, env))
-    return out
 
 
 class _Entry:
