@@ -185,6 +185,13 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "samples over the first three).",
         (),
     ),
+    "host-growth": (
+        "Host memory left per call",
+        "`benchmarks/host_growth.py`: glibc heap in use added per call of each operation a serving "
+        "step (or a soak's harness) makes, over many calls after a warm-up: 0 is flat; a bounded "
+        "cache shows as a number that falls as the calls grow.",
+        (),
+    ),
     "ray-pool": (
         "The Ray pool's decode step",
         "A 64-request decode step at 8,192 tokens of context through `RayRankPool` on two GPUs, "
