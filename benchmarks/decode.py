@@ -10,11 +10,11 @@ flushes the L2 between replays, so the KV rows come from HBM as in a serving ste
 is checked against the fp32 reference before it is timed):
 
 * ``sparse``: sparse-MLA decode at batch 64-256 (128 / 64 / 32 heads), top-k 2048 unique random
-  rows of 262,144 (302 MB of bf16 KV), D 576 / Dv 512, ``rows_unique=True`` (an indexer's top-k
-  lists a row once). Ours: :func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode` as
-  routed (the Gluon kernel on sm_90); baseline: the Triton split-KV kernel and its merge
-  (``backend="triton"``); microseconds per step (printed also as effective TFLOP/s,
-  ``2 * batch * topk * heads * (576 + 512) / time``).
+  rows of 262,144 (302 MB of bf16 KV; ``--cache-rows 40000000``: 46 GB, and the records name it),
+  D 576 / Dv 512, ``rows_unique=True`` (an indexer's top-k lists a row once). Ours:
+  :func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode` as routed (the Gluon kernel on
+  sm_90); baseline: the Triton split-KV kernel and its merge (``backend="triton"``); microseconds
+  per step (printed also as effective TFLOP/s, ``2 * batch * topk * heads * (576 + 512) / time``).
 * ``sparse-small``: the same at batch 1-16 (16 and 8 heads; 128 heads at batch 1 and 8; the
   small-batch Gluon kernel is routed at <= 16 heads and <= 16 tokens on sm_90).
 * ``gqa``: GQA paged decode, 64 q / 8 kv heads, head dim 64, page 32, bf16, batch 64 x 8,192
@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_inputs import build_caches, distinct_rows, fp8_cache_and_values
 from graph_timing import replay_us
 from records import add_json_argument, environment, print_table, record, write_json
 
@@ -78,14 +79,21 @@ def check(what: str, got: torch.Tensor, ref: torch.Tensor, tol: float = 2e-2) ->
         raise RuntimeError(f"{what}: max |out - reference| = {err:.3g} (tolerance {tol})")
 
 
-def bench_sparse(env: dict, cases, topk: int, benchmark: str) -> list[dict]:
+def _config(heads: int, batch: int, topk: int, cache_rows: int) -> dict:
+    """A record's configuration; the cache's rows named where they are not the default's."""
+    config = {"heads": heads, "batch": batch, "topk": topk}
+    return config if cache_rows == KV_ROWS else config | {"cache_rows": cache_rows}
+
+
+def bench_sparse(env: dict, cases, topk: int, benchmark: str, cache_rows: int = KV_ROWS) -> list[dict]:
     """Routed sparse-MLA decode against the Triton split-KV path on the same inputs (module docstring)."""
-    kv = torch.randn(KV_ROWS, 576, device="cuda").bfloat16()
+    kv = build_caches(cache_rows, ["bf16"])["bf16"]
+    g = torch.Generator(device="cuda").manual_seed(1)
     out = []
     for heads, batch in cases:
         q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
-        rows = torch.argsort(torch.rand(batch, KV_ROWS, device="cuda"), dim=1)[:, :topk].int()
-        ref, _ = sparse_mla_reference(q.float(), kv.float(), rows, scale=SCALE)
+        rows = distinct_rows(batch, topk, cache_rows, g)
+        ref, _ = sparse_mla_reference(q.float(), kv, rows, scale=SCALE)
         o = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
         s = torch.empty(batch, heads, device="cuda")
         ms = {}
@@ -98,7 +106,7 @@ def bench_sparse(env: dict, cases, topk: int, benchmark: str) -> list[dict]:
             fn()
             check(f"{heads} heads x {batch}, {name}", o, ref)
             ms[name] = graph_ms(fn)
-        config = {"heads": heads, "batch": batch, "topk": topk}
+        config = _config(heads, batch, topk, cache_rows)
         base = ("Triton split-KV, same run", ms["triton"] * 1e3)
         out.append(record(benchmark, config, "step us", ms["routed"] * 1e3, "us", "lower", base, env))
         flop = 2 * batch * topk * heads * (576 + 512)
@@ -107,16 +115,14 @@ def bench_sparse(env: dict, cases, topk: int, benchmark: str) -> list[dict]:
     return out
 
 
-def bench_fp8(env: dict, cases, topk: int) -> list[dict]:
+def bench_fp8(env: dict, cases, topk: int, cache_rows: int = KV_ROWS) -> list[dict]:
     """Routed decode on fp8_ds_mla rows against the routed decode on their bf16 values (module docstring)."""
-    from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
-
-    kv8 = quantize_kv(torch.randn(KV_ROWS, 576, device="cuda"))
-    kv = dequantize_kv(kv8)  # bf16, the same values
+    kv8, kv = fp8_cache_and_values(cache_rows)  # kv: bf16, the same values
+    g = torch.Generator(device="cuda").manual_seed(1)
     out = []
     for heads, batch in cases:
         q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
-        rows = torch.argsort(torch.rand(batch, KV_ROWS, device="cuda"), dim=1)[:, :topk].int()
+        rows = distinct_rows(batch, topk, cache_rows, g)
         ref, _ = sparse_mla_reference(q.float(), kv8, rows, scale=SCALE)
         res, us = {}, {}
         for name, cache in (("fp8", kv8), ("bf16", kv)):
@@ -133,7 +139,7 @@ def bench_fp8(env: dict, cases, topk: int) -> list[dict]:
             us[name] = graph_ms(fn) * 1e3
         if not (torch.equal(res["fp8"][0], res["bf16"][0]) and torch.equal(res["fp8"][1], res["bf16"][1])):
             raise RuntimeError(f"{heads} heads x {batch}: FP8 decode differs from bf16 decode on the same values")
-        config = {"heads": heads, "batch": batch, "topk": topk}
+        config = _config(heads, batch, topk, cache_rows)
         base = ("routed bf16 decode on the dequantised rows, same run", us["bf16"])
         out.append(record("fp8-decode", config, "step us", us["fp8"], "us", "lower", base, env))
         gbs = {k: batch * topk * (656 if k == "fp8" else 1152) / (v * 1e-6) / 1e9 for k, v in us.items()}
@@ -253,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
     ap.add_argument("--topk", type=int, default=2048, help="top-k of the sparse-MLA sections")
+    ap.add_argument("--cache-rows", type=int, default=KV_ROWS,
+                    help="rows of the sparse-MLA sections' cache (40,000,000: 46 GB of bf16)")  # fmt: skip
     ap.add_argument("--warm-xqa", action="store_true", help="only JIT-compile FlashInfer XQA's variants")
     add_json_argument(ap)
     return ap
@@ -275,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
     runs = {
-        "sparse": lambda: bench_sparse(env, LARGE, args.topk, "sparse-decode"),
-        "sparse-small": lambda: bench_sparse(env, SMALL, args.topk, "small-batch-decode"),
-        "fp8": lambda: bench_fp8(env, FP8, args.topk),
+        "sparse": lambda: bench_sparse(env, LARGE, args.topk, "sparse-decode", args.cache_rows),
+        "sparse-small": lambda: bench_sparse(env, SMALL, args.topk, "small-batch-decode", args.cache_rows),
+        "fp8": lambda: bench_fp8(env, FP8, args.topk, args.cache_rows),
         "gqa": lambda: bench_gqa(env),
         "merge": lambda: bench_merge(env),
         "graph": lambda: bench_graph(env),

@@ -33,51 +33,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_inputs import ROW_BYTES, build_caches, distinct_rows
 from graph_timing import replay_us
 from read_floor import CONFIGS, read_rows, row_words
 from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.kernels.triton.sparse_mla_decode import run_split_decode
 from shardattn.kernels.triton.sparse_mla_decode_config import sparse_mla_decode_config
-from shardattn.ops.kv_fp8 import quantize_kv
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.plan.crossovers import GLUON_DECODE_MIN_HEADS
 
-ROW_BYTES = {"bf16": 1152, "fp8_ds_mla": 656}
 SCALE = 576**-0.5
-CHUNK = 1 << 20
 #: Launch configurations of the Triton split-KV kernel that ``--sweep`` times.
 SWEEP = tuple({"BLOCK_N": n, "num_warps": w, "num_stages": st} for n in (32, 64) for w in (4, 8) for st in (2, 3))
-
-
-def build_caches(rows: int, formats: list[str], seed: int = 0) -> dict[str, torch.Tensor]:
-    """The cache in each format, filled a chunk at a time: ``bf16`` ``[rows, 576]``; ``fp8_ds_mla``
-    ``[rows, 656]`` uint8, the same values quantised."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    caches = {f: torch.empty(rows, ROW_BYTES[f] // (2 if f == "bf16" else 1), device="cuda",
-                             dtype=torch.bfloat16 if f == "bf16" else torch.uint8) for f in formats}  # fmt: skip
-    for start in range(0, rows, CHUNK):
-        x = torch.randn(min(CHUNK, rows - start), 576, device="cuda", generator=g)
-        if "bf16" in caches:
-            caches["bf16"][start : start + x.shape[0]] = x.bfloat16()
-        if "fp8_ds_mla" in caches:
-            caches["fp8_ds_mla"][start : start + x.shape[0]] = quantize_kv(x)
-    return caches
-
-
-def distinct_rows(batch: int, topk: int, num_rows: int, g: torch.Generator) -> torch.Tensor:
-    """``[batch, topk]`` int32: each row ``topk`` distinct ids of ``[0, num_rows)`` in random order."""
-    if topk > num_rows:
-        raise ValueError(f"topk ({topk}) exceeds the cache's rows ({num_rows})")
-    draw = torch.randint(0, num_rows, (batch, 2 * topk + 64), device="cuda", generator=g).sort(1).values
-    dup = torch.zeros_like(draw, dtype=torch.bool)
-    dup[:, 1:] = draw[:, 1:] == draw[:, :-1]
-    draw = torch.where(dup, num_rows, draw).sort(1).values[:, :topk]  # duplicates last, then cut
-    if bool((draw >= num_rows).any()):
-        raise RuntimeError("too few distinct rows drawn; use a larger cache")
-    order = torch.rand(batch, topk, device="cuda", generator=g).argsort(1)
-    return draw.gather(1, order).int()
 
 
 def floor_us(words: torch.Tensor, rows: torch.Tensor) -> float:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardattn.ops.kv_fp8 import dequantize_kv
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 BENCHMARKS = ("sparse_prefill", "union_build", "decode", "decode_dcp", "scaling", "ray_pool", "decode_fp8_peer",
@@ -96,6 +98,21 @@ def test_host_growth_cpu_run_records_bytes_per_call(tmp_path: Path) -> None:
     assert [r["config"]["operation"] for r in recs] == ["one generator reseeded", "broadcast, one-rank group"]
     assert all(r["benchmark"] == "host-growth" and r["unit"] == "B" and r["config"]["calls"] == 300 for r in recs)
     assert abs(recs[0]["value"]) < 200  # reseeding one generator keeps nothing
+
+
+def test_decode_inputs_draw_distinct_rows_and_caches_of_the_same_values() -> None:
+    inputs = _module("decode_inputs")
+    rows = inputs.distinct_rows(3, 40, 50, torch.Generator().manual_seed(0))
+    assert rows.shape == (3, 40) and rows.dtype == torch.int32 and int(rows.min()) >= 0 and int(rows.max()) < 50
+    assert all(len(set(r.tolist())) == 40 for r in rows)
+    assert not torch.equal(rows[0], rows[0].sort().values)  # random order, not sorted
+    with pytest.raises(ValueError, match="exceeds"):
+        inputs.distinct_rows(1, 51, 50, torch.Generator())
+    kv8, kv = inputs.fp8_cache_and_values(5, device="cpu")
+    caches = inputs.build_caches(5, ["bf16", "fp8_ds_mla"], device="cpu")
+    assert kv8.shape == (5, 656) and kv8.dtype == torch.uint8 and torch.equal(kv8, caches["fp8_ds_mla"])
+    assert torch.equal(kv, dequantize_kv(kv8)) and kv.dtype == torch.bfloat16
+    assert (caches["bf16"].float() - kv.float()).abs().max() < 0.25  # the same draws, bf16 and quantised
 
 
 def test_union_build_cpu_run_checks_and_records(tmp_path: Path) -> None:
