@@ -1,12 +1,12 @@
 """Host memory each call of a serving step's operations leaves behind: what a soak's RSS is made of.
 
-    python benchmarks/host_growth.py --calls 20000 --json host_growth.json
+    python benchmarks/host_growth.py --repeats 20000 --json host_growth.json
 
 A soak (``benchmarks/soak_runtime.py``) sees a GPU process's RSS move where a CPU run of the same
 code holds flat. This times nothing: it calls each operation a step makes (or a soak's harness
-makes around it) ``--calls`` times after 200 warm-up calls and reports glibc's heap in use
+makes around it) ``--repeats`` times after 200 warm-up calls and reports glibc's heap in use
 (``mallinfo2``) and RSS per call. A leak of one allocation a call shows as tens to hundreds of
-bytes a call; a bounded cache as a number that falls with ``--calls``.
+bytes a call; a bounded cache as a number that falls with ``--repeats``.
 
 Operations: a CUDA (or CPU) generator made and seeded, one generator reseeded, a Triton op
 (``convert_topk``, the torch reference on the CPU), a CUDA-graph replay (GPU), a device-to-host
@@ -95,7 +95,7 @@ def operations(dev: torch.device, group: dist.ProcessGroup) -> dict[str, Callabl
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calls", type=int, default=20000, help="calls of each operation, after 200 warm-up calls")
+    p.add_argument("--repeats", type=int, default=20000, help="calls of each operation, after 200 warm-up calls")
     p.add_argument("--only", nargs="+", default=None, help="operations whose name contains one of these words")
     add_json_argument(p)
     return p
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in operations(dev, dist.group.WORLD).items():
             if args.only and not any(w in name for w in args.only):
                 continue
-            heap, rss = per_call(fn, args.calls, sync)
-            config = {"device": dev.type, "calls": args.calls, "operation": name}
+            heap, rss = per_call(fn, args.repeats, sync)
+            config = {"device": dev.type, "repeats": args.repeats, "operation": name}
             print(f"{name:28s} heap in use {heap:8.1f} B/call, RSS {rss:8.1f} B/call", flush=True)
             records.append(record("host-growth", config, "heap in use per call", heap, "B", "lower", None, env))
         print_table(records, "Host memory left per call")

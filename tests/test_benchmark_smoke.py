@@ -92,11 +92,11 @@ def test_sparse_prefill_cpu_run_writes_its_records(tmp_path: Path) -> None:
 
 def test_host_growth_cpu_run_records_bytes_per_call(tmp_path: Path) -> None:
     out = tmp_path / "host_growth.json"
-    _run([sys.executable, str(BENCH / "host_growth.py"), "--calls", "300", "--only", "reseeded", "broadcast",
+    _run([sys.executable, str(BENCH / "host_growth.py"), "--repeats", "300", "--only", "reseeded", "broadcast",
           "--json", str(out)])  # fmt: skip
     recs = _records(out)
     assert [r["config"]["operation"] for r in recs] == ["one generator reseeded", "broadcast, one-rank group"]
-    assert all(r["benchmark"] == "host-growth" and r["unit"] == "B" and r["config"]["calls"] == 300 for r in recs)
+    assert all(r["benchmark"] == "host-growth" and r["unit"] == "B" and r["config"]["repeats"] == 300 for r in recs)
     assert abs(recs[0]["value"]) < 200  # reseeding one generator keeps nothing
 
 
