@@ -75,7 +75,7 @@ def test_triton_kernels_on_fp8_rows_match_the_dequantised_run_and_the_oracle():
     names = [ln.split()[1] for ln in lines if ln.startswith("ok")]
     for g in (1, 2, 4, 8):
         assert any(f"G={g}]" in n for n in names)
-    assert sum(n.startswith("decode[") for n in names) == 4
+    assert sum(n.startswith("decode[") for n in names) == 6
 
 
 # ---- sm_90 compiles (CPU, ahead of time) ----
@@ -101,6 +101,12 @@ def _triton_sm90(fn, pointers: dict[str, str], constexprs: dict, *, ones=(), num
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": pdl}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _q_loads(cfg: dict) -> int:
+    """16-byte loads a thread makes of a decode program's q latent (four ``[BLOCK_H, 128]`` bf16 tiles;
+    the rope's ``[BLOCK_H, 64]`` takes narrower ones)."""
+    return 4 * -(-cfg["BLOCK_H"] * 128 * 2 // 16 // (32 * cfg["num_warps"]))
 
 
 def _counts(ptx: str, *patterns: str) -> dict[str, int]:
@@ -157,7 +163,12 @@ def test_triton_decode_compiles_fp8_variant_for_sm90(tokens, heads):
                         ones=ones, num_warps=bf16_cfg["num_warps"], num_stages=cfg["num_stages"], pdl=True)  # fmt: skip
     ptx = compiled.asm["ptx"]
     assert "cvt.rn.f16x2.e4m3x2" in ptx
-    assert "cp.async.cg.shared.global" in ptx and ", 0x10" in ptx  # codes in 16-byte pieces
+    assert "cp.async.cg.shared.global" in ptx and ", 0x10" in ptx  # the rope, 16 bytes a copy
+    # the codes to registers, 16 bytes a load; up to 32 heads the first block's before the loop and
+    # the next block's in it (the hand prefetch): twice a block's loads
+    if cfg["BLOCK_H"] <= 32:
+        code_loads = cfg["BLOCK_N"] * 512 // 16 // (32 * cfg["num_warps"])
+        assert ptx.count("ld.global.v4.b32") - _q_loads(cfg) >= 2 * code_loads
     assert ptx.count("griddepcontrol.wait") == 1
     # no more spills than the bf16 variant (sm_90a, Triton 3.6: 0 / 0 / 0 bytes against 0 / 316 /
     # 40; 3.9: 0 / 0 / 40 against 0 / 176 / 172); at 4 warps the FP8 variant spilled 1.2 KB at 32 heads

@@ -107,6 +107,9 @@ def _decode(q, kv, rows, length, sinks, splits, merge):
     assert cfg["num_splits"] == splits, cfg
     out = torch.empty(t, h, V_DIM, dtype=q.dtype)
     lse = torch.empty(t, h)
+    if splits == 1:  # the kernel writes the result
+        launch_split_kernel(q, kv, rows, length, sinks, out, lse, out, lse, cfg, SCALE)
+        return out, lse
     part_o, part_l = split_partials(None, splits, t, h, V_DIM, q.device)
     launch_split_kernel(q, kv, rows, length, sinks, part_o, part_l, out, lse, cfg, SCALE)
     (launch_lse_merge_columns if merge == "columns" else launch_lse_merge)(part_o, part_l, out, lse)
@@ -119,7 +122,9 @@ def decode_cases(gen: torch.Generator, dtype: torch.dtype, name: str, tol: float
     t, k, r = 7, 40, 50
     cache = fp8_cache(gen, r)
     deq = dequantize_kv(cache, dtype)
-    for heads, splits, merge, with_len, with_sinks in ((16, 3, "columns", True, False), (8, 2, "rows", False, True)):
+    # one split: the kernel's whole list, three 16-row steps (its prefetch two steps ahead)
+    cases = ((16, 3, "columns", True, False), (8, 2, "rows", False, True), (16, 1, "none", True, True))
+    for heads, splits, merge, with_len, with_sinks in cases:
         q = (torch.randn(t, heads, 576, generator=gen) * 0.5).to(dtype)
         rows = edge_rows(gen, t, k, r)
         length = torch.randint(0, k + 3, (t,), generator=gen, dtype=torch.int32) if with_len else None

@@ -35,16 +35,29 @@ if triton is not None:
     _ROPE_OFFSET = tl.constexpr(ROPE_OFFSET)
 
     @triton.jit
-    def load_fp8_tile(row_ptr, mask, TILE_INDEX: tl.constexpr, dtype: tl.constexpr):
-        """``[N, TILE]`` latent values of scale tile ``TILE_INDEX`` of the ``N`` rows at byte pointers
-        ``row_ptr [N]``, dequantised (``fp32(code) * scale``, then ``dtype``); rows where ``mask [N]``
-        is false read 0. The codes load 16 bytes a thread."""
+    def load_fp8_codes(row_ptr, mask, TILE_INDEX: tl.constexpr):
+        """``(codes [N, TILE] e4m3, scale [N] fp32)`` of scale tile ``TILE_INDEX`` of the ``N`` rows at
+        byte pointers ``row_ptr [N]``, as stored; rows where ``mask [N]`` is false read 0. The codes
+        load 16 bytes a thread."""
         cols = tl.arange(0, _TILE)
         codes_ptr = (row_ptr + TILE_INDEX * _TILE).to(tl.pointer_type(tl.float8e4nv))
         codes = tl.load(codes_ptr[:, None] + cols[None, :], mask=mask[:, None], other=0.0)
         scale = tl.load((row_ptr + _SCALE_OFFSET + 4 * TILE_INDEX).to(tl.pointer_type(tl.float32)), mask=mask,
                         other=0.0)  # fmt: skip
+        return codes, scale
+
+    @triton.jit
+    def dequant_fp8(codes, scale, dtype: tl.constexpr):
+        """``codes [N, TILE]`` times their rows' ``scale [N]`` (``fp32(code) * scale``, then ``dtype``)."""
         return (codes.to(tl.float32) * scale[:, None]).to(dtype)
+
+    @triton.jit
+    def load_fp8_tile(row_ptr, mask, TILE_INDEX: tl.constexpr, dtype: tl.constexpr):
+        """``[N, TILE]`` latent values of scale tile ``TILE_INDEX`` of the ``N`` rows at byte pointers
+        ``row_ptr [N]``, dequantised (:func:`load_fp8_codes`, then :func:`dequant_fp8`); rows where
+        ``mask [N]`` is false read 0."""
+        codes, scale = load_fp8_codes(row_ptr, mask, TILE_INDEX)
+        return dequant_fp8(codes, scale, dtype)
 
     @triton.jit
     def load_fp8_rope(row_ptr, mask, dtype: tl.constexpr):
@@ -55,4 +68,15 @@ if triton is not None:
         return rope.to(dtype)
 
 
-__all__ = ["LATENT", "ROPE", "ROPE_OFFSET", "ROW_BYTES", "SCALE_OFFSET", "TILE", "load_fp8_rope", "load_fp8_tile"]
+__all__ = [
+    "LATENT",
+    "ROPE",
+    "ROPE_OFFSET",
+    "ROW_BYTES",
+    "SCALE_OFFSET",
+    "TILE",
+    "dequant_fp8",
+    "load_fp8_codes",
+    "load_fp8_rope",
+    "load_fp8_tile",
+]
