@@ -20,8 +20,9 @@ Every decode output is checked against the fp32 reference before it is timed.
 ``--sweep``: where the routed decode is the Triton split-KV kernel (fewer heads than
 :data:`~shardattn.plan.crossovers.GLUON_DECODE_MIN_HEADS`), also that kernel under each of
 :data:`SWEEP`'s launch configurations times 1, 2 and 4 times its split count, and the small-batch
-Gluon kernel forced (where it takes the shape); printed per configuration, with a record
-``best swept us`` of the fastest (its configuration named) against the same floor.
+Gluon kernel forced (where it takes the shape); at more heads, the Gluon kernel at 1, 2, 4 and 8
+slices of each row (its wave model picks one); printed per configuration, with a record ``best
+swept us`` of the fastest (its configuration named) against the same floor.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from shardattn.kernels.triton.sparse_mla_decode import run_split_decode
 from shardattn.kernels.triton.sparse_mla_decode_config import sparse_mla_decode_config
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+from shardattn.ops.sparse_mla_decode_gluon import sparse_mla_decode_gluon
 from shardattn.plan.crossovers import GLUON_DECODE_MIN_HEADS
 
 SCALE = 576**-0.5
@@ -85,7 +87,7 @@ def bench(args: argparse.Namespace, env: dict) -> list[dict]:
                     config = {"kv": fmt, "heads": heads, "batch": batch, "topk": topk, "cache_rows": args.cache_rows}
                     base = ("read floor (the same rows read once), same run", flo)
                     out.append(record("decode-read-floor", config, "step us", dec, "us", "lower", base, env))
-                    if args.sweep and heads < GLUON_DECODE_MIN_HEADS:
+                    if args.sweep:
                         name, us = sweep(q, cache, rows, ref, o, s)
                         print(f"  best swept: {name} {us:.1f} us, {us / flo:.2f}x the floor", flush=True)
                         best = {**config, "best": name}
@@ -100,12 +102,18 @@ def bench(args: argparse.Namespace, env: dict) -> list[dict]:
 def sweep(
     q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, ref: torch.Tensor, o: torch.Tensor, s: torch.Tensor
 ) -> tuple[str, float]:
-    """``(name, us)`` of the fastest of the Triton kernel's :data:`SWEEP` configurations at 1, 2 and
-    4 times its split count and the small-batch Gluon kernel (forced), each checked first."""
+    """``(name, us)`` of the fastest launch of the module docstring's ``--sweep``, each checked first."""
     t, h, _ = q.shape
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    base = sparse_mla_decode_config(t, h, rows.shape[1], sms, kv_fp8=cache.dtype == torch.uint8)["num_splits"]
     runs = {}
+    if h >= GLUON_DECODE_MIN_HEADS:
+        for slices in (1, 2, 4, 8):
+            runs[f"gluon {slices} slices"] = lambda slices=slices: sparse_mla_decode_gluon(
+                q, cache, rows, scale=SCALE, v_dim=512, out=o, lse_out=s, num_sms=sms, num_splits=slices,
+                rows_unique=True,
+            )  # fmt: skip
+        return _fastest(runs, ref, o)
+    base = sparse_mla_decode_config(t, h, rows.shape[1], sms, kv_fp8=cache.dtype == torch.uint8)["num_splits"]
     for cfg in SWEEP:
         for mult in (1, 2, 4):
             name = f"triton N{cfg['BLOCK_N']} w{cfg['num_warps']} st{cfg['num_stages']} splits x{mult}"
@@ -116,6 +124,12 @@ def sweep(
     runs["gluon_small (forced)"] = lambda: sparse_mla_decode(
         q, cache, rows, scale=SCALE, rows_unique=True, out=o, lse_out=s, backend="gluon_small"
     )
+    return _fastest(runs, ref, o)
+
+
+def _fastest(runs: dict, ref: torch.Tensor, o: torch.Tensor) -> tuple[str, float]:
+    """``(name, us)`` of the fastest of ``runs`` (name -> a launch writing ``o``), each checked against
+    ``ref`` first; a launch that cannot take the shape (``ValueError``) is skipped, saying why."""
     best = ("none", float("inf"))
     for name, fn in runs.items():
         o.fill_(float("nan"))
