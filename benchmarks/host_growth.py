@@ -11,8 +11,8 @@ bytes a call; a bounded cache as a number that falls with ``--repeats``.
 Operations: a CUDA (or CPU) generator made and seeded, one generator reseeded, a Triton op
 (``convert_topk``, the torch reference on the CPU), a CUDA-graph replay (GPU), a device-to-host
 scalar, a one-element broadcast on a one-rank group (NCCL on a GPU, gloo on the CPU), and a
-matrix product at one shape against one at a new random shape each call (cuBLAS keeps state per
-shape).
+matrix product at one shape against one at a new random shape each call (a BLAS library may
+keep state for each shape it has seen).
 
 Records ``host-growth``: bytes of glibc heap in use per call (lower is better; 0 is flat).
 """
@@ -20,7 +20,6 @@ Records ``host-growth``: bytes of glibc heap in use per call (lower is better; 0
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -105,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, device_id=dev if cuda else None)
+    store = dist.HashStore()  # one rank in this process: no address, no port
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
+                            device_id=dev if cuda else None)  # fmt: skip
     try:
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         env, records = environment(1), []

@@ -91,9 +91,7 @@ def compiled_kernels() -> int:
 def error(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]) -> float:
     """Largest output error, and LSE error relative to ``max(1, |lse|)``; inf when -inf patterns differ.
 
-    Computed where the step ran: only the numbers come to the host. (Host copies of a random size at
-    every check, up to a GB for a large prefill, would leave glibc's heap holding freed chunks of up
-    to its trim threshold, 64 MB: RSS that a sample counts but no leak.)
+    Computed where the step ran: only the numbers come to the host, not copies of the step's size.
     """
     out, lse = (t.detach().float() for t in got)
     rout, rlse = (t.detach().to(out.device).float() for t in ref)
