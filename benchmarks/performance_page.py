@@ -113,7 +113,8 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "that only reads the same picked rows once (`benchmarks/read_floor.py`, its fastest "
         "configuration), same rows, cache and run; graph replays with the L2 flushed; each token's "
         "top-k distinct random rows over the whole cache (small, or tens of GB). Ratio = floor / "
-        "decode; the target is a decode within 1.15x of the floor (ratio >= 0.87).",
+        "decode; the target is a decode within 1.15x of the floor (ratio >= 0.87). *best swept* rows "
+        "(`--sweep`): the fastest launch configuration found for that shape, named in the configuration.",
         (),
     ),
     "kv-fp8-write": (
