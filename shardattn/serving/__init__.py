@@ -5,6 +5,7 @@
 * :mod:`~shardattn.serving.actor`      one rank: its Runtime, its KV-cache shard, its steps.
 * :mod:`~shardattn.serving.kv_cache`   a rank's paged KV pages: writes and prefix gathers.
 * :mod:`~shardattn.serving.requests`   :class:`PrefillRequest`, :class:`DecodeRequest`, validation (of tensors too).
+* :mod:`~shardattn.serving.pool_shapes` what a pool's steps accept, and the tensor checks they go through.
 * :mod:`~shardattn.serving.transport`  how decode steps reach the ranks (shm, compiled graph, calls).
 * :mod:`~shardattn.serving.shm`        the shared-memory region of decode steps, its serve loop.
 * :mod:`~shardattn.serving.shm_steps`  the driver's side of it: writes a step, rings, waits, watches the loops.

@@ -70,7 +70,7 @@ from shardattn.serving.errors import RankFailedError, describe_ray_error, requir
 from shardattn.serving.health import HEALTH_GROUP, rank_reports
 from shardattn.serving.kv_cache import plan_rank_cache
 from shardattn.serving.placement import bundle_options, reserve_bundles
-from shardattn.serving.requests import check_sinks, dcp_interleave, pool_shapes
+from shardattn.serving.pool_shapes import check_sinks, dcp_interleave, pool_shapes
 from shardattn.serving.steps import RequestSteps
 from shardattn.serving.transport import SERVE_GROUP, TRANSPORTS, start_decode_transport
 

@@ -11,7 +11,8 @@ for activations and KV, int32 for top-k positions:
   ``q [T, H, D]``, ``topk [T, K]``, the requests' ids and query lengths; checked with array
   operations, no Python work per request.
 
-:func:`pack_step` checks a step against the pool's :class:`PoolShapes` and the KV ledger and
+:func:`pack_step` checks a step against the pool's
+:class:`~shardattn.serving.pool_shapes.PoolShapes` and the KV ledger and
 concatenates it (request-major, token order); any problem is a ``ValueError`` / ``TypeError``
 naming the request and the argument, and nothing has changed yet.
 """
@@ -21,30 +22,21 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from shardattn._checks import check_tensor
-from shardattn.plan.kv_format import FP8_DS_MLA_ROW_BYTES, KV_FP8_DS_MLA, kv_format_name
 from shardattn.plan.kv_pages import PagedKVBook
-from shardattn.plan.spec import ModelSpec
-from shardattn.runtime.args import as_index
-from shardattn.runtime.options import DecodeOptions
+from shardattn.serving.pool_shapes import PoolShapes, check_q, check_topk, kv_parts
 
 __all__ = [
     "BatchStep",
     "DecodeRequest",
     "PackedStep",
-    "PoolShapes",
     "PrefillRequest",
     "check_decode_batch",
-    "check_sinks",
-    "dcp_interleave",
     "one_host_thread",
     "pack_step",
-    "pool_shapes",
 ]
 
 
@@ -69,7 +61,6 @@ def one_host_thread(threads: int = 1) -> Iterator[None]:
 
 
 KV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -110,81 +101,6 @@ class DecodeRequest:
     kv: KV | None = None
 
 
-@dataclass(frozen=True)
-class PoolShapes:
-    """What the pool's steps accept (from its spec and Runtime sizes)."""
-
-    kind: str  # "sparse_mla" or "gqa"
-    heads: int
-    head_dim: int
-    kv_rows: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # row shape and dtype of each KV component
-    dtype: torch.dtype
-    topk: int
-    prefill_attention: bool
-    max_prefill_tokens: int
-    max_decode_tokens: int
-    #: the resident cache's components: ``kv_rows`` as given, or ``((656,), uint8)`` for a sparse-MLA
-    #: pool whose Runtimes take ``kv_dtype="fp8_ds_mla"`` (new rows are quantised as they are stored)
-    cache_rows: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
-
-
-def dcp_interleave(runtime_kwargs: dict[str, Any]) -> int:
-    """The DCP interleave the pool's Runtimes use (their ``decode_options``; default 1)."""
-    options = runtime_kwargs.get("decode_options")
-    if options is None:
-        return 1
-    if not isinstance(options, DecodeOptions):
-        raise TypeError(f"runtime_kwargs['decode_options'] must be a DecodeOptions, got {type(options).__name__}")
-    return options.dcp_interleave
-
-
-def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> PoolShapes:
-    """What a pool of ``spec`` in ``mode`` accepts (``runtime_kwargs``: the Runtime's sizes and top-k)."""
-    dtype = getattr(torch, spec.dtype)
-    if spec.kind == "sparse_mla":
-        rows: tuple = (((spec.head_dim,), dtype),)
-    else:
-        rows = (((spec.num_kv_heads, spec.head_dim), dtype), ((spec.num_kv_heads, spec.v_dim), dtype))
-    cache_rows = rows
-    if runtime_kwargs.get("kv_dtype") is not None:
-        fmt = kv_format_name("runtime_kwargs['kv_dtype']", runtime_kwargs["kv_dtype"])
-        if fmt == KV_FP8_DS_MLA:  # the Runtime refuses it for other models, naming the spec
-            cache_rows = (((FP8_DS_MLA_ROW_BYTES,), torch.uint8),) if spec.kind == "sparse_mla" else rows
-    return PoolShapes(
-        kind=spec.kind,
-        heads=spec.num_heads,
-        head_dim=spec.head_dim,
-        kv_rows=rows,
-        cache_rows=cache_rows,
-        dtype=dtype,
-        topk=int(runtime_kwargs.get("topk") or spec.topk),
-        prefill_attention=spec.kind == "sparse_mla" and mode != "dcp-decode",
-        max_prefill_tokens=int(runtime_kwargs["max_batched_tokens"]),
-        max_decode_tokens=int(runtime_kwargs.get("max_decode_tokens", 256)),
-    )
-
-
-def check_sinks(sinks: object, spec: ModelSpec) -> torch.Tensor | None:
-    """The pool's attention sinks, checked: ``[H]`` fp32 finite logits on the CPU (one per query
-    head of the whole model), given exactly when ``spec.has_sinks``; returned contiguous.
-
-    Raises:
-        TypeError / ValueError: naming ``sinks``.
-    """
-    if sinks is None:
-        if spec.has_sinks:
-            raise ValueError(f"sinks must be given ([{spec.num_heads}] fp32): the spec has has_sinks=True")
-        return None
-    if not spec.has_sinks:
-        raise ValueError("sinks must be None: the spec has has_sinks=False (its kernels are built without sinks)")
-    check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(spec.num_heads,), device=_CPU)
-    assert isinstance(sinks, torch.Tensor)
-    if not bool(torch.isfinite(sinks).all()):
-        bad = int((~torch.isfinite(sinks)).nonzero()[0, 0])
-        raise ValueError(f"sinks must be finite, got sinks[{bad}]={float(sinks[bad])}")
-    return sinks.contiguous()
-
-
 @dataclass
 class PackedStep:
     """A validated step, concatenated request-major.
@@ -208,29 +124,6 @@ class PackedStep:
     def seq_lens(self) -> list[int]:
         """Tokens of each request after the step."""
         return [s + n for s, n in zip(self.starts, self.counts)]
-
-
-def _kv_parts(shapes: PoolShapes, kv: object, name: str, n: int | None) -> list[torch.Tensor]:
-    parts = list(kv) if isinstance(kv, tuple | list) else [kv]
-    if len(parts) != len(shapes.kv_rows):
-        want = "one [n, D] tensor" if len(shapes.kv_rows) == 1 else "a (k, v) pair"
-        raise TypeError(f"{name} must be {want} for a {shapes.kind} pool, got {type(kv).__name__}")
-    rows = parts[0].shape[0] if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0 else n
-    for i, (part, (row, dtype)) in enumerate(zip(parts, shapes.kv_rows)):
-        label = name if len(parts) == 1 else f"{name}[{i}]"
-        check_tensor(label, part, dtypes=(dtype,), shape=(rows if n is None else n, *row), device=_CPU)
-    return parts
-
-
-def _check_q(shapes: PoolShapes, q: object, name: str) -> int:
-    check_tensor(name, q, dtypes=(shapes.dtype,), shape=(None, shapes.heads, shapes.head_dim), device=_CPU)
-    return int(q.shape[0])  # type: ignore[union-attr]
-
-
-def _check_topk(shapes: PoolShapes, topk: object, name: str, n: int) -> torch.Tensor:
-    """``topk`` as ``[n, K]`` int32 on the CPU (int64 converted, its values checked)."""
-    topk = as_index(name, topk) if isinstance(topk, torch.Tensor) and topk.device == _CPU else topk
-    return check_tensor(name, topk, dtypes=(torch.int32,), shape=(n, shapes.topk), device=_CPU)
 
 
 def pack_step(
@@ -268,7 +161,7 @@ def pack_step(
         topk = None
         if kind == "prefill":
             assert isinstance(req, PrefillRequest)
-            parts = _kv_parts(shapes, req.kv, f"{where}: kv", None)
+            parts = kv_parts(shapes, req.kv, f"{where}: kv", None)
             n = int(parts[0].shape[0])
             if n < 1:
                 raise ValueError(f"{where}: kv must hold at least one token")
@@ -277,24 +170,24 @@ def pack_step(
             if req.q is None and req.topk_pos is not None:
                 raise ValueError(f"{where}: topk_pos given without q")
             if req.q is not None:
-                if _check_q(shapes, req.q, f"{where}: q") != n:
+                if check_q(shapes, req.q, f"{where}: q") != n:
                     raise ValueError(f"{where}: q must have one row per KV row ({n}), got {req.q.shape[0]}")
                 if shapes.kind == "sparse_mla":
                     if req.topk_pos is None:
                         raise ValueError(f"{where}: a sparse-MLA prefill with q needs topk_pos [n, K]")
-                    topk = _check_topk(shapes, req.topk_pos, f"{where}: topk_pos", n)
+                    topk = check_topk(shapes, req.topk_pos, f"{where}: topk_pos", n)
             q_n = n if req.q is not None else 0
         else:
             assert isinstance(req, DecodeRequest)
-            q_n = _check_q(shapes, req.q, f"{where}: q")
+            q_n = check_q(shapes, req.q, f"{where}: q")
             if q_n < 1:
                 raise ValueError(f"{where}: q must hold at least one query token")
-            parts = [] if req.kv is None else _kv_parts(shapes, req.kv, f"{where}: kv", q_n)
+            parts = [] if req.kv is None else kv_parts(shapes, req.kv, f"{where}: kv", q_n)
             n = q_n if parts else 0
             if shapes.kind == "sparse_mla":
                 if req.topk_pos is None:
                     raise ValueError(f"{where}: a sparse-MLA decode needs topk_pos [Q, K]")
-                topk = _check_topk(shapes, req.topk_pos, f"{where}: topk_pos", q_n)
+                topk = check_topk(shapes, req.topk_pos, f"{where}: topk_pos", q_n)
             elif req.topk_pos is not None:
                 raise ValueError(f"{where}: topk_pos must be None for a GQA pool")
         ids.append(req.id)
@@ -405,7 +298,7 @@ def check_decode_batch(
     b = len(ids)
     if b == 0:
         raise ValueError("request_ids must name at least one request")
-    t = _check_q(shapes, q, "q")
+    t = check_q(shapes, q, "q")
     assert isinstance(q, torch.Tensor)
     if query_lens is None:
         if t != b:
@@ -431,10 +324,10 @@ def check_decode_batch(
     if shapes.kind == "sparse_mla":
         if topk_pos is None:
             raise ValueError("topk_pos must be given ([T, K] int32) for a sparse-MLA pool")
-        topk = _check_topk(shapes, topk_pos, "topk_pos", t)
+        topk = check_topk(shapes, topk_pos, "topk_pos", t)
     elif topk_pos is not None:
         raise ValueError("topk_pos must be None for a GQA pool")
-    parts = [] if kv is None else _kv_parts(shapes, kv, "kv", t)
+    parts = [] if kv is None else kv_parts(shapes, kv, "kv", t)
     slots = book.slots(ids)
     counts = lens if parts else np.zeros(b, dtype=np.int64)
     book.check_slots(slots, counts)

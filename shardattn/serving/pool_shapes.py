@@ -1,0 +1,130 @@
+"""What a pool's steps accept, from its spec and its Runtimes' sizes, and the tensor checks a step's
+requests go through on the driver (:mod:`shardattn.serving.requests` validates whole steps with them).
+
+:func:`pool_shapes` gives a pool's :class:`PoolShapes`; :func:`check_q`, :func:`check_topk` and
+:func:`kv_parts` check a request's or a step's queries, top-k positions and KV rows against them;
+:func:`check_sinks` the pool's attention sinks. Every tensor is on the CPU (the driver's side).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardattn._checks import check_tensor
+from shardattn.plan.kv_format import FP8_DS_MLA_ROW_BYTES, KV_FP8_DS_MLA, kv_format_name
+from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.args import as_index
+from shardattn.runtime.options import DecodeOptions
+
+__all__ = ["CPU", "PoolShapes", "check_q", "check_sinks", "check_topk", "dcp_interleave", "kv_parts", "pool_shapes"]
+
+#: The driver's device: every tensor a step is given lives here.
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class PoolShapes:
+    """What the pool's steps accept (from its spec and Runtime sizes)."""
+
+    kind: str  # "sparse_mla" or "gqa"
+    heads: int
+    head_dim: int
+    kv_rows: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # row shape and dtype of each KV component
+    dtype: torch.dtype
+    topk: int
+    prefill_attention: bool
+    max_prefill_tokens: int
+    max_decode_tokens: int
+    #: the resident cache's components: ``kv_rows`` as given, or ``((656,), uint8)`` for a sparse-MLA
+    #: pool whose Runtimes take ``kv_dtype="fp8_ds_mla"`` (new rows are quantised as they are stored)
+    cache_rows: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
+
+
+def dcp_interleave(runtime_kwargs: dict[str, Any]) -> int:
+    """The DCP interleave the pool's Runtimes use (their ``decode_options``; default 1)."""
+    options = runtime_kwargs.get("decode_options")
+    if options is None:
+        return 1
+    if not isinstance(options, DecodeOptions):
+        raise TypeError(f"runtime_kwargs['decode_options'] must be a DecodeOptions, got {type(options).__name__}")
+    return options.dcp_interleave
+
+
+def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> PoolShapes:
+    """What a pool of ``spec`` in ``mode`` accepts (``runtime_kwargs``: the Runtime's sizes and top-k)."""
+    dtype = getattr(torch, spec.dtype)
+    if spec.kind == "sparse_mla":
+        rows: tuple = (((spec.head_dim,), dtype),)
+    else:
+        rows = (((spec.num_kv_heads, spec.head_dim), dtype), ((spec.num_kv_heads, spec.v_dim), dtype))
+    cache_rows = rows
+    if runtime_kwargs.get("kv_dtype") is not None:
+        fmt = kv_format_name("runtime_kwargs['kv_dtype']", runtime_kwargs["kv_dtype"])
+        if fmt == KV_FP8_DS_MLA:  # the Runtime refuses it for other models, naming the spec
+            cache_rows = (((FP8_DS_MLA_ROW_BYTES,), torch.uint8),) if spec.kind == "sparse_mla" else rows
+    return PoolShapes(
+        kind=spec.kind,
+        heads=spec.num_heads,
+        head_dim=spec.head_dim,
+        kv_rows=rows,
+        cache_rows=cache_rows,
+        dtype=dtype,
+        topk=int(runtime_kwargs.get("topk") or spec.topk),
+        prefill_attention=spec.kind == "sparse_mla" and mode != "dcp-decode",
+        max_prefill_tokens=int(runtime_kwargs["max_batched_tokens"]),
+        max_decode_tokens=int(runtime_kwargs.get("max_decode_tokens", 256)),
+    )
+
+
+def check_sinks(sinks: object, spec: ModelSpec) -> torch.Tensor | None:
+    """The pool's attention sinks, checked: ``[H]`` fp32 finite logits on the CPU (one per query
+    head of the whole model), given exactly when ``spec.has_sinks``; returned contiguous.
+
+    Raises:
+        TypeError / ValueError: naming ``sinks``.
+    """
+    if sinks is None:
+        if spec.has_sinks:
+            raise ValueError(f"sinks must be given ([{spec.num_heads}] fp32): the spec has has_sinks=True")
+        return None
+    if not spec.has_sinks:
+        raise ValueError("sinks must be None: the spec has has_sinks=False (its kernels are built without sinks)")
+    check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(spec.num_heads,), device=CPU)
+    assert isinstance(sinks, torch.Tensor)
+    if not bool(torch.isfinite(sinks).all()):
+        bad = int((~torch.isfinite(sinks)).nonzero()[0, 0])
+        raise ValueError(f"sinks must be finite, got sinks[{bad}]={float(sinks[bad])}")
+    return sinks.contiguous()
+
+
+def kv_parts(shapes: PoolShapes, kv: object, name: str, n: int | None) -> list[torch.Tensor]:
+    """``kv`` (one tensor, or a ``(k, v)`` pair for GQA) as the list of its components, each checked
+    as ``[n, *row]`` in the pool's KV dtype on the CPU (``n`` None: the first component's rows).
+
+    Raises:
+        TypeError / ValueError: naming ``name`` (or ``name[i]``).
+    """
+    parts = list(kv) if isinstance(kv, tuple | list) else [kv]
+    if len(parts) != len(shapes.kv_rows):
+        want = "one [n, D] tensor" if len(shapes.kv_rows) == 1 else "a (k, v) pair"
+        raise TypeError(f"{name} must be {want} for a {shapes.kind} pool, got {type(kv).__name__}")
+    rows = parts[0].shape[0] if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0 else n
+    for i, (part, (row, dtype)) in enumerate(zip(parts, shapes.kv_rows)):
+        label = name if len(parts) == 1 else f"{name}[{i}]"
+        check_tensor(label, part, dtypes=(dtype,), shape=(rows if n is None else n, *row), device=CPU)
+    return parts
+
+
+def check_q(shapes: PoolShapes, q: object, name: str) -> int:
+    """Check ``q`` as ``[T, H, D]`` in the pool's dtype on the CPU; returns ``T``."""
+    check_tensor(name, q, dtypes=(shapes.dtype,), shape=(None, shapes.heads, shapes.head_dim), device=CPU)
+    return int(q.shape[0])  # type: ignore[union-attr]
+
+
+def check_topk(shapes: PoolShapes, topk: object, name: str, n: int) -> torch.Tensor:
+    """``topk`` as ``[n, K]`` int32 on the CPU (int64 converted, its values checked)."""
+    topk = as_index(name, topk) if isinstance(topk, torch.Tensor) and topk.device == CPU else topk
+    return check_tensor(name, topk, dtypes=(torch.int32,), shape=(n, shapes.topk), device=CPU)
