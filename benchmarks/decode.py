@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_inputs import build_caches, distinct_rows, fp8_cache_and_values
+from decode_inputs import ROW_BYTES, build_caches, distinct_rows, fp8_cache_and_values
 from graph_timing import replay_us
 from records import add_json_argument, environment, print_table, record, write_json
 
@@ -142,7 +142,8 @@ def bench_fp8(env: dict, cases, topk: int, cache_rows: int = KV_ROWS) -> list[di
         config = _config(heads, batch, topk, cache_rows)
         base = ("routed bf16 decode on the dequantised rows, same run", us["bf16"])
         out.append(record("fp8-decode", config, "step us", us["fp8"], "us", "lower", base, env))
-        gbs = {k: batch * topk * (656 if k == "fp8" else 1152) / (v * 1e-6) / 1e9 for k, v in us.items()}
+        row_bytes = {"fp8": ROW_BYTES["fp8_ds_mla"], "bf16": ROW_BYTES["bf16"]}
+        gbs = {k: batch * topk * row_bytes[k] / (v * 1e-6) / 1e9 for k, v in us.items()}
         ratio = us["bf16"] / us["fp8"]
         print(f"fp8 decode {heads} heads x {batch}: FP8 {us['fp8']:.1f} us ({gbs['fp8']:.0f} GB/s of rows), "
               f"bf16 {us['bf16']:.1f} us ({gbs['bf16']:.0f} GB/s), {ratio:.2f}x", flush=True)  # fmt: skip

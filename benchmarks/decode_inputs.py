@@ -8,11 +8,12 @@ from __future__ import annotations
 import torch
 
 from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
+from shardattn.plan.kv_format import FP8_DS_MLA_ROW_BYTES
 
 __all__ = ["CHUNK", "ROW_BYTES", "build_caches", "distinct_rows", "fp8_cache_and_values"]
 
 #: Bytes of a KV row in each format.
-ROW_BYTES = {"bf16": 1152, "fp8_ds_mla": 656}
+ROW_BYTES = {"bf16": 576 * 2, "fp8_ds_mla": FP8_DS_MLA_ROW_BYTES}
 #: Rows filled at a time.
 CHUNK = 1 << 20
 
