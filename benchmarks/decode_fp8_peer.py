@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record("fp8-decode-peer", config, "step us", ours_us, "us", "lower", (name, peer_us), env))
             peer_err = ("FlashMLA FP8 decode, same inputs", err_peer)
             metric = "out rel. error vs bf16 rows"
-            records.append(record("fp8-decode-accuracy", config, metric, err_ours, "", "lower", peer_err, env))
+            records.append(record("fp8-decode-accuracy", config, metric, err_ours, "relative", "lower", peer_err, env))
     print_table(records, "sparse-MLA decode on fp8_ds_mla rows: shardattn and FlashMLA")
     write_json(args.json, records)
     return 0
