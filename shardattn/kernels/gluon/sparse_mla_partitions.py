@@ -13,7 +13,6 @@ mbarrier's phase, so a program may run several tiles back to back.
 from __future__ import annotations
 
 from shardattn.kernels.gluon.compat import HAS_GLUON
-from shardattn.kernels.triton.kv_fp8_read import ROPE_OFFSET, SCALE_OFFSET, TILE
 
 if HAS_GLUON:
     from shardattn.kernels.gluon.compat import async_load as _async_load
@@ -26,13 +25,10 @@ if HAS_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from shardattn.kernels.gluon.kv_fp8_fill import _fill_fp8, _prefetch_rows_l2
     from shardattn.kernels.gluon.sparse_mla_epilogue import _tile_rows
 
 if HAS_GLUON:
-    # the fp8_ds_mla row layout (shardattn.ops.kv_fp8): latent tile width, byte offsets of scales and rope
-    FP8_TILE = gl.constexpr(TILE)
-    FP8_SCALE_OFFSET = gl.constexpr(SCALE_OFFSET)
-    FP8_ROPE_OFFSET = gl.constexpr(ROPE_OFFSET)
     # ready / free barrier of each half: block 0 left / right, block 1 left / right
     _L0 = gl.constexpr(0)
     _R0 = gl.constexpr(1)
@@ -92,66 +88,28 @@ if HAS_GLUON:
         _async_load(dst, ptr, mask=(rows >= 0)[:, None])
 
     @gluon.jit
-    def _dequant_64(dst, KV, rows, stride_kvr, col: gl.constexpr, lay: gl.constexpr):
-        """``fp8_ds_mla`` latent columns ``[col, col + 64)`` of ``kv[rows]`` (uint8 rows of
-        ``stride_kvr`` bytes) into ``dst [64, 64]``: 8 codes a thread (8-byte loads) times their
-        tile's fp32 scale, in ``dst``'s dtype, stored 16 bytes a thread (rows < 0 read 0)."""
-        d = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-        row = KV + rows.to(gl.int64) * stride_kvr
-        ok = rows >= 0
-        scale = gl.load((row + FP8_SCALE_OFFSET + 4 * (col // FP8_TILE)).to(gl.pointer_type(gl.float32)), mask=ok,
-                        other=0.0)  # fmt: skip
-        codes = gl.load((row[:, None] + col + d[None, :]).to(gl.pointer_type(gl.float8e4nv)), mask=ok[:, None],
-                        other=0.0)  # fmt: skip
-        dst.store((codes.to(gl.float32) * scale[:, None]).to(dst.dtype))
-
-    @gluon.jit
-    def _dequant_fp8(dst, KV, rows, stride_kvr, col0: gl.constexpr, lay: gl.constexpr):
-        """``fp8_ds_mla`` latent columns ``[col0, col0 + 256)`` of ``kv[rows]`` into ``dst [64, 256]``
-        through registers, 64 columns at a time (:func:`_dequant_64`). Generic-proxy stores: the
-        caller fences them before a ``wgmma`` reads them."""
-        _dequant_64(dst.slice(0, 64, dim=1), KV, rows, stride_kvr, col0, lay)
-        _dequant_64(dst.slice(64, 64, dim=1), KV, rows, stride_kvr, col0 + 64, lay)
-        _dequant_64(dst.slice(128, 64, dim=1), KV, rows, stride_kvr, col0 + 128, lay)
-        _dequant_64(dst.slice(192, 64, dim=1), KV, rows, stride_kvr, col0 + 192, lay)
-
-    @gluon.jit
-    def _fill_fp8(k_half, k_rope, KV, rows, stride_kvr, ready, col0: gl.constexpr, ROPE: gl.constexpr,
-                  lay: gl.constexpr):  # fmt: skip
-        """One half of a key block from ``fp8_ds_mla`` rows: with ``ROPE`` (a right half) the rope
-        columns by cp.async first (each thread's copies counted by ``ready`` as they land), then the
-        latent columns dequantised through registers (:func:`_dequant_fp8`), fenced for the async
-        proxy; ``ready`` (128 arrivals) completes once every producer thread's stores are fenced
-        and its copies landed."""
-        _dequant_fp8(k_half, KV, rows, stride_kvr, col0, lay)
-        if ROPE:
-            d = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
-            rope_row = (KV + rows.to(gl.int64) * stride_kvr + FP8_ROPE_OFFSET).to(gl.pointer_type(k_rope.dtype))
-            _async_load(k_rope, rope_row[:, None] + d[None, :], mask=(rows >= 0)[:, None])
-            cp.mbarrier_arrive(ready, increment_count=True)
-        fence_async_shared()
-        mbarrier.arrive(ready, count=128)  # after the partition's barrier: one thread for all 128
-
-    @gluon.jit
     def _fill_pair_fp8(args, r0, r1, i, ph, D_V: gl.constexpr, lay: gl.constexpr, G: gl.constexpr,
                        RAW_ROWS: gl.constexpr):  # fmt: skip
         """The producer's pair ``i`` from ``fp8_ds_mla`` rows (blocks 0 / 1 of rows ``r0`` / ``r1``):
-        the halves in the bf16 gathers' order (0L, 1R, 0R, 1L), each as its ``free`` barrier (phase
-        ``ph``) allows; returns the next pair's row ids, each loaded once its block's last half is
-        issued (three row sets live, not four: the dequantisation holds its codes in registers)."""
+        the halves in the bf16 gathers' order (0L, 1R, 0R, 1L), each stored as its ``free`` barrier
+        (phase ``ph``) allows. The next pair's row ids load first; once half 0L is stored, their rows
+        are asked of the L2 (:func:`_prefetch_rows_l2`), so the next pair's code loads find them
+        there. Returns those row ids."""
         (KV, u_base, n_len, stride_kvr, _np, _q_l, _q_r, _q_rope, k_l, k_r, k_rope, _p1, _m_buf, _l_bufs, ready,
          free, _m0_ready, _m1_ready, _p0_ready, _p1_ready, _l_ready, _qk_scale, _q_ready, _q_src, R) = args  # fmt: skip
         HALF: gl.constexpr = D_V // 2
-        mbarrier.wait(free.index(_L0), ph)
-        _fill_fp8(k_l.index(0), k_rope.index(0), KV, r0, stride_kvr, ready.index(_L0), 0, False, lay)
-        mbarrier.wait(free.index(_R1), ph)
-        _fill_fp8(k_r.index(1), k_rope.index(1), KV, r1, stride_kvr, ready.index(_R1), HALF, True, lay)
-        mbarrier.wait(free.index(_R0), ph)
-        _fill_fp8(k_r.index(0), k_rope.index(0), KV, r0, stride_kvr, ready.index(_R0), HALF, True, lay)
         r0_next = _block_rows(u_base, n_len, 2 * i + 2, lay, G, RAW_ROWS, R)
-        mbarrier.wait(free.index(_L1), ph)
-        _fill_fp8(k_l.index(1), k_rope.index(1), KV, r1, stride_kvr, ready.index(_L1), 0, False, lay)
         r1_next = _block_rows(u_base, n_len, 2 * i + 3, lay, G, RAW_ROWS, R)
+        _fill_fp8(k_l.index(0), k_rope.index(0), KV, r0, stride_kvr, ready.index(_L0), free.index(_L0), ph, 0, False,
+                  lay)  # fmt: skip
+        _prefetch_rows_l2(KV, r0_next, stride_kvr)
+        _prefetch_rows_l2(KV, r1_next, stride_kvr)
+        _fill_fp8(k_r.index(1), k_rope.index(1), KV, r1, stride_kvr, ready.index(_R1), free.index(_R1), ph, HALF, True,
+                  lay)  # fmt: skip
+        _fill_fp8(k_r.index(0), k_rope.index(0), KV, r0, stride_kvr, ready.index(_R0), free.index(_R0), ph, HALF, True,
+                  lay)  # fmt: skip
+        _fill_fp8(k_l.index(1), k_rope.index(1), KV, r1, stride_kvr, ready.index(_L1), free.index(_L1), ph, 0, False,
+                  lay)  # fmt: skip
         return r0_next, r1_next
 
     @gluon.jit
