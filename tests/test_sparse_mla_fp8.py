@@ -216,7 +216,7 @@ def test_ws64_kernel_compiles_fp8_variant_for_sm90(case, kwargs):
     stores), fences, and one thread arrives for all 128 (the right halves' rope copies arrive on
     their own); it asks the L2 for the next pair's rows; the consumers' wgmma work is the bf16
     kernel's; the registers move 8 from WG0 to the producer (200 / 216 / 88); spills: at most 32
-    bytes (Triton 3.9: 28 / 4 / 4 at these three shapes)."""
+    bytes (at these three shapes Triton 3.6: 32 / 16 / 16, 3.9: 28 / 4 / 4)."""
 
     from shardattn.kernels.gluon.sparse_mla import FP8_CONSUMER_REGS, compile_kernel_for_sm90
     from shardattn.kernels.gluon.sparse_mla_decode import gluon_decode_config
