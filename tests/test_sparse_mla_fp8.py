@@ -409,12 +409,34 @@ def _every_code_cache(r: int, seed: int) -> torch.Tensor:
     return torch.cat([codes, scales.view(torch.uint8), rope.view(torch.uint8)], dim=1).cuda()
 
 
+def _staging(monkeypatch, staging: str) -> list[bool]:
+    """Prefill FP8 rows staged in the ``"mirror"`` or ``"packed"`` layout whatever the rule says (each
+    call's staging recorded in the returned list), or ``"in_kernel"`` (staging declined: every tile
+    dequantises its rows)."""
+    from shardattn.ops import kv_fp8_stage
+
+    staged: list[bool] = []
+    real = kv_fp8_stage.stage_fp8_union
+
+    def spy(*args, **kwargs):
+        result = None if staging == "in_kernel" else real(*args, **{**kwargs, "layout": staging})
+        staged.append(result is not None)
+        return result
+
+    monkeypatch.setattr(kv_fp8_stage, "stage_fp8_union", spy)
+    return staged
+
+
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize(("op", "tokens", "heads"), [("decode", 64, 64), ("decode", 16, 128), ("prefill", 100, 128)])
-def test_gluon_fp8_reads_every_code_at_extreme_scales(op, tokens, heads):
-    """The warp-specialised Gluon kernel's FP8 dequantisation equals its bf16 path on the dequantised
-    rows bit for bit on every finite e4m3 code, subnormals included, under scales far from 1."""
+@pytest.mark.parametrize(
+    ("op", "tokens", "heads"),
+    [("decode", 64, 64), ("decode", 16, 128), ("prefill", 100, 128), ("prefill_staged", 200, 128)],
+)
+def test_gluon_fp8_reads_every_code_at_extreme_scales(monkeypatch, op, tokens, heads):
+    """The warp-specialised Gluon kernel's FP8 dequantisation (and the staging kernel's) equals the
+    bf16 path on the dequantised rows bit for bit on every finite e4m3 code, subnormals included,
+    under scales far from 1."""
     r = 4096
     cache = _every_code_cache(r, seed=tokens + heads)
     deq = dequantize_kv(cache)
@@ -427,7 +449,9 @@ def test_gluon_fp8_reads_every_code_at_extreme_scales(op, tokens, heads):
         kw = {"scale": 0.06, "backend": "gluon", "rows_unique": True}
         fp8, ref = (sparse_mla_decode(q, kv, rows, **kw) for kv in (cache, deq))
     else:
+        staged = _staging(monkeypatch, "packed" if op == "prefill_staged" else "in_kernel")
         fp8, ref = (sparse_mla_attention(q, kv, rows, scale=0.06) for kv in (cache, deq))
+        assert staged == [op == "prefill_staged"]
     _same(fp8, ref, True)
 
 
@@ -439,9 +463,12 @@ def test_gluon_fp8_reads_every_code_at_extreme_scales(op, tokens, heads):
      ("triton", 100, 128, 1, False), ("grouped", 257, 32, 2, True), ("grouped", 257, 16, 4, True),
      ("grouped", 257, 8, 8, True), ("grouped", 100, 8, 1, False)],
 )  # fmt: skip
-def test_fp8_prefill_equals_bf16_prefill_on_dequantised_rows(path, tokens, heads, group, gluon):
+@pytest.mark.parametrize("staging", ["in_kernel", "mirror", "packed"])
+def test_fp8_prefill_equals_bf16_prefill_on_dequantised_rows(monkeypatch, path, tokens, heads, group, gluon, staging):
+    """Staged (either layout), every path runs the bf16 kernel on the staged rows: bit for bit the bf16 run."""
     from shardattn.ops.sparse_mla import sparse_mla_per_query
 
+    staged = _staging(monkeypatch, staging)
     q, cache, rows, length, sinks = _gpu_case(tokens, heads, 2048, seed=tokens + heads * 3 + group)
     rows[5, 100:200] = rows[5, :100]  # listed twice: one key
     deq = dequantize_kv(cache)
@@ -454,7 +481,9 @@ def test_fp8_prefill_equals_bf16_prefill_on_dequantised_rows(path, tokens, heads
             fp8, ref = (
                 sparse_mla_grouped_prefill(q, kv, rows, scale=0.06, group_size=group, **kw) for kv in (cache, deq)
             )
-        _same(fp8, ref, gluon, None if gluon else _oracle(q, deq, rows, kw))
+        exact = gluon or staging != "in_kernel"
+        _same(fp8, ref, exact, None if exact else _oracle(q, deq, rows, kw))
+    assert staged == [staging != "in_kernel"] * 2  # one FP8 call per argument set
 
 
 @pytest.mark.gpu

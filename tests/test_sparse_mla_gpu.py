@@ -76,6 +76,52 @@ def test_public_entry_points_dispatch_to_triton():
         assert (lse - ref_lse).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("heads", [16, 128], ids=lambda h: f"h{h}")  # grouped (G = 4) and per-query
+def test_warmup_covers_fp8_prefill_staged_and_in_the_kernel(heads):
+    """After the warm-up of an FP8 spec, prefill on ``fp8_ds_mla`` rows compiles nothing: staged
+    (a request's rows: each block read by many queries; a small cache mirrored, a large one packed)
+    nor dequantised in the kernel (rows drawn over the whole large cache)."""
+    from shardattn.kernels.gluon.sparse_mla import gluon_available
+    from shardattn.kernels.triton.kv_fp8_stage import stage_kernels
+    from shardattn.kernels.triton.sparse_mla import attention_kernel
+    from shardattn.kernels.triton.union import union_kernels
+    from shardattn.ops import kv_fp8_stage
+    from shardattn.ops.kv_fp8 import quantize_kv
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.runtime.warmup import PrefillSpec, compiled_variants, warmup
+
+    dev = torch.device("cuda")
+    warmup(dev, PrefillSpec(heads=heads, topk=K, kv_fp8=True))
+    kernels = (attention_kernel(), *union_kernels(), *stage_kernels())
+    if gluon_available():
+        from shardattn.kernels.gluon.sparse_mla_kernel import ws64_kernel
+
+        kernels = (*kernels, ws64_kernel())
+    before = [compiled_variants(k) for k in kernels]
+    staged = []
+    real = kv_fp8_stage.stage_fp8_union
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        staged.append(result is not None)
+        return result
+
+    kv_fp8_stage.stage_fp8_union = spy
+    try:
+        for tokens, kv_rows, spread in ((1024, 65536, False), (1024, 1 << 20, False), (333, 1 << 20, True)):
+            q, kv, rows = _setup(heads, tokens, 65536, seed=tokens)
+            if kv_rows > kv.shape[0]:  # a cache of 2**20 rows (beyond the mirror's): the request's rows in it
+                kv = torch.cat([kv, torch.randn(kv_rows - kv.shape[0], D_V + D_R, device=dev).to(torch.bfloat16)])
+            if spread:  # rows anywhere in it: staging does not pay
+                rows = torch.randint(-1, kv_rows, rows.shape, dtype=torch.int32, device=dev)
+            sparse_mla_grouped_prefill(q, quantize_kv(kv), rows, scale=0.04, v_dim=D_V)
+    finally:
+        kv_fp8_stage.stage_fp8_union = real
+    torch.cuda.synchronize()
+    assert staged == [True, True, False]  # mirrored, packed, in the kernel
+    assert [compiled_variants(k) for k in kernels] == before
+
+
 @pytest.mark.parametrize("heads", [8, 128], ids=lambda h: f"h{h}")  # grouped (G = 8, merge union) and per-query
 def test_warmup_covers_runtime_keys(heads):
     from shardattn.kernels.triton.sparse_mla import attention_kernel

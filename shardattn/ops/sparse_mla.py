@@ -378,9 +378,11 @@ def sparse_mla_per_query(
         ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)`` (the given destinations when passed).
     """
     from shardattn.kernels.backend import interpreter_enabled
+    from shardattn.ops.kv_fp8_stage import kernel_rows
     from shardattn.ops.prepared_union import union_for_call
 
     union, lens = union_for_call(prepared_union, rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
+    kv, union = kernel_rows(kv, union, lens, group_size=1, dtype=q.dtype)  # fp8_ds_mla rows: staged where it pays
     if kernel == "gluon":
         from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
 

@@ -35,6 +35,7 @@ from shardattn.kernels.triton.sparse_mla import (
     tile_config,
 )
 from shardattn.ops.dispatch import prefill_path
+from shardattn.ops.kv_fp8_stage import kernel_rows
 from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
 from shardattn.ops.sparse_mla import (
     check_sparse_mla_inputs,
@@ -149,6 +150,7 @@ def sparse_mla_grouped_prefill(
             prepared_union, rows, group_size=g, num_kv_rows=kv.shape[0], topk_length=topk_length, out=union,
             rows_sorted=rows_sorted,
         )  # fmt: skip
+        kv, u = kernel_rows(kv, u, lens, group_size=g, dtype=q3.dtype)  # fp8_ds_mla rows: staged where it pays
         if q_ready is not None:  # the union is built: now the kernels may wait for q
             q_ready()
         if path.backend == "gluon" and gluon_unsupported_reason(q, kv, v_dim) is None:

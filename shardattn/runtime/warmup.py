@@ -112,29 +112,32 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
             row_cfg = union_launch_config(1, spec.topk)
             keys.append(CompileKey("union_keys", {"G": 1, "BLOCK_K": row_cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
             keys.append(CompileKey("union_fused", {**fused_launch_config(group, spec.topk), "HAS_LEN": False}))
+        # FP8 rows: the kernels' FP8 variants (rows dequantised in the kernel) and, on staged rows
+        # (ops.kv_fp8_stage), the dense ones after the staging kernels
+        kv_variants = (True, False) if spec.kv_fp8 else (False,)
+        if spec.kv_fp8:
+            keys.append(CompileKey("stage_mark", {"G1": group == 1}))
+            keys.append(CompileKey("stage_remap", {"G1": group == 1}))
         if gluon_route(spec, group):
             cfg = gluon_config(spec.heads, spec.v_dim, spec.rope_dim, group)
             params = {"config": cfg.label, "G": group, "HAS_SINK": spec.sinks, "dtype": spec.dtype}
-            params["KV_FP8"] = spec.kv_fp8
-            keys.append(CompileKey("gluon_attention", params))
+            keys.extend(CompileKey("gluon_attention", {**params, "KV_FP8": fp8}) for fp8 in kv_variants)
         tile = tile_config(spec.heads, group)
-        keys.append(
-            CompileKey(
-                "attention",
-                {
-                    "G": group,
-                    "BLOCK_H": tile.block_h,
-                    "BLOCK_N": tile.block_n,
-                    "D_V": spec.v_dim,
-                    "D_R": spec.rope_dim,
-                    "HAS_SINK": spec.sinks,
-                    "num_warps": tile.num_warps,
-                    "num_stages": tile.num_stages,
-                    "dtype": spec.dtype,
-                    "KV_FP8": spec.kv_fp8,
-                },
-            )
-        )
+        params = {
+            "G": group,
+            "BLOCK_H": tile.block_h,
+            "BLOCK_N": tile.block_n,
+            "D_V": spec.v_dim,
+            "D_R": spec.rope_dim,
+            "HAS_SINK": spec.sinks,
+            "num_warps": tile.num_warps,
+            "num_stages": tile.num_stages,
+            "dtype": spec.dtype,
+        }
+        keys.extend(CompileKey("attention", {**params, "KV_FP8": fp8}) for fp8 in kv_variants)
+    if spec.kv_fp8:  # the buffer mirrors the cache, or packs the touched blocks
+        keys.extend(CompileKey("stage_blocks", {"dtype": spec.dtype, "PACKED": packed}) for packed in (False, True))
+        keys.append(CompileKey("stage_pack", {}))
     return keys
 
 
@@ -168,7 +171,9 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
     Returns:
         The number of kernel launches made (one per key).
     """
-    from shardattn.ops.kv_fp8 import quantize_kv
+    from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
+    from shardattn.ops.kv_fp8_stage import LAYOUTS as STAGE_LAYOUTS
+    from shardattn.ops.kv_fp8_stage import stage_fp8_union
     from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
     from shardattn.ops.topk import DcpShard, convert_topk
     from shardattn.ops.union import build_union
@@ -195,10 +200,16 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
             kv = quantize_kv(kv)
         length = torch.full((t,), k, dtype=torch.int32, device=device) if spec.topk_length else None
         for group in spec_group_sizes(spec):
-            sparse_mla_grouped_prefill(
-                q, kv, pos, scale=d**-0.5, v_dim=spec.v_dim, group_size=group, topk_length=length,
-                sinks=torch.zeros(spec.heads, device=device) if spec.sinks else None,
-            )  # fmt: skip
+            for rows_kv in (kv, dequantize_kv(kv, spec.dtype)) if spec.kv_fp8 else (kv,):  # FP8: staged rows too
+                sparse_mla_grouped_prefill(
+                    q, rows_kv, pos, scale=d**-0.5, v_dim=spec.v_dim, group_size=group, topk_length=length,
+                    sinks=torch.zeros(spec.heads, device=device) if spec.sinks else None,
+                )  # fmt: skip
+            if spec.kv_fp8:  # the staging kernels (ops.kv_fp8_stage) in both layouts, whatever the rule says here
+                union, lens = build_union(pos, group_size=group, num_kv_rows=64, topk_length=length)
+                for layout in STAGE_LAYOUTS:
+                    stage_fp8_union(kv, union, lens, group_size=group, dtype=spec.dtype, layout=layout)
+                launches += 6
             # the step above built its union with the bitmap builder (64 KV rows); a large cache
             # takes the sorting builder instead, and on sm_90 the shared-memory bitmap's wider window
             build_union(pos, group_size=group, num_kv_rows=64, topk_length=length, method=UNION_METHOD[group])

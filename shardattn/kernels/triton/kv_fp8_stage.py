@@ -1,0 +1,201 @@
+"""Triton kernels that stage the FP8 rows a prefill reads as dense rows, once each
+(the plan, the rule and the torch reference: :mod:`shardattn.ops.kv_fp8_stage`).
+
+Rows are staged in blocks of ``2**BLOCK_SHIFT`` consecutive cache rows (a block is a page of an
+engine's paged cache when its page size is that, 64 for DSA models):
+
+* :func:`launch_mark_blocks`: ``mark[row >> BLOCK_SHIFT] = 1`` for every entry a union uses
+  (``k < lens[g]``); the row is the entry's low bits (``ROW_MASK``: all of them with ``G = 1``,
+  the 24 row bits of a packed entry otherwise, :mod:`shardattn.kernels.union_layout`).
+* :func:`launch_pack_blocks` (packed layout): one program's scan of the marks, giving each marked
+  block its place ``new_block[b]`` (in cache order), the list of marked blocks and their count.
+* :func:`launch_stage_blocks`: every marked block's rows dequantised (the in-kernel rule,
+  :mod:`shardattn.kernels.triton.kv_fp8_read`) into its place in a dense buffer: one program per
+  listed block (packed), or per cache block with the marked ones writing block ``b`` of a buffer
+  that mirrors the cache; rows past the cache's end are written as 0.
+* :func:`launch_remap_union`: each used entry's row moved to its staged position
+  ``new_block[row >> BLOCK_SHIFT] << BLOCK_SHIFT | row % 2**BLOCK_SHIFT``, its membership bits
+  kept; unused entries become ``-1``. ``new_block`` is increasing over marked blocks, so a sorted,
+  unique union stays sorted and unique.
+
+No host synchronisation, no allocation: the caller sizes the buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: without it the torch reference runs
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = None
+
+from shardattn.kernels.triton.kv_fp8_read import LATENT, ROPE, TILE
+
+#: Entries of a union one program reads.
+ENTRIES_PER_PROGRAM = 1024
+#: Marks the packing program scans at a time.
+_PACK_CHUNK = 4096
+
+
+def _union_grid(union: torch.Tensor) -> tuple[int, int]:
+    return union.shape[0], triton.cdiv(union.shape[1], ENTRIES_PER_PROGRAM)
+
+
+def launch_mark_blocks(
+    union: torch.Tensor, lens: torch.Tensor, mark: torch.Tensor, *, row_mask: int, block_shift: int
+) -> None:
+    """Set ``mark[row >> block_shift] = 1`` (int32) for every used entry of ``union [groups, width]``
+    (row stride any, entries contiguous) with ``lens [groups]`` int32 used entries per group."""
+    if union.numel() == 0:
+        return
+    _mark_blocks_kernel[_union_grid(union)](
+        union, lens, mark, union.shape[1], union.stride(0),
+        ROW_MASK=row_mask, BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM,
+    )  # fmt: skip
+
+
+def launch_pack_blocks(
+    mark: torch.Tensor, lens: torch.Tensor, new_block: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor
+) -> None:
+    """One program scans ``mark [B]``: ``new_block[b]`` = marked blocks before ``b`` (int32 ``[B]``),
+    ``block_ids[i]`` = the ``i``-th marked block (int32 ``[B]``, the first ``counts[0]`` written),
+    ``counts [2]`` int64 = (marked blocks, ``sum(lens)``)."""
+    _pack_blocks_kernel[(1,)](
+        mark, lens, new_block, block_ids, counts, mark.shape[0], lens.shape[0], CHUNK=_PACK_CHUNK, num_warps=8
+    )
+
+
+def launch_stage_blocks(
+    kv: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor, *, packed: bool, num_blocks: int, block_shift: int
+) -> None:
+    """Dequantise blocks of ``2**block_shift`` rows of ``kv [R, 656]`` uint8 into ``out [n * 2**block_shift,
+    576]`` (fp16 / bf16 / fp32, rows contiguous): with ``packed``, block ``blocks[i]`` (int32 block ids)
+    into block ``i`` for ``i < num_blocks``; otherwise every block ``b < num_blocks`` with
+    ``blocks[b] != 0`` (the marks) into block ``b``."""
+    if num_blocks == 0:
+        return
+    _stage_blocks_kernel[(num_blocks,)](
+        kv, blocks, out, kv.shape[0], kv.stride(0), out.stride(0),
+        BLOCK_ROWS=1 << block_shift, PACKED=packed, DTYPE=_TL_DTYPES[out.dtype], num_warps=4,
+    )  # fmt: skip
+
+
+def launch_remap_union(
+    union: torch.Tensor,
+    lens: torch.Tensor,
+    new_block: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    row_mask: int,
+    block_shift: int,
+) -> None:
+    """Write ``union``'s entries with their rows at the staged positions into ``out [groups, width]``
+    (contiguous int32); entries past ``lens[g]`` become ``-1``."""
+    if union.numel() == 0:
+        return
+    high_bits = ~row_mask & 0xFFFFFFFF
+    _remap_union_kernel[_union_grid(union)](
+        union, lens, new_block, out, union.shape[1], union.stride(0),
+        ROW_MASK=row_mask, HIGH_BITS=high_bits - (1 << 32) if high_bits >= 1 << 31 else high_bits,
+        BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM,
+    )  # fmt: skip
+
+
+if triton is not None:
+    from shardattn.kernels.triton.kv_fp8_read import load_fp8_rope, load_fp8_tile
+
+    _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+    _LATENT = tl.constexpr(LATENT)
+    _ROPE = tl.constexpr(ROPE)
+    _TILE = tl.constexpr(TILE)
+
+    @triton.jit
+    def _used_entries(union_ptr, lens_ptr, width, stride_group, other, BLOCK: tl.constexpr):
+        """``(entries [BLOCK], used [BLOCK], k [BLOCK])`` of this program's slice of its group."""
+        g = tl.program_id(0)
+        k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        used = (k < tl.load(lens_ptr + g)) & (k < width)
+        e = tl.load(union_ptr + g.to(tl.int64) * stride_group + k, mask=used, other=other)
+        return e, used, k
+
+    @triton.jit
+    def _mark_blocks_kernel(
+        union_ptr, lens_ptr, mark_ptr, width, stride_group,
+        ROW_MASK: tl.constexpr, BLOCK_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        e, used, _ = _used_entries(union_ptr, lens_ptr, width, stride_group, 0, BLOCK)
+        block = (e & ROW_MASK) >> BLOCK_SHIFT
+        tl.store(mark_ptr + block, tl.full([BLOCK], 1, tl.int32), mask=used)
+
+    @triton.jit
+    def _pack_blocks_kernel(
+        mark_ptr, lens_ptr, new_block_ptr, block_ids_ptr, counts_ptr, num_blocks, num_groups, CHUNK: tl.constexpr
+    ):
+        total = tl.zeros([], dtype=tl.int32)
+        for start in range(0, num_blocks, CHUNK):
+            b = start + tl.arange(0, CHUNK)
+            m = tl.load(mark_ptr + b, mask=b < num_blocks, other=0)
+            before = total + tl.cumsum(m, 0) - m
+            tl.store(new_block_ptr + b, before, mask=b < num_blocks)
+            tl.store(block_ids_ptr + before, b, mask=m != 0)
+            total += tl.sum(m, 0)
+        entries = tl.zeros([], dtype=tl.int64)
+        for start in range(0, num_groups, CHUNK):
+            g = start + tl.arange(0, CHUNK)
+            entries += tl.sum(tl.load(lens_ptr + g, mask=g < num_groups, other=0).to(tl.int64), 0)
+        tl.store(counts_ptr, total.to(tl.int64))
+        tl.store(counts_ptr + 1, entries)
+
+    @triton.jit
+    def _stage_blocks_kernel(
+        kv_ptr, blocks_ptr, out_ptr, num_rows, stride_kv, stride_out,
+        BLOCK_ROWS: tl.constexpr, PACKED: tl.constexpr, DTYPE: tl.constexpr,
+    ):  # fmt: skip
+        p = tl.program_id(0)
+        if PACKED:  # program p: block blocks[p], into block p
+            b = tl.load(blocks_ptr + p)
+            staged = True
+        else:  # program p: block p where marked, into block p
+            b = p
+            staged = tl.load(blocks_ptr + p) != 0
+        if staged:
+            r = tl.arange(0, BLOCK_ROWS)
+            src = b.to(tl.int64) * BLOCK_ROWS + r
+            inside = src < num_rows
+            row_ptr = kv_ptr + src * stride_kv
+            out_rows = out_ptr + (p.to(tl.int64) * BLOCK_ROWS + r)[:, None] * stride_out
+            cols = tl.arange(0, _TILE)
+            for t in tl.static_range(_LATENT // _TILE):
+                tl.store(out_rows + t * _TILE + cols[None, :], load_fp8_tile(row_ptr, inside, t, DTYPE))
+            tl.store(out_rows + _LATENT + tl.arange(0, _ROPE)[None, :], load_fp8_rope(row_ptr, inside, DTYPE))
+
+    @triton.jit
+    def _remap_union_kernel(
+        union_ptr, lens_ptr, new_block_ptr, out_ptr, width, stride_group,
+        ROW_MASK: tl.constexpr, HIGH_BITS: tl.constexpr, BLOCK_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        e, used, k = _used_entries(union_ptr, lens_ptr, width, stride_group, 0, BLOCK)
+        row = e & ROW_MASK
+        new_block = tl.load(new_block_ptr + (row >> BLOCK_SHIFT), mask=used, other=0)
+        new_row = (new_block << BLOCK_SHIFT) | (row & ((1 << BLOCK_SHIFT) - 1))
+        entry = tl.where(used, (e & HIGH_BITS) | new_row, -1)
+        tl.store(out_ptr + tl.program_id(0).to(tl.int64) * width + k, entry, mask=k < width)
+else:  # pragma: no cover - exercised only where Triton is missing
+    _TL_DTYPES = {}
+
+
+def stage_kernels() -> tuple:
+    """The staging kernels (mark, stage, remap), for warm-up and compile counting."""
+    return (_mark_blocks_kernel, _pack_blocks_kernel, _stage_blocks_kernel, _remap_union_kernel)
+
+
+__all__ = [
+    "ENTRIES_PER_PROGRAM",
+    "launch_mark_blocks",
+    "launch_pack_blocks",
+    "launch_remap_union",
+    "launch_stage_blocks",
+    "stage_kernels",
+]

@@ -1,0 +1,228 @@
+"""Prefill over an ``fp8_ds_mla`` cache: the rows its union reads, dequantised once, before the kernel.
+
+A prefill kernel that dequantises FP8 rows in the kernel does it once per tile that reads a row:
+once per query (per query group on grouped tiles) and key, the same row again for every query that
+picked it. A prefill's queries pick mostly the same rows (those of their requests), so
+:func:`stage_fp8_union` instead dequantises each block of ``STAGE_BLOCK_ROWS`` cache rows that the
+union touches once, into a dense buffer in q's dtype, and the dense kernel runs on that buffer.
+Each staged value is the in-kernel one (``dtype(fp32(code) * scale)``,
+:mod:`shardattn.kernels.triton.kv_fp8_read`) and the union keeps its order, so the result is bit
+for bit the in-kernel dequantisation's (tested on the GPU). Two layouts of the buffer:
+
+* **mirror** (a cache of at most ``max_rows`` rows): the buffer has the cache's rows, the touched
+  blocks written at their own place, the union used as it is. The decision needs no device value
+  (stage when the union buffer holds at least ``min_reuse`` entries per cache row): no host
+  synchronisation, and it runs inside CUDA-graph capture.
+* **packed** (a larger cache): the touched blocks in cache order and the union's rows moved to
+  them. Their count costs one host synchronisation (so never inside capture); stage when the
+  union has at least ``min_reuse`` used entries per staged row and the rows fit ``max_rows``.
+
+Otherwise (rows picked all over a large cache, or decode-sized calls of under
+:data:`STAGE_MIN_ENTRIES` entries) it returns ``None`` and the kernel dequantises in place.
+Triton kernels on the GPU (:mod:`shardattn.kernels.triton.kv_fp8_stage`), torch elsewhere (the
+same results: tested under the interpreter).
+
+Example:
+    >>> from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
+    >>> kv8 = quantize_kv(torch.randn(400, 576))
+    >>> union = torch.arange(64, 192, dtype=torch.int32).repeat(4, 1)  # four queries read rows 64..191
+    >>> lens = torch.tensor([128, 128, 128, 100], dtype=torch.int32)
+    >>> staged = stage_fp8_union(kv8, union, lens, group_size=1, dtype=torch.float32, min_entries=0, max_rows=256)
+    >>> staged.kv.shape[0], staged.union[0, :3].tolist(), staged.union[3, 99:101].tolist()  # packed: blocks 1, 2
+    (128, [0, 1, 2], [99, -1])
+    >>> torch.equal(staged.kv[5], dequantize_kv(kv8, torch.float32)[69])
+    True
+    >>> union8, lens8 = union.repeat(2, 1), lens.repeat(2)
+    >>> mirror = stage_fp8_union(kv8, union8, lens8, group_size=1, dtype=torch.float32, min_entries=0)
+    >>> mirror.kv.shape[0], mirror.union is union8, torch.equal(mirror.kv[69], dequantize_kv(kv8, torch.float32)[69])
+    (448, True, True)
+    >>> stage_fp8_union(kv8, union, lens, group_size=1, dtype=torch.float32, min_entries=0) is None  # 512 < 2 x 448
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardattn.kernels.backend import use_triton
+from shardattn.kernels.union_layout import MAX_PACKED_ROWS
+from shardattn.ops.kv_fp8 import FP8_DS_MLA, dequantize_kv
+
+__all__ = [
+    "LAYOUTS",
+    "STAGE_BLOCK_ROWS",
+    "STAGE_MAX_ROWS",
+    "STAGE_MIN_ENTRIES",
+    "StagedRows",
+    "kernel_rows",
+    "stage_fp8_union",
+]
+
+#: Cache rows staged together (a 64-token page of a DSA cache).
+STAGE_BLOCK_ROWS = 64
+_BLOCK_SHIFT = STAGE_BLOCK_ROWS.bit_length() - 1
+#: The most rows one call stages (in bf16, 576 MiB of buffer): four requests of 128K tokens.
+STAGE_MAX_ROWS = 1 << 19
+#: Calls whose union buffer holds fewer entries dequantise in the kernel (decode-sized calls).
+STAGE_MIN_ENTRIES = 1 << 16
+
+
+@dataclass(frozen=True)
+class StagedRows:
+    """The dense rows a prefill reads and its union over them.
+
+    Attributes:
+        kv: ``[n * STAGE_BLOCK_ROWS, 576]`` in q's dtype: the touched blocks' rows, dequantised
+            (rows past the cache's end: 0), at their cache rows (mirror: ``n`` covers the cache,
+            other rows unspecified) or packed in cache order.
+        union: ``[groups, width]`` int32: the union itself (mirror), or the union with its rows
+            moved into ``kv`` (packed; membership bits kept, entries past ``lens[g]``: ``-1``).
+    """
+
+    kv: torch.Tensor
+    union: torch.Tensor
+
+
+def _row_mask(group_size: int) -> int:
+    return 0x7FFFFFFF if group_size == 1 else MAX_PACKED_ROWS
+
+
+def _used(union: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(union.shape[1], device=union.device)[None, :] < lens[:, None].long()
+
+
+def _mark_torch(union: torch.Tensor, lens: torch.Tensor, mark: torch.Tensor, row_mask: int) -> None:
+    rows = union.long()[_used(union, lens)] & row_mask
+    mark[rows >> _BLOCK_SHIFT] = 1
+
+
+def _pack(mark: torch.Tensor, lens: torch.Tensor, triton: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(new_block [B] int32, block_ids [B] int32, counts [2] int64)``: each marked block's place in
+    the packed buffer, the marked blocks in order, and (marked blocks, used entries)."""
+    if triton:
+        from shardattn.kernels.triton.kv_fp8_stage import launch_pack_blocks
+
+        new_block, block_ids = torch.empty_like(mark), torch.empty_like(mark)
+        counts = torch.empty(2, dtype=torch.int64, device=mark.device)
+        launch_pack_blocks(mark, lens, new_block, block_ids, counts)
+        return new_block, block_ids, counts
+    new_block = (torch.cumsum(mark, 0) - mark).to(torch.int32)
+    block_ids = torch.nonzero(mark).flatten().to(torch.int32)
+    return new_block, block_ids, torch.stack([mark.sum(dtype=torch.int64), lens.sum(dtype=torch.int64)])
+
+
+def _stage_torch(kv: torch.Tensor, mark: torch.Tensor, new_block: torch.Tensor | None, out: torch.Tensor) -> None:
+    blocks = torch.nonzero(mark).flatten()
+    offsets = torch.arange(STAGE_BLOCK_ROWS, device=kv.device)
+    src = (blocks[:, None] * STAGE_BLOCK_ROWS + offsets).flatten()
+    dst_blocks = blocks if new_block is None else new_block.long()[blocks]
+    dst = (dst_blocks[:, None] * STAGE_BLOCK_ROWS + offsets).flatten()
+    inside = src < kv.shape[0]
+    out[dst] = 0
+    out[dst[inside]] = dequantize_kv(kv[src[inside]], out.dtype)
+
+
+def _remap_torch(union, lens, new_block, out, row_mask: int) -> None:
+    e = union.long()
+    row = e & row_mask
+    new_row = new_block.long()[row.clamp(0, (new_block.shape[0] << _BLOCK_SHIFT) - 1) >> _BLOCK_SHIFT]
+    new_row = (new_row << _BLOCK_SHIFT) | (row & (STAGE_BLOCK_ROWS - 1))
+    entry = ((e & ~row_mask) | new_row) & 0xFFFFFFFF
+    entry = torch.where(entry >= 1 << 31, entry - (1 << 32), entry)
+    out.copy_(torch.where(_used(union, lens), entry, -1).to(torch.int32))
+
+
+LAYOUTS = ("mirror", "packed")
+
+
+def _layout(kv: torch.Tensor, union: torch.Tensor, max_rows: int, min_entries: int, min_reuse: float) -> str | None:
+    """The rule's layout before any device value is known (``None``: do not stage)."""
+    entries, cache_rows = union.numel(), -(-kv.shape[0] // STAGE_BLOCK_ROWS) * STAGE_BLOCK_ROWS
+    if entries < min_entries:
+        return None
+    if cache_rows <= max_rows:
+        return "mirror" if entries >= min_reuse * cache_rows else None
+    if kv.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # counting the touched blocks synchronises with the host
+    return "packed"
+
+
+def stage_fp8_union(
+    kv: torch.Tensor,
+    union: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    group_size: int,
+    dtype: torch.dtype,
+    layout: str | None = None,
+    max_rows: int = STAGE_MAX_ROWS,
+    min_entries: int = STAGE_MIN_ENTRIES,
+    min_reuse: float = 2.0,
+) -> StagedRows | None:
+    """The rows of ``kv`` that ``union`` reads, dequantised once, when that pays (module docstring).
+
+    Args:
+        kv: ``[R, 656]`` uint8 ``fp8_ds_mla`` rows (checked by the caller).
+        union: ``[groups, width]`` int32 union entries (:mod:`shardattn.ops.union`: plain rows with
+            ``group_size`` 1, else packed with membership bits); lens: ``[groups]`` int32 used entries.
+        group_size: the union's ``G``. dtype: the staged rows' dtype (q's).
+        layout: ``"mirror"`` or ``"packed"`` stages in that layout whatever the rule says (the
+            warm-up, tests); ``None`` follows the rule.
+        max_rows / min_entries / min_reuse: the rule's limits: a buffer of at most ``max_rows``
+            rows, nothing staged for a union buffer under ``min_entries`` entries, and only where
+            the union has at least ``min_reuse`` entries per staged row (module docstring).
+    Returns:
+        :class:`StagedRows`, or ``None`` where the kernel should dequantise in place.
+    """
+    forced = layout is not None
+    if forced and layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
+    layout = layout or _layout(kv, union, max_rows, min_entries, min_reuse)
+    if layout is None:
+        return None
+    groups, width = union.shape
+    row_mask = _row_mask(group_size)
+    triton = use_triton(kv, union, lens)
+    mark = torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
+    if triton:
+        from shardattn.kernels.triton.kv_fp8_stage import launch_mark_blocks
+
+        launch_mark_blocks(union, lens, mark, row_mask=row_mask, block_shift=_BLOCK_SHIFT)
+    else:
+        _mark_torch(union, lens, mark, row_mask)
+    if layout == "mirror":  # touched blocks at their own rows, the union as it is
+        staged_blocks, new_union, new_block, block_ids = mark.shape[0], union, None, None
+    else:  # touched blocks packed in cache order, the union's rows moved: their count first
+        new_block, block_ids, counts = _pack(mark, lens, triton)
+        staged_blocks, entries = counts.tolist()
+        rows = staged_blocks * STAGE_BLOCK_ROWS
+        if not forced and (staged_blocks == 0 or min_reuse * rows > entries or rows > max_rows):
+            return None
+        new_union = torch.empty(groups, width, dtype=torch.int32, device=kv.device)
+    out = torch.empty(staged_blocks * STAGE_BLOCK_ROWS, FP8_DS_MLA.dim, dtype=dtype, device=kv.device)
+    if triton:
+        from shardattn.kernels.triton.kv_fp8_stage import launch_remap_union, launch_stage_blocks
+
+        packed = layout == "packed"
+        blocks = block_ids if packed else mark
+        launch_stage_blocks(kv, blocks, out, packed=packed, num_blocks=staged_blocks, block_shift=_BLOCK_SHIFT)
+        if new_block is not None:
+            launch_remap_union(union, lens, new_block, new_union, row_mask=row_mask, block_shift=_BLOCK_SHIFT)
+    else:
+        _stage_torch(kv, mark, new_block, out)
+        if new_block is not None:
+            _remap_torch(union, lens, new_block, new_union, row_mask)
+    return StagedRows(out, new_union)
+
+
+def kernel_rows(
+    kv: torch.Tensor, union: torch.Tensor, lens: torch.Tensor, *, group_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kv, union)`` for a prefill kernel call: the staged rows and union where ``kv`` holds
+    ``fp8_ds_mla`` rows and staging pays (:func:`stage_fp8_union`), else ``kv`` and ``union`` as given."""
+    if kv.dtype != torch.uint8:
+        return kv, union
+    staged = stage_fp8_union(kv, union, lens, group_size=group_size, dtype=dtype)
+    return (kv, union) if staged is None else (staged.kv, staged.union)

@@ -1,0 +1,73 @@
+"""The FP8 staging kernels under the interpreter, at tiny shapes.
+
+Run as ``TRITON_INTERPRET=1 python -m tests.interpret.kv_fp8_stage_cases`` (tests/test_kv_fp8_stage.py
+does this in a subprocess). For unions of ``G = 1, 2, 4, 8`` (invalid rows anywhere, rows listed
+twice, a cache whose last block is partial), in both layouts, each case checks the staged rows and union
+(:func:`~shardattn.ops.kv_fp8_stage.stage_fp8_union` on the Triton kernels) against the rule they
+must meet (:func:`tests.test_kv_fp8_stage.check_staged`), against the torch path bit for bit, and
+runs the prefill kernel on the staged rows: bit for bit the kernel on the dequantised cache. Prints
+one line per case and exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import torch
+
+from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
+from shardattn.ops import kv_fp8_stage
+from shardattn.ops.kv_fp8 import dequantize_kv
+from shardattn.ops.kv_fp8_stage import LAYOUTS
+from shardattn.ops.union import build_union
+from tests.interpret.sparse_mla_fp8_cases import SCALE, V_DIM, edge_rows, fp8_cache
+from tests.test_kv_fp8_stage import check_staged, stage_on_torch
+
+FAILURES: list[str] = []
+
+
+def _report(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name} {detail}", flush=True)
+    if not ok:
+        FAILURES.append(name)
+
+
+def stage_cases(gen: torch.Generator, dtype: torch.dtype, name: str) -> None:
+    t, k, r = 12, 24, 200  # rows 0..199: blocks 0-2 whole, block 3 partial
+    cache = fp8_cache(gen, r)
+    deq = dequantize_kv(cache, dtype)
+    for (heads, g), layout in itertools.product(((16, 1), (8, 2), (16, 4), (8, 8)), LAYOUTS):
+        rows = edge_rows(gen, t, k, r)
+        rows[rows.clamp_min(0) % 64 < 20] = -1  # rows of blocks the union does not touch whole
+        rows[(rows >= 64) & (rows < 128)] = -1  # a block it does not touch at all
+        union, lens = build_union(rows, group_size=g, num_kv_rows=r)
+        staged = kv_fp8_stage.stage_fp8_union(cache, union, lens, group_size=g, dtype=dtype, layout=layout)
+        problem = check_staged(staged, cache, union, lens, g)
+        torch_kv, torch_union = stage_on_torch(cache, union, lens, g, dtype, layout)
+        used = staged.union[torch.arange(staged.union.shape[1])[None, :] < lens[:, None]].long()
+        read = used & 0xFFFFFF if g > 1 else used  # the rows the kernel reads: the rest may differ (mirror)
+        same = torch.equal(staged.kv[read], torch_kv[read]) and torch.equal(staged.union, torch_union)
+        q = (torch.randn(t, heads, 576, generator=gen) * 0.5).to(dtype)
+        cfg = tile_config(heads, g, interpret=True)
+        want = launch_attention(q, deq, union, lens, scale=SCALE, v_dim=V_DIM, config=cfg)
+        got = launch_attention(q, staged.kv, staged.union, lens, scale=SCALE, v_dim=V_DIM, config=cfg)
+        equal = torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+        detail = f"rows={staged.kv.shape[0]} {problem or ''} torch_equal={same} attention_equal={equal}"
+        _report(f"stage[{name},{layout},H={heads},G={g}]", problem is None and same and equal, detail)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1 before running this module", file=sys.stderr)
+        return 2
+    gen = torch.Generator().manual_seed(int(os.environ.get("SHARDATTN_SEED", "0")))
+    for dtype, name in ((torch.float16, "fp16"), (torch.float32, "fp32")):
+        stage_cases(gen, dtype, name)
+    print(f"{len(FAILURES)} failures: {FAILURES}", flush=True)
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
