@@ -6,7 +6,8 @@
 
 Per case (``heads`` per rank, ``tokens`` T, top-k K; one request whose DSA-like top-k positions,
 :func:`shardattn.workload.synthetic_topk`, go through a shuffled 64-token block table to global
-rows of a cache of 65,536 rows up to T = 4K, 131,072 above; bf16, D 576 / Dv 512):
+rows of a cache of 65,536 rows up to T = 4K, 131,072 above, or, with ``--pool-rows``, blocks drawn
+from a cache of that many rows; bf16, D 576 / Dv 512):
 
 * **step**: the routed prefill as a serving step calls it,
   :func:`~shardattn.ops.sparse_mla_grouped.sparse_mla_grouped_prefill` with the routing's
@@ -29,8 +30,10 @@ same code on the CPU (the torch reference path, no baseline; for a dry run).
 ``--kv-dtype fp8_ds_mla``: the cache is the ``fp8_ds_mla`` rows of the case's (656 bytes a row,
 :mod:`shardattn.ops.kv_fp8`) and the bf16 paths read the bf16 rows they dequantise to (the same
 values); each case adds the routed step and kernel on the FP8 cache, checked bit for bit against
-the bf16 ones, and records only ``sparse-prefill-fp8`` (FP8 effective TFLOP/s, baseline the bf16
-routed path of the same run: a ratio >= 0.9 is the target; the bf16 and peer times are printed).
+the bf16 ones, and the kernel with every tile dequantising its rows (no staging,
+:mod:`shardattn.ops.kv_fp8_stage`), and records only ``sparse-prefill-fp8`` (FP8 effective TFLOP/s,
+baseline the bf16 routed path of the same run: a ratio >= 0.9 is the target; the bf16 and peer
+times are printed).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -59,6 +63,7 @@ from prefill_inputs import (
 from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
+from shardattn.ops import kv_fp8_stage
 from shardattn.ops.dispatch import prefill_path
 from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 from shardattn.ops.prepared_union import prepare_union
@@ -76,10 +81,19 @@ class Case:
     """One (heads, tokens) case: inputs, the routed path and a closure per timed path."""
 
     def __init__(
-        self, heads: int, tokens: int, topk: int, kv_rows: int, device: torch.device, peer=None, fp8: bool = False
+        self,
+        heads: int,
+        tokens: int,
+        topk: int,
+        kv_rows: int,
+        device: torch.device,
+        peer=None,
+        fp8: bool = False,
+        pool_rows: int | None = None,
     ):
-        self.heads, self.tokens, self.topk = heads, tokens, topk
-        _, _, _, _, rows, counts = make_case(tokens, kv_rows, topk, "dsa", 0, device=device)
+        self.heads, self.tokens, self.topk, self.pool_rows = heads, tokens, topk, pool_rows
+        _, _, _, _, rows, counts = make_case(tokens, kv_rows, topk, "dsa", 0, pool_rows=pool_rows, device=device)
+        kv_rows = pool_rows or kv_rows  # the cache's rows
         q, kv = random_qkv(tokens, heads, kv_rows, 0, device)
         kv8 = None
         if fp8:  # the bf16 paths read the values the FP8 rows hold
@@ -118,10 +132,14 @@ class Case:
                     q, kv8, rows, scale=scale, v_dim=D_V, out=out8, lse_out=lse8, prepared_union=prepared
                 )
 
+            def kernel_fp8_in_kernel():  # no staging: every tile dequantises the rows it reads
+                with mock.patch.object(kv_fp8_stage, "stage_fp8_union", lambda *a, **k: None):
+                    kernel_fp8()
+
             step_fp8()
             if not (torch.equal(out8, out) and torch.equal(lse8, lse)):
                 raise RuntimeError(f"{heads} heads x {tokens}: the FP8 step differs from the bf16 step on its values")
-            self.runs.update(step_fp8=step_fp8, kernel_fp8=kernel_fp8)
+            self.runs.update(step_fp8=step_fp8, kernel_fp8=kernel_fp8, kernel_fp8_in_kernel=kernel_fp8_in_kernel)
         if path.backend != "reference":  # the Triton steps, at G = 1 and at the tile-filling G
             for tg in sorted({1, tile_group_size(heads)}):
                 self.runs[f"triton_g{tg}"] = self._triton(q, kv, rows, tg, kv_rows, scale, sample, ref_out)
@@ -159,6 +177,8 @@ class Case:
 def case_records(case: Case, ms: dict[str, float], pass_name: str, env: dict) -> list[dict]:
     """The step and kernel records of one timed pass of ``case``."""
     config = {"heads": case.heads, "tokens": case.tokens, "topk": case.topk, "pass": pass_name}
+    if case.pool_rows:
+        config = {**config, "cache rows": case.pool_rows}
     tf = {k: case.flops / (v * 1e-3) / 1e12 for k, v in ms.items()}
     triton = [tf[k] for k in tf if k.startswith("triton_")]
     step_base = ("best Triton step, same run", max(triton)) if triton else None
@@ -169,10 +189,11 @@ def case_records(case: Case, ms: dict[str, float], pass_name: str, env: dict) ->
     out.append(record(BENCHMARK, config, "kernel TFLOP/s", tf["kernel"], "TFLOP/s", "higher", kernel_base, env))
     if "step_fp8" in tf:  # the bf16 numbers are the FP8 records' baselines, not records of their own
         out = []
-        for kind in ("step", "kernel"):
-            base = (f"routed bf16 {kind} on the dequantised rows, same run", tf[kind])
-            metric = f"{kind} TFLOP/s"
-            out.append(record(f"{BENCHMARK}-fp8", config, metric, tf[f"{kind}_fp8"], "TFLOP/s", "higher", base, env))
+        for kind, metric in (("step", "step"), ("kernel", "kernel"), ("kernel_in_kernel", "kernel, no staging")):
+            bf16 = kind.split("_")[0]
+            base = (f"routed bf16 {bf16} on the dequantised rows, same run", tf[bf16])
+            out.append(record(f"{BENCHMARK}-fp8", config, f"{metric} TFLOP/s", tf[f"{bf16}_fp8{kind[len(bf16):]}"],
+                              "TFLOP/s", "higher", base, env))  # fmt: skip
     print(f"{case.heads} heads x {case.tokens} ({case.path}), {pass_name}: "
           + ", ".join(f"{k} {v:.3f} ms ({tf[k]:.0f} TF/s)" for k, v in ms.items()), flush=True)  # fmt: skip
     return out
@@ -194,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--kv-rows", type=int, default=None, help="KV cache rows (default: 65,536 up to 4K tokens, "
                     "131,072 above)")  # fmt: skip
+    ap.add_argument("--pool-rows", type=int, default=None, help="rows of the cache the request's blocks are drawn "
+                    "from, shuffled (default: the request's own KV rows)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=20, help="timed runs per path (median)")
     ap.add_argument("--peer-lib", default=None, help="FlashMLA's sparse prefill, built by benchmarks/peer/")
     ap.add_argument("--sustain", type=float, default=0.0, help="seconds back to back, then a second pass")
@@ -225,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
     fp8 = args.kv_dtype == "fp8_ds_mla"
-    cases = [Case(h, t, args.topk, args.kv_rows or default_kv_rows(t), device, peer, fp8)
+    cases = [Case(h, t, args.topk, args.kv_rows or default_kv_rows(t), device, peer, fp8, args.pool_rows)
              for t in args.tokens for h in args.heads]  # fmt: skip
     flush = l2_flush(device)
     records = []
