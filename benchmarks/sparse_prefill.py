@@ -63,6 +63,7 @@ from prefill_inputs import (
 from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
+from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops import kv_fp8_stage
 from shardattn.ops.dispatch import prefill_path
 from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
@@ -141,7 +142,7 @@ class Case:
                 raise RuntimeError(f"{heads} heads x {tokens}: the FP8 step differs from the bf16 step on its values")
             self.runs.update(step_fp8=step_fp8, kernel_fp8=kernel_fp8, kernel_fp8_in_kernel=kernel_fp8_in_kernel)
         if path.backend != "reference":  # the Triton steps, at G = 1 and at the tile-filling G
-            for tg in sorted({1, tile_group_size(heads)}):
+            for tg in sorted({1, tile_group_size(heads)} if kv_rows < MAX_PACKED_ROWS else {1}):  # 24-bit rows
                 self.runs[f"triton_g{tg}"] = self._triton(q, kv, rows, tg, kv_rows, scale, sample, ref_out)
         if peer is not None:
             from flashmla_prefill import runner  # beside its .cu in peer/

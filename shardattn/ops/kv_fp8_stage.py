@@ -99,35 +99,36 @@ def _mark_torch(union: torch.Tensor, lens: torch.Tensor, mark: torch.Tensor, row
 
 
 def _pack(mark: torch.Tensor, lens: torch.Tensor, triton: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(new_block [B] int32, block_ids [B] int32, counts [2] int64)``: each marked block's place in
-    the packed buffer, the marked blocks in order, and (marked blocks, used entries)."""
+    """``(placed [B] int32, block_ids [B] int32, counts [2] int64)``: the marks' inclusive prefix sum
+    (marked block ``b`` goes to block ``placed[b] - 1`` of the packed buffer), the marked blocks in
+    order, and (marked blocks, used entries)."""
+    placed = torch.cumsum(mark, 0, dtype=torch.int32)
     if triton:
-        from shardattn.kernels.triton.kv_fp8_stage import launch_pack_blocks
+        from shardattn.kernels.triton.kv_fp8_stage import launch_list_blocks
 
-        new_block, block_ids = torch.empty_like(mark), torch.empty_like(mark)
+        block_ids = torch.empty_like(mark)
         counts = torch.empty(2, dtype=torch.int64, device=mark.device)
-        launch_pack_blocks(mark, lens, new_block, block_ids, counts)
-        return new_block, block_ids, counts
-    new_block = (torch.cumsum(mark, 0) - mark).to(torch.int32)
+        launch_list_blocks(mark, placed, lens, block_ids, counts)
+        return placed, block_ids, counts
     block_ids = torch.nonzero(mark).flatten().to(torch.int32)
-    return new_block, block_ids, torch.stack([mark.sum(dtype=torch.int64), lens.sum(dtype=torch.int64)])
+    return placed, block_ids, torch.stack([placed[-1].long(), lens.sum(dtype=torch.int64)])
 
 
-def _stage_torch(kv: torch.Tensor, mark: torch.Tensor, new_block: torch.Tensor | None, out: torch.Tensor) -> None:
+def _stage_torch(kv: torch.Tensor, mark: torch.Tensor, placed: torch.Tensor | None, out: torch.Tensor) -> None:
     blocks = torch.nonzero(mark).flatten()
     offsets = torch.arange(STAGE_BLOCK_ROWS, device=kv.device)
     src = (blocks[:, None] * STAGE_BLOCK_ROWS + offsets).flatten()
-    dst_blocks = blocks if new_block is None else new_block.long()[blocks]
+    dst_blocks = blocks if placed is None else placed.long()[blocks] - 1
     dst = (dst_blocks[:, None] * STAGE_BLOCK_ROWS + offsets).flatten()
     inside = src < kv.shape[0]
     out[dst] = 0
     out[dst[inside]] = dequantize_kv(kv[src[inside]], out.dtype)
 
 
-def _remap_torch(union, lens, new_block, out, row_mask: int) -> None:
+def _remap_torch(union, lens, placed, out, row_mask: int) -> None:
     e = union.long()
     row = e & row_mask
-    new_row = new_block.long()[row.clamp(0, (new_block.shape[0] << _BLOCK_SHIFT) - 1) >> _BLOCK_SHIFT]
+    new_row = placed.long()[row.clamp(0, (placed.shape[0] << _BLOCK_SHIFT) - 1) >> _BLOCK_SHIFT] - 1
     new_row = (new_row << _BLOCK_SHIFT) | (row & (STAGE_BLOCK_ROWS - 1))
     entry = ((e & ~row_mask) | new_row) & 0xFFFFFFFF
     entry = torch.where(entry >= 1 << 31, entry - (1 << 32), entry)
@@ -193,9 +194,9 @@ def stage_fp8_union(
     else:
         _mark_torch(union, lens, mark, row_mask)
     if layout == "mirror":  # touched blocks at their own rows, the union as it is
-        staged_blocks, new_union, new_block, block_ids = mark.shape[0], union, None, None
+        staged_blocks, new_union, placed, block_ids = mark.shape[0], union, None, None
     else:  # touched blocks packed in cache order, the union's rows moved: their count first
-        new_block, block_ids, counts = _pack(mark, lens, triton)
+        placed, block_ids, counts = _pack(mark, lens, triton)
         staged_blocks, entries = counts.tolist()
         rows = staged_blocks * STAGE_BLOCK_ROWS
         if not forced and (staged_blocks == 0 or min_reuse * rows > entries or rows > max_rows):
@@ -208,12 +209,12 @@ def stage_fp8_union(
         packed = layout == "packed"
         blocks = block_ids if packed else mark
         launch_stage_blocks(kv, blocks, out, packed=packed, num_blocks=staged_blocks, block_shift=_BLOCK_SHIFT)
-        if new_block is not None:
-            launch_remap_union(union, lens, new_block, new_union, row_mask=row_mask, block_shift=_BLOCK_SHIFT)
+        if placed is not None:
+            launch_remap_union(union, lens, placed, new_union, row_mask=row_mask, block_shift=_BLOCK_SHIFT)
     else:
-        _stage_torch(kv, mark, new_block, out)
-        if new_block is not None:
-            _remap_torch(union, lens, new_block, new_union, row_mask)
+        _stage_torch(kv, mark, placed, out)
+        if placed is not None:
+            _remap_torch(union, lens, placed, new_union, row_mask)
     return StagedRows(out, new_union)
 
 

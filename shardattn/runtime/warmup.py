@@ -137,7 +137,7 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
         keys.extend(CompileKey("attention", {**params, "KV_FP8": fp8}) for fp8 in kv_variants)
     if spec.kv_fp8:  # the buffer mirrors the cache, or packs the touched blocks
         keys.extend(CompileKey("stage_blocks", {"dtype": spec.dtype, "PACKED": packed}) for packed in (False, True))
-        keys.append(CompileKey("stage_pack", {}))
+        keys.append(CompileKey("stage_list", {}))
     return keys
 
 

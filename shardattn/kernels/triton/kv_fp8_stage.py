@@ -7,15 +7,16 @@ engine's paged cache when its page size is that, 64 for DSA models):
 * :func:`launch_mark_blocks`: ``mark[row >> BLOCK_SHIFT] = 1`` for every entry a union uses
   (``k < lens[g]``); the row is the entry's low bits (``ROW_MASK``: all of them with ``G = 1``,
   the 24 row bits of a packed entry otherwise, :mod:`shardattn.kernels.union_layout`).
-* :func:`launch_pack_blocks` (packed layout): one program's scan of the marks, giving each marked
-  block its place ``new_block[b]`` (in cache order), the list of marked blocks and their count.
+* :func:`launch_list_blocks` (packed layout): from the marks' inclusive prefix sum ``placed``
+  (each marked block's place in cache order is ``placed[b] - 1``), the list of marked blocks and
+  their count.
 * :func:`launch_stage_blocks`: every marked block's rows dequantised (the in-kernel rule,
   :mod:`shardattn.kernels.triton.kv_fp8_read`) into its place in a dense buffer: one program per
   listed block (packed), or per cache block with the marked ones writing block ``b`` of a buffer
   that mirrors the cache; rows past the cache's end are written as 0.
 * :func:`launch_remap_union`: each used entry's row moved to its staged position
-  ``new_block[row >> BLOCK_SHIFT] << BLOCK_SHIFT | row % 2**BLOCK_SHIFT``, its membership bits
-  kept; unused entries become ``-1``. ``new_block`` is increasing over marked blocks, so a sorted,
+  ``(placed[row >> BLOCK_SHIFT] - 1) << BLOCK_SHIFT | row % 2**BLOCK_SHIFT``, its membership bits
+  kept; unused entries become ``-1``. ``placed`` is increasing over marked blocks, so a sorted,
   unique union stays sorted and unique.
 
 No host synchronisation, no allocation: the caller sizes the buffers.
@@ -35,8 +36,8 @@ from shardattn.kernels.triton.kv_fp8_read import LATENT, ROPE, TILE
 
 #: Entries of a union one program reads.
 ENTRIES_PER_PROGRAM = 1024
-#: Marks the packing program scans at a time.
-_PACK_CHUNK = 4096
+#: Blocks one listing program reads.
+_LIST_CHUNK = 1024
 
 
 def _union_grid(union: torch.Tensor) -> tuple[int, int]:
@@ -56,14 +57,14 @@ def launch_mark_blocks(
     )  # fmt: skip
 
 
-def launch_pack_blocks(
-    mark: torch.Tensor, lens: torch.Tensor, new_block: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor
+def launch_list_blocks(
+    mark: torch.Tensor, placed: torch.Tensor, lens: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor
 ) -> None:
-    """One program scans ``mark [B]``: ``new_block[b]`` = marked blocks before ``b`` (int32 ``[B]``),
-    ``block_ids[i]`` = the ``i``-th marked block (int32 ``[B]``, the first ``counts[0]`` written),
-    ``counts [2]`` int64 = (marked blocks, ``sum(lens)``)."""
-    _pack_blocks_kernel[(1,)](
-        mark, lens, new_block, block_ids, counts, mark.shape[0], lens.shape[0], CHUNK=_PACK_CHUNK, num_warps=8
+    """From ``mark [B]`` and its inclusive prefix sum ``placed [B]`` (int32): ``block_ids[placed[b] - 1]
+    = b`` for every marked ``b`` (the marked blocks in order) and ``counts [2]`` int64 = (marked
+    blocks, ``sum(lens)``)."""
+    _list_blocks_kernel[(triton.cdiv(mark.shape[0], _LIST_CHUNK),)](
+        mark, placed, lens, block_ids, counts, mark.shape[0], lens.shape[0], CHUNK=_LIST_CHUNK
     )
 
 
@@ -85,19 +86,20 @@ def launch_stage_blocks(
 def launch_remap_union(
     union: torch.Tensor,
     lens: torch.Tensor,
-    new_block: torch.Tensor,
+    placed: torch.Tensor,
     out: torch.Tensor,
     *,
     row_mask: int,
     block_shift: int,
 ) -> None:
-    """Write ``union``'s entries with their rows at the staged positions into ``out [groups, width]``
-    (contiguous int32); entries past ``lens[g]`` become ``-1``."""
+    """Write ``union``'s entries with their rows at the staged positions (block ``placed[b] - 1``, the
+    marks' inclusive prefix sum) into ``out [groups, width]`` (contiguous int32); entries past
+    ``lens[g]`` become ``-1``."""
     if union.numel() == 0:
         return
     high_bits = ~row_mask & 0xFFFFFFFF
     _remap_union_kernel[_union_grid(union)](
-        union, lens, new_block, out, union.shape[1], union.stride(0),
+        union, lens, placed, out, union.shape[1], union.stride(0),
         ROW_MASK=row_mask, HIGH_BITS=high_bits - (1 << 32) if high_bits >= 1 << 31 else high_bits,
         BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM,
     )  # fmt: skip
@@ -120,7 +122,7 @@ if triton is not None:
         e = tl.load(union_ptr + g.to(tl.int64) * stride_group + k, mask=used, other=other)
         return e, used, k
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["width", "stride_group"])
     def _mark_blocks_kernel(
         union_ptr, lens_ptr, mark_ptr, width, stride_group,
         ROW_MASK: tl.constexpr, BLOCK_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
@@ -129,26 +131,24 @@ if triton is not None:
         block = (e & ROW_MASK) >> BLOCK_SHIFT
         tl.store(mark_ptr + block, tl.full([BLOCK], 1, tl.int32), mask=used)
 
-    @triton.jit
-    def _pack_blocks_kernel(
-        mark_ptr, lens_ptr, new_block_ptr, block_ids_ptr, counts_ptr, num_blocks, num_groups, CHUNK: tl.constexpr
+    @triton.jit(do_not_specialize=["num_blocks", "num_groups"])
+    def _list_blocks_kernel(
+        mark_ptr, placed_ptr, lens_ptr, block_ids_ptr, counts_ptr, num_blocks, num_groups, CHUNK: tl.constexpr
     ):
-        total = tl.zeros([], dtype=tl.int32)
-        for start in range(0, num_blocks, CHUNK):
-            b = start + tl.arange(0, CHUNK)
-            m = tl.load(mark_ptr + b, mask=b < num_blocks, other=0)
-            before = total + tl.cumsum(m, 0) - m
-            tl.store(new_block_ptr + b, before, mask=b < num_blocks)
-            tl.store(block_ids_ptr + before, b, mask=m != 0)
-            total += tl.sum(m, 0)
-        entries = tl.zeros([], dtype=tl.int64)
-        for start in range(0, num_groups, CHUNK):
-            g = start + tl.arange(0, CHUNK)
-            entries += tl.sum(tl.load(lens_ptr + g, mask=g < num_groups, other=0).to(tl.int64), 0)
-        tl.store(counts_ptr, total.to(tl.int64))
-        tl.store(counts_ptr + 1, entries)
+        p = tl.program_id(0)
+        b = p * CHUNK + tl.arange(0, CHUNK)
+        marked = tl.load(mark_ptr + b, mask=b < num_blocks, other=0) != 0
+        place = tl.load(placed_ptr + b, mask=marked, other=1) - 1
+        tl.store(block_ids_ptr + place, b, mask=marked)
+        if p == 0:
+            entries = tl.zeros([], dtype=tl.int64)
+            for start in range(0, num_groups, CHUNK):
+                g = start + tl.arange(0, CHUNK)
+                entries += tl.sum(tl.load(lens_ptr + g, mask=g < num_groups, other=0).to(tl.int64), 0)
+            tl.store(counts_ptr, tl.load(placed_ptr + num_blocks - 1).to(tl.int64))
+            tl.store(counts_ptr + 1, entries)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_rows"])
     def _stage_blocks_kernel(
         kv_ptr, blocks_ptr, out_ptr, num_rows, stride_kv, stride_out,
         BLOCK_ROWS: tl.constexpr, PACKED: tl.constexpr, DTYPE: tl.constexpr,
@@ -171,14 +171,14 @@ if triton is not None:
                 tl.store(out_rows + t * _TILE + cols[None, :], load_fp8_tile(row_ptr, inside, t, DTYPE))
             tl.store(out_rows + _LATENT + tl.arange(0, _ROPE)[None, :], load_fp8_rope(row_ptr, inside, DTYPE))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["width", "stride_group"])
     def _remap_union_kernel(
-        union_ptr, lens_ptr, new_block_ptr, out_ptr, width, stride_group,
+        union_ptr, lens_ptr, placed_ptr, out_ptr, width, stride_group,
         ROW_MASK: tl.constexpr, HIGH_BITS: tl.constexpr, BLOCK_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         e, used, k = _used_entries(union_ptr, lens_ptr, width, stride_group, 0, BLOCK)
         row = e & ROW_MASK
-        new_block = tl.load(new_block_ptr + (row >> BLOCK_SHIFT), mask=used, other=0)
+        new_block = tl.load(placed_ptr + (row >> BLOCK_SHIFT), mask=used, other=1) - 1
         new_row = (new_block << BLOCK_SHIFT) | (row & ((1 << BLOCK_SHIFT) - 1))
         entry = tl.where(used, (e & HIGH_BITS) | new_row, -1)
         tl.store(out_ptr + tl.program_id(0).to(tl.int64) * width + k, entry, mask=k < width)
@@ -188,13 +188,13 @@ else:  # pragma: no cover - exercised only where Triton is missing
 
 def stage_kernels() -> tuple:
     """The staging kernels (mark, stage, remap), for warm-up and compile counting."""
-    return (_mark_blocks_kernel, _pack_blocks_kernel, _stage_blocks_kernel, _remap_union_kernel)
+    return (_mark_blocks_kernel, _list_blocks_kernel, _stage_blocks_kernel, _remap_union_kernel)
 
 
 __all__ = [
     "ENTRIES_PER_PROGRAM",
+    "launch_list_blocks",
     "launch_mark_blocks",
-    "launch_pack_blocks",
     "launch_remap_union",
     "launch_stage_blocks",
     "stage_kernels",
