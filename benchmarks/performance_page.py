@@ -42,9 +42,13 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "sparse-prefill-fp8": (
         "Sparse-MLA prefill on FP8 KV rows",
         "The routed sparse-MLA prefill step and kernel (as in the section above) on an fp8_ds_mla "
-        "cache, dequantised to bf16 in the kernel, against the same routed step and kernel on the bf16 "
-        "rows those values dequantise to, same run, in effective TFLOP/s; the outputs are equal bit "
-        "for bit before either is timed. The target is a ratio of at least 0.9.",
+        "cache, against the same routed step and kernel on the bf16 rows those values dequantise to, "
+        "same run, in effective TFLOP/s; the outputs are equal bit for bit before either is timed. "
+        "The FP8 step and kernel stage the blocks of rows the union reads, dequantised once "
+        "(shardattn.ops.kv_fp8_stage: a 65,536-row cache is mirrored without a host synchronisation; "
+        "'cache rows 4194304', the request's blocks scattered over a cache of 4M rows, is packed after "
+        "one); 'kernel, no staging' dequantises in the kernel, every tile the rows it reads. The "
+        "target is a ratio of at least 0.9.",
         (),
     ),
     "gqa-prefill": (
