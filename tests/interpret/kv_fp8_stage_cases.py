@@ -58,6 +58,23 @@ def stage_cases(gen: torch.Generator, dtype: torch.dtype, name: str) -> None:
         _report(f"stage[{name},{layout},H={heads},G={g}]", problem is None and same and equal, detail)
 
 
+def capacity_cases(gen: torch.Generator) -> None:
+    """The packed layout by the rule (a cache beyond ``max_rows``): touched blocks that fit the
+    buffer are staged as when forced; one block more and nothing is staged (``None``)."""
+    r = 200
+    cache = fp8_cache(gen, r)
+    rows = edge_rows(gen, 12, 24, r)
+    rows[(rows >= 64) & (rows < 128)] = -1  # blocks 0, 2, 3 touched
+    union, lens = build_union(rows, group_size=1, num_kv_rows=r)
+    rule = {"group_size": 1, "dtype": torch.float32, "min_entries": 0, "min_reuse": 0}
+    fits = kv_fp8_stage.stage_fp8_union(cache, union, lens, max_rows=192, **rule)
+    forced = kv_fp8_stage.stage_fp8_union(cache, union, lens, group_size=1, dtype=torch.float32, layout="packed")
+    same = fits is not None and torch.equal(fits.kv, forced.kv) and torch.equal(fits.union, forced.union)
+    _report("capacity[3 blocks in 3]", same, f"rows={None if fits is None else fits.kv.shape[0]}")
+    tight = kv_fp8_stage.stage_fp8_union(cache, union, lens, max_rows=128, **rule)
+    _report("capacity[3 blocks in 2]", tight is None)
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 before running this module", file=sys.stderr)
@@ -65,6 +82,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(int(os.environ.get("SHARDATTN_SEED", "0")))
     for dtype, name in ((torch.float16, "fp16"), (torch.float32, "fp32")):
         stage_cases(gen, dtype, name)
+    capacity_cases(gen)
     print(f"{len(FAILURES)} failures: {FAILURES}", flush=True)
     return 1 if FAILURES else 0
 
