@@ -194,36 +194,27 @@ def stage_fp8_union(
     else:
         _mark_torch(union, lens, mark, row_mask)
     if layout == "mirror":  # touched blocks at their own rows, the union as it is
-        out = torch.empty(mark.shape[0] * STAGE_BLOCK_ROWS, FP8_DS_MLA.dim, dtype=dtype, device=kv.device)
-        if triton:
-            from shardattn.kernels.triton.kv_fp8_stage import launch_stage_blocks
-
-            launch_stage_blocks(kv, mark, out, block_shift=_BLOCK_SHIFT)
-        else:
-            _stage_torch(kv, mark, None, out)
-        return StagedRows(out, union)
-    # packed: the touched blocks in cache order, the union's rows moved. Everything is launched into a
-    # buffer of max_rows (the kernels stage nothing where the touched blocks do not fit), then the
-    # count decides: the host waits only for work already under way.
-    max_blocks = mark.shape[0] if forced else min(max_rows // STAGE_BLOCK_ROWS, mark.shape[0])
-    placed, block_ids, counts = _pack(mark, lens, triton)
-    out = torch.empty(max_blocks * STAGE_BLOCK_ROWS, FP8_DS_MLA.dim, dtype=dtype, device=kv.device)
-    new_union = torch.empty(groups, width, dtype=torch.int32, device=kv.device)
+        staged_blocks, new_union, placed, block_ids = mark.shape[0], union, None, None
+    else:  # touched blocks packed in cache order, the union's rows moved: their count first
+        placed, block_ids, counts = _pack(mark, lens, triton)
+        staged_blocks, entries = counts.tolist()
+        rows = staged_blocks * STAGE_BLOCK_ROWS
+        if not forced and (staged_blocks == 0 or min_reuse * rows > entries or rows > max_rows):
+            return None
+        new_union = torch.empty(groups, width, dtype=torch.int32, device=kv.device)
+    out = torch.empty(staged_blocks * STAGE_BLOCK_ROWS, FP8_DS_MLA.dim, dtype=dtype, device=kv.device)
     if triton:
         from shardattn.kernels.triton.kv_fp8_stage import launch_remap_union, launch_stage_blocks
 
-        launch_stage_blocks(kv, block_ids, out, block_shift=_BLOCK_SHIFT, counts=counts)
-        launch_remap_union(
-            union, lens, placed, new_union, counts, max_blocks=max_blocks, row_mask=row_mask, block_shift=_BLOCK_SHIFT
-        )
-    staged_blocks, entries = counts.tolist()
-    rows = staged_blocks * STAGE_BLOCK_ROWS
-    if staged_blocks > max_blocks or (not forced and (staged_blocks == 0 or min_reuse * rows > entries)):
-        return None
-    out = out[:rows]
-    if not triton:
+        packed = layout == "packed"
+        blocks = block_ids if packed else mark
+        launch_stage_blocks(kv, blocks, out, packed=packed, num_blocks=staged_blocks, block_shift=_BLOCK_SHIFT)
+        if placed is not None:
+            launch_remap_union(union, lens, placed, new_union, row_mask=row_mask, block_shift=_BLOCK_SHIFT)
+    else:
         _stage_torch(kv, mark, placed, out)
-        _remap_torch(union, lens, placed, new_union, row_mask)
+        if placed is not None:
+            _remap_torch(union, lens, placed, new_union, row_mask)
     return StagedRows(out, new_union)
 
 

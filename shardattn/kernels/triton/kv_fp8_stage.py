@@ -69,20 +69,17 @@ def launch_list_blocks(
 
 
 def launch_stage_blocks(
-    kv: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor, *, block_shift: int, counts: torch.Tensor | None = None
+    kv: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor, *, packed: bool, num_blocks: int, block_shift: int
 ) -> None:
     """Dequantise blocks of ``2**block_shift`` rows of ``kv [R, 656]`` uint8 into ``out [n * 2**block_shift,
-    576]`` (fp16 / bf16 / fp32, rows contiguous), one program per block of ``out``. Mirror
-    (``counts`` None): ``blocks`` are the marks, block ``b`` is staged into block ``b`` where marked.
-    Packed: ``blocks`` are block ids, block ``blocks[i]`` is staged into block ``i`` for ``i <
-    counts[0]`` (int64 ``[2]``, :func:`launch_list_blocks`'s), and nothing when ``counts[0] > n``
-    (the touched blocks do not fit: the caller does not use ``out``)."""
-    programs = out.shape[0] >> block_shift
-    if programs == 0:
+    576]`` (fp16 / bf16 / fp32, rows contiguous): with ``packed``, block ``blocks[i]`` (int32 block ids)
+    into block ``i`` for ``i < num_blocks``; otherwise every block ``b < num_blocks`` with
+    ``blocks[b] != 0`` (the marks) into block ``b``."""
+    if num_blocks == 0:
         return
-    _stage_blocks_kernel[(programs,)](
-        kv, blocks, out, blocks if counts is None else counts, kv.shape[0], kv.stride(0), out.stride(0), programs,
-        BLOCK_ROWS=1 << block_shift, PACKED=counts is not None, DTYPE=_TL_DTYPES[out.dtype], num_warps=4,
+    _stage_blocks_kernel[(num_blocks,)](
+        kv, blocks, out, kv.shape[0], kv.stride(0), out.stride(0),
+        BLOCK_ROWS=1 << block_shift, PACKED=packed, DTYPE=_TL_DTYPES[out.dtype], num_warps=4,
     )  # fmt: skip
 
 
@@ -91,21 +88,18 @@ def launch_remap_union(
     lens: torch.Tensor,
     placed: torch.Tensor,
     out: torch.Tensor,
-    counts: torch.Tensor,
     *,
-    max_blocks: int,
     row_mask: int,
     block_shift: int,
 ) -> None:
     """Write ``union``'s entries with their rows at the staged positions (block ``placed[b] - 1``, the
     marks' inclusive prefix sum) into ``out [groups, width]`` (contiguous int32); entries past
-    ``lens[g]`` become ``-1``. Nothing is written when ``counts[0] > max_blocks`` (the staging did
-    not fit its buffer)."""
+    ``lens[g]`` become ``-1``."""
     if union.numel() == 0:
         return
     high_bits = ~row_mask & 0xFFFFFFFF
     _remap_union_kernel[_union_grid(union)](
-        union, lens, placed, out, counts, union.shape[1], union.stride(0), max_blocks,
+        union, lens, placed, out, union.shape[1], union.stride(0),
         ROW_MASK=row_mask, HIGH_BITS=high_bits - (1 << 32) if high_bits >= 1 << 31 else high_bits,
         BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM,
     )  # fmt: skip
@@ -154,19 +148,19 @@ if triton is not None:
             tl.store(counts_ptr, tl.load(placed_ptr + num_blocks - 1).to(tl.int64))
             tl.store(counts_ptr + 1, entries)
 
-    @triton.jit(do_not_specialize=["num_rows", "programs"])
+    @triton.jit(do_not_specialize=["num_rows"])
     def _stage_blocks_kernel(
-        kv_ptr, blocks_ptr, out_ptr, counts_ptr, num_rows, stride_kv, stride_out, programs,
+        kv_ptr, blocks_ptr, out_ptr, num_rows, stride_kv, stride_out,
         BLOCK_ROWS: tl.constexpr, PACKED: tl.constexpr, DTYPE: tl.constexpr,
     ):  # fmt: skip
         p = tl.program_id(0)
-        if PACKED:  # program p: block blocks[p] into block p, when every touched block fits
-            count = tl.load(counts_ptr)
-            staged = (p < count) & (count <= programs)
+        if PACKED:  # program p: block blocks[p], into block p
+            b = tl.load(blocks_ptr + p)
+            staged = True
         else:  # program p: block p where marked, into block p
+            b = p
             staged = tl.load(blocks_ptr + p) != 0
         if staged:
-            b = tl.load(blocks_ptr + p) if PACKED else p
             r = tl.arange(0, BLOCK_ROWS)
             src = b.to(tl.int64) * BLOCK_ROWS + r
             inside = src < num_rows
@@ -177,20 +171,17 @@ if triton is not None:
                 tl.store(out_rows + t * _TILE + cols[None, :], load_fp8_tile(row_ptr, inside, t, DTYPE))
             tl.store(out_rows + _LATENT + tl.arange(0, _ROPE)[None, :], load_fp8_rope(row_ptr, inside, DTYPE))
 
-    @triton.jit(do_not_specialize=["width", "stride_group", "max_blocks"])
+    @triton.jit(do_not_specialize=["width", "stride_group"])
     def _remap_union_kernel(
-        union_ptr, lens_ptr, placed_ptr, out_ptr, counts_ptr, width, stride_group, max_blocks,
+        union_ptr, lens_ptr, placed_ptr, out_ptr, width, stride_group,
         ROW_MASK: tl.constexpr, HIGH_BITS: tl.constexpr, BLOCK_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        if tl.load(counts_ptr) <= max_blocks:
-            e, used, k = _used_entries(union_ptr, lens_ptr, width, stride_group, 0, BLOCK)
-            row = e & ROW_MASK
-            new_block = tl.load(placed_ptr + (row >> BLOCK_SHIFT), mask=used, other=1) - 1
-            new_row = (new_block << BLOCK_SHIFT) | (row & ((1 << BLOCK_SHIFT) - 1))
-            entry = tl.where(used, (e & HIGH_BITS) | new_row, -1)
-            tl.store(out_ptr + tl.program_id(0).to(tl.int64) * width + k, entry, mask=k < width)
-
-
+        e, used, k = _used_entries(union_ptr, lens_ptr, width, stride_group, 0, BLOCK)
+        row = e & ROW_MASK
+        new_block = tl.load(placed_ptr + (row >> BLOCK_SHIFT), mask=used, other=1) - 1
+        new_row = (new_block << BLOCK_SHIFT) | (row & ((1 << BLOCK_SHIFT) - 1))
+        entry = tl.where(used, (e & HIGH_BITS) | new_row, -1)
+        tl.store(out_ptr + tl.program_id(0).to(tl.int64) * width + k, entry, mask=k < width)
 else:  # pragma: no cover - exercised only where Triton is missing
     _TL_DTYPES = {}
 
