@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.launch.workloads import build_decode, build_gqa_decode, build_prefill
+from shardattn.launch.gqa_workloads import build_gqa_decode
+from shardattn.launch.workloads import build_decode, build_prefill
 from shardattn.ops.topk import DcpShard
 from shardattn.plan.cudagraph import CGSupport
 from shardattn.plan.routing import Route, route_prefill

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.launch.workloads import build_decode, build_gqa_decode, build_prefill
+from shardattn.launch.gqa_workloads import build_gqa_decode
+from shardattn.launch.workloads import build_decode, build_prefill
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.topk import DcpShard
 from shardattn.plan.spec import ModelSpec

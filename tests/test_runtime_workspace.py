@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.launch.workloads import build_decode, build_gqa_decode
+from shardattn.launch.gqa_workloads import build_gqa_decode
+from shardattn.launch.workloads import build_decode
 from shardattn.ops.topk import DcpShard
 from shardattn.plan.routing import Route
 from shardattn.plan.spec import ModelSpec, get_preset

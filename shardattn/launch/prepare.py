@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardattn.launch.workloads import build_decode, build_gqa_decode, build_gqa_prefill, build_prefill, overlap_model
+from shardattn.launch.gqa_workloads import build_gqa_decode, build_gqa_prefill
+from shardattn.launch.workloads import build_decode, build_prefill, overlap_model
 from shardattn.ops.gqa_decode_reference import gqa_paged_decode_reference
 from shardattn.ops.gqa_prefill import gqa_prefill
 from shardattn.ops.kv_fp8 import quantize_kv

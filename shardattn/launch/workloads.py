@@ -1,4 +1,6 @@
-"""Synthetic steps for the launcher: the same global tensors on every rank, from one seed.
+"""Synthetic sparse-MLA steps for the launcher: the same global tensors on every rank, from one seed
+(GQA steps: :mod:`shardattn.launch.gqa_workloads`; the parts both use:
+:mod:`shardattn.launch.workload_parts`).
 
 Every rank builds the whole step (queries of all heads, the KV cache, the top-k) from the same
 seed on its own device, then takes its share: its head slice for tensor-parallel prefill, its
@@ -14,55 +16,23 @@ drafts: in ``[0, L)``), neighbouring queries overlapping like a DSA indexer's
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from shardattn.launch.workload_parts import (
+    BLOCK_SIZE,
+    dcp_local_cache,
+    decode_cache,
+    generator,
+    paged,
+    split_tokens,
+    values,
+)
 from shardattn.ops.topk import DcpShard, convert_topk
-from shardattn.plan.context import DCPLayout
-from shardattn.plan.dcp_shard import shard_kv_cache
 from shardattn.workload import PRESETS, Overlap, synthetic_topk
 
-__all__ = [
-    "BLOCK_SIZE",
-    "DecodeStep",
-    "GQADecodeStep",
-    "GQAPrefillStep",
-    "PrefillStep",
-    "build_decode",
-    "build_gqa_decode",
-    "build_gqa_prefill",
-    "build_prefill",
-    "overlap_model",
-    "request_topk",
-]
-
-#: Tokens per KV-cache block of the synthetic paged caches (default; the launcher passes the spec's).
-BLOCK_SIZE = 64
-
-
-def _generator(device: torch.device, seed: int) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
-
-
-def _values(shape: tuple[int, ...], gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Synthetic activations of ``shape``: normal draws from ``gen`` scaled by 0.5, in ``dtype``."""
-    return (torch.randn(shape, generator=gen, device=device) * 0.5).to(dtype)
-
-
-def _decode_cache(
-    cached: tuple[int, ...], q_lens: tuple[int, ...], device: torch.device, gen: torch.Generator, block: int
-) -> tuple[list[int], list[int], torch.Tensor, int]:
-    """A decode step's lengths and paged table: (``q_lens`` as a list, KV tokens per request
-    ``cached + q_len`` (drafts included), ``[B, M]`` int32 block table, total blocks)."""
-    q_list = list(q_lens)
-    seq_lens = [c + q for c, q in zip(cached, q_list)]
-    table, blocks = _paged(seq_lens, device, gen, block)
-    return q_list, seq_lens, table, blocks
+__all__ = ["BLOCK_SIZE", "DecodeStep", "PrefillStep", "build_decode", "build_prefill", "overlap_model", "request_topk"]
 
 
 def overlap_model(name_or_rho: str) -> str | Overlap:
@@ -113,20 +83,6 @@ def request_topk(
     return torch.cat(parts)
 
 
-def _paged(lengths: list[int], device: torch.device, gen: torch.Generator, block: int) -> tuple[torch.Tensor, int]:
-    """A block table ``[B, M]`` int32 whose blocks are a random permutation of all blocks."""
-    blocks = [math.ceil(n / block) for n in lengths]
-    total = sum(blocks)
-    perm = torch.randperm(total, generator=gen, device=device).to(torch.int32)
-    width = max(1, max(blocks, default=1))
-    table = torch.full((len(lengths), width), -1, dtype=torch.int32, device=device)
-    start = 0
-    for b, n in enumerate(blocks):
-        table[b, :n] = perm[start : start + n]
-        start += n
-    return table, total
-
-
 @dataclass
 class PrefillStep:
     """One sparse-MLA prefill step, global (all heads, all tokens).
@@ -154,11 +110,6 @@ class PrefillStep:
         return int(self.q.shape[0])
 
 
-def _split_tokens(total: int, requests: int) -> list[int]:
-    base, extra = divmod(total, requests)
-    return [base + (1 if r < extra else 0) for r in range(requests)]
-
-
 def build_prefill(
     *,
     heads: int,
@@ -180,7 +131,7 @@ def build_prefill(
     the step is one request of ``T`` new tokens after ``cached[0]`` cached ones, with those
     positions; ``tokens``, ``requests`` and ``topk`` are taken from it.
     """
-    gen = _generator(device, seed)
+    gen = generator(device, seed)
     if recorded is not None:
         positions, valid = (t.to(device) for t in recorded)
         tokens, topk = positions.shape
@@ -188,14 +139,14 @@ def build_prefill(
         topk_length = valid
         kv_lens = [max(prefix_lens[0] + tokens, int(positions.max()) + 1 if positions.numel() else 0)]
     else:
-        query_lens, prefix_lens = _split_tokens(tokens, requests), list(cached)
+        query_lens, prefix_lens = split_tokens(tokens, requests), list(cached)
         kv_lens = [c + n for c, n in zip(prefix_lens, query_lens)]
         topk_length = None
         positions = request_topk(prefix_lens, query_lens, topk, overlap=overlap, seed=seed + 1, device=device)
     req = torch.repeat_interleave(torch.arange(len(query_lens), device=device), torch.tensor(query_lens, device=device))
-    table, blocks = _paged(kv_lens, device, gen, block_size)
-    kv = _values((blocks * block_size, head_dim), gen, device, dtype)
-    q = _values((tokens, heads, head_dim), gen, device, dtype)
+    table, blocks = paged(kv_lens, device, gen, block_size)
+    kv = values((blocks * block_size, head_dim), gen, device, dtype)
+    q = values((tokens, heads, head_dim), gen, device, dtype)
     req32 = req.to(torch.int32)
     rows, _ = convert_topk(
         positions,
@@ -238,18 +189,6 @@ class DecodeStep:
         return int(self.q.shape[0])
 
 
-def _dcp_local_cache(
-    kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    table: torch.Tensor,
-    seq_lens: list[int],
-    shard: DcpShard,
-    block: int,
-) -> tuple[Any, torch.Tensor]:
-    """This rank's DCP shard of a paged cache and its block table (:func:`~shardattn.plan.dcp_shard.shard_kv_cache`)."""
-    world, inter, rank = shard
-    return shard_kv_cache(kv, table, seq_lens, DCPLayout(world, inter), rank, page_size=block)
-
-
 def build_decode(
     *,
     heads: int,
@@ -267,139 +206,17 @@ def build_decode(
     block_size: int = BLOCK_SIZE,
 ) -> DecodeStep:
     """Build a sparse-MLA decode step: ``requests`` requests of ``cached + q_len`` KV tokens."""
-    gen = _generator(device, seed + 7)
-    q_list, seq_lens, table, blocks = _decode_cache(cached, q_lens, device, gen, block_size)
+    gen = generator(device, seed + 7)
+    q_list, seq_lens, table, blocks = decode_cache(cached, q_lens, device, gen, block_size)
     req = torch.repeat_interleave(torch.arange(requests, device=device), torch.tensor(q_list, device=device))
     # causal: query j of a request of L tokens and Q queries sits at L - Q + j; non-causal: every
     # query may pick any of the L tokens (drawn as if at the last position)
     starts = [n - q for n, q in zip(seq_lens, q_list)] if causal else [n - 1 for n in seq_lens]
     positions = request_topk(starts, q_list, topk, overlap=overlap, seed=seed + 8, device=device, limits=seq_lens)
-    kv = _values((blocks * block_size, head_dim), gen, device, dtype)
-    q = _values((int(sum(q_list)), heads, head_dim), gen, device, dtype)
+    kv = values((blocks * block_size, head_dim), gen, device, dtype)
+    q = values((int(sum(q_list)), heads, head_dim), gen, device, dtype)
     req32 = req.to(torch.int32)
     lens32 = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     rows, _ = convert_topk(positions, req32, table, block_size=block_size, seq_lens=lens32)
-    local_kv, local_table = _dcp_local_cache(kv, table, seq_lens, shard, block_size)
+    local_kv, local_table = dcp_local_cache(kv, table, seq_lens, shard, block_size)
     return DecodeStep(q, kv, rows, positions, req32, table, lens32, q_list, local_kv, local_table, topk)
-
-
-@dataclass
-class GQADecodeStep:
-    """One GQA decode step over a paged cache (speculative drafts, sinks), global and DCP-local.
-
-    Attributes:
-        q: ``[T, Hq, d]``. k_cache, v_cache: ``[pages, BLOCK_SIZE, Hkv, d]``. block_table:
-        ``[B, M]`` int32. seq_lens: ``[B]`` int32 (drafts included). cu_q_lens: ``[B+1]`` int32.
-        sinks: ``[Hq]`` fp32 or None. local_*: this rank's DCP shard (``local_seq_lens`` are the
-        local key counts; the drafts' causal limits come from the global lengths).
-    """
-
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    cu_q_lens: torch.Tensor
-    sinks: torch.Tensor | None
-    local_k_cache: torch.Tensor
-    local_v_cache: torch.Tensor
-    local_block_table: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.q.shape[0])
-
-
-def build_gqa_decode(
-    *,
-    q_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    sinks: bool,
-    requests: int,
-    cached: tuple[int, ...],
-    q_lens: tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device,
-    seed: int,
-    shard: DcpShard,
-    block_size: int = BLOCK_SIZE,
-) -> GQADecodeStep:
-    """Build a GQA decode step: ``requests`` requests of ``cached + q_len`` KV tokens."""
-    gen = _generator(device, seed + 11)
-    q_list, seq, table, blocks = _decode_cache(cached, q_lens, device, gen, block_size)
-    k = _values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
-    v = _values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
-    q = _values((int(sum(q_list)), q_heads, head_dim), gen, device, dtype)
-    s = torch.randn(q_heads, generator=gen, device=device).float() if sinks else None
-    (local_k, local_v), local_table = _dcp_local_cache((k, v), table, seq, shard, block_size)
-    cu = torch.tensor([0, *q_list], dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
-    return GQADecodeStep(
-        q,
-        k,
-        v,
-        table,
-        torch.tensor(seq, dtype=torch.int32, device=device),
-        cu,
-        s,
-        local_k,
-        local_v,
-        local_table,
-    )
-
-
-@dataclass
-class GQAPrefillStep:
-    """One GQA prefill step, global: new tokens after cached prefixes in a paged cache.
-
-    Attributes:
-        q: ``[T, Hq, d]``; k, v: ``[T, Hkv, d]`` the new tokens' keys and values. k_cache, v_cache:
-        ``[pages, block, Hkv, d]`` holding every request's prefix and then its new keys (what an
-        engine's cache write leaves before attention). block_table: ``[B, M]`` int32.
-        query_lens, prefix_lens: per request. sinks: ``[Hq]`` fp32 or None.
-    """
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    block_table: torch.Tensor
-    query_lens: list[int]
-    prefix_lens: list[int]
-    sinks: torch.Tensor | None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.q.shape[0])
-
-
-def build_gqa_prefill(
-    *,
-    q_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    sinks: bool,
-    tokens: int,
-    requests: int,
-    cached: tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device,
-    seed: int,
-    block_size: int = BLOCK_SIZE,
-) -> GQAPrefillStep:
-    """Build a GQA prefill step: ``tokens`` new tokens over ``requests`` requests after ``cached`` ones."""
-    gen = _generator(device, seed + 13)
-    query_lens, prefix_lens = _split_tokens(tokens, requests), list(cached)
-    seq = [p + n for p, n in zip(prefix_lens, query_lens)]
-    table, blocks = _paged(seq, device, gen, block_size)
-    k_cache = _values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
-    v_cache = _values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
-    q = _values((tokens, q_heads, head_dim), gen, device, dtype)
-    req = torch.repeat_interleave(torch.arange(requests, device=device), torch.tensor(query_lens, device=device))
-    starts = torch.tensor([0, *query_lens], device=device).cumsum(0)[:-1]
-    pos = torch.tensor(prefix_lens, device=device)[req] + torch.arange(tokens, device=device) - starts[req]
-    page, slot = table.long()[req, pos // block_size], pos % block_size
-    k, v = k_cache[page, slot], v_cache[page, slot]  # the new tokens' own keys, already in the cache
-    s = torch.randn(q_heads, generator=gen, device=device).float() if sinks else None
-    return GQAPrefillStep(q, k, v, k_cache, v_cache, table, query_lens, prefix_lens, s)
