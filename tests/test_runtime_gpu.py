@@ -1,4 +1,5 @@
-"""The Runtime on a GPU: after construction no step compiles a kernel; allowed graph captures replay exactly.
+"""The Runtime on a GPU: after construction no step compiles a kernel (bf16 and FP8 caches); allowed graph
+captures replay exactly.
 
 On the CPU every kernel is the torch reference, so "compiles nothing" is vacuous there; the CPU
 side of the warm-up (every key a route can produce is warmed) is in tests/test_runtime.py.
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from shardattn.launch.gqa_workloads import build_gqa_decode
 from shardattn.launch.workloads import build_decode, build_prefill
+from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.topk import DcpShard
 from shardattn.plan.spec import ModelSpec
@@ -31,11 +33,11 @@ def _jit_kernels() -> dict[str, object]:
     import shardattn.kernels as pkg
 
     found: dict[str, object] = {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        module = importlib.import_module(f"shardattn.kernels.{info.name}")
+    for info in pkgutil.walk_packages(pkg.__path__, prefix="shardattn.kernels."):
+        module = importlib.import_module(info.name)
         for name, value in vars(module).items():
-            if isinstance(value, JITFunction):
-                found[f"{info.name}.{name}"] = value
+            if isinstance(value, JITFunction) and value.__module__ == module.__name__:
+                found[f"{info.name.removeprefix('shardattn.kernels.')}.{name}"] = value
     from shardattn.ops import topk
 
     if hasattr(topk, "_kernel"):
@@ -49,16 +51,20 @@ def _compiled() -> dict[str, int]:
     return {name: compiled_variants(k) for name, k in _jit_kernels().items()}
 
 
-def _no_compile_body(group, kind: str) -> dict:
-    dev = torch.device("cuda", torch.cuda.current_device())
+def _no_compile_body(group, kind: str, device: str = "cuda") -> dict:
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     # decode16: 16 heads a rank, where small batches run the small-batch Gluon kernel (both its tiles)
     spec = ModelSpec("sparse_mla", 16, 1, 576, 512, 2048, 64, softmax_scale=0.0625) if kind == "decode16" else "glm5"
-    rt = Runtime(spec, group, max_batched_tokens=4096, mode="mixed", device=dev, topk=2048, max_decode_tokens=64)
+    fp8 = kind == "prefill_fp8"  # an fp8_ds_mla cache: prefill stages the rows its unions read
+    rt = Runtime(
+        spec, group, max_batched_tokens=4096, mode="mixed", device=dev, topk=2048, max_decode_tokens=64,
+        kv_dtype="fp8_ds_mla" if fp8 else None,
+    )  # fmt: skip
     h = rt.heads_per_rank
     before = _compiled()
     errors = []
-    if kind == "prefill":
+    if kind.startswith("prefill"):
         # grouped (>= 1024 tokens a rank), per-query (below), with and without topk_length
         for tokens, requests, cached in ((4096, 2, 4096), (2048 * world, 1, 0), (300, 3, 2500)):
             step = build_prefill(
@@ -73,17 +79,19 @@ def _no_compile_body(group, kind: str) -> dict:
                 device=dev,
                 seed=1,
             )
+            kv = quantize_kv(step.kv) if fp8 else step.kv
+            values = dequantize_kv(kv) if fp8 else step.kv  # what the FP8 rows hold
             for length in (None, torch.full((tokens,), 1500, dtype=torch.int32, device=dev)):
                 out, _ = rt.prefill(
                     step.q[:, rank * h : (rank + 1) * h].contiguous(),
-                    step.kv,
+                    kv,
                     step.rows,
                     query_lens=step.query_lens,
                     prefix_lens=step.prefix_lens,
                     topk_length=length,
                 )
                 # GLM-5's softmax scale, 256 ** -0.5
-                ref, _ = sparse_mla_reference(step.q, step.kv, step.rows, scale=0.0625, topk_length=length)
+                ref, _ = sparse_mla_reference(step.q, values, step.rows, scale=0.0625, topk_length=length)
                 errors.append(float((out.float() - ref[:, rank * h : (rank + 1) * h].float()).abs().max()))
     else:
         batches = ((1,) * 64, (1, 3, 2, 4), (2,) * 16)
@@ -115,13 +123,14 @@ def _no_compile_body(group, kind: str) -> dict:
                     topk_unique=unique,
                 )
                 errors.append(float((out.float() - ref[:, rank * h : (rank + 1) * h].float()).abs().max()))
-    torch.cuda.synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     after = _compiled()
     grew = {k: (before.get(k, 0), v) for k, v in after.items() if v != before.get(k, 0)}
     return {"grew": grew, "err": max(errors), "warmed": len(rt.warmed_keys)}
 
 
-@pytest.mark.parametrize("kind", ["prefill", "decode", "decode16"])
+@pytest.mark.parametrize("kind", ["prefill", "prefill_fp8", "decode", "decode16"])
 def test_warmed_runtime_compiles_nothing(dist_pool, kind: str) -> None:
     res = dist_pool.run(_no_compile_body, kind, world_size=1, backend="nccl")[0]
     assert res["grew"] == {}, f"kernels compiled after warm-up: {res['grew']}"
