@@ -10,7 +10,11 @@ the order :func:`~shardattn.kernels.gluon.sparse_mla_partitions._fill_pair_fp8` 
 from __future__ import annotations
 
 from shardattn.kernels.gluon.compat import HAS_GLUON
-from shardattn.kernels.triton.kv_fp8_read import ROPE_OFFSET, SCALE_OFFSET, TILE
+from shardattn.kernels.triton.kv_fp8_read import ROPE_OFFSET, ROW_BYTES, SCALE_OFFSET, TILE
+
+#: Bytes the L2 prefetch asks for from a row's start rounded down to 16 (the instruction's
+#: alignment): the row and the up to 16 bytes before it, a multiple of 16.
+PREFETCH_BYTES = -(-(ROW_BYTES + 16) // 16) * 16
 
 if HAS_GLUON:
     from shardattn.kernels.gluon.compat import async_load as _async_load
@@ -21,6 +25,12 @@ if HAS_GLUON:
     FP8_TILE = gl.constexpr(TILE)
     FP8_SCALE_OFFSET = gl.constexpr(SCALE_OFFSET)
     FP8_ROPE_OFFSET = gl.constexpr(ROPE_OFFSET)
+    # one lane in 8 (those sharing a row) asks for its row, when the row is a key
+    _PREFETCH_ASM = gl.constexpr(
+        "{ .reg .pred p, q; .reg .b32 l; .reg .b64 a; mov.u32 l, %laneid; and.b32 l, l, 7; "
+        "setp.eq.u32 q, l, 0; setp.ge.s32 p, $2, 0; and.pred p, p, q; and.b64 a, $1, -16; "
+        f"@p cp.async.bulk.prefetch.L2.global [a], {PREFETCH_BYTES}; mov.u32 $0, 0; }}"
+    )
 
     @gluon.constexpr_function
     def _fp8_layout():
@@ -75,12 +85,8 @@ if HAS_GLUON:
     @gluon.jit
     def _prefetch_rows_l2(KV, rows, stride_kvr):
         """Ask the L2 for the ``fp8_ds_mla`` row of each of ``rows`` (``cp.async.bulk.prefetch.L2`` of
-        the 672 bytes from the row's start rounded down to 16, as the instruction needs: no
+        :data:`PREFETCH_BYTES` (672) from the row's start rounded down to 16, as the instruction needs: no
         registers held, nothing waits on it); rows < 0 skipped; of the 8 lanes of
         :func:`~shardattn.kernels.gluon.sparse_mla_partitions._gather_layout` that share a row, the first issues it."""
         ptr = KV + rows.to(gl.int64) * stride_kvr
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p, q; .reg .b32 l; .reg .b64 a; mov.u32 l, %laneid; and.b32 l, l, 7; "
-            "setp.eq.u32 q, l, 0; setp.ge.s32 p, $2, 0; and.pred p, p, q; and.b64 a, $1, -16; "
-            "@p cp.async.bulk.prefetch.L2.global [a], 672; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr, rows], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+        gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [ptr, rows], dtype=gl.int32, is_pure=False, pack=1)
