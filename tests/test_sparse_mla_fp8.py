@@ -310,7 +310,12 @@ def test_route_reasons_name_the_kv_format():
 
     q, cache, rows, _ = _fp8_case(2, 2, 2, 4, 8, 0)
     assert "fp8_ds_mla" in prefill_path(q, cache, v_dim=512).reason
+    assert "dequantised by the torch reference" in prefill_path(q, cache, v_dim=512).reason  # CPU tensors
     assert "fp8_ds_mla" in decode_path(q, cache, rows, 512)[1]
+    from shardattn.ops.dispatch import FP8_READS, kv_reason
+
+    assert "staged once" in kv_reason(cache, "prefill") and "staged" not in kv_reason(cache, "decode")
+    assert set(FP8_READS) == {"decode", "prefill", "reference"}
     assert "fp8_ds_mla" not in prefill_path(q, dequantize_kv(cache, torch.float32), v_dim=512).reason
 
 

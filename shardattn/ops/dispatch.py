@@ -62,14 +62,23 @@ def gluon_runs_on(device: torch.device) -> bool:
     return gluon_available()
 
 
-def kv_reason(kv: torch.Tensor) -> str:
+#: How each kind of route reads ``fp8_ds_mla`` rows, for its reason.
+FP8_READS = {
+    "decode": "dequantised in the kernel",
+    "prefill": "the blocks the union reads staged once where it reuses them, else dequantised in the kernel",
+    "reference": "the gathered rows dequantised by the torch reference",
+}
+
+
+def kv_reason(kv: torch.Tensor, route: str = "decode") -> str:
     """What a route's reason adds for ``kv``'s row format: nothing for rows in q's dtype; for
-    ``fp8_ds_mla`` rows, that the kernel dequantises them and that the crossover it follows was
-    measured on bf16 rows (the calibration table keys FP8 kernel points apart, bf16 only until
-    measured: :mod:`shardattn.plan.calibration`)."""
+    ``fp8_ds_mla`` rows, how ``route`` (a key of :data:`FP8_READS`) reads them (prefill kernels:
+    :mod:`shardattn.ops.kv_fp8_stage`) and that the crossover followed was measured on bf16 rows
+    (the calibration table keys FP8 kernel points apart, bf16 only until measured:
+    :mod:`shardattn.plan.calibration`)."""
     if kv.dtype != torch.uint8:
         return ""
-    return "; fp8_ds_mla KV rows, dequantised in the kernel (crossover measured on bf16 rows)"
+    return f"; fp8_ds_mla KV rows, {FP8_READS[route]} (crossover measured on bf16 rows)"
 
 
 def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_size: int = 1) -> tuple[str, str]:
@@ -88,9 +97,9 @@ def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_s
 
         why = kernel_unsupported_reason(q, kv, v_dim)
     if why is not None:
-        return "reference", why + kv_reason(kv)
+        return "reference", why + kv_reason(kv, "reference")
     if interpreter_enabled():
-        return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter" + kv_reason(kv)
+        return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter" + kv_reason(kv, "prefill")
     from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
 
     sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
@@ -101,7 +110,7 @@ def sparse_prefill_kernel(q: torch.Tensor, kv: torch.Tensor, v_dim: int, group_s
         gluon_missing=gluon_unsupported_reason(q, kv, v_dim),
         group_size=group_size,
     )
-    return route.path, route.reason + kv_reason(kv)
+    return route.path, route.reason + kv_reason(kv, "prefill")
 
 
 def sparse_decode_kernel(
@@ -121,7 +130,7 @@ def sparse_decode_kernel(
 
     why = unsupported_reason(q, kv, None)
     if why is not None:
-        return "reference", why + kv_reason(kv)
+        return "reference", why + kv_reason(kv, "reference")
     if interpreter_enabled():
         return "triton", "TRITON_INTERPRET=1: Triton kernel under the interpreter" + kv_reason(kv)
     from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
@@ -178,10 +187,11 @@ def prefill_path(
 
     heads = q.shape[1]
     if not use_triton(q, kv):
-        return PrefillPath("reference", 1, None, "no Triton for these tensors (CPU or not installed)" + kv_reason(kv))
+        why = "no Triton for these tensors (CPU or not installed)"
+        return PrefillPath("reference", 1, None, why + kv_reason(kv, "reference"))
     why = kernel_unsupported_reason(q, kv, v_dim)
     if why is not None:
-        return PrefillPath("reference", 1, None, why + kv_reason(kv))
+        return PrefillPath("reference", 1, None, why + kv_reason(kv, "reference"))
     g = default_group_size(heads) if group_size is None else group_size
     reason = f"G = {g} for {heads} heads"
     if group_size is None and kv.shape[0] <= MAX_PACKED_ROWS:
@@ -220,7 +230,8 @@ def decode_path(
         if backend in ("gluon", "gluon_small"):
             why = "kv has no rows" if kv.shape[0] == 0 else "no CUDA tensors or no Triton"
             raise ValueError(f"backend={backend!r} cannot run here: {why}")
-        return "reference", ("kv has no rows" if kv.shape[0] == 0 else "no Triton for these tensors") + kv_reason(kv)
+        why = "kv has no rows" if kv.shape[0] == 0 else "no Triton for these tensors"
+        return "reference", why + kv_reason(kv, "reference")
     if backend == "triton":
         return "triton", "backend='triton'" + kv_reason(kv)
     if backend in ("gluon", "gluon_small"):  # forced: wherever it runs, whatever the crossover says
