@@ -1,4 +1,5 @@
-"""A placement group with one bundle per rank, reserved within a timeout that names what is missing.
+"""A placement group with one bundle per rank, reserved within a timeout that names what is missing,
+and released; the pool's actors stopped.
 
 ``STRICT_PACK`` (the default) puts every bundle on one node, so NCCL ranks share a host and its
 NVLink; ``PACK``, ``SPREAD`` and ``STRICT_SPREAD`` are Ray's other strategies. Rank ``r`` runs in
@@ -11,7 +12,7 @@ from typing import Any
 
 from shardattn.serving.errors import PlacementTimeoutError
 
-__all__ = ["STRATEGIES", "bundle_options", "reserve_bundles"]
+__all__ = ["STRATEGIES", "bundle_options", "kill_actors", "release_bundles", "reserve_bundles"]
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -63,3 +64,24 @@ def bundle_options(pg: Any, rank: int) -> dict[str, Any]:
             placement_group=pg, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False
         )
     }
+
+
+def release_bundles(pg: Any) -> None:
+    """Free a placement group's bundles (an error from Ray, e.g. a group already gone, is ignored)."""
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(pg)
+    except Exception:
+        pass
+
+
+def kill_actors(actors: list[Any]) -> None:
+    """Stop actors at once, never to restart (those already dead are skipped quietly)."""
+    import ray
+
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:
+            pass

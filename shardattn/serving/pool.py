@@ -69,7 +69,7 @@ from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.serving.errors import RankFailedError, describe_ray_error, require_ray
 from shardattn.serving.health import HEALTH_GROUP, rank_reports
 from shardattn.serving.kv_cache import plan_rank_cache
-from shardattn.serving.placement import bundle_options, reserve_bundles
+from shardattn.serving.placement import bundle_options, kill_actors, release_bundles, reserve_bundles
 from shardattn.serving.pool_shapes import check_sinks, dcp_interleave, pool_shapes
 from shardattn.serving.steps import RequestSteps
 from shardattn.serving.transport import SERVE_GROUP, TRANSPORTS, start_decode_transport
@@ -269,7 +269,6 @@ class RayRankPool(RequestSteps):
             raise RuntimeError("the pool is shut down")
 
     def _fail(self, rank: int, cause: str, operation: str) -> RankFailedError:
-        import ray
 
         if not cause.startswith("actor died"):
             # a rank whose collective broke because a peer died reports that as its own error
@@ -278,11 +277,7 @@ class RayRankPool(RequestSteps):
                 rank, cause = dead[0], f"actor died (then rank {rank}: {cause})"
         err = RankFailedError(rank, cause, operation)
         self._broken = err
-        for a in self._actors:  # survivors may wait in a collective for the dead rank: stop them too
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
+        kill_actors(self._actors)  # survivors may wait in a collective for the dead rank: stop them too
         self._teardown_decoder()
         return err
 
@@ -298,9 +293,9 @@ class RayRankPool(RequestSteps):
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
         pending = dict(zip(refs, ranks))
         results: dict[int, Any] = {}
-        deadline = _now() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - _now()))
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 missing = sorted(pending.values())
                 raise self._fail(
@@ -364,14 +359,8 @@ class RayRankPool(RequestSteps):
         Returns the request ids whose KV state was lost (every request the pool held): the
         caller re-prefills them. The pool is usable again afterwards.
         """
-        import ray
-
         self._teardown_decoder()
-        for a in self._actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
+        kill_actors(self._actors)
         self._actors = []
         lost = self.book.request_ids if self.spec is not None else []
         if self.spec is not None:
@@ -401,18 +390,9 @@ class RayRankPool(RequestSteps):
                 ray.get([a.leave.remote() for a in actors], timeout=10)
             except Exception:
                 pass
-        for a in actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
+        kill_actors(actors)
         if self._pg is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            try:
-                remove_placement_group(self._pg)
-            except Exception:
-                pass
+            release_bundles(self._pg)
             self._pg = None
         if self._owns_ray:
             ray.shutdown()
@@ -423,7 +403,3 @@ class RayRankPool(RequestSteps):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _now() -> float:
-    return time.monotonic()
