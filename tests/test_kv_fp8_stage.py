@@ -8,7 +8,7 @@
   the Triton kernels under the interpreter equal the torch path bit for bit, and the prefill kernel
   on the staged rows equals it on the dequantised cache bit for bit
   (tests/interpret/kv_fp8_stage_cases.py).
-* sm_90 GPU: tests/test_sparse_mla_fp8.py runs every prefill path mirrored, packed and in the
+* sm_90 GPU: tests/test_sparse_mla_fp8_gpu.py runs every prefill path mirrored, packed and in the
   kernel; tests/test_sparse_mla_gpu.py checks that the warm-up compiles all three.
 """
 

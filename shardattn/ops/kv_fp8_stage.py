@@ -67,6 +67,8 @@ _BLOCK_SHIFT = STAGE_BLOCK_ROWS.bit_length() - 1
 STAGE_MAX_ROWS = 1 << 19
 #: Calls whose union buffer holds fewer entries dequantise in the kernel (decode-sized calls).
 STAGE_MIN_ENTRIES = 1 << 16
+#: The staged buffer's layouts (module docstring).
+LAYOUTS = ("mirror", "packed")
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,9 @@ def _stage_torch(kv: torch.Tensor, mark: torch.Tensor, placed: torch.Tensor | No
     out[dst[inside]] = dequantize_kv(kv[src[inside]], out.dtype)
 
 
-def _remap_torch(union, lens, placed, out, row_mask: int) -> None:
+def _remap_torch(
+    union: torch.Tensor, lens: torch.Tensor, placed: torch.Tensor, out: torch.Tensor, row_mask: int
+) -> None:
     e = union.long()
     row = e & row_mask
     new_row = placed.long()[row.clamp(0, (placed.shape[0] << _BLOCK_SHIFT) - 1) >> _BLOCK_SHIFT] - 1
@@ -133,9 +137,6 @@ def _remap_torch(union, lens, placed, out, row_mask: int) -> None:
     entry = ((e & ~row_mask) | new_row) & 0xFFFFFFFF
     entry = torch.where(entry >= 1 << 31, entry - (1 << 32), entry)
     out.copy_(torch.where(_used(union, lens), entry, -1).to(torch.int32))
-
-
-LAYOUTS = ("mirror", "packed")
 
 
 def _layout(kv: torch.Tensor, union: torch.Tensor, max_rows: int, min_entries: int, min_reuse: float) -> str | None:
