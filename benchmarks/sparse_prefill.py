@@ -190,11 +190,11 @@ def case_records(case: Case, ms: dict[str, float], pass_name: str, env: dict) ->
     out.append(record(BENCHMARK, config, "kernel TFLOP/s", tf["kernel"], "TFLOP/s", "higher", kernel_base, env))
     if "step_fp8" in tf:  # the bf16 numbers are the FP8 records' baselines, not records of their own
         out = []
-        for kind, metric in (("step", "step"), ("kernel", "kernel"), ("kernel_in_kernel", "kernel, no staging")):
-            bf16 = kind.split("_")[0]
+        fp8_runs = (("step_fp8", "step", "step"), ("kernel_fp8", "kernel", "kernel"),
+                    ("kernel_fp8_in_kernel", "kernel", "kernel, no staging"))  # fmt: skip
+        for run, bf16, metric in fp8_runs:
             base = (f"routed bf16 {bf16} on the dequantised rows, same run", tf[bf16])
-            out.append(record(f"{BENCHMARK}-fp8", config, f"{metric} TFLOP/s", tf[f"{bf16}_fp8{kind[len(bf16):]}"],
-                              "TFLOP/s", "higher", base, env))  # fmt: skip
+            out.append(record(f"{BENCHMARK}-fp8", config, f"{metric} TFLOP/s", tf[run], "TFLOP/s", "higher", base, env))
     print(f"{case.heads} heads x {case.tokens} ({case.path}), {pass_name}: "
           + ", ".join(f"{k} {v:.3f} ms ({tf[k]:.0f} TF/s)" for k, v in ms.items()), flush=True)  # fmt: skip
     return out

@@ -79,7 +79,7 @@ def launch_stage_blocks(
         return
     _stage_blocks_kernel[(num_blocks,)](
         kv, blocks, out, kv.shape[0], kv.stride(0), out.stride(0),
-        BLOCK_ROWS=1 << block_shift, PACKED=packed, DTYPE=_TL_DTYPES[out.dtype], num_warps=4,
+        BLOCK_ROWS=1 << block_shift, PACKED=packed, num_warps=4,
     )  # fmt: skip
 
 
@@ -108,18 +108,17 @@ def launch_remap_union(
 if triton is not None:
     from shardattn.kernels.triton.kv_fp8_read import load_fp8_rope, load_fp8_tile
 
-    _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
     _LATENT = tl.constexpr(LATENT)
     _ROPE = tl.constexpr(ROPE)
     _TILE = tl.constexpr(TILE)
 
     @triton.jit
-    def _used_entries(union_ptr, lens_ptr, width, stride_group, other, BLOCK: tl.constexpr):
+    def _used_entries(union_ptr, lens_ptr, width, stride_group, BLOCK: tl.constexpr):
         """``(entries [BLOCK], used [BLOCK], k [BLOCK])`` of this program's slice of its group."""
         g = tl.program_id(0)
         k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         used = (k < tl.load(lens_ptr + g)) & (k < width)
-        e = tl.load(union_ptr + g.to(tl.int64) * stride_group + k, mask=used, other=other)
+        e = tl.load(union_ptr + g.to(tl.int64) * stride_group + k, mask=used, other=0)
         return e, used, k
 
     @triton.jit(do_not_specialize=["width", "stride_group"])
@@ -127,7 +126,7 @@ if triton is not None:
         union_ptr, lens_ptr, mark_ptr, width, stride_group,
         ROW_MASK: tl.constexpr, BLOCK_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        e, used, _ = _used_entries(union_ptr, lens_ptr, width, stride_group, 0, BLOCK)
+        e, used, _ = _used_entries(union_ptr, lens_ptr, width, stride_group, BLOCK)
         block = (e & ROW_MASK) >> BLOCK_SHIFT
         tl.store(mark_ptr + block, tl.full([BLOCK], 1, tl.int32), mask=used)
 
@@ -151,9 +150,10 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_rows"])
     def _stage_blocks_kernel(
         kv_ptr, blocks_ptr, out_ptr, num_rows, stride_kv, stride_out,
-        BLOCK_ROWS: tl.constexpr, PACKED: tl.constexpr, DTYPE: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr, PACKED: tl.constexpr,
     ):  # fmt: skip
         p = tl.program_id(0)
+        dtype = out_ptr.dtype.element_ty
         if PACKED:  # program p: block blocks[p], into block p
             b = tl.load(blocks_ptr + p)
             staged = True
@@ -168,26 +168,24 @@ if triton is not None:
             out_rows = out_ptr + (p.to(tl.int64) * BLOCK_ROWS + r)[:, None] * stride_out
             cols = tl.arange(0, _TILE)
             for t in tl.static_range(_LATENT // _TILE):
-                tl.store(out_rows + t * _TILE + cols[None, :], load_fp8_tile(row_ptr, inside, t, DTYPE))
-            tl.store(out_rows + _LATENT + tl.arange(0, _ROPE)[None, :], load_fp8_rope(row_ptr, inside, DTYPE))
+                tl.store(out_rows + t * _TILE + cols[None, :], load_fp8_tile(row_ptr, inside, t, dtype))
+            tl.store(out_rows + _LATENT + tl.arange(0, _ROPE)[None, :], load_fp8_rope(row_ptr, inside, dtype))
 
     @triton.jit(do_not_specialize=["width", "stride_group"])
     def _remap_union_kernel(
         union_ptr, lens_ptr, placed_ptr, out_ptr, width, stride_group,
         ROW_MASK: tl.constexpr, HIGH_BITS: tl.constexpr, BLOCK_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        e, used, k = _used_entries(union_ptr, lens_ptr, width, stride_group, 0, BLOCK)
+        e, used, k = _used_entries(union_ptr, lens_ptr, width, stride_group, BLOCK)
         row = e & ROW_MASK
         new_block = tl.load(placed_ptr + (row >> BLOCK_SHIFT), mask=used, other=1) - 1
         new_row = (new_block << BLOCK_SHIFT) | (row & ((1 << BLOCK_SHIFT) - 1))
         entry = tl.where(used, (e & HIGH_BITS) | new_row, -1)
         tl.store(out_ptr + tl.program_id(0).to(tl.int64) * width + k, entry, mask=k < width)
-else:  # pragma: no cover - exercised only where Triton is missing
-    _TL_DTYPES = {}
 
 
 def stage_kernels() -> tuple:
-    """The staging kernels (mark, stage, remap), for warm-up and compile counting."""
+    """The staging kernels (mark, list, stage, remap), for warm-up and compile counting."""
     return (_mark_blocks_kernel, _list_blocks_kernel, _stage_blocks_kernel, _remap_union_kernel)
 
 
