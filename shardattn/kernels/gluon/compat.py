@@ -24,6 +24,15 @@ try:
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     # ... and the cp.async gather ``async_copy_global_to_shared``; later versions ``async_load``.
     async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    from triton.language.core import builtin as _builtin
+
+    @_builtin
+    def reinterpret_smem(desc, dtype, shape, layout, _semantic=None):
+        """``desc`` viewed as ``dtype`` / ``shape`` / ``layout`` (Triton 3.6 spells it
+        ``_reinterpret``; later versions ``reinterpret``)."""
+        view = getattr(desc, "reinterpret", None) or desc._reinterpret
+        return view(dtype, shape, layout, _semantic=_semantic)
+
     HAS_GLUON = True
     GLUON_IMPORT_ERROR = ""
 except Exception as exc:  # no Triton, or a Triton without Gluon / Hopper ops
@@ -43,6 +52,7 @@ __all__ = [
     "grid_dependency",
     "mbarrier",
     "nvmma_layout",
+    "reinterpret_smem",
     "warpgroup_mma",
     "warpgroup_mma_init",
     "warpgroup_mma_wait",

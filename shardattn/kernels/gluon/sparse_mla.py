@@ -38,11 +38,11 @@ KINDS = ("prefill",)
 #: Registers per thread of each consumer warpgroup (the fewest spills found in the compiled
 #: kernel); the producer, the default partition, gets what they leave of ``3 * WS_MAXNREG``.
 CONSUMER_REGS = 224
-#: Consumer registers on ``fp8_ds_mla`` rows: the producer dequantises through registers and needs
-#: more than the 56 that 224 leave it (WG0 gives it
-#: :data:`~shardattn.kernels.gluon.sparse_mla_kernel.FP8_PRODUCER_REGS` more again: 200 / 216 /
-#: 88); the consumers compile without spills at 216 and 200 (ptxas report, sm_90a).
-FP8_CONSUMER_REGS = 216
+#: Registers of each consumer warpgroup on ``fp8_ds_mla`` rows, where the producer dequantises
+#: through registers and gets what two consumers at 200 leave it (104; at 224 it would get 56):
+#: this split alone made decode 1.06-1.10x faster than 216 / 200 / 88, and the consumers lose under
+#: 3 % at 200 on bf16 rows (docs/DECISIONS.md, D51).
+FP8_CONSUMER_REGS = 200
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ through shared memory and mbarriers:
 * **producer** (4 warps): gathers the pair's two blocks with ``cp.async`` into a one-pair ring,
   each block split in a left half (nope columns ``[0, Dv/2)``) and a right half (nope
   ``[Dv/2, Dv)`` plus rope), each half with its own ``ready`` / ``free`` mbarriers, in the order
-  0L, 1R, 0R, 1L (each half is refilled as soon as its last reader releases it);
+  0L, 1R, 0R, 1L (each half is refilled as soon as its last reader releases it); on
+  ``fp8_ds_mla`` rows (``KV_FP8``) it copies each half's raw bytes into the half's buffer and
+  dequantises them there (:mod:`shardattn.kernels.gluon.kv_fp8_fill`);
 * **consumer WG0** (block 0 of the pair, output columns ``[0, Dv/2)``): ``S0 = Q K0^T``, its row
   max ``m0`` (with the running max) to WG1, ``P0`` at ``m0``, ``O_L += P0 V0_L`` from registers
   (then 0L is free), waits for WG1's final max ``m1``, rescales ``P0`` to it and writes it into
@@ -56,7 +58,8 @@ prologue (barrier set-up, the Q and first-pair latencies) and the epilogue's idl
 64 heads a one-tile program spends about a tenth of its time in them (docs/PERFORMANCE.md).
 
 The producer is the default partition and gets the registers the consumers leave (a consumer
-there spilled more). ``EARLY_KV``: the producer loads Q too, so the gather starts without
+there spilled more): 56 on bf16 rows, 104 on ``fp8_ds_mla`` rows, where it dequantises through
+registers (``CONSUMER_REGS`` 224 or 200, :mod:`shardattn.kernels.gluon.sparse_mla`). ``EARLY_KV``: the producer loads Q too, so the gather starts without
 waiting for it; ``HEADS_FASTEST``: a 1-D grid with a token's head blocks adjacent. The consumers
 index their buffers with a per-iteration opaque 0 so the wgmma descriptors are not hoisted out
 of the key loop and spilled (:func:`~shardattn.kernels.gluon.sparse_mla_partitions._slot0`).
@@ -81,14 +84,8 @@ if HAS_GLUON:
 NOT_SPECIALIZED = ["T", "HB", "stride_lb", "stride_lt", "R", "K"]
 #: Keys per block.
 BLOCK_N = 64
-#: Registers consumer WG0 gives the producer when the producer dequantises ``fp8_ds_mla`` rows
-#: through registers (:data:`~shardattn.kernels.gluon.sparse_mla.FP8_CONSUMER_REGS`: WG0 200,
-#: WG1 216, the producer 88 instead of 56: no spills under Triton 3.6's code, where 80 spilled
-#: 44 bytes; the sm_90 compile test reads ptxas's spill report).
-FP8_PRODUCER_REGS = 16
 
 if HAS_GLUON:
-    _FP8_PRODUCER_REGS = gl.constexpr(FP8_PRODUCER_REGS)
 
     @gluon.jit
     def _tile_len(LENS, K, g, RAW_ROWS: gl.constexpr, HAS_LENS: gl.constexpr):
@@ -246,10 +243,6 @@ if HAS_GLUON:
         # the producer is the default partition (it gets what the consumers leave of the kernel's
         # registers): the default partition also holds the values of the code above, and a consumer
         # there spilled (measured on an H200)
-        if KV_FP8:  # the producer dequantises through registers: consumer WG0 leaves it more
-            wg0_regs: gl.constexpr = CONSUMER_REGS - _FP8_PRODUCER_REGS
-        else:
-            wg0_regs: gl.constexpr = CONSUMER_REGS
         gl.warp_specialize(
             [
                 (_load, (args, out_args, pctx, D_V, D_R, HAS_SINK, EARLY_KV, G, RAW_ROWS, PERSISTENT, HAS_LENS,
@@ -260,7 +253,7 @@ if HAS_GLUON:
                        HEADS_FASTEST)),
             ],
             [4, 4],
-            [wg0_regs, CONSUMER_REGS],
+            [CONSUMER_REGS, CONSUMER_REGS],
         )  # fmt: skip
 
 

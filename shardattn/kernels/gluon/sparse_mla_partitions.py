@@ -25,7 +25,7 @@ if HAS_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from shardattn.kernels.gluon.kv_fp8_fill import _fill_fp8, _prefetch_rows_l2
+    from shardattn.kernels.gluon.kv_fp8_fill import _convert_fp8, _issue_fp8, _prefetch_rows_l2
     from shardattn.kernels.gluon.sparse_mla_epilogue import _tile_rows
 
 if HAS_GLUON:
@@ -90,26 +90,34 @@ if HAS_GLUON:
     @gluon.jit
     def _fill_pair_fp8(args, r0, r1, i, ph, D_V: gl.constexpr, lay: gl.constexpr, G: gl.constexpr,
                        RAW_ROWS: gl.constexpr):  # fmt: skip
-        """The producer's pair ``i`` from ``fp8_ds_mla`` rows (blocks 0 / 1 of rows ``r0`` / ``r1``):
-        the halves in the bf16 gathers' order (0L, 1R, 0R, 1L), each stored as its ``free`` barrier
-        (phase ``ph``) allows. The next pair's row ids load first; once half 0L is stored, their rows
-        are asked of the L2 (:func:`_prefetch_rows_l2`), so the next pair's code loads find them
-        there. Returns those row ids."""
+        """The producer's pair ``i`` from ``fp8_ds_mla`` rows (blocks 0 / 1 of rows ``r0`` / ``r1``): the
+        halves in the bf16 gathers' order (0L, 1R, 0R, 1L), each copied raw into its own buffer as its
+        ``free`` barrier (phase ``ph``) allows (:func:`~shardattn.kernels.gluon.kv_fp8_fill._issue_fp8`)
+        and dequantised there one half behind the copies
+        (:func:`~shardattn.kernels.gluon.kv_fp8_fill._convert_fp8`), so each copy's latency hides behind
+        the previous half's conversion. No half waits across the pair's end: a half's ``free`` never
+        depends on a later half of the same pair (the consumers release 0L, 1R, 0R, 1L of the last
+        pair in turn). The next pair's row ids load first; once half 0L is stored their rows are asked
+        of the L2 (:func:`_prefetch_rows_l2`). Returns those row ids."""
         (KV, u_base, n_len, stride_kvr, _np, _q_l, _q_r, _q_rope, k_l, k_r, k_rope, _p1, _m_buf, _l_bufs, ready,
          free, _m0_ready, _m1_ready, _p0_ready, _p1_ready, _l_ready, _qk_scale, _q_ready, _q_src, R) = args  # fmt: skip
         HALF: gl.constexpr = D_V // 2
         r0_next = _block_rows(u_base, n_len, 2 * i + 2, lay, G, RAW_ROWS, R)
         r1_next = _block_rows(u_base, n_len, 2 * i + 3, lay, G, RAW_ROWS, R)
-        _fill_fp8(k_l.index(0), k_rope.index(0), KV, r0, stride_kvr, ready.index(_L0), free.index(_L0), ph, 0, False,
-                  lay)  # fmt: skip
+        _issue_fp8(k_l.index(0), k_rope.index(0), KV, r0, stride_kvr, ready.index(_L0), free.index(_L0), ph, 0, False,
+                   lay)  # fmt: skip
+        _issue_fp8(k_r.index(1), k_rope.index(1), KV, r1, stride_kvr, ready.index(_R1), free.index(_R1), ph, HALF, True,
+                   lay)  # fmt: skip
+        _convert_fp8(k_l.index(0), ready.index(_L0), 1)
         _prefetch_rows_l2(KV, r0_next, stride_kvr)
         _prefetch_rows_l2(KV, r1_next, stride_kvr)
-        _fill_fp8(k_r.index(1), k_rope.index(1), KV, r1, stride_kvr, ready.index(_R1), free.index(_R1), ph, HALF, True,
-                  lay)  # fmt: skip
-        _fill_fp8(k_r.index(0), k_rope.index(0), KV, r0, stride_kvr, ready.index(_R0), free.index(_R0), ph, HALF, True,
-                  lay)  # fmt: skip
-        _fill_fp8(k_l.index(1), k_rope.index(1), KV, r1, stride_kvr, ready.index(_L1), free.index(_L1), ph, 0, False,
-                  lay)  # fmt: skip
+        _issue_fp8(k_r.index(0), k_rope.index(0), KV, r0, stride_kvr, ready.index(_R0), free.index(_R0), ph, HALF, True,
+                   lay)  # fmt: skip
+        _convert_fp8(k_r.index(1), ready.index(_R1), 1)
+        _issue_fp8(k_l.index(1), k_rope.index(1), KV, r1, stride_kvr, ready.index(_L1), free.index(_L1), ph, 0, False,
+                   lay)  # fmt: skip
+        _convert_fp8(k_r.index(0), ready.index(_R0), 1)
+        _convert_fp8(k_l.index(1), ready.index(_L1), 0)
         return r0_next, r1_next
 
     @gluon.jit
@@ -154,7 +162,7 @@ if HAS_GLUON:
         r1 = _block_rows(u_base, n_len, 1, lay, G, RAW_ROWS, R)
         for i in range(n_pairs):
             ph = ((c0 + i) & 1) ^ 1
-            if KV_FP8:  # the same halves in the same order, dequantised through registers
+            if KV_FP8:  # the same halves in the same order, copied raw and dequantised in place
                 r0, r1 = _fill_pair_fp8(args, r0, r1, i, ph, D_V, lay, G, RAW_ROWS)
             else:
                 # the next pair's row ids, loaded a pair ahead (their latency hides behind the copies)
