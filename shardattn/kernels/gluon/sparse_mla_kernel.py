@@ -59,10 +59,11 @@ prologue (barrier set-up, the Q and first-pair latencies) and the epilogue's idl
 
 The producer is the default partition and gets the registers the consumers leave (a consumer
 there spilled more): 56 on bf16 rows, 104 on ``fp8_ds_mla`` rows, where it dequantises through
-registers (``CONSUMER_REGS`` 224 or 200, :mod:`shardattn.kernels.gluon.sparse_mla`). ``EARLY_KV``: the producer loads Q too, so the gather starts without
-waiting for it; ``HEADS_FASTEST``: a 1-D grid with a token's head blocks adjacent. The consumers
-index their buffers with a per-iteration opaque 0 so the wgmma descriptors are not hoisted out
-of the key loop and spilled (:func:`~shardattn.kernels.gluon.sparse_mla_partitions._slot0`).
+registers (``CONSUMER_REGS`` 224 or 200, :mod:`shardattn.kernels.gluon.sparse_mla`).
+``EARLY_KV``: the producer loads Q too, so the gather starts without waiting for it;
+``HEADS_FASTEST``: a 1-D grid with a token's head blocks adjacent. The consumers index their
+buffers with a per-iteration opaque 0 so the wgmma descriptors are not hoisted out of the key loop
+and spilled (:func:`~shardattn.kernels.gluon.sparse_mla_partitions._slot0`).
 
 Shared memory (DSA shapes): Q 72 KB + 2 x 72 KB blocks + one 8 KB P buffer (block 0's P lives in
 block 0's rope slot) + row maxima / sums and barriers = 231,184 B of sm_90's 232,448.
