@@ -213,10 +213,11 @@ def test_small_decode_kernel_compiles_fp8_variant_for_sm90(block_n, group, split
 def test_ws64_kernel_compiles_fp8_variant_for_sm90(case, kwargs):
     """The producer copies each half block's raw bytes with cp.async (16-byte code copies, 4-byte
     scale copies, one commit group a half), waits for each half one group behind, converts e4m3 to
-    bf16 and multiplies by the scale in bf16, fences, and one thread arrives for all 128 (the right
+    bf16 through fp16 and fp32 with one conversion-unit instruction a pair (``e4m3_times_bf16``)
+    and multiplies by the scale in bf16, fences, and one thread arrives for all 128 (the right
     halves' rope copies arrive on their own); it asks the L2 for the next pair's rows; the consumers'
     wgmma work is the bf16 kernel's; registers 200 / 200 / 104; shared memory as the bf16 kernel's;
-    spills: at most 64 bytes (Triton 3.9 at these three shapes: 60 / 32 / 32; the bf16 kernel 0)."""
+    spills: at most 72 bytes (Triton 3.9 at these three shapes: 52 / 68 / 24; the bf16 kernel 0)."""
 
     from shardattn.kernels.gluon.sparse_mla import FP8_CONSUMER_REGS, compile_kernel_for_sm90
     from shardattn.kernels.gluon.sparse_mla_decode import gluon_decode_config
@@ -229,7 +230,10 @@ def test_ws64_kernel_compiles_fp8_variant_for_sm90(case, kwargs):
     assert ptx.count("wgmma.mma_async") == bf16.asm["ptx"].count("wgmma.mma_async") > 0
     halves = 4
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == halves * 64 * 256 // 2 // 128  # 64 x 256 codes a half
-    assert ptx.count("mul.bf16x2") == halves * 64 * 256 // 2 // 128  # times the scale, in bf16
+    # e4m3x2 -> fp16x2 -> two fp32 whose upper halves are the bf16 values, then times the scale in bf16
+    assert ptx.count("cvt.f32.f16") == 2 * ptx.count("cvt.rn.f16x2.e4m3x2")
+    assert ptx.count("prmt.b32") >= ptx.count("mul.rn.bf16x2") == halves * 64 * 256 // 2 // 128
+    assert re.search(r"prmt\.b32 \w+, \w+, \w+, 0x7632;", ptx)
     assert ptx.count("cp.async.ca.shared.global") == halves * 2  # 2 scale tiles x 1 row a thread, 4 bytes
     assert ptx.count("cp.async.commit_group") >= halves and ptx.count("cp.async.wait_group") >= halves
     assert "ld.global.v4" not in ptx  # the codes travel by cp.async, not through registers
@@ -240,7 +244,7 @@ def test_ws64_kernel_compiles_fp8_variant_for_sm90(case, kwargs):
     regs = [int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)]
     assert {FP8_CONSUMER_REGS, 3 * 168 - 2 * FP8_CONSUMER_REGS} <= set(regs)
     assert compiled.metadata.shared == bf16.metadata.shared <= 232448
-    assert ptxas_report(ptx).spill_stores <= 64
+    assert ptxas_report(ptx).spill_stores <= 72
 
 
 # ---- the public ops on FP8 caches (CPU: the torch reference) ----

@@ -33,6 +33,7 @@ if HAS_GLUON:
         mbarrier,
         reinterpret_smem,
     )
+    from shardattn.kernels.gluon.e4m3 import e4m3_times_bf16
 
 if HAS_GLUON:
     # the fp8_ds_mla row layout (shardattn.ops.kv_fp8): latent tile width, byte offsets of scales and rope
@@ -116,8 +117,9 @@ if HAS_GLUON:
         """Dequantise the half block :func:`_issue_fp8` staged in ``k_half`` in place, once its copies
         have landed (``PENDING``: commit groups issued after its own, still allowed in flight): every
         producer thread reads its codes and scales, the partition syncs, then stores each code (exact
-        in bf16) times its tile's power-of-two scale, a bf16 multiply (exact: the same value as the
-        fp32 product rounded, :func:`shardattn.ops.kv_fp8.dequantize_kv`'s), fenced for the async
+        in bf16, :func:`~shardattn.kernels.gluon.e4m3.e4m3_times_bf16`) times its tile's power-of-two
+        scale, a bf16 multiply (exact: the same value as the fp32 product rounded,
+        :func:`shardattn.ops.kv_fp8.dequantize_kv`'s), fenced for the async
         proxy; ``ready`` (128 arrivals) completes once every thread has stored."""
         lay8: gl.constexpr = _fp8_layout()
         cp.wait_group(PENDING)
@@ -128,7 +130,7 @@ if HAS_GLUON:
         s_lo = _scales_view(k_half, 0).load(gl.SliceLayout(1, lay8)).to(k_half.dtype)
         s_hi = _scales_view(k_half, 1).load(gl.SliceLayout(1, lay8)).to(k_half.dtype)
         cta_barrier()  # every read done before the buffer is overwritten
-        k_half.slice(0, FP8_TILE, dim=1).store(lo.to(gl.float32).to(k_half.dtype) * s_lo[:, None])
-        k_half.slice(FP8_TILE, FP8_TILE, dim=1).store(hi.to(gl.float32).to(k_half.dtype) * s_hi[:, None])
+        k_half.slice(0, FP8_TILE, dim=1).store(e4m3_times_bf16(lo, s_lo[:, None]))
+        k_half.slice(FP8_TILE, FP8_TILE, dim=1).store(e4m3_times_bf16(hi, s_hi[:, None]))
         fence_async_shared()
         mbarrier.arrive(ready, count=128)  # after the partition's barrier: one thread for all 128

@@ -24,6 +24,7 @@ if HAS_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from shardattn.kernels.gluon.e4m3 import e4m3_times_bf16
 
     # byte offsets of the scales and the rope values in an fp8_ds_mla row (shardattn.ops.kv_fp8)
     FP8_SCALE_OFFSET = gl.constexpr(SCALE_OFFSET)
@@ -63,11 +64,11 @@ if HAS_GLUON:
 
     @gluon.jit
     def _fp8_chunk_qk(k_nope, q_nope, codes, scale, s, c: gl.constexpr, CW: gl.constexpr):
-        """Chunk ``c``'s latent values (``dtype(fp32(code) * scale)``) into its columns of ``k_nope``
-        (the swizzled ``wgmma`` operand), fenced for the async proxy and synchronised across the
-        program, then its part of ``S^T = K Q^T`` issued (async) into ``s``."""
+        """Chunk ``c``'s latent values (``bf16(code) * bf16(scale)``, the fp32 product rounded to bf16)
+        into its columns of ``k_nope`` (the swizzled ``wgmma`` operand), fenced for the async proxy and
+        synchronised across the program, then its part of ``S^T = K Q^T`` issued (async) into ``s``."""
         chunk = k_nope.slice(c * CW, CW, dim=1)
-        chunk.store((codes.to(gl.float32) * scale[:, None]).to(k_nope.dtype))
+        chunk.store(e4m3_times_bf16(codes, scale.to(gl.bfloat16)[:, None]))
         fence_async_shared()
         cta_barrier()
         return warpgroup_mma(chunk, q_nope.slice(c * CW, CW, dim=1).permute((1, 0)), s, is_async=True)
