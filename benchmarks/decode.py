@@ -2,7 +2,7 @@
 against the copy bandwidth, and a captured decode step against eager.
 
     python benchmarks/decode.py --json decode.json       # every section
-    python benchmarks/decode.py --only sparse-small      # a subset: sparse, sparse-small, fp8, gqa, merge, graph
+    python benchmarks/decode.py --only sparse-small      # a subset (SECTIONS)
     python benchmarks/decode.py --warm-xqa               # JIT-compile FlashInfer XQA's variants only
 
 Sections (each number a median of CUDA-graph replays under ``triton.testing.do_bench``, which
@@ -26,6 +26,11 @@ is checked against the fp32 reference before it is timed):
   and run: 16 heads x batch 1-8 (the small-batch kernel), 64 and 128 heads x batch 1-256; the two
   outputs must be equal bit for bit before either is timed. Records ``fp8-decode``: FP8 us,
   baseline the bf16 us (ratio > 1: FP8 faster); printed also as GB/s of KV rows read.
+* ``cache-size``: the routed decode on a cache of ``--large-rows`` (default 40,000,000 rows: 46 GB
+  of bf16 and 26 GB of fp8_ds_mla, the same values; each token's rows drawn over the whole cache,
+  so every row lies on its own page) against the same decode on a 262,144-row cache, same run,
+  bf16 and FP8 rows, 128 / 64 / 16 heads x 64 and 64 heads x 256. Records ``decode-cache-size``:
+  large-cache us, baseline the small-cache us (target: a ratio of at least 1 / 1.15 = 0.87).
 * ``merge``: the LSE merge of 2 / 4 / 8 bf16 partials of 4,096 tokens x 16 heads x 512 in TB/s
   (bytes read + written) against a 2 GiB device-to-device copy in the same run.
 * ``graph``: a small GQA and sparse-MLA decode step eager and as a CUDA-graph replay.
@@ -52,10 +57,11 @@ from shardattn.ops.lse_merge import lse_merge
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 
-SECTIONS = ("sparse", "sparse-small", "fp8", "gqa", "merge", "graph")
+SECTIONS = ("sparse", "sparse-small", "fp8", "cache-size", "gqa", "merge", "graph")
 LARGE = ((128, 64), (128, 128), (128, 256), (64, 64), (64, 128), (64, 256), (32, 256))
 SMALL = (*((h, b) for h in (16, 8) for b in (1, 2, 4, 8, 16)), (128, 1), (128, 8))
 FP8 = (*((16, b) for b in (1, 2, 4, 8)), *((h, b) for h in (64, 128) for b in (1, 8, 64, 128, 256)))
+CACHE_SIZE = ((128, 64), (64, 64), (16, 64), (64, 256))
 KV_ROWS = 1 << 18
 SCALE = 576**-0.5
 
@@ -147,6 +153,38 @@ def bench_fp8(env: dict, cases, topk: int, cache_rows: int = KV_ROWS) -> list[di
         ratio = us["bf16"] / us["fp8"]
         print(f"fp8 decode {heads} heads x {batch}: FP8 {us['fp8']:.1f} us ({gbs['fp8']:.0f} GB/s of rows), "
               f"bf16 {us['bf16']:.1f} us ({gbs['bf16']:.0f} GB/s), {ratio:.2f}x", flush=True)  # fmt: skip
+    return out
+
+
+def bench_cache_size(env: dict, cases, topk: int, large_rows: int) -> list[dict]:
+    """Routed decode on a cache of ``large_rows`` against the same decode on a :data:`KV_ROWS` cache,
+    bf16 and fp8_ds_mla rows, same run (module docstring)."""
+    sizes = {"small": KV_ROWS, "large": large_rows}
+    caches = {name: build_caches(rows, list(ROW_BYTES)) for name, rows in sizes.items()}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    out = []
+    for fmt in ROW_BYTES:
+        for heads, batch in cases:
+            q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+            o = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
+            s = torch.empty(batch, heads, device="cuda")
+            us = {}
+            for name, num_rows in sizes.items():
+                kv, rows = caches[name][fmt], distinct_rows(batch, topk, num_rows, g)
+
+                def fn(q=q, kv=kv, rows=rows, o=o, s=s):
+                    return sparse_mla_decode(q, kv, rows, scale=SCALE, rows_unique=True, out=o, lse_out=s)
+
+                o.fill_(float("nan"))
+                fn()
+                check(f"{fmt} {heads} heads x {batch}, {num_rows:,} rows", o, sparse_mla_reference(q.float(), kv, rows,
+                      scale=SCALE)[0])  # fmt: skip
+                us[name] = graph_ms(fn) * 1e3
+            config = {"kv": fmt, "heads": heads, "batch": batch, "topk": topk, "cache_rows": large_rows}
+            base = (f"the same decode on a {KV_ROWS:,}-row cache, same run", us["small"])
+            out.append(record("decode-cache-size", config, "step us", us["large"], "us", "lower", base, env))
+            print(f"decode {fmt} {heads} heads x {batch}: {large_rows:,} rows {us['large']:.1f} us, "
+                  f"{KV_ROWS:,} rows {us['small']:.1f} us ({us['large'] / us['small']:.2f}x)", flush=True)  # fmt: skip
     return out
 
 
@@ -262,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--topk", type=int, default=2048, help="top-k of the sparse-MLA sections")
     ap.add_argument("--cache-rows", type=int, default=KV_ROWS,
                     help="rows of the sparse-MLA sections' cache (40,000,000: 46 GB of bf16)")  # fmt: skip
+    ap.add_argument("--large-rows", type=int, default=40_000_000,
+                    help="rows of the cache-size section's large cache (bf16 46 GB + fp8_ds_mla 26 GB)")  # fmt: skip
     ap.add_argument("--warm-xqa", action="store_true", help="only JIT-compile FlashInfer XQA's variants")
     add_json_argument(ap)
     return ap
@@ -287,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "sparse": lambda: bench_sparse(env, LARGE, args.topk, "sparse-decode", args.cache_rows),
         "sparse-small": lambda: bench_sparse(env, SMALL, args.topk, "small-batch-decode", args.cache_rows),
         "fp8": lambda: bench_fp8(env, FP8, args.topk, args.cache_rows),
+        "cache-size": lambda: bench_cache_size(env, CACHE_SIZE, args.topk, args.large_rows),
         "gqa": lambda: bench_gqa(env),
         "merge": lambda: bench_merge(env),
         "graph": lambda: bench_graph(env),

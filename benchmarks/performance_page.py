@@ -121,6 +121,15 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "(`--sweep`): the fastest launch configuration found for that shape, named in the configuration.",
         (),
     ),
+    "decode-cache-size": (
+        "Sparse-MLA decode on a cache of real size",
+        "The routed sparse-MLA decode (one token per request, top-k 2,048 distinct random rows over the "
+        "whole cache, so every row lies on its own page) on a cache of tens of GB against the same "
+        "decode on a 262,144-row cache, same run; bf16 and fp8_ds_mla rows (the same values); graph "
+        "replays with the L2 flushed. Ratio = small-cache time / large-cache time; the target is a "
+        "large-cache decode within 1.15x of the small-cache one (ratio >= 0.87).",
+        (),
+    ),
     "kv-fp8-write": (
         "FP8 KV-row write",
         "Writing new tokens' bf16 rows into a paged fp8_ds_mla cache at random slots "

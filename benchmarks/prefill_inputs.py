@@ -1,6 +1,6 @@
 """Inputs and timing shared by the prefill benchmarks (``sparse_prefill.py``, ``union_build.py``):
-DSA shapes, top-k rows through a shuffled block table, q / KV draws, output buffers, L2-flushed
-medians."""
+DSA shapes, top-k rows through a shuffled block table, q / KV draws (caches of tens of GB filled a
+chunk at a time) and their FP8 rows, output buffers, L2-flushed medians."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ import time
 
 import torch
 
+from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 from shardattn.ops.topk import convert_topk
+from shardattn.plan.kv_format import FP8_DS_MLA_ROW_BYTES
 from shardattn.workload import synthetic_topk
 
 D_V, D_R, BLOCK = 512, 64, 64
+#: KV rows drawn (and quantised) at a time.
+CHUNK = 1 << 20
 
 #: GPU cycles the device spins after each flush (~0.25 ms at the H200's 1.98 GHz), so the host's
 #: launches are queued before the timed region starts: ``timed`` measures the GPU's time, not the
@@ -83,11 +87,26 @@ def make_case(
 
 def random_qkv(tokens: int, heads: int, kv_rows: int, seed: int, device: torch.device, dtype=torch.bfloat16):
     """Queries ``[tokens, heads, D_V + D_R]``, then KV rows ``[kv_rows, D_V + D_R]``: normal draws
-    from one generator on ``device`` seeded ``seed``, in ``dtype``."""
+    from one generator on ``device`` seeded ``seed``, in ``dtype``; the rows drawn :data:`CHUNK` at a
+    time, so a cache of tens of GB needs no fp32 copy of itself."""
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(tokens, heads, D_V + D_R, device=device, generator=gen).to(dtype)
-    kv = torch.randn(kv_rows, D_V + D_R, device=device, generator=gen).to(dtype)
+    kv = torch.empty(kv_rows, D_V + D_R, device=device, dtype=dtype)
+    for start in range(0, kv_rows, CHUNK):
+        n = min(CHUNK, kv_rows - start)
+        kv[start : start + n] = torch.randn(n, D_V + D_R, device=device, generator=gen).to(dtype)
     return q, kv
+
+
+def fp8_rows_of(kv: torch.Tensor) -> torch.Tensor:
+    """``kv``'s rows quantised to ``fp8_ds_mla`` (``[R, 656]`` uint8), and ``kv`` overwritten with
+    the values they dequantise to, :data:`CHUNK` rows at a time."""
+    kv8 = torch.empty(kv.shape[0], FP8_DS_MLA_ROW_BYTES, device=kv.device, dtype=torch.uint8)
+    for start in range(0, kv.shape[0], CHUNK):
+        end = min(kv.shape[0], start + CHUNK)
+        kv8[start:end] = quantize_kv(kv[start:end])
+        kv[start:end] = dequantize_kv(kv8[start:end], kv.dtype)
+    return kv8
 
 
 def union_buffers(tokens: int, topk: int, g: int, device: torch.device):

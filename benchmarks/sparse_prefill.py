@@ -53,6 +53,7 @@ from prefill_inputs import (
     D_V,
     attention_buffers,
     default_kv_rows,
+    fp8_rows_of,
     l2_flush,
     make_case,
     random_qkv,
@@ -66,7 +67,6 @@ from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops import kv_fp8_stage
 from shardattn.ops.dispatch import prefill_path
-from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 from shardattn.ops.prepared_union import prepare_union
 from shardattn.ops.sparse_mla import flops, sparse_mla_reference
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
@@ -91,15 +91,13 @@ class Case:
         peer=None,
         fp8: bool = False,
         pool_rows: int | None = None,
+        caches: dict | None = None,
     ):
         self.heads, self.tokens, self.topk, self.pool_rows = heads, tokens, topk, pool_rows
         _, _, _, _, rows, counts = make_case(tokens, kv_rows, topk, "dsa", 0, pool_rows=pool_rows, device=device)
         kv_rows = pool_rows or kv_rows  # the cache's rows
-        q, kv = random_qkv(tokens, heads, kv_rows, 0, device)
-        kv8 = None
-        if fp8:  # the bf16 paths read the values the FP8 rows hold
-            kv8 = quantize_kv(kv)
-            kv = dequantize_kv(kv8)
+        q = random_qkv(tokens, heads, 0, 0, device)[0]
+        kv, kv8 = shared_cache({} if caches is None else caches, kv_rows, fp8, device)
         self.flops = flops(int(counts.sum()), heads)
         scale = (D_V + D_R) ** -0.5
         path = prefill_path(q, kv, v_dim=D_V)
@@ -119,7 +117,7 @@ class Case:
 
         self.runs = {"step": step, "kernel": kernel}
         sample = torch.randperm(tokens, generator=torch.Generator().manual_seed(1))[:64].to(device)
-        ref_out, _ = sparse_mla_reference(q[sample].float(), kv.float(), rows[sample], scale=scale, v_dim=D_V)
+        ref_out, _ = sparse_mla_reference(q[sample].float(), kv, rows[sample], scale=scale, v_dim=D_V)
         step()
         self._check("routed step", out[sample], ref_out)
         if kv8 is not None:
@@ -173,6 +171,17 @@ class Case:
 
     def time(self, flush, reps: int) -> dict[str, float]:
         return {name: timed(run, flush, reps) for name, run in self.runs.items()}
+
+
+def shared_cache(caches: dict, kv_rows: int, fp8: bool, device: torch.device):
+    """``(kv, kv8)``: the bf16 cache of ``kv_rows`` rows (seed 0) and, with ``fp8``, its
+    ``fp8_ds_mla`` rows (``kv`` then holds the values they dequantise to; else ``None``), built once
+    into ``caches`` and shared by every case of that size (with ``--pool-rows``, every case)."""
+    key = (kv_rows, fp8)
+    if key not in caches:
+        kv = random_qkv(0, 0, kv_rows, 0, device)[1]
+        caches[key] = (kv, fp8_rows_of(kv) if fp8 else None)
+    return caches[key]
 
 
 def case_records(case: Case, ms: dict[str, float], pass_name: str, env: dict) -> list[dict]:
@@ -249,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
     fp8 = args.kv_dtype == "fp8_ds_mla"
-    cases = [Case(h, t, args.topk, args.kv_rows or default_kv_rows(t), device, peer, fp8, args.pool_rows)
+    caches: dict = {}
+    cases = [Case(h, t, args.topk, args.kv_rows or default_kv_rows(t), device, peer, fp8, args.pool_rows, caches)
              for t in args.tokens for h in args.heads]  # fmt: skip
     flush = l2_flush(device)
     records = []
