@@ -16,8 +16,11 @@ Path selection (:func:`~shardattn.ops.dispatch.prefill_path`, also used by the w
   crossovers send ``(heads, G)`` (:func:`shardattn.plan.routing.route_prefill_kernel`), and
   ``group_size=None`` takes the grouped Gluon kernel's ``G``
   (:func:`shardattn.plan.routing.gluon_grouped_group_size`) where that kernel runs;
-* the per-query path also when the KV cache has ``>= 2**24 - 1`` rows (24-bit packed rows)
-  or on explicit ``group_size=1``;
+* on a KV cache of more than ``2**24 - 1`` rows (24-bit packed rows) a kernel call with no
+  ``prepared_union`` gathers the blocks its rows touch into a compact cache first
+  (:mod:`shardattn.ops.kv_compact`, one host sync; not during CUDA-graph capture) and runs grouped
+  when they fit (a ``union`` workspace, sized per query there, is used as the grouped buffers
+  when it holds them); otherwise, and on explicit ``group_size=1``, the per-query path;
 * the torch reference on CPU tensors or shapes the kernel does not support.
 
 Duplicate rows within one query's list are one key on every path (the reference too).
@@ -29,12 +32,15 @@ from collections.abc import Callable
 
 import torch
 
+from shardattn.kernels.backend import use_triton
 from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason, launch_gluon_attention
 from shardattn.kernels.triton.sparse_mla import (
     launch_attention,
     tile_config,
 )
+from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops.dispatch import prefill_path
+from shardattn.ops.kv_compact import compact_rows
 from shardattn.ops.kv_fp8_stage import kernel_rows
 from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
 from shardattn.ops.sparse_mla import (
@@ -47,6 +53,31 @@ from shardattn.ops.sparse_mla import (
     store_heads,
 )
 from shardattn.ops.union import GROUP_SIZES
+
+
+def _compacts(q3, kv, v_dim, group_size, prepared_union) -> bool:
+    """Whether a call gathers the blocks its rows touch first (:mod:`shardattn.ops.kv_compact`): a
+    kernel call on a cache too large for packed union entries, whose route on a cache that fits
+    them is grouped, with no prepared union (built per query for this cache) and not in CUDA-graph
+    capture (the count is a host sync)."""
+    if kv.shape[0] <= MAX_PACKED_ROWS or group_size == 1 or prepared_union is not None:
+        return False
+    if not kv.is_cuda or not use_triton(q3, kv) or torch.cuda.is_current_stream_capturing():
+        return False
+    return prefill_path(q3, kv[:MAX_PACKED_ROWS], v_dim=v_dim, group_size=group_size).group_size > 1
+
+
+def _union_views(union: tuple[torch.Tensor, torch.Tensor], rows_shape, g: int):
+    """The caller's union workspace (sized for the per-query union this cache's route gives) as
+    ``G = g`` buffers ``([ceil(T/g), g*K], [ceil(T/g)])`` where it holds as many entries, else
+    ``None`` (the build allocates them)."""
+    u, lens = union
+    groups, width = -(-rows_shape[0] // g), g * rows_shape[1]
+    if u.dtype != torch.int32 or lens.dtype != torch.int32 or not (u.is_contiguous() and lens.is_contiguous()):
+        return None
+    if u.numel() < groups * width or lens.numel() < groups:
+        return None
+    return u.view(-1)[: groups * width].view(groups, width), lens.view(-1)[:groups]
 
 
 def sparse_mla_grouped_prefill(
@@ -126,6 +157,11 @@ def sparse_mla_grouped_prefill(
         check_prepared_union(prepared_union, rows)
         if union is not None:
             raise ValueError("pass union (a workspace to build into) or prepared_union (built already), not both")
+    compacted = False
+    if _compacts(q3, kv, v_dim, group_size, prepared_union):
+        compact = compact_rows(kv, rows, topk_length, max_rows=MAX_PACKED_ROWS)  # one host sync
+        if compact is not None:  # the touched blocks fit packed entries: the call runs grouped
+            (kv, rows), compacted = compact, True
     if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
         if q_ready is not None:
             q_ready()
@@ -144,6 +180,8 @@ def sparse_mla_grouped_prefill(
         lse_out = s if lse_out is None else store_heads(lse_out, s)
     else:
         g = path.group_size
+        if compacted and union is not None:
+            union = _union_views(union, rows.shape, g)
         if prepared_union is not None:
             check_prepared_union(prepared_union, rows, group_size=g)
         u, lens = union_for_call(
