@@ -199,9 +199,12 @@ def prefill_path(
         if g_gluon is not None and sparse_prefill_kernel(q, kv, v_dim, g_gluon)[0] == "gluon":
             g, reason = g_gluon, f"G = {g_gluon} for {heads} heads (grouped Gluon crossover)"
     if g > 1 and kv.shape[0] > MAX_PACKED_ROWS:
-        g, reason = 1, (
-            f"KV cache of {kv.shape[0]} rows exceeds the 24-bit packed limit (a grouped prefill that "
-            "gathers the blocks its rows touch runs grouped: shardattn.ops.kv_compact)"
+        g, reason = (
+            1,
+            (
+                f"KV cache of {kv.shape[0]} rows exceeds the 24-bit packed limit (a grouped prefill that "
+                "gathers the blocks its rows touch runs grouped: shardattn.ops.kv_compact)"
+            ),
         )
     kernel, why = sparse_prefill_kernel(q, kv, v_dim, g)
     if kernel == "gluon":
