@@ -54,15 +54,19 @@ def compact_rows(
         them) and each valid row's place among them; invalid entries ``-1``. One host sync.
     """
     num_rows = kv.shape[0]
+    num_blocks = -(-num_rows // COMPACT_BLOCK_ROWS)
     valid = valid_mask(rows, num_rows, topk_length)
-    block = torch.where(valid, rows.long() >> _SHIFT, 0)
-    marks = torch.zeros(-(-num_rows // COMPACT_BLOCK_ROWS), dtype=torch.int32, device=rows.device)
-    marks[block[valid]] = 1
+    # int32 throughout (a call's [T, K] passes are memory-bound); invalid entries mark a spare block
+    block = torch.where(valid, rows >> _SHIFT, num_blocks)
+    marks = torch.zeros(num_blocks + 1, dtype=torch.int32, device=rows.device)
+    marks[block] = 1
+    marks[num_blocks] = 0
     placed = torch.cumsum(marks, 0, dtype=torch.int32)  # block b -> compact block placed[b] - 1
-    if int(placed[-1]) * COMPACT_BLOCK_ROWS > max_rows:  # the host sync
+    count = int(placed[-1])  # the host sync
+    if count * COMPACT_BLOCK_ROWS > max_rows:
         return None
-    blocks = torch.nonzero(marks).flatten()
+    blocks = torch.nonzero_static(marks[:num_blocks], size=count).flatten()  # no second sync
     offsets = torch.arange(COMPACT_BLOCK_ROWS, device=kv.device)
     gathered = (blocks[:, None] * COMPACT_BLOCK_ROWS + offsets[None, :]).flatten().clamp_max(num_rows - 1)
-    rows_compact = (placed[block].long() - 1) * COMPACT_BLOCK_ROWS + (rows.long() & (COMPACT_BLOCK_ROWS - 1))
+    rows_compact = (placed[block] - 1) * COMPACT_BLOCK_ROWS + (rows & (COMPACT_BLOCK_ROWS - 1))
     return kv[gathered], torch.where(valid, rows_compact, -1).to(torch.int32)
