@@ -30,10 +30,15 @@ import torch
 
 from shardattn.ops.sparse_mla import valid_mask
 
-__all__ = ["COMPACT_BLOCK_ROWS", "compact_rows"]
+__all__ = ["COMPACT_BLOCK_ROWS", "COMPACT_MIN_GROUP", "compact_rows"]
 
 #: Cache rows gathered together (a 64-token page of a DSA cache).
 COMPACT_BLOCK_ROWS = 64
+#: The smallest grouped ``G`` a call gathers for. The gathering and its host sync cost about 0.5 ms
+#: a 4K-token call; on an H200 with a 40M-row cache the bf16 step took 1.54 / 1.49 / 2.30 ms
+#: gathered against 2.24 / 2.12 / 2.03 per query at 8 / 16 / 32 heads (G = 8 / 4 / 2):
+#: docs/DECISIONS.md D53.
+COMPACT_MIN_GROUP = 4
 _SHIFT = COMPACT_BLOCK_ROWS.bit_length() - 1
 
 
@@ -62,11 +67,12 @@ def compact_rows(
     marks[block] = 1
     marks[num_blocks] = 0
     placed = torch.cumsum(marks, 0, dtype=torch.int32)  # block b -> compact block placed[b] - 1
+    rows_compact = (placed[block] - 1) * COMPACT_BLOCK_ROWS + (rows & (COMPACT_BLOCK_ROWS - 1))
+    rows_compact = torch.where(valid, rows_compact, -1).to(torch.int32)  # queued before the sync
     count = int(placed[-1])  # the host sync
     if count * COMPACT_BLOCK_ROWS > max_rows:
         return None
     blocks = torch.nonzero_static(marks[:num_blocks], size=count).flatten()  # no second sync
     offsets = torch.arange(COMPACT_BLOCK_ROWS, device=kv.device)
     gathered = (blocks[:, None] * COMPACT_BLOCK_ROWS + offsets[None, :]).flatten().clamp_max(num_rows - 1)
-    rows_compact = (placed[block] - 1) * COMPACT_BLOCK_ROWS + (rows & (COMPACT_BLOCK_ROWS - 1))
-    return kv[gathered], torch.where(valid, rows_compact, -1).to(torch.int32)
+    return kv[gathered], rows_compact

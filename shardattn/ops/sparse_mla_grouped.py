@@ -17,10 +17,11 @@ Path selection (:func:`~shardattn.ops.dispatch.prefill_path`, also used by the w
   ``group_size=None`` takes the grouped Gluon kernel's ``G``
   (:func:`shardattn.plan.routing.gluon_grouped_group_size`) where that kernel runs;
 * on a KV cache of more than ``2**24 - 1`` rows (24-bit packed rows) a kernel call with no
-  ``prepared_union`` gathers the blocks its rows touch into a compact cache first
-  (:mod:`shardattn.ops.kv_compact`, one host sync; not during CUDA-graph capture) and runs grouped
-  when they fit (a ``union`` workspace, sized per query there, is used as the grouped buffers
-  when it holds them); otherwise, and on explicit ``group_size=1``, the per-query path;
+  ``prepared_union`` whose route groups 4 or more queries (8-16 heads) gathers the blocks its rows
+  touch into a compact cache first (:mod:`shardattn.ops.kv_compact`, one host sync; not during
+  CUDA-graph capture) and runs grouped when they fit (a ``union`` workspace, sized per query
+  there, serves as the grouped buffers when it holds them); otherwise, and on explicit
+  ``group_size=1``, the per-query path;
 * the torch reference on CPU tensors or shapes the kernel does not support.
 
 Duplicate rows within one query's list are one key on every path (the reference too).
@@ -40,7 +41,7 @@ from shardattn.kernels.triton.sparse_mla import (
 )
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops.dispatch import prefill_path
-from shardattn.ops.kv_compact import compact_rows
+from shardattn.ops.kv_compact import COMPACT_MIN_GROUP, compact_rows
 from shardattn.ops.kv_fp8_stage import kernel_rows
 from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
 from shardattn.ops.sparse_mla import (
@@ -58,13 +59,14 @@ from shardattn.ops.union import GROUP_SIZES
 def _compacts(q3, kv, v_dim, group_size, prepared_union) -> bool:
     """Whether a call gathers the blocks its rows touch first (:mod:`shardattn.ops.kv_compact`): a
     kernel call on a cache too large for packed union entries, whose route on a cache that fits
-    them is grouped, with no prepared union (built per query for this cache) and not in CUDA-graph
-    capture (the count is a host sync)."""
+    them groups at least ``COMPACT_MIN_GROUP`` queries (8-16 heads), with no prepared union (built
+    per query for this cache) and not in CUDA-graph capture (the count is a host sync)."""
     if kv.shape[0] <= MAX_PACKED_ROWS or group_size == 1 or prepared_union is not None:
         return False
     if not kv.is_cuda or not use_triton(q3, kv) or torch.cuda.is_current_stream_capturing():
         return False
-    return prefill_path(q3, kv[:MAX_PACKED_ROWS], v_dim=v_dim, group_size=group_size).group_size > 1
+    path = prefill_path(q3, kv[:MAX_PACKED_ROWS], v_dim=v_dim, group_size=group_size)
+    return path.group_size >= COMPACT_MIN_GROUP
 
 
 def _union_views(union: tuple[torch.Tensor, torch.Tensor], rows_shape, g: int):
