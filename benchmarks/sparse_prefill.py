@@ -16,8 +16,9 @@ from a cache of that many rows; bf16, D 576 / Dv 512):
   step of the same run (the Triton kernel per query and, below 64 heads, on grouped tiles, each
   with its union build).
 * **kernel**: the routed kernel alone on a union built beforehand (on a cache past 24-bit packed
-  rows, ``--pool-rows`` above 16,777,215, the per-query union: the step gathers the blocks its
-  rows touch and runs grouped, :mod:`shardattn.ops.kv_compact`, the kernel record does not). Peer (``--peer-lib``, a
+  rows, ``--pool-rows`` above 16,777,215, the per-query union: at 8-16 heads the step gathers the
+  blocks its rows touch and runs grouped, :mod:`shardattn.ops.kv_compact`; the kernel record does
+  not). Peer (``--peer-lib``, a
   library ``benchmarks/peer/build_flashmla_peer.sh`` builds from a FlashMLA checkout): FlashMLA's
   SM90 sparse prefill on the same q, KV and rows (below 64 heads padded to 64 heads, as FlashMLA
   runs them); its output is checked against the routed kernel's first.

@@ -31,6 +31,7 @@ from shardattn.kernels.backend import (
     use_triton,
 )
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
+from shardattn.ops.kv_compact import COMPACT_MIN_GROUP
 from shardattn.plan.routing import gluon_grouped_group_size, grouped_group_size
 
 __all__ = [
@@ -199,13 +200,10 @@ def prefill_path(
         if g_gluon is not None and sparse_prefill_kernel(q, kv, v_dim, g_gluon)[0] == "gluon":
             g, reason = g_gluon, f"G = {g_gluon} for {heads} heads (grouped Gluon crossover)"
     if g > 1 and kv.shape[0] > MAX_PACKED_ROWS:
-        g, reason = (
-            1,
-            (
-                f"KV cache of {kv.shape[0]} rows exceeds the 24-bit packed limit (a grouped prefill that "
-                "gathers the blocks its rows touch runs grouped: shardattn.ops.kv_compact)"
-            ),
-        )
+        why_big = f"KV cache of {kv.shape[0]} rows exceeds the 24-bit packed limit"
+        if g >= COMPACT_MIN_GROUP:  # sparse_mla_grouped_prefill gathers the touched blocks, then runs G
+            why_big += f" (a grouped prefill first gathers the blocks its rows touch, then runs G = {g})"
+        g, reason = 1, why_big
     kernel, why = sparse_prefill_kernel(q, kv, v_dim, g)
     if kernel == "gluon":
         return PrefillPath("gluon", g, None, f"{reason}; {why}")
