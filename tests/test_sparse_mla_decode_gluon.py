@@ -358,7 +358,7 @@ def test_gluon_decode_graph_capture_replays_bitwise(tokens):
 # ---- decode warm-up: every variant the size-dependent routing can reach (CPU, calls recorded) ----
 
 
-@pytest.mark.parametrize("routed", ["gluon", "triton"])
+@pytest.mark.parametrize("routed", ["gluon", "gluon_stream", "triton"])
 def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeypatch, routed):
     import shardattn.runtime.decode_warmup as dw
     from shardattn.plan.spec import get_preset
@@ -373,7 +373,7 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
 
     monkeypatch.setattr(dw, "sparse_mla_decode", record)
     monkeypatch.setattr(dw, "run_sparse_mla_decode", record_run)
-    monkeypatch.setattr(dw, "sparse_decode_kernel", lambda q, kv, v_dim: (routed, "test"))
+    monkeypatch.setattr(dw, "sparse_decode_kernel", lambda q, kv, v_dim, rows=None: (routed, "test"))
     monkeypatch.setattr(dw, "convert_topk", lambda pos, *a, **k: (pos, None))
     monkeypatch.setattr(dw, "compiles_kernels", lambda device: True)  # as on a GPU, with CPU tensors
     spec = get_preset("glm5")
@@ -385,10 +385,12 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
         assert (t, None, None, unique) in calls and (t, "triton", None, unique) in calls
     merges = {(1, "triton", s, u) for s in dw.COLUMN_MERGE_WARMUP_SPLITS for u in (False, True)}
     assert merges <= set(calls)  # every column merge, on a union and on raw rows
-    gluon = {c for c in calls if c[1] == "gluon"}
-    # unsplit and sliced, on a union and on unique rows (unsplit: read in place, the raw-row kernel variant)
-    want = {(40, "gluon", s, u) for s in (1, 2) for u in (False, True)}
-    assert gluon == (want if routed == "gluon" else set())
+    for kernel in ("gluon", "gluon_stream"):
+        ran = {c for c in calls if c[1] == kernel}
+        # unsplit and sliced, on a union and on unique rows (gluon unsplit: read in place, the raw-row
+        # kernel variant; gluon_stream: written to out, and to partials with the merge)
+        want = {(40, kernel, s, u) for s in (1, 2) for u in (False, True)}
+        assert ran == (want if routed == kernel else set())
 
 
 @pytest.mark.gpu

@@ -34,6 +34,10 @@ from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops.kv_compact import COMPACT_MIN_GROUP
 from shardattn.plan.routing import gluon_grouped_group_size, grouped_group_size
 
+#: The decode backends that run Gluon kernels (sm_90): the per-query kernel, the small-batch one and
+#: the streaming one.
+GLUON_BACKENDS = ("gluon", "gluon_small", "gluon_stream")
+
 __all__ = [
     "PrefillPath",
     "decode_path",
@@ -121,7 +125,9 @@ def sparse_decode_kernel(
 
     On sm_90 when Triton ships Gluon and the shape suits it: ``"gluon_small"`` (with ``rows``
     given, up to :data:`shardattn.plan.decode_routing.SMALL_DECODE_MAX_HEADS` heads and
-    :data:`~shardattn.plan.decode_routing.SMALL_DECODE_MAX_TOKENS` tokens) or ``"gluon"`` where the
+    :data:`~shardattn.plan.decode_routing.SMALL_DECODE_MAX_TOKENS` tokens), ``"gluon_stream"`` (with
+    ``rows`` given, up to as many heads, from
+    :data:`~shardattn.plan.crossovers.STREAM_DECODE_MIN_BLOCKS_PER_SM` blocks per SM) or ``"gluon"`` where the
     routing's measured crossovers (:data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_HEADS` heads
     and :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_PROGRAMS` programs) say it pays; else
     ``"triton"`` (the split-KV kernel) when Triton runs these tensors; else ``"reference"`` (the
@@ -138,14 +144,17 @@ def sparse_decode_kernel(
 
     sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     missing = gluon_unsupported_reason(q, kv, v_dim)
-    small_missing = "rows not given"
+    small_missing = stream_missing = "rows not given"
     if rows is not None:
         from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_limits
+        from shardattn.kernels.gluon.sparse_mla_decode_stream import stream_decode_limits
 
         small_missing = missing or small_decode_limits(q, rows)
+        stream_missing = missing or stream_decode_limits(q, rows)
     route = route_sparse_decode_kernel(
         q.shape[1], num_tokens=q.shape[0], device_type=q.device, sm=sm, gluon_missing=missing,
-        small_missing=small_missing,
+        small_missing=small_missing, stream_missing=stream_missing,
+        topk=None if rows is None else rows.shape[1], num_sms=sm_count(q.device),
     )  # fmt: skip
     return route.path, route.reason + kv_reason(kv)
 
@@ -231,19 +240,21 @@ def decode_path(
 
     t, h, _ = q.shape
     if kv.shape[0] == 0 or not HAVE_TRITON or not use_triton(q):
-        if backend in ("gluon", "gluon_small"):
+        if backend in GLUON_BACKENDS:
             why = "kv has no rows" if kv.shape[0] == 0 else "no CUDA tensors or no Triton"
             raise ValueError(f"backend={backend!r} cannot run here: {why}")
         why = "kv has no rows" if kv.shape[0] == 0 else "no Triton for these tensors"
         return "reference", why + kv_reason(kv, "reference")
     if backend == "triton":
         return "triton", "backend='triton'" + kv_reason(kv)
-    if backend in ("gluon", "gluon_small"):  # forced: wherever it runs, whatever the crossover says
-        why = (
-            gluon_unsupported_reason(q, kv, v_dim)
-            if backend == "gluon"
-            else small_decode_unsupported_reason(q, kv, rows, v_dim)
-        )
+    if backend in GLUON_BACKENDS:  # forced: wherever it runs, whatever the crossover says
+        why = gluon_unsupported_reason(q, kv, v_dim)
+        if backend == "gluon_small":
+            why = small_decode_unsupported_reason(q, kv, rows, v_dim)
+        elif backend == "gluon_stream":
+            from shardattn.kernels.gluon.sparse_mla_decode_stream import stream_decode_limits
+
+            why = why or stream_decode_limits(q, rows)
         if why is not None:
             raise ValueError(f"backend={backend!r} cannot run here: {why}")
         kernel, why = backend, f"backend={backend!r}" + kv_reason(kv)

@@ -17,7 +17,10 @@ Backends: on an sm_90 GPU with Triton's Gluon, DSA shapes and bf16/fp16, calls o
 :data:`~shardattn.plan.decode_routing.SMALL_DECODE_MAX_HEADS` heads and
 :data:`~shardattn.plan.decode_routing.SMALL_DECODE_MAX_TOKENS` tokens run the small-batch Gluon kernel
 (:mod:`~shardattn.kernels.gluon.sparse_mla_decode_small`: one warpgroup per 64 entries of a split,
-its rows gathered at once, the heads as the ``wgmma`` N; the same column merge); at
+its rows gathered at once, the heads as the ``wgmma`` N; the same column merge); as many heads
+over more tokens, from :data:`~shardattn.plan.crossovers.STREAM_DECODE_MIN_BLOCKS_PER_SM` 64-entry
+blocks per SM, run the streaming Gluon kernel (:mod:`~shardattn.kernels.gluon.sparse_mla_decode_stream`:
+persistent programs, a ``cp.async`` ring of blocks per SM, the heads as the ``wgmma`` N); at
 :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_HEADS` heads or more (DSA shapes, bf16/fp16) and
 batches of at least :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_PROGRAMS` whole-row programs,
 the call runs the warp-specialised Gluon kernel instead
@@ -51,7 +54,7 @@ from shardattn.ops.union import build_union
 __all__ = ["BACKENDS", "run_sparse_mla_decode", "sparse_mla_decode"]
 
 #: ``backend=`` values: routed, or one kernel forced.
-BACKENDS = (None, "triton", "gluon", "gluon_small")
+BACKENDS = (None, "triton", "gluon", "gluon_small", "gluon_stream")
 
 
 def sparse_mla_decode(
@@ -90,7 +93,7 @@ def sparse_mla_decode(
             workspace too small for the small-batch kernel's splits routes the call to Triton;
             the Gluon kernel then takes fewer row slices.
         backend: ``None`` (routed: :func:`~shardattn.ops.dispatch.sparse_decode_kernel`),
-            ``"triton"``, ``"gluon"`` or ``"gluon_small"`` (forced, also outside the routing's
+            ``"triton"``, ``"gluon"``, ``"gluon_small"`` or ``"gluon_stream"`` (forced, also outside the routing's
             crossovers; a ``ValueError`` where the kernel cannot run these tensors).
         kv_format: the format ``kv`` must hold (as
             :func:`~shardattn.ops.sparse_mla.sparse_mla_attention`'s); ``None`` takes ``kv``'s.
@@ -111,7 +114,7 @@ def sparse_mla_decode(
     )
     t, h, _ = q.shape
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be None, 'triton', 'gluon' or 'gluon_small', got {backend!r}")
+        raise ValueError(f"backend must be None, 'triton', 'gluon', 'gluon_small' or 'gluon_stream', got {backend!r}")
     if not isinstance(rows_unique, bool):
         raise TypeError(f"rows_unique must be a bool, got {type(rows_unique).__name__}")
     if out is not None:
@@ -143,18 +146,20 @@ def run_sparse_mla_decode(
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sparse_mla_decode` on arguments already checked, on the named ``kernel`` (no routing):
-    ``"reference"``, ``"triton"``, ``"gluon"`` or ``"gluon_small"`` (:func:`~shardattn.ops.dispatch.decode_path`
-    says which runs where), with the launch knobs the public entry keeps private, for tuning,
-    warm-up and benchmarks: ``num_splits`` (the Triton kernel's splits, the Gluon kernel's row
-    slices) and ``config`` (the Triton kernel's launch overrides:
+    ``"reference"``, ``"triton"``, ``"gluon"``, ``"gluon_small"`` or ``"gluon_stream"``
+    (:func:`~shardattn.ops.dispatch.decode_path` says which runs where), with the launch knobs the public
+    entry keeps private, for tuning, warm-up and benchmarks: ``num_splits`` (the Triton kernel's
+    splits, the Gluon kernels' row slices) and ``config`` (the Triton kernel's launch overrides:
     :func:`~shardattn.kernels.triton.sparse_mla_decode.run_split_decode`). ``q`` is ``[T, H, D]``.
 
     Raises:
         ValueError: a knob the kernel does not take (``config`` off Triton, ``num_splits`` on the
             small-batch kernel, which picks its own), before any kernel runs.
     """
-    if kernel not in ("reference", "triton", "gluon", "gluon_small"):
-        raise ValueError(f"kernel must be 'reference', 'triton', 'gluon' or 'gluon_small', got {kernel!r}")
+    if kernel not in ("reference", "triton", "gluon", "gluon_small", "gluon_stream"):
+        raise ValueError(
+            f"kernel must be 'reference', 'triton', 'gluon', 'gluon_small' or 'gluon_stream', got {kernel!r}"
+        )
     if num_splits is not None:
         check_int("num_splits", num_splits, minimum=1)
         if kernel == "gluon_small":
@@ -186,6 +191,13 @@ def run_sparse_mla_decode(
         )  # fmt: skip
     if not rows_unique and rows.shape[1] > 1:
         rows, topk_length = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
+    if kernel == "gluon_stream":
+        from shardattn.kernels.gluon.sparse_mla_decode_stream import sparse_mla_decode_stream
+
+        return sparse_mla_decode_stream(
+            q, kv, rows, scale=float(scale), out=out, lse_out=lse_out, topk_length=topk_length, sinks=sinks,
+            workspace=workspace, num_sms=num_sms, pdl=pdl_supported(q.device), num_splits=num_splits,
+        )  # fmt: skip
     if kernel == "gluon_small":
         from shardattn.kernels.gluon.sparse_mla_decode_small import sparse_mla_decode_small
 

@@ -75,6 +75,11 @@ SMALL_DECODE_64_MAX_SM_FRACTION = 0.5
 #: Heads of one small-batch program when two programs share a split's rows while they fit one
 #: wave: each runs the softmax, P.V and the store on half the heads, on SMs that would idle (D33).
 SMALL_DECODE_HEAD_GROUP = 8
+#: Fewest 64-entry blocks per SM (``tokens x ceil(topk / 64) / num_sms``) at which a decode call of
+#: at most :data:`SMALL_DECODE_MAX_HEADS` heads runs the streaming Gluon kernel (one ring of blocks
+#: per SM) instead of the Triton split-KV kernel: below it a program streams too few blocks to hide
+#: its ring's fill and the split-KV kernel is as fast or faster (D54).
+STREAM_DECODE_MIN_BLOCKS_PER_SM = 12
 #: Columns and warps of a program of the column merge after the small-batch kernel: one warp holds
 #: every split's partial of its columns, so the reductions over the splits need no shared memory (D34).
 SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS = 64, 1
@@ -111,6 +116,7 @@ __all__ = [
     "SMALL_MERGE_WARPS",
     "SMEM_SCAN_RATIO",
     "SMEM_SORTED_RATIO",
+    "STREAM_DECODE_MIN_BLOCKS_PER_SM",
     "TILE_ROWS",
     "UNION_METHOD",
 ]

@@ -28,6 +28,7 @@ from shardattn.plan.crossovers import (
     SMALL_DECODE_HEAD_GROUP,
     SMALL_DECODE_MAX_HEADS,
     SMALL_DECODE_MAX_TOKENS,
+    STREAM_DECODE_MIN_BLOCKS_PER_SM,
 )
 from shardattn.plan.cudagraph import xqa_head_dim_supported
 from shardattn.plan.routing import Route, device_type_of, sm_of
@@ -128,8 +129,13 @@ def route_sparse_decode_kernel(
     small_missing: str | None = "not asked",
     small_max_heads: int = SMALL_DECODE_MAX_HEADS,
     small_max_tokens: int = SMALL_DECODE_MAX_TOKENS,
+    stream_missing: str | None = "not asked",
+    topk: int | None = None,
+    num_sms: int = 132,
+    stream_min_blocks_per_sm: float = STREAM_DECODE_MIN_BLOCKS_PER_SM,
 ) -> Route:
-    """Which kernel runs a sparse-MLA decode call: ``gluon_small``, ``gluon``, ``triton`` or ``reference``.
+    """Which kernel runs a sparse-MLA decode call: ``gluon_small``, ``gluon_stream``, ``gluon``, ``triton``
+    or ``reference``.
 
     Args:
         num_heads: query heads of the call (all heads under DCP, ``H / TP`` under head-TP).
@@ -142,6 +148,10 @@ def route_sparse_decode_kernel(
         small_missing: why the Gluon small-batch kernel cannot run these tensors (None = it can;
             the default keeps it out, for callers that do not ask).
         small_max_heads / small_max_tokens: the largest call it takes (measured crossovers).
+        stream_missing: why the Gluon streaming kernel cannot run these tensors (None = it can; the
+            default keeps it out). topk, num_sms: the call's top-k width and the device's SMs
+            (None = unknown: no streaming). stream_min_blocks_per_sm: the fewest 64-entry blocks
+            per SM at which it runs at up to ``small_max_heads`` heads (measured crossover).
 
     >>> route_sparse_decode_kernel(16, num_tokens=4, sm=90, small_missing=None).path
     'gluon_small'
@@ -149,6 +159,8 @@ def route_sparse_decode_kernel(
     'SM90, 128 heads >= 32: Gluon warp-specialised kernel (row slices merged by LSE)'
     >>> route_sparse_decode_kernel(16, sm=90).path
     'triton'
+    >>> route_sparse_decode_kernel(16, num_tokens=64, topk=2048, sm=90, stream_missing=None).path
+    'gluon_stream'
     >>> route_sparse_decode_kernel(128, num_tokens=1, sm=90).path
     'triton'
     >>> route_sparse_decode_kernel(128, device_type="cpu").path
@@ -175,6 +187,16 @@ def route_sparse_decode_kernel(
             "measured)"
         )
         return Route("gluon_small", 1, why)
+    blocks = None if t is None or topk is None else t * -(-check_int("topk", topk, minimum=0) // 64)
+    if stream_missing is None and blocks is not None and h <= small_max_heads:
+        per_sm = blocks / check_int("num_sms", num_sms, minimum=1)
+        if per_sm >= stream_min_blocks_per_sm:
+            why = (
+                f"SM90, {h} heads <= {small_max_heads} and {per_sm:.1f} blocks of 64 entries per SM >= "
+                f"{stream_min_blocks_per_sm}: Gluon streaming kernel (persistent, a cp.async ring of blocks per SM, "
+                "heads as the wgmma N; faster than Triton there, measured)"
+            )
+            return Route("gluon_stream", 1, why)
     if h < gluon_min_heads:
         why = f"{h} heads < {gluon_min_heads}: the Triton split-KV decode kernel is faster there (measured)"
         return Route("triton", 1, why)

@@ -80,8 +80,9 @@ def warm_up_decode(
     routed call also runs at the sizes where the small kernel's tile or heads a program change
     (:func:`small_kernel_sizes`), the Triton kernel is also run
     at every size (the variants a smaller batch than ``max_decode_tokens`` may need) and, where
-    ``max_decode_tokens`` reaches Gluon, the Gluon path once unsplit and once with two row slices
-    (its two kernel variants, written to ``out`` or to fp32 partials, and the merge); at one
+    ``max_decode_tokens`` reaches Gluon (or the streaming Gluon kernel), that path once unsplit and
+    once with two row slices (its two kernel variants, written to ``out`` or to fp32 partials, and
+    the merge); at one
     token the Triton path at every :data:`COLUMN_MERGE_WARMUP_SPLITS` (the column merge's variants).
     """
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -115,6 +116,11 @@ def warm_up_decode(
             gluon = (
                 compiles_kernels(device) and t == max(sizes) and sparse_decode_kernel(q, kv, spec.v_dim)[0] == "gluon"
             )
+            stream = (
+                compiles_kernels(device)
+                and t == max(sizes)
+                and sparse_decode_kernel(q, kv, spec.v_dim, rows)[0] == "gluon_stream"
+            )
             for sinks, unique in itertools.product(sink_options, (False, True)):
                 # topk_unique (rows_unique): the kernels see the raw rows, not a union: their own variants
                 sparse_mla_decode(q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, rows_unique=unique)
@@ -134,6 +140,12 @@ def warm_up_decode(
                     run_sparse_mla_decode(
                         q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel="gluon", num_splits=splits,
                         rows_unique=unique,
+                    )  # fmt: skip
+                    launches += 1
+                for splits in (1, 2) if stream else ():  # written to out, and to fp32 partials + the merge
+                    run_sparse_mla_decode(
+                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel="gluon_stream",
+                        num_splits=splits, rows_unique=unique,
                     )  # fmt: skip
                     launches += 1
         return launches
