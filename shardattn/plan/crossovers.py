@@ -77,9 +77,9 @@ SMALL_DECODE_64_MAX_SM_FRACTION = 0.5
 SMALL_DECODE_HEAD_GROUP = 8
 #: Fewest 64-entry blocks per SM (``tokens x ceil(topk / 64) / num_sms``) at which a decode call of
 #: at most :data:`SMALL_DECODE_MAX_HEADS` heads runs the streaming Gluon kernel (one ring of blocks
-#: per SM) instead of the Triton split-KV kernel: below it a program streams too few blocks to hide
-#: its ring's fill and the split-KV kernel is as fast or faster (D54).
-STREAM_DECODE_MIN_BLOCKS_PER_SM = 12
+#: per SM) instead of the Triton split-KV kernel: from 7.75 it was 1.0-1.3x faster, at 3.9 level or
+#: slower (D54).
+STREAM_DECODE_MIN_BLOCKS_PER_SM = 6
 #: Columns and warps of a program of the column merge after the small-batch kernel: one warp holds
 #: every split's partial of its columns, so the reductions over the splits need no shared memory (D34).
 SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS = 64, 1

@@ -55,11 +55,12 @@ MAX_HEADS = 16
 MAX_SPLITS = 64
 #: Bytes of a 64-row block in each format (bf16: 576 x 2 a row; fp8_ds_mla: 656 a row).
 BLOCK_BYTES = {False: 64 * 1152, True: 64 * 656}
-#: The plan's model (estimates): the bytes per us HBM serves picked rows (the read floor's rate
-#: at batch 64 on an H200, docs/PERFORMANCE.md), the most one program streams, the merge's fixed
-#: cost in us.
+#: The plan's model: the bytes per us HBM serves picked rows (the read floor's rate at batch 64 on
+#: an H200, docs/PERFORMANCE.md), the most one program streams in each format (measured: a 72 KB
+#: bf16 block per 2.7 us, a 41 KB fp8_ds_mla block per 3.7 us; D54) and the merge's fixed cost in
+#: us (estimate).
 HBM_BYTES_PER_US = 3.3e6
-PROGRAM_BYTES_PER_US = 40e3
+PROGRAM_BYTES_PER_US = {False: 27e3, True: 11.5e3}
 MERGE_US = 3.0
 LOG2E = 1.4426950408889634
 
@@ -119,7 +120,7 @@ def stream_decode_plan(
         s, blocks = shape(s)
         tiles = max(1, num_tokens * s)
         programs = min(num_sms, tiles)
-        rate = min(HBM_BYTES_PER_US / programs, PROGRAM_BYTES_PER_US)
+        rate = min(HBM_BYTES_PER_US / programs, PROGRAM_BYTES_PER_US[kv_fp8])
         t = -(-tiles // programs) * blocks * block_bytes / rate
         if s > 1:
             t += MERGE_US + 2 * split_partials_numel(s, num_tokens, num_heads, 512) * 4 / HBM_BYTES_PER_US
