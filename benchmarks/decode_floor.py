@@ -17,10 +17,10 @@ Records ``decode-read-floor``: decode us, baseline the floor us (ratio = floor /
 target is a decode step within 1.15x of the floor, ratio >= 0.87). Printed also as GB/s of rows.
 Every decode output is checked against the fp32 reference before it is timed.
 
-``--sweep``: where the routed decode is the Triton split-KV kernel (fewer heads than
-:data:`~shardattn.plan.crossovers.GLUON_DECODE_MIN_HEADS`), also that kernel under each of
-:data:`SWEEP`'s launch configurations times 1, 2 and 4 times its split count, and the small-batch
-Gluon kernel forced (where it takes the shape); at more heads, the Gluon kernel at 1, 2, 4 and 8
+``--sweep``: below :data:`~shardattn.plan.crossovers.GLUON_DECODE_MIN_HEADS` heads, also the Triton
+split-KV kernel under each of :data:`SWEEP`'s launch configurations times 1, 2 and 4 times its
+split count, the small-batch Gluon kernel forced and the streaming Gluon kernel at its planned
+and at 1, 2 and 4 slices (each where it takes the shape); at more heads, the Gluon kernel at 1, 2, 4 and 8
 slices of each row (its wave model picks one); printed per configuration, with a record ``best
 swept us`` of the fastest (its configuration named) against the same floor.
 """
@@ -42,7 +42,7 @@ from records import add_json_argument, environment, print_table, record, write_j
 from shardattn.kernels.triton.sparse_mla_decode import run_split_decode
 from shardattn.kernels.triton.sparse_mla_decode_config import sparse_mla_decode_config
 from shardattn.ops.sparse_mla import sparse_mla_reference
-from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.ops.sparse_mla_decode_gluon import sparse_mla_decode_gluon
 from shardattn.plan.crossovers import GLUON_DECODE_MIN_HEADS
 
@@ -124,6 +124,10 @@ def sweep(
     runs["gluon_small (forced)"] = lambda: sparse_mla_decode(
         q, cache, rows, scale=SCALE, rows_unique=True, out=o, lse_out=s, backend="gluon_small"
     )
+    for slices in (None, 1, 2, 4) if h <= 16 else ():
+        runs[f"gluon_stream {slices or 'planned'} slices"] = lambda slices=slices: run_sparse_mla_decode(
+            q, cache, rows, scale=SCALE, rows_unique=True, out=o, lse_out=s, kernel="gluon_stream", num_splits=slices
+        )
     return _fastest(runs, ref, o)
 
 

@@ -57,6 +57,16 @@ def test_routing_streams_calls_of_few_heads_with_enough_blocks_per_sm_and_says_w
         route_sparse_decode_kernel(16, **kw, topk=2048, num_sms=0)
 
 
+def test_the_op_refuses_more_heads_than_the_tile_before_any_launch():
+    from shardattn.kernels.gluon.sparse_mla_decode_stream import sparse_mla_decode_stream
+
+    q, kv, rows = torch.zeros(2, MAX_HEADS + 1, 576), torch.zeros(4, 576), torch.zeros(2, 64, dtype=torch.int32)
+    out, lse = torch.zeros(2, MAX_HEADS + 1, 512), torch.zeros(2, MAX_HEADS + 1)
+    with pytest.raises(ValueError, match="at most 16 heads"):
+        sparse_mla_decode_stream(q, kv, rows, scale=0.1, out=out, lse_out=lse, topk_length=None, sinks=None,
+                                 workspace=None, num_sms=132, pdl=False)  # fmt: skip
+
+
 def test_backend_gluon_stream_is_refused_where_it_cannot_run():
     from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 

@@ -111,6 +111,7 @@ def triton_sm90_ptx(
 _GLUON_PREFILL = "shardattn.kernels.gluon.sparse_mla"
 _GLUON_DECODE = "shardattn.kernels.gluon.sparse_mla_decode"
 _GLUON_SMALL = "shardattn.kernels.gluon.sparse_mla_decode_small"
+_GLUON_STREAM = "shardattn.kernels.gluon.sparse_mla_decode_stream"
 _GLUON_UNION = "shardattn.kernels.gluon.union_smem"
 _TRITON_PREFILL = "shardattn.kernels.triton.sparse_mla"
 _TRITON_DECODE = "shardattn.kernels.triton.sparse_mla_decode"
@@ -140,6 +141,10 @@ def _gluon_decode(*, raw_rows: bool, sinks: bool = False, **fp8: bool) -> str:
 def _gluon_small(block_n: int, heads_per_program: int, *, split: bool = True, **flags: bool) -> str:
     compile_kernel = _attr(_GLUON_SMALL, "compile_for_sm90")
     return compile_kernel(block_n, split=split, heads_per_program=heads_per_program, **flags).asm["ptx"]
+
+
+def _gluon_stream(heads: int, *, split: bool = True, **flags: bool) -> str:
+    return _attr(_GLUON_STREAM, "compile_for_sm90")(split=split, heads=heads, **flags).asm["ptx"]
 
 
 def _gluon_union(group_size: int, num_kv_rows: int) -> str:
@@ -257,6 +262,10 @@ VARIANTS: dict[str, Callable[[], str]] = {
     "gluon.small.b64.h16.one_split.len.sinks": lambda: _gluon_small(
         64, 16, split=False, even_k=False, topk_length=True, sinks=True
     ),
+    # Gluon streaming decode at <= 16 heads (slice partials or one slice into out; 8 or 16 heads)
+    "gluon.stream.h16": lambda: _gluon_stream(16),
+    "gluon.stream.h8": lambda: _gluon_stream(8),
+    "gluon.stream.h16.one_slice.len.sinks": lambda: _gluon_stream(16, split=False, topk_length=True, sinks=True),
     # Gluon shared-memory union build (both windows)
     "gluon.union_smem.g1.w2048": lambda: _gluon_union(1, 65536),
     "gluon.union_smem.g8.w2048": lambda: _gluon_union(8, 65536),
@@ -275,6 +284,7 @@ VARIANTS: dict[str, Callable[[], str]] = {
     "gluon.decode.raw_rows.fp8": lambda: _gluon_decode(raw_rows=True, kv_fp8=True),
     "gluon.small.b64.h16.fp8": lambda: _gluon_small(64, 16, kv_fp8=True),
     "gluon.small.b128.h8.fp8": lambda: _gluon_small(128, 8, kv_fp8=True),
+    "gluon.stream.h16.fp8": lambda: _gluon_stream(16, kv_fp8=True),
     "triton.prefill.g1.h128.fp8": lambda: _triton_prefill(128, 1, kv_fp8=True),
     "triton.prefill.g8.h8.fp8": lambda: _triton_prefill(8, 8, sinks=True, kv_fp8=True),
     "triton.decode.t1.h16.fp8": lambda: _triton_decode(1, 16, kv_fp8=True),

@@ -211,7 +211,13 @@ def sparse_mla_decode_stream(
     rows. ``workspace``: optional flat fp32 buffer for the partials (fewer slices if it is too
     small). ``num_splits``: slices asked for (None = :func:`stream_decode_plan`'s model).
     Capture-safe: no host sync, the grid depends on shapes only.
+
+    Raises:
+        ValueError: more heads than :data:`MAX_HEADS` or an empty top-k (before any launch).
     """
+    why = stream_decode_limits(q, rows)
+    if why is not None:
+        raise ValueError(f"the streaming decode kernel cannot take {why}")
     t, h, _d = q.shape
     limit = None if workspace is None else workspace.numel()
     plan = stream_decode_plan(
