@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from shardattn.kernels.gluon.compat import HAS_GLUON
+from shardattn.kernels.gluon.sparse_mla_decode_small import LOG2E, _padded_heads
 from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns, split_partials, split_partials_numel
 from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
 
@@ -49,7 +50,8 @@ __all__ = [
     "stream_stages",
 ]
 
-#: Heads the kernel holds (the ``wgmma`` N; fewer are padded to 8 or 16 and masked).
+#: Heads the kernel holds (the ``wgmma`` N; fewer are padded to 8 or 16 and masked), as the
+#: small-batch kernel.
 MAX_HEADS = 16
 #: Most slices of a token's row list.
 MAX_SPLITS = 64
@@ -62,18 +64,12 @@ BLOCK_BYTES = {False: 64 * 1152, True: 64 * 656}
 HBM_BYTES_PER_US = 3.3e6
 PROGRAM_BYTES_PER_US = {False: 27e3, True: 11.5e3}
 MERGE_US = 3.0
-LOG2E = 1.4426950408889634
 
 
 def stream_stages(kv_fp8: bool) -> int:
     """Blocks of the ring: 2 of bf16 rows (72 KB each), 3 of ``fp8_ds_mla`` rows (41 KB raw each,
     plus one 64 KB dequantised block); both fit sm_90's 227 KB with the double-buffered Q."""
     return 3 if kv_fp8 else 2
-
-
-def _padded_heads(heads: int) -> int:
-    """The ``wgmma`` N the heads pad to: 8 or 16."""
-    return 8 if heads <= 8 else MAX_HEADS
 
 
 def stream_decode_plan(

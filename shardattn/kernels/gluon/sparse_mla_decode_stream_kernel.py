@@ -34,8 +34,6 @@ if HAS_GLUON:
 
     FP8_SCALE_OFFSET = gl.constexpr(SCALE_OFFSET)
     FP8_ROPE_OFFSET = gl.constexpr(ROPE_OFFSET)
-    #: Rows of a block (the ``wgmma`` M of ``S^T``).
-    ROWS = gl.constexpr(64)
     #: Latent columns of one dequantised chunk (one fp8 scale tile).
     CW = gl.constexpr(128)
 
