@@ -222,7 +222,7 @@ def _sparse_rows() -> list[Row]:
         Row(
             "sparse_mla_decode-backend-unknown",
             _sparse(decode_mod.sparse_mla_decode, backend="flashmla"),
-            Raises(ValueError, r"^backend must be None, 'triton', 'gluon' or 'gluon_small'"),
+            Raises(ValueError, r"^backend must be None, 'triton', 'gluon', 'gluon_small' or 'gluon_stream'"),
         ),
     ]
     return rows
