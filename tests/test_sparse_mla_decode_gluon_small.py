@@ -259,13 +259,21 @@ def test_small_kernel_matches_reference(tokens, heads, k, with_len, with_sinks, 
     sparse_mla_decode(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks, out=out, lse_out=lse, rows_unique=True)
     ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks)
     _check(out, lse, ref_o, ref_l)
+    check_empty_rows_and_oracle(out, lse, q, kv, rows, length, sinks, oracle=tokens == 1)
+
+
+def check_empty_rows_and_oracle(out, lse, q, kv, rows, length, sinks, *, oracle):
+    """On ``_gpu_case``'s inputs: the token with no key gives ``(0, -inf)`` (``(0, sink)`` with
+    sinks), the token of ``topk_length`` 0 gives 0, and with ``oracle`` the whole call matches the
+    independent fp64 oracle."""
+    tokens, heads = q.shape[:2]
     if tokens > 2:
         empty = sinks if sinks is not None else torch.full((heads,), float("-inf"), device=q.device)
         assert (out[tokens // 2] == 0).all()  # no key at all: (0, -inf), or (0, sink) with sinks
         torch.testing.assert_close(lse[tokens // 2], empty.float(), atol=1e-5, rtol=1e-6)
     if length is not None and tokens > 2:
         assert (out[1] == 0).all()  # topk_length 0
-    if tokens == 1:  # the independent fp64 oracle, on the whole call
+    if oracle:  # the independent fp64 oracle, on the whole call
         o64, l64 = sparse_mla_oracle(q, kv, rows, scale=SCALE, v_dim=512, topk_length=length, sinks=sinks)
         torch.testing.assert_close(out.double().cpu(), o64, atol=2e-2, rtol=0)
         torch.testing.assert_close(lse.double().cpu(), l64, atol=1e-4, rtol=0)

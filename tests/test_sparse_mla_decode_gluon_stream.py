@@ -23,9 +23,9 @@ from shardattn.kernels.triton.lse_merge import split_partials_numel
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.plan.crossovers import SMALL_DECODE_MAX_HEADS, SMALL_DECODE_MAX_TOKENS, STREAM_DECODE_MIN_BLOCKS_PER_SM
 from shardattn.plan.decode_routing import route_sparse_decode_kernel
-from tests.oracle import sparse_mla_oracle
 from tests.ptxas_report import ptxas_report
-from tests.test_sparse_mla_decode_gluon import SCALE, _check, _gpu_case, needs_sm90
+from tests.test_sparse_mla_decode_gluon import SCALE, _check, needs_sm90
+from tests.test_sparse_mla_decode_gluon_small import _small_case, check_empty_rows_and_oracle
 
 # ---- routing and the plan (CPU) ----
 
@@ -158,16 +158,13 @@ def test_kernel_compiles_for_sm90_with_a_cp_async_ring_and_no_spills(split, with
 
 
 def _stream_case(tokens, heads, seed, k=2048, dtype=torch.bfloat16):
-    """``_gpu_case``'s inputs with each token's valid rows unique (what the kernel's callers
-    promise), its invalid entries kept where they were; a token's whole second block with no key."""
-    q, kv, rows, length, sinks = _gpu_case(tokens, 16, seed, k=k)
-    r = kv.shape[0]
-    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
-    unique = torch.argsort(torch.rand(tokens, r, device="cuda", generator=gen), dim=1)[:, :k].int()
-    rows = torch.where((rows < 0) | (rows >= r), rows, unique)
+    """The small-batch tests' inputs (unique valid rows, invalid entries kept where they were, a
+    128-entry stretch with no key), plus a whole 64-entry block with no key and ``topk_length``
+    clamped to the top-k."""
+    q, kv, rows, length, sinks = _small_case(tokens, heads, seed, k=k, dtype=dtype)
     if k >= 256 and tokens > 3:
         rows[3, 64:128] = -1
-    return q[:, :heads].contiguous().to(dtype), kv.to(dtype), rows, length.clamp(max=k), sinks[:heads].contiguous()
+    return q, kv, rows, length.clamp(max=k), sinks
 
 
 def _run(q, kv, rows, length, sinks, num_splits=None, workspace=None):
@@ -203,16 +200,7 @@ def test_stream_kernel_matches_reference(tokens, heads, k, with_len, with_sinks,
     out, lse = _run(q, kv, rows, length, sinks, num_splits=splits)
     ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks)
     _check(out, lse, ref_o, ref_l)
-    if tokens > 2:
-        empty = sinks if sinks is not None else torch.full((heads,), float("-inf"), device=q.device)
-        assert (out[tokens // 2] == 0).all()  # no key at all: (0, -inf), or (0, sink) with sinks
-        torch.testing.assert_close(lse[tokens // 2], empty.float(), atol=1e-5, rtol=1e-6)
-    if length is not None and tokens > 2:
-        assert (out[1] == 0).all()  # topk_length 0
-    if tokens <= 5:  # the independent fp64 oracle, on the whole call
-        o64, l64 = sparse_mla_oracle(q, kv, rows, scale=SCALE, v_dim=512, topk_length=length, sinks=sinks)
-        torch.testing.assert_close(out.double().cpu(), o64, atol=2e-2, rtol=0)
-        torch.testing.assert_close(lse.double().cpu(), l64, atol=1e-4, rtol=0)
+    check_empty_rows_and_oracle(out, lse, q, kv, rows, length, sinks, oracle=tokens <= 5)
 
 
 @pytest.mark.gpu
