@@ -17,6 +17,11 @@ Records ``decode-read-floor``: decode us, baseline the floor us (ratio = floor /
 target is a decode step within 1.15x of the floor, ratio >= 0.87). Printed also as GB/s of rows.
 Every decode output is checked against the fp32 reference before it is timed.
 
+``--no-reads``: also the same routed step with every entry made invalid (-1), so that no row is read
+and the output is zeros: what the step costs without its reads (records ``step us, no rows read``
+against the step that reads them, same run; ratio = with reads / without). Where the two are
+close, the step is bound by its own instructions, not by HBM.
+
 ``--sweep``: below :data:`~shardattn.plan.crossovers.GLUON_DECODE_MIN_HEADS` heads, also the Triton
 split-KV kernel under each of :data:`SWEEP`'s launch configurations times 1, 2 and 4 times its
 split count, the small-batch Gluon kernel forced and the streaming Gluon kernel at its planned
@@ -87,6 +92,12 @@ def bench(args: argparse.Namespace, env: dict) -> list[dict]:
                     config = {"kv": fmt, "heads": heads, "batch": batch, "topk": topk, "cache_rows": args.cache_rows}
                     base = ("read floor (the same rows read once), same run", flo)
                     out.append(record("decode-read-floor", config, "step us", dec, "us", "lower", base, env))
+                    if args.no_reads:
+                        bare = no_reads_us(q, cache, rows, o, s)
+                        print(f"  no rows read: {bare:.1f} us ({bare / dec:.2f} of the step)", flush=True)
+                        with_reads = ("the same step reading its rows, same run", dec)
+                        out.append(record("decode-read-floor", config, "step us, no rows read", bare, "us", "lower",
+                                          with_reads, env))  # fmt: skip
                     if args.sweep:
                         name, us = sweep(q, cache, rows, ref, o, s)
                         print(f"  best swept: {name} {us:.1f} us, {us / flo:.2f}x the floor", flush=True)
@@ -97,6 +108,21 @@ def bench(args: argparse.Namespace, env: dict) -> list[dict]:
                           f"floor {flo:.1f} us ({gb / flo:.0f} GB/s), decode / floor {dec / flo:.2f}",
                           flush=True)  # fmt: skip
     return out
+
+
+def no_reads_us(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, o: torch.Tensor, s: torch.Tensor) -> float:
+    """The routed step (as :func:`bench` times it) with every entry of ``rows`` made -1, in us; its
+    output is checked to be the empty row's ``(0, -inf)`` first."""
+    none = torch.full_like(rows, -1)
+
+    def step() -> None:
+        sparse_mla_decode(q, cache, none, scale=SCALE, rows_unique=True, out=o, lse_out=s)
+
+    o.fill_(float("nan"))
+    step()
+    if not (bool((o == 0).all()) and bool((s == float("-inf")).all())):
+        raise RuntimeError("a step with no valid entry did not give (0, -inf)")
+    return replay_us(step)
 
 
 def sweep(
@@ -158,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", nargs="+", type=int, default=[64, 256])
     p.add_argument("--topk", nargs="+", type=int, default=[2048, 512, 256])
     p.add_argument("--cache-rows", type=int, default=1 << 18, help="rows of the cache (40,000,000: 46 GB of bf16)")
+    p.add_argument("--no-reads", action="store_true", help="also the step with every entry invalid (docstring)")
     p.add_argument("--sweep", action="store_true", help="also the Triton kernel's launch configurations (docstring)")
     add_json_argument(p)
     return p
