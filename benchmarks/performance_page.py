@@ -118,7 +118,10 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "configuration), same rows, cache and run; graph replays with the L2 flushed; each token's "
         "top-k distinct random rows over the whole cache (small, or tens of GB). Ratio = floor / "
         "decode; the target is a decode within 1.15x of the floor (ratio >= 0.87). *best swept* rows "
-        "(`--sweep`): the fastest launch configuration found for that shape, named in the configuration.",
+        "(`--sweep`): the fastest launch configuration found for that shape, named in the configuration. "
+        "*no rows read* rows (`--no-reads`): the same step with every entry -1, so no row is read, "
+        "against the step that reads them (ratio = with reads / without); where it is close to 1 the "
+        "step is bound by its own instructions, not by HBM.",
         (),
     ),
     "decode-cache-size": (
