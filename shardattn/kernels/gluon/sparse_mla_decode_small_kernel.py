@@ -25,6 +25,7 @@ if HAS_GLUON:
         warpgroup_mma_wait,
     )
     from shardattn.kernels.gluon.e4m3 import e4m3_times_bf16
+    from shardattn.kernels.gluon.sparse_mla_epilogue import _row_lse
 
     # byte offsets of the scales and the rope values in an fp8_ds_mla row (shardattn.ops.kv_fp8)
     FP8_SCALE_OFFSET = gl.constexpr(SCALE_OFFSET)
@@ -217,9 +218,7 @@ if HAS_GLUON:
         o = warpgroup_mma(k_nope.permute((1, 0)), p_t, gl.zeros([DV, HP], gl.float32, o_layout),
                           use_acc=False, is_async=True)  # fmt: skip
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        has = denom > 0.0
-        d_safe = gl.where(has, denom, 1.0)
-        lse = gl.where(has, (m_safe + gl.log2(d_safe)) * 0.6931471805599453, float("-inf"))
+        d_safe, lse = _row_lse(m_safe, denom)
         o = o / gl.convert_layout(d_safe, gl.SliceLayout(0, o_layout))[None, :]
         store_l: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [W // 4, 4], [0, 1])  # 16 B a thread along Dv
         o = gl.convert_layout(o, store_l)

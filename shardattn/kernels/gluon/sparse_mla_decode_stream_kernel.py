@@ -31,6 +31,7 @@ if HAS_GLUON:
         _latent_layout,
         _p_operand,
     )
+    from shardattn.kernels.gluon.sparse_mla_epilogue import _row_lse
 
     FP8_SCALE_OFFSET = gl.constexpr(SCALE_OFFSET)
     FP8_ROPE_OFFSET = gl.constexpr(ROPE_OFFSET)
@@ -182,9 +183,7 @@ if HAS_GLUON:
             acc = acc * rescale[None, :]
         else:
             m_fs = gl.where(m_i == float("-inf"), 0.0, m_i)
-        has = l_i > 0.0
-        d_safe = gl.where(has, l_i, 1.0)
-        lse = gl.where(has, (m_fs + gl.log2(d_safe)) * 0.6931471805599453, float("-inf"))
+        d_safe, lse = _row_lse(m_fs, l_i)
         o = acc / d_safe[None, :]
         cols = gl.arange(0, DV, layout=gl.SliceLayout(1, o_layout))
         base = Out + s.to(gl.int64) * stride_os + t.to(gl.int64) * stride_ot

@@ -40,6 +40,15 @@ if HAS_GLUON:
         return t, (h // HB).to(gl.int64), h % HB, h, (t < T) & (h < H)
 
     @gluon.jit
+    def _row_lse(m_i, l_i):
+        """A finished row's ``(divisor, LSE)`` from its base-2 running max ``m_i`` and sum ``l_i``: the
+        divisor is ``l_i`` (1 for a row with no key), the LSE natural-log (``-inf`` for a row with no key).
+        The Gluon kernels' one finish of the online softmax."""
+        has = l_i > 0.0
+        l_safe = gl.where(has, l_i, 1.0)
+        return l_safe, gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+
+    @gluon.jit
     def _ws_finish(acc, m_i, l_i, out_args, W: gl.constexpr, HAS_SINK: gl.constexpr, G: gl.constexpr):
         """Folds the sinks in, stores the LSE (warpgroup 0) and returns the normalised output tile
         (fp32, ``acc``'s layout); an empty row gives 0 and ``-inf``."""
@@ -54,10 +63,8 @@ if HAS_GLUON:
             l_i = l_i * alpha + gl.exp2(sink - m_f)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc_l))[:, None]
             m_i = m_f
-        has = l_i > 0.0
-        l_safe = gl.where(has, l_i, 1.0)
+        l_safe, lse = _row_lse(m_i, l_i)
         if W == 0:
-            lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
             gl.store(LSE + t * stride_lt + hblk * stride_lb + hin * stride_lh, lse, mask=ok)
         return acc / gl.convert_layout(l_safe, gl.SliceLayout(1, acc_l))[:, None]
 
