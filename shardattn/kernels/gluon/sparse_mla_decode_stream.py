@@ -18,7 +18,9 @@ This kernel keeps one stream of 64-row blocks per SM:
   dequantised block (``bf16(code) * scale`` chunk by chunk, :mod:`~shardattn.kernels.gluon.e4m3`);
 * per block ``S^T = K Q^T`` on ``wgmma`` with the rows as M and the heads (padded to 8 or 16) as
   N, the online softmax down each head (base 2, the library's), ``O^T += V^T P^T`` with the 512
-  value columns as M (the accumulator is 64 fp32 registers a thread at 16 heads);
+  value columns as M (the accumulator is 64 fp32 registers a thread at 16 heads); the softmax's
+  denominator is kept per row slot, like ``S^T``, and summed down the rows once a tile, so the
+  only reduction across the warps in the loop is the running max;
 * per tile its output and LSE: straight into ``out`` / ``lse`` with one slice, else fp32 partials
   ``[S, T, H, 512]`` merged by :func:`~shardattn.ops.lse_merge.launch_lse_merge_columns`.
 

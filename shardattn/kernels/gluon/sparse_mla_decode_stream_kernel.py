@@ -87,10 +87,10 @@ if HAS_GLUON:
         return gl.where(in_row & (r >= 0) & (r < R), r, -1)
 
     @gluon.jit
-    def _rows_in(ids, layout: gl.constexpr):
-        """``(row, is_key)`` of a block's entries (:func:`_block_ids`) in ``layout`` (rows no key
-        read 0)."""
-        r = gl.convert_layout(ids, layout)
+    def _rows_in(slot, layout: gl.constexpr):
+        """``(row, is_key)`` of a block's entries (:func:`_block_ids`, stored in the key ring's
+        ``slot``) in ``layout`` (rows no key read 0)."""
+        r = slot.load(layout)
         return gl.maximum(r, 0), r >= 0
 
     @gluon.jit
@@ -100,24 +100,27 @@ if HAS_GLUON:
         """Block ``c``'s rows (``ids``: :func:`_block_ids`) into ring stage ``c % STAGES`` as one
         ``cp.async`` group, with its tile's Q into Q buffer ``i % 2`` when the block is its tile's
         first; past the program's last block an empty group, so that ``cp.wait_group(STAGES - 1)``
-        always means "block ``c`` landed". The entries also go to the stage's slot of the key ring,
-        where the softmax reads which rows are keys."""
+        always means "block ``c`` landed". The entries go to the stage's slot of the key ring first:
+        the gathers read them back in their own layouts behind one barrier (a layout conversion
+        each costs a barrier more), and the softmax reads there which rows are keys."""
         (q_nope, q_rope, k_nope, k_rope, k_codes, k_scales, keys) = bufs
         i, b, t, _s = _tile_of(c, pid, n_prog, S, NB)
         st = c % STAGES
-        keys.index(st).store(ids)
+        slot = keys.index(st)
+        slot.store(ids)
+        cta_barrier()  # every gather reads the entries back in its own layout
         lay_r: gl.constexpr = _rope_layout()
         cols_r = gl.arange(0, DR, layout=gl.SliceLayout(0, lay_r))
-        r_r, key_r = _rows_in(ids, gl.SliceLayout(1, lay_r))
+        r_r, key_r = _rows_in(slot, gl.SliceLayout(1, lay_r))
         row_r = KV + r_r.to(gl.int64) * stride_kvr
         if KV_FP8:
             lay_c: gl.constexpr = _codes_layout()
-            r_c, key_c = _rows_in(ids, gl.SliceLayout(1, lay_c))
+            r_c, key_c = _rows_in(slot, gl.SliceLayout(1, lay_c))
             cols_c = gl.arange(0, DV, layout=gl.SliceLayout(0, lay_c))
             row_c = KV + r_c.to(gl.int64) * stride_kvr
             async_load(k_codes.index(st), (row_c[:, None] + cols_c[None, :]).to(gl.pointer_type(gl.float8e4nv)),
                        mask=key_c[:, None])  # fmt: skip
-            r_s, key_s = _rows_in(ids, _scales_layout())
+            r_s, key_s = _rows_in(slot, _scales_layout())
             row_s = (KV + r_s.to(gl.int64) * stride_kvr + FP8_SCALE_OFFSET).to(gl.pointer_type(gl.float32))
             for c in gl.static_range(DV // CW):  # scale tile c of the 64 rows to [c * 64, c * 64 + 64)
                 async_load(k_scales.index(st).slice(c * 64, 64), row_s + c, mask=key_s)
@@ -125,7 +128,7 @@ if HAS_GLUON:
             async_load(k_rope.index(st), rope[:, None] + cols_r[None, :], mask=key_r[:, None])
         else:
             lay_v: gl.constexpr = _gather_layout(DV, 4)
-            r_v, key_v = _rows_in(ids, gl.SliceLayout(1, lay_v))
+            r_v, key_v = _rows_in(slot, gl.SliceLayout(1, lay_v))
             cols_v = gl.arange(0, DV, layout=gl.SliceLayout(0, lay_v))
             async_load(k_nope.index(st), KV + r_v.to(gl.int64)[:, None] * stride_kvr + cols_v[None, :],
                        mask=key_v[:, None])  # fmt: skip
@@ -232,7 +235,7 @@ if HAS_GLUON:
         s_layout: gl.constexpr = _acc_layout(HP, 4)
         s_zero = gl.zeros([64, HP], gl.float32, s_layout)
         m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
-        l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, s_layout))
+        l_rows = gl.zeros([64, HP], gl.float32, s_layout)
         acc = gl.zeros([DV, HP], gl.float32, s_layout)
         for c in gl.static_range(STAGES - 1):  # the ring's first blocks
             ids = _block_ids(c, n_blocks, pid, n_prog, S, NB, T, Rows, TopkLen, stride_rt, stride_rk, K, R,
@@ -252,7 +255,7 @@ if HAS_GLUON:
             st = c % STAGES
             if b == 0:  # a new tile
                 m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
-                l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, s_layout))
+                l_rows = gl.zeros([64, HP], gl.float32, s_layout)
                 acc = gl.zeros([DV, HP], gl.float32, s_layout)
             cp.wait_group(STAGES - 1)  # block c's group (and its tile's Q) landed
             fence_async_shared()
@@ -264,7 +267,9 @@ if HAS_GLUON:
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = gl.exp2(m_i - m_safe)  # 0 while the head had no key (its l and acc are 0)
             p = gl.exp2(sc - m_safe[None, :])
-            l_i = l_i * alpha + gl.sum(p, axis=0)
+            # the denominator kept per row slot (summed down the rows once, at the tile's end): no
+            # reduction across the warps in the loop but the max
+            l_rows = l_rows * alpha[None, :] + p
             m_i = m_new
             acc = acc * alpha[None, :]
             p_t.store(p.to(dtype))
@@ -276,8 +281,8 @@ if HAS_GLUON:
                 acc = warpgroup_mma(k_nope.index(st).permute((1, 0)), p_t, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if b == NB - 1:
-                _store_tile(acc, m_i, l_i, t, s, Out, Lse, Sinks, stride_os, stride_ot, stride_oh, stride_ls,
-                            stride_lt, stride_lh, H, HP, DV, HAS_SINKS)  # fmt: skip
+                _store_tile(acc, m_i, gl.sum(l_rows, axis=0), t, s, Out, Lse, Sinks, stride_os, stride_ot, stride_oh,
+                            stride_ls, stride_lt, stride_lh, H, HP, DV, HAS_SINKS)  # fmt: skip
             cta_barrier()  # every warp is done with stage st (and P^T) before either is refilled
         cp.wait_group(0)
         if PDL:  # the outputs are stored: the merge may launch (it waits for this grid to complete)
