@@ -31,9 +31,10 @@ holds the largest step, not the sum of all. That is safe because:
   needs to persist between replays is outside the arena: its static inputs (the
   :class:`~shardattn.runtime.cudagraph.GraphRunner`'s buffers, reloaded every step, and the KV
   cache), its outputs (the merge's results, in the graph's own memory pool, read by the caller
-  before the next step), and the fused-merge counters of the sparse-MLA decode kernel (allocated
-  and zeroed inside the captured step, so every replay zeroes them again; they are never given
-  an arena buffer).
+  before the next step), and the sparse-MLA decode kernels' fp32 split partials (allocated inside
+  the captured step, so they live in the graph's pool, and every replay writes them before the
+  merge reads them; their count is each kernel's slice plan for the device, which the planner's
+  ``split_partials`` item does not bound here, so they are never given an arena buffer).
 """
 
 from __future__ import annotations
