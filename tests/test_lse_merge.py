@@ -130,6 +130,38 @@ def test_column_merge_matches_reference_under_interpreter(dtype_name):
     assert run_interpreted(__name__, "interpreted_column_cases", dtype_name).count("ok ") == 4
 
 
+def interpreted_split_and_merge_cases() -> None:
+    """The small-batch and streaming kernels' launch-and-merge: one split written straight into the
+    result, more into fp32 partials (a caller's workspace or allocated) merged into it."""
+    from shardattn.kernels.gluon.sparse_mla_decode_small import launch_split_and_merge
+    from shardattn.kernels.triton.lse_merge import split_partials_numel
+
+    for splits, with_ws in [(1, False), (3, False), (4, True)]:
+        outs, lses = make_partials(splits, 2, 3, 64, seed=splits)
+        seen = []
+
+        def launch(dst_out, dst_lse, outs=outs, lses=lses, splits=splits, seen=seen):
+            seen.append(dst_out.data_ptr())
+            dst_out.copy_(outs[0] if splits == 1 else outs)
+            dst_lse.copy_(lses[0] if splits == 1 else lses)
+
+        ws = torch.full((split_partials_numel(splits, 2, 3, 64),), float("nan")) if with_ws else None
+        out = torch.full((2, 3, 64), float("nan"))
+        lse = torch.full((2, 3), float("nan"))
+        launch_split_and_merge(launch, splits, out, lse, ws, pdl=False)
+        assert len(seen) == 1 and (seen[0] == out.data_ptr()) == (splits == 1)
+        assert ws is None or seen[0] == ws.data_ptr()
+        ref_out, ref_lse = loop_merge(outs, lses)
+        assert_merged(out, lse, ref_out, ref_lse, 1e-5)
+        print("ok", splits)
+
+
+@pytest.mark.interpret
+def test_split_and_merge_under_interpreter():
+    pytest.importorskip("triton", reason="the column merge needs triton")
+    assert run_interpreted(__name__, "interpreted_split_and_merge_cases").count("ok ") == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

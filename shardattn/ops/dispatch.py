@@ -229,12 +229,12 @@ def decode_path(
     workspace: torch.Tensor | None = None,
     num_sms: int = 132,
 ) -> tuple[str, str]:
-    """``(kernel, reason)`` of a sparse-MLA decode call: ``"reference"``, ``"triton"``, ``"gluon"``
-    or ``"gluon_small"``. ``backend`` forces one kernel wherever it runs (a ``ValueError`` where it
+    """``(kernel, reason)`` of a sparse-MLA decode call: ``"reference"``, ``"triton"``, ``"gluon"``,
+    ``"gluon_small"`` or ``"gluon_stream"``. ``backend`` forces one kernel wherever it runs (a ``ValueError`` where it
     cannot); routed, :func:`sparse_decode_kernel` decides, and a ``workspace`` too small for the
     small-batch kernel's splits sends its call to Triton (forced, it raises). Inputs validated."""
     from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
-    from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_unsupported_reason
+    from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_limits
     from shardattn.kernels.triton.lse_merge import HAVE_TRITON, split_partials_numel
     from shardattn.plan.decode_routing import small_decode_tiles
 
@@ -250,7 +250,7 @@ def decode_path(
     if backend in GLUON_BACKENDS:  # forced: wherever it runs, whatever the crossover says
         why = gluon_unsupported_reason(q, kv, v_dim)
         if backend == "gluon_small":
-            why = small_decode_unsupported_reason(q, kv, rows, v_dim)
+            why = why or small_decode_limits(q, rows)
         elif backend == "gluon_stream":
             from shardattn.kernels.gluon.sparse_mla_decode_stream import stream_decode_limits
 

@@ -149,9 +149,9 @@ def route_sparse_decode_kernel(
             the default keeps it out, for callers that do not ask).
         small_max_heads / small_max_tokens: the largest call it takes (measured crossovers).
         stream_missing: why the Gluon streaming kernel cannot run these tensors (None = it can; the
-            default keeps it out). topk, num_sms: the call's top-k width and the device's SMs
-            (None = unknown: no streaming). stream_min_blocks_per_sm: the fewest 64-entry blocks
-            per SM at which it runs at up to ``small_max_heads`` heads (measured crossover).
+            default keeps it out). topk: the call's top-k width (None = unknown: no streaming).
+            num_sms: the device's SMs. stream_min_blocks_per_sm: the fewest 64-entry blocks per SM
+            at which it runs at up to ``small_max_heads`` heads (measured crossover).
 
     >>> route_sparse_decode_kernel(16, num_tokens=4, sm=90, small_missing=None).path
     'gluon_small'

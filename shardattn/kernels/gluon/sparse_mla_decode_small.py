@@ -37,6 +37,8 @@ and ahead-of-time compile.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from shardattn.kernels.gluon.compat import HAS_GLUON
@@ -49,6 +51,7 @@ __all__ = [
     "MAX_SPLITS",
     "compile_for_sm90",
     "launch_small_split",
+    "launch_split_and_merge",
     "small_decode_limits",
     "small_decode_unsupported_reason",
     "small_decode_warps",
@@ -204,19 +207,39 @@ def sparse_mla_decode_small(
     """
     t, h, _d = q.shape
     block_n, splits = small_decode_tiles(t, rows.shape[1], num_sms)
-    if splits > 1:
-        dst_out, dst_lse = split_partials(workspace, splits, t, h, out.shape[-1], q.device)
-    else:
-        dst_out, dst_lse = out, lse_out
     group = small_decode_heads(t, splits, h, num_sms)
-    launch_small_split(
-        q, kv, rows, topk_length, sinks, dst_out, dst_lse, block_n, splits, scale, pdl, heads_per_program=group
-    )
-    if splits > 1:
-        launch_lse_merge_columns(
-            dst_out, dst_lse, out, lse_out, pdl=pdl, block_d=SMALL_MERGE_COLUMNS, num_warps=SMALL_MERGE_WARPS
+
+    def launch(dst_out: torch.Tensor, dst_lse: torch.Tensor) -> None:
+        launch_small_split(
+            q, kv, rows, topk_length, sinks, dst_out, dst_lse, block_n, splits, scale, pdl, heads_per_program=group
         )
+
+    launch_split_and_merge(launch, splits, out, lse_out, workspace, pdl)
     return out, lse_out
+
+
+def launch_split_and_merge(
+    launch: Callable[[torch.Tensor, torch.Tensor], None],
+    splits: int,
+    out: torch.Tensor,
+    lse_out: torch.Tensor,
+    workspace: torch.Tensor | None,
+    pdl: bool,
+) -> None:
+    """``launch(dst_out, dst_lse)`` of a split decode kernel and the merge after it (the small-batch and
+    streaming kernels'): with one split straight into ``out [T, H, Dv]`` / ``lse_out [T, H]``; else
+    into fp32 partials ``[splits, T, H, Dv]`` / ``[splits, T, H]`` in ``workspace`` (allocated when
+    None; :func:`~shardattn.kernels.triton.lse_merge.split_partials`), merged into them by the
+    column merge (one warp per 64 columns, :data:`SMALL_MERGE_COLUMNS`)."""
+    if splits == 1:
+        launch(out, lse_out)
+        return
+    t, h, v_dim = out.shape
+    dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, out.device)
+    launch(dst_out, dst_lse)
+    launch_lse_merge_columns(
+        dst_out, dst_lse, out, lse_out, pdl=pdl, block_d=SMALL_MERGE_COLUMNS, num_warps=SMALL_MERGE_WARPS
+    )
 
 
 def compile_for_sm90(

@@ -38,9 +38,8 @@ from __future__ import annotations
 import torch
 
 from shardattn.kernels.gluon.compat import HAS_GLUON
-from shardattn.kernels.gluon.sparse_mla_decode_small import LOG2E, _padded_heads
-from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns, split_partials, split_partials_numel
-from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
+from shardattn.kernels.gluon.sparse_mla_decode_small import LOG2E, _padded_heads, launch_split_and_merge
+from shardattn.kernels.triton.lse_merge import split_partials_numel
 
 __all__ = [
     "MAX_HEADS",
@@ -222,16 +221,11 @@ def sparse_mla_decode_stream(
         t, rows.shape[1], num_sms, kv_fp8=kv.dtype == torch.uint8, num_heads=h, num_splits=num_splits,
         max_partial_elems=limit,
     )  # fmt: skip
-    s = plan["num_splits"]
-    if s > 1:
-        dst_out, dst_lse = split_partials(workspace, s, t, h, out.shape[-1], q.device)
-    else:
-        dst_out, dst_lse = out, lse_out
-    launch_stream_decode(q, kv, rows, topk_length, sinks, dst_out, dst_lse, plan, scale, pdl)
-    if s > 1:
-        launch_lse_merge_columns(
-            dst_out, dst_lse, out, lse_out, pdl=pdl, block_d=SMALL_MERGE_COLUMNS, num_warps=SMALL_MERGE_WARPS
-        )
+
+    def launch(dst_out: torch.Tensor, dst_lse: torch.Tensor) -> None:
+        launch_stream_decode(q, kv, rows, topk_length, sinks, dst_out, dst_lse, plan, scale, pdl)
+
+    launch_split_and_merge(launch, plan["num_splits"], out, lse_out, workspace, pdl)
     return out, lse_out
 
 
