@@ -75,6 +75,33 @@ def capacity_cases(gen: torch.Generator) -> None:
     _report("capacity[3 blocks in 2]", tight is None)
 
 
+def mark_cases(gen: torch.Generator) -> None:
+    """The mark kernel on unions wider than one program's entries (a block's run across a program
+    boundary), sorted and shuffled, plain and packed (bit 31 set), lengths 0 to the full width, some
+    blocks untouched and one used only past a group's length: its marks equal the torch path's."""
+    from shardattn.kernels.triton.kv_fp8_stage import ENTRIES_PER_PROGRAM, launch_mark_blocks
+
+    width, blocks = ENTRIES_PER_PROGRAM * 2 + 52, 12
+    for g, shuffled in itertools.product((1, 8), (False, True)):
+        picked = torch.tensor([0, 3, 4, 10])  # blocks the used entries may touch (some, not all)
+        block = picked[torch.randint(0, 4, (4, width), generator=gen)]
+        rows = (block * 64 + torch.randint(0, 64, (4, width), generator=gen)).sort(1).values
+        rows[2, ENTRIES_PER_PROGRAM - 8 :] = 7 * 64 + 5  # one block's run across the program boundary
+        rows[3, 17:] = 9 * 64  # block 9 only past group 3's length: unmarked
+        if shuffled:
+            rows = rows.gather(1, torch.rand(rows.shape, generator=gen).argsort(1))
+        entries = rows | (0x80 << 24) if g > 1 else rows  # packed entries with bit 31 set
+        union = torch.where(entries >= 1 << 31, entries - (1 << 32), entries).to(torch.int32)
+        lens = torch.tensor([0, width, ENTRIES_PER_PROGRAM + 3, 17], dtype=torch.int32)
+        row_mask = kv_fp8_stage._row_mask(g)
+        got = torch.zeros(blocks, dtype=torch.int32)
+        launch_mark_blocks(union, lens, got, row_mask=row_mask, block_shift=6)
+        want = torch.zeros(blocks, dtype=torch.int32)
+        kv_fp8_stage._mark_torch(union, lens, want, row_mask)
+        _report(f"mark[G={g},{'shuffled' if shuffled else 'sorted'}]", torch.equal(got, want),
+                f"marked={int(got.sum())}/{int(want.sum())}")  # fmt: skip
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 before running this module", file=sys.stderr)
@@ -83,6 +110,7 @@ def main() -> int:
     for dtype, name in ((torch.float16, "fp16"), (torch.float32, "fp32")):
         stage_cases(gen, dtype, name)
     capacity_cases(gen)
+    mark_cases(gen)
     print(f"{len(FAILURES)} failures: {FAILURES}", flush=True)
     return 1 if FAILURES else 0
 
