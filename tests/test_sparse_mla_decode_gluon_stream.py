@@ -6,6 +6,7 @@ tails, fewer heads than the tile, fp16, many tiles a program, one slice written 
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -21,7 +22,12 @@ from shardattn.kernels.gluon.sparse_mla_decode_stream import (
 )
 from shardattn.kernels.triton.lse_merge import split_partials_numel
 from shardattn.ops.sparse_mla import sparse_mla_reference
-from shardattn.plan.crossovers import SMALL_DECODE_MAX_HEADS, SMALL_DECODE_MAX_TOKENS, STREAM_DECODE_MIN_BLOCKS_PER_SM
+from shardattn.plan.crossovers import (
+    SMALL_DECODE_MAX_HEADS,
+    SMALL_DECODE_MAX_TOKENS,
+    STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM,
+    STREAM_DECODE_MIN_BLOCKS_PER_SM,
+)
 from shardattn.plan.decode_routing import route_sparse_decode_kernel
 from tests.ptxas_report import ptxas_report
 from tests.test_sparse_mla_decode_gluon import SCALE, _check, needs_sm90
@@ -32,17 +38,23 @@ from tests.test_sparse_mla_decode_gluon_small import _small_case, check_empty_ro
 
 def test_routing_streams_calls_of_few_heads_with_enough_blocks_per_sm_and_says_why():
     assert SMALL_DECODE_MAX_HEADS == MAX_HEADS
-    for sms in (132, 78):
-        for topk in (256, 512, 2048):
+    least = {False: STREAM_DECODE_MIN_BLOCKS_PER_SM, True: STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM}
+    assert least[False] < 1 <= least[True]  # so both sides of each crossover are asked below
+    for sms, fp8 in itertools.product((132, 78), (False, True)):
+        for topk in (64, 256, 512, 2048):
             for t in (SMALL_DECODE_MAX_TOKENS + 1, 32, 64, 128, 256, 1024):
                 per_sm = t * -(-topk // 64) / sms
                 for h in (1, 8, 16, 17):
-                    route = route_sparse_decode_kernel(h, num_tokens=t, topk=topk, num_sms=sms, sm=90,
+                    route = route_sparse_decode_kernel(h, num_tokens=t, topk=topk, num_sms=sms, sm=90, kv_fp8=fp8,
                                                        small_missing=None, stream_missing=None)  # fmt: skip
-                    streams = h <= MAX_HEADS and per_sm >= STREAM_DECODE_MIN_BLOCKS_PER_SM
-                    assert (route.path == "gluon_stream") == streams, (h, t, topk, sms, route)
+                    streams = h <= MAX_HEADS and per_sm >= least[fp8]
+                    assert (route.path == "gluon_stream") == streams, (h, t, topk, sms, fp8, route)
                     if streams:
                         assert "streaming" in route.reason and "measured" in route.reason
+                        assert ("fp8_ds_mla rows" in route.reason) == fp8
+    forced = route_sparse_decode_kernel(16, num_tokens=64, topk=2048, sm=90, small_missing=None, stream_missing=None,
+                                        stream_min_blocks_per_sm=16)  # fmt: skip
+    assert forced.path == "triton"  # 15.5 blocks per SM < 16 asked
     # the small-batch kernel keeps its calls; no top-k, a kernel that cannot run, or no sm_90: no streaming
     kw = {"num_tokens": 256, "sm": 90, "small_missing": None, "stream_missing": None}
     assert route_sparse_decode_kernel(16, **{**kw, "num_tokens": 4}, topk=8192).path == "gluon_small"

@@ -127,7 +127,8 @@ def sparse_decode_kernel(
     given, up to :data:`shardattn.plan.decode_routing.SMALL_DECODE_MAX_HEADS` heads and
     :data:`~shardattn.plan.decode_routing.SMALL_DECODE_MAX_TOKENS` tokens), ``"gluon_stream"`` (with
     ``rows`` given, up to as many heads, from
-    :data:`~shardattn.plan.crossovers.STREAM_DECODE_MIN_BLOCKS_PER_SM` blocks per SM) or ``"gluon"`` where the
+    :data:`~shardattn.plan.crossovers.STREAM_DECODE_MIN_BLOCKS_PER_SM` blocks per SM, ``..._FP8_...`` on
+    ``fp8_ds_mla`` rows) or ``"gluon"`` where the
     routing's measured crossovers (:data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_HEADS` heads
     and :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_PROGRAMS` programs) say it pays; else
     ``"triton"`` (the split-KV kernel) when Triton runs these tensors; else ``"reference"`` (the
@@ -154,7 +155,7 @@ def sparse_decode_kernel(
     route = route_sparse_decode_kernel(
         q.shape[1], num_tokens=q.shape[0], device_type=q.device, sm=sm, gluon_missing=missing,
         small_missing=small_missing, stream_missing=stream_missing,
-        topk=None if rows is None else rows.shape[1], num_sms=sm_count(q.device),
+        topk=None if rows is None else rows.shape[1], num_sms=sm_count(q.device), kv_fp8=kv.dtype == torch.uint8,
     )  # fmt: skip
     return route.path, route.reason + kv_reason(kv)
 

@@ -18,8 +18,9 @@ Backends: on an sm_90 GPU with Triton's Gluon, DSA shapes and bf16/fp16, calls o
 :data:`~shardattn.plan.decode_routing.SMALL_DECODE_MAX_TOKENS` tokens run the small-batch Gluon kernel
 (:mod:`~shardattn.kernels.gluon.sparse_mla_decode_small`: one warpgroup per 64 entries of a split,
 its rows gathered at once, the heads as the ``wgmma`` N; the same column merge); as many heads
-over more tokens, from :data:`~shardattn.plan.crossovers.STREAM_DECODE_MIN_BLOCKS_PER_SM` 64-entry
-blocks per SM, run the streaming Gluon kernel (:mod:`~shardattn.kernels.gluon.sparse_mla_decode_stream`:
+over more tokens (bf16 / fp16 rows; ``fp8_ds_mla`` rows from
+:data:`~shardattn.plan.crossovers.STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM` 64-entry blocks per SM) run the
+streaming Gluon kernel (:mod:`~shardattn.kernels.gluon.sparse_mla_decode_stream`:
 persistent programs, a ``cp.async`` ring of blocks per SM, the heads as the ``wgmma`` N); at
 :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_HEADS` heads or more (DSA shapes, bf16/fp16) and
 batches of at least :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_PROGRAMS` whole-row programs,

@@ -76,10 +76,13 @@ SMALL_DECODE_64_MAX_SM_FRACTION = 0.5
 #: wave: each runs the softmax, P.V and the store on half the heads, on SMs that would idle (D33).
 SMALL_DECODE_HEAD_GROUP = 8
 #: Fewest 64-entry blocks per SM (``tokens x ceil(topk / 64) / num_sms``) at which a decode call of
-#: at most :data:`SMALL_DECODE_MAX_HEADS` heads runs the streaming Gluon kernel (one ring of blocks
-#: per SM) instead of the Triton split-KV kernel: from 7.75 it was 1.0-1.3x faster, at 3.9 level or
-#: slower (D54).
-STREAM_DECODE_MIN_BLOCKS_PER_SM = 6
+#: at most :data:`SMALL_DECODE_MAX_HEADS` heads and more than :data:`SMALL_DECODE_MAX_TOKENS` tokens
+#: runs the streaming Gluon kernel (one ring of blocks per SM) instead of the Triton split-KV kernel,
+#: on bf16 / fp16 rows: any (from 0.5 blocks per SM it was 1.03-1.56x faster; D54, D58).
+STREAM_DECODE_MIN_BLOCKS_PER_SM = 0.0
+#: The same on ``fp8_ds_mla`` rows: from 1 block per SM (0.92-1.31x the Triton step there, faster at
+#: 31 of 37 shapes; below it 0.80-0.90x; D58).
+STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM = 1.0
 #: Columns and warps of a program of the column merge after the small-batch kernel: one warp holds
 #: every split's partial of its columns, so the reductions over the splits need no shared memory (D34).
 SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS = 64, 1
@@ -116,6 +119,7 @@ __all__ = [
     "SMALL_MERGE_WARPS",
     "SMEM_SCAN_RATIO",
     "SMEM_SORTED_RATIO",
+    "STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM",
     "STREAM_DECODE_MIN_BLOCKS_PER_SM",
     "TILE_ROWS",
     "UNION_METHOD",

@@ -28,6 +28,7 @@ from shardattn.plan.crossovers import (
     SMALL_DECODE_HEAD_GROUP,
     SMALL_DECODE_MAX_HEADS,
     SMALL_DECODE_MAX_TOKENS,
+    STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM,
     STREAM_DECODE_MIN_BLOCKS_PER_SM,
 )
 from shardattn.plan.cudagraph import xqa_head_dim_supported
@@ -132,7 +133,8 @@ def route_sparse_decode_kernel(
     stream_missing: str | None = "not asked",
     topk: int | None = None,
     num_sms: int = 132,
-    stream_min_blocks_per_sm: float = STREAM_DECODE_MIN_BLOCKS_PER_SM,
+    kv_fp8: bool = False,
+    stream_min_blocks_per_sm: float | None = None,
 ) -> Route:
     """Which kernel runs a sparse-MLA decode call: ``gluon_small``, ``gluon_stream``, ``gluon``, ``triton``
     or ``reference``.
@@ -150,8 +152,10 @@ def route_sparse_decode_kernel(
         small_max_heads / small_max_tokens: the largest call it takes (measured crossovers).
         stream_missing: why the Gluon streaming kernel cannot run these tensors (None = it can; the
             default keeps it out). topk: the call's top-k width (None = unknown: no streaming).
-            num_sms: the device's SMs. stream_min_blocks_per_sm: the fewest 64-entry blocks per SM
-            at which it runs at up to ``small_max_heads`` heads (measured crossover).
+            num_sms: the device's SMs. kv_fp8: the rows are ``fp8_ds_mla``.
+            stream_min_blocks_per_sm: the fewest 64-entry blocks per SM at which it runs at up to
+            ``small_max_heads`` heads; None: the measured crossover of the rows' format
+            (:data:`~shardattn.plan.crossovers.STREAM_DECODE_MIN_BLOCKS_PER_SM`, ``..._FP8_...``).
 
     >>> route_sparse_decode_kernel(16, num_tokens=4, sm=90, small_missing=None).path
     'gluon_small'
@@ -161,6 +165,9 @@ def route_sparse_decode_kernel(
     'triton'
     >>> route_sparse_decode_kernel(16, num_tokens=64, topk=2048, sm=90, stream_missing=None).path
     'gluon_stream'
+    >>> [route_sparse_decode_kernel(16, num_tokens=32, topk=256, sm=90, stream_missing=None, kv_fp8=f).path
+    ...  for f in (False, True)]  # 0.97 blocks of 64 entries per SM
+    ['gluon_stream', 'triton']
     >>> route_sparse_decode_kernel(128, num_tokens=1, sm=90).path
     'triton'
     >>> route_sparse_decode_kernel(128, device_type="cpu").path
@@ -190,11 +197,14 @@ def route_sparse_decode_kernel(
     blocks = None if t is None or topk is None else t * -(-check_int("topk", topk, minimum=0) // 64)
     if stream_missing is None and blocks is not None and h <= small_max_heads:
         per_sm = blocks / check_int("num_sms", num_sms, minimum=1)
-        if per_sm >= stream_min_blocks_per_sm:
+        least = stream_min_blocks_per_sm
+        if least is None:
+            least = STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM if kv_fp8 else STREAM_DECODE_MIN_BLOCKS_PER_SM
+        if per_sm >= least:
             why = (
-                f"SM90, {h} heads <= {small_max_heads} and {per_sm:.1f} blocks of 64 entries per SM >= "
-                f"{stream_min_blocks_per_sm}: Gluon streaming kernel (persistent, a cp.async ring of blocks per SM, "
-                "heads as the wgmma N; faster than Triton there, measured)"
+                f"SM90, {h} heads <= {small_max_heads} and {per_sm:.2f} blocks of 64 entries per SM >= {least:g} "
+                f"({'fp8_ds_mla' if kv_fp8 else 'bf16 / fp16'} rows): Gluon streaming kernel (persistent, a "
+                "cp.async ring of blocks per SM, heads as the wgmma N; faster than Triton there, measured)"
             )
             return Route("gluon_stream", 1, why)
     if h < gluon_min_heads:
