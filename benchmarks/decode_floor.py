@@ -22,6 +22,10 @@ and the output is zeros: what the step costs without its reads (records ``step u
 against the step that reads them, same run; ratio = with reads / without). Where the two are
 close, the step is bound by its own instructions, not by HBM.
 
+``--triton``: also the Triton split-KV kernel at its default launch (what the routing took below
+the streaming kernel's crossover before D58), timed beside the routed step (records ``step us,
+against Triton split-KV``: the routed step, baseline the Triton step; ratio = Triton / routed).
+
 ``--sweep``: below :data:`~shardattn.plan.crossovers.GLUON_DECODE_MIN_HEADS` heads, also the Triton
 split-KV kernel under each of :data:`SWEEP`'s launch configurations times 1, 2 and 4 times its
 split count, the small-batch Gluon kernel forced and the streaming Gluon kernel at its planned
@@ -98,6 +102,12 @@ def bench(args: argparse.Namespace, env: dict) -> list[dict]:
                         with_reads = ("the same step reading its rows, same run", dec)
                         out.append(record("decode-read-floor", config, "step us, no rows read", bare, "us", "lower",
                                           with_reads, env))  # fmt: skip
+                    if args.triton:
+                        tri = triton_us(q, cache, rows, ref, o, s)
+                        print(f"  Triton split-KV: {tri:.1f} us ({tri / dec:.2f}x the routed step)", flush=True)
+                        vs = ("Triton split-KV step, same run", tri)
+                        out.append(record("decode-read-floor", config, "step us, against Triton split-KV", dec, "us",
+                                          "lower", vs, env))  # fmt: skip
                     if args.sweep:
                         name, us = sweep(q, cache, rows, ref, o, s)
                         print(f"  best swept: {name} {us:.1f} us, {us / flo:.2f}x the floor", flush=True)
@@ -108,6 +118,23 @@ def bench(args: argparse.Namespace, env: dict) -> list[dict]:
                           f"floor {flo:.1f} us ({gb / flo:.0f} GB/s), decode / floor {dec / flo:.2f}",
                           flush=True)  # fmt: skip
     return out
+
+
+def triton_us(
+    q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, ref: torch.Tensor, o: torch.Tensor, s: torch.Tensor
+) -> float:
+    """The Triton split-KV kernel at its default launch on the same call, in us; its output is
+    checked against ``ref`` first."""
+
+    def step() -> None:
+        run_sparse_mla_decode(q, cache, rows, scale=SCALE, rows_unique=True, out=o, lse_out=s, kernel="triton")
+
+    o.fill_(float("nan"))
+    step()
+    err = float((o.float() - ref).abs().max())
+    if not err <= 2e-2:
+        raise RuntimeError(f"Triton split-KV: max |out - ref| = {err:.3g}")
+    return replay_us(step)
 
 
 def no_reads_us(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, o: torch.Tensor, s: torch.Tensor) -> float:
@@ -185,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", nargs="+", type=int, default=[2048, 512, 256])
     p.add_argument("--cache-rows", type=int, default=1 << 18, help="rows of the cache (40,000,000: 46 GB of bf16)")
     p.add_argument("--no-reads", action="store_true", help="also the step with every entry invalid (docstring)")
+    p.add_argument("--triton", action="store_true", help="also the Triton split-KV kernel (docstring)")
     p.add_argument("--sweep", action="store_true", help="also the Triton kernel's launch configurations (docstring)")
     add_json_argument(p)
     return p

@@ -121,7 +121,8 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "(`--sweep`): the fastest launch configuration found for that shape, named in the configuration. "
         "*no rows read* rows (`--no-reads`): the same step with every entry -1, so no row is read, "
         "against the step that reads them (ratio = with reads / without); where it is close to 1 the "
-        "step is bound by its own instructions, not by HBM.",
+        "step is bound by its own instructions, not by HBM. *against Triton split-KV* rows (`--triton`): "
+        "the routed step against the Triton split-KV kernel on the same call (ratio = Triton / routed).",
         (),
     ),
     "decode-cache-size": (

@@ -81,7 +81,7 @@ SMALL_DECODE_HEAD_GROUP = 8
 #: on bf16 / fp16 rows: any (from 0.5 blocks per SM it was 1.03-1.56x faster; D54, D58).
 STREAM_DECODE_MIN_BLOCKS_PER_SM = 0.0
 #: The same on ``fp8_ds_mla`` rows: from 1 block per SM (0.92-1.31x the Triton step there, faster at
-#: 31 of 37 shapes; below it 0.80-0.90x; D58).
+#: 29 of 34 shapes; below it 0.80-0.90x; D58).
 STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM = 1.0
 #: Columns and warps of a program of the column merge after the small-batch kernel: one warp holds
 #: every split's partial of its columns, so the reductions over the splits need no shared memory (D34).
