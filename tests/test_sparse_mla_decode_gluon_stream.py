@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+from shardattn.kernels.gluon.compat import HAS_GLUON
 from shardattn.kernels.gluon.sparse_mla_decode_stream import (
     MAX_HEADS,
     MAX_SPLITS,
@@ -20,6 +21,7 @@ from shardattn.kernels.gluon.sparse_mla_decode_stream import (
     stream_decode_plan,
     stream_stages,
 )
+from shardattn.kernels.gluon.sparse_mla_decode_stream_kernel import NOT_SPECIALIZED
 from shardattn.kernels.triton.lse_merge import split_partials_numel
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.plan.crossovers import (
@@ -130,6 +132,44 @@ def test_limits_name_what_the_kernel_does_not_take():
 
 
 # ---- the sm_90 compile (CPU, ahead of time) ----
+
+
+def _specialisation(value: int) -> str:
+    """The class Triton specialises an int launch argument on."""
+    return "one" if value == 1 else "multiple of 16" if value % 16 == 0 else "other"
+
+
+@pytest.mark.skipif(not HAS_GLUON, reason="needs Triton's Gluon")
+def test_kernel_specialises_on_no_argument_a_batch_changes(monkeypatch):
+    """Every int launch argument the kernel is specialised on falls in one class (1, a multiple of 16,
+    other) at every batch of a step (17-297 tokens, plans of one slice or several), so the kernel its
+    warm-up compiled serves all of them; the rest are :data:`NOT_SPECIALIZED`."""
+    from shardattn.kernels.gluon import sparse_mla_decode_stream as stream
+
+    kernel = stream._stream_decode_kernel
+    names = [p.name for p in kernel.params]
+    assert {p.name for p in kernel.params if p.do_not_specialize} == set(NOT_SPECIALIZED)
+    launches: list[tuple] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(args)
+
+    monkeypatch.setattr(stream, "_stream_decode_kernel", Recorder())
+    classes: dict[tuple, set] = {}
+    for kv_fp8, heads, topk, t in itertools.product((False, True), (8, 12, 16), (256, 700, 2048), range(17, 300, 7)):
+        q = torch.empty(t, heads, 576, dtype=torch.bfloat16)
+        kv = torch.empty(640, 656, dtype=torch.uint8) if kv_fp8 else torch.empty(640, 576, dtype=torch.bfloat16)
+        rows = torch.empty(t, topk, dtype=torch.int32)
+        plan = stream_decode_plan(t, topk, 132, kv_fp8=kv_fp8, num_heads=heads)
+        s = plan["num_splits"]
+        out = torch.empty(s, t, heads, 512) if s > 1 else torch.empty(t, heads, 512, dtype=torch.bfloat16)
+        lse = torch.empty(s, t, heads) if s > 1 else torch.empty(t, heads)
+        stream.launch_stream_decode(q, kv, rows, None, None, out, lse, plan, 0.1, True)
+        args = dict(zip(names, launches.pop(), strict=False))
+        fixed = {n: _specialisation(v) for n, v in args.items() if type(v) is int and n not in NOT_SPECIALIZED}
+        classes.setdefault((kv_fp8, heads, topk, s > 1), set()).add(tuple(sorted(fixed.items())))
+    assert all(len(c) == 1 for c in classes.values()), {k: c for k, c in classes.items() if len(c) > 1}
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,13 @@ from __future__ import annotations
 from shardattn.kernels.gluon.compat import HAS_GLUON
 from shardattn.kernels.triton.kv_fp8_read import ROPE_OFFSET, SCALE_OFFSET
 
-__all__: list[str] = []
+__all__ = ["NOT_SPECIALIZED"]
+
+#: Launch arguments never specialised: the token count, top-k and cache rows, the plan's slices,
+#: blocks and programs, and the strides that follow them (a row list's, a partial LSE's slice), so
+#: that every batch a step may run uses the kernel its warm-up compiled (Triton otherwise compiles
+#: one variant per class of an int argument's value: 1, a multiple of 16, any other).
+NOT_SPECIALIZED = ["T", "K", "R", "S", "NB", "n_prog", "stride_rt", "stride_ls"]
 
 if HAS_GLUON:
     from shardattn.kernels.gluon.compat import (
@@ -194,7 +200,7 @@ if HAS_GLUON:
                  mask=(heads < H)[None, :])  # fmt: skip
         gl.store(Lse + s * stride_ls + t * stride_lt + heads * stride_lh, lse, mask=heads < H)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=NOT_SPECIALIZED)
     def _stream_decode_kernel(Q, KV, Rows, TopkLen, Sinks, Out, Lse,
                               stride_qt, stride_qh, stride_kvr, stride_rt, stride_rk, T, K, R, H, S, NB, n_prog,
                               stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, qk_scale,
