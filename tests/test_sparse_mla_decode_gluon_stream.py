@@ -31,6 +31,7 @@ from shardattn.plan.crossovers import (
     STREAM_DECODE_MIN_BLOCKS_PER_SM,
 )
 from shardattn.plan.decode_routing import route_sparse_decode_kernel
+from shardattn.runtime.decode_warmup import COLUMN_MERGE_WARMUP_SPLITS
 from tests.ptxas_report import ptxas_report
 from tests.test_sparse_mla_decode_gluon import SCALE, _check, needs_sm90
 from tests.test_sparse_mla_decode_gluon_small import _small_case, check_empty_rows_and_oracle
@@ -141,9 +142,10 @@ def _specialisation(value: int) -> str:
 
 @pytest.mark.skipif(not HAS_GLUON, reason="needs Triton's Gluon")
 def test_kernel_specialises_on_no_argument_a_batch_changes(monkeypatch):
-    """Every int launch argument the kernel is specialised on falls in one class (1, a multiple of 16,
-    other) at every batch of a step (17-297 tokens, plans of one slice or several), so the kernel its
-    warm-up compiled serves all of them; the rest are :data:`NOT_SPECIALIZED`."""
+    """Every int launch argument the kernel is specialised on but the slice count falls in one class (1,
+    a multiple of 16, other) at every batch of a step (17-297 tokens) with the same slices, and every
+    slice count a plan takes is one the warm-up runs, so the kernels it compiled serve all of them;
+    the rest are :data:`NOT_SPECIALIZED`."""
     from shardattn.kernels.gluon import sparse_mla_decode_stream as stream
 
     kernel = stream._stream_decode_kernel
@@ -168,7 +170,10 @@ def test_kernel_specialises_on_no_argument_a_batch_changes(monkeypatch):
         stream.launch_stream_decode(q, kv, rows, None, None, out, lse, plan, 0.1, True)
         args = dict(zip(names, launches.pop(), strict=False))
         fixed = {n: _specialisation(v) for n, v in args.items() if type(v) is int and n not in NOT_SPECIALIZED}
-        classes.setdefault((kv_fp8, heads, topk, s > 1), set()).add(tuple(sorted(fixed.items())))
+        classes.setdefault((kv_fp8, heads, topk, s), set()).add(tuple(sorted(fixed.items())))
+        warmed = {stream_decode_plan(1, topk, 132, kv_fp8=kv_fp8, num_splits=n)["num_splits"]
+                  for n in (1, *COLUMN_MERGE_WARMUP_SPLITS)}  # fmt: skip
+        assert s in warmed, (t, topk, s, warmed)  # the warm-up compiled this slice count's variant
     assert all(len(c) == 1 for c in classes.values()), {k: c for k, c in classes.items() if len(c) > 1}
 
 
