@@ -63,14 +63,17 @@ def test_routing_sends_small_calls_on_sm90_to_the_small_kernel_and_says_why():
         route_sparse_decode_kernel(16, num_tokens=4, sm=90, small_missing=None, small_max_tokens=-1)
 
 
+@pytest.mark.parametrize("kv_fp8", [False, True])
 @pytest.mark.parametrize("sms", [132, 78, 16])
 @pytest.mark.parametrize("topk", [1, 63, 64, 65, 100, 2048, 128 * MAX_SPLITS])
-def test_tiles_cover_the_row_in_one_wave_of_64_entry_splits_or_use_128(sms, topk):
+def test_tiles_cover_the_row_in_one_wave_of_64_entry_splits_or_use_128(sms, topk, kv_fp8):
+    # 64-entry splits while their programs fill half the SMs (bf16 / fp16 rows) or all of them (FP8 rows)
+    per_sm = 1 if kv_fp8 else 2
     for t in range(1, SMALL_DECODE_MAX_TOKENS + 1):
-        block_n, splits = small_decode_tiles(t, topk, sms)
+        block_n, splits = small_decode_tiles(t, topk, sms, kv_fp8=kv_fp8)
         assert block_n in (64, 128) and splits == -(-topk // block_n)
         assert (splits - 1) * block_n < topk <= splits * block_n  # every entry in exactly one split
-        assert (block_n == 64) == (2 * t * -(-topk // 64) <= sms and -(-topk // 64) <= MAX_SPLITS)
+        assert (block_n == 64) == (per_sm * t * -(-topk // 64) <= sms and -(-topk // 64) <= MAX_SPLITS)
         assert small_decode_warps(block_n) == block_n // 16  # one warpgroup per 64 entries
         assert splits <= MAX_SPLITS
         # the merge after it: one warp a program holds every split's partial of its columns, at
@@ -94,15 +97,19 @@ def test_heads_split_in_groups_of_8_only_while_the_programs_fit_one_wave(sms, he
     # at 16 heads, top-k 2048 on 132 SMs: two groups of 8 at 1-4 tokens (64-128 programs), one group from 5
     groups = [small_decode_heads(t, small_decode_tiles(t, 2048, 132)[1], 16, 132) for t in range(1, 9)]
     assert groups == [8, 8, 8, 8, 16, 16, 16, 16]
+    # on FP8 rows 3-4 tokens keep 64-entry splits (96-128 programs): one group of 16
+    groups = [small_decode_heads(t, small_decode_tiles(t, 2048, 132, kv_fp8=True)[1], 16, 132) for t in range(1, 9)]
+    assert groups == [8, 8, 16, 16, 16, 16, 16, 16]
 
 
-def test_warmup_sizes_reach_every_compiled_variant_the_routed_batches_use():
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_warmup_sizes_reach_every_compiled_variant_the_routed_batches_use(kv_fp8):
     for topk, sms, most, heads in ((2048, 132, 64, 16), (2048, 132, 3, 16), (512, 132, 16, 16), (2048, 78, 16, 16),
                                    (100, 132, 16, 16), (2048, 132, 16, 8), (2048, 132, 16, 12)):  # fmt: skip
-        sizes = small_kernel_sizes(topk, most, sms, heads)
+        sizes = small_kernel_sizes(topk, most, sms, heads, kv_fp8=kv_fp8)
 
         def variant(t, topk=topk, sms=sms, heads=heads):
-            block_n, splits = small_decode_tiles(t, topk, sms)
+            block_n, splits = small_decode_tiles(t, topk, sms, kv_fp8=kv_fp8)
             return block_n, small_decode_heads(t, splits, heads, sms)
 
         used = {variant(t) for t in range(1, min(most, SMALL_DECODE_MAX_TOKENS) + 1)}

@@ -71,6 +71,27 @@ def _oracle(q, deq, rows, kw) -> tuple:
     return sparse_mla_oracle(q.cpu(), deq.cpu().double(), rows.cpu(), scale=0.06, v_dim=512, **extra)
 
 
+def _small_at_fp8_tiles(q, kv, rows, topk_length=None, sinks=None) -> tuple:
+    """The small-batch kernel on bf16 / fp16 rows ``kv`` with the tiles and head groups it takes on
+    ``fp8_ds_mla`` rows (:func:`~shardattn.plan.decode_routing.small_decode_tiles`), and its merge."""
+    from shardattn.kernels.gluon.sparse_mla_decode_small import launch_small_split, launch_split_and_merge
+    from shardattn.plan.decode_routing import small_decode_heads, small_decode_tiles
+
+    t, h, _ = q.shape
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    block_n, splits = small_decode_tiles(t, rows.shape[1], sms, kv_fp8=True)
+    group = small_decode_heads(t, splits, h, sms)
+    out = torch.empty(t, h, 512, dtype=q.dtype, device=q.device)
+    lse = torch.empty(t, h, device=q.device)
+
+    def launch(dst_out: torch.Tensor, dst_lse: torch.Tensor) -> None:
+        launch_small_split(q, kv, rows, topk_length, sinks, dst_out, dst_lse, block_n, splits, 0.06, False,
+                           heads_per_program=group)  # fmt: skip
+
+    launch_split_and_merge(launch, splits, out, lse, None, False)
+    return out, lse
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize(
@@ -86,7 +107,10 @@ def test_fp8_decode_equals_bf16_decode_on_dequantised_rows(backend, tokens, head
     q, cache, rows, length, sinks = _gpu_case(tokens, heads, k, seed=tokens * 7 + heads + k)
     deq = dequantize_kv(cache)
 
-    def bf16(**kw):  # the bf16 kernel at the FP8 launch's configuration (Triton: 8 warps, the same splits)
+    def bf16(**kw):  # the bf16 kernel at the FP8 launch's configuration (Triton: 8 warps, the same splits;
+        # the small-batch kernel: the FP8 rows' tiles, which take 64-entry splits at more tokens)
+        if backend == "gluon_small":
+            return _small_at_fp8_tiles(q, deq, rows, **kw)
         if backend != "triton":
             return sparse_mla_decode(q, deq, rows, scale=0.06, backend=backend, rows_unique=True, **kw)
         return run_sparse_mla_decode(q, deq, rows, scale=0.06, rows_unique=True, config={"num_warps": 8}, **kw)

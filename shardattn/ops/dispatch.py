@@ -262,7 +262,7 @@ def decode_path(
     else:
         kernel, why = sparse_decode_kernel(q, kv, v_dim, rows) if h > 0 else ("triton", "no heads")
     if kernel == "gluon_small" and workspace is not None:
-        splits = small_decode_tiles(t, rows.shape[1], num_sms)[1]
+        splits = small_decode_tiles(t, rows.shape[1], num_sms, kv_fp8=kv.dtype == torch.uint8)[1]
         need = split_partials_numel(splits, t, h, v_dim)
         if workspace.numel() < need:
             if backend == "gluon_small":

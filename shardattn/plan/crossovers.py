@@ -72,6 +72,9 @@ SMALL_DECODE_MAX_TOKENS = 16
 #: The small-batch kernel takes 64-entry splits (one warpgroup) while their programs fill at most
 #: this fraction of the SMs (one gather each, all in flight), else 128-entry splits on two (D31).
 SMALL_DECODE_64_MAX_SM_FRACTION = 0.5
+#: The same on ``fp8_ds_mla`` rows: 64-entry splits while their programs fit one wave (at 16 heads,
+#: top-k 2,048: 3-4 tokens 1.04-1.06x faster than 128-entry splits; D59).
+SMALL_DECODE_FP8_64_MAX_SM_FRACTION = 1.0
 #: Heads of one small-batch program when two programs share a split's rows while they fit one
 #: wave: each runs the softmax, P.V and the store on half the heads, on SMs that would idle (D33).
 SMALL_DECODE_HEAD_GROUP = 8
@@ -112,6 +115,7 @@ __all__ = [
     "ONE_WAVE_MAX_ROWS",
     "ONE_WAVE_MAX_SPLITS",
     "SMALL_DECODE_64_MAX_SM_FRACTION",
+    "SMALL_DECODE_FP8_64_MAX_SM_FRACTION",
     "SMALL_DECODE_HEAD_GROUP",
     "SMALL_DECODE_MAX_HEADS",
     "SMALL_DECODE_MAX_TOKENS",

@@ -25,6 +25,7 @@ from shardattn.plan.crossovers import (
     GLUON_DECODE_MIN_HEADS,
     GLUON_DECODE_MIN_PROGRAMS,
     SMALL_DECODE_64_MAX_SM_FRACTION,
+    SMALL_DECODE_FP8_64_MAX_SM_FRACTION,
     SMALL_DECODE_HEAD_GROUP,
     SMALL_DECODE_MAX_HEADS,
     SMALL_DECODE_MAX_TOKENS,
@@ -239,17 +240,22 @@ def route_decode_merge(num_tokens: int, num_heads: int, num_splits: int) -> Rout
     return Route("rows", 1, f"row merge: {n} (token, head) rows > {COLUMN_MERGE_MAX_ROWS}")
 
 
-def small_decode_tiles(num_tokens: int, topk: int, num_sms: int) -> tuple[int, int]:
+def small_decode_tiles(num_tokens: int, topk: int, num_sms: int, *, kv_fp8: bool = False) -> tuple[int, int]:
     """``(BLOCK_N, splits)`` of the small-batch decode kernel: 64-entry splits (one warpgroup) while
     their programs fill at most :data:`~shardattn.plan.crossovers.SMALL_DECODE_64_MAX_SM_FRACTION`
-    of ``num_sms`` and a row fits in :data:`SMALL_DECODE_MAX_SPLITS` of them, else 128 (two
-    warpgroups). At top-k 2048 on 132 SMs: 32 splits of 64 at 1-2 tokens, 16 of 128 from 3.
+    of ``num_sms`` (on ``fp8_ds_mla`` rows, ``kv_fp8``:
+    :data:`~shardattn.plan.crossovers.SMALL_DECODE_FP8_64_MAX_SM_FRACTION`) and a row fits in
+    :data:`SMALL_DECODE_MAX_SPLITS` of them, else 128 (two warpgroups). At top-k 2048 on 132 SMs:
+    32 splits of 64 at 1-2 tokens (1-4 on FP8 rows), 16 of 128 from 3 (from 5).
 
     >>> small_decode_tiles(1, 2048, 132), small_decode_tiles(3, 2048, 132), small_decode_tiles(1, 100, 132)
     ((64, 32), (128, 16), (64, 2))
+    >>> small_decode_tiles(4, 2048, 132, kv_fp8=True), small_decode_tiles(5, 2048, 132, kv_fp8=True)
+    ((64, 32), (128, 16))
     """
     blocks = -(-topk // 64)
-    fits = num_tokens * blocks <= num_sms * SMALL_DECODE_64_MAX_SM_FRACTION
+    fraction = SMALL_DECODE_FP8_64_MAX_SM_FRACTION if kv_fp8 else SMALL_DECODE_64_MAX_SM_FRACTION
+    fits = num_tokens * blocks <= num_sms * fraction
     block_n = 64 if fits and blocks <= SMALL_DECODE_MAX_SPLITS else 128
     return block_n, -(-topk // block_n)
 

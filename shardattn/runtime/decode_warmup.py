@@ -21,21 +21,25 @@ from shardattn.plan.spec import ModelSpec
 COLUMN_MERGE_WARMUP_SPLITS = (2, 4, 8, 16, 32, 64)
 
 
-def small_kernel_sizes(topk: int, max_decode_tokens: int, num_sms: int, heads: int = 16) -> set[int]:
+def small_kernel_sizes(
+    topk: int, max_decode_tokens: int, num_sms: int, heads: int = 16, *, kv_fp8: bool = False
+) -> set[int]:
     """Token counts up to ``max_decode_tokens`` at which each compiled variant of the small-batch
     Gluon decode kernel first runs on ``num_sms`` SMs at ``heads`` heads: its ``BLOCK_N``
     (:func:`~shardattn.kernels.gluon.sparse_mla_decode_small.small_decode_tiles`) and the heads a
     program takes (:func:`~shardattn.kernels.gluon.sparse_mla_decode_small.small_decode_heads`)
-    change with the batch.
+    change with the batch (and with ``kv_fp8``, ``fp8_ds_mla`` rows).
 
-    >>> sorted(small_kernel_sizes(2048, 64, 132)), sorted(small_kernel_sizes(2048, 2, 132))
-    ([1, 3, 5], [1])
+    >>> sorted(small_kernel_sizes(2048, 64, 132)), sorted(small_kernel_sizes(2048, 64, 132, kv_fp8=True))
+    ([1, 3, 5], [1, 3, 5])
+    >>> sorted(small_kernel_sizes(2048, 2, 132))
+    [1]
     """
     from shardattn.plan.decode_routing import SMALL_DECODE_MAX_TOKENS, small_decode_heads, small_decode_tiles
 
     first: dict[tuple[int, int], int] = {}
     for t in range(1, min(max_decode_tokens, SMALL_DECODE_MAX_TOKENS) + 1):
-        block_n, splits = small_decode_tiles(t, topk, num_sms)
+        block_n, splits = small_decode_tiles(t, topk, num_sms, kv_fp8=kv_fp8)
         first.setdefault((block_n, small_decode_heads(t, splits, heads, num_sms)), t)
     return set(first.values())
 
@@ -91,7 +95,7 @@ def warm_up_decode(
     sizes = sorted({1, 2, max_decode_tokens}) if compiles_kernels(device) else [2]  # nothing compiles on the CPU
     if compiles_kernels(device) and spec.kind == "sparse_mla" and device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        sizes = sorted({*sizes, *small_kernel_sizes(topk, max_decode_tokens, sms, heads)})
+        sizes = sorted({*sizes, *small_kernel_sizes(topk, max_decode_tokens, sms, heads, kv_fp8=kv_fp8)})
     dev, dt = device, dtype
     launches = 0
 

@@ -206,7 +206,7 @@ def sparse_mla_decode_small(
     :func:`small_decode_tiles`. Capture-safe: no host sync, the grid depends on shapes only.
     """
     t, h, _d = q.shape
-    block_n, splits = small_decode_tiles(t, rows.shape[1], num_sms)
+    block_n, splits = small_decode_tiles(t, rows.shape[1], num_sms, kv_fp8=kv.dtype == torch.uint8)
     group = small_decode_heads(t, splits, h, num_sms)
 
     def launch(dst_out: torch.Tensor, dst_lse: torch.Tensor) -> None:
