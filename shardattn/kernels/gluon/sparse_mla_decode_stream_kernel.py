@@ -15,7 +15,7 @@ __all__ = ["NOT_SPECIALIZED"]
 #: programs, and the strides that follow them (a row list's, a partial LSE's slice), so that every
 #: batch a step may run uses the kernel its warm-up compiled (Triton otherwise compiles one variant
 #: per class of an int argument's value: 1, a multiple of 16, any other). The slice count ``S``
-#: stays specialised: on ``fp8_ds_mla`` rows the kernel unspecialised on it ran 1.10-1.25x longer
+#: stays specialised: on ``fp8_ds_mla`` rows the kernel unspecialised on it ran 1.07-1.24x longer
 #: at one slice (docs/DECISIONS.md, D59); the warm-up runs every slice count a plan can take.
 NOT_SPECIALIZED = ["T", "K", "R", "NB", "n_prog", "stride_rt", "stride_ls"]
 
