@@ -148,7 +148,8 @@ def warm_up_decode(
                     )  # fmt: skip
                     launches += 1
                 # written to out, and to fp32 partials + the column merge at each power of 2 of the slices
-                # a batch's plan may take (the kernel itself is not specialised on them: NOT_SPECIALIZED)
+                # a batch's plan may take: every slice count a plan takes (the kernel is specialised on it,
+                # not on the batch: NOT_SPECIALIZED)
                 for splits in (1, *COLUMN_MERGE_WARMUP_SPLITS) if stream else ():
                     run_sparse_mla_decode(
                         q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel="gluon_stream",
