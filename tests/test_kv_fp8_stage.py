@@ -157,6 +157,28 @@ def test_kernel_rows_passes_dense_caches_through():
     assert staged_kv.shape == (128, 576) and staged_union is union
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_marks_from_the_union_build_stage_the_same_rows(layout):
+    """``stage_marks`` is zeros only where the rule may stage (FP8 rows, enough entries); the union
+    build fills them (``block_marks``) and staging with them gives what staging that marks its own
+    gives, in both layouts."""
+    cache, union, lens = _case(5, 64, 512, 2_000, 4, 300)
+    kw = {"group_size": 4, "dtype": torch.bfloat16, "min_entries": 0, "layout": layout}
+    assert kv_fp8_stage.stage_marks(torch.randn(2_000, 576), *union.shape) is None  # no FP8 rows
+    assert kv_fp8_stage.stage_marks(cache, 4, 100) is None  # a decode-sized union buffer
+    marks = kv_fp8_stage.stage_marks(cache, 100, 20_000)
+    assert marks is not None and marks.dtype == torch.int32 and marks.shape == (-(-2_000 // STAGE_BLOCK_ROWS),)
+    assert not marks.any()
+    kv_fp8_stage.mark_touched_blocks(union, lens, marks, group_size=4)
+    with_marks = stage_fp8_union(cache, union, lens, marks=marks, **kw)
+    own = stage_fp8_union(cache, union, lens, **kw)
+    assert torch.equal(with_marks.union, own.union)
+    used = torch.zeros(with_marks.kv.shape[0], dtype=torch.bool)
+    rows, _ = _rows_and_bits(own.union[torch.arange(own.union.shape[1])[None, :] < lens[:, None]], 4)
+    used[rows] = True
+    assert torch.equal(with_marks.kv[used], own.kv[used])
+
+
 @pytest.mark.interpret
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_triton_staging_equals_torch_and_feeds_the_kernel_exactly():

@@ -234,3 +234,72 @@ def test_shared_memory_kernel_at_other_topk_widths(group_size, topk):
         assert torch.equal(lens, want_n), kernel
         below = torch.arange(union.shape[1], device=dev)[None, :] < want_n[:, None]
         assert torch.equal(union[below], want_u[below]), kernel
+
+
+def _touched_blocks(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None, before: torch.Tensor):
+    """``before`` with 1 at every 64-row block a valid entry of ``rows`` names (independent of the builders)."""
+    valid = (rows >= 0) & (rows < num_kv_rows)
+    if topk_length is not None:
+        valid &= torch.arange(rows.shape[1], device=rows.device)[None, :] < topk_length[:, None]
+    want = before.clone()
+    want[rows[valid].long() // 64] = 1
+    return want
+
+
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_block_marks_on_the_torch_path(group_size):
+    """``block_marks`` on the CPU: 1 at every 64-row block the union has a row in (invalid rows
+    anywhere, rows past ``topk_length`` and past the cache ignored), every other entry as it was."""
+    gen = torch.Generator().manual_seed(group_size)
+    num_kv_rows, t, k = 5_000, 37, 120
+    rows = torch.randint(-1, num_kv_rows + 40, (t, k), generator=gen, dtype=torch.int32)
+    length = torch.randint(0, k + 2, (t,), generator=gen, dtype=torch.int32)
+    before = torch.randint(0, 2, (-(-num_kv_rows // 64),), generator=gen, dtype=torch.int32) * 7
+    marks = before.clone()
+    union, lens = build_union(rows, group_size=group_size, num_kv_rows=num_kv_rows, topk_length=length,
+                              block_marks=marks)  # fmt: skip
+    assert torch.equal(marks, _touched_blocks(rows, num_kv_rows, length, before))
+    want_u, want_n = build_union_reference(rows, group_size=group_size, num_kv_rows=num_kv_rows, topk_length=length)
+    assert torch.equal(lens, want_n) and torch.equal(union, want_u)
+    with pytest.raises(ValueError, match="block_marks"):
+        build_union(rows, group_size=group_size, num_kv_rows=num_kv_rows, block_marks=marks[:-1])
+
+
+@pytest.mark.skipif(not HAS_GLUON, reason="Triton without Gluon")
+def test_shared_memory_kernel_with_marks_compiles_for_sm90():
+    """The variant that marks the union's 64-row blocks: one more global store (predicated on the
+    counted word), no global atomics, the region still first."""
+    from shardattn.kernels.gluon.union_smem import compile_for_sm90, launch_config, region_is_first
+
+    plain, marking = compile_for_sm90(8, 2048, 65_536), compile_for_sm90(8, 2048, 65_536, marks=True)
+    assert marking.asm["ptx"].count("st.global") > plain.asm["ptx"].count("st.global")
+    assert "atom.global" not in marking.asm["ptx"] and "red.global" not in marking.asm["ptx"]
+    assert region_is_first(marking.asm["llir"], launch_config(8, 2048, 65_536)["REGION"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["bitmap", "sort", "fused"])
+@pytest.mark.parametrize("num_kv_rows", [65_536, 131_073], ids=["64K", "128K+1"])
+@pytest.mark.parametrize("group_size", [1, 8])
+def test_block_marks_on_the_gpu(group_size, num_kv_rows, method):
+    """``block_marks`` from every builder on the GPU (the shared-memory build marks while it counts,
+    one window or two; the others after the build): the blocks of the valid entries, entries set
+    before the call kept, the union unchanged."""
+    dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(group_size + num_kv_rows)
+    t, k = 1_027, 2048
+    rows = torch.randint(0, num_kv_rows, (t, k), device=dev, generator=gen, dtype=torch.int32)
+    rows[torch.rand(t, k, device=dev, generator=gen) < 0.05] = -1
+    rows[torch.rand(t, k, device=dev, generator=gen) < 0.01] = num_kv_rows + 5
+    rows[:, 1000:1100] = rows[:, :100]
+    rows[3] = -1
+    rows[5, :3] = num_kv_rows - 1
+    length = torch.randint(0, k + 50, (t,), device=dev, generator=gen, dtype=torch.int32)
+    before = torch.randint(0, 2, (-(-num_kv_rows // 64),), device=dev, generator=gen, dtype=torch.int32)
+    for topk_length in (None, length):
+        kw = {"group_size": group_size, "num_kv_rows": num_kv_rows, "topk_length": topk_length}
+        marks = before.clone()
+        union, lens = build_union(rows, method=method, block_marks=marks, **kw)
+        assert torch.equal(marks, _touched_blocks(rows, num_kv_rows, topk_length, before)), topk_length is None
+        want_u, want_n = build_union_reference(rows, **kw)
+        below = torch.arange(union.shape[1], device=dev)[None, :] < want_n[:, None]
+        assert torch.equal(lens, want_n) and torch.equal(union[below], want_u[below])

@@ -19,6 +19,10 @@ for bit the in-kernel dequantisation's (tested on the GPU). Two layouts of the b
 
 Otherwise (rows picked all over a large cache, or decode-sized calls of under
 :data:`STAGE_MIN_ENTRIES` entries) it returns ``None`` and the kernel dequantises in place.
+The touched blocks are marked by the union build where the prefill builds its union
+(:func:`stage_marks`, :func:`~shardattn.ops.union.build_union`'s ``block_marks``: the shared-memory
+build marks them from its bitmap as it counts it), else here from the union
+(:func:`mark_touched_blocks`).
 Triton kernels on the GPU (:mod:`shardattn.kernels.triton.kv_fp8_stage`), torch elsewhere (the
 same results: tested under the interpreter).
 
@@ -57,7 +61,9 @@ __all__ = [
     "STAGE_MIN_ENTRIES",
     "StagedRows",
     "kernel_rows",
+    "mark_touched_blocks",
     "stage_fp8_union",
+    "stage_marks",
 ]
 
 #: Cache rows staged together (a 64-token page of a DSA cache).
@@ -100,6 +106,29 @@ def _mark_torch(union: torch.Tensor, lens: torch.Tensor, mark: torch.Tensor, row
     mark[rows >> _BLOCK_SHIFT] = 1
 
 
+def mark_touched_blocks(union: torch.Tensor, lens: torch.Tensor, marks: torch.Tensor, *, group_size: int) -> None:
+    """``marks[row // STAGE_BLOCK_ROWS] = 1`` (int32 ``[ceil(R / STAGE_BLOCK_ROWS)]``) for every row a
+    used entry of ``union [groups, width]`` (``lens [groups]``, the union's ``G``) names; a Triton
+    kernel on the GPU, torch elsewhere. Other entries of ``marks`` are left as they are."""
+    row_mask = _row_mask(group_size)
+    if use_triton(union, lens, marks):
+        from shardattn.kernels.triton.kv_fp8_stage import launch_mark_blocks
+
+        launch_mark_blocks(union, lens, marks, row_mask=row_mask, block_shift=_BLOCK_SHIFT)
+    else:
+        _mark_torch(union, lens, marks, row_mask)
+
+
+def stage_marks(kv: torch.Tensor, groups: int, width: int) -> torch.Tensor | None:
+    """Zeroed marks ``[ceil(R / STAGE_BLOCK_ROWS)]`` int32 for a union of ``[groups, width]`` over the
+    ``fp8_ds_mla`` rows ``kv``, when :func:`stage_fp8_union`'s rule may stage it (known from shapes
+    alone), so the union build can mark the touched blocks as it runs
+    (:func:`~shardattn.ops.union.build_union`'s ``block_marks``); else ``None``."""
+    if kv.dtype != torch.uint8 or _layout(kv, groups * width, STAGE_MAX_ROWS, STAGE_MIN_ENTRIES, 2.0) is None:
+        return None
+    return torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
+
+
 def _pack(mark: torch.Tensor, lens: torch.Tensor, triton: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(placed [B] int32, block_ids [B] int32, counts [2] int64)``: the marks' inclusive prefix sum
     (marked block ``b`` goes to block ``placed[b] - 1`` of the packed buffer), the marked blocks in
@@ -139,9 +168,10 @@ def _remap_torch(
     out.copy_(torch.where(_used(union, lens), entry, -1).to(torch.int32))
 
 
-def _layout(kv: torch.Tensor, union: torch.Tensor, max_rows: int, min_entries: int, min_reuse: float) -> str | None:
-    """The rule's layout before any device value is known (``None``: do not stage)."""
-    entries, cache_rows = union.numel(), -(-kv.shape[0] // STAGE_BLOCK_ROWS) * STAGE_BLOCK_ROWS
+def _layout(kv: torch.Tensor, entries: int, max_rows: int, min_entries: int, min_reuse: float) -> str | None:
+    """The rule's layout for a union buffer of ``entries`` before any device value is known
+    (``None``: do not stage)."""
+    cache_rows = -(-kv.shape[0] // STAGE_BLOCK_ROWS) * STAGE_BLOCK_ROWS
     if entries < min_entries:
         return None
     if cache_rows <= max_rows:
@@ -162,6 +192,7 @@ def stage_fp8_union(
     max_rows: int = STAGE_MAX_ROWS,
     min_entries: int = STAGE_MIN_ENTRIES,
     min_reuse: float = 2.0,
+    marks: torch.Tensor | None = None,
 ) -> StagedRows | None:
     """The rows of ``kv`` that ``union`` reads, dequantised once, when that pays (module docstring).
 
@@ -175,25 +206,24 @@ def stage_fp8_union(
         max_rows / min_entries / min_reuse: the rule's limits: a buffer of at most ``max_rows``
             rows, nothing staged for a union buffer under ``min_entries`` entries, and only where
             the union has at least ``min_reuse`` entries per staged row (module docstring).
+        marks: the touched blocks already marked (:func:`stage_marks`, filled by the union build);
+            ``None``: marked here (:func:`mark_touched_blocks`).
     Returns:
         :class:`StagedRows`, or ``None`` where the kernel should dequantise in place.
     """
     forced = layout is not None
     if forced and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
-    layout = layout or _layout(kv, union, max_rows, min_entries, min_reuse)
+    layout = layout or _layout(kv, union.numel(), max_rows, min_entries, min_reuse)
     if layout is None:
         return None
     groups, width = union.shape
     row_mask = _row_mask(group_size)
     triton = use_triton(kv, union, lens)
-    mark = torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
-    if triton:
-        from shardattn.kernels.triton.kv_fp8_stage import launch_mark_blocks
-
-        launch_mark_blocks(union, lens, mark, row_mask=row_mask, block_shift=_BLOCK_SHIFT)
-    else:
-        _mark_torch(union, lens, mark, row_mask)
+    mark = marks
+    if mark is None:
+        mark = torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
+        mark_touched_blocks(union, lens, mark, group_size=group_size)
     if layout == "mirror":  # touched blocks at their own rows, the union as it is
         staged_blocks, new_union, placed, block_ids = mark.shape[0], union, None, None
     else:  # touched blocks packed in cache order, the union's rows moved: their count first
@@ -220,11 +250,18 @@ def stage_fp8_union(
 
 
 def kernel_rows(
-    kv: torch.Tensor, union: torch.Tensor, lens: torch.Tensor, *, group_size: int, dtype: torch.dtype
+    kv: torch.Tensor,
+    union: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    group_size: int,
+    dtype: torch.dtype,
+    marks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kv, union)`` for a prefill kernel call: the staged rows and union where ``kv`` holds
-    ``fp8_ds_mla`` rows and staging pays (:func:`stage_fp8_union`), else ``kv`` and ``union`` as given."""
+    ``fp8_ds_mla`` rows and staging pays (:func:`stage_fp8_union`, with the union build's ``marks``
+    when it made them), else ``kv`` and ``union`` as given."""
     if kv.dtype != torch.uint8:
         return kv, union
-    staged = stage_fp8_union(kv, union, lens, group_size=group_size, dtype=dtype)
+    staged = stage_fp8_union(kv, union, lens, group_size=group_size, dtype=dtype, marks=marks)
     return (kv, union) if staged is None else (staged.kv, staged.union)

@@ -164,11 +164,14 @@ def union_for_call(
     topk_length: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     rows_sorted: bool = False,
+    block_marks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A kernel call's ``(union, lens)``: the ``prepared`` one (already checked against ``rows``),
-    else :func:`~shardattn.ops.union.build_union` of ``rows`` now (into ``out`` when given)."""
+    else :func:`~shardattn.ops.union.build_union` of ``rows`` now (into ``out`` when given, marking
+    ``block_marks`` when given; a prepared union marks nothing)."""
     if prepared is not None:
         return prepared.union, prepared.lens
     return build_union(
-        rows, group_size=group_size, num_kv_rows=num_kv_rows, topk_length=topk_length, out=out, rows_sorted=rows_sorted
-    )
+        rows, group_size=group_size, num_kv_rows=num_kv_rows, topk_length=topk_length, out=out, rows_sorted=rows_sorted,
+        block_marks=block_marks,
+    )  # fmt: skip

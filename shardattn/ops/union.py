@@ -67,6 +67,7 @@ from shardattn.kernels.union_layout import (  # noqa: F401 (the encoding's names
     pack_entries,
     unpack_entries,
 )
+from shardattn.ops.kv_fp8_stage import STAGE_BLOCK_ROWS, mark_touched_blocks
 from shardattn.plan.crossovers import UNION_METHOD  # noqa: F401 (public here too)
 from shardattn.plan.union_routing import UNION_METHODS, route_union_method
 
@@ -146,6 +147,7 @@ def build_union(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     method: str = "auto",
     rows_sorted: bool = False,
+    block_marks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted union of each group's valid rows with membership bits (see the module docstring).
 
@@ -164,12 +166,38 @@ def build_union(
             :mod:`shardattn.kernels.triton.union_fused`). Trusted, not checked: the ``"fused"`` builder
             then skips the row sort (a list that breaks the order gets an unspecified, in-bounds
             union); the ``"sort"`` builder and the reference sort anyway.
+        block_marks: optional int32 ``[ceil(R / 64)]``: set to 1 at every 64-row block
+            (:data:`~shardattn.ops.kv_fp8_stage.STAGE_BLOCK_ROWS`) the union
+            has a row in (others left as they are): the blocks an ``fp8_ds_mla`` prefill stages
+            (:func:`~shardattn.ops.kv_fp8_stage.stage_marks`). The shared-memory build marks them
+            as it counts its bitmap (no second read of the union); every other path marks them
+            after the build (:func:`~shardattn.ops.kv_fp8_stage.mark_touched_blocks`).
     Returns:
         ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``; on the Triton path the
         entries past ``lens[g]`` are unspecified (the reference fills them with ``-1``).
     """
 
     _check(rows, group_size, num_kv_rows, topk_length, rows_sorted)
+    if block_marks is not None:
+        check_tensor("block_marks", block_marks, dtypes=(torch.int32,), shape=(-(-num_kv_rows // STAGE_BLOCK_ROWS),),
+                     device=rows.device)  # fmt: skip
+    union, lens, marked = _build(rows, group_size, num_kv_rows, topk_length, out, method, rows_sorted, block_marks)
+    if block_marks is not None and not marked:
+        mark_touched_blocks(union, lens, block_marks, group_size=group_size)
+    return union, lens
+
+
+def _build(
+    rows: torch.Tensor,
+    group_size: int,
+    num_kv_rows: int,
+    topk_length: torch.Tensor | None,
+    out: tuple[torch.Tensor, torch.Tensor] | None,
+    method: str,
+    rows_sorted: bool,
+    block_marks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """:func:`build_union` on checked arguments: ``(union, lens, whether block_marks were marked)``."""
     shared_memory = smem_unsupported_reason(rows, group_size) is None
     method = _resolve(group_size, method, rows_sorted, rows.shape[1], num_kv_rows, shared_memory)
     if method == "bitmap" and num_kv_rows > MAX_BITMAP_ROWS:
@@ -185,22 +213,23 @@ def build_union(
             rows, group_size=group_size, num_kv_rows=num_kv_rows, topk_length=topk_length
         )
         if out is None:
-            return ref_union, ref_lens
+            return ref_union, ref_lens, False
         union.copy_(ref_union)
         lens.copy_(ref_lens)
-        return union, lens
+        return union, lens, False
     if out is None:
         union = torch.empty(g_count, group_size * k, dtype=torch.int32, device=rows.device)
         lens = torch.empty(g_count, dtype=torch.int32, device=rows.device)
     if g_count == 0:
-        return union, lens
+        return union, lens, False
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     if method == "bitmap":  # the kernel known above: no second look at the device
         if shared_memory:
-            smem_union(rows, topk_length, num_kv_rows, group_size, union, lens)
-        else:
-            bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens, kernel="triton")
-        return union, lens
+            smem_union(rows, topk_length, num_kv_rows, group_size, union, lens, block_marks=block_marks,
+                       mark_block_rows=STAGE_BLOCK_ROWS)  # fmt: skip
+            return union, lens, block_marks is not None
+        bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens, kernel="triton")
+        return union, lens, False
     if method == "fused":
         max_row = min(num_kv_rows - 1, MAX_PLAIN_ROW)
         if rows_sorted:
@@ -208,6 +237,6 @@ def build_union(
         else:  # each query's rows sorted first (invalid = INT32_MAX at the end, topk_length applied)
             keys = sorted_row_keys(rows, topk_length, num_kv_rows)
             fused_union(keys, None, max_row, group_size, union, lens)
-        return union, lens
+        return union, lens, False
     sort_union(rows, topk_length, num_kv_rows, group_size, union, lens)
-    return union, lens
+    return union, lens, False

@@ -147,8 +147,8 @@ def _gluon_stream(heads: int, *, split: bool = True, **flags: bool) -> str:
     return _attr(_GLUON_STREAM, "compile_for_sm90")(split=split, heads=heads, **flags).asm["ptx"]
 
 
-def _gluon_union(group_size: int, num_kv_rows: int) -> str:
-    return _attr(_GLUON_UNION, "compile_for_sm90")(group_size, 2048, num_kv_rows).asm["ptx"]
+def _gluon_union(group_size: int, num_kv_rows: int, *, marks: bool = False) -> str:
+    return _attr(_GLUON_UNION, "compile_for_sm90")(group_size, 2048, num_kv_rows, marks=marks).asm["ptx"]
 
 
 def _triton_prefill(heads: int, group_size: int, *, sinks: bool = False, kv_fp8: bool = False) -> str:
@@ -270,6 +270,7 @@ VARIANTS: dict[str, Callable[[], str]] = {
     "gluon.union_smem.g1.w2048": lambda: _gluon_union(1, 65536),
     "gluon.union_smem.g8.w2048": lambda: _gluon_union(8, 65536),
     "gluon.union_smem.g4.w4096": lambda: _gluon_union(4, 131072),
+    "gluon.union_smem.g8.w2048.marks": lambda: _gluon_union(8, 65536, marks=True),
     # Triton sparse-MLA prefill (per query below 32 heads; grouped at 8 heads)
     "triton.prefill.g1.h16": lambda: _triton_prefill(16, 1),
     "triton.prefill.g1.h128": lambda: _triton_prefill(128, 1),

@@ -10,7 +10,8 @@ first time):
 1. **mark**: ``red.shared.or`` of every valid entry's bit in a window of ``WW`` bitmap words
    (``32 * WW`` rows; a larger cache is counted window by window, the entries re-read each time);
 2. **count**: the window's words, one CTA-wide scan: ``packed[w] = (below[w], word[w])`` with
-   ``below`` the union rows under word ``w`` (running over windows); the word is cleared;
+   ``below`` the union rows under word ``w`` (running over windows); the word is cleared; with
+   block marks (``HAS_MARKS``), a word with rows in it sets its block's mark in global memory;
 3. **place**: an entry's rank is ``below + popc(word & bits under its row)``; ``G > 1`` ORs
    ``row | bit_j << 24`` into the union slot (``G = 1`` stores the row);
 
@@ -205,10 +206,10 @@ if HAS_GLUON:
 
     @gluon.jit(do_not_specialize=["T", "num_rows", "n_groups", "words"])
     def _smem_union_kernel(
-        ROWS, TOPK_LEN, UNION, LENS,
+        ROWS, TOPK_LEN, UNION, LENS, MARKS,
         T, K, num_rows, n_groups, stride_rows_t, stride_union_g, words,
         G: gl.constexpr, BLOCK: gl.constexpr, WW: gl.constexpr, CW: gl.constexpr, REGION: gl.constexpr,
-        WG: gl.constexpr, HAS_LEN: gl.constexpr,
+        WG: gl.constexpr, HAS_LEN: gl.constexpr, HAS_MARKS: gl.constexpr = False, MARK_SHIFT: gl.constexpr = 1,
     ):  # fmt: skip
         NW: gl.constexpr = gl.num_warps()
         # entries [G, BLOCK]: WG warps across the queries, the rest along the rows (no replicas when
@@ -248,6 +249,8 @@ if HAS_GLUON:
                     cnt = _popc(word)
                     below = total + gl.associative_scan(cnt, 0, _add) - cnt
                     _smem_store_pair(4 * WW + (c0 + cw) * 8, below, word)
+                    if HAS_MARKS:  # the union has rows in this word: its block of 2**MARK_SHIFT words is touched
+                        gl.store(MARKS + ((wb + c0 + cw) >> MARK_SHIFT), gl.full([CW], 1, gl.int32, WL), mask=word != 0)
                     _smem_store((c0 + cw) * 4, gl.zeros_like(word), cw >= 0)
                     total += gl.sum(cnt, axis=0)
                 cta_barrier()
@@ -292,6 +295,8 @@ def smem_union(
     union: torch.Tensor,
     lens: torch.Tensor,
     *,
+    block_marks: torch.Tensor | None = None,
+    mark_block_rows: int = 64,
     config: dict[str, int] | None = None,
 ) -> None:
     """Launch the shared-memory build (inputs checked by :func:`~shardattn.ops.union.build_union`;
@@ -303,6 +308,9 @@ def smem_union(
         num_kv_rows: ``R <= 2**24 - 1``.
         group_size: ``G`` in ``(1, 2, 4, 8)``.
         union: ``[ceil(T/G), G*K]`` int32 output; lens: ``[ceil(T/G)]`` int32 output.
+        block_marks: optional ``[ceil(R / mark_block_rows)]`` int32: set to 1 at every block of
+            ``mark_block_rows`` (a power of 2, at least 32) rows the union has a row in, from the
+            bitmap's words as they are counted (no second read of the union); other entries untouched.
         config: overrides of :func:`launch_config` (benchmarks sweep them).
     """
     t, k = rows.shape
@@ -313,10 +321,12 @@ def smem_union(
     sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
     programs = max(1, min(n_groups, cfg.pop("per_sm") * sms))
     words = max(1, -(-num_kv_rows // 32))
+    marks = {} if block_marks is None else {"HAS_MARKS": True, "MARK_SHIFT": mark_block_rows.bit_length() - 6}
     compiled = _smem_union_kernel[(programs,)](
         rows, topk_length if topk_length is not None else lens, union, lens,
+        block_marks if block_marks is not None else lens,
         t, k, num_kv_rows, n_groups, rows.stride(0), union.stride(0), words,
-        G=group_size, HAS_LEN=topk_length is not None, **cfg,
+        G=group_size, HAS_LEN=topk_length is not None, **marks, **cfg,
     )  # fmt: skip
     _check_region(compiled, cfg["REGION"])
 
@@ -333,9 +343,12 @@ def _check_region(compiled, region: int) -> None:
     compiled.shardattn_region_checked = True
 
 
-def compile_for_sm90(group_size: int, topk: int = 2048, num_kv_rows: int = 65536, **overrides: int):
+def compile_for_sm90(
+    group_size: int, topk: int = 2048, num_kv_rows: int = 65536, *, marks: bool = False, **overrides: int
+):
     """Compile the shared-memory build for sm_90 ahead of time (no GPU needed); returns Triton's
-    compiled kernel (``asm["ptx"]``, ``asm["llir"]``, ``metadata``).
+    compiled kernel (``asm["ptx"]``, ``asm["llir"]``, ``metadata``); ``marks``: the variant that also
+    marks the 64-row blocks the union touches.
 
     Raises:
         RuntimeError: Gluon is not available in the installed Triton.
@@ -347,9 +360,9 @@ def compile_for_sm90(group_size: int, topk: int = 2048, num_kv_rows: int = 65536
     cfg = launch_config(group_size, topk, num_kv_rows, **overrides)
     num_warps = cfg.pop("num_warps")
     cfg.pop("per_sm")
-    constexprs = {"G": group_size, "HAS_LEN": True, **cfg}
+    constexprs = {"G": group_size, "HAS_LEN": True, "HAS_MARKS": marks, "MARK_SHIFT": 1, **cfg}
     signature = {
-        "ROWS": "*i32", "TOPK_LEN": "*i32", "UNION": "*i32", "LENS": "*i32",
+        "ROWS": "*i32", "TOPK_LEN": "*i32", "UNION": "*i32", "LENS": "*i32", "MARKS": "*i32",
         "T": "i32", "K": "i32", "num_rows": "i32", "n_groups": "i32", "stride_rows_t": "i32",
         "stride_union_g": "i32", "words": "i32",
         **dict.fromkeys(constexprs, "constexpr"),
