@@ -88,6 +88,10 @@ def test_warmup_keys_cover_both_sides_of_the_routing_threshold(heads):
     if HAS_GLUON:  # on sm_90 the bitmap runs in shared memory: both windows of every G
         smem = {(k.params["G"], k.params["WW"]) for k in keys if k.kernel == "union_smem"}
         assert smem == {(g, w) for g in groups for w in WINDOWS}
+        assert not any(k.params.get("HAS_MARKS") for k in keys)
+        fp8 = PrefillSpec(heads=heads, topk=spec.topk, sinks=spec.sinks, kv_fp8=True)  # and the marking build
+        marking = {(k.params["G"], k.params["WW"]) for k in compile_keys(fp8) if k.params.get("HAS_MARKS")}
+        assert marking == {(g, w) for g in spec_group_sizes(fp8) for w in WINDOWS}
     assert all(k.params["HAS_SINK"] for k in keys if k.kernel == "attention")
 
 

@@ -105,6 +105,8 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
                 smem = {"G": group, **smem_launch_config(group, spec.topk, 32 * window), "HAS_LEN": spec.topk_length}
                 smem.pop("per_sm")
                 keys.append(CompileKey("union_smem", smem))
+                if spec.kv_fp8:  # marking the blocks the FP8 staging dequantises (ops.kv_fp8_stage)
+                    keys.append(CompileKey("union_smem", {**smem, "HAS_MARKS": True}))
         if group == 1 or UNION_METHOD[group] == "sort":
             keys.append(CompileKey("union_keys", {"G": group, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
             keys.append(CompileKey("union_compact", {"G": group, "CHUNK": cfg["CHUNK"]}))
@@ -173,7 +175,7 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
     """
     from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
     from shardattn.ops.kv_fp8_stage import LAYOUTS as STAGE_LAYOUTS
-    from shardattn.ops.kv_fp8_stage import stage_fp8_union
+    from shardattn.ops.kv_fp8_stage import STAGE_BLOCK_ROWS, stage_fp8_union
     from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
     from shardattn.ops.topk import DcpShard, convert_topk
     from shardattn.ops.union import build_union
@@ -217,6 +219,12 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
             if smem_unsupported_reason(pos, group) is None:
                 build_union(pos, group_size=group, num_kv_rows=32 * WINDOWS[-1], topk_length=length, method="bitmap")
                 launches += 1
+                if spec.kv_fp8:  # the shared-memory build that also marks the staged blocks, both windows
+                    for rows in (64, 32 * WINDOWS[-1]):
+                        marks = torch.zeros(-(-rows // STAGE_BLOCK_ROWS), dtype=torch.int32, device=device)
+                        build_union(pos, group_size=group, num_kv_rows=rows, topk_length=length, method="bitmap",
+                                    block_marks=marks)  # fmt: skip
+                    launches += 2
     return launches
 
 
