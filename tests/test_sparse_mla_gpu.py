@@ -95,9 +95,8 @@ def test_warmup_covers_fp8_prefill_staged_and_in_the_kernel(heads):
     kernels = (attention_kernel(), *union_kernels(), *stage_kernels())
     if gluon_available():
         from shardattn.kernels.gluon.sparse_mla_kernel import ws64_kernel
-        from shardattn.kernels.gluon.union_smem import smem_kernels
 
-        kernels = (*kernels, ws64_kernel(), *smem_kernels())  # the shared-memory build marking the blocks too
+        kernels = (*kernels, ws64_kernel())
     before = [compiled_variants(k) for k in kernels]
     staged = []
     real = kv_fp8_stage.stage_fp8_union
