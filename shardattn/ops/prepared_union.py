@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from shardattn._checks import INDEX_DTYPES, check_int, check_tensor
+from shardattn.ops.kv_fp8_stage import kernel_rows, stage_marks
 from shardattn.ops.union import GROUP_SIZES, build_union, num_groups
 
 __all__ = ["SLICE_GROUPS", "PreparedUnion", "check_prepared_union", "prepare_union", "union_for_call"]
@@ -158,20 +159,27 @@ def check_prepared_union(
 def union_for_call(
     prepared: PreparedUnion | None,
     rows: torch.Tensor,
+    kv: torch.Tensor,
     *,
     group_size: int,
-    num_kv_rows: int,
+    dtype: torch.dtype,
     topk_length: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     rows_sorted: bool = False,
-    block_marks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A kernel call's ``(union, lens)``: the ``prepared`` one (already checked against ``rows``),
-    else :func:`~shardattn.ops.union.build_union` of ``rows`` now (into ``out`` when given, marking
-    ``block_marks`` when given; a prepared union marks nothing)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prefill kernel call's ``(kv, union, lens)``: the ``prepared`` union (already checked against
+    ``rows``), else :func:`~shardattn.ops.union.build_union` of ``rows`` now (into ``out`` when
+    given); on ``fp8_ds_mla`` rows the staged rows and union where staging pays
+    (:func:`~shardattn.ops.kv_fp8_stage.kernel_rows`), their touched blocks marked by the union build
+    when it runs here (:func:`~shardattn.ops.kv_fp8_stage.stage_marks`), else ``kv`` as given.
+    ``dtype``: the staged rows' (q's)."""
     if prepared is not None:
-        return prepared.union, prepared.lens
-    return build_union(
-        rows, group_size=group_size, num_kv_rows=num_kv_rows, topk_length=topk_length, out=out, rows_sorted=rows_sorted,
-        block_marks=block_marks,
-    )  # fmt: skip
+        union, lens, marks = prepared.union, prepared.lens, None
+    else:
+        marks = stage_marks(kv, num_groups(rows.shape[0], group_size), group_size * rows.shape[1])
+        union, lens = build_union(
+            rows, group_size=group_size, num_kv_rows=kv.shape[0], topk_length=topk_length, out=out,
+            rows_sorted=rows_sorted, block_marks=marks,
+        )  # fmt: skip
+    kv, union = kernel_rows(kv, union, lens, group_size=group_size, dtype=dtype, marks=marks)
+    return kv, union, lens

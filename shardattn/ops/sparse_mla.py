@@ -378,15 +378,10 @@ def sparse_mla_per_query(
         ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)`` (the given destinations when passed).
     """
     from shardattn.kernels.backend import interpreter_enabled
-    from shardattn.ops.kv_fp8_stage import kernel_rows, stage_marks
     from shardattn.ops.prepared_union import union_for_call
 
-    # fp8_ds_mla rows: staged where it pays, their touched blocks marked by the union build
-    marks = stage_marks(kv, rows.shape[0], rows.shape[1]) if prepared_union is None else None
-    union, lens = union_for_call(
-        prepared_union, rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length, block_marks=marks
-    )
-    kv, union = kernel_rows(kv, union, lens, group_size=1, dtype=q.dtype, marks=marks)
+    # fp8_ds_mla rows: staged where it pays
+    kv, union, lens = union_for_call(prepared_union, rows, kv, group_size=1, dtype=q.dtype, topk_length=topk_length)
     if kernel == "gluon":
         from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
 

@@ -39,10 +39,9 @@ from shardattn.kernels.triton.sparse_mla import (
     launch_attention,
     tile_config,
 )
-from shardattn.kernels.union_layout import MAX_PACKED_ROWS, num_groups
+from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops.dispatch import prefill_path
 from shardattn.ops.kv_compact import COMPACT_MIN_GROUP, compact_rows
-from shardattn.ops.kv_fp8_stage import kernel_rows, stage_marks
 from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
 from shardattn.ops.sparse_mla import (
     check_sparse_mla_inputs,
@@ -186,13 +185,10 @@ def sparse_mla_grouped_prefill(
             union = _union_views(union, rows.shape, g)
         if prepared_union is not None:
             check_prepared_union(prepared_union, rows, group_size=g)
-        # fp8_ds_mla rows: staged where it pays, their touched blocks marked by the union build
-        marks = stage_marks(kv, num_groups(rows.shape[0], g), g * rows.shape[1]) if prepared_union is None else None
-        u, lens = union_for_call(
-            prepared_union, rows, group_size=g, num_kv_rows=kv.shape[0], topk_length=topk_length, out=union,
-            rows_sorted=rows_sorted, block_marks=marks,
+        kv, u, lens = union_for_call(  # fp8_ds_mla rows: staged where it pays
+            prepared_union, rows, kv, group_size=g, dtype=q3.dtype, topk_length=topk_length, out=union,
+            rows_sorted=rows_sorted,
         )  # fmt: skip
-        kv, u = kernel_rows(kv, u, lens, group_size=g, dtype=q3.dtype, marks=marks)
         if q_ready is not None:  # the union is built: now the kernels may wait for q
             q_ready()
         if path.backend == "gluon" and gluon_unsupported_reason(q, kv, v_dim) is None:
