@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from shardattn.kernels.backend import triton_available
 from shardattn.kernels.union_layout import unpack_entries
 from shardattn.ops import kv_fp8_stage
-from shardattn.ops.kv_fp8 import quantize_kv
+from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 from shardattn.ops.kv_fp8_stage import LAYOUTS, STAGE_BLOCK_ROWS, StagedRows, stage_fp8_union
 from shardattn.ops.union import build_union
 from tests.fp8_oracle import fp8_rows_decode
@@ -179,9 +179,68 @@ def test_marks_from_the_union_build_stage_the_same_rows(layout):
     assert torch.equal(with_marks.kv[used], own.kv[used])
 
 
+def _topk_case(seed: int, tokens: int, k: int, r: int, span: int):
+    """A cache of ``r`` rows and ``tokens`` top-k lists within ``span`` rows: invalid rows anywhere
+    (-1 and past the cache), a list with none, rows listed twice, and ``topk_length`` cutting some."""
+    g = torch.Generator().manual_seed(seed)
+    cache = quantize_kv(torch.randn(r, 576, generator=g))
+    rows = int(torch.randint(0, max(1, r - span), (1,), generator=g)) + torch.randint(
+        0, span, (tokens, k), generator=g, dtype=torch.int32
+    )
+    rows[torch.rand(tokens, k, generator=g) < 0.2] = -1
+    rows[0, ::3] = r + 9
+    rows[tokens // 2] = -1
+    rows[-1, : k // 2] = rows[-1, k // 2 : 2 * (k // 2)]
+    length = torch.randint(0, k + 3, (tokens,), generator=g, dtype=torch.int32)
+    return cache, rows, length
+
+
+@pytest.mark.parametrize("group_size", [1, 4])
+@pytest.mark.parametrize("with_length", [False, True])
+def test_blocks_counted_before_the_union_stage_what_the_union_marks(group_size, with_length):
+    """``touched_blocks`` marks from the top-k lists the blocks the union of the same lists marks,
+    counts them and the valid rows, and packed staging with it equals packed staging that marks
+    from the union, bit for bit; the rule's size test and format decide where it counts at all."""
+    cache, rows, length = _topk_case(6, 48, 96, 3_000, 900)
+    length = length if with_length else None
+    union, lens = build_union(rows, group_size=group_size, num_kv_rows=3_000, topk_length=length)
+    touched = kv_fp8_stage.touched_blocks(cache, rows, length, entries=union.numel(), layout="packed")
+    want = torch.zeros_like(touched.marks)
+    kv_fp8_stage.mark_touched_blocks(union, lens, want, group_size=group_size)
+    assert torch.equal(touched.marks, want) and touched.ready is None
+    k = torch.arange(rows.shape[1])
+    valid = (rows >= 0) & (rows < 3_000) & ((k[None, :] < length[:, None]) if with_length else True)
+    assert touched.read() == (int(want.sum()), int(valid.sum()))
+    assert torch.equal(touched.block_ids, torch.nonzero(want).flatten().int())
+    kw = {"group_size": group_size, "dtype": torch.float32, "layout": "packed"}
+    early = stage_fp8_union(cache, union, lens, touched=touched, **kw)
+    late = stage_fp8_union(cache, union, lens, **kw)
+    assert check_staged(early, cache, union, lens, group_size) is None
+    assert torch.equal(early.kv, late.kv) and torch.equal(early.union, late.union)
+    assert kv_fp8_stage.touched_blocks(dequantize_kv(cache), rows, length, entries=union.numel()) is None  # bf16
+    assert kv_fp8_stage.touched_blocks(cache, rows, length, entries=union.numel()) is None  # a mirrored cache
+    assert kv_fp8_stage.touched_blocks(cache, rows, length, entries=1 << 16, max_rows=1_024) is not None  # packed
+
+
+def test_rule_on_blocks_counted_before_the_union_takes_valid_rows_over_g():
+    """With the blocks counted from the top-k lists, the rule's used entries are the lists' valid
+    rows over ``G`` (the union's are not known yet): 8 queries reading the same 256 rows (4
+    blocks) stage at ``G = 1`` (2,048 reads of 256 rows), not at ``G = 8`` (256 over 8 < 2 x 256)."""
+    cache = quantize_kv(torch.randn(20_000, 576))
+    rows = torch.arange(1_024, 1_280, dtype=torch.int32)[None].repeat(8, 1)
+    rule = {"dtype": torch.float32, "min_entries": 0, "max_rows": 8_192}
+    for g, staged in ((1, True), (8, False)):
+        union, lens = build_union(rows, group_size=g, num_kv_rows=20_000)
+        touched = kv_fp8_stage.touched_blocks(cache, rows, None, entries=union.numel(), min_entries=0, max_rows=8_192)
+        got = stage_fp8_union(cache, union, lens, group_size=g, touched=touched, **rule)
+        assert (got is not None) == staged
+        if staged:
+            assert got.kv.shape[0] == 256 and check_staged(got, cache, union, lens, g) is None
+
+
 @pytest.mark.interpret
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_triton_staging_equals_torch_and_feeds_the_kernel_exactly():
     lines = run_cases("kv_fp8_stage_cases", SHARDATTN_SEED="0")
     assert lines[-1] == "0 failures: []"
-    assert sum(ln.startswith("ok") for ln in lines) == 22
+    assert sum(ln.startswith("ok") for ln in lines) == 26

@@ -60,10 +60,12 @@ __all__ = [
     "STAGE_MAX_ROWS",
     "STAGE_MIN_ENTRIES",
     "StagedRows",
+    "TouchedBlocks",
     "kernel_rows",
     "mark_touched_blocks",
     "stage_fp8_union",
     "stage_marks",
+    "touched_blocks",
 ]
 
 #: Cache rows staged together (a 64-token page of a DSA cache).
@@ -91,6 +93,33 @@ class StagedRows:
 
     kv: torch.Tensor
     union: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TouchedBlocks:
+    """The blocks a prefill call's top-k rows touch, marked and listed before its union is built
+    (the packed layout, :func:`touched_blocks`), and their count on its way to the host.
+
+    Attributes:
+        marks: int32 ``[ceil(R / STAGE_BLOCK_ROWS)]``, 1 at every touched block.
+        placed: int32, the marks' inclusive prefix sum; block_ids: int32, the touched blocks in order.
+        counts: int64 ``[2]``: (touched blocks, valid rows of the top-k lists), in pinned host
+            memory on a GPU (copied without blocking), the device values elsewhere.
+        ready: the CUDA event recorded after that copy (``None`` off CUDA).
+    """
+
+    marks: torch.Tensor
+    placed: torch.Tensor
+    block_ids: torch.Tensor
+    counts: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def read(self) -> tuple[int, int]:
+        """``(touched blocks, valid rows)``: waits for the marking only, not for work queued after it."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        blocks, valid = self.counts.tolist()
+        return blocks, valid
 
 
 def _row_mask(group_size: int) -> int:
@@ -121,24 +150,29 @@ def mark_touched_blocks(union: torch.Tensor, lens: torch.Tensor, marks: torch.Te
 
 def stage_marks(kv: torch.Tensor, groups: int, width: int) -> torch.Tensor | None:
     """Zeroed marks ``[ceil(R / STAGE_BLOCK_ROWS)]`` int32 for a union of ``[groups, width]`` over the
-    ``fp8_ds_mla`` rows ``kv``, when :func:`stage_fp8_union`'s rule may stage it (known from shapes
-    alone), so the union build can mark the touched blocks as it runs
-    (:func:`~shardattn.ops.union.build_union`'s ``block_marks``); else ``None``."""
-    if kv.dtype != torch.uint8 or _layout(kv, groups * width, STAGE_MAX_ROWS, STAGE_MIN_ENTRIES, 2.0) is None:
+    ``fp8_ds_mla`` rows ``kv``, when :func:`stage_fp8_union`'s rule may stage it in the mirror layout
+    (known from shapes alone), so the union build can mark the touched blocks as it runs
+    (:func:`~shardattn.ops.union.build_union`'s ``block_marks``); else ``None`` (the packed layout
+    counts them before the build: :func:`touched_blocks`)."""
+    if kv.dtype != torch.uint8 or _layout(kv, groups * width, STAGE_MAX_ROWS, STAGE_MIN_ENTRIES, 2.0) != "mirror":
         return None
     return torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
 
 
-def _pack(mark: torch.Tensor, lens: torch.Tensor, triton: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pack(
+    mark: torch.Tensor, lens: torch.Tensor, triton: bool, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(placed [B] int32, block_ids [B] int32, counts [2] int64)``: the marks' inclusive prefix sum
     (marked block ``b`` goes to block ``placed[b] - 1`` of the packed buffer), the marked blocks in
-    order, and (marked blocks, used entries)."""
+    order, and (marked blocks, ``sum(lens)``). On the GPU into ``counts`` when given, whose
+    ``[1]`` stays as it is when ``lens`` is empty."""
     placed = torch.cumsum(mark, 0, dtype=torch.int32)
     if triton:
         from shardattn.kernels.triton.kv_fp8_stage import launch_list_blocks
 
         block_ids = torch.empty_like(mark)
-        counts = torch.empty(2, dtype=torch.int64, device=mark.device)
+        if counts is None:
+            counts = torch.empty(2, dtype=torch.int64, device=mark.device)
         launch_list_blocks(mark, placed, lens, block_ids, counts)
         return placed, block_ids, counts
     block_ids = torch.nonzero(mark).flatten().to(torch.int32)
@@ -181,6 +215,60 @@ def _layout(kv: torch.Tensor, entries: int, max_rows: int, min_entries: int, min
     return "packed"
 
 
+def touched_blocks(
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    *,
+    entries: int,
+    layout: str | None = None,
+    max_rows: int = STAGE_MAX_ROWS,
+    min_entries: int = STAGE_MIN_ENTRIES,
+) -> TouchedBlocks | None:
+    """The blocks of ``kv`` that a call's top-k ``rows`` touch, marked, listed and counted before its
+    union is built, where :func:`stage_fp8_union` will pack them (a large cache; ``None`` otherwise).
+
+    The count reaches the host by a copy that does not block, so the host waits for the marking
+    alone (:meth:`TouchedBlocks.read`) while the GPU goes on to build the union: the staging and the
+    kernel are then queued behind that build, and the GPU does not wait for the host's launches
+    after the count, as it does when the count is read after the build (docs/DECISIONS.md, D61).
+
+    Args:
+        kv: the cache (``fp8_ds_mla`` rows ``[R, 656]`` uint8; any other dtype gives ``None``).
+        rows: ``[T, K]`` int32 global rows (``-1`` / out of range invalid, anywhere);
+            topk_length: ``[T]`` int32 leading entries to use, or ``None``.
+        entries: the union buffer's entries (the rule's size test, as :func:`stage_fp8_union`'s).
+        layout: ``"packed"`` marks whatever the rule says (the warm-up, tests).
+        max_rows / min_entries: the rule's limits (:func:`stage_fp8_union`).
+    """
+    if kv.dtype != torch.uint8:
+        return None
+    if (layout or _layout(kv, entries, max_rows, min_entries, 2.0)) != "packed":
+        return None
+    marks = torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
+    if use_triton(kv, rows):
+        from shardattn.kernels.triton.kv_fp8_stage import launch_mark_topk_rows
+
+        counts = torch.zeros(2, dtype=torch.int64, device=kv.device)
+        launch_mark_topk_rows(rows.contiguous(), topk_length, kv.shape[0], marks, counts, block_shift=_BLOCK_SHIFT)
+        placed, block_ids, counts = _pack(marks, marks[:0], True, counts)
+    else:
+        k = torch.arange(rows.shape[1], device=rows.device)
+        valid = (rows >= 0) & (rows < kv.shape[0])
+        if topk_length is not None:
+            valid &= k[None, :] < topk_length[:, None]
+        marks[rows[valid].long() >> _BLOCK_SHIFT] = 1
+        placed, block_ids, counts = _pack(marks, valid.sum(dtype=torch.int32)[None], False)
+    ready = None
+    if kv.is_cuda:
+        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        counts = host
+    return TouchedBlocks(marks, placed, block_ids, counts, ready)
+
+
 def stage_fp8_union(
     kv: torch.Tensor,
     union: torch.Tensor,
@@ -193,6 +281,7 @@ def stage_fp8_union(
     min_entries: int = STAGE_MIN_ENTRIES,
     min_reuse: float = 2.0,
     marks: torch.Tensor | None = None,
+    touched: TouchedBlocks | None = None,
 ) -> StagedRows | None:
     """The rows of ``kv`` that ``union`` reads, dequantised once, when that pays (module docstring).
 
@@ -208,6 +297,9 @@ def stage_fp8_union(
             the union has at least ``min_reuse`` entries per staged row (module docstring).
         marks: the touched blocks already marked (:func:`stage_marks`, filled by the union build);
             ``None``: marked here (:func:`mark_touched_blocks`).
+        touched: the packed layout's blocks, counted from the call's top-k rows before the union
+            was built (:func:`touched_blocks`); the rule then takes the rows' valid entries over
+            ``group_size`` for the union's used entries (at most that many tiles read a row).
     Returns:
         :class:`StagedRows`, or ``None`` where the kernel should dequantise in place.
     """
@@ -220,33 +312,50 @@ def stage_fp8_union(
     groups, width = union.shape
     row_mask = _row_mask(group_size)
     triton = use_triton(kv, union, lens)
-    mark = marks
+    mark = touched.marks if touched is not None else marks
     if mark is None:
         mark = torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
         mark_touched_blocks(union, lens, mark, group_size=group_size)
     if layout == "mirror":  # touched blocks at their own rows, the union as it is
         staged_blocks, new_union, placed, block_ids = mark.shape[0], union, None, None
-    else:  # touched blocks packed in cache order, the union's rows moved: their count first
-        placed, block_ids, counts = _pack(mark, lens, triton)
-        staged_blocks, entries = counts.tolist()
+    else:  # touched blocks packed in cache order, the union's rows moved (queued before the count is read)
+        if touched is None:
+            placed, block_ids, counts = _pack(mark, lens, triton)
+        else:
+            placed, block_ids = touched.placed, touched.block_ids
+        new_union = torch.empty(groups, width, dtype=torch.int32, device=kv.device)
+        _remap(union, lens, placed, new_union, row_mask, triton)
+        if touched is None:
+            staged_blocks, entries = counts.tolist()
+        else:
+            staged_blocks, valid = touched.read()
+            entries = valid // group_size
         rows = staged_blocks * STAGE_BLOCK_ROWS
         if not forced and (staged_blocks == 0 or min_reuse * rows > entries or rows > max_rows):
             return None
-        new_union = torch.empty(groups, width, dtype=torch.int32, device=kv.device)
     out = torch.empty(staged_blocks * STAGE_BLOCK_ROWS, FP8_DS_MLA.dim, dtype=dtype, device=kv.device)
     if triton:
-        from shardattn.kernels.triton.kv_fp8_stage import launch_remap_union, launch_stage_blocks
+        from shardattn.kernels.triton.kv_fp8_stage import launch_stage_blocks
 
         packed = layout == "packed"
         blocks = block_ids if packed else mark
         launch_stage_blocks(kv, blocks, out, packed=packed, num_blocks=staged_blocks, block_shift=_BLOCK_SHIFT)
-        if placed is not None:
-            launch_remap_union(union, lens, placed, new_union, row_mask=row_mask, block_shift=_BLOCK_SHIFT)
     else:
         _stage_torch(kv, mark, placed, out)
-        if placed is not None:
-            _remap_torch(union, lens, placed, new_union, row_mask)
     return StagedRows(out, new_union)
+
+
+def _remap(
+    union: torch.Tensor, lens: torch.Tensor, placed: torch.Tensor, out: torch.Tensor, row_mask: int, triton: bool
+) -> None:
+    """``union``'s used entries with their rows moved to the packed buffer's (``placed``: the marks'
+    inclusive prefix sum) into ``out``; unused entries ``-1``."""
+    if triton:
+        from shardattn.kernels.triton.kv_fp8_stage import launch_remap_union
+
+        launch_remap_union(union, lens, placed, out, row_mask=row_mask, block_shift=_BLOCK_SHIFT)
+    else:
+        _remap_torch(union, lens, placed, out, row_mask)
 
 
 def kernel_rows(
@@ -257,11 +366,13 @@ def kernel_rows(
     group_size: int,
     dtype: torch.dtype,
     marks: torch.Tensor | None = None,
+    touched: TouchedBlocks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kv, union)`` for a prefill kernel call: the staged rows and union where ``kv`` holds
     ``fp8_ds_mla`` rows and staging pays (:func:`stage_fp8_union`, with the union build's ``marks``
-    when it made them), else ``kv`` and ``union`` as given."""
+    or the ``touched`` blocks counted before it, when the call made them), else ``kv`` and
+    ``union`` as given."""
     if kv.dtype != torch.uint8:
         return kv, union
-    staged = stage_fp8_union(kv, union, lens, group_size=group_size, dtype=dtype, marks=marks)
+    staged = stage_fp8_union(kv, union, lens, group_size=group_size, dtype=dtype, marks=marks, touched=touched)
     return (kv, union) if staged is None else (staged.kv, staged.union)

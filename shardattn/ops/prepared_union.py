@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from shardattn._checks import INDEX_DTYPES, check_int, check_tensor
-from shardattn.ops.kv_fp8_stage import kernel_rows, stage_marks
+from shardattn.ops.kv_fp8_stage import kernel_rows, stage_marks, touched_blocks
 from shardattn.ops.union import GROUP_SIZES, build_union, num_groups
 
 __all__ = ["SLICE_GROUPS", "PreparedUnion", "check_prepared_union", "prepare_union", "union_for_call"]
@@ -171,15 +171,19 @@ def union_for_call(
     ``rows``), else :func:`~shardattn.ops.union.build_union` of ``rows`` now (into ``out`` when
     given); on ``fp8_ds_mla`` rows the staged rows and union where staging pays
     (:func:`~shardattn.ops.kv_fp8_stage.kernel_rows`), their touched blocks marked by the union build
-    when it runs here (:func:`~shardattn.ops.kv_fp8_stage.stage_marks`), else ``kv`` as given.
-    ``dtype``: the staged rows' (q's)."""
+    (mirror layout, :func:`~shardattn.ops.kv_fp8_stage.stage_marks`) or counted from ``rows``
+    before it (packed layout, :func:`~shardattn.ops.kv_fp8_stage.touched_blocks`) when it runs
+    here, else ``kv`` as given. ``dtype``: the staged rows' (q's)."""
+    touched = marks = None
     if prepared is not None:
-        union, lens, marks = prepared.union, prepared.lens, None
+        union, lens = prepared.union, prepared.lens
     else:
-        marks = stage_marks(kv, num_groups(rows.shape[0], group_size), group_size * rows.shape[1])
+        groups, width = num_groups(rows.shape[0], group_size), group_size * rows.shape[1]
+        touched = touched_blocks(kv, rows, topk_length, entries=groups * width)
+        marks = None if touched is not None else stage_marks(kv, groups, width)
         union, lens = build_union(
             rows, group_size=group_size, num_kv_rows=kv.shape[0], topk_length=topk_length, out=out,
             rows_sorted=rows_sorted, block_marks=marks,
         )  # fmt: skip
-    kv, union = kernel_rows(kv, union, lens, group_size=group_size, dtype=dtype, marks=marks)
+    kv, union = kernel_rows(kv, union, lens, group_size=group_size, dtype=dtype, marks=marks, touched=touched)
     return kv, union, lens

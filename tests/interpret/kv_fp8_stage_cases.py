@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -102,6 +103,34 @@ def mark_cases(gen: torch.Generator) -> None:
                 f"marked={int(got.sum())}/{int(want.sum())}")  # fmt: skip
 
 
+def touched_cases(gen: torch.Generator) -> None:
+    """Blocks counted from top-k lists before their union (``touched_blocks`` on the Triton kernels):
+    lists wider than one program's entries, sorted and shuffled, invalid rows anywhere, with and
+    without ``topk_length``: marks, listed blocks and counts equal the torch path's."""
+    from shardattn.kernels.triton.kv_fp8_stage import ENTRIES_PER_PROGRAM
+
+    r, width = 700, ENTRIES_PER_PROGRAM + 40
+    cache = fp8_cache(gen, r)
+    for shuffled, with_length in itertools.product((False, True), (False, True)):
+        rows = edge_rows(gen, 6, width, r)
+        picked = torch.tensor([0, 3, 4, 10], dtype=torch.int32)  # the blocks valid rows fall in (of 11)
+        rows = torch.where((rows >= 0) & (rows < r), picked[rows % 4] * 64 + rows // 4 % 64, rows).sort(1).values
+        rows[3, ENTRIES_PER_PROGRAM - 4 : ENTRIES_PER_PROGRAM + 4] = 650  # a block's run across the boundary
+        rows[1, 5] = 699  # the last, partial block, once
+        if shuffled:
+            rows = rows.gather(1, torch.rand(rows.shape, generator=gen).argsort(1)).contiguous()
+        length = torch.tensor([width, 0, width + 9, ENTRIES_PER_PROGRAM + 2, 7, 300], dtype=torch.int32)
+        length = length if with_length else None
+        got = kv_fp8_stage.touched_blocks(cache, rows, length, entries=1 << 16, layout="packed")
+        with mock.patch.object(kv_fp8_stage, "use_triton", lambda *tensors: False):
+            want = kv_fp8_stage.touched_blocks(cache, rows, length, entries=1 << 16, layout="packed")
+        listed = got.block_ids[: int(want.marks.sum())]
+        same = torch.equal(got.marks, want.marks) and torch.equal(got.placed, want.placed)
+        same = same and torch.equal(listed, want.block_ids) and got.read() == want.read()
+        name = f"touched[{'shuffled' if shuffled else 'sorted'},{'length' if with_length else 'no length'}]"
+        _report(name, same, f"counts={got.read()}/{want.read()}")
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("set TRITON_INTERPRET=1 before running this module", file=sys.stderr)
@@ -111,6 +140,7 @@ def main() -> int:
         stage_cases(gen, dtype, name)
     capacity_cases(gen)
     mark_cases(gen)
+    touched_cases(gen)
     print(f"{len(FAILURES)} failures: {FAILURES}", flush=True)
     return 1 if FAILURES else 0
 

@@ -6,7 +6,12 @@ engine's paged cache when its page size is that, 64 for DSA models):
 
 * :func:`launch_mark_blocks`: ``mark[row >> BLOCK_SHIFT] = 1`` for every entry a union uses
   (``k < lens[g]``); the row is the entry's low bits (``ROW_MASK``: all of them with ``G = 1``,
-  the 24 row bits of a packed entry otherwise, :mod:`shardattn.kernels.union_layout`).
+  the 24 row bits of a packed entry otherwise, :mod:`shardattn.kernels.union_layout`). An entry
+  in the same block as the one before it stores nothing (the first of their run does), nor does
+  one whose block is already marked: every entry storing made the kernel 2.8x slower at ``G = 1``
+  on a 4M-row cache (docs/DECISIONS.md, D61). :func:`launch_mark_topk_rows` marks a call's top-k
+  rows the same way before its union is built (invalid rows anywhere, ``topk_length``), and counts
+  them.
 * :func:`launch_list_blocks` (packed layout): from the marks' inclusive prefix sum ``placed``
   (each marked block's place in cache order is ``placed[b] - 1``), the list of marked blocks and
   their count.
@@ -52,8 +57,29 @@ def launch_mark_blocks(
     if union.numel() == 0:
         return
     _mark_blocks_kernel[_union_grid(union)](
-        union, lens, mark, union.shape[1], union.stride(0),
-        ROW_MASK=row_mask, BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM,
+        union, lens, mark, mark, union.shape[1], union.stride(0), 0,
+        ROW_MASK=row_mask, BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM, TOPK_ROWS=False, HAS_LENS=True,
+    )  # fmt: skip
+
+
+def launch_mark_topk_rows(
+    rows: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    num_rows: int,
+    mark: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    block_shift: int,
+) -> None:
+    """Set ``mark[row >> block_shift] = 1`` (int32) for every valid row of ``rows [T, K]`` (int32,
+    entries contiguous; ``-1`` / out of ``[0, num_rows)`` anywhere, or past ``topk_length [T]``,
+    is none) and add their count to ``counts[1]`` (int64)."""
+    if rows.numel() == 0:
+        return
+    _mark_blocks_kernel[_union_grid(rows)](
+        rows, rows if topk_length is None else topk_length, mark, counts, rows.shape[1], rows.stride(0), num_rows,
+        ROW_MASK=0x7FFFFFFF, BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM, TOPK_ROWS=True,
+        HAS_LENS=topk_length is not None,
     )  # fmt: skip
 
 
@@ -62,7 +88,7 @@ def launch_list_blocks(
 ) -> None:
     """From ``mark [B]`` and its inclusive prefix sum ``placed [B]`` (int32): ``block_ids[placed[b] - 1]
     = b`` for every marked ``b`` (the marked blocks in order) and ``counts [2]`` int64 = (marked
-    blocks, ``sum(lens)``)."""
+    blocks, ``sum(lens)``); with no ``lens`` (0 groups) ``counts[1]`` is left as it is."""
     _list_blocks_kernel[(triton.cdiv(mark.shape[0], _LIST_CHUNK),)](
         mark, placed, lens, block_ids, counts, mark.shape[0], lens.shape[0], CHUNK=_LIST_CHUNK
     )
@@ -121,14 +147,34 @@ if triton is not None:
         e = tl.load(union_ptr + g.to(tl.int64) * stride_group + k, mask=used, other=0)
         return e, used, k
 
-    @triton.jit(do_not_specialize=["width", "stride_group"])
+    @triton.jit(do_not_specialize=["width", "stride_group", "num_rows"])
     def _mark_blocks_kernel(
-        union_ptr, lens_ptr, mark_ptr, width, stride_group,
-        ROW_MASK: tl.constexpr, BLOCK_SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+        entries_ptr, lens_ptr, mark_ptr, counts_ptr, width, stride_group, num_rows,
+        ROW_MASK: tl.constexpr, BLOCK_SHIFT: tl.constexpr, BLOCK: tl.constexpr, TOPK_ROWS: tl.constexpr,
+        HAS_LENS: tl.constexpr,
     ):  # fmt: skip
-        e, used, _ = _used_entries(union_ptr, lens_ptr, width, stride_group, BLOCK)
+        """A union's used entries (``TOPK_ROWS`` False), or a top-k list's valid rows (``-1`` / out of
+        ``[0, num_rows)`` anywhere is none; ``lens``: ``topk_length``, where ``HAS_LENS``), whose
+        count is added to ``counts[1]``."""
+        g = tl.program_id(0)
+        k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        used = k < width
+        if HAS_LENS:
+            used &= k < tl.load(lens_ptr + g)
+        row_ptr = entries_ptr + g.to(tl.int64) * stride_group
+        e = tl.load(row_ptr + k, mask=used, other=0)
+        prev = tl.load(row_ptr + k - 1, mask=used & (k > 0), other=0)
         block = (e & ROW_MASK) >> BLOCK_SHIFT
-        tl.store(mark_ptr + block, tl.full([BLOCK], 1, tl.int32), mask=used)
+        prev_same = (k > 0) & (((prev & ROW_MASK) >> BLOCK_SHIFT) == block)
+        if TOPK_ROWS:
+            used &= (e >= 0) & (e < num_rows)
+            prev_same &= (prev >= 0) & (prev < num_rows)
+            tl.atomic_add(counts_ptr + 1, tl.sum(used.to(tl.int64), 0))
+        # stores to one address from every program queue in the L2, so only the first entry of a run
+        # in one block stores, and only while the block is unmarked (a load, served by the L2)
+        first = used & ~prev_same
+        seen = tl.load(mark_ptr + block, mask=first, other=1)
+        tl.store(mark_ptr + block, tl.full([BLOCK], 1, tl.int32), mask=first & (seen == 0))
 
     @triton.jit(do_not_specialize=["num_blocks", "num_groups"])
     def _list_blocks_kernel(
@@ -145,7 +191,8 @@ if triton is not None:
                 g = start + tl.arange(0, CHUNK)
                 entries += tl.sum(tl.load(lens_ptr + g, mask=g < num_groups, other=0).to(tl.int64), 0)
             tl.store(counts_ptr, tl.load(placed_ptr + num_blocks - 1).to(tl.int64))
-            tl.store(counts_ptr + 1, entries)
+            if num_groups > 0:  # else counts[1] is the marking's (launch_mark_topk_rows)
+                tl.store(counts_ptr + 1, entries)
 
     @triton.jit(do_not_specialize=["num_rows"])
     def _stage_blocks_kernel(
