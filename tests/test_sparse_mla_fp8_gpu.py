@@ -138,19 +138,28 @@ def _every_code_cache(r: int, seed: int) -> torch.Tensor:
 
 def _staging(monkeypatch, staging: str) -> list[bool]:
     """Prefill FP8 rows staged in the ``"mirror"`` or ``"packed"`` layout whatever the rule says (each
-    call's staging recorded in the returned list), or ``"in_kernel"`` (staging declined: every tile
-    dequantises its rows)."""
-    from shardattn.ops import kv_fp8_stage
+    call's staging recorded in the returned list), ``"packed_early"`` (packed, the touched blocks
+    counted from the top-k rows before the union build, as on a cache past the mirror's rows), or
+    ``"in_kernel"`` (staging declined: every tile dequantises its rows)."""
+    from shardattn.ops import kv_fp8_stage, prepared_union
 
     staged: list[bool] = []
-    real = kv_fp8_stage.stage_fp8_union
+    real, real_touched = kv_fp8_stage.stage_fp8_union, kv_fp8_stage.touched_blocks
+    layout = "packed" if staging == "packed_early" else staging
 
     def spy(*args, **kwargs):
-        result = None if staging == "in_kernel" else real(*args, **{**kwargs, "layout": staging})
+        if staging == "packed_early" and kwargs.get("touched") is None and kwargs.get("marks") is None:
+            raise AssertionError("packed_early: the call did not count its blocks before the union build")
+        result = None if staging == "in_kernel" else real(*args, **{**kwargs, "layout": layout})
         staged.append(result is not None)
         return result
 
     monkeypatch.setattr(kv_fp8_stage, "stage_fp8_union", spy)
+    if staging == "packed_early":
+        monkeypatch.setattr(prepared_union, "stage_marks", lambda *args: None)
+        monkeypatch.setattr(
+            prepared_union, "touched_blocks", lambda *args, **kw: real_touched(*args, **{**kw, "layout": "packed"})
+        )
     return staged
 
 
@@ -190,7 +199,7 @@ def test_gluon_fp8_reads_every_code_at_extreme_scales(monkeypatch, op, tokens, h
      ("triton", 100, 128, 1, False), ("grouped", 257, 32, 2, True), ("grouped", 257, 16, 4, True),
      ("grouped", 257, 8, 8, True), ("grouped", 100, 8, 1, False)],
 )  # fmt: skip
-@pytest.mark.parametrize("staging", ["in_kernel", "mirror", "packed"])
+@pytest.mark.parametrize("staging", ["in_kernel", "mirror", "packed", "packed_early"])
 def test_fp8_prefill_equals_bf16_prefill_on_dequantised_rows(monkeypatch, path, tokens, heads, group, gluon, staging):
     """Staged (either layout), every path runs the bf16 kernel on the staged rows: bit for bit the bf16 run."""
     from shardattn.ops.sparse_mla import sparse_mla_per_query
