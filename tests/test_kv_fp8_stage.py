@@ -8,8 +8,12 @@
   the Triton kernels under the interpreter equal the torch path bit for bit, and the prefill kernel
   on the staged rows equals it on the dequantised cache bit for bit
   (tests/interpret/kv_fp8_stage_cases.py).
-* sm_90 GPU: tests/test_sparse_mla_fp8_gpu.py runs every prefill path mirrored, packed and in the
-  kernel; tests/test_sparse_mla_gpu.py checks that the warm-up compiles all three.
+* CPU: the blocks counted from the top-k lists before the union (``touched_blocks``) are the
+  union's, counted with the lists' valid rows, and stage the same rows; the rule then reads valid
+  rows over ``G``.
+* sm_90 GPU: tests/test_sparse_mla_fp8_gpu.py runs every prefill path mirrored, packed (its blocks
+  counted after the union build, or before it) and in the kernel; tests/test_sparse_mla_gpu.py
+  checks that the warm-up compiles them all.
 """
 
 from __future__ import annotations
