@@ -9,8 +9,9 @@
   on the staged rows equals it on the dequantised cache bit for bit
   (tests/interpret/kv_fp8_stage_cases.py).
 * CPU: the blocks counted from the top-k lists before the union (``touched_blocks``) are the
-  union's, counted with the lists' valid rows, and stage the same rows; the rule then reads valid
-  rows over ``G``.
+  union's, counted with the lists' valid rows; the union built over the rows moved into them
+  (``stage_touched``) is the staged union of the original rows, bit for bit; the rule then reads
+  valid rows over ``G``.
 * sm_90 GPU: tests/test_sparse_mla_fp8_gpu.py runs every prefill path mirrored, packed (its blocks
   counted after the union build, or before it) and in the kernel; tests/test_sparse_mla_gpu.py
   checks that the warm-up compiles them all.
@@ -18,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 from unittest import mock
 
 import pytest
@@ -30,6 +32,8 @@ from shardattn.kernels.union_layout import unpack_entries
 from shardattn.ops import kv_fp8_stage
 from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 from shardattn.ops.kv_fp8_stage import LAYOUTS, STAGE_BLOCK_ROWS, StagedRows, stage_fp8_union
+from shardattn.ops.sparse_mla import valid_mask
+from shardattn.ops.touched_blocks import moved_rows, touched_blocks
 from shardattn.ops.union import build_union
 from tests.fp8_oracle import fp8_rows_decode
 from tests.interpret import run_cases
@@ -199,31 +203,47 @@ def _topk_case(seed: int, tokens: int, k: int, r: int, span: int):
     return cache, rows, length
 
 
+def _used(union: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    return torch.arange(union.shape[1])[None, :] < lens[:, None].long()
+
+
 @pytest.mark.parametrize("group_size", [1, 4])
 @pytest.mark.parametrize("with_length", [False, True])
-def test_blocks_counted_before_the_union_stage_what_the_union_marks(group_size, with_length):
-    """``touched_blocks`` marks from the top-k lists the blocks the union of the same lists marks,
-    counts them and the valid rows, and packed staging with it equals packed staging that marks
-    from the union, bit for bit; the rule's size test and format decide where it counts at all."""
+def test_union_over_the_moved_rows_is_the_staged_union(group_size, with_length):
+    """``touched_blocks`` marks from the top-k lists the blocks the union of the same lists marks and
+    counts them and the valid rows; ``moved_rows`` puts each valid row at its block's place (others
+    -1); and ``stage_touched``, which builds the union over the moved rows, gives the staged rows,
+    union and lens of packed staging on the union of the original rows, bit for bit. The rule's
+    size test and the format decide where it stages at all."""
     cache, rows, length = _topk_case(6, 48, 96, 3_000, 900)
     length = length if with_length else None
     union, lens = build_union(rows, group_size=group_size, num_kv_rows=3_000, topk_length=length)
-    touched = kv_fp8_stage.touched_blocks(cache, rows, length, entries=union.numel(), layout="packed")
+    touched = touched_blocks(rows, length, num_rows=3_000)
     want = torch.zeros_like(touched.marks)
     kv_fp8_stage.mark_touched_blocks(union, lens, want, group_size=group_size)
     assert torch.equal(touched.marks, want) and touched.ready is None
-    k = torch.arange(rows.shape[1])
-    valid = (rows >= 0) & (rows < 3_000) & ((k[None, :] < length[:, None]) if with_length else True)
+    valid = valid_mask(rows, 3_000, length)
     assert touched.read() == (int(want.sum()), int(valid.sum()))
     assert torch.equal(touched.block_ids, torch.nonzero(want).flatten().int())
-    kw = {"group_size": group_size, "dtype": torch.float32, "layout": "packed"}
-    early = stage_fp8_union(cache, union, lens, touched=touched, **kw)
-    late = stage_fp8_union(cache, union, lens, **kw)
-    assert check_staged(early, cache, union, lens, group_size) is None
-    assert torch.equal(early.kv, late.kv) and torch.equal(early.union, late.union)
-    assert kv_fp8_stage.touched_blocks(dequantize_kv(cache), rows, length, entries=union.numel()) is None  # bf16
-    assert kv_fp8_stage.touched_blocks(cache, rows, length, entries=union.numel()) is None  # a mirrored cache
-    assert kv_fp8_stage.touched_blocks(cache, rows, length, entries=1 << 16, max_rows=1_024) is not None  # packed
+    moved = moved_rows(rows, length, touched, num_rows=3_000)
+    place = torch.cumsum(want, 0)[rows.clamp(0, 2_999).long() // STAGE_BLOCK_ROWS] - 1
+    assert torch.equal(moved, torch.where(valid, place * STAGE_BLOCK_ROWS + rows % STAGE_BLOCK_ROWS, -1).int())
+
+    build = functools.partial(build_union, group_size=group_size, topk_length=length)
+    kw = {"group_size": group_size, "dtype": torch.float32}
+    kv, new_union, new_lens = kv_fp8_stage.stage_touched(cache, rows, length, build=build, min_reuse=0, **kw)
+    late = stage_fp8_union(cache, union, lens, layout="packed", **kw)
+    assert check_staged(late, cache, union, lens, group_size) is None
+    assert torch.equal(kv, late.kv) and torch.equal(new_lens, lens)
+    used = _used(union, lens)
+    assert torch.equal(new_union[used], late.union[used])
+    assert not kv_fp8_stage.stages_packed(dequantize_kv(cache), 1 << 20)  # bf16 rows
+    assert not kv_fp8_stage.stages_packed(cache, 1 << 20)  # a cache the mirror holds
+    big = cache[:1].expand(kv_fp8_stage.STAGE_MAX_ROWS + 1, -1)  # shapes only
+    assert kv_fp8_stage.stages_packed(big, 1 << 16) and not kv_fp8_stage.stages_packed(big, (1 << 16) - 1)
+    rule = {**kw, "build": build, "min_reuse": 0}
+    assert kv_fp8_stage.stage_touched(cache, rows, length, **rule, max_rows=1_024) is not None
+    assert kv_fp8_stage.stage_touched(cache, rows, length, **rule, max_rows=128) is None  # too many rows
 
 
 def test_rule_on_blocks_counted_before_the_union_takes_valid_rows_over_g():
@@ -232,14 +252,16 @@ def test_rule_on_blocks_counted_before_the_union_takes_valid_rows_over_g():
     blocks) stage at ``G = 1`` (2,048 reads of 256 rows), not at ``G = 8`` (256 over 8 < 2 x 256)."""
     cache = quantize_kv(torch.randn(20_000, 576))
     rows = torch.arange(1_024, 1_280, dtype=torch.int32)[None].repeat(8, 1)
-    rule = {"dtype": torch.float32, "min_entries": 0, "max_rows": 8_192}
+    rule = {"dtype": torch.float32, "max_rows": 8_192}
     for g, staged in ((1, True), (8, False)):
-        union, lens = build_union(rows, group_size=g, num_kv_rows=20_000)
-        touched = kv_fp8_stage.touched_blocks(cache, rows, None, entries=union.numel(), min_entries=0, max_rows=8_192)
-        got = stage_fp8_union(cache, union, lens, group_size=g, touched=touched, **rule)
+        build = functools.partial(build_union, group_size=g)
+        got = kv_fp8_stage.stage_touched(cache, rows, None, group_size=g, build=build, **rule)
         assert (got is not None) == staged
         if staged:
-            assert got.kv.shape[0] == 256 and check_staged(got, cache, union, lens, g) is None
+            kv, moved_union, _ = got
+            union, lens = build_union(rows, group_size=g, num_kv_rows=20_000)
+            want = stage_fp8_union(cache, union, lens, group_size=g, min_entries=0, **rule)
+            assert kv.shape[0] == 256 and torch.equal(kv, want.kv) and torch.equal(moved_union, want.union)
 
 
 @pytest.mark.interpret
@@ -247,4 +269,4 @@ def test_rule_on_blocks_counted_before_the_union_takes_valid_rows_over_g():
 def test_triton_staging_equals_torch_and_feeds_the_kernel_exactly():
     lines = run_cases("kv_fp8_stage_cases", SHARDATTN_SEED="0")
     assert lines[-1] == "0 failures: []"
-    assert sum(ln.startswith("ok") for ln in lines) == 26
+    assert sum(ln.startswith("ok") for ln in lines) == 34

@@ -139,27 +139,29 @@ def _every_code_cache(r: int, seed: int) -> torch.Tensor:
 def _staging(monkeypatch, staging: str) -> list[bool]:
     """Prefill FP8 rows staged in the ``"mirror"`` or ``"packed"`` layout whatever the rule says (each
     call's staging recorded in the returned list), ``"packed_early"`` (packed, the touched blocks
-    counted from the top-k rows before the union build, as on a cache past the mirror's rows), or
-    ``"in_kernel"`` (staging declined: every tile dequantises its rows)."""
+    counted from the top-k rows and the union built over the rows moved into them, as on a cache
+    past the mirror's rows; a prepared union is staged packed at the call), or ``"in_kernel"``
+    (staging declined: every tile dequantises its rows)."""
     from shardattn.ops import kv_fp8_stage, prepared_union
 
     staged: list[bool] = []
-    real, real_touched = kv_fp8_stage.stage_fp8_union, kv_fp8_stage.touched_blocks
+    real, real_touched = kv_fp8_stage.stage_fp8_union, kv_fp8_stage.stage_touched
     layout = "packed" if staging == "packed_early" else staging
 
     def spy(*args, **kwargs):
-        if staging == "packed_early" and kwargs.get("touched") is None and kwargs.get("marks") is None:
-            raise AssertionError("packed_early: the call did not count its blocks before the union build")
         result = None if staging == "in_kernel" else real(*args, **{**kwargs, "layout": layout})
+        staged.append(result is not None)
+        return result
+
+    def touched_spy(*args, **kwargs):
+        result = real_touched(*args, **{**kwargs, "min_reuse": 0})
         staged.append(result is not None)
         return result
 
     monkeypatch.setattr(kv_fp8_stage, "stage_fp8_union", spy)
     if staging == "packed_early":
-        monkeypatch.setattr(prepared_union, "stage_marks", lambda *args: None)
-        monkeypatch.setattr(
-            prepared_union, "touched_blocks", lambda *args, **kw: real_touched(*args, **{**kw, "layout": "packed"})
-        )
+        monkeypatch.setattr(prepared_union, "stages_packed", lambda kv, entries: kv.dtype == torch.uint8)
+        monkeypatch.setattr(prepared_union, "stage_touched", touched_spy)
     return staged
 
 

@@ -6,6 +6,8 @@ fp32 reference on sampled tokens (bf16 bound: relative error below 1e-2).
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -85,7 +87,7 @@ def test_warmup_covers_fp8_prefill_staged_and_in_the_kernel(heads):
     from shardattn.kernels.triton.kv_fp8_stage import stage_kernels
     from shardattn.kernels.triton.sparse_mla import attention_kernel
     from shardattn.kernels.triton.union import union_kernels
-    from shardattn.ops import kv_fp8_stage
+    from shardattn.ops import kv_fp8_stage, prepared_union
     from shardattn.ops.kv_fp8 import quantize_kv
     from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
     from shardattn.runtime.warmup import PrefillSpec, compiled_variants, warmup
@@ -99,15 +101,19 @@ def test_warmup_covers_fp8_prefill_staged_and_in_the_kernel(heads):
         kernels = (*kernels, ws64_kernel())
     before = [compiled_variants(k) for k in kernels]
     staged = []
-    real = kv_fp8_stage.stage_fp8_union
 
-    def spy(*args, **kwargs):
-        result = real(*args, **kwargs)
-        staged.append(result is not None)
-        return result
+    def spy(real):
+        def staging(*args, **kwargs):
+            result = real(*args, **kwargs)
+            staged.append(result is not None)
+            return result
 
-    kv_fp8_stage.stage_fp8_union = spy
-    try:
+        return staging
+
+    with (  # the mirror layout stages on the union; the packed one counts first and builds on the staged rows
+        mock.patch.object(kv_fp8_stage, "stage_fp8_union", spy(kv_fp8_stage.stage_fp8_union)),
+        mock.patch.object(prepared_union, "stage_touched", spy(kv_fp8_stage.stage_touched)),
+    ):
         for tokens, kv_rows, spread in ((1024, 65536, False), (1024, 1 << 20, False), (333, 1 << 20, True)):
             q, kv, rows = _setup(heads, tokens, 65536, seed=tokens)
             if kv_rows > kv.shape[0]:  # a cache of 2**20 rows (beyond the mirror's): the request's rows in it
@@ -115,8 +121,6 @@ def test_warmup_covers_fp8_prefill_staged_and_in_the_kernel(heads):
             if spread:  # rows anywhere in it: staging does not pay
                 rows = torch.randint(-1, kv_rows, rows.shape, dtype=torch.int32, device=dev)
             sparse_mla_grouped_prefill(q, quantize_kv(kv), rows, scale=0.04, v_dim=D_V)
-    finally:
-        kv_fp8_stage.stage_fp8_union = real
     torch.cuda.synchronize()
     assert staged == [True, True, False]  # mirrored, packed, in the kernel
     assert [compiled_variants(k) for k in kernels] == before

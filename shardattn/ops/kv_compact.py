@@ -11,8 +11,10 @@ rows are those of its requests, a small part of such a cache, so :func:`compact_
 keeps the rows' order, their duplicates and their validity, so the attention over the compact
 cache is the attention over the original one, bit for bit on every path.
 
-Counting the touched blocks costs one host synchronisation, so :func:`compact_rows` is never called
-during CUDA-graph capture (the call then runs per query, as before). torch ops on every device.
+The blocks are marked, counted and the rows moved by :mod:`shardattn.ops.touched_blocks` (Triton
+kernels on the GPU, torch elsewhere); the rows are moved while the host waits for the count, which
+costs one host synchronisation, so :func:`compact_rows` is never called during CUDA-graph capture
+(the call then runs per query, as before).
 
 Example:
     >>> kv = torch.randn(1000, 8)
@@ -28,18 +30,17 @@ from __future__ import annotations
 
 import torch
 
-from shardattn.ops.sparse_mla import valid_mask
+from shardattn.ops.touched_blocks import BLOCK_ROWS, moved_rows, touched_blocks
 
 __all__ = ["COMPACT_BLOCK_ROWS", "COMPACT_MIN_GROUP", "compact_rows"]
 
 #: Cache rows gathered together (a 64-token page of a DSA cache).
-COMPACT_BLOCK_ROWS = 64
+COMPACT_BLOCK_ROWS = BLOCK_ROWS
 #: The smallest grouped ``G`` a call gathers for. The gathering and its host sync cost about 0.5 ms
 #: a 4K-token call; on an H200 with a 40M-row cache the bf16 step took 1.54 / 1.49 / 2.30 ms
 #: gathered against 2.24 / 2.12 / 2.03 per query at 8 / 16 / 32 heads (G = 8 / 4 / 2):
 #: docs/DECISIONS.md D53.
 COMPACT_MIN_GROUP = 4
-_SHIFT = COMPACT_BLOCK_ROWS.bit_length() - 1
 
 
 def compact_rows(
@@ -59,20 +60,12 @@ def compact_rows(
         them) and each valid row's place among them; invalid entries ``-1``. One host sync.
     """
     num_rows = kv.shape[0]
-    num_blocks = -(-num_rows // COMPACT_BLOCK_ROWS)
-    valid = valid_mask(rows, num_rows, topk_length)
-    # int32 throughout (a call's [T, K] passes are memory-bound); invalid entries mark a spare block
-    block = torch.where(valid, rows >> _SHIFT, num_blocks)
-    marks = torch.zeros(num_blocks + 1, dtype=torch.int32, device=rows.device)
-    marks[block] = 1
-    marks[num_blocks] = 0
-    placed = torch.cumsum(marks, 0, dtype=torch.int32)  # block b -> compact block placed[b] - 1
-    rows_compact = (placed[block] - 1) * COMPACT_BLOCK_ROWS + (rows & (COMPACT_BLOCK_ROWS - 1))
-    rows_compact = torch.where(valid, rows_compact, -1).to(torch.int32)  # queued before the sync
-    count = int(placed[-1])  # the host sync
+    touched = touched_blocks(rows, topk_length, num_rows=num_rows)
+    rows_compact = moved_rows(rows, topk_length, touched, num_rows=num_rows)  # queued before the count is read
+    count, _ = touched.read()  # the host sync
     if count * COMPACT_BLOCK_ROWS > max_rows:
         return None
-    blocks = torch.nonzero_static(marks[:num_blocks], size=count).flatten()  # no second sync
     offsets = torch.arange(COMPACT_BLOCK_ROWS, device=kv.device)
+    blocks = touched.block_ids[:count].long()
     gathered = (blocks[:, None] * COMPACT_BLOCK_ROWS + offsets[None, :]).flatten().clamp_max(num_rows - 1)
     return kv[gathered], rows_compact

@@ -16,6 +16,11 @@ for bit the in-kernel dequantisation's (tested on the GPU). Two layouts of the b
 * **packed** (a larger cache): the touched blocks in cache order and the union's rows moved to
   them. Their count costs one host synchronisation (so never inside capture); stage when the
   union has at least ``min_reuse`` used entries per staged row and the rows fit ``max_rows``.
+  Where the prefill builds its union, :func:`stage_touched` counts the blocks from the top-k rows
+  first and builds the union over the rows moved into them (:mod:`shardattn.ops.touched_blocks`:
+  a union over a cache of only the staged rows, the shared-memory build on sm_90, instead of the
+  row sort a large cache takes); with a union built beforehand, :func:`stage_fp8_union` marks,
+  counts and moves the union's rows.
 
 Otherwise (rows picked all over a large cache, or decode-sized calls of under
 :data:`STAGE_MIN_ENTRIES` entries) it returns ``None`` and the kernel dequantises in place.
@@ -46,6 +51,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +59,7 @@ import torch
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops.kv_fp8 import FP8_DS_MLA, dequantize_kv
+from shardattn.ops.touched_blocks import BLOCK_ROWS, list_blocks, moved_rows, touched_blocks
 
 __all__ = [
     "LAYOUTS",
@@ -60,16 +67,16 @@ __all__ = [
     "STAGE_MAX_ROWS",
     "STAGE_MIN_ENTRIES",
     "StagedRows",
-    "TouchedBlocks",
     "kernel_rows",
     "mark_touched_blocks",
     "stage_fp8_union",
     "stage_marks",
-    "touched_blocks",
+    "stage_touched",
+    "stages_packed",
 ]
 
 #: Cache rows staged together (a 64-token page of a DSA cache).
-STAGE_BLOCK_ROWS = 64
+STAGE_BLOCK_ROWS = BLOCK_ROWS
 _BLOCK_SHIFT = STAGE_BLOCK_ROWS.bit_length() - 1
 #: The most rows one call stages (in bf16, 576 MiB of buffer): four requests of 128K tokens.
 STAGE_MAX_ROWS = 1 << 19
@@ -93,33 +100,6 @@ class StagedRows:
 
     kv: torch.Tensor
     union: torch.Tensor
-
-
-@dataclass(frozen=True)
-class TouchedBlocks:
-    """The blocks a prefill call's top-k rows touch, marked and listed before its union is built
-    (the packed layout, :func:`touched_blocks`), and their count on its way to the host.
-
-    Attributes:
-        marks: int32 ``[ceil(R / STAGE_BLOCK_ROWS)]``, 1 at every touched block.
-        placed: int32, the marks' inclusive prefix sum; block_ids: int32, the touched blocks in order.
-        counts: int64 ``[2]``: (touched blocks, valid rows of the top-k lists), in pinned host
-            memory on a GPU (copied without blocking), the device values elsewhere.
-        ready: the CUDA event recorded after that copy (``None`` off CUDA).
-    """
-
-    marks: torch.Tensor
-    placed: torch.Tensor
-    block_ids: torch.Tensor
-    counts: torch.Tensor
-    ready: torch.cuda.Event | None
-
-    def read(self) -> tuple[int, int]:
-        """``(touched blocks, valid rows)``: waits for the marking only, not for work queued after it."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        blocks, valid = self.counts.tolist()
-        return blocks, valid
 
 
 def _row_mask(group_size: int) -> int:
@@ -159,26 +139,6 @@ def stage_marks(kv: torch.Tensor, groups: int, width: int) -> torch.Tensor | Non
     return torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
 
 
-def _pack(
-    mark: torch.Tensor, lens: torch.Tensor, triton: bool, counts: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(placed [B] int32, block_ids [B] int32, counts [2] int64)``: the marks' inclusive prefix sum
-    (marked block ``b`` goes to block ``placed[b] - 1`` of the packed buffer), the marked blocks in
-    order, and (marked blocks, ``sum(lens)``). On the GPU into ``counts`` when given, whose
-    ``[1]`` stays as it is when ``lens`` is empty."""
-    placed = torch.cumsum(mark, 0, dtype=torch.int32)
-    if triton:
-        from shardattn.kernels.triton.kv_fp8_stage import launch_list_blocks
-
-        block_ids = torch.empty_like(mark)
-        if counts is None:
-            counts = torch.empty(2, dtype=torch.int64, device=mark.device)
-        launch_list_blocks(mark, placed, lens, block_ids, counts)
-        return placed, block_ids, counts
-    block_ids = torch.nonzero(mark).flatten().to(torch.int32)
-    return placed, block_ids, torch.stack([placed[-1].long(), lens.sum(dtype=torch.int64)])
-
-
 def _stage_torch(kv: torch.Tensor, mark: torch.Tensor, placed: torch.Tensor | None, out: torch.Tensor) -> None:
     blocks = torch.nonzero(mark).flatten()
     offsets = torch.arange(STAGE_BLOCK_ROWS, device=kv.device)
@@ -215,58 +175,58 @@ def _layout(kv: torch.Tensor, entries: int, max_rows: int, min_entries: int, min
     return "packed"
 
 
-def touched_blocks(
+def stages_packed(kv: torch.Tensor, entries: int) -> bool:
+    """Whether a call over ``kv`` with a union buffer of ``entries`` entries stages in the packed
+    layout (known from shapes alone: ``fp8_ds_mla`` rows, a cache past ``STAGE_MAX_ROWS`` rows, not
+    under CUDA-graph capture): its prefill then counts the blocks before its union build
+    (:func:`stage_touched`)."""
+    return kv.dtype == torch.uint8 and _layout(kv, entries, STAGE_MAX_ROWS, STAGE_MIN_ENTRIES, 2.0) == "packed"
+
+
+def stage_touched(
     kv: torch.Tensor,
     rows: torch.Tensor,
     topk_length: torch.Tensor | None,
     *,
-    entries: int,
-    layout: str | None = None,
+    group_size: int,
+    dtype: torch.dtype,
+    build: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     max_rows: int = STAGE_MAX_ROWS,
-    min_entries: int = STAGE_MIN_ENTRIES,
-) -> TouchedBlocks | None:
-    """The blocks of ``kv`` that a call's top-k ``rows`` touch, marked, listed and counted before its
-    union is built, where :func:`stage_fp8_union` will pack them (a large cache; ``None`` otherwise).
+    min_reuse: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A prefill call's ``(kv, union, lens)`` in the packed layout, its union built over the staged
+    rows, or ``None`` where the rule declines (the caller builds the union of ``rows`` and the
+    kernel dequantises in place).
 
-    The count reaches the host by a copy that does not block, so the host waits for the marking
-    alone (:meth:`TouchedBlocks.read`) while the GPU goes on to build the union: the staging and the
-    kernel are then queued behind that build, and the GPU does not wait for the host's launches
-    after the count, as it does when the count is read after the build (docs/DECISIONS.md, D61).
+    The blocks the call's top-k ``rows`` touch are marked and counted first
+    (:func:`~shardattn.ops.touched_blocks.touched_blocks`), and the rows moved to their places among
+    them (:func:`~shardattn.ops.touched_blocks.moved_rows`) while the host waits for the count; then
+    the blocks are staged, and ``build(moved, num_kv_rows=staged rows)`` builds the union over a
+    cache of only those rows: on sm_90 the shared-memory bitmap build, whatever the cache's size
+    (docs/DECISIONS.md, D62). That union is the union of ``rows`` with its rows moved, so the result
+    is bit for bit the unstaged one's. The rule takes the rows' valid entries over ``group_size``
+    for the union's used entries (at most that many tiles read a row).
 
     Args:
-        kv: the cache (``fp8_ds_mla`` rows ``[R, 656]`` uint8; any other dtype gives ``None``).
+        kv: ``[R, 656]`` uint8 ``fp8_ds_mla`` rows (checked by the caller).
         rows: ``[T, K]`` int32 global rows (``-1`` / out of range invalid, anywhere);
             topk_length: ``[T]`` int32 leading entries to use, or ``None``.
-        entries: the union buffer's entries (the rule's size test, as :func:`stage_fp8_union`'s).
-        layout: ``"packed"`` marks whatever the rule says (the warm-up, tests).
-        max_rows / min_entries: the rule's limits (:func:`stage_fp8_union`).
+        group_size: the union's ``G``. dtype: the staged rows' dtype (q's).
+        build: ``build(rows, num_kv_rows=...)`` returns the union and lens of ``rows`` (the call's
+            :func:`~shardattn.ops.union.build_union` with its ``G``, ``topk_length`` and buffers bound).
+        max_rows / min_reuse: as :func:`stage_fp8_union` (``min_reuse=0``: stage whatever the reuse).
     """
     if kv.dtype != torch.uint8:
+        raise ValueError(f"kv must hold fp8_ds_mla rows (uint8) to be staged, got {kv.dtype}")
+    touched = touched_blocks(rows, topk_length, num_rows=kv.shape[0])
+    moved = moved_rows(rows, topk_length, touched, num_rows=kv.shape[0])
+    staged_blocks, valid = touched.read()
+    staged_rows = staged_blocks * STAGE_BLOCK_ROWS
+    if staged_blocks == 0 or staged_rows > max_rows or min_reuse * staged_rows > valid // group_size:
         return None
-    if (layout or _layout(kv, entries, max_rows, min_entries, 2.0)) != "packed":
-        return None
-    marks = torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
-    if use_triton(kv, rows):
-        from shardattn.kernels.triton.kv_fp8_stage import launch_mark_topk_rows
-
-        counts = torch.zeros(2, dtype=torch.int64, device=kv.device)
-        launch_mark_topk_rows(rows.contiguous(), topk_length, kv.shape[0], marks, counts, block_shift=_BLOCK_SHIFT)
-        placed, block_ids, counts = _pack(marks, marks[:0], True, counts)
-    else:
-        k = torch.arange(rows.shape[1], device=rows.device)
-        valid = (rows >= 0) & (rows < kv.shape[0])
-        if topk_length is not None:
-            valid &= k[None, :] < topk_length[:, None]
-        marks[rows[valid].long() >> _BLOCK_SHIFT] = 1
-        placed, block_ids, counts = _pack(marks, valid.sum(dtype=torch.int32)[None], False)
-    ready = None
-    if kv.is_cuda:
-        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-        host.copy_(counts, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        counts = host
-    return TouchedBlocks(marks, placed, block_ids, counts, ready)
+    out = _stage_blocks(kv, touched.marks, touched.placed, touched.block_ids, staged_blocks, dtype, packed=True)
+    union, lens = build(moved, num_kv_rows=staged_rows)
+    return out, union, lens
 
 
 def stage_fp8_union(
@@ -281,7 +241,6 @@ def stage_fp8_union(
     min_entries: int = STAGE_MIN_ENTRIES,
     min_reuse: float = 2.0,
     marks: torch.Tensor | None = None,
-    touched: TouchedBlocks | None = None,
 ) -> StagedRows | None:
     """The rows of ``kv`` that ``union`` reads, dequantised once, when that pays (module docstring).
 
@@ -297,9 +256,6 @@ def stage_fp8_union(
             the union has at least ``min_reuse`` entries per staged row (module docstring).
         marks: the touched blocks already marked (:func:`stage_marks`, filled by the union build);
             ``None``: marked here (:func:`mark_touched_blocks`).
-        touched: the packed layout's blocks, counted from the call's top-k rows before the union
-            was built (:func:`touched_blocks`); the rule then takes the rows' valid entries over
-            ``group_size`` for the union's used entries (at most that many tiles read a row).
     Returns:
         :class:`StagedRows`, or ``None`` where the kernel should dequantise in place.
     """
@@ -312,37 +268,46 @@ def stage_fp8_union(
     groups, width = union.shape
     row_mask = _row_mask(group_size)
     triton = use_triton(kv, union, lens)
-    mark = touched.marks if touched is not None else marks
+    mark = marks
     if mark is None:
         mark = torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
         mark_touched_blocks(union, lens, mark, group_size=group_size)
     if layout == "mirror":  # touched blocks at their own rows, the union as it is
-        staged_blocks, new_union, placed, block_ids = mark.shape[0], union, None, None
-    else:  # touched blocks packed in cache order, the union's rows moved (queued before the count is read)
-        if touched is None:
-            placed, block_ids, counts = _pack(mark, lens, triton)
-        else:
-            placed, block_ids = touched.placed, touched.block_ids
-        new_union = torch.empty(groups, width, dtype=torch.int32, device=kv.device)
-        _remap(union, lens, placed, new_union, row_mask, triton)
-        if touched is None:
-            staged_blocks, entries = counts.tolist()
-        else:
-            staged_blocks, valid = touched.read()
-            entries = valid // group_size
-        rows = staged_blocks * STAGE_BLOCK_ROWS
-        if not forced and (staged_blocks == 0 or min_reuse * rows > entries or rows > max_rows):
-            return None
-    out = torch.empty(staged_blocks * STAGE_BLOCK_ROWS, FP8_DS_MLA.dim, dtype=dtype, device=kv.device)
-    if triton:
+        out = _stage_blocks(kv, mark, None, None, mark.shape[0], dtype, packed=False)
+        return StagedRows(out, union)
+    # touched blocks packed in cache order, the union's rows moved (queued before the count is read)
+    placed, block_ids, counts = list_blocks(mark, lens, triton)
+    new_union = torch.empty(groups, width, dtype=torch.int32, device=kv.device)
+    _remap(union, lens, placed, new_union, row_mask, triton)
+    staged_blocks, entries = counts.tolist()
+    rows = staged_blocks * STAGE_BLOCK_ROWS
+    if not forced and (staged_blocks == 0 or min_reuse * rows > entries or rows > max_rows):
+        return None
+    return StagedRows(_stage_blocks(kv, mark, placed, block_ids, staged_blocks, dtype, packed=True), new_union)
+
+
+def _stage_blocks(
+    kv: torch.Tensor,
+    mark: torch.Tensor,
+    placed: torch.Tensor | None,
+    block_ids: torch.Tensor | None,
+    num_blocks: int,
+    dtype: torch.dtype,
+    *,
+    packed: bool,
+) -> torch.Tensor:
+    """``[num_blocks * STAGE_BLOCK_ROWS, 576]`` in ``dtype``: the marked blocks of ``kv`` dequantised,
+    at their own place (mirror: ``num_blocks`` covers the cache) or at ``placed[b] - 1`` (packed,
+    ``block_ids`` listing them)."""
+    out = torch.empty(num_blocks * STAGE_BLOCK_ROWS, FP8_DS_MLA.dim, dtype=dtype, device=kv.device)
+    if use_triton(kv, mark):
         from shardattn.kernels.triton.kv_fp8_stage import launch_stage_blocks
 
-        packed = layout == "packed"
         blocks = block_ids if packed else mark
-        launch_stage_blocks(kv, blocks, out, packed=packed, num_blocks=staged_blocks, block_shift=_BLOCK_SHIFT)
+        launch_stage_blocks(kv, blocks, out, packed=packed, num_blocks=num_blocks, block_shift=_BLOCK_SHIFT)
     else:
-        _stage_torch(kv, mark, placed, out)
-    return StagedRows(out, new_union)
+        _stage_torch(kv, mark, placed if packed else None, out)
+    return out
 
 
 def _remap(
@@ -366,13 +331,11 @@ def kernel_rows(
     group_size: int,
     dtype: torch.dtype,
     marks: torch.Tensor | None = None,
-    touched: TouchedBlocks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kv, union)`` for a prefill kernel call: the staged rows and union where ``kv`` holds
     ``fp8_ds_mla`` rows and staging pays (:func:`stage_fp8_union`, with the union build's ``marks``
-    or the ``touched`` blocks counted before it, when the call made them), else ``kv`` and
-    ``union`` as given."""
+    when the call made them), else ``kv`` and ``union`` as given."""
     if kv.dtype != torch.uint8:
         return kv, union
-    staged = stage_fp8_union(kv, union, lens, group_size=group_size, dtype=dtype, marks=marks, touched=touched)
+    staged = stage_fp8_union(kv, union, lens, group_size=group_size, dtype=dtype, marks=marks)
     return (kv, union) if staged is None else (staged.kv, staged.union)

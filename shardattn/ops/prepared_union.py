@@ -20,13 +20,14 @@ the torch reference path checks it and ignores it (it reads ``rows``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
 import torch
 
 from shardattn._checks import INDEX_DTYPES, check_int, check_tensor
-from shardattn.ops.kv_fp8_stage import kernel_rows, stage_marks, touched_blocks
+from shardattn.ops.kv_fp8_stage import kernel_rows, stage_marks, stage_touched, stages_packed
 from shardattn.ops.union import GROUP_SIZES, build_union, num_groups
 
 __all__ = ["SLICE_GROUPS", "PreparedUnion", "check_prepared_union", "prepare_union", "union_for_call"]
@@ -169,21 +170,23 @@ def union_for_call(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A prefill kernel call's ``(kv, union, lens)``: the ``prepared`` union (already checked against
     ``rows``), else :func:`~shardattn.ops.union.build_union` of ``rows`` now (into ``out`` when
-    given); on ``fp8_ds_mla`` rows the staged rows and union where staging pays
-    (:func:`~shardattn.ops.kv_fp8_stage.kernel_rows`), their touched blocks marked by the union build
-    (mirror layout, :func:`~shardattn.ops.kv_fp8_stage.stage_marks`) or counted from ``rows``
-    before it (packed layout, :func:`~shardattn.ops.kv_fp8_stage.touched_blocks`) when it runs
-    here, else ``kv`` as given. ``dtype``: the staged rows' (q's)."""
-    touched = marks = None
+    given). On ``fp8_ds_mla`` rows, the staged rows and union where staging pays: on a large cache
+    the union is built over the staged rows (packed layout,
+    :func:`~shardattn.ops.kv_fp8_stage.stage_touched`); on a mirrored one the union build marks
+    the touched blocks (:func:`~shardattn.ops.kv_fp8_stage.stage_marks`); a prepared union is
+    staged at the call (:func:`~shardattn.ops.kv_fp8_stage.kernel_rows`). ``dtype``: the staged
+    rows' (q's)."""
     if prepared is not None:
-        union, lens = prepared.union, prepared.lens
-    else:
-        groups, width = num_groups(rows.shape[0], group_size), group_size * rows.shape[1]
-        touched = touched_blocks(kv, rows, topk_length, entries=groups * width)
-        marks = None if touched is not None else stage_marks(kv, groups, width)
-        union, lens = build_union(
-            rows, group_size=group_size, num_kv_rows=kv.shape[0], topk_length=topk_length, out=out,
-            rows_sorted=rows_sorted, block_marks=marks,
-        )  # fmt: skip
-    kv, union = kernel_rows(kv, union, lens, group_size=group_size, dtype=dtype, marks=marks, touched=touched)
+        kv, union = kernel_rows(kv, prepared.union, prepared.lens, group_size=group_size, dtype=dtype)
+        return kv, union, prepared.lens
+    build = functools.partial(
+        build_union, group_size=group_size, topk_length=topk_length, out=out, rows_sorted=rows_sorted
+    )
+    groups, width = num_groups(rows.shape[0], group_size), group_size * rows.shape[1]
+    if stages_packed(kv, groups * width):
+        staged = stage_touched(kv, rows, topk_length, group_size=group_size, dtype=dtype, build=build)
+        return staged if staged is not None else (kv, *build(rows, num_kv_rows=kv.shape[0]))
+    marks = stage_marks(kv, groups, width)
+    union, lens = build(rows, num_kv_rows=kv.shape[0], block_marks=marks)
+    kv, union = kernel_rows(kv, union, lens, group_size=group_size, dtype=dtype, marks=marks)
     return kv, union, lens

@@ -137,10 +137,12 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
             "dtype": spec.dtype,
         }
         keys.extend(CompileKey("attention", {**params, "KV_FP8": fp8}) for fp8 in kv_variants)
-    if spec.kv_fp8:  # the buffer mirrors the cache, or packs the touched blocks (counted from the top-k lists)
+    if spec.kv_fp8:  # the buffer mirrors the cache, or packs the touched blocks (counted from the top-k
+        # lists, which are moved to their places there before the union is built over them)
         keys.extend(CompileKey("stage_blocks", {"dtype": spec.dtype, "PACKED": packed}) for packed in (False, True))
         keys.append(CompileKey("stage_list", {}))
         keys.append(CompileKey("stage_mark_topk", {"HAS_LENS": spec.topk_length}))
+        keys.append(CompileKey("stage_move_rows", {"HAS_LENS": spec.topk_length}))
     return keys
 
 
@@ -176,9 +178,10 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
     """
     from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
     from shardattn.ops.kv_fp8_stage import LAYOUTS as STAGE_LAYOUTS
-    from shardattn.ops.kv_fp8_stage import STAGE_BLOCK_ROWS, stage_fp8_union, touched_blocks
+    from shardattn.ops.kv_fp8_stage import STAGE_BLOCK_ROWS, stage_fp8_union
     from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
     from shardattn.ops.topk import DcpShard, convert_topk
+    from shardattn.ops.touched_blocks import moved_rows, touched_blocks
     from shardattn.ops.union import build_union
 
     device = torch.device(device)
@@ -202,9 +205,9 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
         if spec.kv_fp8:
             kv = quantize_kv(kv)
         length = torch.full((t,), k, dtype=torch.int32, device=device) if spec.topk_length else None
-        if spec.kv_fp8:  # the packed layout's blocks, marked and counted from the top-k lists
-            touched_blocks(kv, pos, length, entries=pos.numel(), layout="packed")
-            launches += 2
+        if spec.kv_fp8:  # the packed layout's blocks, marked and counted from the top-k lists, the rows moved
+            moved_rows(pos, length, touched_blocks(pos, length, num_rows=kv.shape[0]), num_rows=kv.shape[0])
+            launches += 3
         for group in spec_group_sizes(spec):
             for rows_kv in (kv, dequantize_kv(kv, spec.dtype)) if spec.kv_fp8 else (kv,):  # FP8: staged rows too
                 sparse_mla_grouped_prefill(

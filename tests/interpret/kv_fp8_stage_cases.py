@@ -76,58 +76,78 @@ def capacity_cases(gen: torch.Generator) -> None:
     _report("capacity[3 blocks in 2]", tight is None)
 
 
-def mark_cases(gen: torch.Generator) -> None:
-    """The mark kernel on unions wider than one program's entries (a block's run across a program
-    boundary), sorted and shuffled, plain and packed (bit 31 set), lengths 0 to the full width, some
-    blocks untouched and one used only past a group's length: its marks equal the torch path's."""
-    from shardattn.kernels.triton.kv_fp8_stage import ENTRIES_PER_PROGRAM, launch_mark_blocks
+def _programs(width: int) -> tuple[int, int]:
+    """Entries a marking program reads in all: the default (every group of these tiny lists in one
+    program), and three groups a program (the last program's groups partly past the list's end)."""
+    from shardattn.kernels.triton.kv_fp8_stage import MARK_ENTRIES_PER_PROGRAM
 
-    width, blocks = ENTRIES_PER_PROGRAM * 2 + 52, 12
-    for g, shuffled in itertools.product((1, 8), (False, True)):
+    return MARK_ENTRIES_PER_PROGRAM, 3 * width
+
+
+def mark_cases(gen: torch.Generator) -> None:
+    """The mark kernel on unions wider than one chunk of entries (a block's run across a chunk's
+    boundary), sorted and shuffled, plain and packed (bit 31 set), lengths 0 to the full width, some
+    blocks untouched and one used only past a group's length, groups in one program or three a
+    program: its marks equal the torch path's."""
+    from shardattn.kernels.triton import kv_fp8_stage as kernels
+
+    chunk = kernels.MARK_CHUNK
+    width, blocks = chunk * 2 + 52, 12
+    for g, shuffled, per_program in itertools.product((1, 8), (False, True), _programs(chunk * 2 + 52)):
         picked = torch.tensor([0, 3, 4, 10])  # blocks the used entries may touch (some, not all)
         block = picked[torch.randint(0, 4, (4, width), generator=gen)]
         rows = (block * 64 + torch.randint(0, 64, (4, width), generator=gen)).sort(1).values
-        rows[2, ENTRIES_PER_PROGRAM - 8 :] = 7 * 64 + 5  # one block's run across the program boundary
+        rows[2, chunk - 8 :] = 7 * 64 + 5  # one block's run across the chunk boundary
         rows[3, 17:] = 9 * 64  # block 9 only past group 3's length: unmarked
         if shuffled:
             rows = rows.gather(1, torch.rand(rows.shape, generator=gen).argsort(1))
         entries = rows | (0x80 << 24) if g > 1 else rows  # packed entries with bit 31 set
         union = torch.where(entries >= 1 << 31, entries - (1 << 32), entries).to(torch.int32)
-        lens = torch.tensor([0, width, ENTRIES_PER_PROGRAM + 3, 17], dtype=torch.int32)
+        lens = torch.tensor([0, width, chunk + 3, 17], dtype=torch.int32)
         row_mask = kv_fp8_stage._row_mask(g)
         got = torch.zeros(blocks, dtype=torch.int32)
-        launch_mark_blocks(union, lens, got, row_mask=row_mask, block_shift=6)
+        with mock.patch.object(kernels, "MARK_ENTRIES_PER_PROGRAM", per_program):
+            kernels.launch_mark_blocks(union, lens, got, row_mask=row_mask, block_shift=6)
         want = torch.zeros(blocks, dtype=torch.int32)
         kv_fp8_stage._mark_torch(union, lens, want, row_mask)
-        _report(f"mark[G={g},{'shuffled' if shuffled else 'sorted'}]", torch.equal(got, want),
-                f"marked={int(got.sum())}/{int(want.sum())}")  # fmt: skip
+        name = f"mark[G={g},{'shuffled' if shuffled else 'sorted'},{per_program} a program]"
+        _report(name, torch.equal(got, want), f"marked={int(got.sum())}/{int(want.sum())}")
 
 
 def touched_cases(gen: torch.Generator) -> None:
-    """Blocks counted from top-k lists before their union (``touched_blocks`` on the Triton kernels):
-    lists wider than one program's entries, sorted and shuffled, invalid rows anywhere, with and
-    without ``topk_length``: marks, listed blocks and counts equal the torch path's."""
-    from shardattn.kernels.triton.kv_fp8_stage import ENTRIES_PER_PROGRAM
+    """Blocks counted from top-k lists before their union (``touched_blocks`` on the Triton kernels)
+    and the rows moved into them (``moved_rows``): lists wider than one chunk of entries, sorted
+    and shuffled, invalid rows anywhere, with and without ``topk_length``, rows in one program or
+    three a program: marks, listed blocks, counts and moved rows equal the torch path's."""
+    from shardattn.kernels.triton import kv_fp8_stage as kernels
+    from shardattn.ops import touched_blocks as touched_ops
 
-    r, width = 700, ENTRIES_PER_PROGRAM + 40
-    cache = fp8_cache(gen, r)
-    for shuffled, with_length in itertools.product((False, True), (False, True)):
-        rows = edge_rows(gen, 6, width, r)
+    chunk = kernels.MARK_CHUNK
+    r, width = 700, chunk + 40
+    for shuffled, with_length, per_program in itertools.product((False, True), (False, True), _programs(width)):
+        rows = edge_rows(gen, 7, width, r)
         picked = torch.tensor([0, 3, 4, 10], dtype=torch.int32)  # the blocks valid rows fall in (of 11)
         rows = torch.where((rows >= 0) & (rows < r), picked[rows % 4] * 64 + rows // 4 % 64, rows).sort(1).values
-        rows[3, ENTRIES_PER_PROGRAM - 4 : ENTRIES_PER_PROGRAM + 4] = 650  # a block's run across the boundary
+        rows[3, chunk - 4 : chunk + 4] = 650  # a block's run across the chunk boundary
         rows[1, 5] = 699  # the last, partial block, once
         if shuffled:
             rows = rows.gather(1, torch.rand(rows.shape, generator=gen).argsort(1)).contiguous()
-        length = torch.tensor([width, 0, width + 9, ENTRIES_PER_PROGRAM + 2, 7, 300], dtype=torch.int32)
+        length = torch.tensor([width, 0, width + 9, chunk + 2, 7, 300, 1], dtype=torch.int32)
         length = length if with_length else None
-        got = kv_fp8_stage.touched_blocks(cache, rows, length, entries=1 << 16, layout="packed")
-        with mock.patch.object(kv_fp8_stage, "use_triton", lambda *tensors: False):
-            want = kv_fp8_stage.touched_blocks(cache, rows, length, entries=1 << 16, layout="packed")
+        with mock.patch.object(kernels, "MARK_ENTRIES_PER_PROGRAM", per_program):
+            got = touched_ops.touched_blocks(rows, length, num_rows=r)
+        got_moved = touched_ops.moved_rows(rows, length, got, num_rows=r)
+        with mock.patch.object(touched_ops, "use_triton", lambda *tensors: False):
+            want = touched_ops.touched_blocks(rows, length, num_rows=r)
+            want_moved = touched_ops.moved_rows(rows, length, want, num_rows=r)
         listed = got.block_ids[: int(want.marks.sum())]
         same = torch.equal(got.marks, want.marks) and torch.equal(got.placed, want.placed)
         same = same and torch.equal(listed, want.block_ids) and got.read() == want.read()
-        name = f"touched[{'shuffled' if shuffled else 'sorted'},{'length' if with_length else 'no length'}]"
+        same = same and torch.equal(got_moved, want_moved)
+        name = (
+            f"touched[{'shuffled' if shuffled else 'sorted'},{'length' if with_length else 'no length'},"
+            f"{per_program} a program]"
+        )
         _report(name, same, f"counts={got.read()}/{want.read()}")
 
 

@@ -8,10 +8,14 @@ engine's paged cache when its page size is that, 64 for DSA models):
   (``k < lens[g]``); the row is the entry's low bits (``ROW_MASK``: all of them with ``G = 1``,
   the 24 row bits of a packed entry otherwise, :mod:`shardattn.kernels.union_layout`). An entry
   in the same block as the one before it stores nothing (the first of their run does), nor does
-  one whose block is already marked: every entry storing made the kernel 2.8x slower at ``G = 1``
-  on a 4M-row cache (docs/DECISIONS.md, D61). :func:`launch_mark_topk_rows` marks a call's top-k
-  rows the same way before its union is built (invalid rows anywhere, ``topk_length``), and counts
-  them.
+  one whose block already looks marked to its SM (a load its L1 serves): every entry storing made
+  the kernel 2.8x slower at ``G = 1`` on a 4M-row cache (docs/DECISIONS.md, D61). A program reads
+  whole groups, about :data:`MARK_ENTRIES_PER_PROGRAM` entries, so most blocks are marked by the
+  time it reads them again (D62). :func:`launch_mark_topk_rows` marks a call's top-k rows the same
+  way before its union is built (invalid rows anywhere, ``topk_length``), and counts them.
+* :func:`launch_move_rows`: a call's valid top-k rows moved to their places among the marked
+  blocks (``(placed[row >> BLOCK_SHIFT] - 1) << BLOCK_SHIFT | row % 2**BLOCK_SHIFT``), others ``-1``:
+  the rows the union is then built over (:mod:`shardattn.ops.touched_blocks`).
 * :func:`launch_list_blocks` (packed layout): from the marks' inclusive prefix sum ``placed``
   (each marked block's place in cache order is ``placed[b] - 1``), the list of marked blocks and
   their count.
@@ -39,14 +43,25 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 
 from shardattn.kernels.triton.kv_fp8_read import LATENT, ROPE, TILE
 
-#: Entries of a union one program reads.
+#: Entries of a union one remapping program reads.
 ENTRIES_PER_PROGRAM = 1024
+#: Entries a marking program reads at once, and about how many it reads in all (whole groups, one
+#: after the other): fewer, longer programs find more blocks already marked (docs/DECISIONS.md, D62).
+MARK_CHUNK = 2048
+MARK_ENTRIES_PER_PROGRAM = 1 << 15
+MARK_WARPS = 8
 #: Blocks one listing program reads.
 _LIST_CHUNK = 1024
 
 
 def _union_grid(union: torch.Tensor) -> tuple[int, int]:
     return union.shape[0], triton.cdiv(union.shape[1], ENTRIES_PER_PROGRAM)
+
+
+def _mark_grid(groups: int, width: int) -> tuple[tuple[int], int]:
+    """``((programs,), groups_per_program)``: about :data:`MARK_ENTRIES_PER_PROGRAM` entries a program."""
+    per_program = max(1, MARK_ENTRIES_PER_PROGRAM // max(width, 1))
+    return (triton.cdiv(groups, per_program),), per_program
 
 
 def launch_mark_blocks(
@@ -56,9 +71,11 @@ def launch_mark_blocks(
     (row stride any, entries contiguous) with ``lens [groups]`` int32 used entries per group."""
     if union.numel() == 0:
         return
-    _mark_blocks_kernel[_union_grid(union)](
-        union, lens, mark, mark, union.shape[1], union.stride(0), 0,
-        ROW_MASK=row_mask, BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM, TOPK_ROWS=False, HAS_LENS=True,
+    grid, per_program = _mark_grid(*union.shape)
+    _mark_blocks_kernel[grid](
+        union, lens, mark, mark, union.shape[0], per_program, union.shape[1], union.stride(0), 0,
+        ROW_MASK=row_mask, BLOCK_SHIFT=block_shift, BLOCK=MARK_CHUNK, TOPK_ROWS=False, HAS_LENS=True,
+        num_warps=MARK_WARPS,
     )  # fmt: skip
 
 
@@ -76,10 +93,33 @@ def launch_mark_topk_rows(
     is none) and add their count to ``counts[1]`` (int64)."""
     if rows.numel() == 0:
         return
-    _mark_blocks_kernel[_union_grid(rows)](
-        rows, rows if topk_length is None else topk_length, mark, counts, rows.shape[1], rows.stride(0), num_rows,
-        ROW_MASK=0x7FFFFFFF, BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM, TOPK_ROWS=True,
-        HAS_LENS=topk_length is not None,
+    grid, per_program = _mark_grid(*rows.shape)
+    _mark_blocks_kernel[grid](
+        rows, rows if topk_length is None else topk_length, mark, counts, rows.shape[0], per_program,
+        rows.shape[1], rows.stride(0), num_rows,
+        ROW_MASK=0x7FFFFFFF, BLOCK_SHIFT=block_shift, BLOCK=MARK_CHUNK, TOPK_ROWS=True,
+        HAS_LENS=topk_length is not None, num_warps=MARK_WARPS,
+    )  # fmt: skip
+
+
+def launch_move_rows(
+    rows: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    placed: torch.Tensor,
+    num_rows: int,
+    out: torch.Tensor,
+    *,
+    block_shift: int,
+) -> None:
+    """``out [T, K]`` int32: every valid row of ``rows [T, K]`` (int32, contiguous; ``-1`` / out of
+    ``[0, num_rows)`` anywhere, or past ``topk_length [T]``, is none) at ``(placed[row >> block_shift]
+    - 1) << block_shift | row % 2**block_shift`` (``placed``: the marks' inclusive prefix sum); other
+    entries ``-1``."""
+    if rows.numel() == 0:
+        return
+    _move_rows_kernel[(rows.shape[0], triton.cdiv(rows.shape[1], ENTRIES_PER_PROGRAM))](
+        rows, rows if topk_length is None else topk_length, placed, out, rows.shape[1], num_rows,
+        BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM, HAS_LENS=topk_length is not None,
     )  # fmt: skip
 
 
@@ -147,34 +187,59 @@ if triton is not None:
         e = tl.load(union_ptr + g.to(tl.int64) * stride_group + k, mask=used, other=0)
         return e, used, k
 
-    @triton.jit(do_not_specialize=["width", "stride_group", "num_rows"])
+    @triton.jit(do_not_specialize=["num_groups", "groups_per_program", "width", "stride_group", "num_rows"])
     def _mark_blocks_kernel(
-        entries_ptr, lens_ptr, mark_ptr, counts_ptr, width, stride_group, num_rows,
+        entries_ptr, lens_ptr, mark_ptr, counts_ptr, num_groups, groups_per_program, width, stride_group, num_rows,
         ROW_MASK: tl.constexpr, BLOCK_SHIFT: tl.constexpr, BLOCK: tl.constexpr, TOPK_ROWS: tl.constexpr,
         HAS_LENS: tl.constexpr,
     ):  # fmt: skip
-        """A union's used entries (``TOPK_ROWS`` False), or a top-k list's valid rows (``-1`` / out of
-        ``[0, num_rows)`` anywhere is none; ``lens``: ``topk_length``, where ``HAS_LENS``), whose
-        count is added to ``counts[1]``."""
-        g = tl.program_id(0)
-        k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        used = k < width
-        if HAS_LENS:
-            used &= k < tl.load(lens_ptr + g)
-        row_ptr = entries_ptr + g.to(tl.int64) * stride_group
-        e = tl.load(row_ptr + k, mask=used, other=0)
-        prev = tl.load(row_ptr + k - 1, mask=used & (k > 0), other=0)
-        block = (e & ROW_MASK) >> BLOCK_SHIFT
-        prev_same = (k > 0) & (((prev & ROW_MASK) >> BLOCK_SHIFT) == block)
+        """``groups_per_program`` groups from ``program_id * groups_per_program`` on, each in chunks of
+        ``BLOCK`` entries: a union's used entries (``TOPK_ROWS`` False), or a top-k list's valid rows
+        (``-1`` / out of ``[0, num_rows)`` anywhere is none; ``lens``: ``topk_length``, where
+        ``HAS_LENS``), whose count is added to ``counts[1]``."""
+        first_group = tl.program_id(0) * groups_per_program
+        valid = tl.zeros([BLOCK], dtype=tl.int32)
+        for i in range(0, groups_per_program):
+            g = first_group + i
+            n = tl.where(g < num_groups, width, 0)
+            if HAS_LENS:
+                n = tl.minimum(n, tl.load(lens_ptr + g, mask=g < num_groups, other=0))
+            row_ptr = entries_ptr + g.to(tl.int64) * stride_group
+            for start in range(0, n, BLOCK):
+                k = start + tl.arange(0, BLOCK)
+                used = k < n
+                e = tl.load(row_ptr + k, mask=used, other=0)
+                prev = tl.load(row_ptr + k - 1, mask=used & (k > 0), other=0)
+                block = (e & ROW_MASK) >> BLOCK_SHIFT
+                prev_same = (k > 0) & (((prev & ROW_MASK) >> BLOCK_SHIFT) == block)
+                if TOPK_ROWS:
+                    used &= (e >= 0) & (e < num_rows)
+                    prev_same &= (prev >= 0) & (prev < num_rows)
+                    valid += used.to(tl.int32)
+                # only the first entry of a run in one block stores, and only while the block looks
+                # unmarked to this SM: the load is served by its L1 (a stale 0 costs one more store)
+                first = used & ~prev_same
+                seen = tl.load(mark_ptr + block, mask=first, other=1, cache_modifier=".ca")
+                tl.store(mark_ptr + block, tl.full([BLOCK], 1, tl.int32), mask=first & (seen == 0))
         if TOPK_ROWS:
-            used &= (e >= 0) & (e < num_rows)
-            prev_same &= (prev >= 0) & (prev < num_rows)
-            tl.atomic_add(counts_ptr + 1, tl.sum(used.to(tl.int64), 0))
-        # stores to one address from every program queue in the L2, so only the first entry of a run
-        # in one block stores, and only while the block is unmarked (a load, served by the L2)
-        first = used & ~prev_same
-        seen = tl.load(mark_ptr + block, mask=first, other=1)
-        tl.store(mark_ptr + block, tl.full([BLOCK], 1, tl.int32), mask=first & (seen == 0))
+            tl.atomic_add(counts_ptr + 1, tl.sum(valid.to(tl.int64), 0), sem="relaxed")
+
+    @triton.jit(do_not_specialize=["width", "num_rows"])
+    def _move_rows_kernel(
+        rows_ptr, lens_ptr, placed_ptr, out_ptr, width, num_rows,
+        BLOCK_SHIFT: tl.constexpr, BLOCK: tl.constexpr, HAS_LENS: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0)
+        k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = k < width
+        offs = t.to(tl.int64) * width + k
+        row = tl.load(rows_ptr + offs, mask=inside, other=-1)
+        valid = (row >= 0) & (row < num_rows)
+        if HAS_LENS:
+            valid &= k < tl.load(lens_ptr + t)
+        place = tl.load(placed_ptr + (row >> BLOCK_SHIFT), mask=valid, other=1) - 1
+        moved = (place << BLOCK_SHIFT) | (row & ((1 << BLOCK_SHIFT) - 1))
+        tl.store(out_ptr + offs, tl.where(valid, moved, -1), mask=inside)
 
     @triton.jit(do_not_specialize=["num_blocks", "num_groups"])
     def _list_blocks_kernel(
@@ -232,14 +297,18 @@ if triton is not None:
 
 
 def stage_kernels() -> tuple:
-    """The staging kernels (mark, list, stage, remap), for warm-up and compile counting."""
-    return (_mark_blocks_kernel, _list_blocks_kernel, _stage_blocks_kernel, _remap_union_kernel)
+    """The staging kernels (mark, list, stage, remap, move), for warm-up and compile counting."""
+    return (_mark_blocks_kernel, _list_blocks_kernel, _stage_blocks_kernel, _remap_union_kernel, _move_rows_kernel)
 
 
 __all__ = [
     "ENTRIES_PER_PROGRAM",
+    "MARK_CHUNK",
+    "MARK_ENTRIES_PER_PROGRAM",
     "launch_list_blocks",
     "launch_mark_blocks",
+    "launch_mark_topk_rows",
+    "launch_move_rows",
     "launch_remap_union",
     "launch_stage_blocks",
     "stage_kernels",
