@@ -59,7 +59,7 @@ import torch
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops.kv_fp8 import FP8_DS_MLA, dequantize_kv
-from shardattn.ops.touched_blocks import BLOCK_ROWS, list_blocks, moved_rows, touched_blocks
+from shardattn.ops.touched_blocks import BLOCK_ROWS, BLOCK_SHIFT, list_blocks, moved_rows, touched_blocks
 
 __all__ = [
     "LAYOUTS",
@@ -77,7 +77,7 @@ __all__ = [
 
 #: Cache rows staged together (a 64-token page of a DSA cache).
 STAGE_BLOCK_ROWS = BLOCK_ROWS
-_BLOCK_SHIFT = STAGE_BLOCK_ROWS.bit_length() - 1
+_BLOCK_SHIFT = BLOCK_SHIFT
 #: The most rows one call stages (in bf16, 576 MiB of buffer): four requests of 128K tokens.
 STAGE_MAX_ROWS = 1 << 19
 #: Calls whose union buffer holds fewer entries dequantise in the kernel (decode-sized calls).
@@ -133,7 +133,7 @@ def stage_marks(kv: torch.Tensor, groups: int, width: int) -> torch.Tensor | Non
     ``fp8_ds_mla`` rows ``kv``, when :func:`stage_fp8_union`'s rule may stage it in the mirror layout
     (known from shapes alone), so the union build can mark the touched blocks as it runs
     (:func:`~shardattn.ops.union.build_union`'s ``block_marks``); else ``None`` (the packed layout
-    counts them before the build: :func:`touched_blocks`)."""
+    counts them before the build: :func:`stage_touched`)."""
     if kv.dtype != torch.uint8 or _layout(kv, groups * width, STAGE_MAX_ROWS, STAGE_MIN_ENTRIES, 2.0) != "mirror":
         return None
     return torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
@@ -208,7 +208,8 @@ def stage_touched(
     for the union's used entries (at most that many tiles read a row).
 
     Args:
-        kv: ``[R, 656]`` uint8 ``fp8_ds_mla`` rows (checked by the caller).
+        kv: ``[R, 656]`` uint8 ``fp8_ds_mla`` rows (shape checked by the caller; another dtype is a
+            ``ValueError``).
         rows: ``[T, K]`` int32 global rows (``-1`` / out of range invalid, anywhere);
             topk_length: ``[T]`` int32 leading entries to use, or ``None``.
         group_size: the union's ``G``. dtype: the staged rows' dtype (q's).
