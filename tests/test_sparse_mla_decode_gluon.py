@@ -14,12 +14,17 @@ import torch
 
 from shardattn.kernels.gluon.sparse_mla_decode import SPLIT_ROWS, gluon_decode_config, gluon_decode_plan, reads_raw_rows
 from shardattn.kernels.triton.lse_merge import split_partials_numel
-from shardattn.kernels.triton.split_rows import split_rows, split_rows_reference
+from shardattn.kernels.triton.pack_rows import pack_rows, pack_rows_reference
 from shardattn.ops.dispatch import sparse_decode_kernel
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.ops.sparse_mla_decode_gluon import sparse_mla_decode_gluon
-from shardattn.plan.decode_routing import GLUON_DECODE_MIN_HEADS, GLUON_DECODE_MIN_PROGRAMS, route_sparse_decode_kernel
+from shardattn.plan.decode_routing import (
+    GLUON_DECODE_FP8_MIN_TOKENS,
+    GLUON_DECODE_MIN_HEADS,
+    GLUON_DECODE_MIN_QUERY_ROWS,
+    route_sparse_decode_kernel,
+)
 from shardattn.runtime.graph_capture import DecodeGraph
 from shardattn.testing.interpret import run_interpreted
 from tests.oracle import sparse_mla_oracle
@@ -40,13 +45,18 @@ def test_routing_sends_many_heads_on_sm90_to_gluon_and_says_why():
     assert route_sparse_decode_kernel(128, device_type="cpu").path == "reference"
     with pytest.raises(ValueError, match="num_heads"):
         route_sparse_decode_kernel(0, sm=90)
-    # small batches are latency bound: Triton below the measured program count (tokens x head blocks)
-    n = GLUON_DECODE_MIN_PROGRAMS
-    assert route_sparse_decode_kernel(128, num_tokens=-(-n // 2), sm=90).path == "gluon"
-    small = route_sparse_decode_kernel(128, num_tokens=-(-n // 2) - 1, sm=90)
+    # small batches are latency bound: Triton below the measured query rows (tokens x heads) and, on
+    # fp8_ds_mla rows, below the measured tokens
+    n = GLUON_DECODE_MIN_QUERY_ROWS
+    assert route_sparse_decode_kernel(128, num_tokens=n // 128, sm=90).path == "gluon"
+    small = route_sparse_decode_kernel(128, num_tokens=n // 128 - 1, sm=90)
     assert small.path == "triton" and "latency bound" in small.reason
-    assert route_sparse_decode_kernel(64, num_tokens=n, sm=90).path == "gluon"
-    assert route_sparse_decode_kernel(64, num_tokens=n - 1, sm=90).path == "triton"
+    assert route_sparse_decode_kernel(64, num_tokens=n // 64, sm=90).path == "gluon"
+    assert route_sparse_decode_kernel(64, num_tokens=n // 64 - 1, sm=90).path == "triton"
+    m = GLUON_DECODE_FP8_MIN_TOKENS
+    assert route_sparse_decode_kernel(128, num_tokens=m, sm=90, kv_fp8=True).path == "gluon"
+    fp8 = route_sparse_decode_kernel(128, num_tokens=m - 1, sm=90, kv_fp8=True)
+    assert fp8.path == "triton" and "fp8_ds_mla" in fp8.reason
 
 
 def test_registry_and_backend_argument_on_cpu():
@@ -90,14 +100,14 @@ def test_decode_takes_one_configuration_whose_slices_are_whole_blocks():
     assert SPLIT_ROWS % 64 == 0  # a slice is a whole number of the 64-key kernel's blocks
 
 
-def test_split_rows_reference_packs_valid_rows_in_order():
+def test_pack_rows_reference_packs_valid_rows_in_order():
     rows = torch.tensor([[5, -1, 7, 9, 99, 2], [-1, -1, -1, -1, -1, -1], [1, 2, 3, 4, 5, 6]], dtype=torch.int32)
     length = torch.tensor([6, 6, 3], dtype=torch.int32)
-    union, lens = split_rows_reference(rows, num_kv_rows=10, num_splits=3, chunk=2, topk_length=length)
-    # pseudo-query p = s * T + t
-    assert lens.tolist() == [2, 0, 2, 2, 0, 1, 0, 0, 0]
-    assert union[0].tolist() == [5, 7] and union[3].tolist() == [9, 2] and union[2].tolist() == [1, 2]
-    assert union[5, 0].item() == 3
+    union, lens = pack_rows_reference(rows, num_kv_rows=10, width=8, topk_length=length)
+    assert lens.tolist() == [4, 0, 3] and union.shape == (3, 8)
+    assert union[0, :4].tolist() == [5, 7, 9, 2] and union[2, :3].tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="width"):
+        pack_rows(rows, num_kv_rows=10, width=5)
 
 
 def _case(t, h, d, dv, r, k, seed, dtype=torch.float32, device="cpu"):
@@ -114,16 +124,21 @@ def _case(t, h, d, dv, r, k, seed, dtype=torch.float32, device="cpu"):
     return [x.to(device) for x in (q, kv, rows, length, sinks)]
 
 
-def _reference_attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows=False):
-    """A torch stand-in for the Gluon kernel: attends ``union[p, :lens[p]]``, every entry a key (as the
-    kernel does: it never de-duplicates), entries past ``lens[p]`` ignored; ``raw_rows``: the
-    caller's rows, ``lens`` None (every entry) or ``topk_length``, invalid entries masked."""
+def _reference_attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows=False, q_slices=1):
+    """A torch stand-in for the Gluon kernel: query ``p = t * S + s`` (``S = q_slices``) attends
+    ``union[p, :n]`` with token ``t``'s q, ``n`` = ``lens[t] - s * W`` clamped to ``[0, W]``, every
+    entry a key (as the kernel does: it never de-duplicates); ``raw_rows``: the caller's rows,
+    ``lens`` None (every entry) or ``topk_length``, invalid entries masked."""
+    p, w = union.shape
     if lens is None:
         assert raw_rows
-        lens = torch.full((union.shape[0],), union.shape[1], dtype=torch.int32)
-    union = torch.where(torch.arange(union.shape[1])[None, :] < lens[:, None].long(), union, -1)
+        n = torch.full((p,), w)
+    else:
+        n = (lens.long().repeat_interleave(q_slices) - torch.arange(p) % q_slices * w).clamp(0, w)
+    union = torch.where(torch.arange(w)[None, :] < n[:, None], union, -1)
     union, kv = _each_occurrence(union, kv)
-    o, s = sparse_mla_reference(q.contiguous(), kv, union, scale=scale, v_dim=v_dim, sinks=sinks)
+    q_p = q.repeat_interleave(q_slices, dim=0)
+    o, s = sparse_mla_reference(q_p.contiguous(), kv, union, scale=scale, v_dim=v_dim, sinks=sinks)
     out.copy_(o)
     lse.copy_(s)
 
@@ -146,30 +161,38 @@ def _each_occurrence(rows: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor
     return out.to(rows.device), torch.cat([kv] * copies)
 
 
-@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("splits", [1, 2, 3, None])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
 @pytest.mark.parametrize("rows_unique", [False, True], ids=["dedup", "unique"])
-def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, rows_unique):
-    t, h, d, dv, r, k = 4, 8, 24, 16, 40, 200
-    q, kv, rows, length, sinks = _case(t, h, d, dv, r, k, seed=splits or 0)
+@pytest.mark.parametrize("k", [200, 256])
+@pytest.mark.parametrize("t", [4, 1])
+def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, rows_unique, k, t):
+    h, d, dv, r = 8, 24, 16, 40
+    q, kv, rows, length, sinks = _case(4, h, d, dv, r, k, seed=splits or 0)
     rows[2, 100:150] = rows[2, 0:50]  # duplicates
+    if t == 1:  # one token: the one with duplicates
+        q, rows, length = q[2:3], rows[2:3], length[2:3]
     if splits == 1 and not with_sinks:
         length = None  # the in-place launch without lengths attends every entry
     sinks = sinks if with_sinks else None
     out = torch.full((t, h, dv), float("nan"))
     lse = torch.full((t, h), float("nan"))
-    raw_calls = []
+    calls = []
 
-    def attend(*args, raw_rows=False, **kw):
-        raw_calls.append(raw_rows)
-        _reference_attend(*args, raw_rows=raw_rows, **kw)
+    def attend(q_, kv_, union, *args, raw_rows=False, q_slices=1, **kw):
+        calls.append((raw_rows, q_slices, union.shape, q_ is q))
+        _reference_attend(q_, kv_, union, *args, raw_rows=raw_rows, q_slices=q_slices, **kw)
 
     sparse_mla_decode_gluon(
         q, kv, rows, scale=0.3, v_dim=dv, out=out, lse_out=lse, num_sms=4, topk_length=length, sinks=sinks,
         num_splits=splits, rows_unique=rows_unique, attend=attend,
     )  # fmt: skip
-    # one slice of unique rows is read in place (no packing)
-    assert raw_calls == [splits == 1 and rows_unique] or splits != 1
+    plan = gluon_decode_plan(t, h, k, 4, splits)
+    s, chunk = plan["num_splits"], plan["chunk"]
+    # one launch on the caller's q; rows read in place (unique rows raw, a union as built) where
+    # the slices cover the row exactly, else packed first
+    in_place = s == 1 or s * chunk == k
+    assert calls == [(rows_unique and in_place, s, (t * s, chunk if s > 1 else k), True)]
     if rows_unique:  # a duplicate counts twice
         rows_e, kv_e = _each_occurrence(rows, kv)
         ref_o, ref_l = sparse_mla_oracle(q, kv_e, rows_e, scale=0.3, v_dim=dv, topk_length=length, sinks=sinks)
@@ -179,33 +202,34 @@ def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, row
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_l))
     fin = torch.isfinite(ref_l)
     torch.testing.assert_close(lse.double()[fin], ref_l[fin], atol=1e-5, rtol=0)
-    assert (out[0] == 0).all()  # empty tokens: 0, lse -inf (or the sink)
-    if length is not None:
-        assert (out[1] == 0).all()
-    if with_sinks:
-        torch.testing.assert_close(lse[0], sinks)
+    if t > 1:
+        assert (out[0] == 0).all()  # empty tokens: 0, lse -inf (or the sink)
+        if length is not None:
+            assert (out[1] == 0).all()
+        if with_sinks:
+            torch.testing.assert_close(lse[0], sinks)
 
 
 # ---- the row-slicing Triton kernel under the interpreter ----
 
 
-def interpreted_split_rows() -> None:
+def interpreted_pack_rows() -> None:
     g = torch.Generator().manual_seed(3)
-    for t, k, s, chunk, with_len in ((3, 40, 1, 64, False), (5, 2500, 3, 896, True), (2, 130, 5, 64, True)):
+    for t, k, width, with_len in ((3, 40, 64, False), (5, 2500, 2688, True), (2, 130, 130, True)):
         rows = torch.randint(-2, 300, (t, k), generator=g, dtype=torch.int32)
         rows[0] = -1
         length = torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32) if with_len else None
-        union, lens = split_rows(rows, num_kv_rows=290, num_splits=s, chunk=chunk, topk_length=length)
-        ref_u, ref_n = split_rows_reference(rows, num_kv_rows=290, num_splits=s, chunk=chunk, topk_length=length)
-        assert torch.equal(lens, ref_n), (t, k, s)
-        keep = torch.arange(chunk)[None, :] < lens[:, None]
-        assert torch.equal(union[keep], ref_u[keep]), (t, k, s)
+        union, lens = pack_rows(rows, num_kv_rows=290, width=width, topk_length=length)
+        ref_u, ref_n = pack_rows_reference(rows, num_kv_rows=290, width=width, topk_length=length)
+        assert torch.equal(lens, ref_n), (t, k, width)
+        keep = torch.arange(width)[None, :] < lens[:, None]
+        assert torch.equal(union[keep], ref_u[keep]), (t, k, width)
 
 
 @pytest.mark.interpret
-def test_split_rows_kernel_matches_reference_under_interpreter():
+def test_pack_rows_kernel_matches_reference_under_interpreter():
     pytest.importorskip("triton", reason="the kernel needs triton")
-    run_interpreted(__name__, "interpreted_split_rows")
+    run_interpreted(__name__, "interpreted_pack_rows")
 
 
 # ---- GPU: the routed Gluon path at real shapes ----
@@ -258,7 +282,7 @@ def test_gluon_decode_matches_reference(heads, tokens, with_sinks):
     sinks = sinks if with_sinks else None
     rows[0, 1000:1100] = rows[0, 0:100]  # duplicates (one key each by default)
     name, reason = sparse_decode_kernel(q, kv, 512)
-    assert (name == "gluon") == (tokens * heads // 64 >= GLUON_DECODE_MIN_PROGRAMS), reason
+    assert (name == "gluon") == (tokens * heads >= GLUON_DECODE_MIN_QUERY_ROWS), reason
     out = torch.full((tokens, heads, 512), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((tokens, heads), float("nan"), device=q.device)
     backend = "gluon" if name != "gluon" else None  # small batches: forced (routed to Triton)
@@ -274,13 +298,23 @@ def test_gluon_decode_matches_reference(heads, tokens, with_sinks):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize(
-    ("heads", "tokens", "splits", "with_sinks"),
-    [(128, 64, None, True), (64, 200, 1, False), (128, 6, 5, True), (64, 3, 3, False)],
+    ("heads", "tokens", "splits", "with_sinks", "rows_unique"),
+    [
+        (128, 64, None, True, False),
+        (64, 200, 1, False, False),
+        (128, 6, 5, True, False),
+        (64, 3, 3, False, False),
+        (64, 8, 4, True, False),
+        (64, 64, 2, False, True),
+        (128, 8, 8, True, True),
+    ],
 )
-def test_decode_kernel_matches_reference(heads, tokens, splits, with_sinks):
+def test_decode_kernel_matches_reference(heads, tokens, splits, with_sinks, rows_unique):
     """The decode configuration through the whole Gluon path: one slice and sliced, slices of an odd
-    number of 64-key blocks (5 slices of 448 rows: the 64-key kernel's last pair half empty), empty
-    and short rows, invalid rows anywhere, duplicates (one key each), sinks; NaN-poisoned outputs."""
+    number of 64-key blocks (5 slices of 448 rows, packed first: the 64-key kernel's last pair half
+    empty), slices read in place from the union or from the caller's rows (2, 4 or 8 of a 2,048-entry
+    row), empty and short rows, invalid rows anywhere, duplicates (one key each; twice with
+    ``rows_unique``), sinks; NaN-poisoned outputs."""
     q, kv, rows, length, sinks = _gpu_case(tokens, heads, seed=7 * heads + tokens)
     sinks = sinks if with_sinks else None
     rows[0, 1000:1100] = rows[0, 0:100]
@@ -289,9 +323,13 @@ def test_decode_kernel_matches_reference(heads, tokens, splits, with_sinks):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sparse_mla_decode_gluon(
         q, kv, rows, scale=SCALE, v_dim=512, out=out, lse_out=lse, num_sms=sms, topk_length=length, sinks=sinks,
-        num_splits=splits,
+        num_splits=splits, rows_unique=rows_unique,
     )  # fmt: skip
-    ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks)
+    if rows_unique:
+        rows_e, kv_e = _each_occurrence(rows.cpu(), kv)
+        ref_o, ref_l = sparse_mla_reference(q, kv_e, rows_e.cuda(), scale=SCALE, topk_length=length, sinks=sinks)
+    else:
+        ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks)
     _check(out, lse, ref_o, ref_l)
     if tokens > 2:
         assert (out[tokens // 2] == 0).all() and (out[1] == 0).all()

@@ -130,7 +130,8 @@ def sparse_decode_kernel(
     :data:`~shardattn.plan.crossovers.STREAM_DECODE_MIN_BLOCKS_PER_SM` blocks per SM, ``..._FP8_...`` on
     ``fp8_ds_mla`` rows) or ``"gluon"`` where the
     routing's measured crossovers (:data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_HEADS` heads
-    and :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_PROGRAMS` programs) say it pays; else
+    and :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_QUERY_ROWS` query rows, on ``fp8_ds_mla``
+    rows :data:`~shardattn.plan.decode_routing.GLUON_DECODE_FP8_MIN_TOKENS` tokens) say it pays; else
     ``"triton"`` (the split-KV kernel) when Triton runs these tensors; else ``"reference"`` (the
     fp32 torch path).
     """

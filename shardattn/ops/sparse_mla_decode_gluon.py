@@ -7,15 +7,16 @@ routed here:
 * **row lists**: with the default ``rows_unique=False`` the rows are first sorted and
   de-duplicated by :func:`~shardattn.ops.union.build_union` (a row listed twice is one key); with
   ``rows_unique=True`` they are taken as given (a duplicate then counts twice, exactly as on the
-  Triton path). One slice of unique rows needs no packing: the kernel reads the caller's ``[T, K]``
+  Triton path). Contiguous int32 rows need no packing: the kernel reads the caller's ``[T, K]``
   rows in place and masks each entry (an entry outside ``[0, R)`` or past ``topk_length`` is no
-  key), so the whole path is one launch. Otherwise the valid rows are packed into slices
-  (:func:`~shardattn.kernels.triton.split_rows.split_rows`).
-* **q** of pseudo-query ``p`` is ``q[p mod T]``: a stride-0 view for one token, else ``S`` copies.
-* **partials** land in ``[S, T, H, Dv]`` / ``[S, T, H]`` fp32 (the layout of
-  :func:`~shardattn.kernels.triton.lse_merge.split_partials`, so a caller's ``workspace`` serves)
-  and the LSE merge combines them into ``out`` / ``lse``. With one slice the kernel writes
-  ``out`` / ``lse`` directly.
+  key), so the whole path is one launch (two with slices: the merge). Rows it cannot read in place
+  are packed first (:func:`~shardattn.kernels.triton.pack_rows.pack_rows`).
+* **slices**: with ``S > 1`` each token's list (of width ``S * W``) is cut into ``S`` slices of
+  ``W`` entries, run as queries of their own in place (the kernel's ``q_slices``): query
+  ``p = t * S + s`` reads token ``t``'s q and slice ``s`` of its list; no copy of q or of the rows.
+* **partials** land in ``[T, S, H, Dv]`` / ``[T, S, H]`` fp32 (a caller's ``workspace`` of
+  :func:`~shardattn.kernels.triton.lse_merge.split_partials_numel` elements serves) and the LSE merge
+  combines them into ``out`` / ``lse``. With one slice the kernel writes ``out`` / ``lse`` directly.
 * **sinks** with ``S`` slices: every slice gets ``sink - log(S)``, so the merged denominator holds
   ``S * exp(sink) / S = exp(sink)`` once (exact; an all-empty row gives ``(0, sink)``).
 """
@@ -29,7 +30,7 @@ import torch
 
 from shardattn.kernels.gluon.sparse_mla_decode import gluon_attend, gluon_decode_plan, reads_raw_rows
 from shardattn.kernels.triton.lse_merge import HAVE_TRITON, launch_lse_merge, split_partials
-from shardattn.kernels.triton.split_rows import split_rows
+from shardattn.kernels.triton.pack_rows import pack_rows
 from shardattn.ops.lse_merge import lse_merge_reference
 from shardattn.ops.union import build_union
 
@@ -62,10 +63,12 @@ def sparse_mla_decode_gluon(
         num_sms: SMs of the device (the split model). num_splits: slices asked for (None = model).
         rows_unique: skip the de-duplication (duplicates then count twice, as on the Triton path).
         workspace: optional flat fp32 buffer for the partials (fewer slices if it is too small).
-        attend: the per-pseudo-query kernel ``attend(q, kv, union, lens, *, scale, v_dim, sinks,
-            out, lse, raw_rows)``; default the Gluon kernel (tests pass a torch stand-in to check
-            the slicing, sinks and merge on the CPU). ``raw_rows=True``: ``union`` is the caller's
-            rows (invalid entries anywhere) and ``lens`` its ``topk_length`` (None = all ``K``).
+        attend: the kernel, ``attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse,
+            raw_rows, q_slices=1)`` (the arguments of
+            :func:`~shardattn.kernels.gluon.sparse_mla.launch_gluon_attention`); default the Gluon
+            kernel (tests pass a torch stand-in to check the slicing, sinks and merge on the CPU).
+            ``raw_rows=True``: ``union`` is the caller's rows (invalid entries anywhere) and
+            ``lens`` its ``topk_length`` (None = all ``K``).
     Returns:
         ``(out, lse_out)``.
     """
@@ -78,26 +81,27 @@ def sparse_mla_decode_gluon(
     if deduped:
         src, src_len = build_union(rows, group_size=1, num_kv_rows=r, topk_length=topk_length)
     limit = None if workspace is None else workspace.numel()
-    plan = gluon_decode_plan(t, h, k, num_sms, num_splits, v_dim=v_dim, head_dim=q.shape[-1], max_partial_elems=limit)
+    plan = gluon_decode_plan(t, h, k, num_sms, num_splits, v_dim=v_dim, max_partial_elems=limit)
     s, chunk = plan["num_splits"], plan["chunk"]
+    width = k if s == 1 else s * chunk
+    # a union is valid rows packed at the front (the kernel masks past lens); raw rows are masked
+    # per entry; either is read in place when it is [T, width] int32 rows
+    raw = not deduped and reads_raw_rows(src, src_len)
+    if not _in_place(src, width) or not (deduped or raw):
+        src, src_len = pack_rows(src, num_kv_rows=r, width=width, topk_length=src_len)
+        raw = False
     if s == 1:
-        if deduped:  # the union's entries past lens are masked by the kernel
-            union, lens = src, src_len
-        elif reads_raw_rows(src, src_len):  # one launch: rows read in place
-            attend(q, kv, src, src_len, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out, raw_rows=True)
-            return out, lse_out
-        else:
-            union, lens = split_rows(src, num_kv_rows=r, num_splits=1, chunk=max(chunk, k), topk_length=src_len)
-        attend(q, kv, union, lens, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out)
+        attend(q, kv, src, src_len, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out, raw_rows=raw)
         return out, lse_out
-    union, lens = split_rows(src, num_kv_rows=r, num_splits=s, chunk=chunk, topk_length=src_len)
-    q_p = q.expand(s, h, q.shape[-1]) if t == 1 else q.unsqueeze(0).expand(s, t, h, q.shape[-1]).reshape(s * t, h, -1)
-    part_out, part_lse = split_partials(workspace, s, t, h, v_dim, q.device)
+    # the room of [S, T] partials, as [T, S] ones: query t * S + s writes row t * S + s
+    outs, lses = split_partials(workspace, s, t, h, v_dim, q.device)
+    part_out, part_lse = outs.view(t, s, h, v_dim), lses.view(t, s, h)
     sinks_p = None if sinks is None else sinks - math.log(s)  # S shares of exp(sink): once in the merge
     attend(
-        q_p, kv, union, lens, scale=scale, v_dim=v_dim, sinks=sinks_p,
-        out=part_out.view(s * t, h, v_dim), lse=part_lse.view(s * t, h),
+        q, kv, src.view(t * s, chunk), src_len, scale=scale, v_dim=v_dim, sinks=sinks_p,
+        out=part_out.view(t * s, h, v_dim), lse=part_lse.view(t * s, h), raw_rows=raw, q_slices=s,
     )  # fmt: skip
+    part_out, part_lse = part_out.transpose(0, 1), part_lse.transpose(0, 1)  # [S, T, ...] for the merge
     if q.is_cuda and HAVE_TRITON:
         launch_lse_merge(part_out, part_lse, out, lse_out)
     else:
@@ -105,3 +109,9 @@ def sparse_mla_decode_gluon(
         out.copy_(ref_out)
         lse_out.copy_(ref_lse)
     return out, lse_out
+
+
+def _in_place(rows: torch.Tensor, width: int) -> bool:
+    """Whether the kernel reads ``rows`` in place as lists of ``width`` entries (cut into slices by
+    a ``[T * S, W]`` view): int32, ``width`` entries a token, contiguous."""
+    return rows.dtype == torch.int32 and rows.shape[1] == width and rows.is_contiguous()

@@ -60,9 +60,12 @@ SMEM_SORTED_RATIO = 1
 #: Fewest heads at which decode runs the Gluon kernel (sm_90) instead of the Triton split-KV
 #: kernel: its tile is 64 heads, fewer pad it (D16).
 GLUON_DECODE_MIN_HEADS = 32
-#: Fewest whole-row Gluon programs (``tokens x ceil(heads / 64)``) at which it does: smaller
-#: batches are latency bound and the Triton split-KV kernel is as fast there (D16).
-GLUON_DECODE_MIN_PROGRAMS = 32
+#: Fewest query rows (``tokens x heads``) at which it does: below, the Triton split-KV kernel is
+#: faster (64 heads x 2 tokens: 25.1 against 28.6 us; x 4: 37.5 against 30.6; D63).
+GLUON_DECODE_MIN_QUERY_ROWS = 256
+#: On ``fp8_ds_mla`` rows, also the fewest tokens (the FP8 producer costs more: 128 heads x 4 tokens
+#: 34.0 against Gluon's 38.4 us; 32 heads x 8: Gluon 35.0 against 47.0; D63).
+GLUON_DECODE_FP8_MIN_TOKENS = 8
 #: Most heads at which decode may run the small-batch Gluon kernel (heads as the ``wgmma`` N, 8 or
 #: 16 wide: no padding to a 64-row tile; D28).
 SMALL_DECODE_MAX_HEADS = 16
@@ -106,8 +109,9 @@ __all__ = [
     "CHUNK_WORK",
     "COLUMN_MERGE_MAX_ROWS",
     "DEFAULT_MIN_TOKENS",
+    "GLUON_DECODE_FP8_MIN_TOKENS",
     "GLUON_DECODE_MIN_HEADS",
-    "GLUON_DECODE_MIN_PROGRAMS",
+    "GLUON_DECODE_MIN_QUERY_ROWS",
     "GLUON_GROUPED_MAX_HEADS",
     "GLUON_MIN_HEADS",
     "GROUPED_MAX_HEADS",

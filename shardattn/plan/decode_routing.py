@@ -22,8 +22,9 @@ import torch
 from shardattn._checks import check_bool, check_int
 from shardattn.plan.crossovers import (
     COLUMN_MERGE_MAX_ROWS,
+    GLUON_DECODE_FP8_MIN_TOKENS,
     GLUON_DECODE_MIN_HEADS,
-    GLUON_DECODE_MIN_PROGRAMS,
+    GLUON_DECODE_MIN_QUERY_ROWS,
     SMALL_DECODE_64_MAX_SM_FRACTION,
     SMALL_DECODE_FP8_64_MAX_SM_FRACTION,
     SMALL_DECODE_HEAD_GROUP,
@@ -39,8 +40,9 @@ from shardattn.plan.spec import ModelSpec
 __all__ = [
     "DECODE_MERGES",
     "DECODE_PATHS",
+    "GLUON_DECODE_FP8_MIN_TOKENS",
     "GLUON_DECODE_MIN_HEADS",
-    "GLUON_DECODE_MIN_PROGRAMS",
+    "GLUON_DECODE_MIN_QUERY_ROWS",
     "SMALL_DECODE_MAX_HEADS",
     "SMALL_DECODE_MAX_SPLITS",
     "SMALL_DECODE_MAX_TOKENS",
@@ -127,7 +129,8 @@ def route_sparse_decode_kernel(
     sm: int | tuple[int, int] | None = None,
     gluon_missing: str | None = None,
     gluon_min_heads: int = GLUON_DECODE_MIN_HEADS,
-    gluon_min_programs: int = GLUON_DECODE_MIN_PROGRAMS,
+    gluon_min_query_rows: int = GLUON_DECODE_MIN_QUERY_ROWS,
+    gluon_fp8_min_tokens: int = GLUON_DECODE_FP8_MIN_TOKENS,
     small_missing: str | None = "not asked",
     small_max_heads: int = SMALL_DECODE_MAX_HEADS,
     small_max_tokens: int = SMALL_DECODE_MAX_TOKENS,
@@ -147,7 +150,8 @@ def route_sparse_decode_kernel(
         sm: compute capability, ``90`` or ``(9, 0)``; ``None`` = unknown (no Gluon).
         gluon_missing: why the Gluon kernel cannot run these tensors (None = it can).
         gluon_min_heads: fewest heads at which the Gluon decode beats Triton (measured).
-        gluon_min_programs: fewest ``tokens x ceil(heads / 64)`` at which it does (measured).
+        gluon_min_query_rows: fewest ``tokens x heads`` at which it does (measured).
+        gluon_fp8_min_tokens: on ``fp8_ds_mla`` rows (``kv_fp8``), also the fewest tokens (measured).
         small_missing: why the Gluon small-batch kernel cannot run these tensors (None = it can;
             the default keeps it out, for callers that do not ask).
         small_max_heads / small_max_tokens: the largest call it takes (measured crossovers).
@@ -177,7 +181,8 @@ def route_sparse_decode_kernel(
     h = check_int("num_heads", num_heads, minimum=1)
     t = None if num_tokens is None else check_int("num_tokens", num_tokens, minimum=0)
     check_int("gluon_min_heads", gluon_min_heads, minimum=1)
-    check_int("gluon_min_programs", gluon_min_programs, minimum=0)
+    check_int("gluon_min_query_rows", gluon_min_query_rows, minimum=0)
+    check_int("gluon_fp8_min_tokens", gluon_fp8_min_tokens, minimum=0)
     sm_v = sm_of(sm)
     dev = device_type_of(device_type)
     if dev != "cuda":
@@ -211,11 +216,16 @@ def route_sparse_decode_kernel(
     if h < gluon_min_heads:
         why = f"{h} heads < {gluon_min_heads}: the Triton split-KV decode kernel is faster there (measured)"
         return Route("triton", 1, why)
-    programs = None if t is None else t * -(-h // 64)
-    if programs is not None and programs < gluon_min_programs:
+    if t is not None and t * h < gluon_min_query_rows:
         why = (
-            f"{t} tokens x {-(-h // 64)} head blocks < {gluon_min_programs} Gluon programs: latency bound, "
-            "the Triton split-KV decode kernel is as fast there (measured)"
+            f"{t} tokens x {h} heads < {gluon_min_query_rows} query rows: latency bound, the Triton split-KV "
+            "decode kernel is faster there (measured)"
+        )
+        return Route("triton", 1, why)
+    if t is not None and kv_fp8 and t < gluon_fp8_min_tokens:
+        why = (
+            f"{t} tokens < {gluon_fp8_min_tokens} on fp8_ds_mla rows: the Triton split-KV decode kernel is faster "
+            "there (measured)"
         )
         return Route("triton", 1, why)
     why = f"SM90, {h} heads >= {gluon_min_heads}: Gluon warp-specialised kernel (row slices merged by LSE)"

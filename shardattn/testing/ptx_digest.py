@@ -122,7 +122,7 @@ _TRITON_TOPK = "shardattn.kernels.triton.topk"
 _TRITON_UNION = "shardattn.kernels.triton.union"
 _TRITON_FUSED = "shardattn.kernels.triton.union_fused"
 _TRITON_BITMAP = "shardattn.kernels.triton.union_bitmap"
-_TRITON_SPLIT_ROWS = "shardattn.kernels.triton.split_rows"
+_TRITON_PACK_ROWS = "shardattn.kernels.triton.pack_rows"
 
 _BF16_ATTN = {"Q": "*bf16", "KV": "*bf16", "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": "*bf16"}
 
@@ -233,10 +233,10 @@ def _triton_bitmap(group_size: int) -> str:
     return triton_sm90_ptx(_TRITON_BITMAP, "_bitmap_union_kernel", pointers, constexprs, num_warps=num_warps)
 
 
-def _triton_split_rows() -> str:
+def _triton_pack_rows() -> str:
     pointers = {"ROWS": "*i32", "TOPK_LEN": "*i32", "UNION": "*i32", "LENS": "*i32"}
-    constexprs = {"BLOCK": 1024, "BLOCK_S": 32, "HAS_LEN": False}
-    return triton_sm90_ptx(_TRITON_SPLIT_ROWS, "_split_rows_kernel", pointers, constexprs)
+    constexprs = {"BLOCK": 1024, "HAS_LEN": False}
+    return triton_sm90_ptx(_TRITON_PACK_ROWS, "_pack_rows_kernel", pointers, constexprs)
 
 
 #: name -> PTX of one routed variant (DSA shapes: 512 + 64 dims, top-k 2048, bf16 unless named).
@@ -306,7 +306,7 @@ VARIANTS: dict[str, Callable[[], str]] = {
     "triton.union.compact.g2": lambda: _triton_union_compact(2),
     "triton.union.fused.g8": lambda: _triton_fused(8),
     "triton.union.bitmap.g4": lambda: _triton_bitmap(4),
-    "triton.split_rows": _triton_split_rows,
+    "triton.pack_rows": _triton_pack_rows,
 }
 
 #: The representative subset the CI test compiles (about a minute on two CPU cores): the routed

@@ -147,6 +147,7 @@ def launch_gluon_attention(
     lse: torch.Tensor | None = None,
     group_size: int = 1,
     raw_rows: bool = False,
+    q_slices: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Gluon kernel on prepared unions, or on raw rows (inputs already validated).
 
@@ -165,6 +166,12 @@ def launch_gluon_attention(
         out / lse: optional destinations ``[T, H, v_dim]`` / ``[T, H]`` (or head-blocked), q's dtype / fp32.
         group_size: ``G`` queries per 64-row tile (``1, 2, 4, 8``; ``G > 1`` needs ``H <= 64 / G``).
         raw_rows: attend ``union`` as raw rows, masked per entry (no union build, no packing).
+        q_slices: ``S``, each token's row list cut into ``S`` slices of ``W`` entries run as
+            queries of their own (decode's split, ``G = 1``, plain ``q``): query ``p = t * S + s``
+            takes token ``t``'s q and entries ``[s * W, (s + 1) * W)`` of its list, ``union`` is
+            ``[T * S, W]`` (a view of the ``[T, S * W]`` lists), ``lens`` (or ``topk_length``)
+            ``[T]`` stays per token and ``out`` / ``lse`` (required) are ``[T * S, H, v_dim]`` /
+            ``[T * S, H]``.
     Returns:
         ``(out, lse)``: the given destinations, or new ``[T, H, v_dim]`` q.dtype and ``[T, H]`` fp32.
     """
@@ -175,7 +182,10 @@ def launch_gluon_attention(
         raise ValueError(f"group_size={group_size} takes <= {BLOCK_H // group_size} heads, got {h}")
     if raw_rows and group_size != 1:
         raise ValueError("raw_rows needs group_size=1")
+    if q_slices > 1 and (group_size != 1 or q.dim() != 3 or out is None or lse is None):
+        raise ValueError("q_slices > 1 needs group_size=1, a plain [T, H, D] q and the [T * S, ...] out and lse")
     t, h, out, lse = launch_destinations(q, v_dim, out, lse)
+    t *= q_slices  # the queries the kernel runs: every slice of every token
     if t == 0 or h == 0:
         return out, lse
     hb, q_strides, out_strides, lse_strides = launch_strides(h, q, out, lse)
@@ -194,7 +204,7 @@ def launch_gluon_attention(
     lens_arg = lens if lens is not None else union
     fn[grid](
         q, kv, union, lens_arg, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E, kv.shape[0], union.shape[1],
-        **constexprs, **options,
+        q_slices, **constexprs, **options,
     )  # fmt: skip
     return out, lse
 
@@ -298,7 +308,7 @@ def compile_kernel_for_sm90(
         "stride_ug": "i32",
         "stride_ob": "i32", "stride_ot": "i32", "stride_oh": "i32",
         "stride_lb": "i32", "stride_lt": "i32", "stride_lh": "i32",
-        "qk_scale": "fp32", "R": "i32", "K": "i32",
+        "qk_scale": "fp32", "R": "i32", "K": "i32", "QS": "i32",
     }  # fmt: skip
     fn, constexprs, options = _kernel_args(cfg, group_size, v_dim, rope_dim, sinks, raw_rows=raw_rows, kv_fp8=kv_fp8)
     signature.update(dict.fromkeys(constexprs, "constexpr"))

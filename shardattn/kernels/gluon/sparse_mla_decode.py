@@ -8,7 +8,8 @@ is cut into ``S`` slices run as pseudo-queries and merged by LSE
 
 The split count (:func:`gluon_decode_plan`) minimises a wave model of the kernel: a program costs
 ``CTA_OVERHEAD_US + chunk * KEY_US`` (one program per SM: the kernel uses 225 KB of shared memory),
-and splitting adds the merge and the partial bytes. Everything depends on shapes only (no host
+and splitting adds the merge and the partial bytes (the slices are read in place: no copy of q or
+of the rows). Everything depends on shapes only (no host
 sync), so a launch is CUDA-graph capturable.
 """
 
@@ -41,7 +42,7 @@ CTA_OVERHEAD_US = 3.0
 #: docs/PERFORMANCE.md).
 KEY_US = 0.04
 #: The merge kernel's launch and fixed cost, us (estimate), and the bytes per us the partials
-#: (written by the kernel, read by the merge) and q copies move.
+#: (written by the kernel, read by the merge) move.
 MERGE_US = 4.0
 BYTES_PER_US = 3.0e6
 HEAD_BLOCK = 64
@@ -55,7 +56,6 @@ def gluon_decode_plan(
     num_splits: int | None = None,
     *,
     v_dim: int = 512,
-    head_dim: int = 576,
     max_partial_elems: int | None = None,
 ) -> dict[str, int]:
     """Slices per top-k row and rows per slice of a Gluon decode launch (host-side, shapes only).
@@ -92,8 +92,7 @@ def gluon_decode_plan(
             t = waves * (CTA_OVERHEAD_US + chunk * KEY_US)
             if s > 1:
                 part = split_partials_numel(s, num_tokens, num_heads, v_dim) * 4 * 2
-                q_copy = (num_tokens > 1) * s * num_tokens * num_heads * head_dim * 2 * 2
-                t += MERGE_US + (part + q_copy) / BYTES_PER_US
+                t += MERGE_US + part / BYTES_PER_US
             return t
 
         candidates = sorted({shape(1 << i)[0] for i in range(MAX_SPLITS.bit_length()) if (1 << i) <= MAX_SPLITS})
@@ -123,15 +122,20 @@ def gluon_decode_config(num_heads: int = 0, v_dim: int = 512, rope_dim: int = 64
     return GluonConfig(heads_fastest=True, early_kv=True)
 
 
-def gluon_attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows: bool = False) -> None:
-    """Launch the Gluon kernel with the decode options on row lists ``union [P, W]`` / ``lens [P]``
-    of ``P`` pseudo-queries (or, with ``raw_rows``, the caller's rows and ``topk_length``)."""
+def gluon_attend(
+    q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows: bool = False, q_slices: int = 1
+) -> None:
+    """Launch the Gluon kernel with the decode options on row lists ``union`` / ``lens`` (or, with
+    ``raw_rows``, the caller's rows and ``topk_length``), each token's list cut into ``q_slices``
+    slices run as queries of their own
+    (:func:`~shardattn.kernels.gluon.sparse_mla.launch_gluon_attention`)."""
     from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
 
     cfg = gluon_decode_config(q.shape[1], v_dim, q.shape[-1] - v_dim)
     launch_gluon_attention(
-        q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse, raw_rows=raw_rows
-    )
+        q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse, raw_rows=raw_rows,
+        q_slices=q_slices,
+    )  # fmt: skip
 
 
 def reads_raw_rows(rows: torch.Tensor, topk_length: torch.Tensor | None) -> bool:

@@ -81,24 +81,32 @@ if HAS_GLUON:
     from shardattn.kernels.gluon.sparse_mla_partitions import _consumer0, _consumer1, _load_q, _producer
 
 #: Launch arguments never specialised: the token count, the LSE head-block geometry (plain [T, H] and
-#: head-blocked [B, T, H/B] share one compiled kernel) and the row counts.
-NOT_SPECIALIZED = ["T", "HB", "stride_lb", "stride_lt", "R", "K"]
+#: head-blocked [B, T, H/B] share one compiled kernel), the row counts and the slices a token's rows
+#: are cut into (one kernel for one slice and for several).
+NOT_SPECIALIZED = ["T", "HB", "stride_lb", "stride_lt", "R", "K", "QS"]
 #: Keys per block.
 BLOCK_N = 64
 
 if HAS_GLUON:
 
     @gluon.jit
-    def _tile_len(LENS, K, g, RAW_ROWS: gl.constexpr, HAS_LENS: gl.constexpr):
-        """Entries of tile-row group ``g``'s row list: ``lens[g]``; raw rows: its ``topk_length``
-        clamped to ``[0, K]`` (``K`` without lengths)."""
-        if RAW_ROWS:
+    def _tile_len(LENS, K, g, QS, RAW_ROWS: gl.constexpr, HAS_LENS: gl.constexpr):
+        """Entries of tile-row group ``g``'s row list of ``K``: slice ``g % QS`` of token ``g // QS``'s
+        list, whose length is ``lens`` (raw rows: ``topk_length``, every entry without it), so
+        ``lens[g // QS] - (g % QS) * K`` clamped to ``[0, K]`` (``lens[g]`` with one slice)."""
+        if RAW_ROWS and not HAS_LENS:
             n_len = K
-            if HAS_LENS:
-                n_len = gl.minimum(gl.maximum(gl.load(LENS + g), 0), K)
         else:
-            n_len = gl.load(LENS + g)
+            gi = g.to(gl.int32)  # < 2**31 queries: 32-bit division (the 64-bit one spills in the FP8 producer)
+            n_len = gl.minimum(gl.maximum(gl.load(LENS + gi // QS) - (gi % QS) * K, 0), K)
         return n_len
+
+    @gluon.jit
+    def _q_query(g, QS):
+        """The query whose q tile-row group ``g`` reads: token ``g // QS`` of ``QS`` slices a token
+        (int64, as ``g``: a token's offset in q may pass 2**31; the division in 32 bits, as the 64-bit
+        one spills in the FP8 producer)."""
+        return (g.to(gl.int32) // QS).to(gl.int64)
 
     @gluon.jit
     def _retile(args, out_args, pctx, tile, G: gl.constexpr, RAW_ROWS: gl.constexpr, HAS_LENS: gl.constexpr,
@@ -106,21 +114,21 @@ if HAS_GLUON:
         """``(args, out_args, pairs)`` of persistent tile ``tile``: token group and head block (a
         token's head blocks adjacent with ``HEADS_FASTEST``, else token groups fastest, as the grid
         of the one-tile kernel), its row list, length and pair count."""
-        (UNION, LENS, stride_ug, K, n_g, n_hb, _q_free, _first, _step, _n_tiles) = pctx
+        (UNION, LENS, stride_ug, K, QS, n_g, n_hb, _q_free, _first, _step, _n_tiles) = pctx
         if HEADS_FASTEST:
             g = (tile // n_hb).to(gl.int64)
             hb = tile % n_hb
         else:
             g = (tile % n_g).to(gl.int64)
             hb = tile // n_g
-        n_len = _tile_len(LENS, K, g, RAW_ROWS, HAS_LENS)
+        n_len = _tile_len(LENS, K, g, QS, RAW_ROWS, HAS_LENS)
         n_pairs = gl.cdiv(gl.cdiv(n_len, 64), 2)
         (KV, _u, _n, stride_kvr, _np, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs, ready, free,
          m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready, q_src, R) = args  # fmt: skip
         (Q, _g, _hb, T, H, HB, stride_qb, stride_qt, stride_qh) = q_src
         t_args = (KV, UNION + g * stride_ug, n_len, stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf,
                   m_buf, l_bufs, ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready,
-                  (Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh), R)  # fmt: skip
+                  (Q, _q_query(g, QS), hb, T // QS, H, HB, stride_qb, stride_qt, stride_qh), R)  # fmt: skip
         (OUT, LSE, SINKS, _g2, _hb2, T2, H2, HB2, sob, sot, soh, slb, slt, slh) = out_args
         return t_args, (OUT, LSE, SINKS, g, hb, T2, H2, HB2, sob, sot, soh, slb, slt, slh), n_pairs
 
@@ -143,7 +151,7 @@ if HAS_GLUON:
         block 0's left half, WG1 block 1's right half). ``PERSISTENT``: tile after tile, the output
         staged in Q's half ``W`` (dead after the tile's last ``Q K^T``), then ``q_free``."""
         if PERSISTENT:
-            (_U, _L, _s, _K, _ng, _nhb, q_free, first, step, n_tiles) = pctx
+            (_U, _L, _s, _K, _qs, _ng, _nhb, q_free, first, step, n_tiles) = pctx
             c0 = first * 0
             j = first * 0
             for tile in range(first, n_tiles, step):
@@ -162,7 +170,7 @@ if HAS_GLUON:
               EARLY_KV: gl.constexpr, G: gl.constexpr, RAW_ROWS: gl.constexpr, PERSISTENT: gl.constexpr,
               HAS_LENS: gl.constexpr, HEADS_FASTEST: gl.constexpr, KV_FP8: gl.constexpr):  # fmt: skip
         if PERSISTENT:
-            (_U, _L, _s, _K, _ng, _nhb, q_free, first, step, n_tiles) = pctx
+            (_U, _L, _s, _K, _qs, _ng, _nhb, q_free, first, step, n_tiles) = pctx
             c0 = first * 0
             j = first * 0
             for tile in range(first, n_tiles, step):
@@ -171,7 +179,7 @@ if HAS_GLUON:
                 c0 += n_pairs
                 j += 1
         else:
-            _producer(args, D_V, D_R, EARLY_KV, G, RAW_ROWS, False, 0, 0, pctx[6], KV_FP8)
+            _producer(args, D_V, D_R, EARLY_KV, G, RAW_ROWS, False, 0, 0, pctx[7], KV_FP8)
 
     @gluon.jit(do_not_specialize=NOT_SPECIALIZED)
     def _sparse_mla_gluon_ws64_fwd(
@@ -179,7 +187,7 @@ if HAS_GLUON:
         T, H, HB,
         stride_qb, stride_qt, stride_qh, stride_kvr, stride_ug,
         stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh,
-        qk_scale, R, K,
+        qk_scale, R, K, QS,
         D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HEADS_FASTEST: gl.constexpr, EARLY_KV: gl.constexpr,
         G: gl.constexpr = 1, RAW_ROWS: gl.constexpr = False, HAS_LENS: gl.constexpr = True,
@@ -223,24 +231,29 @@ if HAS_GLUON:
         q_free = gl.allocate_shared_memory(gl.int64, [1], bar_l)
         mbarrier.init(q_free, count=2)  # PERSISTENT: both consumers' epilogues done with Q's buffers
         if not EARLY_KV and not PERSISTENT:  # Q by the 4 warps here, before the partitions start
-            _load_q(q_l.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF, G)
-            _load_q(q_r.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF, G)
-            _load_q(q_rope.index(0), Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R, G)
+            _load_q(q_l.index(0), Q, _q_query(g, QS), hb, T // QS, H, HB, stride_qb, stride_qt, stride_qh, 0, HALF, G)
+            _load_q(
+                q_r.index(0), Q, _q_query(g, QS), hb, T // QS, H, HB, stride_qb, stride_qt, stride_qh, HALF, HALF, G
+            )
+            _load_q(
+                q_rope.index(0), Q, _q_query(g, QS), hb, T // QS, H, HB, stride_qb, stride_qt, stride_qh, D_V, D_R, G
+            )
             cp.commit_group()
             cp.wait_group(0)
             fence_async_shared()
         _cta_barrier()
 
-        n_len = _tile_len(LENS, K, g, RAW_ROWS, HAS_LENS)
+        n_len = _tile_len(LENS, K, g, QS, RAW_ROWS, HAS_LENS)
         n_pairs = gl.cdiv(gl.cdiv(n_len, 64), 2)
+        q_src = (Q, _q_query(g, QS), hb, T // QS, H, HB, stride_qb, stride_qt, stride_qh)
         args = (KV, UNION + g * stride_ug, n_len, stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf,
                 m_buf, l_bufs, ready, free, sync.index(0), sync.index(1), sync.index(2), sync.index(3),
-                l_ready, qk_scale, q_ready, (Q, g, hb, T, H, HB, stride_qb, stride_qt, stride_qh), R)  # fmt: skip
+                l_ready, qk_scale, q_ready, q_src, R)  # fmt: skip
         out_args = (OUT, LSE, SINKS, g, hb, T, H, HB, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
                     stride_lh)  # fmt: skip
         # PERSISTENT: program p runs tiles p, p + P, ... of the n_g x n_hb tiles
         n_g = gl.cdiv(T, G)
-        pctx = (UNION, LENS, stride_ug, K, n_g, n_hb, q_free, gl.program_id(0), gl.num_programs(0), n_g * n_hb)
+        pctx = (UNION, LENS, stride_ug, K, QS, n_g, n_hb, q_free, gl.program_id(0), gl.num_programs(0), n_g * n_hb)
         # the producer is the default partition (it gets what the consumers leave of the kernel's
         # registers): the default partition also holds the values of the code above, and a consumer
         # there spilled (measured on an H200)
