@@ -13,6 +13,11 @@ keeps change, :func:`_block_rows` / :func:`_block_keep`):
   the first ``topk_length`` of them (all ``K`` without it), and masks each entry outside
   ``[0, R)``; no union build, no packing, a duplicate counts twice.
 
+Per-query tiles may also cut each token's list into ``QS`` slices (decode's split-KV, a runtime
+argument): tile ``g`` takes token ``g // QS``'s q and slice ``g % QS`` of its list, the caller's
+``[T, QS * W]`` lists viewed as ``[T * QS, W]``, its length ``lens[g // QS] - (g % QS) * W``
+clamped to ``[0, W]`` (:func:`_tile_len`); ``QS = 1`` is the plain kernel.
+
 In both a pair's first block may hold no key for a row, so the online softmax reads a running
 max of ``-inf`` as 0 there (:func:`_finite`). Three warpgroups (12 warps) share the work
 through shared memory and mbarriers:
