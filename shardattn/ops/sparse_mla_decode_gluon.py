@@ -85,11 +85,11 @@ def sparse_mla_decode_gluon(
     s, chunk = plan["num_splits"], plan["chunk"]
     width = k if s == 1 else s * chunk
     # a union is valid rows packed at the front (the kernel masks past lens); raw rows are masked
-    # per entry; either is read in place when it is [T, width] int32 rows
-    raw = not deduped and reads_raw_rows(src, src_len)
-    if not _in_place(src, width) or not (deduped or raw):
+    # per entry; either is read in place when it is [T, width] int32 rows, else packed first
+    in_place = _in_place(src, width) and (deduped or reads_raw_rows(src, src_len))
+    raw = in_place and not deduped
+    if not in_place:
         src, src_len = pack_rows(src, num_kv_rows=r, width=width, topk_length=src_len)
-        raw = False
     if s == 1:
         attend(q, kv, src, src_len, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out, raw_rows=raw)
         return out, lse_out
