@@ -108,26 +108,29 @@ def test_triton_kernel_matches_reference_under_interpreter(dtype_name):
 
 def interpreted_column_cases(dtype_name: str) -> None:
     """The column merge: partial counts that are and are not powers of 2, a column block that
-    does not divide D, +inf (FlashMLA's empty marker), NaN garbage in empty partials."""
+    does not divide D, row blocks of 1 or more rows (the last one short: 5 or 7 rows in blocks of
+    2 / 4), +inf (FlashMLA's empty marker), NaN garbage in empty partials."""
     dtype = getattr(torch, dtype_name)
     atol = 2e-3 if dtype == torch.float16 else 1e-5
-    for p, t, h, d, block_d in [(1, 2, 3, 16, 16), (3, 2, 3, 40, 16), (8, 3, 2, 64, 32), (5, 1, 4, 24, 128)]:
+    cases = [(1, 2, 3, 16, 16, 1), (3, 2, 3, 40, 16, 1), (8, 3, 2, 64, 32, 1), (5, 1, 4, 24, 128, 1)]
+    cases += [(2, 1, 5, 32, 32, 2), (3, 7, 1, 40, 16, 4)]
+    for p, t, h, d, block_d, block_rows in cases:
         outs, lses = make_partials(p, t, h, d, dtype, seed=p + d)
         ref_out, ref_lse = loop_merge(outs, lses)
         lses_flash = torch.where(torch.isneginf(lses) & (torch.arange(h) % 2 == 0), math.inf, lses)
         garbage = torch.where(torch.isinf(lses)[..., None], float("nan"), outs.float()).to(dtype)
         out = torch.full((t, h, d), float("nan"), dtype=dtype)
         lse = torch.full((t, h), float("nan"))
-        launch_lse_merge_columns(garbage, lses_flash, out, lse, block_d=block_d, num_warps=1)
+        launch_lse_merge_columns(garbage, lses_flash, out, lse, block_d=block_d, block_rows=block_rows, num_warps=1)
         assert_merged(out, lse, ref_out, ref_lse, atol)
-        print("ok", p, t, h, d)
+        print("ok", p, t, h, d, block_rows)
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("dtype_name", ["float16", "float32"])
 def test_column_merge_matches_reference_under_interpreter(dtype_name):
     pytest.importorskip("triton", reason="the Triton kernel needs triton")
-    assert run_interpreted(__name__, "interpreted_column_cases", dtype_name).count("ok ") == 4
+    assert run_interpreted(__name__, "interpreted_column_cases", dtype_name).count("ok ") == 6
 
 
 def interpreted_split_and_merge_cases() -> None:
@@ -175,6 +178,10 @@ def test_triton_kernel_on_gpu(p, dtype):
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     launch_lse_merge_columns(outs, lses, out, lse)
+    assert_merged(out, lse, ref_out.float(), ref_lse, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    launch_lse_merge_columns(outs, lses, out, lse, block_d=512, block_rows=max(1, 4096 // (p * 512)))
     assert_merged(out, lse, ref_out.float(), ref_lse, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
@@ -241,7 +248,7 @@ def test_pdl_kernels_compile_for_sm90_with_grid_dependency_control():
         "HAS_SINKS": False, "HAS_ROPE": True, "IEEE": False,
     }  # fmt: skip
     for pdl in (True, False):
-        merge_consts = {"BLOCK_P": 64, "BLOCK_D": 128, "PDL": pdl}
+        merge_consts = {"BLOCK_P": 64, "BLOCK_R": 1, "BLOCK_D": 128, "PDL": pdl}
         merge = ptx("shardattn.kernels.triton.lse_merge", "_lse_merge_columns_kernel", merge_ptrs, (), merge_consts)
         split = ptx(
             "shardattn.kernels.triton.sparse_mla_decode", "_sparse_mla_decode_kernel", split_ptrs, ("qk_scale",),

@@ -15,8 +15,11 @@ routed here:
   ``W`` entries, run as queries of their own in place (the kernel's ``q_slices``): query
   ``p = t * S + s`` reads token ``t``'s q and slice ``s`` of its list; no copy of q or of the rows.
 * **partials** land in ``[T, S, H, Dv]`` / ``[T, S, H]`` fp32 (a caller's ``workspace`` of
-  :func:`~shardattn.kernels.triton.lse_merge.split_partials_numel` elements serves) and the LSE merge
-  combines them into ``out`` / ``lse``. With one slice the kernel writes ``out`` / ``lse`` directly.
+  :func:`~shardattn.kernels.triton.lse_merge.split_partials_numel` elements serves) and the column
+  merge combines them into ``out`` / ``lse``: each program loads every slice's partials of a few
+  (token, head) rows at once (:func:`~shardattn.kernels.gluon.sparse_mla_decode.gluon_merge_tile`),
+  launched as a programmatic dependent launch where the device has it. With one slice the kernel
+  writes ``out`` / ``lse`` directly.
 * **sinks** with ``S`` slices: every slice gets ``sink - log(S)``, so the merged denominator holds
   ``S * exp(sink) / S = exp(sink)`` once (exact; an all-empty row gives ``(0, sink)``).
 """
@@ -28,8 +31,9 @@ from collections.abc import Callable
 
 import torch
 
-from shardattn.kernels.gluon.sparse_mla_decode import gluon_attend, gluon_decode_plan, reads_raw_rows
-from shardattn.kernels.triton.lse_merge import HAVE_TRITON, launch_lse_merge, split_partials
+from shardattn.kernels.backend import pdl_supported
+from shardattn.kernels.gluon.sparse_mla_decode import gluon_attend, gluon_decode_plan, gluon_merge_tile, reads_raw_rows
+from shardattn.kernels.triton.lse_merge import HAVE_TRITON, launch_lse_merge_columns, split_partials
 from shardattn.kernels.triton.pack_rows import pack_rows
 from shardattn.ops.lse_merge import lse_merge_reference
 from shardattn.ops.union import build_union
@@ -103,7 +107,10 @@ def sparse_mla_decode_gluon(
     )  # fmt: skip
     part_out, part_lse = part_out.transpose(0, 1), part_lse.transpose(0, 1)  # [S, T, ...] for the merge
     if q.is_cuda and HAVE_TRITON:
-        launch_lse_merge(part_out, part_lse, out, lse_out)
+        block_rows, block_d = gluon_merge_tile(s, v_dim)
+        launch_lse_merge_columns(
+            part_out, part_lse, out, lse_out, block_d=block_d, block_rows=block_rows, pdl=pdl_supported(q.device)
+        )
     else:
         ref_out, ref_lse = lse_merge_reference(part_out, part_lse)
         out.copy_(ref_out)

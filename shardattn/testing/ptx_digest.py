@@ -290,13 +290,17 @@ VARIANTS: dict[str, Callable[[], str]] = {
     "triton.prefill.g8.h8.fp8": lambda: _triton_prefill(8, 8, sinks=True, kv_fp8=True),
     "triton.decode.t1.h16.fp8": lambda: _triton_decode(1, 16, kv_fp8=True),
     "triton.decode.t64.h16.fp8": lambda: _triton_decode(64, 16, kv_fp8=True),
-    # Triton LSE merges (rows; columns at 128 and at the small kernel's 64 columns on one warp)
+    # Triton LSE merges (rows; columns at 128 and at the small kernel's 64 columns on one warp; the
+    # Gluon decode's row blocks of two slices)
     "triton.merge.rows": lambda: _triton_merge("_lse_merge_kernel", {"BLOCK_R": 8, "BLOCK_D": 512, "PDL": True}, 4),
     "triton.merge.columns": lambda: _triton_merge(
-        "_lse_merge_columns_kernel", {"BLOCK_P": 32, "BLOCK_D": 128, "PDL": True}, 4
+        "_lse_merge_columns_kernel", {"BLOCK_P": 32, "BLOCK_R": 1, "BLOCK_D": 128, "PDL": True}, 4
     ),
     "triton.merge.columns.small": lambda: _triton_merge(
-        "_lse_merge_columns_kernel", {"BLOCK_P": 32, "BLOCK_D": 64, "PDL": True}, 1
+        "_lse_merge_columns_kernel", {"BLOCK_P": 32, "BLOCK_R": 1, "BLOCK_D": 64, "PDL": True}, 1
+    ),
+    "triton.merge.columns.rows4": lambda: _triton_merge(
+        "_lse_merge_columns_kernel", {"BLOCK_P": 2, "BLOCK_R": 4, "BLOCK_D": 512, "PDL": True}, 4
     ),
     # Triton GQA paged decode, top-k conversion, union builders, decode row slices
     "triton.gqa_decode": _triton_gqa,

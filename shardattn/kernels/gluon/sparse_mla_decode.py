@@ -27,6 +27,7 @@ __all__ = [
     "gluon_attend",
     "gluon_decode_config",
     "gluon_decode_plan",
+    "gluon_merge_tile",
     "reads_raw_rows",
 ]
 
@@ -46,6 +47,10 @@ KEY_US = 0.04
 MERGE_US = 4.0
 BYTES_PER_US = 3.0e6
 HEAD_BLOCK = 64
+#: Partial values one merge program loads (slices x rows x columns, :func:`gluon_merge_tile`): 4,096
+#: at 4 warps was the fastest of 2,048 / 4,096 / 8,192 at 8 warps, 512 / 256 columns, measured on an
+#: H200 behind the decode kernel at 32-128 heads x 4-64 tokens (docs/DECISIONS.md, D64).
+MERGE_TILE_ELEMS = 4096
 
 
 def gluon_decode_plan(
@@ -105,6 +110,22 @@ def gluon_decode_plan(
         s = 1
     s, chunk = shape(s)
     return {"num_splits": s, "chunk": chunk}
+
+
+def gluon_merge_tile(num_splits: int, v_dim: int = 512) -> tuple[int, int]:
+    """``(block_rows, block_d)`` of the column merge after a sliced launch
+    (:func:`~shardattn.kernels.triton.lse_merge.launch_lse_merge_columns`): a program loads every
+    slice's partials of ``block_rows`` (token, head) rows x ``block_d`` columns at once, about
+    :data:`MERGE_TILE_ELEMS` values (all ``v_dim`` columns of a row while the slices allow).
+
+    Example:
+        >>> [gluon_merge_tile(s) for s in (2, 4, 8, 16, 32)]
+        [(4, 512), (2, 512), (1, 512), (1, 256), (1, 128)]
+    """
+    p = max(2, 1 << (max(num_splits, 1) - 1).bit_length())
+    width = 1 << (max(v_dim, 1) - 1).bit_length()
+    block_d = min(width, max(32, MERGE_TILE_ELEMS // p))
+    return max(1, MERGE_TILE_ELEMS // (p * block_d)), block_d
 
 
 def gluon_decode_config(num_heads: int = 0, v_dim: int = 512, rope_dim: int = 64):

@@ -2,9 +2,9 @@
 
 * :func:`launch_lse_merge`: one program per block of ``(t, h)`` rows, two passes over the ``P``
   LSEs, one over the partial outputs (few wide programs: many rows).
-* :func:`launch_lse_merge_columns`: one program per (row, column block) loading all ``P`` LSEs and
-  its ``[P, block_d]`` slice at once, so the merge costs one memory latency however many splits
-  there are (few rows, many partials: small decode batches).
+* :func:`launch_lse_merge_columns`: one program per (row block, column block) loading all ``P``
+  LSEs and its ``[P, block_rows, block_d]`` slice at once, so the merge costs one memory latency
+  however many splits there are.
 * :func:`split_partials`: the fp32 workspace views a split-KV kernel writes its partials into.
 
 Both kernels read ``+inf`` (FlashMLA's empty row) as empty, like ``-inf``, and with ``pdl=True``
@@ -139,17 +139,19 @@ def launch_lse_merge_columns(
     lse: torch.Tensor,
     *,
     block_d: int = 128,
+    block_rows: int = 1,
     num_warps: int = 4,
     pdl: bool = False,
 ) -> None:
-    """:func:`launch_lse_merge` for few rows and many partials: one program per (row, ``block_d``
-    columns) loads all ``P`` LSEs and its ``[P, block_d]`` slice of the partials in one step (no
-    loop over ``P``), so the merge costs one memory latency however many splits there are.
+    """:func:`launch_lse_merge` for many partials: one program per (``block_rows`` rows, ``block_d``
+    columns) loads all ``P`` LSEs and its ``[P, block_rows, block_d]`` slice of the partials in one
+    step (no loop over ``P``), so the merge costs one memory latency however many splits there are.
 
     Args:
         outs: ``[P, T, H, D]``; lses: ``[P, T, H]`` fp32; out: ``[T, H, D]``; lse: ``[T, H]`` fp32.
         Any strides; validated tensors, no checks, no allocation, no sync.
-        block_d, num_warps: columns and warps of one program (tuning; ``P * block_d`` fp32 live).
+        block_d, block_rows, num_warps: columns, (token, head) rows and warps of one program
+            (tuning; ``P * block_rows * block_d`` fp32 live).
         pdl: a programmatic dependent launch, as in :func:`launch_lse_merge`.
     """
     p, t, h, d = outs.shape
@@ -157,7 +159,7 @@ def launch_lse_merge_columns(
     if n_rows == 0:
         return
     block_d = min(triton.next_power_of_2(d), block_d)
-    grid = (n_rows, triton.cdiv(d, block_d))
+    grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(d, block_d))
     _lse_merge_columns_kernel[grid](
         outs,
         lses,
@@ -166,8 +168,10 @@ def launch_lse_merge_columns(
         p,
         h,
         d,
+        n_rows,
         *_merge_strides(outs, lses, out, lse),
         BLOCK_P=max(2, triton.next_power_of_2(p)),
+        BLOCK_R=block_rows,
         BLOCK_D=block_d,
         PDL=pdl,
         num_warps=num_warps,
@@ -179,18 +183,18 @@ if triton is not None:
 
     @triton.jit
     def merge_partials_tile(li, o):
-        """The merge of ``P`` partials of one (token, head) over a slice of its columns, in registers:
-        ``li [P]`` fp32 LSEs (``-inf`` for a masked-off partial), ``o [P, N]`` partial outputs; returns
-        ``(out [N] fp32, lse)`` (a scalar), the column merge's register tile."""
+        """The merge of ``P`` partials of ``R`` (token, head) rows over a slice of their columns, in
+        registers: ``li [P, R]`` fp32 LSEs (``-inf`` for a masked-off partial), ``o [P, R, N]`` partial
+        outputs; returns ``(out [R, N] fp32, lse [R])``, the column merge's register tile."""
         # +inf (FlashMLA's empty row) is empty, like -inf: the reference's empty_as_neg_inf
         li = tl.where(li == float("inf"), float("-inf"), li)
         m = tl.max(li, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp(li - m_safe)
+        w = tl.exp(li - m_safe[None, :])
         total = tl.sum(w, 0)
         # an empty partial (w = 0) contributes nothing, even if its output holds garbage
-        acc = tl.sum(tl.where(w[:, None] > 0, w[:, None] * o.to(tl.float32), 0.0), 0)
-        res = acc / tl.where(total > 0, total, 1.0)
+        acc = tl.sum(tl.where(w[:, :, None] > 0, w[:, :, None] * o.to(tl.float32), 0.0), 0)
+        res = acc / tl.where(total > 0, total, 1.0)[:, None]
         return res, tl.where(total > 0, m_safe + tl.log(total), float("-inf"))
 
     @triton.jit
@@ -261,6 +265,7 @@ if triton is not None:
         P,
         H,
         D,
+        n_rows,
         stride_op,
         stride_ot,
         stride_oh,
@@ -274,27 +279,34 @@ if triton is not None:
         stride_zt,
         stride_zh,
         BLOCK_P: tl.constexpr,
+        BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """Merge columns ``[pid1 * BLOCK_D, ...)`` of row ``pid0`` of the flattened ``(t, h)`` axis;
-        every partial's LSE and slice are loaded at once (``BLOCK_P >= P``; ``PDL``: after waiting
-        for the grid that wrote them)."""
+        """Merge columns ``[pid1 * BLOCK_D, ...)`` of rows ``[pid0 * BLOCK_R, ...)`` of the flattened
+        ``(t, h)`` axis; every partial's LSEs and slices are loaded at once (``BLOCK_P >= P``;
+        ``PDL``: after waiting for the grid that wrote them)."""
         if PDL:
             gdc_wait()
-        row = tl.program_id(0)
-        t = (row // H).to(tl.int64)
-        h = (row % H).to(tl.int64)
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < n_rows
+        t = (rows // H).to(tl.int64)
+        h = (rows % H).to(tl.int64)
         offs_p = tl.arange(0, BLOCK_P)
         offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        pmask = offs_p < P
-        li = tl.load(Lses + offs_p * stride_lp + t * stride_lt + h * stride_lh, mask=pmask, other=float("-inf"))
-        omask = pmask[:, None] & (offs_d[None, :] < D)
-        o_ptrs = Outs + offs_p[:, None] * stride_op + t * stride_ot + h * stride_oh + offs_d[None, :] * stride_od
-        o = tl.load(o_ptrs, mask=omask, other=0.0)
-        res, lse = merge_partials_tile(li, o)
-        tl.store(
-            Out + t * stride_yt + h * stride_yh + offs_d * stride_yd, res.to(Out.dtype.element_ty), mask=offs_d < D
+        lmask = (offs_p < P)[:, None] & rmask[None, :]
+        lse_ptrs = Lses + offs_p[:, None] * stride_lp + (t * stride_lt + h * stride_lh)[None, :]
+        li = tl.load(lse_ptrs, mask=lmask, other=float("-inf"))
+        dmask = offs_d < D
+        o_ptrs = (
+            Outs
+            + offs_p[:, None, None] * stride_op
+            + (t * stride_ot + h * stride_oh)[None, :, None]
+            + offs_d[None, None, :] * stride_od
         )
+        o = tl.load(o_ptrs, mask=lmask[:, :, None] & dmask[None, None, :], other=0.0)
+        res, lse = merge_partials_tile(li, o)
+        y_ptrs = Out + (t * stride_yt + h * stride_yh)[:, None] + offs_d[None, :] * stride_yd
+        tl.store(y_ptrs, res.to(Out.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
         if tl.program_id(1) == 0:
-            tl.store(Lse + t * stride_zt + h * stride_zh, lse)
+            tl.store(Lse + t * stride_zt + h * stride_zh, lse, mask=rmask)
