@@ -20,7 +20,7 @@ from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.ops.sparse_mla_decode_gluon import sparse_mla_decode_gluon
 from shardattn.plan.decode_routing import (
-    GLUON_DECODE_FP8_MIN_TOKENS,
+    GLUON_DECODE_FP8_MIN_QUERY_ROWS,
     GLUON_DECODE_MIN_HEADS,
     GLUON_DECODE_MIN_QUERY_ROWS,
     route_sparse_decode_kernel,
@@ -45,18 +45,17 @@ def test_routing_sends_many_heads_on_sm90_to_gluon_and_says_why():
     assert route_sparse_decode_kernel(128, device_type="cpu").path == "reference"
     with pytest.raises(ValueError, match="num_heads"):
         route_sparse_decode_kernel(0, sm=90)
-    # small batches are latency bound: Triton below the measured query rows (tokens x heads) and, on
-    # fp8_ds_mla rows, below the measured tokens
-    n = GLUON_DECODE_MIN_QUERY_ROWS
-    assert route_sparse_decode_kernel(128, num_tokens=n // 128, sm=90).path == "gluon"
-    small = route_sparse_decode_kernel(128, num_tokens=n // 128 - 1, sm=90)
-    assert small.path == "triton" and "latency bound" in small.reason
-    assert route_sparse_decode_kernel(64, num_tokens=n // 64, sm=90).path == "gluon"
-    assert route_sparse_decode_kernel(64, num_tokens=n // 64 - 1, sm=90).path == "triton"
-    m = GLUON_DECODE_FP8_MIN_TOKENS
-    assert route_sparse_decode_kernel(128, num_tokens=m, sm=90, kv_fp8=True).path == "gluon"
-    fp8 = route_sparse_decode_kernel(128, num_tokens=m - 1, sm=90, kv_fp8=True)
-    assert fp8.path == "triton" and "fp8_ds_mla" in fp8.reason
+    # small batches are latency bound: Triton below the measured query rows (tokens x heads), a
+    # higher count on fp8_ds_mla rows
+    for least, fp8 in ((GLUON_DECODE_MIN_QUERY_ROWS, False), (GLUON_DECODE_FP8_MIN_QUERY_ROWS, True)):
+        for heads in (32, 64):
+            tokens = -(-least // heads)
+            assert route_sparse_decode_kernel(heads, num_tokens=tokens, sm=90, kv_fp8=fp8).path == "gluon"
+            if tokens > 1:
+                small = route_sparse_decode_kernel(heads, num_tokens=tokens - 1, sm=90, kv_fp8=fp8)
+                assert small.path == "triton" and "latency bound" in small.reason
+                assert ("fp8_ds_mla" in small.reason) == fp8
+    assert GLUON_DECODE_FP8_MIN_QUERY_ROWS > GLUON_DECODE_MIN_QUERY_ROWS
 
 
 def test_registry_and_backend_argument_on_cpu():

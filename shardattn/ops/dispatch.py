@@ -131,7 +131,7 @@ def sparse_decode_kernel(
     ``fp8_ds_mla`` rows) or ``"gluon"`` where the
     routing's measured crossovers (:data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_HEADS` heads
     and :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_QUERY_ROWS` query rows, on ``fp8_ds_mla``
-    rows :data:`~shardattn.plan.decode_routing.GLUON_DECODE_FP8_MIN_TOKENS` tokens) say it pays; else
+    rows :data:`~shardattn.plan.decode_routing.GLUON_DECODE_FP8_MIN_QUERY_ROWS`) say it pays; else
     ``"triton"`` (the split-KV kernel) when Triton runs these tensors; else ``"reference"`` (the
     fp32 torch path).
     """

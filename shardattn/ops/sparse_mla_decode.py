@@ -23,7 +23,8 @@ over more tokens (bf16 / fp16 rows; ``fp8_ds_mla`` rows from
 streaming Gluon kernel (:mod:`~shardattn.kernels.gluon.sparse_mla_decode_stream`:
 persistent programs, a ``cp.async`` ring of blocks per SM, the heads as the ``wgmma`` N); at
 :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_HEADS` heads or more (DSA shapes, bf16/fp16) and
-batches of at least :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_QUERY_ROWS` query rows (tokens x heads),
+batches of at least :data:`~shardattn.plan.decode_routing.GLUON_DECODE_MIN_QUERY_ROWS` query rows (tokens x heads;
+``fp8_ds_mla`` rows: :data:`~shardattn.plan.decode_routing.GLUON_DECODE_FP8_MIN_QUERY_ROWS`),
 the call runs the warp-specialised Gluon kernel instead
 (:mod:`~shardattn.kernels.gluon.sparse_mla_decode`: one program per token x 64 heads over the
 whole row, or over row slices merged by LSE when that leaves SMs idle); same contract, same

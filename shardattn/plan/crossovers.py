@@ -61,11 +61,12 @@ SMEM_SORTED_RATIO = 1
 #: kernel: its tile is 64 heads, fewer pad it (D16).
 GLUON_DECODE_MIN_HEADS = 32
 #: Fewest query rows (``tokens x heads``) at which it does: below, the Triton split-KV kernel is
-#: faster (64 heads x 2 tokens: 25.1 against 28.6 us; x 4: 37.5 against 30.6; D63).
-GLUON_DECODE_MIN_QUERY_ROWS = 256
-#: On ``fp8_ds_mla`` rows, also the fewest tokens (the FP8 producer costs more: 128 heads x 4 tokens
-#: 34.0 against Gluon's 38.4 us; 32 heads x 8: Gluon 35.0 against 47.0; D63).
-GLUON_DECODE_FP8_MIN_TOKENS = 8
+#: as fast (32 heads x 1 token: 15.5 against Gluon's 15.3 us; 64 heads x 1: 19.8 against 17.8; D64).
+GLUON_DECODE_MIN_QUERY_ROWS = 64
+#: The same on ``fp8_ds_mla`` rows, where the FP8 producer costs more (128 query rows: 64 heads x 2
+#: tokens 20.3 against Gluon's 22.4 us, 128 x 1 20.2 against 22.5; 192: 64 x 3 30.6 against 21.5,
+#: 32 x 6 42.6 against 21.2; D64).
+GLUON_DECODE_FP8_MIN_QUERY_ROWS = 192
 #: Most heads at which decode may run the small-batch Gluon kernel (heads as the ``wgmma`` N, 8 or
 #: 16 wide: no padding to a 64-row tile; D28).
 SMALL_DECODE_MAX_HEADS = 16
@@ -109,7 +110,7 @@ __all__ = [
     "CHUNK_WORK",
     "COLUMN_MERGE_MAX_ROWS",
     "DEFAULT_MIN_TOKENS",
-    "GLUON_DECODE_FP8_MIN_TOKENS",
+    "GLUON_DECODE_FP8_MIN_QUERY_ROWS",
     "GLUON_DECODE_MIN_HEADS",
     "GLUON_DECODE_MIN_QUERY_ROWS",
     "GLUON_GROUPED_MAX_HEADS",

@@ -22,7 +22,7 @@ import torch
 from shardattn._checks import check_bool, check_int
 from shardattn.plan.crossovers import (
     COLUMN_MERGE_MAX_ROWS,
-    GLUON_DECODE_FP8_MIN_TOKENS,
+    GLUON_DECODE_FP8_MIN_QUERY_ROWS,
     GLUON_DECODE_MIN_HEADS,
     GLUON_DECODE_MIN_QUERY_ROWS,
     SMALL_DECODE_64_MAX_SM_FRACTION,
@@ -40,7 +40,7 @@ from shardattn.plan.spec import ModelSpec
 __all__ = [
     "DECODE_MERGES",
     "DECODE_PATHS",
-    "GLUON_DECODE_FP8_MIN_TOKENS",
+    "GLUON_DECODE_FP8_MIN_QUERY_ROWS",
     "GLUON_DECODE_MIN_HEADS",
     "GLUON_DECODE_MIN_QUERY_ROWS",
     "SMALL_DECODE_MAX_HEADS",
@@ -130,7 +130,7 @@ def route_sparse_decode_kernel(
     gluon_missing: str | None = None,
     gluon_min_heads: int = GLUON_DECODE_MIN_HEADS,
     gluon_min_query_rows: int = GLUON_DECODE_MIN_QUERY_ROWS,
-    gluon_fp8_min_tokens: int = GLUON_DECODE_FP8_MIN_TOKENS,
+    gluon_fp8_min_query_rows: int = GLUON_DECODE_FP8_MIN_QUERY_ROWS,
     small_missing: str | None = "not asked",
     small_max_heads: int = SMALL_DECODE_MAX_HEADS,
     small_max_tokens: int = SMALL_DECODE_MAX_TOKENS,
@@ -151,7 +151,7 @@ def route_sparse_decode_kernel(
         gluon_missing: why the Gluon kernel cannot run these tensors (None = it can).
         gluon_min_heads: fewest heads at which the Gluon decode beats Triton (measured).
         gluon_min_query_rows: fewest ``tokens x heads`` at which it does (measured).
-        gluon_fp8_min_tokens: on ``fp8_ds_mla`` rows (``kv_fp8``), also the fewest tokens (measured).
+        gluon_fp8_min_query_rows: the same on ``fp8_ds_mla`` rows (``kv_fp8``; measured).
         small_missing: why the Gluon small-batch kernel cannot run these tensors (None = it can;
             the default keeps it out, for callers that do not ask).
         small_max_heads / small_max_tokens: the largest call it takes (measured crossovers).
@@ -173,8 +173,8 @@ def route_sparse_decode_kernel(
     >>> [route_sparse_decode_kernel(16, num_tokens=32, topk=256, sm=90, stream_missing=None, kv_fp8=f).path
     ...  for f in (False, True)]  # 0.97 blocks of 64 entries per SM
     ['gluon_stream', 'triton']
-    >>> route_sparse_decode_kernel(128, num_tokens=1, sm=90).path
-    'triton'
+    >>> [route_sparse_decode_kernel(h, num_tokens=1, sm=90).path for h in (32, 64)]
+    ['triton', 'gluon']
     >>> route_sparse_decode_kernel(128, device_type="cpu").path
     'reference'
     """
@@ -182,7 +182,7 @@ def route_sparse_decode_kernel(
     t = None if num_tokens is None else check_int("num_tokens", num_tokens, minimum=0)
     check_int("gluon_min_heads", gluon_min_heads, minimum=1)
     check_int("gluon_min_query_rows", gluon_min_query_rows, minimum=0)
-    check_int("gluon_fp8_min_tokens", gluon_fp8_min_tokens, minimum=0)
+    check_int("gluon_fp8_min_query_rows", gluon_fp8_min_query_rows, minimum=0)
     sm_v = sm_of(sm)
     dev = device_type_of(device_type)
     if dev != "cuda":
@@ -216,16 +216,11 @@ def route_sparse_decode_kernel(
     if h < gluon_min_heads:
         why = f"{h} heads < {gluon_min_heads}: the Triton split-KV decode kernel is faster there (measured)"
         return Route("triton", 1, why)
-    if t is not None and t * h < gluon_min_query_rows:
+    least = gluon_fp8_min_query_rows if kv_fp8 else gluon_min_query_rows
+    if t is not None and t * h < least:
         why = (
-            f"{t} tokens x {h} heads < {gluon_min_query_rows} query rows: latency bound, the Triton split-KV "
-            "decode kernel is faster there (measured)"
-        )
-        return Route("triton", 1, why)
-    if t is not None and kv_fp8 and t < gluon_fp8_min_tokens:
-        why = (
-            f"{t} tokens < {gluon_fp8_min_tokens} on fp8_ds_mla rows: the Triton split-KV decode kernel is faster "
-            "there (measured)"
+            f"{t} tokens x {h} heads < {least} query rows ({'fp8_ds_mla' if kv_fp8 else 'bf16 / fp16'} rows): "
+            "latency bound, the Triton split-KV decode kernel is as fast or faster there (measured)"
         )
         return Route("triton", 1, why)
     why = f"SM90, {h} heads >= {gluon_min_heads}: Gluon warp-specialised kernel (row slices merged by LSE)"
