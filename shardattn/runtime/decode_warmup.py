@@ -84,8 +84,9 @@ def warm_up_decode(
     routed call also runs at the sizes where the small kernel's tile or heads a program change
     (:func:`small_kernel_sizes`), the Triton kernel is also run
     at every size (the variants a smaller batch than ``max_decode_tokens`` may need) and, where
-    ``max_decode_tokens`` reaches Gluon, that path once unsplit and once with two row slices (its two
-    kernel variants, written to ``out`` or to fp32 partials, and the merge); where it reaches the
+    ``max_decode_tokens`` reaches Gluon, that path unsplit and at every :data:`COLUMN_MERGE_WARMUP_SPLITS`
+    row slices (its two kernel variants, written to ``out`` or to fp32 partials, and the merge's
+    variant for each power of 2 of the slices); where it reaches the
     streaming Gluon kernel, that kernel unsplit and at every :data:`COLUMN_MERGE_WARMUP_SPLITS` slices
     (the merge's variant for each power of 2 of the slices a smaller batch's plan may take); at one
     token the Triton path at every :data:`COLUMN_MERGE_WARMUP_SPLITS` (the column merge's variants).
@@ -141,7 +142,9 @@ def warm_up_decode(
                         rows_unique=unique,
                     )  # fmt: skip
                     launches += 1
-                for splits in (1, 2) if gluon else ():  # unsplit (unique rows: read in place) and sliced
+                # unsplit (unique rows: read in place) and sliced: the kernel is not specialised on the
+                # slices, its merge compiles one variant per power of 2 of them (gluon_merge_tile)
+                for splits in (1, *COLUMN_MERGE_WARMUP_SPLITS) if gluon else ():
                     run_sparse_mla_decode(
                         q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel="gluon", num_splits=splits,
                         rows_unique=unique,
