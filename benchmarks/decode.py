@@ -124,9 +124,20 @@ def bench_sparse(env: dict, cases, topk: int, benchmark: str, cache_rows: int = 
 
 def _same_launch(heads: int, batch: int, topk: int) -> bool:
     """Whether routed decode launches the same kernel with the same tiles on FP8 rows as on bf16 ones
-    (the small-batch kernel takes 64-entry splits at more tokens on FP8 rows, D59)."""
-    from shardattn.plan.decode_routing import SMALL_DECODE_MAX_HEADS, SMALL_DECODE_MAX_TOKENS, small_decode_tiles
+    (the Gluon kernel takes FP8 calls from more query rows, D64; the small-batch kernel takes 64-entry
+    splits at more tokens on FP8 rows, D59)."""
+    from shardattn.plan.decode_routing import (
+        GLUON_DECODE_FP8_MIN_QUERY_ROWS,
+        GLUON_DECODE_MIN_HEADS,
+        GLUON_DECODE_MIN_QUERY_ROWS,
+        SMALL_DECODE_MAX_HEADS,
+        SMALL_DECODE_MAX_TOKENS,
+        small_decode_tiles,
+    )
 
+    if heads >= GLUON_DECODE_MIN_HEADS:
+        rows = heads * batch
+        return (rows >= GLUON_DECODE_MIN_QUERY_ROWS) == (rows >= GLUON_DECODE_FP8_MIN_QUERY_ROWS)
     if heads > SMALL_DECODE_MAX_HEADS or batch > SMALL_DECODE_MAX_TOKENS:
         return True
     sms = torch.cuda.get_device_properties(0).multi_processor_count
