@@ -425,9 +425,9 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
     for kernel in ("gluon", "gluon_stream"):
         ran = {c for c in calls if c[1] == kernel}
         # unsplit and sliced, on a union and on unique rows (gluon unsplit: read in place, the raw-row
-        # kernel variant; gluon_stream: written to out, and to partials with the merge at every power
-        # of 2 of the slices a smaller batch's plan may take)
-        slices = (1, *dw.COLUMN_MERGE_WARMUP_SPLITS) if kernel == "gluon_stream" else (1, 2)
+        # kernel variant): written to out, and to partials with the merge at every power of 2 of the
+        # slices a smaller batch's plan may take
+        slices = (1, *dw.COLUMN_MERGE_WARMUP_SPLITS)
         want = {(40, kernel, s, u) for s in slices for u in (False, True)}
         assert ran == (want if routed == kernel else set())
 
