@@ -26,6 +26,12 @@ close, the step is bound by its own instructions, not by HBM.
 the streaming kernel's crossover before D58), timed beside the routed step (records ``step us,
 against Triton split-KV``: the routed step, baseline the Triton step; ratio = Triton / routed).
 
+``--peer-lib LIB`` (a FlashMLA FP8 decode built by ``benchmarks/peer/build_flashmla_peer.sh ...
+fp8_decode``): on ``fp8_ds_mla`` rows, also FlashMLA's FP8 sparse decode on the same rows and
+cache (scheduler metadata once, as in ``decode_fp8_peer.py``), checked against the same reference
+and timed against the same floor (records ``FlashMLA FP8 decode us``: the peer's step, baseline
+the floor; ratio = floor / FlashMLA): whether the floor is within reach of a dequantising kernel.
+
 ``--sweep``: below :data:`~shardattn.plan.crossovers.GLUON_DECODE_MIN_HEADS` heads, also the Triton
 split-KV kernel under each of :data:`SWEEP`'s launch configurations times 1, 2 and 4 times its
 split count, the small-batch Gluon kernel forced and the streaming Gluon kernel at its planned
@@ -71,6 +77,12 @@ def floor_us(words: torch.Tensor, rows: torch.Tensor) -> float:
 
 def bench(args: argparse.Namespace, env: dict) -> list[dict]:
     caches = build_caches(args.cache_rows, args.kv_dtype)
+    peer = None
+    if args.peer_lib is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))
+        from flashmla_fp8_decode import FlashMLAFp8Decode  # beside its .cu in peer/
+
+        peer = FlashMLAFp8Decode(args.peer_lib)
     g = torch.Generator(device="cuda").manual_seed(1)
     out = []
     for fmt, cache in caches.items():
@@ -108,6 +120,17 @@ def bench(args: argparse.Namespace, env: dict) -> list[dict]:
                         vs = ("Triton split-KV step, same run", tri)
                         out.append(record("decode-read-floor", config, "step us, against Triton split-KV", dec, "us",
                                           "lower", vs, env))  # fmt: skip
+                    if peer is not None and fmt == "fp8_ds_mla":
+                        call = peer.prepare(q, cache, rows, SCALE)
+                        call.run()
+                        p_out, _ = call.result()
+                        p_err = float((p_out.float() - ref).abs().max())
+                        if not p_err <= 2e-2:
+                            raise RuntimeError(f"FlashMLA {heads} heads x {batch}: max |out - ref| = {p_err:.3g}")
+                        p_us = replay_us(call.run)
+                        print(f"  FlashMLA FP8 decode: {p_us:.1f} us ({p_us / flo:.2f}x the floor)", flush=True)
+                        out.append(record("decode-read-floor", config, "FlashMLA FP8 decode us", p_us, "us", "lower",
+                                          base, env))  # fmt: skip
                     if args.sweep:
                         name, us = sweep(q, cache, rows, ref, o, s)
                         print(f"  best swept: {name} {us:.1f} us, {us / flo:.2f}x the floor", flush=True)
@@ -214,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reads", action="store_true", help="also the step with every entry invalid (docstring)")
     p.add_argument("--triton", action="store_true", help="also the Triton split-KV kernel (docstring)")
     p.add_argument("--sweep", action="store_true", help="also the Triton kernel's launch configurations (docstring)")
+    p.add_argument("--peer-lib", default=None, help="FlashMLA FP8 decode library, on fp8_ds_mla rows (docstring)")
     add_json_argument(p)
     return p
 
