@@ -108,12 +108,15 @@ def test_triton_kernel_matches_reference_under_interpreter(dtype_name):
 
 def interpreted_column_cases(dtype_name: str) -> None:
     """The column merge: partial counts that are and are not powers of 2, a column block that
-    does not divide D, row blocks of 1 or more rows (the last one short: 5 or 7 rows in blocks of
-    2 / 4), +inf (FlashMLA's empty marker), NaN garbage in empty partials."""
+    does not divide D, row blocks of 1 or more rows (the last one short: 5, 7 or 15 rows in blocks
+    of 2 / 4; the Gluon decode's tile at 3 slices), +inf (FlashMLA's empty marker), NaN garbage in empty partials."""
     dtype = getattr(torch, dtype_name)
     atol = 2e-3 if dtype == torch.float16 else 1e-5
     cases = [(1, 2, 3, 16, 16, 1), (3, 2, 3, 40, 16, 1), (8, 3, 2, 64, 32, 1), (5, 1, 4, 24, 128, 1)]
     cases += [(2, 1, 5, 32, 32, 2), (3, 7, 1, 40, 16, 4)]
+    from shardattn.kernels.gluon.sparse_mla_decode import gluon_merge_tile
+
+    cases += [(3, 3, 5, 512, *gluon_merge_tile(3, 512)[::-1])]  # the Gluon decode's tile: 2 rows x 512
     for p, t, h, d, block_d, block_rows in cases:
         outs, lses = make_partials(p, t, h, d, dtype, seed=p + d)
         ref_out, ref_lse = loop_merge(outs, lses)
@@ -130,7 +133,7 @@ def interpreted_column_cases(dtype_name: str) -> None:
 @pytest.mark.parametrize("dtype_name", ["float16", "float32"])
 def test_column_merge_matches_reference_under_interpreter(dtype_name):
     pytest.importorskip("triton", reason="the Triton kernel needs triton")
-    assert run_interpreted(__name__, "interpreted_column_cases", dtype_name).count("ok ") == 6
+    assert run_interpreted(__name__, "interpreted_column_cases", dtype_name).count("ok ") == 7
 
 
 def interpreted_split_and_merge_cases() -> None:
