@@ -60,8 +60,9 @@ SMEM_SORTED_RATIO = 1
 #: Fewest heads at which decode runs the Gluon kernel (sm_90) instead of the Triton split-KV
 #: kernel: its tile is 64 heads, fewer pad it (D16).
 GLUON_DECODE_MIN_HEADS = 32
-#: Fewest query rows (``tokens x heads``) at which it does: below, the Triton split-KV kernel is
-#: as fast (32 heads x 1 token: 15.5 against Gluon's 15.3 us; 64 heads x 1: 19.8 against 17.8; D64).
+#: Fewest query rows (``tokens x heads``) at which it does: below, the Triton split-KV kernel is as
+#: fast (32 heads x 1 token: 15.5 against Gluon's 15.3 us); from there Gluon is faster (64 heads x 1:
+#: 17.8 against 19.8; 32 x 4: 17.3 against 20.4; D64).
 GLUON_DECODE_MIN_QUERY_ROWS = 64
 #: The same on ``fp8_ds_mla`` rows, where the FP8 producer costs more (128 query rows: 64 heads x 2
 #: tokens 20.3 against Gluon's 22.4 us, 128 x 1 20.2 against 22.5; 192: 64 x 3 30.6 against 21.5,
