@@ -52,6 +52,7 @@ from graph_timing import replay_us
 from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.kernels import flashinfer_xqa
+from shardattn.ops.dispatch import sparse_decode_kernel
 from shardattn.ops.gqa_decode import gqa_paged_decode
 from shardattn.ops.gqa_decode_reference import gqa_paged_decode_reference
 from shardattn.ops.lse_merge import lse_merge
@@ -122,25 +123,19 @@ def bench_sparse(env: dict, cases, topk: int, benchmark: str, cache_rows: int = 
     return out
 
 
-def _same_launch(heads: int, batch: int, topk: int) -> bool:
-    """Whether routed decode launches the same kernel with the same tiles on FP8 rows as on bf16 ones
-    (the Gluon kernel takes FP8 calls from more query rows, D64; the small-batch kernel takes 64-entry
-    splits at more tokens on FP8 rows, D59)."""
-    from shardattn.plan.decode_routing import (
-        GLUON_DECODE_FP8_MIN_QUERY_ROWS,
-        GLUON_DECODE_MIN_HEADS,
-        GLUON_DECODE_MIN_QUERY_ROWS,
-        SMALL_DECODE_MAX_HEADS,
-        SMALL_DECODE_MAX_TOKENS,
-        small_decode_tiles,
-    )
+def _same_launch(q: torch.Tensor, kv: torch.Tensor, kv8: torch.Tensor, rows: torch.Tensor, topk: int) -> bool:
+    """Whether routed decode launches the same kernel with the same tiles on the FP8 rows ``kv8`` as
+    on their bf16 values ``kv`` (the routing's crossovers differ by format, D58 / D64; the
+    small-batch kernel takes 64-entry splits at more tokens on FP8 rows, D59)."""
+    from shardattn.plan.decode_routing import small_decode_tiles
 
-    if heads >= GLUON_DECODE_MIN_HEADS:
-        rows = heads * batch
-        return (rows >= GLUON_DECODE_MIN_QUERY_ROWS) == (rows >= GLUON_DECODE_FP8_MIN_QUERY_ROWS)
-    if heads > SMALL_DECODE_MAX_HEADS or batch > SMALL_DECODE_MAX_TOKENS:
+    path = sparse_decode_kernel(q, kv, 512, rows)[0]
+    if sparse_decode_kernel(q, kv8, 512, rows)[0] != path:
+        return False
+    if path != "gluon_small":
         return True
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = q.shape[0]
     return small_decode_tiles(batch, topk, sms) == small_decode_tiles(batch, topk, sms, kv_fp8=True)
 
 
@@ -167,7 +162,7 @@ def bench_fp8(env: dict, cases, topk: int, cache_rows: int = KV_ROWS) -> list[di
             res[name] = (o.clone(), s.clone())
             us[name] = graph_ms(fn) * 1e3
         same = torch.equal(res["fp8"][0], res["bf16"][0]) and torch.equal(res["fp8"][1], res["bf16"][1])
-        if not same and _same_launch(heads, batch, topk):
+        if not same and _same_launch(q, kv, kv8, rows, topk):
             raise RuntimeError(f"{heads} heads x {batch}: FP8 decode differs from bf16 decode on the same values")
         config = _config(heads, batch, topk, cache_rows)
         base = ("routed bf16 decode on the dequantised rows, same run", us["bf16"])
