@@ -35,9 +35,10 @@ the floor; ratio = floor / FlashMLA): whether the floor is within reach of a deq
 ``--sweep``: below :data:`~shardattn.plan.crossovers.GLUON_DECODE_MIN_HEADS` heads, also the Triton
 split-KV kernel under each of :data:`SWEEP`'s launch configurations times 1, 2 and 4 times its
 split count, the small-batch Gluon kernel forced and the streaming Gluon kernel at its planned
-and at 1, 2 and 4 slices (each where it takes the shape); at more heads, the Gluon kernel at 1, 2, 4 and 8
-slices of each row (its wave model picks one); printed per configuration, with a record ``best
-swept us`` of the fastest (its configuration named) against the same floor.
+and at 1, 2 and 4 slices (each where it takes the shape); at more heads, the Gluon kernel at 1, 2, 4, 8,
+16 and 32 slices of each row, slices of 64 rows or more (the slice count its wave model picks is
+printed); printed per configuration, with a record ``best swept us`` of the fastest (its
+configuration named) against the same floor.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from graph_timing import replay_us
 from read_floor import CONFIGS, read_rows, row_words
 from records import add_json_argument, environment, print_table, record, write_json
 
+from shardattn.kernels.gluon.sparse_mla_decode import gluon_decode_plan
 from shardattn.kernels.triton.sparse_mla_decode import run_split_decode
 from shardattn.kernels.triton.sparse_mla_decode_config import sparse_mla_decode_config
 from shardattn.ops.sparse_mla import sparse_mla_reference
@@ -183,7 +185,9 @@ def sweep(
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     runs = {}
     if h >= GLUON_DECODE_MIN_HEADS:
-        for slices in (1, 2, 4, 8):
+        planned = gluon_decode_plan(t, h, rows.shape[1], sms, kv_fp8=cache.dtype == torch.uint8)["num_splits"]
+        print(f"  the slice plan picks {planned} slices", flush=True)
+        for slices in (n for n in (1, 2, 4, 8, 16, 32) if n == 1 or n * 64 <= rows.shape[1]):
             runs[f"gluon {slices} slices"] = lambda slices=slices: sparse_mla_decode_gluon(
                 q, cache, rows, scale=SCALE, v_dim=512, out=o, lse_out=s, num_sms=sms, num_splits=slices,
                 rows_unique=True,

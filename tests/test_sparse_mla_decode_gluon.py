@@ -12,7 +12,13 @@ import math
 import pytest
 import torch
 
-from shardattn.kernels.gluon.sparse_mla_decode import SPLIT_ROWS, gluon_decode_config, gluon_decode_plan, reads_raw_rows
+from shardattn.kernels.gluon.sparse_mla_decode import (
+    MAX_SPLITS,
+    SPLIT_ROWS,
+    gluon_decode_config,
+    gluon_decode_plan,
+    reads_raw_rows,
+)
 from shardattn.kernels.triton.lse_merge import split_partials_numel
 from shardattn.kernels.triton.pack_rows import pack_rows, pack_rows_reference
 from shardattn.ops.dispatch import sparse_decode_kernel
@@ -90,6 +96,19 @@ def test_plan_covers_the_row_and_fills_the_machine(heads):
     assert split_partials_numel(capped["num_splits"], 8, heads, 512) <= cap and capped["num_splits"] > 1
     assert gluon_decode_plan(8, heads, 2048, 132, max_partial_elems=0)["num_splits"] == 1
     assert gluon_decode_plan(3, heads, 0, 132)["num_splits"] == 1
+
+
+@pytest.mark.parametrize("heads", [32, 64, 128])
+def test_plan_slices_fp8_rows_at_least_as_finely(heads):
+    # an fp8_ds_mla key costs the program twice a bf16 one: never fewer slices, never past the cap
+    plans = {}
+    for topk in (256, 512, 2048):
+        for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            bf16, fp8 = (gluon_decode_plan(tokens, heads, topk, 132, kv_fp8=f)["num_splits"] for f in (False, True))
+            assert bf16 <= fp8 <= MAX_SPLITS
+            plans[tokens, topk] = (bf16, fp8)
+    assert plans[8, 2048] == {32: (16, 16), 64: (8, 16), 128: (8, 8)}[heads]  # 64 x 8: 16 measured faster
+    assert plans[1, 2048] == (MAX_SPLITS, MAX_SPLITS)
 
 
 def test_decode_takes_one_configuration_whose_slices_are_whole_blocks():

@@ -85,7 +85,9 @@ def sparse_mla_decode_gluon(
     if deduped:
         src, src_len = build_union(rows, group_size=1, num_kv_rows=r, topk_length=topk_length)
     limit = None if workspace is None else workspace.numel()
-    plan = gluon_decode_plan(t, h, k, num_sms, num_splits, v_dim=v_dim, max_partial_elems=limit)
+    plan = gluon_decode_plan(
+        t, h, k, num_sms, num_splits, v_dim=v_dim, max_partial_elems=limit, kv_fp8=kv.dtype == torch.uint8
+    )
     s, chunk = plan["num_splits"], plan["chunk"]
     width = k if s == 1 else s * chunk
     # a union is valid rows packed at the front (the kernel masks past lens); raw rows are masked

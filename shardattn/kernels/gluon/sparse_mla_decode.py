@@ -7,7 +7,7 @@ is cut into ``S`` slices run as pseudo-queries and merged by LSE
 (:mod:`shardattn.ops.sparse_mla_decode_gluon` runs that path).
 
 The split count (:func:`gluon_decode_plan`) minimises a wave model of the kernel: a program costs
-``CTA_OVERHEAD_US + chunk * KEY_US`` (one program per SM: the kernel uses 225 KB of shared memory),
+``CTA_OVERHEAD_US + chunk * KEY_US[kv_fp8]`` (one program per SM: the kernel uses 225 KB of shared memory),
 and splitting adds the merge and the partial bytes (the slices are read in place: no copy of q or
 of the rows). Everything depends on shapes only (no host
 sync), so a launch is CUDA-graph capturable.
@@ -35,13 +35,14 @@ __all__ = [
 #: and masks the second past ``lens``, so a slice of an odd number of blocks costs one half-empty
 #: pair, nothing more).
 SPLIT_ROWS = 64
-#: Most slices per top-k row.
-MAX_SPLITS = 32
+#: Most slices per top-k row the model picks: 32 was never the fastest (1.09x the time of 16 at
+#: 32-64 heads x 1-2 tokens, top-k 2,048; docs/DECISIONS.md, D65).
+MAX_SPLITS = 16
 #: One program's fixed cost (Q load, ring fill, epilogue), us (estimate).
 CTA_OVERHEAD_US = 3.0
-#: One program's time per key row at 64 heads, us (the prefill kernel's rate on an H200,
-#: docs/PERFORMANCE.md).
-KEY_US = 0.04
+#: One program's time per key row at 64 heads, us, by whether the rows are ``fp8_ds_mla`` (the
+#: producer dequantises them: one program over 2,048 rows took 1.9x the bf16 time on an H200, D65).
+KEY_US = {False: 0.04, True: 0.08}
 #: The merge kernel's launch and fixed cost, us (estimate), and the bytes per us the partials
 #: (written by the kernel, read by the merge) move.
 MERGE_US = 4.0
@@ -62,6 +63,7 @@ def gluon_decode_plan(
     *,
     v_dim: int = 512,
     max_partial_elems: int | None = None,
+    kv_fp8: bool = False,
 ) -> dict[str, int]:
     """Slices per top-k row and rows per slice of a Gluon decode launch (host-side, shapes only).
 
@@ -71,6 +73,7 @@ def gluon_decode_plan(
         num_splits: slices asked for (rounded to ``SPLIT_ROWS``-row slices); None = the wave model.
         max_partial_elems: fp32 elements a caller's workspace holds; fewer slices are used when
             the model's choice would not fit (None = no limit).
+        kv_fp8: the rows are ``fp8_ds_mla`` (a key costs twice: more slices pay off sooner).
     Returns:
         ``{"num_splits": S, "chunk": rows per slice}`` with ``S * chunk >= topk``.
 
@@ -94,7 +97,7 @@ def gluon_decode_plan(
         def cost(s: int) -> float:
             waves = -(-num_tokens * hb * s // num_sms)
             chunk = shape(s)[1]
-            t = waves * (CTA_OVERHEAD_US + chunk * KEY_US)
+            t = waves * (CTA_OVERHEAD_US + chunk * KEY_US[kv_fp8])
             if s > 1:
                 part = split_partials_numel(s, num_tokens, num_heads, v_dim) * 4 * 2
                 t += MERGE_US + part / BYTES_PER_US
