@@ -64,10 +64,11 @@ GLUON_DECODE_MIN_HEADS = 32
 #: fast (32 heads x 1 token: 15.5 against Gluon's 15.3 us); from there Gluon is faster (64 heads x 1:
 #: 17.8 against 19.8; 32 x 4: 17.3 against 20.4; D64).
 GLUON_DECODE_MIN_QUERY_ROWS = 64
-#: The same on ``fp8_ds_mla`` rows, where the FP8 producer costs more (128 query rows: 64 heads x 2
-#: tokens 20.3 against Gluon's 22.4 us, 128 x 1 20.2 against 22.5; 192: 64 x 3 30.6 against 21.5,
-#: 32 x 6 42.6 against 21.2; D64).
-GLUON_DECODE_FP8_MIN_QUERY_ROWS = 192
+#: The same on ``fp8_ds_mla`` rows, where the FP8 producer costs more. At 128 query rows the Triton
+#: kernel is faster (64 heads x 2 tokens 20.5 against Gluon's 22.3 us, 128 x 1 20.4 against 22.5,
+#: 32 x 4 19.6 against 21.4); from 160 Gluon is (32 x 5 41.8 against 20.8; 64 x 3 30.7 against 21.4;
+#: D64, D65).
+GLUON_DECODE_FP8_MIN_QUERY_ROWS = 160
 #: Most heads at which decode may run the small-batch Gluon kernel (heads as the ``wgmma`` N, 8 or
 #: 16 wide: no padding to a 64-row tile; D28).
 SMALL_DECODE_MAX_HEADS = 16
