@@ -126,16 +126,21 @@ def bench_sparse(env: dict, cases, topk: int, benchmark: str, cache_rows: int = 
 def _same_launch(q: torch.Tensor, kv: torch.Tensor, kv8: torch.Tensor, rows: torch.Tensor, topk: int) -> bool:
     """Whether routed decode launches the same kernel with the same tiles on the FP8 rows ``kv8`` as
     on their bf16 values ``kv`` (the routing's crossovers differ by format, D58 / D64; the
-    small-batch kernel takes 64-entry splits at more tokens on FP8 rows, D59)."""
+    small-batch kernel takes 64-entry splits at more tokens on FP8 rows, D59; the Gluon kernel
+    may cut FP8 rows into more slices, D65)."""
+    from shardattn.kernels.gluon.sparse_mla_decode import gluon_decode_plan
     from shardattn.plan.decode_routing import small_decode_tiles
 
     path = sparse_decode_kernel(q, kv, 512, rows)[0]
     if sparse_decode_kernel(q, kv8, 512, rows)[0] != path:
         return False
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch, heads = q.shape[0], q.shape[1]
+    if path == "gluon":
+        plans = (gluon_decode_plan(batch, heads, topk, sms, kv_fp8=f) for f in (False, True))
+        return next(plans) == next(plans)
     if path != "gluon_small":
         return True
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    batch = q.shape[0]
     return small_decode_tiles(batch, topk, sms) == small_decode_tiles(batch, topk, sms, kv_fp8=True)
 
 

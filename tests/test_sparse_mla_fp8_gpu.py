@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shardattn.kernels.gluon.sparse_mla import gluon_unavailable_reason
+from shardattn.kernels.gluon.sparse_mla_decode import gluon_decode_plan
 from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 from shardattn.ops.sparse_mla import sparse_mla_attention
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
@@ -92,6 +93,16 @@ def _small_at_fp8_tiles(q, kv, rows, topk_length=None, sinks=None) -> tuple:
     return out, lse
 
 
+def _gluon_at_fp8_slices(q, kv, rows, **kw) -> tuple:
+    """The Gluon decode on bf16 / fp16 rows ``kv`` cut into the slices it takes on ``fp8_ds_mla``
+    rows (:func:`~shardattn.kernels.gluon.sparse_mla_decode.gluon_decode_plan` prices an FP8 key
+    higher, so it may cut them finer), with its merge."""
+    t, h, _ = q.shape
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = gluon_decode_plan(t, h, rows.shape[1], sms, kv_fp8=True)["num_splits"]
+    return run_sparse_mla_decode(q, kv, rows, scale=0.06, rows_unique=True, kernel="gluon", num_splits=splits, **kw)
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize(
@@ -101,6 +112,7 @@ def _small_at_fp8_tiles(q, kv, rows, topk_length=None, sinks=None) -> tuple:
         ("gluon_small", 8, 8, 1000), ("gluon_small", 2, 12, 2048), ("gluon_small", 5, 16, 64),
         ("triton", 1, 16, 2048), ("triton", 64, 16, 2048), ("triton", 8, 32, 2048), ("triton", 8, 128, 2048),
         ("gluon", 64, 64, 2048), ("gluon", 16, 128, 2048), ("gluon", 200, 128, 2048), ("gluon", 3, 128, 300),
+        ("gluon", 16, 128, 512),  # FP8 rows: 4 slices, bf16: 2
     ],
 )  # fmt: skip
 def test_fp8_decode_equals_bf16_decode_on_dequantised_rows(backend, tokens, heads, k):
@@ -108,11 +120,12 @@ def test_fp8_decode_equals_bf16_decode_on_dequantised_rows(backend, tokens, head
     deq = dequantize_kv(cache)
 
     def bf16(**kw):  # the bf16 kernel at the FP8 launch's configuration (Triton: 8 warps, the same splits;
-        # the small-batch kernel: the FP8 rows' tiles, which take 64-entry splits at more tokens)
+        # the small-batch kernel: the FP8 rows' tiles, which take 64-entry splits at more tokens; Gluon:
+        # the FP8 rows' slices)
         if backend == "gluon_small":
             return _small_at_fp8_tiles(q, deq, rows, **kw)
-        if backend != "triton":
-            return sparse_mla_decode(q, deq, rows, scale=0.06, backend=backend, rows_unique=True, **kw)
+        if backend == "gluon":
+            return _gluon_at_fp8_slices(q, deq, rows, **kw)
         return run_sparse_mla_decode(q, deq, rows, scale=0.06, rows_unique=True, config={"num_warps": 8}, **kw)
 
     for kw in ({}, {"topk_length": length, "sinks": sinks}):
@@ -184,8 +197,8 @@ def test_gluon_fp8_reads_every_code_at_extreme_scales(monkeypatch, op, tokens, h
     rows = torch.cat([every, drawn], dim=1).int()
     q = (torch.randn(tokens, heads, 576, device="cuda", generator=g) * 1e-6).bfloat16()
     if op == "decode":
-        kw = {"scale": 0.06, "backend": "gluon", "rows_unique": True}
-        fp8, ref = (sparse_mla_decode(q, kv, rows, **kw) for kv in (cache, deq))
+        fp8 = sparse_mla_decode(q, cache, rows, scale=0.06, backend="gluon", rows_unique=True)
+        ref = _gluon_at_fp8_slices(q, deq, rows)
     else:
         staged = _staging(monkeypatch, "packed" if op == "prefill_staged" else "in_kernel")
         fp8, ref = (sparse_mla_attention(q, kv, rows, scale=0.06) for kv in (cache, deq))
