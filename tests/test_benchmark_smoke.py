@@ -74,6 +74,8 @@ def test_gpu_only_benchmarks_refuse_to_run_without_their_gpus(capsys: pytest.Cap
         assert "needs a CUDA GPU" in capsys.readouterr().err
         assert _module("decode_floor").main([]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+        assert _module("profile_decode").main(["--heads", "64"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_sparse_prefill_cpu_run_writes_its_records(tmp_path: Path) -> None:
