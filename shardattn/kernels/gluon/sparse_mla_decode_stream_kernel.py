@@ -80,10 +80,11 @@ if HAS_GLUON:
     @gluon.jit
     def _block_ids(c, n_blocks, pid, n_prog, S, NB, T, Rows, TopkLen, stride_rt, stride_rk, K, R,
                    HAS_TOPK_LEN: gl.constexpr):  # fmt: skip
-        """The program's block ``c``'s 64 entries ``[64]`` int32: the row, or -1 where the entry is no
-        key (past the top-k, ``K`` or ``topk_length``; outside ``[0, R)``; ``c`` past the program's
-        last block). Loaded an iteration before their block is issued, so the load's latency hides
-        behind that iteration's work."""
+        """The program's block ``c``'s 64 entries ``[64]`` int32 as loaded: the caller's entry, or -1
+        past the top-k, ``K`` or ``topk_length`` or with ``c`` past the program's last block (an entry
+        outside ``[0, R)`` is masked where :func:`_issue` stores them). Loaded an iteration before
+        their block is issued and not read until then, so the load's latency hides behind that
+        iteration's work (a mask applied here waits for the load at once)."""
         _i, b, t, s = _tile_of(c, pid, n_prog, S, NB)
         t = gl.minimum(t, T - 1)
         pos = s * (NB * 64) + b * 64 + gl.arange(0, 64, layout=_ids_layout())
@@ -91,8 +92,7 @@ if HAS_GLUON:
         if HAS_TOPK_LEN:
             k_len = gl.minimum(gl.load(TopkLen + t), K)
         in_row = (pos < k_len) & (c < n_blocks)
-        r = gl.load(Rows + t.to(gl.int64) * stride_rt + pos * stride_rk, mask=in_row, other=-1)
-        return gl.where(in_row & (r >= 0) & (r < R), r, -1)
+        return gl.load(Rows + t.to(gl.int64) * stride_rt + pos * stride_rk, mask=in_row, other=-1)
 
     @gluon.jit
     def _rows_in(slot, layout: gl.constexpr):
@@ -102,20 +102,21 @@ if HAS_GLUON:
         return gl.maximum(r, 0), r >= 0
 
     @gluon.jit
-    def _issue(c, ids, pid, n_prog, S, NB, T, Q, KV, stride_qt, stride_qh, stride_kvr, H, bufs,
+    def _issue(c, ids, pid, n_prog, S, NB, T, R, Q, KV, stride_qt, stride_qh, stride_kvr, H, bufs,
                HP: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, STAGES: gl.constexpr,
                KV_FP8: gl.constexpr):  # fmt: skip
-        """Block ``c``'s rows (``ids``: :func:`_block_ids`) into ring stage ``c % STAGES`` as one
-        ``cp.async`` group, with its tile's Q into Q buffer ``i % 2`` when the block is its tile's
-        first; past the program's last block an empty group, so that ``cp.wait_group(STAGES - 1)``
-        always means "block ``c`` landed". The entries go to the stage's slot of the key ring first:
-        the gathers read them back in their own layouts behind one barrier (a layout conversion
-        each costs a barrier more), and the softmax reads there which rows are keys."""
+        """Block ``c``'s rows (``ids``: :func:`_block_ids`, an entry outside ``[0, R)`` made -1 here) into
+        ring stage ``c % STAGES`` as one ``cp.async`` group, with its tile's Q into Q buffer ``i % 2``
+        when the block is its tile's first; past the program's last block an empty group, so that
+        ``cp.wait_group(STAGES - 1)`` always means "block ``c`` landed". The entries go to the stage's
+        slot of the key ring first: the gathers read them back in their own layouts behind one
+        barrier (a layout conversion each costs a barrier more), and the softmax reads there which
+        rows are keys."""
         (q_nope, q_rope, k_nope, k_rope, k_codes, k_scales, keys) = bufs
         i, b, t, _s = _tile_of(c, pid, n_prog, S, NB)
         st = c % STAGES
         slot = keys.index(st)
-        slot.store(ids)
+        slot.store(gl.where((ids >= 0) & (ids < R), ids, -1))
         cta_barrier()  # every gather reads the entries back in its own layout
         lay_r: gl.constexpr = _rope_layout()
         cols_r = gl.arange(0, DR, layout=gl.SliceLayout(0, lay_r))
@@ -156,8 +157,9 @@ if HAS_GLUON:
     @gluon.jit
     def _scores(st, par, bufs, s_zero, HP: gl.constexpr, DV: gl.constexpr, KV_FP8: gl.constexpr):
         """``S^T [64, HP] = K Q^T`` of the block in stage ``st`` against Q buffer ``par``; ``fp8_ds_mla``
-        rows are dequantised chunk by chunk into ``k_nope`` first (each chunk's ``wgmma`` runs while the
-        next is converted)."""
+        rows are dequantised into ``k_nope`` first, chunk by chunk, behind one proxy fence and barrier
+        for the four chunks (a fence and barrier per chunk, each chunk's ``wgmma`` overlapping the next
+        chunk's conversion, was 1-2 % slower; docs/DECISIONS.md, D68)."""
         (q_nope, q_rope, k_nope, k_rope, k_codes, k_scales, _keys) = bufs
         q_n = q_nope.index(par)
         s = warpgroup_mma(k_rope.index(st), q_rope.index(par).permute((1, 0)), s_zero, use_acc=False,
@@ -167,10 +169,11 @@ if HAS_GLUON:
             for c in gl.static_range(DV // CW):
                 codes = k_codes.index(st).slice(c * CW, CW, dim=1).load(lay)
                 scale = k_scales.index(st).slice(c * 64, 64).load(gl.SliceLayout(1, lay))
+                k_nope.index(0).slice(c * CW, CW, dim=1).store(e4m3_times_bf16(codes, scale.to(gl.bfloat16)[:, None]))
+            fence_async_shared()
+            cta_barrier()
+            for c in gl.static_range(DV // CW):
                 chunk = k_nope.index(0).slice(c * CW, CW, dim=1)
-                chunk.store(e4m3_times_bf16(codes, scale.to(gl.bfloat16)[:, None]))
-                fence_async_shared()
-                cta_barrier()
                 s = warpgroup_mma(chunk, q_n.slice(c * CW, CW, dim=1).permute((1, 0)), s, is_async=True)
         else:
             for c in gl.static_range(DV // CW):
@@ -248,14 +251,14 @@ if HAS_GLUON:
         for c in gl.static_range(STAGES - 1):  # the ring's first blocks
             ids = _block_ids(c, n_blocks, pid, n_prog, S, NB, T, Rows, TopkLen, stride_rt, stride_rk, K, R,
                              HAS_TOPK_LEN)  # fmt: skip
-            _issue(c, ids, pid, n_prog, S, NB, T, Q, KV, stride_qt, stride_qh, stride_kvr, H, bufs, HP, DV, DR,
+            _issue(c, ids, pid, n_prog, S, NB, T, R, Q, KV, stride_qt, stride_qh, stride_kvr, H, bufs, HP, DV, DR,
                    STAGES, KV_FP8)  # fmt: skip
         ids = _block_ids(STAGES - 1, n_blocks, pid, n_prog, S, NB, T, Rows, TopkLen, stride_rt, stride_rk, K, R,
                          HAS_TOPK_LEN)  # fmt: skip
         for c in range(n_blocks):
             # the stage block c - 1 used is free (the last iteration ended on a barrier): refill it, and
             # load the entries of the block after (used in the next iteration)
-            _issue(c + STAGES - 1, ids, pid, n_prog, S, NB, T, Q, KV, stride_qt, stride_qh, stride_kvr, H, bufs,
+            _issue(c + STAGES - 1, ids, pid, n_prog, S, NB, T, R, Q, KV, stride_qt, stride_qh, stride_kvr, H, bufs,
                    HP, DV, DR, STAGES, KV_FP8)  # fmt: skip
             ids = _block_ids(c + STAGES, n_blocks, pid, n_prog, S, NB, T, Rows, TopkLen, stride_rt, stride_rk, K,
                              R, HAS_TOPK_LEN)  # fmt: skip
