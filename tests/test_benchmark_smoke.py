@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 BENCHMARKS = ("sparse_prefill", "union_build", "decode", "decode_dcp", "scaling", "ray_pool", "decode_fp8_peer",
               "kv_fp8_write", "gqa_prefill", "gqa_prefill_host", "soak_pool", "soak_runtime",
-              "shm_roundtrip", "decode_floor", "host_growth")  # fmt: skip
+              "shm_roundtrip", "decode_floor", "host_growth", "decode_ab")  # fmt: skip
 ENV = {"gpu": "CPU", "date": "2026-12-02", "commit": "abc1234", "command": "python benchmarks/x.py",
        "versions": {"torch": "2.13.0", "triton": "3.9.0"}}  # fmt: skip
 
@@ -76,6 +76,23 @@ def test_gpu_only_benchmarks_refuse_to_run_without_their_gpus(capsys: pytest.Cap
         assert "needs a CUDA GPU" in capsys.readouterr().err
         assert _module("profile_decode").main(["--heads", "64"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+        assert _module("decode_ab").main(["--cases", "16x4x64"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_decode_ab_reads_its_cases_and_compares_bits(capsys: pytest.CaptureFixture[str]) -> None:
+    """Cases are HEADSxTOKENSxTOPK (anything else is refused under ``--cases``); outputs compare by
+    their bytes, so -0.0 is not 0.0 and a NaN equals the same NaN."""
+    ab = _module("decode_ab")
+    assert ab.build_parser().parse_args(["--cases", "16x64x2048", "8X4X512"]).cases == [(16, 64, 2048), (8, 4, 512)]
+    for bad in ("16x64", "16x0x64", "ax2x3"):
+        with pytest.raises(SystemExit):
+            ab.build_parser().parse_args(["--cases", bad])
+        assert "--cases" in capsys.readouterr().err
+    x = torch.tensor([0.0, float("nan"), float("-inf")])
+    assert ab._same_bits(x, x.clone())
+    assert not ab._same_bits(x, torch.tensor([-0.0, float("nan"), float("-inf")]))
+    assert not ab._same_bits(x, x.double())
 
 
 def test_sparse_prefill_cpu_run_writes_its_records(tmp_path: Path) -> None:
