@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (a.compare / "times.json").is_file():
             raise ValueError(f"--compare {a.compare}: no times.json there (write it with --save first)")
         saved = json.loads((a.compare / "times.json").read_text())["us"]
+    if a.save is not None:
+        a.save.mkdir(parents=True, exist_ok=True)
     print(f"shardattn from {Path(shardattn.__file__).parent}")
     env, records, times, lines = environment(), [], {}, []
     for heads, tokens, topk in a.cases:
@@ -100,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
             times[key] = us
             same = "-"
             if a.save is not None:
-                a.save.mkdir(parents=True, exist_ok=True)
                 torch.save((out.cpu(), lse.cpu()), a.save / f"{key}.pt")
             elif a.compare is not None:
                 if not (a.compare / f"{key}.pt").is_file():

@@ -78,7 +78,7 @@ if HAS_GLUON:
         return gl.BlockedLayout([1], [32], [4], [0])
 
     @gluon.jit
-    def _block_ids(c, n_blocks, pid, n_prog, S, NB, T, Rows, TopkLen, stride_rt, stride_rk, K, R,
+    def _block_ids(c, n_blocks, pid, n_prog, S, NB, T, Rows, TopkLen, stride_rt, stride_rk, K,
                    HAS_TOPK_LEN: gl.constexpr):  # fmt: skip
         """The program's block ``c``'s 64 entries ``[64]`` int32 as loaded: the caller's entry, or -1
         past the top-k, ``K`` or ``topk_length`` or with ``c`` past the program's last block (an entry
@@ -249,11 +249,11 @@ if HAS_GLUON:
         l_rows = gl.zeros([64, HP], gl.float32, s_layout)
         acc = gl.zeros([DV, HP], gl.float32, s_layout)
         for c in gl.static_range(STAGES - 1):  # the ring's first blocks
-            ids = _block_ids(c, n_blocks, pid, n_prog, S, NB, T, Rows, TopkLen, stride_rt, stride_rk, K, R,
+            ids = _block_ids(c, n_blocks, pid, n_prog, S, NB, T, Rows, TopkLen, stride_rt, stride_rk, K,
                              HAS_TOPK_LEN)  # fmt: skip
             _issue(c, ids, pid, n_prog, S, NB, T, R, Q, KV, stride_qt, stride_qh, stride_kvr, H, bufs, HP, DV, DR,
                    STAGES, KV_FP8)  # fmt: skip
-        ids = _block_ids(STAGES - 1, n_blocks, pid, n_prog, S, NB, T, Rows, TopkLen, stride_rt, stride_rk, K, R,
+        ids = _block_ids(STAGES - 1, n_blocks, pid, n_prog, S, NB, T, Rows, TopkLen, stride_rt, stride_rk, K,
                          HAS_TOPK_LEN)  # fmt: skip
         for c in range(n_blocks):
             # the stage block c - 1 used is free (the last iteration ended on a barrier): refill it, and
@@ -261,7 +261,7 @@ if HAS_GLUON:
             _issue(c + STAGES - 1, ids, pid, n_prog, S, NB, T, R, Q, KV, stride_qt, stride_qh, stride_kvr, H, bufs,
                    HP, DV, DR, STAGES, KV_FP8)  # fmt: skip
             ids = _block_ids(c + STAGES, n_blocks, pid, n_prog, S, NB, T, Rows, TopkLen, stride_rt, stride_rk, K,
-                             R, HAS_TOPK_LEN)  # fmt: skip
+                             HAS_TOPK_LEN)  # fmt: skip
             i, b, t, s = _tile_of(c, pid, n_prog, S, NB)
             st = c % STAGES
             if b == 0:  # a new tile
