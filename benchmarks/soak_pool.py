@@ -46,7 +46,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,31 +54,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import add_json_argument, print_table, write_json
 from soak_pool_report import render, soak_records, summarize
+from soak_pool_traffic import Traffic
 from soak_stats import LogHistogram, live_tensors, rss_bytes
 
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.runtime.options import PrefillOptions
 
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
-
-
-@dataclass
-class Req:
-    """One request of the traffic: prompt and generation lengths, and how far it got."""
-
-    id: int
-    prompt: int
-    gen: int
-    prefilled: int = 0
-    generated: int = 0
-
-    @property
-    def length(self) -> int:
-        return self.prefilled + self.generated
-
-    @property
-    def final(self) -> int:
-        return self.prompt + self.gen
 
 
 def pool_spec(args: argparse.Namespace) -> ModelSpec:
@@ -126,9 +107,6 @@ class Soak:
         )  # fmt: skip
         self.cfg = self.pool.cache_config
         self.start_free = self.pool.book.free_pages
-        self.waiting: list[Req] = []
-        self.active: dict[int, Req] = {}  # admitted: the pool holds KV state for those with tokens
-        self.next_id = 0
         self.t0 = time.monotonic()
         self.times = {k: LogHistogram() for k in ("prefill", "decode", "decode_batch")}
         self.counts = {"arrived": 0, "completed": 0, "outputs_checked": 0, "wrong_outputs": 0, "steps": 0}
@@ -145,6 +123,7 @@ class Soak:
         self.serving = threading.Event()
         self.kills: list[dict[str, Any]] = []
         self.kill_steps, self.fault_steps = set(args.kill_steps), set(args.fault_steps)
+        self.traffic = Traffic(self.rng, self.cfg, args.max_seq_len, args.overcommit, self.counts)
         gc.collect()
         self.tensors_start = live_tensors()  # before any request (the pool built)
 
@@ -154,58 +133,13 @@ class Soak:
             self.errors.append(error)
 
     # -- the traffic ---------------------------------------------------------------------------
-    def arrive(self) -> None:
-        """New requests at random (0-2 a step), while no more than ``max_requests`` wait (a service's
-        admission queue pushes back on its clients)."""
-        if len(self.waiting) >= self.cfg.max_requests:
-            return
-        for _ in range(self.rng.choice((0, 0, 1, 1, 2))):
-            prompt = self.rng.randint(4, 64)
-            gen = self.rng.randint(1, min(24, self.args.max_seq_len - prompt))
-            self.waiting.append(Req(self.next_id, prompt, gen))
-            self.next_id += 1
-            self.counts["arrived"] += 1
+    def evict(self, request_id: int) -> None:
+        """Free a preempted request on the pool and in the mirror."""
+        self.pool.free([request_id])
+        self.mirror.free(request_id)
 
-    def reserved_pages(self) -> int:
-        return sum(self.cfg.pages_for(r.final) for r in self.active.values())
-
-    def admit(self) -> None:
-        """Admit waiting requests while their final lengths fit ``--overcommit`` x the pages: the cache
-        runs near capacity, and a step that would not fit preempts a request (:meth:`make_room`)."""
-        budget = int(self.args.overcommit * int(self.cfg.num_pages)) - self.reserved_pages()
-        while self.waiting and len(self.active) < self.cfg.max_requests:
-            need = self.cfg.pages_for(self.waiting[0].final)
-            if need > budget:
-                break
-            r = self.waiting.pop(0)
-            self.active[r.id] = r
-            budget -= need
-
-    def make_room(self, step: list[tuple[Req, int]]) -> list[tuple[Req, int]]:
-        """Free pages for a step adding ``n`` tokens to each ``(request, n)``: preempt held requests
-        outside the step, newest first (freed, served again later as new requests); drop the
-        step's last requests when that is not enough."""
-        pages = self.cfg.pages_for
-        while step:
-            need = sum(pages(r.length + n) - pages(r.length) for r, n in step)
-            if need <= self.pool.book.free_pages:
-                return step
-            inside = {r.id for r, _ in step}
-            others = [i for i in self.held() if i not in inside]
-            if not others:
-                step = step[:-1]
-                continue
-            victim = self.active.pop(max(others))
-            self.pool.free([victim.id])
-            self.mirror.free(victim.id)
-            self.waiting.insert(0, Req(self.next_id, victim.prompt, victim.gen))
-            self.next_id += 1
-            self.counts["preempted"] += 1
-        return step
-
-    def held(self) -> set[int]:
-        """Requests the pool holds KV state for (prefilled at least one token)."""
-        return {i for i, r in self.active.items() if r.prefilled > 0}
+    def make_room(self, step: list[tuple[Any, int]]) -> list[tuple[Any, int]]:
+        return self.traffic.make_room(step, lambda: self.pool.book.free_pages, self.evict)
 
     def check(self, outs: list[Any], reqs: list[Any]) -> None:
         for (out, lse), req in zip(outs, reqs):
@@ -222,18 +156,7 @@ class Soak:
                 self.note(f"request {req.id}: error {err:.3g} (shape ok {ok})")
 
     def prefill_step(self) -> bool:
-        todo = [r for r in self.active.values() if r.prefilled < r.prompt]
-        if not todo:
-            return False
-        self.rng.shuffle(todo)
-        chunks, budget = [], 128
-        for r in todo[: self.rng.randint(1, 3)]:
-            n = min(r.prompt - r.prefilled, self.rng.randint(8, 64), budget)
-            if n <= 0:
-                break
-            chunks.append((r, n))
-            budget -= n
-        chunks = self.make_room(chunks)
+        chunks = self.make_room(self.traffic.prefill_chunks())
         if not chunks:
             return False
         reqs = [self.mirror.prefill_request(r.id, n) for r, n in chunks]
@@ -246,18 +169,7 @@ class Soak:
         return True
 
     def decode_step(self) -> bool:
-        ready = [r for r in self.active.values() if r.prefilled == r.prompt and r.generated < r.gen]
-        if not ready:
-            return False
-        self.rng.shuffle(ready)
-        batch, tokens = [], 0
-        for r in ready[: self.rng.randint(1, 16)]:
-            q_len = min(self.rng.choice((1, 1, 1, 2)), r.gen - r.generated)
-            if tokens + q_len > 32:
-                break
-            batch.append((r, q_len))
-            tokens += q_len
-        batch = self.make_room(batch)
+        batch = self.make_room(self.traffic.decode_batch())
         if not batch:
             return False
         reqs = [self.mirror.decode_request(r.id, q) for r, q in batch]
@@ -286,19 +198,17 @@ class Soak:
         return True
 
     def finish(self) -> None:
-        done = [i for i, r in self.active.items() if r.prefilled == r.prompt and r.generated >= r.gen]
+        done = self.traffic.take_done()
         if done:
             self.pool.free(done)
             for i in done:
                 self.mirror.free(i)
-                del self.active[i]
-            self.counts["completed"] += len(done)
 
     def refuse(self) -> None:
         """A request that cannot fit: a clear ValueError naming it, and nothing changes."""
         free, held = self.pool.book.free_pages, len(self.pool.book)
         n = self.args.max_seq_len + 1
-        if free < self.cfg.pages_per_request and len(self.active) < self.cfg.max_requests:
+        if free < self.cfg.pages_per_request and len(self.traffic.active) < self.cfg.max_requests:
             n = self.args.max_seq_len  # fits max_seq_len, but not the pages left
         g = torch.Generator().manual_seed(self.counts["steps"])
         d = self.spec.head_dim
@@ -343,7 +253,7 @@ class Soak:
         queue them again as new requests."""
         self.serving.clear()
         self.counts["failures"] += 1
-        held = self.held()
+        held = self.traffic.held()
         for attempt in range(3):
             try:
                 lost = set(self.pool.restart())
@@ -358,10 +268,8 @@ class Soak:
         if held != lost:
             self.note(f"after {str(err)[:120]}: held {sorted(held)}, restart() reported {sorted(lost)}")
         for i in held:  # the others were admitted but never reached the ranks: they wait on
-            r = self.active.pop(i)
             self.mirror.free(i)
-            self.waiting.insert(0, Req(self.next_id, r.prompt, r.gen))  # served again, as a new request
-            self.next_id += 1
+            self.traffic.requeue(self.traffic.active.pop(i))  # served again, as a new request
             self.counts["requeued"] += 1
         self.generation += 1
         self.gen_start = time.monotonic() - self.t0
@@ -370,7 +278,7 @@ class Soak:
     # -- records ----------------------------------------------------------------------------------
     def check_pages(self) -> None:
         in_use = int(self.cfg.num_pages) - self.pool.book.free_pages
-        need = sum(self.cfg.pages_for(r.length) for r in self.active.values() if r.length > 0)
+        need = sum(self.cfg.pages_for(r.length) for r in self.traffic.active.values() if r.length > 0)
         frac = in_use / int(self.cfg.num_pages)
         self.usage = {"n": self.usage["n"] + 1, "sum": self.usage["sum"] + frac, "max": max(self.usage["max"], frac)}
         if in_use != need:
@@ -404,8 +312,8 @@ class Soak:
         try:
             while time.monotonic() < deadline and (not a.steps or self.counts["steps"] < a.steps):
                 if not a.requests or self.counts["arrived"] < a.requests:
-                    self.arrive()
-                self.admit()
+                    self.traffic.arrive()
+                self.traffic.admit()
                 step = self.counts["steps"]
                 try:
                     if step in self.kill_steps:
@@ -425,7 +333,7 @@ class Soak:
                 except RankFailedError as e:
                     self.recover(e)
                     continue
-                if not ran and not self.waiting and not self.active and a.requests:
+                if not ran and not self.traffic.waiting and not self.traffic.active and a.requests:
                     break
         finally:
             stop.set()
@@ -435,14 +343,14 @@ class Soak:
             self.sample_memory()
         except RankFailedError as e:  # a kill just before the end
             self.recover(e)
-        if self.active:
-            held = list(self.held())
+        if self.traffic.active:
+            held = list(self.traffic.held())
             if held:
                 self.pool.free(held)
             for i in held:
                 self.mirror.free(i)
-            self.active.clear()
-        self.waiting.clear()
+            self.traffic.active.clear()
+        self.traffic.waiting.clear()
         gc.collect()
         self.tensors_end = live_tensors()
         return summarize(self)

@@ -12,6 +12,7 @@ import doctest
 import importlib
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -233,6 +234,36 @@ def test_records_doctests() -> None:
 def test_soak_stats_doctests() -> None:
     failures, tried = doctest.testmod(_module("soak_stats"))
     assert failures == 0 and tried > 0
+
+
+def test_soak_traffic_preempts_the_newest_held_request_outside_the_step() -> None:
+    from types import SimpleNamespace
+
+    traffic_mod = _module("soak_pool_traffic")
+    cfg = SimpleNamespace(max_requests=8, num_pages=6, pages_for=lambda n: -(-n // 4))  # pages of 4 tokens
+    counts = dict.fromkeys(("arrived", "preempted", "requeued", "completed"), 0)
+    traffic = traffic_mod.Traffic(random.Random(0), cfg, 96, 1.5, counts)
+    reqs = [traffic_mod.Req(i, prompt=8, gen=4, prefilled=p) for i, p in enumerate((8, 8, 0, 4))]
+    traffic.active = {r.id: r for r in reqs}
+    traffic.next_id = 4
+    freed: list[int] = []
+    free_pages = {"n": 1}
+
+    def free(i: int) -> None:
+        freed.append(i)
+        free_pages["n"] += cfg.pages_for(reqs[i].length)
+
+    # request 0 grows by 8 tokens (2 pages, 1 free): request 3 (newest held, outside the step) goes
+    # first and frees 1 page; request 2 holds nothing, so it stays
+    step = traffic.make_room([(reqs[0], 8)], lambda: free_pages["n"], free)
+    assert step == [(reqs[0], 8)] and freed == [3] and counts["preempted"] == 1
+    assert 3 not in traffic.active and [(r.id, r.prompt, r.gen) for r in traffic.waiting] == [(4, 8, 4)]
+    # nothing else is held outside the step: its last request is dropped, then the first fits
+    free_pages["n"] = 2
+    step = traffic.make_room([(reqs[0], 8), (reqs[1], 8)], lambda: free_pages["n"], free)
+    assert step == [(reqs[0], 8)] and freed == [3]
+    reqs[0].generated = 4
+    assert traffic.take_done() == [0] and counts["completed"] == 1 and 0 not in traffic.active
 
 
 def test_record_ratio_follows_what_is_better() -> None:
