@@ -32,7 +32,7 @@ from shardattn.kernels.union_layout import unpack_entries
 from shardattn.ops import kv_fp8_stage
 from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 from shardattn.ops.kv_fp8_stage import LAYOUTS, STAGE_BLOCK_ROWS, StagedRows, stage_fp8_union
-from shardattn.ops.sparse_mla import valid_mask
+from shardattn.ops.row_entries import valid_mask
 from shardattn.ops.touched_blocks import moved_rows, touched_blocks
 from shardattn.ops.union import build_union
 from tests.fp8_oracle import fp8_rows_decode

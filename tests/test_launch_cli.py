@@ -14,7 +14,7 @@ from shardattn.launch.process_group import DistEnv, pick_device
 from shardattn.launch.report import RankRow, Report, percentile, render, summarize_times, write_json
 from shardattn.launch.runner import plan_run
 from shardattn.launch.workloads import BLOCK_SIZE, build_decode, build_prefill, overlap_model
-from shardattn.ops.sparse_mla import valid_mask
+from shardattn.ops.row_entries import valid_mask
 from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.plan import dcp_owner
 

@@ -9,7 +9,8 @@ import torch
 from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS
 from shardattn.kernels.triton.sparse_mla import tile_config
 from shardattn.ops.dispatch import default_group_size, prefill_path
-from shardattn.ops.sparse_mla import first_occurrences, sparse_mla_reference
+from shardattn.ops.row_entries import first_occurrences
+from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.ops.union import UNION_METHOD
 from shardattn.plan.routing import tile_group_size

@@ -20,7 +20,8 @@ from shardattn.launch.workloads import build_decode, build_prefill, overlap_mode
 from shardattn.ops.gqa_decode_reference import gqa_paged_decode_reference
 from shardattn.ops.gqa_prefill import gqa_prefill
 from shardattn.ops.kv_fp8 import quantize_kv
-from shardattn.ops.sparse_mla import flops, sparse_mla_reference, valid_mask
+from shardattn.ops.row_entries import valid_mask
+from shardattn.ops.sparse_mla import flops, sparse_mla_reference
 from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.plan.kv_format import KV_FP8_DS_MLA, kv_row_bytes

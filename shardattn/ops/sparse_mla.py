@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_scale, check_tensor
+from shardattn.ops.row_entries import first_occurrences, valid_mask
 
 if TYPE_CHECKING:
     from shardattn.ops.prepared_union import PreparedUnion
@@ -155,34 +156,6 @@ def empty_kv_result(q: torch.Tensor, v_dim: int, sinks: torch.Tensor | None) -> 
     else:
         lse = sinks.float()[None, :].expand(t, h).clone()
     return out, lse
-
-
-def valid_mask(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None) -> torch.Tensor:
-    """``[T, K]`` bool: entry is a valid key (in ``[0, R)`` and within ``topk_length``)."""
-    valid = (rows >= 0) & (rows < num_kv_rows)
-    if topk_length is not None:
-        k = rows.shape[1]
-        valid &= torch.arange(k, device=rows.device)[None, :] < topk_length[:, None].to(torch.int64)
-    return valid
-
-
-def first_occurrences(rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``[T, K]`` bool: ``valid`` with every later duplicate of a row within a token cleared.
-
-    >>> rows = torch.tensor([[4, 2, 4, -1, 2]], dtype=torch.int32)
-    >>> first_occurrences(rows, rows >= 0).tolist()
-    [[True, True, False, False, False]]
-    """
-    k = rows.shape[1]
-    if k < 2:
-        return valid
-    # invalid entries get distinct negative keys so they never pair with anything
-    keys = torch.where(valid, rows.long(), -1 - torch.arange(k, device=rows.device)[None, :])
-    ordered, order = keys.sort(dim=1, stable=True)
-    dup_sorted = torch.zeros_like(valid)
-    dup_sorted[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
-    dup = torch.zeros_like(valid).scatter_(1, order, dup_sorted)
-    return valid & ~dup
 
 
 def sparse_mla_reference(

@@ -20,7 +20,7 @@ sm_90 the shared-memory bitmap build, instead of the row sort a large cache take
   cache.
 
 A row is valid when ``0 <= row < num_rows`` and ``k < topk_length[t]``
-(:func:`~shardattn.ops.sparse_mla.valid_mask`). Triton kernels on the GPU
+(:func:`~shardattn.ops.row_entries.valid_mask`). Triton kernels on the GPU
 (:mod:`shardattn.kernels.triton.kv_fp8_stage`), torch elsewhere (the same results: tested under the
 interpreter).
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from shardattn.kernels.backend import use_triton
-from shardattn.ops.sparse_mla import valid_mask
+from shardattn.ops.row_entries import valid_mask
 
 __all__ = ["BLOCK_ROWS", "TouchedBlocks", "list_blocks", "moved_rows", "touched_blocks"]
 
