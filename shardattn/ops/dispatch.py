@@ -241,11 +241,12 @@ def decode_path(
     from shardattn.plan.decode_routing import small_decode_tiles
 
     t, h, _ = q.shape
-    if kv.shape[0] == 0 or not HAVE_TRITON or not use_triton(q):
+    no_keys = "kv has no rows" if kv.shape[0] == 0 else "rows has no entries" if rows.shape[1] == 0 else None
+    if no_keys is not None or not HAVE_TRITON or not use_triton(q):
         if backend in GLUON_BACKENDS:
-            why = "kv has no rows" if kv.shape[0] == 0 else "no CUDA tensors or no Triton"
+            why = no_keys or "no CUDA tensors or no Triton"
             raise ValueError(f"backend={backend!r} cannot run here: {why}")
-        why = "kv has no rows" if kv.shape[0] == 0 else "no Triton for these tensors"
+        why = no_keys or "no Triton for these tensors"
         return "reference", why + kv_reason(kv, "reference")
     if backend == "triton":
         return "triton", "backend='triton'" + kv_reason(kv)

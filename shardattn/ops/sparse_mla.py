@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_scale, check_tensor
+from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
 from shardattn.ops.row_entries import first_occurrences, valid_mask
 
 if TYPE_CHECKING:
@@ -103,6 +103,7 @@ def check_sparse_mla_inputs(
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
     if rows.shape[0] != t:
         raise ValueError(f"rows must have one row per query token ({t}), got shape {list(rows.shape)}")
+    check_int("v_dim", v_dim)
     if not 0 < v_dim <= d:
         raise ValueError(f"v_dim must be in (0, {d}], got {v_dim}")
     if topk_length is not None:
@@ -113,6 +114,18 @@ def check_sparse_mla_inputs(
         check_scale("scale", scale)
     check_same_device(q=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
     return kv
+
+
+def check_destination(name: str, dst: object, q: torch.Tensor, tail: tuple[int, ...], dtype: torch.dtype) -> None:
+    """``dst`` as a destination of per-(token, head) results of ``q [T, H, D]``: ``[T, H, *tail]``, or
+    head-blocked ``[B, T, H/B, *tail]``, in ``dtype`` on q's device; raises naming ``name``."""
+    t, h, _ = q.shape
+    dst = check_tensor(name, dst, dtypes=(dtype,), device=q.device)
+    shape = tuple(dst.shape)
+    blocked = len(shape) == 4 + len(tail) - 1 and shape[1] == t and shape[0] >= 1 and shape[0] * shape[2] == h
+    if shape != (t, h, *tail) and not (blocked and shape[3:] == tail):
+        want = ", ".join(str(n) for n in (t, h, *tail))
+        raise ValueError(f"{name} must have shape [{want}] (or head-blocked [B, {t}, {h}/B, ...]), got {list(shape)}")
 
 
 def check_kv_rows(
@@ -189,6 +202,8 @@ def sparse_mla_reference(
     lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
     if t == 0:
         return out, lse
+    if k == 0:  # no entries: every row is empty
+        return empty_kv_result(q, v_dim, sinks)
     valid = first_occurrences(rows, valid_mask(rows, r, topk_length))
     if r == 0:  # no row is valid; gather from one zero row so the indexing below stays in range
         kv = kv.new_zeros(1, kv.shape[-1])
@@ -269,7 +284,7 @@ def sparse_mla_attention(
     Returns:
         ``out [T, H, v_dim]`` in q's dtype, and ``lse [T, H]`` fp32 natural log when
         ``return_lse`` (the given destinations when passed); a row with no valid key is ``(0, -inf)``
-        (so is every row when ``kv`` has no rows).
+        (so is every row when ``kv`` has no rows or ``rows`` no entries).
     Raises:
         TypeError / ValueError: naming the argument (dtype, shape, device, ``scale`` not finite
             and > 0), before any kernel runs.
@@ -286,13 +301,17 @@ def sparse_mla_attention(
     kv = check_sparse_mla_inputs(
         q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale, kv_format=kv_format
     )
+    if out is not None:
+        check_destination("out", out, q3, (v_dim,), q.dtype)
+    if lse_out is not None:
+        check_destination("lse_out", lse_out, q3, (), torch.float32)
     if prepared_union is not None:
         from shardattn.ops.prepared_union import check_prepared_union
 
         check_prepared_union(prepared_union, rows, group_size=1)
     if q_ready is not None:
         q_ready()
-    if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
+    if kv.shape[0] == 0 or rows.shape[1] == 0:  # no entry can be a key: every row is empty, on every backend
         o, s = empty_kv_result(q3, v_dim, sinks)
         out = o if out is None else store_heads(out, o)
         lse_out = s if lse_out is None else store_heads(lse_out, s)

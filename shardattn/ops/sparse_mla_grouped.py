@@ -44,6 +44,7 @@ from shardattn.ops.dispatch import prefill_path
 from shardattn.ops.kv_compact import COMPACT_MIN_GROUP, compact_rows
 from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
 from shardattn.ops.sparse_mla import (
+    check_destination,
     check_sparse_mla_inputs,
     empty_kv_result,
     join_q,
@@ -152,6 +153,10 @@ def sparse_mla_grouped_prefill(
     )
     if not isinstance(rows_sorted, bool):
         raise TypeError(f"rows_sorted must be a bool, got {type(rows_sorted).__name__}")
+    if out is not None:
+        check_destination("out", out, q3, (v_dim,), q3.dtype)
+    if lse_out is not None:
+        check_destination("lse_out", lse_out, q3, (), torch.float32)
     if group_size is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size!r}")
     if prepared_union is not None:
@@ -159,11 +164,11 @@ def sparse_mla_grouped_prefill(
         if union is not None:
             raise ValueError("pass union (a workspace to build into) or prepared_union (built already), not both")
     compacted = False
-    if _compacts(q3, kv, v_dim, group_size, prepared_union):
+    if rows.shape[1] > 0 and _compacts(q3, kv, v_dim, group_size, prepared_union):
         compact = compact_rows(kv, rows, topk_length, max_rows=MAX_PACKED_ROWS)  # one host sync
         if compact is not None:  # the touched blocks fit packed entries: the call runs grouped
             (kv, rows), compacted = compact, True
-    if kv.shape[0] == 0:  # every row index is out of range: every row is empty, on every backend
+    if kv.shape[0] == 0 or rows.shape[1] == 0:  # no entry can be a key: every row is empty, on every backend
         if q_ready is not None:
             q_ready()
         o, s = empty_kv_result(q3, v_dim, sinks)

@@ -96,6 +96,17 @@ def _sparse_rows() -> list[Row]:
             Row(f"{name}-scale-negative", _sparse(fn, scale=-0.1), Raises(ValueError, r"^scale must be a finite")),
             Row(f"{name}-scale-str", _sparse(fn, scale="0.1"), Raises(TypeError, r"^scale must be a float")),
             Row(f"{name}-v-dim-too-big", _sparse(fn, v_dim=49), Raises(ValueError, r"^v_dim must be in \(0, 48\]")),
+            Row(f"{name}-v-dim-float", _sparse(fn, v_dim=32.0), Raises(TypeError, r"^v_dim must be an int")),
+            Row(
+                f"{name}-out-shape",
+                _sparse(fn, out=torch.empty(3, 2, 48)),
+                Raises(ValueError, r"^out must have shape \[3, 2, 32\]"),
+            ),
+            Row(
+                f"{name}-lse-out-dtype",
+                _sparse(fn, lse_out=torch.empty(3, 2, dtype=torch.float64)),
+                Raises(TypeError, r"^lse_out must have dtype"),
+            ),
             Row(
                 f"{name}-topk-length-shape",
                 _sparse(fn, topk_length=torch.ones(2, dtype=torch.int32)),
@@ -110,6 +121,11 @@ def _sparse_rows() -> list[Row]:
             Row(
                 f"{name}-kv-without-rows",
                 _sparse(fn, kv=lambda x: torch.randn(0, 48)),
+                Gives(all_empty(32)),
+            ),
+            Row(
+                f"{name}-rows-without-entries",
+                _sparse(fn, rows=lambda x: torch.zeros(3, 0, dtype=torch.int32)),
                 Gives(all_empty(32)),
             ),
             Row(
