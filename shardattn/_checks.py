@@ -77,7 +77,7 @@ def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
 def check_bool(name: str, value: object) -> bool:
     """``value`` is a bool (not an int)."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
     return value
 
 

@@ -37,6 +37,7 @@ import torch
 from shardattn._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_bool,
     check_choice,
     check_int,
     check_same_device,
@@ -190,6 +191,8 @@ def gqa_paged_decode(
     """
     check_choice("backend", backend, BACKENDS)
     _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_q_lens, window_left, sinks)
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
     total_q, hq, d = q.shape
     scale = d**-0.5 if scale is None else check_scale("scale", scale)
     if out is not None:

@@ -39,6 +39,7 @@ import torch
 from shardattn._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_bool,
     check_choice,
     check_int,
     check_same_device,
@@ -200,8 +201,7 @@ def _check_inputs(
         raise ValueError("cu_seqlens must have B + 1 >= 1 entries, got 0")
     batch = cu_seqlens.numel() - 1
     check_int("window_left", window_left, minimum=-1)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_bool("return_lse", return_lse)
     if sinks is not None:
         check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
     has_prefix = check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, prefix_lens, batch)

@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
+from shardattn._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_bool,
+    check_int,
+    check_same_device,
+    check_scale,
+    check_tensor,
+)
 from shardattn.ops.row_entries import first_occurrences, valid_mask
 
 if TYPE_CHECKING:
@@ -301,6 +309,7 @@ def sparse_mla_attention(
     kv = check_sparse_mla_inputs(
         q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale, kv_format=kv_format
     )
+    check_bool("return_lse", return_lse)
     if out is not None:
         check_destination("out", out, q3, (v_dim,), q.dtype)
     if lse_out is not None:

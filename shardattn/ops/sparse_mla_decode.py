@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn._checks import check_int, check_tensor
+from shardattn._checks import check_bool, check_int, check_tensor
 from shardattn.ops.dispatch import decode_path, pdl_supported, sm_count
 from shardattn.ops.sparse_mla import check_sparse_mla_inputs, empty_kv_result, join_q, sparse_mla_reference
 from shardattn.ops.union import build_union
@@ -117,8 +117,7 @@ def sparse_mla_decode(
     t, h, _ = q.shape
     if backend not in BACKENDS:
         raise ValueError(f"backend must be None, 'triton', 'gluon', 'gluon_small' or 'gluon_stream', got {backend!r}")
-    if not isinstance(rows_unique, bool):
-        raise TypeError(f"rows_unique must be a bool, got {type(rows_unique).__name__}")
+    check_bool("rows_unique", rows_unique)
     if out is not None:
         check_tensor("out", out, dtypes=(q.dtype,), shape=(t, h, v_dim), device=q.device)
     if lse_out is not None:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from shardattn._checks import check_bool
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason, launch_gluon_attention
 from shardattn.kernels.triton.sparse_mla import (
@@ -151,8 +152,8 @@ def sparse_mla_grouped_prefill(
     kv = check_sparse_mla_inputs(
         q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale, kv_format=kv_format
     )
-    if not isinstance(rows_sorted, bool):
-        raise TypeError(f"rows_sorted must be a bool, got {type(rows_sorted).__name__}")
+    check_bool("rows_sorted", rows_sorted)
+    check_bool("return_lse", return_lse)
     if out is not None:
         check_destination("out", out, q3, (v_dim,), q3.dtype)
     if lse_out is not None:

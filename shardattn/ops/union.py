@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn._checks import INDEX_DTYPES, check_choice, check_int, check_same_device, check_tensor
+from shardattn._checks import INDEX_DTYPES, check_bool, check_choice, check_int, check_same_device, check_tensor
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.gluon.union_smem import smem_union, smem_unsupported_reason
 from shardattn.kernels.triton.union import sort_union, sorted_row_keys
@@ -77,8 +77,7 @@ METHODS = ("auto", *UNION_METHODS)
 
 def _check(rows, group_size, num_kv_rows, topk_length, rows_sorted=False):
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
-    if not isinstance(rows_sorted, bool):
-        raise TypeError(f"rows_sorted must be a bool, got {type(rows_sorted).__name__}")
+    check_bool("rows_sorted", rows_sorted)
     check_int("group_size", group_size)
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")

@@ -46,6 +46,7 @@ import torch
 from shardattn._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_bool,
     check_int,
     check_same_device,
     check_scale,
@@ -219,8 +220,7 @@ def dcp_sparse_mla_decode(
                         f"seq_lens[{i}]={int(seq_lens[i])} puts {int(local[i])} tokens on rank {comm.rank}, "
                         f"but its block_table holds {m} blocks of {bs}"
                     )
-        if not isinstance(rows_unique, bool):
-            raise TypeError(f"rows_unique must be a bool, got {type(rows_unique).__name__}")
+        check_bool("rows_unique", rows_unique)
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
         if not check:
             return 0  # nothing to agree on: skip hashing on the step's hot path

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_int, check_same_device, check_scale, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_bool, check_int, check_same_device, check_scale, check_tensor
 from shardattn.kernels.fa4_launch import FA4Launches
 from shardattn.ops.gqa_prefill import check_new_keys, check_prefix_inputs, gqa_prefill_route, segment_kernel
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel
@@ -131,8 +131,7 @@ def _check_pcp(
     check_int("window_left", window_left, minimum=-1)
     if scale is not None:
         check_scale("scale", scale)
-    if not isinstance(gather_output, bool):
-        raise TypeError(f"gather_output must be a bool, got {type(gather_output).__name__}")
+    check_bool("gather_output", gather_output)
     if sinks is not None:
         check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
     has_prefix = mine.max_prefix > 0 or k_new is None

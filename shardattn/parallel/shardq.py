@@ -32,7 +32,15 @@ from collections.abc import Callable
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
+from shardattn._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_bool,
+    check_int,
+    check_same_device,
+    check_scale,
+    check_tensor,
+)
 from shardattn.ops.prepared_union import SLICE_GROUPS
 from shardattn.ops.sparse_mla import check_kv_rows, sparse_mla_attention
 from shardattn.ops.union import GROUP_SIZES, MAX_PACKED_ROWS
@@ -61,6 +69,7 @@ def _check_inputs(
     check: bool,
     pipeline: tuple[int | None, int, bool, bool],
     kv_format: str | None = None,
+    return_lse: bool = True,
 ) -> int:
     """Validate one rank's ShardQ inputs; returns the fingerprint the ranks must agree on
     (``pipeline``: ``(chunks, align, taper, one_union)``, which every rank must cut alike)."""
@@ -79,6 +88,8 @@ def _check_inputs(
         raise ValueError(f"v_dim must be <= the head dim {d}, got {v_dim}")
     kv = check_kv_rows("kv", kv, q, v_dim=v_dim, kv_format=kv_format, q_name="q_heads_local")
     check_scale("scale", scale)
+    check_bool("return_lse", return_lse)
+    check_bool("check", check)
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
     if rows.shape[0] != t:
         raise ValueError(f"rows must have one row per token ({t}), got shape {list(rows.shape)}")
@@ -91,10 +102,8 @@ def _check_inputs(
     if chunks is not None:
         check_int("chunks", chunks, minimum=1)
     check_int("align", align, minimum=1)
-    if not isinstance(taper, bool):
-        raise TypeError(f"taper must be a bool, got {type(taper).__name__}")
-    if not isinstance(one_union, bool):
-        raise TypeError(f"one_union must be a bool, got {type(one_union).__name__}")
+    check_bool("taper", taper)
+    check_bool("one_union", one_union)
     if one_union and align not in GROUP_SIZES:  # the union's G (checked here, before any message)
         raise ValueError(f"align must be one of {GROUP_SIZES} with one_union (the union's group size), got {align}")
     if one_union and align > 1 and kv.shape[0] > MAX_PACKED_ROWS:
@@ -206,7 +215,19 @@ def shardq_prefill(
     comm.agree_on(
         "ShardQ plan and inputs",
         lambda: _check_inputs(
-            q_heads_local, kv, rows, plan, comm, v_dim, topk_length, sinks, scale, check, pipeline, kv_format
+            q_heads_local,
+            kv,
+            rows,
+            plan,
+            comm,
+            v_dim,
+            topk_length,
+            sinks,
+            scale,
+            check,
+            pipeline,
+            kv_format,
+            return_lse,
         ),
         check=check,
     )

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shardattn._checks import check_choice, check_int
+from shardattn._checks import check_bool, check_choice, check_int
 from shardattn.plan._common import as_lengths, to_int64_tensor
 
 __all__ = [
@@ -99,8 +99,7 @@ def explain_cudagraph_support(
     check_choice("kernel", kernel, CG_KERNELS)
     check_int("head_dim", head_dim, minimum=1)
     dcp_size = check_int("dcp_size", dcp_size, minimum=1)
-    if not isinstance(non_causal, bool):
-        raise TypeError(f"non_causal must be a bool, got {type(non_causal).__name__}")
+    check_bool("non_causal", non_causal)
     if kernel == "reference":
         return CGSupport.NEVER, "the torch reference may allocate and synchronise: never captured"
     if mode in ("shardq", "pcp"):

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardattn._checks import check_int
+from shardattn._checks import check_bool, check_int
 from shardattn.plan.crossovers import AUTO_MAX_CHUNKS, CHUNK_WORK
 from shardattn.plan.shard_plan import ShardPlan
 
@@ -101,8 +101,7 @@ def chunk_weights(chunks: int, *, taper: bool = False) -> tuple[int, ...]:
     ((1, 1, 1, 1), (1, 2, 2, 1), (1, 1))
     """
     c = check_int("chunks", chunks, minimum=1)
-    if not isinstance(taper, bool):
-        raise TypeError(f"taper must be a bool, got {type(taper).__name__}")
+    check_bool("taper", taper)
     if not taper or c < 3:
         return (1,) * c
     return (1,) + (2,) * (c - 2) + (1,)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shardattn._checks import check_choice, check_int, check_scale
+from shardattn._checks import check_bool, check_choice, check_int, check_scale
 
 __all__ = ["DTYPE_BYTES", "KINDS", "PRESETS", "ModelSpec", "get_preset", "mla_softmax_scale"]
 
@@ -67,8 +67,7 @@ class ModelSpec:
         check_int("topk", self.topk, minimum=0)
         check_int("page_size", self.page_size, minimum=1)
         check_choice("dtype", self.dtype, tuple(DTYPE_BYTES))
-        if not isinstance(self.has_sinks, bool):
-            raise TypeError(f"has_sinks must be a bool, got {type(self.has_sinks).__name__}")
+        check_bool("has_sinks", self.has_sinks)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.kind == "sparse_mla":

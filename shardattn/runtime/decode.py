@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardattn._checks import check_int, check_tensor
+from shardattn._checks import check_bool, check_int, check_tensor
 from shardattn.ops.gqa_decode import gqa_paged_decode
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import convert_topk
@@ -210,8 +210,7 @@ class DecodeStep:
                     f"q must hold this rank's {heads} heads (H/W: {self.spec.num_heads} heads over {world} ranks), "
                     f"got {h} heads (shape {list(q.shape)})"
                 )
-            if not isinstance(topk_unique, bool):
-                raise TypeError(f"topk_unique must be a bool, got {type(topk_unique).__name__}")
+            check_bool("topk_unique", topk_unique)
             check_int("window_left", window_left, minimum=-1)
             if window_left >= 0 and (dcp or self.spec.kind != "gqa"):
                 raise ValueError(

@@ -25,17 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardattn._checks import check_int
+from shardattn._checks import check_bool, check_int
 from shardattn.plan.cost import CostModel
 from shardattn.plan.crossovers import DEFAULT_MIN_TOKENS
 from shardattn.plan.pipeline import MAX_CHUNKS
 
 __all__ = ["DecodeOptions", "PrefillOptions", "given_options"]
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
 
 
 @dataclass(frozen=True)
@@ -87,9 +82,9 @@ class PrefillOptions:
             check_int("PrefillOptions.chunks", self.chunks)
             if not 1 <= self.chunks <= MAX_CHUNKS:
                 raise ValueError(f"PrefillOptions.chunks must be in [1, {MAX_CHUNKS}], got {self.chunks}")
-        _check_bool("PrefillOptions.taper", self.taper)
-        _check_bool("PrefillOptions.one_union", self.one_union)
-        _check_bool("PrefillOptions.return_lse", self.return_lse)
+        check_bool("PrefillOptions.taper", self.taper)
+        check_bool("PrefillOptions.one_union", self.one_union)
+        check_bool("PrefillOptions.return_lse", self.return_lse)
 
 
 @dataclass(frozen=True)
@@ -113,8 +108,8 @@ class DecodeOptions:
 
     def __post_init__(self) -> None:
         check_int("DecodeOptions.dcp_interleave", self.dcp_interleave, minimum=1)
-        _check_bool("DecodeOptions.causal", self.causal)
-        _check_bool("DecodeOptions.return_lse", self.return_lse)
+        check_bool("DecodeOptions.causal", self.causal)
+        check_bool("DecodeOptions.return_lse", self.return_lse)
 
 
 def given_options(prefill_options: object, decode_options: object) -> tuple[PrefillOptions, DecodeOptions]:

@@ -42,7 +42,7 @@ import logging
 
 import torch
 
-from shardattn._checks import check_choice, check_int, check_scale
+from shardattn._checks import check_bool, check_choice, check_int, check_scale
 from shardattn.ops.dispatch import gluon_runs_on
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
@@ -142,8 +142,7 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         self.max_decode_tokens = check_int("max_decode_tokens", max_decode_tokens, minimum=1)
         # the options: PrefillOptions / DecodeOptions (shardattn.runtime.options), the defaults for None
         self.prefill_options, self.decode_options = given_options(prefill_options, decode_options)
-        if not isinstance(warmup, bool):
-            raise TypeError(f"warmup must be a bool, got {type(warmup).__name__}")
+        check_bool("warmup", warmup)
         if self.spec.kind == "gqa" and mode == "shardq":
             raise ValueError(
                 "mode 'shardq' runs a sparse-MLA prefill (ShardQ), but the spec is a GQA model; use mode 'headtp' "

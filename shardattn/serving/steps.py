@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardattn._checks import check_int, check_tensor
+from shardattn._checks import check_bool, check_int, check_tensor
 from shardattn.serving.errors import RankStepError
 from shardattn.serving.requests import (
     BatchStep,
@@ -190,8 +190,7 @@ class RequestSteps:
         self._check_usable()
         self._need_spec()
         t0 = time.perf_counter()
-        if not isinstance(view, bool):
-            raise TypeError(f"view must be a bool, got {type(view).__name__}")
+        check_bool("view", view)
         if view and out is not None:
             raise ValueError("view=True returns the transport's own buffers; it takes no out")
         with one_host_thread(self.host_threads):

@@ -221,6 +221,16 @@ def _sparse_rows() -> list[Row]:
             Raises(TypeError, r"^rows_sorted must be a bool"),
         ),
         Row(
+            "sparse_mla_attention-return-lse-str",
+            _sparse(mla_mod.sparse_mla_attention, return_lse="no"),
+            Raises(TypeError, r"^return_lse must be a bool, got str \('no'\)"),
+        ),
+        Row(
+            "sparse_mla_grouped_prefill-return-lse-int",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, return_lse=0),
+            Raises(TypeError, r"^return_lse must be a bool"),
+        ),
+        Row(
             "sparse_mla_decode-rows-unique-int",
             _sparse(decode_mod.sparse_mla_decode, rows_unique=1),
             Raises(TypeError, r"^rows_unique must be a bool"),
@@ -289,6 +299,8 @@ def _gqa_rows() -> list[Row]:
         Row(f"{n}-q-len-0", _gqa(q_len_per_req=0), Raises(ValueError, r"^q_len_per_req must be >= 1")),
         Row(f"{n}-q-rows-vs-batch", _gqa(q_len_per_req=2), Raises(ValueError, r"^q must have batch \* q_len_per_req")),
         Row(f"{n}-backend", _gqa(backend="cuda"), Raises(ValueError, r"^backend must be one of")),
+        Row(f"{n}-causal-int", _gqa(causal=0), Raises(TypeError, r"^causal must be a bool")),
+        Row(f"{n}-return-lse-str", _gqa(return_lse="yes"), Raises(TypeError, r"^return_lse must be a bool")),
         Row(
             f"{n}-cu-q-lens-decreasing",
             _gqa(cu_q_lens=torch.tensor([0, 2, 1], dtype=torch.int32)),

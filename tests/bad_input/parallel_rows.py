@@ -194,6 +194,7 @@ def parallel_rows() -> list[Row]:
             Raises(ValueError, r"^sinks must have shape \[2\]"),
         ),
         ("shardq_prefill-kv-without-rows", _shardq(kv=lambda x: x["kv"][:0]), Gives(all_empty(32))),
+        ("shardq_prefill-return-lse-int", _shardq(return_lse=1), Raises(TypeError, r"^return_lse must be a bool")),
         # DCP sparse MLA
         (
             "dcp_sparse_mla_decode-layout-for-2-ranks",
