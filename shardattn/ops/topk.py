@@ -57,6 +57,8 @@ def _check_inputs(topk_pos, req_ids, block_table, block_size, block_stride, seq_
     check_int("block_stride", block_stride, minimum=1)
     if seq_lens is not None:
         check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(block_table.shape[0],))
+        if seq_lens.device.type == "cpu" and bool((seq_lens < 0).any()):  # where the check costs no device sync
+            raise ValueError(f"seq_lens must be >= 0, got {seq_lens.min().item()} (request {int(seq_lens.argmin())})")
     if topk_length is not None:
         check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
     if dcp is not None:
@@ -131,7 +133,7 @@ def convert_topk(
         req_ids: ``[T]`` int32 request of each query token.
         block_table: ``[B, M]`` int32 block ids per request (the rank-local table under DCP).
         block_size: tokens per block. block_stride: rows between blocks (default ``block_size``).
-        seq_lens: ``[B]`` int32 request lengths (global positions), optional.
+        seq_lens: ``[B]`` int32 request lengths (global positions; >= 0, checked on CPU tensors), optional.
         topk_length: ``[T]`` int32 per-row count of leading entries to use, optional.
         dcp: :class:`DcpShard` to keep only this rank's positions, optional.
         out: optional ``[T, K]`` int32 destination of ``rows`` (a reserved workspace buffer).

@@ -178,7 +178,8 @@ class RuntimePlanning(RuntimeState):
                 raise ValueError("prefill needs query_lens (new tokens per request) or a plan from plan_prefill")
             for name, value in (("kv_cache", kv_cache), ("kv_new", kv_new)):
                 if value is not None:  # a paged fp8_ds_mla cache is 3-D: its rows count
-                    check_tensor(name, value, ndim=3 if name == "kv_cache" and value.dim() == 3 else 2)
+                    paged = name == "kv_cache" and check_tensor(name, value).dim() == 3
+                    check_tensor(name, value, ndim=3 if paged else 2)
             new_rows = 0 if kv_new is None else int(kv_new.shape[0]) * self.world_size
             cache_rows = 0 if kv_cache is None else int(kv_cache.shape[:-1].numel())
             plan = self.plan_prefill(query_lens, prefix_lens, seq_lens=seq_lens, kv_rows=cache_rows + new_rows)

@@ -427,6 +427,11 @@ def _topk_rows() -> list[Row]:
             _topk(seq_lens=torch.ones(3, dtype=torch.int32)),
             Raises(ValueError, r"^seq_lens must have shape \[2\]"),
         ),
+        Row(
+            f"{n}-seq-lens-negative",
+            _topk(seq_lens=torch.tensor([5, -1], dtype=torch.int32)),
+            Raises(ValueError, r"^seq_lens must be >= 0, got -1 \(request 1\)"),
+        ),
         Row(f"{n}-dcp-rank-past-world", _topk(dcp=topk_mod.DcpShard(2, 1, 2)), Raises(ValueError, r"^dcp must have")),
         Row(f"{n}-dcp-not-a-shard", _topk(dcp=(2, 1)), Raises(TypeError, r"^dcp must be DcpShard")),
         Row(

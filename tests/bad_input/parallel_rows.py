@@ -474,6 +474,16 @@ def parallel_rows() -> list[Row]:
             Raises(ValueError, r"^seq_lens must fit int32"),
         ),
         (
+            "Runtime.decode-mla-seq-lens-negative",
+            _runtime_step("decode", MLA_SPEC, "headtp", seq_lens=[10, -2]),
+            Raises(ValueError, r"^seq_lens must be >= 0, got -2 \(request 1\)"),
+        ),
+        (
+            "Runtime.prefill-kv-cache-a-list",
+            _runtime_step("prefill", MLA_SPEC, "headtp", kv_cache=lambda a: a["kv_cache"].tolist()),
+            Raises(TypeError, r"^kv_cache must be a torch.Tensor, got list"),
+        ),
+        (
             "Runtime.decode-headtp-kv-without-rows",
             _runtime_step("decode", MLA_SPEC, "headtp", kv_cache=torch.randn(0, 48)),
             Gives(all_empty(32)),
