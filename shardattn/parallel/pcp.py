@@ -68,8 +68,7 @@ def _check_inputs(
         raise ValueError(f"q must hold rank {comm.rank}'s {mine} tokens (plan), got {t}")
     if not 0 < check_int("v_dim", v_dim) <= d:
         raise ValueError(f"v_dim must be in (0, {d}], got {v_dim}")
-    if kv_new.dim() != 2:  # new rows are rows, never pages
-        check_tensor("kv_new", kv_new, ndim=2)
+    check_tensor("kv_new", kv_new, ndim=2)  # new rows are rows, never pages
     kv_new = check_kv_rows("kv_new", kv_new, q, v_dim=v_dim, kv_format=kv_format)
     if kv_new.shape[0] != t:
         raise ValueError(f"kv_new must hold one row per token of q ({t}), got shape {list(kv_new.shape)}")

@@ -261,6 +261,11 @@ def parallel_rows() -> list[Row]:
         ),
         ("pcp_prefill-q-wrong-width", _pcp(q=torch.randn(5, 2, 40)), Raises(ValueError, r"^q must have last dim 48")),
         (
+            "pcp_prefill-kv-new-a-list",
+            _pcp(kv_new=lambda a: a["kv_new"].tolist()),
+            Raises(TypeError, r"^kv_new must be a torch.Tensor, got list"),
+        ),
+        (
             "pcp_prefill-kv-new-rows",
             _pcp(kv_new=lambda a: a["kv_new"][:4]),
             Raises(ValueError, r"^kv_new must hold one row per token"),
