@@ -235,20 +235,27 @@ class DCPLayout:
         _check_layout(self.world_size, self.interleave)
 
     def owner(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rank holding each global position (any int tensor; same shape)."""
         return dcp_owner(positions, self.world_size, self.interleave)
 
     def local_index(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each global position's index in its owner's local order (same shape)."""
         return dcp_local_index(positions, self.world_size, self.interleave)
 
     def global_index(self, local: torch.Tensor, rank: int) -> torch.Tensor:
+        """The global positions of ``rank``'s local indices ``local`` (the inverse of :meth:`local_index`)."""
         return dcp_global_index(local, rank, self.world_size, self.interleave)
 
     def local_seq_lens(self, seq_lens: torch.Tensor, rank: int) -> torch.Tensor:
+        """``[B]`` tokens of each request's ``[0, seq_len)`` that ``rank`` holds."""
         return dcp_local_seq_lens(seq_lens, rank, self.world_size, self.interleave)
 
     def causal_local_lens(
         self, seq_lens: torch.Tensor, qo_indptr: torch.Tensor, num_tokens: int, rank: int, *, causal: bool = True
     ) -> torch.Tensor:
+        """``[num_tokens]`` local KV length each query token sees on ``rank``: its request's
+        (``qo_indptr [B + 1]``) ``seq_lens`` cut causally at the token's own position (``causal``;
+        else the whole request)."""
         return dcp_causal_local_lens(
             seq_lens, qo_indptr, num_tokens, rank, self.world_size, self.interleave, causal=causal
         )
@@ -261,6 +268,8 @@ class DCPLayout:
         seq_lens: torch.Tensor | None = None,
         topk_length: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``topk_positions [T, K]`` (global, request-local) as ``rank``'s local positions; the
+        positions another rank holds, past ``seq_lens`` or past ``topk_length`` become ``-1``."""
         return dcp_translate_topk(
             topk_positions,
             rank,

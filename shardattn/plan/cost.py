@@ -231,6 +231,7 @@ class CostModel:
         return replace(best, world_size=world_size, ranks_per_node=None)
 
     def collective_ms(self, op: str, nbytes: float, world_size: int, ranks_per_node: int | None = None) -> float:
+        """Predicted ms of collective ``op`` moving ``nbytes`` per rank (:meth:`collective`'s rate)."""
         return self.collective(op, world_size, ranks_per_node).ms(nbytes)
 
     def _ratio(self, shape: StepShape, g: int) -> float | None:

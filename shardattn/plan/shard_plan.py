@@ -218,6 +218,18 @@ def build_shard_plan(
     rank_tokens: list[np.ndarray],
     chunk_bounds: np.ndarray | None,
 ) -> ShardPlan:
+    """A :class:`ShardPlan` from the split a strategy chose (the planners of :mod:`shardattn.plan.zigzag`).
+
+    Args:
+        strategy, reason: the plan's name and why it is (or is not) sharded.
+        lens, prefix: ``[B]`` int64 new and cached tokens per request.
+        w, a, k: world size, token alignment (the union's group size) and top-k.
+        sharded: False for a head-TP plan (every rank holds every token; ``rank_tokens`` then
+            lists all tokens for each rank).
+        rank_tokens: ``w`` int64 arrays, the step's token ids each rank attends, in its order.
+        chunk_bounds: optional ``[B, 2w + 1]`` int64 zigzag chunk boundaries inside each request
+            (:func:`~shardattn.plan.zigzag.zigzag_chunk_bounds`).
+    """
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     t = int(offsets[-1])
     tok_req = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
