@@ -74,6 +74,16 @@ def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     return value
 
 
+def check_sink_logits(sinks: object, heads: int, *, device: torch.device | None = None) -> torch.Tensor:
+    """``sinks``: ``[heads]`` fp32 per-head sink logits (on ``device`` when given); a CPU tensor must
+    also be finite (checked where it costs no device sync). Raises naming ``sinks``."""
+    sinks = check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(heads,), device=device)
+    if sinks.device.type == "cpu" and not bool(torch.isfinite(sinks).all()):
+        bad = int((~torch.isfinite(sinks)).nonzero()[0, 0])
+        raise ValueError(f"sinks must be finite, got sinks[{bad}]={float(sinks[bad])}")
+    return sinks
+
+
 def check_bool(name: str, value: object) -> bool:
     """``value`` is a bool (not an int)."""
     if not isinstance(value, bool):

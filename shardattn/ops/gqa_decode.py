@@ -42,6 +42,7 @@ from shardattn._checks import (
     check_int,
     check_same_device,
     check_scale,
+    check_sink_logits,
     check_tensor,
 )
 from shardattn.kernels.backend import unsupported_reason
@@ -85,7 +86,7 @@ def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_
             )
     check_int("window_left", window_left, minimum=-1)
     if sinks is not None:
-        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(hq,))
+        check_sink_logits(sinks, hq)
     check_same_device(
         q=q,
         k_cache=k_cache,

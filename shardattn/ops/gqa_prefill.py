@@ -44,6 +44,7 @@ from shardattn._checks import (
     check_int,
     check_same_device,
     check_scale,
+    check_sink_logits,
     check_tensor,
 )
 from shardattn.kernels import fa4, fa4_warmup
@@ -203,7 +204,7 @@ def _check_inputs(
     check_int("window_left", window_left, minimum=-1)
     check_bool("return_lse", return_lse)
     if sinks is not None:
-        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
+        check_sink_logits(sinks, h)
     has_prefix = check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, prefix_lens, batch)
     check_same_device(
         q=q, k=k, v=v, cu_seqlens=cu_seqlens, k_cache=k_cache, v_cache=v_cache, block_table=block_table,

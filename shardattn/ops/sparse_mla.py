@@ -30,6 +30,7 @@ from shardattn._checks import (
     check_int,
     check_same_device,
     check_scale,
+    check_sink_logits,
     check_tensor,
 )
 from shardattn.ops.row_entries import first_occurrences, valid_mask
@@ -117,7 +118,7 @@ def check_sparse_mla_inputs(
     if topk_length is not None:
         check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
     if sinks is not None:
-        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
+        check_sink_logits(sinks, h)
     if scale is not None:
         check_scale("scale", scale)
     check_same_device(q=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)

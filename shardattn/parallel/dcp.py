@@ -50,6 +50,7 @@ from shardattn._checks import (
     check_int,
     check_same_device,
     check_scale,
+    check_sink_logits,
     check_tensor,
 )
 from shardattn.ops.sparse_mla import check_kv_rows
@@ -74,7 +75,7 @@ def _check_common(q: torch.Tensor, layout: DCPLayout, comm: Comm, sinks: torch.T
     if q.shape[1] < 1:
         raise ValueError(f"q_heads_local must hold at least one head, got shape {list(q.shape)}")
     if sinks is not None:
-        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(q.shape[1] * comm.world_size,))
+        check_sink_logits(sinks, q.shape[1] * comm.world_size)
 
 
 def _host_values(t: torch.Tensor | None) -> list[int] | None:

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_int, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_int, check_sink_logits, check_tensor
 from shardattn.ops.gqa_prefill import gqa_prefill
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
@@ -111,7 +111,7 @@ def gqa_prefill_head_tp(
             f"heads [{comm.rank * h_local}, {(comm.rank + 1) * h_local}) of {h}), got shape {list(k.shape)}"
         )
     if sinks is not None:
-        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
+        check_sink_logits(sinks, h)
         sinks = sinks[comm.rank * h_local : (comm.rank + 1) * h_local]
     return gqa_prefill(
         q, k, v, cu_seqlens, k_cache=k_cache, v_cache=v_cache, block_table=block_table,

@@ -36,7 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_bool, check_int, check_same_device, check_scale, check_tensor
+from shardattn._checks import (
+    FLOAT_DTYPES,
+    check_bool,
+    check_int,
+    check_same_device,
+    check_scale,
+    check_sink_logits,
+    check_tensor,
+)
 from shardattn.kernels.fa4_launch import FA4Launches
 from shardattn.ops.gqa_prefill import check_new_keys, check_prefix_inputs, gqa_prefill_route, segment_kernel
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel
@@ -133,7 +141,7 @@ def _check_pcp(
         check_scale("scale", scale)
     check_bool("gather_output", gather_output)
     if sinks is not None:
-        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
+        check_sink_logits(sinks, h)
     has_prefix = mine.max_prefix > 0 or k_new is None
     given = [x is not None for x in caches]
     if any(given) and not all(given):

@@ -27,7 +27,15 @@ from collections.abc import Callable
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_scale, check_tensor
+from shardattn._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_int,
+    check_same_device,
+    check_scale,
+    check_sink_logits,
+    check_tensor,
+)
 from shardattn.ops.lse_merge import lse_merge
 from shardattn.ops.sparse_mla import check_kv_rows, sparse_mla_attention
 from shardattn.ops.topk import convert_topk
@@ -79,7 +87,7 @@ def _check_inputs(
     if topk_length is not None:
         check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
     if sinks is not None:
-        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h,))
+        check_sink_logits(sinks, h)
     prefix = plan.shard.prefix_lens
     has_prefix = bool((prefix > 0).any())
     given = [x is not None for x in (kv_cache, block_table, block_size)]

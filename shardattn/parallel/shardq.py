@@ -39,6 +39,7 @@ from shardattn._checks import (
     check_int,
     check_same_device,
     check_scale,
+    check_sink_logits,
     check_tensor,
 )
 from shardattn.ops.prepared_union import SLICE_GROUPS
@@ -96,7 +97,7 @@ def _check_inputs(
     if topk_length is not None:
         check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
     if sinks is not None:
-        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(h * comm.world_size,))
+        check_sink_logits(sinks, h * comm.world_size)
     check_same_device(q_heads_local=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
     chunks, align, taper, one_union = pipeline
     if chunks is not None:

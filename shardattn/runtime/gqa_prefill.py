@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_int, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_int, check_sink_logits, check_tensor
 from shardattn.kernels.fa4_launch import FA4Launches
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments, plan_segments
@@ -152,7 +152,7 @@ def check_gqa_prefill_inputs(
         check_queries(q, tokens=tokens, heads=heads, head_dim=d, tokens_from=tokens_from, heads_from=heads_from)
     dtype, device = q.dtype, q.device
     if sinks is not None and not _is(sinks, (spec.num_heads,), torch.float32, device):
-        check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(spec.num_heads,), device=device)
+        check_sink_logits(sinks, spec.num_heads, device=device)
     out: dict[str, torch.Tensor | None] = dict.fromkeys(("k_new", "v_new", "k_cache", "v_cache", "block_table"))
     if kv_new is not None:
         k, v = _pair("kv_new", kv_new, "the new tokens' keys and values")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shardattn._checks import check_tensor
+from shardattn._checks import check_sink_logits, check_tensor
 from shardattn.plan.kv_format import FP8_DS_MLA_ROW_BYTES, KV_FP8_DS_MLA, kv_format_name
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.args import as_index
@@ -92,12 +92,7 @@ def check_sinks(sinks: object, spec: ModelSpec) -> torch.Tensor | None:
         return None
     if not spec.has_sinks:
         raise ValueError("sinks must be None: the spec has has_sinks=False (its kernels are built without sinks)")
-    check_tensor("sinks", sinks, dtypes=(torch.float32,), shape=(spec.num_heads,), device=CPU)
-    assert isinstance(sinks, torch.Tensor)
-    if not bool(torch.isfinite(sinks).all()):
-        bad = int((~torch.isfinite(sinks)).nonzero()[0, 0])
-        raise ValueError(f"sinks must be finite, got sinks[{bad}]={float(sinks[bad])}")
-    return sinks.contiguous()
+    return check_sink_logits(sinks, spec.num_heads, device=CPU).contiguous()
 
 
 def kv_parts(shapes: PoolShapes, kv: object, name: str, n: int | None) -> list[torch.Tensor]:

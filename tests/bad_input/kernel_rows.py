@@ -113,6 +113,11 @@ def _sparse_rows() -> list[Row]:
                 Raises(ValueError, r"^topk_length must have shape \[3\]"),
             ),
             Row(
+                f"{name}-sinks-nan",
+                _sparse(fn, sinks=torch.tensor([0.5, float("nan")])),
+                Raises(ValueError, r"^sinks must be finite, got sinks\[1\]=nan"),
+            ),
+            Row(
                 f"{name}-sinks-dtype",
                 _sparse(fn, sinks=torch.zeros(2, dtype=torch.float16)),
                 Raises(TypeError, r"^sinks must have dtype"),
@@ -300,6 +305,7 @@ def _gqa_rows() -> list[Row]:
         Row(f"{n}-q-rows-vs-batch", _gqa(q_len_per_req=2), Raises(ValueError, r"^q must have batch \* q_len_per_req")),
         Row(f"{n}-backend", _gqa(backend="cuda"), Raises(ValueError, r"^backend must be one of")),
         Row(f"{n}-causal-int", _gqa(causal=0), Raises(TypeError, r"^causal must be a bool")),
+        Row(f"{n}-sinks-inf", _gqa(sinks=torch.full((4,), INF)), Raises(ValueError, r"^sinks must be finite")),
         Row(f"{n}-return-lse-str", _gqa(return_lse="yes"), Raises(TypeError, r"^return_lse must be a bool")),
         Row(
             f"{n}-cu-q-lens-decreasing",
