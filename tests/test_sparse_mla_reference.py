@@ -95,3 +95,25 @@ def test_split_q_latent_and_rope_equals_whole_q(entry: str) -> None:
     fin = torch.isfinite(want_lse)
     assert torch.equal(fin, torch.isfinite(lse))
     torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+@pytest.mark.parametrize("entry", ["attention", "grouped", "decode"])
+def test_an_empty_topk_gives_every_row_its_sink(entry: str, kv_fp8: bool) -> None:
+    """``rows [T, 0]``: no token has a key, on every entry and format: ``(0, sink)`` per head, as the
+    oracle gives, and ``(0, -inf)`` without sinks."""
+    from shardattn.ops.kv_fp8 import quantize_kv
+
+    fn = {"attention": sparse_mla_attention, "grouped": sparse_mla_grouped_prefill, "decode": sparse_mla_decode}[entry]
+    g = torch.Generator().manual_seed(9)
+    d, dv = (576, 512) if kv_fp8 else (24, 16)
+    q, kv = torch.randn(3, 2, d, generator=g), torch.randn(7, d, generator=g)
+    kv = quantize_kv(kv) if kv_fp8 else kv
+    rows, sinks = torch.zeros(3, 0, dtype=torch.int32), torch.tensor([0.25, -1.5])
+    want_out, want_lse = sparse_mla_oracle(q, kv if not kv_fp8 else torch.zeros(7, d), rows, scale=0.3, v_dim=dv,
+                                           sinks=sinks)  # fmt: skip
+    out, lse = fn(q, kv, rows, scale=0.3, v_dim=dv, sinks=sinks)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(want_out, torch.zeros_like(want_out))
+    assert torch.equal(lse, sinks.expand(3, 2)) and torch.allclose(want_lse.float(), lse)
+    out, lse = fn(q, kv, rows, scale=0.3, v_dim=dv)
+    assert torch.equal(out, torch.zeros_like(out)) and bool(lse.isneginf().all())
