@@ -24,7 +24,13 @@ SPEC = P.ModelSpec("gqa", 8, 2, 16, 16, 0, 4, has_sinks=True, dtype="float32")
 SYNCING = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero"}
 # Code that runs only on the CPU: value checks of CPU tensors (a GPU step skips them) and the
 # torch reference kernels (a GPU step launches Triton kernels instead).
-CPU_ONLY = {"_check_host_values", "gqa_paged_decode_reference", "lse_merge_reference", "merge_weights"}
+CPU_ONLY = {
+    "_check_host_values",
+    "check_sink_logits",
+    "gqa_paged_decode_reference",
+    "lse_merge_reference",
+    "merge_weights",
+}
 
 
 class HostReads(TorchFunctionMode):
