@@ -52,7 +52,7 @@ SETTINGS = settings(
 @given(
     lens=st.lists(st.integers(0, 40), min_size=1, max_size=5),
     world=st.integers(1, 4),
-    chunks=st.integers(1, 9),
+    chunks=st.integers(1, MAX_CHUNKS),
     align=st.sampled_from([1, 2, 4, 8]),
     taper=st.booleans(),
 )

@@ -49,7 +49,7 @@ from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.shardq_pipeline import run_pipelined
-from shardattn.plan.pipeline import choose_chunks, pipeline_plan
+from shardattn.plan.pipeline import MAX_CHUNKS, choose_chunks, pipeline_plan
 from shardattn.plan.zigzag import ShardPlan
 
 __all__ = ["shardq_prefill"]
@@ -100,8 +100,8 @@ def _check_inputs(
         check_sink_logits(sinks, h * comm.world_size)
     check_same_device(q_heads_local=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
     chunks, align, taper, one_union = pipeline
-    if chunks is not None:
-        check_int("chunks", chunks, minimum=1)
+    if chunks is not None and not 1 <= check_int("chunks", chunks) <= MAX_CHUNKS:
+        raise ValueError(f"chunks must be in [1, {MAX_CHUNKS}] (or None: the planner's), got {chunks}")
     check_int("align", align, minimum=1)
     check_bool("taper", taper)
     check_bool("one_union", one_union)

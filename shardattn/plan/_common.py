@@ -15,7 +15,23 @@ import torch
 
 from shardattn._checks import check_int
 
-__all__ = ["as_lengths", "fingerprint_arrays", "to_int64_tensor"]
+__all__ = ["MAX_WORLD_SIZE", "as_lengths", "check_world_size", "fingerprint_arrays", "to_int64_tensor"]
+
+#: The most ranks a plan takes (far past any deployment; a bound so that a wrong value is an
+#: error naming it rather than an allocation of one entry per rank that cannot succeed).
+MAX_WORLD_SIZE = 1 << 16
+
+
+def check_world_size(world_size: object, name: str = "world_size") -> int:
+    """``world_size`` as an int in ``[1, MAX_WORLD_SIZE]``; raises naming ``name``.
+
+    >>> check_world_size(8)
+    8
+    """
+    w = check_int(name, world_size, minimum=1)
+    if w > MAX_WORLD_SIZE:
+        raise ValueError(f"{name} must be <= {MAX_WORLD_SIZE}, got {w}")
+    return w
 
 
 def as_lengths(name: str, values: object, *, count: int | None = None) -> np.ndarray:

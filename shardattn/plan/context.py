@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from shardattn._checks import check_int, check_same_device, check_tensor
+from shardattn.plan._common import check_world_size
 
 __all__ = [
     "DCPLayout",
@@ -42,7 +43,7 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_layout(world_size: object, interleave: object) -> tuple[int, int]:
-    return check_int("world_size", world_size, minimum=1), check_int("interleave", interleave, minimum=1)
+    return check_world_size(world_size), check_int("interleave", interleave, minimum=1)
 
 
 def _check_rank(rank: object, world_size: int) -> int:

@@ -183,6 +183,12 @@ def route_sparse_decode_kernel(
     check_int("gluon_min_heads", gluon_min_heads, minimum=1)
     check_int("gluon_min_query_rows", gluon_min_query_rows, minimum=0)
     check_int("gluon_fp8_min_query_rows", gluon_fp8_min_query_rows, minimum=0)
+    check_int("small_max_heads", small_max_heads, minimum=0)
+    check_int("small_max_tokens", small_max_tokens, minimum=0)
+    check_int("num_sms", num_sms, minimum=1)
+    check_bool("kv_fp8", kv_fp8)
+    if topk is not None:
+        check_int("topk", topk, minimum=0)
     sm_v = sm_of(sm)
     dev = device_type_of(device_type)
     if dev != "cuda":
@@ -191,8 +197,6 @@ def route_sparse_decode_kernel(
         return Route("triton", 1, f"{gluon_missing}: Triton split-KV decode kernel")
     if sm_v is None or sm_v // 10 != 9:
         return Route("triton", 1, f"SM{sm_v} is not SM90 (the Gluon kernel uses Hopper wgmma): Triton split-KV decode")
-    check_int("small_max_heads", small_max_heads, minimum=0)
-    check_int("small_max_tokens", small_max_tokens, minimum=0)
     if small_missing is None and t is not None and 1 <= t <= small_max_tokens and h <= small_max_heads:
         why = (
             f"SM90, {h} heads <= {small_max_heads} and {t} tokens <= {small_max_tokens}: Gluon small-batch kernel "
@@ -200,9 +204,9 @@ def route_sparse_decode_kernel(
             "measured)"
         )
         return Route("gluon_small", 1, why)
-    blocks = None if t is None or topk is None else t * -(-check_int("topk", topk, minimum=0) // 64)
+    blocks = None if t is None or topk is None else t * -(-topk // 64)
     if stream_missing is None and blocks is not None and h <= small_max_heads:
-        per_sm = blocks / check_int("num_sms", num_sms, minimum=1)
+        per_sm = blocks / num_sms
         least = stream_min_blocks_per_sm
         if least is None:
             least = STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM if kv_fp8 else STREAM_DECODE_MIN_BLOCKS_PER_SM

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shardattn._checks import check_int, check_same_device, check_tensor
-from shardattn.plan._common import fingerprint_arrays, to_int64_tensor
+from shardattn._checks import check_same_device, check_tensor
+from shardattn.plan._common import check_world_size, fingerprint_arrays, to_int64_tensor
 from shardattn.plan.shard_plan import ShardPlan
 from shardattn.plan.zigzag import zigzag_split
 
@@ -159,7 +159,7 @@ def pcp_plan(
     >>> plan.needed_ranges(1), plan.kv_index(1).tolist()
     ([(0, 0, 6)], [0, 1, 4, 5, 6, 7])
     """
-    check_int("world_size", world_size, minimum=1)
+    check_world_size(world_size)
     shard = zigzag_split(query_lens, world_size, align=align, min_tokens=0, prefix_lens=prefix_lens, topk=topk)
     w, r_count = shard.world_size, shard.num_requests
     need = np.zeros((w, r_count), dtype=np.int64)

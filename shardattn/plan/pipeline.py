@@ -172,7 +172,7 @@ def pipeline_plan(plan: ShardPlan, chunks: int, *, align: int = 1, taper: bool =
 
     Args:
         plan: a sharded :class:`~shardattn.plan.shard_plan.ShardPlan`.
-        chunks: ``C >= 1``. align: the kernel's group size ``G`` (boundaries keep its groups).
+        chunks: ``C`` in ``[1, MAX_CHUNKS]``. align: the kernel's group size ``G`` (boundaries keep its groups).
         taper: first and last chunks half the middle ones (:func:`chunk_weights`).
     Returns:
         the :class:`PipelinePlan`; ``chunks = 1`` is the unchunked step.
@@ -189,6 +189,8 @@ def pipeline_plan(plan: ShardPlan, chunks: int, *, align: int = 1, taper: bool =
     if not plan.sharded:
         raise ValueError(f"plan must be sharded to be pipelined ({plan.reason})")
     c = check_int("chunks", chunks, minimum=1)
+    if c > MAX_CHUNKS:
+        raise ValueError(f"chunks must be in [1, {MAX_CHUNKS}] (the workspace holds that many), got {c}")
     a = check_int("align", align, minimum=1)
     ends = np.cumsum(chunk_weights(c, taper=taper))  # S_0 .. S_{C-1}
     w = plan.world_size

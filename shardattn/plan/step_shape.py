@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardattn.plan.kv_format import kv_row_bytes
+from shardattn._checks import check_int
+from shardattn.plan.kv_format import kv_format_name, kv_row_bytes
 from shardattn.plan.spec import ModelSpec
 
 __all__ = ["StepShape"]
@@ -42,8 +43,20 @@ class StepShape:
     kv_format: str | None = None
     ranks_per_node: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("heads", "world_size", "head_dim", "v_dim", "dtype_bytes"):
+            check_int(f"StepShape.{name}", getattr(self, name), minimum=1)
+        for name in ("tokens", "topk"):
+            check_int(f"StepShape.{name}", getattr(self, name), minimum=0)
+        for name in ("rank_tokens", "ranks_per_node"):
+            if getattr(self, name) is not None:
+                check_int(f"StepShape.{name}", getattr(self, name), minimum=0 if name == "rank_tokens" else 1)
+        if self.kv_format is not None:
+            kv_format_name("StepShape.kv_format", self.kv_format)
+
     @property
     def per_rank(self) -> int:
+        """The most tokens a rank holds (``rank_tokens``, default ``ceil(tokens / world_size)``)."""
         return self.rank_tokens if self.rank_tokens is not None else -(-self.tokens // self.world_size)
 
     @property

@@ -62,6 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardattn._checks import check_choice, check_int
+from shardattn.plan._common import check_world_size
 from shardattn.plan.kv_format import kv_format_name, kv_row_bytes
 from shardattn.plan.pipeline import CHUNK_ALIGN, MAX_CHUNKS
 from shardattn.plan.routing import prefill_group_size
@@ -268,7 +269,7 @@ def workspace_bounds(
     if not isinstance(spec, ModelSpec):
         raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
     m = check_int("max_batched_tokens", max_batched_tokens, minimum=0)
-    w = check_int("world_size", world_size, minimum=1)
+    w = check_world_size(world_size)
     check_choice("mode", mode, WORKSPACE_MODES)
     if tp_size is None:
         tp_size = w if mode == "dcp-decode" else 1

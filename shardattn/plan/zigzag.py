@@ -59,7 +59,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shardattn._checks import check_int
-from shardattn.plan._common import as_lengths
+from shardattn.plan._common import as_lengths, check_world_size
 from shardattn.plan.crossovers import DEFAULT_MIN_TOKENS
 from shardattn.plan.shard_plan import ShardPlan, build_shard_plan, expand_ranges, token_cost
 
@@ -83,7 +83,7 @@ def _check_common(
     prefix_lens: object,
     topk: object,
 ) -> tuple[np.ndarray, np.ndarray, int, int, int, int]:
-    w = check_int("world_size", world_size, minimum=1)
+    w = check_world_size(world_size)
     a = check_int("align", align, minimum=1)
     m = check_int("min_tokens", min_tokens, minimum=0)
     k = check_int("topk", topk, minimum=1)
@@ -109,7 +109,7 @@ def zigzag_chunk_bounds(query_lens: object, world_size: int, *, align: int = 1) 
     [[0, 4, 8, 8, 10]]
     """
     lens = as_lengths("query_lens", query_lens)
-    w = check_int("world_size", world_size, minimum=1)
+    w = check_world_size(world_size)
     a = check_int("align", align, minimum=1)
     return _chunk_bounds(lens, w, a)
 

@@ -195,6 +195,7 @@ def parallel_rows() -> list[Row]:
         ),
         ("shardq_prefill-kv-without-rows", _shardq(kv=lambda x: x["kv"][:0]), Gives(all_empty(32))),
         ("shardq_prefill-return-lse-int", _shardq(return_lse=1), Raises(TypeError, r"^return_lse must be a bool")),
+        ("shardq_prefill-chunks-past-max", _shardq(chunks=9), Raises(ValueError, r"^chunks must be in \[1, 8\]")),
         # DCP sparse MLA
         (
             "dcp_sparse_mla_decode-layout-for-2-ranks",

@@ -9,6 +9,9 @@ import numpy as np
 import torch
 
 from shardattn import plan as P
+from shardattn.plan.decode_routing import route_sparse_decode_kernel
+from shardattn.plan.pipeline import pipeline_plan
+from shardattn.plan.step_shape import StepShape
 from tests.bad_input.table import META, Call, Gives, Raises, Row
 
 
@@ -21,6 +24,48 @@ def plan_rows() -> list[Row]:
     pos = torch.arange(6)
     spec = P.get_preset("glm5")
     return [
+        row(
+            "zigzag_split-world-size-absurd",
+            P.zigzag_split,
+            ([8, 8], 2**40),
+            {},
+            Raises(ValueError, r"^world_size must be <= 65536, got 1099511627776"),
+        ),
+        row(
+            "pipeline_plan-chunks-past-max",
+            pipeline_plan,
+            (P.zigzag_split([64], 2, min_tokens=0), 9),
+            {},
+            Raises(ValueError, r"^chunks must be in \[1, 8\]"),
+        ),
+        row(
+            "route_sparse_decode_kernel-num-sms-0",
+            route_sparse_decode_kernel,
+            (16,),
+            {"num_tokens": 64, "topk": 2048, "num_sms": 0, "sm": 90},
+            Raises(ValueError, r"^num_sms must be >= 1"),
+        ),
+        row(
+            "route_sparse_decode_kernel-num-sms-on-cpu",  # checked wherever it is not used
+            route_sparse_decode_kernel,
+            (16,),
+            {"num_tokens": 64, "device_type": "cpu", "num_sms": 1.5},
+            Raises(TypeError, r"^num_sms must be an int"),
+        ),
+        row(
+            "StepShape-heads-str",
+            StepShape,
+            (),
+            {"heads": "64", "world_size": 2, "tokens": 4096, "topk": 2048},
+            Raises(TypeError, r"^StepShape.heads must be an int"),
+        ),
+        row(
+            "StepShape-kv-format-unknown",
+            StepShape,
+            (),
+            {"heads": 64, "world_size": 2, "tokens": 4096, "topk": 2048, "kv_format": "int4"},
+            Raises(ValueError, r"^StepShape.kv_format must be one of"),
+        ),
         row("bucket_for-negative", P.bucket_for, (-1, (1, 2)), {}, Raises(ValueError, r"^num_requests must be >= 0")),
         row(
             "bucket_for-above-largest-runs-eager",
