@@ -157,7 +157,12 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         self.layout = DCPLayout(self.world_size, self.decode_options.dcp_interleave)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self.comm.backend == "nccl" else "cpu"
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must be a torch.device or a device string ('cuda:0'), got {device!r}") from e
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device} asked for, but no CUDA GPU is visible")
         self.gluon = gluon_runs_on(self.device)  # grouped steps take the grouped Gluon kernel's G
         if self.comm.backend == "nccl" and self.device.type != "cuda":
             raise ValueError(f"device must be a CUDA device for an nccl group, got {self.device}")

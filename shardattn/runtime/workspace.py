@@ -119,9 +119,16 @@ class RuntimeWorkspace:
             lifetimes = ITEM_LIFETIMES.get(self._case(kind, step, 0)[0], {})
             offsets, size = arena_offsets(need, {f"{kind}.{k}": v for k, v in lifetimes.items()})
             self.layouts[(kind, step)] = (offsets, size)
-        self.arena = torch.empty(
-            max((n for _, n in self.layouts.values()), default=0), dtype=torch.uint8, device=device
-        )
+        nbytes = max((n for _, n in self.layouts.values()), default=0)
+        try:
+            self.arena = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            largest = max(self.bounds, key=self.bounds.__getitem__)
+            raise MemoryError(
+                f"the Runtime's workspace needs {nbytes:,} bytes on {device} (max_batched_tokens="
+                f"{max_batched_tokens}, max_decode_tokens={max_decode_tokens}, topk={topk}; the largest item, "
+                f"{largest}, {self.bounds[largest]:,} bytes), and allocating it failed: {e}"
+            ) from e
         self.views: dict[tuple[str, str], dict[str, torch.Tensor]] = {
             key: {name: self.arena[off : off + self.step_bounds[key][name]] for name, off in offsets.items()}
             for key, (offsets, _) in self.layouts.items()

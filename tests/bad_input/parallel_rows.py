@@ -346,6 +346,12 @@ def parallel_rows() -> list[Row]:
             Raises(TypeError, r"^decode_options must be a DecodeOptions"),
         ),
         ("Runtime-topk-0", _runtime_new(topk=0), Raises(ValueError, r"^topk must be >= 1")),
+        ("Runtime-device-unknown", _runtime_new(device="gpu0"), Raises(ValueError, r"^device must be a torch.device")),
+        (
+            "Runtime-workspace-past-memory",
+            _runtime_new(topk=2**40),
+            Raises(MemoryError, r"^the Runtime's workspace needs [\d,]+ bytes on cpu .*topk=1099511627776"),
+        ),
         (
             "Runtime-gqa-shardq",
             _runtime_new(spec=GQA_SPEC),
