@@ -131,7 +131,7 @@ def check_destination(name: str, dst: object, q: torch.Tensor, tail: tuple[int, 
     t, h, _ = q.shape
     dst = check_tensor(name, dst, dtypes=(dtype,), device=q.device)
     shape = tuple(dst.shape)
-    blocked = len(shape) == 4 + len(tail) - 1 and shape[1] == t and shape[0] >= 1 and shape[0] * shape[2] == h
+    blocked = len(shape) == 3 + len(tail) and shape[1] == t and shape[0] >= 1 and shape[0] * shape[2] == h
     if shape != (t, h, *tail) and not (blocked and shape[3:] == tail):
         want = ", ".join(str(n) for n in (t, h, *tail))
         raise ValueError(f"{name} must have shape [{want}] (or head-blocked [B, {t}, {h}/B, ...]), got {list(shape)}")
@@ -207,12 +207,10 @@ def sparse_mla_reference(
     t, h, d = q.shape
     k = rows.shape[1]
     r = kv.shape[0]
+    if t == 0 or k == 0:  # no tokens, or no entries: every row is empty
+        return empty_kv_result(q, v_dim, sinks)
     out = torch.empty(t, h, v_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
-    if t == 0:
-        return out, lse
-    if k == 0:  # no entries: every row is empty
-        return empty_kv_result(q, v_dim, sinks)
     valid = first_occurrences(rows, valid_mask(rows, r, topk_length))
     if r == 0:  # no row is valid; gather from one zero row so the indexing below stays in range
         kv = kv.new_zeros(1, kv.shape[-1])
