@@ -168,8 +168,9 @@ def run_sparse_mla_decode(
     if config is not None and kernel != "triton":
         raise ValueError(f"config is the Triton kernel's launch configuration; kernel={kernel!r} takes none")
     t, h, _ = q.shape
-    if kernel == "reference" or kv.shape[0] == 0 or rows.shape[1] == 0:
-        if kv.shape[0] == 0 or rows.shape[1] == 0:  # no entry can be a key: every row is empty, on every kernel
+    no_keys = kv.shape[0] == 0 or rows.shape[1] == 0  # every row is empty, on every kernel
+    if kernel == "reference" or no_keys:
+        if no_keys:
             ref_out, ref_lse = empty_kv_result(q, v_dim, sinks)
         else:
             ref_out, ref_lse = sparse_mla_reference(

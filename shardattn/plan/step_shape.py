@@ -48,9 +48,10 @@ class StepShape:
             check_int(f"StepShape.{name}", getattr(self, name), minimum=1)
         for name in ("tokens", "topk"):
             check_int(f"StepShape.{name}", getattr(self, name), minimum=0)
-        for name in ("rank_tokens", "ranks_per_node"):
-            if getattr(self, name) is not None:
-                check_int(f"StepShape.{name}", getattr(self, name), minimum=0 if name == "rank_tokens" else 1)
+        if self.rank_tokens is not None:
+            check_int("StepShape.rank_tokens", self.rank_tokens, minimum=0)
+        if self.ranks_per_node is not None:
+            check_int("StepShape.ranks_per_node", self.ranks_per_node, minimum=1)
         if self.kv_format is not None:
             kv_format_name("StepShape.kv_format", self.kv_format)
 
