@@ -31,7 +31,7 @@ from shardattn.kernels.backend import (
     use_triton,
 )
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
-from shardattn.ops.kv_compact import COMPACT_MIN_GROUP
+from shardattn.plan.crossovers import COMPACT_MIN_GROUP
 from shardattn.plan.routing import gluon_grouped_group_size, grouped_group_size
 
 #: The decode backends that run Gluon kernels (sm_90): the per-query kernel, the small-batch one and

@@ -32,16 +32,10 @@ import torch
 
 from shardattn.ops.touched_blocks import BLOCK_ROWS, moved_rows, touched_blocks
 
-__all__ = ["COMPACT_BLOCK_ROWS", "COMPACT_MIN_GROUP", "compact_rows"]
+__all__ = ["COMPACT_BLOCK_ROWS", "compact_rows"]
 
 #: Cache rows gathered together (a 64-token page of a DSA cache).
 COMPACT_BLOCK_ROWS = BLOCK_ROWS
-#: The smallest grouped ``G`` a call gathers for. Measured with the earlier torch-op gathering
-#: (about 0.5 ms a 4K-token call, its host sync included): on an H200 with a 40M-row cache the bf16
-#: step took 1.54 / 1.49 / 2.30 ms gathered against 2.24 / 2.12 / 2.03 per query at 8 / 16 / 32
-#: heads (G = 8 / 4 / 2): docs/DECISIONS.md D53. The gathering is faster since D62 and ``G = 2`` has
-#: not been measured again.
-COMPACT_MIN_GROUP = 4
 
 
 def compact_rows(

@@ -23,7 +23,7 @@ for bit the in-kernel dequantisation's (tested on the GPU). Two layouts of the b
   counts and moves the union's rows.
 
 Otherwise (rows picked all over a large cache, or decode-sized calls of under
-:data:`STAGE_MIN_ENTRIES` entries) it returns ``None`` and the kernel dequantises in place.
+:data:`~shardattn.plan.crossovers.STAGE_MIN_ENTRIES` entries) it returns ``None`` and the kernel dequantises in place.
 The touched blocks are marked by the union build where the prefill builds its union
 (:func:`stage_marks`, :func:`~shardattn.ops.union.build_union`'s ``block_marks``: the shared-memory
 build marks them from its bitmap as it counts it), else here from the union
@@ -60,12 +60,12 @@ from shardattn.kernels.backend import use_triton
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops.kv_fp8 import FP8_DS_MLA, dequantize_kv
 from shardattn.ops.touched_blocks import BLOCK_ROWS, BLOCK_SHIFT, list_blocks, moved_rows, touched_blocks
+from shardattn.plan.crossovers import STAGE_MIN_ENTRIES, STAGE_MIN_REUSE
 
 __all__ = [
     "LAYOUTS",
     "STAGE_BLOCK_ROWS",
     "STAGE_MAX_ROWS",
-    "STAGE_MIN_ENTRIES",
     "StagedRows",
     "kernel_rows",
     "mark_touched_blocks",
@@ -80,8 +80,6 @@ STAGE_BLOCK_ROWS = BLOCK_ROWS
 _BLOCK_SHIFT = BLOCK_SHIFT
 #: The most rows one call stages (in bf16, 576 MiB of buffer): four requests of 128K tokens.
 STAGE_MAX_ROWS = 1 << 19
-#: Calls whose union buffer holds fewer entries dequantise in the kernel (decode-sized calls).
-STAGE_MIN_ENTRIES = 1 << 16
 #: The staged buffer's layouts (module docstring).
 LAYOUTS = ("mirror", "packed")
 
@@ -134,7 +132,7 @@ def stage_marks(kv: torch.Tensor, groups: int, width: int) -> torch.Tensor | Non
     (known from shapes alone), so the union build can mark the touched blocks as it runs
     (:func:`~shardattn.ops.union.build_union`'s ``block_marks``); else ``None`` (the packed layout
     counts them before the build: :func:`stage_touched`)."""
-    if kv.dtype != torch.uint8 or _layout(kv, groups * width, STAGE_MAX_ROWS, STAGE_MIN_ENTRIES, 2.0) != "mirror":
+    if kv.dtype != torch.uint8 or _layout(kv, groups * width) != "mirror":
         return None
     return torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
 
@@ -162,7 +160,13 @@ def _remap_torch(
     out.copy_(torch.where(_used(union, lens), entry, -1).to(torch.int32))
 
 
-def _layout(kv: torch.Tensor, entries: int, max_rows: int, min_entries: int, min_reuse: float) -> str | None:
+def _layout(
+    kv: torch.Tensor,
+    entries: int,
+    max_rows: int = STAGE_MAX_ROWS,
+    min_entries: int = STAGE_MIN_ENTRIES,
+    min_reuse: float = STAGE_MIN_REUSE,
+) -> str | None:
     """The rule's layout for a union buffer of ``entries`` before any device value is known
     (``None``: do not stage)."""
     cache_rows = -(-kv.shape[0] // STAGE_BLOCK_ROWS) * STAGE_BLOCK_ROWS
@@ -180,7 +184,7 @@ def stages_packed(kv: torch.Tensor, entries: int) -> bool:
     layout (known from shapes alone: ``fp8_ds_mla`` rows, a cache past ``STAGE_MAX_ROWS`` rows, not
     under CUDA-graph capture): its prefill then counts the blocks before its union build
     (:func:`stage_touched`)."""
-    return kv.dtype == torch.uint8 and _layout(kv, entries, STAGE_MAX_ROWS, STAGE_MIN_ENTRIES, 2.0) == "packed"
+    return kv.dtype == torch.uint8 and _layout(kv, entries) == "packed"
 
 
 def stage_touched(
@@ -192,7 +196,7 @@ def stage_touched(
     dtype: torch.dtype,
     build: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     max_rows: int = STAGE_MAX_ROWS,
-    min_reuse: float = 2.0,
+    min_reuse: float = STAGE_MIN_REUSE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A prefill call's ``(kv, union, lens)`` in the packed layout, its union built over the staged
     rows, or ``None`` where the rule declines (the caller builds the union of ``rows`` and the
@@ -240,7 +244,7 @@ def stage_fp8_union(
     layout: str | None = None,
     max_rows: int = STAGE_MAX_ROWS,
     min_entries: int = STAGE_MIN_ENTRIES,
-    min_reuse: float = 2.0,
+    min_reuse: float = STAGE_MIN_REUSE,
     marks: torch.Tensor | None = None,
 ) -> StagedRows | None:
     """The rows of ``kv`` that ``union`` reads, dequantised once, when that pays (module docstring).

@@ -42,7 +42,7 @@ from shardattn.kernels.triton.sparse_mla import (
 )
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops.dispatch import prefill_path
-from shardattn.ops.kv_compact import COMPACT_MIN_GROUP, compact_rows
+from shardattn.ops.kv_compact import compact_rows
 from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
 from shardattn.ops.sparse_mla import (
     check_destination,
@@ -55,6 +55,7 @@ from shardattn.ops.sparse_mla import (
     store_heads,
 )
 from shardattn.ops.union import GROUP_SIZES
+from shardattn.plan.crossovers import COMPACT_MIN_GROUP
 
 
 def _compacts(q3, kv, v_dim, group_size, prepared_union) -> bool:

@@ -55,6 +55,22 @@ SMEM_SCAN_RATIO = 4
 #: ... and on sorted rows at ``G > 1``, where the fused build needs no row sort and wins sooner (D15).
 SMEM_SORTED_RATIO = 1
 
+# ---- large and FP8 caches: gathering and staging rows before a prefill kernel ----------------------
+
+#: The smallest grouped ``G`` for which a call on a cache too large for packed union entries
+#: gathers the blocks its rows touch and runs grouped, instead of per query. Measured with the
+#: earlier torch-op gathering (about 0.5 ms a 4K-token call, its host sync included): on an H200
+#: with a 40M-row cache the bf16 step took 1.54 / 1.49 / 2.30 ms gathered against 2.24 / 2.12 /
+#: 2.03 per query at 8 / 16 / 32 heads (G = 8 / 4 / 2; D53). The gathering is faster since D62 and
+#: ``G = 2`` has not been measured again.
+COMPACT_MIN_GROUP = 4
+#: Fewest union entries for which a prefill call on ``fp8_ds_mla`` rows dequantises the rows it reads
+#: once into a staged buffer; smaller (decode-sized) calls dequantise in the kernel (D50).
+STAGE_MIN_ENTRIES = 1 << 16
+#: ... and only where the union reads each staged row at least this many times on average: rows
+#: spread over a large cache dequantise in the kernel (D50).
+STAGE_MIN_REUSE = 2.0
+
 # ---- sparse-MLA decode -----------------------------------------------------------------------------
 
 #: Fewest heads at which decode runs the Gluon kernel (sm_90) instead of the Triton split-KV
@@ -111,6 +127,7 @@ __all__ = [
     "BITMAP_SCAN_RATIO",
     "CHUNK_WORK",
     "COLUMN_MERGE_MAX_ROWS",
+    "COMPACT_MIN_GROUP",
     "DEFAULT_MIN_TOKENS",
     "GLUON_DECODE_FP8_MIN_QUERY_ROWS",
     "GLUON_DECODE_MIN_HEADS",
@@ -130,6 +147,8 @@ __all__ = [
     "SMALL_MERGE_WARPS",
     "SMEM_SCAN_RATIO",
     "SMEM_SORTED_RATIO",
+    "STAGE_MIN_ENTRIES",
+    "STAGE_MIN_REUSE",
     "STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM",
     "STREAM_DECODE_MIN_BLOCKS_PER_SM",
     "TILE_ROWS",
