@@ -12,7 +12,7 @@ kernel runs, and a per-query step (``G = 1``) de-duplicates its rows the same wa
 indexer's ``torch.topk`` leaves them:
 
 * **routed**: ``build_union(method="auto")``, the builder a step runs (on sm_90 the bitmap in
-  shared memory while the cache is small enough, :func:`~shardattn.plan.routing.auto_method`);
+  shared memory while the cache is small enough, :func:`~shardattn.plan.union_routing.route_union_method`);
 * **baseline**: the sorting build of the same run (each query's rows sorted, then merged into the
   group in one launch, ``method="fused"``; at ``G = 1`` the row sort and compaction, ``"sort"``);
 * at ``G > 1`` the grouped kernel alone on that union, and the routed build's share of the step

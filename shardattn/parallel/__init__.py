@@ -1,5 +1,6 @@
 """shardattn.parallel: the torch.distributed steps. Every function takes a ``ProcessGroup`` (or a
-:class:`Comm` over one); nothing here creates a group or keeps global state.
+1-D ``DeviceMesh``, ``(mesh, dim name)``, or a :class:`Comm` over one); nothing here creates a
+group or keeps global state.
 
 * :mod:`~shardattn.parallel.comm`       :class:`Comm`: counted collectives, byte packing, the
   cross-rank agreement check that turns mismatched inputs into errors instead of hangs.
@@ -7,11 +8,12 @@
   by their LSEs (all-to-all, all-gather or reduce-scatter).
 * :mod:`~shardattn.parallel.shardq`     :func:`shardq_prefill`: head shards -> zigzag token shards
   -> sparse MLA -> back (two all-to-alls).
-* :mod:`~shardattn.parallel.dcp`        :func:`dcp_sparse_mla_decode`, :func:`dcp_gqa_decode`: KV
-  split over ranks, q heads all-gathered, partials merged by the collector.
+* :mod:`~shardattn.parallel.dcp`        :func:`dcp_sparse_mla_decode`; :mod:`~shardattn.parallel.dcp_gqa`
+  :func:`dcp_gqa_decode`: KV split over ranks, q heads all-gathered, partials merged by the collector.
 * :mod:`~shardattn.parallel.pcp`        :func:`pcp_prefill`: zigzag query tokens, new KV all-gathered.
-* :mod:`~shardattn.parallel.gqa_prefill` :func:`gqa_prefill_head_tp`, :func:`gqa_prefill_pcp`: GQA
-  prefill under head-TP (a local call) and PCP (zigzag tokens, new K/V all-gathered).
+* :mod:`~shardattn.parallel.gqa_head_tp` :func:`gqa_prefill_head_tp`, :mod:`~shardattn.parallel.gqa_prefill`
+  :func:`gqa_prefill_pcp`: GQA prefill under head-TP (a local call) and PCP (zigzag tokens, new K/V
+  all-gathered).
 
 The per-rank :class:`~shardattn.runtime.Runtime` that runs these steps with its reserved
 workspace, warm-up and CUDA graphs lives in :mod:`shardattn.runtime`.

@@ -17,7 +17,7 @@ all heads of its tokens and computed their K and V::
            request's new keys [0, c) with the causal mask aligned at its own offset, sinks
            included: partial 2 (with a window: the prefix's last window_left keys and the new
            keys in one buffer, one call, no partial 1) -->
-        -- partials merged by LSE (kernels/lse_merge.py) --> out [T_r, H, D], lse [T_r, H]
+        -- partials merged by LSE (ops.lse_merge) --> out [T_r, H, D], lse [T_r, H]
         -- optionally (gather_output=True) an all-gather of out + lse, restored to token order
 
 With ``k_new = v_new = None`` every rank's paged cache already holds the step's new keys after each

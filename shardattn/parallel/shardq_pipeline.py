@@ -7,8 +7,8 @@ are in flight. The kernel call gets the wait of its chunk's query exchange as ``
 issues its row sort (union build, which reads only ``rows``) before it, so the sort overlaps the
 exchange. The host issues, in this order: chunk 0's query exchange (before any other set-up), then
 per chunk ``c``: its union build, chunk ``c + 1``'s query exchange, its kernel, its output
-exchange. (Issuing every query exchange first, as an earlier version did, held chunk 0's sort and
-kernel behind about 0.6 ms of host time per further exchange while the device sat idle.) Each
+exchange. (Issuing every query exchange first would hold chunk 0's sort and kernel behind about
+0.6 ms of host time per further exchange while the device sits idle.) Each
 exchange issues its messages before its local copy. Ordering is by the process group's stream events
 (:class:`~shardattn.parallel.comm.Pending`): no host synchronisation inside the step.
 

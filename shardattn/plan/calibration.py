@@ -1,7 +1,7 @@
 """The cost model's calibration table: measured kernel points, collective rates, step overheads.
 
 A table is JSON (:meth:`Calibration.to_json` / :meth:`Calibration.from_json`, validated).
-:func:`load_calibration` takes a file, else the table shipped for the current GPU
+:func:`load_calibration` takes a file, else the table shipped for the GPU the caller names
 (``shardattn/plan/data/*.json``), else :data:`CONSERVATIVE` with a :class:`CalibrationWarning`
 naming the command that measures one (``python -m shardattn.calibrate``). Pure host code.
 

@@ -29,7 +29,7 @@ copies and launches, and the share of its collectives a pipelined step hides beh
 so the model follows the implementation it was calibrated with.
 
 The table and its loading live in :mod:`shardattn.plan.calibration` (re-exported here):
-:func:`load_calibration` takes a file, else the table shipped for the current GPU, else
+:func:`load_calibration` takes a file, else the table shipped for the GPU the caller names, else
 :data:`CONSERVATIVE` with a :class:`CalibrationWarning` naming the command that measures one.
 This module is pure host code: no torch, no GPU, no process group; the measurements live in
 :mod:`shardattn.calibrate`.

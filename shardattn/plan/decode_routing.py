@@ -7,8 +7,12 @@ otherwise the Triton kernel (:func:`route_decode`). Sparse MLA decode runs the s
 return the LSE, so they serve DCP); :func:`route_sparse_decode_kernel` picks one: on SM90 the Gluon
 small-batch kernel at up to :data:`SMALL_DECODE_MAX_HEADS` heads and
 :data:`SMALL_DECODE_MAX_TOKENS` tokens (its tile: :func:`small_decode_tiles`,
-:func:`small_decode_heads`), the Gluon warp-specialised kernel at :data:`GLUON_DECODE_MIN_HEADS`
-heads or more, else Triton; :func:`route_decode_merge` picks the merge of the Triton kernel's
+:func:`small_decode_heads`); at up to :data:`SMALL_DECODE_MAX_HEADS` heads and more tokens the
+Gluon streaming kernel from :data:`STREAM_DECODE_MIN_BLOCKS_PER_SM` (bf16 / fp16) or
+:data:`STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM` (``fp8_ds_mla``) 64-entry blocks per SM; the Gluon
+warp-specialised kernel at :data:`GLUON_DECODE_MIN_HEADS` heads or more and at least
+:data:`GLUON_DECODE_MIN_QUERY_ROWS` (``fp8_ds_mla``: :data:`GLUON_DECODE_FP8_MIN_QUERY_ROWS`)
+tokens x heads; else Triton. :func:`route_decode_merge` picks the merge of the Triton kernel's
 splits. Without a GPU all take the torch ``reference``.
 
 Every threshold is a measured crossover of :mod:`shardattn.plan.crossovers`; the prefill routes

@@ -9,8 +9,10 @@ row in 24 bits and one membership bit per query in the high 8 bits (so ``G <= 8`
 2. KV cache with ``2^24 - 1`` rows or more              -> ``per-query`` (rows do not fit 24 bits)
 3. fewer than ``min_tokens`` new tokens in the step     -> ``per-query``
 4. an LSE is needed and the grouped backend has none    -> ``per-query``
-5. more than ``grouped_max_heads`` heads                -> ``per-query``
-6. otherwise                                            -> ``grouped`` with ``G = 64 / heads``
+5. ``gluon=True`` and at most ``GLUON_GROUPED_MAX_HEADS`` heads (8, 16 or 32)
+                                                        -> ``grouped`` Gluon, ``G = 64 / heads``
+6. more than ``grouped_max_heads`` heads                -> ``per-query``
+7. otherwise                                            -> ``grouped`` with ``G = 64 / heads``
 
 Why 64-row tiles and at most 8 heads on the Triton kernel (``G = 128 / heads`` fits a 128-row
 tile of a hand-written kernel): the Triton kernel holds 64 rows per program (128 rows spill
