@@ -57,8 +57,8 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     return first
 
 
-def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
-    """``value`` is an int (not a bool, not a float) and at least ``minimum``."""
+def check_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` is an int (not a bool, not a float), at least ``minimum`` and at most ``maximum``."""
     if isinstance(value, bool) or not isinstance(value, int):
         try:
             import numpy as np
@@ -71,6 +71,8 @@ def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
             raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})") from None
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum:,}, got {value:,}")
     return value
 
 

@@ -53,8 +53,10 @@ def _check_inputs(topk_pos, req_ids, block_table, block_size, block_stride, seq_
     t = topk_pos.shape[0]
     check_tensor("req_ids", req_ids, dtypes=INDEX_DTYPES, shape=(t,))
     check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
-    check_int("block_size", block_size, minimum=1)
-    check_int("block_stride", block_stride, minimum=1)
+    # rows are int32: a block or a stride past INT32_MAX rows addresses no row (and would overflow
+    # the int64 row arithmetic)
+    check_int("block_size", block_size, minimum=1, maximum=INT32_MAX)
+    check_int("block_stride", block_stride, minimum=1, maximum=INT32_MAX)
     if seq_lens is not None:
         check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(block_table.shape[0],))
         if seq_lens.device.type == "cpu" and bool((seq_lens < 0).any()):  # where the check costs no device sync
@@ -65,8 +67,10 @@ def _check_inputs(topk_pos, req_ids, block_table, block_size, block_stride, seq_
         if not isinstance(dcp, tuple) or len(dcp) != 3:
             raise TypeError(f"dcp must be DcpShard(world, interleave, rank), got {dcp!r}")
         world, interleave, rank = (check_int(f"dcp.{n}", v) for n, v in zip(DcpShard._fields, dcp))
-        if world < 1 or interleave < 1 or not 0 <= rank < world:
-            raise ValueError(f"dcp must have world >= 1, interleave >= 1, 0 <= rank < world, got {tuple(dcp)}")
+        if not (1 <= world <= INT32_MAX and 1 <= interleave <= INT32_MAX and 0 <= rank < world):
+            raise ValueError(
+                f"dcp must have 1 <= world, interleave <= {INT32_MAX} and 0 <= rank < world, got {tuple(dcp)}"
+            )
     check_same_device(
         topk_pos=topk_pos, req_ids=req_ids, block_table=block_table, seq_lens=seq_lens, topk_length=topk_length
     )

@@ -428,6 +428,11 @@ def _topk_rows() -> list[Row]:
         Row(f"{n}-block-size-0", _topk(block_size=0), Raises(ValueError, r"^block_size must be >= 1")),
         Row(f"{n}-block-size-float", _topk(block_size=4.0), Raises(TypeError, r"^block_size must be an int")),
         Row(f"{n}-block-stride-0", _topk(block_stride=0), Raises(ValueError, r"^block_stride must be >= 1")),
+        Row(f"{n}-block-stride-huge", _topk(block_stride=2**64 - 1), Raises(ValueError, r"^block_stride must be <=")),
+        Row(f"{n}-block-size-huge", _topk(block_size=2**63), Raises(ValueError, r"^block_size must be <=")),
+        Row(
+            f"{n}-dcp-world-huge", _topk(dcp=topk_mod.DcpShard(2**62, 2**62, 0)), Raises(ValueError, r"^dcp must have")
+        ),
         Row(
             f"{n}-seq-lens-shape",
             _topk(seq_lens=torch.ones(3, dtype=torch.int32)),
