@@ -144,6 +144,28 @@ def test_rows_empty_on_every_rank_merge_to_zero_and_neg_inf(dist_pool) -> None:
             assert bool((out == 0).all()) and bool(lse.isneginf().all())
 
 
+def _junk_in_empty_rows(group: dist.ProcessGroup) -> list:
+    """Each strategy's merge with rank 1's empty rows holding NaN, and with them holding 0."""
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(r)
+    out, lse = torch.randn(3, 2 * w, 8, generator=g), torch.randn(3, 2 * w, generator=g)
+    if r == 1:
+        lse[0] = -math.inf
+    junk = out.clone()
+    junk[torch.isneginf(lse)] = math.nan
+    strategies = ("all_to_all", "all_gather", "reduce_scatter")
+    return [(collect_partials(junk, lse, group, strategy=s), collect_partials(out * 1, lse, group, strategy=s))
+            for s in strategies]  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_empty_rows_contribute_nothing_whatever_they_hold(dist_pool) -> None:
+    for per_rank in dist_pool.run(_junk_in_empty_rows, world_size=3):
+        for (out, lse), (ref_out, ref_lse) in per_rank:
+            assert not bool(out.isnan().any())
+            assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
 def _bad_inputs(group: dist.ProcessGroup, case: str) -> tuple[str, str]:
     rank, w = dist.get_rank(group), dist.get_world_size(group)
     t, h = 4, 2 * w

@@ -62,6 +62,20 @@ def test_reference_matches_fp64_loops(p):
     assert float(out[0, 0].abs().sum()) == 0.0 and math.isinf(float(lse[0, 0]))
 
 
+@pytest.mark.parametrize("marker", [-math.inf, math.inf])
+@pytest.mark.parametrize("junk", [math.nan, math.inf, -math.inf])
+def test_reference_ignores_what_empty_partials_hold(marker, junk):
+    """An empty partial (LSE -inf, or FlashMLA's +inf) contributes nothing on the CPU path, as in the
+    kernels, whatever its output holds: NaN or inf included."""
+    outs, lses = make_partials(3, 3, 4, 8)
+    empty = torch.isneginf(lses)
+    ref_out, ref_lse = loop_merge(outs, lses)
+    lses[empty] = marker
+    outs[empty] = junk
+    out, lse = lse_merge(outs, lses)
+    assert_merged(out, lse, ref_out, ref_lse, atol=1e-5)
+
+
 def test_given_destinations_are_filled_in_place():
     outs, lses = make_partials(3, 2, 2, 8)
     out = torch.full((2, 2, 8), float("nan"), dtype=torch.float16)

@@ -70,6 +70,17 @@ def merge_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weights, lse
 
 
+def weighted(weights: torch.Tensor, outs: torch.Tensor) -> torch.Tensor:
+    """``weights[..., None] * outs`` in fp32, exactly 0 where a weight is 0: an empty partial
+    contributes nothing whatever its output holds (NaN or inf included), as in the merge kernels.
+
+    >>> weighted(torch.tensor([1.0, 0.0]), torch.tensor([[2.0], [float("nan")]])).tolist()
+    [[2.0], [0.0]]
+    """
+    w = weights.unsqueeze(-1)
+    return torch.where(w > 0, w * outs.float(), torch.zeros((), dtype=torch.float32, device=outs.device))
+
+
 def lse_merge_reference(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`lse_merge` (fp32 throughout).
 
@@ -80,7 +91,7 @@ def lse_merge_reference(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.T
         ``(out [T, H, D] in outs.dtype, lse [T, H] fp32)``.
     """
     weights, lse = merge_weights(lses)
-    out = (weights.unsqueeze(-1) * outs.float()).sum(dim=0)
+    out = weighted(weights, outs).sum(dim=0)
     return out.to(outs.dtype), lse
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_choice, check_same_device, check_tensor
-from shardattn.ops.lse_merge import merge_weights, run_lse_merge
+from shardattn.ops.lse_merge import merge_weights, run_lse_merge, weighted
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
 from shardattn.parallel.groups import GroupLike
@@ -173,7 +173,7 @@ def _reduce_scatter(
     t, h, dv = out.shape
     lses = comm.all_gather(lse)  # [W, T, H]
     weights, merged_lse = merge_weights(lses)
-    scaled = out.float() * weights[rank].unsqueeze(-1)  # [T, H, Dv] fp32; weight 0 on empty rows
+    scaled = weighted(weights[rank], out)  # [T, H, Dv] fp32; 0 on rows empty here
     if not scatter_heads:
         return comm.all_reduce(scaled).to(out.dtype), merged_lse
     hs = h // w
