@@ -104,6 +104,16 @@ def test_rows_past_24_bits_raise_for_groups_and_pass_for_one_query():
     assert union[0, : lens[0]].tolist() == [5, 2**24 + 3]
 
 
+@pytest.mark.parametrize("num_kv_rows", [2**31 - 1, 2**59, 2**63, 2**80])
+def test_a_cache_past_int32_rows_reads_every_int32_row(num_kv_rows):
+    """Rows are int32 (``2**31 - 1`` is never a row), so a cache of more rows takes every other
+    non-negative one: the same union as at ``2**31 - 1`` rows, whatever the size (no key arithmetic
+    overflow)."""
+    rows = torch.tensor([[3, 1, -1], [1, 2**31 - 1, 2], [5, 5, 2**31 - 2]], dtype=torch.int32)
+    union, lens = build_union(rows, group_size=1, num_kv_rows=num_kv_rows)
+    assert _decode(union, lens, 1) == _python_union(rows, 1, 2**31 - 1)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

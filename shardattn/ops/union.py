@@ -109,16 +109,17 @@ def build_union_reference(
     if t == 0 or k == 0:
         return union, lens
     r = rows.long()
-    valid = (r >= 0) & (r < num_kv_rows) & (r <= MAX_PLAIN_ROW)
+    span = min(max(num_kv_rows, 1), MAX_PLAIN_ROW + 1)  # every valid row is below it; keys fit int64
+    valid = (r >= 0) & (r < min(num_kv_rows, span))
     if topk_length is not None:
         valid &= torch.arange(k, device=dev)[None, :] < topk_length.long()[:, None]
     tok = torch.arange(t, device=dev)[:, None].expand(t, k)
     grp, j, r = (tok // group_size)[valid], (tok % group_size)[valid], r[valid]
-    keys = torch.unique((grp * max(num_kv_rows, 1) + r) * 8 + j)  # sorted; (group, row, query) once
+    keys = torch.unique((grp * span + r) * 8 + j)  # sorted; (group, row, query) once
     group_row, bit = keys // 8, torch.ones_like(keys) << (keys % 8)
     uniq, inverse = torch.unique_consecutive(group_row, return_inverse=True)
     bits = torch.zeros_like(uniq).scatter_add_(0, inverse, bit)
-    ug, ur = uniq // max(num_kv_rows, 1), uniq % max(num_kv_rows, 1)
+    ug, ur = uniq // span, uniq % span
     counts = torch.bincount(ug, minlength=g_count)
     start = torch.cumsum(counts, 0) - counts
     slot = torch.arange(uniq.numel(), device=dev) - start[ug]
