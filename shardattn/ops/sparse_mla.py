@@ -272,7 +272,8 @@ def sparse_mla_attention(
             (row ``p * page + i``), dequantised in the kernel (``D = 576``, ``v_dim = 512``).
         rows: ``[T, K]`` int32 global row ids; ``-1`` / out of range = invalid, anywhere;
             a row listed twice by one query is one key.
-        scale: softmax scale (``D ** -0.5`` for DSA models), finite and > 0.
+        scale: softmax scale, finite and > 0: the model's, not ``D ** -0.5`` of the absorbed rows
+            (:func:`~shardattn.plan.spec.mla_softmax_scale`; DeepSeek-V3.2: about 0.1352).
         v_dim: value width, 512 for DSA models.
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
         sinks: ``[H]`` fp32 per-head sink logits, optional.

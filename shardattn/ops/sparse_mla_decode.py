@@ -84,7 +84,8 @@ def sparse_mla_decode(
             rows, uint8 ``[R, 656]`` or paged ``[P, page, 656]`` (row ``p * page + i``; every
             kernel dequantises them before its bf16 matrix multiplies).
         rows: ``[T, K]`` int32 global rows; ``-1`` / out of range = invalid, anywhere.
-        scale: softmax scale. v_dim: value width (512).
+        scale: softmax scale, the model's (:func:`~shardattn.plan.spec.mla_softmax_scale`).
+        v_dim: value width (512).
         topk_length: ``[T]`` int32 per-row count of leading entries to use, optional.
         sinks: ``[H]`` fp32 sink logits, optional.
         rows_unique: the caller guarantees no row appears twice in a token's list (skips the

@@ -114,7 +114,8 @@ def sparse_mla_grouped_prefill(
             rows, uint8 ``[R, 656]`` or paged ``[P, page, 656]`` (dequantised in the kernel).
         rows: ``[T, K]`` int32 global rows; ``-1`` / out of range = invalid, anywhere;
             a row listed twice by one query is one key.
-        scale: softmax scale. v_dim: value width (512 for DSA models).
+        scale: softmax scale, the model's (:func:`~shardattn.plan.spec.mla_softmax_scale`).
+        v_dim: value width (512 for DSA models).
         topk_length: ``[T]`` int32, optional. sinks: ``[H]`` fp32, optional.
         group_size: ``G`` in ``(1, 2, 4, 8)``; default :func:`default_group_size`.
         return_lse: also return the LSE.

@@ -160,7 +160,8 @@ def pcp_prefill(
         plan: :func:`~shardattn.plan.pcp_plan` of the step (``world_size`` = the group's).
         group: the PCP process group or a :class:`~shardattn.parallel.comm.Comm`
             (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
-        scale: softmax scale. v_dim: value width (512 for DSA models).
+        scale: softmax scale, the model's (:func:`~shardattn.plan.spec.mla_softmax_scale`).
+        v_dim: value width (512 for DSA models).
         kv_cache: ``[R, D]`` rows of the paged cache holding the cached prefixes (the same on
             every rank; in ``kv_new``'s format: ``fp8_ds_mla`` rows may be paged
             ``[P, block_size, 656]``), with ``block_table [num_requests, M]`` int32 and

@@ -165,7 +165,8 @@ def shardq_prefill(
         plan: :func:`~shardattn.plan.zigzag_split` of the step (``world_size`` = the group's).
         group: the TP process group, or a :class:`~shardattn.parallel.comm.Comm` over it
             (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
-        scale: softmax scale. v_dim: value width (512 for DSA models).
+        scale: softmax scale, the model's (:func:`~shardattn.plan.spec.mla_softmax_scale`).
+        v_dim: value width (512 for DSA models).
         topk_length: ``[T]`` int32 per-token count of leading ``rows`` entries to use, optional.
         sinks: ``[H]`` fp32 per-head sink logits (all heads), optional.
         return_lse: also return the LSE (packed into the second all-to-all).
