@@ -660,10 +660,15 @@ def _fp8_body(group, mode: str) -> dict:
     dec8 = rt8.decode(qd, local8, s.local_table, s.seq_lens, **meta)
     dec = rt.decode(qd, local, s.local_table, s.seq_lens, **meta)
     res["decode"] = all(torch.equal(a, b) for a, b in zip(dec8, dec))
-    for name, bad in {
+    bad_calls = {
         "prefill-float-cache": lambda: rt8.prefill(q, **call, **lens),
         "decode-float-cache": lambda: rt8.decode(qd, local, s.local_table, s.seq_lens, **meta),
-    }.items():
+        # pages of 8 rows where the block table's (the model's) hold 16: read as such, they are other rows
+        "decode-other-pages": lambda: rt8.decode(qd, local8.view(-1, 8, 656), s.local_table, s.seq_lens, **meta),
+    }
+    if plan.step == "pcp":
+        bad_calls["prefill-other-pages"] = lambda: rt8.prefill(q, **{**call8, "kv_cache": kv8.view(-1, 8, 656)}, **lens)
+    for name, bad in bad_calls.items():
         try:
             bad()
             res[name] = None
@@ -677,11 +682,14 @@ def _fp8_body(group, mode: str) -> dict:
 def test_fp8_kv_runtime_equals_the_bf16_runtime_on_the_dequantised_rows(dist_pool, mode: str) -> None:
     """kv_dtype="fp8_ds_mla": ShardQ / PCP / head-TP prefill and DCP / head-TP decode read FP8 caches
     (a rank's paged shard included) and give the bits of a Runtime of dense rows on the rows they
-    dequantise to; a cache in another format is refused, naming it and the format; the routes say so."""
+    dequantise to; a cache in another format, or paged in other pages than the model's (which its block
+    table follows), is refused, naming it; the routes say so."""
     for res in dist_pool.run(_fp8_body, mode, world_size=2):
         assert res["prefill"] and res["decode"], res
         assert "fp8_ds_mla" in res["prefill-float-cache"] and "fp8_ds_mla" in res["decode-float-cache"], res
         assert res["reason"].endswith("; fp8_ds_mla KV rows"), res
+        for name in ("decode-other-pages", "prefill-other-pages")[: 2 if mode == "pcp" else 1]:
+            assert res[name].startswith("kv_cache must hold pages of 16 tokens (the model's page_size"), res
 
 
 def test_fp8_kv_dtype_sizes_the_workspace_and_is_refused_where_it_does_not_apply() -> None:

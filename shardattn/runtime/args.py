@@ -26,7 +26,15 @@ from shardattn._checks import FLOAT_DTYPES, check_tensor
 from shardattn.parallel.comm import Comm
 from shardattn.plan._common import as_lengths
 
-__all__ = ["as_index", "check_queries", "host_lengths", "prefill_lengths", "reject"]
+__all__ = [
+    "as_index",
+    "check_gqa_cache",
+    "check_paged_rows",
+    "check_queries",
+    "host_lengths",
+    "prefill_lengths",
+    "reject",
+]
 
 _INT32 = torch.iinfo(torch.int32)
 #: Integer dtypes converted to int32 (narrower ones are exact; int64 is checked or saturated).
@@ -133,6 +141,43 @@ def check_queries(q: object, *, tokens: int, heads: int, head_dim: int, tokens_f
         raise ValueError(f"q must hold {heads_from}, got {h} heads (shape {list(q.shape)})")
     if d != head_dim:
         raise ValueError(f"q must have last dim {head_dim} (the model's head_dim), got {d}")
+
+
+def check_gqa_cache(
+    kv_cache: object, *, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+    kv_heads_from: str,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``kv_cache`` is a GQA ``(k_cache, v_cache)`` pair, each ``[pages, page_size, kv_heads,
+    head_dim]`` in ``dtype`` on ``device``; returns the pair. A mismatch names the tensor, and for
+    the head count where it comes from (``kv_heads_from``, for the message): a cache of the wrong
+    heads or pages would be read as another one, silently."""
+    if not (isinstance(kv_cache, tuple | list) and len(kv_cache) == 2):
+        got = type(kv_cache).__name__
+        raise TypeError(f"kv_cache of a GQA model must be a (k_cache, v_cache) pair of tensors, got {got}")
+    kc, vc = kv_cache
+    want = (page_size, kv_heads, head_dim)
+    if not (type(kc) is torch.Tensor and kc.dim() == 4 and tuple(kc.shape[1:]) == want and kc.dtype == dtype
+            and kc.device == device):  # fmt: skip
+        check_tensor("kv_cache[0]", kc, dtypes=(dtype,), ndim=4, device=device)
+        if kc.shape[2:] != want[1:]:
+            raise ValueError(
+                f"kv_cache[0] must have shape [pages, {page_size}, {kv_heads}, {head_dim}] ({kv_heads_from}), "
+                f"got {list(kc.shape)}"
+            )
+        check_paged_rows("kv_cache[0]", kc, page_size)
+    if not (type(vc) is torch.Tensor and vc.shape == kc.shape and vc.dtype == dtype and vc.device == device):
+        check_tensor("kv_cache[1]", vc, dtypes=(dtype,), shape=tuple(kc.shape), device=device)
+    return kc, vc
+
+
+def check_paged_rows(name: str, cache: torch.Tensor, page_size: int) -> None:
+    """A paged cache ``[pages, page, ...]`` holds the model's ``page_size`` rows a page: its block
+    table's pages are read as ``page_size`` tokens each (``ModelSpec.page_size``)."""
+    if cache.shape[1] != page_size:
+        raise ValueError(
+            f"{name} must hold pages of {page_size} tokens (the model's page_size, which its block_table's pages "
+            f"follow; a ModelSpec with page_size={cache.shape[1]} reads this cache), got shape {list(cache.shape)}"
+        )
 
 
 def reject(comm: Comm, error: BaseException, *, collective: bool, check: bool) -> NoReturn:

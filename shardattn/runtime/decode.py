@@ -14,18 +14,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardattn._checks import check_bool, check_int, check_tensor
+from shardattn._checks import check_bool, check_int, check_sink_logits, check_tensor
 from shardattn.ops.gqa_decode import gqa_paged_decode
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import convert_topk
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.dcp import dcp_sparse_mla_decode
 from shardattn.parallel.dcp_gqa import dcp_gqa_decode
+from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.parallel.packing import view_bytes
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.decode_batch import DecodeBatch, plan_decode_batch
 from shardattn.plan.spec import ModelSpec
-from shardattn.runtime.args import as_index, reject
+from shardattn.runtime.args import as_index, check_gqa_cache, check_paged_rows, reject
 from shardattn.runtime.modes import GQA_BACKEND
 from shardattn.runtime.workspace import RuntimeWorkspace
 
@@ -95,6 +96,21 @@ class DecodeStep:
     staging: PinnedStaging = field(default_factory=PinnedStaging, compare=False, repr=False)
     kv_rows: Callable[[str, torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
     bypass: Callable[[torch.dtype], None] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def _kv_heads(self) -> tuple[int, int]:
+        """``[start, stop)`` of the GQA KV heads this rank's cache holds: all under DCP, the rank's
+        under head-TP."""
+        if self.dcp:
+            return 0, self.spec.num_kv_heads
+        return head_tp_kv_heads(self.spec.num_heads, self.spec.num_kv_heads, self.comm.world_size, self.comm.rank)
+
+    @property
+    def _kv_heads_from(self) -> str:
+        lo, hi = self._kv_heads
+        if self.dcp:
+            return f"all {hi} KV heads under DCP (the tokens are split, not the heads)"
+        return f"this rank's {hi - lo} KV head(s) [{lo}, {hi}) of {self.spec.num_kv_heads} under head-TP"
 
     def local_heads(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice ``[rank * H/W, (rank + 1) * H/W)`` of a per-head tensor."""
@@ -223,15 +239,25 @@ class DecodeStep:
             req_ids, cu_q_lens = as_index("req_ids", req_ids, q.device), as_index("cu_q_lens", cu_q_lens, q.device)
             k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.ws.topk
             self.ws.check("decode", "dcp" if dcp else "headtp", tokens=t, topk=k)
+            if sinks is not None:  # every head's, checked before a rank takes its slice
+                check_sink_logits(sinks, self.spec.num_heads, device=q.device)
             if self.spec.kind == "sparse_mla":
                 if topk_pos is None or req_ids is None:
                     raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
                 if not isinstance(kv_cache, torch.Tensor):
                     raise TypeError("kv_cache of a sparse-MLA model must be one [R, D] tensor")
+                if kv_cache.dim() == 3:  # paged rows: the block table's pages are the model's
+                    check_paged_rows("kv_cache", kv_cache, self.spec.page_size)
                 if self.kv_rows is not None:  # the Runtime's KV format (rows in q's dtype, or fp8_ds_mla)
                     kv_cache = self.kv_rows("kv_cache", kv_cache)
-            elif not (isinstance(kv_cache, tuple | list) and len(kv_cache) == 2):
-                raise TypeError("kv_cache of a GQA model must be a (k_cache, v_cache) pair")
+            else:
+                for name, x in (("topk_pos", topk_pos), ("req_ids", req_ids), ("topk_length", topk_length)):
+                    if x is not None:
+                        raise ValueError(f"{name} is sparse MLA's; a GQA decode attends every earlier token: pass None")
+                kv_cache = check_gqa_cache(
+                    kv_cache, page_size=self.spec.page_size, kv_heads=self._kv_heads[1] - self._kv_heads[0],
+                    head_dim=dim, dtype=q.dtype, device=q.device, kv_heads_from=self._kv_heads_from,
+                )  # fmt: skip
         except (TypeError, ValueError) as e:
             reject(self.comm, e, collective=dcp, check=check)
         # the buffers are sized for the spec's dtype; other dtypes (fp32 on a CPU) allocate per step

@@ -38,7 +38,7 @@ from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.parallel.gqa_prefill import PCPSegments, gqa_prefill_pcp, pcp_segments
 from shardattn.plan.pcp import PCPPlan
 from shardattn.plan.spec import ModelSpec
-from shardattn.runtime.args import as_index, check_queries
+from shardattn.runtime.args import as_index, check_gqa_cache, check_queries
 
 __all__ = ["GQAStepPlan", "check_gqa_prefill_inputs", "plan_gqa_step", "run_gqa_prefill_step"]
 
@@ -174,19 +174,14 @@ def check_gqa_prefill_inputs(
         if block_table is not None:
             raise ValueError("block_table goes with kv_cache (the paged cache); pass both or neither")
         return out
-    kc, vc = _pair("kv_cache", kv_cache, "the paged cache")
-    if not (type(kc) is torch.Tensor and kc.dim() == 4 and _is(kc, (*kc.shape[:2], hkv, d), dtype, device)):
-        check_tensor("kv_cache[0]", kc, dtypes=(dtype,), ndim=4, device=device)
-        if tuple(kc.shape[2:]) != (hkv, d):
-            if step == "pcp":
-                kv_heads_from = f"all {hkv} KV heads under PCP"
-            else:
-                kv_heads_from = f"this rank's {hkv} KV head(s) [{lo}, {hi}) of {spec.num_kv_heads} under head-TP"
-            raise ValueError(
-                f"kv_cache[0] must have shape [pages, page_size, {hkv}, {d}] ({kv_heads_from}), got {list(kc.shape)}"
-            )
-    if not _is(vc, kc.shape, dtype, device):
-        check_tensor("kv_cache[1]", vc, dtypes=(dtype,), shape=tuple(kc.shape), device=device)
+    if step == "pcp":
+        kv_heads_from = f"all {hkv} KV heads under PCP"
+    else:
+        kv_heads_from = f"this rank's {hkv} KV head(s) [{lo}, {hi}) of {spec.num_kv_heads} under head-TP"
+    kc, vc = check_gqa_cache(
+        kv_cache, page_size=spec.page_size, kv_heads=hkv, head_dim=d, dtype=dtype, device=device,
+        kv_heads_from=kv_heads_from,
+    )  # fmt: skip
     table = block_table
     if not (type(table) is torch.Tensor and table.dtype == torch.int32):
         table = as_index("block_table", block_table)

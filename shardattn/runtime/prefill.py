@@ -33,7 +33,7 @@ from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.routing import Route
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.zigzag import ShardPlan
-from shardattn.runtime.args import as_index, check_queries
+from shardattn.runtime.args import as_index, check_paged_rows, check_queries
 from shardattn.runtime.workspace import WorkspaceExceededError
 
 __all__ = ["PrefillPlan", "check_prefill_inputs", "run_prefill_step", "shardq_buffers", "workspace_prefill_attention"]
@@ -146,6 +146,8 @@ def check_prefill_inputs(
         )  # fmt: skip
     fp8 = kv_format == KV_FP8_DS_MLA or (kv_format is None and kv_cache is not None and kv_cache.dtype == torch.uint8)
     if kv_cache is not None and (fp8 or kv_format is not None):  # a declared format, or fp8_ds_mla rows
+        if plan.step == "pcp" and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3:
+            check_paged_rows("kv_cache", kv_cache, spec.page_size)  # the block table's pages are the model's
         kv_cache, _ = resolve_kv("kv_cache", kv_cache, head_dim=spec.head_dim, v_dim=spec.v_dim, kv_format=kv_format)
     elif kv_cache is not None:
         check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)

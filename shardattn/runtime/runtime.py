@@ -100,7 +100,7 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
             ``"fp8_ds_mla"`` (sparse-MLA DSA models; the Gluon kernels need bf16 queries): every
             step reads 656-byte FP8 rows (:mod:`shardattn.ops.kv_fp8`; DCP shards, PCP's gathered
             rows and prefix cache, ShardQ's and head-TP's cache all in that format, flat or paged
-            ``[pages, page_size, 656]``), the workspace is sized for them and the warm-up compiles
+            ``[pages, spec.page_size, 656]``), the workspace is sized for them and the warm-up compiles
             the FP8 kernel variants. A step's cache in another format is a ``ValueError`` naming
             it and the format. A property of the cache, so of both prefill and decode steps.
         host_id: this rank's host identity (default: host name and boot id,

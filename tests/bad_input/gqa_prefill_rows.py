@@ -277,7 +277,12 @@ def runtime_rows() -> list[Row]:
         (
             f"{n}-kv-cache-other-heads",
             _runtime(kv_cache=lambda x: (x["k_cache"][:, :, :1], x["v_cache"][:, :, :1])),
-            Raises(ValueError, r"^kv_cache\[0\] must have shape \[pages, page_size, 2, 16\]"),
+            Raises(ValueError, r"^kv_cache\[0\] must have shape \[pages, 4, 2, 16\] \(this rank.s 2 KV head"),
+        ),
+        (
+            f"{n}-kv-cache-other-pages",
+            _runtime(kv_cache=lambda x: (x["k_cache"].view(-1, 2, 2, 16), x["v_cache"].view(-1, 2, 2, 16))),
+            Raises(ValueError, r"^kv_cache\[0\] must hold pages of 4 tokens \(the model's page_size"),
         ),
         (
             f"{n}-rows-given",

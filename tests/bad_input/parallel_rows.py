@@ -511,6 +511,35 @@ def parallel_rows() -> list[Row]:
             Raises(ValueError, r"^seq_lens must be >= 0"),
         ),
         (
+            "Runtime.decode-gqa-headtp-kv-other-heads",
+            _runtime_step("decode", GQA_SPEC, "headtp", kv_cache=lambda a: tuple(c[:, :, :1] for c in a["kv_cache"])),
+            Raises(ValueError, r"^kv_cache\[0\] must have shape \[pages, 4, 2, 16\] \(this rank's 2 KV head"),
+        ),
+        (
+            "Runtime.decode-gqa-dcp-kv-other-heads",
+            _runtime_step(
+                "decode", GQA_SPEC, "dcp-decode", kv_cache=lambda a: tuple(c[:, :, :1] for c in a["kv_cache"])
+            ),
+            Raises(ValueError, r"^kv_cache\[0\] must have shape \[pages, 4, 2, 16\] \(all 2 KV heads under DCP"),
+        ),
+        (
+            "Runtime.decode-gqa-kv-other-pages",
+            _runtime_step(
+                "decode", GQA_SPEC, "headtp", kv_cache=lambda a: tuple(c.view(-1, 2, 2, 16) for c in a["kv_cache"])
+            ),
+            Raises(ValueError, r"^kv_cache\[0\] must hold pages of 4 tokens \(the model's page_size"),
+        ),
+        (
+            "Runtime.decode-gqa-topk-pos",
+            _runtime_step("decode", GQA_SPEC, "headtp", topk_pos=torch.zeros(2, 4, dtype=torch.int32)),
+            Raises(ValueError, r"^topk_pos is sparse MLA's; a GQA decode attends every earlier token"),
+        ),
+        (
+            "Runtime.decode-headtp-sinks-of-the-rank",
+            _runtime_step("decode", MLA_SPEC, "headtp", sinks=torch.zeros(4)),
+            Raises(ValueError, r"^sinks must have shape \[8\]"),
+        ),
+        (
             "Runtime.decode-gqa-headtp-q-len-0",
             _runtime_step("decode", GQA_SPEC, "headtp", q_len_per_req=0),
             Raises(ValueError, r"^q_len_per_req must be >= 1"),
