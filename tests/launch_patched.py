@@ -40,11 +40,11 @@ def _oracle() -> None:
         out, lse = gqa_oracle(q, k_cache, v_cache, block_table, seq_lens, cu_q_lens.tolist(), scale=scale, **kw)
         return out.to(q.device), lse.to(q.device)
 
-    def gqa_prefill(q, k, v, cu, *, k_cache, v_cache, block_table, prefix_lens, sinks, scale, **kw):
+    def gqa_prefill(q, k, v, cu, *, k_cache, v_cache, block_table, prefix_lens, sinks, scale, window_left, **kw):
         lens = (cu[1:] - cu[:-1]).tolist()
         out, lse = gqa_prefill_oracle(
             q, k, v, lens, scale=scale, prefix_lens=prefix_lens.tolist(), k_cache=k_cache, v_cache=v_cache,
-            block_table=block_table.cpu(), sinks=sinks,
+            block_table=block_table.cpu(), sinks=sinks, window_left=window_left,
         )  # fmt: skip
         return out.to(q.device), lse.to(q.device)
 

@@ -28,6 +28,7 @@ from shardattn.plan import dcp_owner
         (["--cached", "1,x"], r"expected comma-separated integers"),
         (["--timeout", "0"], r"--timeout must be >= 1"),
         (["--query-len", "0"], r"--query-len entries must be >= 1"),
+        (["--window", "-2"], r"--window must be >= -1, got -2"),
         (["--bogus"], r"unrecognized arguments: --bogus"),
     ],
     ids=[
@@ -37,6 +38,7 @@ from shardattn.plan import dcp_owner
         "bad-list",
         "timeout",
         "query-len",
+        "window",
         "unknown",
     ],
 )
@@ -71,6 +73,9 @@ CPU = torch.device("cpu")
         (["--overlap", "1.5"], 2, r"overlap as a number must be in \[0, 1\], got 1.5"),
         (["--overlap", "lots"], 2, r"overlap must be one of \['dsa', 'dsa_low', 'random'\]"),
         (["--graph"], 2, r"--graph captures CUDA graphs and needs a GPU per rank"),
+        (["--window", "4"], 2, r"--window is a GQA model's sliding window; glm5 is a sparse-MLA model"),
+        (["--preset", "gqa-64-8", "--window", "4"], 2, r"--window: mode dcp-decode decodes with DCP, which refuses"),
+        (["--preset", "gqa-64-8", "--mode", "pcp", "--window", "4"], 2, r"--window: mode pcp decodes with DCP"),
         (
             ["--preset", "gqa-64-8", "--kv-dtype", "fp8_ds_mla"],
             2,
@@ -91,6 +96,9 @@ CPU = torch.device("cpu")
         "overlap-range",
         "overlap-name",
         "graph-needs-gpu",
+        "window-mla",
+        "window-dcp-decode",
+        "window-pcp",
         "fp8-kv-gqa",
     ],
 )

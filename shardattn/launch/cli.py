@@ -73,6 +73,7 @@ class Options:
     topk_file: str | None = None
     query_lens: tuple[int, ...] | None = None
     causal: bool = True
+    window: int = -1
     interleave: int = 1
     min_shard_tokens: int | None = None
     iters: int | None = None
@@ -169,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode query tokens per request, drafts included (Q or Q1,..; default 1)",
     )
     a("--non-causal", dest="causal", action="store_false", help="speculative drafts see every KV token")
+    a(
+        "--window",
+        type=int,
+        default=-1,
+        help="GQA presets: a sliding window, each query sees its last N + 1 keys (prefill and head-TP decode; "
+        "default -1: none)",
+    )
     a("--interleave", type=int, default=1, help="DCP interleave size (KV tokens per rank block)")
     a("--min-shard-tokens", type=int, default=None, help="ShardQ gate (default: 1 CPU, the planner's on GPU)")
     a("--iters", type=int, default=None, help="timed iterations (default: 3 CPU, 20 GPU)")
@@ -246,6 +254,7 @@ def _check_ranges(o: Options) -> None:
     positive("iters", o.iters)
     positive("warmup", o.warmup, 0)
     positive("interleave", o.interleave)
+    positive("window", o.window, -1)
     positive("min-shard-tokens", o.min_shard_tokens)
     positive("timeout", o.timeout, 1)
     positive("progress-after", o.progress_after, 0)

@@ -94,7 +94,7 @@ def prepare_gqa_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
         tokens=s.tokens, **_step_args(cfg, mla=False),
     )  # fmt: skip
     plan = rt.plan_prefill(g.query_lens, g.prefix_lens)
-    dev = cfg.device
+    dev, window = cfg.device, cfg.opts.window
     if plan.step == "pcp":
         mine = plan.tokens_of(rt.rank).to(dev)
         q, kv_new, cache = g.q[mine], (g.k[mine], g.v[mine]), (g.k_cache, g.v_cache)
@@ -114,14 +114,17 @@ def prepare_gqa_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
             return _heads(rt, full, r)
 
     def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return rt.prefill(q, cache, kv_new=kv_new, block_table=g.block_table, plan=plan, sinks=g.sinks, check=check)
+        return rt.prefill(
+            q, cache, kv_new=kv_new, block_table=g.block_table, plan=plan, sinks=g.sinks, window_left=window,
+            check=check,
+        )  # fmt: skip
 
     def reference() -> tuple[torch.Tensor, torch.Tensor]:
         cu = torch.tensor([0, *g.query_lens], device=dev).cumsum(0).to(torch.int32)
         return gqa_prefill(
             g.q, g.k, g.v, cu, k_cache=g.k_cache, v_cache=g.v_cache, block_table=g.block_table,
             prefix_lens=torch.tensor(g.prefix_lens, dtype=torch.int32, device=dev), sinks=g.sinks, scale=rt.scale,
-            return_lse=True, backend="reference",
+            window_left=window, return_lse=True, backend="reference",
         )  # fmt: skip
 
     positions = [p + j for p, n in zip(g.prefix_lens, g.query_lens) for j in range(n)]
@@ -243,9 +246,16 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
         )
         q_local = _heads(rt, g.q).contiguous()
         local_lens = rt.layout.local_seq_lens(g.seq_lens, rt.rank) if dcp else g.seq_lens
-        work = int(local_lens.sum()) * spec.num_kv_heads * spec.head_dim * 2 * elem
-        work += g.num_tokens * spec.num_heads * spec.head_dim * 2 * elem
-        causal = cfg.opts.causal
+        # DCP: the rank's tokens of every KV head; head-TP: the rank's KV heads of every token
+        lo, hi = (
+            (0, spec.num_kv_heads)
+            if dcp
+            else head_tp_kv_heads(spec.num_heads, spec.num_kv_heads, rt.world_size, rt.rank)
+        )
+        cache = (g.local_k_cache[:, :, lo:hi].contiguous(), g.local_v_cache[:, :, lo:hi].contiguous())
+        work = int(local_lens.sum()) * (hi - lo) * spec.head_dim * 2 * elem
+        work += g.num_tokens * (spec.num_heads if dcp else rt.heads_per_rank) * spec.head_dim * 2 * elem
+        causal, window = cfg.opts.causal, cfg.opts.window
 
         # the host plan of the batch (DCP: per-query local lengths and block-table rows, one
         # pinned tensor, one copy per step): the lean step, no device index arithmetic
@@ -254,11 +264,12 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
         def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
             return rt.decode(
                 q_local,
-                (g.local_k_cache, g.local_v_cache),
+                cache,
                 g.local_block_table,
                 g.seq_lens,
                 cu_q_lens=g.cu_q_lens,
                 sinks=g.sinks,
+                window_left=window,
                 batch=batch,
                 check=check,
             )
@@ -272,6 +283,7 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
                 g.seq_lens,
                 g.cu_q_lens,
                 causal=causal,
+                window_left=window,
                 sinks=g.sinks,
                 scale=rt.scale,
             )

@@ -43,6 +43,7 @@ from shardattn.plan.cost import CostModel, load_calibration
 from shardattn.plan.kv_format import FP8_DS_MLA_DIMS, KV_FP8_DS_MLA
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
+from shardattn.runtime.modes import DECODE_STEP
 from shardattn.runtime.options import DecodeOptions, PrefillOptions
 from shardattn.runtime.runtime import Runtime
 from shardattn.workload import load_topk_dump
@@ -92,7 +93,15 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
         )
     if opts.fail_rank is not None and opts.fail_rank >= world_size:
         raise _fail(f"--fail-rank {opts.fail_rank} is not a rank of this world of {world_size}")
-    steps = {"dcp-decode": ("decode",), "mixed": ("prefill", "decode")}.get(mode, ("prefill",))
+    # each mode's steps (runtime.modes); --compare sets prefill paths side by side, nothing else
+    steps = ("decode",) if mode == "dcp-decode" else ("prefill",) if opts.compare else ("prefill", "decode")
+    if opts.window >= 0 and mla:
+        raise _fail(f"--window is a GQA model's sliding window; {opts.preset} is a sparse-MLA model")
+    if opts.window >= 0 and DECODE_STEP[mode] == "dcp":
+        raise _fail(
+            f"--window: mode {mode} decodes with DCP, which refuses a sliding window (a global window is not a "
+            "local one); use --mode headtp"
+        )
     recorded = None
     if opts.topk_file is not None:
         if "prefill" not in steps:
