@@ -16,7 +16,7 @@ import torch.distributed as dist
 from shardattn import PrefillOptions, Runtime, convert_topk, mla_softmax_scale, sparse_mla_reference
 from shardattn.launch.local import run_ranks
 
-SEQ_LENS, CACHED, TOPK, PAGE = [96, 64], [32, 0], 32, 64
+QUERY_LENS, CACHED, TOPK, PAGE = [96, 64], [32, 0], 32, 64
 # the model's softmax scale, from its config.json (GLM-5: qk_nope_head_dim 192, qk_rope_head_dim 64)
 SCALE = mla_softmax_scale(192, 64)
 
@@ -41,12 +41,12 @@ def main(group: dist.ProcessGroup) -> None:
     gen = torch.Generator(device=device).manual_seed(0)  # same inputs on every rank
 
     # the paged KV cache (replicated under TP): request r's tokens live in blocks table[r]
-    kv_lens = [c + n for c, n in zip(CACHED, SEQ_LENS)]
+    kv_lens = [c + n for c, n in zip(CACHED, QUERY_LENS)]
     table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device=device)
     kv = torch.randn(3 * PAGE, spec.head_dim, generator=gen, device=device).to(dtype)
     # every new token's top-k: request-local positions up to its own (-1 = none)
-    req = torch.repeat_interleave(torch.arange(len(SEQ_LENS), device=device), torch.tensor(SEQ_LENS, device=device))
-    pos = torch.cat([c + torch.arange(n, device=device) for c, n in zip(CACHED, SEQ_LENS)])
+    req = torch.repeat_interleave(torch.arange(len(QUERY_LENS), device=device), torch.tensor(QUERY_LENS, device=device))
+    pos = torch.cat([c + torch.arange(n, device=device) for c, n in zip(CACHED, QUERY_LENS)])
     topk_pos = (torch.rand(len(pos), TOPK, generator=gen, device=device) * (pos[:, None] + 1)).int()
     topk_pos[:, -4:] = -1  # a few invalid entries per row
     rows, _ = convert_topk(
@@ -55,11 +55,11 @@ def main(group: dist.ProcessGroup) -> None:
     q = torch.randn(len(pos), spec.num_heads, spec.head_dim, generator=gen, device=device).to(dtype)
 
     q_local = q[:, rank * h : (rank + 1) * h].contiguous()  # this rank's heads, as TP gives them
-    out, lse = rt.prefill(q_local, kv, rows, query_lens=SEQ_LENS, prefix_lens=CACHED)
+    out, lse = rt.prefill(q_local, kv, rows, query_lens=QUERY_LENS, prefix_lens=CACHED)
 
     ref_out, _ = sparse_mla_reference(q, kv, rows, scale=SCALE, v_dim=spec.v_dim)
     err = (out.float() - ref_out[:, rank * h : (rank + 1) * h].float()).abs().max().item()
-    plan = rt.plan_prefill(SEQ_LENS, CACHED)
+    plan = rt.plan_prefill(QUERY_LENS, CACHED)
     print(
         f"rank {rank}: q {tuple(q_local.shape)} -> out {tuple(out.shape)}, lse {tuple(lse.shape)}; "
         f"ran {int(plan.token_plan.counts[rank])} tokens x {spec.num_heads} heads ({plan.route.path}); "

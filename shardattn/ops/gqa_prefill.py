@@ -1,13 +1,13 @@
 """GQA prefill: varlen causal attention of new tokens over their request's cached prefix and themselves.
 
-Request ``b`` brings ``n_b = cu_seqlens[b + 1] - cu_seqlens[b]`` new tokens (rows of ``q``, ``k``,
+Request ``b`` brings ``n_b = cu_q_lens[b + 1] - cu_q_lens[b]`` new tokens (rows of ``q``, ``k``,
 ``v`` in token order) after ``P_b = prefix_lens[b]`` cached ones (0 without a prefix). Its new
 token ``j`` sits at position ``p = P_b + j`` and sees the keys at positions ``t`` with::
 
     lo <= t <= p,   lo = max(0, p - window_left) with a window (window_left >= 0), else 0
 
 A key at ``t < P_b`` is ``k_cache[block_table[b, t // page], t % page]`` (the paged layout of
-:mod:`shardattn.ops.gqa_decode`); a key at ``t >= P_b`` is row ``cu_seqlens[b] + t - P_b`` of
+:mod:`shardattn.ops.gqa_decode`); a key at ``t >= P_b`` is row ``cu_q_lens[b] + t - P_b`` of
 ``k`` / ``v``. Query head ``h`` reads KV head ``h // (H / Hkv)``. Sinks add one fp32 logit per
 query head (natural log, not scaled) to the softmax denominator and the LSE. LSE: fp32, natural
 log, ``[T, H]``; every query sees at least itself, so no row of a prefill is empty (an empty row
@@ -185,7 +185,7 @@ def _check_inputs(
     q: torch.Tensor,
     k: torch.Tensor | None,
     v: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
     k_cache: torch.Tensor | None,
     v_cache: torch.Tensor | None,
     block_table: torch.Tensor | None,
@@ -197,23 +197,23 @@ def _check_inputs(
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     t, h, _ = q.shape
     hkv = check_new_keys(q, k, v, k_cache)
-    check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, ndim=1)
-    if cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens must have B + 1 >= 1 entries, got 0")
-    batch = cu_seqlens.numel() - 1
+    check_tensor("cu_q_lens", cu_q_lens, dtypes=INDEX_DTYPES, ndim=1)
+    if cu_q_lens.numel() < 1:
+        raise ValueError("cu_q_lens must have B + 1 >= 1 entries, got 0")
+    batch = cu_q_lens.numel() - 1
     check_int("window_left", window_left, minimum=-1)
     check_bool("return_lse", return_lse)
     if sinks is not None:
         check_sink_logits(sinks, h)
     has_prefix = check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, prefix_lens, batch)
     check_same_device(
-        q=q, k=k, v=v, cu_seqlens=cu_seqlens, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+        q=q, k=k, v=v, cu_q_lens=cu_q_lens, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
         prefix_lens=prefix_lens, sinks=sinks,
     )  # fmt: skip
-    if cu_seqlens.device.type == "cpu":
-        cu = cu_seqlens.tolist()
+    if cu_q_lens.device.type == "cpu":
+        cu = cu_q_lens.tolist()
         if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or cu[-1] != t:
-            raise ValueError(f"cu_seqlens must start at 0, not decrease and end at q's {t} tokens, got {cu[:9]}")
+            raise ValueError(f"cu_q_lens must start at 0, not decrease and end at q's {t} tokens, got {cu[:9]}")
         if k is None and prefix_lens.device.type == "cpu" and batch:
             capacity = block_table.shape[1] * k_cache.shape[1]
             seq = [p + b - a for p, a, b in zip(prefix_lens.tolist(), cu, cu[1:])]
@@ -229,7 +229,7 @@ def gqa_prefill(
     q: torch.Tensor,
     k: torch.Tensor | None,
     v: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
     *,
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
@@ -247,7 +247,7 @@ def gqa_prefill(
         q: ``[T, H, D]`` fp16/bf16/fp32, the new tokens' queries, requests in order.
         k, v: ``[T, Hkv, D]`` the new tokens' keys and values in q's dtype (``H % Hkv == 0``), or
             both ``None``: they are in the paged cache after each request's prefix (module docstring).
-        cu_seqlens: ``[B + 1]`` int32 offsets of the requests' new tokens (``cu_seqlens[-1] == T``;
+        cu_q_lens: ``[B + 1]`` int32 offsets of the requests' new tokens (``cu_q_lens[-1] == T``;
             checked when on the CPU, the caller's promise on a GPU). Empty requests are allowed.
         k_cache, v_cache: ``[num_pages, page, Hkv, D]`` paged cache holding the cached prefixes
             (q's dtype), with block_table ``[B, max_pages]`` int32 and prefix_lens ``[B]`` int32
@@ -275,7 +275,7 @@ def gqa_prefill(
     """
     check_choice("backend", backend, BACKENDS)
     has_prefix = _check_inputs(
-        q, k, v, cu_seqlens, k_cache, v_cache, block_table, prefix_lens, sinks, window_left, return_lse
+        q, k, v, cu_q_lens, k_cache, v_cache, block_table, prefix_lens, sinks, window_left, return_lse
     )
     scale = q.shape[-1] ** -0.5 if scale is None else check_scale("scale", scale)
     route = gqa_prefill_route(q, k_cache if k is None else k, backend=backend)
@@ -284,7 +284,7 @@ def gqa_prefill(
         capacity = block_table.shape[1] * k_cache.shape[1]
         prefix = PagedPrefix(k_cache, v_cache, block_table, prefix_lens, capacity)
     out, lse = attend_segments(
-        q, k, v, Segments.for_requests(cu_seqlens), kernel=segment_kernel(route), prefix=prefix,
+        q, k, v, Segments.for_requests(cu_q_lens), kernel=segment_kernel(route), prefix=prefix,
         window_left=window_left, sinks=sinks, scale=scale, return_lse=return_lse,
     )  # fmt: skip
     return (out, lse.contiguous()) if return_lse else out

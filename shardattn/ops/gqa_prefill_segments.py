@@ -93,10 +93,10 @@ class Segments:
     seg_keys: torch.Tensor | None = None
 
     @classmethod
-    def for_requests(cls, cu_seqlens: torch.Tensor) -> Segments:
-        """One segment per request, queries in token order (``cu_seqlens [B + 1]`` int32; one
+    def for_requests(cls, cu_q_lens: torch.Tensor) -> Segments:
+        """One segment per request, queries in token order (``cu_q_lens [B + 1]`` int32; one
         device op)."""
-        return cls(cu_seqlens, (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32), cu_seqlens)
+        return cls(cu_q_lens, (cu_q_lens[1:] - cu_q_lens[:-1]).to(torch.int32), cu_q_lens)
 
     def to(self, device: torch.device | str) -> Segments:
         """A copy whose tensors live on ``device``."""

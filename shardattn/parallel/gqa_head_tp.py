@@ -63,7 +63,7 @@ def gqa_prefill_head_tp(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
     group: GroupLike | Comm,
     *,
     num_kv_heads: int,
@@ -82,7 +82,7 @@ def gqa_prefill_head_tp(
     Args:
         q: ``[T, H/W, D]`` this rank's query heads of every new token.
         k, v: ``[T, Hkv_r, D]`` its KV heads (:func:`head_tp_kv_heads`).
-        cu_seqlens: ``[B + 1]`` int32 request offsets of the new tokens.
+        cu_q_lens: ``[B + 1]`` int32 request offsets of the new tokens.
         group: the head-TP group or a :class:`~shardattn.parallel.comm.Comm` (its rank and size only)
             (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
         num_kv_heads: ``Hkv`` of the whole model.
@@ -97,7 +97,7 @@ def gqa_prefill_head_tp(
 
         lo, hi = head_tp_kv_heads(64, 8, W, rank)
         out = gqa_prefill_head_tp(q[:, rank * 64 // W : (rank + 1) * 64 // W], k[:, lo:hi], v[:, lo:hi],
-                                  cu_seqlens, group, num_kv_heads=8, sinks=sinks)
+                                  cu_q_lens, group, num_kv_heads=8, sinks=sinks)
     """
     comm = Comm.wrap(group)
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
@@ -114,7 +114,7 @@ def gqa_prefill_head_tp(
         check_sink_logits(sinks, h)
         sinks = sinks[comm.rank * h_local : (comm.rank + 1) * h_local]
     return gqa_prefill(
-        q, k, v, cu_seqlens, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+        q, k, v, cu_q_lens, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
         prefix_lens=prefix_lens, sinks=sinks, window_left=window_left, scale=scale, return_lse=return_lse,
         backend=backend,
     )  # fmt: skip

@@ -6,6 +6,8 @@ One meaning per name, in every mode and step (vLLM's, where vLLM has the name):
 * ``prefix_lens``: ``[B]`` tokens of each request already in the KV cache before this step.
 * ``seq_lens``: ``[B]`` KV tokens of each request *including* the cached prefix and this step's
   tokens (``prefix_lens + query_lens``; decode: drafts included).
+* ``cu_q_lens``: ``[B + 1]`` offsets of each request's new (query) tokens in ``q``
+  (``[0, cumsum(query_lens)]``; GQA prefill and decode).
 * ``rows``: ``[T, K]`` global KV-cache rows (indices into ``kv_cache`` itself).
 * ``topk_pos``: ``[T, K]`` positions inside the token's request (``0 .. seq_len - 1``), turned into
   rows through a ``block_table``.

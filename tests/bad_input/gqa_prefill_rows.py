@@ -20,7 +20,7 @@ def prefill_inputs() -> dict[str, Any]:
         "q": torch.randn(5, 4, 16, generator=g),
         "k": torch.randn(5, 2, 16, generator=g),
         "v": torch.randn(5, 2, 16, generator=g),
-        "cu_seqlens": torch.tensor([0, 2, 5], dtype=torch.int32),
+        "cu_q_lens": torch.tensor([0, 2, 5], dtype=torch.int32),
         "k_cache": torch.randn(3, 4, 2, 16, generator=g),
         "v_cache": torch.randn(3, 4, 2, 16, generator=g),
         "block_table": torch.tensor([[1, -1], [2, 0]], dtype=torch.int32),
@@ -34,7 +34,7 @@ CACHE = ("k_cache", "v_cache", "block_table", "prefix_lens")
 def _op(**over: Any) -> Callable[[Any], Call]:
     def build(_group: Any) -> Call:
         x = prefill_inputs()
-        args = {n: x[n] for n in ("q", "k", "v", "cu_seqlens")}
+        args = {n: x[n] for n in ("q", "k", "v", "cu_q_lens")}
         kw: dict[str, Any] = {n: x[n] for n in CACHE} | {"return_lse": True}
         override(args, kw, over, x)
         return Call(op_mod.gqa_prefill, tuple(args.values()), kw)
@@ -44,7 +44,7 @@ def _op(**over: Any) -> Callable[[Any], Call]:
 
 def _no_prefix_result() -> Any:
     x = prefill_inputs()
-    return op_mod.gqa_prefill(x["q"], x["k"], x["v"], x["cu_seqlens"], return_lse=True)
+    return op_mod.gqa_prefill(x["q"], x["k"], x["v"], x["cu_q_lens"], return_lse=True)
 
 
 def _empty_result(res: Any) -> str | None:
@@ -62,22 +62,22 @@ def op_rows() -> list[Row]:
         Row(f"{n}-v-shape", _op(v=lambda x: x["v"][:, :1]), Raises(ValueError, r"^v must have shape \[5, 2, 16\]")),
         Row(
             f"{n}-cu-int64",
-            _op(cu_seqlens=lambda x: x["cu_seqlens"].long()),
-            Raises(TypeError, r"^cu_seqlens must have dtype in \(int32\)"),
+            _op(cu_q_lens=lambda x: x["cu_q_lens"].long()),
+            Raises(TypeError, r"^cu_q_lens must have dtype in \(int32\)"),
         ),
         Row(
             f"{n}-cu-short-of-tokens",
-            _op(cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32)),
-            Raises(ValueError, r"^cu_seqlens must start at 0, not decrease and end at q's 5 tokens"),
+            _op(cu_q_lens=torch.tensor([0, 2, 4], dtype=torch.int32)),
+            Raises(ValueError, r"^cu_q_lens must start at 0, not decrease and end at q's 5 tokens"),
         ),
         Row(
             f"{n}-cu-decreasing",
             _op(
-                cu_seqlens=torch.tensor([0, 3, 2, 5], dtype=torch.int32),
+                cu_q_lens=torch.tensor([0, 3, 2, 5], dtype=torch.int32),
                 block_table=torch.zeros(3, 2).int(),
                 prefix_lens=torch.zeros(3, dtype=torch.int32),
             ),
-            Raises(ValueError, r"^cu_seqlens must start at 0, not decrease"),
+            Raises(ValueError, r"^cu_q_lens must start at 0, not decrease"),
         ),
         Row(f"{n}-window-left--2", _op(window_left=-2), Raises(ValueError, r"^window_left must be >= -1")),
         Row(f"{n}-window-float", _op(window_left=3.0), Raises(TypeError, r"^window_left must be an int")),
@@ -125,7 +125,7 @@ def op_rows() -> list[Row]:
             _op(block_table=torch.tensor([[1, -1], [2, 3]], dtype=torch.int32)),
             Raises(ValueError, r"^block_table holds pages outside \[0, 3\) for the prefixes of requests \[1\]"),
         ),
-        Row(f"{n}-cu-on-meta", _op(cu_seqlens=lambda x: x["cu_seqlens"].to(META)), Raises(ValueError, r"cu_seqlens")),
+        Row(f"{n}-cu-on-meta", _op(cu_q_lens=lambda x: x["cu_q_lens"].to(META)), Raises(ValueError, r"cu_q_lens")),
         Row(
             f"{n}-zero-prefix-is-no-prefix",
             _op(prefix_lens=torch.zeros(2, dtype=torch.int32)),
@@ -133,7 +133,7 @@ def op_rows() -> list[Row]:
         ),
         Row(
             f"{n}-no-tokens",
-            _op(q=zero, k=zero[:, :2], v=zero[:, :2], cu_seqlens=torch.zeros(3, dtype=torch.int32)),
+            _op(q=zero, k=zero[:, :2], v=zero[:, :2], cu_q_lens=torch.zeros(3, dtype=torch.int32)),
             Gives(_empty_result),
         ),
     ]
@@ -145,7 +145,7 @@ def _head_tp(**over: Any) -> Callable[[Any], Call]:
 
         comm = Comm(group)
         x = prefill_inputs()
-        args = {n: x[n] for n in ("q", "k", "v", "cu_seqlens")}
+        args = {n: x[n] for n in ("q", "k", "v", "cu_q_lens")}
         kw: dict[str, Any] = {n: x[n] for n in CACHE} | {"num_kv_heads": 2}
         override(args, kw, over, x)
         return Call(gqa_prefill_head_tp, (*args.values(), comm), kw, comm)
@@ -235,9 +235,7 @@ def step_rows() -> list[Row]:
 
 def _op_with(**kw: Any) -> Any:
     x = prefill_inputs()
-    return op_mod.gqa_prefill(
-        x["q"], x["k"], x["v"], x["cu_seqlens"], **{n: x[n] for n in CACHE}, **kw, return_lse=True
-    )
+    return op_mod.gqa_prefill(x["q"], x["k"], x["v"], x["cu_q_lens"], **{n: x[n] for n in CACHE}, **kw, return_lse=True)
 
 
 def _runtime(mode: str = "headtp", spec: Any = None, **over: Any) -> Callable[[Any], Call]:
