@@ -160,29 +160,42 @@ def load_topk_dump(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
     Args:
         path: ``.pt`` (a dict) or ``.safetensors`` file with ``topk [T, K]`` (int32 or int64,
-            request-local positions or global rows, ``-1`` invalid) and ``valid [T]`` (count of
-            leading valid entries; optional, default: the non-negative entries per row).
+            request-local positions or global rows; a negative entry is invalid wherever it stands)
+            and ``valid [T]`` (how many leading entries of each row to use, ``0 .. K``; optional,
+            default ``K``: every entry).
     Returns:
         ``(topk [T, K] int32, valid [T] int32)`` on the CPU.
+    Raises:
+        ValueError: naming the file, when it cannot be read or holds entries outside int32 or
+            counts outside ``[0, K]``.
     """
     path = Path(path)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        data = load_file(str(path))
-    elif path.suffix in (".pt", ".pth"):
-        data = torch.load(str(path), map_location="cpu", weights_only=True)
-    else:
+    if path.suffix not in (".safetensors", ".pt", ".pth"):
         raise ValueError(f"path must end in .pt or .safetensors, got {path.name}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            data = load_file(str(path))
+        else:
+            data = torch.load(str(path), map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as e:  # a truncated or foreign file: the readers raise their own kinds
+        raise ValueError(f"{path.name} is not a readable top-k dump ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict) or "topk" not in data:
         raise ValueError(f"{path.name} must hold a dict with a 'topk' tensor")
     topk = data["topk"]
     check_tensor("topk", topk, dtypes=(torch.int32, torch.int64), ndim=2)
-    if topk.numel() and int(topk.max()) > 2**31 - 1:
-        raise ValueError(f"{path.name}: topk entries must fit int32")
+    if topk.numel() and not (int(topk.min()) >= -(2**31) and int(topk.max()) <= 2**31 - 1):
+        raise ValueError(f"{path.name}: topk entries must fit int32, got [{int(topk.min())}, {int(topk.max())}]")
     topk = topk.to(torch.int32)
+    k = topk.shape[1]
     valid = data.get("valid")
     if valid is None:
-        valid = (topk >= 0).sum(dim=1, dtype=torch.int32)
+        return topk, torch.full((topk.shape[0],), k, dtype=torch.int32)
     check_tensor("valid", valid, dtypes=(torch.int32, torch.int64), shape=(topk.shape[0],))
+    if valid.numel() and not (int(valid.min()) >= 0 and int(valid.max()) <= k):
+        raise ValueError(f"{path.name}: valid counts must be in [0, {k}] (leading entries of a row), got "
+                         f"[{int(valid.min())}, {int(valid.max())}]")  # fmt: skip
     return topk, valid.to(torch.int32)

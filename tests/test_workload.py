@@ -62,3 +62,42 @@ def test_load_topk_dump_rejects_other_files(tmp_path):
     torch.save({"rows": torch.zeros(1, 1)}, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="must hold a dict with a 'topk' tensor"):
         load_topk_dump(tmp_path / "bad.pt")
+
+
+def test_load_topk_dump_default_uses_every_entry(tmp_path):
+    """Without ``valid`` every entry is read: a -1 in the middle of a row does not cut off the
+    entries after it (the library treats it as invalid where it stands)."""
+    torch.save({"topk": torch.tensor([[5, -1, 7], [-1, -1, 2]], dtype=torch.int32)}, tmp_path / "d.pt")
+    _, valid = load_topk_dump(tmp_path / "d.pt")
+    assert valid.tolist() == [3, 3]
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"topk": torch.tensor([[-(2**32) + 5, 1]])}, r"topk entries must fit int32"),
+        ({"topk": torch.tensor([[2**31, 1]])}, r"topk entries must fit int32"),
+        (
+            {"topk": torch.zeros(2, 3, dtype=torch.int32), "valid": torch.tensor([1, -3])},
+            r"valid counts must be in \[0, 3\]",
+        ),
+        (
+            {"topk": torch.zeros(2, 3, dtype=torch.int32), "valid": torch.tensor([4, 0])},
+            r"valid counts must be in \[0, 3\]",
+        ),
+        ({"topk": torch.zeros(1, 3, dtype=torch.int32), "valid": torch.tensor([2**40])}, r"valid counts must be in"),
+    ],
+    ids=["below-int32", "above-int32", "valid-negative", "valid-past-k", "valid-wraps"],
+)
+def test_load_topk_dump_rejects_values_that_would_wrap(tmp_path, data, match):
+    torch.save(data, tmp_path / "d.pt")
+    with pytest.raises(ValueError, match=match):
+        load_topk_dump(tmp_path / "d.pt")
+
+
+def test_load_topk_dump_names_an_unreadable_file(tmp_path):
+    (tmp_path / "junk.pt").write_bytes(b"PK\x03\x04 not a torch file")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    for name in ("junk.pt", "junk.safetensors"):
+        with pytest.raises(ValueError, match=rf"^{name} is not a readable top-k dump"):
+            load_topk_dump(tmp_path / name)
