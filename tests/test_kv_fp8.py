@@ -240,6 +240,13 @@ BAD = [
     ),
     ("cache-not-tensor", "cache", lambda: [0] * 656, TypeError, r"cache must be a torch.Tensor of fp8_ds_mla"),
     (
+        "cache-pages-overlap",
+        "cache",
+        lambda: torch.zeros(1, 4, 656, dtype=U8).expand(3, 4, 656),  # every page the same bytes
+        ValueError,
+        r"cache must have non-overlapping pages: page stride 0",
+    ),
+    (
         "rows-width",
         "rows",
         lambda: torch.ones(2, 512),

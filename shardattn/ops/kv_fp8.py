@@ -133,6 +133,11 @@ def check_fp8_kv(name: str, kv: object, layout: KVRowLayout = FP8_DS_MLA) -> tor
         raise ValueError(f"{name} must be {want}, got {got}{hint}")
     if kv.stride(-1) != 1 or kv.stride(-2) < layout.row_bytes:
         raise ValueError(f"{name} must have contiguous, non-overlapping {layout.name} rows, got strides {kv.stride()}")
+    if kv.dim() == 3 and kv.shape[0] > 1 and kv.stride(0) < kv.shape[1] * kv.stride(1):  # pages sharing rows
+        raise ValueError(
+            f"{name} must have non-overlapping pages: page stride {kv.stride(0)} < page_size {kv.shape[1]} x row "
+            f"stride {kv.stride(1)} (strides {kv.stride()})"
+        )
     return kv
 
 
