@@ -89,6 +89,25 @@ def test_prepare_union_builds_into_the_workspace_or_declines() -> None:
     assert prepare_union(rows, group_size=2, num_kv_rows=30, workspace=(None, lens_ws)) is not None
 
 
+@pytest.mark.parametrize(
+    ("make", "kind", "match"),
+    [
+        (lambda ws: (ws, ws), ValueError, r"union and lens buffers must not share bytes"),
+        (lambda ws: (ws.view(torch.int32), None), TypeError, r"workspace\[0\] must have dtype"),
+        (lambda ws: (ws.view(8, -1), None), ValueError, r"workspace\[0\] must have 1 dim"),
+        (lambda ws: (ws[1:], None), ValueError, r"workspace\[0\] must be a contiguous buffer starting on a 4-byte"),
+        (lambda ws: (ws[::2], None), ValueError, r"workspace\[0\] must be a contiguous buffer"),
+        (lambda ws: [ws], TypeError, r"workspace must be a \(union_bytes, lens_bytes\) pair"),
+        (lambda ws: (ws.tolist(), None), TypeError, r"workspace\[0\] must be a torch.Tensor"),
+    ],
+    ids=["shared", "int32", "2-d", "misaligned", "strided", "one-buffer", "a-list"],
+)
+def test_prepare_union_checks_its_workspace(make, kind, match) -> None:
+    rows, _ = _rows(1, 10, 6, 30, True)
+    with pytest.raises(kind, match=match):
+        prepare_union(rows, group_size=2, num_kv_rows=30, workspace=make(torch.zeros(512, dtype=torch.uint8)))
+
+
 def test_bad_slices_and_mismatched_unions_raise_naming_the_argument() -> None:
     rows, _ = _rows(2, 9, 4, 20, False)
     whole = prepare_union(rows, group_size=4, num_kv_rows=20)

@@ -97,6 +97,27 @@ class PreparedUnion:
         return [PreparedUnion(u, n, g, b - a) for u, n, a, b in parts]
 
 
+def _workspace_pair(workspace: object, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``workspace`` checked: ``None``, or ``(union_bytes, lens_bytes)``, each ``None`` or a flat
+    contiguous uint8 buffer on ``device`` whose start is int32-aligned, the two not sharing bytes."""
+    if workspace is None:
+        return None, None
+    if not (isinstance(workspace, tuple | list) and len(workspace) == 2):
+        raise TypeError(f"workspace must be a (union_bytes, lens_bytes) pair, got {type(workspace).__name__}")
+    bufs = []
+    for i, buf in enumerate(workspace):
+        if buf is not None:
+            check_tensor(f"workspace[{i}]", buf, dtypes=(torch.uint8,), ndim=1, device=device)
+            if not buf.is_contiguous() or buf.data_ptr() % 4:
+                raise ValueError(f"workspace[{i}] must be a contiguous buffer starting on a 4-byte boundary")
+        bufs.append(buf)
+    a, b = bufs
+    if a is not None and b is not None and a.numel() and b.numel():
+        if a.data_ptr() < b.data_ptr() + b.numel() and b.data_ptr() < a.data_ptr() + a.numel():
+            raise ValueError("workspace's union and lens buffers must not share bytes")
+    return a, b
+
+
 def prepare_union(
     rows: torch.Tensor,
     *,
@@ -126,7 +147,7 @@ def prepare_union(
     t, k = rows.shape
     n_groups = num_groups(t, g)
     out = None
-    union_ws, lens_ws = workspace if workspace is not None else (None, None)
+    union_ws, lens_ws = _workspace_pair(workspace, rows.device)
     if union_ws is not None and lens_ws is not None:
         need_union, need_lens = n_groups * g * k * 4, n_groups * 4
         if need_union > union_ws.numel() or need_lens > lens_ws.numel():
