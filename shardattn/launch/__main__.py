@@ -42,6 +42,14 @@ def _is_peer_failure(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(n in text for n in needles)
 
 
+def _is_out_of_memory(err: BaseException) -> bool:
+    """An allocation that failed (host or device): the run asked for more memory than there is."""
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit status (see the module docstring)."""
     try:  # options first: a bad one fails before torch is even imported
@@ -80,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as e:
         status = report_once(str(e), e.status)
     except Exception as e:
+        if _is_out_of_memory(e):  # the sizes asked for, not a bug: one line, as for an impossible configuration
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            _say(
+                env.rank,
+                f"shardattn.launch: rank {env.rank}: error: the step does not fit this machine's memory ({first}); "
+                "ask for fewer --tokens, --cached, --requests or --query-len",
+            )
+            os._exit(EXIT_USAGE)  # skip teardown: the peers may still wait in a collective
         if _is_peer_failure(e):
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             _say(

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from shardattn._paths import unwritable_reason
 from shardattn.errors import LaunchError
 from shardattn.launch.logs import LOG_LEVELS
 
@@ -238,14 +239,23 @@ def parse_options(argv: list[str] | None = None) -> Options:
     return opts
 
 
+#: The largest size an option takes: positions and rows are int32.
+MAX_SIZE = 2**31 - 1
+#: The longest --timeout in seconds (a group's timeout is a timedelta; past about 1e14 s it overflows).
+MAX_TIMEOUT_S = 1e6
+
+
 def _check_ranges(o: Options) -> None:
-    def positive(name: str, value: int | float | None, minimum: float = 1) -> None:
+    def positive(name: str, value: int | float | None, minimum: float = 1, maximum: float = MAX_SIZE) -> None:
         if value is None:
             return
         if value != value or value == float("inf"):  # NaN; an infinite --timeout overflows the group's timedelta
             raise LaunchError(f"shardattn.launch: error: --{name} must be a finite number >= {minimum:g}, got {value}")
         if value < minimum:
             raise LaunchError(f"shardattn.launch: error: --{name} must be >= {minimum:g}, got {value}")
+        if value > maximum:
+            bound = f"{maximum:,}" if isinstance(maximum, int) else f"{maximum:,.0f}"
+            raise LaunchError(f"shardattn.launch: error: --{name} must be <= {bound}, got {value:,}")
 
     positive("heads", o.heads)
     positive("tokens", o.tokens)
@@ -256,7 +266,8 @@ def _check_ranges(o: Options) -> None:
     positive("interleave", o.interleave)
     positive("window", o.window, -1)
     positive("min-shard-tokens", o.min_shard_tokens)
-    positive("timeout", o.timeout, 1)
+    positive("timeout", o.timeout, 1, MAX_TIMEOUT_S)
+    positive("seed", o.seed, 0, 2**63 - 1)
     positive("progress-after", o.progress_after, 0)
     if o.softmax_scale is not None and not (0 < o.softmax_scale < float("inf")):  # NaN fails this too
         raise LaunchError(
@@ -265,6 +276,10 @@ def _check_ranges(o: Options) -> None:
     for name, values in (("cached", o.cached), ("query-len", o.query_lens)):
         if values is not None and min(values) < (0 if name == "cached" else 1):
             raise LaunchError(f"shardattn.launch: error: --{name} entries must be >= {0 if name == 'cached' else 1}")
+        if values is not None and max(values) > MAX_SIZE:
+            raise LaunchError(f"shardattn.launch: error: --{name} entries must be <= {MAX_SIZE:,}, got {max(values):,}")
+    if o.json is not None and (why := unwritable_reason(o.json)) is not None:
+        raise LaunchError(f"shardattn.launch: error: --json {o.json}: cannot write a report there ({why})")
     if o.fail_rank is not None and o.fail_rank < 0:
         raise LaunchError(f"shardattn.launch: error: --fail-rank must be >= 0, got {o.fail_rank}")
 

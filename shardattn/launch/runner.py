@@ -134,6 +134,13 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
         dtype = torch.bfloat16 if on_gpu else torch.float32
     else:
         dtype = _DTYPES[opts.dtype]
+    need, have = step_bytes(spec, shape, dtype, steps), free_bytes(device, world_size)
+    if have is not None and need > have:
+        raise _fail(
+            f"the step's tensors need at least {need / 2**30:.1f} GiB per rank (KV cache, queries, top-k), but "
+            f"{have / 2**30:.1f} GiB are free on this {device.type} for each of its ranks; ask for fewer --tokens, "
+            "--cached, --requests or --query-len"
+        )
     if opts.compare and (not mla or "prefill" not in steps or mode == "pcp"):
         raise _fail(
             "--compare runs the head-TP, ShardQ and routed prefill steps of a sparse-MLA preset; "
@@ -337,3 +344,35 @@ def compare_variants(cfg: RunConfig) -> list[tuple[str, str, Any]]:
 
 def _with_dtype(spec: ModelSpec, dtype: torch.dtype) -> ModelSpec:
     return dataclasses.replace(spec, dtype=str(dtype).replace("torch.", ""))
+
+
+def step_bytes(spec: ModelSpec, shape: Any, dtype: torch.dtype, steps: tuple[str, ...]) -> int:
+    """A lower bound on the bytes the run's synthetic steps hold on one rank: the KV cache (built
+    whole, then as the rank's copy), the queries and the top-k rows. A run that cannot hold them
+    is refused before it starts, not killed by the allocator part way.
+
+    >>> from shardattn.plan.spec import get_preset
+    >>> from shardattn.launch.cli import Shape
+    >>> s = Shape(tokens=256, requests=2, cached=(128, 128), topk=64, query_lens=(1, 1), reduced=True)
+    >>> step_bytes(get_preset("glm5"), s, torch.float32, ("prefill", "decode")) // 2**20
+    38
+    """
+    elem = torch.finfo(dtype).bits // 8
+    row = spec.head_dim if spec.kind == "sparse_mla" else 2 * spec.num_kv_heads * spec.head_dim
+    tokens = (shape.tokens if "prefill" in steps else 0) + (sum(shape.query_lens) if "decode" in steps else 0)
+    kv_rows = sum(shape.cached) + tokens
+    topk = shape.topk if spec.kind == "sparse_mla" else 0
+    return 2 * kv_rows * row * elem + tokens * (spec.num_heads * spec.head_dim * elem + 2 * topk * 4)
+
+
+def free_bytes(device: torch.device, world_size: int) -> int | None:
+    """Bytes free for one rank: the GPU's free memory, or the host's available memory over the
+    ranks that share it (all of them, as far as this rank knows before the group forms); ``None``
+    where unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(local, 1)
+    except (OSError, ValueError, RuntimeError, AttributeError):
+        return None
