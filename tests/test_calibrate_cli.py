@@ -101,8 +101,22 @@ def test_a_degenerate_step_fit_warns_naming_the_steps_and_is_not_kept(dist_pool)
         (["--cached", "-1"], "--cached must be >= 0, got -1"),
         (["--kv-dtype", "fp4"], "argument --kv-dtype: invalid choice"),
         (["--merge-into", "no/such/table.json"], "--merge-into no/such/table.json: no table readable there"),
+        (["--tokens", "4"], "--tokens must be >= 8, got 4"),
+        (["--out", "/nonexistent/dir/t.json"], "--out /nonexistent/dir/t.json: cannot write the table there (no dir"),
+        (["--out", "/"], "--out /: cannot write the table there (a directory)"),
     ],
-    ids=["passes-0", "reps-0", "topk-0", "heads-0", "cached-negative", "kv-dtype", "merge-into-missing"],
+    ids=[
+        "passes-0",
+        "reps-0",
+        "topk-0",
+        "heads-0",
+        "cached-negative",
+        "kv-dtype",
+        "merge-into-missing",
+        "tokens-below-a-group",
+        "out-no-dir",
+        "out-a-dir",
+    ],
 )
 def test_a_bad_option_is_one_line_with_status_2(tmp_path, capsys, option, message) -> None:
     """Regression: ``--passes 0`` (and ``--reps 0``, ``--topk 0``, a missing ``--merge-into`` table) raised
@@ -113,3 +127,14 @@ def test_a_bad_option_is_one_line_with_status_2(tmp_path, capsys, option, messag
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("shardattn.calibrate: error: ") and message in err[0], err
     assert "Traceback" not in captured.err and not out.exists()
+
+
+def test_a_merge_into_table_that_does_not_parse_is_one_line(tmp_path, capsys) -> None:
+    """A file that is not a table (or a partial one) is refused before anything is measured."""
+    out, bad = tmp_path / "t.json", tmp_path / "bad.json"
+    for text in ("not json", '{"gpu": "x"}'):
+        bad.write_text(text)
+        assert main(["--out", str(out), *SMALL, "--no-progress", "--cpu", "--merge-into", str(bad)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--merge-into {bad}: no table readable there (" in err[0], err
+        assert not out.exists()

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from shardattn._paths import unwritable_reason
 from shardattn.calibrate.fit import degenerate_fit, fit_step_overhead
 from shardattn.calibrate.kernels import collective_rates, kernel_jobs, measure_kernel_points, median_points
 from shardattn.calibrate.network import multi_node_rates
@@ -31,7 +32,7 @@ from shardattn.launch.one_line import report_once
 from shardattn.launch.process_group import host_groups
 from shardattn.launch.progress import RunProgress, format_seconds
 from shardattn.parallel.hosts import exchange_node_layout
-from shardattn.plan.cost import CONSERVATIVE, Calibration, CostModel, StepOverhead
+from shardattn.plan.cost import CONSERVATIVE, GROUPS, Calibration, CostModel, StepOverhead
 from shardattn.plan.nodes import NodeLayout
 from shardattn.plan.spec import get_preset
 from shardattn.plan.step_shape import StepShape
@@ -263,17 +264,26 @@ def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
 
 
 def check_options(args: argparse.Namespace) -> None:
-    """Raise :class:`BadOption` for a count out of range or a ``--merge-into`` table that cannot be
-    read, before anything is measured."""
-    for name, minimum in (("heads", 1), ("tokens", 1), ("step_tokens", 1), ("topk", 1), ("cached", 0), ("reps", 1),
-                          ("passes", 1)):  # fmt: skip
+    """Raise :class:`BadOption` for a count out of range, an ``--out`` that cannot be written or a
+    ``--merge-into`` table that cannot be read, before anything is measured."""
+    # --tokens: at least one full group of the largest G, whose union ratio the points record
+    for name, minimum in (("heads", 1), ("tokens", max(GROUPS)), ("step_tokens", 1), ("topk", 1), ("cached", 0),
+                          ("reps", 1), ("passes", 1)):  # fmt: skip
         value = getattr(args, name)
         for v in value if isinstance(value, list) else [value]:
             if v < minimum:
                 option = "--" + name.replace("_", "-")
                 raise BadOption(f"shardattn.calibrate: error: {option} must be >= {minimum}, got {v}")
-    if args.merge_into is not None and not os.access(args.merge_into, os.R_OK):
-        raise BadOption(f"shardattn.calibrate: error: --merge-into {args.merge_into}: no table readable there")
+    if (why := unwritable_reason(args.out)) is not None:
+        raise BadOption(f"shardattn.calibrate: error: --out {args.out}: cannot write the table there ({why})")
+    if args.merge_into is not None:
+        try:
+            with open(args.merge_into) as f:
+                Calibration.from_json(f.read())
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise BadOption(
+                f"shardattn.calibrate: error: --merge-into {args.merge_into}: no table readable there ({e})"
+            ) from None
 
 
 def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
