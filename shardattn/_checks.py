@@ -94,13 +94,17 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def check_scale(name: str, value: object) -> float:
-    """``value`` is a real number, finite and > 0 (a softmax scale); returns it as a float.
-
-    NaN, an infinity, zero or a negative scale would give NaN or meaningless outputs silently.
+    """A softmax scale: :func:`check_positive` (NaN, an infinity, zero or a negative scale would
+    give NaN or meaningless outputs silently).
 
     >>> check_scale("scale", 576 ** -0.5) > 0
     True
     """
+    return check_positive(name, value)
+
+
+def check_positive(name: str, value: object) -> float:
+    """``value`` is a real number, finite and > 0 (a scale, a timeout, a share); returns it as a float."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         try:
             import numpy as np

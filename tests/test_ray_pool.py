@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -57,12 +58,37 @@ def test_bad_pool_configs_raise_before_any_actor_starts() -> None:
         ({"spec": MLA}, "runtime_kwargs must give max_batched_tokens"),
         ({"spec": MLA, "runtime_kwargs": small, "transport": "grpc"}, "transport must be one of"),
         ({"spec": MLA, "runtime_kwargs": small, "device": "tpu"}, "device must be"),
+        ({"spec": MLA, "runtime_kwargs": small, "timeout_s": math.nan}, r"^timeout_s must be a finite number > 0"),
+        ({"spec": MLA, "runtime_kwargs": small, "timeout_s": 0}, r"^timeout_s must be a finite number > 0"),
+        ({"spec": MLA, "runtime_kwargs": small, "placement_timeout_s": -5}, r"^placement_timeout_s must be a finite"),
+        ({"spec": MLA, "runtime_kwargs": small, "num_cpus": 0}, r"^num_cpus must be a finite number > 0"),
+        ({"spec": MLA, "runtime_kwargs": small, "placement_strategy": "BOGUS"}, r"^placement_strategy must be one of"),
+        ({"spec": MLA, "runtime_kwargs": {"max_batched_tokens": -1}}, r"max_batched_tokens'\] must be >= 1"),
+        ({"spec": MLA, "runtime_kwargs": {**small, "topk": 0}}, r"runtime_kwargs\['topk'\] must be >= 1"),
+        ({"spec": MLA, "runtime_kwargs": {**small, "devcie": "cpu"}}, r"runtime_kwargs holds \['devcie'\]"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
             RayRankPool(2, init_ray=False, **kwargs)
     with pytest.raises(TypeError, match="sinks must have dtype"):
         RayRankPool(2, GQA_SINKS, mode="dcp-decode", runtime_kwargs=small, sinks=torch.zeros(8).double())
+    for kwargs, match in (
+        ({"runtime_kwargs": {"max_batched_tokens": 2.7}}, r"max_batched_tokens'\] must be an int"),
+        ({"runtime_kwargs": small, "memory_limit_bytes": "big"}, r"^memory_limit_bytes must be an int"),
+        ({"runtime_kwargs": small, "timeout_s": "60"}, r"^timeout_s must be a float"),
+    ):
+        with pytest.raises(TypeError, match=match):
+            RayRankPool(2, MLA, init_ray=False, **kwargs)
+
+
+def test_the_pool_names_every_runtime_argument_it_does_not_set_itself() -> None:
+    """``runtime_kwargs`` may give exactly the Runtime's arguments but the spec, group and device."""
+    import inspect
+
+    from shardattn.runtime.runtime import Runtime
+    from shardattn.serving.pool_shapes import RUNTIME_KWARGS
+
+    assert set(inspect.signature(Runtime.__init__).parameters) - {"self", "spec", "group", "device"} == RUNTIME_KWARGS
 
 
 @pytest.fixture(scope="module")

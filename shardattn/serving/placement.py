@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardattn._checks import check_choice, check_positive
 from shardattn.serving.errors import PlacementTimeoutError
 
-__all__ = ["STRATEGIES", "bundle_options", "kill_actors", "release_bundles", "reserve_bundles"]
+__all__ = ["STRATEGIES", "bundle_options", "check_placement", "kill_actors", "release_bundles", "reserve_bundles"]
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -32,6 +33,16 @@ def _describe_missing(bundle: dict[str, float], count: int, strategy: str) -> st
         best = max((n.get("Resources", {}) for n in nodes), key=lambda r: r.get("GPU", 0) + r.get("CPU", 0), default={})
         parts.append(f"no single node holds {count} x {bundle} (STRICT_PACK); largest node has {best}")
     return "; ".join(parts) or f"{len(nodes)} alive nodes, resources {free}"
+
+
+def check_placement(strategy: object, timeout_s: object, placement_timeout_s: object, num_cpus: object) -> None:
+    """A pool's placement arguments, before Ray starts: a strategy of :data:`STRATEGIES`, and
+    finite timeouts and CPUs per bundle > 0 (``placement_timeout_s`` may be ``None``)."""
+    check_choice("placement_strategy", strategy, STRATEGIES)
+    check_positive("timeout_s", timeout_s)
+    if placement_timeout_s is not None:
+        check_positive("placement_timeout_s", placement_timeout_s)
+    check_positive("num_cpus", num_cpus)
 
 
 def reserve_bundles(count: int, bundle: dict[str, float], *, strategy: str, timeout_s: float) -> Any:

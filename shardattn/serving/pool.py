@@ -69,7 +69,13 @@ from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.serving.errors import RankFailedError, describe_ray_error, require_ray
 from shardattn.serving.health import HEALTH_GROUP, rank_reports
 from shardattn.serving.kv_cache import plan_rank_cache
-from shardattn.serving.placement import bundle_options, kill_actors, release_bundles, reserve_bundles
+from shardattn.serving.placement import (
+    bundle_options,
+    check_placement,
+    kill_actors,
+    release_bundles,
+    reserve_bundles,
+)
 from shardattn.serving.pool_shapes import check_sinks, dcp_interleave, pool_shapes
 from shardattn.serving.steps import RequestSteps
 from shardattn.serving.transport import SERVE_GROUP, TRANSPORTS, start_decode_transport
@@ -152,6 +158,10 @@ class RayRankPool(RequestSteps):
 
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        # everything checked before Ray starts or a bundle is asked for
+        check_placement(placement_strategy, timeout_s, placement_timeout_s, num_cpus)
+        if memory_limit_bytes is not None:
+            check_int("memory_limit_bytes", memory_limit_bytes, minimum=1)
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         if transport not in TRANSPORTS:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shardattn._checks import check_sink_logits, check_tensor
+from shardattn._checks import check_int, check_sink_logits, check_tensor
 from shardattn.plan.kv_format import FP8_DS_MLA_ROW_BYTES, KV_FP8_DS_MLA, kv_format_name
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.args import as_index
@@ -53,8 +53,23 @@ def dcp_interleave(runtime_kwargs: dict[str, Any]) -> int:
     return options.dcp_interleave
 
 
+#: The :class:`~shardattn.runtime.runtime.Runtime` arguments a pool's ``runtime_kwargs`` may give
+#: (the pool gives the spec, the group and the device itself).
+RUNTIME_KWARGS = frozenset(
+    ("mode", "max_batched_tokens", "max_decode_tokens", "scale", "topk", "prefill_options", "decode_options",
+     "warmup", "kv_dtype", "host_id")
+)  # fmt: skip
+
+
 def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> PoolShapes:
-    """What a pool of ``spec`` in ``mode`` accepts (``runtime_kwargs``: the Runtime's sizes and top-k)."""
+    """What a pool of ``spec`` in ``mode`` accepts (``runtime_kwargs``: the Runtime's sizes and top-k,
+    checked here, on the driver, before any rank starts)."""
+    kw = "runtime_kwargs"
+    unknown = sorted(set(runtime_kwargs) - RUNTIME_KWARGS)
+    if unknown:
+        raise ValueError(
+            f"{kw} holds {unknown}, which a pool's Runtime does not take; it takes {sorted(RUNTIME_KWARGS)}"
+        )
     dtype = getattr(torch, spec.dtype)
     if spec.kind == "sparse_mla":
         rows: tuple = (((spec.head_dim,), dtype),)
@@ -72,10 +87,14 @@ def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> P
         kv_rows=rows,
         cache_rows=cache_rows,
         dtype=dtype,
-        topk=int(runtime_kwargs.get("topk") or spec.topk),
+        topk=spec.topk
+        if runtime_kwargs.get("topk") is None
+        else check_int(f"{kw}['topk']", runtime_kwargs["topk"], minimum=1),
         prefill_attention=spec.kind == "sparse_mla" and mode != "dcp-decode",
-        max_prefill_tokens=int(runtime_kwargs["max_batched_tokens"]),
-        max_decode_tokens=int(runtime_kwargs.get("max_decode_tokens", 256)),
+        max_prefill_tokens=check_int(f"{kw}['max_batched_tokens']", runtime_kwargs["max_batched_tokens"], minimum=1),
+        max_decode_tokens=check_int(
+            f"{kw}['max_decode_tokens']", runtime_kwargs.get("max_decode_tokens", 256), minimum=1
+        ),
     )
 
 
