@@ -168,7 +168,7 @@ def check_prepared_union(
         raise TypeError(f"{name} must be a PreparedUnion (from prepare_union), got {type(prepared).__name__}")
     t, k = rows.shape
     g = prepared.group_size
-    if group_size is not None and g != group_size:
+    if group_size is not None and g != check_int("group_size", group_size):
         raise ValueError(f"{name} was built for group size {g}, but this call's kernel path uses G = {group_size}")
     if prepared.num_tokens != t:
         raise ValueError(f"{name} holds {prepared.num_tokens} tokens, rows has {t}")

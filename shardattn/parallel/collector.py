@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_choice, check_same_device, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_bool, check_choice, check_same_device, check_tensor
 from shardattn.ops.lse_merge import merge_weights, run_lse_merge, weighted
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
@@ -111,10 +111,14 @@ def collect_partials(
         out, lse = collect_partials(out, lse, group)        # [T, H / W, 512], [T, H / W]
     """
     comm = Comm.wrap(group)
+    check_bool("check", check)
     chosen = ""
 
     def validate() -> int:
         nonlocal chosen
+        check_bool("scatter_heads", scatter_heads)
+        if buffers is not None and not isinstance(buffers, dict):
+            raise TypeError(f"buffers must be a dict {{'send', 'recv'}} of uint8 buffers, got {type(buffers).__name__}")
         check_partials(out, lse, comm.world_size, scatter_heads=scatter_heads)
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
         if not check:

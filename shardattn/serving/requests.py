@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shardattn._checks import check_choice, check_tensor
 from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.serving.pool_shapes import PoolShapes, check_q, check_topk, kv_parts
 
@@ -145,6 +146,7 @@ def pack_step(
             device; unknown id; over ``max_seq_len`` / ``max_requests``; out of pages; a step
             larger than the Runtime's sizes).
     """
+    check_choice("kind", kind, ("prefill", "decode"))
     cls = PrefillRequest if kind == "prefill" else DecodeRequest
     if isinstance(requests, PrefillRequest | DecodeRequest) or not isinstance(requests, Sequence):
         raise TypeError(f"{kind} takes a list of {cls.__name__}, got {type(requests).__name__}")
@@ -219,7 +221,12 @@ def pack_step(
     def cat(parts: list[torch.Tensor], name: str) -> torch.Tensor:
         if into is None or name not in into:
             return torch.cat(parts)
-        return torch.cat(parts, out=into[name][: sum(int(p.shape[0]) for p in parts)])
+        rows, buf = sum(int(p.shape[0]) for p in parts), into[name]
+        # the region's buffer itself, never a resized copy: it must hold the step as it is
+        check_tensor(f"into[{name!r}]", buf, dtypes=(parts[0].dtype,), device=parts[0].device)
+        if buf.dim() != parts[0].dim() or buf.shape[0] < rows or buf.shape[1:] != parts[0].shape[1:]:
+            raise ValueError(f"into[{name!r}] must hold [{rows}, *{list(parts[0].shape[1:])}], got {list(buf.shape)}")
+        return torch.cat(parts, out=buf[:rows])
 
     kv_cat = [cat([p[c] for p in kvs], f"kv{c}") for c in range(len(kvs[0]))] if kvs[0] else []
     topk_cat = cat(topks, "topk") if topks else None
@@ -310,7 +317,9 @@ def check_decode_batch(
         lens_in = _index_array("query_lens", query_lens)
         lens = np.asarray(lens_in) if not isinstance(lens_in, np.ndarray) else lens_in
         if lens.dtype.kind not in "iu":
-            raise TypeError(f"query_lens must hold integers, got {lens.dtype}")
+            raise TypeError(f"query_lens must hold integers (each below 2**63), got {lens.dtype}")
+        if lens.dtype.kind == "u" and lens.size and int(lens.max()) > np.iinfo(np.int64).max:
+            raise ValueError(f"query_lens must be below 2**63, got {int(lens.max())}")
         lens = lens.astype(np.int64, copy=False)
         if lens.shape != (b,):
             raise ValueError(f"query_lens must have shape [{b}] (one per request), got {list(lens.shape)}")

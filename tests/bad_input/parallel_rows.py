@@ -300,6 +300,13 @@ def parallel_rows() -> list[Row]:
             Raises(TypeError, r"^lse must have dtype"),
         ),
         ("collect_partials-out-2d", _collect(out=lambda a: a["out"][0]), Raises(ValueError, r"^out must have 3 dim")),
+        (
+            "collect_partials-scatter-heads-str",
+            _collect(scatter_heads="no"),
+            Raises(TypeError, r"^scatter_heads must be a bool"),
+        ),
+        ("collect_partials-check-str", _collect(check="no"), Raises(TypeError, r"^check must be a bool")),
+        ("collect_partials-buffers-list", _collect(buffers=[]), Raises(TypeError, r"^buffers must be a dict")),
         ("collect_partials-lse-on-meta", _collect(lse=lambda a: a["lse"].to(META)), Raises(ValueError, r"lse differs")),
         ("collect_partials-strategy", _collect(strategy="tree"), Raises(ValueError, r"^strategy must be one of")),
         (
