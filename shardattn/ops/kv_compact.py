@@ -24,6 +24,10 @@ Example:
     (192, [[66, 5, -1, 167], [7, 66, -1, 6]])
     >>> torch.equal(small_kv[167], kv[999])
     True
+
+Its functions are building blocks of the sparse-MLA prefill ops (:func:`~shardattn.ops.sparse_mla.sparse_mla_attention`,
+:func:`~shardattn.ops.sparse_mla_grouped.sparse_mla_grouped_prefill`): they take the arguments those ops
+checked and check none of their own (the package does not export them).
 """
 
 from __future__ import annotations

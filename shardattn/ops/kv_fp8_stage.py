@@ -47,6 +47,10 @@ Example:
     (448, True, True)
     >>> stage_fp8_union(kv8, union, lens, group_size=1, dtype=torch.float32, min_entries=0) is None  # 512 < 2 x 448
     True
+
+Its functions are building blocks of the sparse-MLA prefill ops (:func:`~shardattn.ops.sparse_mla.sparse_mla_attention`,
+:func:`~shardattn.ops.sparse_mla_grouped.sparse_mla_grouped_prefill`): they take the arguments those ops
+checked and check none of their own (the package does not export them).
 """
 
 from __future__ import annotations

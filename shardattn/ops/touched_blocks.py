@@ -31,6 +31,10 @@ Example:
     ((3, 6), [0, 2, 15])
     >>> moved_rows(rows, None, touched, num_rows=1000).tolist()
     [[66, 5, -1, 167], [7, 66, -1, 6]]
+
+Its functions are building blocks of the sparse-MLA prefill ops (:func:`~shardattn.ops.sparse_mla.sparse_mla_attention`,
+:func:`~shardattn.ops.sparse_mla_grouped.sparse_mla_grouped_prefill`): they take the arguments those ops
+checked and check none of their own (the package does not export them).
 """
 
 from __future__ import annotations
