@@ -244,7 +244,14 @@ BAD = [
         "cache",
         lambda: torch.zeros(1, 4, 656, dtype=U8).expand(3, 4, 656),  # every page the same bytes
         ValueError,
-        r"cache must have non-overlapping pages: page stride 0",
+        r"cache must have non-overlapping pages, got shape \[3, 4, 656\] strides \(0, 656, 1\)",
+    ),
+    (
+        "cache-pages-interleaved",
+        "cache",
+        lambda: torch.zeros(6 * 656, dtype=U8).as_strided((3, 4, 656), (656, 656, 1)),  # page p row i = row p + i
+        ValueError,
+        r"cache must have non-overlapping pages",
     ),
     (
         "rows-width",

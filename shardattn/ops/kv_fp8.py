@@ -133,12 +133,20 @@ def check_fp8_kv(name: str, kv: object, layout: KVRowLayout = FP8_DS_MLA) -> tor
         raise ValueError(f"{name} must be {want}, got {got}{hint}")
     if kv.stride(-1) != 1 or kv.stride(-2) < layout.row_bytes:
         raise ValueError(f"{name} must have contiguous, non-overlapping {layout.name} rows, got strides {kv.stride()}")
-    if kv.dim() == 3 and kv.shape[0] > 1 and kv.stride(0) < kv.shape[1] * kv.stride(1):  # pages sharing rows
-        raise ValueError(
-            f"{name} must have non-overlapping pages: page stride {kv.stride(0)} < page_size {kv.shape[1]} x row "
-            f"stride {kv.stride(1)} (strides {kv.stride()})"
-        )
+    if kv.dim() == 3 and _overlaps(kv):  # pages sharing rows (an expand, a page stride below the page)
+        raise ValueError(f"{name} must have non-overlapping pages, got shape {list(kv.shape)} strides {kv.stride()}")
     return kv
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: with its dims of more than one element in
+    order of stride, one's stride is below the extent of those before it."""
+    extent = 1
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
 
 
 def resolve_kv(name: str, kv: object, *, head_dim: int, v_dim: int, kv_format: str | None = None):
