@@ -9,6 +9,7 @@ wait for the stream first).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -97,7 +98,7 @@ class DecodeStep:
     kv_rows: Callable[[str, torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
     bypass: Callable[[torch.dtype], None] | None = field(default=None, compare=False, repr=False)
 
-    @property
+    @functools.cached_property
     def _kv_heads(self) -> tuple[int, int]:
         """``[start, stop)`` of the GQA KV heads this rank's cache holds: all under DCP, the rank's
         under head-TP."""
@@ -105,7 +106,7 @@ class DecodeStep:
             return 0, self.spec.num_kv_heads
         return head_tp_kv_heads(self.spec.num_heads, self.spec.num_kv_heads, self.comm.world_size, self.comm.rank)
 
-    @property
+    @functools.cached_property
     def _kv_heads_from(self) -> str:
         lo, hi = self._kv_heads
         if self.dcp:
