@@ -373,6 +373,19 @@ def free_bytes(device: torch.device, world_size: int) -> int | None:
         if device.type == "cuda":
             return int(torch.cuda.mem_get_info(device)[0])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(local, 1)
+        return _host_available_bytes() // max(local, 1)
     except (OSError, ValueError, RuntimeError, AttributeError):
         return None
+
+
+def _host_available_bytes() -> int:
+    """The host memory a new allocation can take: Linux's ``MemAvailable`` (free memory and the
+    page cache it can reclaim), else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
