@@ -188,8 +188,9 @@ def test_two_rank_pool_equals_fp64_attention(pool2) -> None:
         (4, MLA, "mixed", 2, "compiled"),
         (4, GQA, "dcp-decode", 1, "shm"),
         (2, MLA, "shardq", 1, "calls"),  # head-TP decode over a replicated cache
+        (2, GQA, "headtp", 1, "shm"),  # each rank holds its KV heads of every token
     ],
-    ids=["4-mla-mixed-I2-compiled", "4-gqa-dcp-shm", "2-mla-headtp-calls"],
+    ids=["4-mla-mixed-I2-compiled", "4-gqa-dcp-shm", "2-mla-headtp-calls", "2-gqa-headtp-shm"],
 )
 def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interleave, transport) -> None:
     from shardattn.testing.serving import ServingMirror
@@ -198,7 +199,12 @@ def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interl
     with _pool(
         world, spec, mode=mode, runtime_kwargs={"decode_options": DecodeOptions(dcp_interleave=interleave)}, **kwargs
     ) as pool:
-        assert pool.transport == transport and pool.cache_config.layout.world_size == (1 if mode == "shardq" else world)
+        dcp = mode in ("mixed", "dcp-decode")
+        assert pool.transport == transport and pool.cache_config.layout.world_size == (world if dcp else 1)
+        if spec.kind == "gqa" and not dcp:  # the rank's one KV head of GQA's two: half of every row
+            row_bytes = 2 * spec.head_dim * 4
+            assert all(r["cache_bytes"] == pool.cache_config.num_pages * spec.page_size * row_bytes
+                       for r in pool.health()["ranks"])  # fmt: skip
         mirror = ServingMirror(spec, seed=2)
         if spec.kind == "sparse_mla":
             _serve_and_check(pool, mirror)

@@ -105,6 +105,7 @@ class RankActor(ShmDecode):
         from shardattn.parallel.comm import Comm
         from shardattn.runtime.runtime import Runtime
         from shardattn.serving.kv_cache import RankKVCache
+        from shardattn.serving.pool_shapes import rank_kv_heads
 
         self.runtime = Runtime(spec, self.mesh, device=self.device, **runtime_kwargs)
         limit = cache.get("memory_limit_bytes")
@@ -121,6 +122,7 @@ class RankActor(ShmDecode):
             layout=cache["layout"],
             rank=self.rank,
             device=self.device,
+            heads=rank_kv_heads(spec, self.runtime.decode_is_dcp, self.world_size, self.rank),
         )
         self.set_sinks(sinks)
         self.comm = Comm(self.mesh)  # the pool's own collectives (prefix gathers), counted apart from the Runtime's

@@ -92,8 +92,12 @@ class RankKVCache:
         layout: DCPLayout,
         rank: int,
         device: torch.device,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         self.layout, self.rank, self.page_size = layout, rank, page_size
+        #: ``[start, stop)`` of the KV heads this rank keeps of every new row (a GQA pool under head-TP
+        #: holds its rank's heads); ``None``: whole rows
+        self.heads = heads
         self.row_specs = [(tuple(shape), dtype) for shape, dtype in rows]
         self.pages = [
             torch.zeros(num_pages, page_size, *shape, dtype=dtype, device=device) for shape, dtype in self.row_specs
@@ -141,6 +145,8 @@ class RankKVCache:
         dst = flat_rows[owned].to(self.device)
         src_idx = src_idx.to(self.device)
         for i, new in enumerate(rows):
+            if self.heads is not None:
+                new = new[:, self.heads[0] : self.heads[1]]
             mine = new.to(self.device).index_select(0, src_idx)
             if self.pages[i].dtype == torch.uint8 and mine.dtype != torch.uint8:  # fp8_ds_mla, quantised here
                 write_kv(self.pages[i], dst, mine)

@@ -76,7 +76,7 @@ from shardattn.serving.placement import (
     release_bundles,
     reserve_bundles,
 )
-from shardattn.serving.pool_shapes import check_sinks, dcp_interleave, pool_shapes
+from shardattn.serving.pool_shapes import check_sinks, dcp_interleave, pool_shapes, rank_cache_rows, rank_kv_heads
 from shardattn.serving.steps import RequestSteps
 from shardattn.serving.transport import SERVE_GROUP, TRANSPORTS, start_decode_transport
 
@@ -226,10 +226,11 @@ class RayRankPool(RequestSteps):
         if "max_batched_tokens" not in self._runtime_kwargs:
             raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
         self.shapes = pool_shapes(spec, self.mode, self._runtime_kwargs)
+        dcp = DECODE_STEP[self.mode] == "dcp"
+        rows = rank_cache_rows(self.shapes, rank_kv_heads(spec, dcp, self.world_size, 0))  # every rank's count
         self.cache_config, self._cache_spec = plan_rank_cache(
-            spec.page_size, self.shapes.cache_rows, DECODE_STEP[self.mode] == "dcp", self.world_size,
-            dcp_interleave(self._runtime_kwargs), max_requests, max_seq_len, num_pages,
-            self._memory_limit,
+            spec.page_size, rows, dcp, self.world_size, dcp_interleave(self._runtime_kwargs), max_requests,
+            max_seq_len, num_pages, self._memory_limit,
         )  # fmt: skip
         self.book = PagedKVBook(self.cache_config)
         self.heads_per_rank = spec.heads_per_rank(self.world_size)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from shardattn._checks import check_int, check_sink_logits, check_tensor
+from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.plan.kv_format import FP8_DS_MLA_ROW_BYTES, KV_FP8_DS_MLA, kv_format_name
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.args import as_index
@@ -142,3 +143,19 @@ def check_topk(shapes: PoolShapes, topk: object, name: str, n: int) -> torch.Ten
     """``topk`` as ``[n, K]`` int32 on the CPU (int64 converted, its values checked)."""
     topk = as_index(name, topk) if isinstance(topk, torch.Tensor) and topk.device == CPU else topk
     return check_tensor(name, topk, dtypes=(torch.int32,), shape=(n, shapes.topk), device=CPU)
+
+
+def rank_kv_heads(spec: ModelSpec, dcp: bool, world_size: int, rank: int) -> tuple[int, int] | None:
+    """``[start, stop)`` of the KV heads rank ``rank`` keeps of a GQA pool's rows: under head-TP
+    decode the rank's (:func:`~shardattn.parallel.gqa_head_tp.head_tp_kv_heads`, what its Runtime
+    reads); ``None`` (whole rows) for sparse MLA, DCP or one rank."""
+    if spec.kind != "gqa" or dcp or world_size == 1:
+        return None
+    return head_tp_kv_heads(spec.num_heads, spec.num_kv_heads, world_size, rank)
+
+
+def rank_cache_rows(shapes: PoolShapes, heads: tuple[int, int] | None) -> tuple:
+    """The resident cache's components on a rank that keeps ``heads`` of each row's KV heads."""
+    if heads is None:
+        return shapes.cache_rows
+    return tuple(((heads[1] - heads[0], *row[1:]), dtype) for row, dtype in shapes.cache_rows)
