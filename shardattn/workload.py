@@ -166,16 +166,17 @@ def load_topk_dump(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(topk [T, K] int32, valid [T] int32)`` on the CPU.
     Raises:
-        ValueError: naming the file, when it cannot be read or holds entries outside int32 or
-            counts outside ``[0, K]``.
+        ValueError: naming the file, when its contents are not a dump (a truncated or foreign file)
+            or hold entries outside int32 or counts outside ``[0, K]``. OSError: a file that cannot
+            be opened.
     """
     path = Path(path)
     if path.suffix not in (".safetensors", ".pt", ".pth"):
         raise ValueError(f"path must end in .pt or .safetensors, got {path.name}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file  # a missing package is an ImportError, not the file's fault
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             data = load_file(str(path))
         else:
             data = torch.load(str(path), map_location="cpu", weights_only=True)

@@ -29,7 +29,7 @@ from shardattn.plan import dcp_owner
         (["--timeout", "0"], r"--timeout must be >= 1"),
         (["--query-len", "0"], r"--query-len entries must be >= 1"),
         (["--window", "-2"], r"--window must be >= -1, got -2"),
-        (["--seed", "99999999999999999999999"], r"--seed must be <= 9,223,372,036,854,775,807"),
+        (["--seed", "99999999999999999999999"], r"--seed must be <= 18,446,744,073,709,551,615"),
         (["--timeout", "1e14"], r"--timeout must be <= 1,000,000"),
         (["--tokens", "3000000000"], r"--tokens must be <= 2,147,483,647"),
         (["--query-len", "1,3000000000"], r"--query-len entries must be <= 2,147,483,647"),

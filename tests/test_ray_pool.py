@@ -61,7 +61,7 @@ def test_bad_pool_configs_raise_before_any_actor_starts() -> None:
         ({"spec": MLA, "runtime_kwargs": small, "timeout_s": math.nan}, r"^timeout_s must be a finite number > 0"),
         ({"spec": MLA, "runtime_kwargs": small, "timeout_s": 0}, r"^timeout_s must be a finite number > 0"),
         ({"spec": MLA, "runtime_kwargs": small, "placement_timeout_s": -5}, r"^placement_timeout_s must be a finite"),
-        ({"spec": MLA, "runtime_kwargs": small, "num_cpus": 0}, r"^num_cpus must be a finite number > 0"),
+        ({"spec": MLA, "runtime_kwargs": small, "num_cpus": -1}, r"^num_cpus must be a finite number >= 0"),
         ({"spec": MLA, "runtime_kwargs": small, "placement_strategy": "BOGUS"}, r"^placement_strategy must be one of"),
         ({"spec": MLA, "runtime_kwargs": {"max_batched_tokens": -1}}, r"max_batched_tokens'\] must be >= 1"),
         ({"spec": MLA, "runtime_kwargs": {**small, "topk": 0}}, r"runtime_kwargs\['topk'\] must be >= 1"),

@@ -274,7 +274,8 @@ def check_options(args: argparse.Namespace) -> None:
             if v < minimum:
                 option = "--" + name.replace("_", "-")
                 raise BadOption(f"shardattn.calibrate: error: {option} must be >= {minimum}, got {v}")
-    if (why := unwritable_reason(args.out)) is not None:
+    # on rank 0, which writes the table (another host may lack the path, and does not need it)
+    if os.environ.get("RANK", "0") == "0" and (why := unwritable_reason(args.out)) is not None:
         raise BadOption(f"shardattn.calibrate: error: --out {args.out}: cannot write the table there ({why})")
     if args.merge_into is not None:
         try:

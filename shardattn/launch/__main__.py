@@ -10,7 +10,8 @@ Exit status: 0 on success, 2 for a bad option or an impossible configuration (ev
 line from the first rank to find it, :mod:`~shardattn.launch.one_line`), 3 when ``--check``
 finds an error above tolerance (every rank), 4 when a peer rank died or went silent for
 ``--timeout`` seconds, 1 for any other error (the rank that raised prints its traceback, then one
-line).
+line). A step that does not fit the memory is 2 on the rank whose allocation failed (one line from
+each such rank; its peers then exit 4).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from shardattn._paths import unwritable_reason
@@ -267,7 +268,7 @@ def _check_ranges(o: Options) -> None:
     positive("window", o.window, -1)
     positive("min-shard-tokens", o.min_shard_tokens)
     positive("timeout", o.timeout, 1, MAX_TIMEOUT_S)
-    positive("seed", o.seed, 0, 2**63 - 1)
+    positive("seed", o.seed, -(2**63), 2**64 - 1)  # torch.manual_seed's range
     positive("progress-after", o.progress_after, 0)
     if o.softmax_scale is not None and not (0 < o.softmax_scale < float("inf")):  # NaN fails this too
         raise LaunchError(
@@ -278,7 +279,9 @@ def _check_ranges(o: Options) -> None:
             raise LaunchError(f"shardattn.launch: error: --{name} entries must be >= {0 if name == 'cached' else 1}")
         if values is not None and max(values) > MAX_SIZE:
             raise LaunchError(f"shardattn.launch: error: --{name} entries must be <= {MAX_SIZE:,}, got {max(values):,}")
-    if o.json is not None and (why := unwritable_reason(o.json)) is not None:
+    # on the rank that writes the report (rank 0): another host may lack the path, and does not need it
+    writes = os.environ.get("RANK", "0") == "0"
+    if o.json is not None and writes and (why := unwritable_reason(o.json)) is not None:
         raise LaunchError(f"shardattn.launch: error: --json {o.json}: cannot write a report there ({why})")
     if o.fail_rank is not None and o.fail_rank < 0:
         raise LaunchError(f"shardattn.launch: error: --fail-rank must be >= 0, got {o.fail_rank}")

@@ -154,7 +154,8 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
     if opts.graph and not on_gpu:
         raise _fail("--graph captures CUDA graphs and needs a GPU per rank")
     if opts.graph and "decode" not in steps:
-        raise _fail(f"--graph captures the decode step; mode {mode} has none")
+        why = "--compare runs prefill steps only" if opts.compare else f"mode {mode} has none"
+        raise _fail(f"--graph captures the decode step; {why}")
     check = (not on_gpu) if opts.check is None else opts.check
     iters = opts.iters if opts.iters is not None else (20 if on_gpu else 3)
     min_shard = opts.min_shard_tokens if opts.min_shard_tokens is not None else (DEFAULT_MIN_TOKENS if on_gpu else 1)
@@ -347,22 +348,25 @@ def _with_dtype(spec: ModelSpec, dtype: torch.dtype) -> ModelSpec:
 
 
 def step_bytes(spec: ModelSpec, shape: Any, dtype: torch.dtype, steps: tuple[str, ...]) -> int:
-    """A lower bound on the bytes the run's synthetic steps hold on one rank: the KV cache (built
-    whole, then as the rank's copy), the queries and the top-k rows. A run that cannot hold them
-    is refused before it starts, not killed by the allocator part way.
+    """A lower bound on the bytes the run's synthetic steps hold on one rank: the larger step's whole
+    KV cache, queries and top-k rows (a step holds more: the rank's copies, outputs, the workspace).
+    A run that cannot hold even these is refused before it starts, not killed by the allocator
+    part way.
 
     >>> from shardattn.plan.spec import get_preset
     >>> from shardattn.launch.cli import Shape
     >>> s = Shape(tokens=256, requests=2, cached=(128, 128), topk=64, query_lens=(1, 1), reduced=True)
     >>> step_bytes(get_preset("glm5"), s, torch.float32, ("prefill", "decode")) // 2**20
-    38
+    37
     """
     elem = torch.finfo(dtype).bits // 8
     row = spec.head_dim if spec.kind == "sparse_mla" else 2 * spec.num_kv_heads * spec.head_dim
-    tokens = (shape.tokens if "prefill" in steps else 0) + (sum(shape.query_lens) if "decode" in steps else 0)
-    kv_rows = sum(shape.cached) + tokens
     topk = shape.topk if spec.kind == "sparse_mla" else 0
-    return 2 * kv_rows * row * elem + tokens * (spec.num_heads * spec.head_dim * elem + 2 * topk * 4)
+    sizes = [shape.tokens] if "prefill" in steps else []
+    sizes += [sum(shape.query_lens)] if "decode" in steps else []
+    # the steps are built one after the other: the larger one's cache (once), queries and top-k rows
+    return max((sum(shape.cached) + t) * row * elem + t * (spec.num_heads * spec.head_dim * elem + topk * 4)
+               for t in sizes)  # fmt: skip
 
 
 def free_bytes(device: torch.device, world_size: int) -> int | None:

@@ -34,7 +34,7 @@ Example:
 
 Its functions are building blocks of the sparse-MLA prefill ops (:func:`~shardattn.ops.sparse_mla.sparse_mla_attention`,
 :func:`~shardattn.ops.sparse_mla_grouped.sparse_mla_grouped_prefill`): they take the arguments those ops
-checked and check none of their own (the package does not export them).
+checked and check only what they need to run (the package does not export them).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ synchronisation; a value past int32 stays out of range, so an invalid entry stay
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -147,11 +148,11 @@ def check_queries(q: object, *, tokens: int, heads: int, head_dim: int, tokens_f
 
 def check_gqa_cache(
     kv_cache: object, *, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-    kv_heads_from: str,
+    kv_heads_from: Callable[[], str],
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``kv_cache`` is a GQA ``(k_cache, v_cache)`` pair, each ``[pages, page_size, kv_heads,
     head_dim]`` in ``dtype`` on ``device``; returns the pair. A mismatch names the tensor, and for
-    the head count where it comes from (``kv_heads_from``, for the message): a cache of the wrong
+    the head count where it comes from (``kv_heads_from()``, called for the message only): a cache of the wrong
     heads or pages would be read as another one, silently."""
     if not (isinstance(kv_cache, tuple | list) and len(kv_cache) == 2):
         got = type(kv_cache).__name__
@@ -163,7 +164,7 @@ def check_gqa_cache(
         check_tensor("kv_cache[0]", kc, dtypes=(dtype,), ndim=4, device=device)
         if kc.shape[2:] != want[1:]:
             raise ValueError(
-                f"kv_cache[0] must have shape [pages, {page_size}, {kv_heads}, {head_dim}] ({kv_heads_from}), "
+                f"kv_cache[0] must have shape [pages, {page_size}, {kv_heads}, {head_dim}] ({kv_heads_from()}), "
                 f"got {list(kc.shape)}"
             )
         check_paged_rows("kv_cache[0]", kc, page_size)

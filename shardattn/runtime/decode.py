@@ -240,7 +240,7 @@ class DecodeStep:
             req_ids, cu_q_lens = as_index("req_ids", req_ids, q.device), as_index("cu_q_lens", cu_q_lens, q.device)
             k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.ws.topk
             self.ws.check("decode", "dcp" if dcp else "headtp", tokens=t, topk=k)
-            if sinks is not None:  # every head's, checked before a rank takes its slice
+            if sinks is not None and not dcp:  # every head's, before head-TP takes the rank's (DCP checks them)
                 check_sink_logits(sinks, self.spec.num_heads, device=q.device)
             if self.spec.kind == "sparse_mla":
                 if topk_pos is None or req_ids is None:
@@ -257,7 +257,7 @@ class DecodeStep:
                         raise ValueError(f"{name} is sparse MLA's; a GQA decode attends every earlier token: pass None")
                 kv_cache = check_gqa_cache(
                     kv_cache, page_size=self.spec.page_size, kv_heads=self._kv_heads[1] - self._kv_heads[0],
-                    head_dim=dim, dtype=q.dtype, device=q.device, kv_heads_from=self._kv_heads_from,
+                    head_dim=dim, dtype=q.dtype, device=q.device, kv_heads_from=lambda: self._kv_heads_from,
                 )  # fmt: skip
         except (TypeError, ValueError) as e:
             reject(self.comm, e, collective=dcp, check=check)

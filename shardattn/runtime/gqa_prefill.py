@@ -174,10 +174,12 @@ def check_gqa_prefill_inputs(
         if block_table is not None:
             raise ValueError("block_table goes with kv_cache (the paged cache); pass both or neither")
         return out
-    if step == "pcp":
-        kv_heads_from = f"all {hkv} KV heads under PCP"
-    else:
-        kv_heads_from = f"this rank's {hkv} KV head(s) [{lo}, {hi}) of {spec.num_kv_heads} under head-TP"
+
+    def kv_heads_from() -> str:  # for the message only
+        if step == "pcp":
+            return f"all {hkv} KV heads under PCP"
+        return f"this rank's {hkv} KV head(s) [{lo}, {hi}) of {spec.num_kv_heads} under head-TP"
+
     kc, vc = check_gqa_cache(
         kv_cache, page_size=spec.page_size, kv_heads=hkv, head_dim=d, dtype=dtype, device=device,
         kv_heads_from=kv_heads_from,

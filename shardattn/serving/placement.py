@@ -8,6 +8,7 @@ bundle ``r`` (:func:`bundle_options`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from shardattn._checks import check_choice, check_positive
@@ -36,13 +37,17 @@ def _describe_missing(bundle: dict[str, float], count: int, strategy: str) -> st
 
 
 def check_placement(strategy: object, timeout_s: object, placement_timeout_s: object, num_cpus: object) -> None:
-    """A pool's placement arguments, before Ray starts: a strategy of :data:`STRATEGIES`, and
-    finite timeouts and CPUs per bundle > 0 (``placement_timeout_s`` may be ``None``)."""
+    """A pool's placement arguments, before Ray starts: a strategy of :data:`STRATEGIES`, finite
+    timeouts > 0 (``placement_timeout_s`` may be ``None``) and CPUs per bundle >= 0 (0: a GPU
+    pool's bundles reserve none; a CPU pool's need some, checked once its device is known)."""
     check_choice("placement_strategy", strategy, STRATEGIES)
     check_positive("timeout_s", timeout_s)
     if placement_timeout_s is not None:
         check_positive("placement_timeout_s", placement_timeout_s)
-    check_positive("num_cpus", num_cpus)
+    if isinstance(num_cpus, bool) or not isinstance(num_cpus, int | float):
+        raise TypeError(f"num_cpus must be a number, got {type(num_cpus).__name__}")
+    if not (math.isfinite(num_cpus) and num_cpus >= 0):
+        raise ValueError(f"num_cpus must be a finite number >= 0, got {num_cpus!r}")
 
 
 def reserve_bundles(count: int, bundle: dict[str, float], *, strategy: str, timeout_s: float) -> Any:

@@ -192,6 +192,8 @@ class RayRankPool(RequestSteps):
         if device == "auto":
             device = "cuda" if ray.cluster_resources().get("GPU", 0) >= world_size else "cpu"
         self.device = device
+        if device == "cpu" and num_cpus == 0:
+            raise ValueError("num_cpus must be > 0 for a CPU pool (a bundle of no resource is no reservation)")
         if host_threads is None:
             host_threads = 4 if device == "cuda" and (os.cpu_count() or 1) >= 16 else 1
         self.host_threads = host_threads

@@ -317,7 +317,7 @@ def check_decode_batch(
         lens_in = _index_array("query_lens", query_lens)
         lens = np.asarray(lens_in) if not isinstance(lens_in, np.ndarray) else lens_in
         if lens.dtype.kind not in "iu":
-            raise TypeError(f"query_lens must hold integers (each below 2**63), got {lens.dtype}")
+            raise TypeError(f"query_lens must hold integers, got {lens.dtype}")
         if lens.dtype.kind == "u" and lens.size and int(lens.max()) > np.iinfo(np.int64).max:
             raise ValueError(f"query_lens must be below 2**63, got {int(lens.max())}")
         lens = lens.astype(np.int64, copy=False)
