@@ -100,3 +100,22 @@ def test_array_side_matches_the_per_request_side(world: int, interleave: int) ->
     a.grow([(7, 1)])
     assert a.seq_len(7) == 1 and len(a.pages(7)) == 1 and a.request_ids[-1] == 7
     assert a.table_rows(a.slots(np.array([7])), width=3).tolist() == [[*a.pages(7), -1, -1]]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_undo_growth_restores_the_ledger_of_a_step_that_did_not_run(world: int) -> None:
+    """``undo_growth`` is ``grow_slots``' inverse: lengths, pages held, table rows and free pages as
+    before; the next step takes the same pages."""
+    book = PagedKVBook(KVCacheConfig(page_size=4, layout=DCPLayout(world), max_requests=3, max_seq_len=40))
+    book.grow([("a", 7), ("b", 3), ("c", 8)])
+    slots, counts = book.slots(["a", "b", "c"]), np.array([6, 1, 2])
+    before = (book.lens.copy(), book.npages.copy(), book.block_table.copy(), sorted(book._free))
+    book.check_slots(slots, counts)
+    book.grow_slots(slots, counts)
+    grown = book.block_table.copy()
+    assert (book.lens[slots] == before[0][slots] + counts).all() and book.free_pages < len(before[3])
+    book.undo_growth(slots, counts)
+    after = (book.lens, book.npages, book.block_table, sorted(book._free))
+    assert all(np.array_equal(x, y) for x, y in zip(before[:3], after[:3])) and before[3] == after[3]
+    book.grow_slots(slots, counts)
+    assert np.array_equal(book.block_table, grown)

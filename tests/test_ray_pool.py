@@ -66,6 +66,12 @@ def test_bad_pool_configs_raise_before_any_actor_starts() -> None:
         ({"spec": MLA, "runtime_kwargs": {"max_batched_tokens": -1}}, r"max_batched_tokens'\] must be >= 1"),
         ({"spec": MLA, "runtime_kwargs": {**small, "topk": 0}}, r"runtime_kwargs\['topk'\] must be >= 1"),
         ({"spec": MLA, "runtime_kwargs": {**small, "devcie": "cpu"}}, r"runtime_kwargs holds \['devcie'\]"),
+        ({"spec": MLA, "runtime_kwargs": {**small, "mode": "pcp"}}, r"runtime_kwargs must not give mode"),
+        ({"spec": GQA, "mode": "shardq", "runtime_kwargs": small}, r"mode 'shardq' serves sparse MLA only"),
+        (
+            {"spec": GQA, "mode": "dcp-decode", "runtime_kwargs": {**small, "kv_dtype": "fp8_ds_mla"}},
+            r"kv_dtype'\]='fp8_ds_mla' holds DSA sparse-MLA rows",
+        ),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -220,6 +226,28 @@ def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interl
         _in_place_step(pool, mirror, [2, 0], (3, 1))
 
 
+@needs_ray
+def test_a_gqa_pool_without_lse_refuses_to_return_one_and_shuts_down_clearly(ray_instance) -> None:
+    """A head-TP GQA pool whose Runtimes skip the LSE serves outputs (equal to fp64 attention); asked
+    for the LSE it says why on the driver and stays usable; after shutdown it says so."""
+    from shardattn.testing.serving import ServingMirror
+
+    runtime = {"decode_options": DecodeOptions(return_lse=False)}
+    with _pool(2, GQA, mode="headtp", max_requests=2, max_seq_len=32, runtime_kwargs=runtime) as pool:
+        mirror = ServingMirror(GQA, seed=5)
+        pool.prefill([mirror.prefill_request(0, 7, attend=False)])
+        with pytest.raises(ValueError, match=r"return_lse=True, but this pool's Runtimes skip the LSE"):
+            pool.decode([mirror.decode_request(0, append=False)], return_lse=True)
+        req = mirror.decode_request(0, 2)
+        (out,) = pool.decode([req])
+        ref_out, _ = mirror.expected(req)
+        assert torch.allclose(out.double(), ref_out, atol=ATOL, rtol=0), (out.double() - ref_out).abs().max()
+        assert pool.health()["state"] == "healthy"
+    assert pool.health()["state"] == "shut down"
+    with pytest.raises(RuntimeError, match="the pool is shut down"):
+        pool.restart()
+
+
 MLA_DSA = ModelSpec("sparse_mla", 4, 1, 576, 512, 4, 4, dtype="float32", softmax_scale=0.1)
 
 
@@ -341,7 +369,7 @@ def test_mla_pool_with_sinks_equals_fp64_attention(ray_instance, world, mode, in
 
 
 @needs_ray
-def test_bad_requests_raise_before_any_rank_runs(pool2) -> None:
+def test_bad_requests_raise_before_any_rank_runs(pool2, monkeypatch) -> None:
     from shardattn.serving import DecodeRequest, PrefillRequest
     from shardattn.testing.serving import ServingMirror
 
@@ -395,16 +423,75 @@ def test_bad_requests_raise_before_any_rank_runs(pool2) -> None:
         ),
         (lambda: pool2.decode(DecodeRequest("x", q=q1, topk_pos=topk1)), TypeError, "takes a list of DecodeRequest"),
         (lambda: pool2.free(["x", "nope"]), ValueError, "unknown request id 'nope'"),
+        (lambda: pool2.free("x"), TypeError, "request_ids must be a sequence of ids, got str 'x'"),
+        (lambda: pool2.decode([DecodeRequest("x", q=q1, topk_pos=topk1)], return_lse="no"), TypeError, "return_lse"),
+        (
+            lambda: pool2.decode_batch(["x"], q1, topk1, kv=kv1, return_lse=None),
+            TypeError,
+            "^return_lse must be a bool",
+        ),
+        (lambda: pool2.prefill([good], return_lse=1), TypeError, "^return_lse must be a bool"),
     ]
     for call, exc, match in cases:
         with pytest.raises(exc, match=match):
             call()
     assert pool2.book.free_pages == free_before and list(pool2.book.request_ids) == ["x"]
+    # a step that fails on the driver after its checks, before any rank runs (say, its inputs overlap
+    # the shared-memory rows they are copied to): the ledger is as before, no token was added
+    import shardattn.serving.steps as steps_mod
+
+    def fails_on_the_driver(*args, **kwargs):
+        raise RuntimeError("unsupported operation: some elements of the input tensor overlap")
+
+    length = pool2.book.seq_len("x")
+    monkeypatch.setattr(steps_mod, "decode_on_ranks", fails_on_the_driver)
+    with pytest.raises(RuntimeError, match="overlap"):
+        pool2.decode_batch(["x"], q1, topk1, kv=kv1)
+    monkeypatch.undo()
+    assert pool2.book.seq_len("x") == length and pool2.book.free_pages == free_before and not pool2.broken
     health = pool2.health()
     assert health["state"] == "healthy" and [r["steps"] for r in health["ranks"]] == steps_before
     reqs = [mirror.decode_request("x")]  # still serving, with the request's KV intact
     _check(pool2.decode(reqs, return_lse=True), reqs, mirror)
     pool2.free(["x"])
+
+
+@needs_ray
+def test_steps_from_two_threads_run_one_at_a_time(pool2) -> None:
+    """A service's threads may share a pool: one step runs at a time (the other thread's call waits),
+    each equal to fp64 attention, and the ledger counts every token once."""
+    import threading
+
+    from shardattn.testing.serving import ServingMirror
+
+    mirror = ServingMirror(MLA, seed=7)
+    reqs = [mirror.prefill_request("t1", 6), mirror.prefill_request("t2", 5)]
+    _check(pool2.prefill(reqs, return_lse=True), reqs, mirror)
+    plans = {rid: [] for rid in ("t1", "t2")}  # each thread's steps, their references taken as made
+    for _ in range(4):
+        for rid in plans:
+            req = mirror.decode_request(rid)
+            plans[rid].append((req, mirror.expected(req)))
+    results: dict[str, list] = {rid: [] for rid in plans}
+
+    def serve(rid: str) -> None:
+        for req, _ in plans[rid]:
+            q, topk, kv, _lens = _batch([req])
+            results[rid].append(pool2.decode_batch([rid], q, topk, kv=kv, return_lse=True))
+
+    threads = [threading.Thread(target=serve, args=(rid,)) for rid in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for rid in plans:
+        assert len(results[rid]) == 4, rid
+        for (out, lse), (_req, (ref_out, ref_lse)) in zip(results[rid], plans[rid]):
+            assert torch.allclose(out.double(), ref_out, atol=ATOL, rtol=0), (out.double() - ref_out).abs().max()
+            fin = torch.isfinite(ref_lse)
+            assert torch.allclose(lse.double()[fin], ref_lse[fin], atol=ATOL, rtol=0)
+    assert pool2.book.seq_len("t1") == 10 and pool2.book.seq_len("t2") == 9 and not pool2.broken
+    pool2.free(["t1", "t2"])
 
 
 def _batch(reqs):

@@ -227,6 +227,19 @@ class PagedKVBook:
                 self.block_table[s, self.npages[s]] = self._free.pop()
                 self.npages[s] += 1
 
+    def undo_growth(self, slots: np.ndarray, counts: np.ndarray | int) -> None:
+        """Undo :meth:`grow_slots` ``(slots, counts)`` of a step that did not run: the lengths back,
+        and the pages they took back on the free list (the next step takes them again)."""
+        self.lens[slots] -= counts
+        want = self.pages_for(self.lens[slots])
+        # back in the reverse order grow_slots took them, so the free list is as it was
+        for b in reversed(np.nonzero(want < self.npages[slots])[0].tolist()):
+            s = int(slots[b])
+            while self.npages[s] > want[b]:
+                self.npages[s] -= 1
+                self._free.append(int(self.block_table[s, self.npages[s]]))
+                self.block_table[s, self.npages[s]] = -1
+
     def table_rows(self, slots: np.ndarray, width: int | None = None) -> np.ndarray:
         """``[B, width]`` int32 block-table rows of ``slots`` (default width: the most pages held)."""
         w = int(self.npages[slots].max(initial=0)) if width is None else int(width)

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -170,6 +171,8 @@ class RayRankPool(RequestSteps):
         if host_threads is not None:
             check_int("host_threads", host_threads, minimum=1)
         self._decoder: Any = None  # the decode transport's runner (None: actor calls)
+        self._step_lock = threading.Lock()  # one step at a time: a call from another thread waits
+        self._decode_lse = True
         self.world_size, self.timeout_s = world_size, float(timeout_s)
         self._actors: list[Any] = []
         self._pg: Any = None
@@ -180,7 +183,9 @@ class RayRankPool(RequestSteps):
         self.last_step: dict[str, Any] = {}
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         self._runtime_kwargs = dict(runtime_kwargs or {})
-        self._runtime_kwargs.setdefault("mode", mode)
+        if "mode" in self._runtime_kwargs:
+            raise ValueError("runtime_kwargs must not give mode: pass mode= to the pool")
+        self._runtime_kwargs["mode"] = mode
         self.mode = self._runtime_kwargs["mode"]
         self._memory_limit = memory_limit_bytes
         self._sinks = sinks
@@ -220,15 +225,17 @@ class RayRankPool(RequestSteps):
             raise TypeError(f"spec must be a ModelSpec or a preset name, got {type(spec).__name__}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES} for a pool, got {self.mode!r}")
-        if self.mode == "pcp" and spec.kind != "sparse_mla":
+        if self.mode in ("pcp", "shardq") and spec.kind != "sparse_mla":
             raise ValueError(
-                f"mode 'pcp' serves sparse MLA only (PCP prefill); use 'dcp-decode' for a {spec.kind} spec"
+                f"mode {self.mode!r} serves sparse MLA only; use 'dcp-decode' or 'headtp' for a {spec.kind} spec"
             )
         self._sinks = check_sinks(self._sinks, spec)
         if "max_batched_tokens" not in self._runtime_kwargs:
             raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
         self.shapes = pool_shapes(spec, self.mode, self._runtime_kwargs)
         dcp = DECODE_STEP[self.mode] == "dcp"
+        options = self._runtime_kwargs.get("decode_options")
+        self._decode_lse = dcp or spec.kind != "gqa" or options is None or options.return_lse
         rows = rank_cache_rows(self.shapes, rank_kv_heads(spec, dcp, self.world_size, 0))  # every rank's count
         self.cache_config, self._cache_spec = plan_rank_cache(
             spec.page_size, rows, dcp, self.world_size, dcp_interleave(self._runtime_kwargs), max_requests,
@@ -334,21 +341,25 @@ class RayRankPool(RequestSteps):
         self._need_spec()
         assert self.spec is not None
         checked = check_sinks(sinks, self.spec)
-        self._call("set_sinks", [a.set_sinks.remote(checked) for a in self._actors])
-        self._sinks = checked
+        with self._step_lock:
+            self._call("set_sinks", [a.set_sinks.remote(checked) for a in self._actors])
+            self._sinks = checked
 
     def free(self, request_ids: Sequence[Hashable]) -> int:
         """Release requests' pages (host bookkeeping; no rank runs). Returns the pages freed."""
         self._check_usable()
         self._need_spec()
-        return self.book.release(request_ids)
+        if isinstance(request_ids, str | bytes):  # a str is a sequence of one-letter ids
+            raise TypeError(f"request_ids must be a sequence of ids, got {type(request_ids).__name__} {request_ids!r}")
+        with self._step_lock:
+            return self.book.release(request_ids)
 
     @property
     def broken(self) -> bool:
         return self._broken is not None
 
     def health(self, *, timeout_s: float | None = None) -> dict[str, Any]:
-        """``{"state": "healthy" | "broken", "error", "free_pages", "requests", "ranks": [...]}``.
+        """``{"state": "healthy" | "broken" | "shut down", "error", "free_pages", "requests", "ranks": [...]}``.
 
         Each rank reports ``state`` (``ready``; ``prefill`` / ``decode`` while a step runs, with
         ``step_running_s``; ``dead``, ``unresponsive``), ``rss_bytes``, ``cache_bytes``,
@@ -358,8 +369,9 @@ class RayRankPool(RequestSteps):
         wait = min(self.timeout_s, 10.0) if timeout_s is None else timeout_s
         ranks = rank_reports(self._actors, wait)
         book = getattr(self, "book", None)
+        state = "broken" if self._broken is not None else "healthy" if self._actors else "shut down"
         return {
-            "state": "broken" if self._broken is not None else "healthy",
+            "state": state,
             "error": None if self._broken is None else str(self._broken),
             "free_pages": None if book is None else book.free_pages,
             "requests": None if book is None else len(book),
@@ -370,17 +382,20 @@ class RayRankPool(RequestSteps):
         """Stop every actor, start new ones in the same bundles, re-form the group and rebuild.
 
         Returns the request ids whose KV state was lost (every request the pool held): the
-        caller re-prefills them. The pool is usable again afterwards.
+        caller re-prefills them. The pool is usable again afterwards (not after :meth:`shutdown`).
         """
-        self._teardown_decoder()
-        kill_actors(self._actors)
-        self._actors = []
-        lost = self.book.request_ids if self.spec is not None else []
-        if self.spec is not None:
-            self.book.reset()
-        self._broken = None
-        self._form()
-        return lost
+        if self._pg is None:
+            raise RuntimeError("the pool is shut down")
+        with self._step_lock:
+            self._teardown_decoder()
+            kill_actors(self._actors)
+            self._actors = []
+            lost = self.book.request_ids if self.spec is not None else []
+            if self.spec is not None:
+                self.book.reset()
+            self._broken = None
+            self._form()
+            return lost
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """``fn(group, *args, **kwargs)`` on every rank; the per-rank results, in rank order."""

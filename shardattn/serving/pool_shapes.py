@@ -15,7 +15,7 @@ import torch
 
 from shardattn._checks import check_int, check_sink_logits, check_tensor
 from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
-from shardattn.plan.kv_format import FP8_DS_MLA_ROW_BYTES, KV_FP8_DS_MLA, kv_format_name
+from shardattn.plan.kv_format import FP8_DS_MLA_DIMS, FP8_DS_MLA_ROW_BYTES, KV_FP8_DS_MLA, kv_format_name
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.args import as_index
 from shardattn.runtime.options import DecodeOptions
@@ -79,8 +79,13 @@ def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> P
     cache_rows = rows
     if runtime_kwargs.get("kv_dtype") is not None:
         fmt = kv_format_name("runtime_kwargs['kv_dtype']", runtime_kwargs["kv_dtype"])
-        if fmt == KV_FP8_DS_MLA:  # the Runtime refuses it for other models, naming the spec
-            cache_rows = (((FP8_DS_MLA_ROW_BYTES,), torch.uint8),) if spec.kind == "sparse_mla" else rows
+        if fmt == KV_FP8_DS_MLA:
+            if spec.kind != "sparse_mla" or (spec.head_dim, spec.v_dim) != FP8_DS_MLA_DIMS:  # before a rank builds
+                raise ValueError(
+                    f"{kw}['kv_dtype']={fmt!r} holds DSA sparse-MLA rows (576 = 512 latent + 64 rope); the spec is a "
+                    f"{spec.kind} model of head_dim {spec.head_dim} / v_dim {spec.v_dim}"
+                )
+            cache_rows = (((FP8_DS_MLA_ROW_BYTES,), torch.uint8),)
     return PoolShapes(
         kind=spec.kind,
         heads=spec.num_heads,

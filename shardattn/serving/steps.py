@@ -6,6 +6,10 @@ calls), :meth:`~RequestSteps.decode` (request objects, checked one by one) and
 decode APIs run the same step (:meth:`~RequestSteps._decode_step`) through the pool's decode
 transport (:func:`~shardattn.serving.transport.decode_on_ranks`). The pool provides the
 state they use: its ledger (``book``), ``shapes``, actors, transport, and its fault-checked calls.
+
+One step runs at a time (the pool's lock: a step called from another thread waits), and a step
+that fails on the driver after its checks, before any rank runs, takes its tokens back out of the
+ledger, so no later step reads a token that was never written.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ class RequestSteps:
     last_step: dict[str, Any]
     _actors: list[Any]
     _decoder: Any
+    _broken: Any
+    #: held for a whole step: a pool runs one step at a time (another thread's call waits)
+    _step_lock: Any
+    #: whether a decode step can return the LSE (not a head-TP GQA pool whose Runtimes skip it)
+    _decode_lse: bool
 
     # the pool's own (:class:`~shardattn.serving.pool.RayRankPool`)
     _check_usable: Callable[[], None]
@@ -116,12 +125,14 @@ class RequestSteps:
             ValueError / TypeError: a bad request (before any rank runs; the pool stays usable).
             RankFailedError: a rank failed; the pool is broken until :meth:`restart`.
         """
-        self._check_usable()
-        self._need_spec()
-        t0 = time.perf_counter()
-        with one_host_thread(self.host_threads):
-            packed = pack_step("prefill", requests, self.shapes, self.book)
-            return self._run_prefill(packed, return_lse, t0)
+        check_bool("return_lse", return_lse)
+        with self._step_lock:
+            self._check_usable()
+            self._need_spec()
+            t0 = time.perf_counter()
+            with one_host_thread(self.host_threads):
+                packed = pack_step("prefill", requests, self.shapes, self.book)
+                return self._run_prefill(packed, return_lse, t0)
 
     def decode(self, requests: Sequence[DecodeRequest], *, return_lse: bool = False) -> list[Any]:
         """One decode step of prefilled requests (DCP under ``mixed`` / ``dcp-decode``), as request
@@ -129,6 +140,11 @@ class RequestSteps:
 
         Returns one ``out [Q, H, Dv]`` (or ``(out, lse [Q, H])``) per request; raises as :meth:`prefill`.
         """
+        self._check_decode_lse(return_lse)
+        with self._step_lock:
+            return self._decode_requests(requests, return_lse)
+
+    def _decode_requests(self, requests: Sequence[DecodeRequest], return_lse: bool) -> list[Any]:
         self._check_usable()
         self._need_spec()
         t0 = time.perf_counter()
@@ -187,12 +203,20 @@ class RequestSteps:
                 repeated request, or one past ``max_seq_len``), before any rank runs; the pool
                 stays usable. RankFailedError: a rank failed; the pool is broken until :meth:`restart`.
         """
-        self._check_usable()
-        self._need_spec()
-        t0 = time.perf_counter()
+        self._check_decode_lse(return_lse)
         check_bool("view", view)
         if view and out is not None:
             raise ValueError("view=True returns the transport's own buffers; it takes no out")
+        with self._step_lock:
+            return self._decode_tensors(request_ids, q, topk_pos, query_lens, kv, return_lse, out, view)
+
+    def _decode_tensors(
+        self, request_ids: Any, q: torch.Tensor, topk_pos: torch.Tensor | None, query_lens: Any, kv: Any,
+        return_lse: bool, out: torch.Tensor | None, view: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        self._check_usable()
+        self._need_spec()
+        t0 = time.perf_counter()
         with one_host_thread(self.host_threads):
             batch = check_decode_batch(self.shapes, self.book, request_ids, q, topk_pos, query_lens=query_lens, kv=kv)
             if out is not None:
@@ -233,6 +257,14 @@ class RequestSteps:
             views["topk_pos"] = region["topk"][:num_tokens]
         return views
 
+    def _check_decode_lse(self, return_lse: object) -> None:
+        check_bool("return_lse", return_lse)
+        if return_lse and not self._decode_lse:
+            raise ValueError(
+                "return_lse=True, but this pool's Runtimes skip the LSE of their head-TP GQA decode "
+                "(runtime_kwargs' DecodeOptions(return_lse=False))"
+            )
+
     def _decode_step(
         self, batch: BatchStep, return_lse: bool, t_start: float, out: torch.Tensor | None, view: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -247,6 +279,10 @@ class RequestSteps:
             )
         except RankStepError as e:
             raise self._fail(e.rank, e.cause, "decode") from None
+        except Exception:  # on the driver, before the ranks were told to run: the step did not happen
+            if self._broken is None:
+                self.book.undo_growth(batch.slots, batch.counts)
+            raise
         t_back = time.perf_counter()
         if timeline is None:  # each rank's heads
             full, lse = assemble(results, None, batch.num_tokens, return_lse, out=out)
