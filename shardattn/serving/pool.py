@@ -69,7 +69,6 @@ from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.serving.errors import RankFailedError, describe_ray_error, require_ray
 from shardattn.serving.health import HEALTH_GROUP, rank_reports
-from shardattn.serving.kv_cache import plan_rank_cache
 from shardattn.serving.placement import (
     bundle_options,
     check_placement,
@@ -77,7 +76,7 @@ from shardattn.serving.placement import (
     release_bundles,
     reserve_bundles,
 )
-from shardattn.serving.pool_shapes import check_sinks, dcp_interleave, pool_shapes, rank_cache_rows, rank_kv_heads
+from shardattn.serving.pool_shapes import check_sinks, plan_pool
 from shardattn.serving.steps import RequestSteps
 from shardattn.serving.transport import SERVE_GROUP, TRANSPORTS, start_decode_transport
 
@@ -218,31 +217,14 @@ class RayRankPool(RequestSteps):
 
     # -- building ------------------------------------------------------------------------------
     def _plan_cache(self, max_requests: int, max_seq_len: int, num_pages: int | None) -> None:
-        from shardattn.runtime.runtime import DECODE_STEP, MODES
-
-        spec = self.spec
-        if not isinstance(spec, ModelSpec):
-            raise TypeError(f"spec must be a ModelSpec or a preset name, got {type(spec).__name__}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES} for a pool, got {self.mode!r}")
-        if self.mode in ("pcp", "shardq") and spec.kind != "sparse_mla":
-            raise ValueError(
-                f"mode {self.mode!r} serves sparse MLA only; use 'dcp-decode' or 'headtp' for a {spec.kind} spec"
-            )
-        self._sinks = check_sinks(self._sinks, spec)
-        if "max_batched_tokens" not in self._runtime_kwargs:
-            raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
-        self.shapes = pool_shapes(spec, self.mode, self._runtime_kwargs)
-        dcp = DECODE_STEP[self.mode] == "dcp"
-        options = self._runtime_kwargs.get("decode_options")
-        self._decode_lse = dcp or spec.kind != "gqa" or options is None or options.return_lse
-        rows = rank_cache_rows(self.shapes, rank_kv_heads(spec, dcp, self.world_size, 0))  # every rank's count
-        self.cache_config, self._cache_spec = plan_rank_cache(
-            spec.page_size, rows, dcp, self.world_size, dcp_interleave(self._runtime_kwargs), max_requests,
-            max_seq_len, num_pages, self._memory_limit,
+        plan = plan_pool(
+            self.spec, self.mode, self._runtime_kwargs, self.world_size, self._sinks, max_requests, max_seq_len,
+            num_pages, self._memory_limit,
         )  # fmt: skip
+        self.shapes, self._sinks, self._decode_lse = plan.shapes, plan.sinks, plan.decode_lse
+        self.cache_config, self._cache_spec = plan.cache_config, plan.cache_spec
         self.book = PagedKVBook(self.cache_config)
-        self.heads_per_rank = spec.heads_per_rank(self.world_size)
+        self.heads_per_rank = plan.spec.heads_per_rank(self.world_size)
 
     def _form(self) -> None:
         """Start the actors in their bundles, join the group, build Runtimes and caches."""
@@ -398,9 +380,11 @@ class RayRankPool(RequestSteps):
             return lost
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """``fn(group, *args, **kwargs)`` on every rank; the per-rank results, in rank order."""
+        """``fn(group, *args, **kwargs)`` on every rank; the per-rank results, in rank order (between
+        steps: its collectives would interleave with a step's)."""
         self._check_usable()
-        return self._call("run", [a.run.remote(fn, args, kwargs) for a in self._actors])
+        with self._step_lock:
+            return self._call("run", [a.run.remote(fn, args, kwargs) for a in self._actors])
 
     def arm_fault(self, rank: int, kind: str = "exit", operation: str = "decode") -> None:
         """Drill: make ``rank``'s next ``operation`` step fail (``kind``: ``"exit"``, ``"raise"`` or ``"hang"``)."""

@@ -18,7 +18,9 @@ from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.plan.kv_format import FP8_DS_MLA_DIMS, FP8_DS_MLA_ROW_BYTES, KV_FP8_DS_MLA, kv_format_name
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.args import as_index
+from shardattn.runtime.modes import DECODE_STEP, MODES
 from shardattn.runtime.options import DecodeOptions
+from shardattn.serving.kv_cache import plan_rank_cache
 
 __all__ = ["CPU", "PoolShapes", "check_q", "check_sinks", "check_topk", "dcp_interleave", "kv_parts", "pool_shapes"]
 
@@ -164,3 +166,49 @@ def rank_cache_rows(shapes: PoolShapes, heads: tuple[int, int] | None) -> tuple:
     if heads is None:
         return shapes.cache_rows
     return tuple(((heads[1] - heads[0], *row[1:]), dtype) for row, dtype in shapes.cache_rows)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """What a pool of a spec builds, decided on the driver before any rank starts.
+
+    Attributes:
+        spec: the model. shapes: what its steps accept (:func:`pool_shapes`). sinks: the checked
+        sinks (:func:`check_sinks`). decode_lse: whether a decode step can return the LSE (not a
+        head-TP GQA pool whose Runtimes skip it). cache_config / cache_spec: the ledger's sizes and
+        every rank's KV-cache shard (:func:`~shardattn.serving.kv_cache.plan_rank_cache`).
+    """
+
+    spec: ModelSpec
+    shapes: PoolShapes
+    sinks: torch.Tensor | None
+    decode_lse: bool
+    cache_config: Any
+    cache_spec: dict[str, Any]
+
+
+def plan_pool(
+    spec: object, mode: str, runtime_kwargs: dict[str, Any], world_size: int, sinks: object, max_requests: int,
+    max_seq_len: int, num_pages: int | None, memory_limit_bytes: int | None,
+) -> PoolPlan:  # fmt: skip
+    """Check a pool's model, mode, sinks and Runtime arguments and size its caches (``ValueError`` /
+    ``TypeError`` naming the argument, before Ray starts)."""
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"spec must be a ModelSpec or a preset name, got {type(spec).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} for a pool, got {mode!r}")
+    if mode in ("pcp", "shardq") and spec.kind != "sparse_mla":
+        raise ValueError(f"mode {mode!r} serves sparse MLA only; use 'dcp-decode' or 'headtp' for a {spec.kind} spec")
+    sinks = check_sinks(sinks, spec)
+    if "max_batched_tokens" not in runtime_kwargs:
+        raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
+    shapes = pool_shapes(spec, mode, runtime_kwargs)
+    dcp = DECODE_STEP[mode] == "dcp"
+    options = runtime_kwargs.get("decode_options")
+    decode_lse = dcp or spec.kind != "gqa" or options is None or options.return_lse
+    rows = rank_cache_rows(shapes, rank_kv_heads(spec, dcp, world_size, 0))  # every rank's count
+    cache_config, cache_spec = plan_rank_cache(
+        spec.page_size, rows, dcp, world_size, dcp_interleave(runtime_kwargs), max_requests, max_seq_len, num_pages,
+        memory_limit_bytes,
+    )  # fmt: skip
+    return PoolPlan(spec, shapes, sinks, decode_lse, cache_config, cache_spec)
