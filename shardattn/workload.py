@@ -175,11 +175,13 @@ def load_topk_dump(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"path must end in .pt or .safetensors, got {path.name}")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file  # a missing package is an ImportError, not the file's fault
+    else:
+
+        def load_file(name: str) -> object:
+            return torch.load(name, map_location="cpu", weights_only=True)
+
     try:
-        if path.suffix == ".safetensors":
-            data = load_file(str(path))
-        else:
-            data = torch.load(str(path), map_location="cpu", weights_only=True)
+        data = load_file(str(path))
     except OSError:
         raise
     except Exception as e:  # a truncated or foreign file: the readers raise their own kinds

@@ -142,26 +142,23 @@ class RequestSteps:
         """
         self._check_decode_lse(return_lse)
         with self._step_lock:
-            return self._decode_requests(requests, return_lse)
-
-    def _decode_requests(self, requests: Sequence[DecodeRequest], return_lse: bool) -> list[Any]:
-        self._check_usable()
-        self._need_spec()
-        t0 = time.perf_counter()
-        into = self._decoder.inputs() if self.transport == "shm" and self._decoder is not None else None
-        with one_host_thread(self.host_threads):
-            packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: into the region
-            i64 = np.int64
-            batch = BatchStep(
-                self.book.slots(packed.ids), np.array(packed.starts, dtype=i64), np.array(packed.counts, dtype=i64),
-                np.array(packed.q_counts, dtype=i64), packed.q, packed.topk, packed.kv,
-            )  # fmt: skip
-            out, lse = self._decode_step(batch, return_lse, t0, None, False)
-            t_split = time.perf_counter()
-            outs = out.split(packed.q_counts)
-            result = list(zip(outs, lse.split(packed.q_counts))) if lse is not None else list(outs)
-            self.last_step["assemble_ms"] += (time.perf_counter() - t_split) * 1e3
-            return result
+            self._check_usable()
+            self._need_spec()
+            t0 = time.perf_counter()
+            into = self._decoder.inputs() if self.transport == "shm" and self._decoder is not None else None
+            with one_host_thread(self.host_threads):
+                packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: into the region
+                i64 = np.int64
+                batch = BatchStep(
+                    self.book.slots(packed.ids), np.array(packed.starts, dtype=i64), np.array(packed.counts, dtype=i64),
+                    np.array(packed.q_counts, dtype=i64), packed.q, packed.topk, packed.kv,
+                )  # fmt: skip
+                out, lse = self._decode_step(batch, return_lse, t0, None, False)
+                t_split = time.perf_counter()
+                outs = out.split(packed.q_counts)
+                result = list(zip(outs, lse.split(packed.q_counts))) if lse is not None else list(outs)
+                self.last_step["assemble_ms"] += (time.perf_counter() - t_split) * 1e3
+                return result
 
     def decode_batch(
         self,
@@ -208,24 +205,20 @@ class RequestSteps:
         if view and out is not None:
             raise ValueError("view=True returns the transport's own buffers; it takes no out")
         with self._step_lock:
-            return self._decode_tensors(request_ids, q, topk_pos, query_lens, kv, return_lse, out, view)
-
-    def _decode_tensors(
-        self, request_ids: Any, q: torch.Tensor, topk_pos: torch.Tensor | None, query_lens: Any, kv: Any,
-        return_lse: bool, out: torch.Tensor | None, view: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        self._check_usable()
-        self._need_spec()
-        t0 = time.perf_counter()
-        with one_host_thread(self.host_threads):
-            batch = check_decode_batch(self.shapes, self.book, request_ids, q, topk_pos, query_lens=query_lens, kv=kv)
-            if out is not None:
-                assert self.spec is not None
-                check_tensor("out", out, dtypes=(self.shapes.dtype,), device=torch.device("cpu"),
-                             shape=(batch.num_tokens, self.shapes.heads, self.spec.v_dim))  # fmt: skip
-                if not out.is_contiguous():
-                    raise ValueError("out must be contiguous")
-            return self._decode_step(batch, return_lse, t0, out, view)
+            self._check_usable()
+            self._need_spec()
+            t0 = time.perf_counter()
+            with one_host_thread(self.host_threads):
+                batch = check_decode_batch(
+                    self.shapes, self.book, request_ids, q, topk_pos, query_lens=query_lens, kv=kv
+                )
+                if out is not None:
+                    assert self.spec is not None
+                    check_tensor("out", out, dtypes=(self.shapes.dtype,), device=torch.device("cpu"),
+                                 shape=(batch.num_tokens, self.shapes.heads, self.spec.v_dim))  # fmt: skip
+                    if not out.is_contiguous():
+                        raise ValueError("out must be contiguous")
+                return self._decode_step(batch, return_lse, t0, out, view)
 
     def step_inputs(self, num_tokens: int) -> dict[str, Any]:
         """Where a decode step of ``num_tokens`` query tokens may be written before
