@@ -5,6 +5,7 @@ raising rank gives one RankFailedError and restart() recovers. One Ray instance 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import importlib.util
 import math
 import os
@@ -525,6 +526,11 @@ def test_decode_batch_equals_decode_and_fp64_attention(pool2) -> None:
     again = pool2.decode(reqs, return_lse=True)
     strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, not contiguous
     assert torch.equal(pool2.decode_batch(torch.tensor([2, 0]), strided, topk, query_lens=torch.tensor(lens))[0], out)
+    # a q that requires grad (a model run without no_grad) is read as its values, in both entries
+    graded = q.clone().requires_grad_(True)
+    assert torch.equal(pool2.decode_batch([2, 0], graded, topk, query_lens=lens)[0], out)
+    graded_reqs = [dataclasses.replace(r, q=r.q.clone().requires_grad_(True)) for r in reqs]
+    assert all(torch.equal(a, b) for a, b in zip(pool2.decode(graded_reqs), out.split(lens)))
     assert all(torch.equal(a, b) and torch.equal(c, d) for (a, c), b, d in zip(again, out.split(lens), lse.split(lens)))
     assert pool2.free([1]) > 0
     mirror.free(1)

@@ -219,6 +219,7 @@ def pack_step(
             raise ValueError(f"decode of requests with no cached tokens: {empty!r}")
 
     def cat(parts: list[torch.Tensor], name: str) -> torch.Tensor:
+        parts = [p.detach() for p in parts]  # inference: a q that requires grad is read as its values
         if into is None or name not in into:
             return torch.cat(parts)
         rows, buf = sum(int(p.shape[0]) for p in parts), into[name]

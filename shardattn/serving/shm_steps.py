@@ -56,8 +56,10 @@ def _unlink(*paths: str) -> None:
 
 
 def _put(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``src``'s values into the region's ``dst`` (no autograd history: a ``src`` that requires grad
+    is read as its values, and the region stays a plain buffer)."""
     if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():  # not packed in place
-        dst.copy_(src)
+        dst.copy_(src.detach())
 
 
 class ShmSteps:
