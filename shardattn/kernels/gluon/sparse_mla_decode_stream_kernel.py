@@ -155,21 +155,37 @@ if HAS_GLUON:
         cp.commit_group()
 
     @gluon.jit
+    def _codes_and_scale(st, k_codes, k_scales, c: gl.constexpr, lay: gl.constexpr):
+        """Chunk ``c``'s ``[64, CW]`` codes of ring stage ``st`` and their ``[64, 1]`` bf16 scales."""
+        codes = k_codes.index(st).slice(c * CW, CW, dim=1).load(lay)
+        scale = k_scales.index(st).slice(c * 64, 64).load(gl.SliceLayout(1, lay))
+        return codes, scale.to(gl.bfloat16)[:, None]
+
+    @gluon.jit
     def _scores(st, par, bufs, s_zero, HP: gl.constexpr, DV: gl.constexpr, KV_FP8: gl.constexpr):
         """``S^T [64, HP] = K Q^T`` of the block in stage ``st`` against Q buffer ``par``; ``fp8_ds_mla``
-        rows are dequantised into ``k_nope`` first, chunk by chunk, behind one proxy fence and barrier
-        for the four chunks (a fence and barrier per chunk, each chunk's ``wgmma`` overlapping the next
-        chunk's conversion, was 1-2 % slower; docs/DECISIONS.md, D68)."""
+        rows are dequantised into ``k_nope`` first, chunk by chunk, each chunk's codes and scales read
+        from the ring before the chunk ahead of it is stored (read in turn, each waited on its store:
+        0.3-4 % slower; D71), behind one proxy fence and barrier for the four chunks (a fence and
+        barrier per chunk, each chunk's ``wgmma`` overlapping the next chunk's conversion, was 1-2 %
+        slower; docs/DECISIONS.md, D68)."""
         (q_nope, q_rope, k_nope, k_rope, k_codes, k_scales, _keys) = bufs
         q_n = q_nope.index(par)
         s = warpgroup_mma(k_rope.index(st), q_rope.index(par).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)  # fmt: skip
         if KV_FP8:
             lay: gl.constexpr = _latent_layout(CW, 4, True)
-            for c in gl.static_range(DV // CW):
-                codes = k_codes.index(st).slice(c * CW, CW, dim=1).load(lay)
-                scale = k_scales.index(st).slice(c * 64, 64).load(gl.SliceLayout(1, lay))
-                k_nope.index(0).slice(c * CW, CW, dim=1).store(e4m3_times_bf16(codes, scale.to(gl.bfloat16)[:, None]))
+            gl.static_assert(DV // CW == 4, "four scale tiles a row")
+            # chunk c + 1's codes and scales are read before chunk c is stored (shared-memory reads
+            # are not moved past stores), so each read's latency overlaps a conversion
+            codes0, scale0 = _codes_and_scale(st, k_codes, k_scales, 0, lay)
+            codes1, scale1 = _codes_and_scale(st, k_codes, k_scales, 1, lay)
+            k_nope.index(0).slice(0 * CW, CW, dim=1).store(e4m3_times_bf16(codes0, scale0))
+            codes2, scale2 = _codes_and_scale(st, k_codes, k_scales, 2, lay)
+            k_nope.index(0).slice(1 * CW, CW, dim=1).store(e4m3_times_bf16(codes1, scale1))
+            codes3, scale3 = _codes_and_scale(st, k_codes, k_scales, 3, lay)
+            k_nope.index(0).slice(2 * CW, CW, dim=1).store(e4m3_times_bf16(codes2, scale2))
+            k_nope.index(0).slice(3 * CW, CW, dim=1).store(e4m3_times_bf16(codes3, scale3))
             fence_async_shared()
             cta_barrier()
             for c in gl.static_range(DV // CW):
