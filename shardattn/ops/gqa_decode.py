@@ -325,18 +325,19 @@ def run_gqa_paged_decode(
             lse.fill_(-math.inf)
         return (out, lse) if return_lse else out
     cu = cu_q_lens if ragged else torch.arange(batch + 1, dtype=torch.int32, device=q.device) * q_len
-    ref_out, ref_lse = gqa_paged_decode_reference(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        cu,
-        causal=causal,
-        window_left=window_left,
-        sinks=sinks,
-        scale=scale,
-    )
+    with torch.no_grad():  # inference, as the kernels: no autograd history on any device
+        ref_out, ref_lse = gqa_paged_decode_reference(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            cu,
+            causal=causal,
+            window_left=window_left,
+            sinks=sinks,
+            scale=scale,
+        )
     if out is not None:
         ref_out = out.copy_(ref_out)
     if lse_out is not None:

@@ -62,7 +62,8 @@ class TorchSegmentKernel:
         kw.pop("launches", None)
         if k_len is None:
             k_len = cu_k[1:] - cu_k[:-1]
-        out, lse = segment_attention_reference(q, k, v, cu_q, k_len, cu_k=cu_k, **kw)
+        with torch.no_grad():  # inference, as the kernels: no autograd history on any device
+            out, lse = segment_attention_reference(q, k, v, cu_q, k_len, cu_k=cu_k, **kw)
         return out, (lse if return_lse else None)
 
     def paged(
@@ -70,7 +71,8 @@ class TorchSegmentKernel:
     ) -> KernelResult:
         return_lse = kw.pop("return_lse", True)
         kw.pop("launches", None)
-        out, lse = segment_attention_reference(q, k_cache, v_cache, cu_q, k_len, page_table=page_table, **kw)
+        with torch.no_grad():  # inference, as the kernels: no autograd history on any device
+            out, lse = segment_attention_reference(q, k_cache, v_cache, cu_q, k_len, page_table=page_table, **kw)
         return out, (lse if return_lse else None)
 
     def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:

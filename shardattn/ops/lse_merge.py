@@ -151,7 +151,8 @@ def run_lse_merge(
     argument checks. Shapes and return value: :func:`lse_merge`."""
     _, t, h, d = outs.shape
     if not HAVE_TRITON or not use_triton(outs):
-        ref_out, ref_lse = lse_merge_reference(outs, lses)
+        with torch.no_grad():  # inference, as the kernels: no autograd history on any device
+            ref_out, ref_lse = lse_merge_reference(outs, lses)
         if out is None and lse_out is None:
             return ref_out, ref_lse
         out = ref_out if out is None else out.copy_(ref_out)

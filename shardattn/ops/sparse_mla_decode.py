@@ -174,9 +174,10 @@ def run_sparse_mla_decode(
         if no_keys:
             ref_out, ref_lse = empty_kv_result(q, v_dim, sinks)
         else:
-            ref_out, ref_lse = sparse_mla_reference(
-                q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
-            )
+            with torch.no_grad():  # inference, as the kernels: no autograd history on any device
+                ref_out, ref_lse = sparse_mla_reference(
+                    q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
+                )
         out = ref_out if out is None else out.copy_(ref_out)
         lse_out = ref_lse if lse_out is None else lse_out.copy_(ref_lse)
         return out, lse_out

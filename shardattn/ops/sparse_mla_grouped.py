@@ -182,9 +182,10 @@ def sparse_mla_grouped_prefill(
     if path.backend == "reference":
         if q_ready is not None:
             q_ready()
-        o, s = sparse_mla_reference(
-            q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
-        )
+        with torch.no_grad():  # inference, as the kernels: no autograd history on any device
+            o, s = sparse_mla_reference(
+                q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
+            )
         out = o if out is None else store_heads(out, o)
         lse_out = s if lse_out is None else store_heads(lse_out, s)
     else:
