@@ -143,6 +143,24 @@ def _check(outs, requests, mirror) -> None:
         assert torch.allclose(lse.double()[fin], ref_lse[fin], atol=ATOL, rtol=0)
 
 
+def _check_gqa_prefill_refusals(pool, spec: ModelSpec) -> None:
+    """On the driver, a GQA pool refuses a prefill's queries when its mode has no prefill attention,
+    and top-k positions with them when it has (its prefill is causal); nothing is admitted."""
+    from shardattn.serving import PrefillRequest
+
+    n, hkv = 3, spec.num_kv_heads
+    kv = (torch.zeros(n, hkv, spec.head_dim), torch.zeros(n, hkv, spec.v_dim))
+    q = torch.zeros(n, spec.num_heads, spec.head_dim)
+    if pool.shapes.prefill_attention:
+        req = PrefillRequest("refused", kv=kv, q=q, topk_pos=torch.zeros(n, 1, dtype=torch.int32))
+        match = "request 'refused': topk_pos must be None for a GQA pool"
+    else:
+        req, match = PrefillRequest("refused", kv=kv, q=q), "q must be None: this pool's mode has no prefill attention"
+    with pytest.raises(ValueError, match=match):
+        pool.prefill([req])
+    assert "refused" not in pool.book
+
+
 def _serve_and_check(pool, mirror) -> None:
     """Prefill, chunked prefill, decode (drafts, with and without new KV), free and reuse of the pages."""
     reqs = [mirror.prefill_request("a", 13), mirror.prefill_request("b", 7), mirror.prefill_request("c", 5)]
@@ -217,10 +235,16 @@ def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interl
             _serve_and_check(pool, mirror)
             _in_place_step(pool, mirror, ["a", "d"], (2, 1))
             return
-        reqs = [mirror.prefill_request(i, n, attend=False) for i, n in enumerate((9, 3, 14))]
-        assert pool.prefill(reqs) == [None, None, None]
-        reqs = [mirror.prefill_request(1, 4, attend=False)]
-        pool.prefill(reqs)
+        attend = pool.shapes.prefill_attention  # head-TP GQA prefill; none under dcp-decode
+        assert attend == (mode == "headtp")
+        _check_gqa_prefill_refusals(pool, spec)
+        for chunks in ([(0, 9), (1, 3), (2, 14)], [(1, 4)]):  # then a chunk over request 1's 3 cached tokens
+            reqs = [mirror.prefill_request(i, n, attend=attend) for i, n in chunks]
+            outs = pool.prefill(reqs, return_lse=attend)
+            if attend:
+                _check(outs, reqs, mirror)
+            else:
+                assert outs == [None] * len(reqs)
         for q_lens in ((1, 1, 1), (2, 1, 3)):  # plain decode, then ragged drafts
             reqs = [mirror.decode_request(i, q) for i, q in enumerate(q_lens)]
             _check(pool.decode(reqs, return_lse=True), reqs, mirror)
@@ -229,14 +253,20 @@ def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interl
 
 @needs_ray
 def test_a_gqa_pool_without_lse_refuses_to_return_one_and_shuts_down_clearly(ray_instance) -> None:
-    """A head-TP GQA pool whose Runtimes skip the LSE serves outputs (equal to fp64 attention); asked
-    for the LSE it says why on the driver and stays usable; after shutdown it says so."""
+    """A head-TP GQA pool whose Runtimes skip the LSE (of prefill and decode) serves outputs (equal
+    to fp64 attention); asked for the LSE it says why on the driver and stays usable; after
+    shutdown it says so."""
     from shardattn.testing.serving import ServingMirror
 
-    runtime = {"decode_options": DecodeOptions(return_lse=False)}
+    runtime = {"decode_options": DecodeOptions(return_lse=False), "prefill_options": PrefillOptions(return_lse=False)}
     with _pool(2, GQA, mode="headtp", max_requests=2, max_seq_len=32, runtime_kwargs=runtime) as pool:
         mirror = ServingMirror(GQA, seed=5)
-        pool.prefill([mirror.prefill_request(0, 7, attend=False)])
+        req = mirror.prefill_request(0, 7)
+        with pytest.raises(ValueError, match=r"Runtimes skip the LSE of their prefill"):
+            pool.prefill([req], return_lse=True)
+        (out,) = pool.prefill([req])
+        ref_out, _ = mirror.expected(req)
+        assert torch.allclose(out.double(), ref_out, atol=ATOL, rtol=0), (out.double() - ref_out).abs().max()
         with pytest.raises(ValueError, match=r"return_lse=True, but this pool's Runtimes skip the LSE"):
             pool.decode([mirror.decode_request(0, append=False)], return_lse=True)
         req = mirror.decode_request(0, 2)
@@ -294,14 +324,19 @@ def _sinks(seed: int) -> torch.Tensor:
 
 @needs_ray
 def test_gqa_pool_with_sinks_equals_fp64_attention(ray_instance) -> None:
-    """gqa-64-8's shape (GQA, sinks) at tiny dims: write-only prefill, decode, free, new sinks; bad
-    sinks raise on the driver and leave the pool serving."""
+    """gqa-64-8's shape (GQA, sinks) at tiny dims under ``mixed`` (head-TP prefill, DCP decode over
+    interleaved shards): prefill and chunked prefill (the cached prefix gathered from the shards),
+    decode, free, new sinks; bad sinks raise on the driver and leave the pool serving."""
     from shardattn.testing.serving import ServingMirror
 
     sinks = _sinks(6)
-    with _pool(2, GQA_SINKS, max_requests=4, max_seq_len=48, sinks=sinks) as pool:
+    runtime = {"decode_options": DecodeOptions(dcp_interleave=2)}
+    with _pool(2, GQA_SINKS, mode="mixed", max_requests=4, max_seq_len=48, sinks=sinks, runtime_kwargs=runtime) as pool:
+        assert pool.cache_config.layout.world_size == 2
         mirror = ServingMirror(GQA_SINKS, seed=6, sinks=sinks)
-        pool.prefill([mirror.prefill_request(i, n, attend=False) for i, n in enumerate((9, 3, 14))])
+        for chunks in ([(0, 9), (1, 3), (2, 14)], [(1, 4), (0, 5)]):  # then chunks over 3 and 9 cached tokens
+            reqs = [mirror.prefill_request(i, n) for i, n in chunks]
+            _check(pool.prefill(reqs, return_lse=True), reqs, mirror)
         for q_lens in ((1, 1, 1), (2, 1, 3)):
             reqs = [mirror.decode_request(i, q) for i, q in enumerate(q_lens)]
             _check(pool.decode(reqs, return_lse=True), reqs, mirror)
@@ -325,7 +360,8 @@ def test_gqa_pool_with_sinks_equals_fp64_attention(ray_instance) -> None:
         mirror.free(1)
         mirror.sinks = _sinks(7)
         pool.set_sinks(mirror.sinks)
-        pool.prefill([mirror.prefill_request(3, 20, attend=False)])  # takes request 1's pages
+        reqs = [mirror.prefill_request(3, 20), mirror.prefill_request(2, 2)]  # takes request 1's pages; a chunk
+        _check(pool.prefill(reqs, return_lse=True), reqs, mirror)
         reqs = [mirror.decode_request(i, q) for i, q in ((0, 1), (2, 2), (3, 1))]
         _check(pool.decode(reqs, return_lse=True), reqs, mirror)
         reqs = [mirror.decode_request(i, q) for i, q in ((3, 2), (0, 1), (2, 3))]  # whole-step tensors, GQA

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.serving.actor_shm import ShmDecode
 from shardattn.serving.wire import from_wire, to_wire
 
@@ -194,8 +195,9 @@ class RankActor(ShmDecode):
         if q_local is None:
             self._end(t0)
             return None
-        if self.runtime.mode == "pcp":
-            result = self._prefill_pcp(shared, table, starts, counts, q_local)
+        if self.runtime.spec.kind == "gqa" or self.runtime.mode == "pcp":
+            step = self._prefill_gqa if self.runtime.spec.kind == "gqa" else self._prefill_pcp
+            result = step(shared, table, starts, counts, q_local)
             self._end(t0)
             return result
         lens = [s + n for s, n in zip(starts, counts)]
@@ -236,26 +238,66 @@ class RankActor(ShmDecode):
         topk = shared["topk"].index_select(0, ids).to(dev)
         kv_cache, block_table = self._prefix_pages(table, starts) if any(starts) else (None, None)
         out, lse = self.runtime.prefill(
-            q_local.to(dev), kv_cache, topk_pos=topk, kv_new=kv_new, block_table=block_table, plan=plan,
+            q_local.to(dev), None if kv_cache is None else kv_cache[0], topk_pos=topk, kv_new=kv_new,
+            block_table=block_table, plan=plan, sinks=self.sinks, check=False,
+        )  # fmt: skip
+        return self._result(out, lse, shared["return_lse"])
+
+    def _prefill_gqa(
+        self, shared: dict[str, Any], table: torch.Tensor, starts: list[int], counts: list[int], q_local: torch.Tensor
+    ) -> tuple[Any, Any]:
+        """GQA prefill, head-TP (``q_local [T, H/W, D]``: this rank's heads of every new token), causal
+        over each request's cached prefix and new tokens. Under head-TP decode the cache holds this
+        rank's KV heads of every token, the new ones just written: one paged call over it. Under DCP
+        decode it holds an interleaved share of every token: the new tokens' K/V go as ``kv_new``
+        (the rank's KV heads) and the cached prefixes are gathered into a step-local paged copy.
+        Returns ``(out [T, H/W, Dv], lse [T, H/W] fp32 or None)``."""
+        dev, rt = self.device, self.runtime
+        kv_cache: tuple[torch.Tensor, ...] | None
+        block_table: torch.Tensor | None
+        kv_new: tuple[torch.Tensor, ...] | None = None
+        if rt.decode_is_dcp:
+            lo, hi = head_tp_kv_heads(rt.spec.num_heads, rt.spec.num_kv_heads, self.world_size, self.rank)
+            kv_new = tuple(part[:, lo:hi].to(dev).contiguous() for part in shared["kv"])
+            kv_cache, block_table = self._prefix_pages(table, starts, (0, 1), (lo, hi)) if any(starts) else (None, None)
+        else:  # the cache holds this rank's KV heads of every token, the new ones included
+            kv_cache, block_table = (self.cache.pages[0], self.cache.pages[1]), table.to(dev)
+        out, lse = rt.prefill(
+            q_local.to(dev), kv_cache, kv_new=kv_new, block_table=block_table, query_lens=counts, prefix_lens=starts,
             sinks=self.sinks, check=False,
         )  # fmt: skip
         return self._result(out, lse, shared["return_lse"])
 
-    def _prefix_pages(self, table: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached prefixes as PCP reads them: one paged ``[R, D]`` copy, the same on every rank
-        (an all-gather of the interleaved shards), with its ``[B, M]`` int32 block table."""
+    def _prefix_pages(
+        self,
+        table: torch.Tensor,
+        starts: list[int],
+        components: tuple[int, ...] = (0,),
+        heads: tuple[int, int] | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The cached prefixes as a step-local paged copy, the same on every rank (an all-gather of
+        the interleaved shards), with its ``[B, M]`` int32 block table. Per component of
+        ``components``: flat ``[R, D]`` rows (sparse MLA, as PCP reads them), or with ``heads``
+        (``[start, stop)`` of a GQA row's KV heads) paged ``[R / page_size, page_size, stop - start, D]``."""
         p = self.cache.page_size
-        prefixes = self.cache.gather_full(table, starts, self.comm)
         pages = [-(-n // p) for n in starts]
-        width = max(1, max(pages))
-        rows = self.cache.flat(0).new_zeros(max(1, sum(pages)) * p, self.cache.row_specs[0][0][0])
-        block_table = torch.zeros(len(starts), width, dtype=torch.int32)
+        block_table = torch.zeros(len(starts), max(1, max(pages)), dtype=torch.int32)
         first = 0
-        for b, (n, k) in enumerate(zip(starts, pages)):
-            rows[first * p : first * p + n] = prefixes[b]
+        for b, k in enumerate(pages):
             block_table[b, :k] = torch.arange(first, first + k, dtype=torch.int32)
             first += k
-        return rows, block_table.to(self.device)
+        copies = []
+        for i in components:
+            prefixes = self.cache.gather_full(table, starts, self.comm, i)
+            row = self.cache.row_specs[i][0]
+            if heads is not None:
+                prefixes, row = [x[:, heads[0] : heads[1]] for x in prefixes], (heads[1] - heads[0], *row[1:])
+            rows = self.cache.flat(i).new_zeros(max(1, sum(pages)) * p, *row)
+            for b, n in enumerate(starts):
+                row0 = int(block_table[b, 0]) * p  # a request's pages are consecutive
+                rows[row0 : row0 + n] = prefixes[b]
+            copies.append(rows if heads is None else rows.view(-1, p, *row))
+        return tuple(copies), block_table.to(self.device)
 
     def decode(self, shared: dict[str, Any], q_local: Any) -> tuple[Any, Any]:
         """Write the query tokens' KV rows (when given), then one decode step (DCP or head-TP, by mode).

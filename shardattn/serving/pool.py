@@ -100,9 +100,9 @@ class RayRankPool(RequestSteps):
         world_size: ranks (actors).
         spec: a :class:`~shardattn.plan.spec.ModelSpec` or preset name; ``None`` forms the group
             only (:meth:`run` works, the request API does not).
-        mode: the Runtime's mode (``"mixed"``: ShardQ prefill, DCP decode; ``"dcp-decode"`` for
-            GQA; ``"shardq"`` / ``"headtp"``: head-TP decode over a replicated cache; ``"pcp"``:
-            PCP prefill, DCP decode, sparse MLA only; module docstring).
+        mode: the Runtime's mode (``"mixed"``: ShardQ prefill (GQA: head-TP), DCP decode; ``"dcp-decode"``: no
+            prefill attention; ``"shardq"`` / ``"headtp"``: head-TP decode over a replicated cache, ``"headtp"``
+            also for GQA; ``"pcp"``: PCP prefill, DCP decode, sparse MLA only; module docstring).
         max_requests, max_seq_len: requests holding KV at once, and tokens per request.
         num_pages: KV pages per rank (default: ``max_requests`` requests of ``max_seq_len``).
         runtime_kwargs: more :class:`~shardattn.runtime.runtime.Runtime` arguments

@@ -18,11 +18,21 @@ from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.plan.kv_format import FP8_DS_MLA_DIMS, FP8_DS_MLA_ROW_BYTES, KV_FP8_DS_MLA, kv_format_name
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.args import as_index
-from shardattn.runtime.modes import DECODE_STEP, MODES
-from shardattn.runtime.options import DecodeOptions
+from shardattn.runtime.modes import DECODE_STEP, MODES, prefill_step_of
+from shardattn.runtime.options import DecodeOptions, PrefillOptions
 from shardattn.serving.kv_cache import plan_rank_cache
 
-__all__ = ["CPU", "PoolShapes", "check_q", "check_sinks", "check_topk", "dcp_interleave", "kv_parts", "pool_shapes"]
+__all__ = [
+    "CPU",
+    "PoolShapes",
+    "check_q",
+    "check_sinks",
+    "check_topk",
+    "dcp_interleave",
+    "kv_parts",
+    "pool_shapes",
+    "prefill_lse",
+]
 
 #: The driver's device: every tensor a step is given lives here.
 CPU = torch.device("cpu")
@@ -38,12 +48,15 @@ class PoolShapes:
     kv_rows: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # row shape and dtype of each KV component
     dtype: torch.dtype
     topk: int
+    #: whether the Runtime's mode has a prefill step for the spec's kind (queries in a prefill step)
     prefill_attention: bool
     max_prefill_tokens: int
     max_decode_tokens: int
     #: the resident cache's components: ``kv_rows`` as given, or ``((656,), uint8)`` for a sparse-MLA
     #: pool whose Runtimes take ``kv_dtype="fp8_ds_mla"`` (new rows are quantised as they are stored)
     cache_rows: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
+    #: whether a prefill step can return the LSE (not when the Runtimes take ``PrefillOptions(return_lse=False)``)
+    prefill_lse: bool = True
 
 
 def dcp_interleave(runtime_kwargs: dict[str, Any]) -> int:
@@ -54,6 +67,16 @@ def dcp_interleave(runtime_kwargs: dict[str, Any]) -> int:
     if not isinstance(options, DecodeOptions):
         raise TypeError(f"runtime_kwargs['decode_options'] must be a DecodeOptions, got {type(options).__name__}")
     return options.dcp_interleave
+
+
+def prefill_lse(runtime_kwargs: dict[str, Any]) -> bool:
+    """Whether the pool's Runtimes return a prefill step's LSE (their ``prefill_options``; default yes)."""
+    options = runtime_kwargs.get("prefill_options")
+    if options is None:
+        return True
+    if not isinstance(options, PrefillOptions):
+        raise TypeError(f"runtime_kwargs['prefill_options'] must be a PrefillOptions, got {type(options).__name__}")
+    return options.return_lse
 
 
 #: The :class:`~shardattn.runtime.runtime.Runtime` arguments a pool's ``runtime_kwargs`` may give
@@ -98,7 +121,8 @@ def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> P
         topk=spec.topk
         if runtime_kwargs.get("topk") is None
         else check_int(f"{kw}['topk']", runtime_kwargs["topk"], minimum=1),
-        prefill_attention=spec.kind == "sparse_mla" and mode != "dcp-decode",
+        prefill_attention=prefill_step_of(spec.kind, mode) is not None,
+        prefill_lse=prefill_lse(runtime_kwargs),
         max_prefill_tokens=check_int(f"{kw}['max_batched_tokens']", runtime_kwargs["max_batched_tokens"], minimum=1),
         max_decode_tokens=check_int(
             f"{kw}['max_decode_tokens']", runtime_kwargs.get("max_decode_tokens", 256), minimum=1

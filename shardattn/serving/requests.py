@@ -4,7 +4,8 @@ A step is a list of requests. Every tensor is on the CPU (the driver's side), th
 for activations and KV, int32 for top-k positions:
 
 * :class:`PrefillRequest`: a request's new prompt tokens (a first chunk, or a later chunk of a
-  chunked prefill): their KV rows, and (with an attention step) their queries and top-k.
+  chunked prefill): their KV rows, and (with an attention step) their queries and, for sparse
+  MLA, top-k (a GQA prefill is causal).
 * :class:`DecodeRequest`: new query tokens of a request already prefilled (``Q`` > 1: drafts),
   their top-k (sparse MLA), and optionally their KV rows, written before the step attends.
 * a whole decode step as tensors (:func:`check_decode_batch`, the pool's ``decode_batch``):
@@ -72,10 +73,12 @@ class PrefillRequest:
         id: any hashable; a new id admits the request, a known one extends it (chunked prefill).
         kv: sparse MLA ``[n, D]`` latent rows; GQA ``(k [n, Hkv, D], v [n, Hkv, Dv])``.
         q: ``[n, H, D]`` queries of every head, or ``None`` to only write the KV (required
-            ``None`` when the pool's mode has no prefill attention, e.g. GQA).
+            ``None`` when the pool's mode has no prefill attention: ``"dcp-decode"``). A GQA
+            pool attends causally: the token at position ``p`` reads the request's KV positions
+            ``<= p`` (cached prefix included).
         topk_pos: ``[n, K]`` int32 (int64 is converted) top-k positions inside the request
             (cached prefix included; ``-1`` / out of range = invalid, anywhere), with ``q`` on
-            a sparse-MLA pool.
+            a sparse-MLA pool; ``None`` on a GQA pool.
     """
 
     id: Hashable
@@ -178,6 +181,8 @@ def pack_step(
                     if req.topk_pos is None:
                         raise ValueError(f"{where}: a sparse-MLA prefill with q needs topk_pos [n, K]")
                     topk = check_topk(shapes, req.topk_pos, f"{where}: topk_pos", n)
+                elif req.topk_pos is not None:
+                    raise ValueError(f"{where}: topk_pos must be None for a GQA pool (its prefill is causal)")
             q_n = n if req.q is not None else 0
         else:
             assert isinstance(req, DecodeRequest)

@@ -120,15 +120,22 @@ class RequestSteps:
             return_lse: also return each request's LSE.
         Returns:
             one entry per request: ``out [n, H, Dv]`` (q's dtype), or ``(out, lse [n, H] fp32)``,
-            or ``None`` for a request without queries.
+            or ``None`` for a request without queries. Sparse MLA attends over each token's
+            top-k; GQA causally (position ``p`` over the request's positions ``<= p``).
         Raises:
-            ValueError / TypeError: a bad request (before any rank runs; the pool stays usable).
+            ValueError / TypeError: a bad request, or ``return_lse=True`` on a pool whose
+                Runtimes skip the prefill LSE (before any rank runs; the pool stays usable).
             RankFailedError: a rank failed; the pool is broken until :meth:`restart`.
         """
         check_bool("return_lse", return_lse)
         with self._step_lock:
             self._check_usable()
             self._need_spec()
+            if return_lse and not self.shapes.prefill_lse:
+                raise ValueError(
+                    "return_lse=True, but this pool's Runtimes skip the LSE of their prefill "
+                    "(runtime_kwargs' PrefillOptions(return_lse=False))"
+                )
             t0 = time.perf_counter()
             with one_host_thread(self.host_threads):
                 packed = pack_step("prefill", requests, self.shapes, self.book)
