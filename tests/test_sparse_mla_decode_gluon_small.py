@@ -6,6 +6,7 @@ than the tile, fp16), one split written directly, a workspace too small, and CUD
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -61,6 +62,23 @@ def test_routing_sends_small_calls_on_sm90_to_the_small_kernel_and_says_why():
     assert route_sparse_decode_kernel(16, num_tokens=4, device_type="cpu", small_missing=None).path == "reference"
     with pytest.raises(ValueError, match="small_max_tokens"):
         route_sparse_decode_kernel(16, num_tokens=4, sm=90, small_missing=None, small_max_tokens=-1)
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+@pytest.mark.parametrize("sms", [132, 78])
+def test_routing_passes_the_small_kernel_over_where_its_splits_exceed_a_wave_and_the_stream_can_run(kv_fp8, sms):
+    """With the streaming kernel available, a call of at most 16 tokens goes to the small-batch kernel
+    while its 128-entry splits' programs (tokens x ceil(top-k / 128)) fill one wave of the SMs, else to
+    the streaming kernel, which says why; without it, to the small-batch kernel at every size."""
+    for t, h, topk in itertools.product(range(1, SMALL_DECODE_MAX_TOKENS + 1), (8, 16), (256, 1000, 2048, 8192)):
+        kw = {"num_tokens": t, "sm": 90, "small_missing": None, "topk": topk, "num_sms": sms, "kv_fp8": kv_fp8}
+        route = route_sparse_decode_kernel(h, stream_missing=None, **kw)
+        one_wave = t * -(-topk // 128) <= sms
+        assert route.path == ("gluon_small" if one_wave else "gluon_stream"), (t, h, topk)
+        if not one_wave:
+            assert f"waves of {sms} SMs > 1" in route.reason and "not the small-batch kernel" in route.reason
+        assert route_sparse_decode_kernel(h, stream_missing="no stream", **kw).path == "gluon_small"
+    assert route_sparse_decode_kernel(16, num_tokens=12, sm=90, small_missing=None, topk=2048).path == "gluon_small"
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True])

@@ -60,7 +60,7 @@ def test_routing_streams_calls_of_few_heads_with_enough_blocks_per_sm_and_says_w
     assert forced.path == "triton"  # 15.5 blocks per SM < 16 asked
     # the small-batch kernel keeps its calls; no top-k, a kernel that cannot run, or no sm_90: no streaming
     kw = {"num_tokens": 256, "sm": 90, "small_missing": None, "stream_missing": None}
-    assert route_sparse_decode_kernel(16, **{**kw, "num_tokens": 4}, topk=8192).path == "gluon_small"
+    assert route_sparse_decode_kernel(16, **{**kw, "num_tokens": 1}, topk=8192).path == "gluon_small"
     assert route_sparse_decode_kernel(16, **kw).path == "triton"
     assert route_sparse_decode_kernel(16, **{**kw, "stream_missing": "x"}, topk=2048).path == "triton"
     assert route_sparse_decode_kernel(16, **{**kw, "sm": 100}, topk=2048).path == "triton"

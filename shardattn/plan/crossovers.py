@@ -91,6 +91,11 @@ SMALL_DECODE_MAX_HEADS = 16
 #: Most tokens at which it does: at 32 tokens its one large program per SM runs four waves and
 #: the Triton split-KV kernel is faster (D28).
 SMALL_DECODE_MAX_TOKENS = 16
+#: Where the streaming kernel can run, the small-batch kernel takes a call only while its programs
+#: at 128-entry splits (``tokens x ceil(topk / 128)``) fill at most this many waves of the SMs: at
+#: top-k 2,048 from 9 tokens they run two waves, and the streaming kernel was 1.03-1.13x faster at
+#: 12 and 16 tokens, 8-16 heads, both formats; within 1 wave it was level or slower (D72).
+SMALL_DECODE_MAX_WAVES = 1.0
 #: The small-batch kernel takes 64-entry splits (one warpgroup) while their programs fill at most
 #: this fraction of the SMs (one gather each, all in flight), else 128-entry splits on two (D31).
 SMALL_DECODE_64_MAX_SM_FRACTION = 0.5
@@ -111,6 +116,10 @@ STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM = 1.0
 #: Columns and warps of a program of the column merge after the small-batch kernel: one warp holds
 #: every split's partial of its columns, so the reductions over the splits need no shared memory (D34).
 SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS = 64, 1
+#: Columns and warps of a program of the column merge after the streaming kernel: one (token, head)
+#: row's 512 columns on 4 warps: the streaming step took 0.77-1.01x its time with the small-batch
+#: kernel's tile, 8-128 tokens at 2-16 slices (fewer, wider programs; D72).
+STREAM_MERGE_COLUMNS, STREAM_MERGE_WARPS = 512, 4
 #: Most (token, head) rows whose split partials merge with the column merge (every partial of a
 #: column block loaded at once, one latency); more rows take the row merge (fewer, wider programs; D19).
 COLUMN_MERGE_MAX_ROWS = 128
@@ -143,6 +152,7 @@ __all__ = [
     "SMALL_DECODE_HEAD_GROUP",
     "SMALL_DECODE_MAX_HEADS",
     "SMALL_DECODE_MAX_TOKENS",
+    "SMALL_DECODE_MAX_WAVES",
     "SMALL_MERGE_COLUMNS",
     "SMALL_MERGE_WARPS",
     "SMEM_SCAN_RATIO",
@@ -151,6 +161,8 @@ __all__ = [
     "STAGE_MIN_REUSE",
     "STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM",
     "STREAM_DECODE_MIN_BLOCKS_PER_SM",
+    "STREAM_MERGE_COLUMNS",
+    "STREAM_MERGE_WARPS",
     "TILE_ROWS",
     "UNION_METHOD",
 ]

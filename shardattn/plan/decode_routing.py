@@ -6,9 +6,10 @@ uses), no LSE is needed (XQA returns none, so never under DCP) and, on SM100, dr
 otherwise the Triton kernel (:func:`route_decode`). Sparse MLA decode runs the sparse kernels (they
 return the LSE, so they serve DCP); :func:`route_sparse_decode_kernel` picks one: on SM90 the Gluon
 small-batch kernel at up to :data:`SMALL_DECODE_MAX_HEADS` heads and
-:data:`SMALL_DECODE_MAX_TOKENS` tokens (its tile: :func:`small_decode_tiles`,
-:func:`small_decode_heads`); at up to :data:`SMALL_DECODE_MAX_HEADS` heads and more tokens the
-Gluon streaming kernel from :data:`STREAM_DECODE_MIN_BLOCKS_PER_SM` (bf16 / fp16) or
+:data:`SMALL_DECODE_MAX_TOKENS` tokens while its programs at 128-entry splits fill at most
+:data:`SMALL_DECODE_MAX_WAVES` waves of the SMs where the streaming kernel could run (its tile:
+:func:`small_decode_tiles`, :func:`small_decode_heads`); at up to :data:`SMALL_DECODE_MAX_HEADS`
+heads and more tokens the Gluon streaming kernel from :data:`STREAM_DECODE_MIN_BLOCKS_PER_SM` (bf16 / fp16) or
 :data:`STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM` (``fp8_ds_mla``) 64-entry blocks per SM; the Gluon
 warp-specialised kernel at :data:`GLUON_DECODE_MIN_HEADS` heads or more and at least
 :data:`GLUON_DECODE_MIN_QUERY_ROWS` (``fp8_ds_mla``: :data:`GLUON_DECODE_FP8_MIN_QUERY_ROWS`)
@@ -34,6 +35,7 @@ from shardattn.plan.crossovers import (
     SMALL_DECODE_HEAD_GROUP,
     SMALL_DECODE_MAX_HEADS,
     SMALL_DECODE_MAX_TOKENS,
+    SMALL_DECODE_MAX_WAVES,
     STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM,
     STREAM_DECODE_MIN_BLOCKS_PER_SM,
 )
@@ -174,6 +176,9 @@ def route_sparse_decode_kernel(
     'triton'
     >>> route_sparse_decode_kernel(16, num_tokens=64, topk=2048, sm=90, stream_missing=None).path
     'gluon_stream'
+    >>> [route_sparse_decode_kernel(16, num_tokens=t, topk=2048, sm=90, small_missing=None, stream_missing=None).path
+    ...  for t in (8, 12)]  # 128 / 192 programs of 128 entries on 132 SMs
+    ['gluon_small', 'gluon_stream']
     >>> [route_sparse_decode_kernel(16, num_tokens=32, topk=256, sm=90, stream_missing=None, kv_fp8=f).path
     ...  for f in (False, True)]  # 0.97 blocks of 64 entries per SM
     ['gluon_stream', 'triton']
@@ -201,7 +206,11 @@ def route_sparse_decode_kernel(
         return Route("triton", 1, f"{gluon_missing}: Triton split-KV decode kernel")
     if sm_v is None or sm_v // 10 != 9:
         return Route("triton", 1, f"SM{sm_v} is not SM90 (the Gluon kernel uses Hopper wgmma): Triton split-KV decode")
-    if small_missing is None and t is not None and 1 <= t <= small_max_tokens and h <= small_max_heads:
+    # where the streaming kernel can run, the small-batch kernel only while its 128-entry splits fit its waves
+    small_waves = None if t is None or topk is None else t * -(-topk // 128) / num_sms
+    small_passed = stream_missing is None and small_waves is not None and small_waves > SMALL_DECODE_MAX_WAVES
+    small_fits = t is not None and 1 <= t <= small_max_tokens and h <= small_max_heads and not small_passed
+    if small_missing is None and small_fits:
         why = (
             f"SM90, {h} heads <= {small_max_heads} and {t} tokens <= {small_max_tokens}: Gluon small-batch kernel "
             "(a warpgroup per 64 entries, rows gathered at once, heads as the wgmma N; faster than Triton there, "
@@ -220,6 +229,11 @@ def route_sparse_decode_kernel(
                 f"({'fp8_ds_mla' if kv_fp8 else 'bf16 / fp16'} rows): Gluon streaming kernel (persistent, a "
                 "cp.async ring of blocks per SM, heads as the wgmma N; faster than Triton there, measured)"
             )
+            if small_passed and t is not None and t <= small_max_tokens:
+                why += (
+                    f"; not the small-batch kernel: its 128-entry splits would fill {small_waves:.2f} waves of "
+                    f"{num_sms} SMs > {SMALL_DECODE_MAX_WAVES:g} (slower there, measured)"
+                )
             return Route("gluon_stream", 1, why)
     if h < gluon_min_heads:
         why = f"{h} heads < {gluon_min_heads}: the Triton split-KV decode kernel is faster there (measured)"

@@ -225,21 +225,23 @@ def launch_split_and_merge(
     lse_out: torch.Tensor,
     workspace: torch.Tensor | None,
     pdl: bool,
+    merge_columns: int = SMALL_MERGE_COLUMNS,
+    merge_warps: int = SMALL_MERGE_WARPS,
 ) -> None:
     """``launch(dst_out, dst_lse)`` of a split decode kernel and the merge after it (the small-batch and
     streaming kernels'): with one split straight into ``out [T, H, Dv]`` / ``lse_out [T, H]``; else
     into fp32 partials ``[splits, T, H, Dv]`` / ``[splits, T, H]`` in ``workspace`` (allocated when
     None; :func:`~shardattn.kernels.triton.lse_merge.split_partials`), merged into them by the
-    column merge (one warp per 64 columns, :data:`SMALL_MERGE_COLUMNS`)."""
+    column merge, a program per (token, head) row and ``merge_columns`` columns on ``merge_warps``
+    warps (the small-batch kernel's: one warp per 64 columns, :data:`SMALL_MERGE_COLUMNS`; the
+    streaming kernel's: :data:`~shardattn.plan.crossovers.STREAM_MERGE_COLUMNS`)."""
     if splits == 1:
         launch(out, lse_out)
         return
     t, h, v_dim = out.shape
     dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, out.device)
     launch(dst_out, dst_lse)
-    launch_lse_merge_columns(
-        dst_out, dst_lse, out, lse_out, pdl=pdl, block_d=SMALL_MERGE_COLUMNS, num_warps=SMALL_MERGE_WARPS
-    )
+    launch_lse_merge_columns(dst_out, dst_lse, out, lse_out, pdl=pdl, block_d=merge_columns, num_warps=merge_warps)
 
 
 def compile_for_sm90(

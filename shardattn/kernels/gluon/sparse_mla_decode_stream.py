@@ -22,7 +22,8 @@ This kernel keeps one stream of 64-row blocks per SM:
   denominator is kept per row slot, like ``S^T``, and summed down the rows once a tile, so the
   only reduction across the warps in the loop is the running max;
 * per tile its output and LSE: straight into ``out`` / ``lse`` with one slice, else fp32 partials
-  ``[S, T, H, 512]`` merged by :func:`~shardattn.ops.lse_merge.launch_lse_merge_columns`.
+  ``[S, T, H, 512]`` merged by :func:`~shardattn.ops.lse_merge.launch_lse_merge_columns`, a
+  program per (token, head) row (:data:`~shardattn.plan.crossovers.STREAM_MERGE_COLUMNS`).
 
 Contract as :func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode`: an entry outside
 ``[0, R)`` or past ``topk_length`` anywhere in a row is no key; the rows are each token's unique
@@ -40,6 +41,7 @@ import torch
 from shardattn.kernels.gluon.compat import HAS_GLUON
 from shardattn.kernels.gluon.sparse_mla_decode_small import LOG2E, _padded_heads, launch_split_and_merge
 from shardattn.kernels.triton.lse_merge import split_partials_numel
+from shardattn.plan.crossovers import STREAM_MERGE_COLUMNS, STREAM_MERGE_WARPS
 
 __all__ = [
     "MAX_HEADS",
@@ -59,11 +61,11 @@ MAX_SPLITS = 64
 #: Bytes of a 64-row block in each format (bf16: 576 x 2 a row; fp8_ds_mla: 656 a row).
 BLOCK_BYTES = {False: 64 * 1152, True: 64 * 656}
 #: The plan's model: the bytes per us HBM serves picked rows (the read floor's rate at batch 64 on
-#: an H200, docs/PERFORMANCE.md), the most one program streams in each format (measured: a 72 KB
-#: bf16 block per 2.7 us, a 41 KB fp8_ds_mla block per 3.7 us; D54) and the merge's fixed cost in
-#: us (estimate).
+#: an H200, docs/PERFORMANCE.md), the most one program streams in each format (measured unsplit at
+#: 16-64 tokens, top-k 2,048, 8-16 heads: bf16 33-35 KB a us, fp8_ds_mla 11.2-13; D72) and the
+#: merge's fixed cost in us (estimate).
 HBM_BYTES_PER_US = 3.3e6
-PROGRAM_BYTES_PER_US = {False: 27e3, True: 11.5e3}
+PROGRAM_BYTES_PER_US = {False: 33e3, True: 11.5e3}
 MERGE_US = 3.0
 
 
@@ -225,7 +227,9 @@ def sparse_mla_decode_stream(
     def launch(dst_out: torch.Tensor, dst_lse: torch.Tensor) -> None:
         launch_stream_decode(q, kv, rows, topk_length, sinks, dst_out, dst_lse, plan, scale, pdl)
 
-    launch_split_and_merge(launch, plan["num_splits"], out, lse_out, workspace, pdl)
+    launch_split_and_merge(
+        launch, plan["num_splits"], out, lse_out, workspace, pdl, STREAM_MERGE_COLUMNS, STREAM_MERGE_WARPS
+    )
     return out, lse_out
 
 
