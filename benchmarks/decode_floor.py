@@ -35,10 +35,10 @@ the floor; ratio = floor / FlashMLA): whether the floor is within reach of a deq
 ``--sweep``: below :data:`~shardattn.plan.crossovers.GLUON_DECODE_MIN_HEADS` heads, also the Triton
 split-KV kernel under each of :data:`SWEEP`'s launch configurations times 1, 2 and 4 times its
 split count, the small-batch Gluon kernel forced and the streaming Gluon kernel at its planned
-and at 1, 2 and 4 slices (each where it takes the shape); at more heads, the Gluon kernel at 1, 2, 4, 8,
-16 and 32 slices of each row, slices of 64 rows or more (the slice count its wave model picks is
-printed); printed per configuration, with a record ``best swept us`` of the fastest (its
-configuration named) against the same floor.
+and at 1, 2, 4, 8 and 16 slices of at least 64 entries (each where it takes the shape); at more
+heads, the Gluon kernel at 1, 2, 4, 8, 16 and 32 slices of each row, slices of 64 rows or more
+(the slice count its wave model picks is printed); printed per configuration, with a record
+``best swept us`` of the fastest (its configuration named) against the same floor.
 """
 
 from __future__ import annotations
@@ -204,7 +204,8 @@ def sweep(
     runs["gluon_small (forced)"] = lambda: sparse_mla_decode(
         q, cache, rows, scale=SCALE, rows_unique=True, out=o, lse_out=s, backend="gluon_small"
     )
-    for slices in (None, 1, 2, 4) if h <= 16 else ():
+    stream_slices = [n for n in (None, 1, 2, 4, 8, 16) if n is None or n * 64 <= max(64, rows.shape[1])]
+    for slices in stream_slices if h <= 16 else ():
         runs[f"gluon_stream {slices or 'planned'} slices"] = lambda slices=slices: run_sparse_mla_decode(
             q, cache, rows, scale=SCALE, rows_unique=True, out=o, lse_out=s, kernel="gluon_stream", num_splits=slices
         )
