@@ -93,8 +93,9 @@ SMALL_DECODE_MAX_HEADS = 16
 SMALL_DECODE_MAX_TOKENS = 16
 #: Where the streaming kernel can run, the small-batch kernel takes a call only while its programs
 #: at 128-entry splits (``tokens x ceil(topk / 128)``) fill at most this many waves of the SMs: at
-#: top-k 2,048 from 9 tokens they run two waves, and the streaming kernel was 1.03-1.15x faster at
-#: 12 and 16 tokens, 8-16 heads, both formats; within 1 wave it was level or slower (D72).
+#: top-k 2,048 from 9 tokens they run two waves, and there the streaming kernel was 1.01-1.19x
+#: faster (4-16 tokens, top-k 1,536-8,192, 8-16 heads, both formats); within one wave it was level
+#: or slower (D72).
 SMALL_DECODE_MAX_WAVES = 1.0
 #: The small-batch kernel takes 64-entry splits (one warpgroup) while their programs fill at most
 #: this fraction of the SMs (one gather each, all in flight), else 128-entry splits on two (D31).
