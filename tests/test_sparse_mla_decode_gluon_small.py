@@ -67,7 +67,7 @@ def test_routing_sends_small_calls_on_sm90_to_the_small_kernel_and_says_why():
 @pytest.mark.parametrize("kv_fp8", [False, True])
 @pytest.mark.parametrize("sms", [132, 78])
 def test_routing_passes_the_small_kernel_over_where_its_splits_exceed_a_wave_and_the_stream_can_run(kv_fp8, sms):
-    """With the streaming kernel available, a call of at most 16 tokens goes to the small-batch kernel
+    """With the streaming kernel taking the call, one of at most 16 tokens goes to the small-batch kernel
     while its 128-entry splits' programs (tokens x ceil(top-k / 128)) fill one wave of the SMs, else to
     the streaming kernel, which says why; without it, to the small-batch kernel at every size."""
     for t, h, topk in itertools.product(range(1, SMALL_DECODE_MAX_TOKENS + 1), (8, 16), (256, 1000, 2048, 8192)):
@@ -78,6 +78,8 @@ def test_routing_passes_the_small_kernel_over_where_its_splits_exceed_a_wave_and
         if not one_wave:
             assert f"waves of {sms} SMs > 1" in route.reason and "not the small-batch kernel" in route.reason
         assert route_sparse_decode_kernel(h, stream_missing="no stream", **kw).path == "gluon_small"
+        refused = route_sparse_decode_kernel(h, stream_missing=None, stream_min_blocks_per_sm=1e9, **kw)
+        assert refused.path == "gluon_small"  # a streaming kernel that would not take the call passes nothing over
     assert route_sparse_decode_kernel(16, num_tokens=12, sm=90, small_missing=None, topk=2048).path == "gluon_small"
 
 

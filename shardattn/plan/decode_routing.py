@@ -206,9 +206,15 @@ def route_sparse_decode_kernel(
         return Route("triton", 1, f"{gluon_missing}: Triton split-KV decode kernel")
     if sm_v is None or sm_v // 10 != 9:
         return Route("triton", 1, f"SM{sm_v} is not SM90 (the Gluon kernel uses Hopper wgmma): Triton split-KV decode")
-    # where the streaming kernel can run, the small-batch kernel only while its 128-entry splits fit its waves
+    blocks = None if t is None or topk is None else t * -(-topk // 64)
+    least = stream_min_blocks_per_sm
+    if least is None:
+        least = STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM if kv_fp8 else STREAM_DECODE_MIN_BLOCKS_PER_SM
+    per_sm = None if blocks is None else blocks / num_sms
+    streams = stream_missing is None and per_sm is not None and h <= small_max_heads and per_sm >= least
+    # where the streaming kernel runs, the small-batch kernel only while its 128-entry splits fit its waves
     small_waves = None if t is None or topk is None else t * -(-topk // 128) / num_sms
-    small_passed = stream_missing is None and small_waves is not None and small_waves > SMALL_DECODE_MAX_WAVES
+    small_passed = streams and small_waves is not None and small_waves > SMALL_DECODE_MAX_WAVES
     small_fits = t is not None and 1 <= t <= small_max_tokens and h <= small_max_heads and not small_passed
     if small_missing is None and small_fits:
         why = (
@@ -217,24 +223,18 @@ def route_sparse_decode_kernel(
             "measured)"
         )
         return Route("gluon_small", 1, why)
-    blocks = None if t is None or topk is None else t * -(-topk // 64)
-    if stream_missing is None and blocks is not None and h <= small_max_heads:
-        per_sm = blocks / num_sms
-        least = stream_min_blocks_per_sm
-        if least is None:
-            least = STREAM_DECODE_FP8_MIN_BLOCKS_PER_SM if kv_fp8 else STREAM_DECODE_MIN_BLOCKS_PER_SM
-        if per_sm >= least:
-            why = (
-                f"SM90, {h} heads <= {small_max_heads} and {per_sm:.2f} blocks of 64 entries per SM >= {least:g} "
-                f"({'fp8_ds_mla' if kv_fp8 else 'bf16 / fp16'} rows): Gluon streaming kernel (persistent, a "
-                "cp.async ring of blocks per SM, heads as the wgmma N; faster than Triton there, measured)"
+    if streams:
+        why = (
+            f"SM90, {h} heads <= {small_max_heads} and {per_sm:.2f} blocks of 64 entries per SM >= {least:g} "
+            f"({'fp8_ds_mla' if kv_fp8 else 'bf16 / fp16'} rows): Gluon streaming kernel (persistent, a "
+            "cp.async ring of blocks per SM, heads as the wgmma N; faster than Triton there, measured)"
+        )
+        if small_passed and t is not None and t <= small_max_tokens:
+            why += (
+                f"; not the small-batch kernel: its 128-entry splits would fill {small_waves:.2f} waves of "
+                f"{num_sms} SMs > {SMALL_DECODE_MAX_WAVES:g} (slower there, measured)"
             )
-            if small_passed and t is not None and t <= small_max_tokens:
-                why += (
-                    f"; not the small-batch kernel: its 128-entry splits would fill {small_waves:.2f} waves of "
-                    f"{num_sms} SMs > {SMALL_DECODE_MAX_WAVES:g} (slower there, measured)"
-                )
-            return Route("gluon_stream", 1, why)
+        return Route("gluon_stream", 1, why)
     if h < gluon_min_heads:
         why = f"{h} heads < {gluon_min_heads}: the Triton split-KV decode kernel is faster there (measured)"
         return Route("triton", 1, why)
