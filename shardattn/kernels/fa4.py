@@ -219,9 +219,11 @@ def _run(
             return_lse=return_lse, sinks=sinks is not None,
         )  # fmt: skip
         if launch is not None:
-            out, lse = launch(q, k, v, sinks)
-            return out, (lse_tokens_major(lse) if return_lse else None)
+            out, lse = launch(q, k, v, sinks)  # lse: None unless return_lse
+            return out, (None if lse is None else lse_tokens_major(lse))
     fn = get_fa4() if fn is None else fn
+    if fn is None:
+        raise RuntimeError(f"FA4 cannot run: {_load()[1]}")
     with torch.no_grad():  # inference: FA4's autograd function saves nothing then
         out, lse = fn(
             q,

@@ -304,6 +304,8 @@ class FA4Launch:
         lse = None if self._lse_shape is None else torch.empty(self._lse_shape, dtype=torch.float32, device=device)
         args = self._args.copy()
         args[_Q], args[_K], args[_V], args[_OUT], args[_LSE], args[_SINK] = q, k, v, out, lse, sinks
+        if self._kernel is None:
+            raise RuntimeError("the FA4 fast launch has no compiled kernel yet")
         self._kernel(*args)
         self.fast_calls += 1
         return out, lse

@@ -119,6 +119,8 @@ def xqa_paged_decode(
     [total_q, Hq, D]`` in q's dtype (no LSE).
     """
     xqa = get_xqa()
+    if xqa is None:
+        raise RuntimeError(f"XQA cannot run: {_load()[1]}")
     total_q, hq, _ = q.shape
     batch = block_table.shape[0]
     hkv = k_cache.shape[2]
@@ -133,17 +135,16 @@ def xqa_paged_decode(
         "sinks": None if sinks is None else sinks.reshape(hkv, hq // hkv).contiguous(),
         "kv_layout": "NHD",
     }
-    ragged = cu_q_lens is not None
-    q_len = max(1, int(max_q_len)) if ragged else int(q_len_per_req)
-    if ragged or q_len > 1:
-        if ragged:
-            cu = cu_q_lens
-            q_len = max(2, q_len)  # XQA's ragged path wants the max draft length, > 1
-            kwargs["q_cu_seq_lens"] = cu
-        else:
-            cu = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * q_len
-        mask = draft_mask(cu, total_q, q_len, causal=causal)
-        kwargs["mask"] = mask if ragged else mask.view(batch, q_len, -1)
+    if cu_q_lens is not None:
+        q_len = max(2, int(max_q_len))  # XQA's ragged path wants the max draft length, > 1
+        kwargs["q_cu_seq_lens"] = cu_q_lens
+        kwargs["mask"] = draft_mask(cu_q_lens, total_q, q_len, causal=causal)
+        kwargs["q_len_per_req"] = q_len
+    elif q_len_per_req is None:
+        raise ValueError("xqa_paged_decode needs q_len_per_req or cu_q_lens")
+    elif (q_len := int(q_len_per_req)) > 1:
+        cu = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * q_len
+        kwargs["mask"] = draft_mask(cu, total_q, q_len, causal=causal).view(batch, q_len, -1)
         kwargs["q_len_per_req"] = q_len
     xqa(
         q,
@@ -155,7 +156,7 @@ def xqa_paged_decode(
         **kwargs,
     )
     # padded requests and rows of no request: XQA leaves them undefined; the contract says 0
-    if ragged:
+    if cu_q_lens is not None:
         rows = torch.arange(total_q, device=q.device, dtype=torch.int32)
         req = (torch.searchsorted(cu_q_lens, rows, right=True) - 1).clamp(0, batch - 1)
         live = (rows < cu_q_lens[-1]) & (seq_lens[req] > 0)

@@ -191,7 +191,7 @@ def launch_gluon_attention(
     hb, q_strides, out_strides, lse_strides = launch_strides(h, q, out, lse)
     strides = (*q_strides, kv.stride(0), union.stride(0), *out_strides, *lse_strides)
     heads_per_tile = BLOCK_H // group_size
-    grid = (num_groups(t, group_size), triton.cdiv(h, heads_per_tile))
+    grid: tuple[int, ...] = (num_groups(t, group_size), triton.cdiv(h, heads_per_tile))
     if cfg.persistent:  # one program per SM (one fits: 225 KB of shared memory), tiles in turn
         grid = (min(grid[0] * grid[1], sm_count(q.device)),)
     elif cfg.heads_fastest:  # 1-D grid, a query's head blocks adjacent

@@ -228,8 +228,8 @@ if HAS_GLUON:
         kk = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, EL))
         cw = gl.arange(0, CW, layout=WL)
         member = gl.expand_dims(gl.full([G], 1, gl.int32, gl.SliceLayout(1, EL)) << (24 + jj), 1)
-        for g in range(gl.program_id(0), n_groups, gl.num_programs(0)):
-            t = g.to(gl.int64) * G + jj
+        for g in range(gl.program_id(0), n_groups, gl.num_programs(0)):  # g: a scalar tensor (typed int)
+            t = g.to(gl.int64) * G + jj  # type: ignore[attr-defined]
             k_end = gl.where(t < T, K, 0)
             if HAS_LEN:
                 k_end = gl.minimum(k_end, gl.load(TOPK_LEN + t, mask=t < T, other=0))
@@ -261,7 +261,7 @@ if HAS_GLUON:
                     row, ok = row_next, ok_next
                 cta_barrier()
             # the union leaves coalesced; its slots are zeroed for the next group
-            union = UNION + g.to(gl.int64) * stride_union_g
+            union = UNION + g.to(gl.int64) * stride_union_g  # type: ignore[attr-defined]
             for c0 in range(0, total, OUT_STEP):
                 c = c0 + oo
                 m = c < total

@@ -18,6 +18,8 @@ live in :mod:`shardattn.ops.sparse_mla_decode`.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +36,7 @@ from shardattn.kernels.triton.online_softmax import online_softmax_finish, onlin
 from shardattn.kernels.triton.sparse_mla_decode_config import (
     CONFIG_KEYS,
     MERGES,
+    DecodeLaunchConfig,
     merge_reason,
     partials_dtype,
     sparse_mla_decode_config,
@@ -59,8 +62,8 @@ def run_split_decode(
     num_sms: int,
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
-    config: dict | None = None,
-) -> dict:
+    config: dict[str, Any] | None = None,
+) -> DecodeLaunchConfig:
     """The split-KV kernel and the merge its configuration routes, into ``out`` / ``lse_out``.
 
     Validated tensors (:func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode` checks them and
@@ -95,7 +98,7 @@ def run_split_decode(
     )  # fmt: skip
     if config:
         want = num_splits if num_splits is not None else cfg["num_splits"]
-        cfg = {**cfg, **config}
+        cfg = cast(DecodeLaunchConfig, {**cfg, **config})  # keys checked against CONFIG_KEYS above
         per_split = -(-max(topk, 1) // want)
         cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
         cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
@@ -130,7 +133,7 @@ def launch_split_kernel(
     dst_lse: torch.Tensor,
     out: torch.Tensor,
     lse_out: torch.Tensor,
-    cfg: dict,
+    cfg: DecodeLaunchConfig,
     scale: float,
     pdl: bool = False,
 ) -> None:

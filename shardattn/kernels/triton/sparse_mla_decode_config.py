@@ -6,17 +6,46 @@ the dtype of the split partials (:func:`partials_dtype`). The kernel and its run
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
 from shardattn.plan.crossovers import ONE_WAVE_MAX_BLOCK_N, ONE_WAVE_MAX_ROWS, ONE_WAVE_MAX_SPLITS
 from shardattn.plan.decode_routing import route_decode_merge
 from shardattn.plan.routing import Route
 
-__all__ = ["CONFIG_KEYS", "MERGES", "merge_reason", "partials_dtype", "sparse_mla_decode_config"]
+__all__ = [
+    "CONFIG_KEYS",
+    "MERGES",
+    "DecodeLaunchConfig",
+    "merge_reason",
+    "partials_dtype",
+    "sparse_mla_decode_config",
+]
 
 #: Keys a caller's ``config=`` may override (tuning).
 CONFIG_KEYS = frozenset({"BLOCK_H", "BLOCK_N", "num_warps", "num_stages", "merge", "pdl", "partials"})
 MERGES = ("rows", "columns")
+
+
+class _DecodeLaunch(TypedDict):
+    BLOCK_H: int  # heads of one program
+    BLOCK_N: int  # rows of one loop step
+    num_splits: int
+    chunk: int  # rows of one split, a multiple of BLOCK_N
+    num_warps: int
+    num_stages: int
+    merge: str  # "rows" / "columns" / "none" (one split)
+    reason: str
+    cost_model_splits: int  # the cost model's split count, before the one-wave choice
+
+
+class DecodeLaunchConfig(_DecodeLaunch, total=False):
+    """One launch of the Triton split-KV decode: :func:`sparse_mla_decode_config`'s keys, and
+    ``pdl`` / ``partials`` where a caller's ``config=`` gives them (:data:`CONFIG_KEYS`)."""
+
+    pdl: bool
+    partials: str  # "auto" / "input" / "fp32": :func:`partials_dtype`
 
 
 def _block_h(num_heads: int) -> int:
@@ -35,7 +64,7 @@ def sparse_mla_decode_config(
     v_dim: int = 512,
     elem_bytes: int = 2,
     kv_fp8: bool = False,
-) -> dict[str, int | str]:
+) -> DecodeLaunchConfig:
     """Tile sizes, split count and rows per split for a launch (host-side, shape-only).
 
     Splitting a top-k row fills more SMs but writes and re-reads fp32 partials of
@@ -98,17 +127,17 @@ def sparse_mla_decode_config(
     chunk = -(-max(1, -(-topk // num_splits)) // block_n) * block_n
     splits = max(1, -(-max(topk, 1) // chunk))
     merge = route_decode_merge(num_tokens, num_heads, splits)
-    return {
-        "BLOCK_H": block_h,
-        "BLOCK_N": block_n,
-        "num_splits": splits,
-        "chunk": chunk,
-        "num_warps": num_warps,
-        "num_stages": 2,
-        "merge": merge.path,
-        "reason": merge_reason(merge, splits, one_wave=one_wave),
-        "cost_model_splits": cost_model,
-    }
+    return DecodeLaunchConfig(
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        num_splits=splits,
+        chunk=chunk,
+        num_warps=num_warps,
+        num_stages=2,
+        merge=merge.path,
+        reason=merge_reason(merge, splits, one_wave=one_wave),
+        cost_model_splits=cost_model,
+    )
 
 
 def partials_dtype(dtype: torch.dtype, merge: str, choice: str = "auto") -> torch.dtype:
