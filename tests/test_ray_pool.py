@@ -55,7 +55,6 @@ def test_bad_pool_configs_raise_before_any_actor_starts() -> None:
         ({"spec": GQA_SINKS, "mode": "dcp-decode", "runtime_kwargs": small, "sinks": NAN_SINKS}, "sinks must be fin"),
         ({"spec": MLA, "runtime_kwargs": small, "memory_limit_bytes": 1000}, "over memory_limit_bytes=1000"),
         ({"spec": MLA, "mode": "pcp-decode", "runtime_kwargs": small}, "mode must be one of"),
-        ({"spec": GQA, "mode": "pcp", "runtime_kwargs": small}, "mode 'pcp' serves sparse MLA only"),
         ({"spec": MLA}, "runtime_kwargs must give max_batched_tokens"),
         ({"spec": MLA, "runtime_kwargs": small, "transport": "grpc"}, "transport must be one of"),
         ({"spec": MLA, "runtime_kwargs": small, "device": "tpu"}, "device must be"),

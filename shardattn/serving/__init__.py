@@ -1,8 +1,11 @@
 """A servable Ray actor pool (Ray is optional: importing this package does not import it).
 
-* :mod:`~shardattn.serving.pool`       :class:`RayRankPool`: placement, group, faults, health.
+* :mod:`~shardattn.serving.pool`       :class:`RayRankPool`: placement, group, building, restart, shutdown.
 * :mod:`~shardattn.serving.steps`      its request API: prefill, decode (requests), decode_batch (tensors).
-* :mod:`~shardattn.serving.actor`      one rank: its Runtime, its KV-cache shard, its steps.
+* :mod:`~shardattn.serving.rank_calls` its calls to the ranks: timeouts, faults (a broken pool), health, run.
+* :mod:`~shardattn.serving.actor`      one rank: its Runtime, its KV-cache shard, its decode step.
+* :mod:`~shardattn.serving.actor_prefill` a rank's prefill steps (PCP, head-TP GQA, ShardQ / head-TP sparse MLA).
+* :mod:`~shardattn.serving.actor_shm`  a rank's decode steps out of the shared-memory region.
 * :mod:`~shardattn.serving.kv_cache`   a rank's paged KV pages: writes and prefix gathers.
 * :mod:`~shardattn.serving.requests`   :class:`PrefillRequest`, :class:`DecodeRequest`, validation (of tensors too).
 * :mod:`~shardattn.serving.pool_shapes` what a pool's steps accept, and the tensor checks they go through.

@@ -8,6 +8,8 @@ A step's arguments are the step's *new* tensors only: ``shared`` (one object for
 block table, lengths, new KV rows, top-k) and this rank's heads of the queries (a PCP prefill:
 every head of this rank's zigzag tokens). Results come back on the CPU: this rank's heads of the
 outputs and LSE (a PCP prefill: its tokens'). The sinks (``[H]`` fp32, or none) stay resident.
+The prefill steps are :mod:`~shardattn.serving.actor_prefill`'s, the shared-memory decode path
+:mod:`~shardattn.serving.actor_shm`'s.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
+from shardattn.serving.actor_prefill import PrefillSteps
 from shardattn.serving.actor_shm import ShmDecode
 from shardattn.serving.wire import from_wire, to_wire
 
@@ -38,9 +40,10 @@ def _rss_bytes() -> int:
         return -1
 
 
-class RankActor(ShmDecode):
+class RankActor(PrefillSteps, ShmDecode):
     """Rank ``rank`` of a ``world_size`` pool on ``device`` (``"cpu"`` or ``"cuda:0"``, its only GPU);
-    decode steps through shared memory: :class:`~shardattn.serving.actor_shm.ShmDecode`."""
+    prefill steps: :class:`~shardattn.serving.actor_prefill.PrefillSteps`; decode steps through
+    shared memory: :class:`~shardattn.serving.actor_shm.ShmDecode`."""
 
     def __init__(self, rank: int, world_size: int, device: str) -> None:
         self.rank, self.world_size = rank, world_size
@@ -179,125 +182,6 @@ class RankActor(ShmDecode):
 
     def _result(self, out: torch.Tensor, lse: torch.Tensor | None, return_lse: bool) -> tuple[Any, Any]:
         return to_wire((out, lse if return_lse else None))
-
-    def prefill(self, shared: dict[str, Any], q_local: Any) -> tuple[Any, Any] | None:
-        """Write the step's KV rows; with queries, run the Runtime's prefill over the requests' whole KV.
-
-        ``q_local``: ``[T, H/W, D]`` this rank's heads (``None``: only write); under ``pcp``
-        ``[T_r, H, D]`` every head of this rank's zigzag tokens. Returns ``(out, lse or None)``
-        of the same rows and heads (``[T, H/W, Dv]`` / ``[T_r, H, Dv]``), token order.
-        """
-        t0 = self._begin("prefill")
-        shared, q_local = from_wire(shared), from_wire(q_local)
-        table, starts, counts = shared["table"], shared["starts"], shared["counts"]
-        self.cache.write(table, starts, counts, shared["kv"])
-        self._maybe_fail("prefill")
-        if q_local is None:
-            self._end(t0)
-            return None
-        if self.runtime.spec.kind == "gqa" or self.runtime.mode == "pcp":
-            step = self._prefill_gqa if self.runtime.spec.kind == "gqa" else self._prefill_pcp
-            result = step(shared, table, starts, counts, q_local)
-            self._end(t0)
-            return result
-        lens = [s + n for s, n in zip(starts, counts)]
-        if any(starts):  # chunked prefill: the cached prefix lives on every rank's shard
-            kv_full = torch.cat(self.cache.gather_full(table, lens, self.comm))
-        else:
-            kv_full = self.cache.as_stored(shared["kv"][0].to(self.device))
-        topk = shared["topk"]
-        lens_t = torch.tensor(lens, dtype=torch.int64)
-        first = torch.cumsum(lens_t, 0) - lens_t
-        req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(counts))
-        pos = topk.to(torch.int64)
-        valid = (pos >= 0) & (pos < lens_t[req][:, None])
-        rows = torch.where(valid, first[req][:, None] + pos, -1).to(torch.int32)
-        out, lse = self.runtime.prefill(
-            q_local.to(self.device),
-            kv_full,
-            rows.to(self.device),
-            query_lens=counts,
-            prefix_lens=starts,
-            sinks=self.sinks,
-            check=False,
-        )
-        result = self._result(out, lse, shared["return_lse"])
-        self._end(t0)
-        return result
-
-    def _prefill_pcp(
-        self, shared: dict[str, Any], table: torch.Tensor, starts: list[int], counts: list[int], q_local: torch.Tensor
-    ) -> tuple[Any, Any]:
-        """PCP prefill: every head of this rank's zigzag tokens (``q_local [T_r, H, D]``), their KV
-        rows all-gathered by the step; cached prefixes read from a step-local paged copy of the
-        prefix (gathered from the interleaved shards). Returns ``(out [T_r, H, Dv], lse [T_r, H])``."""
-        dev = self.device
-        plan = self.runtime.plan_prefill(counts, starts)
-        ids = plan.tokens_of(self.rank)
-        kv_new = self.cache.as_stored(shared["kv"][0].index_select(0, ids).to(dev))
-        topk = shared["topk"].index_select(0, ids).to(dev)
-        kv_cache, block_table = self._prefix_pages(table, starts) if any(starts) else (None, None)
-        out, lse = self.runtime.prefill(
-            q_local.to(dev), None if kv_cache is None else kv_cache[0], topk_pos=topk, kv_new=kv_new,
-            block_table=block_table, plan=plan, sinks=self.sinks, check=False,
-        )  # fmt: skip
-        return self._result(out, lse, shared["return_lse"])
-
-    def _prefill_gqa(
-        self, shared: dict[str, Any], table: torch.Tensor, starts: list[int], counts: list[int], q_local: torch.Tensor
-    ) -> tuple[Any, Any]:
-        """GQA prefill, head-TP (``q_local [T, H/W, D]``: this rank's heads of every new token), causal
-        over each request's cached prefix and new tokens. Under head-TP decode the cache holds this
-        rank's KV heads of every token, the new ones just written: one paged call over it. Under DCP
-        decode it holds an interleaved share of every token: the new tokens' K/V go as ``kv_new``
-        (the rank's KV heads) and the cached prefixes are gathered into a step-local paged copy.
-        Returns ``(out [T, H/W, Dv], lse [T, H/W] fp32 or None)``."""
-        dev, rt = self.device, self.runtime
-        kv_cache: tuple[torch.Tensor, ...] | None
-        block_table: torch.Tensor | None
-        kv_new: tuple[torch.Tensor, ...] | None = None
-        if rt.decode_is_dcp:
-            lo, hi = head_tp_kv_heads(rt.spec.num_heads, rt.spec.num_kv_heads, self.world_size, self.rank)
-            kv_new = tuple(part[:, lo:hi].to(dev).contiguous() for part in shared["kv"])
-            kv_cache, block_table = self._prefix_pages(table, starts, (0, 1), (lo, hi)) if any(starts) else (None, None)
-        else:  # the cache holds this rank's KV heads of every token, the new ones included
-            kv_cache, block_table = (self.cache.pages[0], self.cache.pages[1]), table.to(dev)
-        out, lse = rt.prefill(
-            q_local.to(dev), kv_cache, kv_new=kv_new, block_table=block_table, query_lens=counts, prefix_lens=starts,
-            sinks=self.sinks, check=False,
-        )  # fmt: skip
-        return self._result(out, lse, shared["return_lse"])
-
-    def _prefix_pages(
-        self,
-        table: torch.Tensor,
-        starts: list[int],
-        components: tuple[int, ...] = (0,),
-        heads: tuple[int, int] | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """The cached prefixes as a step-local paged copy, the same on every rank (an all-gather of
-        the interleaved shards), with its ``[B, M]`` int32 block table. Per component of
-        ``components``: flat ``[R, D]`` rows (sparse MLA, as PCP reads them), or with ``heads``
-        (``[start, stop)`` of a GQA row's KV heads) paged ``[R / page_size, page_size, stop - start, D]``."""
-        p = self.cache.page_size
-        pages = [-(-n // p) for n in starts]
-        block_table = torch.zeros(len(starts), max(1, max(pages)), dtype=torch.int32)
-        first = 0
-        for b, k in enumerate(pages):
-            block_table[b, :k] = torch.arange(first, first + k, dtype=torch.int32)
-            first += k
-        copies = []
-        for i in components:
-            prefixes = self.cache.gather_full(table, starts, self.comm, i)
-            row = self.cache.row_specs[i][0]
-            if heads is not None:
-                prefixes, row = [x[:, heads[0] : heads[1]] for x in prefixes], (heads[1] - heads[0], *row[1:])
-            rows = self.cache.flat(i).new_zeros(max(1, sum(pages)) * p, *row)
-            for b, n in enumerate(starts):
-                row0 = int(block_table[b, 0]) * p  # a request's pages are consecutive
-                rows[row0 : row0 + n] = prefixes[b]
-            copies.append(rows if heads is None else rows.view(-1, p, *row))
-        return tuple(copies), block_table.to(self.device)
 
     def decode(self, shared: dict[str, Any], q_local: Any) -> tuple[Any, Any]:
         """Write the query tokens' KV rows (when given), then one decode step (DCP or head-TP, by mode).

@@ -9,6 +9,7 @@ actor's ``rank``, ``world_size``, ``device``, ``runtime`` and ``cache`` and its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +19,18 @@ __all__ = ["ShmDecode"]
 
 class ShmDecode:
     """The shared-memory decode path of a pool actor (module docstring)."""
+
+    # the actor's own (:class:`~shardattn.serving.actor.RankActor`)
+    rank: int
+    world_size: int
+    device: torch.device
+    runtime: Any
+    cache: Any
+    _shm: Any
+    _begin: Callable[[str], float]
+    _maybe_fail: Callable[[str], None]
+    _end: Callable[[float], None]
+    _run_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
     def attach_shm(self, path: str, layout: Any) -> dict[str, Any]:
         """Map the pool's shared-memory region (on a GPU, page-lock it) and allocate the step's

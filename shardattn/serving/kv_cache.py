@@ -13,6 +13,7 @@ every rank, so one block table ``[B, M]`` int32 (local positions) addresses ever
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def plan_rank_cache(
     max_seq_len: int,
     num_pages: int | None,
     memory_limit_bytes: int | None,
-) -> tuple[KVCacheConfig, dict]:
+) -> tuple[KVCacheConfig, dict[str, Any]]:
     """The pool's cache plan: its :class:`~shardattn.plan.kv_pages.KVCacheConfig` (DCP interleave
     over ``world_size`` ranks when ``dcp``, else a replica) and what each rank builds
     (:class:`RankKVCache`'s arguments, its ``bytes``, the ``memory_limit_bytes``).
@@ -45,17 +46,18 @@ def plan_rank_cache(
     layout = DCPLayout(world_size, interleave) if dcp else DCPLayout(1)
     config = KVCacheConfig(page_size, layout, max_requests, max_seq_len, num_pages)
     row_bytes = sum(int(torch.Size(r).numel()) * torch.empty(0, dtype=d).element_size() for r, d in rows)
-    spec = {
+    nbytes = config.rows_per_rank * row_bytes
+    spec: dict[str, Any] = {
         "rows": tuple(rows),
         "num_pages": config.num_pages,
         "page_size": page_size,
         "layout": layout,
-        "bytes": config.rows_per_rank * row_bytes,
+        "bytes": nbytes,
         "memory_limit_bytes": memory_limit_bytes,
     }
-    if memory_limit_bytes is not None and spec["bytes"] > memory_limit_bytes:
+    if memory_limit_bytes is not None and nbytes > memory_limit_bytes:
         raise ValueError(
-            f"the KV cache alone needs {spec['bytes']} B per rank, over memory_limit_bytes="
+            f"the KV cache alone needs {nbytes} B per rank, over memory_limit_bytes="
             f"{memory_limit_bytes}; lower max_requests, max_seq_len or num_pages"
         )
     return config, spec
@@ -121,7 +123,10 @@ class RankKVCache:
 
     def _slots(self, pos: torch.Tensor, req: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The positions this rank owns (a mask over ``pos``) and their flat cache rows."""
-        owned = self.layout.owner(pos) == self.rank if self.layout.world_size > 1 else torch.ones_like(pos, dtype=bool)
+        if self.layout.world_size > 1:
+            owned = self.layout.owner(pos) == self.rank
+        else:  # a replica: every position
+            owned = torch.ones_like(pos, dtype=torch.bool)
         local = self.layout.local_index(pos)
         page = table.to("cpu", torch.int64)[req, torch.div(local, self.page_size, rounding_mode="floor")]
         return owned, page * self.page_size + local % self.page_size

@@ -31,7 +31,9 @@ def _describe_missing(bundle: dict[str, float], count: int, strategy: str) -> st
             parts.append(f"{name}: need {need:g}, {avail:g} free of {have:g} in the cluster")
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if strategy == "STRICT_PACK" and not parts:
-        best = max((n.get("Resources", {}) for n in nodes), key=lambda r: r.get("GPU", 0) + r.get("CPU", 0), default={})
+        best: dict[str, float] = max(
+            (n.get("Resources", {}) for n in nodes), key=lambda r: r.get("GPU", 0) + r.get("CPU", 0), default={}
+        )
         parts.append(f"no single node holds {count} x {bundle} (STRICT_PACK); largest node has {best}")
     return "; ".join(parts) or f"{len(nodes)} alive nodes, resources {free}"
 

@@ -27,14 +27,16 @@ Attention sinks (a spec with ``has_sinks``: ``sinks=`` ``[H]`` fp32, one per que
 whole model) are checked on the driver, held on every actor and passed to every step (DCP counts
 them on rank 0 only); :meth:`RayRankPool.set_sinks` replaces them.
 
-Under ``pcp`` (sparse MLA), a prefill step runs PCP: rank ``r`` gets every head of its zigzag
-tokens' queries (``pcp_plan(...).shard.token_ids(r)``, the driver reassembles token order) and
-passes those tokens' KV as PCP's new rows. The resident cache keeps *one* layout, the DCP
-interleave that decode reads: each rank writes the new tokens it owns under that layout (not its
-zigzag tokens). PCP reads a cached prefix from a paged cache the same on every rank, so a chunked
-prefill step all-gathers the requests' prefixes from the shards into a step-local paged copy
-(``sum(ceil(prefix / page_size)) * page_size`` rows of ``D`` per rank, freed after the step), as
-ShardQ's chunked prefill gathers its prefix; no replica of the whole cache is kept.
+Under ``pcp`` (sparse MLA and GQA), a prefill step runs PCP: rank ``r`` gets every head of its
+zigzag tokens' queries (``pcp_plan(...).shard.token_ids(r)``, the driver reassembles token order)
+and passes those tokens' KV (every KV head) as PCP's new rows; a GQA prefill is causal, a sparse
+one reads each token's top-k. The resident cache keeps *one* layout, the DCP interleave that
+decode reads: each rank writes the new tokens it owns under that layout (not its zigzag tokens).
+PCP reads a cached prefix from a paged cache the same on every rank, so a chunked prefill step
+all-gathers the requests' prefixes from the shards into a step-local paged copy
+(``sum(ceil(prefix / page_size)) * page_size`` rows per rank: ``D`` wide for sparse MLA, K and V
+of every KV head for GQA; freed after the step), as ShardQ's chunked prefill gathers its prefix;
+no replica of the whole cache is kept. Decode is DCP, as under ``dcp-decode``.
 
 Only the step's new tensors cross Ray's object store: the block table, lengths, new KV rows and
 top-k once for every rank (one ``ray.put``), and each rank's heads of the queries (PCP prefill:
@@ -44,7 +46,10 @@ raise ``ValueError`` / ``TypeError`` before any rank runs (:mod:`~shardattn.serv
 A rank that dies, raises or does not answer within ``timeout_s`` makes the call raise one
 :class:`~shardattn.serving.errors.RankFailedError`; the pool is then broken (every call raises
 that error) until :meth:`RayRankPool.restart`, which re-forms actors and group in the same
-placement group and returns the requests whose KV state was lost.
+placement group and returns the requests whose KV state was lost. The pool's bases hold the
+request API (:class:`~shardattn.serving.steps.RequestSteps`) and the calls to the ranks, their
+faults and health (:class:`~shardattn.serving.rank_calls.RankCalls`); this module builds, restarts
+and shuts down.
 
 Decode steps go through shared memory when every rank runs on the driver's node (the default
 ``transport="shm"``: one region in ``/dev/shm`` that driver and ranks map, page-locked on GPU
@@ -58,8 +63,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -67,8 +71,8 @@ import torch
 from shardattn._checks import check_int
 from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.plan.spec import ModelSpec, get_preset
-from shardattn.serving.errors import RankFailedError, describe_ray_error, require_ray
-from shardattn.serving.health import HEALTH_GROUP, rank_reports
+from shardattn.serving.errors import RankFailedError, require_ray
+from shardattn.serving.health import HEALTH_GROUP
 from shardattn.serving.placement import (
     bundle_options,
     check_placement,
@@ -90,7 +94,9 @@ def _actor_class(num_cpus: float, num_gpus: float) -> Any:
     from shardattn.serving.actor import RankActor
 
     groups = {HEALTH_GROUP: 1, SERVE_GROUP: 1}
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, concurrency_groups=groups)(RankActor)
+    # concurrency_groups is an actor option of ray.remote that Ray's overloads leave out
+    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, concurrency_groups=groups)  # type: ignore[call-overload]
+    return remote(RankActor)
 
 
 class RayRankPool(RequestSteps):
@@ -101,8 +107,8 @@ class RayRankPool(RequestSteps):
         spec: a :class:`~shardattn.plan.spec.ModelSpec` or preset name; ``None`` forms the group
             only (:meth:`run` works, the request API does not).
         mode: the Runtime's mode (``"mixed"``: ShardQ prefill (GQA: head-TP), DCP decode; ``"dcp-decode"``: no
-            prefill attention; ``"shardq"`` / ``"headtp"``: head-TP decode over a replicated cache, ``"headtp"``
-            also for GQA; ``"pcp"``: PCP prefill, DCP decode, sparse MLA only; module docstring).
+            prefill attention; ``"shardq"`` / ``"headtp"``: head-TP decode over a replicated cache, ``"shardq"``
+            sparse MLA only (a GQA model has no ShardQ step); ``"pcp"``: PCP prefill, DCP decode; module docstring).
         max_requests, max_seq_len: requests holding KV at once, and tokens per request.
         num_pages: KV pages per rank (default: ``max_requests`` requests of ``max_seq_len``).
         runtime_kwargs: more :class:`~shardattn.runtime.runtime.Runtime` arguments
@@ -242,14 +248,13 @@ class RayRankPool(RequestSteps):
             self.built = self._call(
                 "build", [a.build.remote(self.spec, kw, self._cache_spec, self._sinks) for a in self._actors]
             )
-            self._start_decode()
+            self._start_decode(self.spec)
 
-    def _start_decode(self) -> None:
+    def _start_decode(self, spec: ModelSpec) -> None:
         from shardattn.serving.compiled import channel_bytes
         from shardattn.serving.shm import decode_layout
 
-        assert self.spec is not None
-        shapes, cfg, h, dv = self.shapes, self.cache_config, self.heads_per_rank, self.spec.v_dim
+        shapes, cfg, h, dv = self.shapes, self.cache_config, self.heads_per_rank, spec.v_dim
         sizes = {"max_tokens": shapes.max_decode_tokens, "max_requests": cfg.max_requests, "heads_per_rank": h}
         sizes.update(table_width=cfg.pages_per_request, head_dim=shapes.head_dim, v_dim=dv)
         sizes.update(dtype=shapes.dtype, topk=shapes.topk if shapes.kind == "sparse_mla" else 0, kv_rows=shapes.kv_rows)
@@ -263,66 +268,12 @@ class RayRankPool(RequestSteps):
             spin_s=0.005 if self.device == "cuda" else 0.0,  # CPU ranks need their cores for the step
         )
 
-    # -- calls and faults ----------------------------------------------------------------------
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise self._broken
-        if not self._actors:
-            raise RuntimeError("the pool is shut down")
-
-    def _fail(self, rank: int, cause: str, operation: str) -> RankFailedError:
-
-        if not cause.startswith("actor died"):
-            # a rank whose collective broke because a peer died reports that as its own error
-            dead = [h["rank"] for h in rank_reports(self._actors, min(2.0, self.timeout_s)) if h["state"] == "dead"]
-            if dead and rank not in dead:
-                rank, cause = dead[0], f"actor died (then rank {rank}: {cause})"
-        err = RankFailedError(rank, cause, operation)
-        self._broken = err
-        kill_actors(self._actors)  # survivors may wait in a collective for the dead rank: stop them too
-        self._teardown_decoder()
-        return err
-
-    def _teardown_decoder(self) -> None:
-        decoder, self._decoder = self._decoder, None
-        if decoder is not None:
-            decoder.teardown()
-
-    def _call(self, operation: str, refs: Sequence[Any], *, ranks: Sequence[int] | None = None) -> list[Any]:
-        """Wait for one call per rank; the first failure or the timeout raises :class:`RankFailedError`."""
-        import ray
-
-        ranks = list(range(len(refs))) if ranks is None else list(ranks)
-        pending = dict(zip(refs, ranks))
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + self.timeout_s
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                missing = sorted(pending.values())
-                raise self._fail(
-                    missing[0], f"ranks {missing} did not answer within {self.timeout_s:g} s (hung or dead)", operation
-                )
-            for ref in ready:
-                rank = pending.pop(ref)
-                try:
-                    results[rank] = ray.get(ref)
-                except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-                    raise self._fail(rank, describe_ray_error(e), operation) from None
-        return [results[r] for r in ranks]
-
     # -- the request API (prefill, decode, decode_batch: :class:`~shardattn.serving.steps.RequestSteps`)
-    def _need_spec(self) -> None:
-        if self.spec is None:
-            raise RuntimeError("this pool was formed without a spec; pass spec= to serve requests")
-
     def set_sinks(self, sinks: torch.Tensor | None) -> None:
         """Replace the attention sinks every rank holds (``[H]`` fp32, finite; ``None`` when the
         spec has none); checked on the driver first, so a bad value changes nothing."""
         self._check_usable()
-        self._need_spec()
-        assert self.spec is not None
-        checked = check_sinks(sinks, self.spec)
+        checked = check_sinks(sinks, self._need_spec())
         with self._step_lock:
             self._call("set_sinks", [a.set_sinks.remote(checked) for a in self._actors])
             self._sinks = checked
@@ -335,30 +286,6 @@ class RayRankPool(RequestSteps):
             raise TypeError(f"request_ids must be a sequence of ids, got {type(request_ids).__name__} {request_ids!r}")
         with self._step_lock:
             return self.book.release(request_ids)
-
-    @property
-    def broken(self) -> bool:
-        return self._broken is not None
-
-    def health(self, *, timeout_s: float | None = None) -> dict[str, Any]:
-        """``{"state": "healthy" | "broken" | "shut down", "error", "free_pages", "requests", "ranks": [...]}``.
-
-        Each rank reports ``state`` (``ready``; ``prefill`` / ``decode`` while a step runs, with
-        ``step_running_s``; ``dead``, ``unresponsive``), ``rss_bytes``, ``cache_bytes``,
-        ``workspace_bytes`` (CUDA: allocated / reserved bytes), ``steps`` and ``last_step_s``.
-        Answers while a step runs (or is stuck); never raises for a dead rank.
-        """
-        wait = min(self.timeout_s, 10.0) if timeout_s is None else timeout_s
-        ranks = rank_reports(self._actors, wait)
-        book = getattr(self, "book", None)
-        state = "broken" if self._broken is not None else "healthy" if self._actors else "shut down"
-        return {
-            "state": state,
-            "error": None if self._broken is None else str(self._broken),
-            "free_pages": None if book is None else book.free_pages,
-            "requests": None if book is None else len(book),
-            "ranks": ranks,
-        }
 
     def restart(self) -> list[Hashable]:
         """Stop every actor, start new ones in the same bundles, re-form the group and rebuild.
@@ -378,18 +305,6 @@ class RayRankPool(RequestSteps):
             self._broken = None
             self._form()
             return lost
-
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """``fn(group, *args, **kwargs)`` on every rank; the per-rank results, in rank order (between
-        steps: its collectives would interleave with a step's)."""
-        self._check_usable()
-        with self._step_lock:
-            return self._call("run", [a.run.remote(fn, args, kwargs) for a in self._actors])
-
-    def arm_fault(self, rank: int, kind: str = "exit", operation: str = "decode") -> None:
-        """Drill: make ``rank``'s next ``operation`` step fail (``kind``: ``"exit"``, ``"raise"`` or ``"hang"``)."""
-        self._check_usable()
-        self._call("arm_fault", [self._actors[rank].arm_fault.remote(kind, operation)], ranks=[rank])
 
     def shutdown(self) -> None:
         """Leave the group, stop the actors, free the bundles (and stop Ray when this pool started it)."""

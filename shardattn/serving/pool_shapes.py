@@ -158,16 +158,17 @@ def kv_parts(shapes: PoolShapes, kv: object, name: str, n: int | None) -> list[t
         want = "one [n, D] tensor" if len(shapes.kv_rows) == 1 else "a (k, v) pair"
         raise TypeError(f"{name} must be {want} for a {shapes.kind} pool, got {type(kv).__name__}")
     rows = parts[0].shape[0] if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0 else n
+    checked = []
     for i, (part, (row, dtype)) in enumerate(zip(parts, shapes.kv_rows)):
         label = name if len(parts) == 1 else f"{name}[{i}]"
-        check_tensor(label, part, dtypes=(dtype,), shape=(rows if n is None else n, *row), device=CPU)
-    return parts
+        checked.append(check_tensor(label, part, dtypes=(dtype,), shape=(rows if n is None else n, *row), device=CPU))
+    return checked
 
 
 def check_q(shapes: PoolShapes, q: object, name: str) -> int:
     """Check ``q`` as ``[T, H, D]`` in the pool's dtype on the CPU; returns ``T``."""
-    check_tensor(name, q, dtypes=(shapes.dtype,), shape=(None, shapes.heads, shapes.head_dim), device=CPU)
-    return int(q.shape[0])  # type: ignore[union-attr]
+    q = check_tensor(name, q, dtypes=(shapes.dtype,), shape=(None, shapes.heads, shapes.head_dim), device=CPU)
+    return int(q.shape[0])
 
 
 def check_topk(shapes: PoolShapes, topk: object, name: str, n: int) -> torch.Tensor:
@@ -221,8 +222,11 @@ def plan_pool(
         raise TypeError(f"spec must be a ModelSpec or a preset name, got {type(spec).__name__}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} for a pool, got {mode!r}")
-    if mode in ("pcp", "shardq") and spec.kind != "sparse_mla":
-        raise ValueError(f"mode {mode!r} serves sparse MLA only; use 'dcp-decode' or 'headtp' for a {spec.kind} spec")
+    if mode == "shardq" and spec.kind != "sparse_mla":  # a GQA model has no ShardQ step
+        raise ValueError(
+            f"mode 'shardq' serves sparse MLA only (ShardQ prefill); use 'headtp', 'mixed', 'pcp' or 'dcp-decode' "
+            f"for a {spec.kind} spec"
+        )
     sinks = check_sinks(sinks, spec)
     if "max_batched_tokens" not in runtime_kwargs:
         raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")

@@ -129,6 +129,12 @@ class PackedStep:
         """Tokens of each request after the step."""
         return [s + n for s, n in zip(self.starts, self.counts)]
 
+    def queries(self) -> torch.Tensor:
+        """``q``, which every decode step holds (:func:`pack_step` requires each request's)."""
+        if self.q is None:
+            raise RuntimeError("the step has no queries: a prefill step that only writes KV rows")
+        return self.q
+
 
 def pack_step(
     kind: str,
@@ -155,7 +161,10 @@ def pack_step(
         raise TypeError(f"{kind} takes a list of {cls.__name__}, got {type(requests).__name__}")
     if not requests:
         raise ValueError(f"{kind} needs at least one request")
-    ids, starts, counts, q_counts = [], [], [], []
+    ids: list[Hashable] = []
+    starts: list[int] = []
+    counts: list[int] = []
+    q_counts: list[int] = []
     qs: list[torch.Tensor] = []
     kvs: list[list[torch.Tensor]] = []
     topks: list[torch.Tensor] = []
@@ -216,8 +225,7 @@ def pack_step(
         name = "max_batched_tokens" if kind == "prefill" else "max_decode_tokens"
         raise ValueError(f"the step has {total_q} query tokens, over the pool's {name}={limit}")
     book.check_growth(list(zip(ids, counts)), new_ok=kind == "prefill")
-    for i in ids:
-        starts.append(book.seq_len(i) if i in book else 0)
+    starts.extend(book.seq_len(rid) if rid in book else 0 for rid in ids)
     if kind == "decode":
         empty = [i for i, s, n in zip(ids, starts, counts) if s + n == 0]
         if empty:

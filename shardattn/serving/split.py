@@ -18,13 +18,14 @@ from shardattn.plan.pcp import pcp_plan
 __all__ = ["assemble", "pcp_token_ids", "query_parts"]
 
 
-def pcp_token_ids(counts: Sequence[int], starts: Sequence[int], world_size: int, topk: int) -> list[torch.Tensor]:
-    """``[T_r]`` int64 step-token ids (token order) of each rank's PCP prefill.
+def pcp_token_ids(counts: Sequence[int], starts: Sequence[int], world_size: int) -> list[torch.Tensor]:
+    """``[T_r]`` int64 step-token ids (token order) of each rank's PCP prefill, sparse MLA or GQA
+    (the zigzag split, which the top-k the plan's cost figures take does not change).
 
-    >>> [t.tolist() for t in pcp_token_ids([8], [0], 2, 16)]
+    >>> [t.tolist() for t in pcp_token_ids([8], [0], 2)]
     [[0, 1, 6, 7], [2, 3, 4, 5]]
     """
-    plan = pcp_plan(list(counts), world_size, prefix_lens=list(starts), topk=topk)
+    plan = pcp_plan(list(counts), world_size, prefix_lens=list(starts))
     return [plan.shard.token_ids(r) for r in range(world_size)]
 
 

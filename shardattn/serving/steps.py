@@ -4,8 +4,9 @@
 calls), :meth:`~RequestSteps.decode` (request objects, checked one by one) and
 :meth:`~RequestSteps.decode_batch` (a whole step's tensors, checked with array operations); both
 decode APIs run the same step (:meth:`~RequestSteps._decode_step`) through the pool's decode
-transport (:func:`~shardattn.serving.transport.decode_on_ranks`). The pool provides the
-state they use: its ledger (``book``), ``shapes``, actors, transport, and its fault-checked calls.
+transport (:func:`~shardattn.serving.transport.decode_on_ranks`). Its own base,
+:class:`~shardattn.serving.rank_calls.RankCalls`, makes the fault-checked calls to the ranks; the
+pool provides the state they use: its ledger (``book``), ``shapes``, actors and transport.
 
 One step runs at a time (the pool's lock: a step called from another thread waits), and a step
 that fails on the driver after its checks, before any rank runs, takes its tokens back out of the
@@ -15,14 +16,18 @@ ledger, so no later step reads a token that was never written.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from shardattn._checks import check_bool, check_int, check_tensor
+from shardattn.plan.kv_pages import PagedKVBook
+from shardattn.plan.spec import ModelSpec
 from shardattn.serving.errors import RankStepError
+from shardattn.serving.pool_shapes import PoolShapes
+from shardattn.serving.rank_calls import RankCalls
 from shardattn.serving.requests import (
     BatchStep,
     DecodeRequest,
@@ -38,32 +43,26 @@ from shardattn.serving.transport import decode_on_ranks
 __all__ = ["RequestSteps"]
 
 
-class RequestSteps:
+class RequestSteps(RankCalls):
     """Prefill and decode steps of a pool (its base class; the pool holds the state used here)."""
 
-    book: Any
-    shapes: Any
-    spec: Any
+    book: PagedKVBook
+    shapes: PoolShapes
+    #: the model (``None``: a pool formed for :meth:`run` only, which serves no request)
+    spec: ModelSpec | None
     mode: str
-    world_size: int
     heads_per_rank: int
-    timeout_s: float
     transport: str
     host_threads: int
     last_step: dict[str, Any]
-    _actors: list[Any]
-    _decoder: Any
-    _broken: Any
-    #: held for a whole step: a pool runs one step at a time (another thread's call waits)
-    _step_lock: Any
     #: whether a decode step can return the LSE (not a head-TP GQA pool whose Runtimes skip it)
     _decode_lse: bool
 
-    # the pool's own (:class:`~shardattn.serving.pool.RayRankPool`)
-    _check_usable: Callable[[], None]
-    _need_spec: Callable[[], None]
-    _call: Callable[..., list[Any]]
-    _fail: Callable[[int, str, str], Exception]
+    def _need_spec(self) -> ModelSpec:
+        """The pool's model; ``RuntimeError`` on a pool formed without one."""
+        if self.spec is None:
+            raise RuntimeError("this pool was formed without a spec; pass spec= to serve requests")
+        return self.spec
 
     def _run_prefill(self, packed: PackedStep, return_lse: bool, t_start: float) -> list[Any]:
         """A checked prefill step through actor calls (decode steps: :meth:`_decode_step`)."""
@@ -87,8 +86,8 @@ class RequestSteps:
         h = self.heads_per_rank
         q = packed.q
         token_ids = None
-        if self.mode == "pcp" and q is not None:  # PCP: every head of the rank's tokens
-            token_ids = pcp_token_ids(packed.counts, packed.starts, self.world_size, self.shapes.topk)
+        if self.mode == "pcp" and q is not None:  # PCP (sparse MLA and GQA): every head of the rank's tokens
+            token_ids = pcp_token_ids(packed.counts, packed.starts, self.world_size)
         qs: list[Any] = [None] * self.world_size if q is None else query_parts(q, self.world_size, h, token_ids)
         t_sent = time.perf_counter()
         shared_ref = ray.put(to_wire(step))  # once for every rank
@@ -100,7 +99,7 @@ class RequestSteps:
         else:
             out, lse = assemble(results, token_ids, int(q.shape[0]), return_lse)
             outs = out.split(packed.q_counts)
-            outputs = list(zip(outs, lse.split(packed.q_counts))) if return_lse else list(outs)
+            outputs = list(outs) if lse is None else list(zip(outs, lse.split(packed.q_counts)))
         t_end = time.perf_counter()
         self.last_step = {
             "kind": kind,
@@ -155,10 +154,11 @@ class RequestSteps:
             into = self._decoder.inputs() if self.transport == "shm" and self._decoder is not None else None
             with one_host_thread(self.host_threads):
                 packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: into the region
+                q = packed.queries()
                 i64 = np.int64
                 batch = BatchStep(
                     self.book.slots(packed.ids), np.array(packed.starts, dtype=i64), np.array(packed.counts, dtype=i64),
-                    np.array(packed.q_counts, dtype=i64), packed.q, packed.topk, packed.kv,
+                    np.array(packed.q_counts, dtype=i64), q, packed.topk, packed.kv,
                 )  # fmt: skip
                 out, lse = self._decode_step(batch, return_lse, t0, None, False)
                 t_split = time.perf_counter()
@@ -213,16 +213,15 @@ class RequestSteps:
             raise ValueError("view=True returns the transport's own buffers; it takes no out")
         with self._step_lock:
             self._check_usable()
-            self._need_spec()
+            spec = self._need_spec()
             t0 = time.perf_counter()
             with one_host_thread(self.host_threads):
                 batch = check_decode_batch(
                     self.shapes, self.book, request_ids, q, topk_pos, query_lens=query_lens, kv=kv
                 )
                 if out is not None:
-                    assert self.spec is not None
                     check_tensor("out", out, dtypes=(self.shapes.dtype,), device=torch.device("cpu"),
-                                 shape=(batch.num_tokens, self.shapes.heads, self.spec.v_dim))  # fmt: skip
+                                 shape=(batch.num_tokens, self.shapes.heads, spec.v_dim))  # fmt: skip
                     if not out.is_contiguous():
                         raise ValueError("out must be contiguous")
                 return self._decode_step(batch, return_lse, t0, out, view)
