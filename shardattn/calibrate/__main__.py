@@ -32,7 +32,8 @@ from shardattn.launch.one_line import report_once
 from shardattn.launch.process_group import host_groups
 from shardattn.launch.progress import RunProgress, format_seconds
 from shardattn.parallel.hosts import exchange_node_layout
-from shardattn.plan.cost import CONSERVATIVE, GROUPS, Calibration, CostModel, StepOverhead
+from shardattn.plan.cost import CONSERVATIVE, GROUPS, Calibration, CollectiveRate, CostModel, StepOverhead
+from shardattn.plan.links import LinkRate
 from shardattn.plan.nodes import NodeLayout
 from shardattn.plan.spec import get_preset
 from shardattn.plan.step_shape import StepShape
@@ -50,7 +51,7 @@ class BadOption(ValueError):
 class _Parser(argparse.ArgumentParser):
     """An argparse parser whose errors raise :class:`BadOption` (one line) instead of printing usage."""
 
-    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise BadOption(f"shardattn.calibrate: error: {message} (see --help)")
 
 
@@ -158,12 +159,13 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
             progress.relabel("collective rates")
         host_id = getattr(args, "host_id", None)
         nodes = exchange_node_layout(group, host_id) if group is not None else NodeLayout.single(1)
-        network = None
-        if nodes.multi_node:  # the network between hosts, NVLink on one, the whole group at its layout
+        network: LinkRate | None = None
+        colls: list[CollectiveRate] = []  # one rank (no group): no collectives
+        if group is not None and nodes.multi_node:  # the network between hosts, NVLink on one, the whole group
             subgroups = host_groups(group, nodes)
             colls, network = multi_node_rates(group, nodes, subgroups, device=device, advance=advance)
-        else:
-            colls = collective_rates(group, device=device, advance=advance) if world > 1 else []
+        elif group is not None and world > 1:
+            colls = collective_rates(group, device=device, advance=advance)
         if group is not None:
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, points, group=group)
@@ -186,7 +188,7 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
                 + ("" if colls else "; collectives: the conservative default")
             ),
         )
-        if n_steps:
+        if n_steps and group is not None:  # whole steps run on a group of several ranks (n_steps is 0 on one)
             progress.relabel("whole steps (step overheads)")
             cal = _fit_steps(cal, group, device, args, advance, host_id)
     finally:
@@ -302,7 +304,8 @@ def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
         f.write(cal.to_json() + "\n")
     print(f"wrote {args.out}: {cal.gpu}, {len(cal.kernels)} kernel points, copy {cal.copy_gbps:g} GB/s", flush=True)
     for c in cal.collectives:
-        where = "" if c.one_host else f", {c.world_size // c.ranks_per_node} hosts"
+        rpn = c.ranks_per_node
+        where = "" if c.one_host or rpn is None else f", {c.world_size // rpn} hosts"
         print(
             f"  {c.op} W={c.world_size}{where}: {c.latency_ms * 1e3:.1f} us + bytes / {c.busbw_gbps:g} GB/s", flush=True
         )

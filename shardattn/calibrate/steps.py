@@ -84,16 +84,18 @@ def measure_paths(
     h = spec.num_heads // world
     q_local = step.q[:, rank * h : (rank + 1) * h].contiguous()
     kv_rows = int(step.kv.shape[0])
-    common = dict(max_batched_tokens=tokens, device=device, topk=spec.topk, warmup=False, host_id=host_id)
     gates = PrefillOptions(min_shard_tokens=min_shard_tokens, min_group_tokens=min_group_tokens)
+
+    def runtime(mode: str, options: PrefillOptions) -> Runtime:
+        return Runtime(
+            spec, group, mode=mode, max_batched_tokens=tokens, device=device, topk=spec.topk, prefill_options=options,
+            warmup=False, host_id=host_id,
+        )  # fmt: skip
+
     runtimes = {
-        "headtp": lambda: Runtime(spec, group, mode="headtp", prefill_options=gates, **common),
-        "shardq": lambda: Runtime(
-            spec, group, mode="shardq", prefill_options=dataclasses.replace(gates, cost_model=None), **common
-        ),
-        "router": lambda: Runtime(
-            spec, group, mode="mixed", prefill_options=dataclasses.replace(gates, cost_model=model), **common
-        ),
+        "headtp": lambda: runtime("headtp", gates),
+        "shardq": lambda: runtime("shardq", dataclasses.replace(gates, cost_model=None)),
+        "router": lambda: runtime("mixed", dataclasses.replace(gates, cost_model=model)),
     }
     res: dict[str, Any] = {"ms": {}, "predicted_ms": {}, "path": {}, "reason": {}, "ranks_per_node": world}
     plans: dict[str, PrefillPlan] = {}

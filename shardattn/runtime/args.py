@@ -20,8 +20,8 @@ synchronisation; a value past int32 stays out of range, so an invalid entry stay
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import NoReturn, overload
 
 import torch
 
@@ -96,11 +96,21 @@ def prefill_lengths(
     return query, from_seq
 
 
-def as_index(name: str, value: object, device: torch.device | None = None) -> torch.Tensor | None:
+@overload
+def as_index(name: str, value: None, device: torch.device | None = None) -> None: ...
+@overload
+def as_index(name: str, value: torch.Tensor | Sequence[int], device: torch.device | None = None) -> torch.Tensor: ...
+@overload
+def as_index(
+    name: str, value: torch.Tensor | Sequence[int] | None, device: torch.device | None = None
+) -> torch.Tensor | None: ...
+def as_index(name: str, value: object, device: torch.device | None = None) -> object:
     """An index or length argument as int32: ``None`` stays ``None``; a host list becomes a tensor
     on ``device``; an int64 (or narrower integer) tensor is converted once (values checked on the
     CPU, saturated on a device: see the module docstring). Other dtypes pass through unchanged,
-    for the step's own check to name.
+    for the step's own check to name. The overloads state the contract for the declared argument
+    types (a tensor, or a list or tuple of ints, comes back a tensor); a value of any other type
+    passes through unchanged too, for the step's check to name.
 
     >>> as_index("rows", torch.arange(3)).dtype
     torch.int32
@@ -123,7 +133,7 @@ def as_index(name: str, value: object, device: torch.device | None = None) -> to
         value = as_index(name, value)
         return value if device is None else value.to(device)
     if not isinstance(value, torch.Tensor) or value.dtype not in _CONVERTIBLE:
-        return value  # type: ignore[return-value]
+        return value
     if value.device.type == "cpu":
         if value.numel() and value.dtype == torch.int64:
             lo, hi = int(value.min()), int(value.max())
@@ -137,7 +147,8 @@ def as_index(name: str, value: object, device: torch.device | None = None) -> to
 def check_queries(q: object, *, tokens: int, heads: int, head_dim: int, tokens_from: str, heads_from: str) -> None:
     """``q`` is ``[tokens, heads, head_dim]`` in a float dtype; a mismatch names ``q`` and where the
     expected count comes from (``tokens_from`` / ``heads_from``, for the message)."""
-    t, h, d = check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3).shape
+    q = check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    t, h, d = q.shape
     if t != tokens:
         raise ValueError(f"q holds {t} tokens, but {tokens_from} {tokens}")
     if h != heads:

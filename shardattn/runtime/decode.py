@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,15 @@ from shardattn.runtime.modes import GQA_BACKEND
 from shardattn.runtime.workspace import RuntimeWorkspace
 
 __all__ = ["DecodeStep", "PinnedStaging"]
+
+
+class _SparseCache(NamedTuple):
+    """A sparse-MLA decode step's checked cache and top-k: ``kv [R, row]`` rows (the Runtime's KV
+    format), ``topk_pos [T, K]`` and ``req_ids [T]`` int32."""
+
+    kv: torch.Tensor
+    topk_pos: torch.Tensor
+    req_ids: torch.Tensor
 
 
 class PinnedStaging:
@@ -242,6 +252,7 @@ class DecodeStep:
             self.ws.check("decode", "dcp" if dcp else "headtp", tokens=t, topk=k)
             if sinks is not None and not dcp:  # every head's, before head-TP takes the rank's (DCP checks them)
                 check_sink_logits(sinks, self.spec.num_heads, device=q.device)
+            cache: _SparseCache | tuple[torch.Tensor, torch.Tensor]
             if self.spec.kind == "sparse_mla":
                 if topk_pos is None or req_ids is None:
                     raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
@@ -251,11 +262,12 @@ class DecodeStep:
                     check_paged_rows("kv_cache", kv_cache, self.spec.page_size)
                 if self.kv_rows is not None:  # the Runtime's KV format (rows in q's dtype, or fp8_ds_mla)
                     kv_cache = self.kv_rows("kv_cache", kv_cache)
+                cache = _SparseCache(kv_cache, topk_pos, req_ids)
             else:
                 for name, x in (("topk_pos", topk_pos), ("req_ids", req_ids), ("topk_length", topk_length)):
                     if x is not None:
                         raise ValueError(f"{name} is sparse MLA's; a GQA decode attends every earlier token: pass None")
-                kv_cache = check_gqa_cache(
+                cache = check_gqa_cache(
                     kv_cache, page_size=self.spec.page_size, kv_heads=self._kv_heads[1] - self._kv_heads[0],
                     head_dim=dim, dtype=q.dtype, device=q.device, kv_heads_from=lambda: self._kv_heads_from,
                 )  # fmt: skip
@@ -269,13 +281,13 @@ class DecodeStep:
             if self.bypass is not None:
                 self.bypass(q.dtype)
         page = self.spec.page_size
-        if self.spec.kind == "sparse_mla":
+        if isinstance(cache, _SparseCache):
             if dcp:
                 return dcp_sparse_mla_decode(
                     q,
-                    kv_cache,
-                    topk_pos,
-                    req_ids,
+                    cache.kv,
+                    cache.topk_pos,
+                    cache.req_ids,
                     block_table,
                     self.layout,
                     self.comm,
@@ -289,28 +301,30 @@ class DecodeStep:
                     check=check,
                     workspace=buffers,
                 )
-            rows_ws = buffers.get("rows")
+            rows_ws, pos = buffers.get("rows"), cache.topk_pos
             rows, _ = convert_topk(
-                topk_pos, req_ids, block_table, block_size=page, seq_lens=seq_lens, topk_length=topk_length,
-                out=None if rows_ws is None or topk_pos.dim() != 2 else view_bytes(
-                    rows_ws, tuple(topk_pos.shape), torch.int32, "rows"
+                pos, cache.req_ids, block_table, block_size=page, seq_lens=seq_lens, topk_length=topk_length,
+                out=None if rows_ws is None or pos.dim() != 2 else view_bytes(
+                    rows_ws, tuple(pos.shape), torch.int32, "rows"
                 ),
             )  # fmt: skip
             return sparse_mla_decode(
                 q,
-                kv_cache,
+                cache.kv,
                 rows,
                 scale=self.scale,
                 v_dim=self.spec.v_dim,
                 sinks=None if sinks is None else self.local_heads(sinks),
                 rows_unique=topk_unique,
             )
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache = cache
         backend = GQA_BACKEND[self.route_path]
         if dcp:
-            planned = meta is None and batch is not None
-            if planned:
-                meta = self._planned_meta(batch, q, block_table, check)
+            step_meta: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None] | None = meta
+            fingerprint = None
+            if meta is None and batch is not None:  # planned: the plan's metadata, its host fingerprint
+                step_meta = self._planned_meta(batch, q, block_table, check)
+                fingerprint = batch.fingerprint if check else None
             return dcp_gqa_decode(
                 q,
                 k_cache,
@@ -325,9 +339,9 @@ class DecodeStep:
                 sinks=sinks,
                 scale=self.scale,
                 backend=backend,
-                meta=meta,
+                meta=step_meta,
                 check=check,
-                lens_fingerprint=batch.fingerprint if planned and check else None,
+                lens_fingerprint=fingerprint,
                 workspace=buffers,
             )
         result = gqa_paged_decode(
@@ -346,4 +360,4 @@ class DecodeStep:
             scale=self.scale,
             backend=backend,
         )
-        return result if self.return_lse else (result, None)
+        return (result, None) if isinstance(result, torch.Tensor) else result  # out alone without return_lse

@@ -127,6 +127,18 @@ def warm_up_decode(
                 and t == max(sizes)
                 and sparse_decode_kernel(q, kv, spec.v_dim, rows)[0] == "gluon_stream"
             )
+            forced = (  # (kernel, split counts) run with the kernel and its splits forced, in this order
+                # the column merge compiles one variant per power of 2 of the split count, which
+                # depends on the batch: cover them all at one token, on a union and on raw rows
+                ("triton", COLUMN_MERGE_WARMUP_SPLITS if t == 1 and compiles_kernels(device) else ()),
+                # unsplit (unique rows: read in place) and sliced: the kernel is not specialised on the
+                # slices, its merge compiles one variant per power of 2 of them (gluon_merge_tile)
+                ("gluon", (1, *COLUMN_MERGE_WARMUP_SPLITS) if gluon else ()),
+                # written to out, and to fp32 partials + the column merge at each power of 2 of the slices
+                # a batch's plan may take: every slice count a plan takes (the kernel is specialised on it,
+                # not on the batch: NOT_SPECIALIZED)
+                ("gluon_stream", (1, *COLUMN_MERGE_WARMUP_SPLITS) if stream else ()),
+            )
             for sinks, unique in itertools.product(sink_options, (False, True)):
                 # topk_unique (rows_unique): the kernels see the raw rows, not a union: their own variants
                 sparse_mla_decode(q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, rows_unique=unique)
@@ -134,31 +146,13 @@ def warm_up_decode(
                     q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton", rows_unique=unique
                 )
                 launches += 2
-                # the column merge compiles one variant per power of 2 of the split count, which
-                # depends on the batch: cover them all at one token, on a union and on raw rows
-                for splits in COLUMN_MERGE_WARMUP_SPLITS if t == 1 and compiles_kernels(device) else ():
-                    run_sparse_mla_decode(
-                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel="triton", num_splits=splits,
-                        rows_unique=unique,
-                    )  # fmt: skip
-                    launches += 1
-                # unsplit (unique rows: read in place) and sliced: the kernel is not specialised on the
-                # slices, its merge compiles one variant per power of 2 of them (gluon_merge_tile)
-                for splits in (1, *COLUMN_MERGE_WARMUP_SPLITS) if gluon else ():
-                    run_sparse_mla_decode(
-                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel="gluon", num_splits=splits,
-                        rows_unique=unique,
-                    )  # fmt: skip
-                    launches += 1
-                # written to out, and to fp32 partials + the column merge at each power of 2 of the slices
-                # a batch's plan may take: every slice count a plan takes (the kernel is specialised on it,
-                # not on the batch: NOT_SPECIALIZED)
-                for splits in (1, *COLUMN_MERGE_WARMUP_SPLITS) if stream else ():
-                    run_sparse_mla_decode(
-                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel="gluon_stream",
-                        num_splits=splits, rows_unique=unique,
-                    )  # fmt: skip
-                    launches += 1
+                for kernel, counts in forced:
+                    for splits in counts:
+                        run_sparse_mla_decode(
+                            q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel=kernel,
+                            num_splits=splits, rows_unique=unique,
+                        )  # fmt: skip
+                        launches += 1
         return launches
     k = randn(2, page, kv_heads, d)
     lse, backend = need_lse, gqa_backend

@@ -40,7 +40,7 @@ from shardattn.plan.pcp import PCPPlan
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.args import as_index, check_gqa_cache, check_queries
 
-__all__ = ["GQAStepPlan", "check_gqa_prefill_inputs", "plan_gqa_step", "run_gqa_prefill_step"]
+__all__ = ["GQAInputs", "GQAStepPlan", "check_gqa_prefill_inputs", "plan_gqa_step", "run_gqa_prefill_step"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,22 @@ class GQAStepPlan:
     def seq_lens(self) -> list[int]:
         """``[B]`` KV tokens of each request (prefix and new tokens)."""
         return [p + n for p, n in zip(self.prefix, self.query_lens)]
+
+
+@dataclass(frozen=True)
+class GQAInputs:
+    """A GQA prefill step's checked tensors (:func:`check_gqa_prefill_inputs`).
+
+    Attributes:
+        k_new, v_new: ``[T, Hkv_r, D]`` each (PCP ``[T_r, Hkv, D]``), the new tokens' keys and
+            values; ``None`` when they are in the cache already.
+        cache: ``(k_cache, v_cache, block_table)``: ``[pages, page_size, Hkv_r, D]`` each and
+            ``[B, M]`` int32; ``None`` without a paged cache.
+    """
+
+    k_new: torch.Tensor | None
+    v_new: torch.Tensor | None
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
 def plan_gqa_step(
@@ -122,11 +138,10 @@ def check_gqa_prefill_inputs(
     rank_tokens: int,
     heads_per_rank: int,
     tokens_from: str,
-) -> dict[str, torch.Tensor | None]:
+) -> GQAInputs:
     """Check one rank's GQA prefill arguments under :meth:`Runtime.prefill
     <shardattn.runtime.runtime.Runtime.prefill>`'s names (shapes and dtypes on the host; values
-    of CPU tensors only: no device sync). ``sinks``: ``[H]`` fp32 (every head) or ``None``. Returns
-    ``{"k_new", "v_new", "k_cache", "v_cache", "block_table"}``.
+    of CPU tensors only: no device sync). ``sinks``: ``[H]`` fp32 (every head) or ``None``.
 
     Arguments of the expected shapes pass after one comparison each; the messages are made only
     for an argument that fails."""
@@ -153,14 +168,13 @@ def check_gqa_prefill_inputs(
     dtype, device = q.dtype, q.device
     if sinks is not None and not _is(sinks, (spec.num_heads,), torch.float32, device):
         check_sink_logits(sinks, spec.num_heads, device=device)
-    out: dict[str, torch.Tensor | None] = dict.fromkeys(("k_new", "v_new", "k_cache", "v_cache", "block_table"))
+    k_new = v_new = None
     if kv_new is not None:
-        k, v = _pair("kv_new", kv_new, "the new tokens' keys and values")
+        k_new, v_new = _pair("kv_new", kv_new, "the new tokens' keys and values")
         shape = (tokens, hkv, d)
-        for name, x in (("kv_new[0]", k), ("kv_new[1]", v)):
+        for name, x in (("kv_new[0]", k_new), ("kv_new[1]", v_new)):
             if not _is(x, shape, dtype, device):
                 check_tensor(name, x, dtypes=(dtype,), shape=shape, device=device)
-        out["k_new"], out["v_new"] = k, v
     if kv_cache is None:
         if kv_new is None:
             raise ValueError(
@@ -173,7 +187,7 @@ def check_gqa_prefill_inputs(
             )
         if block_table is not None:
             raise ValueError("block_table goes with kv_cache (the paged cache); pass both or neither")
-        return out
+        return GQAInputs(k_new, v_new, None)
 
     def kv_heads_from() -> str:  # for the message only
         if step == "pcp":
@@ -206,16 +220,14 @@ def check_gqa_prefill_inputs(
             if bad:
                 raise ValueError(f"block_table holds pages outside [0, {kc.shape[0]}) for requests {bad[:8]}")
             held[:] = [memo]
-    out["k_cache"], out["v_cache"], out["block_table"] = kc, vc, table
-    return out
+    return GQAInputs(k_new, v_new, (kc, vc, table))
 
 
 def run_gqa_prefill_step(
-    step: str,
     shard: PCPPlan | None,
     gqa: GQAStepPlan,
     q: torch.Tensor,
-    given: dict[str, torch.Tensor | None],
+    given: GQAInputs,
     *,
     comm: Comm,
     kernel: SegmentKernel,
@@ -226,18 +238,18 @@ def run_gqa_prefill_step(
     return_lse: bool,
     check: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One layer of a planned GQA prefill step (``given``: :func:`check_gqa_prefill_inputs`'s tensors;
-    ``sinks`` every head's, ``local_sinks`` the rank's). Returns ``(out, lse or None)``."""
-    k, v, kc, vc, table = (given[n] for n in ("k_new", "v_new", "k_cache", "v_cache", "block_table"))
-    if step == "pcp":
+    """One layer of a planned GQA prefill step: PCP on ``shard`` (the step's PCP plan), head-TP
+    without one (``given``: :func:`check_gqa_prefill_inputs`'s tensors; ``sinks`` every head's,
+    ``local_sinks`` the rank's). Returns ``(out, lse or None)``."""
+    k, v, cache = given.k_new, given.v_new, given.cache
+    if shard is not None:
+        kc, vc, table = (None, None, None) if cache is None else cache
         return gqa_prefill_pcp(
             q, k, v, shard, comm, k_cache=kc, v_cache=vc, block_table=table, sinks=sinks, window_left=window_left,
             scale=scale, check=check, segments=gqa.pcp, kernel=kernel, return_lse=return_lse,
             launches=gqa.launches,
         )  # fmt: skip
-    prefix = None
-    if kc is not None:
-        prefix = PagedPrefix(kc, vc, table, gqa.prefix_lens, gqa.max_prefix)
+    prefix = None if cache is None else PagedPrefix(*cache, gqa.prefix_lens, gqa.max_prefix)
     return attend_segments(
         q, k, v, gqa.segments, kernel=kernel, prefix=prefix, window_left=window_left, sinks=local_sinks,
         scale=scale, return_lse=return_lse, launches=gqa.launches,

@@ -8,11 +8,15 @@ batch size over its static buffers.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from shardattn._checks import check_int
 from shardattn.plan.cudagraph import CGSupport
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # what torch.cuda.graph_pool_handle() returns
 
 __all__ = ["DecodeGraph", "Outputs", "check_capture_allowed"]
 
@@ -73,7 +77,7 @@ class DecodeGraph:
         fn: Callable[..., Outputs],
         buffers: Mapping[str, torch.Tensor],
         *,
-        pool: object | None = None,
+        pool: _POOL_HANDLE | None = None,
         warmup: int = 2,
     ) -> None:
         self.fn = fn

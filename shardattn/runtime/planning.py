@@ -34,9 +34,9 @@ from shardattn.plan.pcp import pcp_plan
 from shardattn.plan.routing import Route, route_prefill
 from shardattn.plan.zigzag import zigzag_split
 from shardattn.runtime.args import prefill_lengths, reject
-from shardattn.runtime.gqa_prefill import check_gqa_prefill_inputs, plan_gqa_step
+from shardattn.runtime.gqa_prefill import GQAInputs, check_gqa_prefill_inputs, plan_gqa_step
 from shardattn.runtime.modes import prefill_step_of
-from shardattn.runtime.prefill import PrefillPlan, check_prefill_inputs
+from shardattn.runtime.prefill import PCPInputs, PrefillPlan, RowInputs, check_prefill_inputs
 from shardattn.runtime.state import RuntimeState
 
 __all__ = ["RuntimePlanning"]
@@ -163,7 +163,7 @@ class RuntimePlanning(RuntimeState):
         check: bool,
         window_left: object = -1,
         sinks: object = None,
-    ) -> tuple[PrefillPlan, dict[str, torch.Tensor | None]]:
+    ) -> tuple[PrefillPlan, RowInputs | PCPInputs | GQAInputs]:
         """The plan of a :meth:`Runtime.prefill <shardattn.runtime.runtime.Runtime.prefill>` call
         (``plan``, or planned from the lengths) and its checked, converted tensors
         (:func:`~shardattn.runtime.prefill.check_prefill_inputs`). A bad tensor raises on every rank
@@ -190,20 +190,18 @@ class RuntimePlanning(RuntimeState):
         if plan.gqa is not None:
             tokens_from = "query_lens sums to" if lens_given else "the plan is for"
             try:
-                mine = int(plan.token_plan.counts[self.rank]) if plan.shard is not None else plan.num_tokens
-                given = check_gqa_prefill_inputs(
+                gqa_given = check_gqa_prefill_inputs(
                     plan.step, self.spec, self.comm, q=q, kv_cache=kv_cache, kv_new=kv_new, block_table=block_table,
                     rows=rows, topk_pos=topk_pos, topk_length=topk_length, window_left=window_left, sinks=sinks,
-                    gqa=plan.gqa,
-                    num_tokens=plan.num_tokens, rank_tokens=mine, heads_per_rank=self.heads_per_rank,
-                    tokens_from=tokens_from,
+                    gqa=plan.gqa, num_tokens=plan.num_tokens, rank_tokens=plan.count_of(self.rank),
+                    heads_per_rank=self.heads_per_rank, tokens_from=tokens_from,
                 )  # fmt: skip
             except (TypeError, ValueError) as e:
                 reject(self.comm, e, collective=plan.shard is not None, check=check)
-            return plan, given
+            return plan, gqa_given
         if window_left != -1:
-            e = ValueError(f"window_left is GQA's sliding window; a sparse-MLA prefill takes none, got {window_left!r}")
-            reject(self.comm, e, collective=plan.shard is not None, check=check)
+            why = f"window_left is GQA's sliding window; a sparse-MLA prefill takes none, got {window_left!r}"
+            reject(self.comm, ValueError(why), collective=plan.shard is not None, check=check)
         try:
             given = check_prefill_inputs(
                 plan, self.spec, self.rank, self.heads_per_rank,
@@ -211,7 +209,7 @@ class RuntimePlanning(RuntimeState):
                 topk_length=topk_length, tokens_from="query_lens sums to" if lens_given else "the plan is for",
                 kv_format=self._kv_declared,
             )  # fmt: skip
-            top = given["rows"] if plan.step != "pcp" else given["topk_pos"]
+            top = given.topk_pos if isinstance(given, PCPInputs) else given.rows
             self.ws.check("prefill", plan.step, tokens=plan.num_tokens, topk=int(top.shape[1]))
         except (TypeError, ValueError) as e:
             reject(self.comm, e, collective=plan.shard is not None, check=check)

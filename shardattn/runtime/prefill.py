@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -74,6 +74,11 @@ class PrefillPlan:
         """The zigzag split (under PCP: the PCP plan's), or ``None``."""
         return getattr(self.shard, "shard", self.shard)
 
+    def count_of(self, rank: int) -> int:
+        """Tokens ``rank``'s kernel runs: its share of the token split (every token without one)."""
+        plan = self.token_plan
+        return self.num_tokens if plan is None else int(plan.counts[rank])
+
     def tokens_of(self, rank: int) -> torch.Tensor:
         """``[n]`` int64 token ids (token order) whose queries ``rank``'s kernel runs."""
         plan = self.token_plan
@@ -86,6 +91,40 @@ def shardq_buffers(workspace: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     """The ShardQ receive / send buffers, rank rows and union among a Runtime's workspace items
     (``{"q", "out", "lse", "rows", "union", "lens"}``)."""
     return {key: workspace[f"prefill.{item}"] for key, item in SHARDQ_BUFFERS if f"prefill.{item}" in workspace}
+
+
+@dataclass(frozen=True)
+class RowInputs:
+    """A ShardQ / head-TP step's checked tensors (:func:`check_prefill_inputs`).
+
+    Attributes:
+        kv_cache: ``[R, D]`` KV rows in q's dtype, or ``fp8_ds_mla`` rows (a paged FP8 cache as its rows).
+        rows: ``[T, K]`` int32 global rows of ``kv_cache``.
+        topk_length: ``[T]`` int32 leading top-k entries to use, or ``None``.
+    """
+
+    kv_cache: torch.Tensor
+    rows: torch.Tensor
+    topk_length: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class PCPInputs:
+    """A PCP step's checked tensors (:func:`check_prefill_inputs`).
+
+    Attributes:
+        kv_new: ``[T_r, D]`` the KV rows of the rank's own new tokens.
+        topk_pos: ``[T_r, K]`` int32 positions inside each token's request.
+        kv_cache, block_table: the paged cache of the cached prefixes and its ``[B, M]`` int32 pages
+            (``None`` without cached prefixes).
+        topk_length: ``[T_r]`` int32 leading top-k entries to use, or ``None``.
+    """
+
+    kv_new: torch.Tensor
+    topk_pos: torch.Tensor
+    kv_cache: torch.Tensor | None
+    block_table: torch.Tensor | None
+    topk_length: torch.Tensor | None
 
 
 def check_prefill_inputs(
@@ -103,7 +142,7 @@ def check_prefill_inputs(
     topk_length: torch.Tensor | None,
     tokens_from: str,
     kv_format: str | None = None,
-) -> dict[str, torch.Tensor | None]:
+) -> RowInputs | PCPInputs:
     """Check one rank's prefill arguments under the names :meth:`Runtime.prefill
     <shardattn.runtime.runtime.Runtime.prefill>` gives them (the plan's step decides which are
     needed), and convert int64 / list indices to int32 (:func:`~shardattn.runtime.args.as_index`).
@@ -111,7 +150,7 @@ def check_prefill_inputs(
     ``tokens_from`` says where the step's token count came from, for the message (``"query_lens
     sums to"``). ``kv_format``: the format ``kv_cache`` / ``kv_new`` must hold (``None``: rows in
     q's dtype, or ``fp8_ds_mla`` rows by their uint8 dtype; a paged FP8 cache is returned as its
-    rows). Returns ``{"kv_cache", "rows", "topk_pos", "kv_new", "block_table", "topk_length"}``.
+    rows). Returns the tensors the step reads: :class:`PCPInputs` for a PCP step, else :class:`RowInputs`.
     """
     world = spec.num_heads // heads_per_rank
     if plan.step == "pcp":
@@ -124,53 +163,65 @@ def check_prefill_inputs(
             raise ValueError("a PCP prefill needs topk_pos [T_r, K] (its tokens' top-k positions in their requests)")
         if kv_new is None:
             raise ValueError("a PCP prefill needs kv_new [T_r, D] (the KV rows of the rank's own new tokens)")
-        mine = int(plan.token_plan.counts[rank])
         check_queries(
-            q, tokens=mine, heads=spec.num_heads, head_dim=spec.head_dim,
+            q, tokens=plan.count_of(rank), heads=spec.num_heads, head_dim=spec.head_dim,
             tokens_from=f"rank {rank}'s share of the PCP plan (plan.tokens_of({rank})) is",
             heads_from=f"every one of the model's {spec.num_heads} heads under PCP",
         )  # fmt: skip
-    else:
-        if topk_pos is not None or kv_new is not None:
-            name = "topk_pos" if topk_pos is not None else "kv_new"
-            raise ValueError(
-                f"{name} is PCP's (request positions / the rank's new KV rows); a {plan.step} step reads the top-k "
-                "as global rows of kv_cache: pass rows [T, K] and the whole kv_cache"
-            )
-        if rows is None:
-            raise ValueError("prefill needs rows [T, K] int32 (global rows of kv_cache of every token's top-k)")
-        check_tensor("kv_cache", kv_cache)
-        check_queries(
-            q, tokens=plan.num_tokens, heads=heads_per_rank, head_dim=spec.head_dim, tokens_from=tokens_from,
-            heads_from=f"this rank's {heads_per_rank} heads (H/W: {spec.num_heads} heads over {world} ranks)",
-        )  # fmt: skip
-    fp8 = kv_format == KV_FP8_DS_MLA or (kv_format is None and kv_cache is not None and kv_cache.dtype == torch.uint8)
-    if kv_cache is not None and (fp8 or kv_format is not None):  # a declared format, or fp8_ds_mla rows
-        if plan.step == "pcp" and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3:
+        if kv_cache is not None:
+            kv_cache = _kv_rows(kv_cache, spec, q, kv_format=kv_format, paged=True)
+        if kv_format is not None:  # the step checks the rest (its rows, q's dtype)
+            resolve_kv("kv_new", kv_new, head_dim=spec.head_dim, v_dim=spec.v_dim, kv_format=kv_format)
+        return PCPInputs(
+            kv_new=kv_new,
+            topk_pos=as_index("topk_pos", topk_pos),
+            kv_cache=kv_cache,
+            block_table=as_index("block_table", block_table),
+            topk_length=as_index("topk_length", topk_length),
+        )
+    if topk_pos is not None or kv_new is not None:
+        name = "topk_pos" if topk_pos is not None else "kv_new"
+        raise ValueError(
+            f"{name} is PCP's (request positions / the rank's new KV rows); a {plan.step} step reads the top-k "
+            "as global rows of kv_cache: pass rows [T, K] and the whole kv_cache"
+        )
+    if rows is None:
+        raise ValueError("prefill needs rows [T, K] int32 (global rows of kv_cache of every token's top-k)")
+    cache = check_tensor("kv_cache", kv_cache)
+    check_queries(
+        q, tokens=plan.num_tokens, heads=heads_per_rank, head_dim=spec.head_dim, tokens_from=tokens_from,
+        heads_from=f"this rank's {heads_per_rank} heads (H/W: {spec.num_heads} heads over {world} ranks)",
+    )  # fmt: skip
+    cache = _kv_rows(cache, spec, q, kv_format=kv_format, paged=False)
+    checked_rows = as_index("rows", rows)
+    as_index("block_table", block_table)  # not read by the step; an int64 table's values are still checked
+    return RowInputs(kv_cache=cache, rows=checked_rows, topk_length=as_index("topk_length", topk_length))
+
+
+def _kv_rows(
+    kv_cache: torch.Tensor, spec: ModelSpec, q: torch.Tensor, *, kv_format: str | None, paged: bool
+) -> torch.Tensor:
+    """``kv_cache`` checked against ``kv_format`` (a declared format, or ``fp8_ds_mla`` rows by their
+    uint8 dtype: as ``[R, row]`` rows, a paged cache of ``spec.page_size`` rows a page when ``paged``;
+    else ``[R, D]`` rows in q's dtype)."""
+    fp8 = kv_format == KV_FP8_DS_MLA or (kv_format is None and kv_cache.dtype == torch.uint8)
+    if fp8 or kv_format is not None:  # a declared format, or fp8_ds_mla rows
+        if paged and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3:
             check_paged_rows("kv_cache", kv_cache, spec.page_size)  # the block table's pages are the model's
-        kv_cache, _ = resolve_kv("kv_cache", kv_cache, head_dim=spec.head_dim, v_dim=spec.v_dim, kv_format=kv_format)
-    elif kv_cache is not None:
-        check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
-        if kv_cache.shape[1] != spec.head_dim:
-            raise ValueError(
-                f"kv_cache must have last dim {spec.head_dim} (the model's head_dim), got shape {list(kv_cache.shape)}"
-            )
-    if kv_new is not None and kv_format is not None:  # the step checks the rest (its rows, q's dtype)
-        resolve_kv("kv_new", kv_new, head_dim=spec.head_dim, v_dim=spec.v_dim, kv_format=kv_format)
-    return {
-        "kv_cache": kv_cache,
-        "rows": as_index("rows", rows),
-        "topk_pos": as_index("topk_pos", topk_pos),
-        "kv_new": kv_new,
-        "block_table": as_index("block_table", block_table),
-        "topk_length": as_index("topk_length", topk_length),
-    }
+        rows, _ = resolve_kv("kv_cache", kv_cache, head_dim=spec.head_dim, v_dim=spec.v_dim, kv_format=kv_format)
+        return rows
+    check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
+    if kv_cache.shape[1] != spec.head_dim:
+        raise ValueError(
+            f"kv_cache must have last dim {spec.head_dim} (the model's head_dim), got shape {list(kv_cache.shape)}"
+        )
+    return kv_cache
 
 
 def run_prefill_step(
     plan: PrefillPlan,
     q: torch.Tensor,
-    given: dict[str, torch.Tensor | None],
+    given: RowInputs | PCPInputs,
     *,
     comm: Comm,
     spec: ModelSpec,
@@ -189,23 +240,30 @@ def run_prefill_step(
     of ``sinks``, ``chunks`` / ``taper`` / ``one_union`` the ShardQ pipeline's depth, chunk shape
     and union build). Returns ``(out, lse)``."""
     v = spec.v_dim
-    kv_cache, topk_length = given["kv_cache"], given["topk_length"]
-    if plan.step == "pcp":
+    kv_cache, topk_length = given.kv_cache, given.topk_length
+    if isinstance(given, PCPInputs):
         return pcp_prefill(
-            q, given["kv_new"], given["topk_pos"], plan.shard, comm, scale=scale, v_dim=v, kv_cache=kv_cache,
-            block_table=given["block_table"], block_size=spec.page_size if kv_cache is not None else None,
+            q, given.kv_new, given.topk_pos, plan.shard, comm, scale=scale, v_dim=v, kv_cache=kv_cache,
+            block_table=given.block_table, block_size=spec.page_size if kv_cache is not None else None,
             topk_length=topk_length, sinks=sinks, attention=attention, check=check,
         )  # fmt: skip
-    rows = given["rows"]
+    rows = given.rows
     if plan.shard is None:  # a head-TP mode: nothing moves
         return attention(
-            q, kv_cache, rows, scale=scale, v_dim=v, topk_length=topk_length, sinks=local_sinks, return_lse=True
+            q, given.kv_cache, rows, scale=scale, v_dim=v, topk_length=topk_length, sinks=local_sinks, return_lse=True
         )
-    return shardq_prefill(
-        q, kv_cache, rows, plan.shard, comm, scale=scale, v_dim=v, topk_length=topk_length, sinks=sinks,
+    result = shardq_prefill(
+        q, given.kv_cache, rows, plan.shard, comm, scale=scale, v_dim=v, topk_length=topk_length, sinks=sinks,
         attention=attention, check=check, chunks=chunks, taper=taper, align=plan.route.group_size,
         one_union=one_union, workspace=shardq_workspace,
     )  # fmt: skip
+    return _with_lse(result)
+
+
+def _with_lse(result: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a call made with ``return_lse=True`` (the default of the prefill ops and
+    steps called here), whose declared result also covers ``return_lse=False`` (``out`` alone)."""
+    return cast("tuple[torch.Tensor, torch.Tensor]", result)
 
 
 def workspace_prefill_attention(
@@ -254,10 +312,11 @@ def workspace_prefill_attention(
         sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g, rows_sorted=rows_sorted
     )
     if prepared_union is not None or route.path == "reference" or t == 0 or k == 0:
-        return call(
+        result = call(
             q, rows=rows, topk_length=topk_length, sinks=sinks, out=out, lse_out=lse_out, q_ready=q_ready,
             prepared_union=prepared_union,
         )  # fmt: skip
+        return _with_lse(result)
     per_pass = min(union_ws.numel() // (k * 4), lens_ws.numel() // 4 * g) // g * g
     if per_pass < 1:
         raise WorkspaceExceededError(
@@ -289,7 +348,7 @@ def _tokens(x: torch.Tensor, t0: int, t1: int, plain_dims: int) -> torch.Tensor:
 
 
 def _one_pass(
-    call: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    call: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
     q: torch.Tensor,
     rows: torch.Tensor,
     length: torch.Tensor | None,
@@ -305,6 +364,7 @@ def _one_pass(
     n_groups = -(-rows.shape[0] // g)
     union = union_ws[: n_groups * g * k * 4].view(torch.int32).view(n_groups, g * k)
     lens = lens_ws[: n_groups * 4].view(torch.int32)
-    return call(
+    result = call(
         q, rows=rows, topk_length=length, sinks=sinks, union=(union, lens), out=out, lse_out=lse_out, q_ready=q_ready
     )
+    return _with_lse(result)

@@ -176,7 +176,8 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         self.topk = self.spec.topk if topk is None else check_int("topk", topk, minimum=1)
         rows = self.prefill_options.max_kv_rows
         self.max_kv_rows = self.max_batched_tokens * 16 if rows is None else rows
-        self.scale = self.spec.softmax_scale if scale is None else check_scale("scale", scale)
+        # a ModelSpec's softmax_scale is always set once built (GQA: head_dim ** -0.5), and already checked
+        self.scale = check_scale("scale", self.spec.softmax_scale if scale is None else scale)
 
         cost_model = self.prefill_options.cost_model
         self.cost_model = (

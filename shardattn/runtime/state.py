@@ -9,7 +9,7 @@ read them. Annotations only: nothing here exists at run time but the class.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -20,7 +20,9 @@ if TYPE_CHECKING:
     from shardattn.plan.cost import CostModel
     from shardattn.plan.routing import Route
     from shardattn.plan.spec import ModelSpec
+    from shardattn.runtime.gqa_prefill import GQAInputs
     from shardattn.runtime.options import DecodeOptions, PrefillOptions
+    from shardattn.runtime.prefill import PCPInputs, PrefillPlan, RowInputs
     from shardattn.runtime.workspace import RuntimeWorkspace
 
 __all__ = ["RuntimeState"]
@@ -54,13 +56,22 @@ class RuntimeState:
     warmed_keys: frozenset
     warmup_launches: int
     _warned_dtype: bool
-    # the Runtime's properties, and the parts' own
-    min_shard_tokens: int
-    min_group_tokens: int
-    causal: bool
-    decode_is_dcp: bool
-    decode_route: Route
-    gqa_prefill_route: Route
-    gqa_kernel: SegmentKernel
     _route: Callable[..., Route]
-    _prefill_inputs: Callable[..., tuple[Any, dict]]
+    _prefill_inputs: Callable[..., tuple[PrefillPlan, RowInputs | PCPInputs | GQAInputs]]
+
+    if TYPE_CHECKING:  # read-only: the Runtime's properties, and the parts' own (cached)
+
+        @property
+        def min_shard_tokens(self) -> int: ...
+        @property
+        def min_group_tokens(self) -> int: ...
+        @property
+        def causal(self) -> bool: ...
+        @property
+        def decode_is_dcp(self) -> bool: ...
+        @property
+        def decode_route(self) -> Route: ...
+        @property
+        def gqa_prefill_route(self) -> Route: ...
+        @property
+        def gqa_kernel(self) -> SegmentKernel: ...

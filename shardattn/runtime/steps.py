@@ -22,7 +22,7 @@ from shardattn.ops.kv_fp8 import resolve_kv
 from shardattn.plan.decode_batch import DecodeBatch
 from shardattn.plan.routing import Route
 from shardattn.runtime.decode import DecodeStep
-from shardattn.runtime.gqa_prefill import run_gqa_prefill_step
+from shardattn.runtime.gqa_prefill import GQAInputs, run_gqa_prefill_step
 from shardattn.runtime.prefill import PrefillPlan, run_prefill_step, shardq_buffers, workspace_prefill_attention
 from shardattn.runtime.state import RuntimeState
 
@@ -140,9 +140,9 @@ class RuntimeSteps(RuntimeState):
             window_left=window_left, sinks=sinks,
         )  # fmt: skip
         options = self.prefill_options
-        if plan.gqa is not None:
+        if isinstance(given, GQAInputs):
             return run_gqa_prefill_step(
-                plan.step, plan.shard, plan.gqa, q, given, comm=self.comm, kernel=self.gqa_kernel, scale=self.scale,
+                plan.shard, plan.gqa, q, given, comm=self.comm, kernel=self.gqa_kernel, scale=self.scale,
                 sinks=sinks, local_sinks=None if sinks is None else self._local_heads(sinks),
                 window_left=window_left, return_lse=options.return_lse, check=check,
             )  # fmt: skip

@@ -121,8 +121,8 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
             keys.append(CompileKey("stage_mark", {"G1": group == 1}))
             keys.append(CompileKey("stage_remap", {"G1": group == 1}))
         if gluon_route(spec, group):
-            cfg = gluon_config(spec.heads, spec.v_dim, spec.rope_dim, group)
-            params = {"config": cfg.label, "G": group, "HAS_SINK": spec.sinks, "dtype": spec.dtype}
+            gluon_tile = gluon_config(spec.heads, spec.v_dim, spec.rope_dim, group)
+            params = {"config": gluon_tile.label, "G": group, "HAS_SINK": spec.sinks, "dtype": spec.dtype}
             keys.extend(CompileKey("gluon_attention", {**params, "KV_FP8": fp8}) for fp8 in kv_variants)
         tile = tile_config(spec.heads, group)
         params = {
