@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from shardattn.kernels.backend import (
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.plan.crossovers import COMPACT_MIN_GROUP
 from shardattn.plan.routing import gluon_grouped_group_size, grouped_group_size
+
+if TYPE_CHECKING:
+    from shardattn.kernels.triton.sparse_mla import TileConfig
 
 #: The decode backends that run Gluon kernels (sm_90): the per-query kernel, the small-batch one and
 #: the streaming one.
@@ -146,7 +150,8 @@ def sparse_decode_kernel(
 
     sm = device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     missing = gluon_unsupported_reason(q, kv, v_dim)
-    small_missing = stream_missing = "rows not given"
+    small_missing: str | None = "rows not given"
+    stream_missing: str | None = "rows not given"
     if rows is not None:
         from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_limits
         from shardattn.kernels.gluon.sparse_mla_decode_stream import stream_decode_limits
@@ -167,7 +172,7 @@ class PrefillPath:
 
     backend: str  # "gluon", "triton" or "reference"
     group_size: int
-    tile: object | None  # the Triton kernel's TileConfig
+    tile: TileConfig | None  # the Triton kernel's tile; None off the Triton kernel
     reason: str
 
 
@@ -199,8 +204,8 @@ def prefill_path(
 
     heads = q.shape[1]
     if not use_triton(q, kv):
-        why = "no Triton for these tensors (CPU or not installed)"
-        return PrefillPath("reference", 1, None, why + kv_reason(kv, "reference"))
+        no_triton = "no Triton for these tensors (CPU or not installed)"
+        return PrefillPath("reference", 1, None, no_triton + kv_reason(kv, "reference"))
     why = kernel_unsupported_reason(q, kv, v_dim)
     if why is not None:
         return PrefillPath("reference", 1, None, why + kv_reason(kv, "reference"))
@@ -251,15 +256,15 @@ def decode_path(
     if backend == "triton":
         return "triton", "backend='triton'" + kv_reason(kv)
     if backend in GLUON_BACKENDS:  # forced: wherever it runs, whatever the crossover says
-        why = gluon_unsupported_reason(q, kv, v_dim)
+        missing = gluon_unsupported_reason(q, kv, v_dim)
         if backend == "gluon_small":
-            why = why or small_decode_limits(q, rows)
+            missing = missing or small_decode_limits(q, rows)
         elif backend == "gluon_stream":
             from shardattn.kernels.gluon.sparse_mla_decode_stream import stream_decode_limits
 
-            why = why or stream_decode_limits(q, rows)
-        if why is not None:
-            raise ValueError(f"backend={backend!r} cannot run here: {why}")
+            missing = missing or stream_decode_limits(q, rows)
+        if missing is not None:
+            raise ValueError(f"backend={backend!r} cannot run here: {missing}")
         kernel, why = backend, f"backend={backend!r}" + kv_reason(kv)
     else:
         kernel, why = sparse_decode_kernel(q, kv, v_dim, rows) if h > 0 else ("triton", "no heads")

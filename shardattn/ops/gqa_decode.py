@@ -257,7 +257,7 @@ def run_gqa_paged_decode(
     batch = block_table.shape[0]
     ragged = cu_q_lens is not None
     q_len = 0 if ragged else (1 if q_len_per_req is None else q_len_per_req)
-    if ragged and max_q_len is None:
+    if cu_q_lens is not None and max_q_len is None:
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise ValueError("max_q_len is required with cu_q_lens under CUDA-graph capture (no host sync)")
         max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max()) if batch > 0 else 0
@@ -324,7 +324,7 @@ def run_gqa_paged_decode(
             out.zero_()
             lse.fill_(-math.inf)
         return (out, lse) if return_lse else out
-    cu = cu_q_lens if ragged else torch.arange(batch + 1, dtype=torch.int32, device=q.device) * q_len
+    cu = cu_q_lens if cu_q_lens is not None else torch.arange(batch + 1, dtype=torch.int32, device=q.device) * q_len
     with torch.no_grad():  # inference, as the kernels: no autograd history on any device
         ref_out, ref_lse = gqa_paged_decode_reference(
             q,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
@@ -49,7 +50,7 @@ from shardattn._checks import (
 )
 from shardattn.kernels import fa4, fa4_warmup
 from shardattn.kernels.fa4_launch import FA4Private
-from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel, SegmentKernel, TorchSegmentKernel
+from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel, SegmentKernel, TorchSegmentKernel, with_lse
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments
 from shardattn.plan.routing import Route
 
@@ -104,16 +105,16 @@ def check_prefix_inputs(
     block_table: torch.Tensor | None,
     prefix_lens: torch.Tensor | None,
     batch: int,
-) -> bool:
-    """Validate a cached prefix (all four arguments or none); returns whether one is given.
+) -> PagedPrefix | None:
+    """Validate a cached prefix (all four arguments or none); returns it (``max_len``: the block
+    table's capacity, ``max_pages * page``), or ``None`` when none is given.
 
     Values (lengths, pages) are checked only on CPU tensors, where reading them costs no sync
     (lengths given on the CPU are checked against the table's capacity wherever the table lives).
     """
-    given = [x is not None for x in (k_cache, v_cache, block_table, prefix_lens)]
-    if not any(given):
-        return False
-    if not all(given):
+    if k_cache is None and v_cache is None and block_table is None and prefix_lens is None:
+        return None
+    if k_cache is None or v_cache is None or block_table is None or prefix_lens is None:
         raise ValueError(
             "k_cache, v_cache, block_table and prefix_lens go together (the cached prefix); give all or none"
         )
@@ -142,7 +143,7 @@ def check_prefix_inputs(
         ]
         if bad:
             raise ValueError(f"block_table holds pages outside [0, {num_pages}) for the prefixes of requests {bad[:8]}")
-    return True
+    return PagedPrefix(k_cache, v_cache, block_table, prefix_lens, block_table.shape[1] * page)
 
 
 def check_new_keys(
@@ -176,7 +177,7 @@ def check_new_keys(
         hkv = k.shape[1]
     if hkv < 1 or h % hkv:
         raise ValueError(f"q heads ({h}) must be a multiple of {kn if k is not None else 'k_cache'}'s KV heads ({hkv})")
-    if v is not None:
+    if k is not None and v is not None:
         check_tensor(vn, v, dtypes=(q.dtype,), shape=tuple(k.shape))
     return hkv
 
@@ -193,7 +194,9 @@ def _check_inputs(
     sinks: torch.Tensor | None,
     window_left: object,
     return_lse: object,
-) -> bool:
+) -> tuple[torch.Tensor, PagedPrefix | None]:
+    """Validate :func:`gqa_prefill`'s arguments; returns the keys its route reads (``k``, or
+    ``k_cache`` holding the new keys) and the cached prefix (``None``: none)."""
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     t, h, _ = q.shape
     hkv = check_new_keys(q, k, v, k_cache)
@@ -205,7 +208,7 @@ def _check_inputs(
     check_bool("return_lse", return_lse)
     if sinks is not None:
         check_sink_logits(sinks, h)
-    has_prefix = check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, prefix_lens, batch)
+    prefix = check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, prefix_lens, batch)
     check_same_device(
         q=q, k=k, v=v, cu_q_lens=cu_q_lens, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
         prefix_lens=prefix_lens, sinks=sinks,
@@ -214,15 +217,22 @@ def _check_inputs(
         cu = cu_q_lens.tolist()
         if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or cu[-1] != t:
             raise ValueError(f"cu_q_lens must start at 0, not decrease and end at q's {t} tokens, got {cu[:9]}")
-        if k is None and prefix_lens.device.type == "cpu" and batch:
-            capacity = block_table.shape[1] * k_cache.shape[1]
-            seq = [p + b - a for p, a, b in zip(prefix_lens.tolist(), cu, cu[1:])]
+        if k is None and prefix is not None and prefix.lens.device.type == "cpu" and batch:
+            capacity = prefix.max_len
+            seq = [p + b - a for p, a, b in zip(prefix.lens.tolist(), cu, cu[1:])]
             if max(seq) > capacity:
                 raise ValueError(
                     f"prefix_lens plus the new tokens must fit the block table ({capacity} positions) when the new "
                     f"keys are in the cache, got {seq[:8]}"
                 )
-    return has_prefix
+    if k is not None:
+        return k, prefix
+    if prefix is None:  # never: check_new_keys wants k_cache with k = None, check_prefix_inputs the rest with it
+        raise ValueError(
+            "k and v are None (the new keys already in the paged cache): pass k_cache, v_cache, block_table and "
+            "prefix_lens holding them"
+        )
+    return prefix.k_cache, prefix
 
 
 def gqa_prefill(
@@ -274,20 +284,19 @@ def gqa_prefill(
         ((7, 8, 16), (7, 8), True)
     """
     check_choice("backend", backend, BACKENDS)
-    has_prefix = _check_inputs(
+    keys, prefix = _check_inputs(
         q, k, v, cu_q_lens, k_cache, v_cache, block_table, prefix_lens, sinks, window_left, return_lse
     )
     scale = q.shape[-1] ** -0.5 if scale is None else check_scale("scale", scale)
-    route = gqa_prefill_route(q, k_cache if k is None else k, backend=backend)
-    prefix = None
-    if has_prefix:
-        capacity = block_table.shape[1] * k_cache.shape[1]
-        prefix = PagedPrefix(k_cache, v_cache, block_table, prefix_lens, capacity)
-    out, lse = attend_segments(
+    route = gqa_prefill_route(q, keys, backend=backend)
+    result = attend_segments(
         q, k, v, Segments.for_requests(cu_q_lens), kernel=segment_kernel(route), prefix=prefix,
         window_left=window_left, sinks=sinks, scale=scale, return_lse=return_lse,
     )  # fmt: skip
-    return (out, lse.contiguous()) if return_lse else out
+    if not return_lse:
+        return result[0]
+    out, lse = with_lse(result)
+    return out, lse.contiguous()
 
 
 def fa4_variants(
@@ -327,18 +336,18 @@ def fa4_variants(
     7
     """
     many = [False, True] if check_int("max_segments", max_segments, minimum=1) > 256 else [False]
-    base = dict(dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    base = fa4_warmup.FA4Variant(dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     out: list[fa4_warmup.FA4Variant] = []
     for m in many:
         for w in dict.fromkeys(windows):
-            new = dict(**base, causal=True, window=w, sinks=sinks, many_segments=m)
+            new = replace(base, causal=True, window=w, sinks=sinks, many_segments=m)
             lses = dict.fromkeys([return_lse, *([True] if page_size is not None and not w else [])])
             for lse in lses:  # the new keys as they are (PCP: gathered), merged with a prefix when there is one
-                out.append(fa4_warmup.FA4Variant(**new, seqused=runs, lse=lse))
+                out.append(replace(new, seqused=runs, lse=lse))
             if page_size is not None:
                 if w:  # a prefix's last window_left keys copied before the new ones
-                    out.append(fa4_warmup.FA4Variant(**new, seqused=True, lse=return_lse))
-                out.append(fa4_warmup.FA4Variant(**new, page_size=page_size, lse=return_lse))  # keys in the cache
+                    out.append(replace(new, seqused=True, lse=return_lse))
+                out.append(replace(new, page_size=page_size, lse=return_lse))  # keys in the cache
         if page_size is not None and False in windows:  # the split form: prefix without a window
-            out.append(fa4_warmup.FA4Variant(**base, causal=False, page_size=page_size, many_segments=m))
+            out.append(replace(base, causal=False, page_size=page_size, many_segments=m))
     return list(dict.fromkeys(out))

@@ -35,10 +35,9 @@ __all__ = ["CHUNK_BYTES", "segment_attention_reference"]
 CHUNK_BYTES = 64 << 20
 
 
-def _key_rows(
-    s: int, lo: int, hi: int, starts: list[int] | None, page_table: torch.Tensor | None, page: int
-) -> torch.Tensor:
-    """Rows of the (flattened) key tensor holding key positions ``[lo, hi)`` of segment ``s``."""
+def _key_rows(s: int, lo: int, hi: int, starts: list[int], page_table: torch.Tensor | None, page: int) -> torch.Tensor:
+    """Rows of the (flattened) key tensor holding key positions ``[lo, hi)`` of segment ``s``:
+    contiguous keys from row ``starts[s]``, or paged keys through ``page_table[s]``."""
     device = page_table.device if page_table is not None else None
     pos = torch.arange(lo, hi, device=device)
     if page_table is None:
@@ -69,12 +68,14 @@ def segment_attention_reference(
         cu_q: ``[S + 1]`` int32 query offsets; k_len: ``[S]`` int32 keys per segment.
         cu_k: ``[S + 1]`` int32, ``cu_k[s]`` the first key row of segment ``s`` (contiguous keys).
         page_table: ``[S, M]`` int32 pages of each segment (paged keys; the pages holding its
-            ``k_len`` keys must be valid).
+            ``k_len`` keys must be valid). One of ``cu_k`` and ``page_table`` is given.
         causal, window_left (``-1`` = none), sinks (``[H]`` fp32 or None), scale: masks and softmax.
         chunk_bytes: the bound on one chunk's fp32 scores.
     Returns:
         ``(out [T, H, D] in q's dtype, lse [T, H] fp32)``; rows of no segment are ``(0, -inf)``.
     """
+    if cu_k is None and page_table is None:
+        raise ValueError("cu_k (contiguous keys) or page_table (paged keys) must be given")
     t, h, d = q.shape
     hkv = k.shape[-2]
     group = h // hkv
@@ -86,7 +87,7 @@ def segment_attention_reference(
     values = v.reshape(-1, hkv, v.shape[-1])
     cu = cu_q.tolist()
     lens = k_len.tolist()
-    starts = None if paged else cu_k[:-1].tolist()
+    starts = [] if cu_k is None or paged else cu_k[:-1].tolist()
     sink = None if sinks is None else sinks.float().view(1, hkv, group, 1)
     for s, length in enumerate(lens):
         q0, m = cu[s], cu[s + 1] - cu[s]

@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from shardattn.kernels.fa4_launch import FA4Launches
-from shardattn.ops.gqa_prefill_kernels import SegmentKernel
+from shardattn.ops.gqa_prefill_kernels import SegmentKernel, with_lse
 from shardattn.ops.lse_merge import run_lse_merge
 
 __all__ = [
@@ -100,8 +100,15 @@ class Segments:
 
     def to(self, device: torch.device | str) -> Segments:
         """A copy whose tensors live on ``device``."""
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Segments(**{n: None if t is None else t.to(device) for n, t in moved.items()})
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return Segments(
+            self.cu_q.to(device), self.stop.to(device), self.token_offsets.to(device), req=move(self.req),
+            token_request=move(self.token_request), seg_first=move(self.seg_first),
+            seg_prefix=move(self.seg_prefix), seg_keys=move(self.seg_keys),
+        )  # fmt: skip
 
     def of_segments(self, per_request: torch.Tensor) -> torch.Tensor:
         """``per_request[req[s]]`` for every segment (the tensor itself when segments are requests)."""
@@ -244,6 +251,8 @@ def key_buffer(
         if new_rows is None:
             return k, v, first, tail_len
         return k[new_rows], v[new_rows], first, tail_len
+    if prefix is None:
+        raise ValueError(f"prefix must hold the cached prefixes to copy {tail} keys of each (tail > 0)")
     n = k.shape[0] if new_rows is None else new_rows.numel()
     token_request = segments.request_of_tokens(n)
     req = torch.arange(r, device=offsets.device)
@@ -309,8 +318,12 @@ def attend_segments(
         d_v = q.shape[-1] if v is None else v.shape[-1]
         lse = q.new_zeros(q.shape[:2], dtype=torch.float32) if return_lse else None
         return q.new_zeros(q.shape[0], q.shape[1], d_v), lse
+    if (k is None) != (v is None):
+        raise ValueError("k and v go together: both the new keys, or both None (the new keys in prefix's cache)")
     kw = dict(window_left=window_left, sinks=sinks, scale=scale)
-    if k is None:  # the paged form: the new keys are in the cache after the prefix
+    if k is None or v is None:  # the paged form: the new keys are in the cache after the prefix
+        if prefix is None:
+            raise ValueError("k and v are None (the new keys in the paged cache): prefix must hold that cache")
         ready()
         table = kernel.table(prefix.block_table, segments, prefix.k_cache.shape[0])
         return kernel.paged(
@@ -322,10 +335,10 @@ def attend_segments(
     partial = None
     if prefix is not None and window_left < 0:  # the split form: the prefix in place, first
         table = kernel.table(prefix.block_table, segments, prefix.k_cache.shape[0])
-        partial = kernel.paged(
+        partial = with_lse(kernel.paged(
             q, prefix.k_cache, prefix.v_cache, table, segments.cu_q, segments.prefix_of_segments(prefix.lens),
             causal=False, window_left=-1, sinks=None, scale=scale, return_lse=True, launches=launches,
-        )  # fmt: skip
+        ))  # fmt: skip
     ready()
     tail = prefix_tail(prefix, window_left)
     k_len: torch.Tensor | None
@@ -341,9 +354,11 @@ def attend_segments(
             k_len = (segments.of_segments(tail_len) + segments.stop).to(torch.int32)
     need_lse = return_lse or partial is not None
     planned = launches if tail == 0 else None  # with a prefix tail the key offsets are this call's
-    out, lse = kernel.contiguous(
+    result = kernel.contiguous(
         q, k_buf, v_buf, segments.cu_q, cu_k, k_len, causal=True, return_lse=need_lse, launches=planned, **kw
     )
     if partial is not None:
-        out, lse = run_lse_merge(torch.stack([out, partial[0]]), torch.stack([lse, partial[1]]))
+        new_out, new_lse = with_lse(result)
+        result = run_lse_merge(torch.stack([new_out, partial[0]]), torch.stack([new_lse, partial[1]]))
+    out, lse = result
     return out, (lse if return_lse else None)

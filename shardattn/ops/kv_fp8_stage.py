@@ -62,7 +62,8 @@ import torch
 
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
-from shardattn.ops.kv_fp8 import FP8_DS_MLA, dequantize_kv
+from shardattn.ops.kv_fp8 import dequantize_kv
+from shardattn.ops.kv_fp8_layout import FP8_DS_MLA
 from shardattn.ops.touched_blocks import BLOCK_ROWS, BLOCK_SHIFT, list_blocks, moved_rows, touched_blocks
 from shardattn.plan.crossovers import STAGE_MIN_ENTRIES, STAGE_MIN_REUSE
 
@@ -233,7 +234,7 @@ def stage_touched(
     staged_rows = staged_blocks * STAGE_BLOCK_ROWS
     if staged_blocks == 0 or staged_rows > max_rows or min_reuse * staged_rows > valid // group_size:
         return None
-    out = _stage_blocks(kv, touched.marks, touched.placed, touched.block_ids, staged_blocks, dtype, packed=True)
+    out = _stage_blocks(kv, touched.marks, staged_blocks, dtype, packed=(touched.placed, touched.block_ids))
     union, lens = build(moved, num_kv_rows=staged_rows)
     return out, union, lens
 
@@ -282,7 +283,7 @@ def stage_fp8_union(
         mark = torch.zeros(-(-kv.shape[0] // STAGE_BLOCK_ROWS), dtype=torch.int32, device=kv.device)
         mark_touched_blocks(union, lens, mark, group_size=group_size)
     if layout == "mirror":  # touched blocks at their own rows, the union as it is
-        out = _stage_blocks(kv, mark, None, None, mark.shape[0], dtype, packed=False)
+        out = _stage_blocks(kv, mark, mark.shape[0], dtype)
         return StagedRows(out, union)
     # touched blocks packed in cache order, the union's rows moved (queued before the count is read)
     placed, block_ids, counts = list_blocks(mark, lens, triton)
@@ -292,30 +293,28 @@ def stage_fp8_union(
     rows = staged_blocks * STAGE_BLOCK_ROWS
     if not forced and (staged_blocks == 0 or min_reuse * rows > entries or rows > max_rows):
         return None
-    return StagedRows(_stage_blocks(kv, mark, placed, block_ids, staged_blocks, dtype, packed=True), new_union)
+    return StagedRows(_stage_blocks(kv, mark, staged_blocks, dtype, packed=(placed, block_ids)), new_union)
 
 
 def _stage_blocks(
     kv: torch.Tensor,
     mark: torch.Tensor,
-    placed: torch.Tensor | None,
-    block_ids: torch.Tensor | None,
     num_blocks: int,
     dtype: torch.dtype,
     *,
-    packed: bool,
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[num_blocks * STAGE_BLOCK_ROWS, 576]`` in ``dtype``: the marked blocks of ``kv`` dequantised,
-    at their own place (mirror: ``num_blocks`` covers the cache) or at ``placed[b] - 1`` (packed,
-    ``block_ids`` listing them)."""
+    at their own place (mirror, ``packed=None``: ``num_blocks`` covers the cache) or, with ``packed =
+    (placed, block_ids)``, block ``b`` at ``placed[b] - 1`` (``block_ids`` listing them)."""
     out = torch.empty(num_blocks * STAGE_BLOCK_ROWS, FP8_DS_MLA.dim, dtype=dtype, device=kv.device)
     if use_triton(kv, mark):
         from shardattn.kernels.triton.kv_fp8_stage import launch_stage_blocks
 
-        blocks = block_ids if packed else mark
-        launch_stage_blocks(kv, blocks, out, packed=packed, num_blocks=num_blocks, block_shift=_BLOCK_SHIFT)
+        blocks = mark if packed is None else packed[1]
+        launch_stage_blocks(kv, blocks, out, packed=packed is not None, num_blocks=num_blocks, block_shift=_BLOCK_SHIFT)
     else:
-        _stage_torch(kv, mark, placed if packed else None, out)
+        _stage_torch(kv, mark, None if packed is None else packed[0], out)
     return out
 
 

@@ -12,7 +12,9 @@ valid key gives ``(out = 0, lse = -inf)``. A row listed twice by one query is on
 duplicates are ignored), on every path. Attention sinks add one logit per head to the
 softmax denominator (``lse`` then includes the sink term; an empty row gives ``(0, sink)``).
 
-This module holds the public entry point, its validation and the fp32 torch reference.
+This module holds the public entry point, its per-query kernel path and the fp32 torch reference;
+the argument checks every sparse-MLA entry shares are :mod:`shardattn.ops.sparse_mla_checks`'s, and
+``q``, ``out`` and ``lse_out`` may be plain or head-blocked (:mod:`shardattn.ops.head_blocked`).
 """
 
 from __future__ import annotations
@@ -23,17 +25,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardattn._checks import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    check_bool,
-    check_int,
-    check_same_device,
-    check_scale,
-    check_sink_logits,
-    check_tensor,
-)
+from shardattn.ops.head_blocked import q_heads_view, store_result
 from shardattn.ops.row_entries import first_occurrences, valid_mask
+from shardattn.ops.sparse_mla_checks import (
+    check_kv_rows,  # noqa: F401 (public here too)
+    check_sparse_prefill_inputs,
+)
 
 if TYPE_CHECKING:
     from shardattn.ops.prepared_union import PreparedUnion
@@ -42,124 +39,10 @@ if TYPE_CHECKING:
 REFERENCE_CHUNK_BYTES = 256 << 20
 
 
-def join_q(q: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Accept ``q`` whole (``[T, H, D]``) or split into latent and rope views.
-
-    Args:
-        q: ``[T, H, D]`` or a tuple ``(q_latent [T, H, Dl], q_rope [T, H, Dr])``.
-    Returns:
-        ``[T, H, Dl + Dr]`` (the input itself when not split).
-    """
-    if isinstance(q, tuple | list):
-        if len(q) != 2:
-            raise ValueError(f"q as a tuple must be (q_latent, q_rope), got {len(q)} parts")
-        latent, rope = q
-        check_tensor("q_latent", latent, dtypes=FLOAT_DTYPES, ndim=3)
-        check_tensor("q_rope", rope, dtypes=(latent.dtype,), shape=(latent.shape[0], latent.shape[1], None))
-        return torch.cat([latent, rope], dim=-1)
-    return q
-
-
-def q_heads_view(q: torch.Tensor) -> torch.Tensor:
-    """``q`` as ``[T, H, D]``: itself, or a head-blocked ``[B, T, H/B, D]`` merged (a copy unless ``B == 1``).
-
-    Head-blocked tensors (an all-to-all buffer read in place, see
-    :func:`~shardattn.kernels.triton.sparse_mla.launch_attention`) hold head ``b * H/B + i`` of
-    token ``t`` at ``[b, t, i]``.
-    """
-    return q.movedim(0, 1).flatten(1, 2) if q.dim() == 4 else q
-
-
-def shape_stand_in(q: torch.Tensor) -> torch.Tensor:
-    """A zero-copy ``[T, H, D]`` stand-in of a head-blocked ``q`` with its dtype, device and shape
-    (for validation and dispatch only: it does not hold q's values); ``q`` itself when 3-D."""
-    if q.dim() != 4:
-        return q
-    b, t, hb, d = q.shape
-    return q.as_strided((t, b * hb, d), (0, 0, 1))
-
-
-def store_heads(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """Copy ``src [T, H, ...]`` into ``dst``, plain ``[T, H, ...]`` or head-blocked ``[B, T, H/B, ...]``."""
-    if dst.dim() == src.dim() + 1:
-        b = dst.shape[0]
-        dst.copy_(src.unflatten(1, (b, src.shape[1] // b)).movedim(1, 0))
-    else:
-        dst.copy_(src)
-    return dst
-
-
-def check_sparse_mla_inputs(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    rows: torch.Tensor,
-    *,
-    v_dim: int,
-    topk_length: torch.Tensor | None,
-    sinks: torch.Tensor | None,
-    scale: object = None,
-    kv_format: str | None = None,
-) -> torch.Tensor:
-    """Validate the arguments of every sparse-MLA entry (all backends); raises before any kernel runs.
-
-    ``scale`` is checked when given (finite, > 0); the public entries always give it. ``kv`` holds
-    rows in q's dtype or ``fp8_ds_mla`` rows (``kv_format``: :func:`~shardattn.ops.kv_fp8.resolve_kv`).
-    Returns ``kv`` as ``[R, row]`` rows (a paged FP8 cache as a flat view).
-    """
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
-    t, h, d = q.shape
-    kv = check_kv_rows("kv", kv, q, v_dim=v_dim, kv_format=kv_format)
-    check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
-    if rows.shape[0] != t:
-        raise ValueError(f"rows must have one row per query token ({t}), got shape {list(rows.shape)}")
-    check_int("v_dim", v_dim)
-    if not 0 < v_dim <= d:
-        raise ValueError(f"v_dim must be in (0, {d}], got {v_dim}")
-    if topk_length is not None:
-        check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
-    if sinks is not None:
-        check_sink_logits(sinks, h)
-    if scale is not None:
-        check_scale("scale", scale)
-    check_same_device(q=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
-    return kv
-
-
-def check_destination(name: str, dst: object, q: torch.Tensor, tail: tuple[int, ...], dtype: torch.dtype) -> None:
-    """``dst`` as a destination of per-(token, head) results of ``q [T, H, D]``: ``[T, H, *tail]``, or
-    head-blocked ``[B, T, H/B, *tail]``, in ``dtype`` on q's device; raises naming ``name``."""
-    t, h, _ = q.shape
-    dst = check_tensor(name, dst, dtypes=(dtype,), device=q.device)
-    shape = tuple(dst.shape)
-    blocked = len(shape) == 3 + len(tail) and shape[1] == t and shape[0] >= 1 and shape[0] * shape[2] == h
-    if shape != (t, h, *tail) and not (blocked and shape[3:] == tail):
-        want = ", ".join(str(n) for n in (t, h, *tail))
-        raise ValueError(f"{name} must have shape [{want}] (or head-blocked [B, {t}, {h}/B, ...]), got {list(shape)}")
-
-
-def check_kv_rows(
-    name: str, kv: object, q: torch.Tensor, *, v_dim: int, kv_format: str | None = None, q_name: str = "q"
-) -> torch.Tensor:
-    """``kv`` as the KV rows of queries ``q [..., D]``: rows of ``D`` values in q's dtype, or
-    ``fp8_ds_mla`` rows (``D = 576``, ``v_dim = 512``; any float q). ``kv_format``: the format
-    declared (``None``: taken from ``kv``'s dtype). Returns ``[R, row]`` rows (a paged FP8 cache as
-    a flat view); raises ``TypeError`` / ``ValueError`` naming ``name`` (and the format)."""
-    from shardattn.ops.kv_fp8 import resolve_kv
-
-    rows, _ = resolve_kv(name, kv, head_dim=q.shape[-1], v_dim=v_dim, kv_format=kv_format)
-    if rows.dtype != torch.uint8:
-        check_tensor(name, rows, dtypes=(q.dtype,), ndim=2)
-        check_head_dim(q_name, q, name, rows)
-    return rows
-
-
-def check_head_dim(q_name: str, q: torch.Tensor, kv_name: str, kv: torch.Tensor) -> None:
-    """``q [..., D]`` and ``kv [R, D]`` share ``D``; a mismatch blames the query (the per-call tensor)."""
-    if q.shape[-1] != kv.shape[-1]:
-        raise ValueError(
-            f"{q_name} must have last dim {kv.shape[-1]} ({kv_name}'s row width), got {q.shape[-1]} "
-            f"({q_name} {list(q.shape)}, {kv_name} {list(kv.shape)})"
-        )
+def has_keys(kv: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether an entry of ``rows [T, K]`` can be a key: ``kv [R, row]`` has rows and ``rows`` has
+    entries (else every row of the call is empty, on every backend: :func:`empty_kv_result`)."""
+    return kv.shape[0] > 0 and rows.shape[1] > 0
 
 
 def empty_kv_result(q: torch.Tensor, v_dim: int, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,7 +163,8 @@ def sparse_mla_attention(
         return_lse: also return the LSE.
         out / lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) / ``[T, H]`` fp32, written
             in place; ``q``, ``out`` and ``lse_out`` may be head-blocked ``[B, T, H/B, ...]`` (head
-            ``b * H/B + i`` at ``[b, t, i]``, e.g. an all-to-all buffer; see :func:`q_heads_view`).
+            ``b * H/B + i`` at ``[b, t, i]``, e.g. an all-to-all buffer; see
+            :mod:`~shardattn.ops.head_blocked`).
         q_ready: optional callable run once before any kernel reads ``q`` (e.g. the wait of the
             exchange that fills it); only ``q``'s shape is looked at before.
         prepared_union: the ``G = 1`` union of exactly these ``rows`` and ``topk_length``, built
@@ -304,50 +188,51 @@ def sparse_mla_attention(
         >>> tuple(out.shape), bool(lse[2].isneginf().all()), float(out[2].abs().sum())
         ((3, 2, 8), True, 0.0)
     """
-    q = join_q(q)
-    q3 = shape_stand_in(q)
-    kv = check_sparse_mla_inputs(
-        q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale, kv_format=kv_format
-    )
-    check_bool("return_lse", return_lse)
-    if out is not None:
-        check_destination("out", out, q3, (v_dim,), q.dtype)
-    if lse_out is not None:
-        check_destination("lse_out", lse_out, q3, (), torch.float32)
+    q, q3, kv = check_sparse_prefill_inputs(
+        q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale, kv_format=kv_format,
+        return_lse=return_lse, out=out, lse_out=lse_out,
+    )  # fmt: skip
     if prepared_union is not None:
         from shardattn.ops.prepared_union import check_prepared_union
 
         check_prepared_union(prepared_union, rows, group_size=1)
     if q_ready is not None:
         q_ready()
-    if kv.shape[0] == 0 or rows.shape[1] == 0:  # no entry can be a key: every row is empty, on every backend
-        o, s = empty_kv_result(q3, v_dim, sinks)
-        out = o if out is None else store_heads(out, o)
-        lse_out = s if lse_out is None else store_heads(lse_out, s)
-        return (out, lse_out) if return_lse else out
-    if q.is_cuda:
-        from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
-        from shardattn.kernels.triton.sparse_mla import kernel_unsupported_reason
-        from shardattn.ops.dispatch import sparse_prefill_kernel, use_triton
-
-        kernel = None
-        if sparse_prefill_kernel(q3, kv, v_dim)[0] == "gluon" and gluon_unsupported_reason(q, kv, v_dim) is None:
-            kernel = "gluon"  # q's own strides (head-blocked too) suit cp.async
-        elif use_triton(q3, kv, rows) and kernel_unsupported_reason(q3, kv, v_dim) is None:
-            kernel = "triton"
-        if kernel is not None:  # head-blocked q / out / lse are read and written in place through their strides
-            out, lse_out = sparse_mla_per_query(
-                q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse_out=lse_out,
-                prepared_union=prepared_union, kernel=kernel,
-            )  # fmt: skip
-            return (out, lse_out) if return_lse else out
-    with torch.no_grad():  # inference, as the kernels: no autograd history on any device
-        o, s = sparse_mla_reference(
-            q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
-        )
-    out = o if out is None else store_heads(out, o)
-    lse_out = s if lse_out is None else store_heads(lse_out, s)
+    if not has_keys(kv, rows):  # every row is empty, on every backend
+        out, lse_out = store_result(empty_kv_result(q3, v_dim, sinks), out, lse_out)
+    elif (kernel := _per_query_kernel(q, q3, kv, rows, v_dim)) is not None:
+        # head-blocked q / out / lse are read and written in place through their strides
+        out, lse_out = sparse_mla_per_query(
+            q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse_out=lse_out,
+            prepared_union=prepared_union, kernel=kernel,
+        )  # fmt: skip
+    else:
+        with torch.no_grad():  # inference, as the kernels: no autograd history on any device
+            result = sparse_mla_reference(
+                q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
+            )
+        out, lse_out = store_result(result, out, lse_out)
     return (out, lse_out) if return_lse else out
+
+
+def _per_query_kernel(
+    q: torch.Tensor, q3: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, v_dim: int
+) -> str | None:
+    """The per-query kernel that runs a call of :func:`sparse_mla_attention` on these tensors:
+    ``"gluon"`` (sm_90, where the routing sends it and q's own strides, head-blocked too, suit
+    cp.async), ``"triton"`` where its shape limits allow, else ``None`` (the torch reference).
+    ``q3``: q's ``[T, H, D]`` stand-in (:func:`~shardattn.ops.head_blocked.shape_stand_in`)."""
+    if not q.is_cuda:
+        return None
+    from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
+    from shardattn.kernels.triton.sparse_mla import kernel_unsupported_reason
+    from shardattn.ops.dispatch import sparse_prefill_kernel, use_triton
+
+    if sparse_prefill_kernel(q3, kv, v_dim)[0] == "gluon" and gluon_unsupported_reason(q, kv, v_dim) is None:
+        return "gluon"
+    if use_triton(q3, kv, rows) and kernel_unsupported_reason(q3, kv, v_dim) is None:
+        return "triton"
+    return None
 
 
 def sparse_mla_per_query(

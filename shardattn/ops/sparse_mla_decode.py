@@ -50,7 +50,9 @@ import torch
 
 from shardattn._checks import check_bool, check_int, check_tensor
 from shardattn.ops.dispatch import decode_path, pdl_supported, sm_count
-from shardattn.ops.sparse_mla import check_sparse_mla_inputs, empty_kv_result, join_q, sparse_mla_reference
+from shardattn.ops.head_blocked import store_result
+from shardattn.ops.sparse_mla import empty_kv_result, has_keys, sparse_mla_reference
+from shardattn.ops.sparse_mla_checks import check_sparse_mla_inputs, join_q
 from shardattn.ops.union import build_union
 
 __all__ = ["BACKENDS", "run_sparse_mla_decode", "sparse_mla_decode"]
@@ -169,18 +171,12 @@ def run_sparse_mla_decode(
     if config is not None and kernel != "triton":
         raise ValueError(f"config is the Triton kernel's launch configuration; kernel={kernel!r} takes none")
     t, h, _ = q.shape
-    no_keys = kv.shape[0] == 0 or rows.shape[1] == 0  # every row is empty, on every kernel
-    if kernel == "reference" or no_keys:
-        if no_keys:
-            ref_out, ref_lse = empty_kv_result(q, v_dim, sinks)
-        else:
-            with torch.no_grad():  # inference, as the kernels: no autograd history on any device
-                ref_out, ref_lse = sparse_mla_reference(
-                    q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
-                )
-        out = ref_out if out is None else out.copy_(ref_out)
-        lse_out = ref_lse if lse_out is None else lse_out.copy_(ref_lse)
-        return out, lse_out
+    if not has_keys(kv, rows):  # every row is empty, on every kernel
+        return store_result(empty_kv_result(q, v_dim, sinks), out, lse_out)
+    if kernel == "reference":
+        with torch.no_grad():  # inference, as the kernels: no autograd history on any device
+            result = sparse_mla_reference(q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks)
+        return store_result(result, out, lse_out)
     out = torch.empty(t, h, v_dim, dtype=q.dtype, device=q.device) if out is None else out
     lse_out = torch.empty(t, h, dtype=torch.float32, device=q.device) if lse_out is None else lse_out
     if t == 0 or h == 0:

@@ -42,18 +42,11 @@ from shardattn.kernels.triton.sparse_mla import (
 )
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops.dispatch import prefill_path
+from shardattn.ops.head_blocked import q_heads_view, store_result
 from shardattn.ops.kv_compact import compact_rows
 from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
-from shardattn.ops.sparse_mla import (
-    check_destination,
-    check_sparse_mla_inputs,
-    empty_kv_result,
-    join_q,
-    q_heads_view,
-    shape_stand_in,
-    sparse_mla_reference,
-    store_heads,
-)
+from shardattn.ops.sparse_mla import empty_kv_result, has_keys, sparse_mla_reference
+from shardattn.ops.sparse_mla_checks import check_sparse_prefill_inputs
 from shardattn.ops.union import GROUP_SIZES
 from shardattn.plan.crossovers import COMPACT_MIN_GROUP
 
@@ -149,17 +142,11 @@ def sparse_mla_grouped_prefill(
         >>> tuple(out.shape), tuple(lse.shape)
         ((5, 2, 32), (5, 2))
     """
-    q = join_q(q)
-    q3 = shape_stand_in(q)
-    kv = check_sparse_mla_inputs(
-        q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale, kv_format=kv_format
-    )
+    q, q3, kv = check_sparse_prefill_inputs(
+        q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale, kv_format=kv_format,
+        return_lse=return_lse, out=out, lse_out=lse_out,
+    )  # fmt: skip
     check_bool("rows_sorted", rows_sorted)
-    check_bool("return_lse", return_lse)
-    if out is not None:
-        check_destination("out", out, q3, (v_dim,), q3.dtype)
-    if lse_out is not None:
-        check_destination("lse_out", lse_out, q3, (), torch.float32)
     if group_size is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size!r}")
     if prepared_union is not None:
@@ -171,23 +158,20 @@ def sparse_mla_grouped_prefill(
         compact = compact_rows(kv, rows, topk_length, max_rows=MAX_PACKED_ROWS)  # one host sync
         if compact is not None:  # the touched blocks fit packed entries: the call runs grouped
             (kv, rows), compacted = compact, True
-    if kv.shape[0] == 0 or rows.shape[1] == 0:  # no entry can be a key: every row is empty, on every backend
+    if not has_keys(kv, rows):  # every row is empty, on every backend
         if q_ready is not None:
             q_ready()
-        o, s = empty_kv_result(q3, v_dim, sinks)
-        out = o if out is None else store_heads(out, o)
-        lse_out = s if lse_out is None else store_heads(lse_out, s)
+        out, lse_out = store_result(empty_kv_result(q3, v_dim, sinks), out, lse_out)
         return (out, lse_out) if return_lse else out
     path = prefill_path(q3, kv, v_dim=v_dim, group_size=group_size)
     if path.backend == "reference":
         if q_ready is not None:
             q_ready()
         with torch.no_grad():  # inference, as the kernels: no autograd history on any device
-            o, s = sparse_mla_reference(
+            result = sparse_mla_reference(
                 q_heads_view(q), kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks
             )
-        out = o if out is None else store_heads(out, o)
-        lse_out = s if lse_out is None else store_heads(lse_out, s)
+        out, lse_out = store_result(result, out, lse_out)
     else:
         g = path.group_size
         if compacted and union is not None:
