@@ -50,8 +50,9 @@ from shardattn.ops.gqa_prefill import check_new_keys, check_prefix_inputs, gqa_p
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments, plan_segments
 from shardattn.parallel.agreement import stable_fingerprint
-from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
+from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
+from shardattn.parallel.pcp import gather_pcp_outputs
 from shardattn.plan.pcp import PCPPlan
 
 __all__ = ["PCPSegments", "gqa_prefill_pcp", "pcp_segments"]
@@ -88,6 +89,16 @@ class PCPSegments:
         return max((p + n for p, n in zip(self.prefix, self.query_lens)), default=0)
 
 
+@dataclass(frozen=True)
+class _Checked:
+    """What one rank's checked PCP inputs run on: its share of the plan, the cached prefix it reads
+    (``None``: none) and the segment kernel."""
+
+    mine: PCPSegments
+    prefix: PagedPrefix | None
+    kernel: SegmentKernel
+
+
 def pcp_segments(plan: PCPPlan, rank: int, device: torch.device | str = "cpu", *, pin: bool = False) -> PCPSegments:
     """Rank ``rank``'s share of ``plan`` on ``device`` (host arithmetic; the segments cross in one copy,
     the prefix lengths and the KV rows in one each; ``pin``: through page-locked memory).
@@ -122,10 +133,11 @@ def _check_pcp(
     scale: object,
     gather_output: object,
     plan_fingerprint: int | None,
-) -> tuple[int, bool]:
+) -> tuple[int, PagedPrefix | None, torch.Tensor]:
     """Validate one rank's PCP inputs against its share of the plan (``mine``: host values only, no
     read of a plan tensor); returns the fingerprint the ranks agree on (``plan_fingerprint``
-    included) and whether the cached prefix is read."""
+    included), the cached prefix the step reads (``None``: none) and the keys its route is asked
+    about (``k_new``, or ``k_cache`` holding the new keys)."""
     t_mine = mine.num_tokens
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     t, h, d = q.shape
@@ -143,21 +155,26 @@ def _check_pcp(
     if sinks is not None:
         check_sink_logits(sinks, h)
     has_prefix = mine.max_prefix > 0 or k_new is None
-    given = [x is not None for x in caches]
-    if any(given) and not all(given):
-        raise ValueError("k_cache, v_cache and block_table go together (the cached prefix); give all or none")
-    if has_prefix and not all(given):
-        raise ValueError(
-            f"the plan has cached prefixes (prefix_lens={list(mine.prefix[:8])}): pass k_cache, v_cache and "
-            "block_table holding them"
-        )
-    if all(given):
+    prefix = None
+    if k_cache is None or v_cache is None or block_table is None:
+        if any(x is not None for x in caches):
+            raise ValueError("k_cache, v_cache and block_table go together (the cached prefix); give all or none")
+        if mine.max_prefix > 0 or k_new is None:  # has_prefix: a cached prefix, or the new keys in the cache
+            raise ValueError(
+                f"the plan has cached prefixes (prefix_lens={list(mine.prefix[:8])}): pass k_cache, v_cache and "
+                "block_table holding them"
+            )
+        keys = k_new
+    else:
         check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, mine.prefix_lens, len(mine.prefix))
         capacity = block_table.shape[1] * k_cache.shape[1]
         if (mine.max_seq if k_new is None else mine.max_prefix) > capacity:
             what = "prefix_lens plus the new tokens" if k_new is None else "prefix_lens"
             seq = [p + n for p, n in zip(mine.prefix, mine.query_lens)] if k_new is None else list(mine.prefix)
             raise ValueError(f"{what} must fit the block table ({capacity} positions), got {seq[:8]}")
+        if has_prefix:
+            prefix = PagedPrefix(k_cache, v_cache, block_table, mine.prefix_lens, mine.max_prefix)
+        keys = k_cache if k_new is None else k_new
     check_same_device(
         q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, block_table=block_table, sinks=sinks
     )
@@ -165,7 +182,7 @@ def _check_pcp(
         "gqa-pcp", plan_fingerprint, h, hkv, d, q.dtype, sinks is not None, window_left,
         gather_output, has_prefix, k_new is None,
     )  # fmt: skip
-    return fingerprint, has_prefix
+    return fingerprint, prefix, keys
 
 
 def gqa_prefill_pcp(
@@ -229,12 +246,11 @@ def gqa_prefill_pcp(
         # q[ids] [T_r, 64, 64] -> out [T_r, 64, 64], lse [T_r, 64]
     """
     comm = Comm.wrap(group)
-    has_prefix = False
-    route = None
-    mine = segments
+    checked: _Checked | None = None
 
     def validate() -> int:
-        nonlocal has_prefix, route, mine
+        nonlocal checked
+        mine = segments
         if not isinstance(plan, PCPPlan):
             raise TypeError(f"plan must be a PCPPlan (from pcp_plan), got {type(plan).__name__}")
         if plan.world_size != comm.world_size:
@@ -244,23 +260,26 @@ def gqa_prefill_pcp(
             mine = pcp_segments(plan, comm.rank, q.device)
         elif not isinstance(mine, PCPSegments):
             raise TypeError(f"segments must be pcp_segments' PCPSegments, got {type(mine).__name__}")
-        fingerprint, has_prefix = _check_pcp(
+        fingerprint, prefix, keys = _check_pcp(
             q, k_new, v_new, mine, comm, (k_cache, v_cache, block_table), sinks, window_left, scale, gather_output,
             plan.fingerprint() if check else None,
         )  # fmt: skip
         if not isinstance(return_lse, bool) or (gather_output and not return_lse):
             raise ValueError(f"return_lse must be a bool, True with gather_output, got {return_lse!r}")
-        if kernel is None:
-            route = gqa_prefill_route(q, k_cache if k_new is None else k_new, backend=backend)
+        kern = segment_kernel(gqa_prefill_route(q, keys, backend=backend)) if kernel is None else kernel
+        checked = _Checked(mine, prefix, kern)
         return fingerprint
 
     comm.agree_on("GQA PCP plan and inputs", validate, check=check)
+    if checked is None:  # agree_on returns only after validate() has run
+        raise RuntimeError("gqa_prefill_pcp: the inputs were not validated")
+    mine, prefix = checked.mine, checked.prefix
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
         w = comm.world_size
-        t, h, d = q.shape
+        t, _, d = q.shape
         keys_ready = None
         k_all = v_all = new_rows = None
-        if k_new is not None:
+        if k_new is not None and v_new is not None:  # both or neither (checked)
             hkv = k_new.shape[1]
             p = plan.shard.padded_count
             padded = k_new.new_zeros(p, 2, hkv, d)
@@ -269,20 +288,11 @@ def gqa_prefill_pcp(
             gathering, pending = comm.all_gather_async(padded)
             gathered = gathering.view(w * p, 2, hkv, d)
             k_all, v_all, new_rows, keys_ready = gathered[:, 0], gathered[:, 1], mine.kv_row, pending.wait
-        prefix = None
-        if has_prefix:
-            prefix = PagedPrefix(k_cache, v_cache, block_table, mine.prefix_lens, mine.max_prefix)
         out, lse = attend_segments(
-            q, k_all, v_all, mine.segments, kernel=segment_kernel(route) if kernel is None else kernel, prefix=prefix,
+            q, k_all, v_all, mine.segments, kernel=checked.kernel, prefix=prefix,
             window_left=window_left, sinks=sinks, scale=d**-0.5 if scale is None else scale, new_rows=new_rows,
             keys_ready=keys_ready, return_lse=return_lse, launches=launches if segments is not None else None,
         )  # fmt: skip
-        if not gather_output:
+        if not gather_output or lse is None:  # gather_output comes with return_lse (checked)
             return out, lse
-        p = plan.shard.padded_count
-        specs = [((p, h, d), out.dtype), ((p, h), torch.float32)]
-        mine_out, mine_lse = out.new_zeros(p, h, d), lse.new_zeros(p, h)
-        mine_out[:t], mine_lse[:t] = out, lse
-        got = comm.all_gather(pack_rows([mine_out.unsqueeze(0), mine_lse.unsqueeze(0)])[0])
-        all_out, all_lse = unpack_rows(got, specs)  # [W, P, H, D], [W, P, H]
-        return all_out.reshape(w * p, h, d)[mine.kv_row], all_lse.reshape(w * p, h)[mine.kv_row]
+        return gather_pcp_outputs(out, lse, comm, plan.shard.padded_count, mine.kv_row)

@@ -23,8 +23,6 @@ Collectives: one all-gather (plus one with ``gather_output``), plus the agreemen
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from shardattn._checks import (
@@ -42,9 +40,10 @@ from shardattn.ops.topk import convert_topk
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
 from shardattn.parallel.groups import GroupLike
+from shardattn.parallel.local_attention import AttentionFn, with_lse
 from shardattn.plan.pcp import PCPPlan
 
-__all__ = ["pcp_prefill"]
+__all__ = ["gather_pcp_outputs", "pcp_prefill"]
 
 
 def _check_inputs(
@@ -98,7 +97,7 @@ def _check_inputs(
             f"the plan has cached prefixes (prefix_lens={prefix.tolist()}): pass kv_cache, block_table and "
             "block_size holding them"
         )
-    if all(given):
+    if kv_cache is not None and block_table is not None and block_size is not None:
         kv_cache = check_kv_rows("kv_cache", kv_cache, q, v_dim=v_dim, kv_format=kv_format)
         if kv_cache.dtype != kv_new.dtype:
             raise ValueError(f"kv_cache and kv_new must hold one row format, got {kv_cache.dtype} and {kv_new.dtype}")
@@ -142,7 +141,7 @@ def pcp_prefill(
     topk_length: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     gather_output: bool = False,
-    attention: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sparse_mla_attention,
+    attention: AttentionFn = sparse_mla_attention,
     check: bool = True,
     kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +201,7 @@ def pcp_prefill(
         if plan.kv_row.device != dev:
             plan = plan.to(dev)
         w, rank = comm.world_size, comm.rank
-        t, h, _ = q.shape
+        t = q.shape[0]
         p = plan.shard.padded_count
 
         # the new tokens' KV, rank-major, P rows per rank: new token g is gathered[plan.kv_row[g]];
@@ -217,23 +216,37 @@ def pcp_prefill(
         if topk_length is not None:
             cols = torch.arange(rows.shape[1], device=dev)
             rows = torch.where(cols[None, :] < topk_length[:, None].to(torch.int64), rows, torch.full_like(rows, -1))
-        if kv_cache is not None:
+        prefix_part = None
+        if kv_cache is not None and block_table is not None and block_size is not None:  # all or none (checked)
             prefix_rows, _ = convert_topk(
                 topk_pos, req.to(torch.int32), block_table, block_size=block_size,
                 seq_lens=plan.shard.prefix_lens.to(torch.int32), topk_length=topk_length,
             )  # fmt: skip
-            out_p, lse_p = attention(q, kv_cache, prefix_rows, scale=scale, v_dim=v_dim, return_lse=True)
+            prefix_part = with_lse(attention(q, kv_cache, prefix_rows, scale=scale, v_dim=v_dim, return_lse=True))
         pending.wait()
         gathered = gathering.view(w * p, row)
-        out, lse = attention(q, gathered, rows.to(torch.int32), scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True)
-        if kv_cache is not None:
+        new_part = attention(q, gathered, rows.to(torch.int32), scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True)
+        out, lse = with_lse(new_part)
+        if prefix_part is not None:
+            out_p, lse_p = prefix_part
             out, lse = lse_merge(torch.stack([out, out_p]), torch.stack([lse, lse_p]))
         if not gather_output:
             return out, lse
+        return gather_pcp_outputs(out, lse, comm, p, plan.kv_row)
 
-        specs = [((p, h, v_dim), out.dtype), ((p, h), torch.float32)]
-        mine_out, mine_lse = out.new_zeros(p, h, v_dim), lse.new_zeros(p, h)
-        mine_out[:t], mine_lse[:t] = out, lse
-        got = comm.all_gather(pack_rows([mine_out.unsqueeze(0), mine_lse.unsqueeze(0)])[0])
-        all_out, all_lse = unpack_rows(got, specs)  # [W, P, H, Dv], [W, P, H]
-        return all_out.reshape(w * p, h, v_dim)[plan.kv_row], all_lse.reshape(w * p, h)[plan.kv_row]
+
+def gather_pcp_outputs(
+    out: torch.Tensor, lse: torch.Tensor, comm: Comm, padded: int, kv_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's ``(out [T_r, H, Dv], lse [T_r, H] fp32)`` of a PCP step, in token order: one
+    all-gather of each rank's pair padded to ``padded`` rows (``P``, packed as bytes), then token
+    ``g`` read from slot ``kv_row[g]`` of the rank-major ``[W * P]`` layout (:attr:`PCPPlan.kv_row`
+    on ``out``'s device). Returns ``(out [T, H, Dv], lse [T, H])``."""
+    w = comm.world_size
+    t, h, dv = out.shape
+    specs = [((padded, h, dv), out.dtype), ((padded, h), torch.float32)]
+    mine_out, mine_lse = out.new_zeros(padded, h, dv), lse.new_zeros(padded, h)
+    mine_out[:t], mine_lse[:t] = out, lse
+    got = comm.all_gather(pack_rows([mine_out.unsqueeze(0), mine_lse.unsqueeze(0)])[0])
+    all_out, all_lse = unpack_rows(got, specs)  # [W, P, H, Dv], [W, P, H]
+    return all_out.reshape(w * padded, h, dv)[kv_row], all_lse.reshape(w * padded, h)[kv_row]

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
 
 from shardattn.errors import PeerFailedError
+
+if TYPE_CHECKING:
+    from shardattn.parallel.comm import Comm
 
 __all__ = [
     "REPORT_GRACE_S",
@@ -107,13 +110,13 @@ class ReportingFailures:
 
     __slots__ = ("_comm",)
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Comm) -> None:
         self._comm = comm
 
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> Literal[False]:
         if error is not None and isinstance(error, Exception) and not isinstance(error, PeerFailedError):
             self._comm.report_failure(error)
         return False  # re-raise

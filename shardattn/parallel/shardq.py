@@ -28,8 +28,6 @@ collective at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from shardattn._checks import (
@@ -48,13 +46,12 @@ from shardattn.ops.union import GROUP_SIZES, MAX_PACKED_ROWS
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
+from shardattn.parallel.local_attention import AttentionFn, with_lse
 from shardattn.parallel.shardq_pipeline import run_pipelined
 from shardattn.plan.pipeline import MAX_CHUNKS, choose_chunks, pipeline_plan
 from shardattn.plan.zigzag import ShardPlan
 
 __all__ = ["shardq_prefill"]
-
-AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def _check_inputs(
@@ -241,9 +238,10 @@ def shardq_prefill(
         if not plan.sharded:  # head-TP: all tokens, this rank's heads, nothing moves
             local_sinks = None if sinks is None else sinks[rank * h : (rank + 1) * h]
             kw = {} if out is None and lse_out is None else {"out": out, "lse_out": lse_out}
-            out, lse_out = attention(
+            result = attention(
                 q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=local_sinks, return_lse=True, **kw
             )
+            out, lse_out = with_lse(result)
             return (out, lse_out) if return_lse else out
 
         if chunks is None:  # the planner's pick from the largest share's work

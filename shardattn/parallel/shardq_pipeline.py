@@ -41,19 +41,18 @@ reads device data back.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import torch
 
-from shardattn.ops.prepared_union import prepare_union
-from shardattn.parallel.comm import Comm
+from shardattn.ops.prepared_union import PreparedUnion, prepare_union
+from shardattn.parallel.comm import Comm, Pending
+from shardattn.parallel.local_attention import AttentionFn
 from shardattn.parallel.packing import view_bytes
 from shardattn.plan.pipeline import CHUNK_ALIGN, PipelinePlan
 from shardattn.plan.zigzag import ShardPlan
 
 __all__ = ["run_pipelined"]
-
-AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def _carve(
@@ -141,8 +140,9 @@ def run_pipelined(
     n_c = [pipe.count(rank, c) for c in range(pipe.chunks)]
     gathered = pipe.one_message_per_peer
     peers = [j for j in range(w) if j != rank]
-    # every rank's token ids (rank-major) on the device, once; ids(j, c): rank j's tokens of chunk c
-    all_ids = plan.gather_index.to(dev, non_blocking=True) if gathered else None
+    # every rank's token ids (rank-major), moved to the device once where the one-message step gathers
+    # by them; ids(j, c): rank j's tokens of chunk c
+    all_ids = plan.gather_index.to(dev, non_blocking=True) if gathered else plan.gather_index
     first = plan.rank_offsets.tolist()
 
     def ids(j: int, c: int) -> torch.Tensor:
@@ -159,7 +159,7 @@ def run_pipelined(
     l_bufs = _carve(ws.get("lse"), "lse", [(w, n, h) for n in n_c], torch.float32, dev)
     # chunk c's query exchange is issued before any other set-up of chunk c (it waits only for q), and
     # chunk c + 1's right after chunk c's union build is issued (see _pipelined's docstring)
-    q_moves: list = []
+    q_moves: list[Pending] = []
 
     def start_query_exchange(c: int) -> None:
         if c != len(q_moves) or c >= pipe.chunks:  # issued already, or no such chunk
@@ -192,7 +192,8 @@ def run_pipelined(
     len_mine = None if topk_length is None else topk_length.index_select(0, ids_mine)
     rows_c = rows_mine.split(n_c)
     len_c = [None] * pipe.chunks if len_mine is None else len_mine.split(n_c)
-    unions: list = [None] * pipe.chunks  # one_union: the share's union built once, a slice per chunk
+    # one_union: the share's union built once, a slice per chunk
+    unions: Sequence[PreparedUnion | None] = [None] * pipe.chunks
     if union_groups is not None:
         whole = prepare_union(
             rows_mine, group_size=union_groups, num_kv_rows=kv.shape[0], topk_length=len_mine,
@@ -201,10 +202,13 @@ def run_pipelined(
         unions = unions if whole is None else whole.split(pipe.bounds[rank].tolist())
     if out is None:
         out = q.new_empty(t, h, v_dim)
-    if lse is None and return_lse:
+    # from here on lse is None exactly when the step returns no LSE (a given lse_out is then left alone)
+    if not return_lse:
+        lse = None
+    elif lse is None:
         lse = torch.empty(t, h, dtype=torch.float32, device=dev)
     out_runs = {} if gathered else _runs_of(out, pipe)
-    lse_runs = {} if gathered or not return_lse else _runs_of(lse, pipe)
+    lse_runs = {} if gathered or lse is None else _runs_of(lse, pipe)
 
     out_moves, landed = [], []
     for c, (q_recv, o_send, l_send) in enumerate(zip(q_bufs, o_bufs, l_bufs)):
@@ -217,29 +221,29 @@ def run_pipelined(
             )  # fmt: skip
         query_ready(c)  # idempotent; a rank with no token in chunk c still issues chunk c + 1's exchange
         if gathered:  # whole send buffers out; the peers' outputs land in the (read) query receive buffer
-            parts = [((pipe.count(i, c), h, v_dim), q.dtype) for i in peers]
-            parts += [((pipe.count(i, c), h), torch.float32) for i in peers] if return_lse else []
+            parts: list[tuple[tuple[int, ...], torch.dtype]] = [((pipe.count(i, c), h, v_dim), q.dtype) for i in peers]
+            parts += [((pipe.count(i, c), h), torch.float32) for i in peers] if lse is not None else []
             recv = _staging(q_recv, parts, dev)
-            sends = [(j, o_send[j]) for j in peers] + ([(j, l_send[j]) for j in peers] if return_lse else [])
+            sends = [(j, o_send[j]) for j in peers] + ([(j, l_send[j]) for j in peers] if lse is not None else [])
             out_moves.append(comm.exchange(sends, list(zip(peers + peers, recv)), tag=2 * c + 1))
             out.index_copy_(0, ids(rank, c), o_send[rank])
-            if return_lse:
+            if lse is not None:
                 lse.index_copy_(0, ids(rank, c), l_send[rank])
             landed.append(recv)
             continue
         sends, recvs = [], []  # per peer: each run's output, then its LSE
         o_pieces = _pieces(o_send, mine[c])
-        l_pieces = _pieces(l_send, mine[c]) if return_lse else [None] * len(o_pieces)
-        for j, o_piece, l_piece in zip(peer_of[c], o_pieces, l_pieces):
-            sends += [(j, o_piece)] + ([(j, l_piece)] if return_lse else [])
+        l_pieces = _pieces(l_send, mine[c]) if lse is not None else None
+        for k, (j, o_piece) in enumerate(zip(peer_of[c], o_pieces)):
+            sends += [(j, o_piece)] + ([(j, l_pieces[k])] if l_pieces is not None else [])
         for i in range(w):
             for s, _, _ in pipe.runs(i, c):
-                recvs += [(i, out_runs[s])] + ([(i, lse_runs[s])] if return_lse else [])
+                recvs += [(i, out_runs[s])] + ([(i, lse_runs[s])] if lse is not None else [])
         out_moves.append(comm.exchange(sends, recvs, tag=2 * c + 1))
     for c, move in enumerate(out_moves):
         move.wait()
         for k, i in enumerate(peers if gathered else ()):  # scatter the landed outputs to their tokens
             out.index_copy_(0, ids(i, c), landed[c][k])
-            if return_lse:
+            if lse is not None:
                 lse.index_copy_(0, ids(i, c), landed[c][len(peers) + k])
-    return (out, lse) if return_lse else out
+    return out if lse is None else (out, lse)

@@ -67,11 +67,10 @@ def shard_kv_cache(
     if rank >= layout.world_size:
         raise ValueError(f"rank must be < the layout's world_size={layout.world_size}, got {rank}")
     pair = isinstance(kv_cache, tuple | list)
-    parts = list(kv_cache) if pair else [kv_cache]
-    if pair and len(parts) != 2:
-        raise TypeError(f"kv_cache must be one tensor or a (k_cache, v_cache) pair, got {len(parts)} items")
-    for i, part in enumerate(parts):
-        check_tensor(f"kv_cache[{i}]" if pair else "kv_cache", part)
+    given: list[object] = list(kv_cache) if pair else [kv_cache]
+    if pair and len(given) != 2:
+        raise TypeError(f"kv_cache must be one tensor or a (k_cache, v_cache) pair, got {len(given)} items")
+    parts = [check_tensor(f"kv_cache[{i}]" if pair else "kv_cache", part) for i, part in enumerate(given)]
     first = parts[0]
     if first.dim() == 2:
         if page_size is None:

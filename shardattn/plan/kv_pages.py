@@ -75,9 +75,16 @@ class KVCacheConfig:
         return self.pages_for(self.max_seq_len)
 
     @property
+    def pages_per_rank(self) -> int:
+        """Pages each rank's cache holds: ``num_pages``, its default resolved at construction."""
+        if self.num_pages is None:  # __post_init__ sets it
+            raise RuntimeError("KVCacheConfig.num_pages was not resolved at construction")
+        return int(self.num_pages)
+
+    @property
     def rows_per_rank(self) -> int:
         """KV rows (tokens) each rank's cache holds."""
-        return int(self.num_pages) * self.page_size
+        return self.pages_per_rank * self.page_size
 
 
 class PagedKVBook:
@@ -99,7 +106,7 @@ class PagedKVBook:
     def reset(self) -> None:
         """Forget every request (all pages free)."""
         cfg = self.config
-        self._free = list(range(int(cfg.num_pages) - 1, -1, -1))  # pop() hands out page 0 first
+        self._free = list(range(cfg.pages_per_rank - 1, -1, -1))  # pop() hands out page 0 first
         self._slot: dict[Hashable, int] = {}  # admission order
         self._free_slots = list(range(cfg.max_requests - 1, -1, -1))
         #: per slot: cached tokens, pages held, block-table row

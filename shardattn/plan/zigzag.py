@@ -301,5 +301,8 @@ def balance_report(
     topk: int = 2048,
 ) -> BalanceReport:
     """Plan a step both ways (:func:`zigzag_split` and :func:`cost_balanced_split`)."""
-    kw = dict(align=align, min_tokens=min_tokens, prefix_lens=prefix_lens, topk=topk)
-    return BalanceReport(zigzag_split(query_lens, world_size, **kw), cost_balanced_split(query_lens, world_size, **kw))
+    zigzag, cost_balanced = (
+        split(query_lens, world_size, align=align, min_tokens=min_tokens, prefix_lens=prefix_lens, topk=topk)
+        for split in (zigzag_split, cost_balanced_split)
+    )
+    return BalanceReport(zigzag, cost_balanced)
