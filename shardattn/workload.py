@@ -24,6 +24,7 @@ Recorded dumps load with :func:`load_topk_dump` (``.pt`` or ``.safetensors`` hol
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +156,11 @@ def union_ratio(rows: torch.Tensor, group_size: int, topk_length: torch.Tensor |
     return float("nan") if per_row == 0 else lens.double().mean().item() / per_row
 
 
+def _torch_load(name: str) -> object:
+    """The contents of a ``.pt`` file, tensors on the CPU (weights only: no code runs)."""
+    return torch.load(name, map_location="cpu", weights_only=True)
+
+
 def load_topk_dump(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Load a recorded top-k dump.
 
@@ -173,15 +179,13 @@ def load_topk_dump(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     path = Path(path)
     if path.suffix not in (".safetensors", ".pt", ".pth"):
         raise ValueError(f"path must end in .pt or .safetensors, got {path.name}")
+    read: Callable[[str], object] = _torch_load
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file  # a missing package is an ImportError, not the file's fault
-    else:
 
-        def load_file(name: str) -> object:
-            return torch.load(name, map_location="cpu", weights_only=True)
-
+        read = load_file
     try:
-        data = load_file(str(path))
+        data = read(str(path))
     except OSError:
         raise
     except Exception as e:  # a truncated or foreign file: the readers raise their own kinds

@@ -11,7 +11,6 @@ module imports nothing heavy (no torch), so a bad option fails in a fraction of 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -96,9 +95,6 @@ class Options:
     calibration: str | None = None
     fail_rank: int | None = None
     fail_at: str = "step"
-
-    def replace(self, **changes: object) -> Options:
-        return dataclasses.replace(self, **changes)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -9,11 +9,14 @@ import torch
 
 from shardattn.launch.workload_parts import (
     BLOCK_SIZE,
+    SyntheticStep,
     dcp_local_cache,
     decode_cache,
     generator,
+    new_token_slots,
     paged,
     split_tokens,
+    token_requests,
     values,
 )
 from shardattn.ops.topk import DcpShard
@@ -22,7 +25,7 @@ __all__ = ["GQADecodeStep", "GQAPrefillStep", "build_gqa_decode", "build_gqa_pre
 
 
 @dataclass
-class GQADecodeStep:
+class GQADecodeStep(SyntheticStep):
     """One GQA decode step over a paged cache (speculative drafts, sinks), global and DCP-local.
 
     Attributes:
@@ -32,7 +35,6 @@ class GQADecodeStep:
         local key counts; the drafts' causal limits come from the global lengths).
     """
 
-    q: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     block_table: torch.Tensor
@@ -42,10 +44,6 @@ class GQADecodeStep:
     local_k_cache: torch.Tensor
     local_v_cache: torch.Tensor
     local_block_table: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.q.shape[0])
 
 
 def build_gqa_decode(
@@ -87,7 +85,7 @@ def build_gqa_decode(
 
 
 @dataclass
-class GQAPrefillStep:
+class GQAPrefillStep(SyntheticStep):
     """One GQA prefill step, global: new tokens after cached prefixes in a paged cache.
 
     Attributes:
@@ -97,7 +95,6 @@ class GQAPrefillStep:
         query_lens, prefix_lens: per request. sinks: ``[Hq]`` fp32 or None.
     """
 
-    q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     k_cache: torch.Tensor
@@ -106,10 +103,6 @@ class GQAPrefillStep:
     query_lens: list[int]
     prefix_lens: list[int]
     sinks: torch.Tensor | None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.q.shape[0])
 
 
 def build_gqa_prefill(
@@ -134,10 +127,7 @@ def build_gqa_prefill(
     k_cache = values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
     v_cache = values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
     q = values((tokens, q_heads, head_dim), gen, device, dtype)
-    req = torch.repeat_interleave(torch.arange(requests, device=device), torch.tensor(query_lens, device=device))
-    starts = torch.tensor([0, *query_lens], device=device).cumsum(0)[:-1]
-    pos = torch.tensor(prefix_lens, device=device)[req] + torch.arange(tokens, device=device) - starts[req]
-    page, slot = table.long()[req, pos // block_size], pos % block_size
+    page, slot = new_token_slots(token_requests(query_lens, device), query_lens, prefix_lens, table, block_size)
     k, v = k_cache[page, slot], v_cache[page, slot]  # the new tokens' own keys, already in the cache
     s = torch.randn(q_heads, generator=gen, device=device).float() if sinks else None
     return GQAPrefillStep(q, k, v, k_cache, v_cache, table, query_lens, prefix_lens, s)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardattn.launch.process_group import destroy_groups, nccl_options
+from shardattn.launch.process_group import destroy_groups, nccl_options, world_group
 from shardattn.testing.pool import free_port
 
 #: Seconds a collective may wait for a peer before the rank fails.
@@ -42,7 +42,7 @@ def _join(rank: int, world_size: int, init_method: str | None, timeout_s: float)
 def _spawned(rank: int, main: Callable[[dist.ProcessGroup], None], world_size: int, port: int, timeout_s: float):
     _join(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s)
     try:
-        main(dist.group.WORLD)
+        main(world_group())
     finally:
         destroy_groups()
 
@@ -60,7 +60,7 @@ def run_ranks(
     if "RANK" in os.environ:  # under torchrun
         _join(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, timeout_s)
         try:
-            main(dist.group.WORLD)
+            main(world_group())
         finally:
             destroy_groups()
         return

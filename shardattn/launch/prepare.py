@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardattn.launch.gqa_workloads import build_gqa_decode, build_gqa_prefill
-from shardattn.launch.workloads import build_decode, build_prefill, overlap_model
+from shardattn.launch.workload_parts import new_token_slots
+from shardattn.launch.workloads import PrefillStep, build_decode, build_prefill, overlap_model
 from shardattn.ops.gqa_decode_reference import gqa_paged_decode_reference
 from shardattn.ops.gqa_prefill import gqa_prefill
 from shardattn.ops.kv_fp8 import quantize_kv
@@ -24,6 +25,7 @@ from shardattn.ops.row_entries import valid_mask
 from shardattn.ops.sparse_mla import flops, sparse_mla_reference
 from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
+from shardattn.parallel.local_attention import with_lse
 from shardattn.plan.kv_format import KV_FP8_DS_MLA, kv_row_bytes
 from shardattn.runtime.runtime import Runtime
 from shardattn.workload import union_ratio
@@ -34,13 +36,10 @@ if TYPE_CHECKING:
 __all__ = ["Prepared", "prepare_decode", "prepare_prefill"]
 
 
-def _token_rows(step: Any, page: int) -> torch.Tensor:
+def _token_rows(step: PrefillStep, page: int) -> torch.Tensor:
     """``[T]`` int64 KV-cache row of every new token of a prefill step (its own key and value)."""
-    starts = torch.tensor([0, *step.query_lens], device=step.q.device).cumsum(0)[:-1]
-    req = step.req_ids.long()
-    pos = torch.tensor(step.prefix_lens, device=step.q.device)[req] + torch.arange(len(req), device=req.device)
-    pos = pos - starts[req]
-    return step.block_table.long()[req, pos // page] * page + pos % page
+    pages, slots = new_token_slots(step.req_ids.long(), step.query_lens, step.prefix_lens, step.block_table, page)
+    return pages * page + slots
 
 
 @dataclass
@@ -114,18 +113,20 @@ def prepare_gqa_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
             return _heads(rt, full, r)
 
     def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return rt.prefill(
+        out = rt.prefill(
             q, cache, kv_new=kv_new, block_table=g.block_table, plan=plan, sinks=g.sinks, window_left=window,
             check=check,
         )  # fmt: skip
+        return with_lse(out, "Runtime.prefill")
 
     def reference() -> tuple[torch.Tensor, torch.Tensor]:
         cu = torch.tensor([0, *g.query_lens], device=dev).cumsum(0).to(torch.int32)
-        return gqa_prefill(
+        out = gqa_prefill(
             g.q, g.k, g.v, cu, k_cache=g.k_cache, v_cache=g.v_cache, block_table=g.block_table,
             prefix_lens=torch.tensor(g.prefix_lens, dtype=torch.int32, device=dev), sinks=g.sinks, scale=rt.scale,
             window_left=window, return_lse=True, backend="reference",
         )  # fmt: skip
+        return with_lse(out, "gqa_prefill")
 
     positions = [p + j for p, n in zip(g.prefix_lens, g.query_lens) for j in range(n)]
     pairs = sum(p + 1 for p in (positions[i] for i in mine.tolist()))
@@ -163,7 +164,7 @@ def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
         tokens_of = {r: plan.tokens_of(r).to(cfg.device) for r in range(rt.world_size)}
 
         def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            return rt.prefill(
+            out = rt.prefill(
                 q_tok,
                 kv,
                 topk_pos=pos_mine,
@@ -173,6 +174,7 @@ def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
                 topk_length=length,
                 check=check,
             )
+            return with_lse(out, "Runtime.prefill")
 
         def part(full: torch.Tensor, r: int) -> torch.Tensor:
             return full.index_select(0, tokens_of[r].to(full.device))
@@ -181,7 +183,8 @@ def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
         q_local = _heads(rt, step.q).contiguous()
 
         def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            return rt.prefill(q_local, kv, step.rows, plan=plan, topk_length=step.topk_length, check=check)
+            out = rt.prefill(q_local, kv, step.rows, plan=plan, topk_length=step.topk_length, check=check)
+            return with_lse(out, "Runtime.prefill")
 
         def part(full: torch.Tensor, r: int) -> torch.Tensor:
             return _heads(rt, full, r)
@@ -220,7 +223,7 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
         local_kv, whole_kv = _kv_cache(rt, step.local_kv), _kv_cache(rt, step.kv)
 
         def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            return rt.decode(
+            out = rt.decode(
                 q_local,
                 local_kv,
                 step.local_table,
@@ -229,6 +232,7 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
                 req_ids=step.req_ids,
                 check=check,
             )
+            return with_lse(out, "Runtime.decode")
 
         def reference() -> tuple[torch.Tensor, torch.Tensor]:
             return sparse_mla_reference(step.q, whole_kv, step.rows, scale=rt.scale, v_dim=spec.v_dim)
@@ -262,7 +266,7 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
         batch = rt.decode_step.plan(g.seq_lens.tolist(), g.cu_q_lens.tolist()) if dcp else None
 
         def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            return rt.decode(
+            out = rt.decode(
                 q_local,
                 cache,
                 g.local_block_table,
@@ -273,6 +277,7 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
                 batch=batch,
                 check=check,
             )
+            return with_lse(out, "Runtime.decode")
 
         def reference() -> tuple[torch.Tensor, torch.Tensor]:
             return gqa_paged_decode_reference(

@@ -36,6 +36,7 @@ __all__ = [
     "init_groups",
     "nccl_options",
     "pick_device",
+    "world_group",
 ]
 
 
@@ -166,12 +167,21 @@ def init_groups(env: DistEnv, device: torch.device, *, timeout_s: float) -> Laun
         kwargs["device_id"] = device  # eager NCCL init: a bad GPU fails here, not mid-step
         kwargs["pg_options"] = nccl_options()
     dist.init_process_group(**kwargs)  # type: ignore[arg-type]
-    data = dist.group.WORLD
+    data = world_group()
     if backend == "gloo":
         control = data
     else:  # host-side messages never wait behind GPU work, and a dead peer shows up here first
         control = dist.new_group(list(range(env.world_size)), backend="gloo", timeout=timeout)
     return LaunchGroups(env, device, data, control, backend, timeout_s)
+
+
+def world_group() -> dist.ProcessGroup:
+    """The world's group once this process has joined it (``dist.init_process_group``); raises
+    ``RuntimeError`` before."""
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("the default process group is not initialized: join the world first")
+    return group
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "WIDTH",
@@ -29,6 +29,10 @@ __all__ = [
     "summarize_times",
     "write_json",
 ]
+
+
+#: How a table column aligns its cells (a subset of rich's ``JustifyMethod``).
+_Justify = Literal["left", "right"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -186,7 +190,7 @@ def render(report: Report, console: Any = None) -> None:
         title=f"shardattn.launch  {title}", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 0),
         collapse_padding=True, pad_edge=False,
     )  # fmt: skip
-    for name, justify, wraps in (
+    columns: tuple[tuple[str, _Justify, bool], ...] = (
         ("rank", "right", False),
         ("step", "left", True),
         ("tokens", "right", False),
@@ -196,7 +200,8 @@ def render(report: Report, console: Any = None) -> None:
         ("p10-p90 ms", "right", False),
         ("rate", "right", False),
         ("max err", "right", False),
-    ):
+    )
+    for name, justify, wraps in columns:
         table.add_column(name, justify=justify, overflow="fold", no_wrap=not wraps)
     failed = False
     for r in report.rows:
@@ -270,7 +275,10 @@ def render_compare(report: Report, console: Any = None) -> None:
     if console is None:
         console = console_for()
     table = Table(title="prefill paths side by side (slowest rank)", title_justify="left", box=box.SIMPLE_HEAD)
-    for name, justify in (("variant", "left"), ("path", "left"), ("median ms", "right"), ("x head-TP", "right")):
+    columns: tuple[tuple[str, _Justify], ...] = (
+        ("variant", "left"), ("path", "left"), ("median ms", "right"), ("x head-TP", "right"),
+    )  # fmt: skip
+    for name, justify in columns:
         table.add_column(name, justify=justify)
     table.add_column("why", overflow="fold")
     for e in compare_table(report):

@@ -1,10 +1,12 @@
 """The parts the launcher's synthetic steps are built of (:mod:`shardattn.launch.workloads`,
-:mod:`shardattn.launch.gqa_workloads`): seeded generators and values, paged block tables, token
-splits and a rank's DCP shard of a paged cache."""
+:mod:`shardattn.launch.gqa_workloads`): the queries every step holds, seeded generators and values,
+paged block tables, token splits, where a prefill's new tokens sit in its cache, and a rank's DCP
+shard of a paged cache."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,10 +15,32 @@ from shardattn.ops.topk import DcpShard
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.dcp_shard import shard_kv_cache
 
-__all__ = ["BLOCK_SIZE", "dcp_local_cache", "decode_cache", "generator", "paged", "split_tokens", "values"]
+__all__ = [
+    "BLOCK_SIZE",
+    "SyntheticStep",
+    "dcp_local_cache",
+    "decode_cache",
+    "generator",
+    "new_token_slots",
+    "paged",
+    "split_tokens",
+    "token_requests",
+    "values",
+]
 
 #: Tokens per KV-cache block of the synthetic paged caches (default; the launcher passes the spec's).
 BLOCK_SIZE = 64
+
+
+@dataclass
+class SyntheticStep:
+    """What every synthetic step holds first: its queries, ``q [T, H, D]`` (all heads, all tokens)."""
+
+    q: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q.shape[0])
 
 
 def generator(device: torch.device, seed: int) -> torch.Generator:
@@ -60,6 +84,24 @@ def split_tokens(total: int, requests: int) -> list[int]:
     """``total`` tokens over ``requests`` requests, the first ``total % requests`` one more."""
     base, extra = divmod(total, requests)
     return [base + (1 if r < extra else 0) for r in range(requests)]
+
+
+def token_requests(counts: list[int], device: torch.device) -> torch.Tensor:
+    """``[sum(counts)]`` int64 request of every token, request ``r`` holding ``counts[r]`` consecutive ones."""
+    return torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
+
+
+def new_token_slots(
+    req: torch.Tensor, query_lens: list[int], prefix_lens: list[int], table: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(page [T], slot [T])`` int64: where each new token of a prefill step sits in its paged cache
+    (``req [T]``: the token's request, :func:`token_requests`; request ``r``'s ``query_lens[r]`` new
+    tokens follow its ``prefix_lens[r]`` cached ones in the pages ``table [B, M]`` lists, ``block``
+    tokens a page)."""
+    device = req.device
+    starts = torch.tensor([0, *query_lens], device=device).cumsum(0)[:-1]
+    pos = torch.tensor(prefix_lens, device=device)[req] + torch.arange(req.numel(), device=device) - starts[req]
+    return table.long()[req, pos // block], pos % block
 
 
 def dcp_local_cache(

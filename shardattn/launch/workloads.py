@@ -22,11 +22,13 @@ import torch
 
 from shardattn.launch.workload_parts import (
     BLOCK_SIZE,
+    SyntheticStep,
     dcp_local_cache,
     decode_cache,
     generator,
     paged,
     split_tokens,
+    token_requests,
     values,
 )
 from shardattn.ops.topk import DcpShard, convert_topk
@@ -84,7 +86,7 @@ def request_topk(
 
 
 @dataclass
-class PrefillStep:
+class PrefillStep(SyntheticStep):
     """One sparse-MLA prefill step, global (all heads, all tokens).
 
     Attributes:
@@ -94,7 +96,6 @@ class PrefillStep:
         prefix_lens: ``[B]`` cached tokens; topk_length: ``[T]`` int32 or None.
     """
 
-    q: torch.Tensor
     kv: torch.Tensor
     rows: torch.Tensor
     positions: torch.Tensor
@@ -104,10 +105,6 @@ class PrefillStep:
     prefix_lens: list[int]
     topk_length: torch.Tensor | None
     topk: int
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.q.shape[0])
 
 
 def build_prefill(
@@ -143,7 +140,7 @@ def build_prefill(
         kv_lens = [c + n for c, n in zip(prefix_lens, query_lens)]
         topk_length = None
         positions = request_topk(prefix_lens, query_lens, topk, overlap=overlap, seed=seed + 1, device=device)
-    req = torch.repeat_interleave(torch.arange(len(query_lens), device=device), torch.tensor(query_lens, device=device))
+    req = token_requests(query_lens, device)
     table, blocks = paged(kv_lens, device, gen, block_size)
     kv = values((blocks * block_size, head_dim), gen, device, dtype)
     q = values((tokens, heads, head_dim), gen, device, dtype)
@@ -160,7 +157,7 @@ def build_prefill(
 
 
 @dataclass
-class DecodeStep:
+class DecodeStep(SyntheticStep):
     """One sparse-MLA decode step (speculative drafts allowed), global, with this rank's DCP shard.
 
     Attributes:
@@ -172,7 +169,6 @@ class DecodeStep:
         block table.
     """
 
-    q: torch.Tensor
     kv: torch.Tensor
     rows: torch.Tensor
     positions: torch.Tensor
@@ -183,10 +179,6 @@ class DecodeStep:
     local_kv: torch.Tensor
     local_table: torch.Tensor
     topk: int
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.q.shape[0])
 
 
 def build_decode(

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardattn._checks import check_scale
 from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 from shardattn.plan.kv_format import KV_FP8_DS_MLA, kv_format_name
 from shardattn.plan.spec import ModelSpec
@@ -100,7 +101,8 @@ class ServingMirror:
         self.dtype = getattr(torch, spec.dtype)
         self.gen = torch.Generator().manual_seed(seed)
         self.requests: dict[Hashable, _Req] = {}
-        self.scale = spec.softmax_scale if scale is None else scale
+        # a ModelSpec's softmax_scale is always set once built (GQA: head_dim ** -0.5), as the Runtime's default
+        self.scale = check_scale("scale", spec.softmax_scale if scale is None else scale)
 
     # -- random inputs -------------------------------------------------------------------------
     def _randn(self, *shape: int) -> torch.Tensor:
