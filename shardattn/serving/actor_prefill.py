@@ -23,7 +23,7 @@ Every step returns ``(out, lse or None)`` of the rows and heads it was given, to
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -107,7 +107,7 @@ class PrefillSteps:
         kv_new = [part.index_select(0, ids).to(dev) for part in shared["kv"]]
         cached = any(starts)
         if rt.spec.kind == "gqa":  # every KV head: PCP splits tokens, not heads
-            heads = (0, rt.spec.num_kv_heads)
+            heads = [(0, rt.spec.num_kv_heads)] * self.world_size
             kv_cache, block_table = self._prefix_pages(table, starts, (0, 1), heads) if cached else (None, None)
             return rt.prefill(
                 q, kv_cache, kv_new=(kv_new[0], kv_new[1]), block_table=block_table, plan=plan, sinks=self.sinks,
@@ -131,9 +131,11 @@ class PrefillSteps:
         block_table: torch.Tensor | None
         kv_new: tuple[torch.Tensor, ...] | None = None
         if rt.decode_is_dcp:
-            lo, hi = head_tp_kv_heads(rt.spec.num_heads, rt.spec.num_kv_heads, self.world_size, self.rank)
+            heads = [head_tp_kv_heads(rt.spec.num_heads, rt.spec.num_kv_heads, self.world_size, r)
+                     for r in range(self.world_size)]  # fmt: skip
+            lo, hi = heads[self.rank]
             kv_new = tuple(part[:, lo:hi].to(dev).contiguous() for part in shared["kv"])
-            kv_cache, block_table = self._prefix_pages(table, starts, (0, 1), (lo, hi)) if any(starts) else (None, None)
+            kv_cache, block_table = self._prefix_pages(table, starts, (0, 1), heads) if any(starts) else (None, None)
         else:  # the cache holds this rank's KV heads of every token, the new ones included
             kv_cache, block_table = (self.cache.pages[0], self.cache.pages[1]), table.to(dev)
         return rt.prefill(
@@ -146,12 +148,13 @@ class PrefillSteps:
         table: torch.Tensor,
         starts: list[int],
         components: tuple[int, ...] = (0,),
-        heads: tuple[int, int] | None = None,
+        heads: Sequence[tuple[int, int]] | None = None,
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """The cached prefixes as a step-local paged copy, the same on every rank (an all-gather of
-        the interleaved shards), with its ``[B, M]`` int32 block table. Per component of
-        ``components``: flat ``[R, D]`` rows (sparse MLA, as PCP reads them), or with ``heads``
-        (``[start, stop)`` of a GQA row's KV heads) paged ``[R / page_size, page_size, stop - start, D]``."""
+        """The cached prefixes as a step-local paged copy gathered from the interleaved shards, with
+        its ``[B, M]`` int32 block table. Per component of ``components``: flat ``[R, D]`` rows (sparse
+        MLA, as PCP reads them; an all-gather), or with ``heads`` (per rank, ``[start, stop)`` of a
+        GQA row's KV heads that rank keeps; an all-to-all of just those) paged ``[R / page_size,
+        page_size, stop - start, D]`` of this rank's heads."""
         p = self.cache.page_size
         pages = [-(-n // p) for n in starts]
         block_table = torch.zeros(len(starts), max(1, max(pages)), dtype=torch.int32)
@@ -161,10 +164,11 @@ class PrefillSteps:
             first += k
         copies = []
         for i in components:
-            prefixes = self.cache.gather_full(table, starts, self.comm, i)
+            prefixes = self.cache.gather_full(table, starts, self.comm, i, heads)
             row = self.cache.row_specs[i][0]
             if heads is not None:
-                prefixes, row = [x[:, heads[0] : heads[1]] for x in prefixes], (heads[1] - heads[0], *row[1:])
+                lo, hi = heads[self.rank]
+                row = (hi - lo, *row[1:])
             rows = self.cache.flat(i).new_zeros(max(1, sum(pages)) * p, *row)
             for b, n in enumerate(starts):
                 row0 = int(block_table[b, 0]) * p  # a request's pages are consecutive

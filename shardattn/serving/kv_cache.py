@@ -158,23 +158,38 @@ class RankKVCache:
             else:
                 self.flat(i).index_copy_(0, dst, mine)
 
-    def gather_full(self, table: torch.Tensor, lens: Sequence[int], comm: Comm, i: int = 0) -> list[torch.Tensor]:
+    def gather_full(
+        self,
+        table: torch.Tensor,
+        lens: Sequence[int],
+        comm: Comm,
+        i: int = 0,
+        heads: Sequence[tuple[int, int]] | None = None,
+    ) -> list[torch.Tensor]:
         """Tokens ``[0, lens[b])`` of every request ``b``, in global order, on every rank.
 
         ``table``: ``[B, M]`` int32 block table of the requests (host; index math runs on the CPU).
+        ``heads``: per rank, ``[start, stop)`` of the KV heads (dim 1 of a GQA row) that rank
+        receives; ``None``: whole rows.
 
-        Under a split layout every rank sends its own rows (one uneven all-gather over ``comm``:
-        every rank must call this with the same ``lens``); a replicated cache reads locally.
+        Under a split layout every rank sends its own rows: one uneven all-gather over ``comm``, or
+        where ``heads`` differ between ranks one all-to-all that sends each rank only its heads
+        (every rank must call this with the same ``lens`` and ``heads``); a replicated cache reads
+        locally.
 
         Returns:
-            ``B`` tensors ``[lens[b], *row]`` of component ``i``.
+            ``B`` tensors ``[lens[b], *row]`` of component ``i`` (with ``heads``: ``[lens[b],
+            stop - start, *row[1:]]``, this rank's heads).
         """
         lay, w = self.layout, self.layout.world_size
-        out = [self.flat(i).new_empty((n, *self.row_specs[i][0])) for n in lens]
+        row = self.row_specs[i][0]
+        if heads is not None:
+            lo, hi = heads[self.rank]
         if w == 1:
             pos, req = request_positions([0] * len(lens), lens)
             _, flat_rows = self._slots(pos, req, table)
             rows = self.flat(i).index_select(0, flat_rows.to(self.device))
+            rows = rows if heads is None else rows[:, lo:hi]
             return list(rows.split([int(n) for n in lens]))
         mine = [lay.owned_positions(int(n), self.rank) for n in lens]
         pos = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64)
@@ -182,7 +197,15 @@ class RankKVCache:
         _, flat_rows = self._slots(pos, req, table)
         local = self.flat(i).index_select(0, flat_rows.to(self.device))
         sizes = [sum(lay.local_len(int(n), r) for n in lens) for r in range(w)]
-        parts = comm.all_gather_uneven(local, sizes)
+        if heads is None or len(set(heads)) == 1:  # whole rows, or the same heads for every rank
+            parts = comm.all_gather_uneven(local if heads is None else local[:, lo:hi].contiguous(), sizes)
+            row = tuple(parts[0].shape[1:])
+        else:  # each rank's heads of every local row, sent to it alone
+            pieces = [local[:, a:b].reshape(-1, *row[1:]) for a, b in heads]
+            got = comm.all_to_all(torch.cat(pieces), [len(x) for x in pieces], [n * (hi - lo) for n in sizes])
+            parts = [x.view(n, hi - lo, *row[1:]) for x, n in zip(got.split([n * (hi - lo) for n in sizes]), sizes)]
+            row = (hi - lo, *row[1:])
+        out = [self.flat(i).new_empty((n, *row)) for n in lens]
         for r, part in enumerate(parts):
             start = 0
             for b, n in enumerate(lens):

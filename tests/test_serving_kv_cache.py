@@ -1,0 +1,62 @@
+"""A pool rank's KV-cache shard: rows written at their owners and gathered back, whole or by KV head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardattn.plan.context import DCPLayout
+from shardattn.serving.kv_cache import RankKVCache
+
+LENS = [5, 0, 11, 1]  # tokens of each request (one with none)
+PAGE = 4
+
+
+def _rows(kv_heads: int) -> list[torch.Tensor]:
+    """Every request's K ``[n, Hkv, 8]`` and V ``[n, Hkv, 4]`` rows, request-major (the same on every rank)."""
+    gen = torch.Generator().manual_seed(3)
+    n = sum(LENS)
+    return [torch.randn(n, kv_heads, 8, generator=gen), torch.randn(n, kv_heads, 4, generator=gen)]
+
+
+def _gather(group: dist.ProcessGroup, kv_heads: int, interleave: int, heads: list[tuple[int, int]]) -> list:
+    from shardattn.parallel.comm import Comm
+
+    comm = Comm(group)
+    pages = -(-max(LENS) // PAGE)
+    table = torch.arange(len(LENS) * pages, dtype=torch.int32).view(len(LENS), pages)
+    cache = RankKVCache(
+        [((kv_heads, 8), torch.float32), ((kv_heads, 4), torch.float32)], num_pages=len(LENS) * pages,
+        page_size=PAGE, layout=DCPLayout(comm.world_size, interleave), rank=comm.rank, device=torch.device("cpu"),
+    )  # fmt: skip
+    cache.write(table, [0] * len(LENS), LENS, _rows(kv_heads))
+    return [
+        (cache.gather_full(table, LENS, comm, i), cache.gather_full(table, LENS, comm, i, heads)) for i in range(2)
+    ]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("world_size", "kv_heads", "interleave", "heads"),
+    [
+        (2, 2, 1, [(0, 1), (1, 2)]),  # a KV head a rank: one all-to-all
+        (3, 6, 2, [(0, 2), (2, 4), (4, 6)]),
+        (4, 2, 1, [(0, 1), (0, 1), (1, 2), (1, 2)]),  # fewer KV heads than ranks: each kept by two
+        (3, 4, 1, [(1, 3), (0, 4), (3, 4)]),  # uneven ranges
+        (2, 3, 2, [(0, 3), (0, 3)]),  # every rank every head: the all-gather
+    ],
+    ids=["2-a-head-each", "3-I2", "4-replicated", "3-uneven", "2-all-heads"],
+)
+def test_gather_full_returns_global_rows_and_each_ranks_heads(
+    dist_pool, world_size: int, kv_heads: int, interleave: int, heads: list[tuple[int, int]]
+) -> None:
+    results = dist_pool.run(_gather, kv_heads, interleave, heads, world_size=world_size)
+    expect = [part.split(LENS) for part in _rows(kv_heads)]
+    for r, per_component in enumerate(results):
+        lo, hi = heads[r]
+        for i, (whole, mine) in enumerate(per_component):
+            assert [tuple(x.shape) for x in mine] == [(n, hi - lo, 8 if i == 0 else 4) for n in LENS]
+            for b in range(len(LENS)):
+                torch.testing.assert_close(whole[b], expect[i][b], rtol=0, atol=0)
+                torch.testing.assert_close(mine[b], expect[i][b][:, lo:hi], rtol=0, atol=0)
