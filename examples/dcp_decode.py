@@ -10,6 +10,8 @@ attends over the local shard, and merges the partial outputs by their log-sum-ex
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -42,12 +44,12 @@ def main(group: dist.ProcessGroup) -> None:
 
     # the whole cache, as one process would hold it (contiguous pages per request)
     pages = [-(-n // page) for n in CONTEXT]
-    first = torch.tensor([0, *pages]).cumsum(0)
+    first = list(itertools.accumulate(pages, initial=0))  # each request's first page
     table = torch.full((len(CONTEXT), max(pages)), -1, dtype=torch.int32)
     for b, n in enumerate(pages):
         table[b, :n] = torch.arange(first[b], first[b] + n)
     table = table.to(device)
-    kv = torch.randn(int(first[-1]) * page, spec.head_dim, generator=gen, device=device).to(dtype)
+    kv = torch.randn(first[-1] * page, spec.head_dim, generator=gen, device=device).to(dtype)
     seq_lens = torch.tensor(CONTEXT, dtype=torch.int32, device=device)
 
     # this rank's shard: its tokens of each request, in local order, in pages of its own

@@ -175,14 +175,14 @@ async def serve(args: argparse.Namespace, pool: RayRankPool, spec: ModelSpec) ->
         await asyncio.sleep(delay)
         n = rng.randint(*args.prompt)
         t0 = time.perf_counter()
-        req = mirror.prefill_request(i, n)
-        check(req, await service.submit("prefill", req))
+        prefill = mirror.prefill_request(i, n)
+        check(prefill, await service.submit("prefill", prefill))
         ttft.append(time.perf_counter() - t0)
         counts["prefill_tokens"] += n
         for _ in range(args.max_new_tokens):
             t1 = time.perf_counter()
-            req = mirror.decode_request(i)
-            check(req, await service.submit("decode", req))
+            decode = mirror.decode_request(i)
+            check(decode, await service.submit("decode", decode))
             itl.append(time.perf_counter() - t1)
             counts["decode_tokens"] += 1
         service.free(i)

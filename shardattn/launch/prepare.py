@@ -121,12 +121,11 @@ def prepare_gqa_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
 
     def reference() -> tuple[torch.Tensor, torch.Tensor]:
         cu = torch.tensor([0, *g.query_lens], device=dev).cumsum(0).to(torch.int32)
-        out = gqa_prefill(
+        return gqa_prefill(
             g.q, g.k, g.v, cu, k_cache=g.k_cache, v_cache=g.v_cache, block_table=g.block_table,
             prefix_lens=torch.tensor(g.prefix_lens, dtype=torch.int32, device=dev), sinks=g.sinks, scale=rt.scale,
             window_left=window, return_lse=True, backend="reference",
         )  # fmt: skip
-        return with_lse(out, "gqa_prefill")
 
     positions = [p + j for p, n in zip(g.prefix_lens, g.query_lens) for j in range(n)]
     pairs = sum(p + 1 for p in (positions[i] for i in mine.tolist()))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Literal, overload
 
 import torch
 
@@ -136,6 +137,30 @@ def gqa_decode_workspace_numel(total_q: int, num_q_heads: int, head_dim: int, nu
     return split_partials_numel(num_splits, total_q, num_q_heads, head_dim)
 
 
+@overload
+def gqa_paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    *, q_len_per_req: int | None = ..., cu_q_lens: torch.Tensor | None = ..., max_q_len: int | None = ...,
+    causal: bool = ..., window_left: int = ..., sinks: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
+    scale: float | None = ..., backend: str = ..., out: torch.Tensor | None = ..., lse_out: torch.Tensor | None = ...,
+    workspace: torch.Tensor | None = ...,
+) -> torch.Tensor: ...  # fmt: skip
+@overload
+def gqa_paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    *, q_len_per_req: int | None = ..., cu_q_lens: torch.Tensor | None = ..., max_q_len: int | None = ...,
+    causal: bool = ..., window_left: int = ..., sinks: torch.Tensor | None = ..., return_lse: Literal[True],
+    scale: float | None = ..., backend: str = ..., out: torch.Tensor | None = ..., lse_out: torch.Tensor | None = ...,
+    workspace: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+@overload
+def gqa_paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    *, q_len_per_req: int | None = ..., cu_q_lens: torch.Tensor | None = ..., max_q_len: int | None = ...,
+    causal: bool = ..., window_left: int = ..., sinks: torch.Tensor | None = ..., return_lse: bool = ...,
+    scale: float | None = ..., backend: str = ..., out: torch.Tensor | None = ..., lse_out: torch.Tensor | None = ...,
+    workspace: torch.Tensor | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 def gqa_paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,

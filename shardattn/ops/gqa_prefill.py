@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import Literal, overload
 
 import torch
 
@@ -235,6 +236,27 @@ def _check_inputs(
     return prefix.k_cache, prefix
 
 
+@overload
+def gqa_prefill(
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cu_q_lens: torch.Tensor, *,
+    k_cache: torch.Tensor | None = ..., v_cache: torch.Tensor | None = ..., block_table: torch.Tensor | None = ...,
+    prefix_lens: torch.Tensor | None = ..., sinks: torch.Tensor | None = ..., window_left: int = ...,
+    scale: float | None = ..., return_lse: Literal[False] = ..., backend: str = ...,
+) -> torch.Tensor: ...  # fmt: skip
+@overload
+def gqa_prefill(
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cu_q_lens: torch.Tensor, *,
+    k_cache: torch.Tensor | None = ..., v_cache: torch.Tensor | None = ..., block_table: torch.Tensor | None = ...,
+    prefix_lens: torch.Tensor | None = ..., sinks: torch.Tensor | None = ..., window_left: int = ...,
+    scale: float | None = ..., return_lse: Literal[True], backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+@overload
+def gqa_prefill(
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cu_q_lens: torch.Tensor, *,
+    k_cache: torch.Tensor | None = ..., v_cache: torch.Tensor | None = ..., block_table: torch.Tensor | None = ...,
+    prefix_lens: torch.Tensor | None = ..., sinks: torch.Tensor | None = ..., window_left: int = ...,
+    scale: float | None = ..., return_lse: bool = ..., backend: str = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 def gqa_prefill(
     q: torch.Tensor,
     k: torch.Tensor | None,

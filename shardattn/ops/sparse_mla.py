@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
@@ -123,6 +123,27 @@ def sparse_mla_reference(
     return out, lse
 
 
+@overload
+def sparse_mla_attention(
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, *, scale: float,
+    v_dim: int = ..., topk_length: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    return_lse: Literal[True] = ..., out: torch.Tensor | None = ..., lse_out: torch.Tensor | None = ...,
+    q_ready: Callable[[], None] | None = ..., prepared_union: PreparedUnion | None = ..., kv_format: str | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+@overload
+def sparse_mla_attention(
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, *, scale: float,
+    v_dim: int = ..., topk_length: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    return_lse: Literal[False], out: torch.Tensor | None = ..., lse_out: torch.Tensor | None = ...,
+    q_ready: Callable[[], None] | None = ..., prepared_union: PreparedUnion | None = ..., kv_format: str | None = ...,
+) -> torch.Tensor: ...  # fmt: skip
+@overload
+def sparse_mla_attention(
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, *, scale: float,
+    v_dim: int = ..., topk_length: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    return_lse: bool = ..., out: torch.Tensor | None = ..., lse_out: torch.Tensor | None = ...,
+    q_ready: Callable[[], None] | None = ..., prepared_union: PreparedUnion | None = ..., kv_format: str | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 def sparse_mla_attention(
     q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     kv: torch.Tensor,

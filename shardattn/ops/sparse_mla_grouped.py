@@ -30,6 +30,7 @@ Duplicate rows within one query's list are one key on every path (the reference 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, overload
 
 import torch
 
@@ -77,6 +78,33 @@ def _union_views(union: tuple[torch.Tensor, torch.Tensor], rows_shape, g: int):
     return u.view(-1)[: groups * width].view(groups, width), lens.view(-1)[:groups]
 
 
+@overload
+def sparse_mla_grouped_prefill(
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, *, scale: float,
+    v_dim: int = ..., topk_length: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    group_size: int | None = ..., return_lse: Literal[True] = ...,
+    union: tuple[torch.Tensor, torch.Tensor] | None = ..., out: torch.Tensor | None = ...,
+    lse_out: torch.Tensor | None = ..., q_ready: Callable[[], None] | None = ..., rows_sorted: bool = ...,
+    prepared_union: PreparedUnion | None = ..., kv_format: str | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+@overload
+def sparse_mla_grouped_prefill(
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, *, scale: float,
+    v_dim: int = ..., topk_length: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    group_size: int | None = ..., return_lse: Literal[False],
+    union: tuple[torch.Tensor, torch.Tensor] | None = ..., out: torch.Tensor | None = ...,
+    lse_out: torch.Tensor | None = ..., q_ready: Callable[[], None] | None = ..., rows_sorted: bool = ...,
+    prepared_union: PreparedUnion | None = ..., kv_format: str | None = ...,
+) -> torch.Tensor: ...  # fmt: skip
+@overload
+def sparse_mla_grouped_prefill(
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, rows: torch.Tensor, *, scale: float,
+    v_dim: int = ..., topk_length: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    group_size: int | None = ..., return_lse: bool = ...,
+    union: tuple[torch.Tensor, torch.Tensor] | None = ..., out: torch.Tensor | None = ...,
+    lse_out: torch.Tensor | None = ..., q_ready: Callable[[], None] | None = ..., rows_sorted: bool = ...,
+    prepared_union: PreparedUnion | None = ..., kv_format: str | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 def sparse_mla_grouped_prefill(
     q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     kv: torch.Tensor,

@@ -14,6 +14,7 @@ new tokens, sinks, left window); the PCP step is :mod:`shardattn.parallel.gqa_pr
 from __future__ import annotations
 
 import functools
+from typing import Literal, overload
 
 import torch
 
@@ -59,6 +60,27 @@ def head_tp_kv_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: i
     return first, first + 1
 
 
+@overload
+def gqa_prefill_head_tp(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor, group: GroupLike | Comm, *,
+    num_kv_heads: int, k_cache: torch.Tensor | None = ..., v_cache: torch.Tensor | None = ...,
+    block_table: torch.Tensor | None = ..., prefix_lens: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    window_left: int = ..., scale: float | None = ..., return_lse: Literal[False] = ..., backend: str = ...,
+) -> torch.Tensor: ...  # fmt: skip
+@overload
+def gqa_prefill_head_tp(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor, group: GroupLike | Comm, *,
+    num_kv_heads: int, k_cache: torch.Tensor | None = ..., v_cache: torch.Tensor | None = ...,
+    block_table: torch.Tensor | None = ..., prefix_lens: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    window_left: int = ..., scale: float | None = ..., return_lse: Literal[True], backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+@overload
+def gqa_prefill_head_tp(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor, group: GroupLike | Comm, *,
+    num_kv_heads: int, k_cache: torch.Tensor | None = ..., v_cache: torch.Tensor | None = ...,
+    block_table: torch.Tensor | None = ..., prefix_lens: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    window_left: int = ..., scale: float | None = ..., return_lse: bool = ..., backend: str = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 def gqa_prefill_head_tp(
     q: torch.Tensor,
     k: torch.Tensor,

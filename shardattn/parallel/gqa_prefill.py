@@ -33,6 +33,7 @@ with ``gather_output``), plus the agreement check with ``check=True``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 
@@ -185,6 +186,30 @@ def _check_pcp(
     return fingerprint, prefix, keys
 
 
+@overload
+def gqa_prefill_pcp(
+    q: torch.Tensor, k_new: torch.Tensor | None, v_new: torch.Tensor | None, plan: PCPPlan, group: GroupLike | Comm, *,
+    k_cache: torch.Tensor | None = ..., v_cache: torch.Tensor | None = ..., block_table: torch.Tensor | None = ...,
+    sinks: torch.Tensor | None = ..., window_left: int = ..., scale: float | None = ..., gather_output: bool = ...,
+    backend: str = ..., check: bool = ..., segments: PCPSegments | None = ..., kernel: SegmentKernel | None = ...,
+    return_lse: Literal[True] = ..., launches: FA4Launches | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+@overload
+def gqa_prefill_pcp(
+    q: torch.Tensor, k_new: torch.Tensor | None, v_new: torch.Tensor | None, plan: PCPPlan, group: GroupLike | Comm, *,
+    k_cache: torch.Tensor | None = ..., v_cache: torch.Tensor | None = ..., block_table: torch.Tensor | None = ...,
+    sinks: torch.Tensor | None = ..., window_left: int = ..., scale: float | None = ..., gather_output: bool = ...,
+    backend: str = ..., check: bool = ..., segments: PCPSegments | None = ..., kernel: SegmentKernel | None = ...,
+    return_lse: Literal[False], launches: FA4Launches | None = ...,
+) -> tuple[torch.Tensor, None]: ...  # fmt: skip
+@overload
+def gqa_prefill_pcp(
+    q: torch.Tensor, k_new: torch.Tensor | None, v_new: torch.Tensor | None, plan: PCPPlan, group: GroupLike | Comm, *,
+    k_cache: torch.Tensor | None = ..., v_cache: torch.Tensor | None = ..., block_table: torch.Tensor | None = ...,
+    sinks: torch.Tensor | None = ..., window_left: int = ..., scale: float | None = ..., gather_output: bool = ...,
+    backend: str = ..., check: bool = ..., segments: PCPSegments | None = ..., kernel: SegmentKernel | None = ...,
+    return_lse: bool = ..., launches: FA4Launches | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # fmt: skip
 def gqa_prefill_pcp(
     q: torch.Tensor,
     k_new: torch.Tensor | None,

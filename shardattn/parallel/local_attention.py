@@ -3,8 +3,9 @@
 ShardQ (:func:`~shardattn.parallel.shardq.shardq_prefill`) and PCP
 (:func:`~shardattn.parallel.pcp.pcp_prefill`) take that kernel as ``attention=``: a callable like
 :func:`~shardattn.ops.sparse_mla.sparse_mla_attention`, which the steps always call with
-``return_lse=True``. :func:`with_lse` is the ``(out, lse)`` of such a call (or of any call asked
-for its LSE: an op's ``return_lse=True``, a Runtime step that returns it).
+``return_lse=True``. :func:`with_lse` is the ``(out, lse)`` of such a call, checked at run time
+(the callable is the caller's), or of a Runtime step (whose options may leave the LSE out). The
+library's ops need no such check: called with ``return_lse=True`` they are typed ``(out, lse)``.
 """
 
 from __future__ import annotations

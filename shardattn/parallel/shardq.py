@@ -28,6 +28,8 @@ collective at all.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from shardattn._checks import (
@@ -122,6 +124,30 @@ def _check_inputs(
     )
 
 
+@overload
+def shardq_prefill(
+    q_heads_local: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, plan: ShardPlan, group: GroupLike | Comm, *,
+    scale: float, v_dim: int = ..., topk_length: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    return_lse: Literal[True] = ..., attention: AttentionFn = ..., check: bool = ..., chunks: int | None = ...,
+    align: int = ..., taper: bool = ..., one_union: bool = ..., workspace: dict[str, torch.Tensor] | None = ...,
+    out: torch.Tensor | None = ..., lse_out: torch.Tensor | None = ..., kv_format: str | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+@overload
+def shardq_prefill(
+    q_heads_local: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, plan: ShardPlan, group: GroupLike | Comm, *,
+    scale: float, v_dim: int = ..., topk_length: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    return_lse: Literal[False], attention: AttentionFn = ..., check: bool = ..., chunks: int | None = ...,
+    align: int = ..., taper: bool = ..., one_union: bool = ..., workspace: dict[str, torch.Tensor] | None = ...,
+    out: torch.Tensor | None = ..., lse_out: torch.Tensor | None = ..., kv_format: str | None = ...,
+) -> torch.Tensor: ...  # fmt: skip
+@overload
+def shardq_prefill(
+    q_heads_local: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, plan: ShardPlan, group: GroupLike | Comm, *,
+    scale: float, v_dim: int = ..., topk_length: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+    return_lse: bool = ..., attention: AttentionFn = ..., check: bool = ..., chunks: int | None = ...,
+    align: int = ..., taper: bool = ..., one_union: bool = ..., workspace: dict[str, torch.Tensor] | None = ...,
+    out: torch.Tensor | None = ..., lse_out: torch.Tensor | None = ..., kv_format: str | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 def shardq_prefill(
     q_heads_local: torch.Tensor,
     kv: torch.Tensor,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -252,18 +252,11 @@ def run_prefill_step(
         return attention(
             q, given.kv_cache, rows, scale=scale, v_dim=v, topk_length=topk_length, sinks=local_sinks, return_lse=True
         )
-    result = shardq_prefill(
+    return shardq_prefill(
         q, given.kv_cache, rows, plan.shard, comm, scale=scale, v_dim=v, topk_length=topk_length, sinks=sinks,
         attention=attention, check=check, chunks=chunks, taper=taper, align=plan.route.group_size,
         one_union=one_union, workspace=shardq_workspace,
     )  # fmt: skip
-    return _with_lse(result)
-
-
-def _with_lse(result: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of a call made with ``return_lse=True`` (the default of the prefill ops and
-    steps called here), whose declared result also covers ``return_lse=False`` (``out`` alone)."""
-    return cast("tuple[torch.Tensor, torch.Tensor]", result)
 
 
 def workspace_prefill_attention(
@@ -312,11 +305,10 @@ def workspace_prefill_attention(
         sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g, rows_sorted=rows_sorted
     )
     if prepared_union is not None or route.path == "reference" or t == 0 or k == 0:
-        result = call(
+        return call(
             q, rows=rows, topk_length=topk_length, sinks=sinks, out=out, lse_out=lse_out, q_ready=q_ready,
             prepared_union=prepared_union,
         )  # fmt: skip
-        return _with_lse(result)
     per_pass = min(union_ws.numel() // (k * 4), lens_ws.numel() // 4 * g) // g * g
     if per_pass < 1:
         raise WorkspaceExceededError(
@@ -348,7 +340,7 @@ def _tokens(x: torch.Tensor, t0: int, t1: int, plain_dims: int) -> torch.Tensor:
 
 
 def _one_pass(
-    call: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
+    call: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     q: torch.Tensor,
     rows: torch.Tensor,
     length: torch.Tensor | None,
@@ -364,7 +356,6 @@ def _one_pass(
     n_groups = -(-rows.shape[0] // g)
     union = union_ws[: n_groups * g * k * 4].view(torch.int32).view(n_groups, g * k)
     lens = lens_ws[: n_groups * 4].view(torch.int32)
-    result = call(
+    return call(
         q, rows=rows, topk_length=length, sinks=sinks, union=(union, lens), out=out, lse_out=lse_out, q_ready=q_ready
     )
-    return _with_lse(result)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -110,6 +110,18 @@ class RequestSteps(RankCalls):
         }
         return outputs
 
+    @overload
+    def prefill(
+        self, requests: Sequence[PrefillRequest], *, return_lse: Literal[False] = ...
+    ) -> list[torch.Tensor | None]: ...
+    @overload
+    def prefill(
+        self, requests: Sequence[PrefillRequest], *, return_lse: Literal[True]
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]: ...
+    @overload
+    def prefill(
+        self, requests: Sequence[PrefillRequest], *, return_lse: bool = ...
+    ) -> list[torch.Tensor | None] | list[tuple[torch.Tensor, torch.Tensor] | None]: ...
     def prefill(self, requests: Sequence[PrefillRequest], *, return_lse: bool = False) -> list[Any]:
         """Write the requests' new KV rows into the ranks' caches and, with queries, attend.
 
@@ -140,6 +152,16 @@ class RequestSteps(RankCalls):
                 packed = pack_step("prefill", requests, self.shapes, self.book)
                 return self._run_prefill(packed, return_lse, t0)
 
+    @overload
+    def decode(self, requests: Sequence[DecodeRequest], *, return_lse: Literal[False] = ...) -> list[torch.Tensor]: ...
+    @overload
+    def decode(
+        self, requests: Sequence[DecodeRequest], *, return_lse: Literal[True]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+    @overload
+    def decode(
+        self, requests: Sequence[DecodeRequest], *, return_lse: bool = ...
+    ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]: ...
     def decode(self, requests: Sequence[DecodeRequest], *, return_lse: bool = False) -> list[Any]:
         """One decode step of prefilled requests (DCP under ``mixed`` / ``dcp-decode``), as request
         objects: each is checked (errors name the request), then the step runs as :meth:`decode_batch`.
@@ -167,6 +189,21 @@ class RequestSteps(RankCalls):
                 self.last_step["assemble_ms"] += (time.perf_counter() - t_split) * 1e3
                 return result
 
+    @overload
+    def decode_batch(
+        self, request_ids: Any, q: torch.Tensor, topk_pos: torch.Tensor | None = ..., *, query_lens: Any = ...,
+        kv: Any = ..., return_lse: Literal[False] = ..., out: torch.Tensor | None = ..., view: bool = ...,
+    ) -> tuple[torch.Tensor, None]: ...  # fmt: skip
+    @overload
+    def decode_batch(
+        self, request_ids: Any, q: torch.Tensor, topk_pos: torch.Tensor | None = ..., *, query_lens: Any = ...,
+        kv: Any = ..., return_lse: Literal[True], out: torch.Tensor | None = ..., view: bool = ...,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+    @overload
+    def decode_batch(
+        self, request_ids: Any, q: torch.Tensor, topk_pos: torch.Tensor | None = ..., *, query_lens: Any = ...,
+        kv: Any = ..., return_lse: bool = ..., out: torch.Tensor | None = ..., view: bool = ...,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # fmt: skip
     def decode_batch(
         self,
         request_ids: Any,
