@@ -776,7 +776,8 @@ def test_shm_falls_back_to_the_compiled_graph_off_host(ray_instance, monkeypatch
     [
         ("exit", "rank 1", "actor died"),
         ("raise", "rank 1", "RuntimeError: injected fault in decode on rank 1"),
-        ("hang", "rank 0", "ranks [0, 1] did not answer within 5 s"),  # the hung rank holds its peer in a collective
+        # the hung rank holds its peer in a collective: the one that entered fewer collectives is named
+        ("hang", "rank 1", "ranks [0, 1] did not answer within 5 s (hung or dead); rank 1 entered"),
     ],
     ids=["exit", "raise", "hang"],
 )

@@ -258,6 +258,8 @@ class RankActor(PrefillSteps, ShmDecode):
             "step_running_s": time.perf_counter() - self._step_t0 if self.state in ("prefill", "decode") else None,
             "rss_bytes": _rss_bytes(),
             "cache_bytes": self.cache.nbytes if self.cache is not None else 0,
+            # collectives entered on this rank (counted as they start; a CUDA graph's replays add none)
+            "collectives": sum(c.counts.total() for c in (self.comm, getattr(self.runtime, "comm", None)) if c),
             "workspace_bytes": self.runtime.workspace_bytes if self.runtime is not None else 0,
         }
         if self.device.type == "cuda":

@@ -86,7 +86,9 @@ class CompiledSteps:
                 results.append(ray.get(ref, timeout=max(1e-3, deadline - time.monotonic())))
             except (TimeoutError, ray.exceptions.GetTimeoutError):
                 late = list(range(r, len(refs)))
-                raise RankStepError(r, f"ranks {late} did not answer within {timeout_s:g} s (hung or dead)") from None
+                raise RankStepError(
+                    r, f"ranks {late} did not answer within {timeout_s:g} s (hung or dead)", late
+                ) from None
             except ray.exceptions.RayError as e:
                 raise RankStepError(self._rank_of(e, r), describe_ray_error(e)) from None
         return results

@@ -6,6 +6,8 @@ module import time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from shardattn.errors import PlacementTimeoutError, RankFailedError
 
 __all__ = [
@@ -19,11 +21,12 @@ __all__ = [
 
 
 class RankStepError(Exception):
-    """Internal: one rank's part of a call failed (the pool turns it into :class:`RankFailedError`)."""
+    """Internal: one rank's part of a call failed (the pool turns it into :class:`RankFailedError`).
+    ``late``: the ranks that had not answered when the call timed out (empty: not a timeout)."""
 
-    def __init__(self, rank: int, cause: str) -> None:
+    def __init__(self, rank: int, cause: str, late: Sequence[int] = ()) -> None:
         super().__init__(f"rank {rank}: {cause}")
-        self.rank, self.cause = rank, cause
+        self.rank, self.cause, self.late = rank, cause, tuple(late)
 
 
 def describe_ray_error(exc: BaseException) -> str:

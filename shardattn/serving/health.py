@@ -8,7 +8,7 @@ from typing import Any
 
 from shardattn.serving.errors import describe_ray_error
 
-__all__ = ["HEALTH_GROUP", "rank_reports"]
+__all__ = ["HEALTH_GROUP", "holding_up", "rank_reports"]
 
 #: the actors' concurrency group of :meth:`~shardattn.serving.actor.RankActor.health`
 HEALTH_GROUP = "health"
@@ -31,3 +31,33 @@ def rank_reports(actors: Sequence[Any], wait_s: float) -> list[dict[str, Any]]:
         except ray.exceptions.RayError as e:
             reports.append({"rank": r, "state": "dead", "cause": describe_ray_error(e)})
     return reports
+
+
+def holding_up(reports: Sequence[dict[str, Any]], late: Sequence[int]) -> tuple[int, str] | None:
+    """Which of the ``late`` ranks (a step's call timed out waiting for them) the others wait for,
+    and why, from their health ``reports``: one whose health check went unanswered too, else the
+    one that entered the fewest collectives (the others, further on, wait in a collective for it);
+    ``None`` where the reports do not set one apart (a hang inside a collective every rank entered,
+    or collectives replayed in a CUDA graph, which the counts do not see).
+
+    >>> reports = [{"rank": 0, "state": "decode", "collectives": 9}, {"rank": 1, "state": "decode", "collectives": 8}]
+    >>> holding_up(reports, [0, 1])
+    (1, 'entered 8 collectives; ranks [0] entered 9 and wait in a collective for it')
+    """
+    by_rank = {h["rank"]: h for h in reports}
+    silent = [r for r in late if by_rank.get(r, {}).get("state") == "unresponsive"]
+    if silent and len(silent) < len(late):
+        return silent[0], "did not answer its health check either"
+    counts: dict[int, int] = {}
+    for r in late:
+        entered = by_rank.get(r, {}).get("collectives")
+        if entered is None:  # a rank with no count (dead, or no report): nothing to compare
+            return None
+        counts[r] = int(entered)
+    if len(set(counts.values())) < 2:
+        return None
+    low = min(counts.values())
+    ahead = [r for r in late if counts[r] > low]
+    rank = next(r for r in late if counts[r] == low)
+    most = max(counts.values())
+    return rank, f"entered {low} collectives; ranks {ahead} entered {most} and wait in a collective for it"

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardattn.serving.errors import RankFailedError, describe_ray_error
-from shardattn.serving.health import rank_reports
+from shardattn.serving.health import holding_up, rank_reports
 from shardattn.serving.placement import kill_actors
 
 __all__ = ["RankCalls"]
@@ -45,13 +45,20 @@ class RankCalls:
         if not self._actors:
             raise RuntimeError("the pool is shut down")
 
-    def _fail(self, rank: int, cause: str, operation: str) -> RankFailedError:
-        """Break the pool: ``rank`` failed ``operation`` (or, if another rank died first, that one)."""
+    def _fail(self, rank: int, cause: str, operation: str, late: Sequence[int] = ()) -> RankFailedError:
+        """Break the pool: ``rank`` failed ``operation`` (or, if another rank died first, that one;
+        ``late``: the ranks that had not answered when the call timed out, of which the one the
+        others wait for is named, where their health reports tell: :func:`holding_up`)."""
         if not cause.startswith("actor died"):
+            reports = rank_reports(self._actors, min(2.0, self.timeout_s))
             # a rank whose collective broke because a peer died reports that as its own error
-            dead = [h["rank"] for h in rank_reports(self._actors, min(2.0, self.timeout_s)) if h["state"] == "dead"]
+            dead = [h["rank"] for h in reports if h["state"] == "dead"]
+            held = holding_up(reports, late) if late and not dead else None
             if dead and rank not in dead:
                 rank, cause = dead[0], f"actor died (then rank {rank}: {cause})"
+            elif held is not None:
+                rank, why = held
+                cause = f"{cause}; rank {rank} {why}"
         err = RankFailedError(rank, cause, operation)
         self._broken = err
         kill_actors(self._actors)  # survivors may wait in a collective for the dead rank: stop them too
@@ -75,9 +82,8 @@ class RankCalls:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 missing = sorted(pending.values())
-                raise self._fail(
-                    missing[0], f"ranks {missing} did not answer within {self.timeout_s:g} s (hung or dead)", operation
-                )
+                cause = f"ranks {missing} did not answer within {self.timeout_s:g} s (hung or dead)"
+                raise self._fail(missing[0], cause, operation, missing)
             for ref in ready:
                 rank = pending.pop(ref)
                 try:

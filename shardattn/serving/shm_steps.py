@@ -192,7 +192,9 @@ class ShmSteps:
                 return
             now = time.perf_counter()
             if now - t0 > timeout_s:
-                raise RankStepError(pending[0], f"ranks {pending} did not answer within {timeout_s:g} s (hung or dead)")
+                raise RankStepError(
+                    pending[0], f"ranks {pending} did not answer within {timeout_s:g} s (hung or dead)", pending
+                )
             if now >= next_check and self._loops:  # a dead rank never rings
                 next_check = now + 0.02
                 ended = self._ended_loops()

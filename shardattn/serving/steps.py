@@ -314,7 +314,7 @@ class RequestSteps(RankCalls):
                 self._decoder, self._actors, self._call, batch, table, return_lse, self.heads_per_rank, self.timeout_s
             )
         except RankStepError as e:
-            raise self._fail(e.rank, e.cause, "decode") from None
+            raise self._fail(e.rank, e.cause, "decode", e.late) from None
         except Exception:  # on the driver, before the ranks were told to run: the step did not happen
             if self._broken is None:
                 self.book.undo_growth(batch.slots, batch.counts)
