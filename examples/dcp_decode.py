@@ -66,6 +66,7 @@ def main(group: dist.ProcessGroup) -> None:
     rows, _ = convert_topk(topk_pos, req, table, block_size=page, seq_lens=seq_lens)
     ref, _ = sparse_mla_reference(q, kv, rows, scale=SCALE, v_dim=spec.v_dim)
     err = (out.float() - ref[:, rank * h : (rank + 1) * h].float()).abs().max().item()
+    assert lse is not None  # the default DecodeOptions return the LSE
     print(
         f"rank {rank}: holds {kv_local.shape[0]} of {kv.shape[0]} KV rows; out {tuple(out.shape)}, "
         f"lse {tuple(lse.shape)} ({rt.decode_route.path}); max error vs one process {err:.2e}"

@@ -65,6 +65,7 @@ def main(group: dist.ProcessGroup) -> None:
 
     ref, _ = gqa_paged_decode_reference(q, k, v, table, seq_lens, cu_q_lens, sinks=sinks, scale=SCALE)
     err = (out.float() - ref[:, rank * h : (rank + 1) * h].float()).abs().max().item()
+    assert lse is not None  # the default DecodeOptions return the LSE
     print(
         f"rank {rank}: drafts {DRAFTS} -> out {tuple(out.shape)}, lse {tuple(lse.shape)} "
         f"({rt.decode_route.path}); graphs: {rt.cudagraph_support('decode').name}; max error {err:.2e}"

@@ -60,6 +60,7 @@ def main(group: dist.ProcessGroup) -> None:
     ref_out, _ = sparse_mla_reference(q, kv, rows, scale=SCALE, v_dim=spec.v_dim)
     err = (out.float() - ref_out[:, rank * h : (rank + 1) * h].float()).abs().max().item()
     plan = rt.plan_prefill(QUERY_LENS, CACHED)
+    assert lse is not None and plan.token_plan is not None  # the default options' LSE; a ShardQ plan's tokens
     print(
         f"rank {rank}: q {tuple(q_local.shape)} -> out {tuple(out.shape)}, lse {tuple(lse.shape)}; "
         f"ran {int(plan.token_plan.counts[rank])} tokens x {spec.num_heads} heads ({plan.route.path}); "

@@ -19,6 +19,22 @@ def test_every_public_name_is_its_home_module_object(name):
     assert getattr(shardattn, name) is getattr(home, name)
 
 
+def test_the_type_stub_names_every_public_name_from_its_home_module():
+    """``shardattn/__init__.pyi`` gives type checkers the names ``__getattr__`` loads: the same table."""
+    import ast
+    from pathlib import Path
+
+    stub = ast.parse((Path(shardattn.__file__).parent / "__init__.pyi").read_text())
+    typed = {
+        alias.asname: node.module
+        for node in stub.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.asname == alias.name
+    }
+    assert typed == shardattn._PUBLIC
+
+
 def test_importing_the_package_imports_neither_torch_nor_triton():
     code = "import shardattn, sys; print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -21,6 +21,8 @@ An engine that writes each new token straight to its owner keeps its shard this 
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from shardattn._checks import check_int, check_tensor
@@ -32,6 +34,16 @@ __all__ = ["shard_kv_cache"]
 KVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
+@overload
+def shard_kv_cache(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: object, layout: DCPLayout, rank: int, *,
+    page_size: int | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+@overload
+def shard_kv_cache(
+    kv_cache: tuple[torch.Tensor, torch.Tensor], block_table: torch.Tensor, seq_lens: object, layout: DCPLayout,
+    rank: int, *, page_size: int | None = ...,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]: ...  # fmt: skip
 def shard_kv_cache(
     kv_cache: KVCache,
     block_table: torch.Tensor,
