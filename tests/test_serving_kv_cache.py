@@ -31,9 +31,7 @@ def _gather(group: dist.ProcessGroup, kv_heads: int, interleave: int, heads: lis
         page_size=PAGE, layout=DCPLayout(comm.world_size, interleave), rank=comm.rank, device=torch.device("cpu"),
     )  # fmt: skip
     cache.write(table, [0] * len(LENS), LENS, _rows(kv_heads))
-    return [
-        (cache.gather_full(table, LENS, comm, i), cache.gather_full(table, LENS, comm, i, heads)) for i in range(2)
-    ]
+    return [(cache.gather_full(table, LENS, comm, i), cache.gather_full(table, LENS, comm, i, heads)) for i in range(2)]
 
 
 @pytest.mark.distributed
