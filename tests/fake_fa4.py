@@ -10,7 +10,8 @@ conversions (LSE layout, window tuple, page-table clamping, key offsets) are exe
 * masks bottom-right: query ``i`` of ``m``, ``L`` keys: ``j <= i + L - m`` (causal, or a right
   window ``i + L - m + right``), ``j >= i + L - m - left`` (left window);
 * ``learnable_sink [H]``: a natural-log logit in the denominator, not scaled;
-* returns ``(out [T, H, D] in q's dtype, lse [H, T] fp32 natural log)``.
+* returns ``(out [T, H, D] in q's dtype, lse [H, T] fp32 natural log)``; like FA4 it computes the
+  LSE where ``return_lse`` asks for it or an input requires grad.
 
 It also asserts what FA4 asserts (int32 metadata, shapes) and what its cp.async path needs (every
 page-table entry inside the cache), records each call's keyword arguments in ``calls``, and keeps
@@ -197,13 +198,14 @@ class FakeFA4:
         if learnable_sink is not None:
             assert learnable_sink.shape == (heads,)
         causal, local, left, right = _resolve_window(causal, window_size)
+        with_lse = return_lse or q.requires_grad or k.requires_grad or v.requires_grad  # as FA4 allocates it
         key = (
-            q.dtype, q.shape[-1], heads // hkv, causal, local, learnable_sink is not None, return_lse,
+            q.dtype, q.shape[-1], heads // hkv, causal, local, learnable_sink is not None, with_lse,
             cu_seqlens_k is None, seqused_k is None, page_table is not None,
             page_table is not None and k.shape[1] == 128, batch > 256,
         )  # fmt: skip
         out = torch.empty(t_q, heads, v.shape[-1], dtype=q.dtype, device=q.device)
-        lse = torch.empty(heads, t_q, dtype=torch.float32, device=q.device) if return_lse else None
+        lse = torch.empty(heads, t_q, dtype=torch.float32, device=q.device) if with_lse else None
         scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         seqlen_k = k.shape[0] * k.shape[1] if page_table is not None else k.shape[0]
         if seqlen_k == 0 or t_q == 0:  # FA4 returns before any kernel

@@ -182,6 +182,24 @@ def test_a_call_that_does_not_fit_the_resolved_form_takes_the_public_path(which:
     assert form.fast_calls == 1
 
 
+def test_a_form_resolved_by_a_call_with_grad_returns_no_lse_where_none_was_asked() -> None:
+    """FA4 computes the LSE for an input that requires grad; a form resolved by such a call keeps
+    that LSE, and ``fa4_paged(return_lse=False)`` still returns none."""
+    fake = FakeFA4()
+    private, _ = check_fast_launch(FAST_LAUNCH_VERSION, fake.interface)
+    launches = FA4Launches()
+    plan = _paged_inputs(0)  # the plan's tensors, the same object every layer
+    for layer in range(3):  # the first call, with grad, takes the public path and resolves the form
+        x = _paged_inputs(layer)
+        q = x["q"].clone().requires_grad_(layer == 0)
+        out, lse = fa4.fa4_paged(
+            q, x["kc"], x["vc"], plan["table"], plan["cu"], plan["k_len"], causal=True, window_left=-1,
+            sinks=x["sinks"], scale=0.25, return_lse=False, fn=fake, launches=launches, private=private,
+        )  # fmt: skip
+        assert lse is None and out.shape == q.shape, layer
+    assert len(launches.forms) == 1 and launches.forms[0].fast_calls == 2
+
+
 class _CopyingFA4(FakeFA4):
     """A FA4 whose public function hands its kernel a copy of q (as FA4 does for a misaligned q)."""
 

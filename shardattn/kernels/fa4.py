@@ -219,8 +219,12 @@ def _run(
             return_lse=return_lse, sinks=sinks is not None,
         )  # fmt: skip
         if launch is not None:
-            out, lse = launch(q, k, v, sinks)  # lse: None unless return_lse
-            return out, (None if lse is None else lse_tokens_major(lse))
+            out, lse = launch(q, k, v, sinks)  # an LSE where the form was resolved with one
+            if not return_lse:
+                return out, None
+            if lse is None:
+                raise RuntimeError("FA4's fast launch returned no LSE for a call that asked for it")
+            return out, lse_tokens_major(lse)
     fn = get_fa4() if fn is None else fn
     if fn is None:
         raise RuntimeError(f"FA4 cannot run: {_load()[1]}")

@@ -299,14 +299,15 @@ class FA4Launch:
         return self.scalars[4] and sinks.shape == self._out[0][1:2] and sinks.device == self._out[2]
 
     def _launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None) -> tuple:
+        kernel = self._kernel
+        if kernel is None:
+            raise RuntimeError("the FA4 fast launch has no compiled kernel yet")
         shape, dtype, device = self._out
         out = torch.empty(shape, dtype=dtype, device=device)
         lse = None if self._lse_shape is None else torch.empty(self._lse_shape, dtype=torch.float32, device=device)
         args = self._args.copy()
         args[_Q], args[_K], args[_V], args[_OUT], args[_LSE], args[_SINK] = q, k, v, out, lse, sinks
-        if self._kernel is None:
-            raise RuntimeError("the FA4 fast launch has no compiled kernel yet")
-        self._kernel(*args)
+        kernel(*args)
         self.fast_calls += 1
         return out, lse
 
