@@ -167,10 +167,17 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
         return catch(shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16, sinks=torch.zeros(2 * w + 1))
     elif problem == "rows-int64":
         rows = rows.long()
+    elif problem.startswith("attention-returns-the-output-alone"):  # a custom kernel, sharded or head-TP
+        plan = zigzag_split(case["seq_lens"], w, min_tokens=0 if problem.endswith("sharded") else 100)
+        return catch(
+            shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16,
+            attention=lambda *a, **kw: sparse_mla_attention(*a, **kw)[0],
+        )  # fmt: skip
     return catch(shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16)
 
 
 REJECTED = "ValueError: ShardQ plan and inputs: rank(s) [1] of 3 rejected their inputs"
+OUTPUT_ALONE = "TypeError: attention must return (out, lse) when asked for the LSE, got the output alone"
 
 
 @pytest.mark.distributed
@@ -183,6 +190,8 @@ REJECTED = "ValueError: ShardQ plan and inputs: rank(s) [1] of 3 rejected their 
         ("plan-world-size", ["ValueError: plan is for world_size=4, but the group has 3 ranks"] * 3),
         ("sinks-for-wrong-head-count", ["ValueError: sinks must have shape [6], got [7]"] * 3),
         ("rows-int64", ["TypeError: rows must have dtype in (int32), got int64"] * 3),
+        ("attention-returns-the-output-alone-sharded", [OUTPUT_ALONE] * 3),
+        ("attention-returns-the-output-alone-head-tp", [OUTPUT_ALONE] * 3),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
 )

@@ -47,7 +47,7 @@ import torch
 
 from shardattn.ops.prepared_union import PreparedUnion, prepare_union
 from shardattn.parallel.comm import Comm, Pending
-from shardattn.parallel.local_attention import AttentionFn
+from shardattn.parallel.local_attention import AttentionFn, with_lse
 from shardattn.parallel.packing import view_bytes
 from shardattn.plan.pipeline import CHUNK_ALIGN, PipelinePlan
 from shardattn.plan.zigzag import ShardPlan
@@ -215,10 +215,10 @@ def run_pipelined(
         if n_c[c]:  # reads q in place from the receive buffer, writes into the send buffers;
             # its union build (rows only) is issued before it waits for chunk c's queries
             union_kw = {} if unions[c] is None else {"prepared_union": unions[c]}
-            attention(
+            with_lse(attention(
                 q_recv, kv, rows_c[c], scale=scale, v_dim=v_dim, sinks=sinks, return_lse=True, topk_length=len_c[c],
                 out=o_send, lse_out=l_send, q_ready=lambda c=c: query_ready(c), **union_kw,
-            )  # fmt: skip
+            ))  # fmt: skip
         query_ready(c)  # idempotent; a rank with no token in chunk c still issues chunk c + 1's exchange
         if gathered:  # whole send buffers out; the peers' outputs land in the (read) query receive buffer
             parts: list[tuple[tuple[int, ...], torch.dtype]] = [((pipe.count(i, c), h, v_dim), q.dtype) for i in peers]
