@@ -31,7 +31,13 @@ def _gather(group: dist.ProcessGroup, kv_heads: int, interleave: int, heads: lis
         page_size=PAGE, layout=DCPLayout(comm.world_size, interleave), rank=comm.rank, device=torch.device("cpu"),
     )  # fmt: skip
     cache.write(table, [0] * len(LENS), LENS, _rows(kv_heads))
-    return [(cache.gather_full(table, LENS, comm, i), cache.gather_full(table, LENS, comm, i, heads)) for i in range(2)]
+    results = []
+    for i in range(2):
+        whole = cache.gather_full(table, LENS, comm, i)
+        comm.reset_counts()
+        mine = cache.gather_full(table, LENS, comm, i, rank_heads=heads)
+        results.append((whole, mine, dict(comm.counts)))
+    return results
 
 
 @pytest.mark.distributed
@@ -43,8 +49,9 @@ def _gather(group: dist.ProcessGroup, kv_heads: int, interleave: int, heads: lis
         (4, 2, 1, [(0, 1), (0, 1), (1, 2), (1, 2)]),  # fewer KV heads than ranks: each kept by two
         (3, 4, 1, [(1, 3), (0, 4), (3, 4)]),  # uneven ranges
         (2, 3, 2, [(0, 3), (0, 3)]),  # every rank every head: the all-gather
+        (1, 2, 1, [(1, 2)]),  # one rank: its cache read in place
     ],
-    ids=["2-a-head-each", "3-I2", "4-replicated", "3-uneven", "2-all-heads"],
+    ids=["2-a-head-each", "3-I2", "4-replicated", "3-uneven", "2-all-heads", "1-rank"],
 )
 def test_gather_full_returns_global_rows_and_each_ranks_heads(
     dist_pool, world_size: int, kv_heads: int, interleave: int, heads: list[tuple[int, int]]
@@ -53,7 +60,11 @@ def test_gather_full_returns_global_rows_and_each_ranks_heads(
     expect = [part.split(LENS) for part in _rows(kv_heads)]
     for r, per_component in enumerate(results):
         lo, hi = heads[r]
-        for i, (whole, mine) in enumerate(per_component):
+        for i, (whole, mine, counts) in enumerate(per_component):
+            # each rank's heads alone: one all-to-all where they differ, the all-gather where not
+            assert counts == (
+                {} if world_size == 1 else {"all_gather": 1} if len(set(heads)) == 1 else {"all_to_all": 1}
+            )
             assert [tuple(x.shape) for x in mine] == [(n, hi - lo, 8 if i == 0 else 4) for n in LENS]
             for b in range(len(LENS)):
                 torch.testing.assert_close(whole[b], expect[i][b], rtol=0, atol=0)

@@ -51,7 +51,7 @@ from shardattn._checks import (
 )
 from shardattn.kernels import fa4, fa4_warmup
 from shardattn.kernels.fa4_launch import FA4Private
-from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel, SegmentKernel, TorchSegmentKernel, with_lse
+from shardattn.ops.gqa_prefill_kernels import FA4SegmentKernel, SegmentKernel, TorchSegmentKernel, require_lse
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments
 from shardattn.plan.routing import Route
 
@@ -317,7 +317,7 @@ def gqa_prefill(
     )  # fmt: skip
     if not return_lse:
         return result[0]
-    out, lse = with_lse(result)
+    out, lse = require_lse(result)
     return out, lse.contiguous()
 
 

@@ -20,14 +20,14 @@ from shardattn.ops.gqa_prefill_reference import segment_attention_reference
 if TYPE_CHECKING:
     from shardattn.ops.gqa_prefill_segments import Segments
 
-__all__ = ["FA4SegmentKernel", "KernelResult", "SegmentKernel", "TorchSegmentKernel", "with_lse"]
+__all__ = ["FA4SegmentKernel", "KernelResult", "SegmentKernel", "TorchSegmentKernel", "require_lse"]
 
 Tensor = torch.Tensor
 #: ``(out [T, H, D], lse [T, H] fp32)``; ``lse`` is ``None`` only for a call made with ``return_lse=False``.
 KernelResult = tuple[torch.Tensor, torch.Tensor | None]
 
 
-def with_lse(result: KernelResult) -> tuple[Tensor, Tensor]:
+def require_lse(result: KernelResult) -> tuple[Tensor, Tensor]:
     """The ``(out, lse)`` of a call made with ``return_lse=True``, which always has its LSE."""
     out, lse = result
     if lse is None:

@@ -45,12 +45,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from shardattn.kernels.fa4_launch import FA4Launches
-from shardattn.ops.gqa_prefill_kernels import SegmentKernel, with_lse
+from shardattn.ops.gqa_prefill_kernels import SegmentKernel, require_lse
 from shardattn.ops.lse_merge import run_lse_merge
 
 __all__ = [
@@ -104,11 +105,8 @@ class Segments:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
 
-        return Segments(
-            self.cu_q.to(device), self.stop.to(device), self.token_offsets.to(device), req=move(self.req),
-            token_request=move(self.token_request), seg_first=move(self.seg_first),
-            seg_prefix=move(self.seg_prefix), seg_keys=move(self.seg_keys),
-        )  # fmt: skip
+        moved: dict[str, Any] = {f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **moved)
 
     def of_segments(self, per_request: torch.Tensor) -> torch.Tensor:
         """``per_request[req[s]]`` for every segment (the tensor itself when segments are requests)."""
@@ -335,7 +333,7 @@ def attend_segments(
     partial = None
     if prefix is not None and window_left < 0:  # the split form: the prefix in place, first
         table = kernel.table(prefix.block_table, segments, prefix.k_cache.shape[0])
-        partial = with_lse(kernel.paged(
+        partial = require_lse(kernel.paged(
             q, prefix.k_cache, prefix.v_cache, table, segments.cu_q, segments.prefix_of_segments(prefix.lens),
             causal=False, window_left=-1, sinks=None, scale=scale, return_lse=True, launches=launches,
         ))  # fmt: skip
@@ -358,7 +356,7 @@ def attend_segments(
         q, k_buf, v_buf, segments.cu_q, cu_k, k_len, causal=True, return_lse=need_lse, launches=planned, **kw
     )
     if partial is not None:
-        new_out, new_lse = with_lse(result)
+        new_out, new_lse = require_lse(result)
         result = run_lse_merge(torch.stack([new_out, partial[0]]), torch.stack([new_lse, partial[1]]))
     out, lse = result
     return out, (lse if return_lse else None)

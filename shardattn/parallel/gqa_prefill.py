@@ -91,7 +91,7 @@ class PCPSegments:
 
 
 @dataclass(frozen=True)
-class _Checked:
+class _RankInputs:
     """What one rank's checked PCP inputs run on: its share of the plan, the cached prefix it reads
     (``None``: none) and the segment kernel."""
 
@@ -271,7 +271,7 @@ def gqa_prefill_pcp(
         # q[ids] [T_r, 64, 64] -> out [T_r, 64, 64], lse [T_r, 64]
     """
     comm = Comm.wrap(group)
-    checked: _Checked | None = None
+    checked: _RankInputs | None = None
 
     def validate() -> int:
         nonlocal checked
@@ -292,7 +292,7 @@ def gqa_prefill_pcp(
         if not isinstance(return_lse, bool) or (gather_output and not return_lse):
             raise ValueError(f"return_lse must be a bool, True with gather_output, got {return_lse!r}")
         kern = segment_kernel(gqa_prefill_route(q, keys, backend=backend)) if kernel is None else kernel
-        checked = _Checked(mine, prefix, kern)
+        checked = _RankInputs(mine, prefix, kern)
         return fingerprint
 
     comm.agree_on("GQA PCP plan and inputs", validate, check=check)
@@ -318,6 +318,8 @@ def gqa_prefill_pcp(
             window_left=window_left, sinks=sinks, scale=d**-0.5 if scale is None else scale, new_rows=new_rows,
             keys_ready=keys_ready, return_lse=return_lse, launches=launches if segments is not None else None,
         )  # fmt: skip
-        if not gather_output or lse is None:  # gather_output comes with return_lse (checked)
+        if not gather_output:
             return out, lse
+        if lse is None:  # the checks refuse gather_output without return_lse
+            raise RuntimeError("gather_output needs the LSE (return_lse=True)")
         return gather_pcp_outputs(out, lse, comm, plan.shard.padded_count, mine.kv_row)

@@ -105,12 +105,11 @@ def as_index(
     name: str, value: torch.Tensor | Sequence[int] | None, device: torch.device | None = None
 ) -> torch.Tensor | None: ...
 def as_index(name: str, value: object, device: torch.device | None = None) -> object:
-    """An index or length argument as int32: ``None`` stays ``None``; a host list becomes a tensor
-    on ``device``; an int64 (or narrower integer) tensor is converted once (values checked on the
-    CPU, saturated on a device: see the module docstring). Other dtypes pass through unchanged,
-    for the step's own check to name. The overloads state the contract for the declared argument
-    types (a tensor, or a list or tuple of ints, comes back a tensor); a value of any other type
-    passes through unchanged too, for the step's check to name.
+    """An index or length argument as int32: ``None`` stays ``None``; a host sequence of ints (a
+    list, tuple or range) becomes a tensor on ``device``; an int64 (or narrower integer) tensor is
+    converted once (values checked on the CPU, saturated on a device: see the module docstring).
+    Other dtypes, and values of any other type, pass through unchanged, for the step's own check
+    to name (the overloads state the contract for the declared argument types).
 
     >>> as_index("rows", torch.arange(3)).dtype
     torch.int32
@@ -121,7 +120,7 @@ def as_index(name: str, value: object, device: torch.device | None = None) -> ob
     """
     if value is None:
         return None
-    if isinstance(value, list | tuple):
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):  # a list, tuple, range
         try:
             value = torch.tensor(value)
         except (TypeError, ValueError, RuntimeError):

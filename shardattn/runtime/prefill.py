@@ -36,7 +36,15 @@ from shardattn.plan.zigzag import ShardPlan
 from shardattn.runtime.args import as_index, check_paged_rows, check_queries
 from shardattn.runtime.workspace import WorkspaceExceededError
 
-__all__ = ["PrefillPlan", "check_prefill_inputs", "run_prefill_step", "shardq_buffers", "workspace_prefill_attention"]
+__all__ = [
+    "PCPInputs",
+    "PrefillPlan",
+    "RowInputs",
+    "check_prefill_inputs",
+    "run_prefill_step",
+    "shardq_buffers",
+    "workspace_prefill_attention",
+]
 
 #: ``shardq_prefill`` workspace key -> the Runtime's workspace item (``prefill.<item>``).
 SHARDQ_BUFFERS = (

@@ -246,7 +246,7 @@ class RankActor(PrefillSteps, ShmDecode):
 
     # -- reporting and leaving -----------------------------------------------------------------
     def health(self) -> dict[str, Any]:
-        """State, memory and last step time of this rank (answers even while a step runs)."""
+        """State, memory, last step time and collectives entered of this rank (answers even while a step runs)."""
         report: dict[str, Any] = {
             "rank": self.rank,
             "state": self.state,
@@ -258,7 +258,8 @@ class RankActor(PrefillSteps, ShmDecode):
             "step_running_s": time.perf_counter() - self._step_t0 if self.state in ("prefill", "decode") else None,
             "rss_bytes": _rss_bytes(),
             "cache_bytes": self.cache.nbytes if self.cache is not None else 0,
-            # collectives entered on this rank (counted as they start; a CUDA graph's replays add none)
+            # collectives entered on this rank (counted as they start, a reduce-scatter once it returns; a CUDA
+            # graph's replays add none)
             "collectives": sum(c.counts.total() for c in (self.comm, getattr(self.runtime, "comm", None)) if c),
             "workspace_bytes": self.runtime.workspace_bytes if self.runtime is not None else 0,
         }

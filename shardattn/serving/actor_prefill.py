@@ -153,8 +153,9 @@ class PrefillSteps:
         """The cached prefixes as a step-local paged copy gathered from the interleaved shards, with
         its ``[B, M]`` int32 block table. Per component of ``components``: flat ``[R, D]`` rows (sparse
         MLA, as PCP reads them; an all-gather), or with ``heads`` (per rank, ``[start, stop)`` of a
-        GQA row's KV heads that rank keeps; an all-to-all of just those) paged ``[R / page_size,
-        page_size, stop - start, D]`` of this rank's heads."""
+        GQA row's KV heads that rank keeps: an all-to-all of just those where they differ between
+        ranks, else an all-gather) paged ``[R / page_size, page_size, stop - start, D]`` of this
+        rank's heads."""
         p = self.cache.page_size
         pages = [-(-n // p) for n in starts]
         block_table = torch.zeros(len(starts), max(1, max(pages)), dtype=torch.int32)
@@ -164,7 +165,7 @@ class PrefillSteps:
             first += k
         copies = []
         for i in components:
-            prefixes = self.cache.gather_full(table, starts, self.comm, i, heads)
+            prefixes = self.cache.gather_full(table, starts, self.comm, i, rank_heads=heads)
             row = self.cache.row_specs[i][0]
             if heads is not None:
                 lo, hi = heads[self.rank]

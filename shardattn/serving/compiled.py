@@ -85,7 +85,7 @@ class CompiledSteps:
             try:
                 results.append(ray.get(ref, timeout=max(1e-3, deadline - time.monotonic())))
             except (TimeoutError, ray.exceptions.GetTimeoutError):
-                late = list(range(r, len(refs)))
+                late = list(range(r, len(refs)))  # from the first unanswered (later ones may have answered)
                 raise RankStepError(
                     r, f"ranks {late} did not answer within {timeout_s:g} s (hung or dead)", late
                 ) from None

@@ -35,29 +35,27 @@ def rank_reports(actors: Sequence[Any], wait_s: float) -> list[dict[str, Any]]:
 
 def holding_up(reports: Sequence[dict[str, Any]], late: Sequence[int]) -> tuple[int, str] | None:
     """Which of the ``late`` ranks (a step's call timed out waiting for them) the others wait for,
-    and why, from their health ``reports``: one whose health check went unanswered too, else the
-    one that entered the fewest collectives (the others, further on, wait in a collective for it);
-    ``None`` where the reports do not set one apart (a hang inside a collective every rank entered,
-    or collectives replayed in a CUDA graph, which the counts do not see).
+    and why, from their health ``reports``: among the late ranks that answered, the one that entered
+    the fewest collectives (the others have queued more: a hung rank that stopped short of a
+    collective leaves its peers waiting in it); where those counts are level, a late rank whose
+    health check went unanswered too (a rank waiting in a collective still answers). ``None`` where
+    nothing sets one apart (a hang inside a collective every rank entered, or collectives replayed
+    in a CUDA graph, which the counts do not see).
 
     >>> reports = [{"rank": 0, "state": "decode", "collectives": 9}, {"rank": 1, "state": "decode", "collectives": 8}]
     >>> holding_up(reports, [0, 1])
-    (1, 'entered 8 collectives; ranks [0] entered 9 and wait in a collective for it')
+    (1, 'entered 8 collectives, the fewest; ranks [0] entered [9] and wait in a collective for it')
     """
     by_rank = {h["rank"]: h for h in reports}
+    counts = {r: int(by_rank[r]["collectives"]) for r in late if by_rank.get(r, {}).get("collectives") is not None}
     silent = [r for r in late if by_rank.get(r, {}).get("state") == "unresponsive"]
-    if silent and len(silent) < len(late):
-        return silent[0], "did not answer its health check either"
-    counts: dict[int, int] = {}
-    for r in late:
-        entered = by_rank.get(r, {}).get("collectives")
-        if entered is None:  # a rank with no count (dead, or no report): nothing to compare
-            return None
-        counts[r] = int(entered)
-    if len(set(counts.values())) < 2:
-        return None
-    low = min(counts.values())
-    ahead = [r for r in late if counts[r] > low]
-    rank = next(r for r in late if counts[r] == low)
-    most = max(counts.values())
-    return rank, f"entered {low} collectives; ranks {ahead} entered {most} and wait in a collective for it"
+    if len(set(counts.values())) > 1:
+        low = min(counts.values())
+        fewest = [r for r in late if counts.get(r) == low]
+        ahead = [r for r in late if counts.get(r, low) > low]
+        tied = f" (as did ranks {fewest[1:]})" if len(fewest) > 1 else ""
+        why = f"entered {low} collectives, the fewest{tied}; ranks {ahead} entered {[counts[r] for r in ahead]}"
+        return fewest[0], f"{why} and wait in a collective for it"
+    if silent and counts:
+        return silent[0], f"did not answer its health check either (ranks {sorted(counts)} did)"
+    return None

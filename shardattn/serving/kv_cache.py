@@ -164,26 +164,29 @@ class RankKVCache:
         lens: Sequence[int],
         comm: Comm,
         i: int = 0,
-        heads: Sequence[tuple[int, int]] | None = None,
+        rank_heads: Sequence[tuple[int, int]] | None = None,
     ) -> list[torch.Tensor]:
         """Tokens ``[0, lens[b])`` of every request ``b``, in global order, on every rank.
 
         ``table``: ``[B, M]`` int32 block table of the requests (host; index math runs on the CPU).
-        ``heads``: per rank, ``[start, stop)`` of the KV heads (dim 1 of a GQA row) that rank
-        receives; ``None``: whole rows.
+        ``rank_heads``: per rank, ``[start, stop)`` of the KV heads (dim 1 of a GQA row) that rank
+        receives, of a cache that holds whole rows; ``None``: whole rows.
 
         Under a split layout every rank sends its own rows: one uneven all-gather over ``comm``, or
-        where ``heads`` differ between ranks one all-to-all that sends each rank only its heads
-        (every rank must call this with the same ``lens`` and ``heads``); a replicated cache reads
+        where ``rank_heads`` differ between ranks one all-to-all that sends each rank only its heads
+        (every rank must call this with the same ``lens`` and ``rank_heads``); a replicated cache reads
         locally.
 
         Returns:
-            ``B`` tensors ``[lens[b], *row]`` of component ``i`` (with ``heads``: ``[lens[b],
+            ``B`` tensors ``[lens[b], *row]`` of component ``i`` (with ``rank_heads``: ``[lens[b],
             stop - start, *row[1:]]``, this rank's heads).
         """
         lay, w = self.layout, self.layout.world_size
         row = self.row_specs[i][0]
+        heads = rank_heads
         if heads is not None:
+            if self.heads is not None:
+                raise ValueError("rank_heads needs a cache of whole rows; this one keeps only its rank's KV heads")
             lo, hi = heads[self.rank]
         if w == 1:
             pos, req = request_positions([0] * len(lens), lens)

@@ -101,7 +101,8 @@ class RankCalls:
 
         Each rank reports ``state`` (``ready``; ``prefill`` / ``decode`` while a step runs, with
         ``step_running_s``; ``dead``, ``unresponsive``), ``rss_bytes``, ``cache_bytes``,
-        ``workspace_bytes`` (CUDA: allocated / reserved bytes), ``steps`` and ``last_step_s``.
+        ``workspace_bytes`` (CUDA: allocated / reserved bytes), ``steps``, ``last_step_s`` and
+        ``collectives`` (entered so far: what names the rank a timed-out step waits for).
         Answers while a step runs (or is stuck); never raises for a dead rank.
         """
         wait = min(self.timeout_s, 10.0) if timeout_s is None else timeout_s

@@ -19,8 +19,8 @@ __all__ = ["assemble", "pcp_token_ids", "query_parts"]
 
 
 def pcp_token_ids(counts: Sequence[int], starts: Sequence[int], world_size: int) -> list[torch.Tensor]:
-    """``[T_r]`` int64 step-token ids (token order) of each rank's PCP prefill, sparse MLA or GQA
-    (the zigzag split, which the top-k the plan's cost figures take does not change).
+    """``[T_r]`` int64 step-token ids (token order) of each rank's PCP prefill, sparse MLA or GQA:
+    the plan's zigzag split (the top-k changes only the plan's cost figures, not the split).
 
     >>> [t.tolist() for t in pcp_token_ids([8], [0], 2)]
     [[0, 1, 6, 7], [2, 3, 4, 5]]
