@@ -39,6 +39,7 @@ several (different groups, different models) work side by side in one process.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 
@@ -176,8 +177,8 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         self.topk = self.spec.topk if topk is None else check_int("topk", topk, minimum=1)
         rows = self.prefill_options.max_kv_rows
         self.max_kv_rows = self.max_batched_tokens * 16 if rows is None else rows
-        # a ModelSpec's softmax_scale is always set once built (GQA: head_dim ** -0.5), and already checked
-        self.scale = check_scale("scale", self.spec.softmax_scale if scale is None else scale)
+        spec_scale = cast(float, self.spec.softmax_scale)  # set and checked once a ModelSpec is built
+        self.scale = spec_scale if scale is None else check_scale("scale", scale)
 
         cost_model = self.prefill_options.cost_model
         self.cost_model = (
