@@ -76,6 +76,56 @@ def test_reference_ignores_what_empty_partials_hold(marker, junk):
     assert_merged(out, lse, ref_out, ref_lse, atol=1e-5)
 
 
+def nan_partials(dtype=torch.float32):
+    """Partials with row (1, 0) broken in one partial (NaN LSE) and row (2, 1) broken in its output
+    alone (NaN values under a finite LSE), beside rows the NaN must not reach."""
+    outs, lses = make_partials(3, 3, 2, 8, dtype, seed=5)
+    lses[:, 1:, :] = torch.randn(3, 2, 2)  # the broken rows' other partials are not empty
+    lses[1, 1, 0] = math.nan
+    outs[2, 2, 1, 3] = math.nan
+    return outs, lses
+
+
+def assert_nan_rows(out, lse, outs, lses):
+    """Rows (1, 0) and (2, 1) NaN where the break reaches (a NaN LSE: the row and its LSE; a NaN
+    output value: that column), every other row the merge of the clean partials."""
+    assert bool(out[1, 0].isnan().all()) and math.isnan(float(lse[1, 0]))
+    assert bool(out[2, 1, 3].isnan()) and not out[2, 1, :3].isnan().any() and math.isfinite(float(lse[2, 1]))
+    clean = torch.ones(3, 2, dtype=torch.bool)
+    clean[1, 0] = False
+    ref_out, ref_lse = loop_merge(torch.where(outs.isnan(), 0, outs), torch.where(lses.isnan(), 0, lses))
+    torch.testing.assert_close(lse[clean].double(), ref_lse[clean], atol=1e-5, rtol=0)
+    keep = clean[..., None].expand(-1, -1, 8).clone()
+    keep[2, 1, 3] = False
+    torch.testing.assert_close(out.double()[keep], ref_out[keep], atol=2e-3, rtol=0)
+
+
+def test_a_nan_partial_makes_its_row_nan_not_empty():
+    """A NaN LSE or a NaN in a non-empty partial's output reaches the merged row (a broken partial is
+    seen, not dropped as empty); the other rows are unaffected."""
+    outs, lses = nan_partials()
+    out, lse = lse_merge(outs, lses)
+    assert_nan_rows(out, lse, outs, lses)
+
+
+def interpreted_nan_cases() -> None:
+    from shardattn.kernels.triton.lse_merge import launch_lse_merge
+
+    outs, lses = nan_partials(torch.float16)
+    for merge in (launch_lse_merge, launch_lse_merge_columns):
+        out = torch.zeros(3, 2, 8, dtype=torch.float16)
+        lse = torch.zeros(3, 2)
+        merge(outs, lses, out, lse)
+        assert_nan_rows(out, lse, outs, lses)
+        print("ok", merge.__name__)
+
+
+@pytest.mark.interpret
+def test_a_nan_partial_makes_its_row_nan_in_both_merge_kernels_under_interpreter():
+    pytest.importorskip("triton", reason="the Triton kernels need triton")
+    assert run_interpreted(__name__, "interpreted_nan_cases").count("ok ") == 2
+
+
 def test_given_destinations_are_filled_in_place():
     outs, lses = make_partials(3, 2, 2, 8)
     out = torch.full((2, 2, 8), float("nan"), dtype=torch.float16)

@@ -65,8 +65,9 @@ def merge_weights(lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     scaled = torch.exp(lses - m_safe)
     total = scaled.sum(dim=0)
-    lse = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(m, -math.inf))
-    weights = scaled / torch.where(total > 0, total, torch.ones_like(total))
+    empty = total == 0  # every partial empty (a NaN LSE gives a NaN total, which propagates)
+    lse = torch.where(empty, torch.full_like(m, -math.inf), m_safe + torch.log(total))
+    weights = scaled / torch.where(empty, torch.ones_like(total), total)
     return weights, lse
 
 
@@ -78,7 +79,7 @@ def weighted(weights: torch.Tensor, outs: torch.Tensor) -> torch.Tensor:
     [[2.0], [0.0]]
     """
     w = weights.unsqueeze(-1)
-    return torch.where(w > 0, w * outs.float(), torch.zeros((), dtype=torch.float32, device=outs.device))
+    return torch.where(w == 0, torch.zeros((), dtype=torch.float32, device=outs.device), w * outs.float())
 
 
 def lse_merge_reference(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -117,9 +117,10 @@ def sparse_mla_reference(
         if sink is not None:
             denom = denom + torch.exp(sink[None, :] - m_safe)
         o = torch.einsum("chk,ckd->chd", p, keys[..., :v_dim])
-        o = o / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None]
+        empty = denom == 0  # no key (a NaN logit gives a NaN sum, which propagates to out and lse)
+        o = o / torch.where(empty, torch.ones_like(denom), denom)[..., None]
         out[t0:t1] = o.to(q.dtype)
-        lse[t0:t1] = torch.where(denom > 0, m_safe + torch.log(denom), torch.full_like(m, -math.inf)).float()
+        lse[t0:t1] = torch.where(empty, torch.full_like(m, -math.inf), m_safe + torch.log(denom)).float()
     return out, lse
 
 

@@ -42,11 +42,11 @@ if HAS_GLUON:
     @gluon.jit
     def _row_lse(m_i, l_i):
         """A finished row's ``(divisor, LSE)`` from its base-2 running max ``m_i`` and sum ``l_i``: the
-        divisor is ``l_i`` (1 for a row with no key), the LSE natural-log (``-inf`` for a row with no key).
-        The Gluon kernels' one finish of the online softmax."""
-        has = l_i > 0.0
-        l_safe = gl.where(has, l_i, 1.0)
-        return l_safe, gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        divisor is ``l_i`` (1 for a row with no key), the LSE natural-log (``-inf`` for a row with no key;
+        a NaN sum, from a NaN logit, gives NaN). The Gluon kernels' one finish of the online softmax."""
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        return l_safe, gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
 
     @gluon.jit
     def _ws_finish(acc, m_i, l_i, out_args, W: gl.constexpr, HAS_SINK: gl.constexpr, G: gl.constexpr):

@@ -193,9 +193,9 @@ if triton is not None:
         w = tl.exp(li - m_safe[None, :])
         total = tl.sum(w, 0)
         # an empty partial (w = 0) contributes nothing, even if its output holds garbage
-        acc = tl.sum(tl.where(w[:, :, None] > 0, w[:, :, None] * o.to(tl.float32), 0.0), 0)
-        res = acc / tl.where(total > 0, total, 1.0)[:, None]
-        return res, tl.where(total > 0, m_safe + tl.log(total), float("-inf"))
+        acc = tl.sum(tl.where(w[:, :, None] == 0, 0.0, w[:, :, None] * o.to(tl.float32)), 0)
+        res = acc / tl.where(total == 0, 1.0, total)[:, None]
+        return res, tl.where(total == 0, float("-inf"), m_safe + tl.log(total))
 
     @triton.jit
     def _lse_merge_kernel(
@@ -249,9 +249,9 @@ if triton is not None:
             o = tl.load(o_ptrs + i * stride_op, mask=omask, other=0.0).to(tl.float32)
             total += w
             # an empty partial (w = 0) contributes nothing, even if its output holds garbage
-            acc += tl.where(w[:, None] > 0, w[:, None] * o, 0.0)
-        lse = tl.where(total > 0, m_safe + tl.log(total), float("-inf"))
-        res = acc / tl.where(total > 0, total, 1.0)[:, None]
+            acc += tl.where(w[:, None] == 0, 0.0, w[:, None] * o)
+        lse = tl.where(total == 0, float("-inf"), m_safe + tl.log(total))
+        res = acc / tl.where(total == 0, 1.0, total)[:, None]
         y_ptrs = Out + t[:, None] * stride_yt + h[:, None] * stride_yh + offs_d[None, :] * stride_yd
         tl.store(y_ptrs, res.to(Out.dtype.element_ty), mask=omask)
         tl.store(Lse + t * stride_zt + h * stride_zh, lse, mask=rmask)

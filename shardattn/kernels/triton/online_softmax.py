@@ -33,9 +33,10 @@ def online_softmax_step(s, m_i, l_i):
 
 @triton.jit
 def online_softmax_finish(acc, m_i, l_i):
-    """Normalise: returns ``(out [M, D] fp32, lse [M] fp32 natural log)``, ``(0, -inf)`` for empty rows."""
-    has = l_i > 0.0
-    l_safe = tl.where(has, l_i, 1.0)
+    """Normalise: returns ``(out [M, D] fp32, lse [M] fp32 natural log)``, ``(0, -inf)`` for empty rows
+    (a NaN sum, from a NaN logit, is not empty: it gives NaN)."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(has, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     return out, lse
