@@ -86,6 +86,46 @@ def check_sink_logits(sinks: object, heads: int, *, device: torch.device | None 
     return sinks
 
 
+def check_pages_in_use(
+    block_table: torch.Tensor, lens: torch.Tensor | Sequence[int], *, page_size: int, num_pages: int, whose: str
+) -> None:
+    """The pages holding each request's first ``lens[b]`` tokens (``block_table[b, :ceil(lens[b] / page_size)]``)
+    are in ``[0, num_pages)``; entries past them are not read and may hold anything (``-1``). Reads
+    ``block_table`` and ``lens``: host values only (the callers check CPU tensors). Raises
+    ``ValueError`` naming ``block_table`` and up to 8 of the requests (``whose``: how the message
+    names them, e.g. ``"requests"``).
+
+    >>> table = torch.tensor([[0, -1], [1, 5]], dtype=torch.int32)
+    >>> check_pages_in_use(table, [3, 4], page_size=4, num_pages=2, whose="requests")
+    >>> check_pages_in_use(table, [3, 5], page_size=4, num_pages=2, whose="requests")
+    Traceback (most recent call last):
+    ...
+    ValueError: block_table holds pages outside [0, 2) for requests [1]
+    """
+    n = torch.as_tensor(lens, dtype=torch.int64).reshape(-1, 1)
+    used = torch.arange(block_table.shape[1]) < (n + page_size - 1) // page_size
+    bad = (((block_table < 0) | (block_table >= num_pages)) & used).any(1).nonzero().flatten()[:8].tolist()
+    if bad:
+        raise ValueError(f"block_table holds pages outside [0, {num_pages}) for {whose} {bad}")
+
+
+def check_queries_fit(seq_lens: Sequence[int], query_lens: Sequence[int]) -> None:
+    """No request has more queries than keys: ``seq_lens[b]`` counts request ``b``'s drafts, so its
+    ``query_lens[b]`` queries sit at positions ``seq_lens[b] - query_lens[b] + j``, none negative
+    (a request of 0 keys is padding, whatever its queries). Host values; raises ``ValueError``
+    naming up to 8 of the requests.
+
+    >>> check_queries_fit([3, 0], [2, 2])
+    >>> check_queries_fit([1, 5], [2, 2])
+    Traceback (most recent call last):
+    ...
+    ValueError: requests [0] have more queries than keys (seq_lens counts the drafts)
+    """
+    short = [b for b, (n, q) in enumerate(zip(seq_lens, query_lens, strict=True)) if 0 < n < q]
+    if short:
+        raise ValueError(f"requests {short[:8]} have more queries than keys (seq_lens counts the drafts)")
+
+
 def check_bool(name: str, value: object) -> bool:
     """``value`` is a bool (not an int)."""
     if not isinstance(value, bool):

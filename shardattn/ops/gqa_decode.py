@@ -41,6 +41,8 @@ from shardattn._checks import (
     check_bool,
     check_choice,
     check_int,
+    check_pages_in_use,
+    check_queries_fit,
     check_same_device,
     check_scale,
     check_sink_logits,
@@ -62,7 +64,7 @@ __all__ = [
 BACKENDS = ("auto", "triton", "flashinfer", "reference")
 
 
-def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_q_lens, window_left, sinks):
+def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_q_lens, max_q_len, window_left, sinks):
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     total_q, hq, d = q.shape
     check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
@@ -79,6 +81,8 @@ def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_
         raise ValueError("give q_len_per_req (uniform drafts) or cu_q_lens (ragged drafts), not both")
     if cu_q_lens is not None:
         check_tensor("cu_q_lens", cu_q_lens, dtypes=INDEX_DTYPES, shape=(batch + 1,))
+        if max_q_len is not None:
+            check_int("max_q_len", max_q_len, minimum=0)
     else:
         q_len = 1 if q_len_per_req is None else check_int("q_len_per_req", q_len_per_req, minimum=1)
         if total_q != batch * q_len:
@@ -103,26 +107,20 @@ def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_
         if bool((seq_lens > block_table.shape[1] * page).any()):
             raise ValueError(f"seq_lens must be <= max_pages * page_size = {block_table.shape[1] * page}")
         if bool(((block_table < 0) | (block_table >= num_pages)).any()):
-            bad = [
-                b
-                for b in range(batch)
-                if bool(
-                    (
-                        (block_table[b, : -(-int(seq_lens[b]) // page)] < 0)
-                        | (block_table[b, : -(-int(seq_lens[b]) // page)] >= num_pages)
-                    ).any()
-                )
-            ]
-            if bad:
-                raise ValueError(f"block_table holds pages outside [0, {num_pages}) for requests {bad[:8]}")
+            check_pages_in_use(block_table, seq_lens, page_size=page, num_pages=num_pages, whose="requests")
         if cu_q_lens is not None:
             cu = cu_q_lens.tolist()
             if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or cu[-1] > total_q:
                 raise ValueError(f"cu_q_lens must start at 0, not decrease and end <= {total_q}, got {cu}")
-            lens = seq_lens.tolist()
-            short = [b for b in range(batch) if lens[b] > 0 and cu[b + 1] - cu[b] > lens[b]]
-            if short:
-                raise ValueError(f"requests {short[:8]} have more queries than keys (seq_lens counts the drafts)")
+            queries = [b - a for a, b in itertools.pairwise(cu)]
+            longest = max(queries, default=0)
+            if max_q_len is not None and max_q_len < longest:  # the Triton kernel's tiles are sized from it
+                raise ValueError(
+                    f"max_q_len must be >= {longest} (the most queries of a request in cu_q_lens), got {max_q_len}"
+                )
+        else:
+            queries = [q_len] * batch
+        check_queries_fit(seq_lens.tolist(), queries)
 
 
 def _xqa():
@@ -187,12 +185,17 @@ def gqa_paged_decode(
         q: ``[total_q, Hq, D]`` fp16/bf16/fp32, requests' queries packed in order.
         k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` in q's dtype (``Hq % Hkv == 0``).
         block_table: ``[B, max_pages]`` int32 page ids per request.
-        seq_lens: ``[B]`` int32 keys per request, drafts included; 0 marks a padded request.
+        seq_lens: ``[B]`` int32 keys per request, drafts included, so at least its queries
+            (checked on the CPU); 0 marks a padded request.
         q_len_per_req: uniform queries per request (``total_q == B * q_len_per_req``); default 1.
         cu_q_lens: ``[B + 1]`` int32 offsets of ragged drafts (0-length requests allowed; rows past
             ``cu_q_lens[-1]`` are padding). Exclusive with ``q_len_per_req``.
-        max_q_len: host bound on the ragged query lengths; without it the CUDA path reads
-            ``cu_q_lens`` (one sync; refused under CUDA-graph capture).
+        max_q_len: host bound on the ragged query lengths: at least the most queries of a request
+            (the Triton kernel's query tiles per request are sized from it). Checked against
+            ``cu_q_lens`` where that is a CPU tensor; on a GPU it is the caller's promise (reading
+            ``cu_q_lens`` back would sync): with a smaller bound the Triton kernel leaves the
+            queries past its tiles ``(0, -inf)``. Without it the CUDA path reads ``cu_q_lens``
+            (one sync; refused under CUDA-graph capture).
         causal: drafts see each other causally (else every query sees all ``L`` keys).
         window_left: sliding window, query at ``p`` sees keys ``[p - window_left, p]``; -1 = off.
         sinks: ``[Hq]`` fp32 sink logits, optional.
@@ -216,7 +219,7 @@ def gqa_paged_decode(
         ((2, 4, 16), True, 0.0)
     """
     check_choice("backend", backend, BACKENDS)
-    _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_q_lens, window_left, sinks)
+    _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_q_lens, max_q_len, window_left, sinks)
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
     total_q, hq, d = q.shape
@@ -225,8 +228,6 @@ def gqa_paged_decode(
         check_tensor("out", out, dtypes=(q.dtype,), shape=(total_q, hq, d), device=q.device)
     if lse_out is not None:
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(total_q, hq), device=q.device)
-    if cu_q_lens is not None and max_q_len is not None:
-        check_int("max_q_len", max_q_len, minimum=0)
     return run_gqa_paged_decode(
         q,
         k_cache,

@@ -44,6 +44,7 @@ from shardattn._checks import (
     check_bool,
     check_choice,
     check_int,
+    check_pages_in_use,
     check_same_device,
     check_scale,
     check_sink_logits,
@@ -137,13 +138,7 @@ def check_prefix_inputs(
         if min(lens) < 0 or max(lens) > capacity:
             raise ValueError(f"prefix_lens must be in [0, max_pages * page_size = {capacity}], got {lens[:8]}")
     if prefix_lens.device.type == "cpu" and block_table.device.type == "cpu" and batch:
-        bad = [
-            b
-            for b, n in enumerate(lens)
-            if bool(((block_table[b, : -(-n // page)] < 0) | (block_table[b, : -(-n // page)] >= num_pages)).any())
-        ]
-        if bad:
-            raise ValueError(f"block_table holds pages outside [0, {num_pages}) for the prefixes of requests {bad[:8]}")
+        check_pages_in_use(block_table, lens, page_size=page, num_pages=num_pages, whose="the prefixes of requests")
     return PagedPrefix(k_cache, v_cache, block_table, prefix_lens, block_table.shape[1] * page)
 
 
@@ -226,6 +221,11 @@ def _check_inputs(
                     f"prefix_lens plus the new tokens must fit the block table ({capacity} positions) when the new "
                     f"keys are in the cache, got {seq[:8]}"
                 )
+            # every page the call reads (block_table is on the CPU with cu_q_lens); the prefixes' passed above
+            num_pages, page = prefix.k_cache.shape[:2]
+            check_pages_in_use(
+                prefix.block_table, seq, page_size=page, num_pages=num_pages, whose="the new tokens of requests"
+            )
     if k is not None:
         return k, prefix
     if prefix is None:  # never: check_new_keys wants k_cache with k = None, check_prefix_inputs the rest with it

@@ -64,12 +64,13 @@ def check_sparse_mla_inputs(
     v_dim: int,
     topk_length: torch.Tensor | None,
     sinks: torch.Tensor | None,
-    scale: object = None,
+    scale: object,
     kv_format: str | None = None,
 ) -> torch.Tensor:
     """Validate the arguments of every sparse-MLA entry (all backends); raises before any kernel runs.
 
-    ``scale`` is checked when given (finite, > 0); the public entries always give it. ``kv`` holds
+    ``scale`` is required (a float, finite and > 0: there is no default, the model's scale is not
+    ``D ** -0.5`` of the absorbed rows; ``None`` is a ``TypeError``). ``kv`` holds
     rows in q's dtype or ``fp8_ds_mla`` rows (``kv_format``: :func:`~shardattn.ops.kv_fp8_layout.resolve_kv`).
     Returns ``kv`` as ``[R, row]`` rows (a paged FP8 cache as a flat view).
     """
@@ -86,8 +87,7 @@ def check_sparse_mla_inputs(
         check_tensor("topk_length", topk_length, dtypes=INDEX_DTYPES, shape=(t,))
     if sinks is not None:
         check_sink_logits(sinks, h)
-    if scale is not None:
-        check_scale("scale", scale)
+    check_scale("scale", scale)
     check_same_device(q=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
     return kv
 

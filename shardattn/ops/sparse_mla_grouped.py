@@ -34,7 +34,7 @@ from typing import Literal, overload
 
 import torch
 
-from shardattn._checks import check_bool
+from shardattn._checks import check_bool, check_int
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason, launch_gluon_attention
 from shardattn.kernels.triton.sparse_mla import (
@@ -175,7 +175,7 @@ def sparse_mla_grouped_prefill(
         return_lse=return_lse, out=out, lse_out=lse_out,
     )  # fmt: skip
     check_bool("rows_sorted", rows_sorted)
-    if group_size is not None and group_size not in GROUP_SIZES:
+    if group_size is not None and check_int("group_size", group_size) not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size!r}")
     if prepared_union is not None:
         check_prepared_union(prepared_union, rows)

@@ -8,12 +8,16 @@ are exact (each draft re-reads its request's local KV); the partials are merged 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from shardattn._checks import (
     INDEX_DTYPES,
     check_choice,
     check_int,
+    check_pages_in_use,
+    check_queries_fit,
     check_same_device,
     check_scale,
     check_tensor,
@@ -148,8 +152,8 @@ def dcp_gqa_decode(
         )  # fmt: skip
         if seq_lens.device.type == "cpu" and b:  # value checks that would stall a GPU: CPU tensors only
             _check_host_values(
-                seq_lens, block_table, layout, comm.rank, pages=pages, page=page, t=t, cu_q_lens=cu_q_lens,
-                meta_lens=meta_lens, meta_req=meta_req,
+                seq_lens, block_table, layout, comm.rank, pages=pages, page=page, t=t, q_len_per_req=q_len_per_req,
+                cu_q_lens=cu_q_lens, meta_lens=meta_lens, meta_req=meta_req,
             )  # fmt: skip
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
         if not check:
@@ -201,6 +205,7 @@ def _check_host_values(
     pages: int,
     page: int,
     t: int,
+    q_len_per_req: int | None,
     cu_q_lens: torch.Tensor | None,
     meta_lens: torch.Tensor | None,
     meta_req: torch.Tensor | None,
@@ -218,15 +223,15 @@ def _check_host_values(
             f"past its block_table's {m} pages of {page}"
         )
     # the pages a request uses on this rank must exist (unused entries may hold anything, e.g. -1)
-    in_use = torch.arange(m) < ((local.long() + page - 1) // page)[:, None]
-    bad = ((block_table < 0) | (block_table >= pages)) & in_use
-    if bool(bad.any()):
-        reqs = bad.any(dim=1).nonzero().flatten()[:8].tolist()
-        raise ValueError(f"block_table holds pages outside [0, {pages}) for requests {reqs}")
+    check_pages_in_use(block_table, local, page_size=page, num_pages=pages, whose="requests")
+    queries = [1 if q_len_per_req is None else q_len_per_req] * b
     if cu_q_lens is not None:
         cu = cu_q_lens.tolist()
         if cu[0] != 0 or cu != sorted(cu) or cu[-1] > t:
             raise ValueError(f"cu_q_lens must start at 0, not decrease and end <= {t}, got {cu}")
+        queries = [hi - lo for lo, hi in itertools.pairwise(cu)]
+    if meta_lens is None:  # meta holds each query's local length, not its request's queries
+        check_queries_fit(seq_lens.tolist(), queries)
     if meta_lens is not None and t and int(meta_lens.max()) > m * page:
         raise ValueError(f"meta[0] holds local lengths past the block_table's {m} pages of {page}")
     if meta_req is not None and t and (int(meta_req.min()) < 0 or int(meta_req.max()) >= b):

@@ -87,7 +87,12 @@ def device_type_of(device_type: object) -> str:
     if isinstance(device_type, torch.device):
         return device_type.type
     if isinstance(device_type, str):
-        return torch.device(device_type).type
+        try:
+            return torch.device(device_type).type
+        except RuntimeError:  # torch's message names no argument
+            raise ValueError(
+                f"device_type must be a device type such as 'cuda' or 'cpu', got {device_type!r}"
+            ) from None
     raise TypeError(f"device_type must be a str or torch.device, got {type(device_type).__name__}")
 
 

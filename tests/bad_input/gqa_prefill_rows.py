@@ -125,6 +125,31 @@ def op_rows() -> list[Row]:
             _op(block_table=torch.tensor([[1, -1], [2, 3]], dtype=torch.int32)),
             Raises(ValueError, r"^block_table holds pages outside \[0, 3\) for the prefixes of requests \[1\]"),
         ),
+        Row(  # regression: the pages of new tokens read from the cache went unchecked (-1: the last page)
+            f"{n}-new-keys-in-cache-page-minus-1",
+            _op(
+                k=None,
+                v=None,
+                prefix_lens=torch.tensor([0, 3], dtype=torch.int32),
+                block_table=torch.tensor([[1, -1], [2, -1]], dtype=torch.int32),
+            ),
+            Raises(ValueError, r"^block_table holds pages outside \[0, 3\) for the new tokens of requests \[1\]"),
+        ),
+        Row(  # regression: a raw IndexError from inside the reference
+            f"{n}-new-keys-in-cache-page-outside-cache",
+            _op(k=None, v=None, block_table=torch.tensor([[3, -1], [2, 0]], dtype=torch.int32)),
+            Raises(ValueError, r"^block_table holds pages outside \[0, 3\) for the new tokens of requests \[0\]"),
+        ),
+        Row(
+            f"{n}-new-keys-in-cache-unread-page-minus-1",  # 1 + 3 tokens: one page read, the -1 after it not
+            _op(
+                k=None,
+                v=None,
+                prefix_lens=torch.tensor([0, 1], dtype=torch.int32),
+                block_table=torch.tensor([[1, -1], [2, -1]], dtype=torch.int32),
+            ),
+            Gives(lambda res: None if bool(res[1].isfinite().all()) else "an empty row"),
+        ),
         Row(f"{n}-cu-on-meta", _op(cu_q_lens=lambda x: x["cu_q_lens"].to(META)), Raises(ValueError, r"cu_q_lens")),
         Row(
             f"{n}-zero-prefix-is-no-prefix",

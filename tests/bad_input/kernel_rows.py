@@ -95,6 +95,11 @@ def _sparse_rows() -> list[Row]:
             Row(f"{name}-scale-zero", _sparse(fn, scale=0.0), Raises(ValueError, r"^scale must be a finite")),
             Row(f"{name}-scale-negative", _sparse(fn, scale=-0.1), Raises(ValueError, r"^scale must be a finite")),
             Row(f"{name}-scale-str", _sparse(fn, scale="0.1"), Raises(TypeError, r"^scale must be a float")),
+            Row(  # regression: None reached the reference, whose product raised a raw TypeError
+                f"{name}-scale-none",
+                _sparse(fn, scale=None),
+                Raises(TypeError, r"^scale must be a float, got NoneType"),
+            ),
             Row(f"{name}-v-dim-too-big", _sparse(fn, v_dim=49), Raises(ValueError, r"^v_dim must be in \(0, 48\]")),
             Row(f"{name}-v-dim-float", _sparse(fn, v_dim=32.0), Raises(TypeError, r"^v_dim must be an int")),
             Row(
@@ -220,6 +225,16 @@ def _sparse_rows() -> list[Row]:
             _sparse(grouped_mod.sparse_mla_grouped_prefill, group_size=3),
             Raises(ValueError, r"^group_size must be one of"),
         ),
+        Row(  # True == 1 and 2.0 == 2: membership in the sizes alone let them through
+            "sparse_mla_grouped_prefill-group-size-bool",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, group_size=True),
+            Raises(TypeError, r"^group_size must be an int, got bool"),
+        ),
+        Row(
+            "sparse_mla_grouped_prefill-group-size-float",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, group_size=2.0),
+            Raises(TypeError, r"^group_size must be an int, got float"),
+        ),
         Row(
             "sparse_mla_grouped_prefill-rows-sorted-int",
             _sparse(grouped_mod.sparse_mla_grouped_prefill, rows_sorted=1),
@@ -257,6 +272,10 @@ def _sparse_rows() -> list[Row]:
         ),
     ]
     return rows
+
+
+def _call(call: Call) -> Any:
+    return call.fn(*call.args, **call.kwargs)
 
 
 def _gqa(**over: Any) -> Callable[[Any], Call]:
@@ -311,6 +330,31 @@ def _gqa_rows() -> list[Row]:
             f"{n}-cu-q-lens-decreasing",
             _gqa(cu_q_lens=torch.tensor([0, 2, 1], dtype=torch.int32)),
             Raises(ValueError, r"^cu_q_lens must start at 0, not decrease"),
+        ),
+        Row(  # regression: the Triton kernel left the queries past max_q_len at (0, -inf)
+            f"{n}-max-q-len-below-longest-draft",
+            _gqa(cu_q_lens=torch.tensor([0, 2, 2], dtype=torch.int32), max_q_len=1),
+            Raises(ValueError, r"^max_q_len must be >= 2 \(the most queries of a request in cu_q_lens\), got 1"),
+        ),
+        Row(
+            f"{n}-max-q-len-above-longest-draft",
+            _gqa(cu_q_lens=torch.tensor([0, 2, 2], dtype=torch.int32), max_q_len=5),
+            Gives(same_as(lambda: _call(_gqa(cu_q_lens=torch.tensor([0, 2, 2], dtype=torch.int32))(None)))),
+        ),
+        Row(
+            f"{n}-more-queries-than-keys-ragged",
+            _gqa(cu_q_lens=torch.tensor([0, 2, 2], dtype=torch.int32), seq_lens=torch.tensor([1, 5]).int()),
+            Raises(ValueError, r"^requests \[0\] have more queries than keys \(seq_lens counts the drafts\)"),
+        ),
+        Row(  # regression: uniform drafts put the query past the keys at position -1, (0, -inf)
+            f"{n}-more-queries-than-keys-uniform",
+            _gqa(q=torch.randn(4, 4, 16), q_len_per_req=2, seq_lens=torch.tensor([1, 5]).int()),
+            Raises(ValueError, r"^requests \[0\] have more queries than keys \(seq_lens counts the drafts\)"),
+        ),
+        Row(
+            f"{n}-padded-request-with-drafts",
+            _gqa(q=torch.randn(4, 4, 16), q_len_per_req=2, seq_lens=torch.tensor([0, 5]).int()),
+            Gives(lambda res: None if bool(res[1][:2].isneginf().all()) else "request 0 is not (0, -inf)"),
         ),
         Row(
             f"{n}-both-q-lens",

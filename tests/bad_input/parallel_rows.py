@@ -252,6 +252,21 @@ def parallel_rows() -> list[Row]:
             _dcp_gqa(seq_lens=torch.tensor([40, 3], dtype=torch.int32)),
             Raises(ValueError, r"^seq_lens\[0\]=40 puts 40 tokens on rank 0"),
         ),
+        (  # regression: the query past the keys ran silently (a local length of 0: out 0, lse -inf)
+            "dcp_gqa_decode-more-queries-than-keys-uniform",
+            _dcp_gqa(q_heads_local=torch.randn(4, 4, 16), q_len_per_req=2, seq_lens=torch.tensor([1, 5]).int()),
+            Raises(ValueError, r"^requests \[0\] have more queries than keys \(seq_lens counts the drafts\)"),
+        ),
+        (
+            "dcp_gqa_decode-more-queries-than-keys-ragged",
+            _dcp_gqa(cu_q_lens=torch.tensor([0, 1, 2]).int(), seq_lens=torch.tensor([9, 0]).int()),
+            Gives(lambda res: None if bool(res[1][1].isneginf().all()) else "padded request 1 is not (0, -inf)"),
+        ),
+        (
+            "dcp_gqa_decode-more-queries-than-keys-ragged-drafts",
+            _dcp_gqa(cu_q_lens=torch.tensor([0, 0, 2]).int(), seq_lens=torch.tensor([9, 1]).int()),
+            Raises(ValueError, r"^requests \[1\] have more queries than keys \(seq_lens counts the drafts\)"),
+        ),
         ("dcp_gqa_decode-q-len-0", _dcp_gqa(q_len_per_req=0), Raises(ValueError, r"^q_len_per_req must be >= 1")),
         ("dcp_gqa_decode-padded-requests", _dcp_gqa(seq_lens=torch.zeros(2, dtype=torch.int32)), Gives(all_empty(16))),
         # PCP
@@ -545,6 +560,16 @@ def parallel_rows() -> list[Row]:
             "Runtime.decode-headtp-sinks-of-the-rank",
             _runtime_step("decode", MLA_SPEC, "headtp", sinks=torch.zeros(4)),
             Raises(ValueError, r"^sinks must have shape \[8\]"),
+        ),
+        (
+            "Runtime.decode-gqa-dcp-more-queries-than-keys",
+            _runtime_step("decode", GQA_SPEC, "dcp-decode", q=torch.randn(4, 8, 16), q_len_per_req=2, seq_lens=[1, 5]),
+            Raises(ValueError, r"^requests \[0\] have more queries than keys \(seq_lens counts the drafts\)"),
+        ),
+        (
+            "Runtime.decode-gqa-headtp-more-queries-than-keys",
+            _runtime_step("decode", GQA_SPEC, "headtp", q=torch.randn(4, 8, 16), q_len_per_req=2, seq_lens=[5, 1]),
+            Raises(ValueError, r"^requests \[1\] have more queries than keys \(seq_lens counts the drafts\)"),
         ),
         (
             "Runtime.decode-gqa-headtp-q-len-0",

@@ -283,6 +283,13 @@ def plan_rows() -> list[Row]:
             {"num_tokens": -1, "kv_rows": 8},
             Raises(ValueError, r"num_tokens must be >= 0"),
         ),
+        row(
+            "route_prefill-device-type-unknown",
+            P.route_prefill,
+            (8,),
+            {"num_tokens": 8, "kv_rows": 8, "device_type": "bogus"},
+            Raises(ValueError, r"^device_type must be a device type such as 'cuda' or 'cpu', got 'bogus'"),
+        ),
         row("route_decode-spec-str", P.route_decode, ("glm5",), {}, Raises(TypeError, r"^spec must be a ModelSpec")),
         row(
             "route_decode-dcp-size-0",
