@@ -34,6 +34,7 @@ __all__ = [
     "check_kv_rows",
     "check_sparse_mla_inputs",
     "check_sparse_prefill_inputs",
+    "check_union_workspace",
     "join_q",
 ]
 
@@ -151,3 +152,30 @@ def check_head_dim(q_name: str, q: torch.Tensor, kv_name: str, kv: torch.Tensor)
             f"{q_name} must have last dim {kv.shape[-1]} ({kv_name}'s row width), got {q.shape[-1]} "
             f"({q_name} {list(q.shape)}, {kv_name} {list(kv.shape)})"
         )
+
+
+def check_union_workspace(union: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``union``: a grouped prefill's union workspace, as :func:`~shardattn.ops.union.build_union`
+    returns and takes as ``out``: ``(union [groups, G*K], lens [groups])``, both contiguous int32 on
+    ``device`` (rows'), the two not sharing bytes (the build writes both). Its size is the path's
+    ``G`` (checked where the union is built). Raises ``TypeError`` / ``ValueError`` naming ``union``.
+
+    >>> cpu = torch.device("cpu")
+    >>> u = check_union_workspace((torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)), cpu)
+    >>> check_union_workspace((u[0], u[1].long()), cpu)
+    Traceback (most recent call last):
+    ...
+    TypeError: union[1] must have dtype in (int32), got int64
+    """
+    if not (isinstance(union, tuple | list) and len(union) == 2):
+        got = f"{len(union)} items" if isinstance(union, tuple | list) else type(union).__name__
+        raise TypeError(f"union must be a (union, lens) pair of tensors, got {got}")
+    buf = check_tensor("union[0]", union[0], dtypes=INDEX_DTYPES, ndim=2, device=device)
+    lens = check_tensor("union[1]", union[1], dtypes=INDEX_DTYPES, shape=(buf.shape[0],), device=buf.device)
+    for i, t in enumerate((buf, lens)):
+        if not t.is_contiguous():
+            raise ValueError(f"union[{i}] must be contiguous (the union build writes it as a dense buffer)")
+    a, b = (buf.data_ptr(), buf.data_ptr() + buf.nbytes), (lens.data_ptr(), lens.data_ptr() + lens.nbytes)
+    if buf.numel() and lens.numel() and buf.device.type != "meta" and a[0] < b[1] and b[0] < a[1]:
+        raise ValueError("union's union and lens buffers must not share bytes")
+    return buf, lens

@@ -93,10 +93,10 @@ def sparse_mla_decode(
         rows_unique: the caller guarantees no row appears twice in a token's list (skips the
             de-duplication; duplicates would then count twice).
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
-        workspace: optional flat fp32 buffer for the split partials (``num_splits * T * H *
-            (v_dim + 1)`` elements); with ``out``, ``lse_out`` and it, nothing is allocated. A
-            workspace too small for the small-batch kernel's splits routes the call to Triton;
-            the Gluon kernel then takes fewer row slices.
+        workspace: optional flat (1-D, contiguous) fp32 buffer on q's device for the split
+            partials (``num_splits * T * H * (v_dim + 1)`` elements); with ``out``, ``lse_out``
+            and it, nothing is allocated. A workspace too small for the small-batch kernel's
+            splits routes the call to Triton; the Gluon kernel then takes fewer row slices.
         backend: ``None`` (routed: :func:`~shardattn.ops.dispatch.sparse_decode_kernel`),
             ``"triton"``, ``"gluon"``, ``"gluon_small"`` or ``"gluon_stream"`` (forced, also outside the routing's
             crossovers; a ``ValueError`` where the kernel cannot run these tensors).
@@ -125,6 +125,10 @@ def sparse_mla_decode(
         check_tensor("out", out, dtypes=(q.dtype,), shape=(t, h, v_dim), device=q.device)
     if lse_out is not None:
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(t, h), device=q.device)
+    if workspace is not None:  # the kernels' split partials are fp32 views of its first elements
+        check_tensor("workspace", workspace, dtypes=(torch.float32,), ndim=1, device=q.device)
+        if not workspace.is_contiguous():
+            raise ValueError("workspace must be a contiguous (flat) float32 buffer: the split partials are views of it")
     kernel, _why = decode_path(q, kv, rows, v_dim, backend=backend, workspace=workspace, num_sms=sm_count(q.device))
     return run_sparse_mla_decode(
         q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, rows_unique=rows_unique,

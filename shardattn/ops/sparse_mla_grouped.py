@@ -47,7 +47,7 @@ from shardattn.ops.head_blocked import q_heads_view, store_result
 from shardattn.ops.kv_compact import compact_rows
 from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
 from shardattn.ops.sparse_mla import empty_kv_result, has_keys, sparse_mla_reference
-from shardattn.ops.sparse_mla_checks import check_sparse_prefill_inputs
+from shardattn.ops.sparse_mla_checks import check_sparse_prefill_inputs, check_union_workspace
 from shardattn.ops.union import GROUP_SIZES
 from shardattn.plan.crossovers import COMPACT_MIN_GROUP
 
@@ -141,7 +141,8 @@ def sparse_mla_grouped_prefill(
         group_size: ``G`` in ``(1, 2, 4, 8)``; default :func:`default_group_size`.
         return_lse: also return the LSE.
         union: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``
-            workspace for the union build.
+            workspace for the union build: contiguous, on rows' device, not sharing bytes
+            (:func:`~shardattn.ops.sparse_mla_checks.check_union_workspace`).
         out / lse_out: optional destinations (``[T, H, v_dim]`` q's dtype / ``[T, H]`` fp32, any
             strides, unit last-dim stride), written in place. ``q``, ``out`` and ``lse_out`` may also
             be head-blocked, ``[B, T, H/B, ...]`` (head ``b * H/B + i`` at ``[b, t, i]``: an
@@ -181,6 +182,8 @@ def sparse_mla_grouped_prefill(
         check_prepared_union(prepared_union, rows)
         if union is not None:
             raise ValueError("pass union (a workspace to build into) or prepared_union (built already), not both")
+    if union is not None:  # checked on every path, the reference's too (which builds no union)
+        union = check_union_workspace(union, rows.device)
     compacted = False
     if rows.shape[1] > 0 and _compacts(q3, kv, v_dim, group_size, prepared_union):
         compact = compact_rows(kv, rows, topk_length, max_rows=MAX_PACKED_ROWS)  # one host sync

@@ -57,6 +57,11 @@ def _check_inputs(topk_pos, req_ids, block_table, block_size, block_stride, seq_
     # the int64 row arithmetic)
     check_int("block_size", block_size, minimum=1, maximum=INT32_MAX)
     check_int("block_stride", block_stride, minimum=1, maximum=INT32_MAX)
+    if block_stride < block_size:  # block b's rows [b*stride, b*stride + block_size) would hold block b+1's first
+        raise ValueError(
+            f"block_stride must be >= block_size ({block_size}): blocks {block_stride} rows apart would share "
+            f"rows, got {block_stride}"
+        )
     if seq_lens is not None:
         check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(block_table.shape[0],))
         if seq_lens.device.type == "cpu" and bool((seq_lens < 0).any()):  # where the check costs no device sync
@@ -136,7 +141,8 @@ def convert_topk(
         topk_pos: ``[T, K]`` int32 request-local positions; ``-1`` (or any invalid value) anywhere.
         req_ids: ``[T]`` int32 request of each query token.
         block_table: ``[B, M]`` int32 block ids per request (the rank-local table under DCP).
-        block_size: tokens per block. block_stride: rows between blocks (default ``block_size``).
+        block_size: tokens per block. block_stride: rows between blocks (default ``block_size``;
+            at least ``block_size``: a smaller stride would make blocks share rows).
         seq_lens: ``[B]`` int32 request lengths (global positions; >= 0, checked on CPU tensors), optional.
         topk_length: ``[T]`` int32 per-row count of leading entries to use, optional.
         dcp: :class:`DcpShard` to keep only this rank's positions, optional.

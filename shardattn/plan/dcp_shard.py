@@ -34,6 +34,12 @@ __all__ = ["shard_kv_cache"]
 KVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
+def _check_readable(name: str, value: torch.Tensor) -> None:
+    """``value``'s values can be read on the host: not a ``meta`` tensor (shapes only, no data)."""
+    if value.device.type == "meta":
+        raise ValueError(f"{name} must hold values (it is read on the host), got a tensor on meta")
+
+
 @overload
 def shard_kv_cache(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: object, layout: DCPLayout, rank: int, *,
@@ -70,8 +76,10 @@ def shard_kv_cache(
         ``block_table``'s device, ``-1`` past a request's pages. Pass them with the global
         ``seq_lens`` to a DCP decode step.
     Raises:
-        ValueError / TypeError: a cache that is not one or two tensors, a page size that does not
-            match, a request longer than its row of ``block_table``, a page id outside the cache.
+        ValueError / TypeError: a cache that is not one or two tensors, a ``(k_cache, v_cache)`` pair
+            whose dtypes, devices or dims but the last differ, a page size that does not match, a
+            ``block_table`` or ``seq_lens`` on the ``meta`` device (they are read on the host), a
+            request longer than its row of ``block_table``, a page id outside the cache.
     """
     if not isinstance(layout, DCPLayout):
         raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
@@ -84,6 +92,9 @@ def shard_kv_cache(
         raise TypeError(f"kv_cache must be one tensor or a (k_cache, v_cache) pair, got {len(given)} items")
     parts = [check_tensor(f"kv_cache[{i}]" if pair else "kv_cache", part) for i, part in enumerate(given)]
     first = parts[0]
+    if pair:  # one shard pair out of one cache: V as K but the last dim (v_dim may differ)
+        shape = (*first.shape[:-1], None) if first.dim() else ()
+        check_tensor("kv_cache[1]", parts[1], dtypes=(first.dtype,), shape=shape, device=first.device)
     if first.dim() == 2:
         if page_size is None:
             raise ValueError("page_size is required for a [R, D] cache of rows (the model's page_size)")
@@ -98,6 +109,9 @@ def shard_kv_cache(
         raise ValueError(f"kv_cache must be [R, D] rows or [pages, page_size, ...], got shape {list(first.shape)}")
     num_pages = int(first.shape[0]) // page if first.dim() == 2 else int(first.shape[0])
     check_tensor("block_table", block_table, dtypes=(torch.int32, torch.int64), ndim=2)
+    _check_readable("block_table", block_table)
+    if isinstance(seq_lens, torch.Tensor):
+        _check_readable("seq_lens", seq_lens)
     host_lens = seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens
     lens = as_lengths("seq_lens", host_lens, count=int(block_table.shape[0])).tolist()
     table = block_table.cpu().long()

@@ -270,8 +270,106 @@ def _sparse_rows() -> list[Row]:
             _sparse(decode_mod.sparse_mla_decode, backend="flashmla"),
             Raises(ValueError, r"^backend must be None, 'triton', 'gluon', 'gluon_small' or 'gluon_stream'"),
         ),
+        # the split partials' workspace: a flat contiguous fp32 buffer on q's device (split_partials')
+        Row(
+            "sparse_mla_decode-workspace-list",
+            _sparse(decode_mod.sparse_mla_decode, workspace=[0.0] * 400),
+            Raises(TypeError, r"^workspace must be a torch.Tensor, got list"),
+        ),
+        Row(
+            "sparse_mla_decode-workspace-int8",
+            _sparse(decode_mod.sparse_mla_decode, workspace=torch.zeros(400, dtype=torch.int8)),
+            Raises(TypeError, r"^workspace must have dtype in \(float32\), got int8"),
+        ),
+        Row(
+            "sparse_mla_decode-workspace-on-meta",
+            _sparse(decode_mod.sparse_mla_decode, workspace=torch.zeros(400, device=META)),
+            Raises(ValueError, r"^workspace must be on cpu, got meta"),
+        ),
+        Row(
+            "sparse_mla_decode-workspace-2d",
+            _sparse(decode_mod.sparse_mla_decode, workspace=torch.zeros(4, 100)),
+            Raises(ValueError, r"^workspace must have 1 dimensions"),
+        ),
+        Row(
+            "sparse_mla_decode-workspace-strided",
+            _sparse(decode_mod.sparse_mla_decode, workspace=torch.zeros(800)[::2]),
+            Raises(ValueError, r"^workspace must be a contiguous \(flat\) float32 buffer"),
+        ),
+        Row(  # the reference path allocates nothing, but a valid workspace is accepted
+            "sparse_mla_decode-workspace-on-cpu-path",
+            _sparse(decode_mod.sparse_mla_decode, workspace=torch.zeros(400)),
+            Gives(same_as(lambda: _call(_sparse(decode_mod.sparse_mla_decode)(None)))),
+        ),
+        # the union workspace: (union [groups, G*K], lens [groups]) int32 on rows' device (build_union's out)
+        Row(
+            "sparse_mla_grouped_prefill-union-tensor",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, union=torch.zeros(3, 4, dtype=torch.int32)),
+            Raises(TypeError, r"^union must be a \(union, lens\) pair of tensors, got Tensor"),
+        ),
+        Row(
+            "sparse_mla_grouped_prefill-union-of-3",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, union=(_union_ws(), _union_ws(), _union_ws())),
+            Raises(TypeError, r"^union must be a \(union, lens\) pair of tensors, got 3 items"),
+        ),
+        Row(
+            "sparse_mla_grouped_prefill-union-not-tensors",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, union=([0] * 12, [0] * 3)),
+            Raises(TypeError, r"^union\[0\] must be a torch.Tensor, got list"),
+        ),
+        Row(
+            "sparse_mla_grouped_prefill-union-int64",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, union=(_union_ws().long(), _union_ws()[:, 0])),
+            Raises(TypeError, r"^union\[0\] must have dtype in \(int32\), got int64"),
+        ),
+        Row(
+            "sparse_mla_grouped_prefill-union-lens-float",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, union=(_union_ws(), torch.zeros(3))),
+            Raises(TypeError, r"^union\[1\] must have dtype in \(int32\), got float32"),
+        ),
+        Row(
+            "sparse_mla_grouped_prefill-union-on-meta",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, union=(_union_ws(META), _union_ws(META)[:, 0])),
+            Raises(ValueError, r"^union\[0\] must be on cpu, got meta"),
+        ),
+        Row(
+            "sparse_mla_grouped_prefill-union-1d",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, union=(_union_ws().view(-1), _union_ws()[:, 0])),
+            Raises(ValueError, r"^union\[0\] must have 2 dimensions"),
+        ),
+        Row(
+            "sparse_mla_grouped_prefill-union-lens-count",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, union=(_union_ws(), _union_ws()[:2, 0])),
+            Raises(ValueError, r"^union\[1\] must have shape \[3\]"),
+        ),
+        Row(
+            "sparse_mla_grouped_prefill-union-lens-strided",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, union=(_union_ws(), _union_ws()[:, 0])),
+            Raises(ValueError, r"^union\[1\] must be contiguous"),
+        ),
+        Row(
+            "sparse_mla_grouped_prefill-union-shares-bytes",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, union=lambda x: _overlapping_union()),
+            Raises(ValueError, r"^union's union and lens buffers must not share bytes"),
+        ),
+        Row(  # the reference path builds no union, but a valid workspace is accepted
+            "sparse_mla_grouped_prefill-union-on-cpu-path",
+            _sparse(grouped_mod.sparse_mla_grouped_prefill, union=(_union_ws(), _union_ws()[:, 0].clone())),
+            Gives(same_as(lambda: _call(_sparse(grouped_mod.sparse_mla_grouped_prefill)(None)))),
+        ),
     ]
     return rows
+
+
+def _union_ws(device: torch.device | str = "cpu") -> torch.Tensor:
+    """A union buffer for :func:`mla`'s rows at ``G = 1``: ``[3, 4]`` int32."""
+    return torch.zeros(3, 4, dtype=torch.int32, device=device)
+
+
+def _overlapping_union() -> tuple[torch.Tensor, torch.Tensor]:
+    """``(union [3, 4], lens [3])`` int32 views of one buffer whose last entry of ``union`` is ``lens[0]``."""
+    buf = torch.zeros(14, dtype=torch.int32)
+    return buf[:12].view(3, 4), buf[11:14]
 
 
 def _call(call: Call) -> Any:
@@ -474,6 +572,16 @@ def _topk_rows() -> list[Row]:
         Row(f"{n}-block-stride-0", _topk(block_stride=0), Raises(ValueError, r"^block_stride must be >= 1")),
         Row(f"{n}-block-stride-huge", _topk(block_stride=2**64 - 1), Raises(ValueError, r"^block_stride must be <=")),
         Row(f"{n}-block-size-huge", _topk(block_size=2**63), Raises(ValueError, r"^block_size must be <=")),
+        Row(  # regression: a stride below the block size made rows of consecutive blocks alias
+            f"{n}-block-stride-below-block-size",
+            _topk(block_stride=2),
+            Raises(ValueError, r"^block_stride must be >= block_size \(4\)"),
+        ),
+        Row(
+            f"{n}-block-stride-past-block-size",
+            _topk(block_stride=10),
+            Gives(lambda res: None if res[0].tolist() == [[20, 1, -1, 11], [13, 30, -1, 12]] else f"{res[0].tolist()}"),
+        ),
         Row(
             f"{n}-dcp-world-huge", _topk(dcp=topk_mod.DcpShard(2**62, 2**62, 0)), Raises(ValueError, r"^dcp must have")
         ),

@@ -15,6 +15,25 @@ from shardattn.plan.step_shape import StepShape
 from tests.bad_input.table import META, Call, Gives, Raises, Row
 
 
+def _kv_pages(
+    pages: int = 2, heads: int = 1, dim: int = 8, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> torch.Tensor:
+    """A paged GQA cache ``[pages, 4, heads, dim]`` of distinct values (on the CPU unless ``device``)."""
+    return torch.arange(pages * 4 * heads * dim, dtype=dtype).view(pages, 4, heads, dim).to(device or "cpu")
+
+
+def _pair_shards_match(res: Any) -> str | None:
+    """A ``(k, v)`` shard of :func:`_kv_pages` with value width 6: rank 0's tokens 0, 2, 4 of request 0
+    (rows 0, 2, 4 of its pages 0 and 1) in one page, the K rows and V rows of the same tokens."""
+    (k, v), table = res
+    if k.shape != (1, 4, 1, 8) or v.shape != (1, 4, 1, 6) or table.tolist() != [[0]]:
+        return f"shapes {list(k.shape)}, {list(v.shape)}, table {table.tolist()}"
+    want_k, want_v = _kv_pages().view(8, 1, 8)[[0, 2, 4]], _kv_pages(dim=6).view(8, 1, 6)[[0, 2, 4]]
+    if not (torch.equal(k.view(4, 1, 8)[:3], want_k) and torch.equal(v.view(4, 1, 6)[:3], want_v)):
+        return "the shard's rows are not the rank's tokens"
+    return None
+
+
 def plan_rows() -> list[Row]:
     """Rows of the planner's public functions and classes."""
 
@@ -23,6 +42,7 @@ def plan_rows() -> list[Row]:
 
     pos = torch.arange(6)
     spec = P.get_preset("glm5")
+    pair_table = torch.tensor([[0, 1]], dtype=torch.int32)
     return [
         row(
             "zigzag_split-world-size-absurd",
@@ -150,6 +170,61 @@ def plan_rows() -> list[Row]:
             (torch.zeros(8, 4), torch.zeros(1, 2, dtype=torch.int32), [5], P.DCPLayout(2), 2),
             {"page_size": 4},
             Raises(ValueError, r"^rank must be < the layout's world_size=2"),
+        ),
+        row(  # regression: a K/V pair of different dtypes came back as a mismatched shard pair
+            "shard_kv_cache-pair-dtypes-differ",
+            P.shard_kv_cache,
+            ((_kv_pages(), _kv_pages(dtype=torch.float16)), pair_table, [5], P.DCPLayout(2), 0),
+            {},
+            Raises(TypeError, r"^kv_cache\[1\] must have dtype in \(float32\), got float16"),
+        ),
+        row(
+            "shard_kv_cache-pair-pages-differ",
+            P.shard_kv_cache,
+            ((_kv_pages(), _kv_pages(pages=3)), pair_table, [5], P.DCPLayout(2), 0),
+            {},
+            Raises(ValueError, r"^kv_cache\[1\] must have shape \[2, 4, 1, \*\]"),
+        ),
+        row(
+            "shard_kv_cache-pair-heads-differ",
+            P.shard_kv_cache,
+            ((_kv_pages(), _kv_pages(heads=2)), pair_table, [5], P.DCPLayout(2), 0),
+            {},
+            Raises(ValueError, r"^kv_cache\[1\] must have shape \[2, 4, 1, \*\]"),
+        ),
+        row(
+            "shard_kv_cache-pair-on-meta",
+            P.shard_kv_cache,
+            ((_kv_pages(), _kv_pages(device=META)), pair_table, [5], P.DCPLayout(2), 0),
+            {},
+            Raises(ValueError, r"^kv_cache\[1\] must be on cpu, got meta"),
+        ),
+        row(  # the value width may differ from the key's (v_dim)
+            "shard_kv_cache-pair-v-dim-differs",
+            P.shard_kv_cache,
+            ((_kv_pages(), _kv_pages(dim=6)), pair_table, [5], P.DCPLayout(2), 0),
+            {},
+            Gives(_pair_shards_match),
+        ),
+        row(  # regression: a raw NotImplementedError (cannot copy out of meta tensor)
+            "shard_kv_cache-block-table-on-meta",
+            P.shard_kv_cache,
+            (torch.zeros(8, 4), torch.zeros(1, 2, dtype=torch.int32, device=META), [5], P.DCPLayout(2), 0),
+            {"page_size": 4},
+            Raises(ValueError, r"^block_table must hold values \(it is read on the host\), got a tensor on meta"),
+        ),
+        row(
+            "shard_kv_cache-seq-lens-on-meta",
+            P.shard_kv_cache,
+            (
+                torch.zeros(8, 4),
+                torch.zeros(1, 2, dtype=torch.int32),
+                torch.ones(1, dtype=torch.int64, device=META),
+                P.DCPLayout(2),
+                0,
+            ),
+            {"page_size": 4},
+            Raises(ValueError, r"^seq_lens must hold values \(it is read on the host\), got a tensor on meta"),
         ),
         row("zigzag_split-world-size-0", P.zigzag_split, ([3], 0), {}, Raises(ValueError, r"^world_size must be >= 1")),
         row("zigzag_split-align-0", P.zigzag_split, ([3], 2), {"align": 0}, Raises(ValueError, r"^align must be >= 1")),
