@@ -126,6 +126,24 @@ def check_queries_fit(seq_lens: Sequence[int], query_lens: Sequence[int]) -> Non
         raise ValueError(f"requests {short[:8]} have more queries than keys (seq_lens counts the drafts)")
 
 
+def check_max_q_len(max_q_len: int, query_lens: Sequence[int]) -> None:
+    """``max_q_len`` (an int, checked by the caller) bounds every request's queries: at least the
+    most ``query_lens[b]`` (from ``cu_q_lens``; the Triton kernel's query tiles per request are
+    sized from it). Host values; raises ``ValueError``.
+
+    >>> check_max_q_len(2, [2, 0])
+    >>> check_max_q_len(1, [2, 0])
+    Traceback (most recent call last):
+    ...
+    ValueError: max_q_len must be >= 2 (the most queries of a request in cu_q_lens), got 1
+    """
+    longest = max(query_lens, default=0)
+    if max_q_len < longest:
+        raise ValueError(
+            f"max_q_len must be >= {longest} (the most queries of a request in cu_q_lens), got {max_q_len}"
+        )
+
+
 def check_bool(name: str, value: object) -> bool:
     """``value`` is a bool (not an int)."""
     if not isinstance(value, bool):

@@ -41,6 +41,7 @@ from shardattn._checks import (
     check_bool,
     check_choice,
     check_int,
+    check_max_q_len,
     check_pages_in_use,
     check_queries_fit,
     check_same_device,
@@ -113,11 +114,8 @@ def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_
             if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or cu[-1] > total_q:
                 raise ValueError(f"cu_q_lens must start at 0, not decrease and end <= {total_q}, got {cu}")
             queries = [b - a for a, b in itertools.pairwise(cu)]
-            longest = max(queries, default=0)
-            if max_q_len is not None and max_q_len < longest:  # the Triton kernel's tiles are sized from it
-                raise ValueError(
-                    f"max_q_len must be >= {longest} (the most queries of a request in cu_q_lens), got {max_q_len}"
-                )
+            if max_q_len is not None:  # the Triton kernel's tiles are sized from it
+                check_max_q_len(max_q_len, queries)
         else:
             queries = [q_len] * batch
         check_queries_fit(seq_lens.tolist(), queries)

@@ -41,6 +41,7 @@ from shardattn._checks import (
     FLOAT_DTYPES,
     check_bool,
     check_int,
+    check_pages_in_use,
     check_same_device,
     check_scale,
     check_sink_logits,
@@ -179,6 +180,13 @@ def _check_pcp(
     check_same_device(
         q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, block_table=block_table, sinks=sinks
     )
+    if k_new is None and prefix is not None and prefix.block_table.device.type == "cpu":
+        # every page the new tokens use, read from the cache (host lengths; the prefixes' pages passed above)
+        num_pages, page = prefix.k_cache.shape[:2]
+        check_pages_in_use(
+            prefix.block_table, [p + n for p, n in zip(mine.prefix, mine.query_lens)], page_size=page,
+            num_pages=num_pages, whose="the new tokens of requests",
+        )  # fmt: skip
     fingerprint = stable_fingerprint(
         "gqa-pcp", plan_fingerprint, h, hkv, d, q.dtype, sinks is not None, window_left,
         gather_output, has_prefix, k_new is None,

@@ -20,17 +20,19 @@ synchronisation; a value past int32 stays out of range, so an invalid entry stay
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import NoReturn, overload
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_int, check_max_q_len, check_queries_fit, check_tensor
 from shardattn.parallel.comm import Comm
 from shardattn.plan._common import as_lengths
 
 __all__ = [
     "as_index",
+    "check_drafts_on_host",
     "check_gqa_cache",
     "check_paged_rows",
     "check_queries",
@@ -141,6 +143,58 @@ def as_index(name: str, value: object, device: torch.device | None = None) -> ob
                 raise ValueError(f"{name} must fit int32 (the kernels' index type), got a value of {bad}")
         return value.to(torch.int32)
     return value.clamp(_INT32.min, _INT32.max).to(torch.int32)
+
+
+def _host_ints(name: str, value: object) -> list[int] | None:
+    """``value``'s ints when they are on the host (a sequence of ints, or a 1-D integer CPU
+    tensor); ``None`` for a device tensor (reading it would sync) or anything else."""
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        value = as_index(name, value)  # on the CPU: the tensor the step makes of the list, before moving it
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.dim() != 1:
+        return None
+    return value.tolist() if value.dtype in (torch.int32, *_CONVERTIBLE) else None
+
+
+def check_drafts_on_host(
+    seq_lens: object,
+    cu_q_lens: object,
+    *,
+    q_len_per_req: object,
+    max_q_len: object,
+    tokens: int,
+    requests: int,
+) -> None:
+    """A GQA decode step's drafts against ``seq_lens`` and ``max_q_len``, on the values as the
+    caller passed them: the step moves host lists to q's device, where the op reads no value (a
+    read would sync). Raises the op's ``ValueError`` (:func:`~shardattn._checks.check_queries_fit`,
+    :func:`~shardattn._checks.check_max_q_len`) or ``TypeError`` / ``ValueError`` for a
+    ``max_q_len`` or ``q_len_per_req`` that is not an int in range (:func:`~shardattn._checks.check_int`).
+
+    ``tokens``: q's rows; ``requests``: the block table's rows. Reads host values only (a list,
+    tuple or range of ints, or a 1-D integer CPU tensor). Checks nothing the op refuses on other
+    grounds first, which it names: ``seq_lens`` or ``cu_q_lens`` of another length, both
+    ``q_len_per_req`` and ``cu_q_lens``, uniform drafts that do not fill q, ``cu_q_lens`` that
+    does not start at 0, decreases or ends past q's rows (the op checks these values on the CPU
+    only). ``max_q_len=None``: no bound to check (the DCP step passes none).
+    """
+    if q_len_per_req is not None and cu_q_lens is not None:
+        return
+    seq = _host_ints("seq_lens", seq_lens)
+    if seq is not None and len(seq) != requests:
+        seq = None
+    if cu_q_lens is not None:
+        cu = _host_ints("cu_q_lens", cu_q_lens)
+        if cu is None or len(cu) != requests + 1 or cu[0] != 0 or cu != sorted(cu) or cu[-1] > tokens:
+            return
+        queries = [hi - lo for lo, hi in itertools.pairwise(cu)]
+        if max_q_len is not None:
+            check_max_q_len(check_int("max_q_len", max_q_len, minimum=0), queries)
+        if seq is not None:
+            check_queries_fit(seq, queries)
+    elif seq is not None:
+        q_len = 1 if q_len_per_req is None else check_int("q_len_per_req", q_len_per_req, minimum=1)
+        if tokens == requests * q_len:
+            check_queries_fit(seq, [q_len] * requests)
 
 
 def check_queries(q: object, *, tokens: int, heads: int, head_dim: int, tokens_from: str, heads_from: str) -> None:

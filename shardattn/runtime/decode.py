@@ -28,7 +28,7 @@ from shardattn.parallel.packing import view_bytes
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.decode_batch import DecodeBatch, plan_decode_batch
 from shardattn.plan.spec import ModelSpec
-from shardattn.runtime.args import as_index, check_gqa_cache, check_paged_rows, reject
+from shardattn.runtime.args import as_index, check_drafts_on_host, check_gqa_cache, check_paged_rows, reject
 from shardattn.runtime.modes import GQA_BACKEND
 from shardattn.runtime.workspace import RuntimeWorkspace
 
@@ -244,6 +244,7 @@ class DecodeStep:
                     f"window_left={window_left}: sliding windows are supported by head-TP GQA decode only "
                     + ("(under DCP a global window is not a local one; use mode 'headtp')" if dcp else "(sparse MLA)")
                 )
+            given_seq_lens, given_cu_q_lens = seq_lens, cu_q_lens  # as passed: host lists move to q's device here
             seq_lens = as_index("seq_lens", seq_lens, q.device)
             block_table = as_index("block_table", block_table)
             topk_pos, topk_length = as_index("topk_pos", topk_pos), as_index("topk_length", topk_length)
@@ -271,6 +272,13 @@ class DecodeStep:
                     kv_cache, page_size=self.spec.page_size, kv_heads=self._kv_heads[1] - self._kv_heads[0],
                     head_dim=dim, dtype=q.dtype, device=q.device, kv_heads_from=lambda: self._kv_heads_from,
                 )  # fmt: skip
+                planned = dcp and (batch is not None or meta is not None)  # a DCP plan's metadata replaces the drafts
+                if not planned and isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
+                    # the drafts against the values as passed (on a device the op reads none)
+                    check_drafts_on_host(
+                        given_seq_lens, given_cu_q_lens, q_len_per_req=q_len_per_req,
+                        max_q_len=None if dcp else max_q_len, tokens=t, requests=block_table.shape[0],
+                    )  # fmt: skip
         except (TypeError, ValueError) as e:
             reject(self.comm, e, collective=dcp, check=check)
         # the buffers are sized for the spec's dtype; other dtypes (fp32 on a CPU) allocate per step

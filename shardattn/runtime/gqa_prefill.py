@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_int, check_sink_logits, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_int, check_pages_in_use, check_sink_logits, check_tensor
 from shardattn.kernels.fa4_launch import FA4Launches
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments, plan_segments
@@ -214,11 +214,8 @@ def check_gqa_prefill_inputs(
         memo = (table, table._version, table.stride(), kc.shape[:2], kv_new is None)
         held = gqa.checked_table
         if not (held and held[0][0] is table and held[0][1:] == memo[1:]):
-            lens = torch.tensor(gqa.prefix if kv_new is not None else gqa.seq_lens(), dtype=torch.int64)
-            used = torch.arange(table.shape[1]) < (lens[:, None] + kc.shape[1] - 1) // kc.shape[1]
-            bad = (((table < 0) | (table >= kc.shape[0])) & used).any(1).nonzero().flatten().tolist()
-            if bad:
-                raise ValueError(f"block_table holds pages outside [0, {kc.shape[0]}) for requests {bad[:8]}")
+            lens = gqa.prefix if kv_new is not None else gqa.seq_lens()
+            check_pages_in_use(table, lens, page_size=kc.shape[1], num_pages=kc.shape[0], whose="requests")
             held[:] = [memo]
     return GQAInputs(k_new, v_new, (kc, vc, table))
 

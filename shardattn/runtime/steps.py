@@ -242,8 +242,9 @@ class RuntimeSteps(RuntimeState):
                 tokens in local order: :func:`~shardattn.plan.dcp_shard.shard_kv_cache` builds
                 it from a whole cache), under head-TP the whole cache (GQA: the rank's KV heads).
             block_table: ``[B, M]`` int32 page table of ``kv_cache`` (the rank's, under DCP).
-            seq_lens: ``[B]`` int32 KV tokens per request, cached prefix and drafts included
-                (global counts under DCP too; a list is fine).
+            seq_lens: ``[B]`` int32 KV tokens per request, cached prefix and drafts included, so
+                at least its queries (checked on a list or a CPU tensor, and by a DCP ``batch``'s
+                planner; global counts under DCP too; a list is fine).
             topk_pos: sparse MLA: ``[T, K]`` int32 top-k positions inside each token's request
                 (``-1`` or out of range = invalid).
             req_ids: sparse MLA: ``[T]`` int32 request of each query token.
@@ -255,7 +256,9 @@ class RuntimeSteps(RuntimeState):
                 request are distinct rows of its pages).
             q_len_per_req / cu_q_lens: GQA: uniform queries per request, or ``[B + 1]`` int32
                 offsets of ragged drafts (default: one query per request).
-            max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts (needed under capture).
+            max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts, at least the most
+                queries of a request (checked where ``cu_q_lens`` is a list or a CPU tensor; needed
+                under capture).
             window_left: GQA under head-TP: sliding window, the query at position ``p`` sees keys
                 ``[p - window_left, p]`` (``-1``, the default: no window). DCP refuses a window
                 (a global window is not a local one); sparse MLA takes none.

@@ -242,6 +242,31 @@ def step_rows() -> list[Row]:
             _pcp(block_table=torch.tensor([[1, -1], [2, 7]], dtype=torch.int32)),
             Raises(ValueError, r"^block_table holds pages outside \[0, 3\)"),
         ),
+        (  # regression: the pages of new tokens read from the cache went unchecked (-1: the last page)
+            "gqa_prefill_pcp-new-keys-in-cache-page-minus-1",
+            _pcp(
+                k_new=None,
+                v_new=None,
+                plan=P.pcp_plan([2, 3], 1, prefix_lens=[0, 3]),
+                block_table=torch.tensor([[1, -1], [2, -1]], dtype=torch.int32),
+            ),
+            Raises(ValueError, r"^block_table holds pages outside \[0, 3\) for the new tokens of requests \[1\]"),
+        ),
+        (  # regression: a raw IndexError from inside the reference
+            "gqa_prefill_pcp-new-keys-in-cache-page-outside-cache",
+            _pcp(k_new=None, v_new=None, block_table=torch.tensor([[3, -1], [2, 0]], dtype=torch.int32)),
+            Raises(ValueError, r"^block_table holds pages outside \[0, 3\) for the new tokens of requests \[0\]"),
+        ),
+        (
+            "gqa_prefill_pcp-new-keys-in-cache-unread-page-minus-1",  # 1 + 3 tokens: one page read, the -1 after it not
+            _pcp(
+                k_new=None,
+                v_new=None,
+                plan=P.pcp_plan([2, 3], 1, prefix_lens=[0, 1]),
+                block_table=torch.tensor([[1, -1], [2, -1]], dtype=torch.int32),
+            ),
+            Gives(lambda res: None if bool(res[1].isfinite().all()) else "an empty row"),
+        ),
         ("gqa_prefill_pcp-window--3", _pcp(window_left=-3), Raises(ValueError, r"^window_left must be >= -1")),
         ("gqa_prefill_pcp-gather-output-str", _pcp(gather_output="yes"), Raises(TypeError, r"^gather_output must")),
         (
@@ -341,6 +366,16 @@ def runtime_rows() -> list[Row]:
         (
             f"{n}-table-page-outside-cache",
             _runtime(block_table=lambda x: torch.tensor([[1, -1], [2, 7]], dtype=torch.int32)),
+            Raises(ValueError, r"^block_table holds pages outside \[0, 3\) for requests \[1\]"),
+        ),
+        (
+            f"{n}-pcp-keys-in-cache-page-minus-1",
+            _runtime(
+                "pcp",
+                kv_new=None,
+                prefix_lens=[0, 3],
+                block_table=lambda x: torch.tensor([[1, -1], [2, -1]], dtype=torch.int32),
+            ),
             Raises(ValueError, r"^block_table holds pages outside \[0, 3\) for requests \[1\]"),
         ),
         (

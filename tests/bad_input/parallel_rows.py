@@ -159,6 +159,21 @@ def _runtime_step(step: str, spec: P.ModelSpec, mode: str, **over: Any) -> Calla
     return build
 
 
+def _on_meta(build: Callable[[Any], Call]) -> Callable[[Any], Call]:
+    """``build``'s call with its positional tensors on the meta device (a GPU's stand-in: the
+    step reads no value there); host lists stay lists."""
+
+    def on_meta(group: Any) -> Call:
+        call = build(group)
+        args = tuple(
+            tuple(c.to(META) for c in a) if isinstance(a, tuple) else a.to(META) if isinstance(a, torch.Tensor) else a
+            for a in call.args
+        )
+        return Call(call.fn, args, call.kwargs, call.comm)
+
+    return on_meta
+
+
 def parallel_rows() -> list[Row]:
     """Rows of the parallel steps and the Runtime (``dist=True``: run on a one-rank gloo group)."""
     two_rank_plan = P.zigzag_split([2, 3], 2, min_tokens=0)
@@ -570,6 +585,44 @@ def parallel_rows() -> list[Row]:
             "Runtime.decode-gqa-headtp-more-queries-than-keys",
             _runtime_step("decode", GQA_SPEC, "headtp", q=torch.randn(4, 8, 16), q_len_per_req=2, seq_lens=[5, 1]),
             Raises(ValueError, r"^requests \[1\] have more queries than keys \(seq_lens counts the drafts\)"),
+        ),
+        # on a device the step moves host lists to q's device, where the op reads no values: the
+        # Runtime checks them first (meta tensors stand in for a GPU's)
+        (  # regression: the query past the keys ran silently, (0, -inf)
+            "Runtime.decode-gqa-headtp-on-device-more-queries-than-keys",
+            _on_meta(
+                _runtime_step("decode", GQA_SPEC, "headtp", q=torch.randn(4, 8, 16), q_len_per_req=2, seq_lens=[5, 1])
+            ),
+            Raises(ValueError, r"^requests \[1\] have more queries than keys \(seq_lens counts the drafts\)"),
+        ),
+        (
+            "Runtime.decode-gqa-headtp-on-device-more-queries-than-keys-ragged",
+            _on_meta(_runtime_step("decode", GQA_SPEC, "headtp", seq_lens=[9, 1], cu_q_lens=[0, 0, 2])),
+            Raises(ValueError, r"^requests \[1\] have more queries than keys \(seq_lens counts the drafts\)"),
+        ),
+        (  # regression: the Triton kernel left the queries past max_q_len at (0, -inf)
+            "Runtime.decode-gqa-headtp-on-device-max-q-len-below-longest-draft",
+            _on_meta(_runtime_step("decode", GQA_SPEC, "headtp", max_q_len=1, cu_q_lens=[0, 2, 2])),
+            Raises(ValueError, r"^max_q_len must be >= 2 \(the most queries of a request in cu_q_lens\), got 1"),
+        ),
+        (  # the Runtime's host check passes what the op passes: a padded request (0 keys) with drafts
+            "Runtime.decode-gqa-headtp-padded-request-with-drafts",
+            _runtime_step("decode", GQA_SPEC, "headtp", max_q_len=2, seq_lens=[0, 5], cu_q_lens=[0, 2, 2]),
+            Gives(lambda res: None if bool(res[1].isneginf().all()) else "padded request 0 is not (0, -inf)"),
+        ),
+        (  # regression: under DCP too (a local length of 0: out 0, lse -inf)
+            "Runtime.decode-gqa-dcp-on-device-more-queries-than-keys",
+            _on_meta(
+                _runtime_step(
+                    "decode", GQA_SPEC, "dcp-decode", q=torch.randn(4, 8, 16), q_len_per_req=2, seq_lens=[1, 5]
+                )
+            ),
+            Raises(ValueError, r"^requests \[0\] have more queries than keys \(seq_lens counts the drafts\)"),
+        ),
+        (
+            "Runtime.decode-gqa-dcp-on-device-more-queries-than-keys-ragged",
+            _on_meta(_runtime_step("decode", GQA_SPEC, "dcp-decode", seq_lens=[1, 5], cu_q_lens=[0, 2, 2])),
+            Raises(ValueError, r"^requests \[0\] have more queries than keys \(seq_lens counts the drafts\)"),
         ),
         (
             "Runtime.decode-gqa-headtp-q-len-0",
