@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from shardattn._checks import check_bool
 from shardattn.ops.kv_fp8 import resolve_kv
 from shardattn.plan.decode_batch import DecodeBatch
 from shardattn.plan.routing import Route
@@ -134,6 +135,7 @@ class RuntimeSteps(RuntimeState):
             ValueError / TypeError: naming the argument (on every rank of a step with collectives
                 when ``check``); WorkspaceExceededError: the step is larger than the workspace.
         """
+        check_bool("check", check)  # before any collective: a rank's bad flag must not split the ranks
         plan, given = self._prefill_inputs(
             q, kv_cache, rows, topk_pos=topk_pos, kv_new=kv_new, block_table=block_table, query_lens=query_lens,
             prefix_lens=prefix_lens, seq_lens=seq_lens, plan=plan, topk_length=topk_length, check=check,
@@ -276,6 +278,7 @@ class RuntimeSteps(RuntimeState):
         Raises:
             ValueError / TypeError: naming the argument (on every rank under DCP when ``check``).
         """
+        check_bool("check", check)
         return self.decode_step(
             q, kv_cache, block_table, seq_lens, topk_pos=topk_pos, req_ids=req_ids, topk_length=topk_length,
             topk_unique=topk_unique, q_len_per_req=q_len_per_req, cu_q_lens=cu_q_lens, max_q_len=max_q_len,

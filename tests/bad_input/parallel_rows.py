@@ -405,6 +405,16 @@ def parallel_rows() -> list[Row]:
             Raises(TypeError, r"^q must be a torch.Tensor"),
         ),
         (
+            "Runtime.prefill-check-an-int",
+            _runtime_step("prefill", MLA_SPEC, "shardq", check=1),
+            Raises(TypeError, r"^check must be a bool, got int"),
+        ),
+        (
+            "Runtime.decode-check-an-int",
+            _runtime_step("decode", MLA_SPEC, "mixed", check=1),
+            Raises(TypeError, r"^check must be a bool, got int"),
+        ),
+        (
             "Runtime.prefill-no-query-lens",
             _runtime_step("prefill", MLA_SPEC, "shardq", query_lens=None),
             Raises(ValueError, r"prefill needs query_lens"),
