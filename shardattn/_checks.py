@@ -186,3 +186,11 @@ def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32,)
+
+
+def check_split_workspace(workspace: object, device: torch.device) -> None:
+    """A decode's optional ``workspace``: a flat (1-D, contiguous) fp32 buffer on ``device``, whose
+    first elements the split-KV kernels view as their partials."""
+    buffer = check_tensor("workspace", workspace, dtypes=(torch.float32,), ndim=1, device=device)
+    if not buffer.is_contiguous():
+        raise ValueError("workspace must be a contiguous (flat) float32 buffer: the split partials are views of it")

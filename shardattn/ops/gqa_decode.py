@@ -47,6 +47,7 @@ from shardattn._checks import (
     check_same_device,
     check_scale,
     check_sink_logits,
+    check_split_workspace,
     check_tensor,
 )
 from shardattn.kernels.backend import unsupported_reason
@@ -226,6 +227,8 @@ def gqa_paged_decode(
         check_tensor("out", out, dtypes=(q.dtype,), shape=(total_q, hq, d), device=q.device)
     if lse_out is not None:
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(total_q, hq), device=q.device)
+    if workspace is not None:
+        check_split_workspace(workspace, q.device)
     return run_gqa_paged_decode(
         q,
         k_cache,

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn._checks import check_bool, check_int, check_tensor
+from shardattn._checks import check_bool, check_int, check_split_workspace, check_tensor
 from shardattn.ops.dispatch import decode_path, pdl_supported, sm_count
 from shardattn.ops.head_blocked import store_result
 from shardattn.ops.sparse_mla import empty_kv_result, has_keys, sparse_mla_reference
@@ -126,9 +126,7 @@ def sparse_mla_decode(
     if lse_out is not None:
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(t, h), device=q.device)
     if workspace is not None:  # the kernels' split partials are fp32 views of its first elements
-        check_tensor("workspace", workspace, dtypes=(torch.float32,), ndim=1, device=q.device)
-        if not workspace.is_contiguous():
-            raise ValueError("workspace must be a contiguous (flat) float32 buffer: the split partials are views of it")
+        check_split_workspace(workspace, q.device)
     kernel, _why = decode_path(q, kv, rows, v_dim, backend=backend, workspace=workspace, num_sms=sm_count(q.device))
     return run_sparse_mla_decode(
         q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, rows_unique=rows_unique,

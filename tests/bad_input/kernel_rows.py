@@ -429,6 +429,13 @@ def _gqa_rows() -> list[Row]:
             _gqa(cu_q_lens=torch.tensor([0, 2, 1], dtype=torch.int32)),
             Raises(ValueError, r"^cu_q_lens must start at 0, not decrease"),
         ),
+        Row(f"{n}-workspace-int8", _gqa(workspace=torch.zeros(64, dtype=torch.int8)), Raises(TypeError, r"^workspace")),
+        Row(f"{n}-workspace-on-meta", _gqa(workspace=torch.zeros(64, device=META)), Raises(ValueError, r"^workspace")),
+        Row(
+            f"{n}-workspace-strided",
+            _gqa(workspace=torch.zeros(128)[::2]),
+            Raises(ValueError, r"^workspace must be a contiguous \(flat\) float32 buffer"),
+        ),
         Row(  # regression: the Triton kernel left the queries past max_q_len at (0, -inf)
             f"{n}-max-q-len-below-longest-draft",
             _gqa(cu_q_lens=torch.tensor([0, 2, 2], dtype=torch.int32), max_q_len=1),
