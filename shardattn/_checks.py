@@ -7,6 +7,7 @@ kernel runs. Checks never synchronise with a GPU unless their docstring says so.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -124,6 +125,21 @@ def check_queries_fit(seq_lens: Sequence[int], query_lens: Sequence[int]) -> Non
     short = [b for b, (n, q) in enumerate(zip(seq_lens, query_lens, strict=True)) if 0 < n < q]
     if short:
         raise ValueError(f"requests {short[:8]} have more queries than keys (seq_lens counts the drafts)")
+
+
+def check_cu_q_lens(cu_q_lens: Sequence[int], total_q: int) -> None:
+    """Host offsets of each request's queries in ``q``: from 0, never decreasing, ending at or
+    before ``total_q`` (q's rows; rows past the last request are padding). Raises ``ValueError``.
+
+    >>> check_cu_q_lens([0, 2, 2, 5], 6)
+    >>> check_cu_q_lens([0, 2, 1], 6)
+    Traceback (most recent call last):
+    ...
+    ValueError: cu_q_lens must start at 0, not decrease and end <= 6, got [0, 2, 1]
+    """
+    cu = list(cu_q_lens)
+    if not cu or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or cu[-1] > total_q:
+        raise ValueError(f"cu_q_lens must start at 0, not decrease and end <= {total_q}, got {cu}")
 
 
 def check_max_q_len(max_q_len: int, query_lens: Sequence[int]) -> None:

@@ -40,6 +40,7 @@ from shardattn._checks import (
     INDEX_DTYPES,
     check_bool,
     check_choice,
+    check_cu_q_lens,
     check_int,
     check_max_q_len,
     check_pages_in_use,
@@ -112,8 +113,7 @@ def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_
             check_pages_in_use(block_table, seq_lens, page_size=page, num_pages=num_pages, whose="requests")
         if cu_q_lens is not None:
             cu = cu_q_lens.tolist()
-            if cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)) or cu[-1] > total_q:
-                raise ValueError(f"cu_q_lens must start at 0, not decrease and end <= {total_q}, got {cu}")
+            check_cu_q_lens(cu, total_q)
             queries = [b - a for a, b in itertools.pairwise(cu)]
             if max_q_len is not None:  # the Triton kernel's tiles are sized from it
                 check_max_q_len(max_q_len, queries)

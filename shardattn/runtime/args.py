@@ -26,7 +26,7 @@ from typing import NoReturn, overload
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_int, check_max_q_len, check_queries_fit, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_cu_q_lens, check_int, check_max_q_len, check_queries_fit, check_tensor
 from shardattn.parallel.comm import Comm
 from shardattn.plan._common import as_lengths
 
@@ -173,9 +173,10 @@ def check_drafts_on_host(
     ``tokens``: q's rows; ``requests``: the block table's rows. Reads host values only (a list,
     tuple or range of ints, or a 1-D integer CPU tensor). Checks nothing the op refuses on other
     grounds first, which it names: ``seq_lens`` or ``cu_q_lens`` of another length, both
-    ``q_len_per_req`` and ``cu_q_lens``, uniform drafts that do not fill q, ``cu_q_lens`` that
-    does not start at 0, decreases or ends past q's rows (the op checks these values on the CPU
-    only). ``max_q_len=None``: no bound to check (the DCP step passes none).
+    ``q_len_per_req`` and ``cu_q_lens``, uniform drafts that do not fill q. Host ``cu_q_lens`` that
+    does not start at 0, decreases or ends past q's rows raises the op's message
+    (:func:`~shardattn._checks.check_cu_q_lens`). ``max_q_len=None``: no bound to check (the DCP
+    step passes none).
     """
     if q_len_per_req is not None and cu_q_lens is not None:
         return
@@ -184,8 +185,9 @@ def check_drafts_on_host(
         seq = None
     if cu_q_lens is not None:
         cu = _host_ints("cu_q_lens", cu_q_lens)
-        if cu is None or len(cu) != requests + 1 or cu[0] != 0 or cu != sorted(cu) or cu[-1] > tokens:
+        if cu is None or len(cu) != requests + 1:
             return
+        check_cu_q_lens(cu, tokens)
         queries = [hi - lo for lo, hi in itertools.pairwise(cu)]
         if max_q_len is not None:
             check_max_q_len(check_int("max_q_len", max_q_len, minimum=0), queries)

@@ -610,6 +610,16 @@ def parallel_rows() -> list[Row]:
             _on_meta(_runtime_step("decode", GQA_SPEC, "headtp", seq_lens=[9, 1], cu_q_lens=[0, 0, 2])),
             Raises(ValueError, r"^requests \[1\] have more queries than keys \(seq_lens counts the drafts\)"),
         ),
+        (
+            "Runtime.decode-gqa-headtp-on-device-cu-q-lens-decreasing",
+            _on_meta(_runtime_step("decode", GQA_SPEC, "headtp", cu_q_lens=[0, 2, 1])),
+            Raises(ValueError, r"^cu_q_lens must start at 0, not decrease and end <= "),
+        ),
+        (
+            "Runtime.decode-gqa-dcp-on-device-cu-q-lens-past-q",
+            _on_meta(_runtime_step("decode", GQA_SPEC, "dcp-decode", cu_q_lens=[0, 1, 99])),
+            Raises(ValueError, r"^cu_q_lens must start at 0, not decrease and end <= "),
+        ),
         (  # regression: the Triton kernel left the queries past max_q_len at (0, -inf)
             "Runtime.decode-gqa-headtp-on-device-max-q-len-below-longest-draft",
             _on_meta(_runtime_step("decode", GQA_SPEC, "headtp", max_q_len=1, cu_q_lens=[0, 2, 2])),
