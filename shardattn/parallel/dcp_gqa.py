@@ -15,6 +15,7 @@ import torch
 from shardattn._checks import (
     INDEX_DTYPES,
     check_choice,
+    check_cu_q_lens,
     check_int,
     check_pages_in_use,
     check_queries_fit,
@@ -227,8 +228,7 @@ def _check_host_values(
     queries = [1 if q_len_per_req is None else q_len_per_req] * b
     if cu_q_lens is not None:
         cu = cu_q_lens.tolist()
-        if cu[0] != 0 or cu != sorted(cu) or cu[-1] > t:
-            raise ValueError(f"cu_q_lens must start at 0, not decrease and end <= {t}, got {cu}")
+        check_cu_q_lens(cu, t)
         queries = [hi - lo for lo, hi in itertools.pairwise(cu)]
     if meta_lens is None:  # meta holds each query's local length, not its request's queries
         check_queries_fit(seq_lens.tolist(), queries)
