@@ -51,6 +51,7 @@ def assert_poisoned(
     *,
     heads: slice = slice(None),
     group_size: int = 1,
+    lse_atol: float = 1e-4,
 ) -> None:
     """``out`` / ``lse`` hold ``heads`` of every token. A grouped tile (``group_size`` > 1) multiplies
     its union's value rows by zero weights for the queries that did not pick them, so a NaN key row
@@ -64,7 +65,7 @@ def assert_poisoned(
     ref_out, ref_lse = ref_out[:, heads], ref_lse[:, heads]
     keep = ~nan
     keep[2] = False
-    torch.testing.assert_close(lse[keep].double(), ref_lse[keep], atol=1e-4, rtol=0)
+    torch.testing.assert_close(lse[keep].double(), ref_lse[keep], atol=lse_atol, rtol=0)
     group = slice(5 // group_size * group_size, (5 // group_size + 1) * group_size)
     keep[group] = False
     torch.testing.assert_close(out[keep].double(), ref_out[keep], atol=atol, rtol=0)
@@ -131,4 +132,4 @@ def test_the_gpu_kernels_turn_a_nan_input_into_a_nan_row(heads: int) -> None:
     q, kv, rows, nan = poisoned(heads, 576, torch.bfloat16, "cuda")
     for op in (sparse_mla_attention, sparse_mla_decode):
         out, lse = op(q, kv, rows, scale=0.2, v_dim=512)
-        assert_poisoned(out, lse, q, kv, rows, nan, 512, 3e-2)
+        assert_poisoned(out, lse, q, kv, rows, nan, 512, 3e-2, lse_atol=2e-3)
