@@ -148,8 +148,8 @@ def as_index(name: str, value: object, device: torch.device | None = None) -> ob
 def _host_ints(name: str, value: object) -> list[int] | None:
     """``value``'s ints when they are on the host (a sequence of ints, or a 1-D integer CPU
     tensor); ``None`` for a device tensor (reading it would sync) or anything else."""
-    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
-        value = as_index(name, value)  # on the CPU: the tensor the step makes of the list, before moving it
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):  # read as it is: no tensor made
+        return list(value) if all(isinstance(v, int) and not isinstance(v, bool) for v in value) else None
     if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.dim() != 1:
         return None
     return value.tolist() if value.dtype in (torch.int32, *_CONVERTIBLE) else None
