@@ -183,16 +183,15 @@ class RankKVCache:
         """
         lay, w = self.layout, self.layout.world_size
         row = self.row_specs[i][0]
-        heads = rank_heads
-        if heads is not None:
+        if rank_heads is not None:
             if self.heads is not None:
                 raise ValueError("rank_heads needs a cache of whole rows; this one keeps only its rank's KV heads")
-            lo, hi = heads[self.rank]
+            lo, hi = rank_heads[self.rank]
         if w == 1:
             pos, req = request_positions([0] * len(lens), lens)
             _, flat_rows = self._slots(pos, req, table)
             rows = self.flat(i).index_select(0, flat_rows.to(self.device))
-            rows = rows if heads is None else rows[:, lo:hi]
+            rows = rows if rank_heads is None else rows[:, lo:hi]
             return list(rows.split([int(n) for n in lens]))
         mine = [lay.owned_positions(int(n), self.rank) for n in lens]
         pos = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64)
@@ -200,13 +199,14 @@ class RankKVCache:
         _, flat_rows = self._slots(pos, req, table)
         local = self.flat(i).index_select(0, flat_rows.to(self.device))
         sizes = [sum(lay.local_len(int(n), r) for n in lens) for r in range(w)]
-        if heads is None or len(set(heads)) == 1:  # whole rows, or the same heads for every rank
-            parts = comm.all_gather_uneven(local if heads is None else local[:, lo:hi].contiguous(), sizes)
+        if rank_heads is None or len(set(rank_heads)) == 1:  # whole rows, or the same heads for every rank
+            parts = comm.all_gather_uneven(local if rank_heads is None else local[:, lo:hi].contiguous(), sizes)
             row = tuple(parts[0].shape[1:])
         else:  # each rank's heads of every local row, sent to it alone
-            pieces = [local[:, a:b].reshape(-1, *row[1:]) for a, b in heads]
-            got = comm.all_to_all(torch.cat(pieces), [len(x) for x in pieces], [n * (hi - lo) for n in sizes])
-            parts = [x.view(n, hi - lo, *row[1:]) for x, n in zip(got.split([n * (hi - lo) for n in sizes]), sizes)]
+            pieces = [local[:, a:b].reshape(-1, *row[1:]) for a, b in rank_heads]
+            recv = [n * (hi - lo) for n in sizes]
+            got = comm.all_to_all(torch.cat(pieces), [len(x) for x in pieces], recv)
+            parts = [x.view(n, hi - lo, *row[1:]) for x, n in zip(got.split(recv), sizes)]
             row = (hi - lo, *row[1:])
         out = [self.flat(i).new_empty((n, *row)) for n in lens]
         for r, part in enumerate(parts):
