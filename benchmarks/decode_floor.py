@@ -57,7 +57,7 @@ from records import add_json_argument, environment, print_table, record, write_j
 
 from shardattn.kernels.gluon.sparse_mla_decode import gluon_decode_plan
 from shardattn.kernels.triton.sparse_mla_decode import run_split_decode
-from shardattn.kernels.triton.sparse_mla_decode_config import sparse_mla_decode_config
+from shardattn.kernels.triton.sparse_mla_decode_config import decode_launch, sparse_mla_decode_config
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.ops.sparse_mla_decode_gluon import sparse_mla_decode_gluon
@@ -193,14 +193,15 @@ def sweep(
                 rows_unique=True,
             )  # fmt: skip
         return _fastest(runs, ref, o)
-    base = sparse_mla_decode_config(t, h, rows.shape[1], sms, kv_fp8=cache.dtype == torch.uint8)["num_splits"]
+    fp8 = cache.dtype == torch.uint8
+    base = sparse_mla_decode_config(t, h, rows.shape[1], sms, kv_fp8=fp8)["num_splits"]
     for cfg in SWEEP:
         for mult in (1, 2, 4):
             name = f"triton N{cfg['BLOCK_N']} w{cfg['num_warps']} st{cfg['num_stages']} splits x{mult}"
-            runs[name] = lambda cfg=cfg, mult=mult: run_split_decode(
-                q, cache, rows, scale=SCALE, topk_length=None, sinks=None, out=o, lse_out=s, num_sms=sms,
-                num_splits=min(64, base * mult), config=cfg,
-            )  # fmt: skip
+            launch = decode_launch(t, h, rows.shape[1], sms, min(64, base * mult), cfg, kv_fp8=fp8)
+            runs[name] = lambda launch=launch: run_split_decode(
+                q, cache, rows, scale=SCALE, topk_length=None, sinks=None, out=o, lse_out=s, launch=launch
+            )
     runs["gluon_small (forced)"] = lambda: sparse_mla_decode(
         q, cache, rows, scale=SCALE, rows_unique=True, out=o, lse_out=s, backend="gluon_small"
     )

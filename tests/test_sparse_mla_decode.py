@@ -123,6 +123,24 @@ def test_private_runner_checks_its_launch_knobs_before_any_kernel():
         run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="triton", config={"partials": "bf16"})
 
 
+def test_a_workspace_too_small_for_the_triton_splits_is_refused_before_the_union(monkeypatch):
+    """The Triton kernel's split count is known from shapes alone: a workspace below its partials
+    is a ValueError naming the sizes before the union is built (no kernel, no allocation)."""
+    import shardattn.ops.sparse_mla_decode as decode_op
+
+    def no_union(*args, **kwargs):
+        raise AssertionError("the union was built before the workspace was checked")
+
+    monkeypatch.setattr(decode_op, "build_union", no_union)
+    q, kv = torch.zeros(2, 4, 48), torch.zeros(300, 48)
+    rows = torch.arange(256, dtype=torch.int32).repeat(2, 1)
+    need = 4 * 2 * 4 * (32 + 1)  # 4 splits x 2 tokens x 4 heads x (32 values + the LSE)
+    with pytest.raises(ValueError, match=rf"workspace must hold >= {need} fp32 elements .* 4 splits .* has {need - 1}"):
+        run_sparse_mla_decode(
+            q, kv, rows, scale=0.2, v_dim=32, kernel="triton", num_splits=4, workspace=torch.zeros(need - 1)
+        )
+
+
 def test_partials_are_half_width_only_under_the_row_merge():
     """Measured: 2-byte partials pay under the row merge (bandwidth-bound), not under the column
     merge; fp32 inputs keep fp32 partials; a caller's choice wins."""

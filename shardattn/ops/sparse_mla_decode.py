@@ -96,7 +96,8 @@ def sparse_mla_decode(
         workspace: optional flat (1-D, contiguous) fp32 buffer on q's device for the split
             partials (``num_splits * T * H * (v_dim + 1)`` elements); with ``out``, ``lse_out``
             and it, nothing is allocated. A workspace too small for the small-batch kernel's
-            splits routes the call to Triton; the Gluon kernel then takes fewer row slices.
+            splits routes the call to Triton; the Gluon kernels then take fewer row slices; one
+            too small for the Triton kernel's splits is a ``ValueError`` before anything runs.
         backend: ``None`` (routed: :func:`~shardattn.ops.dispatch.sparse_decode_kernel`),
             ``"triton"``, ``"gluon"``, ``"gluon_small"`` or ``"gluon_stream"`` (forced, also outside the routing's
             crossovers; a ``ValueError`` where the kernel cannot run these tensors).
@@ -156,11 +157,12 @@ def run_sparse_mla_decode(
     (:func:`~shardattn.ops.dispatch.decode_path` says which runs where), with the launch knobs the public
     entry keeps private, for tuning, warm-up and benchmarks: ``num_splits`` (the Triton kernel's
     splits, the Gluon kernels' row slices) and ``config`` (the Triton kernel's launch overrides:
-    :func:`~shardattn.kernels.triton.sparse_mla_decode.run_split_decode`). ``q`` is ``[T, H, D]``.
+    :func:`~shardattn.kernels.triton.sparse_mla_decode_config.decode_launch`). ``q`` is ``[T, H, D]``.
 
     Raises:
         ValueError: a knob the kernel does not take (``config`` off Triton, ``num_splits`` on the
-            small-batch kernel, which picks its own), before any kernel runs.
+            small-batch kernel, which picks its own), or a ``workspace`` smaller than the Triton
+            kernel's splits need, before any kernel runs (the union build included).
     """
     if kernel not in ("reference", "triton", "gluon", "gluon_small", "gluon_stream"):
         raise ValueError(
@@ -191,6 +193,20 @@ def run_sparse_mla_decode(
             q, kv, rows, scale=float(scale), v_dim=v_dim, out=out, lse_out=lse_out, num_sms=num_sms,
             topk_length=topk_length, sinks=sinks, num_splits=num_splits, rows_unique=rows_unique, workspace=workspace,
         )  # fmt: skip
+    if kernel == "triton":  # the launch, and a workspace's size against it, before the union is built
+        from shardattn.kernels.triton.lse_merge import split_partials_numel
+        from shardattn.kernels.triton.sparse_mla_decode_config import decode_launch
+
+        launch = decode_launch(
+            t, h, rows.shape[1], num_sms, num_splits, config, head_dim=q.shape[2], v_dim=v_dim,
+            elem_bytes=q.element_size(), kv_fp8=kv.dtype == torch.uint8,
+        )  # fmt: skip
+        need = split_partials_numel(launch["num_splits"], t, h, v_dim)
+        if workspace is not None and workspace.numel() < need:
+            raise ValueError(
+                f"workspace must hold >= {need} fp32 elements for the Triton kernel's {launch['num_splits']} "
+                f"splits of {t} tokens x {h} heads; it has {workspace.numel()}"
+            )
     if not rows_unique and rows.shape[1] > 1:
         rows, topk_length = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
     if kernel == "gluon_stream":
@@ -210,7 +226,7 @@ def run_sparse_mla_decode(
     from shardattn.kernels.triton.sparse_mla_decode import run_split_decode
 
     run_split_decode(
-        q, kv, rows, scale=scale, topk_length=topk_length, sinks=sinks, out=out, lse_out=lse_out, num_sms=num_sms,
-        workspace=workspace, num_splits=num_splits, config=config,
+        q, kv, rows, scale=scale, topk_length=topk_length, sinks=sinks, out=out, lse_out=lse_out, launch=launch,
+        workspace=workspace,
     )  # fmt: skip
     return out, lse_out

@@ -10,15 +10,13 @@ programs: :func:`partials_dtype`). On sm_90 and newer the kernel and its merge a
 dependent launches: the kernel waits for the grid before it (a union build, a caller's indexer)
 and lets the merge launch once its partials are stored.
 
-:func:`~shardattn.kernels.triton.sparse_mla_decode_config.sparse_mla_decode_config` shapes a
-launch (:mod:`~shardattn.kernels.triton.sparse_mla_decode_config`), :func:`run_split_decode` runs
-one (benchmarks call it with their own ``num_splits`` / ``config``). The contract and the routing
+:func:`~shardattn.kernels.triton.sparse_mla_decode_config.decode_launch` shapes a launch
+(:mod:`~shardattn.kernels.triton.sparse_mla_decode_config`), :func:`run_split_decode` runs one
+(benchmarks shape theirs with their own ``num_splits`` / ``config``). The contract and the routing
 live in :mod:`shardattn.ops.sparse_mla_decode`.
 """
 
 from __future__ import annotations
-
-from typing import Any, cast
 
 import torch
 import triton
@@ -34,15 +32,10 @@ from shardattn.kernels.triton.lse_merge import (
 )
 from shardattn.kernels.triton.online_softmax import online_softmax_finish, online_softmax_step
 from shardattn.kernels.triton.sparse_mla_decode_config import (
-    CONFIG_KEYS,
-    MERGES,
     DecodeLaunchConfig,
-    merge_reason,
     partials_dtype,
-    sparse_mla_decode_config,
 )
 from shardattn.kernels.triton.sparse_mla_fp8 import fp8_decode_loop, store_tiles
-from shardattn.plan.decode_routing import route_decode_merge
 
 __all__ = ["launch_split_kernel", "run_split_decode"]
 
@@ -59,68 +52,35 @@ def run_split_decode(
     sinks: torch.Tensor | None,
     out: torch.Tensor,
     lse_out: torch.Tensor,
-    num_sms: int,
+    launch: DecodeLaunchConfig,
     workspace: torch.Tensor | None = None,
-    num_splits: int | None = None,
-    config: dict[str, Any] | None = None,
-) -> DecodeLaunchConfig:
-    """The split-KV kernel and the merge its configuration routes, into ``out`` / ``lse_out``.
+) -> None:
+    """The split-KV kernel and the merge ``launch`` routes, into ``out`` / ``lse_out``.
 
     Validated tensors (:func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode` checks them and
     de-duplicates the rows first unless they are unique): ``q [T, H, D]``, ``kv [R, D]``,
     ``rows [T, K]`` int32, ``out [T, H, v_dim]``, ``lse_out [T, H]`` fp32, ``workspace`` an
-    optional flat fp32 buffer for the partials. The launch knobs are for tuning and benchmarks:
-    ``num_splits`` (default :func:`sparse_mla_decode_config`'s) and ``config`` overrides of its
-    keys (:data:`CONFIG_KEYS`: ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages``,
-    ``merge`` = ``"rows"`` / ``"columns"``, ``pdl`` = ``False`` for plain launches, ``partials`` =
-    ``"fp32"`` / ``"input"`` / ``"auto"``: :func:`partials_dtype`). Returns the configuration it
-    launched. Capture-safe: no host sync; the grid depends on shapes and the split count only.
-
-    Raises:
-        ValueError / TypeError: an unknown ``config`` key or value (before any launch).
+    optional flat fp32 buffer of at least
+    :func:`~shardattn.kernels.triton.lse_merge.split_partials_numel` elements for the partials.
+    ``launch``: :func:`~shardattn.kernels.triton.sparse_mla_decode_config.decode_launch`'s for
+    these shapes (benchmarks pass their own ``num_splits`` / ``config`` to it). Capture-safe: no
+    host sync; the grid depends on shapes and the split count only.
     """
-    if config:
-        unknown = set(config) - CONFIG_KEYS
-        if unknown:
-            raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
-        if config.get("merge", "rows") not in MERGES:
-            raise ValueError(f"config['merge'] must be 'rows' or 'columns', got {config['merge']!r}")
-        if not isinstance(config.get("pdl", False), bool):
-            raise TypeError(f"config['pdl'] must be a bool, got {type(config['pdl']).__name__}")
-        if config.get("partials", "auto") not in ("auto", "input", "fp32"):
-            raise ValueError(f"config['partials'] must be 'auto', 'input' or 'fp32', got {config['partials']!r}")
-    t, h, d = q.shape
+    t, h, _ = q.shape
     v_dim = out.shape[-1]
-    topk = rows.shape[1]
-    cfg = sparse_mla_decode_config(
-        t, h, topk, num_sms, num_splits, head_dim=d, v_dim=v_dim, elem_bytes=q.element_size(),
-        kv_fp8=kv.dtype == torch.uint8,
-    )  # fmt: skip
-    if config:
-        want = num_splits if num_splits is not None else cfg["num_splits"]
-        cfg = cast(DecodeLaunchConfig, {**cfg, **config})  # keys checked against CONFIG_KEYS above
-        per_split = -(-max(topk, 1) // want)
-        cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-        cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
-        merge = route_decode_merge(t, h, cfg["num_splits"])
-        if "merge" not in config:
-            cfg["merge"], cfg["reason"] = merge.path, merge_reason(merge, cfg["num_splits"])
-        else:
-            cfg["reason"] = f"{cfg['num_splits']} splits; {cfg['merge']} merge: config"
-    splits = cfg["num_splits"]
+    splits = launch["num_splits"]
     if splits > 1:
-        out_dtype = partials_dtype(q.dtype, cfg["merge"], cfg.get("partials", "auto"))
+        out_dtype = partials_dtype(q.dtype, launch["merge"], launch.get("partials", "auto"))
         dst_out, dst_lse = split_partials(workspace, splits, t, h, v_dim, q.device, out_dtype=out_dtype)
     else:
         dst_out, dst_lse = out, lse_out
-    pdl = cfg.get("pdl", True) and pdl_supported(q.device)
-    launch_split_kernel(q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, cfg, scale, pdl=pdl)
+    pdl = launch.get("pdl", True) and pdl_supported(q.device)
+    launch_split_kernel(q, kv, rows, topk_length, sinks, dst_out, dst_lse, out, lse_out, launch, scale, pdl=pdl)
     if splits > 1:
-        if cfg.get("merge") == "columns":
+        if launch.get("merge") == "columns":
             launch_lse_merge_columns(dst_out, dst_lse, out, lse_out, pdl=pdl)
         else:
             launch_lse_merge(dst_out, dst_lse, out, lse_out, pdl=pdl)
-    return cfg
 
 
 def launch_split_kernel(

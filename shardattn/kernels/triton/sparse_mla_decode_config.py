@@ -6,7 +6,7 @@ the dtype of the split partials (:func:`partials_dtype`). The kernel and its run
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, TypedDict, cast
 
 import torch
 
@@ -18,6 +18,7 @@ __all__ = [
     "CONFIG_KEYS",
     "MERGES",
     "DecodeLaunchConfig",
+    "decode_launch",
     "merge_reason",
     "partials_dtype",
     "sparse_mla_decode_config",
@@ -138,6 +139,63 @@ def sparse_mla_decode_config(
         reason=merge_reason(merge, splits, one_wave=one_wave),
         cost_model_splits=cost_model,
     )
+
+
+def decode_launch(
+    num_tokens: int,
+    num_heads: int,
+    topk: int,
+    num_sms: int,
+    num_splits: int | None = None,
+    config: dict[str, Any] | None = None,
+    *,
+    head_dim: int = 576,
+    v_dim: int = 512,
+    elem_bytes: int = 2,
+    kv_fp8: bool = False,
+) -> DecodeLaunchConfig:
+    """The launch :func:`~shardattn.kernels.triton.sparse_mla_decode.run_split_decode` runs:
+    :func:`sparse_mla_decode_config`'s, with a caller's ``config`` overrides of its keys
+    (:data:`CONFIG_KEYS`: ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``merge`` =
+    ``"rows"`` / ``"columns"``, ``pdl`` = ``False`` for plain launches, ``partials`` = ``"fp32"`` /
+    ``"input"`` / ``"auto"``: :func:`partials_dtype`) applied and the split count re-derived from
+    the overridden ``BLOCK_N``. Host-side and shape-only, so a caller sizes the split partials
+    (``num_splits``) before anything runs.
+
+    Raises:
+        ValueError / TypeError: an unknown ``config`` key or value.
+
+    Example:
+        >>> decode_launch(8, 16, 2048, 132, 4, {"BLOCK_N": 128})["chunk"]
+        512
+    """
+    if config:
+        unknown = set(config) - CONFIG_KEYS
+        if unknown:
+            raise ValueError(f"config keys must be among {sorted(CONFIG_KEYS)}; got {sorted(unknown)}")
+        if config.get("merge", "rows") not in MERGES:
+            raise ValueError(f"config['merge'] must be 'rows' or 'columns', got {config['merge']!r}")
+        if not isinstance(config.get("pdl", False), bool):
+            raise TypeError(f"config['pdl'] must be a bool, got {type(config['pdl']).__name__}")
+        if config.get("partials", "auto") not in ("auto", "input", "fp32"):
+            raise ValueError(f"config['partials'] must be 'auto', 'input' or 'fp32', got {config['partials']!r}")
+    cfg = sparse_mla_decode_config(
+        num_tokens, num_heads, topk, num_sms, num_splits, head_dim=head_dim, v_dim=v_dim, elem_bytes=elem_bytes,
+        kv_fp8=kv_fp8,
+    )  # fmt: skip
+    if not config:
+        return cfg
+    want = num_splits if num_splits is not None else cfg["num_splits"]
+    cfg = cast(DecodeLaunchConfig, {**cfg, **config})  # keys checked against CONFIG_KEYS above
+    per_split = -(-max(topk, 1) // want)
+    cfg["chunk"] = -(-per_split // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    cfg["num_splits"] = max(1, -(-max(topk, 1) // cfg["chunk"]))
+    merge = route_decode_merge(num_tokens, num_heads, cfg["num_splits"])
+    if "merge" not in config:
+        cfg["merge"], cfg["reason"] = merge.path, merge_reason(merge, cfg["num_splits"])
+    else:
+        cfg["reason"] = f"{cfg['num_splits']} splits; {cfg['merge']} merge: config"
+    return cfg
 
 
 def partials_dtype(dtype: torch.dtype, merge: str, choice: str = "auto") -> torch.dtype:
