@@ -210,3 +210,35 @@ def check_split_workspace(workspace: object, device: torch.device) -> None:
     buffer = check_tensor("workspace", workspace, dtypes=(torch.float32,), ndim=1, device=device)
     if not buffer.is_contiguous():
         raise ValueError("workspace must be a contiguous (flat) float32 buffer: the split partials are views of it")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last)`` bytes of memory a tensor's elements reach (strided views included)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    reach = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    low = t.data_ptr() - sum((size - 1) * -stride for size, stride in zip(t.shape, t.stride()) if stride < 0)
+    return low, low + (reach + 1) * t.element_size()
+
+
+def check_disjoint(**tensors: torch.Tensor | None) -> None:
+    """The named buffers a kernel writes (a caller's ``out``, ``lse_out``, ``workspace``) share no
+    memory: one written over another would corrupt a result with no error. Host-side (pointers
+    and strides, no GPU sync); ``None``, empty and meta tensors are skipped.
+
+    Example:
+        >>> buf = torch.zeros(10)
+        >>> check_disjoint(out=buf[:4], workspace=buf[4:])
+        >>> check_disjoint(out=buf[:5], workspace=buf[4:])
+        Traceback (most recent call last):
+        ...
+        ValueError: out and workspace share memory: a kernel's writes to one would overwrite the other
+    """
+    spans = [
+        (name, _byte_span(t))
+        for name, t in tensors.items()
+        if t is not None and t.numel() > 0 and t.device.type != "meta"
+    ]
+    for (name_a, (lo_a, hi_a)), (name_b, (lo_b, hi_b)) in itertools.combinations(spans, 2):
+        if lo_a < hi_b and lo_b < hi_a:
+            raise ValueError(f"{name_a} and {name_b} share memory: a kernel's writes to one would overwrite the other")

@@ -41,6 +41,7 @@ from shardattn._checks import (
     check_bool,
     check_choice,
     check_cu_q_lens,
+    check_disjoint,
     check_int,
     check_max_q_len,
     check_pages_in_use,
@@ -229,6 +230,7 @@ def gqa_paged_decode(
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(total_q, hq), device=q.device)
     if workspace is not None:
         check_split_workspace(workspace, q.device)
+    check_disjoint(out=out, lse_out=lse_out, workspace=workspace)
     return run_gqa_paged_decode(
         q,
         k_cache,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn._checks import INDEX_DTYPES, check_int, check_tensor
+from shardattn._checks import INDEX_DTYPES, check_disjoint, check_int, check_tensor
 from shardattn.ops.kv_fp8_stage import kernel_rows, stage_marks, stage_touched, stages_packed
 from shardattn.ops.union import GROUP_SIZES, build_union, num_groups
 
@@ -112,9 +112,7 @@ def _workspace_pair(workspace: object, device: torch.device) -> tuple[torch.Tens
                 raise ValueError(f"workspace[{i}] must be a contiguous buffer starting on a 4-byte boundary")
         bufs.append(buf)
     a, b = bufs
-    if a is not None and b is not None and a.numel() and b.numel():
-        if a.data_ptr() < b.data_ptr() + b.numel() and b.data_ptr() < a.data_ptr() + a.numel():
-            raise ValueError("workspace's union and lens buffers must not share bytes")
+    check_disjoint(**{"workspace[0]": a, "workspace[1]": b})
     return a, b
 
 

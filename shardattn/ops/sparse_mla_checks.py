@@ -21,6 +21,7 @@ from shardattn._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_bool,
+    check_disjoint,
     check_int,
     check_same_device,
     check_scale,
@@ -126,6 +127,7 @@ def check_sparse_prefill_inputs(
         check_destination("out", out, q3, (v_dim,), q.dtype)
     if lse_out is not None:
         check_destination("lse_out", lse_out, q3, (), torch.float32)
+    check_disjoint(out=out, lse_out=lse_out)
     return q, q3, kv
 
 
@@ -175,7 +177,5 @@ def check_union_workspace(union: object, device: torch.device) -> tuple[torch.Te
     for i, t in enumerate((buf, lens)):
         if not t.is_contiguous():
             raise ValueError(f"union[{i}] must be contiguous (the union build writes it as a dense buffer)")
-    a, b = (buf.data_ptr(), buf.data_ptr() + buf.nbytes), (lens.data_ptr(), lens.data_ptr() + lens.nbytes)
-    if buf.numel() and lens.numel() and buf.device.type != "meta" and a[0] < b[1] and b[0] < a[1]:
-        raise ValueError("union's union and lens buffers must not share bytes")
+    check_disjoint(**{"union[0]": buf, "union[1]": lens})
     return buf, lens

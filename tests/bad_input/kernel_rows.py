@@ -35,6 +35,9 @@ from tests.bad_input.table import (
     topk_inputs,
 )
 
+#: One fp32 buffer that rows carve overlapping destinations from.
+_SHARED = torch.zeros(1024)
+
 
 def _sparse(fn: Callable[..., Any], **over: Any) -> Callable[[Any], Call]:
     """A sparse-MLA kernel call on :func:`mla` inputs with some arguments replaced."""
@@ -111,6 +114,11 @@ def _sparse_rows() -> list[Row]:
                 f"{name}-lse-out-dtype",
                 _sparse(fn, lse_out=torch.empty(3, 2, dtype=torch.float64)),
                 Raises(TypeError, r"^lse_out must have dtype"),
+            ),
+            Row(  # one fp32 buffer carved twice: the LSEs would land on the outputs
+                f"{name}-out-overlaps-lse-out",
+                _sparse(fn, out=_SHARED[:192].view(3, 2, 32), lse_out=_SHARED[186:192].view(3, 2)),
+                Raises(ValueError, r"^out and lse_out share memory"),
             ),
             Row(
                 f"{name}-topk-length-shape",
@@ -296,6 +304,11 @@ def _sparse_rows() -> list[Row]:
             _sparse(decode_mod.sparse_mla_decode, workspace=torch.zeros(800)[::2]),
             Raises(ValueError, r"^workspace must be a contiguous \(flat\) float32 buffer"),
         ),
+        Row(  # the split partials would be written over the LSEs
+            "sparse_mla_decode-workspace-overlaps-lse-out",
+            _sparse(decode_mod.sparse_mla_decode, lse_out=_SHARED[:6].view(3, 2), workspace=_SHARED),
+            Raises(ValueError, r"^lse_out and workspace share memory"),
+        ),
         Row(  # the reference path allocates nothing, but a valid workspace is accepted
             "sparse_mla_decode-workspace-on-cpu-path",
             _sparse(decode_mod.sparse_mla_decode, workspace=torch.zeros(400)),
@@ -350,7 +363,7 @@ def _sparse_rows() -> list[Row]:
         Row(
             "sparse_mla_grouped_prefill-union-shares-bytes",
             _sparse(grouped_mod.sparse_mla_grouped_prefill, union=lambda x: _overlapping_union()),
-            Raises(ValueError, r"^union's union and lens buffers must not share bytes"),
+            Raises(ValueError, r"^union\[0\] and union\[1\] share memory"),
         ),
         Row(  # the reference path builds no union, but a valid workspace is accepted
             "sparse_mla_grouped_prefill-union-on-cpu-path",
@@ -418,6 +431,11 @@ def _gqa_rows() -> list[Row]:
         Row(f"{n}-scale-nan", _gqa(scale=NAN), Raises(ValueError, r"^scale must be a finite number > 0")),
         Row(f"{n}-scale-negative", _gqa(scale=-1.0), Raises(ValueError, r"^scale must be a finite")),
         Row(f"{n}-window-left--2", _gqa(window_left=-2), Raises(ValueError, r"^window_left must be >= -1")),
+        Row(
+            f"{n}-workspace-overlaps-out",
+            _gqa(out=_SHARED[:128].view(2, 4, 16), workspace=_SHARED[64:]),
+            Raises(ValueError, r"^out and workspace share memory"),
+        ),
         Row(f"{n}-q-len-0", _gqa(q_len_per_req=0), Raises(ValueError, r"^q_len_per_req must be >= 1")),
         Row(f"{n}-q-rows-vs-batch", _gqa(q_len_per_req=2), Raises(ValueError, r"^q must have batch \* q_len_per_req")),
         Row(f"{n}-backend", _gqa(backend="cuda"), Raises(ValueError, r"^backend must be one of")),
