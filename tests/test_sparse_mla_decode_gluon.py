@@ -73,8 +73,13 @@ def test_registry_and_backend_argument_on_cpu():
         sparse_mla_decode(q, kv, rows, scale=0.1, backend="gluon")
     with pytest.raises(ValueError, match="backend must be"):
         sparse_mla_decode(q, kv, rows, scale=0.1, backend="cuda")
-    out, _ = sparse_mla_decode(q, kv, rows, scale=0.1, backend="triton")  # CPU: the reference still runs
+    with pytest.raises(ValueError, match="backend='triton' cannot run here: no CUDA tensors or no Triton"):
+        sparse_mla_decode(q, kv, rows, scale=0.1, backend="triton")  # forced: no silent fallback
+    out, _ = sparse_mla_decode(q, kv, rows, scale=0.1)  # routed: the reference
     assert out.shape == (2, 128, 512)
+    for backend in (None, "triton", "gluon", "gluon_small", "gluon_stream"):  # no key: the empty result, forced too
+        out, lse = sparse_mla_decode(q, kv[:0], rows, scale=0.1, backend=backend)
+        assert not out.any() and bool(lse.isneginf().all()), backend
 
 
 @pytest.mark.parametrize("heads", [64, 128])

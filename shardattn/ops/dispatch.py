@@ -238,8 +238,11 @@ def decode_path(
 ) -> tuple[str, str]:
     """``(kernel, reason)`` of a sparse-MLA decode call: ``"reference"``, ``"triton"``, ``"gluon"``,
     ``"gluon_small"`` or ``"gluon_stream"``. ``backend`` forces one kernel wherever it runs (a ``ValueError`` where it
-    cannot); routed, :func:`sparse_decode_kernel` decides, and a ``workspace`` too small for the
-    small-batch kernel's splits sends its call to Triton (forced, it raises). Inputs validated."""
+    cannot: CPU tensors without the Triton interpreter, for the Triton kernel too); routed,
+    :func:`sparse_decode_kernel` decides, and a ``workspace`` too small for the small-batch kernel's
+    splits sends its call to Triton (forced, it raises). A call with no key (``kv`` without rows or
+    ``rows`` without entries) is ``"reference"``, forced or not: every kernel returns its empty
+    result. Inputs validated."""
     from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason
     from shardattn.kernels.gluon.sparse_mla_decode_small import small_decode_limits
     from shardattn.kernels.triton.lse_merge import HAVE_TRITON, split_partials_numel
@@ -247,12 +250,12 @@ def decode_path(
 
     t, h, _ = q.shape
     no_keys = "kv has no rows" if kv.shape[0] == 0 else "rows has no entries" if rows.shape[1] == 0 else None
-    if no_keys is not None or not HAVE_TRITON or not use_triton(q):
-        if backend in GLUON_BACKENDS:
-            why = no_keys or "no CUDA tensors or no Triton"
-            raise ValueError(f"backend={backend!r} cannot run here: {why}")
-        why = no_keys or "no Triton for these tensors"
-        return "reference", why + kv_reason(kv, "reference")
+    if no_keys is not None:  # every row is empty: every kernel returns the empty result, forced or not
+        return "reference", no_keys + kv_reason(kv, "reference")
+    if not HAVE_TRITON or not use_triton(q):
+        if backend is not None:
+            raise ValueError(f"backend={backend!r} cannot run here: no CUDA tensors or no Triton")
+        return "reference", "no Triton for these tensors" + kv_reason(kv, "reference")
     if backend == "triton":
         return "triton", "backend='triton'" + kv_reason(kv)
     if backend in GLUON_BACKENDS:  # forced: wherever it runs, whatever the crossover says

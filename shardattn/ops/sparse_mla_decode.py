@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn._checks import check_bool, check_int, check_split_workspace, check_tensor
+from shardattn._checks import check_bool, check_disjoint, check_int, check_split_workspace, check_tensor
 from shardattn.ops.dispatch import decode_path, pdl_supported, sm_count
 from shardattn.ops.head_blocked import store_result
 from shardattn.ops.sparse_mla import empty_kv_result, has_keys, sparse_mla_reference
@@ -105,7 +105,8 @@ def sparse_mla_decode(
             :func:`~shardattn.ops.sparse_mla.sparse_mla_attention`'s); ``None`` takes ``kv``'s.
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32 natural log)``; a row with no valid
-        key is ``(0, -inf)`` (``(0, sink)`` with sinks). CPU tensors run the reference.
+        key is ``(0, -inf)`` (``(0, sink)`` with sinks). CPU tensors run the reference (routed;
+        a forced ``backend`` raises there unless the Triton interpreter runs ``"triton"``).
 
     Example:
         >>> q, kv = torch.randn(2, 4, 24), torch.randn(9, 24)
@@ -128,6 +129,7 @@ def sparse_mla_decode(
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(t, h), device=q.device)
     if workspace is not None:  # the kernels' split partials are fp32 views of its first elements
         check_split_workspace(workspace, q.device)
+    check_disjoint(out=out, lse_out=lse_out, workspace=workspace)
     kernel, _why = decode_path(q, kv, rows, v_dim, backend=backend, workspace=workspace, num_sms=sm_count(q.device))
     return run_sparse_mla_decode(
         q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, rows_unique=rows_unique,

@@ -141,11 +141,11 @@ def warm_up_decode(
             )
             for sinks, unique in itertools.product(sink_options, (False, True)):
                 # topk_unique (rows_unique): the kernels see the raw rows, not a union: their own variants
-                sparse_mla_decode(q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, rows_unique=unique)
-                sparse_mla_decode(
-                    q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend="triton", rows_unique=unique
-                )
-                launches += 2
+                for backend in (None, "triton") if compiles_kernels(device) else (None,):  # routed, and Triton's
+                    sparse_mla_decode(
+                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend=backend, rows_unique=unique
+                    )
+                    launches += 1
                 for kernel, counts in forced:
                     for splits in counts:
                         run_sparse_mla_decode(
