@@ -118,6 +118,15 @@ def test_translate_topk_matches_loop(layout, t, k, seed, use_int32):
         assert torch.equal(lay.translate_topk(pos, r, seq_lens=seq, topk_length=tl), got)
 
 
+def test_translate_topk_compares_int64_lengths_without_wrapping():
+    """int32 positions against int64 lengths past int32: compared in int64 (a length of 2**32 + 2
+    cast to int32 is 2, which dropped every position from 2 up)."""
+    pos = torch.tensor([[0, 1, 2, 3, -1]], dtype=torch.int32)
+    for seq in (2**32 + 2, 2**31):
+        got = dcp_translate_topk(pos, 0, 1, 1, seq_lens=torch.tensor([seq]))
+        assert got.tolist() == [[0, 1, 2, 3, -1]], seq
+
+
 def test_functions_never_need_data_on_meta_device():
     # meta tensors carry no data: a function that ran here cannot have synchronised on values
     m = torch.device("meta")

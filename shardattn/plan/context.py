@@ -204,7 +204,7 @@ def dcp_translate_topk(
     if seq_lens is not None:
         check_tensor("seq_lens", seq_lens, dtypes=_INT_DTYPES, shape=[t])
         check_same_device(topk_positions=topk_positions, seq_lens=seq_lens)
-        valid &= topk_positions < seq_lens.to(topk_positions.dtype)[:, None]
+        valid &= topk_positions < seq_lens[:, None]  # compared in the wider dtype: no wrap of int64 lengths
     if topk_length is not None:
         check_tensor("topk_length", topk_length, dtypes=_INT_DTYPES, shape=[t])
         check_same_device(topk_positions=topk_positions, topk_length=topk_length)

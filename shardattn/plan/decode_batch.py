@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shardattn._checks import check_int
-from shardattn.plan._common import as_lengths
+from shardattn._checks import check_bool, check_int
+from shardattn.plan._common import as_lengths, check_token_counts
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.cudagraph import DecodeQueryLens, decode_query_lens
 
@@ -163,7 +163,9 @@ class DecodeBatch:
 
 def _lengths(name: str, values: object, count: int | None = None) -> np.ndarray:
     """``values`` as int64 numpy: :func:`as_lengths`, with vectorised checks for lists and arrays."""
-    if isinstance(values, list | tuple | np.ndarray):
+    if isinstance(values, list | tuple | np.ndarray) and not (
+        isinstance(values, list | tuple) and bool in map(type, values)
+    ):
         arr = np.asarray(values)
         if arr.ndim == 1 and (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
             arr = arr.astype(np.int64, copy=False)
@@ -172,7 +174,7 @@ def _lengths(name: str, values: object, count: int | None = None) -> np.ndarray:
             if arr.size and int(arr.min()) < 0:
                 raise ValueError(f"{name} must be non-negative, got {arr.tolist()[:16]}")
             return arr
-    return as_lengths(name, values, count=count)  # tensors, and the messages for bad entries
+    return as_lengths(name, values, count=count)  # tensors, and the messages for bad entries (bools too)
 
 
 def plan_decode_batch(
@@ -198,24 +200,32 @@ def plan_decode_batch(
         seq_lens: ``[B]`` global KV tokens per request, drafts included (list, numpy or CPU tensor).
         qo_indptr: ``[B+1]`` query offsets (ragged drafts); ``None``: one query per request, or
             ``q_len`` each when ``q_len`` is given.
-        layout, rank: the DCP layout and this rank (default: no DCP, the rank holds every token).
+        layout, rank: the DCP layout and this rank, in ``[0, layout.world_size)`` (default: no
+            DCP, and the rank, whichever it is, holds every token).
         q_len: queries per slot; default the longest request's (at least 1). A request with more
             queries is refused.
         padded_requests: slots (a graph bucket, ``>= B``); default ``B``.
         causal: drafts see each other causally (query ``j`` of ``n`` sees ``L - n + j + 1``).
         packed: lay the real queries back to back (an eager step: no padding rows, ``q_len``
-            is the longest request's and ``token_rows`` the identity) instead of in slots.
+            is the longest request's, 0 when no request has a query, and ``token_rows`` the
+            identity) instead of in slots.
         pin: pin ``meta`` (a fresh pinned allocation costs far more than the plan: the Runtime
             stages ``meta`` through a reused pinned buffer instead).
     Raises:
-        ValueError: lengths that do not fit (a request with more queries than ``q_len`` or than
-            its KV tokens, ``padded_requests < B``, negative lengths).
+        ValueError: lengths that do not fit (a request with more queries than ``q_len``, or than
+            its KV tokens where it has any: a request with none has empty query rows;
+            ``padded_requests < B``; negative lengths or lengths past int32), a ``rank`` outside
+            the layout.
+        TypeError: a non-integer length, ``rank`` or ``q_len``; a non-bool ``causal`` /
+            ``packed`` / ``pin``.
 
     >>> p = plan_decode_batch([9, 5, 7], [0, 1, 4, 6], q_len=4, padded_requests=4)
     >>> p.token_rows.tolist(), p.meta[0].tolist()[:12], p.query_lens.num_padded
     ([0, 4, 5, 6, 8, 9], [9, 0, 0, 0, 3, 4, 5, 0, 6, 7, 0, 0], 1)
     """
-    lens = _lengths("seq_lens", seq_lens)
+    lens = check_token_counts("seq_lens", _lengths("seq_lens", seq_lens))
+    for flag, value in (("causal", causal), ("packed", packed), ("pin", pin)):
+        check_bool(flag, value)
     b = int(lens.shape[0])
     if qo_indptr is None and b and (q_len is None or check_int("q_len", q_len, minimum=1) == 1):
         return _one_query_each(lens, layout, rank, padded_requests, packed, pin)  # plain decode
@@ -235,7 +245,7 @@ def plan_decode_batch(
     short = np.flatnonzero((lens > 0) & (n > lens))
     if short.size:
         raise ValueError(f"requests {short[:8].tolist()} have more queries than KV tokens (seq_lens counts the drafts)")
-    slots = _slots(b, padded_requests, layout)
+    slots = _slots(b, padded_requests, layout, rank)
     slot_n = np.zeros(slots, dtype=np.int64)
     slot_n[:b] = n
     slot_lens = np.zeros(slots, dtype=np.int64)
@@ -278,14 +288,15 @@ def plan_decode_batch(
     )
 
 
-def _slots(b: int, padded_requests: object, layout: object) -> int:
-    """The plan's request slots (``padded_requests``, default ``b``), after checking them and the
-    layout's type."""
+def _slots(b: int, padded_requests: object, layout: object, rank: object) -> int:
+    """The plan's request slots (``padded_requests``, default ``b``), after checking them, the
+    layout's type and ``rank`` (one of the layout's ranks; any rank without a layout)."""
     slots = b if padded_requests is None else check_int("padded_requests", padded_requests, minimum=0)
     if slots < b:
         raise ValueError(f"padded_requests={slots} is smaller than the batch ({b} requests)")
     if layout is not None and not isinstance(layout, DCPLayout):
         raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
+    check_int("rank", rank, minimum=0, maximum=None if layout is None else layout.world_size - 1)
     return slots
 
 
@@ -310,7 +321,7 @@ def _one_query_each(
     the same plan as the general path (tests compare them) in a few numpy calls. Query ``b``
     sees all ``L_b`` tokens (causal or not) and reads block-table row ``b``."""
     b = int(lens.shape[0])
-    slots = _slots(b, padded_requests, layout)
+    slots = _slots(b, padded_requests, layout, rank)
     seen = lens if layout is None else _local_lens(lens, layout, rank)
     rows = b if packed else slots
     meta_np = np.zeros((2, rows), dtype=np.int32)

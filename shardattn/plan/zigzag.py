@@ -59,7 +59,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shardattn._checks import check_int
-from shardattn.plan._common import as_lengths, check_world_size
+from shardattn.plan._common import MAX_TOKENS, as_lengths, check_token_counts, check_world_size
 from shardattn.plan.crossovers import DEFAULT_MIN_TOKENS
 from shardattn.plan.shard_plan import ShardPlan, build_shard_plan, expand_ranges, token_cost
 
@@ -86,12 +86,13 @@ def _check_common(
     w = check_world_size(world_size)
     a = check_int("align", align, minimum=1)
     m = check_int("min_tokens", min_tokens, minimum=0)
-    k = check_int("topk", topk, minimum=1)
-    lens = as_lengths("query_lens", query_lens)
+    k = check_int("topk", topk, minimum=1, maximum=MAX_TOKENS)
+    lens = check_token_counts("query_lens", as_lengths("query_lens", query_lens))
     if prefix_lens is None:
         prefix = np.zeros_like(lens)
-    else:
+    else:  # a request's tokens sit at positions prefix .. prefix + query_len - 1
         prefix = as_lengths("prefix_lens", prefix_lens, count=lens.shape[0])
+        check_token_counts("prefix_lens + query_lens", check_token_counts("prefix_lens", prefix) + lens)
     return lens, prefix, w, a, m, k
 
 
