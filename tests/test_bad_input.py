@@ -2,7 +2,8 @@
 
 Each row of ``ROWS`` names an entry point and a bad argument, and states what it must get (the
 rows live in ``tests/bad_input/``: the harness in ``table.py``, the rows by layer in
-``kernel_rows.py``, ``plan_rows.py`` (the planner's lengths in ``plan_length_rows.py``) and
+``kernel_rows.py``, ``plan_rows.py`` (the planner's lengths in ``plan_length_rows.py``, its page
+ledger, cost model, decode routing and arena in ``plan_state_rows.py``) and
 ``parallel_rows.py``, GQA prefill's in ``gqa_prefill_rows.py``):
 
 * ``Raises(TypeError | ValueError, match)``: the error names the argument (``match`` is a regex
@@ -40,6 +41,7 @@ from tests.bad_input.kernel_rows import kernel_rows
 from tests.bad_input.parallel_rows import parallel_rows
 from tests.bad_input.plan_length_rows import plan_length_rows
 from tests.bad_input.plan_rows import plan_rows
+from tests.bad_input.plan_state_rows import plan_state_rows
 from tests.bad_input.table import (
     INF,
     NAN,
@@ -55,7 +57,14 @@ from tests.bad_input.table import (
 )
 
 #: The table: rows live in tests/bad_input/ by layer (kernels, planner, parallel steps and Runtime).
-ROWS: list[Row] = [*kernel_rows(), *plan_rows(), *plan_length_rows(), *parallel_rows(), *gqa_prefill_rows()]
+ROWS: list[Row] = [
+    *kernel_rows(),
+    *plan_rows(),
+    *plan_length_rows(),
+    *plan_state_rows(),
+    *parallel_rows(),
+    *gqa_prefill_rows(),
+]
 BY_ID = {r.id: r for r in ROWS}
 assert len(BY_ID) == len(ROWS), "row ids must be unique"
 

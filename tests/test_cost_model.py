@@ -329,3 +329,70 @@ def test_kernel_points_are_keyed_by_kv_format() -> None:
     bad = KernelPoint(8, 64, 1, 1.0, 4096, 2048, 1.0, kv_format="int8")
     with pytest.raises(ValueError, match="bad KV format 'int8'"):
         dataclasses.replace(CONSERVATIVE, kernels=(*CONSERVATIVE.kernels, bad)).validate()
+
+
+# -- a step's shape and what predict_step takes -----------------------------------------------------
+@pytest.mark.parametrize(("heads", "world"), [(4, 8), (12, 8), (6, 4)])
+def test_heads_that_do_not_divide_over_the_ranks_are_refused(heads: int, world: int) -> None:
+    """Head-TP gives each rank ``heads / world_size`` heads: 4 heads on 8 ranks priced ShardQ's
+    exchange at 0 bytes (``4 // 8``), so a shape whose heads do not divide is refused."""
+    want = rf"^StepShape.heads must be a multiple of StepShape.world_size .*heads={heads}, world_size={world}"
+    with pytest.raises(ValueError, match=want):
+        StepShape(heads=heads, world_size=world, tokens=8192, topk=2048)
+    model = CostModel(CONSERVATIVE)
+    for h in (8, 16):  # dividing heads: the exchange moves bytes, more heads more of them
+        assert model.predict_step(StepShape(heads=h, world_size=8, tokens=8192, topk=2048), "shardq").comm_ms > 0
+
+
+@pytest.mark.parametrize(
+    ("ratio", "exc", "match"),
+    [
+        ({2: -5.0}, ValueError, r"^StepShape.union_ratio\[2\] must be a finite number > 0, got -5.0"),
+        ({4: 0.0}, ValueError, r"^StepShape.union_ratio\[4\] must be a finite number > 0, got 0.0"),
+        ({8: math.inf}, ValueError, r"^StepShape.union_ratio\[8\] must be a finite number > 0, got inf"),
+        ({2: math.nan}, ValueError, r"^StepShape.union_ratio\[2\] must be a finite number > 0, got nan"),
+        ({2: "1.2"}, TypeError, r"^StepShape.union_ratio\[2\] must be a float"),
+        ({1: 1.0}, ValueError, r"^StepShape.union_ratio's G must be one of \(2, 4, 8\), got 1"),
+        ({16: 2.0}, ValueError, r"^StepShape.union_ratio's G must be one of \(2, 4, 8\), got 16"),
+        ({"2": 1.2}, TypeError, r"^StepShape.union_ratio's G must be an int, got str"),
+        ([1.2], TypeError, r"^StepShape.union_ratio must be a dict of G -> ratio, got list"),
+    ],
+    ids=["negative", "zero", "inf", "nan", "str", "G-1", "G-16", "G-str", "list"],
+)
+def test_union_ratio_is_checked(ratio: object, exc: type, match: str) -> None:
+    """A negative union ratio priced a grouped step at a negative time; a ratio at G = 1 (per-query,
+    which no ratio scales) was silently unused."""
+    with pytest.raises(exc, match=match):
+        StepShape(heads=8, world_size=2, tokens=8192, topk=2048, union_ratio=ratio)
+
+
+def test_union_ratio_given_prices_the_grouped_step() -> None:
+    shape = StepShape(heads=8, world_size=2, tokens=8192, topk=2048, union_ratio={2: 1, 8: 1.5})
+    assert shape.union_ratio == {2: 1.0, 8: 1.5} and all(type(v) is float for v in shape.union_ratio.values())
+    model = CostModel(CONSERVATIVE)
+    wider = dataclasses.replace(shape, union_ratio={2: 1.9, 8: 1.5})
+    assert model.predict_step(wider, "shardq", 2).kernel_ms > model.predict_step(shape, "shardq", 2).kernel_ms > 0
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["one-rank", "two-ranks"])
+@pytest.mark.parametrize(
+    ("step", "group_size", "exc", "match"),
+    [
+        ("bogus", 1, ValueError, r"^step must be 'headtp', 'shardq' or 'pcp', got 'bogus'"),
+        ("shardq", 0, ValueError, r"^group_size must be >= 1, got 0"),
+        ("headtp", 3, ValueError, r"^group_size must be one of \(1, 2, 4, 8\), got 3"),
+        ("shardq", 2.0, TypeError, r"^group_size must be an int, got float"),
+    ],
+    ids=["step", "G-0", "G-3", "G-float"],
+)
+def test_predict_step_checks_its_arguments_at_every_world_size(world, step, group_size, exc, match) -> None:
+    """One rank took every step as head-TP before looking at it (``"bogus"`` priced as head-TP),
+    and G = 0 divided by zero (in ``kernel_ms`` too)."""
+    model = CostModel(CONSERVATIVE)
+    with pytest.raises(exc, match=match):
+        model.predict_step(StepShape(heads=64, world_size=world, tokens=8192, topk=2048), step, group_size)
+    if step != "bogus":
+        with pytest.raises(exc, match=match):
+            model.kernel_ms(8, 4096, 2048, group_size=group_size)
+    with pytest.raises(TypeError, match=r"^shape must be a StepShape, got dict"):
+        model.predict_step({"heads": 64}, "headtp")

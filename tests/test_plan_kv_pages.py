@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
@@ -119,3 +120,113 @@ def test_undo_growth_restores_the_ledger_of_a_step_that_did_not_run(world: int) 
     assert all(np.array_equal(x, y) for x, y in zip(before[:3], after[:3])) and before[3] == after[3]
     book.grow_slots(slots, counts)
     assert np.array_equal(book.block_table, grown)
+
+
+def test_grow_reads_a_generator_once_like_a_list() -> None:
+    """``grow`` of a generator commits it (its check used to consume it, leaving nothing to commit)."""
+    cfg = KVCacheConfig(page_size=4, layout=DCPLayout(2), max_requests=4, max_seq_len=32)
+    listed, generated = PagedKVBook(cfg), PagedKVBook(cfg)
+    for book in (listed, generated):
+        book.grow([("a", 5)])
+    step = [("a", 9), ("b", 3)]
+    listed.grow(step)
+    generated.grow(item for item in step)
+    assert generated.request_ids == listed.request_ids == ["a", "b"]
+    assert [generated.seq_len(r) for r in "ab"] == [listed.seq_len(r) for r in "ab"] == [14, 3]
+    assert generated.table(["a", "b"]) == listed.table(["a", "b"]) and generated.free_pages == listed.free_pages
+
+
+def _held_seven() -> PagedKVBook:
+    """Request 7 holds 20 tokens over two ranks: 10 on rank 0, 3 pages of 4."""
+    book = PagedKVBook(KVCacheConfig(page_size=4, layout=DCPLayout(2), max_requests=4, max_seq_len=32))
+    book.grow([(7, 20)])
+    assert book.pages(7) == [0, 1, 2]
+    return book
+
+
+@pytest.mark.parametrize("width", [1, 0, -2], ids=["narrow", "zero", "negative"])
+def test_table_width_below_the_pages_held_is_refused(width: int) -> None:
+    """A row is never cut: a width below the pages a request holds (or negative, which sliced from
+    the end) is a ValueError naming width."""
+    book = _held_seven()
+    with pytest.raises(
+        ValueError, match=rf"^width must be >= 3 \(the most pages one of the requests holds\), got {width}"
+    ):
+        book.table([7], width=width)
+    with pytest.raises(ValueError, match=r"^width must be >= 3"):
+        book.table_rows(book.slots([7]), width)
+    with pytest.raises(TypeError, match=r"^width must be an int, got float"):
+        book.table([7], width=3.0)
+    assert book.table([7], width=3) == [[0, 1, 2]] and book.table([7], width=4) == [[0, 1, 2, -1]]
+
+
+@pytest.mark.parametrize(
+    ("counts", "exc", "match"),
+    [
+        (-30, ValueError, r"^counts must be >= 0, got -30"),
+        (1.5, TypeError, r"^counts must be an int, got float"),
+        (True, TypeError, r"^counts must be an int, got bool"),
+        (np.array([-1]), ValueError, r"^counts\[0\] must be >= 0, got -1"),
+        (np.array([1.0]), TypeError, r"^counts must hold integers"),
+        ([1, 2], ValueError, r"^counts must have 1 entries \(one per request\), got 2"),
+    ],
+    ids=["negative", "float", "bool", "entry-negative", "float-array", "length"],
+)
+@pytest.mark.parametrize("method", ["check_slots", "grow_slots", "undo_growth"])
+def test_counts_are_checked_before_anything_changes(method: str, counts: object, exc: type, match: str) -> None:
+    """Wherever counts enter (a negative one gave a negative page need, and grow_slots(s, -20) left
+    a request of 0 tokens holding its pages), a bad one raises naming counts and the ledger stays."""
+    book = _held_seven()
+    slots = book.slots([7])
+    before = (book.lens.copy(), book.npages.copy(), book.block_table.copy(), book.free_pages)
+    with pytest.raises(exc, match=match):
+        getattr(book, method)(slots, counts)
+    assert np.array_equal(book.lens, before[0]) and np.array_equal(book.npages, before[1])
+    assert np.array_equal(book.block_table, before[2]) and book.free_pages == before[3]
+
+
+def test_counts_as_int_array_or_tensor_step_alike() -> None:
+    """One int, a list, an int32 array and a CPU tensor of counts take the same pages; undoing more
+    tokens than a request holds is refused."""
+    needs = []
+    for counts in (8, [8], np.array([8], dtype=np.int32), torch.tensor([8])):
+        book = _held_seven()
+        slots = book.slots([7])
+        needs.append(book.check_slots(slots, counts))
+        book.grow_slots(slots, counts)
+        assert book.seq_len(7) == 28 and book.pages(7) == [0, 1, 2, 3]
+        book.undo_growth(slots, counts)
+        assert book.seq_len(7) == 20 and book.pages(7) == [0, 1, 2] and book.free_pages == book.config.num_pages - 3
+    assert needs == [1, 1, 1, 1]
+    book = _held_seven()
+    with pytest.raises(ValueError, match=r"^counts=21 is more than the 20 tokens request 7 holds"):
+        book.undo_growth(book.slots([7]), 21)
+    with pytest.raises(ValueError, match=r"^counts\[0\]=21 is more than the 20 tokens request 7 holds"):
+        book.undo_growth(book.slots([7]), np.array([21]))
+    assert book.seq_len(7) == 20 and book.pages(7) == [0, 1, 2]
+
+
+def test_slots_takes_a_cpu_integer_tensor() -> None:
+    """``slots`` looks a CPU integer tensor up as the NumPy array of its values; a float or meta
+    tensor is refused naming the argument."""
+    book = _held_seven()
+    book.grow([(3, 4), ("x", 1)])
+    want = book.slots(np.array([3, 7])).tolist()
+    assert book.slots(torch.tensor([3, 7])).tolist() == want
+    assert book.slots(torch.tensor([3, 7], dtype=torch.int32)).tolist() == want
+    with pytest.raises(ValueError, match=r"^request_ids\[1\]: unknown request id 9"):
+        book.slots(torch.tensor([3, 9]))
+    with pytest.raises(TypeError, match=r"^ids must have dtype in \(int8, int16, int32, int64, uint8\), got float32"):
+        book.slots(torch.tensor([3.0]), name="ids")
+    with pytest.raises(ValueError, match=r"^request_ids must be on cpu, got meta"):
+        book.slots(torch.tensor([3], device="meta"))
+
+
+def test_an_int_id_past_int64_leaves_array_lookups_of_the_others_working() -> None:
+    """Any hashable is a request id; an int past int64 is named by a sequence only. Once held, it
+    broke every integer-array lookup (an OverflowError building the sorted index)."""
+    book = _held_seven()
+    book.grow([(2**64, 3), (-(2**70), 1)])
+    assert book.slots(np.array([7])).tolist() == book.slots([7]).tolist()
+    assert book.slots(torch.tensor([7])).tolist() == book.slots([7]).tolist()
+    assert len(set(book.slots([2**64, -(2**70), 7]).tolist())) == 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from shardattn.plan import (
     workspace_bounds,
     zigzag_split,
 )
+from shardattn.plan.routing import prefill_group_size
 
 GLM5 = get_preset("glm5")
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
@@ -180,3 +182,44 @@ def test_dcp_decode_step_shares_bytes_where_its_items_are_never_live_together():
     assert total == 226_754_560 < wb.total == 361_496_576
     assert offsets["send"] < wb.packed_q and offsets["recv"] < wb.packed_q  # inside the queries' bytes
     assert offsets["out"] >= wb.packed_q  # the kernel reads q while writing its partial
+
+
+@pytest.mark.parametrize(
+    ("lifetimes", "exc", "match"),
+    [
+        ([("a", (0, 1))], TypeError, r"^lifetimes must be a dict of item -> \(first, last\) or None, got list"),
+        ({"a": (False, True)}, TypeError, r"^lifetimes\['a'\]\[0\] must be an int, got bool"),
+        ({"a": (0, 1.0)}, TypeError, r"^lifetimes\['a'\]\[1\] must be an int, got float"),
+        ({"a": [0, 1]}, TypeError, r"^lifetimes\['a'\] must be a \(first, last\) pair of ints"),
+        ({"a": (2, 1)}, ValueError, r"^lifetimes\['a'\] must have first <= last, got \(2, 1\)"),
+    ],
+    ids=["list", "bools", "float", "span-list", "reversed"],
+)
+def test_arena_lifetimes_are_checked(lifetimes, exc, match):
+    """A list of lifetimes raised AttributeError, and bools passed as phase numbers."""
+    with pytest.raises(exc, match=match):
+        arena_offsets({"a": 8, "b": 8}, lifetimes)
+
+
+def test_arena_lifetimes_take_numpy_ints():
+    """NumPy integer phases (the ends of an array of lifetimes) lay out as the same ints do."""
+    sizes = {"a": 100, "b": 50, "c": 60}
+    plain = {"a": (0, 1), "b": (2, 2), "c": (1, 2)}
+    as_numpy = {k: (np.int64(a), np.int32(b)) for k, (a, b) in plain.items()}
+    assert (
+        arena_offsets(sizes, as_numpy, align=1)
+        == arena_offsets(sizes, plain, align=1)
+        == ({"a": 0, "c": 100, "b": 0}, 160)
+    )
+
+
+@pytest.mark.parametrize(("heads", "group"), [(8, 8), (16, 4), (32, 2), (64, 1), (128, 1)])
+def test_default_group_size_is_the_grouped_gluon_kernels(heads, group):
+    """The default ``G`` that ``workspace_bounds``' docstring states: the grouped Gluon kernel's for
+    the kernel's heads (8 / 16 / 32 heads: 8 / 4 / 2), 1 above 32 heads, 1 for the decode modes."""
+    spec = dataclasses.replace(GLM5, num_heads=heads)
+    for mode, world, kernel_heads in (("shardq", 2, heads), ("headtp", 2, heads // 2), ("pcp", 2, heads)):
+        wb = workspace_bounds(spec, max_batched_tokens=1024, world_size=world, mode=mode)
+        assert wb.group_size == (prefill_group_size(kernel_heads, gluon=True) or 1), (mode, wb.group_size)
+    assert workspace_bounds(spec, max_batched_tokens=1024, world_size=1, mode="shardq").group_size == group
+    assert workspace_bounds(spec, max_batched_tokens=1024, world_size=2, mode="dcp-decode").group_size == 1

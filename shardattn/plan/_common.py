@@ -69,9 +69,9 @@ def as_lengths(name: str, values: object, *, count: int | None = None) -> np.nda
     if isinstance(values, np.ndarray):
         if not np.issubdtype(values.dtype, np.integer):
             raise TypeError(f"{name} must hold integers, got dtype {values.dtype}")
-        too_big = np.flatnonzero(values > _INT64_MAX) if values.dtype == np.uint64 else ()
-        if len(too_big):
-            raise ValueError(f"{name}[{too_big[0]}] must be < 2**63, got {int(values[too_big[0]])}")
+        if values.dtype == np.uint64 and values.size and int(values.max()) > _INT64_MAX:
+            i = int(np.flatnonzero(values > _INT64_MAX)[0])
+            raise ValueError(f"{name}[{i}] must be < 2**63, got {int(values[i])}")
         arr = values.astype(np.int64)
     elif isinstance(values, str | bytes | Set | Mapping) or not isinstance(values, Iterable):
         what = "an unordered " if isinstance(values, Set | Mapping) else ""

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shardattn._checks import check_choice, check_int
 from shardattn.plan.calibration import (
     CALIBRATE_COMMAND,
     CONSERVATIVE,
@@ -80,6 +81,9 @@ __all__ = [
     "load_calibration",
     "shipped_calibration",
 ]
+
+#: The steps :meth:`CostModel.predict_step` prices.
+_STEPS = ("headtp", "shardq", "pcp")
 
 
 def candidate_group_sizes(heads: int, *, tile: int = TILE) -> tuple[int, ...]:
@@ -165,7 +169,9 @@ class CostModel:
     ) -> float:
         """Predicted time of one kernel call on ``kv_format`` rows (:meth:`kernel_format`: its own
         points, else bf16's; heads between calibrated counts interpolate linearly; below the
-        smallest, the smallest's time (tiles pad); above the largest, proportional)."""
+        smallest, the smallest's time (tiles pad); above the largest, proportional). ``group_size``:
+        1 (per-query) or a grouped size of :data:`~shardattn.plan.calibration.GROUPS`."""
+        _check_group_size(group_size)
         if tokens <= 0 or topk <= 0:
             return 0.0
         g = group_size
@@ -246,7 +252,14 @@ class CostModel:
 
     # -- steps -------------------------------------------------------------------------------
     def predict_step(self, shape: StepShape, step: str, group_size: int = 1) -> Prediction:
-        """Predict one candidate: ``step`` in ``headtp`` / ``shardq`` / ``pcp`` with kernel group size ``G``."""
+        """Predict one candidate: ``step`` in ``headtp`` / ``shardq`` / ``pcp`` with kernel group size ``G``
+        (1, or a grouped size of :data:`~shardattn.plan.calibration.GROUPS`). At one rank every step
+        is head-TP's (nothing to shard); ``step`` and ``group_size`` are checked all the same."""
+        if not isinstance(shape, StepShape):
+            raise TypeError(f"shape must be a StepShape, got {type(shape).__name__}")
+        if step not in _STEPS:
+            raise ValueError(f"step must be 'headtp', 'shardq' or 'pcp', got {step!r}")
+        _check_group_size(group_size)
         w, h, e = shape.world_size, shape.heads, shape.dtype_bytes
         g = group_size
         kernel = "per-query" if g == 1 else "grouped"
@@ -257,8 +270,6 @@ class CostModel:
             )
             ov = self._overhead("headtp")
             return Prediction("headtp", kernel, g, k_ms + ov.fixed_ms, k_ms, 0.0, ov.fixed_ms)
-        if step not in ("shardq", "pcp"):
-            raise ValueError(f"step must be 'headtp', 'shardq' or 'pcp', got {step!r}")
         k_ms = self.kernel_ms(
             h, shape.per_rank, shape.topk, group_size=g, union_ratio=self._ratio(shape, g), kv_format=fmt
         )
@@ -288,6 +299,13 @@ class CostModel:
             sizes = candidate_group_sizes(heads) if grouping else (1,)
             out += [self.predict_step(shape, step, g) for g in sizes]
         return sorted(out, key=lambda p: p.ms)
+
+
+def _check_group_size(group_size: object) -> int:
+    """``group_size``: 1 (per-query) or a grouped size of :data:`GROUPS`."""
+    g = check_int("group_size", group_size, minimum=1)
+    check_choice("group_size", g, (1, *GROUPS))
+    return g
 
 
 def _fit_line(points: list[KernelPoint]) -> tuple[float, float, float]:

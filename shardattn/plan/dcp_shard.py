@@ -68,8 +68,8 @@ def shard_kv_cache(
         seq_lens: ``[B]`` KV tokens per request (a list, or a tensor; a device tensor is read once).
         layout: the DCP layout (world size and interleave of the decode group).
         rank: the rank whose shard to build.
-        page_size: rows per page; required for a 2-D cache (the model's ``page_size``), read from
-            the shape of a paged one.
+        page_size: rows per page (an int >= 1); required for a 2-D cache (the model's
+            ``page_size``), read from the shape of a paged one (when given, it must match it).
     Returns:
         ``(shard, table)``: ``shard`` like ``kv_cache`` (same dtype and device), holding the rank's
         rows in pages of its own (padding rows are zero); ``table`` ``[B, max(1, pages)]`` int32 on
@@ -77,9 +77,10 @@ def shard_kv_cache(
         ``seq_lens`` to a DCP decode step.
     Raises:
         ValueError / TypeError: a cache that is not one or two tensors, a ``(k_cache, v_cache)`` pair
-            whose dtypes, devices or dims but the last differ, a page size that does not match, a
-            ``block_table`` or ``seq_lens`` on the ``meta`` device (they are read on the host), a
-            request longer than its row of ``block_table``, a page id outside the cache.
+            whose dtypes, devices or dims but the last differ, a paged cache of 0-row pages, a
+            ``page_size`` that is not an int >= 1 or does not match, a ``block_table`` or
+            ``seq_lens`` on the ``meta`` device (they are read on the host), a request longer than
+            its row of ``block_table``, a page id outside the cache.
     """
     if not isinstance(layout, DCPLayout):
         raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
@@ -103,7 +104,12 @@ def shard_kv_cache(
             raise ValueError(f"kv_cache must hold whole pages of {page} rows, got {first.shape[0]} rows")
     elif first.dim() >= 3:
         page = int(first.shape[1])
-        if page_size is not None and page_size != page:
+        if page == 0:
+            name = "kv_cache[0]" if pair else "kv_cache"
+            raise ValueError(
+                f"{name} must have pages of >= 1 rows ([pages, page_size, ...]), got shape {list(first.shape)}"
+            )
+        if page_size is not None and check_int("page_size", page_size, minimum=1) != page:
             raise ValueError(f"page_size={page_size} differs from kv_cache's pages of {page} rows")
     else:
         raise ValueError(f"kv_cache must be [R, D] rows or [pages, page_size, ...], got shape {list(first.shape)}")

@@ -63,7 +63,8 @@ __all__ = [
 
 XQA_SM = (90, 100, 120)
 DECODE_PATHS = ("triton", "flashinfer-xqa", "reference")
-SPARSE_DECODE_KERNELS = ("gluon_small", "gluon", "triton", "reference")
+SPARSE_DECODE_KERNELS = ("gluon_small", "gluon_stream", "gluon", "triton", "reference")
+"""Every kernel :func:`route_sparse_decode_kernel` picks."""
 DECODE_MERGES = ("none", "columns", "rows")
 SMALL_DECODE_MAX_SPLITS = 64
 """Most splits of a row the small-batch decode kernel takes (its column merge loads every split's
@@ -259,7 +260,9 @@ def route_decode_merge(num_tokens: int, num_heads: int, num_splits: int) -> Rout
     >>> route_decode_merge(4, 16, 1).path
     'none'
     """
-    if num_splits <= 1:
+    num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+    num_heads = check_int("num_heads", num_heads, minimum=0)
+    if check_int("num_splits", num_splits, minimum=1) == 1:
         return Route("none", 1, "1 split: the kernel writes the result, no merge")
     n = num_tokens * num_heads
     if n <= COLUMN_MERGE_MAX_ROWS:
@@ -280,6 +283,10 @@ def small_decode_tiles(num_tokens: int, topk: int, num_sms: int, *, kv_fp8: bool
     >>> small_decode_tiles(4, 2048, 132, kv_fp8=True), small_decode_tiles(5, 2048, 132, kv_fp8=True)
     ((64, 32), (128, 16))
     """
+    num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+    topk = check_int("topk", topk, minimum=1)
+    num_sms = check_int("num_sms", num_sms, minimum=1)
+    check_bool("kv_fp8", kv_fp8)
     blocks = -(-topk // 64)
     fraction = SMALL_DECODE_FP8_64_MAX_SM_FRACTION if kv_fp8 else SMALL_DECODE_64_MAX_SM_FRACTION
     fits = num_tokens * blocks <= num_sms * fraction
@@ -295,6 +302,10 @@ def small_decode_heads(num_tokens: int, splits: int, heads: int, num_sms: int) -
     >>> small_decode_heads(2, 32, 16, 132), small_decode_heads(5, 16, 16, 132), small_decode_heads(1, 32, 8, 132)
     (8, 16, 8)
     """
+    num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+    splits = check_int("splits", splits, minimum=1)
+    heads = check_int("heads", heads, minimum=1)
+    num_sms = check_int("num_sms", num_sms, minimum=1)
     if heads <= SMALL_DECODE_HEAD_GROUP:
         return heads
     groups = -(-heads // SMALL_DECODE_HEAD_GROUP)

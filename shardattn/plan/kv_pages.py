@@ -29,11 +29,19 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from shardattn._checks import check_int
+from shardattn._checks import check_int, check_tensor
+from shardattn.plan._common import as_lengths
 from shardattn.plan.context import DCPLayout
 
 __all__ = ["KVCacheConfig", "PagedKVBook"]
+
+#: Tensor dtypes :meth:`PagedKVBook.slots` looks integer request ids up from.
+_ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+#: New tokens of a step's requests: one int for all, or one per slot (a sequence, an integer
+#: array or a CPU integer tensor).
+Counts = int | Sequence[int] | np.ndarray | torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,8 @@ class PagedKVBook:
             raise ValueError(f"unknown request id {request_id!r} (never prefilled, or freed)") from None
 
     def table(self, request_ids: Sequence[Hashable], width: int | None = None) -> list[list[int]]:
-        """Block-table rows of ``request_ids`` (padded with ``-1`` to ``width``, default the longest)."""
+        """Block-table rows of ``request_ids`` (padded with ``-1`` to ``width``, default the longest;
+        :meth:`table_rows`: ``width`` below the pages of one of them is a ``ValueError``)."""
         slots = np.array([self._slot_of(r) for r in request_ids], dtype=np.int64)
         return self.table_rows(slots, width).tolist()
 
@@ -162,12 +171,15 @@ class PagedKVBook:
 
     # -- the array side (one decode step of many requests) --------------------------------------
     def slots(self, request_ids: object, name: str = "request_ids") -> np.ndarray:
-        """``[B]`` int64 slots of known requests: an integer array (NumPy or a CPU tensor, looked up
-        vectorised) or a sequence of ids.
+        """``[B]`` int64 slots of known requests: an integer array (NumPy, or a CPU tensor of an
+        integer dtype; looked up vectorised) or a sequence of ids.
 
         Raises:
-            ValueError: an unknown id (named as ``name[i]``). TypeError: not ids.
+            ValueError: an unknown id (named as ``name[i]``), a tensor off the CPU. TypeError: not ids.
         """
+        if isinstance(request_ids, torch.Tensor):
+            check_tensor(name, request_ids, dtypes=_ID_DTYPES, device=torch.device("cpu"))
+            request_ids = request_ids.numpy()
         if isinstance(request_ids, np.ndarray) and request_ids.dtype.kind in "iu":
             ids = request_ids.astype(np.int64, copy=False).reshape(-1)
             keys, slots = self._int_ids()
@@ -189,25 +201,39 @@ class PagedKVBook:
         return out
 
     def _int_ids(self) -> tuple[np.ndarray, np.ndarray]:
-        """The integer ids held, sorted, and their slots (rebuilt after admissions and frees)."""
+        """The integer ids held, sorted, and their slots (rebuilt after admissions and frees); an int
+        id outside int64 is left out (no integer array holds it: only a sequence names it)."""
         if self._int_index is None:
             ints = (int, np.integer)
-            items = [(k, s) for k, s in self._slot.items() if isinstance(k, ints) and not isinstance(k, bool)]
+            items = [
+                (k, s)
+                for k, s in self._slot.items()
+                if isinstance(k, ints) and not isinstance(k, bool) and -(2**63) <= int(k) < 2**63
+            ]
             keys = np.array([k for k, _ in items], dtype=np.int64)
             slots = np.array([s for _, s in items], dtype=np.int64)
             order = np.argsort(keys, kind="stable")
             self._int_index = keys[order], slots[order]
         return self._int_index
 
-    def check_slots(self, slots: np.ndarray, counts: np.ndarray | int, name: str = "request_ids") -> int:
-        """Validate adding ``counts`` (``[B]`` or one int) tokens to known ``slots``; nothing changes.
-        Returns the pages the step would take.
+    def _counts(self, slots: np.ndarray, counts: Counts) -> np.ndarray | int:
+        """``counts`` checked: one int, or ``[B]`` ints (a sequence, an array or a CPU tensor, one per
+        slot), none negative. Raises naming ``counts``."""
+        if isinstance(counts, Iterable) and not isinstance(counts, str | bytes):
+            return as_lengths("counts", counts, count=int(np.size(slots)))
+        return check_int("counts", counts, minimum=0)
+
+    def check_slots(self, slots: np.ndarray, counts: Counts, name: str = "request_ids") -> int:
+        """Validate adding ``counts`` (``[B]`` or one int, none negative) tokens to known ``slots``;
+        nothing changes. Returns the pages the step would take.
 
         Raises:
             ValueError: a repeated slot, a request past ``max_seq_len``, not enough free pages
-                (requests named as ``name[i]``).
+                (requests named as ``name[i]``); negative ``counts`` or not one per slot.
+            TypeError: ``counts`` not ints.
         """
         cfg = self.config
+        counts = self._counts(slots, counts)
         if np.unique(slots).size != slots.size:
             order = np.argsort(slots, kind="stable")
             dup = order[1:][slots[order][1:] == slots[order][:-1]][0]
@@ -223,9 +249,11 @@ class PagedKVBook:
             raise ValueError(f"out of KV pages: the step needs {need}, {len(self._free)} of {cfg.num_pages} are free")
         return need
 
-    def grow_slots(self, slots: np.ndarray, counts: np.ndarray | int) -> None:
+    def grow_slots(self, slots: np.ndarray, counts: Counts) -> None:
         """Commit a step of known requests validated by :meth:`check_slots`: only requests that
-        cross into a new page take one (a loop over those only)."""
+        cross into a new page take one (a loop over those only). ``counts`` is checked again as
+        :meth:`check_slots` does (before anything changes)."""
+        counts = self._counts(slots, counts)
         self.lens[slots] += counts
         want = self.pages_for(self.lens[slots])
         for b in np.nonzero(want > self.npages[slots])[0].tolist():
@@ -234,9 +262,22 @@ class PagedKVBook:
                 self.block_table[s, self.npages[s]] = self._free.pop()
                 self.npages[s] += 1
 
-    def undo_growth(self, slots: np.ndarray, counts: np.ndarray | int) -> None:
+    def undo_growth(self, slots: np.ndarray, counts: Counts) -> None:
         """Undo :meth:`grow_slots` ``(slots, counts)`` of a step that did not run: the lengths back,
-        and the pages they took back on the free list (the next step takes them again)."""
+        and the pages they took back on the free list (the next step takes them again).
+
+        Raises:
+            ValueError / TypeError: ``counts`` as :meth:`check_slots` refuses it, or more tokens than
+                a request holds (nothing changes then).
+        """
+        counts = self._counts(slots, counts)
+        held = self.lens[slots]
+        short = held < counts
+        if short.any():
+            b = int(np.argmax(short))
+            what = f"counts[{b}]={int(counts[b])}" if isinstance(counts, np.ndarray) else f"counts={counts}"
+            rid = self._id_of(int(slots[b]))
+            raise ValueError(f"{what} is more than the {int(held[b])} tokens request {rid!r} holds")
         self.lens[slots] -= counts
         want = self.pages_for(self.lens[slots])
         # back in the reverse order grow_slots took them, so the free list is as it was
@@ -248,8 +289,17 @@ class PagedKVBook:
                 self.block_table[s, self.npages[s]] = -1
 
     def table_rows(self, slots: np.ndarray, width: int | None = None) -> np.ndarray:
-        """``[B, width]`` int32 block-table rows of ``slots`` (default width: the most pages held)."""
-        w = int(self.npages[slots].max(initial=0)) if width is None else int(width)
+        """``[B, width]`` int32 block-table rows of ``slots``, ``-1`` padded (default width: the most
+        pages held).
+
+        Raises:
+            ValueError: ``width`` below the most pages one of ``slots`` holds (a row would lose pages).
+            TypeError: ``width`` not an int.
+        """
+        most = int(self.npages[slots].max(initial=0))
+        w = most if width is None else check_int("width", width)
+        if w < most:
+            raise ValueError(f"width must be >= {most} (the most pages one of the requests holds), got {w}")
         rows = self.block_table[slots, : min(w, self.block_table.shape[1])]
         if w > rows.shape[1]:
             rows = np.concatenate([rows, np.full((rows.shape[0], w - rows.shape[1]), -1, dtype=np.int32)], axis=1)
@@ -302,8 +352,10 @@ class PagedKVBook:
             raise ValueError(f"out of KV pages: the step needs {need}, {len(self._free)} of {cfg.num_pages} are free")
         return need
 
-    def grow(self, growth: Sequence[tuple[Hashable, int]], *, new_ok: bool = True) -> None:
-        """Commit a step validated by :meth:`check_growth` (which it runs again first)."""
+    def grow(self, growth: Iterable[tuple[Hashable, int]], *, new_ok: bool = True) -> None:
+        """Commit a step validated by :meth:`check_growth` (which it runs again first); ``growth``
+        may be any iterable (a generator too: it is read once)."""
+        growth = list(growth)
         self.check_growth(growth, new_ok=new_ok)
         for request_id, n in growth:
             slot = self._slot.get(request_id)

@@ -10,12 +10,17 @@ unchunked step and the result is bit for bit the same. A chunk may hold no token
 
 Nothing is packed: the queries a rank sends and the outputs it receives are contiguous token
 runs of token-order tensors, moved in place by point-to-point messages. :meth:`PipelinePlan.runs`
-lists them (the same list on every rank, so sends and receives pair up)::
+``(rank, chunk)`` lists them as ``(token_start, offset in the chunk, tokens)`` (the same list on
+every rank, so sends and receives pair up). With ``W = 2``, one request of 8 tokens, zigzag:
+rank 0 holds t0 t1 t6 t7 (chunk 0 = [t0 t1], chunk 1 = [t6 t7]), rank 1 holds t2..t5 (chunk 0 =
+[t2 t3], chunk 1 = [t4 t5]):
 
-    W = 2, one request of 8 tokens, zigzag: rank 0 holds t0 t1 t6 t7, rank 1 holds t2..t5
-    chunks = 2: rank 0 runs chunk 0 = [t0 t1], chunk 1 = [t6 t7]
-    runs(0, 0) = [(0, 0, 2)]  # token start 0, offset 0 in the chunk, 2 tokens
-    runs(1, 0) = [(6, 0, 2)]
+>>> from shardattn.plan.zigzag import zigzag_split
+>>> plan = pipeline_plan(zigzag_split([8], 2, min_tokens=0), chunks=2)
+>>> plan.runs(0, 0), plan.runs(0, 1)  # rank 0: tokens 0..1, then tokens 6..7
+(((0, 0, 2),), ((6, 0, 2),))
+>>> plan.runs(1, 0), plan.runs(1, 1)  # rank 1: tokens 2..3, then tokens 4..5
+(((2, 0, 2),), ((4, 0, 2),))
 
 The number of chunks comes from the step's work (:func:`choose_chunks`): enough that the exposed
 first query exchange and last output exchange are short, few enough that each chunk's kernel

@@ -181,7 +181,8 @@ def arena_offsets(
     Returns:
         ``({item: offset}, bytes the buffer needs)``.
     Raises:
-        ValueError / TypeError: a negative or non-int size, a lifetime that is not ``first <= last``.
+        ValueError / TypeError: ``sizes`` or ``lifetimes`` not a dict, a negative or non-int size, a
+            lifetime that is not a ``(first, last)`` pair of ints with ``first <= last``.
 
     >>> arena_offsets({"a": 100, "b": 50, "c": 60}, {"a": (0, 1), "b": (2, 2), "c": (1, 2)}, align=1)
     ({'a': 0, 'c': 100, 'b': 0}, 160)
@@ -191,12 +192,16 @@ def arena_offsets(
         raise TypeError(f"sizes must be a dict of item -> bytes, got {type(sizes).__name__}")
     for item, n in sizes.items():
         check_int(f"sizes[{item!r}]", n, minimum=0)
-    live = lifetimes or {}
-    for item, span in live.items():
-        if not (isinstance(span, tuple) and len(span) == 2 and all(isinstance(x, int) for x in span)):
+    if lifetimes is not None and not isinstance(lifetimes, dict):
+        raise TypeError(f"lifetimes must be a dict of item -> (first, last) or None, got {type(lifetimes).__name__}")
+    live: dict[str, tuple[int, int]] = {}
+    for item, span in (lifetimes or {}).items():
+        if not (isinstance(span, tuple) and len(span) == 2):
             raise TypeError(f"lifetimes[{item!r}] must be a (first, last) pair of ints, got {span!r}")
-        if span[0] > span[1]:
-            raise ValueError(f"lifetimes[{item!r}] must have first <= last, got {span}")
+        first, last = (check_int(f"lifetimes[{item!r}][{i}]", x) for i, x in enumerate(span))
+        if first > last:
+            raise ValueError(f"lifetimes[{item!r}] must have first <= last, got {(first, last)}")
+        live[item] = (first, last)
     everything = (-(2**62), 2**62)
     order = sorted((k for k, n in sizes.items() if n), key=lambda k: (-sizes[k], k))
     placed: list[tuple[str, int, int]] = []  # item, start, end (bytes)
@@ -253,8 +258,11 @@ def workspace_bounds(
             ``pcp``, and ``world_size`` for ``dcp-decode`` (ignored by ``headtp-decode``, whose
             ``world_size`` is the TP size) (the DCP group is the TP group: a rank
             holds ``H / W`` heads, gathers all ``H`` and gets its ``H / W`` back merged).
-        group_size: ``G`` in (1, 2, 4, 8); default: ``128 / heads`` when that is 2, 4 or 8 (the
-            kernel's heads per rank in that mode), else 1; 1 for the decode modes.
+        group_size: ``G`` in (1, 2, 4, 8); default: the largest a device may route for the
+            kernel's heads per rank in that mode, the grouped Gluon kernel's
+            (:func:`~shardattn.plan.routing.prefill_group_size` with ``gluon=True``: ``64 / heads``
+            rounded down to a power of two, at most 8, so 8 / 16 / 32 heads give 8 / 4 / 2), 1
+            above 32 heads; 1 for the decode modes.
         topk: ``K``; default ``spec.topk`` (0 for dense GQA).
         num_kv_splits: split-KV chunks of the decode kernel (``dcp-decode``); 1 = no split.
         q_dtype, kv_dtype, out_dtype: dtype names; default ``spec.dtype``. ``kv_dtype`` is a KV row
