@@ -102,13 +102,14 @@ def resolve_kv(
     Args:
         name: the argument's name, for errors.
         kv: rows in the query's dtype ``[R, head_dim]`` (a dense format), or :data:`FP8_DS_MLA`
-            rows: uint8 ``[R, 656]`` or a paged ``[num_pages, page_size, 656]`` whose pages follow
-            one another (padded pages are refused: the kernels address rows as ``row * stride``).
+            rows, uint8 ``[R, 656]``; either paged, ``[num_pages, page_size, row]`` (row
+            ``p * page_size + i``) with pages that follow one another (padded pages are refused:
+            the kernels address rows as ``row * stride``).
         head_dim, v_dim: the query's row width and the value width.
         kv_format: a format of :data:`shardattn.plan.kv_format.KV_FORMATS`, or ``None`` to take
             it from ``kv`` (uint8: ``fp8_ds_mla``; a float dtype: that dense format).
     Returns:
-        ``(rows [R, row], format)``: ``kv`` itself, or a flat view of a paged FP8 cache.
+        ``(rows [R, row], format)``: ``kv`` itself, or a flat view of a paged cache.
     Raises:
         TypeError / ValueError: naming ``name`` and the format, when ``kv`` is not a tensor of
             that format (dtype, width, strides), or the dims are not the FP8 format's 576 / 512.
@@ -125,10 +126,10 @@ def resolve_kv(
         raise ValueError(f"{name} must hold KV rows in a float dtype or {KV_FP8_DS_MLA} rows (uint8), got {kv.dtype}")
     if fmt in DENSE_KV_FORMATS:
         want = getattr(torch, fmt)
-        if kv_format is not None and (kv.dtype != want or kv.dim() != 2):  # else: the caller's dtype checks
+        if kv_format is not None and (kv.dtype != want or kv.dim() not in (2, 3)):  # else: the caller's dtype checks
             got = f"{str(kv.dtype).replace('torch.', '')} {list(kv.shape)}"
             raise ValueError(f"{name} must be {fmt} [rows, {head_dim}] ({fmt} KV rows), got {got}")
-        return kv, fmt
+        return (_page_rows(name, kv) if kv.dim() == 3 else kv), fmt
     check_fp8_kv(name, kv)
     lay = FP8_DS_MLA
     if (head_dim, v_dim) != (lay.dim, lay.latent_dim):
@@ -136,11 +137,15 @@ def resolve_kv(
             f"{name} holds {lay.name} rows ({lay.latent_dim} latent + {lay.rope_dim} rope): the query must have "
             f"{lay.dim} dims and v_dim {lay.latent_dim}, got {head_dim} and {v_dim}"
         )
-    if kv.dim() == 3:
-        if kv.shape[0] > 1 and kv.stride(0) != kv.shape[1] * kv.stride(1):
-            raise ValueError(
-                f"{name}'s pages must follow one another ({lay.name} rows are read as row * stride): page stride "
-                f"{kv.stride(0)} != page_size {kv.shape[1]} x row stride {kv.stride(1)}"
-            )
-        kv = kv.flatten(0, 1)
-    return kv, fmt
+    return (_page_rows(name, kv) if kv.dim() == 3 else kv), fmt
+
+
+def _page_rows(name: str, kv: torch.Tensor) -> torch.Tensor:
+    """A paged cache ``[P, page, row]`` as its rows ``[P * page, row]`` (row ``p * page + i``), a
+    view: its pages must follow one another (the kernels address rows as ``row * stride``)."""
+    if kv.shape[0] > 1 and kv.stride(0) != kv.shape[1] * kv.stride(1):
+        raise ValueError(
+            f"{name}'s pages must follow one another (rows are read as row * stride): page stride "
+            f"{kv.stride(0)} != page_size {kv.shape[1]} x row stride {kv.stride(1)}"
+        )
+    return kv.flatten(0, 1)

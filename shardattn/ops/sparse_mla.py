@@ -173,8 +173,9 @@ def sparse_mla_attention(
         q: ``[T, H, D]`` fp16/bf16/fp32 (``D = 576`` for DSA models), or
             ``(q_latent [T, H, 512], q_rope [T, H, 64])``.
         kv: ``[R, D]`` KV rows in q's dtype (the value is ``kv[:, :v_dim]``), or ``fp8_ds_mla``
-            rows (:mod:`shardattn.ops.kv_fp8`): uint8 ``[R, 656]`` or a paged ``[P, page, 656]``
-            (row ``p * page + i``), dequantised in the kernel (``D = 576``, ``v_dim = 512``).
+            rows (:mod:`shardattn.ops.kv_fp8`): uint8 ``[R, 656]``, dequantised in the kernel
+            (``D = 576``, ``v_dim = 512``); either paged, ``[P, page, D]`` / ``[P, page, 656]``
+            (row ``p * page + i``; pages that follow one another).
         rows: ``[T, K]`` int32 global row ids; ``-1`` / out of range = invalid, anywhere;
             a row listed twice by one query is one key.
         scale: softmax scale, finite and > 0: the model's, not ``D ** -0.5`` of the absorbed rows

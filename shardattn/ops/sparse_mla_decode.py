@@ -83,8 +83,8 @@ def sparse_mla_decode(
         q: ``[T, H, D]`` fp16/bf16/fp32 (``D = 576``: 512 latent + 64 rope), or
             ``(q_latent, q_rope)``. T = decode tokens (requests x draft length).
         kv: ``[R, D]`` KV rows in q's dtype (the value is ``kv[:, :v_dim]``), or ``fp8_ds_mla``
-            rows, uint8 ``[R, 656]`` or paged ``[P, page, 656]`` (row ``p * page + i``; every
-            kernel dequantises them before its bf16 matrix multiplies).
+            rows, uint8 ``[R, 656]`` (every kernel dequantises them before its bf16 matrix
+            multiplies); either paged, ``[P, page, D]`` / ``[P, page, 656]`` (row ``p * page + i``).
         rows: ``[T, K]`` int32 global rows; ``-1`` / out of range = invalid, anywhere.
         scale: softmax scale, the model's (:func:`~shardattn.plan.spec.mla_softmax_scale`).
         v_dim: value width (512).

@@ -132,7 +132,8 @@ def sparse_mla_grouped_prefill(
         q: ``[T, H, D]`` fp16/bf16 (fp32 allowed), or ``(q_latent, q_rope)``; consecutive
             tokens are grouped, so pass them in the order whose neighbours overlap (token-major).
         kv: ``[R, D]`` KV rows in q's dtype (the value is ``kv[:, :v_dim]``), or ``fp8_ds_mla``
-            rows, uint8 ``[R, 656]`` or paged ``[P, page, 656]`` (dequantised in the kernel).
+            rows, uint8 ``[R, 656]`` (dequantised in the kernel); either paged, ``[P, page, D]`` /
+            ``[P, page, 656]`` (row ``p * page + i``).
         rows: ``[T, K]`` int32 global rows; ``-1`` / out of range = invalid, anywhere;
             a row listed twice by one query is one key.
         scale: softmax scale, the model's (:func:`~shardattn.plan.spec.mla_softmax_scale`).

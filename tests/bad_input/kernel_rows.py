@@ -85,7 +85,21 @@ def _sparse_rows() -> list[Row]:
             Row(
                 f"{name}-kv-dtype", _sparse(fn, kv=lambda x: x["kv"].half()), Raises(TypeError, r"^kv must have dtype")
             ),
-            Row(f"{name}-kv-3d", _sparse(fn, kv=lambda x: x["kv"][None]), Raises(ValueError, r"^kv must have 2 dim")),
+            Row(  # a paged cache: its rows, p * page + i
+                f"{name}-kv-paged",
+                _sparse(fn, kv=lambda x: x["kv"].view(2, 5, 48)),
+                Gives(same_as(lambda fn=fn: _call(_sparse(fn)(None)))),
+            ),
+            Row(
+                f"{name}-kv-padded-pages",
+                _sparse(fn, kv=lambda x: torch.zeros(2, 6, 48)[:, :5]),
+                Raises(ValueError, r"^kv's pages must follow one another"),
+            ),
+            Row(
+                f"{name}-kv-4d",
+                _sparse(fn, kv=lambda x: x["kv"][None, None]),
+                Raises(ValueError, r"^kv must have 2 dim"),
+            ),
             Row(f"{name}-rows-int64", _sparse(fn, rows=lambda x: x["rows"].long()), Raises(TypeError, r"^rows must")),
             Row(
                 f"{name}-rows-count",
