@@ -4,7 +4,8 @@ Each row of ``ROWS`` names an entry point and a bad argument, and states what it
 rows live in ``tests/bad_input/``: the harness in ``table.py``, the rows by layer in
 ``kernel_rows.py``, ``plan_rows.py`` (the planner's lengths in ``plan_length_rows.py``, its page
 ledger, cost model, decode routing and arena in ``plan_state_rows.py``) and
-``parallel_rows.py``, GQA prefill's in ``gqa_prefill_rows.py``):
+``parallel_rows.py`` (the Runtime's arguments bound to a kind, mode or Runtime in
+``runtime_bound_rows.py``), GQA prefill's in ``gqa_prefill_rows.py``):
 
 * ``Raises(TypeError | ValueError, match)``: the error names the argument (``match`` is a regex
   on the message), it is raised before any kernel runs (the kernels and references of
@@ -42,6 +43,7 @@ from tests.bad_input.parallel_rows import parallel_rows
 from tests.bad_input.plan_length_rows import plan_length_rows
 from tests.bad_input.plan_rows import plan_rows
 from tests.bad_input.plan_state_rows import plan_state_rows
+from tests.bad_input.runtime_bound_rows import runtime_bound_rows
 from tests.bad_input.table import (
     INF,
     NAN,
@@ -63,6 +65,7 @@ ROWS: list[Row] = [
     *plan_length_rows(),
     *plan_state_rows(),
     *parallel_rows(),
+    *runtime_bound_rows(),
     *gqa_prefill_rows(),
 ]
 BY_ID = {r.id: r for r in ROWS}

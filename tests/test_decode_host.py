@@ -26,6 +26,7 @@ SYNCING = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "n
 # torch reference kernels (a GPU step launches Triton kernels instead).
 CPU_ONLY = {
     "_check_host_values",
+    "_host_ints",
     "check_sink_logits",
     "gqa_paged_decode_reference",
     "lse_merge_reference",
@@ -144,9 +145,10 @@ def test_plan_knows_when_rows_are_requests():
 def _bad_plan(group: dist.ProcessGroup, what: str) -> str:
     rt = Runtime(SPEC, group, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=64)
     x = _inputs(rt, [1, 1, 1], context=20, seed=3)
-    plan = rt.decode_step.plan(x["seq"] + [20] if what == "rows" else [s + 400 for s in x["seq"]])
-    try:
-        rt.decode(x["q"], x["kv"], x["table"], x["seq_t"], batch=plan, sinks=x["sinks"])
+    seq = x["seq"] + [20] if what == "rows" else [s + 400 for s in x["seq"]]
+    plan = rt.decode_step.plan(seq)
+    try:  # the lengths passed are the plan's (else that is what raises: test_bad_input's rows)
+        rt.decode(x["q"], x["kv"], x["table"], torch.tensor(seq, dtype=torch.int32), batch=plan, sinks=x["sinks"])
     except ValueError as e:
         return str(e)
     return "no error"
@@ -165,9 +167,9 @@ def test_plan_that_does_not_fit_the_inputs_raises_on_every_rank(dist_pool, nproc
 def _plans_differ(group: dist.ProcessGroup) -> str:
     rt = Runtime(SPEC, group, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=64)
     x = _inputs(rt, [1, 1, 1], context=20, seed=3)
-    seq = [s + rt.rank for s in x["seq"]]  # same shapes, other lengths on rank 1
+    seq = [s + rt.rank for s in x["seq"]]  # same shapes, other lengths on rank 1 (each rank's own plan's)
     try:
-        rt.decode(x["q"], x["kv"], x["table"], x["seq_t"], batch=rt.decode_step.plan(seq), sinks=x["sinks"])
+        rt.decode(x["q"], x["kv"], x["table"], seq, batch=rt.decode_step.plan(seq), sinks=x["sinks"])
     except ValueError as e:
         return str(e)
     return "no error"

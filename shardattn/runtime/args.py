@@ -29,12 +29,14 @@ import torch
 from shardattn._checks import FLOAT_DTYPES, check_cu_q_lens, check_int, check_max_q_len, check_queries_fit, check_tensor
 from shardattn.parallel.comm import Comm
 from shardattn.plan._common import as_lengths
+from shardattn.plan.decode_batch import DecodeBatch
 
 __all__ = [
     "as_index",
     "check_drafts_on_host",
     "check_gqa_cache",
     "check_paged_rows",
+    "check_plan_lengths",
     "check_queries",
     "host_lengths",
     "prefill_lengths",
@@ -197,6 +199,45 @@ def check_drafts_on_host(
         q_len = 1 if q_len_per_req is None else check_int("q_len_per_req", q_len_per_req, minimum=1)
         if tokens == requests * q_len:
             check_queries_fit(seq, [q_len] * requests)
+
+
+def check_plan_lengths(batch: object, seq_lens: object, cu_q_lens: object, *, q_len_per_req: object) -> None:
+    """A DCP GQA decode's host plan ``batch`` against the lengths passed beside it, where those are
+    on the host (a list, or a CPU tensor; a device tensor is not read, which would sync). The
+    plan's lengths replace them in the step, so a plan of other lengths would give wrong rows.
+
+    ``seq_lens`` and ``cu_q_lens``' queries compare per request (``B`` entries) or per slot (the
+    plan's padded requests, padded slots 0); ``q_len_per_req`` must be every request's query count.
+    Raises ``TypeError`` (``batch`` not a :class:`~shardattn.plan.decode_batch.DecodeBatch`) or
+    ``ValueError`` naming the argument that disagrees.
+    """
+    if not isinstance(batch, DecodeBatch):
+        raise TypeError(f"batch must be a DecodeBatch from plan(), got {type(batch).__name__}")
+    b = batch.num_requests
+
+    def matches(given: list[int], planned: list[int]) -> bool:
+        return len(given) in (b, len(planned)) and given == planned[: len(given)]
+
+    seq = _host_ints("seq_lens", seq_lens)
+    if seq is not None and not matches(seq, planned_lens := batch.seq_lens.tolist()):
+        raise ValueError(
+            f"seq_lens must be the lengths batch was planned for: got {seq[:16]}, batch has {planned_lens[:16]}"
+        )
+    cu = _host_ints("cu_q_lens", cu_q_lens)
+    if cu is not None:
+        queries = [hi - lo for lo, hi in itertools.pairwise(cu)]
+        if not matches(queries, planned_q := batch.slot_q_lens.tolist()):
+            raise ValueError(
+                f"cu_q_lens must be the query offsets batch was planned for: got {cu[:17]}, "
+                f"batch has {planned_q[:16]} queries per request"
+            )
+    if q_len_per_req is not None:
+        q_len = check_int("q_len_per_req", q_len_per_req, minimum=1)
+        if any(int(n) != q_len for n in batch.slot_q_lens[:b]):
+            raise ValueError(
+                f"q_len_per_req={q_len} is not the plan's: batch has {batch.slot_q_lens[:16].tolist()} queries per "
+                "request (pass the plan alone: its lengths replace q_len_per_req and cu_q_lens)"
+            )
 
 
 def check_queries(q: object, *, tokens: int, heads: int, head_dim: int, tokens_from: str, heads_from: str) -> None:

@@ -28,7 +28,14 @@ from shardattn.parallel.packing import view_bytes
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.decode_batch import DecodeBatch, plan_decode_batch
 from shardattn.plan.spec import ModelSpec
-from shardattn.runtime.args import as_index, check_drafts_on_host, check_gqa_cache, check_paged_rows, reject
+from shardattn.runtime.args import (
+    as_index,
+    check_drafts_on_host,
+    check_gqa_cache,
+    check_paged_rows,
+    check_plan_lengths,
+    reject,
+)
 from shardattn.runtime.modes import GQA_BACKEND
 from shardattn.runtime.workspace import RuntimeWorkspace
 
@@ -255,6 +262,10 @@ class DecodeStep:
                 check_sink_logits(sinks, self.spec.num_heads, device=q.device)
             cache: _SparseCache | tuple[torch.Tensor, torch.Tensor]
             if self.spec.kind == "sparse_mla":
+                gqa_only = {"q_len_per_req": q_len_per_req, "cu_q_lens": cu_q_lens, "max_q_len": max_q_len}
+                for name, x in {**gqa_only, "batch": batch, "meta": meta}.items():
+                    if x is not None:
+                        raise ValueError(f"{name} is GQA decode's; a sparse-MLA step reads topk_pos: pass None")
                 if topk_pos is None or req_ids is None:
                     raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
                 if not isinstance(kv_cache, torch.Tensor):
@@ -263,6 +274,8 @@ class DecodeStep:
                     check_paged_rows("kv_cache", kv_cache, self.spec.page_size)
                 if self.kv_rows is not None:  # the Runtime's KV format (rows in q's dtype, or fp8_ds_mla)
                     kv_cache = self.kv_rows("kv_cache", kv_cache)
+                if kv_cache.dtype != torch.uint8:  # rows in q's dtype, named as the caller passed them
+                    check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
                 cache = _SparseCache(kv_cache, topk_pos, req_ids)
             else:
                 for name, x in (("topk_pos", topk_pos), ("req_ids", req_ids), ("topk_length", topk_length)):
@@ -272,6 +285,15 @@ class DecodeStep:
                     kv_cache, page_size=self.spec.page_size, kv_heads=self._kv_heads[1] - self._kv_heads[0],
                     head_dim=dim, dtype=q.dtype, device=q.device, kv_heads_from=lambda: self._kv_heads_from,
                 )  # fmt: skip
+                if not dcp and (batch is not None or meta is not None):
+                    raise ValueError(
+                        f"{'batch' if batch is not None else 'meta'} is a DCP decode's plan; a head-TP step plans "
+                        "nothing: pass None"
+                    )
+                if batch is not None and meta is not None:
+                    raise ValueError("pass batch (a host plan) or meta (its metadata on the device), not both")
+                if dcp and batch is not None and check:  # its lengths replace those passed beside it
+                    check_plan_lengths(batch, given_seq_lens, given_cu_q_lens, q_len_per_req=q_len_per_req)
                 planned = dcp and (batch is not None or meta is not None)  # a DCP plan's metadata replaces the drafts
                 if not planned and isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
                     # the drafts against the values as passed (on a device the op reads none)

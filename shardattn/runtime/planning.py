@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shardattn._checks import check_int, check_tensor
+from shardattn._checks import check_int, check_sink_logits, check_tensor
 from shardattn.kernels import fa4
 from shardattn.kernels.flashinfer_xqa import get_xqa
 from shardattn.ops.dispatch import device_capability
@@ -114,7 +114,7 @@ class RuntimePlanning(RuntimeState):
         self.ws.check("prefill", step, tokens=tokens)
         log.debug("prefill of %d tokens over %d requests: %s, %s G=%d: %s", tokens, len(lens), step, route.path,
                   route.group_size, route.reason)  # fmt: skip
-        return PrefillPlan(step, route, shard, tokens)
+        return PrefillPlan(step, route, shard, tokens, made_for=self._plan_config)
 
     @functools.cached_property
     def gqa_prefill_route(self) -> Route:
@@ -144,7 +144,13 @@ class RuntimePlanning(RuntimeState):
         route = self.gqa_prefill_route
         log.debug("GQA prefill of %d tokens over %d requests: %s, %s: %s", tokens, len(lens), step, route.path,
                   route.reason)  # fmt: skip
-        return PrefillPlan(step, route, shard, tokens, gqa)
+        return PrefillPlan(step, route, shard, tokens, gqa, made_for=self._plan_config)
+
+    @functools.cached_property
+    def _plan_config(self) -> str:
+        """This Runtime's configuration as its prefill plans record it (:attr:`PrefillPlan.made_for`)."""
+        spec, mode = self.spec, self.mode
+        return f"a {spec.kind} model of {spec.num_heads} heads, mode {mode!r}, rank {self.rank} of {self.world_size}"
 
     def _prefill_inputs(
         self,
@@ -169,24 +175,32 @@ class RuntimePlanning(RuntimeState):
         (:func:`~shardattn.runtime.prefill.check_prefill_inputs`). A bad tensor raises on every rank
         of a step with collectives when ``check`` (:func:`~shardattn.runtime.args.reject`)."""
         lens_given = query_lens is not None or prefix_lens is not None or seq_lens is not None
-        if plan is None and self.spec.kind == "gqa":
+        deferred: TypeError | ValueError | None = None  # a tensor's error, raised once the plan says who waits
+        if plan is None:
             if query_lens is None:
                 raise ValueError("prefill needs query_lens (new tokens per request) or a plan from plan_prefill")
-            plan = self.plan_prefill(query_lens, prefix_lens, seq_lens=seq_lens)
-        elif plan is None:
-            if query_lens is None:
-                raise ValueError("prefill needs query_lens (new tokens per request) or a plan from plan_prefill")
-            for name, value in (("kv_cache", kv_cache), ("kv_new", kv_new)):
-                if value is not None:  # a paged fp8_ds_mla cache is 3-D: its rows count
-                    paged = name == "kv_cache" and check_tensor(name, value).dim() == 3
-                    check_tensor(name, value, ndim=3 if paged else 2)
-            new_rows = 0 if kv_new is None else int(kv_new.shape[0]) * self.world_size
-            cache_rows = 0 if kv_cache is None else int(kv_cache.shape[:-1].numel())
-            plan = self.plan_prefill(query_lens, prefix_lens, seq_lens=seq_lens, kv_rows=cache_rows + new_rows)
+            kv_rows = None
+            if self.spec.kind == "sparse_mla":  # the rows the step addresses route it (G past 24-bit rows)
+                try:
+                    kv_rows = _addressed_rows(kv_cache, kv_new, self.world_size)
+                except (TypeError, ValueError) as e:
+                    deferred, kv_rows = e, 0
+            try:
+                plan = self.plan_prefill(query_lens, prefix_lens, seq_lens=seq_lens, kv_rows=kv_rows)
+            except (TypeError, ValueError) as e:  # lengths of this rank alone: the peers learn of it from the
+                self.comm.report_failure(e)  # store when their step's collective fails (the group's timeout)
+                raise
         elif not isinstance(plan, PrefillPlan):
             raise TypeError(f"plan must be a PrefillPlan from Runtime.plan_prefill, got {type(plan).__name__}")
+        elif plan.made_for and plan.made_for != self._plan_config:
+            raise ValueError(
+                f"plan was made by a Runtime for {plan.made_for}; this one runs "
+                f"{self._plan_config}: plan the step with its plan_prefill"
+            )
         elif lens_given:
             raise ValueError("pass either plan or query_lens / prefix_lens / seq_lens, not both (a plan holds them)")
+        if deferred is not None:
+            reject(self.comm, deferred, collective=plan.shard is not None, check=check)
         if plan.gqa is not None:
             tokens_from = "query_lens sums to" if lens_given else "the plan is for"
             try:
@@ -209,7 +223,12 @@ class RuntimePlanning(RuntimeState):
                 topk_length=topk_length, tokens_from="query_lens sums to" if lens_given else "the plan is for",
                 kv_format=self._kv_declared,
             )  # fmt: skip
-            top = given.topk_pos if isinstance(given, PCPInputs) else given.rows
+            if isinstance(given, PCPInputs):
+                top = check_tensor("topk_pos", given.topk_pos, ndim=2)
+            else:
+                top = check_tensor("rows", given.rows, ndim=2)
+            if sinks is not None:  # every head's, before a head-TP step takes the rank's
+                check_sink_logits(sinks, self.spec.num_heads, device=q.device)
             self.ws.check("prefill", plan.step, tokens=plan.num_tokens, topk=int(top.shape[1]))
         except (TypeError, ValueError) as e:
             reject(self.comm, e, collective=plan.shard is not None, check=check)
@@ -237,3 +256,15 @@ class RuntimePlanning(RuntimeState):
         route = self._name_kv_format(self._decode_route())
         log.debug("decode steps (%s): %s: %s", "DCP" if self.decode_is_dcp else "head-TP", route.path, route.reason)
         return route
+
+
+def _addressed_rows(kv_cache: object, kv_new: object, world_size: int) -> int:
+    """KV rows a sparse-MLA prefill addresses: the cache's (a paged cache's pages x page), and under
+    PCP every rank's new rows (``kv_new [T_r, D]`` each). Raises naming a tensor of another rank."""
+    rows = 0
+    for name, value in (("kv_cache", kv_cache), ("kv_new", kv_new)):
+        if value is not None:  # a paged cache is 3-D: its rows count
+            paged = name == "kv_cache" and check_tensor(name, value).dim() == 3
+            t = check_tensor(name, value, ndim=3 if paged else 2)
+            rows += int(t.shape[:-1].numel()) * (world_size if name == "kv_new" else 1)
+    return rows

@@ -69,6 +69,9 @@ class PrefillPlan:
         num_tokens: new tokens of the step.
         gqa: a GQA step's lengths and segments on the device
             (:class:`~shardattn.runtime.gqa_prefill.GQAStepPlan`); ``None`` for sparse MLA.
+        made_for: the Runtime configuration the plan holds for, in words (the model's kind and
+            heads, the mode, the group's size and the rank): a Runtime refuses a plan of another.
+            ``""`` for a plan built by hand (a route forced for a test or a benchmark): not checked.
     """
 
     step: str
@@ -76,6 +79,7 @@ class PrefillPlan:
     shard: Any
     num_tokens: int
     gqa: Any = None
+    made_for: str = ""
 
     @property
     def token_plan(self) -> ShardPlan | None:
@@ -106,7 +110,7 @@ class RowInputs:
     """A ShardQ / head-TP step's checked tensors (:func:`check_prefill_inputs`).
 
     Attributes:
-        kv_cache: ``[R, D]`` KV rows in q's dtype, or ``fp8_ds_mla`` rows (a paged FP8 cache as its rows).
+        kv_cache: ``[R, D]`` KV rows in q's dtype, or ``fp8_ds_mla`` rows (a paged cache as a flat view).
         rows: ``[T, K]`` int32 global rows of ``kv_cache``.
         topk_length: ``[T]`` int32 leading top-k entries to use, or ``None``.
     """
@@ -210,12 +214,16 @@ def _kv_rows(
     kv_cache: torch.Tensor, spec: ModelSpec, q: torch.Tensor, *, kv_format: str | None, paged: bool
 ) -> torch.Tensor:
     """``kv_cache`` checked against ``kv_format`` (a declared format, or ``fp8_ds_mla`` rows by their
-    uint8 dtype: as ``[R, row]`` rows, a paged cache of ``spec.page_size`` rows a page when ``paged``;
-    else ``[R, D]`` rows in q's dtype)."""
+    uint8 dtype; else rows in q's dtype) as ``[R, row]`` rows: a paged ``[P, page, row]`` cache as a
+    flat view (row ``p * page + i``), of ``spec.page_size`` rows a page when ``paged`` (its block
+    table's pages are the model's)."""
     fp8 = kv_format == KV_FP8_DS_MLA or (kv_format is None and kv_cache.dtype == torch.uint8)
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3:
+        if paged:
+            check_paged_rows("kv_cache", kv_cache, spec.page_size)
+        if not fp8 and kv_format is None:  # rows in q's dtype, checked below
+            kv_cache = resolve_kv("kv_cache", kv_cache, head_dim=spec.head_dim, v_dim=spec.v_dim)[0]
     if fp8 or kv_format is not None:  # a declared format, or fp8_ds_mla rows
-        if paged and isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3:
-            check_paged_rows("kv_cache", kv_cache, spec.page_size)  # the block table's pages are the model's
         rows, _ = resolve_kv("kv_cache", kv_cache, head_dim=spec.head_dim, v_dim=spec.v_dim, kv_format=kv_format)
         return rows
     check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)

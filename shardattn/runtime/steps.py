@@ -267,7 +267,9 @@ class RuntimeSteps(RuntimeState):
             sinks: ``[H]`` fp32 sink logits of all heads, optional.
             batch: GQA under DCP: the host plan of this batch (:meth:`DecodeStep.plan
                 <shardattn.runtime.decode.DecodeStep.plan>`): its metadata reaches the
-                device in one copy per plan and replaces the step's index arithmetic.
+                device in one copy per plan and replaces the step's index arithmetic, and its
+                lengths replace ``seq_lens`` / ``cu_q_lens`` / ``q_len_per_req`` (with ``check``,
+                those passed as host values must be the plan's).
             meta: GQA under DCP: that metadata already on the device (a graph's static input).
             check: under DCP, make the ranks agree on the inputs first (one small all-gather and a
                 host sync). Pass ``False`` inside a CUDA graph and on an engine's later layers.

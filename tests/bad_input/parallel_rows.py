@@ -130,11 +130,17 @@ def _options(name: str, **fields: Any) -> Callable[[Any], Call]:
 
 
 def _runtime_step(step: str, spec: P.ModelSpec, mode: str, **over: Any) -> Callable[[Any], Call]:
+    """A Runtime step's call on small valid inputs with ``over`` replacing some;
+    ``decode_plan=(seq_lens, cu_q_lens)`` passes ``batch=`` the Runtime's own decode plan of those lengths."""
+
     def build(group: Any) -> Call:
         from shardattn.runtime.runtime import Runtime
 
         rt = Runtime(spec, group, max_batched_tokens=64, mode=mode, warmup=False)
         rt.comm.reset_counts()
+        given = dict(over)
+        if "decode_plan" in given:
+            given["batch"] = rt.decode_step.plan(*given.pop("decode_plan"))
         if step == "prefill":
             x = mla(t=5, h=8, k=16)
             args = {"q": x["q"], "kv_cache": x["kv"], "rows": x["rows"]}
@@ -152,7 +158,7 @@ def _runtime_step(step: str, spec: P.ModelSpec, mode: str, **over: Any) -> Calla
             x = gqa(hq=8)
             args = {"q": x["q"], "kv_cache": (x["k"], x["v"]), "block_table": x["table"], "seq_lens": x["lens"]}
             kw = {}
-        override(args, kw, over, args)
+        override(args, kw, given, args)
         fn = rt.prefill if step == "prefill" else rt.decode
         return Call(fn, tuple(args.values()), kw, rt.comm)
 

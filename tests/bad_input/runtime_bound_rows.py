@@ -1,0 +1,63 @@
+"""Rows of the bad-input table for the Runtime's arguments bound to one kind, mode or Runtime: a
+DCP GQA plan (``batch=``) against the lengths passed beside it, arguments of another kind's or
+mode's decode, a prefill plan of another Runtime (tests/test_bad_input.py; a one-rank gloo group)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardattn import plan as P
+from tests.bad_input.parallel_rows import GQA_SPEC, MLA_SPEC, _runtime_step
+from tests.bad_input.table import Call, Raises, Row
+
+
+def _plan_of(spec: P.ModelSpec, mode: str) -> Any:
+    """A prefill plan of another Runtime (``spec`` in ``mode``) on the row's group, for
+    :func:`_runtime_step`'s prefill (2 requests of 2 and 3 tokens)."""
+
+    def build(group: Any) -> Call:
+        from shardattn.runtime.runtime import Runtime
+
+        plan = Runtime(spec, group, max_batched_tokens=64, mode=mode, warmup=False).plan_prefill([2, 3])
+        call = _runtime_step("prefill", MLA_SPEC, "shardq", plan=plan)(group)
+        call.kwargs.pop("query_lens", None)
+        return call
+
+    return build
+
+
+def runtime_bound_rows() -> list[Row]:
+    """Rows of ``Runtime.decode`` (the GQA inputs: 2 requests of 9 and 5 tokens, one query each)
+    and ``Runtime.prefill``."""
+    dcp, headtp = ("decode", GQA_SPEC, "dcp-decode"), ("decode", GQA_SPEC, "headtp")
+    rows = [
+        # the plan's lengths replace the ones passed: a plan of other lengths would give wrong rows
+        ("Runtime.decode-gqa-batch-of-other-seq-lens", _runtime_step(*dcp, decode_plan=([7, 5],)),
+         Raises(ValueError, r"^seq_lens must be the lengths batch was planned for: got \[9, 5\], batch has \[7, 5\]")),
+        ("Runtime.decode-gqa-batch-of-other-queries", _runtime_step(*dcp, decode_plan=([9, 5],), cu_q_lens=[0, 0, 2]),
+         Raises(ValueError, r"^cu_q_lens must be the query offsets batch was planned for")),
+        ("Runtime.decode-gqa-batch-and-other-q-len", _runtime_step(*dcp, decode_plan=([9, 5],), q_len_per_req=2),
+         Raises(ValueError, r"^q_len_per_req=2 is not the plan's")),
+        ("Runtime.decode-gqa-batch-not-a-plan", _runtime_step(*dcp, batch="junk"),
+         Raises(TypeError, r"^batch must be a DecodeBatch from plan\(\), got str")),
+        ("Runtime.decode-gqa-batch-and-meta",
+         _runtime_step(*dcp, decode_plan=([9, 5],), meta=lambda a: (a["seq_lens"], None)),
+         Raises(ValueError, r"^pass batch \(a host plan\) or meta")),
+        ("Runtime.decode-gqa-headtp-batch", _runtime_step(*headtp, decode_plan=([9, 5],)),
+         Raises(ValueError, r"^batch is a DCP decode's plan; a head-TP step plans nothing")),
+        ("Runtime.decode-gqa-headtp-meta", _runtime_step(*headtp, meta=lambda a: (a["seq_lens"], None)),
+         Raises(ValueError, r"^meta is a DCP decode's plan")),
+        # GQA-only arguments on a sparse-MLA decode were ignored
+        *(
+            (f"Runtime.decode-mla-{mode}-{name}", _runtime_step("decode", MLA_SPEC, mode, **{name: value}),
+             Raises(ValueError, rf"^{name} is GQA decode's; a sparse-MLA step reads topk_pos"))
+            for mode in ("headtp", "mixed")
+            for name, value in (("cu_q_lens", [0, 1, 2]), ("q_len_per_req", 1), ("max_q_len", 1), ("batch", "junk"))
+        ),
+        # a plan of another Runtime's configuration: a misleading error, or a workspace of 0 B
+        ("Runtime.prefill-plan-of-another-mode", _plan_of(MLA_SPEC, "headtp"),
+         Raises(ValueError, r"^plan was made by a Runtime for a sparse_mla model of 8 heads, mode 'headtp'")),
+        ("Runtime.prefill-plan-of-another-kind", _plan_of(GQA_SPEC, "headtp"),
+         Raises(ValueError, r"^plan was made by a Runtime for a gqa model of 8 heads")),
+    ]  # fmt: skip
+    return [Row(rid, build, expect, dist=True) for rid, build, expect in rows]

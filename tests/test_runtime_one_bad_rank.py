@@ -1,0 +1,62 @@
+"""One rank of a Runtime prefill passes a bad tensor: it raises naming the argument, and under a
+step with collectives its peers raise at once naming it (they do not wait out the group's timeout),
+also where the bad tensor is one the step's planning reads. Two gloo ranks, CPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardattn.runtime.options import PrefillOptions
+from shardattn.runtime.runtime import Runtime
+from tests.test_runtime import MLA, _err, _heads, _kv_lens, _mla_oracle, _prefill_step
+
+BAD = {
+    "kv_cache-1d": lambda s: {"kv_cache": s.kv.flatten()},  # read while planning (the rows it addresses)
+    "rows-1d": lambda s: {"rows": s.rows[0]},
+    "sinks-every-head-twice": lambda s: {"sinks": torch.zeros(2 * MLA.num_heads)},
+    "sinks-of-the-rank-only": lambda s: {"sinks": torch.zeros(MLA.num_heads // 2)},
+}
+
+
+def _body(group: dist.ProcessGroup, mode: str, bad: str) -> dict:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rt = Runtime(MLA, group, max_batched_tokens=128, mode=mode, prefill_options=PrefillOptions(min_shard_tokens=1))
+    step = _prefill_step()
+    args = {"kv_cache": step.kv, "rows": step.rows, "sinks": None}
+    if rank == 1:
+        args.update(BAD[bad](step))
+    start = time.monotonic()
+    try:
+        out, _ = rt.prefill(
+            _heads(step.q, rank, world).contiguous(), args["kv_cache"], args["rows"], sinks=args["sinks"],
+            query_lens=step.query_lens, prefix_lens=step.prefix_lens,
+        )  # fmt: skip
+    except ValueError as e:
+        return {"error": str(e), "s": time.monotonic() - start}
+    ref, _ = _mla_oracle(step, 0.3, _kv_lens(step))
+    return {"error": None, "err": _err(out, _heads(ref, rank, world)), "s": time.monotonic() - start}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_a_bad_tensor_on_one_rank_of_a_shardq_step_raises_on_both_at_once(dist_pool, bad) -> None:
+    first, peer = dist_pool.run(_body, "shardq", bad, world_size=2)
+    name = bad.split("-")[0]
+    assert first["error"] is None or "rejected their inputs" in first["error"], first
+    assert first["error"] is not None and "rank(s) [1] of 2 rejected their inputs" in first["error"], first
+    assert peer["error"] is not None and peer["error"].startswith(f"{name} must "), peer
+    assert first["s"] < 10, first  # named at the step's agreement, not at the group's timeout
+
+
+@pytest.mark.distributed
+def test_head_tp_prefill_checks_every_heads_sinks(dist_pool) -> None:
+    """A head-TP step (no collective) takes ``[H]`` sinks and slices the rank's: a rank's own slice,
+    or twice the heads, is refused on that rank (before: accepted, or a wrong shape on rank 1 only)."""
+    for bad in ("sinks-every-head-twice", "sinks-of-the-rank-only"):
+        first, peer = dist_pool.run(_body, "headtp", bad, world_size=2)
+        assert first["error"] is None and first["err"] <= 1e-5, first
+        assert peer["error"] is not None and peer["error"].startswith("sinks must have shape [8]"), peer
