@@ -707,6 +707,11 @@ def test_bad_decode_batch_raises_naming_the_argument(pool2) -> None:
         (lambda: pool2.decode_batch(ids, q, topk, view=True, out=torch.empty(2, 8, 32)), ValueError, "takes no out"),
         (lambda: pool2.step_inputs(0), ValueError, "num_tokens must be"),
         (lambda: pool2.step_inputs(17), ValueError, "num_tokens=17 is over the pool's max_decode_tokens=16"),
+        # a fault drill's bad arguments: refused on the driver (a rank's ValueError broke the pool)
+        (lambda: pool2.arm_fault(1, "bogus"), ValueError, "kind must be one of"),
+        (lambda: pool2.arm_fault(1, "raise", "free"), ValueError, "operation must be one of"),
+        (lambda: pool2.arm_fault(5), ValueError, "rank must be <= 1, got 5"),
+        (lambda: pool2.arm_fault(True), TypeError, "rank must be an int"),
     ]
     for call, exc, match in cases:
         with pytest.raises(exc, match=match):

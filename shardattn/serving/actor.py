@@ -26,10 +26,19 @@ from shardattn.serving.actor_prefill import PrefillSteps
 from shardattn.serving.actor_shm import ShmDecode
 from shardattn.serving.wire import from_wire, to_wire
 
-__all__ = ["FAULT_KINDS", "RankActor"]
+__all__ = ["FAULT_KINDS", "FAULT_OPERATIONS", "RankActor", "check_fault"]
 
 #: Faults :meth:`RankActor.arm_fault` can inject (tests and drills): exit the process, raise, or hang.
 FAULT_KINDS = ("exit", "raise", "hang")
+FAULT_OPERATIONS = ("prefill", "decode")
+
+
+def check_fault(kind: object, operation: object) -> None:
+    """A fault drill's ``kind`` (:data:`FAULT_KINDS`) and ``operation`` (:data:`FAULT_OPERATIONS`)."""
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"kind must be one of {FAULT_KINDS}, got {kind!r}")
+    if operation not in FAULT_OPERATIONS:
+        raise ValueError(f"operation must be one of {FAULT_OPERATIONS}, got {operation!r}")
 
 
 def _rss_bytes() -> int:
@@ -152,8 +161,7 @@ class RankActor(PrefillSteps, ShmDecode):
         The fault strikes after the step has written its KV rows and before its first
         collective, so the other ranks are left waiting in that collective.
         """
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"kind must be one of {FAULT_KINDS}, got {kind!r}")
+        check_fault(kind, operation)
         self._fault = (kind, operation)
 
     def _maybe_fail(self, operation: str) -> None:

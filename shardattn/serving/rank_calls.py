@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from shardattn._checks import check_int
+from shardattn.serving.actor import check_fault
 from shardattn.serving.errors import RankFailedError, describe_ray_error
 from shardattn.serving.health import holding_up, rank_reports
 from shardattn.serving.placement import kill_actors
@@ -125,6 +127,10 @@ class RankCalls:
             return self._call("run", [a.run.remote(fn, args, kwargs) for a in self._actors])
 
     def arm_fault(self, rank: int, kind: str = "exit", operation: str = "decode") -> None:
-        """Drill: make ``rank``'s next ``operation`` step fail (``kind``: ``"exit"``, ``"raise"`` or ``"hang"``)."""
+        """Drill: make ``rank``'s next ``operation`` step (``"prefill"`` / ``"decode"``) fail (``kind``:
+        ``"exit"``, ``"raise"`` or ``"hang"``). Raises ``ValueError`` / ``TypeError`` for a bad
+        argument before any rank is called (the pool stays usable)."""
         self._check_usable()
+        check_int("rank", rank, minimum=0, maximum=len(self._actors) - 1)
+        check_fault(kind, operation)
         self._call("arm_fault", [self._actors[rank].arm_fault.remote(kind, operation)], ranks=[rank])
