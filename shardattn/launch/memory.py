@@ -1,0 +1,61 @@
+"""The memory a launcher run needs per rank, and what the rank has: checked before any tensor is
+built, so a step too large for the machine is one line instead of an allocation failure."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from shardattn.plan.spec import ModelSpec
+
+__all__ = ["free_bytes", "step_bytes"]
+
+
+def step_bytes(spec: ModelSpec, shape: Any, dtype: torch.dtype, steps: tuple[str, ...]) -> int:
+    """A lower bound on the bytes the run's synthetic steps hold on one rank: the larger step's whole
+    KV cache, queries and top-k rows (a step holds more: the rank's copies, outputs, the workspace).
+    A run that cannot hold even these is refused before it starts, not killed by the allocator
+    part way.
+
+    >>> from shardattn.plan.spec import get_preset
+    >>> from shardattn.launch.cli import Shape
+    >>> s = Shape(tokens=256, requests=2, cached=(128, 128), topk=64, query_lens=(1, 1), reduced=True)
+    >>> step_bytes(get_preset("glm5"), s, torch.float32, ("prefill", "decode")) // 2**20
+    37
+    """
+    elem = torch.finfo(dtype).bits // 8
+    row = spec.head_dim if spec.kind == "sparse_mla" else 2 * spec.num_kv_heads * spec.head_dim
+    topk = shape.topk if spec.kind == "sparse_mla" else 0
+    sizes = [shape.tokens] if "prefill" in steps else []
+    sizes += [sum(shape.query_lens)] if "decode" in steps else []
+    # the steps are built one after the other: the larger one's cache (once), queries and top-k rows
+    return max((sum(shape.cached) + t) * row * elem + t * (spec.num_heads * spec.head_dim * elem + topk * 4)
+               for t in sizes)  # fmt: skip
+
+
+def free_bytes(device: torch.device, world_size: int) -> int | None:
+    """Bytes free for one rank: the GPU's free memory, or the host's available memory over the
+    ranks that share it (all of them, as far as this rank knows before the group forms); ``None``
+    where unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        return _host_available_bytes() // max(local, 1)
+    except (OSError, ValueError, RuntimeError, AttributeError):
+        return None
+
+
+def _host_available_bytes() -> int:
+    """The host memory a new allocation can take: Linux's ``MemAvailable`` (free memory and the
+    page cache it can reclaim), else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
