@@ -132,6 +132,11 @@ def _conversions_body(group) -> dict:
         req_ids=s.req_ids.tolist(),
     )  # fmt: skip
     res["decode_lists_int64"] = all(torch.equal(a, b) for a, b in zip(base, converted))
+    as_numpy = dcp.decode(  # NumPy lengths and indices, as prefill's query_lens may be (they were refused)
+        qd, s.local_kv, s.local_table.numpy(), s.seq_lens.numpy(), topk_pos=s.positions.numpy(),
+        req_ids=s.req_ids.numpy().astype("int64"),
+    )  # fmt: skip
+    res["decode_numpy"] = all(torch.equal(a, b) for a, b in zip(base, as_numpy))
 
     gqa = Runtime(GQA, group, max_batched_tokens=1, mode="dcp-decode", warmup=False)
     g = _gqa_step((30, 3, 17), (1, 2, 1), 5, DcpShard(world, 1, rank))
@@ -146,13 +151,11 @@ def _conversions_body(group) -> dict:
 
 @pytest.mark.distributed
 def test_host_lists_and_int64_give_the_int32_result(dist_pool) -> None:
-    """``torch.arange``'s int64 and host lists are converted once (values checked on the CPU), bit for
-    bit the step on int32 tensors; ``seq_lens`` (prefix included) plans like ``prefix_lens``."""
+    """``torch.arange``'s int64, host lists and NumPy arrays are converted once (values checked on the
+    CPU), bit for bit the step on int32 tensors; ``seq_lens`` (prefix included) plans like ``prefix_lens``."""
     for rank, res in enumerate(dist_pool.run(_conversions_body, world_size=2)):
-        assert res == {"plans_equal": True, "prefill_int64": True, "decode_lists_int64": True, "gqa_lists": True}, (
-            rank,
-            res,
-        )
+        want = {"plans_equal": True, "prefill_int64": True, "decode_lists_int64": True, "gqa_lists": True}
+        assert res == {**want, "decode_numpy": True}, (rank, res)
 
 
 # -- the head-TP GQA sliding window ------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import NoReturn, overload
 
+import numpy as np
 import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_cu_q_lens, check_int, check_max_q_len, check_queries_fit, check_tensor
@@ -110,8 +111,9 @@ def as_index(
 ) -> torch.Tensor | None: ...
 def as_index(name: str, value: object, device: torch.device | None = None) -> object:
     """An index or length argument as int32: ``None`` stays ``None``; a host sequence of ints (a
-    list, tuple or range) becomes a tensor on ``device``; an int64 (or narrower integer) tensor is
-    converted once (values checked on the CPU, saturated on a device: see the module docstring).
+    list, tuple or range) or an integer NumPy array becomes a tensor on ``device``; an int64 (or
+    narrower integer) tensor is converted once (values checked on the CPU, saturated on a device:
+    see the module docstring).
     Other dtypes, and values of any other type, pass through unchanged, for the step's own check
     to name (the overloads state the contract for the declared argument types).
 
@@ -124,6 +126,12 @@ def as_index(name: str, value: object, device: torch.device | None = None) -> ob
     """
     if value is None:
         return None
+    if isinstance(value, np.ndarray):  # host values, as a list's
+        value = torch.from_numpy(np.ascontiguousarray(value))
+        if value.dtype not in _CONVERTIBLE:
+            return value  # floats, bools, uint64: the step's dtype check names them
+        value = as_index(name, value)
+        return value if device is None else value.to(device)
     if isinstance(value, Sequence) and not isinstance(value, str | bytes):  # a list, tuple, range
         try:
             value = torch.tensor(value)
@@ -172,10 +180,11 @@ def check_drafts_on_host(
     :func:`~shardattn._checks.check_max_q_len`) or ``TypeError`` / ``ValueError`` for a
     ``max_q_len`` or ``q_len_per_req`` that is not an int in range (:func:`~shardattn._checks.check_int`).
 
-    ``tokens``: q's rows; ``requests``: the block table's rows. Reads host values only (a list,
+    ``tokens``: q's rows; ``requests``: the block table's rows. Uniform drafts (no ``cu_q_lens``)
+    must fill q (a ``ValueError`` naming q, as the head-TP op's). Reads host values only (a list,
     tuple or range of ints, or a 1-D integer CPU tensor). Checks nothing the op refuses on other
     grounds first, which it names: ``seq_lens`` or ``cu_q_lens`` of another length, both
-    ``q_len_per_req`` and ``cu_q_lens``, uniform drafts that do not fill q. Host ``cu_q_lens`` that
+    ``q_len_per_req`` and ``cu_q_lens``. Host ``cu_q_lens`` that
     does not start at 0, decreases or ends past q's rows raises the op's message
     (:func:`~shardattn._checks.check_cu_q_lens`). ``max_q_len=None``: no bound to check (the DCP
     step passes none).
@@ -195,9 +204,13 @@ def check_drafts_on_host(
             check_max_q_len(check_int("max_q_len", max_q_len, minimum=0), queries)
         if seq is not None:
             check_queries_fit(seq, queries)
-    elif seq is not None:
+    else:  # uniform drafts fill q: named as the caller passed it (the DCP step's own name is another)
         q_len = 1 if q_len_per_req is None else check_int("q_len_per_req", q_len_per_req, minimum=1)
-        if tokens == requests * q_len:
+        if tokens != requests * q_len:
+            raise ValueError(
+                f"q must have batch * q_len_per_req = {requests} * {q_len} = {requests * q_len} rows, got {tokens}"
+            )
+        if seq is not None:
             check_queries_fit(seq, [q_len] * requests)
 
 

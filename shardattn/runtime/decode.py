@@ -268,6 +268,8 @@ class DecodeStep:
                         raise ValueError(f"{name} is GQA decode's; a sparse-MLA step reads topk_pos: pass None")
                 if topk_pos is None or req_ids is None:
                     raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
+                if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 and topk_pos.shape[0] != t:  # q's T
+                    raise ValueError(f"topk_pos must have one row per query ({t}), got shape {list(topk_pos.shape)}")
                 if not isinstance(kv_cache, torch.Tensor):
                     raise TypeError("kv_cache of a sparse-MLA model must be one [R, D] tensor")
                 if kv_cache.dim() == 3:  # paged rows: the block table's pages are the model's

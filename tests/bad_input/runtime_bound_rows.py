@@ -1,10 +1,13 @@
 """Rows of the bad-input table for the Runtime's arguments bound to one kind, mode or Runtime: a
 DCP GQA plan (``batch=``) against the lengths passed beside it, arguments of another kind's or
-mode's decode, a prefill plan of another Runtime (tests/test_bad_input.py; a one-rank gloo group)."""
+mode's decode, a prefill plan of another Runtime; and errors named as the caller passed the
+arguments, not as a step inside names them (tests/test_bad_input.py; a one-rank gloo group)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from shardattn import plan as P
 from tests.bad_input.parallel_rows import GQA_SPEC, MLA_SPEC, _runtime_step
@@ -54,6 +57,12 @@ def runtime_bound_rows() -> list[Row]:
             for mode in ("headtp", "mixed")
             for name, value in (("cu_q_lens", [0, 1, 2]), ("q_len_per_req", 1), ("max_q_len", 1), ("batch", "junk"))
         ),
+        # named as the caller passed them (the DCP step's q_heads_local; req_ids blamed for topk_pos)
+        ("Runtime.decode-gqa-dcp-uniform-drafts-past-q", _runtime_step(*dcp, q_len_per_req=2),
+         Raises(ValueError, r"^q must have batch \* q_len_per_req = 2 \* 2 = 4 rows, got 2")),
+        ("Runtime.decode-mla-headtp-topk-pos-past-q",
+         _runtime_step("decode", MLA_SPEC, "headtp", topk_pos=torch.zeros(3, 4, dtype=torch.int32)),
+         Raises(ValueError, r"^topk_pos must have one row per query \(2\), got shape \[3, 4\]")),
         # a plan of another Runtime's configuration: a misleading error, or a workspace of 0 B
         ("Runtime.prefill-plan-of-another-mode", _plan_of(MLA_SPEC, "headtp"),
          Raises(ValueError, r"^plan was made by a Runtime for a sparse_mla model of 8 heads, mode 'headtp'")),
