@@ -242,3 +242,42 @@ def check_disjoint(**tensors: torch.Tensor | None) -> None:
     for (name_a, (lo_a, hi_a)), (name_b, (lo_b, hi_b)) in itertools.combinations(spans, 2):
         if lo_a < hi_b and lo_b < hi_a:
             raise ValueError(f"{name_a} and {name_b} share memory: a kernel's writes to one would overwrite the other")
+
+
+def check_block_table_holds(
+    block_table: torch.Tensor,
+    block_size: int,
+    kv_rows: int | None,
+    seq_lens: torch.Tensor | None,
+    local_lens: torch.Tensor | None = None,
+    rank: int | None = None,
+) -> None:
+    """A CPU ``block_table [B, M]`` of ``block_size``-row blocks (checked by the caller) points into a
+    cache of ``kv_rows`` rows (``None``: not checked; rows past the cache are then invalid keys),
+    and holds each request's tokens: ``seq_lens [B]`` (``local_lens``, the tokens ``rank`` keeps of
+    them under DCP). A position past its table would read no key and be dropped with no error.
+    Reads values: call it on CPU tensors only (no device sync).
+
+    >>> check_block_table_holds(torch.tensor([[0, 1]]), 4, 8, torch.tensor([9]))
+    Traceback (most recent call last):
+    ...
+    ValueError: seq_lens[0]=9 needs 9 tokens, but its block_table holds 2 blocks of 4
+    """
+    b, m = block_table.shape
+    if not block_table.numel():
+        return
+    top = int(block_table.max())
+    if kv_rows is not None and (top + 1) * block_size > kv_rows:
+        raise ValueError(
+            f"block_table points past kv_cache: block {top} needs rows up to {(top + 1) * block_size}, "
+            f"kv_cache has {kv_rows}"
+        )
+    if seq_lens is None or not b:
+        return
+    local = seq_lens if local_lens is None else local_lens
+    if int(local.max()) > m * block_size:
+        i = int(local.argmax())
+        held = f"puts {int(local[i])} tokens on rank {rank}" if rank is not None else f"needs {int(local[i])} tokens"
+        raise ValueError(
+            f"seq_lens[{i}]={int(seq_lens[i])} {held}, but its block_table holds {m} blocks of {block_size}"
+        )

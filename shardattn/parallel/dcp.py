@@ -46,6 +46,7 @@ import torch
 from shardattn._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_block_table_holds,
     check_bool,
     check_int,
     check_same_device,
@@ -196,7 +197,7 @@ def dcp_sparse_mla_decode(
             raise ValueError(f"topk_pos must have one row per query ({t}), got shape {list(topk_pos.shape)}")
         check_tensor("req_ids", req_ids, dtypes=INDEX_DTYPES, shape=(t,))
         check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
-        b, m = block_table.shape
+        b = block_table.shape[0]
         bs = check_int("block_size", block_size, minimum=1)
         if seq_lens is not None:
             check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(b,))
@@ -206,21 +207,9 @@ def dcp_sparse_mla_decode(
             q_heads_local=q, kv_cache=kv_cache, topk_pos=topk_pos, req_ids=req_ids, block_table=block_table,
             seq_lens=seq_lens, topk_length=topk_length, sinks=sinks,
         )  # fmt: skip
-        if block_table.device.type == "cpu" and block_table.numel():  # value checks that cost no sync
-            top = int(block_table.max())
-            if (top + 1) * bs > kv_rows.shape[0]:
-                raise ValueError(
-                    f"block_table points past kv_cache: block {top} needs rows up to {(top + 1) * bs}, "
-                    f"kv_cache has {kv_rows.shape[0]}"
-                )
-            if seq_lens is not None:
-                local = layout.local_seq_lens(seq_lens, comm.rank)
-                if b and int(local.max()) > m * bs:
-                    i = int(local.argmax())
-                    raise ValueError(
-                        f"seq_lens[{i}]={int(seq_lens[i])} puts {int(local[i])} tokens on rank {comm.rank}, "
-                        f"but its block_table holds {m} blocks of {bs}"
-                    )
+        if block_table.device.type == "cpu":  # value checks that cost no sync
+            local = None if seq_lens is None else layout.local_seq_lens(seq_lens, comm.rank)
+            check_block_table_holds(block_table, bs, kv_rows.shape[0], seq_lens, local, rank=comm.rank)
         check_bool("rows_unique", rows_unique)
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
         if not check:

@@ -27,7 +27,15 @@ from typing import NoReturn, overload
 import numpy as np
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_cu_q_lens, check_int, check_max_q_len, check_queries_fit, check_tensor
+from shardattn._checks import (
+    FLOAT_DTYPES,
+    check_block_table_holds,
+    check_cu_q_lens,
+    check_int,
+    check_max_q_len,
+    check_queries_fit,
+    check_tensor,
+)
 from shardattn.parallel.comm import Comm
 from shardattn.plan._common import as_lengths
 from shardattn.plan.decode_batch import DecodeBatch
@@ -39,6 +47,7 @@ __all__ = [
     "check_paged_rows",
     "check_plan_lengths",
     "check_queries",
+    "check_table_on_host",
     "host_lengths",
     "prefill_lengths",
     "reject",
@@ -212,6 +221,21 @@ def check_drafts_on_host(
             )
         if seq is not None:
             check_queries_fit(seq, [q_len] * requests)
+
+
+def check_table_on_host(block_table: object, seq_lens: object, *, page_size: int) -> None:
+    """A head-TP sparse-MLA decode's ``block_table`` holds each request's ``seq_lens`` tokens, where
+    both are CPU integer tensors (as the DCP step checks its shard's:
+    :func:`~shardattn._checks.check_block_table_holds`; pages past the cache stay invalid keys, as
+    the ops take them); the step's own checks name anything else."""
+    if not (isinstance(block_table, torch.Tensor) and block_table.device.type == "cpu" and block_table.dim() == 2):
+        return
+    if block_table.dtype not in (torch.int32, torch.int64):
+        return
+    lens = None
+    if isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "cpu" and seq_lens.dim() == 1:
+        lens = seq_lens if seq_lens.shape[0] == block_table.shape[0] else None
+    check_block_table_holds(block_table, page_size, None, lens)
 
 
 def check_plan_lengths(batch: object, seq_lens: object, cu_q_lens: object, *, q_len_per_req: object) -> None:

@@ -34,6 +34,7 @@ from shardattn.runtime.args import (
     check_gqa_cache,
     check_paged_rows,
     check_plan_lengths,
+    check_table_on_host,
     reject,
 )
 from shardattn.runtime.modes import GQA_BACKEND
@@ -278,6 +279,8 @@ class DecodeStep:
                     kv_cache = self.kv_rows("kv_cache", kv_cache)
                 if kv_cache.dtype != torch.uint8:  # rows in q's dtype, named as the caller passed them
                     check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
+                if not dcp:  # positions past the table would read no key (the DCP step checks its shard's)
+                    check_table_on_host(block_table, seq_lens, page_size=self.spec.page_size)
                 cache = _SparseCache(kv_cache, topk_pos, req_ids)
             else:
                 for name, x in (("topk_pos", topk_pos), ("req_ids", req_ids), ("topk_length", topk_length)):

@@ -63,6 +63,10 @@ def runtime_bound_rows() -> list[Row]:
         ("Runtime.decode-mla-headtp-topk-pos-past-q",
          _runtime_step("decode", MLA_SPEC, "headtp", topk_pos=torch.zeros(3, 4, dtype=torch.int32)),
          Raises(ValueError, r"^topk_pos must have one row per query \(2\), got shape \[3, 4\]")),
+        # a request longer than its table: its top-k positions past the table were dropped (DCP raised)
+        ("Runtime.decode-mla-headtp-seq-lens-past-table",
+         _runtime_step("decode", MLA_SPEC, "headtp", seq_lens=torch.tensor([10, 49], dtype=torch.int32)),
+         Raises(ValueError, r"^seq_lens\[1\]=49 needs 49 tokens, but its block_table holds 3 blocks of 16")),
         # a plan of another Runtime's configuration: a misleading error, or a workspace of 0 B
         ("Runtime.prefill-plan-of-another-mode", _plan_of(MLA_SPEC, "headtp"),
          Raises(ValueError, r"^plan was made by a Runtime for a sparse_mla model of 8 heads, mode 'headtp'")),
