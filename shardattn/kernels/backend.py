@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import overload
 
 import torch
 
@@ -104,3 +105,24 @@ def unsupported_reason(*tensors: torch.Tensor | None) -> str | None:
 def use_triton(*tensors: torch.Tensor | None) -> bool:
     """``True`` when the Triton kernels may run on these tensors."""
     return unsupported_reason(*tensors) is None
+
+
+@overload
+def unit_stride(x: torch.Tensor) -> torch.Tensor: ...
+@overload
+def unit_stride(x: None) -> None: ...
+@overload
+def unit_stride(x: torch.Tensor | None) -> torch.Tensor | None: ...
+def unit_stride(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x`` with a unit last stride: the kernels read entry ``i`` of a small index, length or sink
+    tensor (``topk_length``, ``sinks``, ``seq_lens``, ``req_ids``, a block table's row) at
+    ``ptr + i``, so a strided view (a column of a metadata tensor) is copied once here; a tensor
+    already so (the usual case) is returned as it is, and ``None`` stays ``None``.
+
+    >>> meta = torch.arange(6).view(3, 2)
+    >>> unit_stride(meta[:, 1]).stride(), unit_stride(meta[1]) is not None
+    ((1,), True)
+    """
+    if x is None or x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1:
+        return x
+    return x.contiguous()

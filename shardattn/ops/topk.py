@@ -162,14 +162,16 @@ def convert_topk(
             seq_lens=seq_lens, topk_length=topk_length, dcp=dcp,
         )  # fmt: skip
         return (rows, counts) if out is None else (out.copy_(rows), counts)
-    rows = torch.empty(t, k, dtype=torch.int32, device=topk_pos.device) if out is None else out
+    # the kernel writes rows with a unit last stride: another destination is filled from a copy
+    direct = out is not None and (k <= 1 or out.stride(1) == 1)
+    rows = out if out is not None and direct else torch.empty(t, k, dtype=torch.int32, device=topk_pos.device)
     counts = torch.empty(t, dtype=torch.int32, device=topk_pos.device)
     if t == 0:
-        return rows, counts
+        return (rows if out is None else out), counts
     topk_pos = topk_pos if k == 0 or topk_pos.stride(1) == 1 else topk_pos.contiguous()
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     launch_convert_topk(
         topk_pos, req_ids, block_table, seq_lens, topk_length, rows, counts, block_size=block_size, block_stride=stride,
         dcp=dcp,
     )  # fmt: skip
-    return rows, counts
+    return (rows if out is None or direct else out.copy_(rows)), counts

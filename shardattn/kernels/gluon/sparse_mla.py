@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn.kernels.backend import sm_count
+from shardattn.kernels.backend import sm_count, unit_stride
 from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR as _GLUON_IMPORT_ERROR
 from shardattn.kernels.gluon.compat import HAS_GLUON
 from shardattn.kernels.gluon.sparse_mla_epilogue import WS_MAXNREG, WS_NUM_WARPS
@@ -175,6 +175,7 @@ def launch_gluon_attention(
     Returns:
         ``(out, lse)``: the given destinations, or new ``[T, H, v_dim]`` q.dtype and ``[T, H]`` fp32.
     """
+    lens, sinks = unit_stride(lens), unit_stride(sinks)
     d = q.shape[-1]
     h = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
     cfg = config or gluon_config(h, v_dim, d - v_dim, group_size)

@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 import torch
 
+from shardattn.kernels.backend import unit_stride
 from shardattn.kernels.gluon.compat import HAS_GLUON
 from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns, split_partials
 from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
@@ -166,6 +167,7 @@ def launch_small_split(
         ValueError: ``warps`` does not fit ``block_n``, or ``heads_per_program`` is not in
             ``[1, 16]`` (checked before any launch).
     """
+    topk_length, sinks = unit_stride(topk_length), unit_stride(sinks)
     warps = _resolve_warps(block_n, warps)
     t, h, d = q.shape
     group = min(h, _resolve_heads(h, heads_per_program))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from shardattn.kernels.backend import unit_stride
 from shardattn.kernels.gluon.compat import HAS_GLUON
 from shardattn.kernels.gluon.sparse_mla_decode_small import LOG2E, _padded_heads, launch_split_and_merge
 from shardattn.kernels.triton.lse_merge import split_partials_numel
@@ -171,6 +172,7 @@ def launch_stream_decode(
         or with one slice ``out [T, H, 512]`` (q's dtype) / ``lse [T, H]``. plan:
         :func:`stream_decode_plan`. pdl: a programmatic dependent launch.
     """
+    topk_length, sinks = unit_stride(topk_length), unit_stride(sinks)
     t, h, d = q.shape
     s, nb, programs = plan["num_splits"], plan["blocks"], plan["programs"]
     kv_fp8 = kv.dtype == torch.uint8

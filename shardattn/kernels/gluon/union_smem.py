@@ -37,6 +37,7 @@ from types import MappingProxyType
 
 import torch
 
+from shardattn.kernels.backend import unit_stride
 from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR, HAS_GLUON, cta_barrier, gl, gluon
 
 #: Bitmap words a program counts at once (a window of ``32 * WW`` rows): 2,048 (65,536 rows) when
@@ -313,6 +314,7 @@ def smem_union(
             bitmap's words as they are counted (no second read of the union); other entries untouched.
         config: overrides of :func:`launch_config` (benchmarks sweep them).
     """
+    topk_length = unit_stride(topk_length)
     t, k = rows.shape
     n_groups = union.shape[0]
     if n_groups == 0:

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from shardattn.kernels.backend import sm_count
+from shardattn.kernels.backend import sm_count, unit_stride
 from shardattn.kernels.triton.lse_merge import launch_lse_merge, split_partials
 
 try:  # Triton is optional: without it every path runs the torch reference.
@@ -66,6 +66,8 @@ def run_triton(
     workspace,
 ):
     total_q, hq, d = q.shape
+    seq_lens, cu_q_lens, sinks = unit_stride(seq_lens), unit_stride(cu_q_lens), unit_stride(sinks)
+    block_table = unit_stride(block_table)  # the kernel steps a row's pages by 1
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     batch, max_pages = block_table.shape
     group = hq // hkv

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from shardattn.kernels.backend import unit_stride
+
 try:  # Triton is optional: without it the torch reference runs
     import triton
     import triton.language as tl
@@ -91,6 +93,7 @@ def launch_mark_topk_rows(
     """Set ``mark[row >> block_shift] = 1`` (int32) for every valid row of ``rows [T, K]`` (int32,
     entries contiguous; ``-1`` / out of ``[0, num_rows)`` anywhere, or past ``topk_length [T]``,
     is none) and add their count to ``counts[1]`` (int64)."""
+    topk_length = unit_stride(topk_length)
     if rows.numel() == 0:
         return
     grid, per_program = _mark_grid(*rows.shape)
@@ -115,6 +118,7 @@ def launch_move_rows(
     ``[0, num_rows)`` anywhere, or past ``topk_length [T]``, is none) at ``(placed[row >> block_shift]
     - 1) << block_shift | row % 2**block_shift`` (``placed``: the marks' inclusive prefix sum); other
     entries ``-1``."""
+    rows, topk_length = rows.contiguous(), unit_stride(topk_length)
     if rows.numel() == 0:
         return
     _move_rows_kernel[(rows.shape[0], triton.cdiv(rows.shape[1], ENTRIES_PER_PROGRAM))](

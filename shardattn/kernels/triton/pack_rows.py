@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn.kernels.backend import use_triton
+from shardattn.kernels.backend import unit_stride, use_triton
 
 try:
     import triton
@@ -61,6 +61,7 @@ def pack_rows(
         ``union[t, :lens[t]]`` (entries past it are unspecified on the Triton path). CUDA tensors
         (or the interpreter) run the Triton kernel.
     """
+    topk_length = unit_stride(topk_length)
     t, k = rows.shape
     if width < k:
         raise ValueError(f"width must cover the row ({width} < {k})")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardattn.kernels.backend import unit_stride
 from shardattn.kernels.union_layout import num_groups
 
 try:
@@ -260,6 +261,7 @@ def launch_attention(
         ``(out, lse)``: the given destinations, or new ``[T, H, v_dim]`` q.dtype and ``[T, H]`` fp32.
     """
     d = q.shape[-1]
+    lens, sinks = unit_stride(lens), unit_stride(sinks)
     t, h, out, lse = launch_destinations(q, v_dim, out, lse)
     if t == 0 or h == 0:
         return out, lse

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardattn.kernels.backend import pdl_supported
+from shardattn.kernels.backend import pdl_supported, unit_stride
 from shardattn.kernels.triton.lse_merge import (
     gdc_launch_dependents,
     gdc_wait,
@@ -114,6 +114,7 @@ def launch_split_kernel(
             start measured faster at 16 heads x 1-2 tokens and slower everywhere else:
             docs/PERFORMANCE.md.)
     """
+    topk_length, sinks = unit_stride(topk_length), unit_stride(sinks)
     t, h, d = q.shape
     v_dim = out.shape[-1]
     dr = d - v_dim

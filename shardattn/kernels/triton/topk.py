@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from shardattn.kernels.backend import unit_stride
+
 try:
     import triton
     import triton.language as tl
@@ -85,8 +87,10 @@ def launch_convert_topk(
     dcp: tuple[int, int, int] | None,
 ) -> None:
     """Launch the conversion on checked tensors (``topk_pos`` and ``block_table`` unit last stride)
-    into ``rows [T, K]`` and ``counts [T]`` int32; ``dcp`` = ``(world, interleave, rank)`` or None."""
+    into ``rows [T, K]`` (unit last stride) and ``counts [T]`` int32; ``dcp`` = ``(world,
+    interleave, rank)`` or None."""
     t, k = topk_pos.shape
+    req_ids, seq_lens, topk_length = unit_stride(req_ids), unit_stride(seq_lens), unit_stride(topk_length)
     world, inter, rank = dcp if dcp is not None else (1, 1, 0)
     cfg = convert_topk_config(k, seq_lens is not None, topk_length is not None, dcp is not None)
     _convert_topk_kernel[(t,)](

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from shardattn.kernels.backend import unit_stride
 from shardattn.kernels.gluon.union_smem import smem_kernels
 from shardattn.kernels.triton.union_bitmap import bitmap_kernels
 from shardattn.kernels.triton.union_fused import fused_kernel
@@ -74,6 +75,7 @@ def union_launch_config(group_size: int, topk: int) -> dict[str, int]:
 
 def sorted_row_keys(rows: torch.Tensor, topk_length: torch.Tensor | None, num_kv_rows: int) -> torch.Tensor:
     """``[T, K]`` int32: each query's valid rows ascending, INT32_MAX (invalid) at the end."""
+    topk_length = unit_stride(topk_length)
     t, k = rows.shape
     cfg = union_launch_config(1, k)
     keys = torch.empty(t, k, dtype=torch.int32, device=rows.device)
@@ -94,6 +96,7 @@ def sort_union(
 ) -> None:
     """The ``"sort"`` builder into ``union`` / ``lens``: keys kernel, ``torch.sort`` of each group's
     keys, compaction (inputs checked by :func:`~shardattn.ops.union.build_union`)."""
+    topk_length = unit_stride(topk_length)
     cfg = union_launch_config(group_size, rows.shape[1])
     t, k = rows.shape
     g_count = union.shape[0]

@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from shardattn._checks import check_choice
+from shardattn.kernels.backend import unit_stride
 from shardattn.kernels.gluon.union_smem import smem_union, smem_unsupported_reason
 
 try:
@@ -218,6 +219,7 @@ def bitmap_union(
         kernel: ``"auto"`` (the Gluon kernel where :func:`~shardattn.kernels.gluon.union_smem.smem_unsupported_reason`
             says so), ``"gluon"`` (it, or ``ValueError`` saying why not) or ``"triton"``.
     """
+    topk_length = unit_stride(topk_length)
     check_choice("kernel", kernel, KERNELS)
     why = smem_unsupported_reason(rows, group_size) if kernel != "triton" else "kernel='triton'"
     if kernel == "gluon" and why is not None:

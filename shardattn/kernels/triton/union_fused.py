@@ -35,6 +35,8 @@ import itertools
 
 import torch
 
+from shardattn.kernels.backend import unit_stride
+
 try:
     import triton
     import triton.language as tl
@@ -342,6 +344,7 @@ def fused_union(
             contiguous rows.
         config: overrides of :func:`fused_launch_config` (benchmark sweeps; ``STEPS`` follows ``WAYS``).
     """
+    topk_length = unit_stride(topk_length)
     t, k = lists.shape
     g_count = union.shape[0]
     cfg = {**fused_launch_config(group_size, k), **(config or {})}
