@@ -58,6 +58,7 @@ from collections.abc import Callable
 
 import torch
 
+from shardattn.kernels.backend import unit_stride
 from shardattn.kernels.fa4_launch import FA4Launches, FA4Private, check_fast_launch
 
 __all__ = [
@@ -219,7 +220,7 @@ def _run(
             return_lse=return_lse, sinks=sinks is not None,
         )  # fmt: skip
         if launch is not None:
-            out, lse = launch(q, k, v, sinks)  # an LSE where the form was resolved with one
+            out, lse = launch(q, k, v, unit_stride(sinks))  # an LSE where the form was resolved with one
             if not return_lse:
                 return out, None
             if lse is None:

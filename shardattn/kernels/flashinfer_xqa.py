@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from shardattn.kernels.backend import unit_stride
+
 __all__ = ["draft_mask", "get_xqa", "unavailable_reason", "xqa_paged_decode"]
 
 #: Bytes of the zero-initialised XQA workspace (semaphores + scratch), one per device.
@@ -122,6 +124,7 @@ def xqa_paged_decode(
     if xqa is None:
         raise RuntimeError(f"XQA cannot run: {_load()[1]}")
     total_q, hq, _ = q.shape
+    seq_lens, cu_q_lens, block_table = unit_stride(seq_lens), unit_stride(cu_q_lens), unit_stride(block_table)
     batch = block_table.shape[0]
     hkv = k_cache.shape[2]
     page = k_cache.shape[1]
