@@ -178,6 +178,9 @@ def _bad_inputs(group: dist.ProcessGroup, case: str) -> tuple[str, str]:
         out, lse = torch.zeros(t + 1, h, 8), torch.zeros(t + 1, h)
     elif case == "all-to-all-without-scatter":
         return catch(collect_partials, out, lse, group, scatter_heads=False, strategy="all_to_all")
+    elif case == "recv-buffer-small-on-rank-1":  # refused where the ranks agree, not in the exchange
+        small = {"recv": torch.zeros(16, dtype=torch.uint8)} if rank == 1 else None
+        return catch(collect_partials, out, lse, group, strategy="all_to_all", buffers=small)
     return catch(collect_partials, out, lse, group)
 
 
@@ -196,6 +199,14 @@ def _bad_inputs(group: dist.ProcessGroup, case: str) -> tuple[str, str]:
         ),
         ("tokens-differ-on-rank-2", ["ValueError: collector input"] * 3),
         ("all-to-all-without-scatter", ["ValueError: strategy='all_to_all' leaves each rank"] * 3),
+        (
+            "recv-buffer-small-on-rank-1",
+            [
+                "ValueError: collector input (out shape and dtype, scatter_heads, strategy): rank(s) [1] of 3 rejected",
+                "ValueError: buffers['recv'] holds 16 B, the step needs at least",
+                "ValueError: collector input (out shape and dtype, scatter_heads, strategy): rank(s) [1] of 3 rejected",
+            ],
+        ),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
 )

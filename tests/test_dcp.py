@@ -363,9 +363,20 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
         elif problem == "mla-seq-lens-on-rank-2" and rank == 2:
             lens = lens.clone()
             lens[0] -= 1
+        kw: dict = {}  # rank 1's own mistakes, read where the ranks agree (not mid-exchange)
+        if rank == 1 and problem == "mla-send-buffer-float-on-rank-1":
+            kw = {"strategy": "all_to_all", "workspace": {"send": torch.zeros(10**4)}}
+        elif rank == 1 and problem == "mla-rows-buffer-small-on-rank-1":
+            kw = {"workspace": {"rows": torch.zeros(4, dtype=torch.uint8)}}
+        elif rank == 1 and problem == "mla-scale-on-rank-1":
+            kw = {"scale": 0.5}
+        elif rank == 1 and problem == "mla-no-topk-length-on-rank-1":
+            kw = {"topk_length": None}
+        elif problem == "mla-no-topk-length-on-rank-1":
+            kw = {"topk_length": torch.full((q.shape[0],), 3, dtype=torch.int32)}
         return catch(
             dcp_sparse_mla_decode, q, cache, case["pos"], case["req_ids"], table, layout, group,
-            block_size=case["block_size"], scale=1.0, v_dim=16, seq_lens=lens,
+            **{"block_size": case["block_size"], "scale": 1.0, "v_dim": 16, "seq_lens": lens, **kw},
         )  # fmt: skip
     case = _gqa_case(2, [9, 5], [2, 2], w, 1, ragged=False)
     h = case["q"].shape[1] // w
@@ -408,6 +419,24 @@ GQA = "DCP GQA decode inputs"
         ),
         ("mla-layout-world-size", ["ValueError: layout is for world_size=4, but the group has 3 ranks"] * 3),
         ("mla-seq-lens-on-rank-2", [f"ValueError: {MLA} differs across ranks: rank(s) [2] disagree"] * 3),
+        (
+            "mla-send-buffer-float-on-rank-1",
+            [
+                _rejected(MLA, "[1]"),
+                "TypeError: workspace['send'] must have dtype in (uint8), got float32",
+                _rejected(MLA, "[1]"),
+            ],
+        ),
+        (
+            "mla-rows-buffer-small-on-rank-1",
+            [
+                _rejected(MLA, "[1]"),
+                "ValueError: workspace['rows'] holds 4 B, the step needs at least",
+                _rejected(MLA, "[1]"),
+            ],
+        ),
+        ("mla-scale-on-rank-1", [f"ValueError: {MLA} differs across ranks: rank(s) [1] disagree"] * 3),
+        ("mla-no-topk-length-on-rank-1", [f"ValueError: {MLA} differs across ranks: rank(s) [1] disagree"] * 3),
         ("gqa-seq-lens-past-the-cache", ["ValueError: seq_lens[0]=90 puts", *[_rejected(GQA, "[0]")] * 2]),
         ("gqa-heads-on-rank-1", [f"ValueError: {GQA} differs across ranks: rank(s) [1] disagree"] * 3),
         ("gqa-q-len", ["ValueError: q_heads_local must have B * q_len_per_req = 6 rows, got 4"] * 3),

@@ -167,6 +167,18 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
         return catch(shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16, sinks=torch.zeros(2 * w + 1))
     elif problem == "rows-int64":
         rows = rows.long()
+    elif problem.endswith("-on-rank-1") and problem.split("-")[0] in ("return", "scale", "out", "workspace"):
+        kw: dict = {}  # an argument only rank 1 gets wrong, read before any exchange
+        if rank == 1:
+            kw = {
+                "return-lse-on-rank-1": {"return_lse": False},  # it decides what the output exchange carries
+                "scale-on-rank-1": {"scale": 0.5},
+                "out-dtype-on-rank-1": {"out": torch.zeros(9, 2, 16, dtype=torch.float64)},
+                "out-strided-on-rank-1": {"out": torch.zeros(9, 2, 32, dtype=q.dtype)[..., ::2]},
+                "workspace-small-on-rank-1": {"workspace": {"q": torch.zeros(8, dtype=torch.uint8)}},
+                "workspace-float-on-rank-1": {"workspace": {"out": torch.zeros(10**5)}},
+            }[problem]
+        return catch(shardq_prefill, q, kv, rows, plan, group, **{"scale": 1.0, "v_dim": 16, **kw})
     elif problem.startswith("attention-returns-the-output-alone"):  # a custom kernel, sharded or head-TP
         plan = zigzag_split(case["seq_lens"], w, min_tokens=0 if problem.endswith("sharded") else 100)
         return catch(
@@ -190,6 +202,18 @@ OUTPUT_ALONE = "TypeError: attention must return (out, lse) when asked for the L
         ("plan-world-size", ["ValueError: plan is for world_size=4, but the group has 3 ranks"] * 3),
         ("sinks-for-wrong-head-count", ["ValueError: sinks must have shape [6], got [7]"] * 3),
         ("rows-int64", ["TypeError: rows must have dtype in (int32), got int64"] * 3),
+        ("return-lse-on-rank-1", ["ValueError: ShardQ plan and inputs differs across ranks: rank(s) [1] disagree"] * 3),
+        ("scale-on-rank-1", ["ValueError: ShardQ plan and inputs differs across ranks: rank(s) [1] disagree"] * 3),
+        ("out-dtype-on-rank-1", [REJECTED, "TypeError: out must have dtype in (bfloat16), got float64", REJECTED]),
+        ("out-strided-on-rank-1", [REJECTED, "ValueError: out must be contiguous", REJECTED]),
+        (
+            "workspace-small-on-rank-1",
+            [REJECTED, "ValueError: workspace['q'] holds 8 B, the step needs at least", REJECTED],
+        ),
+        (
+            "workspace-float-on-rank-1",
+            [REJECTED, "TypeError: workspace['out'] must have dtype in (uint8), got float32", REJECTED],
+        ),
         ("attention-returns-the-output-alone-sharded", [OUTPUT_ALONE] * 3),
         ("attention-returns-the-output-alone-head-tp", [OUTPUT_ALONE] * 3),
     ],

@@ -35,7 +35,7 @@ from shardattn.ops.lse_merge import merge_weights, run_lse_merge, weighted
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
 from shardattn.parallel.groups import GroupLike
-from shardattn.parallel.packing import packed_nbytes, view_bytes
+from shardattn.parallel.packing import check_byte_buffers, packed_nbytes, view_bytes
 
 __all__ = ["STRATEGIES", "collect_checked", "collect_partials", "resolve_strategy"]
 
@@ -121,6 +121,9 @@ def collect_partials(
             raise TypeError(f"buffers must be a dict {{'send', 'recv'}} of uint8 buffers, got {type(buffers).__name__}")
         check_partials(out, lse, comm.world_size, scatter_heads=scatter_heads)
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
+        t, h, dv = out.shape
+        check_byte_buffers(buffers, exchange_bytes(t, h, dv, out.dtype, comm.world_size, scatter_heads, chosen),
+                           out.device, "buffers")  # fmt: skip
         if not check:
             return 0  # nothing to agree on
         return stable_fingerprint("collect_partials", tuple(out.shape), out.dtype, scatter_heads, chosen)
@@ -128,6 +131,23 @@ def collect_partials(
     comm.agree_on("collector input (out shape and dtype, scatter_heads, strategy)", validate, check=check)
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
         return collect_checked(out, lse, comm, chosen, scatter_heads, buffers)
+
+
+def _exchange_specs(t: int, heads: int, dv: int, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The packed rows one rank sends another under ``"all_to_all"``: ``heads`` of ``T`` outputs and LSEs."""
+    return [((t, heads, dv), dtype), ((t, heads), torch.float32)]
+
+
+def exchange_bytes(
+    t: int, heads: int, dv: int, dtype: torch.dtype, world_size: int, scatter_heads: bool, strategy: str
+) -> dict[str, int]:
+    """Bytes of the ``{"send", "recv"}`` buffers a collection of partials ``[T, heads, dv]`` reads
+    under ``strategy`` (none but ``"all_to_all"``'s)."""
+    if strategy != "all_to_all" or world_size == 1:
+        return {}
+    hs = heads // world_size if scatter_heads else heads
+    n = world_size * packed_nbytes(_exchange_specs(t, hs, dv, dtype))
+    return {"send": n, "recv": n}
 
 
 def collect_checked(
@@ -151,7 +171,7 @@ def collect_checked(
         return out[:, h0 : h0 + hs].clone(), lse[:, h0 : h0 + hs].clone()
     if strategy == "reduce_scatter":
         return _reduce_scatter(out, lse, comm, scatter_heads)
-    specs = [((t, hs, dv), out.dtype), ((t, hs), torch.float32)]
+    specs = _exchange_specs(t, hs, dv, out.dtype)
     if strategy == "all_to_all":
         # row j = what rank j needs: its head slice of this rank's partial
         outs = out.reshape(t, w, hs, dv).permute(1, 0, 2, 3)

@@ -58,10 +58,10 @@ from shardattn.ops.sparse_mla import check_kv_rows
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.parallel.agreement import stable_fingerprint
-from shardattn.parallel.collector import collect_checked, resolve_strategy
+from shardattn.parallel.collector import collect_checked, exchange_bytes, resolve_strategy
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
-from shardattn.parallel.packing import view_bytes
+from shardattn.parallel.packing import check_byte_buffers, view_bytes
 from shardattn.plan.context import DCPLayout
 
 __all__ = ["dcp_sparse_mla_decode"]
@@ -100,6 +100,26 @@ def _gather_heads(q: torch.Tensor, comm: Comm, ws: Workspace) -> torch.Tensor:
     full = view_bytes(buf[n:], (t, w, h, d), q.dtype, "q")
     assert full is not None
     return full.copy_(gathered).view(t, w * h, d)
+
+
+def check_dcp_workspace(
+    workspace: object, q: torch.Tensor, world_size: int, v_dim: int, topk: int, strategy: str, scatter_heads: bool
+) -> None:
+    """A DCP decode step's ``workspace`` (:func:`dcp_sparse_mla_decode`'s and
+    :func:`~shardattn.parallel.dcp_gqa.dcp_gqa_decode`'s; ``topk`` 0 for GQA, which converts no
+    rows) holds what the step views in it: the gathered
+    queries twice (``"q"``), the rows, the local partials (``"out"``, ``"lse"``) and the
+    collector's exchange (``"send"``, ``"recv"``). Checked where the ranks agree."""
+    t, h, d = q.shape
+    w, e = world_size, q.element_size()
+    need = {
+        "q": 2 * w * t * h * d * e,
+        "rows": t * topk * 4,
+        "out": t * w * h * v_dim * e,
+        "lse": t * w * h * 4,
+        **exchange_bytes(t, w * h, v_dim, q.dtype, w, scatter_heads, strategy),
+    }
+    check_byte_buffers(workspace, need, q.device)
 
 
 def _partial_buffers(ws: Workspace, q_full: torch.Tensor, v_dim: int) -> dict[str, torch.Tensor]:
@@ -212,11 +232,12 @@ def dcp_sparse_mla_decode(
             check_block_table_holds(block_table, bs, kv_rows.shape[0], seq_lens, local, rank=comm.rank)
         check_bool("rows_unique", rows_unique)
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
+        check_dcp_workspace(workspace, q, comm.world_size, v_dim, topk_pos.shape[1], chosen, scatter_heads)
         if not check:
             return 0  # nothing to agree on: skip hashing on the step's hot path
         return stable_fingerprint(
             "dcp_sparse_mla", layout, tuple(q.shape), q.dtype, kv_rows.dtype, v_dim, topk_pos.shape[1], b,
-            sinks is not None,
+            sinks is not None, topk_length is not None, float(scale),
             scatter_heads, strategy, rows_unique, _host_values(seq_lens) if check else None,
         )  # fmt: skip
 

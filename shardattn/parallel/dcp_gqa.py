@@ -27,7 +27,14 @@ from shardattn.ops.gqa_decode import BACKENDS, run_gqa_paged_decode
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.collector import collect_checked, resolve_strategy
 from shardattn.parallel.comm import Comm
-from shardattn.parallel.dcp import Workspace, _check_common, _gather_heads, _host_values, _partial_buffers
+from shardattn.parallel.dcp import (
+    Workspace,
+    _check_common,
+    _gather_heads,
+    _host_values,
+    _partial_buffers,
+    check_dcp_workspace,
+)
 from shardattn.parallel.groups import GroupLike
 from shardattn.plan.context import DCPLayout
 
@@ -157,11 +164,13 @@ def dcp_gqa_decode(
                 cu_q_lens=cu_q_lens, meta_lens=meta_lens, meta_req=meta_req,
             )  # fmt: skip
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
+        check_dcp_workspace(workspace, q, comm.world_size, d, 0, chosen, scatter_heads)
         if not check:
             return 0  # nothing to agree on: skip hashing on the step's hot path
         lens = (_host_values(seq_lens), _host_values(cu_q_lens)) if lens_fingerprint is None else (lens_fingerprint,)
         return stable_fingerprint(
             "dcp_gqa", layout, tuple(q.shape), q.dtype, hkv, b, q_len_per_req, causal, sinks is not None,
+            q.shape[-1] ** -0.5 if scale is None else float(scale),  # the scale used, however given
             scatter_heads, strategy, meta is not None, *lens,
         )  # fmt: skip
 

@@ -82,7 +82,9 @@ def exchange(
             seen[peer] += 1
     for x, y in zip(mine_out, mine_in):
         if x.shape != y.shape or x.dtype != y.dtype:
-            raise ValueError(f"exchange: a piece to this rank is {list(x.shape)} {x.dtype}, its slot {list(y.shape)}")
+            raise ValueError(
+                f"exchange: a piece to this rank is {list(x.shape)} {x.dtype}, its slot {list(y.shape)} {y.dtype}"
+            )
     comm.counts["all_to_all"] += 1
     works: list[dist.Work] = []
     if ops:  # the messages first: NCCL's stream then need not wait for the local copies below

@@ -151,8 +151,7 @@ def _check_pcp(
         where="every rank's cache", holders="k_cache, v_cache and block_table",
     )  # fmt: skip
     check_int("window_left", window_left, minimum=-1)
-    if scale is not None:
-        check_scale("scale", scale)
+    used_scale = d**-0.5 if scale is None else check_scale("scale", scale)
     check_bool("gather_output", gather_output)
     if sinks is not None:
         check_sink_logits(sinks, h)
@@ -189,7 +188,7 @@ def _check_pcp(
         )  # fmt: skip
     fingerprint = stable_fingerprint(
         "gqa-pcp", plan_fingerprint, h, hkv, d, q.dtype, sinks is not None, window_left,
-        gather_output, has_prefix, k_new is None,
+        gather_output, has_prefix, k_new is None, used_scale,
     )  # fmt: skip
     return fingerprint, prefix, keys
 

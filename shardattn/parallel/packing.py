@@ -13,7 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["pack_rows", "packed_nbytes", "unpack_rows", "view_bytes"]
+from shardattn._checks import check_tensor
+
+__all__ = ["check_byte_buffers", "pack_rows", "packed_nbytes", "unpack_rows", "view_bytes"]
 
 _ALIGN = 16  # bytes; every packed segment starts at a multiple of this
 
@@ -124,5 +126,30 @@ def view_bytes(buf: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtyp
         return None
     n = math.prod(shape) * _itemsize(dtype)
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < n:
-        raise ValueError(f"workspace[{name!r}] must be a flat uint8 buffer of at least {n} B, got {buf.numel()} B")
+        got = f"{str(buf.dtype).replace('torch.', '')} {list(buf.shape)}"
+        raise ValueError(f"workspace[{name!r}] must be a flat uint8 buffer of at least {n} B, got {got}")
     return buf[:n].view(dtype).view(tuple(shape))
+
+
+def check_byte_buffers(
+    buffers: object, need: dict[str, int], device: torch.device, what: str = "workspace"
+) -> dict[str, torch.Tensor]:
+    """A step's optional workspace: a dict of flat ``uint8`` buffers on ``device``, each of at least
+    ``need[name]`` bytes (names not in ``need`` are not read). Checked where the ranks agree, so a
+    bad buffer raises on every rank, not in the middle of an exchange. Returns the dict (``{}``
+    for ``None``).
+
+    >>> check_byte_buffers({"send": torch.zeros(8)}, {"send": 16}, torch.device("cpu"))
+    Traceback (most recent call last):
+    ...
+    TypeError: workspace['send'] must have dtype in (uint8), got float32
+    """
+    if buffers is None:
+        return {}
+    if not isinstance(buffers, dict):
+        raise TypeError(f"{what} must be a dict of flat uint8 buffers, got {type(buffers).__name__}")
+    for name, buf in buffers.items():
+        check_tensor(f"{what}[{name!r}]", buf, dtypes=(torch.uint8,), ndim=1, device=device)
+        if buf.numel() < need.get(name, 0):
+            raise ValueError(f"{what}[{name!r}] holds {buf.numel()} B, the step needs at least {need[name]} B")
+    return buffers

@@ -122,7 +122,7 @@ def _check_inputs(
     )  # fmt: skip
     return stable_fingerprint(
         "pcp", plan.fingerprint() if check else None, h, d, q.dtype, kv_new.dtype, v_dim, topk_pos.shape[1],
-        sinks is not None, gather_output, all(given),
+        sinks is not None, gather_output, all(given), topk_length is not None, float(scale),
     )  # fmt: skip
 
 

@@ -36,6 +36,7 @@ from shardattn._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_bool,
+    check_disjoint,
     check_int,
     check_same_device,
     check_scale,
@@ -49,8 +50,8 @@ from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.local_attention import AttentionFn, with_lse
-from shardattn.parallel.shardq_pipeline import run_pipelined
-from shardattn.plan.pipeline import MAX_CHUNKS, choose_chunks, pipeline_plan
+from shardattn.parallel.shardq_pipeline import check_pipeline_workspace, run_pipelined
+from shardattn.plan.pipeline import MAX_CHUNKS, PipelinePlan, choose_chunks, pipeline_plan
 from shardattn.plan.zigzag import ShardPlan
 
 __all__ = ["shardq_prefill"]
@@ -70,9 +71,13 @@ def _check_inputs(
     pipeline: tuple[int | None, int, bool, bool],
     kv_format: str | None = None,
     return_lse: bool = True,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
 ) -> int:
     """Validate one rank's ShardQ inputs; returns the fingerprint the ranks must agree on
-    (``pipeline``: ``(chunks, align, taper, one_union)``, which every rank must cut alike)."""
+    (``pipeline``: ``(chunks, align, taper, one_union)``, which every rank must cut alike).
+    ``out`` / ``lse_out``: the destinations, ``[T, H/W, v_dim]`` in q's dtype / ``[T, H/W]`` fp32,
+    contiguous, not sharing memory (the step's exchanges write them)."""
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"plan must be a ShardPlan (from zigzag_split), got {type(plan).__name__}")
     if plan.world_size != comm.world_size:
@@ -98,6 +103,12 @@ def _check_inputs(
     if sinks is not None:
         check_sink_logits(sinks, h * comm.world_size)
     check_same_device(q_heads_local=q, kv=kv, rows=rows, topk_length=topk_length, sinks=sinks)
+    for name, dest, dtype, shape in (("out", out, q.dtype, (t, h, v_dim)), ("lse_out", lse_out, torch.float32, (t, h))):
+        if dest is not None:
+            check_tensor(name, dest, dtypes=(dtype,), shape=shape, device=q.device)
+            if not dest.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (the step's exchanges write it as a dense buffer)")
+    check_disjoint(out=out, lse_out=lse_out)
     chunks, align, taper, one_union = pipeline
     if chunks is not None and not 1 <= check_int("chunks", chunks) <= MAX_CHUNKS:
         raise ValueError(f"chunks must be in [1, {MAX_CHUNKS}] (or None: the planner's), got {chunks}")
@@ -121,6 +132,9 @@ def _check_inputs(
         rows.shape[1],
         v_dim,
         sinks is not None,
+        topk_length is not None,
+        float(scale),
+        return_lse,  # it decides what the output exchange carries
     )
 
 
@@ -237,9 +251,10 @@ def shardq_prefill(
     """
     comm = Comm.wrap(group)
     pipeline = (chunks, align, taper, one_union)
-    comm.agree_on(
-        "ShardQ plan and inputs",
-        lambda: _check_inputs(
+    piped: list[PipelinePlan] = []  # the sharded step's chunks, cut while its inputs are checked
+
+    def validate() -> int:
+        fingerprint = _check_inputs(
             q_heads_local,
             kv,
             rows,
@@ -253,9 +268,22 @@ def shardq_prefill(
             pipeline,
             kv_format,
             return_lse,
-        ),
-        check=check,
-    )
+            out,
+            lse_out,
+        )
+        if plan.sharded:  # the workspace against the chunks it holds, before any exchange
+            h = q_heads_local.shape[1]
+            c = chunks if chunks is not None else choose_chunks(int(plan.counts.max()), heads=h * comm.world_size,
+                                                                topk=max(1, rows.shape[1]))  # fmt: skip
+            # one_union: chunk slices of the union start 16-byte aligned (SLICE_GROUPS), as whole builds do
+            pipe = pipeline_plan(plan, c, align=align * (SLICE_GROUPS if one_union else 1), taper=taper)
+            check_pipeline_workspace(
+                workspace, pipe, comm.rank, q_heads_local, v_dim, rows.shape[1], rows.dtype == torch.int32
+            )
+            piped.append(pipe)
+        return fingerprint
+
+    comm.agree_on("ShardQ plan and inputs", validate, check=check)
     if kv.dim() == 3:  # a paged fp8_ds_mla cache, pages in turn (checked): its rows
         kv = kv.flatten(0, 1)
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
@@ -270,12 +298,8 @@ def shardq_prefill(
             out, lse_out = with_lse(result)
             return (out, lse_out) if return_lse else out
 
-        if chunks is None:  # the planner's pick from the largest share's work
-            chunks = choose_chunks(int(plan.counts.max()), heads=h * comm.world_size, topk=max(1, rows.shape[1]))
-        # one_union: chunk slices of the union start 16-byte aligned (SLICE_GROUPS), as whole builds do
-        pipe = pipeline_plan(plan, chunks, align=align * (SLICE_GROUPS if one_union else 1), taper=taper)
         return run_pipelined(
-            q, kv, rows, plan, pipe, comm, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks,
+            q, kv, rows, plan, piped[0], comm, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks,
             return_lse=return_lse, attention=attention, workspace=workspace, out=out, lse=lse_out,
             union_groups=align if one_union else None,
         )  # fmt: skip

@@ -48,7 +48,7 @@ import torch
 from shardattn.ops.prepared_union import PreparedUnion, prepare_union
 from shardattn.parallel.comm import Comm, Pending
 from shardattn.parallel.local_attention import AttentionFn, with_lse
-from shardattn.parallel.packing import view_bytes
+from shardattn.parallel.packing import check_byte_buffers, view_bytes
 from shardattn.plan.pipeline import CHUNK_ALIGN, PipelinePlan
 from shardattn.plan.zigzag import ShardPlan
 
@@ -62,16 +62,48 @@ def _carve(
     bytes) in the uint8 ``buf``, one ``as_strided`` each (new tensors when ``buf`` is None)."""
     if buf is None:
         return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
-    starts, off, end = [], 0, 0
-    for s in shapes:
-        end = off + math.prod(s) * dtype.itemsize
-        if end > buf.numel():
-            raise ValueError(f"workspace[{name!r}] holds {buf.numel()} B, the pipelined step needs at least {end} B")
-        starts.append(off)
-        off += -(-(end - off) // CHUNK_ALIGN) * CHUNK_ALIGN
+    starts, end = _carve_offsets(shapes, dtype)
+    if end > buf.numel():
+        raise ValueError(f"workspace[{name!r}] holds {buf.numel()} B, the pipelined step needs at least {end} B")
     flat = buf[:end].view(dtype)
     base, size = flat.storage_offset(), dtype.itemsize
     return [flat.as_strided(s, _contiguous_strides(s), base + o // size) for s, o in zip(shapes, starts)]
+
+
+def _carve_offsets(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> tuple[list[int], int]:
+    """``(starts, end)``: the byte offset of each ``shape`` carved in turn (each at a multiple of
+    :data:`CHUNK_ALIGN`) and the bytes the last one ends at."""
+    starts, off, end = [], 0, 0
+    for s in shapes:
+        end = off + math.prod(s) * dtype.itemsize
+        starts.append(off)
+        off += -(-(end - off) // CHUNK_ALIGN) * CHUNK_ALIGN
+    return starts, end
+
+
+def check_pipeline_workspace(
+    workspace: dict[str, torch.Tensor] | None,
+    pipe: PipelinePlan,
+    rank: int,
+    q: torch.Tensor,
+    v_dim: int,
+    topk: int,
+    rows_int32: bool,
+) -> None:
+    """A ShardQ step's ``workspace`` against what :func:`run_pipelined` carves from it: each buffer
+    given is a flat uint8 tensor on q's device holding the chunks' receive / send buffers (``"q"``,
+    ``"out"``, ``"lse"``) and the rank's rows (``"rows"``, int32 rows only); the union buffers may
+    be smaller (a share's union then builds per chunk). Checked before the step's agreement, so a
+    bad buffer raises on every rank instead of leaving the peers in an exchange."""
+    w, h, d = pipe.world_size, q.shape[1], q.shape[2]
+    n_c = [pipe.count(rank, c) for c in range(pipe.chunks)]
+    need = {
+        "q": _carve_offsets([(w, n, h, d) for n in n_c], q.dtype)[1],
+        "out": _carve_offsets([(w, n, h, v_dim) for n in n_c], q.dtype)[1],
+        "lse": _carve_offsets([(w, n, h) for n in n_c], torch.float32)[1],
+        "rows": sum(n_c) * topk * 4 if rows_int32 else 0,
+    }
+    check_byte_buffers(workspace, need, q.device)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
