@@ -2,8 +2,9 @@
 
 Requests arrive at random times with random prompt lengths; each is prefilled (ShardQ over the
 pool's ranks), then decodes one token per step (DCP over the ranks' KV shards) until it has its
-new tokens, and is freed. A scheduler batches whatever is waiting into one pool step: prefills
-first, then every waiting decode (a decode step goes to the pool as whole-step tensors,
+new tokens, and is freed. A scheduler batches what is waiting into one pool step: prefills first
+(up to the pool's prefill token budget), then up to ``--max-batch`` waiting decodes (a decode
+step goes to the pool as whole-step tensors,
 ``pool.decode_batch``: one concatenation per tensor in, one split per request out). Prints the
 latency percentiles (time to first output, time per decode step, step time) and tokens per
 second; ``--check`` also compares every output with fp64 attention over the request's whole
