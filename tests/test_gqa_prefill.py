@@ -355,3 +355,24 @@ def test_fa4_warmed_up_configuration_compiles_nothing() -> None:
         gqa_prefill(dev["q"], dev["k"], dev["v"], dev["cu"], **op_kwargs(dev, case), backend="fa4")
     torch.cuda.synchronize()
     assert before is not None and fa4_warmup.compiled_count() == before
+
+
+def test_fa4_page_table_cache_holds_the_block_table_it_was_made_from() -> None:
+    """The FA4 adapter keeps the last page table it made, keyed on the block table's address: it
+    must hold that table, so that no other table is allocated at the address while the key stands
+    (on a GPU the caching allocator hands a freed block straight back, version 0: the kernel read
+    the freed table's pages, errors of 90 on the CPU stand-in). A table of other pages gets its own."""
+    import gc
+    import weakref
+
+    kernel = FA4SegmentKernel(FakeFA4())
+    seg = Segments.for_requests(torch.tensor([0, 2, 3], dtype=torch.int32))
+    first = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    held = weakref.ref(first)
+    want_first = kernel.table(first, seg, 6).clone()
+    del first
+    gc.collect()
+    assert held() is not None, "the page table's key names an address the adapter no longer holds"
+    other = torch.tensor([[4, 5], [1, 0]], dtype=torch.int32)
+    got = kernel.table(other, seg, 6)
+    assert not torch.equal(got, want_first) and torch.equal(got, FA4SegmentKernel(FakeFA4()).table(other, seg, 6))

@@ -84,14 +84,19 @@ def assert_close(out: torch.Tensor, lse: torch.Tensor, out64: torch.Tensor, lse6
 # -- head-TP -------------------------------------------------------------------------------------
 
 
-def _run_head_tp(group: dist.ProcessGroup, case: dict) -> tuple:
+def _run_head_tp(group: dist.ProcessGroup, case: dict, in_cache: bool = False) -> tuple:
     comm = Comm(group)
     w, r = comm.world_size, comm.rank
     hq, hkv = case["q"].shape[1], case["k"].shape[1]
     hl = hq // w
     lo, hi = head_tp_kv_heads(hq, hkv, w, r)
+    if in_cache:  # the new keys written into the cache already: k = v = None, as the op takes them
+        from tests.test_runtime_gqa_prefill import keys_in_cache
+
+        case = keys_in_cache(case)
+    k, v = (None, None) if in_cache else (case["k"][:, lo:hi], case["v"][:, lo:hi])
     out, lse = gqa_prefill_head_tp(
-        case["q"][:, r * hl : (r + 1) * hl], case["k"][:, lo:hi], case["v"][:, lo:hi], cu_of(case["seq_lens"]), comm,
+        case["q"][:, r * hl : (r + 1) * hl], k, v, cu_of(case["seq_lens"]), comm,
         num_kv_heads=hkv, k_cache=case["k_cache"][:, :, lo:hi], v_cache=case["v_cache"][:, :, lo:hi],
         block_table=case["block_table"], prefix_lens=torch.tensor(case["prefix_lens"], dtype=torch.int32),
         sinks=case["sinks"], window_left=case["window_left"], scale=case["scale"], return_lse=True,
@@ -112,9 +117,10 @@ HEAD_TP = [  # (world, q heads, KV heads): KV heads split, one each, or replicat
 @pytest.mark.distributed
 @pytest.mark.parametrize(("world", "hq", "hkv"), HEAD_TP, ids=[f"world{w}-{h}q-{k}kv" for w, h, k in HEAD_TP])
 @pytest.mark.parametrize("window_left", [-1, 4], ids=["no-window", "window4"])
-def test_head_tp_equals_oracle(dist_pool, world: int, hq: int, hkv: int, window_left: int) -> None:
+@pytest.mark.parametrize("in_cache", [False, True], ids=["kv-given", "kv-in-cache"])
+def test_head_tp_equals_oracle(dist_pool, world: int, hq: int, hkv: int, window_left: int, in_cache: bool) -> None:
     case = make_step(world + hq, [7, 0, 5], [4, 6, 0], hq=hq, hkv=hkv, window_left=window_left)
-    results = dist_pool.run(_run_head_tp, case, world_size=world)
+    results = dist_pool.run(_run_head_tp, case, in_cache, world_size=world)
     out64, lse64 = oracle(case)
     hl = hq // world
     for r, (out, lse, counts) in enumerate(results):

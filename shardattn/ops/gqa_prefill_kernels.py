@@ -94,8 +94,11 @@ class FA4SegmentKernel:
     a plan's ``launches`` call the compiled kernel directly; ``None``: every call is public).
 
     Keeps the last page table it made (:meth:`table`: one gather and clamp per block table and
-    segments, not per layer: an engine's layers share one table), keyed on the table's storage,
-    version counter (bumped by every in-place write), shape and the segments.
+    segments, not per layer: an engine's layers share one table), keyed on the table's address,
+    version counter (bumped by every in-place write), shape, strides and the segments. It holds
+    the block table it was made from (and the segments), so no other table can be allocated at
+    that address while the key stands: a tensor with the same address is that table or a view
+    of its storage.
     """
 
     name = "fa4"
@@ -103,7 +106,7 @@ class FA4SegmentKernel:
     def __init__(self, fn: Callable | None = None, private: FA4Private | None = None) -> None:
         self.fn = fn
         self.private = private
-        self._table: tuple[tuple, Segments, torch.Tensor] | None = None
+        self._table: tuple[tuple, Segments, torch.Tensor, torch.Tensor] | None = None
 
     def contiguous(
         self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
@@ -117,6 +120,7 @@ class FA4SegmentKernel:
 
     def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:
         key = (block_table.data_ptr(), block_table._version, tuple(block_table.shape), block_table.stride(), num_pages)
-        if self._table is None or self._table[0] != key or self._table[1] is not segments:  # held: no id reuse
-            self._table = (key, segments, fa4.page_table_for_fa4(segments.of_segments(block_table), num_pages))
-        return self._table[2]
+        if self._table is None or self._table[0] != key or self._table[1] is not segments:  # held: no reuse
+            page_table = fa4.page_table_for_fa4(segments.of_segments(block_table), num_pages)
+            self._table = (key, segments, block_table, page_table)
+        return self._table[3]

@@ -62,29 +62,32 @@ def head_tp_kv_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: i
 
 @overload
 def gqa_prefill_head_tp(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor, group: GroupLike | Comm, *,
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cu_q_lens: torch.Tensor,
+    group: GroupLike | Comm, *,
     num_kv_heads: int, k_cache: torch.Tensor | None = ..., v_cache: torch.Tensor | None = ...,
     block_table: torch.Tensor | None = ..., prefix_lens: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
     window_left: int = ..., scale: float | None = ..., return_lse: Literal[False] = ..., backend: str = ...,
 ) -> torch.Tensor: ...  # fmt: skip
 @overload
 def gqa_prefill_head_tp(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor, group: GroupLike | Comm, *,
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cu_q_lens: torch.Tensor,
+    group: GroupLike | Comm, *,
     num_kv_heads: int, k_cache: torch.Tensor | None = ..., v_cache: torch.Tensor | None = ...,
     block_table: torch.Tensor | None = ..., prefix_lens: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
     window_left: int = ..., scale: float | None = ..., return_lse: Literal[True], backend: str = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 @overload
 def gqa_prefill_head_tp(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q_lens: torch.Tensor, group: GroupLike | Comm, *,
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cu_q_lens: torch.Tensor,
+    group: GroupLike | Comm, *,
     num_kv_heads: int, k_cache: torch.Tensor | None = ..., v_cache: torch.Tensor | None = ...,
     block_table: torch.Tensor | None = ..., prefix_lens: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
     window_left: int = ..., scale: float | None = ..., return_lse: bool = ..., backend: str = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 def gqa_prefill_head_tp(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     cu_q_lens: torch.Tensor,
     group: GroupLike | Comm,
     *,
@@ -103,7 +106,9 @@ def gqa_prefill_head_tp(
 
     Args:
         q: ``[T, H/W, D]`` this rank's query heads of every new token.
-        k, v: ``[T, Hkv_r, D]`` its KV heads (:func:`head_tp_kv_heads`).
+        k, v: ``[T, Hkv_r, D]`` its KV heads (:func:`head_tp_kv_heads`), or ``None`` both: the new
+            keys already written into ``k_cache`` / ``v_cache`` (as in
+            :func:`~shardattn.ops.gqa_prefill.gqa_prefill`).
         cu_q_lens: ``[B + 1]`` int32 request offsets of the new tokens.
         group: the head-TP group or a :class:`~shardattn.parallel.comm.Comm` (its rank and size only)
             (a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: :mod:`~shardattn.parallel.groups`).
@@ -126,12 +131,16 @@ def gqa_prefill_head_tp(
     h_local = q.shape[1]
     h = h_local * comm.world_size
     lo, hi = head_tp_kv_heads(h, num_kv_heads, comm.world_size, comm.rank)
-    check_tensor("k", k, ndim=3)
-    if k.shape[1] != hi - lo:
-        raise ValueError(
-            f"k must hold this rank's {hi - lo} KV head(s) (KV heads [{lo}, {hi}) of {num_kv_heads}, read by query "
-            f"heads [{comm.rank * h_local}, {(comm.rank + 1) * h_local}) of {h}), got shape {list(k.shape)}"
-        )
+    # the rank's KV heads: the new keys', or the cache's where they are written there already
+    name, keys = ("k", k) if k is not None or k_cache is None else ("k_cache", k_cache)
+    if keys is not None:
+        keys = check_tensor(name, keys, ndim=3 if name == "k" else 4)
+        if keys.shape[-2] != hi - lo:
+            raise ValueError(
+                f"{name} must hold this rank's {hi - lo} KV head(s) (KV heads [{lo}, {hi}) of {num_kv_heads}, read "
+                f"by query heads [{comm.rank * h_local}, {(comm.rank + 1) * h_local}) of {h}), got shape "
+                f"{list(keys.shape)}"
+            )
     if sinks is not None:
         check_sink_logits(sinks, h)
         sinks = sinks[comm.rank * h_local : (comm.rank + 1) * h_local]
