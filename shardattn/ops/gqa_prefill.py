@@ -107,9 +107,11 @@ def check_prefix_inputs(
     block_table: torch.Tensor | None,
     prefix_lens: torch.Tensor | None,
     batch: int,
+    keys_from: str = "k",
 ) -> PagedPrefix | None:
     """Validate a cached prefix (all four arguments or none); returns it (``max_len``: the block
-    table's capacity, ``max_pages * page``), or ``None`` when none is given.
+    table's capacity, ``max_pages * page``), or ``None`` when none is given. ``hkv``: the KV heads
+    of the new keys, named ``keys_from`` in the message where the cache holds others.
 
     Values (lengths, pages) are checked only on CPU tensors, where reading them costs no sync
     (lengths given on the CPU are checked against the table's capacity wherever the table lives).
@@ -125,7 +127,8 @@ def check_prefix_inputs(
     num_pages, page, cache_hkv, dk = k_cache.shape
     if dk != d or cache_hkv != hkv:
         raise ValueError(
-            f"k_cache must have shape [*, *, {hkv}, {d}] (k's KV heads and head_dim), got {list(k_cache.shape)}"
+            f"k_cache must have shape [*, *, {hkv}, {d}] ({keys_from}'s {hkv} KV heads, q's head_dim {d}; the new "
+            f"keys and the cache must agree), got {list(k_cache.shape)}"
         )
     check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
     check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
@@ -204,7 +207,8 @@ def _check_inputs(
     check_bool("return_lse", return_lse)
     if sinks is not None:
         check_sink_logits(sinks, h)
-    prefix = check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, prefix_lens, batch)
+    keys_from = "k" if k is not None else "k_cache"
+    prefix = check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, prefix_lens, batch, keys_from)
     check_same_device(
         q=q, k=k, v=v, cu_q_lens=cu_q_lens, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
         prefix_lens=prefix_lens, sinks=sinks,

@@ -167,7 +167,10 @@ def _check_pcp(
             )
         keys = k_new
     else:
-        check_prefix_inputs(q, hkv, k_cache, v_cache, block_table, mine.prefix_lens, len(mine.prefix))
+        check_prefix_inputs(
+            q, hkv, k_cache, v_cache, block_table, mine.prefix_lens, len(mine.prefix),
+            "k_new" if k_new is not None else "k_cache",
+        )  # fmt: skip
         capacity = block_table.shape[1] * k_cache.shape[1]
         if (mine.max_seq if k_new is None else mine.max_prefix) > capacity:
             what = "prefix_lens plus the new tokens" if k_new is None else "prefix_lens"

@@ -98,7 +98,7 @@ def op_rows() -> list[Row]:
         Row(
             f"{n}-cache-heads",
             _op(k_cache=lambda x: x["k_cache"][:, :, :1], v_cache=lambda x: x["v_cache"][:, :, :1]),
-            Raises(ValueError, r"^k_cache must have shape \[\*, \*, 2, 16\]"),
+            Raises(ValueError, r"^k_cache must have shape \[\*, \*, 2, 16\] \(k's 2 KV heads, q's head_dim 16"),
         ),
         Row(
             f"{n}-v-cache-shape",
