@@ -118,13 +118,13 @@ def _graphs_body(group: dist.ProcessGroup, case: dict, steps: list) -> list:
         sinks=case["sinks"], capture=False,
     )  # fmt: skip
     results = []
-    for reqs, q_lens in steps:
+    for reqs, q_lens, *given in steps:
         cu = [0]
         for n in q_lens:
             cu.append(cu[-1] + n)
         q = case["q"][: cu[-1], rank * h : (rank + 1) * h]
         seq = case["seq_lens"][reqs].tolist()
-        out, lse = graphs(q, mine["table"][reqs], seq, cu)
+        out, lse = graphs(q, mine["table"][reqs], seq, None if given == ["none"] else cu)  # None: one query each
         old_out, old_lse = rt.decode(
             q, (mine["k"], mine["v"]), mine["table"][reqs], case["seq_lens"][reqs],
             cu_q_lens=torch.tensor(cu, dtype=torch.int32), sinks=case["sinks"], check=False,
@@ -147,14 +147,16 @@ def test_dcp_gqa_buckets_pad_ragged_batches_and_return_only_real_rows(dist_pool,
         ([4], [3]),  # bucket 2
         ([0, 1, 2, 3, 4], [1, 1, 1, 1, 1]),  # above the buckets: eager
         ([0, 1], [1, 5]),  # a request longer than the graphs' q_len: eager
+        ([0, 1, 2], [1, 1, 1], "none"),  # qo_indptr=None: one query each, in a bucket (it read q_len each)
+        ([0, 1, 2, 3, 4], [1, 1, 1, 1, 1], "none"),  # ... and above the buckets, alike
     ]
     for level, results in dist_pool.run(_graphs_body, case, steps, world_size=world):
         assert level == "NEVER"  # CPU: the torch reference is never captured (the runner pads and runs eagerly)
-        for (route, same_out, same_lse, rows), (_, q_lens) in zip(results, steps):
+        for (route, same_out, same_lse, rows), (_, q_lens, *_) in zip(results, steps):
             assert same_out and same_lse, route  # equal to the unpadded step, padding dropped
             assert rows == sum(q_lens)
         routes = [r[0] for r in results]
-        assert [r[0] for r in routes] == [4, 4, 2, None, None]
+        assert [r[0] for r in routes] == [4, 4, 2, None, None, 4, None]
         assert "padding queries" in routes[0][1] and "padding" not in routes[1][1]
         assert "exceed the largest captured batch (4)" in routes[3][1]
         assert "more than q_len=4" in routes[4][1]

@@ -170,6 +170,8 @@ class DecodeGraphs:
         """
         step = self.rt.decode_step
         b = len(seq_lens) if not isinstance(seq_lens, torch.Tensor) else int(seq_lens.shape[0])
+        if qo_indptr is None and self.q_len > 1:  # one query each, in the graphs' slots too (a plan's None is q_len)
+            qo_indptr = np.arange(b + 1)
         padded, why = self.runner.route(b) if b else (None, "eager: an empty batch")
         longest = int(np.diff(np.asarray(qo_indptr)).max()) if qo_indptr is not None and b else 1
         if padded is not None and longest > self.q_len:
