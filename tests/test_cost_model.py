@@ -204,6 +204,29 @@ def test_runtime_takes_the_cost_models_choice(dist_pool, table, want) -> None:
         assert res["reason"].startswith("cost model (Test GPU): ") and "best rejected" in res["reason"]
         assert res["err"] <= 1e-5 and res["inf"], res
         assert res["counts"].get("all_to_all", 0) == (2 if want == "shardq" else 0)
+        assert res["counts"].get("agreement", 0) == 1, res  # a head-TP step the cost model picks agrees too
+
+
+def _bad_rows_on_rank_1(group, table: Calibration) -> str:
+    """Rank 1's rows are 1-D on a step the cost model runs head-TP (no collective of its own)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    options = PrefillOptions(min_shard_tokens=1, cost_model=CostModel(table))
+    rt = Runtime(MLA, group, max_batched_tokens=64, mode="mixed", prefill_options=options)
+    h, t = MLA.num_heads // world, 24
+    q, kv = torch.randn(t, h, MLA.head_dim), torch.randn(40, MLA.head_dim)
+    rows = torch.randint(0, 40, (t, MLA.topk), dtype=torch.int32)
+    try:
+        rt.prefill(q, kv, rows[0] if rank == 1 else rows, query_lens=[t])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_a_bad_tensor_on_a_cost_model_head_tp_step_raises_on_every_rank(dist_pool) -> None:
+    first, second = dist_pool.run(_bad_rows_on_rank_1, HEADTP_WINS, world_size=2)
+    assert "rank(s) [1] of 2 rejected their inputs" in first, first  # at once, not at the group's timeout
+    assert second.startswith("rows must have 2 dimensions"), second
 
 
 # -- calibration and step measurement on the CPU ---------------------------------------------------------

@@ -60,3 +60,27 @@ def test_head_tp_prefill_checks_every_heads_sinks(dist_pool) -> None:
         first, peer = dist_pool.run(_body, "headtp", bad, world_size=2)
         assert first["error"] is None and first["err"] <= 1e-5, first
         assert peer["error"] is not None and peer["error"].startswith("sinks must have shape [8]"), peer
+
+
+def _bad_lengths_body(group: dist.ProcessGroup) -> dict:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rt = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", prefill_options=PrefillOptions(min_shard_tokens=1))
+    step = _prefill_step()
+    lens = list(step.query_lens)
+    if rank == 1:
+        lens[1] = -lens[1]  # this rank cannot plan the step
+    start = time.monotonic()
+    try:
+        rt.prefill(_heads(step.q, rank, world).contiguous(), step.kv, step.rows, query_lens=lens,
+                   prefix_lens=step.prefix_lens)  # fmt: skip
+    except ValueError as e:
+        return {"error": str(e), "s": time.monotonic() - start}
+    return {"error": None, "s": time.monotonic() - start}
+
+
+@pytest.mark.distributed
+def test_lengths_one_rank_cannot_plan_raise_on_every_rank_at_once(dist_pool) -> None:
+    first, peer = dist_pool.run(_bad_lengths_body, world_size=2)
+    assert peer["error"] is not None and peer["error"].startswith("query_lens[1] must be >= 0"), peer
+    assert first["error"] is not None and "rank(s) [1] of 2 rejected their inputs" in first["error"], first
+    assert first["s"] < 10, first

@@ -27,6 +27,7 @@ from shardattn.kernels.flashinfer_xqa import get_xqa
 from shardattn.ops.dispatch import device_capability
 from shardattn.ops.gqa_prefill import segment_kernel
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel
+from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.plan.cost_route import cost_route
 from shardattn.plan.decode_routing import route_decode
 from shardattn.plan.kv_format import KV_FP8_DS_MLA
@@ -187,9 +188,8 @@ class RuntimePlanning(RuntimeState):
                     deferred, kv_rows = e, 0
             try:
                 plan = self.plan_prefill(query_lens, prefix_lens, seq_lens=seq_lens, kv_rows=kv_rows)
-            except (TypeError, ValueError) as e:  # lengths of this rank alone: the peers learn of it from the
-                self.comm.report_failure(e)  # store when their step's collective fails (the group's timeout)
-                raise
+            except (TypeError, ValueError) as e:  # lengths of this rank alone: every step of a mode that
+                reject(self.comm, e, collective=self._prefill_agrees, check=check)  # collects agrees first
         elif not isinstance(plan, PrefillPlan):
             raise TypeError(f"plan must be a PrefillPlan from Runtime.plan_prefill, got {type(plan).__name__}")
         elif plan.made_for and plan.made_for != self._plan_config:
@@ -200,7 +200,7 @@ class RuntimePlanning(RuntimeState):
         elif lens_given:
             raise ValueError("pass either plan or query_lens / prefix_lens / seq_lens, not both (a plan holds them)")
         if deferred is not None:
-            reject(self.comm, deferred, collective=plan.shard is not None, check=check)
+            reject(self.comm, deferred, collective=self._prefill_agrees, check=check)
         if plan.gqa is not None:
             tokens_from = "query_lens sums to" if lens_given else "the plan is for"
             try:
@@ -211,11 +211,11 @@ class RuntimePlanning(RuntimeState):
                     heads_per_rank=self.heads_per_rank, tokens_from=tokens_from,
                 )  # fmt: skip
             except (TypeError, ValueError) as e:
-                reject(self.comm, e, collective=plan.shard is not None, check=check)
+                reject(self.comm, e, collective=self._prefill_agrees, check=check)
             return plan, gqa_given
         if window_left != -1:
             why = f"window_left is GQA's sliding window; a sparse-MLA prefill takes none, got {window_left!r}"
-            reject(self.comm, ValueError(why), collective=plan.shard is not None, check=check)
+            reject(self.comm, ValueError(why), collective=self._prefill_agrees, check=check)
         try:
             given = check_prefill_inputs(
                 plan, self.spec, self.rank, self.heads_per_rank,
@@ -231,8 +231,19 @@ class RuntimePlanning(RuntimeState):
                 check_sink_logits(sinks, self.spec.num_heads, device=q.device)
             self.ws.check("prefill", plan.step, tokens=plan.num_tokens, topk=int(top.shape[1]))
         except (TypeError, ValueError) as e:
-            reject(self.comm, e, collective=plan.shard is not None, check=check)
+            reject(self.comm, e, collective=self._prefill_agrees, check=check)
+        if plan.shard is None and check and self._prefill_agrees:  # a head-TP step the cost model chose: its
+            fingerprint = stable_fingerprint("prefill", plan.step, plan.num_tokens, plan.route.path)  # own agreement
+            self.comm.check_agreement(fingerprint, "prefill plan")
         return plan, given
+
+    @functools.cached_property
+    def _prefill_agrees(self) -> bool:
+        """Whether every prefill step of this config runs an agreement first with ``check`` (a mode whose
+        steps may collect: ShardQ or PCP over several ranks; a head-TP step the cost model picks agrees
+        on its own), so a rank's bad input, or lengths it cannot plan, reach every rank at once."""
+        step = prefill_step_of(self.spec.kind, self.mode)
+        return self.world_size > 1 and (step == "pcp" or (step == "shardq" and self.ws.shardq_possible))
 
     def _decode_route(self) -> Route:
         sm = None
