@@ -300,6 +300,24 @@ def test_dequantize_and_quantize_reject_bad_input() -> None:
     assert FP8_DS_MLA.row_bytes == 656 and FP8_DS_MLA.num_tiles == 4
 
 
+def test_fp64_dequantisation_is_exact_for_any_scale_and_feeds_the_fp64_reference() -> None:
+    """A non-power-of-two scale (vLLM writes amax / 448): code x scale needs up to 28 bits, exact in
+    fp64 only. The fp64 reference of fp8 rows raised a TypeError (dequantize_kv refused fp64)."""
+    from shardattn.ops.sparse_mla import sparse_mla_reference
+
+    packed = quantize_kv(torch.randn(5, 576, generator=torch.Generator().manual_seed(4)))
+    packed[:, 512:528] = torch.full((5, 4), 1 / 3, dtype=torch.float32).view(torch.uint8)  # scales of 1/3
+    codes = packed[:, :512].view(torch.float8_e4m3fn).double()
+    want = codes * torch.tensor(1 / 3, dtype=torch.float32).double()
+    got = dequantize_kv(packed, torch.float64)
+    assert got.dtype == torch.float64 and torch.equal(got[:, :512], want)
+    q = torch.randn(2, 4, 576, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    rows = torch.tensor([[0, 3, -1], [4, 4, 9]], dtype=torch.int32)
+    out, lse = sparse_mla_reference(q, packed, rows, scale=0.05, v_dim=512, compute_dtype=torch.float64)
+    ref_out, ref_lse = sparse_mla_reference(q, got, rows, scale=0.05, v_dim=512, compute_dtype=torch.float64)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
 # -- the Triton kernel: interpreter (CPU) and GPU --------------------------------------------------
 
 

@@ -180,22 +180,25 @@ def quantize_kv(
 
 
 def dequantize_kv(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """:data:`FP8_DS_MLA` rows back to KV rows: ``fp8 value * scale`` (computed in fp32), rope as stored.
+    """:data:`FP8_DS_MLA` rows back to KV rows: ``fp8 value * scale`` (computed in fp32, in fp64 for
+    an fp64 output), rope as stored.
 
     Args:
         packed: ``[R, 656]`` or ``[num_pages, page_size, 656]`` uint8 (any scales, any device).
         dtype: output dtype. bf16 and fp32 hold every value exactly when the scales are powers of
-            two (as written here; vLLM's non-power-of-two scales round once more in bf16); fp16
-            rounds the rope and overflows beyond 65504.
+            two (as written here); vLLM's non-power-of-two scales round once in fp32 (a 4-bit code
+            times a 24-bit scale) and again in bf16; fp64 holds every product exactly; fp16 rounds
+            the rope and overflows beyond 65504.
     Returns:
         ``[..., 576]`` in ``dtype``.
     """
     check_fp8_kv("packed", packed)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be one of float16, bfloat16, float32, got {dtype}")
+    if dtype not in (*FLOAT_DTYPES, torch.float64):
+        raise TypeError(f"dtype must be one of float16, bfloat16, float32, float64, got {dtype}")
     lay = FP8_DS_MLA
-    codes = packed[..., : lay.latent_dim].view(torch.float8_e4m3fn).float()
-    scales = packed[..., lay.scale_offset : lay.rope_offset].contiguous().view(torch.float32)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32  # the product's dtype
+    codes = packed[..., : lay.latent_dim].view(torch.float8_e4m3fn).to(wide)
+    scales = packed[..., lay.scale_offset : lay.rope_offset].contiguous().view(torch.float32).to(wide)
     latent = (codes.unflatten(-1, (lay.num_tiles, lay.tile_size)) * scales[..., None]).flatten(-2)
     rope = packed[..., lay.rope_offset :].contiguous().view(torch.bfloat16)
     return torch.cat([latent.to(dtype), rope.to(dtype)], dim=-1)

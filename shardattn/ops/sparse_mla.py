@@ -78,7 +78,8 @@ def sparse_mla_reference(
 
     Args:
         q: ``[T, H, D]``; kv: ``[R, D]``, or ``[R, 656]`` uint8 ``fp8_ds_mla`` rows (the gathered
-            rows dequantised in ``compute_dtype``, exact); rows: ``[T, K]`` int32 global rows.
+            rows dequantised in ``compute_dtype``: exact in fp64, and in fp32 for power-of-two
+            scales); rows: ``[T, K]`` int32 global rows.
         scale: softmax scale. v_dim: value width (first ``v_dim`` dims of a KV row).
         topk_length: ``[T]`` int32 or None. sinks: ``[H]`` fp32 or None.
         compute_dtype: float32 or float64.
