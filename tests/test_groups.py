@@ -71,11 +71,17 @@ def test_resolve_group_takes_meshes_and_names_what_is_wrong(group) -> None:
     with pytest.raises(TypeError, match=r"^group: the dim of \(DeviceMesh, dim\) must be a dim name or index"):
         resolve_group((mesh, 1.0))
     unnamed = init_device_mesh("cpu", (2, 2))
-    with pytest.raises(ValueError, match=r"2 unnamed dims"):
-        Comm(unnamed)
+    with pytest.raises(ValueError, match=r"2 unnamed dims\): pass \(group, dim name or index\), e.g. \(mesh, 1\)"):
+        Comm(unnamed)  # an index it has, not a name it lacks
     with pytest.raises(ValueError, match=r"^group: the DeviceMesh has no dim 'tp' \(2 unnamed dims\)"):
         Comm((unnamed, "tp"))
     assert Comm((unnamed, 0)).rank == rank // 2
+    pair = dist.new_group([0, 1])  # every rank creates it; ranks 2 and 3 get the non-member placeholder
+    if rank >= 2:
+        with pytest.raises(ValueError, match=rf"^group: this process \(global rank {rank}\) is not a member"):
+            Comm(pair)
+    else:
+        assert Comm(pair).world_size == 2
 
 
 def _dummy_args(n: int) -> tuple:

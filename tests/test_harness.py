@@ -49,6 +49,27 @@ def test_failing_rank_is_named_and_pool_recovers(dist_pool, nproc: int) -> None:
     assert dist_pool.run(_rank_and_sum, 0, world_size=2) == [(0, 2, 1), (1, 2, 1)]
 
 
+def _rank_one_exits_rank_zero_sleeps(group: dist.ProcessGroup) -> None:
+    import os
+
+    if dist.get_rank(group) == 1:
+        os._exit(3)
+    time.sleep(60)  # busy, not in a collective with the dead rank
+
+
+@pytest.mark.distributed
+def test_a_rank_that_exits_fails_the_call_after_the_grace_not_the_timeout(dist_pool, nproc: int) -> None:
+    """A dead worker is found by its exit; the others get the short grace a rank that raised gives,
+    not the call's whole timeout (it waited the 60 s out); the pool recovers."""
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"worker process of rank 1 died \(exit code 3\)"):
+        dist_pool.run(_rank_one_exits_rank_zero_sleeps, world_size=2, timeout=60)
+    assert time.monotonic() - start < 30, "the call waited out its timeout for a dead rank"
+    assert dist_pool.run(_rank_and_sum, 0, world_size=2) == [(0, 2, 1), (1, 2, 1)]
+
+
 @pytest.mark.distributed
 def test_hung_collective_times_out_and_pool_recovers(dist_pool, nproc: int) -> None:
     if nproc < 2:

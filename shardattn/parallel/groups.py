@@ -65,20 +65,27 @@ def resolve_group(group: Any, *, name: str = "group") -> dist.ProcessGroup:
         the process group the step runs over (``group`` itself when it is one).
     Raises:
         TypeError: ``group`` is none of these (names ``name`` and the type it got).
-        ValueError: an N-D mesh without a dimension, or a dimension the mesh does not have.
+        ValueError: an N-D mesh without a dimension, or a dimension the mesh does not have; the
+            placeholder ``new_group`` returns on a rank outside the group.
 
     >>> resolve_group("tp")
     Traceback (most recent call last):
         ...
     TypeError: group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh or (DeviceMesh, dim name), got str
     """
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives a rank outside it
+        raise ValueError(
+            f"{name}: this process (global rank {dist.get_rank()}) is not a member of the group (new_group returned "
+            "GroupMember.NON_GROUP_MEMBER here): only the group's ranks run its steps"
+        )
     if isinstance(group, dist.ProcessGroup):
         return group
     if _is_mesh(group):
         if group.ndim != 1:
+            dim = repr(group.mesh_dim_names[-1]) if group.mesh_dim_names else str(group.ndim - 1)
             raise ValueError(
-                f"{name} is a {group.ndim}-D DeviceMesh ({_dims(group)}): pass ({name}, dim name), e.g. "
-                f"(mesh, {(group.mesh_dim_names or ('tp',))[-1]!r}), naming the dimension the step runs over"
+                f"{name} is a {group.ndim}-D DeviceMesh ({_dims(group)}): pass ({name}, dim name or index), e.g. "
+                f"(mesh, {dim}), naming the dimension the step runs over"
             )
         return group.get_group()
     if isinstance(group, tuple) and len(group) == 2 and _is_mesh(group[0]):

@@ -194,6 +194,8 @@ class DistributedPool:
                 dead = [r for r in ranks if r not in got and not self._procs[r].is_alive()]
                 for r in dead:
                     got[r] = ("error", f"worker process of rank {r} died (exit code {self._procs[r].exitcode})")
+                if dead:  # as for a rank that raised: the others get a short grace, not the whole timeout
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
                 continue
             if cid != call_id:
                 continue  # a late answer to an earlier, abandoned call
