@@ -70,6 +70,24 @@ def test_a_rank_that_exits_fails_the_call_after_the_grace_not_the_timeout(dist_p
     assert dist_pool.run(_rank_and_sum, 0, world_size=2) == [(0, 2, 1), (1, 2, 1)]
 
 
+def _skips(group: dist.ProcessGroup, kind: str) -> None:
+    if kind == "skip":
+        pytest.skip("not on this backend")
+    pytest.xfail("known")
+
+
+@pytest.mark.distributed
+def test_skip_and_xfail_in_a_rank_body_are_outcomes_not_failures(dist_pool, nproc: int) -> None:
+    """``pytest.skip`` / ``pytest.xfail`` on the ranks come back as the test's skip / xfail (they
+    were a RankFailed with the outcome's traceback, and restarted the pool)."""
+    world = min(nproc, 2)
+    with pytest.raises(pytest.skip.Exception, match="not on this backend"):
+        dist_pool.run(_skips, "skip", world_size=world)
+    with pytest.raises(pytest.xfail.Exception, match="known"):
+        dist_pool.run(_skips, "xfail", world_size=world)
+    assert dist_pool.run(_rank_and_sum, 0, world_size=world)[0][1] == world
+
+
 @pytest.mark.distributed
 def test_hung_collective_times_out_and_pool_recovers(dist_pool, nproc: int) -> None:
     if nproc < 2:

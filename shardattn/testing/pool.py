@@ -11,7 +11,9 @@ Failure handling:
   the other ranks, possibly stuck in a collective with the dead one, get a short grace period and
   the pool is then restarted for the next call;
 * a call that does not finish within ``timeout`` seconds (a hung collective) fails with
-  :class:`RankTimeout` naming the ranks that did not answer, and the pool is restarted.
+  :class:`RankTimeout` naming the ranks that did not answer, and the pool is restarted;
+* a rank whose body calls ``pytest.skip`` / ``pytest.xfail`` (a pytest outcome, not an error)
+  skips / xfails the call with its message (after the grace, should other ranks still wait).
 
 Workers run with one CPU thread each (ranks share the machine's cores) and, when the call asks
 for ``backend="nccl"``, rank ``r`` uses ``cuda:r``.
@@ -41,6 +43,14 @@ class RankFailed(RuntimeError):
 
 class RankTimeout(TimeoutError):
     """Some ranks did not finish within the call's timeout (likely a hung collective)."""
+
+
+def _pytest_outcome(error: BaseException) -> tuple[str, str] | None:
+    """``("skip" | "xfail", message)`` for pytest's skip / xfail outcome exceptions, else ``None``."""
+    kind = {"Skipped": "skip", "XFailed": "xfail"}.get(type(error).__name__)
+    if kind is None or not any(c.__name__ == "OutcomeException" for c in type(error).__mro__):
+        return None  # pytest's outcome classes (their module reads "builtins")
+    return kind, str(getattr(error, "msg", None) or error)
 
 
 @dataclass(frozen=True)
@@ -97,8 +107,12 @@ def _worker_main(rank: int, world_size: int, init_file: str, inbox: Any, outbox:
                 continue
             result = call.fn(group, *call.args, **call.kwargs)
             outbox.put((rank, call.call_id, "ok", result))
-        except BaseException:  # report everything, including KeyboardInterrupt of a test body
-            outbox.put((rank, call.call_id, "error", traceback.format_exc()))
+        except BaseException as e:  # report everything, including KeyboardInterrupt of a test body
+            outcome = _pytest_outcome(e)
+            if outcome is not None:  # a skip or xfail of the test body: its kind and message
+                outbox.put((rank, call.call_id, "outcome", outcome))
+            else:
+                outbox.put((rank, call.call_id, "error", traceback.format_exc()))
     destroy_groups()
 
 
@@ -200,7 +214,7 @@ class DistributedPool:
             if cid != call_id:
                 continue  # a late answer to an earlier, abandoned call
             got[rank] = (status, value)
-            if status == "error":  # others may be stuck waiting on the dead rank
+            if status in ("error", "outcome"):  # others may be stuck waiting on this rank
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         return got
 
@@ -225,6 +239,7 @@ class DistributedPool:
         Raises:
             RankFailed: a rank raised (message: its rank and traceback).
             RankTimeout: some ranks did not answer in time.
+            pytest's skip / xfail outcome: a rank's body skipped or xfailed (no rank failed).
         """
         world_size = self.size if world_size is None else world_size
         if not 1 <= world_size <= self.size:
@@ -240,9 +255,17 @@ class DistributedPool:
             box.put(call)
         got = self._collect(set(range(self.size)), call.call_id, self.timeout_s if timeout is None else timeout)
         errors = {r: v for r, (status, v) in sorted(got.items()) if status == "error"}
+        outcomes = [v for _, (status, v) in sorted(got.items()) if status == "outcome"]
         missing = sorted(set(range(self.size)) - set(got))
         if errors or missing:
             self.close(force=True)  # ranks may be wedged in collectives: start afresh next call
+        if outcomes and not errors:  # the test body skipped or xfailed (on the ranks that answered)
+            import pytest
+
+            kind, message = outcomes[0]
+            if kind == "skip":
+                pytest.skip(message)
+            pytest.xfail(message)
         if errors:
             first = min(errors)
             others = f" (ranks {sorted(errors)} failed)" if len(errors) > 1 else ""
