@@ -213,12 +213,10 @@ def check_split_workspace(workspace: object, device: torch.device) -> None:
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """``[first, last)`` bytes of memory a tensor's elements reach (strided views included)."""
-    if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
-    reach = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-    low = t.data_ptr() - sum((size - 1) * -stride for size, stride in zip(t.shape, t.stride()) if stride < 0)
-    return low, low + (reach + 1) * t.element_size()
+    """``[first, last)`` bytes of memory a non-empty tensor's elements reach (strided views included;
+    torch strides are never negative)."""
+    reach = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (reach + 1) * t.element_size()
 
 
 def check_disjoint(**tensors: torch.Tensor | None) -> None:
