@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -33,7 +34,9 @@ __all__ = [
     "CollectiveRate",
     "KernelPoint",
     "StepOverhead",
+    "candidate_group_sizes",
     "load_calibration",
+    "same_gpu",
     "shipped_calibration",
 ]
 
@@ -47,6 +50,10 @@ TILE = 64
 """Rows of the Triton kernel's grouped tile (``plan.routing.TILE_ROWS``), the ``tile`` of its points."""
 GROUPS = (2, 4, 8)
 """Group sizes the membership byte allows (``plan.routing.GROUP_SIZES``)."""
+COLLECTIVES = ("all_to_all", "all_gather")
+"""The collectives a table rates (ShardQ's exchanges, PCP's all-gather)."""
+STEPS = ("headtp", "shardq", "pcp")
+"""The steps a table holds overheads of (:meth:`shardattn.plan.cost.CostModel.predict_step`'s)."""
 
 
 @dataclass(frozen=True)
@@ -133,33 +140,43 @@ class Calibration:
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
-        """Parse and validate a table. Raises ``ValueError`` naming what is wrong."""
+        """Parse and validate a table. Raises ``ValueError`` naming what is wrong: not JSON, an
+        unknown format, a field missing, unknown (a misspelt name) or of the wrong JSON type, or a
+        value :meth:`validate` refuses. Optional fields: a kernel point's ``kv_format``, a rate's
+        ``ranks_per_node``, a step's ``hidden`` (0), ``source``, ``conservative``, ``network``."""
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"not JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError("the table must be a JSON object")
-        if d.get("format") not in READABLE_FORMATS:
-            raise ValueError(f"format {d.get('format')!r}, expected one of {READABLE_FORMATS}")
-        try:
-            kernels = tuple(KernelPoint(**k) for k in d["kernels"])
-            colls = tuple(CollectiveRate(**c) for c in d["collectives"])
-            steps = {k: StepOverhead(**v) for k, v in d.get("steps", {}).items()}
-            network = None if d.get("network") is None else LinkRate(**d["network"])
-            cal = cls(
-                gpu=str(d["gpu"]),
-                kernels=kernels,
-                collectives=colls,
-                copy_gbps=float(d["copy_gbps"]),
-                union_ratio={int(k): float(v) for k, v in d["union_ratio"].items()},
-                steps=steps,
-                source=str(d.get("source", "")),
-                conservative=bool(d.get("conservative", False)),
-                network=network,
-            )
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"missing or malformed field: {e}") from None
+        d = _fields(d, "the table", _TABLE_FIELDS, optional=("source", "conservative", "network"))
+        if d["format"] not in READABLE_FORMATS:
+            raise ValueError(f"format {d['format']!r}, expected one of {READABLE_FORMATS}")
+        kernels, colls = d["kernels"], d["collectives"]
+        for name, value in (("kernels", kernels), ("collectives", colls), ("union_ratio", d["union_ratio"])):
+            if not isinstance(value, list if name != "union_ratio" else dict):
+                raise ValueError(f"{name} must be a JSON {'array' if name != 'union_ratio' else 'object'}")
+        steps = d["steps"]
+        if not isinstance(steps, dict):
+            raise ValueError("steps must be a JSON object of step -> overhead")
+        union = {}
+        for g, u in d["union_ratio"].items():
+            if not g.isdigit() or not _is_number(u):
+                raise ValueError(f"union_ratio must map a group size to a number, got {g!r}: {u!r}")
+            union[int(g)] = float(u)
+        network = d.get("network")
+        cal = cls(
+            gpu=d["gpu"],
+            kernels=tuple(KernelPoint(**_fields(k, "a kernel point", _POINT_FIELDS, ("kv_format",))) for k in kernels),
+            collectives=tuple(
+                CollectiveRate(**_fields(c, "a collective rate", _RATE_FIELDS, ("ranks_per_node",))) for c in colls
+            ),
+            copy_gbps=float(d["copy_gbps"]),
+            union_ratio=union,
+            steps={k: StepOverhead(**_fields(v, f"steps.{k}", _STEP_FIELDS, ("hidden",))) for k, v in steps.items()},
+            source=d.get("source", ""),
+            conservative=d.get("conservative", False),
+            network=None if network is None else LinkRate(**_fields(network, "network", _LINK_FIELDS, ("source",))),
+        )
         cal.validate()
         return cal
 
@@ -170,12 +187,19 @@ class Calibration:
         for k in self.kernels:
             if min(k.heads, k.tile, k.group_size, k.tokens, k.topk) < 1 or not (k.ms > 0 and math.isfinite(k.ms)):
                 raise ValueError(f"bad kernel point {k}")
+            if k.tile != TILE or k.group_size not in candidate_group_sizes(k.heads):  # what the kernels run
+                raise ValueError(
+                    f"bad kernel point {k}: tile must be {TILE} and group_size one whose queries fit it "
+                    f"({candidate_group_sizes(k.heads)} at {k.heads} heads)"
+                )
             if k.kv_format not in KV_FORMATS:
                 raise ValueError(f"bad KV format {k.kv_format!r} in {k} (one of {', '.join(KV_FORMATS)})")
             if not (k.union_ratio >= 1.0 and math.isfinite(k.union_ratio)):
                 raise ValueError(f"bad union ratio in {k}")
         for c in self.collectives:
-            if c.world_size < 2 or not (c.busbw_gbps > 0 and c.latency_ms >= 0):
+            if c.op not in COLLECTIVES:
+                raise ValueError(f"bad collective rate {c}: op must be one of {COLLECTIVES}")
+            if c.world_size < 2 or not (_finite(c.busbw_gbps) > 0 and _finite(c.latency_ms) >= 0):
                 raise ValueError(f"bad collective rate {c}")
             rpn = c.ranks_per_node
             if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1 or c.world_size % rpn):
@@ -185,11 +209,74 @@ class Calibration:
         if not (self.copy_gbps > 0 and math.isfinite(self.copy_gbps)):
             raise ValueError(f"bad copy_gbps {self.copy_gbps}")
         for g, u in self.union_ratio.items():
-            if g not in GROUPS or not u >= 1.0:
+            if g not in GROUPS or not _finite(u) >= 1.0:
                 raise ValueError(f"bad union ratio {u} at G={g}")
         for name, s in self.steps.items():
-            if not (s.fixed_ms >= 0 and s.factor >= 0 and 0 <= s.hidden <= 1):
+            if name not in STEPS:
+                raise ValueError(f"bad step overhead {name!r}: steps are {STEPS}")
+            if not (_finite(s.fixed_ms) >= 0 and _finite(s.factor) >= 0 and 0 <= _finite(s.hidden) <= 1):
                 raise ValueError(f"bad step overhead {name}: {s}")
+
+
+def candidate_group_sizes(heads: int, *, tile: int = TILE) -> tuple[int, ...]:
+    """Group sizes whose ``G`` queries of ``heads`` (padded to a power of two) fit one tile, 1 first.
+
+    >>> candidate_group_sizes(8), candidate_group_sizes(32), candidate_group_sizes(64)
+    ((1, 2, 4, 8), (1, 2), (1,))
+    """
+    padded = 1 << (max(1, heads) - 1).bit_length()
+    return (1, *(g for g in GROUPS if g * padded <= tile))
+
+
+def _finite(x: float) -> float:
+    """``x``, or NaN where it is not finite (every comparison with it fails)."""
+    return x if math.isfinite(x) else math.nan
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# JSON type of each field: int, a finite number (int or float), str, bool, or int / null
+_INT, _NUM, _STR, _BOOL = "an integer", "a finite number", "a string", "true or false"
+_INT_OR_NULL = "an integer or null"
+_POINT_FIELDS = {"heads": _INT, "tile": _INT, "group_size": _INT, "union_ratio": _NUM, "tokens": _INT, "topk": _INT,
+                 "ms": _NUM, "kv_format": _STR}  # fmt: skip
+_RATE_FIELDS = {"op": _STR, "world_size": _INT, "latency_ms": _NUM, "busbw_gbps": _NUM, "ranks_per_node": _INT_OR_NULL}
+_STEP_FIELDS = {"fixed_ms": _NUM, "factor": _NUM, "hidden": _NUM}
+_LINK_FIELDS = {"name": _STR, "latency_ms": _NUM, "busbw_gbps": _NUM, "source": _STR}
+_TABLE_FIELDS = {"format": _INT, "gpu": _STR, "kernels": None, "collectives": None, "copy_gbps": _NUM,
+                 "union_ratio": None, "steps": None, "source": _STR, "conservative": _BOOL,
+                 "network": None}  # fmt: skip
+
+
+def _has_type(value: object, kind: str) -> bool:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if kind == _INT:
+        return is_int
+    if kind == _INT_OR_NULL:
+        return value is None or is_int
+    if kind == _NUM:
+        return _is_number(value)
+    return isinstance(value, str if kind == _STR else bool)
+
+
+def _fields(d: object, where: str, types: Mapping[str, str | None], optional: tuple[str, ...]) -> dict:
+    """``d`` checked as a JSON object of exactly ``types``' fields (``optional`` may be absent),
+    each of its JSON type (``None``: checked by the caller). Raises ``ValueError`` naming ``where``."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(types))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown} (fields: {', '.join(types)})")
+    missing = [k for k in types if k not in d and k not in optional]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {missing}")
+    for k, v in d.items():
+        kind = types[k]
+        if kind is not None and not _has_type(v, kind):
+            raise ValueError(f"{where}: {k} must be {kind}, got {v!r}")
+    return d
 
 
 def _h200_points() -> tuple[KernelPoint, ...]:
@@ -227,8 +314,9 @@ def _warn(message: str) -> None:
     )
 
 
-def _norm(name: str) -> str:
-    return " ".join(name.lower().split())
+def same_gpu(a: str, b: str) -> bool:
+    """Whether two GPU names are one (case and spacing aside: ``"NVIDIA  h200"`` is ``"NVIDIA H200"``)."""
+    return " ".join(a.lower().split()) == " ".join(b.lower().split())
 
 
 def shipped_calibration(gpu_name: str) -> Calibration | None:
@@ -242,7 +330,7 @@ def shipped_calibration(gpu_name: str) -> Calibration | None:
             cal = Calibration.from_json(f.read_text())
         except (ValueError, OSError):
             continue
-        if _norm(cal.gpu) == _norm(gpu_name):
+        if same_gpu(cal.gpu, gpu_name):
             return cal
     return None
 
@@ -260,10 +348,10 @@ def load_calibration(gpu_name: str | None, path: str | Path | None = None) -> Ca
         except FileNotFoundError:
             _warn(f"calibration file {p} does not exist")
             return CONSERVATIVE
-        except (OSError, UnicodeDecodeError, ValueError) as e:
+        except (OSError, UnicodeDecodeError, ValueError, TypeError) as e:
             _warn(f"calibration file {p} is unusable ({e})")
             return CONSERVATIVE
-        if gpu_name is None or _norm(cal.gpu) == _norm(gpu_name):
+        if gpu_name is None or same_gpu(cal.gpu, gpu_name):
             return cal
         _warn(f"calibration file {p} was measured on {cal.gpu!r}, not on this {gpu_name!r}")
         return CONSERVATIVE

@@ -50,15 +50,18 @@ from dataclasses import dataclass, replace
 from shardattn._checks import check_choice, check_int
 from shardattn.plan.calibration import (
     CALIBRATE_COMMAND,
+    COLLECTIVES,
     CONSERVATIVE,
     FORMAT_VERSION,
     GROUPS,
+    STEPS,
     TILE,
     Calibration,
     CalibrationWarning,
     CollectiveRate,
     KernelPoint,
     StepOverhead,
+    candidate_group_sizes,
     load_calibration,
     shipped_calibration,
 )
@@ -81,19 +84,6 @@ __all__ = [
     "load_calibration",
     "shipped_calibration",
 ]
-
-#: The steps :meth:`CostModel.predict_step` prices.
-_STEPS = ("headtp", "shardq", "pcp")
-
-
-def candidate_group_sizes(heads: int, *, tile: int = TILE) -> tuple[int, ...]:
-    """Group sizes whose ``G`` queries of ``heads`` (padded to a power of two) fit one tile, 1 first.
-
-    >>> candidate_group_sizes(8), candidate_group_sizes(32), candidate_group_sizes(64)
-    ((1, 2, 4, 8), (1, 2), (1,))
-    """
-    padded = 1 << (max(1, heads) - 1).bit_length()
-    return (1, *(g for g in GROUPS if g * padded <= tile))
 
 
 @dataclass(frozen=True)
@@ -137,7 +127,7 @@ class CostModel:
             raise TypeError(f"calibration must be a Calibration, got {type(calibration).__name__}")
         calibration.validate()
         self.calibration = calibration
-        self.overrides = dict(collective_overrides or {})
+        self.overrides = _checked_overrides(collective_overrides)
         self.network = resolve_link(network, calibration.network)
         self._fits: dict[tuple[str, int, int, int], tuple[float, float, float]] = {}
         groups: dict[tuple[str, int, int, int], list[KernelPoint]] = {}
@@ -172,7 +162,10 @@ class CostModel:
         smallest, the smallest's time (tiles pad); above the largest, proportional). ``group_size``:
         1 (per-query) or a grouped size of :data:`~shardattn.plan.calibration.GROUPS`."""
         _check_group_size(group_size)
-        if tokens <= 0 or topk <= 0:
+        check_int("heads", heads, minimum=1)
+        check_int("tokens", tokens, minimum=0)
+        check_int("topk", topk, minimum=0)
+        if tokens == 0 or topk == 0:
             return 0.0
         g = group_size
         tile = TILE
@@ -206,6 +199,10 @@ class CostModel:
         table's rate measured at that layout, else the one-host rate of ``ranks_per_node`` ranks
         and :attr:`network` combined (:func:`~shardattn.plan.links.cross_node_rate`).
         """
+        check_choice("op", op, COLLECTIVES)
+        check_int("world_size", world_size, minimum=1)
+        if ranks_per_node is not None:
+            check_int("ranks_per_node", ranks_per_node, minimum=1)
         if ranks_per_node is None or ranks_per_node >= world_size:
             return self._one_host(op, world_size)
         measured = [
@@ -257,7 +254,7 @@ class CostModel:
         is head-TP's (nothing to shard); ``step`` and ``group_size`` are checked all the same."""
         if not isinstance(shape, StepShape):
             raise TypeError(f"shape must be a StepShape, got {type(shape).__name__}")
-        if step not in _STEPS:
+        if step not in STEPS:
             raise ValueError(f"step must be 'headtp', 'shardq' or 'pcp', got {step!r}")
         _check_group_size(group_size)
         w, h, e = shape.world_size, shape.heads, shape.dtype_bytes
@@ -299,6 +296,21 @@ class CostModel:
             sizes = candidate_group_sizes(heads) if grouping else (1,)
             out += [self.predict_step(shape, step, g) for g in sizes]
         return sorted(out, key=lambda p: p.ms)
+
+
+def _checked_overrides(overrides: object) -> dict[str, CollectiveRate]:
+    """``collective_overrides`` checked: ``{op: CollectiveRate of that op}`` with valid rates."""
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, dict):
+        raise TypeError(f"collective_overrides must be a dict of op -> CollectiveRate, got {type(overrides).__name__}")
+    for op, rate in overrides.items():
+        check_choice("collective_overrides' op", op, COLLECTIVES)
+        if not isinstance(rate, CollectiveRate) or rate.op != op:
+            raise TypeError(f"collective_overrides[{op!r}] must be a CollectiveRate of op {op!r}, got {rate!r}")
+        if not (0 < rate.busbw_gbps < float("inf") and 0 <= rate.latency_ms < float("inf")):
+            raise ValueError(f"collective_overrides[{op!r}]: rates must be finite, bus bandwidth > 0, got {rate}")
+    return dict(overrides)
 
 
 def _check_group_size(group_size: object) -> int:

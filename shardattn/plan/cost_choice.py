@@ -71,5 +71,5 @@ def choose_prefill(
     rpn = shape.ranks_per_node
     if rpn is not None and rpn < shape.world_size and not why:
         net = model.network
-        text += f"; {-(-shape.world_size // rpn)} hosts of {rpn} ranks, network {net.busbw_gbps:g} GB/s ({net.name})"
+        text += f"; ranks on several hosts, {rpn} on the smallest, network {net.busbw_gbps:g} GB/s ({net.name})"
     return RouteChoice(best, rejected, text)

@@ -26,7 +26,8 @@ class StepShape:
         world_size: ranks of the group.
         tokens: new tokens of the step. topk: valid keys per query (mean).
         head_dim / v_dim / dtype_bytes: q row width, output width, activation bytes.
-        rank_tokens: the most tokens a rank holds under ShardQ / PCP (default ``ceil(T / W)``).
+        rank_tokens: the most tokens a rank holds under ShardQ / PCP (default ``ceil(T / W)``,
+            at most ``T``).
         union_ratio: ``{G: ratio}`` of the step's top-k, when known (default: the table's): ``G``
             a grouped size (2, 4 or 8), each ratio a finite float > 0; stored as a new ``dict``.
         kv_format: the KV rows' format (:data:`shardattn.plan.kv_format.KV_FORMATS`; ``None``:
@@ -58,8 +59,9 @@ class StepShape:
                 f"StepShape.heads must be a multiple of StepShape.world_size (each rank's heads under head-TP), "
                 f"got heads={self.heads}, world_size={self.world_size}"
             )
-        if self.rank_tokens is not None:
-            check_int("StepShape.rank_tokens", self.rank_tokens, minimum=0)
+        if self.rank_tokens is not None:  # the most a rank holds: at least its even share, at most all
+            share = -(-self.tokens // self.world_size)
+            check_int("StepShape.rank_tokens", self.rank_tokens, minimum=share, maximum=self.tokens)
         if self.ranks_per_node is not None:
             check_int("StepShape.ranks_per_node", self.ranks_per_node, minimum=1)
         if self.kv_format is not None:
