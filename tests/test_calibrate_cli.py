@@ -55,9 +55,10 @@ def test_collective_rates_call_no_deprecated_collective(dist_pool) -> None:
         assert not [w for w in seen if "deprecated" in w], (rank, seen)
 
 
-def _degenerate_body(group) -> dict:
+def _degenerate_body(group, ran_shardq: bool = True) -> dict:
     """Whole steps that cost less than their kernel (as on a CPU) fit a zero model: the table keeps
-    the conservative overhead and a warning names the steps."""
+    the conservative overhead and a warning names the steps. ``ran_shardq=False``: the ShardQ
+    Runtime ran head-TP (below its gate), which must never be fitted as ShardQ."""
     import argparse
 
     import shardattn.calibrate.__main__ as cal_main
@@ -65,7 +66,9 @@ def _degenerate_body(group) -> dict:
     def fake_paths(group, spec, *, tokens, **kw) -> dict:  # ShardQ "faster than its kernel"
         ms = {"kernel": 5.0, "kernel_headtp": 4.0, "headtp": 4.5, "shardq": 4.0}
         world = dist.get_world_size(group)
-        return {"ms": ms, "rank_tokens": tokens // world, "ranks_per_node": world}  # one host
+        path = {"shardq": "shardq/per-query" if ran_shardq else "headtp/per-query"}
+        reason = {"shardq": "below the gate"}
+        return {"ms": ms, "rank_tokens": tokens // world, "ranks_per_node": world, "path": path, "reason": reason}
 
     real, cal_main.measure_paths = cal_main.measure_paths, fake_paths
     records: list[str] = []
@@ -91,6 +94,44 @@ def test_a_degenerate_step_fit_warns_naming_the_steps_and_is_not_kept(dist_pool)
         assert "keeps the conservative default" in message
 
 
+def _headtp_fit_body(group) -> str:
+    try:
+        _degenerate_body(group, ran_shardq=False)
+    except RuntimeError as e:
+        return str(e)
+    return "fitted"
+
+
+@pytest.mark.distributed
+def test_steps_that_ran_head_tp_are_never_fitted_as_shardq(dist_pool) -> None:
+    for message in dist_pool.run(_headtp_fit_body, world_size=2):
+        assert message == "the ShardQ step of 4096 tokens ran 'headtp/per-query': {'shardq': 'below the gate'}"
+
+
+def test_a_fixed_cost_alone_is_a_degenerate_fit() -> None:
+    """``factor = 0`` prices every collective at nothing (across hosts too), whatever ``fixed_ms``."""
+    from shardattn.calibrate.fit import degenerate_fit
+    from shardattn.plan.cost import StepOverhead
+
+    why = degenerate_fit("shardq", StepOverhead(1.19, 0.0), [(0.5, 3.0, 1.19)])
+    assert why is not None and "collectives and copies free" in why
+
+
+def test_whole_step_configurations_that_do_not_divide_are_refused_first(tmp_path, capsys, monkeypatch) -> None:
+    """Three ranks split none of the configurations' 64 / 16 / 128 / 32 heads: refused in one line
+    before anything is measured (it failed on every rank after the kernel points)."""
+    from shardattn.calibrate.__main__ import step_configs
+
+    assert [h for _p, h in step_configs(32)] == [None, None, 32]  # glm5 at 16 heads does not split 32 ways
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    out = tmp_path / "t.json"
+    argv = ["--out", str(out), *[a for a in SMALL if a != "--no-steps"], "--no-progress", "--cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no whole-step configuration's heads divide over 3 ranks" in err[0], err
+    assert "pass --no-steps" in err[0] and not out.exists()
+
+
 @pytest.mark.parametrize(
     ("option", "message"),
     [
@@ -104,6 +145,8 @@ def test_a_degenerate_step_fit_warns_naming_the_steps_and_is_not_kept(dist_pool)
         (["--tokens", "4"], "--tokens must be >= 8, got 4"),
         (["--out", "/nonexistent/dir/t.json"], "--out /nonexistent/dir/t.json: cannot write the table there (no dir"),
         (["--out", "/"], "--out /: cannot write the table there (a directory)"),
+        (["--step-tokens", "512"], "--step-tokens must be >= 1024, got 512"),
+        (["--kv-dtype", "fp8_ds_mla"], "--kv-dtype must include bf16"),
     ],
     ids=[
         "passes-0",
@@ -116,6 +159,8 @@ def test_a_degenerate_step_fit_warns_naming_the_steps_and_is_not_kept(dist_pool)
         "tokens-below-a-group",
         "out-no-dir",
         "out-a-dir",
+        "step-tokens-below-the-shardq-gate",
+        "fp8-points-alone",
     ],
 )
 def test_a_bad_option_is_one_line_with_status_2(tmp_path, capsys, option, message) -> None:

@@ -288,9 +288,10 @@ def test_calibrate_passes_are_recorded_and_checked(tmp_path, capsys) -> None:
     assert capsys.readouterr().err == "shardattn.calibrate: error: --passes must be >= 1, got 0\n"
 
 
-def test_calibrate_merge_into_keeps_the_tables_collectives_and_steps(tmp_path) -> None:
-    """``--merge-into``: new kernel points, the table's collectives and step overheads; another GPU's
-    table is refused with a clear error."""
+def test_calibrate_merge_into_keeps_the_tables_collectives_and_steps(tmp_path, capsys) -> None:
+    """``--merge-into``: new kernel points in place of the table's at the same key, the table's
+    other points, collectives and step overheads; another GPU's table is refused before anything
+    is measured, in one line."""
     from shardattn.calibrate.__main__ import main
 
     table = dataclasses.replace(RT_SHARDQ_WINS, gpu="cpu", source="two-rank run")
@@ -302,11 +303,22 @@ def test_calibrate_merge_into_keeps_the_tables_collectives_and_steps(tmp_path) -
     assert main([*argv, "--no-progress", "--merge-into", str(path)]) == 0
     merged = Calibration.from_json(out.read_text())
     assert merged.collectives == table.collectives and merged.steps == table.steps
-    assert {(k.heads, k.group_size, k.tokens) for k in merged.kernels} == {(8, 1, 32), (8, 8, 32)}
+    fresh = {(k.heads, k.group_size, k.tokens) for k in merged.kernels} - {
+        (k.heads, k.group_size, k.tokens) for k in table.kernels
+    }
+    assert fresh == {(8, 1, 32), (8, 8, 32)}
+    assert set(table.kernels) <= set(merged.kernels)  # the table's points at other keys are kept
     assert merged.source.startswith("two-rank run; kernel points re-measured: ")
+    # FP8 points added to a bf16 table: its bf16 points stay (the table must keep them to load)
+    assert main([*argv, "--no-progress", "--merge-into", str(out), "--kv-dtype", "fp8_ds_mla"]) == 0
+    both = Calibration.from_json(out.read_text())
+    assert {k.kv_format for k in both.kernels} == {"bfloat16", "fp8_ds_mla"}
+    assert {k for k in both.kernels if k.kv_format == "bfloat16"} == set(merged.kernels)
+    capsys.readouterr()
     path.write_text(dataclasses.replace(table, gpu="Other GPU").to_json())
-    with pytest.raises(ValueError, match="the table is for 'Other GPU'"):
-        main([*argv, "--no-progress", "--merge-into", str(path)])
+    assert main([*argv, "--no-progress", "--merge-into", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "the table is for 'Other GPU', this GPU is 'cpu'" in err and err.count("\n") == 1
 
 
 def _paths_body(group) -> dict:

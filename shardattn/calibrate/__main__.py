@@ -24,14 +24,16 @@ import torch.distributed as dist
 from shardattn._paths import unwritable_reason
 from shardattn.calibrate.fit import degenerate_fit, fit_step_overhead
 from shardattn.calibrate.kernels import collective_rates, kernel_jobs, measure_kernel_points, median_points
+from shardattn.calibrate.merge import merge_kernel_points, this_gpu
 from shardattn.calibrate.network import multi_node_rates
-from shardattn.calibrate.steps import measure_paths, with_heads
+from shardattn.calibrate.steps import MIN_SHARD_TOKENS, measure_paths, with_heads
 from shardattn.calibrate.timing import copy_gbps
 from shardattn.launch.logs import LOG_LEVELS, configure_logging
 from shardattn.launch.one_line import report_once
 from shardattn.launch.process_group import host_groups
 from shardattn.launch.progress import RunProgress, format_seconds
 from shardattn.parallel.hosts import exchange_node_layout
+from shardattn.plan.calibration import same_gpu
 from shardattn.plan.cost import CONSERVATIVE, GROUPS, Calibration, CollectiveRate, CostModel, StepOverhead
 from shardattn.plan.links import LinkRate
 from shardattn.plan.nodes import NodeLayout
@@ -42,6 +44,11 @@ log = logging.getLogger(__name__)
 
 #: Configurations whose whole steps fit the step overheads: (preset, heads); tokens: ``--step-tokens``.
 STEP_CONFIGS = (("glm5", None), ("glm5", 16), ("deepseek-v32", None), ("glm5", 32))
+
+
+def step_configs(world: int) -> list[tuple[str, int | None]]:
+    """The :data:`STEP_CONFIGS` whose heads divide over ``world`` ranks (head-TP splits them)."""
+    return [(p, h) for p, h in STEP_CONFIGS if with_heads(get_preset(p), h).num_heads % world == 0]
 
 
 class BadOption(ValueError):
@@ -122,7 +129,7 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     jobs = kernel_jobs(args.heads, args.tokens, all_groups=args.all_groups)
     mine = jobs[rank::world]
-    n_steps = len(STEP_CONFIGS) * len(args.step_tokens) if args.steps and world > 1 else 0
+    n_steps = len(step_configs(world)) * len(args.step_tokens) if args.steps and world > 1 else 0
     total = len(mine) * args.passes + (8 if world > 1 else 0) + n_steps + 1
     progress = RunProgress("shardattn.calibrate", enabled=args.progress and rank == 0, quiet_s=0.0, every_s=15.0)
     if rank == 0 and args.progress:
@@ -212,7 +219,7 @@ def _fit_steps(
     raw = CostModel(_with_steps(cal, {"headtp": StepOverhead(0.0, 1.0), "shardq": StepOverhead(0.0, 1.0)}))
     sq, tp = [], []
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    for (preset, heads), tokens in itertools.product(STEP_CONFIGS, args.step_tokens):
+    for (preset, heads), tokens in itertools.product(step_configs(world), args.step_tokens):
         spec = dataclasses.replace(with_heads(get_preset(preset), heads), topk=args.topk, dtype=dtype)
         res = measure_paths(
             group,
@@ -226,6 +233,8 @@ def _fit_steps(
             paths=("kernel", "kernel_headtp", "headtp", "shardq"),
             host_id=host_id,
         )
+        if not res["path"]["shardq"].startswith("shardq/"):  # never fit ShardQ's overhead from another step
+            raise RuntimeError(f"the ShardQ step of {tokens} tokens ran {res['path']['shardq']!r}: {res['reason']}")
         allres: list[Any] = [None] * world
         dist.all_gather_object(allres, res, group=group)
         ms = {k: max(r["ms"][k] for r in allres) for k in res["ms"]}  # the slowest rank bounds a step
@@ -248,45 +257,47 @@ def _with_steps(cal: Calibration, steps: dict[str, StepOverhead]) -> Calibration
     return dataclasses.replace(cal, steps=steps)
 
 
-_REMEASURED = "; kernel points re-measured: "
-
-
-def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
-    """``table`` with ``fresh``'s kernel points, union ratios and copy rate (its collectives and
-    step overheads kept); both must be of the same GPU."""
-    if fresh.gpu != table.gpu:
-        raise ValueError(f"--merge-into: the table is for {table.gpu!r}, this GPU is {fresh.gpu!r}")
-    return dataclasses.replace(
-        table,
-        kernels=fresh.kernels,
-        union_ratio=fresh.union_ratio,
-        copy_gbps=fresh.copy_gbps,
-        source=f"{table.source.split(_REMEASURED)[0]}{_REMEASURED}{fresh.source.split(';')[0]}",
-    )
-
-
 def check_options(args: argparse.Namespace) -> None:
     """Raise :class:`BadOption` for a count out of range, an ``--out`` that cannot be written or a
     ``--merge-into`` table that cannot be read, before anything is measured."""
     # --tokens: at least one full group of the largest G, whose union ratio the points record
-    for name, minimum in (("heads", 1), ("tokens", max(GROUPS)), ("step_tokens", 1), ("topk", 1), ("cached", 0),
-                          ("reps", 1), ("passes", 1)):  # fmt: skip
+    # --step-tokens: a ShardQ step (below its gate the step runs head-TP, and ShardQ's overhead
+    # would be fitted from head-TP steps)
+    for name, minimum in (("heads", 1), ("tokens", max(GROUPS)), ("step_tokens", MIN_SHARD_TOKENS), ("topk", 1),
+                          ("cached", 0), ("reps", 1), ("passes", 1)):  # fmt: skip
         value = getattr(args, name)
         for v in value if isinstance(value, list) else [value]:
             if v < minimum:
                 option = "--" + name.replace("_", "-")
                 raise BadOption(f"shardattn.calibrate: error: {option} must be >= {minimum}, got {v}")
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if args.steps and args.merge_into is None and world > 1 and not step_configs(world):
+        raise BadOption(
+            f"shardattn.calibrate: error: no whole-step configuration's heads divide over {world} ranks "
+            f"({', '.join(p if h is None else f'{p} at {h} heads' for p, h in STEP_CONFIGS)}); pass --no-steps"
+        )
     # on rank 0, which writes the table (another host may lack the path, and does not need it)
     if os.environ.get("RANK", "0") == "0" and (why := unwritable_reason(args.out)) is not None:
         raise BadOption(f"shardattn.calibrate: error: --out {args.out}: cannot write the table there ({why})")
-    if args.merge_into is not None:
-        try:
-            with open(args.merge_into) as f:
-                Calibration.from_json(f.read())
-        except (OSError, ValueError, TypeError, KeyError) as e:
+    if args.merge_into is None:
+        if "bf16" not in args.kv_dtype:  # a table needs bf16 per-query points (FP8 calls fall back to them)
             raise BadOption(
-                f"shardattn.calibrate: error: --merge-into {args.merge_into}: no table readable there ({e})"
-            ) from None
+                "shardattn.calibrate: error: --kv-dtype must include bf16 (a table needs its points), or add the "
+                "other formats' points to a table with --merge-into TABLE"
+            )
+        return
+    try:
+        with open(args.merge_into) as f:
+            table = Calibration.from_json(f.read())
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise BadOption(
+            f"shardattn.calibrate: error: --merge-into {args.merge_into}: no table readable there ({e})"
+        ) from None
+    if not same_gpu(table.gpu, here := this_gpu()):
+        raise BadOption(
+            f"shardattn.calibrate: error: --merge-into {args.merge_into}: the table is for {table.gpu!r}, this GPU "
+            f"is {here!r} (merge on the machine the table was measured on)"
+        )
 
 
 def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:

@@ -57,17 +57,20 @@ def fit_step_overhead(samples: Sequence[tuple[float, float, float]]) -> StepOver
 
 
 def degenerate_fit(name: str, fitted: StepOverhead, samples: Sequence[tuple[float, float, float]]) -> str | None:
-    """Why ``fitted`` must not be used, or ``None``: a fit of ``fixed_ms = 0`` and ``factor = 0``
-    prices ``name``'s step at its kernel alone, collectives and copies free, whatever they cost
-    (what a CPU run, or steps timed in noise, fits). The message names the samples.
+    """Why ``fitted`` must not be used, or ``None``: a fit of ``factor = 0`` prices ``name``'s
+    step's collectives and copies at nothing, whatever they cost (across hosts too), and
+    ``fixed_ms = 0`` as well its step at its kernel alone (what a CPU run, or steps timed in
+    noise, fits). The message names the samples.
 
     >>> why = degenerate_fit("shardq", StepOverhead(0.0, 0.0), [(1.0, 5.0, -0.5)])
     >>> why.startswith("the shardq step overhead fitted to 0.000 ms + 0.000 x"), "kernel -0.500 ms" in why
     (True, True)
     >>> degenerate_fit("shardq", StepOverhead(0.1, 1.0), [(1.0, 5.0, 1.1)]) is None
     True
+    >>> degenerate_fit("shardq", StepOverhead(1.2, 0.0), [(1.0, 5.0, 1.2)]) is None  # a fixed cost alone
+    False
     """
-    if fitted.fixed_ms > 0 or fitted.factor > 0:
+    if fitted.factor > 0:
         return None
     points = ", ".join(f"(exposed {x:.3f} ms, kernel {k:.3f} ms, beyond the kernel {y:.3f} ms)" for x, k, y in samples)
     return (

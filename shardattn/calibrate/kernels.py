@@ -41,10 +41,12 @@ def kernel_jobs(heads: Sequence[int], tokens: Sequence[int], *, all_groups: bool
     [(8, 1, 4096), (8, 8, 4096), (64, 1, 4096)]
     >>> kernel_jobs([8], [4096], all_groups=True)
     [(8, 1, 4096), (8, 2, 4096), (8, 4, 4096), (8, 8, 4096)]
+    >>> kernel_jobs([8, 8], [4096, 4096]) == kernel_jobs([8], [4096])  # each point once
+    True
     """
     jobs = []
-    for t in tokens:
-        for h in heads:
+    for t in dict.fromkeys(tokens):
+        for h in dict.fromkeys(heads):
             sizes = candidate_group_sizes(h)
             jobs += [(h, g, t) for g in (sizes if all_groups else sorted({1, max(sizes)}))]
     return jobs
@@ -110,7 +112,7 @@ def median_points(passes: Sequence[Sequence[KernelPoint]]) -> list[KernelPoint]:
     Args:
         passes: each pass's points, every pass timing the same jobs.
     Raises:
-        ValueError: no pass, or passes that timed different jobs.
+        ValueError: no pass, a job timed twice in a pass, or passes that timed different jobs.
 
     >>> a, b, c = (KernelPoint(8, 64, 1, 1.0, 4096, 2048, ms) for ms in (2.0, 3.0, 1.0))
     >>> median_points([[a], [b], [c]])[0].ms
@@ -119,6 +121,8 @@ def median_points(passes: Sequence[Sequence[KernelPoint]]) -> list[KernelPoint]:
     if not passes:
         raise ValueError("passes must hold at least one pass")
     keys = [(p.heads, p.group_size, p.tokens, p.kv_format) for p in passes[0]]
+    if len(set(keys)) < len(keys):
+        raise ValueError("each pass must time each job once (pass 0 timed one twice)")
     by_key: dict[tuple[int, int, int, str], list[KernelPoint]] = {k: [] for k in keys}
     for i, points in enumerate(passes):
         if sorted((p.heads, p.group_size, p.tokens, p.kv_format) for p in points) != sorted(keys):

@@ -29,9 +29,11 @@ from shardattn.plan.step_shape import StepShape
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import PrefillPlan, Runtime
 
-__all__ = ["PATHS", "measure_paths", "path_name"]
+__all__ = ["MIN_SHARD_TOKENS", "PATHS", "measure_paths", "path_name"]
 
 PATHS = ("kernel", "kernel_headtp", "headtp", "shardq", "router")
+MIN_SHARD_TOKENS = 1024
+"""The ShardQ gate of the measured Runtimes (``min_shard_tokens``): a step of fewer tokens runs head-TP."""
 
 
 def path_name(plan: PrefillPlan) -> str:
@@ -52,7 +54,7 @@ def measure_paths(
     reps: int,
     warmup: int = 2,
     paths: tuple[str, ...] = PATHS,
-    min_shard_tokens: int = 1024,
+    min_shard_tokens: int = MIN_SHARD_TOKENS,
     min_group_tokens: int = 1024,
     seed: int = 0,
     host_id: str | None = None,

@@ -1,0 +1,42 @@
+"""``python -m shardattn.calibrate --merge-into TABLE``: fresh kernel points merged into a table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from shardattn.plan.calibration import Calibration, KernelPoint, same_gpu
+
+__all__ = ["merge_kernel_points", "this_gpu"]
+
+_REMEASURED = "; kernel points re-measured: "
+
+
+def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
+    """``table`` with ``fresh``'s kernel points in place of its points of the same KV format, heads,
+    group size and tokens (its other points kept: an FP8 run adds to a bf16 table), ``fresh``'s
+    union ratios and copy rate, and ``table``'s collectives and step overheads; both must be of
+    the same GPU. Raises ``ValueError`` otherwise, or where the result is no usable table."""
+    if not same_gpu(fresh.gpu, table.gpu):
+        raise ValueError(f"--merge-into: the table is for {table.gpu!r}, this GPU is {fresh.gpu!r}")
+
+    def key(p: KernelPoint) -> tuple[str, int, int, int]:
+        return (p.kv_format, p.heads, p.group_size, p.tokens)
+
+    new = {key(p) for p in fresh.kernels}
+    kept = tuple(p for p in table.kernels if key(p) not in new)
+    merged = dataclasses.replace(
+        table,
+        kernels=tuple(sorted(kept + fresh.kernels, key=lambda p: (p.kv_format, p.group_size, p.heads, p.tokens))),
+        union_ratio={**table.union_ratio, **fresh.union_ratio},
+        copy_gbps=fresh.copy_gbps,
+        source=f"{table.source.split(_REMEASURED)[0]}{_REMEASURED}{fresh.source.split(';')[0]}",
+    )
+    merged.validate()
+    return merged
+
+
+def this_gpu() -> str:
+    """The name a table measured here records (``"cpu"`` without CUDA)."""
+    return torch.cuda.get_device_name(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
