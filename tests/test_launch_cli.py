@@ -99,6 +99,17 @@ CPU = torch.device("cpu")
             2,
             r"--kv-dtype fp8_ds_mla holds DSA sparse-MLA rows .* preset gqa-64-8 is a gqa model",
         ),
+        (["--mode", "dcp-decode", "--tokens", "7"], 2, r"--tokens sets the prefill's new tokens; mode dcp-decode runs"),
+        (["--preset", "gqa-64-8", "--topk", "50"], 2, r"--topk sets a sparse-MLA top-k; gqa-64-8 is a GQA model"),
+        (["--preset", "gqa-64-8", "--overlap", "random"], 2, r"--overlap shapes a sparse-MLA top-k; gqa-64-8 is"),
+        (["--mode", "headtp", "--min-shard-tokens", "9"], 2, r"--min-shard-tokens is ShardQ's gate; mode headtp's"),
+        (["--mode", "headtp", "--calibration", "t.json"], 2, r"--calibration routes ShardQ steps; mode headtp's"),
+        (["--compare", "--query-len", "4"], 2, r"--query-len sets the decode's queries; --compare runs prefills only"),
+        (["--mode", "headtp", "--interleave", "4"], 2, r"--interleave is DCP's interleave; mode headtp decodes with"),
+        (["--calibration", "/nonexistent/t.json"], 2, r"--calibration /nonexistent/t.json: no such file"),
+        (["--calibration", "/"], 2, r"--calibration /: not a calibration table"),
+        (["--preset", "gqa-64-8", "--compare"], 2, r"--compare sets sparse-MLA prefill steps side by side; gqa-64-8"),
+        (["--heads", "1048576", "--mode", "dcp-decode"], 2, r"GiB are free on this cpu .*; ask for fewer --heads"),
     ],
     ids=[
         "heads-3",
@@ -120,6 +131,17 @@ CPU = torch.device("cpu")
         "window-dcp-decode",
         "window-pcp",
         "fp8-kv-gqa",
+        "unused-tokens",
+        "unused-topk",
+        "unused-overlap",
+        "unused-min-shard-tokens",
+        "unused-calibration",
+        "unused-query-len",
+        "unused-interleave",
+        "calibration-missing",
+        "calibration-not-a-table",
+        "compare-gqa",
+        "heads-past-memory",
     ],
 )
 def test_impossible_configuration_is_one_line(argv: list[str], world: int, match: str) -> None:
@@ -127,6 +149,39 @@ def test_impossible_configuration_is_one_line(argv: list[str], world: int, match
         plan_run(parse_options(argv), world, CPU)
     assert "\n" not in str(info.value) and info.value.status == 2
     assert str(info.value).startswith("shardattn.launch: error: ")
+
+
+def test_recorded_positions_size_the_memory_check(tmp_path) -> None:
+    """A --topk-file position far past the request grows its cache (a dump of global rows): the
+    memory check counts those rows and names the file, not options the file forbids."""
+    path = tmp_path / "far.pt"
+    topk = torch.zeros(32, 16, dtype=torch.int32)
+    topk[3, 5] = 2**30
+    torch.save({"topk": topk}, path)
+    with pytest.raises(LaunchError, match=rf"--topk-file {path}'s positions \(up to 1,073,741,824\) make a KV"):
+        plan_run(parse_options(["--topk-file", str(path)]), 2, CPU)
+
+
+@pytest.mark.distributed
+def test_a_gqa_runtime_whose_kv_heads_do_not_split_is_refused_when_built(dist_pool) -> None:
+    """8 KV heads over 3 head-TP ranks: the Runtime refuses it when it is made (the launcher's one
+    line), not at the first step."""
+    for message in dist_pool.run(_gqa_three_ranks, world_size=3):
+        assert message == "num_kv_heads (8) must be divisible by the 3 ranks of head-TP", message
+
+
+def _gqa_three_ranks(group) -> str:
+    import dataclasses
+
+    from shardattn import Runtime
+    from shardattn.plan.spec import get_preset
+
+    spec = dataclasses.replace(get_preset("gqa-64-8"), num_heads=24)
+    try:
+        Runtime(spec, group, mode="headtp", max_batched_tokens=64, warmup=False)
+    except ValueError as e:
+        return str(e)
+    return "built"
 
 
 def test_plan_run_defaults_on_cpu(tmp_path) -> None:

@@ -32,7 +32,11 @@ def test_heads_overrides_the_preset() -> None:
         (["--heads", "6"], 4, "6 query heads, which 4 ranks cannot split"),
         (["--preset", "gqa-64-8", "--heads", "12"], 2, "--heads 12: num_heads .12. must be a multiple of num_kv_heads"),
         (["--compare", "--mode", "pcp"], 2, "--compare .* mode pcp takes another input layout"),
-        (["--compare", "--preset", "gqa-64-8"], 2, "--compare .* mode dcp-decode has no such prefill"),
+        (
+            ["--compare", "--preset", "gqa-64-8"],
+            2,
+            "--compare sets sparse-MLA prefill steps .* gqa-64-8 is a GQA model",
+        ),
     ],
     ids=["zero", "indivisible", "gqa-groups", "compare-pcp", "compare-gqa"],
 )

@@ -13,26 +13,35 @@ from shardattn.plan.spec import ModelSpec
 __all__ = ["free_bytes", "step_bytes"]
 
 
-def step_bytes(spec: ModelSpec, shape: Any, dtype: torch.dtype, steps: tuple[str, ...]) -> int:
+def step_bytes(spec: ModelSpec, shape: Any, dtype: torch.dtype, steps: tuple[str, ...], *, check: bool = False) -> int:
     """A lower bound on the bytes the run's synthetic steps hold on one rank: the larger step's whole
-    KV cache, queries and top-k rows (a step holds more: the rank's copies, outputs, the workspace).
-    A run that cannot hold even these is refused before it starts, not killed by the allocator
-    part way.
+    KV cache, queries, top-k rows and outputs (fp32 LSE beside them), and with ``check`` the
+    fp64 reference's copies of the queries and outputs and its logits (a step holds more: the
+    rank's copies, the workspace). A run that cannot hold even these is refused before it starts, not killed by the
+    allocator part way.
 
     >>> from shardattn.plan.spec import get_preset
     >>> from shardattn.launch.cli import Shape
     >>> s = Shape(tokens=256, requests=2, cached=(128, 128), topk=64, query_lens=(1, 1), reduced=True)
     >>> step_bytes(get_preset("glm5"), s, torch.float32, ("prefill", "decode")) // 2**20
-    37
+    69
     """
     elem = torch.finfo(dtype).bits // 8
-    row = spec.head_dim if spec.kind == "sparse_mla" else 2 * spec.num_kv_heads * spec.head_dim
-    topk = shape.topk if spec.kind == "sparse_mla" else 0
+    mla = spec.kind == "sparse_mla"
+    row = spec.head_dim if mla else 2 * spec.num_kv_heads * spec.head_dim
+    topk = shape.topk if mla else 0
+    out = spec.num_heads * (spec.v_dim * elem + 4)  # a token's output and LSE
     sizes = [shape.tokens] if "prefill" in steps else []
     sizes += [sum(shape.query_lens)] if "decode" in steps else []
-    # the steps are built one after the other: the larger one's cache (once), queries and top-k rows
-    return max((sum(shape.cached) + t) * row * elem + t * (spec.num_heads * spec.head_dim * elem + topk * 4)
-               for t in sizes)  # fmt: skip
+    cache = sum(shape.cached)
+
+    def one_step(t: int) -> int:
+        keys = topk if mla else cache + t  # a query's keys in the reference (GQA: the whole context)
+        reference = t * spec.num_heads * (spec.head_dim + spec.v_dim + keys) * 8 if check else 0
+        return (cache + t) * row * elem + t * (spec.num_heads * spec.head_dim * elem + topk * 4 + out) + reference
+
+    # the steps are built one after the other: the larger one's cache (once), queries, rows and outputs
+    return max(one_step(t) for t in sizes)
 
 
 def free_bytes(device: torch.device, world_size: int) -> int | None:

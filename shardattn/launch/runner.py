@@ -32,6 +32,7 @@ from shardattn.launch.cli import (
     resolve_shape,
 )
 from shardattn.launch.memory import free_bytes, step_bytes
+from shardattn.launch.option_use import check_calibration_file, check_options_used
 from shardattn.launch.prepare import prepare_decode, prepare_prefill
 from shardattn.launch.process_group import LaunchGroups
 from shardattn.launch.progress import RunProgress
@@ -103,6 +104,11 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
             f"--window: mode {mode} decodes with DCP, which refuses a sliding window (a global window is not a "
             "local one); use --mode headtp"
         )
+    if opts.compare and not mla:
+        raise _fail(f"--compare sets sparse-MLA prefill steps side by side; {opts.preset} is a GQA model")
+    check_options_used(opts, mode=mode, steps=steps, mla=mla)
+    if opts.calibration is not None:
+        check_calibration_file(opts.calibration, device)
     recorded = None
     if opts.topk_file is not None:
         if "prefill" not in steps:
@@ -150,14 +156,23 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
         dtype = torch.bfloat16 if on_gpu else torch.float32
     else:
         dtype = _DTYPES[opts.dtype]
-    need, have = step_bytes(spec, shape, dtype, steps), free_bytes(device, world_size)
+    sized = shape
+    if recorded is not None:  # the recorded positions size the request's cache (global rows beyond it too)
+        kv_len = max(shape.cached[0] + shape.tokens, int(recorded[0].max()) + 1 if recorded[0].numel() else 0)
+        sized = dataclasses.replace(shape, cached=(kv_len - shape.tokens,))
+    checked = opts.check if opts.check is not None else not on_gpu
+    need, have = step_bytes(spec, sized, dtype, steps, check=checked), free_bytes(device, world_size)
     if have is not None and need > have:
-        raise _fail(
-            f"the step's tensors need at least {need / 2**30:.1f} GiB per rank (KV cache, queries, top-k), but "
-            f"{have / 2**30:.1f} GiB are free on this {device.type} for each of its ranks; ask for fewer --tokens, "
-            "--cached, --requests or --query-len"
+        fewer = (
+            f"--topk-file {opts.topk_file}'s positions (up to {kv_len - 1:,}) make a KV cache of {kv_len:,} rows"
+            if recorded is not None
+            else "ask for fewer --heads, --tokens, --cached, --requests or --query-len"
         )
-    if opts.compare and (not mla or "prefill" not in steps or mode == "pcp"):
+        raise _fail(
+            f"the step's tensors need at least {need / 2**30:.1f} GiB per rank (KV cache, queries, top-k, outputs), "
+            f"but {have / 2**30:.1f} GiB are free on this {device.type} for each of its ranks; {fewer}"
+        )
+    if opts.compare and ("prefill" not in steps or mode == "pcp"):
         raise _fail(
             "--compare runs the head-TP, ShardQ and routed prefill steps of a sparse-MLA preset; "
             f"mode {mode} {'takes another input layout' if mode == 'pcp' else 'has no such prefill'}"
@@ -192,10 +207,11 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
             parts.append(f"{what} with query lengths {list(shape.query_lens)}")
         topk = f", top-k {shape.topk}" if mla else ""
         dt = str(dtype).replace("torch.", "")
+        preset_topk = ", the preset's top-k" if mla else ""
         notes.append(
             f"CPU run at a reduced step: {'; '.join(parts)}{topk}, {spec.num_heads} heads of {opts.preset}, {dt} "
-            "(GPU defaults: 8192 new tokens over 4 requests, 8192 cached each, 64 requests in dcp-decode mode, "
-            "the preset's top-k)"
+            f"(GPU defaults: 8192 new tokens over 4 requests, 8192 cached each, 64 requests in dcp-decode mode"
+            f"{preset_topk})"
         )
     shardq_runs = mla and (mode in ("shardq", "mixed") or opts.compare)  # the modes whose prefill may take ShardQ
     if not on_gpu and opts.min_shard_tokens is None and "prefill" in steps and shardq_runs:

@@ -46,6 +46,7 @@ import torch
 from shardattn._checks import check_bool, check_choice, check_int, check_scale
 from shardattn.ops.dispatch import gluon_runs_on
 from shardattn.parallel.comm import Comm
+from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.hosts import exchange_node_layout
 from shardattn.plan.context import DCPLayout
@@ -155,6 +156,9 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         self.nodes = exchange_node_layout(self.comm, host_id)  # one small all-gather, not counted
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.heads_per_rank = self.spec.heads_per_rank(self.world_size)  # raises when heads do not divide
+        if self.spec.kind == "gqa" and "headtp" in (prefill_step_of("gqa", mode), DECODE_STEP[mode]):
+            # a head-TP step's KV heads (split, or replicated), refused here rather than at the first step
+            head_tp_kv_heads(self.spec.num_heads, self.spec.num_kv_heads, self.world_size, self.rank)
         self.layout = DCPLayout(self.world_size, self.decode_options.dcp_interleave)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self.comm.backend == "nccl" else "cpu"
