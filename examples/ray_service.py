@@ -36,7 +36,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
-    p.add_argument("--preset", default=None, help="model preset (default: tiny sparse-MLA dims below)")
+    p.add_argument(
+        "--preset",
+        choices=("glm5", "deepseek-v32"),
+        default=None,
+        help="sparse-MLA model preset (default: tiny sparse-MLA dims below)",
+    )
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=48)
     p.add_argument("--v-dim", type=int, default=32)
@@ -52,7 +57,16 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--transport", choices=("shm", "compiled", "calls"), default="shm", help="how decode steps travel")
     p.add_argument("--check", action="store_true", help="compare every output with fp64 attention")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("ranks", "heads", "head_dim", "v_dim", "topk", "page", "requests", "max_new_tokens", "max_batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not 1 <= args.prompt[0] <= args.prompt[1]:
+        p.error(f"--prompt MIN MAX must have 1 <= MIN <= MAX, got {args.prompt[0]} {args.prompt[1]}")
+    if not args.arrival_ms >= 0:
+        p.error(f"--arrival-ms must be >= 0, got {args.arrival_ms}")
+    return args
 
 
 def model(args: argparse.Namespace) -> ModelSpec:

@@ -95,3 +95,26 @@ def test_example_script_spawns_its_own_ranks() -> None:
     # the two ranks print concurrently: their lines may run together, so find each rank's report
     reports = re.findall(r"rank (\d): drafts \[1, 3, 2\] -> out \(6, 32, 64\)", proc.stdout)
     assert sorted(reports) == ["0", "1"], proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompt", "40", "8"], "--prompt MIN MAX must have 1 <= MIN <= MAX, got 40 8"),
+        (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+        (["--ranks", "0"], "--ranks must be >= 1, got 0"),
+        (["--preset", "gqa-64-8"], "argument --preset: invalid choice: 'gqa-64-8'"),
+    ],
+    ids=["prompt-range", "max-batch", "ranks", "gqa-preset"],
+)
+def test_the_service_example_refuses_bad_arguments_before_starting(capsys, monkeypatch, argv, message) -> None:
+    """One usage line and status 2 before Ray or any rank starts (a GQA preset needs sinks the
+    example does not make; an empty prompt range raised inside the running service)."""
+    spec = importlib.util.spec_from_file_location("ray_service_args", EXAMPLES / "ray_service.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as info:
+        module.parse(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
