@@ -87,3 +87,98 @@ def test_strided_small_tensors_give_the_oracles_result_under_the_interpreter() -
     pytest.importorskip("triton", reason="the Triton kernels need triton")
     out = run_interpreted(__name__, "interpreted_strided_cases")
     assert out.count("ok ") == 3 + 1 + 6 + 1 + 1, out
+
+
+def _mla_case(tokens: int, heads: int, k: int, rows_total: int, seed: int):
+    """bf16 MLA-shaped inputs on the GPU: invalid entries anywhere, lengths below the top-k, sinks."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, 576, generator=g).bfloat16().cuda()
+    kv = torch.randn(rows_total, 576, generator=g).bfloat16().cuda()
+    rows = torch.stack([torch.randperm(rows_total, generator=g)[:k] for _ in range(tokens)]).int()
+    rows[torch.rand(tokens, k, generator=g) < 0.1] = -1
+    length = torch.randint(k // 2, k + 1, (tokens,), generator=g, dtype=torch.int32)
+    length[0] = 0  # a row with no key
+    sinks = torch.randn(heads, generator=g)
+    return q, kv, rows.cuda(), length.cuda(), sinks.cuda()
+
+
+def _same(name: str, got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().nan_to_num(1e9).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("tokens", "heads", "k", "backend"),
+    [
+        (5, 16, 512, "triton"),
+        (4, 16, 2048, "gluon_small"),
+        (64, 16, 2048, "gluon_stream"),
+        (32, 128, 2048, "gluon"),
+        (48, 32, 1024, None),
+    ],
+)
+def test_strided_small_tensors_on_the_gpu_give_the_contiguous_result(tokens, heads, k, backend) -> None:
+    """Every GPU decode kernel, and the routed prefills, on strided ``topk_length`` / ``sinks``
+    (and decode on the same cache viewed as pages): the same bits as on contiguous copies, and
+    within bf16 rounding of the fp32 reference."""
+    from shardattn.ops.sparse_mla import sparse_mla_attention, sparse_mla_reference
+    from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+
+    if torch.cuda.get_device_capability() < (9, 0) and backend not in (None, "triton"):
+        pytest.skip("the Gluon kernels need sm_90")
+    q, kv, rows, length, sinks = _mla_case(tokens, heads, k, 3 * k, seed=tokens * 7 + heads)
+    kw = {"scale": 0.04, "backend": backend}
+    want = sparse_mla_decode(q, kv, rows, topk_length=length, sinks=sinks, **kw)
+    got = sparse_mla_decode(q, kv, rows, topk_length=_column(length), sinks=_column(sinks), **kw)
+    _same(f"decode {backend}", got, want)
+    paged = sparse_mla_decode(q, kv.view(-1, 64, 576), rows, topk_length=length, sinks=sinks, **kw)
+    _same(f"decode {backend} on a paged cache", paged, want)  # [P, page, D]: rows p * page + i
+    ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=0.04, topk_length=length, sinks=sinks)
+    torch.testing.assert_close(want[0].float(), ref_o.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(want[1], ref_l.float(), atol=1e-3, rtol=1e-3)
+    if backend is None:  # the prefill routes on the same tensors
+        for op, extra in ((sparse_mla_attention, {}), (sparse_mla_grouped_prefill, {"group_size": 8})):
+            a = op(q, kv, rows, scale=0.04, topk_length=length, sinks=sinks, **extra)
+            b = op(q, kv, rows, scale=0.04, topk_length=_column(length), sinks=_column(sinks), **extra)
+            _same(op.__name__, b, a)
+            torch.testing.assert_close(a[0].float(), ref_o.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_gluon_layouts_need_strides_of_16_elements() -> None:
+    """The Gluon kernels are launched on a variant specialised for strides divisible by 16; a bf16
+    cache padded to 584 values a row (16-byte aligned rows) failed to compile on an H100 inside
+    every routed Gluon decode and the per-query prefill. Such layouts route elsewhere, with the
+    reason; 640 values a row, and FP8 rows padded to 672 bytes, run."""
+    from shardattn.kernels.gluon.sparse_mla import stride_reason
+
+    q = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    for width, dtype, cols, ok in [(584, torch.bfloat16, 576, False), (640, torch.bfloat16, 576, True),
+                                   (664, torch.uint8, 656, False), (672, torch.uint8, 656, True)]:  # fmt: skip
+        base = torch.zeros(128, width, dtype=dtype)
+        for view in (base[:, :cols], base.view(2, 64, width)[..., :cols]):  # flat rows, and pages of them
+            why = stride_reason(q, view)
+            assert (why is None) == ok, (width, why)
+            assert ok or f"kv's row stride must be a multiple of 16 elements (the kernels compile for no other), " \
+                f"got {width}" == why  # fmt: skip
+    wide_q = torch.zeros(4, 16, 584, dtype=torch.bfloat16)[..., :576]
+    assert stride_reason(wide_q, torch.zeros(8, 576, dtype=torch.bfloat16)).startswith("q's strides must be")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [584, 580, 640])
+def test_padded_bf16_rows_on_the_gpu_give_the_references_result(width: int) -> None:
+    """Padded bf16 rows (a row stride past the 576 values): the routed decode and prefill run (no
+    compile failure) and match the reference on the same values."""
+    from shardattn.ops.sparse_mla import sparse_mla_attention, sparse_mla_reference
+    from shardattn.ops.sparse_mla_decode import sparse_mla_decode
+
+    q, kv, rows, length, sinks = _mla_case(32, 64, 1024, 3072, seed=width)
+    padded = torch.zeros(kv.shape[0], width, dtype=kv.dtype, device=kv.device)
+    padded[:, :576] = kv
+    ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=0.04, topk_length=length, sinks=sinks)
+    for op in (sparse_mla_decode, sparse_mla_attention):
+        out, lse = op(q, padded[:, :576], rows, scale=0.04, topk_length=length, sinks=sinks)
+        torch.testing.assert_close(out.float(), ref_o.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_l.float(), atol=1e-3, rtol=1e-3)

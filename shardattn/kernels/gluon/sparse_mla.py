@@ -105,9 +105,8 @@ def gluon_unavailable_reason() -> str | None:
 def gluon_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> str | None:
     """``None`` when the Gluon kernel runs these tensors, else the reason it does not.
 
-    ``q``: ``[T, H, D]`` or head-blocked ``[B, T, H/B, D]`` (every stride but the last is checked
-    for the 16-byte alignment cp.async needs); ``kv``: ``[R, D]``, or ``[R, 656]`` uint8
-    ``fp8_ds_mla`` rows with a bf16 ``q``.
+    ``q``: ``[T, H, D]`` or head-blocked ``[B, T, H/B, D]``; ``kv``: ``[R, D]``, or ``[R, 656]``
+    uint8 ``fp8_ds_mla`` rows with a bf16 ``q`` (layouts: :func:`stride_reason`).
     """
     why = gluon_unavailable_reason()
     if why is not None:
@@ -124,12 +123,29 @@ def gluon_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, v_dim: int) -> s
     d_r = q.shape[-1] - v_dim
     if (v_dim, d_r) != (512, 64):
         return f"head dims {v_dim} + {d_r} (the Gluon kernel is built and checked for DSA's 512 + 64)"
+    return stride_reason(q, kv)
+
+
+def stride_reason(q: torch.Tensor, kv: torch.Tensor) -> str | None:
+    """Why the Gluon kernels cannot take these layouts, or ``None``: unit last-dim strides, data
+    16-byte aligned, and every other stride of ``q`` and ``kv``'s row stride a multiple of 16
+    elements: the launcher specialises each integer stride on divisibility by 16, and the kernels'
+    ``cp.async`` loads compile only for that variant (a bf16 cache padded to 584 values a row,
+    16-byte aligned, failed to compile: ``PassManager::run failed``).
+
+    >>> kv = torch.zeros(8, 584, dtype=torch.bfloat16)[:, :576]
+    >>> stride_reason(torch.zeros(2, 4, 576, dtype=torch.bfloat16), kv)
+    "kv's row stride must be a multiple of 16 elements (the kernels compile for no other), got 584"
+    """
     if q.stride(-1) != 1 or kv.stride(-1) != 1:
         return "q and kv need a unit last-dim stride"
-    if any((st * q.element_size()) % 16 for st in q.stride()[:-1]) or q.data_ptr() % 16:
-        return "q rows must be 16-byte aligned for cp.async"
-    if (kv.stride(0) * kv.element_size()) % 16 or kv.data_ptr() % 16:
-        return "kv rows must be 16-byte aligned for cp.async"
+    if q.data_ptr() % 16 or kv.data_ptr() % 16:
+        return "q and kv must start 16-byte aligned for cp.async"
+    only = "(the kernels compile for no other)"
+    if any(st % 16 for st in q.stride()[:-1]):
+        return f"q's strides must be multiples of 16 elements {only}, got {q.stride()}"
+    if kv.stride(-2) % 16:
+        return f"kv's row stride must be a multiple of 16 elements {only}, got {kv.stride(-2)}"
     return None
 
 
@@ -334,4 +350,5 @@ __all__ = [
     "gluon_unavailable_reason",
     "gluon_unsupported_reason",
     "launch_gluon_attention",
+    "stride_reason",
 ]
