@@ -373,3 +373,13 @@ def test_fast_launch_on_gpu_gives_the_public_paths_bits() -> None:
                 assert (a[1] is None) != return_lse and (not return_lse or torch.equal(a[1], b[1]))
         assert sum(f.fast_calls for f in plans[0].gqa.launches.forms) == 2 * (2 + 1 + 1)
         assert not plans[1].gqa.launches.forms
+
+
+def test_head_dim_256_on_sm100_is_not_routed_to_fa4() -> None:
+    """FA4's SM100 kernel for head_dim 256 asserts no sinks, no ``seqused_k``, no window and 128-token
+    pages, which every paged, prefix and PCP call here breaks: the reason says so (it routed there
+    and failed inside FA4 with an AssertionError). SM90 runs 256."""
+    from shardattn.kernels.fa4 import _head_dim_reason
+
+    assert _head_dim_reason(256, 10) == "FA4 on SM100 runs this library's calls at head_dim 8..128, got 256"
+    assert _head_dim_reason(128, 10) is None and _head_dim_reason(256, 9) is None

@@ -357,22 +357,22 @@ def test_fa4_warmed_up_configuration_compiles_nothing() -> None:
     assert before is not None and fa4_warmup.compiled_count() == before
 
 
-def test_fa4_page_table_cache_holds_the_block_table_it_was_made_from() -> None:
-    """The FA4 adapter keeps the last page table it made, keyed on the block table's address: it
-    must hold that table, so that no other table is allocated at the address while the key stands
-    (on a GPU the caching allocator hands a freed block straight back, version 0: the kernel read
-    the freed table's pages, errors of 90 on the CPU stand-in). A table of other pages gets its own."""
-    import gc
-    import weakref
-
+def test_fa4_page_tables_follow_writes_no_version_counter_sees() -> None:
+    """The FA4 adapter's page table is the block table's at each call: a table rewritten through a
+    NumPy alias or ``.data`` (as an engine's kernels write it, no version bump) and a table made
+    under ``torch.inference_mode`` (no counter: reading it raised) give their own pages. A cache
+    keyed on the table's address and version gave the old pages (errors of 2.0 on the stand-in)."""
     kernel = FA4SegmentKernel(FakeFA4())
     seg = Segments.for_requests(torch.tensor([0, 2, 3], dtype=torch.int32))
-    first = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    held = weakref.ref(first)
-    want_first = kernel.table(first, seg, 6).clone()
-    del first
-    gc.collect()
-    assert held() is not None, "the page table's key names an address the adapter no longer holds"
-    other = torch.tensor([[4, 5], [1, 0]], dtype=torch.int32)
-    got = kernel.table(other, seg, 6)
-    assert not torch.equal(got, want_first) and torch.equal(got, FA4SegmentKernel(FakeFA4()).table(other, seg, 6))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    assert torch.equal(kernel.table(table, seg, 6), FA4SegmentKernel(FakeFA4()).table(table, seg, 6))
+    version = table._version
+    table.numpy()[0] = [4, 5]
+    table.data[1, 0] = 1
+    assert table._version == version  # neither write is seen by the counter
+    fresh = FA4SegmentKernel(FakeFA4()).table(table.clone(), seg, 6)
+    assert torch.equal(kernel.table(table, seg, 6), fresh) and fresh[0, 0] == 4
+    with torch.inference_mode():
+        frozen = torch.tensor([[5, 4], [3, 2]], dtype=torch.int32)
+        got = kernel.table(frozen, seg, 6)
+    assert torch.equal(got, FA4SegmentKernel(FakeFA4()).table(frozen.clone(), seg, 6))

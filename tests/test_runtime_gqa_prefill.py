@@ -131,6 +131,21 @@ def test_head_tp_through_the_runtime_equals_oracle(dist_pool, world: int, name: 
     _check(results, case, world != 4, "headtp")
 
 
+def _inference_mode_body(group: dist.ProcessGroup, case: dict, mode: str) -> tuple:
+    with torch.inference_mode():  # as an engine runs: inference tensors carry no version counter
+        case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+        return _step_body(group, case, mode, True, True)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("world", "mode"), [(1, "headtp"), (2, "pcp")])
+def test_a_prefill_under_inference_mode_equals_oracle(dist_pool, world: int, mode: str) -> None:
+    """A cache and block table made under ``torch.inference_mode`` (the Runtime's check memo read
+    the table's version counter, which inference tensors lack: a RuntimeError at every call)."""
+    case = make_step(3 + world, [6, 3, 9], [5, 0, 8], hq=8, hkv=2, window_left=-1)
+    _check(dist_pool.run(_inference_mode_body, case, mode, world_size=world), case, True, mode)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
 @pytest.mark.parametrize("name", list(CASES))

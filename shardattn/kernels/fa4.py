@@ -113,8 +113,10 @@ def _head_dim_reason(head_dim: int, major: int) -> str | None:
         return f"FA4 needs head_dim a multiple of 8, got {head_dim}"
     if major == 9 and not 8 <= head_dim <= 256:
         return f"FA4 on SM90 supports head_dim 8..256, got {head_dim}"
-    if major == 10 and not (8 <= head_dim <= 128 or head_dim == 256):
-        return f"FA4 on SM100 supports head_dim 8..128 or 256, got {head_dim}"
+    if major == 10 and not 8 <= head_dim <= 128:
+        # FA4's SM100 head-dim-256 kernel asserts no sinks, no seqused_k (every paged, prefix and PCP
+        # call here passes it), no window and 128-token pages: not the calls this library makes
+        return f"FA4 on SM100 runs this library's calls at head_dim 8..128, got {head_dim}"
     return None
 
 
@@ -174,16 +176,21 @@ def lse_tokens_major(lse_heads_major: torch.Tensor) -> torch.Tensor:
     return lse_heads_major.float().t()
 
 
-def page_table_for_fa4(block_table: torch.Tensor, num_pages: int) -> torch.Tensor:
-    """``block_table`` ``[S, M]`` int32 with every entry clamped into ``[0, num_pages)``, contiguous.
+def page_table_for_fa4(block_table: torch.Tensor, num_pages: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``block_table`` ``[S, M]`` int32 with every entry clamped into ``[0, num_pages)``, contiguous
+    (written into ``out``, a contiguous int32 tensor of that shape, where given).
 
     Entries past a sequence's keys may be ``-1`` in the library's tables; FA4's cp.async path reads
     a sequence's first entry even when it has no key, so none may point outside the cache. Entries
-    a sequence uses are left as they are (validated by the caller).
+    a sequence uses are in range where the caller validated them (host tables); a device table
+    is not read on the host, and an out-of-range entry in use there reads the nearest page
+    instead of faulting.
 
     >>> page_table_for_fa4(torch.tensor([[3, -1], [0, 9]], dtype=torch.int32), 4).tolist()
     [[3, 0], [0, 3]]
     """
+    if out is not None:
+        return torch.clamp(block_table.to(torch.int32), 0, max(num_pages - 1, 0), out=out)
     return block_table.clamp(0, max(num_pages - 1, 0)).to(torch.int32).contiguous()
 
 

@@ -93,12 +93,12 @@ class FA4SegmentKernel:
     ``private``: :func:`~shardattn.kernels.fa4.fast_launch_support`'s pieces, which let calls given
     a plan's ``launches`` call the compiled kernel directly; ``None``: every call is public).
 
-    Keeps the last page table it made (:meth:`table`: one gather and clamp per block table and
-    segments, not per layer: an engine's layers share one table), keyed on the table's address,
-    version counter (bumped by every in-place write), shape, strides and the segments. It holds
-    the block table it was made from (and the segments), so no other table can be allocated at
-    that address while the key stands: a tensor with the same address is that table or a view
-    of its storage.
+    Makes a call's page table from the block table at each call (:meth:`table`: one gather and
+    clamp): an engine writes its block table in place between steps, by kernels that bump no
+    version counter, and builds it under ``torch.inference_mode`` (no counter at all), so no
+    cache keyed on the table could tell a changed table from the last one. The page table is
+    written into one buffer per plan's segments, so that the layers of a step pass the same tensor
+    (a fast launch's form keeps its fixed arguments).
     """
 
     name = "fa4"
@@ -106,7 +106,7 @@ class FA4SegmentKernel:
     def __init__(self, fn: Callable | None = None, private: FA4Private | None = None) -> None:
         self.fn = fn
         self.private = private
-        self._table: tuple[tuple, Segments, torch.Tensor, torch.Tensor] | None = None
+        self._pages: tuple[Segments, Tensor] | None = None  # the segments and their page-table buffer
 
     def contiguous(
         self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, k_len: Tensor | None, **kw: Any
@@ -119,8 +119,8 @@ class FA4SegmentKernel:
         return fa4.fa4_paged(q, k_cache, v_cache, page_table, cu_q, k_len, fn=self.fn, private=self.private, **kw)
 
     def table(self, block_table: Tensor, segments: Segments, num_pages: int) -> Tensor:
-        key = (block_table.data_ptr(), block_table._version, tuple(block_table.shape), block_table.stride(), num_pages)
-        if self._table is None or self._table[0] != key or self._table[1] is not segments:  # held: no reuse
-            page_table = fa4.page_table_for_fa4(segments.of_segments(block_table), num_pages)
-            self._table = (key, segments, block_table, page_table)
-        return self._table[3]
+        pages = segments.of_segments(block_table)
+        held = self._pages
+        if held is None or held[0] is not segments or held[1].shape != pages.shape or held[1].device != pages.device:
+            held = self._pages = (segments, torch.empty(pages.shape, dtype=torch.int32, device=pages.device))
+        return fa4.page_table_for_fa4(pages, num_pages, out=held[1])

@@ -210,10 +210,10 @@ def check_gqa_prefill_inputs(
     if need > capacity:
         what = "seq_lens (prefix and new tokens in the cache: kv_new=None)" if kv_new is None else "prefix_lens"
         raise ValueError(f"block_table holds {capacity} positions per request, but {what} reach {need}")
-    if table.device.type == "cpu":
-        memo = (table, table._version, table.stride(), kc.shape[:2], kv_new is None)
+    if table.device.type == "cpu":  # checked once per table and step (an inference tensor: every call)
+        memo = (table, None if table.is_inference() else table._version, table.stride(), kc.shape[:2], kv_new is None)
         held = gqa.checked_table
-        if not (held and held[0][0] is table and held[0][1:] == memo[1:]):
+        if memo[1] is None or not (held and held[0][0] is table and held[0][1:] == memo[1:]):
             lens = gqa.prefix if kv_new is not None else gqa.seq_lens()
             check_pages_in_use(table, lens, page_size=kc.shape[1], num_pages=kc.shape[0], whose="requests")
             held[:] = [memo]
