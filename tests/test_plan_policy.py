@@ -166,6 +166,21 @@ def test_route_decode_gqa(kwargs, path, reason):
     assert route.path == path and reason in route.reason
 
 
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        (dict(page_size=256), "page_size 256 is not one XQA is built for (16, 32, 64, 128): Triton decode"),
+        (dict(page_size=8), "page_size 8 is not one XQA is built for (16, 32, 64, 128): Triton decode"),
+        (dict(dtype="float32"), "dtype float32 is not one XQA runs (fp16 / bf16): Triton decode"),
+    ],
+    ids=["page-256", "page-8", "fp32"],
+)
+def test_route_decode_sends_xqa_only_specs_it_runs(changes, reason):
+    """A page size or dtype XQA refuses routes to Triton (XQA's adapter raised at every step)."""
+    route = route_decode(dataclasses.replace(GQA, **changes), sm=90, xqa_installed=True)
+    assert route.path == "triton" and route.reason == reason
+
+
 @pytest.mark.parametrize("head_dim", [8, 72, 512], ids=str)
 def test_route_decode_uses_the_shared_head_dim_rule(head_dim):
     spec = dataclasses.replace(GQA, head_dim=head_dim, v_dim=head_dim)

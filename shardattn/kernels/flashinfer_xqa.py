@@ -20,13 +20,13 @@ from collections.abc import Callable
 import torch
 
 from shardattn.kernels.backend import unit_stride
+from shardattn.plan.decode_routing import XQA_PAGE_SIZES
 
 __all__ = ["draft_mask", "get_xqa", "unavailable_reason", "xqa_paged_decode"]
 
 #: Bytes of the zero-initialised XQA workspace (semaphores + scratch), one per device.
 WORKSPACE_BYTES = 256 << 20
 XQA_SM_MAJORS = (9, 10, 12)
-XQA_PAGE_SIZES = (16, 32, 64, 128)
 
 
 @functools.lru_cache(maxsize=1)
@@ -118,17 +118,25 @@ def xqa_paged_decode(
     """Run validated :func:`~shardattn.ops.gqa_decode.gqa_paged_decode` arguments on XQA.
 
     Shapes as there; ``max_q_len`` is the host bound on draft lengths. Returns ``out
-    [total_q, Hq, D]`` in q's dtype (no LSE).
+    [total_q, Hq, D]`` in q's dtype (no LSE). XQA reads ``q``, ``out`` and the block table as
+    dense arrays (only the caches' strides are passed), so views of another layout are copied
+    (``out``: written through a dense buffer); a call with no request or no query launches
+    nothing.
     """
     xqa = get_xqa()
     if xqa is None:
         raise RuntimeError(f"XQA cannot run: {_load()[1]}")
     total_q, hq, _ = q.shape
-    seq_lens, cu_q_lens, block_table = unit_stride(seq_lens), unit_stride(cu_q_lens), unit_stride(block_table)
+    seq_lens, cu_q_lens = unit_stride(seq_lens), unit_stride(cu_q_lens)
+    q, block_table = q.contiguous(), block_table.contiguous()
     batch = block_table.shape[0]
     hkv = k_cache.shape[2]
     page = k_cache.shape[1]
-    out = torch.empty_like(q) if out is None else out
+    given = out
+    out = torch.empty_like(q) if out is None or not out.is_contiguous() else out
+    if batch == 0 or total_q == 0:
+        out.zero_()
+        return _written(given, out)
     lens_u32 = seq_lens.view(torch.uint32) if hasattr(torch, "uint32") else seq_lens
     kwargs = {
         "bmm1_scale": float(scale),
@@ -166,4 +174,11 @@ def xqa_paged_decode(
     else:
         live = (seq_lens > 0).repeat_interleave(q_len) if q_len > 1 else seq_lens > 0
     out.masked_fill_(~live[:, None, None], 0)
-    return out
+    return _written(given, out)
+
+
+def _written(given: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``out``, copied into the caller's ``given`` where that is another (strided) tensor."""
+    if given is None or given is out:
+        return out
+    return given.copy_(out)

@@ -62,6 +62,10 @@ __all__ = [
 ]
 
 XQA_SM = (90, 100, 120)
+#: Page sizes FlashInfer XQA is built for (its JIT module's ``tokens_per_page``).
+XQA_PAGE_SIZES = (16, 32, 64, 128)
+#: Activation dtypes XQA runs (``ModelSpec.dtype`` names).
+XQA_DTYPES = ("float16", "bfloat16")
 DECODE_PATHS = ("triton", "flashinfer-xqa", "reference")
 SPARSE_DECODE_KERNELS = ("gluon_small", "gluon_stream", "gluon", "triton", "reference")
 """Every kernel :func:`route_sparse_decode_kernel` picks."""
@@ -117,6 +121,10 @@ def route_decode(
         why = f"SM{sm_v} is not one of SM90/SM100/SM120" if sm_v is not None else "compute capability unknown"
     elif not xqa_head_dim_supported(spec.head_dim):
         why = f"head_dim {spec.head_dim} is outside XQA's limits (16..256, multiple of 16)"
+    elif spec.page_size not in XQA_PAGE_SIZES:
+        why = f"page_size {spec.page_size} is not one XQA is built for {XQA_PAGE_SIZES}"
+    elif spec.dtype not in XQA_DTYPES:
+        why = f"dtype {spec.dtype} is not one XQA runs (fp16 / bf16)"
     elif dcp > 1:
         why = f"dcp_size={dcp} needs the LSE, which XQA does not return"
     elif need_lse:
