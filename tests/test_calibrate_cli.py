@@ -183,3 +183,20 @@ def test_a_merge_into_table_that_does_not_parse_is_one_line(tmp_path, capsys) ->
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"--merge-into {bad}: no table readable there (" in err[0], err
         assert not out.exists()
+
+
+def test_a_merge_keeps_the_union_ratios_it_did_not_measure() -> None:
+    """Fresh points of per-query calls only carry the default union ratios: the table's measured
+    ones stay; a grouped size it measured replaces the table's."""
+    import dataclasses
+
+    from shardattn.calibrate.merge import merge_kernel_points
+    from shardattn.plan.calibration import KernelPoint
+
+    table = dataclasses.replace(CONSERVATIVE, gpu="G", union_ratio={2: 1.5, 4: 1.6, 8: 1.7}, conservative=False)
+    perq = (KernelPoint(8, 64, 1, 1.0, 4096, 2048, 1.0),)
+    fresh = dataclasses.replace(table, kernels=perq, union_ratio=dict(CONSERVATIVE.union_ratio))
+    assert merge_kernel_points(table, fresh).union_ratio == {2: 1.5, 4: 1.6, 8: 1.7}
+    grouped = (*perq, KernelPoint(8, 64, 8, 1.3, 4096, 2048, 0.8))
+    fresh = dataclasses.replace(fresh, kernels=grouped, union_ratio={8: 1.3, 2: 1.16, 4: 1.3})
+    assert merge_kernel_points(table, fresh).union_ratio == {2: 1.5, 4: 1.6, 8: 1.3}

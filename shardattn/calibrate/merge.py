@@ -16,8 +16,9 @@ _REMEASURED = "; kernel points re-measured: "
 def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
     """``table`` with ``fresh``'s kernel points in place of its points of the same KV format, heads,
     group size and tokens (its other points kept: an FP8 run adds to a bf16 table), ``fresh``'s
-    union ratios and copy rate, and ``table``'s collectives and step overheads; both must be of
-    the same GPU. Raises ``ValueError`` otherwise, or where the result is no usable table."""
+    union ratios of the group sizes it measured and its copy rate, and ``table``'s collectives and
+    step overheads; both must be of the same GPU. Raises ``ValueError`` otherwise, or where the
+    result is no usable table."""
     if not same_gpu(fresh.gpu, table.gpu):
         raise ValueError(f"--merge-into: the table is for {table.gpu!r}, this GPU is {fresh.gpu!r}")
 
@@ -25,11 +26,12 @@ def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
         return (p.kv_format, p.heads, p.group_size, p.tokens)
 
     new = {key(p) for p in fresh.kernels}
+    measured = {p.group_size for p in fresh.kernels if p.group_size > 1}  # else fresh's ratios are defaults
     kept = tuple(p for p in table.kernels if key(p) not in new)
     merged = dataclasses.replace(
         table,
         kernels=tuple(sorted(kept + fresh.kernels, key=lambda p: (p.kv_format, p.group_size, p.heads, p.tokens))),
-        union_ratio={**table.union_ratio, **fresh.union_ratio},
+        union_ratio={**table.union_ratio, **{g: u for g, u in fresh.union_ratio.items() if g in measured}},
         copy_gbps=fresh.copy_gbps,
         source=f"{table.source.split(_REMEASURED)[0]}{_REMEASURED}{fresh.source.split(';')[0]}",
     )
