@@ -43,19 +43,21 @@ def get_xqa() -> Callable | None:
     return _load()[0]
 
 
-def unavailable_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
+def unavailable_reason(q: torch.Tensor, k_cache: torch.Tensor, *, non_causal_drafts: bool = False) -> str | None:
     """Why XQA cannot run these tensors, or ``None`` when it can (no device sync).
 
     Args:
         q: ``[total_q, Hq, D]``; k_cache: ``[num_pages, page_size, Hkv, D]``.
+        non_causal_drafts: drafts (several queries a request) that see every key.
     """
     if q.device.type != "cuda" or not torch.cuda.is_available():
         return f"XQA needs CUDA tensors, got {q.device}"
     from shardattn.plan.cudagraph import xqa_head_dim_supported  # the one head-dim rule
 
     major = torch.cuda.get_device_capability(q.device)[0]
-    if major not in XQA_SM_MAJORS:
-        return f"XQA runs on SM90/SM100/SM120, this GPU is SM{major}x"
+    why = sm_reason(major, non_causal_drafts)
+    if why is not None:
+        return why
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"XQA needs fp16/bf16, got {q.dtype}"
     if not xqa_head_dim_supported(q.shape[-1]):
@@ -64,6 +66,19 @@ def unavailable_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
         return f"XQA needs page_size in {XQA_PAGE_SIZES}, got {k_cache.shape[1]}"
     if get_xqa() is None:
         return _load()[1]
+    return None
+
+
+def sm_reason(major: int, non_causal_drafts: bool) -> str | None:
+    """Why XQA does not run on a GPU of compute capability ``major``.x, or ``None``.
+
+    >>> sm_reason(10, True), sm_reason(9, True), sm_reason(8, False)
+    ('XQA runs causal drafts only on SM100', None, 'XQA runs on SM90/SM100/SM120, this GPU is SM8x')
+    """
+    if major not in XQA_SM_MAJORS:
+        return f"XQA runs on SM90/SM100/SM120, this GPU is SM{major}x"
+    if non_causal_drafts and major == 10:  # as route_decode (plan.decode_routing) refuses them there
+        return "XQA runs causal drafts only on SM100"
     return None
 
 

@@ -298,10 +298,11 @@ def run_gqa_paged_decode(
         triton_ok = reason is None
         if backend == "triton" and not triton_ok:
             raise ValueError(f"backend='triton' is unavailable: {reason}")
+    drafts = not causal and (ragged or q_len > 1)  # non-causal drafts (one query: the same either way)
     if backend == "auto":  # Triton matched or beat XQA on the H200 (docs/DECISIONS.md, D46)
         if triton_ok:
             backend = "triton"
-        elif not return_lse and _xqa().unavailable_reason(q, k_cache) is None:
+        elif not return_lse and _xqa().unavailable_reason(q, k_cache, non_causal_drafts=drafts) is None:
             backend = "flashinfer"
         else:
             backend = "reference"
@@ -309,7 +310,7 @@ def run_gqa_paged_decode(
         if return_lse:
             raise ValueError("backend='flashinfer' (XQA) returns no LSE; use backend='triton' with return_lse")
         flashinfer_xqa = _xqa()
-        reason = flashinfer_xqa.unavailable_reason(q, k_cache)
+        reason = flashinfer_xqa.unavailable_reason(q, k_cache, non_causal_drafts=drafts)
         if reason is not None:
             raise ValueError(f"backend='flashinfer' is unavailable: {reason}")
         return flashinfer_xqa.xqa_paged_decode(
