@@ -207,7 +207,8 @@ def bench_cache_size(env: dict, cases, topk: int, large_rows: int) -> list[dict]
             base = (f"the same decode on a {KV_ROWS:,}-row cache, same run", us["small"])
             out.append(record("decode-cache-size", config, "step us", us["large"], "us", "lower", base, env))
             print(f"decode {fmt} {heads} heads x {batch}: {large_rows:,} rows {us['large']:.1f} us, "
-                  f"{KV_ROWS:,} rows {us['small']:.1f} us ({us['large'] / us['small']:.2f}x)", flush=True)  # fmt: skip
+                  f"{KV_ROWS:,} rows {us['small']:.1f} us (small / large {us['small'] / us['large']:.2f}x)",
+                  flush=True)  # fmt: skip
     return out
 
 
@@ -280,6 +281,11 @@ def bench_merge(env: dict) -> list[dict]:
         o = torch.empty(t, h, d, device="cuda", dtype=torch.bfloat16)
         s = torch.empty(t, h, device="cuda")
         nbytes = outs.numel() * 2 + lses.numel() * 4 + o.numel() * 2 + s.numel() * 4
+        lse_merge(outs, lses, out=o, lse_out=s)  # checked before it is timed: softmax weights of the LSEs
+        weights = torch.softmax(lses, dim=0)[..., None]
+        check(f"lse_merge of {p} partials", o, (weights * outs.float()).sum(0))
+        check(f"lse_merge of {p} partials, LSE", s, torch.logsumexp(lses, dim=0), tol=1e-4)
+        del weights
         tbs = nbytes / (graph_ms(lambda a=outs, b=lses, c=o, e=s: lse_merge(a, b, out=c, lse_out=e)) * 1e-3) / 1e12
         config = {"partials": p, "tokens": t, "heads": h, "dim": d}
         out.append(record("lse-merge", config, "TB/s", tbs, "TB/s", "higher", ("device copy, same run", copy_tbs), env))
@@ -295,12 +301,34 @@ def bench_graph(env: dict) -> list[dict]:
         ("GQA, batch 8, context 1024", lambda: gqa_paged_decode(*args, backend="triton", return_lse=True, **kw)),
         ("sparse MLA, 16 heads, batch 1, rows de-duplicated", lambda: sparse_mla_decode(q, kv, rows, scale=0.04)),
     )
+    sparse_ref, _ = sparse_mla_reference(q.float(), kv, rows, scale=0.04)
+    gqa_ref = gqa_paged_decode(*args, backend="reference", return_lse=True, **kw)
     out = []
-    for name, fn in cases:
+    for (name, fn), ref in zip(cases, (gqa_ref[0], sparse_ref), strict=True):
+        eager = fn()
+        check(f"decode-graph {name}, eager", eager[0], ref)
+        replayed = _replayed(fn)
+        if not all(torch.equal(a, b) for a, b in zip(replayed, eager, strict=True)):
+            raise RuntimeError(f"decode-graph {name}: the graph's replay differs from the eager step")
         eager, replay = bench_ms(fn), graph_ms(fn)
         base = ("eager, same run", eager * 1e3)
         out.append(record("decode-graph", {"step": name}, "step us", replay * 1e3, "us", "lower", base, env))
     return out
+
+
+def _replayed(fn) -> tuple[torch.Tensor, ...]:
+    """``fn``'s outputs from one replay of a CUDA graph that captured it (after a warm-up call)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return tuple(outs)
 
 
 def warm_xqa() -> None:

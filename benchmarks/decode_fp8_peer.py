@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             rows_fp8 = cache.reshape(-1, 656)  # the same rows without the page padding (a copy)
             ours = sparse_mla_decode(q, rows_fp8, rows, scale=SCALE)
             ours_res = check("shardattn FP8", *ours, q, cache, rows, kv)
+            unique = sparse_mla_decode(q, rows_fp8, rows, scale=SCALE, rows_unique=True)
+            check("shardattn FP8, rows_unique=True", *unique, q, cache, rows, kv)
             peer_us, timing = peer_time(call.run)
             ours_us = replay_us(lambda q=q, c=rows_fp8, rows=rows: sparse_mla_decode(q, c, rows, scale=SCALE))
             unique_us = replay_us(

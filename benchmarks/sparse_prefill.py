@@ -121,6 +121,9 @@ class Case:
         self.runs = {"step": step, "kernel": kernel}
         sample = torch.randperm(tokens, generator=torch.Generator().manual_seed(1))[:64].to(device)
         ref_out, _ = sparse_mla_reference(q[sample].float(), kv, rows[sample], scale=scale, v_dim=D_V)
+        kernel()  # the kernel on its prepared union: checked as the step is, before anything is timed
+        self._check("routed kernel (prepared union)", out[sample], ref_out)
+        kernel_out = (out.clone(), lse.clone())
         step()
         self._check("routed step", out[sample], ref_out)
         if kv8 is not None:
@@ -138,9 +141,17 @@ class Case:
                 with mock.patch.object(kv_fp8_stage, "stage_fp8_union", lambda *a, **k: None):
                     kernel_fp8()
 
-            step_fp8()
-            if not (torch.equal(out8, out) and torch.equal(lse8, lse)):
-                raise RuntimeError(f"{heads} heads x {tokens}: the FP8 step differs from the bf16 step on its values")
+            for name, run, (want, want_lse) in (  # each bit for bit its checked bf16 twin on the same values
+                ("step", step_fp8, (out, lse)),
+                ("kernel", kernel_fp8, kernel_out),
+                ("kernel (in-kernel dequant)", kernel_fp8_in_kernel, kernel_out),
+            ):
+                out8.fill_(float("nan"))
+                run()
+                if not (torch.equal(out8, want) and torch.equal(lse8, want_lse)):
+                    raise RuntimeError(
+                        f"{heads} heads x {tokens}: the FP8 {name} differs from the bf16 step on its values"
+                    )
             self.runs.update(step_fp8=step_fp8, kernel_fp8=kernel_fp8, kernel_fp8_in_kernel=kernel_fp8_in_kernel)
         if path.backend != "reference":  # the Triton steps, at G = 1 and at the tile-filling G
             for tg in sorted({1, tile_group_size(heads)} if kv_rows < MAX_PACKED_ROWS else {1}):  # 24-bit rows
