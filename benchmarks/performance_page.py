@@ -61,8 +61,8 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "rank's heads of a TP group, against FA4's `flash_attn_varlen_func` called directly on the "
         "same tensors, same run; ratio > 1: ours faster. Each row also records its host time per call: "
         "where that reaches the GPU time (the op and step at TP 8 on the cases under 0.5 ms, the op at "
-        "TP 8 on the cached-prefix case, FA4 direct in the window case at TP 8) the row is host-bound. The Runtime's target: at most "
-        "1.05x FA4 direct.",
+        "TP 8 on the cached-prefix case, FA4 direct in the window case at TP 8) the row is host-bound. "
+        "The Runtime's target: at most 1.05x FA4 direct.",
         (),
     ),
     "union-build": (
