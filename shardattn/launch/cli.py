@@ -27,6 +27,12 @@ EXIT_PEER_FAILED = 4
 #: Exit status a ``--fail-rank`` rank dies with.
 EXIT_INJECTED = 17
 
+
+def usage_error(message: str) -> LaunchError:
+    """A bad option or impossible configuration: ``shardattn.launch: error: <message>``, status 2."""
+    return LaunchError(f"shardattn.launch: error: {message}", EXIT_USAGE)
+
+
 MODES = ("shardq", "headtp", "pcp", "dcp-decode", "mixed")
 PREFILL_MODES = ("shardq", "headtp", "pcp")
 DEVICES = ("auto", "cpu", "cuda")

@@ -7,15 +7,11 @@ from pathlib import Path
 
 import torch
 
-from shardattn.launch.cli import EXIT_USAGE, LaunchError, Options
+from shardattn.launch.cli import Options, usage_error
 from shardattn.plan.calibration import Calibration, same_gpu
 from shardattn.runtime.modes import DECODE_STEP
 
 __all__ = ["check_calibration_file", "check_options_used"]
-
-
-def _fail(message: str) -> LaunchError:
-    return LaunchError(f"shardattn.launch: error: {message}", EXIT_USAGE)
 
 
 def check_options_used(opts: Options, *, mode: str, steps: tuple[str, ...], mla: bool) -> None:
@@ -48,7 +44,7 @@ def check_options_used(opts: Options, *, mode: str, steps: tuple[str, ...], mla:
     ]
     for flag, given, why in unused:
         if given:
-            raise _fail(f"{flag} {why}: drop it (nothing in this run would use it)")
+            raise usage_error(f"{flag} {why}: drop it (nothing in this run would use it)")
 
 
 def check_calibration_file(path: str, device: torch.device) -> None:
@@ -58,8 +54,8 @@ def check_calibration_file(path: str, device: torch.device) -> None:
     try:
         table = Calibration.from_json(Path(path).read_text())
     except FileNotFoundError:
-        raise _fail(f"--calibration {path}: no such file (python -m shardattn.calibrate measures one)") from None
+        raise usage_error(f"--calibration {path}: no such file (python -m shardattn.calibrate measures one)") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise _fail(f"--calibration {path}: not a calibration table ({e})") from None
+        raise usage_error(f"--calibration {path}: not a calibration table ({e})") from None
     if device.type == "cuda" and not same_gpu(table.gpu, here := torch.cuda.get_device_name(device)):
-        raise _fail(f"--calibration {path}: measured on {table.gpu!r}, this GPU is {here!r}")
+        raise usage_error(f"--calibration {path}: measured on {table.gpu!r}, this GPU is {here!r}")

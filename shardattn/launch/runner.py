@@ -26,10 +26,9 @@ import torch.distributed as dist
 from shardattn.launch.cli import (
     EXIT_CHECK_FAILED,
     EXIT_INJECTED,
-    EXIT_USAGE,
-    LaunchError,
     Options,
     resolve_shape,
+    usage_error,
 )
 from shardattn.launch.memory import free_bytes, step_bytes
 from shardattn.launch.option_use import check_calibration_file, check_options_used
@@ -57,62 +56,58 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _fail(message: str) -> LaunchError:
-    return LaunchError(f"shardattn.launch: error: {message}", EXIT_USAGE)
-
-
 def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
     """Resolve presets, defaults and the steps to run; raise :class:`LaunchError` for impossible configurations."""
     try:
         spec = get_preset(opts.preset)
     except ValueError as e:
-        raise _fail(f"--preset: {e}") from None
+        raise usage_error(f"--preset: {e}") from None
     if opts.heads is not None:
         try:
             spec = dataclasses.replace(spec, num_heads=opts.heads)
         except ValueError as e:
-            raise _fail(f"--heads {opts.heads}: {e}") from None
+            raise usage_error(f"--heads {opts.heads}: {e}") from None
     if opts.softmax_scale is not None:
         spec = dataclasses.replace(spec, softmax_scale=opts.softmax_scale)
     try:
         overlap_model(opts.overlap)
     except ValueError as e:
-        raise _fail(f"--{e}") from None
+        raise usage_error(f"--{e}") from None
     on_gpu = device.type == "cuda"
     mla = spec.kind == "sparse_mla"
     mode = opts.mode or ("mixed" if mla else "dcp-decode")
     if not mla and mode == "shardq":
-        raise _fail(
+        raise usage_error(
             f"--mode shardq needs a sparse-MLA preset; {opts.preset} is a GQA model: use --mode headtp "
             "(head-TP prefill), pcp (PCP prefill), mixed (head-TP prefill and DCP decode) or dcp-decode"
         )
     if spec.num_heads % world_size:
         divisors = [d for d in range(1, spec.num_heads + 1) if spec.num_heads % d == 0]
-        raise _fail(
+        raise usage_error(
             f"preset {opts.preset} has {spec.num_heads} query heads, which {world_size} ranks cannot split evenly "
             f"(each rank holds heads / world size); run {', '.join(map(str, divisors[:8]))}"
             f"{' ...' if len(divisors) > 8 else ''} ranks"
         )
     if opts.fail_rank is not None and opts.fail_rank >= world_size:
-        raise _fail(f"--fail-rank {opts.fail_rank} is not a rank of this world of {world_size}")
+        raise usage_error(f"--fail-rank {opts.fail_rank} is not a rank of this world of {world_size}")
     # each mode's steps (runtime.modes); --compare sets prefill paths side by side, nothing else
     steps = ("decode",) if mode == "dcp-decode" else ("prefill",) if opts.compare else ("prefill", "decode")
     if opts.window >= 0 and mla:
-        raise _fail(f"--window is a GQA model's sliding window; {opts.preset} is a sparse-MLA model")
+        raise usage_error(f"--window is a GQA model's sliding window; {opts.preset} is a sparse-MLA model")
     if opts.window >= 0 and DECODE_STEP[mode] == "dcp":
-        raise _fail(
+        raise usage_error(
             f"--window: mode {mode} decodes with DCP, which refuses a sliding window (a global window is not a "
             "local one); use --mode headtp"
         )
     if opts.compare and not mla:
-        raise _fail(f"--compare sets sparse-MLA prefill steps side by side; {opts.preset} is a GQA model")
+        raise usage_error(f"--compare sets sparse-MLA prefill steps side by side; {opts.preset} is a GQA model")
     check_options_used(opts, mode=mode, steps=steps, mla=mla)
     if opts.calibration is not None:
         check_calibration_file(opts.calibration, device)
     recorded = None
     if opts.topk_file is not None:
         if "prefill" not in steps:
-            raise _fail("--topk-file holds prefill top-k; use a prefill mode (shardq, headtp, pcp, mixed)")
+            raise usage_error("--topk-file holds prefill top-k; use a prefill mode (shardq, headtp, pcp, mixed)")
         shaped = [
             flag
             for flag, given in (
@@ -125,15 +120,15 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
             if given
         ]
         if shaped:
-            raise _fail(
+            raise usage_error(
                 f"--topk-file sets the step's shape (its tokens, one request, its top-k): drop {', '.join(shaped)}"
             )
         if not os.path.exists(opts.topk_file):
-            raise _fail(f"--topk-file {opts.topk_file}: no such file")
+            raise usage_error(f"--topk-file {opts.topk_file}: no such file")
         try:
             recorded = load_topk_dump(opts.topk_file)
         except (ValueError, TypeError, OSError, RuntimeError) as e:
-            raise _fail(f"--topk-file {opts.topk_file}: {e}") from None
+            raise usage_error(f"--topk-file {opts.topk_file}: {e}") from None
     shape = resolve_shape(opts, on_gpu=on_gpu, preset_topk=spec.topk or 1, decode_only=steps == ("decode",))
     if recorded is not None:
         t, k = recorded[0].shape
@@ -141,14 +136,14 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
             shape, tokens=t, requests=1, cached=shape.cached[:1], topk=k, query_lens=shape.query_lens[:1], reduced=False
         )
     if "prefill" in steps and shape.tokens < shape.requests:
-        raise _fail(f"--tokens {shape.tokens} gives some of the {shape.requests} requests no new token")
+        raise usage_error(f"--tokens {shape.tokens} gives some of the {shape.requests} requests no new token")
     if mla and recorded is None:
         longest = max(
             ([c + n for c, n in zip(shape.cached, _split(shape.tokens, shape.requests))] if "prefill" in steps else [])
             + ([c + q for c, q in zip(shape.cached, shape.query_lens)] if "decode" in steps else [])
         )
         if shape.topk > longest:
-            raise _fail(
+            raise usage_error(
                 f"--topk {shape.topk} is larger than the KV cache of the longest request ({longest} tokens): "
                 "a query cannot pick more rows than exist; lower --topk or raise --cached / --tokens"
             )
@@ -168,25 +163,25 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
             if recorded is not None
             else "ask for fewer --heads, --tokens, --cached, --requests or --query-len"
         )
-        raise _fail(
+        raise usage_error(
             f"the step's tensors need at least {need / 2**30:.1f} GiB per rank (KV cache, queries, top-k, outputs), "
             f"but {have / 2**30:.1f} GiB are free on this {device.type} for each of its ranks; {fewer}"
         )
     if opts.compare and ("prefill" not in steps or mode == "pcp"):
-        raise _fail(
+        raise usage_error(
             "--compare runs the head-TP, ShardQ and routed prefill steps of a sparse-MLA preset; "
             f"mode {mode} {'takes another input layout' if mode == 'pcp' else 'has no such prefill'}"
         )
     if opts.kv_dtype == KV_FP8_DS_MLA and (not mla or (spec.head_dim, spec.v_dim) != FP8_DS_MLA_DIMS):
-        raise _fail(
+        raise usage_error(
             f"--kv-dtype {KV_FP8_DS_MLA} holds DSA sparse-MLA rows (576 = 512 latent + 64 rope); preset "
             f"{opts.preset} is a {spec.kind} model of head dim {spec.head_dim}"
         )
     if opts.graph and not on_gpu:
-        raise _fail("--graph captures CUDA graphs and needs a GPU per rank")
+        raise usage_error("--graph captures CUDA graphs and needs a GPU per rank")
     if opts.graph and "decode" not in steps:
         why = "--compare runs prefill steps only" if opts.compare else f"mode {mode} has none"
-        raise _fail(f"--graph captures the decode step; {why}")
+        raise usage_error(f"--graph captures the decode step; {why}")
     check = (not on_gpu) if opts.check is None else opts.check
     iters = opts.iters if opts.iters is not None else (20 if on_gpu else 3)
     min_shard = opts.min_shard_tokens if opts.min_shard_tokens is not None else (DEFAULT_MIN_TOKENS if on_gpu else 1)
@@ -274,7 +269,7 @@ def _run(cfg: RunConfig, groups: LaunchGroups, progress: RunProgress) -> int:
     try:
         control.check_agreement(cfg.fingerprint(), "launcher options (command line, version, device type)")
     except ValueError as e:  # the same verdict on every rank, before any data collective
-        raise _fail(str(e)) from None
+        raise usage_error(str(e)) from None
     rank = groups.rank
     progress.phase("building the Runtime (workspace, kernel warm-up)")
     rt = _runtime(cfg, groups, cfg.mode, cfg.opts.calibration or "auto")
@@ -344,7 +339,7 @@ def _runtime(cfg: RunConfig, groups: LaunchGroups, mode: str, cost_model: Any) -
     try:
         return _build_runtime(cfg, groups, mode, cost_model)
     except (TypeError, ValueError) as e:
-        raise _fail(f"{type(e).__name__}: {e}") from None
+        raise usage_error(f"{type(e).__name__}: {e}") from None
 
 
 def _build_runtime(cfg: RunConfig, groups: LaunchGroups, mode: str, cost_model: Any) -> Runtime:
