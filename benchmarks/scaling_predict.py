@@ -65,12 +65,14 @@ def simulate(
         rate = CollectiveRate("all_to_all", w, lat, gbps)
         sim = CostModel(model.calibration, collective_overrides={"all_to_all": rate}, network=net)
         rpn = w // k
+        on = env | {"gpu": f"{w} x {cal}"}  # the GPUs predicted (from their calibration), not this machine's
         for label, spec, tokens in configs:
             if spec.num_heads % w:
                 continue
             one = StepShape(heads=spec.num_heads, world_size=w, tokens=tokens, topk=spec.topk)
             tp = min(p.ms for p in sim.predict(one, steps=("headtp",)))
-            config = {"model": label, "heads": spec.num_heads, "tokens": tokens, "ranks": w, "all-to-all GB/s": gbps}
+            config = {"model": label, "heads": spec.num_heads, "tokens": tokens, "ranks": w, "all-to-all GB/s": gbps,
+                      "calibration": cal}  # fmt: skip
             row = {"label": label, "heads": spec.num_heads, "tokens": tokens, "ranks": w, "hosts": k, "headtp": tp}
             for where, shape in (("one host", one), (f"{k} hosts", dataclasses.replace(one, ranks_per_node=rpn))):
                 if where != "one host" and k == 1:
@@ -81,9 +83,9 @@ def simulate(
                                                                     "network GB/s": net.busbw_gbps}  # fmt: skip
                 headtp = ("predicted head-TP step", tp)
                 out.append(record("prefill-scaling-predicted", cfg, "predicted ShardQ step ms", sq, "ms", "lower",
-                                  headtp, env))  # fmt: skip
+                                  headtp, on))  # fmt: skip
                 out.append(record("prefill-scaling-predicted", cfg, "predicted router's step ms", choice.best.ms, "ms",
-                                  "lower", headtp, env))  # fmt: skip
+                                  "lower", headtp, on))  # fmt: skip
                 row[where] = {"shardq": sq, "path": choice.best.name, "ms": choice.best.ms, "step": choice.best.step}
             rows.append(row)
     _print_simulated(rows)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardattn.calibrate.__main__ import NO_GPU, build_parser, main
-from shardattn.plan.cost import CONSERVATIVE, Calibration
+from shardattn.plan.cost import CONSERVATIVE, Calibration, CostModel
 
 SMALL = ["--heads", "8", "--tokens", "32", "--topk", "8", "--cached", "32", "--reps", "1", "--no-steps"]
 
@@ -200,3 +200,39 @@ def test_a_merge_keeps_the_union_ratios_it_did_not_measure() -> None:
     grouped = (*perq, KernelPoint(8, 64, 8, 1.3, 4096, 2048, 0.8))
     fresh = dataclasses.replace(fresh, kernels=grouped, union_ratio={8: 1.3, 2: 1.16, 4: 1.3})
     assert merge_kernel_points(table, fresh).union_ratio == {2: 1.5, 4: 1.6, 8: 1.3}
+
+
+def _wrong_kernel_body(group, corrupt: str) -> str:
+    """A path whose kernel writes a constant (``corrupt``: the kernel alone on rank 1 only, or the
+    Runtime's steps on every rank) is refused by every rank before it is timed."""
+    from unittest import mock
+
+    import shardattn.calibrate.steps as steps
+    import shardattn.runtime.prefill as runtime_prefill
+    from shardattn.plan.spec import ModelSpec
+
+    real = steps.sparse_mla_grouped_prefill
+    rank = dist.get_rank(group)
+
+    def constant(*a, **k):
+        out = real(*a, **k)
+        out[0].fill_(123.0)
+        return out
+
+    spec = ModelSpec("sparse_mla", num_heads=8, num_kv_heads=1, head_dim=64, v_dim=48, topk=8, page_size=4,
+                     dtype="float32", softmax_scale=0.125)  # fmt: skip
+    if corrupt == "kernel on rank 1":
+        target, paths = (steps, constant if rank == 1 else real), ("kernel",)
+    else:
+        target, paths = (runtime_prefill, constant), ("headtp",)
+    with mock.patch.object(target[0], "sparse_mla_grouped_prefill", target[1]), pytest.raises(RuntimeError) as err:
+        steps.measure_paths(group, spec, tokens=32, requests=2, cached=16, device=torch.device("cpu"),
+                            model=CostModel(CONSERVATIVE), reps=1, warmup=0, paths=paths)  # fmt: skip
+    return str(err.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("corrupt", ["kernel on rank 1", "runtime steps"])
+def test_a_path_off_the_reference_is_refused_on_every_rank_before_timing(dist_pool, corrupt: str) -> None:
+    for message in dist_pool.run(_wrong_kernel_body, corrupt, world_size=2):
+        assert "against the fp32 reference" in message and "nothing timed" in message, message

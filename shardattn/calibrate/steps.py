@@ -8,32 +8,39 @@ seed), then times on every rank, in this order and with the ranks starting each 
 * the head-TP step (a ``headtp`` Runtime), the ShardQ step (a ``shardq`` Runtime routed by the
   gate only) and the router's step (a ``mixed`` Runtime routed by the cost model);
 
-and returns the times with the cost model's prediction of each path. The calibration fits step
+and returns the times with the cost model's prediction of each path. Each path's first output is
+checked against the fp32 reference (:func:`check_output`) before it is timed. The calibration fits step
 overheads from these; ``benchmarks/scaling.py`` reports them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from shardattn.calibrate.timing import median_ms
 from shardattn.launch.workloads import build_prefill
+from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+from shardattn.parallel.comm import Comm
 from shardattn.plan.cost import CostModel
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.step_shape import StepShape
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import PrefillPlan, Runtime
 
-__all__ = ["MIN_SHARD_TOKENS", "PATHS", "measure_paths", "path_name"]
+__all__ = ["MIN_SHARD_TOKENS", "PATHS", "check_output", "measure_paths", "path_name"]
 
 PATHS = ("kernel", "kernel_headtp", "headtp", "shardq", "router")
 MIN_SHARD_TOKENS = 1024
 """The ShardQ gate of the measured Runtimes (``min_shard_tokens``): a step of fewer tokens runs head-TP."""
+CHECK_TOKENS = 16
+"""Tokens of each path's first output compared with the fp32 reference before the path is timed."""
+CHECK_TOLERANCE = 2e-2
+"""Largest relative error (Frobenius) of a measured path against the fp32 reference (bf16: ~2e-3)."""
 
 
 def path_name(plan: PrefillPlan) -> str:
@@ -109,7 +116,8 @@ def measure_paths(
         plans[name] = plan
         res["ranks_per_node"] = rt.nodes.ranks_per_node
         if name in paths:
-            rt.prefill(q_local, step.kv, step.rows, plan=plan, check=True)  # ranks agree on the plan once
+            first = rt.prefill(q_local, step.kv, step.rows, plan=plan, check=True)  # ranks agree on the plan once
+            check_output(f"the {path_name(plan)} step", first[0], q_local, step.kv, step.rows, spec, group)
 
             def call(rt: Runtime = rt, plan: PrefillPlan = plan) -> None:
                 rt.prefill(q_local, step.kv, step.rows, plan=plan, check=False)
@@ -129,9 +137,13 @@ def measure_paths(
         if name not in paths:
             continue
 
-        def kcall(q: torch.Tensor = q, rows: torch.Tensor = rows, g: int = plan.route.group_size) -> None:
-            sparse_mla_grouped_prefill(q, step.kv, rows, scale=spec.head_dim**-0.5, v_dim=spec.v_dim, group_size=g)
+        def kcall(
+            q: torch.Tensor = q, rows: torch.Tensor = rows, g: int = plan.route.group_size
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            scale = cast(float, spec.softmax_scale)
+            return sparse_mla_grouped_prefill(q, step.kv, rows, scale=scale, v_dim=spec.v_dim, group_size=g)
 
+        check_output(f"the kernel alone ({path_name(plan)})", kcall()[0], q, step.kv, rows, spec, group)
         res["ms"][name] = median_ms(kcall, device=device, reps=reps, warmup=warmup)
         res["path"][name] = f"kernel ({path_name(plan)})"
     shape = StepShape.of(spec, world, tokens, rank_tokens=res["rank_tokens"], ranks_per_node=res["ranks_per_node"])
@@ -141,6 +153,37 @@ def measure_paths(
         p = model.predict_step(shape, plan.step, plan.route.group_size)
         res["predicted_ms"][name] = p.kernel_ms if name.startswith("kernel") else p.ms
     return res
+
+
+def check_output(
+    what: str,
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    spec: ModelSpec,
+    group: dist.ProcessGroup,
+) -> None:
+    """Compare :data:`CHECK_TOKENS` sampled tokens of a path's first output with the fp32 reference
+    before it is timed; every rank raises ``RuntimeError`` when one rank's relative error is not
+    below :data:`CHECK_TOLERANCE` (the ranks agree first, so none is left waiting in a collective).
+
+    Args:
+        out: ``[T, h, v_dim]`` the path's output for ``q [T, h, D]`` over ``rows [T, K]`` of ``kv [R, D]``.
+    """
+    t = q.shape[0]
+    err = 0.0
+    if t:
+        sample = torch.randperm(t, generator=torch.Generator().manual_seed(t))[:CHECK_TOKENS].to(q.device)
+        ref, _ = sparse_mla_reference(q[sample].float(), kv, rows[sample], scale=cast(float, spec.softmax_scale),
+                                      v_dim=spec.v_dim)  # fmt: skip
+        diff, norm = (out[sample].float() - ref).norm(), ref.norm()
+        err = float(diff / norm) if float(norm) > 0 else float(diff)
+    worst = torch.tensor([err if err == err else float("inf")], dtype=torch.float64, device=Comm(group).device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    if not float(worst) < CHECK_TOLERANCE:
+        raise RuntimeError(f"{what}: relative error {float(worst):.3g} against the fp32 reference on the worst rank "
+                           f"(tolerance {CHECK_TOLERANCE}); nothing timed")  # fmt: skip
 
 
 def with_heads(spec: ModelSpec, heads: int | None) -> ModelSpec:
