@@ -18,6 +18,10 @@ slowest rank does, so each record is the slowest rank's median. Rows:
   eagerly, and the single-token and ragged replays against the baseline step.
 * a batch above the largest bucket: runs eager, the route's reason is printed.
 * the kernel launches and copies of one eager step planned each step (torch profiler).
+
+The whole cache is drawn from one seed on every rank, which keeps its DCP shard
+(``shard_kv_cache``); the baseline's output is checked against the fp32 reference of the rank's
+heads over the whole cache before anything is timed. No records are written when a check fails.
 """
 
 from __future__ import annotations
@@ -35,11 +39,16 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import add_json_argument, environment, print_table, record, write_json
 
+from shardattn.ops.gqa_decode_reference import gqa_paged_decode_reference
+from shardattn.plan.dcp_shard import shard_kv_cache
 from shardattn.runtime.graphs import DecodeGraphs
 from shardattn.runtime.runtime import Runtime
 
 BENCHMARK = "dcp-decode"
 BASELINE = "eager, device-side indexing"
+LAUNCHES = "kernel launches and copies per step"
+#: Largest ``|out - ref|`` of a bf16 step against the fp32 reference.
+TOL = 2e-2
 
 
 def _times(fn, iters: int, warmup: int = 5) -> float:
@@ -75,18 +84,17 @@ def measure(args: argparse.Namespace, rank: int) -> tuple[dict[str, float], dict
     """Every row's median on this rank, and the checks (bitwise equalities, routes, launch count)."""
     b, ctx = args.requests, args.context
     rt = Runtime("gqa-64-8", dist.group.WORLD, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=8 * b)
-    spec, h, d, page = rt.spec, rt.heads_per_rank, rt.spec.head_dim, rt.spec.page_size
+    spec, h, d = rt.spec, rt.heads_per_rank, rt.spec.head_dim
+    seq = [ctx] * b
+    whole = whole_cache(b, ctx, spec, seed=1)  # the same on every rank; each keeps its shard
+    (k, v), table = shard_kv_cache(whole[:2], whole[2], seq, rt.layout, rank)
+    pages_per = table.shape[1]
     g = torch.Generator(device="cuda").manual_seed(1 + rank)
-    pages_per = -(-rt.layout.local_len(ctx, 0) // page)
-    k = torch.randn(b * pages_per, page, spec.num_kv_heads, d, device="cuda", generator=g).bfloat16()
-    v = torch.randn_like(k)
-    table = torch.randperm(b * pages_per, device="cuda", generator=g).view(b, pages_per).int()
-    sinks = torch.randn(spec.num_heads, device="cuda", generator=g)
+    sinks = torch.randn(spec.num_heads, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     ms: dict[str, float] = {}
-    checks: dict[str, object] = {}
+    checks: dict[str, bool] = {}
 
     # -- single token: the baseline, the lean step, graph buckets --------------------------------
-    seq = [ctx] * b
     seq_dev = torch.tensor(seq, dtype=torch.int32, device="cuda")
     q1 = torch.randn(b, h, d, device="cuda", generator=g).bfloat16()
 
@@ -101,6 +109,8 @@ def measure(args: argparse.Namespace, rank: int) -> tuple[dict[str, float], dict
     def reused():
         return rt.decode(q1, (k, v), table, seq_dev, batch=plan1, sinks=sinks, check=False)
 
+    err = reference_error(baseline()[0], q1, whole, seq_dev, sinks, rank, rt.scale)
+    checks[f"the baseline is the fp32 reference's attention over the whole cache (max error {err:.2g})"] = err <= TOL
     checks["lean step equals the baseline"] = _equal(baseline(), reused())
     ms[BASELINE] = _times(baseline, args.iters)
     ms["eager, planned each step"] = _times(planned, args.iters)
@@ -116,7 +126,7 @@ def measure(args: argparse.Namespace, rank: int) -> tuple[dict[str, float], dict
     rep = tuple(t.clone() for t in graphs1(q1[:bb], table[:bb], seq[:bb]))
     checks[f"graph bucket {b // 2}, {bb} requests equals eager"] = _equal(rep, graphs1.eager(q1[:bb], table[:bb],
                                                                                                seq[:bb]))  # fmt: skip
-    checks[f"graph bucket {b // 2}, rows returned"] = int(rep[0].shape[0])
+    checks[f"graph bucket {b // 2}, {bb} rows returned"] = int(rep[0].shape[0]) == bb
     ms[f"graph bucket {b // 2}, {bb} requests"] = _times(lambda: graphs1(q1[:bb], table[:bb], seq[:bb]), args.iters)
 
     # -- drafts: uniform 4 and ragged 1-4, padded to 4 ------------------------------------------
@@ -144,7 +154,8 @@ def measure(args: argparse.Namespace, rank: int) -> tuple[dict[str, float], dict
     qb = torch.randn(big, h, d, device="cuda", generator=g).bfloat16()
     tb = torch.cat([table, table[:8]])
     graphs1(qb, tb, [ctx] * big)
-    checks[f"route of {big} requests"] = graphs1.last_route[1]
+    print(f"rank {rank}: {big} requests ran {graphs1.last_route[1]}", flush=True)
+    checks[f"{big} requests run eagerly (above the largest bucket)"] = graphs1.last_route[0] is None
 
     # -- kernel launches and copies of one eager step planned each step (profiler) ---------------
     from torch.profiler import ProfilerActivity, profile
@@ -154,8 +165,34 @@ def measure(args: argparse.Namespace, rank: int) -> tuple[dict[str, float], dict
         planned()
         torch.cuda.synchronize()
     names = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync")
-    checks["launches"] = sum(e.count for e in prof.key_averages() if e.key in names)
+    ms[LAUNCHES] = sum(e.count for e in prof.key_averages() if e.key in names)
     return ms, checks
+
+
+def whole_cache(b: int, ctx: int, spec, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(k, v, table)``: the whole paged GQA cache of ``b`` requests of ``ctx`` tokens (``[pages,
+    page, Hkv, D]`` bf16 each, pages in random order; ``table [b, pages a request]`` int32), drawn
+    from ``seed`` so that every rank holds the same one."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    per = -(-ctx // spec.page_size)
+    k = torch.randn(b * per, spec.page_size, spec.num_kv_heads, spec.head_dim, device="cuda", generator=g)
+    v = torch.randn(k.shape, device="cuda", generator=g)
+    table = torch.randperm(b * per, device="cuda", generator=g).view(b, per).int()
+    return k.bfloat16(), v.bfloat16(), table
+
+
+def reference_error(out: torch.Tensor, q: torch.Tensor, whole: tuple, seq_lens: torch.Tensor, sinks: torch.Tensor,
+                    rank: int, scale: float, requests: int = 4) -> float:  # fmt: skip
+    """Largest ``|out - ref|`` of the first ``requests`` single-token requests: ``ref`` the fp32
+    reference of this rank's ``h`` query heads (and the KV heads they read) over the whole cache."""
+    k, v, table = whole
+    h, group = q.shape[1], sinks.numel() // k.shape[2]
+    heads = slice(rank * h, (rank + 1) * h)
+    kv_heads = slice(rank * h // group, ((rank + 1) * h - 1) // group + 1)
+    cu = torch.arange(requests + 1, dtype=torch.int32, device=q.device)
+    ref, _ = gqa_paged_decode_reference(q[:requests], k[:, :, kv_heads], v[:, :, kv_heads], table[:requests],
+                                        seq_lens[:requests], cu, sinks=sinks[heads], scale=scale)  # fmt: skip
+    return float((out[:requests].float() - ref.float()).abs().max())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,9 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     ms, checks = measure(args, rank)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (ms, checks))
+    failed = sorted({k for _, chk in gathered for k, v in chk.items() if not v})
     if rank == 0:
+        for r, (_, chk) in enumerate(gathered):
+            print(f"rank {r} checks: {chk}", flush=True)
+    if failed:  # no records of a step that is not right
+        if rank == 0:
+            print(f"checks failed: {failed}; no records written", file=sys.stderr)
+    elif rank == 0:
         env = environment(world)
-        slowest = {name: max(r[0][name] for r in gathered) for name in ms}
+        slowest = {name: max(r[0][name] for r in gathered) for name in ms if name != LAUNCHES}
         base = (f"{BASELINE}, same run", slowest[BASELINE])
         uniform = f"graph bucket {args.requests}, uniform 4 drafts"
         ragged = f"graph bucket {args.requests}, ragged 1-4 drafts"
@@ -185,15 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             config = {"requests": args.requests, "context": args.context, "step": name}
             records.append(record(BENCHMARK, config, "step ms", value, "ms", "lower", row_base, env))
         config = {"requests": args.requests, "context": args.context, "step": "eager, planned each step"}
-        launches = max(r[1]["launches"] for r in gathered)
-        records.append(record(BENCHMARK, config, "launches per step", launches, "launches", "lower", None, env))
-        for r, (_, chk) in enumerate(gathered):
-            print(f"rank {r} checks: {chk}", flush=True)
+        launches = max(r[0][LAUNCHES] for r in gathered)
+        records.append(record(BENCHMARK, config, LAUNCHES, launches, "launches", "lower", None, env))
         print_table(records, f"DCP GQA decode, {world} ranks")
         write_json(args.json, records)
-    failed = sorted({k for _, chk in gathered for k, v in chk.items() if v is False})
-    if failed and rank == 0:
-        print(f"checks failed: {failed}", file=sys.stderr)
     dist.barrier()
     os._exit(1 if failed else 0)  # skips the process-group teardown, which can outlive a launcher's timeout
 

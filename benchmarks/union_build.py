@@ -19,7 +19,8 @@ indexer's ``torch.topk`` leaves them:
   ``build / (build + kernel)``.
 
 Every timed build is checked exact (``lens`` and every entry below) against the torch reference
-first. CUDA-event medians of ``--reps`` runs, L2 flushed before each. ``--device cpu`` runs the
+first, into buffers filled with a sentinel, and the grouped kernel's output on 64 sampled tokens
+against the fp32 reference. CUDA-event medians of ``--reps`` runs, L2 flushed before each. ``--device cpu`` runs the
 same code on the CPU (the torch reference builder; a dry run).
 """
 
@@ -35,17 +36,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefill_inputs import (
     D_R,
     D_V,
+    TOLERANCE,
     attention_buffers,
     default_kv_rows,
     l2_flush,
     make_case,
     random_qkv,
+    rel_err,
     timed,
     union_buffers,
 )
 from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.ops.prepared_union import PreparedUnion
+from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.ops.union import build_union, build_union_reference
 from shardattn.plan.routing import tile_group_size
@@ -63,6 +67,18 @@ def exact(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torc
     return bool(torch.equal(n, rn) and torch.equal(u[prefix], ru[prefix]))
 
 
+def check_kernel(run, out: torch.Tensor, q, kv, rows, scale: float, what: str) -> None:
+    """Run ``run`` once (it writes ``out [T, H, D_V]``) and compare 64 sampled tokens with the
+    fp32 reference (rel. error below :data:`TOLERANCE`) before the kernel is timed."""
+    out.fill_(float("nan"))
+    run()
+    sample = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(1))[:64].to(q.device)
+    ref, _ = sparse_mla_reference(q[sample].float(), kv, rows[sample], scale=scale, v_dim=D_V)
+    err = rel_err(out[sample], ref)
+    if not err < TOLERANCE:
+        raise RuntimeError(f"{what}: rel. error {err:.3g} against the fp32 reference")
+
+
 def time_case(heads: int | None, tokens: int, topk: int, kv_rows: int, pool_rows: int | None, device, flush, reps,
               env) -> list[dict]:  # fmt: skip
     """The records of one case: ``heads`` None is the per-query de-duplication (``G = 1``)."""
@@ -77,6 +93,8 @@ def time_case(heads: int | None, tokens: int, topk: int, kv_rows: int, pool_rows
     }
     ms = {}
     for name, fn in builds.items():
+        u.fill_(-7)  # so a build that writes nothing cannot pass on the one before it
+        ln.fill_(-7)
         fn()
         if not exact((u, ln), want):
             raise RuntimeError(f"the {name} build at G = {g}, T = {tokens} is not the reference union")
@@ -90,8 +108,13 @@ def time_case(heads: int | None, tokens: int, topk: int, kv_rows: int, pool_rows
         o, s = attention_buffers(q)
         prepared = PreparedUnion(*build_union(rows, group_size=g, num_kv_rows=cache), g, tokens)
         scale = (D_V + D_R) ** -0.5
-        kernel = timed(lambda: sparse_mla_grouped_prefill(q, kv, rows, scale=scale, v_dim=D_V, group_size=g, out=o,
-                                                          lse_out=s, prepared_union=prepared), flush, reps)  # fmt: skip
+
+        def run_kernel():
+            sparse_mla_grouped_prefill(q, kv, rows, scale=scale, v_dim=D_V, group_size=g, out=o, lse_out=s,
+                                       prepared_union=prepared)  # fmt: skip
+
+        check_kernel(run_kernel, o, q, kv, rows, scale, f"the grouped kernel at G = {g}, T = {tokens}")
+        kernel = timed(run_kernel, flush, reps)
         share = 100 * ms["routed"] / (ms["routed"] + kernel)
         out.append(record(BENCHMARK, config, "share of the grouped step", share, "%", "lower", None, env))
         line += f", grouped kernel {kernel:.4f} ms: share {share:.1f} %"
