@@ -35,16 +35,18 @@ from shardattn.ops.topk import convert_topk
 
 
 def per_call(fn: Callable[[], None], calls: int, sync: Callable[[], None]) -> tuple[float, float]:
-    """``(heap bytes in use, RSS bytes)`` added per call of ``fn`` over ``calls`` calls, after 200."""
+    """``(heap bytes in use, RSS bytes)`` added per call of ``fn`` over ``calls`` calls, after 200
+    (heap: glibc's ``mallinfo2``, which :func:`main` checks is readable first)."""
     for _ in range(200):
         fn()
     sync()
-    h0, r0 = (heap_bytes() or (0, 0))[0], rss_bytes()
+    h0, r0 = heap_bytes(), rss_bytes()
     for _ in range(calls):
         fn()
     sync()
-    h1, r1 = (heap_bytes() or (0, 0))[0], rss_bytes()
-    return (h1 - h0) / calls, (r1 - r0) / calls
+    h1, r1 = heap_bytes(), rss_bytes()
+    assert h0 is not None and h1 is not None
+    return (h1[0] - h0[0]) / calls, (r1 - r0) / calls
 
 
 def _ignore(_: object) -> None:
@@ -102,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if heap_bytes() is None:  # a record of 0 B would read as flat
+        print("glibc's mallinfo2 is not available here (glibc 2.33 or later): the heap cannot be read", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     store = dist.HashStore()  # one rank in this process: no address, no port

@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cache_rows <= 0 or args.cache_rows % 64 or max(args.tokens) > args.cache_rows:
+        print(f"--cache-rows must be a positive multiple of 64 (pages of 64 rows) and at least the largest "
+              f"--tokens, got {args.cache_rows}", file=sys.stderr)  # fmt: skip
+        return 2
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2

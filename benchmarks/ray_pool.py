@@ -57,14 +57,15 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
 
 
 def torchrun_step_ms(args: argparse.Namespace) -> float:
-    """One ``torchrun -m shardattn.launch`` run of the decode step: its slowest rank's median."""
+    """One ``torchrun -m shardattn.launch`` run of the decode step: its slowest rank's median (the
+    launcher checks the step against the reference after timing it; a failed check fails the run)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "torchrun.json"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
             "-m", "shardattn.launch", "--preset", args.preset, "--mode", "dcp-decode",
             "--requests", str(args.requests), "--cached", str(args.context), "--iters", str(args.iters),
-            "--warmup", "5", "--no-progress", "--no-check", "--json", str(report), "--device", args.device,
+            "--warmup", "5", "--no-progress", "--check", "--json", str(report), "--device", args.device,
             "--topk", str(args.topk or get_preset(args.preset).topk), "--dtype", "bf16",
         ]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.torchrun_timeout)
@@ -97,8 +98,9 @@ def build_checked_pool(args: argparse.Namespace) -> tuple[Any, list[int]]:
 
     spec = model_spec(args)
     pool = RayRankPool(
-        args.ranks, spec, mode="mixed", max_requests=args.requests + 4, max_seq_len=args.context + 256,
-        device=args.device, timeout_s=300, transport=args.transport, init_ray=False,
+        args.ranks, spec, mode="mixed", max_requests=args.requests + 4,
+        max_seq_len=max(args.context, *args.prefill) + 256, device=args.device, timeout_s=300,
+        transport=args.transport, init_ray=False,
         runtime_kwargs={"max_batched_tokens": 4096, "max_decode_tokens": args.requests, "warmup": False},
     )  # fmt: skip
     try:
@@ -123,6 +125,10 @@ def build_checked_pool(args: argparse.Namespace) -> tuple[Any, list[int]]:
         out, lse = pool.decode_batch(torch.arange(b), slots["q"], slots["topk_pos"], kv=slots["kv"], return_lse=True,
                                      view=True)  # fmt: skip
         checks["decode_batch, in place, views"] = errors(list(zip(out.split(1), lse.split(1))), reqs, mirror, dev)
+        reqs = [mirror.decode_request(i, append=False) for i in range(b)]  # the timed form: no new KV row
+        q, pos = torch.cat([r.q for r in reqs]), torch.cat([r.topk_pos for r in reqs])
+        out, lse = pool.decode_batch(torch.arange(b), q, pos, return_lse=True)
+        checks["decode_batch, no new KV row"] = errors(list(zip(out.split(1), lse.split(1))), reqs, mirror, dev)
         print("checks against fp64 attention (largest error):", {k: f"{v:.2e}" for k, v in checks.items()})
         bad = [k for k, v in checks.items() if not v <= TOLERANCE]
         if bad:

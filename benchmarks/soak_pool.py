@@ -142,18 +142,25 @@ class Soak:
         return self.traffic.make_room(step, lambda: self.pool.book.free_pages, self.evict)
 
     def check(self, outs: list[Any], reqs: list[Any]) -> None:
+        """Count each request's ``(out, lse)`` against the mirror's fp64 attention: wrong where the
+        shape, the pattern of finite LSEs or a non-finite output differs, or an error (absolute;
+        NaN included) is not within ``atol``; a request the pool returned nothing for is wrong."""
+        if len(outs) != len(reqs):
+            self.counts["wrong_outputs"] += abs(len(reqs) - len(outs))
+            self.note(f"{len(outs)} outputs for {len(reqs)} requests")
         for (out, lse), req in zip(outs, reqs):
             ref_out, ref_lse = self.mirror.expected(req)
-            ok = out.shape == ref_out.shape and torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
-            err = float((out.double() - ref_out).abs().max()) if ok and out.numel() else 0.0
             fin = torch.isfinite(ref_lse)
+            ok = out.shape == ref_out.shape and torch.equal(torch.isfinite(lse), fin)
+            ok = ok and bool(torch.isfinite(out).all())
+            err = float((out.double() - ref_out).abs().max()) if ok and out.numel() else 0.0
             if ok and bool(fin.any()):
                 err = max(err, float((lse.double()[fin] - ref_lse[fin]).abs().max()))
             self.max_err = max(self.max_err, err)
             self.counts["outputs_checked"] += 1
-            if not ok or err > self.atol or not bool(torch.isfinite(out).all()):
+            if not (ok and err <= self.atol):  # a NaN error fails here
                 self.counts["wrong_outputs"] += 1
-                self.note(f"request {req.id}: error {err:.3g} (shape ok {ok})")
+                self.note(f"request {req.id}: error {err:.3g} (shape and finite values ok: {ok})")
 
     def prefill_step(self) -> bool:
         chunks = self.make_room(self.traffic.prefill_chunks())

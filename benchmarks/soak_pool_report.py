@@ -13,9 +13,10 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from records import environment, record
+from records import command_line, environment, record
 from soak_stats import growth_pct
 
 __all__ = ["render", "soak_records", "summarize"]
@@ -53,7 +54,7 @@ def summarize(soak: Any) -> dict[str, Any]:
             cuda_growth[f"gen{g} rank{r}"] = got
     res = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join(["python benchmarks/soak_pool.py", *sys.argv[1:]]),  # also when imported
+        "command": command_line([str(Path(__file__).with_name("soak_pool.py")), *sys.argv[1:]]),  # also imported
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, device {a.device}",
         "elapsed_s": elapsed,
         **soak.counts,

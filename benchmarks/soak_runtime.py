@@ -129,7 +129,7 @@ class RuntimeSoak:
         self.stats |= {"max_err": 0.0, "failed_checks": 0}
         self.stats |= {"unwarmed_routes": 0, "rss": [], "cuda": [], "reserved": [], "segments": [], "tensors": []}
         self.stats |= {"heap": []}
-        self.stats |= {"steps": 0, "routes": {}}
+        self.stats |= {"steps": 0, "routes": {}, "kinds": {"prefill": 0, "decode": 0}}
 
     # -- the resident decode cache and its graph buckets -----------------------------------------
     def _decode_world(self) -> None:
@@ -181,7 +181,7 @@ class RuntimeSoak:
         t0 = time.perf_counter()
         out = self.rt.prefill(q, step.kv, step.rows, plan=plan, check=False)
         self._sync()
-        self.stats["prefill"].add(time.perf_counter() - t0)
+        self._timed("prefill", i, time.perf_counter() - t0)
         if check:
             t = self._checked(tokens, g)
             ref = sparse_mla_reference(step.q[t], step.kv, step.rows[t], scale=self.rt.scale, v_dim=self.spec.v_dim)
@@ -213,7 +213,7 @@ class RuntimeSoak:
         # a replay of the smallest bucket that fits; uncaptured (the CPU), the same padded buffers eagerly
         out = self.graphs.run(b, **feed) if self.captured else self.graphs.eager(b, **feed)
         self._sync()
-        self.stats["decode"].add(time.perf_counter() - t0)
+        self._timed("decode", i, time.perf_counter() - t0)
         if check:
             table = base.block_table.index_select(0, dev_idx)
             rows, _ = convert_topk(
@@ -222,6 +222,13 @@ class RuntimeSoak:
             t = self._checked(b, g)
             ref = sparse_mla_reference(q[t], base.kv, rows[t], scale=self.rt.scale, v_dim=self.spec.v_dim)
             self._judge((out[0][t], out[1][t]), ref)
+
+    def _timed(self, kind: str, i: int, seconds: float) -> None:
+        """Count step ``i`` (negative: a warm-up call before the loop) and time it after the warm-up."""
+        if i >= 0:
+            self.stats["kinds"][kind] += 1
+        if i >= self.args.warmup_steps:
+            self.stats[kind].add(seconds)
 
     def _checked(self, tokens: int, g: torch.Generator) -> torch.Tensor | slice:
         """The tokens a check compares: ``--check-tokens`` of them (the first, the last, the rest
@@ -288,17 +295,20 @@ class RuntimeSoak:
         self.sample()
         self.stats["steps"] = i
         compiled_end = compiled_kernels()
-        return self.summary(compiled_end - (compiled_end if compiled_at_warm is None else compiled_at_warm))
+        if compiled_at_warm is None:  # the run ended inside the warm-up: nothing after it to judge
+            return self.summary(None)
+        return self.summary(compiled_end - compiled_at_warm)
 
-    def summary(self, compiles_after_warmup: int) -> dict[str, Any]:
+    def summary(self, compiles_after_warmup: int | None) -> dict[str, Any]:
+        """Every number of the run; ``compiles_after_warmup`` None when the run ended inside the warm-up."""
         s = self.stats
 
         return {
             "rank": self.rank,
             "device": str(self.device),
             "steps": s["steps"],
-            "prefill_steps": s["prefill"].n,
-            "decode_steps": s["decode"].n,
+            "prefill_steps": s["kinds"]["prefill"],
+            "decode_steps": s["kinds"]["decode"],
             "decode_graphs": sorted(self.graphs.graphs) if self.captured else [],
             "routes": s["routes"],
             "checks": s["checks"],
@@ -372,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = 0 if args.minutes else 10000
     if args.context is None:
         args.context = 8192 if torch.cuda.is_available() else 64
+    if args.steps and args.steps <= args.warmup_steps:
+        print(f"--steps {args.steps} must exceed --warmup-steps {args.warmup_steps}: memory, compiles and step "
+              "times count after the warm-up", file=sys.stderr)  # fmt: skip
+        return 2
     if args.requests < args.max_batch:
         print(f"--requests {args.requests} must be at least --max-batch {args.max_batch}", file=sys.stderr)
         return 2

@@ -17,6 +17,8 @@ __all__ = ["passed", "render", "soak_records"]
 
 def passed(ranks: list[dict[str, Any]], max_growth: float | None) -> bool:
     for r in ranks:
+        if r["compiles_after_warmup"] is None:  # the run ended inside the warm-up
+            return False
         if r["failed_checks"] or r["unwarmed_routes"] or r["compiles_after_warmup"] or not r["checks"]:
             return False
         if r["live_tensor_growth"]:  # a tensor kept per step (or per shape) after the warm-up
@@ -61,10 +63,11 @@ def soak_records(ranks: list[dict[str, Any]], args: argparse.Namespace, world: i
     out = [
         record("runtime-soak", config, name, v, "%", "lower", None, env) for name, v in worst.items() if v is not None
     ]
-    out.append(record("runtime-soak", config, "kernel compiles after warm-up", sum(r["compiles_after_warmup"]
-                      for r in ranks), "compiles", "lower", None, env))  # fmt: skip
-    out.append(record("runtime-soak", config, "live tensors added after warm-up", max(r["live_tensor_growth"] or 0
-                      for r in ranks), "tensors", "lower", None, env))  # fmt: skip
+    if all(r["compiles_after_warmup"] is not None for r in ranks):  # else the run ended inside the warm-up
+        out.append(record("runtime-soak", config, "kernel compiles after warm-up", sum(r["compiles_after_warmup"]
+                          for r in ranks), "compiles", "lower", None, env))  # fmt: skip
+        out.append(record("runtime-soak", config, "live tensors added after warm-up", max(r["live_tensor_growth"]
+                          or 0 for r in ranks), "tensors", "lower", None, env))  # fmt: skip
     out.append(record("runtime-soak", config, "failed checks", sum(r["failed_checks"] for r in ranks), "checks",
                       "lower", None, env))  # fmt: skip
     for kind in ("prefill", "decode"):

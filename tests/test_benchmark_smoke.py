@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from shardattn.ops.kv_fp8 import dequantize_kv
+from shardattn.serving.errors import ray_unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -149,6 +150,56 @@ def test_union_build_cpu_run_checks_and_records(tmp_path: Path) -> None:
     assert 0 < recs[1]["value"] < 100
 
 
+@pytest.mark.parametrize("broken", ["sorting build writes nothing", "kernel writes a constant"])
+def test_union_build_refuses_to_time_a_wrong_build_or_kernel(broken: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _module("union_build")
+    real_build, real_kernel = bench.build_union, bench.sparse_mla_grouped_prefill
+    if broken.startswith("sorting"):
+        monkeypatch.setattr(bench, "build_union", lambda *a, method="auto", **k: None if method != "auto" else
+                            real_build(*a, method=method, **k))  # fmt: skip
+    else:
+        monkeypatch.setattr(bench, "sparse_mla_grouped_prefill", lambda *a, out, **k: (real_kernel(*a, out=out, **k),
+                            out.fill_(123.0)))  # fmt: skip
+    argv = ["--device", "cpu", "--heads", "8", "--tokens", "64", "--topk", "32", "--kv-rows", "256", "--reps", "1"]
+    with pytest.raises(RuntimeError, match="sorting build|grouped kernel"):
+        bench.main(argv)
+
+
+def test_runtime_soak_refuses_a_run_that_ends_inside_its_warm_up(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _module("soak_runtime")
+    assert bench.main(["--steps", "20", "--warmup-steps", "40"]) == 2
+    assert "--steps 20 must exceed --warmup-steps 40" in capsys.readouterr().err
+    report = _module("soak_runtime_report")
+    rank = {"compiles_after_warmup": None, "failed_checks": 0, "unwarmed_routes": 0, "checks": 3,
+            "live_tensor_growth": None, "rss_growth_pct": None, "cuda_growth_pct": None}  # fmt: skip
+    assert not report.passed([rank], None)  # a --minutes run stopped before the warm-up ended
+
+
+def test_pool_soak_counts_nan_lses_and_missing_outputs_as_wrong() -> None:
+    soak_pool = _module("soak_pool")
+    ref_out, ref_lse = torch.zeros(2, 3, 4, dtype=torch.float64), torch.tensor([[0.5, -float("inf"), 1.0]] * 2)
+
+    class Mirror:
+        def expected(self, req):
+            return ref_out, ref_lse.double()
+
+    def judged(outs: list, n_reqs: int) -> dict:
+        soak = object.__new__(soak_pool.Soak)  # the check alone, without a pool
+        soak.mirror, soak.atol, soak.max_err, soak.errors = Mirror(), 1e-2, 0.0, []
+        soak.counts = {"outputs_checked": 0, "wrong_outputs": 0}
+        soak.check(outs, [type("Req", (), {"id": i})() for i in range(n_reqs)])
+        return soak.counts
+
+    good = (ref_out.float(), ref_lse.clone())
+    assert judged([good, good], 2) == {"outputs_checked": 2, "wrong_outputs": 0}
+    nan_lse = ref_lse.clone()
+    nan_lse[0, 0] = float("nan")
+    assert judged([good, (ref_out.float(), nan_lse)], 2)["wrong_outputs"] == 1
+    assert judged([good], 2)["wrong_outputs"] == 1  # a request the pool returned nothing for
+    off = ref_out.float() + 1.0
+    assert judged([(off, ref_lse.clone())], 1)["wrong_outputs"] == 1
+
+
 def test_scaling_measures_two_cpu_ranks_and_predicts_more(tmp_path: Path) -> None:
     """Every path and a tapered, one-union ShardQ variant (checked bit-equal to the plain step by
     the benchmark itself) on two gloo ranks, then predictions for 4 and 8 ranks."""
@@ -208,6 +259,20 @@ def test_scaling_simulates_hosts_and_shows_where_the_network_changes_the_route(
         one = next(o for o in recs if o["metric"] == r["metric"] and "hosts" not in o["config"]
                    and all(o["config"][k] == r["config"][k] for k in ("model", "tokens", "ranks")))  # fmt: skip
         assert r["value"] >= one["value"]
+
+
+@pytest.mark.skipif(
+    ray_unavailable_reason() is not None, reason=f"optional dependency missing: {ray_unavailable_reason()}"
+)
+def test_ray_pool_cpu_run_checks_every_api_and_the_timed_call_form(tmp_path: Path) -> None:
+    """The docstring's CPU run: prompts longer than the decode context fit the pool it builds, and
+    the call the rounds time (no new KV row) is checked against fp64 attention with the others."""
+    out = tmp_path / "ray_pool.json"
+    text = _run([sys.executable, str(BENCH / "ray_pool.py"), "--device", "cpu", "--preset", "tiny", "--requests", "8",
+                 "--context", "32", "--iters", "3", "--rounds", "1", "--json", str(out)])  # fmt: skip
+    assert "'decode_batch, no new KV row'" in text
+    recs = _records(out)
+    assert len(recs) == 3 and all(r["benchmark"] == "ray-pool" and r["value"] > 0 for r in recs)
 
 
 def test_ray_pool_records_are_medians_over_rounds() -> None:

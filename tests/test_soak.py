@@ -44,6 +44,7 @@ def test_runtime_soak_keeps_memory_flat_and_compiles_nothing_after_warm_up(tmp_p
     assert run["passed"] and len(run["ranks"]) == 2
     for r in run["ranks"]:
         assert r["steps"] == 200 and r["prefill_steps"] > 20 and r["decode_steps"] > 100, r
+        assert r["prefill_steps"] + r["decode_steps"] == 200, r  # the warm-up's calls are not steps
         # a check every 10th step and the warm-up's two
         assert r["checks"] == 22 and r["failed_checks"] == 0 and r["max_err"] < 1e-4, r
         assert r["compiles_after_warmup"] == 0 and r["unwarmed_routes"] == 0, r
