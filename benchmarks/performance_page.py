@@ -84,7 +84,9 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "small-batch-decode": (
         "Sparse-MLA decode, small batches",
         "As above at 1-16 tokens, in microseconds per step (graph replay, L2 flushed). Ours: the "
-        "routed path (on sm_90 the small-batch Gluon kernel up to 16 heads and 16 tokens); baseline: "
+        "routed path (on sm_90 the small-batch Gluon kernel up to 16 heads while its 128-entry splits "
+        "fit one wave of the SMs, 1-8 tokens at top-k 2,048 on an H200, the streaming kernel beyond "
+        "(D72); rows measured before D72 ran the small-batch kernel up to 16 tokens); baseline: "
         "the Triton split-KV kernel's routed configuration, same run. The plot times each split tile "
         "the small-batch kernel can take (routed points ringed).",
         ("small-batch-decode-2026-12-01.png",),

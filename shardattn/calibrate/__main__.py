@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cpu",
         action="store_true",
-        help="measure on the CPU anyway (the torch reference: slow, and no Runtime routes by such a table; "
-        "for testing the tool at small --heads / --tokens)",
+        help="measure on the CPU anyway (the torch reference: slow, and by default a CPU Runtime routes by "
+        "the ShardQ gate alone; for testing the tool at small --heads / --tokens)",
     )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="log messages shown (default warning)")
     p.add_argument(
@@ -337,7 +337,7 @@ def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
 NO_GPU = (
     "shardattn.calibrate: error: no CUDA GPU here; it measures GPU kernels and collectives (one rank per GPU "
     "under torchrun, a few minutes on an H200). On the CPU it would time the torch reference for hours, and "
-    "a CPU Runtime routes by the ShardQ gate, not by a table; pass --cpu to measure it anyway"
+    "by default a CPU Runtime routes by the ShardQ gate alone; pass --cpu to measure it anyway"
 )
 
 

@@ -114,8 +114,8 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         nodes: the :class:`~shardattn.plan.nodes.NodeLayout` of the group (which ranks share a host).
 
     Raises:
-        ValueError / TypeError: heads not divisible by the world size, a mode without a step for
-            the spec (prefill for a GQA model), bad sizes, options that are not the dataclasses.
+        ValueError / TypeError: heads not divisible by the world size, a mode the spec cannot run
+            (``shardq`` for a GQA model), bad sizes, options that are not the dataclasses.
     """
 
     def __init__(
