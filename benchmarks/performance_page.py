@@ -5,9 +5,9 @@
     python benchmarks/performance_page.py --check            # exit 1 when the page is not what the records give
 
 ``docs/performance/<benchmark>.json`` holds the records (``benchmarks/records.py``) of one table:
-one operation, one record per (configuration, metric). ``--add FILE ...`` files each record of a
-benchmark's ``--json`` output under its ``benchmark`` key, replacing the record that measured the
-same configuration and metric (new ones go at the end of their table). The page has one section
+one operation, one record per (configuration, metric, GPU). ``--add FILE ...`` files each record of
+a benchmark's ``--json`` output under its ``benchmark`` key, replacing the record that measured the
+same configuration and metric on the same GPU (new ones go at the end of their table). The page has one section
 per table, in :data:`SECTIONS` order, with the plots named there (files beside the records).
 """
 
@@ -233,7 +233,8 @@ measured in the same run; a command names its script as it was at that commit (`
 COMMIT` reruns it there). Ratio: how many times better ours is (a higher rate or a shorter time);
 for a prediction, predicted / measured. `benchmarks/README.md` lists today's benchmarks and how to
 regenerate this page; `docs/DECISIONS.md` says why the routes are what they are and what was
-measured and rejected.
+measured and rejected. A table may hold rows of several GPUs (the GPU column): compare a row with
+its own baseline, and rows with each other only on the same GPU.
 """
 COLUMNS = ("Configuration", "Metric", "Ours", "Baseline or peer (same run)", "Ratio", "Date", "GPU", "Commit",
            "Command")  # fmt: skip
@@ -242,7 +243,7 @@ COLUMNS = ("Configuration", "Metric", "Ours", "Baseline or peer (same run)", "Ra
 def load(directory: Path = RECORDS) -> dict[str, list[dict]]:
     """The records of every ``<benchmark>.json`` in ``directory``, by benchmark; ``ValueError`` on a
     record filed under another benchmark's name, a benchmark :data:`SECTIONS` does not know, or two
-    records of one (configuration, metric)."""
+    records of one (configuration, metric, GPU)."""
     tables: dict[str, list[dict]] = {}
     for path in sorted(directory.glob("*.json")):
         if path.stem not in SECTIONS:
@@ -253,7 +254,8 @@ def load(directory: Path = RECORDS) -> dict[str, list[dict]]:
             if rec["benchmark"] != path.stem:
                 raise ValueError(f"{path}: a record of benchmark {rec['benchmark']!r}")
             if key(rec) in seen:
-                raise ValueError(f"{path}: two records of {config_text(rec['config'])}, {rec['metric']}")
+                what = f"{config_text(rec['config'])}, {rec['metric']} on {rec['gpu']}"
+                raise ValueError(f"{path}: two records of {what}")
             seen.add(key(rec))
         tables[path.stem] = recs
     return tables

@@ -209,9 +209,10 @@ def validate(rec: object) -> None:
         raise ValueError(f"ratio {ratio!r} does not follow from value and baseline ({want:.4g})")
 
 
-def key(rec: dict[str, Any]) -> tuple[str, str, str]:
-    """What a record measures: a newer record with the same key replaces it on the page."""
-    return rec["benchmark"], json.dumps(rec["config"], sort_keys=True), rec["metric"]
+def key(rec: dict[str, Any]) -> tuple[str, str, str, str]:
+    """What a record measures, and on which GPU: a newer record with the same key replaces it on
+    the page (a run on another GPU adds rows beside it)."""
+    return rec["benchmark"], json.dumps(rec["config"], sort_keys=True), rec["metric"], rec["gpu"]
 
 
 def write_json(path: str | Path | None, records: list[dict[str, Any]]) -> None:

@@ -52,11 +52,12 @@ def test_add_replaces_a_measurement_and_appends_a_new_one(tmp_path: Path) -> Non
     again = dict(old[0], value=old[0]["value"] / 2, date="2026-12-02", commit="0000000")
     again["ratio"] = records.ratio_of(again["value"], again["baseline"]["value"], again["better"])
     new = dict(old[0], config={**old[0]["config"], "tokens": 65536})
+    elsewhere = dict(old[0], gpu="NVIDIA B200")  # the same measurement on another GPU: a row beside it
     run = tmp_path / "run.json"
-    run.write_text(json.dumps([again, new]))
-    assert page.add([run], tables) == 2
+    run.write_text(json.dumps([again, new, elsewhere]))
+    assert page.add([run], tables) == 3
     merged = page.load(tables)["union-build"]
-    assert merged[0] == again and merged[1:-1] == old[1:] and merged[-1] == new
+    assert merged[0] == again and merged[1:-2] == old[1:] and merged[-2:] == [new, elsewhere]
 
 
 def test_a_record_filed_under_another_table_is_refused(tmp_path: Path) -> None:
