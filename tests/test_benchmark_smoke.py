@@ -161,7 +161,7 @@ def test_union_build_refuses_to_time_a_wrong_build_or_kernel(broken: str, monkey
         monkeypatch.setattr(bench, "sparse_mla_grouped_prefill", lambda *a, out, **k: (real_kernel(*a, out=out, **k),
                             out.fill_(123.0)))  # fmt: skip
     argv = ["--device", "cpu", "--heads", "8", "--tokens", "64", "--topk", "32", "--kv-rows", "256", "--reps", "1"]
-    with pytest.raises(RuntimeError, match="sorting build|grouped kernel"):
+    with pytest.raises(RuntimeError, match=r"sorting build|grouped kernel"):
         bench.main(argv)
 
 

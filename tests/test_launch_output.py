@@ -32,7 +32,7 @@ def _worst_case() -> Report:
             rows.append(RankRow(r, "prefill", path or "shardq/grouped G=8", ROUTED, 16384, 12345.678, 12001.2,
                                 13999.9, 1.234, 612.5, None, 5e-2, 3e-2, variant))  # fmt: skip
     for r in range(4):
-        rows.append(RankRow(r, "decode", "dcp/flashinfer-xqa (graph)", "CUDA graph replay", 256, 0.01234, 0.0111,
+        rows.append(RankRow(r, "decode", "dcp/triton (graph)", "CUDA graph replay", 256, 0.01234, 0.0111,
                             0.0133, None, None, 1234.5, 1.2e-7, 3e-2))  # fmt: skip
     config = {"preset": "deepseek-v32", "mode": "mixed", "world_size": 4, "backend": "nccl", "dtype": "bfloat16"}
     return Report(config, rows, ["a note that is longer than one line of the terminal " * 3])

@@ -84,14 +84,9 @@ def test_a_call_with_no_request_launches_nothing() -> None:
     assert xqa.calls == 0 and got.shape == q.shape and not got.any()
 
 
-def test_the_op_and_the_route_agree_on_sm100_non_causal_drafts() -> None:
-    """``route_decode`` refused non-causal drafts on SM100 while ``gqa_paged_decode(backend="flashinfer")``
-    ran them: the adapter's reason now says so for the op too, and only for drafts."""
-    from shardattn.plan.decode_routing import route_decode
-    from shardattn.plan.spec import get_preset
-
+def test_xqa_refuses_non_causal_drafts_on_sm100_only() -> None:
+    """XQA runs causal drafts only on SM100: ``gqa_paged_decode(backend="flashinfer")`` refuses
+    non-causal ones there (with this reason), and only drafts."""
     assert flashinfer_xqa.sm_reason(10, non_causal_drafts=True) == "XQA runs causal drafts only on SM100"
     assert flashinfer_xqa.sm_reason(10, non_causal_drafts=False) is None
     assert flashinfer_xqa.sm_reason(9, non_causal_drafts=True) is None
-    assert route_decode(get_preset("gqa-64-8"), sm=100, xqa_installed=True, non_causal=True).path == "triton"
-    assert route_decode(get_preset("gqa-64-8"), sm=90, xqa_installed=True, non_causal=True).path == "flashinfer-xqa"

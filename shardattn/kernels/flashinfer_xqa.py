@@ -20,13 +20,14 @@ from collections.abc import Callable
 import torch
 
 from shardattn.kernels.backend import unit_stride
-from shardattn.plan.decode_routing import XQA_PAGE_SIZES
 
 __all__ = ["draft_mask", "get_xqa", "unavailable_reason", "xqa_paged_decode"]
 
 #: Bytes of the zero-initialised XQA workspace (semaphores + scratch), one per device.
 WORKSPACE_BYTES = 256 << 20
 XQA_SM_MAJORS = (9, 10, 12)
+#: Page sizes FlashInfer XQA is built for (its JIT module's ``tokens_per_page``).
+XQA_PAGE_SIZES = (16, 32, 64, 128)
 
 
 @functools.lru_cache(maxsize=1)

@@ -35,7 +35,7 @@ from shardattn.plan.cudagraph import (
 )
 from shardattn.plan.dcp_shard import shard_kv_cache
 from shardattn.plan.decode_batch import DecodeBatch, bucket_for, plan_decode_batch
-from shardattn.plan.decode_routing import DECODE_PATHS, XQA_SM, route_decode
+from shardattn.plan.decode_routing import DECODE_PATHS, route_decode
 from shardattn.plan.pcp import PCPPlan, pcp_plan
 from shardattn.plan.routing import (
     GROUP_SIZES,
@@ -83,7 +83,6 @@ __all__ = [
     "TILE_ROWS",
     "WORKSPACE_ITEMS",
     "WORKSPACE_MODES",
-    "XQA_SM",
     "BalanceReport",
     "CGSupport",
     "DCPLayout",

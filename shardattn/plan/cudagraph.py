@@ -75,8 +75,8 @@ class CGSupport(enum.IntEnum):
 def xqa_head_dim_supported(head_dim: int) -> bool:
     """FlashInfer XQA's head-dim rule: ``16 <= head_dim <= 256`` and ``head_dim % 16 == 0``.
 
-    The one source of truth, used both by decode kernel selection (:func:`route_decode`) and by
-    :func:`cudagraph_support`, so the two never disagree.
+    The one source of truth, used both by the XQA adapter (``shardattn.kernels.flashinfer_xqa``,
+    which refuses what XQA cannot run) and by :func:`cudagraph_support`, so the two never disagree.
 
     >>> [xqa_head_dim_supported(d) for d in (8, 64, 72, 256, 512)]
     [False, True, False, True, False]

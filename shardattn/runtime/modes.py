@@ -36,7 +36,7 @@ DECODE_STEP: dict[str, str] = {
     "mixed": "dcp",
 }
 #: Decode route path -> ``backend`` argument of the GQA decode kernel.
-GQA_BACKEND = {"triton": "triton", "flashinfer-xqa": "flashinfer", "reference": "reference"}
+GQA_BACKEND = {"triton": "triton", "reference": "reference"}
 #: The prefill step of each mode for a GQA model (``None``: none; ``shardq`` refuses the model).
 GQA_PREFILL_STEP: dict[str, str | None] = {
     "shardq": None,

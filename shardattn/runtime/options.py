@@ -97,9 +97,9 @@ class DecodeOptions:
         causal: speculative drafts of one request see each other causally (default); ``False``:
             every draft sees all the request's KV tokens (decode routing and graph policy follow).
         return_lse: :meth:`Runtime.decode <shardattn.runtime.runtime.Runtime.decode>` returns the
-            LSE (default). ``False`` lets a head-TP GQA decode take a kernel without one
-            (FlashInfer XQA, when the planner routes there); the step then returns ``(out, None)``.
-            DCP always computes the LSE (its merge needs it) and returns it.
+            LSE (default). ``False``: a head-TP GQA decode step returns ``(out, None)`` (its kernel,
+            the Triton one, computes the LSE anyway). DCP always computes the LSE (its merge needs
+            it) and returns it.
     """
 
     dcp_interleave: int = 1

@@ -23,8 +23,6 @@ import torch
 
 from shardattn._checks import check_int, check_sink_logits, check_tensor
 from shardattn.kernels import fa4
-from shardattn.kernels.flashinfer_xqa import get_xqa
-from shardattn.ops.dispatch import device_capability
 from shardattn.ops.gqa_prefill import segment_kernel
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel
 from shardattn.parallel.agreement import stable_fingerprint
@@ -246,20 +244,7 @@ class RuntimePlanning(RuntimeState):
         return self.world_size > 1 and (step == "pcp" or (step == "shardq" and self.ws.shardq_possible))
 
     def _decode_route(self) -> Route:
-        sm = None
-        if self.device.type == "cuda":
-            major, minor = device_capability(self.device.index or 0)
-            sm = major * 10 + minor
-        dcp = self.world_size if self.decode_is_dcp else 1
-        return route_decode(
-            self.spec,
-            device_type=self.device,
-            sm=sm,
-            dcp_size=dcp,
-            xqa_installed=self.device.type == "cuda" and get_xqa() is not None,
-            need_lse=self.decode_options.return_lse or dcp > 1 or self.decode_is_dcp,
-            non_causal=not self.decode_options.causal,
-        )
+        return route_decode(self.spec, device_type=self.device)
 
     @functools.cached_property
     def decode_route(self) -> Route:

@@ -367,11 +367,11 @@ def plan_rows() -> list[Row]:
         ),
         row("route_decode-spec-str", P.route_decode, ("glm5",), {}, Raises(TypeError, r"^spec must be a ModelSpec")),
         row(
-            "route_decode-dcp-size-0",
+            "route_decode-device-type-unknown",
             P.route_decode,
             (spec,),
-            {"dcp_size": 0},
-            Raises(ValueError, r"dcp_size must be >= 1"),
+            {"device_type": "bogus"},
+            Raises(ValueError, r"^device_type must be a device type such as 'cuda' or 'cpu', got 'bogus'"),
         ),
         row("tile_group_size-heads-0", P.tile_group_size, (0,), {}, Raises(ValueError, r"num_heads must be >= 1")),
         row(
