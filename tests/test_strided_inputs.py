@@ -82,11 +82,78 @@ def interpreted_strided_cases() -> None:
     _close("gqa decode", got, want)
 
 
+def _every_other(shape: tuple[int, ...]) -> torch.Tensor:
+    """A zeroed destination of ``shape`` whose last dim has stride 2 (every other column)."""
+    return torch.zeros(*shape[:-1], 2 * shape[-1])[..., ::2]
+
+
+def interpreted_strided_destination_cases() -> None:
+    """Prefill destinations whose last dim is not unit-stride, and a head-blocked ``q`` of such a
+    layout: the kernels wrote ``out`` as if dense (errors of 3.3), and read such a ``q`` so (2.7)."""
+    from unittest import mock
+
+    from shardattn.ops import sparse_mla
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+
+    g = torch.Generator().manual_seed(5)
+    t, h, r, k = 5, 4, 20, 6
+    q, kv = torch.randn(t, h, 48, generator=g), torch.randn(r, 48, generator=g)
+    rows = torch.randint(-1, r + 1, (t, k), generator=g, dtype=torch.int32)
+    want = sparse_mla_oracle(q, kv, rows, scale=0.3, v_dim=32)
+    for gs in (1, 2, 8):
+        out = _every_other((t, h, 32))
+        got = sparse_mla_grouped_prefill(q, kv, rows, scale=0.3, v_dim=32, group_size=gs, out=out)
+        assert got[0] is out
+        _close(f"grouped G={gs}, strided out", got, want)
+        blocked = _every_other((2, t, 2, 48))
+        blocked.copy_(q.view(t, 2, 2, 48).movedim(1, 0))
+        _close(f"grouped G={gs}, head-blocked strided q", sparse_mla_grouped_prefill(
+            blocked, kv, rows, scale=0.3, v_dim=32, group_size=gs), want)  # fmt: skip
+    with mock.patch.object(sparse_mla, "_per_query_kernel", lambda *a: "triton"):  # its CUDA route, interpreted
+        out = _every_other((t, h, 32))
+        got = sparse_mla.sparse_mla_attention(q, kv, rows, scale=0.3, v_dim=32, out=out)
+        assert got[0] is out
+        _close("per-query, strided out", got, want)
+
+
 @pytest.mark.interpret
 def test_strided_small_tensors_give_the_oracles_result_under_the_interpreter() -> None:
     pytest.importorskip("triton", reason="the Triton kernels need triton")
     out = run_interpreted(__name__, "interpreted_strided_cases")
     assert out.count("ok ") == 3 + 1 + 6 + 1 + 1, out
+
+
+@pytest.mark.interpret
+def test_strided_prefill_destinations_give_the_oracles_result_under_the_interpreter() -> None:
+    pytest.importorskip("triton", reason="the Triton kernels need triton")
+    out = run_interpreted(__name__, "interpreted_strided_destination_cases")
+    assert out.count("ok ") == 3 * 2 + 1, out
+
+
+def test_union_and_merge_destinations_that_would_be_written_wrongly_are_refused() -> None:
+    """``build_union(out=)`` of a strided union (written as dense: [[1, 0]] for [[1, 3]]) or of a
+    union and lengths sharing bytes, and ``lse_merge`` into an ``out`` overlapping ``lse_out``
+    (an error of 1.7), gave wrong results silently; an ``out`` that is no pair failed to unpack."""
+    from shardattn.ops.lse_merge import lse_merge, lse_merge_reference
+    from shardattn.ops.union import build_union
+
+    rows = torch.tensor([[3, 1]], dtype=torch.int32)
+    lens = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^out\[0\] must be contiguous"):
+        build_union(rows, group_size=1, num_kv_rows=4, out=(torch.zeros(1, 4, dtype=torch.int32)[:, ::2], lens))
+    buf = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^out\[0\] and out\[1\] share memory"):
+        build_union(rows, group_size=1, num_kv_rows=4, out=(buf[:2].view(1, 2), buf[1:2]))
+    with pytest.raises(TypeError, match=r"^out must be a \(union, lens\) pair of tensors, got Tensor"):
+        build_union(rows, group_size=1, num_kv_rows=4, out=torch.zeros(1, 2, dtype=torch.int32))
+    good = (torch.zeros(1, 2, dtype=torch.int32), lens)
+    assert build_union(rows, group_size=1, num_kv_rows=4, out=good)[0].tolist() == [[1, 3]]
+
+    outs, lses, flat = torch.randn(3, 4, 2, 8), torch.randn(3, 4, 2), torch.zeros(64)
+    with pytest.raises(ValueError, match=r"^out and lse_out share memory"):
+        lse_merge(outs, lses, out=flat.view(4, 2, 8), lse_out=flat[:8].view(4, 2))
+    empty = lse_merge(outs[..., :0], lses)  # no values: the LSEs alone merge
+    assert empty[0].shape == (4, 2, 0) and torch.equal(empty[1], lse_merge_reference(outs, lses)[1])
 
 
 def _mla_case(tokens: int, heads: int, k: int, rows_total: int, seed: int):
@@ -144,6 +211,10 @@ def test_strided_small_tensors_on_the_gpu_give_the_contiguous_result(tokens, hea
             b = op(q, kv, rows, scale=0.04, topk_length=_column(length), sinks=_column(sinks), **extra)
             _same(op.__name__, b, a)
             torch.testing.assert_close(a[0].float(), ref_o.float(), atol=2e-2, rtol=2e-2)
+            out = _every_other(tuple(a[0].shape)).to(q)  # a destination whose last dim has stride 2
+            c = op(q, kv, rows, scale=0.04, topk_length=length, sinks=sinks, out=out, **extra)
+            assert c[0] is out
+            _same(f"{op.__name__}, strided out", c, a)
 
 
 def test_gluon_layouts_need_strides_of_16_elements() -> None:

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_disjoint, check_same_device, check_tensor
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.triton.lse_merge import HAVE_TRITON, launch_lse_merge
 
@@ -119,7 +119,7 @@ def lse_merge(
         lses: ``[P, T, H]`` fp32 natural-log LSEs; ``-inf`` (or ``+inf``, FlashMLA's marker)
             is an empty partial row, which contributes nothing whatever its ``outs`` hold.
         out: optional ``[T, H, D]`` destination (any float dtype; a CUDA graph passes its own).
-        lse_out: optional ``[T, H]`` fp32 destination.
+        lse_out: optional ``[T, H]`` fp32 destination, not sharing bytes with ``out``.
     Returns:
         ``(out [T, H, D] in outs.dtype (or out's dtype), lse [T, H] fp32)``; a row empty in every
         partial is ``(0, -inf)``. On CUDA tensors the Triton kernel runs, else the reference.
@@ -137,6 +137,7 @@ def lse_merge(
     if lse_out is not None:
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(t, h))
     check_same_device(outs=outs, out=out, lse_out=lse_out)
+    check_disjoint(out=out, lse_out=lse_out)
     return run_lse_merge(outs, lses, out=out, lse_out=lse_out)
 
 
@@ -151,7 +152,7 @@ def run_lse_merge(
     from this library's own kernels): the Triton kernel on CUDA tensors, else the reference; no
     argument checks. Shapes and return value: :func:`lse_merge`."""
     _, t, h, d = outs.shape
-    if not HAVE_TRITON or not use_triton(outs):
+    if not HAVE_TRITON or not use_triton(outs) or d == 0:  # no values to merge: the LSEs alone
         with torch.no_grad():  # inference, as the kernels: no autograd history on any device
             ref_out, ref_lse = lse_merge_reference(outs, lses)
         if out is None and lse_out is None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
-from shardattn.ops.head_blocked import q_heads_view, store_result
+from shardattn.ops.head_blocked import kernel_destination, q_heads_view, store_result, written_back
 from shardattn.ops.row_entries import first_occurrences, valid_mask
 from shardattn.ops.sparse_mla_checks import (
     check_kv_rows,  # noqa: F401 (public here too)
@@ -226,10 +226,12 @@ def sparse_mla_attention(
         out, lse_out = store_result(empty_kv_result(q3, v_dim, sinks), out, lse_out)
     elif (kernel := _per_query_kernel(q, q3, kv, rows, v_dim)) is not None:
         # head-blocked q / out / lse are read and written in place through their strides
-        out, lse_out = sparse_mla_per_query(
-            q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=out, lse_out=lse_out,
+        dense = kernel_destination(out)  # the kernels write out's last dim with unit stride
+        result, lse_out = sparse_mla_per_query(
+            q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=dense, lse_out=lse_out,
             prepared_union=prepared_union, kernel=kernel,
         )  # fmt: skip
+        out = written_back(out, result)
     else:
         with torch.no_grad():  # inference, as the kernels: no autograd history on any device
             result = sparse_mla_reference(
@@ -282,7 +284,8 @@ def sparse_mla_per_query(
         q: ``[T, H, D]`` (or head-blocked ``[B, T, H/B, D]``); kv: ``[R, D]``; rows: ``[T, K]``
             int32 global rows (-1 / out of range invalid); topk_length: ``[T]`` int32 or None;
             sinks: ``[H]`` fp32 or None.
-        out / lse_out: optional destinations, plain or head-blocked.
+        out / lse_out: optional destinations, plain or head-blocked, ``out`` with a unit last-dim
+            stride (:func:`sparse_mla_attention` passes a dense one).
         prepared_union: the ``G = 1`` union of ``rows`` built ahead (checked by the caller), else built here.
         interpret: the Triton tile for ``TRITON_INTERPRET=1`` (also chosen when it is set).
     Returns:

@@ -156,11 +156,13 @@ def check_head_dim(q_name: str, q: torch.Tensor, kv_name: str, kv: torch.Tensor)
         )
 
 
-def check_union_workspace(union: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def check_union_workspace(
+    union: object, device: torch.device, name: str = "union"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``union``: a grouped prefill's union workspace, as :func:`~shardattn.ops.union.build_union`
     returns and takes as ``out``: ``(union [groups, G*K], lens [groups])``, both contiguous int32 on
     ``device`` (rows'), the two not sharing bytes (the build writes both). Its size is the path's
-    ``G`` (checked where the union is built). Raises ``TypeError`` / ``ValueError`` naming ``union``.
+    ``G`` (checked where the union is built). Raises ``TypeError`` / ``ValueError`` naming ``name``.
 
     >>> cpu = torch.device("cpu")
     >>> u = check_union_workspace((torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)), cpu)
@@ -171,11 +173,11 @@ def check_union_workspace(union: object, device: torch.device) -> tuple[torch.Te
     """
     if not (isinstance(union, tuple | list) and len(union) == 2):
         got = f"{len(union)} items" if isinstance(union, tuple | list) else type(union).__name__
-        raise TypeError(f"union must be a (union, lens) pair of tensors, got {got}")
-    buf = check_tensor("union[0]", union[0], dtypes=INDEX_DTYPES, ndim=2, device=device)
-    lens = check_tensor("union[1]", union[1], dtypes=INDEX_DTYPES, shape=(buf.shape[0],), device=buf.device)
+        raise TypeError(f"{name} must be a (union, lens) pair of tensors, got {got}")
+    buf = check_tensor(f"{name}[0]", union[0], dtypes=INDEX_DTYPES, ndim=2, device=device)
+    lens = check_tensor(f"{name}[1]", union[1], dtypes=INDEX_DTYPES, shape=(buf.shape[0],), device=buf.device)
     for i, t in enumerate((buf, lens)):
         if not t.is_contiguous():
-            raise ValueError(f"union[{i}] must be contiguous (the union build writes it as a dense buffer)")
-    check_disjoint(**{"union[0]": buf, "union[1]": lens})
+            raise ValueError(f"{name}[{i}] must be contiguous (the union build writes it as a dense buffer)")
+    check_disjoint(**{f"{name}[0]": buf, f"{name}[1]": lens})
     return buf, lens

@@ -43,7 +43,7 @@ from shardattn.kernels.triton.sparse_mla import (
 )
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops.dispatch import prefill_path
-from shardattn.ops.head_blocked import q_heads_view, store_result
+from shardattn.ops.head_blocked import kernel_destination, q_heads_view, store_result, written_back
 from shardattn.ops.kv_compact import compact_rows
 from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
 from shardattn.ops.sparse_mla import empty_kv_result, has_keys, sparse_mla_reference
@@ -216,14 +216,16 @@ def sparse_mla_grouped_prefill(
         )  # fmt: skip
         if q_ready is not None:  # the union is built: now the kernels may wait for q
             q_ready()
+        dense = kernel_destination(out)  # the kernels write out's last dim with unit stride
         if path.backend == "gluon" and gluon_unsupported_reason(q, kv, v_dim) is None:
             # sm_90: the Gluon kernel (per-query or grouped); head-blocked q / out / lse are used in place
-            out, lse_out = launch_gluon_attention(
-                q, kv, u, lens, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out, group_size=g
+            result, lse_out = launch_gluon_attention(
+                q, kv, u, lens, scale=scale, v_dim=v_dim, sinks=sinks, out=dense, lse=lse_out, group_size=g
             )
         else:
             tile = path.tile or tile_config(q3.shape[1], g)  # q's own strides did not suit the Gluon kernel
-            out, lse_out = launch_attention(
-                q, kv, u, lens, scale=scale, v_dim=v_dim, config=tile, sinks=sinks, out=out, lse=lse_out
+            result, lse_out = launch_attention(
+                q, kv, u, lens, scale=scale, v_dim=v_dim, config=tile, sinks=sinks, out=dense, lse=lse_out
             )
+        out = written_back(out, result)
     return (out, lse_out) if return_lse else out

@@ -68,6 +68,7 @@ from shardattn.kernels.union_layout import (  # noqa: F401 (the encoding's names
     unpack_entries,
 )
 from shardattn.ops.kv_fp8_stage import STAGE_BLOCK_ROWS, mark_touched_blocks
+from shardattn.ops.sparse_mla_checks import check_union_workspace
 from shardattn.plan.crossovers import UNION_METHOD  # noqa: F401 (public here too)
 from shardattn.plan.union_routing import UNION_METHODS, route_union_method
 
@@ -157,7 +158,8 @@ def build_union(
         num_kv_rows: ``R``, rows of the KV cache (valid rows are ``< R``); ``<= 2**24 - 1``
             when ``G > 1``.
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
-        out: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``.
+        out: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``, both
+            contiguous and not sharing bytes.
         method: Triton builder, ``"auto"`` (:func:`~shardattn.plan.union_routing.route_union_method`),
             ``"sort"``, ``"fused"`` or ``"bitmap"`` (same outputs; ignored by the torch reference;
             ``G = 1`` is the row sort unless ``"fused"`` on sorted rows or ``"bitmap"``).
@@ -205,9 +207,8 @@ def _build(
     t, k = rows.shape
     g_count = num_groups(t, group_size)
     if out is not None:
-        union, lens = out
-        check_tensor("out[0]", union, dtypes=INDEX_DTYPES, shape=(g_count, group_size * k), device=rows.device)
-        check_tensor("out[1]", lens, dtypes=INDEX_DTYPES, shape=(g_count,), device=rows.device)
+        union, lens = check_union_workspace(out, rows.device, name="out")  # a pair, contiguous, disjoint
+        check_tensor("out[0]", union, shape=(g_count, group_size * k))
     if not use_triton(rows, topk_length):
         ref_union, ref_lens = build_union_reference(
             rows, group_size=group_size, num_kv_rows=num_kv_rows, topk_length=topk_length
