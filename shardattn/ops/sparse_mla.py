@@ -227,11 +227,11 @@ def sparse_mla_attention(
     elif (kernel := _per_query_kernel(q, q3, kv, rows, v_dim)) is not None:
         # head-blocked q / out / lse are read and written in place through their strides
         dense = kernel_destination(out)  # the kernels write out's last dim with unit stride
-        result, lse_out = sparse_mla_per_query(
+        written, lse_out = sparse_mla_per_query(
             q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=dense, lse_out=lse_out,
             prepared_union=prepared_union, kernel=kernel,
         )  # fmt: skip
-        out = written_back(out, result)
+        out = written_back(out, written)
     else:
         with torch.no_grad():  # inference, as the kernels: no autograd history on any device
             result = sparse_mla_reference(

@@ -219,13 +219,13 @@ def sparse_mla_grouped_prefill(
         dense = kernel_destination(out)  # the kernels write out's last dim with unit stride
         if path.backend == "gluon" and gluon_unsupported_reason(q, kv, v_dim) is None:
             # sm_90: the Gluon kernel (per-query or grouped); head-blocked q / out / lse are used in place
-            result, lse_out = launch_gluon_attention(
+            written, lse_out = launch_gluon_attention(
                 q, kv, u, lens, scale=scale, v_dim=v_dim, sinks=sinks, out=dense, lse=lse_out, group_size=g
             )
         else:
             tile = path.tile or tile_config(q3.shape[1], g)  # q's own strides did not suit the Gluon kernel
-            result, lse_out = launch_attention(
+            written, lse_out = launch_attention(
                 q, kv, u, lens, scale=scale, v_dim=v_dim, config=tile, sinks=sinks, out=dense, lse=lse_out
             )
-        out = written_back(out, result)
+        out = written_back(out, written)
     return (out, lse_out) if return_lse else out
