@@ -187,6 +187,8 @@ def reference_error(out: torch.Tensor, q: torch.Tensor, whole: tuple, seq_lens: 
     reference of this rank's ``h`` query heads (and the KV heads they read) over the whole cache."""
     k, v, table = whole
     h, group = q.shape[1], sinks.numel() // k.shape[2]
+    if h % group and group % h:  # a rank's heads cover whole KV-head groups, or lie inside one
+        raise ValueError(f"{h} query heads a rank do not split GQA groups of {group}: no per-rank reference")
     heads = slice(rank * h, (rank + 1) * h)
     kv_heads = slice(rank * h // group, ((rank + 1) * h - 1) // group + 1)
     cu = torch.arange(requests + 1, dtype=torch.int32, device=q.device)

@@ -105,7 +105,8 @@ def gpu_name(world_size: int = 1) -> str:
 
 
 def versions() -> dict[str, str]:
-    """torch, Triton (``"none"`` when it is not installed) and Python versions."""
+    """torch, Triton (``"none"`` when it is not installed) and Python versions, and FlashInfer's
+    where the run imported it (a peer some benchmarks time)."""
     import torch
 
     try:
@@ -114,7 +115,11 @@ def versions() -> dict[str, str]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "none"
-    return {"torch": torch.__version__, "triton": triton_version, "python": platform.python_version()}
+    out = {"torch": torch.__version__, "triton": triton_version, "python": platform.python_version()}
+    flashinfer = sys.modules.get("flashinfer")
+    if flashinfer is not None:
+        out["flashinfer"] = str(getattr(flashinfer, "__version__", "unknown"))
+    return out
 
 
 def environment(world_size: int = 1) -> dict[str, Any]:

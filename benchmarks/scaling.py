@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import add_json_argument, environment, print_table, record, write_json
 from scaling_predict import simulate
 
-from shardattn.calibrate.steps import PATHS, measure_paths, with_heads
+from shardattn.calibrate.steps import PATHS, fail_together, measure_paths, with_heads
 from shardattn.calibrate.timing import median_ms
 from shardattn.launch.local import run_ranks
 from shardattn.launch.process_group import DistEnv
@@ -145,8 +145,9 @@ def time_shardq_variants(
     ms = {}
     for label, kw in shardq_variants(args):
         rt, plan, got = runtime_step(kw)
-        if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
-            raise RuntimeError(f"ShardQ with {label} differs from the default ShardQ step (rank {rank})")
+        same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        fail_together(None if same else f"ShardQ with {label} differs from the default ShardQ step (rank {rank})",
+                      group, f"ShardQ with {label} differs from the default ShardQ step on another rank")  # fmt: skip
         ms[label] = median_ms(lambda rt=rt, plan=plan: rt.prefill(q_local, step.kv, step.rows, plan=plan, check=False),
                               device=device, reps=args.reps, warmup=2, group=group)  # fmt: skip
     return ms

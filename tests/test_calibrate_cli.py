@@ -204,7 +204,8 @@ def test_a_merge_keeps_the_union_ratios_it_did_not_measure() -> None:
 
 def _wrong_kernel_body(group, corrupt: str) -> str:
     """A path whose kernel writes a constant (``corrupt``: the kernel alone on rank 1 only, or the
-    Runtime's steps on every rank) is refused by every rank before it is timed."""
+    Runtime's steps on every rank), or whose check itself raises on rank 1 only, is refused by
+    every rank before it is timed (none is left waiting in a collective)."""
     from unittest import mock
 
     import shardattn.calibrate.steps as steps
@@ -219,20 +220,25 @@ def _wrong_kernel_body(group, corrupt: str) -> str:
         out[0].fill_(123.0)
         return out
 
+    def raises(*a, **k):
+        raise IndexError("a check that fails on one rank")
+
     spec = ModelSpec("sparse_mla", num_heads=8, num_kv_heads=1, head_dim=64, v_dim=48, topk=8, page_size=4,
                      dtype="float32", softmax_scale=0.125)  # fmt: skip
-    if corrupt == "kernel on rank 1":
-        target, paths = (steps, constant if rank == 1 else real), ("kernel",)
-    else:
-        target, paths = (runtime_prefill, constant), ("headtp",)
-    with mock.patch.object(target[0], "sparse_mla_grouped_prefill", target[1]), pytest.raises(RuntimeError) as err:
+    patch, paths = {
+        "kernel on rank 1": ((steps, "sparse_mla_grouped_prefill", constant if rank == 1 else real), ("kernel",)),
+        "check raises on rank 1": (
+            (steps, "sparse_mla_reference", raises if rank == 1 else steps.sparse_mla_reference), ("kernel",)),
+        "runtime steps": ((runtime_prefill, "sparse_mla_grouped_prefill", constant), ("headtp",)),
+    }[corrupt]  # fmt: skip
+    with mock.patch.object(*patch), pytest.raises(RuntimeError) as err:
         steps.measure_paths(group, spec, tokens=32, requests=2, cached=16, device=torch.device("cpu"),
                             model=CostModel(CONSERVATIVE), reps=1, warmup=0, paths=paths)  # fmt: skip
     return str(err.value)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("corrupt", ["kernel on rank 1", "runtime steps"])
+@pytest.mark.parametrize("corrupt", ["kernel on rank 1", "check raises on rank 1", "runtime steps"])
 def test_a_path_off_the_reference_is_refused_on_every_rank_before_timing(dist_pool, corrupt: str) -> None:
     for message in dist_pool.run(_wrong_kernel_body, corrupt, world_size=2):
         assert "against the fp32 reference" in message and "nothing timed" in message, message

@@ -32,7 +32,7 @@ from shardattn.plan.step_shape import StepShape
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import PrefillPlan, Runtime
 
-__all__ = ["MIN_SHARD_TOKENS", "PATHS", "check_output", "measure_paths", "path_name"]
+__all__ = ["MIN_SHARD_TOKENS", "PATHS", "check_output", "fail_together", "measure_paths", "path_name"]
 
 PATHS = ("kernel", "kernel_headtp", "headtp", "shardq", "router")
 MIN_SHARD_TOKENS = 1024
@@ -166,24 +166,38 @@ def check_output(
 ) -> None:
     """Compare :data:`CHECK_TOKENS` sampled tokens of a path's first output with the fp32 reference
     before it is timed; every rank raises ``RuntimeError`` when one rank's relative error is not
-    below :data:`CHECK_TOLERANCE` (the ranks agree first, so none is left waiting in a collective).
+    below :data:`CHECK_TOLERANCE` or its check raised (:func:`fail_together`: none is left waiting
+    in a collective).
 
     Args:
         out: ``[T, h, v_dim]`` the path's output for ``q [T, h, D]`` over ``rows [T, K]`` of ``kv [R, D]``.
     """
-    t = q.shape[0]
-    err = 0.0
-    if t:
-        sample = torch.randperm(t, generator=torch.Generator().manual_seed(t))[:CHECK_TOKENS].to(q.device)
-        ref, _ = sparse_mla_reference(q[sample].float(), kv, rows[sample], scale=cast(float, spec.softmax_scale),
-                                      v_dim=spec.v_dim)  # fmt: skip
-        diff, norm = (out[sample].float() - ref).norm(), ref.norm()
-        err = float(diff / norm) if float(norm) > 0 else float(diff)
-    worst = torch.tensor([err if err == err else float("inf")], dtype=torch.float64, device=Comm(group).device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    if not float(worst) < CHECK_TOLERANCE:
-        raise RuntimeError(f"{what}: relative error {float(worst):.3g} against the fp32 reference on the worst rank "
-                           f"(tolerance {CHECK_TOLERANCE}); nothing timed")  # fmt: skip
+    failure = None
+    try:
+        t = q.shape[0]
+        err = 0.0
+        if t:
+            sample = torch.randperm(t, generator=torch.Generator().manual_seed(t))[:CHECK_TOKENS].to(q.device)
+            ref, _ = sparse_mla_reference(q[sample].float(), kv, rows[sample], scale=cast(float, spec.softmax_scale),
+                                          v_dim=spec.v_dim)  # fmt: skip
+            diff, norm = (out[sample].float() - ref).norm(), ref.norm()
+            err = float(diff / norm) if float(norm) > 0 else float(diff)
+        if not err < CHECK_TOLERANCE:  # NaN too
+            failure = f"relative error {err:.3g} against the fp32 reference (tolerance {CHECK_TOLERANCE})"
+    except Exception as exc:  # this rank alone: the others learn of it below instead of waiting
+        failure = f"the check against the fp32 reference raised {type(exc).__name__}: {exc}"
+    elsewhere = f"{what}: another rank's output failed its check against the fp32 reference; nothing timed"
+    fail_together(f"{what}: {failure}; nothing timed" if failure else None, group, elsewhere)
+
+
+def fail_together(message: str | None, group: dist.ProcessGroup, elsewhere: str) -> None:
+    """Every rank of ``group`` raises ``RuntimeError`` when any rank's ``message`` is not ``None``
+    (its own message, or ``elsewhere`` on the ranks whose check passed); one all-reduce, which
+    every rank must reach."""
+    flag = torch.tensor([0 if message is None else 1], dtype=torch.int32, device=Comm(group).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag):
+        raise RuntimeError(message or elsewhere)
 
 
 def with_heads(spec: ModelSpec, heads: int | None) -> ModelSpec:

@@ -78,7 +78,7 @@ def sm_reason(major: int, non_causal_drafts: bool) -> str | None:
     """
     if major not in XQA_SM_MAJORS:
         return f"XQA runs on SM90/SM100/SM120, this GPU is SM{major}x"
-    if non_causal_drafts and major == 10:  # as route_decode (plan.decode_routing) refuses them there
+    if non_causal_drafts and major == 10:  # FlashInfer's XQA has no non-causal draft mask there
         return "XQA runs causal drafts only on SM100"
     return None
 

@@ -145,7 +145,8 @@ def sparse_mla_grouped_prefill(
             workspace for the union build: contiguous, on rows' device, not sharing bytes
             (:func:`~shardattn.ops.sparse_mla_checks.check_union_workspace`).
         out / lse_out: optional destinations (``[T, H, v_dim]`` q's dtype / ``[T, H]`` fp32, any
-            strides, unit last-dim stride), written in place. ``q``, ``out`` and ``lse_out`` may also
+            strides; an ``out`` whose last dim is not unit-stride is written through a dense
+            buffer), written in place. ``q``, ``out`` and ``lse_out`` may also
             be head-blocked, ``[B, T, H/B, ...]`` (head ``b * H/B + i`` at ``[b, t, i]``: an
             all-to-all buffer read or written in place; see
             :func:`~shardattn.kernels.triton.sparse_mla.launch_attention`).

@@ -13,7 +13,7 @@ mode         kernel          level
                              of a captured batch has the same q_len, padded requests of
                              length 0 included; ragged batches would need ALWAYS)
 ``decode``   flashinfer-xqa  UNIFORM_BATCH if :func:`xqa_head_dim_supported`, else
-                             UNIFORM_SINGLE_TOKEN_DECODE (XQA is not selected then)
+                             UNIFORM_SINGLE_TOKEN_DECODE (the adapter refuses such a head dim)
 ``decode``   trtllm-gen      UNIFORM_BATCH for causal drafts; non-causal drafts:
                              UNIFORM_SINGLE_TOKEN_DECODE (no non-causal spec-decode path)
 ``prefill``  triton          ALWAYS (head-TP sparse prefill: every buffer is bounded by

@@ -95,7 +95,7 @@ class DecodeOptions:
         dcp_interleave: DCP interleave size ``I``: KV tokens per rank block (token ``t`` lives on
             rank ``(t // I) % W``). Only the DCP modes read it.
         causal: speculative drafts of one request see each other causally (default); ``False``:
-            every draft sees all the request's KV tokens (decode routing and graph policy follow).
+            every draft sees all the request's KV tokens (the graph policy follows).
         return_lse: :meth:`Runtime.decode <shardattn.runtime.runtime.Runtime.decode>` returns the
             LSE (default). ``False``: a head-TP GQA decode step returns ``(out, None)`` (its kernel,
             the Triton one, computes the LSE anyway). DCP always computes the LSE (its merge needs
