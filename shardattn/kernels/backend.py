@@ -126,3 +126,20 @@ def unit_stride(x: torch.Tensor | None) -> torch.Tensor | None:
     if x is None or x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1:
         return x
     return x.contiguous()
+
+
+def kernel_destination(out: torch.Tensor | None) -> torch.Tensor | None:
+    """A destination the kernels can write (they store a row's entries at ``ptr + i``; any other
+    strides, head-blocked layouts too): ``out`` itself when its last dim has unit stride (or
+    ``None``), else a new dense tensor of its shape, dtype and device, whose values
+    :func:`written_back` copies into ``out`` after the launch."""
+    if out is None or out.shape[-1] <= 1 or out.stride(-1) == 1:
+        return out
+    return torch.empty(out.shape, dtype=out.dtype, device=out.device)
+
+
+def written_back(given: torch.Tensor | None, written: torch.Tensor) -> torch.Tensor:
+    """``written``, copied into the caller's ``given`` where :func:`kernel_destination` replaced it."""
+    if given is None or given is written:
+        return written
+    return given.copy_(written)

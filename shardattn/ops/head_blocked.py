@@ -39,22 +39,6 @@ def shape_stand_in(q: torch.Tensor) -> torch.Tensor:
     return q.as_strided((t, b * hb, d), (0, 0, q.stride(-1)))  # q's last-dim stride: dispatch reads it
 
 
-def kernel_destination(out: torch.Tensor | None) -> torch.Tensor | None:
-    """A destination the attention kernels can write (plain or head-blocked; any strides but the
-    last): ``out`` itself when its last dim has unit stride, else a new dense tensor of its shape,
-    dtype and device, whose values :func:`written_back` copies into ``out`` after the launch."""
-    if out is None or out.shape[-1] <= 1 or out.stride(-1) == 1:
-        return out
-    return torch.empty(out.shape, dtype=out.dtype, device=out.device)
-
-
-def written_back(given: torch.Tensor | None, written: torch.Tensor) -> torch.Tensor:
-    """``written``, copied into the caller's ``given`` where :func:`kernel_destination` replaced it."""
-    if given is None or given is written:
-        return written
-    return given.copy_(written)
-
-
 def store_heads(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """Copy ``src [T, H, ...]`` into ``dst``, plain ``[T, H, ...]`` or head-blocked ``[B, T, H/B, ...]``."""
     if dst.dim() == src.dim() + 1:

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
-from shardattn.ops.head_blocked import kernel_destination, q_heads_view, store_result, written_back
+from shardattn.kernels.backend import kernel_destination, written_back
+from shardattn.ops.head_blocked import q_heads_view, store_result
 from shardattn.ops.row_entries import first_occurrences, valid_mask
 from shardattn.ops.sparse_mla_checks import (
     check_kv_rows,  # noqa: F401 (public here too)

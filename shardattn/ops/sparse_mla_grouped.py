@@ -35,7 +35,7 @@ from typing import Literal, overload
 import torch
 
 from shardattn._checks import check_bool, check_int
-from shardattn.kernels.backend import use_triton
+from shardattn.kernels.backend import kernel_destination, use_triton, written_back
 from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason, launch_gluon_attention
 from shardattn.kernels.triton.sparse_mla import (
     launch_attention,
@@ -43,7 +43,7 @@ from shardattn.kernels.triton.sparse_mla import (
 )
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
 from shardattn.ops.dispatch import prefill_path
-from shardattn.ops.head_blocked import kernel_destination, q_heads_view, store_result, written_back
+from shardattn.ops.head_blocked import q_heads_view, store_result
 from shardattn.ops.kv_compact import compact_rows
 from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
 from shardattn.ops.sparse_mla import empty_kv_result, has_keys, sparse_mla_reference

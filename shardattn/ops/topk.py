@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from shardattn._checks import INDEX_DTYPES, check_int, check_same_device, check_tensor
-from shardattn.kernels.backend import use_triton
+from shardattn.kernels.backend import kernel_destination, use_triton, written_back
 from shardattn.kernels.triton.topk import launch_convert_topk
 
 INT32_MAX = 2**31 - 1
@@ -163,8 +163,8 @@ def convert_topk(
         )  # fmt: skip
         return (rows, counts) if out is None else (out.copy_(rows), counts)
     # the kernel writes rows with a unit last stride: another destination is filled from a copy
-    direct = out is not None and (k <= 1 or out.stride(1) == 1)
-    rows = out if out is not None and direct else torch.empty(t, k, dtype=torch.int32, device=topk_pos.device)
+    dest = kernel_destination(out)
+    rows = torch.empty(t, k, dtype=torch.int32, device=topk_pos.device) if dest is None else dest
     counts = torch.empty(t, dtype=torch.int32, device=topk_pos.device)
     if t == 0:
         return (rows if out is None else out), counts
@@ -174,4 +174,4 @@ def convert_topk(
         topk_pos, req_ids, block_table, seq_lens, topk_length, rows, counts, block_size=block_size, block_stride=stride,
         dcp=dcp,
     )  # fmt: skip
-    return (rows if out is None or direct else out.copy_(rows)), counts
+    return written_back(out, rows), counts
