@@ -164,6 +164,65 @@ def test_plan_that_does_not_fit_the_inputs_raises_on_every_rank(dist_pool, nproc
         assert re.search(match, msg), msg
 
 
+def _foreign_plan(group: dist.ProcessGroup, what: str) -> str:
+    """A plan made for another shard or causality, used with a block table wider than the shard
+    (an engine's fixed width, so no width check catches it): it gave wrong rows silently."""
+    rt = Runtime(SPEC, group, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=64)
+    x = _inputs(rt, [2, 3, 1], context=20, seed=4)
+    seq, cu = x["seq"], x["cu"].tolist()
+    kw = {
+        "rank 0's plan": dict(layout=rt.layout, rank=0),
+        "no layout": {},
+        "other interleave": dict(layout=DCPLayout(rt.world_size, 2), rank=rt.rank),
+        "other causality": dict(layout=rt.layout, rank=rt.rank, causal=False),
+    }[what]
+    plan = plan_decode_batch(seq, cu, packed=True, **kw)
+    table = torch.cat([x["table"], torch.full((3, 8), -1, dtype=torch.int32)], 1)
+    try:
+        rt.decode(x["q"], x["kv"], table, seq, cu_q_lens=cu, batch=plan, sinks=x["sinks"])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("what", ["rank 0's plan", "no layout", "other interleave", "other causality"])
+def test_a_plan_of_another_shard_or_causality_raises_on_every_rank(dist_pool, what):
+    for rank, msg in enumerate(dist_pool.run(_foreign_plan, what, world_size=2)):
+        if what == "rank 0's plan" and rank == 0:  # its own plan: it stops because rank 1 refused
+            assert "rank(s) [1] of 2 rejected their inputs" in msg, msg
+        else:
+            assert re.search(r"^batch was planned for shard \(world_size, interleave, rank\)", msg), msg
+
+
+def _padded_plan_and_bounds(group: dist.ProcessGroup) -> dict[str, Any]:
+    """A padded plan (a graph bucket's layout) given with the requests' own ``seq_lens`` runs (its
+    lengths replace them) and equals the unpadded step; ``max_q_len`` is checked under DCP too."""
+    rt = Runtime(SPEC, group, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=64)
+    x = _inputs(rt, [2, 3, 1], context=20, seed=5)
+    seq, cu = x["seq"], x["cu"].tolist()
+    want = rt.decode(x["q"], x["kv"], x["table"], seq, cu_q_lens=cu, sinks=x["sinks"])
+    plan = rt.decode_step.plan(seq, cu, q_len=4, padded_requests=5)
+    table = torch.cat([x["table"], torch.zeros(2, x["table"].shape[1], dtype=torch.int32)])
+    out, lse = rt.decode(plan.pad_rows(x["q"]), x["kv"], table, seq, cu_q_lens=cu, batch=plan, sinks=x["sinks"])
+    errors = {}
+    for bound in (True, 2):  # not an int; fewer than the longest request's 3 queries
+        try:
+            rt.decode(x["q"], x["kv"], x["table"], seq, cu_q_lens=cu, max_q_len=bound, sinks=x["sinks"])
+        except (TypeError, ValueError) as e:
+            errors[str(bound)] = f"{type(e).__name__}: {e}"
+    return {"same": torch.equal(plan.real_rows(out), want[0]) and torch.equal(plan.real_rows(lse), want[1]),
+            "errors": errors}  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_a_padded_plan_replaces_the_lengths_and_max_q_len_is_checked_under_dcp(dist_pool):
+    for res in dist_pool.run(_padded_plan_and_bounds, world_size=2):
+        assert res["same"], res
+        assert res["errors"]["True"].startswith("TypeError: max_q_len must be an int"), res
+        assert res["errors"]["2"].startswith("ValueError: max_q_len"), res
+
+
 def _plans_differ(group: dist.ProcessGroup) -> str:
     rt = Runtime(SPEC, group, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=64)
     x = _inputs(rt, [1, 1, 1], context=20, seed=3)

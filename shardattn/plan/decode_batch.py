@@ -41,7 +41,7 @@ from shardattn.plan._common import as_lengths, check_token_counts
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.cudagraph import DecodeQueryLens, decode_query_lens
 
-__all__ = ["DecodeBatch", "bucket_for", "plan_decode_batch"]
+__all__ = ["DecodeBatch", "bucket_for", "plan_decode_batch", "shard_of"]
 
 
 def bucket_for(num_requests: int, buckets: tuple[int, ...] | list[int]) -> int | None:
@@ -71,6 +71,11 @@ class DecodeBatch:
         seq_lens: ``[padded_requests]`` int32 global KV lengths (0 for padded requests).
         max_kv_len: the most KV tokens of this rank any query sees (``max(meta[0])``, 0 when
             empty): the step checks it against the block table's width on the host.
+        shard: ``(world_size, interleave, rank)`` of the DCP layout the local lengths were made
+            for; ``(1, 1, 0)`` when the rank holds every token (no layout, or one rank).
+        causal: the drafts' causality the lengths were made for; ``None`` when no request has
+            two queries (the same plan either way). A step refuses a plan of another shard or
+            causality (its lengths would read other KV tokens).
         on_device: ``{device: (meta[0], meta[1]) there}``, filled by the step that first moves
             ``meta`` to a device; the steps of every later layer reuse that copy (no transfer, no
             host work). Use a plan on the stream it was first used on.
@@ -85,6 +90,8 @@ class DecodeBatch:
     meta: torch.Tensor
     seq_lens: torch.Tensor
     max_kv_len: int = 0
+    shard: tuple[int, int, int] = (1, 1, 0)
+    causal: bool | None = None
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
@@ -97,10 +104,11 @@ class DecodeBatch:
     @functools.cached_property
     def fingerprint(self) -> int:
         """A 63-bit hash of the batch's global lengths and layout, equal on every rank that
-        planned the same batch (its per-rank metadata is not hashed): what ranks agree on
-        instead of reading the lengths back from the device."""
+        planned the same batch (its per-rank metadata and rank are not hashed; the DCP layout and
+        causality are): what ranks agree on instead of reading the lengths back from the device."""
         h = hashlib.blake2b(digest_size=8)
         h.update(repr((self.num_requests, self.padded_requests, self.q_len, self.packed)).encode())
+        h.update(repr((self.shard[:2], self.causal)).encode())
         h.update(np.ascontiguousarray(self.seq_lens.numpy(), dtype=np.int64).tobytes())
         h.update(np.ascontiguousarray(self.slot_q_lens, dtype=np.int64).tobytes())
         return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
@@ -285,6 +293,8 @@ def plan_decode_batch(
         meta=meta,
         seq_lens=torch.from_numpy(slot_lens.astype(np.int32)),
         max_kv_len=max_kv_len,
+        shard=shard_of(layout, rank),
+        causal=causal if longest > 1 else None,
     )
 
 
@@ -298,6 +308,18 @@ def _slots(b: int, padded_requests: object, layout: object, rank: object) -> int
         raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
     check_int("rank", rank, minimum=0, maximum=None if layout is None else layout.world_size - 1)
     return slots
+
+
+def shard_of(layout: DCPLayout | None, rank: int) -> tuple[int, int, int]:
+    """``(world_size, interleave, rank)`` of the tokens a plan's lengths count: ``(1, 1, 0)`` when
+    the rank holds every token (no layout, or a layout of one rank).
+
+    >>> shard_of(None, 3), shard_of(DCPLayout(1, 4), 0), shard_of(DCPLayout(2, 4), 1)
+    ((1, 1, 0), (1, 1, 0), (2, 4, 1))
+    """
+    if layout is None or layout.world_size == 1:
+        return (1, 1, 0)
+    return (layout.world_size, layout.interleave, rank)
 
 
 def _local_lens(seen: np.ndarray, layout: DCPLayout, rank: int) -> np.ndarray:
@@ -342,4 +364,5 @@ def _one_query_each(
         meta=meta.pin_memory() if pin else meta,
         seq_lens=torch.from_numpy(slot_lens),
         max_kv_len=int(seen.max()),
+        shard=shard_of(layout, rank),
     )

@@ -195,8 +195,7 @@ def check_drafts_on_host(
     grounds first, which it names: ``seq_lens`` or ``cu_q_lens`` of another length, both
     ``q_len_per_req`` and ``cu_q_lens``. Host ``cu_q_lens`` that
     does not start at 0, decreases or ends past q's rows raises the op's message
-    (:func:`~shardattn._checks.check_cu_q_lens`). ``max_q_len=None``: no bound to check (the DCP
-    step passes none).
+    (:func:`~shardattn._checks.check_cu_q_lens`). ``max_q_len=None``: no bound to check.
     """
     if q_len_per_req is not None and cu_q_lens is not None:
         return

@@ -26,7 +26,7 @@ from shardattn.parallel.dcp_gqa import dcp_gqa_decode
 from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.parallel.packing import view_bytes
 from shardattn.plan.context import DCPLayout
-from shardattn.plan.decode_batch import DecodeBatch, plan_decode_batch
+from shardattn.plan.decode_batch import DecodeBatch, plan_decode_batch, shard_of
 from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.args import (
     as_index,
@@ -176,6 +176,13 @@ class DecodeStep:
         try:
             if not isinstance(batch, DecodeBatch):
                 raise TypeError(f"batch must be a DecodeBatch from plan(), got {type(batch).__name__}")
+            shard = shard_of(self.layout if self.dcp else None, self.comm.rank)
+            if batch.shard != shard or batch.causal not in (None, self.causal):
+                raise ValueError(
+                    f"batch was planned for shard (world_size, interleave, rank) {batch.shard}, causal "
+                    f"{batch.causal}; this step is {shard}, causal {self.causal}: plan it with this Runtime's "
+                    "decode_step.plan()"
+                )
             if q.dim() != 3 or q.shape[0] != batch.num_slots:
                 raise ValueError(f"q must have the plan's {batch.num_slots} query rows, got shape {list(q.shape)}")
             if isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
@@ -299,12 +306,14 @@ class DecodeStep:
                     raise ValueError("pass batch (a host plan) or meta (its metadata on the device), not both")
                 if dcp and batch is not None and check:  # its lengths replace those passed beside it
                     check_plan_lengths(batch, given_seq_lens, given_cu_q_lens, q_len_per_req=q_len_per_req)
+                if max_q_len is not None:  # a promise about the drafts, in every mode (DCP reads no bound)
+                    check_int("max_q_len", max_q_len, minimum=0)
                 planned = dcp and (batch is not None or meta is not None)  # a DCP plan's metadata replaces the drafts
                 if not planned and isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
                     # the drafts against the values as passed (on a device the op reads none)
                     check_drafts_on_host(
                         given_seq_lens, given_cu_q_lens, q_len_per_req=q_len_per_req,
-                        max_q_len=None if dcp else max_q_len, tokens=t, requests=block_table.shape[0],
+                        max_q_len=max_q_len, tokens=t, requests=block_table.shape[0],
                     )  # fmt: skip
         except (TypeError, ValueError) as e:
             reject(self.comm, e, collective=dcp, check=check)
@@ -360,6 +369,8 @@ class DecodeStep:
             if meta is None and batch is not None:  # planned: the plan's metadata, its host fingerprint
                 step_meta = self._planned_meta(batch, q, block_table, check)
                 fingerprint = batch.fingerprint if check else None
+                if seq_lens.shape[0] != batch.padded_requests:  # a padded plan: its lengths, padding's 0s too
+                    seq_lens = batch.seq_lens.to(q.device)
             return dcp_gqa_decode(
                 q,
                 k_cache,

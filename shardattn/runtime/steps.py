@@ -257,7 +257,9 @@ class RuntimeSteps(RuntimeState):
                 the step hands to the kernels as their ``rows_unique`` (distinct positions of a
                 request are distinct rows of its pages).
             q_len_per_req / cu_q_lens: GQA: uniform queries per request, or ``[B + 1]`` int32
-                offsets of ragged drafts (default: one query per request).
+                offsets of ragged drafts (default: one query per request). Rows of ``q`` past
+                ``cu_q_lens[-1]`` are padding (a graph bucket's): they come back as ``(0, -inf)``,
+                sinks or not.
             max_q_len: GQA head-TP with ``cu_q_lens``: host bound on the drafts, at least the most
                 queries of a request (checked where ``cu_q_lens`` is a list or a CPU tensor; needed
                 under capture).
