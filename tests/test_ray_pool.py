@@ -302,6 +302,42 @@ def test_pool_keeps_its_resident_cache_in_fp8_when_asked(ray_instance, mode) -> 
             _check(pool.decode(reqs, return_lse=True), reqs, mirror)
 
 
+def test_stale_staging_rows_and_a_prefill_failed_on_the_driver_leave_nothing_wrong(pool2) -> None:
+    """``step_inputs()`` rows written over by another step (another thread's, or ``decode``'s
+    requests) were attended silently (an error of 0.65): such views are refused until taken again.
+    A prefill that failed on the driver after the ledger grew kept its tokens (the next decode read
+    rows no rank wrote, an error of 0.27): the ledger is as it was."""
+    from unittest import mock
+
+    from shardattn.serving import PrefillRequest
+    from shardattn.testing.serving import ServingMirror
+
+    mirror = ServingMirror(MLA, seed=12)
+    pool2.prefill([mirror.prefill_request("a", 9, attend=False), mirror.prefill_request("b", 6, attend=False)])
+    ra, rb = mirror.decode_request("a", append=False), mirror.decode_request("b", append=False)
+    for other_step in (lambda: pool2.decode_batch(["b"], rb.q, rb.topk_pos), lambda: pool2.decode([rb])):
+        staged = pool2.step_inputs(1)
+        staged["q"].copy_(ra.q)
+        staged["topk_pos"].copy_(ra.topk_pos)
+        other_step()
+        with pytest.raises(ValueError, match=r"^q is the pool's staging rows \(step_inputs\(\)\), but a step"):
+            pool2.decode_batch(["a"], staged["q"], staged["topk_pos"])
+    staged = pool2.step_inputs(1)  # taken again: the step runs
+    staged["q"].copy_(ra.q)
+    staged["topk_pos"].copy_(ra.topk_pos)
+    _check([pool2.decode_batch(["a"], staged["q"], staged["topk_pos"], return_lse=True)], [ra], mirror)
+
+    pages, lens = pool2.book.free_pages, (pool2.book.seq_len("a"), pool2.book.seq_len("b"))
+    chunk = [PrefillRequest("a", kv=torch.zeros(4, MLA.head_dim)), PrefillRequest("c", kv=torch.zeros(3, MLA.head_dim))]
+    with mock.patch("ray.put", side_effect=RuntimeError("object store full")), pytest.raises(RuntimeError):
+        pool2.prefill(chunk)
+    assert not pool2.broken and "c" not in pool2.book and pool2.book.free_pages == pages
+    assert (pool2.book.seq_len("a"), pool2.book.seq_len("b")) == lens
+    ra = mirror.decode_request("a")
+    _check(pool2.decode([ra], return_lse=True), [ra], mirror)
+    pool2.free(["a", "b"])
+
+
 def _in_place_step(pool, mirror, ids, q_lens) -> None:
     """One decode_batch step written into pool.step_inputs() (KV rows included), outputs as views: the reference."""
     reqs = [mirror.decode_request(i, n) for i, n in zip(ids, q_lens)]
@@ -351,6 +387,16 @@ def test_gqa_pool_with_sinks_equals_fp64_attention(ray_instance) -> None:
         for value, exc, match in bad:
             with pytest.raises(exc, match=match):
                 pool.set_sinks(value)
+        # more queries than keys (no KV written): the ranks failed the step and the pool broke
+        from shardattn.serving import DecodeRequest
+
+        lens = [pool.book.seq_len(i) for i in range(3)]
+        q = torch.zeros(lens[1] + 1, 8, 16)
+        with pytest.raises(ValueError, match=r"^request_ids\[0\] has \d+ queries but \d+ keys after the step"):
+            pool.decode_batch([1], q, query_lens=[q.shape[0]])
+        with pytest.raises(ValueError, match=r"^requests \[1\] have more queries than keys after the step"):
+            pool.decode([DecodeRequest(1, q=q)])
+        assert [pool.book.seq_len(i) for i in range(3)] == lens
         health = pool.health()
         assert health["state"] == "healthy" and [r["steps"] for r in health["ranks"]] == steps
         reqs = [mirror.decode_request(i) for i in range(3)]  # the old sinks still hold

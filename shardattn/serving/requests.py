@@ -230,6 +230,11 @@ def pack_step(
         empty = [i for i, s, n in zip(ids, starts, counts) if s + n == 0]
         if empty:
             raise ValueError(f"decode of requests with no cached tokens: {empty!r}")
+        if shapes.kind == "gqa":  # a GQA query attends the keys before it: the ranks would fail the step
+            short = [i for i, s, n, q_n in zip(ids, starts, counts, q_counts) if s + n < q_n]
+            if short:
+                raise ValueError(f"requests {short[:8]!r} have more queries than keys after the step (the cached "
+                                 "tokens and the step's KV rows)")  # fmt: skip
 
     def cat(parts: list[torch.Tensor], name: str) -> torch.Tensor:
         parts = [p.detach() for p in parts]  # inference: a q that requires grad is read as its values
@@ -354,4 +359,11 @@ def check_decode_batch(
     slots = book.slots(ids)
     counts = lens if parts else np.zeros(b, dtype=np.int64)
     book.check_slots(slots, counts)
-    return BatchStep(slots, book.lens[slots], counts, lens, q, topk, parts)
+    starts = book.lens[slots]
+    if shapes.kind == "gqa":  # a GQA query attends the keys before it: the ranks would fail the step
+        short = np.flatnonzero(starts + counts < lens)
+        if short.size:
+            raise ValueError(f"request_ids[{int(short[0])}] has {int(lens[short[0]])} queries but "
+                             f"{int(starts[short[0]] + counts[short[0]])} keys after the step (the cached "
+                             "tokens and the step's KV rows)")  # fmt: skip
+    return BatchStep(slots, starts, counts, lens, q, topk, parts)

@@ -15,6 +15,7 @@ ledger, so no later step reads a token that was never written.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Literal, overload
@@ -57,6 +58,10 @@ class RequestSteps(RankCalls):
     last_step: dict[str, Any]
     #: whether a decode step can return the LSE (not a head-TP GQA pool whose Runtimes skip it)
     _decode_lse: bool
+    #: steps that wrote their inputs over the shared-memory staging rows, and the count each
+    #: thread saw when it last took them from :meth:`step_inputs` (its views are stale after)
+    _staging_writes: int = 0
+    _staging_seen: dict[int, int]
 
     def _need_spec(self) -> ModelSpec:
         """The pool's model; ``RuntimeError`` on a pool formed without one."""
@@ -72,27 +77,33 @@ class RequestSteps(RankCalls):
 
         t_packed = time.perf_counter()
         kind = "prefill"
+        admitted = [rid for rid in packed.ids if rid not in self.book]  # new requests, released on undo
         self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=True)
-        table = torch.from_numpy(np.array(self.book.table(packed.ids), dtype=np.int32))  # faster than from lists
-        step = {
-            "table": table,
-            "starts": packed.starts,
-            "counts": packed.counts,
-            "q_counts": packed.q_counts,
-            "kv": packed.kv,
-            "topk": packed.topk,
-            "return_lse": return_lse,
-        }
-        h = self.heads_per_rank
-        q = packed.q
-        token_ids = None
-        if self.mode == "pcp" and q is not None:  # PCP (sparse MLA and GQA): every head of the rank's tokens
-            token_ids = pcp_token_ids(packed.counts, packed.starts, self.world_size)
-        qs: list[Any] = [None] * self.world_size if q is None else query_parts(q, self.world_size, h, token_ids)
-        t_sent = time.perf_counter()
-        shared_ref = ray.put(to_wire(step))  # once for every rank
-        refs = [a.prefill.remote(shared_ref, to_wire(qs[r])) for r, a in enumerate(self._actors)]
-        results = from_wire(self._call(kind, refs))
+        try:
+            table = torch.from_numpy(np.array(self.book.table(packed.ids), dtype=np.int32))  # faster than from lists
+            step = {
+                "table": table,
+                "starts": packed.starts,
+                "counts": packed.counts,
+                "q_counts": packed.q_counts,
+                "kv": packed.kv,
+                "topk": packed.topk,
+                "return_lse": return_lse,
+            }
+            h = self.heads_per_rank
+            q = packed.q
+            token_ids = None
+            if self.mode == "pcp" and q is not None:  # PCP (sparse MLA and GQA): every head of the rank's tokens
+                token_ids = pcp_token_ids(packed.counts, packed.starts, self.world_size)
+            qs: list[Any] = [None] * self.world_size if q is None else query_parts(q, self.world_size, h, token_ids)
+            t_sent = time.perf_counter()
+            shared_ref = ray.put(to_wire(step))  # once for every rank
+            refs = [a.prefill.remote(shared_ref, to_wire(qs[r])) for r, a in enumerate(self._actors)]
+            results = from_wire(self._call(kind, refs))
+        except Exception:  # the ranks did not run the step (else the pool is broken): the ledger as it was
+            if self._broken is None:
+                self._undo_prefill(packed, admitted)
+            raise
         t_back = time.perf_counter()
         if q is None:
             outputs: list[Any] = [None] * len(packed.ids)
@@ -109,6 +120,15 @@ class RequestSteps(RankCalls):
             "assemble_ms": (t_end - t_back) * 1e3,  # outputs per request
         }
         return outputs
+
+    def _undo_prefill(self, packed: PackedStep, admitted: list[Any]) -> None:
+        """Take a prefill step's tokens back out of the ledger: the requests it admitted released,
+        the others' lengths (and the pages they took) back."""
+        self.book.release(admitted)
+        kept = [(rid, n) for rid, n in zip(packed.ids, packed.counts) if rid not in set(admitted)]
+        if kept:
+            ids, counts = zip(*kept)
+            self.book.undo_growth(self.book.slots(list(ids)), np.array(counts, dtype=np.int64))
 
     @overload
     def prefill(
@@ -176,6 +196,7 @@ class RequestSteps(RankCalls):
             into = self._decoder.inputs() if self.transport == "shm" and self._decoder is not None else None
             with one_host_thread(self.host_threads):
                 packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: into the region
+                self._staging_writes += into is not None  # over step_inputs() views: to be taken again
                 q = packed.queries()
                 i64 = np.int64
                 batch = BatchStep(
@@ -251,11 +272,13 @@ class RequestSteps(RankCalls):
         with self._step_lock:
             self._check_usable()
             spec = self._need_spec()
+            overwrites = self._check_staging(q)
             t0 = time.perf_counter()
             with one_host_thread(self.host_threads):
                 batch = check_decode_batch(
                     self.shapes, self.book, request_ids, q, topk_pos, query_lens=query_lens, kv=kv
                 )
+                self._staging_writes += overwrites  # checked: its inputs go over the staging rows
                 if out is not None:
                     check_tensor("out", out, dtypes=(self.shapes.dtype,), device=torch.device("cpu"),
                                  shape=(batch.num_tokens, self.shapes.heads, spec.v_dim))  # fmt: skip
@@ -267,8 +290,10 @@ class RequestSteps(RankCalls):
         """Where a decode step of ``num_tokens`` query tokens may be written before
         :meth:`decode_batch`: ``{"q": [T, H, D], "topk_pos": [T, K] int32 (sparse MLA), "kv": [T, D]
         (GQA: (k, v))}``. Under ``transport="shm"`` these are the shared-memory region's leading
-        rows, which :meth:`decode_batch` then does not copy (the values are the caller's until it
-        calls the step; a step overwrites nothing of them); elsewhere, fresh tensors.
+        rows, which :meth:`decode_batch` then does not copy: one staging area per pool, so one
+        thread at a time may fill it. A step given other tensors (or :meth:`decode`'s requests)
+        writes them over those rows: :meth:`decode_batch` then refuses this thread's views until
+        it takes them again here. Elsewhere, fresh tensors.
 
         Raises ValueError: ``num_tokens`` outside ``1 .. max_decode_tokens``.
         """
@@ -280,6 +305,8 @@ class RequestSteps(RankCalls):
             raise ValueError(f"num_tokens={num_tokens} is over the pool's max_decode_tokens={shapes.max_decode_tokens}")
         if self.transport == "shm" and self._decoder is not None:
             region = self._decoder.inputs()
+            with self._step_lock:
+                self._staging_seen[threading.get_ident()] = self._staging_writes
         else:
             t = num_tokens
             region = {"q": torch.empty(t, shapes.heads, shapes.head_dim, dtype=shapes.dtype)}
@@ -292,6 +319,21 @@ class RequestSteps(RankCalls):
         if "topk" in region:
             views["topk_pos"] = region["topk"][:num_tokens]
         return views
+
+    def _check_staging(self, q: object) -> bool:
+        """Under ``transport="shm"``, whether the step will copy ``q`` over the staging rows; a ``q``
+        on them must be this thread's views from :meth:`step_inputs` with no step written over
+        them since (``ValueError`` naming ``q``)."""
+        if self.transport != "shm" or self._decoder is None or not isinstance(q, torch.Tensor):
+            return False
+        if q.data_ptr() != self._decoder.inputs()["q"].data_ptr():
+            return True
+        if self._staging_seen.get(threading.get_ident()) != self._staging_writes:
+            raise ValueError(
+                "q is the pool's staging rows (step_inputs()), but a step has written other inputs over them "
+                "since this thread took them: take them again with step_inputs() and write the step's values"
+            )
+        return False
 
     def _check_decode_lse(self, return_lse: object) -> None:
         check_bool("return_lse", return_lse)
