@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -506,6 +507,14 @@ def test_bad_requests_raise_before_any_rank_runs(pool2, monkeypatch) -> None:
         (lambda: pool2.decode(DecodeRequest("x", q=q1, topk_pos=topk1)), TypeError, "takes a list of DecodeRequest"),
         (lambda: pool2.free(["x", "nope"]), ValueError, "unknown request id 'nope'"),
         (lambda: pool2.free("x"), TypeError, "request_ids must be a sequence of ids, got str 'x'"),
+        (lambda: pool2.free(7), TypeError, "^request_ids must be a sequence of ids, got int 7"),
+        (lambda: pool2.free(torch.tensor([7])), ValueError, r"^unknown request id 7 \(never prefilled"),
+        (
+            lambda: pool2.decode_batch(np.array([2**64 - 1], dtype=np.uint64), q1, topk1),
+            ValueError,
+            r"^request_ids must be below 2\*\*63",  # it wrapped onto request -1
+        ),
+        (lambda: pool2.free(["x" * 10**6]), ValueError, r"^unknown request id 'x{10,}\.\.\.x+' \(never prefilled"),
         (lambda: pool2.decode([DecodeRequest("x", q=q1, topk_pos=topk1)], return_lse="no"), TypeError, "return_lse"),
         (
             lambda: pool2.decode_batch(["x"], q1, topk1, kv=kv1, return_lse=None),
@@ -896,3 +905,18 @@ def test_the_driver_side_of_a_step_runs_on_one_torch_thread_and_restores_the_cou
         assert torch.get_num_threads() == 2  # restored on the error path too
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_mirror_counts_a_position_listed_twice_once() -> None:
+    """The pool treats a top-k row as a set (a row listed twice by a token is one key); the fp64
+    mirror counted duplicates (outputs off by up to 0.4, LSEs by log 2)."""
+    from shardattn.serving import DecodeRequest
+    from shardattn.testing.serving import ServingMirror
+
+    mirror = ServingMirror(MLA, seed=4)
+    mirror.prefill_request("a", 9, attend=False)
+    q = torch.randn(1, MLA.num_heads, MLA.head_dim)
+    twice = DecodeRequest("a", q=q, topk_pos=torch.tensor([[3, 5, 3, 3, 7, -1, 5, 0] + [-1] * 8], dtype=torch.int32))
+    once = DecodeRequest("a", q=q, topk_pos=torch.tensor([[3, 5, -1, -1, 7, -1, -1, 0] + [-1] * 8], dtype=torch.int32))
+    for a, b in zip(mirror.expected(twice), mirror.expected(once), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

@@ -25,6 +25,7 @@ ValueError: request 'b': 17 tokens would exceed max_seq_len=16
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,36 @@ from shardattn._checks import check_int, check_tensor
 from shardattn.plan._common import as_lengths
 from shardattn.plan.context import DCPLayout
 
-__all__ = ["KVCacheConfig", "PagedKVBook"]
+__all__ = ["KVCacheConfig", "PagedKVBook", "as_int64_ids", "shown"]
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 64
+_SHOWN.maxlist = _SHOWN.maxtuple = 8
+
+
+def shown(request_id: object) -> str:
+    """``repr`` of a request id (or ids) cut to a readable length for an error message.
+
+    >>> shown("x" * 100)[:8], len(shown("x" * 100)) < 70, shown(7)
+    ("'xxxxxxx", True, '7')
+    """
+    return _SHOWN.repr(request_id)
+
+
+def as_int64_ids(name: str, ids: np.ndarray) -> np.ndarray:
+    """An integer array of request ids as int64; ``ValueError`` naming ``name`` for an unsigned
+    value of 2**63 or more (the cast would wrap it onto another id).
+
+    >>> as_int64_ids("ids", np.array([2**64 - 1], dtype=np.uint64))
+    Traceback (most recent call last):
+    ...
+    ValueError: ids must be below 2**63 (int64 ids), got 18446744073709551615
+    """
+    if ids.dtype.kind == "u" and ids.size and int(ids.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} must be below 2**63 (int64 ids), got {int(ids.max())}")
+    return ids.astype(np.int64, copy=False)
+
 
 #: Tensor dtypes :meth:`PagedKVBook.slots` looks integer request ids up from.
 _ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -133,6 +163,16 @@ class PagedKVBook:
     def __len__(self) -> int:
         return len(self._slot)
 
+    def ids_of(self, ids: torch.Tensor | np.ndarray, name: str = "request_ids") -> list[int]:
+        """Integer request ids given as a 1-D CPU tensor or array (as :meth:`slots` takes them), as
+        the Python ints the ledger keys them by; ``TypeError`` / ``ValueError`` naming ``name``."""
+        if isinstance(ids, torch.Tensor):
+            check_tensor(name, ids, dtypes=_ID_DTYPES, ndim=1, device=torch.device("cpu"))
+            ids = ids.numpy()
+        if ids.dtype.kind not in "iu" or ids.ndim != 1:
+            raise TypeError(f"{name} must be a 1-D integer array, got {ids.dtype} of shape {list(ids.shape)}")
+        return as_int64_ids(name, ids).tolist()
+
     @property
     def request_ids(self) -> list[Hashable]:
         """Requests holding KV state, in admission order."""
@@ -154,7 +194,7 @@ class PagedKVBook:
         try:
             return self._slot[request_id]
         except (KeyError, TypeError):
-            raise ValueError(f"unknown request id {request_id!r} (never prefilled, or freed)") from None
+            raise ValueError(f"unknown request id {shown(request_id)} (never prefilled, or freed)") from None
 
     def table(self, request_ids: Sequence[Hashable], width: int | None = None) -> list[list[int]]:
         """Block-table rows of ``request_ids`` (padded with ``-1`` to ``width``, default the longest;
@@ -181,7 +221,7 @@ class PagedKVBook:
             check_tensor(name, request_ids, dtypes=_ID_DTYPES, device=torch.device("cpu"))
             request_ids = request_ids.numpy()
         if isinstance(request_ids, np.ndarray) and request_ids.dtype.kind in "iu":
-            ids = request_ids.astype(np.int64, copy=False).reshape(-1)
+            ids = as_int64_ids(name, request_ids).reshape(-1)
             keys, slots = self._int_ids()
             pos = np.minimum(np.searchsorted(keys, ids), max(0, keys.size - 1))
             found = keys[pos] == ids if keys.size else np.zeros(ids.shape, dtype=bool)
@@ -197,7 +237,7 @@ class PagedKVBook:
             try:
                 out[b] = self._slot[r]
             except (KeyError, TypeError):
-                raise ValueError(f"{name}[{b}]: unknown request id {r!r} (never prefilled, or freed)") from None
+                raise ValueError(f"{name}[{b}]: unknown request id {shown(r)} (never prefilled, or freed)") from None
         return out
 
     def _int_ids(self) -> tuple[np.ndarray, np.ndarray]:
@@ -237,12 +277,13 @@ class PagedKVBook:
         if np.unique(slots).size != slots.size:
             order = np.argsort(slots, kind="stable")
             dup = order[1:][slots[order][1:] == slots[order][:-1]][0]
-            raise ValueError(f"{name}[{int(dup)}]: request {self._id_of(int(slots[dup]))!r} appears twice in one step")
+            rid = self._id_of(int(slots[dup]))
+            raise ValueError(f"{name}[{int(dup)}]: request {shown(rid)} appears twice in one step")
         total = self.lens[slots] + counts
         over = total > cfg.max_seq_len
         if over.any():
             b = int(np.argmax(over))
-            raise ValueError(f"{name}[{b}]: request {self._id_of(int(slots[b]))!r}: {int(total[b])} tokens would "
+            raise ValueError(f"{name}[{b}]: request {shown(self._id_of(int(slots[b])))}: {int(total[b])} tokens would "
                              f"exceed max_seq_len={cfg.max_seq_len}")  # fmt: skip
         need = int((self.pages_for(total) - self.npages[slots]).sum())
         if need > len(self._free):
@@ -277,7 +318,7 @@ class PagedKVBook:
             b = int(np.argmax(short))
             what = f"counts[{b}]={int(counts[b])}" if isinstance(counts, np.ndarray) else f"counts={counts}"
             rid = self._id_of(int(slots[b]))
-            raise ValueError(f"{what} is more than the {int(held[b])} tokens request {rid!r} holds")
+            raise ValueError(f"{what} is more than the {int(held[b])} tokens request {shown(rid)} holds")
         self.lens[slots] -= counts
         want = self.pages_for(self.lens[slots])
         # back in the reverse order grow_slots took them, so the free list is as it was
@@ -328,20 +369,22 @@ class PagedKVBook:
             except TypeError:
                 raise TypeError(f"request ids must be hashable, got {type(request_id).__name__}") from None
             if request_id in seen:
-                raise ValueError(f"request {request_id!r} appears twice in one step")
+                raise ValueError(f"request {shown(request_id)} appears twice in one step")
             seen.add(request_id)
-            n = check_int(f"new tokens of request {request_id!r}", new_tokens, minimum=0)
+            n = check_int(f"new tokens of request {shown(request_id)}", new_tokens, minimum=0)
             slot = self._slot.get(request_id)
             if slot is None:
                 if not new_ok:
-                    raise ValueError(f"unknown request id {request_id!r} (never prefilled, or freed)")
+                    raise ValueError(f"unknown request id {shown(request_id)} (never prefilled, or freed)")
                 admitted += 1
                 cached = held = 0
             else:
                 cached, held = int(self.lens[slot]), int(self.npages[slot])
             total = cached + n
             if total > cfg.max_seq_len:
-                raise ValueError(f"request {request_id!r}: {total} tokens would exceed max_seq_len={cfg.max_seq_len}")
+                raise ValueError(
+                    f"request {shown(request_id)}: {total} tokens would exceed max_seq_len={cfg.max_seq_len}"
+                )
             need += cfg.pages_for(total) - held
         if len(self._slot) + admitted > cfg.max_requests:
             raise ValueError(
@@ -374,7 +417,7 @@ class PagedKVBook:
         for r in ids:
             self._slot_of(r)
         if len(set(ids)) != len(ids):
-            raise ValueError(f"request ids to free must be distinct, got {ids!r}")
+            raise ValueError(f"request ids to free must be distinct, got {shown(ids)}")
         freed = 0
         for r in ids:
             slot = self._slot.pop(r)

@@ -63,9 +63,10 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from shardattn._checks import check_int
@@ -283,8 +284,10 @@ class RayRankPool(RequestSteps):
         """Release requests' pages (host bookkeeping; no rank runs). Returns the pages freed."""
         self._check_usable()
         self._need_spec()
-        if isinstance(request_ids, str | bytes):  # a str is a sequence of one-letter ids
+        if isinstance(request_ids, str | bytes) or not isinstance(request_ids, Iterable):  # a str: one-letter ids
             raise TypeError(f"request_ids must be a sequence of ids, got {type(request_ids).__name__} {request_ids!r}")
+        if isinstance(request_ids, torch.Tensor | np.ndarray):  # integer ids, as decode_batch takes them
+            request_ids = self.book.ids_of(request_ids)
         with self._step_lock:
             return self.book.release(request_ids)
 

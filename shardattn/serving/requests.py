@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from shardattn._checks import check_choice, check_tensor
-from shardattn.plan.kv_pages import PagedKVBook
+from shardattn.plan.kv_pages import PagedKVBook, as_int64_ids, shown
 from shardattn.serving.pool_shapes import PoolShapes, check_q, check_topk, kv_parts
 
 __all__ = [
@@ -171,7 +171,7 @@ def pack_step(
     for i, req in enumerate(requests):
         if not isinstance(req, cls):
             raise TypeError(f"requests[{i}] must be a {cls.__name__}, got {type(req).__name__}")
-        where = f"request {req.id!r}"
+        where = f"request {shown(req.id)}"
         topk = None
         if kind == "prefill":
             assert isinstance(req, PrefillRequest)
@@ -229,11 +229,11 @@ def pack_step(
     if kind == "decode":
         empty = [i for i, s, n in zip(ids, starts, counts) if s + n == 0]
         if empty:
-            raise ValueError(f"decode of requests with no cached tokens: {empty!r}")
+            raise ValueError(f"decode of requests with no cached tokens: {shown(empty)}")
         if shapes.kind == "gqa":  # a GQA query attends the keys before it: the ranks would fail the step
             short = [i for i, s, n, q_n in zip(ids, starts, counts, q_counts) if s + n < q_n]
             if short:
-                raise ValueError(f"requests {short[:8]!r} have more queries than keys after the step (the cached "
+                raise ValueError(f"requests {shown(short[:8])} have more queries than keys after the step (the cached "
                                  "tokens and the step's KV rows)")  # fmt: skip
 
     def cat(parts: list[torch.Tensor], name: str) -> torch.Tensor:
@@ -289,7 +289,7 @@ def _index_array(name: str, value: object) -> np.ndarray | Sequence[Hashable]:
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "iu" or value.ndim != 1:
             raise TypeError(f"{name} must be a 1-D integer array, got {value.dtype} of shape {list(value.shape)}")
-        return value.astype(np.int64, copy=False)
+        return as_int64_ids(name, value)
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a 1-D int64 tensor or a sequence, got {type(value).__name__}")
     return value

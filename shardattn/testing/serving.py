@@ -72,6 +72,19 @@ class _Req:
         return int(self.kv[0].shape[0]) if self.kv else 0
 
 
+def repeated(pos: torch.Tensor) -> torch.Tensor:
+    """``[T, K]`` bool: the entries of each row of ``pos`` that repeat an earlier-sorted one (every
+    listing of a value but one), so that a position listed twice by a token counts once.
+
+    >>> repeated(torch.tensor([[3, 1, 3, -1, -1]])).tolist()
+    [[False, False, True, False, True]]
+    """
+    srt, order = pos.sort(dim=1, stable=True)
+    again = torch.zeros_like(srt, dtype=torch.bool)
+    again[:, 1:] = srt[:, 1:] == srt[:, :-1]
+    return torch.zeros_like(again).scatter_(1, order, again)
+
+
 class ServingMirror:
     """Every request's full KV cache and the reference outputs (module docstring).
 
@@ -179,7 +192,7 @@ class ServingMirror:
             outs, lses = [], []
             for t0 in range(0, n, chunk):
                 pos = pos_all[t0 : t0 + chunk]
-                valid = (pos >= 0) & (pos < length)
+                valid = (pos >= 0) & (pos < length) & ~repeated(pos)  # a row listed twice is one key
                 rows = kv[pos.clamp(0, length - 1)].double()  # [c, K, D]
                 logits = torch.bmm(q[t0 : t0 + chunk].to(dev).double(), rows.transpose(1, 2)) * self.scale
                 logits = logits.masked_fill(~valid[:, None, :], float("-inf"))  # [c, H, K]
