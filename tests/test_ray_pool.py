@@ -310,7 +310,7 @@ def test_stale_staging_rows_and_a_prefill_failed_on_the_driver_leave_nothing_wro
     rows no rank wrote, an error of 0.27): the ledger is as it was."""
     from unittest import mock
 
-    from shardattn.serving import PrefillRequest
+    from shardattn.serving import DecodeRequest, PrefillRequest
     from shardattn.testing.serving import ServingMirror
 
     mirror = ServingMirror(MLA, seed=12)
@@ -327,6 +327,8 @@ def test_stale_staging_rows_and_a_prefill_failed_on_the_driver_leave_nothing_wro
     staged["q"].copy_(ra.q)
     staged["topk_pos"].copy_(ra.topk_pos)
     _check([pool2.decode_batch(["a"], staged["q"], staged["topk_pos"], return_lse=True)], [ra], mirror)
+    on_rows = DecodeRequest("a", q=staged["q"], topk_pos=staged["topk_pos"])  # a request built on those rows
+    _check(pool2.decode([on_rows], return_lse=True), [ra], mirror)  # raised torch's aliasing error
 
     pages, lens = pool2.book.free_pages, (pool2.book.seq_len("a"), pool2.book.seq_len("b"))
     chunk = [PrefillRequest("a", kv=torch.zeros(4, MLA.head_dim)), PrefillRequest("c", kv=torch.zeros(3, MLA.head_dim))]
@@ -920,3 +922,31 @@ def test_the_mirror_counts_a_position_listed_twice_once() -> None:
     once = DecodeRequest("a", q=q, topk_pos=torch.tensor([[3, 5, -1, -1, 7, -1, -1, 0] + [-1] * 8], dtype=torch.int32))
     for a, b in zip(mirror.expected(twice), mirror.expected(once), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@needs_ray
+def test_health_says_a_rank_is_dead_before_the_next_call_fails(ray_instance) -> None:
+    """A rank killed between steps: ``health()`` said "healthy" (only the rank's own entry said
+    dead) until a call failed; it says "rank dead", the next call raises, and a restart serves."""
+    import ray
+
+    from shardattn.serving import RankFailedError
+    from shardattn.testing.serving import ServingMirror
+
+    with _pool(2, MLA, max_requests=4, max_seq_len=48) as pool:
+        mirror = ServingMirror(MLA, seed=8)
+        pool.prefill([mirror.prefill_request("a", 5)])
+        ray.kill(pool._actors[1], no_restart=True)
+        for _ in range(50):  # the kill lands asynchronously
+            health = pool.health(timeout_s=1.0)
+            if health["state"] != "healthy":
+                break
+            time.sleep(0.1)
+        assert health["state"] == "rank dead" and health["ranks"][1]["state"] == "dead", health
+        with pytest.raises(RankFailedError):
+            pool.decode([mirror.decode_request("a")])
+        assert pool.health()["state"] == "broken"
+        assert pool.restart() == ["a"]
+        mirror.free("a")
+        reqs = [mirror.prefill_request("b", 6)]
+        _check(pool.prefill(reqs, return_lse=True), reqs, mirror)

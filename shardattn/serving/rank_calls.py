@@ -99,7 +99,9 @@ class RankCalls:
         return self._broken is not None
 
     def health(self, *, timeout_s: float | None = None) -> dict[str, Any]:
-        """``{"state": "healthy" | "broken" | "shut down", "error", "free_pages", "requests", "ranks": [...]}``.
+        """``{"state": "healthy" | "rank dead" | "broken" | "shut down", "error", "free_pages", "requests",
+        "ranks": [...]}``; ``"rank dead"``: a rank's process is gone, so the next call raises
+        :class:`~shardattn.serving.errors.RankFailedError` (and the pool is broken until :meth:`restart`).
 
         Each rank reports ``state`` (``ready``; ``prefill`` / ``decode`` while a step runs, with
         ``step_running_s``; ``dead``, ``unresponsive``), ``rss_bytes``, ``cache_bytes``,
@@ -111,6 +113,8 @@ class RankCalls:
         ranks = rank_reports(self._actors, wait)
         book = getattr(self, "book", None)  # a pool formed without a spec keeps no ledger
         state = "broken" if self._broken is not None else "healthy" if self._actors else "shut down"
+        if state == "healthy" and any(r.get("state") == "dead" for r in ranks):
+            state = "rank dead"
         return {
             "state": state,
             "error": None if self._broken is None else str(self._broken),

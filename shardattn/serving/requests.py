@@ -245,6 +245,9 @@ def pack_step(
         check_tensor(f"into[{name!r}]", buf, dtypes=(parts[0].dtype,), device=parts[0].device)
         if buf.dim() != parts[0].dim() or buf.shape[0] < rows or buf.shape[1:] != parts[0].shape[1:]:
             raise ValueError(f"into[{name!r}] must hold [{rows}, *{list(parts[0].shape[1:])}], got {list(buf.shape)}")
+        region = buf.untyped_storage().data_ptr()
+        if any(p.untyped_storage().data_ptr() == region for p in parts):  # requests on step_inputs() rows
+            return buf[:rows].copy_(torch.cat(parts))  # through a copy: cat cannot write over its inputs
         return torch.cat(parts, out=buf[:rows])
 
     kv_cat = [cat([p[c] for p in kvs], f"kv{c}") for c in range(len(kvs[0]))] if kvs[0] else []
