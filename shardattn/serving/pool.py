@@ -178,6 +178,7 @@ class RayRankPool(RequestSteps):
             check_int("host_threads", host_threads, minimum=1)
         self._decoder: Any = None  # the decode transport's runner (None: actor calls)
         self._step_lock = threading.Lock()  # one step at a time: a call from another thread waits
+        self._staging_writes = 0  # steps that wrote their inputs over the shm staging rows
         self._staging_seen: dict[int, int] = {}  # per thread: staging writes when it took step_inputs()
         self._decode_lse = True
         self.world_size, self.timeout_s = world_size, float(timeout_s)

@@ -60,7 +60,7 @@ class RequestSteps(RankCalls):
     _decode_lse: bool
     #: steps that wrote their inputs over the shared-memory staging rows, and the count each
     #: thread saw when it last took them from :meth:`step_inputs` (its views are stale after)
-    _staging_writes: int = 0
+    _staging_writes: int
     _staging_seen: dict[int, int]
 
     def _need_spec(self) -> ModelSpec:
@@ -125,7 +125,8 @@ class RequestSteps(RankCalls):
         """Take a prefill step's tokens back out of the ledger: the requests it admitted released,
         the others' lengths (and the pages they took) back."""
         self.book.release(admitted)
-        kept = [(rid, n) for rid, n in zip(packed.ids, packed.counts) if rid not in set(admitted)]
+        new = set(admitted)
+        kept = [(rid, n) for rid, n in zip(packed.ids, packed.counts) if rid not in new]
         if kept:
             ids, counts = zip(*kept)
             self.book.undo_growth(self.book.slots(list(ids)), np.array(counts, dtype=np.int64))
