@@ -32,6 +32,14 @@ def _extra_assignments(w: int, rem: int):
             yield (e, *rest)
 
 
+def _bounds(sizes: list[int], n: int, align: int) -> list[int]:
+    """Chunk boundaries of ``sizes`` units per chunk (the request's last unit may be short)."""
+    bounds = [0]
+    for size in sizes:
+        bounds.append(min(bounds[-1] + size * align, n))
+    return bounds
+
+
 def _zigzag_oracle(lens: list[int], w: int, align: int) -> list[list[int]]:
     """Token ids per rank, found by exhaustive search over the documented rule (module docstring of
     shardattn.plan.zigzag), not by replaying the planner's loop.
@@ -65,9 +73,18 @@ def _zigzag_oracle(lens: list[int], w: int, align: int) -> list[list[int]]:
                 sizes[r] += 1
             if e == 2:
                 sizes[slots - 1 - r] += 1
-        bounds = [0]
-        for size in sizes:
-            bounds.append(min(bounds[-1] + size * align, n))
+        bounds = _bounds(sizes, n, align)
+        # with align > 1 and a unit in every chunk: while the busiest rank (this request counted)
+        # holds 2 * align or more beyond the least loaded, a unit moves between their early chunks
+        while base and align > 1:
+            after = [load[r] + sum(bounds[c + 1] - bounds[c] for c in (r, slots - 1 - r)) for r in range(w)]
+            hi = sorted(range(w), key=lambda r: (-after[r], r))[0]
+            lo = sorted(range(w), key=lambda r: (after[r], r))[0]
+            if after[hi] - after[lo] < 2 * align or sizes[hi] == 0:
+                break
+            sizes[hi] -= 1
+            sizes[lo] += 1
+            bounds = _bounds(sizes, n, align)
         for r in range(w):
             for c in (r, slots - 1 - r):
                 ranks[r].extend(range(start + bounds[c], start + bounds[c + 1]))
@@ -152,9 +169,8 @@ def test_zigzag_chunks_are_aligned_and_ranks_bounded(step):
         b = bounds[i]
         assert b[0] == 0 and b[-1] == n and (np.diff(b) >= 0).all()
         assert all(x % align == 0 or x == n for x in b.tolist())
-        # full chunks differ by at most one unit inside a request (zigzag balance)
-        units = [-(-(b[c + 1] - b[c]) // align) for c in range(2 * w)]
-        assert max(units) - min(units) <= 1
+        # the chunks hold the request's units
+        assert sum(-(-(b[c + 1] - b[c]) // align) for c in range(2 * w)) == -(-n // align)
     # documented bound on the busiest rank
     plan = zigzag_split(lens, w, align=align, min_tokens=0)
     t = sum(lens)
@@ -186,6 +202,18 @@ def test_cost_balanced_invariants(step):
     unit_max = align * 512
     mean = cost.sum() / w
     assert (plan.rank_cost.numpy() <= mean + 2 * unit_max).all()
+
+
+@pytest.mark.parametrize("requests", [8, 1000])
+@pytest.mark.parametrize(("n", "w", "align"), [(7, 2, 2), (61, 2, 8), (47, 3, 4)])
+def test_short_last_units_do_not_pile_up_on_one_side(requests, n, w, align):
+    # units divide 2W and the last unit is short, request after request: before the rebalancing
+    # every request left rank 0 short, so rank 1 grew past the bound (8 x 7 tokens: 24 / 32)
+    assert -(-n // align) % (2 * w) == 0 and n % align
+    lens = [n] * requests
+    plan = zigzag_split(lens, w, align=align, min_tokens=0)
+    assert int(plan.counts.max()) <= -(-sum(lens) // w) + 2 * align - 1
+    assert [plan.token_ids(r).tolist() for r in range(w)] == _zigzag_oracle(lens, w, align)
 
 
 def test_zigzag_docstring_example_exact():

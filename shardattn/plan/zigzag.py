@@ -31,7 +31,10 @@ the ``2W`` chunks gets ``u // (2W)`` units. The ``u % (2W)`` extra units are dea
 to the rank holding the fewest tokens so far in the step (this request's units counted at their
 size), among ranks that still have a chunk of this request without an extra; ties go to the
 lower rank; a rank's first extra lengthens its early chunk ``r``, its second its late chunk
-``2W-1-r``. Requests are taken in batch order. So:
+``2W-1-r``. With ``align > 1`` and every chunk holding a unit, the short last unit leaves rank 0
+short, request after request: while the busiest rank then holds ``2 * align`` tokens or more
+beyond the least loaded one, a unit moves from the busiest rank's early chunk to the least loaded
+rank's. Requests are taken in batch order. So:
 
 * every chunk boundary is a multiple of ``align`` from the request's first new token (a group of
   ``align`` consecutive queries never straddles two ranks);
@@ -134,13 +137,37 @@ def _chunk_bounds(lens: np.ndarray, w: int, a: int) -> np.ndarray:
                 sizes[r if extras[r] == 0 else slots - 1 - r] += 1
                 extras[r] += 1
                 guess[r] += a
-        row = [0]
-        for size in sizes:
-            row.append(min(row[-1] + size * a, n))
+        row = _rows_of(sizes, n, a)
+        if base and a > 1:  # the short last unit (rank 0's late chunk) can leave rank 0 behind
+            row = _rebalance(sizes, row, load, n, w, a)
         rows.append(row)
         for r in range(w):
             load[r] += row[r + 1] - row[r] + row[slots - r] - row[slots - 1 - r]
     return np.asarray(rows, dtype=np.int64).reshape(lens.size, slots + 1)
+
+
+def _rows_of(sizes: list[int], n: int, a: int) -> list[int]:
+    # chunk boundaries of units per chunk: only the last unit of the request may be short
+    row = [0]
+    for size in sizes:
+        row.append(min(row[-1] + size * a, n))
+    return row
+
+
+def _rebalance(sizes: list[int], row: list[int], load: list[int], n: int, w: int, a: int) -> list[int]:
+    """While the busiest rank holds ``2 * align`` tokens or more beyond the least loaded one (this
+    request counted), one unit of the busiest rank's early chunk moves to the least loaded rank's
+    early chunk (every chunk holds a unit, and early chunks hold whole ones)."""
+    slots = 2 * w
+    while True:
+        after = [load[r] + row[r + 1] - row[r] + row[slots - r] - row[slots - 1 - r] for r in range(w)]
+        hi = max(range(w), key=lambda r: (after[r], -r))  # ties -> lower rank
+        lo = min(range(w), key=lambda r: (after[r], r))
+        if after[hi] - after[lo] < 2 * a or sizes[hi] == 0:
+            return row
+        sizes[hi] -= 1
+        sizes[lo] += 1
+        row = _rows_of(sizes, n, a)
 
 
 def _gate(lens: np.ndarray, w: int, m: int) -> tuple[bool, str]:
