@@ -5,7 +5,8 @@ decoded from their bit definitions and the nearest one is picked in fp64).
 * :func:`fp8_rows_oracle`: ``[R, 576]`` fp64 values -> ``(bytes [R, 656] uint8, flags [R] bool)``.
   Per 128-value latent tile: ``scale = 2**k``, the least ``k >= -13`` with ``448 * 2**k >= amax``
   (``amax`` over finite values); code = e4m3 nearest to ``x / scale``, ties to the even code;
-  NaN -> +0, +-inf -> +-448. Rope: bf16 nearest, ties to even; NaN -> +0, +-inf -> +- the largest
+  NaN -> +0, +-inf -> +-448 (+-240 at ``k = 120``: 448 * 2**120 is past fp32).
+  Rope: bf16 nearest, ties to even; NaN -> +0, +-inf -> +- the largest
   finite rope magnitude of the row; clamped to the bf16 range. ``flags``: the row held NaN / inf.
 * :func:`fp8_rows_decode`: ``[R, 656]`` bytes -> ``[R, 576]`` fp64 values (the reader's side:
   code value from its sign, exponent and mantissa bits, times the tile's fp32 scale; rope from its
@@ -95,7 +96,7 @@ def fp8_rows_oracle(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             amax = float(np.abs(tile[finite]).max()) if finite.any() else 0.0
             k = tile_exponent(amax)
             y = np.where(finite, tile / 2.0**k, 0.0)
-            y = np.where(np.isinf(tile), np.copysign(448.0, tile), y)
+            y = np.where(np.isinf(tile), np.copysign(448.0 if k < 120 else 240.0, tile), y)
             out[i, t * TILE : (t + 1) * TILE] = e4m3_codes(y)
             out[i, LATENT + 4 * t : LATENT + 4 * t + 4] = np.frombuffer(np.float32(2.0**k).tobytes(), np.uint8)
         rope = x[i, LATENT:]

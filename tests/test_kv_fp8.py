@@ -25,6 +25,7 @@ from shardattn.ops.kv_fp8 import (
     dequantize_kv,
     quantize_kv,
     quantize_kv_reference,
+    resolve_kv,
     write_kv,
 )
 from tests.fp8_oracle import DTYPES, flashmla_quantize, fp8_rows_oracle, make_rows
@@ -112,6 +113,45 @@ def test_fp32_near_the_top_of_the_range_dequantises_to_infinity() -> None:
     rows[0, 0], rows[0, 1] = 248 * 2.0**120, 247 * 2.0**120
     back = dequantize_kv(quantize_kv(rows), torch.float32)
     assert back[0, 0].item() == INF and back[0, 1].item() == 240 * 2.0**120
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_infinity_beside_the_largest_scale_stays_finite(dtype) -> None:
+    """A tile whose finite values need scale 2**120 (>= 448 * 2**119): an infinity saturates to
+    240 x 2**120, the largest finite value there (448 x 2**120 read back as inf)."""
+    rows = torch.zeros(2, 576, dtype=dtype)
+    rows[0, 0], rows[0, 7], rows[1, 200] = 448 * 2.0**119 * 1.01, -INF, INF  # tile 0 at 2**120; tile 1 at 2**-13
+    status = torch.empty(2, dtype=torch.int32)
+    packed = quantize_kv(rows, status=status)
+    back = dequantize_kv(packed, torch.float32)
+    assert torch.isfinite(back).all() and status.tolist() == [WRITE_SATURATED, WRITE_SATURATED]
+    assert back[0, 7].item() == -240 * 2.0**120 and back[1, 200].item() == 448 * 2.0**-13
+    want, _ = fp8_rows_oracle(rows.double().numpy())
+    assert torch.equal(packed, torch.from_numpy(want))
+
+
+def test_caches_whose_rows_are_not_4_byte_aligned_are_refused() -> None:
+    """The fp32 scales sit 512 bytes into a row: a cache starting at an odd byte, or with a row
+    stride that is no multiple of 4, was accepted and then faulted on a GPU (misaligned address)."""
+    rows = quantize_kv(torch.randn(2, 576, generator=torch.Generator().manual_seed(2)))
+    odd = torch.zeros(2 * 656 + 1, dtype=U8)[1:].view(2, 656)
+    wide = torch.zeros(2, 658, dtype=U8)[:, :656]
+    for kv in (odd, wide, torch.zeros(2, 3, 658, dtype=U8)[:, :, :656]):
+        with pytest.raises(ValueError, match=r"cache's fp8_ds_mla rows must start at multiples of 4 bytes"):
+            write_kv(kv, torch.tensor([0, 1]), torch.randn(2, 576))
+        with pytest.raises(ValueError, match=r"packed's fp8_ds_mla rows must start at multiples of 4 bytes"):
+            dequantize_kv(kv)
+    aligned = torch.zeros(2, 660, dtype=U8)[:, :656].copy_(rows)  # a stride of 660: read
+    assert torch.equal(dequantize_kv(aligned), dequantize_kv(rows))
+    assert torch.equal(dequantize_kv(wide[:1].copy_(rows[:1])), dequantize_kv(rows[:1]))  # one row: any stride
+
+
+def test_a_paged_cache_of_one_row_a_page_reads_as_rows() -> None:
+    """Pages of one row follow one another whatever the stride of their size-1 dim (a permuted
+    view): they were refused as pages that do not follow one another."""
+    kv = torch.zeros(1, 3, 656, dtype=U8).permute(1, 0, 2)  # [3, 1, 656], rows at p * 656
+    rows, fmt = resolve_kv("kv", kv, head_dim=576, v_dim=512)
+    assert fmt == "fp8_ds_mla" and rows.shape == (3, 656) and rows.stride() == (656, 1)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)

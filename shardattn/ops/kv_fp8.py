@@ -21,8 +21,9 @@ Readers take any fp32 scale (vLLM's writer stores ``amax / 448`` itself); this m
 * **Rope**: the input's values as bf16 (bf16 input unchanged; fp16 / fp32 rounded to nearest
   even, fp32 beyond the bf16 range saturated at +-3.39e38).
 * **Non-finite values** never reach the cache as NaN or inf: NaN is stored as +0; +-inf as
-  +-448 x the tile's scale in the latent and as +- the row's largest finite rope magnitude (0 if
-  none) in the rope; scales come from the finite values. Each row written can report it
+  +-448 x the tile's scale in the latent (+-240 x ``2 ** 120`` where the scale is ``2 ** 120``:
+  448 x ``2 ** 120`` is past fp32) and as +- the row's largest finite rope magnitude (0 if none)
+  in the rope; scales come from the finite values. Each row written can report it
   (``status``: :data:`WRITE_SATURATED`) in a device tensor, so the write needs no host
   synchronisation and stays capturable in a CUDA graph; :func:`check_write_status` is the
   explicit (synchronising) check. An error raised from inside the write would need a host
@@ -30,7 +31,8 @@ Readers take any fp32 scale (vLLM's writer stores ``amax / 448`` itself); this m
   the caller which tokens were bad, when the caller chooses to look.
 
 Bit-identical to FlashMLA's reference (``tests/quant.py``, ``quantize_k_cache``) on finite bf16
-and fp16 rows (tested over every bf16 magnitude). On fp32 rows the scale here is the exact
+rows (tested over every bf16 magnitude); on fp16 rows in the latent codes and scales (FlashMLA
+keeps an fp16 row's rope bytes in fp16, this format stores bf16). On fp32 rows the scale here is the exact
 ceiling; FlashMLA's float ``log2`` can land one power of two lower when ``amax`` is within a few
 fp32 ulps above ``448 * 2 ** k`` (both then store in range). Limit of the format: a finite value
 at or above ``248 * 2 ** 120`` (about 3.30e38) has scale ``2 ** 120`` and rounds to the code of
@@ -67,7 +69,7 @@ import torch
 
 from shardattn._checks import FLOAT_DTYPES, check_same_device, check_tensor
 from shardattn.kernels.backend import use_triton
-from shardattn.kernels.triton.kv_fp8 import BF16_MAX, launch_write_fp8_rows
+from shardattn.kernels.triton.kv_fp8 import BF16_MAX, TOP_SCALE_EXP, TOP_SCALE_SAT, launch_write_fp8_rows
 from shardattn.ops.kv_fp8_layout import (
     FP8_DS_MLA,
     KVRowLayout,
@@ -129,7 +131,8 @@ def quantize_kv_reference(rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     k = ((bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).int()).clamp_min(layout.min_scale_exp)
     scale = ((k + 127) << 23).view(torch.float32)
     y = x * ((127 - k) << 23).view(torch.float32)[..., None]  # exact: a power of two
-    y = torch.where(x_nan, 0.0, torch.where(x_inf, torch.where(x > 0, layout.fp8_max, -layout.fp8_max), y))
+    sat = torch.where(k >= TOP_SCALE_EXP, TOP_SCALE_SAT, layout.fp8_max)[..., None]  # finite once dequantised
+    y = torch.where(x_nan, 0.0, torch.where(x_inf, torch.where(x > 0, sat, -sat), y))
     codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
 
     v = rope.float()
@@ -198,9 +201,11 @@ def dequantize_kv(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> 
     lay = FP8_DS_MLA
     wide = torch.float64 if dtype == torch.float64 else torch.float32  # the product's dtype
     codes = packed[..., : lay.latent_dim].view(torch.float8_e4m3fn).to(wide)
-    scales = packed[..., lay.scale_offset : lay.rope_offset].contiguous().view(torch.float32).to(wide)
+    # fresh copies (.contiguous() keeps a one-row view's odd stride, which .view refuses)
+    scales = packed[..., lay.scale_offset : lay.rope_offset].clone(memory_format=torch.contiguous_format)
+    scales = scales.view(torch.float32).to(wide)
     latent = (codes.unflatten(-1, (lay.num_tiles, lay.tile_size)) * scales[..., None]).flatten(-2)
-    rope = packed[..., lay.rope_offset :].contiguous().view(torch.bfloat16)
+    rope = packed[..., lay.rope_offset :].clone(memory_format=torch.contiguous_format).view(torch.bfloat16)
     return torch.cat([latent.to(dtype), rope.to(dtype)], dim=-1)
 
 

@@ -80,6 +80,13 @@ def check_fp8_kv(name: str, kv: object, layout: KVRowLayout = FP8_DS_MLA) -> tor
         raise ValueError(f"{name} must have contiguous, non-overlapping {layout.name} rows, got strides {kv.stride()}")
     if kv.dim() == 3 and _overlaps(kv):  # pages sharing rows (an expand, a page stride below the page)
         raise ValueError(f"{name} must have non-overlapping pages, got shape {list(kv.shape)} strides {kv.stride()}")
+    # the fp32 scales sit 512 bytes into a row: every row must start 4-byte aligned (a misaligned
+    # scale load is a CUDA fault, not a wrong value)
+    if kv.storage_offset() % 4 or any(kv.stride(d) % 4 for d in range(kv.dim() - 1) if kv.shape[d] > 1):
+        raise ValueError(
+            f"{name}'s {layout.name} rows must start at multiples of 4 bytes (fp32 scales inside), got storage "
+            f"offset {kv.storage_offset()} and strides {kv.stride()}"
+        )
     return kv
 
 
@@ -143,7 +150,7 @@ def resolve_kv(
 def _page_rows(name: str, kv: torch.Tensor) -> torch.Tensor:
     """A paged cache ``[P, page, row]`` as its rows ``[P * page, row]`` (row ``p * page + i``), a
     view: its pages must follow one another (the kernels address rows as ``row * stride``)."""
-    if kv.shape[0] > 1 and kv.stride(0) != kv.shape[1] * kv.stride(1):
+    if kv.shape[0] > 1 and kv.shape[1] > 1 and kv.stride(0) != kv.shape[1] * kv.stride(1):
         raise ValueError(
             f"{name}'s pages must follow one another (rows are read as row * stride): page stride "
             f"{kv.stride(0)} != page_size {kv.shape[1]} x row stride {kv.stride(1)}"

@@ -29,6 +29,11 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 E4M3_MAX = 448.0
 #: The largest finite bfloat16 magnitude (exactly representable in fp32).
 BF16_MAX = 3.3895313892515355e38
+#: The largest scale exponent the writer picks (``2 ** 120``), and the e4m3 value an infinity
+#: saturates to at that scale: 240 x ``2 ** 120`` is the largest finite product there (448 x
+#: ``2 ** 120`` is past fp32); below it an infinity saturates to 448.
+TOP_SCALE_EXP = 120
+TOP_SCALE_SAT = 240.0
 
 
 def launch_write_fp8_rows(
@@ -177,7 +182,8 @@ if triton is not None:
         inv_scale = ((127 - k) << 23).to(tl.float32, bitcast=True)
         y = x * inv_scale[:, None]  # exact: a power of two
         y = tl.where(x_nan, 0.0, y)
-        y = tl.where(x_inf, tl.where(x > 0, 448.0, -448.0), y)
+        sat = tl.where(k >= 120, 240.0, 448.0)[:, None]  # TOP_SCALE_EXP / _SAT: finite once dequantised
+        y = tl.where(x_inf, tl.where(x > 0, sat, -sat), y)
         tl.store(row + cols, _e4m3_code(y).to(tl.uint8), mask=_stored(slot, cols, capacity))
         scale_ptrs = (row + SCALE_OFFSET).to(tl.pointer_type(tl.float32)) + tiles
         tl.store(scale_ptrs, scale, mask=_stored(slot, tiles, capacity))
