@@ -223,3 +223,14 @@ def test_default_group_size_is_the_grouped_gluon_kernels(heads, group):
         assert wb.group_size == (prefill_group_size(kernel_heads, gluon=True) or 1), (mode, wb.group_size)
     assert workspace_bounds(spec, max_batched_tokens=1024, world_size=1, mode="shardq").group_size == group
     assert workspace_bounds(spec, max_batched_tokens=1024, world_size=2, mode="dcp-decode").group_size == 1
+
+
+@pytest.mark.parametrize("m", [1023, 1017, 1024])
+def test_headtp_union_holds_one_pass_of_every_token_in_whole_groups(m):
+    # the union of M tokens is [ceil(M / G), G * K] int32; it was sized M * K * 4, so a step of
+    # the largest size ran its grouped kernel in two passes
+    spec = get_preset("glm5")
+    wb = workspace_bounds(spec, max_batched_tokens=m, world_size=8, mode="headtp")
+    g = wb.group_size
+    assert g > 1 and wb.union >= -(-m // g) * g * spec.topk * 4
+    assert wb.union // (spec.topk * 4) // g * g >= m  # the Runtime's tokens per pass

@@ -20,7 +20,8 @@ Modes:
   Unpipelined (one chunk, the default) the four buffers are all live while the kernel runs (it
   reads the queries, the rows and the union while writing the outputs), so none can share bytes
   with another.
-* ``headtp``: no token split; a rank runs all ``M`` tokens with ``H / W`` heads; ``N = M``. The
+* ``headtp``: no token split; a rank runs all ``M`` tokens with ``H / W`` heads; ``N = ceil(M / G) * G``
+  (the union of ``M`` tokens is ``ceil(M / G)`` groups of ``G * K`` entries). The
   kernel reads the caller's rows and writes the caller's result, so the union is all it takes.
 * ``pcp``: tokens split over ``W`` PCP ranks (``Hl`` heads each); the new KV rows are
   all-gathered (``W * Nmax`` rows). (The Runtime's PCP step takes only the union from the
@@ -307,8 +308,10 @@ def workspace_bounds(
     slack = 0 if g == 1 else 2 * g - 1
     item: dict[str, tuple[int, str]] = {}
 
-    if mode == "headtp" or decode:
+    if decode:
         n = n_max = m
+    elif mode == "headtp":  # every token, in whole groups (the union of T tokens is [ceil(T/G), G*K])
+        n = n_max = -(-m // g) * g
     else:
         per_rank = -(-m // w)  # ceil(M / W)
         n = -(-per_rank // g) * g  # rounded up to whole groups
