@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -87,6 +88,9 @@ def test_uniform_bucket_is_a_slice():
         (dict(seq_lens=[5, 5], padded_requests=1), "smaller than the batch"),
         (dict(seq_lens=[5, 5], qo_indptr=[0, 2, 1]), "non-decreasing"),
         (dict(seq_lens=[5, -1]), "seq_lens"),
+        # past int64: the fast path cast them and named the wrapped value (-1, -2**63)
+        (dict(seq_lens=np.array([2**64 - 1], dtype=np.uint64)), r"seq_lens\[0\] must be < 2\*\*63"),
+        (dict(seq_lens=[2**63]), r"seq_lens\[0\] must be < 2\*\*63"),
     ],
 )
 def test_plan_rejects_bad_lengths(kwargs, match):

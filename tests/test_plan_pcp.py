@@ -111,3 +111,11 @@ def test_empty_step_and_rank_without_tokens():
 def test_bad_arguments_raise(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         pcp_plan(**kwargs)
+
+
+@pytest.mark.parametrize("req", [-1, 2])
+def test_gathered_rows_for_refuses_a_request_outside_the_step(req):
+    # request -1 read the last request's offsets (wrong rows, no error); 2 of 2 an IndexError
+    plan = pcp_plan([4, 4], 2, prefix_lens=[2, 0])
+    with pytest.raises(ValueError, match=r"request_ids must be in \[0, 2\)"):
+        plan.gathered_rows_for(torch.tensor([[2, 3]]), torch.tensor([req]))

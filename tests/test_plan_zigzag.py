@@ -337,3 +337,8 @@ def test_bad_rank_raises():
     plan = zigzag_split([8], 2, min_tokens=0)
     with pytest.raises(ValueError, match="rank must be < world_size=2"):
         plan.token_ids(2)
+
+
+def test_chunk_bounds_refuse_lengths_the_split_refuses():
+    with pytest.raises(ValueError, match="query_lens"):
+        zigzag_chunk_bounds([2**31], 2)

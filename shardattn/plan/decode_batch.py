@@ -175,7 +175,8 @@ def _lengths(name: str, values: object, count: int | None = None) -> np.ndarray:
         isinstance(values, list | tuple) and bool in map(type, values)
     ):
         arr = np.asarray(values)
-        if arr.ndim == 1 and (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        # signed integers only: unsigned ones (and ints past int64, an object array) take the checked path
+        if arr.ndim == 1 and (arr.size == 0 or np.issubdtype(arr.dtype, np.signedinteger)):
             arr = arr.astype(np.int64, copy=False)
             if count is not None and arr.shape[0] != count:
                 raise ValueError(f"{name} must have {count} entries, got {arr.shape[0]}")

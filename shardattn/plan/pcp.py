@@ -97,7 +97,9 @@ class PCPPlan:
 
         Args:
             positions: ``[n, K]`` int32/int64 request positions (prefix included).
-            request_ids: ``[n]`` int32/int64 request of each row (use ``shard.request_ids(rank)``).
+            request_ids: ``[n]`` int32/int64 request of each row (use ``shard.request_ids(rank)``);
+                an id outside the step's requests is a ``ValueError`` on CPU tensors (on a device
+                it is not checked: no sync).
 
         Returns:
             ``[n, K]`` int64: the row in the all-gathered buffer for positions of the step's new
@@ -108,6 +110,16 @@ class PCPPlan:
         check_tensor("positions", positions, dtypes=(torch.int32, torch.int64), ndim=2)
         check_tensor("request_ids", request_ids, dtypes=(torch.int32, torch.int64), shape=[positions.shape[0]])
         check_same_device(positions=positions, request_ids=request_ids, kv_row=self.kv_row)
+        n_req = self.shard.query_lens.numel()
+        if (
+            request_ids.device.type == "cpu"
+            and request_ids.numel()
+            and not (int(request_ids.min()) >= 0 and int(request_ids.max()) < n_req)
+        ):  # where the check costs no device sync
+            raise ValueError(
+                f"request_ids must be in [0, {n_req}) (the step's requests), got {request_ids.min().item()} .. "
+                f"{request_ids.max().item()}"
+            )
         req = request_ids.to(torch.int64)
         prefix = self.shard.prefix_lens[req][:, None]
         new = self.shard.query_lens[req][:, None]

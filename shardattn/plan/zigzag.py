@@ -112,7 +112,7 @@ def zigzag_chunk_bounds(query_lens: object, world_size: int, *, align: int = 1) 
     >>> zigzag_chunk_bounds([10], 2, align=4).tolist()   # units 4, 4, 2 (the last is short)
     [[0, 4, 8, 8, 10]]
     """
-    lens = as_lengths("query_lens", query_lens)
+    lens = check_token_counts("query_lens", as_lengths("query_lens", query_lens))
     w = check_world_size(world_size)
     a = check_int("align", align, minimum=1)
     return _chunk_bounds(lens, w, a)
