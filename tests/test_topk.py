@@ -126,3 +126,34 @@ def test_cpu_path_matches_the_loop_oracle(block, stride, use_seq, use_len, dcp, 
     want = topk_rows_oracle(pos, req, table, dcp=dcp, **kw)
     assert torch.equal(rows, want), (rows, want)
     assert torch.equal(counts, (want >= 0).sum(dim=1, dtype=torch.int32))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(use_len=st.booleans(), dcp=st.sampled_from([None, (2, 1, 0), (3, 2, 2)]), seed=st.integers(0, 2**16))
+def test_packed_rows_are_the_valid_rows_in_order_then_minus_one(use_len, dcp, seed):
+    """``packed=True``: each token's valid rows (the unpacked call's, in its order) at the front,
+    ``-1`` after them; the counts are the unpacked call's; ``out`` receives the packed rows."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, k, batch, width = 5, int(torch.randint(1, 40, (1,), generator=gen)), 3, 6
+    pos = torch.randint(-3, 30, (tokens, k), generator=gen, dtype=torch.int32)
+    req = torch.randint(-1, batch + 1, (tokens,), generator=gen, dtype=torch.int32)
+    table = torch.randint(-1, 9, (batch, width), generator=gen, dtype=torch.int32)
+    length = torch.randint(0, k + 2, (tokens,), generator=gen, dtype=torch.int32) if use_len else None
+    kw = dict(block_size=4, topk_length=length, dcp=None if dcp is None else DcpShard(*dcp))
+    want = topk_rows_oracle(pos, req, table, block_size=4, topk_length=length, dcp=dcp)
+    out = torch.full((tokens, k), 99, dtype=torch.int32)
+    rows, counts = convert_topk(pos, req, table, packed=True, out=out, **kw)
+    assert rows is out and torch.equal(counts, (want >= 0).sum(dim=1, dtype=torch.int32))
+    for t in range(tokens):
+        valid = want[t][want[t] >= 0]
+        assert torch.equal(rows[t, : valid.numel()], valid) and (rows[t, valid.numel() :] == -1).all()
+
+
+def test_packed_must_be_a_bool():
+    pos, req, table = (
+        torch.zeros(1, 2, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(1, 1, dtype=torch.int32),
+    )
+    with pytest.raises(TypeError, match="packed must be a bool"):
+        convert_topk(pos, req, table, block_size=4, packed=1)

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from shardattn._checks import INDEX_DTYPES, check_int, check_same_device, check_tensor
+from shardattn._checks import INDEX_DTYPES, check_bool, check_int, check_same_device, check_tensor
 from shardattn.kernels.backend import kernel_destination, use_triton, written_back
 from shardattn.kernels.triton.topk import launch_convert_topk
 
@@ -91,6 +91,7 @@ def convert_topk_reference(
     seq_lens: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
     dcp: DcpShard | None = None,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`convert_topk` (int64 arithmetic, same outputs)."""
     stride = block_size if block_stride is None else block_stride
@@ -120,7 +121,10 @@ def convert_topk_reference(
     row = entry * stride + local % block_size
     valid &= row <= INT32_MAX
     rows = torch.where(valid, row, torch.full_like(row, -1)).to(torch.int32)
-    return rows, valid.sum(dim=1, dtype=torch.int32)
+    counts = valid.sum(dim=1, dtype=torch.int32)
+    if packed:  # valid entries first (a stable sort keeps their order), then the -1 ones
+        rows = rows.gather(1, (~valid).to(torch.int8).argsort(dim=1, stable=True))
+    return rows, counts
 
 
 def convert_topk(
@@ -133,6 +137,7 @@ def convert_topk(
     seq_lens: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
     dcp: DcpShard | None = None,
+    packed: bool = False,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Convert request-local top-k positions to global KV rows and count the valid ones.
@@ -146,20 +151,26 @@ def convert_topk(
         seq_lens: ``[B]`` int32 request lengths (global positions; >= 0, checked on CPU tensors), optional.
         topk_length: ``[T]`` int32 per-row count of leading entries to use, optional.
         dcp: :class:`DcpShard` to keep only this rank's positions, optional.
+        packed: each token's valid rows in their order at the front of its row, ``-1`` after
+            them: a decode kernel given ``counts`` as its ``topk_length`` then reads no invalid
+            entry (a DCP rank's share of a top-k is about ``K / W`` rows; a request shorter than
+            the top-k has fewer).
         out: optional ``[T, K]`` int32 destination of ``rows`` (a reserved workspace buffer).
     Returns:
-        ``(rows [T, K] int32, counts [T] int32)``: global rows, ``-1`` where invalid, and the
-        number of valid entries per token (``rows`` is ``out`` when given).
+        ``(rows [T, K] int32, counts [T] int32)``: global rows, ``-1`` where invalid (with
+        ``packed``: rows ``counts[t]`` onward), and the number of valid entries per token
+        (``rows`` is ``out`` when given).
     """
     stride = block_size if block_stride is None else block_stride
     _check_inputs(topk_pos, req_ids, block_table, block_size, stride, seq_lens, topk_length, dcp)
+    check_bool("packed", packed)
     t, k = topk_pos.shape
     if out is not None:
         check_tensor("out", out, dtypes=(torch.int32,), shape=(t, k), device=topk_pos.device)
     if not use_triton(topk_pos, req_ids, block_table, seq_lens, topk_length):
         rows, counts = convert_topk_reference(
             topk_pos, req_ids, block_table, block_size=block_size, block_stride=stride,
-            seq_lens=seq_lens, topk_length=topk_length, dcp=dcp,
+            seq_lens=seq_lens, topk_length=topk_length, dcp=dcp, packed=packed,
         )  # fmt: skip
         return (rows, counts) if out is None else (out.copy_(rows), counts)
     # the kernel writes rows with a unit last stride: another destination is filled from a copy
@@ -172,6 +183,6 @@ def convert_topk(
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     launch_convert_topk(
         topk_pos, req_ids, block_table, seq_lens, topk_length, rows, counts, block_size=block_size, block_stride=stride,
-        dcp=dcp,
+        dcp=dcp, packed=packed,
     )  # fmt: skip
     return written_back(out, rows), counts

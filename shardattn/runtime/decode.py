@@ -346,9 +346,11 @@ class DecodeStep:
                     workspace=buffers,
                 )
             rows_ws, pos = buffers.get("rows"), cache.topk_pos
-            rows, _ = convert_topk(
+            # the valid rows packed at the front, their count the kernel's topk_length: it reads no
+            # entry past them (a request shorter than the top-k leaves the rest invalid)
+            rows, counts = convert_topk(
                 pos, cache.req_ids, block_table, block_size=page, seq_lens=seq_lens, topk_length=topk_length,
-                out=None if rows_ws is None or pos.dim() != 2 else view_bytes(
+                packed=True, out=None if rows_ws is None or pos.dim() != 2 else view_bytes(
                     rows_ws, tuple(pos.shape), torch.int32, "rows"
                 ),
             )  # fmt: skip
@@ -358,6 +360,7 @@ class DecodeStep:
                 rows,
                 scale=self.scale,
                 v_dim=self.spec.v_dim,
+                topk_length=counts,
                 sinks=None if sinks is None else self.local_heads(sinks),
                 rows_unique=topk_unique,
             )

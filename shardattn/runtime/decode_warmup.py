@@ -117,7 +117,10 @@ def warm_up_decode(
             pos = torch.randint(-1, 4 * page, (t, topk), generator=gen, dtype=torch.int32).to(dev)
             req = torch.zeros(t, dtype=torch.int32, device=dev)
             for length in (None, torch.full((t,), max(1, topk // 2), dtype=torch.int32, device=dev)):
-                rows, _ = convert_topk(pos, req, table, block_size=page, seq_lens=seq, topk_length=length, dcp=dcp)
+                # as the step converts: packed, the count its kernels' topk_length
+                rows, valid = convert_topk(
+                    pos, req, table, block_size=page, seq_lens=seq, topk_length=length, dcp=dcp, packed=True
+                )
                 launches += 1
             gluon = (
                 compiles_kernels(device) and t == max(sizes) and sparse_decode_kernel(q, kv, spec.v_dim)[0] == "gluon"
@@ -143,14 +146,15 @@ def warm_up_decode(
                 # topk_unique (rows_unique): the kernels see the raw rows, not a union: their own variants
                 for backend in (None, "triton") if compiles_kernels(device) else (None,):  # routed, and Triton's
                     sparse_mla_decode(
-                        q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, backend=backend, rows_unique=unique
-                    )
+                        q, kv, rows, scale=scale, v_dim=spec.v_dim, topk_length=valid, sinks=sinks, backend=backend,
+                        rows_unique=unique,
+                    )  # fmt: skip
                     launches += 1
                 for kernel, counts in forced:
                     for splits in counts:
                         run_sparse_mla_decode(
-                            q, kv, rows, scale=scale, v_dim=spec.v_dim, sinks=sinks, kernel=kernel,
-                            num_splits=splits, rows_unique=unique,
+                            q, kv, rows, scale=scale, v_dim=spec.v_dim, topk_length=valid, sinks=sinks,
+                            kernel=kernel, num_splits=splits, rows_unique=unique,
                         )  # fmt: skip
                         launches += 1
         return launches

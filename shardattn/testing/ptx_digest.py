@@ -195,8 +195,8 @@ def _triton_gqa() -> str:
     return triton_sm90_ptx(_TRITON_GQA, "_gqa_decode_kernel", pointers, constexprs, floats=("qk_scale",), num_stages=3)
 
 
-def _triton_topk() -> str:
-    config = _attr(_TRITON_TOPK, "convert_topk_config")(2048, True, False, True)
+def _triton_topk(packed: bool = False) -> str:
+    config = _attr(_TRITON_TOPK, "convert_topk_config")(2048, True, False, True, packed)
     pointers = {"POS": "*i32", "REQ": "*i32", "TABLE": "*i32", "SEQ": "*i32", "TOPK_LEN": "*i32", "ROWS": "*i32",
                 "COUNTS": "*i32"}  # fmt: skip
     return triton_sm90_ptx(_TRITON_TOPK, "_convert_topk_kernel", pointers, config)
@@ -305,6 +305,7 @@ VARIANTS: dict[str, Callable[[], str]] = {
     # Triton GQA paged decode, top-k conversion, union builders, decode row slices
     "triton.gqa_decode": _triton_gqa,
     "triton.convert_topk": _triton_topk,
+    "triton.convert_topk.packed": lambda: _triton_topk(packed=True),
     "triton.union.keys.g1": lambda: _triton_union_keys(1),
     "triton.union.keys.g2": lambda: _triton_union_keys(2),
     "triton.union.compact.g2": lambda: _triton_union_compact(2),

@@ -42,6 +42,8 @@ def topk_cases(gen: torch.Generator) -> None:
         "topk_length+stride": {"topk_length": length, "block_stride": 7},
         "dcp": {"seq_lens": seq, "topk_length": length, "dcp": DcpShard(3, 2, 1)},
         "dcp_rank0_interleave1": {"dcp": DcpShard(2, 1, 0)},
+        "packed": {"seq_lens": seq, "packed": True},
+        "dcp+packed": {"seq_lens": seq, "topk_length": length, "dcp": DcpShard(3, 2, 1), "packed": True},
     }
     for name, kw in variants.items():
         got = convert_topk(pos, req, table, block_size=bs, **kw)

@@ -27,6 +27,7 @@ if triton is not None:
         stride_pos_t, stride_table_b, stride_rows_t,
         block_size, block_stride, dcp_world, dcp_inter, dcp_rank,
         HAS_SEQ: tl.constexpr, HAS_LEN: tl.constexpr, HAS_DCP: tl.constexpr, BLOCK_K: tl.constexpr,
+        PACK: tl.constexpr = False,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         req = tl.load(REQ + t).to(tl.int64)
@@ -57,9 +58,19 @@ if triton is not None:
             valid &= entry >= 0
             row = entry * block_stride + local % block_size
             valid &= row <= 2147483647
-            tl.store(ROWS + t * stride_rows_t + offs, tl.where(valid, row, -1).to(tl.int32), mask=in_k)
+            if PACK:  # the valid rows in order at the front; the rest -1 (below)
+                at = tl.sum(count, axis=0) + tl.cumsum(valid.to(tl.int32), axis=0) - 1
+                tl.store(ROWS + t * stride_rows_t + at, row.to(tl.int32), mask=valid)
+            else:
+                tl.store(ROWS + t * stride_rows_t + offs, tl.where(valid, row, -1).to(tl.int32), mask=in_k)
             count += valid.to(tl.int32)
-        tl.store(COUNTS + t, tl.sum(count, axis=0))
+        total = tl.sum(count, axis=0)
+        if PACK:
+            for k0 in range(0, K, BLOCK_K):
+                offs = k0 + tl.arange(0, BLOCK_K)
+                tail = (offs < K) & (offs >= total)
+                tl.store(ROWS + t * stride_rows_t + offs, tl.full([BLOCK_K], -1, tl.int32), mask=tail)
+        tl.store(COUNTS + t, total)
 
 
 def convert_topk_kernel():
@@ -67,10 +78,11 @@ def convert_topk_kernel():
     return _convert_topk_kernel
 
 
-def convert_topk_config(topk: int, seq_lens: bool, topk_length: bool, dcp: bool) -> dict:
+def convert_topk_config(topk: int, seq_lens: bool, topk_length: bool, dcp: bool, packed: bool = False) -> dict:
     """Compile-time parameters of the conversion kernel for these flags (the warm-up key)."""
     block_k = 1024 if topk > 512 else max(16, 1 << max(0, topk - 1).bit_length())
-    return {"HAS_SEQ": bool(seq_lens), "HAS_LEN": bool(topk_length), "HAS_DCP": bool(dcp), "BLOCK_K": block_k}
+    cfg = {"HAS_SEQ": bool(seq_lens), "HAS_LEN": bool(topk_length), "HAS_DCP": bool(dcp), "BLOCK_K": block_k}
+    return {**cfg, "PACK": True} if packed else cfg
 
 
 def launch_convert_topk(
@@ -85,14 +97,16 @@ def launch_convert_topk(
     block_size: int,
     block_stride: int,
     dcp: tuple[int, int, int] | None,
+    packed: bool = False,
 ) -> None:
     """Launch the conversion on checked tensors (``topk_pos`` and ``block_table`` unit last stride)
     into ``rows [T, K]`` (unit last stride) and ``counts [T]`` int32; ``dcp`` = ``(world,
-    interleave, rank)`` or None."""
+    interleave, rank)`` or None; ``packed``: each token's valid rows in order at the front of its
+    row, ``-1`` after them."""
     t, k = topk_pos.shape
     req_ids, seq_lens, topk_length = unit_stride(req_ids), unit_stride(seq_lens), unit_stride(topk_length)
     world, inter, rank = dcp if dcp is not None else (1, 1, 0)
-    cfg = convert_topk_config(k, seq_lens is not None, topk_length is not None, dcp is not None)
+    cfg = convert_topk_config(k, seq_lens is not None, topk_length is not None, dcp is not None, packed)
     _convert_topk_kernel[(t,)](
         topk_pos, req_ids, block_table, seq_lens if seq_lens is not None else counts,
         topk_length if topk_length is not None else counts, rows, counts,
