@@ -4,21 +4,25 @@ decode's ``topk_length``) against the rows converted in place (``-1`` where inva
 Prints a table; ``--json`` writes records (``benchmarks/records.py``, benchmark ``decode-packed``).
 
     python benchmarks/decode_packed.py --json decode_packed.json
+    python benchmarks/decode_packed.py --device cpu --heads 4 --tokens 2 --topk 64 --cache-rows 4096   # dry run
 
 Each case: ``T`` decode tokens of ``H`` heads, one request each, over a paged cache of
 ``--cache-rows`` rows (pages of 64; every request's block table a random order of all pages),
-top-k 2,048 distinct positions per token. Shares: ``all`` (every position valid), ``dcp4`` (a DCP
+top-k ``--topk`` (2,048) distinct positions per token. Shares: ``all`` (every position valid), ``dcp4`` (a DCP
 rank of 4: the positions the rank holds, about a quarter) and ``short`` (a request of 700 tokens:
 the rest of the top-k is ``-1``). Both calls are timed with ``rows_unique`` False (the
 de-duplicating union) and True (the rows read as given), as CUDA-graph replays with the L2 flushed
 (``graph_timing.replay_us``); the outputs are checked against each other first (same keys, another
-order: within bf16 rounding). Ratio = in-place time / packed time.
+order: within bf16 rounding). Ratio = in-place time / packed time. ``--device cpu`` runs the torch
+reference paths (a dry run of the script: host times, not looked at).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,7 +35,7 @@ from records import add_json_argument, environment, print_table, record, write_j
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import DcpShard, convert_topk
 
-PAGE, TOPK, SCALE = 64, 2048, 576**-0.5
+PAGE, SCALE = 64, 576**-0.5
 #: name -> (DCP world of the rank, request length)
 SHARES = {"all": (1, 200_000), "dcp4": (4, 200_000), "short": (1, 700)}
 
@@ -41,21 +45,36 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 64, 128])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--kv-dtype", nargs="+", choices=("bf16", "fp8_ds_mla"), default=["bf16", "fp8_ds_mla"])
+    ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--cache-rows", type=int, default=262144)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     add_json_argument(ap)
     return ap
 
 
-def make_case(tokens: int, world: int, length: int, pages: int, g: torch.Generator):
+def make_case(tokens: int, topk: int, world: int, length: int, pages: int, g: torch.Generator):
     """``(positions [T, K], request ids, block table [T, pages], seq_lens, DCP shard or None)``."""
-    table = torch.rand(tokens, pages, device="cuda", generator=g).argsort(1).int()
+    dev = g.device
+    table = torch.rand(tokens, pages, device=dev, generator=g).argsort(1).int()
     seq = min(length, pages * PAGE * world)
-    step = max(seq // (4 * TOPK), 1)
-    pos = torch.rand(tokens, 4 * TOPK, device="cuda", generator=g).argsort(1)[:, :TOPK] * step
+    step = max(seq // (4 * topk), 1)
+    pos = torch.rand(tokens, 4 * topk, device=dev, generator=g).argsort(1)[:, :topk] * step
     pos = torch.where(pos < seq, pos, -1).int()
-    seq_lens = torch.full((tokens,), seq, dtype=torch.int32, device="cuda")
-    req = torch.arange(tokens, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((tokens,), seq, dtype=torch.int32, device=dev)
+    req = torch.arange(tokens, dtype=torch.int32, device=dev)
     return pos, req, table, seq_lens, DcpShard(world, 1, 1) if world > 1 else None
+
+
+def time_us(fn, device: str) -> float:
+    """Graph replays with the L2 flushed on a GPU; on the CPU the median of three host-timed calls."""
+    if device == "cuda":
+        return replay_us(fn)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(1e6 * (time.perf_counter() - start))
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,21 +82,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.cache_rows <= 0 or args.cache_rows % PAGE:
         print(f"--cache-rows must be a positive multiple of {PAGE}, got {args.cache_rows}", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --device cpu for a dry run)", file=sys.stderr)
         return 2
+    if args.topk <= 0 or 4 * args.topk > (args.cache_rows // PAGE) * PAGE:
+        print(f"--topk must be positive and at most a quarter of --cache-rows, got {args.topk}", file=sys.stderr)
+        return 2
+    dev, topk = args.device, args.topk
     env = environment()
     print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    caches = build_caches(args.cache_rows, args.kv_dtype)
+    g = torch.Generator(device=dev).manual_seed(0)
+    caches = build_caches(args.cache_rows, args.kv_dtype, device=dev)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     records = []
     for fmt in args.kv_dtype:
-        kv = caches[fmt]
+        kv = caches[fmt] if fmt != "bf16" else caches[fmt].to(dtype)
         for heads in args.heads:
             for tokens in args.tokens:
                 for share, (world, length) in SHARES.items():
-                    q = torch.randn(tokens, heads, 576, device="cuda", generator=g).bfloat16()
-                    pos, req, table, seq_lens, dcp = make_case(tokens, world, length, args.cache_rows // PAGE, g)
+                    q = torch.randn(tokens, heads, 576, device=dev, generator=g).to(dtype)
+                    pos, req, table, seq_lens, dcp = make_case(tokens, topk, world, length, args.cache_rows // PAGE, g)
 
                     def step(packed: bool, unique: bool, pos=pos, req=req, table=table, seq_lens=seq_lens, dcp=dcp,
                              q=q, kv=kv):  # fmt: skip
@@ -94,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
                         if err > 1e-2 or not torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-3, equal_nan=True):
                             raise RuntimeError(f"packed rows differ: {fmt} {heads} heads {tokens} tokens {share}")
                     valid = float((convert_topk(pos, req, table, block_size=PAGE, seq_lens=seq_lens, dcp=dcp)[1])
-                                  .float().mean()) / TOPK  # fmt: skip
-                    config = {"heads": heads, "tokens": tokens, "topk": TOPK, "share": share, "kv": fmt}
+                                  .float().mean()) / topk  # fmt: skip
+                    config = {"heads": heads, "tokens": tokens, "topk": topk, "share": share, "kv": fmt}
                     for unique in (False, True):
-                        plain = replay_us(lambda u=unique: step(False, u))
-                        packed = replay_us(lambda u=unique: step(True, u))
+                        plain = time_us(lambda u=unique: step(False, u), dev)
+                        packed = time_us(lambda u=unique: step(True, u), dev)
                         metric = f"step us, rows_unique={unique}"
                         base = ("rows converted in place, same run", plain)
                         records.append(record("decode-packed", config, metric, packed, "us", "lower", base, env))

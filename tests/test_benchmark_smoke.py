@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 BENCHMARKS = ("sparse_prefill", "union_build", "decode", "decode_dcp", "scaling", "ray_pool", "decode_fp8_peer",
               "kv_fp8_write", "gqa_prefill", "gqa_prefill_host", "soak_pool", "soak_runtime",
-              "shm_roundtrip", "decode_floor", "host_growth", "decode_ab")  # fmt: skip
+              "shm_roundtrip", "decode_floor", "host_growth", "decode_ab", "decode_packed")  # fmt: skip
 ENV = {"gpu": "CPU", "date": "2026-12-02", "commit": "abc1234", "command": "python benchmarks/x.py",
        "versions": {"torch": "2.13.0", "triton": "3.9.0"}}  # fmt: skip
 
@@ -79,6 +79,8 @@ def test_gpu_only_benchmarks_refuse_to_run_without_their_gpus(capsys: pytest.Cap
         assert _module("profile_decode").main(["--heads", "64"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
         assert _module("decode_ab").main(["--cases", "16x4x64"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+        assert _module("decode_packed").main([]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
@@ -406,3 +408,18 @@ def test_gqa_prefill_host_times_both_launch_paths_and_records(tmp_path: Path) ->
     assert len(recs) == 8 and {r["config"]["tp"] for r in recs} == {8}
     fast = [r for r in recs if r["metric"].endswith("fast launch")]
     assert len(fast) == 4 and all(r["baseline"] is not None and r["value"] > 0 for r in fast)
+
+
+def test_decode_packed_cpu_run_checks_and_records(tmp_path: Path) -> None:
+    """The dry run converts, packs, checks the packed call against the in-place one and records
+    both ``rows_unique`` forms for every share."""
+    out = tmp_path / "packed.json"
+    argv = ["--device", "cpu", "--heads", "4", "--tokens", "2", "--topk", "64", "--cache-rows", "4096",
+            "--kv-dtype", "fp8_ds_mla", "--json", str(out)]  # fmt: skip
+    assert _module("decode_packed").main(argv) == 0
+    recs = _records(out)
+    assert {(r["config"]["share"], r["metric"]) for r in recs} == {
+        (share, f"step us, rows_unique={u}") for share in ("all", "dcp4", "short") for u in (False, True)
+    }
+    assert all(r["baseline"]["name"] == "rows converted in place, same run" for r in recs)
+    assert _module("decode_packed").main(["--device", "cpu", "--topk", "2000", "--cache-rows", "4096"]) == 2
