@@ -158,6 +158,20 @@ def _junk_in_empty_rows(group: dist.ProcessGroup) -> list:
             for s in strategies]  # fmt: skip
 
 
+def _one_partial(group: dist.ProcessGroup) -> tuple:
+    out, lse = torch.full((2, 3, 4), 5.0), torch.tensor([[math.inf, 0.5, -math.inf], [1.0, 2.0, 3.0]])
+    return collect_partials(out, lse, group, scatter_heads=False)
+
+
+@pytest.mark.distributed
+def test_a_group_of_one_applies_the_empty_row_rule(dist_pool) -> None:
+    """One partial, lse +inf (FlashMLA's empty row) or -inf: (0, -inf), as the merge of several
+    gives; the +inf row came back unchanged."""
+    ((got_out, got_lse),) = dist_pool.run(_one_partial, world_size=1)
+    assert torch.equal(got_lse, torch.tensor([[-math.inf, 0.5, -math.inf], [1.0, 2.0, 3.0]]))
+    assert (got_out[0, 0] == 0).all() and (got_out[0, 2] == 0).all() and (got_out[0, 1] == 5).all()
+
+
 @pytest.mark.distributed
 def test_empty_rows_contribute_nothing_whatever_they_hold(dist_pool) -> None:
     for per_rank in dist_pool.run(_junk_in_empty_rows, world_size=3):
@@ -178,6 +192,9 @@ def _bad_inputs(group: dist.ProcessGroup, case: str) -> tuple[str, str]:
         out, lse = torch.zeros(t + 1, h, 8), torch.zeros(t + 1, h)
     elif case == "all-to-all-without-scatter":
         return catch(collect_partials, out, lse, group, scatter_heads=False, strategy="all_to_all")
+    elif case == "send-and-recv-one-buffer":  # the exchange would read what it writes
+        buf = torch.zeros(1 << 12, dtype=torch.uint8)
+        return catch(collect_partials, out, lse, group, strategy="all_to_all", buffers={"send": buf, "recv": buf})
     elif case == "recv-buffer-small-on-rank-1":  # refused where the ranks agree, not in the exchange
         small = {"recv": torch.zeros(16, dtype=torch.uint8)} if rank == 1 else None
         return catch(collect_partials, out, lse, group, strategy="all_to_all", buffers=small)
@@ -199,6 +216,7 @@ def _bad_inputs(group: dist.ProcessGroup, case: str) -> tuple[str, str]:
         ),
         ("tokens-differ-on-rank-2", ["ValueError: collector input"] * 3),
         ("all-to-all-without-scatter", ["ValueError: strategy='all_to_all' leaves each rank"] * 3),
+        ("send-and-recv-one-buffer", ["ValueError: buffers['send'] and buffers['recv'] share memory"] * 3),
         (
             "recv-buffer-small-on-rank-1",
             [

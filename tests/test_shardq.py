@@ -179,6 +179,13 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
                 "workspace-float-on-rank-1": {"workspace": {"out": torch.zeros(10**5)}},
             }[problem]
         return catch(shardq_prefill, q, kv, rows, plan, group, **{"scale": 1.0, "v_dim": 16, **kw})
+    elif problem == "out-inside-the-workspace":  # the step would write its exchanges over its output
+        ws = torch.zeros(1 << 16, dtype=torch.uint8)
+        out = ws[: 9 * 2 * 16 * q.element_size()].view(q.dtype).view(9, 2, 16)
+        return catch(shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16, out=out, workspace={"q": ws})
+    elif problem == "one-union-align-2-default-attention":  # the default takes G = 1 prepared unions only
+        plan = zigzag_split(case["seq_lens"], w, align=2, min_tokens=0)
+        return catch(shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16, align=2, one_union=True)
     elif problem.startswith("attention-returns-the-output-alone"):  # a custom kernel, sharded or head-TP
         plan = zigzag_split(case["seq_lens"], w, min_tokens=0 if problem.endswith("sharded") else 100)
         return catch(
@@ -214,6 +221,8 @@ OUTPUT_ALONE = "TypeError: attention must return (out, lse) when asked for the L
             "workspace-float-on-rank-1",
             [REJECTED, "TypeError: workspace['out'] must have dtype in (uint8), got float32", REJECTED],
         ),
+        ("out-inside-the-workspace", ["ValueError: out and workspace['q'] share memory"] * 3),
+        ("one-union-align-2-default-attention", ["ValueError: one_union with align=2 hands the kernel"] * 3),
         ("attention-returns-the-output-alone-sharded", [OUTPUT_ALONE] * 3),
         ("attention-returns-the-output-alone-head-tp", [OUTPUT_ALONE] * 3),
     ],

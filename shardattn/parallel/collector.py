@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_bool, check_choice, check_same_device, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_bool, check_choice, check_disjoint, check_same_device, check_tensor
 from shardattn.ops.lse_merge import merge_weights, run_lse_merge, weighted
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
@@ -124,6 +124,8 @@ def collect_partials(
         t, h, dv = out.shape
         check_byte_buffers(buffers, exchange_bytes(t, h, dv, out.dtype, comm.world_size, scatter_heads, chosen),
                            out.device, "buffers")  # fmt: skip
+        if buffers is not None:  # the exchange reads one while it writes the other
+            check_disjoint(**{f"buffers['{k}']": v for k, v in buffers.items() if isinstance(v, torch.Tensor)})
         if not check:
             return 0  # nothing to agree on
         return stable_fingerprint("collect_partials", tuple(out.shape), out.dtype, scatter_heads, chosen)
@@ -167,8 +169,12 @@ def collect_checked(
     t, h, dv = out.shape
     hs = h // w if scatter_heads else h
     h0 = rank * hs if scatter_heads else 0
-    if t == 0 or h == 0 or dv == 0 or w == 1:  # nothing to exchange (the same on every rank)
+    if t == 0 or h == 0 or dv == 0:  # nothing to exchange (the same on every rank)
         return out[:, h0 : h0 + hs].clone(), lse[:, h0 : h0 + hs].clone()
+    if w == 1:  # one partial: the merge's rule for a row with no key (lse +-inf) -> (0, -inf)
+        o, s = out[:, h0 : h0 + hs], lse[:, h0 : h0 + hs]
+        empty = s.isinf()
+        return o.masked_fill(empty[..., None], 0), s.masked_fill(empty, float("-inf"))
     if strategy == "reduce_scatter":
         return _reduce_scatter(out, lse, comm, scatter_heads)
     specs = _exchange_specs(t, hs, dv, out.dtype)

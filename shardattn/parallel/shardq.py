@@ -22,8 +22,8 @@ and ``one_union=True`` builds the union of the rank's whole share once
 
 Exactly ``2 C`` exchanges (each counted as one ``"all_to_all"``) per sharded step (plus, with
 ``check=True``, one small all-gather that makes the ranks agree on the plan and shapes first). A
-plan that is not sharded (fewer tokens than ``min_tokens``) runs head-TP locally with no
-collective at all.
+plan that is not sharded (fewer tokens than ``min_tokens``) runs head-TP locally with no data
+collective (with ``check=True``, the agreement's one small all-gather still runs).
 """
 
 from __future__ import annotations
@@ -227,7 +227,8 @@ def shardq_prefill(
             exchange is issued (:func:`~shardattn.ops.prepared_union.prepare_union`, ``G =
             align``), and hand each chunk's kernel call its slice as ``prepared_union=`` (so no
             row sort runs between two chunks' kernels). ``attention`` must then take that keyword
-            and use ``G = align`` (the Runtime's and the library's entries do); chunk boundaries
+            and use ``G = align`` (the Runtime's does; the default ``sparse_mla_attention`` takes
+            ``G = 1`` only, so ``align > 1`` with it is a ``ValueError``); chunk boundaries
             are then multiples of ``4 G`` (:data:`~shardattn.ops.prepared_union.SLICE_GROUPS`:
             aligned slices, the kernels' compiled variants). Opt-in; same bits. A ``workspace``
             without room for the whole union: per-chunk builds, as without it.
@@ -281,6 +282,18 @@ def shardq_prefill(
                 workspace, pipe, comm.rank, q_heads_local, v_dim, rows.shape[1], rows.dtype == torch.int32
             )
             piped.append(pipe)
+        for name, buf in (workspace or {}).items() if isinstance(workspace, dict) else ():
+            if not isinstance(buf, torch.Tensor):
+                continue  # the workspace check names it (sharded plans)
+            # the step writes both: neither may hold the other
+            check_disjoint(out=out, **{f"workspace['{name}']": buf})
+            check_disjoint(lse_out=lse_out, **{f"workspace['{name}']": buf})
+        if one_union and align > 1 and attention is sparse_mla_attention:
+            raise ValueError(
+                f"one_union with align={align} hands the kernel a union of group size {align}, which the default "
+                "attention (sparse_mla_attention, G = 1 prepared unions) does not take: pass align=1, or an "
+                "attention that takes a grouped prepared_union (the Runtime's)"
+            )
         return fingerprint
 
     comm.agree_on("ShardQ plan and inputs", validate, check=check)
