@@ -296,6 +296,10 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
         kw |= dict(k_cache=None, v_cache=None, block_table=None)
     elif problem == "fa4-on-cpu":
         kw["backend"] = "fa4"
+    elif problem == "segments-of-the-next-rank":  # same token count (4 each), another share: wrong rows
+        kw["segments"] = pcp_segments(plan, (rank + 1) % w, "cpu")
+    elif problem == "segments-of-another-plan":
+        kw["segments"] = pcp_segments(pcp_plan([6, 6], w, prefix_lens=case["prefix_lens"]), rank, "cpu")
     return catch(gqa_prefill_pcp, q, k, v, plan, group, **kw)
 
 
@@ -310,6 +314,8 @@ REJECTED = "ValueError: GQA PCP plan and inputs: rank(s) [1] of 3 rejected their
         ("window-on-rank-2", ["ValueError: GQA PCP plan and inputs differs across ranks: rank(s) [2] disagree"] * 3),
         ("prefix-without-cache", ["ValueError: the plan has cached prefixes (prefix_lens=[3, 0])"] * 3),
         ("fa4-on-cpu", ["ValueError: backend='fa4' is unavailable: FA4 needs CUDA tensors"] * 3),
+        ("segments-of-the-next-rank", [f"ValueError: segments are rank {r}'s share" for r in (1, 2, 0)]),
+        ("segments-of-another-plan", ["ValueError: segments are another plan's share"] * 3),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
 )

@@ -71,6 +71,8 @@ class PCPSegments:
         kv_row: ``[T]`` int64 row of new token ``g`` in the all-gathered KV buffer, on the device.
         num_tokens: the rank's tokens. prefix, query_lens: ``[B]`` cached and new tokens per request
             (host ints).
+        rank, plan_fingerprint: the rank and the plan (:meth:`PCPPlan.fingerprint`) it was made
+            for: the step refuses another's.
     """
 
     segments: Segments
@@ -79,6 +81,8 @@ class PCPSegments:
     num_tokens: int
     prefix: tuple[int, ...]
     query_lens: tuple[int, ...]
+    rank: int = -1
+    plan_fingerprint: int | None = None
 
     @property
     def max_prefix(self) -> int:
@@ -120,7 +124,9 @@ def pcp_segments(plan: PCPPlan, rank: int, device: torch.device | str = "cpu", *
     segments = plan_segments(lens, prefix, device, runs=shard.runs(rank), pin=pin)
     kv_row = plan.kv_row.to(device, copy=True)  # the step's own: never the plan's tensor
     prefix_lens = torch.tensor(prefix, dtype=torch.int32).to(device)
-    return PCPSegments(segments, prefix_lens, kv_row, int(shard.counts[rank]), tuple(prefix), tuple(lens))
+    return PCPSegments(
+        segments, prefix_lens, kv_row, int(shard.counts[rank]), tuple(prefix), tuple(lens), rank, plan.fingerprint()
+    )
 
 
 def _check_pcp(
@@ -295,6 +301,12 @@ def gqa_prefill_pcp(
             mine = pcp_segments(plan, comm.rank, q.device)
         elif not isinstance(mine, PCPSegments):
             raise TypeError(f"segments must be pcp_segments' PCPSegments, got {type(mine).__name__}")
+        elif mine.rank != comm.rank or (check and mine.plan_fingerprint != plan.fingerprint()):
+            whose = f"rank {mine.rank}'s share" if mine.rank != comm.rank else "another plan's share"
+            raise ValueError(
+                f"segments are {whose}: pass pcp_segments(plan, {comm.rank}, device) of this step's plan on rank "
+                f"{comm.rank}"
+            )
         fingerprint, prefix, keys = _check_pcp(
             q, k_new, v_new, mine, comm, (k_cache, v_cache, block_table), sinks, window_left, scale, gather_output,
             plan.fingerprint() if check else None,
