@@ -98,7 +98,12 @@ def _check_inputs(
             "block_size holding them"
         )
     if kv_cache is not None and block_table is not None and block_size is not None:
-        kv_cache = check_kv_rows("kv_cache", kv_cache, q, v_dim=v_dim, kv_format=kv_format)
+        paged = kv_cache if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3 else None
+        kv_cache = check_kv_rows("kv_cache", kv_cache, q, v_dim=v_dim, kv_format=kv_format)  # its rows
+        if paged is not None and paged.shape[1] != block_size:  # rows are read as block * block_size + offset
+            raise ValueError(
+                f"kv_cache's pages hold {paged.shape[1]} rows, but block_size is {block_size}: they must be one"
+            )
         if kv_cache.dtype != kv_new.dtype:
             raise ValueError(f"kv_cache and kv_new must hold one row format, got {kv_cache.dtype} and {kv_new.dtype}")
         check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
