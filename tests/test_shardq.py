@@ -183,6 +183,8 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
         ws = torch.zeros(1 << 16, dtype=torch.uint8)
         out = ws[: 9 * 2 * 16 * q.element_size()].view(q.dtype).view(9, 2, 16)
         return catch(shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16, out=out, workspace={"q": ws})
+    elif problem == "attention-none":
+        return catch(shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16, attention=None)
     elif problem == "one-union-align-2-default-attention":  # the default takes G = 1 prepared unions only
         plan = zigzag_split(case["seq_lens"], w, align=2, min_tokens=0)
         return catch(shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16, align=2, one_union=True)
@@ -223,6 +225,7 @@ OUTPUT_ALONE = "TypeError: attention must return (out, lse) when asked for the L
         ),
         ("out-inside-the-workspace", ["ValueError: out and workspace['q'] share memory"] * 3),
         ("one-union-align-2-default-attention", ["ValueError: one_union with align=2 hands the kernel"] * 3),
+        ("attention-none", ["TypeError: attention must be callable like sparse_mla_attention, got NoneType"] * 3),
         ("attention-returns-the-output-alone-sharded", [OUTPUT_ALONE] * 3),
         ("attention-returns-the-output-alone-head-tp", [OUTPUT_ALONE] * 3),
     ],

@@ -288,6 +288,8 @@ def shardq_prefill(
             # the step writes both: neither may hold the other
             check_disjoint(out=out, **{f"workspace['{name}']": buf})
             check_disjoint(lse_out=lse_out, **{f"workspace['{name}']": buf})
+        if not callable(attention):
+            raise TypeError(f"attention must be callable like sparse_mla_attention, got {type(attention).__name__}")
         if one_union and align > 1 and attention is sparse_mla_attention:
             raise ValueError(
                 f"one_union with align={align} hands the kernel a union of group size {align}, which the default "
