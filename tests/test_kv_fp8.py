@@ -388,7 +388,8 @@ def test_write_kernel_compiles_for_sm90(dtype_name: str) -> None:
     elem = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}[dtype_name]
     pointers = {"Latent": elem, "Rope": elem, "Slots": "*i64", "Cache": "*u8", "Status": "*i32"}
     constexprs = {"NUM_TILES": 4, "TILE": 128, "ROPE": 64, "SCALE_OFFSET": 512, "ROPE_OFFSET": 528,
-                  "MIN_SCALE_EXP": -13, "HAS_SLOTS": True, "HAS_STATUS": True}  # fmt: skip
+                  "MIN_SCALE_EXP": -13, "TOP_EXP": 120, "TOP_SAT": 240.0, "HAS_SLOTS": True,
+                  "HAS_STATUS": True}  # fmt: skip
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i64") for n in names}
     aligned = [*pointers, "stride_latent_r", "stride_rope_r", "stride_cache_page", "stride_cache_slot"]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}

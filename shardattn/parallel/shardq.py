@@ -282,12 +282,10 @@ def shardq_prefill(
                 workspace, pipe, comm.rank, q_heads_local, v_dim, rows.shape[1], rows.dtype == torch.int32
             )
             piped.append(pipe)
-        for name, buf in (workspace or {}).items() if isinstance(workspace, dict) else ():
-            if not isinstance(buf, torch.Tensor):
-                continue  # the workspace check names it (sharded plans)
-            # the step writes both: neither may hold the other
-            check_disjoint(out=out, **{f"workspace['{name}']": buf})
-            check_disjoint(lse_out=lse_out, **{f"workspace['{name}']": buf})
+        for name, buf in workspace.items() if isinstance(workspace, dict) else ():
+            if isinstance(buf, torch.Tensor):  # (a non-tensor: the workspace check names it)
+                # the step writes out / lse_out and the workspace: none may hold another
+                check_disjoint(out=out, lse_out=lse_out, **{f"workspace['{name}']": buf})
         if not callable(attention):
             raise TypeError(f"attention must be callable like sparse_mla_attention, got {type(attention).__name__}")
         if one_union and align > 1 and attention is sparse_mla_attention:

@@ -93,6 +93,8 @@ def launch_write_fp8_rows(
         SCALE_OFFSET=scale_offset,
         ROPE_OFFSET=rope_offset,
         MIN_SCALE_EXP=min_scale_exp,
+        TOP_EXP=TOP_SCALE_EXP,
+        TOP_SAT=TOP_SCALE_SAT,
         HAS_SLOTS=slots is not None,
         HAS_STATUS=status is not None,
         num_warps=num_warps,
@@ -154,6 +156,8 @@ if triton is not None:
         SCALE_OFFSET: tl.constexpr,
         ROPE_OFFSET: tl.constexpr,
         MIN_SCALE_EXP: tl.constexpr,
+        TOP_EXP: tl.constexpr,
+        TOP_SAT: tl.constexpr,
         HAS_SLOTS: tl.constexpr,
         HAS_STATUS: tl.constexpr,
     ):
@@ -182,7 +186,7 @@ if triton is not None:
         inv_scale = ((127 - k) << 23).to(tl.float32, bitcast=True)
         y = x * inv_scale[:, None]  # exact: a power of two
         y = tl.where(x_nan, 0.0, y)
-        sat = tl.where(k >= 120, 240.0, 448.0)[:, None]  # TOP_SCALE_EXP / _SAT: finite once dequantised
+        sat = tl.where(k >= TOP_EXP, TOP_SAT, 448.0)[:, None]  # finite once dequantised
         y = tl.where(x_inf, tl.where(x > 0, sat, -sat), y)
         tl.store(row + cols, _e4m3_code(y).to(tl.uint8), mask=_stored(slot, cols, capacity))
         scale_ptrs = (row + SCALE_OFFSET).to(tl.pointer_type(tl.float32)) + tiles
