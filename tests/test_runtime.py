@@ -708,3 +708,32 @@ def test_fp8_kv_dtype_sizes_the_workspace_and_is_refused_where_it_does_not_apply
         workspace_bounds(MLA_DSA, max_batched_tokens=64, world_size=2, mode="pcp", kv_dtype="int8")
     with pytest.raises(ValueError, match="fp8_ds_mla rows hold 576 values"):
         workspace_bounds(MLA, max_batched_tokens=64, world_size=2, mode="pcp", kv_dtype="fp8_ds_mla")
+
+
+# -- ShardQ routing agrees across ranks --------------------------------------------------------------
+def _shardq_route_body(group) -> dict:
+    import shardattn.runtime.planning as planning
+
+    world = dist.get_world_size(group)
+    real = planning.route_prefill
+    # route as on a GPU, where the grouped kernel's gate applies (the CPU always runs the reference)
+    planning.route_prefill = lambda heads, **kw: real(heads, **{**kw, "device_type": "cuda"})
+    try:
+        options = PrefillOptions(min_shard_tokens=16, min_group_tokens=64)
+        rt = Runtime(MLA, group, max_batched_tokens=4096, mode="shardq", prefill_options=options, warmup=False)
+        plan = rt.plan_prefill([64 * world - 1], kv_rows=1 << 16)
+    finally:
+        planning.route_prefill = real
+    return {"counts": plan.shard.counts.tolist(), "route": (plan.route.path, plan.route.group_size)}
+
+
+@pytest.mark.distributed
+def test_shardq_ranks_take_one_group_size_when_their_counts_straddle_the_gate(dist_pool, nproc: int) -> None:
+    """The kernel's group size is also the chunk alignment every ShardQ rank cuts alike: ranks whose
+    token counts fall on both sides of the grouped path's gate take one route (the smallest rank's)."""
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    results = dist_pool.run(_shardq_route_body)
+    counts = results[0]["counts"]
+    assert min(counts) < 64 <= max(counts), counts  # the ranks straddle the gate
+    assert all(res["route"] == ("per-query", 1) for res in results), results

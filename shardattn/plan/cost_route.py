@@ -90,9 +90,12 @@ def cost_route(rt: Any, *, tokens: int, counts: Any, kv_rows: int) -> tuple[str,
     best = choice.best
     if device.type != "cuda":
         return best.step, Route("reference", 1, f"{choice.reason}; no GPU: torch reference kernel")
-    mine = tokens if best.step == "headtp" else counts[rt.rank]
+    # ShardQ's group size is also the chunk alignment every rank cuts alike: the smallest rank's
+    # count decides it on every rank
+    mine = tokens if best.step == "headtp" else min(counts)
     heads = h_tp if best.step == "headtp" else spec.num_heads
     g = best.group_size
     if g > 1 and g not in _groups(heads, mine, kv_rows, device, gate, rt.gluon):
-        return best.step, Route("per-query", 1, f"{choice.reason}; {mine} tokens on this rank: per-query")
+        where = "tokens" if best.step == "headtp" else "tokens on the smallest rank"
+        return best.step, Route("per-query", 1, f"{choice.reason}; {mine} {where}: per-query")
     return best.step, Route("grouped" if g > 1 else "per-query", g, choice.reason)

@@ -107,7 +107,11 @@ class RuntimePlanning(RuntimeState):
             shard = pcp_plan(lens, self.world_size, prefix_lens=prefix, topk=self.topk)
         if route is None and step == "headtp":
             route = self._route(self.heads_per_rank, tokens, rows)
-        elif route is None:  # ShardQ / PCP: this rank's kernel runs every head over its own tokens
+        elif route is None and step == "shardq":
+            # every head over each rank's own tokens; the group size is also the chunk alignment
+            # every rank cuts alike, so the route follows the smallest rank's count on every rank
+            route = self._route(self.spec.num_heads, int(min(shard.counts)), rows)
+        elif route is None:  # PCP: this rank's kernel runs every head over its own tokens
             plan = getattr(shard, "shard", shard)
             route = self._route(self.spec.num_heads, int(plan.counts[self.rank]), rows)
         self.ws.check("prefill", step, tokens=tokens)
