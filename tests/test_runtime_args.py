@@ -183,3 +183,48 @@ def test_headtp_gqa_decode_takes_a_sliding_window(dist_pool, window: int) -> Non
     for rank, res in enumerate(dist_pool.run(_window_body, window, world_size=2)):
         assert res["err"] <= 1e-5, (rank, res)
         assert res["differs_from_no_window"], "the window must change what a query sees"
+
+
+# -- host arguments as NumPy arrays; a head-TP block table past the cache ---------------------------------
+def test_int32_numpy_moves_to_the_device_as_every_other_integer_dtype() -> None:
+    import numpy as np
+
+    from shardattn.runtime.args import as_index
+
+    meta = torch.device("meta")  # a stand-in for q's device
+    for dt in (np.int64, np.int32, np.int16):
+        got = as_index("seq_lens", np.array([5, 7, 9], dtype=dt), meta)
+        assert (got.device, got.dtype) == (meta, torch.int32), dt
+
+
+def test_numpy_lengths_are_read_on_the_host_like_lists() -> None:
+    import numpy as np
+
+    from shardattn.runtime.args import check_drafts_on_host
+
+    for seq in ([4, 1], np.array([4, 1], dtype=np.int32), np.array([4, 1])):
+        with pytest.raises(ValueError, match="seq_lens"):  # 2 drafts do not fit a request of 1 token
+            check_drafts_on_host(seq, None, q_len_per_req=2, max_q_len=None, tokens=4, requests=2)
+
+
+def _table_past_cache_body(group) -> dict:
+    rt = Runtime(MLA, group, mode="headtp", max_batched_tokens=64, max_decode_tokens=16, warmup=False)
+    s = build_decode(
+        heads=MLA.num_heads, head_dim=MLA.head_dim, requests=3, cached=(37, 0, 70), q_lens=(1, 2, 1), topk=MLA.topk,
+        overlap="random", causal=True, dtype=torch.float32, device=torch.device("cpu"), seed=3,
+        shard=DcpShard(1, 1, 0), block_size=MLA.page_size,
+    )  # fmt: skip
+    table = s.block_table.clone()
+    table[0, 0] = s.kv.shape[0] // MLA.page_size  # the first page past the cache
+    try:
+        rt.decode(s.q, s.kv, table, s.seq_lens, topk_pos=s.positions, req_ids=s.req_ids)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+@pytest.mark.distributed
+def test_headtp_sparse_decode_refuses_a_block_table_past_the_cache(dist_pool) -> None:
+    """As the DCP step does: a page past the cache would drop that page's keys with no error."""
+    for res in dist_pool.run(_table_past_cache_body, world_size=1):
+        assert res["error"] is not None and "block_table points past kv_cache" in res["error"], res

@@ -137,6 +137,8 @@ def as_index(name: str, value: object, device: torch.device | None = None) -> ob
         return None
     if isinstance(value, np.ndarray):  # host values, as a list's
         value = torch.from_numpy(np.ascontiguousarray(value))
+        if value.dtype == torch.int32:
+            return value if device is None else value.to(device)
         if value.dtype not in _CONVERTIBLE:
             return value  # floats, bools, uint64: the step's dtype check names them
         value = as_index(name, value)
@@ -165,10 +167,13 @@ def as_index(name: str, value: object, device: torch.device | None = None) -> ob
 
 
 def _host_ints(name: str, value: object) -> list[int] | None:
-    """``value``'s ints when they are on the host (a sequence of ints, or a 1-D integer CPU
-    tensor); ``None`` for a device tensor (reading it would sync) or anything else."""
+    """``value``'s ints when they are on the host (a sequence of ints, a 1-D integer NumPy array or
+    a 1-D integer CPU tensor); ``None`` for a device tensor (reading it would sync) or anything else."""
     if isinstance(value, Sequence) and not isinstance(value, str | bytes):  # read as it is: no tensor made
         return list(value) if all(isinstance(v, int) and not isinstance(v, bool) for v in value) else None
+    if isinstance(value, np.ndarray):
+        ok = value.ndim == 1 and np.issubdtype(value.dtype, np.integer)
+        return [int(v) for v in value.tolist()] if ok else None
     if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or value.dim() != 1:
         return None
     return value.tolist() if value.dtype in (torch.int32, *_CONVERTIBLE) else None
@@ -222,11 +227,11 @@ def check_drafts_on_host(
             check_queries_fit(seq, [q_len] * requests)
 
 
-def check_table_on_host(block_table: object, seq_lens: object, *, page_size: int) -> None:
-    """A head-TP sparse-MLA decode's ``block_table`` holds each request's ``seq_lens`` tokens, where
-    both are CPU integer tensors (as the DCP step checks its shard's:
-    :func:`~shardattn._checks.check_block_table_holds`; pages past the cache stay invalid keys, as
-    the ops take them); the step's own checks name anything else."""
+def check_table_on_host(block_table: object, seq_lens: object, *, page_size: int, kv_rows: int) -> None:
+    """A head-TP sparse-MLA decode's ``block_table`` points into the cache's ``kv_rows`` rows and
+    holds each request's ``seq_lens`` tokens, where both are CPU integer tensors (as the DCP step
+    checks its shard's: :func:`~shardattn._checks.check_block_table_holds`); the step's own checks
+    name anything else."""
     if not (isinstance(block_table, torch.Tensor) and block_table.device.type == "cpu" and block_table.dim() == 2):
         return
     if block_table.dtype not in (torch.int32, torch.int64):
@@ -234,7 +239,7 @@ def check_table_on_host(block_table: object, seq_lens: object, *, page_size: int
     lens = None
     if isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "cpu" and seq_lens.dim() == 1:
         lens = seq_lens if seq_lens.shape[0] == block_table.shape[0] else None
-    check_block_table_holds(block_table, page_size, None, lens)
+    check_block_table_holds(block_table, page_size, kv_rows, lens)
 
 
 def check_plan_lengths(batch: object, seq_lens: object, cu_q_lens: object, *, q_len_per_req: object) -> None:

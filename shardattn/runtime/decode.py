@@ -287,7 +287,12 @@ class DecodeStep:
                 if kv_cache.dtype != torch.uint8:  # rows in q's dtype, named as the caller passed them
                     check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
                 if not dcp:  # positions past the table would read no key (the DCP step checks its shard's)
-                    check_table_on_host(block_table, seq_lens, page_size=self.spec.page_size)
+                    check_table_on_host(
+                        block_table,
+                        seq_lens,
+                        page_size=self.spec.page_size,
+                        kv_rows=kv_cache.shape[0] * (kv_cache.shape[1] if kv_cache.dim() == 3 else 1),
+                    )
                 cache = _SparseCache(kv_cache, topk_pos, req_ids)
             else:
                 for name, x in (("topk_pos", topk_pos), ("req_ids", req_ids), ("topk_length", topk_length)):
