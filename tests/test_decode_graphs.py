@@ -96,6 +96,34 @@ def test_runner_validates_inputs_before_copying():
         GraphRunner(lambda **k: k, [GraphInput("a", (), torch.int32)] * 2, support=CGSupport.ALWAYS, batch_sizes=[1])
 
 
+def test_runner_and_inputs_validate_their_arguments_with_or_without_a_graph_level():
+    for support in (CGSupport.UNIFORM_BATCH, None):
+        with pytest.raises(TypeError, match=r"batch_sizes\[\]"):
+            _runner(support=support, batch_sizes=[2.9])
+        with pytest.raises(ValueError, match="q_len_per_req must be >= 1"):
+            _runner(support=support, q_len_per_req=0)
+        with pytest.raises(TypeError, match="ragged must be a bool"):
+            _runner(support=support, ragged="yes")
+    with pytest.raises(ValueError, match=r"GraphInput\('bt'\)\.pad_value must be an integer torch\.int32 holds"):
+        GraphInput("bt", (2,), torch.int32, pad_value=0.5)
+    with pytest.raises(ValueError, match="pad_value"):
+        GraphInput("bt", (2,), torch.int32, pad_value=2**40)
+    with pytest.raises(TypeError, match=r"GraphInput\('q'\)\.dtype must be a torch\.dtype"):
+        GraphInput("q", (3,), "float32")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"row_shape\[\] must be >= 0"):
+        GraphInput("q", (3, -1), torch.float32)
+    GraphInput("q", (3,), torch.float32, pad_value=float("-inf"))  # any float pads a float input
+
+
+def test_runner_checks_inputs_above_the_largest_bucket_too():
+    runner, _ = _runner()
+    lens = torch.ones(5, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q must have shape \[10, 3\]"):
+        runner.eager(5, q=torch.randn(20, 3), block_table=torch.zeros(5, 2, dtype=torch.int32), seq_lens=lens)
+    with pytest.raises(ValueError, match=r"dtype torch\.float32"):
+        runner.eager(5, q=torch.randn(10, 3).double(), block_table=torch.zeros(5, 2, dtype=torch.int32), seq_lens=lens)
+
+
 def test_padded_ragged_batches_need_uniform_batch_only():
     check_capture_allowed(CGSupport.UNIFORM_BATCH, q_len_per_req=4, ragged=True, padded=True)
     with pytest.raises(ValueError, match="ALWAYS is needed"):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn._checks import check_choice, check_int
+from shardattn._checks import check_bool, check_choice, check_int
 from shardattn.plan.cudagraph import CGSupport
 from shardattn.runtime.graph_capture import DecodeGraph, Outputs, check_capture_allowed
 
@@ -67,7 +67,22 @@ class GraphInput:
     pad_value: float = 0
 
     def __post_init__(self) -> None:
-        check_choice(f"GraphInput({self.name!r}).per", self.per, ("request", "token"))
+        where = f"GraphInput({self.name!r})"
+        check_choice(f"{where}.per", self.per, ("request", "token"))
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"{where}.dtype must be a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.row_shape, tuple):
+            raise TypeError(f"{where}.row_shape must be a tuple of ints, got {self.row_shape!r}")
+        for n in self.row_shape:
+            check_int(f"{where}.row_shape[]", n, minimum=0)
+        pad = self.pad_value
+        if isinstance(pad, bool) or not isinstance(pad, int | float):
+            raise TypeError(f"{where}.pad_value must be a number, got {pad!r}")
+        if not (self.dtype.is_floating_point or self.dtype.is_complex):
+            info = torch.iinfo(self.dtype) if self.dtype != torch.bool else None
+            fits = info is not None and float(pad).is_integer() and info.min <= pad <= info.max
+            if not fits:
+                raise ValueError(f"{where}.pad_value must be an integer {self.dtype} holds, got {pad!r}")
 
 
 _ALIGN = 64  # bytes: every input's region of the arena starts on a 64-byte boundary
@@ -126,9 +141,11 @@ class GraphRunner:
         ragged: bool = False,
         device: torch.device | str = "cuda",
     ) -> None:
+        check_int("q_len_per_req", q_len_per_req, minimum=1)
+        check_bool("ragged", ragged)
         if support is not None:
             check_capture_allowed(support, q_len_per_req=q_len_per_req, ragged=ragged, padded=True)
-        sizes = sorted({check_int("batch_sizes[]", int(b), minimum=1) for b in batch_sizes})
+        sizes = sorted({check_int("batch_sizes[]", b, minimum=1) for b in batch_sizes})
         if not sizes:
             raise ValueError("batch_sizes must name at least one batch size")
         names = [i.name for i in inputs]
@@ -313,6 +330,7 @@ class GraphRunner:
         padded, why = self.route(batch)
         self.last_route = (padded, why)
         if padded is None:
+            self._check_inputs(batch, tensors)
             return self.fn(**tensors)
         self.load(batch, **tensors)
         return self._cut(self.graphs[padded].replay(), batch, padded)
@@ -323,6 +341,7 @@ class GraphRunner:
         padded, why = self.route(batch)
         self.last_route = (padded, why)
         if padded is None:
+            self._check_inputs(batch, tensors)
             return self.fn(**tensors)
         self.load(batch, **tensors)
         return self._cut(self.fn(**self.views(padded)), batch, padded)
