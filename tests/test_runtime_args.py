@@ -228,3 +228,30 @@ def test_headtp_sparse_decode_refuses_a_block_table_past_the_cache(dist_pool) ->
     """As the DCP step does: a page past the cache would drop that page's keys with no error."""
     for res in dist_pool.run(_table_past_cache_body, world_size=1):
         assert res["error"] is not None and "block_table points past kv_cache" in res["error"], res
+
+
+def _padded_plan_body(group) -> dict:
+    from shardattn.runtime.graphs import DecodeGraphs
+
+    rt = Runtime(GQA, group, mode="dcp-decode", max_batched_tokens=64, max_decode_tokens=32, warmup=False)
+    g = _gqa_step((37, 0, 70), (1, 3, 2), 3, DcpShard(1, 1, 0))
+    kv = (g.k_cache, g.v_cache)
+    errors = {}
+    plan = rt.decode_step.plan(g.seq_lens.tolist(), g.cu_q_lens.tolist(), q_len=3, padded_requests=4)
+    try:  # the caller's unpadded table beside a plan padded to 4 requests
+        rt.decode(plan.pad_rows(g.q), kv, g.block_table, g.seq_lens, batch=plan, sinks=g.sinks)
+    except ValueError as e:
+        errors["table"] = str(e)
+    graphs = DecodeGraphs(rt, kv, batch_sizes=[4], q_len=3, max_pages=5, capture=False)
+    try:  # q of 6 rows, one query per request planned
+        graphs(g.q, g.block_table, g.seq_lens.tolist())
+    except ValueError as e:
+        errors["graphs"] = str(e)
+    return errors
+
+
+@pytest.mark.distributed
+def test_errors_of_a_planned_decode_name_the_argument_at_fault(dist_pool) -> None:
+    for res in dist_pool.run(_padded_plan_body, world_size=1):
+        assert res["table"].startswith("block_table must have a row per request slot of the plan (4"), res
+        assert res["graphs"].startswith("q must have the plan's num_tokens=3 rows"), res

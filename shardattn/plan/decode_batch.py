@@ -150,11 +150,12 @@ class DecodeBatch:
         the Runtime's step stages it through a reused pinned buffer instead)."""
         return self.meta.to(device, non_blocking=self.meta.is_pinned())
 
-    def pad_rows(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def pad_rows(self, x: torch.Tensor, out: torch.Tensor | None = None, *, name: str = "x") -> torch.Tensor:
         """``x [num_tokens, ...]`` (request order) placed in the padded layout ``[num_slots, ...]``
-        (padding rows 0): one scatter; a view-free copy when the layout is the identity."""
+        (padding rows 0): one scatter; a view-free copy when the layout is the identity. ``name``:
+        the argument named in the error for another row count."""
         if x.shape[0] != self.num_tokens:
-            raise ValueError(f"x must have num_tokens={self.num_tokens} rows, got {list(x.shape)}")
+            raise ValueError(f"{name} must have the plan's num_tokens={self.num_tokens} rows, got {list(x.shape)}")
         dst = x.new_zeros((self.num_slots, *x.shape[1:])) if out is None else out.zero_()
         rows = self.token_rows.to(x.device, non_blocking=True)
         return dst.index_copy_(0, rows, x)

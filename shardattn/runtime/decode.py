@@ -186,6 +186,12 @@ class DecodeStep:
             if q.dim() != 3 or q.shape[0] != batch.num_slots:
                 raise ValueError(f"q must have the plan's {batch.num_slots} query rows, got shape {list(q.shape)}")
             if isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
+                if block_table.shape[0] not in (batch.padded_requests, batch.num_slots):
+                    raise ValueError(
+                        f"block_table must have a row per request slot of the plan ({batch.padded_requests}, "
+                        f"padded requests included) or per query slot ({batch.num_slots}), got "
+                        f"{list(block_table.shape)}"
+                    )
                 room = int(block_table.shape[1]) * self.spec.page_size
                 if batch.max_kv_len > room:
                     raise ValueError(

@@ -187,7 +187,7 @@ class DecodeGraphs:
             assert lse is not None
             return out, lse
         self.last_route = (padded, why + (f"; {plan.padding_queries} padding queries" if plan.padding_queries else ""))
-        q_slots = q if plan.identity_rows else plan.pad_rows(q)
+        q_slots = q if plan.identity_rows else plan.pad_rows(q, name="q")
         out, lse = self.runner.run(
             b, q=q_slots, block_table=block_table, seq_lens=plan.seq_lens, kv_lens=plan.meta[0], kv_req=plan.meta[1]
         ) if self.runner.graphs else self.runner.eager(
