@@ -367,3 +367,32 @@ def test_queries_in_another_dtype_log_the_workspace_bypass_on_decode_as_on_prefi
         level, message = res["said"][0]
         assert level == logging.INFO
         assert "queries in float32, not the spec's bfloat16" in message and "allocate their buffers" in message
+
+
+def _bad_step_body(group) -> dict:
+    rt = Runtime(MLA, group, max_batched_tokens=64, mode="mixed", max_decode_tokens=8, warmup=False)
+    calls = {
+        "kind": lambda: rt.check_workspace("prefil", "shardq", tokens=8),
+        "step": lambda: rt.check_workspace("decode", "bogus", tokens=8),
+        "tokens": lambda: rt.check_workspace("decode", "dcp", tokens=-5),
+        "tokens-float": lambda: rt.workspace_needs("prefill", "pcp", 2.5, 16),
+        "topk": lambda: rt.workspace_needs("prefill", "pcp", 4, -1),
+    }
+    got = {}
+    for name, call in calls.items():
+        try:
+            call()
+            got[name] = None
+        except (TypeError, ValueError) as e:
+            got[name] = f"{type(e).__name__}: {e}"
+    return got
+
+
+@pytest.mark.distributed
+def test_workspace_questions_name_a_bad_kind_step_or_size(dist_pool) -> None:
+    for res in dist_pool.run(_bad_step_body, world_size=1):
+        assert res["kind"].startswith("ValueError: kind must be one of ('prefill', 'decode')"), res
+        assert res["step"].startswith("ValueError: step must be one of ('headtp', 'dcp')"), res
+        assert res["tokens"].startswith("ValueError: tokens must be >= 0"), res
+        assert res["tokens-float"].startswith("TypeError: tokens"), res
+        assert res["topk"].startswith("ValueError: topk must be >= 0"), res

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import torch
 
+from shardattn._checks import check_choice, check_int
 from shardattn.errors import WorkspaceExceededError
 from shardattn.plan.spec import ModelSpec
 from shardattn.plan.workspace import ITEM_LIFETIMES, arena_offsets, workspace_bounds
@@ -54,6 +55,18 @@ __all__ = ["RuntimeWorkspace", "WorkspaceExceededError"]
 #: prefill steps carve none (:meth:`RuntimeWorkspace.needs`): FA4 allocates its outputs, PCP its
 #: KV gather, per step.
 STEP_ITEMS: dict[tuple[str, str], tuple[str, ...]] = {("prefill", "pcp"): ("union", "union_offsets")}
+#: The parallel steps of each kind a workspace bound is asked for.
+STEPS: dict[str, tuple[str, ...]] = {"prefill": ("shardq", "headtp", "pcp"), "decode": ("headtp", "dcp")}
+
+
+def check_step(kind: object, step: object, tokens: object, topk: object) -> None:
+    """A step's ``kind``, ``step``, ``tokens`` and ``topk`` as :meth:`RuntimeWorkspace.needs` takes
+    them: ``ValueError`` / ``TypeError`` naming the argument."""
+    check_choice("kind", kind, tuple(STEPS))
+    check_choice("step", step, STEPS[str(kind)])
+    check_int("tokens", tokens, minimum=0)
+    check_int("topk", topk, minimum=0)
+
 
 #: ``dcp_*_decode`` workspace key -> the Runtime's workspace item (``decode.<item>``).
 _DECODE_BUFFERS = (
@@ -171,6 +184,7 @@ class RuntimeWorkspace:
     def needs(self, kind: str, step: str, tokens: int, topk: int) -> dict[str, int]:
         """``{"<kind>.<item>": bytes}`` the planner bounds for one step of ``tokens`` tokens and top-k ``topk``
         (memoised: a serving loop asks for the same few sizes every step)."""
+        check_step(kind, step, tokens, topk)
         memo = (kind, step, tokens, topk)
         if memo in self._needs:
             return self._needs[memo]
@@ -219,6 +233,8 @@ class RuntimeWorkspace:
                 ``"headtp"``, ``"pcp"``, ``"dcp"``). tokens: the step's new / query tokens.
             topk: the step's top-k width (default: the config's).
         """
+        k = self.topk if topk is None else topk
+        check_step(kind, step, tokens, k)
         limit = self.max_batched_tokens if kind == "prefill" else self.max_decode_tokens
         if tokens > limit:
             name = "max_batched_tokens" if kind == "prefill" else "max_decode_tokens"
@@ -226,7 +242,6 @@ class RuntimeWorkspace:
                 f"a {kind} step of {tokens} tokens exceeds {name}={limit}, the size this Runtime reserved its "
                 "workspace for; split the step or build the Runtime larger"
             )
-        k = self.topk if topk is None else topk
         reserved = self.step_bounds.get((kind, step), {})
         for key, nbytes in self.needs(kind, step, tokens, k).items():
             have = reserved.get(key, 0)
