@@ -255,3 +255,25 @@ def test_errors_of_a_planned_decode_name_the_argument_at_fault(dist_pool) -> Non
     for res in dist_pool.run(_padded_plan_body, world_size=1):
         assert res["table"].startswith("block_table must have a row per request slot of the plan (4"), res
         assert res["graphs"].startswith("q must have the plan's num_tokens=3 rows"), res
+
+
+def _grouped_plan_big_cache_body(group) -> dict:
+    from shardattn.plan.routing import MAX_GROUPED_KV_ROWS, Route
+    from shardattn.runtime.runtime import PrefillPlan
+
+    rt = Runtime(MLA, group, mode="headtp", max_batched_tokens=64, max_decode_tokens=8, warmup=False)
+    step = _prefill_step(seed=1)
+    plan = PrefillPlan("headtp", Route("grouped", 8, "forced"), None, int(step.q.shape[0]))
+    pages = -(-MAX_GROUPED_KV_ROWS // MLA.page_size)
+    big = step.kv[:1, None, :].expand(pages, MLA.page_size, MLA.head_dim)  # one row's storage, 2^24 rows
+    try:
+        rt.prefill(step.q, big, step.rows, plan=plan)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+@pytest.mark.distributed
+def test_a_grouped_plan_on_a_cache_past_the_packed_rows_is_refused_before_the_step(dist_pool) -> None:
+    for res in dist_pool.run(_grouped_plan_big_cache_body, world_size=1):
+        assert res["error"] is not None and "plan routes the grouped kernel (G=8)" in res["error"], res

@@ -30,7 +30,7 @@ from shardattn.plan.cost_route import cost_route
 from shardattn.plan.decode_routing import route_decode
 from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.pcp import pcp_plan
-from shardattn.plan.routing import Route, route_prefill
+from shardattn.plan.routing import MAX_GROUPED_KV_ROWS, Route, route_prefill
 from shardattn.plan.zigzag import zigzag_split
 from shardattn.runtime.args import prefill_lengths, reject
 from shardattn.runtime.gqa_prefill import GQAInputs, check_gqa_prefill_inputs, plan_gqa_step
@@ -232,6 +232,14 @@ class RuntimePlanning(RuntimeState):
             if sinks is not None:  # every head's, before a head-TP step takes the rank's
                 check_sink_logits(sinks, self.spec.num_heads, device=q.device)
             self.ws.check("prefill", plan.step, tokens=plan.num_tokens, topk=int(top.shape[1]))
+            if plan.route.group_size > 1:  # a plan made for a smaller cache (kv_rows): its union can't pack
+                rows = _addressed_rows(kv_cache, kv_new, self.world_size)
+                if rows >= MAX_GROUPED_KV_ROWS:
+                    raise ValueError(
+                        f"plan routes the grouped kernel (G={plan.route.group_size}), which addresses fewer than "
+                        f"{MAX_GROUPED_KV_ROWS} KV rows, but this step addresses {rows}: plan it with "
+                        f"kv_rows={rows} (or without a plan)"
+                    )
         except (TypeError, ValueError) as e:
             reject(self.comm, e, collective=self._prefill_agrees, check=check)
         if plan.shard is None and check and self._prefill_agrees:  # a head-TP step the cost model chose: its
