@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from shardattn.serving.doorbell import Doorbell, wait_any
 from shardattn.serving.errors import RankStepError
 from shardattn.serving.shm import SEQ, ShmRegion, decode_layout, serve
 from shardattn.serving.shm_steps import ShmSteps
@@ -121,6 +122,59 @@ def test_every_step_reads_the_payload_published_before_it(ranks: _Ranks) -> None
         out, lse = ranks.steps.run(_step(q, topk), timeout_s=60.0)
         assert torch.equal(out, 2 * q[..., :DV]), f"step {seq}: outputs are not the step's"
         assert torch.equal(lse, torch.full_like(lse, float(seq))), f"step {seq}: lse"
+
+
+def test_a_driver_failure_after_the_ring_fails_the_step(ranks: _Ranks, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks run a step once their doorbells rang: the driver's own failure after that (as
+    ``select``'s for a descriptor past 1024 was) raised as it came, and the pool took the step
+    back out of its ledger though the ranks had written it. It is the step's failure (RankStepError:
+    the pool breaks), naming the ranks not seen done."""
+    steps = ranks.steps
+    gen = torch.Generator().manual_seed(13)
+
+    def wait_fails(timeout_s: float, pending: list[int] | None = None) -> None:
+        raise ValueError("filedescriptor out of range in select()")
+
+    monkeypatch.setattr(steps, "_wait", wait_fails)
+    q, topk = _payload(gen, steps._seq + 1, 4)
+    failed = r"after ringing the step \(ValueError: filedescriptor out of range in select\(\)\); ranks \[0, 1\]"
+    with pytest.raises(RankStepError, match=failed):
+        steps.run(_step(q, topk), timeout_s=60.0)
+    monkeypatch.undo()
+    steps._wait(60.0)  # the ranks ran it: their answers, before the next step's payload is written
+    seq = steps._seq + 1
+    q, topk = _payload(gen, seq, 4)
+    out, lse = steps.run(_step(q, topk), timeout_s=60.0)
+    assert torch.equal(out, 2 * q[..., :DV]) and torch.equal(lse, torch.full_like(lse, float(seq)))
+
+
+def test_doorbells_wait_on_descriptors_past_1024(tmp_path: Any) -> None:
+    """A driver holding over 1024 descriptors (a server's sockets): ``select`` refused the doorbells'
+    (ValueError), so every step failed; ``poll`` takes any descriptor."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 1100
+    if hard != resource.RLIM_INFINITY and hard < need:
+        pytest.skip(f"the descriptor limit ({hard}) is below {need}")
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1024:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        bells = [Doorbell(str(tmp_path / f"bell{i}"), create=True) for i in range(2)]
+        assert min(b.fileno() for b in bells) >= 1024
+        assert bells[0].wait(0.01) is None and wait_any(bells, 0.01) == []
+        bells[1].ring(7)
+        assert wait_any(bells, 1.0) == [1] and bells[1].wait(1.0) == 7
+        for b in bells:
+            b.close(unlink=True)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_driver_that_rings_before_writing_its_payload_is_caught(ranks: _Ranks) -> None:

@@ -15,8 +15,10 @@ atomically). A FIFO is a pipe with a name, so the processes need not be related 
 not the driver's children): each side opens it by path.
 
 :class:`Doorbell` is one direction: :meth:`ring` writes a token, :meth:`poll` takes one without
-waiting (spinning callers poll), :meth:`wait` sleeps in ``select`` until one arrives (the
-kernel wakes the sleeper when the writer writes: no polling interval). Both ends open the FIFO
+waiting (spinning callers poll), :meth:`wait` sleeps in ``poll(2)`` until one arrives (the
+kernel wakes the sleeper when the writer writes: no polling interval). ``poll(2)`` takes any
+file descriptor (``select(2)`` only those below 1024, which a driver holding many sockets or
+files has passed). Both ends open the FIFO
 read-write and non-blocking (Linux), so opening never waits for the other side and a side that
 died leaves the other's calls working.
 
@@ -74,8 +76,7 @@ class Doorbell:
         token = self.poll()
         if token is not None:
             return token
-        ready, _, _ = select.select([self.fileno()], [], [], max(0.0, timeout_s))
-        return self.poll() if ready else None
+        return self.poll() if _readable([self.fileno()], timeout_s) else None
 
     def close(self, *, unlink: bool = False) -> None:
         """Close this side (and remove the name, ``unlink``: the side that created it)."""
@@ -94,6 +95,14 @@ def wait_any(bells: list[Doorbell], timeout_s: float) -> list[int]:
     (their tokens not taken: :meth:`Doorbell.poll` them)."""
     if not bells:
         return []
-    ready, _, _ = select.select([b.fileno() for b in bells], [], [], max(0.0, timeout_s))
-    fds = set(ready)
+    fds = _readable([b.fileno() for b in bells], timeout_s)
     return [i for i, b in enumerate(bells) if b.fileno() in fds]
+
+
+def _readable(fds: list[int], timeout_s: float) -> set[int]:
+    """Those of ``fds`` with an event (a token to read), after sleeping in ``poll(2)`` until one has
+    one or ``timeout_s`` passed (rounded up to a millisecond); any descriptor number."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, _ in poller.poll(max(0.0, timeout_s) * 1e3)}

@@ -28,10 +28,10 @@ A step (:meth:`ShmSteps.run <shardattn.serving.shm_steps.ShmSteps.run>`, driver 
 number, then rings each rank's doorbell with the number
 (:class:`~shardattn.serving.doorbell.Doorbell`, a named pipe next to the region:
 ``<region>.go<r>``). Each rank's serve loop (:func:`serve`, one long-running actor call) waits on
-its doorbell (spinning on it for ``spin_s`` after a step, then asleep in ``select`` until it is
+its doorbell (spinning on it for ``spin_s`` after a step, then asleep in ``poll(2)`` until it is
 rung), runs the step, writes its outputs, its done counter, and rings the driver's doorbell of that
 rank (``<region>.done<r>``). The driver waits on those (spinning for ``spin_s``, then asleep in
-``select``).
+``poll(2)``).
 
 Ordering: the doorbell, not the stores to the region, publishes a step. A ``write`` and a
 ``read`` on one pipe synchronise through the pipe's lock in the kernel, so the reader sees every
@@ -273,7 +273,7 @@ def bell_paths(region_path: str, rank: int) -> tuple[str, str]:
 def serve(region: ShmRegion, rank: int, step: Callable[[dict[str, Any]], None], spin_s: float) -> str:
     """Rank ``rank``'s loop: wait for its doorbell, run ``step(region.step_views(rank))``, write the
     done counter and ring the driver's doorbell. Spins on the doorbell for ``spin_s`` after a step,
-    then sleeps in ``select`` until it rings. Returns when told to stop, or after writing a step's
+    then sleeps in ``poll(2)`` until it rings. Returns when told to stop, or after writing a step's
     exception (the error text, then the flag, then the doorbell). Records when it saw each step
     (``MARKS["seen"]``)."""
     ctrl, line = region.ctrl, region.rank_line(rank)

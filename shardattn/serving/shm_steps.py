@@ -124,7 +124,8 @@ class ShmSteps:
         copied again.
 
         Returns ``(out [T, H, Dv], lse [T, H] or None)``: views of the region, valid until the
-        next step. Raises :class:`RankStepError` (a rank failed, or the timeout).
+        next step. Raises :class:`RankStepError`: a rank failed, the timeout, or any failure once
+        the ranks' doorbells were rung (they may run the step: the caller must not take it back).
         """
         c, t = self.region.ctrl, self.region.tensors
         table, starts, counts, q_lens = step["table"], step["starts"], step["counts"], step["q_lens"]
@@ -153,9 +154,18 @@ class ShmSteps:
         self._seq += 1
         c[T_PUBLISH] = time.monotonic_ns()
         c[SEQ] = self._seq
-        for bell in self._go:  # after every store of the step: a rank reads them after its doorbell
-            bell.ring(self._seq)
-        self._wait(timeout_s)
+        pending = list(range(self.world_size))
+        try:
+            for bell in self._go:  # after every store of the step: a rank reads them after its doorbell
+                bell.ring(self._seq)
+            self._wait(timeout_s, pending)
+        except RankStepError:
+            raise
+        except Exception as e:  # a rank may be running the step: the driver's failure fails the step
+            raise RankStepError(
+                pending[0] if pending else 0,
+                f"the driver failed after ringing the step ({type(e).__name__}: {e}); ranks {pending} had not answered",
+            ) from None
         self._done_ns = time.monotonic_ns()
         return t["out"][:n_q], t["lse"][:n_q] if step["return_lse"] else None
 
@@ -171,11 +181,12 @@ class ShmSteps:
             ranks.append({k: (int(c[line + f]) - t0) / 1e6 for k, f in MARKS.items()})
         return {"ranks": ranks, "done": (self._done_ns - t0) / 1e6}
 
-    def _wait(self, timeout_s: float) -> None:
+    def _wait(self, timeout_s: float, pending: list[int] | None = None) -> None:
         """Wait for every rank's doorbell of this step: spin on them for ``spin_s``, then sleep in
-        ``select`` (woken by the next one rung; every 20 ms a check that no serve loop ended)."""
+        ``poll(2)`` (woken by the next one rung; every 20 ms a check that no serve loop ended).
+        ``pending``: the ranks to wait for (default every rank), emptied as they answer."""
         c, seq = self.region.ctrl, self._seq
-        pending = list(range(self.world_size))
+        pending = list(range(self.world_size)) if pending is None else pending
         t0 = time.perf_counter()
         next_check = t0 + 0.02
         while True:

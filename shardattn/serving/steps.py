@@ -358,7 +358,7 @@ class RequestSteps(RankCalls):
             )
         except RankStepError as e:
             raise self._fail(e.rank, e.cause, "decode", e.late) from None
-        except Exception:  # on the driver, before the ranks were told to run: the step did not happen
+        except Exception:  # on the driver, before the ranks were told to run (after: RankStepError): no step
             if self._broken is None:
                 self.book.undo_growth(batch.slots, batch.counts)
             raise

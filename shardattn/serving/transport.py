@@ -152,7 +152,8 @@ def decode_on_ranks(
     None)`` and ``None``; under ``shm`` instead one pair, ``(out [T, H, Dv], lse [T, H] or
     None)``, every head (views of the region, valid until the next step), and the step's
     timeline on every rank (:meth:`~shardattn.serving.shm_steps.ShmSteps.timeline`).
-    Raises :class:`~shardattn.serving.errors.RankStepError` (or what ``call`` raises)."""
+    Raises :class:`~shardattn.serving.errors.RankStepError` (or what ``call`` raises); under
+    ``shm``, every failure once the ranks' doorbells were rung is one."""
     import torch
 
     from shardattn.serving.split import query_parts
