@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import importlib.util
 import math
 import os
@@ -810,6 +811,50 @@ def test_ray_service_example_serves_a_stream(ray_instance) -> None:
 
 def _region_paths() -> list[str]:
     return [f for f in os.listdir("/dev/shm") if f.startswith(f"shardattn-decode-{os.getpid()}-")]
+
+
+def test_a_region_not_mapped_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A region made whose mapping then failed left its file behind (in /dev/shm: memory): removed."""
+    import mmap
+
+    from shardattn.serving.shm import ShmRegion, decode_layout
+
+    lay = decode_layout(2, max_tokens=4, max_requests=2, table_width=1, heads_per_rank=2, head_dim=8, v_dim=4,
+                        dtype=torch.float32, topk=0, kv_rows=[((8,), torch.float32)])  # fmt: skip
+
+    def refused(*args: object) -> None:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(mmap, "mmap", refused)
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        ShmRegion(str(tmp_path / "region"), lay, create=True)
+    assert os.listdir(tmp_path) == []
+
+
+@needs_ray
+@pytest.mark.skipif(not hasattr(os, "posix_fallocate"), reason="no posix_fallocate: the region is a sparse file")
+def test_a_dev_shm_without_room_for_the_region_makes_the_transport_unavailable(
+    ray_instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The region was a sparse file: a /dev/shm smaller than it killed the driver with SIGBUS at the
+    first step that touched a page past the room. Its pages are allocated when it is made: no room
+    raises there, the transport is unavailable (the pool falls back) and no file is left behind."""
+    from shardattn.serving import transport
+    from shardattn.serving.shm import decode_layout
+
+    lay = decode_layout(2, max_tokens=4, max_requests=2, table_width=1, heads_per_rank=2, head_dim=8, v_dim=4,
+                        dtype=torch.float32, topk=0, kv_rows=[((8,), torch.float32)])  # fmt: skip
+    sizes: list[int] = []
+
+    def no_room(fd: int, offset: int, size: int) -> None:
+        sizes.append(size)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    before = _region_paths()
+    with pytest.raises(transport.TransportUnavailable, match=r"region \(\[Errno 28\] No space left on device"):
+        transport._start_shm([], [], lay, lambda operation, refs: [], 0.0)
+    assert sizes == [lay.size] and _region_paths() == before
 
 
 @needs_ray

@@ -49,6 +49,7 @@ Each surfaces as one :class:`~shardattn.serving.errors.RankStepError` naming the
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
@@ -152,7 +153,11 @@ class ShmRegion:
 
     Args:
         path: the file (``/dev/shm/...``). layout: :class:`ShmLayout`.
-        create: make the file (the driver; it fails if it exists) or open it (a rank).
+        create: make the file (the driver; it fails if it exists) or open it (a rank). The file's
+            pages are allocated here (``posix_fallocate``), so a ``/dev/shm`` without room for
+            the region raises ``OSError`` (``ENOSPC``) now rather than killing a process with
+            ``SIGBUS`` when a step first touches a page past the room (a sparse file, as
+            ``ftruncate`` alone makes); a file this call created is removed when it fails.
     """
 
     def __init__(self, path: str, layout: ShmLayout, *, create: bool) -> None:
@@ -160,11 +165,17 @@ class ShmRegion:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
+            try:
+                if create:
+                    _allocate(fd, layout.size, path)
+                self._map = mmap.mmap(fd, layout.size)
+            finally:
+                os.close(fd)
+        except BaseException:
             if create:
-                os.ftruncate(fd, layout.size)
-            self._map = mmap.mmap(fd, layout.size)
-        finally:
-            os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
         self.ctrl = np.frombuffer(self._map, dtype=np.int64, count=(layout.world_size + 1) * LINE)
         self.tensors = {
             name: torch.frombuffer(self._map, dtype=s.dtype, count=int(np.prod(s.shape)), offset=s.offset).view(s.shape)
@@ -263,6 +274,18 @@ class ShmRegion:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def _allocate(fd: int, size: int, path: str) -> None:
+    """Size the region's file to ``size`` bytes, every page allocated (``OSError`` naming ``path``
+    when the file system has no room for them); a sparse file where the OS has no ``posix_fallocate``."""
+    if not hasattr(os, "posix_fallocate"):  # macOS
+        os.ftruncate(fd, size)
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror} (allocating the {size}-byte region)", path) from None
 
 
 def bell_paths(region_path: str, rank: int) -> tuple[str, str]:
