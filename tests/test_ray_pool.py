@@ -342,6 +342,70 @@ def test_stale_staging_rows_and_a_prefill_failed_on_the_driver_leave_nothing_wro
     pool2.free(["a", "b"])
 
 
+@needs_ray
+def test_stale_top_k_and_kv_staging_views_are_refused_naming_them(pool2) -> None:
+    """Fresh queries with top-k positions or KV rows from ``step_inputs()`` that another step wrote
+    over: the step attended the other request's positions (an error of 0.79), or wrote its KV row
+    into the cache for good. Every staged input is checked: refused, naming it; nothing changes."""
+    from shardattn.testing.serving import ServingMirror
+
+    mirror = ServingMirror(MLA, seed=12)
+    pool2.prefill([mirror.prefill_request("a", 9, attend=False), mirror.prefill_request("b", 6, attend=False)])
+    ra = mirror.decode_request("a", append=False)
+    staged = pool2.step_inputs(1)
+    staged["topk_pos"].copy_(ra.topk_pos)
+    staged["kv"].copy_(torch.randn(1, MLA.head_dim))
+    rb = mirror.decode_request("b")  # its query, top-k and KV row go over the staging rows
+    _check(pool2.decode([rb], return_lse=True), [rb], mirror)
+    stale = r" is the pool's staging rows \(step_inputs\(\)\), but a step has written other inputs over them"
+    with pytest.raises(ValueError, match="^topk_pos" + stale):
+        pool2.decode_batch(["a"], ra.q.clone(), staged["topk_pos"])
+    with pytest.raises(ValueError, match="^kv" + stale):
+        pool2.decode_batch(["a"], ra.q.clone(), ra.topk_pos.clone(), kv=staged["kv"])
+    assert pool2.book.seq_len("a") == 9 and not pool2.broken
+    _check([pool2.decode_batch(["a"], ra.q, ra.topk_pos, return_lse=True)], [ra], mirror)  # a's cache as it was
+    pool2.free(["a", "b"])
+
+
+@needs_ray
+def test_decode_batch_takes_later_rows_of_the_staging_area(pool2) -> None:
+    """Rows 1..3 of a staged batch of three (a sub-batch, KV rows included) raised torch's aliasing
+    error: they are read before the step's inputs are written over the leading rows."""
+    from shardattn.testing.serving import ServingMirror
+
+    mirror = ServingMirror(MLA, seed=7)
+    pool2.prefill([mirror.prefill_request(i, n, attend=False) for i, n in ((20, 5), (21, 6), (22, 7))])
+    reqs = [mirror.decode_request(20, append=False), mirror.decode_request(21), mirror.decode_request(22)]
+    staged = pool2.step_inputs(3)
+    torch.cat([r.q for r in reqs], out=staged["q"])
+    torch.cat([r.topk_pos for r in reqs], out=staged["topk_pos"])
+    staged["kv"][0].normal_()
+    torch.cat([r.kv for r in reqs[1:]], out=staged["kv"][1:])
+    out, lse = pool2.decode_batch([21, 22], staged["q"][1:], staged["topk_pos"][1:], kv=staged["kv"][1:],
+                                  return_lse=True)  # fmt: skip
+    _check(list(zip(out.split(1), lse.split(1))), reqs[1:], mirror)
+    assert [pool2.book.seq_len(i) for i in (20, 21, 22)] == [5, 7, 8]
+    pool2.free([20, 21, 22])
+
+
+@needs_ray
+def test_a_refused_out_leaves_the_staging_views_valid(pool2) -> None:
+    """A step refused for its ``out`` writes nothing, but counted as a step written over the staging
+    rows: this thread's valid ``step_inputs()`` views were then refused."""
+    from shardattn.testing.serving import ServingMirror
+
+    mirror = ServingMirror(MLA, seed=9)
+    pool2.prefill([mirror.prefill_request("a", 9, attend=False)])
+    ra = mirror.decode_request("a", append=False)
+    staged = pool2.step_inputs(1)
+    staged["q"].copy_(ra.q)
+    staged["topk_pos"].copy_(ra.topk_pos)
+    with pytest.raises(ValueError, match=r"^out must have shape \[1, 8, 32\]"):
+        pool2.decode_batch(["a"], ra.q.clone(), ra.topk_pos, out=torch.empty(1, 8, 999))
+    _check([pool2.decode_batch(["a"], staged["q"], staged["topk_pos"], return_lse=True)], [ra], mirror)
+    pool2.free(["a"])
+
+
 def _in_place_step(pool, mirror, ids, q_lens) -> None:
     """One decode_batch step written into pool.step_inputs() (KV rows included), outputs as views: the reference."""
     reqs = [mirror.decode_request(i, n) for i, n in zip(ids, q_lens)]

@@ -55,11 +55,18 @@ def _unlink(*paths: str) -> None:
             pass
 
 
-def _put(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``src``'s values into the region's ``dst`` (no autograd history: a ``src`` that requires grad
-    is read as its values, and the region stays a plain buffer)."""
-    if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():  # not packed in place
-        dst.copy_(src.detach())
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Bytes ``[lo, hi)`` of memory holding ``t``'s elements (empty for an empty tensor)."""
+    lo = t.data_ptr()
+    if t.numel() == 0:
+        return lo, lo
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return lo, lo + (last + 1) * t.element_size()
+
+
+def _in_place(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``src`` is the region's ``dst`` itself (packed in place: nothing to copy)."""
+    return src.data_ptr() == dst.data_ptr() and src.stride() == dst.stride()
 
 
 class ShmSteps:
@@ -88,6 +95,7 @@ class ShmSteps:
         self._host = {k: t[k].numpy() for k in ("starts", "counts", "q_counts", "seq_lens", "req_ids", "cu_q")}
         self._arange = np.arange(max(int(t["req_ids"].shape[0]), int(t["starts"].shape[0])), dtype=np.int64)
         self.pinned: list[bool] = []  #: whether each rank page-locked its mapping (GPU ranks)
+        self._input_spans = [_span(v) for v in self.inputs().values()]
 
     def serving(self, loops: Sequence[Any]) -> None:
         """The ranks' serve-loop ``ObjectRef``s, rank order (ready only when a loop ended)."""
@@ -98,6 +106,11 @@ class ShmSteps:
         ``topk [T, K]``, ``kv0`` / ``kv1 [T, *row]``; sized for the largest step): a step whose
         tensors are their leading rows is not copied again."""
         return {k: v for k, v in self.region.tensors.items() if k in ("q", "topk") or k.startswith("kv")}
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether any of ``t``'s elements lies in the region's input tensors (:meth:`inputs`)."""
+        lo, hi = _span(t)
+        return any(lo < b and a < hi for a, b in self._input_spans)
 
     def _ended_loops(self) -> RankStepError | None:
         """A rank whose serve loop ended (its actor died, or the loop returned), or ``None``."""
@@ -120,8 +133,10 @@ class ShmSteps:
     def run(self, step: dict[str, Any], timeout_s: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step. ``step``: ``table [B, w]`` int32, ``starts`` / ``counts`` / ``q_lens``
         ``[B]`` int64 (NumPy), ``q [T, H, D]``, ``topk [T, K]`` or ``None``, ``kv`` list,
-        ``return_lse``. Tensors that are views of the region already (:meth:`inputs`) are not
-        copied again.
+        ``return_lse``. A tensor that is its input's leading rows in the region (:meth:`inputs`)
+        is not copied again; one elsewhere on the input rows (later rows, or another input's) is
+        read whole before any input row is written. A tensor that requires grad is read as its
+        values (the region stays a plain buffer).
 
         Returns ``(out [T, H, Dv], lse [T, H] or None)``: views of the region, valid until the
         next step. Raises :class:`RankStepError`: a rank failed, the timeout, or any failure once
@@ -145,11 +160,15 @@ class ShmSteps:
             host["req_ids"][:n_q] = self._arange[:n_q]
         else:
             host["req_ids"][:n_q] = np.repeat(self._arange[:b], q_lens)
-        _put(t["q"][:n_q], step["q"])
+        puts = [(t["q"][:n_q], step["q"])]
         if step["topk"] is not None:
-            _put(t["topk"][:n_q], step["topk"])
-        for i, part in enumerate(step["kv"]):
-            _put(t[f"kv{i}"][:n_kv], part)
+            puts.append((t["topk"][:n_q], step["topk"]))
+        puts += [(t[f"kv{i}"][:n_kv], part) for i, part in enumerate(step["kv"])]
+        # a source on the input rows, not packed in place: read whole before any input row is written
+        puts = [(dst, src if _in_place(dst, src) or not self.holds(src) else src.detach().clone()) for dst, src in puts]
+        for dst, src in puts:
+            if not _in_place(dst, src):
+                dst.copy_(src.detach())
         c[NREQ], c[NQ], c[NKV], c[WIDTH], c[LSE], c[CMD] = b, n_q, n_kv, width, int(step["return_lse"]), DECODE
         self._seq += 1
         c[T_PUBLISH] = time.monotonic_ns()

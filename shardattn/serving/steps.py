@@ -273,18 +273,18 @@ class RequestSteps(RankCalls):
         with self._step_lock:
             self._check_usable()
             spec = self._need_spec()
-            overwrites = self._check_staging(q)
+            overwrites = self._check_staging(q, topk_pos, kv)
             t0 = time.perf_counter()
             with one_host_thread(self.host_threads):
                 batch = check_decode_batch(
                     self.shapes, self.book, request_ids, q, topk_pos, query_lens=query_lens, kv=kv
                 )
-                self._staging_writes += overwrites  # checked: its inputs go over the staging rows
                 if out is not None:
                     check_tensor("out", out, dtypes=(self.shapes.dtype,), device=torch.device("cpu"),
                                  shape=(batch.num_tokens, self.shapes.heads, spec.v_dim))  # fmt: skip
                     if not out.is_contiguous():
                         raise ValueError("out must be contiguous")
+                self._staging_writes += overwrites  # checked: its inputs go over the staging rows
                 return self._decode_step(batch, return_lse, t0, out, view)
 
     def step_inputs(self, num_tokens: int) -> dict[str, Any]:
@@ -321,20 +321,32 @@ class RequestSteps(RankCalls):
             views["topk_pos"] = region["topk"][:num_tokens]
         return views
 
-    def _check_staging(self, q: object) -> bool:
-        """Under ``transport="shm"``, whether the step will copy ``q`` over the staging rows; a ``q``
-        on them must be this thread's views from :meth:`step_inputs` with no step written over
-        them since (``ValueError`` naming ``q``)."""
-        if self.transport != "shm" or self._decoder is None or not isinstance(q, torch.Tensor):
+    def _check_staging(self, q: object, topk_pos: object, kv: object) -> bool:
+        """Under ``transport="shm"``, whether the step will copy any of its inputs over the staging
+        rows (one that is not its own leading rows there). An input on those rows (``q``,
+        ``topk_pos``, ``kv``; ``kv[i]`` of a ``(k, v)`` pair) must be this thread's views from
+        :meth:`step_inputs` with no step written over them since (``ValueError`` naming it)."""
+        if self.transport != "shm" or self._decoder is None:
             return False
-        if q.data_ptr() != self._decoder.inputs()["q"].data_ptr():
-            return True
-        if self._staging_seen.get(threading.get_ident()) != self._staging_writes:
-            raise ValueError(
-                "q is the pool's staging rows (step_inputs()), but a step has written other inputs over them "
-                "since this thread took them: take them again with step_inputs() and write the step's values"
-            )
-        return False
+        rows = self._decoder.inputs()
+        given: list[tuple[str, object, str]] = [("q", q, "q"), ("topk_pos", topk_pos, "topk")]
+        if isinstance(kv, tuple | list):
+            given += [(f"kv[{i}]", part, f"kv{i}") for i, part in enumerate(kv)]
+        elif kv is not None:
+            given.append(("kv", kv, "kv0"))
+        fresh = self._staging_seen.get(threading.get_ident()) == self._staging_writes
+        copies = False
+        for name, t, key in given:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if not fresh and self._decoder.holds(t):
+                raise ValueError(
+                    f"{name} is the pool's staging rows (step_inputs()), but a step has written other inputs over "
+                    "them since this thread took them: take them again with step_inputs() and write the step's values"
+                )
+            own = rows.get(key)
+            copies |= own is None or t.data_ptr() != own.data_ptr() or t.stride() != own.stride()
+        return copies
 
     def _check_decode_lse(self, return_lse: object) -> None:
         check_bool("return_lse", return_lse)

@@ -10,7 +10,8 @@
 :func:`start_decode_transport` returns the transport actually in use and an object with
 ``run(step, q, qs, timeout_s) -> [(out, lse) of rank r]`` (``q [T, H, D]``, ``qs[r]`` its heads)
 and ``teardown()``; ``None`` for calls. The shared-memory runner also has ``inputs()``: the
-region's tensors a step is packed into (:func:`~shardattn.serving.requests.pack_step`'s ``into``).
+region's tensors a step is packed into (:func:`~shardattn.serving.requests.pack_step`'s ``into``),
+and ``holds(t)``: whether a tensor lies on those rows.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class _ShmDecode:
 
     def inputs(self) -> dict[str, Any]:
         return self.steps.inputs()
+
+    def holds(self, t: Any) -> bool:
+        return self.steps.holds(t)
 
     def run_batch(self, step: dict[str, Any], timeout_s: float) -> tuple[Any, Any]:
         return self.steps.run(step, timeout_s)
