@@ -922,6 +922,34 @@ def test_a_dev_shm_without_room_for_the_region_makes_the_transport_unavailable(
 
 
 @needs_ray
+def test_shutdown_waits_for_the_step_in_flight() -> None:
+    """shutdown() from another thread closed the doorbells under a running step, which raised
+    ValueError ("doorbell ... is closed", a bad input's error): it waits for the step to end."""
+    import threading
+
+    from shardattn.serving import RayRankPool
+
+    torn: list[bool] = []
+
+    class Decoder:
+        def teardown(self) -> None:
+            torn.append(True)
+
+    pool = RayRankPool.__new__(RayRankPool)  # the state shutdown() reads, without Ray
+    pool._step_lock, pool._decoder, pool._actors = threading.Lock(), Decoder(), []
+    pool._broken, pool._pg, pool._owns_ray = None, None, False
+    with pool._step_lock:  # a step runs
+        closing = threading.Thread(target=pool.shutdown)
+        closing.start()
+        closing.join(0.2)
+        assert closing.is_alive() and torn == []
+    closing.join(10)
+    assert not closing.is_alive() and torn == [True]
+    with pytest.raises(RuntimeError, match="the pool is shut down"):
+        pool.restart()
+
+
+@needs_ray
 def test_shm_falls_back_to_the_compiled_graph_off_host(ray_instance, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank on another node than the driver: the pool warns, decodes through the compiled graph,
     and leaves no region behind."""

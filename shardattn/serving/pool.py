@@ -298,9 +298,9 @@ class RayRankPool(RequestSteps):
         Returns the request ids whose KV state was lost (every request the pool held): the
         caller re-prefills them. The pool is usable again afterwards (not after :meth:`shutdown`).
         """
-        if self._pg is None:
-            raise RuntimeError("the pool is shut down")
         with self._step_lock:
+            if self._pg is None:
+                raise RuntimeError("the pool is shut down")
             self._teardown_decoder()
             kill_actors(self._actors)
             self._actors = []
@@ -312,23 +312,27 @@ class RayRankPool(RequestSteps):
             return lost
 
     def shutdown(self) -> None:
-        """Leave the group, stop the actors, free the bundles (and stop Ray when this pool started it)."""
+        """Leave the group, stop the actors, free the bundles (and stop Ray when this pool started it).
+
+        A step running on another thread ends first (it returns, or fails within ``timeout_s``);
+        a call made afterwards raises ``RuntimeError`` (the pool is shut down)."""
         import ray
 
-        self._teardown_decoder()
-        actors, self._actors = self._actors, []
-        if actors and self._broken is None:
-            try:
-                ray.get([a.leave.remote() for a in actors], timeout=10)
-            except Exception:
-                pass
-        kill_actors(actors)
-        if self._pg is not None:
-            release_bundles(self._pg)
-            self._pg = None
-        if self._owns_ray:
-            ray.shutdown()
-            self._owns_ray = False
+        with self._step_lock:
+            self._teardown_decoder()
+            actors, self._actors = self._actors, []
+            if actors and self._broken is None:
+                try:
+                    ray.get([a.leave.remote() for a in actors], timeout=10)
+                except Exception:
+                    pass
+            kill_actors(actors)
+            if self._pg is not None:
+                release_bundles(self._pg)
+                self._pg = None
+            if self._owns_ray:
+                ray.shutdown()
+                self._owns_ray = False
 
     def __enter__(self) -> RayRankPool:
         return self
