@@ -67,6 +67,8 @@ def test_bad_pool_configs_raise_before_any_actor_starts() -> None:
         ({"spec": MLA, "runtime_kwargs": small, "placement_strategy": "BOGUS"}, r"^placement_strategy must be one of"),
         ({"spec": MLA, "runtime_kwargs": {"max_batched_tokens": -1}}, r"max_batched_tokens'\] must be >= 1"),
         ({"spec": MLA, "runtime_kwargs": {**small, "topk": 0}}, r"runtime_kwargs\['topk'\] must be >= 1"),
+        ({"spec": MLA, "runtime_kwargs": {**small, "scale": -1.0}}, r"runtime_kwargs\['scale'\] must be a finite"),
+        ({"spec": MLA, "runtime_kwargs": {**small, "scale": math.nan}}, r"runtime_kwargs\['scale'\] must be a fin"),
         ({"spec": MLA, "runtime_kwargs": {**small, "devcie": "cpu"}}, r"runtime_kwargs holds \['devcie'\]"),
         ({"spec": MLA, "runtime_kwargs": {**small, "mode": "pcp"}}, r"runtime_kwargs must not give mode"),
         ({"spec": GQA, "mode": "shardq", "runtime_kwargs": small}, r"mode 'shardq' serves sparse MLA only"),
@@ -84,9 +86,37 @@ def test_bad_pool_configs_raise_before_any_actor_starts() -> None:
         ({"runtime_kwargs": {"max_batched_tokens": 2.7}}, r"max_batched_tokens'\] must be an int"),
         ({"runtime_kwargs": small, "memory_limit_bytes": "big"}, r"^memory_limit_bytes must be an int"),
         ({"runtime_kwargs": small, "timeout_s": "60"}, r"^timeout_s must be a float"),
+        ({"runtime_kwargs": {**small, "warmup": "yes"}}, r"^runtime_kwargs\['warmup'\] must be a bool"),
+        ({"runtime_kwargs": {**small, "host_id": 5}}, r"^runtime_kwargs\['host_id'\] must be a str or None"),
     ):
         with pytest.raises(TypeError, match=match):
             RayRankPool(2, MLA, init_ray=False, **kwargs)
+
+
+@needs_ray
+def test_a_cpu_pool_of_no_cpus_is_refused_before_ray_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``device="cpu", num_cpus=0`` was refused after the pool started Ray, which kept running: it
+    is refused first; ``device="auto"`` (known to be a CPU pool once Ray runs) stops the Ray it started."""
+    import ray
+
+    from shardattn.serving import RayRankPool
+
+    calls: list[str] = []
+
+    def start(**kwargs) -> None:
+        calls.append("init")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", start)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    small = {"max_batched_tokens": 8, "warmup": False}
+    with pytest.raises(ValueError, match=r"^num_cpus must be > 0 for a CPU pool"):
+        RayRankPool(2, MLA, device="cpu", num_cpus=0, runtime_kwargs=small)
+    assert calls == []
+    with pytest.raises(ValueError, match=r"^num_cpus must be > 0 for a CPU pool"):
+        RayRankPool(2, MLA, device="auto", num_cpus=0, runtime_kwargs=small)
+    assert calls == ["init", "shutdown"]
 
 
 def test_the_pool_names_every_runtime_argument_it_does_not_set_itself() -> None:

@@ -88,6 +88,12 @@ from shardattn.serving.transport import SERVE_GROUP, TRANSPORTS, start_decode_tr
 __all__ = ["RayRankPool"]
 
 
+def _check_cpu_bundle(num_cpus: float) -> None:
+    """A CPU pool's bundles must reserve a CPU each (``ValueError`` naming ``num_cpus``)."""
+    if num_cpus == 0:
+        raise ValueError("num_cpus must be > 0 for a CPU pool (a bundle of no resource is no reservation)")
+
+
 @functools.lru_cache(maxsize=4)
 def _actor_class(num_cpus: float, num_gpus: float) -> Any:
     import ray
@@ -122,7 +128,7 @@ class RayRankPool(RequestSteps):
         timeout_s: limit of every call (and of the group's collectives).
         placement_strategy: Ray placement strategy of the bundles (``"STRICT_PACK"``, ...).
         placement_timeout_s: wait for the bundles this long (default ``timeout_s``).
-        num_cpus: CPUs per bundle.
+        num_cpus: CPUs per bundle (> 0 for a CPU pool; checked before Ray starts where ``device="cpu"``).
         transport: how decode steps reach the ranks: ``"shm"`` (a shared-memory region sized from
             ``max_decode_tokens``; every rank on the driver's node, else ``"compiled"``),
             ``"compiled"`` (a Ray compiled graph) or ``"calls"`` (actor calls, as prefill goes).
@@ -171,6 +177,8 @@ class RayRankPool(RequestSteps):
             check_int("memory_limit_bytes", memory_limit_bytes, minimum=1)
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        if device == "cpu":
+            _check_cpu_bundle(num_cpus)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = self._asked_transport = transport
@@ -202,16 +210,16 @@ class RayRankPool(RequestSteps):
         if init_ray and not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
             self._owns_ray = True  # started here, so stopped by shutdown()
-        if device == "auto":
-            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= world_size else "cpu"
-        self.device = device
-        if device == "cpu" and num_cpus == 0:
-            raise ValueError("num_cpus must be > 0 for a CPU pool (a bundle of no resource is no reservation)")
-        if host_threads is None:
-            host_threads = 4 if device == "cuda" and (os.cpu_count() or 1) >= 16 else 1
-        self.host_threads = host_threads
-        bundle = {"CPU": float(num_cpus), **({"GPU": 1.0} if device == "cuda" else {})}
         try:
+            if device == "auto":
+                device = "cuda" if ray.cluster_resources().get("GPU", 0) >= world_size else "cpu"
+                if device == "cpu":
+                    _check_cpu_bundle(num_cpus)
+            self.device = device
+            if host_threads is None:
+                host_threads = 4 if device == "cuda" and (os.cpu_count() or 1) >= 16 else 1
+            self.host_threads = host_threads
+            bundle = {"CPU": float(num_cpus), **({"GPU": 1.0} if device == "cuda" else {})}
             self._pg = reserve_bundles(
                 world_size,
                 bundle,

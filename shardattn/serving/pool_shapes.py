@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shardattn._checks import check_int, check_sink_logits, check_tensor
+from shardattn._checks import check_bool, check_int, check_scale, check_sink_logits, check_tensor
 from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.plan.kv_format import FP8_DS_MLA_DIMS, FP8_DS_MLA_ROW_BYTES, KV_FP8_DS_MLA, kv_format_name
 from shardattn.plan.spec import ModelSpec
@@ -26,6 +26,7 @@ __all__ = [
     "CPU",
     "PoolShapes",
     "check_q",
+    "check_runtime_scalars",
     "check_sinks",
     "check_topk",
     "dcp_interleave",
@@ -89,13 +90,15 @@ RUNTIME_KWARGS = frozenset(
 
 def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> PoolShapes:
     """What a pool of ``spec`` in ``mode`` accepts (``runtime_kwargs``: the Runtime's sizes and top-k,
-    checked here, on the driver, before any rank starts)."""
+    and its scalar arguments, :func:`check_runtime_scalars`, checked here, on the driver, before any
+    rank starts)."""
     kw = "runtime_kwargs"
     unknown = sorted(set(runtime_kwargs) - RUNTIME_KWARGS)
     if unknown:
         raise ValueError(
             f"{kw} holds {unknown}, which a pool's Runtime does not take; it takes {sorted(RUNTIME_KWARGS)}"
         )
+    check_runtime_scalars(runtime_kwargs)
     dtype = getattr(torch, spec.dtype)
     if spec.kind == "sparse_mla":
         rows: tuple = (((spec.head_dim,), dtype),)
@@ -128,6 +131,23 @@ def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> P
             f"{kw}['max_decode_tokens']", runtime_kwargs.get("max_decode_tokens", 256), minimum=1
         ),
     )
+
+
+def check_runtime_scalars(runtime_kwargs: dict[str, Any]) -> None:
+    """Check ``runtime_kwargs``' ``scale`` (a finite float > 0 or ``None``), ``warmup`` (a bool)
+    and ``host_id`` (a str or ``None``) as the Runtime would on every rank.
+
+    Raises:
+        TypeError / ValueError: naming ``runtime_kwargs['...']``.
+    """
+    kw = "runtime_kwargs"
+    if runtime_kwargs.get("scale") is not None:
+        check_scale(f"{kw}['scale']", runtime_kwargs["scale"])
+    if "warmup" in runtime_kwargs:
+        check_bool(f"{kw}['warmup']", runtime_kwargs["warmup"])
+    host_id = runtime_kwargs.get("host_id")
+    if host_id is not None and not isinstance(host_id, str):
+        raise TypeError(f"{kw}['host_id'] must be a str or None, got {type(host_id).__name__} ({host_id!r})")
 
 
 def check_sinks(sinks: object, spec: ModelSpec) -> torch.Tensor | None:
