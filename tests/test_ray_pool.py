@@ -878,6 +878,24 @@ def test_bad_decode_batch_raises_naming_the_argument(pool2) -> None:
     pool2.free([5, 6])
 
 
+def test_query_lens_whose_sum_wraps_are_refused_naming_them() -> None:
+    """Lengths whose int64 sum wraps to q's row count passed every check (the transport then failed,
+    or crashed the driver): a length over q's rows is refused before the sum."""
+    from shardattn.plan.context import DCPLayout
+    from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
+    from shardattn.serving.pool_shapes import pool_shapes
+    from shardattn.serving.requests import check_decode_batch
+
+    shapes = pool_shapes(MLA, "mixed", {"max_batched_tokens": 64, "max_decode_tokens": 16})
+    book = PagedKVBook(KVCacheConfig(4, DCPLayout(2), 8, 48))
+    book.grow([(i, 5) for i in range(4)])
+    lens = np.array([2**62, 2**62, 2**62, 2**62 + 1], dtype=np.int64)  # their int64 sum: 1
+    q, topk = torch.zeros(1, 8, 48), torch.zeros(1, 16, dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"^query_lens\[3\]={2**62 + 1} is more than q's 1 rows"):
+        check_decode_batch(shapes, book, torch.arange(4), q, topk, query_lens=lens)
+    assert book.lens[:4].tolist() == [5, 5, 5, 5]
+
+
 @needs_ray
 def test_placement_timeout_names_what_is_missing(ray_instance) -> None:
     from shardattn.serving import PlacementTimeoutError

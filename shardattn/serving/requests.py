@@ -347,6 +347,9 @@ def check_decode_batch(
             raise ValueError(f"query_lens must have shape [{b}] (one per request), got {list(lens.shape)}")
         if b and int(lens.min()) < 1:
             raise ValueError(f"query_lens must be >= 1, got query_lens[{int(lens.argmin())}]={int(lens.min())}")
+        if b and int(lens.max()) > t:  # before the sum, which int64 would wrap
+            i = int(lens.argmax())
+            raise ValueError(f"query_lens[{i}]={int(lens[i])} is more than q's {t} rows")
         if int(lens.sum()) != t:
             raise ValueError(f"q must have sum(query_lens)={int(lens.sum())} rows, got {t}")
     if t > shapes.max_decode_tokens:
