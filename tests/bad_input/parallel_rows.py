@@ -149,7 +149,7 @@ def _runtime_step(step: str, spec: P.ModelSpec, mode: str, **over: Any) -> Calla
             x = topk_inputs()
             args = {
                 "q": torch.randn(2, 8, 48, generator=_gen(8)),
-                "kv_cache": torch.randn(16, 48, generator=_gen(9)),
+                "kv_cache": torch.randn(64, 48, generator=_gen(9)),  # the table's 4 pages of 16
                 "block_table": x["table"],
                 "seq_lens": torch.tensor([10, 9], dtype=torch.int32),
             }
@@ -549,9 +549,9 @@ def parallel_rows() -> list[Row]:
             Raises(TypeError, r"^kv_cache must be a torch.Tensor, got list"),
         ),
         (
-            "Runtime.decode-headtp-kv-without-rows",
+            "Runtime.decode-headtp-kv-without-rows",  # its table names pages the cache lacks (as DCP)
             _runtime_step("decode", MLA_SPEC, "headtp", kv_cache=torch.randn(0, 48)),
-            Gives(all_empty(32)),
+            Raises(ValueError, r"^block_table points past kv_cache: block 3 needs rows up to 64, kv_cache has 0"),
         ),
         (
             "Runtime.decode-gqa-kv-not-a-pair",
