@@ -376,7 +376,9 @@ def test_stale_staging_rows_and_a_prefill_failed_on_the_driver_leave_nothing_wro
 def test_stale_top_k_and_kv_staging_views_are_refused_naming_them(pool2) -> None:
     """Fresh queries with top-k positions or KV rows from ``step_inputs()`` that another step wrote
     over: the step attended the other request's positions (an error of 0.79), or wrote its KV row
-    into the cache for good. Every staged input is checked: refused, naming it; nothing changes."""
+    into the cache for good. Every staged input is checked: refused, naming it (decode()'s request
+    objects too); nothing changes."""
+    from shardattn.serving import DecodeRequest
     from shardattn.testing.serving import ServingMirror
 
     mirror = ServingMirror(MLA, seed=12)
@@ -392,6 +394,9 @@ def test_stale_top_k_and_kv_staging_views_are_refused_naming_them(pool2) -> None
         pool2.decode_batch(["a"], ra.q.clone(), staged["topk_pos"])
     with pytest.raises(ValueError, match="^kv" + stale):
         pool2.decode_batch(["a"], ra.q.clone(), ra.topk_pos.clone(), kv=staged["kv"])
+    stale_request = DecodeRequest("a", ra.q.clone(), staged["topk_pos"])  # as decode()'s request objects
+    with pytest.raises(ValueError, match=r"^requests\[0\]\.topk_pos" + stale):
+        pool2.decode([stale_request])
     assert pool2.book.seq_len("a") == 9 and not pool2.broken
     _check([pool2.decode_batch(["a"], ra.q, ra.topk_pos, return_lse=True)], [ra], mirror)  # a's cache as it was
     pool2.free(["a", "b"])

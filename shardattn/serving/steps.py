@@ -194,6 +194,7 @@ class RequestSteps(RankCalls):
             self._check_usable()
             self._need_spec()
             t0 = time.perf_counter()
+            self._check_stale_requests(requests)
             into = self._decoder.inputs() if self.transport == "shm" and self._decoder is not None else None
             with one_host_thread(self.host_threads):
                 packed = pack_step("decode", requests, self.shapes, self.book, into=into)  # shm: into the region
@@ -334,19 +335,35 @@ class RequestSteps(RankCalls):
             given += [(f"kv[{i}]", part, f"kv{i}") for i, part in enumerate(kv)]
         elif kv is not None:
             given.append(("kv", kv, "kv0"))
-        fresh = self._staging_seen.get(threading.get_ident()) == self._staging_writes
         copies = False
         for name, t, key in given:
             if not isinstance(t, torch.Tensor):
                 continue
-            if not fresh and self._decoder.holds(t):
-                raise ValueError(
-                    f"{name} is the pool's staging rows (step_inputs()), but a step has written other inputs over "
-                    "them since this thread took them: take them again with step_inputs() and write the step's values"
-                )
+            self._refuse_stale(name, t)
             own = rows.get(key)
             copies |= own is None or t.data_ptr() != own.data_ptr() or t.stride() != own.stride()
         return copies
+
+    def _refuse_stale(self, name: str, t: torch.Tensor) -> None:
+        """``ValueError`` naming ``name`` when ``t`` lies on the staging rows (shm) and a step has
+        written other inputs over them since this thread took them with :meth:`step_inputs`."""
+        fresh = self._staging_seen.get(threading.get_ident()) == self._staging_writes
+        if not fresh and self._decoder is not None and self._decoder.holds(t):
+            raise ValueError(
+                f"{name} is the pool's staging rows (step_inputs()), but a step has written other inputs over "
+                "them since this thread took them: take them again with step_inputs() and write the step's values"
+            )
+
+    def _check_stale_requests(self, requests: Sequence[DecodeRequest]) -> None:
+        """:meth:`_refuse_stale` on every tensor of :meth:`decode`'s requests (shm only)."""
+        if self.transport != "shm" or self._decoder is None or not isinstance(requests, Sequence):
+            return
+        for i, req in enumerate(requests):
+            kv = getattr(req, "kv", None)
+            parts = [("kv", kv)] if isinstance(kv, torch.Tensor) else [(f"kv[{j}]", p) for j, p in enumerate(kv or ())]
+            for name, t in [("q", getattr(req, "q", None)), ("topk_pos", getattr(req, "topk_pos", None)), *parts]:
+                if isinstance(t, torch.Tensor):
+                    self._refuse_stale(f"requests[{i}].{name}", t)
 
     def _check_decode_lse(self, return_lse: object) -> None:
         check_bool("return_lse", return_lse)
