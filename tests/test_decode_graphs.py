@@ -90,6 +90,8 @@ def test_runner_validates_inputs_before_copying():
         runner.run(1, **ok)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         runner.capture()
+    with pytest.raises(TypeError, match="warmup"):
+        runner.capture(warmup=1.5)
     with pytest.raises(ValueError, match="batch_sizes must name at least one"):
         _runner(batch_sizes=[])
     with pytest.raises(ValueError, match="distinct names"):

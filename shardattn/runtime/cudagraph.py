@@ -194,7 +194,9 @@ class GraphRunner:
         return {i.name: self.buffers[i.name][: self._rows(i, batch)] for i in self.inputs}
 
     def capture(self, warmup: int = 2) -> GraphRunner:
-        """Capture one graph per batch size, largest first, in one shared memory pool."""
+        """Capture one graph per batch size, largest first, in one shared memory pool (``warmup``:
+        eager runs of each before its capture)."""
+        check_int("warmup", warmup, minimum=0)
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         if self.support is None:
@@ -238,7 +240,8 @@ class GraphRunner:
                 raise ValueError(
                     f"{i.name} must have shape {list(want)} and dtype {i.dtype}, got {list(x.shape)} {x.dtype}"
                 )
-            if x.device.type not in ("cpu", self.device.type):
+            same = x.device.type == self.device.type and self.device.index in (None, x.device.index)
+            if x.device.type != "cpu" and not same:
                 raise ValueError(f"{i.name} must be on the CPU or {self.device}, got {x.device}")
 
     def _layout(self, batch: int, padded: int, host: tuple[str, ...]) -> _LoadLayout:

@@ -80,6 +80,7 @@ class DecodeGraph:
         pool: _POOL_HANDLE | None = None,
         warmup: int = 2,
     ) -> None:
+        check_int("warmup", warmup, minimum=0)
         self.fn = fn
         self.buffers = dict(buffers)
         self.graph = torch.cuda.CUDAGraph()

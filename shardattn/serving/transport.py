@@ -7,11 +7,13 @@
   ``"calls"`` with a warning when Ray cannot compile it.
 * ``"calls"``: actor calls through the object store, as prefill steps and every other call go.
 
-:func:`start_decode_transport` returns the transport actually in use and an object with
-``run(step, q, qs, timeout_s) -> [(out, lse) of rank r]`` (``q [T, H, D]``, ``qs[r]`` its heads)
-and ``teardown()``; ``None`` for calls. The shared-memory runner also has ``inputs()``: the
-region's tensors a step is packed into (:func:`~shardattn.serving.requests.pack_step`'s ``into``),
-and ``holds(t)``: whether a tensor lies on those rows.
+:func:`start_decode_transport` returns the transport actually in use and its runner (``None``
+for calls), which has ``teardown()`` and runs a step one of two ways. The compiled graph's:
+``run(step, q, qs, timeout_s) -> [(out, lse) of rank r]`` (``q [T, H, D]``, ``qs[r]`` its heads).
+The shared-memory one's: ``run_batch(step, timeout_s) -> (out, lse)``, the step already merged,
+with ``inputs()`` (the region's tensors a step is packed into:
+:func:`~shardattn.serving.requests.pack_step`'s ``into``), ``holds(t)`` (whether a tensor lies on
+those rows) and ``timeline()``.
 """
 
 from __future__ import annotations
