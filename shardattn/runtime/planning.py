@@ -233,12 +233,12 @@ class RuntimePlanning(RuntimeState):
                 check_sink_logits(sinks, self.spec.num_heads, device=q.device)
             self.ws.check("prefill", plan.step, tokens=plan.num_tokens, topk=int(top.shape[1]))
             if plan.route.group_size > 1:  # a plan made for a smaller cache (kv_rows): its union can't pack
-                rows = _addressed_rows(kv_cache, kv_new, self.world_size)
-                if rows >= MAX_GROUPED_KV_ROWS:
+                addressed = _addressed_rows(kv_cache, kv_new, self.world_size)
+                if addressed >= MAX_GROUPED_KV_ROWS:
                     raise ValueError(
                         f"plan routes the grouped kernel (G={plan.route.group_size}), which addresses fewer than "
-                        f"{MAX_GROUPED_KV_ROWS} KV rows, but this step addresses {rows}: plan it with "
-                        f"kv_rows={rows} (or without a plan)"
+                        f"{MAX_GROUPED_KV_ROWS} KV rows, but this step addresses {addressed}: plan it with "
+                        f"kv_rows={addressed} (or without a plan)"
                     )
         except (TypeError, ValueError) as e:
             reject(self.comm, e, collective=self._prefill_agrees, check=check)
