@@ -12,12 +12,14 @@ of its dtype, so a wrong reference (which a step built on it would copy) cannot 
 
 from __future__ import annotations
 
+import datetime
 import math
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardattn.ops.sparse_mla import sparse_mla_attention
 from tests.oracle import sparse_mla_oracle, topk_rows_oracle
@@ -31,6 +33,29 @@ WORLD_IDS = [f"world{w}" for w in WORLD_SIZES]
 #: How far (in units of its dtype's eps, times the largest magnitude) the single-process
 #: low-precision reference may sit from the fp64 oracle.
 REFERENCE_ULPS = 4.0
+
+
+#: Collective timeout (seconds) of :func:`short_timeout_group`: a test whose ranks would wait on a
+#: rank that raised fails in seconds, not at the pool's timeout.
+SHORT_TIMEOUT_S = 2.0
+
+
+def short_timeout_group(group: dist.ProcessGroup, timeout_s: float = SHORT_TIMEOUT_S) -> dist.ProcessGroup:
+    """A new gloo group of every rank, whose collectives time out after ``timeout_s``. Every process
+    of the world takes part in creating a group: ``group`` must be the pool's whole world (a test
+    that runs on ``dist_pool`` without ``world_size``)."""
+    world = dist.get_world_size()
+    if dist.get_world_size(group) != world:
+        raise ValueError(f"short_timeout_group needs the whole world of {world} ranks: run the test on every rank")
+    dist.barrier(group=group)  # arrive together: the short timeout also bounds the group's set-up
+    return dist.new_group(list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def rank_1_rejected(world: int, what: str, error: str) -> list[str]:
+    """What :func:`assert_rank_errors` expects of a step (its agreement naming ``what``) where only rank
+    1 passes a bad input: ``error`` on rank 1 and, at once, the agreement's error on every other rank."""
+    peers = f"ValueError: {what}: rank(s) [1] of {world} rejected their inputs"
+    return [error if r == 1 else peers for r in range(world)]
 
 
 def catch(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, str]:

@@ -15,7 +15,15 @@ from shardattn.ops.sparse_mla import sparse_mla_attention
 from shardattn.parallel.collector import collect_partials, resolve_strategy
 from shardattn.parallel.comm import Comm
 from tests.oracle import sparse_mla_oracle
-from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, assert_rank_errors, assert_within_reference_error, catch
+from tests.parallel_helpers import (
+    WORLD_IDS,
+    WORLD_SIZES,
+    assert_rank_errors,
+    assert_within_reference_error,
+    catch,
+    rank_1_rejected,
+    short_timeout_group,
+)
 
 STRATS = ["all_to_all", "all_gather", "reduce_scatter", "auto"]
 D, DV = 64, 48
@@ -233,6 +241,36 @@ def test_bad_input_raises_on_every_rank(dist_pool, case: str, expect: list) -> N
     assert_rank_errors(results, expect)
     if case == "tokens-differ-on-rank-2":
         assert all("rank(s) [2] disagree with rank(s) [0, 1]" in msg for _, msg in results)
+
+
+COLLECTOR = "collector input (out shape and dtype, scatter_heads, strategy)"
+#: Arguments only rank 1 gets wrong, and its error (read where the ranks agree, not mid-exchange).
+ONE_BAD_RANK = {
+    "send-buffer-strided": (
+        {"buffers": {"send": torch.zeros(1 << 13, dtype=torch.uint8)[::2]}},
+        "ValueError: buffers['send'] must be contiguous (a flat buffer), got stride 2",
+    ),
+    "recv-buffer-misaligned": (
+        {"buffers": {"recv": torch.zeros(1 << 13, dtype=torch.uint8)[2:]}},
+        "ValueError: buffers['recv'] must start on a 4-byte boundary (it is viewed as float32), got one 2 bytes",
+    ),
+}
+
+
+def _one_bad_rank(group: dist.ProcessGroup, case: str) -> tuple[str, str]:
+    w, rank = dist.get_world_size(group), dist.get_rank(group)
+    out, lse = torch.zeros(4, 2 * w, 8), torch.zeros(4, 2 * w)
+    bad = ONE_BAD_RANK[case][0] if rank == 1 else {}
+    short = short_timeout_group(group)  # a peer left waiting in a collective fails in seconds
+    return catch(collect_partials, out, lse, short, strategy="all_to_all", **bad)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", sorted(ONE_BAD_RANK))
+def test_one_ranks_bad_argument_raises_on_every_rank_at_once(dist_pool, nproc: int, case: str) -> None:
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    assert_rank_errors(dist_pool.run(_one_bad_rank, case), rank_1_rejected(nproc, COLLECTOR, ONE_BAD_RANK[case][1]))
 
 
 def test_resolve_strategy_picks_by_layout_and_backend() -> None:

@@ -25,6 +25,8 @@ from tests.parallel_helpers import (
     junk_rows,
     paged,
     paged_mla_references,
+    rank_1_rejected,
+    short_timeout_group,
 )
 
 # ---------------------------------------------------------------------------------------- sparse MLA
@@ -387,9 +389,14 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
         q = case["q"][:, :4]  # valid on its own (12 query heads over 2 KV heads), not with the others
     elif problem == "gqa-q-len":
         q_len = 3
+    ws = None
+    if problem == "gqa-out-and-send-one-buffer":  # packing the partial would overwrite it
+        arena = torch.zeros(1 << 12, dtype=torch.uint8)
+        ws = {"out": arena, "send": arena}
     return catch(
-        dcp_gqa_decode, q, mine["k"], mine["v"], mine["table"], lens, case["layout"], group, q_len_per_req=q_len
-    )
+        dcp_gqa_decode, q, mine["k"], mine["v"], mine["table"], lens, case["layout"], group, q_len_per_req=q_len,
+        strategy="all_to_all", workspace=ws,
+    )  # fmt: skip
 
 
 def _rejected(what: str, ranks: str) -> str:
@@ -440,12 +447,77 @@ GQA = "DCP GQA decode inputs"
         ("gqa-seq-lens-past-the-cache", ["ValueError: seq_lens[0]=90 puts", *[_rejected(GQA, "[0]")] * 2]),
         ("gqa-heads-on-rank-1", [f"ValueError: {GQA} differs across ranks: rank(s) [1] disagree"] * 3),
         ("gqa-q-len", ["ValueError: q_heads_local must have B * q_len_per_req = 6 rows, got 4"] * 3),
+        ("gqa-out-and-send-one-buffer", ["ValueError: workspace['out'] and workspace['send'] share memory"] * 3),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
 )
 def test_dcp_bad_input_raises_on_every_rank(dist_pool, problem: str, expect: list) -> None:
     results = dist_pool.run(_bad, problem, world_size=3)
     assert_rank_errors(results, expect)
+
+
+#: Arguments only rank 1 gets wrong, and its error (read where the ranks agree, not mid-step).
+ONE_BAD_RANK = {
+    "mla-rows-buffer-misaligned": (
+        {"workspace": {"rows": torch.zeros(1 << 16, dtype=torch.uint8)[2:]}},
+        "ValueError: workspace['rows'] must start on a 4-byte boundary (it is viewed as int32), got one 2 bytes",
+    ),
+    "gqa-q-buffer-misaligned": (
+        {"workspace": {"q": torch.zeros(1 << 16, dtype=torch.uint8)[1:]}},
+        "ValueError: workspace['q'] must start on a 2-byte boundary (it is viewed as bfloat16), got one 1 byte",
+    ),
+}
+
+
+def _one_bad_rank(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
+    w, rank = dist.get_world_size(group), dist.get_rank(group)
+    bad = ONE_BAD_RANK[problem][0] if rank == 1 else {}
+    short = short_timeout_group(group)  # a peer left waiting in a collective fails in seconds
+    if problem.startswith("mla"):
+        case = _mla_case(1, [9, 4], [1, 1], w, 1, d=32, dv=16)
+        h, mine = case["q"].shape[1] // w, case["local"][rank]
+        return catch(
+            dcp_sparse_mla_decode, case["q"][:, rank * h : (rank + 1) * h], mine["cache"], case["pos"],
+            case["req_ids"], mine["table"], case["layout"], short,
+            **{"block_size": case["block_size"], "scale": 1.0, "v_dim": 16, "seq_lens": case["seq_lens"], **bad},
+        )  # fmt: skip
+    case = _gqa_case(2, [9, 5], [2, 2], w, 1, ragged=False)
+    h, mine = case["q"].shape[1] // w, case["local"][rank]
+    return catch(
+        dcp_gqa_decode, case["q"][:, rank * h : (rank + 1) * h], mine["k"], mine["v"], mine["table"],
+        case["seq_lens"], case["layout"], short, q_len_per_req=2, **bad,
+    )  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("problem", sorted(ONE_BAD_RANK))
+def test_dcp_one_ranks_bad_argument_raises_on_every_rank_at_once(dist_pool, nproc: int, problem: str) -> None:
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    what = MLA if problem.startswith("mla") else GQA
+    assert_rank_errors(dist_pool.run(_one_bad_rank, problem), rank_1_rejected(nproc, what, ONE_BAD_RANK[problem][1]))
+
+
+def _with_shared_workspace(group: dist.ProcessGroup, case: dict) -> tuple:
+    """The GQA step without a workspace, and with one whose buffers never in use at the same time share
+    bytes (the Runtime's arena lays them out so): the queries' with the send buffer's, the partial's
+    with the receive buffer's."""
+    comm = Comm(group)
+    h = case["q"].shape[1] // comm.world_size
+    mine = case["local"][comm.rank]
+    args = (case["q"][:, comm.rank * h : (comm.rank + 1) * h], mine["k"], mine["v"], mine["table"], case["seq_lens"])
+    kw = dict(q_len_per_req=case["q_len"], strategy="all_to_all")
+    ref = dcp_gqa_decode(*args, case["layout"], comm, **kw)
+    first, second = torch.zeros(1 << 14, dtype=torch.uint8), torch.zeros(1 << 14, dtype=torch.uint8)
+    ws = {"q": first, "send": first, "out": second[: 1 << 13], "lse": second[1 << 13 :], "recv": second}
+    return ref, dcp_gqa_decode(*args, case["layout"], comm, **kw, workspace=ws)
+
+
+@pytest.mark.distributed
+def test_dcp_workspace_buffers_in_use_apart_may_share_bytes(dist_pool) -> None:
+    case = _gqa_case(5, [9, 5, 12], [1, 1, 1], 2, 1, ragged=False)
+    for (ref_out, ref_lse), (out, lse) in dist_pool.run(_with_shared_workspace, case, world_size=2):
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
 @pytest.mark.distributed

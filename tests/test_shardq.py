@@ -22,6 +22,8 @@ from tests.parallel_helpers import (
     catch,
     fp8_rows,
     junk_rows,
+    rank_1_rejected,
+    short_timeout_group,
 )
 
 
@@ -167,6 +169,11 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
         return catch(shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16, sinks=torch.zeros(2 * w + 1))
     elif problem == "rows-int64":
         rows = rows.long()
+    elif problem == "workspace-one-buffer-for-q-and-out":  # the kernel would write its outputs over its queries
+        arena = torch.zeros(1 << 16, dtype=torch.uint8)
+        return catch(
+            shardq_prefill, q, kv, rows, plan, group, scale=1.0, v_dim=16, workspace={"q": arena, "out": arena}
+        )
     elif problem.endswith("-on-rank-1") and problem.split("-")[0] in ("return", "scale", "out", "workspace"):
         kw: dict = {}  # an argument only rank 1 gets wrong, read before any exchange
         if rank == 1:
@@ -223,6 +230,7 @@ OUTPUT_ALONE = "TypeError: attention must return (out, lse) when asked for the L
             "workspace-float-on-rank-1",
             [REJECTED, "TypeError: workspace['out'] must have dtype in (uint8), got float32", REJECTED],
         ),
+        ("workspace-one-buffer-for-q-and-out", ["ValueError: workspace['q'] and workspace['out'] share memory"] * 3),
         ("out-inside-the-workspace", ["ValueError: out and workspace['q'] share memory"] * 3),
         ("one-union-align-2-default-attention", ["ValueError: one_union with align=2 hands the kernel"] * 3),
         ("attention-none", ["TypeError: attention must be callable like sparse_mla_attention, got NoneType"] * 3),
@@ -234,6 +242,38 @@ OUTPUT_ALONE = "TypeError: attention must return (out, lse) when asked for the L
 def test_shardq_bad_input_raises_on_every_rank(dist_pool, problem: str, expect: list) -> None:
     results = dist_pool.run(_bad, problem, world_size=3)
     assert_rank_errors(results, expect)
+
+
+#: Arguments only rank 1 gets wrong, and its error (read where the ranks agree, not mid-exchange).
+ONE_BAD_RANK = {
+    "workspace-misaligned": (
+        {"workspace": {"q": torch.zeros(1 << 16, dtype=torch.uint8)[1:]}},
+        "ValueError: workspace['q'] must start on a 4-byte boundary (it is viewed as float32), got one 1 byte",
+    ),
+    "workspace-strided": (
+        {"workspace": {"out": torch.zeros(1 << 16, dtype=torch.uint8)[::2]}},
+        "ValueError: workspace['out'] must be contiguous (a flat buffer), got stride 2",
+    ),
+}
+
+
+def _one_bad_rank(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
+    w, rank = dist.get_world_size(group), dist.get_rank(group)
+    case = _case(1, [5, 4], [0, 0], w, 2, 8, d=32, dv=16)
+    q = case["q"][:, rank * 2 : rank * 2 + 2]
+    plan = zigzag_split(case["seq_lens"], w, min_tokens=0)
+    bad = ONE_BAD_RANK[problem][0] if rank == 1 else {}
+    short = short_timeout_group(group)  # a peer left waiting in an exchange fails in seconds
+    return catch(shardq_prefill, q, case["kv"], case["rows"], plan, short, scale=1.0, v_dim=16, **bad)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("problem", sorted(ONE_BAD_RANK))
+def test_shardq_one_ranks_bad_argument_raises_on_every_rank_at_once(dist_pool, nproc: int, problem: str) -> None:
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    expect = rank_1_rejected(nproc, "ShardQ plan and inputs", ONE_BAD_RANK[problem][1])
+    assert_rank_errors(dist_pool.run(_one_bad_rank, problem), expect)
 
 
 @pytest.mark.distributed

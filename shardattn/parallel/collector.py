@@ -123,7 +123,7 @@ def collect_partials(
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
         t, h, dv = out.shape
         check_byte_buffers(buffers, exchange_bytes(t, h, dv, out.dtype, comm.world_size, scatter_heads, chosen),
-                           out.device, "buffers")  # fmt: skip
+                           out.device, "buffers", dtypes=exchange_dtypes(out.dtype))  # fmt: skip
         if buffers is not None:  # the exchange reads one while it writes the other
             check_disjoint(**{f"buffers['{k}']": v for k, v in buffers.items() if isinstance(v, torch.Tensor)})
         if not check:
@@ -150,6 +150,13 @@ def exchange_bytes(
     hs = heads // world_size if scatter_heads else heads
     n = world_size * packed_nbytes(_exchange_specs(t, hs, dv, dtype))
     return {"send": n, "recv": n}
+
+
+def exchange_dtypes(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The widest element the ``"all_to_all"`` exchange views its ``{"send", "recv"}`` buffers as
+    (outputs of ``dtype`` and fp32 LSEs, packed side by side): their starts must be aligned for it."""
+    widest = dtype if dtype.itemsize > 4 else torch.float32
+    return {"send": widest, "recv": widest}
 
 
 def collect_checked(
@@ -183,8 +190,8 @@ def collect_checked(
         outs = out.reshape(t, w, hs, dv).permute(1, 0, 2, 3)
         lses = lse.reshape(t, w, hs).permute(1, 0, 2)
         shape = (w, packed_nbytes(specs))
-        buf = pack_rows([outs, lses], out=view_bytes(buffers.get("send"), shape, torch.uint8, "send"))
-        recv = view_bytes(buffers.get("recv"), shape, torch.uint8, "recv")
+        buf = pack_rows([outs, lses], out=view_bytes(buffers.get("send"), shape, torch.uint8, "send", "buffers"))
+        recv = view_bytes(buffers.get("recv"), shape, torch.uint8, "recv", "buffers")
         got = comm.all_to_all(buf, [1] * w, [1] * w, out=recv)  # [W, nbytes]: every rank's partial, my heads
         part_out, part_lse = unpack_rows(got, specs)
     else:  # all_gather

@@ -58,11 +58,12 @@ from shardattn.ops.sparse_mla import check_kv_rows
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import DcpShard, convert_topk
 from shardattn.parallel.agreement import stable_fingerprint
-from shardattn.parallel.collector import collect_checked, exchange_bytes, resolve_strategy
+from shardattn.parallel.collector import collect_checked, exchange_bytes, exchange_dtypes, resolve_strategy
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.packing import check_byte_buffers, view_bytes
 from shardattn.plan.context import DCPLayout
+from shardattn.plan.workspace import ITEM_LIFETIMES
 
 __all__ = ["dcp_sparse_mla_decode"]
 
@@ -102,24 +103,39 @@ def _gather_heads(q: torch.Tensor, comm: Comm, ws: Workspace) -> torch.Tensor:
     return full.copy_(gathered).view(t, w * h, d)
 
 
+#: ``workspace`` key -> the phases of the step in which the buffer is written or read: the
+#: ``dcp-decode`` items of :data:`~shardattn.plan.workspace.ITEM_LIFETIMES`, by which the Runtime's
+#: arena lets buffers never in use at the same time share bytes.
+_LIVE = {
+    key: ITEM_LIFETIMES["dcp-decode"][item]
+    for key, item in (("q", "packed_q"), ("rows", "topk_rows"), ("out", "out"), ("lse", "lse"), ("send", "send"),
+                      ("recv", "recv"))
+}  # fmt: skip
+
+
 def check_dcp_workspace(
     workspace: object, q: torch.Tensor, world_size: int, v_dim: int, topk: int, strategy: str, scatter_heads: bool
 ) -> None:
     """A DCP decode step's ``workspace`` (:func:`dcp_sparse_mla_decode`'s and
     :func:`~shardattn.parallel.dcp_gqa.dcp_gqa_decode`'s; ``topk`` 0 for GQA, which converts no
-    rows) holds what the step views in it: the gathered
-    queries twice (``"q"``), the rows, the local partials (``"out"``, ``"lse"``) and the
-    collector's exchange (``"send"``, ``"recv"``). Checked where the ranks agree."""
+    rows and reads no ``"rows"``) holds what the step views in it: the gathered queries twice
+    (``"q"``), the rows, the local partials (``"out"``, ``"lse"``) and the collector's exchange
+    (``"send"``, ``"recv"``). Each buffer the step reads is contiguous, starts aligned for the
+    widest element it is viewed as, and shares no memory with another buffer in use at the same
+    time (:data:`_LIVE`: the queries' bytes may hold the packed send buffer, say). Checked where
+    the ranks agree."""
     t, h, d = q.shape
     w, e = world_size, q.element_size()
     need = {
         "q": 2 * w * t * h * d * e,
-        "rows": t * topk * 4,
         "out": t * w * h * v_dim * e,
         "lse": t * w * h * 4,
         **exchange_bytes(t, w * h, v_dim, q.dtype, w, scatter_heads, strategy),
     }
-    check_byte_buffers(workspace, need, q.device)
+    if topk:
+        need["rows"] = t * topk * 4
+    views = {"q": q.dtype, "rows": torch.int32, "out": q.dtype, "lse": torch.float32, **exchange_dtypes(q.dtype)}
+    check_byte_buffers(workspace, need, q.device, dtypes=views, live=_LIVE)
 
 
 def _partial_buffers(ws: Workspace, q_full: torch.Tensor, v_dim: int) -> dict[str, torch.Tensor]:

@@ -279,7 +279,7 @@ def shardq_prefill(
             # one_union: chunk slices of the union start 16-byte aligned (SLICE_GROUPS), as whole builds do
             pipe = pipeline_plan(plan, c, align=align * (SLICE_GROUPS if one_union else 1), taper=taper)
             check_pipeline_workspace(
-                workspace, pipe, comm.rank, q_heads_local, v_dim, rows.shape[1], rows.dtype == torch.int32
+                workspace, pipe, comm.rank, q_heads_local, v_dim, rows.shape[1], rows.dtype == torch.int32, one_union
             )
             piped.append(pipe)
         for name, buf in workspace.items() if isinstance(workspace, dict) else ():

@@ -89,21 +89,33 @@ def check_pipeline_workspace(
     v_dim: int,
     topk: int,
     rows_int32: bool,
+    one_union: bool = False,
 ) -> None:
     """A ShardQ step's ``workspace`` against what :func:`run_pipelined` carves from it: each buffer
     given is a flat uint8 tensor on q's device holding the chunks' receive / send buffers (``"q"``,
-    ``"out"``, ``"lse"``) and the rank's rows (``"rows"``, int32 rows only); the union buffers may
-    be smaller (a share's union then builds per chunk). Checked before the step's agreement, so a
-    bad buffer raises on every rank instead of leaving the peers in an exchange."""
+    ``"out"``, ``"lse"``) and the rank's rows (``"rows"``, int32 rows only); the union buffers
+    (``"union"``, ``"lens"``, ``one_union`` only) may be smaller (a share's union then builds per
+    chunk). Each buffer the step reads is contiguous, starts aligned for the widest element it is
+    viewed as and shares no memory with another (every one is in use for the whole step). Checked
+    before the step's agreement, so a bad buffer raises on every rank instead of leaving the peers
+    in an exchange."""
     w, h, d = pipe.world_size, q.shape[1], q.shape[2]
     n_c = [pipe.count(rank, c) for c in range(pipe.chunks)]
     need = {
         "q": _carve_offsets([(w, n, h, d) for n in n_c], q.dtype)[1],
         "out": _carve_offsets([(w, n, h, v_dim) for n in n_c], q.dtype)[1],
         "lse": _carve_offsets([(w, n, h) for n in n_c], torch.float32)[1],
-        "rows": sum(n_c) * topk * 4 if rows_int32 else 0,
     }
-    check_byte_buffers(workspace, need, q.device)
+    if rows_int32:
+        need["rows"] = sum(n_c) * topk * 4
+    if one_union:
+        need |= {"union": 0, "lens": 0}
+    # the one-message step stages the peers' outputs and fp32 LSEs in the query receive buffer, and
+    # the queries it sends in the output send buffer
+    widest = q.dtype if q.dtype.itemsize > 4 else torch.float32
+    views = {"q": widest, "out": q.dtype, "lse": torch.float32, "rows": torch.int32, "union": torch.int32,
+             "lens": torch.int32}  # fmt: skip
+    check_byte_buffers(workspace, need, q.device, dtypes=views)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
