@@ -188,6 +188,27 @@ def test_empty_rows_contribute_nothing_whatever_they_hold(dist_pool) -> None:
             assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
+def _lse_only(group: dist.ProcessGroup) -> list:
+    """Every strategy's merge of partials with no value dims (``out [T, H, 0]``): their LSEs still merge."""
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    lses = torch.randn(w, 3, 2 * w, generator=torch.Generator().manual_seed(7))
+    lses[:, 0, 0] = -math.inf  # a row with no key anywhere
+    out = torch.zeros(3, 2 * w, 0)
+    layouts = [("all_to_all", True), ("all_gather", True), ("all_gather", False), ("reduce_scatter", False)]
+    want = torch.logsumexp(lses, 0)
+    return [(scatter, collect_partials(out, lses[r], group, strategy=s, scatter_heads=scatter)[1], want)
+            for s, scatter in layouts]  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_partials_without_value_dims_merge_their_lses(dist_pool) -> None:
+    """Every rank gets the merged LSEs of its heads (it got its own partial's back, unmerged, with no error)."""
+    for r, per_rank in enumerate(dist_pool.run(_lse_only, world_size=2)):
+        for scatter, got, want in per_rank:
+            want = want[:, 2 * r : 2 * r + 2] if scatter else want
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
 def _bad_inputs(group: dist.ProcessGroup, case: str) -> tuple[str, str]:
     rank, w = dist.get_rank(group), dist.get_world_size(group)
     t, h = 4, 2 * w

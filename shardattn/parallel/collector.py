@@ -176,7 +176,7 @@ def collect_checked(
     t, h, dv = out.shape
     hs = h // w if scatter_heads else h
     h0 = rank * hs if scatter_heads else 0
-    if t == 0 or h == 0 or dv == 0:  # nothing to exchange (the same on every rank)
+    if t == 0 or h == 0:  # nothing to exchange (the same on every rank); Dv = 0 still merges the LSEs
         return out[:, h0 : h0 + hs].clone(), lse[:, h0 : h0 + hs].clone()
     if w == 1:  # one partial: the merge's rule for a row with no key (lse +-inf) -> (0, -inf)
         o, s = out[:, h0 : h0 + hs], lse[:, h0 : h0 + hs]
