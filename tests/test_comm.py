@@ -9,7 +9,14 @@ import torch.distributed as dist
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.comm import Comm, pack_rows, packed_nbytes, unpack_rows
 from shardattn.parallel.packing import view_bytes
-from tests.parallel_helpers import WORLD_IDS, WORLD_SIZES, catch
+from tests.parallel_helpers import (
+    WORLD_IDS,
+    WORLD_SIZES,
+    assert_rank_errors,
+    catch,
+    rank_1_rejected,
+    short_timeout_group,
+)
 
 
 def _split(src: int, dst: int) -> int:
@@ -91,6 +98,30 @@ def test_check_agreement_spreads_one_ranks_input_error(dist_pool) -> None:
     for r in (0, 2):
         assert results[r][0] == "ValueError"
         assert "rank(s) [1] of 3 rejected their inputs" in results[r][1]
+
+
+def _checks_with_a_bug_on_rank_1(group: dist.ProcessGroup) -> tuple[str, str]:
+    comm = Comm(short_timeout_group(group))  # a peer left waiting in the agreement fails in seconds
+
+    def validate() -> int:
+        if comm.rank == 1:
+            return len([0, 1].device)  # type: ignore[attr-defined]  # an argument of the wrong type
+        return 7
+
+    try:
+        comm.agree_on("test inputs", validate)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+@pytest.mark.distributed
+def test_agree_on_spreads_any_exception_of_one_ranks_checks(dist_pool, nproc: int) -> None:
+    """Not only a TypeError or ValueError: the rank re-raises its own exception, the others raise at once."""
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    expect = rank_1_rejected(nproc, "test inputs", "AttributeError: 'list' object has no attribute 'device'")
+    assert_rank_errors(dist_pool.run(_checks_with_a_bug_on_rank_1), expect)
 
 
 def _misuse(group: dist.ProcessGroup) -> list[tuple[str, str]]:

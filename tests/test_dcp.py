@@ -466,6 +466,10 @@ ONE_BAD_RANK = {
         {"workspace": {"q": torch.zeros(1 << 16, dtype=torch.uint8)[1:]}},
         "ValueError: workspace['q'] must start on a 2-byte boundary (it is viewed as bfloat16), got one 1 byte",
     ),
+    "gqa-meta-with-cu-q-lens-a-list": (  # (an AttributeError in the checks, which no agreement heard of)
+        {"cu_q_lens": [0, 2, 4]},
+        "TypeError: cu_q_lens must be a torch.Tensor, got list",
+    ),
 }
 
 
@@ -482,10 +486,14 @@ def _one_bad_rank(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
             **{"block_size": case["block_size"], "scale": 1.0, "v_dim": 16, "seq_lens": case["seq_lens"], **bad},
         )  # fmt: skip
     case = _gqa_case(2, [9, 5], [2, 2], w, 1, ragged=False)
-    h, mine = case["q"].shape[1] // w, case["local"][rank]
+    h, mine, t = case["q"].shape[1] // w, case["local"][rank], case["q"].shape[0]
+    drafts: dict = {"q_len_per_req": 2}
+    if "meta" in problem:  # the planned path: each query's local length and request row
+        lens = case["layout"].causal_local_lens(case["seq_lens"], case["cu"], t, rank, causal=True)
+        drafts = {"meta": torch.stack([lens.to(torch.int32), torch.arange(t, dtype=torch.int32) // 2])}
     return catch(
         dcp_gqa_decode, case["q"][:, rank * h : (rank + 1) * h], mine["k"], mine["v"], mine["table"],
-        case["seq_lens"], case["layout"], short, q_len_per_req=2, **bad,
+        case["seq_lens"], case["layout"], short, **drafts, **bad,
     )  # fmt: skip
 
 

@@ -93,12 +93,15 @@ def agree_on(comm: Comm, what: str, validate: Callable[[], int], *, check: bool 
     fingerprint of everything the step's collectives depend on (plan, shapes, dtypes). With
     ``check`` the fingerprint and the error, if any, go through :func:`check_agreement`, so a
     rank with bad input, or with a different plan, makes *every* rank raise before any data
-    collective. Without ``check`` a local error is raised at once (other ranks may then wait
-    in the step's first collective until the group's timeout).
+    collective. Without ``check`` a local error is raised at once, reported through the group's
+    store (other ranks may then wait in the step's first collective until the group's timeout,
+    and name this rank). Any other exception ``validate()`` raises (a bug, an ``AttributeError``
+    of an argument of the wrong type) takes the same way: the peers learn that this rank failed,
+    and the original exception is re-raised here.
     """
     try:
         fingerprint = validate()
-    except (TypeError, ValueError) as e:
+    except Exception as e:
         if not check:  # the peers will wait in the step's first collective: tell them why
             comm.report_failure(e)
             raise

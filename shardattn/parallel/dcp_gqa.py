@@ -132,6 +132,10 @@ def dcp_gqa_decode(
         check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(b,))
         if q_len_per_req is not None and cu_q_lens is not None:
             raise ValueError("give q_len_per_req (uniform drafts) or cu_q_lens (ragged drafts), not both")
+        if cu_q_lens is not None:  # with meta too, where the plan replaces it: its values are still read
+            check_tensor("cu_q_lens", cu_q_lens, dtypes=INDEX_DTYPES, shape=(b + 1 if meta is None else None,))
+        if q_len_per_req is not None:
+            check_int("q_len_per_req", q_len_per_req, minimum=1)
         meta_lens = meta_req = None
         if isinstance(meta, tuple | list):
             if len(meta) != 2:
@@ -148,10 +152,8 @@ def dcp_gqa_decode(
         elif meta is not None:
             check_tensor("meta", meta, dtypes=(torch.int32,), shape=(2, t))
             meta_lens, meta_req = meta[0], meta[1]
-        elif cu_q_lens is not None:
-            check_tensor("cu_q_lens", cu_q_lens, dtypes=INDEX_DTYPES, shape=(b + 1,))
-        else:
-            ql = 1 if q_len_per_req is None else check_int("q_len_per_req", q_len_per_req, minimum=1)
+        elif cu_q_lens is None:
+            ql = 1 if q_len_per_req is None else q_len_per_req
             if t != b * ql:
                 raise ValueError(f"q_heads_local must have B * q_len_per_req = {b * ql} rows, got {t}")
         check_same_device(
