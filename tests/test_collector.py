@@ -275,6 +275,7 @@ ONE_BAD_RANK = {
         {"buffers": {"recv": torch.zeros(1 << 13, dtype=torch.uint8)[2:]}},
         "ValueError: buffers['recv'] must start on a 4-byte boundary (it is viewed as float32), got one 2 bytes",
     ),
+    "check-not-a-bool": ({"check": 1}, "TypeError: check must be a bool, got int (1)"),
 }
 
 

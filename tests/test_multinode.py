@@ -21,6 +21,8 @@ import torch.distributed as dist
 from shardattn.launch.process_group import DistEnv
 from shardattn.launch.workloads import build_decode
 from shardattn.ops.topk import DcpShard
+from shardattn.parallel.comm import Comm, PeerFailedError
+from shardattn.parallel.hosts import exchange_node_layout
 from shardattn.plan.cost import Calibration, CollectiveRate, CostModel, load_calibration, shipped_calibration
 from shardattn.plan.cost_choice import choose_prefill
 from shardattn.plan.links import LINKS, LinkRate, cross_node_rate, resolve_link
@@ -30,6 +32,7 @@ from shardattn.plan.step_shape import StepShape
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
 from shardattn.testing.pool import free_port
+from tests.parallel_helpers import assert_rank_errors, catch, short_timeout_group
 from tests.test_cost_model import RT_SHARDQ_WINS, SHARDQ_WINS
 from tests.test_runtime import GQA, MLA, _err, _gqa_oracle, _gqa_step, _heads, _mla_oracle
 
@@ -235,6 +238,39 @@ def test_runtime_learns_its_hosts_and_dcp_merges_across_them(dist_pool, split: b
         assert res["step"] == ("headtp" if split else "shardq"), res
         text = "ranks on several hosts, 2 on the smallest, network 0.001 GB/s (slow)"
         assert (text in res["reason"]) == split, res["reason"]
+
+
+def _bad_host_id_on_rank_1(group: dist.ProcessGroup) -> tuple[str, str]:
+    short = short_timeout_group(group)  # a peer left waiting in the gather fails in seconds
+    return catch(exchange_node_layout, short, 7 if dist.get_rank(group) == 1 else f"host-{dist.get_rank(group)}")
+
+
+@pytest.mark.distributed
+def test_a_bad_host_id_on_one_rank_raises_on_every_rank_at_once(dist_pool, nproc: int) -> None:
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    peers = f"ValueError: exchange_node_layout: rank(s) [1] of {nproc} passed a bad host_id"
+    expect = [peers if r != 1 else "TypeError: host_id must be a str or None, got int" for r in range(nproc)]
+    assert_rank_errors(dist_pool.run(_bad_host_id_on_rank_1), expect)
+
+
+def _host_exchange_without_rank_1(group: dist.ProcessGroup) -> str | None:
+    comm = Comm(short_timeout_group(group, 1.0), report_grace_s=0.25)
+    if comm.rank == 1:
+        return None  # never joins the exchange
+    try:
+        exchange_node_layout(comm)
+    except PeerFailedError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_the_host_exchange_waits_for_reports_as_long_as_the_callers_comm(dist_pool, nproc: int) -> None:
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    for r, message in enumerate(dist_pool.run(_host_exchange_without_rank_1)):
+        assert r == 1 or (message is not None and "did not report within 0.25 s" in message), (r, message)
 
 
 def _measure_body(group) -> dict | None:

@@ -111,11 +111,11 @@ def collect_partials(
         out, lse = collect_partials(out, lse, group)        # [T, H / W, 512], [T, H / W]
     """
     comm = Comm.wrap(group)
-    check_bool("check", check)
     chosen = ""
 
     def validate() -> int:
         nonlocal chosen
+        check_bool("check", check)
         check_bool("scatter_heads", scatter_heads)
         if buffers is not None and not isinstance(buffers, dict):
             raise TypeError(f"buffers must be a dict {{'send', 'recv'}} of uint8 buffers, got {type(buffers).__name__}")

@@ -40,16 +40,35 @@ def exchange_node_layout(group: GroupLike | Comm, host_id: str | None = None) ->
 
     Args:
         group: the process group (a ``ProcessGroup``, a 1-D ``DeviceMesh``, ``(mesh, dim name)``,
-            or a :class:`~shardattn.parallel.comm.Comm`, whose counts it leaves alone).
+            or a :class:`~shardattn.parallel.comm.Comm`, whose counts it leaves alone and whose
+            device and failure-report grace it takes).
         host_id: this rank's host identity (default :func:`host_identity`); ranks passing equal
             strings share a node.
     Returns:
         the :class:`~shardattn.plan.nodes.NodeLayout`, equal on every rank.
+    Raises:
+        TypeError: ``host_id`` is neither a string nor ``None``, on its rank; the gather carries
+            the failure, so every other rank raises a ``ValueError`` naming that rank at once.
     """
+    error = None
     if host_id is not None and not isinstance(host_id, str):
-        raise TypeError(f"host_id must be a str or None, got {type(host_id).__name__}")
-    comm = Comm(group.group if isinstance(group, Comm) else group)
+        error = TypeError(f"host_id must be a str or None, got {type(host_id).__name__}")
+    if isinstance(group, Comm):  # its own Comm (the caller's counts stay as they are), on the caller's terms
+        comm = Comm(group.group, device=group.device, report_grace_s=group.report_grace_s)
+    else:
+        comm = Comm(group)
     if comm.world_size == 1:
+        if error is not None:
+            raise error
         return NodeLayout.single(1)
-    key = stable_fingerprint("host", host_identity() if host_id is None else host_id)
-    return NodeLayout.from_host_ids([row[0] for row in comm.gather_ints([key])])
+    key = 0 if error is not None else stable_fingerprint("host", host_identity() if host_id is None else host_id)
+    rows = comm.gather_ints([key, int(error is not None)])
+    if error is not None:
+        raise error
+    failed = [r for r, (_, bad) in enumerate(rows) if bad]
+    if failed:
+        raise ValueError(
+            f"exchange_node_layout: rank(s) {failed} of {comm.world_size} passed a bad host_id (see the error on "
+            f"that rank); rank {comm.rank} stops too"
+        )
+    return NodeLayout.from_host_ids([key for key, _ in rows])
