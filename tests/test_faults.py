@@ -36,10 +36,12 @@ import torch
 import torch.distributed as dist
 
 from shardattn.ops.sparse_mla import sparse_mla_attention
+from shardattn.parallel.collector import collect_partials
 from shardattn.parallel.comm import Comm, PeerFailedError
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.plan.zigzag import zigzag_split
 from shardattn.testing.pool import RankFailed
+from tests.parallel_helpers import short_timeout_group
 
 #: The fault group's collective timeout (seconds): short, so the file runs in well under a minute.
 TIMEOUT_S = 2.0
@@ -177,3 +179,32 @@ def test_a_failed_rank_makes_the_others_raise_naming_it(
         elif scenario != "hangs":
             rank1 = json.loads((outdir / "rank1.json").read_text())
             assert rank1["kind"] in ("RuntimeError", "ValueError"), rank1
+
+
+def _hang_after_a_failed_step(group: dist.ProcessGroup) -> tuple[dict[int, str], list[int]] | None:
+    """Step 1: every rank passes the same bad flag without ``check``, raises before any collective
+    and reports it (the ranks stay in step). Step 2: rank 1 hangs before it; the others' error."""
+    comm = Comm(short_timeout_group(group, 1.0), report_grace_s=0.3)
+    out, lse = torch.zeros(2, 2 * comm.world_size, 4), torch.zeros(2, 2 * comm.world_size)
+    with pytest.raises(TypeError, match="scatter_heads must be a bool"):
+        collect_partials(out, lse, comm, scatter_heads=1, check=False)  # type: ignore[arg-type]
+    if comm.rank == 1:
+        time.sleep(1.0 + 0.3 + 0.5)  # past the others' timeout and grace
+        return None
+    try:
+        collect_partials(out, lse, comm)
+    except PeerFailedError as e:
+        return e.raised, e.silent
+    raise AssertionError("step 2 finished without rank 1")
+
+
+@pytest.mark.distributed
+def test_a_report_of_an_earlier_step_is_not_blamed_for_a_later_failure(dist_pool, nproc: int) -> None:
+    """Rank 1 is silent in step 2; the report it left in step 1 was read as step 2's (it 'raised TypeError')."""
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    for rank, seen in enumerate(dist_pool.run(_hang_after_a_failed_step)):
+        if rank != 1:
+            assert seen is not None, rank
+            raised, silent = seen
+            assert raised == {} and 1 in silent, (rank, seen)

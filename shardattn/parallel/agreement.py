@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from shardattn.parallel.peer_failures import catch_up, current_step
+
 if TYPE_CHECKING:
     from shardattn.parallel.comm import Comm
 
@@ -47,11 +49,12 @@ def to_int64(value: int) -> int:
 def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseException | None = None) -> None:
     """Raise the same ``ValueError`` on every rank unless all ranks hold the same fingerprint.
 
-    One all-gather of ``[fingerprint, failed]`` per rank (counted as ``"agreement"`` only, so
+    One all-gather of ``[fingerprint, failed, step]`` per rank (counted as ``"agreement"`` only, so
     the data collectives of a step can be counted on their own). Call it on every rank before
     a step's data collectives; pass the local validation error, if any, as ``error`` so ranks
     whose inputs were fine fail too instead of waiting in a collective for the rank that
-    raised.
+    raised. The ranks also agree on the step they are in (the failure reports name it,
+    :mod:`~shardattn.parallel.peer_failures`): a rank that counted fewer steps catches up.
 
     Args:
         fingerprint: any Python int (folded to int64), e.g. ``plan.fingerprint()``.
@@ -62,8 +65,9 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
         others, or naming the ranks whose fingerprint differs from the majority's.
     """
     comm.counts["agreement"] += 1
-    rows = comm._gather_ints([fingerprint, 1 if error is not None else 0])
-    failed = [r for r, (_, f) in enumerate(rows) if f]
+    rows = comm._gather_ints([fingerprint, 1 if error is not None else 0, current_step(comm.group)])
+    catch_up(comm.group, max(step for _, _, step in rows))  # a rank that began no step here counts it now
+    failed = [r for r, (_, f, _) in enumerate(rows) if f]
     if error is not None:
         raise error
     if failed:
@@ -71,7 +75,7 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
             f"{what}: rank(s) {failed} of {comm.world_size} rejected their inputs (see the error on "
             f"that rank); rank {comm.rank} stops too instead of waiting for them in a collective"
         )
-    values = [v for v, _ in rows]
+    values = [v for v, _, _ in rows]
     tally = Counter(values)
     if len(tally) == 1:
         return
@@ -98,7 +102,11 @@ def agree_on(comm: Comm, what: str, validate: Callable[[], int], *, check: bool 
     and name this rank). Any other exception ``validate()`` raises (a bug, an ``AttributeError``
     of an argument of the wrong type) takes the same way: the peers learn that this rank failed,
     and the original exception is re-raised here.
+
+    Each call begins a step (:func:`~shardattn.parallel.peer_failures.begin_step`): a failure report
+    of an earlier step is not read as this one's.
     """
+    comm.begin_step()  # failure reports of this rank name the step from here on
     try:
         fingerprint = validate()
     except Exception as e:

@@ -23,9 +23,10 @@ reports, and names the ranks that raised, or, failing that, the ranks that did n
 exited or hang). Survivors learn of the failure when the group's timeout expires (a rank that
 raised or hangs) or, those waiting on the connection of a rank whose process exited, at once;
 a survivor that learns at once may also name a live peer that is still blocked until its own
-timeout (waiting on a rank that has already given up): it had not reported either. Reports stay
-in the group's store: a group in which a step failed is not to be reused (its ranks are out of
-step anyway).
+timeout (waiting on a rank that has already given up): it had not reported either. A report
+names the step it was made in (:meth:`Comm.begin_step`) and a rank reads only its peers' reports
+of its own step, so a report an earlier step left in the store is never blamed for a later
+failure. A group in which a step failed mid-step is not to be reused (its ranks are out of step).
 
 Mixed-dtype payloads (a bf16 output and its fp32 LSE) travel in one collective as bytes:
 :func:`~shardattn.parallel.packing.pack_rows` / :func:`~shardattn.parallel.packing.unpack_rows`
@@ -48,6 +49,7 @@ from shardattn.parallel.peer_failures import (
     REPORT_GRACE_S,
     PeerFailedError,
     ReportingFailures,
+    begin_step,
     looks_like_peer_failure,
     name_failed_peers,
     report_failure,
@@ -333,6 +335,14 @@ class Comm:
         Best effort and cheap (one store write); called by :meth:`reporting_failures`.
         """
         report_failure(self.group, self.rank, error)
+
+    def begin_step(self) -> None:
+        """Count a step this rank begins on the group (:func:`~shardattn.parallel.peer_failures.begin_step`):
+        its failure reports name the step, and it reads its peers' of the same step only. Every
+        step's :meth:`agree_on` calls it; a caller that abandons a step before its agreement (its
+        own checks failed) calls it before it reports or agrees, so that it counts the same steps as
+        its peers."""
+        begin_step(self.group)
 
     def reporting_failures(self) -> ReportingFailures:
         """Around a step's work after its agreement check: an exception is reported to the peers

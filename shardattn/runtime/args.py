@@ -340,6 +340,7 @@ def reject(comm: Comm, error: BaseException, *, collective: bool, check: bool) -
     waiting peer names it when its collective fails. A step without collectives just raises.
     """
     if collective:
+        comm.begin_step()  # the step the peers begin: this rank's report must name it
         if check:
             comm.check_agreement(0, "the step's inputs", error=error)  # re-raises error here
         comm.report_failure(error)

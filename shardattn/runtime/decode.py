@@ -199,10 +199,7 @@ class DecodeStep:
                         f"block_table's {block_table.shape[1]} pages of {self.spec.page_size}"
                     )
         except (TypeError, ValueError) as e:  # the peers are about to check their inputs, or to wait for ours
-            if check:
-                self.comm.check_agreement(0, "DCP GQA decode inputs", error=e)  # re-raises e
-            self.comm.report_failure(e)
-            raise
+            reject(self.comm, e, collective=True, check=check)
         device = q.device
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             meta = batch.pinned_meta.to(device, non_blocking=True)
