@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -122,6 +124,25 @@ def test_agree_on_spreads_any_exception_of_one_ranks_checks(dist_pool, nproc: in
         pytest.skip("needs 2 ranks; run with --nproc 2 or more")
     expect = rank_1_rejected(nproc, "test inputs", "AttributeError: 'list' object has no attribute 'device'")
     assert_rank_errors(dist_pool.run(_checks_with_a_bug_on_rank_1), expect)
+
+
+def _graces(group: dist.ProcessGroup) -> list[tuple[str, str]]:
+    return [catch(Comm, group, report_grace_s=g) for g in (math.inf, math.nan, -0.5, True, "1", 0, 2.5)]
+
+
+@pytest.mark.distributed
+def test_report_grace_must_be_a_finite_number_of_seconds(dist_pool) -> None:
+    """An infinite grace left a rank whose collective failed waiting for ever on a silent peer."""
+    (results,) = dist_pool.run(_graces, world_size=1)
+    assert results == [
+        ("ValueError", "report_grace_s must be a finite number >= 0, got inf"),
+        ("ValueError", "report_grace_s must be a finite number >= 0, got nan"),
+        ("ValueError", "report_grace_s must be a finite number >= 0, got -0.5"),
+        ("TypeError", "report_grace_s must be a number of seconds, got bool (True)"),
+        ("TypeError", "report_grace_s must be a number of seconds, got str ('1')"),
+        ("ok", ""),
+        ("ok", ""),
+    ]
 
 
 def _misuse(group: dist.ProcessGroup) -> list[tuple[str, str]]:

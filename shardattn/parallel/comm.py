@@ -35,6 +35,8 @@ Mixed-dtype payloads (a bf16 output and its fp32 LSE) travel in one collective a
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -77,6 +79,17 @@ def _destination(out: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ..
     return out
 
 
+def _check_grace(value: object) -> float:
+    """A failure-report grace: a finite number of seconds >= 0 (an infinite one would leave a rank
+    whose collective failed waiting for ever on a peer that never reports)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"report_grace_s must be a number of seconds, got {type(value).__name__} ({value!r})")
+    seconds = float(value)
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"report_grace_s must be a finite number >= 0, got {value!r}")
+    return seconds
+
+
 class Comm:
     """A ``ProcessGroup`` with its rank, size and backend resolved once, counting its collectives.
 
@@ -87,7 +100,7 @@ class Comm:
         device: where small control tensors (fingerprints, counts) live; default ``cuda``'s
             current device for NCCL, CPU otherwise.
         report_grace_s: seconds a rank whose collective failed waits for its peers' failure
-            reports (default :data:`REPORT_GRACE_S`).
+            reports (default :data:`REPORT_GRACE_S`): a finite number >= 0.
 
     Attributes:
         rank, world_size, backend: of ``group``.
@@ -126,9 +139,7 @@ class Comm:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
         self.device = torch.device(device)
         self.counts: Counter[str] = Counter()
-        if not report_grace_s >= 0:
-            raise ValueError(f"report_grace_s must be >= 0, got {report_grace_s}")
-        self.report_grace_s = float(report_grace_s)
+        self.report_grace_s = _check_grace(report_grace_s)
         self._reduce_scatter_ok: bool | None = None
 
     @classmethod
