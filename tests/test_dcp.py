@@ -466,6 +466,10 @@ ONE_BAD_RANK = {
         {"workspace": {"q": torch.zeros(1 << 16, dtype=torch.uint8)[1:]}},
         "ValueError: workspace['q'] must start on a 2-byte boundary (it is viewed as bfloat16), got one 1 byte",
     ),
+    "mla-block-size-past-int32": (  # (rank 1 holds no block: it raised in the step, its peers waited)
+        {"block_size": 2**31},
+        "ValueError: block_size must be <= 2,147,483,647, got 2,147,483,648",
+    ),
     "gqa-meta-with-cu-q-lens-a-list": (  # (an AttributeError in the checks, which no agreement heard of)
         {"cu_q_lens": [0, 2, 4]},
         "TypeError: cu_q_lens must be a torch.Tensor, got list",
@@ -480,9 +484,10 @@ def _one_bad_rank(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
     if problem.startswith("mla"):
         case = _mla_case(1, [9, 4], [1, 1], w, 1, d=32, dv=16)
         h, mine = case["q"].shape[1] // w, case["local"][rank]
+        table = mine["table"][:, :0] if bad and problem == "mla-block-size-past-int32" else mine["table"]
         return catch(
             dcp_sparse_mla_decode, case["q"][:, rank * h : (rank + 1) * h], mine["cache"], case["pos"],
-            case["req_ids"], mine["table"], case["layout"], short,
+            case["req_ids"], table, case["layout"], short,
             **{"block_size": case["block_size"], "scale": 1.0, "v_dim": 16, "seq_lens": case["seq_lens"], **bad},
         )  # fmt: skip
     case = _gqa_case(2, [9, 5], [2, 2], w, 1, ragged=False)

@@ -180,6 +180,8 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
         cache["block_table"] = cache["block_table"][:, :0]
     elif problem == "topk-int64":
         pos = pos.long()
+    elif problem == "block-size-past-int32":  # the prefix's rows are int32 (refused mid-step before)
+        cache["block_size"] = 2**31
     elif problem == "pages-of-another-size":  # pages of 2 x block_size rows: read as blocks, wrong rows
         rows = cache["kv_cache"]
         cache["kv_cache"] = rows[: rows.shape[0] // 8 * 8].view(-1, 2 * case["block_size"], rows.shape[-1])
@@ -198,6 +200,7 @@ REJECTED = "ValueError: PCP plan and inputs: rank(s) [1] of 3 rejected their inp
         ("prefix-without-cache", ["ValueError: the plan has cached prefixes (prefix_lens=[3, 0])"] * 3),
         ("prefix-past-the-block-table", ["ValueError: prefix_lens[0]=3 is past block_table's 0 blocks"] * 3),
         ("topk-int64", ["TypeError: topk_pos must have dtype in (int32), got int64"] * 3),
+        ("block-size-past-int32", ["ValueError: block_size must be <= 2,147,483,647, got 2,147,483,648"] * 3),
         ("pages-of-another-size", ["ValueError: kv_cache's pages hold 8 rows, but block_size is 4"] * 3),
     ],
     ids=lambda x: x if isinstance(x, str) else "",

@@ -56,7 +56,7 @@ from shardattn._checks import (
 )
 from shardattn.ops.sparse_mla import check_kv_rows
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
-from shardattn.ops.topk import DcpShard, convert_topk
+from shardattn.ops.topk import INT32_MAX, DcpShard, convert_topk
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.collector import collect_checked, exchange_bytes, exchange_dtypes, resolve_strategy
 from shardattn.parallel.comm import Comm
@@ -234,7 +234,7 @@ def dcp_sparse_mla_decode(
         check_tensor("req_ids", req_ids, dtypes=INDEX_DTYPES, shape=(t,))
         check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
         b = block_table.shape[0]
-        bs = check_int("block_size", block_size, minimum=1)
+        bs = check_int("block_size", block_size, minimum=1, maximum=INT32_MAX)  # the converted rows are int32
         if seq_lens is not None:
             check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(b,))
         if topk_length is not None:

@@ -36,7 +36,7 @@ from shardattn._checks import (
 )
 from shardattn.ops.lse_merge import lse_merge
 from shardattn.ops.sparse_mla import check_kv_rows, sparse_mla_attention
-from shardattn.ops.topk import convert_topk
+from shardattn.ops.topk import INT32_MAX, convert_topk
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
 from shardattn.parallel.groups import GroupLike
@@ -107,7 +107,7 @@ def _check_inputs(
         if kv_cache.dtype != kv_new.dtype:
             raise ValueError(f"kv_cache and kv_new must hold one row format, got {kv_cache.dtype} and {kv_new.dtype}")
         check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
-        bs = check_int("block_size", block_size, minimum=1)
+        bs = check_int("block_size", block_size, minimum=1, maximum=INT32_MAX)  # the converted rows are int32
         n_req, m = block_table.shape
         if n_req != plan.shard.num_requests:
             raise ValueError(f"block_table must have one row per request ({plan.shard.num_requests}), got {n_req}")
