@@ -296,13 +296,13 @@ def gqa_prefill_pcp(
             raise TypeError(f"plan must be a PCPPlan (from pcp_plan), got {type(plan).__name__}")
         if plan.world_size != comm.world_size:
             raise ValueError(f"plan is for world_size={plan.world_size}, but the group has {comm.world_size} ranks")
-        plan_fp = plan.fingerprint() if check else None
+        plan_fp = plan.fingerprint()  # computed once per plan: no tensor read on later layers
         if mine is None:
             check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
             mine = pcp_segments(plan, comm.rank, q.device)
         elif not isinstance(mine, PCPSegments):
             raise TypeError(f"segments must be pcp_segments' PCPSegments, got {type(mine).__name__}")
-        elif mine.rank != comm.rank or (check and mine.plan_fingerprint != plan_fp):
+        elif mine.rank != comm.rank or mine.plan_fingerprint != plan_fp:  # another rank's, or another plan's
             whose = f"rank {mine.rank}'s share" if mine.rank != comm.rank else "another plan's share"
             raise ValueError(
                 f"segments are {whose}: pass pcp_segments(plan, {comm.rank}, device) of this step's plan on rank "
@@ -310,7 +310,7 @@ def gqa_prefill_pcp(
             )
         fingerprint, prefix, keys = _check_pcp(
             q, k_new, v_new, mine, comm, (k_cache, v_cache, block_table), sinks, window_left, scale, gather_output,
-            plan_fp,
+            plan_fp if check else None,
         )  # fmt: skip
         if not isinstance(return_lse, bool) or (gather_output and not return_lse):
             raise ValueError(f"return_lse must be a bool, True with gather_output, got {return_lse!r}")

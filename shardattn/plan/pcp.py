@@ -131,14 +131,25 @@ class PCPPlan:
         return torch.where(valid, self.kv_row[g], torch.full_like(off, -1))
 
     def to(self, device: torch.device | str) -> PCPPlan:
-        """A copy whose tensors live on ``device``."""
-        return dataclasses.replace(
+        """A copy whose tensors live on ``device`` (its fingerprint, once computed, goes with it)."""
+        moved = dataclasses.replace(
             self, shard=self.shard.to(device), kv_row=self.kv_row.to(device), need_stop=self.need_stop.to(device)
         )
+        if "_fingerprint" in self.__dict__:
+            object.__setattr__(moved, "_fingerprint", self.__dict__["_fingerprint"])
+        return moved
 
     def fingerprint(self) -> int:
-        """Stable 63-bit hash of the plan; equal on every rank that planned the same step."""
-        return fingerprint_arrays("PCPPlan", self.shard.fingerprint(), self.gathered_rows, self.kv_row, self.need_stop)
+        """Stable 63-bit hash of the plan; equal on every rank that planned the same step. Computed
+        once (it reads every tensor of the plan, a device sync where they live on one): a plan is
+        not changed after it is made."""
+        cached = self.__dict__.get("_fingerprint")
+        if cached is None:
+            cached = fingerprint_arrays(
+                "PCPPlan", self.shard.fingerprint(), self.gathered_rows, self.kv_row, self.need_stop
+            )
+            object.__setattr__(self, "_fingerprint", cached)
+        return int(cached)
 
     def __repr__(self) -> str:
         return (
