@@ -129,6 +129,22 @@ def test_head_tp_equals_oracle(dist_pool, world: int, hq: int, hkv: int, window_
         assert counts == {}, f"rank {r}: a head-TP step is a local call, it issued {counts}"
 
 
+def _head_tp_heads_that_do_not_fit(group: dist.ProcessGroup) -> list[tuple[str, str]]:
+    kv, cu = torch.randn(4, 1, 16), torch.tensor([0, 4], dtype=torch.int32)
+    return [catch(gqa_prefill_head_tp, torch.randn(4, h, 16), kv, kv, cu, group, num_kv_heads=4) for h in (3, 0)]
+
+
+@pytest.mark.distributed
+def test_head_tp_blames_q_for_heads_that_do_not_fit_the_kv_heads(dist_pool) -> None:
+    """The model's head count is q's heads over the ranks: the error named num_heads, no argument."""
+    for three, none in dist_pool.run(_head_tp_heads_that_do_not_fit, world_size=2):
+        assert three == (
+            "ValueError",
+            "q's query heads (3 per rank, 6 over 2 ranks) must be a multiple of num_kv_heads (4)",
+        )
+        assert none == ("ValueError", "q must hold at least one query head, got shape [4, 0, 16]")
+
+
 def test_head_tp_kv_heads_cover_what_each_rank_reads() -> None:
     """Every query head of a rank reads a KV head inside the rank's range, for every legal layout."""
     for hq, hkv in ((64, 8), (8, 8), (12, 2), (16, 1)):

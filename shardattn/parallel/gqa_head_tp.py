@@ -130,7 +130,15 @@ def gqa_prefill_head_tp(
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
     h_local = q.shape[1]
     h = h_local * comm.world_size
-    lo, hi = head_tp_kv_heads(h, num_kv_heads, comm.world_size, comm.rank)
+    hkv = check_int("num_kv_heads", num_kv_heads, minimum=1)
+    if h_local < 1:
+        raise ValueError(f"q must hold at least one query head, got shape {list(q.shape)}")
+    if h % hkv:  # named here: the model's head count is q's, not an argument
+        raise ValueError(
+            f"q's query heads ({h_local} per rank, {h} over {comm.world_size} rank{'s' * (comm.world_size > 1)}) "
+            f"must be a multiple of num_kv_heads ({hkv})"
+        )
+    lo, hi = head_tp_kv_heads(h, hkv, comm.world_size, comm.rank)
     # the rank's KV heads: the new keys', or the cache's where they are written there already
     name, keys = ("k", k) if k is not None or k_cache is None else ("k_cache", k_cache)
     if keys is not None:

@@ -203,7 +203,9 @@ def step_rows() -> list[Row]:
         (
             "gqa_prefill_head_tp-kv-heads-do-not-divide",
             _head_tp(num_kv_heads=3),
-            Raises(ValueError, r"^num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+            Raises(
+                ValueError, r"^q's query heads \(4 per rank, 4 over 1 rank\) must be a multiple of num_kv_heads \(3\)"
+            ),
         ),
         (
             "gqa_prefill_head_tp-sinks-of-local-heads-only",
