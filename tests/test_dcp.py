@@ -345,6 +345,11 @@ def test_dcp_gqa_drawn(dist_pool, nproc, world, interleave, reqs, ragged, causal
 # ---------------------------------------------------------------------------------------- bad input
 
 
+def _flag_of(problem: str) -> str:
+    """``"gqa-scatter-heads-1-on-rank-1"`` -> ``"scatter_heads"``."""
+    return problem[4:].removesuffix("-1-on-rank-1").replace("-", "_")
+
+
 def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
     rank, w = dist.get_rank(group), dist.get_world_size(group)
     if problem.startswith("mla"):
@@ -376,6 +381,8 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
             kw = {"topk_length": None}
         elif problem == "mla-no-topk-length-on-rank-1":
             kw = {"topk_length": torch.full((q.shape[0],), 3, dtype=torch.int32)}
+        elif rank == 1 and problem.endswith("-1-on-rank-1"):  # a flag as a truthy int: read as True before
+            kw = {_flag_of(problem): 1}
         return catch(
             dcp_sparse_mla_decode, q, cache, case["pos"], case["req_ids"], table, layout, group,
             **{"block_size": case["block_size"], "scale": 1.0, "v_dim": 16, "seq_lens": lens, **kw},
@@ -393,9 +400,12 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
     if problem == "gqa-out-and-send-one-buffer":  # packing the partial would overwrite it
         arena = torch.zeros(1 << 12, dtype=torch.uint8)
         ws = {"out": arena, "send": arena}
+    flags: dict = {}
+    if rank == 1 and problem.endswith("-1-on-rank-1"):  # a flag as a truthy int: read as True before
+        flags = {_flag_of(problem): 1}
     return catch(
         dcp_gqa_decode, q, mine["k"], mine["v"], mine["table"], lens, case["layout"], group, q_len_per_req=q_len,
-        strategy="all_to_all", workspace=ws,
+        strategy="all_to_all", workspace=ws, **flags,
     )  # fmt: skip
 
 
@@ -447,6 +457,19 @@ GQA = "DCP GQA decode inputs"
         ("gqa-seq-lens-past-the-cache", ["ValueError: seq_lens[0]=90 puts", *[_rejected(GQA, "[0]")] * 2]),
         ("gqa-heads-on-rank-1", [f"ValueError: {GQA} differs across ranks: rank(s) [1] disagree"] * 3),
         ("gqa-q-len", ["ValueError: q_heads_local must have B * q_len_per_req = 6 rows, got 4"] * 3),
+        *[
+            (
+                f"{kind}-{flag.replace('_', '-')}-1-on-rank-1",
+                [_rejected(what, "[1]"), f"TypeError: {flag} must be a bool, got int (1)", _rejected(what, "[1]")],
+            )
+            for kind, what, flag in [
+                ("mla", MLA, "scatter_heads"),
+                ("mla", MLA, "check"),
+                ("gqa", GQA, "causal"),
+                ("gqa", GQA, "scatter_heads"),
+                ("gqa", GQA, "check"),
+            ]
+        ],
         ("gqa-out-and-send-one-buffer", ["ValueError: workspace['out'] and workspace['send'] share memory"] * 3),
     ],
     ids=lambda x: x if isinstance(x, str) else "",

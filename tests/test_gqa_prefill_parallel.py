@@ -317,6 +317,8 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
     elif problem.startswith("segments-of-another-plan"):  # with check=False too: the step's hot path
         kw["segments"] = pcp_segments(pcp_plan([6, 6], w, prefix_lens=case["prefix_lens"]), rank, "cpu")
         kw["check"] = not problem.endswith("unchecked")
+    if problem == "check-1-on-rank-1" and rank == 1:  # a truthy int: read as True before
+        kw["check"] = 1
     return catch(gqa_prefill_pcp, q, k, v, plan, group, **kw)
 
 
@@ -333,6 +335,7 @@ REJECTED = "ValueError: GQA PCP plan and inputs: rank(s) [1] of 3 rejected their
         ("fa4-on-cpu", ["ValueError: backend='fa4' is unavailable: FA4 needs CUDA tensors"] * 3),
         ("segments-of-the-next-rank", [f"ValueError: segments are rank {r}'s share" for r in (1, 2, 0)]),
         ("segments-of-another-plan", ["ValueError: segments are another plan's share"] * 3),
+        ("check-1-on-rank-1", [REJECTED, "TypeError: check must be a bool, got int (1)", REJECTED]),
         ("segments-of-another-plan-unchecked", ["ValueError: segments are another plan's share"] * 3),
     ],
     ids=lambda x: x if isinstance(x, str) else "",

@@ -185,6 +185,9 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
     elif problem == "pages-of-another-size":  # pages of 2 x block_size rows: read as blocks, wrong rows
         rows = cache["kv_cache"]
         cache["kv_cache"] = rows[: rows.shape[0] // 8 * 8].view(-1, 2 * case["block_size"], rows.shape[-1])
+    flags = {"gather_output": 1} if problem == "gather-output-1-on-rank-1" else {"check": 1}
+    if problem.endswith("-1-on-rank-1") and rank == 1:  # a truthy int on one rank: read as True before
+        cache |= flags
     return catch(pcp_prefill, q, kv_new, pos, plan, group, scale=1.0, v_dim=16, **cache)
 
 
@@ -200,6 +203,8 @@ REJECTED = "ValueError: PCP plan and inputs: rank(s) [1] of 3 rejected their inp
         ("prefix-without-cache", ["ValueError: the plan has cached prefixes (prefix_lens=[3, 0])"] * 3),
         ("prefix-past-the-block-table", ["ValueError: prefix_lens[0]=3 is past block_table's 0 blocks"] * 3),
         ("topk-int64", ["TypeError: topk_pos must have dtype in (int32), got int64"] * 3),
+        ("gather-output-1-on-rank-1", [REJECTED, "TypeError: gather_output must be a bool, got int (1)", REJECTED]),
+        ("check-1-on-rank-1", [REJECTED, "TypeError: check must be a bool, got int (1)", REJECTED]),
         ("block-size-past-int32", ["ValueError: block_size must be <= 2,147,483,647, got 2,147,483,648"] * 3),
         ("pages-of-another-size", ["ValueError: kv_cache's pages hold 8 rows, but block_size is 4"] * 3),
     ],

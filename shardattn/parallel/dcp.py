@@ -247,6 +247,8 @@ def dcp_sparse_mla_decode(
             local = None if seq_lens is None else layout.local_seq_lens(seq_lens, comm.rank)
             check_block_table_holds(block_table, bs, kv_rows.shape[0], seq_lens, local, rank=comm.rank)
         check_bool("rows_unique", rows_unique)
+        check_bool("scatter_heads", scatter_heads)
+        check_bool("check", check)
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
         check_dcp_workspace(workspace, q, comm.world_size, v_dim, topk_pos.shape[1], chosen, scatter_heads)
         if not check:

@@ -14,6 +14,7 @@ import torch
 
 from shardattn._checks import (
     INDEX_DTYPES,
+    check_bool,
     check_choice,
     check_cu_q_lens,
     check_int,
@@ -165,6 +166,9 @@ def dcp_gqa_decode(
                 seq_lens, block_table, layout, comm.rank, pages=pages, page=page, t=t, q_len_per_req=q_len_per_req,
                 cu_q_lens=cu_q_lens, meta_lens=meta_lens, meta_req=meta_req,
             )  # fmt: skip
+        check_bool("causal", causal)
+        check_bool("scatter_heads", scatter_heads)
+        check_bool("check", check)
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
         check_dcp_workspace(workspace, q, comm.world_size, d, 0, chosen, scatter_heads)
         if not check:

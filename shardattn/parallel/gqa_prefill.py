@@ -291,6 +291,7 @@ def gqa_prefill_pcp(
 
     def validate() -> int:
         nonlocal checked
+        check_bool("check", check)
         mine = segments
         if not isinstance(plan, PCPPlan):
             raise TypeError(f"plan must be a PCPPlan (from pcp_plan), got {type(plan).__name__}")

@@ -28,6 +28,7 @@ import torch
 from shardattn._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_bool,
     check_int,
     check_same_device,
     check_scale,
@@ -80,6 +81,8 @@ def _check_inputs(
     if kv_new.shape[0] != t:
         raise ValueError(f"kv_new must hold one row per token of q ({t}), got shape {list(kv_new.shape)}")
     check_scale("scale", scale)
+    check_bool("gather_output", gather_output)
+    check_bool("check", check)
     check_tensor("topk_pos", topk_pos, dtypes=INDEX_DTYPES, ndim=2)
     if topk_pos.shape[0] != t:
         raise ValueError(f"topk_pos must have one row per token ({t}), got shape {list(topk_pos.shape)}")
