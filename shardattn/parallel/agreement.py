@@ -15,8 +15,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from shardattn.parallel.peer_failures import catch_up, current_step
-
 if TYPE_CHECKING:
     from shardattn.parallel.comm import Comm
 
@@ -65,8 +63,8 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
         others, or naming the ranks whose fingerprint differs from the majority's.
     """
     comm.counts["agreement"] += 1
-    rows = comm._gather_ints([fingerprint, 1 if error is not None else 0, current_step(comm.group)])
-    catch_up(comm.group, max(step for _, _, step in rows))  # a rank that began no step here counts it now
+    rows = comm._gather_ints([fingerprint, 1 if error is not None else 0, comm.step])
+    comm.catch_up(max(step for _, _, step in rows))  # a rank that began no step here counts it now
     failed = [r for r, (_, f, _) in enumerate(rows) if f]
     if error is not None:
         raise error
@@ -103,7 +101,7 @@ def agree_on(comm: Comm, what: str, validate: Callable[[], int], *, check: bool 
     of an argument of the wrong type) takes the same way: the peers learn that this rank failed,
     and the original exception is re-raised here.
 
-    Each call begins a step (:func:`~shardattn.parallel.peer_failures.begin_step`): a failure report
+    Each call begins a step (:meth:`~shardattn.parallel.comm.Comm.begin_step`): a failure report
     of an earlier step is not read as this one's.
     """
     comm.begin_step()  # failure reports of this rank name the step from here on

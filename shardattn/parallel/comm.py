@@ -51,7 +51,6 @@ from shardattn.parallel.peer_failures import (
     REPORT_GRACE_S,
     PeerFailedError,
     ReportingFailures,
-    begin_step,
     looks_like_peer_failure,
     name_failed_peers,
     report_failure,
@@ -140,6 +139,8 @@ class Comm:
         self.device = torch.device(device)
         self.counts: Counter[str] = Counter()
         self.report_grace_s = _check_grace(report_grace_s)
+        #: steps this rank began on the group (:meth:`begin_step`); failure reports name it
+        self.step = 0
         self._reduce_scatter_ok: bool | None = None
 
     @classmethod
@@ -345,15 +346,19 @@ class Comm:
 
         Best effort and cheap (one store write); called by :meth:`reporting_failures`.
         """
-        report_failure(self.group, self.rank, error)
+        report_failure(self.group, self.rank, error, step=self.step)
 
     def begin_step(self) -> None:
-        """Count a step this rank begins on the group (:func:`~shardattn.parallel.peer_failures.begin_step`):
-        its failure reports name the step, and it reads its peers' of the same step only. Every
-        step's :meth:`agree_on` calls it; a caller that abandons a step before its agreement (its
-        own checks failed) calls it before it reports or agrees, so that it counts the same steps as
-        its peers."""
-        begin_step(self.group)
+        """Count a step this rank begins on the group (:attr:`step`): its failure reports name the
+        step, and it reads its peers' of the same step only. Every step's :meth:`agree_on` calls
+        it; a caller that abandons a step before its agreement (its own checks failed) calls it
+        before it reports or agrees, so that it counts the same steps as its peers."""
+        self.step += 1
+
+    def catch_up(self, step: int) -> None:
+        """Count ``step`` steps where this rank counted fewer (the most any rank counted, which an
+        agreement learns: a rank that raised before its step's agreement began no step there)."""
+        self.step = max(self.step, step)
 
     def reporting_failures(self) -> ReportingFailures:
         """Around a step's work after its agreement check: an exception is reported to the peers
@@ -363,7 +368,9 @@ class Comm:
 
     def _peer_failed(self, kind: str, error: BaseException) -> PeerFailedError:
         """Name the peers that made ``kind`` fail (:func:`~shardattn.parallel.peer_failures.name_failed_peers`)."""
-        return name_failed_peers(self.group, self.rank, self.world_size, kind, error, grace_s=self.report_grace_s)
+        return name_failed_peers(
+            self.group, self.rank, self.world_size, kind, error, grace_s=self.report_grace_s, step=self.step
+        )
 
     def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """All-gather a few host ints per rank (a small tensor, no pickling).

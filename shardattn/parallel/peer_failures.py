@@ -5,18 +5,18 @@ a rank whose collective failed posts that it is alive, waits up to :data:`REPORT
 peers' reports and names the ranks that raised or, failing that, the silent ones
 (:func:`name_failed_peers`). :class:`~shardattn.parallel.comm.Comm` calls both.
 
-Every report names the step it was made in: each rank counts the steps it begins on a group
-(:func:`begin_step`, at every step's agreement, :func:`~shardattn.parallel.agreement.agree_on`),
-and reads only its peers' reports of the step it is in, so a report left in the store by an
-earlier step (one whose ranks all raised before any collective, say) is never blamed for a later
-failure: a rank that has not reached the step (it hangs before it) counts as silent.
+Every report names the step it was made in: each rank's :class:`~shardattn.parallel.comm.Comm`
+counts the steps it begins (:meth:`~shardattn.parallel.comm.Comm.begin_step`, at every step's
+agreement, :func:`~shardattn.parallel.agreement.agree_on`), and a rank reads only its peers'
+reports of the step it is in, so a report left in the store by an earlier step (one whose ranks
+all raised before any collective, say) is never blamed for a later failure: a rank that has not
+reached the step (it hangs before it) counts as silent.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
@@ -30,9 +30,6 @@ __all__ = [
     "REPORT_GRACE_S",
     "PeerFailedError",
     "ReportingFailures",
-    "begin_step",
-    "catch_up",
-    "current_step",
     "looks_like_peer_failure",
     "name_failed_peers",
     "report_failure",
@@ -43,31 +40,6 @@ __all__ = [
 REPORT_GRACE_S = 1.0
 _REPORT_KEY = "shardattn/failure/rank{}"
 _ALIVE = "alive"
-#: Steps this process began on each group (:func:`begin_step`); a group that cannot be weakly
-#: referenced counts none (its reports are then all of step 0).
-_STEPS: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
-
-
-def begin_step(group: dist.ProcessGroup) -> None:
-    """Count a step this process begins on ``group`` (every rank of a group counts the same steps)."""
-    with contextlib.suppress(TypeError):
-        _STEPS[group] = _STEPS.get(group, 0) + 1
-
-
-def current_step(group: dist.ProcessGroup) -> int:
-    """The steps this process began on ``group``: the step its reports name and read."""
-    with contextlib.suppress(TypeError):
-        return _STEPS.get(group, 0)
-    return 0
-
-
-def catch_up(group: dist.ProcessGroup, step: int) -> None:
-    """Count ``step`` steps on ``group`` where this process counted fewer (the most any rank of the
-    group counted, which an agreement learns: a rank that raised before its step's agreement
-    began no step there)."""
-    if step > current_step(group):
-        with contextlib.suppress(TypeError):
-            _STEPS[group] = step
 
 
 def _group_store(group: dist.ProcessGroup) -> dist.Store | None:
@@ -92,29 +64,37 @@ def looks_like_peer_failure(error: BaseException) -> bool:
     return any(w in text for w in _PEER_FAILURE_WORDS)
 
 
-def report_failure(group: dist.ProcessGroup, rank: int, error: BaseException) -> None:
-    """Post ``rank``'s failure (``"ExceptionType: first line"``) in its current step to the group's
+def report_failure(group: dist.ProcessGroup, rank: int, error: BaseException, *, step: int = 0) -> None:
+    """Post ``rank``'s failure (``"ExceptionType: first line"``) in step ``step`` to the group's
     store; best effort."""
     store = _group_store(group)
     first = (str(error).strip().splitlines() or [""])[0][:300]
     with contextlib.suppress(Exception):
         if store is not None:
-            store.set(_REPORT_KEY.format(rank), f"{current_step(group)} {type(error).__name__}: {first}")
+            store.set(_REPORT_KEY.format(rank), f"{step} {type(error).__name__}: {first}")
 
 
 def name_failed_peers(
-    group: dist.ProcessGroup, rank: int, world_size: int, kind: str, error: BaseException, *, grace_s: float
+    group: dist.ProcessGroup,
+    rank: int,
+    world_size: int,
+    kind: str,
+    error: BaseException,
+    *,
+    grace_s: float,
+    step: int = 0,
 ) -> PeerFailedError:
-    """The error for a ``kind`` collective on ``rank`` that failed with ``error``: names the peers
-    that reported raising in this step, else those that did not report within ``grace_s`` seconds."""
+    """The error for a ``kind`` collective on ``rank`` that failed with ``error`` in step ``step``:
+    names the peers that reported raising in that step, else those that did not report within
+    ``grace_s`` seconds."""
     cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     store = _group_store(group)
     peers = [r for r in range(world_size) if r != rank]
     reports: dict[int, str] = {}
-    step = f"{current_step(group)} "
+    prefix = f"{step} "
     if store is not None:
         with contextlib.suppress(Exception):
-            store.set(_REPORT_KEY.format(rank), step + _ALIVE)
+            store.set(_REPORT_KEY.format(rank), prefix + _ALIVE)
         deadline = time.monotonic() + grace_s
         while True:
             for r in peers:
@@ -122,8 +102,8 @@ def name_failed_peers(
                     with contextlib.suppress(Exception):
                         if store.check([_REPORT_KEY.format(r)]):
                             posted = store.get(_REPORT_KEY.format(r)).decode(errors="replace")
-                            if posted.startswith(step):  # a report of an earlier step is not this one's
-                                reports[r] = posted[len(step) :]
+                            if posted.startswith(prefix):  # a report of an earlier step is not this one's
+                                reports[r] = posted[len(prefix) :]
             if len(reports) == len(peers) or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
