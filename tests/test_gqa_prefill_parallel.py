@@ -319,6 +319,8 @@ def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
         kw["check"] = not problem.endswith("unchecked")
     if problem == "check-1-on-rank-1" and rank == 1:  # a truthy int: read as True before
         kw["check"] = 1
+    if problem == "kernel-not-a-kernel":  # an AttributeError in the middle of the step before
+        kw["kernel"] = "fa4"
     return catch(gqa_prefill_pcp, q, k, v, plan, group, **kw)
 
 
@@ -337,6 +339,7 @@ REJECTED = "ValueError: GQA PCP plan and inputs: rank(s) [1] of 3 rejected their
         ("segments-of-another-plan", ["ValueError: segments are another plan's share"] * 3),
         ("check-1-on-rank-1", [REJECTED, "TypeError: check must be a bool, got int (1)", REJECTED]),
         ("segments-of-another-plan-unchecked", ["ValueError: segments are another plan's share"] * 3),
+        ("kernel-not-a-kernel", ["TypeError: kernel must be a SegmentKernel (segment_kernel's), got str"] * 3),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
 )

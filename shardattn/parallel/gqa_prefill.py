@@ -315,6 +315,8 @@ def gqa_prefill_pcp(
         )  # fmt: skip
         if not isinstance(return_lse, bool) or (gather_output and not return_lse):
             raise ValueError(f"return_lse must be a bool, True with gather_output, got {return_lse!r}")
+        if kernel is not None and not all(callable(getattr(kernel, m, None)) for m in ("contiguous", "paged")):
+            raise TypeError(f"kernel must be a SegmentKernel (segment_kernel's), got {type(kernel).__name__}")
         kern = segment_kernel(gqa_prefill_route(q, keys, backend=backend)) if kernel is None else kernel
         checked = _RankInputs(mine, prefix, kern)
         return fingerprint
