@@ -199,3 +199,26 @@ def test_a_driver_that_rings_before_writing_its_payload_is_caught(ranks: _Ranks)
     with pytest.raises(RankStepError, match=stale):
         steps._wait(60.0)
     assert ranks.close() == [0, 0]  # both serve loops returned after raising
+
+
+def test_a_doorbell_that_fails_to_open_closes_those_opened_before(monkeypatch: Any) -> None:
+    """The second doorbell fails: the one opened before it is closed (its descriptor was left
+    open)."""
+    import shardattn.serving.shm_steps as shm_steps
+
+    opened: list[Doorbell] = []
+    real = shm_steps.Doorbell
+
+    def third_fails(path: str, *, create: bool) -> Doorbell:
+        if len(opened) == 1:
+            raise OSError(24, "Too many open files")
+        opened.append(real(path, create=create))
+        return opened[-1]
+
+    monkeypatch.setattr(shm_steps, "Doorbell", third_fails)
+    with pytest.raises(OSError, match="Too many open files"):
+        ShmSteps(_layout(), spin_s=0.0)
+    assert len(opened) == 1
+    for bell in opened:
+        with pytest.raises(ValueError, match="closed"):
+            bell.fileno()

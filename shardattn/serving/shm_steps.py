@@ -82,9 +82,12 @@ class ShmSteps:
         paths = [bell_paths(self.path, r) for r in range(self.world_size)]
         files = [self.path, *(p for pair in paths for p in pair)]
         self._unlink = weakref.finalize(self, _unlink, *files)  # also when the pool is dropped
-        try:
-            self._go = [Doorbell(go, create=True) for go, _ in paths]
-            self._done = [Doorbell(done, create=True) for _, done in paths]
+        self._go: list[Doorbell] = []
+        self._done: list[Doorbell] = []
+        try:  # one at a time, so that close() closes every one opened before a failure
+            for go, done in paths:
+                self._go.append(Doorbell(go, create=True))
+                self._done.append(Doorbell(done, create=True))
         except OSError:
             self.close()
             raise
@@ -259,6 +262,6 @@ class ShmSteps:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.region.close(unlink=True)
-        for bell in [*getattr(self, "_go", []), *getattr(self, "_done", [])]:
+        for bell in [*self._go, *self._done]:
             bell.close(unlink=True)
         self._unlink()
