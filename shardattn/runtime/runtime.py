@@ -60,7 +60,7 @@ from shardattn.runtime.planning import RuntimePlanning
 from shardattn.runtime.prefill import PrefillPlan
 from shardattn.runtime.steps import RuntimeSteps
 from shardattn.runtime.warmup import CompileKey, RuntimeWarmup
-from shardattn.runtime.workspace import RuntimeWorkspace, WorkspaceExceededError
+from shardattn.runtime.workspace import RuntimeWorkspace, WorkspaceExceededError, check_step
 
 __all__ = [
     "DECODE_STEP",
@@ -245,9 +245,11 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
     # -- workspace -----------------------------------------------------------------------------
     def workspace_needs(self, kind: str, step: str, tokens: int, topk: int) -> dict[str, int]:
         """``{"<kind>.<item>": bytes}`` the planner bounds for one step (:meth:`RuntimeWorkspace.needs`)."""
+        check_step(kind, step, tokens, topk)
         return self.ws.needs(kind, step, tokens, topk)
 
     def check_workspace(self, kind: str, step: str, *, tokens: int, topk: int | None = None) -> None:
         """Raise :class:`WorkspaceExceededError` when a step needs more of an item than was reserved
         (:meth:`RuntimeWorkspace.check`)."""
+        check_step(kind, step, tokens, self.ws.topk if topk is None else topk)
         self.ws.check(kind, step, tokens=tokens, topk=topk)

@@ -61,7 +61,8 @@ STEPS: dict[str, tuple[str, ...]] = {"prefill": ("shardq", "headtp", "pcp"), "de
 
 def check_step(kind: object, step: object, tokens: object, topk: object) -> None:
     """A step's ``kind``, ``step``, ``tokens`` and ``topk`` as :meth:`RuntimeWorkspace.needs` takes
-    them: ``ValueError`` / ``TypeError`` naming the argument."""
+    them: ``ValueError`` / ``TypeError`` naming the argument. The Runtime's public questions check
+    them; its own steps pass known values, so the per-step path does not."""
     check_choice("kind", kind, tuple(STEPS))
     check_choice("step", step, STEPS[str(kind)])
     check_int("tokens", tokens, minimum=0)
@@ -184,7 +185,6 @@ class RuntimeWorkspace:
     def needs(self, kind: str, step: str, tokens: int, topk: int) -> dict[str, int]:
         """``{"<kind>.<item>": bytes}`` the planner bounds for one step of ``tokens`` tokens and top-k ``topk``
         (memoised: a serving loop asks for the same few sizes every step)."""
-        check_step(kind, step, tokens, topk)
         memo = (kind, step, tokens, topk)
         if memo in self._needs:
             return self._needs[memo]
@@ -234,7 +234,6 @@ class RuntimeWorkspace:
             topk: the step's top-k width (default: the config's).
         """
         k = self.topk if topk is None else topk
-        check_step(kind, step, tokens, k)
         limit = self.max_batched_tokens if kind == "prefill" else self.max_decode_tokens
         if tokens > limit:
             name = "max_batched_tokens" if kind == "prefill" else "max_decode_tokens"
