@@ -92,7 +92,7 @@ class Soak:
         self.mirror = ServingMirror(self.spec, seed=args.seed)
         if args.num_pages is None:  # a third of what max_requests requests of the mean length hold
             from shardattn.plan.context import DCPLayout
-            from shardattn.plan.kv_pages import KVCacheConfig
+            from shardattn.plan.kv_cache_config import KVCacheConfig
 
             mean = KVCacheConfig(self.spec.page_size, DCPLayout(args.ranks), args.max_requests, args.max_seq_len)
             args.num_pages = max(4, args.max_requests * mean.pages_for(47) // 3)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from shardattn.plan.context import DCPLayout
-from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
+from shardattn.plan.kv_cache_config import KVCacheConfig
+from shardattn.plan.kv_pages import PagedKVBook
 
 
 @pytest.mark.parametrize(

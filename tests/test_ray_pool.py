@@ -887,7 +887,8 @@ def test_query_lens_whose_sum_wraps_are_refused_naming_them() -> None:
     """Lengths whose int64 sum wraps to q's row count passed every check (the transport then failed,
     or crashed the driver): a length over q's rows is refused before the sum."""
     from shardattn.plan.context import DCPLayout
-    from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
+    from shardattn.plan.kv_cache_config import KVCacheConfig
+    from shardattn.plan.kv_pages import PagedKVBook
     from shardattn.serving.pool_shapes import pool_shapes
     from shardattn.serving.requests import check_decode_batch
 

@@ -1,20 +1,14 @@
 """Paged KV-cache bookkeeping for a serving pool: which pages each request holds, host-side.
 
-A pool of ``N`` ranks keeps each request's KV cache split by a :class:`~shardattn.plan.DCPLayout`
-(DCP decode: token ``t`` on rank ``(t // I) % N``; a replicated cache is the layout of one rank).
-Every rank uses the *same* page ids for a request, sized for the rank that holds the most of it
-(rank 0), so one block table serves every rank; the other ranks leave at most one page's tail
-unused. A request of ``L`` tokens holds ``ceil(layout.max_local_len(L) / page_size)`` pages.
-
-:class:`PagedKVBook` is the driver's ledger: :meth:`~PagedKVBook.check_growth` validates a whole
-step (unknown request, over ``max_seq_len``, too many requests, out of pages) without changing
-anything, :meth:`~PagedKVBook.grow` then commits it, :meth:`~PagedKVBook.release` frees requests.
+:class:`PagedKVBook` is the driver's ledger over a :class:`~shardattn.plan.kv_cache_config.KVCacheConfig`
+(one set of page ids per request, the same on every rank, so one block table serves every rank):
+:meth:`~PagedKVBook.check_growth` validates a whole step (unknown request, over ``max_seq_len``,
+too many requests, out of pages) without changing anything, :meth:`~PagedKVBook.grow` then
+commits it, :meth:`~PagedKVBook.release` frees requests.
 
 >>> from shardattn.plan.context import DCPLayout
->>> cfg = KVCacheConfig(page_size=4, layout=DCPLayout(2), max_requests=2, max_seq_len=16)
->>> cfg.pages_per_request, cfg.num_pages
-(2, 4)
->>> book = PagedKVBook(cfg)
+>>> from shardattn.plan.kv_cache_config import KVCacheConfig
+>>> book = PagedKVBook(KVCacheConfig(page_size=4, layout=DCPLayout(2), max_requests=2, max_seq_len=16))
 >>> book.grow([("a", 9)]); book.seq_len("a"), book.pages("a")
 (9, [0, 1])
 >>> book.check_growth([("b", 17)])
@@ -25,46 +19,17 @@ ValueError: request 'b': 17 tokens would exceed max_seq_len=16
 
 from __future__ import annotations
 
-import reprlib
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from shardattn._checks import check_int, check_tensor
 from shardattn.plan._common import as_lengths
-from shardattn.plan.context import DCPLayout
+from shardattn.plan.kv_cache_config import KVCacheConfig
+from shardattn.plan.request_ids import as_int64_ids, shown
 
-__all__ = ["KVCacheConfig", "PagedKVBook", "as_int64_ids", "shown"]
-
-
-_SHOWN = reprlib.Repr()
-_SHOWN.maxstring = _SHOWN.maxother = 64
-_SHOWN.maxlist = _SHOWN.maxtuple = 8
-
-
-def shown(request_id: object) -> str:
-    """``repr`` of a request id (or ids) cut to a readable length for an error message.
-
-    >>> shown("x" * 100)[:8], len(shown("x" * 100)) < 70, shown(7)
-    ("'xxxxxxx", True, '7')
-    """
-    return _SHOWN.repr(request_id)
-
-
-def as_int64_ids(name: str, ids: np.ndarray) -> np.ndarray:
-    """An integer array of request ids as int64; ``ValueError`` naming ``name`` for an unsigned
-    value of 2**63 or more (the cast would wrap it onto another id).
-
-    >>> as_int64_ids("ids", np.array([2**64 - 1], dtype=np.uint64))
-    Traceback (most recent call last):
-    ...
-    ValueError: ids must be below 2**63 (int64 ids), got 18446744073709551615
-    """
-    if ids.dtype.kind == "u" and ids.size and int(ids.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"{name} must be below 2**63 (int64 ids), got {int(ids.max())}")
-    return ids.astype(np.int64, copy=False)
+__all__ = ["PagedKVBook"]
 
 
 #: Tensor dtypes :meth:`PagedKVBook.slots` looks integer request ids up from.
@@ -72,57 +37,6 @@ _ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 #: New tokens of a step's requests: one int for all, or one per slot (a sequence, an integer
 #: array or a CPU integer tensor).
 Counts = int | Sequence[int] | np.ndarray | torch.Tensor
-
-
-@dataclass(frozen=True)
-class KVCacheConfig:
-    """Size of a pool's paged KV cache (the same on every rank).
-
-    Attributes:
-        page_size: tokens per page (the model spec's).
-        layout: how a request's tokens are spread over the ranks (``DCPLayout(1)``: every rank
-            holds every token).
-        max_requests: requests that may hold pages at once.
-        max_seq_len: the most tokens of one request (prompt and decoded tokens together).
-        num_pages: pages per rank (default: enough for ``max_requests`` requests of ``max_seq_len``).
-    """
-
-    page_size: int
-    layout: DCPLayout
-    max_requests: int
-    max_seq_len: int
-    num_pages: int | None = None
-
-    def __post_init__(self) -> None:
-        check_int("page_size", self.page_size, minimum=1)
-        check_int("max_requests", self.max_requests, minimum=1)
-        check_int("max_seq_len", self.max_seq_len, minimum=1)
-        if not isinstance(self.layout, DCPLayout):
-            raise TypeError(f"layout must be a DCPLayout, got {type(self.layout).__name__}")
-        if self.num_pages is None:
-            object.__setattr__(self, "num_pages", self.max_requests * self.pages_per_request)
-        check_int("num_pages", self.num_pages, minimum=1)
-
-    def pages_for(self, seq_len: int) -> int:
-        """Pages a request of ``seq_len`` tokens holds (on every rank)."""
-        return -(-self.layout.max_local_len(seq_len) // self.page_size)
-
-    @property
-    def pages_per_request(self) -> int:
-        """Pages of a request at ``max_seq_len`` (the width of a block table)."""
-        return self.pages_for(self.max_seq_len)
-
-    @property
-    def pages_per_rank(self) -> int:
-        """Pages each rank's cache holds: ``num_pages``, its default resolved at construction."""
-        if self.num_pages is None:  # __post_init__ sets it
-            raise RuntimeError("KVCacheConfig.num_pages was not resolved at construction")
-        return int(self.num_pages)
-
-    @property
-    def rows_per_rank(self) -> int:
-        """KV rows (tokens) each rank's cache holds."""
-        return self.pages_per_rank * self.page_size
 
 
 class PagedKVBook:

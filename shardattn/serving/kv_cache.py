@@ -20,7 +20,7 @@ import torch
 from shardattn.ops.kv_fp8 import quantize_kv, write_kv
 from shardattn.parallel.comm import Comm
 from shardattn.plan.context import DCPLayout
-from shardattn.plan.kv_pages import KVCacheConfig
+from shardattn.plan.kv_cache_config import KVCacheConfig
 
 __all__ = ["RankKVCache", "plan_rank_cache", "request_positions"]
 
@@ -36,7 +36,7 @@ def plan_rank_cache(
     num_pages: int | None,
     memory_limit_bytes: int | None,
 ) -> tuple[KVCacheConfig, dict[str, Any]]:
-    """The pool's cache plan: its :class:`~shardattn.plan.kv_pages.KVCacheConfig` (DCP interleave
+    """The pool's cache plan: its :class:`~shardattn.plan.kv_cache_config.KVCacheConfig` (DCP interleave
     over ``world_size`` ranks when ``dcp``, else a replica) and what each rank builds
     (:class:`RankKVCache`'s arguments, its ``bytes``, the ``memory_limit_bytes``).
 

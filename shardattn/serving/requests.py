@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from shardattn._checks import check_choice, check_tensor
-from shardattn.plan.kv_pages import PagedKVBook, as_int64_ids, shown
+from shardattn.plan.kv_pages import PagedKVBook
+from shardattn.plan.request_ids import as_int64_ids, shown
 from shardattn.serving.pool_shapes import PoolShapes, check_q, check_topk, kv_parts
 
 __all__ = [

@@ -20,7 +20,8 @@ from shardattn.plan.decode_routing import (
     small_decode_heads,
     small_decode_tiles,
 )
-from shardattn.plan.kv_pages import KVCacheConfig, PagedKVBook
+from shardattn.plan.kv_cache_config import KVCacheConfig
+from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.plan.step_shape import StepShape
 from tests.bad_input.table import META, Call, Gives, Raises, Row
 
