@@ -2,9 +2,9 @@
 
 :class:`DecodeStep` holds what a decode step needs of its Runtime's config (group, layout,
 route, workspace) and runs one step; :meth:`shardattn.runtime.runtime.Runtime.decode` calls it.
-Its host metadata reaches the device through :class:`PinnedStaging`, one reused pinned buffer
-(pinning per step costs far more than the copy; copying from pageable memory makes the driver
-wait for the stream first).
+Its arguments are checked by :func:`~shardattn.runtime.decode_inputs.check_decode_inputs`; a
+host plan's metadata reaches the device through
+:class:`~shardattn.runtime.pinned_staging.PinnedStaging`, one reused pinned buffer.
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
-from shardattn._checks import check_bool, check_int, check_sink_logits, check_tensor
 from shardattn.ops.gqa_decode import gqa_paged_decode
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import convert_topk
@@ -28,60 +26,13 @@ from shardattn.parallel.packing import view_bytes
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.decode_batch import DecodeBatch, plan_decode_batch, shard_of
 from shardattn.plan.spec import ModelSpec
-from shardattn.runtime.args import (
-    as_index,
-    check_drafts_on_host,
-    check_gqa_cache,
-    check_paged_rows,
-    check_plan_lengths,
-    check_table_on_host,
-    reject,
-)
+from shardattn.runtime.args import reject
+from shardattn.runtime.decode_inputs import SparseCache, check_decode_inputs
 from shardattn.runtime.modes import GQA_BACKEND
+from shardattn.runtime.pinned_staging import PinnedStaging
 from shardattn.runtime.workspace import RuntimeWorkspace
 
-__all__ = ["DecodeStep", "PinnedStaging"]
-
-
-class _SparseCache(NamedTuple):
-    """A sparse-MLA decode step's checked cache and top-k: ``kv [R, row]`` rows (the Runtime's KV
-    format), ``topk_pos [T, K]`` and ``req_ids [T]`` int32."""
-
-    kv: torch.Tensor
-    topk_pos: torch.Tensor
-    req_ids: torch.Tensor
-
-
-class PinnedStaging:
-    """One pinned staging buffer (allocated on first use, grown when too small)."""
-
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None
-
-    def upload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``host`` (a CPU tensor) on ``device``: one non-blocking copy through the pinned buffer.
-
-        Args:
-            host: CPU tensor (any dtype and shape). device: destination.
-        Returns:
-            a new tensor on ``device`` (``host`` itself for a CPU device).
-        """
-        if device.type != "cuda":
-            return host if host.device == device else host.to(device)
-        n = host.numel() * host.element_size()
-        if self._buf is None or self._buf.numel() < n:
-            self._buf = torch.empty(max(n, 1 << 14), dtype=torch.uint8, pin_memory=True)
-            self._copied = torch.cuda.Event()
-        elif self._copied is not None and self._copied.query() is False:
-            self._copied.synchronize()  # the previous step's copy is still reading the buffer
-        staged = self._buf[:n].view(host.dtype).view(host.shape)
-        staged.copy_(host)
-        out = torch.empty(host.shape, dtype=host.dtype, device=device)
-        out.copy_(staged, non_blocking=True)
-        assert self._copied is not None
-        self._copied.record()
-        return out
+__all__ = ["DecodeStep"]
 
 
 @dataclass(frozen=True)
@@ -117,7 +68,7 @@ class DecodeStep:
     bypass: Callable[[torch.dtype], None] | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
-    def _kv_heads(self) -> tuple[int, int]:
+    def kv_heads(self) -> tuple[int, int]:
         """``[start, stop)`` of the GQA KV heads this rank's cache holds: all under DCP, the rank's
         under head-TP."""
         if self.dcp:
@@ -125,8 +76,9 @@ class DecodeStep:
         return head_tp_kv_heads(self.spec.num_heads, self.spec.num_kv_heads, self.comm.world_size, self.comm.rank)
 
     @functools.cached_property
-    def _kv_heads_from(self) -> str:
-        lo, hi = self._kv_heads
+    def kv_heads_from(self) -> str:
+        """Where the count of :attr:`kv_heads` comes from, for a message about the cache's heads."""
+        lo, hi = self.kv_heads
         if self.dcp:
             return f"all {hi} KV heads under DCP (the tokens are split, not the heads)"
         return f"this rank's {hi - lo} KV head(s) [{lo}, {hi}) of {self.spec.num_kv_heads} under head-TP"
@@ -245,84 +197,12 @@ class DecodeStep:
         """
         dcp = self.dcp
         try:
-            heads, dim = self.heads_per_rank, self.spec.head_dim
-            t, h, d = check_tensor("q", q, ndim=3).shape
-            if d != dim:
-                raise ValueError(f"q must have last dim {dim} (the model's head_dim), got shape {list(q.shape)}")
-            if h != heads:
-                world = self.comm.world_size
-                raise ValueError(
-                    f"q must hold this rank's {heads} heads (H/W: {self.spec.num_heads} heads over {world} ranks), "
-                    f"got {h} heads (shape {list(q.shape)})"
-                )
-            check_bool("topk_unique", topk_unique)
-            check_int("window_left", window_left, minimum=-1)
-            if window_left >= 0 and (dcp or self.spec.kind != "gqa"):
-                raise ValueError(
-                    f"window_left={window_left}: sliding windows are supported by head-TP GQA decode only "
-                    + ("(under DCP a global window is not a local one; use mode 'headtp')" if dcp else "(sparse MLA)")
-                )
-            given_seq_lens, given_cu_q_lens = seq_lens, cu_q_lens  # as passed: host lists move to q's device here
-            seq_lens = as_index("seq_lens", seq_lens, q.device)
-            block_table = as_index("block_table", block_table)
-            topk_pos, topk_length = as_index("topk_pos", topk_pos), as_index("topk_length", topk_length)
-            req_ids, cu_q_lens = as_index("req_ids", req_ids, q.device), as_index("cu_q_lens", cu_q_lens, q.device)
-            k = int(topk_pos.shape[1]) if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 else self.ws.topk
-            self.ws.check("decode", "dcp" if dcp else "headtp", tokens=t, topk=k)
-            if sinks is not None and not dcp:  # every head's, before head-TP takes the rank's (DCP checks them)
-                check_sink_logits(sinks, self.spec.num_heads, device=q.device)
-            cache: _SparseCache | tuple[torch.Tensor, torch.Tensor]
-            if self.spec.kind == "sparse_mla":
-                gqa_only = {"q_len_per_req": q_len_per_req, "cu_q_lens": cu_q_lens, "max_q_len": max_q_len}
-                for name, x in {**gqa_only, "batch": batch, "meta": meta}.items():
-                    if x is not None:
-                        raise ValueError(f"{name} is GQA decode's; a sparse-MLA step reads topk_pos: pass None")
-                if topk_pos is None or req_ids is None:
-                    raise ValueError("sparse-MLA decode needs topk_pos [T, K] and req_ids [T]")
-                if isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2 and topk_pos.shape[0] != t:  # q's T
-                    raise ValueError(f"topk_pos must have one row per query ({t}), got shape {list(topk_pos.shape)}")
-                if not isinstance(kv_cache, torch.Tensor):
-                    raise TypeError("kv_cache of a sparse-MLA model must be one [R, D] tensor")
-                if kv_cache.dim() == 3:  # paged rows: the block table's pages are the model's
-                    check_paged_rows("kv_cache", kv_cache, self.spec.page_size)
-                if self.kv_rows is not None:  # the Runtime's KV format (rows in q's dtype, or fp8_ds_mla)
-                    kv_cache = self.kv_rows("kv_cache", kv_cache)
-                if kv_cache.dtype != torch.uint8:  # rows in q's dtype, named as the caller passed them
-                    check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
-                if not dcp:  # positions past the table would read no key (the DCP step checks its shard's)
-                    check_table_on_host(
-                        block_table,
-                        seq_lens,
-                        page_size=self.spec.page_size,
-                        kv_rows=kv_cache.shape[0] * (kv_cache.shape[1] if kv_cache.dim() == 3 else 1),
-                    )
-                cache = _SparseCache(kv_cache, topk_pos, req_ids)
-            else:
-                for name, x in (("topk_pos", topk_pos), ("req_ids", req_ids), ("topk_length", topk_length)):
-                    if x is not None:
-                        raise ValueError(f"{name} is sparse MLA's; a GQA decode attends every earlier token: pass None")
-                cache = check_gqa_cache(
-                    kv_cache, page_size=self.spec.page_size, kv_heads=self._kv_heads[1] - self._kv_heads[0],
-                    head_dim=dim, dtype=q.dtype, device=q.device, kv_heads_from=lambda: self._kv_heads_from,
-                )  # fmt: skip
-                if not dcp and (batch is not None or meta is not None):
-                    raise ValueError(
-                        f"{'batch' if batch is not None else 'meta'} is a DCP decode's plan; a head-TP step plans "
-                        "nothing: pass None"
-                    )
-                if batch is not None and meta is not None:
-                    raise ValueError("pass batch (a host plan) or meta (its metadata on the device), not both")
-                if dcp and batch is not None and check:  # its lengths replace those passed beside it
-                    check_plan_lengths(batch, given_seq_lens, given_cu_q_lens, q_len_per_req=q_len_per_req)
-                if max_q_len is not None:  # a promise about the drafts, in every mode (DCP reads no bound)
-                    check_int("max_q_len", max_q_len, minimum=0)
-                planned = dcp and (batch is not None or meta is not None)  # a DCP plan's metadata replaces the drafts
-                if not planned and isinstance(block_table, torch.Tensor) and block_table.dim() == 2:
-                    # the drafts against the values as passed (on a device the op reads none)
-                    check_drafts_on_host(
-                        given_seq_lens, given_cu_q_lens, q_len_per_req=q_len_per_req,
-                        max_q_len=max_q_len, tokens=t, requests=block_table.shape[0],
-                    )  # fmt: skip
+            seq_lens, block_table, topk_length, cu_q_lens, cache = check_decode_inputs(
+                self, q, kv_cache, block_table, seq_lens, topk_pos=topk_pos, req_ids=req_ids,
+                topk_length=topk_length, topk_unique=topk_unique, q_len_per_req=q_len_per_req,
+                cu_q_lens=cu_q_lens, max_q_len=max_q_len, window_left=window_left, sinks=sinks,
+                batch=batch, meta=meta, check=check,
+            )  # fmt: skip
         except (TypeError, ValueError) as e:
             reject(self.comm, e, collective=dcp, check=check)
         # the buffers are sized for the spec's dtype; other dtypes (fp32 on a CPU) allocate per step
@@ -333,7 +213,7 @@ class DecodeStep:
             if self.bypass is not None:
                 self.bypass(q.dtype)
         page = self.spec.page_size
-        if isinstance(cache, _SparseCache):
+        if isinstance(cache, SparseCache):
             if dcp:
                 return dcp_sparse_mla_decode(
                     q,
