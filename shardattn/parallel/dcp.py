@@ -235,6 +235,10 @@ def dcp_sparse_mla_decode(
         check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
         b = block_table.shape[0]
         bs = check_int("block_size", block_size, minimum=1, maximum=INT32_MAX)  # the converted rows are int32
+        if kv_cache.dim() == 3 and kv_cache.shape[1] != bs:  # rows are read as block * block_size + offset
+            raise ValueError(
+                f"kv_cache's pages hold {kv_cache.shape[1]} rows, but block_size is {bs}: they must be one"
+            )
         if seq_lens is not None:
             check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(b,))
         if topk_length is not None:

@@ -28,6 +28,13 @@ MLA_SPEC = P.ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32", soft
 GQA_SPEC = P.ModelSpec("gqa", 8, 2, 16, 16, 0, 4, dtype="float32")
 
 
+def _fp8_rows(n: int) -> torch.Tensor:
+    """``n`` ``fp8_ds_mla`` rows (uint8 ``[n, 656]``)."""
+    from shardattn.ops.kv_fp8 import quantize_kv
+
+    return quantize_kv(torch.randn(n, 576, generator=_gen(5)))
+
+
 def _shardq(**over: Any) -> Callable[[Any], Call]:
     def build(group: Any) -> Call:
         from shardattn.parallel import Comm, shardq_prefill
@@ -239,6 +246,21 @@ def parallel_rows() -> list[Row]:
             "dcp_sparse_mla_decode-table-past-cache",
             _dcp_mla(kv_cache=lambda a: a["kv_cache"][:8]),
             Raises(ValueError, r"^block_table points past kv_cache"),
+        ),
+        (
+            # pages of 8 rows where the block table's blocks hold 4: read as blocks, they are other rows
+            "dcp_sparse_mla_decode-pages-of-another-size",
+            _dcp_mla(kv_cache=lambda a: a["kv_cache"].view(2, 8, 48)),
+            Raises(ValueError, r"^kv_cache's pages hold 8 rows, but block_size is 4"),
+        ),
+        (
+            "dcp_sparse_mla_decode-fp8-pages-of-another-size",
+            _dcp_mla(
+                q_heads_local=torch.randn(2, 2, 576, generator=_gen(4)),
+                kv_cache=lambda a: _fp8_rows(16).view(2, 8, 656),
+                v_dim=512,
+            ),
+            Raises(ValueError, r"^kv_cache's pages hold 8 rows, but block_size is 4"),
         ),
         (
             "dcp_sparse_mla_decode-req-ids-on-meta",
