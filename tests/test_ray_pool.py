@@ -76,6 +76,11 @@ def test_bad_pool_configs_raise_before_any_actor_starts() -> None:
             {"spec": GQA, "mode": "dcp-decode", "runtime_kwargs": {**small, "kv_dtype": "fp8_ds_mla"}},
             r"kv_dtype'\]='fp8_ds_mla' holds DSA sparse-MLA rows",
         ),
+        # a pool's queries and resident rows are the spec's dtype: every step was refused on the ranks
+        (
+            {"spec": MLA, "runtime_kwargs": {**small, "kv_dtype": "bf16"}},
+            r"^runtime_kwargs\['kv_dtype'\]='bfloat16': a pool's KV rows are its spec's float32 \(or fp8_ds_mla\)",
+        ),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):

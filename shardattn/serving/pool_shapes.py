@@ -114,6 +114,11 @@ def pool_shapes(spec: ModelSpec, mode: str, runtime_kwargs: dict[str, Any]) -> P
                     f"{spec.kind} model of head_dim {spec.head_dim} / v_dim {spec.v_dim}"
                 )
             cache_rows = (((FP8_DS_MLA_ROW_BYTES,), torch.uint8),)
+        elif fmt != spec.dtype:  # the pool's queries and resident rows are the spec's dtype
+            raise ValueError(
+                f"{kw}['kv_dtype']={fmt!r}: a pool's KV rows are its spec's {spec.dtype} (or {KV_FP8_DS_MLA}), "
+                f"as are its queries; build the spec with dtype={fmt!r} instead"
+            )
     return PoolShapes(
         kind=spec.kind,
         heads=spec.num_heads,
