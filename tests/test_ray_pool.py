@@ -636,7 +636,7 @@ def test_bad_requests_raise_before_any_rank_runs(pool2, monkeypatch) -> None:
     assert pool2.book.free_pages == free_before and list(pool2.book.request_ids) == ["x"]
     # a step that fails on the driver after its checks, before any rank runs (say, its inputs overlap
     # the shared-memory rows they are copied to): the ledger is as before, no token was added
-    import shardattn.serving.steps as steps_mod
+    import shardattn.serving.decode_steps as steps_mod
 
     def fails_on_the_driver(*args, **kwargs):
         raise RuntimeError("unsupported operation: some elements of the input tensor overlap")

@@ -1,7 +1,10 @@
 """A servable Ray actor pool (Ray is optional: importing this package does not import it).
 
 * :mod:`~shardattn.serving.pool`       :class:`RayRankPool`: placement, group, building, restart, shutdown.
-* :mod:`~shardattn.serving.steps`      its request API: prefill, decode (requests), decode_batch (tensors).
+* :mod:`~shardattn.serving.steps`      its request API: prefill, decode (requests), decode_batch (tensors),
+  put together from :mod:`~shardattn.serving.prefill_steps`, :mod:`~shardattn.serving.decode_steps` and
+  :mod:`~shardattn.serving.staging_rows` (where a decode step's inputs may be written), over the state
+  of :mod:`~shardattn.serving.pool_state`.
 * :mod:`~shardattn.serving.rank_calls` its calls to the ranks: timeouts, faults (a broken pool), health, run.
 * :mod:`~shardattn.serving.actor`      one rank: its Runtime, its KV-cache shard, its decode step.
 * :mod:`~shardattn.serving.actor_prefill` a rank's prefill steps (PCP, head-TP GQA, ShardQ / head-TP sparse MLA).
