@@ -154,6 +154,24 @@ def test_a_paged_cache_of_one_row_a_page_reads_as_rows() -> None:
     assert fmt == "fp8_ds_mla" and rows.shape == (3, 656) and rows.stride() == (656, 1)
 
 
+def test_one_row_reads_whatever_its_row_stride() -> None:
+    """A row's stride says nothing when there is one row: an expanded row (stride 0) was refused
+    as overlapping rows, although two rows cannot overlap."""
+    row = quantize_kv(torch.randn(1, 576, generator=torch.Generator().manual_seed(3)))
+    assert torch.equal(dequantize_kv(row.as_strided((1, 656), (0, 1))), dequantize_kv(row))
+    with pytest.raises(ValueError, match=r"contiguous, non-overlapping fp8_ds_mla rows"):
+        dequantize_kv(row[0].expand(2, 656))
+
+
+def test_the_fp8_view_hint_is_given_only_where_the_width_is_right() -> None:
+    """Passing ``.view(torch.uint8)`` helps a float8 view of the rows, not a tensor of the wrong
+    width (it was suggested for both)."""
+    with pytest.raises(ValueError, match=r"pass \.view\(torch\.uint8\)"):
+        dequantize_kv(torch.zeros(2, 656, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match=r"got float8_e4m3fn \[2, 576\]$"):
+        dequantize_kv(torch.zeros(2, 576, dtype=torch.float8_e4m3fn))
+
+
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**20), dtype_name=st.sampled_from(sorted(DTYPES)))
 def test_round_trip_error_bound(seed: int, dtype_name: str) -> None:

@@ -74,9 +74,10 @@ def check_fp8_kv(name: str, kv: object, layout: KVRowLayout = FP8_DS_MLA) -> tor
     want = f"uint8 [rows, {layout.row_bytes}] or [pages, page_size, {layout.row_bytes}] ({layout.name} rows)"
     got = f"{str(kv.dtype).replace('torch.', '')} {list(kv.shape)}"
     if kv.dtype != torch.uint8 or kv.dim() not in (2, 3) or kv.shape[-1] != layout.row_bytes:
-        hint = " (an fp8-typed view: pass .view(torch.uint8))" if kv.dtype == torch.float8_e4m3fn else ""
+        fp8_view = kv.dtype == torch.float8_e4m3fn and kv.dim() in (2, 3) and kv.shape[-1] == layout.row_bytes
+        hint = " (an fp8-typed view: pass .view(torch.uint8))" if fp8_view else ""
         raise ValueError(f"{name} must be {want}, got {got}{hint}")
-    if kv.stride(-1) != 1 or kv.stride(-2) < layout.row_bytes:
+    if kv.stride(-1) != 1 or (kv.shape[-2] > 1 and kv.stride(-2) < layout.row_bytes):
         raise ValueError(f"{name} must have contiguous, non-overlapping {layout.name} rows, got strides {kv.stride()}")
     if kv.dim() == 3 and _overlaps(kv):  # pages sharing rows (an expand, a page stride below the page)
         raise ValueError(f"{name} must have non-overlapping pages, got shape {list(kv.shape)} strides {kv.stride()}")
