@@ -242,6 +242,37 @@ def check_disjoint(**tensors: torch.Tensor | None) -> None:
             raise ValueError(f"{name_a} and {name_b} share memory: a kernel's writes to one would overwrite the other")
 
 
+def check_not_inputs(written: dict[str, torch.Tensor | None], read: dict[str, torch.Tensor | None]) -> None:
+    """The buffers a kernel writes (``written``: a caller's ``out``, ``lse_out``, ``workspace``) share
+    no memory with the inputs it reads (``read``): its programs read inputs after other programs
+    wrote their results, so a destination over an input corrupts the result with no error.
+    Host-side (pointers and strides, no GPU sync); ``None``, empty and meta tensors are skipped.
+
+    Example:
+        >>> q = torch.zeros(4, 2)
+        >>> check_not_inputs({"out": torch.zeros(4, 2)}, {"q": q})
+        >>> check_not_inputs({"out": q[2:]}, {"q": q})
+        Traceback (most recent call last):
+        ...
+        ValueError: out shares memory with q: the kernel reads q after writing out
+    """
+
+    def spans(tensors: dict[str, torch.Tensor | None]) -> list[tuple[str, tuple[int, int]]]:
+        return [
+            (name, _byte_span(t))
+            for name, t in tensors.items()
+            if t is not None and t.numel() > 0 and t.device.type != "meta"
+        ]
+
+    inputs = spans(read)
+    for name_w, (lo_w, hi_w) in spans(written):
+        for name_r, (lo_r, hi_r) in inputs:
+            if lo_w < hi_r and lo_r < hi_w:
+                raise ValueError(
+                    f"{name_w} shares memory with {name_r}: the kernel reads {name_r} after writing {name_w}"
+                )
+
+
 def check_block_table_holds(
     block_table: torch.Tensor,
     block_size: int,

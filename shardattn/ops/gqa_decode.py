@@ -44,6 +44,7 @@ from shardattn._checks import (
     check_disjoint,
     check_int,
     check_max_q_len,
+    check_not_inputs,
     check_pages_in_use,
     check_queries_fit,
     check_same_device,
@@ -206,6 +207,8 @@ def gqa_paged_decode(
         out, lse_out, workspace: optional destinations ``[total_q, Hq, D]`` (q's dtype),
             ``[total_q, Hq]`` fp32, and a flat fp32 split buffer
             (:func:`gqa_decode_workspace_numel`); with them the Triton path allocates nothing.
+            They share no memory with each other nor with an input (``q`` included: the
+            kernel's programs read inputs after others wrote their results).
     Returns:
         ``out [total_q, Hq, D]`` in q's dtype, and ``lse [total_q, Hq]`` fp32 when ``return_lse``.
 
@@ -231,6 +234,11 @@ def gqa_paged_decode(
     if workspace is not None:
         check_split_workspace(workspace, q.device)
     check_disjoint(out=out, lse_out=lse_out, workspace=workspace)
+    check_not_inputs(
+        {"out": out, "lse_out": lse_out, "workspace": workspace},
+        {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table, "seq_lens": seq_lens,
+         "cu_q_lens": cu_q_lens, "sinks": sinks},
+    )  # fmt: skip
     return run_gqa_paged_decode(
         q,
         k_cache,

@@ -450,6 +450,19 @@ def _gqa_rows() -> list[Row]:
             _gqa(out=_SHARED[:128].view(2, 4, 16), workspace=_SHARED[64:]),
             Raises(ValueError, r"^out and workspace share memory"),
         ),
+        # a destination over an input: the Triton kernel zeroes out before reading q (ragged drafts),
+        # and its programs read pages other programs' outputs were written over
+        Row(f"{n}-out-is-q", _gqa(out=lambda x: x["q"]), Raises(ValueError, r"^out shares memory with q")),
+        Row(
+            f"{n}-out-over-k-cache",
+            _gqa(out=lambda x: x["k"].view(-1)[: 2 * 4 * 16].view(2, 4, 16)),
+            Raises(ValueError, r"^out shares memory with k_cache"),
+        ),
+        Row(
+            f"{n}-lse-out-over-v-cache",
+            _gqa(lse_out=lambda x: x["v"].view(-1)[:8].view(2, 4)),
+            Raises(ValueError, r"^lse_out shares memory with v_cache"),
+        ),
         Row(f"{n}-q-len-0", _gqa(q_len_per_req=0), Raises(ValueError, r"^q_len_per_req must be >= 1")),
         Row(f"{n}-q-rows-vs-batch", _gqa(q_len_per_req=2), Raises(ValueError, r"^q must have batch \* q_len_per_req")),
         Row(f"{n}-backend", _gqa(backend="cuda"), Raises(ValueError, r"^backend must be one of")),
