@@ -24,7 +24,7 @@ import torch
 from shardattn._checks import check_int, check_sink_logits, check_tensor
 from shardattn.kernels import fa4
 from shardattn.ops.gqa_prefill import segment_kernel
-from shardattn.ops.gqa_prefill_kernels import SegmentKernel
+from shardattn.ops.gqa_prefill_kernels import SegmentKernel, TorchSegmentKernel
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.plan.cost_route import cost_route
 from shardattn.plan.decode_routing import route_decode
@@ -139,6 +139,14 @@ class RuntimePlanning(RuntimeState):
         passes (:func:`~shardattn.kernels.fa4.fast_launch_support`, named in the route's reason)."""
         route = self.gqa_prefill_route
         return segment_kernel(route, private=fa4.fast_launch_support()[0] if route.path == "fa4" else None)
+
+    def gqa_kernel_for(self, dtype: torch.dtype) -> SegmentKernel:
+        """The kernel of a GQA prefill call whose queries are ``dtype``: :attr:`gqa_kernel`, or the
+        torch reference where that is FA4 and FA4 does not run ``dtype`` (fp32: a step in another
+        dtype than the spec's, as :func:`~shardattn.ops.gqa_prefill.gqa_prefill` routes it)."""
+        if self.gqa_prefill_route.path == "fa4" and dtype not in fa4.FA4_DTYPES:
+            return TorchSegmentKernel()
+        return self.gqa_kernel
 
     def _plan_gqa(self, step: str, lens: list[int], prefix: list[int] | None, tokens: int) -> PrefillPlan:
         shard = pcp_plan(lens, self.world_size, prefix_lens=prefix) if step == "pcp" else None

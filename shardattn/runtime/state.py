@@ -58,6 +58,7 @@ class RuntimeState:
     _warned_dtype: bool
     _route: Callable[..., Route]
     _prefill_inputs: Callable[..., tuple[PrefillPlan, RowInputs | PCPInputs | GQAInputs]]
+    gqa_kernel_for: Callable[[torch.dtype], SegmentKernel]
 
     if TYPE_CHECKING:  # read-only: the Runtime's properties, and the parts' own (cached)
 

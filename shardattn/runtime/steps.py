@@ -144,7 +144,7 @@ class RuntimeSteps(RuntimeState):
         options = self.prefill_options
         if isinstance(given, GQAInputs):
             return run_gqa_prefill_step(
-                plan.shard, plan.gqa, q, given, comm=self.comm, kernel=self.gqa_kernel, scale=self.scale,
+                plan.shard, plan.gqa, q, given, comm=self.comm, kernel=self.gqa_kernel_for(q.dtype), scale=self.scale,
                 sinks=sinks, local_sinks=None if sinks is None else self._local_heads(sinks),
                 window_left=window_left, return_lse=options.return_lse, check=check,
             )  # fmt: skip
