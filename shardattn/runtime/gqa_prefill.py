@@ -166,7 +166,8 @@ def check_gqa_prefill_inputs(
             heads_from = f"this rank's {heads} heads (H/W: {spec.num_heads} heads over {w} ranks)"
         check_queries(q, tokens=tokens, heads=heads, head_dim=d, tokens_from=tokens_from, heads_from=heads_from)
     dtype, device = q.dtype, q.device
-    if sinks is not None and not _is(sinks, (spec.num_heads,), torch.float32, device):
+    # the fast accept only on a device, where the values are not read (on the CPU they are checked finite)
+    if sinks is not None and not (_is(sinks, (spec.num_heads,), torch.float32, device) and device.type != "cpu"):
         check_sink_logits(sinks, spec.num_heads, device=device)
     k_new = v_new = None
     if kv_new is not None:

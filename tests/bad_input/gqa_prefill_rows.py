@@ -9,7 +9,7 @@ import torch
 
 from shardattn import plan as P
 from shardattn.ops import gqa_prefill as op_mod
-from tests.bad_input.table import META, NAN, Call, Gives, Raises, Row, _gen, override, same_as
+from tests.bad_input.table import INF, META, NAN, Call, Gives, Raises, Row, _gen, override, same_as
 
 
 def prefill_inputs() -> dict[str, Any]:
@@ -349,6 +349,16 @@ def runtime_rows() -> list[Row]:
             f"{n}-sinks-fp16",
             _runtime(sinks=lambda x: torch.zeros(4, dtype=torch.float16)),
             Raises(TypeError, r"^sinks must have dtype in \(float32\), got float16"),
+        ),
+        (  # of the expected shape: head-TP ran it (NaN outputs), PCP refused it
+            f"{n}-sinks-nan",
+            _runtime(sinks=lambda x: torch.tensor([0.0, NAN, 0.0, 0.0])),
+            Raises(ValueError, r"^sinks must be finite, got sinks\[1\]=nan"),
+        ),
+        (
+            f"{n}-sinks-inf",
+            _runtime(sinks=lambda x: torch.tensor([INF, 0.0, 0.0, 0.0])),
+            Raises(ValueError, r"^sinks must be finite, got sinks\[0\]=inf"),
         ),
         (
             f"{n}-prefix-without-cache",
