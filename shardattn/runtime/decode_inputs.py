@@ -129,10 +129,15 @@ def check_decode_inputs(
             raise TypeError("kv_cache of a sparse-MLA model must be one [R, D] tensor")
         if kv_cache.dim() == 3:  # paged rows: the block table's pages are the model's
             check_paged_rows("kv_cache", kv_cache, step.spec.page_size)
+        passed = kv_cache
         if step.kv_rows is not None:  # the Runtime's KV format (rows in q's dtype, or fp8_ds_mla)
             kv_cache = step.kv_rows("kv_cache", kv_cache)
         if kv_cache.dtype != torch.uint8:  # rows in q's dtype, named as the caller passed them
             check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
+            if kv_cache.shape[1] != dim:  # q has the model's width: the cache is the odd one
+                raise ValueError(
+                    f"kv_cache must have last dim {dim} (the model's head_dim), got shape {list(passed.shape)}"
+                )
         if not dcp:  # positions past the table would read no key (the DCP step checks its shard's)
             check_table_on_host(
                 block_table,

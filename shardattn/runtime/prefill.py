@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shardattn._checks import check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_tensor
 from shardattn.ops.kv_fp8 import resolve_kv
 from shardattn.ops.prepared_union import PreparedUnion
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
@@ -180,6 +180,11 @@ def check_prefill_inputs(
             tokens_from=f"rank {rank}'s share of the PCP plan (plan.tokens_of({rank})) is",
             heads_from=f"every one of the model's {spec.num_heads} heads under PCP",
         )  # fmt: skip
+        if kv_format is None and isinstance(kv_new, torch.Tensor) and kv_new.dtype in FLOAT_DTYPES:
+            if kv_new.dim() == 2 and kv_new.shape[1] != spec.head_dim:  # q has the model's width
+                raise ValueError(
+                    f"kv_new must have last dim {spec.head_dim} (the model's head_dim), got shape {list(kv_new.shape)}"
+                )
         if kv_cache is not None:
             kv_cache = _kv_rows(kv_cache, spec, q, kv_format=kv_format, paged=True)
         if kv_format is not None:  # the step checks the rest (its rows, q's dtype)

@@ -11,7 +11,7 @@ import torch
 
 from shardattn import plan as P
 from tests.bad_input.parallel_rows import GQA_SPEC, MLA_SPEC, _runtime_step
-from tests.bad_input.table import Call, Raises, Row
+from tests.bad_input.table import Call, Raises, Row, override
 
 
 def _plan_of(spec: P.ModelSpec, mode: str) -> Any:
@@ -25,6 +25,30 @@ def _plan_of(spec: P.ModelSpec, mode: str) -> Any:
         call = _runtime_step("prefill", MLA_SPEC, "shardq", plan=plan)(group)
         call.kwargs.pop("query_lens", None)
         return call
+
+    return build
+
+
+def _pcp_prefill(prefix_lens: list[int], **over: Any) -> Any:
+    """``Runtime.prefill`` in mode ``pcp`` (2 requests of 2 and 3 new tokens after ``prefix_lens``
+    cached ones) on small valid inputs, with ``over`` replacing some."""
+
+    def build(group: Any) -> Call:
+        from shardattn.runtime.runtime import Runtime
+
+        rt = Runtime(MLA_SPEC, group, max_batched_tokens=64, mode="pcp", warmup=False)
+        rt.comm.reset_counts()
+        plan = rt.plan_prefill([2, 3], prefix_lens=prefix_lens)
+        g = torch.Generator().manual_seed(3)
+        args = {"q": torch.randn(5, 8, 48, generator=g), "kv_cache": torch.randn(64, 48, generator=g)}
+        kw: dict[str, Any] = {
+            "topk_pos": torch.randint(0, 6, (5, 16), generator=g, dtype=torch.int32),
+            "kv_new": torch.randn(5, 48, generator=g),
+            "block_table": torch.tensor([[0], [1]], dtype=torch.int32),
+            "plan": plan,
+        }
+        override(args, kw, over, args)
+        return Call(rt.prefill, tuple(args.values()), kw, rt.comm)
 
     return build
 
@@ -63,6 +87,15 @@ def runtime_bound_rows() -> list[Row]:
         ("Runtime.decode-mla-headtp-topk-pos-past-q",
          _runtime_step("decode", MLA_SPEC, "headtp", topk_pos=torch.zeros(3, 4, dtype=torch.int32)),
          Raises(ValueError, r"^topk_pos must have one row per query \(2\), got shape \[3, 4\]")),
+        # a KV cache (or PCP's new rows) of another width than the model's blamed q, or an inner name
+        *(
+            (f"Runtime.decode-mla-{mode}-kv-cache-wrong-width",
+             _runtime_step("decode", MLA_SPEC, mode, kv_cache=torch.zeros(64, 40)),
+             Raises(ValueError, r"^kv_cache must have last dim 48 \(the model's head_dim\), got shape \[64, 40\]"))
+            for mode in ("headtp", "mixed")
+        ),
+        ("Runtime.prefill-pcp-kv-new-wrong-width", _pcp_prefill([0, 0], kv_new=torch.zeros(5, 40)),
+         Raises(ValueError, r"^kv_new must have last dim 48 \(the model's head_dim\), got shape \[5, 40\]")),
         # a request longer than its table: its top-k positions past the table were dropped (DCP raised)
         ("Runtime.decode-mla-headtp-seq-lens-past-table",
          _runtime_step("decode", MLA_SPEC, "headtp", seq_lens=torch.tensor([10, 49], dtype=torch.int32)),
