@@ -185,6 +185,18 @@ def check_prefill_inputs(
                 raise ValueError(
                     f"kv_new must have last dim {spec.head_dim} (the model's head_dim), got shape {list(kv_new.shape)}"
                 )
+        if (kv_cache is None) != (block_table is None):
+            only = "kv_cache" if block_table is None else "block_table"
+            raise ValueError(
+                "kv_cache and block_table go together in a PCP prefill (the paged cache of the cached prefixes "
+                f"and its pages): give both or neither, got only {only}"
+            )
+        prefix = plan.shard.shard.prefix_lens
+        if kv_cache is None and bool((prefix > 0).any()):
+            raise ValueError(
+                f"the plan has cached prefixes (prefix_lens={prefix.tolist()}): pass kv_cache and block_table "
+                "holding them"
+            )
         if kv_cache is not None:
             kv_cache = _kv_rows(kv_cache, spec, q, kv_format=kv_format, paged=True)
         if kv_format is not None:  # the step checks the rest (its rows, q's dtype)

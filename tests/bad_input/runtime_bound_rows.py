@@ -96,6 +96,13 @@ def runtime_bound_rows() -> list[Row]:
         ),
         ("Runtime.prefill-pcp-kv-new-wrong-width", _pcp_prefill([0, 0], kv_new=torch.zeros(5, 40)),
          Raises(ValueError, r"^kv_new must have last dim 48 \(the model's head_dim\), got shape \[5, 40\]")),
+        # PCP's cache arguments named as Runtime.prefill takes them (it has no block_size)
+        ("Runtime.prefill-pcp-kv-cache-without-block-table", _pcp_prefill([4, 1], block_table=None),
+         Raises(ValueError, r"^kv_cache and block_table go together")),
+        ("Runtime.prefill-pcp-block-table-without-kv-cache", _pcp_prefill([4, 1], kv_cache=None),
+         Raises(ValueError, r"^kv_cache and block_table go together")),
+        ("Runtime.prefill-pcp-prefix-without-cache", _pcp_prefill([4, 1], kv_cache=None, block_table=None),
+         Raises(ValueError, r"^the plan has cached prefixes \(prefix_lens=\[4, 1\]\): pass kv_cache and block_table ")),
         # a request longer than its table: its top-k positions past the table were dropped (DCP raised)
         ("Runtime.decode-mla-headtp-seq-lens-past-table",
          _runtime_step("decode", MLA_SPEC, "headtp", seq_lens=torch.tensor([10, 49], dtype=torch.int32)),
