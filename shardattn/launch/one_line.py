@@ -9,8 +9,9 @@ exit could kill rank 0 before it did, leaving the user torchrun's summary alone.
 So the first rank to reach the verdict prints it, once: the ranks count themselves in through the
 job's own key-value store (torchrun's agent hosts one, ``TORCHELASTIC_USE_AGENT_STORE=True``),
 and the others wait until the printer says it has flushed the line before they exit with the same
-status. The printer also writes torchrun's error file (``TORCHELASTIC_ERROR_FILE``), so the
-summary torchrun prints at the end names the error too, with the rank's exit status.
+status. Every rank also writes its torchrun error file (``TORCHELASTIC_ERROR_FILE``, read only by
+torchrun's summary), so the summary torchrun prints at the end names the error too, with the exit
+status of whichever rank it reports as the first failure.
 
 Outside torchrun (one process, or ranks started by hand with torchrun's variables), nothing kills
 a rank whose peer exits, and rank 0 prints alone.
@@ -77,10 +78,11 @@ def report_once(message: str, status: int, *, environ: Mapping[str, str] | None 
         first = store.add(key, 1) == 1
     except Exception:  # no store after all: say it here
         _print(message)
+        _write_error_file(message, env)
         return status
+    _write_error_file(message, env)  # every rank's: torchrun's summary names the first to exit, any of them
     if first:
         _print(message)
-        _write_error_file(message, env)
         store.set(f"{key}/printed", "1")
     else:
         try:

@@ -1,0 +1,39 @@
+"""``launch.one_line.report_once``: one line on the terminal from the whole job, and torchrun's
+error file written by every rank that exits with it (torchrun's summary names whichever rank
+failed first, which need not be the one that printed)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+from torch.distributed import TCPStore
+
+from shardattn.launch.one_line import report_once
+from shardattn.testing.pool import free_port
+
+MESSAGE = "shardattn.launch: error: --tokens must be >= 1, got -5"
+
+
+def _env(rank: int, port: int, error_file: str) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_ERROR_FILE": error_file,
+    }
+
+
+def test_every_rank_writes_its_error_file_and_one_prints(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10))
+    files = [tmp_path / f"error-{rank}.json" for rank in range(2)]
+    for rank in (1, 0):  # rank 1 reaches the verdict first and prints; rank 0 waits for it
+        assert report_once(MESSAGE, 2, environ=_env(rank, port, str(files[rank])), wait_s=5.0) == 2
+    assert capsys.readouterr().err.count(MESSAGE) == 1
+    for path in files:
+        assert json.loads(path.read_text())["message"]["message"] == MESSAGE, path
+    del store
