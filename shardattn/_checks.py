@@ -243,10 +243,12 @@ def check_disjoint(**tensors: torch.Tensor | None) -> None:
 
 
 def check_not_inputs(written: dict[str, torch.Tensor | None], read: dict[str, torch.Tensor | None]) -> None:
-    """The buffers a kernel writes (``written``: a caller's ``out``, ``lse_out``, ``workspace``) share
-    no memory with the inputs it reads (``read``): its programs read inputs after other programs
-    wrote their results, so a destination over an input corrupts the result with no error.
-    Host-side (pointers and strides, no GPU sync); ``None``, empty and meta tensors are skipped.
+    """The buffers a kernel writes (``written``: a caller's ``out``, ``lse_out``, ``workspace``, a
+    union or rows buffer) share no memory with the inputs it reads (``read``): its programs read
+    inputs after other programs wrote their results, so a destination over an input corrupts the
+    result with no error. Host-side (pointers and strides, no GPU sync; nothing is looked at when
+    no destination is given); ``None`` and other non-tensors (checked elsewhere), empty and meta
+    tensors are skipped, and tensors on different devices never overlap.
 
     Example:
         >>> q = torch.zeros(4, 2)
@@ -257,17 +259,20 @@ def check_not_inputs(written: dict[str, torch.Tensor | None], read: dict[str, to
         ValueError: out shares memory with q: the kernel reads q after writing out
     """
 
-    def spans(tensors: dict[str, torch.Tensor | None]) -> list[tuple[str, tuple[int, int]]]:
+    def spans(tensors: dict[str, torch.Tensor | None]) -> list[tuple[str, torch.device, tuple[int, int]]]:
         return [
-            (name, _byte_span(t))
+            (name, t.device, _byte_span(t))
             for name, t in tensors.items()
-            if t is not None and t.numel() > 0 and t.device.type != "meta"
+            if isinstance(t, torch.Tensor) and t.numel() > 0 and t.device.type != "meta"
         ]
 
+    outputs = spans(written)
+    if not outputs:  # the common call: no destination given
+        return
     inputs = spans(read)
-    for name_w, (lo_w, hi_w) in spans(written):
-        for name_r, (lo_r, hi_r) in inputs:
-            if lo_w < hi_r and lo_r < hi_w:
+    for name_w, dev_w, (lo_w, hi_w) in outputs:
+        for name_r, dev_r, (lo_r, hi_r) in inputs:
+            if dev_w == dev_r and lo_w < hi_r and lo_r < hi_w:
                 raise ValueError(
                     f"{name_w} shares memory with {name_r}: the kernel reads {name_r} after writing {name_w}"
                 )
