@@ -2,8 +2,9 @@
 
 Each row of ``ROWS`` names an entry point and a bad argument, and states what it must get (the
 rows live in ``tests/bad_input/``: the harness in ``table.py``, the rows by layer in
-``kernel_rows.py``, ``plan_rows.py`` (the planner's lengths in ``plan_length_rows.py``, its page
-ledger, cost model, decode routing and arena in ``plan_state_rows.py``) and
+``kernel_rows.py`` (destinations laid over inputs in ``alias_rows.py``), ``plan_rows.py`` (the
+planner's lengths in ``plan_length_rows.py``, its page ledger, cost model, decode routing and
+arena in ``plan_state_rows.py``) and
 ``parallel_rows.py`` (the Runtime's arguments bound to a kind, mode or Runtime in
 ``runtime_bound_rows.py``), GQA prefill's in ``gqa_prefill_rows.py``):
 
@@ -37,6 +38,7 @@ from shardattn import plan as P
 from shardattn.launch.cli import LaunchError, parse_options
 from shardattn.ops import lse_merge as merge_mod
 from shardattn.ops import sparse_mla as mla_mod
+from tests.bad_input.alias_rows import alias_rows
 from tests.bad_input.gqa_prefill_rows import gqa_prefill_rows
 from tests.bad_input.kernel_rows import kernel_rows
 from tests.bad_input.parallel_rows import parallel_rows
@@ -61,6 +63,7 @@ from tests.bad_input.table import (
 #: The table: rows live in tests/bad_input/ by layer (kernels, planner, parallel steps and Runtime).
 ROWS: list[Row] = [
     *kernel_rows(),
+    *alias_rows(),
     *plan_rows(),
     *plan_length_rows(),
     *plan_state_rows(),

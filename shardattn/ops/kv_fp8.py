@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_disjoint, check_not_inputs, check_same_device, check_tensor
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.triton.kv_fp8 import BF16_MAX, TOP_SCALE_EXP, TOP_SCALE_SAT, launch_write_fp8_rows
 from shardattn.ops.kv_fp8_layout import (
@@ -109,6 +109,12 @@ def _split_rows(name: str, rows: object, layout: KVRowLayout) -> tuple[torch.Ten
         latent if latent.stride(-1) == 1 else latent.contiguous(),
         rope if rope.stride(-1) == 1 else rope.contiguous(),
     )
+
+
+def _row_inputs(rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """The caller's checked ``rows`` (a tensor or its ``(latent, rope)`` parts) by name, for
+    :func:`~shardattn._checks.check_not_inputs`."""
+    return {"rows": rows} if isinstance(rows, torch.Tensor) else {"rows[0]": rows[0], "rows[1]": rows[1]}
 
 
 def quantize_kv_reference(rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,13 +170,14 @@ def quantize_kv(
     Args:
         rows: ``[R, 576]`` fp16/bf16/fp32, or ``(latent [R, 512], rope [R, 64])`` of one dtype.
         status: optional ``[R]`` int32, written per row (:data:`WRITE_STORED` or
-            :data:`WRITE_SATURATED`) without a host synchronisation.
+            :data:`WRITE_SATURATED`) without a host synchronisation; it shares no memory with ``rows``.
     Returns:
         ``[R, 656]`` uint8. CUDA tensors run the Triton kernel, others the torch reference.
     """
     latent, rope = _split_rows("rows", rows, FP8_DS_MLA)
     _check_status(status, latent.shape[0])
     check_same_device(rows=latent, status=status)
+    check_not_inputs({"status": status}, _row_inputs(rows))
     if not use_triton(latent):
         packed, flags = quantize_kv_reference((latent, rope))
         if status is not None:
@@ -246,6 +253,9 @@ def write_kv(
         status: optional ``[R]`` int32, written per row: :data:`WRITE_STORED`,
             :data:`WRITE_SATURATED` (NaN / inf replaced), :data:`WRITE_SKIPPED`.
 
+    ``cache`` and ``status`` share no memory with each other, ``rows`` or ``slots`` (the kernel's
+    programs write rows of the cache while others still read theirs).
+
     CUDA tensors run the Triton kernel (one launch; no host synchronisation, no allocation:
     capturable in a CUDA graph); others the torch reference. Raises before any write: a cache or
     rows that do not match the format (``ValueError`` naming the argument and the format),
@@ -258,6 +268,8 @@ def write_kv(
     check_tensor("slots", slots, dtypes=(torch.int32, torch.int64), shape=(n,))
     _check_status(status, n)
     check_same_device(cache=cache, slots=slots, rows=latent, status=status)
+    check_disjoint(cache=cache, status=status)
+    check_not_inputs({"cache": cache, "status": status}, {**_row_inputs(rows), "slots": slots})
     capacity, page_size, stride_page, stride_slot = _cache_rows(cache)
     if slots.device.type == "cpu":  # a value check only where it costs no device synchronisation
         stored = slots[(slots >= 0) & (slots < capacity)]

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_disjoint, check_same_device, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_disjoint, check_not_inputs, check_same_device, check_tensor
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.triton.lse_merge import HAVE_TRITON, launch_lse_merge
 
@@ -119,7 +119,9 @@ def lse_merge(
         lses: ``[P, T, H]`` fp32 natural-log LSEs; ``-inf`` (or ``+inf``, FlashMLA's marker)
             is an empty partial row, which contributes nothing whatever its ``outs`` hold.
         out: optional ``[T, H, D]`` destination (any float dtype; a CUDA graph passes its own).
-        lse_out: optional ``[T, H]`` fp32 destination, not sharing bytes with ``out``.
+        lse_out: optional ``[T, H]`` fp32 destination, not sharing bytes with ``out``. Neither
+            shares memory with ``outs`` or ``lses`` (the kernel's programs write rows of ``out``
+            while others still read the partials).
     Returns:
         ``(out [T, H, D] in outs.dtype (or out's dtype), lse [T, H] fp32)``; a row empty in every
         partial is ``(0, -inf)``. On CUDA tensors the Triton kernel runs, else the reference.
@@ -138,6 +140,7 @@ def lse_merge(
         check_tensor("lse_out", lse_out, dtypes=(torch.float32,), shape=(t, h))
     check_same_device(outs=outs, out=out, lse_out=lse_out)
     check_disjoint(out=out, lse_out=lse_out)
+    check_not_inputs({"out": out, "lse_out": lse_out}, {"outs": outs, "lses": lses})
     return run_lse_merge(outs, lses, out=out, lse_out=lse_out)
 
 

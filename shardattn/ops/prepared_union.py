@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn._checks import INDEX_DTYPES, check_disjoint, check_int, check_tensor
+from shardattn._checks import INDEX_DTYPES, check_disjoint, check_int, check_not_inputs, check_tensor
 from shardattn.ops.kv_fp8_stage import kernel_rows, stage_marks, stage_touched, stages_packed
 from shardattn.ops.union import GROUP_SIZES, build_union, num_groups
 
@@ -133,7 +133,8 @@ def prepare_union(
         topk_length: ``[T]`` int32 per-row count of leading entries to use, optional.
         workspace: optional ``(union_bytes, lens_bytes)`` ``uint8`` buffers to build into (a
             Runtime's ``prefill.union`` / ``prefill.union_offsets``); ``None`` entries or no
-            workspace: allocated.
+            workspace: allocated. The bytes the build writes share no memory with ``rows`` or
+            ``topk_length``.
     Returns:
         the :class:`PreparedUnion`, or ``None`` when ``workspace`` is given and too small for the
         whole union (the caller then builds per call, as without it: same results).
@@ -152,6 +153,8 @@ def prepare_union(
             return None
         union = union_ws[:need_union].view(torch.int32).view(n_groups, g * k)
         out = (union, lens_ws[:need_lens].view(torch.int32))
+        # the bytes the build writes, named as the caller passed them
+        check_not_inputs({"workspace[0]": out[0], "workspace[1]": out[1]}, {"rows": rows, "topk_length": topk_length})
     union, lens = build_union(rows, group_size=g, num_kv_rows=num_kv_rows, topk_length=topk_length, out=out)
     return PreparedUnion(union, lens, g, t)
 

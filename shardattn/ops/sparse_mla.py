@@ -29,6 +29,7 @@ from shardattn.kernels.backend import kernel_destination, written_back
 from shardattn.ops.head_blocked import q_heads_view, store_result
 from shardattn.ops.row_entries import first_occurrences, valid_mask
 from shardattn.ops.sparse_mla_checks import (
+    check_destinations,
     check_kv_rows,  # noqa: F401 (public here too)
     check_sparse_prefill_inputs,
 )
@@ -189,7 +190,8 @@ def sparse_mla_attention(
         out / lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) / ``[T, H]`` fp32, written
             in place; ``q``, ``out`` and ``lse_out`` may be head-blocked ``[B, T, H/B, ...]`` (head
             ``b * H/B + i`` at ``[b, t, i]``, e.g. an all-to-all buffer; see
-            :mod:`~shardattn.ops.head_blocked`).
+            :mod:`~shardattn.ops.head_blocked`). They share no memory with each other nor with an
+            input (the kernels' programs write outputs while others still read q, rows and keys).
         q_ready: optional callable run once before any kernel reads ``q`` (e.g. the wait of the
             exchange that fills it); only ``q``'s shape is looked at before.
         prepared_union: the ``G = 1`` union of exactly these ``rows`` and ``topk_length``, built
@@ -221,6 +223,8 @@ def sparse_mla_attention(
         from shardattn.ops.prepared_union import check_prepared_union
 
         check_prepared_union(prepared_union, rows, group_size=1)
+    prepared = None if prepared_union is None else (prepared_union.union, prepared_union.lens)
+    check_destinations({"out": out, "lse_out": lse_out}, q, kv, rows, topk_length, sinks, prepared)
     if q_ready is not None:
         q_ready()
     if not has_keys(kv, rows):  # every row is empty, on every backend

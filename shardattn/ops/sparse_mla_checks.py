@@ -23,6 +23,7 @@ from shardattn._checks import (
     check_bool,
     check_disjoint,
     check_int,
+    check_not_inputs,
     check_same_device,
     check_scale,
     check_sink_logits,
@@ -31,6 +32,7 @@ from shardattn._checks import (
 from shardattn.ops.head_blocked import check_destination, shape_stand_in
 
 __all__ = [
+    "check_destinations",
     "check_head_dim",
     "check_kv_rows",
     "check_sparse_mla_inputs",
@@ -129,6 +131,28 @@ def check_sparse_prefill_inputs(
         check_destination("lse_out", lse_out, q3, (), torch.float32)
     check_disjoint(out=out, lse_out=lse_out)
     return q, q3, kv
+
+
+def check_destinations(
+    written: dict[str, torch.Tensor | None],
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    topk_length: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    union: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """The buffers a sparse-MLA call writes (``written``: ``out``, ``lse_out``, a split or union
+    workspace) share no memory with what it reads: ``q`` (joined, plain or head-blocked: the
+    tensor the kernels read, not a shape stand-in), ``kv``, ``rows``, ``topk_length``, ``sinks`` and
+    a prepared ``union`` (``(union, lens)``). The kernels' programs write their output tiles
+    while other programs still read queries, rows and keys, so an overlap gives wrong results with
+    no error (:func:`~shardattn._checks.check_not_inputs`; host-side, no device sync). Raises
+    ``ValueError`` naming both arguments."""
+    read = {"q": q, "kv": kv, "rows": rows, "topk_length": topk_length, "sinks": sinks}
+    if union is not None:
+        read.update({"prepared_union.union": union[0], "prepared_union.lens": union[1]})
+    check_not_inputs(written, read)
 
 
 def check_kv_rows(

@@ -52,7 +52,7 @@ from shardattn._checks import check_bool, check_disjoint, check_int, check_split
 from shardattn.ops.dispatch import decode_path, pdl_supported, sm_count
 from shardattn.ops.head_blocked import store_result
 from shardattn.ops.sparse_mla import empty_kv_result, has_keys, sparse_mla_reference
-from shardattn.ops.sparse_mla_checks import check_sparse_mla_inputs, join_q
+from shardattn.ops.sparse_mla_checks import check_destinations, check_sparse_mla_inputs, join_q
 from shardattn.ops.union import build_union
 
 __all__ = ["BACKENDS", "run_sparse_mla_decode", "sparse_mla_decode"]
@@ -95,9 +95,11 @@ def sparse_mla_decode(
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat (1-D, contiguous) fp32 buffer on q's device for the split
             partials (``num_splits * T * H * (v_dim + 1)`` elements); with ``out``, ``lse_out``
-            and it, nothing is allocated. A workspace too small for the small-batch kernel's
-            splits routes the call to Triton; the Gluon kernels then take fewer row slices; one
-            too small for the Triton kernel's splits is a ``ValueError`` before anything runs.
+            and it, nothing is allocated. The three share no memory with each other nor with an
+            input (the kernels write partials and outputs while other programs still read q,
+            rows and keys). A workspace too small for the small-batch kernel's splits routes the
+            call to Triton; the Gluon kernels then take fewer row slices; one too small for the
+            Triton kernel's splits is a ``ValueError`` before anything runs.
         backend: ``None`` (routed: :func:`~shardattn.ops.dispatch.sparse_decode_kernel`),
             ``"triton"``, ``"gluon"``, ``"gluon_small"`` or ``"gluon_stream"`` (forced, also outside the routing's
             crossovers; a ``ValueError`` where the kernel cannot run these tensors).
@@ -130,6 +132,7 @@ def sparse_mla_decode(
     if workspace is not None:  # the kernels' split partials are fp32 views of its first elements
         check_split_workspace(workspace, q.device)
     check_disjoint(out=out, lse_out=lse_out, workspace=workspace)
+    check_destinations({"out": out, "lse_out": lse_out, "workspace": workspace}, q, kv, rows, topk_length, sinks)
     kernel, _why = decode_path(q, kv, rows, v_dim, backend=backend, workspace=workspace, num_sms=sm_count(q.device))
     return run_sparse_mla_decode(
         q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, rows_unique=rows_unique,

@@ -34,7 +34,7 @@ from typing import Literal, overload
 
 import torch
 
-from shardattn._checks import check_bool, check_int
+from shardattn._checks import check_bool, check_disjoint, check_int
 from shardattn.kernels.backend import kernel_destination, use_triton, written_back
 from shardattn.kernels.gluon.sparse_mla import gluon_unsupported_reason, launch_gluon_attention
 from shardattn.kernels.triton.sparse_mla import (
@@ -47,7 +47,7 @@ from shardattn.ops.head_blocked import q_heads_view, store_result
 from shardattn.ops.kv_compact import compact_rows
 from shardattn.ops.prepared_union import PreparedUnion, check_prepared_union, union_for_call
 from shardattn.ops.sparse_mla import empty_kv_result, has_keys, sparse_mla_reference
-from shardattn.ops.sparse_mla_checks import check_sparse_prefill_inputs, check_union_workspace
+from shardattn.ops.sparse_mla_checks import check_destinations, check_sparse_prefill_inputs, check_union_workspace
 from shardattn.ops.union import GROUP_SIZES
 from shardattn.plan.crossovers import COMPACT_MIN_GROUP
 
@@ -142,13 +142,15 @@ def sparse_mla_grouped_prefill(
         group_size: ``G`` in ``(1, 2, 4, 8)``; default :func:`default_group_size`.
         return_lse: also return the LSE.
         union: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``
-            workspace for the union build: contiguous, on rows' device, not sharing bytes
-            (:func:`~shardattn.ops.sparse_mla_checks.check_union_workspace`).
+            workspace for the union build: contiguous, on rows' device, not sharing bytes with each
+            other (:func:`~shardattn.ops.sparse_mla_checks.check_union_workspace`), ``out``,
+            ``lse_out`` or an input.
         out / lse_out: optional destinations (``[T, H, v_dim]`` q's dtype / ``[T, H]`` fp32, any
             strides; an ``out`` whose last dim is not unit-stride is written through a dense
-            buffer), written in place. ``q``, ``out`` and ``lse_out`` may also
-            be head-blocked, ``[B, T, H/B, ...]`` (head ``b * H/B + i`` at ``[b, t, i]``: an
-            all-to-all buffer read or written in place; see
+            buffer), written in place, sharing no memory with each other nor with an input
+            (:func:`~shardattn.ops.sparse_mla_checks.check_destinations`). ``q``, ``out`` and
+            ``lse_out`` may also be head-blocked, ``[B, T, H/B, ...]`` (head ``b * H/B + i`` at
+            ``[b, t, i]``: an all-to-all buffer read or written in place; see
             :func:`~shardattn.kernels.triton.sparse_mla.launch_attention`).
         q_ready: optional callable run once before any kernel reads ``q`` (e.g. the wait of the
             exchange that fills it): the union build, which reads only ``rows``, is issued before
@@ -186,6 +188,13 @@ def sparse_mla_grouped_prefill(
             raise ValueError("pass union (a workspace to build into) or prepared_union (built already), not both")
     if union is not None:  # checked on every path, the reference's too (which builds no union)
         union = check_union_workspace(union, rows.device)
+    # the union is built before the attention reads q and written while the build reads rows
+    dests = {"out": out, "lse_out": lse_out, "union[0]": None, "union[1]": None}
+    if union is not None:
+        dests["union[0]"], dests["union[1]"] = union
+        check_disjoint(**dests)
+    prepared = None if prepared_union is None else (prepared_union.union, prepared_union.lens)
+    check_destinations(dests, q, kv, rows, topk_length, sinks, prepared)
     compacted = False
     if rows.shape[1] > 0 and _compacts(q3, kv, v_dim, group_size, prepared_union):
         compact = compact_rows(kv, rows, topk_length, max_rows=MAX_PACKED_ROWS)  # one host sync

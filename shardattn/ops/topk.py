@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from shardattn._checks import INDEX_DTYPES, check_bool, check_int, check_same_device, check_tensor
+from shardattn._checks import INDEX_DTYPES, check_bool, check_int, check_not_inputs, check_same_device, check_tensor
 from shardattn.kernels.backend import kernel_destination, use_triton, written_back
 from shardattn.kernels.triton.topk import launch_convert_topk
 
@@ -155,7 +155,9 @@ def convert_topk(
             them: a decode kernel given ``counts`` as its ``topk_length`` then reads no invalid
             entry (a DCP rank's share of a top-k is about ``K / W`` rows; a request shorter than
             the top-k has fewer).
-        out: optional ``[T, K]`` int32 destination of ``rows`` (a reserved workspace buffer).
+        out: optional ``[T, K]`` int32 destination of ``rows`` (a reserved workspace buffer),
+            sharing no memory with an input (the kernel's programs write rows while others still
+            read positions and the block table).
     Returns:
         ``(rows [T, K] int32, counts [T] int32)``: global rows, ``-1`` where invalid (with
         ``packed``: rows ``counts[t]`` onward), and the number of valid entries per token
@@ -167,6 +169,11 @@ def convert_topk(
     t, k = topk_pos.shape
     if out is not None:
         check_tensor("out", out, dtypes=(torch.int32,), shape=(t, k), device=topk_pos.device)
+        check_not_inputs(
+            {"out": out},
+            {"topk_pos": topk_pos, "req_ids": req_ids, "block_table": block_table, "seq_lens": seq_lens,
+             "topk_length": topk_length},
+        )  # fmt: skip
     if not use_triton(topk_pos, req_ids, block_table, seq_lens, topk_length):
         rows, counts = convert_topk_reference(
             topk_pos, req_ids, block_table, block_size=block_size, block_stride=stride,

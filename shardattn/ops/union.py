@@ -51,7 +51,16 @@ from __future__ import annotations
 
 import torch
 
-from shardattn._checks import INDEX_DTYPES, check_bool, check_choice, check_int, check_same_device, check_tensor
+from shardattn._checks import (
+    INDEX_DTYPES,
+    check_bool,
+    check_choice,
+    check_disjoint,
+    check_int,
+    check_not_inputs,
+    check_same_device,
+    check_tensor,
+)
 from shardattn.kernels.backend import use_triton
 from shardattn.kernels.gluon.union_smem import smem_union, smem_unsupported_reason
 from shardattn.kernels.triton.union import sort_union, sorted_row_keys
@@ -159,7 +168,8 @@ def build_union(
             when ``G > 1``.
         topk_length: ``[T]`` int32, optional per-row count of leading entries to use.
         out: optional preallocated ``(union [ceil(T/G), G*K] int32, lens [ceil(T/G)] int32)``, both
-            contiguous and not sharing bytes.
+            contiguous and not sharing bytes with each other, ``block_marks``, ``rows`` or
+            ``topk_length`` (the builders' programs write them while others still read the rows).
         method: Triton builder, ``"auto"`` (:func:`~shardattn.plan.union_routing.route_union_method`),
             ``"sort"``, ``"fused"`` or ``"bitmap"`` (same outputs; ignored by the torch reference;
             ``G = 1`` is the row sort unless ``"fused"`` on sorted rows or ``"bitmap"``).
@@ -209,6 +219,12 @@ def _build(
     if out is not None:
         union, lens = check_union_workspace(out, rows.device, name="out")  # a pair, contiguous, disjoint
         check_tensor("out[0]", union, shape=(g_count, group_size * k))
+    # the builders write union, lens and marks while other programs still read rows
+    written = {"out[0]": None, "out[1]": None, "block_marks": block_marks}
+    if out is not None:
+        written["out[0]"], written["out[1]"] = union, lens
+        check_disjoint(**written)
+    check_not_inputs(written, {"rows": rows, "topk_length": topk_length})
     if not use_triton(rows, topk_length):
         ref_union, ref_lens = build_union_reference(
             rows, group_size=group_size, num_kv_rows=num_kv_rows, topk_length=topk_length

@@ -199,6 +199,8 @@ KERNELS = [
     ("shardattn.ops.union", "sort_union"),
     ("shardattn.ops.union", "fused_union"),
     ("shardattn.ops.gqa_prefill_kernels", "segment_attention_reference"),
+    ("shardattn.ops.kv_fp8", "quantize_kv_reference"),
+    ("shardattn.ops.kv_fp8", "_launch"),
     ("shardattn.kernels.fa4", "_run"),
 ]
 
