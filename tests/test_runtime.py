@@ -584,7 +584,7 @@ def _bad_body(group) -> dict:
 @pytest.mark.distributed
 def test_bad_construction_raises_clear_errors(dist_pool) -> None:
     res = dist_pool.run(_bad_body, world_size=4)[0]
-    assert "num_heads (6) must be divisible by tp_size (4)" in res["heads"]
+    assert "the spec's num_heads (6) must be divisible by the group's size (4)" in res["heads"]
     assert "spec is a GQA model" in res["gqa-prefill"]
     assert res["mode"].startswith("ValueError: mode must be one of") and "'ring'" in res["mode"]
     assert "max_batched_tokens must be >= 1" in res["tokens"]

@@ -94,11 +94,20 @@ class ModelSpec:
     def queries_per_kv_head(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def heads_per_rank(self, tp_size: int) -> int:
-        """Query heads a rank holds under ``tp_size``-way head tensor parallelism."""
-        tp_size = check_int("tp_size", tp_size, minimum=1)
+    def heads_per_rank(self, tp_size: int, *, ranks: str = "tp_size") -> int:
+        """Query heads a rank holds under ``tp_size``-way head tensor parallelism.
+
+        ``ranks`` names the rank count in the message as the caller's user passed it (a Runtime:
+        its group's size; the Ray pool: its ``world_size``).
+
+        >>> get_preset("glm5").heads_per_rank(3, ranks="the group's size")
+        Traceback (most recent call last):
+        ...
+        ValueError: the spec's num_heads (64) must be divisible by the group's size (3)
+        """
+        tp_size = check_int(ranks, tp_size, minimum=1)
         if self.num_heads % tp_size:
-            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by tp_size ({tp_size})")
+            raise ValueError(f"the spec's num_heads ({self.num_heads}) must be divisible by {ranks} ({tp_size})")
         return self.num_heads // tp_size
 
 

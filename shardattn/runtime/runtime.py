@@ -155,7 +155,8 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         self.group = self.comm.group  # the ProcessGroup (of a DeviceMesh's dimension)
         self.nodes = exchange_node_layout(self.comm, host_id)  # one small all-gather, not counted
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        self.heads_per_rank = self.spec.heads_per_rank(self.world_size)  # raises when heads do not divide
+        # raises when the heads do not divide, naming the group's size (the Runtime takes no tp_size)
+        self.heads_per_rank = self.spec.heads_per_rank(self.world_size, ranks="the group's size")
         if self.spec.kind == "gqa" and "headtp" in (prefill_step_of("gqa", mode), DECODE_STEP[mode]):
             # a head-TP step's KV heads (split, or replicated), refused here rather than at the first step
             head_tp_kv_heads(self.spec.num_heads, self.spec.num_kv_heads, self.world_size, self.rank)

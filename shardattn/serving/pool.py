@@ -241,7 +241,7 @@ class RayRankPool(RequestSteps):
         self.shapes, self._sinks, self._decode_lse = plan.shapes, plan.sinks, plan.decode_lse
         self.cache_config, self._cache_spec = plan.cache_config, plan.cache_spec
         self.book = PagedKVBook(self.cache_config)
-        self.heads_per_rank = plan.spec.heads_per_rank(self.world_size)
+        self.heads_per_rank = plan.spec.heads_per_rank(self.world_size, ranks="world_size")
 
     def _form(self) -> None:
         """Start the actors in their bundles, join the group, build Runtimes and caches."""
