@@ -90,7 +90,7 @@ def test_check_agreement_names_the_disagreeing_rank_on_every_rank(dist_pool, val
         return
     for kind, msg in results:
         assert kind == "ValueError"
-        assert f"test plan differs across ranks: rank(s) {bad} disagree" in msg
+        assert f"test plan: rank(s) {bad} disagree" in msg
 
 
 @pytest.mark.distributed

@@ -121,7 +121,7 @@ EXPECT = {
     "raises": (PeerFailedError.__name__, r"rank 1 of {w} raised RuntimeError: injected failure"),
     "exits": (PeerFailedError.__name__, r"rank\(s\) \[[0-9, ]+\] of {w} did not report within"),
     "hangs": (PeerFailedError.__name__, r"rank\(s\) \[[0-9, ]+\] of {w} did not report within"),
-    "other-plan": ("ValueError", r"ShardQ plan and inputs differs across ranks: rank\(s\) \[1\] disagree"),
+    "other-plan": ("ValueError", r"ShardQ plan and inputs: rank\(s\) \[1\] disagree"),
 }
 #: Tolerance (seconds) on the times at which survivors record that they raised.
 RECORD_SLACK_S = 0.1

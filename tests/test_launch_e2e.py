@@ -171,7 +171,8 @@ def test_ranks_started_with_different_options_all_stop() -> None:
     results, _ = _ranks(2, "--mode", "shardq", "--iters", "1", rank_args={1: ["--seed", "7"]}, timeout=90)
     assert [status for status, _, _ in results] == [2, 2], results
     lines = [line for _, _, err in results for line in _quiet(err)]
-    assert len(lines) == 1 and "launcher options" in lines[0] and "differs across ranks" in lines[0], lines
+    assert len(lines) == 1, lines
+    assert "launcher options (command line, version, device type): rank(s) [1] disagree" in lines[0], lines
 
 
 @pytest.mark.distributed

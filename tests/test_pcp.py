@@ -199,7 +199,7 @@ REJECTED = "ValueError: PCP plan and inputs: rank(s) [1] of 3 rejected their inp
     ("problem", "expect"),
     [
         ("kv-dtype-on-rank-1", [REJECTED, "TypeError: kv_new must have dtype in (bfloat16), got float32", REJECTED]),
-        ("plan-on-rank-2", ["ValueError: PCP plan and inputs differs across ranks: rank(s) [2] disagree"] * 3),
+        ("plan-on-rank-2", ["ValueError: PCP plan and inputs: rank(s) [2] disagree"] * 3),
         ("prefix-without-cache", ["ValueError: the plan has cached prefixes (prefix_lens=[3, 0])"] * 3),
         ("prefix-past-the-block-table", ["ValueError: prefix_lens[0]=3 is past block_table's 0 blocks"] * 3),
         ("topk-int64", ["TypeError: topk_pos must have dtype in (int32), got int64"] * 3),

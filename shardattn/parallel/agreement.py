@@ -83,8 +83,8 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
     bad = [r for r, v in enumerate(values) if v != majority]
     good = [r for r, v in enumerate(values) if v == majority]
     raise ValueError(
-        f"{what} differs across ranks: rank(s) {bad} disagree with rank(s) {good} "
-        f"(fingerprints {values}); every rank must pass the same {what}"
+        f"{what}: rank(s) {bad} disagree with rank(s) {good} (fingerprints {values}); every rank must pass the "
+        f"same {what}"
     )
 
 
