@@ -106,6 +106,18 @@ CPU = torch.device("cpu")
         (["--mode", "headtp", "--calibration", "t.json"], 2, r"--calibration routes ShardQ steps; mode headtp's"),
         (["--compare", "--query-len", "4"], 2, r"--query-len sets the decode's queries; --compare runs prefills only"),
         (["--mode", "headtp", "--interleave", "4"], 2, r"--interleave is DCP's interleave; mode headtp decodes with"),
+        (["--non-causal"], 2, r"--non-causal lets speculative drafts .* every request decodes one query \(--query-len"),
+        (
+            ["--preset", "gqa-64-8", "--non-causal", "--query-len", "1"],
+            2,
+            r"--non-causal lets speculative drafts see every KV token of their request; every request decodes one",
+        ),
+        (["--compare", "--non-causal"], 2, r"--non-causal lets .*; --compare runs prefills only"),
+        (
+            ["--compare", "--topk-file", "x.pt", "--overlap", "random"],
+            2,
+            r"--overlap shapes a synthetic top-k; --topk-file gives the prefill's and --compare runs prefills only",
+        ),
         (["--calibration", "/nonexistent/t.json"], 2, r"--calibration /nonexistent/t.json: no such file"),
         (["--calibration", "/"], 2, r"--calibration /: not a calibration table"),
         (["--preset", "gqa-64-8", "--compare"], 2, r"--compare sets sparse-MLA prefill steps side by side; gqa-64-8"),
@@ -138,6 +150,10 @@ CPU = torch.device("cpu")
         "unused-calibration",
         "unused-query-len",
         "unused-interleave",
+        "unused-non-causal-one-query",
+        "unused-non-causal-one-query-gqa",
+        "unused-non-causal-no-decode",
+        "unused-overlap-with-topk-file",
         "calibration-missing",
         "calibration-not-a-table",
         "compare-gqa",
@@ -203,6 +219,16 @@ def test_plan_run_defaults_on_cpu(tmp_path) -> None:
     torch.save({"topk": torch.tensor([[0, -1], [0, 1], [2, 1]], dtype=torch.int32)}, tmp_path / "t.pt")
     rec = plan_run(parse_options(["--mode", "shardq", "--topk-file", str(tmp_path / "t.pt")]), 2, CPU)
     assert (rec.shape.tokens, rec.shape.topk, rec.shape.requests) == (3, 2, 1)
+
+
+def test_options_some_step_uses_are_kept(tmp_path) -> None:
+    """--non-causal with drafts, and --overlap beside --topk-file where a decode step draws its own
+    top-k, change the run: accepted."""
+    drafts = plan_run(parse_options(["--non-causal", "--query-len", "1,3"]), 2, CPU)
+    assert drafts.opts.causal is False and drafts.shape.query_lens == (1, 3)
+    torch.save({"topk": torch.tensor([[0, -1], [0, 1], [2, 1]], dtype=torch.int32)}, tmp_path / "t.pt")
+    rec = plan_run(parse_options(["--topk-file", str(tmp_path / "t.pt"), "--overlap", "random"]), 2, CPU)
+    assert rec.steps == ("prefill", "decode") and rec.opts.overlap == "random"
 
 
 def test_defaults_are_small_on_cpu_and_real_on_gpu() -> None:

@@ -41,6 +41,18 @@ def check_options_used(opts: Options, *, mode: str, steps: tuple[str, ...], mla:
             opts.interleave != 1 and not (decode and DECODE_STEP[mode] == "dcp"),
             f"is DCP's interleave; {runs if not decode else f'mode {mode} decodes with head-TP'}",
         ),
+        (
+            "--non-causal",
+            not opts.causal and not (decode and max(opts.query_lens or (1,)) > 1),
+            "lets speculative drafts see every KV token of their request; "
+            + (runs if not decode else "every request decodes one query (--query-len 1), which sees them either way"),
+        ),
+        (
+            # the recorded top-k replaces the prefill's synthetic one; a decode step still draws its own
+            "--overlap",
+            opts.overlap != "dsa" and mla and opts.topk_file is not None and not decode,
+            f"shapes a synthetic top-k; --topk-file gives the prefill's and {runs}",
+        ),
     ]
     for flag, given, why in unused:
         if given:
