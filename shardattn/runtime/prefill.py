@@ -208,12 +208,17 @@ def check_prefill_inputs(
             block_table=as_index("block_table", block_table),
             topk_length=as_index("topk_length", topk_length),
         )
-    if topk_pos is not None or kv_new is not None:
-        name = "topk_pos" if topk_pos is not None else "kv_new"
-        raise ValueError(
-            f"{name} is PCP's (request positions / the rank's new KV rows); a {plan.step} step reads the top-k "
-            "as global rows of kv_cache: pass rows [T, K] and the whole kv_cache"
-        )
+    pcp_only = {"topk_pos": topk_pos, "kv_new": kv_new, "block_table": block_table}
+    for name, what in (
+        ("topk_pos", "request positions"),
+        ("kv_new", "the rank's new KV rows"),
+        ("block_table", "the pages of the cached prefixes"),
+    ):
+        if pcp_only[name] is not None:  # nothing the step would not read is taken and dropped
+            raise ValueError(
+                f"{name} is PCP's ({what}); a {plan.step} step reads the top-k as global rows of kv_cache: pass "
+                "rows [T, K] and the whole kv_cache"
+            )
     if rows is None:
         raise ValueError("prefill needs rows [T, K] int32 (global rows of kv_cache of every token's top-k)")
     cache = check_tensor("kv_cache", kv_cache)
@@ -222,9 +227,7 @@ def check_prefill_inputs(
         heads_from=f"this rank's {heads_per_rank} heads (H/W: {spec.num_heads} heads over {world} ranks)",
     )  # fmt: skip
     cache = _kv_rows(cache, spec, q, kv_format=kv_format, paged=False)
-    checked_rows = as_index("rows", rows)
-    as_index("block_table", block_table)  # not read by the step; an int64 table's values are still checked
-    return RowInputs(kv_cache=cache, rows=checked_rows, topk_length=as_index("topk_length", topk_length))
+    return RowInputs(kv_cache=cache, rows=as_index("rows", rows), topk_length=as_index("topk_length", topk_length))
 
 
 def _kv_rows(

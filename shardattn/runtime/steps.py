@@ -87,6 +87,8 @@ class RuntimeSteps(RuntimeState):
                 tokens' rows included); the value is ``kv_cache[:, :v_dim]``.
             rows: ``[T, K]`` int32 (int64 is converted) global rows of ``kv_cache`` of every
                 token's top-k (``-1`` or out of range = invalid, anywhere in a row).
+            topk_pos / kv_new / block_table: PCP's; ``None`` (the step reads none of them, so one
+                given is refused, naming it).
 
         PCP (``rt.prefill(q, kv_cache, topk_pos=..., kv_new=..., block_table=..., plan=plan)``):
 

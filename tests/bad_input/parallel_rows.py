@@ -487,6 +487,14 @@ def parallel_rows() -> list[Row]:
             _runtime_step("prefill", MLA_SPEC, "shardq", topk_pos=lambda a: a["rows"]),
             Raises(ValueError, r"^topk_pos is PCP's"),
         ),
+        *(
+            (
+                f"Runtime.prefill-{mode}-block-table",
+                _runtime_step("prefill", MLA_SPEC, mode, block_table=torch.zeros(2, 1, dtype=torch.int32)),
+                Raises(ValueError, r"^block_table is PCP's \(the pages of the cached prefixes\); a \w+ step reads"),
+            )
+            for mode in ("shardq", "headtp")
+        ),
         (
             "Runtime.prefill-pcp-rows",
             _runtime_step("prefill", MLA_SPEC, "pcp", kv_new=torch.randn(5, 48)),
