@@ -14,6 +14,7 @@ from shardattn.plan.cudagraph import CGSupport
 from shardattn.runtime.cudagraph import GraphInput, GraphRunner
 from shardattn.runtime.graph_capture import check_capture_allowed
 from shardattn.runtime.graphs import DecodeGraphs
+from shardattn.runtime.options import DecodeOptions
 from shardattn.runtime.runtime import Runtime
 from tests.test_dcp import _gqa_case
 
@@ -137,9 +138,10 @@ def test_padded_ragged_batches_need_uniform_batch_only():
 
 
 # ------------------------------------------------------------------ DCP GQA buckets over gloo
-def _graphs_body(group: dist.ProcessGroup, case: dict, steps: list) -> list:
+def _graphs_body(group: dist.ProcessGroup, case: dict, steps: list, return_lse: bool = True) -> list:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rt = Runtime("gqa-64-8", group, max_batched_tokens=1, mode="dcp-decode", warmup=False)
+    options = DecodeOptions(return_lse=return_lse)
+    rt = Runtime("gqa-64-8", group, max_batched_tokens=1, mode="dcp-decode", warmup=False, decode_options=options)
     level = rt.cudagraph_support("decode").name
     mine = case["local"][rank]
     h = rt.heads_per_rank
@@ -159,13 +161,15 @@ def _graphs_body(group: dist.ProcessGroup, case: dict, steps: list) -> list:
             q, (mine["k"], mine["v"]), mine["table"][reqs], case["seq_lens"][reqs],
             cu_q_lens=torch.tensor(cu, dtype=torch.int32), sinks=case["sinks"], check=False,
         )  # fmt: skip
-        results.append((graphs.last_route, torch.equal(out, old_out), torch.equal(lse, old_lse), out.shape[0]))
+        same_lse = torch.equal(lse, old_lse) if return_lse else lse is None and old_lse is None
+        results.append((graphs.last_route, torch.equal(out, old_out), same_lse, out.shape[0]))
     del world
     return [level, results]
 
 
 @pytest.mark.distributed
-def test_dcp_gqa_buckets_pad_ragged_batches_and_return_only_real_rows(dist_pool, nproc):
+@pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "no-lse"])
+def test_dcp_gqa_buckets_pad_ragged_batches_and_return_only_real_rows(dist_pool, nproc, return_lse: bool):
     world = min(nproc, 2)
     lens = [40, 33, 9, 50, 21, 17]
     case = _gqa_case(
@@ -180,7 +184,7 @@ def test_dcp_gqa_buckets_pad_ragged_batches_and_return_only_real_rows(dist_pool,
         ([0, 1, 2], [1, 1, 1], "none"),  # qo_indptr=None: one query each, in a bucket (it read q_len each)
         ([0, 1, 2, 3, 4], [1, 1, 1, 1, 1], "none"),  # ... and above the buckets, alike
     ]
-    for level, results in dist_pool.run(_graphs_body, case, steps, world_size=world):
+    for level, results in dist_pool.run(_graphs_body, case, steps, return_lse, world_size=world):
         assert level == "NEVER"  # CPU: the torch reference is never captured (the runner pads and runs eagerly)
         for (route, same_out, same_lse, rows), (_, q_lens, *_) in zip(results, steps):
             assert same_out and same_lse, route  # equal to the unpadded step, padding dropped

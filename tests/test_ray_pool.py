@@ -288,15 +288,16 @@ def test_pool_modes_equal_fp64_attention(ray_instance, world, spec, mode, interl
 
 
 @needs_ray
-def test_a_gqa_pool_without_lse_refuses_to_return_one_and_shuts_down_clearly(ray_instance) -> None:
-    """A head-TP GQA pool whose Runtimes skip the LSE (of prefill and decode) serves outputs (equal
-    to fp64 attention); asked for the LSE it says why on the driver and stays usable; after
-    shutdown it says so."""
+@pytest.mark.parametrize(("spec", "mode"), [(GQA, "headtp"), (MLA, "mixed")], ids=["gqa-headtp", "mla-dcp"])
+def test_a_pool_without_lse_refuses_to_return_one_and_shuts_down_clearly(ray_instance, spec, mode) -> None:
+    """A pool whose Runtimes skip the LSE (of prefill and decode; head-TP GQA, and sparse MLA with
+    DCP decode) serves outputs (equal to fp64 attention); asked for the LSE it says why on the
+    driver and stays usable; after shutdown it says so."""
     from shardattn.testing.serving import ServingMirror
 
     runtime = {"decode_options": DecodeOptions(return_lse=False), "prefill_options": PrefillOptions(return_lse=False)}
-    with _pool(2, GQA, mode="headtp", max_requests=2, max_seq_len=32, runtime_kwargs=runtime) as pool:
-        mirror = ServingMirror(GQA, seed=5)
+    with _pool(2, spec, mode=mode, max_requests=2, max_seq_len=32, runtime_kwargs=runtime) as pool:
+        mirror = ServingMirror(spec, seed=5)
         req = mirror.prefill_request(0, 7)
         with pytest.raises(ValueError, match=r"Runtimes skip the LSE of their prefill"):
             pool.prefill([req], return_lse=True)
@@ -313,6 +314,20 @@ def test_a_gqa_pool_without_lse_refuses_to_return_one_and_shuts_down_clearly(ray
     assert pool.health()["state"] == "shut down"
     with pytest.raises(RuntimeError, match="the pool is shut down"):
         pool.restart()
+
+
+@pytest.mark.parametrize("mode", ["shardq", "headtp", "pcp", "dcp-decode", "mixed"])
+@pytest.mark.parametrize("spec", [MLA, GQA], ids=["mla", "gqa"])
+def test_a_pool_whose_runtimes_drop_the_decode_lse_knows_it_in_every_mode(mode: str, spec: ModelSpec) -> None:
+    """Its Runtimes return ``(out, None)`` from every decode step with ``DecodeOptions(return_lse=False)``,
+    DCP's and sparse MLA's too: the pool refuses ``return_lse=True`` rather than failing on a rank."""
+    from shardattn.serving.pool_shapes import plan_pool
+
+    if mode == "shardq" and spec.kind == "gqa":
+        pytest.skip("a GQA model has no ShardQ mode")
+    kwargs = {"max_batched_tokens": 16, "decode_options": DecodeOptions(return_lse=False)}
+    assert plan_pool(spec, mode, kwargs, 2, None, 2, 32, None, None).decode_lse is False
+    assert plan_pool(spec, mode, {"max_batched_tokens": 16}, 2, None, 2, 32, None, None).decode_lse is True
 
 
 MLA_DSA = ModelSpec("sparse_mla", 4, 1, 576, 512, 4, 4, dtype="float32", softmax_scale=0.1)

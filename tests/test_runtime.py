@@ -598,23 +598,52 @@ def test_modes_are_the_launchers() -> None:
     assert MODES == LAUNCH_MODES
 
 
-def _no_lse_body(group) -> dict:
+def _no_lse_body(group, mode: str, kind: str) -> dict:
+    """A decode step of a Runtime built with ``DecodeOptions(return_lse=False)``: ``(out, None)``,
+    ``out`` the oracle's."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rt = Runtime(GQA, group, max_batched_tokens=32, mode="headtp", decode_options=DecodeOptions(return_lse=False))
-    g = _gqa_step((20, 9), (1, 1), 7, DcpShard(1, 1, 0))
-    hkv = 2 // world
-    k, v = (c[:, :, rank * hkv : (rank + 1) * hkv].contiguous() for c in (g.k_cache, g.v_cache))
-    out, lse = rt.decode(
-        _heads(g.q, rank, world).contiguous(), (k, v), g.block_table, g.seq_lens, q_len_per_req=1, sinks=g.sinks
-    )
-    ref, _ = _gqa_oracle(g, GQA_SCALE)
+    spec = MLA if kind == "mla" else GQA
+    options = DecodeOptions(return_lse=False)
+    rt = Runtime(spec, group, max_batched_tokens=32, mode=mode, decode_options=options, warmup=False)
+    shard = DcpShard(world, 1, rank) if rt.decode_is_dcp else DcpShard(1, 1, 0)
+    q_lens = (1, 2)
+    if kind == "mla":
+        s = build_decode(
+            heads=spec.num_heads, head_dim=spec.head_dim, requests=2, cached=(20, 9), q_lens=q_lens, topk=spec.topk,
+            overlap="random", causal=True, dtype=torch.float32, device=CPU, seed=7, shard=shard,
+            block_size=spec.page_size,
+        )  # fmt: skip
+        q = _heads(s.q, rank, world).contiguous()
+        out, lse = rt.decode(q, s.local_kv, s.local_table, s.seq_lens, topk_pos=s.positions, req_ids=s.req_ids)
+        ref = _mla_oracle(s, MLA_SCALE, s.seq_lens)[0]
+    else:
+        g = _gqa_step((20, 9), q_lens, 7, shard)
+        k, v, table = g.local_k_cache, g.local_v_cache, g.local_block_table
+        if not rt.decode_is_dcp:  # head-TP: the rank's KV heads of the whole cache
+            hkv = spec.num_kv_heads // world
+            k, v = (c[:, :, rank * hkv : (rank + 1) * hkv].contiguous() for c in (g.k_cache, g.v_cache))
+            table = g.block_table
+        q = _heads(g.q, rank, world).contiguous()
+        out, lse = rt.decode(q, (k, v), table, g.seq_lens, cu_q_lens=g.cu_q_lens, sinks=g.sinks)
+        ref = _gqa_oracle(g, GQA_SCALE)[0]
     return {"lse": lse, "err": _err(out, _heads(ref, rank, world))}
 
 
 @pytest.mark.distributed
-def test_headtp_decode_without_lse_returns_none(dist_pool) -> None:
-    for res in dist_pool.run(_no_lse_body, world_size=2):
-        assert res["lse"] is None and res["err"] <= 1e-5
+@pytest.mark.parametrize(
+    ("mode", "kind"),
+    [
+        ("headtp", "gqa"),
+        ("dcp-decode", "gqa"),
+        ("headtp", "mla"),
+        ("shardq", "mla"),
+        ("mixed", "mla"),
+        ("dcp-decode", "mla"),
+    ],
+)
+def test_decode_without_lse_returns_none_in_every_mode(dist_pool, mode: str, kind: str) -> None:
+    for res in dist_pool.run(_no_lse_body, mode, kind, world_size=2):
+        assert res["lse"] is None and res["err"] <= 1e-5, res
 
 
 # -- fp8_ds_mla KV rows ------------------------------------------------------------------------------

@@ -45,7 +45,9 @@ class DecodeStep:
             its ``decode.*`` items hold the step's intermediates when q has the spec's dtype).
         dcp: the KV cache is split over the group (else head-TP). route_path: the planner's decode
             kernel path. heads_per_rank: ``H / W``. scale: softmax scale.
-        return_lse: return the LSE (head-TP GQA may skip it). causal: drafts attend causally.
+        return_lse: return the LSE; ``False``: every step returns ``(out, None)`` (the kernels
+            and DCP's merge compute it all the same).
+            causal: drafts attend causally.
         staging: the reused pinned buffer a batch's metadata crosses to the device through.
         kv_rows: checks a sparse-MLA cache against the Runtime's KV format and returns its rows
             (:meth:`~shardattn.runtime.runtime.Runtime.kv_rows`; ``None``: taken as given).
@@ -215,7 +217,7 @@ class DecodeStep:
         page = self.spec.page_size
         if isinstance(cache, SparseCache):
             if dcp:
-                return dcp_sparse_mla_decode(
+                out, lse = dcp_sparse_mla_decode(
                     q,
                     cache.kv,
                     cache.topk_pos,
@@ -233,6 +235,7 @@ class DecodeStep:
                     check=check,
                     workspace=buffers,
                 )
+                return self._result(out, lse)
             rows_ws, pos = buffers.get("rows"), cache.topk_pos
             # the valid rows packed at the front, their count the kernel's topk_length: it reads no
             # entry past them (a request shorter than the top-k leaves the rest invalid)
@@ -242,7 +245,7 @@ class DecodeStep:
                     rows_ws, tuple(pos.shape), torch.int32, "rows"
                 ),
             )  # fmt: skip
-            return sparse_mla_decode(
+            out, lse = sparse_mla_decode(
                 q,
                 cache.kv,
                 rows,
@@ -252,6 +255,7 @@ class DecodeStep:
                 sinks=None if sinks is None else self.local_heads(sinks),
                 rows_unique=topk_unique,
             )
+            return self._result(out, lse)
         k_cache, v_cache = cache
         backend = GQA_BACKEND[self.route_path]
         if dcp:
@@ -262,7 +266,7 @@ class DecodeStep:
                 fingerprint = batch.fingerprint if check else None
                 if seq_lens.shape[0] != batch.padded_requests:  # a padded plan: its lengths, padding's 0s too
                     seq_lens = batch.seq_lens.to(q.device)
-            return dcp_gqa_decode(
+            out, lse = dcp_gqa_decode(
                 q,
                 k_cache,
                 v_cache,
@@ -281,6 +285,7 @@ class DecodeStep:
                 lens_fingerprint=fingerprint,
                 workspace=buffers,
             )
+            return self._result(out, lse)
         result = gqa_paged_decode(
             q,
             k_cache,
@@ -298,3 +303,7 @@ class DecodeStep:
             backend=backend,
         )
         return (result, None) if isinstance(result, torch.Tensor) else result  # out alone without return_lse
+
+    def _result(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A step's ``(out, lse)`` as returned: ``lse`` only with :attr:`return_lse`."""
+        return out, (lse if self.return_lse else None)

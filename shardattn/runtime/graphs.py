@@ -150,12 +150,11 @@ class DecodeGraphs:
         seq_lens: torch.Tensor,
         kv_lens: torch.Tensor,
         kv_req: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out, lse = self.rt.decode(
             q, self.kv_cache, block_table, seq_lens, meta=(kv_lens, kv_req), sinks=self.sinks, check=False
         )
-        assert lse is not None  # DCP always returns the LSE
-        return out, lse
+        return out if lse is None else (out, lse)  # a graph's outputs are tensors: out alone without the LSE
 
     def __call__(
         self,
@@ -163,10 +162,11 @@ class DecodeGraphs:
         block_table: torch.Tensor,
         seq_lens: Sequence[int] | np.ndarray | torch.Tensor,
         qo_indptr: Sequence[int] | np.ndarray | torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step: ``q [T, H/W, D]`` (real queries, request order), ``block_table [B, max_pages]``
         int32 (this rank's), ``seq_lens [B]`` and ``qo_indptr [B+1]`` host lengths (``None``: one
-        query per request). Returns ``(out [T, H/W, D], lse [T, H/W])`` of the real queries only.
+        query per request). Returns ``(out [T, H/W, D], lse [T, H/W])`` of the real queries only
+        (``lse`` ``None`` when the Runtime was built with ``DecodeOptions(return_lse=False)``).
         """
         step = self.rt.decode_step
         b = len(seq_lens) if not isinstance(seq_lens, torch.Tensor) else int(seq_lens.shape[0])
@@ -183,17 +183,16 @@ class DecodeGraphs:
             # an asynchronous copy (a blocking one waits for the stream): the plan's lengths leave
             # pageable memory before the call returns
             lens = batch.seq_lens.to(q.device, non_blocking=True)
-            out, lse = self.rt.decode(q, self.kv_cache, block_table, lens, batch=batch, sinks=self.sinks, check=False)
-            assert lse is not None
-            return out, lse
+            return self.rt.decode(q, self.kv_cache, block_table, lens, batch=batch, sinks=self.sinks, check=False)
         self.last_route = (padded, why + (f"; {plan.padding_queries} padding queries" if plan.padding_queries else ""))
         q_slots = q if plan.identity_rows else plan.pad_rows(q, name="q")
-        out, lse = self.runner.run(
+        outputs = self.runner.run(
             b, q=q_slots, block_table=block_table, seq_lens=plan.seq_lens, kv_lens=plan.meta[0], kv_req=plan.meta[1]
         ) if self.runner.graphs else self.runner.eager(
             b, q=q_slots, block_table=block_table, seq_lens=plan.seq_lens, kv_lens=plan.meta[0], kv_req=plan.meta[1]
         )  # fmt: skip
-        return plan.real_rows(out), plan.real_rows(lse)
+        out, lse = (outputs[0], outputs[1]) if isinstance(outputs, tuple) else (outputs, None)
+        return plan.real_rows(out), None if lse is None else plan.real_rows(lse)
 
     def eager(
         self,
@@ -201,7 +200,7 @@ class DecodeGraphs:
         block_table: torch.Tensor,
         seq_lens: Sequence[int] | np.ndarray | torch.Tensor,
         qo_indptr: Sequence[int] | np.ndarray | torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The same padded step run eagerly on the graphs' buffers (the replay's bitwise reference)."""
         graphs, self.runner.graphs = self.runner.graphs, {}
         try:

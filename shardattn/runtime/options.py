@@ -97,9 +97,9 @@ class DecodeOptions:
         causal: speculative drafts of one request see each other causally (default); ``False``:
             every draft sees all the request's KV tokens (the graph policy follows).
         return_lse: :meth:`Runtime.decode <shardattn.runtime.runtime.Runtime.decode>` returns the
-            LSE (default). ``False``: a head-TP GQA decode step returns ``(out, None)`` (its kernel,
-            the Triton one, computes the LSE anyway). DCP always computes the LSE (its merge needs
-            it) and returns it.
+            LSE (default). ``False``: every decode step returns ``(out, None)``, in every mode and
+            for both kinds of model. The step computes it all the same (the decode kernels write
+            it, and DCP's merge across ranks needs it): the option drops it, it saves no work.
     """
 
     dcp_interleave: int = 1

@@ -280,7 +280,7 @@ class RuntimeSteps(RuntimeState):
         Returns:
             ``(out [T, H/W, v_dim] in q's dtype, lse [T, H/W] fp32)``: the rank's heads, merged over
             every shard; ``lse`` is ``None`` when built with ``DecodeOptions(return_lse=False)``
-            on a head-TP GQA step.
+            (every mode, both kinds of model).
         Raises:
             ValueError / TypeError: naming the argument (on every rank under DCP when ``check``).
         """

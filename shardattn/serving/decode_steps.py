@@ -153,7 +153,7 @@ class DecodeSteps(StagingRows):
         check_bool("return_lse", return_lse)
         if return_lse and not self._decode_lse:
             raise ValueError(
-                "return_lse=True, but this pool's Runtimes skip the LSE of their head-TP GQA decode "
+                "return_lse=True, but this pool's Runtimes skip the LSE of their decode "
                 "(runtime_kwargs' DecodeOptions(return_lse=False))"
             )
 

@@ -257,11 +257,11 @@ def plan_pool(
         raise ValueError("runtime_kwargs must give max_batched_tokens (the largest prefill step)")
     shapes = pool_shapes(spec, mode, runtime_kwargs)
     dcp = DECODE_STEP[mode] == "dcp"
+    interleave = dcp_interleave(runtime_kwargs)  # a decode_options that is not a DecodeOptions: TypeError
     options = runtime_kwargs.get("decode_options")
-    decode_lse = dcp or spec.kind != "gqa" or options is None or options.return_lse
+    decode_lse = options is None or options.return_lse  # every mode's decode drops it without return_lse
     rows = rank_cache_rows(shapes, rank_kv_heads(spec, dcp, world_size, 0))  # every rank's count
     cache_config, cache_spec = plan_rank_cache(
-        spec.page_size, rows, dcp, world_size, dcp_interleave(runtime_kwargs), max_requests, max_seq_len, num_pages,
-        memory_limit_bytes,
+        spec.page_size, rows, dcp, world_size, interleave, max_requests, max_seq_len, num_pages, memory_limit_bytes,
     )  # fmt: skip
     return PoolPlan(spec, shapes, sinks, decode_lse, cache_config, cache_spec)
