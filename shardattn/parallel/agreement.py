@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from shardattn.parallel.comm import Comm
 
-__all__ = ["agree_on", "check_agreement", "stable_fingerprint", "to_int64"]
+__all__ = ["agree_on", "check_agreement", "dissenters", "stable_fingerprint", "to_int64"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -42,6 +42,19 @@ def to_int64(value: int) -> int:
     """Fold any Python int into the signed int64 range (two's complement of its low 64 bits)."""
     v = int(value) & _MASK64
     return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def dissenters(values: Sequence[int]) -> tuple[list[int], list[int]]:
+    """``(ranks whose value differs from the majority's, ranks that hold it)``; on a tie, the majority
+    is the value of the lowest rank among the tied ones. Nobody dissents where all agree.
+
+    >>> dissenters([7, 7, 9]), dissenters([1, 2]), dissenters([3, 3])
+    (([2], [0, 1]), ([1], [0]), ([], [0, 1]))
+    """
+    tally = Counter(values)
+    top = max(tally.values())
+    majority = next(v for v in values if tally[v] == top)
+    return [r for r, v in enumerate(values) if v != majority], [r for r, v in enumerate(values) if v == majority]
 
 
 def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseException | None = None) -> None:
@@ -74,14 +87,9 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
             f"that rank); rank {comm.rank} stops too instead of waiting for them in a collective"
         )
     values = [v for v, _, _ in rows]
-    tally = Counter(values)
-    if len(tally) == 1:
+    bad, good = dissenters(values)
+    if not bad:
         return
-    top = max(tally.values())
-    # majority value; on a tie, the one of the lowest rank among the tied values
-    majority = next(v for v in values if tally[v] == top)
-    bad = [r for r, v in enumerate(values) if v != majority]
-    good = [r for r, v in enumerate(values) if v == majority]
     raise ValueError(
         f"{what}: rank(s) {bad} disagree with rank(s) {good} (fingerprints {values}); every rank must pass the "
         f"same {what}"

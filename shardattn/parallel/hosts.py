@@ -8,15 +8,18 @@ the agent's node rank (``GROUP_RANK``), so two agents started on one machine cou
 
 :func:`exchange_node_layout` all-gathers one 63-bit hash of each rank's identity (on its own
 :class:`~shardattn.parallel.comm.Comm`, so the caller's collective counts are untouched) and
-returns the layout, the same on every rank. The Runtime calls it once, at construction.
+returns the layout, the same on every rank. The Runtime calls it once, at construction; the same
+all-gather carries a hash of what its ranks must agree on (its spec and mode), so ranks built
+with different ones fail there, every one of them, naming the ranks that differ.
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
-from shardattn.parallel.agreement import stable_fingerprint
+from shardattn.parallel.agreement import dissenters, stable_fingerprint
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
 from shardattn.plan.nodes import NodeLayout
@@ -35,7 +38,9 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def exchange_node_layout(group: GroupLike | Comm, host_id: str | None = None) -> NodeLayout:
+def exchange_node_layout(
+    group: GroupLike | Comm, host_id: str | None = None, *, agree: Sequence[tuple[str, object]] = ()
+) -> NodeLayout:
     """The node of every rank of ``group``: one all-gather of host identities (every rank calls it).
 
     Args:
@@ -44,11 +49,16 @@ def exchange_node_layout(group: GroupLike | Comm, host_id: str | None = None) ->
             device and failure-report grace it takes).
         host_id: this rank's host identity (default :func:`host_identity`); ranks passing equal
             strings share a node.
+        agree: ``(what, value)`` pairs every rank must pass equal (compared by
+            :func:`~shardattn.parallel.agreement.stable_fingerprint`, so by ``repr``), carried by
+            the same all-gather.
     Returns:
         the :class:`~shardattn.plan.nodes.NodeLayout`, equal on every rank.
     Raises:
         TypeError: ``host_id`` is neither a string nor ``None``, on its rank; the gather carries
             the failure, so every other rank raises a ``ValueError`` naming that rank at once.
+        ValueError: on every rank, when the ranks passed different values for one of ``agree``:
+            names it, the ranks that differ from the majority and this rank's value.
     """
     error = None
     if host_id is not None and not isinstance(host_id, str):
@@ -62,13 +72,20 @@ def exchange_node_layout(group: GroupLike | Comm, host_id: str | None = None) ->
             raise error
         return NodeLayout.single(1)
     key = 0 if error is not None else stable_fingerprint("host", host_identity() if host_id is None else host_id)
-    rows = comm.gather_ints([key, int(error is not None)])
+    rows = comm.gather_ints([key, int(error is not None), *(stable_fingerprint(what, v) for what, v in agree)])
     if error is not None:
         raise error
-    failed = [r for r, (_, bad) in enumerate(rows) if bad]
+    failed = [r for r, row in enumerate(rows) if row[1]]
     if failed:
         raise ValueError(
             f"exchange_node_layout: rank(s) {failed} of {comm.world_size} passed a bad host_id (see the error on "
             f"that rank); rank {comm.rank} stops too"
         )
-    return NodeLayout.from_host_ids([key for key, _ in rows])
+    for i, (what, value) in enumerate(agree, start=2):
+        bad, good = dissenters([row[i] for row in rows])
+        if bad:
+            raise ValueError(
+                f"{what}: rank(s) {bad} disagree with rank(s) {good}; every rank must pass the same {what} "
+                f"(rank {comm.rank}'s: {value!r})"
+            )
+    return NodeLayout.from_host_ids([row[0] for row in rows])

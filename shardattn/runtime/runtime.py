@@ -109,6 +109,7 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
             :func:`~shardattn.parallel.hosts.host_identity`); ranks with equal ids share a host.
             Construction exchanges them once (:attr:`nodes`), and the cost model prices ShardQ /
             PCP exchanges that cross hosts at the network's rate. A launcher passes its node rank.
+            The same all-gather compares every rank's spec and mode.
 
     Attributes:
         nodes: the :class:`~shardattn.plan.nodes.NodeLayout` of the group (which ranks share a host).
@@ -116,6 +117,8 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
     Raises:
         ValueError / TypeError: heads not divisible by the world size, a mode the spec cannot run
             (``shardq`` for a GQA model), bad sizes, options that are not the dataclasses.
+            ValueError on every rank: the ranks were given different specs or modes (names the
+            ranks that differ from the majority).
     """
 
     def __init__(
@@ -153,7 +156,11 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
 
         self.comm = Comm(group)  # resolves rank, size and backend once; counts this Runtime's collectives
         self.group = self.comm.group  # the ProcessGroup (of a DeviceMesh's dimension)
-        self.nodes = exchange_node_layout(self.comm, host_id)  # one small all-gather, not counted
+        # one small all-gather, not counted: the hosts, and the spec and mode every rank must share
+        # (ranks given different ones all raise here, before any step)
+        self.nodes = exchange_node_layout(
+            self.comm, host_id, agree=(("Runtime spec", self.spec), ("Runtime mode", mode))
+        )
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         # raises when the heads do not divide, naming the group's size (the Runtime takes no tp_size)
         self.heads_per_rank = self.spec.heads_per_rank(self.world_size, ranks="the group's size")
