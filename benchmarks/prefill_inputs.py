@@ -8,6 +8,7 @@ import statistics
 import time
 
 import torch
+from kv_pool import scattered_pages
 
 from shardattn.ops.kv_fp8 import dequantize_kv, quantize_kv
 from shardattn.ops.topk import convert_topk
@@ -79,7 +80,7 @@ def make_case(
     dev = torch.device(device)
     pos = synthetic_topk(tokens, topk, start_position=kv_rows - tokens, overlap=workload, seed=seed, device=dev)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    blocks = torch.randperm((pool_rows or kv_rows) // BLOCK, generator=gen)[: kv_rows // BLOCK]
+    blocks = scattered_pages(kv_rows // BLOCK, (pool_rows or kv_rows) // BLOCK, gen)
     table = blocks.to(torch.int32)[None, :].to(dev)
     req = torch.zeros(tokens, dtype=torch.int32, device=dev)
     seq = torch.tensor([kv_rows], dtype=torch.int32, device=dev)
