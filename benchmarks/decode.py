@@ -3,6 +3,7 @@ against the copy bandwidth, and a captured decode step against eager.
 
     python benchmarks/decode.py --json decode.json       # every section
     python benchmarks/decode.py --only sparse-small      # a subset (SECTIONS)
+    python benchmarks/decode.py --only gqa --pool-gb 40  # GQA decode on a 40 GB pool of scattered pages
     python benchmarks/decode.py --warm-xqa               # JIT-compile FlashInfer XQA's variants only
 
 Sections (each number a median of CUDA-graph replays under ``triton.testing.do_bench``, which
@@ -19,7 +20,10 @@ is checked against the fp32 reference before it is timed):
   small-batch Gluon kernel is routed at <= 16 heads and <= 16 tokens on sm_90).
 * ``gqa``: GQA paged decode, 64 q / 8 kv heads, head dim 64, page 32, bf16, batch 64 x 8,192
   context: one query per request, 4 uniform drafts, 1-4 ragged drafts. Ours: the Triton kernel;
-  peer: FlashInfer XQA (when installed).
+  peer: FlashInfer XQA (when installed). The cache holds exactly the requests' 16,384 pages
+  (1.07 GB of K and V, in shuffled order); ``--pool-gb 40``: the same pages at scattered page ids
+  of a 40 GB pool (``kv_pool.place_pages``, built once for the three steps), and the records name
+  ``pool_gb``.
 * ``fp8``: sparse-MLA decode on an ``fp8_ds_mla`` cache (656-byte rows,
   :mod:`shardattn.ops.kv_fp8`) against the same routed decode on the bf16 rows it dequantises to
   (:func:`~shardattn.ops.kv_fp8.dequantize_kv`: the same values, 1,152-byte rows), same inputs
@@ -49,14 +53,26 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_inputs import ROW_BYTES, build_caches, distinct_rows, fp8_cache_and_values
+from decode_inputs import (
+    GQA_BATCH,
+    GQA_CONTEXT,
+    GQA_PAGE_SHAPE,
+    ROW_BYTES,
+    build_caches,
+    distinct_rows,
+    fp8_cache_and_values,
+    gqa_cache,
+    gqa_inputs,
+    gqa_pool_pages,
+    gqa_reference,
+)
 from graph_timing import replay_us
+from kv_pool import add_pool_argument, pool_config
 from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.kernels import flashinfer_xqa
 from shardattn.ops.dispatch import sparse_decode_kernel
 from shardattn.ops.gqa_decode import gqa_paged_decode
-from shardattn.ops.gqa_decode_reference import gqa_paged_decode_reference
 from shardattn.ops.lse_merge import lse_merge
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
@@ -222,42 +238,13 @@ def bench_cache_size(env: dict, cases, topk: int, large_rows: int) -> list[dict]
     return out
 
 
-def gqa_inputs(batch, ctx, q_len, hq=64, hkv=8, d=64, page=32, ragged=False, seed=0):
-    """A paged GQA decode step: ``(q, k, v, table, lens)`` and the query-length keywords."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    pages_per = -(-ctx // page)
-    num_pages = batch * pages_per
-    k = torch.randn(num_pages, page, hkv, d, device="cuda", generator=g).bfloat16()
-    v = torch.randn(num_pages, page, hkv, d, device="cuda", generator=g).bfloat16()
-    table = torch.randperm(num_pages, device="cuda", generator=g).view(batch, pages_per).int()
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    if ragged:
-        q_lens = torch.randint(1, q_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
-        cu = torch.zeros(batch + 1, dtype=torch.int32)
-        cu[1:] = q_lens.cumsum(0)
-        kw, total = {"cu_q_lens": cu.cuda(), "max_q_len": q_len}, int(cu[-1])
-    else:
-        kw, total = {"q_len_per_req": q_len}, batch * q_len
-    q = torch.randn(total, hq, d, device="cuda", generator=g).bfloat16()
-    return (q, k, v, table, lens), kw
-
-
-def gqa_reference(args: tuple, kw: dict, requests: int = 4) -> torch.Tensor:
-    """fp32 reference output of the first ``requests`` requests of a :func:`gqa_inputs` step."""
-    q, k, v, table, lens = args
-    if "cu_q_lens" in kw:
-        cu = kw["cu_q_lens"][: requests + 1]
-    else:
-        cu = torch.arange(requests + 1, dtype=torch.int32, device=q.device) * kw["q_len_per_req"]
-    out, _ = gqa_paged_decode_reference(q[: int(cu[-1])], k, v, table[:requests], lens[:requests], cu,
-                                        scale=q.shape[-1] ** -0.5)  # fmt: skip
-    return out
-
-
-def bench_gqa(env: dict) -> list[dict]:
+def bench_gqa(env: dict, pool_gb: float | None = None) -> list[dict]:
+    """GQA paged decode, Triton against XQA, on one cache (``pool_gb``: scattered over a pool of that size)."""
+    page, hkv, d = GQA_PAGE_SHAPE
+    cache = gqa_cache(GQA_BATCH, GQA_CONTEXT, hkv, d, page, pool_gb=pool_gb)
     out = []
     for label, q_len, ragged in (("1", 1, False), ("4 uniform", 4, False), ("1-4 ragged", 4, True)):
-        args, kw = gqa_inputs(64, 8192, q_len, ragged=ragged)
+        args, kw = gqa_inputs(GQA_BATCH, GQA_CONTEXT, q_len, hkv=hkv, d=d, page=page, ragged=ragged, cache=cache)
         ref = gqa_reference(args, kw)
         ms = {}
         for backend in ("triton", "flashinfer"):
@@ -269,7 +256,7 @@ def bench_gqa(env: dict) -> list[dict]:
             check(f"GQA decode {label} on {backend}", got, ref)
             ms[backend] = graph_ms(lambda b=backend, a=args, k=kw: gqa_paged_decode(*a, backend=b, **k))
         base = ("FlashInfer XQA, same run", ms["flashinfer"] * 1e3) if "flashinfer" in ms else None
-        config = {"batch": 64, "context": 8192, "queries per request": label}
+        config = {"batch": GQA_BATCH, "context": GQA_CONTEXT, "queries per request": label} | pool_config(pool_gb)
         out.append(record("gqa-decode", config, "step us", ms["triton"] * 1e3, "us", "lower", base, env))
     return out
 
@@ -349,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rows of the sparse-MLA sections' cache (40,000,000: 46 GB of bf16)")  # fmt: skip
     ap.add_argument("--large-rows", type=int, default=40_000_000,
                     help="rows of the cache-size section's large cache (bf16 46 GB + fp8_ds_mla 26 GB)")  # fmt: skip
+    add_pool_argument(ap, "the gqa section's pages")
     ap.add_argument("--warm-xqa", action="store_true", help="only JIT-compile FlashInfer XQA's variants")
     add_json_argument(ap)
     return ap
@@ -361,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"--only: unknown sections {unknown}; known: {', '.join(SECTIONS)}", file=sys.stderr)
         return 2
+    if args.pool_gb is not None:
+        try:
+            gqa_pool_pages(args.pool_gb)
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
         return 2
@@ -375,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         "sparse-small": lambda: bench_sparse(env, SMALL, args.topk, "small-batch-decode", args.cache_rows),
         "fp8": lambda: bench_fp8(env, FP8, args.topk, args.cache_rows),
         "cache-size": lambda: bench_cache_size(env, CACHE_SIZE, args.topk, args.large_rows),
-        "gqa": lambda: bench_gqa(env),
+        "gqa": lambda: bench_gqa(env, args.pool_gb),
         "merge": lambda: bench_merge(env),
         "graph": lambda: bench_graph(env),
     }
