@@ -27,13 +27,20 @@ reports the op's largest difference from FA4 called directly, and checks the ste
 (bit for bit) and the Runtime against the op. Records (``--json``, ``benchmarks/records.py``,
 benchmark ``gqa-prefill``): the op and the step, each against FA4 called directly in the same run.
 
+The cases with a cached prefix read it from a paged cache of exactly the requests' pages (in
+shuffled order); ``--pool-gb G`` places those pages at scattered page ids of a pool of ``G`` GB of
+the rank's K and V pages (``kv_pool.place_pages``: one pool for each TP size, its pages that rank's
+shape), and those cases' records name ``pool_gb``.
+
     python benchmarks/gqa_prefill.py --json gqa_prefill.json
+    python benchmarks/gqa_prefill.py --pool-gb 40 --json gqa_prefill_pool40.json   # a 40 GB pool
     python benchmarks/gqa_prefill.py --device cpu --iters 1   # dry run on tiny shapes (no FA4, no GPU)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -45,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_pool import add_pool_argument, place_pages, pool_config, pool_pages
 from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.kernels import fa4
@@ -99,8 +107,12 @@ def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> 
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), host
 
 
-def make_inputs(case: Case, heads: int, kv_heads: int, dim: int, page: int, device: str, dtype: torch.dtype) -> dict:
-    """New tokens' q / k / v, and a paged cache holding every request's cached and new keys."""
+def make_inputs(
+    case: Case, heads: int, kv_heads: int, dim: int, page: int, device: str, dtype: torch.dtype,
+    pool_gb: float | None = None,
+) -> dict:  # fmt: skip
+    """New tokens' q / k / v, and a paged cache holding every request's cached and new keys (with
+    ``pool_gb``: its pages at scattered ids of a pool of that many GB, the same values)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     b, n, c = case.requests, case.new, case.cached
     total = b * n
@@ -115,7 +127,7 @@ def make_inputs(case: Case, heads: int, kv_heads: int, dim: int, page: int, devi
     x["table"] = torch.randperm(b * pages, generator=g).view(b, pages).to(device=device, dtype=torch.int32)
     if c:
         shape = (b * pages, page, kv_heads, dim)
-        x["k_cache"], x["v_cache"] = rand(*shape), rand(*shape)
+        (x["k_cache"], x["v_cache"]), x["table"] = place_pages((rand(*shape), rand(*shape)), x["table"], pool_gb)
         for name, new in (("k_cache", x["k"]), ("v_cache", x["v"])):  # the cache also holds the new keys
             flat = x[name].view(-1, kv_heads, dim)
             pos = torch.arange(c, c + n, device=device)
@@ -155,7 +167,7 @@ def run_case(case: Case, args: argparse.Namespace, group: dist.ProcessGroup, tp:
     heads, kv_heads = args.heads // tp, max(1, args.kv_heads // tp)
     device = args.device
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    x = make_inputs(case, heads, kv_heads, args.dim, args.page, device, dtype)
+    x = make_inputs(case, heads, kv_heads, args.dim, args.page, device, dtype, args.pool_gb)
     scale = args.dim**-0.5
     prefix = {}
     if case.cached:
@@ -194,7 +206,7 @@ def run_case(case: Case, args: argparse.Namespace, group: dist.ProcessGroup, tp:
     route = gqa_prefill_route(x["q"], x["k"])
     row = {
         "case": case.name, "tp": tp, "heads": heads, "kv_heads": kv_heads, "head_dim": args.dim, "page": args.page,
-        "route": route.path, "route_reason": route.reason,
+        "route": route.path, "route_reason": route.reason, "pool_gb": args.pool_gb if case.cached else None,
     }  # fmt: skip
     row["op_ms"], row["op_host_ms"] = median_ms(op, args.warmup, args.iters, cuda)
     row["step_ms"], row["step_host_ms"] = median_ms(step, args.warmup, args.iters, cuda)
@@ -227,7 +239,7 @@ def records_of(rows: list[dict], env: dict) -> list[dict]:
     out = []
     for r in rows:
         config = {"case": r["case"], "tp": r["tp"], "heads": r["heads"], "kv_heads": r["kv_heads"],
-                  "head_dim": r["head_dim"]}  # fmt: skip
+                  "head_dim": r["head_dim"]} | pool_config(r.get("pool_gb"))  # fmt: skip
         base = ("FA4 called directly, same run", r["fa4_ms"]) if "fa4_ms" in r else None
         out.append(record("gqa-prefill", config, "op ms", r["op_ms"], "ms", "lower", base, env))
         out.append(record("gqa-prefill", config, "head-TP step ms", r["step_ms"], "ms", "lower", base, env))
@@ -237,6 +249,20 @@ def records_of(rows: list[dict], env: dict) -> list[dict]:
                 host = f"{what} host ms per call"
                 out.append(record("gqa-prefill", config, host, r[f"{what}_host_ms"], "ms", "lower", None, env))
     return out
+
+
+def check_pool(args: argparse.Namespace, cases: list[Case]) -> None:
+    """``ValueError`` naming ``--pool-gb`` when its pool holds fewer pages than a cached-prefix case
+    needs at one of ``args.tp``'s rank shapes."""
+    if args.pool_gb is None:
+        return
+    size = 4 if args.device == "cpu" else 2  # fp32 / bf16
+    for tp in args.tp:
+        kv_heads = max(1, args.kv_heads // tp)
+        for c in cases:
+            if c.cached:
+                pages = c.requests * -(-(c.cached + c.new) // args.page)
+                pool_pages(args.pool_gb, 2 * size * args.page * kv_heads * args.dim, pages)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: a dry run on tiny shapes (torch reference, no FA4)")  # fmt: skip
+    add_pool_argument(ap, "the cached-prefix cases' pages")
     add_json_argument(ap)
     return ap
 
@@ -259,14 +286,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         args.heads, args.kv_heads, args.dim, args.page = 8, 2, 16, 16
         args.tp = [t for t in args.tp if args.heads % t == 0 and (args.kv_heads % t == 0 or t % args.kv_heads == 0)]
-    elif not torch.cuda.is_available():
+    cases = CPU_CASES if args.device == "cpu" else GPU_CASES
+    try:
+        check_pool(args, cases)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU: pass --device cpu for a dry run", file=sys.stderr)
         return 2
     env = environment()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        cases = CPU_CASES if args.device == "cpu" else GPU_CASES
-        rows = [run_case(c, args, dist.group.WORLD, tp) for tp in args.tp for c in cases]
+        rows = []
+        for tp in args.tp:
+            for c in cases:
+                rows.append(run_case(c, args, dist.group.WORLD, tp))
+                gc.collect()  # a pool of tens of GB goes before the next case's is allocated
     finally:
         dist.destroy_process_group()
     for why in sorted({r["fa4_missing"] for r in rows if "fa4_missing" in r}):
