@@ -1,6 +1,7 @@
 """DCP GQA decode step on N GPUs: the lean eager step and graph buckets against the eager step.
 
     torchrun --nproc-per-node 2 benchmarks/decode_dcp.py --json dcp.json
+    torchrun --nproc-per-node 2 benchmarks/decode_dcp.py --pool-gb 40 --json dcp_pool40.json
 
 gqa-64-8 (64 q / 8 kv heads, d 64, page 32, sinks), 64 requests of 8,192 tokens, KV split over
 the ranks (DCP). Whole steps on each rank, host clock around the call with the device
@@ -20,8 +21,11 @@ slowest rank does, so each record is the slowest rank's median. Rows:
 * the kernel launches and copies of one eager step planned each step (torch profiler).
 
 The whole cache is drawn from one seed on every rank, which keeps its DCP shard
-(``shard_kv_cache``); the baseline's output is checked against the fp32 reference of the rank's
-heads over the whole cache before anything is timed. No records are written when a check fails.
+(``shard_kv_cache``): exactly the shard's pages, in order. ``--pool-gb G``: each rank places its
+shard's pages at scattered page ids of a pool of ``G`` GB of K and V pages on its GPU
+(``kv_pool.place_pages``; the records name ``pool_gb``). The baseline's output is checked against
+the fp32 reference of the rank's heads over the whole cache before anything is timed. No records
+are written when a check fails.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_pool import add_pool_argument, page_bytes, place_pages, pool_config, pool_pages
 from records import add_json_argument, environment, print_table, record, write_json
 
 from shardattn.ops.gqa_decode_reference import gqa_paged_decode_reference
@@ -76,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=50)
+    add_pool_argument(ap, "each rank's shard of the cache")
     add_json_argument(ap)
     return ap
 
@@ -86,8 +92,7 @@ def measure(args: argparse.Namespace, rank: int) -> tuple[dict[str, float], dict
     rt = Runtime("gqa-64-8", dist.group.WORLD, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=8 * b)
     spec, h, d = rt.spec, rt.heads_per_rank, rt.spec.head_dim
     seq = [ctx] * b
-    whole = whole_cache(b, ctx, spec, seed=1)  # the same on every rank; each keeps its shard
-    (k, v), table = shard_kv_cache(whole[:2], whole[2], seq, rt.layout, rank)
+    whole, (k, v), table = rank_cache(rt, b, ctx, rank, args.pool_gb)
     pages_per = table.shape[1]
     g = torch.Generator(device="cuda").manual_seed(1 + rank)
     sinks = torch.randn(spec.num_heads, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
@@ -101,6 +106,10 @@ def measure(args: argparse.Namespace, rank: int) -> tuple[dict[str, float], dict
     def baseline():
         return rt.decode(q1, (k, v), table, seq_dev, q_len_per_req=1, sinks=sinks, check=False)
 
+    err = reference_error(baseline()[0], q1, whole, seq_dev, sinks, rank, rt.scale)
+    checks[f"the baseline is the fp32 reference's attention over the whole cache (max error {err:.2g})"] = err <= TOL
+    del whole  # the reference's copy of the cache: not kept beside a pool while timing
+
     def planned():
         return rt.decode(q1, (k, v), table, seq_dev, batch=rt.decode_step.plan(seq), sinks=sinks, check=False)
 
@@ -109,8 +118,6 @@ def measure(args: argparse.Namespace, rank: int) -> tuple[dict[str, float], dict
     def reused():
         return rt.decode(q1, (k, v), table, seq_dev, batch=plan1, sinks=sinks, check=False)
 
-    err = reference_error(baseline()[0], q1, whole, seq_dev, sinks, rank, rt.scale)
-    checks[f"the baseline is the fp32 reference's attention over the whole cache (max error {err:.2g})"] = err <= TOL
     checks["lean step equals the baseline"] = _equal(baseline(), reused())
     ms[BASELINE] = _times(baseline, args.iters)
     ms["eager, planned each step"] = _times(planned, args.iters)
@@ -169,16 +176,31 @@ def measure(args: argparse.Namespace, rank: int) -> tuple[dict[str, float], dict
     return ms, checks
 
 
-def whole_cache(b: int, ctx: int, spec, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def whole_cache(b: int, ctx: int, spec, seed: int, device: str = "cuda") -> tuple[torch.Tensor, ...]:
     """``(k, v, table)``: the whole paged GQA cache of ``b`` requests of ``ctx`` tokens (``[pages,
     page, Hkv, D]`` bf16 each, pages in random order; ``table [b, pages a request]`` int32), drawn
     from ``seed`` so that every rank holds the same one."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     per = -(-ctx // spec.page_size)
-    k = torch.randn(b * per, spec.page_size, spec.num_kv_heads, spec.head_dim, device="cuda", generator=g)
-    v = torch.randn(k.shape, device="cuda", generator=g)
-    table = torch.randperm(b * per, device="cuda", generator=g).view(b, per).int()
+    k = torch.randn(b * per, spec.page_size, spec.num_kv_heads, spec.head_dim, device=device, generator=g)
+    v = torch.randn(k.shape, device=device, generator=g)
+    table = torch.randperm(b * per, device=device, generator=g).view(b, per).int()
     return k.bfloat16(), v.bfloat16(), table
+
+
+def rank_cache(rt: Runtime, b: int, ctx: int, rank: int, pool_gb: float | None, device: str = "cuda"):
+    """``(whole, (k, v), table)``: :func:`whole_cache` (seed 1) and this rank's DCP shard of it, its
+    pages at scattered ids of a pool of ``pool_gb`` GB when given (seeded by the rank). Every rank
+    learns the largest shard, so a pool too small for any rank's is refused on all of them at once
+    (``ValueError`` naming ``--pool-gb``)."""
+    whole = whole_cache(b, ctx, rt.spec, seed=1, device=device)  # the same on every rank; each keeps its shard
+    (k, v), table = shard_kv_cache(whole[:2], whole[2], [ctx] * b, rt.layout, rank)
+    if pool_gb is not None:
+        need = torch.tensor([k.shape[0]], device=device)
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=rt.group)
+        pool_pages(pool_gb, page_bytes((k, v)), int(need))
+        (k, v), table = place_pages((k, v), table, pool_gb, seed=rank)
+    return whole, (k, v), table
 
 
 def reference_error(out: torch.Tensor, q: torch.Tensor, whole: tuple, seq_lens: torch.Tensor, sinks: torch.Tensor,
@@ -205,7 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    ms, checks = measure(args, rank)
+    try:
+        ms, checks = measure(args, rank)
+    except ValueError as e:  # --pool-gb too small: raised on every rank at once (rank_cache)
+        if "--pool-gb" not in str(e):
+            raise
+        if rank == 0:
+            print(e, file=sys.stderr, flush=True)
+        os._exit(2)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (ms, checks))
     failed = sorted({k for _, chk in gathered for k, v in chk.items() if not v})
@@ -228,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             row_base = base if name.startswith("eager") or name.endswith("single token") else None
             if name == ragged:
                 row_base = (f"{uniform}, same run", slowest[uniform])
-            config = {"requests": args.requests, "context": args.context, "step": name}
+            config = {"requests": args.requests, "context": args.context, "step": name} | pool_config(args.pool_gb)
             records.append(record(BENCHMARK, config, "step ms", value, "ms", "lower", row_base, env))
         config = {"requests": args.requests, "context": args.context, "step": "eager, planned each step"}
+        config |= pool_config(args.pool_gb)
         launches = max(r[0][LAUNCHES] for r in gathered)
         records.append(record(BENCHMARK, config, LAUNCHES, launches, "launches", "lower", None, env))
         print_table(records, f"DCP GQA decode, {world} ranks")
