@@ -241,13 +241,17 @@ def check_disjoint(**tensors: torch.Tensor | None) -> None:
             raise ValueError(f"{name_a} and {name_b} share memory: a kernel's writes to one would overwrite the other")
 
 
-def check_not_inputs(written: dict[str, torch.Tensor | None], read: dict[str, torch.Tensor | None]) -> None:
+def check_not_inputs(
+    written: dict[str, torch.Tensor | None], read: dict[str, torch.Tensor | None], *, reader: str = "the kernel"
+) -> None:
     """The buffers a kernel writes (``written``: a caller's ``out``, ``lse_out``, ``workspace``, a
     union or rows buffer) share no memory with the inputs it reads (``read``): its programs read
     inputs after other programs wrote their results, so a destination over an input corrupts the
-    result with no error. Host-side (pointers and strides, no GPU sync; nothing is looked at when
-    no destination is given); ``None`` and other non-tensors (checked elsewhere), empty and meta
-    tensors are skipped, and tensors on different devices never overlap.
+    result with no error. A parallel step (``reader="the step"``, as the message names it) reads
+    inputs for later chunks or kernels after its exchanges or kernels wrote its destinations.
+    Host-side (pointers and strides, no GPU sync; nothing is looked at when no destination is
+    given); ``None`` and other non-tensors (checked elsewhere), empty and meta tensors are skipped,
+    and tensors on different devices never overlap.
 
     Example:
         >>> q = torch.zeros(4, 2)
@@ -273,7 +277,7 @@ def check_not_inputs(written: dict[str, torch.Tensor | None], read: dict[str, to
         for name_r, dev_r, (lo_r, hi_r) in inputs:
             if lo_w < hi_r and lo_r < hi_w and dev_w == dev_r:  # the address test first: cheaper
                 raise ValueError(
-                    f"{name_w} shares memory with {name_r}: the kernel reads {name_r} after writing {name_w}"
+                    f"{name_w} shares memory with {name_r}: {reader} reads {name_r} after writing {name_w}"
                 )
 
 

@@ -30,7 +30,15 @@ from __future__ import annotations
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_bool, check_choice, check_disjoint, check_same_device, check_tensor
+from shardattn._checks import (
+    FLOAT_DTYPES,
+    check_bool,
+    check_choice,
+    check_disjoint,
+    check_not_inputs,
+    check_same_device,
+    check_tensor,
+)
 from shardattn.ops.lse_merge import merge_weights, run_lse_merge, weighted
 from shardattn.parallel.agreement import stable_fingerprint
 from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
@@ -100,7 +108,8 @@ def collect_partials(
         buffers: optional flat ``uint8`` buffers ``{"send", "recv"}`` of at least
             ``W * packed_nbytes`` bytes each: the ``"all_to_all"`` strategy packs into the first and
             receives into the second instead of allocating (a Runtime's reserved workspace); other
-            strategies allocate.
+            strategies allocate. ``"send"`` may not share memory with ``out`` or ``lse`` (``"recv"``
+            may: the partial has been packed by the time it is written).
     Returns:
         ``(out [T, H/W or H, Dv] in out's dtype, lse [T, H/W or H] fp32)``; rows empty on every
         rank are ``(0, -inf)``.
@@ -126,6 +135,8 @@ def collect_partials(
                            out.device, "buffers", dtypes=exchange_dtypes(out.dtype))  # fmt: skip
         if buffers is not None:  # the exchange reads one while it writes the other
             check_disjoint(**{f"buffers['{k}']": v for k, v in buffers.items() if isinstance(v, torch.Tensor)})
+            # the partial is packed into "send" as it is read; "recv" is written once it has been read
+            check_not_inputs({"buffers['send']": buffers.get("send")}, {"out": out, "lse": lse}, reader="the collector")
         if not check:
             return 0  # nothing to agree on
         return stable_fingerprint("collect_partials", tuple(out.shape), out.dtype, scatter_heads, chosen)

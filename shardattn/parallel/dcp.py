@@ -49,6 +49,7 @@ from shardattn._checks import (
     check_block_table_holds,
     check_bool,
     check_int,
+    check_not_inputs,
     check_same_device,
     check_scale,
     check_sink_logits,
@@ -111,10 +112,21 @@ _LIVE = {
     for key, item in (("q", "packed_q"), ("rows", "topk_rows"), ("out", "out"), ("lse", "lse"), ("send", "send"),
                       ("recv", "recv"))
 }  # fmt: skip
+#: The last phase of the step (:data:`_LIVE`'s) that reads the step's inputs: the local kernel.
+#: A buffer first written at or before it ("q", "rows", "out", "lse") must not hold an input; the
+#: collector's "send" / "recv" are written after it and may.
+_KERNEL_PHASE = 3
 
 
 def check_dcp_workspace(
-    workspace: object, q: torch.Tensor, world_size: int, v_dim: int, topk: int, strategy: str, scatter_heads: bool
+    workspace: object,
+    q: torch.Tensor,
+    world_size: int,
+    v_dim: int,
+    topk: int,
+    strategy: str,
+    scatter_heads: bool,
+    inputs: dict[str, torch.Tensor | None] | None = None,
 ) -> None:
     """A DCP decode step's ``workspace`` (:func:`dcp_sparse_mla_decode`'s and
     :func:`~shardattn.parallel.dcp_gqa.dcp_gqa_decode`'s; ``topk`` 0 for GQA, which converts no
@@ -122,8 +134,9 @@ def check_dcp_workspace(
     (``"q"``), the rows, the local partials (``"out"``, ``"lse"``) and the collector's exchange
     (``"send"``, ``"recv"``). Each buffer the step reads is contiguous, starts aligned for the
     widest element it is viewed as, and shares no memory with another buffer in use at the same
-    time (:data:`_LIVE`: the queries' bytes may hold the packed send buffer, say). Checked where
-    the ranks agree."""
+    time (:data:`_LIVE`: the queries' bytes may hold the packed send buffer, say), nor, for a buffer
+    written while the step still reads its ``inputs`` (the tensors it was given, by argument
+    name), with an input. Checked where the ranks agree."""
     t, h, d = q.shape
     w, e = world_size, q.element_size()
     need = {
@@ -135,7 +148,12 @@ def check_dcp_workspace(
     if topk:
         need["rows"] = t * topk * 4
     views = {"q": q.dtype, "rows": torch.int32, "out": q.dtype, "lse": torch.float32, **exchange_dtypes(q.dtype)}
-    check_byte_buffers(workspace, need, q.device, dtypes=views, live=_LIVE)
+    buffers = check_byte_buffers(workspace, need, q.device, dtypes=views, live=_LIVE)
+    if inputs is not None:
+        written: dict[str, torch.Tensor | None] = {
+            f"workspace[{k!r}]": buffers[k] for k in need if k in buffers and _LIVE[k][0] <= _KERNEL_PHASE
+        }
+        check_not_inputs(written, inputs, reader="the step")
 
 
 def _partial_buffers(ws: Workspace, q_full: torch.Tensor, v_dim: int) -> dict[str, torch.Tensor]:
@@ -201,7 +219,8 @@ def dcp_sparse_mla_decode(
         check: agree on shapes and layout first (one small all-gather, a host sync); bad input on
             any rank then raises on every rank.
         workspace: optional flat ``uint8`` buffers ``{"q", "rows", "out", "lse", "send", "recv"}``
-            the intermediates live in (module docstring); default: allocated per step.
+            the intermediates live in (module docstring; ``"q"``, ``"rows"``, ``"out"`` and ``"lse"``
+            may not share memory with an input); default: allocated per step.
         kv_format: the format ``kv_cache`` must hold (:data:`shardattn.plan.kv_format.KV_FORMATS`);
             ``None`` takes it from its dtype. The ranks agree on it with ``check``.
     Returns:
@@ -254,7 +273,11 @@ def dcp_sparse_mla_decode(
         check_bool("scatter_heads", scatter_heads)
         check_bool("check", check)
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
-        check_dcp_workspace(workspace, q, comm.world_size, v_dim, topk_pos.shape[1], chosen, scatter_heads)
+        inputs = {
+            "q_heads_local": q, "kv_cache": kv_cache, "topk_pos": topk_pos, "req_ids": req_ids,
+            "block_table": block_table, "seq_lens": seq_lens, "topk_length": topk_length, "sinks": sinks,
+        }  # fmt: skip
+        check_dcp_workspace(workspace, q, comm.world_size, v_dim, topk_pos.shape[1], chosen, scatter_heads, inputs)
         if not check:
             return 0  # nothing to agree on: skip hashing on the step's hot path
         return stable_fingerprint(

@@ -99,7 +99,8 @@ def dcp_gqa_decode(
             :attr:`~shardattn.plan.decode_batch.DecodeBatch.fingerprint`), agreed on instead of
             ``seq_lens`` / ``cu_q_lens`` read back from the device (which costs a sync of its own).
         workspace: optional flat ``uint8`` buffers ``{"q", "out", "lse", "send", "recv"}`` the
-            intermediates live in (module docstring); default: allocated per step.
+            intermediates live in (module docstring; ``"q"``, ``"out"`` and ``"lse"`` may not share
+            memory with an input); default: allocated per step.
     Returns:
         ``(out [total_q, Hq/N or Hq, D] in q's dtype, lse [total_q, Hq/N or Hq] fp32)``, equal to
         :func:`~shardattn.ops.gqa_decode.gqa_paged_decode` over the whole cache.
@@ -170,7 +171,12 @@ def dcp_gqa_decode(
         check_bool("scatter_heads", scatter_heads)
         check_bool("check", check)
         chosen = resolve_strategy(strategy, comm.backend, scatter_heads=scatter_heads)
-        check_dcp_workspace(workspace, q, comm.world_size, d, 0, chosen, scatter_heads)
+        inputs = {
+            "q_heads_local": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table,
+            "seq_lens": seq_lens, "cu_q_lens": cu_q_lens, "sinks": sinks,
+            **({"meta": meta} if isinstance(meta, torch.Tensor) else {"meta[0]": meta_lens, "meta[1]": meta_req}),
+        }  # fmt: skip
+        check_dcp_workspace(workspace, q, comm.world_size, d, 0, chosen, scatter_heads, inputs)
         if not check:
             return 0  # nothing to agree on: skip hashing on the step's hot path
         lens = (_host_values(seq_lens), _host_values(cu_q_lens)) if lens_fingerprint is None else (lens_fingerprint,)

@@ -38,6 +38,7 @@ from shardattn._checks import (
     check_bool,
     check_disjoint,
     check_int,
+    check_not_inputs,
     check_same_device,
     check_scale,
     check_sink_logits,
@@ -77,7 +78,8 @@ def _check_inputs(
     """Validate one rank's ShardQ inputs; returns the fingerprint the ranks must agree on
     (``pipeline``: ``(chunks, align, taper, one_union)``, which every rank must cut alike).
     ``out`` / ``lse_out``: the destinations, ``[T, H/W, v_dim]`` in q's dtype / ``[T, H/W]`` fp32,
-    contiguous, not sharing memory (the step's exchanges write them)."""
+    contiguous, sharing no memory with each other or with an input (the step's exchanges write them
+    while later chunks still read ``q_heads_local``, ``kv`` and ``sinks``)."""
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"plan must be a ShardPlan (from zigzag_split), got {type(plan).__name__}")
     if plan.world_size != comm.world_size:
@@ -109,6 +111,7 @@ def _check_inputs(
             if not dest.is_contiguous():
                 raise ValueError(f"{name} must be contiguous (the step's exchanges write it as a dense buffer)")
     check_disjoint(out=out, lse_out=lse_out)
+    check_not_inputs({"out": out, "lse_out": lse_out}, _inputs(q, kv, rows, topk_length, sinks), reader="the step")
     chunks, align, taper, one_union = pipeline
     if chunks is not None and not 1 <= check_int("chunks", chunks) <= MAX_CHUNKS:
         raise ValueError(f"chunks must be in [1, {MAX_CHUNKS}] (or None: the planner's), got {chunks}")
@@ -136,6 +139,13 @@ def _check_inputs(
         float(scale),
         return_lse,  # it decides what the output exchange carries
     )
+
+
+def _inputs(
+    q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, topk_length: torch.Tensor | None, sinks: torch.Tensor | None
+) -> dict[str, torch.Tensor | None]:
+    """The tensors a ShardQ step reads, by argument name: no destination may share memory with them."""
+    return {"q_heads_local": q, "kv": kv, "rows": rows, "topk_length": topk_length, "sinks": sinks}
 
 
 @overload
@@ -237,7 +247,9 @@ def shardq_prefill(
             the whole share's union and lengths are carved from (the Runtime's ``prefill.packed_q``
             / ``.out`` / ``.lse`` / ``.topk_rows`` / ``.union`` / ``.union_offsets``); default:
             allocated per step.
-        out / lse_out: optional destinations ``[T, H/W, v_dim]`` / ``[T, H/W]`` (contiguous).
+        out / lse_out: optional destinations ``[T, H/W, v_dim]`` / ``[T, H/W]`` (contiguous), sharing
+            no memory with each other, the ``workspace`` or an input (nor may a ``workspace`` buffer
+            share memory with an input): a ``ValueError`` before any exchange (on every rank with ``check``).
     Returns:
         ``out [T, H/W, v_dim]`` in q's dtype, token order, this rank's heads; and
         ``lse [T, H/W]`` fp32 natural log with ``return_lse``. A token with no valid row is
@@ -282,10 +294,12 @@ def shardq_prefill(
                 workspace, pipe, comm.rank, q_heads_local, v_dim, rows.shape[1], rows.dtype == torch.int32, one_union
             )
             piped.append(pipe)
+        inputs = _inputs(q_heads_local, kv, rows, topk_length, sinks)
         for name, buf in workspace.items() if isinstance(workspace, dict) else ():
             if isinstance(buf, torch.Tensor):  # (a non-tensor: the workspace check names it)
-                # the step writes out / lse_out and the workspace: none may hold another
+                # the step writes out / lse_out and the workspace: none may hold another, nor an input
                 check_disjoint(out=out, lse_out=lse_out, **{f"workspace['{name}']": buf})
+                check_not_inputs({f"workspace['{name}']": buf}, inputs, reader="the step")
         if not callable(attention):
             raise TypeError(f"attention must be callable like sparse_mla_attention, got {type(attention).__name__}")
         if one_union and align > 1 and attention is sparse_mla_attention:
