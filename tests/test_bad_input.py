@@ -6,7 +6,8 @@ rows live in ``tests/bad_input/``: the harness in ``table.py``, the rows by laye
 planner's lengths in ``plan_length_rows.py``, its page ledger, cost model, decode routing and
 arena in ``plan_state_rows.py``) and
 ``parallel_rows.py`` (the Runtime's arguments bound to a kind, mode or Runtime in
-``runtime_bound_rows.py``), GQA prefill's in ``gqa_prefill_rows.py``):
+``runtime_bound_rows.py``, a step's destinations laid over its inputs in
+``parallel_alias_rows.py``), GQA prefill's in ``gqa_prefill_rows.py``):
 
 * ``Raises(TypeError | ValueError, match)``: the error names the argument (``match`` is a regex
   on the message), it is raised before any kernel runs (the kernels and references of
@@ -41,6 +42,7 @@ from shardattn.ops import sparse_mla as mla_mod
 from tests.bad_input.alias_rows import alias_rows
 from tests.bad_input.gqa_prefill_rows import gqa_prefill_rows
 from tests.bad_input.kernel_rows import kernel_rows
+from tests.bad_input.parallel_alias_rows import parallel_alias_rows
 from tests.bad_input.parallel_rows import parallel_rows
 from tests.bad_input.plan_length_rows import plan_length_rows
 from tests.bad_input.plan_rows import plan_rows
@@ -68,6 +70,7 @@ ROWS: list[Row] = [
     *plan_length_rows(),
     *plan_state_rows(),
     *parallel_rows(),
+    *parallel_alias_rows(),
     *runtime_bound_rows(),
     *gqa_prefill_rows(),
 ]
