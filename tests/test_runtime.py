@@ -760,8 +760,8 @@ def _shardq_route_body(group) -> dict:
 def test_shardq_ranks_take_one_group_size_when_their_counts_straddle_the_gate(dist_pool, nproc: int) -> None:
     """The kernel's group size is also the chunk alignment every ShardQ rank cuts alike: ranks whose
     token counts fall on both sides of the grouped path's gate take one route (the smallest rank's)."""
-    if nproc < 2:
-        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    if nproc < 2 or MLA.num_heads % nproc:
+        pytest.skip(f"needs 2 or more ranks that divide the spec's {MLA.num_heads} heads")
     results = dist_pool.run(_shardq_route_body)
     counts = results[0]["counts"]
     assert min(counts) < 64 <= max(counts), counts  # the ranks straddle the gate
