@@ -32,7 +32,7 @@ from shardattn.plan.step_shape import StepShape
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
 from shardattn.testing.pool import free_port
-from tests.parallel_helpers import assert_rank_errors, catch, short_timeout_group
+from tests.parallel_helpers import assert_rank_errors, short_timeout_group
 from tests.test_cost_model import RT_SHARDQ_WINS, SHARDQ_WINS
 from tests.test_runtime import GQA, MLA, _err, _gqa_oracle, _gqa_step, _heads, _mla_oracle
 
@@ -242,15 +242,24 @@ def test_runtime_learns_its_hosts_and_dcp_merges_across_them(dist_pool, split: b
 
 def _bad_host_id_on_rank_1(group: dist.ProcessGroup) -> tuple[str, str]:
     short = short_timeout_group(group)  # a peer left waiting in the gather fails in seconds
-    return catch(exchange_node_layout, short, 7 if dist.get_rank(group) == 1 else f"host-{dist.get_rank(group)}")
+    try:  # the peers raise rank 1's failure, carried by the gather
+        exchange_node_layout(short, 7 if dist.get_rank(group) == 1 else f"host-{dist.get_rank(group)}")
+    except (TypeError, PeerFailedError) as e:
+        return type(e).__name__, str(e)
+    return "ok", ""
 
 
 @pytest.mark.distributed
 def test_a_bad_host_id_on_one_rank_raises_on_every_rank_at_once(dist_pool, nproc: int) -> None:
     if nproc < 2:
         pytest.skip("needs 2 ranks; run with --nproc 2 or more")
-    peers = f"ValueError: exchange_node_layout: rank(s) [1] of {nproc} passed a bad host_id"
-    expect = [peers if r != 1 else "TypeError: host_id must be a str or None, got int" for r in range(nproc)]
+    own = "TypeError: host_id must be a str or None, got int"
+    expect = [
+        f"PeerFailedError: exchange_node_layout on rank {r} failed because rank 1 of {nproc} raised {own}"
+        if r != 1
+        else own
+        for r in range(nproc)
+    ]
     assert_rank_errors(dist_pool.run(_bad_host_id_on_rank_1), expect)
 
 

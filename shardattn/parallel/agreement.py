@@ -6,6 +6,13 @@ all-gathers one ``int64`` fingerprint (:func:`stable_fingerprint`) and an error 
 raises the same clear ``ValueError`` on every rank, naming the ranks that disagree, instead;
 :func:`agree_on` validates a rank's inputs first. :class:`~shardattn.parallel.comm.Comm` offers
 both as methods (``comm.check_agreement``, ``comm.agree_on``).
+
+:func:`settle` ends a phase of work that every rank runs and that may raise anywhere (building a
+Runtime: its checks, its workspace, its warm-up): one all-gather of a failure flag (and any
+values the ranks exchange) per rank, so that a rank whose phase raised reaches its peers at once
+(they raise :class:`~shardattn.errors.PeerFailedError` naming it and its exception, posted to the
+group's store before the gather, :mod:`~shardattn.parallel.peer_failures`) instead of leaving
+them in the next collective until the group's timeout.
 """
 
 from __future__ import annotations
@@ -15,10 +22,12 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from shardattn.parallel.peer_failures import name_raised_peers
+
 if TYPE_CHECKING:
     from shardattn.parallel.comm import Comm
 
-__all__ = ["agree_on", "check_agreement", "dissenters", "stable_fingerprint", "to_int64"]
+__all__ = ["agree_on", "check_agreement", "dissenters", "settle", "stable_fingerprint", "to_int64"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -123,3 +132,39 @@ def agree_on(comm: Comm, what: str, validate: Callable[[], int], *, check: bool 
         raise  # unreachable: check_agreement re-raises e
     if check:
         check_agreement(comm, fingerprint, what)
+
+
+def settle(comm: Comm, what: str, values: Sequence[int] = (), *, error: Exception | None = None) -> list[list[int]]:
+    """End a phase of ``what`` that every rank of ``comm`` runs: one all-gather of
+    ``[failed, *values]`` per rank (counted as ``"all_gather"``), raising on every rank if any failed.
+
+    Call it on every rank once its phase is done, passing the exception the phase raised on this
+    rank, if any, as ``error``: this rank posts it to the group's store
+    (:meth:`~shardattn.parallel.comm.Comm.report_failure`) before it enters the gather, so a peer
+    that reads the flag finds the report (it waits at most ``comm.report_grace_s`` for one that
+    has not reached the store).
+
+    Args:
+        what: the phase, for the message (``"Runtime construction"``).
+        values: the same count of ints on every rank (each folded into int64); a rank that failed
+            sends zeros in their place.
+        error: this rank's exception; re-raised here after the gather.
+    Returns:
+        ``W`` lists of the ranks' ``values``, ranks in order (where no rank failed).
+    Raises:
+        the given ``error`` on its rank; :class:`~shardattn.errors.PeerFailedError` on the others,
+        naming every rank that failed and its exception (``"<what> on rank 0 failed because rank 1
+        of 2 raised ValueError: ..."``).
+    """
+    if error is not None:
+        comm.report_failure(error)  # before the gather: a peer that sees the flag finds the report
+        values = [0] * len(values)
+    rows = comm.gather_ints([1 if error is not None else 0, *values])
+    if error is not None:
+        raise error
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if failed:
+        raise name_raised_peers(
+            comm.group, comm.rank, comm.world_size, what, failed, grace_s=comm.report_grace_s, step=comm.step
+        )
+    return [row[1:] for row in rows]

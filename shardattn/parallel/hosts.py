@@ -10,7 +10,9 @@ the agent's node rank (``GROUP_RANK``), so two agents started on one machine cou
 :class:`~shardattn.parallel.comm.Comm`, so the caller's collective counts are untouched) and
 returns the layout, the same on every rank. The Runtime calls it once, at construction; the same
 all-gather carries a hash of what its ranks must agree on (its spec and mode), so ranks built
-with different ones fail there, every one of them, naming the ranks that differ.
+with different ones fail there, every one of them, naming the ranks that differ, and whether the
+caller's work before it failed on this rank (:func:`~shardattn.parallel.agreement.settle`), so
+its peers raise at once, naming it, rather than wait for it in a later collective.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
-from shardattn.parallel.agreement import dissenters, stable_fingerprint
+from shardattn.parallel.agreement import dissenters, settle, stable_fingerprint
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
 from shardattn.plan.nodes import NodeLayout
@@ -39,7 +41,12 @@ def host_identity() -> str:
 
 
 def exchange_node_layout(
-    group: GroupLike | Comm, host_id: str | None = None, *, agree: Sequence[tuple[str, object]] = ()
+    group: GroupLike | Comm,
+    host_id: str | None = None,
+    *,
+    agree: Sequence[tuple[str, object]] = (),
+    error: Exception | None = None,
+    what: str = "exchange_node_layout",
 ) -> NodeLayout:
     """The node of every rank of ``group``: one all-gather of host identities (every rank calls it).
 
@@ -51,17 +58,21 @@ def exchange_node_layout(
             strings share a node.
         agree: ``(what, value)`` pairs every rank must pass equal (compared by
             :func:`~shardattn.parallel.agreement.stable_fingerprint`, so by ``repr``), carried by
-            the same all-gather.
+            the same all-gather; the same count on every rank (a rank that failed may pass any values).
+        error: the exception the caller's work before the exchange raised on this rank, if any:
+            the gather carries it to the peers (:func:`~shardattn.parallel.agreement.settle`) and
+            it is re-raised here.
+        what: what the exchange is part of, for the peers' message.
     Returns:
         the :class:`~shardattn.plan.nodes.NodeLayout`, equal on every rank.
     Raises:
-        TypeError: ``host_id`` is neither a string nor ``None``, on its rank; the gather carries
-            the failure, so every other rank raises a ``ValueError`` naming that rank at once.
+        the given ``error``, or ``TypeError`` (``host_id`` is neither a string nor ``None``), on its
+            rank; the gather carries the failure, so every other rank raises
+            :class:`~shardattn.errors.PeerFailedError` naming that rank and its exception at once.
         ValueError: on every rank, when the ranks passed different values for one of ``agree``:
             names it, the ranks that differ from the majority and this rank's value.
     """
-    error = None
-    if host_id is not None and not isinstance(host_id, str):
+    if error is None and host_id is not None and not isinstance(host_id, str):
         error = TypeError(f"host_id must be a str or None, got {type(host_id).__name__}")
     if isinstance(group, Comm):  # its own Comm (the caller's counts stay as they are), on the caller's terms
         comm = Comm(group.group, device=group.device, report_grace_s=group.report_grace_s)
@@ -71,21 +82,17 @@ def exchange_node_layout(
         if error is not None:
             raise error
         return NodeLayout.single(1)
-    key = 0 if error is not None else stable_fingerprint("host", host_identity() if host_id is None else host_id)
-    rows = comm.gather_ints([key, int(error is not None), *(stable_fingerprint(what, v) for what, v in agree)])
-    if error is not None:
-        raise error
-    failed = [r for r, row in enumerate(rows) if row[1]]
-    if failed:
-        raise ValueError(
-            f"exchange_node_layout: rank(s) {failed} of {comm.world_size} passed a bad host_id (see the error on "
-            f"that rank); rank {comm.rank} stops too"
-        )
-    for i, (what, value) in enumerate(agree, start=2):
+    if error is None:
+        key = stable_fingerprint("host", host_identity() if host_id is None else host_id)
+        mine = [key, *(stable_fingerprint(name, v) for name, v in agree)]
+    else:
+        mine = [0] * (1 + len(agree))
+    rows = settle(comm, what, mine, error=error)
+    for i, (name, value) in enumerate(agree, start=1):
         bad, good = dissenters([row[i] for row in rows])
         if bad:
             raise ValueError(
-                f"{what}: rank(s) {bad} disagree with rank(s) {good}; every rank must pass the same {what} "
+                f"{name}: rank(s) {bad} disagree with rank(s) {good}; every rank must pass the same {name} "
                 f"(rank {comm.rank}'s: {value!r})"
             )
     return NodeLayout.from_host_ids([row[0] for row in rows])

@@ -5,6 +5,12 @@ a rank whose collective failed posts that it is alive, waits up to :data:`REPORT
 peers' reports and names the ranks that raised or, failing that, the silent ones
 (:func:`name_failed_peers`). :class:`~shardattn.parallel.comm.Comm` calls both.
 
+Where the failure travels in a collective that completes instead (a flag in an all-gather that
+ends a phase every rank runs, :func:`~shardattn.parallel.agreement.settle`), the failed rank
+posts its report before it enters the collective, and its peers, which learn from the flag who
+raised, read the report (:func:`name_raised_peers`): the same error, :class:`PeerFailedError`,
+naming the rank and its exception, at once rather than at the group's timeout.
+
 Every report names the step it was made in: each rank's :class:`~shardattn.parallel.comm.Comm`
 counts the steps it begins (:meth:`~shardattn.parallel.comm.Comm.begin_step`, at every step's
 agreement, :func:`~shardattn.parallel.agreement.agree_on`), and a rank reads only its peers'
@@ -32,6 +38,7 @@ __all__ = [
     "ReportingFailures",
     "looks_like_peer_failure",
     "name_failed_peers",
+    "name_raised_peers",
     "report_failure",
 ]
 
@@ -74,6 +81,27 @@ def report_failure(group: dist.ProcessGroup, rank: int, error: BaseException, *,
             store.set(_REPORT_KEY.format(rank), f"{step} {type(error).__name__}: {first}")
 
 
+def _read_reports(store: dist.Store | None, ranks: list[int], step: int, grace_s: float) -> dict[int, str]:
+    """``{rank: report}`` of those of ``ranks`` that posted one in step ``step`` within ``grace_s`` seconds
+    (``"ExceptionType: message"``, or ``"alive"``); a report of an earlier step is not this one's."""
+    reports: dict[int, str] = {}
+    if store is None:
+        return reports
+    prefix = f"{step} "
+    deadline = time.monotonic() + grace_s
+    while True:
+        for r in ranks:
+            if r not in reports:
+                with contextlib.suppress(Exception):
+                    if store.check([_REPORT_KEY.format(r)]):
+                        posted = store.get(_REPORT_KEY.format(r)).decode(errors="replace")
+                        if posted.startswith(prefix):
+                            reports[r] = posted[len(prefix) :]
+        if len(reports) == len(ranks) or time.monotonic() >= deadline:
+            return reports
+        time.sleep(0.02)
+
+
 def name_failed_peers(
     group: dist.ProcessGroup,
     rank: int,
@@ -90,23 +118,10 @@ def name_failed_peers(
     cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     store = _group_store(group)
     peers = [r for r in range(world_size) if r != rank]
-    reports: dict[int, str] = {}
-    prefix = f"{step} "
     if store is not None:
         with contextlib.suppress(Exception):
-            store.set(_REPORT_KEY.format(rank), prefix + _ALIVE)
-        deadline = time.monotonic() + grace_s
-        while True:
-            for r in peers:
-                if r not in reports:
-                    with contextlib.suppress(Exception):
-                        if store.check([_REPORT_KEY.format(r)]):
-                            posted = store.get(_REPORT_KEY.format(r)).decode(errors="replace")
-                            if posted.startswith(prefix):  # a report of an earlier step is not this one's
-                                reports[r] = posted[len(prefix) :]
-            if len(reports) == len(peers) or time.monotonic() >= deadline:
-                break
-            time.sleep(0.02)
+            store.set(_REPORT_KEY.format(rank), f"{step} {_ALIVE}")
+    reports = _read_reports(store, peers, step, grace_s)
     raised = {r: v for r, v in sorted(reports.items()) if v != _ALIVE}
     silent = [r for r in peers if r not in reports] if store is not None else []
     if raised:
@@ -120,6 +135,30 @@ def name_failed_peers(
         who = f"a peer of the {world_size} ranks failed (no report available)"
     return PeerFailedError(
         f"{kind} on rank {rank} failed because {who}; the collective said: {cause}", raised=raised, silent=silent
+    )
+
+
+def name_raised_peers(
+    group: dist.ProcessGroup,
+    rank: int,
+    world_size: int,
+    what: str,
+    failed: list[int],
+    *,
+    grace_s: float,
+    step: int = 0,
+) -> PeerFailedError:
+    """The error for ``rank`` when a collective that completed said that the ranks ``failed`` raised
+    in ``what`` (step ``step``; they reported before it, :func:`report_failure`): names each with
+    its report, waiting at most ``grace_s`` seconds for one that has not reached the store."""
+    reports = _read_reports(_group_store(group), failed, step, grace_s)
+    unknown = "an exception (its report did not reach the group's store)"
+    raised = {r: reports[r] if reports.get(r, _ALIVE) != _ALIVE else unknown for r in failed}
+    who = "; ".join(f"rank {r} of {world_size} raised {v}" for r, v in raised.items())
+    return PeerFailedError(
+        f"{what} on rank {rank} failed because {who}; rank {rank} stops too instead of waiting for it",
+        raised=raised,
+        silent=[],
     )
 
 
