@@ -29,6 +29,14 @@ Construction does everything that must not happen mid-serving:
   :meth:`Runtime.capture_decode` captures graph buckets and refuses a capture the level forbids
   with a ``ValueError`` (:mod:`~shardattn.runtime.graphs`).
 
+Construction succeeds on every rank of the group or raises on every rank. It runs in two phases,
+each ended on every rank by a small all-gather that carries whether the phase raised on that rank
+(:func:`~shardattn.parallel.agreement.settle`): the checks of the arguments (then the host
+exchange, which also compares the ranks' specs and modes), and the workspace and warm-up. A rank
+whose phase raised (a bad argument, a workspace it cannot allocate, a warm-up that fails) raises
+its own error; every other rank raises :class:`~shardattn.errors.PeerFailedError` naming it and
+its exception at once, rather than wait for it in a later collective until the group's timeout.
+
 The steps (:meth:`Runtime.prefill`, :meth:`Runtime.decode`) are :mod:`~shardattn.runtime.steps`'s.
 Steps are routed by the planner (:mod:`shardattn.plan.routing`: path, group size, reason;
 :mod:`~shardattn.runtime.planning` asks it and logs each decision at debug level) and run by the
@@ -39,12 +47,14 @@ several (different groups, different models) work side by side in one process.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import cast
 
 import torch
 
 from shardattn._checks import check_bool, check_choice, check_int, check_scale
 from shardattn.ops.dispatch import gluon_runs_on
+from shardattn.parallel.agreement import settle
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.gqa_head_tp import head_tp_kv_heads
 from shardattn.parallel.groups import GroupLike
@@ -74,6 +84,19 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: What a peer's error names when one rank's construction raised.
+_CONSTRUCTION = "Runtime construction"
+
+
+def _raised(work: Callable[..., None], *args: object) -> Exception | None:
+    """The exception ``work(*args)`` raised, or ``None``: a phase of the construction runs to its end
+    on every rank, and its all-gather carries the failure to the peers before it is re-raised."""
+    try:
+        work(*args)
+    except Exception as e:
+        return e
+    return None
 
 
 class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
@@ -119,6 +142,9 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
             (``shardq`` for a GQA model), bad sizes, options that are not the dataclasses.
             ValueError on every rank: the ranks were given different specs or modes (names the
             ranks that differ from the majority).
+        MemoryError: the workspace cannot be allocated.
+        PeerFailedError: another rank's construction raised (names it and its exception), this
+            rank's did not.
     """
 
     def __init__(
@@ -138,6 +164,39 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         kv_dtype: str | None = None,
         host_id: str | None = None,
     ) -> None:
+        self.comm = Comm(group)  # resolves rank, size and backend once; counts this Runtime's collectives
+        self.group = self.comm.group  # the ProcessGroup (of a DeviceMesh's dimension)
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        # the construction's own collectives (two small all-gathers), not counted with the steps'
+        build = Comm(self.group, device=self.comm.device, report_grace_s=self.comm.report_grace_s)
+        # every phase runs on every rank and ends in an all-gather that carries whether it raised
+        # on this rank: a rank that failed raises its error, its peers a PeerFailedError naming it,
+        # at once (parallel.agreement.settle), rather than wait for it in a later collective
+        args = (spec, mode, max_batched_tokens, max_decode_tokens, device, scale, topk, prefill_options, decode_options)
+        error = _raised(self._configure, *args, warmup, kv_dtype)
+        # the first: the hosts, and the spec and mode every rank must share (ranks given different
+        # ones all raise here, before any step)
+        agree = (("Runtime spec", None if error else self.spec), ("Runtime mode", None if error else self.mode))
+        self.nodes = exchange_node_layout(build, host_id, agree=agree, error=error, what=_CONSTRUCTION)
+        # the second: the workspace is reserved and the kernels warmed up on every rank, or it raises on every rank
+        settle(build, _CONSTRUCTION, error=_raised(self._reserve, warmup))
+        log.debug("%r: steps %s", self, sorted(self.ws.step_bounds))
+
+    def _configure(
+        self,
+        spec: ModelSpec | str,
+        mode: str,
+        max_batched_tokens: int,
+        max_decode_tokens: int,
+        device: torch.device | str | None,
+        scale: float | None,
+        topk: int | None,
+        prefill_options: PrefillOptions | None,
+        decode_options: DecodeOptions | None,
+        warmup: bool,
+        kv_dtype: str | None,
+    ) -> None:
+        """Check the arguments and settle the config, on this rank alone (no collective)."""
         self.spec = get_preset(spec) if isinstance(spec, str) else spec
         if not isinstance(self.spec, ModelSpec):
             raise TypeError(f"spec must be a ModelSpec or a preset name, got {type(spec).__name__}")
@@ -153,15 +212,6 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
                 "mode 'shardq' runs a sparse-MLA prefill (ShardQ), but the spec is a GQA model; use mode 'headtp' "
                 "(head-TP prefill and decode), 'mixed' (head-TP prefill, DCP decode), 'pcp' or 'dcp-decode'"
             )
-
-        self.comm = Comm(group)  # resolves rank, size and backend once; counts this Runtime's collectives
-        self.group = self.comm.group  # the ProcessGroup (of a DeviceMesh's dimension)
-        # one small all-gather, not counted: the hosts, and the spec and mode every rank must share
-        # (ranks given different ones all raise here, before any step)
-        self.nodes = exchange_node_layout(
-            self.comm, host_id, agree=(("Runtime spec", self.spec), ("Runtime mode", mode))
-        )
-        self.rank, self.world_size = self.comm.rank, self.comm.world_size
         # raises when the heads do not divide, naming the group's size (the Runtime takes no tp_size)
         self.heads_per_rank = self.spec.heads_per_rank(self.world_size, ranks="the group's size")
         if self.spec.kind == "gqa" and "headtp" in (prefill_step_of("gqa", mode), DECODE_STEP[mode]):
@@ -191,14 +241,16 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         self.max_kv_rows = self.max_batched_tokens * 16 if rows is None else rows
         spec_scale = cast(float, self.spec.softmax_scale)  # set and checked once a ModelSpec is built
         self.scale = spec_scale if scale is None else check_scale("scale", scale)
-
         cost_model = self.prefill_options.cost_model
         self.cost_model = (
             resolve_cost_model(cost_model, self.device) if prefill_step_of(self.spec.kind, mode) == "shardq" else None
         )
+
+    def _reserve(self, warmup: bool) -> None:
+        """Reserve the workspace and (with ``warmup``) launch every kernel variant, on this rank."""
         self.ws = RuntimeWorkspace(
             self.spec,
-            mode,
+            self.mode,
             self.world_size,
             device=self.device,
             max_batched_tokens=self.max_batched_tokens,
@@ -215,7 +267,6 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         self._warned_dtype = False
         if warmup:
             self.warmup()
-        log.debug("%r: steps %s", self, sorted(self.ws.step_bounds))
 
     # -- options the parts read ----------------------------------------------------------------
     @property
