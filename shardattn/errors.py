@@ -50,6 +50,14 @@ class PeerFailedError(RuntimeError):
         self.raised = raised
         self.silent = silent
 
+    def __reduce__(self) -> tuple:
+        """Pickled whole (a rank's error travels to a Ray driver): message, ``raised`` and ``silent``."""
+        return (_peer_failed, (str(self), self.raised, self.silent))
+
+
+def _peer_failed(message: str, raised: dict[int, str], silent: list[int]) -> PeerFailedError:
+    return PeerFailedError(message, raised=raised, silent=silent)
+
 
 class CalibrationWarning(UserWarning):
     """A calibration table could not be used (missing, corrupt, another GPU); the model falls back."""
@@ -78,6 +86,10 @@ class RankFailedError(RuntimeError):
     def __init__(self, rank: int, cause: str, operation: str) -> None:
         super().__init__(f"rank {rank} failed during {operation}: {cause} (the pool is broken; call restart())")
         self.rank, self.cause, self.operation = rank, cause, operation
+
+    def __reduce__(self) -> tuple:
+        """Pickled whole: the rank, the cause and the operation."""
+        return (type(self), (self.rank, self.cause, self.operation))
 
 
 class PlacementTimeoutError(TimeoutError):

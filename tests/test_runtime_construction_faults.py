@@ -83,3 +83,64 @@ def test_one_ranks_construction_failure_reaches_its_peer_at_once(dist_pool, faul
     assert peer["error"].startswith(f"Runtime construction on rank 0 failed because rank 1 of 2 raised {own}"), peer
     assert peer["s"] < FAST_S, peer  # within the report grace, not at the group's timeout (TIMEOUT_S)
 
+
+def test_the_failure_errors_travel_whole_between_processes() -> None:
+    """A peer's error pickles with what it names (a Ray driver reads it from an actor's result)."""
+    import pickle
+
+    from shardattn.errors import RankFailedError
+
+    err = pickle.loads(pickle.dumps(PeerFailedError("m", raised={1: "ValueError: x"}, silent=[2])))
+    assert (str(err), err.raised, err.silent) == ("m", {1: "ValueError: x"}, [2])
+    pool_err = pickle.loads(pickle.dumps(RankFailedError(1, "raised ValueError: x", "build")))
+    assert (pool_err.rank, pool_err.cause, pool_err.operation) == (1, "raised ValueError: x", "build")
+
+
+class _WarmUpFailsOnRank1:
+    """A pool rank (:class:`~shardattn.serving.actor.RankActor`) whose Runtime warm-up raises on rank 1."""
+
+    @staticmethod
+    def make():
+        from shardattn.serving.actor import RankActor
+
+        class Actor(RankActor):
+            def build(self, spec, runtime_kwargs, cache, sinks=None):
+                if self.rank == 1:
+                    Runtime.warmup = _failing_warmup  # this actor's process only
+                    runtime_kwargs = {**runtime_kwargs, "warmup": True}
+                return super().build(spec, runtime_kwargs, cache, sinks)
+
+        return Actor
+
+
+def test_a_ray_pool_names_the_rank_whose_construction_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank raises (rank 0 a PeerFailedError naming rank 1): the pool's one error names rank 1."""
+    from shardattn.serving.errors import ray_unavailable_reason
+
+    if ray_unavailable_reason() is not None:
+        pytest.skip(str(ray_unavailable_reason()))
+    import ray
+
+    from shardattn.errors import RankFailedError
+    from shardattn.serving import pool as pool_module
+    from shardattn.serving.health import HEALTH_GROUP
+    from shardattn.serving.transport import SERVE_GROUP
+
+    def actor_class(num_cpus: float, num_gpus: float):
+        groups = {HEALTH_GROUP: 1, SERVE_GROUP: 1}
+        remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, concurrency_groups=groups)
+        return remote(_WarmUpFailsOnRank1.make())
+
+    monkeypatch.setattr(pool_module, "_actor_class", actor_class)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        for _ in range(2):  # whichever rank's error the driver reads first
+            with pytest.raises(RankFailedError) as info:
+                pool_module.RayRankPool(
+                    2, MLA, mode="headtp", device="cpu", transport="calls", timeout_s=60, init_ray=False,
+                    runtime_kwargs={"max_batched_tokens": 8, "warmup": False},
+                )  # fmt: skip
+            assert info.value.rank == 1 and info.value.operation == "build", info.value
+            assert info.value.cause.startswith("raised RuntimeError: injected warm-up failure on rank 1"), info.value
+    finally:
+        ray.shutdown()

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardattn.errors import PlacementTimeoutError, RankFailedError
+from shardattn.errors import PeerFailedError, PlacementTimeoutError, RankFailedError
 
 __all__ = [
     "PlacementTimeoutError",
     "RankFailedError",
     "RankStepError",
+    "blame",
     "describe_ray_error",
     "ray_unavailable_reason",
     "require_ray",
@@ -41,6 +42,19 @@ def describe_ray_error(exc: BaseException) -> str:
         lines = str(exc).strip().splitlines()
         return "actor died (" + (lines[0][:200] if lines else type(exc).__name__) + ")"
     return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def blame(rank: int, exc: BaseException) -> tuple[int, str]:
+    """The rank a failed call names, and its cause, for ``rank``'s Ray error ``exc``: ``rank`` and
+    its error, except where that error is a :class:`~shardattn.errors.PeerFailedError` naming peers
+    that raised (``rank`` stopped because of them): then the first of those, with its error."""
+    import ray
+
+    cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else None
+    if isinstance(cause, PeerFailedError) and cause.raised:
+        first = min(cause.raised)
+        return first, f"raised {cause.raised[first]} (rank {rank} stopped too: {type(cause).__name__})"
+    return rank, describe_ray_error(exc)
 
 
 def ray_unavailable_reason() -> str | None:

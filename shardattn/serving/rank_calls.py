@@ -5,8 +5,11 @@ one call per rank within the pool's ``timeout_s`` (:meth:`RankCalls._call`); the
 dies, raises or does not answer breaks the pool (:meth:`RankCalls._fail`: one
 :class:`~shardattn.serving.errors.RankFailedError` naming the rank that failed first, every actor
 stopped, the decode transport torn down), and every later call raises that error until the pool
-restarts. It also answers health reports (which never raise for a dead rank), runs a function on
-every rank, and arms the fault drills. The pool provides the state used here: its actors, its
+restarts. A rank whose error is a :class:`~shardattn.errors.PeerFailedError` naming a peer that
+raised (it stopped because of that peer, as every rank does when one rank's Runtime construction
+fails) is not the one named: the peer is, with its error (:func:`~shardattn.serving.errors.blame`).
+It also answers health reports (which never raise for a dead rank), runs a function on every rank,
+and arms the fault drills. The pool provides the state used here: its actors, its
 timeout, its decode transport and its step lock.
 """
 
@@ -19,7 +22,7 @@ from typing import Any
 
 from shardattn._checks import check_int
 from shardattn.serving.actor import check_fault
-from shardattn.serving.errors import RankFailedError, describe_ray_error
+from shardattn.serving.errors import RankFailedError, blame
 from shardattn.serving.health import holding_up, rank_reports
 from shardattn.serving.placement import kill_actors
 
@@ -91,7 +94,7 @@ class RankCalls:
                 try:
                     results[rank] = ray.get(ref)
                 except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-                    raise self._fail(rank, describe_ray_error(e), operation) from None
+                    raise self._fail(*blame(rank, e), operation) from None
         return [results[r] for r in ranks]
 
     @property
