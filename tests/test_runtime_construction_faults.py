@@ -1,10 +1,10 @@
 """One rank's Runtime construction fails: its peers raise within the failure-report grace, naming it.
 
-Two gloo ranks on a fresh group whose collectives time out after ``TIMEOUT_S`` (the bound of a
+Every rank of the pool (2 or more) on a fresh group whose collectives time out after ``TIMEOUT_S`` (the bound of a
 peer that waits for the failed rank instead; gloo's default would be 30 minutes). Rank 1 fails
 before the construction's host all-gather (a bad mode, options of the wrong type) or after it
-(a workspace it cannot allocate, a warm-up that raises); rank 1 raises its own error, and rank 0
-must raise :class:`~shardattn.errors.PeerFailedError` naming rank 1 and its exception well before
+(a workspace it cannot allocate, a warm-up that raises); rank 1 raises its own error, and every
+other rank must raise :class:`~shardattn.errors.PeerFailedError` naming rank 1 and its exception well before
 the group's timeout.
 """
 
@@ -75,13 +75,18 @@ def _build(group: dist.ProcessGroup, fault: str) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_one_ranks_construction_failure_reaches_its_peer_at_once(dist_pool, fault: str) -> None:
-    peer, failed = dist_pool.run(_build, fault, world_size=2)
+def test_one_ranks_construction_failure_reaches_its_peer_at_once(dist_pool, nproc: int, fault: str) -> None:
+    if nproc < 2 or MLA.num_heads % nproc:
+        pytest.skip(f"needs 2 or more ranks that divide the spec's {MLA.num_heads} heads")
+    results = dist_pool.run(_build, fault)  # every rank of the pool: the short group spans the world
+    failed, peers = results[1], [res for r, res in enumerate(results) if r != 1]
     own = FAULTS[fault][1]
     assert failed["error"] is not None and f"{failed['type']}: {failed['error']}".startswith(own), failed
-    assert peer["type"] == PeerFailedError.__name__, peer
-    assert peer["error"].startswith(f"Runtime construction on rank 0 failed because rank 1 of 2 raised {own}"), peer
-    assert peer["s"] < FAST_S, peer  # within the report grace, not at the group's timeout (TIMEOUT_S)
+    for rank, peer in zip((r for r in range(nproc) if r != 1), peers):
+        assert peer["type"] == PeerFailedError.__name__, peer
+        want = f"Runtime construction on rank {rank} failed because rank 1 of {nproc} raised {own}"
+        assert peer["error"].startswith(want), peer
+        assert peer["s"] < FAST_S, peer  # within the report grace, not at the group's timeout (TIMEOUT_S)
 
 
 def test_the_failure_errors_travel_whole_between_processes() -> None:
