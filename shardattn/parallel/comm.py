@@ -35,8 +35,6 @@ Mixed-dtype payloads (a bf16 output and its fp32 LSE) travel in one collective a
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -51,6 +49,7 @@ from shardattn.parallel.peer_failures import (
     REPORT_GRACE_S,
     PeerFailedError,
     ReportingFailures,
+    check_grace,
     looks_like_peer_failure,
     name_failed_peers,
     report_failure,
@@ -76,17 +75,6 @@ def _destination(out: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ..
             f"got {list(out.shape)} {out.dtype} on {out.device}"
         )
     return out
-
-
-def _check_grace(value: object) -> float:
-    """A failure-report grace: a finite number of seconds >= 0 (an infinite one would leave a rank
-    whose collective failed waiting for ever on a peer that never reports)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"report_grace_s must be a number of seconds, got {type(value).__name__} ({value!r})")
-    seconds = float(value)
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ValueError(f"report_grace_s must be a finite number >= 0, got {value!r}")
-    return seconds
 
 
 class Comm:
@@ -138,7 +126,7 @@ class Comm:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
         self.device = torch.device(device)
         self.counts: Counter[str] = Counter()
-        self.report_grace_s = _check_grace(report_grace_s)
+        self.report_grace_s = check_grace(report_grace_s)
         #: steps this rank began on the group (:meth:`begin_step`); failure reports name it
         self.step = 0
         self._reduce_scatter_ok: bool | None = None

@@ -22,6 +22,8 @@ reached the step (it hangs before it) counts as silent.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import time
 from typing import TYPE_CHECKING, Literal
 
@@ -36,6 +38,7 @@ __all__ = [
     "REPORT_GRACE_S",
     "PeerFailedError",
     "ReportingFailures",
+    "check_grace",
     "looks_like_peer_failure",
     "name_failed_peers",
     "name_raised_peers",
@@ -47,6 +50,17 @@ __all__ = [
 REPORT_GRACE_S = 1.0
 _REPORT_KEY = "shardattn/failure/rank{}"
 _ALIVE = "alive"
+
+
+def check_grace(value: object) -> float:
+    """A failure-report grace: a finite number of seconds >= 0 (an infinite one would leave a rank
+    whose collective failed waiting for ever on a peer that never reports)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"report_grace_s must be a number of seconds, got {type(value).__name__} ({value!r})")
+    seconds = float(value)
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"report_grace_s must be a finite number >= 0, got {value!r}")
+    return seconds
 
 
 def _group_store(group: dist.ProcessGroup) -> dist.Store | None:
