@@ -165,6 +165,13 @@ def settle(comm: Comm, what: str, values: Sequence[int] = (), *, error: Exceptio
     failed = [r for r, row in enumerate(rows) if row[0]]
     if failed:
         raise name_raised_peers(
-            comm.group, comm.rank, comm.world_size, what, failed, grace_s=comm.report_grace_s, step=comm.step
+            comm.group,
+            comm.rank,
+            comm.world_size,
+            what,
+            failed,
+            grace_s=comm.report_grace_s,
+            step=comm.step,
+            generation=comm.generation,
         )
     return [row[1:] for row in rows]

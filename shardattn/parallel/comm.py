@@ -24,9 +24,10 @@ exited or hang). Survivors learn of the failure when the group's timeout expires
 raised or hangs) or, those waiting on the connection of a rank whose process exited, at once;
 a survivor that learns at once may also name a live peer that is still blocked until its own
 timeout (waiting on a rank that has already given up): it had not reported either. A report
-names the step it was made in (:meth:`Comm.begin_step`) and a rank reads only its peers' reports
-of its own step, so a report an earlier step left in the store is never blamed for a later
-failure. A group in which a step failed mid-step is not to be reused (its ranks are out of step).
+names the Comm (:attr:`Comm.generation`) and step (:meth:`Comm.begin_step`) it was made in, and
+a rank reads only its peers' reports of its own Comm and step: a report an earlier step or Comm
+(another Runtime's) left in the store is never blamed for a later failure. A group in which a
+step failed mid-step is not to be reused (its ranks are out of step).
 
 Mixed-dtype payloads (a bf16 output and its fp32 LSE) travel in one collective as bytes:
 :func:`~shardattn.parallel.packing.pack_rows` / :func:`~shardattn.parallel.packing.unpack_rows`
@@ -50,6 +51,7 @@ from shardattn.parallel.peer_failures import (
     PeerFailedError,
     ReportingFailures,
     check_grace,
+    comm_generation,
     looks_like_peer_failure,
     name_failed_peers,
     report_failure,
@@ -91,6 +93,9 @@ class Comm:
 
     Attributes:
         rank, world_size, backend: of ``group``.
+        generation: the Comms this rank made on ``group``, this one included (the same on every
+            rank, which make them in the same order), counted in the group's store (a round trip:
+            a caller of many steps keeps one Comm, as a Runtime does); its failure reports name it.
         counts: ``Counter`` of collectives issued, by kind (``"all_to_all"``, ``"all_gather"``,
             ``"reduce_scatter"``, ``"all_reduce"``, ``"agreement"``); :meth:`reset_counts`
             clears it.
@@ -129,6 +134,7 @@ class Comm:
         self.report_grace_s = check_grace(report_grace_s)
         #: steps this rank began on the group (:meth:`begin_step`); failure reports name it
         self.step = 0
+        self.generation = comm_generation(group, rank, self.world_size)
         self._reduce_scatter_ok: bool | None = None
 
     @classmethod
@@ -334,11 +340,11 @@ class Comm:
 
         Best effort and cheap (one store write); called by :meth:`reporting_failures`.
         """
-        report_failure(self.group, self.rank, error, step=self.step)
+        report_failure(self.group, self.rank, error, step=self.step, generation=self.generation)
 
     def begin_step(self) -> None:
         """Count a step this rank begins on the group (:attr:`step`): its failure reports name the
-        step, and it reads its peers' of the same step only. Every step's :meth:`agree_on` calls
+        step, and it reads its peers' of the same step (of this Comm) only. Every step's :meth:`agree_on` calls
         it; a caller that abandons a step before its agreement (its own checks failed) calls it
         before it reports or agrees, so that it counts the same steps as its peers."""
         self.step += 1
@@ -357,7 +363,14 @@ class Comm:
     def _peer_failed(self, kind: str, error: BaseException) -> PeerFailedError:
         """Name the peers that made ``kind`` fail (:func:`~shardattn.parallel.peer_failures.name_failed_peers`)."""
         return name_failed_peers(
-            self.group, self.rank, self.world_size, kind, error, grace_s=self.report_grace_s, step=self.step
+            self.group,
+            self.rank,
+            self.world_size,
+            kind,
+            error,
+            grace_s=self.report_grace_s,
+            step=self.step,
+            generation=self.generation,
         )
 
     def gather_ints(self, values: Sequence[int]) -> list[list[int]]:

@@ -11,12 +11,21 @@ posts its report before it enters the collective, and its peers, which learn fro
 raised, read the report (:func:`name_raised_peers`): the same error, :class:`PeerFailedError`,
 naming the rank and its exception, at once rather than at the group's timeout.
 
-Every report names the step it was made in: each rank's :class:`~shardattn.parallel.comm.Comm`
-counts the steps it begins (:meth:`~shardattn.parallel.comm.Comm.begin_step`, at every step's
-agreement, :func:`~shardattn.parallel.agreement.agree_on`), and a rank reads only its peers'
-reports of the step it is in, so a report left in the store by an earlier step (one whose ranks
-all raised before any collective, say) is never blamed for a later failure: a rank that has not
-reached the step (it hangs before it) counts as silent.
+Every report names the Comm and the step it was made in, and a rank reads only its peers' reports
+of its own Comm and step, so a report left in the store earlier is never blamed for a later
+failure: a rank that has not reached the step (it hangs before it) counts as silent.
+
+* The step: each rank's :class:`~shardattn.parallel.comm.Comm` counts the steps it begins
+  (:meth:`~shardattn.parallel.comm.Comm.begin_step`, at every step's agreement,
+  :func:`~shardattn.parallel.agreement.agree_on`), so a report of an earlier step of the same Comm
+  (one whose ranks all raised before any collective, say) is not this step's.
+* The Comm: every Comm counts its steps from zero, and a group outlives its Comms (several
+  Runtimes on one group, one Runtime after another's failed construction, a parallel step given
+  the group itself, which makes a Comm per call). Each Comm takes a generation when it is made
+  (:func:`comm_generation`): the count of Comms its rank has made on the group, kept in the
+  group's store (one ``store.add`` on a key of the rank's own). The ranks of a group make their
+  Comms on it in the same order (their collectives would not match otherwise), so the n-th
+  Comm of every rank has generation n, and a report of an earlier Comm is not this one's.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ __all__ = [
     "PeerFailedError",
     "ReportingFailures",
     "check_grace",
+    "comm_generation",
     "looks_like_peer_failure",
     "name_failed_peers",
     "name_raised_peers",
@@ -49,6 +59,7 @@ __all__ = [
 #: silent ranks (a rank that raised has reported before its peers' collective even failed).
 REPORT_GRACE_S = 1.0
 _REPORT_KEY = "shardattn/failure/rank{}"
+_GENERATION_KEY = "shardattn/comms/rank{}"
 _ALIVE = "alive"
 
 
@@ -85,23 +96,48 @@ def looks_like_peer_failure(error: BaseException) -> bool:
     return any(w in text for w in _PEER_FAILURE_WORDS)
 
 
-def report_failure(group: dist.ProcessGroup, rank: int, error: BaseException, *, step: int = 0) -> None:
-    """Post ``rank``'s failure (``"ExceptionType: first line"``) in step ``step`` to the group's
-    store; best effort."""
+def comm_generation(group: dist.ProcessGroup, rank: int, world_size: int) -> int:
+    """The generation of a Comm ``rank`` makes on ``group``: how many Comms it has made on the group,
+    this one included (1, 2, ...), counted in the group's store; ``0`` without peers or a store.
+
+    Equal on every rank for the n-th Comm each makes on the group (they make them in the same
+    order); failure reports name it (module docstring). One store round trip."""
+    store = _group_store(group) if world_size > 1 else None
+    if store is None:
+        return 0
+    try:
+        return int(store.add(_GENERATION_KEY.format(rank), 1))
+    except Exception:  # best effort, as the reports: a store that fails here fails them too
+        return 0
+
+
+def _tag(generation: int, step: int) -> str:
+    """What starts a report made in step ``step`` of the Comm of generation ``generation``."""
+    return f"{generation}.{step} "
+
+
+def report_failure(
+    group: dist.ProcessGroup, rank: int, error: BaseException, *, step: int = 0, generation: int = 0
+) -> None:
+    """Post ``rank``'s failure (``"ExceptionType: first line"``) in step ``step`` of its Comm of
+    generation ``generation`` to the group's store; best effort."""
     store = _group_store(group)
     first = (str(error).strip().splitlines() or [""])[0][:300]
     with contextlib.suppress(Exception):
         if store is not None:
-            store.set(_REPORT_KEY.format(rank), f"{step} {type(error).__name__}: {first}")
+            store.set(_REPORT_KEY.format(rank), f"{_tag(generation, step)}{type(error).__name__}: {first}")
 
 
-def _read_reports(store: dist.Store | None, ranks: list[int], step: int, grace_s: float) -> dict[int, str]:
-    """``{rank: report}`` of those of ``ranks`` that posted one in step ``step`` within ``grace_s`` seconds
-    (``"ExceptionType: message"``, or ``"alive"``); a report of an earlier step is not this one's."""
+def _read_reports(
+    store: dist.Store | None, ranks: list[int], generation: int, step: int, grace_s: float
+) -> dict[int, str]:
+    """``{rank: report}`` of those of ``ranks`` that posted one in step ``step`` of the Comm of
+    generation ``generation`` within ``grace_s`` seconds (``"ExceptionType: message"``, or
+    ``"alive"``); a report of another Comm, or of an earlier step, is not this one's."""
     reports: dict[int, str] = {}
     if store is None:
         return reports
-    prefix = f"{step} "
+    prefix = _tag(generation, step)
     deadline = time.monotonic() + grace_s
     while True:
         for r in ranks:
@@ -125,17 +161,18 @@ def name_failed_peers(
     *,
     grace_s: float,
     step: int = 0,
+    generation: int = 0,
 ) -> PeerFailedError:
-    """The error for a ``kind`` collective on ``rank`` that failed with ``error`` in step ``step``:
-    names the peers that reported raising in that step, else those that did not report within
-    ``grace_s`` seconds."""
+    """The error for a ``kind`` collective on ``rank`` that failed with ``error`` in step ``step`` of
+    its Comm of generation ``generation``: names the peers that reported raising in that step of
+    that Comm, else those that did not report within ``grace_s`` seconds."""
     cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     store = _group_store(group)
     peers = [r for r in range(world_size) if r != rank]
     if store is not None:
         with contextlib.suppress(Exception):
-            store.set(_REPORT_KEY.format(rank), f"{step} {_ALIVE}")
-    reports = _read_reports(store, peers, step, grace_s)
+            store.set(_REPORT_KEY.format(rank), f"{_tag(generation, step)}{_ALIVE}")
+    reports = _read_reports(store, peers, generation, step, grace_s)
     raised = {r: v for r, v in sorted(reports.items()) if v != _ALIVE}
     silent = [r for r in peers if r not in reports] if store is not None else []
     if raised:
@@ -161,11 +198,13 @@ def name_raised_peers(
     *,
     grace_s: float,
     step: int = 0,
+    generation: int = 0,
 ) -> PeerFailedError:
     """The error for ``rank`` when a collective that completed said that the ranks ``failed`` raised
-    in ``what`` (step ``step``; they reported before it, :func:`report_failure`): names each with
-    its report, waiting at most ``grace_s`` seconds for one that has not reached the store."""
-    reports = _read_reports(_group_store(group), failed, step, grace_s)
+    in ``what`` (step ``step`` of the Comm of generation ``generation``; they reported before it,
+    :func:`report_failure`): names each with its report, waiting at most ``grace_s`` seconds for
+    one that has not reached the store."""
+    reports = _read_reports(_group_store(group), failed, generation, step, grace_s)
     unknown = "an exception (its report did not reach the group's store)"
     raised = {r: reports[r] if reports.get(r, _ALIVE) != _ALIVE else unknown for r in failed}
     who = "; ".join(f"rank {r} of {world_size} raised {v}" for r, v in raised.items())
