@@ -86,13 +86,15 @@ def test_monotone_in_every_input(mode, preset, tokens, w, tp, g, topk, splits):
         return workspace_bounds(spec_, **{**base, **kw}).items
 
     ref = items()
+    gqa = spec.kind == "gqa"
     bigger = [
         items(max_batched_tokens=tokens + 1),
         items(max_batched_tokens=2 * tokens),
         items(topk=topk + 1),
         items(num_kv_splits=splits + 1),
         items(q_dtype="float32", kv_dtype="float32", out_dtype="float32"),
-        items(spec_=dataclasses.replace(spec, head_dim=spec.head_dim + 16)),
+        # a GQA spec's values are its keys' width: head_dim alone grows only for sparse MLA
+        items(spec_=dataclasses.replace(spec, head_dim=spec.head_dim + 16, v_dim=spec.v_dim + 16 * gqa)),
         items(spec_=dataclasses.replace(spec, v_dim=spec.v_dim + 16, head_dim=spec.head_dim + 16)),
         items(spec_=dataclasses.replace(spec, num_heads=spec.num_heads * 2)),
     ]
