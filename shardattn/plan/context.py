@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from shardattn._checks import check_int, check_same_device, check_tensor
-from shardattn.plan._common import check_world_size
+from shardattn.plan._common import MAX_TOKENS, check_world_size
 
 __all__ = [
     "DCPLayout",
@@ -43,7 +43,16 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_layout(world_size: object, interleave: object) -> tuple[int, int]:
-    return check_world_size(world_size), check_int("interleave", interleave, minimum=1)
+    """``(N, I)`` checked: ``N * I`` (one round of blocks) at most :data:`MAX_TOKENS`, so the layout's
+    arithmetic on int32 positions stays in int32."""
+    n = check_world_size(world_size)
+    i = check_int("interleave", interleave, minimum=1)
+    if n * i > MAX_TOKENS:
+        raise ValueError(
+            f"interleave must be <= {MAX_TOKENS // n:,} at world_size={n} (world_size * interleave positions are "
+            f"int32), got {i:,}"
+        )
+    return n, i
 
 
 def _check_rank(rank: object, world_size: int) -> int:
