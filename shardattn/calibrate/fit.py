@@ -33,7 +33,8 @@ def fit_step_overhead(samples: Sequence[tuple[float, float, float]]) -> StepOver
     ``exposed`` is a step's predicted collectives plus copies (ms), ``kernel_ms`` its kernel
     alone, ``beyond_kernel_ms`` its measured time minus the kernel alone. ``hidden`` is searched
     on a grid of 0.05 (the share of ``min(exposed, kernel)`` the step overlaps), ``fixed_ms`` and
-    ``factor`` by least squares for each, both ``>= 0``.
+    ``factor`` by least squares for each, both ``>= 0``; a fit whose ``factor * hidden`` exceeds 1
+    (more hidden than the kernel lasts, so a larger step would be predicted faster) is not taken.
 
     >>> fit_step_overhead([(1.0, 5.0, 2.5), (2.0, 5.0, 4.5)])
     StepOverhead(fixed_ms=0.5, factor=2.0, hidden=0.0)
@@ -49,6 +50,8 @@ def fit_step_overhead(samples: Sequence[tuple[float, float, float]]) -> StepOver
         hidden = step / 20
         xs = [x - hidden * min(x, k) for x, k, _ in samples]
         fixed, factor, err = _fit_line(xs, [y for _, _, y in samples])
+        if factor * hidden > 1:  # it would hide more than the kernel lasts (Calibration.validate refuses it)
+            continue
         if best is None or err < best[0] - 1e-12:
             best = (err, fixed, factor, hidden)
     assert best is not None

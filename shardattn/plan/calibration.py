@@ -106,7 +106,8 @@ class CollectiveRate:
 @dataclass(frozen=True)
 class StepOverhead:
     """What a step costs beyond its kernel: ``fixed_ms + factor * (X - hidden * min(X, kernel))``
-    with ``X`` = its collectives and copies (``hidden``: the share that overlaps the kernel)."""
+    with ``X`` = its collectives and copies (``hidden``: the share that overlaps the kernel; a table keeps
+    ``factor * hidden <= 1``, so no step hides more than its kernel lasts)."""
 
     fixed_ms: float = 0.0
     factor: float = 1.0
@@ -148,6 +149,8 @@ class Calibration:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"not JSON: {e}") from None
+        except RecursionError:  # arrays or objects nested past the parser's depth
+            raise ValueError("not a calibration table: JSON nested too deeply to read") from None
         d = _fields(d, "the table", _TABLE_FIELDS, optional=("source", "conservative", "network"))
         if d["format"] not in READABLE_FORMATS:
             raise ValueError(f"format {d['format']!r}, expected one of {READABLE_FORMATS}")
@@ -160,7 +163,7 @@ class Calibration:
             raise ValueError("steps must be a JSON object of step -> overhead")
         union = {}
         for g, u in d["union_ratio"].items():
-            if not g.isdigit() or not _is_number(u):
+            if not (g.isascii() and g.isdigit()) or not _is_number(u):  # "²" is a digit int() refuses
                 raise ValueError(f"union_ratio must map a group size to a number, got {g!r}: {u!r}")
             union[int(g)] = float(u)
         network = d.get("network")
@@ -216,6 +219,11 @@ class Calibration:
                 raise ValueError(f"bad step overhead {name!r}: steps are {STEPS}")
             if not (_finite(s.fixed_ms) >= 0 and _finite(s.factor) >= 0 and 0 <= _finite(s.hidden) <= 1):
                 raise ValueError(f"bad step overhead {name}: {s}")
+            if s.factor * s.hidden > 1:  # it would hide more than the kernel lasts: a larger step predicted faster
+                raise ValueError(
+                    f"bad step overhead {name}: {s}: factor * hidden must be <= 1 (a step hides at most its kernel's "
+                    f"time), got {s.factor * s.hidden:g}"
+                )
 
 
 def candidate_group_sizes(heads: int, *, tile: int = TILE) -> tuple[int, ...]:
