@@ -1,12 +1,11 @@
-"""A failure report belongs to the Comm that made it: a later Comm on the same group never reads it.
+"""A failure report belongs to the Comm and step that made it: a later one never reads it.
 
-Every :class:`~shardattn.parallel.comm.Comm` counts its steps from zero, so a report that an
-earlier Comm on the group left in the store (an earlier Runtime's, an earlier Runtime
-construction's, an earlier call of a parallel step given the group itself) names the same step
-as a later Comm's. Each scenario runs on two gloo ranks over a fresh group with a short timeout:
-rank 1 fails once and reports it, then, under a new Comm on the same group, stalls past rank 0's
-timeout without a new report; rank 0 must name rank 1 as silent, not blame its old error.
-"""
+Every numbered :class:`~shardattn.parallel.comm.Comm` counts its steps from zero, so a report that
+an earlier Comm on the group left in the store (an earlier Runtime's, an earlier Runtime
+construction's) names the same step as a later Comm's; a step called twice with one Comm must
+read only its own call's. Each scenario runs over a fresh group with a short timeout: rank 1
+fails once and reports it, then stalls past rank 0's timeout without a new report; rank 0 must
+name rank 1 as silent, not blame its old error."""
 
 from __future__ import annotations
 
@@ -57,19 +56,20 @@ def _two_comms(group: dist.ProcessGroup) -> object:
 
 
 def _two_calls(group: dist.ProcessGroup) -> object:
-    """A parallel step given the group itself (a new Comm each call): in the first call rank 1's
-    argument is bad (reported, no agreement); in the second, rank 1 stalls before it."""
-    group = short_timeout_group(group, TIMEOUT_S)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    """A parallel step called twice with one Comm (as a caller of many steps passes it): in the
+    first call rank 1's argument is bad (reported, no agreement); in the second, rank 1 stalls
+    before it."""
+    comm = Comm(short_timeout_group(group, TIMEOUT_S), report_grace_s=GRACE_S)
+    rank, world = comm.rank, comm.world_size
     out, lse = torch.zeros(2, 2 * world, 4), torch.zeros(2, 2 * world)
     flag = 1 if rank == 1 else True  # rank 1's scatter_heads is not a bool
-    first = _outcome(lambda: collect_partials(out, lse, group, scatter_heads=flag, check=False))
+    first = _outcome(lambda: collect_partials(out, lse, comm, scatter_heads=flag, check=False))
     if rank == 1:
         assert isinstance(first, str) and first.startswith("TypeError: scatter_heads must be a bool"), first
         time.sleep(STALL_S)
         return None
     assert first != "finished" and not isinstance(first, str), first  # rank 0 named rank 1's TypeError
-    return _outcome(lambda: collect_partials(out, lse, group, check=False))
+    return _outcome(lambda: collect_partials(out, lse, comm, check=False))
 
 
 def _two_runtimes(group: dist.ProcessGroup) -> object:

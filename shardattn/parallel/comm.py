@@ -25,8 +25,9 @@ raised or hangs) or, those waiting on the connection of a rank whose process exi
 a survivor that learns at once may also name a live peer that is still blocked until its own
 timeout (waiting on a rank that has already given up): it had not reported either. A report
 names the Comm (:attr:`Comm.generation`) and step (:meth:`Comm.begin_step`) it was made in, and
-a rank reads only its peers' reports of its own Comm and step: a report an earlier step or Comm
-(another Runtime's) left in the store is never blamed for a later failure. A group in which a
+a rank reads only its peers' reports of its own Comm and step: a report an earlier step or
+numbered Comm (another Runtime's) left is never blamed for a later failure; steps given a raw
+group make unnumbered Comms (no store round trip a call), which may read each other's reports. A group in which a
 step failed mid-step is not to be reused (its ranks are out of step).
 
 Mixed-dtype payloads (a bf16 output and its fp32 LSE) travel in one collective as bytes:
@@ -90,12 +91,14 @@ class Comm:
             current device for NCCL, CPU otherwise.
         report_grace_s: seconds a rank whose collective failed waits for its peers' failure
             reports (default :data:`REPORT_GRACE_S`): a finite number >= 0.
+        numbered: take a generation from the group's store (a round trip). :meth:`wrap`'s Comms,
+            a step's own for a raw group, are not (generation 0).
 
     Attributes:
         rank, world_size, backend: of ``group``.
-        generation: the Comms this rank made on ``group``, this one included (the same on every
-            rank, which make them in the same order), counted in the group's store (a round trip:
-            a caller of many steps keeps one Comm, as a Runtime does); its failure reports name it.
+        generation: the numbered Comms this rank made on ``group``, this one included (the same
+            on every rank, which make them in the same order), counted in the group's store; 0
+            for an unnumbered one. Its failure reports name it.
         counts: ``Counter`` of collectives issued, by kind (``"all_to_all"``, ``"all_gather"``,
             ``"reduce_scatter"``, ``"all_reduce"``, ``"agreement"``); :meth:`reset_counts`
             clears it.
@@ -114,6 +117,7 @@ class Comm:
         *,
         device: torch.device | str | None = None,
         report_grace_s: float = REPORT_GRACE_S,
+        numbered: bool = True,
     ) -> None:
         if isinstance(group, Comm):
             raise TypeError("group is already a Comm; use Comm.wrap(group) to accept either")
@@ -134,14 +138,15 @@ class Comm:
         self.report_grace_s = check_grace(report_grace_s)
         #: steps this rank began on the group (:meth:`begin_step`); failure reports name it
         self.step = 0
-        self.generation = comm_generation(group, rank, self.world_size)
+        self.generation = comm_generation(group, rank, self.world_size) if numbered else 0
         self._reduce_scatter_ok: bool | None = None
 
     @classmethod
     def wrap(cls, group: GroupLike | Comm) -> Comm:
-        """``group`` itself when it is a ``Comm`` (its counts keep accumulating), else a new one
-        (over a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``)."""
-        return group if isinstance(group, Comm) else cls(group)
+        """``group`` itself when it is a ``Comm`` (its counts keep accumulating), else a new,
+        unnumbered one (over a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``(mesh, dim name)``: a
+        step's own, made without a store round trip)."""
+        return group if isinstance(group, Comm) else cls(group, numbered=False)
 
     def reset_counts(self) -> None:
         """Forget the collectives counted so far."""
