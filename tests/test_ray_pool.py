@@ -922,6 +922,31 @@ def test_query_lens_whose_sum_wraps_are_refused_naming_them() -> None:
     assert book.lens[:4].tolist() == [5, 5, 5, 5]
 
 
+def test_decode_batch_takes_the_id_dtypes_the_ledger_and_free_take() -> None:
+    """One rule for integer id tensors: decode_batch's check takes every dtype the ledger (and so
+    the pool's free) looks ids up in, and refuses the others naming request_ids."""
+    from shardattn.plan.context import DCPLayout
+    from shardattn.plan.kv_cache_config import KVCacheConfig
+    from shardattn.plan.kv_pages import ID_DTYPES, PagedKVBook
+    from shardattn.serving.pool_shapes import pool_shapes
+    from shardattn.serving.requests import check_decode_batch
+
+    shapes = pool_shapes(MLA, "mixed", {"max_batched_tokens": 64, "max_decode_tokens": 16})
+    book = PagedKVBook(KVCacheConfig(4, DCPLayout(2), 8, 48))
+    book.grow([(i, 5) for i in range(4)])
+    q, topk = torch.zeros(2, 8, 48), torch.zeros(2, 16, dtype=torch.int32)
+    for dtype in ID_DTYPES:
+        ids = torch.tensor([2, 1], dtype=dtype)
+        assert book.ids_of(ids) == [2, 1]
+        batch = check_decode_batch(shapes, book, ids, q, topk)
+        assert batch.slots.tolist() == book.slots(ids).tolist()
+    for dtype in (torch.float32, torch.bool, torch.uint16):
+        with pytest.raises(TypeError, match=r"^request_ids must have dtype in \(int8, int16, int32, int64, uint8\)"):
+            check_decode_batch(shapes, book, torch.tensor([2, 1]).to(dtype), q, topk)
+        with pytest.raises(TypeError, match=r"^request_ids must have dtype in \(int8, int16, int32, int64, uint8\)"):
+            book.ids_of(torch.tensor([2, 1]).to(dtype))
+
+
 @needs_ray
 def test_placement_timeout_names_what_is_missing(ray_instance) -> None:
     from shardattn.serving import PlacementTimeoutError

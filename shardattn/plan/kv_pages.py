@@ -32,8 +32,9 @@ from shardattn.plan.request_ids import as_int64_ids, shown
 __all__ = ["PagedKVBook"]
 
 
-#: Tensor dtypes :meth:`PagedKVBook.slots` looks integer request ids up from.
-_ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+#: Tensor dtypes integer request ids are taken in (:meth:`PagedKVBook.slots`, :meth:`PagedKVBook.ids_of`,
+#: and the serving pool's ``decode_batch`` and ``free``).
+ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 #: New tokens of a step's requests: one int for all, or one per slot (a sequence, an integer
 #: array or a CPU integer tensor).
 Counts = int | Sequence[int] | np.ndarray | torch.Tensor
@@ -81,7 +82,7 @@ class PagedKVBook:
         """Integer request ids given as a 1-D CPU tensor or array (as :meth:`slots` takes them), as
         the Python ints the ledger keys them by; ``TypeError`` / ``ValueError`` naming ``name``."""
         if isinstance(ids, torch.Tensor):
-            check_tensor(name, ids, dtypes=_ID_DTYPES, ndim=1, device=torch.device("cpu"))
+            check_tensor(name, ids, dtypes=ID_DTYPES, ndim=1, device=torch.device("cpu"))
             ids = ids.numpy()
         if ids.dtype.kind not in "iu" or ids.ndim != 1:
             raise TypeError(f"{name} must be a 1-D integer array, got {ids.dtype} of shape {list(ids.shape)}")
@@ -132,7 +133,7 @@ class PagedKVBook:
             ValueError: an unknown id (named as ``name[i]``), a tensor off the CPU. TypeError: not ids.
         """
         if isinstance(request_ids, torch.Tensor):
-            check_tensor(name, request_ids, dtypes=_ID_DTYPES, device=torch.device("cpu"))
+            check_tensor(name, request_ids, dtypes=ID_DTYPES, device=torch.device("cpu"))
             request_ids = request_ids.numpy()
         if isinstance(request_ids, np.ndarray) and request_ids.dtype.kind in "iu":
             ids = as_int64_ids(name, request_ids).reshape(-1)

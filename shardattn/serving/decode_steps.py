@@ -107,8 +107,9 @@ class DecodeSteps(StagingRows):
         does not copy again) and take the outputs with ``view=True``.
 
         Args:
-            request_ids: ``[B]`` int64 tensor of distinct prefilled request ids (the pool's ids
-                being ints; looked up vectorised), or a sequence of any ids.
+            request_ids: ``[B]`` integer tensor (int8, int16, int32, int64 or uint8, the dtypes
+                :meth:`free` takes) or NumPy array of distinct prefilled request ids (the pool's
+                ids being ints; looked up vectorised), or a sequence of any ids.
             q: ``[T, H, D]`` the step's queries (the model's dtype), request-major.
             topk_pos: ``[T, K]`` int32 (int64 is converted) top-k positions inside each token's
                 request (sparse MLA; ``-1`` / out of range invalid); ``None`` for GQA.

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from shardattn._checks import check_choice, check_tensor
-from shardattn.plan.kv_pages import PagedKVBook
+from shardattn.plan.kv_pages import ID_DTYPES, PagedKVBook
 from shardattn.plan.request_ids import as_int64_ids, shown
 from shardattn.serving.pool_shapes import PoolShapes, check_q, check_topk, kv_parts
 
@@ -280,13 +280,16 @@ class BatchStep:
         return int(self.q_lens.sum())
 
 
-def _index_array(name: str, value: object) -> np.ndarray | Sequence[Hashable]:
-    """A 1-D integer tensor / array as int64 NumPy (CPU only); another sequence as it is."""
+def _index_array(
+    name: str, value: object, dtypes: tuple[torch.dtype, ...] = (torch.int64, torch.int32)
+) -> np.ndarray | Sequence[Hashable]:
+    """A 1-D integer tensor (of ``dtypes``) / array as int64 NumPy (CPU only); another sequence as it is."""
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise ValueError(f"{name} must be on the CPU, got {value.device}")
-        if value.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{name} must have dtype int64 or int32, got {value.dtype}")
+        if value.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{name} must have dtype in ({names}), got {str(value.dtype).replace('torch.', '')}")
         if value.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {list(value.shape)}")
         return value.numpy().astype(np.int64, copy=False)
@@ -312,8 +315,9 @@ def check_decode_batch(
     """Validate a decode step given as whole-step tensors; nothing changes. Array checks only.
 
     Args:
-        request_ids: ``[B]`` int64 (or int32) tensor of distinct prefilled request ids, or a
-            sequence of ids (any hashables; looked up one by one).
+        request_ids: ``[B]`` integer tensor (a dtype of :data:`~shardattn.plan.kv_pages.ID_DTYPES`,
+            as the ledger and the pool's ``free`` take ids) or NumPy array of distinct prefilled
+            request ids, or a sequence of ids (any hashables; looked up one by one).
         q: ``[T, H, D]`` queries, request-major (request ``b``'s ``query_lens[b]`` tokens in order).
         topk_pos: ``[T, K]`` int32 (int64 is converted) top-k positions inside each token's
             request (sparse MLA); ``None`` for GQA.
@@ -324,7 +328,7 @@ def check_decode_batch(
         TypeError / ValueError: naming the argument (and ``request_ids[i]`` for a request:
             unknown, repeated, over ``max_seq_len``), or out of pages.
     """
-    ids = _index_array("request_ids", request_ids)
+    ids = _index_array("request_ids", request_ids, ID_DTYPES)
     b = len(ids)
     if b == 0:
         raise ValueError("request_ids must name at least one request")
