@@ -6,7 +6,9 @@
 (:meth:`~DecodeSteps._decode_step`) through the pool's decode transport
 (:func:`~shardattn.serving.transport.decode_on_ranks`) and return ``out [T, H, Dv]`` (and
 ``lse [T, H]`` fp32). A step that fails on the driver after its checks, before any rank runs,
-takes its tokens back out of the ledger.
+takes its tokens back out of the ledger. A ``KeyboardInterrupt`` (or another ``BaseException``)
+on the driver while ranks run a shared-memory step breaks the pool, as a failed step does (the
+ranks may still read and write the step's rows), and is raised as it is.
 """
 
 from __future__ import annotations
@@ -172,8 +174,13 @@ class DecodeSteps(StagingRows):
             )
         except RankStepError as e:
             raise self._fail(e.rank, e.cause, "decode", e.late) from None
-        except Exception:  # on the driver, before the ranks were told to run (after: RankStepError): no step
-            if self._broken is None:
+        except BaseException as e:
+            running = self._decoder.running() if hasattr(self._decoder, "running") else []
+            if running and self._broken is None:  # KeyboardInterrupt / SystemExit while ranks ran the step
+                cause = (f"the driver was interrupted ({type(e).__name__}) while ranks {running} ran the step: "
+                         "they may still read and write its rows")  # fmt: skip
+                self._fail(running[0], cause, "decode", probe=False)
+            elif self._broken is None:  # on the driver, before the ranks were told to run: no step
                 self.book.undo_growth(batch.slots, batch.counts)
             raise
         t_back = time.perf_counter()

@@ -50,11 +50,14 @@ class RankCalls:
         if not self._actors:
             raise RuntimeError("the pool is shut down")
 
-    def _fail(self, rank: int, cause: str, operation: str, late: Sequence[int] = ()) -> RankFailedError:
+    def _fail(
+        self, rank: int, cause: str, operation: str, late: Sequence[int] = (), *, probe: bool = True
+    ) -> RankFailedError:
         """Break the pool: ``rank`` failed ``operation`` (or, if another rank died first, that one;
         ``late``: the ranks that had not answered when the call timed out, of which the one the
-        others wait for is named, where their health reports tell: :func:`holding_up`)."""
-        if not cause.startswith("actor died"):
+        others wait for is named, where their health reports tell: :func:`holding_up`).
+        ``probe=False``: no health reports (the driver, not a rank, failed the step)."""
+        if probe and not cause.startswith("actor died"):
             reports = rank_reports(self._actors, min(2.0, self.timeout_s))
             # a rank whose collective broke because a peer died reports that as its own error
             dead = [h["rank"] for h in reports if h["state"] == "dead"]

@@ -92,6 +92,9 @@ class ShmSteps:
             self.close()
             raise
         self._seq = 0
+        #: ranks rung for the last step that have not answered it (empty once it is done): a step
+        #: the driver left while these ranks may still read and write its rows
+        self.running: list[int] = []
         self._done_ns = 0
         self._loops: list[Any] = []
         t = self.region.tensors  # NumPy views of the host-int sections (cheap elementwise writes)
@@ -144,6 +147,9 @@ class ShmSteps:
         Returns ``(out [T, H, Dv], lse [T, H] or None)``: views of the region, valid until the
         next step. Raises :class:`RankStepError`: a rank failed, the timeout, or any failure once
         the ranks' doorbells were rung (they may run the step: the caller must not take it back).
+        A ``BaseException`` that is no ``Exception`` (``KeyboardInterrupt``, ``SystemExit``)
+        raised while waiting passes through as it is, and :attr:`running` names the ranks that
+        had not answered (the caller must not start another step over them).
         """
         c, t = self.region.ctrl, self.region.tensors
         table, starts, counts, q_lens = step["table"], step["starts"], step["counts"], step["q_lens"]
@@ -176,7 +182,7 @@ class ShmSteps:
         self._seq += 1
         c[T_PUBLISH] = time.monotonic_ns()
         c[SEQ] = self._seq
-        pending = list(range(self.world_size))
+        pending = self.running = list(range(self.world_size))  # emptied by _wait as ranks answer
         try:
             for bell in self._go:  # after every store of the step: a rank reads them after its doorbell
                 bell.ring(self._seq)

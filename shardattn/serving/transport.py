@@ -81,6 +81,10 @@ class _ShmDecode:
     def timeline(self) -> dict[str, Any]:
         return self.steps.timeline()
 
+    def running(self) -> list[int]:
+        """Ranks rung for the last step that have not answered it (:attr:`ShmSteps.running`)."""
+        return list(self.steps.running)
+
     def teardown(self) -> None:
         try:
             self.steps.stop()

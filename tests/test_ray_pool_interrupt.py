@@ -1,0 +1,51 @@
+"""A Ray pool whose driver is interrupted (``KeyboardInterrupt``) while it waits for the ranks of a
+shared-memory decode step: the interrupt is raised as it is and the pool is broken, as by a failed
+step (the ranks may still read and write the step's rows), until restart. One Ray instance per module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import test_ray_pool as base
+
+ray_instance = base.ray_instance  # the module's Ray (a fixture)
+
+
+@base.needs_ray
+def test_an_interrupt_while_ranks_run_a_shm_step_breaks_the_pool_until_restart(
+    ray_instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardattn.serving import RankFailedError
+    from shardattn.serving.shm_steps import ShmSteps
+    from shardattn.testing.serving import ServingMirror
+
+    with base._pool(2, base.MLA, max_requests=4, max_seq_len=48, num_pages=16) as pool:
+        assert pool.transport == "shm"
+        mirror = ServingMirror(base.MLA, seed=21)
+        pool.prefill([mirror.prefill_request(i, n, attend=False) for i, n in ((1, 9), (2, 13))])
+        reqs = [mirror.decode_request(i, append=False) for i in (1, 2)]
+        q = torch.cat([r.q for r in reqs])
+        topk = torch.cat([r.topk_pos for r in reqs])
+        ids = torch.tensor([1, 2])
+
+        def interrupted(self, timeout_s, pending=None):  # Ctrl-C in the driver's poll(2) wait
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as m:
+            m.setattr(ShmSteps, "_wait", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                pool.decode_batch(ids, q, topk)
+        # the next call must not start a step over the ranks that may still run the interrupted one
+        with pytest.raises(RankFailedError, match=r"interrupted \(KeyboardInterrupt\) while ranks \[0, 1\]") as info:
+            pool.decode_batch(ids, q, topk)
+        with pytest.raises(RankFailedError) as again:
+            pool.free([1])
+        assert again.value is info.value and info.value.operation == "decode"
+        assert pool.health()["state"] == "broken" and pool._decoder is None
+        assert sorted(pool.restart()) == [1, 2]
+        mirror = ServingMirror(base.MLA, seed=22)
+        reqs = [mirror.prefill_request(5, 7, attend=False)]
+        pool.prefill(reqs)
+        reqs = [mirror.decode_request(5)]
+        base._check(pool.decode(reqs, return_lse=True), reqs, mirror)
