@@ -58,11 +58,22 @@ def test_unknown_preset_names_the_known_ones():
         (dict(num_kv_heads=3), ValueError, "must be a multiple of num_kv_heads"),
         (dict(kind="sparse_mla", num_kv_heads=8), ValueError, "sparse_mla needs num_kv_heads == 1"),
         (dict(kind="sparse_mla", num_kv_heads=1, topk=0), ValueError, "sparse_mla needs topk >= 1"),
+        (dict(topk=16), ValueError, r"^gqa needs topk == 0 \(its attention is dense, no top-k is read\), got topk=16$"),
         (dict(dtype="int8"), ValueError, "dtype must be one of"),
         (dict(has_sinks=1), TypeError, "has_sinks must be a bool"),
         (dict(head_dim=64.0), TypeError, "head_dim must be an int"),
     ],
-    ids=["kind", "heads-0", "kv-not-divisor", "mla-kv-heads", "mla-topk-0", "dtype", "sinks-int", "head-dim-float"],
+    ids=[
+        "kind",
+        "heads-0",
+        "kv-not-divisor",
+        "mla-kv-heads",
+        "mla-topk-0",
+        "gqa-topk",
+        "dtype",
+        "sinks-int",
+        "head-dim-float",
+    ],
 )
 def test_bad_spec_raises(kwargs, exc, match):
     base = dict(kind="gqa", num_heads=64, num_kv_heads=8, head_dim=64, v_dim=64, topk=0, page_size=32)

@@ -36,7 +36,8 @@ class ModelSpec:
         num_kv_heads: KV heads (1 for MLA: one latent row per token).
         head_dim: query/key dims (576 = 512 latent + 64 rope for MLA).
         v_dim: value/output dims (512 for MLA: the first 512 dims of the KV row; GQA: ``head_dim``).
-        topk: KV rows each query attends to (2048 for DSA); 0 = dense (GQA).
+        topk: KV rows each query attends to (2048 for DSA); 0 for GQA, whose attention is dense
+            (``ValueError`` otherwise).
         page_size: tokens per KV-cache page.
         has_sinks: one learned sink logit per head (GPT-OSS).
         dtype: activation / KV dtype name, a key of ``DTYPE_BYTES``.
@@ -82,6 +83,8 @@ class ModelSpec:
                     "sparse_mla needs softmax_scale: the model's (qk_nope_head_dim + qk_rope_head_dim) ** -0.5, "
                     "times YaRN's mscale ** 2 where it applies (mla_softmax_scale), not head_dim ** -0.5"
                 )
+        elif self.topk != 0:  # GQA attention is dense: a top-k would be ignored
+            raise ValueError(f"gqa needs topk == 0 (its attention is dense, no top-k is read), got topk={self.topk}")
         elif self.v_dim != self.head_dim:  # GQA kernels read K and V rows of one width (v_cache is k_cache's shape)
             raise ValueError(
                 f"gqa needs v_dim == head_dim (its K and V rows have one width), got v_dim={self.v_dim}, "
