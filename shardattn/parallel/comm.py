@@ -2,11 +2,10 @@
 
 :class:`Comm` resolves the group's rank, size, backend and the device of its small tensors
 once; every step takes a ``ProcessGroup`` (or a ``DeviceMesh``, :mod:`~shardattn.parallel.groups`)
-or a ``Comm`` (:meth:`Comm.wrap`). Each collective it
-issues is counted by kind in :attr:`Comm.counts`, so tests can assert, e.g., that a ShardQ
-prefill issues exactly two all-to-alls. Misuse (split sizes that do not add up, a tensor on the
-wrong device for the backend, shapes that do not divide) raises ``ValueError`` before anything
-is sent.
+or a ``Comm`` (:meth:`Comm.wrap`). Each collective it issues is counted by kind in
+:attr:`Comm.counts`, so tests can assert, e.g., that a ShardQ prefill issues exactly two
+all-to-alls. Misuse (split sizes that do not add up, a tensor on the wrong device for the
+backend, shapes that do not divide) raises ``ValueError`` before anything is sent.
 
 Ranks that disagree (different plans, different shapes, a rank whose inputs failed validation)
 would otherwise enter mismatched collectives and hang or corrupt data. :meth:`Comm.check_agreement`
@@ -22,13 +21,12 @@ collective failed posts that it is alive, waits up to :data:`REPORT_GRACE_S` for
 reports, and names the ranks that raised, or, failing that, the ranks that did not report (they
 exited or hang). Survivors learn of the failure when the group's timeout expires (a rank that
 raised or hangs) or, those waiting on the connection of a rank whose process exited, at once;
-a survivor that learns at once may also name a live peer that is still blocked until its own
-timeout (waiting on a rank that has already given up): it had not reported either. A report
-names the Comm (:attr:`Comm.generation`) and step (:meth:`Comm.begin_step`) it was made in, and
-a rank reads only its peers' reports of its own Comm and step: a report an earlier step or
-numbered Comm (another Runtime's) left is never blamed for a later failure; steps given a raw
-group make unnumbered Comms (no store round trip a call), which may read each other's reports. A group in which a
-step failed mid-step is not to be reused (its ranks are out of step).
+such a survivor may also name a live peer still blocked until its own timeout. A report names
+the Comm (:attr:`Comm.generation`) and step (:meth:`Comm.begin_step`) it was made in, and a rank
+reads only its peers' reports of its own Comm and step, so an earlier step's or numbered Comm's
+(another Runtime's) is never blamed for a later failure; steps given a raw group make unnumbered
+Comms (no store round trip a call), which may read each other's. A group in which a step failed
+mid-step is not to be reused (its ranks are out of step).
 
 Mixed-dtype payloads (a bf16 output and its fp32 LSE) travel in one collective as bytes:
 :func:`~shardattn.parallel.packing.pack_rows` / :func:`~shardattn.parallel.packing.unpack_rows`
@@ -91,14 +89,12 @@ class Comm:
             current device for NCCL, CPU otherwise.
         report_grace_s: seconds a rank whose collective failed waits for its peers' failure
             reports (default :data:`REPORT_GRACE_S`): a finite number >= 0.
-        numbered: take a generation from the group's store (a round trip). :meth:`wrap`'s Comms,
-            a step's own for a raw group, are not (generation 0).
+        numbered: take a generation from the group's store (a round trip); :meth:`wrap`'s are not.
 
     Attributes:
         rank, world_size, backend: of ``group``.
-        generation: the numbered Comms this rank made on ``group``, this one included (the same
-            on every rank, which make them in the same order), counted in the group's store; 0
-            for an unnumbered one. Its failure reports name it.
+        generation: the numbered Comms this rank made on ``group``, this one included (equal on
+            every rank, which make them in one order); 0 if unnumbered. Its reports name it.
         counts: ``Counter`` of collectives issued, by kind (``"all_to_all"``, ``"all_gather"``,
             ``"reduce_scatter"``, ``"all_reduce"``, ``"agreement"``); :meth:`reset_counts`
             clears it.
