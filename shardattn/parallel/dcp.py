@@ -112,10 +112,10 @@ _LIVE = {
     for key, item in (("q", "packed_q"), ("rows", "topk_rows"), ("out", "out"), ("lse", "lse"), ("send", "send"),
                       ("recv", "recv"))
 }  # fmt: skip
-#: The last phase of the step (:data:`_LIVE`'s) that reads the step's inputs: the local kernel.
-#: A buffer first written at or before it ("q", "rows", "out", "lse") must not hold an input; the
-#: collector's "send" / "recv" are written after it and may.
-_KERNEL_PHASE = 3
+#: The last phase of the step (:data:`_LIVE`'s) that reads the step's inputs: the local kernel, the
+#: phase that writes the partials. A buffer first written at or before it ("q", "rows", "out",
+#: "lse") must not hold an input; the collector's "send" / "recv" are written after it and may.
+_KERNEL_PHASE = _LIVE["out"][0]
 
 
 def check_dcp_workspace(

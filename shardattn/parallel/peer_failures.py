@@ -20,12 +20,14 @@ failure: a rank that has not reached the step (it hangs before it) counts as sil
   :func:`~shardattn.parallel.agreement.agree_on`), so a report of an earlier step of the same Comm
   (one whose ranks all raised before any collective, say) is not this step's.
 * The Comm: every Comm counts its steps from zero, and a group outlives its Comms (several
-  Runtimes on one group, one Runtime after another's failed construction, a parallel step given
-  the group itself, which makes a Comm per call). Each Comm takes a generation when it is made
-  (:func:`comm_generation`): the count of Comms its rank has made on the group, kept in the
-  group's store (one ``store.add`` on a key of the rank's own). The ranks of a group make their
-  Comms on it in the same order (their collectives would not match otherwise), so the n-th
-  Comm of every rank has generation n, and a report of an earlier Comm is not this one's.
+  Runtimes on one group, one Runtime after another's failed construction). A numbered Comm
+  (``Comm(group)``) takes a generation when it is made (:func:`comm_generation`): the count of
+  numbered Comms its rank has made on the group, kept in the group's store (one ``store.add`` on
+  a key of the rank's own). The ranks of a group make their Comms on it in the same order (their
+  collectives would not match otherwise), so the n-th of every rank has generation n, and a
+  report of an earlier Comm is not this one's. The Comm a parallel step makes for a raw group
+  (``Comm.wrap``, one a call) is unnumbered (generation 0, no round trip): such calls may read
+  each other's reports.
 """
 
 from __future__ import annotations
