@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 BENCHMARKS = ("sparse_prefill", "union_build", "decode", "decode_dcp", "scaling", "ray_pool", "decode_fp8_peer",
               "kv_fp8_write", "gqa_prefill", "gqa_prefill_host", "soak_pool", "soak_runtime",
-              "shm_roundtrip", "decode_floor", "host_growth", "decode_ab", "decode_packed")  # fmt: skip
+              "shm_roundtrip", "decode_floor", "host_growth", "decode_ab", "decode_packed", "decode_dedup")  # fmt: skip
 ENV = {"gpu": "CPU", "date": "2026-12-02", "commit": "abc1234", "command": "python benchmarks/x.py",
        "versions": {"torch": "2.13.0", "triton": "3.9.0"}}  # fmt: skip
 
@@ -81,6 +81,8 @@ def test_gpu_only_benchmarks_refuse_to_run_without_their_gpus(capsys: pytest.Cap
         assert _module("decode_ab").main(["--cases", "16x4x64"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
         assert _module("decode_packed").main([]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+        assert _module("decode_dedup").main([]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
@@ -423,3 +425,16 @@ def test_decode_packed_cpu_run_checks_and_records(tmp_path: Path) -> None:
     }
     assert all(r["baseline"]["name"] == "rows converted in place, same run" for r in recs)
     assert _module("decode_packed").main(["--device", "cpu", "--topk", "2000", "--cache-rows", "4096"]) == 2
+
+
+def test_decode_dedup_cpu_run_checks_and_records(tmp_path: Path) -> None:
+    """The dry run checks the hash against the union and the default decode against the sorted
+    union's, and records the de-duplication and both step comparisons for every case."""
+    out = tmp_path / "dedup.json"
+    argv = ["--device", "cpu", "--cache-rows", "4096", "--heads", "4", "--tokens", "2", "--topk", "64", "--kv-dtype",
+            "bf16", "--json", str(out)]  # fmt: skip
+    assert _module("decode_dedup").main(argv) == 0
+    recs = _records(out)
+    assert {r["metric"] for r in recs} == {"dedup us, hash", "step us, default", "step us, default vs kernel"}
+    assert all(r["baseline"] is not None and r["value"] > 0 for r in recs)
+    assert _module("decode_dedup").main(["--device", "cpu", "--cache-rows", "100", "--topk", "64"]) == 2

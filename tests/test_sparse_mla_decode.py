@@ -131,7 +131,7 @@ def test_a_workspace_too_small_for_the_triton_splits_is_refused_before_the_union
     def no_union(*args, **kwargs):
         raise AssertionError("the union was built before the workspace was checked")
 
-    monkeypatch.setattr(decode_op, "build_union", no_union)
+    monkeypatch.setattr(decode_op, "decode_rows", no_union)
     q, kv = torch.zeros(2, 4, 48), torch.zeros(300, 48)
     rows = torch.arange(256, dtype=torch.int32).repeat(2, 1)
     need = 4 * 2 * 4 * (32 + 1)  # 4 splits x 2 tokens x 4 heads x (32 values + the LSE)

@@ -33,11 +33,13 @@ outputs. :func:`~shardattn.ops.dispatch.sparse_decode_kernel` says which runs an
 merge kernel) are the private runners' (:func:`~shardattn.kernels.triton.sparse_mla_decode.run_split_decode`,
 :func:`~shardattn.ops.sparse_mla_decode_gluon.sparse_mla_decode_gluon`), which benchmarks call.
 
-A row listed twice by one token is one key (the library-wide rule): by default the rows are
-first sorted and de-duplicated by :func:`~shardattn.ops.union.build_union` (``G = 1``: one
-bitmap launch, in shared memory on sm_90, while the cache's words are within its ratio, else a
-row sort); ``rows_unique=True`` skips that when the caller guarantees unique rows (an
-indexer's top-k is), and duplicates would then count twice.
+A row listed twice by one token is one key (the library-wide rule): by default each token's rows
+are first de-duplicated by :func:`~shardattn.ops.unique_rows.decode_rows`: sorted by the bitmap
+union build (:func:`~shardattn.ops.union.build_union`, ``G = 1``, in shared memory on sm_90)
+while the cache's words are within its ratio, else kept in first-occurrence order by a hash per
+token whose cost does not follow the cache size (:func:`~shardattn.ops.unique_rows.unique_rows`);
+``rows_unique=True`` skips that when the caller guarantees unique rows (an indexer's top-k is),
+and duplicates would then count twice.
 
 LSE: fp32 natural log, includes the sink term; a row with no valid key gives ``(0, -inf)``
 (``(0, sink)`` with sinks), so a DCP rank with an empty local shard contributes the merge
@@ -53,7 +55,7 @@ from shardattn.ops.dispatch import decode_path, pdl_supported, sm_count
 from shardattn.ops.head_blocked import store_result
 from shardattn.ops.sparse_mla import empty_kv_result, has_keys, sparse_mla_reference
 from shardattn.ops.sparse_mla_checks import check_destinations, check_sparse_mla_inputs, join_q
-from shardattn.ops.union import build_union
+from shardattn.ops.unique_rows import decode_rows
 
 __all__ = ["BACKENDS", "run_sparse_mla_decode", "sparse_mla_decode"]
 
@@ -213,7 +215,7 @@ def run_sparse_mla_decode(
                 f"splits of {t} tokens x {h} heads; it has {workspace.numel()}"
             )
     if not rows_unique and rows.shape[1] > 1:
-        rows, topk_length = build_union(rows, group_size=1, num_kv_rows=kv.shape[0], topk_length=topk_length)
+        rows, topk_length = decode_rows(rows, num_kv_rows=kv.shape[0], topk_length=topk_length)
     if kernel == "gluon_stream":
         from shardattn.kernels.gluon.sparse_mla_decode_stream import sparse_mla_decode_stream
 

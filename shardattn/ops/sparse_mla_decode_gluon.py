@@ -4,8 +4,8 @@
 on a decode call that :func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode` validated and
 routed here:
 
-* **row lists**: with the default ``rows_unique=False`` the rows are first sorted and
-  de-duplicated by :func:`~shardattn.ops.union.build_union` (a row listed twice is one key); with
+* **row lists**: with the default ``rows_unique=False`` the rows are first de-duplicated by
+  :func:`~shardattn.ops.unique_rows.decode_rows` (a row listed twice is one key); with
   ``rows_unique=True`` they are taken as given (a duplicate then counts twice, exactly as on the
   Triton path). Contiguous int32 rows need no packing: the kernel reads the caller's ``[T, K]``
   rows in place and masks each entry (an entry outside ``[0, R)`` or past ``topk_length`` is no
@@ -36,7 +36,7 @@ from shardattn.kernels.gluon.sparse_mla_decode import gluon_attend, gluon_decode
 from shardattn.kernels.triton.lse_merge import HAVE_TRITON, launch_lse_merge_columns, split_partials
 from shardattn.kernels.triton.pack_rows import pack_rows
 from shardattn.ops.lse_merge import lse_merge_reference
-from shardattn.ops.union import build_union
+from shardattn.ops.unique_rows import decode_rows
 
 __all__ = ["sparse_mla_decode_gluon"]
 
@@ -83,7 +83,7 @@ def sparse_mla_decode_gluon(
     src, src_len = rows, topk_length
     deduped = not rows_unique and k > 1
     if deduped:
-        src, src_len = build_union(rows, group_size=1, num_kv_rows=r, topk_length=topk_length)
+        src, src_len = decode_rows(rows, num_kv_rows=r, topk_length=topk_length)
     limit = None if workspace is None else workspace.numel()
     plan = gluon_decode_plan(
         t, h, k, num_sms, num_splits, v_dim=v_dim, max_partial_elems=limit, kv_fp8=kv.dtype == torch.uint8

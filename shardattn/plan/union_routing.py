@@ -10,9 +10,15 @@ from __future__ import annotations
 from shardattn.plan.crossovers import BITMAP_SCAN_RATIO, SMEM_SCAN_RATIO, SMEM_SORTED_RATIO, UNION_METHOD
 from shardattn.plan.routing import MAX_GROUPED_KV_ROWS
 
-__all__ = ["UNION_METHODS", "route_union_method"]
+#: Most entries a token may list for the hash de-duplication (its kernel holds a row in one
+#: program: :data:`shardattn.kernels.triton.unique_rows.MAX_ENTRIES`).
+MAX_UNIQUE_ENTRIES = 8192
+
+__all__ = ["DECODE_DEDUP_METHODS", "UNION_METHODS", "route_decode_dedup", "route_union_method"]
 
 UNION_METHODS = ("sort", "fused", "bitmap")
+#: What :func:`route_decode_dedup` picks from.
+DECODE_DEDUP_METHODS = ("union", "unique")
 
 
 def route_union_method(
@@ -49,3 +55,19 @@ def route_union_method(
     if fits and words <= BITMAP_SCAN_RATIO * entries:
         return "bitmap"
     return UNION_METHOD[group_size]
+
+
+def route_decode_dedup(topk: int, num_kv_rows: int, *, shared_memory: bool = False) -> str:
+    """How a decode step without ``rows_unique`` de-duplicates each token's ``topk`` rows:
+    ``"union"`` (:func:`~shardattn.ops.union.build_union` with ``group_size=1``: rows sorted) where
+    that build takes its bitmap (:func:`route_union_method`), ``"unique"``
+    (:func:`~shardattn.ops.unique_rows.unique_rows`: first-occurrence order, a cost that follows
+    ``topk`` alone) where it would sort, unless ``topk`` is past the hash kernel's
+    :data:`~shardattn.kernels.triton.unique_rows.MAX_ENTRIES`.
+
+    >>> route_decode_dedup(2048, 1 << 16, shared_memory=True), route_decode_dedup(2048, 40_000_000)
+    ('union', 'unique')
+    """
+    if route_union_method(1, topk, num_kv_rows, shared_memory=shared_memory) == "bitmap":
+        return "union"
+    return "unique" if topk <= MAX_UNIQUE_ENTRIES else "union"

@@ -15,6 +15,7 @@ from shardattn.ops.dispatch import sparse_decode_kernel
 from shardattn.ops.gqa_decode import gqa_paged_decode
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.ops.topk import DcpShard, convert_topk
+from shardattn.ops.unique_rows import unique_rows
 from shardattn.plan.spec import ModelSpec
 
 #: Split counts whose column merges (one compiled variant per power of 2 of the count) the warm-up runs.
@@ -122,6 +123,11 @@ def warm_up_decode(
                     pos, req, table, block_size=page, seq_lens=seq, topk_length=length, dcp=dcp, packed=True
                 )
                 launches += 1
+                if compiles_kernels(device) and t == max(sizes) and length is None:
+                    # the warm-up cache is small (its de-duplication is the bitmap union); a real
+                    # cache past the bitmap's ratio de-duplicates by hash (ops.unique_rows.decode_rows)
+                    unique_rows(rows, num_kv_rows=kv.shape[0], topk_length=valid)
+                    launches += 1
             gluon = (
                 compiles_kernels(device) and t == max(sizes) and sparse_decode_kernel(q, kv, spec.v_dim)[0] == "gluon"
             )

@@ -123,6 +123,7 @@ _TRITON_UNION = "shardattn.kernels.triton.union"
 _TRITON_FUSED = "shardattn.kernels.triton.union_fused"
 _TRITON_BITMAP = "shardattn.kernels.triton.union_bitmap"
 _TRITON_PACK_ROWS = "shardattn.kernels.triton.pack_rows"
+_TRITON_UNIQUE = "shardattn.kernels.triton.unique_rows"
 
 _BF16_ATTN = {"Q": "*bf16", "KV": "*bf16", "UNION": "*i32", "LENS": "*i32", "SINKS": "*fp32", "OUT": "*bf16"}
 
@@ -213,6 +214,15 @@ def _triton_union_compact(group_size: int) -> str:
     cfg = _attr(_TRITON_UNION, "union_launch_config")(group_size, 2048)
     pointers = {"SORTED": "*i32", "UNION": "*i32", "LENS": "*i32"}
     return triton_sm90_ptx(_TRITON_UNION, "_union_compact_kernel", pointers, {"G": group_size, "CHUNK": cfg["CHUNK"]})
+
+
+def _triton_unique_rows() -> str:
+    cfg = dict(_attr(_TRITON_UNIQUE, "unique_rows_config")(2048))
+    num_warps = cfg.pop("num_warps")
+    pointers = {"ROWS": "*i32", "TOPK_LEN": "*i32", "SCRATCH": "*i32", "OUT": "*i32", "LENS": "*i32"}
+    return triton_sm90_ptx(
+        _TRITON_UNIQUE, "_unique_rows_kernel", pointers, {**cfg, "HAS_LEN": True}, num_warps=num_warps
+    )
 
 
 def _triton_fused(group_size: int) -> str:
@@ -311,6 +321,7 @@ VARIANTS: dict[str, Callable[[], str]] = {
     "triton.union.compact.g2": lambda: _triton_union_compact(2),
     "triton.union.fused.g8": lambda: _triton_fused(8),
     "triton.union.bitmap.g4": lambda: _triton_bitmap(4),
+    "triton.unique_rows": _triton_unique_rows,
     "triton.pack_rows": _triton_pack_rows,
 }
 

@@ -1,0 +1,92 @@
+"""The hash de-duplication kernel under the interpreter, on fresh random inputs, against an
+independent oracle (a Python loop keeping each row's first occurrence).
+
+Run as ``TRITON_INTERPRET=1 python -m tests.interpret.unique_rows_cases``
+(tests/test_unique_rows.py does this in a subprocess). Each hypothesis example draws ``T``,
+``K`` (not a power of two, tails included), the cache size, invalid entries anywhere, duplicates
+within a row, rows with no valid key, int32 or int64 rows and ``topk_length``; a grid adds a row
+of one row repeated, rows past the cache, and a table small enough that collisions take many
+rounds. The kernel's ``out`` and ``lens`` must equal the oracle's exactly (the ``-1`` tail
+included). Prints one line per check and exits 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardattn.kernels.triton.unique_rows import launch_unique_rows
+from tests.interpret.union_cases import _report, make_rows, run_checks
+
+
+def oracle(rows: torch.Tensor, num_kv_rows: int, length: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    t, k = rows.shape
+    out = torch.full((t, k), -1, dtype=torch.int32)
+    lens = torch.zeros(t, dtype=torch.int32)
+    for i in range(t):
+        seen: list[int] = []
+        end = k if length is None else min(k, int(length[i]))
+        for row in rows[i, :end].tolist():
+            if 0 <= row < num_kv_rows and row not in seen:
+                seen.append(row)
+        out[i, : len(seen)] = torch.tensor(seen, dtype=torch.int32)
+        lens[i] = len(seen)
+    return out, lens
+
+
+def kernel(rows: torch.Tensor, num_kv_rows: int, length: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    t, k = rows.shape
+    out = torch.full((t, k), -7, dtype=torch.int32)
+    lens = torch.full((t,), -7, dtype=torch.int32)
+    launch_unique_rows(rows, length, num_kv_rows - 1, out, lens)
+    return out, lens
+
+
+def _check(name: str, rows: torch.Tensor, num_kv_rows: int, length: torch.Tensor | None) -> None:
+    got, want = kernel(rows, num_kv_rows, length), oracle(rows, num_kv_rows, length)
+    _report(name, torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(
+    tokens=st.integers(1, 9),
+    topk=st.integers(1, 300),
+    num_kv_rows=st.sampled_from([1, 5, 60, 1000, 70_000, 2**31 - 1]),
+    use_length=st.booleans(),
+    wide=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def matches_oracle(tokens, topk, num_kv_rows, use_length, wide, seed):
+    rows = make_rows(seed, tokens, topk, min(num_kv_rows, 10**6), sort=False)
+    if num_kv_rows > 10**6:  # rows anywhere in int32, some past the cache in int64
+        gen = torch.Generator().manual_seed(seed + 2)
+        rows = torch.where(rows >= 0, torch.randint(0, 2**31 - 1, rows.shape, generator=gen, dtype=torch.int32), rows)
+    rows = rows.long() if wide else rows
+    if wide:
+        rows[:, 0] = num_kv_rows + 5  # past the cache in int64
+    gen = torch.Generator().manual_seed(seed + 1)
+    length = torch.randint(0, topk + 2, (tokens,), generator=gen, dtype=torch.int32) if use_length else None
+    name = f"T={tokens},K={topk},R={num_kv_rows},len={use_length},int64={wide},seed={seed}"
+    _check(f"unique[{name}]", rows, num_kv_rows, length)
+
+
+def grid() -> None:
+    _check("one_row_repeated", torch.full((3, 77), 4, dtype=torch.int32), 10, None)
+    _check("all_invalid", torch.tensor([[-1, 10, -5, 11]], dtype=torch.int32), 10, None)
+    _check("empty_length", torch.arange(8, dtype=torch.int32)[None, :], 10, torch.zeros(1, dtype=torch.int32))
+    # every row distinct in a full table of 2 x 512 slots: many rounds of collisions
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randperm(50_000, generator=gen)[:1024].to(torch.int32).view(2, 512)
+    rows[1, 256:] = rows[1, :256].flip(0)  # the second token lists each row twice, reversed
+    _check("full_table", rows, 50_000, None)
+
+
+def main() -> int:
+    return run_checks(grid, matches_oracle)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
