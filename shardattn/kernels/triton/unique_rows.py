@@ -69,9 +69,8 @@ if triton is not None:
         row = tl.where(pending, raw, -1).to(tl.int32)
         table = SCRATCH + t * (1 << SLOT_BITS)
         keep = c < 0
-        left = tl.sum(pending.to(tl.int32), axis=0)
         h = row.to(tl.uint32) * 0x9E3779B1
-        while left > 0:
+        while tl.max(pending.to(tl.int32), axis=0) > 0:
             h = _mix(h)
             slot = (h >> (32 - SLOT_BITS)).to(tl.int32)
             tl.store(table + slot, c, mask=pending)
@@ -83,7 +82,6 @@ if triton is not None:
             settled = pending & (first_row == row)
             keep = keep | (settled & (first == c))
             pending = pending & (first_row != row)
-            left = tl.sum(pending.to(tl.int32), axis=0)
             tl.debug_barrier()  # every lane has read its slot before the next round stores
         kept = keep.to(tl.int32)
         n = tl.sum(kept, axis=0)
