@@ -79,7 +79,19 @@ def _mla_case(
     }
 
 
-def _run_mla(group: dist.ProcessGroup, case: dict, scatter_heads: bool = True) -> tuple:
+def _unique_positions(pos: torch.Tensor) -> torch.Tensor:
+    """``pos`` as an indexer's top-k: no position twice in a row (later copies ``-1``, junk kept)."""
+    out = pos.clone()
+    for row in out:
+        seen: set[int] = set()
+        for j, p in enumerate(row.tolist()):
+            if p >= 0 and p in seen:
+                row[j] = -1
+            seen.add(p)
+    return out
+
+
+def _run_mla(group: dist.ProcessGroup, case: dict, scatter_heads: bool = True, rows_unique: bool = False) -> tuple:
     comm = Comm(group)
     h = case["q"].shape[1] // comm.world_size
     mine = case["local"][comm.rank]
@@ -98,6 +110,7 @@ def _run_mla(group: dist.ProcessGroup, case: dict, scatter_heads: bool = True) -
         topk_length=case["topk_length"],
         sinks=case["sinks"],
         scatter_heads=scatter_heads,
+        rows_unique=rows_unique,
     )
     return out, lse, dict(comm.counts)
 
@@ -182,6 +195,16 @@ def test_dcp_sparse_mla_all_heads_and_topk_length(dist_pool) -> None:
 
 
 @pytest.mark.distributed
+def test_dcp_sparse_mla_rows_unique_with_topk_length(dist_pool) -> None:
+    """rows_unique: each rank reads its rows packed at the front (no de-duplication); junk, other
+    ranks' positions and entries past ``topk_length`` anywhere in a row."""
+    case = _mla_case(5, [17, 5], [2, 1], 3, 2, d=64, dv=48, topk_length=True, sinks=True)
+    case["pos"] = _unique_positions(case["pos"])
+    results = dist_pool.run(_run_mla, case, True, True, world_size=3)
+    _check_mla(results, case, 3)
+
+
+@pytest.mark.distributed
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     world=st.integers(2, 4),
@@ -198,7 +221,10 @@ def test_dcp_sparse_mla_drawn(dist_pool, nproc, world, interleave, reqs, k, bloc
         seed, lens, q_per, world, interleave, k=k, d=64, dv=48, block_size=block_size,
         sinks=seed % 2 == 0, topk_length=seed % 3 == 0,
     )  # fmt: skip
-    results = dist_pool.run(_run_mla, case, world_size=world)
+    unique = seed % 4 >= 2  # rows_unique: each rank's rows packed at the front, read as given
+    if unique:
+        case["pos"] = _unique_positions(case["pos"])
+    results = dist_pool.run(_run_mla, case, True, unique, world_size=world)
     _check_mla(results, case, world)
 
 

@@ -234,6 +234,16 @@ def _decode_body(
         )  # fmt: skip
         torch.testing.assert_close(out_u, out, atol=1e-6, rtol=0)
         torch.testing.assert_close(lse_u, lse, atol=1e-6, rtol=0)
+        # holes anywhere in a row: the unique rows are packed before the kernel, its count their length
+        holes = s.positions.masked_fill(
+            torch.rand(s.positions.shape, generator=torch.Generator().manual_seed(11)) < 0.3, -1
+        )
+        got = [
+            rt.decode(_heads(s.q, rank, world).contiguous(), s.local_kv, s.local_table, s.seq_lens,
+                      topk_pos=holes, req_ids=s.req_ids, topk_unique=unique)
+            for unique in (True, False)
+        ]  # fmt: skip
+        torch.testing.assert_close(got[0], got[1], atol=1e-6, rtol=0)
         ref = _mla_oracle(s, want, s.seq_lens)
         other = ref  # sparse MLA: causality lives in the top-k positions
     else:

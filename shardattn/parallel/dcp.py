@@ -290,15 +290,16 @@ def dcp_sparse_mla_decode(
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
         ws = workspace or {}
         q_full = _gather_heads(q_heads_local, comm, ws)
-        # this rank's rows (about K / W of a top-k) packed at the front, their count the local
-        # kernel's topk_length: it reads no other rank's entries
+        # unique rows: this rank's (about K / W of a top-k) packed at the front, their count the
+        # local kernel's topk_length, so it reads no other rank's entries; otherwise the
+        # de-duplication drops those entries itself (D89)
         rows, counts = convert_topk(
             topk_pos, req_ids, block_table, block_size=block_size, seq_lens=seq_lens, topk_length=topk_length,
-            dcp=DcpShard(layout.world_size, layout.interleave, comm.rank), packed=True,
+            dcp=DcpShard(layout.world_size, layout.interleave, comm.rank), packed=rows_unique,
             out=view_bytes(ws.get("rows"), tuple(topk_pos.shape), torch.int32, "rows"),
         )  # fmt: skip
         out, lse = attention(
-            q_full, kv_rows, rows, scale=scale, v_dim=v_dim, topk_length=counts,
+            q_full, kv_rows, rows, scale=scale, v_dim=v_dim, topk_length=counts if rows_unique else None,
             sinks=sinks if comm.rank == 0 else None, rows_unique=rows_unique, **_partial_buffers(ws, q_full, v_dim),
         )  # fmt: skip
         # checked above; out / lse come from the checked inputs: the collector runs unchecked

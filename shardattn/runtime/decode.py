@@ -237,11 +237,12 @@ class DecodeStep:
                 )
                 return self._result(out, lse)
             rows_ws, pos = buffers.get("rows"), cache.topk_pos
-            # the valid rows packed at the front, their count the kernel's topk_length: it reads no
-            # entry past them (a request shorter than the top-k leaves the rest invalid)
+            # unique rows: the valid ones packed at the front, their count the kernel's topk_length,
+            # so it reads no entry past them (a request shorter than the top-k leaves the rest
+            # invalid); otherwise the de-duplication drops the invalid entries itself (D89)
             rows, counts = convert_topk(
                 pos, cache.req_ids, block_table, block_size=page, seq_lens=seq_lens, topk_length=topk_length,
-                packed=True, out=None if rows_ws is None or pos.dim() != 2 else view_bytes(
+                packed=topk_unique, out=None if rows_ws is None or pos.dim() != 2 else view_bytes(
                     rows_ws, tuple(pos.shape), torch.int32, "rows"
                 ),
             )  # fmt: skip
@@ -251,7 +252,7 @@ class DecodeStep:
                 rows,
                 scale=self.scale,
                 v_dim=self.spec.v_dim,
-                topk_length=counts,
+                topk_length=counts if topk_unique else None,
                 sinks=None if sinks is None else self.local_heads(sinks),
                 rows_unique=topk_unique,
             )
