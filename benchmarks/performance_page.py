@@ -138,8 +138,32 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "decode on a 262,144-row cache, same run; bf16 and fp8_ds_mla rows (the same values); graph "
         "replays with the L2 flushed. Ratio = small-cache time / large-cache time; the target is a "
         "large-cache decode within 1.15x of the small-cache one (ratio >= 0.87). The H100 run of "
-        "2026-12-05 misses it on bf16 rows at 64 heads x batch 256 (0.83x; the other bf16 rows "
-        "0.87-0.92x, FP8 rows 0.94-0.98x).",
+        "2026-12-06 misses it on bf16 rows at 64 heads x batch 256 (0.83x, rows sorted 0.84x; the "
+        "other bf16 rows 0.89-0.95x, FP8 rows 0.94-1.02x). *rows sorted*: the large-cache decode on "
+        "each token's rows sorted (the sort not timed).",
+        (),
+    ),
+    "decode-dedup": (
+        "Sparse-MLA decode's de-duplication",
+        "A decode call without `rows_unique` reads each token's unique rows once. `dedup us`: the hash "
+        "de-duplication (`shardattn.ops.unique_rows.unique_rows`: first-occurrence order, a cost that "
+        "follows the top-k alone) against the sorted union (`build_union`, `G = 1`: the shared-memory "
+        "bitmap while the cache is small, the row sort beyond), same run. `step us, default`: the routed "
+        "call (`route_decode_dedup`: the union where it takes its bitmap, the hash elsewhere) against the "
+        "sorted union then the kernel; `default vs kernel`: against the kernel alone on the caller's rows "
+        "(`rows_unique=True`: what any de-duplication adds). Top-k distinct random rows, one repeated in "
+        "every token; graph replays with the L2 flushed; ratio > 1: ours faster.",
+        (),
+    ),
+    "decode-packed": (
+        "Sparse-MLA decode as the steps convert its rows",
+        "The top-k conversion and the routed decode of a head-TP or DCP step: each token's valid rows "
+        "packed at the front (`convert_topk(packed=True)`, their count the decode's `topk_length`) "
+        "against the rows converted in place (`-1` where invalid), with `rows_unique` False (the "
+        "de-duplication drops invalid entries itself) and True (the kernel reads the rows as given). "
+        "Shares: `all` (every position valid), `dcp4` (a DCP rank of 4 holds about a quarter), `short` "
+        "(a 700-token request: the rest of the top-k is `-1`). Graph replays with the L2 flushed; ratio "
+        "= in place / packed. The steps pack only with unique rows (D89).",
         (),
     ),
     "kv-fp8-write": (
