@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--topk must be >= 2 and at most half of every --cache-rows", file=sys.stderr)
         return 2
     dev = args.device
-    env = environment()
+    env = environment(device=dev)
     print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--topk must be positive and at most a quarter of --cache-rows, got {args.topk}", file=sys.stderr)
         return 2
     dev, topk = args.device, args.topk
-    env = environment()
+    env = environment(device=dev)
     print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
     caches = build_caches(args.cache_rows, args.kv_dtype, device=dev)

@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU: pass --device cpu for a dry run", file=sys.stderr)
         return 2
-    env = environment()
+    env = environment(device=args.device)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         rows = []

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                             device_id=dev if cuda else None)  # fmt: skip
     try:
         sync = torch.cuda.synchronize if cuda else (lambda: None)
-        env, records = environment(1), []
+        env, records = environment(1, dev), []
         for name, fn in operations(dev, dist.group.WORLD).items():
             if args.only and not any(w in name for w in args.only):
                 continue

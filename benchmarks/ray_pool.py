@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             pool.shutdown()
     finally:
         ray.shutdown()
-    records = round_records(args, times, environment(args.ranks))
+    records = round_records(args, times, environment(args.ranks, args.device))
     print_table(records, f"Ray pool decode step, {args.ranks} ranks")
     write_json(args.json, records)
     return 0

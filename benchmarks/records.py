@@ -96,11 +96,13 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join(["python", *words])
 
 
-def gpu_name(world_size: int = 1) -> str:
-    """The CUDA device's name (``"W x NAME"`` for ``world_size`` ranks), else ``"CPU"``."""
+def gpu_name(world_size: int = 1, device: Any = None) -> str:
+    """The CUDA device's name (``"W x NAME"`` for ``world_size`` ranks), else ``"CPU"``: also when
+    ``device`` (a ``torch.device`` or its name; default: the GPU where there is one) is not CUDA."""
     import torch
 
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    on_cpu = device is not None and torch.device(device).type != "cuda"
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() and not on_cpu else "CPU"
     return name if world_size == 1 else f"{world_size} x {name}"
 
 
@@ -122,10 +124,11 @@ def versions() -> dict[str, str]:
     return out
 
 
-def environment(world_size: int = 1) -> dict[str, Any]:
-    """The fields a run fills in itself: GPU, date (UTC), commit, command and versions."""
+def environment(world_size: int = 1, device: Any = None) -> dict[str, Any]:
+    """The fields a run fills in itself: GPU (:func:`gpu_name` of ``device``), date (UTC), commit,
+    command and versions."""
     return {
-        "gpu": gpu_name(world_size),
+        "gpu": gpu_name(world_size, device),
         "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
         "commit": git_commit(),
         "command": command_line(),

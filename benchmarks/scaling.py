@@ -165,8 +165,10 @@ def _spec(args: argparse.Namespace, preset: str, heads: int | None, device: torc
     return spec if device.type == "cuda" else dataclasses.replace(spec, dtype="float32")
 
 
-def _model(args: argparse.Namespace) -> CostModel:
-    gpu = args.gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+def _model(args: argparse.Namespace, device: torch.device | None = None) -> CostModel:
+    """``--gpu``'s table, else the visible GPU's (``device``: the GPU's unless it is the CPU)."""
+    on_gpu = torch.cuda.is_available() and (device is None or device.type == "cuda")
+    gpu = args.gpu or (torch.cuda.get_device_name() if on_gpu else None)
     return CostModel(load_calibration(gpu, args.calibration))
 
 
@@ -178,11 +180,19 @@ def _simulate(args: argparse.Namespace, env: dict[str, Any]) -> list[dict[str, A
 
 
 # -- measurement --------------------------------------------------------------------------------------
+def _device(group: dist.ProcessGroup) -> torch.device:
+    """The rank's GPU where the world runs on NCCL (one GPU a rank), else the CPU (gloo: also a
+    world of more ranks than GPUs)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def measure(group: dist.ProcessGroup, args: argparse.Namespace) -> list[dict[str, Any]] | None:
     """Every configuration on every rank; rank 0 returns the rows (the slowest rank's times)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    model = _model(args)
+    device = _device(group)
+    model = _model(args, device)
     rows = []
     for label, preset, heads, tokens in _configs(args):
         spec = _spec(args, preset, heads, device)
@@ -310,7 +320,7 @@ class _Entry:
         rows = measure(group, self.args)
         if rows is None:
             return
-        env = environment(dist.get_world_size(group))
+        env = environment(dist.get_world_size(group), _device(group))
         summary(rows)
         records = measured_records(rows, env)
         records += _simulate(self.args, env) if self.args.simulate else []

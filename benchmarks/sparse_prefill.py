@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         from flashmla_prefill import load
 
         peer = load(args.peer_lib)
-    env = environment()
+    env = environment(device=args.device)
     print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
     fp8 = args.kv_dtype == "fp8_ds_mla"
     caches: dict = {}

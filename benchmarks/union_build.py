@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--heads: {bad} fill a 64-row tile alone (G = 1); grouped cases need fewer than 64", file=sys.stderr)
         return 2
     device = torch.device(args.device)
-    env = environment()
+    env = environment(device=device)
     print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
     flush = l2_flush(device)
     records = []

@@ -438,3 +438,15 @@ def test_decode_dedup_cpu_run_checks_and_records(tmp_path: Path) -> None:
     assert {r["metric"] for r in recs} == {"dedup us, hash", "step us, default", "step us, default vs kernel"}
     assert all(r["baseline"] is not None and r["value"] > 0 for r in recs)
     assert _module("decode_dedup").main(["--device", "cpu", "--cache-rows", "100", "--topk", "64"]) == 2
+
+
+def test_a_cpu_run_on_a_gpu_machine_records_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark run with ``--device cpu`` (or on gloo ranks) where a GPU is visible records
+    ``"CPU"``, not the GPU it did not use."""
+    records = _module("records")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    assert records.environment()["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert records.environment(2, "cuda")["gpu"] == "2 x NVIDIA H100 80GB HBM3"
+    assert records.environment(device="cpu")["gpu"] == "CPU"
+    assert records.environment(2, torch.device("cpu"))["gpu"] == "2 x CPU"

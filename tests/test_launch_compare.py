@@ -64,7 +64,7 @@ def test_compare_with_heads_two_ranks(tmp_path) -> None:
     cmd += ["-m", "shardattn.launch"]
     cmd += ["--heads", "16", "--compare", "--mode", "shardq", "--tokens", "64", "--topk", "16", "--cached", "32"]
     cmd += ["--iters", "1", "--no-progress", "--json", str(path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""}  # CPU ranks anywhere
     env.pop("RANK", None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

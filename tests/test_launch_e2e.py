@@ -25,7 +25,8 @@ PATCHED = ["-m", "tests.launch_patched"]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    # CPU ranks (gloo) on any machine: auto would give each rank a GPU where there are enough
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("RANK", None)
     return {**env, **(extra or {})}
 

@@ -329,7 +329,7 @@ def test_launcher_check_passes_on_two_agents_of_two_ranks() -> None:
     """``torchrun --nnodes 2 --node-rank 0|1 --nproc-per-node 2`` on loopback: both agents exit 0, the
     check passes, and the Runtime sees 2 nodes x 2 ranks (its host identity is the agent)."""
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, CUDA_VISIBLE_DEVICES="")  # gloo ranks anywhere
     port = str(free_port())
     agents = [_agent(n, port, env) for n in (0, 1)]
     outs = []

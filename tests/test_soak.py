@@ -28,7 +28,7 @@ def _run(args: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess
     env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks on the CPU, on any machine
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
