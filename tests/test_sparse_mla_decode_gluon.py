@@ -456,6 +456,41 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
         assert ran == (want if routed == kernel else set())
 
 
+@pytest.mark.parametrize("dcp", [None, (2, 1, 1)])
+def test_decode_warmup_converts_and_deduplicates_as_the_steps_do(monkeypatch, dcp):
+    """A step packs the converted rows only with ``topk_unique`` (their count then the kernel's
+    ``topk_length``); without it the rows stay unpacked and no ``topk_length`` reaches the decode,
+    so the de-duplication (the union or the hash) runs without one: the warm-up takes each form."""
+    import shardattn.runtime.decode_warmup as dw
+    from shardattn.ops.topk import DcpShard
+    from shardattn.plan.spec import get_preset
+
+    converts, decodes, hashes = set(), set(), set()
+    convert_topk = dw.convert_topk
+
+    def convert(pos, *args, topk_length=None, packed=False, **kw):
+        converts.add((topk_length is not None, packed))
+        return convert_topk(pos, *args, topk_length=topk_length, packed=packed, **kw)
+
+    def decode(q, kv, rows, *, topk_length=None, rows_unique=False, **kw):
+        decodes.add((rows_unique, topk_length is not None))
+
+    monkeypatch.setattr(dw, "convert_topk", convert)
+    monkeypatch.setattr(dw, "sparse_mla_decode", decode)
+    monkeypatch.setattr(dw, "run_sparse_mla_decode", decode)
+    monkeypatch.setattr(dw, "unique_rows", lambda rows, *, num_kv_rows, topk_length=None: hashes.add(topk_length))
+    monkeypatch.setattr(dw, "sparse_decode_kernel", lambda q, kv, v_dim, rows=None: ("triton", "test"))
+    monkeypatch.setattr(dw, "compiles_kernels", lambda device: True)  # as on a GPU, with CPU tensors
+    dw.warm_up_decode(
+        get_preset("glm5"), device=torch.device("cpu"), dtype=torch.bfloat16, heads=16, kv_heads=1, topk=64,
+        max_decode_tokens=4, scale=0.1, dcp=None if dcp is None else DcpShard(*dcp), need_lse=True,
+        gqa_backend="triton",
+    )  # fmt: skip
+    assert converts == {(length, packed) for length in (False, True) for packed in (False, True)}
+    assert decodes == {(False, False), (True, True)}  # raw rows: no topk_length; unique rows: their count
+    assert hashes == {None}
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize(

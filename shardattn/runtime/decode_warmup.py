@@ -76,10 +76,12 @@ def warm_up_decode(
         kv_fp8: the sparse-MLA cache holds ``fp8_ds_mla`` rows (the kernels' FP8 variants).
 
     Covers: top-k conversion with this mode's flags (DCP shard or not, with and without
-    ``topk_length``), the decode kernel at 1, 2 and ``max_decode_tokens`` query tokens (unsplit
-    and split-KV, so the LSE merge too), with and without sinks where a step may pass them
-    (under DCP only rank 0 does), and for GQA head-TP uniform and ragged drafts. The decode
-    kernels publish no compile-key list (unlike prefill), so this mirrors their call sites.
+    ``topk_length``; packed as a ``topk_unique`` step converts, and not), the de-duplication as
+    the other steps call it (no ``topk_length``), the decode kernel at 1, 2 and
+    ``max_decode_tokens`` query tokens (unsplit and split-KV, so the LSE merge too), with and
+    without sinks where a step may pass them (under DCP only rank 0 does), and for GQA head-TP
+    uniform and ragged drafts. The decode kernels publish no compile-key list (unlike prefill),
+    so this mirrors their call sites.
     Sparse MLA on sm_90 routes by batch size (the small-batch Gluon kernel, Triton below the Gluon
     crossovers, Gluon above: :func:`~shardattn.plan.decode_routing.route_sparse_decode_kernel`), so the
     routed call also runs at the sizes where the small kernel's tile or heads a program change
@@ -117,17 +119,22 @@ def warm_up_decode(
             q = randn(t, h, d)
             pos = torch.randint(-1, 4 * page, (t, topk), generator=gen, dtype=torch.int32).to(dev)
             req = torch.zeros(t, dtype=torch.int32, device=dev)
-            for length in (None, torch.full((t,), max(1, topk // 2), dtype=torch.int32, device=dev)):
-                # as the step converts: packed, the count its kernels' topk_length
-                rows, valid = convert_topk(
-                    pos, req, table, block_size=page, seq_lens=seq, topk_length=length, dcp=dcp, packed=True
+            converted = {}
+            for length, unique in itertools.product(
+                (None, torch.full((t,), max(1, topk // 2), dtype=torch.int32, device=dev)), (False, True)
+            ):
+                # as the step converts: packed with unique rows (the count their kernels' topk_length),
+                # else as listed (the de-duplication drops the invalid entries; no topk_length: D89)
+                converted[unique] = convert_topk(
+                    pos, req, table, block_size=page, seq_lens=seq, topk_length=length, dcp=dcp, packed=unique
                 )
                 launches += 1
-                if compiles_kernels(device) and t == max(sizes) and length is None:
-                    # the warm-up cache is small (its de-duplication is the bitmap union); a real
-                    # cache past the bitmap's ratio de-duplicates by hash (ops.unique_rows.decode_rows)
-                    unique_rows(rows, num_kv_rows=kv.shape[0], topk_length=valid)
-                    launches += 1
+            if compiles_kernels(device) and t == max(sizes):
+                # the warm-up cache is small (its de-duplication is the bitmap union); a real
+                # cache past the bitmap's ratio de-duplicates by hash (ops.unique_rows.decode_rows)
+                unique_rows(converted[False][0], num_kv_rows=kv.shape[0])
+                launches += 1
+            rows = converted[True][0]
             gluon = (
                 compiles_kernels(device) and t == max(sizes) and sparse_decode_kernel(q, kv, spec.v_dim)[0] == "gluon"
             )
@@ -150,6 +157,7 @@ def warm_up_decode(
             )
             for sinks, unique in itertools.product(sink_options, (False, True)):
                 # topk_unique (rows_unique): the kernels see the raw rows, not a union: their own variants
+                rows, valid = converted[unique][0], converted[unique][1] if unique else None
                 for backend in (None, "triton") if compiles_kernels(device) else (None,):  # routed, and Triton's
                     sparse_mla_decode(
                         q, kv, rows, scale=scale, v_dim=spec.v_dim, topk_length=valid, sinks=sinks, backend=backend,
