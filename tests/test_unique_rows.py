@@ -56,6 +56,16 @@ def test_bad_input_names_the_argument():
         unique_rows(rows, num_kv_rows=4, topk_length=torch.zeros(3, dtype=torch.int32))
 
 
+def test_decode_rows_names_the_bad_argument_before_routing():
+    rows = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^rows"):
+        decode_rows(rows[0], num_kv_rows=4)
+    with pytest.raises(TypeError, match=r"^rows"):
+        decode_rows(rows.tolist(), num_kv_rows=4)
+    with pytest.raises(TypeError, match=r"^num_kv_rows"):
+        decode_rows(rows, num_kv_rows="4")
+
+
 def test_route_keeps_the_bitmap_union_and_hashes_where_it_would_sort():
     k = 2048
     assert route_decode_dedup(k, 32 * SMEM_SCAN_RATIO * k, shared_memory=True) == "union"

@@ -101,6 +101,7 @@ def decode_rows(
     """Decode's de-duplicated rows ``(rows, lens)``, packed (see the module): sorted by
     :func:`~shardattn.ops.union.build_union` where its bitmap build runs, else in first-occurrence
     order by :func:`unique_rows` (:func:`~shardattn.plan.union_routing.route_decode_dedup`)."""
+    _check(rows, num_kv_rows, topk_length)  # before the route reads the shape
     shared_memory = smem_unsupported_reason(rows, 1) is None
     if route_decode_dedup(rows.shape[1], num_kv_rows, shared_memory=shared_memory) == "union":
         return build_union(rows, group_size=1, num_kv_rows=num_kv_rows, topk_length=topk_length)
