@@ -481,6 +481,8 @@ def test_decode_warmup_converts_and_deduplicates_as_the_steps_do(monkeypatch, dc
     monkeypatch.setattr(dw, "unique_rows", lambda rows, *, num_kv_rows, topk_length=None: hashes.add(topk_length))
     monkeypatch.setattr(dw, "sparse_decode_kernel", lambda q, kv, v_dim, rows=None: ("triton", "test"))
     monkeypatch.setattr(dw, "compiles_kernels", lambda device: True)  # as on a GPU, with CPU tensors
+    caches = set()
+    monkeypatch.setattr(dw, "decode_rows", lambda rows, *, num_kv_rows, topk_length=None: caches.add(num_kv_rows))
     dw.warm_up_decode(
         get_preset("glm5"), device=torch.device("cpu"), dtype=torch.bfloat16, heads=16, kv_heads=1, topk=64,
         max_decode_tokens=4, scale=0.1, dcp=None if dcp is None else DcpShard(*dcp), need_lse=True,
@@ -489,6 +491,10 @@ def test_decode_warmup_converts_and_deduplicates_as_the_steps_do(monkeypatch, dc
     assert converts == {(length, packed) for length in (False, True) for packed in (False, True)}
     assert decodes == {(False, False), (True, True)}  # raw rows: no topk_length; unique rows: their count
     assert hashes == {None}
+    # the bitmap union's variant for each window past the first (a cache of more rows)
+    from shardattn.kernels.gluon.union_smem import WINDOWS
+
+    assert caches == {32 * w for w in WINDOWS[1:]}
 
 
 @pytest.mark.gpu

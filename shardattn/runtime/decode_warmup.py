@@ -11,11 +11,12 @@ import itertools
 
 import torch
 
+from shardattn.kernels.gluon.union_smem import WINDOWS as UNION_WINDOWS
 from shardattn.ops.dispatch import sparse_decode_kernel
 from shardattn.ops.gqa_decode import gqa_paged_decode
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.ops.topk import DcpShard, convert_topk
-from shardattn.ops.unique_rows import unique_rows
+from shardattn.ops.unique_rows import decode_rows, unique_rows
 from shardattn.plan.spec import ModelSpec
 
 #: Split counts whose column merges (one compiled variant per power of 2 of the count) the warm-up runs.
@@ -77,7 +78,8 @@ def warm_up_decode(
 
     Covers: top-k conversion with this mode's flags (DCP shard or not, with and without
     ``topk_length``; packed as a ``topk_unique`` step converts, and not), the de-duplication as
-    the other steps call it (no ``topk_length``), the decode kernel at 1, 2 and
+    the other steps call it (no ``topk_length``; the hash, and the bitmap union at each of its
+    windows a larger cache takes), the decode kernel at 1, 2 and
     ``max_decode_tokens`` query tokens (unsplit and split-KV, so the LSE merge too), with and
     without sinks where a step may pass them (under DCP only rank 0 does), and for GQA head-TP
     uniform and ragged drafts. The decode kernels publish no compile-key list (unlike prefill),
@@ -134,6 +136,13 @@ def warm_up_decode(
                 # cache past the bitmap's ratio de-duplicates by hash (ops.unique_rows.decode_rows)
                 unique_rows(converted[False][0], num_kv_rows=kv.shape[0])
                 launches += 1
+                # the bitmap union compiles a variant per window of words (union_smem.WINDOWS): a
+                # cache past the first window's rows takes the next one, where the route keeps the
+                # union (the rows stay the small cache's: only the window, from num_kv_rows, is
+                # compiled in)
+                for window in UNION_WINDOWS[1:]:
+                    decode_rows(converted[False][0], num_kv_rows=32 * window)
+                    launches += 1
             rows = converted[True][0]
             gluon = (
                 compiles_kernels(device) and t == max(sizes) and sparse_decode_kernel(q, kv, spec.v_dim)[0] == "gluon"
