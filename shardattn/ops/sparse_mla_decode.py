@@ -37,7 +37,8 @@ A row listed twice by one token is one key (the library-wide rule): by default e
 are first de-duplicated by :func:`~shardattn.ops.unique_rows.decode_rows`: sorted by the bitmap
 union build (:func:`~shardattn.ops.union.build_union`, ``G = 1``, in shared memory on sm_90)
 while the cache's words are within its ratio, else kept in first-occurrence order by a hash per
-token whose cost does not follow the cache size (:func:`~shardattn.ops.unique_rows.unique_rows`);
+token whose cost does not follow the cache size (:func:`~shardattn.ops.unique_rows.unique_rows`;
+a top-k past its 8,192 entries takes the union's row sort);
 ``rows_unique=True`` skips that when the caller guarantees unique rows (an indexer's top-k is),
 and duplicates would then count twice.
 
