@@ -39,7 +39,8 @@ class ModelSpec:
         topk: KV rows each query attends to (2048 for DSA); 0 for GQA, whose attention is dense
             (``ValueError`` otherwise).
         page_size: tokens per KV-cache page.
-        has_sinks: one learned sink logit per head (GPT-OSS).
+        has_sinks: one learned sink logit per head (GPT-OSS). A Runtime's steps then take
+            ``sinks`` (``[H]`` fp32), and only then: a mismatch is a ``ValueError``.
         dtype: activation / KV dtype name, a key of ``DTYPE_BYTES``.
         softmax_scale: the model's softmax scale (keyword only). Required for ``sparse_mla``: the
             model's is ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times YaRN's

@@ -47,6 +47,7 @@ __all__ = [
     "check_paged_rows",
     "check_plan_lengths",
     "check_queries",
+    "check_sinks_declared",
     "check_table_on_host",
     "host_lengths",
     "prefill_lengths",
@@ -319,6 +320,25 @@ def check_gqa_cache(
     if not (type(vc) is torch.Tensor and vc.shape == kc.shape and vc.dtype == dtype and vc.device == device):
         check_tensor("kv_cache[1]", vc, dtypes=(dtype,), shape=tuple(kc.shape), device=device)
     return kc, vc
+
+
+def check_sinks_declared(sinks: object, *, has_sinks: bool, heads: int) -> None:
+    """``sinks`` is given exactly when the model has them (``ModelSpec.has_sinks``): a model with
+    sinks run without them gives wrong attention silently, and sinks on a model declared without
+    them run kernels its warm-up did not build (nor a CUDA graph capture expects). Only whether
+    it is ``None`` is read here; its shape and dtype are checked where the step takes it.
+
+    Raises:
+        ValueError: naming ``sinks`` and ``has_sinks``.
+    """
+    if has_sinks and sinks is None:
+        raise ValueError(
+            f"sinks: the spec has has_sinks=True (one sink logit per head): pass the model's [{heads}] fp32 sink logits"
+        )
+    if not has_sinks and sinks is not None:
+        raise ValueError(
+            "sinks: the spec has has_sinks=False: build the Runtime with ModelSpec(..., has_sinks=True) to use sinks"
+        )
 
 
 def check_paged_rows(name: str, cache: torch.Tensor, page_size: int) -> None:

@@ -25,6 +25,7 @@ from shardattn.runtime.args import (
     check_gqa_cache,
     check_paged_rows,
     check_plan_lengths,
+    check_sinks_declared,
     check_table_on_host,
 )
 
@@ -99,6 +100,7 @@ def check_decode_inputs(
             f"q must hold this rank's {heads} heads (H/W: {step.spec.num_heads} heads over {world} ranks), "
             f"got {h} heads (shape {list(q.shape)})"
         )
+    check_sinks_declared(sinks, has_sinks=step.spec.has_sinks, heads=step.spec.num_heads)
     check_bool("topk_unique", topk_unique)
     check_int("window_left", window_left, minimum=-1)
     if window_left >= 0 and (dcp or step.spec.kind != "gqa"):

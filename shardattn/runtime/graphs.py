@@ -19,6 +19,7 @@ import torch
 
 from shardattn._checks import check_choice, check_int
 from shardattn.plan.cudagraph import CGSupport, explain_cudagraph_support
+from shardattn.runtime.args import check_sinks_declared, reject
 from shardattn.runtime.cudagraph import GraphInput, GraphRunner
 from shardattn.runtime.graph_capture import check_capture_allowed
 from shardattn.runtime.modes import prefill_step_of
@@ -109,7 +110,8 @@ class DecodeGraphs:
         runtime: a :class:`~shardattn.runtime.runtime.Runtime` of a GQA spec with DCP decode.
         kv_cache: ``(k_cache, v_cache)`` this rank's paged shard (fixed for the graphs' life).
         batch_sizes: request counts to capture. q_len: queries per request slot (drafts).
-        max_pages: block-table width. sinks: ``[H]`` fp32 sink logits, optional (fixed).
+        max_pages: block-table width. sinks: ``[H]`` fp32 sink logits (fixed), given exactly when
+            the spec has ``has_sinks`` (else a ``ValueError`` naming ``sinks``).
         capture: capture now (needs CUDA); ``False`` keeps a runner that pads and runs eagerly
             (CPU tests of the host logic).
     """
@@ -127,6 +129,10 @@ class DecodeGraphs:
     ) -> None:
         if runtime.spec.kind != "gqa" or not runtime.decode_is_dcp:
             raise ValueError("DecodeGraphs captures the DCP GQA decode step (a GQA spec in mode 'dcp-decode')")
+        try:  # what every captured step passes: refused now, not in a warm-up run before a capture
+            check_sinks_declared(sinks, has_sinks=runtime.spec.has_sinks, heads=runtime.spec.num_heads)
+        except ValueError as e:  # the peers' first step names this rank when its collective fails
+            reject(runtime.comm, e, collective=True, check=False)
         self.rt, self.kv_cache, self.sinks = runtime, kv_cache, sinks
         self.q_len = check_int("q_len", q_len, minimum=1)
         self.max_pages = check_int("max_pages", max_pages, minimum=1)

@@ -32,7 +32,7 @@ from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.pcp import pcp_plan
 from shardattn.plan.routing import MAX_GROUPED_KV_ROWS, Route, route_prefill
 from shardattn.plan.zigzag import zigzag_split
-from shardattn.runtime.args import prefill_lengths, reject
+from shardattn.runtime.args import check_sinks_declared, prefill_lengths, reject
 from shardattn.runtime.gqa_prefill import GQAInputs, check_gqa_prefill_inputs, plan_gqa_step
 from shardattn.runtime.modes import prefill_step_of
 from shardattn.runtime.prefill import PCPInputs, PrefillPlan, RowInputs, check_prefill_inputs
@@ -209,6 +209,11 @@ class RuntimePlanning(RuntimeState):
             )
         elif lens_given:
             raise ValueError("pass either plan or query_lens / prefix_lens / seq_lens, not both (a plan holds them)")
+        if deferred is None:  # sinks exactly when the model has them, named before the tensors are checked
+            try:
+                check_sinks_declared(sinks, has_sinks=self.spec.has_sinks, heads=self.spec.num_heads)
+            except ValueError as e:
+                deferred = e
         if deferred is not None:
             reject(self.comm, deferred, collective=self._prefill_agrees, check=check)
         if plan.gqa is not None:

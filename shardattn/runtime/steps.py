@@ -126,7 +126,9 @@ class RuntimeSteps(RuntimeState):
             plan: a :meth:`plan_prefill` result instead of the lengths (plan once per step, run
                 it for every layer).
             topk_length: ``[T]`` (PCP ``[T_r]``) int32 leading top-k entries to use, optional.
-            sinks: ``[H]`` fp32 sink logits of all heads, optional.
+            sinks: ``[H]`` fp32 sink logits of all heads, given exactly when the spec has
+                ``has_sinks`` (a ``ValueError`` naming ``sinks`` otherwise: a model with sinks run
+                without them is wrong, and warm-up builds the sinks kernels only for such a spec).
             check: make the ranks agree on the plan and inputs first (one small all-gather and a
                 host sync; turn off inside CUDA graphs or when the caller already agreed).
         Returns:
@@ -268,7 +270,8 @@ class RuntimeSteps(RuntimeState):
             window_left: GQA under head-TP: sliding window, the query at position ``p`` sees keys
                 ``[p - window_left, p]`` (``-1``, the default: no window). DCP refuses a window
                 (a global window is not a local one); sparse MLA takes none.
-            sinks: ``[H]`` fp32 sink logits of all heads, optional.
+            sinks: ``[H]`` fp32 sink logits of all heads, given exactly when the spec has
+                ``has_sinks`` (a ``ValueError`` naming ``sinks`` otherwise, as in :meth:`prefill`).
             batch: GQA under DCP: the host plan of this batch (:meth:`DecodeStep.plan
                 <shardattn.runtime.decode.DecodeStep.plan>`): its metadata reaches the
                 device in one copy per plan and replaces the step's index arithmetic, and its
