@@ -32,6 +32,7 @@ MLA_SCALE, GQA_SCALE = 0.3, 0.4
 # 48 = 32 latent + 16 rope
 MLA = ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32", softmax_scale=MLA_SCALE)
 GQA = ModelSpec("gqa", 8, 2, 16, 16, 0, 16, has_sinks=True, dtype="float32", softmax_scale=GQA_SCALE)
+MLA_SINKS = dataclasses.replace(MLA, has_sinks=True)  # steps of a model with sinks pass them, others none
 CPU = torch.device("cpu")
 SEQ, CACHED = [23, 9, 30], (5, 0, 40)  # a step of three requests, one without a cached prefix
 
@@ -90,13 +91,15 @@ def _workspace_errors(calls: dict[str, Callable[[], object]]) -> dict[str, str |
     return errors
 
 
-def _mla_oracle(step, scale: float, kv_lens: list[int] | torch.Tensor, topk_length=None):
+def _mla_oracle(step, scale: float, kv_lens: list[int] | torch.Tensor, topk_length=None, sinks=None):
     """The oracle on the step's rows, themselves converted from its top-k positions by the oracle."""
     lens = torch.as_tensor(kv_lens, dtype=torch.int32)
     rows = topk_rows_oracle(
         step.positions, step.req_ids, step.block_table, block_size=MLA.page_size, seq_lens=lens, topk_length=topk_length
     )
-    return sparse_mla_oracle(step.q, step.kv, rows, scale=scale, v_dim=MLA.v_dim, topk_length=topk_length)
+    return sparse_mla_oracle(
+        step.q, step.kv, rows, scale=scale, v_dim=MLA.v_dim, topk_length=topk_length, sinks=sinks
+    )  # fmt: skip
 
 
 def _gqa_oracle(g, scale: float, causal: bool = True):
@@ -336,7 +339,7 @@ def _multipass_body(group) -> dict:
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rt = Runtime(
-        MLA,
+        MLA_SINKS,
         group,
         max_batched_tokens=128,
         mode="shardq",

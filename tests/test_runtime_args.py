@@ -242,7 +242,7 @@ def _padded_plan_body(group) -> dict:
         rt.decode(plan.pad_rows(g.q), kv, g.block_table, g.seq_lens, batch=plan, sinks=g.sinks)
     except ValueError as e:
         errors["table"] = str(e)
-    graphs = DecodeGraphs(rt, kv, batch_sizes=[4], q_len=3, max_pages=5, capture=False)
+    graphs = DecodeGraphs(rt, kv, batch_sizes=[4], q_len=3, max_pages=5, sinks=g.sinks, capture=False)
     try:  # q of 6 rows, one query per request planned
         graphs(g.q, g.block_table, g.seq_lens.tolist())
     except ValueError as e:

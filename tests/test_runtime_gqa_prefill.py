@@ -29,7 +29,8 @@ WORLDS = [1, 2, 3, 4]
 def spec_of(case: dict, dtype: str = "float32") -> ModelSpec:
     hq, hkv, d = case["q"].shape[1], case["k"].shape[1], case["q"].shape[2]
     page = case["k_cache"].shape[1]
-    return ModelSpec("gqa", hq, hkv, d, d, 0, page, has_sinks=True, dtype=dtype, softmax_scale=case["scale"])
+    sinks = case["sinks"] is not None  # the model has sinks exactly when the step passes them
+    return ModelSpec("gqa", hq, hkv, d, d, 0, page, has_sinks=sinks, dtype=dtype, softmax_scale=case["scale"])
 
 
 def keys_in_cache(case: dict, seed: int = 3) -> dict:
@@ -176,7 +177,10 @@ def _bad_body(group: dist.ProcessGroup, case: dict) -> dict:
     if rt.rank == 1:
         k = k[:, :1]  # one rank passes the wrong KV heads
     try:
-        rt.prefill(q, (case["k_cache"], case["v_cache"]), kv_new=(k, v), block_table=case["block_table"], plan=plan)
+        rt.prefill(
+            q, (case["k_cache"], case["v_cache"]), kv_new=(k, v), block_table=case["block_table"], plan=plan,
+            sinks=case["sinks"],
+        )  # fmt: skip
     except ValueError as e:
         return {"error": str(e)}
     return {"error": None}

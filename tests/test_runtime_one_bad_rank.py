@@ -12,21 +12,24 @@ import torch.distributed as dist
 
 from shardattn.runtime.options import PrefillOptions
 from shardattn.runtime.runtime import Runtime
-from tests.test_runtime import MLA, _err, _heads, _kv_lens, _mla_oracle, _prefill_step
+from tests.test_runtime import MLA, MLA_SINKS, _err, _heads, _kv_lens, _mla_oracle, _prefill_step
 
 BAD = {
     "kv_cache-1d": lambda s: {"kv_cache": s.kv.flatten()},  # read while planning (the rows it addresses)
     "rows-1d": lambda s: {"rows": s.rows[0]},
-    "sinks-every-head-twice": lambda s: {"sinks": torch.zeros(2 * MLA.num_heads)},
-    "sinks-of-the-rank-only": lambda s: {"sinks": torch.zeros(MLA.num_heads // 2)},
+    "sinks-every-head-twice": lambda s: {"sinks": torch.zeros(2 * MLA_SINKS.num_heads)},
+    "sinks-of-the-rank-only": lambda s: {"sinks": torch.zeros(MLA_SINKS.num_heads // 2)},
 }
+SINKS = torch.randn(MLA_SINKS.num_heads, generator=torch.Generator().manual_seed(7))  # the model's, on a good rank
 
 
 def _body(group: dist.ProcessGroup, mode: str, bad: str) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    rt = Runtime(MLA, group, max_batched_tokens=128, mode=mode, prefill_options=PrefillOptions(min_shard_tokens=1))
+    rt = Runtime(
+        MLA_SINKS, group, max_batched_tokens=128, mode=mode, prefill_options=PrefillOptions(min_shard_tokens=1)
+    )
     step = _prefill_step()
-    args = {"kv_cache": step.kv, "rows": step.rows, "sinks": None}
+    args = {"kv_cache": step.kv, "rows": step.rows, "sinks": SINKS}
     if rank == 1:
         args.update(BAD[bad](step))
     start = time.monotonic()
@@ -37,7 +40,7 @@ def _body(group: dist.ProcessGroup, mode: str, bad: str) -> dict:
         )  # fmt: skip
     except ValueError as e:
         return {"error": str(e), "s": time.monotonic() - start}
-    ref, _ = _mla_oracle(step, 0.3, _kv_lens(step))
+    ref, _ = _mla_oracle(step, 0.3, _kv_lens(step), sinks=SINKS)
     return {"error": None, "err": _err(out, _heads(ref, rank, world)), "s": time.monotonic() - start}
 
 

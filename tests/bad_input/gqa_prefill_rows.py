@@ -291,14 +291,14 @@ def _op_with(**kw: Any) -> Any:
 
 
 def _runtime(mode: str = "headtp", spec: Any = None, **over: Any) -> Callable[[Any], Call]:
-    """``Runtime.prefill`` of a GQA spec (4 query / 2 KV heads, d 16, page 4) on the inputs of
-    :func:`prefill_inputs` (one rank: head-TP holds every head)."""
+    """``Runtime.prefill`` of a GQA spec (4 query / 2 KV heads, d 16, page 4; with sinks where the
+    row passes them) on the inputs of :func:`prefill_inputs` (one rank: head-TP holds every head)."""
 
     def build(group: Any) -> Call:
         from shardattn.plan.spec import ModelSpec
         from shardattn.runtime.runtime import Runtime
 
-        gqa = ModelSpec("gqa", 4, 2, 16, 16, 0, 4, dtype="float32")
+        gqa = ModelSpec("gqa", 4, 2, 16, 16, 0, 4, dtype="float32", has_sinks="sinks" in over)
         rt = Runtime(gqa if spec is None else spec, group, mode=mode, max_batched_tokens=16, warmup=False)
         x = prefill_inputs()
         args = {"q": x["q"], "kv_cache": (x["k_cache"], x["v_cache"])}

@@ -25,6 +25,7 @@ from tests.bad_input.table import (
 )
 
 MLA_SPEC = P.ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32", softmax_scale=0.3)
+MLA_SINKS_SPEC = P.ModelSpec("sparse_mla", 8, 1, 48, 32, 16, 16, dtype="float32", softmax_scale=0.3, has_sinks=True)
 GQA_SPEC = P.ModelSpec("gqa", 8, 2, 16, 16, 0, 4, dtype="float32")
 
 
@@ -619,7 +620,7 @@ def parallel_rows() -> list[Row]:
         ),
         (
             "Runtime.decode-headtp-sinks-of-the-rank",
-            _runtime_step("decode", MLA_SPEC, "headtp", sinks=torch.zeros(4)),
+            _runtime_step("decode", MLA_SINKS_SPEC, "headtp", sinks=torch.zeros(4)),
             Raises(ValueError, r"^sinks must have shape \[8\]"),
         ),
         (
