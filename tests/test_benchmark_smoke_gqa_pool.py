@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,6 @@ def _module(name: str):
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     return importlib.import_module(name)
-
-
-@pytest.fixture
-def one_rank() -> Iterator[dist.ProcessGroup]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_place_pages_scatters_distinct_pages_and_keeps_their_values() -> None:
@@ -134,13 +124,13 @@ def test_gqa_prefill_inputs_on_a_pool_give_the_same_op_output() -> None:
     assert torch.equal(outs[0], outs[1])
 
 
-def test_decode_dcp_shard_on_a_pool_passes_the_reference_check(one_rank: dist.ProcessGroup) -> None:
+def test_decode_dcp_shard_on_a_pool_passes_the_reference_check(one_rank_group: dist.ProcessGroup) -> None:
     """The DCP step (one rank: the shard is the whole cache) on the rank's pages scattered over a
     pool: the benchmark's reference check passes and the output is the in-order cache's."""
     bench = _module("decode_dcp")
     from shardattn.runtime.runtime import Runtime
 
-    rt = Runtime("gqa-64-8", one_rank, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=8, device="cpu")
+    rt = Runtime("gqa-64-8", one_rank_group, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=8, device="cpu")
     b, ctx = 2, 70
     seq = torch.full((b,), ctx, dtype=torch.int32)
     q = torch.randn(b, rt.heads_per_rank, rt.spec.head_dim, generator=torch.Generator().manual_seed(5)).bfloat16()

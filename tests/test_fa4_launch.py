@@ -287,13 +287,13 @@ def _layers(rt: Runtime, plan: object, case: dict, in_cache: bool, window: int, 
 
 
 @pytest.mark.parametrize("return_lse", [False, True])
-def test_runtime_steady_state_launches_directly_and_matches_the_public_path_bit_for_bit(return_lse: bool) -> None:
+def test_runtime_steady_state_launches_directly_and_matches_the_public_path_bit_for_bit(
+    return_lse: bool, one_rank_group: dist.ProcessGroup
+) -> None:
     """A one-rank head-TP Runtime, every call form (new keys given or in the cache, with and without
     a window): the plan's first call of a form is public, the next layers launch the kernel
     directly, and every output equals the public path's (a Runtime whose guard fails) bit for bit
     and the fp64 oracle within bf16's error."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     case = make_step(3, [5, 0, 7], [4, 2, 0], window_left=3, dtype=torch.bfloat16)
     results = {}
     for version in (FAST_LAUNCH_VERSION, "4.0.0b37"):
@@ -342,7 +342,7 @@ def test_op_calls_without_a_plan_stay_public() -> None:
 
 
 @pytest.mark.gpu
-def test_fast_launch_on_gpu_gives_the_public_paths_bits() -> None:
+def test_fast_launch_on_gpu_gives_the_public_paths_bits(one_rank_group: dist.ProcessGroup) -> None:
     """On FA4 itself: every call form of a Runtime step over three layers, the fast launch (after
     the plan's first call) against a Runtime whose kernel has the fast launch off, bit for bit."""
     if not torch.cuda.is_available():
@@ -353,8 +353,6 @@ def test_fast_launch_on_gpu_gives_the_public_paths_bits() -> None:
     private, why = fa4.fast_launch_support()
     if private is None:
         pytest.skip(why)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     case = make_step(7, [130, 0, 257, 64], [70, 128, 0, 5], hq=8, hkv=1, d=64, page=64, dtype=torch.bfloat16)
     for return_lse in (False, True):
         runtimes = [

@@ -194,11 +194,9 @@ def test_pcp_bad_input_raises_on_every_rank(dist_pool) -> None:
     assert "rank(s) [1] of 2 rejected their inputs" in results[0]["error"], results[0]
 
 
-def test_graph_policy_and_workspace_of_gqa_prefill() -> None:
+def test_graph_policy_and_workspace_of_gqa_prefill(one_rank_group: dist.ProcessGroup) -> None:
     """GQA prefill steps are never captured; they carve nothing of the arena (its size is the decode step's)."""
     case = make_step(1, [3], [0])
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     for mode in ("headtp", "pcp", "mixed"):
         rt = Runtime(spec_of(case), dist.group.WORLD, mode=mode, max_batched_tokens=4096)
         level, why = rt.explain_cudagraph_support("prefill")
@@ -273,14 +271,14 @@ def test_fa4_path_through_the_runtime_compiles_nothing_after_warm_up(dist_pool, 
 
 
 @pytest.mark.gpu
-def test_runtime_fa4_path_on_gpu_equals_oracle_and_compiles_nothing_after_warm_up() -> None:
+def test_runtime_fa4_path_on_gpu_equals_oracle_and_compiles_nothing_after_warm_up(
+    one_rank_group: dist.ProcessGroup,
+) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     why = fa4.fa4_unsupported_reason("cuda", torch.bfloat16, 64)
     if why is not None:
         pytest.skip(why)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     case = make_step(7, [130, 0, 257, 64], [70, 128, 0, 5], hq=8, hkv=2, d=64, page=64, dtype=torch.bfloat16)
     case = case | {"window_left": 20}
     dev = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in case.items()}

@@ -21,6 +21,7 @@ Tests marked ``gpu`` skip with the reason when CUDA is not available.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -118,6 +119,22 @@ def dist_pool(request: pytest.FixtureRequest) -> PoolHandle:
 def nproc(request: pytest.FixtureRequest) -> int:
     """The ``--nproc`` value of this test run."""
     return int(request.config.getoption("--nproc"))
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[Any]:
+    """A one-rank gloo process group in the test's own process (the default group), destroyed
+    after the test, so that a later test may form its own; one already formed is lent as it is."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture
