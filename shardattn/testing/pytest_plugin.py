@@ -16,6 +16,9 @@ Two ways to write a distributed test (mark it ``@pytest.mark.distributed``):
    rank (``world_size=`` on the marker, default ``--nproc``), other parameters coming from
    ``parametrize`` (they must be picklable).
 
+A test that needs a one-rank group in its own process (a one-rank Runtime, say) asks for the
+``one_rank_group`` fixture, which forms it and destroys it after the test.
+
 Tests marked ``gpu`` skip with the reason when CUDA is not available.
 """
 
