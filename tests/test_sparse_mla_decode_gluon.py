@@ -529,3 +529,33 @@ def test_one_slice_reads_rows_in_place_like_the_packed_path(heads, tokens, with_
     ref_o, ref_l = sparse_mla_reference(q, kv_e, rows_e.cuda(), scale=SCALE, topk_length=length, sinks=sinks)
     _check(out, lse, ref_o, ref_l)
     assert (out[tokens // 2] == 0).all()  # the empty row
+
+
+@pytest.mark.parametrize("kind", ["sparse_mla", "gqa"])
+@pytest.mark.parametrize(("has_sinks", "dcp", "want"), [
+    (False, None, {False}), (True, None, {True}), (True, (2, 1, 0), {True}), (True, (2, 1, 1), {False}),
+])  # fmt: skip
+def test_decode_warmup_runs_the_sinks_the_steps_pass(monkeypatch, kind, has_sinks, dcp, want):
+    """A step with sinks always passes them (the Runtime refuses a call without), except that a DCP
+    rank other than 0 counts no sink term: the warm-up compiles those variants and no other."""
+    import dataclasses
+
+    import shardattn.runtime.decode_warmup as dw
+    from shardattn.ops.topk import DcpShard
+    from shardattn.plan.spec import get_preset
+
+    seen = set()
+
+    def kernel(*args, sinks=None, **kw):
+        seen.add(sinks is not None)
+
+    for name in ("sparse_mla_decode", "run_sparse_mla_decode", "gqa_paged_decode"):
+        monkeypatch.setattr(dw, name, kernel)
+    monkeypatch.setattr(dw, "sparse_decode_kernel", lambda q, kv, v_dim, rows=None: ("triton", "test"))
+    spec = dataclasses.replace(get_preset("glm5" if kind == "sparse_mla" else "gqa-64-8"), has_sinks=has_sinks)
+    dw.warm_up_decode(
+        spec, device=torch.device("cpu"), dtype=torch.float32, heads=8, kv_heads=spec.num_kv_heads, topk=32,
+        max_decode_tokens=4, scale=0.1, dcp=None if dcp is None else DcpShard(*dcp), need_lse=True,
+        gqa_backend="reference",
+    )  # fmt: skip
+    assert seen == want

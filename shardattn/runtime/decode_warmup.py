@@ -51,6 +51,15 @@ def compiles_kernels(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _sink_options(spec: ModelSpec, heads: int, device: torch.device, dcp: DcpShard | None) -> tuple:
+    """The sinks a step hands this rank's decode kernel: ``(None,)`` for a spec without them (a
+    step refuses sinks there) and for a DCP rank other than 0 (the sink term is counted once, on
+    rank 0), else one ``[heads]`` tensor (a step with sinks always passes them)."""
+    if not spec.has_sinks or (dcp is not None and dcp.rank != 0):
+        return (None,)
+    return (torch.zeros(heads, device=device),)
+
+
 def warm_up_decode(
     spec: ModelSpec,
     *,
@@ -80,9 +89,9 @@ def warm_up_decode(
     ``topk_length``; packed as a ``topk_unique`` step converts, and not), the de-duplication as
     the other steps call it (no ``topk_length``; the hash, and the bitmap union at each of its
     windows a larger cache takes), the decode kernel at 1, 2 and
-    ``max_decode_tokens`` query tokens (unsplit and split-KV, so the LSE merge too), with and
-    without sinks where a step may pass them (under DCP only rank 0 does), and for GQA head-TP
-    uniform and ragged drafts. The decode kernels publish no compile-key list (unlike prefill),
+    ``max_decode_tokens`` query tokens (unsplit and split-KV, so the LSE merge too), with sinks
+    as the rank's steps pass them (a spec with sinks: always, but under DCP only on rank 0), and
+    for GQA head-TP uniform and ragged drafts. The decode kernels publish no compile-key list (unlike prefill),
     so this mirrors their call sites.
     Sparse MLA on sm_90 routes by batch size (the small-batch Gluon kernel, Triton below the Gluon
     crossovers, Gluon above: :func:`~shardattn.plan.decode_routing.route_sparse_decode_kernel`), so the
@@ -116,7 +125,7 @@ def warm_up_decode(
             kv = quantize_kv(kv)
         table = torch.arange(4, dtype=torch.int32, device=dev)[None, :]
         seq = torch.tensor([4 * page], dtype=torch.int32, device=dev)
-        sink_options = (None, torch.zeros(h, device=dev)) if spec.has_sinks else (None,)
+        sink_options = _sink_options(spec, h, dev, dcp)
         for t in sizes:
             q = randn(t, h, d)
             pos = torch.randint(-1, 4 * page, (t, topk), generator=gen, dtype=torch.int32).to(dev)
@@ -183,7 +192,7 @@ def warm_up_decode(
         return launches
     k = randn(2, page, kv_heads, d)
     lse, backend = need_lse, gqa_backend
-    sink_options = (None, torch.zeros(h, device=dev)) if spec.has_sinks else (None,)
+    sink_options = _sink_options(spec, h, dev, dcp)
     for t in sizes:
         table = torch.zeros(t, 1, dtype=torch.int32, device=dev)
         lens = torch.full((t,), min(page, 3), dtype=torch.int32, device=dev)
