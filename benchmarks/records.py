@@ -97,12 +97,14 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def gpu_name(world_size: int = 1, device: Any = None) -> str:
-    """The CUDA device's name (``"W x NAME"`` for ``world_size`` ranks), else ``"CPU"``: also when
-    ``device`` (a ``torch.device`` or its name; default: the GPU where there is one) is not CUDA."""
+    """The name of ``device`` (a ``torch.device`` or its name; default: the current GPU where there
+    is one), ``"W x NAME"`` for ``world_size`` ranks; ``"CPU"`` for a device that is not CUDA or
+    where there is no GPU."""
     import torch
 
-    on_cpu = device is not None and torch.device(device).type != "cuda"
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() and not on_cpu else "CPU"
+    dev = None if device is None else torch.device(device)
+    on_cpu = dev is not None and dev.type != "cuda"
+    name = torch.cuda.get_device_name(dev) if torch.cuda.is_available() and not on_cpu else "CPU"
     return name if world_size == 1 else f"{world_size} x {name}"
 
 

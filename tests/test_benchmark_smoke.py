@@ -445,8 +445,10 @@ def test_a_cpu_run_on_a_gpu_machine_records_the_cpu(monkeypatch: pytest.MonkeyPa
     ``"CPU"``, not the GPU it did not use."""
     records = _module("records")
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    names = {None: "NVIDIA H100 80GB HBM3", 0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda d=None: names[getattr(d, "index", d)])
     assert records.environment()["gpu"] == "NVIDIA H100 80GB HBM3"
     assert records.environment(2, "cuda")["gpu"] == "2 x NVIDIA H100 80GB HBM3"
+    assert records.environment(device="cuda:1")["gpu"] == "NVIDIA H200"  # the device named, not the current one
     assert records.environment(device="cpu")["gpu"] == "CPU"
     assert records.environment(2, torch.device("cpu"))["gpu"] == "2 x CPU"
