@@ -28,7 +28,7 @@ def oracle(rows: torch.Tensor, num_kv_rows: int, length: torch.Tensor | None) ->
     lens = torch.zeros(t, dtype=torch.int32)
     for i in range(t):
         seen: list[int] = []
-        end = k if length is None else min(k, int(length[i]))
+        end = k if length is None else max(0, min(k, int(length[i])))  # a negative length: no entry
         for row in rows[i, :end].tolist():
             if 0 <= row < num_kv_rows and row not in seen:
                 seen.append(row)
