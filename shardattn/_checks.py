@@ -160,6 +160,22 @@ def check_max_q_len(max_q_len: int, query_lens: Sequence[int]) -> None:
         )
 
 
+def check_queries_tensor(name: str, q: object) -> torch.Tensor:
+    """``q``: ``[T, H, D]`` fp16/bf16/fp32 queries with at least one head and ``D >= 1`` (0 heads
+    pass a head-multiple check, since 0 is a multiple of any head count, and ``D = 0`` makes the
+    default scale ``D ** -0.5`` divide by zero). Raises naming ``name``.
+
+    >>> check_queries_tensor("q", torch.zeros(2, 0, 16))
+    Traceback (most recent call last):
+    ...
+    ValueError: q must hold at least one head of head_dim >= 1, got shape [2, 0, 16]
+    """
+    q = check_tensor(name, q, dtypes=FLOAT_DTYPES, ndim=3)
+    if q.shape[1] < 1 or q.shape[2] < 1:
+        raise ValueError(f"{name} must hold at least one head of head_dim >= 1, got shape {list(q.shape)}")
+    return q
+
+
 def check_bool(name: str, value: object) -> bool:
     """``value`` is a bool (not an int)."""
     if not isinstance(value, bool):

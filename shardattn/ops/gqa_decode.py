@@ -36,7 +36,6 @@ from typing import Literal, overload
 import torch
 
 from shardattn._checks import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     check_bool,
     check_choice,
@@ -47,6 +46,7 @@ from shardattn._checks import (
     check_not_inputs,
     check_pages_in_use,
     check_queries_fit,
+    check_queries_tensor,
     check_same_device,
     check_scale,
     check_sink_logits,
@@ -70,7 +70,7 @@ BACKENDS = ("auto", "triton", "flashinfer", "reference")
 
 
 def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_q_lens, max_q_len, window_left, sinks):
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    check_queries_tensor("q", q)
     total_q, hq, d = q.shape
     check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
     num_pages, page, hkv, dk = k_cache.shape

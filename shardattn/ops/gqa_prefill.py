@@ -39,12 +39,12 @@ from typing import Literal, overload
 import torch
 
 from shardattn._checks import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     check_bool,
     check_choice,
     check_int,
     check_pages_in_use,
+    check_queries_tensor,
     check_same_device,
     check_scale,
     check_sink_logits,
@@ -196,7 +196,7 @@ def _check_inputs(
 ) -> tuple[torch.Tensor, PagedPrefix | None]:
     """Validate :func:`gqa_prefill`'s arguments; returns the keys its route reads (``k``, or
     ``k_cache`` holding the new keys) and the cached prefix (``None``: none)."""
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    check_queries_tensor("q", q)
     t, h, _ = q.shape
     hkv = check_new_keys(q, k, v, k_cache)
     check_tensor("cu_q_lens", cu_q_lens, dtypes=INDEX_DTYPES, ndim=1)

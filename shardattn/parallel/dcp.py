@@ -44,12 +44,12 @@ from collections.abc import Callable
 import torch
 
 from shardattn._checks import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     check_block_table_holds,
     check_bool,
     check_int,
     check_not_inputs,
+    check_queries_tensor,
     check_same_device,
     check_scale,
     check_sink_logits,
@@ -74,9 +74,7 @@ def _check_common(q: torch.Tensor, layout: DCPLayout, comm: Comm, sinks: torch.T
         raise TypeError(f"layout must be a DCPLayout, got {type(layout).__name__}")
     if layout.world_size != comm.world_size:
         raise ValueError(f"layout is for world_size={layout.world_size}, but the group has {comm.world_size} ranks")
-    check_tensor("q_heads_local", q, dtypes=FLOAT_DTYPES, ndim=3)
-    if q.shape[1] < 1:
-        raise ValueError(f"q_heads_local must hold at least one head, got shape {list(q.shape)}")
+    check_queries_tensor("q_heads_local", q)
     if sinks is not None:
         check_sink_logits(sinks, q.shape[1] * comm.world_size)
 

@@ -42,6 +42,7 @@ from shardattn._checks import (
     check_bool,
     check_int,
     check_pages_in_use,
+    check_queries_tensor,
     check_same_device,
     check_scale,
     check_sink_logits,
@@ -147,7 +148,7 @@ def _check_pcp(
     included), the cached prefix the step reads (``None``: none) and the keys its route is asked
     about (``k_new``, or ``k_cache`` holding the new keys)."""
     t_mine = mine.num_tokens
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3)
+    check_queries_tensor("q", q)
     t, h, d = q.shape
     if t != t_mine:
         raise ValueError(f"q must hold rank {comm.rank}'s {t_mine} tokens (plan), got {t}")

@@ -59,6 +59,22 @@ def op_rows() -> list[Row]:
         Row(f"{n}-k-bf16", _op(k=lambda x: x["k"].bfloat16()), Raises(TypeError, r"^k must have dtype in \(float32\)")),
         Row(f"{n}-k-tokens", _op(k=lambda x: x["k"][:4]), Raises(ValueError, r"^k must have shape \[5, Hkv, 16\]")),
         Row(f"{n}-heads-not-multiple", _op(k=lambda x: torch.randn(5, 3, 16)), Raises(ValueError, r"q heads \(4\)")),
+        Row(  # regression: 0 query heads passed the head check, then a ZeroDivisionError in the reference
+            f"{n}-no-query-heads",
+            _op(q=lambda x: x["q"][:, :0]),
+            Raises(ValueError, r"^q must hold at least one head of head_dim >= 1, got shape \[5, 0, 16\]"),
+        ),
+        Row(  # regression: head_dim 0 raised ZeroDivisionError from the default scale
+            f"{n}-head-dim-0",
+            _op(
+                q=lambda x: x["q"][..., :0],
+                k=lambda x: x["k"][..., :0],
+                v=lambda x: x["v"][..., :0],
+                k_cache=lambda x: x["k_cache"][..., :0],
+                v_cache=lambda x: x["v_cache"][..., :0],
+            ),
+            Raises(ValueError, r"^q must hold at least one head of head_dim >= 1, got shape \[5, 4, 0\]"),
+        ),
         Row(f"{n}-v-shape", _op(v=lambda x: x["v"][:, :1]), Raises(ValueError, r"^v must have shape \[5, 2, 16\]")),
         Row(
             f"{n}-cu-int64",
@@ -228,6 +244,22 @@ def step_rows() -> list[Row]:
             "gqa_prefill_pcp-q-tokens-vs-plan",
             _pcp(q=lambda x: x["q"][:4]),
             Raises(ValueError, r"^q must hold rank 0's 5 tokens \(plan\), got 4"),
+        ),
+        (
+            "gqa_prefill_pcp-no-query-heads",
+            _pcp(q=lambda x: x["q"][:, :0]),
+            Raises(ValueError, r"^q must hold at least one head of head_dim >= 1, got shape \[5, 0, 16\]"),
+        ),
+        (
+            "gqa_prefill_pcp-head-dim-0",
+            _pcp(
+                q=lambda x: x["q"][..., :0],
+                k_new=lambda x: x["k"][..., :0],
+                v_new=lambda x: x["v"][..., :0],
+                k_cache=lambda x: x["k_cache"][..., :0],
+                v_cache=lambda x: x["v_cache"][..., :0],
+            ),
+            Raises(ValueError, r"^q must hold at least one head of head_dim >= 1, got shape \[5, 4, 0\]"),
         ),
         (
             "gqa_prefill_pcp-k-new-heads",

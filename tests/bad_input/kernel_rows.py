@@ -425,6 +425,16 @@ def _gqa_rows() -> list[Row]:
         ),
         Row(f"{n}-q-wrong-width", _gqa(q=lambda x: x["q"][..., :8]), Raises(ValueError, r"^q must have last dim 16")),
         Row(f"{n}-heads-not-multiple", _gqa(q=lambda x: x["q"][:, :3]), Raises(ValueError, r"q heads \(3\) must be")),
+        Row(  # regression: 0 query heads passed (0 is a multiple of any head count), the Triton path divided by 0
+            f"{n}-no-query-heads",
+            _gqa(q=lambda x: x["q"][:, :0]),
+            Raises(ValueError, r"^q must hold at least one head of head_dim >= 1, got shape \[2, 0, 16\]"),
+        ),
+        Row(  # regression: head_dim 0 raised ZeroDivisionError from the default scale
+            f"{n}-head-dim-0",
+            _gqa(q=lambda x: x["q"][..., :0], k_cache=lambda x: x["k"][..., :0], v_cache=lambda x: x["v"][..., :0]),
+            Raises(ValueError, r"^q must hold at least one head of head_dim >= 1, got shape \[2, 4, 0\]"),
+        ),
         Row(f"{n}-v-cache-shape", _gqa(v_cache=lambda x: x["v"][:5]), Raises(ValueError, r"^v_cache must have shape")),
         Row(f"{n}-table-int64", _gqa(block_table=lambda x: x["table"].long()), Raises(TypeError, r"^block_table must")),
         Row(

@@ -285,6 +285,15 @@ def parallel_rows() -> list[Row]:
             _dcp_gqa(q_heads_local=torch.randn(2, 4, 8)),
             Raises(ValueError, r"^q_heads_local must have last dim 16"),
         ),
+        (
+            "dcp_gqa_decode-head-dim-0",
+            _dcp_gqa(
+                q_heads_local=lambda x: x["q_heads_local"][..., :0],
+                k_cache=lambda x: x["k_cache"][..., :0],
+                v_cache=lambda x: x["v_cache"][..., :0],
+            ),
+            Raises(ValueError, r"^q_heads_local must hold at least one head of head_dim >= 1, got shape \[2, 4, 0\]"),
+        ),
         ("dcp_gqa_decode-scale-zero", _dcp_gqa(scale=0.0), Raises(ValueError, r"^scale must be a finite")),
         (
             "dcp_gqa_decode-seq-lens-negative",
