@@ -84,10 +84,10 @@ def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_
     check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(batch,))
     if q_len_per_req is not None and cu_q_lens is not None:
         raise ValueError("give q_len_per_req (uniform drafts) or cu_q_lens (ragged drafts), not both")
+    if max_q_len is not None:  # read with cu_q_lens only, checked whenever given
+        check_int("max_q_len", max_q_len, minimum=0)
     if cu_q_lens is not None:
         check_tensor("cu_q_lens", cu_q_lens, dtypes=INDEX_DTYPES, shape=(batch + 1,))
-        if max_q_len is not None:
-            check_int("max_q_len", max_q_len, minimum=0)
     else:
         q_len = 1 if q_len_per_req is None else check_int("q_len_per_req", q_len_per_req, minimum=1)
         if total_q != batch * q_len:

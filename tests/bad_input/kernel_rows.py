@@ -496,6 +496,12 @@ def _gqa_rows() -> list[Row]:
             _gqa(cu_q_lens=torch.tensor([0, 2, 2], dtype=torch.int32), max_q_len=1),
             Raises(ValueError, r"^max_q_len must be >= 2 \(the most queries of a request in cu_q_lens\), got 1"),
         ),
+        Row(  # regression: without cu_q_lens, max_q_len went unchecked (any value, any type)
+            f"{n}-max-q-len-negative-uniform",
+            _gqa(max_q_len=-3),
+            Raises(ValueError, r"^max_q_len must be >= 0, got -3"),
+        ),
+        Row(f"{n}-max-q-len-str-uniform", _gqa(max_q_len="2"), Raises(TypeError, r"^max_q_len must be an int")),
         Row(
             f"{n}-max-q-len-above-longest-draft",
             _gqa(cu_q_lens=torch.tensor([0, 2, 2], dtype=torch.int32), max_q_len=5),
