@@ -187,9 +187,13 @@ class RuntimePlanning(RuntimeState):
         of a step with collectives when ``check`` (:func:`~shardattn.runtime.args.reject`)."""
         lens_given = query_lens is not None or prefix_lens is not None or seq_lens is not None
         deferred: TypeError | ValueError | None = None  # a tensor's error, raised once the plan says who waits
+        # a bad plan argument too joins the step's agreement (reject): raised on this rank alone, it left
+        # the peers waiting in the agreement, where this rank's next call would pair with their step
+        agrees = self._prefill_agrees
         if plan is None:
             if query_lens is None:
-                raise ValueError("prefill needs query_lens (new tokens per request) or a plan from plan_prefill")
+                why = "prefill needs query_lens (new tokens per request) or a plan from plan_prefill"
+                reject(self.comm, ValueError(why), collective=agrees, check=check)
             kv_rows = None
             if self.spec.kind == "sparse_mla":  # the rows the step addresses route it (G past 24-bit rows)
                 try:
@@ -201,14 +205,17 @@ class RuntimePlanning(RuntimeState):
             except (TypeError, ValueError) as e:  # lengths of this rank alone: every step of a mode that
                 reject(self.comm, e, collective=self._prefill_agrees, check=check)  # collects agrees first
         elif not isinstance(plan, PrefillPlan):
-            raise TypeError(f"plan must be a PrefillPlan from Runtime.plan_prefill, got {type(plan).__name__}")
+            why = f"plan must be a PrefillPlan from Runtime.plan_prefill, got {type(plan).__name__}"
+            reject(self.comm, TypeError(why), collective=agrees, check=check)
         elif plan.made_for and plan.made_for != self._plan_config:
-            raise ValueError(
+            why = (
                 f"plan was made by a Runtime for {plan.made_for}; this one runs "
                 f"{self._plan_config}: plan the step with its plan_prefill"
             )
+            reject(self.comm, ValueError(why), collective=agrees, check=check)
         elif lens_given:
-            raise ValueError("pass either plan or query_lens / prefix_lens / seq_lens, not both (a plan holds them)")
+            why = "pass either plan or query_lens / prefix_lens / seq_lens, not both (a plan holds them)"
+            reject(self.comm, ValueError(why), collective=agrees, check=check)
         if deferred is None:  # sinks exactly when the model has them, named before the tensors are checked
             try:
                 check_sinks_declared(sinks, has_sinks=self.spec.has_sinks, heads=self.spec.num_heads)

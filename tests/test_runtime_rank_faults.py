@@ -1,0 +1,176 @@
+"""Ranks of a Runtime that disagree or fail, as an engine meets them: every rank raises, in time, naming the rank.
+
+Every rank of the pool builds its Runtime on a fresh gloo group whose collectives time out after
+``TIMEOUT_S`` and rank 1 misbehaves: a bad argument (with and without ``check``), a kernel that
+raises mid-step (after the step's agreement) or a ``KeyboardInterrupt`` there, a rank that never
+arrives, at a step or at construction. The others must raise: at once where the step's agreement
+carries the failure (``check=True``), else within the group's timeout plus the failure-report
+grace, naming rank 1 and, where it raised an ``Exception``, its exception. After a failure that
+the agreement caught the group stays in step (the next step gives the same bits); after one mid-step
+it is unusable, and a step retried on it raises on every rank in time rather than hang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardattn.errors import PeerFailedError
+from shardattn.launch.workloads import build_decode
+from shardattn.ops.topk import DcpShard
+from shardattn.parallel.peer_failures import REPORT_GRACE_S
+from shardattn.runtime.options import PrefillOptions
+from shardattn.runtime.runtime import Runtime
+from tests.parallel_helpers import short_timeout_group
+from tests.test_runtime import CPU, MLA, _heads, _prefill_step, _token_rows
+
+#: The fault group's collective timeout (seconds): how long a peer left waiting blocks.
+TIMEOUT_S = 2.0
+#: What a peer may take where the agreement carries the failure (no timeout involved).
+FAST_S = 1.0
+#: What a peer may take where it must wait for the timeout: the timeout, the report grace, host noise.
+LATE_S = TIMEOUT_S + REPORT_GRACE_S + 2.0
+
+
+def _outcome(run: Callable[[], object]) -> dict:
+    """What ``run()`` did: ``kind`` ("ok" or the exception's type), ``msg``, ``raised`` / ``silent`` of a
+    PeerFailedError, the result, and ``s`` (seconds)."""
+    start = time.monotonic()
+    seen: dict = {"kind": "ok", "msg": "", "result": None}
+    try:
+        seen["result"] = run()
+    except BaseException as e:  # a KeyboardInterrupt of a rank is an outcome here
+        seen.update(kind=type(e).__name__, msg=str(e))
+        if isinstance(e, PeerFailedError):
+            seen.update(raised=e.raised, silent=e.silent)
+    seen["s"] = time.monotonic() - start
+    return seen
+
+
+def _runtime(group: dist.ProcessGroup, mode: str, **kwargs) -> Runtime:
+    options = PrefillOptions(min_shard_tokens=1)  # every step sharded (ShardQ)
+    return Runtime(MLA, group, mode=mode, max_batched_tokens=128, prefill_options=options, **kwargs)
+
+
+def _step(rt: Runtime, mode: str, *, q_dtype: torch.dtype = torch.float32, **extra) -> Callable[[], object]:
+    """One step of ``mode`` on ``rt`` (ShardQ or PCP prefill, DCP decode), its ``out`` returned."""
+    rank, world = rt.rank, rt.world_size
+    if mode == "dcp-decode":
+        s = build_decode(
+            heads=MLA.num_heads, head_dim=MLA.head_dim, requests=2, cached=(37, 5), q_lens=(1, 1), topk=MLA.topk,
+            overlap="random", causal=True, dtype=torch.float32, device=CPU, seed=3, shard=DcpShard(world, 1, rank),
+            block_size=MLA.page_size,
+        )  # fmt: skip
+        q = _heads(s.q, rank, world).contiguous().to(q_dtype)
+        return lambda: rt.decode(
+            q, s.local_kv, s.local_table, s.seq_lens, topk_pos=s.positions, req_ids=s.req_ids, **extra
+        )[0]
+    step = _prefill_step()
+    if mode == "pcp":
+        plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+        mine = plan.tokens_of(rank)
+        own = _token_rows(step).index_select(0, mine)
+        return lambda: rt.prefill(
+            step.q[mine].to(q_dtype), step.kv, topk_pos=step.positions[mine], kv_new=step.kv[own],
+            block_table=step.block_table, plan=plan, **extra,
+        )[0]  # fmt: skip
+    q = _heads(step.q, rank, world).contiguous().to(q_dtype)
+    lens = {"query_lens": step.query_lens, "prefix_lens": step.prefix_lens}
+    return lambda: rt.prefill(q, step.kv, step.rows, **(extra if "plan" in extra else {**lens, **extra}))[0]
+
+
+def _failing_kernel(mode: str, error: BaseException):
+    """The step's kernel call (after its agreement) raising ``error`` on this rank."""
+
+    def fail(*args, **kwargs):
+        raise error
+
+    if mode == "dcp-decode":  # the rank's rows of its shard, converted after the query all-gather
+        return mock.patch("shardattn.parallel.dcp.convert_topk", fail)
+    return mock.patch("shardattn.runtime.steps.workspace_prefill_attention", fail)
+
+
+def _done(group: dist.ProcessGroup, short: dist.ProcessGroup, result: dict) -> dict:
+    """Keep every rank's end of ``short`` open until all are done (a peer waiting on a rank must
+    not learn of its failure from a closed connection), then return ``result``."""
+    dist.barrier(group=group)
+    dist.destroy_process_group(short)
+    result.pop("result", None)
+    for seen in result.values():
+        if isinstance(seen, dict):
+            seen.pop("result", None)
+    return result
+
+
+def _needs_ranks(nproc: int) -> None:
+    if nproc < 2 or MLA.num_heads % nproc:
+        pytest.skip(f"needs 2 or more ranks that divide the spec's {MLA.num_heads} heads")
+
+
+def _assert_named(seen: dict, raised: str, where: object) -> None:
+    """``seen`` is a PeerFailedError, within ``LATE_S``, that names rank 1 as raising ``raised``."""
+    assert seen["kind"] == PeerFailedError.__name__, where
+    assert list(seen["raised"]) == [1] and seen["raised"][1].startswith(raised), where
+    assert seen["s"] < LATE_S, where
+
+
+# -- a bad plan argument on one rank ----------------------------------------------------------------
+BAD_PLANS = {
+    "plan-and-lens": ("ValueError: pass either plan or query_lens", lambda step, plan: {
+        "plan": plan, "query_lens": step.query_lens}),
+    "not-a-plan": ("TypeError: plan must be a PrefillPlan", lambda step, plan: {"plan": {"step": plan.step}}),
+    "no-lengths": ("ValueError: prefill needs query_lens", lambda step, plan: {"plan": None}),
+}  # fmt: skip
+
+
+def _bad_plan(group: dist.ProcessGroup, bad: str, check: bool) -> dict:
+    short = short_timeout_group(group, TIMEOUT_S)
+    rt = _runtime(short, "shardq")
+    step = _prefill_step()
+    plan = rt.plan_prefill(step.query_lens, step.prefix_lens)
+    before = _step(rt, "shardq", plan=plan)()
+    args = BAD_PLANS[bad][1](step, plan) if rt.rank == 1 else {"plan": plan}
+    seen = {"bad": _outcome(_step(rt, "shardq", check=check, **args))}
+    if check:  # every rank raised at the agreement: the next step runs in step on every rank
+        seen["next"] = _outcome(_step(rt, "shardq", plan=plan))
+        seen["next"]["same"] = seen["next"]["result"] is not None and torch.equal(seen["next"]["result"], before)
+    return _done(group, short, seen)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("bad", sorted(BAD_PLANS))
+def test_a_bad_plan_argument_on_one_rank_raises_on_every_rank_at_once(dist_pool, nproc: int, bad: str) -> None:
+    """Before: rank 1 raised alone; its peers waited in the agreement, and rank 1's next call paired
+    with their step (the peers returned from a step rank 1 had refused, one call out of step)."""
+    _needs_ranks(nproc)
+    results = dist_pool.run(_bad_plan, bad, True)
+    own = BAD_PLANS[bad][0]
+    for rank, seen in enumerate(results):
+        where = (rank, seen)
+        first = seen["bad"]
+        if rank == 1:
+            assert f"{first['kind']}: {first['msg']}".startswith(own), where
+        else:
+            assert first["kind"] == "ValueError", where
+            assert first["msg"].startswith(f"ShardQ plan and inputs: rank(s) [1] of {nproc} rejected"), where
+            assert first["s"] < FAST_S, where
+        assert seen["next"]["kind"] == "ok" and seen["next"]["same"], where
+
+
+@pytest.mark.distributed
+def test_a_bad_plan_argument_without_check_is_named_by_the_waiting_peers(dist_pool, nproc: int) -> None:
+    """``check=False``: rank 1 raises at once and reports it; its peers wait in the step's first
+    collective until the timeout and name it with its error (before: named as silent, no error)."""
+    _needs_ranks(nproc)
+    results = dist_pool.run(_bad_plan, "plan-and-lens", False)
+    for rank, seen in enumerate(results):
+        first = seen["bad"]
+        if rank == 1:
+            assert first["kind"] == "ValueError" and first["s"] < FAST_S, (rank, seen)
+        else:
+            _assert_named(first, "ValueError: pass either plan or query_lens", (rank, seen))
