@@ -12,6 +12,7 @@ it is unusable, and a step retried on it raises on every rank in time rather tha
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from unittest import mock
@@ -174,3 +175,42 @@ def test_a_bad_plan_argument_without_check_is_named_by_the_waiting_peers(dist_po
             assert first["kind"] == "ValueError" and first["s"] < FAST_S, (rank, seen)
         else:
             _assert_named(first, "ValueError: pass either plan or query_lens", (rank, seen))
+
+
+# -- a kernel that raises on one rank mid-step ------------------------------------------------------
+def _mid_step(group: dist.ProcessGroup, mode: str, then: str) -> dict:
+    """Rank 1's kernel raises after the step's agreement; then rank 1 goes on at once: it retries the
+    step (``"retry"``, every rank does once it raised), or runs its next step with a bad query and
+    ``check=False`` (``"next-unchecked"``, reported at once)."""
+    short = short_timeout_group(group, TIMEOUT_S)
+    rt = _runtime(short, mode)
+    seen = {}
+    with contextlib.ExitStack() as stack:
+        if rt.rank == 1:
+            stack.enter_context(_failing_kernel(mode, RuntimeError(f"injected kernel failure in a {mode} step")))
+        seen["step"] = _outcome(_step(rt, mode))
+    if then == "retry":
+        seen["retry"] = _outcome(_step(rt, mode))
+    elif rt.rank == 1:
+        seen["next"] = _outcome(_step(rt, mode, q_dtype=torch.float64, check=False))
+    return _done(group, short, seen)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("mode", "then"), [("shardq", "retry"), ("shardq", "next-unchecked"), ("dcp-decode", "next-unchecked")]
+)
+def test_a_kernel_failing_mid_step_is_named_by_every_peer(dist_pool, nproc: int, mode: str, then: str) -> None:
+    """Rank 1 moving on before its peers time out must not hide its report from them (before: its
+    next step's report, or its retry's "alive", overwrote it, and they named rank 1 silent)."""
+    _needs_ranks(nproc)
+    results = dist_pool.run(_mid_step, mode, then)
+    assert results[1]["step"]["kind"] == "RuntimeError", results[1]
+    for rank, seen in enumerate(results):
+        if rank != 1:
+            _assert_named(seen["step"], "RuntimeError: injected kernel failure", (rank, seen))
+    if then == "retry":  # the group is out of step: every rank's retry raises, in time (none hangs)
+        for rank, seen in enumerate(results):
+            assert seen["retry"]["kind"] == PeerFailedError.__name__ and seen["retry"]["s"] < LATE_S, (rank, seen)
+    else:
+        assert results[1]["next"]["kind"] == "TypeError", results[1]

@@ -11,9 +11,11 @@ posts its report before it enters the collective, and its peers, which learn fro
 raised, read the report (:func:`name_raised_peers`): the same error, :class:`PeerFailedError`,
 naming the rank and its exception, at once rather than at the group's timeout.
 
-Every report names the Comm and the step it was made in, and a rank reads only its peers' reports
-of its own Comm and step, so a report left in the store earlier is never blamed for a later
-failure: a rank that has not reached the step (it hangs before it) counts as silent.
+Every report is kept under a key of its rank, Comm and step, and a rank reads only its peers'
+reports of its own Comm and step, so a report left in the store earlier is never blamed for a later
+failure (a rank that has not reached the step, as one that hangs before it, counts as silent), and
+a rank that goes on to its next step while its peers still wait for the last one (it retries, or
+serves the next batch) does not overwrite the report they are about to read.
 
 * The step: each rank's :class:`~shardattn.parallel.comm.Comm` counts the steps it begins
   (:meth:`~shardattn.parallel.comm.Comm.begin_step`, at every step's agreement,
@@ -60,7 +62,7 @@ __all__ = [
 #: Seconds a rank whose collective failed waits for its peers' failure reports before naming the
 #: silent ranks (a rank that raised has reported before its peers' collective even failed).
 REPORT_GRACE_S = 1.0
-_REPORT_KEY = "shardattn/failure/rank{}"
+_REPORT_KEY = "shardattn/failure/rank{}/{}.{}"  # rank, Comm generation, step
 _GENERATION_KEY = "shardattn/comms/rank{}"
 _ALIVE = "alive"
 
@@ -113,9 +115,11 @@ def comm_generation(group: dist.ProcessGroup, rank: int, world_size: int) -> int
         return 0
 
 
-def _tag(generation: int, step: int) -> str:
-    """What starts a report made in step ``step`` of the Comm of generation ``generation``."""
-    return f"{generation}.{step} "
+def _report_key(rank: int, generation: int, step: int) -> str:
+    """Where ``rank`` posts its report of step ``step`` of its Comm of generation ``generation``: a key
+    of its own for each step, so a later step's report (or ``"alive"``) never overwrites an earlier
+    one that peers of that step have yet to read."""
+    return _REPORT_KEY.format(rank, generation, step)
 
 
 def report_failure(
@@ -127,7 +131,7 @@ def report_failure(
     first = (str(error).strip().splitlines() or [""])[0][:300]
     with contextlib.suppress(Exception):
         if store is not None:
-            store.set(_REPORT_KEY.format(rank), f"{_tag(generation, step)}{type(error).__name__}: {first}")
+            store.set(_report_key(rank, generation, step), f"{type(error).__name__}: {first}")
 
 
 def _read_reports(
@@ -139,16 +143,14 @@ def _read_reports(
     reports: dict[int, str] = {}
     if store is None:
         return reports
-    prefix = _tag(generation, step)
     deadline = time.monotonic() + grace_s
     while True:
         for r in ranks:
             if r not in reports:
                 with contextlib.suppress(Exception):
-                    if store.check([_REPORT_KEY.format(r)]):
-                        posted = store.get(_REPORT_KEY.format(r)).decode(errors="replace")
-                        if posted.startswith(prefix):
-                            reports[r] = posted[len(prefix) :]
+                    key = _report_key(r, generation, step)
+                    if store.check([key]):
+                        reports[r] = store.get(key).decode(errors="replace")
         if len(reports) == len(ranks) or time.monotonic() >= deadline:
             return reports
         time.sleep(0.02)
@@ -173,7 +175,7 @@ def name_failed_peers(
     peers = [r for r in range(world_size) if r != rank]
     if store is not None:
         with contextlib.suppress(Exception):
-            store.set(_REPORT_KEY.format(rank), f"{_tag(generation, step)}{_ALIVE}")
+            store.set(_report_key(rank, generation, step), _ALIVE)
     reports = _read_reports(store, peers, generation, step, grace_s)
     raised = {r: v for r, v in sorted(reports.items()) if v != _ALIVE}
     silent = [r for r in peers if r not in reports] if store is not None else []
