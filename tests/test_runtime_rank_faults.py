@@ -214,3 +214,162 @@ def test_a_kernel_failing_mid_step_is_named_by_every_peer(dist_pool, nproc: int,
             assert seen["retry"]["kind"] == PeerFailedError.__name__ and seen["retry"]["s"] < LATE_S, (rank, seen)
     else:
         assert results[1]["next"]["kind"] == "TypeError", results[1]
+
+
+def _pcp_kernel_fails(group: dist.ProcessGroup) -> dict:
+    short = short_timeout_group(group, TIMEOUT_S)
+    rt = _runtime(short, "pcp")
+    before = _step(rt, "pcp")()
+    with contextlib.ExitStack() as stack:
+        if rt.rank == 1:
+            stack.enter_context(_failing_kernel("pcp", RuntimeError("injected kernel failure")))
+        seen = {"step": _outcome(_step(rt, "pcp"))}
+    seen["next"] = _outcome(_step(rt, "pcp"))
+    seen["next"]["same"] = seen["next"]["result"] is not None and torch.equal(seen["next"]["result"], before)
+    return _done(group, short, seen)
+
+
+@pytest.mark.distributed
+def test_a_pcp_kernel_failing_after_the_gather_leaves_the_peers_done(dist_pool, nproc: int) -> None:
+    """A PCP step (its outputs not gathered) has no collective after the kernel: nobody waits for
+    rank 1, and the group stays in step (the next step gives the same bits on every rank)."""
+    _needs_ranks(nproc)
+    results = dist_pool.run(_pcp_kernel_fails)
+    for rank, seen in enumerate(results):
+        want = "RuntimeError" if rank == 1 else "ok"
+        assert seen["step"]["kind"] == want and seen["step"]["s"] < FAST_S, (rank, seen)
+        assert seen["next"]["kind"] == "ok" and seen["next"]["same"], (rank, seen)
+
+
+def _unchecked_bad_query(group: dist.ProcessGroup, mode: str) -> dict:
+    short = short_timeout_group(group, TIMEOUT_S)
+    rt = _runtime(short, mode)
+    run = _step(rt, mode, q_dtype=torch.float64 if rt.rank == 1 else torch.float32, check=False)
+    return _done(group, short, {"step": _outcome(run)})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["shardq", "dcp-decode"])
+def test_a_bad_argument_without_check_is_named_by_the_waiting_peers(dist_pool, nproc: int, mode: str) -> None:
+    """``check=False`` (documented): the bad rank raises at once and reports it; the peers wait in the
+    step's first collective until the timeout, then name it with its error."""
+    _needs_ranks(nproc)
+    results = dist_pool.run(_unchecked_bad_query, mode)
+    assert results[1]["step"]["kind"] == "TypeError" and results[1]["step"]["s"] < FAST_S, results[1]
+    for rank, seen in enumerate(results):
+        if rank != 1:
+            _assert_named(seen["step"], "TypeError: q" if mode == "shardq" else "TypeError: kv_cache", (rank, seen))
+
+
+def _interrupted(group: dist.ProcessGroup) -> dict:
+    short = short_timeout_group(group, TIMEOUT_S)
+    rt = _runtime(short, "shardq")
+    with contextlib.ExitStack() as stack:
+        if rt.rank == 1:
+            stack.enter_context(_failing_kernel("shardq", KeyboardInterrupt("injected")))
+        seen = {"step": _outcome(_step(rt, "shardq"))}
+    return _done(group, short, seen)
+
+
+@pytest.mark.distributed
+def test_a_keyboard_interrupt_mid_step_makes_the_peers_raise_in_time(dist_pool, nproc: int) -> None:
+    """A ``BaseException`` that is no ``Exception`` propagates unreported (as at construction): the
+    peers name rank 1 among the silent ranks once their collective timed out."""
+    _needs_ranks(nproc)
+    results = dist_pool.run(_interrupted)
+    assert results[1]["step"]["kind"] == "KeyboardInterrupt", results[1]
+    for rank, seen in enumerate(results):
+        if rank != 1:
+            step = seen["step"]
+            assert step["kind"] == PeerFailedError.__name__ and 1 in step["silent"], (rank, seen)
+            assert step["raised"] == {} and step["s"] < LATE_S, (rank, seen)
+
+
+# -- a rank that never arrives ----------------------------------------------------------------------
+def _absent(group: dist.ProcessGroup, where: str) -> dict:
+    """Rank 1 stalls past its peers' timeout and grace before the step (or the construction)."""
+    short = short_timeout_group(group, TIMEOUT_S)
+    stall = TIMEOUT_S + REPORT_GRACE_S + 1.0
+    if where == "construction":
+        if dist.get_rank(short) == 1:
+            time.sleep(stall)
+            return _done(group, short, {})
+        return _done(group, short, {"seen": _outcome(lambda: _runtime(short, "shardq", warmup=False))})
+    rt = _runtime(short, "shardq")
+    run = _step(rt, "shardq")
+    if rt.rank == 1:
+        time.sleep(stall)
+        return _done(group, short, {})
+    return _done(group, short, {"seen": _outcome(run)})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("where", ["step", "construction"])
+def test_a_rank_that_never_arrives_is_named_at_the_timeout(dist_pool, nproc: int, where: str) -> None:
+    _needs_ranks(nproc)
+    for rank, seen in enumerate(dist_pool.run(_absent, where)):
+        if rank != 1:
+            got = seen["seen"]
+            assert got["kind"] == PeerFailedError.__name__, (rank, seen)
+            assert got["raised"] == {} and 1 in got["silent"] and got["s"] < LATE_S, (rank, seen)
+
+
+# -- construction -----------------------------------------------------------------------------------
+def _construction(group: dist.ProcessGroup, fault: str) -> dict:
+    """Rank 1's construction fails (``host_id`` of the wrong type, in the host exchange; or a
+    KeyboardInterrupt in its warm-up); after the first, a second Runtime on the group runs a step."""
+    short = short_timeout_group(group, TIMEOUT_S)
+    rank = dist.get_rank(short)
+    kwargs: dict = {"warmup": False}
+    with contextlib.ExitStack() as stack:
+        if rank == 1 and fault == "host-id":
+            kwargs["host_id"] = 7
+        elif rank == 1:
+            kwargs["warmup"] = True
+            stack.enter_context(mock.patch.object(Runtime, "warmup", side_effect=KeyboardInterrupt("injected")))
+        seen = {"build": _outcome(lambda: _runtime(short, "shardq", **kwargs))}
+    if fault == "host-id":
+        rt = _runtime(short, "shardq", warmup=False)
+        seen["step"] = _outcome(_step(rt, "shardq"))
+    return _done(group, short, seen)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault", ["host-id", "interrupt"])
+def test_a_failed_construction_on_one_rank(dist_pool, nproc: int, fault: str) -> None:
+    _needs_ranks(nproc)
+    results = dist_pool.run(_construction, fault)
+    own = "TypeError" if fault == "host-id" else "KeyboardInterrupt"
+    assert results[1]["build"]["kind"] == own, results[1]
+    for rank, seen in enumerate(results):
+        if rank == 1:
+            continue
+        build = seen["build"]
+        assert build["kind"] == PeerFailedError.__name__, (rank, seen)
+        if fault == "host-id":  # carried by the host exchange's gather: at once, with the error
+            want = f"Runtime construction on rank {rank} failed because rank 1 of {nproc} raised TypeError: host_id"
+            assert build["msg"].startswith(want) and build["s"] < FAST_S, (rank, seen)
+        else:  # unreported: named silent at the timeout
+            assert 1 in build["silent"] and build["s"] < LATE_S, (rank, seen)
+    if fault == "host-id":  # every rank left the failed construction in step: the next Runtime works
+        assert all(seen["step"]["kind"] == "ok" for seen in results), results
+
+
+# -- two Runtimes on one group ----------------------------------------------------------------------
+def _two_runtimes(group: dist.ProcessGroup) -> dict:
+    """Runtimes A and B of one config on one group: A's step fails its agreement (rank 1's bad
+    query), then B's and A's steps run, equal bit for bit."""
+    short = short_timeout_group(group, TIMEOUT_S)
+    a, b = _runtime(short, "shardq"), _runtime(short, "shardq", warmup=False)
+    bad = _step(a, "shardq", q_dtype=torch.float64 if a.rank == 1 else torch.float32)
+    seen = {"a-bad": _outcome(bad), "b": _outcome(_step(b, "shardq")), "a": _outcome(_step(a, "shardq"))}
+    seen["same"] = seen["a"]["result"] is not None and torch.equal(seen["a"]["result"], seen["b"]["result"])
+    return _done(group, short, seen)
+
+
+@pytest.mark.distributed
+def test_two_runtimes_on_one_group_stay_in_step_after_one_fails_its_agreement(dist_pool, nproc: int) -> None:
+    _needs_ranks(nproc)
+    for rank, seen in enumerate(dist_pool.run(_two_runtimes)):
+        assert seen["a-bad"]["kind"] == ("TypeError" if rank == 1 else "ValueError"), (rank, seen)
+        assert seen["b"]["kind"] == "ok" and seen["a"]["kind"] == "ok" and seen["same"], (rank, seen)
