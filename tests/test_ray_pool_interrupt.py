@@ -1,6 +1,7 @@
 """A Ray pool whose driver is interrupted (``KeyboardInterrupt``) while it waits for the ranks of a
-shared-memory decode step: the interrupt is raised as it is and the pool is broken, as by a failed
-step (the ranks may still read and write the step's rows), until restart. One Ray instance per module."""
+shared-memory decode step or of a prefill step: the interrupt is raised as it is and the pool is
+broken, as by a failed step (the ranks may still read and write the step's rows), until restart;
+one before the ranks were sent the step leaves the ledger as it was. One Ray instance per module."""
 
 from __future__ import annotations
 
@@ -48,4 +49,49 @@ def test_an_interrupt_while_ranks_run_a_shm_step_breaks_the_pool_until_restart(
         reqs = [mirror.prefill_request(5, 7, attend=False)]
         pool.prefill(reqs)
         reqs = [mirror.decode_request(5)]
+        base._check(pool.decode(reqs, return_lse=True), reqs, mirror)
+
+
+@base.needs_ray
+def test_an_interrupted_prefill_leaves_no_unwritten_tokens_and_never_runs_beside_a_step(
+    ray_instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt before the prefill reached the ranks kept its tokens in the ledger (a request
+    admitted on pages no rank wrote: its decode read whatever lay there); one while the ranks ran
+    it left the pool usable, so the next shared-memory decode ran beside the prefill on the ranks
+    (a rank died in the two steps' collectives, blamed on the decode). The ledger is as it was,
+    and the pool is broken, naming the interrupt, until restart."""
+    import ray
+
+    from shardattn.serving import RankFailedError
+    from shardattn.testing.serving import ServingMirror
+
+    with base._pool(2, base.MLA, max_requests=4, max_seq_len=48, num_pages=16) as pool:
+        mirror = ServingMirror(base.MLA, seed=23)
+        pool.prefill([mirror.prefill_request("a", 9, attend=False)])
+        pages = pool.book.free_pages
+        with monkeypatch.context() as m:
+            m.setattr(ray, "put", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+            with pytest.raises(KeyboardInterrupt):
+                pool.prefill([mirror.prefill_request("a", 4), mirror.prefill_request("c", 5)])
+        assert pool.book.request_ids == ["a"] and pool.book.seq_len("a") == 9 and pool.book.free_pages == pages
+        assert not pool.broken
+        mirror.requests["a"].kv = [x[:9] for x in mirror.requests["a"].kv]  # the chunk never reached the ranks
+        ra = mirror.decode_request("a")
+        base._check(pool.decode([ra], return_lse=True), [ra], mirror)
+
+        pool.arm_fault(1, "hang", "prefill")  # rank 1 still runs the next prefill when the driver is interrupted
+        with monkeypatch.context() as m:
+            m.setattr(ray, "wait", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+            with pytest.raises(KeyboardInterrupt):
+                pool.prefill([mirror.prefill_request("a", 6)])
+        interrupted = r"interrupted \(KeyboardInterrupt\) while ranks \[0, 1\] ran the step"
+        with pytest.raises(RankFailedError, match=interrupted) as info:
+            pool.decode([mirror.decode_request("a", append=False)])
+        assert info.value.operation == "prefill" and pool.health()["state"] == "broken"
+        assert pool.restart() == ["a"]
+        mirror = ServingMirror(base.MLA, seed=24)
+        reqs = [mirror.prefill_request("a", 11)]
+        base._check(pool.prefill(reqs, return_lse=True), reqs, mirror)
+        reqs = [mirror.decode_request("a")]
         base._check(pool.decode(reqs, return_lse=True), reqs, mirror)

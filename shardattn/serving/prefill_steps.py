@@ -4,7 +4,10 @@
 (``q [n, H, D]``, the new KV rows, sparse MLA's ``topk_pos [n, K]``), grows the ledger, and runs
 the step through actor calls: the block table, lengths, KV rows and top-k once for every rank
 (one ``ray.put``), each rank's heads of the queries (PCP: its tokens' queries, every head). A
-step that fails on the driver before any rank runs takes its tokens back out of the ledger.
+step that fails on the driver before any rank runs takes its tokens back out of the ledger; a
+``KeyboardInterrupt`` (or another exception) on the driver while ranks run the step breaks the
+pool, as a failed step does (the ranks may still write its rows, and a decode step would run
+beside it), and is raised as it is.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class PrefillSteps(PoolState):
         t_packed = time.perf_counter()
         kind = "prefill"
         admitted = [rid for rid in packed.ids if rid not in self.book]  # new requests, released on undo
+        refs: list[Any] = []  # the ranks' calls sent and not yet answered
         self.book.grow(list(zip(packed.ids, packed.counts)), new_ok=True)
         try:
             table = torch.from_numpy(np.array(self.book.table(packed.ids), dtype=np.int32))  # faster than from lists
@@ -56,10 +60,17 @@ class PrefillSteps(PoolState):
             qs: list[Any] = [None] * self.world_size if q is None else query_parts(q, self.world_size, h, token_ids)
             t_sent = time.perf_counter()
             shared_ref = ray.put(to_wire(step))  # once for every rank
-            refs = [a.prefill.remote(shared_ref, to_wire(qs[r])) for r, a in enumerate(self._actors)]
-            results = from_wire(self._call(kind, refs))
-        except Exception:  # the ranks did not run the step (else the pool is broken): the ledger as it was
-            if self._broken is None:
+            for r, a in enumerate(self._actors):
+                refs.append(a.prefill.remote(shared_ref, to_wire(qs[r])))
+            answered = self._call(kind, refs)
+            refs = []  # every rank answered: none runs the step any more
+            results = from_wire(answered)
+        except BaseException as e:
+            if self._broken is None and refs:  # KeyboardInterrupt while ranks may still run the step
+                cause = (f"the driver was interrupted ({type(e).__name__}) while ranks {list(range(len(refs)))} "
+                         "ran the step: they may still write its rows")  # fmt: skip
+                self._fail(0, cause, kind, probe=False)
+            elif self._broken is None:  # no rank runs the step: the ledger as it was
                 self._undo_prefill(packed, admitted)
             raise
         t_back = time.perf_counter()
