@@ -95,3 +95,43 @@ def test_an_interrupted_prefill_leaves_no_unwritten_tokens_and_never_runs_beside
         base._check(pool.prefill(reqs, return_lse=True), reqs, mirror)
         reqs = [mirror.decode_request("a")]
         base._check(pool.decode(reqs, return_lse=True), reqs, mirror)
+
+
+@base.needs_ray
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Ray's graph, its actors killed
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_interrupt_while_ranks_run_a_compiled_graph_step_breaks_the_pool(
+    ray_instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiled-graph decode step the driver left (``KeyboardInterrupt`` in its wait) took its
+    tokens back and left the pool usable while the ranks still ran it, so the next prefill (an
+    actor call, which the actors serve beside the graph) ran beside it: the pool is broken, naming
+    the interrupt, until restart."""
+    import ray
+
+    from shardattn.serving import RankFailedError
+    from shardattn.testing.serving import ServingMirror
+
+    with base._pool(2, base.MLA, max_requests=4, max_seq_len=48, num_pages=16, transport="compiled") as pool:
+        assert pool.transport == "compiled"
+        mirror = ServingMirror(base.MLA, seed=25)
+        pool.prefill([mirror.prefill_request("a", 9, attend=False)])
+        pool.arm_fault(1, "hang", "decode")  # rank 1 still runs the step when the driver is interrupted
+        get = ray.get
+
+        def interrupted(*args, **kwargs):  # Ctrl-C in the driver's wait for the graph's outputs
+            if "timeout" in kwargs:
+                raise KeyboardInterrupt
+            return get(*args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(ray, "get", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                pool.decode([mirror.decode_request("a")])
+        with pytest.raises(RankFailedError, match=r"interrupted \(KeyboardInterrupt\) while ranks \[0, 1\] ran"):
+            pool.prefill([mirror.prefill_request("b", 3, attend=False)])
+        assert pool.health()["state"] == "broken" and pool.restart() == ["a"]
+        mirror = ServingMirror(base.MLA, seed=26)
+        pool.prefill([mirror.prefill_request("a", 7, attend=False)])
+        reqs = [mirror.decode_request("a")]
+        base._check(pool.decode(reqs, return_lse=True), reqs, mirror)

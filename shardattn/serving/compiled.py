@@ -11,7 +11,8 @@ other call stay ordinary actor calls, which the actors still serve while the gra
 Failures: an exception on any rank, or a dead rank, surfaces on the driver's reads (Ray
 propagates it to every output); :class:`CompiledSteps` names the rank from the error's actor id
 and raises :class:`~shardattn.serving.errors.RankStepError`. A rank that does not answer in
-time is named by the first output still missing.
+time is named by the first output still missing. :attr:`CompiledSteps.running` names the ranks
+that had not answered when the driver left a step (a ``KeyboardInterrupt``): the pool then breaks.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class CompiledSteps:
         self._ranks = {a._actor_id.hex(): r for r, a in enumerate(actors)}
         self._pids = {int(p): r for r, p in enumerate(pids)}
         self._dag: Any = dag.experimental_compile(_buffer_size_bytes=int(buffer_bytes))
+        #: ranks sent the last step that have not answered it (empty once it is done): a step the
+        #: driver left (interrupted) while these ranks may still run it
+        self.running: list[int] = []
 
     def _rank_of(self, exc: BaseException, default: int) -> int:
         """The rank an error comes from: by actor id (a dead actor) or process id (an exception)."""
@@ -76,6 +80,7 @@ class CompiledSteps:
         import ray
 
         deadline = time.monotonic() + timeout_s
+        self.running = list(range(len(self._ranks)))  # the payload may reach the ranks from here on
         try:
             refs = self._dag.execute(payload)
         except ray.exceptions.RayError as e:
@@ -91,6 +96,7 @@ class CompiledSteps:
                 ) from None
             except ray.exceptions.RayError as e:
                 raise RankStepError(self._rank_of(e, r), describe_ray_error(e)) from None
+            self.running = list(range(r + 1, len(refs)))
         return results
 
     def teardown(self) -> None:

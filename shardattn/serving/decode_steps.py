@@ -7,8 +7,9 @@
 (:func:`~shardattn.serving.transport.decode_on_ranks`) and return ``out [T, H, Dv]`` (and
 ``lse [T, H]`` fp32). A step that fails on the driver after its checks, before any rank runs,
 takes its tokens back out of the ledger. A ``KeyboardInterrupt`` (or another ``BaseException``)
-on the driver while ranks run a shared-memory step breaks the pool, as a failed step does (the
-ranks may still read and write the step's rows), and is raised as it is.
+on the driver while ranks run a shared-memory or compiled-graph step breaks the pool, as a failed
+step does (the ranks may still read and write the step's rows, and a prefill, an actor call, would
+run beside it), and is raised as it is.
 """
 
 from __future__ import annotations

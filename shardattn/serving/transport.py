@@ -59,6 +59,10 @@ class _CompiledDecode:
         payload = {"kind": "decode", "shared": to_wire(step), "qs": [to_wire(q) for q in qs]}
         return from_wire(self.steps.run(payload, timeout_s))
 
+    def running(self) -> list[int]:
+        """Ranks sent the last step that have not answered it (:attr:`CompiledSteps.running`)."""
+        return list(self.steps.running)
+
     def teardown(self) -> None:
         self.steps.teardown()
 
