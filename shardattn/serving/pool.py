@@ -304,7 +304,8 @@ class RayRankPool(RequestSteps):
         """Stop every actor, start new ones in the same bundles, re-form the group and rebuild.
 
         Returns the request ids whose KV state was lost (every request the pool held): the
-        caller re-prefills them. The pool is usable again afterwards (not after :meth:`shutdown`).
+        caller re-prefills them. The pool is usable again afterwards (not after :meth:`shutdown`);
+        a restart that fails leaves it broken, and the next one returns those requests.
         """
         with self._step_lock:
             if self._pg is None:
@@ -313,10 +314,10 @@ class RayRankPool(RequestSteps):
             kill_actors(self._actors)
             self._actors = []
             lost = self.book.request_ids if self.spec is not None else []
+            self._broken = None
+            self._form()  # a failure breaks the pool: the ledger keeps the requests for the next restart
             if self.spec is not None:
                 self.book.reset()
-            self._broken = None
-            self._form()
             return lost
 
     def shutdown(self) -> None:

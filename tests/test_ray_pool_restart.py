@@ -1,0 +1,35 @@
+"""A Ray pool whose restart fails (a rank's build raises): the pool stays broken, and the restart
+that then succeeds still returns every request whose KV state was lost. One Ray instance per module."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import test_ray_pool as base
+
+ray_instance = base.ray_instance  # the module's Ray (a fixture)
+
+
+@base.needs_ray
+def test_a_failed_restart_keeps_the_lost_requests_for_the_next_one(ray_instance) -> None:
+    """The first restart forgot the requests before it rebuilt the ranks; when the rebuild failed,
+    the restart that succeeded returned no request, though the callers' requests were all lost."""
+    from shardattn.serving import RankFailedError
+    from shardattn.testing.serving import ServingMirror
+
+    with base._pool(2, base.MLA, max_requests=4, max_seq_len=48, num_pages=16) as pool:
+        mirror = ServingMirror(base.MLA, seed=31)
+        pool.prefill([mirror.prefill_request("a", 9, attend=False), mirror.prefill_request("b", 5, attend=False)])
+        limit = pool._cache_spec["memory_limit_bytes"]
+        pool._cache_spec["memory_limit_bytes"] = 1  # every rank's build refuses its cache
+        with pytest.raises(RankFailedError, match="exceed memory_limit_bytes=1"):
+            pool.restart()
+        assert pool.health()["state"] == "broken"
+        pool._cache_spec["memory_limit_bytes"] = limit
+        assert pool.restart() == ["a", "b"]
+        assert pool.health()["state"] == "healthy" and len(pool.book) == 0
+        mirror = ServingMirror(base.MLA, seed=32)
+        reqs = [mirror.prefill_request("a", 7)]
+        base._check(pool.prefill(reqs, return_lse=True), reqs, mirror)
+        reqs = [mirror.decode_request("a")]
+        base._check(pool.decode(reqs, return_lse=True), reqs, mirror)
