@@ -186,43 +186,39 @@ class RuntimePlanning(RuntimeState):
         (:func:`~shardattn.runtime.prefill.check_prefill_inputs`). A bad tensor raises on every rank
         of a step with collectives when ``check`` (:func:`~shardattn.runtime.args.reject`)."""
         lens_given = query_lens is not None or prefix_lens is not None or seq_lens is not None
-        deferred: TypeError | ValueError | None = None  # a tensor's error, raised once the plan says who waits
-        # a bad plan argument too joins the step's agreement (reject): raised on this rank alone, it left
-        # the peers waiting in the agreement, where this rank's next call would pair with their step
-        agrees = self._prefill_agrees
-        if plan is None:
-            if query_lens is None:
-                why = "prefill needs query_lens (new tokens per request) or a plan from plan_prefill"
-                reject(self.comm, ValueError(why), collective=agrees, check=check)
+        # a bad plan argument, sinks or tensor raises through the step's agreement (reject): raised on
+        # this rank alone, it left the peers waiting there, where this rank's next call paired with them
+        bad: TypeError | ValueError | None = None
+        if plan is None and query_lens is None:
+            bad = ValueError("prefill needs query_lens (new tokens per request) or a plan from plan_prefill")
+        elif plan is None and query_lens is not None:
             kv_rows = None
             if self.spec.kind == "sparse_mla":  # the rows the step addresses route it (G past 24-bit rows)
                 try:
                     kv_rows = _addressed_rows(kv_cache, kv_new, self.world_size)
                 except (TypeError, ValueError) as e:
-                    deferred, kv_rows = e, 0
+                    bad, kv_rows = e, 0
             try:
                 plan = self.plan_prefill(query_lens, prefix_lens, seq_lens=seq_lens, kv_rows=kv_rows)
             except (TypeError, ValueError) as e:  # lengths of this rank alone: every step of a mode that
-                reject(self.comm, e, collective=self._prefill_agrees, check=check)  # collects agrees first
+                bad = e  # collects agrees first
         elif not isinstance(plan, PrefillPlan):
-            why = f"plan must be a PrefillPlan from Runtime.plan_prefill, got {type(plan).__name__}"
-            reject(self.comm, TypeError(why), collective=agrees, check=check)
+            bad = TypeError(f"plan must be a PrefillPlan from Runtime.plan_prefill, got {type(plan).__name__}")
         elif plan.made_for and plan.made_for != self._plan_config:
-            why = (
+            bad = ValueError(
                 f"plan was made by a Runtime for {plan.made_for}; this one runs "
                 f"{self._plan_config}: plan the step with its plan_prefill"
             )
-            reject(self.comm, ValueError(why), collective=agrees, check=check)
         elif lens_given:
-            why = "pass either plan or query_lens / prefix_lens / seq_lens, not both (a plan holds them)"
-            reject(self.comm, ValueError(why), collective=agrees, check=check)
-        if deferred is None:  # sinks exactly when the model has them, named before the tensors are checked
+            bad = ValueError("pass either plan or query_lens / prefix_lens / seq_lens, not both (a plan holds them)")
+        if bad is None:  # sinks exactly when the model has them, named before the tensors are checked
             try:
                 check_sinks_declared(sinks, has_sinks=self.spec.has_sinks, heads=self.spec.num_heads)
             except ValueError as e:
-                deferred = e
-        if deferred is not None:
-            reject(self.comm, deferred, collective=self._prefill_agrees, check=check)
+                bad = e
+        if bad is not None:
+            reject(self.comm, bad, collective=self._prefill_agrees, check=check)
+        assert plan is not None  # planned above, or refused
         if plan.gqa is not None:
             tokens_from = "query_lens sums to" if lens_given else "the plan is for"
             try:
