@@ -85,6 +85,13 @@ def unique_rows(
         ones take the reference) gives exactly the reference's output.
     """
     _check(rows, num_kv_rows, topk_length)
+    return _unique_rows(rows, num_kv_rows, topk_length)
+
+
+def _unique_rows(
+    rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`unique_rows` on checked arguments."""
     t, k = rows.shape
     if not use_triton(rows, topk_length) or k > MAX_ENTRIES or t == 0 or k == 0:
         return unique_rows_reference(rows, num_kv_rows=num_kv_rows, topk_length=topk_length)
@@ -105,4 +112,4 @@ def decode_rows(
     shared_memory = smem_unsupported_reason(rows, 1) is None
     if route_decode_dedup(rows.shape[1], num_kv_rows, shared_memory=shared_memory) == "union":
         return build_union(rows, group_size=1, num_kv_rows=num_kv_rows, topk_length=topk_length)
-    return unique_rows(rows, num_kv_rows=num_kv_rows, topk_length=topk_length)
+    return _unique_rows(rows, num_kv_rows, topk_length)
