@@ -175,14 +175,9 @@ class DecodeSteps(StagingRows):
             )
         except RankStepError as e:
             raise self._fail(e.rank, e.cause, "decode", e.late) from None
-        except BaseException as e:
+        except BaseException as e:  # a KeyboardInterrupt while ranks run the step, or a failure before
             running = self._decoder.running() if hasattr(self._decoder, "running") else []
-            if running and self._broken is None:  # KeyboardInterrupt / SystemExit while ranks ran the step
-                cause = (f"the driver was interrupted ({type(e).__name__}) while ranks {running} ran the step: "
-                         "they may still read and write its rows")  # fmt: skip
-                self._fail(running[0], cause, "decode", probe=False)
-            elif self._broken is None:  # on the driver, before the ranks were told to run: no step
-                self.book.undo_growth(batch.slots, batch.counts)
+            self._left_step(e, running, "decode", lambda: self.book.undo_growth(batch.slots, batch.counts))
             raise
         t_back = time.perf_counter()
         if timeline is None:  # each rank's heads

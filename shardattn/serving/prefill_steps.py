@@ -65,13 +65,8 @@ class PrefillSteps(PoolState):
             answered = self._call(kind, refs)
             refs = []  # every rank answered: none runs the step any more
             results = from_wire(answered)
-        except BaseException as e:
-            if self._broken is None and refs:  # KeyboardInterrupt while ranks may still run the step
-                cause = (f"the driver was interrupted ({type(e).__name__}) while ranks {list(range(len(refs)))} "
-                         "ran the step: they may still write its rows")  # fmt: skip
-                self._fail(0, cause, kind, probe=False)
-            elif self._broken is None:  # no rank runs the step: the ledger as it was
-                self._undo_prefill(packed, admitted)
+        except BaseException as e:  # a KeyboardInterrupt while ranks run the step, or a failure before
+            self._left_step(e, range(len(refs)), kind, lambda: self._undo_prefill(packed, admitted))
             raise
         t_back = time.perf_counter()
         if q is None:

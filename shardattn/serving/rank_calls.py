@@ -73,6 +73,22 @@ class RankCalls:
         self._teardown_decoder()
         return err
 
+    def _left_step(
+        self, error: BaseException, running: Sequence[int], operation: str, undo: Callable[[], None]
+    ) -> None:
+        """The driver left a step with ``error`` (its caller re-raises it): while ``running`` ranks may
+        still run the step (a ``KeyboardInterrupt`` after they were sent it) the pool breaks, since
+        they may still read and write its rows and the next step would run beside them; before any
+        rank was sent it, ``undo`` puts the ledger back. Nothing to do on a pool already broken."""
+        if self._broken is not None:
+            return
+        if running:
+            cause = (f"the driver was interrupted ({type(error).__name__}) while ranks {list(running)} ran the "
+                     "step: they may still read and write its rows")  # fmt: skip
+            self._fail(running[0], cause, operation, probe=False)
+        else:
+            undo()
+
     def _teardown_decoder(self) -> None:
         decoder, self._decoder = self._decoder, None
         if decoder is not None:
