@@ -33,12 +33,12 @@ from typing import Literal, overload
 import torch
 
 from shardattn._checks import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     check_bool,
     check_disjoint,
     check_int,
     check_not_inputs,
+    check_queries_tensor,
     check_same_device,
     check_scale,
     check_sink_logits,
@@ -84,12 +84,10 @@ def _check_inputs(
         raise TypeError(f"plan must be a ShardPlan (from zigzag_split), got {type(plan).__name__}")
     if plan.world_size != comm.world_size:
         raise ValueError(f"plan is for world_size={plan.world_size}, but the group has {comm.world_size} ranks")
-    check_tensor("q_heads_local", q, dtypes=FLOAT_DTYPES, ndim=3)
+    check_queries_tensor("q_heads_local", q)
     t, h, d = q.shape
     if t != plan.num_tokens:
         raise ValueError(f"q_heads_local must hold the step's {plan.num_tokens} tokens (plan), got {t}")
-    if h < 1:
-        raise ValueError(f"q_heads_local must hold at least one head, got shape {list(q.shape)}")
     check_int("v_dim", v_dim, minimum=1)
     if v_dim > d:
         raise ValueError(f"v_dim must be <= the head dim {d}, got {v_dim}")
