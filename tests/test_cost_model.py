@@ -431,3 +431,14 @@ def test_predict_step_checks_its_arguments_at_every_world_size(world, step, grou
             model.kernel_ms(8, 4096, 2048, group_size=group_size)
     with pytest.raises(TypeError, match=r"^shape must be a StepShape, got dict"):
         model.predict_step({"heads": 64}, "headtp")
+
+
+def test_calibrate_cpu_flag_measures_on_the_cpu_where_there_is_a_gpu(monkeypatch) -> None:
+    """``--cpu`` means the CPU, also on a GPU machine: its table is named ``cpu`` and its ranks use gloo."""
+    from shardattn.calibrate.merge import measure_device, this_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert measure_device(cpu=False) == torch.device("cuda", 0)
+    assert measure_device(cpu=True) == torch.device("cpu")
+    assert this_gpu(measure_device(cpu=True)) == "cpu"

@@ -3,7 +3,8 @@
 It measures GPU kernels and collectives, one rank per GPU (``torchrun --nproc-per-node N -m
 shardattn.calibrate``); on a machine without CUDA it refuses (exit status 2) unless ``--cpu``
 asks to time the CPU reference anyway (a table no Runtime routes by: a CPU Runtime routes by
-the ShardQ gate alone; for testing the tool at small ``--heads`` / ``--tokens``). Rank 0 shows
+the ShardQ gate alone; for testing the tool at small ``--heads`` / ``--tokens``). ``--cpu``
+measures on the CPU, over gloo, on a machine with GPUs too. Rank 0 shows
 its progress with the time left, as a bar on a terminal and as lines elsewhere.
 """
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from shardattn._paths import unwritable_reason
 from shardattn.calibrate.fit import degenerate_fit, fit_step_overhead
 from shardattn.calibrate.kernels import collective_rates, kernel_jobs, measure_kernel_points, median_points
-from shardattn.calibrate.merge import merge_kernel_points, this_gpu
+from shardattn.calibrate.merge import measure_device, merge_kernel_points, this_gpu
 from shardattn.calibrate.network import multi_node_rates
 from shardattn.calibrate.steps import MIN_SHARD_TOKENS, measure_paths, with_heads
 from shardattn.calibrate.timing import copy_gbps
@@ -107,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cpu",
         action="store_true",
-        help="measure on the CPU anyway (the torch reference: slow, and by default a CPU Runtime routes by "
-        "the ShardQ gate alone; for testing the tool at small --heads / --tokens)",
+        help="measure on the CPU, also where there is a GPU (the torch reference: slow, and by default a CPU "
+        "Runtime routes by the ShardQ gate alone; for testing the tool at small --heads / --tokens)",
     )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="log messages shown (default warning)")
     p.add_argument(
@@ -125,7 +126,7 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
     """Measure on this rank; returns the table on rank 0 (``None`` elsewhere)."""
     rank = dist.get_rank(group) if group is not None else 0
     world = dist.get_world_size(group) if group is not None else 1
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = measure_device(args.cpu)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     jobs = kernel_jobs(args.heads, args.tokens, all_groups=args.all_groups)
     mine = jobs[rank::world]
@@ -182,7 +183,7 @@ def calibrate(args: argparse.Namespace, group: dist.ProcessGroup | None) -> Cali
             if p.group_size > 1:
                 ratios.setdefault(p.group_size, []).append(p.union_ratio)
         cal = Calibration(
-            gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            gpu=this_gpu(device),
             kernels=tuple(sorted(points, key=lambda p: (p.group_size, p.heads, p.tokens))),
             collectives=tuple(colls) or CONSERVATIVE.collectives,
             copy_gbps=round(copy, 1),
@@ -293,7 +294,7 @@ def check_options(args: argparse.Namespace) -> None:
         raise BadOption(
             f"shardattn.calibrate: error: --merge-into {args.merge_into}: no table readable there ({e})"
         ) from None
-    if not same_gpu(table.gpu, here := this_gpu()):
+    if not same_gpu(table.gpu, here := this_gpu(measure_device(args.cpu))):
         raise BadOption(
             f"shardattn.calibrate: error: --merge-into {args.merge_into}: the table is for {table.gpu!r}, this GPU "
             f"is {here!r} (merge on the machine the table was measured on)"
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.host_id = DistEnv.from_env().host_id  # torchrun's agent: one node each
 
-        run_ranks(_Entry(args))
+        run_ranks(_Entry(args), cpu=args.cpu)
     else:
         _main(None, args)
     return 0

@@ -8,7 +8,7 @@ import torch
 
 from shardattn.plan.calibration import Calibration, KernelPoint, same_gpu
 
-__all__ = ["merge_kernel_points", "this_gpu"]
+__all__ = ["measure_device", "merge_kernel_points", "this_gpu"]
 
 _REMEASURED = "; kernel points re-measured: "
 
@@ -39,6 +39,13 @@ def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
     return merged
 
 
-def this_gpu() -> str:
-    """The name a table measured here records (``"cpu"`` without CUDA)."""
-    return torch.cuda.get_device_name(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+def measure_device(cpu: bool) -> torch.device:
+    """Where ``calibrate`` measures: this rank's GPU, the CPU without CUDA or with ``--cpu``."""
+    if cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def this_gpu(device: torch.device) -> str:
+    """The name a table measured on ``device`` records (``"cpu"`` for the CPU)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

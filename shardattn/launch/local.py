@@ -23,8 +23,8 @@ from shardattn.testing.pool import free_port
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def _join(rank: int, world_size: int, init_method: str | None, timeout_s: float) -> str:
-    nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+def _join(rank: int, world_size: int, init_method: str | None, timeout_s: float, cpu: bool = False) -> str:
+    nccl = not cpu and torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     if nccl:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     backend = "nccl" if nccl else "gloo"
@@ -39,8 +39,10 @@ def _join(rank: int, world_size: int, init_method: str | None, timeout_s: float)
     return backend
 
 
-def _spawned(rank: int, main: Callable[[dist.ProcessGroup], None], world_size: int, port: int, timeout_s: float):
-    _join(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s)
+def _spawned(
+    rank: int, main: Callable[[dist.ProcessGroup], None], world_size: int, port: int, timeout_s: float, cpu: bool
+):
+    _join(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s, cpu)
     try:
         main(world_group())
     finally:
@@ -48,7 +50,11 @@ def _spawned(rank: int, main: Callable[[dist.ProcessGroup], None], world_size: i
 
 
 def run_ranks(
-    main: Callable[[dist.ProcessGroup], None], *, world_size: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S
+    main: Callable[[dist.ProcessGroup], None],
+    *,
+    world_size: int = 2,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    cpu: bool = False,
 ) -> None:
     """Run ``main(group)`` on every rank (torchrun's world, else ``world_size`` spawned ranks).
 
@@ -56,12 +62,13 @@ def run_ranks(
         main: a module-level function taking the world's ProcessGroup.
         world_size: ranks to spawn when not under torchrun.
         timeout_s: collective timeout; a rank whose peer died fails after it instead of hanging.
+        cpu: gloo ranks even where there are GPUs enough for NCCL.
     """
     if "RANK" in os.environ:  # under torchrun
-        _join(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, timeout_s)
+        _join(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, timeout_s, cpu)
         try:
             main(world_group())
         finally:
             destroy_groups()
         return
-    mp.spawn(_spawned, args=(main, world_size, free_port(), timeout_s), nprocs=world_size)
+    mp.spawn(_spawned, args=(main, world_size, free_port(), timeout_s, cpu), nprocs=world_size)
