@@ -121,7 +121,7 @@ CPU = torch.device("cpu")
         (["--calibration", "/nonexistent/t.json"], 2, r"--calibration /nonexistent/t.json: no such file"),
         (["--calibration", "/"], 2, r"--calibration /: not a calibration table"),
         (["--preset", "gqa-64-8", "--compare"], 2, r"--compare sets sparse-MLA prefill steps side by side; gqa-64-8"),
-        (["--heads", "1048576", "--mode", "dcp-decode"], 2, r"GiB are free on this cpu .*; ask for fewer --heads"),
+        (["--heads", "67108864", "--mode", "dcp-decode"], 2, r"GiB are free on this cpu .*; ask for fewer --heads"),
     ],
     ids=[
         "heads-3",
