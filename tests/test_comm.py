@@ -270,3 +270,28 @@ def test_exchange_on_a_sub_group_names_peers_by_their_global_rank(dist_pool) -> 
     part of group")."""
     results = dist_pool.run(_exchange_on_sub_group, world_size=4)
     assert results == [None, [30.0, 10.0], None, [10.0, 30.0]]
+
+
+def test_settle_raises_the_ranks_own_error_where_its_gather_fails_too(caplog) -> None:
+    """A rank that failed and then cannot reach its peers (their process died) raises its own
+    error, not the gather's; the gather's failure is logged."""
+    from shardattn.parallel.agreement import settle
+
+    reported: list[BaseException] = []
+
+    class DeadPeers:
+        rank, world_size = 0, 2
+
+        def report_failure(self, error: BaseException) -> None:
+            reported.append(error)
+
+        def gather_ints(self, values: list[int]) -> list[list[int]]:
+            raise RuntimeError("Connection reset by peer")
+
+    own = ValueError("kv: bad rows")
+    with caplog.at_level("WARNING", logger="shardattn.parallel.agreement"), pytest.raises(ValueError) as info:
+        settle(DeadPeers(), "Runtime construction", [1, 2], error=own)  # type: ignore[arg-type]
+    assert info.value is own and reported == [own]
+    assert "Connection reset by peer" in caplog.text
+    with pytest.raises(RuntimeError, match="Connection reset"):  # no error of its own: the gather's
+        settle(DeadPeers(), "Runtime construction", [1, 2])  # type: ignore[arg-type]

@@ -5,9 +5,9 @@ Every rank of the pool builds its Runtime on a fresh gloo group whose collective
 raises mid-step (after the step's agreement) or a ``KeyboardInterrupt`` there, a rank that never
 arrives, at a step or at construction. The others must raise: at once where the step's agreement
 carries the failure (``check=True``), else within the group's timeout plus the failure-report
-grace, naming rank 1 and, where it raised an ``Exception``, its exception. After a failure that
-the agreement caught the group stays in step (the next step gives the same bits); after one mid-step
-it is unusable, and a step retried on it raises on every rank in time rather than hang.
+grace, naming rank 1 and its exception. After a failure that the agreement caught the group stays
+in step (the next step gives the same bits); after one mid-step it is unusable, and a step retried
+on it raises on every rank in time rather than hang.
 """
 
 from __future__ import annotations
@@ -273,16 +273,17 @@ def _interrupted(group: dist.ProcessGroup) -> dict:
 
 @pytest.mark.distributed
 def test_a_keyboard_interrupt_mid_step_makes_the_peers_raise_in_time(dist_pool, nproc: int) -> None:
-    """A ``BaseException`` that is no ``Exception`` propagates unreported (as at construction): the
-    peers name rank 1 among the silent ranks once their collective timed out."""
+    """A ``KeyboardInterrupt`` leaves its rank at once, reported to the group's store on the way
+    (as at construction): the peers name rank 1 and the interrupt once their collective timed out."""
     _needs_ranks(nproc)
     results = dist_pool.run(_interrupted)
     assert results[1]["step"]["kind"] == "KeyboardInterrupt", results[1]
     for rank, seen in enumerate(results):
         if rank != 1:
             step = seen["step"]
-            assert step["kind"] == PeerFailedError.__name__ and 1 in step["silent"], (rank, seen)
-            assert step["raised"] == {} and step["s"] < LATE_S, (rank, seen)
+            assert step["kind"] == PeerFailedError.__name__, (rank, seen)
+            assert step["raised"] == {1: "KeyboardInterrupt: injected"} and step["s"] < LATE_S, (rank, seen)
+            assert f"rank 1 of {nproc} raised KeyboardInterrupt: injected" in step["msg"], (rank, seen)
 
 
 # -- a rank that never arrives ----------------------------------------------------------------------
@@ -349,8 +350,8 @@ def test_a_failed_construction_on_one_rank(dist_pool, nproc: int, fault: str) ->
         if fault == "host-id":  # carried by the host exchange's gather: at once, with the error
             want = f"Runtime construction on rank {rank} failed because rank 1 of {nproc} raised TypeError: host_id"
             assert build["msg"].startswith(want) and build["s"] < FAST_S, (rank, seen)
-        else:  # unreported: named silent at the timeout
-            assert 1 in build["silent"] and build["s"] < LATE_S, (rank, seen)
+        else:  # not carried by the gather (rank 1 left at once): named from its report at the timeout
+            assert build["raised"] == {1: "KeyboardInterrupt: injected"} and build["s"] < LATE_S, (rank, seen)
     if fault == "host-id":  # every rank left the failed construction in step: the next Runtime works
         assert all(seen["step"]["kind"] == "ok" for seen in results), results
 

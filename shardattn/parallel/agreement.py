@@ -18,6 +18,7 @@ them in the next collective until the group's timeout.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -26,6 +27,8 @@ from shardattn.parallel.peer_failures import name_raised_peers
 
 if TYPE_CHECKING:
     from shardattn.parallel.comm import Comm
+
+log = logging.getLogger(__name__)
 
 __all__ = ["agree_on", "check_agreement", "dissenters", "settle", "stable_fingerprint", "to_int64"]
 
@@ -152,14 +155,21 @@ def settle(comm: Comm, what: str, values: Sequence[int] = (), *, error: Exceptio
     Returns:
         ``W`` lists of the ranks' ``values``, ranks in order (where no rank failed).
     Raises:
-        the given ``error`` on its rank; :class:`~shardattn.errors.PeerFailedError` on the others,
-        naming every rank that failed and its exception (``"<what> on rank 0 failed because rank 1
-        of 2 raised ValueError: ..."``).
+        the given ``error`` on its rank (also where the gather itself fails: this rank's own error
+        is what it reports, the gather's failure is logged); :class:`~shardattn.errors.PeerFailedError`
+        on the others, naming every rank that failed and its exception (``"<what> on rank 0 failed
+        because rank 1 of 2 raised ValueError: ..."``).
     """
     if error is not None:
         comm.report_failure(error)  # before the gather: a peer that sees the flag finds the report
         values = [0] * len(values)
-    rows = comm.gather_ints([1 if error is not None else 0, *values])
+    try:
+        rows = comm.gather_ints([1 if error is not None else 0, *values])
+    except Exception as gather_error:
+        if error is None:
+            raise
+        log.warning("%s on rank %d: the gather that tells its peers failed too: %s", what, comm.rank, gather_error)
+        raise error from None
     if error is not None:
         raise error
     failed = [r for r, row in enumerate(rows) if row[0]]

@@ -221,7 +221,8 @@ def name_raised_peers(
 
 class ReportingFailures:
     """:meth:`~shardattn.parallel.comm.Comm.reporting_failures`: reports an exception (other than a
-    peer's failure) to the peers on the way out (``comm.report_failure``), then lets it propagate."""
+    peer's failure; a ``KeyboardInterrupt`` or ``SystemExit`` too) to the peers on the way out
+    (``comm.report_failure``, one store write), then lets it propagate."""
 
     __slots__ = ("_comm",)
 
@@ -232,6 +233,6 @@ class ReportingFailures:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> Literal[False]:
-        if error is not None and isinstance(error, Exception) and not isinstance(error, PeerFailedError):
+        if error is not None and not isinstance(error, (PeerFailedError, GeneratorExit)):
             self._comm.report_failure(error)
         return False  # re-raise

@@ -173,13 +173,16 @@ class Runtime(RuntimeSteps, RuntimePlanning, RuntimeGraphs, RuntimeWarmup):
         # on this rank: a rank that failed raises its error, its peers a PeerFailedError naming it,
         # at once (parallel.agreement.settle), rather than wait for it in a later collective
         args = (spec, mode, max_batched_tokens, max_decode_tokens, device, scale, topk, prefill_options, decode_options)
-        error = _raised(self._configure, *args, warmup, kv_dtype)
-        # the first: the hosts, and the spec and mode every rank must share (ranks given different
-        # ones all raise here, before any step)
-        agree = (("Runtime spec", None if error else self.spec), ("Runtime mode", None if error else self.mode))
-        self.nodes = exchange_node_layout(build, host_id, agree=agree, error=error, what=_CONSTRUCTION)
-        # the second: the workspace is reserved and the kernels warmed up on every rank, or it raises on every rank
-        settle(build, _CONSTRUCTION, error=_raised(self._reserve, warmup))
+        # a KeyboardInterrupt is not carried by the gathers (the rank leaves at once): it is reported
+        # to the group's store, and the peers name it when their gather times out
+        with build.reporting_failures():
+            error = _raised(self._configure, *args, warmup, kv_dtype)
+            # the first: the hosts, and the spec and mode every rank must share (ranks given different
+            # ones all raise here, before any step)
+            agree = (("Runtime spec", None if error else self.spec), ("Runtime mode", None if error else self.mode))
+            self.nodes = exchange_node_layout(build, host_id, agree=agree, error=error, what=_CONSTRUCTION)
+            # the second: the workspace is reserved and the kernels warmed up on every rank, or it raises on every rank
+            settle(build, _CONSTRUCTION, error=_raised(self._reserve, warmup))
         log.debug("%r: steps %s", self, sorted(self.ws.step_bounds))
 
     def _configure(
