@@ -1,5 +1,6 @@
-"""A Ray pool whose restart fails (a rank's build raises): the pool stays broken, and the restart
-that then succeeds still returns every request whose KV state was lost. One Ray instance per module."""
+"""A Ray pool whose restart fails (a rank's build raises, or the driver's side of it): the pool stays
+broken, and the restart that then succeeds still returns every request whose KV state was lost. One
+Ray instance per module."""
 
 from __future__ import annotations
 
@@ -33,3 +34,34 @@ def test_a_failed_restart_keeps_the_lost_requests_for_the_next_one(ray_instance)
         base._check(pool.prefill(reqs, return_lse=True), reqs, mirror)
         reqs = [mirror.decode_request("a")]
         base._check(pool.decode(reqs, return_lse=True), reqs, mirror)
+
+
+@base.needs_ray
+def test_a_restart_that_fails_on_the_driver_breaks_the_pool(ray_instance, monkeypatch) -> None:
+    """A restart whose driver side raises (here: the decode transport refuses to start) after the
+    ranks were rebuilt: the pool is broken (no step runs on the half-made ranks), and the next
+    restart still returns the lost requests."""
+    from shardattn.serving import RankFailedError
+    from shardattn.serving import pool as pool_module
+    from shardattn.testing.serving import ServingMirror
+
+    with base._pool(2, base.MLA, max_requests=4, max_seq_len=48, num_pages=16) as pool:
+        mirror = ServingMirror(base.MLA, seed=33)
+        pool.prefill([mirror.prefill_request("a", 9, attend=False)])
+        start = pool_module.start_decode_transport
+
+        def refuse(*args, **kwargs):
+            raise OSError("no shared memory left")
+
+        monkeypatch.setattr(pool_module, "start_decode_transport", refuse)
+        with pytest.raises(OSError, match="no shared memory left"):
+            pool.restart()
+        health = pool.health()
+        assert health["state"] == "broken" and "OSError: no shared memory left" in health["error"], health
+        with pytest.raises(RankFailedError, match="the restart failed on the driver"):
+            pool.decode([mirror.decode_request("a")])
+        monkeypatch.setattr(pool_module, "start_decode_transport", start)
+        assert pool.restart() == ["a"]
+        mirror = ServingMirror(base.MLA, seed=34)
+        reqs = [mirror.prefill_request("a", 7)]
+        base._check(pool.prefill(reqs, return_lse=True), reqs, mirror)

@@ -315,7 +315,12 @@ class RayRankPool(RequestSteps):
             self._actors = []
             lost = self.book.request_ids if self.spec is not None else []
             self._broken = None
-            self._form()  # a failure breaks the pool: the ledger keeps the requests for the next restart
+            try:  # a failure breaks the pool: the ledger keeps the requests for the next restart
+                self._form()
+            except BaseException as e:
+                if self._broken is None:  # the driver's own error (not a rank's): the pool is no more usable
+                    self._fail(0, f"the restart failed on the driver ({type(e).__name__}: {e})", "restart", probe=False)
+                raise
             if self.spec is not None:
                 self.book.reset()
             return lost
