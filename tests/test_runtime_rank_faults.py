@@ -177,6 +177,30 @@ def test_a_bad_plan_argument_without_check_is_named_by_the_waiting_peers(dist_po
             _assert_named(first, "ValueError: pass either plan or query_lens", (rank, seen))
 
 
+def _bad_check_flag(group: dist.ProcessGroup, mode: str) -> dict:
+    """Rank 1 passes ``check="yes"`` (not a bool); its peers run the step with the default check."""
+    short = short_timeout_group(group, TIMEOUT_S)
+    rt = _runtime(short, mode)
+    extra = {"check": "yes"} if rt.rank == 1 else {}
+    return _done(group, short, {"step": _outcome(_step(rt, mode, **extra))})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["shardq", "dcp-decode"])
+def test_a_check_flag_that_is_no_bool_on_one_rank_is_named_by_its_peers(dist_pool, nproc: int, mode: str) -> None:
+    """The flag decides whether the agreement runs, so it cannot carry the error: rank 1 raises at
+    once and reports it; its peers name it with its error when their collective times out (before:
+    named as silent, no error)."""
+    _needs_ranks(nproc)
+    for rank, seen in enumerate(dist_pool.run(_bad_check_flag, mode)):
+        step = seen["step"]
+        if rank == 1:
+            assert step["kind"] == "TypeError" and step["s"] < FAST_S, (rank, seen)
+            assert step["msg"].startswith("check must be a bool"), (rank, seen)
+        else:
+            _assert_named(step, "TypeError: check must be a bool", (rank, seen))
+
+
 # -- a kernel that raises on one rank mid-step ------------------------------------------------------
 def _mid_step(group: dist.ProcessGroup, mode: str, then: str) -> dict:
     """Rank 1's kernel raises after the step's agreement; then rank 1 goes on at once: it retries the

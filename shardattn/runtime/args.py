@@ -30,6 +30,7 @@ import torch
 from shardattn._checks import (
     FLOAT_DTYPES,
     check_block_table_holds,
+    check_bool,
     check_cu_q_lens,
     check_int,
     check_max_q_len,
@@ -48,6 +49,7 @@ __all__ = [
     "check_plan_lengths",
     "check_queries",
     "check_sinks_declared",
+    "check_step_flag",
     "check_table_on_host",
     "host_lengths",
     "prefill_lengths",
@@ -349,6 +351,17 @@ def check_paged_rows(name: str, cache: torch.Tensor, page_size: int) -> None:
             f"{name} must hold pages of {page_size} tokens (the model's page_size, which its block_table's pages "
             f"follow; a ModelSpec with page_size={cache.shape[1]} reads this cache), got shape {list(cache.shape)}"
         )
+
+
+def check_step_flag(comm: Comm, check: object, *, collective: bool) -> None:
+    """A step's ``check`` must be a bool: else ``TypeError``, reported to the peers through the group's
+    store (:func:`reject` without the agreement: the flag decides whether the agreement runs, so a
+    rank whose flag is bad cannot know whether its peers are in it or in the step's first collective).
+    """
+    try:
+        check_bool("check", check)
+    except TypeError as e:
+        reject(comm, e, collective=collective, check=False)
 
 
 def reject(comm: Comm, error: BaseException, *, collective: bool, check: bool) -> NoReturn:

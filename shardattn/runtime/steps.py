@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from shardattn._checks import check_bool
 from shardattn.ops.kv_fp8 import resolve_kv
 from shardattn.plan.decode_batch import DecodeBatch
 from shardattn.plan.routing import Route
+from shardattn.runtime.args import check_step_flag
 from shardattn.runtime.decode import DecodeStep
 from shardattn.runtime.gqa_prefill import GQAInputs, run_gqa_prefill_step
 from shardattn.runtime.prefill import PrefillPlan, run_prefill_step, shardq_buffers, workspace_prefill_attention
@@ -139,7 +139,7 @@ class RuntimeSteps(RuntimeState):
             ValueError / TypeError: naming the argument (on every rank of a step with collectives
                 when ``check``); WorkspaceExceededError: the step is larger than the workspace.
         """
-        check_bool("check", check)  # before any collective: a rank's bad flag must not split the ranks
+        check_step_flag(self.comm, check, collective=self._prefill_agrees)  # before any collective
         plan, given = self._prefill_inputs(
             q, kv_cache, rows, topk_pos=topk_pos, kv_new=kv_new, block_table=block_table, query_lens=query_lens,
             prefix_lens=prefix_lens, seq_lens=seq_lens, plan=plan, topk_length=topk_length, check=check,
@@ -287,7 +287,7 @@ class RuntimeSteps(RuntimeState):
         Raises:
             ValueError / TypeError: naming the argument (on every rank under DCP when ``check``).
         """
-        check_bool("check", check)
+        check_step_flag(self.comm, check, collective=self.decode_is_dcp)  # before any collective
         return self.decode_step(
             q, kv_cache, block_table, seq_lens, topk_pos=topk_pos, req_ids=req_ids, topk_length=topk_length,
             topk_unique=topk_unique, q_len_per_req=q_len_per_req, cu_q_lens=cu_q_lens, max_q_len=max_q_len,
