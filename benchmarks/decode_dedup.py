@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_inputs import build_caches, distinct_rows  # beside this script
 from decode_packed import time_us
-from records import add_json_argument, environment, print_table, record, write_json
+from records import add_device_argument, add_json_argument, environment, lacks_gpu, print_table, record, write_json
 
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.union import build_union
@@ -47,15 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--topk", type=int, nargs="+", default=[2048, 512])
     ap.add_argument("--kv-dtype", nargs="+", choices=("bf16", "fp8_ds_mla"), default=["bf16", "fp8_ds_mla"])
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    add_device_argument(ap)
     add_json_argument(ap)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("needs a CUDA GPU (or --device cpu for a dry run)", file=sys.stderr)
+    if lacks_gpu(args.device):
         return 2
     if min(args.topk) < 2 or 2 * max(args.topk) > min(args.cache_rows):
         print("--topk must be >= 2 and at most half of every --cache-rows", file=sys.stderr)

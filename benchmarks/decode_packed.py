@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_inputs import build_caches  # beside this script
 from graph_timing import replay_us
-from records import add_json_argument, environment, print_table, record, write_json
+from records import add_device_argument, add_json_argument, environment, lacks_gpu, print_table, record, write_json
 
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import DcpShard, convert_topk
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-dtype", nargs="+", choices=("bf16", "fp8_ds_mla"), default=["bf16", "fp8_ds_mla"])
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--cache-rows", type=int, default=262144)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    add_device_argument(ap)
     add_json_argument(ap)
     return ap
 
@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cache_rows <= 0 or args.cache_rows % PAGE:
         print(f"--cache-rows must be a positive multiple of {PAGE}, got {args.cache_rows}", file=sys.stderr)
         return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("needs a CUDA GPU (or --device cpu for a dry run)", file=sys.stderr)
+    if lacks_gpu(args.device):
         return 2
     if args.topk <= 0 or 4 * args.topk > (args.cache_rows // PAGE) * PAGE:
         print(f"--topk must be positive and at most a quarter of --cache-rows, got {args.topk}", file=sys.stderr)

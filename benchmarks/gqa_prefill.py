@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_pool import add_pool_argument, place_pages, pool_config, pool_pages
-from records import add_json_argument, environment, print_table, record, write_json
+from records import add_device_argument, add_json_argument, environment, lacks_gpu, print_table, record, write_json
 
 from shardattn.kernels import fa4
 from shardattn.ops.gqa_prefill import gqa_prefill, gqa_prefill_route
@@ -274,8 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 8], help="head-TP sizes whose rank shapes are timed")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: a dry run on tiny shapes (torch reference, no FA4)")  # fmt: skip
+    add_device_argument(ap, help="cpu: a dry run on tiny shapes (torch reference, no FA4)")
     add_pool_argument(ap, "the cached-prefix cases' pages")
     add_json_argument(ap)
     return ap
@@ -292,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA GPU: pass --device cpu for a dry run", file=sys.stderr)
+    if lacks_gpu(args.device):
         return 2
     env = environment(device=args.device)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -286,3 +286,18 @@ def add_json_argument(parser: Any) -> None:
     """``--json PATH``: where a benchmark writes its records."""
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="write the records (benchmarks/records.py format) here")  # fmt: skip
+
+
+def add_device_argument(parser: Any, help: str = "cpu: a dry run of the same code at tiny shapes") -> None:
+    """``--device cuda|cpu`` (default ``cuda``): where a benchmark runs."""
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=help)
+
+
+def lacks_gpu(device: str) -> bool:
+    """Whether ``--device cuda`` was asked for on a machine without CUDA (said on stderr, in one line)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --device cpu for a dry run)", file=sys.stderr)
+        return True
+    return False

@@ -65,7 +65,7 @@ from prefill_inputs import (
     timed,
     union_buffers,
 )
-from records import add_json_argument, environment, print_table, record, write_json
+from records import add_device_argument, add_json_argument, environment, lacks_gpu, print_table, record, write_json
 
 from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
 from shardattn.kernels.union_layout import MAX_PACKED_ROWS
@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=20, help="timed runs per path (median)")
     ap.add_argument("--peer-lib", default=None, help="FlashMLA's sparse prefill, built by benchmarks/peer/")
     ap.add_argument("--sustain", type=float, default=0.0, help="seconds back to back, then a second pass")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    add_device_argument(ap)
     ap.add_argument(
         "--kv-dtype",
         choices=("bf16", "fp8_ds_mla"),
@@ -256,8 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: pass --device cpu for a dry run", file=sys.stderr)
+    if lacks_gpu(args.device):
         return 2
     if args.peer_lib and args.device != "cuda":
         print("--peer-lib needs --device cuda", file=sys.stderr)

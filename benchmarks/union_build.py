@@ -46,7 +46,7 @@ from prefill_inputs import (
     timed,
     union_buffers,
 )
-from records import add_json_argument, environment, print_table, record, write_json
+from records import add_device_argument, add_json_argument, environment, lacks_gpu, print_table, record, write_json
 
 from shardattn.ops.prepared_union import PreparedUnion
 from shardattn.ops.sparse_mla import sparse_mla_reference
@@ -132,15 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pool-rows", type=int, default=None, help="KV cache rows the request's blocks come from")
     ap.add_argument("--no-dedup", action="store_true", help="skip the per-query (G = 1) de-duplication cases")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    add_device_argument(ap)
     add_json_argument(ap)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: pass --device cpu for a dry run", file=sys.stderr)
+    if lacks_gpu(args.device):
         return 2
     bad = [h for h in args.heads if tile_group_size(h) == 1]
     if bad:
