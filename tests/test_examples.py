@@ -21,7 +21,7 @@ from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NAMES = ["shardq_prefill", "dcp_decode", "gqa_spec_decode"]
-RAY_NAMES = ["ray_service"]  # run by tests/test_ray_pool.py, on that module's Ray instance
+RAY_NAMES = ["ray_service"]  # run by tests/test_ray_pool_fp64.py, on that module's Ray instance
 
 
 def _sparse_mla_reference(q, kv, rows, *, scale, v_dim, **kw):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from shardattn.runtime.options import DecodeOptions
-from tests import test_ray_pool as base
+from tests import ray_pool_helpers as helpers
 
-ray_instance = base.ray_instance  # the module's Ray (a fixture)
+ray_instance = helpers.ray_instance  # the module's Ray (a fixture)
 
 
 def _wide(mirror, req, rng):
@@ -38,14 +38,14 @@ def _poison(mirror, pool, rid, n):
     mirror.free(rid)
 
 
-@base.needs_ray
+@helpers.needs_ray
 @pytest.mark.parametrize(
     "world,spec,mode,interleave,transport",
     [
-        (2, base.MLA, "mixed", 1, "shm"),
-        (2, base.MLA, "pcp", 2, "calls"),
-        (2, base.GQA, "dcp-decode", 1, "shm"),
-        (2, base.GQA, "headtp", 1, "compiled"),
+        (2, helpers.MLA, "mixed", 1, "shm"),
+        (2, helpers.MLA, "pcp", 2, "calls"),
+        (2, helpers.GQA, "dcp-decode", 1, "shm"),
+        (2, helpers.GQA, "headtp", 1, "compiled"),
     ],
     ids=["mla-mixed-shm", "mla-pcp-calls", "gqa-dcp-shm", "gqa-headtp-compiled"],
 )
@@ -54,7 +54,7 @@ def test_churn_equals_fp64_attention(ray_instance, world, spec, mode, interleave
 
     runtime = {"decode_options": DecodeOptions(dcp_interleave=interleave)}
     kw = {"max_requests": 3, "max_seq_len": 40, "transport": transport, "runtime_kwargs": runtime}
-    with base._pool(world, spec, mode=mode, **kw) as pool:
+    with helpers.pool(world, spec, mode=mode, **kw) as pool:
         mirror = ServingMirror(spec, seed=21)
         rng = random.Random(5)
         attend = pool.shapes.prefill_attention
@@ -82,7 +82,7 @@ def test_churn_equals_fp64_attention(ray_instance, world, spec, mode, interleave
                 stats["prefill"] += 1
                 outs = pool.prefill(reqs, return_lse=attend)
                 if attend:
-                    base._check(outs, reqs, mirror)
+                    helpers.check(outs, reqs, mirror)
                 live.append(rid)
                 continue
             ids = [r for r in live if pool.book.seq_len(r) + 2 <= 40]
@@ -97,7 +97,7 @@ def test_churn_equals_fp64_attention(ray_instance, world, spec, mode, interleave
                 if not reqs:
                     continue
             if rng.random() < 0.5:
-                base._check(pool.decode(reqs, return_lse=True), reqs, mirror)
+                helpers.check(pool.decode(reqs, return_lse=True), reqs, mirror)
             else:
                 lens = [int(r.q.shape[0]) for r in reqs]
                 kv = None
@@ -111,6 +111,6 @@ def test_churn_equals_fp64_attention(ray_instance, world, spec, mode, interleave
                 out, lse = pool.decode_batch(
                     [r.id for r in reqs], torch.cat([r.q for r in reqs]), topk, query_lens=lens, kv=kv, return_lse=True
                 )
-                base._check(list(zip(out.split(lens), lse.split(lens))), reqs, mirror)
+                helpers.check(list(zip(out.split(lens), lse.split(lens))), reqs, mirror)
         assert pool.health()["state"] == "healthy"
         assert min(stats.values()) >= 3, stats

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardattn.plan.spec import ModelSpec
-from tests import test_ray_pool as base
+from tests import ray_pool_helpers as helpers
 
 GQA_BF16 = ModelSpec("gqa", 8, 2, 64, 64, 0, 16, has_sinks=True, dtype="bfloat16")
 ATOL = 3e-2  # bf16 inputs and outputs against fp64 over the same inputs
@@ -17,8 +17,8 @@ ATOL = 3e-2  # bf16 inputs and outputs against fp64 over the same inputs
 
 @pytest.fixture(scope="module")
 def ray_gpu():
-    if base.REASON is not None:
-        pytest.skip(base.REASON)
+    if helpers.REASON is not None:
+        pytest.skip(helpers.REASON)
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import ray
@@ -38,7 +38,7 @@ def _close(outs: list, requests: list, mirror) -> None:
         assert (lse.double() - ref_lse).abs().max().item() <= ATOL
 
 
-@base.needs_ray
+@helpers.needs_ray
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["headtp", "mixed", "pcp"])
 def test_a_one_rank_gqa_pool_on_the_gpu_equals_fp64_attention(ray_gpu, mode: str) -> None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import test_ray_pool as base
+from tests import ray_pool_helpers as helpers
 
-ray_instance = base.ray_instance  # the module's Ray (a fixture)
+ray_instance = helpers.ray_instance  # the module's Ray (a fixture)
 
 
-@base.needs_ray
+@helpers.needs_ray
 def test_an_interrupt_while_ranks_run_a_shm_step_breaks_the_pool_until_restart(
     ray_instance, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -21,9 +21,9 @@ def test_an_interrupt_while_ranks_run_a_shm_step_breaks_the_pool_until_restart(
     from shardattn.serving.shm_steps import ShmSteps
     from shardattn.testing.serving import ServingMirror
 
-    with base._pool(2, base.MLA, max_requests=4, max_seq_len=48, num_pages=16) as pool:
+    with helpers.pool(2, helpers.MLA, max_requests=4, max_seq_len=48, num_pages=16) as pool:
         assert pool.transport == "shm"
-        mirror = ServingMirror(base.MLA, seed=21)
+        mirror = ServingMirror(helpers.MLA, seed=21)
         pool.prefill([mirror.prefill_request(i, n, attend=False) for i, n in ((1, 9), (2, 13))])
         reqs = [mirror.decode_request(i, append=False) for i in (1, 2)]
         q = torch.cat([r.q for r in reqs])
@@ -45,14 +45,14 @@ def test_an_interrupt_while_ranks_run_a_shm_step_breaks_the_pool_until_restart(
         assert again.value is info.value and info.value.operation == "decode"
         assert pool.health()["state"] == "broken" and pool._decoder is None
         assert sorted(pool.restart()) == [1, 2]
-        mirror = ServingMirror(base.MLA, seed=22)
+        mirror = ServingMirror(helpers.MLA, seed=22)
         reqs = [mirror.prefill_request(5, 7, attend=False)]
         pool.prefill(reqs)
         reqs = [mirror.decode_request(5)]
-        base._check(pool.decode(reqs, return_lse=True), reqs, mirror)
+        helpers.check(pool.decode(reqs, return_lse=True), reqs, mirror)
 
 
-@base.needs_ray
+@helpers.needs_ray
 def test_an_interrupted_prefill_leaves_no_unwritten_tokens_and_never_runs_beside_a_step(
     ray_instance, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -66,8 +66,8 @@ def test_an_interrupted_prefill_leaves_no_unwritten_tokens_and_never_runs_beside
     from shardattn.serving import RankFailedError
     from shardattn.testing.serving import ServingMirror
 
-    with base._pool(2, base.MLA, max_requests=4, max_seq_len=48, num_pages=16) as pool:
-        mirror = ServingMirror(base.MLA, seed=23)
+    with helpers.pool(2, helpers.MLA, max_requests=4, max_seq_len=48, num_pages=16) as pool:
+        mirror = ServingMirror(helpers.MLA, seed=23)
         pool.prefill([mirror.prefill_request("a", 9, attend=False)])
         pages = pool.book.free_pages
         with monkeypatch.context() as m:
@@ -78,7 +78,7 @@ def test_an_interrupted_prefill_leaves_no_unwritten_tokens_and_never_runs_beside
         assert not pool.broken
         mirror.requests["a"].kv = [x[:9] for x in mirror.requests["a"].kv]  # the chunk never reached the ranks
         ra = mirror.decode_request("a")
-        base._check(pool.decode([ra], return_lse=True), [ra], mirror)
+        helpers.check(pool.decode([ra], return_lse=True), [ra], mirror)
 
         pool.arm_fault(1, "hang", "prefill")  # rank 1 still runs the next prefill when the driver is interrupted
         with monkeypatch.context() as m:
@@ -90,14 +90,14 @@ def test_an_interrupted_prefill_leaves_no_unwritten_tokens_and_never_runs_beside
             pool.decode([mirror.decode_request("a", append=False)])
         assert info.value.operation == "prefill" and pool.health()["state"] == "broken"
         assert pool.restart() == ["a"]
-        mirror = ServingMirror(base.MLA, seed=24)
+        mirror = ServingMirror(helpers.MLA, seed=24)
         reqs = [mirror.prefill_request("a", 11)]
-        base._check(pool.prefill(reqs, return_lse=True), reqs, mirror)
+        helpers.check(pool.prefill(reqs, return_lse=True), reqs, mirror)
         reqs = [mirror.decode_request("a")]
-        base._check(pool.decode(reqs, return_lse=True), reqs, mirror)
+        helpers.check(pool.decode(reqs, return_lse=True), reqs, mirror)
 
 
-@base.needs_ray
+@helpers.needs_ray
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Ray's graph, its actors killed
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_an_interrupt_while_ranks_run_a_compiled_graph_step_breaks_the_pool(
@@ -112,9 +112,9 @@ def test_an_interrupt_while_ranks_run_a_compiled_graph_step_breaks_the_pool(
     from shardattn.serving import RankFailedError
     from shardattn.testing.serving import ServingMirror
 
-    with base._pool(2, base.MLA, max_requests=4, max_seq_len=48, num_pages=16, transport="compiled") as pool:
+    with helpers.pool(2, helpers.MLA, max_requests=4, max_seq_len=48, num_pages=16, transport="compiled") as pool:
         assert pool.transport == "compiled"
-        mirror = ServingMirror(base.MLA, seed=25)
+        mirror = ServingMirror(helpers.MLA, seed=25)
         pool.prefill([mirror.prefill_request("a", 9, attend=False)])
         pool.arm_fault(1, "hang", "decode")  # rank 1 still runs the step when the driver is interrupted
         get = ray.get
@@ -131,7 +131,7 @@ def test_an_interrupt_while_ranks_run_a_compiled_graph_step_breaks_the_pool(
         with pytest.raises(RankFailedError, match=r"interrupted \(KeyboardInterrupt\) while ranks \[0, 1\] ran"):
             pool.prefill([mirror.prefill_request("b", 3, attend=False)])
         assert pool.health()["state"] == "broken" and pool.restart() == ["a"]
-        mirror = ServingMirror(base.MLA, seed=26)
+        mirror = ServingMirror(helpers.MLA, seed=26)
         pool.prefill([mirror.prefill_request("a", 7, attend=False)])
         reqs = [mirror.decode_request("a")]
-        base._check(pool.decode(reqs, return_lse=True), reqs, mirror)
+        helpers.check(pool.decode(reqs, return_lse=True), reqs, mirror)
