@@ -317,9 +317,7 @@ def check_block_table_holds(
     ValueError: seq_lens[0]=9 needs 9 tokens, but its block_table holds 2 blocks of 4
     """
     b, m = block_table.shape
-    if not block_table.numel():
-        return
-    top = int(block_table.max())
+    top = int(block_table.max()) if block_table.numel() else -1  # a table of no column holds no token
     if kv_rows is not None and (top + 1) * block_size > kv_rows:
         raise ValueError(
             f"block_table points past kv_cache: block {top} needs rows up to {(top + 1) * block_size}, "

@@ -131,7 +131,9 @@ def resolve_kv(
     elif kv.dtype in FLOAT_DTYPES:
         fmt = str(kv.dtype).replace("torch.", "")
     else:
-        raise ValueError(f"{name} must hold KV rows in a float dtype or {KV_FP8_DS_MLA} rows (uint8), got {kv.dtype}")
+        raise ValueError(
+            f"{name} must hold KV rows in float16, bfloat16 or float32, or {KV_FP8_DS_MLA} rows (uint8), got {kv.dtype}"
+        )
     if fmt in DENSE_KV_FORMATS:
         want = getattr(torch, fmt)
         if kv_format is not None and (kv.dtype != want or kv.dim() not in (2, 3)):  # else: the caller's dtype checks

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from shardattn._checks import check_bool, check_int, check_sink_logits, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_bool, check_int, check_sink_logits, check_tensor
 from shardattn.plan.decode_batch import DecodeBatch
 from shardattn.runtime.args import (
     as_index,
@@ -27,6 +27,7 @@ from shardattn.runtime.args import (
     check_plan_lengths,
     check_sinks_declared,
     check_table_on_host,
+    check_token_requests_on_host,
 )
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ def check_decode_inputs(
     """
     dcp = step.dcp
     heads, dim = step.heads_per_rank, step.spec.head_dim
-    t, h, d = check_tensor("q", q, ndim=3).shape
+    t, h, d = check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=3).shape
     if d != dim:
         raise ValueError(f"q must have last dim {dim} (the model's head_dim), got shape {list(q.shape)}")
     if h != heads:
@@ -108,7 +109,7 @@ def check_decode_inputs(
             f"window_left={window_left}: sliding windows are supported by head-TP GQA decode only "
             + ("(under DCP a global window is not a local one; use mode 'headtp')" if dcp else "(sparse MLA)")
         )
-    given_seq_lens, given_cu_q_lens = seq_lens, cu_q_lens  # as passed: host lists move to q's device here
+    given_seq_lens, given_cu_q_lens, given_req_ids = seq_lens, cu_q_lens, req_ids  # as passed: host lists move
     seq_lens = as_index("seq_lens", seq_lens, q.device)
     block_table = as_index("block_table", block_table)
     topk_pos, topk_length = as_index("topk_pos", topk_pos), as_index("topk_length", topk_length)
@@ -140,6 +141,8 @@ def check_decode_inputs(
                 raise ValueError(
                     f"kv_cache must have last dim {dim} (the model's head_dim), got shape {list(passed.shape)}"
                 )
+        if isinstance(block_table, torch.Tensor) and block_table.dim() == 2:  # as passed: a device reads none
+            check_token_requests_on_host(given_seq_lens, given_req_ids, requests=block_table.shape[0])
         if not dcp:  # positions past the table would read no key (the DCP step checks its shard's)
             check_table_on_host(
                 block_table,

@@ -253,7 +253,8 @@ class RuntimeSteps(RuntimeState):
                 planner; global counts under DCP too; a list is fine).
             topk_pos: sparse MLA: ``[T, K]`` int32 top-k positions inside each token's request
                 (``-1`` or out of range = invalid).
-            req_ids: sparse MLA: ``[T]`` int32 request of each query token.
+            req_ids: sparse MLA: ``[T]`` int32 request of each query token (one outside ``[0, B)``
+                is padding: its entries are invalid, its row comes back as ``(0, -inf)``).
             topk_length: sparse MLA: ``[T]`` int32 leading entries of ``topk_pos`` to use, optional.
             topk_unique: sparse MLA: no position appears twice in a row of ``topk_pos`` (an
                 indexer's top-k), so the kernels skip their de-duplication (most of a small step's

@@ -558,6 +558,26 @@ def parallel_rows() -> list[Row]:
             _runtime_step("decode", MLA_SPEC, "mixed", block_table=lambda a: a["block_table"].float()),
             Raises(TypeError, r"^block_table must have dtype"),
         ),
+        (  # its dtype is the one checked first, by name (not through the cache's dtype)
+            "Runtime.decode-q-float64",
+            _runtime_step("decode", MLA_SPEC, "mixed", q=torch.randn(2, 8, 48, dtype=torch.float64)),
+            Raises(TypeError, r"^q must have dtype in \(float16, bfloat16, float32\), got float64"),
+        ),
+        (
+            "Runtime.decode-gqa-q-float64",
+            _runtime_step("decode", GQA_SPEC, "headtp", q=lambda a: a["q"].double()),
+            Raises(TypeError, r"^q must have dtype in \(float16, bfloat16, float32\), got float64"),
+        ),
+        (  # a table of no column holds no token: not a silently empty step
+            "Runtime.decode-dcp-table-without-columns",
+            _runtime_step("decode", MLA_SPEC, "mixed", block_table=torch.empty(2, 0, dtype=torch.int32)),
+            Raises(ValueError, r"^seq_lens\[0\]=10 puts 10 tokens on rank 0, but its block_table holds 0 blocks"),
+        ),
+        (  # both tokens are request 0's, whose seq_lens leaves out its own rows
+            "Runtime.decode-mla-more-tokens-than-keys",
+            _runtime_step("decode", MLA_SPEC, "headtp", seq_lens=[1, 9], req_ids=[0, 0]),
+            Raises(ValueError, r"^requests \[0\] have more queries than keys"),
+        ),
         (
             "Runtime.decode-headtp-every-head",
             _runtime_step("decode", MLA_SPEC, "headtp", q=torch.randn(2, 16, 48)),
