@@ -44,7 +44,8 @@ def test_runner_pads_to_the_nearest_bucket_and_cuts_padding():
     # dirty the buffers first: a larger step, then a smaller one must re-pad every padding row
     runner.eager(4, q=torch.randn(8, 3), block_table=bt.repeat(2, 1)[:4], seq_lens=torch.ones(4, dtype=torch.int32))
     out, lens_out = runner.eager(3, q=q, block_table=bt, seq_lens=lens)
-    assert runner.last_route == (4, "replay: 3 requests padded to the captured batch of 4")
+    assert runner.last_route == (4, "eager: 3 requests padded to the batch of 4")
+    assert runner.route(3) == (4, "eager (not captured): 3 requests padded to the batch of 4")
     got = seen[-1]
     assert torch.equal(got["q"][:6], q) and torch.equal(got["q"][6:], torch.zeros(2, 3))
     assert torch.equal(got["block_table"][3], torch.tensor([-1, -1], dtype=torch.int32))

@@ -19,7 +19,7 @@ from tests.test_launch_e2e import RUN_LIMIT_S, _env
 CASES = {
     "parse": (2, ["--mode", "ring"], "argument --mode: invalid choice: 'ring'"),  # before torch is imported
     "preset": (2, ["--preset", "nope"], "--preset: unknown model preset 'nope'; known presets: deepseek-v32, glm5"),
-    "heads-6-on-4": (4, ["--heads", "6"], "preset glm5 has 6 query heads, which 4 ranks cannot split evenly"),
+    "heads-6-on-4": (4, ["--heads", "6"], "--heads 6 gives 6 query heads, which 4 ranks cannot split evenly"),
     "gqa-shardq": (4, ["--preset", "gqa-64-8", "--mode", "shardq"], "--mode shardq needs a sparse-MLA preset"),
 }
 #: (case, attempt): the races show up after torch is imported, so those cases run twice.

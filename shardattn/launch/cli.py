@@ -220,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--compare",
         action="store_true",
-        help="prefill: run head-TP, ShardQ and the router's choice in one run and print them side by side",
+        help="prefill: run head-TP, ShardQ and the router's choice in one run and print them side by side "
+        "(on the CPU the router row routes by the conservative default cost table: a CPU run routes by the "
+        "ShardQ gate alone otherwise)",
     )
     a(
         "--calibration",

@@ -83,8 +83,9 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
         )
     if spec.num_heads % world_size:
         divisors = [d for d in range(1, spec.num_heads + 1) if spec.num_heads % d == 0]
+        heads = f"--heads {opts.heads} gives" if opts.heads is not None else f"preset {opts.preset} has"
         raise usage_error(
-            f"preset {opts.preset} has {spec.num_heads} query heads, which {world_size} ranks cannot split evenly "
+            f"{heads} {spec.num_heads} query heads, which {world_size} ranks cannot split evenly "
             f"(each rank holds heads / world size); run {', '.join(map(str, divisors[:8]))}"
             f"{' ...' if len(divisors) > 8 else ''} ranks"
         )

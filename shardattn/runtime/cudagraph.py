@@ -209,10 +209,13 @@ class GraphRunner:
 
     def route(self, batch: int) -> tuple[int | None, str]:
         """``(padded size, reason)``: the smallest captured size ``>= batch``, or ``None`` (eager)
-        with the reason when the batch is larger than every captured size."""
+        with the reason when the batch is larger than every captured size. A runner never captured
+        (``capture=False``) pads the same way and runs eagerly, and says so."""
         check_int("batch", batch, minimum=1)
         for b in self.batch_sizes:
             if b >= batch:
+                if not self.graphs:
+                    return b, f"eager (not captured): {batch} requests padded to the batch of {b}"
                 return b, f"replay: {batch} requests padded to the captured batch of {b}"
         return None, f"eager: {batch} requests exceed the largest captured batch ({self.batch_sizes[-1]})"
 
@@ -238,7 +241,8 @@ class GraphRunner:
             want = (self._rows(i, batch), *i.row_shape)
             if tuple(x.shape) != want or x.dtype != i.dtype:
                 raise ValueError(
-                    f"{i.name} must have shape {list(want)} and dtype {i.dtype}, got {list(x.shape)} {x.dtype}"
+                    f"{i.name} must have shape {list(want)} and dtype {i.dtype} (the runner's buffers), "
+                    f"got {list(x.shape)} {x.dtype}"
                 )
             same = x.device.type == self.device.type and self.device.index in (None, x.device.index)
             if x.device.type != "cpu" and not same:
@@ -342,6 +346,8 @@ class GraphRunner:
         """The same step run eagerly on the same padded buffers (the replay's bitwise reference);
         above the largest captured size, on the caller's tensors."""
         padded, why = self.route(batch)
+        if padded is not None:
+            why = f"eager: {batch} requests padded to the batch of {padded}"
         self.last_route = (padded, why)
         if padded is None:
             self._check_inputs(batch, tensors)

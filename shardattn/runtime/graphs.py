@@ -114,6 +114,9 @@ class DecodeGraphs:
             the spec has ``has_sinks`` (else a ``ValueError`` naming ``sinks``).
         capture: capture now (needs CUDA); ``False`` keeps a runner that pads and runs eagerly
             (CPU tests of the host logic).
+
+    Steps take ``q`` in the Runtime's dtype (the spec's ``dtype``; the graphs' buffers hold it): on
+    the CPU, a spec built with ``dtype=torch.float32`` for fp32 queries.
     """
 
     def __init__(
