@@ -93,6 +93,24 @@ def test_check_agreement_names_the_disagreeing_rank_on_every_rank(dist_pool, val
         assert f"test plan: rank(s) {bad} disagree" in msg
 
 
+def _named_agreement(group: dist.ProcessGroup) -> str:
+    """Rank 2 passes another v_dim, rank 1 another q shape too; rank 0 holds the majority's."""
+    from shardattn.parallel.agreement import named_fingerprint
+
+    comm = Comm(group)
+    shape, v_dim = ((4, 8), 512) if comm.rank == 0 else ((4, 8), 256) if comm.rank == 2 else ((5, 8), 512)
+    names = {"q's shape": shape, "v_dim": v_dim, **{f"part {i}": i for i in range(20)}}  # past MAX_PARTS
+    return catch(comm.check_agreement, named_fingerprint("step", names), "test step")[1]
+
+
+@pytest.mark.distributed
+def test_check_agreement_names_the_parts_that_differ(dist_pool) -> None:
+    """A named fingerprint's parts are compared one by one: every rank names the dissenters and
+    the parts on which they differ from the majority's (here none holds a majority: rank 0's wins)."""
+    for msg in dist_pool.run(_named_agreement, world_size=3):
+        assert msg.startswith("test step: rank(s) [1, 2] disagree with rank(s) [0] on q's shape, v_dim ("), msg
+
+
 @pytest.mark.distributed
 def test_check_agreement_spreads_one_ranks_input_error(dist_pool) -> None:
     results = dist_pool.run(_agreement, [1, 1, 1], 1, world_size=3)

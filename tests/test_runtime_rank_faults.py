@@ -201,6 +201,27 @@ def test_a_check_flag_that_is_no_bool_on_one_rank_is_named_by_its_peers(dist_poo
             _assert_named(step, "TypeError: check must be a bool", (rank, seen))
 
 
+def _lengths_differ(group: dist.ProcessGroup) -> dict:
+    """Rank 1 passes the step's query lengths in another order (the same tokens in all)."""
+    short = short_timeout_group(group, TIMEOUT_S)
+    rt = _runtime(short, "shardq")
+    lens = list(_prefill_step().query_lens)
+    extra = {"query_lens": lens[::-1]} if rt.rank == 1 else {}
+    return _done(group, short, {"step": _outcome(_step(rt, "shardq", **extra))})
+
+
+@pytest.mark.distributed
+def test_ranks_given_other_lengths_are_told_which_argument_differs(dist_pool, nproc: int) -> None:
+    """Every rank raises at the agreement, naming the dissenting rank and the part that differs
+    (before: two fingerprints, no argument)."""
+    _needs_ranks(nproc)
+    for rank, seen in enumerate(dist_pool.run(_lengths_differ)):
+        step = seen["step"]
+        assert step["kind"] == "ValueError" and step["s"] < FAST_S, (rank, seen)
+        assert "rank(s) [1] disagree with rank(s)" in step["msg"], (rank, seen)
+        assert " on the plan (query_lens, prefix_lens) (fingerprints" in step["msg"], (rank, seen)
+
+
 # -- a kernel that raises on one rank mid-step ------------------------------------------------------
 def _mid_step(group: dist.ProcessGroup, mode: str, then: str) -> dict:
     """Rank 1's kernel raises after the step's agreement; then rank 1 goes on at once: it retries the

@@ -30,9 +30,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["agree_on", "check_agreement", "dissenters", "settle", "stable_fingerprint", "to_int64"]
+__all__ = [
+    "Fingerprint",
+    "agree_on",
+    "check_agreement",
+    "dissenters",
+    "named_fingerprint",
+    "settle",
+    "stable_fingerprint",
+    "to_int64",
+]
 
 _MASK64 = (1 << 64) - 1
+#: Named parts an agreement compares one by one (a fingerprint's first this many; the rest count in
+#: the whole): every rank sends this many, so the all-gather has one size.
+MAX_PARTS = 12
 
 
 def stable_fingerprint(*parts: object) -> int:
@@ -48,6 +60,32 @@ def stable_fingerprint(*parts: object) -> int:
         h.update(repr(p).encode())
         h.update(b"\x00")
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+class Fingerprint(int):
+    """A step's fingerprint (an int) that keeps each named part's own, so that ranks that
+    disagree learn on what (:func:`check_agreement`): ``parts`` is ``((name, fingerprint), ...)``."""
+
+    parts: tuple[tuple[str, int], ...]
+
+    def __new__(cls, tag: str, parts: dict[str, object]) -> Fingerprint:
+        named = tuple((name, stable_fingerprint(name, value)) for name, value in parts.items())
+        made = super().__new__(cls, stable_fingerprint(tag, *(h for _, h in named)))
+        made.parts = named
+        return made
+
+
+def named_fingerprint(tag: str, parts: dict[str, object]) -> Fingerprint:
+    """The fingerprint of a step ``tag`` over ``parts`` (named as the caller passed the arguments,
+    ``{"q shape": (4, 8, 576), "plan (query_lens, prefix_lens)": plan.fingerprint()}``), equal in
+    every process for equal parts.
+
+    >>> a = named_fingerprint("step", {"q shape": (4, 8), "v_dim": 512})
+    >>> b = named_fingerprint("step", {"q shape": (4, 8), "v_dim": 256})
+    >>> a == b, [n for (n, x), (_, y) in zip(a.parts, b.parts) if x != y]
+    (False, ['v_dim'])
+    """
+    return Fingerprint(tag, parts)
 
 
 def to_int64(value: int) -> int:
@@ -80,17 +118,21 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
     :mod:`~shardattn.parallel.peer_failures`): a rank that counted fewer steps catches up.
 
     Args:
-        fingerprint: any Python int (folded to int64), e.g. ``plan.fingerprint()``.
+        fingerprint: any Python int (folded to int64), e.g. ``plan.fingerprint()``; a
+            :class:`Fingerprint` (:func:`named_fingerprint`) also has its named parts compared,
+            so that a disagreement names the parts that differ.
         what: what the fingerprint describes, for the message (``"ShardQ plan"``).
         error: this rank's validation error; re-raised here after the exchange.
     Raises:
         the given ``error`` on its rank; ``ValueError`` naming the failing ranks on the
-        others, or naming the ranks whose fingerprint differs from the majority's.
+        others, or naming the ranks whose fingerprint differs from the majority's (and on what).
     """
     comm.counts["agreement"] += 1
-    rows = comm._gather_ints([fingerprint, 1 if error is not None else 0, comm.step])
-    comm.catch_up(max(step for _, _, step in rows))  # a rank that began no step here counts it now
-    failed = [r for r, (_, f, _) in enumerate(rows) if f]
+    parts = getattr(fingerprint, "parts", ())[:MAX_PARTS] if error is None else ()
+    hashes = [h for _, h in parts] + [0] * (MAX_PARTS - len(parts))
+    rows = comm._gather_ints([fingerprint, 1 if error is not None else 0, comm.step, *hashes])
+    comm.catch_up(max(row[2] for row in rows))  # a rank that began no step here counts it now
+    failed = [r for r, row in enumerate(rows) if row[1]]
     if error is not None:
         raise error
     if failed:
@@ -98,13 +140,15 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
             f"{what}: rank(s) {failed} of {comm.world_size} rejected their inputs (see the error on "
             f"that rank); rank {comm.rank} stops too instead of waiting for them in a collective"
         )
-    values = [v for v, _, _ in rows]
+    values = [row[0] for row in rows]
     bad, good = dissenters(values)
     if not bad:
         return
+    differ = [name for i, (name, _) in enumerate(parts) if any(rows[r][3 + i] != rows[good[0]][3 + i] for r in bad)]
+    on = f" on {', '.join(differ)}" if differ else ""
     raise ValueError(
-        f"{what}: rank(s) {bad} disagree with rank(s) {good} (fingerprints {values}); every rank must pass the "
-        f"same {what}"
+        f"{what}: rank(s) {bad} disagree with rank(s) {good}{on} (fingerprints {values}); every rank must pass "
+        f"the same {what}"
     )
 
 

@@ -40,7 +40,7 @@ from shardattn._checks import (
     check_tensor,
 )
 from shardattn.ops.lse_merge import merge_weights, run_lse_merge, weighted
-from shardattn.parallel.agreement import stable_fingerprint
+from shardattn.parallel.agreement import named_fingerprint
 from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.packing import check_byte_buffers, packed_nbytes, view_bytes
@@ -139,7 +139,15 @@ def collect_partials(
             check_not_inputs({"buffers['send']": buffers.get("send")}, {"out": out, "lse": lse}, reader="the collector")
         if not check:
             return 0  # nothing to agree on
-        return stable_fingerprint("collect_partials", tuple(out.shape), out.dtype, scatter_heads, chosen)
+        return named_fingerprint(
+            "collect_partials",
+            {
+                "out's shape": tuple(out.shape),
+                "out's dtype": out.dtype,
+                "scatter_heads": scatter_heads,
+                "strategy": chosen,
+            },
+        )
 
     comm.agree_on("collector input (out shape and dtype, scatter_heads, strategy)", validate, check=check)
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers

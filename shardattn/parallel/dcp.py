@@ -58,7 +58,7 @@ from shardattn._checks import (
 from shardattn.ops.sparse_mla import check_kv_rows
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import INT32_MAX, DcpShard, convert_topk
-from shardattn.parallel.agreement import stable_fingerprint
+from shardattn.parallel.agreement import named_fingerprint
 from shardattn.parallel.collector import collect_checked, exchange_bytes, exchange_dtypes, resolve_strategy
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
@@ -278,11 +278,14 @@ def dcp_sparse_mla_decode(
         check_dcp_workspace(workspace, q, comm.world_size, v_dim, topk_pos.shape[1], chosen, scatter_heads, inputs)
         if not check:
             return 0  # nothing to agree on: skip hashing on the step's hot path
-        return stable_fingerprint(
-            "dcp_sparse_mla", layout, tuple(q.shape), q.dtype, kv_rows.dtype, v_dim, topk_pos.shape[1], b,
-            sinks is not None, topk_length is not None, float(scale),
-            scatter_heads, strategy, rows_unique, _host_values(seq_lens) if check else None,
-        )  # fmt: skip
+        return named_fingerprint("dcp_sparse_mla", {
+            "the DCP layout (interleave)": layout, "q's shape": tuple(q.shape), "q's dtype": q.dtype,
+            "kv's dtype": kv_rows.dtype, "v_dim": v_dim, "the top-k width": topk_pos.shape[1],
+            "the requests (block_table rows)": b,
+            "sinks / topk_length (given or not)": (sinks is not None, topk_length is not None),
+            "scale": float(scale), "scatter_heads / strategy / rows_unique": (scatter_heads, strategy, rows_unique),
+            "seq_lens": _host_values(seq_lens) if check else None,
+        })  # fmt: skip
 
     comm.agree_on("DCP sparse MLA decode inputs", validate, check=check)
     with comm.reporting_failures():  # a failure from here on is reported to the waiting peers

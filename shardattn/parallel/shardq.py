@@ -47,7 +47,7 @@ from shardattn._checks import (
 from shardattn.ops.prepared_union import SLICE_GROUPS
 from shardattn.ops.sparse_mla import check_kv_rows, sparse_mla_attention
 from shardattn.ops.union import GROUP_SIZES, MAX_PACKED_ROWS
-from shardattn.parallel.agreement import stable_fingerprint
+from shardattn.parallel.agreement import named_fingerprint
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.local_attention import AttentionFn, with_lse
@@ -123,19 +123,21 @@ def _check_inputs(
             f"one_union with align={align} needs kv with <= {MAX_PACKED_ROWS} rows (24-bit packed union entries), "
             f"got {kv.shape[0]}; use align=1 (the per-query path) for such caches"
         )
-    return stable_fingerprint(
+    return named_fingerprint(
         "shardq",
-        plan.fingerprint() if check else None,
-        pipeline,
-        tuple(q.shape),
-        q.dtype,
-        kv.dtype,
-        rows.shape[1],
-        v_dim,
-        sinks is not None,
-        topk_length is not None,
-        float(scale),
-        return_lse,  # it decides what the output exchange carries
+        {
+            "the plan (query_lens, prefix_lens)": plan.fingerprint() if check else None,
+            "chunks / align / taper / one_union": pipeline,
+            "q's shape": tuple(q.shape),
+            "q's dtype": q.dtype,
+            "kv's dtype": kv.dtype,
+            "the top-k width": rows.shape[1],
+            "v_dim": v_dim,
+            "sinks (given or not)": sinks is not None,
+            "topk_length (given or not)": topk_length is not None,
+            "scale": float(scale),
+            "return_lse": return_lse,  # it decides what the output exchange carries
+        },
     )
 
 
