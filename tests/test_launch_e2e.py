@@ -174,6 +174,7 @@ def test_ranks_started_with_different_options_all_stop() -> None:
     lines = [line for _, _, err in results for line in _quiet(err)]
     assert len(lines) == 1, lines
     assert "launcher options (command line, version, device type): rank(s) [1] disagree" in lines[0], lines
+    assert "disagree with rank(s) [0] on --seed (fingerprints" in lines[0], lines  # the option, by its flag
 
 
 @pytest.mark.distributed

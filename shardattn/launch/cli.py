@@ -236,6 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def option_flags() -> dict[str, str]:
+    """Each option's field of :class:`Options` -> its flag (``"query_lens"`` -> ``"--query-len"``)."""
+    flags: dict[str, str] = {}
+    for action in build_parser()._actions:  # the first flag of the first action of each field
+        if action.option_strings and action.dest != "help":
+            flags.setdefault(action.dest, action.option_strings[0])
+    return flags
+
+
 def parse_options(argv: list[str] | None = None) -> Options:
     """Parse the command line into :class:`Options` (raises :class:`LaunchError`, one line)."""
     ns = build_parser().parse_args(argv)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from shardattn import __version__
-from shardattn.launch.cli import Options, Shape
-from shardattn.parallel.agreement import stable_fingerprint
+from shardattn.launch.cli import Options, Shape, option_flags
+from shardattn.parallel.agreement import Fingerprint, named_fingerprint
 from shardattn.plan.spec import ModelSpec
 
 __all__ = ["RunConfig"]
@@ -40,14 +40,19 @@ class RunConfig:
     recorded: tuple[torch.Tensor, torch.Tensor] | None
     notes: tuple[str, ...]
 
-    def fingerprint(self) -> int:
-        """Equal on ranks that will run the same thing (options, version, world size, device type)."""
+    def fingerprint(self) -> Fingerprint:
+        """Equal on ranks that will run the same thing (options, version, world size, device type);
+        its parts are named by their flags, so ranks that disagree are told which differ."""
         local = ("json", "progress", "progress_after", "log_level")  # how this rank reports, not what it runs
-        fields = {k: v for k, v in dataclasses.asdict(self.opts).items() if k not in local}
+        flags = option_flags()
         rec = None if self.recorded is None else (tuple(self.recorded[0].shape), int(self.recorded[0].sum()))
-        return stable_fingerprint(
-            __version__, sorted(fields.items()), self.world_size, self.device.type, self.dtype, self.shape, rec
-        )
+        parts: dict[str, object] = {
+            "the shardattn version": __version__, "the world size": self.world_size,
+            "the device type": self.device.type, "the dtype": str(self.dtype), "--topk-file's top-k": rec,
+        }  # fmt: skip
+        parts.update({flags.get(k, k): v for k, v in dataclasses.asdict(self.opts).items() if k not in local})
+        parts["the step's shape"] = self.shape  # what the options resolve to (after the flags: they name it)
+        return named_fingerprint("launch", parts)
 
     def describe(self) -> dict[str, Any]:
         s = self.shape

@@ -43,8 +43,8 @@ __all__ = [
 
 _MASK64 = (1 << 64) - 1
 #: Named parts an agreement compares one by one (a fingerprint's first this many; the rest count in
-#: the whole): every rank sends this many, so the all-gather has one size.
-MAX_PARTS = 12
+#: the whole): every rank sends this many (a launcher's options are 35), so the all-gather has one size.
+MAX_PARTS = 40
 
 
 def stable_fingerprint(*parts: object) -> int:
