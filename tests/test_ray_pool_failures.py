@@ -100,9 +100,9 @@ def test_health_says_a_rank_is_dead_before_the_next_call_fails(ray_instance) -> 
         mirror = ServingMirror(MLA, seed=8)
         pool.prefill([mirror.prefill_request("a", 5)])
         ray.kill(pool._actors[1], no_restart=True)
-        for _ in range(50):  # the kill lands asynchronously
+        for _ in range(50):  # the kill lands asynchronously (the rank may first be unresponsive)
             health = pool.health(timeout_s=1.0)
-            if health["state"] != "healthy":
+            if health["state"] not in ("healthy", "rank unresponsive"):
                 break
             time.sleep(0.1)
         assert health["state"] == "rank dead" and health["ranks"][1]["state"] == "dead", health
@@ -113,3 +113,29 @@ def test_health_says_a_rank_is_dead_before_the_next_call_fails(ray_instance) -> 
         mirror.free("a")
         reqs = [mirror.prefill_request("b", 6)]
         helpers.check(pool.prefill(reqs, return_lse=True), reqs, mirror)
+
+
+@needs_ray
+def test_health_says_a_frozen_rank_is_unresponsive_and_healthy_again_once_it_runs(ray_instance) -> None:
+    """A rank whose process is stopped (SIGSTOP) answers no health probe: ``health()`` says "rank
+    unresponsive" (it said "healthy", and the next step waited ``timeout_s`` and broke the pool);
+    resumed, the pool is healthy and serves."""
+    import os
+    import signal
+
+    from shardattn.testing.serving import ServingMirror
+
+    with helpers.pool(2, MLA, max_requests=4, max_seq_len=48) as pool:
+        mirror = ServingMirror(MLA, seed=9)
+        pool.prefill([mirror.prefill_request("a", 5, attend=False)])
+        pid = pool.health()["ranks"][1]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            health = pool.health(timeout_s=1.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert health["state"] == "rank unresponsive" and health["ranks"][1]["state"] == "unresponsive", health
+        assert health["ranks"][0]["state"] == "ready", health
+        assert pool.health(timeout_s=10.0)["state"] == "healthy"
+        reqs = [mirror.decode_request("a")]
+        helpers.check(pool.decode(reqs, return_lse=True), reqs, mirror)

@@ -121,9 +121,12 @@ class RankCalls:
         return self._broken is not None
 
     def health(self, *, timeout_s: float | None = None) -> dict[str, Any]:
-        """``{"state": "healthy" | "rank dead" | "broken" | "shut down", "error", "free_pages", "requests",
-        "ranks": [...]}``; ``"rank dead"``: a rank's process is gone, so the next call raises
-        :class:`~shardattn.serving.errors.RankFailedError` (and the pool is broken until :meth:`restart`).
+        """``{"state": "healthy" | "rank dead" | "rank unresponsive" | "broken" | "shut down", "error",
+        "free_pages", "requests", "ranks": [...]}``; ``"rank dead"``: a rank's process is gone, so the
+        next call raises :class:`~shardattn.serving.errors.RankFailedError` (and the pool is broken
+        until :meth:`restart`); ``"rank unresponsive"``: a rank's actor did not answer within the wait
+        (frozen, swapping, or its host unreachable): a step now would wait up to ``timeout_s`` for it,
+        and break the pool if it still does not answer.
 
         Each rank reports ``state`` (``ready``; ``prefill`` / ``decode`` while a step runs, with
         ``step_running_s``; ``dead``, ``unresponsive``), ``rss_bytes``, ``cache_bytes``,
@@ -137,6 +140,8 @@ class RankCalls:
         state = "broken" if self._broken is not None else "healthy" if self._actors else "shut down"
         if state == "healthy" and any(r.get("state") == "dead" for r in ranks):
             state = "rank dead"
+        elif state == "healthy" and any(r.get("state") == "unresponsive" for r in ranks):
+            state = "rank unresponsive"
         return {
             "state": state,
             "error": None if self._broken is None else str(self._broken),
