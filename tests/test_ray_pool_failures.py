@@ -139,3 +139,25 @@ def test_health_says_a_frozen_rank_is_unresponsive_and_healthy_again_once_it_run
         assert pool.health(timeout_s=10.0)["state"] == "healthy"
         reqs = [mirror.decode_request("a")]
         helpers.check(pool.decode(reqs, return_lse=True), reqs, mirror)
+
+
+@needs_ray
+def test_a_rank_that_dies_in_a_compiled_graph_step_is_named_dead(ray_instance) -> None:
+    """Under the compiled-graph transport a rank killed between steps (SIGKILL) shows to the driver
+    as a closed channel: the error says the actor died (it gave the channel's error alone)."""
+    import os
+    import signal
+
+    from shardattn.serving import RankFailedError
+    from shardattn.testing.serving import ServingMirror
+
+    with helpers.pool(2, MLA, max_requests=4, max_seq_len=48, transport="compiled") as pool:
+        assert pool.transport == "compiled"
+        mirror = ServingMirror(MLA, seed=10)
+        pool.prefill([mirror.prefill_request("a", 5, attend=False)])
+        pool.decode([mirror.decode_request("a")])  # the graph has run
+        os.kill(pool.health()["ranks"][0]["pid"], signal.SIGKILL)
+        time.sleep(1.0)  # Ray has seen the process go: the driver's channel to it is closed
+        with pytest.raises(RankFailedError, match="rank 0 failed during decode") as info:
+            pool.decode([mirror.decode_request("a")])
+        assert info.value.rank == 0 and info.value.cause.startswith("actor died"), info.value.cause

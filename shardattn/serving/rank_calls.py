@@ -64,6 +64,8 @@ class RankCalls:
             held = holding_up(reports, late) if late and not dead else None
             if dead and rank not in dead:
                 rank, cause = dead[0], f"actor died (then rank {rank}: {cause})"
+            elif rank in dead:  # its channel or pipe said only that it closed
+                cause = f"actor died ({cause})"
             elif held is not None:
                 rank, why = held
                 cause = f"{cause}; rank {rank} {why}"
