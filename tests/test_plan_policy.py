@@ -204,8 +204,6 @@ def test_xqa_head_dim_rule(head_dim, ok):
         ("decode", "flashinfer-xqa", dict(non_causal=True), CGSupport.UNIFORM_BATCH),
         ("decode", "flashinfer-xqa", dict(head_dim=512), CGSupport.UNIFORM_SINGLE_TOKEN_DECODE),
         ("decode", "flashinfer-xqa", dict(dcp_size=4), CGSupport.UNIFORM_SINGLE_TOKEN_DECODE),
-        ("decode", "trtllm-gen", {}, CGSupport.UNIFORM_BATCH),
-        ("decode", "trtllm-gen", dict(non_causal=True), CGSupport.UNIFORM_SINGLE_TOKEN_DECODE),
         ("decode", "reference", {}, CGSupport.NEVER),
         ("prefill", "triton", {}, CGSupport.ALWAYS),
         ("prefill", "triton", dict(dcp_size=2), CGSupport.UNIFORM_SINGLE_TOKEN_DECODE),
@@ -234,7 +232,7 @@ def test_cudagraph_table(mode, kernel, kwargs, level):
 
 def test_dcp_never_raises_a_level():
     for mode in ("decode", "prefill", "shardq", "pcp"):
-        for kernel in ("triton", "flashinfer-xqa", "trtllm-gen", "reference"):
+        for kernel in ("triton", "flashinfer-xqa", "reference"):
             for nc in (False, True):
                 base = cudagraph_support(mode, kernel, head_dim=128, non_causal=nc)
                 dcp = cudagraph_support(mode, kernel, head_dim=128, non_causal=nc, dcp_size=2)

@@ -23,7 +23,7 @@ from shardattn.plan.spec import ModelSpec
 from shardattn.plan.workspace import workspace_bounds
 from shardattn.plan.zigzag import zigzag_split
 from shardattn.runtime.options import DecodeOptions, PrefillOptions
-from shardattn.runtime.runtime import MODES, PrefillPlan, Runtime, WorkspaceExceededError
+from shardattn.runtime.runtime import PrefillPlan, Runtime, WorkspaceExceededError
 from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
 
 # softmax scales other than head_dim ** -0.5 (0.144 and 0.25), as real models have: the oracles take
@@ -603,12 +603,6 @@ def test_bad_construction_raises_clear_errors(dist_pool) -> None:
     assert "max_batched_tokens must be >= 1" in res["tokens"]
     assert res["spec"].startswith("TypeError: spec must be a ModelSpec or a preset name")
     assert "has no prefill step" in res["no-prefill"]
-
-
-def test_modes_are_the_launchers() -> None:
-    from shardattn.launch.cli import MODES as LAUNCH_MODES
-
-    assert MODES == LAUNCH_MODES
 
 
 def _no_lse_body(group, mode: str, kind: str) -> dict:

@@ -163,18 +163,6 @@ def test_backend_argument_checks_on_cpu():
     assert sparse_decode_kernel(q, kv, 512, rows)[0] == "reference"
 
 
-def test_a_warp_count_that_does_not_fit_the_split_is_refused_before_any_launch():
-    from shardattn.kernels.gluon.sparse_mla_decode_small import launch_small_split
-
-    q, kv, rows = torch.zeros(1, 16, 576), torch.zeros(4, 576), torch.zeros(1, 64, dtype=torch.int32)
-    out, lse = torch.zeros(1, 16, 512), torch.zeros(1, 16)
-    for block_n, warps in ((64, 8), (128, 2), (128, 16)):
-        with pytest.raises(ValueError, match=f"warps={warps}, block_n={block_n}"):
-            launch_small_split(q, kv, rows, None, None, out, lse, block_n, 1, 0.1, False, warps=warps)
-        with pytest.raises(ValueError, match="warps must be 4, or 8"):
-            compile_for_sm90(block_n, warps=warps)
-
-
 def test_a_head_group_out_of_range_is_refused_before_any_launch():
     from shardattn.kernels.gluon.sparse_mla_decode_small import launch_small_split
 
@@ -191,34 +179,30 @@ def test_a_head_group_out_of_range_is_refused_before_any_launch():
 
 
 @pytest.mark.parametrize(
-    ("block_n", "warps", "split", "even_k", "with_len", "sinks", "dtype", "group"),
+    ("block_n", "split", "even_k", "with_len", "sinks", "dtype", "group"),
     [
-        (64, None, True, True, False, False, "bf16", 16),
-        (128, None, True, True, True, True, "bf16", 16),
-        (64, None, False, False, True, True, "fp16", 16),
-        (128, None, True, False, False, False, "bf16", 16),
-        (128, 4, True, True, False, False, "bf16", 16),  # one warpgroup at 128 (kept for measurements)
-        (64, None, True, True, True, True, "bf16", 8),  # a group of 8 heads: the 8-wide wgmma
-        (128, None, True, False, False, False, "bf16", 8),
-        (64, None, False, True, False, True, "fp16", 3),
+        (64, True, True, False, False, "bf16", 16),
+        (128, True, True, True, True, "bf16", 16),
+        (64, False, False, True, True, "fp16", 16),
+        (128, True, False, False, False, "bf16", 16),
+        (64, True, True, True, True, "bf16", 8),  # a group of 8 heads: the 8-wide wgmma
+        (128, True, False, False, False, "bf16", 8),
+        (64, False, True, False, True, "fp16", 3),
     ],
 )
-def test_kernel_compiles_for_sm90_with_wgmma_cp_async_and_pdl(
-    block_n, warps, split, even_k, with_len, sinks, dtype, group
-):
+def test_kernel_compiles_for_sm90_with_wgmma_cp_async_and_pdl(block_n, split, even_k, with_len, sinks, dtype, group):
     from shardattn.kernels.gluon.sparse_mla import gluon_available, gluon_unavailable_reason
 
     if not gluon_available():
         pytest.skip(gluon_unavailable_reason())
     compiled = compile_for_sm90(
-        block_n, split=split, even_k=even_k, topk_length=with_len, sinks=sinks, dtype=dtype, warps=warps,
-        heads_per_program=group,
+        block_n, split=split, even_k=even_k, topk_length=with_len, sinks=sinks, dtype=dtype, heads_per_program=group,
     )  # fmt: skip
     ptx = compiled.asm["ptx"]
     width = 8 if group <= 8 else 16  # the heads as the wgmma's N
     shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
     assert shapes == {f"m64n{width}k16"}
-    groups = (warps or small_decode_warps(block_n)) // 4
+    groups = small_decode_warps(block_n) // 4
     assert compiled.metadata.num_warps == 4 * groups
     # S^T: one 64-row M tile per 64 entries x 36 k-steps of 16 (576 columns); O^T: 8 M tiles x block_n / 16;
     # with two warpgroups each issues half of the M tiles (the PTX is one warpgroup's)
@@ -313,28 +297,23 @@ def check_empty_rows_and_oracle(out, lse, q, kv, rows, length, sinks, *, oracle)
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize(
-    ("tokens", "chunks", "warps", "group"),
-    [(2, 1, None, 8), (2, 2, None, 8), (8, 1, None, 16), (8, 2, None, 16), (8, 4, 4, 16),
-     (2, 4, None, 16), (8, 4, None, 8), (5, 4, None, 4), (2, 4, None, 5)],
+    ("tokens", "group"), [(2, 8), (8, 16), (2, 16), (8, 8), (5, 4), (2, 5)],
 )  # fmt: skip
-def test_every_latent_chunk_count_warp_count_and_head_group_matches_reference(tokens, chunks, warps, group):
-    """The launcher's ``chunks`` (1 and 2 are kept for measurements; the routed count is covered
-    above), one warpgroup on 128-entry splits (``warps=4``, also kept for measurements), and head
-    groups the routing does not take at that batch (one group at 2 tokens; 8, 5 or 4 heads a
-    program where it takes 16): the same result through the column merge, invalid rows and an
+def test_every_head_group_matches_reference(tokens, group):
+    """Head groups the routing does not take at that batch (one group at 2 tokens; 8, 5 or 4 heads
+    a program where it takes 16): the same result through the column merge, invalid rows and an
     empty split included."""
     from shardattn.kernels.gluon.sparse_mla_decode_small import launch_small_split
     from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns, split_partials
 
-    q, kv, rows, length, sinks = _small_case(tokens, 16, seed=70 + tokens * chunks)
+    q, kv, rows, length, sinks = _small_case(tokens, 16, seed=70 + tokens * group)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     block_n, splits = small_decode_tiles(tokens, rows.shape[1], sms)
     part, part_lse = split_partials(None, splits, tokens, 16, 512, q.device)
     out = torch.full((tokens, 16, 512), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((tokens, 16), float("nan"), device=q.device)
     launch_small_split(
-        q, kv, rows, length, sinks, part, part_lse, block_n, splits, SCALE, False, chunks=chunks, warps=warps,
-        heads_per_program=group,
+        q, kv, rows, length, sinks, part, part_lse, block_n, splits, SCALE, False, heads_per_program=group,
     )  # fmt: skip
     launch_lse_merge_columns(part, part_lse, out, lse)
     _check(out, lse, *sparse_mla_reference(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks))

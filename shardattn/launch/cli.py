@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from shardattn._paths import unwritable_reason
 from shardattn.errors import LaunchError
 from shardattn.launch.logs import LOG_LEVELS
+from shardattn.runtime.modes import MODES
 
 #: Exit status for bad options and impossible configurations (argparse's convention).
 EXIT_USAGE = 2
@@ -33,8 +34,6 @@ def usage_error(message: str) -> LaunchError:
     return LaunchError(f"shardattn.launch: error: {message}", EXIT_USAGE)
 
 
-MODES = ("shardq", "headtp", "pcp", "dcp-decode", "mixed")
-PREFILL_MODES = ("shardq", "headtp", "pcp")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 #: ``--kv-dtype``: rows in the activation dtype, or the FP8 row format (shardattn.ops.kv_fp8).

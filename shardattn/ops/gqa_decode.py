@@ -55,12 +55,10 @@ from shardattn._checks import (
 )
 from shardattn.kernels.backend import unsupported_reason
 from shardattn.kernels.triton.gqa_decode import HAVE_TRITON, run_triton
-from shardattn.kernels.triton.lse_merge import split_partials_numel
 from shardattn.ops.gqa_decode_reference import gqa_paged_decode_reference
 
 __all__ = [
     "BACKENDS",
-    "gqa_decode_workspace_numel",
     "gqa_paged_decode",
     "gqa_paged_decode_reference",
     "run_gqa_paged_decode",
@@ -129,11 +127,6 @@ def _xqa():
     from shardattn.kernels import flashinfer_xqa
 
     return flashinfer_xqa
-
-
-def gqa_decode_workspace_numel(total_q: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
-    """fp32 elements the split-KV path needs (partial outputs and LSEs); 0 when not split."""
-    return split_partials_numel(num_splits, total_q, num_q_heads, head_dim)
 
 
 @overload
@@ -206,7 +199,8 @@ def gqa_paged_decode(
             asked, else the reference), ``"triton"``, ``"flashinfer"`` or ``"reference"``.
         out, lse_out, workspace: optional destinations ``[total_q, Hq, D]`` (q's dtype),
             ``[total_q, Hq]`` fp32, and a flat fp32 split buffer
-            (:func:`gqa_decode_workspace_numel`); with them the Triton path allocates nothing.
+            (:func:`~shardattn.kernels.triton.lse_merge.split_partials_numel`); with them the Triton path
+            allocates nothing.
             They share no memory with each other nor with an input (``q`` included: the
             kernel's programs read inputs after others wrote their results).
     Returns:

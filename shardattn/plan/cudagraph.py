@@ -14,8 +14,6 @@ mode         kernel          level
                              length 0 included; ragged batches would need ALWAYS)
 ``decode``   flashinfer-xqa  UNIFORM_BATCH if :func:`xqa_head_dim_supported`, else
                              UNIFORM_SINGLE_TOKEN_DECODE (the adapter refuses such a head dim)
-``decode``   trtllm-gen      UNIFORM_BATCH for causal drafts; non-causal drafts:
-                             UNIFORM_SINGLE_TOKEN_DECODE (no non-causal spec-decode path)
 ``prefill``  triton          ALWAYS (head-TP sparse prefill: every buffer is bounded by
                              the workspace, the grid by the padded token count)
 ``prefill``  fa4             NEVER (GQA prefill: FA4's host code sizes the grid from the step's
@@ -60,7 +58,7 @@ __all__ = [
 ]
 
 CG_MODES = ("decode", "prefill", "shardq", "pcp")
-CG_KERNELS = ("triton", "flashinfer-xqa", "trtllm-gen", "fa4", "reference")
+CG_KERNELS = ("triton", "flashinfer-xqa", "fa4", "reference")
 
 
 class CGSupport(enum.IntEnum):
@@ -118,9 +116,6 @@ def explain_cudagraph_support(
     elif kernel == "flashinfer-xqa" and not xqa_head_dim_supported(head_dim):
         level = CGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         why = f"head_dim {head_dim} is outside XQA's limits (16..256, multiple of 16)"
-    elif kernel == "trtllm-gen" and non_causal:
-        level = CGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        why = "trtllm-gen has no non-causal speculative-decode path"
     else:
         level = CGSupport.UNIFORM_BATCH
         why = (

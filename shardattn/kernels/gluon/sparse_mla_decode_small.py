@@ -98,20 +98,6 @@ def _resolve_heads(heads: int, heads_per_program: int | None) -> int:
     return heads_per_program
 
 
-def _resolve_warps(block_n: int, warps: int | None) -> int:
-    """``warps``, or :func:`small_decode_warps` when None; a warpgroup needs 64 of the split's entries.
-
-    Raises:
-        ValueError: ``warps`` is not 4 or 8, or 8 with ``block_n`` below 128.
-    """
-    if warps is None:
-        return small_decode_warps(block_n)
-    if warps not in (4, 8) or warps * 16 > block_n:
-        raise ValueError(f"warps must be 4, or 8 with block_n >= 128 (one warpgroup per 64 entries); got "
-                         f"warps={warps}, block_n={block_n}")  # fmt: skip
-    return warps
-
-
 def small_decode_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, v_dim: int) -> str | None:
     """``None`` when this kernel runs these tensors, else the reason it does not (the Gluon
     kernels' shape, dtype, alignment and device rules, at most :data:`MAX_HEADS` heads, a
@@ -148,8 +134,6 @@ def launch_small_split(
     splits: int,
     scale: float,
     pdl: bool,
-    chunks: int = LATENT_CHUNKS,
-    warps: int | None = None,
     heads_per_program: int | None = None,
 ) -> None:
     """Launch ``_small_split_kernel`` on validated tensors (no checks, no allocation, no sync).
@@ -158,17 +142,15 @@ def launch_small_split(
         q ``[T, H, 576]``, kv ``[R, 576]`` (bf16 / fp16), rows ``[T, K]`` int32, topk_length ``[T]``
         int32 / sinks ``[H]`` fp32 or None. dst_out ``[S, T, H, 512]`` fp32 / dst_lse ``[S, T, H]``
         fp32 partials, or with one split ``out [T, H, 512]`` (q's dtype) / ``lse [T, H]``.
-        block_n, splits: :func:`small_decode_tiles`. pdl: a programmatic dependent launch.
-        chunks: :data:`LATENT_CHUNKS` (1, 2 or 4; other values for measurements).
-        warps: 4 or 8 (8 needs ``block_n`` 128); None: :func:`small_decode_warps`.
-        heads_per_program: heads of one program (:func:`small_decode_heads`); None: all of them.
+        block_n, splits: :func:`small_decode_tiles` (the warps: :func:`small_decode_warps`). pdl: a
+        programmatic dependent launch. heads_per_program: heads of one program
+        (:func:`small_decode_heads`); None: all of them.
 
     Raises:
-        ValueError: ``warps`` does not fit ``block_n``, or ``heads_per_program`` is not in
-            ``[1, 16]`` (checked before any launch).
+        ValueError: ``heads_per_program`` is not in ``[1, 16]`` (checked before any launch).
     """
     topk_length, sinks = unit_stride(topk_length), unit_stride(sinks)
-    warps = _resolve_warps(block_n, warps)
+    warps = small_decode_warps(block_n)
     t, h, d = q.shape
     group = min(h, _resolve_heads(h, heads_per_program))
     v_dim = dst_out.shape[-1]
@@ -181,7 +163,7 @@ def launch_small_split(
         float(scale) * LOG2E,
         HP=_padded_heads(group), BLOCK_N=block_n, DV=v_dim, DR=d - v_dim, EVEN_K=rows.shape[1] % block_n == 0,
         HAS_TOPK_LEN=topk_length is not None, HAS_SINKS=sinks is not None, PDL=pdl,
-        NCHUNK=chunks, W=warps, KV_FP8=kv.dtype == torch.uint8, num_warps=warps, launch_pdl=pdl,
+        NCHUNK=LATENT_CHUNKS, W=warps, KV_FP8=kv.dtype == torch.uint8, num_warps=warps, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -254,20 +236,17 @@ def compile_for_sm90(
     topk_length: bool = False,
     sinks: bool = False,
     dtype: str = "bf16",
-    chunks: int = LATENT_CHUNKS,
-    warps: int | None = None,
     heads_per_program: int = MAX_HEADS,
     kv_fp8: bool = False,
 ):
     """Compile the split kernel for sm_90 ahead of time (no GPU needed); returns Triton's compiled
     kernel (``asm["ptx"]``, ``metadata``). ``split``: fp32 partials (else the one-split output in
-    ``dtype``); ``even_k``: a top-k that is a multiple of ``block_n``; ``warps``: None for
-    :func:`small_decode_warps`; ``heads_per_program``: 8 or fewer compiles the 8-wide ``wgmma``;
-    ``kv_fp8``: ``fp8_ds_mla`` rows (uint8; ``dtype`` bf16).
-    Raises RuntimeError without Gluon, ValueError for ``warps`` or ``heads_per_program`` out of range."""
+    ``dtype``); ``even_k``: a top-k that is a multiple of ``block_n``; ``heads_per_program``: 8 or
+    fewer compiles the 8-wide ``wgmma``; ``kv_fp8``: ``fp8_ds_mla`` rows (uint8; ``dtype`` bf16).
+    Raises RuntimeError without Gluon, ValueError for ``heads_per_program`` out of range."""
     from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR, compile_sm90
 
-    warps = _resolve_warps(block_n, warps)
+    warps = small_decode_warps(block_n)
     group = _resolve_heads(MAX_HEADS, heads_per_program)
     if not HAS_GLUON:
         raise RuntimeError(f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})")
@@ -280,7 +259,7 @@ def compile_for_sm90(
     types = [f"*{dtype}", kv_t, "*i32", "*i32", "*fp32", out_t, "*fp32"] + ["i32"] * 15 + ["fp32"]
     signature = dict(zip(names, types, strict=True))
     constexprs = {"HP": _padded_heads(group), "BLOCK_N": block_n, "DV": 512, "DR": 64, "EVEN_K": even_k,
-                  "HAS_TOPK_LEN": topk_length, "HAS_SINKS": sinks, "PDL": True, "NCHUNK": chunks,
+                  "HAS_TOPK_LEN": topk_length, "HAS_SINKS": sinks, "PDL": True, "NCHUNK": LATENT_CHUNKS,
                   "W": warps, "KV_FP8": kv_fp8}  # fmt: skip
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     aligned = ("Q", "KV", "Rows", "Out", "stride_qt", "stride_qh", "stride_kvr", "stride_rt", "K", "stride_os",

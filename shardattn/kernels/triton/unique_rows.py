@@ -37,7 +37,7 @@ try:
 except ImportError:  # the torch reference still works
     triton = None
 
-__all__ = ["MAX_ENTRIES", "launch_unique_rows", "unique_rows_config", "unique_rows_kernels"]
+__all__ = ["MAX_ENTRIES", "launch_unique_rows", "unique_rows_config"]
 
 #: Most entries a token's row list may hold here (one program holds them all in registers).
 MAX_ENTRIES = MAX_UNIQUE_ENTRIES
@@ -98,11 +98,6 @@ def unique_rows_config(topk: int) -> dict[str, int]:
     ``2 * BLOCK`` slots)."""
     block = max(16, 1 << max(0, topk - 1).bit_length())
     return {"BLOCK": block, "SLOT_BITS": block.bit_length(), "num_warps": 8 if block >= 2048 else 4}
-
-
-def unique_rows_kernels() -> tuple:
-    """The Triton kernels of this module, for warm-up and compile counting."""
-    return (_unique_rows_kernel,)
 
 
 def launch_unique_rows(
