@@ -303,7 +303,7 @@ def test_a_bad_argument_without_check_is_named_by_the_waiting_peers(dist_pool, n
     assert results[1]["step"]["kind"] == "TypeError" and results[1]["step"]["s"] < FAST_S, results[1]
     for rank, seen in enumerate(results):
         if rank != 1:
-            _assert_named(seen["step"], "TypeError: q" if mode == "shardq" else "TypeError: kv_cache", (rank, seen))
+            _assert_named(seen["step"], "TypeError: q", (rank, seen))
 
 
 def _interrupted(group: dist.ProcessGroup) -> dict:

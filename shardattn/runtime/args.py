@@ -51,7 +51,6 @@ __all__ = [
     "check_sinks_declared",
     "check_step_flag",
     "check_table_on_host",
-    "check_token_requests_on_host",
     "host_lengths",
     "prefill_lengths",
     "reject",
@@ -229,22 +228,6 @@ def check_drafts_on_host(
             )
         if seq is not None:
             check_queries_fit(seq, [q_len] * requests)
-
-
-def check_token_requests_on_host(seq_lens: object, req_ids: object, *, requests: int) -> None:
-    """A sparse-MLA decode step's query tokens against ``seq_lens``, on the values as the caller
-    passed them (host values only, as :func:`check_drafts_on_host`): no request has more tokens
-    (``req_ids`` naming it) than keys, since each query's own KV row is in the cache (a ``seq_lens``
-    that leaves out the drafts would drop their rows from the top-k with no error). A token whose
-    request is outside ``[0, requests)`` is padding (its entries are invalid) and counts for none."""
-    seq, ids = _host_ints("seq_lens", seq_lens), _host_ints("req_ids", req_ids)
-    if seq is None or ids is None or len(seq) != requests:
-        return
-    queries = [0] * requests
-    for r in ids:
-        if 0 <= r < requests:
-            queries[r] += 1
-    check_queries_fit(seq, queries)
 
 
 def check_table_on_host(block_table: object, seq_lens: object, *, page_size: int, kv_rows: int) -> None:

@@ -27,7 +27,6 @@ from shardattn.runtime.args import (
     check_plan_lengths,
     check_sinks_declared,
     check_table_on_host,
-    check_token_requests_on_host,
 )
 
 if TYPE_CHECKING:
@@ -109,7 +108,7 @@ def check_decode_inputs(
             f"window_left={window_left}: sliding windows are supported by head-TP GQA decode only "
             + ("(under DCP a global window is not a local one; use mode 'headtp')" if dcp else "(sparse MLA)")
         )
-    given_seq_lens, given_cu_q_lens, given_req_ids = seq_lens, cu_q_lens, req_ids  # as passed: host lists move
+    given_seq_lens, given_cu_q_lens = seq_lens, cu_q_lens  # as passed: host lists move to q's device here
     seq_lens = as_index("seq_lens", seq_lens, q.device)
     block_table = as_index("block_table", block_table)
     topk_pos, topk_length = as_index("topk_pos", topk_pos), as_index("topk_length", topk_length)
@@ -141,8 +140,6 @@ def check_decode_inputs(
                 raise ValueError(
                     f"kv_cache must have last dim {dim} (the model's head_dim), got shape {list(passed.shape)}"
                 )
-        if isinstance(block_table, torch.Tensor) and block_table.dim() == 2:  # as passed: a device reads none
-            check_token_requests_on_host(given_seq_lens, given_req_ids, requests=block_table.shape[0])
         if not dcp:  # positions past the table would read no key (the DCP step checks its shard's)
             check_table_on_host(
                 block_table,

@@ -248,9 +248,10 @@ class RuntimeSteps(RuntimeState):
                 tokens in local order: :func:`~shardattn.plan.dcp_shard.shard_kv_cache` builds
                 it from a whole cache), under head-TP the whole cache (GQA: the rank's KV heads).
             block_table: ``[B, M]`` int32 page table of ``kv_cache`` (the rank's, under DCP).
-            seq_lens: ``[B]`` int32 KV tokens per request, cached prefix and drafts included, so
-                at least its queries (checked on a list or a CPU tensor, and by a DCP ``batch``'s
-                planner; global counts under DCP too; a list is fine).
+            seq_lens: ``[B]`` int32 KV tokens per request, cached prefix and drafts included
+                (global counts under DCP too; a list is fine). Sparse MLA: a position at or past
+                it is no key. GQA: at least the request's queries (checked on a list or a CPU
+                tensor, and by a DCP ``batch``'s planner).
             topk_pos: sparse MLA: ``[T, K]`` int32 top-k positions inside each token's request
                 (``-1`` or out of range = invalid).
             req_ids: sparse MLA: ``[T]`` int32 request of each query token (one outside ``[0, B)``

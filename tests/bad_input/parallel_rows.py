@@ -573,11 +573,6 @@ def parallel_rows() -> list[Row]:
             _runtime_step("decode", MLA_SPEC, "mixed", block_table=torch.empty(2, 0, dtype=torch.int32)),
             Raises(ValueError, r"^seq_lens\[0\]=10 puts 10 tokens on rank 0, but its block_table holds 0 blocks"),
         ),
-        (  # both tokens are request 0's, whose seq_lens leaves out its own rows
-            "Runtime.decode-mla-more-tokens-than-keys",
-            _runtime_step("decode", MLA_SPEC, "headtp", seq_lens=[1, 9], req_ids=[0, 0]),
-            Raises(ValueError, r"^requests \[0\] have more queries than keys"),
-        ),
         (
             "Runtime.decode-headtp-every-head",
             _runtime_step("decode", MLA_SPEC, "headtp", q=torch.randn(2, 16, 48)),
