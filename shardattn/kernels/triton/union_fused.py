@@ -31,8 +31,6 @@ is dropped); nothing is written outside the outputs.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from shardattn.kernels.backend import unit_stride
@@ -43,33 +41,17 @@ try:
 except ImportError:  # the torch reference still works
     triton = None
 
-#: Outputs one merge lane produces serially (8 int32 = one 32-byte sector).
-MERGE_RUN = 8
-
-
-def search_rounds(width: int, ways: int) -> int:
-    """Rounds of a ``ways``-ary search (``ways - 1`` probes per round) that pin one of ``width + 1`` splits."""
-    span, rounds = width, 0
-    while span > 0:
-        probes = [-1] + [(k * span) // ways for k in range(1, ways)] + [span]
-        span = max(b - a - 1 for a, b in itertools.pairwise(probes))
-        rounds += 1
-    return rounds
-
 
 def fused_launch_config(group_size: int, topk: int) -> dict[str, int]:
     """Constexprs of :func:`fused_union` for ``(G, K)`` (the warm-up key).
 
     ``CHUNK`` / ``CCHUNK``: entries per step of the list / compaction loops; ``LANES``: merge
-    lanes per step (each :data:`MERGE_RUN` outputs); ``WAYS``: the split search probes
-    ``WAYS - 1`` points per round (2: binary); ``STEPS``: :func:`search_steps`; ``WINDOW``: each
-    lane loads its two 8-key windows at once and takes output ``s`` as ``min over x + y = s + 1
-    of max(a_x, b_y)`` (else 8 serial merge steps, one dependent load each); ``num_warps``.
+    lanes per step (each 8 outputs: a binary split search, then 8 serial merge steps, one
+    dependent load each); ``STEPS``: :func:`search_steps`; ``num_warps``.
 
-    The defaults (binary search, serial steps, 256 lanes, 4 warps) are the fastest of the configs
-    timed on an H200. ``WAYS > 2`` and ``WINDOW`` cut the dependent loads per 8 outputs from ~20
-    to ~6; they are exact (interpreter tests) and measured slower than the defaults
-    (docs/DECISIONS.md, D12).
+    These (256 lanes, 4 warps) are the fastest of the configs timed on an H200; a multi-way split
+    search and a windowed 8-output merge measured slower and were removed (docs/DECISIONS.md, D12
+    and "Removed variants").
     """
     kp = max(16, 1 << max(0, topk - 1).bit_length())
     return {
@@ -77,19 +59,14 @@ def fused_launch_config(group_size: int, topk: int) -> dict[str, int]:
         "CHUNK": min(kp, 1024),
         "CCHUNK": min(group_size * kp, 2048),
         "LANES": 256,
-        "WAYS": 2,
-        "STEPS": search_steps(group_size, topk, 2),
-        "WINDOW": False,
+        "STEPS": search_steps(topk),
         "num_warps": 4,
     }
 
 
-def search_steps(group_size: int, topk: int, ways: int) -> int:
-    """``STEPS`` of the split search: binary, the first level's (``+ LEVEL`` in the kernel); else the
-    rounds at the widest level, ``K << (log2 G - 1)``."""
-    if ways == 2:
-        return topk.bit_length()
-    return search_rounds(topk << max(0, group_size.bit_length() - 2), ways)
+def search_steps(topk: int) -> int:
+    """``STEPS`` of the binary split search: the first level's (``+ LEVEL`` in the kernel)."""
+    return topk.bit_length()
 
 
 if triton is not None:
@@ -171,26 +148,9 @@ if triton is not None:
         return v, i, j, a, b
 
     @triton.jit
-    def _mm(c, a, b):
-        return tl.minimum(c, tl.maximum(a, b))
-
-    @triton.jit
-    def _split8(w, LANES: tl.constexpr):
-        # [LANES, 8] -> its 8 columns (split() takes the minor dimension: index bit 0 first)
-        e, o = tl.split(tl.reshape(w, [LANES, 2, 2, 2]))
-        ee, eo = tl.split(e)
-        oe, oo = tl.split(o)
-        x0, x4 = tl.split(ee)
-        x2, x6 = tl.split(eo)
-        x1, x5 = tl.split(oe)
-        x3, x7 = tl.split(oo)
-        return x0, x1, x2, x3, x4, x5, x6, x7
-
-    @triton.jit
     def _merge_level(
         src, dst, cum, K,
         LEVEL: tl.constexpr, G: tl.constexpr, LANES: tl.constexpr, STEPS: tl.constexpr,
-        WAYS: tl.constexpr, WINDOW: tl.constexpr,
     ):  # fmt: skip
         # lists 2p, 2p + 1 of width W = K << LEVEL at src -> list p of width 2W at dst (merge path)
         INF: tl.constexpr = 2147483647
@@ -213,62 +173,27 @@ if triton is not None:
             # the split: the first i in [lo, hi] with a[i] > b[d - 1 - i] (keys are distinct)
             lo = tl.maximum(d - lb, 0)
             hi = tl.minimum(d, la)
-            if WAYS == 2:
-                for _ in tl.static_range(STEPS + LEVEL):
-                    run = live & (lo < hi)
-                    mid = (lo + hi) // 2
-                    av = tl.load(a_ptr + mid, mask=run, other=0)
-                    bv = tl.load(b_ptr + d - 1 - mid, mask=run, other=0)
-                    go = run & (av < bv)
-                    lo = tl.where(go, mid + 1, lo)
-                    hi = tl.where(run & ~go, mid, hi)
-            else:  # WAYS - 1 independent probes per round: fewer dependent round trips
-                for _ in tl.static_range(STEPS):  # enough for the widest level; idle lanes stop
-                    span = hi - lo
-                    run = live & (span > 0)
-                    nlo = lo
-                    nhi = hi
-                    for k in tl.static_range(1, WAYS):
-                        m = lo + (k * span) // WAYS
-                        av = tl.load(a_ptr + m, mask=run, other=0)
-                        bv = tl.load(b_ptr + d - 1 - m, mask=run, other=0)
-                        nlo = tl.where(run & (av < bv), tl.maximum(nlo, m + 1), nlo)
-                        nhi = tl.where(run & (av > bv), tl.minimum(nhi, m), nhi)
-                    lo = nlo
-                    hi = nhi
+            for _ in tl.static_range(STEPS + LEVEL):
+                run = live & (lo < hi)
+                mid = (lo + hi) // 2
+                av = tl.load(a_ptr + mid, mask=run, other=0)
+                bv = tl.load(b_ptr + d - 1 - mid, mask=run, other=0)
+                go = run & (av < bv)
+                lo = tl.where(go, mid + 1, lo)
+                hi = tl.where(run & ~go, mid, hi)
             i = lo
             j = d - lo
-            if WINDOW:  # load a[i:i+8], b[j:j+8] at once; output s = min over x + y = s + 1 of max(a, b)
-                x = tl.arange(0, 8)
-                ia = i[:, None] + x[None, :]
-                jb = j[:, None] + x[None, :]
-                wa = tl.load(a_ptr[:, None] + ia, mask=live[:, None] & (ia < la[:, None]), other=INF)
-                wb = tl.load(b_ptr[:, None] + jb, mask=live[:, None] & (jb < lb[:, None]), other=INF)
-                a0, a1, a2, a3, a4, a5, a6, a7 = _split8(wa, LANES)
-                b0, b1, b2, b3, b4, b5, b6, b7 = _split8(wb, LANES)
-                v0 = tl.minimum(a0, b0)
-                v1 = _mm(tl.minimum(a1, b1), a0, b0)
-                v2 = _mm(_mm(tl.minimum(a2, b2), a0, b1), a1, b0)
-                v3 = _mm(_mm(_mm(tl.minimum(a3, b3), a0, b2), a1, b1), a2, b0)
-                v4 = _mm(_mm(_mm(_mm(tl.minimum(a4, b4), a0, b3), a1, b2), a2, b1), a3, b0)
-                v5 = _mm(_mm(_mm(_mm(_mm(tl.minimum(a5, b5), a0, b4), a1, b3), a2, b2), a3, b1), a4, b0)
-                v6 = _mm(_mm(_mm(_mm(_mm(_mm(tl.minimum(a6, b6), a0, b5), a1, b4), a2, b3), a3, b2), a4, b1), a5, b0)
-                v7 = _mm(
-                    _mm(_mm(_mm(_mm(_mm(_mm(tl.minimum(a7, b7), a0, b6), a1, b5), a2, b4), a3, b3), a4, b2), a5, b1),
-                    a6,
-                    b0,
-                )
-            else:  # 8 serial steps, one dependent load each
-                a = tl.load(a_ptr + i, mask=live & (i < la), other=INF)
-                b = tl.load(b_ptr + j, mask=live & (j < lb), other=INF)
-                v0, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
-                v1, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
-                v2, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
-                v3, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
-                v4, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
-                v5, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
-                v6, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
-                v7, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
+            # the merge: 8 serial steps, one dependent load each
+            a = tl.load(a_ptr + i, mask=live & (i < la), other=INF)
+            b = tl.load(b_ptr + j, mask=live & (j < lb), other=INF)
+            v0, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
+            v1, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
+            v2, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
+            v3, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
+            v4, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
+            v5, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
+            v6, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
+            v7, i, j, a, b = _merge_step(a_ptr, b_ptr, la, lb, i, j, a, b, live)
             # join() adds the minor dimension: the innermost join picks the lowest bit of the index
             run8 = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
             run8 = tl.reshape(run8, [LANES, 8])
@@ -284,7 +209,7 @@ if triton is not None:
         ROWS, TOPK_LEN, UNION, LENS, SCRATCH, CUM,
         T, K, max_row, stride_rows_t, stride_union_g,
         G: tl.constexpr, HAS_LEN: tl.constexpr, CHUNK: tl.constexpr, CCHUNK: tl.constexpr,
-        LANES: tl.constexpr, STEPS: tl.constexpr, WAYS: tl.constexpr, WINDOW: tl.constexpr,
+        LANES: tl.constexpr, STEPS: tl.constexpr,
     ):  # fmt: skip
         # One program per group: query lists -> log2(G) merge levels -> compaction (module docstring).
         # Buffers alternate so that the last level lands in SCRATCH and the compaction writes UNION.
@@ -313,9 +238,9 @@ if triton is not None:
             tl.debug_barrier()
             for level in tl.static_range(LEVELS):
                 if (LEVELS - level) % 2 == 0:
-                    _merge_level(scr, out, cum, K, level, G, LANES, STEPS, WAYS, WINDOW)
+                    _merge_level(scr, out, cum, K, level, G, LANES, STEPS)
                 else:
-                    _merge_level(out, scr, cum, K, level, G, LANES, STEPS, WAYS, WINDOW)
+                    _merge_level(out, scr, cum, K, level, G, LANES, STEPS)
                 tl.debug_barrier()
             tl.store(LENS + g, compact_sorted_keys(scr, out, total, G, CCHUNK))
 
@@ -332,7 +257,6 @@ def fused_union(
     group_size: int,
     union: torch.Tensor,
     lens: torch.Tensor,
-    config: dict[str, int] | None = None,
 ) -> None:
     """Launch the fused build (checked inputs, CUDA or interpreter; see the module docstring).
 
@@ -342,19 +266,16 @@ def fused_union(
         topk_length: ``[T]`` int32 or None. max_row: largest valid row (``num_kv_rows - 1``).
         group_size: ``G``. union / lens: ``[ceil(T/G), G*K]`` / ``[ceil(T/G)]`` int32 outputs,
             contiguous rows.
-        config: overrides of :func:`fused_launch_config` (benchmark sweeps; ``STEPS`` follows ``WAYS``).
     """
     topk_length = unit_stride(topk_length)
     t, k = lists.shape
     g_count = union.shape[0]
-    cfg = {**fused_launch_config(group_size, k), **(config or {})}
-    if config and "WAYS" in config and "STEPS" not in config:
-        cfg["STEPS"] = search_steps(group_size, k, cfg["WAYS"])
+    cfg = fused_launch_config(group_size, k)
     scratch = torch.empty(g_count, group_size * k, dtype=torch.int32, device=lists.device) if group_size > 1 else union
     cum = torch.empty(g_count, group_size + 1, dtype=torch.int32, device=lists.device)
     _fused_union_kernel[(g_count,)](
         lists, topk_length if topk_length is not None else lens, union, lens, scratch, cum,
         t, k, max_row, lists.stride(0), union.stride(0),
         G=group_size, HAS_LEN=topk_length is not None, CHUNK=cfg["CHUNK"], CCHUNK=cfg["CCHUNK"],
-        LANES=cfg["LANES"], STEPS=cfg["STEPS"], WAYS=cfg["WAYS"], WINDOW=cfg["WINDOW"], num_warps=cfg["num_warps"],
+        LANES=cfg["LANES"], STEPS=cfg["STEPS"], num_warps=cfg["num_warps"],
     )  # fmt: skip
