@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR, HAS_GLUON
+from shardattn.kernels.triton import union_bitmap
 from shardattn.kernels.triton.union_bitmap import MAX_ROWS, SCRATCH_BYTES, bitmap_programs, bitmap_union, bitmap_words
 from shardattn.ops.dispatch import triton_available
 from shardattn.ops.union import build_union, build_union_reference
@@ -52,26 +53,27 @@ def test_auto_takes_the_bitmap_while_its_count_is_within_the_ratio():
     assert route_union_method(8, 1 << 20, MAX_ROWS + 1) == UNION_METHOD[8]  # past the 24-bit rows
 
 
-def test_programs_respect_the_scratch_cap_and_the_group_count():
+def test_programs_respect_the_scratch_cap_and_the_group_count(monkeypatch):
     cpu = torch.device("cpu")
     assert bitmap_programs(3, 64, cpu) == 3
-    assert bitmap_programs(10_000, 64, cpu, per_sm=2) == 8  # 4 SMs off the GPU
+    assert bitmap_programs(10_000, 64, cpu) == 16  # 4 programs per SM, 4 SMs off the GPU
     big = bitmap_programs(10_000, MAX_ROWS, cpu)
     assert big >= 1 and big * 12 * bitmap_words(MAX_ROWS) <= SCRATCH_BYTES
-    assert bitmap_programs(10_000, MAX_ROWS, cpu, scratch_bytes=1) == 1
+    monkeypatch.setattr(union_bitmap, "SCRATCH_BYTES", 1)
+    assert bitmap_programs(10_000, MAX_ROWS, cpu) == 1
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["gluon", "triton"])
 @pytest.mark.parametrize("num_kv_rows", [65_536, 131_073, 1 << 20], ids=["64K", "128K+1", "1M"])
 @pytest.mark.parametrize("group_size", [1, 2, 4, 8])
-def test_bitmap_builder_on_the_gpu_at_real_shapes(group_size, num_kv_rows, kernel):
+def test_bitmap_builder_on_the_gpu_at_real_shapes(group_size, num_kv_rows, kernel, monkeypatch):
     """T = 4,099 queries (a tail group) x K = 2,048 rows, 5 % invalid anywhere (-1 and past the cache),
     duplicates within rows, neighbours sharing most rows, an empty row, ``topk_length``; every
-    builder's output poisoned first. Exact against the torch reference; the default launch and one
-    program per SM (each program building many groups on one bitmap) both, on the shared-memory
-    Gluon kernel (one window of 131,072 rows, two with the last row alone in the second, 8) and the
-    Triton kernel."""
+    builder's output poisoned first. Exact against the torch reference, on the shared-memory Gluon
+    kernel as ``build_union`` launches it (one window of 131,072 rows, two with the last row alone in
+    the second, 8) and on the Triton kernel, at its routed launch and at one program per SM (each
+    program building many groups on one bitmap)."""
     if kernel == "gluon" and not HAS_GLUON:
         pytest.skip(f"Gluon unavailable: {GLUON_IMPORT_ERROR}")
     dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(group_size)
@@ -89,13 +91,16 @@ def test_bitmap_builder_on_the_gpu_at_real_shapes(group_size, num_kv_rows, kerne
     for topk_length in (None, length):
         kw = {"group_size": group_size, "num_kv_rows": num_kv_rows, "topk_length": topk_length}
         want_u, want_n = build_union_reference(rows, **kw)
-        for per_sm in (None, 1):
+        for per_sm in (None,) if kernel == "gluon" else (None, 1):
             union = torch.full_like(want_u, -7)
             lens = torch.full_like(want_n, -7)
-            if per_sm is None and kernel == "gluon":  # what build_union runs on sm_90
+            if kernel == "gluon":  # what build_union runs on sm_90
                 build_union(rows, method="bitmap", out=(union, lens), **kw)
             else:
-                bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens, per_sm=per_sm, kernel=kernel)
+                with monkeypatch.context() as patch:
+                    if per_sm is not None:
+                        patch.setattr(union_bitmap, "PROGRAMS_PER_SM", per_sm)
+                    bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens)
             assert torch.equal(lens, want_n), (per_sm, topk_length is None)
             below = torch.arange(union.shape[1], device=dev)[None, :] < want_n[:, None]
             assert torch.equal(union[below], want_u[below]), (per_sm, topk_length is None)
@@ -117,7 +122,7 @@ def test_bitmap_kernel_compiles_for_sm90(group_size):
     signature = {**dict.fromkeys(("ROWS", "TOPK_LEN", "UNION", "LENS", "BITMAP"), "*i32"), "PACKED": "*i64"}
     signature |= dict.fromkeys(sizes, "i32")
     cfg = bitmap_launch_config(group_size, 2048)
-    constexprs = {"G": group_size, "BLOCK": cfg["BLOCK"], "WCHUNK": cfg["WCHUNK"], "HAS_LEN": True, "PLACE_CG": False}
+    constexprs = {"G": group_size, "BLOCK": cfg["BLOCK"], "WCHUNK": cfg["WCHUNK"], "HAS_LEN": True}
     signature |= dict.fromkeys(constexprs, "constexpr")
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]}).asm["ptx"]
@@ -173,7 +178,6 @@ def test_shared_memory_launch_config_and_occupancy():
             per_cta = 4 * cfg["REGION"] + SCRATCH_BYTES + CTA_RESERVED_BYTES
             assert cfg["per_sm"] >= 1 and cfg["per_sm"] * per_cta <= max(SM_SHARED_BYTES, per_cta)
     assert launch_config(8, 2048, 65_536)["per_sm"] == 1  # 128 KB of region
-    assert launch_config(1, 2048, 65_536, per_sm=9)["per_sm"] == 5  # capped by shared memory (32 KB + 9 KB)
     assert union_slots(8, 2048) == MAX_UNION_SLOTS and union_slots(1, 100) == 128
 
 
@@ -182,11 +186,6 @@ def test_gluon_kernel_refuses_what_it_cannot_run():
 
     rows = torch.zeros(4, 2048, dtype=torch.int32)
     assert smem_unsupported_reason(rows, 8) is not None  # on the CPU
-    union, lens = torch.empty(1, 8 * 2048, dtype=torch.int32), torch.empty(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="kernel='gluon'"):
-        bitmap_union(rows, None, 64, 4, union[:, : 4 * 2048], lens, kernel="gluon")
-    with pytest.raises(ValueError, match="kernel"):
-        bitmap_union(rows, None, 64, 4, union[:, : 4 * 2048], lens, kernel="cuda")
 
 
 def test_auto_takes_the_shared_memory_bitmap_within_its_ratios():
@@ -226,14 +225,12 @@ def test_shared_memory_kernel_at_other_topk_widths(group_size, topk):
     length = torch.randint(0, topk + 3, (t,), device=dev, generator=gen, dtype=torch.int32)
     kw = {"group_size": group_size, "num_kv_rows": num_kv_rows, "topk_length": length}
     want_u, want_n = build_union_reference(rows, **kw)
-    kernels = ["auto"] + (["gluon"] if smem_unsupported_reason(rows, group_size) is None else [])
-    assert kernels == ["auto"] or not (group_size == 8 and topk == 4096)
-    for kernel in kernels:
-        union, lens = torch.full_like(want_u, -7), torch.full_like(want_n, -7)
-        bitmap_union(rows, length, num_kv_rows, group_size, union, lens, kernel=kernel)
-        assert torch.equal(lens, want_n), kernel
-        below = torch.arange(union.shape[1], device=dev)[None, :] < want_n[:, None]
-        assert torch.equal(union[below], want_u[below]), kernel
+    assert smem_unsupported_reason(rows, group_size) is not None or not (group_size == 8 and topk == 4096)
+    union, lens = torch.full_like(want_u, -7), torch.full_like(want_n, -7)
+    build_union(rows, method="bitmap", out=(union, lens), **kw)  # the shared-memory kernel where it runs
+    assert torch.equal(lens, want_n)
+    below = torch.arange(union.shape[1], device=dev)[None, :] < want_n[:, None]
+    assert torch.equal(union[below], want_u[below])
 
 
 def _touched_blocks(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None, before: torch.Tensor):

@@ -245,7 +245,7 @@ def _build(
             smem_union(rows, topk_length, num_kv_rows, group_size, union, lens, block_marks=block_marks,
                        mark_block_rows=STAGE_BLOCK_ROWS)  # fmt: skip
             return union, lens, block_marks is not None
-        bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens, kernel="triton")
+        bitmap_union(rows, topk_length, num_kv_rows, group_size, union, lens)
         return union, lens, False
     if method == "fused":
         max_row = min(num_kv_rows - 1, MAX_PLAIN_ROW)

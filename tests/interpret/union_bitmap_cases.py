@@ -3,10 +3,10 @@
 Run as ``TRITON_INTERPRET=1 python -m tests.interpret.union_bitmap_cases`` (tests/test_union_bitmap.py
 does this in a subprocess). Each hypothesis example draws ``G``, ``T`` (tails included), ``K``, the
 KV cache size (up to 70,000 rows: several count chunks of 1,024 words), invalid entries anywhere,
-duplicates within a row, rows with no valid key, ``topk_length`` and the programs per SM (1: four
-persistent programs, each building several groups on one bitmap that must come back zero). The
-builder must equal the torch reference exactly: ``lens`` and every entry below it. Prints one line
-per check and exits 1 on any mismatch.
+duplicates within a row, rows with no valid key, ``topk_length`` and the programs per SM (the
+routed ``PROGRAMS_PER_SM``, or 1 for the launch: four persistent programs, each building several
+groups on one bitmap that must come back zero). The builder must equal the torch reference exactly:
+``lens`` and every entry below it. Prints one line per check and exits 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardattn.kernels.triton import union_bitmap
 from shardattn.kernels.triton.union_bitmap import bitmap_union
 from shardattn.ops.union import build_union_reference, num_groups
 from tests.interpret.union_cases import _equal, _report, make_rows, run_checks
@@ -26,7 +27,12 @@ def _bitmap(rows, length, num_kv_rows, group_size, per_sm):
     t, k = rows.shape
     union = torch.full((num_groups(t, group_size), group_size * k), -7, dtype=torch.int32)
     lens = torch.full((union.shape[0],), -7, dtype=torch.int32)
-    bitmap_union(rows, length, num_kv_rows, group_size, union, lens, per_sm=per_sm)
+    routed = union_bitmap.PROGRAMS_PER_SM
+    union_bitmap.PROGRAMS_PER_SM = per_sm  # 1: each program builds more groups on its bitmap
+    try:
+        bitmap_union(rows, length, num_kv_rows, group_size, union, lens)
+    finally:
+        union_bitmap.PROGRAMS_PER_SM = routed
     return union, lens
 
 
@@ -37,7 +43,7 @@ def _bitmap(rows, length, num_kv_rows, group_size, per_sm):
     topk=st.integers(1, 40),
     num_kv_rows=st.sampled_from([1, 31, 32, 33, 60, 200, 70_000]),
     use_length=st.booleans(),
-    per_sm=st.sampled_from([1, 8]),
+    per_sm=st.sampled_from([1, union_bitmap.PROGRAMS_PER_SM]),
     seed=st.integers(0, 10_000),
 )
 def bitmap_matches_reference(group_size, tokens, topk, num_kv_rows, use_length, per_sm, seed):

@@ -105,12 +105,11 @@ def smem_unsupported_reason(rows: torch.Tensor, group_size: int) -> str | None:
     return None
 
 
-def launch_config(group_size: int, topk: int, num_kv_rows: int, **overrides: int) -> dict[str, int]:
+def launch_config(group_size: int, topk: int, num_kv_rows: int) -> dict[str, int]:
     """Constexprs, warps and programs per SM of :func:`smem_union` (:data:`CONFIGS`; the compile
-    key is all but ``per_sm``); benchmarks override ``WW``, ``STEP``, ``CW``, ``num_warps`` and
-    ``per_sm``."""
-    window = overrides.get("WW", window_words(num_kv_rows))
-    cfg = {**CONFIGS.get((group_size, window), CONFIGS[(group_size, WINDOWS[-1])]), **overrides}
+    key is all but ``per_sm``)."""
+    window = window_words(num_kv_rows)
+    cfg = CONFIGS[(group_size, window)]
     num_warps = cfg["num_warps"]
     region = region_words(group_size, topk, window)
     by_smem = SM_SHARED_BYTES // (4 * region + SCRATCH_BYTES + CTA_RESERVED_BYTES)
@@ -298,7 +297,6 @@ def smem_union(
     *,
     block_marks: torch.Tensor | None = None,
     mark_block_rows: int = 64,
-    config: dict[str, int] | None = None,
 ) -> None:
     """Launch the shared-memory build (inputs checked by :func:`~shardattn.ops.union.build_union`;
     :func:`smem_unsupported_reason` said yes).
@@ -312,14 +310,13 @@ def smem_union(
         block_marks: optional ``[ceil(R / mark_block_rows)]`` int32: set to 1 at every block of
             ``mark_block_rows`` (a power of 2, at least 32) rows the union has a row in, from the
             bitmap's words as they are counted (no second read of the union); other entries untouched.
-        config: overrides of :func:`launch_config` (benchmarks sweep them).
     """
     topk_length = unit_stride(topk_length)
     t, k = rows.shape
     n_groups = union.shape[0]
     if n_groups == 0:
         return
-    cfg = launch_config(group_size, k, num_kv_rows, **(config or {}))
+    cfg = launch_config(group_size, k, num_kv_rows)
     sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
     programs = max(1, min(n_groups, cfg.pop("per_sm") * sms))
     words = max(1, -(-num_kv_rows // 32))
@@ -340,14 +337,12 @@ def _check_region(compiled, region: int) -> None:
     if not region_is_first(compiled.asm["llir"], region):
         raise RuntimeError(
             "the shared-memory union build's region is not at offset 0 of the compiled kernel's shared "
-            "memory (a Triton allocator change?); use method='bitmap' with kernel='triton'"
+            "memory (a Triton allocator change?); use method='sort' or method='fused'"
         )
     compiled.shardattn_region_checked = True
 
 
-def compile_for_sm90(
-    group_size: int, topk: int = 2048, num_kv_rows: int = 65536, *, marks: bool = False, **overrides: int
-):
+def compile_for_sm90(group_size: int, topk: int = 2048, num_kv_rows: int = 65536, *, marks: bool = False):
     """Compile the shared-memory build for sm_90 ahead of time (no GPU needed); returns Triton's
     compiled kernel (``asm["ptx"]``, ``asm["llir"]``, ``metadata``); ``marks``: the variant that also
     marks the 64-row blocks the union touches.
@@ -359,7 +354,7 @@ def compile_for_sm90(
         raise RuntimeError(f"triton.experimental.gluon unavailable ({GLUON_IMPORT_ERROR})")
     from shardattn.kernels.gluon.compat import compile_sm90
 
-    cfg = launch_config(group_size, topk, num_kv_rows, **overrides)
+    cfg = launch_config(group_size, topk, num_kv_rows)
     num_warps = cfg.pop("num_warps")
     cfg.pop("per_sm")
     constexprs = {"G": group_size, "HAS_LEN": True, "HAS_MARKS": marks, "MARK_SHIFT": 1, **cfg}

@@ -1,15 +1,14 @@
 """The bitmap union builder: a group's union from a bit per KV row, with no sort at all.
 
-:func:`shardattn.ops.union.build_union` with ``method="bitmap"`` launches
-:func:`bitmap_union` once. On sm_90 with Gluon that runs the same three phases in shared memory
-(:mod:`shardattn.kernels.gluon.union_smem`, several times faster); this module's Triton kernel, described
-below, runs elsewhere (other GPUs, a Triton without Gluon, the interpreter) and on request
-(``kernel="triton"``). Every other builder sorts: the rows of each query (``torch.sort`` of
-``[T, K]``, the larger part of an unsorted build) and then merges. Here a persistent program
-owns a bitmap of one bit per KV row (``ceil(R / 32)`` int32 words, zero between groups) and a
-packed int64 array of the same width, and builds each of its groups in three phases separated
-by CTA barriers (the scratch lives in global memory: the bitmap, which atomics set, is read
-through L2 only; the packed words, which the program writes itself, through L1):
+:func:`shardattn.ops.union.build_union` with ``method="bitmap"`` runs the same three phases in
+shared memory on sm_90 with Gluon (:mod:`shardattn.kernels.gluon.union_smem`, several times faster)
+and elsewhere (other GPUs, a Triton without Gluon, the interpreter) launches this module's Triton
+kernel, described below, once (:func:`bitmap_union`). Every other builder sorts: the rows of each
+query (``torch.sort`` of ``[T, K]``, the larger part of an unsorted build) and then merges. Here a
+persistent program owns a bitmap of one bit per KV row (``ceil(R / 32)`` int32 words, zero between
+groups) and a packed int64 array of the same width, and builds each of its groups in three phases
+separated by CTA barriers (the scratch lives in global memory: the bitmap, which atomics set, is
+read through L2 only; the packed words, which the program writes itself, through L1):
 
 1. **mark**: every valid entry of the group's ``G`` queries sets its row's bit (``atomic_or``; a
    row listed twice, or by several queries, is one bit); the group's lowest and highest rows
@@ -44,9 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn._checks import check_choice
 from shardattn.kernels.backend import unit_stride
-from shardattn.kernels.gluon.union_smem import smem_union, smem_unsupported_reason
 
 try:
     import triton
@@ -58,8 +55,6 @@ except ImportError:  # the torch reference still works
 MAX_ROWS = 2**24 - 1
 #: Scratch budget of one launch: programs x ``3 * ceil(R / 32)`` int32 stays below this.
 SCRATCH_BYTES = 64 << 20
-#: Which bitmap kernel runs (:func:`bitmap_union`).
-KERNELS = ("auto", "gluon", "triton")
 #: Persistent programs per SM (when the scratch budget allows): 4 and 16 measured the same on an
 #: H200 (docs/DECISIONS.md, D14), 4 takes a quarter of the scratch.
 PROGRAMS_PER_SM = 4
@@ -76,18 +71,12 @@ def bitmap_launch_config(group_size: int, topk: int) -> dict[str, int]:
     return {"BLOCK": block, "WCHUNK": 1024, "num_warps": 4}
 
 
-def bitmap_programs(
-    num_groups: int,
-    num_kv_rows: int,
-    device: torch.device,
-    per_sm: int = PROGRAMS_PER_SM,
-    scratch_bytes: int = SCRATCH_BYTES,
-) -> int:
-    """Persistent programs of one launch: ``per_sm`` per SM (4 SMs off the GPU), capped by the
-    groups and by ``scratch_bytes`` of scratch (12 bytes per bitmap word; at least one)."""
+def bitmap_programs(num_groups: int, num_kv_rows: int, device: torch.device) -> int:
+    """Persistent programs of one launch: :data:`PROGRAMS_PER_SM` per SM (4 SMs off the GPU), capped
+    by the groups and by :data:`SCRATCH_BYTES` of scratch (12 bytes per bitmap word; at least one)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    by_scratch = scratch_bytes // (12 * bitmap_words(num_kv_rows))
-    return max(1, min(num_groups, per_sm * sms, by_scratch))
+    by_scratch = SCRATCH_BYTES // (12 * bitmap_words(num_kv_rows))
+    return max(1, min(num_groups, PROGRAMS_PER_SM * sms, by_scratch))
 
 
 if triton is not None:
@@ -134,7 +123,6 @@ if triton is not None:
         ROWS, TOPK_LEN, UNION, LENS, BITMAP, PACKED,
         T, K, num_rows, n_groups, stride_rows_t, stride_union_g, words,
         G: tl.constexpr, BLOCK: tl.constexpr, WCHUNK: tl.constexpr, HAS_LEN: tl.constexpr,
-        PLACE_CG: tl.constexpr = False,
     ):  # fmt: skip
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -170,10 +158,8 @@ if triton is not None:
                 t = g.to(tl.int64) * G + j
                 for k0 in range(0, K, BLOCK):
                     row, ok = _entries(ROWS, TOPK_LEN, t, T, K, k0, num_rows, stride_rows_t, BLOCK, HAS_LEN)
-                    if PLACE_CG:
-                        v = tl.load(packed + (row >> 5), mask=ok, other=0, cache_modifier=".cg")
-                    else:  # this program wrote them (barrier above): L1 serves the group's repeats
-                        v = tl.load(packed + (row >> 5), mask=ok, other=0)
+                    # this program wrote them (barrier above): L1 serves the group's repeats
+                    v = tl.load(packed + (row >> 5), mask=ok, other=0)
                     rank = (v >> 32).to(tl.int32) + _popcount(v.to(tl.int32) & ~(-1 << (row & 31)))
                     if G > 1:
                         bit = tl.full([], 1, tl.int32) << (24 + j)
@@ -195,15 +181,10 @@ def bitmap_union(
     group_size: int,
     union: torch.Tensor,
     lens: torch.Tensor,
-    *,
-    per_sm: int | None = None,
-    scratch_bytes: int = SCRATCH_BYTES,
-    config: dict[str, int] | None = None,
-    kernel: str = "auto",
 ) -> None:
-    """Launch the bitmap builder (inputs checked by :func:`~shardattn.ops.union.build_union`):
-    the shared-memory Gluon kernel (:mod:`~shardattn.kernels.gluon.union_smem`) where it runs, else
-    this module's Triton kernel.
+    """Launch the Triton bitmap builder (inputs checked by :func:`~shardattn.ops.union.build_union`,
+    which runs the shared-memory Gluon kernel, :mod:`~shardattn.kernels.gluon.union_smem`, instead
+    where that runs).
 
     Args:
         rows: ``[T, K]`` int32, unit stride along ``K``; invalid entries anywhere.
@@ -212,28 +193,13 @@ def bitmap_union(
         group_size: ``G`` in ``(1, 2, 4, 8)``.
         union: ``[ceil(T/G), G*K]`` int32 output (unit stride along the width).
         lens: ``[ceil(T/G)]`` int32 output.
-        per_sm, scratch_bytes: persistent programs per SM (:func:`bitmap_programs`, or the
-            Gluon kernel's :func:`~shardattn.kernels.gluon.union_smem.launch_config`) and the Triton
-            kernel's scratch cap (benchmarks sweep them).
-        config: overrides of the kernel's launch config (benchmarks sweep them).
-        kernel: ``"auto"`` (the Gluon kernel where :func:`~shardattn.kernels.gluon.union_smem.smem_unsupported_reason`
-            says so), ``"gluon"`` (it, or ``ValueError`` saying why not) or ``"triton"``.
     """
     topk_length = unit_stride(topk_length)
-    check_choice("kernel", kernel, KERNELS)
-    why = smem_unsupported_reason(rows, group_size) if kernel != "triton" else "kernel='triton'"
-    if kernel == "gluon" and why is not None:
-        raise ValueError(f"kernel='gluon' cannot run: {why}")
-    if why is None:
-        smem_cfg = {**(config or {}), **({"per_sm": per_sm} if per_sm is not None else {})}
-        smem_union(rows, topk_length, num_kv_rows, group_size, union, lens, config=smem_cfg)
-        return
-    per_sm = PROGRAMS_PER_SM if per_sm is None else per_sm
     t, k = rows.shape
     n_groups = union.shape[0]
     words = bitmap_words(num_kv_rows)
-    programs = bitmap_programs(n_groups, num_kv_rows, rows.device, per_sm, scratch_bytes)
-    cfg = {**bitmap_launch_config(group_size, k), **(config or {})}
+    programs = bitmap_programs(n_groups, num_kv_rows, rows.device)
+    cfg = bitmap_launch_config(group_size, k)
     bitmap = torch.zeros(programs, words, dtype=torch.int32, device=rows.device)
     packed = torch.empty(programs, words, dtype=torch.int64, device=rows.device)
     _bitmap_union_kernel[(programs,)](
