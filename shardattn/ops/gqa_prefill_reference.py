@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from shardattn.ops.softmax_rows import softmax_rows
+
 __all__ = ["CHUNK_BYTES", "segment_attention_reference"]
 
 #: Bytes of fp32 scores one query chunk may hold (bounds memory on CPU and GPU alike).
@@ -88,7 +90,7 @@ def segment_attention_reference(
     cu = cu_q.tolist()
     lens = k_len.tolist()
     starts = [] if cu_k is None or paged else cu_k[:-1].tolist()
-    sink = None if sinks is None else sinks.float().view(1, hkv, group, 1)
+    sink = None if sinks is None else sinks.float().view(1, hkv, group)
     for s, length in enumerate(lens):
         q0, m = cu[s], cu[s + 1] - cu[s]
         if m <= 0:
@@ -110,11 +112,7 @@ def segment_attention_reference(
             if window_left >= 0:
                 visible &= kj >= qi - window_left
             scores = scores.masked_fill(~visible[:, None, None, :], -math.inf)
-            if sink is not None:
-                scores = torch.cat([scores, sink.expand(i1 - i0, -1, -1, -1)], dim=-1)
-            row_lse = torch.logsumexp(scores, dim=-1)  # [c, Hkv, G]; -inf for a row with no term
-            safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
-            probs = torch.exp(scores[..., : hi - lo] - safe[..., None])
+            probs, row_lse = softmax_rows(scores, sink)  # [c, Hkv, G, n], [c, Hkv, G]
             o = torch.einsum("cgrn,ngd->cgrd", probs, vc)
             out[q0 + i0 : q0 + i1] = o.reshape(i1 - i0, h, -1).to(q.dtype)
             lse[q0 + i0 : q0 + i1] = row_lse.reshape(i1 - i0, h)

@@ -28,6 +28,7 @@ import torch
 from shardattn.kernels.backend import kernel_destination, written_back
 from shardattn.ops.head_blocked import q_heads_view, store_result
 from shardattn.ops.row_entries import first_occurrences, valid_mask
+from shardattn.ops.softmax_rows import softmax_rows
 from shardattn.ops.sparse_mla_checks import (
     check_destinations,
     check_kv_rows,  # noqa: F401 (public here too)
@@ -111,19 +112,9 @@ def sparse_mla_reference(
         qc = q[t0:t1].to(compute_dtype)  # [c, H, D]
         s = torch.einsum("chd,ckd->chk", qc, keys) * scale
         s = s.masked_fill(~valid[t0:t1, None, :], -math.inf)
-        m = s.amax(dim=-1)  # [c, H]
-        if sink is not None:
-            m = torch.maximum(m, sink[None, :])
-        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        p = torch.exp(s - m_safe[..., None])
-        denom = p.sum(dim=-1)
-        if sink is not None:
-            denom = denom + torch.exp(sink[None, :] - m_safe)
-        o = torch.einsum("chk,ckd->chd", p, keys[..., :v_dim])
-        empty = denom == 0  # no key (a NaN logit gives a NaN sum, which propagates to out and lse)
-        o = o / torch.where(empty, torch.ones_like(denom), denom)[..., None]
-        out[t0:t1] = o.to(q.dtype)
-        lse[t0:t1] = torch.where(empty, torch.full_like(m, -math.inf), m_safe + torch.log(denom)).float()
+        p, row_lse = softmax_rows(s, None if sink is None else sink[None, :])  # [c, H, K], [c, H]
+        out[t0:t1] = torch.einsum("chk,ckd->chd", p, keys[..., :v_dim]).to(q.dtype)
+        lse[t0:t1] = row_lse.float()
     return out, lse
 
 
