@@ -36,6 +36,7 @@ import torch
 from shardattn._checks import INDEX_DTYPES, check_bool, check_int, check_not_inputs, check_same_device, check_tensor
 from shardattn.kernels.backend import kernel_destination, use_triton, written_back
 from shardattn.kernels.triton.topk import launch_convert_topk
+from shardattn.plan.context import dcp_local_index, dcp_owner
 
 INT32_MAX = 2**31 - 1
 
@@ -108,8 +109,8 @@ def convert_topk_reference(
     local = pos
     if dcp is not None:
         world, inter, rank = dcp
-        valid &= (pos // inter) % world == rank
-        local = (pos // (world * inter)) * inter + pos % inter
+        valid &= dcp_owner(pos, world, inter) == rank
+        local = dcp_local_index(pos, world, inter)
     blk = local // block_size
     valid &= blk < m
     if b == 0 or m == 0:

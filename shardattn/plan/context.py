@@ -220,8 +220,8 @@ def dcp_translate_topk(
         col = torch.arange(topk_positions.shape[1], device=topk_positions.device)
         valid &= col[None, :] < topk_length.to(col.dtype)[:, None]
     pos = topk_positions.clamp(min=0)
-    owned = valid & (torch.div(pos, i, rounding_mode="floor") % n == r)
-    local = torch.div(pos, n * i, rounding_mode="floor") * i + pos % i
+    owned = valid & (dcp_owner(pos, n, i) == r)
+    local = dcp_local_index(pos, n, i)
     return torch.where(owned, local, torch.full_like(local, -1))
 
 
