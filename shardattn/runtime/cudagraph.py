@@ -43,6 +43,7 @@ import torch
 
 from shardattn._checks import check_bool, check_choice, check_int
 from shardattn.plan.cudagraph import CGSupport
+from shardattn.plan.decode_batch import bucket_for
 from shardattn.runtime.graph_capture import DecodeGraph, Outputs, check_capture_allowed
 
 __all__ = ["GraphInput", "GraphRunner"]
@@ -212,11 +213,11 @@ class GraphRunner:
         with the reason when the batch is larger than every captured size. A runner never captured
         (``capture=False``) pads the same way and runs eagerly, and says so."""
         check_int("batch", batch, minimum=1)
-        for b in self.batch_sizes:
-            if b >= batch:
-                if not self.graphs:
-                    return b, f"eager (not captured): {batch} requests padded to the batch of {b}"
-                return b, f"replay: {batch} requests padded to the captured batch of {b}"
+        b = bucket_for(batch, self.batch_sizes)
+        if b is not None and not self.graphs:
+            return b, f"eager (not captured): {batch} requests padded to the batch of {b}"
+        if b is not None:
+            return b, f"replay: {batch} requests padded to the captured batch of {b}"
         return None, f"eager: {batch} requests exceed the largest captured batch ({self.batch_sizes[-1]})"
 
     def padded_size(self, batch: int) -> int:
