@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from shardattn.kernels.split_count import pick_splits
 from shardattn.kernels.triton.lse_merge import split_partials_numel
 
 __all__ = [
@@ -92,26 +93,16 @@ def gluon_decode_plan(
     def fits(s: int) -> bool:
         return max_partial_elems is None or split_partials_numel(s, num_tokens, num_heads, v_dim) <= max_partial_elems
 
-    if num_splits is None:
+    def cost(s: int) -> float:
+        waves = -(-num_tokens * hb * s // num_sms)
+        chunk = shape(s)[1]
+        t = waves * (CTA_OVERHEAD_US + chunk * KEY_US[kv_fp8])
+        if s > 1:
+            part = split_partials_numel(s, num_tokens, num_heads, v_dim) * 4 * 2
+            t += MERGE_US + part / BYTES_PER_US
+        return t
 
-        def cost(s: int) -> float:
-            waves = -(-num_tokens * hb * s // num_sms)
-            chunk = shape(s)[1]
-            t = waves * (CTA_OVERHEAD_US + chunk * KEY_US[kv_fp8])
-            if s > 1:
-                part = split_partials_numel(s, num_tokens, num_heads, v_dim) * 4 * 2
-                t += MERGE_US + part / BYTES_PER_US
-            return t
-
-        candidates = sorted({shape(1 << i)[0] for i in range(MAX_SPLITS.bit_length()) if (1 << i) <= MAX_SPLITS})
-        s = min((c for c in candidates if fits(c)), key=cost, default=1)
-    else:
-        s = shape(max(1, min(int(num_splits), k)))[0]
-        while s > 1 and not fits(s):
-            s = shape(s // 2)[0] if s > 2 else 1
-    if s > 1 and not fits(s):
-        s = 1
-    s, chunk = shape(s)
+    s, chunk = shape(pick_splits(shape, fits, cost, asked=num_splits, limit=k, max_splits=MAX_SPLITS))
     return {"num_splits": s, "chunk": chunk}
 
 

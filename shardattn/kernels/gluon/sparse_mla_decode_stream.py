@@ -41,6 +41,7 @@ import torch
 from shardattn.kernels.backend import unit_stride
 from shardattn.kernels.gluon.compat import HAS_GLUON
 from shardattn.kernels.gluon.sparse_mla_decode_small import LOG2E, _padded_heads, launch_split_and_merge
+from shardattn.kernels.split_count import pick_splits
 from shardattn.kernels.triton.lse_merge import split_partials_numel
 from shardattn.plan.crossovers import STREAM_MERGE_COLUMNS, STREAM_MERGE_WARPS
 
@@ -126,14 +127,8 @@ def stream_decode_plan(
             t += MERGE_US + 2 * split_partials_numel(s, num_tokens, num_heads, 512) * 4 / HBM_BYTES_PER_US
         return t
 
-    if num_splits is None:
-        candidates = sorted({shape(1 << i)[0] for i in range(MAX_SPLITS.bit_length()) if (1 << i) <= MAX_SPLITS})
-        s = min((c for c in candidates if fits(c)), key=cost, default=1)
-    else:
-        s = shape(max(1, min(int(num_splits), MAX_SPLITS, nb)))[0]
-        while s > 1 and not fits(s):
-            s = shape(s // 2)[0]
-    s, blocks = shape(s if fits(s) else 1)
+    limit = min(MAX_SPLITS, nb)
+    s, blocks = shape(pick_splits(shape, fits, cost, asked=num_splits, limit=limit, max_splits=MAX_SPLITS))
     return {"num_splits": s, "blocks": blocks, "programs": min(num_sms, max(1, num_tokens * s))}
 
 
