@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 _MASK64 = (1 << 64) - 1
-#: Named parts an agreement compares one by one (a fingerprint's first this many; the rest count in
+#: Named parts a disagreement compares one by one (a fingerprint's first this many; the rest count in
 #: the whole): every rank sends this many (a launcher's options are 35), so the all-gather has one size.
 MAX_PARTS = 40
 
@@ -63,16 +63,21 @@ def stable_fingerprint(*parts: object) -> int:
 
 
 class Fingerprint(int):
-    """A step's fingerprint (an int) that keeps each named part's own, so that ranks that
-    disagree learn on what (:func:`check_agreement`): ``parts`` is ``((name, fingerprint), ...)``."""
+    """A step's fingerprint (an int: ``stable_fingerprint(tag, *values)``, one hash) that keeps its
+    named parts, so that ranks that disagree learn on what (:func:`check_agreement` hashes the parts
+    one by one only then): ``parts`` is ``((name, value), ...)``."""
 
-    parts: tuple[tuple[str, int], ...]
+    parts: tuple[tuple[str, object], ...]
 
     def __new__(cls, tag: str, parts: dict[str, object]) -> Fingerprint:
-        named = tuple((name, stable_fingerprint(name, value)) for name, value in parts.items())
-        made = super().__new__(cls, stable_fingerprint(tag, *(h for _, h in named)))
-        made.parts = named
+        made = super().__new__(cls, stable_fingerprint(tag, *parts.values()))
+        made.parts = tuple(parts.items())
         return made
+
+    def part_hashes(self) -> list[int]:
+        """Each part's own fingerprint (the first :data:`MAX_PARTS`), zeros after them."""
+        named = [stable_fingerprint(name, value) for name, value in self.parts[:MAX_PARTS]]
+        return named + [0] * (MAX_PARTS - len(named))
 
 
 def named_fingerprint(tag: str, parts: dict[str, object]) -> Fingerprint:
@@ -111,10 +116,11 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
     """Raise the same ``ValueError`` on every rank unless all ranks hold the same fingerprint.
 
     One all-gather of ``[fingerprint, failed, step]`` per rank (counted as ``"agreement"`` only, so
-    the data collectives of a step can be counted on their own). Call it on every rank before
-    a step's data collectives; pass the local validation error, if any, as ``error`` so ranks
-    whose inputs were fine fail too instead of waiting in a collective for the rank that
-    raised. The ranks also agree on the step they are in (the failure reports name it,
+    the data collectives of a step can be counted on their own), and where the fingerprints differ
+    a second one of the parts' (every rank sees the same difference, so every rank joins it).
+    Call it on every rank before a step's data collectives; pass the local validation error, if
+    any, as ``error`` so ranks whose inputs were fine fail too instead of waiting in a collective
+    for the rank that raised. The ranks also agree on the step they are in (the failure reports name it,
     :mod:`~shardattn.parallel.peer_failures`): a rank that counted fewer steps catches up.
 
     Args:
@@ -128,9 +134,7 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
         others, or naming the ranks whose fingerprint differs from the majority's (and on what).
     """
     comm.counts["agreement"] += 1
-    parts = getattr(fingerprint, "parts", ())[:MAX_PARTS] if error is None else ()
-    hashes = [h for _, h in parts] + [0] * (MAX_PARTS - len(parts))
-    rows = comm._gather_ints([fingerprint, 1 if error is not None else 0, comm.step, *hashes])
+    rows = comm._gather_ints([fingerprint, 1 if error is not None else 0, comm.step])
     comm.catch_up(max(row[2] for row in rows))  # a rank that began no step here counts it now
     failed = [r for r, row in enumerate(rows) if row[1]]
     if error is not None:
@@ -144,12 +148,21 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
     bad, good = dissenters(values)
     if not bad:
         return
-    differ = [name for i, (name, _) in enumerate(parts) if any(rows[r][3 + i] != rows[good[0]][3 + i] for r in bad)]
+    differ = _differing_parts(comm, fingerprint, bad, good[0])
     on = f" on {', '.join(differ)}" if differ else ""
     raise ValueError(
         f"{what}: rank(s) {bad} disagree with rank(s) {good}{on} (fingerprints {values}); every rank must pass "
         f"the same {what}"
     )
+
+
+def _differing_parts(comm: Comm, fingerprint: int, bad: list[int], good: int) -> list[str]:
+    """The names of this rank's parts whose fingerprints differ between a rank of ``bad`` and rank
+    ``good`` (one more all-gather, on every rank: a plain int sends zeros and names nothing)."""
+    parts = fingerprint.parts[:MAX_PARTS] if isinstance(fingerprint, Fingerprint) else ()
+    hashes = fingerprint.part_hashes() if isinstance(fingerprint, Fingerprint) else [0] * MAX_PARTS
+    rows = comm._gather_ints(hashes)
+    return [name for i, (name, _) in enumerate(parts) if any(rows[r][i] != rows[good][i] for r in bad)]
 
 
 def agree_on(comm: Comm, what: str, validate: Callable[[], int], *, check: bool = True) -> None:
