@@ -9,6 +9,7 @@ name rank 1 as silent, not blame its old error."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -77,13 +78,14 @@ def _two_runtimes(group: dist.ProcessGroup) -> object:
     group = short_timeout_group(group, TIMEOUT_S)
     rank = dist.get_rank(group)
     tokens = 0 if rank == 1 else 128  # rank 1's max_batched_tokens is out of range
-    first = _outcome(lambda: Runtime(MLA, group, mode="shardq", max_batched_tokens=tokens, warmup=False))
+    spec = dataclasses.replace(MLA, num_heads=24)  # heads that 2, 3 or 4 ranks split
+    first = _outcome(lambda: Runtime(spec, group, mode="shardq", max_batched_tokens=tokens, warmup=False))
     if rank == 1:
         assert isinstance(first, str) and first.startswith("ValueError: max_batched_tokens"), first
         time.sleep(STALL_S)
         return None
     assert not isinstance(first, str) and first[0], first  # rank 0 named rank 1's ValueError
-    return _outcome(lambda: Runtime(MLA, group, mode="shardq", max_batched_tokens=128, warmup=False))
+    return _outcome(lambda: Runtime(spec, group, mode="shardq", max_batched_tokens=128, warmup=False))
 
 
 def _check(results: list[object]) -> None:
