@@ -95,12 +95,12 @@ def test_check_agreement_names_the_disagreeing_rank_on_every_rank(dist_pool, val
 
 def _named_agreement(group: dist.ProcessGroup) -> str:
     """Rank 2 passes another v_dim, rank 1 another q shape too; rank 0 holds the majority's."""
-    from shardattn.parallel.agreement import named_fingerprint
+    from shardattn.parallel.agreement import Fingerprint
 
     comm = Comm(group)
     shape, v_dim = ((4, 8), 512) if comm.rank == 0 else ((4, 8), 256) if comm.rank == 2 else ((5, 8), 512)
     names = {"q's shape": shape, "v_dim": v_dim, **{f"part {i}": i for i in range(20)}}  # past MAX_PARTS
-    return catch(comm.check_agreement, named_fingerprint("step", names), "test step")[1]
+    return catch(comm.check_agreement, Fingerprint("step", names), "test step")[1]
 
 
 @pytest.mark.distributed

@@ -14,7 +14,7 @@ import torch
 
 from shardattn import __version__
 from shardattn.launch.cli import Options, Shape, option_flags
-from shardattn.parallel.agreement import Fingerprint, named_fingerprint
+from shardattn.parallel.agreement import Fingerprint
 from shardattn.plan.spec import ModelSpec
 
 __all__ = ["RunConfig"]
@@ -52,7 +52,7 @@ class RunConfig:
         }  # fmt: skip
         parts.update({flags.get(k, k): v for k, v in dataclasses.asdict(self.opts).items() if k not in local})
         parts["the step's shape"] = self.shape  # what the options resolve to (after the flags: they name it)
-        return named_fingerprint("launch", parts)
+        return Fingerprint("launch", parts)
 
     def describe(self) -> dict[str, Any]:
         s = self.shape

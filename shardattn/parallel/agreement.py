@@ -35,7 +35,6 @@ __all__ = [
     "agree_on",
     "check_agreement",
     "dissenters",
-    "named_fingerprint",
     "settle",
     "stable_fingerprint",
     "to_int64",
@@ -63,9 +62,17 @@ def stable_fingerprint(*parts: object) -> int:
 
 
 class Fingerprint(int):
-    """A step's fingerprint (an int: ``stable_fingerprint(tag, *values)``, one hash) that keeps its
-    named parts, so that ranks that disagree learn on what (:func:`check_agreement` hashes the parts
-    one by one only then): ``parts`` is ``((name, value), ...)``."""
+    """The fingerprint of a step ``tag`` over ``parts`` (an int: ``stable_fingerprint(tag, *values)``,
+    one hash) that keeps the parts under the names the caller passed the arguments by
+    (``{"q's shape": (4, 8, 576), "the plan (query_lens, prefix_lens)": plan.fingerprint()}``), so
+    that ranks that disagree learn on what (:func:`check_agreement` hashes the parts one by one only
+    then): ``parts`` is ``((name, value), ...)``.
+
+    >>> a = Fingerprint("step", {"q shape": (4, 8), "v_dim": 512})
+    >>> b = Fingerprint("step", {"q shape": (4, 8), "v_dim": 256})
+    >>> a == b, [n for (n, x), (_, y) in zip(a.parts, b.parts) if x != y]
+    (False, ['v_dim'])
+    """
 
     parts: tuple[tuple[str, object], ...]
 
@@ -78,19 +85,6 @@ class Fingerprint(int):
         """Each part's own fingerprint (the first :data:`MAX_PARTS`), zeros after them."""
         named = [stable_fingerprint(name, value) for name, value in self.parts[:MAX_PARTS]]
         return named + [0] * (MAX_PARTS - len(named))
-
-
-def named_fingerprint(tag: str, parts: dict[str, object]) -> Fingerprint:
-    """The fingerprint of a step ``tag`` over ``parts`` (named as the caller passed the arguments,
-    ``{"q shape": (4, 8, 576), "plan (query_lens, prefix_lens)": plan.fingerprint()}``), equal in
-    every process for equal parts.
-
-    >>> a = named_fingerprint("step", {"q shape": (4, 8), "v_dim": 512})
-    >>> b = named_fingerprint("step", {"q shape": (4, 8), "v_dim": 256})
-    >>> a == b, [n for (n, x), (_, y) in zip(a.parts, b.parts) if x != y]
-    (False, ['v_dim'])
-    """
-    return Fingerprint(tag, parts)
 
 
 def to_int64(value: int) -> int:
@@ -125,7 +119,7 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
 
     Args:
         fingerprint: any Python int (folded to int64), e.g. ``plan.fingerprint()``; a
-            :class:`Fingerprint` (:func:`named_fingerprint`) also has its named parts compared,
+            :class:`Fingerprint` also has its named parts compared,
             so that a disagreement names the parts that differ.
         what: what the fingerprint describes, for the message (``"ShardQ plan"``).
         error: this rank's validation error; re-raised here after the exchange.

@@ -40,7 +40,7 @@ from shardattn._checks import (
     check_tensor,
 )
 from shardattn.ops.lse_merge import merge_weights, run_lse_merge, weighted
-from shardattn.parallel.agreement import named_fingerprint
+from shardattn.parallel.agreement import Fingerprint
 from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.packing import check_byte_buffers, packed_nbytes, view_bytes
@@ -139,7 +139,7 @@ def collect_partials(
             check_not_inputs({"buffers['send']": buffers.get("send")}, {"out": out, "lse": lse}, reader="the collector")
         if not check:
             return 0  # nothing to agree on
-        return named_fingerprint(
+        return Fingerprint(
             "collect_partials",
             {
                 "out's shape": tuple(out.shape),

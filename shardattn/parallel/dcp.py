@@ -58,7 +58,7 @@ from shardattn._checks import (
 from shardattn.ops.sparse_mla import check_kv_rows
 from shardattn.ops.sparse_mla_decode import sparse_mla_decode
 from shardattn.ops.topk import INT32_MAX, DcpShard, convert_topk
-from shardattn.parallel.agreement import named_fingerprint
+from shardattn.parallel.agreement import Fingerprint
 from shardattn.parallel.collector import collect_checked, exchange_bytes, exchange_dtypes, resolve_strategy
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
@@ -278,7 +278,7 @@ def dcp_sparse_mla_decode(
         check_dcp_workspace(workspace, q, comm.world_size, v_dim, topk_pos.shape[1], chosen, scatter_heads, inputs)
         if not check:
             return 0  # nothing to agree on: skip hashing on the step's hot path
-        return named_fingerprint("dcp_sparse_mla", {
+        return Fingerprint("dcp_sparse_mla", {
             "the DCP layout (interleave)": layout, "q's shape": tuple(q.shape), "q's dtype": q.dtype,
             "kv's dtype": kv_rows.dtype, "v_dim": v_dim, "the top-k width": topk_pos.shape[1],
             "the requests (block_table rows)": b,

@@ -25,7 +25,7 @@ from shardattn._checks import (
     check_tensor,
 )
 from shardattn.ops.gqa_decode import BACKENDS, run_gqa_paged_decode
-from shardattn.parallel.agreement import named_fingerprint
+from shardattn.parallel.agreement import Fingerprint
 from shardattn.parallel.collector import collect_checked, resolve_strategy
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.dcp import (
@@ -180,7 +180,7 @@ def dcp_gqa_decode(
         if not check:
             return 0  # nothing to agree on: skip hashing on the step's hot path
         lens = (_host_values(seq_lens), _host_values(cu_q_lens)) if lens_fingerprint is None else (lens_fingerprint,)
-        return named_fingerprint("dcp_gqa", {
+        return Fingerprint("dcp_gqa", {
             "the DCP layout (interleave)": layout, "q's shape": tuple(q.shape), "q's dtype": q.dtype,
             "the KV heads": hkv, "the requests (block_table rows)": b, "q_len_per_req": q_len_per_req,
             "causal": causal, "sinks (given or not)": sinks is not None,

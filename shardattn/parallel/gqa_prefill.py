@@ -52,7 +52,7 @@ from shardattn.kernels.fa4_launch import FA4Launches
 from shardattn.ops.gqa_prefill import check_new_keys, check_prefix_inputs, gqa_prefill_route, segment_kernel
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel
 from shardattn.ops.gqa_prefill_segments import PagedPrefix, Segments, attend_segments, plan_segments
-from shardattn.parallel.agreement import named_fingerprint
+from shardattn.parallel.agreement import Fingerprint
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.pcp import gather_pcp_outputs
@@ -196,7 +196,7 @@ def _check_pcp(
             prefix.block_table, [p + n for p, n in zip(mine.prefix, mine.query_lens)], page_size=page,
             num_pages=num_pages, whose="the new tokens of requests",
         )  # fmt: skip
-    fingerprint = named_fingerprint("gqa-pcp", {
+    fingerprint = Fingerprint("gqa-pcp", {
         "the plan (query_lens, prefix_lens)": plan_fingerprint, "q's heads": h, "the KV heads": hkv,
         "the head dim": d, "q's dtype": q.dtype, "sinks (given or not)": sinks is not None,
         "window_left": window_left, "gather_output": gather_output, "a cached prefix": has_prefix,

@@ -38,7 +38,7 @@ from shardattn._checks import (
 from shardattn.ops.lse_merge import lse_merge
 from shardattn.ops.sparse_mla import check_kv_rows, sparse_mla_attention
 from shardattn.ops.topk import INT32_MAX, convert_topk
-from shardattn.parallel.agreement import named_fingerprint
+from shardattn.parallel.agreement import Fingerprint
 from shardattn.parallel.comm import Comm, pack_rows, unpack_rows
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.local_attention import AttentionFn, with_lse
@@ -128,7 +128,7 @@ def _check_inputs(
         q=q, kv_new=kv_new, topk_pos=topk_pos, kv_cache=kv_cache, block_table=block_table,
         topk_length=topk_length, sinks=sinks,
     )  # fmt: skip
-    return named_fingerprint("pcp", {
+    return Fingerprint("pcp", {
         "the plan (query_lens, prefix_lens)": plan.fingerprint() if check else None, "q's heads": h,
         "q's head dim": d, "q's dtype": q.dtype, "kv_new's dtype": kv_new.dtype, "v_dim": v_dim,
         "the top-k width": topk_pos.shape[1], "sinks / topk_length (given or not)": (

@@ -47,7 +47,7 @@ from shardattn._checks import (
 from shardattn.ops.prepared_union import SLICE_GROUPS
 from shardattn.ops.sparse_mla import check_kv_rows, sparse_mla_attention
 from shardattn.ops.union import GROUP_SIZES, MAX_PACKED_ROWS
-from shardattn.parallel.agreement import named_fingerprint
+from shardattn.parallel.agreement import Fingerprint
 from shardattn.parallel.comm import Comm
 from shardattn.parallel.groups import GroupLike
 from shardattn.parallel.local_attention import AttentionFn, with_lse
@@ -123,7 +123,7 @@ def _check_inputs(
             f"one_union with align={align} needs kv with <= {MAX_PACKED_ROWS} rows (24-bit packed union entries), "
             f"got {kv.shape[0]}; use align=1 (the per-query path) for such caches"
         )
-    return named_fingerprint(
+    return Fingerprint(
         "shardq",
         {
             "the plan (query_lens, prefix_lens)": plan.fingerprint() if check else None,

@@ -25,7 +25,7 @@ from shardattn._checks import check_int, check_sink_logits, check_tensor
 from shardattn.kernels import fa4
 from shardattn.ops.gqa_prefill import segment_kernel
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel, TorchSegmentKernel
-from shardattn.parallel.agreement import named_fingerprint
+from shardattn.parallel.agreement import Fingerprint
 from shardattn.plan.cost_route import cost_route
 from shardattn.plan.decode_routing import route_decode
 from shardattn.plan.kv_format import KV_FP8_DS_MLA
@@ -259,7 +259,7 @@ class RuntimePlanning(RuntimeState):
         except (TypeError, ValueError) as e:
             reject(self.comm, e, collective=self._prefill_agrees, check=check)
         if plan.shard is None and check and self._prefill_agrees:  # a head-TP step the cost model chose: its
-            fingerprint = named_fingerprint(  # its own agreement
+            fingerprint = Fingerprint(  # its own agreement
                 "prefill", {"the step": plan.step, "the tokens": plan.num_tokens, "the route": plan.route.path}
             )
             self.comm.check_agreement(fingerprint, "prefill plan")
