@@ -1,8 +1,8 @@
 """The import rules of docs/ARCHITECTURE.md, checked on the source (``ast``: module-level and
 function-level imports alike):
 
-* ``plan/`` is pure host code: it imports only ``shardattn._checks``, ``shardattn.errors`` and
-  itself, and never ``torch.distributed``;
+* ``plan/`` is pure host code: it imports only ``shardattn._checks``, ``shardattn._ints``,
+  ``shardattn.errors`` and itself, and never ``torch.distributed``;
 * ``kernels/`` imports nothing above it (no ``ops/``, ``parallel/``, ``runtime/``, ...);
 * ``ops/`` and ``kernels/`` never talk to a process group (no ``torch.distributed``);
 * ``parallel/`` imports no ``runtime/``; neither imports ``serving/`` or ``launch/``;
@@ -22,13 +22,14 @@ PACKAGE = Path(shardattn.__file__).parent
 
 #: Layer -> the top-level parts of shardattn it may import.
 ALLOWED = {
-    "plan": {"_checks", "errors", "plan"},
-    "kernels": {"_checks", "errors", "plan", "kernels"},
-    "ops": {"_checks", "errors", "plan", "kernels", "ops"},
-    "parallel": {"_checks", "errors", "plan", "kernels", "ops", "parallel"},
-    "runtime": {"_checks", "errors", "plan", "kernels", "ops", "parallel", "runtime"},
+    "plan": {"_checks", "_ints", "errors", "plan"},
+    "kernels": {"_checks", "_ints", "errors", "plan", "kernels"},
+    "ops": {"_checks", "_ints", "errors", "plan", "kernels", "ops"},
+    "parallel": {"_checks", "_ints", "errors", "plan", "kernels", "ops", "parallel"},
+    "runtime": {"_checks", "_ints", "errors", "plan", "kernels", "ops", "parallel", "runtime"},
     "errors.py": set(),
     "_checks.py": set(),
+    "_ints.py": set(),
 }
 NO_PROCESS_GROUPS = ("plan", "kernels", "ops")
 #: Calls that create a process group or a Ray actor.

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from shardattn._ints import next_pow2
 from shardattn.errors import CalibrationWarning
 from shardattn.plan.kv_format import KV_FORMATS
 from shardattn.plan.links import LinkRate
@@ -232,7 +233,7 @@ def candidate_group_sizes(heads: int, *, tile: int = TILE) -> tuple[int, ...]:
     >>> candidate_group_sizes(8), candidate_group_sizes(32), candidate_group_sizes(64)
     ((1, 2, 4, 8), (1, 2), (1,))
     """
-    padded = 1 << (max(1, heads) - 1).bit_length()
+    padded = next_pow2(heads)
     return (1, *(g for g in GROUPS if g * padded <= tile))
 
 

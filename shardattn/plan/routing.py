@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from shardattn._checks import check_bool, check_int
+from shardattn._ints import next_pow2
 from shardattn.plan.crossovers import (
     DEFAULT_MIN_TOKENS,
     GLUON_GROUPED_MAX_HEADS,
@@ -118,7 +119,7 @@ def tile_group_size(num_heads: int, *, tile_rows: int = TILE_ROWS) -> int:
     8
     """
     num_heads = check_int("num_heads", num_heads, minimum=1)
-    padded = 1 << (num_heads - 1).bit_length()
+    padded = next_pow2(num_heads)
     return max(1, min(max(GROUP_SIZES), tile_rows // padded))
 
 

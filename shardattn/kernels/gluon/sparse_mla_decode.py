@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from shardattn._ints import next_pow2
 from shardattn.kernels.split_count import pick_splits
 from shardattn.kernels.triton.lse_merge import split_partials_numel
 
@@ -116,8 +117,8 @@ def gluon_merge_tile(num_splits: int, v_dim: int = 512) -> tuple[int, int]:
         >>> [gluon_merge_tile(s) for s in (2, 4, 8, 16, 32)]
         [(4, 512), (2, 512), (1, 512), (1, 256), (1, 128)]
     """
-    p = max(2, 1 << (max(num_splits, 1) - 1).bit_length())
-    width = 1 << (max(v_dim, 1) - 1).bit_length()
+    p = max(2, next_pow2(num_splits))
+    width = next_pow2(v_dim)
     block_d = min(width, max(32, MERGE_TILE_ELEMS // p))
     return max(1, MERGE_TILE_ELEMS // (p * block_d)), block_d
 

@@ -37,6 +37,7 @@ from types import MappingProxyType
 
 import torch
 
+from shardattn._ints import next_pow2
 from shardattn.kernels.backend import unit_stride
 from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR, HAS_GLUON, cta_barrier, gl, gluon
 
@@ -68,14 +69,10 @@ CTA_RESERVED_BYTES = 1024
 SCRATCH_BYTES = 8192
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def union_slots(group_size: int, topk: int) -> int:
     """Union slots of a program: ``G * KPAD`` (``KPAD``: ``K`` rounded up to a power of two, at
     least 128)."""
-    return group_size * max(128, _next_pow2(topk))
+    return group_size * max(128, next_pow2(topk))
 
 
 def window_words(num_kv_rows: int) -> int:
@@ -88,7 +85,7 @@ def window_words(num_kv_rows: int) -> int:
 def region_words(group_size: int, topk: int, window: int) -> int:
     """Int32 words of the region: ``3 * window + G * KPAD`` rounded up to a power of two (Triton
     allocates power-of-two shapes)."""
-    return _next_pow2(3 * window + union_slots(group_size, topk))
+    return next_pow2(3 * window + union_slots(group_size, topk))
 
 
 def smem_unsupported_reason(rows: torch.Tensor, group_size: int) -> str | None:
@@ -114,7 +111,7 @@ def launch_config(group_size: int, topk: int, num_kv_rows: int) -> dict[str, int
     region = region_words(group_size, topk, window)
     by_smem = SM_SHARED_BYTES // (4 * region + SCRATCH_BYTES + CTA_RESERVED_BYTES)
     return {
-        "BLOCK": max(16, min(_next_pow2(max(topk, 1)), cfg["STEP"] // group_size)),
+        "BLOCK": max(16, min(next_pow2(topk), cfg["STEP"] // group_size)),
         "WG": min(group_size, num_warps),
         "WW": window,
         "CW": min(window, cfg["CW"]),

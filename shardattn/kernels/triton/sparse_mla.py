@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardattn._ints import next_pow2
 from shardattn.kernels.backend import unit_stride
 from shardattn.kernels.union_layout import num_groups
 
@@ -54,17 +55,13 @@ class TileConfig:
         return self.group_size * self.block_h
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def tile_config(heads: int, group_size: int, *, interpret: bool = False) -> TileConfig:
     """The tile for ``heads`` heads per query and ``G`` queries per tile.
 
     ``BLOCK_H = min(next_pow2(H), 64 // G)`` (at least ``16 // G`` so a tile has 16 rows), so a
     program holds at most 64 rows (the anchor: 128 rows in one Triton program spill registers).
     """
-    block_h = max(min(_pow2(heads), max(64 // group_size, 1)), max(16 // group_size, 1))
+    block_h = max(min(next_pow2(heads), max(64 // group_size, 1)), max(16 // group_size, 1))
     if interpret:
         return TileConfig(group_size, block_h, 16, 4, 1)
     block_m = group_size * block_h

@@ -10,6 +10,7 @@ from typing import Any, TypedDict, cast
 
 import torch
 
+from shardattn._ints import next_pow2
 from shardattn.plan.crossovers import ONE_WAVE_MAX_BLOCK_N, ONE_WAVE_MAX_ROWS, ONE_WAVE_MAX_SPLITS
 from shardattn.plan.decode_routing import route_decode_merge
 from shardattn.plan.routing import Route
@@ -51,7 +52,7 @@ class DecodeLaunchConfig(_DecodeLaunch, total=False):
 
 def _block_h(num_heads: int) -> int:
     """Heads of one program: 64 above 32 heads, else the next power of two (at least 16)."""
-    return 64 if num_heads > 32 else max(16, 1 << max(0, (num_heads - 1).bit_length()))
+    return 64 if num_heads > 32 else max(16, next_pow2(num_heads))
 
 
 def sparse_mla_decode_config(

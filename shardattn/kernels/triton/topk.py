@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from shardattn._ints import next_pow2
 from shardattn.kernels.backend import unit_stride
 
 try:
@@ -80,7 +81,7 @@ def convert_topk_kernel():
 
 def convert_topk_config(topk: int, seq_lens: bool, topk_length: bool, dcp: bool, packed: bool = False) -> dict:
     """Compile-time parameters of the conversion kernel for these flags (the warm-up key)."""
-    block_k = 1024 if topk > 512 else max(16, 1 << max(0, topk - 1).bit_length())
+    block_k = 1024 if topk > 512 else max(16, next_pow2(topk))
     cfg = {"HAS_SEQ": bool(seq_lens), "HAS_LEN": bool(topk_length), "HAS_DCP": bool(dcp), "BLOCK_K": block_k}
     return {**cfg, "PACK": True} if packed else cfg
 

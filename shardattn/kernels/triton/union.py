@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from shardattn._ints import next_pow2
 from shardattn.kernels.backend import unit_stride
 from shardattn.kernels.gluon.union_smem import smem_kernels
 from shardattn.kernels.triton.union_bitmap import bitmap_kernels
@@ -69,7 +70,7 @@ def union_kernels() -> tuple:
 def union_launch_config(group_size: int, topk: int) -> dict[str, int]:
     """Constexprs of the union kernels for ``(G, K)`` (the warm-up key): ``BLOCK_K`` / ``CHUNK`` of
     the keys and compaction kernels."""
-    kp = max(16, 1 << max(0, topk - 1).bit_length())
+    kp = max(16, next_pow2(topk))
     return {"G": group_size, "BLOCK_K": min(kp, 1024), "CHUNK": min(group_size * kp, 2048)}
 
 

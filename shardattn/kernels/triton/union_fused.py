@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from shardattn._ints import next_pow2
 from shardattn.kernels.backend import unit_stride
 
 try:
@@ -53,7 +54,7 @@ def fused_launch_config(group_size: int, topk: int) -> dict[str, int]:
     search and a windowed 8-output merge measured slower and were removed (docs/DECISIONS.md, D12
     and "Removed variants").
     """
-    kp = max(16, 1 << max(0, topk - 1).bit_length())
+    kp = max(16, next_pow2(topk))
     return {
         "G": group_size,
         "CHUNK": min(kp, 1024),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from shardattn._ints import next_pow2
 from shardattn.kernels.backend import unit_stride
 from shardattn.plan.union_routing import MAX_UNIQUE_ENTRIES
 
@@ -96,7 +97,7 @@ def unique_rows_config(topk: int) -> dict[str, int]:
     """Constexprs and warps of the kernel for a row list of ``topk`` entries (the warm-up key):
     ``BLOCK`` (``topk`` rounded up to a power of two, at least 16) and ``SLOT_BITS`` (a table of
     ``2 * BLOCK`` slots)."""
-    block = max(16, 1 << max(0, topk - 1).bit_length())
+    block = max(16, next_pow2(topk))
     return {"BLOCK": block, "SLOT_BITS": block.bit_length(), "num_warps": 8 if block >= 2048 else 4}
 
 
