@@ -83,7 +83,7 @@ def interpreted_cases() -> None:
     from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 
     q, kv, rows, nan = poisoned(16, 48, torch.float16)
-    out, lse = sparse_mla_per_query(q, kv, rows, scale=0.2, v_dim=32, interpret=True)
+    out, lse = sparse_mla_per_query(q, kv, rows, scale=0.2, v_dim=32)
     assert_poisoned(out, lse, q, kv, rows, nan, 32, 2e-3)
     print("ok per-query")
     for g in (1, 4):

@@ -270,7 +270,6 @@ def sparse_mla_per_query(
     lse_out: torch.Tensor | None = None,
     prepared_union: PreparedUnion | None = None,
     kernel: str = "triton",
-    interpret: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-query kernel path (``G = 1``): each query's rows sorted and de-duplicated (the union
     of one query), then attended by ``kernel`` (``"triton"`` or ``"gluon"``, sm_90). Inputs already
@@ -283,7 +282,6 @@ def sparse_mla_per_query(
         out / lse_out: optional destinations, plain or head-blocked, ``out`` with a unit last-dim
             stride (:func:`sparse_mla_attention` passes a dense one).
         prepared_union: the ``G = 1`` union of ``rows`` built ahead (checked by the caller), else built here.
-        interpret: the Triton tile for ``TRITON_INTERPRET=1`` (also chosen when it is set).
     Returns:
         ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)`` (the given destinations when passed).
     """
@@ -299,7 +297,7 @@ def sparse_mla_per_query(
     from shardattn.kernels.triton.sparse_mla import launch_attention, tile_config
 
     heads = q.shape[0] * q.shape[2] if q.dim() == 4 else q.shape[1]
-    cfg = tile_config(heads, 1, interpret=interpret or interpreter_enabled())
+    cfg = tile_config(heads, 1, interpret=interpreter_enabled())
     return launch_attention(q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse_out)
 
 

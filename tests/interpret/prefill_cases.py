@@ -138,7 +138,7 @@ def attention_cases(gen: torch.Generator) -> None:
     # fp32 per-query path, and a group spanning two requests (rows from different requests)
     q, kv = torch.randn(8, 8, D, generator=gen), torch.randn(r, D, generator=gen)
     rows = _rows_with_edge_cases(gen, 8, k, r)
-    out, lse = sparse_mla_per_query(q, kv, rows, scale=0.2, v_dim=D_V, interpret=True)
+    out, lse = sparse_mla_per_query(q, kv, rows, scale=0.2, v_dim=D_V)
     ref_o, ref_l = sparse_mla_reference(q, kv, rows, scale=0.2, v_dim=D_V)
     err = ((out - ref_o).norm() / ref_o.norm()).item()
     _report("attention[fp32,per_query]", err < 1e-4, f"rel_err={err:.1e}")
