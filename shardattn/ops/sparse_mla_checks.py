@@ -119,7 +119,7 @@ def check_sparse_prefill_inputs(
         ``[B, T, H/B, D]``), its ``[T, H, D]`` stand-in for shapes
         (:func:`~shardattn.ops.head_blocked.shape_stand_in`) and ``kv`` as ``[R, row]`` rows.
     """
-    q = join_q(q)
+    q = check_tensor("q", join_q(q))  # a tensor before its dims are read (head-blocked or not)
     q3 = shape_stand_in(q)
     kv = check_sparse_mla_inputs(
         q3, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale, kv_format=kv_format

@@ -77,6 +77,12 @@ def _sparse_rows() -> list[Row]:
         rows += [
             Row(f"{name}-q-int", _sparse(fn, q=lambda x: x["q"].int()), Raises(TypeError, r"^q must have dtype")),
             Row(f"{name}-q-2d", _sparse(fn, q=lambda x: x["q"][0]), Raises(ValueError, r"^q must have 3 dim")),
+            Row(f"{name}-q-none", _sparse(fn, q=lambda x: None), Raises(TypeError, r"^q must be a torch.Tensor")),
+            Row(  # an array is not read as queries: it has no strides the kernels could take
+                f"{name}-q-numpy",
+                _sparse(fn, q=lambda x: x["q"].numpy()),
+                Raises(TypeError, r"^q must be a torch.Tensor, got ndarray"),
+            ),
             Row(
                 f"{name}-q-wrong-width",
                 _sparse(fn, q=lambda x: torch.randn(3, 2, 40)),
