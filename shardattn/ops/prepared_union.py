@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn._checks import INDEX_DTYPES, check_disjoint, check_int, check_not_inputs, check_tensor
+from shardattn._checks import check_disjoint, check_int, check_not_inputs, check_tensor
 from shardattn.ops.kv_fp8_stage import kernel_rows, stage_marks, stage_touched, stages_packed
-from shardattn.ops.union import GROUP_SIZES, build_union, num_groups
+from shardattn.ops.union import build_union, check_union_args, num_groups
 
 __all__ = ["SLICE_GROUPS", "PreparedUnion", "check_prepared_union", "prepare_union", "union_for_call"]
 
@@ -139,10 +139,9 @@ def prepare_union(
         the :class:`PreparedUnion`, or ``None`` when ``workspace`` is given and too small for the
         whole union (the caller then builds per call, as without it: same results).
     """
-    check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
-    g = check_int("group_size", group_size)
-    if g not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {g}")
+    # every argument checked before a workspace too small returns None: a bad one is an error either way
+    check_union_args(rows, group_size, num_kv_rows, topk_length)
+    g = group_size
     t, k = rows.shape
     n_groups = num_groups(t, g)
     out = None

@@ -85,7 +85,12 @@ from shardattn.plan.union_routing import UNION_METHODS, route_union_method
 METHODS = ("auto", *UNION_METHODS)
 
 
-def _check(rows, group_size, num_kv_rows, topk_length, rows_sorted=False):
+def check_union_args(
+    rows: torch.Tensor, group_size: int, num_kv_rows: int, topk_length: torch.Tensor | None, rows_sorted: bool = False
+) -> None:
+    """The arguments of a union build: ``rows [T, K]`` int32, ``group_size`` in :data:`GROUP_SIZES`,
+    ``num_kv_rows >= 0`` (``<= 2**24 - 1`` when ``G > 1``), ``topk_length [T]`` int32 or ``None``, on
+    rows' device. Raises ``TypeError`` / ``ValueError`` naming the argument."""
     check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=2)
     check_bool("rows_sorted", rows_sorted)
     check_int("group_size", group_size)
@@ -110,7 +115,7 @@ def build_union_reference(
     topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`build_union` (same outputs, exactly)."""
-    _check(rows, group_size, num_kv_rows, topk_length)
+    check_union_args(rows, group_size, num_kv_rows, topk_length)
     t, k = rows.shape
     g_count = num_groups(t, group_size)
     dev = rows.device
@@ -189,7 +194,7 @@ def build_union(
         entries past ``lens[g]`` are unspecified (the reference fills them with ``-1``).
     """
 
-    _check(rows, group_size, num_kv_rows, topk_length, rows_sorted)
+    check_union_args(rows, group_size, num_kv_rows, topk_length, rows_sorted)
     if block_marks is not None:
         check_tensor("block_marks", block_marks, dtypes=(torch.int32,), shape=(-(-num_kv_rows // STAGE_BLOCK_ROWS),),
                      device=rows.device)  # fmt: skip

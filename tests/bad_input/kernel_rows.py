@@ -10,6 +10,7 @@ import torch
 from shardattn.kernels.triton import lse_merge as triton_merge
 from shardattn.ops import gqa_decode as gqa_mod
 from shardattn.ops import lse_merge as merge_mod
+from shardattn.ops import prepared_union as prepared_mod
 from shardattn.ops import sparse_mla as mla_mod
 from shardattn.ops import sparse_mla_decode as decode_mod
 from shardattn.ops import sparse_mla_grouped as grouped_mod
@@ -719,9 +720,38 @@ def _union(**over: Any) -> Callable[[Any], Call]:
     return build
 
 
+def _prepared_small(**over: Any) -> Callable[[Any], Call]:
+    """``prepare_union`` of :func:`mla`'s rows into a workspace too small for their union (it then
+    returns ``None``, and the caller builds per call), with some arguments replaced."""
+
+    def build(_group: Any) -> Call:
+        small = (torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))
+        kw: dict[str, Any] = {"group_size": 2, "num_kv_rows": 10, "workspace": small, **over}
+        return Call(prepared_mod.prepare_union, (mla()["rows"],), kw)
+
+    return build
+
+
 def _union_rows() -> list[Row]:
     n = "build_union"
+    p = "prepare_union-small-workspace"  # regression: a too-small workspace returned None before any check
     return [
+        Row(f"{p}-fits-not", _prepared_small(), Gives(lambda res: None if res is None else f"got {res!r}")),
+        Row(
+            f"{p}-num-kv-rows-negative",
+            _prepared_small(num_kv_rows=-1),
+            Raises(ValueError, r"^num_kv_rows must be >= 0"),
+        ),
+        Row(
+            f"{p}-num-kv-rows-past-24-bits",
+            _prepared_small(num_kv_rows=2**24),
+            Raises(ValueError, r"^num_kv_rows must be <= 16777215 for group_size > 1"),
+        ),
+        Row(
+            f"{p}-topk-length-int64",
+            _prepared_small(topk_length=torch.ones(3, dtype=torch.int64)),
+            Raises(TypeError, r"^topk_length must have dtype in \(int32\)"),
+        ),
         Row(f"{n}-rows-float", _union(rows=lambda r: r.float()), Raises(TypeError, r"^rows must have dtype")),
         Row(f"{n}-group-size-3", _union(group_size=3), Raises(ValueError, r"^group_size must be one of")),
         Row(f"{n}-rows-sorted-str", _union(rows_sorted="yes"), Raises(TypeError, r"^rows_sorted must be a bool")),
