@@ -238,10 +238,29 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (reach + 1) * t.element_size()
 
 
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (an expanded view, a stride below the extent
+    of the dims inside it): with its dims of more than one element in order of stride, one's
+    stride is below the extent of those before it. Strides only, no device access.
+
+    >>> has_internal_overlap(torch.zeros(4, 3)[:, :2]), has_internal_overlap(torch.zeros(1, 3).expand(4, 3))
+    (False, True)
+    """
+    if t.is_contiguous():
+        return False
+    extent = 1
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
+
+
 def check_disjoint(**tensors: torch.Tensor | None) -> None:
     """The named buffers a kernel writes (a caller's ``out``, ``lse_out``, ``workspace``) share no
-    memory: one written over another would corrupt a result with no error. Host-side (pointers
-    and strides, no GPU sync); ``None``, empty and meta tensors are skipped.
+    memory, with each other or among their own elements (an expanded view): one written over
+    another would corrupt a result with no error. Host-side (pointers and strides, no GPU sync);
+    ``None``, empty and meta tensors are skipped.
 
     Example:
         >>> buf = torch.zeros(10)
@@ -251,7 +270,14 @@ def check_disjoint(**tensors: torch.Tensor | None) -> None:
         ...
         ValueError: out and workspace share memory: a kernel's writes to one would overwrite the other
     """
-    spans = [(name, _byte_span(t)) for name, t in tensors.items() if t is not None and t.numel() > 0 and not t.is_meta]
+    present = {name: t for name, t in tensors.items() if t is not None and t.numel() > 0 and not t.is_meta}
+    for name, t in present.items():
+        if has_internal_overlap(t):
+            raise ValueError(
+                f"{name} has elements that may share memory (strides {t.stride()} for shape {list(t.shape)}): a "
+                "kernel's writes to one would overwrite another"
+            )
+    spans = [(name, _byte_span(t)) for name, t in present.items()]
     for (name_a, (lo_a, hi_a)), (name_b, (lo_b, hi_b)) in itertools.combinations(spans, 2):
         if lo_a < hi_b and lo_b < hi_a:
             raise ValueError(f"{name_a} and {name_b} share memory: a kernel's writes to one would overwrite the other")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES
+from shardattn._checks import FLOAT_DTYPES, has_internal_overlap
 from shardattn.kernels.triton.kv_fp8 import E4M3_MAX
 from shardattn.plan.kv_format import DENSE_KV_FORMATS, KV_FP8_DS_MLA, kv_format_name
 
@@ -79,7 +79,7 @@ def check_fp8_kv(name: str, kv: object, layout: KVRowLayout = FP8_DS_MLA) -> tor
         raise ValueError(f"{name} must be {want}, got {got}{hint}")
     if kv.stride(-1) != 1 or (kv.shape[-2] > 1 and kv.stride(-2) < layout.row_bytes):
         raise ValueError(f"{name} must have contiguous, non-overlapping {layout.name} rows, got strides {kv.stride()}")
-    if kv.dim() == 3 and _overlaps(kv):  # pages sharing rows (an expand, a page stride below the page)
+    if kv.dim() == 3 and has_internal_overlap(kv):  # pages sharing rows (an expand, a page stride below the page)
         raise ValueError(f"{name} must have non-overlapping pages, got shape {list(kv.shape)} strides {kv.stride()}")
     # the fp32 scales sit 512 bytes into a row: every row must start 4-byte aligned (a misaligned
     # scale load is a CUDA fault, not a wrong value)
@@ -89,17 +89,6 @@ def check_fp8_kv(name: str, kv: object, layout: KVRowLayout = FP8_DS_MLA) -> tor
             f"offset {kv.storage_offset()} and strides {kv.stride()}"
         )
     return kv
-
-
-def _overlaps(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` may share memory: with its dims of more than one element in
-    order of stride, one's stride is below the extent of those before it."""
-    extent = 1
-    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
-        if stride < extent:
-            return True
-        extent = stride * size
-    return False
 
 
 def resolve_kv(

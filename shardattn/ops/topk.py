@@ -33,7 +33,15 @@ from typing import NamedTuple
 
 import torch
 
-from shardattn._checks import INDEX_DTYPES, check_bool, check_int, check_not_inputs, check_same_device, check_tensor
+from shardattn._checks import (
+    INDEX_DTYPES,
+    check_bool,
+    check_disjoint,
+    check_int,
+    check_not_inputs,
+    check_same_device,
+    check_tensor,
+)
 from shardattn.kernels.backend import kernel_destination, use_triton, written_back
 from shardattn.kernels.triton.topk import launch_convert_topk
 from shardattn.plan.context import dcp_local_index, dcp_owner
@@ -170,6 +178,7 @@ def convert_topk(
     t, k = topk_pos.shape
     if out is not None:
         check_tensor("out", out, dtypes=(torch.int32,), shape=(t, k), device=topk_pos.device)
+        check_disjoint(out=out)  # its own elements included
         check_not_inputs(
             {"out": out},
             {"topk_pos": topk_pos, "req_ids": req_ids, "block_table": block_table, "seq_lens": seq_lens,

@@ -18,7 +18,7 @@ from shardattn.ops import kv_fp8 as fp8_mod
 from shardattn.ops import prepared_union as prepared_mod
 from shardattn.ops import union as union_mod
 from shardattn.ops.union import build_union
-from tests.bad_input.kernel_rows import SPARSE_ENTRIES, _merge, _sparse, _topk
+from tests.bad_input.kernel_rows import SPARSE_ENTRIES, _gqa, _merge, _sparse, _topk
 from tests.bad_input.table import Call, Raises, Row, mla
 
 _I32 = torch.int32
@@ -249,6 +249,57 @@ def _other_rows() -> list[Row]:
     ]
 
 
+def _self_overlap_rows() -> list[Row]:
+    """A destination whose own elements share memory (an expanded view): a kernel's programs write
+    one element over another with no error (on the CPU torch's copy raised an error naming none)."""
+
+    def expanded(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor]:
+        return lambda *_: torch.zeros(1, *shape[1:], dtype=dtype).expand(shape)
+
+    rows: list[Row] = []
+    for name, fn in SPARSE_ENTRIES:
+        rows += [
+            Row(
+                f"{name}-out-self-overlapping",
+                _sparse(fn, out=expanded((3, 2, 32))),
+                Raises(ValueError, r"^out has elements that may share memory"),
+            ),
+            Row(
+                f"{name}-lse-out-self-overlapping",
+                _sparse(fn, lse_out=expanded((3, 2))),
+                Raises(ValueError, r"^lse_out has elements that may share memory"),
+            ),
+        ]
+    rows += [
+        Row(
+            "gqa_paged_decode-out-self-overlapping",
+            _gqa(out=expanded((2, 4, 16))),
+            Raises(ValueError, r"^out has elements that may share memory"),
+        ),
+        Row(
+            "gqa_paged_decode-lse-out-self-overlapping",
+            _gqa(lse_out=expanded((2, 4))),
+            Raises(ValueError, r"^lse_out has elements that may share memory"),
+        ),
+        Row(
+            "lse_merge-out-self-overlapping",
+            _merge(out=expanded((3, 4, 8))),
+            Raises(ValueError, r"^out has elements that may share memory"),
+        ),
+        Row(
+            "lse_merge-lse-out-self-overlapping",
+            _merge(lse_out=expanded((3, 4))),
+            Raises(ValueError, r"^lse_out has elements that may share memory"),
+        ),
+        Row(
+            "convert_topk-out-self-overlapping",
+            _topk(out=expanded((2, 4), _I32)),
+            Raises(ValueError, r"^out has elements that may share memory"),
+        ),
+    ]
+    return rows
+
+
 def alias_rows() -> list[Row]:
-    """Every destination-over-input row."""
-    return [*_sparse_alias_rows(), *_other_rows()]
+    """Every destination-over-input row, and the destinations over themselves."""
+    return [*_sparse_alias_rows(), *_other_rows(), *_self_overlap_rows()]
