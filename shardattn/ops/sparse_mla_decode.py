@@ -40,7 +40,8 @@ while the cache's words are within its ratio, else kept in first-occurrence orde
 token whose cost does not follow the cache size (:func:`~shardattn.ops.unique_rows.unique_rows`;
 a top-k past its 8,192 entries takes the union's row sort);
 ``rows_unique=True`` skips that when the caller guarantees unique rows (an indexer's top-k is),
-and duplicates would then count twice.
+and duplicates would then count twice in the kernels (the torch reference, which CPU tensors run,
+counts a row once whatever the flag).
 
 LSE: fp32 natural log, includes the sink term; a row with no valid key gives ``(0, -inf)``
 (``(0, sink)`` with sinks), so a DCP rank with an empty local shard contributes the merge
@@ -94,7 +95,7 @@ def sparse_mla_decode(
         topk_length: ``[T]`` int32 per-row count of leading entries to use, optional.
         sinks: ``[H]`` fp32 sink logits, optional.
         rows_unique: the caller guarantees no row appears twice in a token's list (skips the
-            de-duplication; duplicates would then count twice).
+            kernels' de-duplication; duplicates would then count twice there, not in the reference).
         out, lse_out: optional destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         workspace: optional flat (1-D, contiguous) fp32 buffer on q's device for the split
             partials (``num_splits * T * H * (v_dim + 1)`` elements); with ``out``, ``lse_out``
