@@ -117,3 +117,20 @@ def test_an_empty_topk_gives_every_row_its_sink(entry: str, kv_fp8: bool) -> Non
     assert torch.equal(lse, sinks.expand(3, 2)) and torch.allclose(want_lse.float(), lse)
     out, lse = fn(q, kv, rows, scale=0.3, v_dim=dv)
     assert torch.equal(out, torch.zeros_like(out)) and bool(lse.isneginf().all())
+
+
+@pytest.mark.parametrize("entry", ["sparse_mla_attention", "sparse_mla_decode"])
+def test_cache_past_int32_rows_keeps_its_rows_valid(entry: str) -> None:
+    """Regression: a cache of ``2**32 + 5`` rows (an expanded view: no memory) was compared with
+    int32 rows as ``2**32 + 5`` wrapped to 5, so rows 5 and up were dropped as out of range."""
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(1, 16, generator=g).expand(2**32 + 5, 16)  # every row the same values
+    q = torch.randn(2, 2, 16, generator=g)
+    rows = torch.tensor([[7, 2**31 - 2], [3, -1]], dtype=torch.int32)  # two keys; one key
+    fn = {"sparse_mla_attention": sparse_mla_attention, "sparse_mla_decode": sparse_mla_decode}[entry]
+    out, lse = fn(q, kv, rows, scale=0.5, v_dim=8)
+    logit = 0.5 * (q.double() @ kv[0].double())  # [T, H]: the same for every row
+    want_lse = logit + torch.tensor([[math.log(2.0)], [0.0]], dtype=torch.float64)
+    assert torch.isfinite(lse).all(), lse
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), kv[0, :8].double().expand(2, 2, 8), atol=1e-5, rtol=1e-5)

@@ -2,19 +2,24 @@
 
 An entry is a key when it lies in ``[0, R)`` and before the token's ``topk_length``; a row listed
 twice by one token is one key (its first occurrence). The torch reference applies these masks;
-the kernels apply the same rules in their own loads.
+the kernels apply the same rules in their own loads. Row ``2**31 - 1`` (int32's largest, the union
+builders' sentinel) is a key of no cache, as in :mod:`shardattn.ops.union`: an int32 row list
+addresses at most that many rows, whatever ``R``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from shardattn.kernels.union_layout import MAX_PLAIN_ROW
+
 __all__ = ["first_occurrences", "valid_mask"]
 
 
 def valid_mask(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None) -> torch.Tensor:
-    """``[T, K]`` bool: entry is a valid key (in ``[0, R)`` and within ``topk_length``)."""
-    valid = (rows >= 0) & (rows < num_kv_rows)
+    """``[T, K]`` bool: entry is a valid key (in ``[0, min(R, 2**31 - 1))`` and within ``topk_length``)."""
+    # R past int32 would wrap when compared with int32 rows: every row of the list is then in range
+    valid = (rows >= 0) & (rows < min(num_kv_rows, MAX_PLAIN_ROW + 1))
     if topk_length is not None:
         k = rows.shape[1]
         valid &= torch.arange(k, device=rows.device)[None, :] < topk_length[:, None].to(torch.int64)
