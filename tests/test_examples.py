@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fp8_oracle import fp8_rows_decode
 from tests.oracle import gqa_oracle, sparse_mla_oracle, topk_rows_oracle
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NAMES = ["shardq_prefill", "dcp_decode", "gqa_spec_decode"]
+NAMES = ["shardq_prefill", "dcp_decode", "gqa_spec_decode", "fp8_cache_decode"]
 RAY_NAMES = ["ray_service"]  # run by tests/test_ray_pool_fp64.py, on that module's Ray instance
 
 
@@ -34,6 +35,10 @@ def _convert_topk(topk_pos, req_ids, block_table, *, block_size, **kw):
     return rows, (rows >= 0).sum(dim=1, dtype=torch.int32)
 
 
+def _dequantize_kv(packed, dtype=torch.bfloat16):
+    return torch.from_numpy(fp8_rows_decode(packed.cpu().numpy())).to(dtype).to(packed.device)
+
+
 def _gqa_paged_decode_reference(q, k_cache, v_cache, block_table, seq_lens, cu_q_lens, *, scale, **kw):
     out, lse = gqa_oracle(q, k_cache, v_cache, block_table, seq_lens, cu_q_lens.tolist(), scale=scale, **kw)
     return out.to(q.device), lse.to(q.device)
@@ -44,12 +49,14 @@ ORACLES = {
     "sparse_mla_reference": _sparse_mla_reference,
     "convert_topk": _convert_topk,
     "gqa_paged_decode_reference": _gqa_paged_decode_reference,
+    "dequantize_kv": _dequantize_kv,
 }
 #: What each example checks itself against (every one of them must be replaced).
 CHECKED_WITH = {
     "shardq_prefill": {"sparse_mla_reference", "convert_topk"},
     "dcp_decode": {"sparse_mla_reference", "convert_topk"},
     "gqa_spec_decode": {"gqa_paged_decode_reference"},
+    "fp8_cache_decode": {"sparse_mla_reference", "convert_topk", "dequantize_kv"},
 }
 
 
