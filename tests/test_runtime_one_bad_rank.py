@@ -87,3 +87,31 @@ def test_lengths_one_rank_cannot_plan_raise_on_every_rank_at_once(dist_pool) -> 
     assert peer["error"] is not None and peer["error"].startswith("query_lens[1] must be >= 0"), peer
     assert first["error"] is not None and "rank(s) [1] of 2 rejected their inputs" in first["error"], first
     assert first["s"] < 10, first
+
+
+def _short_cache_body(group: dist.ProcessGroup) -> dict:
+    """Rank 1 passes the step's cache without its last 64 rows: rows its ShardQ share reads are then
+    missing there, which every rank's output of those tokens would take as invalid keys."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rt = Runtime(MLA, group, max_batched_tokens=128, mode="shardq", prefill_options=PrefillOptions(min_shard_tokens=1))
+    step = _prefill_step()
+    kv = step.kv[:-64] if rank == 1 else step.kv
+    start = time.monotonic()
+    try:
+        out, lse = rt.prefill(_heads(step.q, rank, world).contiguous(), kv, step.rows, query_lens=step.query_lens,
+                              prefix_lens=step.prefix_lens)  # fmt: skip
+    except ValueError as e:
+        return {"error": str(e), "s": time.monotonic() - start}
+    ref_out, ref_lse = _mla_oracle(step, 0.3, _kv_lens(step))
+    err = max(_err(out, _heads(ref_out, rank, world)), _err(lse, _heads(ref_lse, rank, world)))
+    return {"error": None, "err": err, "s": time.monotonic() - start}
+
+
+@pytest.mark.distributed
+def test_a_cache_of_other_rows_on_one_rank_of_a_shardq_step_is_named_on_every_rank(dist_pool) -> None:
+    """ShardQ reads the replicated cache on the rank that runs a token, for every rank's heads: a rank
+    whose cache holds other rows raised nothing, and every rank returned wrong outputs for its tokens."""
+    for res in dist_pool.run(_short_cache_body, world_size=2):
+        assert res["error"] is not None, res
+        assert "rank(s) [1] disagree with rank(s) [0] on kv's rows" in res["error"], res
+        assert res["s"] < 10, res

@@ -131,6 +131,9 @@ def _check_inputs(
             "q's shape": tuple(q.shape),
             "q's dtype": q.dtype,
             "kv's dtype": kv.dtype,
+            # replicated: a rank runs every rank's heads of its tokens over its own copy, so a copy of
+            # other rows would give every rank wrong outputs of those tokens, silently
+            "kv's rows": int(kv.shape[0]),
             "the top-k width": rows.shape[1],
             "v_dim": v_dim,
             "sinks (given or not)": sinks is not None,
@@ -203,7 +206,8 @@ def shardq_prefill(
     Args:
         q_heads_local: ``[T, H/W, D]`` fp16/bf16/fp32, this rank's heads of all ``T`` tokens of
             the step (``D = 576`` for DSA models).
-        kv: ``[R, D]`` the KV rows in q's dtype, identical on every rank (replicated under TP);
+        kv: ``[R, D]`` the KV rows in q's dtype, identical on every rank (replicated under TP; with
+            ``check`` the ranks agree on ``R``);
             the value is ``kv[:, :v_dim]``. Or ``fp8_ds_mla`` rows (uint8 ``[R, 656]`` or paged
             ``[P, page, 656]``; ``kv_format`` declares the format, ``None`` takes ``kv``'s): each
             rank's kernel reads the local FP8 cache and dequantises in place.
