@@ -111,6 +111,27 @@ def test_check_agreement_names_the_parts_that_differ(dist_pool) -> None:
         assert msg.startswith("test step: rank(s) [1, 2] disagree with rank(s) [0] on q's shape, v_dim ("), msg
 
 
+def _other_step_agreement(group: dist.ProcessGroup) -> str:
+    """Rank 1 fingerprints another step (another tag, other parts) than rank 0."""
+    from shardattn.parallel.agreement import Fingerprint
+
+    comm = Comm(group)
+    if comm.rank == 1:
+        fingerprint = Fingerprint("decode", {"the lengths": (3, 4), "q's shape": (2, 8)})
+    else:
+        fingerprint = Fingerprint("prefill", {"q's shape": (9, 8), "the plan": 17, "v_dim": 512})
+    return catch(comm.check_agreement, fingerprint, "test step")[1]
+
+
+@pytest.mark.distributed
+def test_check_agreement_says_when_a_rank_runs_another_step(dist_pool) -> None:
+    """Ranks in different steps compare unrelated parts: the message said they differed on every one
+    of them (here q's shape, the plan and v_dim); it says they run another step."""
+    for rank, msg in enumerate(dist_pool.run(_other_step_agreement, world_size=2)):
+        assert msg.startswith(f"test step: rank(s) [1] run another step than rank(s) [0] (rank {rank} runs"), msg
+        assert "q's shape" not in msg and "v_dim" not in msg, msg
+
+
 @pytest.mark.distributed
 def test_check_agreement_spreads_one_ranks_input_error(dist_pool) -> None:
     results = dist_pool.run(_agreement, [1, 1, 1], 1, world_size=3)

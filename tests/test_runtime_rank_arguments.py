@@ -124,3 +124,23 @@ def test_ranks_given_other_lengths_are_told_which_argument_differs(dist_pool, np
         assert step["kind"] == "ValueError" and step["s"] < FAST_S, (rank, seen)
         assert "rank(s) [1] disagree with rank(s)" in step["msg"], (rank, seen)
         assert " on the plan (query_lens, prefix_lens) (fingerprints" in step["msg"], (rank, seen)
+
+
+# -- one rank in another step ---------------------------------------------------------------------------
+def _decode_on_rank_1(group: dist.ProcessGroup) -> dict:
+    short = short_timeout_group(group, TIMEOUT_S)
+    rt = _runtime(short, "mixed")
+    return _done(group, short, {"step": _outcome(_step(rt, "dcp-decode" if rt.rank == 1 else "shardq"))})
+
+
+@pytest.mark.distributed
+def test_a_rank_in_a_decode_step_while_its_peers_prefill_is_told_so(dist_pool, nproc: int) -> None:
+    """An engine whose ranks' schedules diverge: rank 1 runs a DCP decode step while the others run a
+    ShardQ prefill. Every rank raises at once (before: naming every part of its own step's inputs as
+    differing, from q's shape to return_lse), saying the ranks run different steps."""
+    _needs_ranks(nproc)
+    for rank, seen in enumerate(dist_pool.run(_decode_on_rank_1)):
+        step = seen["step"]
+        assert step["kind"] == "ValueError" and step["s"] < FAST_S, (rank, seen)
+        assert "rank(s) [1] run another step than rank(s) [0" in step["msg"], (rank, seen)
+        assert "q's shape" not in step["msg"], (rank, seen)

@@ -74,10 +74,12 @@ class Fingerprint(int):
     (False, ['v_dim'])
     """
 
+    tag: str
     parts: tuple[tuple[str, object], ...]
 
     def __new__(cls, tag: str, parts: dict[str, object]) -> Fingerprint:
         made = super().__new__(cls, stable_fingerprint(tag, *parts.values()))
+        made.tag = tag
         made.parts = tuple(parts.items())
         return made
 
@@ -125,7 +127,8 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
         error: this rank's validation error; re-raised here after the exchange.
     Raises:
         the given ``error`` on its rank; ``ValueError`` naming the failing ranks on the
-        others, or naming the ranks whose fingerprint differs from the majority's (and on what).
+        others, or naming the ranks whose fingerprint differs from the majority's (and on what, or
+        that they run another step: a :class:`Fingerprint` of another tag).
     """
     comm.counts["agreement"] += 1
     rows = comm._gather_ints([fingerprint, 1 if error is not None else 0, comm.step])
@@ -143,6 +146,11 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
     if not bad:
         return
     differ = _differing_parts(comm, fingerprint, bad, good[0])
+    if differ is None:  # another step: its parts are other parts, comparing them would name them all
+        raise ValueError(
+            f"{what}: rank(s) {bad} run another step than rank(s) {good} (rank {comm.rank} runs the one of "
+            f"{what}; fingerprints {values}); every rank must run the same step at once"
+        )
     on = f" on {', '.join(differ)}" if differ else ""
     raise ValueError(
         f"{what}: rank(s) {bad} disagree with rank(s) {good}{on} (fingerprints {values}); every rank must pass "
@@ -150,13 +158,19 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
     )
 
 
-def _differing_parts(comm: Comm, fingerprint: int, bad: list[int], good: int) -> list[str]:
+def _differing_parts(comm: Comm, fingerprint: int, bad: list[int], good: int) -> list[str] | None:
     """The names of this rank's parts whose fingerprints differ between a rank of ``bad`` and rank
-    ``good`` (one more all-gather, on every rank: a plain int sends zeros and names nothing)."""
-    parts = fingerprint.parts[:MAX_PARTS] if isinstance(fingerprint, Fingerprint) else ()
-    hashes = fingerprint.part_hashes() if isinstance(fingerprint, Fingerprint) else [0] * MAX_PARTS
-    rows = comm._gather_ints(hashes)
-    return [name for i, (name, _) in enumerate(parts) if any(rows[r][i] != rows[good][i] for r in bad)]
+    ``good`` (one more all-gather, on every rank: a plain int sends zeros and names nothing);
+    ``None`` where a rank of ``bad`` fingerprinted another step (another tag) than rank ``good``."""
+    parts: tuple[tuple[str, object], ...] = ()
+    tag, hashes = 0, [0] * MAX_PARTS
+    if isinstance(fingerprint, Fingerprint):
+        parts, hashes = fingerprint.parts[:MAX_PARTS], fingerprint.part_hashes()
+        tag = stable_fingerprint(fingerprint.tag)
+    rows = comm._gather_ints([tag, *hashes])
+    if any(rows[r][0] != rows[good][0] for r in bad):
+        return None
+    return [name for i, (name, _) in enumerate(parts) if any(rows[r][i + 1] != rows[good][i + 1] for r in bad)]
 
 
 def agree_on(comm: Comm, what: str, validate: Callable[[], int], *, check: bool = True) -> None:
