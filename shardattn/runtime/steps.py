@@ -130,7 +130,10 @@ class RuntimeSteps(RuntimeState):
                 ``has_sinks`` (a ``ValueError`` naming ``sinks`` otherwise: a model with sinks run
                 without them is wrong, and warm-up builds the sinks kernels only for such a spec).
             check: make the ranks agree on the plan and inputs first (one small all-gather and a
-                host sync; turn off inside CUDA graphs or when the caller already agreed).
+                host sync; turn off inside CUDA graphs or when the caller already agreed). Every
+                rank passes the same value: a rank without the agreement pairs its first data
+                collective with its peers' agreement (gloo aborts on the size mismatch, else the
+                step fails at the group's timeout or hangs).
         Returns:
             ``(out, lse)``: ``out`` in q's dtype, ``[T, H/W, v_dim]`` in token order for this
             rank's heads (PCP: ``[T_r, H, v_dim]`` of the rank's tokens); ``lse`` fp32 ``[T, H/W]``
@@ -281,7 +284,8 @@ class RuntimeSteps(RuntimeState):
                 those passed as host values must be the plan's).
             meta: GQA under DCP: that metadata already on the device (a graph's static input).
             check: under DCP, make the ranks agree on the inputs first (one small all-gather and a
-                host sync). Pass ``False`` inside a CUDA graph and on an engine's later layers.
+                host sync). Pass ``False`` inside a CUDA graph and on an engine's later layers, on
+                every rank alike (as :meth:`prefill`'s ``check``).
         Returns:
             ``(out [T, H/W, v_dim] in q's dtype, lse [T, H/W] fp32)``: the rank's heads, merged over
             every shard; ``lse`` is ``None`` when built with ``DecodeOptions(return_lse=False)``
