@@ -133,7 +133,7 @@ def _check_inputs(
             "kv's dtype": kv.dtype,
             # replicated: a rank runs every rank's heads of its tokens over its own copy, so a copy of
             # other rows would give every rank wrong outputs of those tokens, silently
-            "kv's rows": int(kv.shape[0]),
+            "kv's rows": tuple(kv.shape[:-1]),  # [R] or [pages, page_size]
             "the top-k width": rows.shape[1],
             "v_dim": v_dim,
             "sinks (given or not)": sinks is not None,
