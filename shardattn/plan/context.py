@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn._checks import check_int, check_same_device, check_tensor
+from shardattn._checks import check_bool, check_int, check_same_device, check_tensor
 from shardattn.plan._common import MAX_TOKENS, check_world_size
 
 __all__ = [
@@ -140,6 +140,7 @@ def causal_token_seq_lens(
     check_tensor("qo_indptr", qo_indptr, dtypes=_INT_DTYPES, shape=[b + 1])
     check_same_device(seq_lens=seq_lens, qo_indptr=qo_indptr)
     t_count = check_int("num_tokens", num_tokens, minimum=0)
+    check_bool("causal", causal)
     dev = seq_lens.device
     if b == 0:
         return torch.zeros(t_count, dtype=seq_lens.dtype, device=dev)

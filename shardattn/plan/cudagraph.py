@@ -98,6 +98,7 @@ def explain_cudagraph_support(
     check_int("head_dim", head_dim, minimum=1)
     dcp_size = check_int("dcp_size", dcp_size, minimum=1)
     check_bool("non_causal", non_causal)
+    check_bool("host_meta", host_meta)
     if kernel == "reference":
         return CGSupport.NEVER, "the torch reference may allocate and synchronise: never captured"
     if mode in ("shardq", "pcp"):

@@ -207,6 +207,7 @@ def route_prefill(
     m = check_int("min_tokens", min_tokens, minimum=0)
     check_bool("need_lse", need_lse)
     check_bool("grouped_supports_lse", grouped_supports_lse)
+    check_bool("gluon", gluon)
     dev = device_type_of(device_type)
     if dev != "cuda":
         return Route("reference", 1, f"no GPU (device type {dev!r}): torch reference")

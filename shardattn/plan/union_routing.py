@@ -7,6 +7,7 @@ sort the entries; :func:`route_union_method` weighs the two with the measured cr
 
 from __future__ import annotations
 
+from shardattn._checks import check_bool
 from shardattn.plan.crossovers import BITMAP_SCAN_RATIO, SMEM_SCAN_RATIO, SMEM_SORTED_RATIO, UNION_METHOD
 from shardattn.plan.routing import MAX_GROUPED_KV_ROWS
 
@@ -41,6 +42,8 @@ def route_union_method(
     >>> route_union_method(2, 2048, 1 << 16, rows_sorted=True), route_union_method(2, 2048, 1 << 16, shared_memory=True)
     ('fused', 'bitmap')
     """
+    check_bool("rows_sorted", rows_sorted)
+    check_bool("shared_memory", shared_memory)
     words = -(-num_kv_rows // 32)
     entries = group_size * max(topk, 1)
     fits = num_kv_rows <= MAX_GROUPED_KV_ROWS

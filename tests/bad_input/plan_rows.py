@@ -12,6 +12,7 @@ from shardattn import plan as P
 from shardattn.plan.decode_routing import route_sparse_decode_kernel
 from shardattn.plan.pipeline import pipeline_plan
 from shardattn.plan.step_shape import StepShape
+from shardattn.plan.union_routing import route_union_method
 from tests.bad_input.table import META, Call, Gives, Raises, Row
 
 
@@ -315,6 +316,13 @@ def plan_rows() -> list[Row]:
             Raises(TypeError, r"^qo_indptr must have dtype"),
         ),
         row(
+            "causal_token_seq_lens-causal-str",
+            P.causal_token_seq_lens,
+            (torch.tensor([3, 4]), torch.tensor([0, 1, 2]), 2),
+            {"causal": "no"},
+            Raises(TypeError, r"^causal must be a bool, got str"),
+        ),
+        row(
             "dcp_causal_local_lens-rank-negative",
             P.dcp_causal_local_lens,
             (torch.tensor([3, 4]), torch.tensor([0, 1, 2]), 2, -1, 2),
@@ -364,6 +372,27 @@ def plan_rows() -> list[Row]:
             (8,),
             {"num_tokens": 8, "kv_rows": 8, "device_type": "bogus"},
             Raises(ValueError, r"^device_type must be a device type such as 'cuda' or 'cpu', got 'bogus'"),
+        ),
+        row(
+            "route_prefill-gluon-str",
+            P.route_prefill,
+            (8,),
+            {"num_tokens": 8, "kv_rows": 8, "gluon": "no"},
+            Raises(TypeError, r"^gluon must be a bool, got str"),
+        ),
+        row(
+            "route_union_method-shared-memory-int",
+            route_union_method,
+            (4, 2048, 1 << 16),
+            {"shared_memory": 1},
+            Raises(TypeError, r"^shared_memory must be a bool, got int"),
+        ),
+        row(
+            "route_union_method-rows-sorted-str",
+            route_union_method,
+            (4, 2048, 1 << 16),
+            {"rows_sorted": "yes"},
+            Raises(TypeError, r"^rows_sorted must be a bool, got str"),
         ),
         row("route_decode-spec-str", P.route_decode, ("glm5",), {}, Raises(TypeError, r"^spec must be a ModelSpec")),
         row(
@@ -422,6 +451,13 @@ def plan_rows() -> list[Row]:
             ("decode", "cutlass"),
             {"head_dim": 64},
             Raises(ValueError, r"^kernel must be one of"),
+        ),
+        row(
+            "cudagraph_support-host-meta-str",
+            P.cudagraph_support,
+            ("decode", "triton"),
+            {"head_dim": 64, "dcp_size": 2, "host_meta": "no"},
+            Raises(TypeError, r"^host_meta must be a bool, got str"),
         ),
         row(
             "xqa_head_dim_supported-0",
