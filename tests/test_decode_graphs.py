@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardattn.plan.cudagraph import CGSupport
+from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.cudagraph import GraphInput, GraphRunner
 from shardattn.runtime.graph_capture import check_capture_allowed
 from shardattn.runtime.graphs import DecodeGraphs
@@ -139,6 +140,24 @@ def test_padded_ragged_batches_need_uniform_batch_only():
 
 
 # ------------------------------------------------------------------ DCP GQA buckets over gloo
+def test_buckets_past_max_decode_tokens_are_refused_at_construction(one_rank_group: dist.ProcessGroup) -> None:
+    """A bucket's step runs all its slots (padding included): buckets whose slots exceed the
+    Runtime's max_decode_tokens are refused when built, naming both, not at a later step of fewer
+    real queries (which raised that the step exceeded max_decode_tokens)."""
+    spec = ModelSpec("gqa", 4, 2, 16, 16, 0, 4, dtype="float32")
+    rt = Runtime(spec, one_rank_group, max_batched_tokens=1, mode="dcp-decode", max_decode_tokens=8, device="cpu")
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(8, 4, 2, 16, generator=gen) for _ in range(2))
+    with pytest.raises(ValueError, match=r"batch_sizes: the largest bucket, 4 requests of q_len=4 .* 16 query rows .*"
+                       r"max_decode_tokens=8"):  # fmt: skip
+        DecodeGraphs(rt, (k, v), batch_sizes=[2, 4], q_len=4, max_pages=4, capture=False)
+    graphs = DecodeGraphs(rt, (k, v), batch_sizes=[1, 2], q_len=4, max_pages=4, capture=False)  # 8 rows: fits
+    q, table = torch.randn(3, 4, 16, generator=gen), torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    out, lse = graphs(q, table, [5, 6], [0, 1, 3])
+    want, want_lse = rt.decode(q, (k, v), table, [5, 6], cu_q_lens=[0, 1, 3])
+    assert graphs.last_route[0] == 2 and torch.equal(out, want) and lse is not None and torch.equal(lse, want_lse)
+
+
 def _graphs_body(group: dist.ProcessGroup, case: dict, steps: list, return_lse: bool = True) -> list:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     options = DecodeOptions(return_lse=return_lse)

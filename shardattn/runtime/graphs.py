@@ -109,7 +109,9 @@ class DecodeGraphs:
     Args:
         runtime: a :class:`~shardattn.runtime.runtime.Runtime` of a GQA spec with DCP decode.
         kv_cache: ``(k_cache, v_cache)`` this rank's paged shard (fixed for the graphs' life).
-        batch_sizes: request counts to capture. q_len: queries per request slot (drafts).
+        batch_sizes: request counts to capture (the largest times ``q_len`` at most the Runtime's
+            ``max_decode_tokens``: a bucket's step runs every slot, else a ``ValueError`` naming both).
+            q_len: queries per request slot (drafts).
         max_pages: block-table width. sinks: ``[H]`` fp32 sink logits (fixed), given exactly when
             the spec has ``has_sinks`` (else a ``ValueError`` naming ``sinks``).
         capture: capture now (needs CUDA); ``False`` keeps a runner that pads and runs eagerly
@@ -138,6 +140,17 @@ class DecodeGraphs:
             reject(runtime.comm, e, collective=True, check=False)
         self.rt, self.kv_cache, self.sinks = runtime, kv_cache, sinks
         self.q_len = check_int("q_len", q_len, minimum=1)
+        # a bucket's step runs every slot of it (padding included): the largest must fit the
+        # Runtime's decode workspace, or its first step fails however few real queries it holds
+        largest = max((check_int("batch_sizes[]", b, minimum=1) for b in batch_sizes), default=0)
+        if largest * self.q_len > runtime.max_decode_tokens:
+            why = ValueError(
+                f"batch_sizes: the largest bucket, {largest} requests of q_len={self.q_len} queries, steps "
+                f"{largest * self.q_len} query rows (its padding included), past the Runtime's max_decode_tokens="
+                f"{runtime.max_decode_tokens}; capture smaller buckets or build the Runtime with max_decode_tokens >= "
+                f"{largest * self.q_len}"
+            )
+            reject(runtime.comm, why, collective=True, check=False)
         self.max_pages = check_int("max_pages", max_pages, minimum=1)
         h, d = runtime.heads_per_rank, runtime.spec.head_dim
         inputs = [
