@@ -498,7 +498,7 @@ def test_workspace_is_the_planners_bound_and_is_enforced(dist_pool, world_size: 
         assert res["contract"] == 134_217_728
     errors = res["errors"]
     assert "101 tokens exceeds max_batched_tokens=100" in errors["too-many-tokens"]
-    assert "workspace item 'prefill." in errors["wider-topk"] and "top-k 32" in errors["wider-topk"]
+    assert errors["wider-topk"].startswith("a prefill step's top-k width 32 exceeds topk=16"), errors
     assert "9 tokens exceeds max_decode_tokens=8" in errors["decode-tokens"]
     assert res["out"] == (sum(SEQ), MLA.num_heads // world_size, MLA.v_dim)
 

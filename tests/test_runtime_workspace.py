@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardattn.errors import WorkspaceExceededError
 from shardattn.launch.gqa_workloads import build_gqa_decode
 from shardattn.launch.workloads import build_decode
 from shardattn.ops.topk import DcpShard
@@ -214,8 +215,8 @@ def test_prefill_and_decode_share_the_arena_and_need_nothing_left_in_it(dist_poo
         assert res["prefill_overwrote_decode"]  # the prefill really used the decode's bytes...
         assert res["decode_same_bits"]  # ...and the decode after it is bit for bit the one before
         errors = res["errors"]
-        assert "workspace item 'decode.topk_rows'" in errors["decode-topk"], errors
-        assert "workspace item 'decode.topk_rows'" in errors["decode-wide-rows"], errors
+        assert errors["decode-topk"].startswith(f"a decode step's top-k width {MLA.topk + 1} exceeds topk="), errors
+        assert errors["decode-wide-rows"].startswith(f"a decode step's top-k width {3 * MLA.topk} exceeds"), errors
 
 
 def _graphs_body(group) -> dict:
@@ -396,3 +397,41 @@ def test_workspace_questions_name_a_bad_kind_step_or_size(dist_pool) -> None:
         assert res["tokens"].startswith("ValueError: tokens must be >= 0"), res
         assert res["tokens-float"].startswith("TypeError: tokens"), res
         assert res["topk"].startswith("ValueError: topk must be >= 0"), res
+
+
+def _wide_topk_body(group) -> dict:
+    """A step whose top-k is wider than the Runtime's ``topk``, with so few tokens that its bytes fit
+    the reserved rows: refused, naming the width and the limit, in prefill and decode alike."""
+    rt = Runtime(MLA, group, max_batched_tokens=64, mode="headtp", max_decode_tokens=8, warmup=False)
+    wide = 4 * rt.topk
+    s = build_decode(
+        heads=MLA.num_heads, head_dim=MLA.head_dim, requests=1, cached=(90,), q_lens=(1,), topk=wide,
+        overlap="random", causal=True, dtype=torch.float32, device=CPU, seed=5, shard=DcpShard(1, 1, 0),
+        block_size=MLA.page_size,
+    )  # fmt: skip
+    step = _prefill_step()
+    rows = torch.cat([step.rows] * 4, dim=1)  # the same keys, listed four times: a wider top-k
+    plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+    calls = {
+        "decode": lambda: rt.decode(
+            s.q, s.local_kv, s.local_table, s.seq_lens, topk_pos=s.positions, req_ids=s.req_ids
+        ),
+        "prefill": lambda: rt.prefill(step.q, step.kv, rows, plan=plan),
+    }
+    got = {"topk": rt.topk, "wide": wide}
+    for name, call in calls.items():
+        try:
+            call()
+            got[name] = None
+        except WorkspaceExceededError as e:
+            got[name] = str(e)
+    return got
+
+
+@pytest.mark.distributed
+def test_a_step_wider_than_the_runtimes_topk_is_refused(dist_pool) -> None:
+    for res in dist_pool.run(_wide_topk_body, world_size=1):
+        for kind in ("decode", "prefill"):
+            assert res[kind] is not None and res[kind].startswith(
+                f"a {kind} step's top-k width {res['wide']} exceeds topk={res['topk']}"
+            ), res

@@ -226,7 +226,8 @@ class RuntimeWorkspace:
         return steps
 
     def check(self, kind: str, step: str, *, tokens: int, topk: int | None = None) -> None:
-        """Raise :class:`WorkspaceExceededError` when a step needs more of an item than was reserved.
+        """Raise :class:`WorkspaceExceededError` when a step has more tokens or a wider top-k than the
+        workspace was reserved for, or needs more of an item than was reserved.
 
         Args:
             kind: ``"prefill"`` or ``"decode"``. step: the parallel step (``"shardq"``,
@@ -240,6 +241,11 @@ class RuntimeWorkspace:
             raise WorkspaceExceededError(
                 f"a {kind} step of {tokens} tokens exceeds {name}={limit}, the size this Runtime reserved its "
                 "workspace for; split the step or build the Runtime larger"
+            )
+        if k > self.topk:
+            raise WorkspaceExceededError(
+                f"a {kind} step's top-k width {k} exceeds topk={self.topk}, the width this Runtime reserved its "
+                "workspace for and warmed its kernels up at; build the Runtime with topk >= the indexer's"
             )
         reserved = self.step_bounds.get((kind, step), {})
         for key, nbytes in self.needs(kind, step, tokens, k).items():
