@@ -1,5 +1,5 @@
 """Top-k conversion (the CPU path against hand-derived rows and the plain-loop oracle of tests/oracle.py;
-the Triton kernel is compared with the torch reference in test_sparse_mla_interpret)."""
+the Triton kernel against that oracle under the interpreter: tests/interpret/topk_cases.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardattn.ops.dispatch import triton_available
 from shardattn.ops.topk import DcpShard, convert_topk
+from tests.interpret import run_cases
 from tests.oracle import topk_rows_oracle
 
 
@@ -157,3 +159,21 @@ def test_packed_must_be_a_bool():
     )
     with pytest.raises(TypeError, match="packed must be a bool"):
         convert_topk(pos, req, table, block_size=4, packed=1)
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_kernel_matches_the_oracle_under_interpreter():
+    lines = run_cases("topk_cases")
+    names = [ln.split(maxsplit=1)[1] for ln in lines if ln.startswith("ok")]
+    assert sum(n.startswith("topk[") for n in names) >= 30
+    assert any("dcp=(1, 2147483647, 0)" in n for n in names) and any("packed=True" in n for n in names)
+    assert sum(n.startswith("dcp_round_past_int32") for n in names) == 3
+    assert lines[-1].startswith("0 failures")
+
+
+def test_dcp_round_past_int32_is_refused_naming_dcp():
+    pos = torch.zeros(1, 2, dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"dcp must have world \* interleave <= 2147483647"):
+        convert_topk(pos, torch.zeros(1, dtype=torch.int32), table, block_size=4, dcp=DcpShard(2, 2**30, 0))

@@ -85,6 +85,8 @@ def _check_inputs(topk_pos, req_ids, block_table, block_size, block_stride, seq_
             raise ValueError(
                 f"dcp must have 1 <= world, interleave <= {INT32_MAX} and 0 <= rank < world, got {tuple(dcp)}"
             )
+        if world * interleave > INT32_MAX:  # one round of blocks: the kernel's int32 position arithmetic
+            raise ValueError(f"dcp must have world * interleave <= {INT32_MAX} (positions are int32), got {tuple(dcp)}")
     check_same_device(
         topk_pos=topk_pos, req_ids=req_ids, block_table=block_table, seq_lens=seq_lens, topk_length=topk_length
     )
@@ -159,7 +161,8 @@ def convert_topk(
             at least ``block_size``: a smaller stride would make blocks share rows).
         seq_lens: ``[B]`` int32 request lengths (global positions; >= 0, checked on CPU tensors), optional.
         topk_length: ``[T]`` int32 per-row count of leading entries to use, optional.
-        dcp: :class:`DcpShard` to keep only this rank's positions, optional.
+        dcp: :class:`DcpShard` to keep only this rank's positions, optional (``world * interleave``,
+            one round of blocks, at most ``2**31 - 1``: positions are int32).
         packed: each token's valid rows in their order at the front of its row, ``-1`` after
             them: a decode kernel given ``counts`` as its ``topk_length`` then reads no invalid
             entry (a DCP rank's share of a top-k is about ``K / W`` rows; a request shorter than
