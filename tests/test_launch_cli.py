@@ -118,6 +118,12 @@ CPU = torch.device("cpu")
             2,
             r"--overlap shapes a synthetic top-k; --topk-file gives the prefill's and --compare runs prefills only",
         ),
+        (
+            ["--preset", "gqa-64-8", "--mode", "headtp", "--topk-file", "x.pt"],
+            2,
+            r"--topk-file holds a sparse-MLA top-k; gqa-64-8 is GQA: drop it",
+        ),
+        (["--preset", "gqa-64-8", "--topk-file", "x.pt"], 2, r"--topk-file holds a sparse-MLA top-k; gqa-64-8 is GQA"),
         (["--calibration", "/nonexistent/t.json"], 2, r"--calibration /nonexistent/t.json: no such file"),
         (["--calibration", "/"], 2, r"--calibration /: not a calibration table"),
         (["--preset", "gqa-64-8", "--compare"], 2, r"--compare sets sparse-MLA prefill steps side by side; gqa-64-8"),
@@ -154,6 +160,8 @@ CPU = torch.device("cpu")
         "unused-non-causal-one-query-gqa",
         "unused-non-causal-no-decode",
         "unused-overlap-with-topk-file",
+        "unused-topk-file-gqa-prefill",
+        "unused-topk-file-gqa-decode",
         "calibration-missing",
         "calibration-not-a-table",
         "compare-gqa",
@@ -175,6 +183,16 @@ def test_recorded_positions_size_the_memory_check(tmp_path) -> None:
     topk[3, 5] = 2**30
     torch.save({"topk": topk}, path)
     with pytest.raises(LaunchError, match=rf"--topk-file {path}'s positions \(up to 1,073,741,824\) make a KV"):
+        plan_run(parse_options(["--topk-file", str(path)]), 2, CPU)
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (4, 0)], ids=["no-token", "no-entry"])
+def test_an_empty_recorded_top_k_is_refused_naming_the_file(tmp_path, shape: tuple[int, int]) -> None:
+    """A --topk-file of no token or no entry sizes an empty step: refused naming the file (not
+    --tokens, which was not given, nor the Runtime's top-k once ranks are up)."""
+    path = tmp_path / "empty.pt"
+    torch.save({"topk": torch.zeros(shape, dtype=torch.int32)}, path)
+    with pytest.raises(LaunchError, match=rf"--topk-file {path}: its top-k is \[{shape[0]}, {shape[1]}\]; a step"):
         plan_run(parse_options(["--topk-file", str(path)]), 2, CPU)
 
 

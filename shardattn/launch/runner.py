@@ -130,6 +130,11 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
             recorded = load_topk_dump(opts.topk_file)
         except (ValueError, TypeError, OSError, RuntimeError) as e:
             raise usage_error(f"--topk-file {opts.topk_file}: {e}") from None
+        if 0 in recorded[0].shape:  # its shape sizes the step: a step of no token, or of no entry a token
+            raise usage_error(
+                f"--topk-file {opts.topk_file}: its top-k is [{', '.join(map(str, recorded[0].shape))}]; a step needs "
+                "at least one token with at least one entry"
+            )
     shape = resolve_shape(opts, on_gpu=on_gpu, preset_topk=spec.topk or 1, decode_only=steps == ("decode",))
     if recorded is not None:
         t, k = recorded[0].shape
