@@ -123,13 +123,35 @@ def test_whole_step_configurations_that_do_not_divide_are_refused_first(tmp_path
     from shardattn.calibrate.__main__ import step_configs
 
     assert [h for _p, h in step_configs(32)] == [None, None, 32]  # glm5 at 16 heads does not split 32 ways
-    monkeypatch.setenv("WORLD_SIZE", "3")
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "3"), ("MASTER_PORT", "1")):  # rank 0 of torchrun's 3
+        monkeypatch.setenv(name, value)
     out = tmp_path / "t.json"
     argv = ["--out", str(out), *[a for a in SMALL if a != "--no-steps"], "--no-progress", "--cpu"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no whole-step configuration's heads divide over 3 ranks" in err[0], err
     assert "pass --no-steps" in err[0] and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_PORT": "1"}, "RANK must be in [0, WORLD_SIZE=2), got 3"),
+        ({"RANK": "0", "WORLD_SIZE": "two", "MASTER_PORT": "1"}, "incomplete torchrun environment"),
+    ],
+    ids=["rank-out-of-the-world", "world-size-not-a-number"],
+)
+def test_a_broken_torchrun_environment_is_one_line(tmp_path, capsys, monkeypatch, environ, message) -> None:
+    """Regression: a ``WORLD_SIZE`` that is no integer raised a traceback, and a rank past the world
+    exited 2 without a word; both are one line naming the variables."""
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "t.json"
+    assert main(["--out", str(out), *SMALL, "--no-progress", "--cpu"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardattn.calibrate: error: ") and message in err[0], err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(

@@ -37,3 +37,17 @@ def test_every_rank_writes_its_error_file_and_one_prints(tmp_path, capsys: pytes
     for path in files:
         assert json.loads(path.read_text())["message"]["message"] == MESSAGE, path
     del store
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{"RANK": "3", "WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "two"}, {"RANK": "x"}],
+    ids=["rank-past-the-world", "world-size-not-a-number", "rank-not-a-number"],
+)
+def test_a_rank_of_no_world_prints_the_line_itself(environ, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: a rank whose RANK / WORLD_SIZE make no rank of a world (the very error the
+    launcher reports about that environment) printed nothing, or raised a ValueError itself."""
+    error_file = tmp_path / "error.json"
+    assert report_once(MESSAGE, 2, environ={**environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}, wait_s=1.0) == 2
+    assert capsys.readouterr().err.count(MESSAGE) == 1
+    assert json.loads(error_file.read_text())["message"]["message"] == MESSAGE

@@ -31,7 +31,7 @@ from shardattn.calibrate.steps import MIN_SHARD_TOKENS, measure_paths, with_head
 from shardattn.calibrate.timing import copy_gbps
 from shardattn.launch.logs import LOG_LEVELS, configure_logging
 from shardattn.launch.one_line import report_once
-from shardattn.launch.process_group import host_groups
+from shardattn.launch.process_group import DistEnv, host_groups
 from shardattn.launch.progress import RunProgress, format_seconds
 from shardattn.parallel.hosts import exchange_node_layout
 from shardattn.plan.calibration import same_gpu
@@ -271,7 +271,10 @@ def check_options(args: argparse.Namespace) -> None:
             if v < minimum:
                 option = "--" + name.replace("_", "-")
                 raise BadOption(f"shardattn.calibrate: error: {option} must be >= {minimum}, got {v}")
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    try:  # torchrun's variables (none: one rank)
+        world = DistEnv.from_env().world_size
+    except ValueError as e:
+        raise BadOption(f"shardattn.calibrate: error: {e}") from None
     if args.steps and args.merge_into is None and world > 1 and not step_configs(world):
         raise BadOption(
             f"shardattn.calibrate: error: no whole-step configuration's heads divide over {world} ranks "
@@ -350,12 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         return report_once(str(e), 2)
     if not torch.cuda.is_available() and not args.cpu:
         return report_once(NO_GPU, 2)
-    configure_logging(args.log_level, int(os.environ.get("RANK", "0") or 0))
+    env = DistEnv.from_env()  # checked by check_options
+    configure_logging(args.log_level, env.rank)
     if "RANK" in os.environ:  # under torchrun: one rank per GPU
         from shardattn.launch.local import run_ranks
-        from shardattn.launch.process_group import DistEnv
 
-        args.host_id = DistEnv.from_env().host_id  # torchrun's agent: one node each
+        args.host_id = env.host_id  # torchrun's agent: one node each
 
         run_ranks(_Entry(args), cpu=args.cpu)
     else:

@@ -14,7 +14,9 @@ torchrun's summary), so the summary torchrun prints at the end names the error t
 status of whichever rank it reports as the first failure.
 
 Outside torchrun (one process, or ranks started by hand with torchrun's variables), nothing kills
-a rank whose peer exits, and rank 0 prints alone.
+a rank whose peer exits, and rank 0 prints alone. A rank whose ``RANK`` / ``WORLD_SIZE`` make no
+rank of a world (not integers, or the rank out of range) prints too: no rank 0 may be there, and
+the message may be about that environment.
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ def _write_error_file(message: str, environ: Mapping[str, str]) -> None:
         pass
 
 
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int | None:
+    """``env[name]`` as an int (``default`` when unset or empty); ``None`` when it is no integer."""
+    try:
+        return int(env.get(name, "") or default)
+    except ValueError:
+        return None
+
+
 def report_once(message: str, status: int, *, environ: Mapping[str, str] | None = None, wait_s: float = WAIT_S) -> int:
     """Print ``message`` (one line, stderr) from exactly one rank of the job, then return ``status``.
 
@@ -58,8 +68,11 @@ def report_once(message: str, status: int, *, environ: Mapping[str, str] | None 
     prints anyway (a line twice is better than none).
     """
     env = os.environ if environ is None else environ
-    rank = int(env.get("RANK", "0") or 0)
-    world = int(env.get("WORLD_SIZE", "1") or 1)
+    rank, world = _env_int(env, "RANK", 0), _env_int(env, "WORLD_SIZE", 1)
+    if rank is None or world is None or not 0 <= rank < world:  # no rank of a world: the message may say why
+        _print(message)
+        _write_error_file(message, env)
+        return status
     if world <= 1 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in env:
         if rank == 0:
             _print(message)
