@@ -186,6 +186,21 @@ def test_recorded_positions_size_the_memory_check(tmp_path) -> None:
         plan_run(parse_options(["--topk-file", str(path)]), 2, CPU)
 
 
+@pytest.mark.parametrize("mode", ["mixed", "dcp-decode"])
+def test_requests_past_memory_are_refused_before_their_lengths_are_listed(monkeypatch, mode: str) -> None:
+    """Regression: --requests 2147483647 listed a cached length and a query length per request (two
+    tuples of 2**31 entries) before the memory check, and the allocator killed every rank without
+    a word; every request holds a token, so the count alone is refused first, in one line."""
+    from shardattn.launch import runner
+
+    def listed(*args, **kwargs):
+        raise AssertionError("the per-request lengths were listed")
+
+    monkeypatch.setattr(runner, "resolve_shape", listed)
+    with pytest.raises(LaunchError, match=r"GiB are free on this cpu for each of its ranks; ask for fewer --requests$"):
+        plan_run(parse_options(["--mode", mode, "--requests", "2147483647"]), 2, CPU)
+
+
 @pytest.mark.parametrize("shape", [(0, 16), (4, 0)], ids=["no-token", "no-entry"])
 def test_an_empty_recorded_top_k_is_refused_naming_the_file(tmp_path, shape: tuple[int, int]) -> None:
     """A --topk-file of no token or no entry sizes an empty step: refused naming the file (not

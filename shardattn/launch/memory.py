@@ -10,7 +10,20 @@ import torch
 
 from shardattn.plan.spec import ModelSpec
 
-__all__ = ["free_bytes", "step_bytes"]
+__all__ = ["free_bytes", "step_bytes", "token_bytes"]
+
+
+def token_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    """The bytes one query token of a step holds at least: its query, output and fp32 LSE over every
+    head. Every request of a step has a token, so ``requests * token_bytes`` bounds a run before
+    its per-request lengths are listed.
+
+    >>> from shardattn.plan.spec import get_preset
+    >>> token_bytes(get_preset("glm5"), torch.float32)
+    278784
+    """
+    elem = torch.finfo(dtype).bits // 8
+    return spec.num_heads * ((spec.head_dim + spec.v_dim) * elem + 4)
 
 
 def step_bytes(spec: ModelSpec, shape: Any, dtype: torch.dtype, steps: tuple[str, ...], *, check: bool = False) -> int:
@@ -30,7 +43,6 @@ def step_bytes(spec: ModelSpec, shape: Any, dtype: torch.dtype, steps: tuple[str
     mla = spec.kind == "sparse_mla"
     row = spec.head_dim if mla else 2 * spec.num_kv_heads * spec.head_dim
     topk = shape.topk if mla else 0
-    out = spec.num_heads * (spec.v_dim * elem + 4)  # a token's output and LSE
     sizes = [shape.tokens] if "prefill" in steps else []
     sizes += [sum(shape.query_lens)] if "decode" in steps else []
     cache = sum(shape.cached)
@@ -38,7 +50,7 @@ def step_bytes(spec: ModelSpec, shape: Any, dtype: torch.dtype, steps: tuple[str
     def one_step(t: int) -> int:
         keys = topk if mla else cache + t  # a query's keys in the reference (GQA: the whole context)
         reference = t * spec.num_heads * (spec.head_dim + spec.v_dim + keys) * 8 if check else 0
-        return (cache + t) * row * elem + t * (spec.num_heads * spec.head_dim * elem + topk * 4 + out) + reference
+        return (cache + t) * row * elem + t * (token_bytes(spec, dtype) + topk * 4) + reference
 
     # the steps are built one after the other: the larger one's cache (once), queries, rows and outputs
     return max(one_step(t) for t in sizes)

@@ -30,7 +30,7 @@ from shardattn.launch.cli import (
     resolve_shape,
     usage_error,
 )
-from shardattn.launch.memory import free_bytes, step_bytes
+from shardattn.launch.memory import free_bytes, step_bytes, token_bytes
 from shardattn.launch.option_use import check_calibration_file, check_options_used
 from shardattn.launch.prepare import prepare_decode, prepare_prefill
 from shardattn.launch.process_group import LaunchGroups
@@ -135,6 +135,11 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
                 f"--topk-file {opts.topk_file}: its top-k is [{', '.join(map(str, recorded[0].shape))}]; a step needs "
                 "at least one token with at least one entry"
             )
+    dtype = (torch.bfloat16 if on_gpu else torch.float32) if opts.dtype == "auto" else _DTYPES[opts.dtype]
+    have = free_bytes(device, world_size)
+    floor = (opts.requests or 0) * token_bytes(spec, dtype)  # every request has a token in every step
+    if have is not None and floor > have:  # refused before its per-request lengths are listed
+        raise usage_error(_too_large(floor, have, device, "ask for fewer --requests"))
     shape = resolve_shape(opts, on_gpu=on_gpu, preset_topk=spec.topk or 1, decode_only=steps == ("decode",))
     if recorded is not None:
         t, k = recorded[0].shape
@@ -153,26 +158,19 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
                 f"--topk {shape.topk} is larger than the KV cache of the longest request ({longest} tokens): "
                 "a query cannot pick more rows than exist; lower --topk or raise --cached / --tokens"
             )
-    if opts.dtype == "auto":
-        dtype = torch.bfloat16 if on_gpu else torch.float32
-    else:
-        dtype = _DTYPES[opts.dtype]
     sized = shape
     if recorded is not None:  # the recorded positions size the request's cache (global rows beyond it too)
         kv_len = max(shape.cached[0] + shape.tokens, int(recorded[0].max()) + 1 if recorded[0].numel() else 0)
         sized = dataclasses.replace(shape, cached=(kv_len - shape.tokens,))
     checked = opts.check if opts.check is not None else not on_gpu
-    need, have = step_bytes(spec, sized, dtype, steps, check=checked), free_bytes(device, world_size)
+    need = step_bytes(spec, sized, dtype, steps, check=checked)
     if have is not None and need > have:
         fewer = (
             f"--topk-file {opts.topk_file}'s positions (up to {kv_len - 1:,}) make a KV cache of {kv_len:,} rows"
             if recorded is not None
             else "ask for fewer --heads, --tokens, --cached, --requests or --query-len"
         )
-        raise usage_error(
-            f"the step's tensors need at least {need / 2**30:.1f} GiB per rank (KV cache, queries, top-k, outputs), "
-            f"but {have / 2**30:.1f} GiB are free on this {device.type} for each of its ranks; {fewer}"
-        )
+        raise usage_error(_too_large(need, have, device, fewer))
     if opts.compare and ("prefill" not in steps or mode == "pcp"):
         raise usage_error(
             "--compare runs the head-TP, ShardQ and routed prefill steps of a sparse-MLA preset; "
@@ -232,6 +230,14 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
         min_group,
         recorded,
         tuple(notes),
+    )
+
+
+def _too_large(need: int, have: int, device: torch.device, fewer: str) -> str:
+    """The one line of a run whose tensors need more than a rank has (``fewer``: what to ask for)."""
+    return (
+        f"the step's tensors need at least {need / 2**30:.1f} GiB per rank (KV cache, queries, top-k, outputs), "
+        f"but {have / 2**30:.1f} GiB are free on this {device.type} for each of its ranks; {fewer}"
     )
 
 
