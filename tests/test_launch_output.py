@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardattn.launch.cli import build_parser, parse_options
+from shardattn.launch.cli import build_parser, parse_options, resolve_shape
 from shardattn.launch.progress import RunProgress
 from shardattn.launch.report import WIDTH, RankRow, Report, render, render_compare
 from shardattn.launch.runner import plan_run
@@ -73,6 +73,13 @@ def test_conservative_cost_model_reason_reads_plainly() -> None:
 def test_preset_help_lists_the_presets() -> None:
     text = " ".join(build_parser().format_help().split())
     assert f"model preset: {', '.join(sorted(PRESETS))} (default glm5)" in text
+    for name in PRESETS:  # every preset's own scale, the one a run takes without --softmax-scale
+        assert f"{name} {get_preset(name).softmax_scale:.4g}" in text.split("--softmax-scale")[2], name
+    for defaults in ("(default: 2 CPU; GPU 4, 64 in dcp-decode)", "default 128 CPU, 8192 GPU)"):
+        assert defaults in text, defaults
+    gpu = resolve_shape(parse_options([]), on_gpu=True, preset_topk=2048, decode_only=True)
+    cpu = resolve_shape(parse_options([]), on_gpu=False, preset_topk=2048, decode_only=True)
+    assert (gpu.requests, gpu.cached[0], cpu.requests, cpu.cached[0]) == (64, 8192, 2, 128)
     assert "--log-level {debug,info,warning,error}" in text
     assert parse_options(["--log-level", "debug"]).log_level == "debug"
 

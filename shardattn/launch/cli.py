@@ -109,13 +109,16 @@ class _Parser(argparse.ArgumentParser):
         raise LaunchError(f"shardattn.launch: error: {message} (see --help)")
 
     def format_help(self) -> str:
-        """The help, with ``--preset`` listing the presets (read only here: the planner imports torch,
-        which parsing a command line does not need)."""
-        from shardattn.plan.spec import PRESETS
+        """The help, with ``--preset`` listing the presets and ``--softmax-scale`` their scales (read
+        only here: the planner imports torch, which parsing a command line does not need)."""
+        from shardattn.plan.spec import PRESETS, get_preset
 
+        scales = ", ".join(f"{name} {get_preset(name).softmax_scale:.4g}" for name in sorted(PRESETS))
         for action in self._actions:
             if action.dest == "preset":
                 action.help = f"model preset: {', '.join(sorted(PRESETS))} (default glm5)"
+            if action.dest == "softmax_scale":
+                action.help = f"softmax scale of every step (default: the preset's, the model's own: {scales})"
         return super().format_help()
 
 
@@ -151,12 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--softmax-scale",
         type=float,
         default=None,
-        help="softmax scale of every step (default: the preset's, the model's own: glm5 0.0625, deepseek-v32 0.1352)",
+        help="softmax scale of every step (default: the preset's, the model's own)",
     )
     a("--mode", choices=MODES, default=None, help="step to run (default: mixed for sparse MLA, dcp-decode for GQA)")
     a("--tokens", type=int, default=None, help="new prefill tokens of the step (default: 256 CPU, 8192 GPU)")
-    a("--requests", type=int, default=None, help="requests of the step (default: 2 CPU, 4 GPU)")
-    a("--cached", type=_int_list, default=None, help="cached prefix length, one or one per request (L or L1,L2,..)")
+    a("--requests", type=int, default=None, help="requests of the step (default: 2 CPU; GPU 4, 64 in dcp-decode)")
+    a(
+        "--cached",
+        type=_int_list,
+        default=None,
+        help="cached prefix length, one or one per request (L or L1,L2,..; default 128 CPU, 8192 GPU)",
+    )
     a("--topk", type=int, default=None, help="top-k entries per query token (default: 64 CPU, the preset's on GPU)")
     a(
         "--overlap",
