@@ -196,6 +196,18 @@ def test_a_bad_option_is_one_line_with_status_2(tmp_path, capsys, option, messag
     assert "Traceback" not in captured.err and not out.exists()
 
 
+def test_a_kv_format_listed_twice_is_measured_once(tmp_path) -> None:
+    """Regression: ``--kv-dtype bf16 bf16`` timed every point twice in a pass, and the median of the
+    passes then raised a traceback after the whole measurement; a format listed twice is one, as a
+    head or token count listed twice is."""
+    out = tmp_path / "t.json"
+    twice = ["--kv-dtype", "bf16", "bf16"]
+    assert main(["--out", str(out), *SMALL, "--no-progress", "--cpu", "--passes", "1", *twice]) == 0
+    table = Calibration.from_json(out.read_text())
+    keys = [(p.kv_format, p.heads, p.group_size, p.tokens) for p in table.kernels]
+    assert sorted(keys) == [("bfloat16", 8, 1, 32), ("bfloat16", 8, 8, 32)]
+
+
 def test_a_merge_into_table_that_does_not_parse_is_one_line(tmp_path, capsys) -> None:
     """A file that is not a table (or a partial one) is refused before anything is measured."""
     out, bad = tmp_path / "t.json", tmp_path / "bad.json"

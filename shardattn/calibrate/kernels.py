@@ -67,7 +67,8 @@ def measure_kernel_points(
 ) -> list[KernelPoint]:
     """Time each ``(heads, G, tokens)`` job (one synthetic step per token count, q per head count)
     on each KV format of ``kv_formats`` (``"bfloat16"``: rows in ``dtype``; ``"fp8_ds_mla"``: the
-    same rows quantised, :func:`~shardattn.ops.kv_fp8.quantize_kv`), one point per format."""
+    same rows quantised, :func:`~shardattn.ops.kv_fp8.quantize_kv`), one point per format (a format
+    listed twice is timed once, as a head or token count listed twice is one job)."""
     points = []
     steps: dict[int, tuple[torch.Tensor, torch.Tensor, dict[int, float]]] = {}
     for heads, g, tokens in jobs:
@@ -92,7 +93,7 @@ def measure_kernel_points(
         q = torch.randn(tokens, heads, HEAD_DIM, device=device, dtype=torch.float32).mul_(0.5).to(dtype)
         keys = int((rows >= 0).sum()) // max(1, tokens)
 
-        for fmt in kv_formats:
+        for fmt in dict.fromkeys(kv_formats):
             kv_rows = quantize_kv(kv) if fmt == KV_FP8_DS_MLA else kv
 
             def call(q: torch.Tensor = q, kv: torch.Tensor = kv_rows, rows: torch.Tensor = rows, g: int = g) -> None:
