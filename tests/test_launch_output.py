@@ -4,6 +4,7 @@ apply, the presets in ``--help``, progress off a terminal, and the library's log
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 
@@ -151,3 +152,51 @@ def test_route_decisions_are_logged_at_debug_on_the_shardattn_logger(dist_pool) 
         assert prefill and "shardq, reference G=1: no GPU" in prefill[0], records
         assert any(r.startswith("DEBUG shardattn.runtime.planning: decode steps (head-TP): reference") for r in records)
     assert dist.is_available()
+
+
+#: gqa-64-8 at 16 heads on head-TP ranks, a sliding window of 3: 12 new tokens after 5 and 30
+#: cached ones; decode 1 and 3 queries after them
+WINDOWED = ["--preset", "gqa-64-8", "--heads", "16", "--mode", "headtp", "--tokens", "24", "--requests", "2",
+            "--cached", "5,30", "--query-len", "1,3", "--window", "3", "--iters", "1"]  # fmt: skip
+
+
+def _visible(query_pos: torch.Tensor, keys: int, window: int) -> torch.Tensor:
+    """``[Q, keys]``: the causal keys each query position sees, its last ``window + 1`` (-1: all)."""
+    k = torch.arange(keys)[None, :]
+    seen = k <= query_pos[:, None]
+    return seen & (k >= query_pos[:, None] - window) if window >= 0 else seen
+
+
+def _windowed_run(group, path: str) -> None:
+    from shardattn.launch.process_group import DistEnv, LaunchGroups
+    from shardattn.launch.runner import run
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    argv = [*WINDOWED, "--json", path, "--no-progress"]
+    cfg = plan_run(parse_options(argv), world, CPU)
+    groups = LaunchGroups(DistEnv(rank, world, rank, None, None), CPU, group, group, "gloo", 60.0)
+    assert run(cfg, groups) == 0
+
+
+@pytest.mark.distributed
+def test_a_windowed_step_reports_the_work_of_its_window(dist_pool, tmp_path) -> None:
+    """Regression: a GQA step's rate counted every causal key of a query (prefill FLOPs, decode
+    bytes read) where a sliding window reads its last window + 1 only, so a windowed run's TFLOP/s
+    and GB/s were inflated; the rate is the window's work over the time (counted here from masks)."""
+    path = tmp_path / "r.json"
+    dist_pool.run(_windowed_run, str(path), world_size=2)
+    report = json.loads(path.read_text())
+    assert report["passed"] and report["config"]["window"] == 3
+    spec, window, elem, heads, kv_heads = get_preset("gqa-64-8"), 3, 4, 8, 4  # per rank: 16 / 2 and 8 / 2 heads
+    cached, new, q_lens = (5, 30), (12, 12), (1, 3)
+    pairs = sum(int(_visible(torch.arange(c, c + n), c + n, window).sum()) for c, n in zip(cached, new))
+    read = sum(int(_visible(torch.arange(c, c + q), c + q, window).any(0).sum()) for c, q in zip(cached, q_lens))
+    flops = 4.0 * spec.head_dim * heads * pairs
+    nbytes = (read * kv_heads + sum(q_lens) * heads) * spec.head_dim * 2 * elem
+    for row in report["rows"]:
+        work = (
+            row["tflops"] * 1e9 * row["time_ms"]
+            if row["step"] == "prefill"
+            else row["gbytes_per_s"] * 1e6 * row["time_ms"]
+        )
+        assert work == pytest.approx(flops if row["step"] == "prefill" else nbytes, rel=1e-9), row

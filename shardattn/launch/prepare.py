@@ -128,7 +128,8 @@ def prepare_gqa_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
         )  # fmt: skip
 
     positions = [p + j for p, n in zip(g.prefix_lens, g.query_lens) for j in range(n)]
-    pairs = sum(p + 1 for p in (positions[i] for i in mine.tolist()))
+    # the (query, key) pairs the rank's tokens attend: keys 0..p, the last window + 1 of them under a window
+    pairs = sum(p + 1 if window < 0 else min(p + 1, window + 1) for p in (positions[i] for i in mine.tolist()))
     form = "kv in cache" if kv_new is None else "kv gathered"
     return Prepared(
         "prefill", call, f"{plan.step}/{plan.route.path} ({form})", plan.route.reason, int(mine.numel()), None,
@@ -256,7 +257,11 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
             else head_tp_kv_heads(spec.num_heads, spec.num_kv_heads, rt.world_size, rt.rank)
         )
         cache = (g.local_k_cache[:, :, lo:hi].contiguous(), g.local_v_cache[:, :, lo:hi].contiguous())
-        work = int(local_lens.sum()) * (hi - lo) * spec.head_dim * 2 * elem
+        # the KV tokens each request's queries read: all of them, or under a window (head-TP only, so
+        # global lengths) the queries' last window + Q of them
+        q_lens = g.cu_q_lens.diff().to(local_lens.device)
+        read = local_lens if cfg.opts.window < 0 else torch.minimum(local_lens, q_lens + cfg.opts.window)
+        work = int(read.sum()) * (hi - lo) * spec.head_dim * 2 * elem
         work += g.num_tokens * (spec.num_heads if dcp else rt.heads_per_rank) * spec.head_dim * 2 * elem
         causal, window = cfg.opts.causal, cfg.opts.window
 
