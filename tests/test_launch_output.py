@@ -167,13 +167,13 @@ def _visible(query_pos: torch.Tensor, keys: int, window: int) -> torch.Tensor:
     return seen & (k >= query_pos[:, None] - window) if window >= 0 else seen
 
 
-def _windowed_run(group, path: str) -> None:
+def _launch(group, argv: list[str]) -> None:
+    """The launcher's run on the pool's ranks (``argv``: its options)."""
     from shardattn.launch.process_group import DistEnv, LaunchGroups
     from shardattn.launch.runner import run
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    argv = [*WINDOWED, "--json", path, "--no-progress"]
-    cfg = plan_run(parse_options(argv), world, CPU)
+    cfg = plan_run(parse_options([*argv, "--no-progress"]), world, CPU)
     groups = LaunchGroups(DistEnv(rank, world, rank, None, None), CPU, group, group, "gloo", 60.0)
     assert run(cfg, groups) == 0
 
@@ -184,7 +184,7 @@ def test_a_windowed_step_reports_the_work_of_its_window(dist_pool, tmp_path) -> 
     bytes read) where a sliding window reads its last window + 1 only, so a windowed run's TFLOP/s
     and GB/s were inflated; the rate is the window's work over the time (counted here from masks)."""
     path = tmp_path / "r.json"
-    dist_pool.run(_windowed_run, str(path), world_size=2)
+    dist_pool.run(_launch, [*WINDOWED, "--json", str(path)], world_size=2)
     report = json.loads(path.read_text())
     assert report["passed"] and report["config"]["window"] == 3
     spec, window, elem, heads, kv_heads = get_preset("gqa-64-8"), 3, 4, 8, 4  # per rank: 16 / 2 and 8 / 2 heads
@@ -200,3 +200,16 @@ def test_a_windowed_step_reports_the_work_of_its_window(dist_pool, tmp_path) -> 
             else row["gbytes_per_s"] * 1e6 * row["time_ms"]
         )
         assert work == pytest.approx(flops if row["step"] == "prefill" else nbytes, rel=1e-9), row
+
+
+@pytest.mark.distributed
+def test_a_shardq_step_the_gate_keeps_on_head_tp_says_so(dist_pool, tmp_path) -> None:
+    """Regression: mode shardq with the gate above the step ran head-TP and said only why its kernel
+    is the kernel it is ("no GPU: torch reference"); the reason now starts with the gate."""
+    path = tmp_path / "r.json"
+    dist_pool.run(_launch, ["--mode", "shardq", "--min-shard-tokens", "300", "--json", str(path)], world_size=2)
+    rows = json.loads(path.read_text())["rows"]
+    prefill = [r for r in rows if r["step"] == "prefill"]
+    assert len(prefill) == 2 and all(r["path"] == "headtp/reference" for r in prefill), prefill
+    for r in prefill:
+        assert r["reason"].startswith("min_tokens=300 > max_batched_tokens=256: head-TP; no GPU"), r["reason"]

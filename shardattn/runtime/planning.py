@@ -93,13 +93,16 @@ class RuntimePlanning(RuntimeState):
         rows = self.max_kv_rows if kv_rows is None else check_int("kv_rows", kv_rows, minimum=0)
         shard: Any = None
         route: Route | None = None
+        gated = None  # why a ShardQ mode's step runs head-TP without asking the cost model
         if step == "shardq" and not self.ws.shardq_possible:  # one rank, or the gate above every step
-            step = "headtp"
+            step, gated = "headtp", "one rank: head-TP"
+            if self.world_size > 1:
+                gated = f"min_tokens={self.min_shard_tokens} > max_batched_tokens={self.max_batched_tokens}: head-TP"
         if step == "shardq":
             gate = self.min_shard_tokens
             shard = zigzag_split(lens, self.world_size, min_tokens=gate, prefix_lens=prefix, topk=self.topk)
             if not shard.sharded:
-                step = "headtp"
+                step, gated = "headtp", f"{tokens} new tokens < min_tokens={gate}: head-TP"
             elif self.cost_model is not None:  # the fastest predicted of ShardQ and head-TP
                 step, route = cost_route(self, tokens=tokens, counts=shard.counts.tolist(), kv_rows=rows)
                 shard = shard if step == "shardq" else None
@@ -107,6 +110,7 @@ class RuntimePlanning(RuntimeState):
             shard = pcp_plan(lens, self.world_size, prefix_lens=prefix, topk=self.topk)
         if route is None and step == "headtp":
             route = self._route(self.heads_per_rank, tokens, rows)
+            route = route if gated is None else Route(route.path, route.group_size, f"{gated}; {route.reason}")
         elif route is None and step == "shardq":
             # every head over each rank's own tokens; the group size is also the chunk alignment
             # every rank cuts alike, so the route follows the smallest rank's count on every rank
