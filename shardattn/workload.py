@@ -46,6 +46,19 @@ class Overlap:
     jitter: float = 0.0
 
 
+def seeded_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A generator on ``device`` seeded ``seed`` taken modulo ``2**64``: torch's seeds are 64 bits
+    and it reads a negative one as its two's complement, so this is torch's own generator for any
+    seed ``torch.manual_seed`` takes, and a seed derived from one (``seed + r``, ``seed * 7919``)
+    past that range wraps instead of overflowing.
+
+    >>> a = torch.randn(2, generator=seeded_generator("cpu", -1))
+    >>> torch.equal(a, torch.randn(2, generator=seeded_generator("cpu", 2**64 - 1)))
+    True
+    """
+    return torch.Generator(device=device).manual_seed(seed % 2**64)
+
+
 PRESETS: dict[str, Overlap] = {
     "dsa": Overlap(rho=0.93, drift=128, jitter=0.015),
     "dsa_low": Overlap(rho=0.9, drift=64, jitter=0.03),
@@ -71,7 +84,8 @@ def synthetic_topk(
     Args:
         num_tokens: ``T`` queries. topk: ``K``. start_position: position of the first query.
         overlap: a :data:`PRESETS` name or an :class:`Overlap`.
-        seed: random seed (the same seed gives the same indices on the same device type).
+        seed: random seed (the same seed gives the same indices on the same device type; taken
+            modulo ``2**64``, :func:`seeded_generator`).
         device: where to generate (a GPU is much faster for long contexts).
         chunk: queries scored at once (memory ``chunk * context * 4`` bytes).
     Returns:
@@ -89,14 +103,13 @@ def synthetic_topk(
     if not (spec.rho >= 0.0 and spec.jitter >= 0.0 and spec.rho + spec.jitter <= 1.0) or spec.drift < 1:
         raise ValueError(f"overlap needs rho, jitter >= 0, rho + jitter <= 1 and drift >= 1, got {spec}")
     ctx = start_position + num_tokens
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = seeded_generator(device, seed)
     base = torch.randn(ctx, generator=gen, device=device)
     fields: dict[int, torch.Tensor] = {}
 
     def field(i: int) -> torch.Tensor:
         if i not in fields:
-            fields[i] = torch.randn(ctx, generator=torch.Generator(device=device).manual_seed(seed * 7919 + i + 1),
-                                    device=device)  # fmt: skip
+            fields[i] = torch.randn(ctx, generator=seeded_generator(device, seed * 7919 + i + 1), device=device)
             for old in [k for k in fields if k < i - 2]:
                 del fields[old]
         return fields[i]

@@ -370,6 +370,30 @@ def test_prefill_workload_rows_match_positions() -> None:
     assert torch.equal(again.q, step.q) and torch.equal(again.rows, step.rows), "same seed, same step on every rank"
 
 
+@pytest.mark.parametrize("seed", [2**64 - 1, -(2**63)], ids=["largest", "smallest"])
+def test_every_seed_the_option_takes_builds_a_step(seed: int) -> None:
+    """Regression: --seed takes torch's whole seed range, but the steps seed generators at ``seed + 8``,
+    ``seed * 7919 + 1`` and so on, which overflowed there (a traceback on every rank); derived seeds
+    wrap modulo 2**64, as torch reads a negative seed, so every seed in range is its own step."""
+    from shardattn.launch.gqa_workloads import build_gqa_decode, build_gqa_prefill
+
+    cpu, one = torch.device("cpu"), DcpShard(1, 1, 0)
+    parse_options(["--seed", str(seed)])  # in range
+    mla = dict(heads=2, head_dim=8, requests=2, cached=(5, 9), topk=4, overlap="dsa", dtype=torch.float32, device=cpu)
+    gqa = dict(
+        q_heads=4, kv_heads=2, head_dim=8, sinks=True, requests=2, cached=(5, 9), dtype=torch.float32, device=cpu
+    )
+    steps = {
+        "prefill": lambda s: build_prefill(tokens=6, seed=s, **mla).rows,
+        "decode": lambda s: build_decode(q_lens=(1, 2), causal=True, shard=one, seed=s, **mla).positions,
+        "gqa prefill": lambda s: build_gqa_prefill(tokens=6, seed=s, **gqa).q,
+        "gqa decode": lambda s: build_gqa_decode(q_lens=(1, 2), shard=one, seed=s, **gqa).q,
+    }
+    twin = seed - 2**64 if seed > 0 else seed + 2**64  # the same seed to torch (-1 and 2**64 - 1)
+    for name, build in steps.items():
+        assert torch.equal(build(seed), build(twin)), name
+
+
 @pytest.mark.parametrize("interleave", [1, 2, 64], ids=lambda i: f"I{i}")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
 def test_decode_workload_shards_cover_the_cache(interleave: int, causal: bool) -> None:

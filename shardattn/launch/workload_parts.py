@@ -14,6 +14,7 @@ import torch
 from shardattn.ops.topk import DcpShard
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.dcp_shard import shard_kv_cache
+from shardattn.workload import seeded_generator
 
 __all__ = [
     "BLOCK_SIZE",
@@ -44,10 +45,8 @@ class SyntheticStep:
 
 
 def generator(device: torch.device, seed: int) -> torch.Generator:
-    """A generator on ``device`` seeded ``seed``."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+    """A generator on ``device`` seeded ``seed`` (modulo ``2**64``: a step's ``--seed + 11`` wraps)."""
+    return seeded_generator(device, seed)
 
 
 def values(shape: tuple[int, ...], gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
