@@ -213,3 +213,37 @@ def test_a_shardq_step_the_gate_keeps_on_head_tp_says_so(dist_pool, tmp_path) ->
     assert len(prefill) == 2 and all(r["path"] == "headtp/reference" for r in prefill), prefill
     for r in prefill:
         assert r["reason"].startswith("min_tokens=300 > max_batched_tokens=256: head-TP; no GPU"), r["reason"]
+
+
+def _report_dir_removed(group, path: str) -> tuple[int, str]:
+    """The launcher's run whose --json directory, writable when the options were checked, is gone
+    when the report is written: the rank's status and what it said on stderr."""
+    import contextlib
+    import os
+
+    from shardattn.launch.process_group import DistEnv, LaunchGroups
+    from shardattn.launch.runner import run
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cfg = plan_run(parse_options(["--mode", "dcp-decode", "--json", path, "--no-progress"]), world, CPU)
+    if rank == 0:
+        os.rmdir(os.path.dirname(path))
+    groups = LaunchGroups(DistEnv(rank, world, rank, None, None), CPU, group, group, "gloo", 60.0)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = run(cfg, groups)
+    return status, err.getvalue()
+
+
+@pytest.mark.distributed
+def test_a_report_the_file_system_refuses_at_the_end_is_one_line(dist_pool, tmp_path) -> None:
+    """Regression: a --json path that could no longer be written when the run ended (its directory
+    removed, a full disk) raised a traceback on rank 0 after the table and left its peers to time
+    out; it is one line from rank 0 and status 2 on every rank."""
+    (tmp_path / "out").mkdir()
+    path = tmp_path / "out" / "r.json"
+    results = dist_pool.run(_report_dir_removed, str(path), world_size=2)
+    assert [status for status, _ in results] == [2, 2]
+    lines = results[0][1].strip().splitlines()
+    assert lines == [f"shardattn.launch: error: --json {path}: could not write the report (No such file or directory)"]
+    assert results[1][1] == "" and not path.exists()

@@ -11,7 +11,8 @@ line from the first rank to find it, :mod:`~shardattn.launch.one_line`), 3 when 
 finds an error above tolerance (every rank), 4 when a peer rank died or went silent for
 ``--timeout`` seconds, 1 for any other error (the rank that raised prints its traceback, then one
 line). A step that does not fit the memory is 2 on the rank whose allocation failed (one line from
-each such rank; its peers then exit 4).
+each such rank; its peers then exit 4), and so is a ``--json`` report the file system refuses at
+the end, after the table (one line from rank 0, status 2 on every rank).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -26,6 +27,7 @@ __all__ = [
     "percentile",
     "render",
     "render_compare",
+    "save_json",
     "summarize_times",
     "write_json",
 ]
@@ -291,3 +293,15 @@ def write_json(report: Report, path: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(report.to_dict(), f, indent=1)
         f.write("\n")
+
+
+def save_json(report: Report, path: str) -> bool:
+    """:func:`write_json`, or one line on stderr where the file system refuses it (the path was
+    found writable before the run; a disk filled or a directory went away since): whether it wrote."""
+    try:
+        write_json(report, path)
+    except OSError as e:
+        line = f"shardattn.launch: error: --json {path}: could not write the report ({e.strerror or e})"
+        print(line, file=sys.stderr, flush=True)
+        return False
+    return True

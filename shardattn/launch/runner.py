@@ -26,6 +26,7 @@ import torch.distributed as dist
 from shardattn.launch.cli import (
     EXIT_CHECK_FAILED,
     EXIT_INJECTED,
+    EXIT_USAGE,
     Options,
     resolve_shape,
     usage_error,
@@ -35,7 +36,7 @@ from shardattn.launch.option_use import check_calibration_file, check_options_us
 from shardattn.launch.prepare import prepare_decode, prepare_prefill
 from shardattn.launch.process_group import LaunchGroups
 from shardattn.launch.progress import RunProgress
-from shardattn.launch.report import RankRow, Report, render, render_compare, write_json
+from shardattn.launch.report import RankRow, Report, render, render_compare, save_json
 from shardattn.launch.run_config import RunConfig
 from shardattn.launch.timing import check_step, graph_row, profile_step, step_row, time_step
 from shardattn.launch.workloads import overlap_model
@@ -335,9 +336,9 @@ def _run(cfg: RunConfig, groups: LaunchGroups, progress: RunProgress) -> int:
         render(report)
         if cfg.opts.compare:
             render_compare(report)
-        if cfg.opts.json:
-            write_json(report, cfg.opts.json)
         status = 0 if report.passed else EXIT_CHECK_FAILED
+        if cfg.opts.json and not save_json(report, cfg.opts.json):  # the table is printed: one line, status 2
+            status = status or EXIT_USAGE
     verdict = [status]
     dist.broadcast_object_list(verdict, src=0, group=groups.control)
     return int(verdict[0])
