@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,6 +207,31 @@ def test_a_kv_format_listed_twice_is_measured_once(tmp_path) -> None:
     table = Calibration.from_json(out.read_text())
     keys = [(p.kv_format, p.heads, p.group_size, p.tokens) for p in table.kernels]
     assert sorted(keys) == [("bfloat16", 8, 1, 32), ("bfloat16", 8, 8, 32)]
+
+
+def test_a_table_the_file_system_refuses_at_the_end_is_kept_and_one_line(tmp_path, capsys, monkeypatch) -> None:
+    """Regression: an --out that could no longer be written once the points were measured (its
+    directory removed, a full disk) raised a traceback and lost the measurement; the table is kept
+    in a temporary file, named in one line, status 2."""
+    import shardattn.calibrate.__main__ as calibrate_main
+
+    measure = calibrate_main.calibrate
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "t.json"
+
+    def measure_then_lose_the_directory(args, group):
+        table = measure(args, group)
+        (tmp_path / "out").rmdir()
+        return table
+
+    monkeypatch.setattr(calibrate_main, "calibrate", measure_then_lose_the_directory)
+    assert main(["--out", str(out), *SMALL, "--no-progress", "--cpu", "--passes", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    said = f"shardattn.calibrate: error: --out {out}: could not write the table (No such file or directory; kept in "
+    assert len(err) == 1 and err[0].startswith(said) and err[0].endswith(".json)"), err
+    kept = Path(err[0][len(said) : -1])
+    assert len(Calibration.from_json(kept.read_text()).kernels) == 2 and not out.exists()
+    kept.unlink()
 
 
 def test_a_merge_into_table_that_does_not_parse_is_one_line(tmp_path, capsys) -> None:

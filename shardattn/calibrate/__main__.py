@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from shardattn._paths import unwritable_reason
+from shardattn._paths import unwritable_reason, write_text
 from shardattn.calibrate.fit import degenerate_fit, fit_step_overhead
 from shardattn.calibrate.kernels import collective_rates, kernel_jobs, measure_kernel_points, median_points
 from shardattn.calibrate.merge import measure_device, merge_kernel_points, this_gpu
@@ -304,7 +304,8 @@ def check_options(args: argparse.Namespace) -> None:
         )
 
 
-def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
+def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> int:
+    """Measure (and merge), write the table on rank 0 and say what it holds: the exit status."""
     table = None
     if args.merge_into is not None:  # read it first: a bad path fails before minutes of measuring
         with open(args.merge_into) as f:
@@ -312,11 +313,12 @@ def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
         args.steps = False
     cal = calibrate(args, group)
     if cal is None:
-        return
+        return 0
     if table is not None:
         cal = merge_kernel_points(table, cal)
-    with open(args.out, "w") as f:
-        f.write(cal.to_json() + "\n")
+    if (refused := write_text(args.out, cal.to_json() + "\n")) is not None:  # minutes measured: kept elsewhere
+        print(f"shardattn.calibrate: error: --out {args.out}: could not write the table ({refused})", file=sys.stderr)
+        return 2
     print(f"wrote {args.out}: {cal.gpu}, {len(cal.kernels)} kernel points, copy {cal.copy_gbps:g} GB/s", flush=True)
     for c in cal.collectives:
         rpn = c.ranks_per_node
@@ -335,6 +337,7 @@ def _main(group: dist.ProcessGroup | None, args: argparse.Namespace) -> None:
             f"{s.hidden:.0%} of min(them, kernel) hidden)",
             flush=True,
         )
+    return 0
 
 
 #: What a CPU run without ``--cpu`` says (one line).
@@ -360,10 +363,10 @@ def main(argv: list[str] | None = None) -> int:
 
         args.host_id = env.host_id  # torchrun's agent: one node each
 
-        run_ranks(_Entry(args), cpu=args.cpu)
-    else:
-        _main(None, args)
-    return 0
+        entry = _Entry(args)
+        run_ranks(entry, cpu=args.cpu)  # in this process: the entry keeps the rank's status
+        return entry.status
+    return _main(None, args)
 
 
 class _Entry:
@@ -371,9 +374,10 @@ class _Entry:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.status = 0
 
     def __call__(self, group: dist.ProcessGroup) -> None:
-        _main(group, self.args)
+        self.status = _main(group, self.args)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from shardattn._paths import write_text
+
 __all__ = [
     "WIDTH",
     "RankRow",
@@ -291,17 +293,19 @@ def render_compare(report: Report, console: Any = None) -> None:
 def write_json(report: Report, path: str) -> None:
     """Write :meth:`Report.to_dict` to ``path`` (NaN and inf become ``null``)."""
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(report.to_dict(), f, indent=1)
-        f.write("\n")
+        f.write(_json_text(report))
+
+
+def _json_text(report: Report) -> str:
+    return json.dumps(report.to_dict(), indent=1) + "\n"
 
 
 def save_json(report: Report, path: str) -> bool:
     """:func:`write_json`, or one line on stderr where the file system refuses it (the path was
-    found writable before the run; a disk filled or a directory went away since): whether it wrote."""
-    try:
-        write_json(report, path)
-    except OSError as e:
-        line = f"shardattn.launch: error: --json {path}: could not write the report ({e.strerror or e})"
+    found writable before the run; a disk filled or a directory went away since), naming where
+    the report was kept instead: whether it wrote ``path``."""
+    refused = write_text(path, _json_text(report))
+    if refused is not None:
+        line = f"shardattn.launch: error: --json {path}: could not write the report ({refused})"
         print(line, file=sys.stderr, flush=True)
-        return False
-    return True
+    return refused is None
