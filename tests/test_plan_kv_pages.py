@@ -24,6 +24,25 @@ def test_pages_cover_rank_zero_share(world: int, interleave: int, seq_len: int, 
     assert cfg.num_pages == 3 * cfg.pages_for(32) and cfg.rows_per_rank == cfg.num_pages * 4
 
 
+@pytest.mark.parametrize(
+    ("sizes", "match"),
+    [
+        ({"max_requests": 4, "max_seq_len": 2**40}, r"^max_seq_len must be <= 2,147,483,647, got 1,099,511,627,776$"),
+        ({"max_requests": 2**40, "max_seq_len": 48}, r"^max_requests \* max_seq_len \(num_pages' default\) gives"),
+        ({"max_requests": 4, "max_seq_len": 48, "num_pages": 2**29}, r"^num_pages gives 2,147,483,648 KV rows per"),
+    ],
+    ids=["positions-past-int32", "default-pages-past-int32-rows", "pages-past-int32-rows"],
+)
+def test_sizes_past_int32_positions_or_rows_are_refused_naming_them(sizes: dict[str, int], match: str) -> None:
+    """Regression: a pool's max_seq_len or max_requests past int32 positions or rows reached the
+    ledger, whose allocation of one entry per page failed with a bare MemoryError (or held page ids
+    past int32 in its block table); they are refused naming the size, before anything is allocated."""
+    with pytest.raises(ValueError, match=match):
+        KVCacheConfig(page_size=4, layout=DCPLayout(2), **sizes)
+    largest = KVCacheConfig(page_size=4, layout=DCPLayout(1), max_requests=1, max_seq_len=4, num_pages=2**29 - 1)
+    assert largest.rows_per_rank == 2**31 - 4  # the rows an int32 index reaches are fine
+
+
 def test_growth_is_checked_before_anything_changes() -> None:
     book = PagedKVBook(KVCacheConfig(page_size=4, layout=DCPLayout(2), max_requests=2, max_seq_len=20, num_pages=4))
     book.grow([("a", 9)])  # 5 local tokens on rank 0: 2 pages

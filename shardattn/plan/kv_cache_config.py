@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardattn._checks import check_int
+from shardattn.plan._common import MAX_TOKENS
 from shardattn.plan.context import DCPLayout
 
 __all__ = ["KVCacheConfig"]
@@ -44,12 +45,19 @@ class KVCacheConfig:
     def __post_init__(self) -> None:
         check_int("page_size", self.page_size, minimum=1)
         check_int("max_requests", self.max_requests, minimum=1)
-        check_int("max_seq_len", self.max_seq_len, minimum=1)
+        check_int("max_seq_len", self.max_seq_len, minimum=1, maximum=MAX_TOKENS)  # int32 positions
         if not isinstance(self.layout, DCPLayout):
             raise TypeError(f"layout must be a DCPLayout, got {type(self.layout).__name__}")
+        given = self.num_pages is not None
         if self.num_pages is None:
             object.__setattr__(self, "num_pages", self.max_requests * self.pages_per_request)
         check_int("num_pages", self.num_pages, minimum=1)
+        if self.rows_per_rank > MAX_TOKENS:  # a rank's rows, and its page ids, are int32 (before any allocation)
+            sized = "num_pages" if given else "max_requests * max_seq_len (num_pages' default)"
+            raise ValueError(
+                f"{sized} gives {self.rows_per_rank:,} KV rows per rank ({self.num_pages:,} pages of "
+                f"{self.page_size}), past int32 rows ({MAX_TOKENS:,}); lower max_requests, max_seq_len or num_pages"
+            )
 
     def pages_for(self, seq_len: int) -> int:
         """Pages a request of ``seq_len`` tokens holds (on every rank)."""
