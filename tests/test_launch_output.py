@@ -63,6 +63,8 @@ def test_shardq_gate_note_only_where_shardq_runs() -> None:
     assert "ShardQ gate lowered" in notes("--mode", "headtp", "--compare")
     for mode in ("headtp", "pcp", "dcp-decode"):
         assert "ShardQ gate lowered" not in notes("--mode", mode), mode
+    # one rank never shards (its step runs head-TP, and says so): no gate to lower
+    assert "ShardQ gate lowered" not in " ".join(plan_run(parse_options(["--mode", "shardq"]), 1, CPU).notes)
 
 
 def test_conservative_cost_model_reason_reads_plainly() -> None:

@@ -213,7 +213,8 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
             f"(GPU defaults: 8192 new tokens over 4 requests, 8192 cached each, 64 requests in dcp-decode mode"
             f"{preset_topk})"
         )
-    shardq_runs = mla and (mode in ("shardq", "mixed") or opts.compare)  # the modes whose prefill may take ShardQ
+    # the modes whose prefill may take ShardQ (never on one rank)
+    shardq_runs = mla and world_size > 1 and (mode in ("shardq", "mixed") or opts.compare)
     if not on_gpu and opts.min_shard_tokens is None and "prefill" in steps and shardq_runs:
         notes.append(f"ShardQ gate lowered to {min_shard} token (planner default {DEFAULT_MIN_TOKENS}) on the CPU")
     return RunConfig(
