@@ -113,9 +113,9 @@ def check_decode_inputs(
     block_table = as_index("block_table", block_table)
     topk_pos, topk_length = as_index("topk_pos", topk_pos), as_index("topk_length", topk_length)
     req_ids, cu_q_lens = as_index("req_ids", req_ids, q.device), as_index("cu_q_lens", cu_q_lens, q.device)
-    # the top-k width of a sparse-MLA step (a GQA step's topk_pos is refused below, naming it)
-    width_given = step.spec.kind == "sparse_mla" and isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2
-    k = int(topk_pos.shape[1]) if width_given else step.ws.topk
+    k = step.ws.topk  # the step's top-k width: a sparse-MLA step's (a GQA step's topk_pos is refused below)
+    if step.spec.kind == "sparse_mla" and isinstance(topk_pos, torch.Tensor) and topk_pos.dim() == 2:
+        k = int(topk_pos.shape[1])
     step.ws.check("decode", "dcp" if dcp else "headtp", tokens=t, topk=k)
     if sinks is not None and not dcp:  # every head's, before head-TP takes the rank's (DCP checks them)
         check_sink_logits(sinks, step.spec.num_heads, device=q.device)
