@@ -43,6 +43,16 @@ def test_sizes_past_int32_positions_or_rows_are_refused_naming_them(sizes: dict[
     assert largest.rows_per_rank == 2**31 - 4  # the rows an int32 index reaches are fine
 
 
+@pytest.mark.parametrize(("world", "pages"), [(1, 11), (2, 5)])
+def test_fewer_pages_than_one_request_of_max_seq_len_are_refused(world: int, pages: int) -> None:
+    """A pool whose cache cannot hold one request of its max_seq_len is refused when it is sized
+    (it was built, and the first long prefill ran out of pages)."""
+    with pytest.raises(ValueError, match=rf"^num_pages={pages} is fewer than the {pages + 1} pages one request of "):
+        KVCacheConfig(page_size=4, layout=DCPLayout(world), max_requests=4, max_seq_len=48, num_pages=pages)
+    fits = KVCacheConfig(page_size=4, layout=DCPLayout(world), max_requests=4, max_seq_len=48, num_pages=pages + 1)
+    assert fits.pages_per_request == pages + 1
+
+
 def test_growth_is_checked_before_anything_changes() -> None:
     book = PagedKVBook(KVCacheConfig(page_size=4, layout=DCPLayout(2), max_requests=2, max_seq_len=20, num_pages=4))
     book.grow([("a", 9)])  # 5 local tokens on rank 0: 2 pages

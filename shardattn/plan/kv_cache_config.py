@@ -33,7 +33,8 @@ class KVCacheConfig:
             holds every token).
         max_requests: requests that may hold pages at once.
         max_seq_len: the most tokens of one request (prompt and decoded tokens together).
-        num_pages: pages per rank (default: enough for ``max_requests`` requests of ``max_seq_len``).
+        num_pages: pages per rank (default: enough for ``max_requests`` requests of ``max_seq_len``;
+            at least the pages of one such request).
     """
 
     page_size: int
@@ -52,6 +53,12 @@ class KVCacheConfig:
         if self.num_pages is None:
             object.__setattr__(self, "num_pages", self.max_requests * self.pages_per_request)
         check_int("num_pages", self.num_pages, minimum=1)
+        if self.pages_per_rank < self.pages_per_request:  # no request could reach max_seq_len
+            raise ValueError(
+                f"num_pages={self.num_pages} is fewer than the {self.pages_per_request} pages one request of "
+                f"max_seq_len={self.max_seq_len} holds (pages of {self.page_size}); raise num_pages or lower "
+                "max_seq_len"
+            )
         if self.rows_per_rank > MAX_TOKENS:  # a rank's rows, and its page ids, are int32 (before any allocation)
             sized = "num_pages" if given else "max_requests * max_seq_len (num_pages' default)"
             raise ValueError(

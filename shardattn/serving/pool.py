@@ -117,7 +117,8 @@ class RayRankPool(RequestSteps):
             prefill attention; ``"shardq"`` / ``"headtp"``: head-TP decode over a replicated cache, ``"shardq"``
             sparse MLA only (a GQA model has no ShardQ step); ``"pcp"``: PCP prefill, DCP decode; module docstring).
         max_requests, max_seq_len: requests holding KV at once, and tokens per request.
-        num_pages: KV pages per rank (default: ``max_requests`` requests of ``max_seq_len``).
+        num_pages: KV pages per rank (default: ``max_requests`` requests of ``max_seq_len``; at least
+            one such request's pages).
         runtime_kwargs: more :class:`~shardattn.runtime.runtime.Runtime` arguments
             (``max_batched_tokens`` is required with a spec; ``max_decode_tokens``, ``topk``,
             ``prefill_options``, ``decode_options``: its ``dcp_interleave`` lays out the caches).
