@@ -197,6 +197,21 @@ def test_a_bad_option_is_one_line_with_status_2(tmp_path, capsys, option, messag
     assert "Traceback" not in captured.err and not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("option", "why"),
+    [([], "--no-steps"), (["--merge-into", "t.json"], "--merge-into"), ([], "one rank")],
+    ids=["no-steps", "merge-into", "one-rank"],
+)
+def test_step_tokens_where_no_step_is_timed_is_one_line(tmp_path, capsys, option, why) -> None:
+    """Regression: ``--step-tokens`` was taken and ignored where no whole step is timed (``--no-steps``,
+    ``--merge-into``, one rank): it is refused naming what times none."""
+    small = SMALL if why == "--no-steps" else [a for a in SMALL if a != "--no-steps"]
+    argv = ["--out", str(tmp_path / "t.json"), *small, "--no-progress", "--cpu", "--step-tokens", "8192", *option]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"shardattn.calibrate: error: --step-tokens sizes the whole steps, and {why} times none"], err
+
+
 def test_a_kv_format_listed_twice_is_measured_once(tmp_path) -> None:
     """Regression: ``--kv-dtype bf16 bf16`` timed every point twice in a pass, and the median of the
     passes then raised a traceback after the whole measurement; a format listed twice is one, as a

@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--step-tokens",
         type=int,
         nargs="+",
-        default=[8192, 32768],
-        help="tokens of the whole steps (default 8192 32768: a small step, and one the planner pipelines)",
+        default=None,
+        help="tokens of the whole steps (default 8192 32768: a small step, and one the planner pipelines; "
+        "only where steps are timed: two or more ranks, without --no-steps or --merge-into)",
     )
     p.add_argument("--reps", type=int, default=5, help="timed calls per point (default 5)")
     p.add_argument(
@@ -258,12 +259,19 @@ def _with_steps(cal: Calibration, steps: dict[str, StepOverhead]) -> Calibration
     return dataclasses.replace(cal, steps=steps)
 
 
+#: ``--step-tokens``' default: a small step, and one the planner pipelines.
+DEFAULT_STEP_TOKENS = (8192, 32768)
+
+
 def check_options(args: argparse.Namespace) -> None:
     """Raise :class:`BadOption` for a count out of range, an ``--out`` that cannot be written or a
     ``--merge-into`` table that cannot be read, before anything is measured."""
     # --tokens: at least one full group of the largest G, whose union ratio the points record
     # --step-tokens: a ShardQ step (below its gate the step runs head-TP, and ShardQ's overhead
     # would be fitted from head-TP steps)
+    step_tokens_given = args.step_tokens is not None
+    if not step_tokens_given:
+        args.step_tokens = list(DEFAULT_STEP_TOKENS)
     for name, minimum in (("heads", 1), ("tokens", max(GROUPS)), ("step_tokens", MIN_SHARD_TOKENS), ("topk", 1),
                           ("cached", 0), ("reps", 1), ("passes", 1)):  # fmt: skip
         value = getattr(args, name)
@@ -275,6 +283,9 @@ def check_options(args: argparse.Namespace) -> None:
         world = DistEnv.from_env().world_size
     except ValueError as e:
         raise BadOption(f"shardattn.calibrate: error: {e}") from None
+    if step_tokens_given and (not args.steps or args.merge_into is not None or world == 1):
+        skipper = "--no-steps" if not args.steps else "--merge-into" if args.merge_into is not None else "one rank"
+        raise BadOption(f"shardattn.calibrate: error: --step-tokens sizes the whole steps, and {skipper} times none")
     if args.steps and args.merge_into is None and world > 1 and not step_configs(world):
         raise BadOption(
             f"shardattn.calibrate: error: no whole-step configuration's heads divide over {world} ranks "
