@@ -84,6 +84,27 @@ def test_resolve_group_takes_meshes_and_names_what_is_wrong(group) -> None:
         assert Comm(pair).world_size == 2
 
 
+@pytest.mark.distributed(world_size=4)
+def test_a_mesh_without_this_process_is_named(group) -> None:
+    """A mesh of global ranks 0 and 2 (every process makes it): ranks 1 and 3 are told they are not
+    in it (torch's ``get_group`` there raised a bare ``IndexError``), ranks 0 and 2 run on it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank = dist.get_rank()
+    one = DeviceMesh("cpu", [0, 2])
+    two = DeviceMesh("cpu", [[0, 2]], mesh_dim_names=("dp", "tp"))
+    if rank in (0, 2):
+        assert Comm(one).rank == rank // 2 and Comm((two, "tp")).rank == rank // 2
+        assert dist.get_world_size(resolve_group((two, "dp"))) == 1
+        return
+    outside = rf"^group: this process \(global rank {rank}\) is not in the DeviceMesh \(global ranks \[0, 2\]\)"
+    for target in (one, (two, "tp"), (two, 0)):
+        with pytest.raises(ValueError, match=outside):
+            Comm(target)
+    with pytest.raises(ValueError, match=outside):
+        Runtime("glm5", one, max_batched_tokens=8, mode="mixed", warmup=False)
+
+
 def _dummy_args(n: int) -> tuple:
     return (None,) * n
 

@@ -43,6 +43,16 @@ def _dims(mesh: Any) -> str:
     return f"dims {tuple(names)}" if names else f"{mesh.ndim} unnamed dims"
 
 
+def _check_member(mesh: Any, name: str) -> None:
+    """A ``ValueError`` on a process outside ``mesh`` (torch's ``get_group`` fails there with an ``IndexError``)."""
+    if mesh.get_coordinate() is None:
+        ranks = mesh.mesh.flatten().tolist()
+        raise ValueError(
+            f"{name}: this process (global rank {dist.get_rank()}) is not in the DeviceMesh (global ranks {ranks}): "
+            "only the mesh's ranks run its steps"
+        )
+
+
 def _mesh_dim_group(mesh: Any, dim: Any, name: str) -> dist.ProcessGroup:
     names = tuple(mesh.mesh_dim_names or ())
     if isinstance(dim, str):
@@ -53,6 +63,7 @@ def _mesh_dim_group(mesh: Any, dim: Any, name: str) -> dist.ProcessGroup:
             raise ValueError(f"{name}: dim {dim} is not a dimension of the {mesh.ndim}-D DeviceMesh ({_dims(mesh)})")
     else:
         raise TypeError(f"{name}: the dim of (DeviceMesh, dim) must be a dim name or index, got {type(dim).__name__}")
+    _check_member(mesh, name)
     return mesh.get_group(dim)
 
 
@@ -66,7 +77,8 @@ def resolve_group(group: Any, *, name: str = "group") -> dist.ProcessGroup:
     Raises:
         TypeError: ``group`` is none of these (names ``name`` and the type it got).
         ValueError: an N-D mesh without a dimension, or a dimension the mesh does not have; the
-            placeholder ``new_group`` returns on a rank outside the group.
+            placeholder ``new_group`` returns on a rank outside the group, or a mesh this process is
+            not in.
 
     >>> resolve_group("tp")
     Traceback (most recent call last):
@@ -87,6 +99,7 @@ def resolve_group(group: Any, *, name: str = "group") -> dist.ProcessGroup:
                 f"{name} is a {group.ndim}-D DeviceMesh ({_dims(group)}): pass ({name}, dim name or index), e.g. "
                 f"(mesh, {dim}), naming the dimension the step runs over"
             )
+        _check_member(group, name)
         return group.get_group()
     if isinstance(group, tuple) and len(group) == 2 and _is_mesh(group[0]):
         return _mesh_dim_group(group[0], group[1], name)
