@@ -26,6 +26,7 @@ from shardattn.parallel import (
     pcp_prefill,
     shardq_prefill,
 )
+from shardattn.parallel.comm import PeerFailedError
 from shardattn.parallel.gqa_head_tp import gqa_prefill_head_tp
 from shardattn.parallel.gqa_prefill import gqa_prefill_pcp
 from shardattn.parallel.groups import resolve_group
@@ -103,6 +104,31 @@ def test_a_mesh_without_this_process_is_named(group) -> None:
             Comm(target)
     with pytest.raises(ValueError, match=outside):
         Runtime("glm5", one, max_batched_tokens=8, mode="mixed", warmup=False)
+
+
+@pytest.mark.distributed(world_size=4)
+def test_a_failure_on_a_sub_group_names_the_rank_and_its_global_rank(group) -> None:
+    """On the group of global ranks [1, 3], global rank 3 (the group's rank 1) raises mid-step; its
+    peer names it by both numbers, so logs of several groups name one process alike (it said
+    ``rank 1 of 2``, which is global rank 1's number in the world); so is a peer that does not report."""
+    import datetime
+
+    rank = dist.get_rank()
+    pair = dist.new_group([1, 3], backend="gloo", timeout=datetime.timedelta(seconds=2.0))
+    if rank not in (1, 3):
+        return
+    comm = Comm(pair, report_grace_s=1.0)
+    out, lse = torch.zeros(2, 4, 8), torch.zeros(2, 4)
+    if rank == 3:  # the step the peer's collector begins, failing before its first collective
+        comm.begin_step()
+        with pytest.raises(RuntimeError, match="injected"), comm.reporting_failures():
+            raise RuntimeError("injected")
+        return
+    with pytest.raises(PeerFailedError, match=r"rank 1 of 2 \(global rank 3\) raised RuntimeError: injected"):
+        collect_partials(out, lse, comm, check=False)
+    silent = r"rank\(s\) \[1\] of 2 \(global rank 3\) did not report"  # global rank 3 has left the test
+    with pytest.raises(PeerFailedError, match=silent):
+        collect_partials(out, lse, Comm(pair, report_grace_s=0.5), check=False)
 
 
 def _dummy_args(n: int) -> tuple:

@@ -156,6 +156,18 @@ def _read_reports(
         time.sleep(0.02)
 
 
+def _global(group: dist.ProcessGroup, ranks: list[int]) -> str:
+    """`` (global rank(s) ...)`` where the group numbers its ``ranks`` otherwise than the world (a
+    sub-group, a mesh dim), else ``""``: logs of several groups then name one process alike."""
+    try:
+        numbers = [dist.get_global_rank(group, r) for r in ranks]
+    except (RuntimeError, ValueError):  # a group torch does not know
+        return ""
+    if numbers == ranks:
+        return ""
+    return f" (global rank {numbers[0]})" if len(numbers) == 1 else f" (global ranks {numbers})"
+
+
 def name_failed_peers(
     group: dist.ProcessGroup,
     rank: int,
@@ -180,11 +192,11 @@ def name_failed_peers(
     raised = {r: v for r, v in sorted(reports.items()) if v != _ALIVE}
     silent = [r for r in peers if r not in reports] if store is not None else []
     if raised:
-        who = "; ".join(f"rank {r} of {world_size} raised {v}" for r, v in raised.items())
+        who = "; ".join(f"rank {r} of {world_size}{_global(group, [r])} raised {v}" for r, v in raised.items())
     elif silent:
         who = (
-            f"rank(s) {silent} of {world_size} did not report within {grace_s:g} s (exited or hung, "
-            "or still blocked in a collective)"
+            f"rank(s) {silent} of {world_size}{_global(group, silent)} did not report within {grace_s:g} s "
+            "(exited or hung, or still blocked in a collective)"
         )
     else:
         who = f"a peer of the {world_size} ranks failed (no report available)"
@@ -211,7 +223,7 @@ def name_raised_peers(
     reports = _read_reports(_group_store(group), failed, generation, step, grace_s)
     unknown = "an exception (its report did not reach the group's store)"
     raised = {r: reports[r] if reports.get(r, _ALIVE) != _ALIVE else unknown for r in failed}
-    who = "; ".join(f"rank {r} of {world_size} raised {v}" for r, v in raised.items())
+    who = "; ".join(f"rank {r} of {world_size}{_global(group, [r])} raised {v}" for r, v in raised.items())
     return PeerFailedError(
         f"{what} on rank {rank} failed because {who}; rank {rank} stops too instead of waiting for it",
         raised=raised,
