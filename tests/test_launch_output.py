@@ -229,6 +229,7 @@ def _report_dir_removed(group, path: str) -> tuple[int, str]:
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     cfg = plan_run(parse_options(["--mode", "dcp-decode", "--json", path, "--no-progress"]), world, CPU)
+    dist.barrier(group)  # every rank has checked the path before it goes
     if rank == 0:
         os.rmdir(os.path.dirname(path))
     groups = LaunchGroups(DistEnv(rank, world, rank, None, None), CPU, group, group, "gloo", 60.0)
