@@ -16,8 +16,11 @@ alike) written into a paged fp8_ds_mla cache by :func:`shardattn.ops.kv_fp8.writ
 ``--page-size`` rows, a padding row after each page as FlashMLA allocates them; shardattn reads
 the same rows from a copy without the padding: its kernels address row ``r`` at ``r * 656``),
 ``T`` decode tokens of ``H`` heads, unique random top-k rows per token with invalid entries (-1,
-past the cache) sprinkled in, and (``T >= 2``) one token with no valid row. Checks: both outputs
-and LSEs against the fp32 reference on the dequantised rows
+past the cache) sprinkled in, and (``T >= 2``) one token with no valid row. A cache past
+``DENSE_MAX_ROWS`` (2**22 rows) is drawn in chunks, each token's rows from a permutation, so
+``--kv-rows 40000000`` needs the rows' 46 GB of bf16, the FP8 cache's 26 GB and its unpadded copy's
+26 GB, not a [T, rows] draw or the cache in fp32 besides. Checks: both
+outputs and LSEs against the fp32 reference on the dequantised rows (only those the top-k names)
 (:func:`shardattn.ops.kv_fp8.dequantize_kv`, :func:`shardattn.ops.sparse_mla.sparse_mla_reference`),
 the empty token exactly ``(0, -inf)``. Timing: CUDA-graph replays with the L2 flushed
 (``graph_timing.replay_us``; eager launches if the peer's do not capture, said in its name) of
@@ -51,17 +54,32 @@ from shardattn.plan.spec import get_preset
 SCALE = get_preset("deepseek-v32").softmax_scale  # the model's: 192**-0.5 * mscale**2
 
 
-def make_case(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, seed: int):
+#: Caches of more rows are drawn in chunks of this many, and each token's top-k by a random
+#: permutation: a cache of real size (tens of millions of rows) in fp32, or a [T, rows] draw, would
+#: not fit beside it. Caches up to this size are drawn as before (the recorded inputs).
+DENSE_MAX_ROWS = 1 << 22
+
+
+def make_case(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, seed: int, device: str = "cuda"):
     """``(q, kv_bf16 [N, 576], cache [pages, page_size, 656], rows [T, K] int32, valid keys)``."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    channel = torch.exp(torch.randn(576, device="cuda", generator=g) * 0.8)  # a few large channels
-    kv = (torch.randn(kv_rows, 576, device="cuda", generator=g) * channel).bfloat16()
+    g = torch.Generator(device=device).manual_seed(seed)
+    channel = torch.exp(torch.randn(576, device=device, generator=g) * 0.8)  # a few large channels
+    if kv_rows <= DENSE_MAX_ROWS:
+        kv = (torch.randn(kv_rows, 576, device=device, generator=g) * channel).bfloat16()
+    else:
+        kv = torch.empty(kv_rows, 576, dtype=torch.bfloat16, device=device)
+        for start in range(0, kv_rows, DENSE_MAX_ROWS):
+            chunk = kv[start : start + DENSE_MAX_ROWS]
+            chunk.copy_(torch.randn(chunk.shape, device=device, generator=g) * channel)
     pages = -(-kv_rows // page_size)
-    cache = torch.zeros(pages, page_size + 1, 656, dtype=torch.uint8, device="cuda")[:, :page_size]
-    write_kv(cache, torch.arange(kv_rows, device="cuda"), kv)
-    q = torch.randn(tokens, heads, 576, device="cuda", generator=g).bfloat16()
-    rows = torch.rand(tokens, kv_rows, device="cuda", generator=g).topk(topk, dim=1).indices.int()
-    noise = torch.rand(tokens, topk, device="cuda", generator=g)
+    cache = torch.zeros(pages, page_size + 1, 656, dtype=torch.uint8, device=device)[:, :page_size]
+    write_kv(cache, torch.arange(kv_rows, device=device), kv)
+    q = torch.randn(tokens, heads, 576, device=device, generator=g).bfloat16()
+    if kv_rows <= DENSE_MAX_ROWS:
+        rows = torch.rand(tokens, kv_rows, device=device, generator=g).topk(topk, dim=1).indices.int()
+    else:  # unique rows per token, as an indexer's top-k
+        rows = torch.stack([torch.randperm(kv_rows, device=device, generator=g)[:topk] for _ in range(tokens)]).int()
+    noise = torch.rand(tokens, topk, device=device, generator=g)
     past = pages * page_size + 5  # past the cache's last row
     rows = torch.where(noise < 0.03, -1, torch.where(noise > 0.99, past, rows)).int()
     if tokens >= 2:
@@ -70,12 +88,26 @@ def make_case(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, 
     return q, kv, cache, rows, valid
 
 
+def referenced(rows: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(picked [n] int64, local [T, K] int32)``: the distinct rows of ``rows`` in ``[0, num_rows)``,
+    sorted, and ``rows`` renumbered into them (-1 where invalid). A reference over ``x[picked]`` with
+    ``local`` attends the keys one over ``x`` with ``rows`` does, without ``x`` whole in fp32."""
+    valid = (rows >= 0) & (rows < num_rows)
+    picked = torch.unique(rows[valid].long())
+    local = torch.searchsorted(picked, rows.long().clamp(min=0)).int()
+    return picked, torch.where(valid, local, -1).int()
+
+
 def check(what: str, out, lse, q, cache, rows, kv) -> dict:
     """``what``'s output against the fp32 reference on the dequantised cache (raises when it is
-    off) and against the one on the original bf16 rows ``kv`` (the error FP8 costs)."""
-    deq = dequantize_kv(cache, torch.float32).reshape(-1, 576)  # row = page * page_size + offset
-    ref_out, ref_lse = sparse_mla_reference(q.float(), deq, rows, scale=SCALE)
-    bf16_out, _ = sparse_mla_reference(q.float(), kv.float(), rows, scale=SCALE)
+    off) and against the one on the original bf16 rows ``kv`` (the error FP8 costs). Only the rows
+    the top-k names are dequantised (cache row = page * page_size + offset)."""
+    page = cache.shape[1]
+    picked, local = referenced(rows, cache.shape[0] * page)
+    deq = dequantize_kv(cache[picked // page, picked % page], torch.float32)
+    ref_out, ref_lse = sparse_mla_reference(q.float(), deq, local, scale=SCALE)
+    picked, local = referenced(rows, kv.shape[0])
+    bf16_out, _ = sparse_mla_reference(q.float(), kv[picked].float(), local, scale=SCALE)
     empty = torch.isneginf(ref_lse)
     err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
     lse_gap = (lse[~empty] - ref_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
