@@ -1,6 +1,7 @@
 """Edges of the Runtime's GQA steps on 1-2 gloo ranks, against an fp64 oracle written here (a
 softmax over the keys each query may see, with the given scale): queries in another dtype than
-the spec's where FA4 is routed (a CPU stand-in of FA4)."""
+the spec's where FA4 is routed (a CPU stand-in of FA4); a model of one-token pages (the head-TP
+decode warm-up's drafts fit them), its head-TP drafts and prefill against tests/oracle.py."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardattn.plan.spec import ModelSpec
 from shardattn.runtime.runtime import Runtime
 from tests.fake_fa4 import FakeFA4
+from tests.oracle import gqa_oracle
 from tests.test_gqa_prefill_parallel import make_step
+from tests.test_gqa_prefill_parallel import oracle as prefill_oracle
 from tests.test_runtime_gqa_prefill import _rank_inputs, fa4_stand_in, spec_of
 
 
@@ -63,3 +67,36 @@ def test_fp32_queries_on_a_bf16_spec_where_fa4_is_routed_equal_fp64(dist_pool, m
         assert path == "fa4" and out.dtype == torch.float32
         torch.testing.assert_close(out.double(), out64[rows][:, heads], atol=3e-5, rtol=0)
         torch.testing.assert_close(lse.double(), lse64[rows][:, heads], atol=3e-5, rtol=0)
+
+
+def _one_token_pages_body(group: dist.ProcessGroup, case: dict, cu: list[int], seq: list[int]) -> tuple:
+    rt = Runtime(spec_of(case), group, mode="headtp", max_batched_tokens=64, max_decode_tokens=16)
+    plan = rt.plan_prefill(case["seq_lens"], case["prefix_lens"])
+    q, kv_new, cache, table, where = _rank_inputs(rt, plan, case, False)
+    pre = rt.prefill(q, cache, plan=plan, kv_new=kv_new, block_table=table, sinks=case["sinks"])
+    dq = case["dq"][:, where[1]]
+    dec = rt.decode(dq, cache, table, seq, cu_q_lens=cu, max_q_len=2, sinks=case["sinks"])
+    return pre, dec, where
+
+
+@pytest.mark.distributed
+def test_one_token_pages_warm_up_and_equal_fp64(dist_pool) -> None:
+    """``page_size=1`` (a cache of one token per page): the Runtime's head-TP decode warm-up ran its
+    two-query drafts over one key of a one-page table, and the construction raised 'requests [0]
+    have more queries than keys'."""
+    case = make_step(9, [3, 0, 2], [4, 2, 1], hq=4, hkv=2, page=1)
+    assert ModelSpec("gqa", 4, 2, 16, 16, 0, 1).page_size == spec_of(case).page_size == 1
+    cu, seq = [0, 2, 3, 4], [4, 2, 1]  # drafts over the cached prefixes
+    case["dq"] = torch.randn(4, 4, 16, generator=torch.Generator().manual_seed(2))
+    out64, lse64 = prefill_oracle(case)
+    dec64 = gqa_oracle(
+        case["dq"], case["k_cache"], case["v_cache"], case["block_table"], torch.tensor(seq), cu,
+        scale=case["scale"], sinks=case["sinks"],
+    )  # fmt: skip
+    for (out, lse), (dout, dlse), (rows, heads) in dist_pool.run(
+        _one_token_pages_body, case, cu, seq, world_size=2
+    ):  # fmt: skip
+        torch.testing.assert_close(out.double(), out64[rows][:, heads], atol=3e-5, rtol=0)
+        torch.testing.assert_close(lse.double(), lse64[rows][:, heads], atol=3e-5, rtol=0)
+        torch.testing.assert_close(dout.double(), dec64[0][:, heads], atol=3e-5, rtol=0)
+        torch.testing.assert_close(dlse.double(), dec64[1][:, heads], atol=3e-5, rtol=0)

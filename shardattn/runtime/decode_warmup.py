@@ -194,14 +194,15 @@ def warm_up_decode(
     lse, backend = need_lse, gqa_backend
     sink_options = _sink_options(spec, h, dev, dcp)
     for t in sizes:
-        table = torch.zeros(t, 1, dtype=torch.int32, device=dev)
-        lens = torch.full((t,), min(page, 3), dtype=torch.int32, device=dev)
+        keys = max(min(page, 3), 2)  # room for the head-TP drafts' pairs, on pages of one token too
+        table = torch.zeros(t, -(-keys // page), dtype=torch.int32, device=dev)
+        lens = torch.full((t,), keys, dtype=torch.int32, device=dev)
         for sinks in sink_options:
             q = randn(t, h, d)
             gqa_paged_decode(q, k, k, table, lens, q_len_per_req=1, sinks=sinks, return_lse=lse, backend=backend)
             launches += 1
             if dcp is None and t > 1:  # head-TP drafts: uniform pairs and a ragged batch
-                pairs = torch.zeros(t // 2, 1, dtype=torch.int32, device=dev)
+                pairs = table[: t // 2]
                 qq = randn(t // 2 * 2, h, d)
                 gqa_paged_decode(
                     qq, k, k, pairs, lens[: t // 2], q_len_per_req=2, sinks=sinks, return_lse=lse, backend=backend
