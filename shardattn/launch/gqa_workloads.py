@@ -12,7 +12,6 @@ from shardattn.launch.workload_parts import (
     SyntheticStep,
     dcp_local_cache,
     decode_cache,
-    generator,
     new_token_slots,
     paged,
     split_tokens,
@@ -20,6 +19,7 @@ from shardattn.launch.workload_parts import (
     values,
 )
 from shardattn.ops.topk import DcpShard
+from shardattn.workload import seeded_generator
 
 __all__ = ["GQADecodeStep", "GQAPrefillStep", "build_gqa_decode", "build_gqa_prefill"]
 
@@ -62,7 +62,7 @@ def build_gqa_decode(
     block_size: int = BLOCK_SIZE,
 ) -> GQADecodeStep:
     """Build a GQA decode step: ``requests`` requests of ``cached + q_len`` KV tokens."""
-    gen = generator(device, seed + 11)
+    gen = seeded_generator(device, seed + 11)
     q_list, seq, table, blocks = decode_cache(cached, q_lens, device, gen, block_size)
     k = values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
     v = values((blocks, block_size, kv_heads, head_dim), gen, device, dtype)
@@ -120,7 +120,7 @@ def build_gqa_prefill(
     block_size: int = BLOCK_SIZE,
 ) -> GQAPrefillStep:
     """Build a GQA prefill step: ``tokens`` new tokens over ``requests`` requests after ``cached`` ones."""
-    gen = generator(device, seed + 13)
+    gen = seeded_generator(device, seed + 13)
     query_lens, prefix_lens = split_tokens(tokens, requests), list(cached)
     seq = [p + n for p, n in zip(prefix_lens, query_lens)]
     table, blocks = paged(seq, device, gen, block_size)

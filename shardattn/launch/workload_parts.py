@@ -1,7 +1,7 @@
 """The parts the launcher's synthetic steps are built of (:mod:`shardattn.launch.workloads`,
-:mod:`shardattn.launch.gqa_workloads`): the queries every step holds, seeded generators and values,
-paged block tables, token splits, where a prefill's new tokens sit in its cache, and a rank's DCP
-shard of a paged cache."""
+:mod:`shardattn.launch.gqa_workloads`, which seed them with :func:`shardattn.workload.seeded_generator`):
+the queries every step holds, values, paged block tables, token splits, where a prefill's new
+tokens sit in its cache, and a rank's DCP shard of a paged cache."""
 
 from __future__ import annotations
 
@@ -14,14 +14,12 @@ import torch
 from shardattn.ops.topk import DcpShard
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.dcp_shard import shard_kv_cache
-from shardattn.workload import seeded_generator
 
 __all__ = [
     "BLOCK_SIZE",
     "SyntheticStep",
     "dcp_local_cache",
     "decode_cache",
-    "generator",
     "new_token_slots",
     "paged",
     "split_tokens",
@@ -42,11 +40,6 @@ class SyntheticStep:
     @property
     def num_tokens(self) -> int:
         return int(self.q.shape[0])
-
-
-def generator(device: torch.device, seed: int) -> torch.Generator:
-    """A generator on ``device`` seeded ``seed`` (modulo ``2**64``: a step's ``--seed + 11`` wraps)."""
-    return seeded_generator(device, seed)
 
 
 def values(shape: tuple[int, ...], gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

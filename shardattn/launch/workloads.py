@@ -25,14 +25,13 @@ from shardattn.launch.workload_parts import (
     SyntheticStep,
     dcp_local_cache,
     decode_cache,
-    generator,
     paged,
     split_tokens,
     token_requests,
     values,
 )
 from shardattn.ops.topk import DcpShard, convert_topk
-from shardattn.workload import PRESETS, Overlap, synthetic_topk
+from shardattn.workload import PRESETS, Overlap, seeded_generator, synthetic_topk
 
 __all__ = ["BLOCK_SIZE", "DecodeStep", "PrefillStep", "build_decode", "build_prefill", "overlap_model", "request_topk"]
 
@@ -128,7 +127,7 @@ def build_prefill(
     the step is one request of ``T`` new tokens after ``cached[0]`` cached ones, with those
     positions; ``tokens``, ``requests`` and ``topk`` are taken from it.
     """
-    gen = generator(device, seed)
+    gen = seeded_generator(device, seed)
     if recorded is not None:
         positions, valid = (t.to(device) for t in recorded)
         tokens, topk = positions.shape
@@ -198,7 +197,7 @@ def build_decode(
     block_size: int = BLOCK_SIZE,
 ) -> DecodeStep:
     """Build a sparse-MLA decode step: ``requests`` requests of ``cached + q_len`` KV tokens."""
-    gen = generator(device, seed + 7)
+    gen = seeded_generator(device, seed + 7)
     q_list, seq_lens, table, blocks = decode_cache(cached, q_lens, device, gen, block_size)
     req = torch.repeat_interleave(torch.arange(requests, device=device), torch.tensor(q_list, device=device))
     # causal: query j of a request of L tokens and Q queries sits at L - Q + j; non-causal: every
