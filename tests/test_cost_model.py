@@ -442,3 +442,12 @@ def test_calibrate_cpu_flag_measures_on_the_cpu_where_there_is_a_gpu(monkeypatch
     assert measure_device(cpu=False) == torch.device("cuda", 0)
     assert measure_device(cpu=True) == torch.device("cpu")
     assert this_gpu(measure_device(cpu=True)) == "cpu"
+
+
+def test_the_shipped_table_never_prices_more_heads_cheaper() -> None:
+    """The H200 table's 8-head points are slower than its 16-head ones (measured so): a head-TP step
+    of 128 heads on 8 ranks (16 a rank) is predicted at least as slow as one of 64 (8 a rank)."""
+    model = CostModel(shipped_calibration("NVIDIA H200") or CONSERVATIVE)
+    small, large = (model.predict_step(StepShape(h, 8, 65536, 2048), "headtp") for h in (64, 128))
+    assert large.ms >= small.ms, (small, large)
+    assert model.kernel_ms(16, 16384, 2048) >= model.kernel_ms(8, 16384, 2048)

@@ -127,3 +127,23 @@ def test_a_malformed_table_is_refused_clearly(case: str, tmp_path) -> None:
         warnings.simplefilter("always")
         assert load_calibration("NVIDIA H200", path) is CONSERVATIVE
     assert any(issubclass(w.category, CalibrationWarning) and "unusable" in str(w.message) for w in caught)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(table=tables(), w=st.sampled_from([1, 2, 4, 8]), tokens=st.integers(1, 1 << 16), topk=st.integers(1, 4096))
+def test_predictions_never_fall_as_the_heads_grow(table, w, tokens, topk) -> None:
+    """A kernel of more heads does at least the work of one of fewer (tiles pad a small count), so
+    no path at a fixed group size is predicted faster with more heads, whatever the table's
+    measured points at neighbouring head counts say (one count's point can be noisier than the next)."""
+    model = CostModel(table)
+    last_kernel = 0.0
+    for h in range(1, 161):
+        k = model.kernel_ms(h, tokens, topk)
+        assert k >= last_kernel * (1 - 1e-12), (h, last_kernel, k)
+        last_kernel = k
+    for step in STEPS:
+        last = 0.0
+        for per_rank in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128):
+            p = model.predict_step(StepShape(w * per_rank, w, tokens, topk), step, 1)
+            assert p.ms >= last * (1 - 1e-12), (step, per_rank, last, p)
+            last = p.ms

@@ -14,7 +14,8 @@ each with the per-query kernel or the grouped kernel at a group size ``G`` that 
 
     kernel(heads, G, tokens)                   fitted per (heads, tile, G) as a + b * tokens * topk
                                                from measured points; grouped slopes scale with the
-                                               union ratio; heads between points interpolate
+                                               union ratio; heads between points interpolate,
+                                               never falling as the heads grow
     + collectives(bytes, W)                    latency + bytes * (W - 1) / W / bus bandwidth;
                                                across hosts (``ranks_per_node < W``) the NVLink
                                                and network shares run side by side, the slower
@@ -159,7 +160,9 @@ class CostModel:
     ) -> float:
         """Predicted time of one kernel call on ``kv_format`` rows (:meth:`kernel_format`: its own
         points, else bf16's; heads between calibrated counts interpolate linearly; below the
-        smallest, the smallest's time (tiles pad); above the largest, proportional). ``group_size``:
+        smallest, the smallest's time (tiles pad); above the largest, proportional). A calibrated
+        count is priced at least at any smaller count's fit (a table's 8-head points can be slower
+        than its 16-head ones), so the time never falls as the heads grow. ``group_size``:
         1 (per-query) or a grouped size of :data:`~shardattn.plan.calibration.GROUPS`."""
         _check_group_size(group_size)
         check_int("heads", heads, minimum=1)
@@ -176,10 +179,13 @@ class CostModel:
             return self.kernel_ms(heads, tokens, topk, kv_format=fmt) * u / g
         work = tokens * topk
 
-        def at(h: int) -> float:
+        def line(h: int) -> float:
             a, b, u_cal = self._fits[(fmt, h, tile, g)]
             scale = 1.0 if g == 1 or union_ratio is None else union_ratio / u_cal
             return a + b * work * scale
+
+        def at(h: int) -> float:  # the slowest calibrated count up to h: more heads never price cheaper
+            return max(line(x) for x in hs if x <= h)
 
         if heads <= hs[0]:
             return at(hs[0])
