@@ -451,3 +451,36 @@ def test_the_shipped_table_never_prices_more_heads_cheaper() -> None:
     small, large = (model.predict_step(StepShape(h, 8, 65536, 2048), "headtp") for h in (64, 128))
     assert large.ms >= small.ms, (small, large)
     assert model.kernel_ms(16, 16384, 2048) >= model.kernel_ms(8, 16384, 2048)
+
+
+def test_a_step_on_fp8_rows_says_which_kernel_points_priced_it() -> None:
+    """fp8_ds_mla steps on a table without fp8_ds_mla points are priced by its bfloat16 points; the
+    reason names the format and says so (and says nothing of the kind once the table has them)."""
+    shape = StepShape(heads=64, world_size=2, tokens=8192, topk=2048, kv_format="fp8_ds_mla")
+    bf16_only = choose_prefill(CostModel(CONSERVATIVE), shape).reason
+    assert "fp8_ds_mla KV rows priced by the table's bfloat16 kernel points" in bf16_only, bf16_only
+    assert "-m shardattn.calibrate" in bf16_only, bf16_only
+    fp8_points = tuple(dataclasses.replace(k, kv_format="fp8_ds_mla") for k in CONSERVATIVE.kernels)
+    both = CostModel(dataclasses.replace(CONSERVATIVE, kernels=CONSERVATIVE.kernels + fp8_points))
+    own = choose_prefill(both, shape).reason
+    assert "fp8_ds_mla KV rows priced by its own kernel points" in own and "bfloat16" not in own, own
+    dense = choose_prefill(CostModel(CONSERVATIVE), dataclasses.replace(shape, kv_format=None)).reason
+    assert "KV rows" not in dense, dense
+
+
+MLA_DSA = ModelSpec("sparse_mla", 4, 1, 576, 512, 16, 16, dtype="float32", softmax_scale=0.3)
+
+
+def _fp8_routed_reason(group, table: Calibration) -> str:
+    options = PrefillOptions(min_shard_tokens=1, cost_model=CostModel(table))
+    rt = Runtime(MLA_DSA, group, max_batched_tokens=64, mode="mixed", prefill_options=options, kv_dtype="fp8_ds_mla")
+    return rt.plan_prefill([40, 24], [8, 0], kv_rows=128).route.reason
+
+
+@pytest.mark.distributed
+def test_a_cost_routed_step_on_fp8_rows_names_the_format(dist_pool) -> None:
+    """The cost model's route, like the gate's, ends naming the fp8_ds_mla rows, and says which
+    kernel points priced them."""
+    for reason in dist_pool.run(_fp8_routed_reason, RT_SHARDQ_WINS, world_size=2):
+        assert reason.startswith("cost model (Test GPU): ") and reason.endswith("; fp8_ds_mla KV rows"), reason
+        assert "priced by the table's bfloat16 kernel points" in reason, reason

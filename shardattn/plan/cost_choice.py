@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardattn.plan.cost import CostModel, Prediction
+from shardattn.plan.cost import CALIBRATE_COMMAND, CostModel, Prediction
+from shardattn.plan.kv_format import DENSE_KV_FORMATS, kv_format_name
 from shardattn.plan.step_shape import StepShape
 
 __all__ = ["RouteChoice", "choose_prefill"]
@@ -44,7 +45,9 @@ def choose_prefill(
     ``min_shard_tokens`` new tokens, is head-TP (nothing to shard). ``allowed_groups[step]``
     limits the group sizes a step may take (default: every ``G`` that fits a tile).
 
-    The reason names the predicted ms of the chosen and of the best rejected path.
+    The reason names the predicted ms of the chosen and of the best rejected path, and for a step
+    on ``fp8_ds_mla`` rows which kernel points priced it (the table's own of that format, else its
+    bfloat16 ones, with the command that measures them).
     """
     if shape.world_size == 1 or shape.tokens < min_shard_tokens:
         why = "one rank" if shape.world_size == 1 else f"{shape.tokens} tokens < min_shard_tokens={min_shard_tokens}"
@@ -68,6 +71,15 @@ def choose_prefill(
         text += f", best rejected {rejected.name} {rejected.ms:.2f} ms"
     if why:
         text += f" ({why}: head-TP)"
+    kv = None if shape.kv_format is None else kv_format_name("kv_format", shape.kv_format)
+    if kv is not None and kv not in DENSE_KV_FORMATS:  # a dense format runs the bf16 kernels' code
+        priced = model.kernel_format(kv)
+        text += (
+            f"; {kv} KV rows priced by its own kernel points"
+            if priced == kv
+            else f"; {kv} KV rows priced by the table's {priced} kernel points (it has none of {kv}: "
+            f"measure them with `{CALIBRATE_COMMAND}`)"
+        )
     rpn = shape.ranks_per_node
     if rpn is not None and rpn < shape.world_size and not why:
         net = model.network

@@ -105,6 +105,7 @@ class RuntimePlanning(RuntimeState):
                 step, gated = "headtp", f"{tokens} new tokens < min_tokens={gate}: head-TP"
             elif self.cost_model is not None:  # the fastest predicted of ShardQ and head-TP
                 step, route = cost_route(self, tokens=tokens, counts=shard.counts.tolist(), kv_rows=rows)
+                route = self._name_kv_format(route)
                 shard = shard if step == "shardq" else None
         elif step == "pcp":
             shard = pcp_plan(lens, self.world_size, prefix_lens=prefix, topk=self.topk)
