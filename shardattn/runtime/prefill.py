@@ -180,7 +180,7 @@ def check_prefill_inputs(
             tokens_from=f"rank {rank}'s share of the PCP plan (plan.tokens_of({rank})) is",
             heads_from=f"every one of the model's {spec.num_heads} heads under PCP",
         )  # fmt: skip
-        if kv_format is None and isinstance(kv_new, torch.Tensor) and kv_new.dtype in FLOAT_DTYPES:
+        if kv_format != KV_FP8_DS_MLA and isinstance(kv_new, torch.Tensor) and kv_new.dtype in FLOAT_DTYPES:
             if kv_new.dim() == 2 and kv_new.shape[1] != spec.head_dim:  # q has the model's width
                 raise ValueError(
                     f"kv_new must have last dim {spec.head_dim} (the model's head_dim), got shape {list(kv_new.shape)}"
@@ -237,21 +237,20 @@ def _kv_rows(
     uint8 dtype; else rows in q's dtype) as ``[R, row]`` rows: a paged ``[P, page, row]`` cache as a
     flat view (row ``p * page + i``), of ``spec.page_size`` rows a page when ``paged`` (its block
     table's pages are the model's)."""
-    fp8 = kv_format == KV_FP8_DS_MLA or (kv_format is None and kv_cache.dtype == torch.uint8)
-    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3:
-        if paged:
-            check_paged_rows("kv_cache", kv_cache, spec.page_size)
-        if not fp8 and kv_format is None:  # rows in q's dtype, checked below
-            kv_cache = resolve_kv("kv_cache", kv_cache, head_dim=spec.head_dim, v_dim=spec.v_dim)[0]
-    if fp8 or kv_format is not None:  # a declared format, or fp8_ds_mla rows
-        rows, _ = resolve_kv("kv_cache", kv_cache, head_dim=spec.head_dim, v_dim=spec.v_dim, kv_format=kv_format)
-        return rows
-    check_tensor("kv_cache", kv_cache, dtypes=(q.dtype,), ndim=2)
-    if kv_cache.shape[1] != spec.head_dim:
+    rows = passed = check_tensor("kv_cache", kv_cache)
+    if paged and passed.dim() == 3:
+        check_paged_rows("kv_cache", passed, spec.page_size)
+    fp8 = kv_format == KV_FP8_DS_MLA or (kv_format is None and passed.dtype == torch.uint8)
+    if fp8 or kv_format is not None or passed.dim() == 3:  # a declared format, fp8_ds_mla rows, or pages
+        rows = resolve_kv("kv_cache", passed, head_dim=spec.head_dim, v_dim=spec.v_dim, kv_format=kv_format)[0]
+        if fp8:
+            return rows
+    check_tensor("kv_cache", rows, dtypes=(q.dtype,), ndim=2)  # rows in q's dtype, declared or not
+    if rows.shape[1] != spec.head_dim:  # q has the model's width: the cache is the odd one
         raise ValueError(
-            f"kv_cache must have last dim {spec.head_dim} (the model's head_dim), got shape {list(kv_cache.shape)}"
+            f"kv_cache must have last dim {spec.head_dim} (the model's head_dim), got shape {list(passed.shape)}"
         )
-    return kv_cache
+    return rows
 
 
 def run_prefill_step(

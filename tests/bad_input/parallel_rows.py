@@ -137,14 +137,16 @@ def _options(name: str, **fields: Any) -> Callable[[Any], Call]:
     return build
 
 
-def _runtime_step(step: str, spec: P.ModelSpec, mode: str, **over: Any) -> Callable[[Any], Call]:
-    """A Runtime step's call on small valid inputs with ``over`` replacing some;
-    ``decode_plan=(seq_lens, cu_q_lens)`` passes ``batch=`` the Runtime's own decode plan of those lengths."""
+def _runtime_step(
+    step: str, spec: P.ModelSpec, mode: str, *, kv_dtype: str | None = None, **over: Any
+) -> Callable[[Any], Call]:
+    """A Runtime step's call (a Runtime of ``kv_dtype``) on small valid inputs with ``over`` replacing
+    some; ``decode_plan=(seq_lens, cu_q_lens)`` passes ``batch=`` the Runtime's own decode plan of those lengths."""
 
     def build(group: Any) -> Call:
         from shardattn.runtime.runtime import Runtime
 
-        rt = Runtime(spec, group, max_batched_tokens=64, mode=mode, warmup=False)
+        rt = Runtime(spec, group, max_batched_tokens=64, mode=mode, warmup=False, kv_dtype=kv_dtype)
         rt.comm.reset_counts()
         given = dict(over)
         if "decode_plan" in given:

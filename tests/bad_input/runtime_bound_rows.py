@@ -29,14 +29,14 @@ def _plan_of(spec: P.ModelSpec, mode: str) -> Any:
     return build
 
 
-def _pcp_prefill(prefix_lens: list[int], **over: Any) -> Any:
+def _pcp_prefill(prefix_lens: list[int], *, kv_dtype: str | None = None, **over: Any) -> Any:
     """``Runtime.prefill`` in mode ``pcp`` (2 requests of 2 and 3 new tokens after ``prefix_lens``
-    cached ones) on small valid inputs, with ``over`` replacing some."""
+    cached ones; a Runtime of ``kv_dtype``) on small valid inputs, with ``over`` replacing some."""
 
     def build(group: Any) -> Call:
         from shardattn.runtime.runtime import Runtime
 
-        rt = Runtime(MLA_SPEC, group, max_batched_tokens=64, mode="pcp", warmup=False)
+        rt = Runtime(MLA_SPEC, group, max_batched_tokens=64, mode="pcp", warmup=False, kv_dtype=kv_dtype)
         rt.comm.reset_counts()
         plan = rt.plan_prefill([2, 3], prefix_lens=prefix_lens)
         g = torch.Generator().manual_seed(3)
@@ -96,6 +96,19 @@ def runtime_bound_rows() -> list[Row]:
         ),
         ("Runtime.prefill-pcp-kv-new-wrong-width", _pcp_prefill([0, 0], kv_new=torch.zeros(5, 40)),
          Raises(ValueError, r"^kv_new must have last dim 48 \(the model's head_dim\), got shape \[5, 40\]")),
+        # so with the rows' format declared (kv_dtype), which the rows' width was not checked against
+        ("Runtime.prefill-pcp-declared-kv-new-wrong-width",
+         _pcp_prefill([0, 0], kv_dtype="float32", kv_new=torch.zeros(5, 40)),
+         Raises(ValueError, r"^kv_new must have last dim 48 \(the model's head_dim\), got shape \[5, 40\]")),
+        ("Runtime.prefill-pcp-declared-kv-cache-wrong-width",
+         _pcp_prefill([4, 1], kv_dtype="float32", kv_cache=torch.zeros(4, 16, 40)),
+         Raises(ValueError, r"^kv_cache must have last dim 48 \(the model's head_dim\), got shape \[4, 16, 40\]")),
+        *(
+            (f"Runtime.prefill-{mode}-declared-kv-cache-wrong-width",
+             _runtime_step("prefill", MLA_SPEC, mode, kv_dtype="float32", kv_cache=torch.zeros(64, 40)),
+             Raises(ValueError, r"^kv_cache must have last dim 48 \(the model's head_dim\), got shape \[64, 40\]"))
+            for mode in ("shardq", "headtp")
+        ),
         # PCP's cache arguments named as Runtime.prefill takes them (it has no block_size)
         ("Runtime.prefill-pcp-kv-cache-without-block-table", _pcp_prefill([4, 1], block_table=None),
          Raises(ValueError, r"^kv_cache and block_table go together")),
