@@ -69,3 +69,26 @@ def test_gather_full_returns_global_rows_and_each_ranks_heads(
             for b in range(len(LENS)):
                 torch.testing.assert_close(whole[b], expect[i][b], rtol=0, atol=0)
                 torch.testing.assert_close(mine[b], expect[i][b][:, lo:hi], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("page", [-1, 3], ids=["unset-page", "page-past-cache"])
+def test_write_refuses_a_table_page_outside_the_cache_before_writing(fp8: bool, page: int) -> None:
+    """A block table naming a page the cache does not have: the FP8 cache's write skipped the row
+    (``write_kv`` skips slots outside the cache) and the dense one failed inside ``index_copy_``."""
+    row = ((656,), torch.uint8) if fp8 else ((576,), torch.bfloat16)
+    cache = RankKVCache([row], num_pages=3, page_size=PAGE, layout=DCPLayout(1), rank=0, device=torch.device("cpu"))
+    table = torch.tensor([[0, page], [1, 2]], dtype=torch.int32)
+    rows = torch.randn(10, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
+    match = rf"^table names page {page} for position 4 of request 0, outside this rank's 3 pages"
+    with pytest.raises(ValueError, match=match):
+        cache.write(table, [0, 0], [6, 4], [rows])
+    assert not cache.pages[0].any()  # nothing written, the rows of valid pages included
+    cache.write(table, [0, 0], [4, 4], [rows[:8]])  # the pages it has: stored
+    stored = cache.pages[0][[0, 1]].flatten(0, 1)
+    if fp8:
+        from shardattn.ops.kv_fp8 import quantize_kv
+
+        assert torch.equal(stored, quantize_kv(rows[:8]))
+    else:
+        assert torch.equal(stored, rows[:8])

@@ -141,11 +141,23 @@ class RankKVCache:
             starts, counts: ``[B]`` host ints (cached tokens before the step, new tokens).
             rows: per component ``[sum(counts), *row]``, request-major, token order (a component
                 resident as ``fp8_ds_mla`` rows takes the model's ``[n, 576]`` rows and quantises them).
+
+        Raises:
+            ValueError: ``table`` names a page outside the cache for a position this rank owns
+                (before anything is written).
         """
         pos, req = request_positions(starts, counts)
         if pos.numel() == 0:
             return
         owned, flat_rows = self._slots(pos, req, table)
+        num_pages = self.pages[0].shape[0]
+        outside = owned & ((flat_rows < 0) | (flat_rows >= num_pages * self.page_size))
+        if bool(outside.any()):  # an FP8 write would skip the row, a dense one fail inside index_copy_
+            j = int(outside.nonzero()[0])
+            raise ValueError(
+                f"table names page {int(flat_rows[j]) // self.page_size} for position {int(pos[j])} of request "
+                f"{int(req[j])}, outside this rank's {num_pages} pages of the KV cache"
+            )
         src_idx = owned.nonzero().squeeze(1)
         dst = flat_rows[owned].to(self.device)
         src_idx = src_idx.to(self.device)
