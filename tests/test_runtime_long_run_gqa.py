@@ -227,3 +227,57 @@ def _gqa_headtp_body(group, steps: int, seed: int) -> dict:
 def test_long_gqa_headtp_run_matches_the_oracle_at_every_step(dist_pool) -> None:
     for rank, res in enumerate(dist_pool.run(_gqa_headtp_body, 30, 9, world_size=2)):
         assert not res["bad"], (rank, res["bad"])
+
+
+def _slot_table_body(group) -> dict:
+    """A planned DCP GQA decode of drafts given one block-table row per query slot (the step accepts
+    a table of the plan's request slots or of its query slots)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rt = Runtime(GQA, group, mode="dcp-decode", max_batched_tokens=16, max_decode_tokens=12, scale=SCALE)
+    gen = torch.Generator().manual_seed(3)
+    page, pages, hkv = GQA.page_size, 4, GQA.num_kv_heads
+    k, v = (torch.randn(3, page * pages, hkv, GQA.head_dim, generator=gen) for _ in range(2))
+    table = torch.randperm(3 * pages, generator=gen).to(torch.int32).view(3, pages)
+    kc, vc = (torch.zeros(3 * pages, page, hkv, GQA.head_dim) for _ in range(2))
+    kc[table.long()], vc[table.long()] = k.view(3, pages, page, hkv, -1), v.view(3, pages, page, hkv, -1)
+    sinks = torch.randn(GQA.num_heads, generator=gen)
+    h = GQA.num_heads // world
+    errors = {}
+    for seq, drafts, padded in (
+        ([9, 13], [2, 1], None),
+        ([9, 13], [1, 2], 3),
+        ([7, 5, 14], [1, 0, 3], 3),
+        ([7, 5, 14], [1, 0, 1], None),
+    ):
+        (lk, lv), lt = shard_kv_cache((kc[: 3 * pages], vc[: 3 * pages]), table[: len(seq)], seq, rt.layout, rank)
+        cu = np.cumsum([0, *drafts]).tolist()
+        q = torch.randn(cu[-1], GQA.num_heads, GQA.head_dim, generator=gen)
+        want_out, want_lse = _gqa_want(
+            q.double().numpy(), k[: len(seq)].double().numpy(), v[: len(seq)].double().numpy(), seq, drafts,
+            sinks.double().numpy(),
+        )  # fmt: skip
+        plan = rt.decode_step.plan(seq, cu, q_len=None if padded is None else max(drafts), padded_requests=padded)
+        slot_req = plan.meta[1].long()  # the request of every query slot (padded slots: a padded request's)
+        slot_table = torch.cat([lt, lt[:1].expand(plan.padded_requests - len(seq), -1)])[slot_req]
+        assert slot_table.shape[0] == plan.num_slots != plan.padded_requests
+        mine = q[:, rank * h : (rank + 1) * h].contiguous()
+        mine = mine if plan.identity_rows else plan.pad_rows(mine)
+        try:
+            out, lse = rt.decode(mine, (lk, lv), slot_table, seq, batch=plan, sinks=sinks)
+        except ValueError as e:
+            errors[str(drafts)] = str(e)
+            continue
+        assert lse is not None
+        out, lse = plan.real_rows(out), plan.real_rows(lse)
+        errors[str(drafts)] = max(
+            _err(out, want_out[:, rank * h : (rank + 1) * h]), _err(lse, want_lse[:, rank * h : (rank + 1) * h])
+        )
+    return errors
+
+
+@pytest.mark.distributed
+def test_planned_dcp_gqa_decode_reads_a_block_table_of_query_slots(dist_pool) -> None:
+    """The planned step takes a table of one row per request slot or one per query slot; with drafts
+    (more query slots than requests) a table of query slots raised, naming seq_lens."""
+    for rank, res in enumerate(dist_pool.run(_slot_table_body, world_size=2)):
+        assert all(isinstance(e, float) and e <= 2e-5 for e in res.values()), (rank, res)

@@ -117,15 +117,20 @@ class DecodeStep:
 
     def _planned_meta(
         self, batch: DecodeBatch, q: torch.Tensor, block_table: torch.Tensor, check: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(local_lens [T], req [T] or None)`` of a host plan on q's device, for the DCP GQA step.
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(local_lens [T], req [T] or None, slot_req [T] or None)`` of a host plan on q's device,
+        for the DCP GQA step.
 
         The metadata crosses once per plan and device (through the reused pinned buffer) and is
         kept with the plan, so the steps of every later layer reuse it: no copy, no host work.
         Under graph capture it is copied from the plan's own pinned tensor instead (a captured
-        copy re-reads its source at every replay). ``req`` is ``None`` when query ``i`` belongs
-        to request ``i`` (the block table is then read as it is). The plan is checked against the
-        inputs on the host; a mismatch raises on every rank, like the step's own checks.
+        copy re-reads its source at every replay). ``req`` is ``None`` when query slot ``i`` reads
+        block-table row ``i`` (the block table is then read as it is): one query per request, or
+        a ``block_table`` of one row per query slot (where the plan has more query slots than
+        request slots; where the counts are equal its rows are the requests'). ``slot_req`` is
+        then, for a table of query slots, each slot's request (whose length the slot's row
+        takes), else ``None``. The plan is checked against the inputs on the host; a mismatch
+        raises on every rank, like the step's own checks.
         """
         try:
             if not isinstance(batch, DecodeBatch):
@@ -165,7 +170,11 @@ class DecodeStep:
                 cached = batch.on_device[device] = meta[0], meta[1]
             lens, req = cached
         rows = block_table.shape[0] if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 else -1
-        return lens, None if batch.rows_are_requests and rows == batch.num_slots else req
+        if batch.rows_are_requests and rows == batch.num_slots:
+            return lens, None, None
+        if rows == batch.num_slots != batch.padded_requests:  # a row per query slot: slot i reads row i
+            return lens, None, req
+        return lens, req, None
 
     def __call__(
         self,
@@ -263,10 +272,13 @@ class DecodeStep:
             step_meta: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None] | None = meta
             fingerprint = None
             if meta is None and batch is not None:  # planned: the plan's metadata, its host fingerprint
-                step_meta = self._planned_meta(batch, q, block_table, check)
+                local_lens, req, slot_req = self._planned_meta(batch, q, block_table, check)
+                step_meta = local_lens, req
                 fingerprint = batch.fingerprint if check else None
                 if seq_lens.shape[0] != batch.padded_requests:  # a padded plan: its lengths, padding's 0s too
                     seq_lens = batch.seq_lens.to(q.device)
+                if slot_req is not None:  # a block-table row per query slot: each takes its request's length
+                    seq_lens = seq_lens.index_select(0, slot_req)
             out, lse = dcp_gqa_decode(
                 q,
                 k_cache,

@@ -281,7 +281,8 @@ class RuntimeSteps(RuntimeState):
                 <shardattn.runtime.decode.DecodeStep.plan>`): its metadata reaches the
                 device in one copy per plan and replaces the step's index arithmetic, and its
                 lengths replace ``seq_lens`` / ``cu_q_lens`` / ``q_len_per_req`` (with ``check``,
-                those passed as host values must be the plan's).
+                those passed as host values must be the plan's); ``block_table`` then has a row per
+                request slot of the plan, or per query slot (query slot ``i`` reads row ``i``).
             meta: GQA under DCP: that metadata already on the device (a graph's static input).
             check: under DCP, make the ranks agree on the inputs first (one small all-gather and a
                 host sync). Pass ``False`` inside a CUDA graph and on an engine's later layers, on
