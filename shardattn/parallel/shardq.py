@@ -250,7 +250,10 @@ def shardq_prefill(
             receive / send buffers, the rank's rows of ``rows`` (int32) and, with ``one_union``,
             the whole share's union and lengths are carved from (the Runtime's ``prefill.packed_q``
             / ``.out`` / ``.lse`` / ``.topk_rows`` / ``.union`` / ``.union_offsets``); default:
-            allocated per step.
+            allocated per step. A one-chunk step also stages in ``"out"`` the queries it sends
+            and in ``"q"`` the outputs and LSEs it receives, so each must hold the larger of its
+            two uses (``"out"``: the ``(T - n) * H/W * D`` elements of q's dtype sent, ``n`` the
+            rank's tokens, each peer's piece 256-byte aligned; a ``ValueError`` otherwise).
         out / lse_out: optional destinations ``[T, H/W, v_dim]`` / ``[T, H/W]`` (contiguous), sharing
             no memory with each other, the ``workspace`` or an input (nor may a ``workspace`` buffer
             share memory with an input): a ``ValueError`` before any exchange (on every rank with ``check``).
@@ -295,8 +298,9 @@ def shardq_prefill(
             # one_union: chunk slices of the union start 16-byte aligned (SLICE_GROUPS), as whole builds do
             pipe = pipeline_plan(plan, c, align=align * (SLICE_GROUPS if one_union else 1), taper=taper)
             check_pipeline_workspace(
-                workspace, pipe, comm.rank, q_heads_local, v_dim, rows.shape[1], rows.dtype == torch.int32, one_union
-            )
+                workspace, pipe, comm.rank, q_heads_local, v_dim, rows.shape[1], rows.dtype == torch.int32, one_union,
+                return_lse,
+            )  # fmt: skip
             piped.append(pipe)
         inputs = _inputs(q_heads_local, kv, rows, topk_length, sinks)
         for name, buf in workspace.items() if isinstance(workspace, dict) else ():

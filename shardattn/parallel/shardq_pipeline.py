@@ -23,7 +23,11 @@ and direction instead: it gathers the tokens for peer ``j`` (one ``index_select`
 output send buffer (free until the kernel, which waits for this exchange), sends its send
 buffers whole, receives the peers' outputs into the query receive buffer (read by then) and
 scatters them to their tokens (one ``index_copy_`` per peer) after the exchange; the price is one
-device copy of the bytes that cross. Both give the same bits.
+device copy of the bytes that cross. Both give the same bits. The queries staged for the peers
+(``(W - 1) / W`` of the share at ``D``) outgrow the send buffer's own ``[W, n, H/W, Dv]`` once
+``(W - 1) / W * D > Dv`` (the DSA dims from ten ranks on), so the step stages in the whole
+workspace buffer, which :func:`check_pipeline_workspace` (and the planner's ``out`` /
+``packed_q`` items) size for both uses; only without a workspace may a staging be a new tensor.
 
 Two opt-in options, same bits (neither measured on GPUs yet): ``taper=True`` cuts the shares
 ``1, 2, ..., 2, 1`` (:func:`~shardattn.plan.pipeline.chunk_weights`): the first query exchange and
@@ -54,6 +58,9 @@ from shardattn.plan.zigzag import ShardPlan
 
 __all__ = ["run_pipelined"]
 
+#: ``(shape, dtype)`` of each tensor a one-message step stages in a buffer, in the order laid there
+Parts = list[tuple[tuple[int, ...], torch.dtype]]
+
 
 def _carve(
     buf: torch.Tensor | None, name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device
@@ -62,7 +69,7 @@ def _carve(
     bytes) in the uint8 ``buf``, one ``as_strided`` each (new tensors when ``buf`` is None)."""
     if buf is None:
         return [torch.empty(s, dtype=dtype, device=device) for s in shapes]
-    starts, end = _carve_offsets(shapes, dtype)
+    starts, end = _offsets([math.prod(s) * dtype.itemsize for s in shapes])
     if end > buf.numel():
         raise ValueError(f"workspace[{name!r}] holds {buf.numel()} B, the pipelined step needs at least {end} B")
     flat = buf[:end].view(dtype)
@@ -70,15 +77,39 @@ def _carve(
     return [flat.as_strided(s, _contiguous_strides(s), base + o // size) for s, o in zip(shapes, starts)]
 
 
-def _carve_offsets(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> tuple[list[int], int]:
-    """``(starts, end)``: the byte offset of each ``shape`` carved in turn (each at a multiple of
-    :data:`CHUNK_ALIGN`) and the bytes the last one ends at."""
+def _offsets(nbytes: list[int]) -> tuple[list[int], int]:
+    """``(starts, end)``: the byte offset of each piece of ``nbytes`` laid in turn (each at a
+    multiple of :data:`CHUNK_ALIGN`) and the byte the last one ends at (every carve and staging
+    of the step, and what its workspace check asks for).
+
+    >>> _offsets([10, 300, 4])
+    ([0, 256, 768], 772)
+    """
     starts, off, end = [], 0, 0
-    for s in shapes:
-        end = off + math.prod(s) * dtype.itemsize
+    for n in nbytes:
+        end = off + n
         starts.append(off)
-        off += -(-(end - off) // CHUNK_ALIGN) * CHUNK_ALIGN
+        off += -(-n // CHUNK_ALIGN) * CHUNK_ALIGN
     return starts, end
+
+
+def _staged_queries(pipe: PipelinePlan, rank: int, heads: int, d: int, dtype: torch.dtype) -> Parts:
+    """What a one-message step stages before its query exchange: ``[n_j, heads, d]`` queries of
+    every peer ``j``'s tokens, in peer order (chunk 0)."""
+    return [((pipe.count(j, 0), heads, d), dtype) for j in range(pipe.world_size) if j != rank]
+
+
+def _staged_outputs(pipe: PipelinePlan, rank: int, heads: int, v_dim: int, dtype: torch.dtype, lse: bool) -> Parts:
+    """What a one-message step's output exchange lands before it is scattered: every peer's
+    ``[n_i, heads, v_dim]`` outputs, then (``lse``) their fp32 ``[n_i, heads]`` LSEs (chunk 0)."""
+    peers = [i for i in range(pipe.world_size) if i != rank]
+    parts: Parts = [((pipe.count(i, 0), heads, v_dim), dtype) for i in peers]
+    return parts + ([((pipe.count(i, 0), heads), torch.float32) for i in peers] if lse else [])
+
+
+def _parts_end(parts: Parts) -> int:
+    """The bytes :func:`_staging` lays ``parts`` over."""
+    return _offsets([math.prod(shape) * dtype.itemsize for shape, dtype in parts])[1]
 
 
 def check_pipeline_workspace(
@@ -90,10 +121,14 @@ def check_pipeline_workspace(
     topk: int,
     rows_int32: bool,
     one_union: bool = False,
+    return_lse: bool = True,
 ) -> None:
     """A ShardQ step's ``workspace`` against what :func:`run_pipelined` carves from it: each buffer
     given is a flat uint8 tensor on q's device holding the chunks' receive / send buffers (``"q"``,
-    ``"out"``, ``"lse"``) and the rank's rows (``"rows"``, int32 rows only); the union buffers
+    ``"out"``, ``"lse"``) and the rank's rows (``"rows"``, int32 rows only); a one-message step
+    also stages in them (:func:`_staging`): ``"out"`` holds the queries it sends (``(W - 1)``
+    peers' shares at ``D``, more than its own ``Dv``-wide outputs once ``(W - 1) / W * D > Dv``),
+    ``"q"`` the peers' outputs and (``return_lse``) LSEs it receives. The union buffers
     (``"union"``, ``"lens"``, ``one_union`` only) may be smaller (a share's union then builds per
     chunk). Each buffer the step reads is contiguous, starts aligned for the widest element it is
     viewed as and shares no memory with another (every one is in use for the whole step). Checked
@@ -102,10 +137,14 @@ def check_pipeline_workspace(
     w, h, d = pipe.world_size, q.shape[1], q.shape[2]
     n_c = [pipe.count(rank, c) for c in range(pipe.chunks)]
     need = {
-        "q": _carve_offsets([(w, n, h, d) for n in n_c], q.dtype)[1],
-        "out": _carve_offsets([(w, n, h, v_dim) for n in n_c], q.dtype)[1],
-        "lse": _carve_offsets([(w, n, h) for n in n_c], torch.float32)[1],
+        "q": _parts_end([((w, n, h, d), q.dtype) for n in n_c]),
+        "out": _parts_end([((w, n, h, v_dim), q.dtype) for n in n_c]),
+        "lse": _parts_end([((w, n, h), torch.float32) for n in n_c]),
     }
+    if pipe.one_message_per_peer:  # the staged queries may outgrow the output send buffer, and the
+        # peers' outputs the query receive buffer (wide queries, many ranks, uneven shares)
+        need["out"] = max(need["out"], _parts_end(_staged_queries(pipe, rank, h, d, q.dtype)))
+        need["q"] = max(need["q"], _parts_end(_staged_outputs(pipe, rank, h, v_dim, q.dtype, return_lse)))
     if rows_int32:
         need["rows"] = sum(n_c) * topk * 4
     if one_union:
@@ -127,20 +166,21 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _staging(
-    spare: torch.Tensor, parts: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device
+    reserved: torch.Tensor | None, spare: torch.Tensor, parts: Parts, device: torch.device
 ) -> list[torch.Tensor]:
-    """Views for ``parts`` (``(shape, dtype)``, 256-byte aligned) in the bytes of ``spare``, a buffer
-    the step does not use while the views live; new tensors when they do not fit (very uneven
-    chunks)."""
-    need, off = [], 0
-    for shape, dtype in parts:
-        need.append(off)
-        off += -(-math.prod(shape) * dtype.itemsize // CHUNK_ALIGN) * CHUNK_ALIGN
-    raw = spare.reshape(-1).view(torch.uint8)
-    if off > raw.numel():
+    """Views for ``parts`` (``(shape, dtype)``, 256-byte aligned) in the bytes of a buffer the step
+    does not use while the views live: the workspace buffer ``reserved`` where one is given (whole:
+    :func:`check_pipeline_workspace` made it large enough), else ``spare`` (a carved chunk buffer),
+    with new tensors when they do not fit there."""
+    starts, end = _offsets([math.prod(shape) * dtype.itemsize for shape, dtype in parts])
+    raw = spare.reshape(-1).view(torch.uint8) if reserved is None else reserved
+    if end > raw.numel():
+        if reserved is not None:  # never after the check: a staged view must not leave the workspace
+            raise ValueError(f"a workspace buffer holds {raw.numel()} B, the one-message step stages {end} B in it")
         return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in parts]
     return [
-        raw[o : o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape) for o, (shape, dtype) in zip(need, parts)
+        raw[o : o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        for o, (shape, dtype) in zip(starts, parts)
     ]
 
 
@@ -210,7 +250,7 @@ def run_pipelined(
             return
         q_recv, o_send = q_bufs[c], o_bufs[c]
         if gathered:  # into chunk c's output send buffer, free until chunk c's kernel (which waits for this)
-            staged = _staging(o_send, [((pipe.count(j, c), h, d), q.dtype) for j in peers], dev)
+            staged = _staging(ws.get("out"), o_send, _staged_queries(pipe, rank, h, d, q.dtype), dev)
             for j, buf in zip(peers, staged):
                 torch.index_select(q_src, 0, ids(j, c), out=buf)
             q_moves.append(comm.exchange(list(zip(peers, staged)), [(i, q_recv[i]) for i in peers], tag=2 * c))
@@ -265,9 +305,7 @@ def run_pipelined(
             ))  # fmt: skip
         query_ready(c)  # idempotent; a rank with no token in chunk c still issues chunk c + 1's exchange
         if gathered:  # whole send buffers out; the peers' outputs land in the (read) query receive buffer
-            parts: list[tuple[tuple[int, ...], torch.dtype]] = [((pipe.count(i, c), h, v_dim), q.dtype) for i in peers]
-            parts += [((pipe.count(i, c), h), torch.float32) for i in peers] if lse is not None else []
-            recv = _staging(q_recv, parts, dev)
+            recv = _staging(ws.get("q"), q_recv, _staged_outputs(pipe, rank, h, v_dim, q.dtype, lse is not None), dev)
             sends = [(j, o_send[j]) for j in peers] + ([(j, l_send[j]) for j in peers] if lse is not None else [])
             out_moves.append(comm.exchange(sends, list(zip(peers + peers, recv)), tag=2 * c + 1))
             out.index_copy_(0, ids(rank, c), o_send[rank])

@@ -15,7 +15,11 @@ Modes:
 
 * ``shardq``: tokens split over ``W`` (= TP) ranks, every rank runs all ``H`` heads;
   ``N = ceil(ceil(M / W) / G) * G``. The step is pipelined in place (no ``send`` / ``recv``
-  items): ``packed_q`` receives the queries, ``out`` / ``lse`` are the output send buffers.
+  items): ``packed_q`` receives the queries, ``out`` / ``lse`` are the output send buffers. A
+  one-chunk step also stages in them: ``out`` holds, before the kernel, the queries it sends
+  (``min(M, (W-1) * Nmax)`` tokens of ``H / W`` heads at ``D``: more than its outputs once
+  ``(W-1) / W * D > Dv``, the DSA dims from ten ranks on), ``packed_q``, after it, the outputs and
+  LSEs it receives; each item is the larger of its two uses.
   ``topk_rows`` holds the rank's rows of the top-k (gathered from the step's ``[T, K]``).
   Unpipelined (one chunk, the default) the four buffers are all live while the kernel runs (it
   reads the queries, the rows and the union while writing the outputs), so none can share bytes
@@ -121,9 +125,11 @@ class WorkspaceBounds:
         union_offsets: per-group start and length of the union (int32).
         topk_rows: the rank's top-k indices, converted to KV rows / local positions (int32).
         packed_q: query rows the kernel reads (all-to-all or all-gather output, or 0 if the
-            caller's query is used in place).
+            caller's query is used in place). ShardQ: at least the outputs and LSEs a one-chunk
+            step receives, staged there after its kernel.
         out: the kernel's output before it moves (ShardQ send buffer, DCP partial; out dtype);
-            0 where the kernel writes the caller's result.
+            0 where the kernel writes the caller's result. ShardQ: at least the queries a
+            one-chunk step sends, staged there before its kernel.
         lse: its fp32 log-sum-exp.
         send: collective send buffers (packed partials, own KV rows).
         recv: collective receive buffers (every rank's partial of my heads, gathered KV).
@@ -325,10 +331,20 @@ def workspace_bounds(
     if mode == "shardq":
         # pipelined in place (parallel.shardq): queries are sent from the caller's tensor and outputs
         # land in the result, so the only buffers are the chunks' receive (q) and send (out, lse)
-        # buffers, each chunk's starting on a CHUNK_ALIGN boundary
-        pad = MAX_CHUNKS * CHUNK_ALIGN
-        item["packed_q"] = (n_max * h * d * bq + pad, "Nmax * H * D * q_bytes + C*256 (query receive buffers)")
-        item["out"] = (n_max * h * dv * bo + pad, "Nmax * H * Dv * out_bytes + C*256 (output send buffers)")
+        # buffers, each chunk's starting on a CHUNK_ALIGN boundary. A one-chunk step also stages in
+        # them, one piece per peer: the queries it sends (at most min(M, (W-1)*Nmax) tokens of H/W
+        # heads) in the output send buffer, the outputs and LSEs it receives in the query receive one
+        pad, staged = MAX_CHUNKS * CHUNK_ALIGN, min(m, (w - 1) * n_max) * hl
+        item["packed_q"] = (
+            max(n_max * h * d * bq + pad, staged * (dv * bo + _F32) + 2 * w * CHUNK_ALIGN),
+            "max(Nmax * H * D * q_bytes + C*256 (query receive buffers), "
+            "min(M, (W-1)*Nmax) * H/W * (Dv * out_bytes + 4) + 2*W*256 (received outputs and LSEs, one chunk))",
+        )
+        item["out"] = (
+            max(n_max * h * dv * bo + pad, staged * d * bq + w * CHUNK_ALIGN),
+            "max(Nmax * H * Dv * out_bytes + C*256 (output send buffers), "
+            "min(M, (W-1)*Nmax) * H/W * D * q_bytes + W*256 (the queries sent, one chunk))",
+        )
         item["lse"] = (n_max * h * _F32 + pad, "Nmax * H * 4 + C*256 (LSE send buffers)")
     elif mode in ("headtp", "headtp-decode"):
         if mode == "headtp-decode" and s > 1:

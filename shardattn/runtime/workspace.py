@@ -21,7 +21,9 @@ holds the largest step, not the sum of all. That is safe because:
 * every shared item is scratch of one step: written before it is read within that step, and
   never read after the step returns. Prefill: ``union`` / ``union_offsets`` (built, then read by
   the kernel), ShardQ's ``topk_rows`` (the rank's rows of the top-k), ``packed_q`` (query
-  receive buffer), ``out`` / ``lse`` (output send buffers; the result lands in a new tensor).
+  receive buffer), ``out`` / ``lse`` (output send buffers; the result lands in a new tensor; a
+  one-chunk step stages the queries it sends in ``out`` and the outputs it receives in
+  ``packed_q``).
   Decode: ``packed_q`` (gathered queries and their head-major copy), ``topk_rows`` (converted
   rows), ``out`` / ``lse`` (the local partial), ``send`` / ``recv`` (the collector's packed
   all-to-all); the merged result is a new tensor;
