@@ -84,6 +84,11 @@ BAD = [
     ("network-misspelt", _set("network", {"name": "x", "latency_ms": 0.01, "busbw": 5.0}), r"network: unknown"),
     ("kernels-not-list", _set("kernels", {}), r"kernels must be a JSON array"),
     ("rank-per-node-float", _set("collectives.0.ranks_per_node", 1.0), r"ranks_per_node must be an integer or null"),
+    (
+        "collective-twice",
+        lambda d: d["collectives"].append({**d["collectives"][0], "busbw_gbps": 1.0}),
+        r"a second rate of all_to_all at this world_size",
+    ),
 ]
 
 

@@ -185,7 +185,8 @@ class Calibration:
         return cal
 
     def validate(self) -> None:
-        """Raise ``ValueError`` unless every rate is finite and positive and a per-query point exists."""
+        """Raise ``ValueError`` unless every rate is finite and positive, a per-query point exists and
+        no collective has two rates at one layout."""
         if not any(k.group_size == 1 and k.kv_format == "bfloat16" for k in self.kernels):
             raise ValueError("the table has no per-query kernel point on bfloat16 rows")
         for k in self.kernels:
@@ -200,7 +201,14 @@ class Calibration:
                 raise ValueError(f"bad KV format {k.kv_format!r} in {k} (one of {', '.join(KV_FORMATS)})")
             if not (k.union_ratio >= 1.0 and math.isfinite(k.union_ratio)):
                 raise ValueError(f"bad union ratio in {k}")
+        seen: set[tuple[str, int, int | None]] = set()
         for c in self.collectives:
+            layout = (c.op, c.world_size, c.ranks_per_node)
+            if layout in seen:  # the model would take the first and ignore the other silently
+                raise ValueError(
+                    f"bad collective rate {c}: a second rate of {c.op} at this world_size and ranks_per_node"
+                )
+            seen.add(layout)
             if c.op not in COLLECTIVES:
                 raise ValueError(f"bad collective rate {c}: op must be one of {COLLECTIVES}")
             if c.world_size < 2 or not (_finite(c.busbw_gbps) > 0 and _finite(c.latency_ms) >= 0):
