@@ -141,6 +141,21 @@ def test_given_destinations_are_filled_in_place():
         lse_merge(outs, lses, lse_out=torch.zeros(2, 2, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_two_byte_partials_into_an_fp32_out_are_rounded_once(dtype):
+    """Two-byte partials merged into a caller's fp32 ``out`` keep the fp32 merge, as the kernels do
+    (they store their fp32 accumulator in out's dtype): the CPU path did not round it to the
+    partials' dtype first."""
+    outs, lses = make_partials(4, 6, 3, 32, dtype, seed=3)
+    ref_out, ref_lse = loop_merge(outs, lses)
+    out = torch.full((6, 3, 32), float("nan"))
+    got_out, got_lse = lse_merge(outs, lses, out=out)
+    assert got_out is out and out.dtype == torch.float32
+    assert_merged(out, got_lse, ref_out, ref_lse, atol=1e-5)
+    own, _ = lse_merge(outs, lses)  # without out: the partials' dtype, rounded from the same fp32 merge
+    assert own.dtype == dtype and torch.equal(own, out.to(dtype))
+
+
 def interpreted_cases(dtype_name: str) -> None:
     dtype = getattr(torch, dtype_name)
     atol = 2e-3 if dtype == torch.float16 else 1e-5

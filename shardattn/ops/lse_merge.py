@@ -82,18 +82,22 @@ def weighted(weights: torch.Tensor, outs: torch.Tensor) -> torch.Tensor:
     return torch.where(w == 0, torch.zeros((), dtype=torch.float32, device=outs.device), w * outs.float())
 
 
-def lse_merge_reference(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lse_merge_reference(
+    outs: torch.Tensor, lses: torch.Tensor, *, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`lse_merge` (fp32 throughout).
 
     Args:
         outs: ``[P, T, H, D]`` partial outputs (any float dtype).
         lses: ``[P, T, H]`` fp32 natural-log LSEs, ``-inf`` or ``+inf`` for empty partial rows.
+        out_dtype: the merged output's dtype (default ``outs.dtype``); the fp32 merge is rounded
+            to it once, as the kernels store their accumulator in their destination's dtype.
     Returns:
-        ``(out [T, H, D] in outs.dtype, lse [T, H] fp32)``.
+        ``(out [T, H, D] in out_dtype, lse [T, H] fp32)``.
     """
     weights, lse = merge_weights(lses)
     out = weighted(weights, outs).sum(dim=0)
-    return out.to(outs.dtype), lse
+    return out.to(outs.dtype if out_dtype is None else out_dtype), lse
 
 
 def check_merge_inputs(outs: torch.Tensor, lses: torch.Tensor) -> None:
@@ -157,7 +161,7 @@ def run_lse_merge(
     _, t, h, d = outs.shape
     if not HAVE_TRITON or not use_triton(outs) or d == 0:  # no values to merge: the LSEs alone
         with torch.no_grad():  # inference, as the kernels: no autograd history on any device
-            ref_out, ref_lse = lse_merge_reference(outs, lses)
+            ref_out, ref_lse = lse_merge_reference(outs, lses, out_dtype=None if out is None else out.dtype)
         if out is None and lse_out is None:
             return ref_out, ref_lse
         out = ref_out if out is None else out.copy_(ref_out)
