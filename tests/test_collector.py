@@ -180,6 +180,27 @@ def test_a_group_of_one_applies_the_empty_row_rule(dist_pool) -> None:
     assert (got_out[0, 0] == 0).all() and (got_out[0, 2] == 0).all() and (got_out[0, 1] == 5).all()
 
 
+def _one_broken_partial(group: dist.ProcessGroup) -> list:
+    """A group of one: row (0, 1) of the partial has a NaN LSE under finite values, row (1, 0)
+    FlashMLA's empty marker; every strategy and layout."""
+    out, lse = torch.randn(2, 2, 4, generator=torch.Generator().manual_seed(1)), torch.randn(2, 2)
+    lse[0, 1], lse[1, 0] = math.nan, math.inf
+    layouts = [("all_to_all", True), ("all_gather", True), ("all_gather", False), ("reduce_scatter", True),
+               ("reduce_scatter", False), ("auto", True)]  # fmt: skip
+    return [(out, lse, collect_partials(out, lse, group, strategy=s, scatter_heads=sc)) for s, sc in layouts]
+
+
+@pytest.mark.distributed
+def test_a_group_of_one_keeps_a_nan_lse_row_broken(dist_pool) -> None:
+    """One partial with a NaN LSE comes back as a NaN row (output and LSE), as the merge of several
+    partials gives: the group of one returned the row's finite values beside the NaN LSE."""
+    for out, lse, (got_out, got_lse) in dist_pool.run(_one_broken_partial, world_size=1)[0]:
+        assert bool(got_out[0, 1].isnan().all()) and math.isnan(float(got_lse[0, 1]))
+        assert bool((got_out[1, 0] == 0).all()) and float(got_lse[1, 0]) == -math.inf
+        keep = torch.tensor([[True, False], [False, True]])
+        assert torch.equal(got_out[keep], out[keep]) and torch.equal(got_lse[keep], lse[keep])
+
+
 @pytest.mark.distributed
 def test_empty_rows_contribute_nothing_whatever_they_hold(dist_pool) -> None:
     for per_rank in dist_pool.run(_junk_in_empty_rows, world_size=3):

@@ -197,10 +197,8 @@ def collect_checked(
     h0 = rank * hs if scatter_heads else 0
     if t == 0 or h == 0:  # nothing to exchange (the same on every rank); Dv = 0 still merges the LSEs
         return out[:, h0 : h0 + hs].clone(), lse[:, h0 : h0 + hs].clone()
-    if w == 1:  # one partial: the merge's rule for a row with no key (lse +-inf) -> (0, -inf)
-        o, s = out[:, h0 : h0 + hs], lse[:, h0 : h0 + hs]
-        empty = s.isinf()
-        return o.masked_fill(empty[..., None], 0), s.masked_fill(empty, float("-inf"))
+    if w == 1:  # one partial, merged as any other: (0, -inf) for lse +-inf, a NaN lse a NaN row
+        return run_lse_merge(out[None, :, h0 : h0 + hs], lse[None, :, h0 : h0 + hs])
     if strategy == "reduce_scatter":
         return _reduce_scatter(out, lse, comm, scatter_heads)
     specs = _exchange_specs(t, hs, dv, out.dtype)
