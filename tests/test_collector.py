@@ -209,6 +209,33 @@ def test_empty_rows_contribute_nothing_whatever_they_hold(dist_pool) -> None:
             assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
+def _partials_that_require_grad(group: dist.ProcessGroup) -> list:
+    """Every strategy and layout on a partial whose out and lse require grad, beside the same values plain."""
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(r)
+    out, lse = torch.randn(3, 2 * w, 8, generator=g), torch.randn(3, 2 * w, generator=g)
+    layouts = [("all_to_all", True), ("all_gather", True), ("all_gather", False), ("reduce_scatter", True),
+               ("reduce_scatter", False)]  # fmt: skip
+    got = []
+    for s, scatter in layouts:
+        tracked = collect_partials(out.clone().requires_grad_(), lse.clone().requires_grad_(), group, strategy=s,
+                                   scatter_heads=scatter)  # fmt: skip
+        got.append((s, scatter, tracked, collect_partials(out, lse, group, strategy=s, scatter_heads=scatter)))
+    return got
+
+
+@pytest.mark.distributed
+def test_partials_that_require_grad_are_read_as_values_by_every_strategy(dist_pool) -> None:
+    """The collector is an inference step, as the ops are: out / lse that require grad merge to the
+    plain inputs' bits with no autograd history (the reduce-scatter raised on its in-place
+    collective, or returned a tracked output for all heads)."""
+    for per_rank in dist_pool.run(_partials_that_require_grad, world_size=2):
+        for strategy, scatter, (out, lse), (want_out, want_lse) in per_rank:
+            what = f"{strategy} scatter_heads={scatter}"
+            assert not out.requires_grad and not lse.requires_grad, what
+            assert torch.equal(out, want_out) and torch.equal(lse, want_lse), what
+
+
 def _lse_only(group: dist.ProcessGroup) -> list:
     """Every strategy's merge of partials with no value dims (``out [T, H, 0]``): their LSEs still merge."""
     w, r = dist.get_world_size(group), dist.get_rank(group)

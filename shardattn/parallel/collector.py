@@ -112,7 +112,7 @@ def collect_partials(
             may: the partial has been packed by the time it is written).
     Returns:
         ``(out [T, H/W or H, Dv] in out's dtype, lse [T, H/W or H] fp32)``; rows empty on every
-        rank are ``(0, -inf)``.
+        rank are ``(0, -inf)``. No autograd history (inputs that require grad are read as values).
 
     Example (every rank runs this; ``group`` is a gloo group of ``W`` ranks)::
 
@@ -150,7 +150,9 @@ def collect_partials(
         )
 
     comm.agree_on("collector input (out shape and dtype, scatter_heads, strategy)", validate, check=check)
-    with comm.reporting_failures():  # a failure from here on is reported to the waiting peers
+    # a failure from here on is reported to the waiting peers; inference: partials that require
+    # grad are read as their values (the collectives write in place), as by the ops
+    with comm.reporting_failures(), torch.no_grad():
         return collect_checked(out, lse, comm, chosen, scatter_heads, buffers)
 
 
