@@ -28,6 +28,8 @@ the fp32 reduce-scatter sends about twice as much for bf16 outputs, in two colle
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shardattn._checks import (
@@ -199,8 +201,12 @@ def collect_checked(
     h0 = rank * hs if scatter_heads else 0
     if t == 0 or h == 0:  # nothing to exchange (the same on every rank); Dv = 0 still merges the LSEs
         return out[:, h0 : h0 + hs].clone(), lse[:, h0 : h0 + hs].clone()
-    if w == 1:  # one partial, merged as any other: (0, -inf) for lse +-inf, a NaN lse a NaN row
-        return run_lse_merge(out[None, :, h0 : h0 + hs], lse[None, :, h0 : h0 + hs])
+    if w == 1:  # one partial, as the merge of several gives: (0, -inf) for lse +-inf, a NaN lse a NaN
+        # row, every other row its own bits (torch ops: no merge kernel a Runtime's warm-up would compile)
+        o, s = out[:, h0 : h0 + hs], lse[:, h0 : h0 + hs]
+        empty, broken = s.isinf(), s.isnan()
+        o = o.masked_fill(empty[..., None], 0).masked_fill(broken[..., None], math.nan)
+        return o, s.masked_fill(empty, -math.inf)
     if strategy == "reduce_scatter":
         return _reduce_scatter(out, lse, comm, scatter_heads)
     specs = _exchange_specs(t, hs, dv, out.dtype)
