@@ -133,6 +133,20 @@ def _refused(step, q: torch.Tensor, bad: int | None, rank: int, tokens: int) -> 
         assert rank != bad, "a topk_length of the wrong shape ran"
 
 
+def _run_layers(step, w, spec, rank: int, tokens: int, layers: int, owned: int | None = None) -> list:
+    """:func:`_refused` first (``owned``: the rank's tokens a ``topk_length`` has, default all),
+    then ``layers`` layers of fresh ``[tokens, H, D]`` queries as an engine runs them (the first
+    agrees, the later ones do not; it holds each layer's output while it runs the next):
+    ``[(q, out, lse)]`` a layer."""
+    _refused(step, w.rand(tokens, spec.num_heads, spec.head_dim), w.bad, rank, tokens if owned is None else owned)
+    got = []
+    for layer in range(layers):
+        q = w.rand(tokens, spec.num_heads, spec.head_dim)
+        out, lse = step(q, layer == 0)
+        got.append((q, out, lse))
+    return got
+
+
 def _layers_error(
     rt: Runtime,
     got: list,
@@ -195,12 +209,7 @@ def _decode_step(
             topk_pos=pos, req_ids=req_ids, topk_length=length, topk_unique=unique, sinks=sinks, check=check,
         )  # fmt: skip
 
-    _refused(step, w.rand(t, spec.num_heads, spec.head_dim), w.bad, rank, t)
-    got = []
-    for layer in range(layers):
-        q = w.rand(t, spec.num_heads, spec.head_dim)
-        out, lse = step(q, layer == 0)
-        got.append((q, out, lse))  # an engine holds a layer's output while it runs the next layers
+    got = _run_layers(step, w, spec, rank, t, layers)
     keys_of = []
     for i in range(t):
         b = req[i]
@@ -254,12 +263,7 @@ def _prefill_step(
                 block_table=table, plan=plan, topk_length=length, sinks=sinks, check=check,
             )  # fmt: skip
 
-        _refused(step, w.rand(t, spec.num_heads, spec.head_dim), w.bad, rank, len(mine))
-        got = []
-        for layer in range(layers):
-            q = w.rand(t, spec.num_heads, spec.head_dim)
-            out, lse = step(q, layer == 0)
-            got.append((q, out, lse))
+        got = _run_layers(step, w, spec, rank, t, layers, owned=len(mine))
         ids, heads = mine.tolist(), slice(None)
         keys_of = [
             [w.row_of(batch[req[i]], p) for p in _key_rows(pos[i].tolist(), _at(length, i), seq[req[i]])]
@@ -277,12 +281,7 @@ def _prefill_step(
                 topk_length=length, sinks=sinks, check=check,
             )  # fmt: skip
 
-        _refused(step, w.rand(t, spec.num_heads, spec.head_dim), w.bad, rank, t)
-        got = []
-        for layer in range(layers):
-            q = w.rand(t, spec.num_heads, spec.head_dim)
-            out, lse = step(q, layer == 0)
-            got.append((q, out, lse))
+        got = _run_layers(step, w, spec, rank, t, layers)
         ids, heads = list(range(t)), slice(rank * h, (rank + 1) * h)
         keys_of = [_key_rows(rows[i].tolist(), _at(length, i), rows_total) for i in range(t)]
     err = _layers_error(rt, got, ids, heads, keys_of, values, sinks, rt.prefill_options.return_lse)
