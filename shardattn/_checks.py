@@ -87,6 +87,21 @@ def check_sink_logits(sinks: object, heads: int, *, device: torch.device | None 
     return sinks
 
 
+def check_page_size(name: str, cache: torch.Tensor) -> int:
+    """A paged cache ``[num_pages, page, ...]`` (checked as a tensor by the caller) has pages of at
+    least one token; returns ``page``. Every position ``k`` is read at page ``k // page``: a page of
+    0 tokens would divide by zero. Raises ``ValueError`` naming ``name``.
+
+    >>> check_page_size("k_cache", torch.zeros(2, 0, 1, 8))
+    Traceback (most recent call last):
+    ...
+    ValueError: k_cache must have pages of at least one token (dim 1), got shape [2, 0, 1, 8]
+    """
+    if cache.shape[1] < 1:
+        raise ValueError(f"{name} must have pages of at least one token (dim 1), got shape {list(cache.shape)}")
+    return int(cache.shape[1])
+
+
 def check_pages_in_use(
     block_table: torch.Tensor, lens: torch.Tensor | Sequence[int], *, page_size: int, num_pages: int, whose: str
 ) -> None:

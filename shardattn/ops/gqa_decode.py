@@ -44,6 +44,7 @@ from shardattn._checks import (
     check_int,
     check_max_q_len,
     check_not_inputs,
+    check_page_size,
     check_pages_in_use,
     check_queries_fit,
     check_queries_tensor,
@@ -72,6 +73,7 @@ def _check_inputs(q, k_cache, v_cache, block_table, seq_lens, q_len_per_req, cu_
     total_q, hq, d = q.shape
     check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
     num_pages, page, hkv, dk = k_cache.shape
+    check_page_size("k_cache", k_cache)
     if dk != d:
         raise ValueError(f"q must have last dim {dk} (k_cache's head_dim), got {d} (q {list(q.shape)})")
     check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))

@@ -43,6 +43,7 @@ from shardattn._checks import (
     check_bool,
     check_choice,
     check_int,
+    check_page_size,
     check_pages_in_use,
     check_queries_tensor,
     check_same_device,
@@ -125,6 +126,7 @@ def check_prefix_inputs(
     d = q.shape[-1]
     check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
     num_pages, page, cache_hkv, dk = k_cache.shape
+    check_page_size("k_cache", k_cache)
     if dk != d or cache_hkv != hkv:
         raise ValueError(
             f"k_cache must have shape [*, *, {hkv}, {d}] ({keys_from}'s {hkv} KV heads, q's head_dim {d}; the new "

@@ -18,6 +18,7 @@ from shardattn._checks import (
     check_choice,
     check_cu_q_lens,
     check_int,
+    check_page_size,
     check_pages_in_use,
     check_queries_fit,
     check_same_device,
@@ -121,6 +122,7 @@ def dcp_gqa_decode(
         t, h, d = q.shape
         check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
         pages, page, hkv, dk = k_cache.shape
+        check_page_size("k_cache", k_cache)
         check_tensor("v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
         if dk != d:
             raise ValueError(f"q_heads_local must have last dim {dk} (k_cache's head dim), got {d}")
@@ -256,6 +258,8 @@ def _check_host_values(
         queries = [hi - lo for lo, hi in itertools.pairwise(cu)]
     if meta_lens is None:  # meta holds each query's local length, not its request's queries
         check_queries_fit(seq_lens.tolist(), queries)
+    if meta_lens is not None and t and int(meta_lens.min()) < 0:
+        raise ValueError(f"meta[0] holds negative local lengths (min {int(meta_lens.min())}); 0 marks padding")
     if meta_lens is not None and t and int(meta_lens.max()) > m * page:
         raise ValueError(f"meta[0] holds local lengths past the block_table's {m} pages of {page}")
     if meta_req is not None and t and (int(meta_req.min()) < 0 or int(meta_req.max()) >= b):
