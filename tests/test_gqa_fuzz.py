@@ -25,6 +25,8 @@ from shardattn.parallel.gqa_prefill import gqa_prefill_pcp
 from shardattn.plan import pcp_plan
 from shardattn.plan.context import DCPLayout
 from shardattn.plan.decode_batch import plan_decode_batch
+from shardattn.plan.spec import ModelSpec
+from shardattn.runtime.runtime import Runtime
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -432,3 +434,77 @@ def test_dcp_decode_refuses_negative_planned_lengths(one_rank_group) -> None:
             torch.randn(1, 4, 8), k_cache, v_cache, table, torch.tensor([5], dtype=torch.int32), DCPLayout(1),
             one_rank_group, meta=meta,
         )  # fmt: skip
+
+
+# ------------------------------------------------------------------ the Runtime's GQA decode steps
+def _runtime_decode_worker(group, case: dict) -> list:
+    comm = Comm(group)
+    rt = Runtime(case["spec"], group, mode=case["mode"], max_batched_tokens=1, max_decode_tokens=64, warmup=False)
+    h = case["q"].shape[1] // comm.world_size
+    q = case["q"][:, comm.rank * h : (comm.rank + 1) * h]
+    k, v, table = case["local"][comm.rank]
+    seq, cu, sinks = case["lens"], case["cu"], case["sinks"]
+    if case["mode"] == "headtp":
+        return [rt.decode(q, (k, v), table, seq, cu_q_lens=cu, window_left=case["window"], sinks=sinks)]
+    results = [rt.decode(q, (k, v), table, seq, cu_q_lens=cu, sinks=sinks)]
+    plan = rt.decode_step.plan(seq, cu)  # packed: the real queries back to back
+    results.append(rt.decode(q, (k, v), table, seq, batch=plan, sinks=sinks))
+    per_query = table.index_select(0, plan.meta[1].long())  # a block-table row per query slot
+    results.append(rt.decode(q, (k, v), per_query, seq, batch=plan, sinks=sinks))
+    padded = rt.decode_step.plan(seq, cu, q_len=max(case["q_lens"]) + 1, padded_requests=len(seq) + 2)
+    table_p = torch.cat([table, table.new_full((2, table.shape[1]), -1)])
+    out, lse = rt.decode(padded.pad_rows(q), (k, v), table_p, seq, batch=padded, sinks=sinks)
+    results.append((padded.real_rows(out), padded.real_rows(lse)))
+    return results
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+@pytest.mark.distributed
+def test_runtime_decode_steps_equal_fp64_oracle(dist_pool, data) -> None:
+    draw = data.draw
+    world = 2
+    mode = draw(st.sampled_from(["dcp-decode", "headtp"]))
+    hkv = draw(st.sampled_from([1, 2, 4]))  # headtp with 1: the KV head replicated on both ranks
+    h = max(hkv, 2) * draw(st.sampled_from([1, 2]))
+    d, page = 8, draw(st.sampled_from([1, 2, 5]))
+    causal = True
+    batch = draw(st.integers(1, 4))
+    q_lens = [draw(st.integers(1, 3)) for _ in range(batch)]
+    lens = [ql + draw(st.integers(0, 30)) for ql in q_lens]
+    window = draw(st.sampled_from([-1, 0, 2, 9])) if mode == "headtp" else -1
+    has_sinks = draw(st.booleans())
+    scale = draw(st.sampled_from([0.35, 1.1]))
+    spec = ModelSpec("gqa", h, hkv, d, d, 0, page, has_sinks=has_sinks, dtype="float32", softmax_scale=scale)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    k_all = [torch.randn(n, hkv, d, generator=gen) for n in lens]
+    v_all = [torch.randn(n, hkv, d, generator=gen) for n in lens]
+    layout = DCPLayout(world) if mode == "dcp-decode" else DCPLayout(1)
+    local = []
+    for r in range(world):
+        owned = [layout.owned_positions(n, r if mode == "dcp-decode" else 0) for n in lens]
+        lo, hi = (0, hkv) if mode == "dcp-decode" else head_tp_kv_heads(h, hkv, world, r)
+        k_c, v_c, table, rows = paged_cache(draw, [len(o) for o in owned], page, hi - lo, d, torch.float32, gen)
+        for b, o in enumerate(owned):
+            k_c.flatten(0, 1)[rows(b, torch.arange(len(o)))] = k_all[b][o][:, lo:hi]
+            v_c.flatten(0, 1)[rows(b, torch.arange(len(o)))] = v_all[b][o][:, lo:hi]
+        local.append((k_c, v_c, table))
+    cu = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    q = torch.randn(cu[-1], h, d, generator=gen)
+    sinks = torch.randn(h, generator=gen) * 3 if has_sinks else None
+    case = dict(spec=spec, mode=mode, q=q, local=local, lens=lens, cu=cu, q_lens=q_lens, sinks=sinks, window=window)
+    owner = {i: (b, i - cu[b]) for b in range(batch) for i in range(cu[b], cu[b + 1])}
+
+    def visible(i: int):
+        b, j = owner[i]
+        p = lens[b] - q_lens[b] + j
+        return b, torch.arange(max(0, p - window) if window >= 0 else 0, p + 1 if causal else lens[b])
+
+    ref_out, ref_lse = oracle(
+        q, lambda i, bp, g: k_all[bp[0]][bp[1], g], lambda i, bp, g: v_all[bp[0]][bp[1], g], visible, hkv, scale, sinks
+    )
+    hl = h // world
+    for rank, results in enumerate(dist_pool.run(_runtime_decode_worker, case, world_size=world)):
+        heads = slice(rank * hl, (rank + 1) * hl)
+        for out, lse in results:
+            assert_matches(out, lse, ref_out[:, heads], ref_lse[:, heads], torch.float32)
