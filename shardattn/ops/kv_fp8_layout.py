@@ -66,8 +66,8 @@ FP8_DS_MLA = KVRowLayout(KV_FP8_DS_MLA)
 
 def check_fp8_kv(name: str, kv: object, layout: KVRowLayout = FP8_DS_MLA) -> torch.Tensor:
     """``kv`` is a cache of ``layout`` rows: uint8 ``[R, row_bytes]`` or ``[num_pages, page_size,
-    row_bytes]``, bytes of a row contiguous, rows not overlapping. Raises ``TypeError`` (not a
-    tensor) or ``ValueError`` naming ``name`` and the format; returns ``kv``.
+    row_bytes]``, bytes of a row contiguous, rows not overlapping (a cache of no row: any strides).
+    Raises ``TypeError`` (not a tensor) or ``ValueError`` naming ``name`` and the format; returns ``kv``.
     """
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of {layout.name} rows, got {type(kv).__name__}")
@@ -77,6 +77,8 @@ def check_fp8_kv(name: str, kv: object, layout: KVRowLayout = FP8_DS_MLA) -> tor
         fp8_view = kv.dtype == torch.float8_e4m3fn and kv.dim() in (2, 3) and kv.shape[-1] == layout.row_bytes
         hint = " (an fp8-typed view: pass .view(torch.uint8))" if fp8_view else ""
         raise ValueError(f"{name} must be {want}, got {got}{hint}")
+    if kv.numel() == 0:  # no byte is read: its strides mean nothing (torch calls any such tensor contiguous)
+        return kv
     if kv.stride(-1) != 1 or (kv.shape[-2] > 1 and kv.stride(-2) < layout.row_bytes):
         raise ValueError(f"{name} must have contiguous, non-overlapping {layout.name} rows, got strides {kv.stride()}")
     if kv.dim() == 3 and has_internal_overlap(kv):  # pages sharing rows (an expand, a page stride below the page)
