@@ -162,6 +162,59 @@ def test_decode_equals_fp64_oracle(data) -> None:
     assert_matches(out, lse, ref_out, ref_lse, dtype)
 
 
+def _prefill_case(draw, n_new, prefix, with_prefix, in_cache, page, h, hkv, d, dtype, gen) -> dict:
+    """A varlen prefill's inputs: requests of ``n_new`` new tokens (``cu`` their offsets), ``q``
+    ``[T, h, d]``, new ``k`` / ``v`` ``[T, hkv, d]``, sinks or None, and with a prefix the paged
+    cache's keyword arguments (``cache_kw``; ``in_cache``: the new keys written after each prefix
+    too) and its ``rows(b, positions)`` lookup."""
+    cu = [0]
+    for n in n_new:
+        cu.append(cu[-1] + n)
+    t = cu[-1]
+    q = torch.randn(t, h, d, generator=gen).to(dtype)
+    k = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
+    sinks = torch.randn(h, generator=gen) * 3 if draw(st.booleans()) else None
+    cache_kw: dict = {}
+    rows = None
+    if with_prefix:
+        held = [p + n for p, n in zip(prefix, n_new)] if in_cache else prefix
+        k_cache, v_cache, table, rows = paged_cache(draw, held, page, hkv, d, dtype, gen)
+        if in_cache:  # the new keys written after each prefix
+            for b in range(len(n_new)):
+                r = rows(b, torch.arange(prefix[b], held[b]))
+                k_cache.flatten(0, 1)[r] = k[cu[b] : cu[b + 1]]
+                v_cache.flatten(0, 1)[r] = v[cu[b] : cu[b + 1]]
+        cache_kw = dict(
+            k_cache=k_cache, v_cache=v_cache, block_table=table, prefix_lens=torch.tensor(prefix, dtype=torch.int32)
+        )
+    return dict(cu=cu, q=q, k=k, v=v, sinks=sinks, cache_kw=cache_kw, rows=rows, prefix=prefix)
+
+
+def _prefill_oracle(c: dict, window: int, scale: float | None, hkv: int):
+    """The fp64 oracle of :func:`_prefill_case`'s prefill: query ``i`` of request ``b`` at position
+    ``prefix[b] + j`` sees the keys up to itself, the last ``window`` before it with a window."""
+    cu, prefix, rows, cache_kw = c["cu"], c["prefix"], c["rows"], c["cache_kw"]
+    req = {i: b for b in range(len(cu) - 1) for i in range(cu[b], cu[b + 1])}
+
+    def visible(i: int):
+        b = req[i]
+        p = prefix[b] + i - cu[b]
+        return b, torch.arange(max(0, p - window) if window >= 0 else 0, p + 1)
+
+    def pick(new: torch.Tensor, name: str):
+        def f(i, bp, g):
+            b, pos = bp
+            cached, fresh = pos[pos < prefix[b]], pos[pos >= prefix[b]] - prefix[b] + cu[b]
+            old = cache_kw[name].flatten(0, 1)[rows(b, cached), g] if cached.numel() else new[:0, g]
+            return torch.cat([old, new[fresh, g]])
+
+        return f
+
+    used = c["q"].shape[2] ** -0.5 if scale is None else scale
+    return oracle(c["q"], pick(c["k"], "k_cache"), pick(c["v"], "v_cache"), visible, hkv, used, c["sinks"])
+
+
 @FUZZ
 @given(data=st.data())
 def test_prefill_equals_fp64_oracle(data) -> None:
@@ -177,53 +230,11 @@ def test_prefill_equals_fp64_oracle(data) -> None:
     window = draw(st.sampled_from([-1, -1, 0, 1, 3, 8, 50]))
     scale = draw(st.sampled_from([None, 0.1, 1.5]))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
-    cu = [0]
-    for n in n_new:
-        cu.append(cu[-1] + n)
-    t = cu[-1]
-    q = torch.randn(t, h, d, generator=gen).to(dtype)
-    k = torch.randn(t, hkv, d, generator=gen).to(dtype)
-    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
-    sinks = torch.randn(h, generator=gen) * 3 if draw(st.booleans()) else None
-    used = d**-0.5 if scale is None else scale
-    held = [p + n for p, n in zip(prefix, n_new)] if in_cache else prefix
-    cache_kw = {}
-    if with_prefix:
-        k_cache, v_cache, table, rows = paged_cache(draw, held, page, hkv, d, dtype, gen)
-        kf, vf = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-        if in_cache:  # the new keys written after each prefix
-            for b in range(batch):
-                r = rows(b, torch.arange(prefix[b], held[b]))
-                kf[r] = k[cu[b] : cu[b + 1]]
-                vf[r] = v[cu[b] : cu[b + 1]]
-        cache_kw = dict(
-            k_cache=k_cache, v_cache=v_cache, block_table=table, prefix_lens=torch.tensor(prefix, dtype=torch.int32)
-        )
-    req = {}
-    for b in range(batch):
-        for i in range(cu[b], cu[b + 1]):
-            req[i] = b
-
-    def visible(i: int):
-        b = req[i]
-        p = prefix[b] + i - cu[b]
-        lo = max(0, p - window) if window >= 0 else 0
-        return b, torch.arange(lo, p + 1)
-
-    def pick(new: torch.Tensor, flat_name: str):
-        def f(i, bp, g):
-            b, pos = bp
-            cached = pos[pos < prefix[b]]
-            fresh = pos[pos >= prefix[b]] - prefix[b] + cu[b]
-            old = cache_kw[flat_name].flatten(0, 1)[rows(b, cached), g] if cached.numel() else new[:0, g]
-            return torch.cat([old, new[fresh, g]])
-
-        return f
-
-    ref_out, ref_lse = oracle(q, pick(k, "k_cache"), pick(v, "v_cache"), visible, hkv, used, sinks)
+    c = _prefill_case(draw, n_new, prefix, with_prefix, in_cache, page, h, hkv, d, dtype, gen)
+    ref_out, ref_lse = _prefill_oracle(c, window, scale, hkv)
     out, lse = gqa_prefill(
-        q, None if in_cache else k, None if in_cache else v, torch.tensor(cu, dtype=torch.int32), sinks=sinks,
-        window_left=window, scale=scale, return_lse=True, **cache_kw,
+        c["q"], None if in_cache else c["k"], None if in_cache else c["v"], torch.tensor(c["cu"], dtype=torch.int32),
+        sinks=c["sinks"], window_left=window, scale=scale, return_lse=True, **c["cache_kw"],
     )  # fmt: skip
     assert_matches(out, lse, ref_out, ref_lse, dtype)
 
@@ -252,6 +263,22 @@ def _dcp_worker(group, case: dict) -> list:
     return results
 
 
+def _rank_caches(draw, k_all, v_all, layout, world, page, dtype, gen, heads=None) -> list:
+    """Each rank's ``(k_cache, v_cache, block_table)`` (``paged_cache``'s scattered pages): the
+    positions of every request's ``[n, Hkv, d]`` keys / values that ``layout`` gives the rank (a
+    one-rank layout: all of them), of its ``heads[rank]`` KV head range (default all)."""
+    local = []
+    for r in range(world):
+        owned = [layout.owned_positions(k.shape[0], r if layout.world_size > 1 else 0) for k in k_all]
+        lo, hi = (0, k_all[0].shape[1]) if heads is None else heads[r]
+        k_c, v_c, table, rows = paged_cache(draw, [len(o) for o in owned], page, hi - lo, k_all[0].shape[2], dtype, gen)
+        for b, o in enumerate(owned):
+            k_c.flatten(0, 1)[rows(b, torch.arange(len(o)))] = k_all[b][o][:, lo:hi]
+            v_c.flatten(0, 1)[rows(b, torch.arange(len(o)))] = v_all[b][o][:, lo:hi]
+        local.append((k_c, v_c, table))
+    return local
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 @pytest.mark.distributed
@@ -272,15 +299,7 @@ def test_dcp_decode_equals_fp64_oracle(dist_pool, data) -> None:
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     k_all = [torch.randn(n, hkv, d, generator=gen).to(dtype) for n in lens]
     v_all = [torch.randn(n, hkv, d, generator=gen).to(dtype) for n in lens]
-    local = []
-    for r in range(world):
-        owned = [layout.owned_positions(n, r) for n in lens]
-        k_c, v_c, table, rows = paged_cache(draw, [len(o) for o in owned], page, hkv, d, dtype, gen)
-        kf, vf = k_c.flatten(0, 1), v_c.flatten(0, 1)
-        for b, o in enumerate(owned):
-            kf[rows(b, torch.arange(len(o)))] = k_all[b][o]
-            vf[rows(b, torch.arange(len(o)))] = v_all[b][o]
-        local.append((k_c, v_c, table))
+    local = _rank_caches(draw, k_all, v_all, layout, world, page, dtype, gen)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(int(cu[-1]), h, d, generator=gen).to(dtype)
     sinks = torch.randn(h, generator=gen) * 3 if draw(st.booleans()) else None
@@ -351,45 +370,9 @@ def test_pcp_and_head_tp_prefill_equal_fp64_oracle(dist_pool, data) -> None:
     window = draw(st.sampled_from([-1, 0, 1, 4, 30]))
     scale = draw(st.sampled_from([None, 0.4]))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
-    cu = [0]
-    for n in n_new:
-        cu.append(cu[-1] + n)
-    t = cu[-1]
-    q = torch.randn(t, h, d, generator=gen).to(dtype)
-    k = torch.randn(t, hkv, d, generator=gen).to(dtype)
-    v = torch.randn(t, hkv, d, generator=gen).to(dtype)
-    sinks = torch.randn(h, generator=gen) * 3 if draw(st.booleans()) else None
-    kw: dict = {}
-    rows = None
-    if with_prefix:
-        held = [p + n for p, n in zip(prefix, n_new)] if in_cache else prefix
-        k_cache, v_cache, table, rows = paged_cache(draw, held, page, hkv, d, dtype, gen)
-        if in_cache:
-            for b in range(batch):
-                r = rows(b, torch.arange(prefix[b], held[b]))
-                k_cache.flatten(0, 1)[r] = k[cu[b] : cu[b + 1]]
-                v_cache.flatten(0, 1)[r] = v[cu[b] : cu[b + 1]]
-        kw = dict(
-            k_cache=k_cache, v_cache=v_cache, block_table=table, prefix_lens=torch.tensor(prefix, dtype=torch.int32)
-        )
-    req = {i: b for b in range(batch) for i in range(cu[b], cu[b + 1])}
-
-    def visible(i: int):
-        b = req[i]
-        p = prefix[b] + i - cu[b]
-        return b, torch.arange(max(0, p - window) if window >= 0 else 0, p + 1)
-
-    def pick(new: torch.Tensor, name: str):
-        def f(i, bp, g):
-            b, pos = bp
-            cached, fresh = pos[pos < prefix[b]], pos[pos >= prefix[b]] - prefix[b] + cu[b]
-            old = kw[name].flatten(0, 1)[rows(b, cached), g] if cached.numel() else new[:0, g]
-            return torch.cat([old, new[fresh, g]])
-
-        return f
-
-    used = d**-0.5 if scale is None else scale
-    ref_out, ref_lse = oracle(q, pick(k, "k_cache"), pick(v, "v_cache"), visible, hkv, used, sinks)
+    c = _prefill_case(draw, n_new, prefix, with_prefix, in_cache, page, h, hkv, d, dtype, gen)
+    ref_out, ref_lse = _prefill_oracle(c, window, scale, hkv)
+    q, k, v, cu, kw, sinks = c["q"], c["k"], c["v"], c["cu"], c["cache_kw"], c["sinks"]
     plan = pcp_plan(n_new, world, prefix_lens=prefix)
     case = dict(q=q, k=k, v=v, cu=torch.tensor(cu, dtype=torch.int32), kw=kw, in_cache=in_cache, plan=plan,
                 sinks=sinks, window=window, scale=scale)  # fmt: skip
@@ -480,15 +463,11 @@ def test_runtime_decode_steps_equal_fp64_oracle(dist_pool, data) -> None:
     k_all = [torch.randn(n, hkv, d, generator=gen) for n in lens]
     v_all = [torch.randn(n, hkv, d, generator=gen) for n in lens]
     layout = DCPLayout(world) if mode == "dcp-decode" else DCPLayout(1)
-    local = []
-    for r in range(world):
-        owned = [layout.owned_positions(n, r if mode == "dcp-decode" else 0) for n in lens]
-        lo, hi = (0, hkv) if mode == "dcp-decode" else head_tp_kv_heads(h, hkv, world, r)
-        k_c, v_c, table, rows = paged_cache(draw, [len(o) for o in owned], page, hi - lo, d, torch.float32, gen)
-        for b, o in enumerate(owned):
-            k_c.flatten(0, 1)[rows(b, torch.arange(len(o)))] = k_all[b][o][:, lo:hi]
-            v_c.flatten(0, 1)[rows(b, torch.arange(len(o)))] = v_all[b][o][:, lo:hi]
-        local.append((k_c, v_c, table))
+    if mode == "dcp-decode":
+        local = _rank_caches(draw, k_all, v_all, layout, world, page, torch.float32, gen)
+    else:  # every rank holds every position, of its KV heads
+        heads = [head_tp_kv_heads(h, hkv, world, r) for r in range(world)]
+        local = _rank_caches(draw, k_all, v_all, layout, world, page, torch.float32, gen, heads=heads)
     cu = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
     q = torch.randn(cu[-1], h, d, generator=gen)
     sinks = torch.randn(h, generator=gen) * 3 if has_sinks else None
