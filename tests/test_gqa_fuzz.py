@@ -419,6 +419,19 @@ def test_dcp_decode_refuses_negative_planned_lengths(one_rank_group) -> None:
         )  # fmt: skip
 
 
+def test_dcp_decode_refuses_planned_lengths_past_a_request_s_pages(one_rank_group) -> None:
+    """``meta[0]`` (a plan's local KV lengths) longer than the pages a query slot's block-table row
+    holds: the pages were checked against ``seq_lens`` only, so the slot read a ``-1`` entry (the
+    last page, on the CPU) instead of being refused."""
+    k_cache, v_cache = torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8)
+    table = torch.tensor([[0, -1]], dtype=torch.int32)
+    seq = torch.tensor([3], dtype=torch.int32)
+    lens = torch.tensor([6], dtype=torch.int32)
+    for meta in ((lens, None), torch.stack([lens, torch.zeros_like(lens)])):  # row 0: as slot 0, or meta[1]
+        with pytest.raises(ValueError, match=r"block_table holds pages outside \[0, 2\) for meta\[0\]'s query slots"):
+            dcp_gqa_decode(torch.randn(1, 4, 8), k_cache, v_cache, table, seq, DCPLayout(1), one_rank_group, meta=meta)
+
+
 # ------------------------------------------------------------------ the Runtime's GQA decode steps
 def _runtime_decode_worker(group, case: dict) -> list:
     comm = Comm(group)

@@ -264,3 +264,6 @@ def _check_host_values(
         raise ValueError(f"meta[0] holds local lengths past the block_table's {m} pages of {page}")
     if meta_req is not None and t and (int(meta_req.min()) < 0 or int(meta_req.max()) >= b):
         raise ValueError(f"meta[1] holds request rows outside [0, {b})")
+    rows = block_table if meta_req is None else block_table[meta_req.long()]  # host values, as every check here
+    if meta_lens is not None and t and rows.shape[0] == t:  # the pages each query slot reads, by meta's lengths
+        check_pages_in_use(rows, meta_lens, page_size=page, num_pages=pages, whose="meta[0]'s query slots")
