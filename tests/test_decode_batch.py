@@ -87,6 +87,8 @@ def test_uniform_bucket_is_a_slice():
         (dict(seq_lens=[5, 2], qo_indptr=[0, 1, 4]), "more queries than KV tokens"),
         (dict(seq_lens=[5, 5], padded_requests=1), "smaller than the batch"),
         (dict(seq_lens=[5, 5], qo_indptr=[0, 2, 1]), "non-decreasing"),
+        # offsets of q's rows, as the ops' cu_q_lens: a first offset of 2 was read as rows 0 and 1
+        (dict(seq_lens=[5, 5], qo_indptr=[2, 3, 4]), r"qo_indptr must start at 0"),
         (dict(seq_lens=[5, -1]), "seq_lens"),
         # past int64: the fast path cast them and named the wrapped value (-1, -2**63)
         (dict(seq_lens=np.array([2**64 - 1], dtype=np.uint64)), r"seq_lens\[0\] must be < 2\*\*63"),

@@ -223,7 +223,8 @@ def plan_decode_batch(
             stages ``meta`` through a reused pinned buffer instead).
     Raises:
         ValueError: lengths that do not fit (a request with more queries than ``q_len``, or than
-            its KV tokens where it has any: a request with none has empty query rows;
+            its KV tokens where it has any: a request with none has empty query rows; a
+            ``qo_indptr`` not starting at 0;
             ``padded_requests < B``; negative lengths or lengths past int32), a ``rank`` outside
             the layout.
         TypeError: a non-integer length, ``rank`` or ``q_len``; a non-bool ``causal`` /
@@ -244,6 +245,8 @@ def plan_decode_batch(
         ptr = np.arange(b + 1, dtype=np.int64) * ql0
     else:
         ptr = _lengths("qo_indptr", qo_indptr, count=b + 1)
+        if ptr[0] != 0:  # offsets of q's rows, as the ops' cu_q_lens: not relative to a first one
+            raise ValueError(f"qo_indptr must start at 0 (offsets of q's rows), got {ptr.tolist()[:8]}")
     n = np.diff(ptr)
     if (n < 0).any():
         raise ValueError(f"qo_indptr must be non-decreasing, got {ptr.tolist()}")
