@@ -260,3 +260,37 @@ def test_an_int_id_past_int64_leaves_array_lookups_of_the_others_working() -> No
     assert book.slots(np.array([7])).tolist() == book.slots([7]).tolist()
     assert book.slots(torch.tensor([7])).tolist() == book.slots([7]).tolist()
     assert len(set(book.slots([2**64, -(2**70), 7]).tolist())) == 3
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_out_of_pages_names_the_first_request_that_does_not_fit(world: int) -> None:
+    """A step exactly at the cache's free pages takes them all; one token more is refused naming the
+    request whose pages first pass the free ones, in step order (the error named no request),
+    through the per-request and the array side alike, and nothing changes."""
+    cfg = KVCacheConfig(page_size=2, layout=DCPLayout(world), max_requests=4, max_seq_len=8 * world, num_pages=6)
+    book = PagedKVBook(cfg)
+    tok = 2 * world  # one page of every rank's share
+    book.grow([("a", tok)])
+    full = [("a", tok), ("b", 3 * tok), ("c", tok)]  # 1 + 3 + 1 more pages: the 5 free
+    assert book.check_growth(full) == 5
+    cases = [
+        ([("a", tok + 1), ("b", 3 * tok + 1), ("c", tok)], "request 'b'", 4, 7),  # 2 + 4 > 5, then c's 1
+        ([("a", tok), ("b", 3 * tok), ("c", tok + 1)], "request 'c'", 2, 6),  # 1 + 3 + 2 > 5
+        ([("z", 1), ("y", 4 * tok), ("x", tok)], "request 'x'", 1, 6),  # 1 + 4 + 1 > 5
+    ]
+    for growth, who, own, need in cases:
+        with pytest.raises(ValueError, match=rf"^out of KV pages: the step needs {need}, 5 of 6 are free; {who} is the "
+                           rf"first that does not fit \(it needs {own} more\)"):  # fmt: skip
+            book.check_growth(growth)
+        assert book.request_ids == ["a"] and book.free_pages == 5 and book.seq_len("a") == tok
+    book.grow(full)
+    assert book.free_pages == 0 and sorted(p for r in "abc" for p in book.pages(r)) == list(range(6))
+    slots = book.slots(["c", "b", "a"])
+    assert book.check_slots(slots, np.zeros(3, dtype=np.int64)) == 0
+    with pytest.raises(ValueError, match=r"are free; request_ids\[2\]: request 'a' is the first that does not fit "
+                                         r"\(it needs 1 more\)"):  # fmt: skip
+        book.check_slots(slots, np.array([0, 0, 1]))
+    with pytest.raises(ValueError, match=r"^out of KV pages: the step needs 1, 0 of 6 are free; request 'c' is"):
+        book.check_growth([("c", 1)], new_ok=False)
+    book.release(["b"])
+    assert book.check_growth([("c", 3 * tok)], new_ok=False) == 3  # exactly the 3 pages b gave back

@@ -183,8 +183,9 @@ class PagedKVBook:
         nothing changes. Returns the pages the step would take.
 
         Raises:
-            ValueError: a repeated slot, a request past ``max_seq_len``, not enough free pages
-                (requests named as ``name[i]``); negative ``counts`` or not one per slot.
+            ValueError: a repeated slot, a request past ``max_seq_len``, not enough free pages (the
+                first request that does not fit named; requests named as ``name[i]``); negative
+                ``counts`` or not one per slot.
             TypeError: ``counts`` not ints.
         """
         cfg = self.config
@@ -200,10 +201,20 @@ class PagedKVBook:
             b = int(np.argmax(over))
             raise ValueError(f"{name}[{b}]: request {shown(self._id_of(int(slots[b])))}: {int(total[b])} tokens would "
                              f"exceed max_seq_len={cfg.max_seq_len}")  # fmt: skip
-        need = int((self.pages_for(total) - self.npages[slots]).sum())
+        needs = self.pages_for(total) - self.npages[slots]
+        need = int(needs.sum())
         if need > len(self._free):
-            raise ValueError(f"out of KV pages: the step needs {need}, {len(self._free)} of {cfg.num_pages} are free")
+            b = int(np.argmax(np.cumsum(needs) > len(self._free)))
+            raise self._out_of_pages(need, f"{name}[{b}]: request {shown(self._id_of(int(slots[b])))}", int(needs[b]))
         return need
+
+    def _out_of_pages(self, need: int, request: str, own: int) -> ValueError:
+        """The step's error when its ``need`` pages are more than are free: it names ``request``, the
+        first (in step order) whose ``own`` new pages do not fit after those before it."""
+        return ValueError(
+            f"out of KV pages: the step needs {need}, {len(self._free)} of {self.config.num_pages} are free; "
+            f"{request} is the first that does not fit (it needs {own} more); free some requests first"
+        )
 
     def grow_slots(self, slots: np.ndarray, counts: Counts) -> None:
         """Commit a step of known requests validated by :meth:`check_slots`: only requests that
@@ -273,11 +284,13 @@ class PagedKVBook:
 
         Raises:
             ValueError: a repeated or (with ``new_ok=False``) unknown id, a request past
-                ``max_seq_len``, more than ``max_requests`` requests, or not enough free pages.
+                ``max_seq_len``, more than ``max_requests`` requests, or not enough free pages
+                (naming the first request, in step order, that does not fit).
         """
         cfg = self.config
         seen: set[Hashable] = set()
         need = admitted = 0
+        short: tuple[Hashable, int] | None = None  # the first request past the free pages, and its pages
         for request_id, new_tokens in growth:
             try:
                 hash(request_id)
@@ -301,13 +314,15 @@ class PagedKVBook:
                     f"request {shown(request_id)}: {total} tokens would exceed max_seq_len={cfg.max_seq_len}"
                 )
             need += cfg.pages_for(total) - held
+            if short is None and need > len(self._free):
+                short = (request_id, cfg.pages_for(total) - held)
         if len(self._slot) + admitted > cfg.max_requests:
             raise ValueError(
                 f"{admitted} new requests would make {len(self._slot) + admitted} active, "
                 f"over max_requests={cfg.max_requests}; free some first"
             )
-        if need > len(self._free):
-            raise ValueError(f"out of KV pages: the step needs {need}, {len(self._free)} of {cfg.num_pages} are free")
+        if short is not None:
+            raise self._out_of_pages(need, f"request {shown(short[0])}", short[1])
         return need
 
     def grow(self, growth: Iterable[tuple[Hashable, int]], *, new_ok: bool = True) -> None:
