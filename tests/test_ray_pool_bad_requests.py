@@ -243,3 +243,32 @@ def test_decode_batch_takes_the_id_dtypes_the_ledger_and_free_take() -> None:
             check_decode_batch(shapes, book, torch.tensor([2, 1]).to(dtype), q, topk)
         with pytest.raises(TypeError, match=r"^request_ids must have dtype in \(int8, int16, int32, int64, uint8\)"):
             book.ids_of(torch.tensor([2, 1]).to(dtype))
+
+
+def test_a_step_mixing_requests_with_and_without_q_or_kv_names_one_of_each() -> None:
+    """A prefill step where some requests attend and others only write KV, or a decode step where
+    some write KV and others do not, is refused naming a request of each kind (the message named
+    none)."""
+    from shardattn.plan.context import DCPLayout
+    from shardattn.plan.kv_cache_config import KVCacheConfig
+    from shardattn.plan.kv_pages import PagedKVBook
+    from shardattn.serving.pool_shapes import pool_shapes
+    from shardattn.serving.requests import DecodeRequest, PrefillRequest, pack_step
+
+    shapes = pool_shapes(MLA, "mixed", {"max_batched_tokens": 64, "max_decode_tokens": 16})
+    book = PagedKVBook(KVCacheConfig(4, DCPLayout(2), 8, 48))
+
+    def q(n: int) -> torch.Tensor:
+        return torch.zeros(n, 8, 48)
+
+    def topk(n: int) -> torch.Tensor:
+        return torch.zeros(n, 16, dtype=torch.int32)
+
+    step = [PrefillRequest("a", torch.zeros(2, 48)), PrefillRequest("b", torch.zeros(3, 48), q(3), topk(3))]
+    with pytest.raises(ValueError, match=r"or for none: request 'b' gives q, request 'a' none$"):
+        pack_step("prefill", step, shapes, book)
+    book.grow([("a", 5), ("b", 5)])
+    step = [DecodeRequest("a", q(1), topk(1), torch.zeros(1, 48)), DecodeRequest("b", q(1), topk(1))]
+    with pytest.raises(ValueError, match=r"or for none: request 'a' gives kv, request 'b' none$"):
+        pack_step("decode", step, shapes, book)
+    assert book.lens[:2].tolist() == [5, 5]

@@ -216,10 +216,18 @@ def pack_step(
                 topks.append(topk)
         kvs.append(parts)
     if kind == "prefill" and sum(q_counts) > 0 and min(q_counts) == 0:
-        raise ValueError("a prefill step either attends for every request (q given) or for none")
-    has_kv = {bool(p) for p in kvs}
-    if len(has_kv) > 1:
-        raise ValueError("a decode step either writes KV for every request (kv given) or for none")
+        with_q, without = ids[q_counts.index(max(q_counts))], ids[q_counts.index(0)]
+        raise ValueError(
+            f"a prefill step either attends for every request (q given) or for none: request {shown(with_q)} "
+            f"gives q, request {shown(without)} none"
+        )
+    if len({bool(p) for p in kvs}) > 1:
+        flags = [bool(p) for p in kvs]
+        with_kv, without = ids[flags.index(True)], ids[flags.index(False)]
+        raise ValueError(
+            f"a decode step either writes KV for every request (kv given) or for none: request {shown(with_kv)} "
+            f"gives kv, request {shown(without)} none"
+        )
     total_q = sum(q_counts)
     limit = shapes.max_prefill_tokens if kind == "prefill" else shapes.max_decode_tokens
     if total_q > limit:
