@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import threading
 import time
 
 import pytest
@@ -109,3 +111,51 @@ def test_body_runs_on_every_rank(group, nproc: int) -> None:
 def test_world_size_above_nproc_skips(dist_pool, nproc: int) -> None:
     with pytest.raises(pytest.skip.Exception, match=f"needs {nproc + 1} ranks"):
         dist_pool.run(_rank_and_sum, 0, world_size=nproc + 1)
+
+
+def _returns_a_lock(group: dist.ProcessGroup) -> object:
+    return threading.Lock()
+
+
+@pytest.mark.distributed
+def test_a_result_that_cannot_be_sent_back_fails_the_call_at_once_naming_it(dist_pool, nproc: int) -> None:
+    """A rank whose return value does not pickle fails the call with that error (it was lost in the
+    queue's feeder thread, and the call waited out its timeout as a hung collective)."""
+    world = min(nproc, 2)
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=rf"rank 0 of {world} failed[\s\S]*return value[\s\S]*cannot pickle"):
+        dist_pool.run(_returns_a_lock, world_size=world, timeout=20)
+    assert time.monotonic() - start < 10, "the call waited out its timeout"
+    assert dist_pool.run(_rank_and_sum, 0, world_size=world)[0][1] == world
+
+
+@pytest.mark.distributed
+def test_an_argument_that_cannot_be_sent_is_a_type_error_before_any_rank_runs(dist_pool, nproc: int) -> None:
+    """Arguments that do not pickle are refused in the test process, naming the function (they were
+    lost in the queue's feeder thread and the call waited out its timeout)."""
+    start = time.monotonic()
+    with pytest.raises(TypeError, match=r"_rank_and_sum.*cannot be sent to the ranks.*cannot pickle"):
+        dist_pool.run(_rank_and_sum, threading.Lock(), world_size=1, timeout=20)
+    assert time.monotonic() - start < 10, "the call waited out its timeout"
+    assert dist_pool.run(_rank_and_sum, 0, world_size=1) == [(0, 1, 0)]
+
+
+def _rank_one_raises_the_others_time_out(group: dist.ProcessGroup) -> None:
+    quick = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=1))
+    if dist.get_rank(group) == 1:
+        raise ValueError("rank one says no")
+    dist.barrier(group=quick)  # times out after 1 s: a later failure, caused by rank 1's
+
+
+@pytest.mark.distributed
+def test_the_first_rank_to_fail_is_shown_not_a_lower_rank_failing_after_it(dist_pool, nproc: int) -> None:
+    """Rank 1 raises; rank 0 fails a second later, waiting for it. The report leads with rank 1's
+    error (it showed only rank 0's collective timeout, hiding the cause) and still shows rank 0's."""
+    if nproc < 2:
+        pytest.skip("needs 2 ranks; run with --nproc 2 or more")
+    with pytest.raises(RankFailed) as info:
+        dist_pool.run(_rank_one_raises_the_others_time_out, timeout=30)
+    message = str(info.value)
+    assert message.startswith(f"rank 1 of {nproc} failed first"), message[:300]
+    assert "ValueError: rank one says no" in message.split("rank 0 ")[0], message
+    assert "rank 0 failed too" in message and "Timed out" in message, message

@@ -7,9 +7,12 @@ the pool's size) and returns the per-rank results.
 
 Failure handling:
 
-* a rank that raises fails the call with :class:`RankFailed`, naming the rank and its traceback;
-  the other ranks, possibly stuck in a collective with the dead one, get a short grace period and
-  the pool is then restarted for the next call;
+* a rank that raises fails the call with :class:`RankFailed`, naming the rank that failed first
+  and its traceback, then every other failed rank's (a rank that failed later, waiting on the first
+  one, comes after it whatever its number); the other ranks, possibly stuck in a collective with
+  the dead one, get a short grace period and the pool is then restarted for the next call;
+* a rank's return value that does not pickle fails the call the same way (its rank, the pickling
+  error); a function or arguments that do not pickle are a ``TypeError`` before any rank runs;
 * a call that does not finish within ``timeout`` seconds (a hung collective) fails with
   :class:`RankTimeout` naming the ranks that did not answer, and the pool is restarted;
 * a rank whose body calls ``pytest.skip`` / ``pytest.xfail`` (a pytest outcome, not an error)
@@ -29,6 +32,7 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 #: Seconds a call may take before its ranks count as hung.
@@ -97,23 +101,43 @@ def _worker_main(rank: int, world_size: int, init_file: str, inbox: Any, outbox:
 
     outbox.put((rank, -1, "ready", None))
     while True:
-        call = inbox.get()
-        if call is None:
+        message = inbox.get()
+        if message is None:
             break
+        call_id, payload = message
         try:
+            call: _Call = ForkingPickler.loads(payload)
             group = group_for(call.backend, call.world_size)
             if rank >= call.world_size:
-                outbox.put((rank, call.call_id, "idle", None))
+                outbox.put((rank, call_id, "idle", None))
                 continue
             result = call.fn(group, *call.args, **call.kwargs)
-            outbox.put((rank, call.call_id, "ok", result))
         except BaseException as e:  # report everything, including KeyboardInterrupt of a test body
             outcome = _pytest_outcome(e)
             if outcome is not None:  # a skip or xfail of the test body: its kind and message
-                outbox.put((rank, call.call_id, "outcome", outcome))
+                outbox.put((rank, call_id, "outcome", outcome))
             else:
-                outbox.put((rank, call.call_id, "error", traceback.format_exc()))
+                outbox.put((rank, call_id, "error", traceback.format_exc()))
+            continue
+        try:  # pickled here: a queue's feeder thread would only print the error, and the call hang
+            outbox.put((rank, call_id, "ok", bytes(ForkingPickler.dumps(result))))
+        except Exception:
+            outbox.put((rank, call_id, "error", f"its return value ({type(result).__name__}) cannot be sent back:\n"
+                        + traceback.format_exc()))  # fmt: skip
     destroy_groups()
+
+
+def _failure_report(errors: dict[int, str], missing: list[int], world_size: int) -> str:
+    """The message of a call's :class:`RankFailed`: ``errors`` (rank -> traceback, in the order
+    they came) led by the first, then each later one; ``missing``: ranks that never answered."""
+    first, *later = errors
+    if not later:
+        head = f"rank {first} of {world_size} failed"
+    else:
+        head = f"rank {first} of {world_size} failed first (ranks {sorted(errors)} failed)"
+    if missing:
+        head += f"; ranks {missing} did not answer"
+    return "\n".join([f"{head}:\n{errors[first]}", *(f"rank {r} failed too:\n{errors[r]}" for r in later)])
 
 
 class DistributedPool:
@@ -213,6 +237,11 @@ class DistributedPool:
                 continue
             if cid != call_id:
                 continue  # a late answer to an earlier, abandoned call
+            if status == "ok":
+                try:
+                    value = ForkingPickler.loads(value)
+                except Exception:
+                    status, value = "error", "its return value cannot be read back:\n" + traceback.format_exc()
             got[rank] = (status, value)
             if status in ("error", "outcome"):  # others may be stuck waiting on this rank
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
@@ -237,7 +266,9 @@ class DistributedPool:
         Returns:
             the per-rank return values, in rank order.
         Raises:
-            RankFailed: a rank raised (message: its rank and traceback).
+            TypeError: ``fn`` or its arguments do not pickle (nothing ran).
+            RankFailed: a rank raised, or its return value did not pickle (message: the rank that
+                failed first and its traceback, then every other failed rank's).
             RankTimeout: some ranks did not answer in time.
             pytest's skip / xfail outcome: a rank's body skipped or xfailed (no rank failed).
         """
@@ -251,10 +282,16 @@ class DistributedPool:
             self._start()
         self._call_id += 1
         call = _Call(fn, args, kwargs, world_size, backend, self._call_id)
-        for box in self._inboxes:
-            box.put(call)
+        try:  # one pickle a rank (a tensor's shared memory is handed over once); a queue's feeder
+            # thread would only print the error, and the call wait out its timeout
+            payloads = [bytes(ForkingPickler.dumps(call)) for _ in self._inboxes]
+        except Exception as e:
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise TypeError(f"{name}: the function and its arguments cannot be sent to the ranks: {e}") from e
+        for box, payload in zip(self._inboxes, payloads):
+            box.put((call.call_id, payload))
         got = self._collect(set(range(self.size)), call.call_id, self.timeout_s if timeout is None else timeout)
-        errors = {r: v for r, (status, v) in sorted(got.items()) if status == "error"}
+        errors = {r: v for r, (status, v) in got.items() if status == "error"}  # in the order they came
         outcomes = [v for _, (status, v) in sorted(got.items()) if status == "outcome"]
         missing = sorted(set(range(self.size)) - set(got))
         if errors or missing:
@@ -267,9 +304,7 @@ class DistributedPool:
                 pytest.skip(message)
             pytest.xfail(message)
         if errors:
-            first = min(errors)
-            others = f" (ranks {sorted(errors)} failed)" if len(errors) > 1 else ""
-            raise RankFailed(f"rank {first} of {world_size} failed{others}:\n{errors[first]}")
+            raise RankFailed(_failure_report(errors, missing, world_size))
         if missing:
             raise RankTimeout(
                 f"ranks {missing} of {world_size} did not finish within "
