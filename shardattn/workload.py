@@ -24,13 +24,14 @@ Recorded dumps load with :func:`load_topk_dump` (``.pt`` or ``.safetensors`` hol
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from shardattn._checks import check_int, check_tensor
+from shardattn._checks import check_choice, check_int, check_tensor
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,24 @@ PRESETS: dict[str, Overlap] = {
 }
 
 
+def _overlap_spec(overlap: object) -> Overlap:
+    """``synthetic_topk``'s ``overlap`` checked: a :data:`PRESETS` name or an :class:`Overlap` whose
+    ``rho`` and ``jitter`` are real numbers ``>= 0`` summing to at most 1 and ``drift`` an int ``>= 1``."""
+    if isinstance(overlap, str):
+        check_choice("overlap", overlap, sorted(PRESETS))
+        return PRESETS[overlap]
+    if not isinstance(overlap, Overlap):
+        raise TypeError(f"overlap must be a preset name or an Overlap, got {type(overlap).__name__}")
+    for name in ("rho", "jitter"):
+        value = getattr(overlap, name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"overlap.{name} must be a float, got {type(value).__name__} ({value!r})")
+    check_int("overlap.drift", overlap.drift, minimum=1)
+    if not (overlap.rho >= 0.0 and overlap.jitter >= 0.0 and overlap.rho + overlap.jitter <= 1.0):
+        raise ValueError(f"overlap needs rho, jitter >= 0, rho + jitter <= 1 and drift >= 1, got {overlap}")
+    return overlap
+
+
 def synthetic_topk(
     num_tokens: int,
     topk: int,
@@ -99,9 +118,9 @@ def synthetic_topk(
     check_int("num_tokens", num_tokens, minimum=0)
     check_int("topk", topk, minimum=1)
     check_int("start_position", start_position, minimum=0)
-    spec = PRESETS[overlap] if isinstance(overlap, str) else overlap
-    if not (spec.rho >= 0.0 and spec.jitter >= 0.0 and spec.rho + spec.jitter <= 1.0) or spec.drift < 1:
-        raise ValueError(f"overlap needs rho, jitter >= 0, rho + jitter <= 1 and drift >= 1, got {spec}")
+    check_int("seed", seed)
+    check_int("chunk", chunk, minimum=1)
+    spec = _overlap_spec(overlap)
     ctx = start_position + num_tokens
     gen = seeded_generator(device, seed)
     base = torch.randn(ctx, generator=gen, device=device)
@@ -131,8 +150,8 @@ def synthetic_topk(
                 th = theta[sel][:, None]
                 noise[sel] = torch.cos(th) * field(i)[None, :] + torch.sin(th) * field(i + 1)[None, :]
         score = a * base[None, :] + b * noise
-        if c > 0.0:
-            score += c * torch.randn(t1 - t0, ctx, generator=gen, device=device)
+        if c > 0.0:  # a query's row at a time: the draws do not depend on ``chunk``
+            score += c * torch.stack([torch.randn(ctx, generator=gen, device=device) for _ in range(t1 - t0)])
         limit = start_position + ts  # last allowed position per query
         score.masked_fill_(pos_all[None, :] > limit[:, None], -math.inf)
         k_eff = min(topk, ctx)
@@ -157,6 +176,7 @@ def union_ratio(rows: torch.Tensor, group_size: int, topk_length: torch.Tensor |
     from shardattn.ops.union import build_union_reference
 
     check_tensor("rows", rows, dtypes=(torch.int32,), ndim=2)
+    check_int("group_size", group_size, minimum=1)
     full = rows.shape[0] // group_size * group_size
     if full == 0:
         return float("nan")
@@ -189,6 +209,8 @@ def load_topk_dump(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
             or hold entries outside int32 or counts outside ``[0, K]``. OSError: a file that cannot
             be opened.
     """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a str or a path, got {type(path).__name__}")
     path = Path(path)
     if path.suffix not in (".safetensors", ".pt", ".pth"):
         raise ValueError(f"path must end in .pt or .safetensors, got {path.name}")

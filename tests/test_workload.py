@@ -101,3 +101,41 @@ def test_load_topk_dump_names_an_unreadable_file(tmp_path):
     for name in ("junk.pt", "junk.safetensors"):
         with pytest.raises(ValueError, match=rf"^{name} is not a readable top-k dump"):
             load_topk_dump(tmp_path / name)
+
+
+def _topk(**kw):
+    return synthetic_topk(4, 4, start_position=3, **kw)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: _topk(overlap="dsa_hi"), ValueError, r"overlap must be one of .*'dsa_hi'"),
+        (lambda: _topk(overlap={"rho": 1}), TypeError, r"overlap must be a preset name"),
+        (lambda: _topk(overlap=Overlap(0.5, 2.5)), TypeError, r"overlap\.drift must be an int"),
+        (lambda: _topk(overlap=Overlap("0.5", 2)), TypeError, r"overlap\.rho must be a float"),
+        (lambda: _topk(chunk=0), ValueError, r"chunk must be >= 1, got 0"),
+        (lambda: _topk(chunk=-1), ValueError, r"chunk must be >= 1, got -1"),
+        (lambda: _topk(seed=1.5), TypeError, r"seed must be an int"),
+        (lambda: union_ratio(torch.zeros(4, 2, dtype=torch.int32), 0), ValueError, r"group_size must be >= 1, got 0"),
+        (lambda: union_ratio(torch.zeros(4, 2, dtype=torch.int32), 2.0), TypeError, r"group_size must be an int"),
+        (lambda: load_topk_dump(3), TypeError, r"path must be a str or a path, got int"),
+    ],
+    ids=["unknown-preset", "overlap-dict", "drift-float", "rho-str", "chunk-zero", "chunk-negative",
+         "seed-float", "group-size-zero", "group-size-float", "path-int"],
+)  # fmt: skip
+def test_bad_arguments_are_refused_naming_them(call, error, match):
+    """A negative ``chunk`` returned every row ``-1`` (no query scored); the others raised a
+    KeyError, an AttributeError, a ZeroDivisionError or torch's own message naming no argument."""
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.parametrize("overlap", ["dsa", "dsa_low", "random"])
+def test_chunk_is_a_memory_knob_only(overlap):
+    """The same seed gives the same indices whatever ``chunk`` scores at once (the per-query jitter
+    was drawn a chunk at a time, so the indices changed with ``chunk``)."""
+    want = synthetic_topk(40, 8, start_position=100, overlap=overlap, seed=3)
+    for chunk in (1, 7, 40):
+        got = synthetic_topk(40, 8, start_position=100, overlap=overlap, seed=3, chunk=chunk)
+        assert torch.equal(got, want), (overlap, chunk)
