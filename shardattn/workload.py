@@ -228,7 +228,7 @@ def load_topk_dump(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(data, dict) or "topk" not in data:
         raise ValueError(f"{path.name} must hold a dict with a 'topk' tensor")
     topk = data["topk"]
-    check_tensor("topk", topk, dtypes=(torch.int32, torch.int64), ndim=2)
+    check_tensor(f"{path.name}: topk", topk, dtypes=(torch.int32, torch.int64), ndim=2)
     if topk.numel() and not (int(topk.min()) >= -(2**31) and int(topk.max()) <= 2**31 - 1):
         raise ValueError(f"{path.name}: topk entries must fit int32, got [{int(topk.min())}, {int(topk.max())}]")
     topk = topk.to(torch.int32)
@@ -236,7 +236,7 @@ def load_topk_dump(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     valid = data.get("valid")
     if valid is None:
         return topk, torch.full((topk.shape[0],), k, dtype=torch.int32)
-    check_tensor("valid", valid, dtypes=(torch.int32, torch.int64), shape=(topk.shape[0],))
+    check_tensor(f"{path.name}: valid", valid, dtypes=(torch.int32, torch.int64), shape=(topk.shape[0],))
     if valid.numel() and not (int(valid.min()) >= 0 and int(valid.max()) <= k):
         raise ValueError(f"{path.name}: valid counts must be in [0, {k}] (leading entries of a row), got "
                          f"[{int(valid.min())}, {int(valid.max())}]")  # fmt: skip

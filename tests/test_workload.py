@@ -139,3 +139,18 @@ def test_chunk_is_a_memory_knob_only(overlap):
     for chunk in (1, 7, 40):
         got = synthetic_topk(40, 8, start_position=100, overlap=overlap, seed=3, chunk=chunk)
         assert torch.equal(got, want), (overlap, chunk)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"topk": torch.zeros(3, dtype=torch.int32)}, r"d\.pt: topk"),
+        ({"topk": torch.zeros(2, 3)}, r"d\.pt: topk"),
+        ({"topk": torch.zeros(2, 3, dtype=torch.int32), "valid": torch.zeros(3, dtype=torch.int32)}, r"d\.pt: valid"),
+    ],
+    ids=["topk-1d", "topk-float", "valid-wrong-length"],
+)
+def test_load_topk_dump_names_the_file_in_shape_and_dtype_errors(tmp_path, data, match):
+    torch.save(data, tmp_path / "d.pt")
+    with pytest.raises((ValueError, TypeError), match=match):
+        load_topk_dump(tmp_path / "d.pt")
