@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -35,20 +36,25 @@ from shardattn.testing.serving import ServingMirror
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="cpu",
+        help="auto: cuda when this machine has a GPU per rank, else cpu (default cpu)",
+    )
     p.add_argument(
         "--preset",
         choices=("glm5", "deepseek-v32"),
         default=None,
         help="sparse-MLA model preset (default: tiny sparse-MLA dims below)",
     )
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=48)
-    p.add_argument("--v-dim", type=int, default=32)
+    p.add_argument("--heads", type=int, default=None, help="query heads (default 8, or the preset's)")
+    p.add_argument("--head-dim", type=int, default=None, help="without --preset: q/k dims (default 48)")
+    p.add_argument("--v-dim", type=int, default=None, help="without --preset: value dims (default 32)")
     p.add_argument("--topk", type=int, default=None, help="top-k (default: 16, or the preset's)")
-    p.add_argument("--page", type=int, default=4)
+    p.add_argument("--page", type=int, default=None, help="without --preset: tokens per KV page (default 4)")
     p.add_argument("--softmax-scale", type=float, default=None, help="softmax scale (default: the preset's, else 0.3)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: fp32 CPU, bf16 GPU")
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--prompt", type=int, nargs=2, default=(8, 40), metavar=("MIN", "MAX"))
     p.add_argument("--max-new-tokens", type=int, default=6)
@@ -66,16 +72,41 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--prompt MIN MAX must have 1 <= MIN <= MAX, got {args.prompt[0]} {args.prompt[1]}")
     if not args.arrival_ms >= 0:
         p.error(f"--arrival-ms must be >= 0, got {args.arrival_ms}")
+    if args.softmax_scale is not None and not (math.isfinite(args.softmax_scale) and args.softmax_scale > 0):
+        p.error(f"--softmax-scale must be a finite number > 0, got {args.softmax_scale}")
+    if args.preset is not None:
+        for name in ("head_dim", "v_dim", "page"):
+            if getattr(args, name) is not None:
+                flag = f"--{name.replace('_', '-')}"
+                p.error(f"{flag} sets the model dims without --preset; {args.preset} has its own: drop it")
+    elif (args.head_dim or 48) < (args.v_dim or 32):
+        p.error(f"--v-dim ({args.v_dim or 32}) must be <= --head-dim ({args.head_dim or 48})")
+    if args.device == "auto":  # the pool's rule on this machine, so that the dtype follows the device
+        args.device = "cuda" if torch.cuda.device_count() >= args.ranks else "cpu"
+    try:
+        spec = model(args)
+    except ValueError as e:
+        p.error(str(e))
+    if spec.num_heads % args.ranks:
+        p.error(f"--ranks {args.ranks} must divide the model's {spec.num_heads} heads")
     return args
 
 
 def model(args: argparse.Namespace) -> ModelSpec:
+    """The model of the flags: the preset's (``--heads`` and ``--topk`` over its own), else tiny dims."""
     if args.preset is not None:
         spec = get_preset(args.preset)
-        spec = dataclasses.replace(spec, topk=args.topk or spec.topk)
+        spec = dataclasses.replace(spec, num_heads=args.heads or spec.num_heads, topk=args.topk or spec.topk)
     else:
         spec = ModelSpec(
-            "sparse_mla", args.heads, 1, args.head_dim, args.v_dim, args.topk or 16, args.page, softmax_scale=0.3
+            "sparse_mla",
+            args.heads or 8,
+            1,
+            args.head_dim or 48,
+            args.v_dim or 32,
+            args.topk or 16,
+            args.page or 4,
+            softmax_scale=0.3,
         )
     if args.softmax_scale is not None:
         spec = dataclasses.replace(spec, softmax_scale=args.softmax_scale)

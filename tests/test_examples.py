@@ -117,11 +117,61 @@ def test_example_script_spawns_its_own_ranks() -> None:
 def test_the_service_example_refuses_bad_arguments_before_starting(capsys, monkeypatch, argv, message) -> None:
     """One usage line and status 2 before Ray or any rank starts (a GQA preset needs sinks the
     example does not make; an empty prompt range raised inside the running service)."""
+    module = _service_module(monkeypatch)
+    with pytest.raises(SystemExit) as info:
+        module.parse(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def _service_module(monkeypatch):
+    """``examples/ray_service.py`` loaded as a module (nothing started)."""
     spec = importlib.util.spec_from_file_location("ray_service_args", EXAMPLES / "ray_service.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
     spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ranks", "3"], "--ranks 3 must divide the model's 8 heads"),
+        (["--preset", "glm5", "--heads", "24", "--ranks", "5"], "--ranks 5 must divide the model's 24 heads"),
+        (["--softmax-scale", "-1"], "--softmax-scale must be a finite number > 0, got -1.0"),
+        (["--head-dim", "48", "--v-dim", "64"], "--v-dim (64) must be <= --head-dim (48)"),
+        (["--preset", "glm5", "--head-dim", "48"], "--head-dim sets the model dims without --preset"),
+        (["--preset", "deepseek-v32", "--v-dim", "32"], "--v-dim sets the model dims without --preset"),
+        (["--preset", "glm5", "--page", "4"], "--page sets the model dims without --preset"),
+    ],
+    ids=["ranks-heads", "ranks-preset-heads", "scale", "v-dim", "preset-head-dim", "preset-v-dim", "preset-page"],
+)
+def test_the_service_example_refuses_a_model_it_cannot_build_before_starting(capsys, monkeypatch, argv, message):
+    """A model the flags cannot make, or a flag the preset overrides, is one usage line and
+    status 2 (a ``ValueError`` traceback from the pool's constructor, or a flag silently
+    ignored, before)."""
+    module = _service_module(monkeypatch)
     with pytest.raises(SystemExit) as info:
-        module.parse(argv)
+        module.model(module.parse(argv))
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_service_example_takes_heads_over_a_preset(monkeypatch) -> None:
+    """``--heads`` overrides the preset's query heads (as the launcher's does; it was ignored)."""
+    module = _service_module(monkeypatch)
+    spec = module.model(module.parse(["--preset", "glm5", "--heads", "16"]))
+    assert (spec.num_heads, spec.head_dim, spec.v_dim, spec.page_size) == (16, 576, 512, 64)
+    spec = module.model(module.parse([]))
+    assert (spec.num_heads, spec.head_dim, spec.v_dim, spec.page_size) == (8, 48, 32, 4)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "device", "dtype"), [(0, "cpu", "float32"), (1, "cpu", "float32"), (2, "cuda", "bfloat16")]
+)
+def test_the_service_example_resolves_auto_device_before_its_dtype(monkeypatch, gpus, device, dtype) -> None:
+    """``--device auto`` without a GPU per rank runs on the CPU in fp32, as ``--device cpu`` does
+    (it ran bf16 on the CPU: the dtype was chosen before the device was resolved)."""
+    module = _service_module(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    args = module.parse(["--device", "auto", "--ranks", "2"])
+    assert (args.device, module.model(args).dtype) == (device, dtype)
