@@ -8,6 +8,7 @@ step against code that shares nothing with it.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -175,3 +176,37 @@ def test_the_service_example_resolves_auto_device_before_its_dtype(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     args = module.parse(["--device", "auto", "--ranks", "2"])
     assert (args.device, module.model(args).dtype) == (device, dtype)
+
+
+class _NoPool:
+    backend = "gloo"
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.shapes = None
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("error", "fails"), [(5e-5, False), (2e-3, "2.00e-03"), (math.nan, "nan")], ids=["within", "beyond", "nan"]
+)
+def test_the_service_example_check_fails_beyond_its_tolerance(monkeypatch, capsys, error, fails) -> None:
+    """``--check`` is a check: an output further than the dtype's tolerance from fp64 attention
+    ends the run with an error, as the other examples do (it printed the error and exited 0)."""
+    module = _service_module(monkeypatch)
+    stats = {
+        "requests": 1, "steps": 2, "wall_s": 0.1, "tokens_per_s": 1.0, "decode_tokens_per_s": 1.0,
+        "ttft_ms": {50: 1.0}, "decode_token_ms": {50: 1.0}, "step_ms": {50: 1.0}, "max_error": error,
+    }  # fmt: skip
+
+    async def serve(args, pool, spec):
+        return stats
+
+    monkeypatch.setattr(module, "RayRankPool", _NoPool)
+    monkeypatch.setattr(module, "serve", serve)
+    if fails:
+        with pytest.raises(SystemExit, match=rf"max \|out - fp64 reference\| {fails} > 1e-04 \(float32\)"):
+            module.main(["--check"])
+    else:
+        assert module.main(["--check"]) is stats
