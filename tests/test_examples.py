@@ -61,8 +61,25 @@ CHECKED_WITH = {
 }
 
 
-def _run_example(group, name: str) -> str:
-    """Load ``examples/<name>.py`` on this rank and run its ``main(group)``; returns what it printed."""
+def _lse_off_runtime(offset: float):
+    """A ``Runtime`` whose steps return their LSE moved by ``offset`` (their outputs untouched)."""
+    from shardattn import Runtime
+
+    class LseOffRuntime(Runtime):
+        def prefill(self, *args, **kwargs):
+            out, lse = super().prefill(*args, **kwargs)
+            return out, None if lse is None else lse + offset
+
+        def decode(self, *args, **kwargs):
+            out, lse = super().decode(*args, **kwargs)
+            return out, None if lse is None else lse + offset
+
+    return LseOffRuntime
+
+
+def _run_example(group, name: str, lse_offset: float = 0.0) -> str:
+    """Load ``examples/<name>.py`` on this rank and run its ``main(group)``; returns what it printed
+    (with ``lse_offset``, the Runtime's steps return LSEs off by that much)."""
     import contextlib
     import io
 
@@ -73,6 +90,8 @@ def _run_example(group, name: str) -> str:
     assert replaced == CHECKED_WITH[name], f"{name} checks itself with {replaced}"
     for n in replaced:
         setattr(module, n, ORACLES[n])
+    if lse_offset:
+        module.Runtime = _lse_off_runtime(lse_offset)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         module.main(group)  # raises SystemExit when its own check fails
@@ -91,6 +110,26 @@ def test_example_main_on_two_ranks(dist_pool, name: str) -> None:
         assert text.startswith(f"rank {rank}: "), text
         error = float(text.rsplit(" ", 1)[-1])
         assert error <= 1e-4, text
+
+
+def _example_refusal(group, name: str, lse_offset: float) -> str | None:
+    try:
+        _run_example(group, name, lse_offset)
+    except SystemExit as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("offset", [0.01, math.nan], ids=["off", "nan"])
+@pytest.mark.parametrize("name", NAMES)
+def test_example_checks_the_lse_it_returns(dist_pool, name: str, offset: float) -> None:
+    """Each example compares the step's LSE with one process's too, not its output alone: an LSE
+    off by 0.01 or NaN (outputs right) fails its check on every rank (every example passed: the
+    LSE was not compared, and a NaN error passed ``err > tol``)."""
+    refusals = dist_pool.run(_example_refusal, name, offset, world_size=2)
+    for rank, message in enumerate(refusals):
+        assert message is not None and message.startswith(f"rank {rank}: error "), message
 
 
 def test_example_script_spawns_its_own_ranks() -> None:
