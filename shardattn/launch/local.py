@@ -1,9 +1,9 @@
 """Run a function on every rank of a small local world: under ``torchrun``, or by spawning ranks.
 
 For scripts and examples: ``run_ranks(main)`` calls ``main(group)`` on each rank, with one GPU per
-rank (NCCL) when there are enough GPUs and CPU ranks (gloo) otherwise. Under ``torchrun`` the
-world is torchrun's; run directly, it spawns ``world_size`` processes that meet on a free
-loopback port.
+rank (NCCL) when each host has a GPU for each of its ranks and CPU ranks (gloo) otherwise. Under
+``torchrun`` the world is torchrun's (its hosts' ranks: ``LOCAL_WORLD_SIZE``, each on GPU
+``LOCAL_RANK``); run directly, it spawns ``world_size`` processes that meet on a free loopback port.
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ from shardattn.testing.pool import free_port
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def _join(rank: int, world_size: int, init_method: str | None, timeout_s: float, cpu: bool = False) -> str:
-    nccl = not cpu and torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+def _join(
+    rank: int, world_size: int, init_method: str | None, timeout_s: float, cpu: bool = False, local_ranks: int = 0
+) -> str:
+    """Join the world; NCCL when this host has a GPU for each of its ``local_ranks`` (default: every rank)."""
+    nccl = not cpu and torch.cuda.is_available() and torch.cuda.device_count() >= (local_ranks or world_size)
     if nccl:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     backend = "nccl" if nccl else "gloo"
@@ -65,7 +68,8 @@ def run_ranks(
         cpu: gloo ranks even where there are GPUs enough for NCCL.
     """
     if "RANK" in os.environ:  # under torchrun
-        _join(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, timeout_s, cpu)
+        world = int(os.environ["WORLD_SIZE"])
+        _join(int(os.environ["RANK"]), world, None, timeout_s, cpu, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         try:
             main(world_group())
         finally:
