@@ -7,6 +7,7 @@ import importlib
 import inspect
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -33,6 +34,54 @@ def test_the_type_stub_names_every_public_name_from_its_home_module():
         if alias.asname == alias.name
     }
     assert typed == shardattn._PUBLIC
+
+
+def test_the_type_stub_holds_only_re_exports():
+    """Every line of the stub re-exports a name (``from M import n as n``) or types ``__version__`` /
+    ``__all__``: a signature written out in the stub could drift from the function's own."""
+    import ast
+    from pathlib import Path
+
+    stub = ast.parse((Path(shardattn.__file__).parent / "__init__.pyi").read_text())
+    other = [
+        ast.unparse(node)
+        for node in stub.body
+        if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))  # the docstring
+        and not (isinstance(node, ast.ImportFrom) and all(a.asname == a.name for a in node.names))
+        and not (isinstance(node, ast.AnnAssign) and ast.unparse(node.target) in ("__version__", "__all__"))
+    ]
+    assert other == []
+
+
+def _overloaded() -> list[tuple[str, object]]:
+    """The public functions and public classes' methods that declare ``typing.overload`` variants."""
+    found = []
+    for name in sorted(shardattn._PUBLIC):
+        obj = getattr(shardattn, name)
+        members = vars(obj).items() if inspect.isclass(obj) else [("", obj)]
+        for member, fn in members:
+            if inspect.isfunction(fn) and typing.get_overloads(fn):
+                found.append((f"{name}.{member}".rstrip("."), fn))
+    return found
+
+
+@pytest.mark.parametrize(("name", "fn"), _overloaded(), ids=[n for n, _ in _overloaded()])
+def test_the_typed_overloads_match_their_implementation(name, fn):
+    """What a type checker sees of an overloaded function (its ``@overload`` variants) has the
+    implementation's parameters: names, order, kinds (keyword-only included) and which take a
+    default; a ``return_lse: Literal[b]`` variant has a default exactly when ``b`` is the
+    implementation's default (so the call without it types as what it returns)."""
+    impl = inspect.signature(fn).parameters
+    for variant in typing.get_overloads(fn):
+        params = inspect.signature(variant).parameters
+        assert [(p.name, p.kind) for p in params.values()] == [(p.name, p.kind) for p in impl.values()], name
+        for p in params.values():
+            has_default = p.default is not inspect.Parameter.empty
+            if p.name == "return_lse" and p.annotation.startswith("Literal["):
+                literal = p.annotation == f"Literal[{impl[p.name].default}]"
+                assert has_default == literal, (name, p.annotation)
+            else:
+                assert has_default == (impl[p.name].default is not inspect.Parameter.empty), (name, p.name)
 
 
 def test_importing_the_package_imports_neither_torch_nor_triton():
