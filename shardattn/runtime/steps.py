@@ -83,8 +83,10 @@ class RuntimeSteps(RuntimeState):
 
         Args:
             q: ``[T, H/W, D]`` fp16/bf16/fp32, this rank's heads of every new token.
-            kv_cache: ``[R, D]`` the KV rows in q's dtype (replicated under TP; the step's new
-                tokens' rows included); the value is ``kv_cache[:, :v_dim]``.
+            kv_cache: ``[R, D]`` the KV rows in q's dtype, or paged ``[pages, page_size, D]``
+                (row ``page * page_size + i``); with ``kv_dtype="fp8_ds_mla"`` uint8 ``[R, 656]`` /
+                ``[pages, page_size, 656]`` (replicated under TP; the step's new tokens' rows
+                included); the value is ``kv_cache[:, :v_dim]``.
             rows: ``[T, K]`` int32 (int64 is converted) global rows of ``kv_cache`` of every
                 token's top-k (``-1`` or out of range = invalid, anywhere in a row).
             topk_pos / kv_new / block_table: PCP's; ``None`` (the step reads none of them, so one
@@ -94,11 +96,14 @@ class RuntimeSteps(RuntimeState):
 
         Args:
             q: ``[T_r, H, D]``, every head of the rank's tokens (``plan.tokens_of(rank)``).
-            kv_cache, block_table: the paged cache holding the cached prefixes (``[R, D]``,
-                ``[B, M]`` int32, pages of ``spec.page_size``); ``None`` without cached prefixes.
+            kv_cache, block_table: the paged cache holding the cached prefixes (``[R, D]`` or
+                ``[pages, page_size, D]``, in ``kv_new``'s format: ``fp8_ds_mla`` rows are 656
+                bytes; ``[B, M]`` int32, pages of ``spec.page_size``); ``None`` without cached
+                prefixes.
             topk_pos: ``[T_r, K]`` int32 positions inside each token's request (cached prefix
                 included) of the rank's tokens' top-k.
-            kv_new: ``[T_r, D]`` the KV rows of the rank's own new tokens (all-gathered by the step).
+            kv_new: ``[T_r, D]`` the KV rows of the rank's own new tokens (all-gathered by the step;
+                uint8 ``[T_r, 656]`` with ``kv_dtype="fp8_ds_mla"``).
 
         GQA (``rt.prefill(q, (k_cache, v_cache), kv_new=(k, v), block_table=..., query_lens=...)``;
         :mod:`~shardattn.runtime.gqa_prefill`): head-TP in ``headtp`` / ``mixed``, PCP in ``pcp``.
@@ -246,7 +251,8 @@ class RuntimeSteps(RuntimeState):
         Args:
             q: ``[T, H/W, D]`` fp16/bf16/fp32, this rank's heads of the step's query tokens
                 (drafts included), requests in order.
-            kv_cache: sparse MLA: ``[R, D]`` paged KV rows in q's dtype; GQA: ``(k_cache,
+            kv_cache: sparse MLA: ``[R, D]`` or ``[pages, page_size, D]`` paged KV rows in q's
+                dtype (uint8 ``[..., 656]`` with ``kv_dtype="fp8_ds_mla"``); GQA: ``(k_cache,
                 v_cache)``, each ``[pages, page_size, Hkv, D]``. Under DCP this rank's shard (its
                 tokens in local order: :func:`~shardattn.plan.dcp_shard.shard_kv_cache` builds
                 it from a whole cache), under head-TP the whole cache (GQA: the rank's KV heads).
