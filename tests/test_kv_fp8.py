@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardattn.kernels.backend import COMPILE_OPTIONS
 from shardattn.ops.dispatch import triton_available
 from shardattn.ops.kv_fp8 import (
     FP8_DS_MLA,
@@ -412,7 +413,7 @@ def test_write_kernel_compiles_for_sm90(dtype_name: str) -> None:
     aligned = [*pointers, "stride_latent_r", "stride_rope_r", "stride_cache_page", "stride_cache_slot"]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=_write_fp8_rows_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**COMPILE_OPTIONS, "num_warps": 2}).asm["ptx"]
     body = ptx[ptx.index(".entry") :]
     assert re.search(r"st\.global\.v[24]\.b32", body), "latent codes not stored 8 bytes a thread"
     for instruction in (r"div\.(rn|full|approx)", r"lg2\.", r"cvt\.\w*\.e4m3"):

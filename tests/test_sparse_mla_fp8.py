@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardattn.kernels.backend import triton_available
+from shardattn.kernels.backend import COMPILE_OPTIONS, triton_available
 from shardattn.kernels.gluon.sparse_mla import gluon_unavailable_reason
 from shardattn.ops.kv_fp8 import FP8_DS_MLA, dequantize_kv, quantize_kv
 from shardattn.ops.sparse_mla import sparse_mla_attention
@@ -98,7 +98,7 @@ def _triton_sm90(fn, pointers: dict[str, str], constexprs: dict, *, ones=(), num
     aligned = [n for n in names if n in pointers or (n.startswith("stride_") and n not in constexprs)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": pdl}
+    options = {**COMPILE_OPTIONS, "num_warps": num_warps, "num_stages": num_stages, "launch_pdl": pdl}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

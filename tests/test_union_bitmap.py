@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardattn.kernels.backend import COMPILE_OPTIONS
 from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR, HAS_GLUON
 from shardattn.kernels.triton import union_bitmap
 from shardattn.kernels.triton.union_bitmap import MAX_ROWS, SCRATCH_BYTES, bitmap_programs, bitmap_union, bitmap_words
@@ -125,7 +126,8 @@ def test_bitmap_kernel_compiles_for_sm90(group_size):
     constexprs = {"G": group_size, "BLOCK": cfg["BLOCK"], "WCHUNK": cfg["WCHUNK"], "HAS_LEN": True}
     signature |= dict.fromkeys(constexprs, "constexpr")
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]}).asm["ptx"]
+    options = {**COMPILE_OPTIONS, "num_warps": cfg["num_warps"]}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     ors = ptx.count(".or.b32")  # atom / red: the mark phase, and the place phase's member bits when G > 1
     assert ors >= (2 if group_size > 1 else 1)
     assert "ld.global.cg" in ptx

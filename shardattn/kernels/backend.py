@@ -16,9 +16,17 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import overload
 
 import torch
+
+#: Compile options every kernel launch and ahead-of-time compile of the library passes: FMA
+#: contraction on, the form in which every kernel was measured and its PTX digested. Triton up to
+#: 3.9 contracts by default (3.9 warns that a later release will not); named, it does not depend on
+#: the release or on ``TRITON_DEFAULT_FP_FUSION``.
+COMPILE_OPTIONS: Mapping[str, bool] = MappingProxyType({"enable_fp_fusion": True})
 
 
 @functools.lru_cache(maxsize=1)

@@ -30,6 +30,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from shardattn.kernels.backend import COMPILE_OPTIONS
+
 #: The baseline file, relative to the repository root.
 BASELINE = Path("tests") / "ptx_digests.json"
 
@@ -102,7 +104,7 @@ def triton_sm90_ptx(
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": launch_pdl}
+    options = {**COMPILE_OPTIONS, "num_warps": num_warps, "num_stages": num_stages, "launch_pdl": launch_pdl}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 

@@ -8,6 +8,8 @@ says why) without Triton, or with a Triton that lacks Gluon or its Hopper ops.
 
 from __future__ import annotations
 
+from shardattn.kernels.backend import COMPILE_OPTIONS
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -87,4 +89,4 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, *, aligned=(),
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options or {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**COMPILE_OPTIONS, **(options or {})})

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardattn.kernels.backend import sm_count, unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, sm_count, unit_stride
 from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR as _GLUON_IMPORT_ERROR
 from shardattn.kernels.gluon.compat import HAS_GLUON
 from shardattn.kernels.gluon.sparse_mla_epilogue import WS_MAXNREG, WS_NUM_WARPS
@@ -221,7 +221,7 @@ def launch_gluon_attention(
     lens_arg = lens if lens is not None else union
     fn[grid](
         q, kv, union, lens_arg, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E, kv.shape[0], union.shape[1],
-        q_slices, **constexprs, **options,
+        q_slices, **constexprs, **options, **COMPILE_OPTIONS,
     )  # fmt: skip
     return out, lse
 

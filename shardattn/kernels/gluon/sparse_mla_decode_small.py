@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from shardattn.kernels.backend import unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride
 from shardattn.kernels.gluon.compat import HAS_GLUON
 from shardattn.kernels.triton.lse_merge import launch_lse_merge_columns, split_partials
 from shardattn.plan.crossovers import SMALL_MERGE_COLUMNS, SMALL_MERGE_WARPS
@@ -164,6 +164,7 @@ def launch_small_split(
         HP=_padded_heads(group), BLOCK_N=block_n, DV=v_dim, DR=d - v_dim, EVEN_K=rows.shape[1] % block_n == 0,
         HAS_TOPK_LEN=topk_length is not None, HAS_SINKS=sinks is not None, PDL=pdl,
         NCHUNK=LATENT_CHUNKS, W=warps, KV_FP8=kv.dtype == torch.uint8, num_warps=warps, launch_pdl=pdl,
+        **COMPILE_OPTIONS,
     )  # fmt: skip
 
 

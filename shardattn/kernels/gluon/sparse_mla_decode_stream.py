@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn.kernels.backend import unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride
 from shardattn.kernels.gluon.compat import HAS_GLUON
 from shardattn.kernels.gluon.sparse_mla_decode_small import LOG2E, _padded_heads, launch_split_and_merge
 from shardattn.kernels.split_count import pick_splits
@@ -181,7 +181,7 @@ def launch_stream_decode(
         float(scale) * LOG2E,
         HP=_padded_heads(h), DV=512, DR=d - 512, STAGES=stream_stages(kv_fp8),
         HAS_TOPK_LEN=topk_length is not None, HAS_SINKS=sinks is not None, PDL=pdl, KV_FP8=kv_fp8,
-        num_warps=4, launch_pdl=pdl,
+        num_warps=4, launch_pdl=pdl, **COMPILE_OPTIONS,
     )  # fmt: skip
 
 

@@ -38,7 +38,7 @@ from types import MappingProxyType
 import torch
 
 from shardattn._ints import next_pow2
-from shardattn.kernels.backend import unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride
 from shardattn.kernels.gluon.compat import GLUON_IMPORT_ERROR, HAS_GLUON, cta_barrier, gl, gluon
 
 #: Bitmap words a program counts at once (a window of ``32 * WW`` rows): 2,048 (65,536 rows) when
@@ -322,7 +322,7 @@ def smem_union(
         rows, topk_length if topk_length is not None else lens, union, lens,
         block_marks if block_marks is not None else lens,
         t, k, num_kv_rows, n_groups, rows.stride(0), union.stride(0), words,
-        G=group_size, HAS_LEN=topk_length is not None, **marks, **cfg,
+        G=group_size, HAS_LEN=topk_length is not None, **marks, **cfg, **COMPILE_OPTIONS,
     )  # fmt: skip
     _check_region(compiled, cfg["REGION"])
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from shardattn.kernels.backend import sm_count, unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, sm_count, unit_stride
 from shardattn.kernels.triton.lse_merge import launch_lse_merge, split_partials
 
 try:  # Triton is optional: without it every path runs the torch reference.
@@ -139,6 +139,7 @@ def run_triton(
         IEEE=q.dtype == torch.float32,
         num_warps=4,
         num_stages=3,
+        **COMPILE_OPTIONS,
     )
     if num_splits > 1:
         launch_lse_merge(part_out, part_lse, out, lse)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from shardattn.kernels.backend import COMPILE_OPTIONS
+
 try:  # Triton is optional: without it the torch reference runs
     import triton
     import triton.language as tl
@@ -98,6 +100,7 @@ def launch_write_fp8_rows(
         HAS_SLOTS=slots is not None,
         HAS_STATUS=status is not None,
         num_warps=num_warps,
+        **COMPILE_OPTIONS,
     )
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn.kernels.backend import unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride
 
 try:  # Triton is optional: without it the torch reference runs
     import triton
@@ -77,7 +77,7 @@ def launch_mark_blocks(
     _mark_blocks_kernel[grid](
         union, lens, mark, mark, union.shape[0], per_program, union.shape[1], union.stride(0), 0,
         ROW_MASK=row_mask, BLOCK_SHIFT=block_shift, BLOCK=MARK_CHUNK, TOPK_ROWS=False, HAS_LENS=True,
-        num_warps=MARK_WARPS,
+        num_warps=MARK_WARPS, **COMPILE_OPTIONS,
     )  # fmt: skip
 
 
@@ -101,7 +101,7 @@ def launch_mark_topk_rows(
         rows, rows if topk_length is None else topk_length, mark, counts, rows.shape[0], per_program,
         rows.shape[1], rows.stride(0), num_rows,
         ROW_MASK=0x7FFFFFFF, BLOCK_SHIFT=block_shift, BLOCK=MARK_CHUNK, TOPK_ROWS=True,
-        HAS_LENS=topk_length is not None, num_warps=MARK_WARPS,
+        HAS_LENS=topk_length is not None, num_warps=MARK_WARPS, **COMPILE_OPTIONS,
     )  # fmt: skip
 
 
@@ -123,7 +123,7 @@ def launch_move_rows(
         return
     _move_rows_kernel[(rows.shape[0], triton.cdiv(rows.shape[1], ENTRIES_PER_PROGRAM))](
         rows, rows if topk_length is None else topk_length, placed, out, rows.shape[1], num_rows,
-        BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM, HAS_LENS=topk_length is not None,
+        BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM, HAS_LENS=topk_length is not None, **COMPILE_OPTIONS,
     )  # fmt: skip
 
 
@@ -134,7 +134,7 @@ def launch_list_blocks(
     = b`` for every marked ``b`` (the marked blocks in order) and ``counts [2]`` int64 = (marked
     blocks, ``sum(lens)``); with no ``lens`` (0 groups) ``counts[1]`` is left as it is."""
     _list_blocks_kernel[(triton.cdiv(mark.shape[0], _LIST_CHUNK),)](
-        mark, placed, lens, block_ids, counts, mark.shape[0], lens.shape[0], CHUNK=_LIST_CHUNK
+        mark, placed, lens, block_ids, counts, mark.shape[0], lens.shape[0], CHUNK=_LIST_CHUNK, **COMPILE_OPTIONS
     )
 
 
@@ -149,7 +149,7 @@ def launch_stage_blocks(
         return
     _stage_blocks_kernel[(num_blocks,)](
         kv, blocks, out, kv.shape[0], kv.stride(0), out.stride(0),
-        BLOCK_ROWS=1 << block_shift, PACKED=packed, num_warps=4,
+        BLOCK_ROWS=1 << block_shift, PACKED=packed, num_warps=4, **COMPILE_OPTIONS,
     )  # fmt: skip
 
 
@@ -171,7 +171,7 @@ def launch_remap_union(
     _remap_union_kernel[_union_grid(union)](
         union, lens, placed, out, union.shape[1], union.stride(0),
         ROW_MASK=row_mask, HIGH_BITS=high_bits - (1 << 32) if high_bits >= 1 << 31 else high_bits,
-        BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM,
+        BLOCK_SHIFT=block_shift, BLOCK=ENTRIES_PER_PROGRAM, **COMPILE_OPTIONS,
     )  # fmt: skip
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from shardattn.kernels.backend import COMPILE_OPTIONS
+
 try:  # Triton is optional: without it every path runs the torch reference.
     import triton
     import triton.language as tl
@@ -124,6 +126,7 @@ def launch_lse_merge(
         PDL=pdl,
         num_warps=num_warps,
         launch_pdl=pdl,
+        **COMPILE_OPTIONS,
     )
 
 
@@ -176,6 +179,7 @@ def launch_lse_merge_columns(
         PDL=pdl,
         num_warps=num_warps,
         launch_pdl=pdl,
+        **COMPILE_OPTIONS,
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn.kernels.backend import unit_stride, use_triton
+from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride, use_triton
 
 try:
     import triton
@@ -73,7 +73,7 @@ def pack_rows(
     _pack_rows_kernel[(t,)](
         rows, topk_length if topk_length is not None else rows, union, lens,
         k, num_kv_rows, rows.stride(0), rows.stride(1), width,
-        BLOCK=block, HAS_LEN=topk_length is not None,
+        BLOCK=block, HAS_LEN=topk_length is not None, **COMPILE_OPTIONS,
     )  # fmt: skip
     return union, lens
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from shardattn._ints import next_pow2
-from shardattn.kernels.backend import unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride
 from shardattn.kernels.union_layout import num_groups
 
 try:
@@ -273,7 +273,7 @@ def launch_attention(
         G=config.group_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         D_V=v_dim, D_R=d - v_dim, HAS_SINK=sinks is not None, IEEE=q.dtype == torch.float32,
         KV_FP8=kv.dtype == torch.uint8,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS,
     )  # fmt: skip
     return out, lse
 

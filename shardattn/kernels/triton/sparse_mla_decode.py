@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardattn.kernels.backend import pdl_supported, unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, pdl_supported, unit_stride
 from shardattn.kernels.triton.lse_merge import (
     gdc_launch_dependents,
     gdc_wait,
@@ -178,6 +178,7 @@ def launch_split_kernel(
         num_warps=cfg["num_warps"],
         num_stages=cfg.get("num_stages", 2),
         launch_pdl=pdl,
+        **COMPILE_OPTIONS,
     )
 
 

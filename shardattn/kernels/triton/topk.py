@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from shardattn._ints import next_pow2
-from shardattn.kernels.backend import unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride
 
 try:
     import triton
@@ -114,5 +114,5 @@ def launch_convert_topk(
         k, block_table.shape[0], block_table.shape[1],
         topk_pos.stride(0), block_table.stride(0), rows.stride(0),
         block_size, block_stride, world, inter, rank,
-        **cfg,
+        **cfg, **COMPILE_OPTIONS,
     )  # fmt: skip

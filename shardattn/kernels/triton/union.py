@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from shardattn._ints import next_pow2
-from shardattn.kernels.backend import unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride
 from shardattn.kernels.gluon.union_smem import smem_kernels
 from shardattn.kernels.triton.union_bitmap import bitmap_kernels
 from shardattn.kernels.triton.union_fused import fused_kernel
@@ -82,7 +82,7 @@ def sorted_row_keys(rows: torch.Tensor, topk_length: torch.Tensor | None, num_kv
     keys = torch.empty(t, k, dtype=torch.int32, device=rows.device)
     _union_keys_kernel[(t, triton.cdiv(k, cfg["BLOCK_K"]))](
         rows, topk_length if topk_length is not None else keys, keys, t, k, min(num_kv_rows - 1, MAX_PLAIN_ROW),
-        rows.stride(0), HAS_LEN=topk_length is not None, BLOCK_K=cfg["BLOCK_K"], G=1,
+        rows.stride(0), HAS_LEN=topk_length is not None, BLOCK_K=cfg["BLOCK_K"], G=1, **COMPILE_OPTIONS,
     )  # fmt: skip
     return torch.sort(keys, dim=1).values
 
@@ -104,10 +104,10 @@ def sort_union(
     keys = torch.empty(g_count * group_size, k, dtype=torch.int32, device=rows.device)
     _union_keys_kernel[(g_count * group_size, triton.cdiv(k, cfg["BLOCK_K"]))](
         rows, topk_length if topk_length is not None else lens, keys, t, k, min(num_kv_rows - 1, MAX_PLAIN_ROW),
-        rows.stride(0), G=group_size, BLOCK_K=cfg["BLOCK_K"], HAS_LEN=topk_length is not None,
+        rows.stride(0), G=group_size, BLOCK_K=cfg["BLOCK_K"], HAS_LEN=topk_length is not None, **COMPILE_OPTIONS,
     )  # fmt: skip
     ordered = torch.sort(keys.view(g_count, group_size * k), dim=1).values
     _union_compact_kernel[(g_count,)](
         ordered, union, lens, group_size * k, ordered.stride(0), union.stride(0),
-        G=group_size, CHUNK=cfg["CHUNK"],
+        G=group_size, CHUNK=cfg["CHUNK"], **COMPILE_OPTIONS,
     )  # fmt: skip

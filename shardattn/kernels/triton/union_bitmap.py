@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from shardattn.kernels.backend import unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride
 
 try:
     import triton
@@ -205,5 +205,5 @@ def bitmap_union(
     _bitmap_union_kernel[(programs,)](
         rows, topk_length if topk_length is not None else lens, union, lens, bitmap, packed,
         t, k, num_kv_rows, n_groups, rows.stride(0), union.stride(0), words,
-        G=group_size, HAS_LEN=topk_length is not None, **cfg,
+        G=group_size, HAS_LEN=topk_length is not None, **cfg, **COMPILE_OPTIONS,
     )  # fmt: skip

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from shardattn._ints import next_pow2
-from shardattn.kernels.backend import unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride
 
 try:
     import triton
@@ -278,5 +278,5 @@ def fused_union(
         lists, topk_length if topk_length is not None else lens, union, lens, scratch, cum,
         t, k, max_row, lists.stride(0), union.stride(0),
         G=group_size, HAS_LEN=topk_length is not None, CHUNK=cfg["CHUNK"], CCHUNK=cfg["CCHUNK"],
-        LANES=cfg["LANES"], STEPS=cfg["STEPS"], num_warps=cfg["num_warps"],
+        LANES=cfg["LANES"], STEPS=cfg["STEPS"], num_warps=cfg["num_warps"], **COMPILE_OPTIONS,
     )  # fmt: skip

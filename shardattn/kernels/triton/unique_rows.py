@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from shardattn._ints import next_pow2
-from shardattn.kernels.backend import unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride
 from shardattn.plan.union_routing import MAX_UNIQUE_ENTRIES
 
 try:
@@ -123,5 +123,5 @@ def launch_unique_rows(
         rows, topk_length if topk_length is not None else lens, scratch, out, lens,
         t, k, max_row, rows.stride(0), out.stride(0),
         HAS_LEN=topk_length is not None, BLOCK=cfg["BLOCK"], SLOT_BITS=cfg["SLOT_BITS"],
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"], **COMPILE_OPTIONS,
     )  # fmt: skip
