@@ -138,6 +138,19 @@ def junk_rows(
     return rows
 
 
+def topk_lengths(g: torch.Generator, t: int, k: int) -> torch.Tensor:
+    """``[t]`` int32 per-token counts of leading top-k entries to use (a step's ``topk_length``),
+    each drawn from ``[0, k + 1]``: for ``k >= 3`` mostly a cut inside the row; ``k + 1`` is past
+    the row (the whole row, by contract). One drawn row is ``0`` (no key) and another ``k`` (the
+    whole row) whenever ``t >= 2``. With :func:`junk_rows`, invalid entries fall on both sides of
+    the cut."""
+    lengths = torch.randint(0, k + 2, (t,), generator=g, dtype=torch.int32)
+    ends = torch.randperm(t, generator=g)[:2]
+    lengths[ends[:1]] = 0
+    lengths[ends[1:]] = k
+    return lengths
+
+
 def paged_mla_references(case: dict, kv_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The single-process answers to a paged sparse-MLA case (keys ``q``, ``cache``, ``table``,
     ``pos``, ``req_ids``, ``block_size``, ``topk_length``, ``scale``, ``dv``, ``sinks``), on the

@@ -1,5 +1,6 @@
-"""DCP decode on 1-4 ranks equals the single-process kernel over the whole cache (sparse MLA and GQA),
-checked against the independent fp64 oracles of tests/oracle.py."""
+"""DCP decode on 1-4 ranks equals the single-process kernel over the whole cache (sparse MLA, with and
+without sinks, ``topk_length`` and unique rows; GQA), checked against the independent fp64 oracles of
+tests/oracle.py."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tests.parallel_helpers import (
     paged_mla_references,
     rank_1_rejected,
     short_timeout_group,
+    topk_lengths,
 )
 
 # ---------------------------------------------------------------------------------------- sparse MLA
@@ -47,7 +49,8 @@ def _mla_case(
     sinks: bool = False,
     topk_length: bool = False,
 ) -> dict:
-    """Global and per-rank paged caches of the same requests, and top-k positions with junk anywhere."""
+    """Global and per-rank paged caches of the same requests, and top-k positions with junk anywhere;
+    with ``topk_length``, cuts anywhere in a row, 0 and the whole row included (:func:`topk_lengths`)."""
     g = torch.Generator().manual_seed(seed)
     layout = DCPLayout(world, interleave)
     req_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(q_per_req)).to(torch.int32)
@@ -75,7 +78,7 @@ def _mla_case(
         "scale": d**-0.5,
         "dv": dv,
         "sinks": torch.randn(h, generator=g) if sinks else None,
-        "topk_length": torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32) if topk_length else None,
+        "topk_length": topk_lengths(g, t, k) if topk_length else None,
     }
 
 
@@ -133,12 +136,25 @@ def _check_mla(results: list, case: dict, world: int, scatter_heads: bool = True
         assert counts == {**collector, "all_gather": gathers, "agreement": 1}, what
 
 
+#: The sparse-MLA sweep's options beside sinks (always given): ``(topk_length, rows_unique)``.
+MLA_OPTIONS = {"sinks": (False, False), "sinks+topk_length": (True, False), "sinks+topk_length+unique": (True, True)}
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=WORLD_IDS)
 @pytest.mark.parametrize("interleave", [1, 3], ids=["interleave1", "interleave3"])
-def test_dcp_sparse_mla_equals_whole_cache(dist_pool, world_size: int, interleave: int) -> None:
-    case = _mla_case(world_size * 10 + interleave, [9, 0, 23, 2], [1, 1, 2, 1], world_size, interleave, sinks=True)
-    results = dist_pool.run(_run_mla, case, world_size=world_size)
+@pytest.mark.parametrize("options", list(MLA_OPTIONS))
+def test_dcp_sparse_mla_equals_whole_cache(dist_pool, world_size: int, interleave: int, options: str) -> None:
+    """Sinks counted once over the ranks; each query's ``topk_length`` cut before its positions are
+    split over the ranks (with unique rows, each rank's rows packed at the front and counted)."""
+    topk_length, unique = MLA_OPTIONS[options]
+    case = _mla_case(
+        world_size * 10 + interleave, [9, 0, 23, 2], [1, 1, 2, 1], world_size, interleave, sinks=True,
+        topk_length=topk_length,
+    )  # fmt: skip
+    if unique:
+        case["pos"] = _unique_positions(case["pos"])
+    results = dist_pool.run(_run_mla, case, True, unique, world_size=world_size)
     _check_mla(results, case, world_size)
 
 
@@ -212,16 +228,20 @@ def test_dcp_sparse_mla_rows_unique_with_topk_length(dist_pool) -> None:
     reqs=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 2)), min_size=1, max_size=4),
     k=st.integers(1, 24),
     block_size=st.sampled_from([1, 4, 16]),
+    sinks=st.booleans(),
+    topk_length=st.booleans(),
+    unique=st.booleans(),  # rows_unique: each rank's rows packed at the front, read as given
     seed=st.integers(0, 2**16),
 )
-def test_dcp_sparse_mla_drawn(dist_pool, nproc, world, interleave, reqs, k, block_size, seed) -> None:
+def test_dcp_sparse_mla_drawn(
+    dist_pool, nproc, world, interleave, reqs, k, block_size, sinks, topk_length, unique, seed
+) -> None:
     world = min(world, nproc)  # the draw stays in the pool's ranks
     lens, q_per = [n for n, _ in reqs], [q for _, q in reqs]
     case = _mla_case(
-        seed, lens, q_per, world, interleave, k=k, d=64, dv=48, block_size=block_size,
-        sinks=seed % 2 == 0, topk_length=seed % 3 == 0,
+        seed, lens, q_per, world, interleave, k=k, d=64, dv=48, block_size=block_size, sinks=sinks,
+        topk_length=topk_length,
     )  # fmt: skip
-    unique = seed % 4 >= 2  # rows_unique: each rank's rows packed at the front, read as given
     if unique:
         case["pos"] = _unique_positions(case["pos"])
     results = dist_pool.run(_run_mla, case, True, unique, world_size=world)
@@ -588,5 +608,5 @@ def test_dcp_empty_steps(dist_pool) -> None:
     _check_gqa(dist_pool.run(_run_gqa, case, world_size=3), case, 3)
     case = _gqa_case(4, [3], [0], 3, 1, ragged=True)  # no query row at all
     _check_gqa(dist_pool.run(_run_gqa, case, world_size=3), case, 3)
-    case = _mla_case(4, [0, 5], [0, 0], 3, 1, d=32, dv=16)  # no query
+    case = _mla_case(4, [0, 5], [0, 0], 3, 1, d=32, dv=16, sinks=True, topk_length=True)  # no query
     _check_mla(dist_pool.run(_run_mla, case, world_size=3), case, 3)
