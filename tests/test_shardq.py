@@ -1,5 +1,6 @@
-"""ShardQ prefill on 1-4 ranks equals single-process sparse MLA over all heads and tokens (checked
-against the independent fp64 oracle of tests/oracle.py)."""
+"""ShardQ prefill on 1-4 ranks, and the head-TP step it runs below ``min_tokens``, equal
+single-process sparse MLA over all heads and tokens (checked against the independent fp64 oracle of
+tests/oracle.py), with and without sinks and ``topk_length``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tests.parallel_helpers import (
     junk_rows,
     rank_1_rejected,
     short_timeout_group,
+    topk_lengths,
 )
 
 
@@ -40,7 +42,8 @@ def _case(
     sinks: bool = False,
     topk_length: bool = False,
 ) -> dict:
-    """A step's inputs: rows with invalid entries anywhere (-1, past the cache), empty rows."""
+    """A step's inputs: rows with invalid entries anywhere (-1, past the cache), empty rows; with
+    ``topk_length``, cuts anywhere in a row, 0 and the whole row included (:func:`topk_lengths`)."""
     g = torch.Generator().manual_seed(seed)
     t, h = sum(seq_lens), heads_per_rank * world
     r = 2 * k + 3
@@ -54,7 +57,7 @@ def _case(
         "scale": d**-0.5,
         "dv": dv,
         "sinks": torch.randn(h, generator=g) if sinks else None,
-        "topk_length": torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32) if topk_length else None,
+        "topk_length": topk_lengths(g, t, k) if topk_length else None,
     }
 
 
@@ -97,13 +100,20 @@ def _check(results: list, case: dict, world: int, *, check: bool = True) -> None
         assert counts == expect, what
 
 
+#: ``min_tokens`` of the step's plan: 0 shards the tokens (ShardQ), 10,000 keeps head-TP.
+PATHS = {"shardq": 0, "head-tp": 10_000}
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=WORLD_IDS)
 @pytest.mark.parametrize(("sinks", "topk_length"), [(False, False), (True, True)], ids=["plain", "sinks+topk_length"])
-def test_shardq_equals_single_process(dist_pool, world_size: int, sinks: bool, topk_length: bool) -> None:
+@pytest.mark.parametrize("path", list(PATHS))
+def test_shardq_equals_single_process(dist_pool, world_size: int, sinks: bool, topk_length: bool, path: str) -> None:
+    """Each rank's heads of every token, sharded or head-TP: each rank's own sinks, each token's own
+    ``topk_length`` wherever its queries run."""
     case = _case(world_size, [7, 13], [0, 4], world_size, 2, 24, sinks=sinks, topk_length=topk_length)
-    results = dist_pool.run(_run, case, 0, 1, world_size=world_size)
-    assert all(sharded for *_, sharded in results)
+    results = dist_pool.run(_run, case, PATHS[path], 1, world_size=world_size)
+    assert all(sharded == (path == "shardq") for *_, sharded in results)
     _check(results, case, world_size)
 
 
@@ -143,12 +153,21 @@ def test_shardq_without_check_issues_exactly_two_all_to_alls(dist_pool) -> None:
     heads_per_rank=st.integers(1, 2),
     k=st.integers(1, 32),
     align=st.integers(1, 3),
+    path=st.sampled_from(list(PATHS)),
+    sinks=st.booleans(),
+    topk_length=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_shardq_drawn_batches(dist_pool, nproc, world, seq_lens, prefix, heads_per_rank, k, align, seed) -> None:
+def test_shardq_drawn_batches(
+    dist_pool, nproc, world, seq_lens, prefix, heads_per_rank, k, align, path, sinks, topk_length, seed
+) -> None:
     world = min(world, nproc)  # the draw stays in the pool's ranks
-    case = _case(seed, seq_lens, prefix[: len(seq_lens)], world, heads_per_rank, k, d=96, dv=64, sinks=seed % 2 == 0)
-    results = dist_pool.run(_run, case, 0, align, world_size=world)
+    case = _case(
+        seed, seq_lens, prefix[: len(seq_lens)], world, heads_per_rank, k, d=96, dv=64, sinks=sinks,
+        topk_length=topk_length,
+    )  # fmt: skip
+    results = dist_pool.run(_run, case, PATHS[path], align, world_size=world)
+    assert all(sharded == (path == "shardq") for *_, sharded in results)
     _check(results, case, world)
 
 
@@ -279,7 +298,7 @@ def test_shardq_one_ranks_bad_argument_raises_on_every_rank_at_once(dist_pool, n
 @pytest.mark.distributed
 def test_shardq_empty_step_and_ranks_that_own_nothing(dist_pool) -> None:
     for seq_lens in ([0, 0], [1]):  # no token at all; one token, so all but one rank own nothing
-        case = _case(9, seq_lens, [0] * len(seq_lens), 3, 1, 4, d=32, dv=16)
+        case = _case(9, seq_lens, [0] * len(seq_lens), 3, 1, 4, d=32, dv=16, sinks=True, topk_length=True)
         results = dist_pool.run(_run, case, 0, 1, world_size=3)
         _check(results, case, 3)
 
