@@ -1,5 +1,5 @@
-"""PCP prefill on 1-4 ranks equals single-process sparse MLA over each request's whole KV (checked
-against the independent fp64 oracle of tests/oracle.py)."""
+"""PCP prefill on 1-4 ranks equals single-process sparse MLA over each request's whole KV, with and
+without sinks and ``topk_length`` (checked against the independent fp64 oracle of tests/oracle.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tests.parallel_helpers import (
     junk_rows,
     paged,
     paged_mla_references,
+    topk_lengths,
 )
 
 
@@ -38,7 +39,8 @@ def _case(
     sinks: bool = False,
     topk_length: bool = False,
 ) -> dict:
-    """A prefill step: every request's KV (prefix + new), top-k positions with junk anywhere.
+    """A prefill step: every request's KV (prefix + new), top-k positions with junk anywhere; with
+    ``topk_length``, cuts anywhere in a row, 0 and the whole row included (:func:`topk_lengths`).
 
     ``cache``/``table``: the whole KV of every request (the reference's view); ``prefix_cache`` /
     ``prefix_table``: only the cached prefixes (what every rank holds); ``kv_new``: new tokens' KV
@@ -70,7 +72,7 @@ def _case(
         "scale": d**-0.5,
         "dv": dv,
         "sinks": torch.randn(heads, generator=g) if sinks else None,
-        "topk_length": torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32) if topk_length else None,
+        "topk_length": topk_lengths(g, t, k) if topk_length else None,
     }
 
 
@@ -116,8 +118,11 @@ def _check(results: list, case: dict, world: int, gather_output: bool = False) -
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=WORLD_IDS)
 @pytest.mark.parametrize("gather_output", [False, True], ids=["own-tokens", "token-order"])
-def test_pcp_equals_single_process(dist_pool, world_size: int, gather_output: bool) -> None:
-    case = _case(world_size, [11, 2, 17], [5, 0, 9], sinks=True, topk_length=gather_output)
+@pytest.mark.parametrize("topk_length", [False, True], ids=["sinks", "sinks+topk_length"])
+def test_pcp_equals_single_process(dist_pool, world_size: int, gather_output: bool, topk_length: bool) -> None:
+    """Sinks counted once (the prefix and new keys are two partials); ``topk_length`` cuts a row
+    before its positions are split into prefix and new keys."""
+    case = _case(world_size, [11, 2, 17], [5, 0, 9], sinks=True, topk_length=topk_length)
     results = dist_pool.run(_run, case, gather_output, world_size=world_size)
     _check(results, case, world_size, gather_output)
 
@@ -149,16 +154,21 @@ def test_pcp_without_prefix_needs_no_cache(dist_pool) -> None:
     reqs=st.lists(st.tuples(st.integers(0, 14), st.integers(0, 10)), min_size=1, max_size=4),
     k=st.integers(1, 24),
     block_size=st.sampled_from([1, 3, 8]),
+    sinks=st.booleans(),
+    topk_length=st.booleans(),
+    gather_output=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_pcp_drawn_batches(dist_pool, nproc, world, reqs, k, block_size, seed) -> None:
+def test_pcp_drawn_batches(
+    dist_pool, nproc, world, reqs, k, block_size, sinks, topk_length, gather_output, seed
+) -> None:
     world = min(world, nproc)  # the draw stays in the pool's ranks
     case = _case(
         seed, [n for n, _ in reqs], [p for _, p in reqs], k=k, d=64, dv=48, block_size=block_size,
-        sinks=seed % 2 == 0, topk_length=seed % 3 == 0,
+        sinks=sinks, topk_length=topk_length,
     )  # fmt: skip
-    results = dist_pool.run(_run, case, seed % 2 == 1, world_size=world)
-    _check(results, case, world, seed % 2 == 1)
+    results = dist_pool.run(_run, case, gather_output, world_size=world)
+    _check(results, case, world, gather_output)
 
 
 def _bad(group: dist.ProcessGroup, problem: str) -> tuple[str, str]:
@@ -218,7 +228,7 @@ def test_pcp_bad_input_raises_on_every_rank(dist_pool, problem: str, expect: lis
 @pytest.mark.distributed
 def test_pcp_empty_step_and_ranks_that_own_nothing(dist_pool) -> None:
     for seq_lens, prefix in (([0], [4]), ([2, 0], [0, 3])):
-        case = _case(4, seq_lens, prefix, d=32, dv=16)
+        case = _case(4, seq_lens, prefix, d=32, dv=16, sinks=True, topk_length=True)
         for gather_output in (False, True):
             results = dist_pool.run(_run, case, gather_output, world_size=3)
             _check(results, case, 3, gather_output)
