@@ -159,3 +159,20 @@ def test_the_first_rank_to_fail_is_shown_not_a_lower_rank_failing_after_it(dist_
     assert message.startswith(f"rank 1 of {nproc} failed first"), message[:300]
     assert "ValueError: rank one says no" in message.split("rank 0 ")[0], message
     assert "rank 0 failed too" in message and "Timed out" in message, message
+
+
+@pytest.mark.parametrize(("option", "value"), [("--dist-timeout", "0"), ("--dist-timeout", "-5"), ("--nproc", "0")])
+def test_a_bad_pool_option_is_a_usage_error_naming_it(option: str, value: str) -> None:
+    """A timeout of 0 or less would fail every distributed call at once as hung."""
+    import subprocess
+    import sys
+
+    args = ["-q", "-p", "no:cacheprovider", "--collect-only", f"{option}={value}", __file__]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 4, done.stdout + done.stderr  # pytest's usage error
+    assert f"{option} must be" in done.stderr, done.stderr

@@ -24,6 +24,7 @@ Tests marked ``gpu`` skip with the reason when CUDA is not available.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,7 +53,10 @@ def pytest_configure(config: pytest.Config) -> None:
     nproc = config.getoption("--nproc", default=1)
     if nproc is not None and nproc < 1:
         raise pytest.UsageError(f"--nproc must be >= 1, got {nproc}")
-    config.stash[_POOL_KEY] = PoolHandle(nproc or 1, config.getoption("--dist-timeout", default=DEFAULT_TIMEOUT_S))
+    timeout = config.getoption("--dist-timeout", default=DEFAULT_TIMEOUT_S)
+    if not 0 < timeout < math.inf:  # 0 or less: every call would count as hung at once
+        raise pytest.UsageError(f"--dist-timeout must be a positive number of seconds, got {timeout}")
+    config.stash[_POOL_KEY] = PoolHandle(nproc or 1, timeout)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
