@@ -10,6 +10,7 @@ attends over the local shard, and merges the partial outputs by their log-sum-ex
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
@@ -78,4 +79,5 @@ def main(group: dist.ProcessGroup) -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     run_ranks(main)  # torchrun's ranks, or 2 spawned ones (one GPU each when there are 2)

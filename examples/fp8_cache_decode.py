@@ -13,6 +13,8 @@ FP8 cache holds them (dequantised): quantisation is the only approximation of th
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
 
@@ -90,4 +92,5 @@ def main(group: dist.ProcessGroup) -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     run_ranks(main)  # torchrun's ranks, or 2 spawned ones (one GPU each when there are 2)

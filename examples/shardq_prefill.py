@@ -10,6 +10,8 @@ and moves the outputs back, so the caller keeps its head-sharded layout.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
 
@@ -73,4 +75,5 @@ def main(group: dist.ProcessGroup) -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     run_ranks(main)  # torchrun's ranks, or 2 spawned ones (one GPU each when there are 2)

@@ -249,3 +249,17 @@ def test_the_service_example_check_fails_beyond_its_tolerance(monkeypatch, capsy
             module.main(["--check"])
     else:
         assert module.main(["--check"]) is stats
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_example_help_prints_its_docstring_and_a_flag_it_lacks_is_refused(name: str) -> None:
+    """``--help`` prints the example's description without running it; a flag is a usage error."""
+    script = str(EXAMPLES / f"{name}.py")
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    run = {"env": env, "capture_output": True, "text": True, "timeout": 120}
+    shown = subprocess.run([sys.executable, script, "--help"], **run)
+    assert shown.returncode == 0, shown.stderr
+    first_line = (EXAMPLES / f"{name}.py").read_text().split('"""')[1].splitlines()[0]
+    assert first_line in shown.stdout and "rank 0" not in shown.stdout, shown.stdout
+    refused = subprocess.run([sys.executable, script, "--tokens", "8"], **run)
+    assert refused.returncode == 2 and "unrecognized arguments: --tokens 8" in refused.stderr, refused.stderr
