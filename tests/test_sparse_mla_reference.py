@@ -134,3 +134,37 @@ def test_cache_past_int32_rows_keeps_its_rows_valid(entry: str) -> None:
     assert torch.isfinite(lse).all(), lse
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.double(), kv[0, :8].double().expand(2, 2, 8), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("entry", ["reference", "attention", "decode"])
+def test_short_lists_count_a_repeated_row_once(entry: str, k: int) -> None:
+    """Top-k lists of 1 to 3 entries from a 3-row cache: a row listed twice (``[a, a]``, a
+    duplicate behind an invalid entry, one past ``topk_length``) is one key, as in longer lists;
+    invalid entries anywhere, rows with no valid key, sinks. Regression guard: a de-duplication
+    skipped below some list length would count the repeat twice only for short lists."""
+    g = torch.Generator().manual_seed(30 + k)
+    t, h, d, dv, r = 12, 2, 8, 5, 3
+    q, kv = torch.randn(t, h, d, generator=g, dtype=torch.float64), torch.randn(r, d, generator=g, dtype=torch.float64)
+    rows = torch.randint(-1, r + 1, (t, k), generator=g, dtype=torch.int32)  # -1 and r: invalid
+    rows[0] = 1  # the same row in every entry
+    rows[1] = -1  # no valid key
+    if k > 1:
+        rows[2, -2:] = torch.tensor([2, 2])
+        rows[3, -2:] = torch.tensor([0, -1])
+    if k > 2:
+        rows[4] = torch.tensor([0, -1, 0])  # a repeat behind an invalid entry
+    length = torch.randint(0, k + 2, (t,), generator=g, dtype=torch.int32)
+    length[0] = k
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float32)
+    for kw in (dict(topk_length=None, sinks=None), dict(topk_length=length, sinks=sinks)):
+        want_out, want_lse = sparse_mla_oracle(q, kv, rows, scale=0.6, v_dim=dv, **kw)
+        if entry == "reference":
+            out, lse = sparse_mla_reference(q, kv, rows, scale=0.6, v_dim=dv, compute_dtype=torch.float64, **kw)
+        else:
+            fn = sparse_mla_attention if entry == "attention" else sparse_mla_decode
+            out, lse = fn(q.float(), kv.float(), rows, scale=0.6, v_dim=dv, **kw)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+        fin = torch.isfinite(want_lse)
+        torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=0)
