@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardattn.kernels.triton.sparse_mla_decode_config import partials_dtype, sparse_mla_decode_config
+from shardattn.kernels.triton.lse_merge import split_partials_numel
+from shardattn.kernels.triton.sparse_mla_decode_config import decode_launch, partials_dtype, sparse_mla_decode_config
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.plan.crossovers import COLUMN_MERGE_MAX_ROWS
@@ -193,6 +194,25 @@ def interpreted_cases(dtype_name: str) -> None:
         )
         torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0, msg=merge)
         assert_same_lse(lse, ref_lse.float(), atol=1e-4)
+    # lists of 1 to 3 entries over a 3-row cache: a repeated row is one key (the kernel's input
+    # de-duplicated at every length), invalid entries anywhere, rows with no key, topk_length, sinks;
+    # a workspace of exactly the splits' partials is enough
+    for k in (1, 2, 3):
+        q, kv = torch.randn(6, 16, 48, generator=g).to(dtype), torch.randn(3, 48, generator=g).to(dtype)
+        rows = torch.randint(-1, 4, (6, k), generator=g, dtype=torch.int32)
+        rows[0], rows[1] = 2, -1
+        if k > 1:
+            rows[2, -2:] = torch.tensor([0, 0])
+        tlen, sinks = torch.tensor([k, 0, k, 1, k + 1, k - 1], dtype=torch.int32), torch.randn(16, generator=g)
+        launch = decode_launch(6, 16, k, 132, 2, None, head_dim=48, v_dim=32, elem_bytes=q.element_size())
+        ws = torch.full((split_partials_numel(launch["num_splits"], 6, 16, 32),), float("nan"))
+        for kw in (dict(topk_length=None, sinks=None), dict(topk_length=tlen, sinks=sinks)):
+            out, lse = run_sparse_mla_decode(
+                q, kv, rows, scale=0.2, v_dim=32, num_splits=2, workspace=ws, kernel="triton", **kw
+            )
+            ref_out, ref_lse = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=32, **kw)
+            torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=0, msg=f"K={k}")
+            assert_same_lse(lse, ref_lse.float(), atol=1e-4)
 
 
 @pytest.mark.interpret
