@@ -22,7 +22,7 @@ from tests.interpret.unique_rows_cases import oracle
 def test_kernel_matches_the_oracle_under_interpreter():
     lines = run_cases("unique_rows_cases")
     names = [ln.split()[1] for ln in lines if ln.startswith("ok")]
-    assert {"one_row_repeated", "all_invalid", "empty_length", "full_table"} <= set(names)
+    assert {"one_row_repeated", "all_invalid", "empty_length", "full_table", "op_cache_edge[R=1]"} <= set(names)
     assert sum(n.startswith("unique[") for n in names) >= 30
     assert any("int64=True" in n for n in names) and any("R=2147483647" in n for n in names)
     assert lines[-1].startswith("0 failures")

@@ -5,8 +5,9 @@ Run as ``TRITON_INTERPRET=1 python -m tests.interpret.unique_rows_cases``
 (tests/test_unique_rows.py does this in a subprocess). Each hypothesis example draws ``T``,
 ``K`` (not a power of two, tails included), the cache size, invalid entries anywhere, duplicates
 within a row, rows with no valid key, int32 or int64 rows and ``topk_length``; a grid adds a row
-of one row repeated, rows past the cache, and a table small enough that collisions take many
-rounds. The kernel's ``out`` and ``lens`` must equal the oracle's exactly (the ``-1`` tail
+of one row repeated, rows past the cache, a table small enough that collisions take many
+rounds, and the public :func:`~shardattn.ops.unique_rows.unique_rows` on rows ``R - 1``, ``R`` and
+``R + 1`` (the bound the op hands the kernel). The kernel's ``out`` and ``lens`` must equal the oracle's exactly (the ``-1`` tail
 included). Prints one line per check and exits 1 on any mismatch.
 """
 
@@ -19,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardattn.kernels.triton.unique_rows import launch_unique_rows
+from shardattn.ops.unique_rows import unique_rows
 from tests.interpret.union_cases import _report, make_rows, run_checks
 
 
@@ -74,6 +76,15 @@ def matches_oracle(tokens, topk, num_kv_rows, use_length, wide, seed):
 
 
 def grid() -> None:
+    # through the public op (the bound it hands the kernel): rows R - 1, R and R + 1 anywhere, repeated
+    for r in (1, 7, 1000):
+        gen = torch.Generator().manual_seed(r)
+        rows = torch.tensor([-1, r - 1, r, r + 1, 0], dtype=torch.int32)[torch.randint(0, 5, (5, 37), generator=gen)]
+        rows[0] = r  # only the row one past the cache: no valid entry
+        length = torch.randint(0, 39, (5,), generator=gen, dtype=torch.int32)
+        for name, ln in ((f"op_cache_edge[R={r}]", None), (f"op_cache_edge[R={r},len]", length)):
+            got, want = unique_rows(rows, num_kv_rows=r, topk_length=ln), oracle(rows, r, ln)
+            _report(name, torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
     _check("one_row_repeated", torch.full((3, 77), 4, dtype=torch.int32), 10, None)
     _check("all_invalid", torch.tensor([[-1, 10, -5, 11]], dtype=torch.int32), 10, None)
     _check("empty_length", torch.arange(8, dtype=torch.int32)[None, :], 10, torch.zeros(1, dtype=torch.int32))
