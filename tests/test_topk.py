@@ -45,6 +45,22 @@ def test_position_at_seq_len_is_invalid():
     assert rows.tolist() == [[3, -1, -1]] and counts.tolist() == [1]
 
 
+def test_a_row_at_int32_max_is_kept_and_the_next_is_invalid():
+    """The largest row that fits int32 is a row (``<= 2**31 - 1``); one past it is ``-1``. Block
+    ``entry`` of stride 8 holds rows ``8 * entry + i``: the last block below int32's top ends at
+    ``2**31 - 1``, the next starts past it; positions out of order, a -1, ``packed`` too."""
+    top = (2**31 - 1) // 8  # block of rows [2**31 - 8, 2**31 - 1]
+    table = torch.tensor([[top, top + 1, 3]], dtype=torch.int32)
+    pos = torch.tensor([[7, 6, -1, 8, 0, 17, 15]], dtype=torch.int32)
+    req = torch.zeros(1, dtype=torch.int32)
+    want = topk_rows_oracle(pos, req, table, block_size=8)
+    assert want.tolist() == [[2**31 - 1, 2**31 - 2, -1, -1, 2**31 - 8, 25, -1]]  # the oracle, by hand
+    rows, counts = convert_topk(pos, req, table, block_size=8)
+    assert torch.equal(rows, want) and counts.tolist() == [4]
+    rows, counts = convert_topk(pos, req, table, block_size=8, packed=True)
+    assert rows.tolist() == [[2**31 - 1, 2**31 - 2, 2**31 - 8, 25, -1, -1, -1]] and counts.tolist() == [4]
+
+
 def test_bad_request_id_empties_the_row():
     pos = torch.tensor([[0, 1]], dtype=torch.int32)
     rows, counts = convert_topk(pos, torch.tensor([5], dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32),
