@@ -62,6 +62,22 @@ def test_reference_matches_fp64_loops(p):
     assert float(out[0, 0].abs().sum()) == 0.0 and math.isinf(float(lse[0, 0]))
 
 
+@pytest.mark.parametrize("centre", [-300.0, -120.0, 120.0, 300.0])
+def test_lses_far_from_zero_merge_without_under_or_overflow(centre):
+    """LSEs of -300 to 300 (exp of any of them under- or overflows fp32): the merge shifts by the
+    largest LSE first, so the result is the fp64 loops'; empty partials and an all-empty row
+    included."""
+    outs, lses = make_partials(3, 4, 5, 6, seed=11)
+    lses = lses + centre  # fp32 LSEs a few ulps of |centre| apart: the tolerances scale with it
+    out, lse = lse_merge(outs, lses)
+    ref_out, ref_lse = loop_merge(outs, lses)
+    assert out.isfinite().all() and torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    ulp = torch.finfo(torch.float32).eps * abs(centre)
+    torch.testing.assert_close(lse[fin].double(), ref_lse[fin], atol=4 * ulp, rtol=0)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("marker", [-math.inf, math.inf])
 @pytest.mark.parametrize("junk", [math.nan, math.inf, -math.inf])
 def test_reference_ignores_what_empty_partials_hold(marker, junk):
