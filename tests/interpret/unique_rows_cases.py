@@ -7,8 +7,8 @@ Run as ``TRITON_INTERPRET=1 python -m tests.interpret.unique_rows_cases``
 within a row, rows with no valid key, int32 or int64 rows and ``topk_length``; a grid adds a row
 of one row repeated, rows past the cache, a table small enough that collisions take many
 rounds, and the public :func:`~shardattn.ops.unique_rows.unique_rows` on rows ``R - 1``, ``R`` and
-``R + 1`` (the bound the op hands the kernel). The kernel's ``out`` and ``lens`` must equal the oracle's exactly (the ``-1`` tail
-included). Prints one line per check and exits 1 on any mismatch.
+``R + 1`` (the bound the op hands the kernel). The kernel's ``out`` and ``lens`` must equal the
+oracle's exactly (the ``-1`` tail included). Prints one line per check and exits 1 on any mismatch.
 """
 
 from __future__ import annotations
