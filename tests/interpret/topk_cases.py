@@ -87,8 +87,22 @@ def dcp_round_past_int32() -> None:
             _report(f"dcp_round_past_int32[{tuple(dcp)}]", False)
 
 
+def row_at_int32_top() -> None:
+    """The largest row that fits int32 is a row; one past it is -1 (block ``top`` of 8 rows ends at
+    ``2**31 - 1``, block ``top + 1`` starts past it), plain and packed, against the oracle."""
+    top = INT32_MAX // 8
+    table = torch.tensor([[top, top + 1, 3]], dtype=torch.int32)
+    pos = torch.tensor([[7, 6, -1, 8, 0, 17, 15]], dtype=torch.int32)
+    req = torch.zeros(1, dtype=torch.int32)
+    for packed in (False, True):
+        got = convert_topk(pos, req, table, block_size=8, packed=packed)
+        want = oracle(pos, req, table, block_size=8, packed=packed)
+        same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        _report(f"row_at_int32_top[packed={packed}]", same and INT32_MAX in got[0][0].tolist() and int(got[1][0]) == 4)
+
+
 def main() -> int:
-    return run_checks(kernel_matches_oracle, dcp_round_past_int32)
+    return run_checks(kernel_matches_oracle, dcp_round_past_int32, row_at_int32_top)
 
 
 if __name__ == "__main__":
