@@ -342,3 +342,39 @@ def test_bad_rank_raises():
 def test_chunk_bounds_refuse_lengths_the_split_refuses():
     with pytest.raises(ValueError, match="query_lens"):
         zigzag_chunk_bounds([2**31], 2)
+
+
+def _cost_balanced_oracle(lens: list[int], w: int, align: int, topk: int) -> list[list[int]]:
+    """The documented cost-balanced rule by exhaustive scan: for each ``j`` the unit boundary whose
+    cost before it is nearest ``j * C / W`` (the earlier on a tie), never left of the previous cut."""
+    costs: list[int] = []
+    starts: list[int] = []  # token ids where a unit starts
+    for n in lens:
+        for p in range(n):
+            if p % align == 0:
+                starts.append(len(costs))
+            costs.append(min(p + 1, topk))
+    t = len(costs)
+    edges = [*starts, t]
+    before = [sum(costs[:e]) for e in edges]
+    total = sum(costs)
+    cuts = [0]
+    for j in range(1, w):
+        dist = [abs(c * w - j * total) for c in before]
+        nearest = dist.index(min(dist))  # the first index of the minimum: the earlier boundary
+        cuts.append(max(nearest, cuts[-1]))
+    cuts.append(len(edges) - 1)
+    return [list(range(edges[cuts[r]], edges[cuts[r + 1]])) for r in range(w)]
+
+
+def test_cost_balanced_ties_go_to_the_earlier_boundary():
+    # [3] at topk=1 over 2 ranks: costs 1 1 1; the boundaries after tokens 1 and 2 are both 0.5 from
+    # C / 2 = 1.5, and the earlier one wins
+    assert [cost_balanced_split([3], 2, min_tokens=0, topk=1).token_ids(r).tolist() for r in range(2)] == [[0], [1, 2]]
+    for lens in ([1], [2], [3], [4], [5], [1, 1], [2, 1], [1, 3], [3, 3], [2, 2, 2], [5, 1, 4], [0, 6, 1]):
+        for w in (2, 3, 4):
+            for align in (1, 2, 3):
+                for topk in (1, 2, 3, 100):
+                    plan = cost_balanced_split(lens, w, align=align, min_tokens=0, topk=topk)
+                    ref = _cost_balanced_oracle(lens, w, align, topk)
+                    assert [plan.token_ids(r).tolist() for r in range(w)] == ref, (lens, w, align, topk)
