@@ -19,7 +19,7 @@ import torch.distributed as dist
 from shardattn.launch.workloads import build_prefill
 from shardattn.parallel.shardq import shardq_prefill
 from shardattn.parallel.shardq_pipeline import check_pipeline_workspace
-from shardattn.plan.pipeline import pipeline_plan
+from shardattn.plan.pipeline import CHUNK_ALIGN, MAX_CHUNKS, pipeline_plan
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.plan.workspace import workspace_bounds
 from shardattn.plan.zigzag import zigzag_split
@@ -147,3 +147,48 @@ def test_a_workspace_out_too_small_for_the_staged_queries_is_refused(dist_pool, 
         pytest.skip("needs 2 ranks; run with --nproc 2 or more")
     for msg in dist_pool.run(_short_out_body, world_size=2):
         assert "workspace['out']" in msg and "needs at least" in msg, msg
+
+
+def _least_accepted(key: str, pipe, rank: int, q: torch.Tensor, v_dim: int, topk: int) -> int:
+    """The fewest bytes of ``workspace[key]`` the step's own check accepts on ``rank`` (the other
+    buffers ample): what the step really carves from it, found by bisection."""
+    big = 1 << 40
+
+    def accepted(nbytes: int) -> bool:
+        ws = {
+            k: torch.empty(nbytes if k == key else big, dtype=torch.uint8, device="meta") for k in ("q", "out", "lse")
+        }
+        try:
+            check_pipeline_workspace(ws, pipe, rank, q, v_dim, topk, False)
+        except ValueError:
+            return False
+        return True
+
+    lo, hi = 0, big
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if accepted(mid) else (mid + 1, hi)
+    return lo
+
+
+@pytest.mark.parametrize(
+    ("spec", "world", "tokens"),
+    [(WIDE_Q, 2, 100), (WIDE_Q, 3, 77), (get_preset("glm5"), 16, 32768), (get_preset("deepseek-v32"), 16, 5000)],
+    ids=["48-16-world2", "48-16-world3", "glm5-world16", "dsv32-world16"],
+)
+def test_shardq_send_and_receive_bounds_are_what_the_largest_step_carves(spec: ModelSpec, world: int, tokens: int):
+    # one query per group (G = 1: no rounding of a rank's share), so the planner's out and packed_q
+    # items exceed the most any rank of the largest step carves only by the alignment of the pieces
+    # (a chunk's buffers, or a peer's staged piece, start on a 256-byte boundary) and one token of
+    # each peer (the bound takes every peer's share at the largest, ceil(M / W))
+    wb = workspace_bounds(spec, max_batched_tokens=tokens, world_size=world, mode="shardq", group_size=1)
+    dt = getattr(torch, spec.dtype)
+    h = spec.num_heads // world
+    split = zigzag_split([tokens], world, min_tokens=0)
+    pipe = pipeline_plan(split, 1)
+    q = torch.empty(tokens, h, spec.head_dim, dtype=dt, device="meta")
+    row = h * max(spec.head_dim * dt.itemsize, spec.v_dim * dt.itemsize + 4)
+    slack = (MAX_CHUNKS + 2 * world) * CHUNK_ALIGN + (world - 1) * row
+    for key, item in (("out", wb.out), ("q", wb.packed_q)):
+        need = max(_least_accepted(key, pipe, r, q, spec.v_dim, spec.topk) for r in range(world))
+        assert need <= item <= need + slack, (key, need, item)
