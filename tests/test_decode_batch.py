@@ -237,3 +237,18 @@ def test_decode_workspace_is_what_the_step_exchanges():
     assert wb.send == wb.recv == 8 * part
     assert wb.total <= 0.5e9, wb.total  # was 1.85 GB: fp32 partials of 8 x 64 heads
     assert wb.items == workspace_bounds(spec, max_batched_tokens=1024, world_size=8, mode="dcp-decode", tp_size=8).items
+
+
+@pytest.mark.parametrize("padded", [None, 5], ids=["eager", "bucket"])
+def test_one_query_per_request_plan_is_the_same_causal_or_not(padded):
+    # one query a request (given by offsets, a request without queries among them): a query sees
+    # all L_b tokens either way, so both causalities make one plan, equal fingerprints and no
+    # causality a step could refuse it for
+    seq_lens, indptr = [7, 3, 0, 12], [0, 1, 2, 2, 3]
+    plans = [plan_decode_batch(seq_lens, indptr, padded_requests=padded, causal=c) for c in (True, False)]
+    slots = 4 if padded is None else padded
+    for plan in plans:
+        assert plan.causal is None
+        assert plan.token_rows.tolist() == [0, 1, 3]  # slot b's one row is b; the empty request's is padding
+        assert plan.meta[0].tolist() == [7, 3, 0, 12] + [0] * (slots - 4)
+    assert plans[0].fingerprint == plans[1].fingerprint
