@@ -73,6 +73,8 @@ def test_route_keeps_the_bitmap_union_and_hashes_where_it_would_sort():
     assert route_decode_dedup(k, 32 * BITMAP_SCAN_RATIO * k) == "union"
     assert route_decode_dedup(k, 40_000_000) == "unique"
     assert route_decode_dedup(MAX_UNIQUE_ENTRIES + 1, 40_000_000) == "union"  # past the kernel's row
+    # the hash takes rows of up to 8,192 entries: the last one it takes is hashed
+    assert MAX_UNIQUE_ENTRIES == 8192 and route_decode_dedup(8192, 40_000_000) == "unique"
 
 
 @pytest.mark.parametrize("num_kv_rows", [50, 10_000_000])
