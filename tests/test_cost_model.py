@@ -105,6 +105,62 @@ def test_prediction_parts_add_up_and_scale() -> None:
     assert slow.predict_step(_shape(2), "shardq").comm_ms > 100 * p.comm_ms
 
 
+def test_predictions_are_the_documented_sums_of_their_terms() -> None:
+    # a table of exact lines (ms = a_h + b_h * tokens * topk at 8 and 32 heads), one rate per
+    # collective and overheads that hide half the exposed time: each step's time written out here
+    # term by term from the model's definitions (kernel, collectives moving (W-1)/W of their bytes,
+    # copies reading and writing what moves, the step's overhead on those)
+    lines = {8: (0.05, 1e-6), 32: (0.08, 2.5e-6)}
+    pts = tuple(
+        KernelPoint(h, 64, 1, 1.0, t, 1024, a + b * t * 1024) for h, (a, b) in lines.items() for t in (1024, 4096)
+    )
+    ov = {"headtp": StepOverhead(0.01, 1.0), "shardq": StepOverhead(0.1, 1.5, 0.5), "pcp": StepOverhead(0.2, 1.25, 0.4)}
+    rates = {"all_to_all": (0.02, 200.0), "all_gather": (0.03, 100.0)}
+    table = Calibration(
+        gpu="Test GPU",
+        kernels=pts,
+        collectives=tuple(CollectiveRate(op, 4, lat, gbps) for op, (lat, gbps) in rates.items()),
+        copy_gbps=1000.0,
+        union_ratio={2: 1.2, 4: 1.3, 8: 1.4},
+        steps=ov,
+        source="test",
+    )
+    model = CostModel(table)
+    h, w, t, k, d, dv, e = 80, 4, 4096, 512, 576, 512, 2
+    shape = StepShape(heads=h, world_size=w, tokens=t, topk=k, head_dim=d, v_dim=dv, dtype_bytes=e)
+
+    def line(heads: int, tokens: int) -> float:
+        a, b = lines[heads]
+        return a + b * tokens * k
+
+    def coll(op: str, nbytes: int) -> float:
+        lat, gbps = rates[op]
+        return lat + nbytes * (w - 1) / w / (gbps * 1e9) * 1e3
+
+    def total(step: str, kernel: float, comm: float, moved: int) -> float:
+        exposed = comm + 2 * moved / 1e12 * 1e3
+        o = ov[step]
+        return kernel + o.fixed_ms + o.factor * (exposed - o.hidden * min(exposed, kernel))
+
+    # head-TP: 20 heads a rank, halfway between the 8- and 32-head lines
+    kernel = 0.5 * line(8, t) + 0.5 * line(32, t)
+    assert model.predict_step(shape, "headtp").ms == pytest.approx(kernel + 0.01, rel=1e-9)
+    # ShardQ: all 80 heads on a quarter of the tokens (past 32 heads: proportional to the heads);
+    # this rank's 20 heads of every token out as queries and back as outputs and fp32 LSEs
+    kernel = line(32, t // w) * h / 32
+    q_bytes, o_bytes = t * (h // w) * d * e, t * (h // w) * (dv * e + 4)
+    comm = coll("all_to_all", q_bytes) + coll("all_to_all", o_bytes)
+    pred = model.predict_step(shape, "shardq")
+    assert (pred.kernel_ms, pred.comm_ms) == (pytest.approx(kernel, rel=1e-9), pytest.approx(comm, rel=1e-9))
+    assert pred.ms == pytest.approx(total("shardq", kernel, comm, q_bytes + o_bytes), rel=1e-9)
+    # PCP: the new tokens' KV rows all-gathered; the rank's outputs and LSEs of its heads copied
+    comm = coll("all_gather", t * d * e)
+    moved = t * d * e + (t // w) * h * (dv * e + 4)
+    pred = model.predict_step(shape, "pcp")
+    assert pred.comm_ms == pytest.approx(comm, rel=1e-9)
+    assert pred.ms == pytest.approx(total("pcp", kernel, comm, moved), rel=1e-9)
+
+
 def test_candidate_groups_fit_the_tile() -> None:
     assert candidate_group_sizes(16) == (1, 2, 4)
     assert candidate_group_sizes(128) == (1,)
