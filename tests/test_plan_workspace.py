@@ -6,9 +6,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardattn.kernels.triton.lse_merge import split_partials
 from shardattn.plan import (
     ITEM_LIFETIMES,
     WORKSPACE_ITEMS,
@@ -236,3 +238,18 @@ def test_headtp_union_holds_one_pass_of_every_token_in_whole_groups(m):
     g = wb.group_size
     assert g > 1 and wb.union >= -(-m // g) * g * spec.topk * 4
     assert wb.union // (spec.topk * 4) // g * g >= m  # the Runtime's tokens per pass
+
+
+@pytest.mark.parametrize(
+    ("mode", "w", "splits"), [("dcp-decode", 4, 3), ("headtp-decode", 8, 2), ("dcp-decode", 2, 16)]
+)
+def test_split_partials_hold_what_the_split_kv_kernel_carves(mode, w, splits):
+    # the split-KV decode kernels take their fp32 partial outputs and LSEs as views of one buffer of
+    # split_partials_numel elements: the item is that buffer for the step's tokens and kernel heads
+    m = 37
+    wb = workspace_bounds(GLM5, max_batched_tokens=m, world_size=w, mode=mode, num_kv_splits=splits)
+    heads = GLM5.num_heads if mode == "dcp-decode" else GLM5.num_heads // w  # all heads gathered / a TP share
+    partials = split_partials(None, splits, m, heads, GLM5.v_dim, torch.device("cpu"))
+    assert wb.split_partials == sum(p.numel() * p.element_size() for p in partials)
+    # one split: the kernel writes the merged result directly, no partials
+    assert workspace_bounds(GLM5, max_batched_tokens=m, world_size=w, mode=mode).split_partials == 0
