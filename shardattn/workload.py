@@ -150,8 +150,8 @@ def synthetic_topk(
                 th = theta[sel][:, None]
                 noise[sel] = torch.cos(th) * field(i)[None, :] + torch.sin(th) * field(i + 1)[None, :]
         score = a * base[None, :] + b * noise
-        if c > 0.0:  # a query's row at a time: the draws do not depend on ``chunk``
-            score += c * torch.stack([torch.randn(ctx, generator=gen, device=device) for _ in range(t1 - t0)])
+        for row in score if c > 0.0 else ():  # a query at a time: the draws do not depend on ``chunk``
+            row += c * torch.randn(ctx, generator=gen, device=device)
         limit = start_position + ts  # last allowed position per query
         score.masked_fill_(pos_all[None, :] > limit[:, None], -math.inf)
         k_eff = min(topk, ctx)
