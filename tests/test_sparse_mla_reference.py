@@ -63,7 +63,7 @@ def test_reference_matches_oracle(t, h, d, r, k, dv_frac, invalid, dups, with_le
     q, kv = torch.randn(t, h, d, generator=g), torch.randn(r, d, generator=g)
     rows = torch.randint(0, r, (t, k), generator=g, dtype=torch.int32)
     if dups and k > 1:
-        rows[:, k // 2 :] = rows[:, : k - k // 2]  # the second half repeats the first
+        rows[:, k // 2 :] = rows[:, : k - k // 2].clone()  # the second half repeats the first
     junk = torch.tensor([-1, -5, r, r + 3], dtype=torch.int32)[torch.randint(0, 4, (t, k), generator=g)]
     rows = torch.where(torch.rand(t, k, generator=g) < invalid, junk, rows)
     if empty_row and t:
