@@ -10,7 +10,7 @@ Build the peer first (FlashMLA and the CUTLASS it pins are not part of shardattn
     benchmarks/peer/build_flashmla_peer.sh $FLASHMLA $FLASHMLA/csrc/cutlass flashmla_fp8_decode.so fp8_decode
     python benchmarks/decode_fp8_peer.py --peer-lib flashmla_fp8_decode.so --json decode_fp8_peer.json
 
-Each case: a KV cache of ``--kv-rows`` DSA-like bf16 rows (normal values times a per-channel
+One KV cache for every case: ``--kv-rows`` DSA-like bf16 rows (normal values times a per-channel
 magnitude drawn log-normally, as MLA latents carry a few large channels; the rope channels
 alike) written into a paged fp8_ds_mla cache by :func:`shardattn.ops.kv_fp8.write_kv` (pages of
 ``--page-size`` rows, a padding row after each page as FlashMLA allocates them; shardattn reads
@@ -19,7 +19,8 @@ the same rows from a copy without the padding: its kernels address row ``r`` at 
 past the cache) sprinkled in, and (``T >= 2``) one token with no valid row. A cache past
 ``DENSE_MAX_ROWS`` (2**22 rows) is drawn in chunks, each token's rows from a permutation, so
 ``--kv-rows 40000000`` needs the rows' 46 GB of bf16, the FP8 cache's 26 GB and its unpadded copy's
-26 GB, not a [T, rows] draw or the cache in fp32 besides. Checks: both
+24 GB (an H200's memory, not an H100's), not a [T, rows] draw or the cache in fp32 besides; each
+case (``H`` heads, ``T`` tokens) draws its own queries and rows over it. Checks: both
 outputs and LSEs against the fp32 reference on the dequantised rows (only those the top-k names)
 (:func:`shardattn.ops.kv_fp8.dequantize_kv`, :func:`shardattn.ops.sparse_mla.sparse_mla_reference`),
 the empty token exactly ``(0, -inf)``. Timing: CUDA-graph replays with the L2 flushed
@@ -60,8 +61,9 @@ SCALE = get_preset("deepseek-v32").softmax_scale  # the model's: 192**-0.5 * msc
 DENSE_MAX_ROWS = 1 << 22
 
 
-def make_case(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, seed: int, device: str = "cuda"):
-    """``(q, kv_bf16 [N, 576], cache [pages, page_size, 656], rows [T, K] int32, valid keys)``."""
+def make_cache(kv_rows: int, page_size: int, seed: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kv_bf16 [N, 576], cache [pages, page_size, 656])``: DSA-like rows and the paged FP8 cache
+    holding them (a padding row after each page)."""
     g = torch.Generator(device=device).manual_seed(seed)
     channel = torch.exp(torch.randn(576, device=device, generator=g) * 0.8)  # a few large channels
     if kv_rows <= DENSE_MAX_ROWS:
@@ -74,17 +76,33 @@ def make_case(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, 
     pages = -(-kv_rows // page_size)
     cache = torch.zeros(pages, page_size + 1, 656, dtype=torch.uint8, device=device)[:, :page_size]
     write_kv(cache, torch.arange(kv_rows, device=device), kv)
+    return kv, cache
+
+
+def make_queries(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, seed: int, device: str = "cuda"):
+    """``(q [T, H, 576] bf16, rows [T, K] int32, valid keys)`` over a cache of ``kv_rows`` rows in
+    pages of ``page_size``: unique random rows a token, a few -1 and past-the-cache entries, and
+    (``T >= 2``) token 1 with no valid row."""
+    g = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(tokens, heads, 576, device=device, generator=g).bfloat16()
     if kv_rows <= DENSE_MAX_ROWS:
         rows = torch.rand(tokens, kv_rows, device=device, generator=g).topk(topk, dim=1).indices.int()
     else:  # unique rows per token, as an indexer's top-k
         rows = torch.stack([torch.randperm(kv_rows, device=device, generator=g)[:topk] for _ in range(tokens)]).int()
     noise = torch.rand(tokens, topk, device=device, generator=g)
-    past = pages * page_size + 5  # past the cache's last row
+    past = -(-kv_rows // page_size) * page_size + 5  # past the cache's last row
     rows = torch.where(noise < 0.03, -1, torch.where(noise > 0.99, past, rows)).int()
     if tokens >= 2:
         rows[1] = -1  # a token with no valid row
     valid = int(((rows >= 0) & (rows < kv_rows)).sum())
+    return q, rows, valid
+
+
+def make_case(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, seed: int, device: str = "cuda"):
+    """``(q, kv_bf16 [N, 576], cache [pages, page_size, 656], rows [T, K] int32, valid keys)``: a
+    cache of its own (:func:`make_cache`) and queries over it (:func:`make_queries`)."""
+    kv, cache = make_cache(kv_rows, page_size, seed, device)
+    q, rows, valid = make_queries(tokens, heads, topk, kv_rows, page_size, seed, device)
     return q, kv, cache, rows, valid
 
 
@@ -154,14 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
     peer = FlashMLAFp8Decode(args.peer_lib)
     records = []
+    kv, cache = make_cache(args.kv_rows, args.page_size, seed=0)  # one cache for every case
+    rows_fp8 = cache.reshape(-1, 656)  # the same rows without the page padding (a copy)
     for heads in args.heads:
         for tokens in args.tokens:
-            q, kv, cache, rows, valid = make_case(tokens, heads, args.topk, args.kv_rows, args.page_size, seed=tokens)
+            q, rows, valid = make_queries(tokens, heads, args.topk, args.kv_rows, args.page_size, seed=tokens)
             call = peer.prepare(q, cache, rows, SCALE)
             call.run()
             torch.cuda.synchronize()
             peer_res = check("FlashMLA", *call.result(), q, cache, rows, kv)
-            rows_fp8 = cache.reshape(-1, 656)  # the same rows without the page padding (a copy)
             ours = sparse_mla_decode(q, rows_fp8, rows, scale=SCALE)
             ours_res = check("shardattn FP8", *ours, q, cache, rows, kv)
             unique = sparse_mla_decode(q, rows_fp8, rows, scale=SCALE, rows_unique=True)
