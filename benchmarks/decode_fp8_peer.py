@@ -10,17 +10,16 @@ Build the peer first (FlashMLA and the CUTLASS it pins are not part of shardattn
     benchmarks/peer/build_flashmla_peer.sh $FLASHMLA $FLASHMLA/csrc/cutlass flashmla_fp8_decode.so fp8_decode
     python benchmarks/decode_fp8_peer.py --peer-lib flashmla_fp8_decode.so --json decode_fp8_peer.json
 
-One KV cache for every case: ``--kv-rows`` DSA-like bf16 rows (normal values times a per-channel
-magnitude drawn log-normally, as MLA latents carry a few large channels; the rope channels
-alike) written into a paged fp8_ds_mla cache by :func:`shardattn.ops.kv_fp8.write_kv` (pages of
-``--page-size`` rows, a padding row after each page as FlashMLA allocates them; shardattn reads
-the same rows from a copy without the padding: its kernels address row ``r`` at ``r * 656``),
-``T`` decode tokens of ``H`` heads, unique random top-k rows per token with invalid entries (-1,
-past the cache) sprinkled in, and (``T >= 2``) one token with no valid row. A cache past
-``DENSE_MAX_ROWS`` (2**22 rows) is drawn in chunks, each token's rows from a permutation, so
-``--kv-rows 40000000`` needs the rows' 46 GB of bf16, the FP8 cache's 26 GB and its unpadded copy's
-24 GB (an H200's memory, not an H100's), not a [T, rows] draw or the cache in fp32 besides; each
-case (``H`` heads, ``T`` tokens) draws its own queries and rows over it. Checks: both
+One KV cache for every case: ``--kv-rows`` DSA-like bf16 rows (:class:`SourceRows`) written into a
+paged fp8_ds_mla cache by :func:`shardattn.ops.kv_fp8.write_kv` (pages of ``--page-size`` rows, a
+padding row after each page as FlashMLA allocates them; shardattn reads the same rows from a copy
+without the padding: its kernels address row ``r`` at ``r * 656``), and for each case ``T`` decode
+tokens of ``H`` heads, unique random top-k rows per token with invalid entries (-1, past the cache)
+sprinkled in, and (``T >= 2``) one token with no valid row. The rows are drawn in chunks of
+``DENSE_MAX_ROWS`` (2**22), each from a generator of its own, and each token's rows past that size
+from a permutation, so ``--kv-rows 40000000`` holds the FP8 cache's 26 GB and its unpadded copy's
+24 GB (an H100 holds them), the bf16 rows' 46 GB besides only where they fit (an H200: then the
+bf16 decode is timed on them too), not a [T, rows] draw or the cache in fp32. Checks: both
 outputs and LSEs against the fp32 reference on the dequantised rows (only those the top-k names)
 (:func:`shardattn.ops.kv_fp8.dequantize_kv`, :func:`shardattn.ops.sparse_mla.sparse_mla_reference`),
 the empty token exactly ``(0, -inf)``. Timing: CUDA-graph replays with the L2 flushed
@@ -55,28 +54,61 @@ from shardattn.plan.spec import get_preset
 SCALE = get_preset("deepseek-v32").softmax_scale  # the model's: 192**-0.5 * mscale**2
 
 
-#: Caches of more rows are drawn in chunks of this many, and each token's top-k by a random
-#: permutation: a cache of real size (tens of millions of rows) in fp32, or a [T, rows] draw, would
-#: not fit beside it. Caches up to this size are drawn as before (the recorded inputs).
+#: Caches of more rows are drawn in chunks of this many (each from its own generator, so any
+#: chunk can be drawn again), and each token's top-k by a random permutation: a cache of real size
+#: (tens of millions of rows) in fp32, or a [T, rows] draw, would not fit beside it.
 DENSE_MAX_ROWS = 1 << 22
 
 
-def make_cache(kv_rows: int, page_size: int, seed: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(kv_bf16 [N, 576], cache [pages, page_size, 656])``: DSA-like rows and the paged FP8 cache
-    holding them (a padding row after each page)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    channel = torch.exp(torch.randn(576, device=device, generator=g) * 0.8)  # a few large channels
-    if kv_rows <= DENSE_MAX_ROWS:
-        kv = (torch.randn(kv_rows, 576, device=device, generator=g) * channel).bfloat16()
-    else:
-        kv = torch.empty(kv_rows, 576, dtype=torch.bfloat16, device=device)
-        for start in range(0, kv_rows, DENSE_MAX_ROWS):
-            chunk = kv[start : start + DENSE_MAX_ROWS]
-            chunk.copy_(torch.randn(chunk.shape, device=device, generator=g) * channel)
+class SourceRows:
+    """The DSA-like bf16 rows ``[N, 576]`` a cache is quantised from (normal values times a
+    per-channel magnitude drawn log-normally: MLA latents carry a few large channels), drawn in
+    chunks of :data:`DENSE_MAX_ROWS`, chunk ``c`` from a generator of its own: :meth:`whole` makes
+    them all, :meth:`gather` only the chunks that hold the rows asked for (a check needs a few
+    thousand rows of a 46 GB cache, which then need not be held)."""
+
+    def __init__(self, num_rows: int, seed: int, device: str) -> None:
+        self.num_rows, self.seed, self.device = num_rows, seed, device
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.channel = torch.exp(torch.randn(576, device=device, generator=g) * 0.8)
+
+    def chunk(self, c: int) -> torch.Tensor:
+        """Rows ``[c * DENSE_MAX_ROWS, ...)``, bf16."""
+        n = min(DENSE_MAX_ROWS, self.num_rows - c * DENSE_MAX_ROWS)
+        g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + 1 + c)
+        return (torch.randn(n, 576, device=self.device, generator=g) * self.channel).bfloat16()
+
+    def chunks(self) -> range:
+        return range(-(-self.num_rows // DENSE_MAX_ROWS))
+
+    def whole(self) -> torch.Tensor:
+        """Every row, ``[N, 576]`` bf16."""
+        kv = torch.empty(self.num_rows, 576, dtype=torch.bfloat16, device=self.device)
+        for c in self.chunks():
+            kv[c * DENSE_MAX_ROWS : (c + 1) * DENSE_MAX_ROWS] = self.chunk(c)
+        return kv
+
+    def gather(self, picked: torch.Tensor) -> torch.Tensor:
+        """Rows ``picked [n]`` (int64, in ``[0, N)``), ``[n, 576]`` bf16."""
+        out = torch.empty(picked.numel(), 576, dtype=torch.bfloat16, device=self.device)
+        which = picked // DENSE_MAX_ROWS
+        for c in torch.unique(which).tolist():
+            sel = which == c
+            out[sel] = self.chunk(c)[picked[sel] - c * DENSE_MAX_ROWS]
+        return out
+
+
+def make_cache(kv_rows: int, page_size: int, seed: int, device: str = "cuda") -> tuple[SourceRows, torch.Tensor]:
+    """``(source rows, cache [pages, page_size, 656])``: the paged FP8 cache of :class:`SourceRows`
+    (a padding row after each page), written chunk by chunk."""
+    source = SourceRows(kv_rows, seed, device)
     pages = -(-kv_rows // page_size)
     cache = torch.zeros(pages, page_size + 1, 656, dtype=torch.uint8, device=device)[:, :page_size]
-    write_kv(cache, torch.arange(kv_rows, device=device), kv)
-    return kv, cache
+    for c in source.chunks():
+        start = c * DENSE_MAX_ROWS
+        chunk = source.chunk(c)
+        write_kv(cache, torch.arange(start, start + chunk.shape[0], device=device), chunk)
+    return source, cache
 
 
 def make_queries(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, seed: int, device: str = "cuda"):
@@ -101,9 +133,9 @@ def make_queries(tokens: int, heads: int, topk: int, kv_rows: int, page_size: in
 def make_case(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, seed: int, device: str = "cuda"):
     """``(q, kv_bf16 [N, 576], cache [pages, page_size, 656], rows [T, K] int32, valid keys)``: a
     cache of its own (:func:`make_cache`) and queries over it (:func:`make_queries`)."""
-    kv, cache = make_cache(kv_rows, page_size, seed, device)
+    source, cache = make_cache(kv_rows, page_size, seed, device)
     q, rows, valid = make_queries(tokens, heads, topk, kv_rows, page_size, seed, device)
-    return q, kv, cache, rows, valid
+    return q, source.whole(), cache, rows, valid
 
 
 def referenced(rows: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,16 +148,19 @@ def referenced(rows: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.T
     return picked, torch.where(valid, local, -1).int()
 
 
-def check(what: str, out, lse, q, cache, rows, kv) -> dict:
+def check(what: str, out, lse, q, cache, rows, kv: torch.Tensor | SourceRows) -> dict:
     """``what``'s output against the fp32 reference on the dequantised cache (raises when it is
-    off) and against the one on the original bf16 rows ``kv`` (the error FP8 costs). Only the rows
-    the top-k names are dequantised (cache row = page * page_size + offset)."""
+    off) and against the one on the original bf16 rows ``kv`` (the error FP8 costs: ``[N, 576]``,
+    or the :class:`SourceRows` that draws them). Only the rows the top-k names are dequantised
+    (cache row = page * page_size + offset) or drawn."""
     page = cache.shape[1]
     picked, local = referenced(rows, cache.shape[0] * page)
     deq = dequantize_kv(cache[picked // page, picked % page], torch.float32)
     ref_out, ref_lse = sparse_mla_reference(q.float(), deq, local, scale=SCALE)
-    picked, local = referenced(rows, kv.shape[0])
-    bf16_out, _ = sparse_mla_reference(q.float(), kv[picked].float(), local, scale=SCALE)
+    num_rows = kv.num_rows if isinstance(kv, SourceRows) else kv.shape[0]
+    picked, local = referenced(rows, num_rows)
+    source = kv.gather(picked) if isinstance(kv, SourceRows) else kv[picked]
+    bf16_out, _ = sparse_mla_reference(q.float(), source.float(), local, scale=SCALE)
     empty = torch.isneginf(ref_lse)
     err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
     lse_gap = (lse[~empty] - ref_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
@@ -134,6 +169,20 @@ def check(what: str, out, lse, q, cache, rows, kv) -> dict:
         raise RuntimeError(f"{what} differs from the reference: out rel err {err}, lse gap {lse_gap}, empty {empty_ok}")
     vs_bf16 = ((out.float() - bf16_out).norm() / bf16_out.norm()).item()
     return {"out_rel_err": err, "lse_max_abs_err": lse_gap, "vs_bf16": vs_bf16}
+
+
+def bf16_rows_if_they_fit(source: SourceRows) -> torch.Tensor | None:
+    """The bf16 rows whole (the bf16 decode is timed on them) where they fit in the GPU's free
+    memory with 4 GiB to spare, else ``None`` (said on stdout): 40M rows' 46 GB fit beside the FP8
+    caches on an H200, not on an H100."""
+    need = source.num_rows * 576 * 2
+    free = torch.cuda.mem_get_info()[0]
+    if free < need + (4 << 30):
+        print(
+            f"the bf16 rows ({need / 1e9:.0f} GB) do not fit beside the FP8 caches: bf16 decode not timed", flush=True
+        )
+        return None
+    return source.whole()
 
 
 def peer_time(run) -> tuple[float, str]:
@@ -172,32 +221,35 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env['gpu']}, torch {env['versions']['torch']}, Triton {env['versions']['triton']}", flush=True)
     peer = FlashMLAFp8Decode(args.peer_lib)
     records = []
-    kv, cache = make_cache(args.kv_rows, args.page_size, seed=0)  # one cache for every case
+    source, cache = make_cache(args.kv_rows, args.page_size, seed=0)  # one cache for every case
     rows_fp8 = cache.reshape(-1, 656)  # the same rows without the page padding (a copy)
+    kv = bf16_rows_if_they_fit(source)
     for heads in args.heads:
         for tokens in args.tokens:
             q, rows, valid = make_queries(tokens, heads, args.topk, args.kv_rows, args.page_size, seed=tokens)
             call = peer.prepare(q, cache, rows, SCALE)
             call.run()
             torch.cuda.synchronize()
-            peer_res = check("FlashMLA", *call.result(), q, cache, rows, kv)
+            peer_res = check("FlashMLA", *call.result(), q, cache, rows, source)
             ours = sparse_mla_decode(q, rows_fp8, rows, scale=SCALE)
-            ours_res = check("shardattn FP8", *ours, q, cache, rows, kv)
+            ours_res = check("shardattn FP8", *ours, q, cache, rows, source)
             unique = sparse_mla_decode(q, rows_fp8, rows, scale=SCALE, rows_unique=True)
-            check("shardattn FP8, rows_unique=True", *unique, q, cache, rows, kv)
+            check("shardattn FP8, rows_unique=True", *unique, q, cache, rows, source)
             peer_us, timing = peer_time(call.run)
             ours_us = replay_us(lambda q=q, c=rows_fp8, rows=rows: sparse_mla_decode(q, c, rows, scale=SCALE))
             unique_us = replay_us(
                 lambda q=q, c=rows_fp8, rows=rows: sparse_mla_decode(q, c, rows, scale=SCALE, rows_unique=True)
             )
-            bf16_us = replay_us(lambda q=q, kv=kv, rows=rows: sparse_mla_decode(q, kv, rows, scale=SCALE))
+            bf16 = "not timed"
+            if kv is not None:
+                bf16 = f"{replay_us(lambda q=q, kv=kv, rows=rows: sparse_mla_decode(q, kv, rows, scale=SCALE)):.1f} us"
             tf = {k: flops(valid, heads) / (v * 1e-6) / 1e12 for k, v in (("ours", ours_us), ("peer", peer_us))}
             gbs = valid * 656 / (ours_us * 1e-6) / 1e9
             err_ours, err_peer = ours_res["vs_bf16"], peer_res["vs_bf16"]
             print(
                 f"{heads} heads x {tokens}: FP8 ours {ours_us:.1f} us ({tf['ours']:.0f} TF/s, KV {gbs:.0f} GB/s), "
                 f"rows_unique {unique_us:.1f} us, FlashMLA {peer_us:.1f} us ({tf['peer']:.0f} TF/s, {timing}), "
-                f"bf16 ours {bf16_us:.1f} us; "
+                f"bf16 ours {bf16}; "
                 f"error against the bf16 rows: ours {err_ours:.2e}, FlashMLA {err_peer:.2e}",
                 flush=True,
             )

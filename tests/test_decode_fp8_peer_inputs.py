@@ -62,3 +62,19 @@ def test_the_check_attends_the_keys_of_the_whole_dequantised_cache(peer_bench) -
     bad = (ours[0] * 1.5, ours[1])
     with pytest.raises(RuntimeError, match="differs from the reference"):
         peer_bench.check("CPU, scaled", *bad, q, cache, rows, kv)
+
+
+def test_source_rows_draw_again_the_rows_of_the_whole_cache(peer_bench, monkeypatch) -> None:
+    """A check on a cache whose bf16 rows are not held draws the chunks it needs again: the same rows
+    as the whole draw, in the order asked, and the same errors from ``check``."""
+    monkeypatch.setattr(peer_bench, "DENSE_MAX_ROWS", 64)  # 300 rows: five chunks, a short one last
+    source, cache = peer_bench.make_cache(300, 16, seed=3, device="cpu")
+    whole = source.whole()
+    assert torch.equal(cache[torch.arange(300) // 16, torch.arange(300) % 16], quantize_kv(whole))
+    picked = torch.tensor([299, 0, 65, 64, 63, 200, 256, 0])
+    assert torch.equal(source.gather(picked), whole[picked])
+    q, rows, _ = peer_bench.make_queries(4, 8, 32, 300, 16, seed=4, device="cpu")
+    out = sparse_mla_decode(q, cache.reshape(-1, 656), rows, scale=peer_bench.SCALE)
+    assert peer_bench.check("CPU", *out, q, cache, rows, source) == peer_bench.check("CPU", *out, q, cache, rows, whole)
+    other = peer_bench.SourceRows(300, 4, "cpu")  # another seed: other rows, a larger error against them
+    assert peer_bench.check("CPU", *out, q, cache, rows, other)["vs_bf16"] > 0.5
