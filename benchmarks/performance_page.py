@@ -128,8 +128,10 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "*no rows read* rows (`--no-reads`): the same step with every entry -1, so no row is read, "
         "against the step that reads them (ratio = with reads / without); where it is close to 1 the "
         "step is bound by its own instructions, not by HBM. *against Triton split-KV* rows (`--triton`): "
-        "the routed step against the Triton split-KV kernel on the same call (ratio = Triton / routed).",
-        (),
+        "the routed step against the Triton split-KV kernel on the same call (ratio = Triton / routed). "
+        "The plot draws the step ratios of the H200 on the 262,144-row cache, the latest of each shape "
+        "(`python benchmarks/plot_read_floor.py --png ...`).",
+        ("decode-read-floor-2026-12-05.png",),
     ),
     "decode-cache-size": (
         "Sparse-MLA decode on a cache of real size",

@@ -70,3 +70,17 @@ def test_a_record_filed_under_another_table_is_refused(tmp_path: Path) -> None:
     (tmp_path / "unknown-op.json").write_text("[]")
     with pytest.raises(ValueError, match="no section for benchmark 'unknown-op'"):
         page.load(tmp_path)
+
+
+def test_read_floor_plot_takes_the_latest_step_ratio_of_its_gpu_and_cache() -> None:
+    _page()  # puts benchmarks/ on the path
+    plot_read_floor = importlib.import_module("plot_read_floor")
+
+    def rec(date: str, ratio: float, gpu: str = "NVIDIA H200", rows: int = 262144, metric: str = "step us") -> dict:
+        config = {"kv": "bf16", "heads": 16, "batch": 64, "topk": 512, "cache_rows": rows}
+        return {"date": date, "ratio": ratio, "gpu": gpu, "metric": metric, "config": config}
+
+    records = [rec("2026-12-05", 0.8), rec("2026-12-04", 0.5), rec("2026-12-06", 0.1, gpu="NVIDIA H100 80GB HBM3")]
+    records += [rec("2026-12-06", 0.2, rows=40000000), rec("2026-12-06", 0.3, metric="best swept us")]
+    data, dates = plot_read_floor.ratios(records, "NVIDIA H200", 262144)
+    assert data == {("bf16", 512): {16: {64: 0.8}}} and dates == ["2026-12-05"]
