@@ -106,8 +106,9 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "against FlashMLA's SM90 FP8 sparse decode on the same rows: microseconds per step, graph "
         "replays with the L2 flushed, top-k 2,048 of a 65,536-row paged cache. 'step us' is the call "
         "as made by default (the rows de-duplicated first: a row listed twice by a token is one key); "
-        "'rows_unique=True' skips that, the contract FlashMLA's kernel has.",
-        (),
+        "'rows_unique=True' skips that, the contract FlashMLA's kernel has. The plot draws FlashMLA's "
+        "time over ours, the latest of each shape (`python benchmarks/plot_records.py fp8-peer --png ...`).",
+        ("fp8-decode-peer-2026-12-05.png",),
     ),
     "fp8-decode-accuracy": (
         "FP8 decode error",
@@ -130,7 +131,7 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "step is bound by its own instructions, not by HBM. *against Triton split-KV* rows (`--triton`): "
         "the routed step against the Triton split-KV kernel on the same call (ratio = Triton / routed). "
         "The plot draws the step ratios of the H200 on the 262,144-row cache, the latest of each shape "
-        "(`python benchmarks/plot_read_floor.py --png ...`).",
+        "(`python benchmarks/plot_records.py read-floor --png ...`).",
         ("decode-read-floor-2026-12-05.png",),
     ),
     "decode-cache-size": (

@@ -72,9 +72,9 @@ def test_a_record_filed_under_another_table_is_refused(tmp_path: Path) -> None:
         page.load(tmp_path)
 
 
-def test_read_floor_plot_takes_the_latest_step_ratio_of_its_gpu_and_cache() -> None:
+def test_plots_take_the_latest_ratio_of_their_gpu_and_cache() -> None:
     _page()  # puts benchmarks/ on the path
-    plot_read_floor = importlib.import_module("plot_read_floor")
+    plots = importlib.import_module("plot_records")
 
     def rec(date: str, ratio: float, gpu: str = "NVIDIA H200", rows: int = 262144, metric: str = "step us") -> dict:
         config = {"kv": "bf16", "heads": 16, "batch": 64, "topk": 512, "cache_rows": rows}
@@ -82,5 +82,9 @@ def test_read_floor_plot_takes_the_latest_step_ratio_of_its_gpu_and_cache() -> N
 
     records = [rec("2026-12-05", 0.8), rec("2026-12-04", 0.5), rec("2026-12-06", 0.1, gpu="NVIDIA H100 80GB HBM3")]
     records += [rec("2026-12-06", 0.2, rows=40000000), rec("2026-12-06", 0.3, metric="best swept us")]
-    data, dates = plot_read_floor.ratios(records, "NVIDIA H200", 262144)
-    assert data == {("bf16", 512): {16: {64: 0.8}}} and dates == ["2026-12-05"]
+    data, dates = plots.ratios("read-floor", records, "NVIDIA H200", 262144)
+    assert data == {("bf16", 512): {"16 heads": {64: 0.8}}} and dates == ["2026-12-05"]
+    peer = [{**r, "config": {"heads": 64, "tokens": 8, "kv_rows": 65536}} for r in records[:2]]
+    peer += [{**records[0], "metric": "step us, rows_unique=True", "ratio": 1.1, "config": peer[0]["config"]}]
+    data, dates = plots.ratios("fp8-peer", peer, "NVIDIA H200", 65536)
+    assert data == {(64,): {"step us": {8: 0.8}, "step us, rows_unique=True": {8: 1.1}}}
