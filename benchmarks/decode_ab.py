@@ -9,8 +9,9 @@ this checkout with ``--compare DIR`` (the inputs are seeded, so both runs see th
     python benchmarks/decode_ab.py --compare /tmp/ab --json decode_ab.json
 
 Each case ``HxTxK`` (heads x tokens x top-k): ``decode_fp8_peer.py``'s inputs (DSA-like rows of a
-``--cache-rows`` cache, unique random top-k rows with -1 and past-the-cache entries sprinkled in,
-one token with no valid row), on the bf16 rows and on the same rows written as fp8_ds_mla;
+``--cache-rows`` cache, one for every case, and each case's unique random top-k rows with -1 and
+past-the-cache entries sprinkled in, one token with no valid row), on the bf16 rows and on the
+same rows written as fp8_ds_mla;
 ``sparse_mla_decode(..., rows_unique=True)`` (``--dedupe``: the default call, rows de-duplicated
 first), timed as CUDA-graph replays with the L2 flushed. Prints per case and format the kernel the
 call routes to, its microseconds and, with ``--compare``, the saved run's and whether the output
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_fp8_peer import SCALE, make_case  # beside this script
+from decode_fp8_peer import SCALE, make_cache, make_queries  # beside this script
 from graph_timing import replay_us
 from records import add_json_argument, environment, print_table, record, write_json
 
@@ -86,9 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         a.save.mkdir(parents=True, exist_ok=True)
     print(f"shardattn from {Path(shardattn.__file__).parent}")
     env, records, times, lines = environment(), [], {}, []
+    source, cache = make_cache(a.cache_rows, 64, seed=0)  # one cache for every case, each format made once
+    formats = {"bf16": source.whole() if "bf16" in a.kv_dtype else None}
+    formats["fp8_ds_mla"] = cache.reshape(-1, 656) if "fp8_ds_mla" in a.kv_dtype else None
+    del cache
     for heads, tokens, topk in a.cases:
-        q, kv, cache, rows, _valid = make_case(tokens, heads, topk, a.cache_rows, 64, seed=tokens + heads + topk)
-        formats = {"bf16": kv, "fp8_ds_mla": cache.reshape(-1, 656)}
+        q, rows, _valid = make_queries(tokens, heads, topk, a.cache_rows, 64, seed=tokens + heads + topk)
         for kind in a.kv_dtype:
             rows_kv = formats[kind]
             key = f"{heads}x{tokens}x{topk}-{kind}"
