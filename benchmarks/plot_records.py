@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,16 @@ RECORDS = Path(__file__).resolve().parents[1] / "docs" / "performance"
 Ratios = dict[tuple, dict[str, dict[int, float]]]
 
 
+def _floor_key(r: dict) -> tuple[tuple, str, int]:
+    c = r["config"]
+    return (c["kv"], c["topk"]), f"{c['heads']} heads", c["batch"]
+
+
+def _peer_key(r: dict) -> tuple[tuple, str, int]:
+    c = r["config"]
+    return (c["heads"],), r["metric"], c["tokens"]
+
+
 @dataclass(frozen=True)
 class Figure:
     """What one figure draws from one records file."""
@@ -39,21 +50,28 @@ class Figure:
     records: str  # file under docs/performance
     title: str
     cache_key: str  # the config key holding the cache's rows
+    cache_rows: int  # the cache size drawn by default
     metrics: tuple[str, ...]  # records drawn
+    key: Callable[[dict], tuple[tuple, str, int]]  # a record's (panel, line, batch)
+    panel_title: Callable[[tuple], str]
     target: float  # the dashed line
     ylabel: str
 
 
 FIGURES = {
     "read-floor": Figure(
-        "decode-read-floor.json", "Sparse-MLA decode against its read floor", "cache_rows", ("step us",),
-        1 / 1.15, "read floor / decode step",
+        "decode-read-floor.json", "Sparse-MLA decode against its read floor", "cache_rows", 262144, ("step us",),
+        _floor_key, lambda panel: f"{panel[0]}, top-k {panel[1]}", 1 / 1.15, "read floor / decode step",
     ),
     "fp8-peer": Figure(
-        "fp8-decode-peer.json", "FP8 sparse decode beside FlashMLA's", "kv_rows",
-        ("step us", "step us, rows_unique=True"), 1.0, "FlashMLA us / ours us",
+        "fp8-decode-peer.json", "FP8 sparse decode beside FlashMLA's", "kv_rows", 65536,
+        ("step us", "step us, rows_unique=True"), _peer_key, lambda panel: f"{panel[0]} heads", 1.0,
+        "FlashMLA us / ours us",
     ),
 }  # fmt: skip
+
+#: how a line's key reads in the legend, where it is not its own
+LABELS = {"step us": "as called (rows de-duplicated)", "step us, rows_unique=True": "rows_unique=True"}
 
 
 def ratios(name: str, records: list[dict], gpu: str, cache_rows: int) -> tuple[Ratios, list[str]]:
@@ -65,24 +83,12 @@ def ratios(name: str, records: list[dict], gpu: str, cache_rows: int) -> tuple[R
     out: Ratios = {}
     dates: dict[tuple, str] = {}
     for r in sorted(records, key=lambda r: r["date"]):
-        c = r["config"]
-        if r["metric"] not in fig.metrics or r["gpu"] != gpu or c.get(fig.cache_key) != cache_rows:
+        if r["metric"] not in fig.metrics or r["gpu"] != gpu or r["config"].get(fig.cache_key) != cache_rows:
             continue
-        if name == "read-floor":
-            panel, line, batch = (c["kv"], c["topk"]), f"{c['heads']} heads", c["batch"]
-        else:
-            panel, line, batch = (c["heads"],), r["metric"], c["tokens"]
+        panel, line, batch = fig.key(r)
         out.setdefault(panel, {}).setdefault(line, {})[batch] = r["ratio"]
         dates[panel, line, batch] = r["date"]
     return out, sorted(set(dates.values()))
-
-
-#: how a line's key reads in the legend, where it is not its own
-LABELS = {"step us": "as called (rows de-duplicated)", "step us, rows_unique=True": "rows_unique=True"}
-
-
-def _panel_title(name: str, panel: tuple) -> str:
-    return f"{panel[0]}, top-k {panel[1]}" if name == "read-floor" else f"{panel[0]} heads"
 
 
 def plot(name: str, data: Ratios, title: str, path: str) -> None:
@@ -110,7 +116,7 @@ def plot(name: str, data: Ratios, title: str, path: str) -> None:
                 batches = sorted(by_batch)
                 ax.plot(batches, [by_batch[b] for b in batches], "o-", color=color[line], label=LABELS.get(line, line))
             ax.axhline(fig.target, color="grey", linestyle="--", linewidth=1)
-            ax.set_title(_panel_title(name, panel), fontsize=9)
+            ax.set_title(fig.panel_title(panel), fontsize=9)
             ax.set_xscale("log", base=2)
             ax.set_ylim(0, 1.05 * top)
             ax.set_xlabel("batch (tokens)", fontsize=8)
@@ -127,12 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("figure", choices=sorted(FIGURES))
     ap.add_argument("--records", type=Path, default=None, help="the records file (default: the figure's own)")
     ap.add_argument("--gpu", default="NVIDIA H200")
-    ap.add_argument("--cache-rows", type=int, default=None, help="default: 262,144 (read-floor), 65,536 (fp8-peer)")
+    ap.add_argument("--cache-rows", type=int, default=None, help="default: the figure's (262,144 / 65,536 rows)")
     ap.add_argument("--png", required=True)
     args = ap.parse_args(argv)
     fig = FIGURES[args.figure]
     path = args.records or RECORDS / fig.records
-    cache_rows = args.cache_rows or (262144 if args.figure == "read-floor" else 65536)
+    cache_rows = args.cache_rows or fig.cache_rows
     data, dates = ratios(args.figure, read_json(path), args.gpu, cache_rows)
     if not data:
         print(f"no records of {args.gpu} at {cache_rows} cache rows in {path}", file=sys.stderr)
