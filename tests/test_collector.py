@@ -84,7 +84,6 @@ def _check_world(results: list, case: dict, world: int) -> None:
     out64, lse64 = sparse_mla_oracle(q, kv, rows, scale=case["scale"], v_dim=DV)
     outs = torch.stack([res["partial"][0] for res in results])
     lses = torch.stack([res["partial"][1] for res in results])
-    merged_out, merged_lse = lse_merge(outs, lses)
     h = q.shape[1]
     hs = h // world
     vmax = float(kv[:, :DV].float().abs().max())
@@ -104,8 +103,11 @@ def _check_world(results: list, case: dict, world: int) -> None:
                 )
                 assert_within_reference_error(lse, lse64[:, heads], ref_lse[:, heads], what=what + " lse")
                 if strategy != "reduce_scatter":  # the same merge on the same numbers: identical bits
-                    assert torch.equal(out, merged_out[:, heads]), what
-                    assert torch.equal(lse, merged_lse[:, heads]), what
+                    # (merged over the rank's heads alone, as the collector merges them: torch's CPU
+                    # reductions may round a slice of a larger merge otherwise, e.g. 2 of 16 heads)
+                    same_out, same_lse = lse_merge(outs[:, :, heads].contiguous(), lses[:, :, heads].contiguous())
+                    assert torch.equal(out, same_out), what
+                    assert torch.equal(lse, same_lse), what
                 used = resolve_strategy(strategy, "gloo", scatter_heads=scatter)
                 kinds = EXPECTED_COUNTS[used]
                 if used == "reduce_scatter" and not scatter:
