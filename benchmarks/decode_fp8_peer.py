@@ -131,14 +131,6 @@ def make_queries(tokens: int, heads: int, topk: int, kv_rows: int, page_size: in
     return q, rows, valid
 
 
-def make_case(tokens: int, heads: int, topk: int, kv_rows: int, page_size: int, seed: int, device: str = "cuda"):
-    """``(q, kv_bf16 [N, 576], cache [pages, page_size, 656], rows [T, K] int32, valid keys)``: a
-    cache of its own (:func:`make_cache`) and queries over it (:func:`make_queries`)."""
-    source, cache = make_cache(kv_rows, page_size, seed, device)
-    q, rows, valid = make_queries(tokens, heads, topk, kv_rows, page_size, seed, device)
-    return q, source.whole(), cache, rows, valid
-
-
 def referenced(rows: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(picked [n] int64, local [T, K] int32)``: the distinct rows of ``rows`` in ``[0, num_rows)``,
     sorted, and ``rows`` renumbered into them (-1 where invalid). A reference over ``x[picked]`` with

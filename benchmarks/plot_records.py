@@ -98,11 +98,11 @@ def plot(name: str, data: Ratios, title: str, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig = FIGURES[name]
-    if name == "read-floor":  # rows: KV formats; columns: top-k, largest first
+    if all(len(p) == 2 for p in data):  # a grid: rows by the first part, columns by the second, largest first
         rows = sorted({p[0] for p in data})
         cols = sorted({p[1] for p in data}, reverse=True)
-        grid = [[(kv, topk) for topk in cols] for kv in rows]
-    else:
+        grid = [[(first, second) for second in cols] for first in rows]
+    else:  # one row
         grid = [sorted(data, reverse=True)]
     lines = sorted({line for by_line in data.values() for line in by_line}, key=lambda s: (len(s), s))
     color = {line: f"C{i}" for i, line in enumerate(lines)}  # one colour a line in every panel

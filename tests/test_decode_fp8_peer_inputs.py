@@ -33,7 +33,9 @@ def peer_bench():
 def test_a_case_holds_unique_rows_of_its_cache(peer_bench, monkeypatch, dense: bool) -> None:
     if not dense:
         monkeypatch.setattr(peer_bench, "DENSE_MAX_ROWS", 64)  # 300 rows: five chunks, a short one last
-    q, kv, cache, rows, valid = peer_bench.make_case(4, 8, 32, 300, 16, seed=1, device="cpu")
+    source, cache = peer_bench.make_cache(300, 16, seed=1, device="cpu")
+    q, rows, valid = peer_bench.make_queries(4, 8, 32, 300, 16, seed=1, device="cpu")
+    kv = source.whole()
     assert kv.dtype == torch.bfloat16 and kv.shape == (300, 576) and bool(kv.float().abs().sum(1).gt(0).all())
     stored = cache[torch.arange(300) // 16, torch.arange(300) % 16]
     assert torch.equal(stored, quantize_kv(kv)), "the cache holds the rows, quantised"
@@ -48,7 +50,9 @@ def test_a_case_holds_unique_rows_of_its_cache(peer_bench, monkeypatch, dense: b
 
 
 def test_the_check_attends_the_keys_of_the_whole_dequantised_cache(peer_bench) -> None:
-    q, kv, cache, rows, _ = peer_bench.make_case(4, 8, 32, 300, 16, seed=2, device="cpu")
+    source, cache = peer_bench.make_cache(300, 16, seed=2, device="cpu")
+    q, rows, _ = peer_bench.make_queries(4, 8, 32, 300, 16, seed=2, device="cpu")
+    kv = source.whole()
     rows[0, :8] = rows[0, 8:16]  # a row listed twice is one key, here as in the whole cache
     whole = dequantize_kv(cache.reshape(-1, 656), torch.float32)
     want = sparse_mla_reference(q.float(), whole, rows, scale=peer_bench.SCALE)
