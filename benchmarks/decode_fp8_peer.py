@@ -121,7 +121,8 @@ def make_queries(tokens: int, heads: int, topk: int, kv_rows: int, page_size: in
     if kv_rows <= DENSE_MAX_ROWS:
         rows = torch.rand(tokens, kv_rows, device=device, generator=g).topk(topk, dim=1).indices.int()
     else:  # unique rows per token, as an indexer's top-k
-        rows = torch.stack([torch.randperm(kv_rows, device=device, generator=g)[:topk] for _ in range(tokens)]).int()
+        # .int() copies each token's top-k out of its permutation, so that the permutations are freed
+        rows = torch.stack([torch.randperm(kv_rows, device=device, generator=g)[:topk].int() for _ in range(tokens)])
     noise = torch.rand(tokens, topk, device=device, generator=g)
     past = -(-kv_rows // page_size) * page_size + 5  # past the cache's last row
     rows = torch.where(noise < 0.03, -1, torch.where(noise > 0.99, past, rows)).int()
