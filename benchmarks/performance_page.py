@@ -104,7 +104,8 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Sparse-MLA FP8 decode beside FlashMLA's",
         "The routed sparse-MLA decode on fp8_ds_mla rows (written by `shardattn.ops.kv_fp8.write_kv`) "
         "against FlashMLA's SM90 FP8 sparse decode on the same rows: microseconds per step, graph "
-        "replays with the L2 flushed, top-k 2,048 of a 65,536-row paged cache. 'step us' is the call "
+        "replays with the L2 flushed, top-k 2,048 of a 65,536-row paged cache, and (`--kv-rows 40000000`) "
+        "of a 40M-row one (26 GB, each token's rows drawn over all of it). 'step us' is the call "
         "as made by default (the rows de-duplicated first: a row listed twice by a token is one key); "
         "'rows_unique=True' skips that, the contract FlashMLA's kernel has. The plot draws FlashMLA's "
         "time over ours, the latest of each shape (`python benchmarks/plot_records.py fp8-peer --png ...`).",
