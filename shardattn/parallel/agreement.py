@@ -130,8 +130,7 @@ def check_agreement(comm: Comm, fingerprint: int, what: str, *, error: BaseExcep
         others, or naming the ranks whose fingerprint differs from the majority's (and on what, or
         that they run another step: a :class:`Fingerprint` of another tag).
     """
-    comm.counts["agreement"] += 1
-    rows = comm._gather_ints([fingerprint, 1 if error is not None else 0, comm.step])
+    rows = comm.gather_ints([fingerprint, 1 if error is not None else 0, comm.step], kind="agreement")
     comm.catch_up(max(row[2] for row in rows))  # a rank that began no step here counts it now
     failed = [r for r, row in enumerate(rows) if row[1]]
     if error is not None:
@@ -167,7 +166,7 @@ def _differing_parts(comm: Comm, fingerprint: int, bad: list[int], good: int) ->
     if isinstance(fingerprint, Fingerprint):
         parts, hashes = fingerprint.parts[:MAX_PARTS], fingerprint.part_hashes()
         tag = stable_fingerprint(fingerprint.tag)
-    rows = comm._gather_ints([tag, *hashes])
+    rows = comm.gather_ints([tag, *hashes], kind=None)
     if any(rows[r][0] != rows[good][0] for r in bad):
         return None
     return [name for i, (name, _) in enumerate(parts) if any(rows[r][i + 1] != rows[good][i + 1] for r in bad)]

@@ -93,6 +93,7 @@ class Comm:
 
     Attributes:
         rank, world_size, backend: of ``group``.
+        global_ranks: each rank of ``group``'s global rank, which point-to-point messages name.
         generation: the numbered Comms this rank made on ``group``, this one included (equal on
             every rank, which make them in one order); 0 if unnumbered. Its reports name it.
         counts: ``Counter`` of collectives issued, by kind (``"all_to_all"``, ``"all_gather"``,
@@ -125,8 +126,7 @@ class Comm:
         self.rank = rank
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group)).lower()
-        # point-to-point messages name their peer by its global rank (a sub-group's rank j is not rank j)
-        self._global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
         self.device = torch.device(device)
@@ -152,7 +152,8 @@ class Comm:
         return f"Comm(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
 
     # -- checks ------------------------------------------------------------------------------
-    def _check_tensor(self, name: str, x: torch.Tensor) -> torch.Tensor:
+    def check_tensor(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` contiguous, after checking it is a tensor on this backend's device type (``name`` in errors)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if self.backend == "nccl" and x.device.type != "cuda":
@@ -200,7 +201,7 @@ class Comm:
         Returns:
             ``[sum(recv_splits), ...]``, sources in rank order (``out`` when given).
         """
-        x = self._check_tensor("x", x)
+        x = self.check_tensor("x", x)
         if x.dim() == 0:
             raise ValueError("x must have at least one dimension")
         send = self._check_splits("send_splits", send_splits, x.shape[0])
@@ -211,7 +212,7 @@ class Comm:
         if self.world_size == 1:
             out.copy_(x)
             return out
-        self._collective("all_to_all", lambda: dist.all_to_all_single(out, x, recv, send, group=self.group))
+        self.run_collective("all_to_all", lambda: dist.all_to_all_single(out, x, recv, send, group=self.group))
         return out
 
     def all_gather_async(self, x: torch.Tensor) -> tuple[torch.Tensor, Pending]:
@@ -220,14 +221,14 @@ class Comm:
         Returns:
             ``([W, ...] gathered, pending)``; read the first only after ``pending.wait()``.
         """
-        x = self._check_tensor("x", x)
+        x = self.check_tensor("x", x)
         self.counts["all_gather"] += 1
         out = x.new_empty((self.world_size, *x.shape))
         if self.world_size == 1:
             out[0].copy_(x)
             return out, Pending()
         works: list[dist.Work] = []
-        self._collective(
+        self.run_collective(
             "all_gather",
             lambda: works.append(_ALL_GATHER_TENSOR(out.view(-1), x.reshape(-1), group=self.group, async_op=True)),
         )
@@ -243,7 +244,7 @@ class Comm:
         Returns:
             ``[W, ...]``, ranks in order (``out`` when given).
         """
-        x = self._check_tensor("x", x)
+        x = self.check_tensor("x", x)
         self.counts["all_gather"] += 1
         return self._all_gather(x, out)
 
@@ -252,7 +253,7 @@ class Comm:
         if self.world_size == 1:
             out[0].copy_(x)
             return out
-        self._collective("all_gather", lambda: _ALL_GATHER_TENSOR(out.view(-1), x.reshape(-1), group=self.group))
+        self.run_collective("all_gather", lambda: _ALL_GATHER_TENSOR(out.view(-1), x.reshape(-1), group=self.group))
         return out
 
     def all_gather_uneven(self, x: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
@@ -264,7 +265,7 @@ class Comm:
         Returns:
             ``W`` tensors ``[sizes[j], ...]`` (views into one gathered buffer).
         """
-        x = self._check_tensor("x", x)
+        x = self.check_tensor("x", x)
         sizes = [int(s) for s in sizes]
         if len(sizes) != self.world_size:
             raise ValueError(f"sizes must have world_size={self.world_size} entries, got {len(sizes)}")
@@ -289,7 +290,7 @@ class Comm:
         Returns:
             ``[n, ...]``: rows ``rank * n : (rank + 1) * n`` of the sum.
         """
-        x = self._check_tensor("x", x)
+        x = self.check_tensor("x", x)
         if x.dim() == 0 or x.shape[0] % self.world_size:
             raise ValueError(f"x must have dim 0 divisible by world_size={self.world_size}, got {list(x.shape)}")
         n = x.shape[0] // self.world_size
@@ -320,15 +321,16 @@ class Comm:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over ranks (a new tensor; ``x`` is left alone)."""
-        x = self._check_tensor("x", x).clone()
+        x = self.check_tensor("x", x).clone()
         self.counts["all_reduce"] += 1
         if self.world_size > 1:
-            self._collective("all_reduce", lambda: dist.all_reduce(x, group=self.group))
+            self.run_collective("all_reduce", lambda: dist.all_reduce(x, group=self.group))
         return x
 
     # -- rank failures -----------------------------------------------------------------------
-    def _collective(self, kind: str, run: Callable[[], object]) -> None:
-        """Run one collective; a failure (a peer died, hung or left) becomes :class:`PeerFailedError`."""
+    def run_collective(self, kind: str, run: Callable[[], object]) -> None:
+        """Run one collective (``run()`` issues it; counted by the caller); a failure (a peer died,
+        hung or left) becomes :class:`PeerFailedError`."""
         try:
             run()
         except RuntimeError as e:  # DistError and gloo / NCCL errors are RuntimeErrors
@@ -374,18 +376,18 @@ class Comm:
             generation=self.generation,
         )
 
-    def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+    def gather_ints(self, values: Sequence[int], *, kind: str | None = "all_gather") -> list[list[int]]:
         """All-gather a few host ints per rank (a small tensor, no pickling).
 
         Args:
             values: the same count of ints on every rank (each folded into int64).
+            kind: the :attr:`counts` key it is counted under; ``None``: not counted (a second
+                exchange of a collective already counted, as an agreement's follow-up).
         Returns:
             ``W`` lists of ints, ranks in order. Synchronises with the device (host values).
         """
-        self.counts["all_gather"] += 1
-        return self._gather_ints(values)
-
-    def _gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        if kind is not None:
+            self.counts[kind] += 1
         t = torch.tensor([to_int64(v) for v in values], dtype=torch.int64, device=self.device)
         return self._all_gather(t).tolist()
 

@@ -40,7 +40,7 @@ class Pending:
             if self._comm is None:
                 w.wait()
             else:
-                self._comm._collective(self._kind, w.wait)
+                self._comm.run_collective(self._kind, w.wait)
 
 
 def exchange(
@@ -73,11 +73,11 @@ def exchange(
         for peer, x in pairs:
             if not 0 <= peer < comm.world_size:
                 raise ValueError(f"exchange: peer {peer} is not a rank of the group of {comm.world_size}")
-            comm._check_tensor("piece", x)
+            comm.check_tensor("piece", x)
             if not x.is_contiguous():
                 raise ValueError("exchange: every piece must be contiguous (it is moved in place)")
             if peer != comm.rank and x.numel():
-                to = comm._global_ranks[peer]
+                to = comm.global_ranks[peer]
                 ops.append(dist.P2POp(kind, x, to, group=comm.group, tag=(tag << 16) + seen[peer]))
             seen[peer] += 1
     for x, y in zip(mine_out, mine_in):
@@ -88,7 +88,7 @@ def exchange(
     comm.counts["all_to_all"] += 1
     works: list[dist.Work] = []
     if ops:  # the messages first: NCCL's stream then need not wait for the local copies below
-        comm._collective("all_to_all", lambda: works.extend(dist.batch_isend_irecv(ops)))
+        comm.run_collective("all_to_all", lambda: works.extend(dist.batch_isend_irecv(ops)))
     for x, y in zip(mine_out, mine_in):
         y.copy_(x)
     return Pending(works, comm=comm, kind="all_to_all") if works else Pending()
