@@ -4,23 +4,24 @@ A decode step reads each of a token's KV rows once, so a row its top-k lists twi
 one key. The union builders (:mod:`shardattn.ops.union`) give sorted rows: the bitmap builds pay
 a scan that follows the cache size, the sorting build a ``torch.sort`` of ``[T, K]`` keys. This
 kernel's cost follows ``K`` alone: one program per token keeps an open hash table of ``SLOTS``
-int32 lane numbers in global scratch and resolves its entries in rounds, each over the entries
-still pending (at first every valid one):
+int64 words in global scratch, emptied once when the program starts, and resolves its entries in
+rounds, each over the entries still pending (at first every valid one):
 
-1. every pending entry stores its lane ``c`` at the slot its row's hash names this round; after a CTA barrier it
-   ``atomic_min``\\ s ``c`` there, so the slot holds the lowest lane that hashed to it this round;
-2. after a barrier each pending entry reads its slot (through L2) and the row of the lane found
-   there: the same row means its row is settled, kept by that lane, which is the row's first
-   occurrence (every entry of a row hashes to one slot, so all of them are pending together and
-   the lowest among them is the lowest of the slot); another row means a collision, pending
-   again in the next round under a new hash.
+1. every pending entry ``atomic_min``\\ s its word at the slot its row's hash names this round; a
+   word is ``(tag << 44) | (lane << 31) | row``, the tag falling by one each round, so the slot
+   holds this round's lowest lane that hashed to it, with its row, whatever earlier rounds left;
+2. after a CTA barrier each pending entry reads its slot (through L2): the same row means its row
+   is settled, kept by the lane found there, which is the row's first occurrence (every entry of
+   a row hashes to one slot, so all of them are pending together and the lowest among them is the
+   lowest of the slot); another row means a collision, pending again in the next round under a
+   new hash.
 
-Each round settles at least the row of every slot written (the lowest lane's), so the loop ends;
-with ``SLOTS = 2 * BLOCK`` a round settles about four rows in five, so ``K = 2,048`` takes about
-five rounds. The kept lanes then write their rows to the front of the token's output row in
-lane order (a prefix sum), ``-1`` after, and the count to ``lens``. Each slot a lane reads was
-written in the same round by that lane, so the scratch needs no clearing between tokens, rounds
-or calls. The result is exact and deterministic; the contract and the torch reference:
+A round is one atomic and one read, both in L2, between two barriers. Each round settles at least
+the row of every slot written (the lowest lane's), so the loop ends within ``K`` rounds (the tag's
+19 bits hold more); with ``SLOTS = 2 * BLOCK`` a round settles about four rows in five, so
+``K = 2,048`` takes about five rounds. The kept lanes then write their rows to the front of the
+token's output row in lane order (a prefix sum), ``-1`` after, and the count to ``lens``. The
+result is exact and deterministic; the contract and the torch reference:
 :func:`shardattn.ops.unique_rows.unique_rows`.
 """
 
@@ -69,21 +70,27 @@ if triton is not None:
         pending = (c < k_end) & (raw >= 0) & (raw <= max_row)
         row = tl.where(pending, raw, -1).to(tl.int32)
         table = SCRATCH + t * (1 << SLOT_BITS)
+        for part in tl.static_range((1 << SLOT_BITS) // BLOCK):  # empty: above any word a round writes
+            tl.store(table + part * BLOCK + c, tl.full([BLOCK], 0x7FFFFFFFFFFFFFFF, tl.int64))
+        # the word's low 44 bits: lane (13 bits, K <= 8,192) then row (31 bits, max_row < 2**31)
+        entry = (c.to(tl.int64) << 31) | tl.where(pending, row, 0).to(tl.int64)
+        tag = tl.full([], (1 << 19) - 1, tl.int64)  # falls by one a round: K rounds at most
         keep = c < 0
         h = row.to(tl.uint32) * 0x9E3779B1
+        tl.debug_barrier()
         while tl.max(pending.to(tl.int32), axis=0) > 0:
             h = _mix(h)
             slot = (h >> (32 - SLOT_BITS)).to(tl.int32)
-            tl.store(table + slot, c, mask=pending)
+            tl.atomic_min(table + slot, (tag << 44) | entry, mask=pending, sem="relaxed")
             tl.debug_barrier()
-            tl.atomic_min(table + slot, c, mask=pending, sem="relaxed")
-            tl.debug_barrier()
-            first = tl.load(table + slot, mask=pending, other=0, cache_modifier=".cg")
-            first_row = tl.load(row_ptr + first, mask=pending, other=-1).to(tl.int32)
+            word = tl.load(table + slot, mask=pending, other=0, cache_modifier=".cg")
+            first = ((word >> 31) & 0x1FFF).to(tl.int32)
+            first_row = (word & 0x7FFFFFFF).to(tl.int32)
             settled = pending & (first_row == row)
             keep = keep | (settled & (first == c))
             pending = pending & (first_row != row)
-            tl.debug_barrier()  # every lane has read its slot before the next round stores
+            tag -= 1
+            tl.debug_barrier()  # every lane has read its slot before the next round's atomics
         kept = keep.to(tl.int32)
         n = tl.sum(kept, axis=0)
         pos = tl.cumsum(kept, axis=0) - 1
@@ -117,7 +124,7 @@ def launch_unique_rows(
     if t == 0:
         return
     cfg = unique_rows_config(k)
-    scratch = torch.empty(t, 1 << cfg["SLOT_BITS"], dtype=torch.int32, device=rows.device)
+    scratch = torch.empty(t, 1 << cfg["SLOT_BITS"], dtype=torch.int64, device=rows.device)
     topk_length = unit_stride(topk_length)
     _unique_rows_kernel[(t,)](
         rows, topk_length if topk_length is not None else lens, scratch, out, lens,
