@@ -150,10 +150,11 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "decode-dedup": (
         "Sparse-MLA decode's de-duplication",
         "A decode call without `rows_unique` reads each token's unique rows once. `dedup us`: the hash "
-        "de-duplication (`shardattn.ops.unique_rows.unique_rows`: first-occurrence order, a cost that "
+        "de-duplication (`shardattn.ops.unique_rows.unique_rows`: repeats dropped in place, a cost that "
         "follows the top-k alone) against the sorted union (`build_union`, `G = 1`: the shared-memory "
         "bitmap while the cache is small, the row sort beyond), same run. `step us, default`: the routed "
-        "call (`route_decode_dedup`: the union where it takes its bitmap, the hash elsewhere) against the "
+        "call (`route_decode_dedup`: the hash up to 8 tokens and where the union would sort, else the "
+        "union) against the "
         "sorted union then the kernel; `default vs kernel`: against the kernel alone on the caller's rows "
         "(`rows_unique=True`: what any de-duplication adds). Top-k distinct random rows, one repeated in "
         "every token; graph replays with the L2 flushed; ratio > 1: ours faster.",

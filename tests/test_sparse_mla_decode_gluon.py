@@ -25,6 +25,7 @@ from shardattn.ops.dispatch import sparse_decode_kernel
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_decode import run_sparse_mla_decode, sparse_mla_decode
 from shardattn.ops.sparse_mla_decode_gluon import sparse_mla_decode_gluon
+from shardattn.plan.crossovers import DEDUP_HASH_MAX_TOKENS
 from shardattn.plan.decode_routing import (
     GLUON_DECODE_FP8_MIN_QUERY_ROWS,
     GLUON_DECODE_MIN_HEADS,
@@ -188,10 +189,10 @@ def _each_occurrence(rows: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
 @pytest.mark.parametrize("rows_unique", [False, True], ids=["dedup", "unique"])
 @pytest.mark.parametrize("k", [200, 256])
-@pytest.mark.parametrize("t", [4, 1])
+@pytest.mark.parametrize("t", [12, 4, 1])
 def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, rows_unique, k, t):
     h, d, dv, r = 8, 24, 16, 40
-    q, kv, rows, length, sinks = _case(4, h, d, dv, r, k, seed=splits or 0)
+    q, kv, rows, length, sinks = _case(max(t, 4), h, d, dv, r, k, seed=splits or 0)
     rows[2, 100:150] = rows[2, 0:50]  # duplicates
     if t == 1:  # one token: the one with duplicates
         q, rows, length = q[2:3], rows[2:3], length[2:3]
@@ -212,10 +213,12 @@ def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, row
     )  # fmt: skip
     plan = gluon_decode_plan(t, h, k, 4, splits)
     s, chunk = plan["num_splits"], plan["chunk"]
-    # one launch on the caller's q; rows read in place (unique rows raw, a union as built) where
-    # the slices cover the row exactly, else packed first
+    # one launch on the caller's q; rows read in place where the slices cover the row exactly, else
+    # packed first: raw (masked per entry) when unique or de-duplicated by the hash (up to 8
+    # tokens), as built when the union packed them (more tokens on this small cache)
     in_place = s == 1 or s * chunk == k
-    assert calls == [(rows_unique and in_place, s, (t * s, chunk if s > 1 else k), True)]
+    raw = rows_unique or t <= DEDUP_HASH_MAX_TOKENS
+    assert calls == [(raw and in_place, s, (t * s, chunk if s > 1 else k), True)]
     if rows_unique:  # a duplicate counts twice
         rows_e, kv_e = _each_occurrence(rows, kv)
         ref_o, ref_l = sparse_mla_oracle(q, kv_e, rows_e, scale=0.3, v_dim=dv, topk_length=length, sinks=sinks)

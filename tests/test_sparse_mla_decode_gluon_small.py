@@ -322,8 +322,8 @@ def test_every_head_group_matches_reference(tokens, group):
 @pytest.mark.gpu
 @needs_sm90
 def test_small_kernel_matches_triton_on_the_union_path_and_with_duplicates():
-    """Default ``rows_unique=False``: duplicates are one key (the union is built first); the
-    result equals the Triton kernel's on the same call."""
+    """Default ``rows_unique=False``: duplicates are one key (the rows are de-duplicated first);
+    the result equals the Triton kernel's on the same call."""
     q, kv, rows, length, sinks = _small_case(4, 16, seed=3)
     rows[0, 1000:1100] = rows[0, 0:100]
     got = sparse_mla_decode(q, kv, rows, scale=SCALE, topk_length=length, sinks=sinks, backend="gluon_small")

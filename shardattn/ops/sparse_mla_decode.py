@@ -36,8 +36,8 @@ merge kernel) are the private runners' (:func:`~shardattn.kernels.triton.sparse_
 A row listed twice by one token is one key (the library-wide rule): by default each token's rows
 are first de-duplicated by :func:`~shardattn.ops.unique_rows.decode_rows`: sorted by the bitmap
 union build (:func:`~shardattn.ops.union.build_union`, ``G = 1``, in shared memory on sm_90)
-while the cache's words are within its ratio, else kept in first-occurrence order by a hash per
-token whose cost does not follow the cache size (:func:`~shardattn.ops.unique_rows.unique_rows`;
+while the cache's words are within its ratio, else each repeat set to ``-1`` in place by a hash
+per token whose cost does not follow the cache size (:func:`~shardattn.ops.unique_rows.unique_rows`;
 a top-k past its 8,192 entries takes the union's row sort);
 ``rows_unique=True`` skips that when the caller guarantees unique rows (an indexer's top-k is),
 and duplicates would then count twice in the kernels (the torch reference, which CPU tensors run,
@@ -217,7 +217,7 @@ def run_sparse_mla_decode(
                 f"splits of {t} tokens x {h} heads; it has {workspace.numel()}"
             )
     if not rows_unique and rows.shape[1] > 1:
-        rows, topk_length = decode_rows(rows, num_kv_rows=kv.shape[0], topk_length=topk_length)
+        rows, topk_length, _packed = decode_rows(rows, num_kv_rows=kv.shape[0], topk_length=topk_length)
     if kernel == "gluon_stream":
         from shardattn.kernels.gluon.sparse_mla_decode_stream import sparse_mla_decode_stream
 

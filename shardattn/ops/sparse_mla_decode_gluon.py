@@ -80,20 +80,20 @@ def sparse_mla_decode_gluon(
     t, h, _ = q.shape
     r = kv.shape[0]
     k = rows.shape[1]
-    src, src_len = rows, topk_length
-    deduped = not rows_unique and k > 1
-    if deduped:
-        src, src_len = decode_rows(rows, num_kv_rows=r, topk_length=topk_length)
+    src, src_len, packed = rows, topk_length, False
+    if not rows_unique and k > 1:
+        src, src_len, packed = decode_rows(rows, num_kv_rows=r, topk_length=topk_length)
     limit = None if workspace is None else workspace.numel()
     plan = gluon_decode_plan(
         t, h, k, num_sms, num_splits, v_dim=v_dim, max_partial_elems=limit, kv_fp8=kv.dtype == torch.uint8
     )
     s, chunk = plan["num_splits"], plan["chunk"]
     width = k if s == 1 else s * chunk
-    # a union is valid rows packed at the front (the kernel masks past lens); raw rows are masked
-    # per entry; either is read in place when it is [T, width] int32 rows, else packed first
-    in_place = _in_place(src, width) and (deduped or reads_raw_rows(src, src_len))
-    raw = in_place and not deduped
+    # a union is valid rows packed at the front (the kernel masks past lens); raw rows (the
+    # caller's, or the hash's with repeats -1) are masked per entry; either is read in place when it
+    # is [T, width] int32 rows, else packed first
+    in_place = _in_place(src, width) and (packed or reads_raw_rows(src, src_len))
+    raw = in_place and not packed
     if not in_place:
         src, src_len = pack_rows(src, num_kv_rows=r, width=width, topk_length=src_len)
     if s == 1:

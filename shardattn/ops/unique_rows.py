@@ -1,22 +1,23 @@
-"""Each token's unique valid KV rows, in the order the token lists them first: decode's de-duplication.
+"""Each token's rows with every repeat dropped in place: decode's de-duplication.
 
 A row a token's top-k lists twice is one key, so a decode step without ``rows_unique`` reads each
-token's rows through one of these. :func:`unique_rows` keeps the caller's order (a row at its
-first occurrence) and costs the same on any cache size (:mod:`shardattn.kernels.triton.unique_rows`:
-a hash table per token, no sort); :func:`~shardattn.ops.union.build_union` with ``group_size=1``
-gives the rows sorted, from a bitmap scan whose cost follows the cache size or from a row sort.
-:func:`decode_rows` picks between them
-(:func:`~shardattn.plan.union_routing.route_decode_dedup`). Both outputs are packed: a token's
-rows at the front of its row, the count in ``lens``, which the decode kernels take as
-``topk_length`` (entries past it are ``-1`` from :func:`unique_rows`, unspecified from the union).
+token's rows through one of these. :func:`unique_rows` keeps every entry where it stands, ``-1``
+over each repeat (the row stays at its first occurrence), at a cost that follows the top-k alone
+on any cache size (:mod:`shardattn.kernels.triton.unique_rows`: a hash table per token, no sort);
+:func:`~shardattn.ops.union.build_union` with ``group_size=1`` packs the rows sorted at the front,
+from a bitmap scan whose cost follows the cache size or from a row sort. :func:`decode_rows`
+picks between them (:func:`~shardattn.plan.union_routing.route_decode_dedup`) and says which it
+gave: the decode kernels read either, as they read the caller's rows (an invalid entry anywhere is
+no key) or as packed rows (the count their ``topk_length``).
 
     >>> rows = torch.tensor([[5, 3, 5, -1, 9], [7, 7, 12, 2, 7]], dtype=torch.int32)
-    >>> out, lens = unique_rows(rows, num_kv_rows=10)
-    >>> out.tolist(), lens.tolist()
-    ([[5, 3, 9, -1, -1], [7, 2, -1, -1, -1]], [3, 2])
+    >>> unique_rows(rows, num_kv_rows=10).tolist()
+    [[5, 3, -1, -1, 9], [7, -1, -1, 2, -1]]
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -28,7 +29,18 @@ from shardattn.kernels.union_layout import MAX_PLAIN_ROW
 from shardattn.ops.union import build_union
 from shardattn.plan.union_routing import route_decode_dedup
 
-__all__ = ["decode_rows", "unique_rows", "unique_rows_reference"]
+__all__ = ["DecodeRows", "decode_rows", "unique_rows", "unique_rows_reference"]
+
+
+class DecodeRows(NamedTuple):
+    """Decode's de-duplicated rows. ``rows`` ``[T, K]`` int32; ``topk_length`` ``[T]`` (or
+    ``None``), the decode kernels' ``topk_length``; ``packed``: each token's rows are at the front
+    of its row, ``topk_length`` of them (past that, unspecified), else each entry stands where the
+    caller listed it, ``-1`` where it was a repeat or no row."""
+
+    rows: torch.Tensor
+    topk_length: torch.Tensor | None
+    packed: bool
 
 
 def _check(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None) -> None:
@@ -41,27 +53,21 @@ def _check(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | Non
 
 def unique_rows_reference(
     rows: torch.Tensor, *, num_kv_rows: int, topk_length: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`unique_rows` (same outputs, exactly)."""
+) -> torch.Tensor:
+    """Torch reference of :func:`unique_rows` (the same output, exactly)."""
     _check(rows, num_kv_rows, topk_length)
-    t, k = rows.shape
-    dev = rows.device
+    k = rows.shape[1]
     r = rows.long()
     valid = (r >= 0) & (r < min(num_kv_rows, MAX_PLAIN_ROW + 1))
     if topk_length is not None:
-        valid &= torch.arange(k, device=dev)[None, :] < topk_length.long()[:, None]
+        valid &= torch.arange(k, device=rows.device)[None, :] < topk_length.long()[:, None]
     # a stable sort by row puts each row's first occurrence first in its run
     never = MAX_PLAIN_ROW + 1
     key, order = torch.sort(torch.where(valid, r, never), dim=1, stable=True)
     starts = torch.ones_like(valid)
     starts[:, 1:] = key[:, 1:] != key[:, :-1]
     keep = torch.zeros_like(valid).scatter_(1, order, starts & (key < never))
-    lens = keep.sum(dim=1)
-    out = torch.full((t, k), -1, dtype=torch.int32, device=dev)
-    slot = torch.cumsum(keep.long(), dim=1) - 1
-    tok = torch.arange(t, device=dev)[:, None].expand(t, k)
-    out[tok[keep], slot[keep]] = r[keep].to(torch.int32)
-    return out, lens.to(torch.int32)
+    return torch.where(keep, r, -1).to(torch.int32)
 
 
 def unique_rows(
@@ -69,8 +75,8 @@ def unique_rows(
     *,
     num_kv_rows: int,
     topk_length: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's unique valid rows in first-occurrence order, packed.
+) -> torch.Tensor:
+    """Each token's rows with every repeat dropped in place.
 
     Args:
         rows: ``[T, K]`` int32 row numbers; an entry outside ``[0, num_kv_rows)`` or at a
@@ -79,37 +85,35 @@ def unique_rows(
         topk_length: optional ``[T]`` int32, each token's valid prefix of ``rows``.
 
     Returns:
-        ``(out, lens)``: ``out`` ``[T, K]`` int32, token ``t``'s ``lens[t]`` unique rows at the front
-        in the order they first appear, ``-1`` after; ``lens`` ``[T]`` int32. The Triton kernel
-        (rows of up to :data:`~shardattn.kernels.triton.unique_rows.MAX_ENTRIES` entries; longer
-        ones take the reference) gives exactly the reference's output.
+        ``[T, K]`` int32: each entry's row where it is the row's first valid occurrence in its
+        token, else ``-1``. The Triton kernel (rows of up to
+        :data:`~shardattn.kernels.triton.unique_rows.MAX_ENTRIES` entries; longer ones take the
+        reference) gives exactly the reference's output.
     """
     _check(rows, num_kv_rows, topk_length)
     return _unique_rows(rows, num_kv_rows, topk_length)
 
 
-def _unique_rows(
-    rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _unique_rows(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None) -> torch.Tensor:
     """:func:`unique_rows` on checked arguments."""
     t, k = rows.shape
     if not use_triton(rows, topk_length) or k > MAX_ENTRIES or t == 0 or k == 0:
         return unique_rows_reference(rows, num_kv_rows=num_kv_rows, topk_length=topk_length)
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     out = torch.empty(t, k, dtype=torch.int32, device=rows.device)
-    lens = torch.empty(t, dtype=torch.int32, device=rows.device)
-    launch_unique_rows(rows, topk_length, min(num_kv_rows - 1, MAX_PLAIN_ROW), out, lens)
-    return out, lens
+    launch_unique_rows(rows, topk_length, min(num_kv_rows - 1, MAX_PLAIN_ROW), out)
+    return out
 
 
-def decode_rows(
-    rows: torch.Tensor, *, num_kv_rows: int, topk_length: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode's de-duplicated rows ``(rows, lens)``, packed (see the module): sorted by
-    :func:`~shardattn.ops.union.build_union` where its bitmap build runs, else in first-occurrence
-    order by :func:`unique_rows` (:func:`~shardattn.plan.union_routing.route_decode_dedup`)."""
+def decode_rows(rows: torch.Tensor, *, num_kv_rows: int, topk_length: torch.Tensor | None = None) -> DecodeRows:
+    """Decode's de-duplicated rows (see the module): each entry in place by :func:`unique_rows`,
+    with the caller's ``topk_length``, at few tokens and on caches past the bitmap's ratio; else
+    packed and sorted by :func:`~shardattn.ops.union.build_union`
+    (:func:`~shardattn.plan.union_routing.route_decode_dedup`)."""
     _check(rows, num_kv_rows, topk_length)  # before the route reads the shape
     shared_memory = smem_unsupported_reason(rows, 1) is None
-    if route_decode_dedup(rows.shape[1], num_kv_rows, shared_memory=shared_memory) == "union":
-        return build_union(rows, group_size=1, num_kv_rows=num_kv_rows, topk_length=topk_length)
-    return _unique_rows(rows, num_kv_rows, topk_length)
+    route = route_decode_dedup(rows.shape[1], num_kv_rows, tokens=rows.shape[0], shared_memory=shared_memory)
+    if route == "union":
+        union, lens = build_union(rows, group_size=1, num_kv_rows=num_kv_rows, topk_length=topk_length)
+        return DecodeRows(union, lens, packed=True)
+    return DecodeRows(_unique_rows(rows, num_kv_rows, topk_length), topk_length, packed=False)

@@ -54,6 +54,9 @@ BITMAP_SCAN_RATIO = 2
 SMEM_SCAN_RATIO = 4
 #: ... and on sorted rows at ``G > 1``, where the fused build needs no row sort and wins sooner (D15).
 SMEM_SORTED_RATIO = 1
+#: Decode's de-duplication takes the hash (each token spread over several programs) rather than
+#: the bitmap union up to this many tokens on any cache: faster at 1 and 8 tokens, slower at 64 (D96).
+DEDUP_HASH_MAX_TOKENS = 8
 
 # ---- large and FP8 caches: gathering and staging rows before a prefill kernel ----------------------
 

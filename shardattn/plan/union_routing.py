@@ -8,7 +8,13 @@ sort the entries; :func:`route_union_method` weighs the two with the measured cr
 from __future__ import annotations
 
 from shardattn._checks import check_bool
-from shardattn.plan.crossovers import BITMAP_SCAN_RATIO, SMEM_SCAN_RATIO, SMEM_SORTED_RATIO, UNION_METHOD
+from shardattn.plan.crossovers import (
+    BITMAP_SCAN_RATIO,
+    DEDUP_HASH_MAX_TOKENS,
+    SMEM_SCAN_RATIO,
+    SMEM_SORTED_RATIO,
+    UNION_METHOD,
+)
 from shardattn.plan.routing import MAX_GROUPED_KV_ROWS
 
 #: Most entries a token may list for the hash de-duplication (its kernel holds a row in one
@@ -60,17 +66,25 @@ def route_union_method(
     return UNION_METHOD[group_size]
 
 
-def route_decode_dedup(topk: int, num_kv_rows: int, *, shared_memory: bool = False) -> str:
-    """How a decode step without ``rows_unique`` de-duplicates each token's ``topk`` rows:
-    ``"union"`` (:func:`~shardattn.ops.union.build_union` with ``group_size=1``: rows sorted) where
-    that build takes its bitmap (:func:`route_union_method`), ``"unique"``
-    (:func:`~shardattn.ops.unique_rows.unique_rows`: first-occurrence order, a cost that follows
-    ``topk`` alone) where it would sort, unless ``topk`` is past the hash kernel's
+def route_decode_dedup(topk: int, num_kv_rows: int, *, tokens: int | None = None, shared_memory: bool = False) -> str:
+    """How a decode step without ``rows_unique`` de-duplicates each of its ``tokens``' ``topk``
+    rows: ``"unique"`` (:func:`~shardattn.ops.unique_rows.unique_rows`: repeats dropped in place, a
+    cost that follows ``topk`` alone) up to
+    :data:`~shardattn.plan.crossovers.DEDUP_HASH_MAX_TOKENS` tokens, and beyond where the union
+    would sort; ``"union"`` (:func:`~shardattn.ops.union.build_union` with ``group_size=1``: rows
+    sorted) where that build takes its bitmap (:func:`route_union_method`) from more tokens (or
+    ``tokens=None``), and where ``topk`` is past the hash kernel's
     :data:`~shardattn.kernels.triton.unique_rows.MAX_ENTRIES`.
 
-    >>> route_decode_dedup(2048, 1 << 16, shared_memory=True), route_decode_dedup(2048, 40_000_000)
+    >>> route_decode_dedup(2048, 1 << 16, tokens=64, shared_memory=True), route_decode_dedup(2048, 40_000_000)
     ('union', 'unique')
+    >>> route_decode_dedup(2048, 1 << 16, tokens=8, shared_memory=True)
+    'unique'
     """
+    if topk > MAX_UNIQUE_ENTRIES:
+        return "union"
+    if tokens is not None and tokens <= DEDUP_HASH_MAX_TOKENS:
+        return "unique"
     if route_union_method(1, topk, num_kv_rows, shared_memory=shared_memory) == "bitmap":
         return "union"
-    return "unique" if topk <= MAX_UNIQUE_ENTRIES else "union"
+    return "unique"

@@ -141,8 +141,9 @@ def warm_up_decode(
                 )
                 launches += 1
             if compiles_kernels(device) and t == max(sizes):
-                # the warm-up cache is small (its de-duplication is the bitmap union); a real
-                # cache past the bitmap's ratio de-duplicates by hash (ops.unique_rows.decode_rows)
+                # the warm-up cache is small (past a few tokens its de-duplication is the bitmap
+                # union); a real cache past the bitmap's ratio de-duplicates by hash at every
+                # batch (ops.unique_rows.decode_rows)
                 unique_rows(converted[False][0], num_kv_rows=kv.shape[0])
                 launches += 1
                 # the bitmap union compiles a variant per window of words (union_smem.WINDOWS): a

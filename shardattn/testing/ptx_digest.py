@@ -221,7 +221,7 @@ def _triton_union_compact(group_size: int) -> str:
 def _triton_unique_rows() -> str:
     cfg = dict(_attr(_TRITON_UNIQUE, "unique_rows_config")(2048))
     num_warps = cfg.pop("num_warps")
-    pointers = {"ROWS": "*i32", "TOPK_LEN": "*i32", "SCRATCH": "*i32", "OUT": "*i32", "LENS": "*i32"}
+    pointers = {"ROWS": "*i32", "TOPK_LEN": "*i32", "SCRATCH": "*i64", "OUT": "*i32"}
     return triton_sm90_ptx(
         _TRITON_UNIQUE, "_unique_rows_kernel", pointers, {**cfg, "HAS_LEN": True}, num_warps=num_warps
     )

@@ -1,11 +1,16 @@
-"""Each token's unique valid rows in first-occurrence order, by hashing: no sort, no bitmap.
+"""Each token's rows with every repeat dropped in place, by hashing: no sort, no bitmap.
 
 A decode step reads each of a token's KV rows once, so a row its top-k lists twice must become
 one key. The union builders (:mod:`shardattn.ops.union`) give sorted rows: the bitmap builds pay
 a scan that follows the cache size, the sorting build a ``torch.sort`` of ``[T, K]`` keys. This
-kernel's cost follows ``K`` alone: one program per token keeps an open hash table of ``SLOTS``
-int64 words in global scratch, emptied once when the program starts, and resolves its entries in
-rounds, each over the entries still pending (at first every valid one):
+kernel's cost follows ``K`` alone, and it moves nothing: each entry keeps its position, its row
+where it is the row's first valid occurrence in the token, ``-1`` where it repeats an earlier
+entry or is no row, which the decode kernels read as they read the caller's rows (an invalid
+entry anywhere is no key). A token's entries are spread over ``parts`` programs by their row's
+hash (every entry of a row goes to one part), and each program keeps an open hash table of
+``2 * BLOCK / parts`` int64 words in global scratch, emptied once when the program starts, and
+resolves its entries in rounds, each over the entries still pending (at first every valid one of
+its part):
 
 1. every pending entry ``atomic_min``\\ s its word at the slot its row's hash names this round; a
    word is ``(tag << 44) | (lane << 31) | row``, the tag falling by one each round, so the slot
@@ -18,10 +23,11 @@ rounds, each over the entries still pending (at first every valid one):
 
 A round is one atomic and one read, both in L2, between two barriers. Each round settles at least
 the row of every slot written (the lowest lane's), so the loop ends within ``K`` rounds (the tag's
-19 bits hold more); with ``SLOTS = 2 * BLOCK`` a round settles about four rows in five, so
-``K = 2,048`` takes about five rounds. The kept lanes then write their rows to the front of the
-token's output row in lane order (a prefix sum), ``-1`` after, and the count to ``lens``. The
-result is exact and deterministic; the contract and the torch reference:
+19 bits hold more); with twice as many slots as entries a round settles about four rows in five,
+so ``K = 2,048`` takes about five rounds. One program's 2,048 atomics and reads a round, more than
+their latency, bound a token (D95), hence the parts: few tokens spread over the SMs
+(:func:`unique_rows_parts`). Each program then writes its own lanes. The result is exact and
+deterministic, whatever the parts; the contract and the torch reference:
 :func:`shardattn.ops.unique_rows.unique_rows`.
 """
 
@@ -30,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from shardattn._ints import next_pow2
-from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, sm_count, unit_stride
 from shardattn.plan.union_routing import MAX_UNIQUE_ENTRIES
 
 try:
@@ -39,7 +45,7 @@ try:
 except ImportError:  # the torch reference still works
     triton = None
 
-__all__ = ["MAX_ENTRIES", "launch_unique_rows", "unique_rows_config"]
+__all__ = ["MAX_ENTRIES", "launch_unique_rows", "unique_rows_config", "unique_rows_parts"]
 
 #: Most entries a token's row list may hold here (one program holds them all in registers).
 MAX_ENTRIES = MAX_UNIQUE_ENTRIES
@@ -54,33 +60,37 @@ if triton is not None:
         h = h ^ (h >> 16)
         return h * 0x85EBCA6B
 
-    @triton.jit(do_not_specialize=["T", "K", "max_row"])
+    @triton.jit(do_not_specialize=["T", "K", "max_row", "parts", "table_bits"])
     def _unique_rows_kernel(
-        ROWS, TOPK_LEN, SCRATCH, OUT, LENS,
-        T, K, max_row, stride_rows_t, stride_out_t,
-        HAS_LEN: tl.constexpr, BLOCK: tl.constexpr, SLOT_BITS: tl.constexpr,
+        ROWS, TOPK_LEN, SCRATCH, OUT,
+        T, K, max_row, stride_rows_t, stride_out_t, parts, table_bits,
+        HAS_LEN: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
         c = tl.arange(0, BLOCK)
         k_end = K
         if HAS_LEN:
             k_end = tl.minimum(k_end, tl.load(TOPK_LEN + t))
-        row_ptr = ROWS + t * stride_rows_t
-        raw = tl.load(row_ptr + c, mask=c < k_end, other=-1)
-        pending = (c < k_end) & (raw >= 0) & (raw <= max_row)
-        row = tl.where(pending, raw, -1).to(tl.int32)
-        table = SCRATCH + t * (1 << SLOT_BITS)
-        for part in tl.static_range((1 << SLOT_BITS) // BLOCK):  # empty: above any word a round writes
-            tl.store(table + part * BLOCK + c, tl.full([BLOCK], 0x7FFFFFFFFFFFFFFF, tl.int64))
+        raw = tl.load(ROWS + t * stride_rows_t + c, mask=c < k_end, other=-1)
+        valid = (c < k_end) & (raw >= 0) & (raw <= max_row)
+        row = tl.where(valid, raw, -1).to(tl.int32)
+        h = row.to(tl.uint32) * 0x9E3779B1
+        # this program's lanes: those whose row's hash names its part (every entry of a row alike)
+        mine = (c < K) & (((h >> 24) & (parts - 1)).to(tl.int32) == part)
+        pending = mine & valid
+        slots = 1 << table_bits
+        table = SCRATCH + (t * parts + part) * slots
+        for s0 in tl.static_range(0, 2 * BLOCK, BLOCK):  # empty (above any word a round writes)
+            tl.store(table + s0 + c, tl.full([BLOCK], 0x7FFFFFFFFFFFFFFF, tl.int64), mask=s0 + c < slots)
         # the word's low 44 bits: lane (13 bits, K <= 8,192) then row (31 bits, max_row < 2**31)
-        entry = (c.to(tl.int64) << 31) | tl.where(pending, row, 0).to(tl.int64)
+        entry = (c.to(tl.int64) << 31) | tl.where(valid, row, 0).to(tl.int64)
         tag = tl.full([], (1 << 19) - 1, tl.int64)  # falls by one a round: K rounds at most
         keep = c < 0
-        h = row.to(tl.uint32) * 0x9E3779B1
         tl.debug_barrier()
         while tl.max(pending.to(tl.int32), axis=0) > 0:
             h = _mix(h)
-            slot = (h >> (32 - SLOT_BITS)).to(tl.int32)
+            slot = (h >> (32 - table_bits)).to(tl.int32)
             tl.atomic_min(table + slot, (tag << 44) | entry, mask=pending, sem="relaxed")
             tl.debug_barrier()
             word = tl.load(table + slot, mask=pending, other=0, cache_modifier=".cg")
@@ -91,21 +101,30 @@ if triton is not None:
             pending = pending & (first_row != row)
             tag -= 1
             tl.debug_barrier()  # every lane has read its slot before the next round's atomics
-        kept = keep.to(tl.int32)
-        n = tl.sum(kept, axis=0)
-        pos = tl.cumsum(kept, axis=0) - 1
-        out_ptr = OUT + t * stride_out_t
-        tl.store(out_ptr + pos, row, mask=keep)
-        tl.store(out_ptr + c, tl.full([BLOCK], -1, tl.int32), mask=(c >= n) & (c < K))
-        tl.store(LENS + t, n)
+        # each of this program's lanes where it stands: its row where kept, else -1
+        tl.store(OUT + t * stride_out_t + c, tl.where(keep, row, -1), mask=mine)
 
 
 def unique_rows_config(topk: int) -> dict[str, int]:
     """Constexprs and warps of the kernel for a row list of ``topk`` entries (the warm-up key):
-    ``BLOCK`` (``topk`` rounded up to a power of two, at least 16) and ``SLOT_BITS`` (a table of
-    ``2 * BLOCK`` slots)."""
+    ``BLOCK`` (``topk`` rounded up to a power of two, at least 16)."""
     block = max(16, next_pow2(topk))
-    return {"BLOCK": block, "SLOT_BITS": block.bit_length(), "num_warps": 8 if block >= 2048 else 4}
+    return {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4}
+
+
+def unique_rows_parts(tokens: int, topk: int, num_sms: int) -> int:
+    """Programs a token's entries are spread over: the most, a power of two, that keep
+    ``tokens x parts`` within ``num_sms`` and give each part at least 128 lanes of the block (one
+    program's atomics and reads a round are what bound a round, so few tokens spread).
+
+    >>> unique_rows_parts(1, 2048, 132), unique_rows_parts(64, 2048, 132), unique_rows_parts(1, 512, 132)
+    (16, 2, 4)
+    """
+    block = unique_rows_config(topk)["BLOCK"]
+    parts = 1
+    while 2 * parts * tokens <= num_sms and 2 * parts * 128 <= block:
+        parts *= 2
+    return parts
 
 
 def launch_unique_rows(
@@ -113,22 +132,29 @@ def launch_unique_rows(
     topk_length: torch.Tensor | None,
     max_row: int,
     out: torch.Tensor,
-    lens: torch.Tensor,
+    *,
+    parts: int | None = None,
 ) -> None:
-    """Write each token's unique valid rows into ``out`` ``[T, K]`` int32 (first-occurrence order,
-    ``-1`` after) and their count into ``lens`` ``[T]`` int32. ``rows`` ``[T, K]`` int32/int64 with
-    a unit last stride; an entry is valid when ``0 <= row <= max_row`` and its position is under
-    ``topk_length[t]`` (int32/int64 ``[T]``, or ``None``). Inputs are checked by the caller;
-    ``K <= MAX_ENTRIES``."""
+    """Write each token's rows into ``out`` ``[T, K]`` int32, each entry at its position: its row
+    where it is the row's first valid occurrence in the token, else ``-1``. ``rows`` ``[T, K]``
+    int32/int64 with a unit last stride; an entry is valid when ``0 <= row <= max_row`` and its
+    position is under ``topk_length[t]`` (int32/int64 ``[T]``, or ``None``). ``parts``: programs a
+    token is spread over, a power of two (default :func:`unique_rows_parts` on the device's SMs).
+    Inputs are checked by the caller; ``K <= MAX_ENTRIES``."""
     t, k = rows.shape
     if t == 0:
         return
     cfg = unique_rows_config(k)
-    scratch = torch.empty(t, 1 << cfg["SLOT_BITS"], dtype=torch.int64, device=rows.device)
+    block = cfg["BLOCK"]
+    if parts is None:
+        parts = unique_rows_parts(t, k, sm_count(rows.device))
+    if parts < 1 or parts & (parts - 1) or parts > block:
+        raise ValueError(f"parts must be a power of two from 1 to {block}, got {parts}")
+    table_bits = (2 * block // parts).bit_length() - 1  # 2 x BLOCK slots a token
+    scratch = torch.empty(t * parts << table_bits, dtype=torch.int64, device=rows.device)
     topk_length = unit_stride(topk_length)
-    _unique_rows_kernel[(t,)](
-        rows, topk_length if topk_length is not None else lens, scratch, out, lens,
-        t, k, max_row, rows.stride(0), out.stride(0),
-        HAS_LEN=topk_length is not None, BLOCK=cfg["BLOCK"], SLOT_BITS=cfg["SLOT_BITS"],
-        num_warps=cfg["num_warps"], **COMPILE_OPTIONS,
+    _unique_rows_kernel[(t, parts)](
+        rows, topk_length if topk_length is not None else rows, scratch, out,
+        t, k, max_row, rows.stride(0), out.stride(0), parts, table_bits,
+        HAS_LEN=topk_length is not None, BLOCK=block, num_warps=cfg["num_warps"], **COMPILE_OPTIONS,
     )  # fmt: skip
