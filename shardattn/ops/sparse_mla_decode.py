@@ -34,14 +34,14 @@ merge kernel) are the private runners' (:func:`~shardattn.kernels.triton.sparse_
 :func:`~shardattn.ops.sparse_mla_decode_gluon.sparse_mla_decode_gluon`), which benchmarks call.
 
 A row listed twice by one token is one key (the library-wide rule): by default each token's rows
-are first de-duplicated by :func:`~shardattn.ops.unique_rows.decode_rows`: sorted by the bitmap
-union build (:func:`~shardattn.ops.union.build_union`, ``G = 1``, in shared memory on sm_90)
-while the cache's words are within its ratio, else each repeat set to ``-1`` in place by a hash
-per token whose cost does not follow the cache size (:func:`~shardattn.ops.unique_rows.unique_rows`;
-a top-k past its 8,192 entries takes the union's row sort);
-``rows_unique=True`` skips that when the caller guarantees unique rows (an indexer's top-k is),
-and duplicates would then count twice in the kernels (the torch reference, which CPU tensors run,
-counts a row once whatever the flag).
+are first de-duplicated by :func:`~shardattn.ops.unique_rows.decode_rows`: each repeat set to
+``-1`` in place by a hash per token whose cost does not follow the cache size
+(:func:`~shardattn.ops.unique_rows.unique_rows`) up to 8 tokens, and from 9 where the cache's
+words are past the bitmap's ratio; else sorted by the bitmap union build
+(:func:`~shardattn.ops.union.build_union`, ``G = 1``, in shared memory on sm_90), which also
+takes a top-k past the hash's 8,192 entries (D96). ``rows_unique=True`` skips that when the
+caller guarantees unique rows (an indexer's top-k is), and duplicates would then count twice in
+the kernels (the torch reference, which CPU tensors run, counts a row once whatever the flag).
 
 LSE: fp32 natural log, includes the sink term; a row with no valid key gives ``(0, -inf)``
 (``(0, sink)`` with sinks), so a DCP rank with an empty local shard contributes the merge
