@@ -222,8 +222,9 @@ def _triton_unique_rows() -> str:
     cfg = dict(_attr(_TRITON_UNIQUE, "unique_rows_config")(2048))
     num_warps = cfg.pop("num_warps")
     pointers = {"ROWS": "*i32", "TOPK_LEN": "*i32", "SCRATCH": "*i64", "OUT": "*i32"}
+    constexprs = {**cfg, "HAS_LEN": True, "PDL": True}
     return triton_sm90_ptx(
-        _TRITON_UNIQUE, "_unique_rows_kernel", pointers, {**cfg, "HAS_LEN": True}, num_warps=num_warps
+        _TRITON_UNIQUE, "_unique_rows_kernel", pointers, constexprs, num_warps=num_warps, launch_pdl=True
     )
 
 
