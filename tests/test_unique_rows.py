@@ -57,6 +57,8 @@ def test_bad_input_names_the_argument():
         unique_rows(rows, num_kv_rows=-1)
     with pytest.raises(ValueError, match="topk_length"):
         unique_rows(rows, num_kv_rows=4, topk_length=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="pdl"):
+        unique_rows(rows, num_kv_rows=4, pdl=1)
 
 
 def test_parts_spread_few_tokens_over_the_sms():
@@ -147,6 +149,8 @@ def test_kernel_matches_the_reference_on_the_gpu_at_any_parts(tokens, topk):
         out = torch.full_like(rows, -7)
         launch_unique_rows(rows, length, 40_000_000 - 1, out, parts=parts)
         assert torch.equal(out.cpu(), want), parts
+    # launched as a programmatic dependent launch, as ahead of the decode kernels
+    assert torch.equal(unique_rows(rows, num_kv_rows=40_000_000, topk_length=length, pdl=True).cpu(), want)
 
 
 @pytest.mark.gpu

@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from shardattn._checks import INDEX_DTYPES, check_int, check_same_device, check_tensor
-from shardattn.kernels.backend import use_triton
+from shardattn._checks import INDEX_DTYPES, check_bool, check_int, check_same_device, check_tensor
+from shardattn.kernels.backend import pdl_supported, use_triton
 from shardattn.kernels.gluon.union_smem import smem_unsupported_reason
 from shardattn.kernels.triton.unique_rows import MAX_ENTRIES, launch_unique_rows
 from shardattn.kernels.union_layout import MAX_PLAIN_ROW
@@ -75,6 +75,7 @@ def unique_rows(
     *,
     num_kv_rows: int,
     topk_length: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Each token's rows with every repeat dropped in place.
 
@@ -83,6 +84,10 @@ def unique_rows(
             position ``>= topk_length[t]`` is no row.
         num_kv_rows: rows of the cache ``R``.
         topk_length: optional ``[T]`` int32, each token's valid prefix of ``rows``.
+        pdl: where the device takes it, launch the kernel so that the next kernel in the stream
+            launches at once; only for a next kernel that is itself a programmatic dependent launch
+            (it waits for this one before it reads: the small-batch, streaming and Triton decode
+            kernels); ahead of any other it measured slower (docs/DECISIONS.md, D97).
 
     Returns:
         ``[T, K]`` int32: each entry's row where it is the row's first valid occurrence in its
@@ -91,29 +96,34 @@ def unique_rows(
         reference) gives exactly the reference's output.
     """
     _check(rows, num_kv_rows, topk_length)
-    return _unique_rows(rows, num_kv_rows, topk_length)
+    check_bool("pdl", pdl)
+    return _unique_rows(rows, num_kv_rows, topk_length, pdl)
 
 
-def _unique_rows(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None) -> torch.Tensor:
+def _unique_rows(rows: torch.Tensor, num_kv_rows: int, topk_length: torch.Tensor | None, pdl: bool) -> torch.Tensor:
     """:func:`unique_rows` on checked arguments."""
     t, k = rows.shape
     if not use_triton(rows, topk_length) or k > MAX_ENTRIES or t == 0 or k == 0:
         return unique_rows_reference(rows, num_kv_rows=num_kv_rows, topk_length=topk_length)
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     out = torch.empty(t, k, dtype=torch.int32, device=rows.device)
-    launch_unique_rows(rows, topk_length, min(num_kv_rows - 1, MAX_PLAIN_ROW), out)
+    pdl = pdl and pdl_supported(rows.device)
+    launch_unique_rows(rows, topk_length, min(num_kv_rows - 1, MAX_PLAIN_ROW), out, pdl=pdl)
     return out
 
 
-def decode_rows(rows: torch.Tensor, *, num_kv_rows: int, topk_length: torch.Tensor | None = None) -> DecodeRows:
+def decode_rows(
+    rows: torch.Tensor, *, num_kv_rows: int, topk_length: torch.Tensor | None = None, pdl: bool = False
+) -> DecodeRows:
     """Decode's de-duplicated rows (see the module): each entry in place by :func:`unique_rows`,
     with the caller's ``topk_length``, at few tokens and on caches past the bitmap's ratio; else
     packed and sorted by :func:`~shardattn.ops.union.build_union`
-    (:func:`~shardattn.plan.union_routing.route_decode_dedup`)."""
+    (:func:`~shardattn.plan.union_routing.route_decode_dedup`). ``pdl``: as :func:`unique_rows`'s
+    (the decode kernel after it is a programmatic dependent launch)."""
     _check(rows, num_kv_rows, topk_length)  # before the route reads the shape
     shared_memory = smem_unsupported_reason(rows, 1) is None
     route = route_decode_dedup(rows.shape[1], num_kv_rows, tokens=rows.shape[0], shared_memory=shared_memory)
     if route == "union":
         union, lens = build_union(rows, group_size=1, num_kv_rows=num_kv_rows, topk_length=topk_length)
         return DecodeRows(union, lens, packed=True)
-    return DecodeRows(_unique_rows(rows, num_kv_rows, topk_length), topk_length, packed=False)
+    return DecodeRows(_unique_rows(rows, num_kv_rows, topk_length, pdl), topk_length, packed=False)

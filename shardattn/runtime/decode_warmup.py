@@ -143,9 +143,11 @@ def warm_up_decode(
             if compiles_kernels(device) and t == max(sizes):
                 # the warm-up cache is small (past a few tokens its de-duplication is the bitmap
                 # union); a real cache past the bitmap's ratio de-duplicates by hash at every
-                # batch (ops.unique_rows.decode_rows)
-                unique_rows(converted[False][0], num_kv_rows=kv.shape[0])
-                launches += 1
+                # batch (ops.unique_rows.decode_rows), a programmatic dependent launch ahead of the
+                # small-batch, streaming and Triton kernels, a plain one ahead of the others
+                for pdl in (False, True):
+                    unique_rows(converted[False][0], num_kv_rows=kv.shape[0], pdl=pdl)
+                    launches += 1
                 # the bitmap union compiles a variant per window of words (union_smem.WINDOWS): a
                 # cache past the first window's rows takes the next one, where the route keeps the
                 # union (the rows stay the small cache's: only the window, from num_kv_rows, is

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from shardattn._ints import next_pow2
-from shardattn.kernels.backend import COMPILE_OPTIONS, pdl_supported, sm_count, unit_stride
+from shardattn.kernels.backend import COMPILE_OPTIONS, sm_count, unit_stride
 from shardattn.plan.union_routing import MAX_UNIQUE_ENTRIES
 
 try:
@@ -139,16 +139,16 @@ def launch_unique_rows(
     out: torch.Tensor,
     *,
     parts: int | None = None,
-    pdl: bool | None = None,
+    pdl: bool = False,
 ) -> None:
     """Write each token's rows into ``out`` ``[T, K]`` int32, each entry at its position: its row
     where it is the row's first valid occurrence in the token, else ``-1``. ``rows`` ``[T, K]``
     int32/int64 with a unit last stride; an entry is valid when ``0 <= row <= max_row`` and its
     position is under ``topk_length[t]`` (int32/int64 ``[T]``, or ``None``). ``parts``: programs a
     token is spread over, a power of two (default :func:`unique_rows_parts` on the device's SMs).
-    ``pdl``: launch as a programmatic dependent launch, which lets the kernel after it in the
-    stream launch at once (default: where the device takes it, :func:`pdl_supported`). Inputs are
-    checked by the caller; ``K <= MAX_ENTRIES``."""
+    ``pdl``: a programmatic dependent launch (where :func:`~shardattn.kernels.backend.pdl_supported`),
+    which waits for the grid before it and lets the one after it launch at once (for a decode
+    kernel launched so). Inputs are checked by the caller; ``K <= MAX_ENTRIES``."""
     t, k = rows.shape
     if t == 0:
         return
@@ -161,7 +161,6 @@ def launch_unique_rows(
     table_bits = (2 * block // parts).bit_length() - 1  # 2 x BLOCK slots a token
     scratch = torch.empty(t * parts << table_bits, dtype=torch.int64, device=rows.device)
     topk_length = unit_stride(topk_length)
-    pdl = pdl_supported(rows.device) if pdl is None else pdl
     _unique_rows_kernel[(t, parts)](
         rows, topk_length if topk_length is not None else rows, scratch, out,
         t, k, max_row, rows.stride(0), out.stride(0), parts, table_bits,
