@@ -217,10 +217,9 @@ def run_sparse_mla_decode(
                 f"splits of {t} tokens x {h} heads; it has {workspace.numel()}"
             )
     if not rows_unique and rows.shape[1] > 1:
-        # the kernels below are programmatic dependent launches: the hash lets them launch at once
-        rows, topk_length, _packed = decode_rows(
-            rows, num_kv_rows=kv.shape[0], topk_length=topk_length, pdl=pdl_supported(q.device)
-        )
+        # the kernels below are programmatic dependent launches (where the device takes them): the
+        # hash lets them launch at once
+        rows, topk_length, _packed = decode_rows(rows, num_kv_rows=kv.shape[0], topk_length=topk_length, pdl=True)
     if kernel == "gluon_stream":
         from shardattn.kernels.gluon.sparse_mla_decode_stream import sparse_mla_decode_stream
 
