@@ -236,6 +236,36 @@ def test_slicing_sinks_and_merge_match_the_oracle_on_cpu(splits, with_sinks, row
             torch.testing.assert_close(lse[0], sinks)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_sliced_launch_and_the_hash_before_it_are_dependent_launches(monkeypatch, splits):
+    """Where the device takes programmatic dependent launches, the Gluon decode kernel is one when a
+    merge follows it (sliced), and the hash ahead of it then lets it launch at once; one slice
+    keeps plain launches. The decisions are checked on the CPU: the launcher and the hash recorded."""
+    import shardattn.kernels.backend as backend
+    import shardattn.kernels.gluon.sparse_mla as gluon_launch
+    import shardattn.ops.sparse_mla_decode_gluon as decode_gluon
+    from shardattn.kernels.gluon.sparse_mla_decode import gluon_attend
+
+    launches, hashes = [], []
+    monkeypatch.setattr(backend, "pdl_supported", lambda device: True)
+    monkeypatch.setattr(gluon_launch, "launch_gluon_attention", lambda *a, **kw: launches.append(kw["pdl"]))
+    real_rows = decode_gluon.decode_rows
+
+    def recorded_rows(*a, pdl=False, **kw):
+        hashes.append(pdl)
+        return real_rows(*a, **kw)
+
+    monkeypatch.setattr(decode_gluon, "decode_rows", recorded_rows)
+    t, h, dv, k = 2, 8, 16, 256
+    q, kv, rows, _, _ = _case(t, h, 24, dv, 40, k, seed=1)
+    rows[0, 10] = rows[0, 200]  # a repeat: the hash runs
+    out, lse = torch.empty(t, h, dv), torch.empty(t, h)
+    sparse_mla_decode_gluon(
+        q, kv, rows, scale=0.3, v_dim=dv, out=out, lse_out=lse, num_sms=4, num_splits=splits, attend=gluon_attend
+    )  # fmt: skip
+    assert launches == [splits > 1] and hashes == [splits > 1]
+
+
 # ---- the row-slicing Triton kernel under the interpreter ----
 
 

@@ -18,8 +18,9 @@ routed here:
   :func:`~shardattn.kernels.triton.lse_merge.split_partials_numel` elements serves) and the column
   merge combines them into ``out`` / ``lse``: each program loads every slice's partials of a few
   (token, head) rows at once (:func:`~shardattn.kernels.gluon.sparse_mla_decode.gluon_merge_tile`),
-  launched as a programmatic dependent launch where the device has it. With one slice the kernel
-  writes ``out`` / ``lse`` directly.
+  launched as a programmatic dependent launch where the device has it. A sliced kernel is one too:
+  it waits for the grid before it at its start and lets the merge launch at once, and the hash ahead
+  of it triggers it (D98). With one slice the kernel writes ``out`` / ``lse`` directly, a plain launch.
 * **sinks** with ``S`` slices: every slice gets ``sink - log(S)``, so the merged denominator holds
   ``S * exp(sink) / S = exp(sink)`` once (exact; an all-empty row gives ``(0, sink)``).
 """
@@ -80,14 +81,15 @@ def sparse_mla_decode_gluon(
     t, h, _ = q.shape
     r = kv.shape[0]
     k = rows.shape[1]
-    src, src_len, packed = rows, topk_length, False
-    if not rows_unique and k > 1:
-        src, src_len, packed = decode_rows(rows, num_kv_rows=r, topk_length=topk_length)
     limit = None if workspace is None else workspace.numel()
     plan = gluon_decode_plan(
         t, h, k, num_sms, num_splits, v_dim=v_dim, max_partial_elems=limit, kv_fp8=kv.dtype == torch.uint8
     )
     s, chunk = plan["num_splits"], plan["chunk"]
+    src, src_len, packed = rows, topk_length, False
+    if not rows_unique and k > 1:
+        # a sliced launch is a programmatic dependent launch (gluon_attend): the hash lets it launch at once
+        src, src_len, packed = decode_rows(rows, num_kv_rows=r, topk_length=topk_length, pdl=s > 1)
     width = k if s == 1 else s * chunk
     # a union is valid rows packed at the front (the kernel masks past lens); raw rows (the
     # caller's, or the hash's with repeats -1) are masked per entry; either is read in place when it

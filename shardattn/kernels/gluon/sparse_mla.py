@@ -164,6 +164,7 @@ def launch_gluon_attention(
     group_size: int = 1,
     raw_rows: bool = False,
     q_slices: int = 1,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Gluon kernel on prepared unions, or on raw rows (inputs already validated).
 
@@ -188,6 +189,9 @@ def launch_gluon_attention(
             ``[T * S, W]`` (a view of the ``[T, S * W]`` lists), ``lens`` (or ``topk_length``)
             ``[T]`` stays per token and ``out`` / ``lse`` (required) are ``[T * S, H, v_dim]`` /
             ``[T * S, H]``.
+        pdl: a programmatic dependent launch (where
+            :func:`~shardattn.kernels.backend.pdl_supported`): the kernel waits for the grid before
+            it at its start and lets the one after it (decode's merge) launch at once.
     Returns:
         ``(out, lse)``: the given destinations, or new ``[T, H, v_dim]`` q.dtype and ``[T, H]`` fp32.
     """
@@ -215,13 +219,13 @@ def launch_gluon_attention(
         grid = (grid[0] * grid[1],)
     fn, constexprs, options = _kernel_args(
         cfg, group_size, v_dim, d - v_dim, sinks is not None, raw_rows=raw_rows, has_lens=lens is not None,
-        kv_fp8=kv.dtype == torch.uint8,
+        kv_fp8=kv.dtype == torch.uint8, pdl=pdl,
     )  # fmt: skip
     sink_arg = sinks if sinks is not None else lse
     lens_arg = lens if lens is not None else union
     fn[grid](
         q, kv, union, lens_arg, sink_arg, out, lse, t, h, hb, *strides, scale * LOG2E, kv.shape[0], union.shape[1],
-        q_slices, **constexprs, **options, **COMPILE_OPTIONS,
+        q_slices, **constexprs, **options, launch_pdl=pdl, **COMPILE_OPTIONS,
     )  # fmt: skip
     return out, lse
 
@@ -236,16 +240,18 @@ def _kernel_args(
     raw_rows: bool = False,
     has_lens: bool = True,
     kv_fp8: bool = False,
+    pdl: bool = False,
 ):
     """``(kernel, constexpr arguments, launch options)`` of a configuration (the launcher's and the
-    AOT compile's); ``kv_fp8``: ``fp8_ds_mla`` KV rows (the producer dequantises them)."""
+    AOT compile's); ``kv_fp8``: ``fp8_ds_mla`` KV rows (the producer dequantises them); ``pdl``: a
+    programmatic dependent launch."""
     from shardattn.kernels.gluon.sparse_mla_kernel import ws64_kernel
 
     constexprs = {
         "D_V": v_dim, "D_R": rope_dim, "HAS_SINK": sinks,
         "CONSUMER_REGS": FP8_CONSUMER_REGS if kv_fp8 else CONSUMER_REGS,
         "HEADS_FASTEST": cfg.heads_fastest, "EARLY_KV": cfg.early_kv, "G": group_size, "RAW_ROWS": raw_rows,
-        "PERSISTENT": cfg.persistent, "HAS_LENS": has_lens or not raw_rows, "KV_FP8": kv_fp8,
+        "PERSISTENT": cfg.persistent, "HAS_LENS": has_lens or not raw_rows, "KV_FP8": kv_fp8, "PDL": pdl,
     }  # fmt: skip
     return ws64_kernel(), constexprs, {"num_warps": WS_NUM_WARPS, "maxnreg": WS_MAXNREG}
 
@@ -262,6 +268,7 @@ def compile_for_sm90(
     config: GluonConfig | None = None,
     raw_rows: bool = False,
     kv_fp8: bool = False,
+    pdl: bool = False,
 ):
     """Compile a Gluon kernel variant for sm_90 ahead of time (no GPU needed); returns its PTX.
 
@@ -273,7 +280,8 @@ def compile_for_sm90(
             packed entries and membership masks).
         config: the options (default :func:`gluon_config`'s); raw_rows: the raw-row mode (rows
             masked per entry, as decode launches it); kv_fp8: ``fp8_ds_mla`` KV rows (uint8,
-            dequantised by the producer; ``dtype`` bf16).
+            dequantised by the producer; ``dtype`` bf16); pdl: a programmatic dependent launch
+            (decode's).
     Returns:
         The PTX text of the compiled kernel.
     Raises:
@@ -282,7 +290,7 @@ def compile_for_sm90(
     """
     return compile_kernel_for_sm90(
         kind, heads, group_size, v_dim=v_dim, rope_dim=rope_dim, sinks=sinks, dtype=dtype, config=config,
-        raw_rows=raw_rows, kv_fp8=kv_fp8,
+        raw_rows=raw_rows, kv_fp8=kv_fp8, pdl=pdl,
     ).asm["ptx"]  # fmt: skip
 
 
@@ -298,6 +306,7 @@ def compile_kernel_for_sm90(
     config: GluonConfig | None = None,
     raw_rows: bool = False,
     kv_fp8: bool = False,
+    pdl: bool = False,
 ):
     """As :func:`compile_for_sm90`, returning Triton's compiled kernel (``asm``, ``metadata``)."""
     if kind not in KINDS:
@@ -327,7 +336,9 @@ def compile_kernel_for_sm90(
         "stride_lb": "i32", "stride_lt": "i32", "stride_lh": "i32",
         "qk_scale": "fp32", "R": "i32", "K": "i32", "QS": "i32",
     }  # fmt: skip
-    fn, constexprs, options = _kernel_args(cfg, group_size, v_dim, rope_dim, sinks, raw_rows=raw_rows, kv_fp8=kv_fp8)
+    fn, constexprs, options = _kernel_args(
+        cfg, group_size, v_dim, rope_dim, sinks, raw_rows=raw_rows, kv_fp8=kv_fp8, pdl=pdl
+    )
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     # what the launcher's specialisation sees at run time: 16-byte aligned pointers and strides
     # (except the arguments it never specialises)

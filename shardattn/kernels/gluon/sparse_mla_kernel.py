@@ -79,7 +79,7 @@ from __future__ import annotations
 from shardattn.kernels.gluon.compat import HAS_GLUON
 
 if HAS_GLUON:
-    from shardattn.kernels.gluon.compat import cp, fence_async_shared, gl, gluon, mbarrier
+    from shardattn.kernels.gluon.compat import cp, fence_async_shared, gl, gluon, grid_dependency, mbarrier
     from shardattn.kernels.gluon.compat import cta_barrier as _cta_barrier
     from shardattn.kernels.gluon.compat import nvmma_layout as _nvmma
     from shardattn.kernels.gluon.sparse_mla_epilogue import _ws_epilogue_staged
@@ -196,8 +196,11 @@ if HAS_GLUON:
         D_V: gl.constexpr, D_R: gl.constexpr, HAS_SINK: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, HEADS_FASTEST: gl.constexpr, EARLY_KV: gl.constexpr,
         G: gl.constexpr = 1, RAW_ROWS: gl.constexpr = False, HAS_LENS: gl.constexpr = True,
-        PERSISTENT: gl.constexpr = False, KV_FP8: gl.constexpr = False,
+        PERSISTENT: gl.constexpr = False, KV_FP8: gl.constexpr = False, PDL: gl.constexpr = False,
     ):  # fmt: skip
+        if PDL:  # a programmatic dependent launch: wait for the grid before it (it wrote q / rows),
+            grid_dependency("griddepcontrol.wait")  # then let the one after it (the merge) launch
+            grid_dependency("griddepcontrol.launch_dependents")  # (it waits for this grid to complete)
         dtype: gl.constexpr = Q.dtype.element_ty
         HALF: gl.constexpr = D_V // 2
         n_hb = gl.cdiv(H, 64 // G)
