@@ -512,7 +512,9 @@ def test_decode_warmup_converts_and_deduplicates_as_the_steps_do(monkeypatch, dc
     monkeypatch.setattr(dw, "sparse_mla_decode", decode)
     monkeypatch.setattr(dw, "run_sparse_mla_decode", decode)
     monkeypatch.setattr(
-        dw, "unique_rows", lambda rows, *, num_kv_rows, topk_length=None, pdl=False: hashes.add((topk_length, pdl))
+        dw,
+        "unique_rows",
+        lambda rows, *, num_kv_rows, topk_length=None, pdl=False: hashes.add((topk_length, pdl)) or rows,
     )
     monkeypatch.setattr(dw, "sparse_decode_kernel", lambda q, kv, v_dim, rows=None: ("triton", "test"))
     monkeypatch.setattr(dw, "compiles_kernels", lambda device: True)  # as on a GPU, with CPU tensors
@@ -524,7 +526,9 @@ def test_decode_warmup_converts_and_deduplicates_as_the_steps_do(monkeypatch, dc
         gqa_backend="triton",
     )  # fmt: skip
     assert converts == {(length, packed) for length in (False, True) for packed in (False, True)}
-    assert decodes == {(False, False), (True, True)}  # raw rows: no topk_length; unique rows: their count
+    # raw rows: no topk_length; unique rows: their count; the hash's rows (a large cache's de-duplication
+    # at any batch) handed on as unique with no topk_length
+    assert decodes == {(False, False), (True, True), (True, False)}
     assert hashes == {(None, False), (None, True)}  # the hash ahead of plain and of PDL launches
     # the bitmap union's variant for each window past the first (a cache of more rows)
     from shardattn.kernels.gluon.union_smem import WINDOWS

@@ -140,14 +140,17 @@ def warm_up_decode(
                     pos, req, table, block_size=page, seq_lens=seq, topk_length=length, dcp=dcp, packed=unique
                 )
                 launches += 1
+            row_lists = [(converted[False][0], None, False), (converted[True][0], converted[True][1], True)]
             if compiles_kernels(device) and t == max(sizes):
                 # the warm-up cache is small (past a few tokens its de-duplication is the bitmap
                 # union); a real cache past the bitmap's ratio de-duplicates by hash at every
                 # batch (ops.unique_rows.decode_rows), a programmatic dependent launch ahead of the
-                # small-batch, streaming and Triton kernels, a plain one ahead of the others
+                # small-batch, streaming, Triton and sliced Gluon kernels, a plain one ahead of the others
                 for pdl in (False, True):
-                    unique_rows(converted[False][0], num_kv_rows=kv.shape[0], pdl=pdl)
+                    hashed = unique_rows(converted[False][0], num_kv_rows=kv.shape[0], pdl=pdl)
                     launches += 1
+                # and hands the kernels its rows (repeats -1) with no topk_length: their own variants
+                row_lists.append((hashed, None, True))
                 # the bitmap union compiles a variant per window of words (union_smem.WINDOWS): a
                 # cache past the first window's rows takes the next one, where the route keeps the
                 # union (the rows stay the small cache's: only the window, from num_kv_rows, is
@@ -176,9 +179,8 @@ def warm_up_decode(
                 # not on the batch: NOT_SPECIALIZED)
                 ("gluon_stream", (1, *COLUMN_MERGE_WARMUP_SPLITS) if stream else ()),
             )
-            for sinks, unique in itertools.product(sink_options, (False, True)):
+            for sinks, (rows, valid, unique) in itertools.product(sink_options, row_lists):
                 # topk_unique (rows_unique): the kernels see the raw rows, not a union: their own variants
-                rows, valid = converted[unique][0], converted[unique][1] if unique else None
                 for backend in (None, "triton") if compiles_kernels(device) else (None,):  # routed, and Triton's
                     sparse_mla_decode(
                         q, kv, rows, scale=scale, v_dim=spec.v_dim, topk_length=valid, sinks=sinks, backend=backend,
