@@ -3,6 +3,12 @@
 The interpreter must be switched on before Triton is imported, so interpreter tests cannot run
 in the pytest process (which has imported Triton already); they call a module-level function of
 their own module in a subprocess instead.
+
+:func:`interpreter_unusable_reason` says why the installed interpreter cannot run the library's
+kernels, by running a kernel of their commonest form in a subprocess: Triton 3.6's interpreter
+turns a loop bound into an int with ``int()`` of a one-element array, which numpy 2.4 refuses, so
+every kernel whose loop bound is computed (``tl.minimum(lo + chunk, k_len)``) stops in a
+``TypeError`` there (Triton 3.9's interpreter squeezes the array first; numpy < 2.4 accepts it).
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import sys
 
 #: Seconds an interpreted run may take.
 DEFAULT_TIMEOUT_S = 600.0
+#: Seconds the interpreter probe may take.
+PROBE_TIMEOUT_S = 120.0
 
 
 def run_interpreted(module: str, function: str, *args: str, timeout: float = DEFAULT_TIMEOUT_S) -> str:
@@ -33,3 +41,46 @@ def run_interpreted(module: str, function: str, *args: str, timeout: float = DEF
         proc.stdout[-3000:] + proc.stderr[-6000:]
     )
     return proc.stdout
+
+
+def interpreter_probe() -> None:
+    """Run a kernel whose loop bound is computed, under the interpreter (called in a subprocess
+    by :func:`interpreter_unusable_reason`); raises where the interpreter cannot run it."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _bounded_loop(Lens, Out, K, CHUNK: tl.constexpr):
+        t = tl.program_id(0)
+        hi = tl.minimum(CHUNK, tl.minimum(tl.load(Lens + t), K))
+        acc = tl.zeros([4], tl.int32)
+        for _ in range(0, hi, 4):
+            acc += 1
+        tl.store(Out + t * 4 + tl.arange(0, 4), acc)
+
+    lens = torch.tensor([7, 9], dtype=torch.int32)
+    out = torch.zeros(8, dtype=torch.int32)
+    _bounded_loop[(2,)](lens, out, 8, 16)
+    assert out.tolist() == [2] * 4 + [2] * 4, out.tolist()
+
+
+def interpreter_unusable_reason(timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why the installed Triton interpreter cannot run the library's kernels, or None when it can:
+    :func:`interpreter_probe` run in a subprocess under ``TRITON_INTERPRET=1``, and the last line of
+    its error with the Triton and numpy versions (a missing Triton is a reason too)."""
+    try:
+        import numpy
+        import triton
+    except ImportError as e:
+        return f"Triton is not installed ({e})"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    call = f"import {__name__} as m; m.interpreter_probe()"
+    proc = subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode == 0:
+        return None
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return (
+        f"Triton {triton.__version__}'s interpreter fails on a computed loop bound with numpy "
+        f"{numpy.__version__} ({last}); it runs with numpy < 2.4, as Triton 3.9's does with any"
+    )

@@ -19,7 +19,9 @@ Two ways to write a distributed test (mark it ``@pytest.mark.distributed``):
 A test that needs a one-rank group in its own process (a one-rank Runtime, say) asks for the
 ``one_rank_group`` fixture, which forms it and destroys it after the test.
 
-Tests marked ``gpu`` skip with the reason when CUDA is not available.
+Tests marked ``gpu`` skip with the reason when CUDA is not available, and tests marked
+``interpret`` when the installed Triton interpreter cannot run the kernels (probed once:
+:func:`~shardattn.testing.interpret.interpreter_unusable_reason`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import pytest
 from shardattn.testing.pool import DEFAULT_TIMEOUT_S, DistributedPool
 
 _POOL_KEY = pytest.StashKey["PoolHandle"]()
+_INTERPRETER_KEY = pytest.StashKey[str | None]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -81,6 +84,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         reason = cuda_skip_reason()
         if reason is not None:
             pytest.skip(f"needs a CUDA GPU: {reason}")
+    if item.get_closest_marker("interpret") is not None:
+        reason = _interpreter_reason(item.config)
+        if reason is not None:
+            pytest.skip(f"needs Triton's interpreter: {reason}")
+
+
+def _interpreter_reason(config: pytest.Config) -> str | None:
+    """:func:`~shardattn.testing.interpret.interpreter_unusable_reason`, probed once a test run."""
+    if _INTERPRETER_KEY not in config.stash:
+        from shardattn.testing.interpret import interpreter_unusable_reason
+
+        config.stash[_INTERPRETER_KEY] = interpreter_unusable_reason()
+    return config.stash[_INTERPRETER_KEY]
 
 
 class PoolHandle:
