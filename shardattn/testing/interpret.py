@@ -34,9 +34,7 @@ def run_interpreted(module: str, function: str, *args: str, timeout: float = DEF
     Raises:
         AssertionError: the subprocess failed; the message holds the ends of its stdout and stderr.
     """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    call = f"import {module} as m; m.{function}(*{list(args)!r})"
-    proc = subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = _interpreted(f"import {module} as m; m.{function}(*{list(args)!r})", timeout)
     assert proc.returncode == 0, f"{module}.{function}{args} failed under the interpreter:\n" + (
         proc.stdout[-3000:] + proc.stderr[-6000:]
     )
@@ -74,9 +72,7 @@ def interpreter_unusable_reason(timeout: float = PROBE_TIMEOUT_S) -> str | None:
         import triton
     except ImportError as e:
         return f"Triton is not installed ({e})"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    call = f"import {__name__} as m; m.interpreter_probe()"
-    proc = subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = _interpreted(f"import {__name__} as m; m.interpreter_probe()", timeout)
     if proc.returncode == 0:
         return None
     last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -84,3 +80,9 @@ def interpreter_unusable_reason(timeout: float = PROBE_TIMEOUT_S) -> str | None:
         f"Triton {triton.__version__}'s interpreter fails on a computed loop bound with numpy "
         f"{numpy.__version__} ({last}); it runs with numpy < 2.4, as Triton 3.9's does with any"
     )
+
+
+def _interpreted(call: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -c call`` under ``TRITON_INTERPRET=1``, its output captured."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.run([sys.executable, "-c", call], env=env, capture_output=True, text=True, timeout=timeout)
