@@ -158,9 +158,10 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "sorted union then the kernel; `default vs kernel`: against the kernel alone on the caller's rows "
         "(`rows_unique=True`: what any de-duplication adds). Top-k distinct random rows, one repeated in "
         "every token; graph replays with the L2 flushed; ratio > 1: ours faster. The records at `486e783` "
-        "launch the hash as a programmatic dependent launch ahead of every decode kernel; the library now "
-        "does so only ahead of the small-batch, streaming and Triton kernels (the 64-head, 8-token steps "
-        "run the Gluon kernel, which that launch made 0.7 us slower: D97).",
+        "launch the hash as a programmatic dependent launch ahead of every decode kernel, the Gluon kernel "
+        "then a plain launch (0.7 us slower so at 64 heads x 8 tokens: D97); the library now makes the "
+        "sliced Gluon kernel a dependent launch too, with the hash's dependent launch ahead of it, and keeps "
+        "both plain where the Gluon kernel runs one slice (D98).",
         (),
     ),
     "decode-packed": (

@@ -86,8 +86,8 @@ def unique_rows(
         topk_length: optional ``[T]`` int32, each token's valid prefix of ``rows``.
         pdl: where the device takes it, launch the kernel so that the next kernel in the stream
             launches at once; only for a next kernel that is itself a programmatic dependent launch
-            (it waits for this one before it reads: the small-batch, streaming and Triton decode
-            kernels); ahead of any other it measured slower (docs/DECISIONS.md, D97).
+            (it waits for this one before it reads: the small-batch, streaming, Triton and sliced
+            Gluon decode kernels); ahead of any other it measured slower (docs/DECISIONS.md, D97, D98).
 
     Returns:
         ``[T, K]`` int32: each entry's row where it is the row's first valid occurrence in its
