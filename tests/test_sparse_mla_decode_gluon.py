@@ -393,6 +393,40 @@ def test_decode_kernel_matches_reference(heads, tokens, splits, with_sinks, rows
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize(("heads", "tokens", "slices"), [(128, 40, 4), (64, 160, 2), (64, 5, 2)])
+def test_persistent_grid_runs_sliced_rows_as_one_tile_a_program_does(heads, tokens, slices):
+    """The 64-key kernel on the persistent grid (one program per SM walking tiles in turn) with each
+    token's raw rows cut into slices (``q_slices``: tile ``g`` reads token ``g // slices``'s q):
+    the partials of one tile a program bit for bit, and, merged, the doubled-key reference's
+    result: invalid rows anywhere, an empty row, ``topk_length`` 0 / 33, NaN-poisoned partials."""
+    from shardattn.kernels.gluon.sparse_mla import GluonConfig, launch_gluon_attention
+    from shardattn.ops.lse_merge import lse_merge_reference
+
+    q, kv, rows, length, _ = _gpu_case(tokens, heads, seed=13 * heads + tokens)
+    chunk = rows.shape[1] // slices
+    partials = []
+    for persistent in (False, True):
+        cfg = GluonConfig(heads_fastest=True, early_kv=True, persistent=persistent)
+        out = torch.full((tokens * slices, heads, 512), float("nan"), device=q.device)
+        lse = torch.full((tokens * slices, heads), float("nan"), device=q.device)
+        launch_gluon_attention(
+            q, kv, rows.view(tokens * slices, chunk), length, scale=SCALE, v_dim=512, config=cfg, out=out, lse=lse,
+            raw_rows=True, q_slices=slices,
+        )  # fmt: skip
+        partials.append((out, lse))
+    (out0, lse0), (out1, lse1) = partials
+    assert torch.equal(out1.view(torch.int32), out0.view(torch.int32))
+    assert torch.equal(lse1.view(torch.int32), lse0.view(torch.int32))
+    merged, merged_lse = lse_merge_reference(
+        out1.view(tokens, slices, heads, 512).transpose(0, 1), lse1.view(tokens, slices, heads).transpose(0, 1)
+    )
+    rows_e, kv_e = _each_occurrence(rows.cpu(), kv)
+    ref_o, ref_l = sparse_mla_reference(q, kv_e, rows_e.cuda(), scale=SCALE, topk_length=length)
+    _check(merged, merged_lse, ref_o, ref_l)
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_drafts_unique_rows_duplicates_count_twice_like_triton():
     """4 requests x 3 draft tokens (neighbouring drafts share most rows), forced slices, a small
     workspace, ``rows_unique=True`` with a duplicate: Gluon == doubled-key reference == Triton."""

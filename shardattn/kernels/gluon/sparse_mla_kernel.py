@@ -130,10 +130,10 @@ if HAS_GLUON:
         n_pairs = gl.cdiv(gl.cdiv(n_len, 64), 2)
         (KV, _u, _n, stride_kvr, _np, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf, m_buf, l_bufs, ready, free,
          m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready, q_src, R) = args  # fmt: skip
-        (Q, _g, _hb, T, H, HB, stride_qb, stride_qt, stride_qh) = q_src
+        (Q, _g, _hb, T_Q, H, HB, stride_qb, stride_qt, stride_qh) = q_src  # T_Q: q's tokens (T // QS)
         t_args = (KV, UNION + g * stride_ug, n_len, stride_kvr, n_pairs, q_l, q_r, q_rope, k_l, k_r, k_rope, p1_buf,
                   m_buf, l_bufs, ready, free, m0_ready, m1_ready, p0_ready, p1_ready, l_ready, qk_scale, q_ready,
-                  (Q, _q_query(g, QS), hb, T // QS, H, HB, stride_qb, stride_qt, stride_qh), R)  # fmt: skip
+                  (Q, _q_query(g, QS), hb, T_Q, H, HB, stride_qb, stride_qt, stride_qh), R)  # fmt: skip
         (OUT, LSE, SINKS, _g2, _hb2, T2, H2, HB2, sob, sot, soh, slb, slt, slh) = out_args
         return t_args, (OUT, LSE, SINKS, g, hb, T2, H2, HB2, sob, sot, soh, slb, slt, slh), n_pairs
 
