@@ -116,6 +116,10 @@ def test_private_runner_checks_its_launch_knobs_before_any_kernel():
         run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="triton", config={"merge": "tree"})
     with pytest.raises(ValueError, match="takes none"):
         run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="reference", config={"merge": "rows"})
+    with pytest.raises(ValueError, match=r"config of the Gluon kernel is \{'persistent': bool\}"):
+        run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="gluon", config={"merge": "rows"})
+    with pytest.raises(TypeError, match=r"config\['persistent'\] must be a bool"):
+        run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="gluon", config={"persistent": 1})
     with pytest.raises(ValueError, match="kernel must be"):
         run_sparse_mla_decode(q, kv, rows, scale=0.2, v_dim=32, kernel="cuda")
     with pytest.raises(TypeError, match=r"config\['pdl'\] must be a bool"):

@@ -6,6 +6,7 @@ CUDA-graph capture and replay."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -96,7 +97,7 @@ def test_plan_covers_the_row_and_fills_the_machine(heads):
     assert gluon_decode_plan(1, heads, 2048, 132)["num_splits"] > 1
     assert gluon_decode_plan(256, heads, 2048, 132)["num_splits"] == 1
     # asked-for slices are honoured (rounded to whole blocks); a small workspace caps them
-    assert gluon_decode_plan(5, heads, 2048, 132, 7) == {"num_splits": 7, "chunk": 320}
+    assert gluon_decode_plan(5, heads, 2048, 132, 7) == {"num_splits": 7, "chunk": 320, "persistent": False}
     cap = split_partials_numel(4, 8, heads, 512)
     capped = gluon_decode_plan(8, heads, 2048, 132, 16, max_partial_elems=cap)
     assert split_partials_numel(capped["num_splits"], 8, heads, 512) <= cap and capped["num_splits"] > 1
@@ -121,7 +122,47 @@ def test_decode_takes_one_configuration_whose_slices_are_whole_blocks():
     cfg = gluon_decode_config(128)
     assert (cfg.heads_fastest, cfg.early_kv, cfg.persistent) == (True, True, False)
     assert gluon_decode_config(64) == cfg
+    assert gluon_decode_config(64, persistent=True) == dataclasses.replace(cfg, persistent=True)
     assert SPLIT_ROWS % 64 == 0  # a slice is a whole number of the 64-key kernel's blocks
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_plan_takes_the_persistent_grid_past_one_wave_of_bf16_tiles(kv_fp8):
+    seen = set()
+    for tokens, heads, topk in itertools.product((1, 8, 64, 65, 128, 256), (32, 64, 128), (512, 2048)):
+        plan = gluon_decode_plan(tokens, heads, topk, 132, kv_fp8=kv_fp8)
+        tiles = tokens * -(-heads // 64) * plan["num_splits"]
+        assert plan["persistent"] == (not kv_fp8 and tiles > 132), (tokens, heads, topk)
+        seen.add(plan["persistent"])
+    assert seen == ({False} if kv_fp8 else {False, True})
+
+
+@pytest.mark.parametrize(
+    ("tokens", "splits", "forced"),
+    [(2, 2, None), (5, 1, None), (3, 2, None), (8, 4, None), (8, 4, False), (2, 2, True)],
+)
+def test_the_launch_takes_the_plans_grid(monkeypatch, tokens, splits, forced):
+    """The Gluon launch gets the persistent configuration exactly where the plan asks for it (more
+    tiles than SMs on bf16 rows), sliced or not, or as forced (``persistent=``, the warm-up's and
+    benchmarks' knob); checked on the CPU, the launcher recorded."""
+    import shardattn.kernels.gluon.sparse_mla as gluon_launch
+    from shardattn.kernels.gluon.sparse_mla_decode import gluon_attend
+
+    launches = []
+    monkeypatch.setattr(
+        gluon_launch, "launch_gluon_attention", lambda *a, **kw: launches.append((kw["q_slices"], kw["config"]))
+    )
+    h, dv, k, sms = 8, 16, 256, 4
+    q, kv, rows, _, _ = _case(tokens, h, 24, dv, 40, k, seed=tokens)
+    out, lse = torch.empty(tokens, h, dv), torch.empty(tokens, h)
+    sparse_mla_decode_gluon(
+        q, kv, rows, scale=0.3, v_dim=dv, out=out, lse_out=lse, num_sms=sms, num_splits=splits, attend=gluon_attend,
+        rows_unique=True, persistent=forced,
+    )  # fmt: skip
+    plan = gluon_decode_plan(tokens, h, k, sms, splits, persistent=forced)
+    assert launches == [(plan["num_splits"], gluon_decode_config(h, persistent=plan["persistent"]))]
+    want = tokens * plan["num_splits"] > sms if forced is None else forced
+    assert plan["persistent"] == want
 
 
 def test_pack_rows_reference_packs_valid_rows_in_order():
@@ -148,11 +189,14 @@ def _case(t, h, d, dv, r, k, seed, dtype=torch.float32, device="cpu"):
     return [x.to(device) for x in (q, kv, rows, length, sinks)]
 
 
-def _reference_attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows=False, q_slices=1):
+def _reference_attend(
+    q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows=False, q_slices=1, persistent=False
+):  # fmt: skip
     """A torch stand-in for the Gluon kernel: query ``p = t * S + s`` (``S = q_slices``) attends
     ``union[p, :n]`` with token ``t``'s q, ``n`` = ``lens[t] - s * W`` clamped to ``[0, W]``, every
     entry a key (as the kernel does: it never de-duplicates); ``raw_rows``: the caller's rows,
-    ``lens`` None (every entry) or ``topk_length``, invalid entries masked."""
+    ``lens`` None (every entry) or ``topk_length``, invalid entries masked; ``persistent`` changes
+    only the kernel's grid."""
     p, w = union.shape
     if lens is None:
         assert raw_rows
@@ -363,10 +407,14 @@ def test_gluon_decode_matches_reference(heads, tokens, with_sinks):
         (64, 8, 4, True, False),
         (64, 64, 2, False, True),
         (128, 8, 8, True, True),
+        (128, 40, 4, True, True),
+        (64, 160, 2, True, False),
     ],
 )
 def test_decode_kernel_matches_reference(heads, tokens, splits, with_sinks, rows_unique):
-    """The decode configuration through the whole Gluon path: one slice and sliced, slices of an odd
+    """The decode configuration through the whole Gluon path: one slice and sliced, one tile a program
+    and the persistent grid (more tiles than SMs on bf16 rows: 64 x 200, 128 x 40 x 4 slices,
+    64 x 160 x 2), slices of an odd
     number of 64-key blocks (5 slices of 448 rows, packed first: the 64-key kernel's last pair half
     empty), slices read in place from the union or from the caller's rows (2, 4 or 8 of a 2,048-entry
     row), empty and short rows, invalid rows anywhere, duplicates (one key each; twice with
@@ -496,8 +544,12 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
     def record(q, kv, rows, **kw):
         calls.append((q.shape[0], kw.get("backend"), kw.get("num_splits"), kw.get("rows_unique", False)))
 
-    def record_run(q, kv, rows, *, kernel, **kw):
+    def record_run(q, kv, rows, *, kernel, config=None, **kw):
         record(q, kv, rows, backend=kernel, **kw)
+        if kernel == "gluon":
+            grids.append((kw["num_splits"], kw["rows_unique"], config))
+
+    grids = []
 
     monkeypatch.setattr(dw, "sparse_mla_decode", record)
     monkeypatch.setattr(dw, "run_sparse_mla_decode", record_run)
@@ -521,6 +573,11 @@ def test_decode_warmup_runs_triton_at_every_size_and_both_gluon_variants(monkeyp
         slices = (1, *dw.COLUMN_MERGE_WARMUP_SPLITS)
         want = {(40, kernel, s, u) for s in slices for u in (False, True)}
         assert ran == (want if routed == kernel else set())
+    # the Gluon kernel on both grids (which one a batch's plan takes depends on the batch); on
+    # fp8_ds_mla rows the plan takes one tile a program only
+    both = {(s, u, p) for s in slices for u in (False, True) for p in (False, True)}
+    assert {(s, u, cfg["persistent"]) for s, u, cfg in grids} == (both if routed == "gluon" else set())
+    assert dw._grids("gluon", kv_fp8=True) == ({"persistent": False},) and dw._grids("triton", False) == (None,)
 
 
 @pytest.mark.parametrize("dcp", [None, (2, 1, 1)])

@@ -166,10 +166,12 @@ def run_sparse_mla_decode(
     (:func:`~shardattn.ops.dispatch.decode_path` says which runs where), with the launch knobs the public
     entry keeps private, for tuning, warm-up and benchmarks: ``num_splits`` (the Triton kernel's
     splits, the Gluon kernels' row slices) and ``config`` (the Triton kernel's launch overrides:
-    :func:`~shardattn.kernels.triton.sparse_mla_decode_config.decode_launch`). ``q`` is ``[T, H, D]``.
+    :func:`~shardattn.kernels.triton.sparse_mla_decode_config.decode_launch`; the 64-key Gluon
+    kernel's grid, ``{"persistent": bool}``, instead of its plan's). ``q`` is ``[T, H, D]``.
 
     Raises:
-        ValueError: a knob the kernel does not take (``config`` off Triton, ``num_splits`` on the
+        ValueError: a knob the kernel does not take (``config`` off Triton and Gluon, or other than
+            ``{"persistent": bool}`` on Gluon, ``num_splits`` on the
             small-batch kernel, which picks its own), or a ``workspace`` smaller than the Triton
             kernel's splits need, before any kernel runs (the union build included).
     """
@@ -181,8 +183,13 @@ def run_sparse_mla_decode(
         check_int("num_splits", num_splits, minimum=1)
         if kernel == "gluon_small":
             raise ValueError("the small-batch kernel chooses its own splits (small_decode_tiles): pass num_splits=None")
-    if config is not None and kernel != "triton":
-        raise ValueError(f"config is the Triton kernel's launch configuration; kernel={kernel!r} takes none")
+    if config is not None and kernel not in ("triton", "gluon"):
+        raise ValueError(f"config is the Triton or Gluon kernel's launch configuration; kernel={kernel!r} takes none")
+    if config is not None and kernel == "gluon":
+        if set(config) != {"persistent"}:
+            raise ValueError(f"config of the Gluon kernel is {{'persistent': bool}}, got {config!r}")
+        if not isinstance(config["persistent"], bool):
+            raise TypeError(f"config['persistent'] must be a bool, got {type(config['persistent']).__name__}")
     t, h, _ = q.shape
     if not has_keys(kv, rows):  # every row is empty, on every kernel
         return store_result(empty_kv_result(q, v_dim, sinks), out, lse_out)
@@ -201,6 +208,7 @@ def run_sparse_mla_decode(
         return sparse_mla_decode_gluon(
             q, kv, rows, scale=float(scale), v_dim=v_dim, out=out, lse_out=lse_out, num_sms=num_sms,
             topk_length=topk_length, sinks=sinks, num_splits=num_splits, rows_unique=rows_unique, workspace=workspace,
+            persistent=None if config is None else config["persistent"],
         )  # fmt: skip
     if kernel == "triton":  # the launch, and a workspace's size against it, before the union is built
         from shardattn.kernels.triton.lse_merge import split_partials_numel

@@ -58,6 +58,7 @@ def sparse_mla_decode_gluon(
     rows_unique: bool = False,
     workspace: torch.Tensor | None = None,
     attend: Callable[..., None] | None = None,
+    persistent: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA decode through the Gluon kernel (inputs validated by
     :func:`~shardattn.ops.sparse_mla_decode.sparse_mla_decode`, which routes here).
@@ -66,11 +67,13 @@ def sparse_mla_decode_gluon(
         q: ``[T, H, D]`` bf16/fp16; kv: ``[R, D]``; rows: ``[T, K]`` int32 (invalid anywhere).
         out, lse_out: destinations ``[T, H, v_dim]`` (q's dtype) and ``[T, H]`` fp32.
         num_sms: SMs of the device (the split model). num_splits: slices asked for (None = model).
+        persistent: the kernel's grid asked for (None = the plan's: persistent where bf16 / fp16
+            tiles outnumber the SMs, :func:`~shardattn.kernels.gluon.sparse_mla_decode.gluon_decode_plan`).
         rows_unique: skip the de-duplication (duplicates then count twice, as on the Triton path).
         workspace: optional flat fp32 buffer for the partials (fewer slices if it is too small).
         attend: the kernel, ``attend(q, kv, union, lens, *, scale, v_dim, sinks, out, lse,
-            raw_rows, q_slices=1)`` (the arguments of
-            :func:`~shardattn.kernels.gluon.sparse_mla.launch_gluon_attention`); default the Gluon
+            raw_rows, q_slices=1, persistent=False)`` (the arguments of
+            :func:`~shardattn.kernels.gluon.sparse_mla_decode.gluon_attend`); default the Gluon
             kernel (tests pass a torch stand-in to check the slicing, sinks and merge on the CPU).
             ``raw_rows=True``: ``union`` is the caller's rows (invalid entries anywhere) and
             ``lens`` its ``topk_length`` (None = all ``K``).
@@ -83,8 +86,9 @@ def sparse_mla_decode_gluon(
     k = rows.shape[1]
     limit = None if workspace is None else workspace.numel()
     plan = gluon_decode_plan(
-        t, h, k, num_sms, num_splits, v_dim=v_dim, max_partial_elems=limit, kv_fp8=kv.dtype == torch.uint8
-    )
+        t, h, k, num_sms, num_splits, v_dim=v_dim, max_partial_elems=limit, kv_fp8=kv.dtype == torch.uint8,
+        persistent=persistent,
+    )  # fmt: skip
     s, chunk = plan["num_splits"], plan["chunk"]
     src, src_len, packed = rows, topk_length, False
     if not rows_unique and k > 1:
@@ -99,7 +103,10 @@ def sparse_mla_decode_gluon(
     if not in_place:
         src, src_len = pack_rows(src, num_kv_rows=r, width=width, topk_length=src_len)
     if s == 1:
-        attend(q, kv, src, src_len, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out, raw_rows=raw)
+        attend(
+            q, kv, src, src_len, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out, raw_rows=raw,
+            persistent=bool(plan["persistent"]),
+        )  # fmt: skip
         return out, lse_out
     # the room of [S, T] partials, as [T, S] ones: query t * S + s writes row t * S + s
     outs, lses = split_partials(workspace, s, t, h, v_dim, q.device)
@@ -108,6 +115,7 @@ def sparse_mla_decode_gluon(
     attend(
         q, kv, src.view(t * s, chunk), src_len, scale=scale, v_dim=v_dim, sinks=sinks_p,
         out=part_out.view(t * s, h, v_dim), lse=part_lse.view(t * s, h), raw_rows=raw, q_slices=s,
+        persistent=bool(plan["persistent"]),
     )  # fmt: skip
     part_out, part_lse = part_out.transpose(0, 1), part_lse.transpose(0, 1)  # [S, T, ...] for the merge
     if q.is_cuda and HAVE_TRITON:

@@ -60,6 +60,16 @@ def _sink_options(spec: ModelSpec, heads: int, device: torch.device, dcp: DcpSha
     return (torch.zeros(heads, device=device),)
 
 
+def _grids(kernel: str, kv_fp8: bool) -> tuple[dict | None, ...]:
+    """The launch configurations the warm-up forces on ``kernel``: the 64-key Gluon kernel's two
+    grids where its plan may take either (bf16 / fp16 rows: persistent past one wave of tiles; on
+    ``fp8_ds_mla`` rows one tile a program, :func:`~shardattn.kernels.gluon.sparse_mla_decode.gluon_decode_plan`),
+    else the kernel's own (``None``)."""
+    if kernel != "gluon":
+        return (None,)
+    return ({"persistent": False},) if kv_fp8 else ({"persistent": False}, {"persistent": True})
+
+
 def warm_up_decode(
     spec: ModelSpec,
     *,
@@ -100,7 +110,7 @@ def warm_up_decode(
     at every size (the variants a smaller batch than ``max_decode_tokens`` may need) and, where
     ``max_decode_tokens`` reaches Gluon, that path unsplit and at every :data:`COLUMN_MERGE_WARMUP_SPLITS`
     row slices (its two kernel variants, written to ``out`` or to fp32 partials, and the merge's
-    variant for each power of 2 of the slices); where it reaches the
+    variant for each power of 2 of the slices), on each grid its plan may take (:func:`_grids`); where it reaches the
     streaming Gluon kernel, that kernel unsplit and at every :data:`COLUMN_MERGE_WARMUP_SPLITS` slices
     (the merge's variant for each power of 2 of the slices a smaller batch's plan may take); at one
     token the Triton path at every :data:`COLUMN_MERGE_WARMUP_SPLITS` (the column merge's variants).
@@ -172,7 +182,8 @@ def warm_up_decode(
                 # depends on the batch: cover them all at one token, on a union and on raw rows
                 ("triton", COLUMN_MERGE_WARMUP_SPLITS if t == 1 and compiles_kernels(device) else ()),
                 # unsplit (unique rows: read in place) and sliced: the kernel is not specialised on the
-                # slices, its merge compiles one variant per power of 2 of them (gluon_merge_tile)
+                # slices, its merge compiles one variant per power of 2 of them (gluon_merge_tile); on
+                # both grids (the plan's depends on the batch: gluon_decode_plan)
                 ("gluon", (1, *COLUMN_MERGE_WARMUP_SPLITS) if gluon else ()),
                 # written to out, and to fp32 partials + the column merge at each power of 2 of the slices
                 # a batch's plan may take: every slice count a plan takes (the kernel is specialised on it,
@@ -188,10 +199,10 @@ def warm_up_decode(
                     )  # fmt: skip
                     launches += 1
                 for kernel, counts in forced:
-                    for splits in counts:
+                    for splits, config in itertools.product(counts, _grids(kernel, kv_fp8)):
                         run_sparse_mla_decode(
                             q, kv, rows, scale=scale, v_dim=spec.v_dim, topk_length=valid, sinks=sinks,
-                            kernel=kernel, num_splits=splits, rows_unique=unique,
+                            kernel=kernel, num_splits=splits, rows_unique=unique, config=config,
                         )  # fmt: skip
                         launches += 1
         return launches

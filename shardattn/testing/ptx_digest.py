@@ -135,8 +135,8 @@ def _gluon_prefill(heads: int, group_size: int = 1, *, sinks: bool = False, dtyp
     return compile_kernel("prefill", heads, group_size, sinks=sinks, dtype=dtype, **fp8).asm["ptx"]
 
 
-def _gluon_decode(*, raw_rows: bool, sinks: bool = False, **flags: bool) -> str:
-    config = _attr(_GLUON_DECODE, "gluon_decode_config")(128)
+def _gluon_decode(*, raw_rows: bool, sinks: bool = False, persistent: bool = False, **flags: bool) -> str:
+    config = _attr(_GLUON_DECODE, "gluon_decode_config")(128, persistent=persistent)
     compile_kernel = _attr(_GLUON_PREFILL, "compile_kernel_for_sm90")
     return compile_kernel("prefill", 128, 1, sinks=sinks, config=config, raw_rows=raw_rows, **flags).asm["ptx"]
 
@@ -269,6 +269,8 @@ VARIANTS: dict[str, Callable[[], str]] = {
     "gluon.decode.union": lambda: _gluon_decode(raw_rows=False),
     "gluon.decode.raw_rows.sinks": lambda: _gluon_decode(raw_rows=True, sinks=True),
     "gluon.decode.raw_rows.sliced": lambda: _gluon_decode(raw_rows=True, pdl=True),  # a dependent launch
+    "gluon.decode.raw_rows.persistent": lambda: _gluon_decode(raw_rows=True, persistent=True),
+    "gluon.decode.raw_rows.sliced.persistent": lambda: _gluon_decode(raw_rows=True, pdl=True, persistent=True),
     # Gluon small-batch decode at <= 16 heads (64-entry splits on one warpgroup, 128 on two; 8 or 16 heads)
     "gluon.small.b64.h16": lambda: _gluon_small(64, 16),
     "gluon.small.b128.h16": lambda: _gluon_small(128, 16),

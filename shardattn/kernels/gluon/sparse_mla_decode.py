@@ -9,8 +9,11 @@ is cut into ``S`` slices run as pseudo-queries and merged by LSE
 The split count (:func:`gluon_decode_plan`) minimises a wave model of the kernel: a program costs
 ``CTA_OVERHEAD_US + chunk * KEY_US[kv_fp8]`` (one program per SM: the kernel uses 225 KB of shared memory),
 and splitting adds the merge and the partial bytes (the slices are read in place: no copy of q or
-of the rows). Everything depends on shapes only (no host
-sync), so a launch is CUDA-graph capturable.
+of the rows). Where the tiles make more than one wave on bf16 / fp16 rows, the plan asks for the
+persistent grid (a program starts its next tile's gathers during this one's epilogue); on
+``fp8_ds_mla`` rows the persistent producer spills and every launch is one tile a program
+(docs/DECISIONS.md, D101, D102). Everything depends on shapes only (no host sync), so a launch is
+CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def gluon_decode_plan(
     v_dim: int = 512,
     max_partial_elems: int | None = None,
     kv_fp8: bool = False,
+    persistent: bool | None = None,
 ) -> dict[str, int]:
     """Slices per top-k row and rows per slice of a Gluon decode launch (host-side, shapes only).
 
@@ -76,12 +80,17 @@ def gluon_decode_plan(
         max_partial_elems: fp32 elements a caller's workspace holds; fewer slices are used when
             the model's choice would not fit (None = no limit).
         kv_fp8: the rows are ``fp8_ds_mla`` (a key costs twice: more slices pay off sooner).
+        persistent: the grid asked for (None = bf16 / fp16 rows whose tiles outnumber the SMs).
     Returns:
-        ``{"num_splits": S, "chunk": rows per slice}`` with ``S * chunk >= topk``.
+        ``{"num_splits": S, "chunk": rows per slice, "persistent": bool}`` with ``S * chunk >=
+        topk``; ``persistent``: the launch takes the persistent grid (bf16 / fp16 rows whose ``T x
+        head blocks x S`` tiles outnumber the SMs).
 
     Example:
         >>> [gluon_decode_plan(t, 128, 2048, 132)["num_splits"] for t in (1, 8, 64, 256)]
         [16, 8, 1, 1]
+        >>> [gluon_decode_plan(t, 128, 2048, 132)["persistent"] for t in (8, 64, 256)]
+        [False, False, True]
     """
     k = max(int(topk), 1)
     hb = -(-num_heads // HEAD_BLOCK)
@@ -104,7 +113,9 @@ def gluon_decode_plan(
         return t
 
     s, chunk = shape(pick_splits(shape, fits, cost, asked=num_splits, limit=k, max_splits=MAX_SPLITS))
-    return {"num_splits": s, "chunk": chunk}
+    if persistent is None:
+        persistent = not kv_fp8 and num_tokens * hb * s > num_sms
+    return {"num_splits": s, "chunk": chunk, "persistent": persistent}
 
 
 def gluon_merge_tile(num_splits: int, v_dim: int = 512) -> tuple[int, int]:
@@ -123,12 +134,13 @@ def gluon_merge_tile(num_splits: int, v_dim: int = 512) -> tuple[int, int]:
     return max(1, MERGE_TILE_ELEMS // (p * block_d)), block_d
 
 
-def gluon_decode_config(num_heads: int = 0, v_dim: int = 512, rope_dim: int = 64):
-    """The Gluon kernel's options for decode: one tile a program (the persistent grid measured level
-    within one wave of tiles, 1-4 % faster past it on bf16 rows, slower on fp8_ds_mla rows: D101),
-    a token's head blocks adjacent in the grid (at 128 heads its two programs read the same
-    rows, the second from L2) and Q loaded by the producer (docs/PERFORMANCE.md). Every shape takes
-    the same options (64 heads a program, fewer pad it).
+def gluon_decode_config(num_heads: int = 0, v_dim: int = 512, rope_dim: int = 64, *, persistent: bool = False):
+    """The Gluon kernel's options for decode: a token's head blocks adjacent in the grid (at 128
+    heads its two programs read the same rows, the second from L2), Q loaded by the producer
+    (docs/PERFORMANCE.md), and one tile a program unless ``persistent`` (the plan's choice,
+    :func:`gluon_decode_plan`: the persistent grid measured level within one wave of tiles, 1-4 %
+    faster past it on bf16 rows, slower on fp8_ds_mla rows, D101, D102). Every shape takes the same
+    options otherwise (64 heads a program, fewer pad it).
 
     Returns:
         A :class:`~shardattn.kernels.gluon.sparse_mla.GluonConfig`.
@@ -136,22 +148,24 @@ def gluon_decode_config(num_heads: int = 0, v_dim: int = 512, rope_dim: int = 64
     del num_heads, v_dim, rope_dim
     from shardattn.kernels.gluon.sparse_mla import GluonConfig
 
-    return GluonConfig(heads_fastest=True, early_kv=True)
+    return GluonConfig(heads_fastest=True, early_kv=True, persistent=persistent)
 
 
 def gluon_attend(
-    q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows: bool = False, q_slices: int = 1
-) -> None:
+    q, kv, union, lens, *, scale, v_dim, sinks, out, lse, raw_rows: bool = False, q_slices: int = 1,
+    persistent: bool = False,
+) -> None:  # fmt: skip
     """Launch the Gluon kernel with the decode options on row lists ``union`` / ``lens`` (or, with
     ``raw_rows``, the caller's rows and ``topk_length``), each token's list cut into ``q_slices``
     slices run as queries of their own
-    (:func:`~shardattn.kernels.gluon.sparse_mla.launch_gluon_attention`). A sliced launch
-    (``q_slices > 1``) is a programmatic dependent launch where the device takes one: it lets the
-    merge after it launch at once; one slice, which no merge follows, keeps the plain launch (D98)."""
+    (:func:`~shardattn.kernels.gluon.sparse_mla.launch_gluon_attention`), on the persistent grid
+    with ``persistent``. A sliced launch (``q_slices > 1``) is a programmatic dependent launch where
+    the device takes one: it lets the merge after it launch at once; one slice, which no merge
+    follows, keeps the plain launch (D98)."""
     from shardattn.kernels.backend import pdl_supported
     from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
 
-    cfg = gluon_decode_config(q.shape[1], v_dim, q.shape[-1] - v_dim)
+    cfg = gluon_decode_config(q.shape[1], v_dim, q.shape[-1] - v_dim, persistent=persistent)
     launch_gluon_attention(
         q, kv, union, lens, scale=scale, v_dim=v_dim, config=cfg, sinks=sinks, out=out, lse=lse, raw_rows=raw_rows,
         q_slices=q_slices, pdl=q_slices > 1 and pdl_supported(q.device),
