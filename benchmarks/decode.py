@@ -34,7 +34,8 @@ is checked against the fp32 reference before it is timed):
 * ``cache-size``: the routed decode on a cache of ``--large-rows`` (default 40,000,000 rows: 46 GB
   of bf16 and 26 GB of fp8_ds_mla, the same values; each token's rows drawn over the whole cache,
   so every row lies on its own page) against the same decode on a 262,144-row cache, same run,
-  bf16 and FP8 rows, 128 / 64 / 16 heads x 64 and 64 heads x 256. Records ``decode-cache-size``:
+  bf16 and FP8 rows (``--kv-dtype``: one of them), 128 / 64 / 16 heads x 64 and 64 heads x 256.
+  Records ``decode-cache-size``:
   large-cache us, baseline the small-cache us (target: a ratio of at least 1 / 1.15 = 0.87); and
   ``step us, rows sorted``: the large-cache decode on the same rows sorted per token (the sort not
   timed), what reading them in address order recovers.
@@ -198,14 +199,14 @@ def bench_fp8(env: dict, cases, topk: int, cache_rows: int = KV_ROWS) -> list[di
     return out
 
 
-def bench_cache_size(env: dict, cases, topk: int, large_rows: int) -> list[dict]:
+def bench_cache_size(env: dict, cases, topk: int, large_rows: int, formats=tuple(ROW_BYTES)) -> list[dict]:
     """Routed decode on a cache of ``large_rows`` against the same decode on a :data:`KV_ROWS` cache,
-    bf16 and fp8_ds_mla rows, same run (module docstring)."""
+    on rows of each of ``formats`` (bf16, fp8_ds_mla), same run (module docstring)."""
     sizes = {"small": KV_ROWS, "large": large_rows}
-    caches = {name: build_caches(rows, list(ROW_BYTES)) for name, rows in sizes.items()}
+    caches = {name: build_caches(rows, list(formats)) for name, rows in sizes.items()}
     g = torch.Generator(device="cuda").manual_seed(1)
     out = []
-    for fmt in ROW_BYTES:
+    for fmt in formats:
         for heads, batch in cases:
             q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
             o = torch.empty(batch, heads, 512, device="cuda", dtype=torch.bfloat16)
@@ -336,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rows of the sparse-MLA sections' cache (40,000,000: 46 GB of bf16)")  # fmt: skip
     ap.add_argument("--large-rows", type=int, default=40_000_000,
                     help="rows of the cache-size section's large cache (bf16 46 GB + fp8_ds_mla 26 GB)")  # fmt: skip
+    ap.add_argument("--kv-dtype", nargs="+", choices=tuple(ROW_BYTES), default=list(ROW_BYTES),
+                    help="KV row formats of the cache-size section (default both)")  # fmt: skip
     add_pool_argument(ap, "the gqa section's pages")
     ap.add_argument("--warm-xqa", action="store_true", help="only JIT-compile FlashInfer XQA's variants")
     add_json_argument(ap)
@@ -368,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "sparse": lambda: bench_sparse(env, LARGE, args.topk, "sparse-decode", args.cache_rows),
         "sparse-small": lambda: bench_sparse(env, SMALL, args.topk, "small-batch-decode", args.cache_rows),
         "fp8": lambda: bench_fp8(env, FP8, args.topk, args.cache_rows),
-        "cache-size": lambda: bench_cache_size(env, CACHE_SIZE, args.topk, args.large_rows),
+        "cache-size": lambda: bench_cache_size(env, CACHE_SIZE, args.topk, args.large_rows, tuple(args.kv_dtype)),
         "gqa": lambda: bench_gqa(env, args.pool_gb),
         "merge": lambda: bench_merge(env),
         "graph": lambda: bench_graph(env),
