@@ -10,6 +10,7 @@ import json
 import pytest
 from torch.distributed import TCPStore
 
+import shardattn.launch.one_line as one_line
 from shardattn.launch.one_line import report_once
 from shardattn.testing.pool import free_port
 
@@ -51,3 +52,25 @@ def test_a_rank_of_no_world_prints_the_line_itself(environ, tmp_path, capsys: py
     assert report_once(MESSAGE, 2, environ={**environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}, wait_s=1.0) == 2
     assert capsys.readouterr().err.count(MESSAGE) == 1
     assert json.loads(error_file.read_text())["message"]["message"] == MESSAGE
+
+
+def test_an_error_file_appears_whole_or_not_at_all(monkeypatch, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: torchrun reads a stopped rank's error file if it exists, and failed itself on one a
+    rank had opened but not yet written when torchrun stopped it (an empty file). A write cut short
+    leaves no file (nor its partial copy); a whole one is valid JSON."""
+    error_file = tmp_path / "error.json"
+    environ = {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_ERROR_FILE": str(error_file)}
+
+    def cut_short(data, f):
+        f.write("{")
+        f.flush()
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(one_line.json, "dump", cut_short)
+    assert report_once(MESSAGE, 2, environ=environ) == 2
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert report_once(MESSAGE, 2, environ=environ) == 2
+    assert json.loads(error_file.read_text())["message"]["message"] == MESSAGE
+    assert list(tmp_path.iterdir()) == [error_file]
+    assert capsys.readouterr().err.count(MESSAGE) == 2

@@ -21,6 +21,7 @@ the message may be about that environment.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -40,16 +41,24 @@ def _print(message: str) -> None:
 
 
 def _write_error_file(message: str, environ: Mapping[str, str]) -> None:
-    """Put the message where torchrun's ``ChildFailedError`` summary reads a rank's error (best effort)."""
+    """Put the message where torchrun's ``ChildFailedError`` summary reads a rank's error (best effort).
+
+    The file appears whole or not at all (written beside it, then renamed): torchrun stops the other
+    ranks as soon as one exits and reads each stopped rank's file if it exists, and an empty or
+    half-written one made torchrun itself fail (``JSONDecodeError``) instead of printing its summary.
+    """
     path = environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     data = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w", encoding="utf-8") as f:
+        with open(partial, "w", encoding="utf-8") as f:
             json.dump(data, f)
+        os.replace(partial, path)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.remove(partial)
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int | None:
