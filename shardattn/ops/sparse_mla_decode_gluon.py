@@ -89,7 +89,7 @@ def sparse_mla_decode_gluon(
         t, h, k, num_sms, num_splits, v_dim=v_dim, max_partial_elems=limit, kv_fp8=kv.dtype == torch.uint8,
         persistent=persistent,
     )  # fmt: skip
-    s, chunk = plan["num_splits"], plan["chunk"]
+    s, chunk, grid = plan["num_splits"], plan["chunk"], bool(plan["persistent"])
     src, src_len, packed = rows, topk_length, False
     if not rows_unique and k > 1:
         # a sliced launch is a programmatic dependent launch (gluon_attend): the hash lets it launch at once
@@ -105,7 +105,7 @@ def sparse_mla_decode_gluon(
     if s == 1:
         attend(
             q, kv, src, src_len, scale=scale, v_dim=v_dim, sinks=sinks, out=out, lse=lse_out, raw_rows=raw,
-            persistent=bool(plan["persistent"]),
+            persistent=grid,
         )  # fmt: skip
         return out, lse_out
     # the room of [S, T] partials, as [T, S] ones: query t * S + s writes row t * S + s
@@ -115,7 +115,7 @@ def sparse_mla_decode_gluon(
     attend(
         q, kv, src.view(t * s, chunk), src_len, scale=scale, v_dim=v_dim, sinks=sinks_p,
         out=part_out.view(t * s, h, v_dim), lse=part_lse.view(t * s, h), raw_rows=raw, q_slices=s,
-        persistent=bool(plan["persistent"]),
+        persistent=grid,
     )  # fmt: skip
     part_out, part_lse = part_out.transpose(0, 1), part_lse.transpose(0, 1)  # [S, T, ...] for the merge
     if q.is_cuda and HAVE_TRITON:
