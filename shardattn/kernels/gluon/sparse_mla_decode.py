@@ -48,9 +48,11 @@ CTA_OVERHEAD_US = 3.0
 #: One program's time per key row at 64 heads, us, by whether the rows are ``fp8_ds_mla`` (the
 #: producer dequantises them: one program over 2,048 rows took 1.9x the bf16 time on an H200, D65).
 KEY_US = {False: 0.04, True: 0.08}
-#: The merge kernel's launch and fixed cost, us (estimate), and the bytes per us the partials
-#: (written by the kernel, read by the merge) move.
-MERGE_US = 4.0
+#: The merge kernel's launch and fixed cost, us, and the bytes per us the partials (written by the
+#: kernel, read by the merge) move. A merge of two slices costs 4-7 us (D64); at 4.0 the plan split
+#: 13 shapes that run 1.01-1.14x faster in one slice; at 8.0 it would also keep 7 more whole, 4 of
+#: them 1.03-1.08x slower so (docs/DECISIONS.md, D104).
+MERGE_US = 5.0
 BYTES_PER_US = 3.0e6
 HEAD_BLOCK = 64
 #: Partial values one merge program loads (slices x rows x columns, :func:`gluon_merge_tile`): 4,096
