@@ -199,7 +199,9 @@ def bench_fp8(env: dict, cases, topk: int, cache_rows: int = KV_ROWS) -> list[di
     return out
 
 
-def bench_cache_size(env: dict, cases, topk: int, large_rows: int, formats=tuple(ROW_BYTES)) -> list[dict]:
+def bench_cache_size(
+    env: dict, cases, topk: int, large_rows: int, formats: tuple[str, ...] = tuple(ROW_BYTES)
+) -> list[dict]:
     """Routed decode on a cache of ``large_rows`` against the same decode on a :data:`KV_ROWS` cache,
     on rows of each of ``formats`` (bf16, fp8_ds_mla), same run (module docstring)."""
     sizes = {"small": KV_ROWS, "large": large_rows}
