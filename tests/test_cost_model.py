@@ -219,7 +219,12 @@ def test_shipped_h200_table_loads() -> None:
     if cal is None:
         pytest.skip("no H200 table shipped in this checkout")
     assert not cal.conservative and any(c.op == "all_to_all" and c.world_size == 2 for c in cal.collectives)
-    CostModel(cal)  # validates
+    model = CostModel(cal)  # validates
+    assert model.kernel_format("fp8_ds_mla") == "fp8_ds_mla"  # FP8 steps priced by FP8 kernel points
+    per_query = {(k.kv_format, k.heads, k.tokens) for k in cal.kernels if k.group_size == 1}
+    assert {(f, h, t) for f, h, t in per_query if f == "bfloat16"} == {
+        ("bfloat16", h, t) for f, h, t in per_query if f == "fp8_ds_mla"
+    }, "the FP8 points cover the bf16 points' shapes"
 
 
 # -- the Runtime's routed step ----------------------------------------------------------------------
@@ -399,8 +404,8 @@ def test_measure_paths_times_every_path_with_its_prediction(dist_pool) -> None:
 
 
 def test_kernel_points_are_keyed_by_kv_format() -> None:
-    """A table's fp8_ds_mla points price FP8 steps; without them (the shipped table, until measured)
-    the bf16 points do; PCP's all-gather moves the format's row bytes (656 for fp8_ds_mla)."""
+    """A table's fp8_ds_mla points price FP8 steps; without them (the conservative default) the
+    bf16 points do; PCP's all-gather moves the format's row bytes (656 for fp8_ds_mla)."""
     import dataclasses
 
     from shardattn.plan.cost import KernelPoint

@@ -82,9 +82,9 @@ FP8_READS = {
 def kv_reason(kv: torch.Tensor, route: str = "decode") -> str:
     """What a route's reason adds for ``kv``'s row format: nothing for rows in q's dtype; for
     ``fp8_ds_mla`` rows, how ``route`` (a key of :data:`FP8_READS`) reads them (prefill kernels:
-    :mod:`shardattn.ops.kv_fp8_stage`) and that the crossover followed was measured on bf16 rows
-    (the calibration table keys FP8 kernel points apart, bf16 only until measured:
-    :mod:`shardattn.plan.calibration`)."""
+    :mod:`shardattn.ops.kv_fp8_stage`) and that the crossover between the op's kernels was measured
+    on bf16 rows (the cost model's table, :mod:`shardattn.plan.calibration`, keys its kernel points
+    by format apart from these)."""
     if kv.dtype != torch.uint8:
         return ""
     return f"; fp8_ds_mla KV rows, {FP8_READS[route]} (crossover measured on bf16 rows)"

@@ -139,8 +139,8 @@ class CostModel:
 
     def kernel_format(self, kv_format: str | None) -> str:
         """The KV format whose kernel points price calls on ``kv_format`` rows: its own where the
-        table holds per-query points of it, else ``"bfloat16"`` (the shipped table's, until the FP8
-        kernels are measured: ``python -m shardattn.calibrate``)."""
+        table holds per-query points of it, else ``"bfloat16"`` (a table measured without
+        ``--kv-dtype fp8_ds_mla``: ``python -m shardattn.calibrate``)."""
         fmt = "bfloat16" if kv_format is None else kv_format_name("kv_format", kv_format)
         return fmt if any(f == fmt and g == 1 for (f, _h, _t, g) in self._fits) else "bfloat16"
 
