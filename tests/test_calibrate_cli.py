@@ -277,6 +277,28 @@ def test_a_merge_keeps_the_union_ratios_it_did_not_measure() -> None:
     assert merge_kernel_points(table, fresh).union_ratio == {2: 1.5, 4: 1.6, 8: 1.3}
 
 
+def test_a_merge_keeps_the_note_of_each_formats_run() -> None:
+    """A table's source names the run behind each KV format's points: a merge replaces the note
+    of the formats it measured and keeps the others' (a note of no format is of bfloat16 points)."""
+    from shardattn.calibrate.merge import merged_source
+
+    legacy = "two ranks, 12-01; kernel points re-measured: one rank, 12-03, 3 passes"
+    fp8 = merged_source(legacy, "one rank, 12-07, 3 passes; extra", {"fp8_ds_mla"})
+    assert fp8 == (
+        "two ranks, 12-01; bfloat16 kernel points re-measured: one rank, 12-03, 3 passes"
+        "; fp8_ds_mla kernel points re-measured: one rank, 12-07, 3 passes"
+    )
+    again = merged_source(fp8, "one rank, 12-09", {"bfloat16"})
+    assert again == (
+        "two ranks, 12-01; bfloat16 kernel points re-measured: one rank, 12-09"
+        "; fp8_ds_mla kernel points re-measured: one rank, 12-07, 3 passes"
+    )
+    both = merged_source(again, "one rank, 12-10", {"bfloat16", "fp8_ds_mla"})
+    assert both.count("re-measured") == 2 and "12-07" not in both and "12-09" not in both
+    first = merged_source("two ranks", "one rank", {"bfloat16"})
+    assert first == "two ranks; bfloat16 kernel points re-measured: one rank"
+
+
 def _wrong_kernel_body(group, corrupt: str) -> str:
     """A path whose kernel writes a constant (``corrupt``: the kernel alone on rank 1 only, or the
     Runtime's steps on every rank), or whose check itself raises on rank 1 only, is refused by

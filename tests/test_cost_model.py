@@ -369,12 +369,14 @@ def test_calibrate_merge_into_keeps_the_tables_collectives_and_steps(tmp_path, c
     }
     assert fresh == {(8, 1, 32), (8, 8, 32)}
     assert set(table.kernels) <= set(merged.kernels)  # the table's points at other keys are kept
-    assert merged.source.startswith("two-rank run; kernel points re-measured: ")
-    # FP8 points added to a bf16 table: its bf16 points stay (the table must keep them to load)
+    assert merged.source.startswith("two-rank run; bfloat16 kernel points re-measured: ")
+    # FP8 points added to a bf16 table: its bf16 points stay (the table must keep them to load),
+    # and so does the note of the run that measured them
     assert main([*argv, "--no-progress", "--merge-into", str(out), "--kv-dtype", "fp8_ds_mla"]) == 0
     both = Calibration.from_json(out.read_text())
     assert {k.kv_format for k in both.kernels} == {"bfloat16", "fp8_ds_mla"}
     assert {k for k in both.kernels if k.kv_format == "bfloat16"} == set(merged.kernels)
+    assert both.source.startswith(merged.source + "; fp8_ds_mla kernel points re-measured: "), both.source
     capsys.readouterr()
     path.write_text(dataclasses.replace(table, gpu="Other GPU").to_json())
     assert main([*argv, "--no-progress", "--merge-into", str(path)]) == 2

@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
 from shardattn.plan.calibration import Calibration, KernelPoint, same_gpu
 
-__all__ = ["measure_device", "merge_kernel_points", "this_gpu"]
+__all__ = ["measure_device", "merge_kernel_points", "merged_source", "this_gpu"]
 
-_REMEASURED = "; kernel points re-measured: "
+#: A merge's note in a table's ``source``: ``"; <format> kernel points re-measured: <run>"``, one
+#: per KV format (a note without a format, from before formats were named, is of bfloat16 points).
+_NOTE = re.compile(r"; (?:(\S+) )?kernel points re-measured: ")
+
+
+def merged_source(table_source: str, fresh_source: str, formats: set[str]) -> str:
+    """``table_source`` with a note that ``formats``' kernel points were re-measured by the run
+    ``fresh_source`` names (its first part), in place of older notes of those formats; the notes of
+    other formats stay, so each point's provenance is kept.
+
+    >>> merged_source("two-rank run; kernel points re-measured: run A", "run B, 3 passes", {"fp8_ds_mla"})
+    'two-rank run; bfloat16 kernel points re-measured: run A; fp8_ds_mla kernel points re-measured: run B, 3 passes'
+    """
+    parts = _NOTE.split(table_source)
+    notes = {fmt or "bfloat16": run for fmt, run in zip(parts[1::2], parts[2::2], strict=True)}
+    notes.update(dict.fromkeys(formats, fresh_source.split(";")[0]))
+    return parts[0] + "".join(f"; {fmt} kernel points re-measured: {run}" for fmt, run in sorted(notes.items()))
 
 
 def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
@@ -33,7 +50,7 @@ def merge_kernel_points(table: Calibration, fresh: Calibration) -> Calibration:
         kernels=tuple(sorted(kept + fresh.kernels, key=lambda p: (p.kv_format, p.group_size, p.heads, p.tokens))),
         union_ratio={**table.union_ratio, **{g: u for g, u in fresh.union_ratio.items() if g in measured}},
         copy_gbps=fresh.copy_gbps,
-        source=f"{table.source.split(_REMEASURED)[0]}{_REMEASURED}{fresh.source.split(';')[0]}",
+        source=merged_source(table.source, fresh.source, {p.kv_format for p in fresh.kernels}),
     )
     merged.validate()
     return merged
