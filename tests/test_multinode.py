@@ -47,6 +47,7 @@ def test_node_layout_numbers_hosts_by_their_first_rank() -> None:
     assert nodes.ranks_on(0) == (0, 2, 5) and nodes.multi_node and str(nodes) == "3 nodes of 3/2/1 ranks"
     assert NodeLayout.uniform(4, 8).ranks_per_node == 8 and NodeLayout.uniform(4, 8).ranks_on(3)[0] == 24
     assert NodeLayout.single(8) == NodeLayout.from_host_ids(["h"] * 8) and not NodeLayout.single(8).multi_node
+    assert (str(NodeLayout.single(1)), str(NodeLayout.uniform(2, 4))) == ("1 node x 1 rank", "2 nodes x 4 ranks")
     with pytest.raises(ValueError, match=r"^node_of must number nodes 0, 1, \.\.\. in the order"):
         NodeLayout((1, 0))
     with pytest.raises(ValueError, match="at least one rank"):

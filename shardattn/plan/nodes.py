@@ -95,5 +95,5 @@ class NodeLayout:
     def __str__(self) -> str:
         sizes = self.node_sizes
         if len(set(sizes)) == 1:
-            return f"{len(sizes)} node{'s' if len(sizes) > 1 else ''} x {sizes[0]} ranks"
+            return f"{len(sizes)} node{'s' if len(sizes) > 1 else ''} x {sizes[0]} rank{'s' if sizes[0] > 1 else ''}"
         return f"{len(sizes)} nodes of {'/'.join(map(str, sizes))} ranks"
