@@ -221,10 +221,11 @@ def test_shipped_h200_table_loads() -> None:
     assert not cal.conservative and any(c.op == "all_to_all" and c.world_size == 2 for c in cal.collectives)
     model = CostModel(cal)  # validates
     assert model.kernel_format("fp8_ds_mla") == "fp8_ds_mla"  # FP8 steps priced by FP8 kernel points
-    per_query = {(k.kv_format, k.heads, k.tokens) for k in cal.kernels if k.group_size == 1}
-    assert {(f, h, t) for f, h, t in per_query if f == "bfloat16"} == {
-        ("bfloat16", h, t) for f, h, t in per_query if f == "fp8_ds_mla"
-    }, "the FP8 points cover the bf16 points' shapes"
+
+    def per_query_shapes(fmt: str) -> set[tuple[int, int]]:
+        return {(k.heads, k.tokens) for k in cal.kernels if k.group_size == 1 and k.kv_format == fmt}
+
+    assert per_query_shapes("fp8_ds_mla") == per_query_shapes("bfloat16"), "FP8 points at the bf16 points' shapes"
 
 
 # -- the Runtime's routed step ----------------------------------------------------------------------
