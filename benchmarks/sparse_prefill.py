@@ -2,6 +2,7 @@
 
     python benchmarks/sparse_prefill.py --json sparse_prefill.json
     python benchmarks/sparse_prefill.py --heads 64 128 --peer-lib libpeer.so --sustain 4
+    python benchmarks/sparse_prefill.py --heads 64 128 --tokens 4096 --peer-lib libpeer.so --rounds 8
     python benchmarks/sparse_prefill.py --device cpu --heads 4 --tokens 64 --topk 32 --kv-rows 256
 
 Per case (``heads`` per rank, ``tokens`` T, top-k K; one request whose DSA-like top-k positions,
@@ -24,11 +25,15 @@ from a cache of that many rows; bf16, D 576 / Dv 512):
   runs them); its output is checked against the routed kernel's first.
 
 Effective TFLOP/s = ``2 * sum(valid top-k) * heads * (576 + 512) / time`` on real heads. Times:
-CUDA-event medians of ``--reps`` runs, L2 flushed before each. Every path's output is checked
-against the fp32 reference on 64 sampled tokens before it is timed. ``--sustain S`` then runs the
-last case's kernel back to back for S seconds (the GPU reaches its power limit) and times every
-case again: a second pass of records, ``pass`` "after S s back to back". ``--device cpu`` runs the
-same code on the CPU (the torch reference path, no baseline; for a dry run).
+CUDA-event medians of ``--reps`` runs, L2 flushed before each; with ``--rounds R`` (> 1) each
+pass times every path of a case in R rounds, the order of its paths reversed every other round,
+and a path's time is the median of its R round medians (the configuration then names ``rounds``:
+a per-query kernel and FlashMLA's differ by less than one round's spread at the power limit).
+Every path's output is checked against the fp32 reference on 64 sampled tokens before it is
+timed. ``--sustain S`` then runs the last case's kernel back to back for S seconds (the GPU
+reaches its power limit) and times every case again: a second pass of records, ``pass`` "after S
+s back to back". ``--device cpu`` runs the same code on the CPU (the torch reference path, no
+baseline; for a dry run).
 
 ``--kv-dtype fp8_ds_mla``: the cache is the ``fp8_ds_mla`` rows of the case's (656 bytes a row,
 :mod:`shardattn.ops.kv_fp8`) and the bf16 paths read the bf16 rows they dequantise to (the same
@@ -42,6 +47,7 @@ times are printed).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -182,8 +188,14 @@ class Case:
         if not err < TOLERANCE:
             raise RuntimeError(f"{what} at {self.heads} heads x {self.tokens} tokens: rel. error {err:.3g}")
 
-    def time(self, flush, reps: int) -> dict[str, float]:
-        return {name: timed(run, flush, reps) for name, run in self.runs.items()}
+    def time(self, flush, reps: int, rounds: int = 1) -> dict[str, float]:
+        """Milliseconds of each path: the median of its ``rounds`` round medians of ``reps`` runs, the
+        paths' order reversed every other round."""
+        times: dict[str, list[float]] = {name: [] for name in self.runs}
+        for r in range(rounds):
+            for name in list(self.runs)[:: -1 if r % 2 else 1]:
+                times[name].append(timed(self.runs[name], flush, reps))
+        return {name: statistics.median(ms) for name, ms in times.items()}
 
 
 def shared_cache(caches: dict, kv_rows: int, fp8: bool, device: torch.device):
@@ -197,11 +209,13 @@ def shared_cache(caches: dict, kv_rows: int, fp8: bool, device: torch.device):
     return caches[key]
 
 
-def case_records(case: Case, ms: dict[str, float], pass_name: str, env: dict) -> list[dict]:
-    """The step and kernel records of one timed pass of ``case``."""
+def case_records(case: Case, ms: dict[str, float], pass_name: str, env: dict, rounds: int = 1) -> list[dict]:
+    """The step and kernel records of one timed pass of ``case`` (``rounds``: of :meth:`Case.time`)."""
     config = {"heads": case.heads, "tokens": case.tokens, "topk": case.topk, "pass": pass_name}
     if case.pool_rows:
         config = {**config, "cache rows": case.pool_rows}
+    if rounds > 1:
+        config = {**config, "rounds": rounds}
     tf = {k: case.flops / (v * 1e-3) / 1e12 for k, v in ms.items()}
     triton = [tf[k] for k in tf if k.startswith("triton_")]
     step_base = ("best Triton step, same run", max(triton)) if triton else None
@@ -241,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pool-rows", type=int, default=None, help="rows of the cache the request's blocks are drawn "
                     "from, shuffled (default: the request's own KV rows)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=20, help="timed runs per path (median)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of every path, order alternating (median)")
     ap.add_argument("--peer-lib", default=None, help="FlashMLA's sparse prefill, built by benchmarks/peer/")
     ap.add_argument("--sustain", type=float, default=0.0, help="seconds back to back, then a second pass")
     add_device_argument(ap)
@@ -261,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer_lib and args.device != "cuda":
         print("--peer-lib needs --device cuda", file=sys.stderr)
         return 2
+    if args.rounds < 1 or args.reps < 1:
+        print("--rounds and --reps must be at least 1", file=sys.stderr)
+        return 2
     device = torch.device(args.device)
     peer = None
     if args.peer_lib:
@@ -276,12 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     flush = l2_flush(device)
     records = []
     for case in cases:
-        records += case_records(case, case.time(flush, args.reps), "first", env)
+        records += case_records(case, case.time(flush, args.reps, args.rounds), "first", env, args.rounds)
     if args.sustain > 0 and device.type == "cuda":
         sustained(cases[-1].runs["kernel"], args.sustain)
         name = f"after {args.sustain:g} s back to back"
         for case in cases:
-            records += case_records(case, case.time(flush, args.reps), name, env)
+            records += case_records(case, case.time(flush, args.reps, args.rounds), name, env, args.rounds)
     print_table(records, "sparse-MLA prefill")
     write_json(args.json, records)
     return 0

@@ -16,6 +16,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -113,6 +114,35 @@ def test_sparse_prefill_cpu_run_writes_its_records(tmp_path: Path) -> None:
     assert all(r["benchmark"] == "sparse-prefill" and r["value"] > 0 and r["gpu"] == "CPU" for r in recs)
     assert recs[0]["command"].startswith("python benchmarks/sparse_prefill.py --device cpu")
     assert recs[0]["config"] == {"heads": 4, "tokens": 32, "topk": 32, "pass": "first"}
+
+
+def test_sparse_prefill_rounds_name_themselves_in_the_configuration(tmp_path: Path) -> None:
+    out = tmp_path / "sparse_prefill.json"
+    _run([sys.executable, str(BENCH / "sparse_prefill.py"), "--device", "cpu", "--heads", "4", "--tokens", "32",
+          "--topk", "32", "--kv-rows", "128", "--reps", "1", "--rounds", "3", "--json", str(out)])  # fmt: skip
+    recs = _records(out)
+    assert [r["metric"] for r in recs] == ["step TFLOP/s", "kernel TFLOP/s"]
+    assert all(r["config"] == {"heads": 4, "tokens": 32, "topk": 32, "pass": "first", "rounds": 3} for r in recs)
+    bad = subprocess.run([sys.executable, str(BENCH / "sparse_prefill.py"), "--device", "cpu", "--rounds", "0"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "--rounds and --reps must be at least 1" in bad.stderr
+
+
+def test_sparse_prefill_rounds_alternate_the_order_and_take_the_median_of_round_medians() -> None:
+    sp = _module("sparse_prefill")
+    case = sp.Case.__new__(sp.Case)
+    calls: list[str] = []
+    case.runs = {name: (lambda name=name: calls.append(name)) for name in ("step", "kernel", "peer")}
+    per_round = iter([3.0, 1.0, 2.0, 9.0, 9.0, 9.0, 5.0, 4.0, 6.0])  # rounds 0, 1 (reversed), 2
+
+    def fake_timed(run, flush, reps):
+        run()
+        return next(per_round)
+
+    with mock.patch.object(sp, "timed", fake_timed):
+        ms = case.time(None, 1, rounds=3)
+    assert calls == ["step", "kernel", "peer", "peer", "kernel", "step", "step", "kernel", "peer"]
+    assert ms == {"step": 5.0, "kernel": 4.0, "peer": 6.0}  # step 3 / 9 / 5, kernel 1 / 9 / 4, peer 2 / 9 / 6
 
 
 def test_host_growth_cpu_run_records_bytes_per_call(tmp_path: Path) -> None:
