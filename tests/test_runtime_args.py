@@ -277,3 +277,59 @@ def _grouped_plan_big_cache_body(group) -> dict:
 def test_a_grouped_plan_on_a_cache_past_the_packed_rows_is_refused_before_the_step(dist_pool) -> None:
     for res in dist_pool.run(_grouped_plan_big_cache_body, world_size=1):
         assert res["error"] is not None and "plan routes the grouped kernel (G=8)" in res["error"], res
+
+
+# -- topk_unique in prefill, as in decode ----------------------------------------------------------------
+def _prefill_unique_body(group) -> dict:
+    """``rt.prefill(..., topk_unique=True)`` reaches every sparse-MLA kernel call of head-TP, ShardQ
+    and PCP steps as ``rows_unique`` (and ``False`` by default), gives the same result on unique
+    rows, and a non-bool is a ``TypeError`` naming it on every rank."""
+    from unittest import mock
+
+    from shardattn.ops.unique_rows import unique_rows_reference
+    from shardattn.runtime import prefill as runtime_prefill
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    step = _prefill_step()
+    rows = unique_rows_reference(step.rows, num_kv_rows=int(step.kv.shape[0]))
+    gate = PrefillOptions(min_shard_tokens=1)
+    seen: list[bool] = []
+    real = runtime_prefill.sparse_mla_grouped_prefill
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["rows_unique"])
+        return real(*args, **kwargs)
+
+    res: dict = {}
+    for mode in ("headtp", "shardq", "pcp"):
+        rt = Runtime(MLA, group, max_batched_tokens=128, mode=mode, prefill_options=gate, warmup=False)
+        plan = rt.plan_prefill(step.query_lens, step.prefix_lens, kv_rows=int(step.kv.shape[0]))
+        if plan.step == "pcp":
+            mine = plan.tokens_of(rank)
+            own = _token_rows(step).index_select(0, mine)
+            call = {"q": step.q[mine], "kv_cache": step.kv, "topk_pos": step.positions[mine],
+                    "kv_new": step.kv[own], "block_table": step.block_table, "plan": plan}  # fmt: skip
+        else:
+            call = {"q": _heads(step.q, rank, world).contiguous(), "kv_cache": step.kv, "rows": rows, "plan": plan}
+        outs = {}
+        for unique in (False, True):
+            seen.clear()
+            with mock.patch.object(runtime_prefill, "sparse_mla_grouped_prefill", spy):
+                outs[unique] = rt.prefill(**call, topk_unique=unique)
+            res[f"{mode}-{unique}"] = sorted(set(seen))
+        res[f"{mode}-same"] = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True], strict=True))
+        res[f"{mode}-step"] = plan.step
+    res["bad"] = _error(lambda: rt.prefill(**call, topk_unique=1))
+    return res
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2], ids=lambda w: f"world{w}")
+def test_prefill_topk_unique_reaches_every_kernel_call(dist_pool, world_size: int) -> None:
+    for res in dist_pool.run(_prefill_unique_body, world_size=world_size):
+        for mode in ("headtp", "shardq", "pcp"):
+            assert res[f"{mode}-False"] == [False] and res[f"{mode}-True"] == [True], res
+            assert res[f"{mode}-same"], mode
+        assert res["shardq-step"] == ("shardq" if world_size > 1 else "headtp")
+        assert res["pcp-step"] == "pcp"
+        assert res["bad"].startswith("TypeError") and "topk_unique" in res["bad"], res["bad"]

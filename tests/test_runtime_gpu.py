@@ -8,6 +8,7 @@ side of the warm-up (every key a route can produce is warmed) is in tests/test_r
 from __future__ import annotations
 
 import importlib
+import itertools
 import pkgutil
 
 import pytest
@@ -81,7 +82,9 @@ def _no_compile_body(group, kind: str, device: str = "cuda") -> dict:
             )
             kv = quantize_kv(step.kv) if fp8 else step.kv
             values = dequantize_kv(kv) if fp8 else step.kv  # what the FP8 rows hold
-            for length in (None, torch.full((tokens,), 1500, dtype=torch.int32, device=dev)):
+            lengths = (None, torch.full((tokens,), 1500, dtype=torch.int32, device=dev))
+            # topk_unique: a per-query call reads the (unique) rows in place, its own kernel variants
+            for length, unique in itertools.product(lengths, (False, True)):
                 out, _ = rt.prefill(
                     step.q[:, rank * h : (rank + 1) * h].contiguous(),
                     kv,
@@ -89,6 +92,7 @@ def _no_compile_body(group, kind: str, device: str = "cuda") -> dict:
                     query_lens=step.query_lens,
                     prefix_lens=step.prefix_lens,
                     topk_length=length,
+                    topk_unique=unique,
                 )
                 # GLM-5's softmax scale, 256 ** -0.5
                 ref, _ = sparse_mla_reference(step.q, values, step.rows, scale=0.0625, topk_length=length)

@@ -324,6 +324,10 @@ def interpreted_pack_rows() -> None:
         assert torch.equal(lens, ref_n), (t, k, width)
         keep = torch.arange(width)[None, :] < lens[:, None]
         assert torch.equal(union[keep], ref_u[keep]), (t, k, width)
+        out = (torch.full((t, width), -7, dtype=torch.int32), torch.full((t,), -7, dtype=torch.int32))
+        got = pack_rows(rows, num_kv_rows=290, width=width, topk_length=length, out=out)  # a prefill's workspace
+        assert got[0] is out[0] and got[1] is out[1] and torch.equal(out[1], ref_n)
+        assert torch.equal(out[0][keep], ref_u[keep]), (t, k, width)
 
 
 @pytest.mark.interpret

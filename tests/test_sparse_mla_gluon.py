@@ -241,6 +241,32 @@ def test_public_entry_points_route_to_gluon_and_match(entry):
     _assert_close(out, lse, q, kv, rows, length, sinks)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90() or not gluon_available(), reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("heads", [64, 128], ids=lambda h: f"h{h}")
+def test_rows_unique_prefill_packs_the_callers_rows_and_matches(heads, monkeypatch):
+    """``rows_unique=True``: the per-query kernel on each query's valid rows packed in the caller's
+    order (repeats dropped first, as an indexer's top-k has none), invalid and out-of-range entries
+    anywhere, an empty row, ``topk_length`` short / zero / one, sinks: the fp32 reference's result,
+    no union built; both entry points."""
+    from shardattn.ops import prepared_union
+    from shardattn.ops.sparse_mla import sparse_mla_attention
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.ops.unique_rows import unique_rows_reference
+
+    q, kv, rows, length, sinks = _case(heads, tokens=77, seed=11)
+    rows = unique_rows_reference(rows, num_kv_rows=kv.shape[0])
+    rows[5, -7:] = kv.shape[0] + 3  # out of range again
+    monkeypatch.setattr(prepared_union, "build_union", lambda *a, **k: pytest.fail("a union was built"))
+    for fn in (sparse_mla_grouped_prefill, sparse_mla_attention):
+        out = torch.full((q.shape[0], heads, D_V), float("nan"), dtype=q.dtype, device=q.device)
+        lse = torch.full((q.shape[0], heads), float("nan"), device=q.device)
+        fn(q, kv, rows, scale=(D_V + D_R) ** -0.5, v_dim=D_V, topk_length=length, sinks=sinks, out=out, lse_out=lse,
+           rows_unique=True)  # fmt: skip
+        torch.cuda.synchronize()
+        _assert_close(out, lse, q, kv, rows, length, sinks)
+
+
 @needs_gluon
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128], ids=lambda h: f"h{h}")
 def test_warmup_lists_the_gluon_keys_exactly_where_routing_sends_heads(heads):

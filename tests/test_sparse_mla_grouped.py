@@ -113,3 +113,106 @@ def test_q_ready_runs_once_before_the_kernel_reads_q(group_size: int) -> None:
     got = sparse_mla_grouped_prefill(late, kv, rows, scale=0.2, v_dim=32, group_size=group_size, q_ready=q_ready)
     assert calls == [1]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _kernel_stand_in(monkeypatch, launches: list, builds: list) -> None:
+    """Route the grouped entry to a stand-in of the Gluon kernel on the CPU: it records the union
+    it was given (each query's keys at the front, ``lens`` of them) and attends it with the oracle;
+    every union build is recorded too."""
+    from shardattn.ops import dispatch, prepared_union
+    from shardattn.ops import sparse_mla_grouped as grouped
+
+    def path(q, kv, *, v_dim, group_size=None):
+        return dispatch.PrefillPath("gluon", group_size or 1, None, "stand-in")
+
+    def launch(q, kv, union, lens, *, scale, v_dim, sinks=None, out=None, lse=None, group_size=1):
+        assert group_size == 1
+        launches.append((union.clone(), lens.clone()))
+        o, l_ = sparse_mla_oracle(q, kv, union, scale=scale, v_dim=v_dim, topk_length=lens, sinks=sinks)
+        out = o.to(q.dtype) if out is None else out.copy_(o.to(out.dtype))
+        return out, l_.float() if lse is None else lse.copy_(l_.float())
+
+    build = prepared_union.build_union
+
+    def spy_build(*args, **kwargs):
+        builds.append(kwargs.get("group_size"))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(grouped, "prefill_path", path)
+    monkeypatch.setattr(grouped, "gluon_unsupported_reason", lambda q, kv, v_dim: None)
+    monkeypatch.setattr(grouped, "launch_gluon_attention", launch)
+    monkeypatch.setattr(prepared_union, "build_union", spy_build)
+
+
+def _unique_case(seed: int):
+    """Rows with no repeat in a token (an indexer's top-k), invalid entries anywhere, an empty
+    token and a ``topk_length``."""
+    g = torch.Generator().manual_seed(seed)
+    q, kv = torch.randn(7, 2, 48, generator=g), torch.randn(40, 48, generator=g)
+    rows = torch.stack([torch.randperm(40, generator=g)[:9] for _ in range(7)]).to(torch.int32)
+    rows[torch.rand(rows.shape, generator=g) < 0.2] = -1  # invalid anywhere
+    rows[2] = -1  # no key at all
+    rows[4, 3] = 40 + 5  # out of range
+    length = torch.tensor([9, 9, 9, 4, 9, 0, 1], dtype=torch.int32)
+    return q, kv, rows, length
+
+
+def test_rows_unique_packs_the_callers_rows_for_the_per_query_kernel(monkeypatch) -> None:
+    """``rows_unique=True`` on the per-query path builds no union: the kernel gets each query's
+    valid rows in the caller's order at the front of its list, their count as ``lens``, and the
+    result is the oracle's. Without it the union is built (sorted)."""
+    q, kv, rows, length = _unique_case(3)
+    want_o, want_l = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=32, topk_length=length)
+    launches: list = []
+    builds: list = []
+    _kernel_stand_in(monkeypatch, launches, builds)
+    out, lse = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, topk_length=length, rows_unique=True)
+    assert builds == [] and len(launches) == 1
+    union, lens = launches[0]
+    for t in range(rows.shape[0]):
+        r = rows[t, : int(length[t])]
+        keep = r[(r >= 0) & (r < kv.shape[0])]
+        assert int(lens[t]) == keep.numel() and torch.equal(union[t, : keep.numel()], keep)
+    torch.testing.assert_close(out.double(), want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_l, atol=1e-5, rtol=1e-5)
+    launches.clear()
+    out, _ = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, topk_length=length)
+    assert builds == [1] and len(launches) == 1
+    torch.testing.assert_close(out.double(), want_o, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_unique_packs_into_the_union_workspace(monkeypatch) -> None:
+    """A ``union`` workspace given to the call is where the packed rows go (nothing allocated for them)."""
+    q, kv, rows, length = _unique_case(6)
+    launches: list = []
+    _kernel_stand_in(monkeypatch, launches, [])
+    ws = (torch.full((7, 9), -7, dtype=torch.int32), torch.full((7,), -7, dtype=torch.int32))
+    sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, topk_length=length, rows_unique=True, union=ws)
+    assert torch.equal(ws[0], launches[0][0]) and torch.equal(ws[1], launches[0][1])
+    assert int(ws[1][2]) == 0 and int(ws[1][5]) == 0  # the empty token and the zero length
+
+
+def test_rows_unique_keeps_the_union_for_grouped_tiles_and_fp8_rows() -> None:
+    """At ``G > 1`` the tile needs its queries' union whatever the promise, and FP8 rows stage
+    what their union reads: ``rows_unique`` changes nothing there (bit for bit on the CPU)."""
+    from shardattn.ops.kv_fp8 import quantize_kv
+
+    q, kv, rows, length = _unique_case(4)
+    for kw in ({"group_size": 2}, {"group_size": 1}):
+        want = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, topk_length=length, **kw)
+        got = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, topk_length=length, rows_unique=True, **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    g = torch.Generator().manual_seed(9)
+    q8, kv8 = torch.randn(7, 2, 576, generator=g).bfloat16(), quantize_kv(torch.randn(40, 576, generator=g))
+    want = sparse_mla_grouped_prefill(q8, kv8, rows, scale=0.1, topk_length=length)
+    got = sparse_mla_grouped_prefill(q8, kv8, rows, scale=0.1, topk_length=length, rows_unique=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_rows_unique_must_be_a_bool() -> None:
+    from shardattn.ops.sparse_mla import sparse_mla_attention
+
+    q, kv, rows, _ = _unique_case(5)
+    for fn in (sparse_mla_grouped_prefill, sparse_mla_attention):
+        with pytest.raises(TypeError, match="rows_unique"):
+            fn(q, kv, rows, scale=0.2, v_dim=32, rows_unique=1)

@@ -25,3 +25,4 @@ def test_prefill_kernels_match_references_under_interpreter():
     for h in (8, 16, 32, 64, 128):
         assert any(f"H={h}," in n for n in names)
     assert "attention[groups" in " ".join(names) and any("dcp" in n for n in names)
+    assert sum(n.startswith("rows_unique[") for n in names) == 4  # packed rows, both entry points

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from shardattn._checks import check_disjoint, check_int, check_not_inputs, check_tensor
+from shardattn.kernels.triton.pack_rows import pack_rows
 from shardattn.ops.kv_fp8_stage import kernel_rows, stage_marks, stage_touched, stages_packed
 from shardattn.ops.union import build_union, check_union_args, num_groups
 
@@ -188,6 +189,7 @@ def union_for_call(
     topk_length: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     rows_sorted: bool = False,
+    rows_unique: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A prefill kernel call's ``(kv, union, lens)``: the ``prepared`` union (already checked against
     ``rows``), else :func:`~shardattn.ops.union.build_union` of ``rows`` now (into ``out`` when
@@ -196,10 +198,15 @@ def union_for_call(
     :func:`~shardattn.ops.kv_fp8_stage.stage_touched`); on a mirrored one the union build marks
     the touched blocks (:func:`~shardattn.ops.kv_fp8_stage.stage_marks`); a prepared union is
     staged at the call (:func:`~shardattn.ops.kv_fp8_stage.kernel_rows`). ``dtype``: the staged
-    rows' (q's)."""
+    rows' (q's). ``rows_unique`` (no row twice in a query's list, trusted): at ``G = 1`` on rows in
+    q's dtype the union is each query's valid rows packed to the front in their order
+    (:func:`~shardattn.kernels.triton.pack_rows.pack_rows`: one pass, no sort or bitmap; the
+    kernels need no order at ``G = 1``; docs/DECISIONS.md, D107)."""
     if prepared is not None:
         kv, union = kernel_rows(kv, prepared.union, prepared.lens, group_size=group_size, dtype=dtype)
         return kv, union, prepared.lens
+    if rows_unique and group_size == 1 and kv.dtype != torch.uint8:
+        return kv, *pack_rows(rows, num_kv_rows=kv.shape[0], width=rows.shape[1], topk_length=topk_length, out=out)
     build = functools.partial(
         build_union, group_size=group_size, topk_length=topk_length, out=out, rows_sorted=rows_sorted
     )

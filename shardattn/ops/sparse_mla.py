@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
+from shardattn._checks import check_bool
 from shardattn.kernels.backend import kernel_destination, written_back
 from shardattn.ops.head_blocked import q_heads_view, store_result
 from shardattn.ops.row_entries import first_occurrences, valid_mask
@@ -124,6 +125,7 @@ def sparse_mla_attention(
     v_dim: int = ..., topk_length: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
     return_lse: Literal[True] = ..., out: torch.Tensor | None = ..., lse_out: torch.Tensor | None = ...,
     q_ready: Callable[[], None] | None = ..., prepared_union: PreparedUnion | None = ..., kv_format: str | None = ...,
+    rows_unique: bool = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 @overload
 def sparse_mla_attention(
@@ -131,6 +133,7 @@ def sparse_mla_attention(
     v_dim: int = ..., topk_length: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
     return_lse: Literal[False], out: torch.Tensor | None = ..., lse_out: torch.Tensor | None = ...,
     q_ready: Callable[[], None] | None = ..., prepared_union: PreparedUnion | None = ..., kv_format: str | None = ...,
+    rows_unique: bool = ...,
 ) -> torch.Tensor: ...  # fmt: skip
 @overload
 def sparse_mla_attention(
@@ -138,6 +141,7 @@ def sparse_mla_attention(
     v_dim: int = ..., topk_length: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
     return_lse: bool = ..., out: torch.Tensor | None = ..., lse_out: torch.Tensor | None = ...,
     q_ready: Callable[[], None] | None = ..., prepared_union: PreparedUnion | None = ..., kv_format: str | None = ...,
+    rows_unique: bool = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 def sparse_mla_attention(
     q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -154,6 +158,7 @@ def sparse_mla_attention(
     q_ready: Callable[[], None] | None = None,
     prepared_union: PreparedUnion | None = None,
     kv_format: str | None = None,
+    rows_unique: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention over per-token global KV rows.
 
@@ -191,6 +196,10 @@ def sparse_mla_attention(
         kv_format: the format ``kv`` must hold (``"bfloat16"`` / ``"bf16"``, ``"fp16"``,
             ``"fp32"``, ``"fp8_ds_mla"``: :data:`shardattn.plan.kv_format.KV_FORMATS`); ``None``
             takes it from ``kv``'s dtype (uint8: ``fp8_ds_mla``).
+        rows_unique: the caller guarantees no row appears twice in a query's list (an indexer's
+            top-k; FlashMLA's contract): on rows in q's dtype the kernel paths pack each query's
+            valid rows instead of de-duplicating them (a duplicate would then count twice there,
+            not in the reference; :func:`~shardattn.ops.prepared_union.union_for_call`).
     Returns:
         ``out [T, H, v_dim]`` in q's dtype, and ``lse [T, H]`` fp32 natural log when
         ``return_lse`` (the given destinations when passed); a row with no valid key is ``(0, -inf)``
@@ -210,6 +219,7 @@ def sparse_mla_attention(
         q, kv, rows, v_dim=v_dim, topk_length=topk_length, sinks=sinks, scale=scale, kv_format=kv_format,
         return_lse=return_lse, out=out, lse_out=lse_out,
     )  # fmt: skip
+    check_bool("rows_unique", rows_unique)
     if prepared_union is not None:
         from shardattn.ops.prepared_union import check_prepared_union
 
@@ -225,7 +235,7 @@ def sparse_mla_attention(
         dense = kernel_destination(out)  # the kernels write out's last dim with unit stride
         written, lse_out = sparse_mla_per_query(
             q, kv, rows, scale=scale, v_dim=v_dim, topk_length=topk_length, sinks=sinks, out=dense, lse_out=lse_out,
-            prepared_union=prepared_union, kernel=kernel,
+            prepared_union=prepared_union, kernel=kernel, rows_unique=rows_unique,
         )  # fmt: skip
         out = written_back(out, written)
     else:
@@ -270,6 +280,7 @@ def sparse_mla_per_query(
     lse_out: torch.Tensor | None = None,
     prepared_union: PreparedUnion | None = None,
     kernel: str = "triton",
+    rows_unique: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-query kernel path (``G = 1``): each query's rows sorted and de-duplicated (the union
     of one query), then attended by ``kernel`` (``"triton"`` or ``"gluon"``, sm_90). Inputs already
@@ -282,6 +293,7 @@ def sparse_mla_per_query(
         out / lse_out: optional destinations, plain or head-blocked, ``out`` with a unit last-dim
             stride (:func:`sparse_mla_attention` passes a dense one).
         prepared_union: the ``G = 1`` union of ``rows`` built ahead (checked by the caller), else built here.
+        rows_unique: no row twice in a query's list (trusted): the valid rows packed, not de-duplicated.
     Returns:
         ``(out [T, H, v_dim] q.dtype, lse [T, H] fp32)`` (the given destinations when passed).
     """
@@ -289,7 +301,9 @@ def sparse_mla_per_query(
     from shardattn.ops.prepared_union import union_for_call
 
     # fp8_ds_mla rows: staged where it pays
-    kv, union, lens = union_for_call(prepared_union, rows, kv, group_size=1, dtype=q.dtype, topk_length=topk_length)
+    kv, union, lens = union_for_call(
+        prepared_union, rows, kv, group_size=1, dtype=q.dtype, topk_length=topk_length, rows_unique=rows_unique
+    )
     if kernel == "gluon":
         from shardattn.kernels.gluon.sparse_mla import launch_gluon_attention
 

@@ -85,7 +85,7 @@ def sparse_mla_grouped_prefill(
     group_size: int | None = ..., return_lse: Literal[True] = ...,
     union: tuple[torch.Tensor, torch.Tensor] | None = ..., out: torch.Tensor | None = ...,
     lse_out: torch.Tensor | None = ..., q_ready: Callable[[], None] | None = ..., rows_sorted: bool = ...,
-    prepared_union: PreparedUnion | None = ..., kv_format: str | None = ...,
+    prepared_union: PreparedUnion | None = ..., kv_format: str | None = ..., rows_unique: bool = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 @overload
 def sparse_mla_grouped_prefill(
@@ -94,7 +94,7 @@ def sparse_mla_grouped_prefill(
     group_size: int | None = ..., return_lse: Literal[False],
     union: tuple[torch.Tensor, torch.Tensor] | None = ..., out: torch.Tensor | None = ...,
     lse_out: torch.Tensor | None = ..., q_ready: Callable[[], None] | None = ..., rows_sorted: bool = ...,
-    prepared_union: PreparedUnion | None = ..., kv_format: str | None = ...,
+    prepared_union: PreparedUnion | None = ..., kv_format: str | None = ..., rows_unique: bool = ...,
 ) -> torch.Tensor: ...  # fmt: skip
 @overload
 def sparse_mla_grouped_prefill(
@@ -103,7 +103,7 @@ def sparse_mla_grouped_prefill(
     group_size: int | None = ..., return_lse: bool = ...,
     union: tuple[torch.Tensor, torch.Tensor] | None = ..., out: torch.Tensor | None = ...,
     lse_out: torch.Tensor | None = ..., q_ready: Callable[[], None] | None = ..., rows_sorted: bool = ...,
-    prepared_union: PreparedUnion | None = ..., kv_format: str | None = ...,
+    prepared_union: PreparedUnion | None = ..., kv_format: str | None = ..., rows_unique: bool = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 def sparse_mla_grouped_prefill(
     q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -123,6 +123,7 @@ def sparse_mla_grouped_prefill(
     rows_sorted: bool = False,
     prepared_union: PreparedUnion | None = None,
     kv_format: str | None = None,
+    rows_unique: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill with consecutive queries grouped into shared tiles.
 
@@ -164,6 +165,12 @@ def sparse_mla_grouped_prefill(
             reference path checks and ignores it.
         kv_format: the format ``kv`` must hold (as
             :func:`~shardattn.ops.sparse_mla.sparse_mla_attention`'s); ``None`` takes ``kv``'s.
+        rows_unique: the caller guarantees no row appears twice in a query's list (an indexer's
+            top-k; FlashMLA's contract): a per-query kernel call (``G = 1``) on rows in q's dtype
+            builds no union but packs each query's valid rows to the front of its list, in order
+            (:func:`~shardattn.ops.prepared_union.union_for_call`; a duplicate would then count
+            twice there, not in the reference); grouped tiles and ``fp8_ds_mla`` rows build their
+            union as without it.
     Returns:
         ``out [T, H, v_dim]`` in q's dtype and ``lse [T, H]`` fp32 natural log (the given
         destinations when passed); an empty row is ``(0, -inf)`` (with sinks: ``(0, sink)``).
@@ -180,6 +187,7 @@ def sparse_mla_grouped_prefill(
         return_lse=return_lse, out=out, lse_out=lse_out,
     )  # fmt: skip
     check_bool("rows_sorted", rows_sorted)
+    check_bool("rows_unique", rows_unique)
     if group_size is not None and check_int("group_size", group_size) not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size!r}")
     if prepared_union is not None:
@@ -222,7 +230,7 @@ def sparse_mla_grouped_prefill(
             check_prepared_union(prepared_union, rows, group_size=g)
         kv, u, lens = union_for_call(  # fp8_ds_mla rows: staged where it pays
             prepared_union, rows, kv, group_size=g, dtype=q3.dtype, topk_length=topk_length, out=union,
-            rows_sorted=rows_sorted,
+            rows_sorted=rows_sorted, rows_unique=rows_unique,
         )  # fmt: skip
         if q_ready is not None:  # the union is built: now the kernels may wait for q
             q_ready()

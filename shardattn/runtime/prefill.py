@@ -312,6 +312,7 @@ def workspace_prefill_attention(
     q_ready: Callable[[], None] | None = None,
     rows_sorted: bool = False,
     prepared_union: PreparedUnion | None = None,
+    rows_unique: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA prefill of ``q`` on ``route``, the union built into ``union_ws`` / ``lens_ws``.
 
@@ -330,6 +331,8 @@ def workspace_prefill_attention(
             its row sort (every pass; a pass is a slice of whole rows).
         prepared_union: the union of these rows built ahead (a slice of a whole share's,
             :func:`~shardattn.ops.prepared_union.prepare_union`): one call, no build, no passes.
+        rows_unique: no row twice in a token's list (trusted): a per-query Gluon call reads the
+            rows as given, no union (:func:`~shardattn.ops.sparse_mla_grouped.sparse_mla_grouped_prefill`).
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32)`` (the given destinations when passed).
     Raises:
@@ -337,8 +340,9 @@ def workspace_prefill_attention(
     """
     g, (t, k) = route.group_size, rows.shape
     call = functools.partial(
-        sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g, rows_sorted=rows_sorted
-    )
+        sparse_mla_grouped_prefill, kv=kv, scale=scale, v_dim=v_dim, group_size=g, rows_sorted=rows_sorted,
+        rows_unique=rows_unique,
+    )  # fmt: skip
     if prepared_union is not None or route.path == "reference" or t == 0 or k == 0:
         return call(
             q, rows=rows, topk_length=topk_length, sinks=sinks, out=out, lse_out=lse_out, q_ready=q_ready,

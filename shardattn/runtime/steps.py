@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from shardattn._checks import check_bool
 from shardattn.ops.kv_fp8 import resolve_kv
 from shardattn.plan.decode_batch import DecodeBatch
 from shardattn.plan.routing import Route
@@ -75,6 +76,7 @@ class RuntimeSteps(RuntimeState):
         topk_length: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
         window_left: int = -1,
+        topk_unique: bool = False,
         check: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one prefill step (sparse MLA or GQA), routed by the planner.
@@ -131,6 +133,11 @@ class RuntimeSteps(RuntimeState):
             plan: a :meth:`plan_prefill` result instead of the lengths (plan once per step, run
                 it for every layer).
             topk_length: ``[T]`` (PCP ``[T_r]``) int32 leading top-k entries to use, optional.
+            topk_unique: sparse MLA: no row of ``rows`` (PCP: no position of ``topk_pos``) appears
+                twice in a token's list (an indexer's top-k), so a per-query kernel call reads the
+                rows as given instead of de-duplicating them first (grouped tiles and FP8 rows
+                build their union as before); a repeated one would then count twice there. The
+                same promise as :meth:`decode`'s.
             sinks: ``[H]`` fp32 sink logits of all heads, given exactly when the spec has
                 ``has_sinks`` (a ``ValueError`` naming ``sinks`` otherwise: a model with sinks run
                 without them is wrong, and warm-up builds the sinks kernels only for such a spec).
@@ -148,6 +155,7 @@ class RuntimeSteps(RuntimeState):
                 when ``check``); WorkspaceExceededError: the step is larger than the workspace.
         """
         check_step_flag(self.comm, check, collective=self._prefill_agrees)  # before any collective
+        check_bool("topk_unique", topk_unique)
         plan, given = self._prefill_inputs(
             q, kv_cache, rows, topk_pos=topk_pos, kv_new=kv_new, block_table=block_table, query_lens=query_lens,
             prefix_lens=prefix_lens, seq_lens=seq_lens, plan=plan, topk_length=topk_length, check=check,
@@ -171,7 +179,7 @@ class RuntimeSteps(RuntimeState):
             comm=self.comm,
             spec=self.spec,
             scale=self.scale,
-            attention=functools.partial(self._attention, route=plan.route, step=plan.step),
+            attention=functools.partial(self._attention, route=plan.route, step=plan.step, rows_unique=topk_unique),
             local_sinks=None if sinks is None else self._local_heads(sinks),
             shardq_workspace=workspace,
             chunks=options.chunks,

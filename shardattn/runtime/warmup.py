@@ -30,6 +30,7 @@ from shardattn.kernels import fa4_warmup
 from shardattn.kernels.gluon.sparse_mla import gluon_config
 from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS, smem_unsupported_reason
 from shardattn.kernels.gluon.union_smem import launch_config as smem_launch_config
+from shardattn.kernels.triton.pack_rows import pack_rows_block
 from shardattn.kernels.triton.sparse_mla import tile_config
 from shardattn.kernels.triton.topk import convert_topk_config
 from shardattn.kernels.triton.union import union_launch_config
@@ -107,6 +108,8 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
                 keys.append(CompileKey("union_smem", smem))
                 if spec.kv_fp8:  # marking the blocks the FP8 staging dequantises (ops.kv_fp8_stage)
                     keys.append(CompileKey("union_smem", {**smem, "HAS_MARKS": True}))
+        if group == 1 and not spec.kv_fp8:  # topk_unique: each query's valid rows packed, no union build
+            keys.append(CompileKey("pack_rows", {"BLOCK": pack_rows_block(spec.topk), "HAS_LEN": spec.topk_length}))
         if group == 1 or UNION_METHOD[group] == "sort":
             keys.append(CompileKey("union_keys", {"G": group, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
             keys.append(CompileKey("union_compact", {"G": group, "CHUNK": cfg["CHUNK"]}))
@@ -214,6 +217,12 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
                     q, rows_kv, pos, scale=d**-0.5, v_dim=spec.v_dim, group_size=group, topk_length=length,
                     sinks=torch.zeros(spec.heads, device=device) if spec.sinks else None,
                 )  # fmt: skip
+            if group == 1 and not spec.kv_fp8:  # a topk_unique step: its rows packed, then the same kernel
+                sparse_mla_grouped_prefill(
+                    q, kv, pos, scale=d**-0.5, v_dim=spec.v_dim, group_size=1, topk_length=length,
+                    sinks=torch.zeros(spec.heads, device=device) if spec.sinks else None, rows_unique=True,
+                )  # fmt: skip
+                launches += 1
             if spec.kv_fp8:  # the staging kernels (ops.kv_fp8_stage) in both layouts, whatever the rule says here
                 union, lens = build_union(pos, group_size=group, num_kv_rows=64, topk_length=length)
                 for layout in STAGE_LAYOUTS:

@@ -144,6 +144,34 @@ def attention_cases(gen: torch.Generator) -> None:
     _report("attention[fp32,per_query]", err < 1e-4, f"rel_err={err:.1e}")
 
 
+def rows_unique_cases(gen: torch.Generator) -> None:
+    """``rows_unique=True``: each query's valid rows packed in the caller's (unsorted) order for
+    the per-query Triton kernel, no union; both entry points, with and without ``topk_length``."""
+    from shardattn.ops.sparse_mla import sparse_mla_attention, sparse_mla_reference
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+
+    t, k, r = 9, 24, 40
+    for heads, with_len in ((64, False), (16, True)):
+        q = torch.randn(t, heads, D, generator=gen).half()
+        kv = torch.randn(r, D, generator=gen).half()
+        rows = torch.stack([torch.randperm(r, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+        rows[torch.rand(t, k, generator=gen) < 0.2] = -1  # invalid anywhere
+        rows[0, ::5] = r + 2  # out of range
+        rows[2] = -1  # empty row
+        length = torch.randint(0, k + 1, (t,), generator=gen, dtype=torch.int32) if with_len else None
+        ref_o, ref_l = sparse_mla_reference(q.float(), kv.float(), rows, scale=0.2, v_dim=D_V, topk_length=length)
+        for name, fn, kw in (
+            ("grouped", sparse_mla_grouped_prefill, {"group_size": 1}),
+            ("attention", sparse_mla_attention, {}),
+        ):
+            out, lse = fn(q, kv, rows, scale=0.2, v_dim=D_V, topk_length=length, rows_unique=True, **kw)
+            err = ((out.float() - ref_o).norm() / ref_o.norm()).item()
+            fin = torch.isfinite(ref_l)
+            ok = err < 2e-3 and torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - ref_l[fin]).abs().max() < 1e-3
+            ok = ok and bool((out[2] == 0).all()) and bool(lse[2].isneginf().all())
+            _report(f"rows_unique[{name},H={heads},len={with_len}]", bool(ok), f"rel_err={err:.1e}")
+
+
 def spanning_requests_case(gen: torch.Generator) -> None:
     from shardattn.ops.sparse_mla import sparse_mla_reference
     from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
@@ -171,6 +199,7 @@ def main() -> int:
     topk_cases(gen)
     union_cases(gen)
     attention_cases(gen)
+    rows_unique_cases(gen)
     spanning_requests_case(gen)
     print(f"{len(FAILURES)} failures: {FAILURES}", flush=True)
     return 1 if FAILURES else 0

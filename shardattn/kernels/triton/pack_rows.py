@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from shardattn._ints import next_pow2
 from shardattn.kernels.backend import COMPILE_OPTIONS, unit_stride, use_triton
 
 try:
@@ -22,7 +23,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
-__all__ = ["pack_rows", "pack_rows_reference"]
+__all__ = ["pack_rows", "pack_rows_block", "pack_rows_reference"]
 
 
 def pack_rows_reference(
@@ -47,8 +48,22 @@ def pack_rows_reference(
     return packed[:, :width].contiguous(), valid.sum(1).int()
 
 
+def pack_rows_block(topk: int) -> int:
+    """The kernel's ``BLOCK`` (its compile key) for lists of ``topk`` entries.
+
+    >>> pack_rows_block(2048), pack_rows_block(100), pack_rows_block(1)
+    (1024, 128, 16)
+    """
+    return min(1024, max(16, next_pow2(max(topk, 1))))
+
+
 def pack_rows(
-    rows: torch.Tensor, *, num_kv_rows: int, width: int, topk_length: torch.Tensor | None = None
+    rows: torch.Tensor,
+    *,
+    num_kv_rows: int,
+    width: int,
+    topk_length: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's valid rows packed in order to the front of a list of ``width`` entries.
 
@@ -56,6 +71,8 @@ def pack_rows(
         rows: ``[T, K]`` int32 KV rows; ``-1`` / out of ``[0, num_kv_rows)`` invalid, anywhere.
         num_kv_rows: ``R``. width: entries per packed list, ``width >= K``.
         topk_length: ``[T]`` int32 leading entries of each row to use, optional.
+        out: optional ``(union, lens)`` destinations of those shapes and dtypes, contiguous (a
+            prefill's union workspace), sharing no memory with the inputs (checked by the caller).
     Returns:
         ``(union [T, width] int32, lens [T] int32)``: token ``t``'s valid rows in
         ``union[t, :lens[t]]`` (entries past it are unspecified on the Triton path). CUDA tensors
@@ -66,10 +83,19 @@ def pack_rows(
     if width < k:
         raise ValueError(f"width must cover the row ({width} < {k})")
     if triton is None or not use_triton(rows) or t == 0:
-        return pack_rows_reference(rows, num_kv_rows=num_kv_rows, width=width, topk_length=topk_length)
-    union = torch.empty(t, width, dtype=torch.int32, device=rows.device)
-    lens = torch.empty(t, dtype=torch.int32, device=rows.device)
-    block = min(1024, max(16, triton.next_power_of_2(max(k, 1))))
+        packed = pack_rows_reference(rows, num_kv_rows=num_kv_rows, width=width, topk_length=topk_length)
+        if out is None:
+            return packed
+        out[0].copy_(packed[0])
+        out[1].copy_(packed[1])
+        return out
+    if out is None:
+        out = (
+            torch.empty(t, width, dtype=torch.int32, device=rows.device),
+            torch.empty(t, dtype=torch.int32, device=rows.device),
+        )
+    union, lens = out
+    block = pack_rows_block(k)
     _pack_rows_kernel[(t,)](
         rows, topk_length if topk_length is not None else rows, union, lens,
         k, num_kv_rows, rows.stride(0), rows.stride(1), width,
