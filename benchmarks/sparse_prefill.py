@@ -129,6 +129,14 @@ class Case:
         kernel()  # the kernel on its prepared union: checked as the step is, before anything is timed
         self._check("routed kernel (prepared union)", out[sample], ref_out)
         kernel_out = (out.clone(), lse.clone())
+        if g == 1:  # the synthetic top-k lists a position once: the step as a topk_unique caller runs it
+
+            def step_unique():
+                sparse_mla_grouped_prefill(q, kv, rows, scale=scale, v_dim=D_V, out=out, lse_out=lse, rows_unique=True)
+
+            step_unique()
+            self._check("routed step, rows unique", out[sample], ref_out)
+            self.runs["step_unique"] = step_unique
         step()
         self._check("routed step", out[sample], ref_out)
         if kv8 is not None:
@@ -224,6 +232,9 @@ def case_records(case: Case, ms: dict[str, float], pass_name: str, env: dict, ro
     if "peer" in tf:
         kernel_base = ("FlashMLA" + (" (padded to 64 heads)" if case.heads < 64 else "") + ", same run", tf["peer"])
     out.append(record(BENCHMARK, config, "kernel TFLOP/s", tf["kernel"], "TFLOP/s", "higher", kernel_base, env))
+    if "step_unique" in tf:  # FlashMLA's contract (no row twice in a list): the step is the kernel on the rows
+        out.append(record(BENCHMARK, config, "step TFLOP/s, rows unique", tf["step_unique"], "TFLOP/s", "higher",
+                          kernel_base or step_base, env))  # fmt: skip
     if "step_fp8" in tf:  # the bf16 numbers are the FP8 records' baselines, not records of their own
         out = []
         fp8_runs = (("step_fp8", "step", "step"), ("kernel_fp8", "kernel", "kernel"),

@@ -107,10 +107,10 @@ def test_sparse_prefill_cpu_run_writes_its_records(tmp_path: Path) -> None:
     text = _run([sys.executable, str(BENCH / "sparse_prefill.py"), "--device", "cpu", "--heads", "4", "16",
                  "--tokens", "32", "--topk", "32", "--kv-rows", "128", "--reps", "1", "--json", str(out)])  # fmt: skip
     assert "routed step rel. error" in text and "sparse-MLA prefill" in text
+    assert "routed step, rows unique rel. error" in text  # per-query (G = 1) cases: the topk_unique step too
     recs = _records(out)
-    assert [(r["config"]["heads"], r["metric"]) for r in recs] == [
-        (4, "step TFLOP/s"), (4, "kernel TFLOP/s"), (16, "step TFLOP/s"), (16, "kernel TFLOP/s")
-    ]  # fmt: skip
+    metrics = ["step TFLOP/s", "kernel TFLOP/s", "step TFLOP/s, rows unique"]
+    assert [(r["config"]["heads"], r["metric"]) for r in recs] == [(h, m) for h in (4, 16) for m in metrics]
     assert all(r["benchmark"] == "sparse-prefill" and r["value"] > 0 and r["gpu"] == "CPU" for r in recs)
     assert recs[0]["command"].startswith("python benchmarks/sparse_prefill.py --device cpu")
     assert recs[0]["config"] == {"heads": 4, "tokens": 32, "topk": 32, "pass": "first"}
@@ -121,7 +121,7 @@ def test_sparse_prefill_rounds_name_themselves_in_the_configuration(tmp_path: Pa
     _run([sys.executable, str(BENCH / "sparse_prefill.py"), "--device", "cpu", "--heads", "4", "--tokens", "32",
           "--topk", "32", "--kv-rows", "128", "--reps", "1", "--rounds", "3", "--json", str(out)])  # fmt: skip
     recs = _records(out)
-    assert [r["metric"] for r in recs] == ["step TFLOP/s", "kernel TFLOP/s"]
+    assert [r["metric"] for r in recs] == ["step TFLOP/s", "kernel TFLOP/s", "step TFLOP/s, rows unique"]
     assert all(r["config"] == {"heads": 4, "tokens": 32, "topk": 32, "pass": "first", "rounds": 3} for r in recs)
     bad = subprocess.run([sys.executable, str(BENCH / "sparse_prefill.py"), "--device", "cpu", "--rounds", "0"],
                          capture_output=True, text=True)  # fmt: skip
