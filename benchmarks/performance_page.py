@@ -35,8 +35,11 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "heads. *kernel*: the routed kernel on rows de-duplicated beforehand, beside FlashMLA's SM90 "
         "sparse prefill on the same inputs (`benchmarks/peer/`; below 64 heads FlashMLA runs padded to "
         "64). *step*: the union build (de-duplication) and the kernel, as a serving step runs them, "
-        "beside the best Triton step. *pass first*: the first timing of the run; *after 4 s back to "
-        "back*: the same cases again once the GPU sits at its power limit.",
+        "beside the best Triton step. *step, rows unique*: the per-query step of a caller that promises "
+        "no row twice in a list (`topk_unique` / `rows_unique`, FlashMLA's contract: each query's valid "
+        "rows packed, no union build), beside FlashMLA. *pass first*: the first timing of the run; "
+        "*after 4 s back to back*: the same cases again once the GPU sits at its power limit; *rounds "
+        "R*: each path the median of R round medians, the paths' order alternating.",
         (),
     ),
     "sparse-prefill-fp8": (
