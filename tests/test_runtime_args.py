@@ -320,16 +320,20 @@ def _prefill_unique_body(group) -> dict:
         res[f"{mode}-same"] = all(torch.equal(a, b) for a, b in zip(outs[False], outs[True], strict=True))
         res[f"{mode}-step"] = plan.step
     res["bad"] = _error(lambda: rt.prefill(**call, topk_unique=1))
+    # given on one rank only (PCP's step agrees first): every rank fails, none waits for the others
+    res["bad_on_rank0"] = _error(lambda: rt.prefill(**call, topk_unique="yes" if rank == 0 else True))
     return res
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [1, 2], ids=lambda w: f"world{w}")
 def test_prefill_topk_unique_reaches_every_kernel_call(dist_pool, world_size: int) -> None:
-    for res in dist_pool.run(_prefill_unique_body, world_size=world_size):
+    for rank, res in enumerate(dist_pool.run(_prefill_unique_body, world_size=world_size)):
         for mode in ("headtp", "shardq", "pcp"):
             assert res[f"{mode}-False"] == [False] and res[f"{mode}-True"] == [True], res
             assert res[f"{mode}-same"], mode
         assert res["shardq-step"] == ("shardq" if world_size > 1 else "headtp")
         assert res["pcp-step"] == "pcp"
         assert res["bad"].startswith("TypeError") and "topk_unique" in res["bad"], res["bad"]
+        want = "topk_unique" if rank == 0 else "rank(s) [0] of 2 rejected their inputs"
+        assert want in res["bad_on_rank0"], res["bad_on_rank0"]

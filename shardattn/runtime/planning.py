@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shardattn._checks import check_int, check_sink_logits, check_tensor
+from shardattn._checks import check_bool, check_int, check_sink_logits, check_tensor
 from shardattn.kernels import fa4
 from shardattn.ops.gqa_prefill import segment_kernel
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel, TorchSegmentKernel
@@ -185,6 +185,7 @@ class RuntimePlanning(RuntimeState):
         check: bool,
         window_left: object = -1,
         sinks: object = None,
+        topk_unique: object = False,
     ) -> tuple[PrefillPlan, RowInputs | PCPInputs | GQAInputs]:
         """The plan of a :meth:`Runtime.prefill <shardattn.runtime.runtime.Runtime.prefill>` call
         (``plan``, or planned from the lengths) and its checked, converted tensors
@@ -219,7 +220,8 @@ class RuntimePlanning(RuntimeState):
         if bad is None:  # sinks exactly when the model has them, named before the tensors are checked
             try:
                 check_sinks_declared(sinks, has_sinks=self.spec.has_sinks, heads=self.spec.num_heads)
-            except ValueError as e:
+                check_bool("topk_unique", topk_unique)
+            except (TypeError, ValueError) as e:
                 bad = e
         if bad is not None:
             reject(self.comm, bad, collective=self._prefill_agrees, check=check)

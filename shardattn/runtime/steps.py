@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from shardattn._checks import check_bool
 from shardattn.ops.kv_fp8 import resolve_kv
 from shardattn.plan.decode_batch import DecodeBatch
 from shardattn.plan.routing import Route
@@ -155,11 +154,10 @@ class RuntimeSteps(RuntimeState):
                 when ``check``); WorkspaceExceededError: the step is larger than the workspace.
         """
         check_step_flag(self.comm, check, collective=self._prefill_agrees)  # before any collective
-        check_bool("topk_unique", topk_unique)
         plan, given = self._prefill_inputs(
             q, kv_cache, rows, topk_pos=topk_pos, kv_new=kv_new, block_table=block_table, query_lens=query_lens,
             prefix_lens=prefix_lens, seq_lens=seq_lens, plan=plan, topk_length=topk_length, check=check,
-            window_left=window_left, sinks=sinks,
+            window_left=window_left, sinks=sinks, topk_unique=topk_unique,
         )  # fmt: skip
         options = self.prefill_options
         if isinstance(given, GQAInputs):
