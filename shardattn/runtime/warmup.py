@@ -14,7 +14,7 @@ for tests.
 Example:
     >>> keys = compile_keys(PrefillSpec(heads=8, topk=2048))
     >>> sorted({k.kernel for k in keys} - {"gluon_attention", "union_smem"})  # Gluon keys where Triton has Gluon
-    ['attention', 'convert_topk', 'union_bitmap', 'union_compact', 'union_fused', 'union_keys']
+    ['attention', 'convert_topk', 'pack_rows', 'union_bitmap', 'union_compact', 'union_fused', 'union_keys']
     >>> sorted(k.params["G"] for k in keys if k.kernel == "attention")
     [1, 8]
 """
