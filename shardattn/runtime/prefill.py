@@ -331,8 +331,9 @@ def workspace_prefill_attention(
             its row sort (every pass; a pass is a slice of whole rows).
         prepared_union: the union of these rows built ahead (a slice of a whole share's,
             :func:`~shardattn.ops.prepared_union.prepare_union`): one call, no build, no passes.
-        rows_unique: no row twice in a token's list (trusted): a per-query Gluon call reads the
-            rows as given, no union (:func:`~shardattn.ops.sparse_mla_grouped.sparse_mla_grouped_prefill`).
+        rows_unique: no row twice in a token's list (trusted): a per-query call packs each token's
+            valid rows into the union workspace instead of building the union
+            (:func:`~shardattn.ops.prepared_union.union_for_call`).
     Returns:
         ``(out [T, H, v_dim] in q's dtype, lse [T, H] fp32)`` (the given destinations when passed).
     Raises:

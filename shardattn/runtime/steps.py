@@ -133,10 +133,10 @@ class RuntimeSteps(RuntimeState):
                 it for every layer).
             topk_length: ``[T]`` (PCP ``[T_r]``) int32 leading top-k entries to use, optional.
             topk_unique: sparse MLA: no row of ``rows`` (PCP: no position of ``topk_pos``) appears
-                twice in a token's list (an indexer's top-k), so a per-query kernel call reads the
-                rows as given instead of de-duplicating them first (grouped tiles and FP8 rows
-                build their union as before); a repeated one would then count twice there. The
-                same promise as :meth:`decode`'s.
+                twice in a token's list (an indexer's top-k), so a per-query kernel call packs each
+                token's valid rows instead of de-duplicating them first (grouped tiles and FP8 rows
+                build their union as before; docs/DECISIONS.md, D107); a repeated one would then
+                count twice there. The same promise as :meth:`decode`'s.
             sinks: ``[H]`` fp32 sink logits of all heads, given exactly when the spec has
                 ``has_sinks`` (a ``ValueError`` naming ``sinks`` otherwise: a model with sinks run
                 without them is wrong, and warm-up builds the sinks kernels only for such a spec).
