@@ -30,7 +30,7 @@ from shardattn.kernels import fa4_warmup
 from shardattn.kernels.gluon.sparse_mla import gluon_config
 from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS, smem_unsupported_reason
 from shardattn.kernels.gluon.union_smem import launch_config as smem_launch_config
-from shardattn.kernels.triton.pack_rows import pack_rows_block
+from shardattn.kernels.triton.pack_rows import pack_rows, pack_rows_block
 from shardattn.kernels.triton.sparse_mla import tile_config
 from shardattn.kernels.triton.topk import convert_topk_config
 from shardattn.kernels.triton.union import union_launch_config
@@ -217,11 +217,8 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
                     q, rows_kv, pos, scale=d**-0.5, v_dim=spec.v_dim, group_size=group, topk_length=length,
                     sinks=torch.zeros(spec.heads, device=device) if spec.sinks else None,
                 )  # fmt: skip
-            if group == 1 and not spec.kv_fp8:  # a topk_unique step: its rows packed, then the same kernel
-                sparse_mla_grouped_prefill(
-                    q, kv, pos, scale=d**-0.5, v_dim=spec.v_dim, group_size=1, topk_length=length,
-                    sinks=torch.zeros(spec.heads, device=device) if spec.sinks else None, rows_unique=True,
-                )  # fmt: skip
+            if group == 1 and not spec.kv_fp8:  # a topk_unique step packs its rows (then the kernel above)
+                pack_rows(pos, num_kv_rows=kv.shape[0], width=k, topk_length=length)
                 launches += 1
             if spec.kv_fp8:  # the staging kernels (ops.kv_fp8_stage) in both layouts, whatever the rule says here
                 union, lens = build_union(pos, group_size=group, num_kv_rows=64, topk_length=length)
