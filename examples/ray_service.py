@@ -275,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         max_seq_len=max_seq,
         device=args.device,
         transport=args.transport,
+        topk_unique=spec.kind == "sparse_mla",  # the requests' top-k lists a position once, as an indexer's does
         runtime_kwargs={
             "max_batched_tokens": prefill_tokens,
             "max_decode_tokens": args.max_batch,

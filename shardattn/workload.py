@@ -241,3 +241,25 @@ def load_topk_dump(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"{path.name}: valid counts must be in [0, {k}] (leading entries of a row), got "
                          f"[{int(valid.min())}, {int(valid.max())}]")  # fmt: skip
     return topk, valid.to(torch.int32)
+
+
+def first_repeat(topk: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[int, int] | None:
+    """The first ``(token, position)`` that a row of ``topk`` lists twice, or ``None`` when no row
+    repeats one (what a caller promises with ``topk_unique=True``).
+
+    Args:
+        topk: ``[T, K]`` integer positions; a negative entry is invalid and never a repeat.
+        valid: ``[T]`` leading entries of each row to read (``0 .. K``), optional (default ``K``).
+    """
+    check_tensor("topk", topk, dtypes=(torch.int32, torch.int64), ndim=2)
+    pos = topk.to(torch.int64)
+    if valid is not None:
+        check_tensor("valid", valid, dtypes=(torch.int32, torch.int64), shape=(topk.shape[0],))
+        pos = pos.masked_fill(torch.arange(pos.shape[1]) >= valid.to(torch.int64)[:, None], -1)
+    ordered = pos.sort(dim=1).values
+    again = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    tokens = again.any(dim=1).nonzero()
+    if tokens.numel() == 0:
+        return None
+    t = int(tokens[0])
+    return t, int(ordered[t, 1:][again[t]][0])

@@ -124,6 +124,7 @@ CPU = torch.device("cpu")
             r"--topk-file holds a sparse-MLA top-k; gqa-64-8 is GQA: drop it",
         ),
         (["--preset", "gqa-64-8", "--topk-file", "x.pt"], 2, r"--topk-file holds a sparse-MLA top-k; gqa-64-8 is GQA"),
+        (["--preset", "gqa-64-8", "--topk-unique"], 2, r"--topk-unique is a sparse-MLA top-k's promise; gqa-64-8 is GQA"),
         (["--calibration", "/nonexistent/t.json"], 2, r"--calibration /nonexistent/t.json: no such file"),
         (["--calibration", "/"], 2, r"--calibration /: not a calibration table"),
         (["--preset", "gqa-64-8", "--compare"], 2, r"--compare sets sparse-MLA prefill steps side by side; gqa-64-8"),
@@ -162,6 +163,7 @@ CPU = torch.device("cpu")
         "unused-overlap-with-topk-file",
         "unused-topk-file-gqa-prefill",
         "unused-topk-file-gqa-decode",
+        "unused-topk-unique-gqa",
         "calibration-missing",
         "calibration-not-a-table",
         "compare-gqa",
@@ -209,6 +211,24 @@ def test_an_empty_recorded_top_k_is_refused_naming_the_file(tmp_path, shape: tup
     torch.save({"topk": torch.zeros(shape, dtype=torch.int32)}, path)
     with pytest.raises(LaunchError, match=rf"--topk-file {path}: its top-k is \[{shape[0]}, {shape[1]}\]; a step"):
         plan_run(parse_options(["--topk-file", str(path)]), 2, CPU)
+
+
+def test_a_recorded_top_k_that_repeats_a_position_is_refused_under_topk_unique(tmp_path) -> None:
+    """--topk-unique promises no position twice in a token's top-k (the steps would count it twice):
+    a --topk-file that repeats one within a token's valid entries is refused naming token and
+    position; a repeat past a token's valid count, or without the flag, is not."""
+    path = tmp_path / "twice.pt"
+    topk = torch.arange(4 * 8, dtype=torch.int32).view(4, 8) % 24
+    topk[2, 6] = topk[2, 1]  # token 2 lists position 17 twice
+    topk[1, 7] = topk[1, 0]  # token 1 repeats past its valid count: never read
+    valid = torch.tensor([8, 7, 8, 8], dtype=torch.int32)
+    torch.save({"topk": topk, "valid": valid}, path)
+    with pytest.raises(LaunchError, match=rf"--topk-file {path}: token 2 lists position 17 twice, which --topk-unique"):
+        plan_run(parse_options(["--topk-file", str(path), "--topk-unique"]), 2, CPU)
+    assert plan_run(parse_options(["--topk-file", str(path)]), 2, CPU).recorded is not None
+    topk[2, 6] = -1
+    torch.save({"topk": topk, "valid": valid}, path)
+    assert plan_run(parse_options(["--topk-file", str(path), "--topk-unique"]), 2, CPU).opts.topk_unique
 
 
 @pytest.mark.distributed

@@ -213,7 +213,7 @@ def test_failed_check_exits_with_status_3_on_every_rank(tmp_path) -> None:
     "args",
     [
         ["--mode", "mixed", "--tokens", "48", "--topk", "16", "--cached", "40,7", "--query-len", "1,2"],
-        ["--mode", "pcp", "--tokens", "40", "--topk", "16", "--cached", "24,0"],
+        ["--mode", "pcp", "--tokens", "40", "--topk", "16", "--cached", "24,0", "--topk-unique"],
         ["--preset", "gqa-64-8", "--query-len", "1,3", "--cached", "30,9", "--non-causal"],
         ["--preset", "gqa-64-8", "--mode", "mixed", "--tokens", "13", "--cached", "9,0", "--query-len", "1,2"],
         ["--preset", "gqa-64-8", "--mode", "pcp", "--tokens", "13", "--cached", "5,11"],
@@ -232,7 +232,7 @@ def test_failed_check_exits_with_status_3_on_every_rank(tmp_path) -> None:
             "5",
         ],
     ],
-    ids=["mixed-shardq-dcp", "pcp", "gqa-noncausal-drafts", "gqa-mixed-headtp-dcp", "gqa-pcp", "gqa-headtp-window"],
+    ids=["mixed-shardq-dcp", "pcp-topk-unique", "gqa-noncausal-drafts", "gqa-mixed-headtp-dcp", "gqa-pcp", "gqa-headtp-window"],
 )
 def test_check_against_the_independent_oracle(tmp_path, args: list[str]) -> None:
     """``--check`` with the library references swapped for tests/oracle.py passes (and so measures the steps

@@ -83,7 +83,7 @@ def _no_compile_body(group, kind: str, device: str = "cuda") -> dict:
             kv = quantize_kv(step.kv) if fp8 else step.kv
             values = dequantize_kv(kv) if fp8 else step.kv  # what the FP8 rows hold
             lengths = (None, torch.full((tokens,), 1500, dtype=torch.int32, device=dev))
-            # topk_unique: a per-query call reads the (unique) rows in place, its own kernel variants
+            # topk_unique: a per-query call packs each query's rows (pack_rows), not the union build
             for length, unique in itertools.product(lengths, (False, True)):
                 out, _ = rt.prefill(
                     step.q[:, rank * h : (rank + 1) * h].contiguous(),

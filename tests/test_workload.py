@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from shardattn.workload import Overlap, load_topk_dump, synthetic_topk, union_ratio
+from shardattn.workload import Overlap, first_repeat, load_topk_dump, synthetic_topk, union_ratio
 
 
 def test_positions_are_causal_unique_and_padded():
@@ -154,3 +156,31 @@ def test_load_topk_dump_names_the_file_in_shape_and_dtype_errors(tmp_path, data,
     torch.save(data, tmp_path / "d.pt")
     with pytest.raises((ValueError, TypeError), match=match):
         load_topk_dump(tmp_path / "d.pt")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    t=st.integers(1, 6),
+    k=st.integers(1, 12),
+    span=st.integers(1, 20),
+    seed=st.integers(0, 2**31 - 1),
+    with_valid=st.booleans(),
+)
+def test_first_repeat_finds_the_first_row_listing_a_position_twice(t, k, span, seed, with_valid):
+    """Against a per-row set: invalid (negative) entries anywhere and entries past ``valid`` never
+    repeat; the first repeating row is named with a position it lists twice."""
+    g = torch.Generator().manual_seed(seed)
+    topk = torch.randint(-2, span, (t, k), generator=g, dtype=torch.int32)
+    valid = torch.randint(0, k + 1, (t,), generator=g, dtype=torch.int32) if with_valid else None
+    want = None
+    for i in range(t):
+        read = [p for p in topk[i, : k if valid is None else int(valid[i])].tolist() if p >= 0]
+        twice = sorted({p for p in read if read.count(p) > 1})
+        if twice:
+            want = (i, twice)
+            break
+    got = first_repeat(topk, valid)
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None and got[0] == want[0] and got[1] in want[1]

@@ -77,6 +77,7 @@ class Options:
     topk: int | None = None
     overlap: str = "dsa"
     topk_file: str | None = None
+    topk_unique: bool = False
     query_lens: tuple[int, ...] | None = None
     causal: bool = True
     window: int = -1
@@ -172,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="neighbour overlap of the synthetic top-k: dsa, dsa_low, random, or a correlation in [0, 1] (default dsa)",
     )
     a("--topk-file", default=None, help="recorded top-k: a torch file with 'topk' [T, K] int32 positions")
+    a(
+        "--topk-unique",
+        action="store_true",
+        help="sparse MLA: each token's top-k lists a position at most once (an indexer's; the synthetic top-k "
+        "does), so prefill and decode skip de-duplicating it (Runtime's topk_unique); a --topk-file that "
+        "repeats a position is refused",
+    )
     a(
         "--query-len",
         "--q-len",

@@ -34,6 +34,7 @@ def check_options_used(opts: Options, *, mode: str, steps: tuple[str, ...], mla:
         ("--topk", opts.topk is not None and not mla, f"sets a sparse-MLA top-k; {opts.preset} is a GQA model"),
         ("--overlap", opts.overlap != "dsa" and not mla, f"shapes a sparse-MLA top-k; {opts.preset} is a GQA model"),
         ("--topk-file", opts.topk_file is not None and not mla, f"holds a sparse-MLA top-k; {opts.preset} is GQA"),
+        ("--topk-unique", opts.topk_unique and not mla, f"is a sparse-MLA top-k's promise; {opts.preset} is GQA"),
         ("--min-shard-tokens", opts.min_shard_tokens is not None and not routes, f"is ShardQ's gate; {no_shardq}"),
         ("--calibration", opts.calibration is not None and not routes, f"routes ShardQ steps; {no_shardq}"),
         ("--query-len", opts.query_lens is not None and not decode, f"sets the decode's queries; {runs}"),

@@ -151,7 +151,7 @@ def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
     heads = spec.num_heads if plan.step in ("shardq", "pcp") else rt.heads_per_rank
     g = plan.route.group_size
     ratio = union_ratio(rows_mine, g, length) if g > 1 else None
-    scale = rt.scale
+    scale, unique = rt.scale, cfg.opts.topk_unique
 
     def reference() -> tuple[torch.Tensor, torch.Tensor]:
         return sparse_mla_reference(step.q, kv, step.rows, scale=scale, v_dim=spec.v_dim, topk_length=step.topk_length)
@@ -172,6 +172,7 @@ def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
                 block_table=step.block_table,
                 plan=plan,
                 topk_length=length,
+                topk_unique=unique,
                 check=check,
             )
             return with_lse(out, "Runtime.prefill")
@@ -183,7 +184,9 @@ def prepare_prefill(cfg: RunConfig, rt: Runtime) -> Prepared:
         q_local = _heads(rt, step.q).contiguous()
 
         def call(check: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            out = rt.prefill(q_local, kv, step.rows, plan=plan, topk_length=step.topk_length, check=check)
+            out = rt.prefill(
+                q_local, kv, step.rows, plan=plan, topk_length=step.topk_length, topk_unique=unique, check=check
+            )
             return with_lse(out, "Runtime.prefill")
 
         def part(full: torch.Tensor, r: int) -> torch.Tensor:
@@ -230,6 +233,7 @@ def prepare_decode(cfg: RunConfig, rt: Runtime) -> Prepared:
                 step.seq_lens,
                 topk_pos=step.positions,
                 req_ids=step.req_ids,
+                topk_unique=cfg.opts.topk_unique,
                 check=check,
             )
             return with_lse(out, "Runtime.decode")

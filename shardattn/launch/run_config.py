@@ -76,6 +76,7 @@ class RunConfig:
             "interleave": self.opts.interleave,
             "overlap": self.opts.overlap,
             "topk_file": self.opts.topk_file,
+            "topk_unique": self.opts.topk_unique,
             "iters": self.iters,
             "warmup": self.opts.warmup,
             "seed": self.opts.seed,

@@ -48,7 +48,7 @@ from shardattn.plan.zigzag import DEFAULT_MIN_TOKENS
 from shardattn.runtime.modes import DECODE_STEP
 from shardattn.runtime.options import DecodeOptions, PrefillOptions
 from shardattn.runtime.runtime import Runtime
-from shardattn.workload import load_topk_dump
+from shardattn.workload import first_repeat, load_topk_dump
 
 __all__ = ["TOLERANCE", "RunConfig", "plan_run", "run"]
 
@@ -135,6 +135,12 @@ def plan_run(opts: Options, world_size: int, device: torch.device) -> RunConfig:
             raise usage_error(
                 f"--topk-file {opts.topk_file}: its top-k is [{', '.join(map(str, recorded[0].shape))}]; a step needs "
                 "at least one token with at least one entry"
+            )
+        repeat = first_repeat(*recorded) if opts.topk_unique else None
+        if repeat is not None:  # the promise would make the steps count that key twice
+            raise usage_error(
+                f"--topk-file {opts.topk_file}: token {repeat[0]} lists position {repeat[1]} twice, which "
+                "--topk-unique promises it does not: drop --topk-unique (the steps then de-duplicate the top-k)"
             )
     dtype = (torch.bfloat16 if on_gpu else torch.float32) if opts.dtype == "auto" else _DTYPES[opts.dtype]
     have = free_bytes(device, world_size)

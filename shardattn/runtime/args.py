@@ -343,6 +343,19 @@ def check_sinks_declared(sinks: object, *, has_sinks: bool, heads: int) -> None:
         )
 
 
+def check_topk_unique(topk_unique: object, *, kind: str) -> None:
+    """``topk_unique`` is a bool, and ``True`` only on a sparse-MLA spec (``kind``): a GQA step reads
+    no top-k, so the promise would be about nothing (and a caller passing it expects a step it
+    does not get).
+
+    Raises:
+        TypeError: not a bool. ValueError: ``True`` on a GQA spec, naming ``topk_unique``.
+    """
+    check_bool("topk_unique", topk_unique)
+    if topk_unique and kind != "sparse_mla":
+        raise ValueError(f"topk_unique=True: a {kind} step reads no top-k (it is a sparse-MLA promise); pass False")
+
+
 def check_paged_rows(name: str, cache: torch.Tensor, page_size: int) -> None:
     """A paged cache ``[pages, page, ...]`` holds the model's ``page_size`` rows a page: its block
     table's pages are read as ``page_size`` tokens each (``ModelSpec.page_size``)."""

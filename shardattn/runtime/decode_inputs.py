@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from shardattn._checks import FLOAT_DTYPES, check_bool, check_int, check_sink_logits, check_tensor
+from shardattn._checks import FLOAT_DTYPES, check_int, check_sink_logits, check_tensor
 from shardattn.plan.decode_batch import DecodeBatch
 from shardattn.runtime.args import (
     as_index,
@@ -27,6 +27,7 @@ from shardattn.runtime.args import (
     check_plan_lengths,
     check_sinks_declared,
     check_table_on_host,
+    check_topk_unique,
 )
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ def check_decode_inputs(
             f"got {h} heads (shape {list(q.shape)})"
         )
     check_sinks_declared(sinks, has_sinks=step.spec.has_sinks, heads=step.spec.num_heads)
-    check_bool("topk_unique", topk_unique)
+    check_topk_unique(topk_unique, kind=step.spec.kind)
     check_int("window_left", window_left, minimum=-1)
     if window_left >= 0 and (dcp or step.spec.kind != "gqa"):
         raise ValueError(

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shardattn._checks import check_bool, check_int, check_sink_logits, check_tensor
+from shardattn._checks import check_int, check_sink_logits, check_tensor
 from shardattn.kernels import fa4
 from shardattn.ops.gqa_prefill import segment_kernel
 from shardattn.ops.gqa_prefill_kernels import SegmentKernel, TorchSegmentKernel
@@ -32,7 +32,7 @@ from shardattn.plan.kv_format import KV_FP8_DS_MLA
 from shardattn.plan.pcp import pcp_plan
 from shardattn.plan.routing import MAX_GROUPED_KV_ROWS, Route, route_prefill
 from shardattn.plan.zigzag import zigzag_split
-from shardattn.runtime.args import check_sinks_declared, prefill_lengths, reject
+from shardattn.runtime.args import check_sinks_declared, check_topk_unique, prefill_lengths, reject
 from shardattn.runtime.gqa_prefill import GQAInputs, check_gqa_prefill_inputs, plan_gqa_step
 from shardattn.runtime.modes import prefill_step_of
 from shardattn.runtime.prefill import PCPInputs, PrefillPlan, RowInputs, check_prefill_inputs
@@ -220,7 +220,7 @@ class RuntimePlanning(RuntimeState):
         if bad is None:  # sinks exactly when the model has them, named before the tensors are checked
             try:
                 check_sinks_declared(sinks, has_sinks=self.spec.has_sinks, heads=self.spec.num_heads)
-                check_bool("topk_unique", topk_unique)
+                check_topk_unique(topk_unique, kind=self.spec.kind)
             except (TypeError, ValueError) as e:
                 bad = e
         if bad is not None:

@@ -136,7 +136,8 @@ class RuntimeSteps(RuntimeState):
                 twice in a token's list (an indexer's top-k), so a per-query kernel call packs each
                 token's valid rows instead of de-duplicating them first (grouped tiles and FP8 rows
                 build their union as before; docs/DECISIONS.md, D107); a repeated one would then
-                count twice there. The same promise as :meth:`decode`'s.
+                count twice there. The same promise as :meth:`decode`'s; ``True`` on a GQA spec is
+                a ``ValueError`` (its steps read no top-k).
             sinks: ``[H]`` fp32 sink logits of all heads, given exactly when the spec has
                 ``has_sinks`` (a ``ValueError`` naming ``sinks`` otherwise: a model with sinks run
                 without them is wrong, and warm-up builds the sinks kernels only for such a spec).
@@ -276,7 +277,7 @@ class RuntimeSteps(RuntimeState):
                 indexer's top-k), so the kernels skip their de-duplication (most of a small step's
                 time); a repeated position would then count twice. A promise about positions, which
                 the step hands to the kernels as their ``rows_unique`` (distinct positions of a
-                request are distinct rows of its pages).
+                request are distinct rows of its pages). ``True`` on a GQA spec is a ``ValueError``.
             q_len_per_req / cu_q_lens: GQA: uniform queries per request, or ``[B + 1]`` int32
                 offsets of ragged drafts (default: one query per request). Rows of ``q`` past
                 ``cu_q_lens[-1]`` are padding (a graph bucket's): they come back as ``(0, -inf)``,

@@ -63,6 +63,7 @@ class RankActor(PrefillSteps, ShmDecode):
         self.cache: Any = None
         self.comm: Any = None
         self.sinks: torch.Tensor | None = None
+        self.topk_unique = False
         self.state = "starting"
         self.steps = 0
         self.last_step_s: float | None = None
@@ -108,13 +109,19 @@ class RankActor(PrefillSteps, ShmDecode):
         return backend
 
     def build(
-        self, spec: Any, runtime_kwargs: dict[str, Any], cache: dict[str, Any], sinks: torch.Tensor | None = None
+        self,
+        spec: Any,
+        runtime_kwargs: dict[str, Any],
+        cache: dict[str, Any],
+        sinks: torch.Tensor | None = None,
+        topk_unique: bool = False,
     ) -> dict[str, Any]:
         """Build the Runtime on the pool's 1-D ``DeviceMesh`` (dim ``"pool"``, formed by :meth:`join`),
         then the KV-cache shard (``cache``: pages, page size, layout, row shapes).
 
         ``sinks``: ``[H]`` fp32 sink logits of every head (checked by the driver), held on the
-        device and passed to every step (under DCP the step counts them on rank 0 only)."""
+        device and passed to every step (under DCP the step counts them on rank 0 only).
+        ``topk_unique``: the pool's promise (sparse MLA), passed to every step's Runtime call."""
         from shardattn.parallel.comm import Comm
         from shardattn.runtime.runtime import Runtime
         from shardattn.serving.kv_cache import RankKVCache
@@ -138,6 +145,7 @@ class RankActor(PrefillSteps, ShmDecode):
             heads=rank_kv_heads(spec, self.runtime.decode_is_dcp, self.world_size, self.rank),
         )
         self.set_sinks(sinks)
+        self.topk_unique = bool(topk_unique)
         self.comm = Comm(self.mesh)  # the pool's own collectives (prefix gathers), counted apart from the Runtime's
         self.state = "ready"
         import ray
@@ -238,8 +246,9 @@ class RankActor(PrefillSteps, ShmDecode):
         ``req_ids [T]`` int32; GQA ``cu_q [B + 1]`` int32. Unchecked (the driver checked)."""
         if self.runtime.spec.kind == "sparse_mla":
             return self.runtime.decode(
-                q, self.cache.flat(0), table, seq_lens, topk_pos=topk, req_ids=req_ids, sinks=self.sinks, check=False
-            )
+                q, self.cache.flat(0), table, seq_lens, topk_pos=topk, req_ids=req_ids, topk_unique=self.topk_unique,
+                sinks=self.sinks, check=False,
+            )  # fmt: skip
         kv = (self.cache.pages[0], self.cache.pages[1])
         return self.runtime.decode(q, kv, table, seq_lens, cu_q_lens=cu_q, sinks=self.sinks, check=False)
 

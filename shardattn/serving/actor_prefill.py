@@ -45,6 +45,7 @@ class PrefillSteps:
     cache: Any
     comm: Any
     sinks: torch.Tensor | None
+    topk_unique: bool
     _begin: Callable[[str], float]
     _maybe_fail: Callable[[str], None]
     _end: Callable[[float], None]
@@ -91,8 +92,9 @@ class PrefillSteps:
         valid = (pos >= 0) & (pos < lens_t[req][:, None])
         rows = torch.where(valid, first[req][:, None] + pos, -1).to(torch.int32)
         return self.runtime.prefill(
-            q, kv_full, rows.to(self.device), query_lens=counts, prefix_lens=starts, sinks=self.sinks, check=False
-        )
+            q, kv_full, rows.to(self.device), query_lens=counts, prefix_lens=starts, sinks=self.sinks,
+            topk_unique=self.topk_unique, check=False,
+        )  # fmt: skip
 
     def _prefill_pcp(
         self, shared: dict[str, Any], table: torch.Tensor, starts: list[int], counts: list[int], q: torch.Tensor
@@ -117,7 +119,7 @@ class PrefillSteps:
         kv_cache, block_table = self._prefix_pages(table, starts) if cached else (None, None)
         return rt.prefill(
             q, None if kv_cache is None else kv_cache[0], topk_pos=topk, kv_new=self.cache.as_stored(kv_new[0]),
-            block_table=block_table, plan=plan, sinks=self.sinks, check=False,
+            block_table=block_table, plan=plan, sinks=self.sinks, topk_unique=self.topk_unique, check=False,
         )  # fmt: skip
 
     def _prefill_gqa(

@@ -23,6 +23,10 @@ splits it per request). With the inputs written into :meth:`RayRankPool.step_inp
 valid until the next step), the driver copies nothing. :meth:`RayRankPool.decode` checks request
 objects one by one, then runs the same step.
 
+A pool built with ``topk_unique=True`` (an indexer's top-k lists a position at most once, as
+DeepSeek-V3.2's does) passes the Runtime's ``topk_unique`` to every sparse-MLA step: no
+de-duplication of the top-k (a repeated position would count twice).
+
 Attention sinks (a spec with ``has_sinks``: ``sinks=`` ``[H]`` fp32, one per query head of the
 whole model) are checked on the driver, held on every actor and passed to every step (DCP counts
 them on rank 0 only); :meth:`RayRankPool.set_sinks` replaces them.
@@ -69,7 +73,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardattn._checks import check_int
+from shardattn._checks import check_bool, check_int
 from shardattn.plan.kv_pages import PagedKVBook
 from shardattn.plan.spec import ModelSpec, get_preset
 from shardattn.serving.errors import RankFailedError, require_ray
@@ -123,6 +127,10 @@ class RayRankPool(RequestSteps):
             (``max_batched_tokens`` is required with a spec; ``max_decode_tokens``, ``topk``,
             ``prefill_options``, ``decode_options``: its ``dcp_interleave`` lays out the caches).
         sinks: ``[H]`` fp32 finite sink logits (CPU), required exactly when ``spec.has_sinks``.
+        topk_unique: sparse MLA: every request's top-k lists a position at most once (an indexer's
+            top-k, as DeepSeek-V3.2's), so every prefill and decode step passes the Runtime's
+            ``topk_unique`` and skips de-duplicating it (a repeated position would then count
+            twice). A promise the driver does not check; ``True`` needs a sparse-MLA spec.
         memory_limit_bytes: refuse to build when a rank's workspace plus KV cache exceed it.
         device: ``"cpu"`` (gloo), ``"cuda"`` (NCCL, one GPU per actor), ``"auto"`` (cuda when the
             cluster has ``world_size`` GPUs).
@@ -157,6 +165,7 @@ class RayRankPool(RequestSteps):
         num_pages: int | None = None,
         runtime_kwargs: dict[str, Any] | None = None,
         sinks: torch.Tensor | None = None,
+        topk_unique: bool = False,
         memory_limit_bytes: int | None = None,
         device: str = "auto",
         timeout_s: float = 120.0,
@@ -206,6 +215,11 @@ class RayRankPool(RequestSteps):
         self.mode = self._runtime_kwargs["mode"]
         self._memory_limit = memory_limit_bytes
         self._sinks = sinks
+        check_bool("topk_unique", topk_unique)
+        if topk_unique and (self.spec is None or self.spec.kind != "sparse_mla"):
+            kind = "no spec" if self.spec is None else f"a {self.spec.kind} spec"
+            raise ValueError(f"topk_unique=True promises a sparse-MLA top-k, but the pool has {kind}; pass False")
+        self.topk_unique = topk_unique
         if self.spec is not None:
             self._plan_cache(max_requests, max_seq_len, num_pages)
         if init_ray and not ray.is_initialized():
@@ -257,9 +271,8 @@ class RayRankPool(RequestSteps):
         self.built: list[dict[str, Any]] = []
         if self.spec is not None:
             kw = {k: v for k, v in self._runtime_kwargs.items()}
-            self.built = self._call(
-                "build", [a.build.remote(self.spec, kw, self._cache_spec, self._sinks) for a in self._actors]
-            )
+            args = (self.spec, kw, self._cache_spec, self._sinks, self.topk_unique)
+            self.built = self._call("build", [a.build.remote(*args) for a in self._actors])
             self._start_decode(self.spec)
 
     def _start_decode(self, spec: ModelSpec) -> None:

@@ -81,6 +81,12 @@ def runtime_bound_rows() -> list[Row]:
             for mode in ("headtp", "mixed")
             for name, value in (("cu_q_lens", [0, 1, 2]), ("q_len_per_req", 1), ("max_q_len", 1), ("batch", "junk"))
         ),
+        # topk_unique is a promise about a sparse-MLA top-k: a GQA step ignored it
+        *(
+            (f"Runtime.{step}-gqa-{mode}-topk-unique", _runtime_step(step, GQA_SPEC, mode, topk_unique=True),
+             Raises(ValueError, r"^topk_unique=True: a gqa step reads no top-k"))
+            for step, mode in (("decode", "dcp-decode"), ("decode", "headtp"), ("prefill", "headtp"))
+        ),
         # named as the caller passed them (the DCP step's q_heads_local; req_ids blamed for topk_pos)
         ("Runtime.decode-gqa-dcp-uniform-drafts-past-q", _runtime_step(*dcp, q_len_per_req=2),
          Raises(ValueError, r"^q must have batch \* q_len_per_req = 2 \* 2 = 4 rows, got 2")),
