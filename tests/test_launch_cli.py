@@ -124,7 +124,7 @@ CPU = torch.device("cpu")
             r"--topk-file holds a sparse-MLA top-k; gqa-64-8 is GQA: drop it",
         ),
         (["--preset", "gqa-64-8", "--topk-file", "x.pt"], 2, r"--topk-file holds a sparse-MLA top-k; gqa-64-8 is GQA"),
-        (["--preset", "gqa-64-8", "--topk-unique"], 2, r"--topk-unique is a sparse-MLA top-k's promise; gqa-64-8 is GQA"),
+        (["--preset", "gqa-64-8", "--topk-unique"], 2, r"--topk-unique is a sparse-MLA top-k's promise; gqa-64-8"),
         (["--calibration", "/nonexistent/t.json"], 2, r"--calibration /nonexistent/t.json: no such file"),
         (["--calibration", "/"], 2, r"--calibration /: not a calibration table"),
         (["--preset", "gqa-64-8", "--compare"], 2, r"--compare sets sparse-MLA prefill steps side by side; gqa-64-8"),

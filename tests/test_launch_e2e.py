@@ -232,7 +232,14 @@ def test_failed_check_exits_with_status_3_on_every_rank(tmp_path) -> None:
             "5",
         ],
     ],
-    ids=["mixed-shardq-dcp", "pcp-topk-unique", "gqa-noncausal-drafts", "gqa-mixed-headtp-dcp", "gqa-pcp", "gqa-headtp-window"],
+    ids=[
+        "mixed-shardq-dcp",
+        "pcp-topk-unique",
+        "gqa-noncausal-drafts",
+        "gqa-mixed-headtp-dcp",
+        "gqa-pcp",
+        "gqa-headtp-window",
+    ],
 )
 def test_check_against_the_independent_oracle(tmp_path, args: list[str]) -> None:
     """``--check`` with the library references swapped for tests/oracle.py passes (and so measures the steps

@@ -109,11 +109,11 @@ class _WarmUpFailsOnRank1:
         from shardattn.serving.actor import RankActor
 
         class Actor(RankActor):
-            def build(self, spec, runtime_kwargs, cache, sinks=None):
+            def build(self, spec, runtime_kwargs, cache, sinks=None, topk_unique=False):
                 if self.rank == 1:
                     Runtime.warmup = _failing_warmup  # this actor's process only
                     runtime_kwargs = {**runtime_kwargs, "warmup": True}
-                return super().build(spec, runtime_kwargs, cache, sinks)
+                return super().build(spec, runtime_kwargs, cache, sinks, topk_unique)
 
         return Actor
 
