@@ -86,6 +86,8 @@ def test_bad_topk_unique_is_refused_before_ray_starts() -> None:
             RayRankPool(2, runtime_kwargs=small, topk_unique=True, init_ray=False, **kwargs)
     with pytest.raises(TypeError, match=r"^topk_unique must be a bool"):
         RayRankPool(2, MLA, runtime_kwargs=small, topk_unique=1, init_ray=False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^spec must be a ModelSpec"):  # the spec named, not the promise
+        RayRankPool(2, 5, runtime_kwargs=small, topk_unique=True, init_ray=False)  # type: ignore[arg-type]
 
 
 @needs_ray

@@ -216,12 +216,12 @@ class RayRankPool(RequestSteps):
         self._memory_limit = memory_limit_bytes
         self._sinks = sinks
         check_bool("topk_unique", topk_unique)
+        if self.spec is not None:  # (a spec that is no ModelSpec: a TypeError here)
+            self._plan_cache(max_requests, max_seq_len, num_pages)
         if topk_unique and (self.spec is None or self.spec.kind != "sparse_mla"):
             kind = "no spec" if self.spec is None else f"a {self.spec.kind} spec"
             raise ValueError(f"topk_unique=True promises a sparse-MLA top-k, but the pool has {kind}; pass False")
         self.topk_unique = topk_unique
-        if self.spec is not None:
-            self._plan_cache(max_requests, max_seq_len, num_pages)
         if init_ray and not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
             self._owns_ray = True  # started here, so stopped by shutdown()
