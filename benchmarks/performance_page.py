@@ -74,7 +74,9 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "queries a tile; `G = 1`: the per-query de-duplication), on unsorted top-k rows. Ours: the "
         "routed builder (on sm_90 a bitmap in shared memory); baseline: the sorting build (each "
         "query's rows sorted, then merged), same run. The share is the build's part of the grouped "
-        "step (build + kernel).",
+        "step (build + kernel). *per-query step*: what a per-query (`G = 1`) prefill call runs "
+        "instead (the routed build, or on a cache past the bitmap's count each query's repeats dropped "
+        "by hash and the rest packed, unsorted; D108) against the same baseline.",
         ("union-build-2026-12-01.png",),
     ),
     "sparse-decode": (
@@ -156,7 +158,7 @@ SECTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "de-duplication (`shardattn.ops.unique_rows.unique_rows`: repeats dropped in place, a cost that "
         "follows the top-k alone) against the sorted union (`build_union`, `G = 1`: the shared-memory "
         "bitmap while the cache is small, the row sort beyond), same run. `step us, default`: the routed "
-        "call (`route_decode_dedup`: the hash up to 8 tokens and where the union would sort, else the "
+        "call (`route_row_dedup`: the hash up to 8 tokens and where the union would sort, else the "
         "union) against the "
         "sorted union then the kernel; `default vs kernel`: against the kernel alone on the caller's rows "
         "(`rows_unique=True`: what any de-duplication adds). Top-k distinct random rows, one repeated in "

@@ -16,12 +16,16 @@ indexer's ``torch.topk`` leaves them:
 * **baseline**: the sorting build of the same run (each query's rows sorted, then merged into the
   group in one launch, ``method="fused"``; at ``G = 1`` the row sort and compaction, ``"sort"``);
 * at ``G > 1`` the grouped kernel alone on that union, and the routed build's share of the step
-  ``build / (build + kernel)``.
+  ``build / (build + kernel)``;
+* at ``G = 1`` also the de-duplication a per-query step runs (``union_for_call``): the routed
+  build, or on a cache too large for the bitmap's count each query's repeats dropped by hash and
+  the rest packed (unsorted: the per-query kernels need no order), against the same baseline.
 
-Every timed build is checked exact (``lens`` and every entry below) against the torch reference
-first, into buffers filled with a sentinel, and the grouped kernel's output on 64 sampled tokens
-against the fp32 reference. CUDA-event medians of ``--reps`` runs, L2 flushed before each. ``--device cpu`` runs the
-same code on the CPU (the torch reference builder; a dry run).
+Every timed build is checked exact (``lens`` and every entry below; the step's unsorted lists as
+sets) against the torch reference first, into buffers filled with a sentinel, and the grouped
+kernel's output on 64 sampled tokens against the fp32 reference. CUDA-event medians of ``--reps``
+runs, L2 flushed before each. ``--device cpu`` runs the same code on the CPU (the torch reference
+builder; a dry run).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from prefill_inputs import (
 )
 from records import add_device_argument, add_json_argument, environment, lacks_gpu, print_table, record, write_json
 
-from shardattn.ops.prepared_union import PreparedUnion
+from shardattn.ops.prepared_union import PreparedUnion, union_for_call
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 from shardattn.ops.union import build_union, build_union_reference
@@ -65,6 +69,14 @@ def exact(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torc
     (u, n), (ru, rn) = got, want
     prefix = torch.arange(u.shape[1], device=u.device)[None, :] < rn[:, None]
     return bool(torch.equal(n, rn) and torch.equal(u[prefix], ru[prefix]))
+
+
+def same_rows(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """:func:`exact` for per-query lists in any order: each token's first ``lens`` entries, sorted."""
+    (u, n), (ru, rn) = got, want
+    past = torch.arange(u.shape[1], device=u.device)[None, :] >= n[:, None]
+    ordered = u.masked_fill(past, torch.iinfo(torch.int32).max).sort(dim=1).values
+    return exact((ordered, n), (ru, rn))
 
 
 def check_kernel(run, out: torch.Tensor, q, kv, rows, scale: float, what: str) -> None:
@@ -103,6 +115,20 @@ def time_case(heads: int | None, tokens: int, topk: int, kv_rows: int, pool_rows
     out = [record(BENCHMARK, config, "build ms", ms["routed"], "ms", "lower", ("sorting build, same run",
                                                                                ms["sorting"]), env)]  # fmt: skip
     line = f"G = {g}, T = {tokens}: routed {ms['routed']:.4f} ms, sorting {ms['sorting']:.4f} ms"
+    if g == 1:  # what a per-query step runs: the routed build, or the hash and the pack (any order)
+        rows_of = torch.empty(1, 1, dtype=torch.bfloat16, device=device).expand(cache, 1)  # only R is read
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            return union_for_call(None, rows, rows_of, group_size=1, dtype=torch.bfloat16, out=(u, ln))[1:]
+
+        u.fill_(-7)
+        ln.fill_(-7)
+        if not same_rows(step(), want):
+            raise RuntimeError(f"the per-query step's de-duplication at T = {tokens} does not hold the reference rows")
+        ms["step"] = timed(step, flush, reps)
+        out.append(record(BENCHMARK, config, "per-query step ms", ms["step"], "ms", "lower",
+                          ("sorting build, same run", ms["sorting"]), env))  # fmt: skip
+        line += f", per-query step {ms['step']:.4f} ms"
     if g > 1:
         q, kv = random_qkv(tokens, heads, cache, 0, device)
         o, s = attention_buffers(q)

@@ -176,7 +176,7 @@ def test_union_build_cpu_run_checks_and_records(tmp_path: Path) -> None:
     assert _module("union_build").main([*argv, "--json", str(out)]) == 0
     recs = _records(out)
     assert [(r["config"]["G"], r["metric"]) for r in recs] == [
-        (8, "build ms"), (8, "share of the grouped step"), (1, "build ms")
+        (8, "build ms"), (8, "share of the grouped step"), (1, "build ms"), (1, "per-query step ms")
     ]  # fmt: skip
     build = recs[0]
     assert build["baseline"]["name"] == "sorting build, same run"

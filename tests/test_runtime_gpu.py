@@ -67,7 +67,8 @@ def _no_compile_body(group, kind: str, device: str = "cuda") -> dict:
     errors = []
     if kind.startswith("prefill"):
         # grouped (>= 1024 tokens a rank), per-query (below), with and without topk_length
-        for tokens, requests, cached in ((4096, 2, 4096), (2048 * world, 1, 0), (300, 3, 2500)):
+        # and per-query on a cache past the bitmap's count, where each query's rows are hashed, then packed
+        for tokens, requests, cached in ((4096, 2, 4096), (2048 * world, 1, 0), (300, 3, 2500), (64, 1, 300_000)):
             step = build_prefill(
                 heads=64,
                 head_dim=576,

@@ -267,6 +267,34 @@ def test_rows_unique_prefill_packs_the_callers_rows_and_matches(heads, monkeypat
         _assert_close(out, lse, q, kv, rows, length, sinks)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90() or not gluon_available(), reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("heads", [64, 128], ids=lambda h: f"h{h}")
+def test_a_per_query_call_on_a_large_cache_hashes_its_rows_and_matches(heads, monkeypatch):
+    """On a cache past the bitmap's count (300,000 rows: the union build would sort) the per-query
+    call drops each query's repeats by hash and packs the rest (no union build): the fp32
+    reference's result with a row listed twice, every row of a query twice, invalid and
+    out-of-range entries anywhere, an empty row, ``topk_length`` short / zero / one, sinks; both
+    entry points."""
+    from shardattn.kernels.gluon.union_smem import smem_unsupported_reason
+    from shardattn.ops import prepared_union
+    from shardattn.ops.sparse_mla import sparse_mla_attention
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.plan.union_routing import route_row_dedup
+
+    q, kv, rows, length, sinks = _case(heads, tokens=77, kv_rows=300_000, seed=12)
+    rows[9, 100:200] = rows[9, 0:100]  # a hundred rows twice
+    smem = smem_unsupported_reason(rows, 1) is None
+    assert route_row_dedup(K, kv.shape[0], shared_memory=smem) == "unique"
+    monkeypatch.setattr(prepared_union, "build_union", lambda *a, **k: pytest.fail("a union was built"))
+    for fn in (sparse_mla_grouped_prefill, sparse_mla_attention):
+        out = torch.full((q.shape[0], heads, D_V), float("nan"), dtype=q.dtype, device=q.device)
+        lse = torch.full((q.shape[0], heads), float("nan"), device=q.device)
+        fn(q, kv, rows, scale=(D_V + D_R) ** -0.5, v_dim=D_V, topk_length=length, sinks=sinks, out=out, lse_out=lse)
+        torch.cuda.synchronize()
+        _assert_close(out, lse, q, kv, rows, length, sinks)
+
+
 @needs_gluon
 @pytest.mark.parametrize("heads", [8, 16, 32, 64, 128], ids=lambda h: f"h{h}")
 def test_warmup_lists_the_gluon_keys_exactly_where_routing_sends_heads(heads):

@@ -8,6 +8,7 @@ import torch
 
 from shardattn.kernels.gluon.union_smem import HAS_GLUON, WINDOWS
 from shardattn.kernels.triton.sparse_mla import tile_config
+from shardattn.ops import prepared_union
 from shardattn.ops.dispatch import default_group_size, prefill_path
 from shardattn.ops.row_entries import first_occurrences
 from shardattn.ops.sparse_mla import sparse_mla_reference
@@ -179,6 +180,64 @@ def test_rows_unique_packs_the_callers_rows_for_the_per_query_kernel(monkeypatch
     out, _ = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, topk_length=length)
     assert builds == [1] and len(launches) == 1
     torch.testing.assert_close(out.double(), want_o, atol=1e-5, rtol=1e-5)
+
+
+def _first_occurrences(rows: torch.Tensor, num_kv_rows: int, length: torch.Tensor | None) -> list[list[int]]:
+    """Each token's valid rows (under its length), a repeat dropped, in the order they first appear."""
+    kept = []
+    for t in range(rows.shape[0]):
+        seen: list[int] = []
+        for r in rows[t, : rows.shape[1] if length is None else int(length[t])].tolist():
+            if 0 <= r < num_kv_rows and r not in seen:
+                seen.append(r)
+        kept.append(seen)
+    return kept
+
+
+@pytest.mark.parametrize("with_length", [False, True])
+def test_a_per_query_call_hashes_its_rows_where_the_union_build_would_sort(monkeypatch, with_length) -> None:
+    """At ``G = 1`` on rows in q's dtype, a cache past the bitmap's count (where the union build
+    would sort: ``route_row_dedup``) gives the kernel each query's valid rows with every repeat
+    dropped, in the order they first appear, packed to the front (``unique_rows`` then
+    ``pack_rows``), and builds no union, at any token count; a small cache, and FP8 rows
+    anywhere, still build it. Repeats and invalid entries anywhere, an empty token."""
+    from shardattn.ops.kv_fp8 import quantize_kv
+
+    g = torch.Generator().manual_seed(12)
+    launches: list = []
+    builds: list = []
+    _kernel_stand_in(monkeypatch, launches, builds)
+    for tokens, kv_rows, hashed in ((12, 1000, True), (5, 1000, True), (5, 40, False), (12, 40, False)):
+        q, kv = torch.randn(tokens, 2, 48, generator=g), torch.randn(kv_rows, 48, generator=g)
+        rows = torch.randint(-2, kv_rows + 3, (tokens, 9), generator=g, dtype=torch.int32)
+        rows[:, 5:8] = rows[:, 0:3]  # repeats a token lists
+        rows[1, ::2] = rows[1, 1]  # one row five times
+        rows[3] = -1  # no key at all
+        length = torch.randint(0, 10, (tokens,), generator=g, dtype=torch.int32) if with_length else None
+        want_o, want_l = sparse_mla_oracle(q, kv, rows, scale=0.2, v_dim=32, topk_length=length)
+        launches.clear()
+        builds.clear()
+        out, lse = sparse_mla_grouped_prefill(q, kv, rows, scale=0.2, v_dim=32, topk_length=length)
+        assert len(launches) == 1 and builds == ([] if hashed else [1]), (tokens, kv_rows, builds)
+        union, lens = launches[0]
+        kept = _first_occurrences(rows, kv_rows, length)
+        if hashed:
+            assert [union[t, : int(lens[t])].tolist() for t in range(tokens)] == kept
+        else:  # the build's union: sorted
+            assert [union[t, : int(lens[t])].tolist() for t in range(tokens)] == [sorted(k) for k in kept]
+        torch.testing.assert_close(out.double(), want_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), want_l, atol=1e-5, rtol=1e-5)
+    # FP8 rows: the union build stages what it reads, on a large cache too
+    kv8 = quantize_kv(torch.randn(1000, 576, generator=g))
+    builds.clear()
+    monkeypatch.setattr(prepared_union, "unique_rows", _must_not_run)
+    rows = torch.randint(-2, 1003, (12, 9), generator=g, dtype=torch.int32)
+    prepared_union.union_for_call(None, rows, kv8, group_size=1, dtype=torch.bfloat16)
+    assert builds == [1]
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("unique_rows ran")
 
 
 def test_rows_unique_packs_into_the_union_workspace(monkeypatch) -> None:

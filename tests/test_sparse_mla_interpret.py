@@ -26,3 +26,5 @@ def test_prefill_kernels_match_references_under_interpreter():
         assert any(f"H={h}," in n for n in names)
     assert "attention[groups" in " ".join(names) and any("dcp" in n for n in names)
     assert sum(n.startswith("rows_unique[") for n in names) == 4  # packed rows, both entry points
+    # a cache past the bitmap's count: the per-query call de-duplicates by hash, then packs
+    assert "hashed[route]" in names and sum(n.startswith("hashed[") for n in names) == 5

@@ -12,7 +12,7 @@ from shardattn.ops.dispatch import triton_available
 from shardattn.ops.union import build_union
 from shardattn.ops.unique_rows import decode_rows, unique_rows, unique_rows_reference
 from shardattn.plan.crossovers import BITMAP_SCAN_RATIO, DEDUP_HASH_MAX_TOKENS, SMEM_SCAN_RATIO
-from shardattn.plan.union_routing import MAX_UNIQUE_ENTRIES, route_decode_dedup
+from shardattn.plan.union_routing import MAX_UNIQUE_ENTRIES, route_row_dedup
 from tests.interpret import run_cases
 from tests.interpret.union_cases import make_rows
 from tests.interpret.unique_rows_cases import oracle
@@ -80,18 +80,18 @@ def test_decode_rows_names_the_bad_argument_before_routing():
 
 def test_route_keeps_the_bitmap_union_and_hashes_where_it_would_sort():
     k = 2048
-    assert route_decode_dedup(k, 32 * SMEM_SCAN_RATIO * k, shared_memory=True) == "union"
-    assert route_decode_dedup(k, 32 * SMEM_SCAN_RATIO * k + 32, shared_memory=True) == "unique"
-    assert route_decode_dedup(k, 32 * BITMAP_SCAN_RATIO * k) == "union"
-    assert route_decode_dedup(k, 40_000_000) == "unique"
-    assert route_decode_dedup(MAX_UNIQUE_ENTRIES + 1, 40_000_000) == "union"  # past the kernel's row
+    assert route_row_dedup(k, 32 * SMEM_SCAN_RATIO * k, shared_memory=True) == "union"
+    assert route_row_dedup(k, 32 * SMEM_SCAN_RATIO * k + 32, shared_memory=True) == "unique"
+    assert route_row_dedup(k, 32 * BITMAP_SCAN_RATIO * k) == "union"
+    assert route_row_dedup(k, 40_000_000) == "unique"
+    assert route_row_dedup(MAX_UNIQUE_ENTRIES + 1, 40_000_000) == "union"  # past the kernel's row
     # the hash takes rows of up to 8,192 entries: the last one it takes is hashed
-    assert MAX_UNIQUE_ENTRIES == 8192 and route_decode_dedup(8192, 40_000_000) == "unique"
+    assert MAX_UNIQUE_ENTRIES == 8192 and route_row_dedup(8192, 40_000_000) == "unique"
     # few tokens hash on any cache; from one more, the small cache's union again
     small = 32 * SMEM_SCAN_RATIO * k
     for tokens, route in ((1, "unique"), (DEDUP_HASH_MAX_TOKENS, "unique"), (DEDUP_HASH_MAX_TOKENS + 1, "union")):
-        assert route_decode_dedup(k, small, tokens=tokens, shared_memory=True) == route, tokens
-    assert route_decode_dedup(MAX_UNIQUE_ENTRIES + 1, 40_000_000, tokens=1) == "union"
+        assert route_row_dedup(k, small, tokens=tokens, shared_memory=True) == route, tokens
+    assert route_row_dedup(MAX_UNIQUE_ENTRIES + 1, 40_000_000, tokens=1) == "union"
 
 
 @pytest.mark.parametrize("num_kv_rows", [50, 10_000_000])
@@ -102,7 +102,7 @@ def test_decode_rows_gives_each_tokens_unique_rows_on_either_route(num_kv_rows, 
     length = torch.tensor([40, 3, 0, 17, 40, 39] * (tokens // 6), dtype=torch.int32)
     got = decode_rows(rows, num_kv_rows=num_kv_rows, topk_length=length)
     union, union_lens = build_union(rows, group_size=1, num_kv_rows=num_kv_rows, topk_length=length)
-    assert got.packed == (route_decode_dedup(40, num_kv_rows, tokens=tokens) == "union")
+    assert got.packed == (route_row_dedup(40, num_kv_rows, tokens=tokens) == "union")
     assert got.packed == (tokens > DEDUP_HASH_MAX_TOKENS and num_kv_rows == 50)
     for t, n in enumerate(union_lens.tolist()):
         if got.packed:  # the union itself: sorted, its count the kernels' topk_length
@@ -172,7 +172,7 @@ def test_decode_on_the_hash_route_counts_a_repeated_row_once(backend, heads, tok
     if backend != "triton" and not _sm90_gluon():
         pytest.skip("needs an sm_90 GPU and Triton's Gluon")
     topk, r = 512, 32 * SMEM_SCAN_RATIO * 512 + 64
-    assert route_decode_dedup(topk, r, shared_memory=True) == "unique"
+    assert route_row_dedup(topk, r, shared_memory=True) == "unique"
     rows, length = _gpu_rows(tokens, topk, r, seed=heads + tokens)
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     q = torch.randn(tokens, heads, 576, device="cuda", generator=gen).bfloat16()

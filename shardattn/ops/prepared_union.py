@@ -11,6 +11,10 @@ queries and their positions ``t % G``, so slicing at a multiple of ``G`` gives t
     tokens  0 1 | 2 3 | 4 5 | 6        G = 2, chunks [0, 4) and [4, 7)
     groups   g0 |  g1 |  g2 | g3       chunk 0: groups g0 g1; chunk 1: g2 g3 (the tail, query 6 alone)
 
+At ``G = 1``, where a call of its own would drop each query's repeats by hash instead of building
+(a cache past the bitmap's count, :func:`union_for_call`), the slice holds the same rows sorted:
+the same keys, in another order of the kernel's sums.
+
 Cut at multiples of ``SLICE_GROUPS`` groups (ShardQ's ``one_union`` chunk boundaries are) so the
 slices keep the alignment the kernels were compiled for. The kernel entries take it as ``prepared_union=``
 (:func:`~shardattn.ops.sparse_mla.sparse_mla_attention` with ``G = 1``,
@@ -27,9 +31,12 @@ from dataclasses import dataclass
 import torch
 
 from shardattn._checks import check_disjoint, check_int, check_not_inputs, check_tensor
+from shardattn.kernels.gluon.union_smem import smem_unsupported_reason
 from shardattn.kernels.triton.pack_rows import pack_rows
 from shardattn.ops.kv_fp8_stage import kernel_rows, stage_marks, stage_touched, stages_packed
 from shardattn.ops.union import build_union, check_union_args, num_groups
+from shardattn.ops.unique_rows import unique_rows
+from shardattn.plan.union_routing import route_row_dedup
 
 __all__ = ["SLICE_GROUPS", "PreparedUnion", "check_prepared_union", "prepare_union", "union_for_call"]
 
@@ -179,6 +186,17 @@ def check_prepared_union(
     return prepared
 
 
+def _hashes(rows: torch.Tensor, num_kv_rows: int, rows_sorted: bool) -> bool:
+    """A per-query call de-duplicates ``rows`` ``[T, K]`` by hash rather than by a union build:
+    where the build would sort (:func:`~shardattn.plan.union_routing.route_row_dedup` by the
+    cache's size, whatever the token count: a prefill call is not latency-bound as a few-token
+    decode is); sorted rows keep the build, which then needs no sort."""
+    if rows_sorted:
+        return False
+    shared_memory = smem_unsupported_reason(rows, 1) is None
+    return route_row_dedup(rows.shape[1], num_kv_rows, shared_memory=shared_memory) == "unique"
+
+
 def union_for_call(
     prepared: PreparedUnion | None,
     rows: torch.Tensor,
@@ -198,14 +216,19 @@ def union_for_call(
     :func:`~shardattn.ops.kv_fp8_stage.stage_touched`); on a mirrored one the union build marks
     the touched blocks (:func:`~shardattn.ops.kv_fp8_stage.stage_marks`); a prepared union is
     staged at the call (:func:`~shardattn.ops.kv_fp8_stage.kernel_rows`). ``dtype``: the staged
-    rows' (q's). ``rows_unique`` (no row twice in a query's list, trusted): at ``G = 1`` on rows in
-    q's dtype the union is each query's valid rows packed to the front in their order
-    (:func:`~shardattn.kernels.triton.pack_rows.pack_rows`: one pass, no sort or bitmap; the
-    kernels need no order at ``G = 1``; docs/DECISIONS.md, D107)."""
+    rows' (q's). At ``G = 1`` on rows in q's dtype the kernels need no row order, so the union is
+    each query's valid rows packed to the front in their order
+    (:func:`~shardattn.kernels.triton.pack_rows.pack_rows`, one pass): as given under
+    ``rows_unique`` (no row twice in a query's list, trusted; docs/DECISIONS.md, D107), else after
+    :func:`~shardattn.ops.unique_rows.unique_rows` drops each repeat, where
+    :func:`~shardattn.plan.union_routing.route_row_dedup` prefers that hash to the union build
+    (a cache too large for the bitmap's count, where the build would sort; D108)."""
     if prepared is not None:
         kv, union = kernel_rows(kv, prepared.union, prepared.lens, group_size=group_size, dtype=dtype)
         return kv, union, prepared.lens
-    if rows_unique and group_size == 1 and kv.dtype != torch.uint8:
+    if group_size == 1 and kv.dtype != torch.uint8 and (rows_unique or _hashes(rows, kv.shape[0], rows_sorted)):
+        if not rows_unique:
+            rows = unique_rows(rows, num_kv_rows=kv.shape[0], topk_length=topk_length)
         return kv, *pack_rows(rows, num_kv_rows=kv.shape[0], width=rows.shape[1], topk_length=topk_length, out=out)
     build = functools.partial(
         build_union, group_size=group_size, topk_length=topk_length, out=out, rows_sorted=rows_sorted

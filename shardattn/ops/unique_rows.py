@@ -6,7 +6,7 @@ over each repeat (the row stays at its first occurrence), at a cost that follows
 on any cache size (:mod:`shardattn.kernels.triton.unique_rows`: a hash table per token, no sort);
 :func:`~shardattn.ops.union.build_union` with ``group_size=1`` packs the rows sorted at the front,
 from a bitmap scan whose cost follows the cache size or from a row sort. :func:`decode_rows`
-picks between them (:func:`~shardattn.plan.union_routing.route_decode_dedup`) and says which it
+picks between them (:func:`~shardattn.plan.union_routing.route_row_dedup`) and says which it
 gave: the decode kernels read either, as they read the caller's rows (an invalid entry anywhere is
 no key) or as packed rows (the count their ``topk_length``).
 
@@ -27,7 +27,7 @@ from shardattn.kernels.gluon.union_smem import smem_unsupported_reason
 from shardattn.kernels.triton.unique_rows import MAX_ENTRIES, launch_unique_rows
 from shardattn.kernels.union_layout import MAX_PLAIN_ROW
 from shardattn.ops.union import build_union
-from shardattn.plan.union_routing import route_decode_dedup
+from shardattn.plan.union_routing import route_row_dedup
 
 __all__ = ["DecodeRows", "decode_rows", "unique_rows", "unique_rows_reference"]
 
@@ -118,11 +118,11 @@ def decode_rows(
     """Decode's de-duplicated rows (see the module): each entry in place by :func:`unique_rows`,
     with the caller's ``topk_length``, at few tokens and on caches past the bitmap's ratio; else
     packed and sorted by :func:`~shardattn.ops.union.build_union`
-    (:func:`~shardattn.plan.union_routing.route_decode_dedup`). ``pdl``: as :func:`unique_rows`'s
+    (:func:`~shardattn.plan.union_routing.route_row_dedup`). ``pdl``: as :func:`unique_rows`'s
     (the decode kernel after it is a programmatic dependent launch)."""
     _check(rows, num_kv_rows, topk_length)  # before the route reads the shape
     shared_memory = smem_unsupported_reason(rows, 1) is None
-    route = route_decode_dedup(rows.shape[1], num_kv_rows, tokens=rows.shape[0], shared_memory=shared_memory)
+    route = route_row_dedup(rows.shape[1], num_kv_rows, tokens=rows.shape[0], shared_memory=shared_memory)
     if route == "union":
         union, lens = build_union(rows, group_size=1, num_kv_rows=num_kv_rows, topk_length=topk_length)
         return DecodeRows(union, lens, packed=True)

@@ -21,11 +21,11 @@ from shardattn.plan.routing import MAX_GROUPED_KV_ROWS
 #: program: :data:`shardattn.kernels.triton.unique_rows.MAX_ENTRIES`).
 MAX_UNIQUE_ENTRIES = 8192
 
-__all__ = ["DECODE_DEDUP_METHODS", "UNION_METHODS", "route_decode_dedup", "route_union_method"]
+__all__ = ["ROW_DEDUP_METHODS", "UNION_METHODS", "route_row_dedup", "route_union_method"]
 
 UNION_METHODS = ("sort", "fused", "bitmap")
-#: What :func:`route_decode_dedup` picks from.
-DECODE_DEDUP_METHODS = ("union", "unique")
+#: What :func:`route_row_dedup` picks from.
+ROW_DEDUP_METHODS = ("union", "unique")
 
 
 def route_union_method(
@@ -66,19 +66,21 @@ def route_union_method(
     return UNION_METHOD[group_size]
 
 
-def route_decode_dedup(topk: int, num_kv_rows: int, *, tokens: int | None = None, shared_memory: bool = False) -> str:
-    """How a decode step without ``rows_unique`` de-duplicates each of its ``tokens``' ``topk``
-    rows: ``"unique"`` (:func:`~shardattn.ops.unique_rows.unique_rows`: repeats dropped in place, a
-    cost that follows ``topk`` alone) up to
+def route_row_dedup(topk: int, num_kv_rows: int, *, tokens: int | None = None, shared_memory: bool = False) -> str:
+    """How a step without ``rows_unique`` de-duplicates each of its ``tokens``' ``topk`` rows where
+    one query is a group (decode; a per-query prefill kernel call on rows in q's dtype):
+    ``"unique"`` (:func:`~shardattn.ops.unique_rows.unique_rows`: repeats dropped in place, a
+    cost that follows ``topk`` alone; a prefill then packs the kept rows, and asks without
+    ``tokens``) up to
     :data:`~shardattn.plan.crossovers.DEDUP_HASH_MAX_TOKENS` tokens, and beyond where the union
     would sort; ``"union"`` (:func:`~shardattn.ops.union.build_union` with ``group_size=1``: rows
     sorted) where that build takes its bitmap (:func:`route_union_method`) from more tokens (or
     ``tokens=None``), and where ``topk`` is past the hash kernel's
     :data:`~shardattn.kernels.triton.unique_rows.MAX_ENTRIES`.
 
-    >>> route_decode_dedup(2048, 1 << 16, tokens=64, shared_memory=True), route_decode_dedup(2048, 40_000_000)
+    >>> route_row_dedup(2048, 1 << 16, tokens=64, shared_memory=True), route_row_dedup(2048, 40_000_000)
     ('union', 'unique')
-    >>> route_decode_dedup(2048, 1 << 16, tokens=8, shared_memory=True)
+    >>> route_row_dedup(2048, 1 << 16, tokens=8, shared_memory=True)
     'unique'
     """
     if topk > MAX_UNIQUE_ENTRIES:

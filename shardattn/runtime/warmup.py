@@ -14,7 +14,9 @@ for tests.
 Example:
     >>> keys = compile_keys(PrefillSpec(heads=8, topk=2048))
     >>> sorted({k.kernel for k in keys} - {"gluon_attention", "union_smem"})  # Gluon keys where Triton has Gluon
-    ['attention', 'convert_topk', 'pack_rows', 'union_bitmap', 'union_compact', 'union_fused', 'union_keys']
+    ... # doctest: +NORMALIZE_WHITESPACE
+    ['attention', 'convert_topk', 'pack_rows', 'union_bitmap', 'union_compact', 'union_fused', 'union_keys',
+     'unique_rows']
     >>> sorted(k.params["G"] for k in keys if k.kernel == "attention")
     [1, 8]
 """
@@ -36,6 +38,7 @@ from shardattn.kernels.triton.topk import convert_topk_config
 from shardattn.kernels.triton.union import union_launch_config
 from shardattn.kernels.triton.union_bitmap import bitmap_launch_config
 from shardattn.kernels.triton.union_fused import fused_launch_config
+from shardattn.kernels.triton.unique_rows import unique_rows_config
 from shardattn.ops.dispatch import default_group_size
 from shardattn.ops.gqa_prefill import fa4_variants
 from shardattn.ops.topk import DcpShard
@@ -108,8 +111,11 @@ def compile_keys(spec: PrefillSpec) -> list[CompileKey]:
                 keys.append(CompileKey("union_smem", smem))
                 if spec.kv_fp8:  # marking the blocks the FP8 staging dequantises (ops.kv_fp8_stage)
                     keys.append(CompileKey("union_smem", {**smem, "HAS_MARKS": True}))
-        if group == 1 and not spec.kv_fp8:  # topk_unique: each query's valid rows packed, no union build
+        if group == 1 and not spec.kv_fp8:  # each query's valid rows packed (topk_unique; or after the hash
+            # de-duplication, which a cache too large for the bitmap takes: a run-time value, so both)
             keys.append(CompileKey("pack_rows", {"BLOCK": pack_rows_block(spec.topk), "HAS_LEN": spec.topk_length}))
+            unique = {"BLOCK": unique_rows_config(spec.topk)["BLOCK"], "HAS_LEN": spec.topk_length, "PDL": False}
+            keys.append(CompileKey("unique_rows", unique))
         if group == 1 or UNION_METHOD[group] == "sort":
             keys.append(CompileKey("union_keys", {"G": group, "BLOCK_K": cfg["BLOCK_K"], "HAS_LEN": spec.topk_length}))
             keys.append(CompileKey("union_compact", {"G": group, "CHUNK": cfg["CHUNK"]}))
@@ -186,6 +192,7 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
     from shardattn.ops.topk import DcpShard, convert_topk
     from shardattn.ops.touched_blocks import moved_rows, touched_blocks
     from shardattn.ops.union import build_union
+    from shardattn.ops.unique_rows import unique_rows
 
     device = torch.device(device)
     launches = 0
@@ -217,9 +224,11 @@ def warmup(device: torch.device | str, *specs: PrefillSpec) -> int:
                     q, rows_kv, pos, scale=d**-0.5, v_dim=spec.v_dim, group_size=group, topk_length=length,
                     sinks=torch.zeros(spec.heads, device=device) if spec.sinks else None,
                 )  # fmt: skip
-            if group == 1 and not spec.kv_fp8:  # a topk_unique step packs its rows (then the kernel above)
-                pack_rows(pos, num_kv_rows=kv.shape[0], width=k, topk_length=length)
-                launches += 1
+            if group == 1 and not spec.kv_fp8:  # a topk_unique step packs its rows (then the kernel above); on
+                # a cache too large for the bitmap each query's repeats are dropped by hash first
+                pack_rows(unique_rows(pos, num_kv_rows=kv.shape[0], topk_length=length), num_kv_rows=kv.shape[0],
+                          width=k, topk_length=length)  # fmt: skip
+                launches += 2
             if spec.kv_fp8:  # the staging kernels (ops.kv_fp8_stage) in both layouts, whatever the rule says here
                 union, lens = build_union(pos, group_size=group, num_kv_rows=64, topk_length=length)
                 for layout in STAGE_LAYOUTS:

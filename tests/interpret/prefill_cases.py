@@ -172,6 +172,38 @@ def rows_unique_cases(gen: torch.Generator) -> None:
             _report(f"rows_unique[{name},H={heads},len={with_len}]", bool(ok), f"rel_err={err:.1e}")
 
 
+def hashed_dedup_cases(gen: torch.Generator) -> None:
+    """A per-query call on a cache too large for the bitmap's count: each query's rows
+    de-duplicated by hash (``unique_rows``) and packed, not sorted into a union; both entry
+    points (``sparse_mla_attention`` runs its reference off a GPU), repeats and invalid entries
+    anywhere, an empty row, with and without ``topk_length``."""
+    from shardattn.kernels.gluon.union_smem import smem_unsupported_reason
+    from shardattn.ops.sparse_mla import sparse_mla_attention, sparse_mla_reference
+    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
+    from shardattn.plan.union_routing import route_row_dedup
+
+    t, k, r = 10, 8, 600
+    shared_memory = smem_unsupported_reason(torch.zeros(t, k, dtype=torch.int32), 1) is None
+    _report("hashed[route]", route_row_dedup(k, r, shared_memory=shared_memory) == "unique")
+    for heads, with_len in ((64, False), (16, True)):
+        q = torch.randn(t, heads, D, generator=gen).half()
+        kv = torch.randn(r, D, generator=gen).half()
+        rows = _rows_with_edge_cases(gen, t, k, r)
+        rows[8, 1::2] = rows[8, 0::2]  # every row of token 8 twice
+        length = torch.randint(0, k + 1, (t,), generator=gen, dtype=torch.int32) if with_len else None
+        ref_o, ref_l = sparse_mla_reference(q.float(), kv.float(), rows, scale=0.2, v_dim=D_V, topk_length=length)
+        for name, fn, kw in (
+            ("grouped", sparse_mla_grouped_prefill, {"group_size": 1}),
+            ("attention", sparse_mla_attention, {}),
+        ):
+            out, lse = fn(q, kv, rows, scale=0.2, v_dim=D_V, topk_length=length, **kw)
+            err = ((out.float() - ref_o).norm() / ref_o.norm()).item()
+            fin = torch.isfinite(ref_l)
+            ok = err < 2e-3 and torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - ref_l[fin]).abs().max() < 1e-3
+            ok = ok and bool((out[2] == 0).all()) and bool(lse[2].isneginf().all())
+            _report(f"hashed[{name},H={heads},len={with_len}]", bool(ok), f"rel_err={err:.1e}")
+
+
 def spanning_requests_case(gen: torch.Generator) -> None:
     from shardattn.ops.sparse_mla import sparse_mla_reference
     from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
@@ -200,6 +232,7 @@ def main() -> int:
     union_cases(gen)
     attention_cases(gen)
     rows_unique_cases(gen)
+    hashed_dedup_cases(gen)
     spanning_requests_case(gen)
     print(f"{len(FAILURES)} failures: {FAILURES}", flush=True)
     return 1 if FAILURES else 0
