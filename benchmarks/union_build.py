@@ -55,7 +55,7 @@ from records import add_device_argument, add_json_argument, environment, lacks_g
 from shardattn.ops.prepared_union import PreparedUnion, union_for_call
 from shardattn.ops.sparse_mla import sparse_mla_reference
 from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
-from shardattn.ops.union import build_union, build_union_reference
+from shardattn.ops.union import MAX_PACKED_ROWS, build_union, build_union_reference
 from shardattn.plan.routing import tile_group_size
 
 BENCHMARK = "union-build"
@@ -150,7 +150,8 @@ def time_case(heads: int | None, tokens: int, topk: int, kv_rows: int, pool_rows
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--heads", type=int, nargs="+", default=[8, 16, 32], help="grouped cases (G = 64 / heads)")
+    ap.add_argument("--heads", type=int, nargs="*", default=[8, 16, 32], help="grouped cases (G = 64 / heads; "
+                    "none: the per-query de-duplication alone)")  # fmt: skip
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--kv-rows", type=int, default=None, help="rows of the request (default: 65,536 up to 4K "
@@ -170,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [h for h in args.heads if tile_group_size(h) == 1]
     if bad:
         print(f"--heads: {bad} fill a 64-row tile alone (G = 1); grouped cases need fewer than 64", file=sys.stderr)
+        return 2
+    if args.heads and args.pool_rows is not None and args.pool_rows > MAX_PACKED_ROWS:
+        print(f"--pool-rows {args.pool_rows:,}: grouped unions pack rows in 24 bits (at most {MAX_PACKED_ROWS:,}); "
+              "pass --heads with no value for the per-query cases alone", file=sys.stderr)  # fmt: skip
+        return 2
+    if not args.heads and args.no_dedup:
+        print("--heads with no value and --no-dedup leave nothing to time", file=sys.stderr)
         return 2
     device = torch.device(args.device)
     env = environment(device=device)

@@ -69,6 +69,9 @@ def test_gpu_only_benchmarks_refuse_to_run_without_their_gpus(capsys: pytest.Cap
         assert _module("decode_dcp").main([]) == 2
         assert "torchrun" in capsys.readouterr().err
     assert _module("union_build").main(["--heads", "64", "--device", "cpu"]) == 2  # 64 heads are not grouped
+    # grouped unions on a cache past 24-bit rows, and nothing to time: refused before any work
+    assert _module("union_build").main(["--heads", "8", "--pool-rows", "40000000", "--device", "cpu"]) == 2
+    assert _module("union_build").main(["--heads", "--no-dedup", "--device", "cpu"]) == 2
     assert "G = 1" in capsys.readouterr().err
     assert _module("decode_fp8_peer").main([]) == 2
     assert "--peer-lib" in capsys.readouterr().err
@@ -182,6 +185,18 @@ def test_union_build_cpu_run_checks_and_records(tmp_path: Path) -> None:
     assert build["baseline"]["name"] == "sorting build, same run"
     assert build["ratio"] == pytest.approx(build["baseline"]["value"] / build["value"])
     assert 0 < recs[1]["value"] < 100
+
+
+def test_union_build_times_the_per_query_cases_alone_on_a_large_pool(tmp_path: Path) -> None:
+    """``--heads`` with no value: the per-query (G = 1) cases alone, as on a pool past 24-bit rows."""
+    out = tmp_path / "union.json"
+    argv = ["--device", "cpu", "--heads", "--tokens", "64", "--topk", "32", "--kv-rows", "256", "--pool-rows",
+            "100000", "--reps", "1", "--json", str(out)]  # fmt: skip
+    assert _module("union_build").main(argv) == 0
+    recs = _records(out)
+    assert [(r["config"]["G"], r["config"]["kv_rows"], r["metric"]) for r in recs] == [
+        (1, 100000, "build ms"), (1, 100000, "per-query step ms")
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("broken", ["sorting build writes nothing", "kernel writes a constant"])
