@@ -2,11 +2,13 @@
 
     python benchmarks/union_build.py --json union_build.json
     python benchmarks/union_build.py --heads 8 --tokens 4096 --pool-rows 1048576   # a large cache
+    python benchmarks/union_build.py --heads --tokens 4096 --pool-rows 40000000   # per-query cases alone
     python benchmarks/union_build.py --device cpu --heads 8 --tokens 64 --topk 32 --kv-rows 256
 
 A grouped tile holds ``G = 64 / heads`` consecutive queries (8 / 4 / 2 at 8 / 16 / 32 heads);
 each group's rows are merged into one sorted union with a membership bit per query before the
-kernel runs, and a per-query step (``G = 1``) de-duplicates its rows the same way. Per case
+kernel runs, and a per-query step (``G = 1``) de-duplicates its rows (the same build, or on a
+large cache the hash below). Per case
 (DSA-like top-k through a shuffled 64-token block table; a cache of 65,536 rows up to T = 4K,
 131,072 above, or the request's blocks drawn from ``--pool-rows``), on unsorted rows as an
 indexer's ``torch.topk`` leaves them:
