@@ -282,9 +282,10 @@ def sparse_mla_per_query(
     kernel: str = "triton",
     rows_unique: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-query kernel path (``G = 1``): each query's rows sorted and de-duplicated (the union
-    of one query), then attended by ``kernel`` (``"triton"`` or ``"gluon"``, sm_90). Inputs already
-    validated (the public entry is :func:`sparse_mla_attention`); no routing.
+    """The per-query kernel path (``G = 1``): each query's rows de-duplicated (the union of one
+    query, or on a large cache the hash's kept rows packed: ``union_for_call``), then attended by
+    ``kernel`` (``"triton"`` or ``"gluon"``, sm_90). Inputs already validated (the public entry is
+    :func:`sparse_mla_attention`); no kernel routing.
 
     Args:
         q: ``[T, H, D]`` (or head-blocked ``[B, T, H/B, D]``); kv: ``[R, D]``; rows: ``[T, K]``

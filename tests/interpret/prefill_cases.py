@@ -144,12 +144,29 @@ def attention_cases(gen: torch.Generator) -> None:
     _report("attention[fp32,per_query]", err < 1e-4, f"rel_err={err:.1e}")
 
 
-def rows_unique_cases(gen: torch.Generator) -> None:
-    """``rows_unique=True``: each query's valid rows packed in the caller's (unsorted) order for
-    the per-query Triton kernel, no union; both entry points, with and without ``topk_length``."""
+def _per_query_entry_points(label: str, q, kv, rows, length, **call) -> None:
+    """Both per-query entry points (``sparse_mla_grouped_prefill`` with ``group_size=1``,
+    ``sparse_mla_attention``) against the fp32 reference; token 2 has no key. ``label``: the case's
+    name with ``{}`` for the entry point's."""
     from shardattn.ops.sparse_mla import sparse_mla_attention, sparse_mla_reference
     from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
 
+    ref_o, ref_l = sparse_mla_reference(q.float(), kv.float(), rows, scale=0.2, v_dim=D_V, topk_length=length)
+    for name, fn, kw in (
+        ("grouped", sparse_mla_grouped_prefill, {"group_size": 1}),
+        ("attention", sparse_mla_attention, {}),
+    ):
+        out, lse = fn(q, kv, rows, scale=0.2, v_dim=D_V, topk_length=length, **call, **kw)
+        err = ((out.float() - ref_o).norm() / ref_o.norm()).item()
+        fin = torch.isfinite(ref_l)
+        ok = err < 2e-3 and torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - ref_l[fin]).abs().max() < 1e-3
+        ok = ok and bool((out[2] == 0).all()) and bool(lse[2].isneginf().all())
+        _report(label.format(name), bool(ok), f"rel_err={err:.1e}")
+
+
+def rows_unique_cases(gen: torch.Generator) -> None:
+    """``rows_unique=True``: each query's valid rows packed in the caller's (unsorted) order for
+    the per-query Triton kernel, no union; both entry points, with and without ``topk_length``."""
     t, k, r = 9, 24, 40
     for heads, with_len in ((64, False), (16, True)):
         q = torch.randn(t, heads, D, generator=gen).half()
@@ -159,17 +176,7 @@ def rows_unique_cases(gen: torch.Generator) -> None:
         rows[0, ::5] = r + 2  # out of range
         rows[2] = -1  # empty row
         length = torch.randint(0, k + 1, (t,), generator=gen, dtype=torch.int32) if with_len else None
-        ref_o, ref_l = sparse_mla_reference(q.float(), kv.float(), rows, scale=0.2, v_dim=D_V, topk_length=length)
-        for name, fn, kw in (
-            ("grouped", sparse_mla_grouped_prefill, {"group_size": 1}),
-            ("attention", sparse_mla_attention, {}),
-        ):
-            out, lse = fn(q, kv, rows, scale=0.2, v_dim=D_V, topk_length=length, rows_unique=True, **kw)
-            err = ((out.float() - ref_o).norm() / ref_o.norm()).item()
-            fin = torch.isfinite(ref_l)
-            ok = err < 2e-3 and torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - ref_l[fin]).abs().max() < 1e-3
-            ok = ok and bool((out[2] == 0).all()) and bool(lse[2].isneginf().all())
-            _report(f"rows_unique[{name},H={heads},len={with_len}]", bool(ok), f"rel_err={err:.1e}")
+        _per_query_entry_points(f"rows_unique[{{}},H={heads},len={with_len}]", q, kv, rows, length, rows_unique=True)
 
 
 def hashed_dedup_cases(gen: torch.Generator) -> None:
@@ -178,8 +185,6 @@ def hashed_dedup_cases(gen: torch.Generator) -> None:
     points (``sparse_mla_attention`` runs its reference off a GPU), repeats and invalid entries
     anywhere, an empty row, with and without ``topk_length``."""
     from shardattn.kernels.gluon.union_smem import smem_unsupported_reason
-    from shardattn.ops.sparse_mla import sparse_mla_attention, sparse_mla_reference
-    from shardattn.ops.sparse_mla_grouped import sparse_mla_grouped_prefill
     from shardattn.plan.union_routing import route_row_dedup
 
     t, k, r = 10, 8, 600
@@ -191,17 +196,7 @@ def hashed_dedup_cases(gen: torch.Generator) -> None:
         rows = _rows_with_edge_cases(gen, t, k, r)
         rows[8, 1::2] = rows[8, 0::2]  # every row of token 8 twice
         length = torch.randint(0, k + 1, (t,), generator=gen, dtype=torch.int32) if with_len else None
-        ref_o, ref_l = sparse_mla_reference(q.float(), kv.float(), rows, scale=0.2, v_dim=D_V, topk_length=length)
-        for name, fn, kw in (
-            ("grouped", sparse_mla_grouped_prefill, {"group_size": 1}),
-            ("attention", sparse_mla_attention, {}),
-        ):
-            out, lse = fn(q, kv, rows, scale=0.2, v_dim=D_V, topk_length=length, **kw)
-            err = ((out.float() - ref_o).norm() / ref_o.norm()).item()
-            fin = torch.isfinite(ref_l)
-            ok = err < 2e-3 and torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - ref_l[fin]).abs().max() < 1e-3
-            ok = ok and bool((out[2] == 0).all()) and bool(lse[2].isneginf().all())
-            _report(f"hashed[{name},H={heads},len={with_len}]", bool(ok), f"rel_err={err:.1e}")
+        _per_query_entry_points(f"hashed[{{}},H={heads},len={with_len}]", q, kv, rows, length)
 
 
 def spanning_requests_case(gen: torch.Generator) -> None:
